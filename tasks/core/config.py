@@ -1,0 +1,202 @@
+"""The lifecycle configuration: frozen pydantic models, one docstring-like description per field.
+
+Prefect renders these models as the run form; the engine reads the same models from the job file
+the task writes. Load and validate a YAML file with:
+
+    python -c "from tasks.core.config import load_config; print(load_config('deployments/configs/tiny-cpu.yaml'))"
+
+Static rules (no model config, no filesystem) live in `RunConfig`'s validator and collect every
+problem into one `ConfigError`; rules that need the base model's config.json or the machine live
+in `tasks.core.validate`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tasks.core.errors import ConfigError
+
+PluginName = Literal["hybrid_parallel", "low_level_zero", "gemini", "torch_ddp"]
+Precision = Literal["fp32", "bf16", "fp16"]
+
+PLUGIN_NAMES: tuple[str, ...] = ("hybrid_parallel", "low_level_zero", "gemini", "torch_ddp")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class BaseModelConfig(_Frozen):
+    uri: str = Field(description="Hugging Face Hub repo id (org/name) or a local/fsspec path to an HF model directory.")
+    revision: str = Field(default="main", description="Hub revision (branch, tag or commit sha) to pin; ignored for paths.")
+    trust_remote_code: bool = Field(default=False, description="Allow the model repo's own Python code to run. Off unless you trust the repo.")
+    allow_pickle: bool = Field(default=False, description="Accept .bin/pickle weight files from the base model. Off: only safetensors are read.")
+
+
+class PluginConfig(_Frozen):
+    name: PluginName = Field(description="ColossalAI booster plugin: hybrid_parallel, low_level_zero, gemini (CUDA only) or torch_ddp.")
+    tp_size: int = Field(default=1, ge=1, description="Tensor-parallel degree (hybrid_parallel only); must divide attention and KV heads.")
+    pp_size: int = Field(default=1, ge=1, description="Pipeline-parallel degree (hybrid_parallel only); at most the number of layers.")
+    zero_stage: int = Field(default=0, ge=0, le=3, description="ZeRO stage: 0/1 for hybrid_parallel (1 needs bf16/fp16), 1/2 for low_level_zero.")
+    precision: Precision = Field(default="bf16", description="Training precision: fp32, bf16 or fp16 (mixed precision with fp32 master weights where the plugin keeps them).")
+    num_microbatches: int | None = Field(default=None, ge=1, description="Pipeline micro-batches per step (pp_size > 1); defaults to grad_accum_steps.")
+    placement_policy: Literal["static", "auto"] = Field(default="static", description="Gemini chunk placement policy (gemini only).")
+    max_norm: float = Field(default=1.0, ge=0, description="Gradient clipping norm applied by the plugin's optimizer (0 disables).")
+
+
+class LaunchConfig(_Frozen):
+    nproc_per_node: int = Field(default=1, ge=1, description="Processes (GPUs, or CPU ranks without CUDA) per node for this stage.")
+    nnodes: int = Field(default=1, ge=1, description="Number of nodes the stage spans (torchrun --nnodes).")
+    node_rank: int = Field(default=0, ge=0, description="This node's rank when nnodes > 1 and no rendezvous endpoint is given.")
+    rdzv_endpoint: str | None = Field(default=None, description="host:port of the c10d rendezvous for multi-node runs; None picks a free local port.")
+    rdzv_id: str | None = Field(default=None, description="Rendezvous id shared by the nodes of one stage; defaults to the run name and stage.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+class DataConfig(_Frozen):
+    uri: str = Field(description="fsspec URI or path of the dataset: .jsonl, .txt or .parquet.")
+    text_field: str = Field(default="text", description="CPT: the record field holding raw text (jsonl/parquet).")
+    messages_field: str = Field(default="messages", description="SFT: the record field holding the chat messages.")
+
+
+class StageConfig(_Frozen):
+    data: DataConfig = Field(description="Training data of this stage.")
+    plugin: PluginConfig = Field(description="The ColossalAI plugin and its parallel layout for this stage.")
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How many processes and nodes torchrun starts for this stage.")
+    max_steps: int = Field(ge=1, description="Optimizer steps to train.")
+    micro_batch_size: int = Field(default=1, ge=1, description="Sequences per data-parallel rank per micro-batch.")
+    grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches accumulated per optimizer step (pipeline micro-batches when pp_size > 1).")
+    seq_len: int = Field(ge=8, description="Tokens per sequence (CPT packing block, SFT truncation length).")
+    lr: float = Field(gt=0, description="Peak learning rate.")
+    min_lr: float = Field(default=0.0, ge=0, description="Final learning rate of the cosine/linear schedule.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up steps.")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field(default="cosine", description="Learning-rate schedule after warm-up.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW betas.")
+    checkpoint_every: int = Field(default=100, ge=1, description="Save a complete training checkpoint every this many steps (and at the last step).")
+    keep_last: int = Field(default=2, ge=1, description="Complete checkpoints kept; older ones are deleted only after a newer manifest is committed.")
+    seed: int = Field(default=1234, description="Seed for model init randomness, data order and dropout.")
+
+
+class ExportConfig(_Frozen):
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(default="bf16", description="dtype of the exported safetensors.")
+    max_shard_size: str = Field(default="5GB", description="Largest safetensors shard of the export, e.g. '5GB' or '500MB'.")
+    fingerprint_atol: float | None = Field(default=None, description="Allowed max |logit difference| against the SFT fingerprint; default 1e-5 for fp32, 0.1 for bf16, 0.02 for fp16.")
+
+
+class HubConfig(_Frozen):
+    repo_id: str = Field(description="Target Hub repo, 'org/name'.")
+    private: bool = Field(default=True, description="Create the repo private.")
+    revision: str = Field(default="main", description="Branch to commit to (created if missing).")
+    commit_message: str = Field(default="cpt-to-sft export", description="Commit message of the single export commit.")
+    license: str | None = Field(default=None, description="License id for the model card metadata, e.g. 'apache-2.0'.")
+    tags: tuple[str, ...] = Field(default=(), description="Extra model card tags.")
+
+
+class RunConfig(_Frozen):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", description="Run name: the directory under run_root and part of the Prefect run name.")
+    run_root: str = Field(description="fsspec URI (local path, NFS path or s3://bucket/prefix) under which runs/<name>/ is written.")
+    base_model: BaseModelConfig = Field(description="Where the model to continue pre-training comes from.")
+    cpt: StageConfig = Field(description="Continued pre-training: packed raw text under plugin A.")
+    sft: StageConfig = Field(description="Supervised fine-tuning: chat records, loss on assistant tokens, under plugin B.")
+    export: ExportConfig = Field(default_factory=ExportConfig, description="The HF safetensors export.")
+    hub: HubConfig | None = Field(default=None, description="Push the export to this Hub repo; None skips the push.")
+    staging_dir: str | None = Field(default=None, description="Local directory for staging remote artifacts; default a temp dir.")
+
+    @model_validator(mode="after")
+    def _static_rules(self) -> "RunConfig":
+        problems: list[tuple[str, str]] = []
+        for stage in ("cpt", "sft"):
+            problems += plugin_problems(getattr(self, stage), f"{stage}")
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    @property
+    def run_uri(self) -> str:
+        return join_uri(self.run_root, "runs", self.name)
+
+
+def plugin_problems(stage: StageConfig, where: str) -> list[tuple[str, str]]:
+    """Rules that hold for any model and machine. Returns (field, message) pairs."""
+    p = stage.plugin
+    f = f"{where}.plugin"
+    out: list[tuple[str, str]] = []
+    if p.name != "hybrid_parallel":
+        if p.tp_size != 1:
+            out.append((f"{f}.tp_size", f"tensor parallelism needs plugin hybrid_parallel, not {p.name}; set tp_size: 1 or name: hybrid_parallel"))
+        if p.pp_size != 1:
+            out.append((f"{f}.pp_size", f"pipeline parallelism needs plugin hybrid_parallel, not {p.name}; set pp_size: 1 or name: hybrid_parallel"))
+    if p.name == "hybrid_parallel" and p.zero_stage > 1:
+        out.append((f"{f}.zero_stage", "hybrid_parallel supports zero_stage 0 or 1 here; use low_level_zero for stage 2 or gemini for stage 3"))
+    if p.name == "low_level_zero" and p.zero_stage not in (1, 2):
+        out.append((f"{f}.zero_stage", f"low_level_zero needs zero_stage 1 or 2, got {p.zero_stage}"))
+    if p.name in ("low_level_zero", "gemini") or (p.name == "hybrid_parallel" and p.zero_stage > 0):
+        if p.precision == "fp32":
+            out.append((f"{f}.precision", f"ZeRO ({p.name}, zero_stage {p.zero_stage}) shards fp32 master weights of a bf16/fp16 model; fp32 is refused: set precision: bf16"))
+    if p.name == "torch_ddp" and p.zero_stage != 0:
+        out.append((f"{f}.zero_stage", "torch_ddp has no ZeRO; set zero_stage: 0"))
+    if p.name == "gemini" and p.zero_stage not in (0, 3):
+        out.append((f"{f}.zero_stage", "gemini is ZeRO-3 by construction; leave zero_stage at 0 or 3"))
+    world = stage.launch.world_size
+    model_par = p.tp_size * p.pp_size
+    if world % model_par != 0:
+        out.append((f"{where}.launch", f"world size nnodes*nproc_per_node = {world} is not a multiple of tp_size*pp_size = {model_par}"))
+    if p.pp_size > 1:
+        nmb = p.num_microbatches or stage.grad_accum_steps
+        if nmb < p.pp_size:
+            out.append((f"{f}.num_microbatches", f"pipeline needs at least pp_size={p.pp_size} micro-batches per step, got {nmb}; raise grad_accum_steps or num_microbatches"))
+    if stage.keep_last < 1:
+        out.append((f"{where}.keep_last", "keep at least one checkpoint"))
+    return out
+
+
+def join_uri(root: str, *parts: str) -> str:
+    root = root.rstrip("/")
+    return "/".join([root, *[p.strip("/") for p in parts if p]])
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read YAML (local path), apply dotted overrides like {"run_root": "/x"}, validate."""
+    raw = yaml.safe_load(Path(path).read_text())
+    if not isinstance(raw, dict):
+        raise ConfigError([(str(path), "expected a YAML mapping at the top level")])
+    for key, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems: list[tuple[str, str]] = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or source
+            ctx_err = (err.get("ctx") or {}).get("error")
+            if isinstance(ctx_err, ConfigError):
+                problems += ctx_err.problems
+            else:
+                problems.append((loc, err["msg"]))
+        raise ConfigError(problems, header=f"invalid configuration in {source}") from None
+
+
+def digest(obj: Any) -> str:
+    """sha256 of the canonical JSON of a pydantic model or plain data: the config digest."""
+    if isinstance(obj, BaseModel):
+        obj = obj.model_dump(mode="json")
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()

@@ -1,0 +1,33 @@
+"""Errors shown to users. `ValueError`-style, each naming the field or file and the fix."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """Every problem with a configuration, reported at once (torchtune's ConfigError idea).
+
+    `problems` is a list of (field path, message) pairs; str() renders one line per problem.
+    """
+
+    def __init__(self, problems: list[tuple[str, str]], header: str = "invalid configuration"):
+        self.problems = list(problems)
+        lines = [f"{header} ({len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}):"]
+        lines += [f"  - {field}: {msg}" for field, msg in self.problems]
+        super().__init__("\n".join(lines))
+
+
+class ManifestError(ValueError):
+    """An artifact whose manifest is missing, malformed, or whose files fail verification."""
+
+
+class ArtifactMissing(ManifestError):
+    """No manifest at the artifact URI: by the manifest rule the artifact does not exist."""
+
+
+class ConversionError(ValueError):
+    """A checkpoint that cannot be converted to the HF layout (missing/extra/duplicated keys,
+    wrong shapes or dtypes). The message names the key or file and the likely cause."""
+
+
+class StageFailed(RuntimeError):
+    """A launched stage (torchrun) exited non-zero; the message holds the failing ranks' last lines."""
