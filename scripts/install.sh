@@ -16,7 +16,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
-PIP=("$VPY" -m pip install --disable-pip-version-check -q)
+PIP=(pip_quiet "$VPY" -m pip install --disable-pip-version-check -q)
+# This machine's pip config lists local indexes that may not exist; drop that noise, keep errors.
+pip_quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 if "$VPY" -c "import torch" 2>/dev/null; then
   echo "install: keeping torch $("$VPY" -c 'import torch; print(torch.__version__)')"

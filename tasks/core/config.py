@@ -103,8 +103,8 @@ class HubConfig(_Frozen):
 
 
 class RunConfig(_Frozen):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", description="Run name: the directory under run_root and part of the Prefect run name.")
-    run_root: str = Field(description="fsspec URI (local path, NFS path or s3://bucket/prefix) under which runs/<name>/ is written.")
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", description="Run name, shown in the Prefect run name and the model card.")
+    run_root: str = Field(description="fsspec URI of this run's directory (local path, NFS path or s3://bucket/prefix); every stage artifact and run.json live under it. Relative paths are relative to the project root.")
     base_model: BaseModelConfig = Field(description="Where the model to continue pre-training comes from.")
     cpt: StageConfig = Field(description="Continued pre-training: packed raw text under plugin A.")
     sft: StageConfig = Field(description="Supervised fine-tuning: chat records, loss on assistant tokens, under plugin B.")
@@ -123,7 +123,9 @@ class RunConfig(_Frozen):
 
     @property
     def run_uri(self) -> str:
-        return join_uri(self.run_root, "runs", self.name)
+        if "://" in self.run_root or self.run_root.startswith("/"):
+            return self.run_root.rstrip("/")
+        return str(Path(__file__).resolve().parents[2] / self.run_root)
 
 
 def plugin_problems(stage: StageConfig, where: str) -> list[tuple[str, str]]:

@@ -61,3 +61,24 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 DEFAULT_ATOL = {"fp32": 1e-5, "bf16": 0.1, "fp16": 0.02}
+
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def hf_dir_logits(model_dir: str | Path, dtype: str | None = None, trust_remote_code: bool = False) -> torch.Tensor:
+    """Logits of plain `transformers` on an HF directory: what a user of the artifact will see.
+
+    Loads with safetensors only (`use_safetensors=True`), in the artifact's own dtype unless told.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    torch_dtype = _TORCH_DTYPES[dtype] if dtype else (getattr(config, "torch_dtype", None) or torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, torch_dtype=torch_dtype, use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True
+    )
+    try:
+        return model_logits(model, config.vocab_size)
+    finally:
+        del model

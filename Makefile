@@ -1,0 +1,27 @@
+# The two README commands:  `make demo`  and  `make test`.  Both install into ./.venv first.
+PY := .venv/bin/python
+DEMO_MODEL := build/demo-inputs/tiny-llama
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo-inputs demo test test-fast clean
+
+install:
+	bash scripts/install.sh
+
+demo-inputs: install
+	$(PY) -m tasks.core.demo_inputs --out $(DEMO_MODEL)
+
+demo: demo-inputs
+	$(PY) -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml
+
+# Every tier: unit, distributed (torchrun, 2 CPU ranks), integration and e2e. GPU tests skip without CUDA.
+test: install
+	$(PY) -m pytest -q tests
+
+# The fast unit tier only (no torchrun, no Prefect server).
+test-fast: install
+	$(PY) -m pytest -q -m "not (distributed or integration or e2e or gpu)" tests
+
+clean:
+	rm -rf runs build .pytest_cache

@@ -1,0 +1,122 @@
+"""The `cpt-to-sft` flow: continued pre-training then supervised fine-tuning on ColossalAI.
+
+    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml [--run-root URI]
+
+Without PREFECT_API_URL this starts an embedded Prefect server (nothing to run first). Each line
+below is one Prefect task that leaves a verified artifact under the run root; re-running skips
+every stage whose artifact verifies and whose config is unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from tasks import ui
+from tasks.common import StageResult, resolve_local, store_for
+from tasks.core.config import RunConfig, load_config
+from tasks.core.storage import fetch_to_local
+from tasks.export import export_hf
+from tasks.load import load_from_hf
+from tasks.push import push_to_hub
+from tasks.train import boost_and_shard, reboost, train_cpt, train_sft
+from tasks.unshard import unshard
+
+
+def resolve_config(config: str, run_root: str | None = None, run_name: str | None = None) -> RunConfig:
+    """Read the YAML from a local path or fsspec URI and apply the CLI/deployment overrides."""
+    import tempfile
+    from pathlib import Path
+
+    path = fetch_to_local(resolve_local(config), Path(tempfile.mkdtemp(prefix="cpt-to-sft-config-")))
+    overrides = {k: v for k, v in (("run_root", run_root), ("name", run_name)) if v}
+    return load_config(path, overrides)
+
+
+def _run_name() -> str:
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters or {}
+    try:
+        cfg = resolve_config(params.get("config", ""), params.get("run_root"), params.get("run_name"))
+        model = cfg.base_model.uri.rstrip("/").split("/")[-1]
+        return f"{model}-{cfg.name}-{flow_run.id.split('-')[0]}"
+    except Exception:
+        return f"cpt-to-sft-{flow_run.id.split('-')[0]}"
+
+
+@flow(name="cpt-to-sft", flow_run_name=_run_name, log_prints=True)
+def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str | None = None, run_name: str | None = None) -> dict[str, Any]:
+    """Load → boost & shard (A) → train CPT (A) → unshard → reboost (B) → train SFT (B) → export → push.
+
+    config: path or fsspec URI of the run's YAML (see deployments/configs/).
+    run_root: override the config's run_root (where every artifact and run.json are written).
+    run_name: override the config's run name.
+    """
+    logger = get_run_logger()
+    cfg = resolve_config(config, run_root, run_name)
+    store = store_for(cfg)
+    logger.info("run %s: artifacts under %s", cfg.name, store.uri())
+    started = time.monotonic()
+    results: dict[str, StageResult] = {}
+
+    try:
+        results["load_from_hf"] = base = load_from_hf(cfg)
+        results["boost_and_shard"] = a0 = boost_and_shard(cfg, base)
+        results["train_cpt"] = cpt = train_cpt(cfg, a0)
+        results["unshard"] = bridge = unshard(cfg, cpt)
+        results["reboost"] = b0 = reboost(cfg, bridge)
+        results["train_sft"] = sft = train_sft(cfg, b0)
+        results["export"] = export = export_hf(cfg, sft)
+        results["push_to_hub"] = push_to_hub(cfg, results)
+    finally:
+        summary = write_summary(cfg, results, time.monotonic() - started)
+    return summary
+
+
+STAGES = ("load_from_hf", "boost_and_shard", "train_cpt", "unshard", "reboost", "train_sft", "export", "push_to_hub")
+
+
+def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: float) -> dict[str, Any]:
+    store = store_for(cfg)
+    stages = []
+    for name in STAGES:
+        r = results.get(name)
+        stages.append(r.as_dict() if r else {"stage": name, "status": "not-run", "uri": None, "digest": None, "seconds": 0.0, "detail": {}})
+    export = results.get("export")
+    push = results.get("push_to_hub")
+    summary = {
+        "run": cfg.name,
+        "run_root": store.uri(),
+        "complete": all(s["status"] in ("completed", "skipped", "not-configured") for s in stages),
+        "seconds": round(seconds, 2),
+        "stages": stages,
+        "export": export.uri if export else None,
+        "hub": (push.detail if push and push.status == "completed" else {"status": push.status if push else "not-run", **(push.detail if push else {})}),
+    }
+    store.write_text("run.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    try:
+        ui.stage_table(stages)
+    except Exception as exc:
+        get_run_logger().warning("stage table artifact unavailable: %s", exc)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.cpt_to_sft", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML config: local path or fsspec URI")
+    parser.add_argument("--run-root", help="override run_root (local path, NFS path or s3://...)")
+    parser.add_argument("--run-name", help="override the run name")
+    args = parser.parse_args(argv)
+    summary = cpt_to_sft(config=args.config, run_root=args.run_root, run_name=args.run_name)
+    print(json.dumps({"run_root": summary["run_root"], "complete": summary["complete"], "export": summary["export"], "seconds": summary["seconds"]}, indent=2))
+    return 0 if summary["complete"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

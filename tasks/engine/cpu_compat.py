@@ -1,0 +1,137 @@
+"""ColossalAI 0.5.0 on CPU: the smallest set of patches that lets its plugins run with gloo.
+
+Applied once, at engine start, and ONLY when `torch.cuda.is_available()` is False
+(`tasks.engine.__main__` decides; on a CUDA node nothing here runs). Every patch is idempotent:
+calling `apply()` twice changes nothing the second time. Check by hand with
+
+    python -c "from tasks.engine import cpu_compat; print(cpu_compat.apply()); print(cpu_compat.apply())"
+
+What ColossalAI does on CPU without them (measured on colossalai 0.5.0, torch 2.13 CPU):
+
+- `CpuAccelerator.synchronize` raises. Called by the optimizer-checkpoint loader
+  (`checkpoint_io.utils.load_states_into_optimizer`) and by ZeRO after backward. CPU kernels are
+  synchronous, so a no-op is exact.
+- `CpuAccelerator.empty_cache` raises. Nothing to release on CPU: no-op.
+- `CpuAccelerator.current_device` / `device_count` raise. Used by pipeline p2p
+  (`pipeline.p2p._check_device`, `_cuda_safe_tensor_to_object`) only to pick a CUDA index; the CPU
+  has one "device", index 0.
+- `CpuAccelerator.get_rng_state(device)` passes `device` to `torch.get_rng_state()`, which takes
+  no argument, and `CpuAccelerator.manual_seed` raises. Both are called by shardformer's
+  `Randomizer.__init__` (`shardformer.layer.utils`) for every tensor-parallel linear layer, so
+  tp > 1 cannot shard a model. On CPU the "device" generator is the CPU generator; Randomizer saves
+  and restores it around its own seeding, so the CPU RNG stream is left unchanged.
+- `CpuAccelerator.Stream/current_stream/stream` raise. ZeRO's `BucketStore.__init__` creates a
+  stream and `LowLevelZeroOptimizer._run_reduction` enters one. torch ships no-op CPU streams
+  (`torch.cpu.Stream`, `torch.cpu.current_stream`, `torch.cpu.stream`); we return those.
+  `Tensor.record_stream` still fails on CPU, which is why the plugin factory sets
+  `overlap_communication=False` for ZeRO without CUDA.
+- `torch.distributed.is_hccl_available` does not exist in torch 2.13, yet
+  `pipeline.p2p._check_for_nccl_hccl_backend` calls it on every pipeline send/recv: we add it,
+  returning False (HCCL is Ascend-only).
+- `LowLevelZeroOptimizer._sanity_checks` asserts the accelerator is cuda or npu. The rest of the
+  check (every parameter has the working dtype) still matters, so the replacement keeps it and
+  drops only the device assertion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_MARK = "_cpt_to_sft_cpu_compat"
+
+
+def _synchronize(self, device=None):
+    return None
+
+
+def _empty_cache(self):
+    return None
+
+
+def _current_device(self):
+    return 0
+
+
+def _device_count(self):
+    return 1
+
+
+def _get_rng_state(self, device=None):
+    return torch.get_rng_state()
+
+
+def _manual_seed(self, seed):
+    torch.manual_seed(seed)
+
+
+def _Stream(self, device=None, priority=0, **kwargs):
+    return torch.cpu.Stream()
+
+
+def _current_stream(self, device=None):
+    return torch.cpu.current_stream()
+
+
+def _stream(self, stream_):
+    if stream_ is None:
+        return contextlib.nullcontext()
+    return torch.cpu.stream(stream_)
+
+
+def _is_hccl_available() -> bool:
+    return False
+
+
+def _zero_sanity_checks(self):
+    for param_group in self.optim.param_groups:
+        for param in param_group["params"]:
+            if not getattr(param, "skip_zero_check", False):
+                assert param.dtype == self._dtype, (
+                    f"Parameters are expected to have the same dtype `{self._dtype}`, but got `{param.dtype}`"
+                )
+
+
+_ACCELERATOR_PATCHES = {
+    "synchronize": _synchronize,
+    "empty_cache": _empty_cache,
+    "current_device": _current_device,
+    "device_count": _device_count,
+    "get_rng_state": _get_rng_state,
+    "manual_seed": _manual_seed,
+    "Stream": _Stream,
+    "current_stream": _current_stream,
+    "stream": _stream,
+}
+
+
+def apply() -> list[str]:
+    """Patch ColossalAI for CPU; returns the names patched by THIS call (empty when already done)."""
+    from colossalai.accelerator.cpu_accelerator import CpuAccelerator
+    from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
+
+    done: list[str] = []
+    for name, fn in _ACCELERATOR_PATCHES.items():
+        if getattr(getattr(CpuAccelerator, name), _MARK, False):
+            continue
+        setattr(fn, _MARK, True)
+        setattr(CpuAccelerator, name, fn)
+        done.append(f"CpuAccelerator.{name}")
+
+    if not hasattr(torch.distributed, "is_hccl_available"):
+        setattr(_is_hccl_available, _MARK, True)
+        torch.distributed.is_hccl_available = _is_hccl_available
+        done.append("torch.distributed.is_hccl_available")
+
+    if not getattr(LowLevelZeroOptimizer._sanity_checks, _MARK, False):
+        setattr(_zero_sanity_checks, _MARK, True)
+        LowLevelZeroOptimizer._sanity_checks = _zero_sanity_checks
+        done.append("LowLevelZeroOptimizer._sanity_checks")
+    return done
+
+
+def is_applied() -> bool:
+    from colossalai.accelerator.cpu_accelerator import CpuAccelerator
+
+    return all(getattr(getattr(CpuAccelerator, n), _MARK, False) for n in _ACCELERATOR_PATCHES)

@@ -1,0 +1,151 @@
+"""Stages boost_and_shard / reboost (engine verb `shard`) and train CPT / SFT (engine verb `train`).
+
+Both launch `python -m tasks.engine <verb> --config JOB.json` under torchrun with the stage's
+layout. Training is never retried by Prefect: the engine resumes from the newest checkpoint
+whose manifest verifies, so a retried flow run continues where it broke.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from tasks import ui
+from tasks.common import StageResult, completed, done, resolve_local, skipped, stage_digest, store_for
+from tasks.core.config import RunConfig
+from tasks.core.manifest import verify_artifact
+from tasks.core.storage import RunStore, fetch_to_local
+from tasks.launch import run_engine
+
+SOURCE = {"cpt": "base", "sft": "cpt/hf"}
+
+
+def step_rel(stage: str, step: int) -> str:
+    return f"{stage}/step-{step:06d}"
+
+
+def stage_config_digest(cfg: RunConfig, stage: str, parent_digest: str) -> str:
+    return stage_digest(stage, getattr(cfg, stage), parent_digest)
+
+
+def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:
+    """Checkpoints made from another config/parent must not be resumed: move the stage dir aside."""
+    logger = get_run_logger()
+    for name in store.listdir(stage):
+        if not name.startswith("step-"):
+            continue
+        try:
+            foreign = store.read_manifest(f"{stage}/{name}").get("config_digest") != cdigest
+        except Exception:
+            continue
+        if foreign:
+            dest = store.move_aside(stage, "config changed")
+            logger.warning("%s holds checkpoints of another config or parent; kept as %s and starting this stage afresh", store.uri(stage), dest)
+            return
+
+
+def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageResult, cdigest: str) -> dict[str, Any]:
+    source = store.stage_in(parent.rel if verb == "shard" else SOURCE[stage]) if not store.local else store.local_path(SOURCE[stage])
+    data = fetch_to_local(resolve_local(getattr(cfg, stage).data.uri), store.staging / "data" / stage)
+    return {
+        "verb": verb,
+        "stage": stage,
+        "run": cfg.model_dump(mode="json"),
+        "model_dir": str(source),
+        "tokenizer_dir": str(source),
+        "data_path": str(data),
+        "stage_dir": str(store.local_path(stage)),
+        "parent": {"uri": parent.uri, "digest": parent.digest},
+        "config_digest": cdigest,
+    }
+
+
+def _shard(cfg: RunConfig, stage: str, parent: StageResult, task_name: str) -> StageResult:
+    started = time.monotonic()
+    store = store_for(cfg)
+    rel = step_rel(stage, 0)
+    cdigest = stage_config_digest(cfg, stage, parent.digest)
+    if completed(store, rel, cdigest):
+        return skipped(task_name, store, rel, started)
+    _supersede_foreign(store, stage, cdigest)
+    job = _job(cfg, store, stage, "shard", parent, cdigest)
+    st = getattr(cfg, stage)
+    run_engine("shard", job, store.staging / "jobs" / f"{stage}-shard.json", st.launch, f"{cfg.name}-{stage}-shard", get_run_logger())
+    result = done(task_name, store, rel, started, plugin=st.plugin.name)
+    ui.stage_event(task_name, "completed", cfg.name, result.uri)
+    return result
+
+
+@task(name="boost_and_shard", task_run_name="boost_and_shard [{cfg.cpt.plugin.name}]")
+def boost_and_shard(cfg: RunConfig, base: StageResult) -> StageResult:
+    """Boost the base model under plugin A and save the starting checkpoint cpt/step-000000."""
+    return _shard(cfg, "cpt", base, "boost_and_shard")
+
+
+@task(name="reboost", task_run_name="reboost [{cfg.sft.plugin.name}]")
+def reboost(cfg: RunConfig, bridge: StageResult) -> StageResult:
+    """Boost the unsharded CPT model under plugin B and save sft/step-000000."""
+    return _shard(cfg, "sft", bridge, "reboost")
+
+
+def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
+    logger = get_run_logger()
+    started = time.monotonic()
+    store = store_for(cfg)
+    st = getattr(cfg, stage)
+    final = step_rel(stage, st.max_steps)
+    # Training continues the digest its starting checkpoint was made with (config + parent).
+    cdigest = store.read_manifest(start.rel)["config_digest"]
+    if completed(store, final, cdigest):
+        return skipped(f"train_{stage}", store, final, started)
+    job = _job(cfg, store, stage, "train", start, cdigest)
+    if not store.local:
+        _stage_in_latest(store, stage)
+
+    def on_event(kind: str, record: dict[str, Any]) -> None:
+        if kind == "checkpoint" and not store.local:
+            step = int(record["step"])
+            store.publish(step_rel(stage, step))
+
+    progress = ui.Progress(stage, st.max_steps)
+    run_engine(
+        "train", job, store.staging / "jobs" / f"{stage}-train.json", st.launch, f"{cfg.name}-{stage}-train",
+        logger, on_progress=progress, on_event=on_event, env=_fault_env(stage),
+    )
+    state = json.loads((store.local_path(final) / "train_state.json").read_text())
+    losses = [float(x) for x in state.get("losses", [])]
+    ui.loss_curve(stage, losses, store.local_path(f"{stage}/loss-curve.png"))
+    result = done(f"train_{stage}", store, final, started, steps=st.max_steps, first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None)
+    ui.stage_event(f"train_{stage}", "completed", cfg.name, result.uri, final_loss=result.detail.get("final_loss"))
+    return result
+
+
+def _stage_in_latest(store: RunStore, stage: str) -> None:
+    names = sorted((n for n in store.listdir(stage) if n.startswith("step-")), reverse=True)
+    for name in names:
+        try:
+            store.stage_in(f"{stage}/{name}")
+            return
+        except Exception as exc:
+            get_run_logger().warning("not resuming from %s: %s", store.uri(f"{stage}/{name}"), exc)
+
+
+def _fault_env(stage: str) -> dict[str, str]:
+    # CPT_TO_SFT_FAULT is read by the engine (tasks/engine/faults.py); pass it only to its stage.
+    fault = os.environ.get("CPT_TO_SFT_FAULT", "")
+    return {"CPT_TO_SFT_FAULT": fault} if fault else {}
+
+
+@task(name="train_cpt", task_run_name="train CPT [{cfg.cpt.plugin.name}]")
+def train_cpt(cfg: RunConfig, start: StageResult) -> StageResult:
+    return _train(cfg, "cpt", start)
+
+
+@task(name="train_sft", task_run_name="train SFT [{cfg.sft.plugin.name}]")
+def train_sft(cfg: RunConfig, start: StageResult) -> StageResult:
+    return _train(cfg, "sft", start)
