@@ -20,6 +20,7 @@ from prefect import flow, get_run_logger
 from tasks import ui
 from tasks.common import StageResult, resolve_local, store_for
 from tasks.core.config import RunConfig, load_config
+from tasks.core.lease import Lease, break_lease, describe
 from tasks.core.storage import fetch_to_local
 from tasks.export import export_hf
 from tasks.load import load_from_hf
@@ -64,6 +65,7 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
     logger.info("run %s: artifacts under %s", cfg.name, store.uri())
     started = time.monotonic()
     results: dict[str, StageResult] = {}
+    lease = Lease(store, holder=_holder()).acquire(log=logger.warning)
 
     try:
         results["load_from_hf"] = base = load_from_hf(cfg)
@@ -75,8 +77,17 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
         results["export"] = export = export_hf(cfg, sft)
         results["push_to_hub"] = push_to_hub(cfg, results)
     finally:
-        summary = write_summary(cfg, results, time.monotonic() - started)
+        try:
+            summary = write_summary(cfg, results, time.monotonic() - started)
+        finally:
+            lease.release()
     return summary
+
+
+def _holder() -> str:
+    from prefect.runtime import flow_run
+
+    return f"flow run {flow_run.name or '?'} ({flow_run.id})"
 
 
 STAGES = ("load_from_hf", "boost_and_shard", "train_cpt", "unshard", "reboost", "train_sft", "export", "push_to_hub")
@@ -112,7 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML config: local path or fsspec URI")
     parser.add_argument("--run-root", help="override run_root (local path, NFS path or s3://...)")
     parser.add_argument("--run-name", help="override the run name")
+    parser.add_argument("--break-lease", action="store_true", help="remove the run root's lease left by a dead run, then exit")
     args = parser.parse_args(argv)
+    if args.break_lease:
+        cfg = resolve_config(args.config, args.run_root, args.run_name)
+        old = break_lease(store_for(cfg))
+        print(f"lease on {cfg.run_uri}: " + (f"broken (was held by {describe(old)})" if old else "none held"))
+        return 0
     summary = cpt_to_sft(config=args.config, run_root=args.run_root, run_name=args.run_name)
     print(json.dumps({"run_root": summary["run_root"], "complete": summary["complete"], "export": summary["export"], "seconds": summary["seconds"]}, indent=2))
     return 0 if summary["complete"] else 1

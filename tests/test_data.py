@@ -9,6 +9,7 @@ which tokens fall inside them.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 
@@ -186,11 +187,23 @@ def test_truncation_cuts_an_assistant_turn(tok):
     assert tok.decode(kept).count("<|im_end|>") == 1
 
 
-def test_prefix_unstable_template_is_refused(tok):
-    bad = tok.__class__.from_pretrained  # noqa: F841 - keep the fixture tokenizer untouched
-    import copy
-
+def test_llama3_style_template(tok):
+    """Another template family: bos in the template, headers, a different end-of-turn token."""
     t = copy.deepcopy(tok)
+    t.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}<|im_end|>\n\n"
+        "{{ m['content'] | trim }}<|end_of_text|>{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant<|im_end|>\n\n{% endif %}"
+    )
+    messages = CASES["two assistant turns"]
+    ids, labels = encode_chat(t, messages, seq_len=1024)
+    assert ids[0] == t.bos_token_id and ids.count(t.bos_token_id) == 1  # no second bos from the tokenizer
+    kept = [y for y in labels if y != IGNORE_INDEX]
+    assert t.decode(kept) == "Tamsor is jade.<|end_of_text|>Tamsor has 4 moons.<|end_of_text|>"
+
+
+def test_prefix_unstable_template_is_refused(tok):
+    t = copy.deepcopy(tok)  # keep the module fixture's template untouched
     # The generation prompt says "bot" but replies render as "assistant".
     t.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -230,7 +243,7 @@ def test_bad_conversations_name_the_problem(tok, messages, match):
 
 def test_encode_sft_pads_and_masks(tok):
     records = [{"messages": CASES["single turn"]}, {"messages": CASES["two assistant turns"]}]
-    seq_len = 64
+    seq_len = 128
     out = encode_sft(tok, records, seq_len=seq_len)
     assert set(out) == {"input_ids", "labels", "attention_mask"}
     assert all(v.shape == (2, seq_len) and v.dtype == torch.long for v in out.values())
@@ -248,11 +261,11 @@ def test_encode_sft_drops_records_without_labels(tok, caplog):
     long_prompt = {"messages": [u("Zorvath " * 40), a("Yes.")]}
     records = [{"messages": CASES["single turn"]}, long_prompt]
     with caplog.at_level(logging.WARNING, logger="tasks.engine.data"):
-        out, dropped = encode_sft_with_stats(tok, records, seq_len=24)
-    assert dropped == 1 and out["input_ids"].shape == (1, 24)
+        out, dropped = encode_sft_with_stats(tok, records, seq_len=48)
+    assert dropped == 1 and out["input_ids"].shape == (1, 48)
     assert "dropped 1 of 2" in caplog.text
     with pytest.raises(ValueError, match="no SFT record has an assistant token"):
-        encode_sft(tok, [long_prompt], seq_len=24)
+        encode_sft(tok, [long_prompt], seq_len=48)
 
 
 def test_encode_sft_errors_name_the_record(tok):
@@ -264,8 +277,9 @@ def test_encode_sft_errors_name_the_record(tok):
 
 def test_encode_sft_on_sample_data(tok):
     records = read_records(str(DEFAULT_CORPUS[1]))
-    out, dropped = encode_sft_with_stats(tok, records, seq_len=96)
-    assert dropped == 0 and out["input_ids"].shape == (200, 96)
+    out, dropped = encode_sft_with_stats(tok, records, seq_len=128)
+    assert dropped == 0 and out["input_ids"].shape == (200, 128)
+    assert (out["attention_mask"][:, -1] == 0).all()  # 128 holds every sample conversation whole
     assert ((out["labels"] != IGNORE_INDEX).sum(1) > 0).all()
     assert ((out["labels"] == tok.convert_tokens_to_ids("<|im_end|>")).sum(1) >= 1).all()
 

@@ -1,0 +1,89 @@
+"""The whole flow on the tiny config, in-process on an ephemeral Prefect server (e2e tier)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_config_raw, write_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+STAGE_DIRS = {
+    "load_from_hf": "base",
+    "boost_and_shard": "cpt/step-000000",
+    "train_cpt": "cpt/step-000008",
+    "unshard": "cpt/hf",
+    "reboost": "sft/step-000000",
+    "train_sft": "sft/step-000008",
+    "export": "export",
+}
+
+
+@pytest.fixture(scope="module")
+def finished_run(prefect_harness, tiny_model_dir, tmp_path_factory):
+    from flows.cpt_to_sft import main
+
+    tmp = tmp_path_factory.mktemp("e2e")
+    run_root = tmp / "run"
+    cfg = write_config(tmp / "tiny.yaml", tiny_config_raw(tiny_model_dir, run_root))
+    assert main(["--config", str(cfg)]) == 0
+    return run_root, cfg
+
+
+def test_every_stage_has_a_verified_artifact(finished_run):
+    from tasks.core.manifest import manifest_digest, verify_artifact
+
+    run_root, _ = finished_run
+    summary = json.loads((run_root / "run.json").read_text())
+    assert summary["complete"] is True
+    by_stage = {s["stage"]: s for s in summary["stages"]}
+    for stage, rel in STAGE_DIRS.items():
+        verify_artifact(run_root / rel)
+        assert by_stage[stage]["status"] == "completed", by_stage[stage]
+        assert by_stage[stage]["digest"] == manifest_digest(run_root / rel)
+        assert by_stage[stage]["uri"].endswith(rel)
+    assert by_stage["push_to_hub"]["status"] == "not-configured"
+    assert summary["export"].endswith("export")
+
+
+def test_cpt_loss_decreases_and_sft_starts_from_cpt(finished_run):
+    from safetensors.torch import load_file
+
+    from tasks.core.convert import load_state_dict_from_dir
+
+    run_root, _ = finished_run
+    cpt = json.loads((run_root / "cpt/step-000008/train_state.json").read_text())["losses"]
+    assert len(cpt) == 8 and cpt[-1] < cpt[0]
+    # The reboost stage loaded exactly the unsharded CPT weights (cast to plugin B's bf16).
+    bridge = load_state_dict_from_dir(run_root / "cpt/hf")
+    sft0 = load_state_dict_from_dir(run_root / "sft/step-000000/model")
+    assert set(sft0) == set(bridge)
+    for key, tensor in bridge.items():
+        assert torch.equal(sft0[key].float(), tensor.to(sft0[key].dtype).float()), key
+    manifest = json.loads((run_root / "sft/step-000000/manifest.json").read_text())
+    assert manifest["parent"]["uri"].endswith("cpt/hf")
+
+
+def test_export_loads_in_transformers_with_matching_logits(finished_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tasks.core.fingerprint import load_fingerprint, model_logits
+
+    run_root, _ = finished_run
+    export = run_root / "export"
+    names = {p.name for p in export.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert any(n.endswith(".safetensors") and n != "fingerprint.safetensors" for n in names)
+    model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(export)
+    assert tok.chat_template and "assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    logits = model_logits(model, model.config.vocab_size)
+    reference = load_fingerprint(run_root / "sft/step-000008")
+    diff = float((logits - reference).abs().max())
+    verification = json.loads((export / "verification.json").read_text())
+    assert verification["fingerprint_match"] and diff <= verification["fingerprint_atol"], diff
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
