@@ -1,6 +1,7 @@
 """The `cpt-to-sft` flow: continued pre-training then supervised fine-tuning on ColossalAI.
 
     python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml [--run-root URI]
+    python -m flows.cpt_to_sft --config FILE --check          # pre-flight only, launches nothing
 
 Without PREFECT_API_URL this starts an embedded Prefect server (nothing to run first). Each line
 below is one Prefect task that leaves a verified artifact under the run root; re-running skips
@@ -24,6 +25,7 @@ from tasks.core.lease import Lease, break_lease, describe
 from tasks.core.storage import fetch_to_local
 from tasks.export import export_hf
 from tasks.load import load_from_hf
+from tasks.preflight import preflight, run_check_cli
 from tasks.push import push_to_hub
 from tasks.train import boost_and_shard, reboost, train_cpt, train_sft
 from tasks.unshard import unshard
@@ -62,6 +64,7 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
     logger = get_run_logger()
     cfg = resolve_config(config, run_root, run_name)
     store = store_for(cfg)
+    preflight(cfg)  # every problem at once, before a model is loaded or a process launched
     logger.info("run %s: artifacts under %s", cfg.name, store.uri())
     started = time.monotonic()
     results: dict[str, StageResult] = {}
@@ -124,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-root", help="override run_root (local path, NFS path or s3://...)")
     parser.add_argument("--run-name", help="override the run name")
     parser.add_argument("--break-lease", action="store_true", help="remove the run root's lease left by a dead run, then exit")
+    parser.add_argument("--check", action="store_true", help="pre-flight only: print the report, exit 1 on any problem, 0 when clean; starts nothing")
     args = parser.parse_args(argv)
+    if args.check:
+        return run_check_cli(args.config, run_root=args.run_root, run_name=args.run_name)
     if args.break_lease:
         cfg = resolve_config(args.config, args.run_root, args.run_name)
         old = break_lease(store_for(cfg))

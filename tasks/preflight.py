@@ -1,0 +1,97 @@
+"""Stage 0, preflight: every check a run can fail in seconds, before anything is loaded or launched.
+
+    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+
+The checks are pure and live in `tasks.core.validate`; this module adds what needs Prefect (the
+Hub token in the Secret block `hf-token`) and the two ways in: the `preflight` task, first in
+the flow, which raises one `ConfigError` listing every problem; and `run_check_cli`, a plain
+function for `--check` that starts no flow and no Prefect server, prints the report and returns
+the exit code. The token itself is never logged or returned, only whether it exists.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from tasks.core.config import RunConfig
+from tasks.core.errors import ConfigError
+from tasks.core.validate import PreflightReport, load_for_check, preflight_report
+
+SECRET_BLOCK = "hf-token"  # the same block tasks.push reads
+SECRET_TIMEOUT_S = 5.0
+
+
+def _secret_exists(timeout: float = SECRET_TIMEOUT_S) -> bool:
+    """Whether the Secret block loads within `timeout` (a dead API must not stall pre-flight)."""
+    found: list[bool] = []
+
+    def probe() -> None:
+        try:
+            from prefect.blocks.system import Secret
+
+            found.append(bool(Secret.load(SECRET_BLOCK).get()))
+        except Exception:
+            found.append(False)
+
+    t = threading.Thread(target=probe, daemon=True, name="preflight-secret")
+    t.start()
+    t.join(timeout)
+    return bool(found and found[0])
+
+
+def hub_token_present(consult_secret: bool = True) -> bool:
+    return bool(os.environ.get("HF_TOKEN")) or (consult_secret and _secret_exists())
+
+
+@task(name="preflight", task_run_name="preflight")  # no retries: the same inputs give the same answer
+def preflight(cfg: RunConfig) -> dict[str, Any]:
+    """Run every pre-flight check; raise one ConfigError listing every problem, else the report."""
+    logger = get_run_logger()
+    report = preflight_report(cfg, token_present=hub_token_present() if cfg.hub else None)
+    for w in report.warnings:
+        logger.warning("pre-flight: %s", w)
+    if not report.ok:
+        logger.error("%s", report.text())
+        raise report.error()
+    logger.info("%s", report.text())
+    return {"checked": report.checked, "warnings": report.warnings, "seconds": round(report.seconds, 3)}
+
+
+def check(cfg: RunConfig | str | Path, run_root: str | None = None, run_name: str | None = None) -> PreflightReport:
+    """The `--check` report for a RunConfig or a config path/URI (with the CLI's overrides).
+
+    From a path, the config's static rules run with the other checks, so every problem is in one
+    report. The Secret block is consulted only when PREFECT_API_URL names a server: without one,
+    Prefect would start a temporary server just to answer, which --check must not do.
+    """
+    if not isinstance(cfg, RunConfig):
+        import tempfile
+
+        from tasks.core.storage import fetch_to_local
+        from tasks.core.validate import resolve_local
+
+        path = fetch_to_local(resolve_local(str(cfg)), Path(tempfile.mkdtemp(prefix="cpt-to-sft-check-")))
+        overrides = {k: v for k, v in (("run_root", run_root), ("name", run_name)) if v}
+        cfg = load_for_check(path, overrides)
+    server = bool(os.environ.get("PREFECT_API_URL"))
+    token = hub_token_present(consult_secret=server) if cfg.hub else None
+    report = preflight_report(cfg, token_present=token)
+    if cfg.hub and not token and not server:
+        report.warnings.append(f"the Prefect Secret '{SECRET_BLOCK}' was not consulted (no PREFECT_API_URL); export HF_TOKEN, or set PREFECT_API_URL to the server holding the Secret")
+    return report
+
+
+def run_check_cli(cfg: RunConfig | str | Path, run_root: str | None = None, run_name: str | None = None) -> int:
+    """Print the pre-flight report; 0 when every check passes, 1 otherwise. Starts nothing."""
+    try:
+        report = check(cfg, run_root, run_name)
+    except ConfigError as exc:
+        print(f"{exc}\npre-flight stopped: fix the configuration above first, nothing was launched")
+        return 1
+    print(report.text())
+    return 0 if report.ok else 1

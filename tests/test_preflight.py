@@ -1,0 +1,345 @@
+"""Unit tier: pre-flight refuses bad configurations and inputs before anything is launched.
+
+    .venv/bin/python -m pytest tests/test_preflight.py -q
+
+Table-driven: each case mutates a good config (and its inputs), runs `tasks.core.validate`, and
+expects a problem naming the config field or file. No weights are read: the base model is a
+config.json, a tokenizer_config.json and an empty model.safetensors. Every test runs with
+subprocess.Popen and tasks.launch.run_engine replaced by functions that fail the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from tasks.core.errors import ConfigError
+from tasks.core.validate import Machine, load_for_check, preflight_report, validate
+from tests.conftest import tiny_config_raw, write_config
+
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+CPU2 = Machine(cuda_devices=0, cpu_count=2, free_bytes=10**13)
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch):
+    """Pre-flight must never start a process: any launch attempt fails the test."""
+
+    def refuse(*args: Any, **kwargs: Any):
+        raise AssertionError(f"pre-flight started a process: {args[:1]}")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    import tasks.launch
+
+    monkeypatch.setattr(tasks.launch, "run_engine", refuse, raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+
+
+def fake_model(root: Path, tokenizer: dict | None = None, weights: tuple[str, ...] = ("model.safetensors",), **dims: Any) -> Path:
+    """An HF model directory as far as pre-flight can tell, without any weights."""
+    root.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "torch_dtype": "float32", **TINY_DIMS, **dims}
+    (root / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    tok = {"eos_token": "<|end_of_text|>", "chat_template": CHAT_TEMPLATE} if tokenizer is None else tokenizer
+    (root / "tokenizer_config.json").write_text(json.dumps(tok))
+    for name in weights:
+        (root / name).write_bytes(b"")
+    return root
+
+
+def write_jsonl(path: Path, lines: list[Any]) -> str:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return str(path)
+
+
+def make_manifest(run_root: Path, rel: str, files: dict[str, Any]) -> Path:
+    art = run_root / rel
+    art.mkdir(parents=True, exist_ok=True)
+    (art / "manifest.json").write_text(json.dumps({"schema": 1, "kind": "hf-model", "files": files}))
+    return art
+
+
+class Case:
+    """A good tiny config plus one mutation of the config (`raw`) or of the inputs (`env`)."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.model = fake_model(tmp / "model")
+        self.run_root = tmp / "run"
+        self.raw = tiny_config_raw(self.model, self.run_root)
+        self.machine = CPU2
+        self.token: bool | None = None
+
+    def report(self):
+        cfg = load_for_check(write_config(self.tmp / "config.yaml", self.raw))
+        return preflight_report(cfg, machine=self.machine, token_present=self.token)
+
+
+def _set(path: str, value: Any) -> Callable[[Case], None]:
+    def apply(c: Case) -> None:
+        node = c.raw
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+
+    return apply
+
+
+def _all(*fs: Callable[[Case], None]) -> Callable[[Case], None]:
+    def apply(c: Case) -> None:
+        for f in fs:
+            f(c)
+
+    return apply
+
+
+def _llama3(c: Case) -> None:
+    fake_model(c.model, **LLAMA3_8B)
+
+
+def _data(stage: str, lines: list[Any], name: str = "data.jsonl") -> Callable[[Case], None]:
+    def apply(c: Case) -> None:
+        c.raw[stage]["data"]["uri"] = write_jsonl(c.tmp / f"{stage}-{name}", lines)
+
+    return apply
+
+
+def _under_a_file(c: Case) -> None:
+    (c.tmp / "a-file").write_text("not a directory")
+    c.raw["run_root"] = str(c.tmp / "a-file" / "run")
+
+
+def _pickle_only(c: Case) -> None:
+    (c.model / "model.safetensors").unlink()
+    (c.model / "pytorch_model.bin").write_bytes(b"\x80\x04")
+
+
+def _manifest(files: dict[str, Any]) -> Callable[[Case], None]:
+    return lambda c: make_manifest(c.run_root, "base", files)
+
+
+def _symlink_out(c: Case) -> None:
+    art = make_manifest(c.run_root, "cpt/hf", {"model.safetensors": {"size": 4, "sha256": "0" * 64}})
+    (c.tmp / "outside.safetensors").write_bytes(b"1234")
+    os.symlink(c.tmp / "outside.safetensors", art / "model.safetensors")
+
+
+def _machine(**kw: Any) -> Callable[[Case], None]:
+    def apply(c: Case) -> None:
+        c.machine = Machine(**{"cuda_devices": 0, "cpu_count": 2, "free_bytes": 10**13, **kw})
+
+    return apply
+
+
+def _token(present: bool) -> Callable[[Case], None]:
+    def apply(c: Case) -> None:
+        c.token = present
+
+    return apply
+
+
+USER, ASSISTANT = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}
+HP = {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"}
+
+# (id, mutation, expected field, words in the message)
+BAD = [
+    ("tp3-on-8-kv-heads", _all(_llama3, _set("cpt.plugin", {**HP, "tp_size": 3}), _set("cpt.launch", {"nproc_per_node": 3})), "cpt.plugin.tp_size", "Valid tp_size: [1, 2, 4, 8]"),
+    ("tp-not-dividing-tiny-kv", _all(_set("cpt.plugin", {**HP, "tp_size": 4}), _set("cpt.launch", {"nproc_per_node": 4})), "cpt.plugin.tp_size", "num_key_value_heads=2"),
+    ("pp-more-than-layers", _all(_set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 8}), _set("cpt.launch", {"nproc_per_node": 8}), _set("cpt.grad_accum_steps", 8)), "cpt.plugin.pp_size", "num_hidden_layers=4"),
+    ("world-size-mismatch", _set("cpt.launch", {"nproc_per_node": 3}), "cpt.launch", "multiple of tp_size*pp_size"),
+    ("zero-with-fp32", _set("sft.plugin.precision", "fp32"), "sft.plugin.precision", "fp32 is refused"),
+    ("gemini-on-cpu", _set("sft.plugin", {"name": "gemini", "precision": "bf16"}), "sft.plugin.name", "needs CUDA"),
+    ("ddp-fp16-on-cpu", _set("sft.plugin", {"name": "torch_ddp", "precision": "fp16"}), "sft.plugin.precision", "needs CUDA"),
+    ("pipeline-microbatches-not-dividing", _all(_set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 2, "num_microbatches": 4}), _set("cpt.micro_batch_size", 3), _set("cpt.grad_accum_steps", 2)), "cpt.plugin.num_microbatches", "does not divide"),
+    ("pipeline-too-few-microbatches", _set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 2}), "cpt.plugin.num_microbatches", "at least pp_size=2"),
+    ("more-ranks-than-gpus", _machine(cuda_devices=1), "cpt.launch.nproc_per_node", "1 GPU(s) are visible"),
+    ("missing-data-file", _set("cpt.data.uri", "/nonexistent/cpt.jsonl"), "cpt.data.uri", "/nonexistent/cpt.jsonl does not exist"),
+    ("unknown-data-format", _data("cpt", ["a,b"], name="data.csv"), "cpt.data.uri", "unknown format"),
+    ("malformed-jsonl", _data("sft", [{"messages": [USER, ASSISTANT]}, "{not json"]), "sft.data.uri", "sft-data.jsonl:2: malformed JSON"),
+    ("sft-without-assistant", _data("sft", [{"messages": [USER]}]), "sft.data.uri", "no assistant message"),
+    ("sft-bad-role", _data("sft", [{"messages": [{"role": "wizard", "content": "x"}, ASSISTANT]}]), "sft.data.uri", "role 'wizard'"),
+    ("sft-missing-messages-field", _data("sft", [{"conversation": [USER, ASSISTANT]}]), "sft.data.messages_field", "no field 'messages'"),
+    ("cpt-missing-text-field", _data("cpt", [{"body": "text"}]), "cpt.data.text_field", "no string field 'text'"),
+    ("empty-dataset", _data("cpt", []), "cpt.data.uri", "holds no records"),
+    ("unreachable-run-root", _set("run_root", "nosuchproto://bucket/run"), "run_root", "not reachable"),
+    ("unwritable-run-root-below-a-file", _under_a_file, "run_root", "not writable"),
+    ("staging-space-too-small", _machine(free_bytes=1000), "run_root", "1.0 KB free, the run needs about"),
+    ("push-without-token", _all(_set("hub", {"repo_id": "my-org/tiny"}), _token(False)), "hub", "no Hub token"),
+    ("malformed-repo-id", _all(_set("hub", {"repo_id": "not a repo"}), _token(True)), "hub.repo_id", "not a valid Hub repo id"),
+    ("repo-id-without-org", _all(_set("hub", {"repo_id": "a/b/c"}), _token(True)), "hub.repo_id", "org/name"),
+    ("pickle-only-base-model", _pickle_only, "base_model.allow_pickle", "pytorch_model.bin"),
+    ("no-weights", lambda c: (c.model / "model.safetensors").unlink(), "base_model.uri", "no weight files"),
+    ("remote-code-without-trust", lambda c: fake_model(c.model, auto_map={"AutoModelForCausalLM": "modeling_x.X"}), "base_model.trust_remote_code", "its own Python code"),
+    ("missing-base-model", _set("base_model.uri", "/nonexistent/model"), "base_model.uri", "does not exist"),
+    ("manifest-with-dotdot", _manifest({"../../etc/passwd": {"size": 1, "sha256": "0" * 64}}), "/run/base/manifest.json", "escapes the artifact"),
+    ("manifest-with-absolute-path", _manifest({"/etc/passwd": {"size": 1, "sha256": "0" * 64}}), "/run/base/manifest.json", "is absolute"),
+    ("manifest-with-symlink-out", _symlink_out, "/run/cpt/hf/manifest.json", "resolves outside the artifact"),
+    ("seq-len-over-max-positions", _set("sft.seq_len", 1024), "sft.seq_len", "max_position_embeddings=256"),
+    ("tokenizer-without-chat-template", lambda c: fake_model(c.model, tokenizer={"eos_token": "</s>"}), "base_model.uri", "no chat_template"),
+]
+
+
+@pytest.mark.parametrize("mutate, field, words", [pytest.param(m, f, w, id=i) for i, m, f, w in BAD])
+def test_bad_input_fails_preflight_naming_the_field(tmp_path, mutate, field, words):
+    case = Case(tmp_path)
+    mutate(case)
+    report = case.report()
+    assert not report.ok
+    matches = [msg for f, msg in report.problems if f == field or f.endswith(field)]
+    assert matches, f"expected a problem on {field!r}, got:\n{report.text()}"
+    assert any(words in msg for msg in matches), report.text()
+    with pytest.raises(ConfigError) as info:
+        report.raise_for_problems()
+    assert field.split("/")[-1] in str(info.value)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_llama3_8b_layout_accepts_tp_dividing_its_8_kv_heads(tmp_path, tp):
+    case = Case(tmp_path)
+    _all(_llama3, _set("cpt.plugin", {**HP, "tp_size": tp}), _set("cpt.launch", {"nproc_per_node": tp}), _machine(cuda_devices=8))(case)
+    report = case.report()
+    assert report.ok, report.text()
+    assert any(f"tp={tp}, divides 32 heads / 8 KV heads" in c for c in report.checked)
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    case = Case(tmp_path)
+    _all(
+        _llama3,
+        _set("cpt.plugin", {**HP, "tp_size": 3}),
+        _set("cpt.launch", {"nproc_per_node": 3}),
+        _set("sft.plugin.precision", "fp32"),
+        _set("sft.data.uri", str(tmp_path / "missing.jsonl")),
+        _set("hub", {"repo_id": "bad id"}),
+        _token(False),
+    )(case)
+    with pytest.raises(ConfigError) as info:
+        validate(load_for_check(write_config(tmp_path / "c.yaml", case.raw)), machine=case.machine, token_present=False)
+    fields = {f for f, _ in info.value.problems}
+    assert {"cpt.plugin.tp_size", "sft.plugin.precision", "sft.data.uri", "hub.repo_id", "hub"} <= fields, str(info.value)
+
+
+def test_vocab_not_divisible_by_tp_is_allowed_and_explained(tmp_path):
+    case = Case(tmp_path)
+    fake_model(case.model, vocab_size=515)
+    report = case.report()
+    assert report.ok, report.text()
+    assert any("vocab_size=515 is padded to 640" in c and "strips the padding on save" in c for c in report.checked)
+
+
+def test_oversubscribed_cpu_is_a_warning_not_an_error(tmp_path):
+    case = Case(tmp_path)
+    _machine(cpu_count=1)(case)
+    report = case.report()
+    assert report.ok, report.text()
+    assert any("oversubscribes" in w for w in report.warnings)
+
+
+def test_the_token_never_appears_in_the_report(tmp_path, monkeypatch):
+    from tasks.preflight import check
+
+    secret = "hf_SECRETsecretSECRET123"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    case = Case(tmp_path)
+    case.raw["hub"] = {"repo_id": "my-org/tiny"}
+    report = check(write_config(tmp_path / "c.yaml", case.raw))
+    assert report.ok, report.text()
+    assert secret not in report.text() and "token available" in report.text()
+
+
+def test_good_config_passes_and_lists_what_was_checked(tmp_path, tiny_model_dir, capsys):
+    from tasks.preflight import run_check_cli
+
+    path = write_config(tmp_path / "good.yaml", tiny_config_raw(tiny_model_dir, tmp_path / "run"))
+    assert run_check_cli(str(path)) == 0
+    out = capsys.readouterr().out
+    assert "pre-flight passed" in out
+    for words in ("cpt layout: hybrid_parallel tp=2", "sft layout: low_level_zero", "safetensors", "chat template",
+                  "cpt data", "sft data", "probe object written", "free >=", "max_position_embeddings", "hub: not configured"):
+        assert words in out, f"{words!r} missing from:\n{out}"
+    assert not list((tmp_path / "run").glob(".preflight-probe-*")), "the probe object must be deleted"
+
+
+def test_cli_check_fails_with_the_report_and_launches_nothing(tmp_path, capsys):
+    from tasks.preflight import run_check_cli
+
+    case = Case(tmp_path)
+    _all(_set("sft.plugin.precision", "fp32"), _set("cpt.data.uri", "/nonexistent/x.jsonl"))(case)
+    assert run_check_cli(str(write_config(tmp_path / "bad.yaml", case.raw))) == 1
+    out = capsys.readouterr().out
+    assert "pre-flight failed, nothing was launched (2 problems)" in out
+    assert "sft.plugin.precision" in out and "cpt.data.uri" in out
+
+
+def test_cli_check_reports_structural_errors(tmp_path, capsys):
+    from tasks.preflight import run_check_cli
+
+    case = Case(tmp_path)
+    case.raw["cpt"]["typo_field"] = 1
+    assert run_check_cli(str(write_config(tmp_path / "bad.yaml", case.raw))) == 1
+    assert "cpt.typo_field" in capsys.readouterr().out
+
+
+def test_cli_check_without_token_or_server_says_the_secret_was_not_consulted(tmp_path, capsys):
+    from tasks.preflight import run_check_cli
+
+    case = Case(tmp_path)
+    case.raw["hub"] = {"repo_id": "my-org/tiny"}
+    assert run_check_cli(str(write_config(tmp_path / "c.yaml", case.raw))) == 1
+    out = capsys.readouterr().out
+    assert "no Hub token" in out and "not consulted" in out
+
+
+def test_preflight_task_raises_one_config_error(tmp_path, monkeypatch):
+    import logging
+
+    import tasks.preflight as mod
+
+    monkeypatch.setattr(mod, "get_run_logger", lambda: logging.getLogger("preflight-test"))
+    monkeypatch.setattr(mod, "_secret_exists", lambda timeout=0: False)
+    case = Case(tmp_path)
+    _all(_set("hub", {"repo_id": "my-org/tiny"}), _set("sft.seq_len", 1024))(case)
+    cfg = load_for_check(write_config(tmp_path / "c.yaml", case.raw))
+    with pytest.raises(ConfigError) as info:
+        mod.preflight.fn(cfg)
+    assert {"hub", "sft.seq_len"} <= {f for f, _ in info.value.problems}
+
+
+def test_preflight_task_returns_the_checked_list(tmp_path, monkeypatch):
+    import logging
+
+    import tasks.preflight as mod
+
+    monkeypatch.setattr(mod, "get_run_logger", lambda: logging.getLogger("preflight-test"))
+    cfg = load_for_check(write_config(tmp_path / "c.yaml", Case(tmp_path).raw))
+    out = mod.preflight.fn(cfg)
+    assert out["checked"] and any("run root" in c for c in out["checked"])
+
+
+def test_hub_base_model_is_read_from_config_json_and_the_file_list_only(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    fetched: list[str] = []
+
+    def fake_download(repo_id: str, filename: str, revision: str = "main", **_: Any) -> str:
+        fetched.append(filename)
+        model = fake_model(tmp_path / "hub-cache")
+        return str(model / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo, revision=None: ["config.json", "tokenizer_config.json", "pytorch_model.bin", "sub/x.safetensors"])
+    case = Case(tmp_path)
+    case.raw["base_model"]["uri"] = "some-org/some-model"
+    report = case.report()
+    assert fetched == ["config.json", "tokenizer_config.json"]
+    assert [f for f, _ in report.problems] == ["base_model.allow_pickle"], report.text()
+    assert "some-org/some-model@main" in report.problems[0][1]
