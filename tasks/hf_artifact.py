@@ -43,8 +43,10 @@ def build_hf_dir(
 ) -> dict[str, Any]:
     """checkpoint_dir holds `model/` and `fingerprint.safetensors`; returns the verification record."""
     model_config = json.loads((source_model_dir / "config.json").read_text())
-    report = convert_checkpoint(checkpoint_dir / "model", dst, model_config=model_config, dtype=dtype, max_shard_size=max_shard_size)
+    report = convert_checkpoint(checkpoint_dir / "model", dst, model_config=model_config, dtype=dtype, max_shard_size=max_shard_size, write_config=False)
     out_dtype = dtype or weights_dtype
+    # Private keys like `_attn_implementation_autoset` would change the attention kernel on load.
+    model_config = {k: v for k, v in model_config.items() if not k.startswith("_")}
     model_config["torch_dtype"] = _DTYPE_NAMES.get(out_dtype, out_dtype)
     (dst / "config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True) + "\n")
     gen = source_model_dir / "generation_config.json"

@@ -437,6 +437,9 @@ def _scan_source(src: Path, allow_pickle: bool) -> _Source:
     if not src.is_dir():
         raise ConversionError(f"{src}: checkpoint directory does not exist")
     index_path = src / SAFE_INDEX_NAME
+    if index_path.is_file() and (src / SAFE_WEIGHTS_NAME).is_file():
+        # transformers would load model.safetensors and ignore the index: one of them is stale
+        raise ConversionError(f"{src}: both {SAFE_WEIGHTS_NAME} and {SAFE_INDEX_NAME}; remove the stale one")
     if index_path.is_file():
         return _scan_safetensors(src, index_path)
     if (src / SAFE_WEIGHTS_NAME).is_file():
@@ -882,7 +885,9 @@ def convert_checkpoint(
     assert out_code is None or out_codes == [out_code], f"planned dtypes {out_codes} != requested {out_code}"
     label = _ST_LABEL.get(out_codes[0], out_codes[0]) if len(out_codes) == 1 else "none"
     if write_config:
-        config = dict(model_config)
+        # "_"-prefixed entries are runtime state that `PretrainedConfig.to_dict()` leaks; written
+        # back, `_attn_implementation_autoset` would pin the loader to eager attention
+        config = {k: v for k, v in model_config.items() if not k.startswith("_")}
         if len(out_codes) == 1 and out_codes[0] in _ST_CONFIG_DTYPE:
             config["torch_dtype"] = _ST_CONFIG_DTYPE[out_codes[0]]
         files[CONFIG_NAME] = _write_small(dst / CONFIG_NAME, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(), fsync)
