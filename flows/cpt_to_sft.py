@@ -79,6 +79,11 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
         results["train_sft"] = sft = train_sft(cfg, b0)
         results["export"] = export = export_hf(cfg, sft)
         results["push_to_hub"] = push_to_hub(cfg, results)
+    except Exception as exc:
+        failed = next((s for s in STAGES if s not in results), None)
+        if failed:  # its row in the stage table, and a `cpt-to-sft.stage.failed` event
+            results[failed] = _failed(cfg, failed, exc)
+        raise
     finally:
         try:
             summary = write_summary(cfg, results, time.monotonic() - started)
@@ -94,6 +99,17 @@ def _holder() -> str:
 
 
 STAGES = ("load_from_hf", "boost_and_shard", "train_cpt", "unshard", "reboost", "train_sft", "export", "push_to_hub")
+# Where each stage writes (its artifact, or the stage directory of its checkpoints): the URI a
+# failure event and the stage table point the operator at.
+STAGE_DIRS = {"load_from_hf": "base", "boost_and_shard": "cpt", "train_cpt": "cpt", "unshard": "cpt/hf", "reboost": "sft", "train_sft": "sft", "export": "export"}
+
+
+def _failed(cfg: RunConfig, stage: str, exc: Exception) -> StageResult:
+    rel = STAGE_DIRS.get(stage)
+    uri = store_for(cfg).uri(rel) if rel else (f"hf://{cfg.hub.repo_id}" if cfg.hub else None)
+    error = f"{type(exc).__name__}: {exc}"
+    ui.stage_event(stage, "failed", cfg.name, uri, error=error[-4000:])
+    return StageResult(stage, "failed", rel, uri, None, 0.0, {"error": error.splitlines()[0][:300] if error else ""})
 
 
 def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: float) -> dict[str, Any]:

@@ -1,8 +1,13 @@
 """Stage 1, load_from_hf: the base model into `runs/<run>/base/` as a verified HF artifact.
 
-Accepts a Hub repo id (downloaded with `snapshot_download` at the pinned revision; honours
-HF_ENDPOINT and HF_TOKEN) or a local/fsspec path to an HF directory. Only safetensors weights are
-taken unless `base_model.allow_pickle` is set; the Hub repo and commit sha are recorded.
+Accepts a Hub repo id or a local/fsspec path to an HF directory. A Hub revision (branch, tag or
+sha) is first resolved to its commit sha, and `snapshot_download` fetches exactly that commit, so
+the files cannot change under us mid-download; every LFS file is then checked against the sha256
+the Hub lists for it. The manifest records the repo, the requested revision and the commit sha.
+HF_ENDPOINT selects the Hub; the token is the same as push_to_hub's (HF_TOKEN or the Prefect
+Secret block `hf-token`). Only safetensors weights are taken unless `base_model.allow_pickle`.
+
+    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # runs this first
 """
 
 from __future__ import annotations
@@ -16,10 +21,10 @@ from prefect import get_run_logger, task
 
 from tasks.common import StageResult, completed, done, fresh_dir, resolve_local, skipped, stage_digest, store_for
 from tasks.core.config import RunConfig
-from tasks.core.errors import ConfigError
+from tasks.core.errors import ConfigError, ManifestError
 from tasks.core.fingerprint import hf_dir_logits, save_fingerprint
-from tasks.core.manifest import write_manifest
-from tasks.core.storage import is_local, url_to_fs
+from tasks.core.manifest import sha256_file, write_manifest
+from tasks.core.storage import fetch_tree, filesystem, is_local
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
@@ -32,20 +37,28 @@ def is_hub_id(uri: str) -> bool:
 
 
 def _download_hub(cfg: RunConfig, dest: Path) -> dict:
-    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub import HfApi, constants, snapshot_download
+
+    from tasks.push import hub_token
 
     b = cfg.base_model
-    info = HfApi().model_info(b.uri, revision=b.revision)
+    token = hub_token()
+    info = HfApi(token=token).model_info(b.uri, revision=b.revision, files_metadata=True)
     patterns = WEIGHT_PATTERNS + SIDE_FILES + (PICKLE_PATTERNS if b.allow_pickle else [])
-    snapshot_download(repo_id=b.uri, revision=info.sha, local_dir=str(dest), allow_patterns=patterns)
+    snapshot_download(repo_id=b.uri, revision=info.sha, local_dir=str(dest), allow_patterns=patterns, token=token)
     shutil.rmtree(dest / ".cache", ignore_errors=True)
-    return {"source": "hub", "repo_id": b.uri, "revision": b.revision, "commit_sha": info.sha}
+    lfs = {s.rfilename: s.lfs.sha256 for s in (info.siblings or []) if s.lfs is not None}
+    for path in sorted(p for p in dest.rglob("*") if p.is_file()):
+        rel = path.relative_to(dest).as_posix()
+        if rel in lfs and sha256_file(path) != lfs[rel]:
+            raise ManifestError(f"{b.uri}@{info.sha}: downloaded {rel} does not match the sha256 the Hub lists for it (a retry downloads it again)")
+    return {"source": "hub", "repo_id": b.uri, "revision": b.revision, "commit_sha": info.sha, "endpoint": constants.ENDPOINT}
 
 
 def _copy_path(cfg: RunConfig, dest: Path) -> dict:
     uri = resolve_local(cfg.base_model.uri)
     if is_local(uri):
-        src = Path(url_to_fs(uri)[1])
+        src = Path(filesystem(uri)[1])
         if not (src / "config.json").is_file():
             raise ConfigError([("base_model.uri", f"{src} is not an HF model directory (no config.json); for the demo run `python -m tasks.core.demo_inputs --out {cfg.base_model.uri}` first")])
         for path in sorted(src.rglob("*")):
@@ -54,10 +67,10 @@ def _copy_path(cfg: RunConfig, dest: Path) -> dict:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, target)
     else:
-        fs, root = url_to_fs(uri)
+        fs, root = filesystem(uri)
         if not fs.exists(f"{root.rstrip('/')}/config.json"):
             raise ConfigError([("base_model.uri", f"{uri} has no config.json")])
-        fs.get(root.rstrip("/") + "/", str(dest), recursive=True)
+        fetch_tree(uri, dest, skip=lambda rel: any(part.startswith(".") for part in rel.split("/")))
     return {"source": "path", "uri": cfg.base_model.uri}
 
 

@@ -1,73 +1,176 @@
-"""Stage push_to_hub: one commit of the verified export plus a model card.
+"""Stage push_to_hub: ONE commit of the verified export plus a model card.
 
-The token comes from the Prefect Secret block `hf-token` or HF_TOKEN in the worker's
-environment — never from parameters, and it is never logged. Without `hub:` in the config the
-stage is skipped with a log line and the run summary says so.
+The export is staged in (sha256-verified) from the run root; every file its manifest lists and a
+`README.md` written with huggingface_hub's `ModelCard` go up in a single `create_commit` on the
+configured branch, with `parent_commit` pinned to the branch head read just before. LFS objects
+the Hub already holds are not sent again (the LFS batch API answers that they exist), and a push
+of an unchanged export makes no commit at all. Uploads are retried (transient I/O); the Hub only
+moves the branch when the commit lands, so a push that cannot finish leaves the repo as it was.
+
+The token comes from HF_TOKEN in the worker's environment or the Prefect Secret block `hf-token`
+— never from parameters — and is never logged or written into the card. HF_ENDPOINT selects
+another Hub (the tests run their own). Without `hub:` in the config the stage is skipped.
+
+    python -c "from tasks.push import hub_token; print(bool(hub_token()))"   # is a token reachable?
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from prefect import get_run_logger, task
 
 from tasks import ui
 from tasks.common import StageResult, store_for
-from tasks.core.config import RunConfig
+from tasks.core.config import HubConfig, RunConfig
+from tasks.core.manifest import MANIFEST, read_manifest
 
 SECRET_BLOCK = "hf-token"
+CARD = "README.md"
 
 
 def hub_token() -> str | None:
+    """HF_TOKEN from the environment, else the Prefect Secret block `hf-token`, else None."""
     token = os.environ.get("HF_TOKEN")
     if token:
         return token
     try:
         from prefect.blocks.system import Secret
 
-        return Secret.load(SECRET_BLOCK).get()
+        value = Secret.load(SECRET_BLOCK).get()
     except Exception:
         return None
+    return str(value) if value else None
 
 
-def model_card(cfg: RunConfig, results: dict[str, StageResult], export_dir: Path) -> str:
+def _hub_dataset_id(uri: str) -> str | None:
+    """`hf://datasets/org/name/...` is a Hub dataset the card can name; other URIs are not."""
+    prefix = "hf://datasets/"
+    if uri.startswith(prefix):
+        parts = uri[len(prefix):].split("/")
+        if len(parts) >= 2 and parts[0] and parts[1]:
+            return f"{parts[0]}/{parts[1].split('@')[0]}"
+    return None
+
+
+def _is_hub_id(uri: str) -> bool:
+    from tasks.load import is_hub_id
+
+    return is_hub_id(uri)
+
+
+def train_facts(cfg: RunConfig, results: dict[str, StageResult], read_text: Callable[[str], str] | None = None) -> dict[str, dict]:
+    """Steps and final loss per training stage: from this run's results, or (stages skipped on a
+    re-run) from the final checkpoint's train_state.json, so a re-push renders the same card."""
+    facts = {}
+    for stage in ("cpt", "sft"):
+        steps = getattr(cfg, stage).max_steps
+        loss = None
+        r = results.get(f"train_{stage}")
+        if r is not None and r.detail.get("final_loss") is not None:
+            loss = float(r.detail["final_loss"])
+        elif read_text is not None:
+            try:
+                losses = json.loads(read_text(f"{stage}/step-{steps:06d}/train_state.json")).get("losses") or []
+                loss = float(losses[-1]) if losses else None
+            except Exception:
+                loss = None
+        facts[stage] = {"steps": steps, "final_loss": loss}
+    return facts
+
+
+def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str, dict]) -> str:
+    """The README.md: ModelCardData metadata plus plugins/layouts, steps, losses, verification."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    cpt, sft = results.get("train_cpt"), results.get("train_sft")
+    hub = cfg.hub
+    datasets = sorted({d for d in (_hub_dataset_id(cfg.cpt.data.uri), _hub_dataset_id(cfg.sft.data.uri)) if d})
     data = ModelCardData(
-        base_model=cfg.base_model.uri if "/" in cfg.base_model.uri and "://" not in cfg.base_model.uri else None,
-        datasets=None,
+        base_model=cfg.base_model.uri if _is_hub_id(cfg.base_model.uri) else None,
+        datasets=datasets or None,
         library_name="transformers",
-        license=cfg.hub.license if cfg.hub else None,
-        tags=["cpt-to-sft", "colossalai", *((cfg.hub.tags if cfg.hub else ()))],
+        license=hub.license if hub and hub.license else None,
+        tags=["cpt-to-sft", "colossalai", *(hub.tags if hub else ())],
+        pipeline_tag="text-generation",
     )
 
     def layout(stage: str) -> str:
-        p = getattr(cfg, stage).plugin
-        return f"{p.name} (tp={p.tp_size}, pp={p.pp_size}, zero={p.zero_stage}, {p.precision})"
+        st = getattr(cfg, stage)
+        p = st.plugin
+        return f"`{p.name}` tp={p.tp_size} pp={p.pp_size} zero={p.zero_stage} {p.precision}, {st.launch.nnodes}×{st.launch.nproc_per_node} ranks"
 
-    def loss(r: StageResult | None) -> str:
-        return f"{r.detail.get('final_loss'):.4f}" if r and r.detail.get("final_loss") is not None else "n/a"
+    def loss(stage: str) -> str:
+        value = facts.get(stage, {}).get("final_loss")
+        return f"{value:.4f}" if value is not None else "n/a"
 
-    verification = results.get("export").detail if results.get("export") else {}
+    def data_name(uri: str) -> str:
+        return _hub_dataset_id(uri) or Path(uri.rstrip("/")).name
+
+    v = (export_manifest.get("meta") or {}).get("verification") or {}
+    if v:
+        verdict = "passed" if v.get("fingerprint_match") else "FAILED"
+        verification = (
+            f"{verdict}: the exported `{v.get('dtype')}` weights ({v.get('tensors')} tensors) loaded with "
+            f"`transformers` give logits on the probe batch within {v.get('fingerprint_atol')} of the SFT "
+            f"checkpoint's (max abs diff {v.get('fingerprint_max_abs_diff')})."
+        )
+    else:
+        verification = "not recorded in the export manifest."
+    base = f"[`{cfg.base_model.uri}`]" if _is_hub_id(cfg.base_model.uri) else f"`{Path(cfg.base_model.uri.rstrip('/')).name}`"
+    title = hub.repo_id if hub else cfg.name
     body = f"""
-# {cfg.hub.repo_id if cfg.hub else cfg.name}
+# {title}
 
-Continued pre-training then supervised fine-tuning of `{cfg.base_model.uri}` with
-[cpt-to-sft](https://github.com/) on ColossalAI.
+Continued pre-training (CPT) then supervised fine-tuning (SFT) of {base} with cpt-to-sft on
+ColossalAI, run `{cfg.name}`.
 
-| stage | plugin and layout | steps | final loss | data |
+| stage | plugin and parallel layout | steps | final loss | data |
 |---|---|---|---|---|
-| CPT | {layout('cpt')} | {cfg.cpt.max_steps} | {loss(cpt)} | `{Path(cfg.cpt.data.uri).name}` |
-| SFT | {layout('sft')} | {cfg.sft.max_steps} | {loss(sft)} | `{Path(cfg.sft.data.uri).name}` |
+| CPT | {layout('cpt')} | {facts.get('cpt', {}).get('steps')} | {loss('cpt')} | `{data_name(cfg.cpt.data.uri)}` |
+| SFT | {layout('sft')} | {facts.get('sft', {}).get('steps')} | {loss('sft')} | `{data_name(cfg.sft.data.uri)}` |
 
-Export: `{cfg.export.dtype}` safetensors; verification: logits on the probe batch match the SFT
-checkpoint within {verification.get('fingerprint_atol')} (max abs diff {verification.get('fingerprint_max_abs_diff')}).
+**Export:** `{cfg.export.dtype}` safetensors, {len(export_manifest.get('files', {}))} files, each listed with its
+sha256 in the export manifest.
+
+**Verification:** {verification}
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content
+
+
+def push_export(export_dir: Path, files: list[str], card: str, hub: HubConfig, token: str, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """One commit of `files` (relative to export_dir) + README.md to hub.repo_id@hub.revision.
+
+    Returns repo_id, revision, commit_url, commit_oid, parent_commit and `changed` (False when the
+    Hub already held exactly this export, in which case no commit was made).
+    """
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    api = HfApi(token=token)
+    repo_url = api.create_repo(hub.repo_id, private=hub.private, exist_ok=True, repo_type="model")
+    if hub.revision != "main":
+        api.create_branch(hub.repo_id, branch=hub.revision, exist_ok=True)
+    head = api.repo_info(hub.repo_id, revision=hub.revision, repo_type="model").sha
+    operations = [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(export_dir / name)) for name in sorted(files) if name != CARD
+    ]
+    operations.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
+    # One commit; parent pinned so a concurrent writer makes this attempt fail (and retry) instead
+    # of being overwritten. Unchanged files are dropped by the client, and an all-unchanged push
+    # returns the current head without committing.
+    commit = api.create_commit(
+        repo_id=hub.repo_id, operations=operations, revision=hub.revision, commit_message=hub.commit_message,
+        parent_commit=head, repo_type="model",
+    )
+    changed = commit.oid != head
+    log(f"push_to_hub: {'committed' if changed else 'unchanged, no new commit:'} {commit.commit_url} ({len(operations)} files) to {hub.repo_id}@{hub.revision}")
+    return {
+        "repo_id": hub.repo_id, "revision": hub.revision, "repo_url": str(repo_url), "commit_url": commit.commit_url,
+        "commit_oid": commit.oid, "parent_commit": head, "changed": changed, "files": len(operations),
+    }
 
 
 @task(name="push_to_hub", retries=3, retry_delay_seconds=20, task_run_name="push_to_hub")
@@ -77,26 +180,14 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
     if cfg.hub is None:
         logger.info("push_to_hub: skipped, no `hub:` section in the config (nothing is published)")
         return StageResult("push_to_hub", "not-configured", detail={"reason": "no hub configured"})
-    from huggingface_hub import CommitOperationAdd, HfApi
-
     token = hub_token()
     if not token:
         raise RuntimeError(f"push_to_hub: no Hub token; set HF_TOKEN in the worker's environment or create the Prefect Secret block '{SECRET_BLOCK}'")
     store = store_for(cfg)
-    export_dir = store.stage_in("export")
-    manifest = store.read_manifest("export")
-    card = model_card(cfg, results, export_dir)
-    api = HfApi(token=token)
-    repo = api.create_repo(cfg.hub.repo_id, private=cfg.hub.private, exist_ok=True, repo_type="model")
-    if cfg.hub.revision != "main":
-        api.create_branch(cfg.hub.repo_id, branch=cfg.hub.revision, exist_ok=True)
-    # Exactly the verified files plus the card, in one commit; the artifact itself is not touched.
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(export_dir / name)) for name in sorted(manifest["files"])]
-    operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card.encode()))
-    commit = api.create_commit(
-        repo_id=cfg.hub.repo_id, operations=operations, revision=cfg.hub.revision, commit_message=cfg.hub.commit_message,
-    )
-    url = getattr(commit, "commit_url", None) or str(commit)
-    logger.info("push_to_hub: committed %s to %s@%s", url, cfg.hub.repo_id, cfg.hub.revision)
-    ui.link("hub-commit", url, f"{cfg.hub.repo_id}@{cfg.hub.revision}")
-    return StageResult("push_to_hub", "completed", uri=str(repo), seconds=time.monotonic() - started, detail={"commit_url": url, "repo_id": cfg.hub.repo_id})
+    export_dir = store.stage_in("export")  # sha256-verified against the export manifest
+    manifest = read_manifest(export_dir)
+    card = model_card(cfg, manifest, train_facts(cfg, results, store.read_text))
+    files = [name for name in sorted(manifest["files"]) if name != MANIFEST]
+    outcome = push_export(export_dir, files, card, cfg.hub, token, log=logger.info)
+    ui.link("hub-commit", outcome["commit_url"], f"{cfg.hub.repo_id}@{cfg.hub.revision}")
+    return StageResult("push_to_hub", "completed", uri=outcome["repo_url"], seconds=time.monotonic() - started, detail=outcome)

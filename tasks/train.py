@@ -119,7 +119,8 @@ def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
     )
     state = json.loads((store.local_path(final) / "train_state.json").read_text())
     losses = [float(x) for x in state.get("losses", [])]
-    ui.loss_curve(stage, losses, store.local_path(f"{stage}/loss-curve.png"))
+    # Beside the stage's checkpoints, in the run root itself (S3 included), not only in staging.
+    ui.loss_curve(stage, losses, store.uri(f"{stage}/loss-curve.png"))
     result = done(f"train_{stage}", store, final, started, steps=st.max_steps, first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None)
     ui.stage_event(f"train_{stage}", "completed", cfg.name, result.uri, final_loss=result.detail.get("final_loss"))
     return result

@@ -1,13 +1,17 @@
-"""What the Prefect UI shows: progress during training, loss curves, the stage table, events.
+"""What the Prefect UI shows for a run: progress during training, loss curves, the stage table,
+the export verification, the Hub commit link, and an event per stage that completes or fails.
 
 Artifact keys must be lowercase letters, digits and dashes; each run's artifacts are attached to
-its flow/task runs, so the keys are stable names (the UI shows the latest per key).
+its flow/task runs, so the keys are stable names (the UI's Artifacts page shows the latest per key,
+a run's Artifacts tab shows that run's). Everything here is a view: a failure to publish it is a
+warning in the log, never a failed stage.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import math
 import re
 import time
 from pathlib import Path
@@ -23,22 +27,35 @@ from prefect.artifacts import (
 )
 from prefect.events import emit_event
 
+STAGES_KEY = "cpt-to-sft-stages"
+
 
 def _key(text: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:100]
 
 
+def _warn(what: str, exc: BaseException) -> None:
+    try:
+        get_run_logger().warning("%s unavailable: %s", what, exc)
+    except Exception:
+        pass
+
+
 class Progress:
-    """A progress artifact updated at most every `min_interval` seconds (and at the end)."""
+    """The `<stage>-progress` artifact: percent of steps done, description `step k / N, loss x`.
+
+    Called with every @@progress record of rank 0; sends at most one update per `min_interval`
+    seconds, and always the last step.
+    """
 
     def __init__(self, stage: str, total: int, min_interval: float = 2.0):
         self.stage, self.total, self.min_interval = stage, max(total, 1), min_interval
         self._last = 0.0
         self._id = None
         try:
-            self._id = create_progress_artifact(0.0, key=_key(f"{stage}-progress"), description=f"{stage}: step / {total}")
-        except Exception as exc:  # the UI is a view; never fail training because of it
-            get_run_logger().warning("progress artifact unavailable: %s", exc)
+            self._id = create_progress_artifact(0.0, key=_key(f"{stage}-progress"), description=f"{stage.upper()}: step 0 / {self.total}")
+        except Exception as exc:
+            _warn("progress artifact", exc)
 
     def __call__(self, record: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -46,21 +63,24 @@ class Progress:
         if self._id is None or (now - self._last < self.min_interval and step < self.total):
             return
         self._last = now
+        loss = record.get("loss")
+        text = f"{self.stage.upper()}: step {step} / {self.total}"
+        if isinstance(loss, (int, float)) and math.isfinite(loss):
+            text += f", loss {loss:.4f}"
         try:
-            update_progress_artifact(self._id, 100.0 * step / self.total)
-        except Exception:
-            pass
+            update_progress_artifact(self._id, min(100.0, 100.0 * step / self.total), description=text)
+        except Exception as exc:
+            _warn("progress update", exc)
 
 
-def loss_curve(stage: str, losses: list[float], png_path: Path) -> None:
-    """Render a PNG beside the stage's artifact and show it in a markdown artifact."""
+def render_loss_png(stage: str, losses: list[float], first_step: int = 1) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-    ax.plot(range(1, len(losses) + 1), losses, lw=1.5)
+    ax.plot(range(first_step, first_step + len(losses)), losses, lw=1.5, marker="o" if len(losses) <= 30 else None, ms=3)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title(f"{stage.upper()} loss")
@@ -69,15 +89,33 @@ def loss_curve(stage: str, losses: list[float], png_path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     plt.close(fig)
-    png_path.parent.mkdir(parents=True, exist_ok=True)
-    png_path.write_bytes(buf.getvalue())
-    b64 = base64.b64encode(buf.getvalue()).decode()
-    first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
-    md = f"### {stage.upper()} loss\n\nsteps: {len(losses)}, first {first:.4f} → last {last:.4f}\n\n![{stage} loss](data:image/png;base64,{b64})\n\nPNG: `{png_path}`\n"
+    return buf.getvalue()
+
+
+def loss_curve(stage: str, losses: list[float], png: str | Path) -> bytes:
+    """Render the PNG, save it at `png` (a local path or fsspec URI beside the stage's artifact,
+    e.g. `<run_root>/cpt/loss-curve.png`) and show it inline in the `<stage>-loss-curve` artifact."""
+    from tasks.core.storage import open_uri
+
+    data = render_loss_png(stage, losses)
     try:
-        create_markdown_artifact(md, key=_key(f"{stage}-loss-curve"), description=f"{stage} loss curve")
+        if isinstance(png, Path) or "://" not in str(png):
+            Path(png).parent.mkdir(parents=True, exist_ok=True)
+        with open_uri(str(png), "wb") as f:
+            f.write(data)
     except Exception as exc:
-        get_run_logger().warning("loss-curve artifact unavailable: %s", exc)
+        _warn(f"loss-curve PNG at {png}", exc)
+    b64 = base64.b64encode(data).decode()
+    first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
+    md = (
+        f"### {stage.upper()} loss\n\nsteps: {len(losses)}, first {first:.4f} → last {last:.4f}\n\n"
+        f"![{stage} loss](data:image/png;base64,{b64})\n\nPNG: `{png}`\n"
+    )
+    try:
+        create_markdown_artifact(md, key=_key(f"{stage}-loss-curve"), description=f"{stage.upper()} training loss per step")
+    except Exception as exc:
+        _warn("loss-curve artifact", exc)
+    return data
 
 
 def stage_table(results: Iterable[dict[str, Any]]) -> None:
@@ -87,24 +125,51 @@ def stage_table(results: Iterable[dict[str, Any]]) -> None:
             "status": r["status"],
             "artifact": r.get("uri") or "",
             "manifest digest": (r.get("digest") or "")[:16],
-            "seconds": round(r.get("seconds", 0.0), 1),
+            "duration": _duration(r.get("seconds") or 0.0),
         }
         for r in results
     ]
-    create_table_artifact(rows, key="cpt-to-sft-stages", description="Stages of this run")
+    create_table_artifact(rows, key=STAGES_KEY, description="Stages of this run: status, artifact URI, manifest digest, duration")
+
+
+def _duration(seconds: float) -> str:
+    seconds = float(seconds)
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
 
 
 def markdown(key: str, text: str, description: str) -> None:
-    create_markdown_artifact(text, key=_key(key), description=description)
+    try:
+        create_markdown_artifact(text, key=_key(key), description=description)
+    except Exception as exc:
+        _warn(f"{key} artifact", exc)
 
 
 def link(key: str, url: str, text: str) -> None:
-    create_link_artifact(url, link_text=text, key=_key(key))
+    try:
+        create_link_artifact(url, link_text=text, key=_key(key), description=text)
+    except Exception as exc:
+        _warn(f"{key} artifact", exc)
 
 
 def stage_event(stage: str, status: str, run_name: str, uri: str | None, **payload: Any) -> None:
-    emit_event(
-        event=f"cpt-to-sft.stage.{status}",
-        resource={"prefect.resource.id": f"cpt-to-sft.run.{run_name}.{stage}", "prefect.resource.name": stage},
-        payload={"stage": stage, "status": status, "artifact_uri": uri, **payload},
-    )
+    """`cpt-to-sft.stage.<status>` (completed | failed) with the artifact URI in the payload.
+
+    The resource is the run's stage; Prefect adds the flow run (and task run) as related resources,
+    so the event shows in the run's event feed and automations can match on either.
+    """
+    try:
+        emit_event(
+            event=f"cpt-to-sft.stage.{status}",
+            resource={
+                "prefect.resource.id": f"cpt-to-sft.run.{run_name}.{stage}",
+                "prefect.resource.name": stage,
+                "cpt-to-sft.run": run_name,
+            },
+            payload={"stage": stage, "status": status, "artifact_uri": uri, "run": run_name, **payload},
+        )
+    except Exception as exc:
+        _warn(f"{status} event for {stage}", exc)

@@ -1,0 +1,113 @@
+"""Engine entry point, one process per torchrun rank:
+
+    torchrun --nproc_per_node=2 -m tasks.engine shard --config JOB.json
+    torchrun --nproc_per_node=2 -m tasks.engine train --config JOB.json
+
+JOB.json is described in tasks/engine/job.py. Order of work, cheapest checks first: prefix this
+rank's output with `[rank N] `; read and validate the job; refuse plugins this machine cannot run
+(Gemini without CUDA) before any model is loaded; parse CPT_TO_SFT_FAULT (tasks/engine/faults.py);
+patch ColossalAI for CPU when CUDA is absent (tasks/engine/cpu_compat.py); init the process group
+with `colossalai.launch_from_torch(seed=<stage seed>)`; run the verb (tasks/engine/loop.py).
+
+Exit status 0 on success, 1 with a message naming the problem on failure (the traceback too for
+anything that is not a configuration, manifest or data error). Never imports prefect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+import warnings
+
+# Import-time notices about CUDA-only extras this engine does not use (apex fused RMSNorm,
+# TensorNVMe async save) and a torch deprecation inside ColossalAI's DDP wrapper: one line per
+# rank per launch that would bury the real warnings in the Prefect log.
+for _pattern in (r"Please install apex", r"Please install the latest tensornvme", r"`broadcast_buffers` is deprecated"):
+    warnings.filterwarnings("ignore", message=_pattern)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tasks.engine", description="cpt-to-sft engine: run one verb in this torchrun rank")
+    p.add_argument("verb", choices=["shard", "train"])
+    p.add_argument("--config", required=True, help="job file (JSON) written by the Prefect task")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    from tasks.engine import rankio
+
+    rankio.install(rank)
+    # Every torch.load in this process (ColossalAI's optimizer and lr-scheduler loaders) is a
+    # weights-only unpickle, whatever the call site says.
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    started = time.monotonic()
+
+    from tasks.core.errors import ConfigError, ManifestError
+
+    try:
+        from tasks.engine.job import check_inputs, load_job
+        from tasks.engine.plugins import check_supported
+
+        job = load_job(args.config, verb=args.verb)
+        check_supported(job.stage_cfg.plugin, job.stage)
+        check_inputs(job)
+
+        import torch
+
+        from tasks.engine.faults import Injector
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        faults = Injector(job.stage, job.stage_dir, rank, world)
+        patched: list[str] = []
+        if not torch.cuda.is_available():
+            from tasks.engine import cpu_compat
+
+            patched = cpu_compat.apply()
+
+        import colossalai
+        import torch.distributed as dist
+
+        colossalai.launch_from_torch(seed=job.stage_cfg.seed, verbose=False)
+        if rank == 0:
+            print(f"engine {args.verb} {job.stage}: world size {dist.get_world_size()}, "
+                  f"{'CUDA' if torch.cuda.is_available() else 'CPU (gloo), cpu_compat patched: ' + (', '.join(patched) or 'none')}", flush=True)
+
+        from tasks.engine import loop
+
+        result = loop.shard(job, faults) if args.verb == "shard" else loop.train(job, faults)
+        dist.barrier()
+        if rank == 0:
+            print(f"engine {args.verb} {job.stage}: done in {time.monotonic() - started:.1f}s -> {result}", flush=True)
+        dist.destroy_process_group()
+        return 0
+    except (ConfigError, ManifestError, ValueError, FileNotFoundError) as exc:
+        print(f"engine {args.verb} failed: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - report anything, then exit non-zero
+        traceback.print_exc()
+        print(f"engine {args.verb} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        close = getattr(stream, "close_partial", None)
+        if close:
+            close()
+    # On failure skip interpreter teardown: plugin destructors would try to destroy process
+    # groups whose peers may be dead, which can hang instead of exiting.
+    if code != 0:
+        os._exit(code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    _exit(main())

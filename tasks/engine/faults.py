@@ -1,0 +1,161 @@
+"""Fault injection for the resume tests: make a rank die or a stage fail at an exact point.
+
+Set `CPT_TO_SFT_FAULT` in the environment of the engine (the Prefect train task passes it on):
+
+    CPT_TO_SFT_FAULT='kill@step=3'                 torchrun ... -m tasks.engine train --config job.json
+
+Grammar: one or more specs separated by ';', each `ACTION@TRIGGER[@OPTION...]`:
+
+    ACTION   kill   the chosen rank SIGKILLs itself (no cleanup, no flush beyond its own stdout)
+             fail   every rank raises RuntimeError("injected failure ...") (exit status 1)
+    TRIGGER  step=K          at the start of step K+1 of `train`, i.e. after step K finished and
+                             the checkpoint of step K (if K is a checkpoint step) was committed
+             save=K:PHASE    inside the save of the checkpoint of step K, right before PHASE, one of
+                             model, optimizer, lr_scheduler, rng, fingerprint, state, manifest, rename
+                             (everything before PHASE is on disk in `.step-K.tmp`; the manifest is
+                             written at `manifest`, the directory renamed at `rename`)
+             stage=S         at the start of the `train` verb of stage S (cpt or sft)
+    OPTION   stage=S         only in stage S (for step/save triggers)
+             rank=R          the rank that acts for `kill` (default: rank 1, or 0 with one rank;
+                             rank 0 for the manifest and rename phases, which only rank 0 runs)
+
+Examples: `kill@step=3@stage=cpt`, `kill@save=6:optimizer`, `kill@save=6:manifest`,
+`fail@stage=sft`, `fail@step=4@stage=sft`.
+
+Each spec fires ONCE per stage directory: before acting, the acting rank records it in
+`<stage_dir>/.faults/<digest of the spec>`, so a retry of the same stage (same environment)
+resumes instead of failing again. Delete that directory to re-arm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "CPT_TO_SFT_FAULT"
+SAVE_PHASES = ("model", "optimizer", "lr_scheduler", "rng", "fingerprint", "state", "manifest", "rename")
+_RANK0_PHASES = ("manifest", "rename")
+
+
+@dataclass(frozen=True)
+class Fault:
+    spec: str
+    action: str  # kill | fail
+    trigger: str  # step | save | stage
+    step: int | None = None
+    phase: str | None = None
+    stage: str | None = None
+    rank: int | None = None
+
+    def acting_rank(self, world_size: int) -> int:
+        if self.rank is not None:
+            return self.rank
+        if self.trigger == "save" and self.phase in _RANK0_PHASES:
+            return 0
+        return 1 if world_size > 1 else 0
+
+
+def parse(value: str | None) -> list[Fault]:
+    """Parse the env value; a malformed spec is an error naming it (a silent typo would make a test pass)."""
+    out: list[Fault] = []
+    for spec in (value or "").split(";"):
+        spec = spec.strip()
+        if not spec:
+            continue
+        parts = spec.split("@")
+        action = parts[0]
+        if action not in ("kill", "fail") or len(parts) < 2:
+            raise ValueError(f"{ENV}={value!r}: spec {spec!r} must start with kill@ or fail@ (see tasks/engine/faults.py)")
+        fields: dict = {"spec": spec, "action": action}
+        for i, part in enumerate(parts[1:]):
+            key, eq, val = part.partition("=")
+            if not eq or not val:
+                raise ValueError(f"{ENV}: {part!r} in {spec!r} is not key=value")
+            if i == 0:
+                if key == "step":
+                    fields.update(trigger="step", step=_int(val, spec))
+                elif key == "save":
+                    k, colon, phase = val.partition(":")
+                    if not colon or phase not in SAVE_PHASES:
+                        raise ValueError(f"{ENV}: {spec!r}: save trigger is save=K:PHASE with PHASE one of {', '.join(SAVE_PHASES)}")
+                    fields.update(trigger="save", step=_int(k, spec), phase=phase)
+                elif key == "stage":
+                    fields.update(trigger="stage", stage=_stage(val, spec))
+                else:
+                    raise ValueError(f"{ENV}: {spec!r}: trigger must be step=K, save=K:PHASE or stage=S, got {key!r}")
+            elif key == "stage":
+                fields["stage"] = _stage(val, spec)
+            elif key == "rank":
+                fields["rank"] = _int(val, spec)
+            else:
+                raise ValueError(f"{ENV}: {spec!r}: unknown option {key!r} (stage=S or rank=R)")
+        out.append(Fault(**fields))
+    return out
+
+
+def _int(val: str, spec: str) -> int:
+    try:
+        n = int(val)
+    except ValueError:
+        raise ValueError(f"{ENV}: {spec!r}: {val!r} is not an integer") from None
+    if n < 0:
+        raise ValueError(f"{ENV}: {spec!r}: {n} must be >= 0")
+    return n
+
+
+def _stage(val: str, spec: str) -> str:
+    if val not in ("cpt", "sft"):
+        raise ValueError(f"{ENV}: {spec!r}: stage must be cpt or sft, got {val!r}")
+    return val
+
+
+class Injector:
+    """Holds the parsed faults of this process; the engine calls the three hooks below."""
+
+    def __init__(self, stage: str, stage_dir: str | Path, rank: int, world_size: int, value: str | None = None):
+        self.stage, self.rank, self.world_size = stage, rank, world_size
+        self.marks = Path(stage_dir) / ".faults"
+        raw = os.environ.get(ENV) if value is None else value
+        self.faults = [f for f in parse(raw) if f.stage in (None, stage)]
+        # Which faults already fired in an earlier attempt, read once now: the engine builds the
+        # Injector before the process-group rendezvous, so every rank sees the same answer even
+        # when another rank of this attempt records a fault first.
+        self.fired = {f.spec for f in self.faults if self._mark_path(f).exists()}
+
+    def _mark_path(self, f: Fault) -> Path:
+        return self.marks / hashlib.sha256(f.spec.encode()).hexdigest()[:16]
+
+    def at_start(self) -> None:
+        self._fire([f for f in self.faults if f.trigger == "stage"], "at the start of training")
+
+    def after_step(self, step: int) -> None:
+        self._fire([f for f in self.faults if f.trigger == "step" and f.step == step], f"after step {step}")
+
+    def before_save_phase(self, step: int, phase: str) -> None:
+        self._fire([f for f in self.faults if f.trigger == "save" and f.step == step and f.phase == phase], f"in the save of step {step}, before {phase}")
+
+    def _fire(self, faults: list[Fault], where: str) -> None:
+        for f in faults:
+            if f.spec in self.fired:
+                continue
+            mark = self._mark_path(f)
+            if f.action == "fail":
+                self._mark(mark, f)
+                raise RuntimeError(f"injected failure {f.spec!r} ({ENV}) {where} of stage {self.stage}")
+            if self.rank == f.acting_rank(self.world_size):
+                self._mark(mark, f)
+                print(f"injected fault {f.spec!r} ({ENV}): rank {self.rank} SIGKILLs itself {where} of stage {self.stage}", flush=True)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def _mark(self, mark: Path, f: Fault) -> None:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        with open(mark, "w") as fh:
+            fh.write(f.spec + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())

@@ -1,0 +1,106 @@
+"""Helpers for the engine tests: write a job file, run `torchrun -m tasks.engine`, read results."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+STAGE = {
+    "seq_len": 32,
+    "micro_batch_size": 2,
+    "grad_accum_steps": 1,
+    "lr": 3e-3,
+    "warmup_steps": 1,
+    "lr_schedule": "cosine",
+    "max_steps": 6,
+    "checkpoint_every": 3,
+    "keep_last": 2,
+}
+
+
+def run_raw(model_dir: Path, run_root: Path, stage: str, plugin: dict[str, Any], **stage_kw) -> dict[str, Any]:
+    """A RunConfig dict whose `stage` section uses `plugin`; the other stage is a valid filler."""
+    def section(kind: str, plug: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+        data = {"uri": str(REPO / "data" / "sample" / f"{kind}.jsonl")}
+        seq = {"seq_len": 64} if kind == "sft" else {}  # chats are longer than 32 tokens
+        return {"data": data, "plugin": plug, "launch": {"nproc_per_node": 2}, **STAGE, **seq, "seed": 1234, **extra}
+
+    filler = {"name": "torch_ddp", "precision": "fp32"}
+    return {
+        "name": "engine-test",
+        "run_root": str(run_root),
+        "base_model": {"uri": str(model_dir)},
+        "cpt": section("cpt", plugin if stage == "cpt" else filler, stage_kw if stage == "cpt" else {}),
+        "sft": section("sft", plugin if stage == "sft" else filler, stage_kw if stage == "sft" else {}),
+    }
+
+
+def write_job(path: Path, *, verb: str, stage: str, run: dict[str, Any], model_dir: Path, stage_dir: Path,
+              tokenizer_dir: Path | None = None, config_digest: str = "0" * 64) -> Path:
+    job = {
+        "verb": verb,
+        "stage": stage,
+        "run": run,
+        "model_dir": str(model_dir),
+        "tokenizer_dir": str(tokenizer_dir or model_dir),
+        "data_path": run[stage]["data"]["uri"],
+        "stage_dir": str(stage_dir),
+        "parent": {"uri": str(model_dir), "digest": "parent-digest"},
+        "config_digest": config_digest,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(job, indent=2))
+    return path
+
+
+class EngineRun:
+    def __init__(self, rc: int, output: str, seconds: float):
+        self.rc, self.output, self.seconds = rc, output, seconds
+
+    @property
+    def progress(self) -> list[dict[str, Any]]:
+        return [json.loads(m) for m in re.findall(r"^\[rank 0\] @@progress (.*)$", self.output, re.M)]
+
+    @property
+    def checkpoints(self) -> list[dict[str, Any]]:
+        return [json.loads(m) for m in re.findall(r"^\[rank 0\] @@checkpoint (.*)$", self.output, re.M)]
+
+
+def engine(verb: str, job: Path, nproc: int = 2, env: dict[str, str] | None = None, expect_ok: bool = True, timeout: int = 300) -> EngineRun:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "-m", "tasks.engine", verb, "--config", str(job)]
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), e.get("PYTHONPATH")) if p)
+    e.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+    e.pop("CPT_TO_SFT_FAULT", None)
+    e.update(env or {})
+    t0 = time.monotonic()
+    proc = subprocess.run(argv, cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    run = EngineRun(proc.returncode, proc.stdout, time.monotonic() - t0)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"engine {verb} exited {proc.returncode}:\n{proc.stdout[-6000:]}")
+    return run
+
+
+def train_state(step_dir: Path) -> dict[str, Any]:
+    return json.loads((step_dir / "train_state.json").read_text())
+
+
+def read_model_dir(model_dir: Path):
+    """Every tensor of a saved `model/` directory (all shards, HF keys)."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        for k, v in load_file(str(f)).items():
+            assert k not in tensors, f"{k} appears in two shards"
+            tensors[k] = v
+    return tensors

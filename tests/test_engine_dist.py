@@ -1,0 +1,266 @@
+"""The engine under `torchrun --nproc_per_node=2` on CPU (gloo), on the tiny random Llama.
+
+    pytest -m distributed tests/test_engine_dist.py -s
+
+Every launch costs ~8-13 s of imports on 2 cores, so launches are shared through module-scoped
+fixtures (12 in all):
+
+- hybrid_parallel tp=2 fp32, CPT: shard, train 6 steps uninterrupted, then the same 6 steps killed
+  (SIGKILL of rank 1) after the checkpoint at step 3 and resumed -> per-step losses and final
+  weights bitwise equal; checkpoint layout, manifests, retention, fingerprints.
+- hybrid_parallel pp=2 fp32, CPT: shard; train killed in the middle of the save of step 6
+  (before the optimizer files) -> the next attempt discards the torn save and resumes from step 3.
+- low_level_zero stage 2 bf16, SFT (grad_accum 2): reboost from an HF dir made of the tp=2
+  checkpoint's `model/` -> every tensor is the exact bf16 cast of its input; train.
+- torch_ddp fp32, SFT (grad_accum 2): reboost from the pp=2 checkpoint's `model/` -> every tensor
+  bitwise equal; train; a flipped byte in the newest checkpoint is detected, named, skipped, and
+  the retrained steps reproduce the same losses.
+- low_level_zero on a tied-embedding Qwen2: shard and train (the tied LM head is saved once, as HF does).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.core.fingerprint import hf_dir_logits, load_fingerprint, max_abs_diff
+from tasks.core.manifest import verify_artifact
+from tests._engine_utils import engine, read_model_dir, run_raw, train_state, write_job
+
+pytestmark = pytest.mark.distributed
+
+TP2 = {"name": "hybrid_parallel", "tp_size": 2, "precision": "fp32"}
+PP2 = {"name": "hybrid_parallel", "pp_size": 2, "precision": "fp32"}
+LLZ2 = {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}
+DDP = {"name": "torch_ddp", "precision": "fp32"}
+
+LAUNCHES: list[tuple[str, float]] = []
+
+
+def _engine(label: str, verb: str, job: Path, **kw):
+    run = engine(verb, job, **kw)
+    LAUNCHES.append((label, run.seconds))
+    return run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_launches():
+    t0 = time.monotonic()
+    yield
+    total = sum(s for _, s in LAUNCHES)
+    lines = [f"  {label:<28} {s:6.1f}s" for label, s in LAUNCHES]
+    print(f"\nengine launches ({len(LAUNCHES)}, {total:.1f}s of {time.monotonic() - t0:.1f}s):\n" + "\n".join(lines))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("engine")
+
+
+def _jobs(work: Path, name: str, stage: str, plugin: dict, model_dir: Path, tokenizer_dir: Path, stage_dir: Path, **stage_kw):
+    run = run_raw(model_dir, work / "runs", stage, plugin, **stage_kw)
+    common = dict(stage=stage, run=run, model_dir=model_dir, tokenizer_dir=tokenizer_dir, stage_dir=stage_dir)
+    return (
+        write_job(work / "jobs" / f"{name}-shard.json", verb="shard", **common),
+        write_job(work / "jobs" / f"{name}-train.json", verb="train", **common),
+    )
+
+
+@pytest.fixture(scope="module")
+def tp2(work, tiny_model_dir):
+    stage_dir = work / "tp2" / "cpt"
+    shard_job, train_job = _jobs(work, "tp2", "cpt", TP2, tiny_model_dir, tiny_model_dir, stage_dir, keep_last=1)
+    shard = _engine("tp2 shard", "shard", shard_job)
+    # The interrupted twin starts from a copy of the same step-000000.
+    kill_dir = work / "tp2-kill" / "cpt"
+    kill_dir.mkdir(parents=True)
+    shutil.copytree(stage_dir / "step-000000", kill_dir / "step-000000")
+    train = _engine("tp2 train (6 steps)", "train", train_job)
+    _, kill_job = _jobs(work, "tp2-kill", "cpt", TP2, tiny_model_dir, tiny_model_dir, kill_dir, keep_last=1)
+    killed = _engine("tp2 train kill@step=3", "train", kill_job, env={"CPT_TO_SFT_FAULT": "kill@step=3"}, expect_ok=False)
+    resumed = _engine("tp2 train resume", "train", kill_job, env={"CPT_TO_SFT_FAULT": "kill@step=3"})
+    return dict(dir=stage_dir, kill_dir=kill_dir, shard=shard, train=train, killed=killed, resumed=resumed)
+
+
+@pytest.fixture(scope="module")
+def pp2(work, tiny_model_dir):
+    stage_dir = work / "pp2" / "cpt"
+    shard_job, train_job = _jobs(work, "pp2", "cpt", PP2, tiny_model_dir, tiny_model_dir, stage_dir, grad_accum_steps=2, keep_last=2)
+    shard = _engine("pp2 shard", "shard", shard_job)
+    torn = _engine("pp2 train kill@save=6", "train", train_job, env={"CPT_TO_SFT_FAULT": "kill@save=6:optimizer"}, expect_ok=False)
+    leftovers = sorted(p.name for p in stage_dir.iterdir())
+    resumed = _engine("pp2 train resume", "train", train_job)
+    return dict(dir=stage_dir, shard=shard, torn=torn, leftovers=leftovers, resumed=resumed)
+
+
+@pytest.fixture(scope="module")
+def llz(work, tiny_model_dir, tp2):
+    hf_in = tp2["dir"] / "step-000006" / "model"
+    stage_dir = work / "llz" / "sft"
+    shard_job, train_job = _jobs(work, "llz", "sft", LLZ2, hf_in, tiny_model_dir, stage_dir, grad_accum_steps=2)
+    shard = _engine("llz2 reboost", "shard", shard_job)
+    train = _engine("llz2 train", "train", train_job)
+    return dict(dir=stage_dir, hf_in=hf_in, shard=shard, train=train)
+
+
+@pytest.fixture(scope="module")
+def ddp(work, tiny_model_dir, pp2):
+    hf_in = pp2["dir"] / "step-000006" / "model"
+    stage_dir = work / "ddp" / "sft"
+    shard_job, train_job = _jobs(work, "ddp", "sft", DDP, hf_in, tiny_model_dir, stage_dir, grad_accum_steps=2)
+    shard = _engine("ddp reboost", "shard", shard_job)
+    train = _engine("ddp train", "train", train_job)
+    first_losses = train_state(stage_dir / "step-000006")["losses"]
+    # Flip one byte of the newest checkpoint's weights: the next attempt must refuse it.
+    victim = sorted((stage_dir / "step-000006" / "model").glob("*.safetensors"))[0]
+    blob = bytearray(victim.read_bytes())
+    blob[-7] ^= 0x01
+    victim.write_bytes(bytes(blob))
+    retrain = _engine("ddp train after corruption", "train", train_job)
+    return dict(dir=stage_dir, hf_in=hf_in, shard=shard, train=train, first_losses=first_losses, victim=victim, retrain=retrain)
+
+
+@pytest.fixture(scope="module")
+def tied(work):
+    from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+
+    model_dir = build_tiny_model(work / "qwen2-tied", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family="qwen2", tie_word_embeddings=True)
+    stage_dir = work / "tied" / "cpt"
+    shard_job, train_job = _jobs(work, "tied", "cpt", LLZ2, model_dir, model_dir, stage_dir, max_steps=2, checkpoint_every=2)
+    shard = _engine("tied llz2 shard", "shard", shard_job)
+    train = _engine("tied llz2 train", "train", train_job)
+    return dict(dir=stage_dir, model_dir=model_dir, shard=shard, train=train)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _assert_trains(stage_dir: Path, run, stage: str, max_steps: int = 6):
+    prog = run.progress
+    assert [p["step"] for p in prog] == list(range(1, max_steps + 1)), run.output[-3000:]
+    assert all(p["stage"] == stage and p["total"] == max_steps for p in prog)
+    losses = [p["loss"] for p in prog]
+    assert all(math.isfinite(x) for x in losses)
+    tail = losses[-2:] if len(losses) > 2 else losses[-1:]
+    assert sum(tail) / len(tail) < losses[0], f"loss did not go down: {losses}"
+    assert prog[-1]["tokens"] > prog[0]["tokens"] > 0
+    state = train_state(stage_dir / f"step-{max_steps:06d}")
+    assert state["losses"] == losses and state["step"] == max_steps and state["stage"] == stage
+    assert state["tokens_seen"] == prog[-1]["tokens"]
+    return losses
+
+
+def _assert_checkpoint(path: Path, stage: str, step: int, plugin: str):
+    m = verify_artifact(path)
+    assert m["kind"] == "colossalai-checkpoint"
+    meta = m["meta"]
+    assert (meta["stage"], meta["step"], meta["plugin"]["name"], meta["world_size"]) == (stage, step, plugin, 2)
+    assert m["parent"] == {"uri": m["parent"]["uri"], "digest": "parent-digest"} and m["config_digest"] == "0" * 64
+    files = set(m["files"])
+    for rel in ("model/model.safetensors.index.json", "model/config.json", "lr_scheduler.pt", "train_state.json",
+                "fingerprint.safetensors", "rng/rank-00000.json", "rng/rank-00000.safetensors",
+                "rng/rank-00001.json", "rng/rank-00001.safetensors"):
+        assert rel in files, f"{rel} missing from {path}"
+    assert any(f.startswith("optimizer/") for f in files)
+    assert m["fingerprint"]["shape"] == [2, 16, 512]
+    return m
+
+
+def test_tp2_fp32_shard_train_checkpoints(tp2):
+    d = tp2["dir"]
+    assert tp2["shard"].checkpoints == [{"step": 0, "path": str(d / "step-000000")}]
+    losses = _assert_trains(d, tp2["train"], "cpt")
+    assert [c["step"] for c in tp2["train"].checkpoints] == [3, 6]
+    # keep_last=1: step-000003 went once step-000006 committed; step-000000 (the shard artifact) stays.
+    assert sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) == ["step-000000", "step-000006"]
+    m = _assert_checkpoint(d / "step-000006", "cpt", 6, "hybrid_parallel")
+    assert m["meta"]["final_loss"] == losses[-1] and m["meta"]["dp_size"] == 1
+    rng = json.loads((d / "step-000006" / "rng" / "rank-00001.json").read_text())
+    assert set(rng) == {"rank", "python", "numpy"} and rng["rank"] == 1
+    # The fingerprint (live tp=2 model, vocab shards gathered) matches plain transformers on model/.
+    assert max_abs_diff(load_fingerprint(d / "step-000006"), hf_dir_logits(d / "step-000006" / "model", dtype="fp32")) < 1e-5
+
+
+def test_tp2_resume_after_kill_is_bitwise(tp2):
+    killed, resumed = tp2["killed"], tp2["resumed"]
+    assert killed.rc != 0
+    assert [p["step"] for p in killed.progress] == [1, 2, 3] and killed.checkpoints[-1]["step"] == 3
+    assert "resuming cpt from step-000003" in resumed.output
+    assert [p["step"] for p in resumed.progress] == [4, 5, 6]
+    ref = train_state(tp2["dir"] / "step-000006")
+    got = train_state(tp2["kill_dir"] / "step-000006")
+    assert got["losses"] == ref["losses"]  # python floats from JSON: bitwise
+    assert got["lrs"] == ref["lrs"] and got["tokens_seen"] == ref["tokens_seen"] and got["sampler"] == ref["sampler"]
+    a, b = read_model_dir(tp2["dir"] / "step-000006" / "model"), read_model_dir(tp2["kill_dir"] / "step-000006" / "model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_pp2_kill_during_save_resumes_from_last_complete(pp2):
+    d = pp2["dir"]
+    assert pp2["torn"].rc != 0
+    assert ".step-000006.tmp" in pp2["leftovers"] and "step-000006" not in pp2["leftovers"]
+    out = pp2["resumed"].output
+    assert "removed unfinished saves: .step-000006.tmp" in out
+    assert "resuming cpt from step-000003" in out
+    assert [p["step"] for p in pp2["resumed"].progress] == [4, 5, 6]
+    _assert_checkpoint(d / "step-000006", "cpt", 6, "hybrid_parallel")
+    assert not any(p.name.endswith(".tmp") for p in d.iterdir())
+    # pp=2 writes one file per stage; the fingerprint comes from those weights in plain transformers.
+    names = {p.name for p in (d / "step-000006" / "model").glob("*.safetensors")}
+    assert names == {"model-stage-00001-shard-00001.safetensors", "model-stage-00002-shard-00001.safetensors"}
+
+
+def test_tp2_and_pp2_checkpoints_hold_the_full_hf_state_dict(tp2, pp2, tiny_model_dir):
+    ref = read_model_dir(tiny_model_dir)
+    for d in (tp2["dir"], pp2["dir"]):
+        got = read_model_dir(d / "step-000000" / "model")
+        assert got.keys() == ref.keys(), sorted(set(got) ^ set(ref))
+        for k in ref:
+            assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), f"{d}: {k} differs"
+
+
+def test_llz2_reboost_from_tp2_hf_dir(llz):
+    src = read_model_dir(llz["hf_in"])
+    got = read_model_dir(llz["dir"] / "step-000000" / "model")
+    assert got.keys() == src.keys()
+    for k, v in src.items():
+        # bf16 ZeRO stores bf16 working weights: exactly the cast of its fp32 input, nothing else.
+        assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], v.to(torch.bfloat16)), k
+    _assert_checkpoint(llz["dir"] / "step-000000", "sft", 0, "low_level_zero")
+    _assert_trains(llz["dir"], llz["train"], "sft")
+    m = _assert_checkpoint(llz["dir"] / "step-000006", "sft", 6, "low_level_zero")
+    assert m["meta"]["weights_dtype"] == "bf16" and m["meta"]["dp_size"] == 2
+
+
+def test_ddp_reboost_from_pp2_hf_dir_is_bitwise(ddp):
+    src = read_model_dir(ddp["hf_in"])
+    got = read_model_dir(ddp["dir"] / "step-000000" / "model")
+    assert got.keys() == src.keys()
+    assert all(got[k].dtype == torch.float32 and torch.equal(got[k], v) for k, v in src.items())
+    _assert_trains(ddp["dir"], ddp["train"], "sft")
+
+
+def test_corrupt_newest_checkpoint_is_named_and_skipped(ddp):
+    out = ddp["retrain"].output
+    assert f"not resuming from step-000006: {ddp['dir'] / 'step-000006'}: file model/{ddp['victim'].name} fails its sha256 check" in out
+    assert "resuming sft from step-000003" in out
+    assert [p["step"] for p in ddp["retrain"].progress] == [4, 5, 6]
+    verify_artifact(ddp["dir"] / "step-000006")
+    assert train_state(ddp["dir"] / "step-000006")["losses"] == ddp["first_losses"]
+
+
+def test_tied_embeddings_under_low_level_zero(tied):
+    src = read_model_dir(tied["model_dir"])
+    assert "lm_head.weight" not in src  # HF saves a tied head once
+    for step in (0, 2):
+        got = read_model_dir(tied["dir"] / f"step-{step:06d}" / "model")
+        assert got.keys() == src.keys()
+    got = read_model_dir(tied["dir"] / "step-000000" / "model")
+    assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in src.items())
+    _assert_trains(tied["dir"], tied["train"], "cpt", max_steps=2)

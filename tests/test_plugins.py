@@ -1,0 +1,253 @@
+"""Fast engine unit tests (no torchrun): plugin refusal, CPU patches, faults, schedule, checkpoints.
+
+    pytest tests/test_plugins.py
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tasks.core.config import PluginConfig, StageConfig
+from tasks.core.errors import ConfigError
+from tasks.core.manifest import write_manifest
+from tasks.engine import checkpoint as ckpt
+from tasks.engine import faults
+from tasks.engine.job import parse_job
+from tasks.engine.plugins import can_no_sync, check_supported, make_plugin
+
+
+def _stage(plugin: dict, **kw) -> StageConfig:
+    return StageConfig(data={"uri": "x.jsonl"}, plugin=plugin, max_steps=10, seq_len=16, lr=1e-3, **kw)
+
+
+# -- plugins ---------------------------------------------------------------------------------------
+
+
+def test_gemini_refused_on_cpu_naming_the_field():
+    with pytest.raises(ConfigError) as exc:
+        check_supported(PluginConfig(name="gemini", precision="bf16"), "sft", cuda=False)
+    msg = str(exc.value)
+    assert "sft.plugin.name" in msg and "CUDA" in msg and "low_level_zero" in msg
+    assert exc.value.problems[0][0] == "sft.plugin.name"
+
+
+def test_make_plugin_refuses_gemini_before_any_process_group():
+    # No torch.distributed init here: the refusal must come first.
+    stage = _stage({"name": "gemini", "precision": "bf16"})
+    with pytest.raises(ConfigError, match=r"cpt\.plugin\.name"):
+        make_plugin(stage.plugin, stage, stage="cpt", cuda=False)
+
+
+def test_gemini_accepted_with_cuda_and_ddp_fp16_refused_on_cpu():
+    check_supported(PluginConfig(name="gemini", precision="bf16"), "sft", cuda=True)
+    with pytest.raises(ConfigError, match=r"cpt\.plugin\.precision"):
+        check_supported(PluginConfig(name="torch_ddp", precision="fp16"), "cpt", cuda=False)
+    for ok in ({"name": "hybrid_parallel", "tp_size": 2}, {"name": "low_level_zero", "zero_stage": 2}, {"name": "torch_ddp", "precision": "fp32"}):
+        check_supported(PluginConfig(**ok), "cpt", cuda=False)
+
+
+def test_no_sync_only_where_colossalai_allows_it():
+    assert not can_no_sync(PluginConfig(name="low_level_zero", zero_stage=2))
+    assert can_no_sync(PluginConfig(name="low_level_zero", zero_stage=1))
+    assert can_no_sync(PluginConfig(name="torch_ddp", precision="fp32"))
+
+
+# -- CPU compatibility -------------------------------------------------------------------------------
+
+
+def test_cpu_compat_apply_is_idempotent_and_works():
+    from colossalai.accelerator.cpu_accelerator import CpuAccelerator
+
+    from tasks.engine import cpu_compat
+
+    cpu_compat.apply()
+    before = {n: getattr(CpuAccelerator, n) for n in cpu_compat._ACCELERATOR_PATCHES}
+    assert cpu_compat.apply() == []  # second call patches nothing
+    assert {n: getattr(CpuAccelerator, n) for n in before} == before
+    assert cpu_compat.is_applied()
+    acc = CpuAccelerator()
+    acc.synchronize()
+    acc.empty_cache()
+    assert acc.current_device() == 0 and acc.device_count() == 1
+    assert torch.equal(acc.get_rng_state(), torch.get_rng_state())
+    state = torch.get_rng_state()
+    acc.manual_seed(5)
+    assert torch.equal(torch.get_rng_state(), torch.manual_seed(5).get_state())
+    torch.set_rng_state(state)
+    with acc.stream(acc.Stream()):
+        acc.current_stream().wait_stream(acc.Stream())
+    assert torch.distributed.is_hccl_available() is False
+
+
+def test_zero_sanity_check_keeps_the_dtype_check():
+    from types import SimpleNamespace
+
+    from tasks.engine import cpu_compat
+
+    p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float32))
+    fake = SimpleNamespace(optim=SimpleNamespace(param_groups=[{"params": [p]}]), _dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="same dtype"):
+        cpu_compat._zero_sanity_checks(fake)
+    fake._dtype = torch.float32
+    cpu_compat._zero_sanity_checks(fake)
+
+
+# -- faults ---------------------------------------------------------------------------------------------
+
+
+def test_fault_specs_parse():
+    got = faults.parse("kill@step=3@stage=cpt; kill@save=6:manifest ;fail@stage=sft;fail@step=4@rank=0")
+    assert [(f.action, f.trigger, f.step, f.phase, f.stage, f.rank) for f in got] == [
+        ("kill", "step", 3, None, "cpt", None),
+        ("kill", "save", 6, "manifest", None, None),
+        ("fail", "stage", None, None, "sft", None),
+        ("fail", "step", 4, None, None, 0),
+    ]
+    assert got[0].acting_rank(2) == 1 and got[1].acting_rank(2) == 0 and got[0].acting_rank(1) == 0
+    assert faults.parse("") == [] and faults.parse(None) == []
+
+
+@pytest.mark.parametrize("bad", ["kil@step=3", "kill", "kill@step=x", "kill@save=3", "kill@save=3:nowhere", "kill@step=3@stage=dpo", "kill@when=3", "kill@step=3@color=red"])
+def test_bad_fault_specs_are_errors(bad):
+    with pytest.raises(ValueError, match="CPT_TO_SFT_FAULT"):
+        faults.parse(bad)
+
+
+def test_fault_fires_once_per_stage_dir(tmp_path):
+    inj = faults.Injector("sft", tmp_path, rank=0, world_size=2, value="fail@stage=sft;fail@step=2@stage=cpt")
+    assert len(inj.faults) == 1  # the cpt-only spec is dropped in sft
+    other_rank = faults.Injector("sft", tmp_path, rank=1, world_size=2, value="fail@stage=sft")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        inj.at_start()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        other_rank.at_start()  # same attempt: fires on every rank even though rank 0 marked it first
+    assert list((tmp_path / ".faults").iterdir())
+    retry = faults.Injector("sft", tmp_path, rank=0, world_size=2, value="fail@stage=sft")
+    retry.at_start()  # marked by the earlier attempt: the retry runs on
+
+
+# -- LR schedule --------------------------------------------------------------------------------------
+
+
+def test_lr_schedule_shapes():
+    from tasks.engine.loop import lr_factor
+
+    kw = dict(warmup=2, max_steps=10, min_ratio=0.1)
+    cos = [lr_factor(s, schedule="cosine", **kw) for s in range(10)]
+    assert cos[:3] == [0.5, 1.0, 1.0] and math.isclose(lr_factor(10, schedule="cosine", **kw), 0.1)
+    assert all(a >= b for a, b in zip(cos[1:], cos[2:]))
+    assert lr_factor(6, schedule="linear", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(9, schedule="constant", **kw) == 1.0
+
+
+def test_scheduler_state_loads_weights_only(tmp_path):
+    from tasks.engine.loop import make_scheduler
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    sched = make_scheduler(opt, _stage({"name": "torch_ddp", "precision": "fp32"}, warmup_steps=2))
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    torch.save(sched.state_dict(), tmp_path / "s.pt")
+    state = torch.load(tmp_path / "s.pt", weights_only=True)
+    assert state["last_epoch"] == 3
+
+
+# -- job file ------------------------------------------------------------------------------------------
+
+
+def test_job_errors_name_every_key(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        parse_job({"verb": "fly", "stage": "dpo", "model_dir": "rel/path", "extra": 1}, verb="train")
+    fields = {f for f, _ in exc.value.problems}
+    assert {"verb", "stage", "model_dir", "extra", "run", "tokenizer_dir", "data_path", "stage_dir", "config_digest"} <= fields
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+
+
+def _fake_ckpt(stage_dir: Path, step: int, stage: str = "cpt", digest: str = "d") -> Path:
+    d = stage_dir / ckpt.step_name(step)
+    (d / "model").mkdir(parents=True)
+    (d / "model" / "model.safetensors.index.json").write_text("{}")
+    (d / "lr_scheduler.pt").write_bytes(b"x")
+    (d / "train_state.json").write_text(json.dumps({"step": step}))
+    write_manifest(d, kind=ckpt.KIND, meta={"stage": stage, "step": step}, config_digest=digest)
+    return d
+
+
+def test_find_resume_skips_torn_corrupt_and_foreign(tmp_path):
+    for s in (0, 3, 6, 9, 12):
+        _fake_ckpt(tmp_path, s)
+    (tmp_path / "step-000012" / "manifest.json").unlink()  # torn: no manifest
+    (tmp_path / "step-000009" / "lr_scheduler.pt").write_bytes(b"y")  # corrupt: same size, other bytes
+    _fake_ckpt(tmp_path, 15, digest="other")  # another config
+    (tmp_path / ".step-000018.tmp").mkdir()  # an unfinished save
+    rp = ckpt.find_resume(tmp_path, "cpt", "d")
+    assert rp.step == 6 and rp.path.name == "step-000006"
+    why = dict(rp.skipped)
+    assert list(why) == ["step-000015", "step-000012", "step-000009"]
+    assert "config digest" in why["step-000015"]
+    assert "no manifest.json" in why["step-000012"]
+    assert "lr_scheduler.pt fails its sha256" in why["step-000009"]
+    assert ckpt.find_resume(tmp_path, "sft", "d").step is None  # wrong stage everywhere
+    assert ckpt.remove_leftovers(tmp_path) == [".step-000018.tmp"]
+
+
+def test_retention_keeps_step0_and_last_n(tmp_path):
+    for s in (0, 2, 4, 6, 8):
+        _fake_ckpt(tmp_path, s)
+    assert ckpt.retain(tmp_path, keep_last=2) == ["step-000004", "step-000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000", "step-000006", "step-000008"]
+    assert ckpt.retain(tmp_path, keep_last=2) == []
+
+
+def test_commit_replaces_a_stale_directory(tmp_path):
+    old = _fake_ckpt(tmp_path, 3)
+    tmp = tmp_path / ckpt.tmp_name(3)
+    tmp.mkdir()
+    (tmp / "new").write_text("1")
+    ckpt.commit(tmp, old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003"]
+    assert (old / "new").is_file() and not (old / "manifest.json").exists()
+
+
+def test_rng_round_trip_is_json_and_safetensors(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    random.random(), np.random.rand(), torch.rand(1)
+    ckpt.write_rng(tmp_path, 1, ckpt.capture_rng())
+    expect = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    assert ckpt.restore_rng(tmp_path, 1)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expect
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-00001.json", "rank-00001.safetensors"]
+    assert not ckpt.restore_rng(tmp_path, 0)
+
+
+# -- output ----------------------------------------------------------------------------------------
+
+
+def test_rank_prefix_writes_whole_lines():
+    from tasks.engine.rankio import RankPrefixed
+
+    buf = io.StringIO()
+    s = RankPrefixed(buf, "[rank 3] ")
+    s.write("a\nb")
+    s.write("c\n\n")
+    s.flush()
+    s.write("tail")
+    assert buf.getvalue() == "[rank 3] a\n[rank 3] bc\n[rank 3] \n"
+    s.close_partial()
+    assert buf.getvalue().endswith("[rank 3] tail\n")

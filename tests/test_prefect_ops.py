@@ -1,0 +1,279 @@
+"""Operating with Prefect, exactly as the README's operator guide does it (e2e tier).
+
+A real `prefect server start` on 127.0.0.1 (free port, temporary PREFECT_HOME, analytics off), the
+`gpu` process pool limited to one run, `prefect deploy --all --prefect-file
+deployments/prefect.yaml`, a process worker, the Hub token in the Prefect Secret block `hf-token`
+and a Hub-protocol server for the push. Then the operator's day, on the tiny config (4 steps per
+stage, a checkpoint every 2):
+
+1. `prefect deployment run cpt-to-sft/default --watch` with a fault injected at CPT step 3 (job
+   variable env CPT_TO_SFT_FAULT): the run fails; the failing rank's last lines are in the error,
+   a `cpt-to-sft.stage.failed` event names the stage directory, the stage table says `failed`;
+2. `prefect flow-run retry <id>`: the verified stages are skipped, CPT resumes from step 2, the
+   run completes, and the API holds every artifact the UI shows (stage table, progress and loss
+   curves for CPT and SFT, export verification, the Hub commit link) and the completion events;
+3. two `prefect deployment run ... --watch` at once on the same run root: the pool runs them one
+   after the other (every stage verifies and is skipped, so they are quick);
+4. headless Chromium opens the finished run's page and sees its artifacts; screenshots are kept
+   under build/test-artifacts/prefect-ui/.
+
+Every process is started in its own process group and stopped by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, tiny_config_raw, write_config
+from tests.servers.prefect_ops import PrefectServer, chromium, ensure_chromium, run_id_from, stop_group
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+TOKEN = "hf_prefect_ops_test_token"
+REPO_ID = "ops-org/tiny-ops"
+FAULT = "fail@step=3@stage=cpt"
+STEPS, EVERY = 4, 2
+SCREENSHOTS = REPO / "build" / "test-artifacts" / "prefect-ui"
+ARTIFACT_KEYS = {"cpt-to-sft-stages", "cpt-progress", "sft-progress", "cpt-loss-curve", "sft-loss-curve", "export-verification", "hub-commit"}
+
+
+@dataclass
+class Ops:
+    server: PrefectServer
+    tmp: Path
+    config: Path
+    run_root: Path
+    timings: dict[str, float] = field(default_factory=dict)
+    failed: dict = field(default_factory=dict)
+
+    def run(self, *extra: str, timeout: float = 420.0) -> tuple[subprocess.CompletedProcess, str]:
+        out = self.server.cli(
+            "deployment", "run", "cpt-to-sft/default", "--watch", "--watch-interval", "2",
+            "-p", f"config={self.config}", *extra, check=False, timeout=timeout,
+        )
+        return out, run_id_from(out.stdout)
+
+
+def _t(stamp: str) -> datetime:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+def _latest(artifacts: list[dict]) -> dict[str, dict]:
+    """The newest artifact per key (a retried run holds one per attempt)."""
+    out: dict[str, dict] = {}
+    for a in sorted(artifacts, key=lambda a: a["created"]):
+        if a.get("key"):
+            out[a["key"]] = a
+    return out
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory, tiny_model_dir):
+    from tests.servers.hub_server import HubServer
+
+    tmp = tmp_path_factory.mktemp("prefect-ops")
+    run_root = tmp / "run"
+    raw = tiny_config_raw(tiny_model_dir, run_root)
+    for stage in ("cpt", "sft"):
+        raw[stage].update(max_steps=STEPS, checkpoint_every=EVERY)
+    raw["name"] = "ops-tiny"
+    raw["hub"] = {"repo_id": REPO_ID, "private": True}
+    config = write_config(tmp / "tiny-ops.yaml", raw)
+
+    started = time.monotonic()
+    server = PrefectServer(tmp / "prefect-home")
+    hub = HubServer(tmp / "hub", token=TOKEN)
+    try:
+        server.start()
+        hub.start()
+        timings = {"server_start_s": time.monotonic() - started}
+        server.cli("work-pool", "create", "gpu", "--type", "process")
+        server.cli("work-pool", "set-concurrency-limit", "gpu", "1")
+        t = time.monotonic()
+        server.cli("deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
+        timings["deploy_s"] = time.monotonic() - t
+        # The Hub token as the README says: a Secret block named hf-token (no HF_TOKEN on the worker).
+        subprocess.run(
+            [sys.executable, "-c", f"from prefect.blocks.system import Secret; Secret(value={TOKEN!r}).save('hf-token', overwrite=True)"],
+            env=server.env(), cwd=str(tmp), check=True, capture_output=True, timeout=120,
+        )
+        server.start_worker(
+            "gpu", tmp / "worker.log",
+            CPT_TO_SFT_HOME=str(REPO), PREFECT_WORKER_QUERY_SECONDS="1", HF_ENDPOINT=hub.endpoint,
+            HF_HUB_DISABLE_TELEMETRY="1",
+        )
+        yield Ops(server, tmp, config, run_root, timings)
+    finally:
+        server.stop()  # worker first (its flow runs and torchrun are in its process group), then the server
+        hub.stop()
+        for name in ("worker.log",):
+            if (tmp / name).exists():
+                sys.stderr.write(f"--- {name} (tail) ---\n{(tmp / name).read_text(errors='replace')[-3000:]}\n")
+
+
+@pytest.fixture(scope="module")
+def failed_run(ops):
+    t = time.monotonic()
+    out, run_id = ops.run("--job-variable", "env=" + json.dumps({"CPT_TO_SFT_FAULT": FAULT}))
+    ops.timings["failed_run_s"] = time.monotonic() - t
+    run = ops.server.wait_terminal(run_id, timeout=60)
+    task_runs = ops.server.task_runs(run_id)
+    artifacts = ops.server.artifacts(run_id)
+    return {"out": out, "id": run_id, "run": run, "task_runs": task_runs, "artifacts": artifacts}
+
+
+@pytest.fixture(scope="module")
+def retried_run(ops, failed_run):
+    run_id = failed_run["id"]
+    t = time.monotonic()
+    ops.server.cli("flow-run", "retry", run_id)
+    ops.server.cli("flow-run", "watch", run_id, check=False, timeout=480)
+    run = ops.server.wait_terminal(run_id, timeout=60)
+    ops.timings["retried_run_s"] = time.monotonic() - t
+    return {"id": run_id, "run": run}
+
+
+def test_deployments_pool_and_schedule(ops):
+    s = ops.server
+    pool = s.api("GET", "/work_pools/gpu")
+    assert pool["type"] == "process" and pool["concurrency_limit"] == 1
+    deployments = {d["name"]: d for d in s.api("POST", "/deployments/filter", {})}
+    assert set(deployments) == {"default", "nightly"}
+    for d in deployments.values():
+        assert d["work_pool_name"] == "gpu" and d["entrypoint"] == "flows/cpt_to_sft.py:cpt_to_sft"
+        # Resolved on the worker when a run starts, not frozen at deploy time.
+        assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $CPT_TO_SFT_HOME }}"}}]
+    assert deployments["default"]["schedules"] == []
+    (schedule,) = deployments["nightly"]["schedules"]
+    assert schedule["schedule"]["cron"] == "0 2 * * *" and schedule["active"] is False
+    # An inactive schedule creates no runs.
+    assert s.api("POST", "/flow_runs/filter", {"deployments": {"id": {"any_": [deployments["nightly"]["id"]]}}}) == []
+
+
+def test_failed_run_shows_failing_rank_event_and_stage_table(ops, failed_run):
+    out, run = failed_run["out"], failed_run["run"]
+    assert out.returncode != 0 and "Failed" in out.stdout, out.stdout[-3000:]
+    assert run["state"]["type"] == "FAILED"
+    # The run name carries the model and the run id.
+    assert run["name"] == f"tiny-llama-ops-tiny-{failed_run['id'].split('-')[0]}"
+    failed_tasks = [t for t in failed_run["task_runs"] if t["state"]["type"] == "FAILED"]
+    assert [t["task_key"].split("-")[0] for t in failed_tasks] == ["train_cpt"], [t["name"] for t in failed_run["task_runs"]]
+    message = failed_tasks[0]["state"]["message"]
+    assert "last lines per process" in message and "--- rank" in message and "injected failure" in message, message[-3000:]
+
+    events = [e for e in ops.server.events("cpt-to-sft.stage.failed") if any(r["prefect.resource.id"] == f"prefect.flow-run.{failed_run['id']}" for r in e["related"])]
+    assert [e["payload"]["stage"] for e in events] == ["train_cpt"]
+    assert events[0]["payload"]["artifact_uri"] == f"{ops.run_root}/cpt"
+    assert "injected failure" in events[0]["payload"]["error"]
+
+    table = _latest(failed_run["artifacts"])["cpt-to-sft-stages"]
+    rows = {r["stage"]: r for r in json.loads(table["data"])}
+    assert rows["load_from_hf"]["status"] == rows["boost_and_shard"]["status"] == "completed"
+    assert rows["train_cpt"]["status"] == "failed" and rows["train_cpt"]["artifact"] == f"{ops.run_root}/cpt"
+    assert rows["unshard"]["status"] == "not-run"
+
+    logs = ops.server.logs(failed_run["id"])
+    ranked = [entry for entry in logs if entry["message"].startswith(("[rank 0]", "[rank 1]"))]
+    assert {e["message"][:8] for e in ranked} == {"[rank 0]", "[rank 1]"}
+    progress = [e for e in ranked if e["message"].startswith("[rank 0] progress ")]
+    assert progress and all(e["level"] == 20 for e in progress)
+    steps = [json.loads(e["message"].split(" ", 3)[3])["step"] for e in progress if '"stage": "cpt"' in e["message"]]
+    assert steps == sorted(steps) and steps[:3] == [1, 2, 3], steps  # in order
+    assert any(e["level"] == 40 and "injected failure" in e["message"] for e in ranked)
+    assert all(e["level"] == 30 for e in ranked if "warning" in e["message"].lower() and e["level"] != 40)
+
+
+def test_retry_resumes_and_shows_every_artifact(ops, failed_run, retried_run):
+    s = ops.server
+    run_id = retried_run["id"]
+    assert retried_run["run"]["state"]["type"] == "COMPLETED", retried_run["run"]["state"]
+    summary = json.loads((ops.run_root / "run.json").read_text())
+    status = {st["stage"]: st["status"] for st in summary["stages"]}
+    assert summary["complete"] is True
+    assert status["load_from_hf"] == status["boost_and_shard"] == "skipped"
+    assert {status[k] for k in ("train_cpt", "unshard", "reboost", "train_sft", "export", "push_to_hub")} == {"completed"}
+    messages = [e["message"] for e in s.logs(run_id)]
+    assert any("resuming cpt from step-000002" in m for m in messages), [m for m in messages if "resum" in m]
+
+    latest = _latest(s.artifacts(run_id))
+    assert ARTIFACT_KEYS <= set(latest), sorted(latest)
+    rows = {r["stage"]: r for r in json.loads(latest["cpt-to-sft-stages"]["data"])}
+    assert rows["train_cpt"]["artifact"] == f"{ops.run_root}/cpt/step-{STEPS:06d}"
+    assert rows["export"]["manifest digest"] and rows["export"]["duration"].endswith("s")
+    for stage in ("cpt", "sft"):
+        progress = latest[f"{stage}-progress"]
+        assert progress["type"] == "progress" and float(progress["data"]) == 100.0
+        assert progress["description"].startswith(f"{stage.upper()}: step {STEPS} / {STEPS}, loss ")
+        curve = latest[f"{stage}-loss-curve"]
+        assert curve["type"] == "markdown" and "data:image/png;base64," in curve["data"]
+        png = ops.run_root / stage / "loss-curve.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in curve["data"]
+    verification = latest["export-verification"]["data"]
+    assert "Export verification" in verification and "✅ match" in verification and "model.embed_tokens.weight" in verification
+    link = latest["hub-commit"]
+    assert f"[{REPO_ID}@main](" in link["data"] and f"/{REPO_ID}/commit/" in link["data"]  # a link artifact is markdown
+
+    done = [e for e in s.events("cpt-to-sft.stage.completed") if any(r["prefect.resource.id"] == f"prefect.flow-run.{run_id}" for r in e["related"])]
+    by_stage = {e["payload"]["stage"]: e["payload"] for e in done}
+    assert {"train_cpt", "unshard", "reboost", "train_sft", "export"} <= set(by_stage), sorted(by_stage)
+    assert by_stage["train_cpt"]["artifact_uri"] == f"{ops.run_root}/cpt/step-{STEPS:06d}"
+    assert by_stage["export"]["artifact_uri"] == f"{ops.run_root}/export"
+
+
+def test_two_runs_at_once_run_one_after_the_other(ops, retried_run):
+    s = ops.server
+    t = time.monotonic()
+    argv = ["deployment", "run", "cpt-to-sft/default", "--watch", "--watch-interval", "2", "-p", f"config={ops.config}"]
+    procs = [subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "--no-prompt", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=s.env(), cwd=str(REPO), start_new_session=True) for _ in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=420)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                stop_group(p, timeout=5)
+    ops.timings["two_runs_s"] = time.monotonic() - t
+    assert [p.returncode for p in procs] == [0, 0], "\n\n".join(o[-2000:] for o in outs)
+    runs = sorted((s.flow_run(run_id_from(o)) for o in outs), key=lambda r: r["start_time"])
+    assert all(r["state"]["type"] == "COMPLETED" for r in runs)
+    first, second = runs
+    assert _t(first["end_time"]) <= _t(second["start_time"]), (first["start_time"], first["end_time"], second["start_time"], second["end_time"])
+    summary = json.loads((ops.run_root / "run.json").read_text())
+    assert {st["status"] for st in summary["stages"] if st["stage"] != "push_to_hub"} == {"skipped"}
+
+
+def test_browser_shows_the_runs_artifacts(ops, retried_run, tmp_path):
+    binary, why = ensure_chromium()
+    if binary is None:
+        pytest.skip(f"headless Chromium unavailable: {why}")
+    s = ops.server
+    run_id = retried_run["id"]
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page = f"{s.url}/v2/runs/flow-run/{run_id}?tab=Artifacts"
+    dom = chromium(binary, page, tmp_path / "profile")
+    missing = [k for k in sorted(ARTIFACT_KEYS) if k not in dom]
+    assert not missing, f"artifact keys missing from {page}: {missing}\n{dom[-3000:]}"
+    assert retried_run["run"]["name"] in dom
+    chromium(binary, page, tmp_path / "profile", screenshot=SCREENSHOTS / "flow-run-artifacts.png", window="1440,1400")
+
+    latest = _latest(s.artifacts(run_id))
+    curve = f"{s.url}/v2/artifacts/artifact/{latest['cpt-loss-curve']['id']}"
+    dom = chromium(binary, curve, tmp_path / "profile")
+    assert 'alt="cpt loss" src="data:image/png;base64,' in dom
+    chromium(binary, curve, tmp_path / "profile", screenshot=SCREENSHOTS / "cpt-loss-curve.png", window="1280,1000")
+    table = f"{s.url}/v2/artifacts/artifact/{latest['cpt-to-sft-stages']['id']}"
+    chromium(binary, table, tmp_path / "profile", screenshot=SCREENSHOTS / "stage-table.png", window="1440,1000")
+    for name in ("flow-run-artifacts.png", "cpt-loss-curve.png", "stage-table.png"):
+        assert (SCREENSHOTS / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (SCREENSHOTS / "timings.json").write_text(json.dumps({k: round(v, 1) for k, v in ops.timings.items()}, indent=2) + "\n")

@@ -1,0 +1,266 @@
+"""RunStore against a real S3 server (SeaweedFS `weed mini` on 127.0.0.1), never a mock.
+
+    .venv/bin/python -m pytest -q tests/test_storage_s3.py            # ~1 min
+    .venv/bin/python -m pytest -q tests/test_storage_s3.py -m e2e     # the whole flow on S3
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.core.errors import ArtifactMissing, ManifestError
+from tasks.core.manifest import MANIFEST, sha256_file, write_manifest
+from tasks.core.storage import SHA256_META, RunStore, TransferError, _S3Transfers
+
+pytest_plugins = ["tests.conftest_servers"]
+pytestmark = pytest.mark.integration
+
+MB = 1 << 20
+PART = 5 * MB  # S3's smallest part, so multipart paths run on small files
+
+
+def make_artifact(root: Path, sizes: dict[str, int], seed: int = 0) -> dict:
+    root.mkdir(parents=True, exist_ok=True)
+    for i, (name, size) in enumerate(sorted(sizes.items())):
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        block = hashlib.sha256(f"{seed}-{i}".encode()).digest() * 32  # 1 KiB, distinct per file
+        with open(path, "wb") as f:
+            for _ in range(size // len(block)):
+                f.write(block)
+            f.write(os.urandom(size % len(block)))
+    return write_manifest(root, kind="test-checkpoint", meta={"seed": seed})
+
+
+SIZES = {"model/model-00001.safetensors": 12 * MB + 17, "model/model-00002.safetensors": 6 * MB, "optimizer/state.bin": 3 * MB, "train_state.json": 300, "empty.txt": 0}
+
+
+def remote_objects(store: RunStore, rel: str) -> dict[str, int]:
+    base = store._remote(rel)
+    return {p[len(base) + 1:]: store.fs.size(p) for p in store.fs.find(base)}
+
+
+def test_publish_stage_in_round_trip_with_checksums(s3_root, tmp_path):
+    store = RunStore(s3_root, staging_dir=str(tmp_path / "stage-a"), part_size=PART)
+    rel = "cpt/step-000004"
+    manifest = make_artifact(store.local_path(rel), SIZES)
+
+    digest = store.publish(rel)
+    assert store.last_transfer["transferred"] == len(SIZES)
+    assert digest == hashlib.sha256((store.local_path(rel) / MANIFEST).read_bytes()).hexdigest()
+    assert store.manifest_digest(rel) == digest
+    assert remote_objects(store, rel) == {**{n: e["size"] for n, e in manifest["files"].items()}, MANIFEST: (store.local_path(rel) / MANIFEST).stat().st_size}
+    for name, entry in manifest["files"].items():
+        head = store.fs.info(store._remote(f"{rel}/{name}"))
+        assert head["size"] == entry["size"]
+    assert store.verify(rel, deep=True)["files"] == manifest["files"]
+
+    # An unchanged re-publish sends nothing.
+    assert store.publish(rel) == digest
+    assert store.last_transfer["transferred"] == 0
+
+    # Another machine stages it in: same bytes, same manifest digest, files checked by sha256.
+    other = RunStore(s3_root, staging_dir=str(tmp_path / "stage-b"), part_size=PART)
+    local = other.stage_in(rel)
+    assert other.last_transfer["transferred"] == len(SIZES)
+    for name, entry in manifest["files"].items():
+        assert sha256_file(local / name) == entry["sha256"], name
+    assert (local / MANIFEST).read_bytes() == (store.local_path(rel) / MANIFEST).read_bytes()
+    assert not list(local.rglob("*.part"))
+    # Staging in again keeps verified files; a stray local file is removed.
+    (local / "stray.bin").write_bytes(b"x")
+    other.stage_in(rel)
+    assert other.last_transfer["transferred"] == 0 and not (local / "stray.bin").exists()
+
+
+def test_corrupted_remote_object_is_named(s3_root, tmp_path):
+    store = RunStore(s3_root, staging_dir=str(tmp_path / "a"), part_size=PART)
+    rel = "export"
+    make_artifact(store.local_path(rel), {"w.safetensors": 6 * MB, "config.json": 100})
+    store.publish(rel)
+    # Same size, different bytes, written by another tool (no recorded sha256).
+    path = store._remote(f"{rel}/config.json")
+    store.fs.pipe_file(path, b"y" * 100)
+    with pytest.raises(ManifestError, match="config.json"):
+        store.verify(rel, deep=True)
+    other = RunStore(s3_root, staging_dir=str(tmp_path / "b"), part_size=PART)
+    with pytest.raises(ManifestError, match="config.json"):
+        other.stage_in(rel)
+    assert not (other.local_path(rel) / MANIFEST).exists()
+    assert not list(other.local_path(rel).rglob("*.part"))
+
+
+def test_local_change_after_manifest_is_refused(s3_root, tmp_path):
+    store = RunStore(s3_root, staging_dir=str(tmp_path / "a"), part_size=PART)
+    rel = "cpt/hf"
+    make_artifact(store.local_path(rel), {"big.bin": 11 * MB, "small.json": 50})
+    with open(store.local_path(rel) / "big.bin", "r+b") as f:  # same size, one byte flipped
+        f.seek(7 * MB)
+        f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+    with pytest.raises(ManifestError, match="big.bin"):
+        store.publish(rel)
+    assert not store.exists(f"{rel}/{MANIFEST}")
+    assert "big.bin" not in remote_objects(store, rel)  # the multipart upload was aborted
+
+
+def test_manifest_goes_last_and_old_manifest_goes_first(s3_root, tmp_path, monkeypatch):
+    store = RunStore(s3_root, staging_dir=str(tmp_path / "a"), part_size=PART)
+    rel = "sft/step-000002"
+    make_artifact(store.local_path(rel), {"a.bin": 7 * MB, "b.json": 10}, seed=1)
+    store.publish(rel)
+    make_artifact(store.local_path(rel), {"a.bin": 7 * MB, "b.json": 10}, seed=2)  # new content
+
+    calls: list[tuple[str, str]] = []
+    real_call = _S3Transfers.call
+
+    async def recording(self, method, **kw):
+        if method in ("put_object", "delete_object", "create_multipart_upload", "complete_multipart_upload"):
+            calls.append((method, kw["Key"].rsplit("/", 1)[-1]))
+        return await real_call(self, method, **kw)
+
+    monkeypatch.setattr(_S3Transfers, "call", recording)
+    store.publish(rel)
+    writes = [c for c in calls if c[0] != "create_multipart_upload"]
+    assert writes[0] == ("delete_object", MANIFEST)
+    assert writes[-1] == ("put_object", MANIFEST)
+    assert [c for c in writes if c[1] == MANIFEST] == [writes[0], writes[-1]]
+    assert {("complete_multipart_upload", "a.bin"), ("put_object", "b.json")} <= set(writes)
+
+
+def test_failed_republish_leaves_no_manifest_then_completes(s3_root, tmp_path, monkeypatch):
+    store = RunStore(s3_root, staging_dir=str(tmp_path / "a"), part_size=PART)
+    rel = "cpt/step-000008"
+    make_artifact(store.local_path(rel), {"a.bin": 12 * MB, "b.bin": 2 * MB, "c.json": 10}, seed=1)
+    store.publish(rel)
+    v2 = make_artifact(store.local_path(rel), {"a.bin": 12 * MB, "b.bin": 2 * MB, "c.json": 10}, seed=2)
+
+    real_call = _S3Transfers.call
+    parts = {"n": 0}
+
+    async def flaky(self, method, **kw):
+        if method == "upload_part":
+            parts["n"] += 1
+            if parts["n"] == 2:
+                raise ConnectionResetError("injected: connection dropped mid-part")
+        return await real_call(self, method, **kw)
+
+    monkeypatch.setattr(_S3Transfers, "call", flaky)
+    with pytest.raises(TransferError, match="no manifest was written"):
+        store.publish(rel)
+    # The v1 manifest is gone, so nothing points at the half-replaced objects.
+    assert not store.exists(f"{rel}/{MANIFEST}")
+    with pytest.raises(ArtifactMissing):
+        store.read_manifest(rel)
+
+    monkeypatch.setattr(_S3Transfers, "call", real_call)
+    store.publish(rel)
+    assert 0 < store.last_transfer["transferred"] <= 3
+    fresh = RunStore(s3_root, staging_dir=str(tmp_path / "b"), part_size=PART)
+    local = fresh.stage_in(rel)
+    assert {n: sha256_file(local / n) for n in v2["files"]} == {n: e["sha256"] for n, e in v2["files"].items()}
+
+
+def test_server_killed_mid_publish_then_publish_completes(fresh_weed, tmp_path, monkeypatch, caplog):
+    """A checkpoint-sized artifact; the S3 server is SIGKILLed while parts are in flight."""
+    from tests.conftest_servers import BUCKET
+
+    root = f"s3://{BUCKET}/killed"
+    store = RunStore(root, staging_dir=str(tmp_path / "stage"), part_size=PART, max_workers=4)
+    rel = "cpt/step-000010"
+    sizes = {"model/shard-1.safetensors": 30 * MB, "model/shard-2.safetensors": 30 * MB, "optim/shard-1.bin": 20 * MB, "config.json": 500, "train_state.json": 200}
+    manifest = make_artifact(store.local_path(rel), sizes)
+
+    real_call = _S3Transfers.call
+    done_parts = {"n": 0}
+
+    async def kill_after_parts(self, method, **kw):
+        result = await real_call(self, method, **kw)
+        if method == "upload_part":
+            done_parts["n"] += 1
+            if done_parts["n"] == 4:
+                fresh_weed.kill()  # a crash, while other parts are on the wire
+        return result
+
+    monkeypatch.setattr(_S3Transfers, "call", kill_after_parts)
+    started = time.monotonic()
+    with pytest.raises(TransferError) as excinfo:
+        store.publish(rel)
+    assert time.monotonic() - started < 120
+    assert fresh_weed.secret_key not in str(excinfo.value) and fresh_weed.secret_key not in caplog.text
+    monkeypatch.setattr(_S3Transfers, "call", real_call)
+
+    fresh_weed.start()  # same data dir and ports
+    assert not store.exists(f"{rel}/{MANIFEST}")
+    # Whatever did land is whole: every visible object is a complete, checksummed file.
+    for name, size in remote_objects(store, rel).items():
+        entry = manifest["files"][name]
+        head = store.fs.info(store._remote(f"{rel}/{name}"))
+        assert size == entry["size"], name
+
+    store.publish(rel)
+    assert store.last_transfer["transferred"] >= 1
+    assert store.verify(rel, deep=True)
+    fresh = RunStore(root, staging_dir=str(tmp_path / "fresh"), part_size=PART)
+    local = fresh.stage_in(rel)
+    for name, entry in manifest["files"].items():
+        assert sha256_file(local / name) == entry["sha256"], name
+
+
+def test_prune_staging_keeps_unpublished_work(s3_root, tmp_path):
+    store = RunStore(s3_root, staging_dir=str(tmp_path / "a"), part_size=PART)
+    for rel in ("cpt/step-000004", "cpt/step-000008", "base"):
+        make_artifact(store.local_path(rel), {"x.bin": 1000})
+    store.publish("cpt/step-000004")
+    store.publish("base")
+    make_artifact(store.local_path("cpt/step-000012"), {"x.bin": 1000})  # written, not yet published
+    removed = store.prune_staging(keep=["base"])
+    assert removed == ["cpt/step-000004"]
+    assert store.local_path("base").is_dir() and store.local_path("cpt/step-000008").is_dir() and store.local_path("cpt/step-000012").is_dir()
+    # A released publish drops its staged copy straight away.
+    store.publish("cpt/step-000008", release=True)
+    assert not store.local_path("cpt/step-000008").exists() and store.exists(f"cpt/step-000008/{MANIFEST}")
+
+
+def test_small_files_listing_and_endpoint_from_standard_env(s3_root, weed):
+    store = RunStore(s3_root)
+    assert not store.local and store.uri("run.json") == f"{s3_root}/run.json"
+    store.write_text("run.json", json.dumps({"ok": True}))
+    assert json.loads(store.read_text("run.json")) == {"ok": True}
+    assert store.exists("run.json") and store.listdir("") == ["run.json"] and store.listdir("nothing") == []
+    store.remove("run.json")
+    assert not store.exists("run.json")
+    with pytest.raises(FileNotFoundError):
+        store.read_text("run.json")
+    # Nothing but the standard AWS variables points the client at the server.
+    assert os.environ["AWS_ENDPOINT_URL"] == weed.endpoint and os.environ["AWS_DEFAULT_REGION"]
+    client = store.fs.s3
+    assert client.meta.endpoint_url == weed.endpoint and client.meta.region_name == os.environ["AWS_DEFAULT_REGION"]
+
+
+@pytest.mark.e2e
+def test_full_tiny_flow_with_run_root_on_s3(weed, prefect_harness, tiny_model_dir, tmp_path):
+    from flows.cpt_to_sft import main
+    from tests.conftest import tiny_config_raw, write_config
+    from tests.conftest_servers import BUCKET
+
+    root = f"s3://{BUCKET}/e2e-flow"
+    raw = tiny_config_raw(tiny_model_dir, root)
+    raw["staging_dir"] = str(tmp_path / "staging")
+    cfg = write_config(tmp_path / "tiny-s3.yaml", raw)
+    assert main(["--config", str(cfg)]) == 0
+    store = RunStore(root, staging_dir=str(tmp_path / "check"))
+    summary = json.loads(store.read_text("run.json"))
+    assert summary["complete"] is True and summary["run_root"] == root
+    for stage in summary["stages"]:
+        if stage["status"] in ("completed", "skipped") and stage["rel"]:
+            store.verify(stage["rel"], deep=True)
+            assert store.manifest_digest(stage["rel"]) == stage["digest"], stage["stage"]
+    export = store.stage_in("export")
+    assert (export / "config.json").is_file() and any(p.name.endswith(".safetensors") for p in export.iterdir())
