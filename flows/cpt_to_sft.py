@@ -70,20 +70,24 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
     results: dict[str, StageResult] = {}
     lease = Lease(store, holder=_holder()).acquire(log=logger.warning)
 
+    def stage(name: str, task_fn, *args) -> StageResult:
+        try:
+            results[name] = task_fn(*args)
+        except BaseException as exc:
+            results[name] = StageResult(name, "failed", detail={"error": str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__})
+            ui.stage_event(name, "failed", cfg.name, store.uri(), error=results[name].detail["error"])
+            raise
+        return results[name]
+
     try:
-        results["load_from_hf"] = base = load_from_hf(cfg)
-        results["boost_and_shard"] = a0 = boost_and_shard(cfg, base)
-        results["train_cpt"] = cpt = train_cpt(cfg, a0)
-        results["unshard"] = bridge = unshard(cfg, cpt)
-        results["reboost"] = b0 = reboost(cfg, bridge)
-        results["train_sft"] = sft = train_sft(cfg, b0)
-        results["export"] = export = export_hf(cfg, sft)
-        results["push_to_hub"] = push_to_hub(cfg, results)
-    except Exception as exc:
-        failed = next((s for s in STAGES if s not in results), None)
-        if failed:  # its row in the stage table, and a `cpt-to-sft.stage.failed` event
-            results[failed] = _failed(cfg, failed, exc)
-        raise
+        base = stage("load_from_hf", load_from_hf, cfg)
+        a0 = stage("boost_and_shard", boost_and_shard, cfg, base)
+        cpt = stage("train_cpt", train_cpt, cfg, a0)
+        bridge = stage("unshard", unshard, cfg, cpt)
+        b0 = stage("reboost", reboost, cfg, bridge)
+        sft = stage("train_sft", train_sft, cfg, b0)
+        stage("export", export_hf, cfg, sft)
+        stage("push_to_hub", push_to_hub, cfg, results)
     finally:
         try:
             summary = write_summary(cfg, results, time.monotonic() - started)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
+from tasks import ui
 from tasks.common import StageResult, completed, done, fresh_dir, resolve_local, skipped, stage_digest, store_for
 from tasks.core.config import RunConfig
 from tasks.core.errors import ConfigError, ManifestError
@@ -112,4 +113,6 @@ def load_from_hf(cfg: RunConfig) -> StageResult:
         else:
             fingerprint = None  # pickle weights are converted by the shard stage, not loaded here
         write_manifest(tmp, kind="hf-model", meta=meta, config_digest=cdigest, fingerprint=fingerprint)
-    return done("load_from_hf", store, rel, started, **{k: v for k, v in meta.items() if k != "weights"})
+    result = done("load_from_hf", store, rel, started, **{k: v for k, v in meta.items() if k != "weights"})
+    ui.stage_event("load_from_hf", "completed", cfg.name, result.uri)
+    return result

@@ -190,4 +190,5 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
     files = [name for name in sorted(manifest["files"]) if name != MANIFEST]
     outcome = push_export(export_dir, files, card, cfg.hub, token, log=logger.info)
     ui.link("hub-commit", outcome["commit_url"], f"{cfg.hub.repo_id}@{cfg.hub.revision}")
+    ui.stage_event("push_to_hub", "completed", cfg.name, outcome["commit_url"], changed=outcome.get("changed"))
     return StageResult("push_to_hub", "completed", uri=outcome["repo_url"], seconds=time.monotonic() - started, detail=outcome)

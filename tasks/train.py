@@ -113,10 +113,13 @@ def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
             store.publish(step_rel(stage, step))
 
     progress = ui.Progress(stage, st.max_steps)
-    run_engine(
-        "train", job, store.staging / "jobs" / f"{stage}-train.json", st.launch, f"{cfg.name}-{stage}-train",
-        logger, on_progress=progress, on_event=on_event, env=_fault_env(stage),
-    )
+    try:
+        run_engine(
+            "train", job, store.staging / "jobs" / f"{stage}-train.json", st.launch, f"{cfg.name}-{stage}-train",
+            logger, on_progress=progress, on_event=on_event, env=_fault_env(stage),
+        )
+    finally:
+        progress.flush()  # a failed stage shows the step it reached
     state = json.loads((store.local_path(final) / "train_state.json").read_text())
     losses = [float(x) for x in state.get("losses", [])]
     # Beside the stage's checkpoints, in the run root itself (S3 included), not only in staging.

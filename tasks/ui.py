@@ -45,24 +45,33 @@ class Progress:
     """The `<stage>-progress` artifact: percent of steps done, description `step k / N, loss x`.
 
     Called with every @@progress record of rank 0; sends at most one update per `min_interval`
-    seconds, and always the last step.
+    seconds and always the last step; `flush()` (when the launch ends, failed or not) sends the
+    last record seen, so a failed stage shows the step it reached.
     """
 
     def __init__(self, stage: str, total: int, min_interval: float = 2.0):
         self.stage, self.total, self.min_interval = stage, max(total, 1), min_interval
-        self._last = 0.0
+        self._last = float("-inf")  # the first record always goes out
         self._id = None
+        self._pending: dict[str, Any] | None = None
         try:
             self._id = create_progress_artifact(0.0, key=_key(f"{stage}-progress"), description=f"{stage.upper()}: step 0 / {self.total}")
         except Exception as exc:
             _warn("progress artifact", exc)
 
     def __call__(self, record: dict[str, Any]) -> None:
-        now = time.monotonic()
         step = int(record.get("step", 0))
-        if self._id is None or (now - self._last < self.min_interval and step < self.total):
-            return
-        self._last = now
+        self._pending = record
+        if self._id is not None and (time.monotonic() - self._last >= self.min_interval or step >= self.total):
+            self._send(record)
+
+    def flush(self) -> None:
+        if self._id is not None and self._pending is not None:
+            self._send(self._pending)
+
+    def _send(self, record: dict[str, Any]) -> None:
+        self._last, self._pending = time.monotonic(), None
+        step = int(record.get("step", 0))
         loss = record.get("loss")
         text = f"{self.stage.upper()}: step {step} / {self.total}"
         if isinstance(loss, (int, float)) and math.isfinite(loss):
@@ -78,9 +87,11 @@ def render_loss_png(stage: str, losses: list[float], first_step: int = 1) -> byt
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
     ax.plot(range(first_step, first_step + len(losses)), losses, lw=1.5, marker="o" if len(losses) <= 30 else None, ms=3)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title(f"{stage.upper()} loss")

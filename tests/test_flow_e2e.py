@@ -1,4 +1,11 @@
-"""The whole flow on the tiny config, in-process on an ephemeral Prefect server (e2e tier)."""
+"""The whole flow on the tiny config, in-process on an ephemeral Prefect server (e2e tier).
+
+One module-scoped scenario serves every test here, because a flow run costs minutes on 2 cores:
+  1. a run whose SFT stage dies (rank 1 SIGKILLed after step 5; the step-4 checkpoint is complete);
+  2. the retry over the same run root: the first five stages are skipped without a launch, SFT
+     resumes from step 4 and the run completes;
+  3. a re-run of the complete run: every stage skipped, no torchrun process at all.
+"""
 
 from __future__ import annotations
 
@@ -23,15 +30,81 @@ STAGE_DIRS = {
 }
 
 
+class Launches:
+    """Wraps tasks.train.run_engine: records every engine launch and the steps it trained."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __call__(self, verb, job, *args, **kwargs):
+        progress = self.real(verb, job, *args, **kwargs)
+        self.calls.append({"verb": verb, "stage": job["stage"], "steps": [int(p["step"]) for p in progress]})
+        return progress
+
+
 @pytest.fixture(scope="module")
-def finished_run(prefect_harness, tiny_model_dir, tmp_path_factory):
+def scenario(prefect_harness, tiny_model_dir, tmp_path_factory):
+    import tasks.train
     from flows.cpt_to_sft import main
 
     tmp = tmp_path_factory.mktemp("e2e")
     run_root = tmp / "run"
     cfg = write_config(tmp / "tiny.yaml", tiny_config_raw(tiny_model_dir, run_root))
-    assert main(["--config", str(cfg)]) == 0
-    return run_root, cfg
+    mp = pytest.MonkeyPatch()
+    runs = []
+    try:
+        for fault in ("kill@step=5@stage=sft", "", ""):
+            launches = Launches(tasks.train.run_engine.__wrapped__ if hasattr(tasks.train.run_engine, "__wrapped__") else tasks.train.run_engine)
+            mp.setattr(tasks.train, "run_engine", launches)
+            mp.setenv("CPT_TO_SFT_FAULT", fault) if fault else mp.delenv("CPT_TO_SFT_FAULT", raising=False)
+            try:
+                rc = main(["--config", str(cfg)])
+            except Exception as exc:  # the failed run raises the task's error
+                rc = exc
+            summary = json.loads((run_root / "run.json").read_text())
+            runs.append({"rc": rc, "launches": launches.calls, "summary": summary})
+            mp.setattr(tasks.train, "run_engine", launches.real)
+    finally:
+        mp.undo()
+    return run_root, runs
+
+
+@pytest.fixture(scope="module")
+def finished_run(scenario):
+    return scenario[0], scenario[1]
+
+
+def statuses(summary):
+    return {s["stage"]: s["status"] for s in summary["stages"]}
+
+
+def test_failed_sft_run_is_recorded(scenario):
+    _, runs = scenario
+    first = runs[0]
+    assert isinstance(first["rc"], Exception) and "exited with status" in str(first["rc"])
+    assert first["summary"]["complete"] is False
+    st = statuses(first["summary"])
+    assert st["train_cpt"] == "completed" and st["train_sft"] == "failed" and st["export"] == "not-run"
+
+
+def test_retry_skips_done_stages_and_resumes_sft(scenario):
+    run_root, runs = scenario
+    retry = runs[1]
+    assert retry["rc"] == 0 and retry["summary"]["complete"] is True
+    st = statuses(retry["summary"])
+    for stage in ("load_from_hf", "boost_and_shard", "train_cpt", "unshard", "reboost"):
+        assert st[stage] == "skipped", (stage, st)
+    assert st["train_sft"] == "completed" and st["export"] == "completed"
+    # Only SFT training was launched, and it continued after the step-4 checkpoint.
+    assert [(c["verb"], c["stage"]) for c in retry["launches"]] == [("train", "sft")]
+    assert retry["launches"][0]["steps"] == [5, 6, 7, 8]
+
+
+def test_rerun_of_complete_run_launches_nothing(scenario):
+    _, runs = scenario
+    rerun = runs[2]
+    assert rerun["rc"] == 0 and rerun["launches"] == []
+    assert set(statuses(rerun["summary"]).values()) <= {"skipped", "not-configured"}
 
 
 def test_every_stage_has_a_verified_artifact(finished_run):
@@ -43,7 +116,7 @@ def test_every_stage_has_a_verified_artifact(finished_run):
     by_stage = {s["stage"]: s for s in summary["stages"]}
     for stage, rel in STAGE_DIRS.items():
         verify_artifact(run_root / rel)
-        assert by_stage[stage]["status"] == "completed", by_stage[stage]
+        assert by_stage[stage]["status"] in ("completed", "skipped"), by_stage[stage]
         assert by_stage[stage]["digest"] == manifest_digest(run_root / rel)
         assert by_stage[stage]["uri"].endswith(rel)
     assert by_stage["push_to_hub"]["status"] == "not-configured"

@@ -36,7 +36,6 @@ import pytest
 from tests.conftest import REPO, tiny_config_raw, write_config
 from tests.servers.prefect_ops import PrefectServer, chromium, ensure_chromium, run_id_from, stop_group
 
-pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 TOKEN = "hf_prefect_ops_test_token"
 REPO_ID = "ops-org/tiny-ops"
@@ -53,7 +52,6 @@ class Ops:
     config: Path
     run_root: Path
     timings: dict[str, float] = field(default_factory=dict)
-    failed: dict = field(default_factory=dict)
 
     def run(self, *extra: str, timeout: float = 420.0) -> tuple[subprocess.CompletedProcess, str]:
         out = self.server.cli(
@@ -75,6 +73,69 @@ def _latest(artifacts: list[dict]) -> dict[str, dict]:
             out[a["key"]] = a
     return out
 
+
+# --- unit tier: the deployment file and the UI helpers, no server ------------------------------
+
+def test_prefect_yaml_declares_both_deployments_on_the_gpu_pool():
+    import yaml
+
+    spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
+    assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $CPT_TO_SFT_HOME }}"}}]
+    deployments = {d["name"]: d for d in spec["deployments"]}
+    assert set(deployments) == {"default", "nightly"}
+    for d in deployments.values():
+        assert d["entrypoint"] == "flows/cpt_to_sft.py:cpt_to_sft" and d["work_pool"]["name"] == "gpu"
+        assert (REPO / d["parameters"]["config"]).is_file()
+    assert "schedules" not in deployments["default"]
+    assert deployments["nightly"]["schedules"] == [{"cron": "0 2 * * *", "timezone": "UTC", "active": False}]
+
+
+def test_progress_throttles_and_flushes_the_last_step(monkeypatch):
+    from tasks import ui
+
+    sent = []
+    monkeypatch.setattr(ui, "create_progress_artifact", lambda progress, key, description: "artifact-id")
+    monkeypatch.setattr(ui, "update_progress_artifact", lambda aid, progress, description: sent.append((progress, description)))
+    progress = ui.Progress("cpt", 4, min_interval=3600)
+    progress({"step": 1, "loss": 2.5})  # the first update goes out, the next ones wait for the interval
+    progress({"step": 2, "loss": 2.25})
+    progress({"step": 3, "loss": 2.0})
+    assert sent == [(25.0, "CPT: step 1 / 4, loss 2.5000")]
+    progress.flush()  # the launch ended (here: failed) after step 3
+    assert sent[-1] == (75.0, "CPT: step 3 / 4, loss 2.0000")
+    progress({"step": 4, "loss": float("nan")})  # the last step always goes out
+    assert sent[-1] == (100.0, "CPT: step 4 / 4")
+    progress.flush()
+    assert len(sent) == 3
+
+
+def test_loss_curve_png_saved_beside_the_stage_and_inlined(monkeypatch, tmp_path):
+    from tasks import ui
+
+    made = {}
+    monkeypatch.setattr(ui, "create_markdown_artifact", lambda md, key, description: made.update(md=md, key=key))
+    png = tmp_path / "run" / "cpt" / "loss-curve.png"
+    data = ui.loss_curve("cpt", [3.0, 2.5, 2.0], str(png))
+    assert png.read_bytes() == data and data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert made["key"] == "cpt-loss-curve" and "data:image/png;base64," in made["md"] and str(png) in made["md"]
+    assert "first 3.0000 → last 2.0000" in made["md"]
+
+
+def test_stage_table_rows(monkeypatch):
+    from tasks import ui
+
+    made = {}
+    monkeypatch.setattr(ui, "create_table_artifact", lambda rows, key, description: made.update(rows=rows, key=key))
+    ui.stage_table([
+        {"stage": "train_cpt", "status": "completed", "uri": "s3://b/run/cpt/step-000010", "digest": "ab" * 32, "seconds": 3725.2},
+        {"stage": "export", "status": "not-run", "uri": None, "digest": None, "seconds": 0.0},
+    ])
+    assert made["key"] == "cpt-to-sft-stages"
+    assert made["rows"][0] == {"stage": "train_cpt", "status": "completed", "artifact": "s3://b/run/cpt/step-000010", "manifest digest": "ab" * 8, "duration": "1h 02m 05s"}
+    assert made["rows"][1]["artifact"] == "" and made["rows"][1]["duration"] == "0.0 s"
+
+
+# --- e2e: a real server, worker and CLI --------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory, tiny_model_dir):
@@ -136,12 +197,15 @@ def retried_run(ops, failed_run):
     run_id = failed_run["id"]
     t = time.monotonic()
     ops.server.cli("flow-run", "retry", run_id)
-    ops.server.cli("flow-run", "watch", run_id, check=False, timeout=480)
-    run = ops.server.wait_terminal(run_id, timeout=60)
+    # `retry` reschedules the same flow run for the worker. (`prefect flow-run watch` replays the
+    # run's old events, Failed included, and may stop early, so the API is polled instead.)
+    run = ops.server.wait_terminal(run_id, timeout=480, not_state=failed_run["run"]["state"]["id"])
     ops.timings["retried_run_s"] = time.monotonic() - t
     return {"id": run_id, "run": run}
 
 
+@pytest.mark.e2e
+@pytest.mark.integration
 def test_deployments_pool_and_schedule(ops):
     s = ops.server
     pool = s.api("GET", "/work_pools/gpu")
@@ -159,6 +223,8 @@ def test_deployments_pool_and_schedule(ops):
     assert s.api("POST", "/flow_runs/filter", {"deployments": {"id": {"any_": [deployments["nightly"]["id"]]}}}) == []
 
 
+@pytest.mark.e2e
+@pytest.mark.integration
 def test_failed_run_shows_failing_rank_event_and_stage_table(ops, failed_run):
     out, run = failed_run["out"], failed_run["run"]
     assert out.returncode != 0 and "Failed" in out.stdout, out.stdout[-3000:]
@@ -170,12 +236,15 @@ def test_failed_run_shows_failing_rank_event_and_stage_table(ops, failed_run):
     message = failed_tasks[0]["state"]["message"]
     assert "last lines per process" in message and "--- rank" in message and "injected failure" in message, message[-3000:]
 
-    events = [e for e in ops.server.events("cpt-to-sft.stage.failed") if any(r["prefect.resource.id"] == f"prefect.flow-run.{failed_run['id']}" for r in e["related"])]
+    events = ops.server.run_events("cpt-to-sft.stage.failed", failed_run["id"], expect=1)
     assert [e["payload"]["stage"] for e in events] == ["train_cpt"]
     assert events[0]["payload"]["artifact_uri"] == f"{ops.run_root}/cpt"
     assert "injected failure" in events[0]["payload"]["error"]
 
-    table = _latest(failed_run["artifacts"])["cpt-to-sft-stages"]
+    latest = _latest(failed_run["artifacts"])
+    assert latest["cpt-progress"]["description"].startswith(f"CPT: step 3 / {STEPS}, loss ")  # the step it reached
+    assert float(latest["cpt-progress"]["data"]) == 75.0
+    table = latest["cpt-to-sft-stages"]
     rows = {r["stage"]: r for r in json.loads(table["data"])}
     assert rows["load_from_hf"]["status"] == rows["boost_and_shard"]["status"] == "completed"
     assert rows["train_cpt"]["status"] == "failed" and rows["train_cpt"]["artifact"] == f"{ops.run_root}/cpt"
@@ -192,6 +261,8 @@ def test_failed_run_shows_failing_rank_event_and_stage_table(ops, failed_run):
     assert all(e["level"] == 30 for e in ranked if "warning" in e["message"].lower() and e["level"] != 40)
 
 
+@pytest.mark.e2e
+@pytest.mark.integration
 def test_retry_resumes_and_shows_every_artifact(ops, failed_run, retried_run):
     s = ops.server
     run_id = retried_run["id"]
@@ -222,13 +293,16 @@ def test_retry_resumes_and_shows_every_artifact(ops, failed_run, retried_run):
     link = latest["hub-commit"]
     assert f"[{REPO_ID}@main](" in link["data"] and f"/{REPO_ID}/commit/" in link["data"]  # a link artifact is markdown
 
-    done = [e for e in s.events("cpt-to-sft.stage.completed") if any(r["prefect.resource.id"] == f"prefect.flow-run.{run_id}" for r in e["related"])]
+    done = s.run_events("cpt-to-sft.stage.completed", run_id, expect=8)  # 2 stages of the first attempt + 6 of the retry
     by_stage = {e["payload"]["stage"]: e["payload"] for e in done}
-    assert {"train_cpt", "unshard", "reboost", "train_sft", "export"} <= set(by_stage), sorted(by_stage)
+    assert set(by_stage) == {"load_from_hf", "boost_and_shard", "train_cpt", "unshard", "reboost", "train_sft", "export", "push_to_hub"}
+    assert f"/{REPO_ID}/commit/" in by_stage["push_to_hub"]["artifact_uri"]
     assert by_stage["train_cpt"]["artifact_uri"] == f"{ops.run_root}/cpt/step-{STEPS:06d}"
     assert by_stage["export"]["artifact_uri"] == f"{ops.run_root}/export"
 
 
+@pytest.mark.e2e
+@pytest.mark.integration
 def test_two_runs_at_once_run_one_after_the_other(ops, retried_run):
     s = ops.server
     t = time.monotonic()
@@ -253,6 +327,8 @@ def test_two_runs_at_once_run_one_after_the_other(ops, retried_run):
     assert {st["status"] for st in summary["stages"] if st["stage"] != "push_to_hub"} == {"skipped"}
 
 
+@pytest.mark.e2e
+@pytest.mark.integration
 def test_browser_shows_the_runs_artifacts(ops, retried_run, tmp_path):
     binary, why = ensure_chromium()
     if binary is None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -57,9 +56,10 @@ def test_publish_stage_in_round_trip_with_checksums(s3_root, tmp_path):
     assert digest == hashlib.sha256((store.local_path(rel) / MANIFEST).read_bytes()).hexdigest()
     assert store.manifest_digest(rel) == digest
     assert remote_objects(store, rel) == {**{n: e["size"] for n, e in manifest["files"].items()}, MANIFEST: (store.local_path(rel) / MANIFEST).stat().st_size}
-    for name, entry in manifest["files"].items():
-        head = store.fs.info(store._remote(f"{rel}/{name}"))
-        assert head["size"] == entry["size"]
+    for name, entry in manifest["files"].items():  # each object carries the sha256 the server checked
+        bucket, key, _ = store.fs.split_path(store._remote(f"{rel}/{name}"))
+        head = store.fs.call_s3("head_object", Bucket=bucket, Key=key)
+        assert head["ContentLength"] == entry["size"] and head["Metadata"][SHA256_META] == entry["sha256"], name
     assert store.verify(rel, deep=True)["files"] == manifest["files"]
 
     # An unchanged re-publish sends nothing.
@@ -193,6 +193,7 @@ def test_server_killed_mid_publish_then_publish_completes(fresh_weed, tmp_path, 
     with pytest.raises(TransferError) as excinfo:
         store.publish(rel)
     assert time.monotonic() - started < 120
+    assert done_parts["n"] >= 4 and fresh_weed.proc.poll() is not None  # it died mid-publish
     assert fresh_weed.secret_key not in str(excinfo.value) and fresh_weed.secret_key not in caplog.text
     monkeypatch.setattr(_S3Transfers, "call", real_call)
 
@@ -200,9 +201,7 @@ def test_server_killed_mid_publish_then_publish_completes(fresh_weed, tmp_path, 
     assert not store.exists(f"{rel}/{MANIFEST}")
     # Whatever did land is whole: every visible object is a complete, checksummed file.
     for name, size in remote_objects(store, rel).items():
-        entry = manifest["files"][name]
-        head = store.fs.info(store._remote(f"{rel}/{name}"))
-        assert size == entry["size"], name
+        assert size == manifest["files"][name]["size"], name
 
     store.publish(rel)
     assert store.last_transfer["transferred"] >= 1
@@ -245,16 +244,24 @@ def test_small_files_listing_and_endpoint_from_standard_env(s3_root, weed):
 
 
 @pytest.mark.e2e
-def test_full_tiny_flow_with_run_root_on_s3(weed, prefect_harness, tiny_model_dir, tmp_path):
+def test_full_tiny_flow_with_run_root_on_s3_and_push_to_hub(weed, hub_env, prefect_harness, tiny_model_dir, tmp_path, monkeypatch):
+    """The whole flow: every artifact on S3 (staged through a local dir), the export pushed to the
+    test Hub in one commit, run.json (on S3) recording the commit URL."""
+    from huggingface_hub import HfApi
+
     from flows.cpt_to_sft import main
     from tests.conftest import tiny_config_raw, write_config
     from tests.conftest_servers import BUCKET
 
+    hub = hub_env
+    monkeypatch.setenv("HF_TOKEN", hub.token)
     root = f"s3://{BUCKET}/e2e-flow"
     raw = tiny_config_raw(tiny_model_dir, root)
     raw["staging_dir"] = str(tmp_path / "staging")
+    raw["hub"] = {"repo_id": "org/e2e-s3", "private": True, "commit_message": "e2e export", "license": "apache-2.0"}
     cfg = write_config(tmp_path / "tiny-s3.yaml", raw)
     assert main(["--config", str(cfg)]) == 0
+
     store = RunStore(root, staging_dir=str(tmp_path / "check"))
     summary = json.loads(store.read_text("run.json"))
     assert summary["complete"] is True and summary["run_root"] == root
@@ -263,4 +270,16 @@ def test_full_tiny_flow_with_run_root_on_s3(weed, prefect_harness, tiny_model_di
             store.verify(stage["rel"], deep=True)
             assert store.manifest_digest(stage["rel"]) == stage["digest"], stage["stage"]
     export = store.stage_in("export")
-    assert (export / "config.json").is_file() and any(p.name.endswith(".safetensors") for p in export.iterdir())
+    manifest = json.loads((export / MANIFEST).read_text())
+    assert (export / "config.json").is_file() and any(n.endswith(".safetensors") for n in manifest["files"])
+
+    api = HfApi(token=hub.token)
+    commits = api.list_repo_commits("org/e2e-s3")
+    assert [c.title for c in commits] == ["e2e export", "initial commit"]
+    assert summary["hub"]["commit_url"] == f"{hub.endpoint}/org/e2e-s3/commit/{commits[0].commit_id}"
+    tree = {f.path: f for f in api.list_repo_tree("org/e2e-s3", recursive=True) if hasattr(f, "size")}
+    assert set(manifest["files"]) | {"README.md", ".gitattributes"} == set(tree)
+    for name, entry in manifest["files"].items():
+        assert tree[name].size == entry["size"], name
+        if tree[name].lfs is not None:
+            assert tree[name].lfs.sha256 == entry["sha256"], name

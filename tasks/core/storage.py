@@ -67,9 +67,12 @@ def _s3_filesystem():
     fs = _S3_CACHE.get(env_key)
     if fs is None:
         # No listings cache: other processes (ranks, retried tasks) write the same prefixes.
+        # No SigV4 payload hashing: every upload here carries x-amz-checksum-sha256 (or botocore's
+        # own CRC), a signed header the server checks the body against, so hashing each body a
+        # second time for the signature (botocore does on plain-http endpoints) buys nothing.
         fs = s3fs.S3FileSystem(
             skip_instance_cache=True, use_listings_cache=False,
-            config_kwargs={"max_pool_connections": 4 * DEFAULT_WORKERS},
+            config_kwargs={"max_pool_connections": 4 * DEFAULT_WORKERS, "s3": {"payload_signing_enabled": False}},
         )
         _S3_CACHE[env_key] = fs
     return fs

@@ -23,9 +23,14 @@ import traceback
 import warnings
 
 # Import-time notices about CUDA-only extras this engine does not use (apex fused RMSNorm,
-# TensorNVMe async save) and a torch deprecation inside ColossalAI's DDP wrapper: one line per
-# rank per launch that would bury the real warnings in the Prefect log.
-for _pattern in (r"Please install apex", r"Please install the latest tensornvme", r"`broadcast_buffers` is deprecated"):
+# TensorNVMe async save) and torch deprecations of calls made inside ColossalAI 0.5.0 (its DDP
+# wrapper, ZeRO's collectives): lines per rank per launch that would bury real warnings.
+for _pattern in (
+    r"Please install apex",
+    r"Please install the latest tensornvme",
+    r"`broadcast_buffers` is deprecated",
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+):
     warnings.filterwarnings("ignore", message=_pattern)
 
 
@@ -70,10 +75,15 @@ def main(argv: list[str] | None = None) -> int:
 
             patched = cpu_compat.apply()
 
+        # ColossalAI logs through rich, which wraps at the terminal width (80 under a pipe).
+        os.environ.setdefault("COLUMNS", "200")
         import colossalai
         import torch.distributed as dist
+        from colossalai.logging import get_dist_logger
 
         colossalai.launch_from_torch(seed=job.stage_cfg.seed, verbose=False)
+        # Its INFO lines (e.g. where optimizer shards went) are noise next to our own log.
+        get_dist_logger().set_level("WARNING")
         if rank == 0:
             print(f"engine {args.verb} {job.stage}: world size {dist.get_world_size()}, "
                   f"{'CUDA' if torch.cuda.is_available() else 'CPU (gloo), cpu_compat patched: ' + (', '.join(patched) or 'none')}", flush=True)

@@ -3,16 +3,19 @@
     torchrun --nproc_per_node=2 -m tasks.engine shard --config JOB.json   # -> stage_dir/step-000000
     torchrun --nproc_per_node=2 -m tasks.engine train --config JOB.json   # resume, train, checkpoint
 
-Optimizer: `torch.optim.AdamW` on every plugin. ColossalAI's HybridAdam JIT-compiles a C++/CUDA
-extension on first use (minutes, and a compiler on every node) and its CPU path is meant for
-offloading; the plugins wrap any torch optimizer (mixed-precision master weights, ZeRO sharding,
-gradient clipping) and AdamW's state round-trips exactly through ColossalAI's optimizer
-checkpoints. One parameter group; weight decay applies to every parameter.
+Optimizer: `torch.optim.AdamW` on every plugin but Gemini (which accepts only ColossalAI's
+HybridAdam/FusedAdam/CPUAdam and gets HybridAdam in AdamW mode). HybridAdam needs ColossalAI's
+compiled CPU-Adam / fused-Adam kernels: here (colossalai 0.5.0 installed --no-deps, no kernels
+built) `HybridAdam(...)` fails with "No usable kernel found for CPUAdamLoader". The plugins wrap
+any torch optimizer (mixed-precision master weights, ZeRO sharding, gradient clipping) and AdamW's state
+round-trips exactly through ColossalAI's optimizer checkpoints. One parameter group; weight decay
+applies to every parameter.
 
 LR schedule: `torch.optim.lr_scheduler.LambdaLR` with a plain function (linear warm-up, then
-cosine/linear decay to min_lr, or constant). Its state dict is numbers only, so
-`lr_scheduler.pt` loads under `weights_only=True`; ColossalAI's CosineAnnealingWarmupLR pickles
-its nested scheduler objects and would not.
+cosine/linear decay to min_lr, or constant): one scheduler, one state format (numbers only, so
+`lr_scheduler.pt` loads under `weights_only=True`) for all three StageConfig schedules.
+ColossalAI's CosineAnnealingWarmupLR covers the cosine case only and its LinearWarmupLR has no
+min_lr floor.
 
 One optimizer step = micro_batch_size * grad_accum_steps sequences per data-parallel rank, dp_size
 ranks (world / (tp * pp)); every rank computes the same global order (`ResumableSampler`) and takes
@@ -92,6 +95,16 @@ def make_scheduler(optimizer, stage_cfg):
         return lr_factor(step, **kw)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def make_optimizer(model: torch.nn.Module, stage_cfg, plugin_name: str) -> torch.optim.Optimizer:
+    kw = dict(lr=stage_cfg.lr, betas=tuple(stage_cfg.betas), weight_decay=stage_cfg.weight_decay)
+    if plugin_name == "gemini":
+        # GeminiOptimizer accepts only ColossalAI's own Adam kernels (CUDA nodes build them).
+        from colossalai.nn.optimizer import HybridAdam
+
+        return HybridAdam(model.parameters(), adamw_mode=True, **kw)
+    return torch.optim.AdamW(model.parameters(), **kw)
 
 
 class StageData:
@@ -185,7 +198,7 @@ class Engine:
         model.train()
         if self.pcfg.name != "hybrid_parallel" and getattr(model.config, "tie_word_embeddings", False):
             _save_tied_once(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        optimizer = make_optimizer(model, cfg, self.pcfg.name)
         scheduler = make_scheduler(optimizer, cfg)
         self.model, self.optimizer, _, _, self.scheduler = self.booster.boost(model, optimizer, lr_scheduler=scheduler)
 
@@ -199,19 +212,22 @@ class Engine:
         after loading is the same as a first step from scratch.
         """
         inner = getattr(self.optimizer, "optim", self.optimizer)
-        try:
-            from torch.optim.optimizer import _get_scalar_dtype
+        if isinstance(inner, torch.optim.AdamW):
+            try:
+                from torch.optim.optimizer import _get_scalar_dtype
 
-            step_dtype = _get_scalar_dtype()
-        except ImportError:  # private helper; float32 is its answer for the default dtype
-            step_dtype = torch.float32
+                zero_step = lambda: torch.tensor(0.0, dtype=_get_scalar_dtype())  # noqa: E731
+            except ImportError:  # private helper; float32 is its answer for the default dtype
+                zero_step = lambda: torch.tensor(0.0, dtype=torch.float32)  # noqa: E731
+        else:  # ColossalAI's HybridAdam (Gemini) starts its counter at the int 0
+            zero_step = lambda: 0  # noqa: E731
         for group in inner.param_groups:
             if group.get("amsgrad") or group.get("fused") or group.get("capturable"):
                 raise ValueError("materialize_optimizer_state mirrors plain AdamW only (no amsgrad/fused/capturable)")
             for p in group["params"]:
                 state = inner.state[p]
                 if len(state) == 0:
-                    state["step"] = torch.tensor(0.0, dtype=step_dtype)
+                    state["step"] = zero_step()
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
@@ -233,7 +249,7 @@ class Engine:
             local = out["loss"].detach().double() if self.layout.is_last_stage else None
         else:
             ga, mbs = self.cfg.grad_accum_steps, self.cfg.micro_batch_size
-            local = torch.zeros((), dtype=torch.float64)
+            local = torch.zeros((), dtype=torch.float64, device=self.device)
             for i in range(ga):
                 mb = {k: v[i * mbs : (i + 1) * mbs] for k, v in batch.items()}
                 skip_sync = i < ga - 1 and can_no_sync(self.pcfg)
@@ -323,7 +339,7 @@ class Engine:
                 "vocab_size": self.config.vocab_size,
                 "architectures": getattr(self.config, "architectures", None),
                 "model_format": "hf-safetensors-sharded",
-                "optimizer": "torch.optim.AdamW",
+                "optimizer": type(getattr(self.optimizer, "optim", self.optimizer)).__name__,
             }
             write_manifest(tmp, kind=ckpt.KIND, meta=meta, parent=job.parent, config_digest=job.config_digest, fingerprint=fp)
             phase("rename")

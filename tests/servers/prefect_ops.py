@@ -176,17 +176,19 @@ class PrefectServer:
     def flow_run(self, run_id: str) -> dict:
         return self.api("GET", f"/flow_runs/{run_id}")
 
-    def wait_terminal(self, run_id: str, timeout: float = 600.0) -> dict:
+    def wait_terminal(self, run_id: str, timeout: float = 600.0, not_state: str | None = None) -> dict:
+        """The run once it is in a terminal state other than the state with id `not_state`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             run = self.flow_run(run_id)
-            if run["state"] and run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            state = run["state"] or {}
+            if state.get("type") in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") and state.get("id") != not_state:
                 return run
             time.sleep(1.0)
         raise AssertionError(f"flow run {run_id} not finished after {timeout:.0f}s: {run['state']}")
 
     def artifacts(self, flow_run_id: str) -> list[dict]:
-        return self.api("POST", "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "CREATED_ASC", "limit": 200})
+        return self.api("POST", "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "CREATED_DESC", "limit": 200})
 
     def task_runs(self, flow_run_id: str) -> list[dict]:
         return self.api("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 200})
@@ -209,6 +211,16 @@ class PrefectServer:
             page = self.api("GET", page["next_page"].split("/api", 1)[1])
             events += page["events"]
         return events
+
+    def run_events(self, prefix: str, flow_run_id: str, expect: int, timeout: float = 30.0) -> list[dict]:
+        """Events related to one flow run; waits up to `timeout` for at least `expect` of them
+        (the server persists events a moment after they arrive)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            events = [e for e in self.events(prefix) if any(r["prefect.resource.id"] == f"prefect.flow-run.{flow_run_id}" for r in e["related"])]
+            if len(events) >= expect or time.monotonic() > deadline:
+                return events
+            time.sleep(1.0)
 
 
 def run_id_from(output: str) -> str:

