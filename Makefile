@@ -17,11 +17,11 @@ demo: demo-inputs
 
 # Every tier: unit, distributed (torchrun, 2 CPU ranks), integration and e2e. GPU tests skip without CUDA.
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "" tests
 
 # The fast unit tier only (no torchrun, no Prefect server).
 test-fast: install
-	$(PY) -m pytest -q -m "not (distributed or integration or e2e or gpu)" tests
+	$(PY) -m pytest -q tests
 
 clean:
 	rm -rf runs build .pytest_cache

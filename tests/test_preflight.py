@@ -228,12 +228,14 @@ def test_every_problem_is_reported_at_once(tmp_path):
     assert {"cpt.plugin.tp_size", "sft.plugin.precision", "sft.data.uri", "hub.repo_id", "hub"} <= fields, str(info.value)
 
 
-def test_vocab_not_divisible_by_tp_is_allowed_and_explained(tmp_path):
+def test_vocab_not_divisible_by_tp_is_refused_with_valid_choices(tmp_path):
+    # ColossalAI would pad the vocabulary for TP and then fail to save the padded optimizer state.
     case = Case(tmp_path)
     fake_model(case.model, vocab_size=515)
     report = case.report()
-    assert report.ok, report.text()
-    assert any("vocab_size=515 is padded to 640" in c and "strips the padding on save" in c for c in report.checked)
+    assert not report.ok
+    msgs = [m for f, m in report.problems if f == "cpt.plugin.tp_size"]
+    assert msgs and "vocab_size=515" in msgs[0] and "[1]" in msgs[0], report.text()
 
 
 def test_oversubscribed_cpu_is_a_warning_not_an_error(tmp_path):

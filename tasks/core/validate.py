@@ -13,13 +13,13 @@ All of them are reported together in one `ConfigError`; a clean run returns the 
 answer are parameters, so tests inject them instead of needing the machine.
 
 Decisions recorded here:
-- vocab_size not divisible by tp (or by 64*tp) is allowed, not refused: ColossalAI 0.5.0's
-  VocabParallelEmbedding1D / VocabParallelLMHead1D pad the vocabulary to a multiple of
-  `make_vocab_size_divisible_by (64) * tp_size` while training, and both save paths strip the
-  padding again (`HybridParallelCheckpointIO._model_sharder` and `ParallelModule._save_to_state_dict`
-  call `to_unpadded_tensor`; optimizer states go through `search_padding_dim` + unpad). The export
-  therefore holds exactly `vocab_size` rows, and `tasks.core.convert` refuses any padded row it
-  finds. The report says when padding applies.
+- vocab_size not divisible by tp_size is REFUSED for hybrid_parallel with tp > 1. ColossalAI
+  0.5.0 would pad the embedding and LM head (`make_vocab_size_divisible_by`), and although the
+  model save strips the padding (`to_unpadded_tensor`), saving the optimizer state of a padded
+  parameter fails (AssertionError in `search_tp_partition_dim`, measured here). The engine turns
+  padding off (`make_vocab_size_divisible_by=1`), so the export always holds exactly
+  `vocab_size` rows and `tasks.core.convert` refuses any padded row it finds. Choose a tp_size
+  that divides the vocabulary (or resize the vocabulary to a multiple of it) instead.
 - pp must be <= num_hidden_layers, not a divisor of it: ColossalAI's stage manager distributes
   layers unevenly.
 - Staging space is an estimate (dense decoder parameter count from config.json): a training
@@ -54,7 +54,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
 HEAD_RECORDS = 64  # records parsed per dataset: enough to catch a wrong format, cheap on any size
-VOCAB_MULTIPLE = 64  # ColossalAI's make_vocab_size_divisible_by default (ShardConfig)
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4  # fp32 master weights kept by mixed-precision optimizers
@@ -329,12 +328,12 @@ def _stage_layout(ctx: _Ctx, name: str, stage: StageConfig) -> None:
                 f"every rank needs whole attention/KV heads and MLP columns. Valid tp_size: {valid}",
             )
         vocab = mc.get("vocab_size")
-        if isinstance(vocab, int) and vocab % (VOCAB_MULTIPLE * p.tp_size):
-            mult = VOCAB_MULTIPLE * p.tp_size
-            padded = -(-vocab // mult) * mult
-            ctx.ok(
-                f"{name}: vocab_size={vocab} is padded to {padded} (multiple of 64*tp={mult}) while training; ColossalAI strips "
-                f"the padding on save, the export keeps exactly {vocab} rows and tasks.core.convert refuses padded rows"
+        if isinstance(vocab, int) and p.tp_size > 1 and vocab % p.tp_size:
+            ctx.problem(
+                f"{f}.tp_size",
+                f"tp_size={p.tp_size} does not divide the base model's vocab_size={vocab}: ColossalAI would pad the embedding and "
+                f"LM head and then fail to checkpoint their optimizer state. Use a tp_size in {_divisors(math.gcd(vocab, *dims.values()))} "
+                "or resize the vocabulary to a multiple of tp_size",
             )
     if mc is not None and p.pp_size > 1:
         layers = mc.get("num_hidden_layers")
