@@ -5,7 +5,9 @@
 
 Without PREFECT_API_URL this starts an embedded Prefect server (nothing to run first). Each line
 below is one Prefect task that leaves a verified artifact under the run root; re-running skips
-every stage whose artifact verifies and whose config is unchanged.
+every stage whose artifact verifies and whose config is unchanged. The gate before push_to_hub
+compares the evaluations with `gate:`; a failed gate keeps every artifact, pushes nothing, ends
+the flow run in a Completed state named "FailedGate", and the CLI exits with status 3.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.states import Completed
 
 from tasks import ui
 from tasks.common import StageResult, resolve_local, store_for
 from tasks.core.config import RunConfig, load_config
 from tasks.core.lease import Lease, break_lease, describe
 from tasks.core.storage import fetch_to_local
+from tasks.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back
 from tasks.export import export_hf
 from tasks.load import load_from_hf
 from tasks.preflight import preflight, run_check_cli
@@ -55,7 +59,8 @@ def _run_name() -> str:
 
 @flow(name="cpt-to-sft", flow_run_name=_run_name, log_prints=True)
 def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str | None = None, run_name: str | None = None) -> dict[str, Any]:
-    """Load → boost & shard (A) → train CPT (A) → unshard → reboost (B) → train SFT (B) → export → push.
+    """Load → boost & shard (A) → train CPT (A) → unshard → evaluate CPT → reboost (B) → train SFT (B)
+    → export → evaluate SFT → gate → push.
 
     config: path or fsspec URI of the run's YAML (see deployments/configs/).
     run_root: override the config's run_root (where every artifact and run.json are written).
@@ -74,8 +79,7 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
         try:
             results[name] = task_fn(*args)
         except BaseException as exc:
-            results[name] = StageResult(name, "failed", detail={"error": str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__})
-            ui.stage_event(name, "failed", cfg.name, store.uri(), error=results[name].detail["error"])
+            results[name] = _failed(cfg, name, exc)  # its row in the stage table + a failed event
             raise
         return results[name]
 
@@ -84,15 +88,27 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
         a0 = stage("boost_and_shard", boost_and_shard, cfg, base)
         cpt = stage("train_cpt", train_cpt, cfg, a0)
         bridge = stage("unshard", unshard, cfg, cpt)
+        cpt_eval = stage("evaluate_cpt", evaluate_cpt, cfg, base, bridge)  # base vs CPT, held-out perplexity
         b0 = stage("reboost", reboost, cfg, bridge)
         sft = stage("train_sft", train_sft, cfg, b0)
-        stage("export", export_hf, cfg, sft)
-        stage("push_to_hub", push_to_hub, cfg, results)
+        export = stage("export", export_hf, cfg, sft)
+        sft_eval = stage("evaluate_sft", evaluate_sft, cfg, bridge, export)  # pre-SFT vs SFT, generation check
+        verdict = stage("gate", gate, cfg, cpt_eval, sft_eval)
+        if verdict.status == "failed-gate":
+            results["push_to_hub"] = held_back(cfg, verdict)
+        else:
+            stage("push_to_hub", push_to_hub, cfg, results)
     finally:
         try:
             summary = write_summary(cfg, results, time.monotonic() - started)
+            # Staged copies of published artifacts are recoverable from the run root; unpublished
+            # ones (what a resume needs) stay.
+            store.prune_staging()
         finally:
             lease.release()
+    if summary["gate"].get("passed") is False:
+        # Not a crash: the artifacts are fine and kept, they just did not earn a push.
+        return Completed(name="FailedGate", message=gate_message(summary["gate"]), data=summary)
     return summary
 
 
@@ -102,18 +118,22 @@ def _holder() -> str:
     return f"flow run {flow_run.name or '?'} ({flow_run.id})"
 
 
-STAGES = ("load_from_hf", "boost_and_shard", "train_cpt", "unshard", "reboost", "train_sft", "export", "push_to_hub")
+STAGES = ("load_from_hf", "boost_and_shard", "train_cpt", "unshard", "evaluate_cpt", "reboost", "train_sft", "export", "evaluate_sft", "gate", "push_to_hub")
+DONE = ("completed", "skipped", "not-configured", "passed", "disabled")  # statuses of a run that did its job
 # Where each stage writes (its artifact, or the stage directory of its checkpoints): the URI a
 # failure event and the stage table point the operator at.
-STAGE_DIRS = {"load_from_hf": "base", "boost_and_shard": "cpt", "train_cpt": "cpt", "unshard": "cpt/hf", "reboost": "sft", "train_sft": "sft", "export": "export"}
+STAGE_DIRS = {
+    "load_from_hf": "base", "boost_and_shard": "cpt", "train_cpt": "cpt", "unshard": "cpt/hf", "evaluate_cpt": "eval/cpt",
+    "reboost": "sft", "train_sft": "sft", "export": "export", "evaluate_sft": "eval/sft",
+}
 
 
-def _failed(cfg: RunConfig, stage: str, exc: Exception) -> StageResult:
+def _failed(cfg: RunConfig, stage: str, exc: BaseException) -> StageResult:
     rel = STAGE_DIRS.get(stage)
     uri = store_for(cfg).uri(rel) if rel else (f"hf://{cfg.hub.repo_id}" if cfg.hub else None)
-    error = f"{type(exc).__name__}: {exc}"
-    ui.stage_event(stage, "failed", cfg.name, uri, error=error[-4000:])
-    return StageResult(stage, "failed", rel, uri, None, 0.0, {"error": error.splitlines()[0][:300] if error else ""})
+    # The event carries the whole message (for a launch: every rank's last lines) for automations.
+    ui.stage_event(stage, "failed", cfg.name, uri, error=f"{type(exc).__name__}: {exc}"[-4000:])
+    return StageResult(stage, "failed", rel, uri, detail={"error": str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__})
 
 
 def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: float) -> dict[str, Any]:
@@ -124,13 +144,16 @@ def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: floa
         stages.append(r.as_dict() if r else {"stage": name, "status": "not-run", "uri": None, "digest": None, "seconds": 0.0, "detail": {}})
     export = results.get("export")
     push = results.get("push_to_hub")
+    verdict = results.get("gate")
     summary = {
         "run": cfg.name,
         "run_root": store.uri(),
-        "complete": all(s["status"] in ("completed", "skipped", "not-configured") for s in stages),
+        "complete": all(s["status"] in DONE for s in stages),
         "seconds": round(seconds, 2),
         "stages": stages,
         "export": export.uri if export else None,
+        "evaluation": {k: (results[f"evaluate_{k}"].detail.get("metrics") if f"evaluate_{k}" in results else None) for k in ("cpt", "sft")},
+        "gate": ({"status": verdict.status, **verdict.detail} if verdict and verdict.status != "failed" else {"status": verdict.status if verdict else "not-run"}),
         "hub": (push.detail if push and push.status == "completed" else {"status": push.status if push else "not-run", **(push.detail if push else {})}),
     }
     store.write_text("run.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
@@ -142,7 +165,10 @@ def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.cpt_to_sft", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m flows.cpt_to_sft", description=__doc__.splitlines()[0],
+        epilog="exit status: 0 complete (pushed, or no hub configured); 1 a stage failed; 3 the gate failed (artifacts kept, nothing pushed)",
+    )
     parser.add_argument("--config", required=True, help="YAML config: local path or fsspec URI")
     parser.add_argument("--run-root", help="override run_root (local path, NFS path or s3://...)")
     parser.add_argument("--run-name", help="override the run name")
@@ -157,8 +183,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lease on {cfg.run_uri}: " + (f"broken (was held by {describe(old)})" if old else "none held"))
         return 0
     summary = cpt_to_sft(config=args.config, run_root=args.run_root, run_name=args.run_name)
-    print(json.dumps({"run_root": summary["run_root"], "complete": summary["complete"], "export": summary["export"], "seconds": summary["seconds"]}, indent=2))
+    gate_ = summary.get("gate") or {}
+    print(json.dumps({"run_root": summary["run_root"], "complete": summary["complete"], "export": summary["export"], "seconds": summary["seconds"], "gate": gate_.get("status")}, indent=2))
+    if gate_.get("passed") is False:
+        print(gate_message(gate_), file=sys.stderr)
+        return EXIT_FAILED_GATE
     return 0 if summary["complete"] else 1
+
+
+EXIT_FAILED_GATE = 3  # the run finished and kept its artifacts, but the gate held the push back
 
 
 if __name__ == "__main__":

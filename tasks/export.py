@@ -17,6 +17,7 @@ from tasks import ui
 from tasks.common import StageResult, completed, done, fresh_dir, skipped, stage_digest, store_for
 from tasks.core.config import RunConfig
 from tasks.core.manifest import write_manifest
+from tasks.evaluate import recorded_split
 from tasks.hf_artifact import build_hf_dir
 
 
@@ -59,7 +60,10 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
         (tmp / "verification.json").write_text(json.dumps(v, indent=2, sort_keys=True) + "\n")
         write_manifest(
             tmp, kind="hf-export",
-            meta={"from_checkpoint": sft.uri, "dtype": cfg.export.dtype, "verification": {k: x for k, x in v.items() if k != "shapes"}},
+            meta={
+                "from_checkpoint": sft.uri, "dtype": cfg.export.dtype, "verification": {k: x for k, x in v.items() if k != "shapes"},
+                "data_split": recorded_split(store, "sft"),  # what SFT trained on and what it held out
+            },
             parent={"uri": sft.uri, "digest": sft.digest}, config_digest=cdigest,
             fingerprint=built["fingerprint"], known_hashes=built["known_hashes"],
         )

@@ -20,6 +20,7 @@ from tasks.common import StageResult, completed, done, resolve_local, skipped, s
 from tasks.core.config import RunConfig
 from tasks.core.manifest import verify_artifact
 from tasks.core.storage import RunStore, fetch_to_local
+from tasks.evaluate import heldout_split, record_split
 from tasks.launch import run_engine
 
 SOURCE = {"cpt": "base", "sft": "cpt/hf"}
@@ -30,7 +31,11 @@ def step_rel(stage: str, step: int) -> str:
 
 
 def stage_config_digest(cfg: RunConfig, stage: str, parent_digest: str) -> str:
-    return stage_digest(stage, getattr(cfg, stage), parent_digest)
+    # Of the evaluation settings only the held-out split changes what the stage trains on;
+    # batch size, dtype etc. of the evaluation must not re-train anything.
+    st = getattr(cfg, stage)
+    section = {**st.model_dump(mode="json"), "eval": st.eval.split_section()}
+    return stage_digest(stage, section, parent_digest)
 
 
 def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:
@@ -51,7 +56,13 @@ def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:
 
 def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageResult, cdigest: str) -> dict[str, Any]:
     source = store.stage_in(parent.rel if verb == "shard" else SOURCE[stage]) if not store.local else store.local_path(SOURCE[stage])
-    data = fetch_to_local(resolve_local(getattr(cfg, stage).data.uri), store.staging / "data" / stage)
+    if verb == "train":
+        # The held-out records are split off here, before the engine sees the data: the engine
+        # trains on every record of data_path, so it gets the training part only.
+        data, _, split = heldout_split(cfg, store, stage)
+        record_split(store, stage, split)
+    else:
+        data = fetch_to_local(resolve_local(getattr(cfg, stage).data.uri), store.staging / "data" / stage)
     return {
         "verb": verb,
         "stage": stage,
@@ -111,6 +122,7 @@ def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
         if kind == "checkpoint" and not store.local:
             step = int(record["step"])
             store.publish(step_rel(stage, step))
+            _retain_remote(store, stage, st.keep_last)
 
     progress = ui.Progress(stage, st.max_steps)
     try:
@@ -127,6 +139,16 @@ def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
     result = done(f"train_{stage}", store, final, started, steps=st.max_steps, first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None)
     ui.stage_event(f"train_{stage}", "completed", cfg.name, result.uri, final_loss=result.detail.get("final_loss"))
     return result
+
+
+def _retain_remote(store: RunStore, stage: str, keep_last: int) -> None:
+    """The engine's keep_last retention, applied to the published copies (step-000000 is kept).
+
+    Runs only after a newer manifest is committed remotely, like the engine's local retention."""
+    published = [n for n in store.listdir(stage) if n.startswith("step-") and n != "step-000000" and store.exists(f"{stage}/{n}/manifest.json")]
+    for name in sorted(published, reverse=True)[keep_last:]:
+        store.remove(f"{stage}/{name}")
+        get_run_logger().info("retention: removed %s (keep_last=%d)", store.uri(f"{stage}/{name}"), keep_last)
 
 
 def _stage_in_latest(store: RunStore, stage: str) -> None:

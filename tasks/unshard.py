@@ -14,6 +14,7 @@ from tasks import ui
 from tasks.common import StageResult, completed, done, fresh_dir, skipped, stage_digest, store_for
 from tasks.core.config import RunConfig
 from tasks.core.manifest import write_manifest
+from tasks.evaluate import recorded_split
 from tasks.hf_artifact import build_hf_dir
 
 
@@ -31,7 +32,10 @@ def unshard(cfg: RunConfig, cpt: StageResult) -> StageResult:
         built = build_hf_dir(ckpt, tmp, source, dtype=None, max_shard_size=cfg.export.max_shard_size, weights_dtype=cfg.cpt.plugin.precision)
         write_manifest(
             tmp, kind="hf-model",
-            meta={"from_checkpoint": cpt.uri, "plugin": cfg.cpt.plugin.model_dump(mode="json"), "verification": built["verification"]},
+            meta={
+                "from_checkpoint": cpt.uri, "plugin": cfg.cpt.plugin.model_dump(mode="json"), "verification": built["verification"],
+                "data_split": recorded_split(store, "cpt"),  # what CPT trained on and what it held out
+            },
             parent={"uri": cpt.uri, "digest": cpt.digest}, config_digest=cdigest,
             fingerprint=built["fingerprint"], known_hashes=built["known_hashes"],
         )

@@ -68,8 +68,25 @@ class DataConfig(_Frozen):
     messages_field: str = Field(default="messages", description="SFT: the record field holding the chat messages.")
 
 
+class EvalConfig(_Frozen):
+    heldout_uri: str | None = Field(default=None, description="fsspec URI or path of this stage's held-out set (same format and fields as the training data). Training records identical to a held-out record are dropped from training. None: split heldout_fraction off the training data.")
+    heldout_fraction: float = Field(default=0.05, ge=0.0, le=0.5, description="Without heldout_uri: the share of training records held out, chosen by a hash of each record's canonical JSON (deterministic and order-independent; identical records land on the same side; at least one record). 0 with no heldout_uri: this stage is not evaluated.")
+    batch_size: int = Field(default=8, ge=1, description="Sequences per forward pass during evaluation; memory only, the metric is a token-weighted mean over every evaluated token.")
+    max_batches: int | None = Field(default=50, ge=1, description="Evaluate at most this many batches of the held-out set (the first ones, in file order); null evaluates all of it.")
+    dtype: Precision = Field(default="fp32", description="Dtype both models of a comparison are loaded in for evaluation (the same on both sides, so the comparison is fair); bf16 halves the memory on a GPU worker.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.heldout_uri is not None or self.heldout_fraction > 0
+
+    def split_section(self) -> dict[str, Any]:
+        """The fields that decide what the stage trains on (part of its training digest)."""
+        return {"heldout_uri": self.heldout_uri, "heldout_fraction": self.heldout_fraction}
+
+
 class StageConfig(_Frozen):
     data: DataConfig = Field(description="Training data of this stage.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out data of this stage and how its evaluation runs (CPT: base vs CPT perplexity; SFT: pre-SFT vs SFT loss on assistant tokens).")
     plugin: PluginConfig = Field(description="The ColossalAI plugin and its parallel layout for this stage.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How many processes and nodes torchrun starts for this stage.")
     max_steps: int = Field(ge=1, description="Optimizer steps to train.")
@@ -93,6 +110,19 @@ class ExportConfig(_Frozen):
     fingerprint_atol: float | None = Field(default=None, description="Allowed max |logit difference| against the SFT fingerprint; default 1e-5 for fp32, 0.1 for bf16, 0.02 for fp16.")
 
 
+class GateConfig(_Frozen):
+    enabled: bool = Field(default=True, description="Check the thresholds below before push_to_hub; a failed gate skips the push and keeps every artifact. false lets every run through (metrics are still computed and recorded).")
+    cpt_max_ppl_increase_pct: float | None = Field(default=0.0, description="Fail when the CPT model's held-out perplexity is more than this many percent above the base model's (0: must not get worse; negative: must improve by at least that much); null: not checked.")
+    sft_loss_must_improve: bool = Field(default=True, description="Fail unless the SFT model's held-out loss on assistant tokens is below the pre-SFT (CPT) model's.")
+    generation_must_stop: bool = Field(default=True, description="Fail unless the export's generation_config.json eos_token_id includes the chat template's end-of-turn token and every greedy generation of a held-out prompt ends at an eos token within max_new_tokens.")
+    max_new_tokens: int = Field(default=256, ge=1, description="Generation check: the most tokens a reply may take before it must have stopped.")
+    num_prompts: int = Field(default=4, ge=1, description="Generation check: how many held-out SFT prompts (messages up to the last user turn) are decoded greedily.")
+
+    def generation_section(self) -> dict[str, Any]:
+        """The fields the SFT evaluation depends on (its digest); thresholds only decide the verdict."""
+        return {"max_new_tokens": self.max_new_tokens, "num_prompts": self.num_prompts}
+
+
 class HubConfig(_Frozen):
     repo_id: str = Field(description="Target Hub repo, 'org/name'.")
     private: bool = Field(default=True, description="Create the repo private.")
@@ -109,6 +139,7 @@ class RunConfig(_Frozen):
     cpt: StageConfig = Field(description="Continued pre-training: packed raw text under plugin A.")
     sft: StageConfig = Field(description="Supervised fine-tuning: chat records, loss on assistant tokens, under plugin B.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="The HF safetensors export.")
+    gate: GateConfig = Field(default_factory=GateConfig, description="Thresholds the evaluation must meet before the export is pushed to the Hub.")
     hub: HubConfig | None = Field(default=None, description="Push the export to this Hub repo; None skips the push.")
     staging_dir: str | None = Field(default=None, description="Local directory for staging remote artifacts; default a temp dir.")
 
@@ -117,6 +148,7 @@ class RunConfig(_Frozen):
         problems: list[tuple[str, str]] = []
         for stage in ("cpt", "sft"):
             problems += plugin_problems(getattr(self, stage), f"{stage}")
+        problems += gate_problems(self)
         if problems:
             raise ConfigError(problems)
         return self
@@ -159,6 +191,21 @@ def plugin_problems(stage: StageConfig, where: str) -> list[tuple[str, str]]:
             out.append((f"{f}.num_microbatches", f"pipeline needs at least pp_size={p.pp_size} micro-batches per step, got {nmb}; raise grad_accum_steps or num_microbatches"))
     if stage.keep_last < 1:
         out.append((f"{where}.keep_last", "keep at least one checkpoint"))
+    return out
+
+
+def gate_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+    """An enabled gate threshold needs the held-out set it is measured on."""
+    g = cfg.gate
+    if not g.enabled:
+        return []
+    out: list[tuple[str, str]] = []
+    needs = [("cpt_max_ppl_increase_pct", "cpt", g.cpt_max_ppl_increase_pct is not None),
+             ("sft_loss_must_improve", "sft", g.sft_loss_must_improve),
+             ("generation_must_stop", "sft", g.generation_must_stop)]
+    for name, stage, active in needs:
+        if active and not getattr(cfg, stage).eval.enabled:
+            out.append((f"gate.{name}", f"needs a {stage.upper()} held-out set, but {stage}.eval.heldout_fraction is 0 and no heldout_uri is set; give one, or turn this check off (gate.enabled: false disables the whole gate)"))
     return out
 
 

@@ -1,0 +1,245 @@
+"""Stages evaluate_cpt, evaluate_sft and gate: held-out metrics, a generation check, the publish gate.
+
+Evaluation runs on the HF-format artifacts with plain `transformers` on the worker (CUDA when it
+has one, else CPU), never under a plugin: every model compared here already exists as an HF
+directory, which is also how users will load it.
+- evaluate_cpt: base/ vs cpt/hf/ on the CPT held-out set -> eval/cpt/ (metrics.json + manifest)
+- evaluate_sft: cpt/hf/ (what reboost loaded: the pre-SFT model) vs export/ on the SFT held-out
+  set, loss on assistant tokens; then greedy generations of held-out prompts with the export
+  -> eval/sft/ (metrics.json, generations.jsonl + manifest)
+- gate: the thresholds of `gate:` over those metrics; a failed gate holds the push back.
+
+Held-out data is split off before training (`heldout_split`, called by tasks.train._job) and the
+same deterministic split is recomputed here. The evaluation artifacts are leaves nobody trains
+from, so changing an evaluation setting re-runs evaluation only, never training; and they skip
+on a re-run like every stage (manifest verifies, config digest matches).
+
+    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # runs them in the flow
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from tasks import ui
+from tasks.common import StageResult, completed, done, fresh_dir, resolve_local, stage_digest, store_for
+from tasks.core import evaluation as ev
+from tasks.core.config import RunConfig, digest
+from tasks.core.manifest import sha256_file, write_manifest
+from tasks.core.split import split_by_fraction, split_by_heldout
+from tasks.core.storage import RunStore, fetch_to_local
+
+EVAL_TABLE_KEY = "cpt-to-sft-evaluation"
+SPLIT_FILE = "data-split.json"  # beside the stage's checkpoints: <run_root>/<stage>/data-split.json
+
+
+# ------------------------------------------------------------------------------------------------
+# Held-out split (used by training, before the engine runs, and by evaluation)
+
+
+def _write_jsonl(path: Path, records: list[Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def heldout_split(cfg: RunConfig, store: RunStore, stage: str) -> tuple[Path, Path | None, dict[str, Any]]:
+    """(training file, held-out file or None, split record) for `stage`.
+
+    Writes `<staging>/data/<stage>/split/{train,heldout}.jsonl` and the split record; without a
+    held-out set (fraction 0, no URI) the training file is the data file itself, unchanged.
+    """
+    from tasks.engine.data import read_records
+
+    st = getattr(cfg, stage)
+    dest = store.staging / "data" / stage
+    data = fetch_to_local(resolve_local(st.data.uri), dest)
+    base = {"data_uri": st.data.uri, "data_sha256": sha256_file(data)}
+    if not st.eval.enabled:
+        return data, None, {"method": "none", **base}
+    records = read_records(str(data))
+    if st.eval.heldout_uri:
+        held_file = fetch_to_local(resolve_local(st.eval.heldout_uri), dest / "heldout-source")
+        split = split_by_heldout(records, read_records(str(held_file)), st.eval.heldout_uri)
+        base["heldout_sha256"] = sha256_file(held_file)
+    else:
+        split = split_by_fraction(records, st.eval.heldout_fraction)
+    out = dest / "split"
+    out.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(out / "train.jsonl", split.train)
+    _write_jsonl(out / "heldout.jsonl", split.heldout)
+    info = {**base, **split.info}
+    (out / SPLIT_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    return out / "train.jsonl", out / "heldout.jsonl", info
+
+
+def record_split(store: RunStore, stage: str, info: dict[str, Any]) -> None:
+    """Keep the split record in the run root beside the stage's checkpoints (S3 included)."""
+    store.write_text(f"{stage}/{SPLIT_FILE}", json.dumps(info, indent=2, sort_keys=True) + "\n")
+
+
+def recorded_split(store: RunStore, stage: str) -> dict[str, Any] | None:
+    """The split the stage trained with, for the manifests of the artifacts made from it."""
+    try:
+        return json.loads(store.read_text(f"{stage}/{SPLIT_FILE}"))
+    except Exception:
+        return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation stages
+
+
+def _with_metrics(result: StageResult, store: RunStore) -> StageResult:
+    """A skipped evaluation still reports its recorded metrics (run.json, the gate, the card)."""
+    meta = store.read_manifest(result.rel).get("meta") or {}
+    result.detail["metrics"] = meta.get("metrics")
+    return result
+
+
+def _skipped(stage: str, store: RunStore, rel: str, started: float) -> StageResult:
+    get_run_logger().info("%s: skipped, %s verifies and its config digest matches", stage, store.uri(rel))
+    return _with_metrics(StageResult(stage, "skipped", rel, store.uri(rel), store.manifest_digest(rel), time.monotonic() - started), store)
+
+
+def _not_configured(stage: str, which: str) -> StageResult:
+    get_run_logger().info("%s: no %s held-out set (%s.eval.heldout_fraction is 0, no heldout_uri): not evaluated", stage, which.upper(), which)
+    return StageResult(stage, "not-configured", detail={"reason": f"{which}.eval has no held-out set"})
+
+
+def _eval_digest(cfg: RunConfig, stage: str, extra: dict[str, Any], *parents: StageResult) -> str:
+    st = getattr(cfg, stage)
+    section = {
+        "eval": st.eval.model_dump(mode="json"), "data": st.data.model_dump(mode="json"), "seq_len": st.seq_len,
+        "trust_remote_code": cfg.base_model.trust_remote_code, **extra,
+    }
+    return stage_digest(f"evaluate_{stage}", section, digest([p.digest for p in parents]))
+
+
+@task(name="evaluate_cpt", task_run_name="evaluate CPT: base vs CPT held-out perplexity")
+def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult) -> StageResult:
+    logger = get_run_logger()
+    started = time.monotonic()
+    store = store_for(cfg)
+    rel = "eval/cpt"
+    if not cfg.cpt.eval.enabled:
+        return _not_configured("evaluate_cpt", "cpt")
+    cdigest = _eval_digest(cfg, "cpt", {}, base, bridge)
+    if completed(store, rel, cdigest):
+        return _skipped("evaluate_cpt", store, rel, started)
+    base_dir, cpt_dir = store.stage_in(base.rel), store.stage_in(bridge.rel)
+    _, heldout, split = heldout_split(cfg, store, "cpt")
+    from tasks.engine.data import read_records
+
+    st = cfg.cpt
+    metrics = ev.evaluate_cpt(base_dir, cpt_dir, read_records(str(heldout)), st.data.text_field, st.seq_len, st.eval, cfg.base_model.trust_remote_code)
+    metrics["split"] = split
+    logger.info(
+        "evaluate_cpt: held-out perplexity base %.4f -> CPT %.4f (%+.2f%%) on %d tokens in %.1fs",
+        metrics["base"]["perplexity"], metrics["cpt"]["perplexity"], metrics["perplexity_change_pct"], metrics["tokens"], metrics["seconds"],
+    )
+    with fresh_dir(store.local_path(rel)) as tmp:
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        write_manifest(
+            tmp, kind="evaluation",
+            meta={"stage": "cpt", "metrics": metrics, "reference": {"uri": base.uri, "digest": base.digest}, "candidate": {"uri": bridge.uri, "digest": bridge.digest}},
+            parent={"uri": bridge.uri, "digest": bridge.digest}, config_digest=cdigest,
+        )
+    result = done("evaluate_cpt", store, rel, started, metrics=metrics)
+    ui.stage_event("evaluate_cpt", "completed", cfg.name, result.uri, base_perplexity=metrics["base"]["perplexity"], cpt_perplexity=metrics["cpt"]["perplexity"])
+    return result
+
+
+@task(name="evaluate_sft", task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
+def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult) -> StageResult:
+    logger = get_run_logger()
+    started = time.monotonic()
+    store = store_for(cfg)
+    rel = "eval/sft"
+    if not cfg.sft.eval.enabled:
+        return _not_configured("evaluate_sft", "sft")
+    g = cfg.gate
+    cdigest = _eval_digest(cfg, "sft", {"generation": g.generation_section()}, bridge, export)
+    if completed(store, rel, cdigest):
+        return _skipped("evaluate_sft", store, rel, started)
+    pre_dir, export_dir = store.stage_in(bridge.rel), store.stage_in(export.rel)
+    _, heldout_file, split = heldout_split(cfg, store, "sft")
+    from tasks.engine.data import read_records
+
+    st = cfg.sft
+    heldout = read_records(str(heldout_file))
+    trust = cfg.base_model.trust_remote_code
+    metrics = ev.evaluate_sft(pre_dir, export_dir, heldout, st.data.messages_field, st.seq_len, st.eval, trust)
+    gen, rows = ev.generation_check(export_dir, heldout, st.data.messages_field, g.max_new_tokens, g.num_prompts, st.eval.dtype, trust)
+    gen["file"] = "generations.jsonl"
+    metrics["generation"] = gen
+    metrics["split"] = split
+    logger.info(
+        "evaluate_sft: held-out assistant loss pre-SFT %.4f -> SFT %.4f on %d tokens; %d of %d generations stopped (%.1fs + %.1fs)",
+        metrics["pre_sft"]["loss"], metrics["sft"]["loss"], metrics["tokens"], gen["stopped"], gen["prompts"], metrics["seconds"], gen["seconds"],
+    )
+    for problem in gen["problems"]:
+        logger.warning("evaluate_sft: generation check: %s", problem)
+    with fresh_dir(store.local_path(rel)) as tmp:
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        _write_jsonl(tmp / "generations.jsonl", rows)
+        write_manifest(
+            tmp, kind="evaluation",
+            meta={"stage": "sft", "metrics": metrics, "reference": {"uri": bridge.uri, "digest": bridge.digest}, "candidate": {"uri": export.uri, "digest": export.digest}},
+            parent={"uri": export.uri, "digest": export.digest}, config_digest=cdigest,
+        )
+    result = done("evaluate_sft", store, rel, started, metrics=metrics)
+    ui.stage_event("evaluate_sft", "completed", cfg.name, result.uri, pre_sft_loss=metrics["pre_sft"]["loss"], sft_loss=metrics["sft"]["loss"], generation_passed=gen["passed"])
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# The gate
+
+
+@task(name="gate", task_run_name="gate before push")
+def gate(cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult) -> StageResult:
+    """Status `passed`, `failed-gate` or `disabled`; detail is the verdict (checks and reasons).
+
+    Not an artifact: a pure decision over recorded metrics and `gate:`, taken on every run, so
+    changing a threshold re-decides without re-running anything upstream.
+    """
+    logger = get_run_logger()
+    started = time.monotonic()
+    cpt, sft = cpt_eval.detail.get("metrics"), sft_eval.detail.get("metrics")
+    verdict = ev.gate_verdict(cfg.gate, cpt, sft)
+    for c in verdict["checks"]:
+        logger.info("gate: %s %s: %s", "pass" if c["ok"] else "FAIL", c["check"], c["message"])
+    status = "disabled" if not cfg.gate.enabled else ("passed" if verdict["passed"] else "failed-gate")
+    if status == "disabled":
+        logger.warning("gate: disabled by gate.enabled: false; the export goes to push_to_hub whatever the checks say")
+    elif status == "failed-gate":
+        logger.error("gate: FAILED, the push is skipped and every artifact is kept: %s", "; ".join(verdict["reasons"]))
+    try:
+        from prefect.artifacts import create_table_artifact
+
+        create_table_artifact(ev.metrics_table(cpt, sft, verdict), key=EVAL_TABLE_KEY, description=f"Held-out evaluation and the publish gate: {status}")
+    except Exception as exc:
+        logger.warning("evaluation table artifact unavailable: %s", exc)
+    return StageResult("gate", status, seconds=time.monotonic() - started, detail=verdict)
+
+
+def held_back(cfg: RunConfig, verdict: StageResult) -> StageResult:
+    """The push_to_hub result when the gate failed: nothing is pushed, the reasons are kept."""
+    reasons = verdict.detail.get("reasons", [])
+    target = f"hf://{cfg.hub.repo_id}" if cfg.hub else None
+    get_run_logger().warning("push_to_hub: not run, the gate failed (%s)", "; ".join(reasons))
+    ui.stage_event("push_to_hub", "failed-gate", cfg.name, target, reasons=reasons)
+    return StageResult("push_to_hub", "failed-gate", uri=target, detail={"reason": "the gate failed", "reasons": reasons})
+
+
+def gate_message(verdict: dict[str, Any]) -> str:
+    return "gate failed, nothing pushed, every artifact kept: " + "; ".join(verdict.get("reasons") or [])
