@@ -26,7 +26,7 @@ from tasks.common import StageResult, resolve_local, store_for
 from tasks.core.config import RunConfig, load_config
 from tasks.core.lease import Lease, break_lease, describe
 from tasks.core.storage import fetch_to_local
-from tasks.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back
+from tasks.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back, recorded_metrics
 from tasks.export import export_hf
 from tasks.load import load_from_hf
 from tasks.preflight import preflight, run_check_cli
@@ -152,7 +152,7 @@ def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: floa
         "seconds": round(seconds, 2),
         "stages": stages,
         "export": export.uri if export else None,
-        "evaluation": {k: (results[f"evaluate_{k}"].detail.get("metrics") if f"evaluate_{k}" in results else None) for k in ("cpt", "sft")},
+        "evaluation": recorded_metrics(results),
         "gate": ({"status": verdict.status, **verdict.detail} if verdict and verdict.status != "failed" else {"status": verdict.status if verdict else "not-run"}),
         "hub": (push.detail if push and push.status == "completed" else {"status": push.status if push else "not-run", **(push.detail if push else {})}),
     }

@@ -241,5 +241,16 @@ def held_back(cfg: RunConfig, verdict: StageResult) -> StageResult:
     return StageResult("push_to_hub", "failed-gate", uri=target, detail={"reason": "the gate failed", "reasons": reasons})
 
 
+def recorded_metrics(results: dict[str, StageResult]) -> dict[str, dict[str, Any] | None]:
+    """{"cpt": metrics | None, "sft": metrics | None} from this run's stage results (skipped
+    evaluations carry the metrics recorded in their manifests): run.json's "evaluation" and the
+    input of `tasks.core.evaluation.eval_results_for_card`."""
+    out: dict[str, dict[str, Any] | None] = {}
+    for stage in ("cpt", "sft"):
+        r = results.get(f"evaluate_{stage}")
+        out[stage] = r.detail.get("metrics") if r is not None else None
+    return out
+
+
 def gate_message(verdict: dict[str, Any]) -> str:
     return "gate failed, nothing pushed, every artifact kept: " + "; ".join(verdict.get("reasons") or [])

@@ -83,11 +83,15 @@ def train_facts(cfg: RunConfig, results: dict[str, StageResult], read_text: Call
     return facts
 
 
-def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str, dict]) -> str:
-    """The README.md: ModelCardData metadata plus plugins/layouts, steps, losses, verification."""
+def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str, dict], metrics: dict[str, Any] | None = None) -> str:
+    """The README.md: ModelCardData metadata (with a model-index of the held-out metrics) plus
+    plugins/layouts, steps, losses, verification."""
     from huggingface_hub import ModelCard, ModelCardData
 
+    from tasks.core.evaluation import eval_results_for_card
+
     hub = cfg.hub
+    eval_results = eval_results_for_card(metrics or {})
     datasets = sorted({d for d in (_hub_dataset_id(cfg.cpt.data.uri), _hub_dataset_id(cfg.sft.data.uri)) if d})
     data = ModelCardData(
         base_model=cfg.base_model.uri if _is_hub_id(cfg.base_model.uri) else None,
@@ -96,6 +100,9 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
         license=hub.license if hub and hub.license else None,
         tags=["cpt-to-sft", "colossalai", *(hub.tags if hub else ())],
         pipeline_tag="text-generation",
+        # huggingface_hub requires model_name whenever eval_results are given.
+        model_name=(hub.repo_id.split("/")[-1] if hub else cfg.name) if eval_results else None,
+        eval_results=eval_results or None,
     )
 
     def layout(stage: str) -> str:
@@ -186,7 +193,9 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
     store = store_for(cfg)
     export_dir = store.stage_in("export")  # sha256-verified against the export manifest
     manifest = read_manifest(export_dir)
-    card = model_card(cfg, manifest, train_facts(cfg, results, store.read_text))
+    from tasks.evaluate import recorded_metrics
+
+    card = model_card(cfg, manifest, train_facts(cfg, results, store.read_text), recorded_metrics(results))
     files = [name for name in sorted(manifest["files"]) if name != MANIFEST]
     outcome = push_export(export_dir, files, card, cfg.hub, token, log=logger.info)
     ui.link("hub-commit", outcome["commit_url"], f"{cfg.hub.repo_id}@{cfg.hub.revision}")

@@ -4,7 +4,10 @@ One module-scoped scenario serves every test here, because a flow run costs minu
   1. a run whose SFT stage dies (rank 1 SIGKILLed after step 5; the step-4 checkpoint is complete);
   2. the retry over the same run root: the first five stages are skipped without a launch, SFT
      resumes from step 4 and the run completes;
-  3. a re-run of the complete run: every stage skipped, no torchrun process at all.
+  3. a re-run of the complete run: every stage skipped, no torchrun process at all;
+  4. the same run root with an impossible gate threshold: only the gate is decided anew, it fails,
+     the push is skipped and the flow run ends Completed, named "FailedGate";
+  5. the same with `gate.enabled: false`: the push runs again, the run is complete.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ STAGE_DIRS = {
     "boost_and_shard": "cpt/step-000000",
     "train_cpt": "cpt/step-000008",
     "unshard": "cpt/hf",
+    "evaluate_cpt": "eval/cpt",
     "reboost": "sft/step-000000",
     "train_sft": "sft/step-000008",
     "export": "export",
+    "evaluate_sft": "eval/sft",
 }
+UPSTREAM = tuple(STAGE_DIRS)  # every stage that leaves an artifact (all but gate and push)
 
 
 class Launches:
@@ -64,9 +70,35 @@ def scenario(prefect_harness, tiny_model_dir, tmp_path_factory):
             summary = json.loads((run_root / "run.json").read_text())
             runs.append({"rc": rc, "launches": launches.calls, "summary": summary})
             mp.setattr(tasks.train, "run_engine", launches.real)
+        runs += _gate_reruns(mp, tmp, tiny_model_dir, run_root)
     finally:
         mp.undo()
     return run_root, runs
+
+
+def _gate_reruns(mp, tmp, model_dir, run_root):
+    """Steps 4 and 5: only the gate config changes; gate config is in no artifact's digest."""
+    import flows.cpt_to_sft as flow_mod
+    import tasks.train
+
+    out = []
+    for name, gate in (("failing", {"cpt_max_ppl_increase_pct": -100.0}), ("disabled", {"cpt_max_ppl_increase_pct": -100.0, "enabled": False})):
+        raw = tiny_config_raw(model_dir, run_root)
+        raw["gate"].update(gate)
+        cfg = write_config(tmp / f"tiny-gate-{name}.yaml", raw)
+        launches, pushes = Launches(tasks.train.run_engine), []
+        real_push = flow_mod.push_to_hub
+        mp.setattr(tasks.train, "run_engine", launches)
+        mp.setattr(flow_mod, "push_to_hub", lambda cfg_, results, _real=real_push: (pushes.append(cfg_.gate.enabled), _real(cfg_, results))[1])
+        if name == "failing":
+            state = flow_mod.cpt_to_sft(config=str(cfg), return_state=True)
+            out.append({"state": state, "rc": None, "launches": launches.calls, "pushes": pushes, "summary": json.loads((run_root / "run.json").read_text())})
+        else:
+            rc = flow_mod.main(["--config", str(cfg)])
+            out.append({"rc": rc, "launches": launches.calls, "pushes": pushes, "summary": json.loads((run_root / "run.json").read_text())})
+        mp.setattr(tasks.train, "run_engine", launches.real)
+        mp.setattr(flow_mod, "push_to_hub", real_push)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +124,10 @@ def test_retry_skips_done_stages_and_resumes_sft(scenario):
     retry = runs[1]
     assert retry["rc"] == 0 and retry["summary"]["complete"] is True
     st = statuses(retry["summary"])
-    for stage in ("load_from_hf", "boost_and_shard", "train_cpt", "unshard", "reboost"):
+    for stage in ("load_from_hf", "boost_and_shard", "train_cpt", "unshard", "evaluate_cpt", "reboost"):
         assert st[stage] == "skipped", (stage, st)
-    assert st["train_sft"] == "completed" and st["export"] == "completed"
+    assert st["train_sft"] == "completed" and st["export"] == "completed" and st["evaluate_sft"] == "completed"
+    assert st["gate"] == "passed" and retry["summary"]["gate"]["passed"] is True
     # Only SFT training was launched, and it continued after the step-4 checkpoint.
     assert [(c["verb"], c["stage"]) for c in retry["launches"]] == [("train", "sft")]
     assert retry["launches"][0]["steps"] == [5, 6, 7, 8]
@@ -104,7 +137,9 @@ def test_rerun_of_complete_run_launches_nothing(scenario):
     _, runs = scenario
     rerun = runs[2]
     assert rerun["rc"] == 0 and rerun["launches"] == []
-    assert set(statuses(rerun["summary"]).values()) <= {"skipped", "not-configured"}
+    st = statuses(rerun["summary"])
+    assert st.pop("gate") == "passed"  # a decision over recorded metrics, taken on every run
+    assert set(st.values()) <= {"skipped", "not-configured"}, st
 
 
 def test_every_stage_has_a_verified_artifact(finished_run):
@@ -174,3 +209,60 @@ def test_bridge_is_bitwise_the_plugin_a_checkpoint_and_reproduces_its_logits(fin
     # The unshard stage compared plain transformers' logits with the live plugin-A (tp=2) logits.
     meta = json.loads((run_root / "cpt/hf/manifest.json").read_text())["meta"]["verification"]
     assert meta["fingerprint_max_abs_diff"] <= 1e-5 and meta["fingerprint_match"] is True
+
+
+def test_evaluation_is_recorded_in_manifests_and_run_json(finished_run):
+    from tasks.core.split import record_id
+    from tasks.engine.data import read_records
+
+    run_root, runs = finished_run
+    summary = runs[1]["summary"]  # the run that completed SFT, evaluation and the gate
+    cpt = json.loads((run_root / "eval/cpt/manifest.json").read_text())["meta"]["metrics"]
+    sft_manifest = json.loads((run_root / "eval/sft/manifest.json").read_text())
+    sft = sft_manifest["meta"]["metrics"]
+    assert summary["evaluation"] == {"cpt": cpt, "sft": sft}
+    # CPT on the CPT domain: the held-out perplexity dropped below the base model's.
+    assert cpt["cpt"]["perplexity"] < cpt["base"]["perplexity"] and cpt["perplexity_change_pct"] < 0, cpt
+    assert sft["sft"]["loss"] < sft["pre_sft"]["loss"], sft
+    assert cpt["tokens"] > 0 and sft["tokens"] > 0
+    gen = sft["generation"]
+    assert gen["prompts"] == 4 and gen["end_of_turn"]["token"] == "<|im_end|>" and 4 in gen["eos_token_id"]
+    assert "generations.jsonl" in sft_manifest["files"]
+    rows = [json.loads(line) for line in (run_root / "eval/sft/generations.jsonl").read_text().splitlines()]
+    assert len(rows) == gen["prompts"] and all(r["prompt"][-1]["role"] == "user" for r in rows)
+    # The split: recorded with the artifacts, and training never saw a held-out record.
+    for stage, artifact, metrics in (("cpt", "cpt/hf", cpt), ("sft", "export", sft)):
+        split = json.loads((run_root / artifact / "manifest.json").read_text())["meta"]["data_split"]
+        assert split == metrics["split"] and split["method"] == "hash-fraction" and split["heldout_records"] >= 1
+        train = read_records(str(run_root / "data" / stage / "split" / "train.jsonl"))
+        held = read_records(str(run_root / "data" / stage / "split" / "heldout.jsonl"))
+        assert not ({record_id(r) for r in train} & {record_id(r) for r in held})
+        assert len(train) == split["train_records"] and len(held) == split["heldout_records"]
+        job = json.loads((run_root / "jobs" / f"{stage}-train.json").read_text())
+        assert job["data_path"] == str(run_root / "data" / stage / "split" / "train.jsonl")
+
+
+def test_failed_gate_skips_the_push_and_a_disabled_gate_lets_it_through(scenario):
+    from prefect.states import StateType
+
+    _, runs = scenario
+    failing, disabled = runs[3], runs[4]
+    for run in (failing, disabled):
+        st = statuses(run["summary"])
+        assert run["launches"] == [] and all(st[s] == "skipped" for s in UPSTREAM), st  # only the gate re-decided
+    # Failing: Completed (not a crash) named FailedGate, push not called, the reasons recorded.
+    state = failing["state"]
+    assert state.type == StateType.COMPLETED and state.name == "FailedGate"
+    assert "gate failed, nothing pushed" in state.message and "CPT held-out perplexity" in state.message
+    assert failing["pushes"] == []
+    summary = failing["summary"]
+    assert statuses(summary)["gate"] == "failed-gate" and statuses(summary)["push_to_hub"] == "failed-gate"
+    assert summary["gate"]["passed"] is False and summary["complete"] is False
+    assert len(summary["gate"]["reasons"]) == 1 and "allowed at most -100%" in summary["gate"]["reasons"][0]
+    assert state.result()["gate"] == summary["gate"]
+    # Disabled: the same failing check is reported, and push_to_hub runs (no hub here: not-configured).
+    assert disabled["rc"] == 0 and disabled["pushes"] == [False]
+    summary = disabled["summary"]
+    assert statuses(summary)["gate"] == "disabled" and statuses(summary)["push_to_hub"] == "not-configured"
+    assert summary["gate"]["passed"] is True and summary["complete"] is True
+    assert [c["check"] for c in summary["gate"]["checks"] if not c["ok"]] == ["cpt_perplexity"]

@@ -148,6 +148,8 @@ def ops(tmp_path_factory, tiny_model_dir):
         raw[stage].update(max_steps=STEPS, checkpoint_every=EVERY)
     raw["name"] = "ops-tiny"
     raw["hub"] = {"repo_id": REPO_ID, "private": True}
+    # 4 steps of a random model do not earn a push; the gate has its own tests (test_evaluate.py).
+    raw.setdefault("gate", {})["enabled"] = False
     config = write_config(tmp / "tiny-ops.yaml", raw)
 
     started = time.monotonic()
@@ -236,7 +238,7 @@ def test_failed_run_shows_failing_rank_event_and_stage_table(ops, failed_run):
     message = failed_tasks[0]["state"]["message"]
     assert "last lines per process" in message and "--- rank" in message and "injected failure" in message, message[-3000:]
 
-    events = ops.server.run_events("cpt-to-sft.stage.failed", failed_run["id"], expect=1)
+    events = ops.server.run_events("cpt-to-sft.stage.failed", failed_run["id"], {"train_cpt"})
     assert [e["payload"]["stage"] for e in events] == ["train_cpt"]
     assert events[0]["payload"]["artifact_uri"] == f"{ops.run_root}/cpt"
     assert "injected failure" in events[0]["payload"]["error"]
@@ -293,9 +295,10 @@ def test_retry_resumes_and_shows_every_artifact(ops, failed_run, retried_run):
     link = latest["hub-commit"]
     assert f"[{REPO_ID}@main](" in link["data"] and f"/{REPO_ID}/commit/" in link["data"]  # a link artifact is markdown
 
-    done = s.run_events("cpt-to-sft.stage.completed", run_id, expect=8)  # 2 stages of the first attempt + 6 of the retry
-    by_stage = {e["payload"]["stage"]: e["payload"] for e in done}
-    assert set(by_stage) == {"load_from_hf", "boost_and_shard", "train_cpt", "unshard", "reboost", "train_sft", "export", "push_to_hub"}
+    # load_from_hf and boost_and_shard completed in the first attempt, the others in the retry.
+    expected = {"load_from_hf", "boost_and_shard", "train_cpt", "unshard", "reboost", "train_sft", "export", "push_to_hub"}
+    by_stage = {e["payload"]["stage"]: e["payload"] for e in s.run_events("cpt-to-sft.stage.completed", run_id, expected)}
+    assert expected <= set(by_stage), sorted(by_stage)
     assert f"/{REPO_ID}/commit/" in by_stage["push_to_hub"]["artifact_uri"]
     assert by_stage["train_cpt"]["artifact_uri"] == f"{ops.run_root}/cpt/step-{STEPS:06d}"
     assert by_stage["export"]["artifact_uri"] == f"{ops.run_root}/export"
@@ -324,7 +327,7 @@ def test_two_runs_at_once_run_one_after_the_other(ops, retried_run):
     first, second = runs
     assert _t(first["end_time"]) <= _t(second["start_time"]), (first["start_time"], first["end_time"], second["start_time"], second["end_time"])
     summary = json.loads((ops.run_root / "run.json").read_text())
-    assert {st["status"] for st in summary["stages"] if st["stage"] != "push_to_hub"} == {"skipped"}
+    assert {st["status"] for st in summary["stages"] if st["stage"] not in ("gate", "push_to_hub")} == {"skipped"}
 
 
 @pytest.mark.e2e
@@ -341,7 +344,7 @@ def test_browser_shows_the_runs_artifacts(ops, retried_run, tmp_path):
     missing = [k for k in sorted(ARTIFACT_KEYS) if k not in dom]
     assert not missing, f"artifact keys missing from {page}: {missing}\n{dom[-3000:]}"
     assert retried_run["run"]["name"] in dom
-    chromium(binary, page, tmp_path / "profile", screenshot=SCREENSHOTS / "flow-run-artifacts.png", window="1440,1400")
+    chromium(binary, page, tmp_path / "profile", screenshot=SCREENSHOTS / "flow-run-artifacts.png", window="1440,1800")
 
     latest = _latest(s.artifacts(run_id))
     curve = f"{s.url}/v2/artifacts/artifact/{latest['cpt-loss-curve']['id']}"

@@ -208,6 +208,20 @@ def prompt_messages(messages: list[dict]) -> list[dict] | None:
     return None if last_user is None else list(messages[: last_user + 1])
 
 
+def distinct_prompts(heldout: Sequence[dict], messages_field: str, n: int) -> list[list[dict]]:
+    """The first n distinct prompts of the held-out records, in file order."""
+    seen, out = set(), []
+    for rec in heldout:
+        p = prompt_messages(rec.get(messages_field) or []) if isinstance(rec, dict) else None
+        key = json.dumps(p, sort_keys=True)
+        if p and key not in seen:
+            seen.add(key)
+            out.append(p)
+        if len(out) == n:
+            break
+    return out
+
+
 def _eos_ids(value: Any) -> list[int]:
     if value is None:
         return []
@@ -237,7 +251,7 @@ def generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: s
     started = time.monotonic()
     tokenizer = load_tokenizer(model_dir, trust_remote_code)
     eos, eot, eos_problem = generation_eos_problem(model_dir, tokenizer)
-    prompts = [p for p in (prompt_messages(r.get(messages_field) or []) for r in heldout) if p][:num_prompts]
+    prompts = distinct_prompts(heldout, messages_field, num_prompts)
     if not prompts:
         raise ValueError(f"no held-out SFT record has a user turn to prompt with ({len(heldout)} records)")
     device = eval_device()

@@ -212,13 +212,13 @@ class PrefectServer:
             events += page["events"]
         return events
 
-    def run_events(self, prefix: str, flow_run_id: str, expect: int, timeout: float = 30.0) -> list[dict]:
-        """Events related to one flow run; waits up to `timeout` for at least `expect` of them
-        (the server persists events a moment after they arrive)."""
+    def run_events(self, prefix: str, flow_run_id: str, stages: set[str], timeout: float = 30.0) -> list[dict]:
+        """Events related to one flow run; waits up to `timeout` until there is one for each of
+        `stages` (payload "stage"), since the server persists events a moment after they arrive."""
         deadline = time.monotonic() + timeout
         while True:
             events = [e for e in self.events(prefix) if any(r["prefect.resource.id"] == f"prefect.flow-run.{flow_run_id}" for r in e["related"])]
-            if len(events) >= expect or time.monotonic() > deadline:
+            if stages <= {e["payload"].get("stage") for e in events} or time.monotonic() > deadline:
                 return events
             time.sleep(1.0)
 

@@ -1,0 +1,757 @@
+"""GPU validation of the flow on one CUDA GPU, in one command with a time budget; and its CPU dry run.
+
+    bash benchmarks/gpu_check.sh                     # GPU machine: install carried wheels, then this
+    python benchmarks/gpu_check.py [--budget-s 540]  # the same without the installs
+    python benchmarks/gpu_check.py --dry-run         # here, on CPU: small model, CPU plugin for SFT
+
+What it runs, each step a time-boxed subprocess (its output goes to $OUT/gpu_check.log, or
+<work>/gpu_check.log without $OUT), then one `CHECK <name>: ok|failed (<reason>)` line per check:
+
+  env                 versions (torch/CUDA, transformers 4.51.3, colossalai 0.5.0, prefect 3.9), the GPU
+  kernels             ColossalAI's CPU-Adam and fused-Adam JIT kernels (HybridAdam, Gemini's optimizer),
+                      built while the model is written
+  model               a Llama-shaped random model (~300M parameters, vocab 32000) + the demo tokenizer,
+                      written to deployments/configs/gpu-check.yaml's base_model.uri
+  preflight           `python -m flows.cpt_to_sft --config gpu-check.yaml --check` is clean (on CPU:
+                      exactly one problem, sft.plugin.name: gemini needs CUDA)
+  plain_baseline      benchmarks/plain_colossalai_train.py under torchrun: same model, plugin, batch,
+                      seq_len and steps as the config's CPT stage, no orchestration
+  flow_kill           the flow with CPT_TO_SFT_FAULT=kill@step=K@stage=sft (K = 1.5 checkpoint
+                      intervals): CPT, unshard and reboost complete, SFT dies after step K
+  flow_resume         the retry over the same run root: nothing before SFT is relaunched, SFT resumes
+                      from its last checkpoint, the run completes; redone steps' losses vs the first try
+  sft_checkpoint      the SFT checkpoints are Gemini/HybridAdam ones and hold the CUDA RNG state
+  export_fingerprint  export/verification.json matches, and the export's logits recomputed on the GPU
+                      match the final SFT checkpoint's fingerprint
+  throughput          the flow's CPT tokens/s (from the engine's @@progress records) over the plain
+                      script's, same steps, the intervals holding a checkpoint save left out, the first
+                      5 steps too; target >= 0.97. Model TFLOP/s per GPU = tokens/s x (6 N + 12 L H Q T)
+                      (PaLM's count: N the matmul parameters, the LM head included, the input
+                      embedding not; L layers, H heads, Q head dim, T seq_len) and MFU against the
+                      H200's dense bf16 peak: 989 TFLOP/s by the datasheet, ~790 measured here
+                      (8192^3 bf16 matmul through PyTorch, /work/.library/device/KINDS.md)
+  gpu_tests           `pytest -m gpu tests/test_gpu.py` if enough of the budget is left
+
+--dry-run (no CUDA): the model is tiny (same config otherwise), the CPT plugin is the config's own
+(HybridParallel ZeRO-1 bf16 on one CPU rank), SFT runs low_level_zero instead of Gemini, steps are
+fewer; kernels are skipped and the throughput ratio is parsed and printed but not judged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "deployments" / "configs" / "gpu-check.yaml"
+PEAK_SPEC_TFLOPS = 989.0
+PEAK_MEASURED_TFLOPS = 790.0
+TARGET_RATIO = 0.97
+TOKENIZER_VOCAB = 512
+# ~302M parameters: 20 x 11.8M (GQA attention 3.1M + gated MLP 8.7M) + 2 x 32.8M (embedding, LM head).
+FULL_MODEL = dict(vocab_size=32000, hidden_size=1024, num_layers=20, num_heads=16, num_kv_heads=8,
+                  intermediate_size=2816, max_position_embeddings=4096)
+DRY_MODEL = dict(vocab_size=None, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                 intermediate_size=128, max_position_embeddings=4096)
+# The dry run's changes to gpu-check.yaml (everything else, the CPT plugin included, is kept).
+DRY_OVERRIDES = {
+    "cpt": {"max_steps": 8, "checkpoint_every": 4},
+    "sft": {"max_steps": 8, "checkpoint_every": 4, "plugin": {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"}},
+}
+TIMEOUTS = {"env": 120, "kernels": 420, "model": 180, "preflight": 90, "plain": 240, "flow1": 420, "flow2": 300,
+            "logits": 150, "tests": 300}
+
+
+# ------------------------------------------------------------------------------------------------
+# bookkeeping
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | failed | skipped
+    detail: str = ""
+
+    def line(self) -> str:
+        return f"CHECK {self.name}: {self.status}" + (f" ({self.detail})" if self.detail else "")
+
+
+@dataclass
+class Ctx:
+    args: argparse.Namespace
+    work: Path
+    log_path: Path
+    deadline: float
+    cuda: bool
+    checks: list[Check] = field(default_factory=list)
+    figures: dict[str, Any] = field(default_factory=dict)
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def check(self, name: str, ok: bool | None, detail: str = "") -> Check:
+        c = Check(name, "skipped" if ok is None else ("ok" if ok else "failed"), detail)
+        self.checks.append(c)
+        say(c.line())
+        return c
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def base_env(work: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.update({
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_HOME": str(work / "prefect-home"),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "COLUMNS": "200",
+    })
+    for k in ("CPT_TO_SFT_FAULT", "PREFECT_API_URL"):
+        env.pop(k, None)
+    return env
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen | None
+    out_path: Path
+    started: float
+    timeout: float
+    rc: int | None = None
+    seconds: float = 0.0
+    timed_out: bool = False
+    skipped: str = ""
+
+    @property
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace") if self.out_path.is_file() else ""
+
+
+def start(ctx: Ctx, name: str, argv: list[str], timeout: float, env: dict[str, str] | None = None) -> Proc:
+    out = ctx.work / "logs" / f"{name}.log"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    limit = min(timeout, ctx.remaining())
+    if limit < 10:
+        return Proc(name, None, out, time.monotonic(), 0, skipped="out of the time budget")
+    say(f"== {name}: {' '.join(argv[:6])}{' ...' if len(argv) > 6 else ''} (limit {limit:.0f}s)")
+    fh = open(out, "w")
+    popen = subprocess.Popen(argv, cwd=REPO, env=env or base_env(ctx.work), stdout=fh, stderr=subprocess.STDOUT,
+                             start_new_session=True)  # its own process group: a timeout ends all of it
+    fh.close()
+    return Proc(name, popen, out, time.monotonic(), limit)
+
+
+def finish(ctx: Ctx, p: Proc) -> Proc:
+    if p.popen is not None:
+        try:
+            p.rc = p.popen.wait(timeout=max(1.0, p.timeout - (time.monotonic() - p.started)))
+        except subprocess.TimeoutExpired:
+            p.timed_out = True
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.rc = p.popen.wait()
+        p.seconds = time.monotonic() - p.started
+        say(f"   {p.name}: rc={p.rc}{' (TIMED OUT)' if p.timed_out else ''} in {p.seconds:.1f}s")
+    with open(ctx.log_path, "a") as log:
+        log.write(f"\n{'=' * 100}\n== {p.name}: rc={p.rc} timed_out={p.timed_out} {p.seconds:.1f}s {p.skipped}\n{'=' * 100}\n")
+        log.write(p.output)
+    return p
+
+
+def run(ctx: Ctx, name: str, argv: list[str], timeout: float, env: dict[str, str] | None = None) -> Proc:
+    return finish(ctx, start(ctx, name, argv, timeout, env))
+
+
+def why(p: Proc, default: str = "") -> str:
+    if p.skipped:
+        return f"skipped: {p.skipped}"
+    if p.timed_out:
+        return f"timed out after {p.seconds:.0f}s"
+    tail = [ln for ln in p.output.splitlines() if ln.strip()][-3:]
+    return f"rc={p.rc}: " + " | ".join(x.strip()[:160] for x in tail) if p.rc else default
+
+
+def records(text: str, kind: str) -> list[dict[str, Any]]:
+    out = []
+    for line in text.splitlines():
+        body = line.split("] ", 1)[1] if line.startswith("[rank") else line
+        if body.startswith(f"@@{kind} "):
+            out.append(json.loads(body[len(kind) + 3:]))
+    return out
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------------------------------------
+# arithmetic
+
+
+def flops_per_token(mc: dict[str, Any], seq_len: int) -> float:
+    """PaLM (appendix B): 6 N + 12 L H Q T, N the parameters that do matmuls (the LM head counts,
+    the input embedding is a lookup), attention over the full T (causal masking not halved)."""
+    h, L, inter, vocab = (int(mc[k]) for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
+    heads = int(mc["num_attention_heads"])
+    kv = int(mc.get("num_key_value_heads") or heads)
+    hd = int(mc.get("head_dim") or h // heads)
+    per_layer = h * heads * hd * 2 + h * kv * hd * 2 + 3 * h * inter
+    n_matmul = L * per_layer + vocab * h
+    return 6.0 * n_matmul + 12.0 * L * heads * hd * seq_len
+
+
+def throughput(progress: list[dict[str, Any]], save_steps: set[int], skip: int) -> dict[str, Any]:
+    """tokens/s over steps > skip, leaving out each step whose interval held a checkpoint save."""
+    recs = sorted(progress, key=lambda r: r["step"])
+    tok = sec = 0.0
+    used = []
+    for prev, cur in zip(recs, recs[1:]):
+        if cur["step"] != prev["step"] + 1 or cur["step"] <= skip or prev["step"] in save_steps:
+            continue
+        tok += cur["tokens"] - prev["tokens"]
+        sec += cur["elapsed_s"] - prev["elapsed_s"]
+        used.append(cur["step"])
+    out: dict[str, Any] = {"steps_used": len(used), "seconds": round(sec, 3), "tokens": int(tok)}
+    out["tokens_per_s"] = tok / sec if sec > 0 else None
+    if recs:
+        out["wall_tokens_per_s_incl_saves"] = recs[-1]["tokens"] / recs[-1]["elapsed_s"] if recs[-1]["elapsed_s"] else None
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# internal subcommands (each runs in its own process)
+
+
+def cmd_env() -> int:
+    import importlib.metadata as md
+
+    import torch
+
+    info: dict[str, Any] = {"python": sys.version.split()[0], "executable": sys.executable, "torch": torch.__version__,
+                            "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+    if info["cuda_available"]:
+        info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
+                    capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+                    memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+    for name in ("transformers", "tokenizers", "huggingface-hub", "colossalai", "prefect", "pydantic", "safetensors",
+                 "numpy", "peft", "bitsandbytes", "galore-torch"):
+        try:
+            info[name] = md.version(name)
+        except md.PackageNotFoundError:
+            info[name] = None
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    info["nvcc"], info["cuda_home"] = shutil.which("nvcc"), CUDA_HOME
+    import colossalai  # noqa: F401
+    import prefect  # noqa: F401
+    from colossalai.booster.plugin import GeminiPlugin, HybridParallelPlugin  # noqa: F401
+    from colossalai.nn.optimizer import HybridAdam  # noqa: F401
+
+    import flows.cpt_to_sft  # noqa: F401
+    import tasks.engine.loop  # noqa: F401
+
+    info["imports"] = "ok"
+    print("@@env " + json.dumps(info, sort_keys=True), flush=True)
+    return 0
+
+
+def cmd_kernels() -> int:
+    """Build (JIT) and smoke-test the kernels HybridAdam needs; later processes load them from
+    ~/.cache/colossalai/torch_extensions."""
+    import torch
+    from colossalai.kernel.kernel_loader import CPUAdamLoader, FusedOptimizerLoader
+
+    times = {}
+    for loader in (CPUAdamLoader, FusedOptimizerLoader):
+        t0 = time.monotonic()
+        loader().load()
+        times[loader.__name__] = round(time.monotonic() - t0, 1)
+    from colossalai.nn.optimizer import HybridAdam
+
+    p = torch.nn.Parameter(torch.ones(1024, device="cuda"))
+    opt = HybridAdam([p], lr=0.1, adamw_mode=True)
+    p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    moved = float((1.0 - p.detach()).abs().max())
+    if not 0.05 < moved < 0.2:  # AdamW's first step moves each weight by ~lr
+        raise SystemExit(f"HybridAdam step moved weights by {moved}, expected ~0.1")
+    print("@@kernels " + json.dumps({"seconds": times, "first_step_delta": moved}), flush=True)
+    return 0
+
+
+def cmd_build_model(out: str, size: str) -> int:
+    from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+    from tasks.core.validate import estimate_parameters
+
+    shape = dict(FULL_MODEL if size == "full" else DRY_MODEL)
+    vocab = shape.pop("vocab_size")
+    dest = Path(out)
+    tmp = dest.with_name(dest.name + ".tmp-build")
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.monotonic()
+    tok = build_tokenizer(DEFAULT_CORPUS, vocab_size=TOKENIZER_VOCAB)
+    build_tiny_model(tmp, tok, vocab_size=vocab, seed=0, **shape)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    mc = json.loads((dest / "config.json").read_text())
+    info = {"path": str(dest), "params": estimate_parameters(mc), "vocab_size": mc["vocab_size"], "hidden_size": mc["hidden_size"],
+            "layers": mc["num_hidden_layers"], "seconds": round(time.monotonic() - t0, 1)}
+    print("@@model " + json.dumps(info), flush=True)
+    return 0
+
+
+def cmd_flow(config: str, run_root: str, records_path: str) -> int:
+    """The flow in this process, every engine launch's records appended to a JSONL file as they come
+    (a killed stage keeps what it printed)."""
+    import tasks.train
+    from flows.cpt_to_sft import main as flow_main
+
+    real = tasks.train.run_engine
+    sink = open(records_path, "a")
+
+    def write(obj: dict[str, Any]) -> None:
+        sink.write(json.dumps(obj, sort_keys=True) + "\n")
+        sink.flush()
+
+    def recording(verb, job, *args, **kwargs):
+        stage, t0 = job["stage"], time.monotonic()
+        write({"event": "launch", "verb": verb, "stage": stage})
+        inner_progress, inner_event = kwargs.get("on_progress"), kwargs.get("on_event")
+
+        def on_progress(rec):
+            write({**rec, "event": "progress", "verb": verb, "stage": stage})
+            if inner_progress:
+                inner_progress(rec)
+
+        def on_event(kind, rec):
+            write({**rec, "event": kind, "verb": verb, "stage": stage})
+            if inner_event:
+                inner_event(kind, rec)
+
+        kwargs.update(on_progress=on_progress, on_event=on_event)
+        try:
+            result = real(verb, job, *args, **kwargs)
+        except BaseException as exc:
+            write({"event": "end", "verb": verb, "stage": stage, "ok": False, "seconds": round(time.monotonic() - t0, 2),
+                   "error": str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__})
+            raise
+        write({"event": "end", "verb": verb, "stage": stage, "ok": True, "seconds": round(time.monotonic() - t0, 2)})
+        return result
+
+    tasks.train.run_engine = recording
+    try:
+        return flow_main(["--config", config, "--run-root", run_root])
+    except Exception as exc:  # the flow re-raises the failed stage's error
+        print(f"flow failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+        return 4  # 1 and 3 are the flow's own (a stage failed / the gate failed)
+
+
+def cmd_logits(export_dir: str, checkpoint_dir: str) -> int:
+    """The export's logits by plain transformers on this machine's device vs the checkpoint's fingerprint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tasks.core.fingerprint import load_fingerprint, max_abs_diff, model_logits
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(export_dir, torch_dtype=torch.bfloat16, use_safetensors=True).to(device)
+    logits = model_logits(model, model.config.vocab_size)
+    ref = load_fingerprint(checkpoint_dir)
+    info = {"device": device, "max_abs_diff": max_abs_diff(logits, ref), "bitwise": bool(torch.equal(logits, ref)),
+            "ref_mean_abs": float(ref.abs().mean())}
+    print("@@logits " + json.dumps(info), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# the check
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
+def write_config(ctx: Ctx) -> tuple[Path, dict[str, Any]]:
+    """gpu-check.yaml itself on the GPU; a copy with DRY_OVERRIDES for the dry run."""
+    raw = load_yaml(CONFIG)
+    if not ctx.args.dry_run:
+        return CONFIG, raw
+    import yaml
+
+    for stage, over in DRY_OVERRIDES.items():
+        raw[stage].update(over)
+    raw["name"] = "gpu-check-dry"
+    path = ctx.work / "gpu-check-dry.yaml"
+    path.write_text("# gpu-check.yaml with benchmarks/gpu_check.py's DRY_OVERRIDES (CPU dry run)\n" + yaml.safe_dump(raw, sort_keys=False))
+    return path, raw
+
+
+def problems_in(text: str) -> list[str]:
+    """Field names of the problems in a pre-flight report ('  - field: message' lines)."""
+    return [ln.strip()[2:].split(":", 1)[0] for ln in text.splitlines() if ln.startswith("  - ")]
+
+
+def main_check(args: argparse.Namespace) -> int:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.dry_run:
+        say("no CUDA device visible: run on the GPU machine, or use --dry-run here")
+        return 2
+    if args.dry_run:  # two CPU cores here: every launch is slower than on the GPU machine
+        TIMEOUTS.update({k: v * 3 for k, v in TIMEOUTS.items()})
+    if args.budget_s is None:
+        args.budget_s = 1800.0 if args.dry_run else 540.0
+    work = Path(args.work or ("/tmp/gpu-check-dry" if args.dry_run else "/tmp/gpu-check")).resolve()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else work
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(args, work, out_dir / "gpu_check.log", time.monotonic() + args.budget_s, cuda)
+    ctx.log_path.write_text(f"gpu_check {'--dry-run ' if args.dry_run else ''}started {time.ctime()} in {work}\n")
+    py = sys.executable
+    me = str(Path(__file__).resolve())
+    t_start = time.monotonic()
+    say(f"gpu_check: {'DRY RUN on CPU' if args.dry_run else 'GPU'}; work dir {work}; log {ctx.log_path}; budget {args.budget_s:.0f}s")
+
+    cfg_path, raw = write_config(ctx)
+    cpt, sft = raw["cpt"], raw["sft"]
+    run_root = work / "run"
+    model_dir = REPO / raw["base_model"]["uri"]
+    kill_step = sft["checkpoint_every"] + sft["checkpoint_every"] // 2
+    skip = 2 if args.dry_run else 5
+
+    # 1. environment; then the kernels build in the background while the model is written
+    p = run(ctx, "env", [py, me, "_env"], TIMEOUTS["env"])
+    env_rec = (records(p.output, "env") or [{}])[0]
+    ctx.figures["env"] = env_rec
+    want = {"transformers": "4.51.3", "colossalai": "0.5.0"}
+    bad = [f"{k} {env_rec.get(k)} (want {v})" for k, v in want.items() if env_rec.get(k) != v]
+    if not str(env_rec.get("prefect") or "").startswith("3.9"):
+        bad.append(f"prefect {env_rec.get('prefect')} (want 3.9.x)")
+    if not args.dry_run and not env_rec.get("cuda_available"):
+        bad.append("torch sees no CUDA device")
+    summary = (f"python {env_rec.get('python')}, torch {env_rec.get('torch')} (CUDA {env_rec.get('torch_cuda')}), "
+               f"{env_rec.get('gpu', 'no GPU')}, transformers {env_rec.get('transformers')}, colossalai {env_rec.get('colossalai')}, "
+               f"prefect {env_rec.get('prefect')}, bitsandbytes {env_rec.get('bitsandbytes') or 'stub/absent'}, nvcc {env_rec.get('nvcc')}")
+    ctx.check("env", p.rc == 0 and not bad, summary if p.rc == 0 and not bad else "; ".join(bad) or why(p))
+
+    kernels = None if args.dry_run else start(ctx, "kernels", [py, me, "_kernels"], TIMEOUTS["kernels"])
+    p = run(ctx, "model", [py, me, "_build-model", "--out", str(model_dir), "--size", "dry" if args.dry_run else "full"], TIMEOUTS["model"])
+    model_rec = (records(p.output, "model") or [{}])[0]
+    ctx.figures["model"] = model_rec
+    ctx.check("model", p.rc == 0 and bool(model_rec),
+              f"{model_rec.get('params', 0) / 1e6:.1f}M parameters, hidden {model_rec.get('hidden_size')}, {model_rec.get('layers')} layers, "
+              f"vocab {model_rec.get('vocab_size')} (tokenizer {TOKENIZER_VOCAB}), written in {model_rec.get('seconds')}s" if p.rc == 0 else why(p))
+    mc = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() else None
+
+    # 2. pre-flight of the committed config: clean on the GPU; on CPU exactly the Gemini problem
+    p = run(ctx, "preflight", [py, "-m", "flows.cpt_to_sft", "--config", str(CONFIG), "--run-root", str(run_root), "--check"], TIMEOUTS["preflight"])
+    found = problems_in(p.output)
+    ctx.figures["preflight_report"] = p.output.strip().splitlines()
+    if args.dry_run:
+        say("   pre-flight report (gpu-check.yaml on this CPU machine):\n" + "\n".join("     " + ln for ln in p.output.strip().splitlines()))
+        ctx.check("preflight", p.rc == 1 and found == ["sft.plugin.name"],
+                  "exactly one problem on CPU: sft.plugin.name (gemini needs CUDA)" if found == ["sft.plugin.name"] else f"problems {found}, rc={p.rc}")
+    else:
+        ctx.check("preflight", p.rc == 0, "clean" if p.rc == 0 else f"problems {found}: {why(p)}")
+
+    if kernels is not None:
+        finish(ctx, kernels)
+        krec = (records(kernels.output, "kernels") or [{}])[0]
+        ctx.figures["kernels"] = krec
+        ctx.check("kernels", kernels.rc == 0 and bool(krec),
+                  f"built/loaded in {krec.get('seconds')}s, HybridAdam step ok" if kernels.rc == 0 else why(kernels))
+    else:
+        ctx.check("kernels", None, "dry run: no CUDA here; HybridAdam's kernels are JIT-built on the GPU machine")
+
+    if mc is None:
+        say("no model: stopping")
+        return report(ctx, t_start)
+
+    # 3. the plain baseline (before the flow: nothing else runs on the machine meanwhile)
+    plain_argv = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cpt["launch"]["nproc_per_node"]),
+                  me.replace("gpu_check.py", "plain_colossalai_train.py"), "--model", str(model_dir),
+                  "--plugin", cpt["plugin"]["name"], "--tp", str(cpt["plugin"].get("tp_size", 1)),
+                  "--zero-stage", str(cpt["plugin"].get("zero_stage", 0)), "--precision", cpt["plugin"].get("precision", "bf16"),
+                  "--max-norm", str(cpt["plugin"].get("max_norm", 1.0)), "--seq-len", str(cpt["seq_len"]),
+                  "--micro-batch-size", str(cpt["micro_batch_size"]), "--steps", str(cpt["max_steps"]), "--lr", str(cpt["lr"]),
+                  "--warmup-steps", str(cpt.get("warmup_steps", 0)), "--token-vocab", str(TOKENIZER_VOCAB)]
+    if cpt.get("grad_accum_steps", 1) != 1:
+        say("   note: the plain script runs grad_accum_steps=1; the config's CPT stage accumulates")
+    penv = base_env(work)
+    penv.setdefault("OMP_NUM_THREADS", "1")
+    p = run(ctx, "plain", plain_argv, TIMEOUTS["plain"], penv)
+    plain_progress = records(p.output, "progress")
+    ctx.check("plain_baseline", p.rc == 0 and len(plain_progress) == cpt["max_steps"],
+              f"{len(plain_progress)} steps, last loss {plain_progress[-1]['loss']:.3f}" if plain_progress and p.rc == 0 else why(p, "no progress records"))
+
+    # 4. the flow, SFT killed after step K; 5. the retry over the same run root
+    rec1, rec2 = work / "records-run1.jsonl", work / "records-run2.jsonl"
+    env1 = base_env(work)
+    env1["CPT_TO_SFT_FAULT"] = f"kill@step={kill_step}@stage=sft"
+    p1 = run(ctx, "flow1-kill", [py, me, "_flow", "--config", str(cfg_path), "--run-root", str(run_root), "--records", str(rec1)], TIMEOUTS["flow1"], env1)
+    if p1.timed_out:
+        run(ctx, "break-lease", [py, "-m", "flows.cpt_to_sft", "--config", str(cfg_path), "--run-root", str(run_root), "--break-lease"], 60)
+    r1 = read_jsonl(rec1)
+    run1 = _read_json(run_root / "run.json")
+    check_flow_kill(ctx, p1, r1, run1, kill_step, cpt, sft)
+
+    p2 = run(ctx, "flow2-retry", [py, me, "_flow", "--config", str(cfg_path), "--run-root", str(run_root), "--records", str(rec2)], TIMEOUTS["flow2"])
+    r2 = read_jsonl(rec2)
+    run2 = _read_json(run_root / "run.json")
+    check_flow_resume(ctx, p2, r1, r2, run2, sft)
+    ctx.figures["stages_run1"] = _stage_table(run1)
+    ctx.figures["stages_run2"] = _stage_table(run2)
+
+    # 6. the SFT checkpoints and the export
+    final_sft = run_root / "sft" / f"step-{sft['max_steps']:06d}"
+    check_sft_checkpoint(ctx, final_sft, sft)
+    export = run_root / "export"
+    ver = _read_json(export / "verification.json")
+    if ver and final_sft.is_dir():
+        p = run(ctx, "logits", [py, me, "_logits", "--export", str(export), "--checkpoint", str(final_sft)], TIMEOUTS["logits"])
+        lrec = (records(p.output, "logits") or [{}])[0]
+        ctx.figures["export_logits"] = lrec
+        tol = ver.get("fingerprint_atol", 0.1)
+        ok = bool(ver.get("fingerprint_match")) and p.rc == 0 and lrec.get("max_abs_diff", 1e9) <= tol
+        ctx.check("export_fingerprint", ok,
+                  f"flow's check (transformers on CPU) max|dlogit| {ver.get('fingerprint_max_abs_diff'):.3g} <= {tol:g}; "
+                  f"recomputed on {lrec.get('device')}: {lrec.get('max_abs_diff', float('nan')):.3g}"
+                  f"{' (bitwise)' if lrec.get('bitwise') else ''}, logits mean |x| {lrec.get('ref_mean_abs', float('nan')):.3g}"
+                  if p.rc == 0 else why(p))
+    else:
+        ctx.check("export_fingerprint", False, "no export/verification.json or final SFT checkpoint: the flow did not complete")
+
+    # 7. throughput: the flow's CPT stage vs the plain script
+    check_throughput(ctx, r1, plain_progress, mc, cpt, skip)
+
+    # 8. the GPU tests, if the budget allows (on CPU: they must collect and skip)
+    if args.skip_tests:
+        ctx.check("gpu_tests", None, "--skip-tests")
+    elif not args.dry_run and ctx.remaining() < 150:
+        ctx.check("gpu_tests", None, f"only {ctx.remaining():.0f}s of the budget left; run: python -m pytest -m gpu tests/test_gpu.py")
+    else:
+        p = run(ctx, "gpu-tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"], TIMEOUTS["tests"])
+        last = [ln for ln in p.output.splitlines() if ln.strip()][-1:] or ["no output"]
+        if args.dry_run:
+            ctx.check("gpu_tests", p.rc == 0 and "skipped" in last[0] and "failed" not in last[0], f"no CUDA, collected and skipped: {last[0].strip('= ')}")
+        else:
+            ctx.check("gpu_tests", p.rc == 0, last[0].strip("= ") if p.rc == 0 else why(p))
+    return report(ctx, t_start)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _stage_table(run: dict[str, Any]) -> list[str]:
+    return [f"{s['stage']:<16} {s['status']:<10} {s.get('seconds', 0):7.1f}s" for s in run.get("stages", [])]
+
+
+def _launches(recs: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(r["verb"], r["stage"]) for r in recs if r["event"] == "launch"]
+
+
+def _progress(recs: list[dict[str, Any]], stage: str) -> list[dict[str, Any]]:
+    return [r for r in recs if r["event"] == "progress" and r["stage"] == stage and r["verb"] == "train"]
+
+
+def check_flow_kill(ctx: Ctx, p: Proc, r1, run1, kill_step: int, cpt, sft) -> None:
+    launches = _launches(r1)
+    want = [("shard", "cpt"), ("train", "cpt"), ("shard", "sft"), ("train", "sft")]
+    sft_steps = [r["step"] for r in _progress(r1, "sft")]
+    cpt_steps = [r["step"] for r in _progress(r1, "cpt")]
+    stages = {s["stage"]: s["status"] for s in run1.get("stages", [])}
+    problems = []
+    if p.rc == 0:
+        problems.append("the flow succeeded although SFT was to be killed")
+    if launches != want:
+        problems.append(f"launches {launches}, expected {want}")
+    if cpt_steps != list(range(1, cpt["max_steps"] + 1)):
+        problems.append(f"CPT steps {cpt_steps[:3]}..{cpt_steps[-3:]} of {cpt['max_steps']}")
+    if not sft_steps or sft_steps[-1] != kill_step:
+        problems.append(f"SFT's last step {sft_steps[-1] if sft_steps else None}, expected {kill_step}")
+    if stages.get("train_sft") != "failed":
+        problems.append(f"run.json says train_sft {stages.get('train_sft')!r}, expected 'failed'")
+    if p.timed_out or p.skipped:
+        problems.insert(0, why(p))
+    ctx.check("flow_kill", not problems,
+              f"CPT {len(cpt_steps)} steps, unshard + reboost done, SFT SIGKILLed after step {kill_step}, run.json records train_sft failed"
+              if not problems else "; ".join(problems))
+
+
+def check_flow_resume(ctx: Ctx, p: Proc, r1, r2, run2, sft) -> None:
+    launches = _launches(r2)
+    steps = [r["step"] for r in _progress(r2, "sft")]
+    every = sft["checkpoint_every"]
+    first = _progress(r1, "sft")
+    problems = []
+    if p.rc != 0:
+        problems.append(why(p))
+    if launches != [("train", "sft")]:
+        problems.append(f"launches {launches}, expected only SFT training (every earlier stage skipped)")
+    last_before = first[-1]["step"] if first else 0
+    resumed_from = steps[0] - 1 if steps else None
+    if resumed_from is None or resumed_from != (last_before // every) * every:
+        problems.append(f"resumed from step {resumed_from}, expected {(last_before // every) * every}")
+    if not steps or steps[-1] != sft["max_steps"]:
+        problems.append(f"SFT ended at {steps[-1] if steps else None}, expected {sft['max_steps']}")
+    if not run2.get("complete"):
+        problems.append("run.json not complete")
+    before = {r["step"]: r["loss"] for r in first}
+    redone = [(r["step"], before[r["step"]], r["loss"]) for r in _progress(r2, "sft") if r["step"] in before]
+    diffs = [abs(a - b) for _, a, b in redone]
+    bitwise = all(a == b for _, a, b in redone)
+    ctx.figures["sft_redone_losses"] = redone
+    # Losses of redone steps: equal up to kernel non-determinism (the flow does not force
+    # deterministic kernels); tests/test_gpu.py checks bitwise equality with them forced.
+    if diffs and max(diffs) > 0.05:
+        problems.append(f"redone steps' losses differ by up to {max(diffs):.3g} from the first try")
+    ctx.check("flow_resume", not problems,
+              f"only SFT relaunched, resumed from step {resumed_from} ({len(redone)} steps redone, <= one interval of {every}), completed; "
+              f"redone losses max|d| {max(diffs) if diffs else float('nan'):.2g}{' (bitwise)' if bitwise and redone else ''}"
+              if not problems else "; ".join(problems))
+
+
+def check_sft_checkpoint(ctx: Ctx, final_sft: Path, sft) -> None:
+    from tasks.core.manifest import verify_artifact
+
+    try:
+        m = verify_artifact(final_sft, deep=True)
+    except Exception as exc:
+        ctx.check("sft_checkpoint", False, f"{final_sft}: {exc}")
+        return
+    meta = m.get("meta", {})
+    plugin, opt = meta.get("plugin", {}).get("name"), meta.get("optimizer")
+    problems = []
+    if plugin != sft["plugin"]["name"]:
+        problems.append(f"plugin {plugin}")
+    if sft["plugin"]["name"] == "gemini" and opt != "HybridAdam":
+        problems.append(f"optimizer {opt}, expected HybridAdam")
+    from safetensors import safe_open
+
+    rng = final_sft / "rng" / "rank-00000.safetensors"
+    keys = []
+    if rng.is_file():
+        with safe_open(str(rng), "pt") as f:
+            keys = sorted(f.keys())
+    if ctx.cuda and "cuda" not in keys:
+        problems.append(f"rng state keys {keys}: no CUDA generator state")
+    ctx.check("sft_checkpoint", not problems,
+              f"{final_sft.name} verifies ({len(m['files'])} files), plugin {plugin}, optimizer {opt}, "
+              f"weights {meta.get('weights_dtype')}, rng {keys}" if not problems else "; ".join(problems))
+
+
+def check_throughput(ctx: Ctx, r1, plain_progress, mc, cpt, skip: int) -> None:
+    flow_progress = _progress(r1, "cpt")
+    saves = {int(r["step"]) for r in r1 if r["event"] == "checkpoint" and r["stage"] == "cpt" and r["verb"] == "train"}
+    if not flow_progress or not plain_progress:
+        ctx.check("throughput", False, f"records missing: flow {len(flow_progress)}, plain {len(plain_progress)}")
+        return
+    f = throughput(flow_progress, saves, skip)
+    pl = throughput(plain_progress, set(), skip)
+    world = cpt["launch"]["nproc_per_node"] * cpt["launch"].get("nnodes", 1)
+    fpt = flops_per_token(mc, cpt["seq_len"])
+    for d in (f, pl):
+        tps = d["tokens_per_s"] or 0.0
+        d["tflops_per_gpu"] = tps * fpt / world / 1e12
+        d["mfu_spec"] = d["tflops_per_gpu"] / PEAK_SPEC_TFLOPS
+        d["mfu_measured_peak"] = d["tflops_per_gpu"] / PEAK_MEASURED_TFLOPS
+    ratio = (f["tokens_per_s"] or 0) / pl["tokens_per_s"] if pl["tokens_per_s"] else None
+    ctx.figures["throughput"] = {"flow": f, "plain": pl, "ratio": ratio, "flops_per_token": fpt, "checkpoint_steps_left_out": sorted(saves)}
+    say("")
+    say(f"   CPT throughput, steps {skip + 1}..{cpt['max_steps']} (intervals with a checkpoint save left out), "
+        f"{cpt['micro_batch_size']} x {cpt['seq_len']} tokens/step, {fpt / 1e9:.2f} GFLOP/token:")
+    say(f"   {'':8} {'tokens/s':>12} {'TFLOP/s/GPU':>12} {'MFU@989':>8} {'MFU@790':>8} {'steps':>6} {'wall tok/s incl. saves':>24}")
+    for name, d in (("flow", f), ("plain", pl)):
+        wall = d.get("wall_tokens_per_s_incl_saves")
+        say(f"   {name:8} {d['tokens_per_s'] or 0:12.0f} {d['tflops_per_gpu']:12.1f} {d['mfu_spec']:8.1%} {d['mfu_measured_peak']:8.1%} "
+            f"{d['steps_used']:6d} {wall or 0:24.0f}")
+    say(f"   flow / plain = {ratio:.3f} (target >= {TARGET_RATIO})" if ratio else "   flow / plain = n/a")
+    detail = (f"flow {f['tokens_per_s']:.0f} tok/s = {f['tflops_per_gpu']:.1f} TFLOP/s/GPU (MFU {f['mfu_spec']:.1%} of 989, "
+              f"{f['mfu_measured_peak']:.1%} of 790), plain {pl['tokens_per_s']:.0f} tok/s = {pl['tflops_per_gpu']:.1f} TFLOP/s; "
+              f"ratio {ratio:.3f} (target >= {TARGET_RATIO})") if ratio else "no window"
+    if ctx.args.dry_run:
+        ctx.check("throughput", bool(ratio) and f["steps_used"] > 0 and pl["steps_used"] > 0, "dry run, parsed, not judged on CPU: " + detail)
+    else:
+        ctx.check("throughput", bool(ratio) and ratio >= TARGET_RATIO, detail)
+
+
+def report(ctx: Ctx, t_start: float) -> int:
+    total = time.monotonic() - t_start
+    summary = {"dry_run": ctx.args.dry_run, "seconds": round(total, 1), "checks": [c.__dict__ for c in ctx.checks], "figures": ctx.figures}
+    spath = ctx.log_path.with_name("summary.json")
+    spath.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    for name in ("stages_run1", "stages_run2"):
+        if ctx.figures.get(name):
+            say(f"\n   {name.replace('_', ' ')} (run.json):\n" + "\n".join("     " + ln for ln in ctx.figures[name]))
+    say(f"\n== summary ({'dry run, CPU' if ctx.args.dry_run else 'GPU'}; {total:.0f}s; full log {ctx.log_path}; {spath.name}) ==")
+    for c in ctx.checks:
+        say(c.line())
+    failed = [c.name for c in ctx.checks if c.status == "failed"]
+    say(f"RESULT: {'all checks ok' if not failed else 'FAILED: ' + ', '.join(failed)}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].startswith("_"):
+        sub = argparse.ArgumentParser(prog=f"gpu_check.py {argv[0]}")
+        sub.add_argument("--out")
+        sub.add_argument("--size", choices=["full", "dry"], default="full")
+        sub.add_argument("--config")
+        sub.add_argument("--run-root")
+        sub.add_argument("--records")
+        sub.add_argument("--export")
+        sub.add_argument("--checkpoint")
+        a = sub.parse_args(argv[1:])
+        sys.path.insert(0, str(REPO))
+        verb = argv[0]
+        if verb == "_env":
+            return cmd_env()
+        if verb == "_kernels":
+            return cmd_kernels()
+        if verb == "_build-model":
+            return cmd_build_model(a.out, a.size)
+        if verb == "_flow":
+            return cmd_flow(a.config, a.run_root, a.records)
+        if verb == "_logits":
+            return cmd_logits(a.export, a.checkpoint)
+        sub.error(f"unknown internal command {verb}")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU: small model, SFT on low_level_zero, fewer steps; no kernels")
+    p.add_argument("--budget-s", type=float, default=None, help="start no step after this many seconds (default 540; 1800 with --dry-run)")
+    p.add_argument("--work", help="scratch directory, emptied first (default /tmp/gpu-check[-dry])")
+    p.add_argument("--skip-tests", action="store_true", help="do not run tests/test_gpu.py")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    return main_check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""GPU tier: Gemini (bf16, HybridAdam) checkpoints, the CUDA RNG state on resume, Gemini -> export.
+
+    python -m pytest -m gpu tests/test_gpu.py -v     # needs CUDA; skipped elsewhere (and deselected by `pytest`)
+
+`benchmarks/gpu_check.sh` runs this on the GPU machine after the flow check (which has JIT-built
+ColossalAI's Adam kernels by then; run alone, the first launch builds them). Every launch is
+torchrun with one process. The model is the tiny random Llama with attention dropout 0.1, so
+training draws from the CUDA generator: a resume that did not restore it would train on other
+dropout masks and give other losses. For bitwise comparisons the launches get a `sitecustomize`
+that makes CUDA deterministic (math SDPA, no TF32, `torch.use_deterministic_algorithms`,
+CUBLAS_WORKSPACE_CONFIG); the engine itself runs unchanged.
+
+- run A: the shard verb (as reboost does) boosts the model under Gemini -> sft/step-000000; the train
+  verb trains 6 steps, checkpoints at 3 and 6.
+- run B: from a copy of A's step-000000, SIGKILLed after step 4, retried: resumes from step 3.
+  Losses 1..6 and the final weights are bitwise A's; each checkpoint holds the CUDA generator state,
+  equal in A and B at step 3 and moved on from step 0's.
+- round trip (this file run as a torchrun worker): boost under Gemini, train 2 steps, Engine.save;
+  a fresh model + HybridAdam under a new GeminiPlugin, Engine.load, Engine.save again -> model,
+  optimizer, scheduler and fingerprint bitwise equal.
+- RNG unit: capture_rng / write_rng / restore_rng reproduce CUDA random draws bitwise.
+- export: A's final Gemini checkpoint through `build_hf_dir` (the export stage's code): fingerprint
+  match, tensors bitwise the checkpoint's, logits of plain transformers on the GPU within 1e-2 of
+  the fingerprint the engine took under Gemini.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests._engine_utils import engine, read_model_dir, run_raw, train_state, write_job  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+GEMINI = {"name": "gemini", "precision": "bf16", "placement_policy": "static"}
+ONE_RANK = {"launch": {"nproc_per_node": 1}, "keep_last": 3}
+DETERMINISTIC = """\
+# Written by tests/test_gpu.py: deterministic CUDA for the bitwise resume comparisons.
+import torch
+
+torch.use_deterministic_algorithms(True, warn_only=True)
+torch.backends.cuda.enable_flash_sdp(False)
+torch.backends.cuda.enable_mem_efficient_sdp(False)
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+"""
+FIRST_LAUNCH_TIMEOUT = 900  # may JIT-build ColossalAI's CPU-Adam and fused-Adam kernels
+
+
+def _det_env(work: Path) -> dict[str, str]:
+    d = work / "deterministic"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "sitecustomize.py").write_text(DETERMINISTIC)
+    return {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(d), str(REPO), os.environ.get("PYTHONPATH")) if p),
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    }
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _load_any(path: Path):
+    import torch
+
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    return torch.load(str(path), map_location="cpu", weights_only=True)
+
+
+def _rng(step_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(step_dir / "rng" / "rank-00000.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gpu")
+
+
+@pytest.fixture(scope="module")
+def dropout_model_dir(work) -> Path:
+    """The tiny demo Llama with attention dropout 0.1 (training consumes the CUDA generator)."""
+    from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+
+    out = build_tiny_model(work / "tiny-dropout", build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["attention_dropout"] = 0.1
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemini_runs(work, dropout_model_dir):
+    """A: shard + 6 steps; B: the same from a copy of step 0, killed after step 4 and resumed."""
+    env = _det_env(work)
+    run = run_raw(dropout_model_dir, work / "runs", "sft", GEMINI, **ONE_RANK)
+    common = dict(stage="sft", run=run, model_dir=dropout_model_dir)
+    a_dir, b_dir = work / "a" / "sft", work / "b" / "sft"
+    shard_a = write_job(work / "jobs" / "a-shard.json", verb="shard", stage_dir=a_dir, **common)
+    train_a = write_job(work / "jobs" / "a-train.json", verb="train", stage_dir=a_dir, **common)
+    train_b = write_job(work / "jobs" / "b-train.json", verb="train", stage_dir=b_dir, **common)
+
+    shard = engine("shard", shard_a, nproc=1, env=env, timeout=FIRST_LAUNCH_TIMEOUT)
+    shutil.copytree(a_dir / "step-000000", b_dir / "step-000000")
+    a = engine("train", train_a, nproc=1, env=env)
+    killed = engine("train", train_b, nproc=1, env={**env, "CPT_TO_SFT_FAULT": "kill@step=4@stage=sft"}, expect_ok=False)
+    resumed = engine("train", train_b, nproc=1, env=env)
+    return {"a": a_dir, "b": b_dir, "shard": shard, "train_a": a, "killed": killed, "resumed": resumed}
+
+
+# ------------------------------------------------------------------------------------------------
+# Gemini through the engine
+
+
+def test_gemini_checkpoints_are_complete_and_say_so(gemini_runs):
+    from tasks.engine.checkpoint import check_checkpoint
+
+    for step in (0, 3, 6):
+        m = check_checkpoint(gemini_runs["a"] / f"step-{step:06d}", step, "sft", "0" * 64)
+        meta = m["meta"]
+        assert meta["plugin"]["name"] == "gemini" and meta["plugin"]["placement_policy"] == "static"
+        assert meta["optimizer"] == "HybridAdam", meta["optimizer"]
+        assert meta["weights_dtype"] == "bf16"
+    assert "engine shard sft: world size 1, CUDA" in gemini_runs["shard"].output
+
+
+def test_gemini_kill_and_resume_is_bitwise(gemini_runs):
+    killed, resumed = gemini_runs["killed"], gemini_runs["resumed"]
+    assert killed.rc != 0 and "SIGKILLs itself after step 4" in killed.output
+    assert "resuming sft from step-000003" in resumed.output
+    assert [p["step"] for p in resumed.progress] == [4, 5, 6]
+    la = train_state(gemini_runs["a"] / "step-000006")["losses"]
+    lb = train_state(gemini_runs["b"] / "step-000006")["losses"]
+    nondet = sorted({ln.strip()[:200] for ln in resumed.output.splitlines() if "does not have a deterministic implementation" in ln})
+    assert la == lb, f"losses differ after resume:\n A {la}\n B {lb}\nnon-deterministic ops reported: {nondet}"
+    wa = read_model_dir(gemini_runs["a"] / "step-000006" / "model")
+    wb = read_model_dir(gemini_runs["b"] / "step-000006" / "model")
+    assert wa.keys() == wb.keys()
+    assert [k for k in wa if not _same(wa[k], wb[k])] == []
+
+
+def test_cuda_rng_state_is_checkpointed_and_restored(gemini_runs):
+    import torch
+
+    a0, a3 = _rng(gemini_runs["a"] / "step-000000"), _rng(gemini_runs["a"] / "step-000003")
+    b3 = _rng(gemini_runs["b"] / "step-000003")
+    assert "cuda" in a3 and a3["cuda"].dtype == torch.uint8
+    assert torch.equal(a3["cuda"], b3["cuda"]) and torch.equal(a3["torch_cpu"], b3["torch_cpu"])
+    # Attention dropout drew from the CUDA generator during steps 1-3, so the state moved on;
+    # were it not restored on resume, step 4 of run B would draw step 0's masks again.
+    assert not torch.equal(a0["cuda"], a3["cuda"])
+    assert "has no RNG state" not in gemini_runs["resumed"].output
+
+
+def test_cuda_rng_capture_restore_reproduces_draws(tmp_path):
+    import torch
+
+    from tasks.engine.checkpoint import capture_rng, restore_rng, write_rng
+
+    torch.manual_seed(7)
+    torch.cuda.manual_seed(7)
+    torch.rand(100, device="cuda")  # move the generator off its seed
+    write_rng(tmp_path, 0, capture_rng())
+    want_cuda, want_cpu = torch.rand(1000, device="cuda"), torch.rand(10)
+    torch.cuda.manual_seed(12345)
+    torch.manual_seed(12345)
+    assert restore_rng(tmp_path, 0)
+    assert torch.equal(torch.rand(1000, device="cuda"), want_cuda)
+    assert torch.equal(torch.rand(10), want_cpu)
+
+
+def test_gemini_save_load_round_trip_is_bitwise(work, dropout_model_dir):
+    out = work / "roundtrip"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(Path(__file__).resolve()),
+            "--worker", "roundtrip", "--model", str(dropout_model_dir), "--work", str(out)]
+    env = dict(os.environ)
+    env.update(_det_env(work))
+    env.update({"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+    env.pop("CPT_TO_SFT_FAULT", None)
+    proc = subprocess.run(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=FIRST_LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    first, second = out / "first" / "sft" / "step-000002", out / "second" / "sft" / "step-000002"
+    from tasks.engine.checkpoint import check_checkpoint
+
+    for d in (first, second):
+        check_checkpoint(d, 2, "sft", "0" * 64)
+    names = sorted(str(p.relative_to(first)) for p in first.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert names == sorted(str(p.relative_to(second)) for p in second.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert any(n.startswith("optimizer/") and n.endswith(".bin") for n in names), names
+    differ = [n for n in names if n.startswith(("model/", "optimizer/", "lr_scheduler", "fingerprint"))
+              and not _same(_load_any(first / n), _load_any(second / n))]
+    assert differ == [], f"not bitwise equal after save -> load -> save under Gemini: {differ}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Gemini -> export
+
+
+def test_gemini_checkpoint_exports_with_matching_fingerprint(gemini_runs, dropout_model_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tasks.core.fingerprint import load_fingerprint, max_abs_diff, model_logits
+    from tasks.hf_artifact import build_hf_dir
+
+    ckpt = gemini_runs["a"] / "step-000006"
+    dst = tmp_path / "export"
+    dst.mkdir()
+    built = build_hf_dir(ckpt, dst, dropout_model_dir, dtype="bf16", max_shard_size="5GB", weights_dtype="bf16")
+    v = built["verification"]
+    assert v["fingerprint_match"], v
+    exported, trained = read_model_dir(dst), read_model_dir(ckpt / "model")
+    assert exported.keys() == trained.keys()
+    assert [k for k in trained if not _same(exported[k], trained[k])] == []
+    model = AutoModelForCausalLM.from_pretrained(dst, torch_dtype=torch.bfloat16, use_safetensors=True).cuda()
+    diff = max_abs_diff(model_logits(model, model.config.vocab_size), load_fingerprint(ckpt))
+    assert diff <= 1e-2, f"export logits on the GPU differ from the Gemini fingerprint by {diff}"
+
+
+# ------------------------------------------------------------------------------------------------
+# torchrun worker (not a test): python -m torch.distributed.run ... tests/test_gpu.py --worker roundtrip
+
+
+def _roundtrip_worker(model_dir: Path, out: Path) -> None:
+    import colossalai
+    import torch.distributed as dist
+
+    from tasks.engine.faults import Injector
+    from tasks.engine.job import parse_job
+    from tasks.engine.loop import Engine, StageData
+
+    import torch
+
+    if not torch.cuda.is_available():  # only for checking this worker's logic on CPU with a CPU plugin
+        from tasks.engine import cpu_compat
+
+        cpu_compat.apply()
+    colossalai.launch_from_torch(seed=1234, verbose=False)
+    run = run_raw(model_dir, out / "runs", "sft", GEMINI, **ONE_RANK)
+
+    def job(name: str):
+        return parse_job({
+            "verb": "shard", "stage": "sft", "run": run, "model_dir": str(model_dir), "tokenizer_dir": str(model_dir),
+            "data_path": run["sft"]["data"]["uri"], "stage_dir": str(out / name / "sft"), "parent": None, "config_digest": "0" * 64,
+        })
+
+    first = job("first")
+    a = Engine(first, Injector("sft", first.stage_dir, 0, 1, value=""))
+    a.boost(a.load_pretrained())
+    a.materialize_optimizer_state()
+    data = StageData(first, 0, 1)
+    losses = [a.train_step(data.next_batch()[0]) for _ in range(2)]
+    sampler = data.sampler.state_dict()
+    state = {"stage": "sft", "step": 2, "max_steps": run["sft"]["max_steps"], "tokens_seen": 0, "sampler": sampler,
+             "epoch": sampler["epoch"], "losses": losses, "lrs": [], "lr": float(a.scheduler.get_last_lr()[0])}
+    saved = a.save(2, state)
+
+    second = job("second")
+    b = Engine(second, Injector("sft", second.stage_dir, 0, 1, value=""))
+    b.boost(b.from_config())
+    b.load(saved)
+    b.save(2, state)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", choices=["roundtrip"], required=True)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--work", type=Path, required=True)
+    a = ap.parse_args()
+    _roundtrip_worker(a.model, a.work)
