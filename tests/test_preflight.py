@@ -345,3 +345,23 @@ def test_hub_base_model_is_read_from_config_json_and_the_file_list_only(tmp_path
     assert fetched == ["config.json", "tokenizer_config.json"]
     assert [f for f, _ in report.problems] == ["base_model.allow_pickle"], report.text()
     assert "some-org/some-model@main" in report.problems[0][1]
+
+
+def test_missing_heldout_uri_names_the_eval_field(tmp_path):
+    case = Case(tmp_path)
+    case.raw["sft"]["eval"] = {"heldout_uri": str(tmp_path / "nope.jsonl")}
+    report = case.report()
+    assert any(f == "sft.eval.heldout_uri" and "does not exist" in m for f, m in report.problems), report.text()
+
+
+def test_multi_node_without_rendezvous_endpoint_is_refused():
+    import yaml
+
+    from tasks.core.config import parse_config
+    from tests.conftest import REPO
+
+    raw = yaml.safe_load((REPO / "deployments/configs/tiny-cpu.yaml").read_text())
+    raw["cpt"]["launch"] = {"nproc_per_node": 1, "nnodes": 2}
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw)
+    assert "cpt.launch.rdzv_endpoint" in {f for f, _ in info.value.problems}

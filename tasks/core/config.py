@@ -181,6 +181,8 @@ def plugin_problems(stage: StageConfig, where: str) -> list[tuple[str, str]]:
         out.append((f"{f}.zero_stage", "torch_ddp has no ZeRO; set zero_stage: 0"))
     if p.name == "gemini" and p.zero_stage not in (0, 3):
         out.append((f"{f}.zero_stage", "gemini is ZeRO-3 by construction; leave zero_stage at 0 or 3"))
+    if stage.launch.nnodes > 1 and not stage.launch.rdzv_endpoint:
+        out.append((f"{where}.launch.rdzv_endpoint", f"nnodes={stage.launch.nnodes} needs a c10d rendezvous endpoint host:port reachable from every node; without one the stage would wait forever for nodes that never join"))
     world = stage.launch.world_size
     model_par = p.tp_size * p.pp_size
     if world % model_par != 0:

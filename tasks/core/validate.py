@@ -625,25 +625,31 @@ def check_data(ctx: _Ctx) -> None:
     """Each dataset exists and its first records have the fields and roles the stage needs."""
     from tasks.engine.data import _validate_messages  # the SFT record rules, defined once
 
+    datasets = []
     for name in ("cpt", "sft"):
+        st = getattr(ctx.cfg, name)
+        datasets.append((name, f"{name}.data.uri", st.data.uri))
+        if st.eval.heldout_uri:
+            datasets.append((name, f"{name}.eval.heldout_uri", st.eval.heldout_uri))
+    for name, field, raw_uri in datasets:
         d = getattr(ctx.cfg, name).data
-        uri = resolve_local(d.uri)
+        uri = resolve_local(raw_uri)
         try:
             fs, path = url_to_fs(uri)
             exists = fs.isfile(path)
         except Exception as exc:
-            ctx.problem(f"{name}.data.uri", f"{uri}: not reachable ({type(exc).__name__}: {exc})")
+            ctx.problem(field, f"{uri}: not reachable ({type(exc).__name__}: {exc})")
             continue
         if not exists:
-            ctx.problem(f"{name}.data.uri", f"{uri} does not exist; point {name}.data.uri at a .jsonl, .txt or .parquet file")
+            ctx.problem(field, f"{uri} does not exist; point {field} at a .jsonl, .txt or .parquet file")
             continue
         try:
             records = head_records(uri)
         except (ValueError, UnicodeDecodeError, OSError) as exc:
-            ctx.problem(f"{name}.data.uri", str(exc))
+            ctx.problem(field, str(exc))
             continue
         if not records:
-            ctx.problem(f"{name}.data.uri", f"{uri} holds no records")
+            ctx.problem(field, f"{uri} holds no records")
             continue
         failed = False
         for lineno, rec in records:
@@ -659,7 +665,7 @@ def check_data(ctx: _Ctx) -> None:
                 try:
                     _validate_messages(rec[d.messages_field])
                 except ValueError as exc:
-                    ctx.problem("sft.data.uri", f"{at}: {exc}")
+                    ctx.problem(field, f"{at}: {exc}")
                     failed = True
             if failed:
                 break  # one example per dataset is enough to say what is wrong
