@@ -17,7 +17,7 @@ What it runs, each step a time-boxed subprocess (its output goes to $OUT/gpu_che
   plain_baseline      benchmarks/plain_colossalai_train.py under torchrun: same model, plugin, batch,
                       seq_len and steps as the config's CPT stage, no orchestration
   flow_kill           the flow with CPT_TO_SFT_FAULT=kill@step=K@stage=sft (K = 1.5 checkpoint
-                      intervals): CPT, unshard and reboost complete, SFT dies after step K
+                      intervals): CPT, unshard, evaluate_cpt and reboost complete, SFT dies after step K
   flow_resume         the retry over the same run root: nothing before SFT is relaunched, SFT resumes
                       from its last checkpoint, the run completes; redone steps' losses vs the first try
   sft_checkpoint      the SFT checkpoints are Gemini/HybridAdam ones and hold the CUDA RNG state
@@ -30,7 +30,7 @@ What it runs, each step a time-boxed subprocess (its output goes to $OUT/gpu_che
                       embedding not; L layers, H heads, Q head dim, T seq_len) and MFU against the
                       H200's dense bf16 peak: 989 TFLOP/s by the datasheet, ~790 measured here
                       (8192^3 bf16 matmul through PyTorch, /work/.library/device/KINDS.md)
-  gpu_tests           `pytest -m gpu tests/test_gpu.py` if enough of the budget is left
+  gpu_tests           `pytest -m gpu tests/test_gpu.py` (tiny model), run beside the retry, which is not timed
 
 --dry-run (no CUDA): the model is tiny (same config otherwise), the CPT plugin is the config's own
 (HybridParallel ZeRO-1 bf16 on one CPU rank), SFT runs low_level_zero instead of Gemini, steps are
@@ -518,6 +518,12 @@ def main_check(args: argparse.Namespace) -> int:
     run1 = _read_json(run_root / "run.json")
     check_flow_kill(ctx, p1, r1, run1, kill_step, cpt, sft)
 
+    # The GPU tests (tiny model) run beside the retry, which is not timed: kernels are built by now
+    # and nothing measured runs any more.
+    tests = None
+    if not args.skip_tests:
+        tests = start(ctx, "gpu-tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"], TIMEOUTS["tests"])
+
     p2 = run(ctx, "flow2-retry", [py, me, "_flow", "--config", str(cfg_path), "--run-root", str(run_root), "--records", str(rec2)], TIMEOUTS["flow2"])
     r2 = read_jsonl(rec2)
     run2 = _read_json(run_root / "run.json")
@@ -547,18 +553,19 @@ def main_check(args: argparse.Namespace) -> int:
     # 7. throughput: the flow's CPT stage vs the plain script
     check_throughput(ctx, r1, plain_progress, mc, cpt, skip)
 
-    # 8. the GPU tests, if the budget allows (on CPU: they must collect and skip)
-    if args.skip_tests:
+    # 8. the GPU tests (on CPU: they must collect and skip)
+    if tests is None:
         ctx.check("gpu_tests", None, "--skip-tests")
-    elif not args.dry_run and ctx.remaining() < 150:
-        ctx.check("gpu_tests", None, f"only {ctx.remaining():.0f}s of the budget left; run: python -m pytest -m gpu tests/test_gpu.py")
     else:
-        p = run(ctx, "gpu-tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"], TIMEOUTS["tests"])
+        p = finish(ctx, tests)
         last = [ln for ln in p.output.splitlines() if ln.strip()][-1:] or ["no output"]
-        if args.dry_run:
+        if p.skipped or p.timed_out:
+            ctx.check("gpu_tests", None if p.skipped else False, why(p) + "; run: python -m pytest -m gpu tests/test_gpu.py")
+        elif args.dry_run:
             ctx.check("gpu_tests", p.rc == 0 and "skipped" in last[0] and "failed" not in last[0], f"no CUDA, collected and skipped: {last[0].strip('= ')}")
         else:
-            ctx.check("gpu_tests", p.rc == 0, last[0].strip("= ") if p.rc == 0 else why(p))
+            failed = [ln.strip()[:200] for ln in p.output.splitlines() if ln.startswith("FAILED")]
+            ctx.check("gpu_tests", p.rc == 0, last[0].strip("= ") + ("" if p.rc == 0 else f"; {' | '.join(failed) or why(p)}"))
     return report(ctx, t_start)
 
 
@@ -628,8 +635,9 @@ def check_flow_resume(ctx: Ctx, p: Proc, r1, r2, run2, sft) -> None:
     diffs = [abs(a - b) for _, a, b in redone]
     bitwise = all(a == b for _, a, b in redone)
     ctx.figures["sft_redone_losses"] = redone
-    # Losses of redone steps: equal up to kernel non-determinism (the flow does not force
-    # deterministic kernels); tests/test_gpu.py checks bitwise equality with them forced.
+    # Losses of redone steps: close, not bitwise. The flow does not force deterministic kernels, and
+    # a bf16 checkpoint holds no fp32 master weights, so the resumed masters are the bf16 weights
+    # upcast; tests/test_gpu.py checks the first resumed step bitwise with deterministic kernels.
     if diffs and max(diffs) > 0.05:
         problems.append(f"redone steps' losses differ by up to {max(diffs):.3g} from the first try")
     ctx.check("flow_resume", not problems,

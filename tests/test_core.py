@@ -166,3 +166,30 @@ def test_import_boundaries():
     for path in sorted((root / "engine").glob("*.py")):
         bad = {m for m in _imports(path) if m.split(".")[0] == "prefect"}
         assert not bad, f"{path.name} imports {bad}: the engine runs inside torchrun ranks and never imports prefect"
+
+
+def test_lease_one_writer_per_run_root(tmp_path):
+    import time as _time
+
+    from tasks.core.lease import LEASE, Lease, LeaseHeld, break_lease
+
+    store = RunStore(str(tmp_path / "run"))
+    first = Lease(store, holder="flow run alpha (1234)", heartbeat_s=0.05).acquire()
+    with pytest.raises(LeaseHeld, match=r"flow run alpha \(1234\)") as info:
+        Lease(store, holder="flow run beta").acquire()
+    assert "--break-lease" in str(info.value)
+    _time.sleep(0.2)  # the heartbeat keeps it fresh
+    assert json.loads(store.read_text(LEASE))["heartbeat_at"] > first.record["acquired_at"]
+    first.release()
+    assert not store.exists(LEASE)
+    second = Lease(store, holder="flow run beta").acquire()  # free again
+    # A dead run's lease (no heartbeat past its TTL) is taken over, with a log line saying so.
+    second._stop.set()
+    stale = json.loads(store.read_text(LEASE))
+    stale["heartbeat_at"] -= 3600
+    store.write_text(LEASE, json.dumps(stale))
+    said = []
+    third = Lease(store, holder="flow run gamma").acquire(log=said.append)
+    assert said and "breaking stale lease of flow run beta" in said[0]
+    assert break_lease(store)["holder"] == "flow run gamma" and not store.exists(LEASE)
+    third._stop.set()

@@ -264,3 +264,76 @@ def test_tied_embeddings_under_low_level_zero(tied):
     got = read_model_dir(tied["dir"] / "step-000000" / "model")
     assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in src.items())
     _assert_trains(tied["dir"], tied["train"], "cpt", max_steps=2)
+
+
+# ---- conversion of real ColossalAI checkpoints (issue 6) ---------------------------------------
+
+ZERO1 = {"name": "hybrid_parallel", "tp_size": 2, "zero_stage": 1, "precision": "bf16"}
+
+
+@pytest.fixture(scope="module")
+def zero1(work, tiny_model_dir):
+    stage_dir = work / "zero1" / "cpt"
+    shard_job, _ = _jobs(work, "zero1", "cpt", ZERO1, tiny_model_dir, tiny_model_dir, stage_dir)
+    return dict(dir=stage_dir, shard=_engine("tp2 zero1 bf16 shard", "shard", shard_job))
+
+
+def test_streaming_converter_on_real_checkpoints_is_bitwise(tp2, pp2, zero1, llz, tiny_model_dir, tmp_path):
+    """tp=2, pp=2, tp=2+zero1 and LowLevelZero saves, converted to HF shards, are exactly the
+    model's full state dict at save time (the HF input, cast to the plugin's dtype)."""
+    from tasks.core.convert import convert_checkpoint, load_state_dict_from_dir
+
+    ref = read_model_dir(tiny_model_dir)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    cases = {
+        "tp2": (tp2["dir"], torch.float32, ref),
+        "pp2": (pp2["dir"], torch.float32, ref),
+        "tp2-zero1-bf16": (zero1["dir"], torch.bfloat16, ref),
+        "llz2-bf16": (llz["dir"], torch.bfloat16, read_model_dir(llz["hf_in"])),
+    }
+    for name, (stage_dir, dtype, expected) in cases.items():
+        out = tmp_path / name
+        report = convert_checkpoint(stage_dir / "step-000000" / "model", out, model_config=config, max_shard_size="100KB")
+        got = load_state_dict_from_dir(out)
+        assert got.keys() == expected.keys(), (name, sorted(set(got) ^ set(expected)))
+        for k, v in expected.items():
+            assert got[k].dtype == dtype and torch.equal(got[k], v.to(dtype)), f"{name}: {k}"
+        assert report.num_tensors == len(expected) and len([f for f in report.files if f.endswith(".safetensors")]) > 1
+
+
+# ---- kill during save, many times (issue 3) ----------------------------------------------------
+
+
+def test_ten_kills_at_random_moments_of_saves_never_load_a_torn_checkpoint(work, tiny_model_dir):
+    """Ten trials: each launch resumes, then a rank dies inside the next checkpoint save at a
+    random phase. Every resume must start from the newest COMPLETE checkpoint (one interval back),
+    never a partial one; the last launch completes and every step's loss is finite."""
+    import random
+
+    from tasks.engine.faults import SAVE_PHASES
+
+    seed = 20261129
+    rng = random.Random(seed)
+    stage_dir = work / "kills" / "sft"
+    shard_job, train_job = _jobs(work, "kills", "sft", DDP, tiny_model_dir, tiny_model_dir, stage_dir,
+                                 max_steps=11, checkpoint_every=1, keep_last=2)
+    _engine("kills ddp shard", "shard", shard_job)
+    trials = []
+    for killed_step in range(1, 11):
+        phase = rng.choice(SAVE_PHASES)
+        spec = f"kill@save={killed_step}:{phase}"
+        run = _engine(f"kills {spec}", "train", train_job, nproc=2, env={"CPT_TO_SFT_FAULT": spec}, expect_ok=False)
+        trials.append((spec, run))
+        assert run.rc != 0, f"seed {seed}: {spec} did not kill the run"
+        assert not (stage_dir / f"step-{killed_step:06d}").exists() or not (stage_dir / f"step-{killed_step:06d}" / "manifest.json").exists()
+        resumed_from = killed_step - 1
+        if killed_step > 1:
+            assert f"resuming sft from step-{resumed_from:06d}" in run.output, (seed, spec, run.output[-2000:])
+        assert [p["step"] for p in run.progress] == [killed_step], (seed, spec)  # redid exactly one interval
+    final = _engine("kills final resume", "train", train_job)
+    assert "resuming sft from step-000009" in final.output
+    assert [p["step"] for p in final.progress] == [10, 11]
+    state = train_state(stage_dir / "step-000011")
+    assert len(state["losses"]) == 11 and all(math.isfinite(x) for x in state["losses"])
+    verify_artifact(stage_dir / "step-000011")
+    assert not any(p.name.endswith(".tmp") for p in stage_dir.iterdir())

@@ -266,3 +266,17 @@ def test_failed_gate_skips_the_push_and_a_disabled_gate_lets_it_through(scenario
     assert statuses(summary)["gate"] == "disabled" and statuses(summary)["push_to_hub"] == "not-configured"
     assert summary["gate"]["passed"] is True and summary["complete"] is True
     assert [c["check"] for c in summary["gate"]["checks"] if not c["ok"]] == ["cpt_perplexity"]
+
+
+def test_second_run_over_a_held_run_root_fails_naming_the_holder(finished_run):
+    from flows.cpt_to_sft import main
+    from tasks.core.lease import Lease, LeaseHeld
+    from tasks.core.storage import RunStore
+
+    run_root, cfg = finished_run
+    holder = Lease(RunStore(str(run_root)), holder="flow run other-writer (test)").acquire()
+    try:
+        with pytest.raises(LeaseHeld, match="other-writer"):
+            main(["--config", str(cfg)])
+    finally:
+        holder.release()

