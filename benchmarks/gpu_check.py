@@ -608,7 +608,7 @@ def check_flow_kill(ctx: Ctx, p: Proc, r1, run1, kill_step: int, cpt, sft) -> No
     if p.timed_out or p.skipped:
         problems.insert(0, why(p))
     ctx.check("flow_kill", not problems,
-              f"CPT {len(cpt_steps)} steps, unshard + reboost done, SFT SIGKILLed after step {kill_step}, run.json records train_sft failed"
+              f"CPT {len(cpt_steps)} steps, unshard, evaluate_cpt and reboost done, SFT SIGKILLed after step {kill_step}, run.json records train_sft failed"
               if not problems else "; ".join(problems))
 
 
