@@ -103,7 +103,8 @@ def _gate_reruns(mp, tmp, model_dir, run_root):
 
 @pytest.fixture(scope="module")
 def finished_run(scenario):
-    return scenario[0], scenario[1]
+    run_root = scenario[0]
+    return run_root, run_root.parent / "tiny.yaml"  # the scenario's config file
 
 
 def statuses(summary):
@@ -211,11 +212,11 @@ def test_bridge_is_bitwise_the_plugin_a_checkpoint_and_reproduces_its_logits(fin
     assert meta["fingerprint_max_abs_diff"] <= 1e-5 and meta["fingerprint_match"] is True
 
 
-def test_evaluation_is_recorded_in_manifests_and_run_json(finished_run):
+def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
     from tasks.core.split import record_id
     from tasks.engine.data import read_records
 
-    run_root, runs = finished_run
+    run_root, runs = scenario
     summary = runs[1]["summary"]  # the run that completed SFT, evaluation and the gate
     cpt = json.loads((run_root / "eval/cpt/manifest.json").read_text())["meta"]["metrics"]
     sft_manifest = json.loads((run_root / "eval/sft/manifest.json").read_text())
