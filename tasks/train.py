@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -18,7 +17,6 @@ from prefect import get_run_logger, task
 from tasks import ui
 from tasks.common import StageResult, completed, done, resolve_local, skipped, stage_digest, store_for
 from tasks.core.config import RunConfig
-from tasks.core.manifest import verify_artifact
 from tasks.core.storage import RunStore, fetch_to_local
 from tasks.evaluate import heldout_split, record_split
 from tasks.launch import run_engine

@@ -13,7 +13,6 @@ One module-scoped scenario serves every test here, because a flow run costs minu
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -160,7 +159,6 @@ def test_every_stage_has_a_verified_artifact(finished_run):
 
 
 def test_cpt_loss_decreases_and_sft_starts_from_cpt(finished_run):
-    from safetensors.torch import load_file
 
     from tasks.core.convert import load_state_dict_from_dir
 

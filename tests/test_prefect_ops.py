@@ -23,7 +23,6 @@ Every process is started in its own process group and stopped by PID.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

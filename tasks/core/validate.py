@@ -631,25 +631,25 @@ def check_data(ctx: _Ctx) -> None:
         datasets.append((name, f"{name}.data.uri", st.data.uri))
         if st.eval.heldout_uri:
             datasets.append((name, f"{name}.eval.heldout_uri", st.eval.heldout_uri))
-    for name, field, raw_uri in datasets:
+    for name, where, raw_uri in datasets:
         d = getattr(ctx.cfg, name).data
         uri = resolve_local(raw_uri)
         try:
             fs, path = url_to_fs(uri)
             exists = fs.isfile(path)
         except Exception as exc:
-            ctx.problem(field, f"{uri}: not reachable ({type(exc).__name__}: {exc})")
+            ctx.problem(where, f"{uri}: not reachable ({type(exc).__name__}: {exc})")
             continue
         if not exists:
-            ctx.problem(field, f"{uri} does not exist; point {field} at a .jsonl, .txt or .parquet file")
+            ctx.problem(where, f"{uri} does not exist; point {where} at a .jsonl, .txt or .parquet file")
             continue
         try:
             records = head_records(uri)
         except (ValueError, UnicodeDecodeError, OSError) as exc:
-            ctx.problem(field, str(exc))
+            ctx.problem(where, str(exc))
             continue
         if not records:
-            ctx.problem(field, f"{uri} holds no records")
+            ctx.problem(where, f"{uri} holds no records")
             continue
         failed = False
         for lineno, rec in records:
@@ -665,7 +665,7 @@ def check_data(ctx: _Ctx) -> None:
                 try:
                     _validate_messages(rec[d.messages_field])
                 except ValueError as exc:
-                    ctx.problem(field, f"{at}: {exc}")
+                    ctx.problem(where, f"{at}: {exc}")
                     failed = True
             if failed:
                 break  # one example per dataset is enough to say what is wrong
