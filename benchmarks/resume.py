@@ -47,8 +47,13 @@ def main() -> int:
     model = build_tiny_model(tmp / "tiny", build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
     stage = {"max_steps": args.steps, "checkpoint_every": args.every}
 
+    def config(name: str, run: str, **stages) -> Path:
+        raw = tiny_config_raw(model, tmp / run, **stages)
+        raw["gate"]["enabled"] = False  # this measures resume, not model quality
+        return write_config(tmp / name, raw)
+
     # 1. first run vs re-run of the completed run
-    cfg = write_config(tmp / "a.yaml", tiny_config_raw(model, tmp / "run-a", cpt=stage, sft=stage))
+    cfg = config("a.yaml", "run-a", cpt=stage, sft=stage)
     t0 = time.perf_counter()
     assert run_flow(["--config", str(cfg)]) == 0
     first = time.perf_counter() - t0
@@ -74,7 +79,7 @@ def main() -> int:
         return real(verb, job, *a, **kw)
 
     tasks.train.run_engine = recording
-    cfg_b = write_config(tmp / "b.yaml", tiny_config_raw(model, tmp / "run-b", cpt=stage, sft={"max_steps": 2, "checkpoint_every": 2}))
+    cfg_b = config("b.yaml", "run-b", cpt=stage, sft={"max_steps": 2, "checkpoint_every": 2})
     os.environ["CPT_TO_SFT_FAULT"] = f"kill@step={kill_at}@stage=cpt"
     try:
         run_flow(["--config", str(cfg_b)])
