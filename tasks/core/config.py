@@ -216,9 +216,15 @@ def join_uri(root: str, *parts: str) -> str:
     return "/".join([root, *[p.strip("/") for p in parts if p]])
 
 
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Read YAML (local path), apply dotted overrides like {"run_root": "/x"}, validate."""
-    raw = yaml.safe_load(Path(path).read_text())
+def read_raw_config(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The YAML mapping of a local config file with dotted overrides like {"run_root": "/x"}."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([(str(path), "config file not found; pass --config with an existing YAML file")])
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError([(str(path), f"not valid YAML: {exc}")]) from None
     if not isinstance(raw, dict):
         raise ConfigError([(str(path), "expected a YAML mapping at the top level")])
     for key, value in (overrides or {}).items():
@@ -227,7 +233,12 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
-    return parse_config(raw, source=str(path))
+    return raw
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read YAML (local path), apply dotted overrides, validate."""
+    return parse_config(read_raw_config(path, overrides), source=str(path))
 
 
 def parse_config(raw: dict[str, Any], source: str = "config") -> RunConfig:

@@ -24,8 +24,8 @@ def probe_batch(vocab_size: int, seed: int = PROBE_SEED, shape: tuple[int, int] 
 
 
 @torch.no_grad()
-def model_logits(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
-    """Logits of a plain (unwrapped or HF) causal LM on the probe batch, fp32 on CPU."""
+def probe_forward(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
+    """The model's raw output logits on the probe batch, in eval mode, where the model lives."""
     device = next(model.parameters()).device
     ids = probe_batch(vocab_size).to(device)
     was_training = model.training
@@ -33,8 +33,12 @@ def model_logits(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
     out = model(input_ids=ids, use_cache=False)
     if was_training:
         model.train()
-    logits = out.logits if hasattr(out, "logits") else out[0]
-    return logits[..., :vocab_size].float().cpu()
+    return (out.logits if hasattr(out, "logits") else out[0]).contiguous()
+
+
+def model_logits(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
+    """Logits of a plain (unwrapped or HF) causal LM on the probe batch, fp32 on CPU."""
+    return probe_forward(model, vocab_size)[..., :vocab_size].float().cpu()
 
 
 def save_fingerprint(logits: torch.Tensor, directory: str | Path, dtype: str) -> dict[str, Any]:

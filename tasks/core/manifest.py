@@ -110,11 +110,12 @@ def write_manifest(
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / MANIFEST)
-    _fsync_dir(root)
+    fsync_dir(root)
     return manifest
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable (best effort; not every filesystem can)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -31,6 +31,8 @@ Decisions recorded here:
 
 from __future__ import annotations
 
+import itertools
+
 import json
 import math
 import os
@@ -42,10 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
 from fsspec.core import url_to_fs
 
-from tasks.core.config import RunConfig, StageConfig, parse_config, plugin_problems
+from tasks.core.config import RunConfig, StageConfig, parse_config, plugin_problems, read_raw_config
 from tasks.core.errors import ConfigError, ManifestError
 from tasks.core.manifest import MANIFEST, _inside, safe_relpath
 from tasks.core.storage import is_local
@@ -158,21 +159,7 @@ def load_for_check(path: str | Path, overrides: dict[str, Any] | None = None) ->
     Structural problems (unknown or missing fields, wrong types) still raise `ConfigError`
     here: nothing else can be checked without a well-formed config.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError([(str(path), "config file not found; pass --config with an existing YAML file")])
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError([(str(path), f"not valid YAML: {exc}")]) from None
-    if not isinstance(raw, dict):
-        raise ConfigError([(str(path), "expected a YAML mapping at the top level")])
-    for key, value in (overrides or {}).items():
-        node = raw
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+    raw = read_raw_config(path, overrides)
     try:
         return _Unchecked.model_validate(raw)
     except Exception:
@@ -591,7 +578,7 @@ def head_records(uri: str, n: int = HEAD_RECORDS) -> list[tuple[int, dict]]:
     """(line number, record) of the first n records, without reading the whole file."""
     import fsspec
 
-    from tasks.engine.data import _format_of  # one definition of the accepted formats
+    from tasks.engine.data import _format_of, iter_text_records  # one definition of the formats
 
     fmt = _format_of(uri)
     if fmt == ".parquet":
@@ -600,25 +587,7 @@ def head_records(uri: str, n: int = HEAD_RECORDS) -> list[tuple[int, dict]]:
         with fsspec.open(uri, "rb") as f:
             batch = next(pq.ParquetFile(f).iter_batches(batch_size=n), None)
             return list(enumerate(batch.to_pylist() if batch is not None else [], 1))
-    out: list[tuple[int, dict]] = []
-    with fsspec.open(uri, "rt", encoding="utf-8", compression="infer") as f:
-        for lineno, line in enumerate(f, 1):
-            if len(out) >= n:
-                break
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            if fmt == ".txt":
-                out.append((lineno, {"text": line}))
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{uri}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); every line must be one JSON object") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{uri}:{lineno}: expected a JSON object per line, got {type(rec).__name__}")
-            out.append((lineno, rec))
-    return out
+    return list(itertools.islice(iter_text_records(uri, fmt), n))
 
 
 def check_data(ctx: _Ctx) -> None:

@@ -44,7 +44,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tasks.core.errors import ManifestError
-from tasks.core.manifest import MANIFEST, verify_artifact
+from tasks.core.manifest import MANIFEST, fsync_dir, verify_artifact
 
 KIND = "colossalai-checkpoint"
 STEP_RE = re.compile(r"^step-(\d{6,})$")
@@ -157,20 +157,7 @@ def commit(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(final.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(final.parent)
 
 
 # ------------------------------------------------------------------------------------------------

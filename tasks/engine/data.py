@@ -13,6 +13,8 @@ assistant tokens plus the assistant's end-of-turn token, -100 elsewhere.
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import argparse
 import hashlib
 import json
@@ -59,14 +61,19 @@ def read_records(uri: str) -> list[dict]:
         with fsspec.open(uri, "rb") as f:
             return pq.read_table(f).to_pylist()
 
-    records: list[dict] = []
+    return [rec for _, rec in iter_text_records(uri, fmt)]
+
+
+def iter_text_records(uri: str, fmt: str | None = None) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of a .jsonl or .txt file, streamed: pre-flight reads only a head."""
+    fmt = fmt or _format_of(uri)
     with fsspec.open(uri, "rt", encoding="utf-8", compression="infer") as f:
         for lineno, line in enumerate(f, 1):
             line = line.rstrip("\r\n")
             if not line.strip():
                 continue
             if fmt == ".txt":
-                records.append({"text": line})
+                yield lineno, {"text": line}
                 continue
             try:
                 rec = json.loads(line)
@@ -74,8 +81,7 @@ def read_records(uri: str) -> list[dict]:
                 raise ValueError(f"{uri}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); every line must be one JSON object") from None
             if not isinstance(rec, dict):
                 raise ValueError(f"{uri}:{lineno}: expected a JSON object per line, got {type(rec).__name__}")
-            records.append(rec)
-    return records
+            yield lineno, rec
 
 
 # --------------------------------------------------------------------------------------------

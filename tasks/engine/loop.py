@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from tasks.core.errors import ManifestError
-from tasks.core.fingerprint import hf_dir_logits, model_logits, probe_batch, save_fingerprint
+from tasks.core.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
 from tasks.core.manifest import write_manifest
 from tasks.engine import checkpoint as ckpt
 from tasks.engine.faults import Injector
@@ -405,14 +405,7 @@ def _live_logits(model, vocab_size: int, tp_group) -> torch.Tensor:
     if tp_group is None:
         return model_logits(model, vocab_size)
     # Tensor parallel: the LM head keeps its vocab shard (parallel_output); gather along vocab.
-    device = next(model.parameters()).device
-    ids = probe_batch(vocab_size).to(device)
-    was_training = model.training
-    model.eval()
-    out = model(input_ids=ids, use_cache=False)
-    if was_training:
-        model.train()
-    logits = (out.logits if hasattr(out, "logits") else out[0]).contiguous()
+    logits = probe_forward(model, vocab_size)
     if logits.shape[-1] < vocab_size:
         parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp_group))]
         dist.all_gather(parts, logits, group=tp_group)
