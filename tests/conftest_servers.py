@@ -13,11 +13,11 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
 
+from tests.servers import patched_env
 from tests.servers.hub_server import HubServer
 from tests.servers.seaweed import WeedServer, weed_binary
 
@@ -33,18 +33,12 @@ def _require_weed() -> None:
 def weed(tmp_path_factory):
     _require_weed()
     server = WeedServer(tmp_path_factory.mktemp("weed")).start()
-    saved = {k: os.environ.get(k) for k in server.env()}
-    os.environ.update(server.env())
     try:
-        server.make_bucket(BUCKET)
-        yield server
+        with patched_env(server.env()):
+            server.make_bucket(BUCKET)
+            yield server
     finally:
         server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture
@@ -109,19 +103,9 @@ def hub_env(hub, tmp_path):
         "HF_TOKEN": None,
         "HUGGING_FACE_HUB_TOKEN": None,
     }
-    saved = {k: os.environ.get(k) for k in values}
-    for k, v in values.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    _reload_hf_constants()
     try:
-        yield hub
+        with patched_env(values):
+            _reload_hf_constants()  # huggingface_hub reads HF_ENDPOINT etc. into constants at import
+            yield hub
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         _reload_hf_constants()

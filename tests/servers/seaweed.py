@@ -163,18 +163,12 @@ class WeedServer:
         """Create a bucket through the real S3 API with the env's credentials."""
         import s3fs
 
-        saved = {k: os.environ.get(k) for k in self.env()}
-        os.environ.update(self.env())
-        try:
+        from tests.servers import patched_env
+
+        with patched_env(self.env()):
             fs = s3fs.S3FileSystem(skip_instance_cache=True)
             if not fs.exists(name):
                 fs.mkdir(name)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def _main(argv: list[str]) -> int:
