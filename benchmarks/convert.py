@@ -2,13 +2,18 @@
 plain byte copy, side by side on the same synthetic Llama-shaped checkpoint in ColossalAI's layout.
 
     .venv/bin/python benchmarks/convert.py --size-gb 1 4          # issue 6's figures
-    .venv/bin/python benchmarks/convert.py --size-gb 0.5 1 --cast bf16 --workdir /data/tmp
+    .venv/bin/python benchmarks/convert.py --size-gb 1 4 --workdir /dev/shm/bc --no-fsync   # CPU cost
+    .venv/bin/python benchmarks/convert.py --size-gb 0.5 1 --cast bf16 --max-shard-size 5GB
 
 For each size it writes `model-0000K.safetensors` shards of at most 1024 MiB plus the MiB-valued
 `model.safetensors.index.json` (ColossalAI's defaults), then runs, each in its own process:
-  (a) ours:  tasks.core.convert.convert_checkpoint (fp32 -> fp32, 5GB shards, sha256, fsync)
+  (a) ours:  tasks.core.convert.convert_checkpoint (fp32 -> fp32, sha256, fsync, default workers)
   (b) naive: AutoModelForCausalLM.from_pretrained + save_pretrained(safe_serialization=True), fsync
   (c) copy:  read and write the same files in 16 MiB chunks, fsync (the disk's limit)
+(a) and (b) write the same output shards: `--max-shard-size` goes to both. Its default scales the
+export's shard budget with the model (a quarter of the checkpoint: 4 output shards, as an 8B bf16
+export has at the 5GB default; a 70B one has 28), so the scaled-down model takes the same code
+path as a real one; `--max-shard-size 5GB` gives the single-shard case at these sizes.
 plus a derived row, (b) with the sha256 pass over its output that its manifest still needs (ours
 hashes while writing), and prints throughput (GB = 1e9 bytes of tensors per second of work), the ratios the issue sets
 targets for (a/c >= 0.7, b/a time >= 2), and peak RSS: of the whole process (wait4's ru_maxrss)
@@ -111,7 +116,7 @@ def _fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
-def work_copy(src: Path, dst: Path, config: dict, fsync: bool) -> None:
+def work_copy(src: Path, dst: Path, config: dict, fsync: bool, shard: str) -> None:
     dst.mkdir()
     buf = memoryview(bytearray(CHUNK))
     for path in sorted(src.iterdir()):
@@ -122,13 +127,13 @@ def work_copy(src: Path, dst: Path, config: dict, fsync: bool) -> None:
                 os.fsync(fout.fileno())
 
 
-def work_ours(src: Path, dst: Path, config: dict, fsync: bool, dtype: str | None = None) -> None:
+def work_ours(src: Path, dst: Path, config: dict, fsync: bool, shard: str, dtype: str | None = None) -> None:
     from tasks.core.convert import convert_checkpoint
 
-    convert_checkpoint(src, dst, model_config=config, dtype=dtype, fsync=fsync)
+    convert_checkpoint(src, dst, model_config=config, dtype=dtype, fsync=fsync, max_shard_size=shard)
 
 
-def work_naive(src: Path, dst: Path, config: dict, fsync: bool) -> dict:
+def work_naive(src: Path, dst: Path, config: dict, fsync: bool, shard: str) -> dict:
     import torch
 
     from tasks.core.manifest import sha256_file
@@ -136,7 +141,7 @@ def work_naive(src: Path, dst: Path, config: dict, fsync: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
-    model.save_pretrained(dst, safe_serialization=True)
+    model.save_pretrained(dst, safe_serialization=True, max_shard_size=shard)
     if fsync:  # save_pretrained does not fsync; the others do, so this one must too
         _fsync_tree(dst)
     # the artifact's manifest needs sha256 of every file: this path pays a second read for it
@@ -149,7 +154,7 @@ def work_naive(src: Path, dst: Path, config: dict, fsync: bool) -> dict:
 WORKERS = {"copy": work_copy, "ours": work_ours, "naive": work_naive}
 
 
-def run_worker(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool) -> dict:
+def run_worker(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool, shard: str) -> dict:
     config = json.loads((src / "config.json").read_text())
     # import what the worker needs before the clock and the RSS baseline start
     if kind == "ours":
@@ -166,9 +171,9 @@ def run_worker(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool) -
         hwm_reset = False
     t0 = time.perf_counter()
     if kind == "ours":
-        extra = work_ours(src, dst, config, fsync, dtype=cast)
+        extra = work_ours(src, dst, config, fsync, shard, dtype=cast)
     else:
-        extra = WORKERS[kind](src, dst, config, fsync)
+        extra = WORKERS[kind](src, dst, config, fsync, shard)
     seconds = time.perf_counter() - t0 - (extra or {}).get("hash_seconds", 0.0)
     hwm_kb = _status_kb("VmHWM")
     return {
@@ -181,7 +186,39 @@ def run_worker(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool) -
     }
 
 
-def measure(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool) -> dict:
+def _block_stat(path: Path) -> Path | None:
+    """/sys/.../stat of the block device holding `path` (None on tmpfs and the like)."""
+    dev = os.stat(path).st_dev
+    stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat")
+    return stat if stat.is_file() else None
+
+
+def quiesce(path: Path, timeout: float = 60.0) -> float:
+    """sync, then wait until the disk under `path` is idle; returns the seconds waited.
+
+    Deleting the previous run's output makes ext4 (mounted with `discard`, as here) trim the
+    freed blocks in the background, and a write issued meanwhile stalls behind the trims: the
+    same 1 GB copy took 0.3 s or 3.2 s depending on it. Waiting until the device reports no I/O
+    in flight and no new writes or discards for half a second takes that out of the figures."""
+    t0 = time.perf_counter()
+    os.sync()
+    stat = _block_stat(path)
+    if stat is None:
+        return time.perf_counter() - t0
+    last, quiet_since = None, time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        f = stat.read_text().split()
+        in_flight = int(f[8])
+        counters = (f[4], f[6], f[11:14] if len(f) > 13 else None)  # writes, write sectors, discards
+        if counters != last or in_flight:
+            last, quiet_since = counters, time.perf_counter()
+        elif time.perf_counter() - quiet_since >= 0.5:
+            break
+        time.sleep(0.05)
+    return time.perf_counter() - t0
+
+
+def measure(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool, shard: str) -> dict:
     """Run one worker in a child process and collect its own timing and peak RSS.
 
     The peak comes from the child's /proc/self/status, not from wait4/RUSAGE_CHILDREN: Linux
@@ -189,8 +226,8 @@ def measure(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool) -> d
     with this process's (checkpoint-generating) memory.
     """
     shutil.rmtree(dst, ignore_errors=True)
-    os.sync()  # start every run with no writeback (or discard) of an earlier run in flight
-    flags = (["--cast", cast] if cast else []) + (["--no-fsync"] if not fsync else [])
+    quiesce(dst.parent)  # start every run with no writeback or discard of an earlier one in flight
+    flags = (["--cast", cast] if cast else []) + (["--no-fsync"] if not fsync else []) + ["--max-shard-size", shard]
     cmd = [sys.executable, __file__, "--worker", kind, str(src), str(dst), *flags]
     proc = subprocess.run(cmd, capture_output=True, cwd=ROOT)
     if proc.returncode != 0:
@@ -199,18 +236,21 @@ def measure(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool) -> d
     result["peak_rss_mb"] = result["peak_kb"] / 1024
     result["growth_mb"] = (result["hwm_kb"] - result["baseline_kb"]) / 1024 if result["hwm_reset"] else float("nan")
     result["out_bytes"] = sum(p.stat().st_size for p in dst.iterdir())
+    result["out_shards"] = sum(1 for p in dst.glob("*.safetensors"))
     shutil.rmtree(dst, ignore_errors=True)
     return result
 
 
-def bench_size(size_gb: float, workdir: Path, cast: str | None, fsync: bool, repeat: int) -> dict:
+def bench_size(size_gb: float, workdir: Path, cast: str | None, fsync: bool, repeat: int, shard: str | None) -> dict:
     config = llama_config(size_gb)
+    shard = shard or f"{max(1, round(size_gb * 1000 / 4))}MB"
     src = workdir / f"ckpt-{size_gb:g}GB"
     t0 = time.perf_counter()
     tensor_bytes, largest = write_checkpoint(src, config)
     print(f"\n== {tensor_bytes / 1e9:.2f} GB Llama-shaped checkpoint: {config['num_hidden_layers']} layers, "
           f"{len(list(src.glob('model-*.safetensors')))} ColossalAI shards, largest tensor {largest / 1e6:.0f} MB "
-          f"(written in {time.perf_counter() - t0:.0f} s); {repeat} rounds, order rotated each round")  # fmt: skip
+          f"(written in {time.perf_counter() - t0:.0f} s); output shard budget {shard} for (a) and (b); "
+          f"{repeat} rounds, order rotated each round")  # fmt: skip
     plan = [("c copy", "copy", None), ("a ours", "ours", None), ("b naive", "naive", None)]
     if cast:
         plan.append((f"a ours->{cast}", "ours", cast))
@@ -219,7 +259,7 @@ def bench_size(size_gb: float, workdir: Path, cast: str | None, fsync: bool, rep
         # this VM's page cache and virtual disk are noisy (the same 1 GB write varies 5x), so
         # methods are interleaved, rotated, and the medians compared
         for label, kind, dtype in plan[r % len(plan) :] + plan[: r % len(plan)]:
-            runs[label].append(measure(kind, src, workdir / "out", dtype, fsync))
+            runs[label].append(measure(kind, src, workdir / "out", dtype, fsync, shard))
 
     # (b) as the issue defines it, and (b) plus the hashing pass its manifest would still need
     runs["b naive+sha256"] = [{**x, "seconds": x["seconds"] + x["hash_seconds"]} for x in runs["b naive"]]
@@ -236,11 +276,13 @@ def bench_size(size_gb: float, workdir: Path, cast: str | None, fsync: bool, rep
         row["best_gbps"] = tensor_bytes / 1e9 / row["best_s"]
         rows[label] = row
         print(f"  {label:<14} median {row['median_s']:6.2f} s = {row['gbps']:5.2f} GB/s (best {row['best_gbps']:5.2f})"
-              f"   peak RSS {row['peak_rss_mb']:6.0f} MB, growth during work {row['growth_mb']:6.0f} MB")  # fmt: skip
+              f"   peak RSS {row['peak_rss_mb']:6.0f} MB, growth during work {row['growth_mb']:6.0f} MB, "
+              f"{results[0].get('out_shards', '?')} output shards")  # fmt: skip
     a, b, c = rows["a ours"], rows["b naive"], rows["c copy"]
     budget_mb = (largest + 512e6) / 2**20
     summary = {
         "size_gb": round(tensor_bytes / 1e9, 3),
+        "max_shard_size": shard,
         "largest_tensor_mb": round(largest / 2**20, 1),
         "a_over_c_throughput": round(a["gbps"] / c["gbps"], 3),
         "b_over_a_time": round(b["median_s"] / a["median_s"], 3),
@@ -268,12 +310,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--cast", choices=["bf16", "fp16"], help="also time our converter casting fp32 to this dtype")
     ap.add_argument("--no-fsync", action="store_true", help="leave outputs in the page cache (all three alike)")
     ap.add_argument("--repeat", type=int, default=3, help="rounds per size (medians are compared)")
+    ap.add_argument("--max-shard-size", help="output shard budget for (a) and (b) (default: a quarter of each size)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(run_worker(args.worker, Path(args.paths[0]), Path(args.paths[1]), args.cast, not args.no_fsync)))
+        print(json.dumps(run_worker(args.worker, Path(args.paths[0]), Path(args.paths[1]), args.cast, not args.no_fsync, args.max_shard_size)))
         return 0
 
     if args.workdir:
@@ -288,7 +331,7 @@ def main(argv: list[str]) -> int:
     summaries = []
     try:
         for size in args.size_gb:
-            summaries.append(bench_size(size, workdir, args.cast, not args.no_fsync, args.repeat))
+            summaries.append(bench_size(size, workdir, args.cast, not args.no_fsync, args.repeat, args.max_shard_size))
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -53,10 +53,24 @@ def make_checkpoint(root: Path, total_bytes: int, shards: int) -> dict:
     return write_manifest(root, kind="benchmark-checkpoint")
 
 
-def timed(fn) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (from /proc; Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+CPU: dict[str, list[float]] = {}
+
+
+def timed(fn, label: str = "", server_pid: int | None = None) -> float:
+    """Wall seconds of fn(); also records (client CPU s, server CPU s) under `label`."""
+    c0, s0 = time.process_time(), cpu_seconds(server_pid) if server_pid else 0.0
     t = time.perf_counter()
     fn()
-    return time.perf_counter() - t
+    dt = time.perf_counter() - t
+    if label:
+        CPU[label] = [time.process_time() - c0, (cpu_seconds(server_pid) - s0) if server_pid else 0.0]
+    return dt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             ours_root = f"s3://{BUCKET}/ours-{r}"
             store = RunStore(ours_root, staging_dir=str(staging), max_workers=a.workers, part_size=a.part_mb << 20)
             store.staging = probe.staging  # publish the same staged directory
-            dt = timed(lambda: store.publish("ckpt"))
+            dt = timed(lambda: store.publish("ckpt"), "ours", server.proc.pid)
             assert store.last_transfer["transferred"] == len(manifest["files"]), store.last_transfer
             best["ours"] = min(best["ours"], dt)
 
@@ -103,13 +117,15 @@ def main(argv: list[str] | None = None) -> int:
                 for name in names:
                     fs.put_file(str(src / name), f"{prefix}/{name}")
 
-            dt_seq = timed(sequential)
+            dt_seq = timed(sequential, "sequential", server.proc.pid)
             best["sequential"] = min(best["sequential"], dt_seq)
 
             dst = work / f"copy-{r}"
             dt_copy = timed(lambda: shutil.copytree(src, dst))
             best["copy"] = min(best["copy"], dt_copy)
-            print(f"round {r + 1}: ours {dt:.2f}s  sequential put {dt_seq:.2f}s  disk copy {dt_copy:.2f}s")
+            print(f"round {r + 1}: ours {dt:.2f}s  sequential put {dt_seq:.2f}s  disk copy {dt_copy:.2f}s;  CPU s "
+                  f"(client + server): ours {CPU['ours'][0]:.1f} + {CPU['ours'][1]:.1f}, "
+                  f"sequential {CPU['sequential'][0]:.1f} + {CPU['sequential'][1]:.1f}")
             shutil.rmtree(dst, ignore_errors=True)
             for prefix in (f"{BUCKET}/ours-{r}", f"{BUCKET}/seq-{r}"):
                 fs.rm(prefix, recursive=True)

@@ -281,6 +281,36 @@ def test_multi_shard_index_and_hashes(tmp_path, llama):
     assert sorted(os.listdir(dst)) == ["config.json", "model.safetensors"]
 
 
+def test_parallel_shard_writers_are_byte_identical_and_fail_cleanly(tmp_path, llama, monkeypatch):
+    import tasks.core.convert as convert_mod
+
+    src = write_colossal_checkpoint(_params(llama), tmp_path / "ckpt")
+    serial = convert_checkpoint(src, tmp_path / "w1", model_config=_cfg(llama), max_shard_size="100KB", fsync=False, workers=1)
+    # fsync on, with the writeback step shrunk so sync_file_range runs on these small files too
+    monkeypatch.setattr(convert_mod, "_WRITEBACK_STEP", 4096)
+    parallel = convert_checkpoint(src, tmp_path / "w3", model_config=_cfg(llama), max_shard_size="100KB", fsync=True, workers=3)
+    assert len(serial.files) > 4 and parallel.files == serial.files
+    for rel in serial.files:
+        assert (tmp_path / "w1" / rel).read_bytes() == (tmp_path / "w3" / rel).read_bytes(), rel
+
+    # one writer failing stops the others: its error is raised and no partial (.tmp) file is left
+    victim = serial.keys[len(serial.keys) // 2]
+    real = convert_mod._Reader.readinto
+
+    def failing(self, entry, pos, out):
+        if entry.key == victim:
+            raise OSError(5, f"injected read error in {entry.key}")
+        return real(self, entry, pos, out)
+
+    monkeypatch.setattr(convert_mod._Reader, "readinto", failing)
+    with pytest.raises(OSError, match="injected read error"):
+        convert_checkpoint(src, tmp_path / "broken", model_config=_cfg(llama), max_shard_size="100KB", fsync=False, workers=3)
+    assert not [p.name for p in (tmp_path / "broken").iterdir() if p.name.endswith(".tmp")]
+    assert not (tmp_path / "broken" / SAFE_INDEX_NAME).exists()
+    with pytest.raises(ConversionError, match="workers=0"):
+        convert_checkpoint(src, tmp_path / "w0", model_config=_cfg(llama), workers=0)
+
+
 def test_bf16_cast(tmp_path, llama):
     src = write_colossal_checkpoint(_params(llama), tmp_path / "ckpt", stages=pp2_stages(_params(llama), 4))
     report = convert_checkpoint(src, tmp_path / "hf", model_config=_cfg(llama), dtype="bf16", max_shard_size="200KB", fsync=False)

@@ -4,9 +4,12 @@ ColossalAI only ever sees a local directory. For a local (or NFS) run root that 
 artifact: stages write in place and `publish` only verifies. For an `s3://bucket/prefix` run root:
 
 - `publish` uploads the files in parallel (whole files and multipart parts at once), hashing every
-  byte it sends: each request carries its SHA-256 checksum, which the server checks, and the
-  file's sha256 must equal the manifest's before a multipart upload is completed, so a partial or
-  altered object never becomes visible. `manifest.json` goes up last, after every object has been
+  byte it sends once: the file's sha256 must equal the manifest's before an upload is completed,
+  so a partial or altered object never becomes visible, and each request carries the CRC32 of its
+  body (the AWS SDKs' default wire checksum), which the server checks; a multipart upload is
+  accepted only if the server's composite CRC32 is that of exactly the parts we hashed, in order.
+  (A per-part SHA-256 would hash every byte a second time here and once more on the server, for
+  nothing the manifest's sha256 and the wire CRC do not already catch.) `manifest.json` goes up last, after every object has been
   confirmed by size and sha256; an old manifest is deleted first. A crash mid-publish therefore
   leaves no manifest, so the artifact does not exist, and a retry uploads only what is missing.
 - `stage_in` downloads in parallel (ranged GETs for large files) into `.part` files, checks each
@@ -30,6 +33,7 @@ import os
 import shutil
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable
 
@@ -67,8 +71,8 @@ def _s3_filesystem():
     fs = _S3_CACHE.get(env_key)
     if fs is None:
         # No listings cache: other processes (ranks, retried tasks) write the same prefixes.
-        # No SigV4 payload hashing: every upload here carries x-amz-checksum-sha256 (or botocore's
-        # own CRC), a signed header the server checks the body against, so hashing each body a
+        # No SigV4 payload hashing: every upload here carries x-amz-checksum-crc32 (ours or
+        # botocore's), a signed header the server checks the body against, so hashing each body a
         # second time for the signature (botocore does on plain-http endpoints) buys nothing.
         fs = s3fs.S3FileSystem(
             skip_instance_cache=True, use_listings_cache=False,
@@ -107,10 +111,15 @@ def _b64(digest: bytes) -> str:
     return base64.b64encode(digest).decode()
 
 
+def _crc32(data: bytes) -> bytes:
+    """CRC32 (IEEE, zlib's) as S3's x-amz-checksum-crc32 carries it: 4 bytes, big-endian."""
+    return zlib.crc32(data).to_bytes(4, "big")
+
+
 def _hash_into(whole, chunk: bytes) -> bytes:
-    """Feed the file's running sha256 and return the chunk's own sha256 (one thread hop)."""
+    """Feed the file's running sha256 and return the chunk's CRC32 (one thread hop)."""
     whole.update(chunk)
-    return hashlib.sha256(chunk).digest()
+    return _crc32(chunk)
 
 
 def _read_at(path: Path, offset: int, size: int) -> bytes:
@@ -188,11 +197,12 @@ class _S3Transfers:
         if size <= self.part_size:
             async with sem:
                 data = await asyncio.to_thread(_read_at, local, 0, size + 1)
-                digest = await asyncio.to_thread(lambda: hashlib.sha256(data).digest())
-                _check_local(local, len(data), digest.hex(), entry)
-                # The server recomputes the body's SHA-256 and refuses the PUT if it differs.
+                whole = hashlib.sha256()
+                crc = await asyncio.to_thread(_hash_into, whole, data)
+                _check_local(local, len(data), whole.hexdigest(), entry)
+                # The server recomputes the body's CRC32 and refuses the PUT if it differs.
                 await self.call(
-                    "put_object", Bucket=bucket, Key=key, Body=data, ChecksumSHA256=_b64(digest), Metadata={SHA256_META: sha},
+                    "put_object", Bucket=bucket, Key=key, Body=data, ChecksumCRC32=_b64(crc), Metadata={SHA256_META: sha},
                 )
         else:
             await self._put_multipart(local, bucket, key, entry, sem)
@@ -205,7 +215,7 @@ class _S3Transfers:
     async def _put_multipart(self, local: Path, bucket: str, key: str, entry: dict, sem: asyncio.Semaphore) -> None:
         size, sha = entry["size"], entry["sha256"]
         mpu = await self.call(
-            "create_multipart_upload", Bucket=bucket, Key=key, Metadata={SHA256_META: sha}, ChecksumAlgorithm="SHA256",
+            "create_multipart_upload", Bucket=bucket, Key=key, Metadata={SHA256_META: sha}, ChecksumAlgorithm="CRC32",
         )
         upload_id = mpu["UploadId"]
         tasks: list[asyncio.Future] = []
@@ -214,9 +224,9 @@ class _S3Transfers:
             try:
                 resp = await self.call(
                     "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=chunk,
-                    ChecksumSHA256=_b64(digest),
+                    ChecksumCRC32=_b64(digest),
                 )
-                return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumSHA256": _b64(digest)}
+                return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32": _b64(digest)}
             finally:
                 sem.release()
 
@@ -244,10 +254,10 @@ class _S3Transfers:
             done = await self.call(
                 "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts},
             )
-            # S3's composite checksum: sha256 over the parts' digests, "-N". Servers that return it
-            # thereby confirm they assembled exactly the parts we hashed, in order.
-            composite = done.get("ChecksumSHA256")
-            expected = f"{_b64(hashlib.sha256(b''.join(digests)).digest())}-{len(digests)}"
+            # S3's composite checksum: the CRC32 of the parts' CRC32s, "-N". Servers that return
+            # it thereby confirm they assembled exactly the parts we hashed, in order.
+            composite = done.get("ChecksumCRC32")
+            expected = f"{_b64(_crc32(b''.join(digests)))}-{len(digests)}"
             if composite and composite != expected:
                 raise TransferError(f"s3://{bucket}/{key}: server assembled checksum {composite}, expected {expected}")
         except BaseException:
@@ -547,7 +557,7 @@ class RunStore:
             outcome = await _all_or_nothing(xfer.put(local / n, self._remote(f"{rel}/{n}"), manifest["files"][n], sem) for n in names)
             bucket, key, _ = self.fs.split_path(remote_manifest)
             await xfer.call(
-                "put_object", Bucket=bucket, Key=key, Body=blob, ChecksumSHA256=_b64(hashlib.sha256(blob).digest()),
+                "put_object", Bucket=bucket, Key=key, Body=blob, ChecksumCRC32=_b64(_crc32(blob)),
                 ContentType="application/json",
             )
             return outcome
