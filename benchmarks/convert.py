@@ -196,10 +196,10 @@ def _block_stat(path: Path) -> Path | None:
 def quiesce(path: Path, timeout: float = 60.0) -> float:
     """sync, then wait until the disk under `path` is idle; returns the seconds waited.
 
-    Deleting the previous run's output makes ext4 (mounted with `discard`, as here) trim the
-    freed blocks in the background, and a write issued meanwhile stalls behind the trims: the
-    same 1 GB copy took 0.3 s or 3.2 s depending on it. Waiting until the device reports no I/O
-    in flight and no new writes or discards for half a second takes that out of the figures."""
+    So no writeback or trim (ext4 here is mounted with `discard`) of an earlier run overlaps the
+    next one as far as this guest can see. It does not make this VM's disk steady: the same 1 GB
+    copy still takes 0.8 s or 3.2 s from one run to the next (the host's side of a virtual disk is
+    out of sight), hence interleaved rounds and medians."""
     t0 = time.perf_counter()
     os.sync()
     stat = _block_stat(path)

@@ -167,6 +167,35 @@ def test_failed_republish_leaves_no_manifest_then_completes(s3_root, tmp_path, m
     assert {n: sha256_file(local / n) for n in v2["files"]} == {n: e["sha256"] for n, e in v2["files"].items()}
 
 
+@pytest.mark.parametrize("method", ["upload_part", "put_object"])
+def test_bytes_corrupted_on_the_wire_are_refused_by_the_server(s3_root, tmp_path, monkeypatch, method):
+    """Every request carries the CRC32 of the body we hashed; a body altered after that (on the
+    wire) is refused by the real server, so the publish fails with no manifest, then completes."""
+    store = RunStore(s3_root, staging_dir=str(tmp_path / "a"), part_size=PART)
+    rel = f"cpt/step-wire-{method}"
+    manifest = make_artifact(store.local_path(rel), {"a.bin": 12 * MB, "b.json": 3000}, seed=3)
+    real_call = _S3Transfers.call
+    seen = {"n": 0}
+
+    async def corrupting(self, m, **kw):
+        if m == method and kw["Key"].rsplit("/", 1)[-1] != MANIFEST:
+            seen["n"] += 1
+            if seen["n"] == 1:
+                body = bytearray(kw["Body"])
+                body[len(body) // 2] ^= 0xFF  # one bit pattern flipped after the checksum was taken
+                kw = {**kw, "Body": bytes(body)}
+        return await real_call(self, m, **kw)
+
+    monkeypatch.setattr(_S3Transfers, "call", corrupting)
+    with pytest.raises(TransferError, match="did not match|BadDigest") as err:
+        store.publish(rel)
+    assert "no manifest was written" in str(err.value)
+    assert not store.exists(f"{rel}/{MANIFEST}")
+    monkeypatch.setattr(_S3Transfers, "call", real_call)
+    store.publish(rel)
+    assert store.verify(rel, deep=True)["files"] == manifest["files"]
+
+
 def test_server_killed_mid_publish_then_publish_completes(fresh_weed, tmp_path, monkeypatch, caplog):
     """A checkpoint-sized artifact; the S3 server is SIGKILLed while parts are in flight."""
     from tests.conftest_servers import BUCKET
