@@ -372,24 +372,24 @@ def eval_results_for_card(metrics: dict[str, Any], model_name: str | None = None
     from huggingface_hub import EvalResult
 
     out = []
+
+    def add(ds: tuple[str, str], metric_type: str, value: float, name: str) -> None:
+        out.append(EvalResult(task_type="text-generation", dataset_type=ds[0], dataset_name=ds[1], dataset_split="heldout",
+                              metric_type=metric_type, metric_value=value, metric_name=name))
+
     sft, cpt = metrics.get("sft"), metrics.get("cpt")
     if sft:
         ds = _split_dataset(sft, "SFT")
-        out.append(EvalResult(task_type="text-generation", dataset_type=ds[0], dataset_name=ds[1], dataset_split="heldout",
-                              metric_type="loss", metric_value=round(sft["sft"]["loss"], 6), metric_name="held-out loss on assistant tokens"))
-        out.append(EvalResult(task_type="text-generation", dataset_type=ds[0], dataset_name=ds[1], dataset_split="heldout",
-                              metric_type="loss", metric_value=round(sft["pre_sft"]["loss"], 6), metric_name="held-out loss on assistant tokens, before SFT"))
+        add(ds, "loss", round(sft["sft"]["loss"], 6), "held-out loss on assistant tokens")
+        add(ds, "loss", round(sft["pre_sft"]["loss"], 6), "held-out loss on assistant tokens, before SFT")
         gen = sft.get("generation")
         if gen:
-            out.append(EvalResult(task_type="text-generation", dataset_type=ds[0], dataset_name=ds[1], dataset_split="heldout",
-                                  metric_type="stop_rate", metric_value=round(gen["stopped"] / max(gen["prompts"], 1), 4),
-                                  metric_name=f"greedy replies ending at an eos token within {gen['max_new_tokens']} tokens"))
+            add(ds, "stop_rate", round(gen["stopped"] / max(gen["prompts"], 1), 4),
+                f"greedy replies ending at an eos token within {gen['max_new_tokens']} tokens")
     if cpt:
         ds = _split_dataset(cpt, "CPT")
-        out.append(EvalResult(task_type="text-generation", dataset_type=ds[0], dataset_name=ds[1], dataset_split="heldout",
-                              metric_type="perplexity", metric_value=round(cpt["cpt"]["perplexity"], 4), metric_name="held-out perplexity after CPT (before SFT)"))
-        out.append(EvalResult(task_type="text-generation", dataset_type=ds[0], dataset_name=ds[1], dataset_split="heldout",
-                              metric_type="perplexity", metric_value=round(cpt["base"]["perplexity"], 4), metric_name="held-out perplexity of the base model"))
+        add(ds, "perplexity", round(cpt["cpt"]["perplexity"], 4), "held-out perplexity after CPT (before SFT)")
+        add(ds, "perplexity", round(cpt["base"]["perplexity"], 4), "held-out perplexity of the base model")
     return out
 
 

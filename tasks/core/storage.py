@@ -336,6 +336,17 @@ class _S3Transfers:
         return got, whole.hexdigest()
 
 
+def _run_transfer(xfer: "_S3Transfers", go: Callable[[], Awaitable[Any]], what: str, after: str) -> Any:
+    """Run a transfer; a content problem (ManifestError) passes through, anything else (the
+    server, the network) becomes a TransferError saying what failed and what that leaves."""
+    try:
+        return xfer.run(go)
+    except ManifestError:
+        raise
+    except Exception as exc:
+        raise TransferError(f"{what} failed ({type(exc).__name__}: {exc}); {after}") from exc
+
+
 def _object_matches(head: dict | None, size: int, sha: str) -> bool:
     return bool(head) and head.get("ContentLength") == size and (head.get("Metadata") or {}).get(SHA256_META) == sha
 
@@ -499,12 +510,7 @@ class RunStore:
             sem = asyncio.Semaphore(self.max_workers)
             return await _all_or_nothing(xfer.get(self._remote(f"{rel}/{n}"), local / n, manifest["files"][n], sem) for n in names)
 
-        try:
-            outcome = xfer.run(go)
-        except ManifestError:
-            raise
-        except Exception as exc:
-            raise TransferError(f"stage-in of {self.uri(rel)} failed ({type(exc).__name__}: {exc}); safe to retry") from exc
+        outcome = _run_transfer(xfer, go, f"stage-in of {self.uri(rel)}", "safe to retry")
         tmp = local / f".{MANIFEST}.{os.getpid()}.tmp"
         tmp.write_bytes(blob)
         os.replace(tmp, local_manifest)
@@ -562,12 +568,7 @@ class RunStore:
             )
             return outcome
 
-        try:
-            outcome = xfer.run(go)
-        except ManifestError:
-            raise
-        except Exception as exc:
-            raise TransferError(f"publish of {self.uri(rel)} failed ({type(exc).__name__}: {exc}); no manifest was written, safe to retry") from exc
+        outcome = _run_transfer(xfer, go, f"publish of {self.uri(rel)}", "no manifest was written, safe to retry")
         self.last_transfer = _summary("publish", rel, manifest, names, outcome, started)
         if release:
             shutil.rmtree(local, ignore_errors=True)
