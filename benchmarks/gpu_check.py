@@ -333,7 +333,7 @@ def cmd_flow(config: str, run_root: str, records_path: str) -> int:
         sink.flush()
 
     def recording(verb, job, *args, **kwargs):
-        stage, t0 = job["stage"], time.monotonic()
+        stage, t0 = job.stage, time.monotonic()
         write({"event": "launch", "verb": verb, "stage": stage})
         inner_progress, inner_event = kwargs.get("on_progress"), kwargs.get("on_event")
 

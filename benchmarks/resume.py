@@ -70,7 +70,7 @@ def main() -> int:
         inner = kw.get("on_progress")
 
         def on_progress(rec):
-            if job["stage"] == "cpt":
+            if job.stage == "cpt":
                 seen.append(int(rec["step"]))
             if inner:
                 inner(rec)

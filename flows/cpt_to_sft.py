@@ -22,15 +22,17 @@ from prefect import flow, get_run_logger
 from prefect.states import Completed
 
 from tasks import ui
-from tasks.common import StageResult, resolve_local, store_for
 from tasks.core.config import RunConfig, load_config
 from tasks.core.lease import Lease, break_lease, describe
+from tasks.core.paths import resolve_local
+from tasks.core.runlayout import DONE, STAGE, STAGE_NAMES, Status
 from tasks.core.storage import fetch_to_local
 from tasks.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back, recorded_metrics
 from tasks.export import export_hf
 from tasks.load import load_from_hf
 from tasks.preflight import preflight, run_check_cli
 from tasks.push import push_to_hub
+from tasks.stage import StageResult, outcome, store_for
 from tasks.train import boost_and_shard, reboost, train_cpt, train_sft
 from tasks.unshard import unshard
 
@@ -77,7 +79,8 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
 
     def stage(name: str, task_fn, *args) -> StageResult:
         try:
-            results[name] = task_fn(*args)
+            # A skipped stage ends in a state named "Skipped"; outcome() reads its StageResult.
+            results[name] = outcome(task_fn(*args, return_state=True))
         except BaseException as exc:
             results[name] = _failed(cfg, name, exc)  # its row in the stage table + a failed event
             raise
@@ -94,7 +97,7 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
         export = stage("export", export_hf, cfg, sft)
         sft_eval = stage("evaluate_sft", evaluate_sft, cfg, bridge, export)  # pre-SFT vs SFT, generation check
         verdict = stage("gate", gate, cfg, cpt_eval, sft_eval)
-        if verdict.status == "failed-gate":
+        if verdict.status == Status.FAILED_GATE:
             results["push_to_hub"] = held_back(cfg, verdict)
         else:
             stage("push_to_hub", push_to_hub, cfg, results)
@@ -118,30 +121,22 @@ def _holder() -> str:
     return f"flow run {flow_run.name or '?'} ({flow_run.id})"
 
 
-STAGES = ("load_from_hf", "boost_and_shard", "train_cpt", "unshard", "evaluate_cpt", "reboost", "train_sft", "export", "evaluate_sft", "gate", "push_to_hub")
-DONE = ("completed", "skipped", "not-configured", "passed", "disabled")  # statuses of a run that did its job
-# Where each stage writes (its artifact, or the stage directory of its checkpoints): the URI a
-# failure event and the stage table point the operator at.
-STAGE_DIRS = {
-    "load_from_hf": "base", "boost_and_shard": "cpt", "train_cpt": "cpt", "unshard": "cpt/hf", "evaluate_cpt": "eval/cpt",
-    "reboost": "sft", "train_sft": "sft", "export": "export", "evaluate_sft": "eval/sft",
-}
-
-
 def _failed(cfg: RunConfig, stage: str, exc: BaseException) -> StageResult:
-    rel = STAGE_DIRS.get(stage)
+    # Where the stage writes (its artifact, or its checkpoints' directory): the URI the failure
+    # event and the stage table point the operator at.
+    rel = STAGE[stage].artifact
     uri = store_for(cfg).uri(rel) if rel else (f"hf://{cfg.hub.repo_id}" if cfg.hub else None)
     # The event carries the whole message (for a launch: every rank's last lines) for automations.
-    ui.stage_event(stage, "failed", cfg.name, uri, error=f"{type(exc).__name__}: {exc}"[-4000:])
-    return StageResult(stage, "failed", rel, uri, detail={"error": str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__})
+    ui.stage_event(stage, Status.FAILED, cfg.name, uri, error=f"{type(exc).__name__}: {exc}"[-4000:])
+    return StageResult(stage, Status.FAILED, rel, uri, detail={"error": str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__})
 
 
 def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: float) -> dict[str, Any]:
     store = store_for(cfg)
     stages = []
-    for name in STAGES:
+    for name in STAGE_NAMES:
         r = results.get(name)
-        stages.append(r.as_dict() if r else {"stage": name, "status": "not-run", "uri": None, "digest": None, "seconds": 0.0, "detail": {}})
+        stages.append(r.as_dict() if r else {"stage": name, "status": str(Status.NOT_RUN), "uri": None, "digest": None, "seconds": 0.0, "detail": {}})
     export = results.get("export")
     push = results.get("push_to_hub")
     verdict = results.get("gate")
@@ -153,8 +148,8 @@ def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: floa
         "stages": stages,
         "export": export.uri if export else None,
         "evaluation": recorded_metrics(results),
-        "gate": ({"status": verdict.status, **verdict.detail} if verdict and verdict.status != "failed" else {"status": verdict.status if verdict else "not-run"}),
-        "hub": (push.detail if push and push.status == "completed" else {"status": push.status if push else "not-run", **(push.detail if push else {})}),
+        "gate": ({"status": str(verdict.status), **verdict.detail} if verdict and verdict.status != Status.FAILED else {"status": str(verdict.status if verdict else Status.NOT_RUN)}),
+        "hub": (push.detail if push and push.status == Status.COMPLETED else {"status": str(push.status if push else Status.NOT_RUN), **(push.detail if push else {})}),
     }
     store.write_text("run.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
     try:

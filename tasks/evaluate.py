@@ -20,78 +20,22 @@ on a re-run like every stage (manifest verifies, config digest matches).
 from __future__ import annotations
 
 import json
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
 
 from tasks import ui
-from tasks.common import StageResult, completed, done, fresh_dir, resolve_local, stage_digest, store_for
+
 from tasks.core import evaluation as ev
 from tasks.core.config import RunConfig, digest
-from tasks.core.manifest import sha256_file, write_manifest
-from tasks.core.split import split_by_fraction, split_by_heldout
-from tasks.core.storage import RunStore, fetch_to_local
+from tasks.core.data import read_records
+from tasks.core.runlayout import Status
+from tasks.core.stage_data import heldout_split, write_jsonl
+from tasks.core.storage import RunStore
+from tasks.stage import Stage, StageResult, stage_digest, stage_task
 
 EVAL_TABLE_KEY = "cpt-to-sft-evaluation"
-SPLIT_FILE = "data-split.json"  # beside the stage's checkpoints: <run_root>/<stage>/data-split.json
-
-
-# ------------------------------------------------------------------------------------------------
-# Held-out split (used by training, before the engine runs, and by evaluation)
-
-
-def _write_jsonl(path: Path, records: list[Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False, default=str) + "\n")
-    os.replace(tmp, path)
-
-
-def heldout_split(cfg: RunConfig, store: RunStore, stage: str) -> tuple[Path, Path | None, dict[str, Any]]:
-    """(training file, held-out file or None, split record) for `stage`.
-
-    Writes `<staging>/data/<stage>/split/{train,heldout}.jsonl` and the split record; without a
-    held-out set (fraction 0, no URI) the training file is the data file itself, unchanged.
-    """
-    from tasks.engine.data import read_records
-
-    st = getattr(cfg, stage)
-    dest = store.staging / "data" / stage
-    data = fetch_to_local(resolve_local(st.data.uri), dest)
-    base = {"data_uri": st.data.uri, "data_sha256": sha256_file(data)}
-    if not st.eval.enabled:
-        return data, None, {"method": "none", **base}
-    records = read_records(str(data))
-    if st.eval.heldout_uri:
-        held_file = fetch_to_local(resolve_local(st.eval.heldout_uri), dest / "heldout-source")
-        split = split_by_heldout(records, read_records(str(held_file)), st.eval.heldout_uri)
-        base["heldout_sha256"] = sha256_file(held_file)
-    else:
-        split = split_by_fraction(records, st.eval.heldout_fraction)
-    out = dest / "split"
-    out.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(out / "train.jsonl", split.train)
-    _write_jsonl(out / "heldout.jsonl", split.heldout)
-    info = {**base, **split.info}
-    (out / SPLIT_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-    return out / "train.jsonl", out / "heldout.jsonl", info
-
-
-def record_split(store: RunStore, stage: str, info: dict[str, Any]) -> None:
-    """Keep the split record in the run root beside the stage's checkpoints (S3 included)."""
-    store.write_text(f"{stage}/{SPLIT_FILE}", json.dumps(info, indent=2, sort_keys=True) + "\n")
-
-
-def recorded_split(store: RunStore, stage: str) -> dict[str, Any] | None:
-    """The split the stage trained with, for the manifests of the artifacts made from it."""
-    try:
-        return json.loads(store.read_text(f"{stage}/{SPLIT_FILE}"))
-    except Exception:
-        return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -105,14 +49,9 @@ def _with_metrics(result: StageResult, store: RunStore) -> StageResult:
     return result
 
 
-def _skipped(stage: str, store: RunStore, rel: str, started: float) -> StageResult:
-    get_run_logger().info("%s: skipped, %s verifies and its config digest matches", stage, store.uri(rel))
-    return _with_metrics(StageResult(stage, "skipped", rel, store.uri(rel), store.manifest_digest(rel), time.monotonic() - started), store)
-
-
 def _not_configured(stage: str, which: str) -> StageResult:
     get_run_logger().info("%s: no %s held-out set (%s.eval.heldout_fraction is 0, no heldout_uri): not evaluated", stage, which.upper(), which)
-    return StageResult(stage, "not-configured", detail={"reason": f"{which}.eval has no held-out set"})
+    return StageResult(stage, Status.NOT_CONFIGURED, detail={"reason": f"{which}.eval has no held-out set"})
 
 
 def _eval_digest(cfg: RunConfig, stage: str, extra: dict[str, Any], *parents: StageResult) -> str:
@@ -124,21 +63,17 @@ def _eval_digest(cfg: RunConfig, stage: str, extra: dict[str, Any], *parents: St
     return stage_digest(f"evaluate_{stage}", section, digest([p.digest for p in parents]))
 
 
-@task(name="evaluate_cpt", task_run_name="evaluate CPT: base vs CPT held-out perplexity")
+@stage_task(name="evaluate_cpt", task_run_name="evaluate CPT: base vs CPT held-out perplexity")
 def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult) -> StageResult:
     logger = get_run_logger()
-    started = time.monotonic()
-    store = store_for(cfg)
-    rel = "eval/cpt"
     if not cfg.cpt.eval.enabled:
         return _not_configured("evaluate_cpt", "cpt")
-    cdigest = _eval_digest(cfg, "cpt", {}, base, bridge)
-    if completed(store, rel, cdigest):
-        return _skipped("evaluate_cpt", store, rel, started)
+    stage = Stage("evaluate_cpt", cfg, _eval_digest(cfg, "cpt", {}, base, bridge))
+    store = stage.store
+    if stage.skipped:
+        return _with_metrics(stage.result, store)
     base_dir, cpt_dir = store.stage_in(base.rel), store.stage_in(bridge.rel)
     _, heldout, split = heldout_split(cfg, store, "cpt")
-    from tasks.engine.data import read_records
-
     st = cfg.cpt
     metrics = ev.evaluate_cpt(base_dir, cpt_dir, read_records(str(heldout)), st.data.text_field, st.seq_len, st.eval, cfg.base_model.trust_remote_code)
     metrics["split"] = split
@@ -146,34 +81,27 @@ def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult) -> Stag
         "evaluate_cpt: held-out perplexity base %.4f -> CPT %.4f (%+.2f%%) on %d tokens in %.1fs",
         metrics["base"]["perplexity"], metrics["cpt"]["perplexity"], metrics["perplexity_change_pct"], metrics["tokens"], metrics["seconds"],
     )
-    with fresh_dir(store.local_path(rel)) as tmp:
-        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-        write_manifest(
-            tmp, kind="evaluation",
+    with stage.build() as out:
+        (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        out.manifest(
+            kind="evaluation", parent=bridge,
             meta={"stage": "cpt", "metrics": metrics, "reference": {"uri": base.uri, "digest": base.digest}, "candidate": {"uri": bridge.uri, "digest": bridge.digest}},
-            parent={"uri": bridge.uri, "digest": bridge.digest}, config_digest=cdigest,
         )
-    result = done("evaluate_cpt", store, rel, started, metrics=metrics)
-    ui.stage_event("evaluate_cpt", "completed", cfg.name, result.uri, base_perplexity=metrics["base"]["perplexity"], cpt_perplexity=metrics["cpt"]["perplexity"])
-    return result
+    return stage.done({"metrics": metrics}, event={"base_perplexity": metrics["base"]["perplexity"], "cpt_perplexity": metrics["cpt"]["perplexity"]})
 
 
-@task(name="evaluate_sft", task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
+@stage_task(name="evaluate_sft", task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
 def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult) -> StageResult:
     logger = get_run_logger()
-    started = time.monotonic()
-    store = store_for(cfg)
-    rel = "eval/sft"
     if not cfg.sft.eval.enabled:
         return _not_configured("evaluate_sft", "sft")
     g = cfg.gate
-    cdigest = _eval_digest(cfg, "sft", {"generation": g.generation_section()}, bridge, export)
-    if completed(store, rel, cdigest):
-        return _skipped("evaluate_sft", store, rel, started)
+    stage = Stage("evaluate_sft", cfg, _eval_digest(cfg, "sft", {"generation": g.generation_section()}, bridge, export))
+    store = stage.store
+    if stage.skipped:
+        return _with_metrics(stage.result, store)
     pre_dir, export_dir = store.stage_in(bridge.rel), store.stage_in(export.rel)
     _, heldout_file, split = heldout_split(cfg, store, "sft")
-    from tasks.engine.data import read_records
-
     st = cfg.sft
     heldout = read_records(str(heldout_file))
     trust = cfg.base_model.trust_remote_code
@@ -188,17 +116,14 @@ def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult) -> St
     )
     for problem in gen["problems"]:
         logger.warning("evaluate_sft: generation check: %s", problem)
-    with fresh_dir(store.local_path(rel)) as tmp:
-        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-        _write_jsonl(tmp / "generations.jsonl", rows)
-        write_manifest(
-            tmp, kind="evaluation",
+    with stage.build() as out:
+        (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        write_jsonl(out.dir / "generations.jsonl", rows)
+        out.manifest(
+            kind="evaluation", parent=export,
             meta={"stage": "sft", "metrics": metrics, "reference": {"uri": bridge.uri, "digest": bridge.digest}, "candidate": {"uri": export.uri, "digest": export.digest}},
-            parent={"uri": export.uri, "digest": export.digest}, config_digest=cdigest,
         )
-    result = done("evaluate_sft", store, rel, started, metrics=metrics)
-    ui.stage_event("evaluate_sft", "completed", cfg.name, result.uri, pre_sft_loss=metrics["pre_sft"]["loss"], sft_loss=metrics["sft"]["loss"], generation_passed=gen["passed"])
-    return result
+    return stage.done({"metrics": metrics}, event={"pre_sft_loss": metrics["pre_sft"]["loss"], "sft_loss": metrics["sft"]["loss"], "generation_passed": gen["passed"]})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -218,10 +143,10 @@ def gate(cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult) -> StageR
     verdict = ev.gate_verdict(cfg.gate, cpt, sft)
     for c in verdict["checks"]:
         logger.info("gate: %s %s: %s", "pass" if c["ok"] else "FAIL", c["check"], c["message"])
-    status = "disabled" if not cfg.gate.enabled else ("passed" if verdict["passed"] else "failed-gate")
-    if status == "disabled":
+    status = Status.DISABLED if not cfg.gate.enabled else (Status.PASSED if verdict["passed"] else Status.FAILED_GATE)
+    if status == Status.DISABLED:
         logger.warning("gate: disabled by gate.enabled: false; the export goes to push_to_hub whatever the checks say")
-    elif status == "failed-gate":
+    elif status == Status.FAILED_GATE:
         logger.error("gate: FAILED, the push is skipped and every artifact is kept: %s", "; ".join(verdict["reasons"]))
     try:
         from prefect.artifacts import create_table_artifact
@@ -237,8 +162,8 @@ def held_back(cfg: RunConfig, verdict: StageResult) -> StageResult:
     reasons = verdict.detail.get("reasons", [])
     target = f"hf://{cfg.hub.repo_id}" if cfg.hub else None
     get_run_logger().warning("push_to_hub: not run, the gate failed (%s)", "; ".join(reasons))
-    ui.stage_event("push_to_hub", "failed-gate", cfg.name, target, reasons=reasons)
-    return StageResult("push_to_hub", "failed-gate", uri=target, detail={"reason": "the gate failed", "reasons": reasons})
+    ui.stage_event("push_to_hub", Status.FAILED_GATE, cfg.name, target, reasons=reasons)
+    return StageResult("push_to_hub", Status.FAILED_GATE, uri=target, detail={"reason": "the gate failed", "reasons": reasons})
 
 
 def recorded_metrics(results: dict[str, StageResult]) -> dict[str, dict[str, Any] | None]:

@@ -9,16 +9,13 @@ to the SFT stage's fingerprint within the dtype's tolerance. The verification is
 from __future__ import annotations
 
 import json
-import time
-
-from prefect import task
 
 from tasks import ui
-from tasks.common import StageResult, completed, done, fresh_dir, skipped, stage_digest, store_for
 from tasks.core.config import RunConfig
-from tasks.core.manifest import write_manifest
-from tasks.evaluate import recorded_split
+from tasks.core.runlayout import TRAINING
+from tasks.core.stage_data import recorded_split
 from tasks.hf_artifact import build_hf_dir
+from tasks.stage import Stage, StageResult, stage_digest, stage_task
 
 
 def _verification_markdown(v: dict) -> str:
@@ -41,33 +38,25 @@ def _verification_markdown(v: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@task(name="export", task_run_name="export HF safetensors [{cfg.export.dtype}]")
+@stage_task(name="export", task_run_name="export HF safetensors [{cfg.export.dtype}]")
 def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
-    started = time.monotonic()
-    store = store_for(cfg)
-    rel = "export"
-    cdigest = stage_digest("export", cfg.export, sft.digest)
-    if completed(store, rel, cdigest):
-        return skipped("export", store, rel, started)
-    ckpt = store.stage_in(sft.rel)
-    source = store.stage_in("cpt/hf")
-    with fresh_dir(store.local_path(rel)) as tmp:
+    stage = Stage("export", cfg, stage_digest("export", cfg.export, sft.digest))
+    if stage.skipped:
+        return stage.result
+    ckpt, source = stage.store.stage_in(sft.rel), stage.store.stage_in(TRAINING["sft"].source)
+    with stage.build() as out:
         built = build_hf_dir(
-            ckpt, tmp, source, dtype=cfg.export.dtype, max_shard_size=cfg.export.max_shard_size,
+            ckpt, out.dir, source, dtype=cfg.export.dtype, max_shard_size=cfg.export.max_shard_size,
             weights_dtype=cfg.sft.plugin.precision, atol=cfg.export.fingerprint_atol,
         )
         v = built["verification"]
-        (tmp / "verification.json").write_text(json.dumps(v, indent=2, sort_keys=True) + "\n")
-        write_manifest(
-            tmp, kind="hf-export",
+        (out.dir / "verification.json").write_text(json.dumps(v, indent=2, sort_keys=True) + "\n")
+        out.manifest(
+            kind="hf-export", parent=sft, fingerprint=built["fingerprint"], known_hashes=built["known_hashes"],
             meta={
                 "from_checkpoint": sft.uri, "dtype": cfg.export.dtype, "verification": {k: x for k, x in v.items() if k != "shapes"},
-                "data_split": recorded_split(store, "sft"),  # what SFT trained on and what it held out
+                "data_split": recorded_split(stage.store, "sft"),  # what SFT trained on and what it held out
             },
-            parent={"uri": sft.uri, "digest": sft.digest}, config_digest=cdigest,
-            fingerprint=built["fingerprint"], known_hashes=built["known_hashes"],
         )
     ui.markdown("export-verification", _verification_markdown(v), "Export verification: keys, shapes, dtype, fingerprint")
-    result = done("export", store, rel, started, **{k: x for k, x in v.items() if k != "shapes"})
-    ui.stage_event("export", "completed", cfg.name, result.uri)
-    return result
+    return stage.done({k: x for k, x in v.items() if k != "shapes"})

@@ -14,7 +14,6 @@ Single node picks a free rendezvous port (`--standalone`); several nodes use c10
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import re
@@ -25,8 +24,9 @@ from typing import Any, Callable
 
 from tasks.core.config import LaunchConfig
 from tasks.core.errors import StageFailed
+from tasks.core.events import PROGRESS, parse_line
+from tasks.core.job import Job
 
-_RANK = re.compile(r"^\[rank (\d+)\] ?")
 _WARN = re.compile(r"\b(warn(ing)?|deprecat)", re.IGNORECASE)
 _ERR = re.compile(r"(Traceback|Error|Exception|error:)")
 
@@ -62,7 +62,7 @@ def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def run_engine(
     verb: str,
-    job: dict[str, Any],
+    job: Job,
     job_path: Path,
     launch: LaunchConfig,
     rdzv_id: str,
@@ -71,9 +71,8 @@ def run_engine(
     on_event: Callable[[str, dict[str, Any]], None] | None = None,
     env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run one engine verb under torchrun; return the parsed @@progress records."""
-    job_path.parent.mkdir(parents=True, exist_ok=True)
-    job_path.write_text(json.dumps(job, indent=2, sort_keys=True))
+    """Write `job` to `job_path`, run its engine verb under torchrun; return the parsed @@progress records."""
+    job.write(job_path)
     argv = torchrun_argv(verb, job_path, launch, rdzv_id)
     logger.info("launch: %s", " ".join(argv))
     tails: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=25))
@@ -91,24 +90,17 @@ def run_engine(
     assert proc.stdout is not None
     try:
         for raw in proc.stdout:
-            line = raw.rstrip("\n")
-            m = _RANK.match(line)
-            who = f"rank {m.group(1)}" if m else "torchrun"
-            body = line[m.end():] if m else line
+            line = parse_line(raw.rstrip("\n"))
+            who, body = line.who, line.body
             tails[who].append(body)
-            if body.startswith("@@"):
-                kind, _, payload = body[2:].partition(" ")
-                try:
-                    record = json.loads(payload)
-                except json.JSONDecodeError:
-                    record = {"raw": payload}
-                if kind == "progress":
-                    progress.append(record)
+            if line.kind is not None:
+                if line.kind == PROGRESS:
+                    progress.append(line.record)
                     if on_progress:
-                        on_progress(record)
+                        on_progress(line.record)
                 elif on_event:
-                    on_event(kind, record)
-                logger.info("[%s] %s %s", who, kind, payload)
+                    on_event(line.kind, line.record)
+                logger.info("[%s] %s %s", who, line.kind, line.payload)
                 continue
             if _ERR.search(body):
                 logger.error("[%s] %s", who, body)

@@ -12,41 +12,33 @@ Secret block `hf-token`). Only safetensors weights are taken unless `base_model.
 
 from __future__ import annotations
 
-import re
+import json
 import shutil
-import time
 from pathlib import Path
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 
-from tasks import ui
-from tasks.common import StageResult, completed, done, fresh_dir, resolve_local, skipped, stage_digest, store_for
 from tasks.core.config import RunConfig
 from tasks.core.errors import ConfigError, ManifestError
 from tasks.core.fingerprint import hf_dir_logits, save_fingerprint
-from tasks.core.manifest import sha256_file, write_manifest
+from tasks.core.hub import is_hub_id
+from tasks.core.manifest import sha256_file
+from tasks.core.paths import resolve_local
 from tasks.core.storage import fetch_tree, filesystem, is_local
-
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+from tasks.stage import Stage, StageResult, stage_digest, stage_task, token
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 PICKLE_PATTERNS = ["*.bin", "*.bin.index.json", "*.pt", "*.pth"]
 SIDE_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "*.model", "vocab.*", "merges.txt", "chat_template*", "added_tokens.json"]
 
 
-def is_hub_id(uri: str) -> bool:
-    return bool(HUB_ID.match(uri)) and not Path(resolve_local(uri)).exists() and "://" not in uri
-
-
 def _download_hub(cfg: RunConfig, dest: Path) -> dict:
     from huggingface_hub import HfApi, constants, snapshot_download
 
-    from tasks.push import hub_token
-
     b = cfg.base_model
-    token = hub_token()
-    info = HfApi(token=token).model_info(b.uri, revision=b.revision, files_metadata=True)
+    hf_token = token()
+    info = HfApi(token=hf_token).model_info(b.uri, revision=b.revision, files_metadata=True)
     patterns = WEIGHT_PATTERNS + SIDE_FILES + (PICKLE_PATTERNS if b.allow_pickle else [])
-    snapshot_download(repo_id=b.uri, revision=info.sha, local_dir=str(dest), allow_patterns=patterns, token=token)
+    snapshot_download(repo_id=b.uri, revision=info.sha, local_dir=str(dest), allow_patterns=patterns, token=hf_token)
     shutil.rmtree(dest / ".cache", ignore_errors=True)
     lfs = {s.rfilename: s.lfs.sha256 for s in (info.siblings or []) if s.lfs is not None}
     for path in sorted(p for p in dest.rglob("*") if p.is_file()):
@@ -87,32 +79,26 @@ def check_weight_files(model_dir: Path, allow_pickle: bool) -> list[str]:
     return sorted(safetensors or pickles)
 
 
-@task(name="load_from_hf", retries=2, retry_delay_seconds=15, task_run_name="load_from_hf")
+@stage_task(name="load_from_hf", retries=2, retry_delay_seconds=15, task_run_name="load_from_hf")
 def load_from_hf(cfg: RunConfig) -> StageResult:
     logger = get_run_logger()
-    started = time.monotonic()
-    store, rel = store_for(cfg), "base"
-    cdigest = stage_digest("load", cfg.base_model, None)
-    if completed(store, rel, cdigest):
-        return skipped("load_from_hf", store, rel, started)
-    with fresh_dir(store.local_path(rel)) as tmp:
+    stage = Stage("load_from_hf", cfg, stage_digest("load", cfg.base_model, None))
+    if stage.skipped:
+        return stage.result
+    with stage.build() as out:
         if is_hub_id(cfg.base_model.uri):
             logger.info("downloading %s@%s from the Hub", cfg.base_model.uri, cfg.base_model.revision)
-            meta = _download_hub(cfg, tmp)
+            meta = _download_hub(cfg, out.dir)
         else:
             logger.info("copying base model from %s", cfg.base_model.uri)
-            meta = _copy_path(cfg, tmp)
-        weights = check_weight_files(tmp, cfg.base_model.allow_pickle)
-        import json
-
-        model_cfg = json.loads((tmp / "config.json").read_text())
+            meta = _copy_path(cfg, out.dir)
+        weights = check_weight_files(out.dir, cfg.base_model.allow_pickle)
+        model_cfg = json.loads((out.dir / "config.json").read_text())
         meta.update(model_type=model_cfg.get("model_type"), vocab_size=model_cfg.get("vocab_size"), weights=weights)
         if all(w.endswith(".safetensors") for w in weights):
-            logits = hf_dir_logits(tmp, trust_remote_code=cfg.base_model.trust_remote_code)
-            fingerprint = save_fingerprint(logits, tmp, str(model_cfg.get("torch_dtype", "float32")))
+            logits = hf_dir_logits(out.dir, trust_remote_code=cfg.base_model.trust_remote_code)
+            fingerprint = save_fingerprint(logits, out.dir, str(model_cfg.get("torch_dtype", "float32")))
         else:
             fingerprint = None  # pickle weights are converted by the shard stage, not loaded here
-        write_manifest(tmp, kind="hf-model", meta=meta, config_digest=cdigest, fingerprint=fingerprint)
-    result = done("load_from_hf", store, rel, started, **{k: v for k, v in meta.items() if k != "weights"})
-    ui.stage_event("load_from_hf", "completed", cfg.name, result.uri)
-    return result
+        out.manifest(kind="hf-model", meta=meta, fingerprint=fingerprint)
+    return stage.done({k: v for k, v in meta.items() if k != "weights"})

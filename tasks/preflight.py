@@ -20,9 +20,10 @@ from prefect import get_run_logger, task
 
 from tasks.core.config import RunConfig
 from tasks.core.errors import ConfigError
+from tasks.core.hub import SECRET_BLOCK
 from tasks.core.validate import PreflightReport, load_for_check, preflight_report
 
-SECRET_BLOCK = "hf-token"  # the same block tasks.push reads
+
 SECRET_TIMEOUT_S = 5.0
 
 

@@ -11,13 +11,12 @@ The token comes from HF_TOKEN in the worker's environment or the Prefect Secret 
 — never from parameters — and is never logged or written into the card. HF_ENDPOINT selects
 another Hub (the tests run their own). Without `hub:` in the config the stage is skipped.
 
-    python -c "from tasks.push import hub_token; print(bool(hub_token()))"   # is a token reachable?
+    python -c "from tasks.stage import token; print(bool(token()))"   # is a token reachable?
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -25,42 +24,13 @@ from typing import Any, Callable
 from prefect import get_run_logger, task
 
 from tasks import ui
-from tasks.common import StageResult, store_for
 from tasks.core.config import HubConfig, RunConfig
+from tasks.core.hub import SECRET_BLOCK, hub_dataset_id, is_hub_id
 from tasks.core.manifest import MANIFEST, read_manifest
+from tasks.core.runlayout import EXPORT, TRAINING, Status
+from tasks.stage import StageResult, store_for, token
 
-SECRET_BLOCK = "hf-token"
 CARD = "README.md"
-
-
-def hub_token() -> str | None:
-    """HF_TOKEN from the environment, else the Prefect Secret block `hf-token`, else None."""
-    token = os.environ.get("HF_TOKEN")
-    if token:
-        return token
-    try:
-        from prefect.blocks.system import Secret
-
-        value = Secret.load(SECRET_BLOCK).get()
-    except Exception:
-        return None
-    return str(value) if value else None
-
-
-def _hub_dataset_id(uri: str) -> str | None:
-    """`hf://datasets/org/name/...` is a Hub dataset the card can name; other URIs are not."""
-    prefix = "hf://datasets/"
-    if uri.startswith(prefix):
-        parts = uri[len(prefix):].split("/")
-        if len(parts) >= 2 and parts[0] and parts[1]:
-            return f"{parts[0]}/{parts[1].split('@')[0]}"
-    return None
-
-
-def _is_hub_id(uri: str) -> bool:
-    from tasks.load import is_hub_id
-
-    return is_hub_id(uri)
 
 
 def train_facts(cfg: RunConfig, results: dict[str, StageResult], read_text: Callable[[str], str] | None = None) -> dict[str, dict]:
@@ -75,7 +45,7 @@ def train_facts(cfg: RunConfig, results: dict[str, StageResult], read_text: Call
             loss = float(r.detail["final_loss"])
         elif read_text is not None:
             try:
-                losses = json.loads(read_text(f"{stage}/step-{steps:06d}/train_state.json")).get("losses") or []
+                losses = json.loads(read_text(f"{TRAINING[stage].step(steps)}/train_state.json")).get("losses") or []
                 loss = float(losses[-1]) if losses else None
             except Exception:
                 loss = None
@@ -92,9 +62,9 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
 
     hub = cfg.hub
     eval_results = eval_results_for_card(metrics or {})
-    datasets = sorted({d for d in (_hub_dataset_id(cfg.cpt.data.uri), _hub_dataset_id(cfg.sft.data.uri)) if d})
+    datasets = sorted({d for d in (hub_dataset_id(cfg.cpt.data.uri), hub_dataset_id(cfg.sft.data.uri)) if d})
     data = ModelCardData(
-        base_model=cfg.base_model.uri if _is_hub_id(cfg.base_model.uri) else None,
+        base_model=cfg.base_model.uri if is_hub_id(cfg.base_model.uri) else None,
         datasets=datasets or None,
         library_name="transformers",
         license=hub.license if hub and hub.license else None,
@@ -115,7 +85,7 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
         return f"{value:.4f}" if value is not None else "n/a"
 
     def data_name(uri: str) -> str:
-        return _hub_dataset_id(uri) or Path(uri.rstrip("/")).name
+        return hub_dataset_id(uri) or Path(uri.rstrip("/")).name
 
     v = (export_manifest.get("meta") or {}).get("verification") or {}
     if v:
@@ -127,7 +97,7 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
         )
     else:
         verification = "not recorded in the export manifest."
-    base = f"[`{cfg.base_model.uri}`]" if _is_hub_id(cfg.base_model.uri) else f"`{Path(cfg.base_model.uri.rstrip('/')).name}`"
+    base = f"[`{cfg.base_model.uri}`]" if is_hub_id(cfg.base_model.uri) else f"`{Path(cfg.base_model.uri.rstrip('/')).name}`"
     title = hub.repo_id if hub else cfg.name
     body = f"""
 # {title}
@@ -186,18 +156,18 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
     started = time.monotonic()
     if cfg.hub is None:
         logger.info("push_to_hub: skipped, no `hub:` section in the config (nothing is published)")
-        return StageResult("push_to_hub", "not-configured", detail={"reason": "no hub configured"})
-    token = hub_token()
-    if not token:
+        return StageResult("push_to_hub", Status.NOT_CONFIGURED, detail={"reason": "no hub configured"})
+    hf_token = token()
+    if not hf_token:
         raise RuntimeError(f"push_to_hub: no Hub token; set HF_TOKEN in the worker's environment or create the Prefect Secret block '{SECRET_BLOCK}'")
     store = store_for(cfg)
-    export_dir = store.stage_in("export")  # sha256-verified against the export manifest
+    export_dir = store.stage_in(EXPORT)  # sha256-verified against the export manifest
     manifest = read_manifest(export_dir)
     from tasks.evaluate import recorded_metrics
 
     card = model_card(cfg, manifest, train_facts(cfg, results, store.read_text), recorded_metrics(results))
     files = [name for name in sorted(manifest["files"]) if name != MANIFEST]
-    outcome = push_export(export_dir, files, card, cfg.hub, token, log=logger.info)
+    outcome = push_export(export_dir, files, card, cfg.hub, hf_token, log=logger.info)
     ui.link("hub-commit", outcome["commit_url"], f"{cfg.hub.repo_id}@{cfg.hub.revision}")
     ui.stage_event("push_to_hub", "completed", cfg.name, outcome["commit_url"], changed=outcome.get("changed"))
-    return StageResult("push_to_hub", "completed", uri=outcome["repo_url"], seconds=time.monotonic() - started, detail=outcome)
+    return StageResult("push_to_hub", Status.COMPLETED, uri=outcome["repo_url"], seconds=time.monotonic() - started, detail=outcome)

@@ -3,29 +3,28 @@
 Both launch `python -m tasks.engine <verb> --config JOB.json` under torchrun with the stage's
 layout. Training is never retried by Prefect: the engine resumes from the newest checkpoint
 whose manifest verifies, so a retried flow run continues where it broke.
+
+    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 
 from tasks import ui
-from tasks.common import StageResult, completed, done, resolve_local, skipped, stage_digest, store_for
 from tasks.core.config import RunConfig
+from tasks.core.events import CHECKPOINT
+from tasks.core.job import Job, Parent
+from tasks.core.paths import resolve_local
+from tasks.core.runlayout import TRAINING, step_name, step_rel
+from tasks.core.stage_data import heldout_split, record_split
 from tasks.core.storage import RunStore, fetch_to_local
-from tasks.evaluate import heldout_split, record_split
 from tasks.launch import run_engine
-
-SOURCE = {"cpt": "base", "sft": "cpt/hf"}
-
-
-def step_rel(stage: str, step: int) -> str:
-    return f"{stage}/step-{step:06d}"
+from tasks.stage import Stage, StageResult, stage_digest, stage_task, store_for
 
 
 def stage_config_digest(cfg: RunConfig, stage: str, parent_digest: str) -> str:
@@ -52,8 +51,9 @@ def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:
             return
 
 
-def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageResult, cdigest: str) -> dict[str, Any]:
-    source = store.stage_in(parent.rel if verb == "shard" else SOURCE[stage]) if not store.local else store.local_path(SOURCE[stage])
+def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageResult, cdigest: str) -> Job:
+    source_rel = TRAINING[stage].source
+    source = store.stage_in(parent.rel if verb == "shard" else source_rel) if not store.local else store.local_path(source_rel)
     if verb == "train":
         # The held-out records are split off here, before the engine sees the data: the engine
         # trains on every record of data_path, so it gets the training part only.
@@ -61,89 +61,76 @@ def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageRe
         record_split(store, stage, split)
     else:
         data = fetch_to_local(resolve_local(getattr(cfg, stage).data.uri), store.staging / "data" / stage)
-    return {
-        "verb": verb,
-        "stage": stage,
-        "run": cfg.model_dump(mode="json"),
-        "model_dir": str(source),
-        "tokenizer_dir": str(source),
-        "data_path": str(data),
-        "stage_dir": str(store.local_path(stage)),
-        "parent": {"uri": parent.uri, "digest": parent.digest},
-        "config_digest": cdigest,
-    }
+    return Job(
+        verb=verb, stage=stage, run=cfg, model_dir=source, tokenizer_dir=source, data_path=data,
+        stage_dir=store.local_path(TRAINING[stage].checkpoints), parent=Parent(uri=parent.uri, digest=parent.digest), config_digest=cdigest,
+    )
+
+
+def _launch(cfg: RunConfig, store: RunStore, job: Job, **kwargs: Any) -> None:
+    st = job.stage_cfg
+    path = store.staging / "jobs" / f"{job.stage}-{job.verb}.json"
+    run_engine(job.verb, job, path, st.launch, f"{cfg.name}-{job.stage}-{job.verb}", get_run_logger(), **kwargs)
 
 
 def _shard(cfg: RunConfig, stage: str, parent: StageResult, task_name: str) -> StageResult:
-    started = time.monotonic()
-    store = store_for(cfg)
-    rel = step_rel(stage, 0)
     cdigest = stage_config_digest(cfg, stage, parent.digest)
-    if completed(store, rel, cdigest):
-        return skipped(task_name, store, rel, started)
-    _supersede_foreign(store, stage, cdigest)
-    job = _job(cfg, store, stage, "shard", parent, cdigest)
-    st = getattr(cfg, stage)
-    run_engine("shard", job, store.staging / "jobs" / f"{stage}-shard.json", st.launch, f"{cfg.name}-{stage}-shard", get_run_logger())
-    result = done(task_name, store, rel, started, plugin=st.plugin.name)
-    ui.stage_event(task_name, "completed", cfg.name, result.uri)
-    return result
+    st = Stage(task_name, cfg, cdigest, rel=TRAINING[stage].step(0))
+    if st.skipped:
+        return st.result
+    _supersede_foreign(st.store, stage, cdigest)
+    _launch(cfg, st.store, _job(cfg, st.store, stage, "shard", parent, cdigest))
+    return st.done({"plugin": getattr(cfg, stage).plugin.name})
 
 
-@task(name="boost_and_shard", task_run_name="boost_and_shard [{cfg.cpt.plugin.name}]")
+@stage_task(name="boost_and_shard", task_run_name="boost_and_shard [{cfg.cpt.plugin.name}]")
 def boost_and_shard(cfg: RunConfig, base: StageResult) -> StageResult:
     """Boost the base model under plugin A and save the starting checkpoint cpt/step-000000."""
     return _shard(cfg, "cpt", base, "boost_and_shard")
 
 
-@task(name="reboost", task_run_name="reboost [{cfg.sft.plugin.name}]")
+@stage_task(name="reboost", task_run_name="reboost [{cfg.sft.plugin.name}]")
 def reboost(cfg: RunConfig, bridge: StageResult) -> StageResult:
     """Boost the unsharded CPT model under plugin B and save sft/step-000000."""
     return _shard(cfg, "sft", bridge, "reboost")
 
 
 def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
-    logger = get_run_logger()
-    started = time.monotonic()
-    store = store_for(cfg)
     st = getattr(cfg, stage)
-    final = step_rel(stage, st.max_steps)
+    store = store_for(cfg)
     # Training continues the digest its starting checkpoint was made with (config + parent).
     cdigest = store.read_manifest(start.rel)["config_digest"]
-    if completed(store, final, cdigest):
-        return skipped(f"train_{stage}", store, final, started)
+    run = Stage(f"train_{stage}", cfg, cdigest, rel=TRAINING[stage].step(st.max_steps))
+    if run.skipped:
+        return run.result
     job = _job(cfg, store, stage, "train", start, cdigest)
     if not store.local:
         _stage_in_latest(store, stage)
 
     def on_event(kind: str, record: dict[str, Any]) -> None:
-        if kind == "checkpoint" and not store.local:
-            step = int(record["step"])
-            store.publish(step_rel(stage, step))
+        if kind == CHECKPOINT and not store.local:
+            store.publish(step_rel(stage, int(record["step"])))
             _retain_remote(store, stage, st.keep_last)
 
     progress = ui.Progress(stage, st.max_steps)
     try:
-        run_engine(
-            "train", job, store.staging / "jobs" / f"{stage}-train.json", st.launch, f"{cfg.name}-{stage}-train",
-            logger, on_progress=progress, on_event=on_event, env=_fault_env(stage),
-        )
+        _launch(cfg, store, job, on_progress=progress, on_event=on_event, env=_fault_env(stage))
     finally:
         progress.flush()  # a failed stage shows the step it reached
-    state = json.loads((store.local_path(final) / "train_state.json").read_text())
+    state = json.loads((store.local_path(run.rel) / "train_state.json").read_text())
     losses = [float(x) for x in state.get("losses", [])]
     # Beside the stage's checkpoints, in the run root itself (S3 included), not only in staging.
     ui.loss_curve(stage, losses, store.uri(f"{stage}/loss-curve.png"))
-    result = done(f"train_{stage}", store, final, started, steps=st.max_steps, first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None)
-    ui.stage_event(f"train_{stage}", "completed", cfg.name, result.uri, final_loss=result.detail.get("final_loss"))
-    return result
+    final = losses[-1] if losses else None
+    return run.done({"steps": st.max_steps, "first_loss": losses[0] if losses else None, "final_loss": final}, event={"final_loss": final})
 
 
 def _retain_remote(store: RunStore, stage: str, keep_last: int) -> None:
-    """The engine's keep_last retention, applied to the published copies (step-000000 is kept).
+    """The engine's keep_last retention, applied to the published copies (step 0 is kept).
 
     Runs only after a newer manifest is committed remotely, like the engine's local retention."""
-    published = [n for n in store.listdir(stage) if n.startswith("step-") and n != "step-000000" and store.exists(f"{stage}/{n}/manifest.json")]
+    first = step_name(0)
+    published = [n for n in store.listdir(stage) if n.startswith("step-") and n != first and store.exists(f"{stage}/{n}/manifest.json")]
     for name in sorted(published, reverse=True)[keep_last:]:
         store.remove(f"{stage}/{name}")
         get_run_logger().info("retention: removed %s (keep_last=%d)", store.uri(f"{stage}/{name}"), keep_last)
@@ -165,11 +152,11 @@ def _fault_env(stage: str) -> dict[str, str]:
     return {"CPT_TO_SFT_FAULT": fault} if fault else {}
 
 
-@task(name="train_cpt", task_run_name="train CPT [{cfg.cpt.plugin.name}]")
+@stage_task(name="train_cpt", task_run_name="train CPT [{cfg.cpt.plugin.name}]")
 def train_cpt(cfg: RunConfig, start: StageResult) -> StageResult:
     return _train(cfg, "cpt", start)
 
 
-@task(name="train_sft", task_run_name="train SFT [{cfg.sft.plugin.name}]")
+@stage_task(name="train_sft", task_run_name="train SFT [{cfg.sft.plugin.name}]")
 def train_sft(cfg: RunConfig, start: StageResult) -> StageResult:
     return _train(cfg, "sft", start)

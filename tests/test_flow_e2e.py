@@ -43,7 +43,7 @@ class Launches:
 
     def __call__(self, verb, job, *args, **kwargs):
         progress = self.real(verb, job, *args, **kwargs)
-        self.calls.append({"verb": verb, "stage": job["stage"], "steps": [int(p["step"]) for p in progress]})
+        self.calls.append({"verb": verb, "stage": job.stage, "steps": [int(p["step"]) for p in progress]})
         return progress
 
 

@@ -15,17 +15,29 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
 from tasks.core.errors import ConfigError
+from tasks.core.plugins import PLUGINS, Precision
 
-PluginName = Literal["hybrid_parallel", "low_level_zero", "gemini", "torch_ddp"]
-Precision = Literal["fp32", "bf16", "fp16"]
 
-PLUGIN_NAMES: tuple[str, ...] = ("hybrid_parallel", "low_level_zero", "gemini", "torch_ddp")
+
+def _registered_plugin(name: str) -> str:
+    if name not in PLUGINS:
+        raise ValueError(f"unknown plugin {name!r}; registered plugins: {', '.join(PLUGINS)}")
+    return name
+
+
+# The plugin-name type is the registry's keys, read when a config is validated and when the JSON
+# schema (the Prefect run form) is rendered, so a plugin registered later is accepted everywhere.
+PluginName = Annotated[
+    str,
+    AfterValidator(_registered_plugin),
+    WithJsonSchema({"type": "string", "enum": None}),  # enum filled in by PluginConfig's schema hook
+]
 
 
 class _Frozen(BaseModel):
@@ -39,8 +51,16 @@ class BaseModelConfig(_Frozen):
     allow_pickle: bool = Field(default=False, description="Accept .bin/pickle weight files from the base model. Off: only safetensors are read.")
 
 
+def _plugin_schema(schema: dict[str, Any]) -> None:
+    name = schema["properties"]["name"]
+    name["enum"] = list(PLUGINS)
+    name["description"] = "ColossalAI booster plugin: " + "; ".join(f"{n} ({s.summary})" for n, s in PLUGINS.items()) + "."
+
+
 class PluginConfig(_Frozen):
-    name: PluginName = Field(description="ColossalAI booster plugin: hybrid_parallel, low_level_zero, gemini (CUDA only) or torch_ddp.")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_plugin_schema)
+
+    name: PluginName = Field(description="ColossalAI booster plugin (see tasks/core/plugins.py for what each supports).")
     tp_size: int = Field(default=1, ge=1, description="Tensor-parallel degree (hybrid_parallel only); must divide attention and KV heads.")
     pp_size: int = Field(default=1, ge=1, description="Pipeline-parallel degree (hybrid_parallel only); at most the number of layers.")
     zero_stage: int = Field(default=0, ge=0, le=3, description="ZeRO stage: 0/1 for hybrid_parallel (1 needs bf16/fp16), 1/2 for low_level_zero.")
@@ -161,39 +181,10 @@ class RunConfig(_Frozen):
 
 
 def plugin_problems(stage: StageConfig, where: str) -> list[tuple[str, str]]:
-    """Rules that hold for any model and machine. Returns (field, message) pairs."""
-    p = stage.plugin
-    f = f"{where}.plugin"
-    out: list[tuple[str, str]] = []
-    if p.name != "hybrid_parallel":
-        if p.tp_size != 1:
-            out.append((f"{f}.tp_size", f"tensor parallelism needs plugin hybrid_parallel, not {p.name}; set tp_size: 1 or name: hybrid_parallel"))
-        if p.pp_size != 1:
-            out.append((f"{f}.pp_size", f"pipeline parallelism needs plugin hybrid_parallel, not {p.name}; set pp_size: 1 or name: hybrid_parallel"))
-    if p.name == "hybrid_parallel" and p.zero_stage > 1:
-        out.append((f"{f}.zero_stage", "hybrid_parallel supports zero_stage 0 or 1 here; use low_level_zero for stage 2 or gemini for stage 3"))
-    if p.name == "low_level_zero" and p.zero_stage not in (1, 2):
-        out.append((f"{f}.zero_stage", f"low_level_zero needs zero_stage 1 or 2, got {p.zero_stage}"))
-    if p.name in ("low_level_zero", "gemini") or (p.name == "hybrid_parallel" and p.zero_stage > 0):
-        if p.precision == "fp32":
-            out.append((f"{f}.precision", f"ZeRO ({p.name}, zero_stage {p.zero_stage}) shards fp32 master weights of a bf16/fp16 model; fp32 is refused: set precision: bf16"))
-    if p.name == "torch_ddp" and p.zero_stage != 0:
-        out.append((f"{f}.zero_stage", "torch_ddp has no ZeRO; set zero_stage: 0"))
-    if p.name == "gemini" and p.zero_stage not in (0, 3):
-        out.append((f"{f}.zero_stage", "gemini is ZeRO-3 by construction; leave zero_stage at 0 or 3"))
-    if stage.launch.nnodes > 1 and not stage.launch.rdzv_endpoint:
-        out.append((f"{where}.launch.rdzv_endpoint", f"nnodes={stage.launch.nnodes} needs a c10d rendezvous endpoint host:port reachable from every node; without one the stage would wait forever for nodes that never join"))
-    world = stage.launch.world_size
-    model_par = p.tp_size * p.pp_size
-    if world % model_par != 0:
-        out.append((f"{where}.launch", f"world size nnodes*nproc_per_node = {world} is not a multiple of tp_size*pp_size = {model_par}"))
-    if p.pp_size > 1:
-        nmb = p.num_microbatches or stage.grad_accum_steps
-        if nmb < p.pp_size:
-            out.append((f"{f}.num_microbatches", f"pipeline needs at least pp_size={p.pp_size} micro-batches per step, got {nmb}; raise grad_accum_steps or num_microbatches"))
-    if stage.keep_last < 1:
-        out.append((f"{where}.keep_last", "keep at least one checkpoint"))
-    return out
+    """The layout rules that hold for any model and machine (`tasks.core.layout`, tier static)."""
+    from tasks.core.layout import layout_problems
+
+    return layout_problems(stage, where, tiers=("static",))
 
 
 def gate_problems(cfg: "RunConfig") -> list[tuple[str, str]]:

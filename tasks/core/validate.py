@@ -47,12 +47,13 @@ from typing import Any, Callable
 from fsspec.core import url_to_fs
 
 from tasks.core.config import RunConfig, StageConfig, parse_config, plugin_problems, read_raw_config
+from tasks.core.hub import is_hub_id
+from tasks.core.layout import layout_problems
+from tasks.core.paths import REPO_ROOT, resolve_local
 from tasks.core.errors import ConfigError, ManifestError
 from tasks.core.manifest import MANIFEST, _inside, safe_relpath
 from tasks.core.storage import is_local
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
 HEAD_RECORDS = 64  # records parsed per dataset: enough to catch a wrong format, cheap on any size
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
@@ -170,17 +171,6 @@ def load_for_check(path: str | Path, overrides: dict[str, Any] | None = None) ->
 # Reading the base model's metadata
 
 
-def resolve_local(uri: str) -> str:
-    """Relative local paths in configs are relative to the project root (as in tasks.common)."""
-    if "://" in uri or Path(uri).is_absolute():
-        return uri
-    return str(REPO_ROOT / uri)
-
-
-def is_hub_id(uri: str) -> bool:
-    return bool(HUB_ID.match(uri)) and "://" not in uri and not Path(resolve_local(uri)).exists()
-
-
 def read_model_info(uri: str, revision: str = "main") -> ModelInfo:
     """config.json, tokenizer_config.json and the file list of a local/fsspec dir or Hub repo.
 
@@ -275,10 +265,6 @@ def _human(n: float) -> str:
     return f"{n} B"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 # --------------------------------------------------------------------------------------------
 # Checks: each takes the context and records problems, warnings and what it verified.
 
@@ -294,53 +280,19 @@ def check_static_rules(ctx: _Ctx) -> None:
 
 
 def _stage_layout(ctx: _Ctx, name: str, stage: StageConfig) -> None:
+    """The model and batch rules of `tasks.core.layout` (the static ones ran in check_static_rules)."""
     p, launch = stage.plugin, stage.launch
-    f = f"{name}.plugin"
-    world = launch.world_size
-    model_par = p.tp_size * p.pp_size
     mc = ctx.model.config if ctx.model else None
-
-    if mc is not None and p.tp_size > 1:
-        n_heads, n_kv = mc.get("num_attention_heads"), mc.get("num_key_value_heads") or mc.get("num_attention_heads")
-        inter = mc.get("intermediate_size")
-        dims = {k: v for k, v in (("num_attention_heads", n_heads), ("num_key_value_heads", n_kv), ("intermediate_size", inter)) if isinstance(v, int)}
-        if not dims:
-            ctx.warn(f"{f}.tp_size: config.json has no num_attention_heads; tensor-parallel divisibility not checked")
-        bad = {k: v for k, v in dims.items() if v % p.tp_size}
-        if bad:
-            valid = _divisors(math.gcd(*dims.values()))
-            ctx.problem(
-                f"{f}.tp_size",
-                f"tp_size={p.tp_size} does not divide {' and '.join(f'{k}={v}' for k, v in bad.items())} of the base model: "
-                f"every rank needs whole attention/KV heads and MLP columns. Valid tp_size: {valid}",
-            )
-        vocab = mc.get("vocab_size")
-        if isinstance(vocab, int) and p.tp_size > 1 and vocab % p.tp_size:
-            ctx.problem(
-                f"{f}.tp_size",
-                f"tp_size={p.tp_size} does not divide the base model's vocab_size={vocab}: ColossalAI would pad the embedding and "
-                f"LM head and then fail to checkpoint their optimizer state. Use a tp_size in {_divisors(math.gcd(vocab, *dims.values()))} "
-                "or resize the vocabulary to a multiple of tp_size",
-            )
-    if mc is not None and p.pp_size > 1:
-        layers = mc.get("num_hidden_layers")
-        if isinstance(layers, int) and p.pp_size > layers:
-            ctx.problem(f"{f}.pp_size", f"pp_size={p.pp_size} exceeds num_hidden_layers={layers} of the base model: a pipeline stage would hold no layer; use pp_size <= {layers}")
-    if world % model_par == 0:
-        dp = world // model_par
-        if p.pp_size > 1:
-            nmb = p.num_microbatches or stage.grad_accum_steps
-            rows = stage.micro_batch_size * stage.grad_accum_steps
-            if rows % nmb:
-                ctx.problem(
-                    f"{f}.num_microbatches",
-                    f"a pipeline step splits micro_batch_size*grad_accum_steps = {rows} sequences per data-parallel rank into "
-                    f"{nmb} micro-batches, which does not divide; set num_microbatches to a divisor of {rows}",
-                )
-        if not any(where.startswith(f"{name}.") for where, _ in ctx.report.problems):
-            heads = f", divides {mc.get('num_attention_heads')} heads / {mc.get('num_key_value_heads') or mc.get('num_attention_heads')} KV heads" if mc and p.tp_size > 1 else ""
-            layers = f", {mc.get('num_hidden_layers')} layers" if mc and p.pp_size > 1 else ""
-            ctx.ok(f"{name} layout: {p.name} tp={p.tp_size}{heads} · pp={p.pp_size}{layers} · dp={dp} = {launch.nnodes} node(s) x {launch.nproc_per_node} = {world} ranks, {p.precision}, zero_stage {p.zero_stage}")
+    if mc is not None and p.tp_size > 1 and not isinstance(mc.get("num_attention_heads"), int):
+        ctx.warn(f"{name}.plugin.tp_size: config.json has no num_attention_heads; tensor-parallel divisibility not checked")
+    for where, msg in layout_problems(stage, name, model_config=mc, tiers=("batch", "model")):
+        ctx.problem(where, msg)
+    world = launch.world_size
+    if world % (p.tp_size * p.pp_size) == 0 and not any(where.startswith(f"{name}.") for where, _ in ctx.report.problems):
+        dp = world // (p.tp_size * p.pp_size)
+        heads = f", divides {mc.get('num_attention_heads')} heads / {mc.get('num_key_value_heads') or mc.get('num_attention_heads')} KV heads" if mc and p.tp_size > 1 else ""
+        layers = f", {mc.get('num_hidden_layers')} layers" if mc and p.pp_size > 1 else ""
+        ctx.ok(f"{name} layout: {p.name} tp={p.tp_size}{heads} · pp={p.pp_size}{layers} · dp={dp} = {launch.nnodes} node(s) x {launch.nproc_per_node} = {world} ranks, {p.precision}, zero_stage {p.zero_stage}")
 
 
 def check_layout(ctx: _Ctx) -> None:
@@ -356,15 +308,9 @@ def check_machine(ctx: _Ctx) -> None:
     m = ctx.machine
     for name in ("cpt", "sft"):
         stage = getattr(ctx.cfg, name)
-        p, n = stage.plugin, stage.launch.nproc_per_node
-        if p.name == "gemini" and not m.cuda_devices:
-            ctx.problem(
-                f"{name}.plugin.name",
-                "gemini needs CUDA (ColossalAI asserts in every forward that Gemini's chunks live on a GPU) and no GPU is "
-                "visible here; on CPU use low_level_zero (zero_stage 1 or 2, precision bf16) or hybrid_parallel, or run on a CUDA node",
-            )
-        if p.name == "torch_ddp" and p.precision == "fp16" and not m.cuda_devices:
-            ctx.problem(f"{name}.plugin.precision", "torch_ddp runs fp16 through torch.cuda.amp, which needs CUDA; use precision bf16 or fp32 on CPU")
+        n = stage.launch.nproc_per_node
+        for where, msg in layout_problems(stage, name, cuda=bool(m.cuda_devices), tiers=("device",)):
+            ctx.problem(where, msg)
         if m.cuda_devices:
             if n > m.cuda_devices:
                 ctx.problem(f"{name}.launch.nproc_per_node", f"{n} processes per node requested but {m.cuda_devices} GPU(s) are visible (CUDA_VISIBLE_DEVICES); set nproc_per_node <= {m.cuda_devices}")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import sys
 import time
@@ -45,18 +44,11 @@ from safetensors.torch import load_file, save_file
 
 from tasks.core.errors import ManifestError
 from tasks.core.manifest import MANIFEST, fsync_dir, verify_artifact
+from tasks.core.runlayout import STEP_RE, step_name, tmp_step_name
 
 KIND = "colossalai-checkpoint"
-STEP_RE = re.compile(r"^step-(\d{6,})$")
 TRAIN_STATE = "train_state.json"
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
-def tmp_name(step: int) -> str:
-    return f".{step_name(step)}.tmp"
+tmp_name = tmp_step_name  # the engine's name for it
 
 
 def list_steps(stage_dir: Path) -> list[tuple[int, Path]]:

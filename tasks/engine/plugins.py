@@ -15,104 +15,107 @@ saves on CPU, but every forward asserts that its chunks live on CUDA, so it is r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from tasks.core.config import PluginConfig, StageConfig
+from tasks.core.layout import ParallelLayout, layout_problems, num_microbatches
+from tasks.core.plugins import spec_of
 from tasks.core.errors import ConfigError
+
+__all__ = ["BUILDERS", "check_supported", "check_model", "make_plugin", "layout_of", "Layout", "plugin_meta",
+           "uses_autocast", "booster_mixed_precision", "can_no_sync", "num_microbatches"]
+
+
+def _stage_of(plugin_cfg: PluginConfig) -> StageConfig:
+    """A StageConfig around a lone PluginConfig, for the rules that read only the plugin."""
+    return StageConfig.model_construct(plugin=plugin_cfg)
+
 
 def check_supported(plugin_cfg: PluginConfig, stage: str, cuda: bool | None = None) -> None:
     """Refuse layouts that cannot run on this machine, naming the config field and the fix."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    problems: list[tuple[str, str]] = []
-    field = f"{stage}.plugin"
-    if plugin_cfg.name == "gemini" and not cuda:
-        problems.append((
-            f"{field}.name",
-            "gemini needs CUDA (ColossalAI asserts in every forward that Gemini's chunks live on a GPU) and no GPU "
-            "is visible here; on CPU use low_level_zero (zero_stage 1 or 2, precision bf16) or hybrid_parallel, "
-            "or run this stage on a CUDA node",
-        ))
-    if plugin_cfg.name == "torch_ddp" and plugin_cfg.precision == "fp16" and not cuda:
-        problems.append((
-            f"{field}.precision",
-            "torch_ddp runs fp16 through torch.cuda.amp (GradScaler), which needs CUDA; use precision bf16 or fp32 on CPU",
-        ))
+    problems = layout_problems(_stage_of(plugin_cfg), stage, cuda=cuda, tiers=("device",))
     if problems:
         raise ConfigError(problems, header=f"stage {stage} cannot run on this machine")
 
 
-def check_vocab(plugin_cfg: PluginConfig, vocab_size: int, stage: str) -> None:
-    """Tensor parallelism splits the vocabulary evenly or not at all (see make_plugin)."""
-    tp = plugin_cfg.tp_size if plugin_cfg.name == "hybrid_parallel" else 1
-    if tp > 1 and vocab_size % tp:
-        raise ConfigError([(
-            f"{stage}.plugin.tp_size",
-            f"the model's vocab_size {vocab_size} is not a multiple of tp_size {tp}: ColossalAI would pad the embedding "
-            "and LM head and then fail to checkpoint their optimizer state; use a tp_size that divides the vocabulary or "
-            "resize the embeddings first (model.resize_token_embeddings(n, pad_to_multiple_of=tp_size))",
-        )], header=f"stage {stage} cannot shard this model")
+def check_model(stage_cfg: StageConfig, model_config: dict[str, Any], stage: str) -> None:
+    """The layout rules that need the model (tp divides heads and the vocabulary, pp <= layers),
+    against the model actually built: the same rules pre-flight ran on config.json."""
+    problems = layout_problems(stage_cfg, stage, model_config=model_config, tiers=("model",))
+    if problems:
+        raise ConfigError(problems, header=f"stage {stage} cannot shard this model")
 
 
-def num_microbatches(plugin_cfg: PluginConfig, stage_cfg: StageConfig) -> int:
-    return plugin_cfg.num_microbatches or stage_cfg.grad_accum_steps
+# -- builders: one per registry row (tasks/core/plugins.py) ---------------------------------------
+
+
+def _hybrid_parallel(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool):
+    from colossalai.booster.plugin import HybridParallelPlugin
+
+    kwargs: dict[str, Any] = dict(
+        tp_size=p.tp_size,
+        pp_size=p.pp_size,
+        zero_stage=p.zero_stage,
+        precision=p.precision,
+        max_norm=p.max_norm,
+        # ZeRO's overlapped reduction calls Tensor.record_stream, which CPU tensors lack.
+        overlap_communication=cuda,
+        # Fused kernels and flash attention need CUDA builds; the plain HF modules are exact.
+        enable_all_optimization=False,
+        # No vocabulary padding: ColossalAI 0.5.0 pads embeddings/LM head to a multiple of
+        # 64*tp by default, and then cannot save the optimizer state of the padded rows
+        # (AssertionError in checkpoint_io.utils.search_tp_partition_dim); its PaddingLMHead
+        # would also pad without tp. 1 pads only when tp does not divide the vocabulary,
+        # which the layout rules refuse up front.
+        make_vocab_size_divisible_by=1,
+    )
+    if p.pp_size > 1:
+        kwargs.update(num_microbatches=layout.num_microbatches, pp_style="1f1b")
+    return HybridParallelPlugin(**kwargs)
+
+
+def _low_level_zero(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool):
+    from colossalai.booster.plugin import LowLevelZeroPlugin
+
+    return LowLevelZeroPlugin(stage=p.zero_stage, precision=p.precision, max_norm=p.max_norm, overlap_communication=cuda)  # record_stream again
+
+
+def _torch_ddp(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool):
+    from colossalai.booster.plugin import TorchDDPPlugin
+
+    return TorchDDPPlugin()
+
+
+def _gemini(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool):
+    from colossalai.booster.plugin import GeminiPlugin
+
+    return GeminiPlugin(
+        precision=p.precision, placement_policy=p.placement_policy, max_norm=p.max_norm,
+        enable_gradient_accumulation=stage_cfg.grad_accum_steps > 1,
+    )
+
+
+Builder = Callable[[PluginConfig, StageConfig, ParallelLayout, bool], Any]
+BUILDERS: dict[str, Builder] = {
+    "hybrid_parallel": _hybrid_parallel,
+    "low_level_zero": _low_level_zero,
+    "torch_ddp": _torch_ddp,
+    "gemini": _gemini,
+}
 
 
 def make_plugin(plugin_cfg: PluginConfig, stage_cfg: StageConfig, stage: str = "stage", cuda: bool | None = None):
     """Build the ColossalAI plugin for this stage. Needs an initialized process group."""
-    from colossalai.booster.plugin import GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
-
     cuda = torch.cuda.is_available() if cuda is None else cuda
     check_supported(plugin_cfg, stage, cuda)
-    p = plugin_cfg
-    name = p.name
-    if name == "hybrid_parallel":
-        kwargs: dict[str, Any] = dict(
-            tp_size=p.tp_size,
-            pp_size=p.pp_size,
-            zero_stage=p.zero_stage,
-            precision=p.precision,
-            max_norm=p.max_norm,
-            # ZeRO's overlapped reduction calls Tensor.record_stream, which CPU tensors lack.
-            overlap_communication=cuda,
-            # Fused kernels and flash attention need CUDA builds; the plain HF modules are exact.
-            enable_all_optimization=False,
-            # No vocabulary padding: ColossalAI 0.5.0 pads embeddings/LM head to a multiple of
-            # 64*tp by default, and then cannot save the optimizer state of the padded rows
-            # (AssertionError in checkpoint_io.utils.search_tp_partition_dim); its PaddingLMHead
-            # would also pad without tp. 1 pads only when tp does not divide the vocabulary,
-            # which check_vocab refuses up front.
-            make_vocab_size_divisible_by=1,
-        )
-        if p.pp_size > 1:
-            nmb = num_microbatches(p, stage_cfg)
-            rows = stage_cfg.micro_batch_size * stage_cfg.grad_accum_steps
-            if rows % nmb:
-                raise ConfigError([(
-                    f"{stage}.plugin.num_microbatches",
-                    f"a pipeline step splits micro_batch_size*grad_accum_steps = {rows} sequences per data-parallel rank "
-                    f"into {nmb} micro-batches, which does not divide; set num_microbatches to a divisor of {rows}",
-                )])
-            kwargs.update(num_microbatches=nmb, pp_style="1f1b")
-        return HybridParallelPlugin(**kwargs)
-    if name == "low_level_zero":
-        return LowLevelZeroPlugin(
-            stage=p.zero_stage,
-            precision=p.precision,
-            max_norm=p.max_norm,
-            overlap_communication=cuda,  # record_stream again
-        )
-    if name == "torch_ddp":
-        return TorchDDPPlugin()
-    if name == "gemini":
-        return GeminiPlugin(
-            precision=p.precision,
-            placement_policy=p.placement_policy,
-            max_norm=p.max_norm,
-            enable_gradient_accumulation=stage_cfg.grad_accum_steps > 1,
-        )
-    raise ConfigError([(f"{stage}.plugin.name", f"unknown plugin {name!r}")])
+    layout = ParallelLayout.of(stage_cfg, stage, cuda=cuda, tiers=("static", "batch", "device"))
+    builder = BUILDERS.get(plugin_cfg.name)
+    if builder is None:
+        raise ConfigError([(f"{stage}.plugin.name", f"plugin {plugin_cfg.name!r} is registered but the engine has no builder for it (tasks/engine/plugins.py BUILDERS)")])
+    return builder(plugin_cfg, stage_cfg, layout, cuda)
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,7 @@ def layout_of(plugin, plugin_cfg: PluginConfig) -> Layout:
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    if plugin_cfg.name == "hybrid_parallel":
+    if spec_of(plugin_cfg.name).supports_tp_pp:
         sm = plugin.stage_manager
         return Layout(
             world_size=world,
@@ -151,38 +154,30 @@ def layout_of(plugin, plugin_cfg: PluginConfig) -> Layout:
     return Layout(world_size=world, rank=rank, dp_size=world, dp_rank=rank, tp_rank=0, is_last_stage=True)
 
 
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def uses_autocast(plugin_cfg: PluginConfig) -> torch.dtype | None:
-    """torch_ddp does not cast the model: bf16 there means fp32 weights under torch.autocast."""
-    if plugin_cfg.name == "torch_ddp" and plugin_cfg.precision == "bf16":
-        return torch.bfloat16
-    return None
+    """A plugin that does not cast the model (torch_ddp): bf16 means fp32 weights under torch.autocast."""
+    name = spec_of(plugin_cfg.name).autocast(plugin_cfg.precision)
+    return _TORCH_DTYPES[name] if name else None
 
 
 def booster_mixed_precision(plugin_cfg: PluginConfig) -> str | None:
-    # torch_ddp fp16 (CUDA only, see check_supported): ColossalAI's torch.cuda.amp wrapper.
-    if plugin_cfg.name == "torch_ddp" and plugin_cfg.precision == "fp16":
-        return "fp16"
-    return None
+    # fp16 on a plugin that does not cast the model (CUDA only, see the layout rules): ColossalAI's torch.cuda.amp wrapper.
+    return spec_of(plugin_cfg.name).booster_mixed_precision(plugin_cfg.precision)
 
 
 def can_no_sync(plugin_cfg: PluginConfig) -> bool:
-    """Whether gradient accumulation may skip the all-reduce of intermediate micro-batches.
-
-    ZeRO-2 partitions gradients as they are reduced, so it must reduce every micro-batch
-    (ColossalAI asserts this); Gemini accumulates inside its chunks.
-    """
-    if plugin_cfg.name == "low_level_zero":
-        return plugin_cfg.zero_stage == 1
-    if plugin_cfg.name == "gemini":
-        return False
-    return True
+    """Whether gradient accumulation may skip the all-reduce of intermediate micro-batches."""
+    return spec_of(plugin_cfg.name).can_no_sync(plugin_cfg.zero_stage)
 
 
 def plugin_meta(plugin_cfg: PluginConfig, stage_cfg: StageConfig) -> dict[str, Any]:
     p = plugin_cfg
     meta = {"name": p.name, "tp": p.tp_size, "pp": p.pp_size, "zero": p.zero_stage, "precision": p.precision, "max_norm": p.max_norm}
     if p.pp_size > 1:
-        meta["num_microbatches"] = num_microbatches(p, stage_cfg)
-    if p.name == "gemini":
-        meta["placement_policy"] = p.placement_policy
+        meta["num_microbatches"] = num_microbatches(stage_cfg)
+    for extra in spec_of(p.name).extra_meta:
+        meta[extra] = getattr(p, extra)
     return meta

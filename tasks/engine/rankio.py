@@ -14,6 +14,8 @@ import io
 import sys
 import threading
 
+from tasks.core.events import rank_prefix
+
 
 class RankPrefixed(io.TextIOBase):
     """A text stream that writes complete lines, each with a prefix, to another stream."""
@@ -64,7 +66,7 @@ class RankPrefixed(io.TextIOBase):
 
 def install(rank: int) -> None:
     """Wrap sys.stdout and sys.stderr once; idempotent."""
-    prefix = f"[rank {rank}] "
+    prefix = rank_prefix(rank)
     for name in ("stdout", "stderr"):
         current = getattr(sys, name)
         if isinstance(current, RankPrefixed):

@@ -1,0 +1,372 @@
+"""One stage's plugin, booster, boosted model/optimizer/scheduler and checkpoint save/load.
+
+Used by the verbs in `tasks/engine/loop.py`, inside every torchrun rank:
+
+    torchrun --nproc_per_node=2 -m tasks.engine train --config JOB.json
+
+Optimizer: `torch.optim.AdamW` on every plugin but Gemini (which accepts only ColossalAI's
+HybridAdam/FusedAdam/CPUAdam and gets HybridAdam in AdamW mode). HybridAdam needs ColossalAI's
+compiled CPU-Adam / fused-Adam kernels: here (colossalai 0.5.0 installed --no-deps, no kernels
+built) `HybridAdam(...)` fails with "No usable kernel found for CPUAdamLoader". The plugins wrap
+any torch optimizer (mixed-precision master weights, ZeRO sharding, gradient clipping) and AdamW's state
+round-trips exactly through ColossalAI's optimizer checkpoints. One parameter group; weight decay
+applies to every parameter.
+
+LR schedule: `torch.optim.lr_scheduler.LambdaLR` with a plain function (linear warm-up, then
+cosine/linear decay to min_lr, or constant): one scheduler, one state format (numbers only, so
+`lr_scheduler.pt` loads under `weights_only=True`) for all three StageConfig schedules.
+ColossalAI's CosineAnnealingWarmupLR covers the cosine case only and its LinearWarmupLR has no
+min_lr floor.
+
+Fingerprint: pp == 1 -> the live boosted model on every rank (tensor-parallel vocab shards
+gathered), i.e. exactly the weights being trained in their training dtype; pp > 1 -> no rank holds
+the whole model, so rank 0 loads the just-saved `model/` into a fresh `transformers` model.
+
+What differs between plugins is read from the registry (`tasks.core.plugins`), never from a name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tasks.core.errors import ManifestError
+from tasks.core.events import CHECKPOINT, format_event
+from tasks.core.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
+from tasks.core.manifest import write_manifest
+from tasks.core.plugins import spec_of
+from tasks.engine import checkpoint as ckpt
+from tasks.engine.faults import Injector
+from tasks.engine.job import Job
+from tasks.engine.plugins import (
+    booster_mixed_precision,
+    can_no_sync,
+    check_model,
+    layout_of,
+    make_plugin,
+    plugin_meta,
+    uses_autocast,
+)
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def log(msg: str, all_ranks: bool = False) -> None:
+    if all_ranks or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def emit(kind: str, record: dict[str, Any]) -> None:
+    """Machine-readable line for the Prefect task (rank 0 only; tasks/core/events.py)."""
+    if dist.get_rank() == 0:
+        print(format_event(kind, record), flush=True)
+
+
+def lr_factor(step: int, *, warmup: int, max_steps: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the peak lr for optimizer step `step + 1` (LambdaLR counts from 0)."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, max(0.0, (step - warmup) / max(1, max_steps - warmup)))
+    if schedule == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
+
+
+def make_scheduler(optimizer, stage_cfg):
+    kw = dict(
+        warmup=stage_cfg.warmup_steps,
+        max_steps=stage_cfg.max_steps,
+        schedule=stage_cfg.lr_schedule,
+        min_ratio=stage_cfg.min_lr / stage_cfg.lr,
+    )
+
+    def factor(step: int) -> float:  # a plain function: LambdaLR stores nothing of it
+        return lr_factor(step, **kw)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def make_optimizer(model: torch.nn.Module, stage_cfg, plugin_name: str) -> torch.optim.Optimizer:
+    kw = dict(lr=stage_cfg.lr, betas=tuple(stage_cfg.betas), weight_decay=stage_cfg.weight_decay)
+    if spec_of(plugin_name).optimizer == "hybrid_adam":
+        # GeminiOptimizer accepts only ColossalAI's own Adam kernels (CUDA nodes build them).
+        from colossalai.nn.optimizer import HybridAdam
+
+        return HybridAdam(model.parameters(), adamw_mode=True, **kw)
+    return torch.optim.AdamW(model.parameters(), **kw)
+
+
+class Engine:
+    """Plugin, booster and the boosted model/optimizer/scheduler of one stage on this rank."""
+
+    def __init__(self, job: Job, faults: Injector):
+        from colossalai.booster import Booster
+
+        self.job, self.faults = job, faults
+        self.cfg = job.stage_cfg
+        self.pcfg = self.cfg.plugin
+        self.spec = spec_of(self.pcfg.name)
+        self.plugin = make_plugin(self.pcfg, self.cfg, stage=job.stage)
+        self.layout = layout_of(self.plugin, self.pcfg)
+        self.booster = Booster(plugin=self.plugin, mixed_precision=booster_mixed_precision(self.pcfg))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.autocast = uses_autocast(self.pcfg)
+        from colossalai.accelerator import get_accelerator
+
+        self.device = get_accelerator().get_current_device()
+        self.model = self.optimizer = self.scheduler = None
+        self.config = None
+
+    # -- model ------------------------------------------------------------------------------
+
+    def load_pretrained(self) -> torch.nn.Module:
+        """The HF model with its weights (safetensors only), fp32; the plugin casts it."""
+        from transformers import AutoModelForCausalLM
+
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(self.job.model_dir),
+            torch_dtype=torch.float32,
+            use_safetensors=True,
+            trust_remote_code=self.job.trust_remote_code,
+            output_loading_info=True,
+        )
+        problems = {k: v for k, v in info.items() if v}
+        if problems:
+            raise ManifestError(f"{self.job.model_dir}: weights do not match the model's config: {problems}")
+        self.config = model.config
+        return model
+
+    def from_config(self) -> torch.nn.Module:
+        """Architecture only (weights come from the checkpoint): model_dir's config.json."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.config = AutoConfig.from_pretrained(str(self.job.model_dir), trust_remote_code=self.job.trust_remote_code)
+        return AutoModelForCausalLM.from_config(self.config, torch_dtype=torch.float32, trust_remote_code=self.job.trust_remote_code)
+
+    def boost(self, model: torch.nn.Module) -> None:
+        cfg = self.cfg
+        check_model(self.cfg, model.config.to_dict(), self.job.stage)
+        model.train()
+        if not self.spec.dedupes_tied_weights and getattr(model.config, "tie_word_embeddings", False):
+            _save_tied_once(model)
+        optimizer = make_optimizer(model, cfg, self.pcfg.name)
+        scheduler = make_scheduler(optimizer, cfg)
+        self.model, self.optimizer, _, _, self.scheduler = self.booster.boost(model, optimizer, lr_scheduler=scheduler)
+
+    def materialize_optimizer_state(self) -> None:
+        """Create AdamW's zero state now instead of at the first step.
+
+        step-000000 must hold an optimizer checkpoint, and ColossalAI's ZeRO optimizer cannot
+        save one before the state exists (KeyError in `state_dict_shard`). The values mirror
+        torch's lazy init in `Adam._init_group` (step 0.0 on CPU, zero moments shaped like the
+        parameters the optimizer actually steps: master shards under ZeRO), so the first step
+        after loading is the same as a first step from scratch.
+        """
+        inner = getattr(self.optimizer, "optim", self.optimizer)
+        if isinstance(inner, torch.optim.AdamW):
+            try:
+                from torch.optim.optimizer import _get_scalar_dtype
+
+                zero_step = lambda: torch.tensor(0.0, dtype=_get_scalar_dtype())  # noqa: E731
+            except ImportError:  # private helper; float32 is its answer for the default dtype
+                zero_step = lambda: torch.tensor(0.0, dtype=torch.float32)  # noqa: E731
+        else:  # ColossalAI's HybridAdam (Gemini) starts its counter at the int 0
+            zero_step = lambda: 0  # noqa: E731
+        for group in inner.param_groups:
+            if group.get("amsgrad") or group.get("fused") or group.get("capturable"):
+                raise ValueError("materialize_optimizer_state mirrors plain AdamW only (no amsgrad/fused/capturable)")
+            for p in group["params"]:
+                state = inner.state[p]
+                if len(state) == 0:
+                    state["step"] = zero_step()
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    @property
+    def weights_dtype(self) -> str:
+        # A plugin that does not cast the model (torch_ddp) keeps fp32 weights under autocast.
+        return self.spec.weights_dtype(self.pcfg.precision)
+
+    # -- one optimizer step -----------------------------------------------------------------
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> float:
+        model, optimizer, booster = self.model, self.optimizer, self.booster
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        if self.pcfg.pp_size > 1:
+            out = booster.execute_pipeline(
+                iter([batch]), model, lambda outputs, inputs: outputs.loss, optimizer, return_loss=True, return_outputs=False
+            )
+            local = out["loss"].detach().double() if self.layout.is_last_stage else None
+        else:
+            ga, mbs = self.cfg.grad_accum_steps, self.cfg.micro_batch_size
+            local = torch.zeros((), dtype=torch.float64, device=self.device)
+            for i in range(ga):
+                mb = {k: v[i * mbs : (i + 1) * mbs] for k, v in batch.items()}
+                skip_sync = i < ga - 1 and can_no_sync(self.pcfg)
+                sync_ctx = booster.no_sync(model, optimizer) if skip_sync else contextlib.nullcontext()
+                with sync_ctx:
+                    cast = torch.autocast(device_type=_device_type(), dtype=self.autocast) if self.autocast else contextlib.nullcontext()
+                    with cast:
+                        loss = model(**mb, use_cache=False).loss
+                    booster.backward(loss / ga, optimizer)
+                local += loss.detach().double()
+            local = local / ga
+        if not self.spec.clips_grad and self.pcfg.max_norm > 0:
+            optimizer.clip_grad_by_norm(self.pcfg.max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        self.scheduler.step()
+        return self.reduce_loss(local if self.layout.holds_loss else None)
+
+    def reduce_loss(self, local: torch.Tensor | None) -> float:
+        t = torch.zeros(1, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
+        if local is not None:
+            t += local
+        dist.all_reduce(t)
+        return float(t.item() / self.layout.dp_size)
+
+    # -- fingerprint --------------------------------------------------------------------------
+
+    def fingerprint(self, model_dir: Path) -> torch.Tensor | None:
+        """Probe logits (fp32 tensor on rank 0, None elsewhere); collective for pp == 1."""
+        vocab = self.config.vocab_size
+        if self.pcfg.pp_size > 1:
+            dist.barrier()
+            if self.rank != 0:
+                return None
+            return hf_dir_logits(model_dir, dtype=self.weights_dtype, trust_remote_code=self.job.trust_remote_code)
+        logits = _live_logits(self.model, vocab, self.layout.tp_group)
+        return logits if self.rank == 0 else None
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        job, rank = self.job, self.rank
+        stage_dir = job.stage_dir
+        tmp, final = stage_dir / ckpt.tmp_name(step), stage_dir / ckpt.step_name(step)
+        t0 = time.monotonic()
+        if rank == 0:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        phase = lambda name: self.faults.before_save_phase(step, name)  # noqa: E731
+        phase("model")
+        self.booster.save_model(self.model, str(tmp / "model"), shard=True, use_safetensors=True)
+        phase("optimizer")
+        self.booster.save_optimizer(self.optimizer, str(tmp / "optimizer"), shard=True)
+        phase("lr_scheduler")
+        self.booster.save_lr_scheduler(self.scheduler, str(tmp / "lr_scheduler.pt"))
+        phase("rng")
+        states = [None] * self.world if rank == 0 else None
+        dist.gather_object(ckpt.capture_rng(), states, dst=0)
+        if rank == 0:
+            for r, s in enumerate(states):
+                ckpt.write_rng(tmp / "rng", r, s)
+        phase("fingerprint")
+        logits = self.fingerprint(tmp / "model")
+        phase("state")
+        if rank == 0:
+            fp = save_fingerprint(logits, tmp, dtype=self.weights_dtype)
+            ckpt.write_json(tmp / ckpt.TRAIN_STATE, state)
+        dist.barrier()  # every rank's files are on disk before the manifest covers them
+        phase("manifest")
+        if rank == 0:
+            losses = state["losses"]
+            meta = {
+                "stage": job.stage,
+                "step": step,
+                "max_steps": self.cfg.max_steps,
+                "plugin": plugin_meta(self.pcfg, self.cfg),
+                "world_size": self.world,
+                "dp_size": self.layout.dp_size,
+                "weights_dtype": self.weights_dtype,
+                "tokens_seen": state["tokens_seen"],
+                "final_loss": losses[-1] if losses else None,
+                "lr": state["lr"],
+                "model_type": getattr(self.config, "model_type", None),
+                "vocab_size": self.config.vocab_size,
+                "architectures": getattr(self.config, "architectures", None),
+                "model_format": "hf-safetensors-sharded",
+                "optimizer": type(getattr(self.optimizer, "optim", self.optimizer)).__name__,
+            }
+            write_manifest(tmp, kind=ckpt.KIND, meta=meta, parent=job.parent, config_digest=job.config_digest, fingerprint=fp)
+            phase("rename")
+            ckpt.commit(tmp, final)
+        dist.barrier()  # nobody reads step-N (or deletes older ones) before it is committed
+        if rank == 0:
+            log(f"checkpoint {final.name} committed in {time.monotonic() - t0:.1f}s")
+            emit(CHECKPOINT, {"step": step, "path": str(final)})
+            if step > 0:
+                removed = ckpt.retain(stage_dir, self.cfg.keep_last)
+                if removed:
+                    log(f"retention keep_last={self.cfg.keep_last}: removed {', '.join(removed)}")
+        return final
+
+    def load(self, path: Path) -> None:
+        model_dir = path / "model"
+        if self.spec.strict_load:
+            self.booster.load_model(self.model, str(model_dir))
+        else:
+            # ColossalAI's general loader in strict mode demands a tied LM head that HF (and
+            # _save_tied_once) leave out; load non-strict and check the key set exactly here.
+            index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+            want, have = set(self.model.unwrap().state_dict()), set(index["weight_map"])
+            if want != have:
+                raise ManifestError(
+                    f"{model_dir}: checkpoint keys do not match the model: missing {sorted(want - have)[:5]}, "
+                    f"unexpected {sorted(have - want)[:5]}"
+                )
+            self.booster.load_model(self.model, str(model_dir), strict=False)
+        self.booster.load_optimizer(self.optimizer, str(path / "optimizer"))
+        self.booster.load_lr_scheduler(self.scheduler, str(path / "lr_scheduler.pt"))
+
+
+def _save_tied_once(module: torch.nn.Module) -> None:
+    """Make state_dict() list a tied tensor once, under its first name (embed_tokens), like HF.
+
+    ColossalAI's general checkpoint IO (low_level_zero, torch_ddp) hands the whole state dict to
+    safetensors, which refuses two names for one storage (lm_head.weight is embed_tokens.weight
+    in a tied model). HybridParallel's IO already drops the duplicate; from_pretrained re-ties it.
+    """
+
+    def hook(mod, state_dict, prefix, local_metadata):
+        seen = set()
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            t = state_dict[key]
+            if not isinstance(t, torch.Tensor):
+                continue
+            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+            if ident in seen:
+                del state_dict[key]
+            else:
+                seen.add(ident)
+
+    module.register_state_dict_post_hook(hook)
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@torch.no_grad()
+def _live_logits(model, vocab_size: int, tp_group) -> torch.Tensor:
+    if tp_group is None:
+        return model_logits(model, vocab_size)
+    # Tensor parallel: the LM head keeps its vocab shard (parallel_output); gather along vocab.
+    logits = probe_forward(model, vocab_size)
+    if logits.shape[-1] < vocab_size:
+        parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp_group))]
+        dist.all_gather(parts, logits, group=tp_group)
+        logits = torch.cat(parts, dim=-1)
+    return logits[..., :vocab_size].float().cpu()

@@ -1,0 +1,202 @@
+"""The stage protocol every stage task follows, written once: skip -> build -> manifest -> publish -> event.
+
+    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # every stage goes through here
+
+The skip rule (README, "Re-runs and retries"): a stage is skipped when its artifact's manifest
+verifies AND records the config digest the stage would produce now. A stage's digest covers its
+own config section and its parent artifact's manifest digest, so changing a stage's config re-runs
+that stage and, through the chain of parent digests, everything downstream.
+
+A stage task body is its real work:
+
+    @stage_task(name="unshard")
+    def unshard(cfg, cpt):
+        st = Stage("unshard", cfg, stage_digest("unshard", {}, cpt.digest))
+        if st.skipped:
+            return st.result
+        with st.build() as out:                   # <artifact>.tmp-build, swapped in on success
+            ...write files into out.dir...
+            out.manifest(kind="hf-model", meta=..., parent=cpt)   # written last
+        return st.done(detail=...)                # publish, log, completed event, StageResult
+
+A skipped stage ends its task run in a Completed state named "Skipped", so the Prefect UI shows
+what happened; the manifest stays the source of truth. The flow calls stage tasks with
+`return_state=True` and reads the StageResult with `outcome()`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from functools import wraps
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from prefect import get_run_logger, task
+from prefect.states import Completed, State
+
+from tasks import ui
+from tasks.core.config import RunConfig, digest
+from tasks.core.errors import ManifestError
+from tasks.core.hub import SECRET_BLOCK, hub_token
+from tasks.core.manifest import write_manifest
+from tasks.core.paths import resolve_local
+from tasks.core.runlayout import STAGE, Status
+from tasks.core.storage import RunStore
+
+__all__ = ["StageResult", "Stage", "stage_task", "outcome", "store_for", "stage_digest", "completed", "fresh_dir", "resolve_local", "secret_token", "token"]
+
+
+@dataclass
+class StageResult:
+    stage: str
+    status: Status
+    rel: str | None = None
+    uri: str | None = None
+    digest: str | None = None
+    seconds: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["status"] = str(self.status)
+        return d
+
+
+def store_for(cfg: RunConfig) -> RunStore:
+    return RunStore(cfg.run_uri, staging_dir=cfg.staging_dir)
+
+
+def stage_digest(stage: str, section: Any, parent_digest: str | None) -> str:
+    return digest({"stage": stage, "config": section.model_dump(mode="json") if hasattr(section, "model_dump") else section, "parent": parent_digest})
+
+
+def completed(store: RunStore, rel: str, config_digest: str) -> dict[str, Any] | None:
+    """The manifest if `rel` exists, verifies and was made from this exact config; else None."""
+    logger = get_run_logger()
+    if not store.exists(f"{rel}/manifest.json"):
+        return None
+    try:
+        manifest = store.verify(rel)
+    except ManifestError as exc:
+        logger.warning("%s exists but does not verify, so it is rebuilt: %s", store.uri(rel), exc)
+        return None
+    if manifest.get("config_digest") != config_digest:
+        logger.info("%s was made from another config or parent (digest %s, now %s): re-running", store.uri(rel), str(manifest.get("config_digest"))[:12], config_digest[:12])
+        return None
+    return manifest
+
+
+@contextmanager
+def fresh_dir(path: Path) -> Iterator[Path]:
+    """Build an artifact in `path.tmp-build`, then swap it into place; a failure leaves the old one."""
+    tmp = path.with_name(path.name + ".tmp-build")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if path.exists():
+        shutil.rmtree(path)
+    tmp.rename(path)
+
+
+class _Output:
+    """What a stage writes while it builds: files in `dir`, then one manifest call."""
+
+    def __init__(self, directory: Path, config_digest: str):
+        self.dir, self._digest, self.wrote_manifest = directory, config_digest, False
+
+    def manifest(self, *, kind: str, meta: dict[str, Any], parent: StageResult | None = None, **kwargs: Any) -> None:
+        """The manifest, last: every file already in `dir` is listed with its sha256."""
+        link = {"uri": parent.uri, "digest": parent.digest} if parent is not None else None
+        write_manifest(self.dir, kind=kind, meta=meta, parent=link, config_digest=self._digest, **kwargs)
+        self.wrote_manifest = True
+
+
+class Stage:
+    """One run of one stage: its artifact under the run root, its digest, its timing."""
+
+    def __init__(self, name: str, cfg: RunConfig, config_digest: str, rel: str | None = None):
+        spec = STAGE[name]
+        self.name, self.cfg, self.digest = name, cfg, config_digest
+        self.rel = rel or spec.artifact
+        self.store = store_for(cfg)
+        self.started = time.monotonic()
+        self.result: StageResult | None = None
+        self._skip_checked = False
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri(self.rel)
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the artifact already verifies with this digest; `result` is then the skip."""
+        if not self._skip_checked:
+            self._skip_checked = True
+            if completed(self.store, self.rel, self.digest):
+                get_run_logger().info("%s: skipped, %s verifies and its config digest matches", self.name, self.uri)
+                self.result = StageResult(self.name, Status.SKIPPED, self.rel, self.uri, self.store.manifest_digest(self.rel), self.elapsed)
+        return self.result is not None and self.result.status == Status.SKIPPED
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    @contextmanager
+    def build(self) -> Iterator[_Output]:
+        """Build the artifact locally; the manifest must be the last thing written."""
+        with fresh_dir(self.store.local_path(self.rel)) as tmp:
+            out = _Output(tmp, self.digest)
+            yield out
+            if not out.wrote_manifest:
+                raise AssertionError(f"stage {self.name} built {self.rel} without a manifest")
+
+    def done(self, detail: dict[str, Any] | None = None, event: dict[str, Any] | None = None) -> StageResult:
+        """Publish the artifact (manifest last), log it, send the completed event."""
+        published = self.store.publish(self.rel)
+        get_run_logger().info("%s: completed, %s (manifest %s)", self.name, self.uri, published[:12])
+        self.result = StageResult(self.name, Status.COMPLETED, self.rel, self.uri, published, self.elapsed, dict(detail or {}))
+        ui.stage_event(self.name, "completed", self.cfg.name, self.uri, **(event or {}))
+        return self.result
+
+
+def stage_task(**task_kwargs: Any) -> Callable[[Callable[..., StageResult]], Any]:
+    """`@task` for a stage: a skipped StageResult ends the task run in a state named "Skipped"."""
+
+    def wrap(fn: Callable[..., StageResult]):
+        @wraps(fn)
+        def body(*args: Any, **kwargs: Any) -> StageResult | State:
+            result = fn(*args, **kwargs)
+            if isinstance(result, StageResult) and result.status == Status.SKIPPED:
+                return Completed(name="Skipped", message=f"{result.uri} verifies and its config digest matches", data=result)
+            return result
+
+        return task(**task_kwargs)(body)
+
+    return wrap
+
+
+def outcome(value: StageResult | State) -> StageResult:
+    """The StageResult of a stage task call, whether it returned a state (skipped) or a value."""
+    if isinstance(value, State):
+        return value.result()
+    return value
+
+
+def secret_token() -> str | None:
+    """The Prefect Secret block `hf-token`, or None."""
+    from prefect.blocks.system import Secret
+
+    return Secret.load(SECRET_BLOCK).get()
+
+
+def token() -> str | None:
+    """The Hub token in its one lookup order (tasks.core.hub.hub_token) with the Secret block."""
+    return hub_token(secret_token)
