@@ -57,7 +57,7 @@ def heldout_split(cfg: RunConfig, store: RunStore, stage: str) -> tuple[Path, Pa
     Writes `<staging>/data/<stage>/split/{train,heldout}.jsonl` and the split record; without a
     held-out set (fraction 0, no URI) the training file is the data file itself, unchanged.
     """
-    from tasks.engine.data import read_records
+    from tasks.core.data import read_records
 
     st = getattr(cfg, stage)
     dest = store.staging / "data" / stage
@@ -137,7 +137,7 @@ def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult) -> Stag
         return _skipped("evaluate_cpt", store, rel, started)
     base_dir, cpt_dir = store.stage_in(base.rel), store.stage_in(bridge.rel)
     _, heldout, split = heldout_split(cfg, store, "cpt")
-    from tasks.engine.data import read_records
+    from tasks.core.data import read_records
 
     st = cfg.cpt
     metrics = ev.evaluate_cpt(base_dir, cpt_dir, read_records(str(heldout)), st.data.text_field, st.seq_len, st.eval, cfg.base_model.trust_remote_code)
@@ -172,7 +172,7 @@ def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult) -> St
         return _skipped("evaluate_sft", store, rel, started)
     pre_dir, export_dir = store.stage_in(bridge.rel), store.stage_in(export.rel)
     _, heldout_file, split = heldout_split(cfg, store, "sft")
-    from tasks.engine.data import read_records
+    from tasks.core.data import read_records
 
     st = cfg.sft
     heldout = read_records(str(heldout_file))
