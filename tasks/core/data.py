@@ -52,8 +52,9 @@ def format_of(uri: str) -> str:
 def read_records(uri: str) -> list[dict]:
     """All records of a .jsonl, .txt (one {"text": line} per non-empty line) or .parquet file.
 
-    Through the storage seam, so `s3://...` works like a local path. Deliberately not `datasets`: its cache and
-    fingerprinting would race between ranks and pull in a large dependency for a list of dicts.
+    Through the storage seam, so `s3://...` works like a local path. Deliberately not `datasets`:
+    its cache and fingerprinting would race between ranks and pull in a large dependency for a
+    list of dicts.
     """
     fmt = format_of(uri)
     if fmt == ".parquet":
@@ -147,8 +148,8 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) ->
 
 def special_token_ids(tokenizer) -> set[int]:
     """Every special token id, the end-of-turn tokens included."""
-    ids = set(tokenizer.allspecial_token_ids)
-    # Llama-3's <|eot_id|> is an added special token but not in allspecial_token_ids.
+    ids = set(tokenizer.all_special_ids)
+    # Llama-3's <|eot_id|> is an added special token but not in all_special_ids.
     ids.update(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
     return ids
 
