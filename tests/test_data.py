@@ -19,15 +19,15 @@ import pytest
 import torch
 
 from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tokenizer
-from tasks.engine.data import (
+from tasks.core.data import (
     IGNORE_INDEX,
-    ResumableSampler,
     encode_chat,
     encode_sft,
     encode_sft_with_stats,
     pack_cpt,
     read_records,
 )
+from tasks.engine.sampler import ResumableSampler
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +260,7 @@ def test_encode_sft_pads_and_masks(tok):
 def test_encode_sft_drops_records_without_labels(tok, caplog):
     long_prompt = {"messages": [u("Zorvath " * 40), a("Yes.")]}
     records = [{"messages": CASES["single turn"]}, long_prompt]
-    with caplog.at_level(logging.WARNING, logger="tasks.engine.data"):
+    with caplog.at_level(logging.WARNING, logger="tasks.core.data"):
         out, dropped = encode_sft_with_stats(tok, records, seq_len=48)
     assert dropped == 1 and out["input_ids"].shape == (1, 48)
     assert "dropped 1 of 2" in caplog.text

@@ -14,9 +14,9 @@ import torch
 
 from tasks.core import evaluation as ev
 from tasks.core.config import EvalConfig, GateConfig, parse_config
+from tasks.core.data import read_records
 from tasks.core.errors import ConfigError
 from tasks.core.split import overlap, record_id, split_by_fraction, split_by_heldout
-from tasks.engine.data import read_records
 from tests.conftest import REPO, tiny_config_raw
 
 SAMPLE = REPO / "data" / "sample"

@@ -4,7 +4,7 @@
     python -m tasks.core.evaluation sft --reference runs/tiny-demo/cpt/hf --candidate runs/tiny-demo/export --data runs/tiny-demo/data/sft/heldout.jsonl --seq-len 128
 
 Both sides of a comparison see the same tensors: the held-out records are tokenized once (with
-the candidate's tokenizer, which must equal the reference's), packed by `tasks.engine.data`'s
+the candidate's tokenizer, which must equal the reference's), packed by `tasks.core.data`'s
 `pack_cpt` / `encode_sft` exactly as training packs them, cut to the same batches, and scored by
 both models in the same dtype. The metric is a token-weighted mean of the next-token cross
 entropy in float64 (CPT: every token; SFT: the assistant tokens the SFT loss is trained on), so
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from tasks.core.config import EvalConfig, GateConfig
-from tasks.engine.data import IGNORE_INDEX, _render, _special_ids, encode_sft_with_stats, pack_cpt
+from tasks.core.data import IGNORE_INDEX, encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PPL_CAP = 700.0  # exp(700) is near float64's limit; a loss that high is "infinite" perplexity
@@ -193,9 +193,9 @@ def end_of_turn_id(tokenizer) -> int | None:
     and the end of a rendered one-turn reply.
     """
     msgs = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
-    prompt = _render(tokenizer, msgs[:1], add_generation_prompt=True)
-    turn = _render(tokenizer, msgs, add_generation_prompt=False)
-    special = _special_ids(tokenizer)
+    prompt = render_chat(tokenizer, msgs[:1], add_generation_prompt=True)
+    turn = render_chat(tokenizer, msgs, add_generation_prompt=False)
+    special = special_token_ids(tokenizer)
     for j in range(len(turn) - 1, len(prompt) - 1, -1):
         if turn[j] in special:
             return int(turn[j])
@@ -261,7 +261,7 @@ def generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: s
     rows = []
     try:
         for i, msgs in enumerate(prompts):
-            ids = torch.tensor([_render(tokenizer, msgs, add_generation_prompt=True)], device=device)
+            ids = torch.tensor([render_chat(tokenizer, msgs, add_generation_prompt=True)], device=device)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
             new = out[0, ids.shape[1] :].tolist()
             stopped = bool(new) and new[-1] in stop_ids
@@ -401,7 +401,7 @@ def _split_dataset(m: dict, stage: str) -> tuple[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from tasks.engine.data import read_records
+    from tasks.core.data import read_records
 
     p = argparse.ArgumentParser(prog="python -m tasks.core.evaluation", description="Compare two HF model dirs on a held-out file.")
     p.add_argument("kind", choices=["cpt", "sft"])

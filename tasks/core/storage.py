@@ -609,12 +609,15 @@ def _summary(op: str, rel: str, manifest: dict, names: list[str], outcome: list[
     }
 
 
-def open_uri(uri: str, mode: str = "rb"):
-    """Read a user-supplied URI (data files, config files) through fsspec."""
+def open_uri(uri: str, mode: str = "rb", **kwargs: Any):
+    """Read a user-supplied URI (data files, config files) through fsspec.
+
+    kwargs go to fsspec's open unchanged (encoding, compression="infer", ...).
+    """
     if not is_local(uri):
         fs, path = filesystem(uri)
-        return fs.open(path, mode)
-    return fsspec.open(uri, mode)
+        return fs.open(path, mode, **kwargs)
+    return fsspec.open(uri, mode, **kwargs)
 
 
 def fetch_to_local(uri: str, dest_dir: Path) -> Path:

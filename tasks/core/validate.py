@@ -524,9 +524,9 @@ def head_records(uri: str, n: int = HEAD_RECORDS) -> list[tuple[int, dict]]:
     """(line number, record) of the first n records, without reading the whole file."""
     import fsspec
 
-    from tasks.engine.data import _format_of, iter_text_records  # one definition of the formats
+    from tasks.core.data import format_of, iter_text_records  # one definition of the formats
 
-    fmt = _format_of(uri)
+    fmt = format_of(uri)
     if fmt == ".parquet":
         import pyarrow.parquet as pq
 
@@ -538,7 +538,7 @@ def head_records(uri: str, n: int = HEAD_RECORDS) -> list[tuple[int, dict]]:
 
 def check_data(ctx: _Ctx) -> None:
     """Each dataset exists and its first records have the fields and roles the stage needs."""
-    from tasks.engine.data import _validate_messages  # the SFT record rules, defined once
+    from tasks.core.data import validate_messages  # the SFT record rules, defined once
 
     datasets = []
     for name in ("cpt", "sft"):
@@ -578,7 +578,7 @@ def check_data(ctx: _Ctx) -> None:
                 failed = True
             else:
                 try:
-                    _validate_messages(rec[d.messages_field])
+                    validate_messages(rec[d.messages_field])
                 except ValueError as exc:
                     ctx.problem(where, f"{at}: {exc}")
                     failed = True

@@ -41,7 +41,8 @@ class StageData:
     def __init__(self, job: Job, dp_rank: int, dp_size: int):
         from transformers import AutoTokenizer
 
-        from tasks.engine.data import ResumableSampler, encode_sft, pack_cpt, read_records
+        from tasks.core.data import encode_sft, pack_cpt, read_records
+        from tasks.engine.sampler import ResumableSampler
 
         cfg = job.stage_cfg
         tok = AutoTokenizer.from_pretrained(str(job.tokenizer_dir), trust_remote_code=job.trust_remote_code)
@@ -93,7 +94,7 @@ def _initial_state(job: Job, sampler_state: dict[str, int], lr: float) -> dict[s
 
 def shard(job: Job, faults: Injector) -> Path:
     """Load the HF model, boost it under the stage's plugin, save step-000000."""
-    from tasks.engine.data import ResumableSampler
+    from tasks.engine.sampler import ResumableSampler
 
     eng = Engine(job, faults)
     t0 = time.monotonic()

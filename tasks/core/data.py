@@ -1,10 +1,12 @@
-"""Training data: read records, pack CPT text, render and loss-mask SFT chats, order batches.
+"""Training data: read records, pack CPT text, render and loss-mask SFT chats.
 
-Pure functions used by the training loop inside each torchrun rank (no prefect, no colossalai).
-To eyeball what a stage will train on:
+The one definition of the data formats and the SFT record rules, shared by pre-flight
+(`tasks/core/validate.py`), evaluation (`tasks/core/evaluation.py`) and the training loop inside
+each torchrun rank (`tasks/engine/loop.py`, whose sampler orders the rows built here). Reads go
+through the storage seam (`tasks.core.storage.open_uri`). To eyeball what a stage will train on:
 
-    python -m tasks.engine.data --model runs/demo/base-model --uri data/sample/sft.jsonl --kind sft --seq-len 64
-    python -m tasks.engine.data --model runs/demo/base-model --uri data/sample/cpt.jsonl --kind cpt --seq-len 64
+    python -m tasks.core.data --model runs/demo/base-model --uri data/sample/sft.jsonl --kind sft --seq-len 64
+    python -m tasks.core.data --model runs/demo/base-model --uri data/sample/cpt.jsonl --kind cpt --seq-len 64
 
 Conventions (see tasks/core/demo_inputs.py for the demo tokenizer): no bos is added here, the
 tokenizer and its chat template decide; CPT documents are joined by eos; SFT labels are the
@@ -13,17 +15,15 @@ assistant tokens plus the assistant's end-of-turn token, -100 elsewhere.
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import argparse
-import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-import fsspec
 import torch
+
+from tasks.core.storage import open_uri
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,8 @@ FORMATS = (".jsonl", ".txt", ".parquet")
 # Reading
 
 
-def _format_of(uri: str) -> str:
+def format_of(uri: str) -> str:
+    """The FORMATS entry a URI names (a compression suffix is looked through); ValueError otherwise."""
     name = uri.rsplit("/", 1)[-1].lower()
     for comp in _COMPRESSIONS:
         if name.endswith(comp):
@@ -51,14 +52,15 @@ def _format_of(uri: str) -> str:
 def read_records(uri: str) -> list[dict]:
     """All records of a .jsonl, .txt (one {"text": line} per non-empty line) or .parquet file.
 
-    fsspec, so `s3://...` works like a local path. Deliberately not `datasets`: its cache and
-    fingerprinting would race between ranks and pull in a large dependency for a list of dicts.
+    Through the storage seam, so `s3://...` works like a local path. Deliberately not `datasets`:
+    its cache and fingerprinting would race between ranks and pull in a large dependency for a
+    list of dicts.
     """
-    fmt = _format_of(uri)
+    fmt = format_of(uri)
     if fmt == ".parquet":
         import pyarrow.parquet as pq  # only parquet users pay for the import
 
-        with fsspec.open(uri, "rb") as f:
+        with open_uri(uri, "rb") as f:
             return pq.read_table(f).to_pylist()
 
     return [rec for _, rec in iter_text_records(uri, fmt)]
@@ -66,8 +68,8 @@ def read_records(uri: str) -> list[dict]:
 
 def iter_text_records(uri: str, fmt: str | None = None) -> Iterator[tuple[int, dict]]:
     """(line number, record) of a .jsonl or .txt file, streamed: pre-flight reads only a head."""
-    fmt = fmt or _format_of(uri)
-    with fsspec.open(uri, "rt", encoding="utf-8", compression="infer") as f:
+    fmt = fmt or format_of(uri)
+    with open_uri(uri, "rt", encoding="utf-8", compression="infer") as f:
         for lineno, line in enumerate(f, 1):
             line = line.rstrip("\r\n")
             if not line.strip():
@@ -119,7 +121,8 @@ def pack_cpt(tokenizer, records: Sequence[dict], text_field: str = "text", seq_l
 # SFT
 
 
-def _validate_messages(messages: Any) -> None:
+def validate_messages(messages: Any) -> None:
+    """The SFT record rules, defined once for training and pre-flight: ValueError naming the message."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} objects, got {type(messages).__name__}")
     for j, m in enumerate(messages):
@@ -135,14 +138,16 @@ def _validate_messages(messages: Any) -> None:
         raise ValueError("no assistant message: nothing to train on; every SFT record needs at least one assistant turn")
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """Token ids of the conversation as the chat template renders it."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     # The template owns bos and every special token; letting the tokenizer add its own would
     # double them (Llama-3 templates start with {{ bos_token }}).
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _special_ids(tokenizer) -> set[int]:
+def special_token_ids(tokenizer) -> set[int]:
+    """Every special token id, the end-of-turn tokens included."""
     ids = set(tokenizer.all_special_ids)
     # Llama-3's <|eot_id|> is an added special token but not in all_special_ids.
     ids.update(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
@@ -160,15 +165,15 @@ def encode_chat(tokenizer, messages: list[dict], seq_len: int) -> tuple[list[int
     """
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the tokenizer has no chat_template: SFT needs one to render conversations; add it to tokenizer_config.json")
-    _validate_messages(messages)
-    full = _render(tokenizer, messages, add_generation_prompt=False)
+    validate_messages(messages)
+    full = render_chat(tokenizer, messages, add_generation_prompt=False)
     labels = [IGNORE_INDEX] * len(full)
-    special = _special_ids(tokenizer)
+    special = special_token_ids(tokenizer)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        turn = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        prompt = render_chat(tokenizer, messages[:i], add_generation_prompt=True)
+        turn = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if turn[: len(prompt)] != prompt or full[: len(turn)] != turn:
             raise ValueError(
                 f"the chat template is not prefix-stable at message {i} (assistant): rendering the conversation up to that "
@@ -227,81 +232,12 @@ def encode_sft(tokenizer, records: Sequence[dict], messages_field: str = "messag
 
 
 # --------------------------------------------------------------------------------------------
-# Order
-
-
-def _epoch_seed(seed: int, epoch: int) -> int:
-    # A hash, not seed + epoch: (seed=1, epoch=0) and (seed=0, epoch=1) must not collide.
-    return int.from_bytes(hashlib.sha256(f"{seed}:{epoch}".encode()).digest()[:8], "little") >> 1
-
-
-class ResumableSampler:
-    """Deterministic, resumable order of item indices, the same global stream on every rank.
-
-    Epoch e is torch.randperm(num_items) under a generator seeded from (seed, e). Each optimizer
-    step takes the next `global_batch` indices of that stream (continuing into epoch e+1 when e
-    runs out) and each dp rank keeps its contiguous slice. The state is a position in the global
-    stream, independent of dp_rank/dp_size, so a restore continues bitwise-identically.
-    """
-
-    def __init__(self, num_items: int, dp_rank: int, dp_size: int, seed: int):
-        if num_items < 1:
-            raise ValueError(f"num_items={num_items}: the dataset is empty")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
-        self.num_items, self.dp_rank, self.dp_size, self.seed = num_items, dp_rank, dp_size, seed
-        self.epoch, self.offset = 0, 0
-        self._perm: list[int] | None = None
-        self._perm_key: tuple[int, int] | None = None
-
-    def _permutation(self) -> list[int]:
-        key = (self.seed, self.epoch)
-        if self._perm_key != key:
-            g = torch.Generator().manual_seed(_epoch_seed(*key))
-            self._perm, self._perm_key = torch.randperm(self.num_items, generator=g).tolist(), key
-        return self._perm
-
-    def next_global(self, n_global: int) -> list[int]:
-        """The next n_global indices of the global stream (all ranks' shares, in rank order)."""
-        out: list[int] = []
-        while len(out) < n_global:
-            perm = self._permutation()
-            take = min(n_global - len(out), self.num_items - self.offset)
-            out += perm[self.offset : self.offset + take]
-            self.offset += take
-            if self.offset == self.num_items:
-                self.epoch, self.offset = self.epoch + 1, 0
-        return out
-
-    def next_indices(self, n_global: int) -> list[int]:
-        """This rank's share of the next global batch of n_global items."""
-        if n_global < 1 or n_global % self.dp_size:
-            raise ValueError(f"global batch {n_global} must be a positive multiple of dp_size={self.dp_size} (micro_batch_size * grad_accum_steps * dp_size)")
-        per = n_global // self.dp_size
-        return self.next_global(n_global)[self.dp_rank * per : (self.dp_rank + 1) * per]
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed}
-
-    def load_state_dict(self, d: dict[str, int]) -> None:
-        missing = {"epoch", "offset", "seed"} - set(d)
-        if missing:
-            raise ValueError(f"sampler state is missing {sorted(missing)}; it must come from ResumableSampler.state_dict()")
-        if not 0 <= d["offset"] < self.num_items or d["epoch"] < 0:
-            raise ValueError(f"sampler state {d} does not fit a dataset of {self.num_items} items: was the data changed since the checkpoint?")
-        if d["seed"] != self.seed:
-            # The checkpoint is the truth about data order: resuming must replay the interrupted run.
-            log.warning("sampler seed %d from the checkpoint replaces the configured %d", d["seed"], self.seed)
-        self.epoch, self.offset, self.seed = int(d["epoch"]), int(d["offset"]), int(d["seed"])
-
-
-# --------------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
-    p = argparse.ArgumentParser(prog="python -m tasks.engine.data", description="Show how a dataset is tokenized for a stage.")
+    p = argparse.ArgumentParser(prog="python -m tasks.core.data", description="Show how a dataset is tokenized for a stage.")
     p.add_argument("--model", required=True, help="HF model dir holding the tokenizer")
     p.add_argument("--uri", required=True, help="dataset: .jsonl, .txt or .parquet")
     p.add_argument("--kind", choices=["cpt", "sft"], required=True)

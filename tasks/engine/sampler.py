@@ -1,0 +1,81 @@
+"""The resumable order of training rows: which rows each dp rank takes at each optimizer step.
+
+Used by the training loop inside each torchrun rank (`tasks/engine/loop.py`); the rows themselves
+come from `tasks/core/data.py`. To see the order a stage would take:
+
+    python -c "from tasks.engine.sampler import ResumableSampler as S; s = S(10, 0, 2, seed=0); print([s.next_indices(4) for _ in range(3)])"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    # A hash, not seed + epoch: (seed=1, epoch=0) and (seed=0, epoch=1) must not collide.
+    return int.from_bytes(hashlib.sha256(f"{seed}:{epoch}".encode()).digest()[:8], "little") >> 1
+
+
+class ResumableSampler:
+    """Deterministic, resumable order of item indices, the same global stream on every rank.
+
+    Epoch e is torch.randperm(num_items) under a generator seeded from (seed, e). Each optimizer
+    step takes the next `global_batch` indices of that stream (continuing into epoch e+1 when e
+    runs out) and each dp rank keeps its contiguous slice. The state is a position in the global
+    stream, independent of dp_rank/dp_size, so a restore continues bitwise-identically.
+    """
+
+    def __init__(self, num_items: int, dp_rank: int, dp_size: int, seed: int):
+        if num_items < 1:
+            raise ValueError(f"num_items={num_items}: the dataset is empty")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+        self.num_items, self.dp_rank, self.dp_size, self.seed = num_items, dp_rank, dp_size, seed
+        self.epoch, self.offset = 0, 0
+        self._perm: list[int] | None = None
+        self._perm_key: tuple[int, int] | None = None
+
+    def _permutation(self) -> list[int]:
+        key = (self.seed, self.epoch)
+        if self._perm_key != key:
+            g = torch.Generator().manual_seed(_epoch_seed(*key))
+            self._perm, self._perm_key = torch.randperm(self.num_items, generator=g).tolist(), key
+        return self._perm
+
+    def next_global(self, n_global: int) -> list[int]:
+        """The next n_global indices of the global stream (all ranks' shares, in rank order)."""
+        out: list[int] = []
+        while len(out) < n_global:
+            perm = self._permutation()
+            take = min(n_global - len(out), self.num_items - self.offset)
+            out += perm[self.offset : self.offset + take]
+            self.offset += take
+            if self.offset == self.num_items:
+                self.epoch, self.offset = self.epoch + 1, 0
+        return out
+
+    def next_indices(self, n_global: int) -> list[int]:
+        """This rank's share of the next global batch of n_global items."""
+        if n_global < 1 or n_global % self.dp_size:
+            raise ValueError(f"global batch {n_global} must be a positive multiple of dp_size={self.dp_size} (micro_batch_size * grad_accum_steps * dp_size)")
+        per = n_global // self.dp_size
+        return self.next_global(n_global)[self.dp_rank * per : (self.dp_rank + 1) * per]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed}
+
+    def load_state_dict(self, d: dict[str, int]) -> None:
+        missing = {"epoch", "offset", "seed"} - set(d)
+        if missing:
+            raise ValueError(f"sampler state is missing {sorted(missing)}; it must come from ResumableSampler.state_dict()")
+        if not 0 <= d["offset"] < self.num_items or d["epoch"] < 0:
+            raise ValueError(f"sampler state {d} does not fit a dataset of {self.num_items} items: was the data changed since the checkpoint?")
+        if d["seed"] != self.seed:
+            # The checkpoint is the truth about data order: resuming must replay the interrupted run.
+            log.warning("sampler seed %d from the checkpoint replaces the configured %d", d["seed"], self.seed)
+        self.epoch, self.offset, self.seed = int(d["epoch"]), int(d["offset"]), int(d["seed"])
