@@ -280,7 +280,8 @@ def _roundtrip_worker(model_dir: Path, out: Path) -> None:
 
     from tasks.engine.faults import Injector
     from tasks.engine.job import parse_job
-    from tasks.engine.loop import Engine, StageData
+    from tasks.engine.engine import Engine
+    from tasks.engine.loop import StageData
 
     import torch
 
