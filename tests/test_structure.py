@@ -1,0 +1,166 @@
+"""Unit tier: the rooms and the registries hold.
+
+    pytest tests/test_structure.py
+
+- `tasks/core` imports neither prefect, colossalai, torch.distributed nor any other room of the
+  project; `tasks/engine` never imports prefect nor the Prefect task modules. Checked on the
+  source of every module and, transitively, in a fresh interpreter.
+- No module imports another module's private (`_name`) names.
+- No module under `tasks/` is over 450 lines.
+- A fifth plugin is one registry row plus one builder; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ROOT / "tasks"
+MAX_LINES = 450
+
+
+def _modules(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _resolve(path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module name of a (possibly relative) `from ... import`."""
+    if not node.level:
+        return node.module or ""
+    base = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names imported from it) for every import statement, function bodies included."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            out.append((_resolve(path, node), [a.name for a in node.names]))
+    return out
+
+
+PREFECT_TASK_MODULES = {"tasks." + p.stem for p in TASKS.glob("*.py") if p.stem != "__init__"}
+
+
+def test_core_imports_no_other_room_and_no_framework():
+    for path in _modules(TASKS / "core"):
+        for mod, _ in _imports(path):
+            top = mod.split(".")[0]
+            assert top not in ("prefect", "colossalai") and not mod.startswith("torch.distributed"), (
+                f"{path.relative_to(ROOT)} imports {mod}: tasks/core must stay free of prefect, colossalai and torch.distributed")
+            assert not mod.startswith("tasks.engine") and mod not in PREFECT_TASK_MODULES and not mod.startswith("flows"), (
+                f"{path.relative_to(ROOT)} imports {mod}: tasks/core is the pure room and imports only tasks.core")
+
+
+def test_engine_never_imports_prefect_or_the_task_modules():
+    for path in _modules(TASKS / "engine"):
+        for mod, _ in _imports(path):
+            assert mod.split(".")[0] != "prefect", f"{path.relative_to(ROOT)} imports {mod}: the engine runs inside torchrun ranks and never imports prefect"
+            assert mod not in PREFECT_TASK_MODULES and not mod.startswith("flows"), f"{path.relative_to(ROOT)} imports {mod}: the engine reaches only tasks.core and tasks.engine"
+
+
+def test_no_module_imports_another_modules_private_names():
+    project = ("tasks", "flows", "tests", "benchmarks")
+    bad = []
+    for path in _modules(TASKS) + _modules(ROOT / "flows"):
+        for mod, names in _imports(path):
+            if mod.split(".")[0] in project and mod != _module_name(path):
+                bad += [f"{path.relative_to(ROOT)}: from {mod} import {n}" for n in names if n.startswith("_") and not n.startswith("__")]
+    assert not bad, "private names imported across modules (give them a public name):\n" + "\n".join(bad)
+
+
+def test_no_module_under_tasks_is_over_450_lines():
+    long = {str(p.relative_to(ROOT)): n for p in _modules(TASKS) if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+_PROBE = """
+import importlib, json, pkgutil, sys
+import torch  # what torch itself loads is the baseline, not something the project pulled in
+baseline = set(sys.modules)
+import tasks.{room} as room
+for m in pkgutil.walk_packages(room.__path__, "tasks.{room}."):
+    if not m.name.endswith("__main__"):
+        importlib.import_module(m.name)
+print(json.dumps(sorted(set(sys.modules) - baseline)))
+"""
+
+
+@pytest.mark.parametrize("room, forbidden", [("core", ("prefect", "colossalai", "torch.distributed")), ("engine", ("prefect",))])
+def test_transitive_imports_in_a_fresh_interpreter(room, forbidden):
+    out = subprocess.run([sys.executable, "-c", _PROBE.format(room=room)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    bad = [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)]
+    assert not bad, f"importing every tasks.{room} module loads {bad[:10]}"
+
+
+def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
+    from tasks.core import plugins
+    from tasks.core.config import PluginConfig, RunConfig, parse_config
+    from tasks.core.errors import ConfigError
+    from tasks.core.layout import ParallelLayout, layout_problems
+    from tasks.engine import plugins as engine_plugins
+    from tests.conftest import tiny_config_raw
+
+    built = []
+    spec = plugins.PluginSpec(name="dummy_zero", summary="a test plugin", zero_stages=(1,), zero_hint="dummy_zero needs zero_stage 1",
+                              no_sync_zero_stages=(), casts_model=False, strict_load=False, dedupes_tied_weights=False)
+    plugins.register(spec)
+    engine_plugins.BUILDERS["dummy_zero"] = lambda p, st, layout, cuda: built.append((p.name, layout.dp)) or "plugin-object"
+    try:
+        raw = tiny_config_raw(Path("/m"), Path("/r"))
+        raw["sft"]["plugin"] = {"name": "dummy_zero", "zero_stage": 1, "precision": "bf16"}
+        cfg = parse_config(raw)
+        assert "dummy_zero" in RunConfig.model_json_schema()["$defs"]["PluginConfig"]["properties"]["name"]["enum"]
+        layout = ParallelLayout.of(cfg.sft, "sft")
+        assert (layout.plugin, layout.dp, layout.zero_stage) == ("dummy_zero", 2, 1)
+        # the registry's capabilities drive every rule and engine decision
+        assert not engine_plugins.can_no_sync(cfg.sft.plugin)
+        assert engine_plugins.uses_autocast(cfg.sft.plugin) is not None  # does not cast the model: bf16 under autocast
+        assert layout_problems(cfg.sft.model_copy(update={"plugin": PluginConfig(name="dummy_zero", zero_stage=2)}), "sft")[0][0] == "sft.plugin.zero_stage"
+        with pytest.raises(ConfigError, match="tensor parallelism needs plugin hybrid_parallel"):
+            raw["sft"]["plugin"] = {"name": "dummy_zero", "zero_stage": 1, "precision": "bf16", "tp_size": 2}
+            parse_config(raw)
+        assert engine_plugins.make_plugin(cfg.sft.plugin, cfg.sft, stage="sft", cuda=False) == "plugin-object"
+        assert built == [("dummy_zero", 2)]
+    finally:
+        plugins.PLUGINS.pop("dummy_zero", None)
+        engine_plugins.BUILDERS.pop("dummy_zero", None)
+    with pytest.raises(ConfigError, match="unknown plugin 'dummy_zero'"):
+        parse_config(raw)
+
+
+def test_every_registered_plugin_has_an_engine_builder():
+    from tasks.core.plugins import PLUGINS
+    from tasks.engine.plugins import BUILDERS
+
+    assert set(PLUGINS) == set(BUILDERS)
+
+
+def test_the_run_layout_names_every_stage_the_flow_runs():
+    from tasks.core.runlayout import STAGE_NAMES
+
+    flow = (ROOT / "flows" / "cpt_to_sft.py").read_text()
+    for name in STAGE_NAMES:
+        assert f'"{name}"' in flow, f"the flow does not run {name}"
