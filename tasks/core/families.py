@@ -44,8 +44,8 @@ class ModelFamily:
     tail: tuple[TensorRule, ...]
     config_defaults: Mapping[str, Any]  # the family's config class defaults for omitted fields
     # transformers class names (strings: importing transformers here would slow pre-flight down)
-    config_class: str = ""
-    model_class: str = ""
+    config_class: str
+    model_class: str
     # config fields the demo builder sets beyond the common dimensions
     demo_config: Mapping[str, Any] = field(default_factory=dict)
     # key -> the key it is a copy of when tie_word_embeddings is true
