@@ -282,12 +282,13 @@ def test_multi_shard_index_and_hashes(tmp_path, llama):
 
 
 def test_parallel_shard_writers_are_byte_identical_and_fail_cleanly(tmp_path, llama, monkeypatch):
-    import tasks.core.convert as convert_mod
+    from tasks.core.convert import write
+    from tasks.core.convert.source import Reader
 
     src = write_colossal_checkpoint(_params(llama), tmp_path / "ckpt")
     serial = convert_checkpoint(src, tmp_path / "w1", model_config=_cfg(llama), max_shard_size="100KB", fsync=False, workers=1)
     # fsync on, with the writeback step shrunk so sync_file_range runs on these small files too
-    monkeypatch.setattr(convert_mod, "_WRITEBACK_STEP", 4096)
+    monkeypatch.setattr(write, "_WRITEBACK_STEP", 4096)
     parallel = convert_checkpoint(src, tmp_path / "w3", model_config=_cfg(llama), max_shard_size="100KB", fsync=True, workers=3)
     assert len(serial.files) > 4 and parallel.files == serial.files
     for rel in serial.files:
@@ -295,14 +296,14 @@ def test_parallel_shard_writers_are_byte_identical_and_fail_cleanly(tmp_path, ll
 
     # one writer failing stops the others: its error is raised and no partial (.tmp) file is left
     victim = serial.keys[len(serial.keys) // 2]
-    real = convert_mod._Reader.readinto
+    real = Reader.readinto
 
     def failing(self, entry, pos, out):
         if entry.key == victim:
             raise OSError(5, f"injected read error in {entry.key}")
         return real(self, entry, pos, out)
 
-    monkeypatch.setattr(convert_mod._Reader, "readinto", failing)
+    monkeypatch.setattr(Reader, "readinto", failing)
     with pytest.raises(OSError, match="injected read error"):
         convert_checkpoint(src, tmp_path / "broken", model_config=_cfg(llama), max_shard_size="100KB", fsync=False, workers=3)
     assert not [p.name for p in (tmp_path / "broken").iterdir() if p.name.endswith(".tmp")]
@@ -355,9 +356,9 @@ def test_tied_duplicate_dropped_only_if_equal(tmp_path, qwen_tied):
 def test_tiny_io_chunks(tmp_path, qwen_tied, monkeypatch, dtype):
     """Chunk size far below the tensor sizes: exercises multi-chunk copies and casts, reuse of the
     write ring while the hasher thread is behind, and chunked tied-weight comparison."""
-    import tasks.core.convert as convert
+    from tasks.core.convert import dtypes
 
-    monkeypatch.setattr(convert, "_CHUNK", 4100)
+    monkeypatch.setattr(dtypes, "CHUNK", 4100)
     params = _params(qwen_tied)
     params["lm_head.weight"] = params["model.embed_tokens.weight"].clone()
     src = write_colossal_checkpoint(params, tmp_path / "ckpt", stages=pp2_stages(params, 4))
@@ -370,7 +371,7 @@ def test_tiny_io_chunks(tmp_path, qwen_tied, monkeypatch, dtype):
 
 
 def test_cli(tmp_path, llama, capsys):
-    from tasks.core.convert import _main
+    from tasks.core.convert.__main__ import main as _main
 
     src = write_colossal_checkpoint(_params(llama), tmp_path / "ckpt", config=llama.config)
     assert _main([str(src), str(tmp_path / "hf"), "--dtype", "bf16", "--max-shard-size", "100KB", "--no-fsync"]) == 0

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tasks.core import demo_inputs as di
+from tasks.core.families import FAMILIES, expected_tensors
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +120,13 @@ def test_cli(tmp_path, capsys):
     assert "qwen2" in capsys.readouterr().out
     cfg = json.loads((tmp_path / "m/config.json").read_text())
     assert cfg["vocab_size"] == 515 and cfg["tie_word_embeddings"] is True
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_registered_family_builds_with_the_layout_the_converter_expects(tok, tmp_path, family):
+    out = di.build_tiny_model(tmp_path, tok, family=family, num_layers=2)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == family
+    with safe_open(out / "model.safetensors", "pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert saved == expected_tensors(cfg)

@@ -185,6 +185,7 @@ BAD = [
     ("manifest-with-symlink-out", _symlink_out, "/run/cpt/hf/manifest.json", "resolves outside the artifact"),
     ("seq-len-over-max-positions", _set("sft.seq_len", 1024), "sft.seq_len", "max_position_embeddings=256"),
     ("tokenizer-without-chat-template", lambda c: fake_model(c.model, tokenizer={"eos_token": "</s>"}), "base_model.uri", "no chat_template"),
+    ("unknown-model-family", lambda c: fake_model(c.model, model_type="gpt2"), "base_model.uri", "model_type='gpt2' is not a supported model family (supported: llama, mistral, qwen2, qwen3)"),
 ]
 
 
@@ -365,3 +366,90 @@ def test_multi_node_without_rendezvous_endpoint_is_refused():
     with pytest.raises(ConfigError) as info:
         parse_config(raw)
     assert "cpt.launch.rdzv_endpoint" in {f for f, _ in info.value.problems}
+
+
+# ---- the model-family registry (tasks/core/families.py) -----------------------------------------
+
+
+def _llama_shaped_estimate(mc: dict[str, Any]) -> int:
+    """The formula pre-flight estimated parameters with before it read the family registry."""
+    h, i, n_layers, vocab = (int(mc[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+    n_heads = int(mc["num_attention_heads"])
+    n_kv = int(mc.get("num_key_value_heads") or n_heads)
+    head_dim = int(mc.get("head_dim") or h // n_heads)
+    per_layer = h * n_heads * head_dim * 2 + h * n_kv * head_dim * 2 + 3 * h * i + 2 * h
+    return n_layers * per_layer + vocab * h * (1 if mc.get("tie_word_embeddings") else 2) + h
+
+
+_H, _I, _Q, _KV = TINY_DIMS["hidden_size"], TINY_DIMS["intermediate_size"], TINY_DIMS["hidden_size"], TINY_DIMS["hidden_size"] // 2
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides, left_out_per_layer",
+    [
+        ("llama", {}, 0),
+        ("llama", {"tie_word_embeddings": True}, 0),
+        ("llama", {"attention_bias": True, "mlp_bias": True}, _Q + 2 * _KV + _H + 2 * _I + _H),  # q/k/v/o and MLP biases
+        ("mistral", {}, 0),
+        ("qwen2", {"tie_word_embeddings": True}, _Q + 2 * _KV),  # q/k/v biases
+        ("qwen3", {"head_dim": 16}, 2 * 16),  # q_norm and k_norm
+    ],
+    ids=["llama", "llama-tied", "llama-biases", "mistral", "qwen2-tied", "qwen3"],
+)
+def test_parameter_estimate_is_the_family_table_count(model_type, overrides, left_out_per_layer):
+    import transformers
+
+    from tasks.core.families import FAMILIES
+    from tasks.core.validate import estimate_parameters
+
+    spec = FAMILIES[model_type]
+    config = getattr(transformers, spec.config_class)(**TINY_DIMS, **overrides)
+    model = getattr(transformers, spec.model_class)(config)
+    mc = config.to_dict()
+    assert estimate_parameters(mc) == model.num_parameters()  # the real model, a tied weight once
+    # the old Llama-shaped formula gave the same count, except for the tensors it did not know of
+    assert estimate_parameters(mc) == _llama_shaped_estimate(mc) + TINY_DIMS["num_hidden_layers"] * left_out_per_layer
+
+
+def test_parameter_estimate_of_llama3_8b_is_unchanged():
+    from tasks.core.validate import estimate_parameters
+
+    mc = {"model_type": "llama", **LLAMA3_8B}
+    assert estimate_parameters(mc) == _llama_shaped_estimate(mc) == 8_030_261_248  # Meta-Llama-3-8B's published count
+    assert estimate_parameters({"model_type": "gpt2", **LLAMA3_8B}) is None  # refused by check_model_family instead
+
+
+def test_a_new_model_family_is_one_registry_entry(tmp_path, monkeypatch):
+    """Registering a family (a renamed copy of llama) is all that pre-flight and the converter need."""
+    import dataclasses
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tasks.core.convert import convert_checkpoint, load_state_dict_from_dir
+    from tasks.core.families import FAMILIES
+    from tasks.core.validate import estimate_parameters
+    from tests.test_convert import pp2_stages, write_colossal_checkpoint
+
+    case = Case(tmp_path)
+    fake_model(case.model, model_type="tinyfam")
+    refused = case.report()
+    assert [f for f, _ in refused.problems] == ["base_model.uri"], refused.text()
+    assert "model_type='tinyfam' is not a supported model family" in refused.problems[0][1]
+
+    monkeypatch.setitem(FAMILIES, "tinyfam", dataclasses.replace(FAMILIES["llama"]))
+    report = case.report()
+    assert report.ok, report.text()
+    assert "model family tinyfam: in the registry, so the unshard and the export can convert it" in report.checked
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_DIMS))
+    state = {k: v.detach() for k, v in model.named_parameters()}
+    mc = {**model.config.to_dict(), "model_type": "tinyfam"}
+    assert estimate_parameters(mc) == model.num_parameters()
+    src = write_colossal_checkpoint(state, tmp_path / "ckpt", stages=pp2_stages(state, TINY_DIMS["num_hidden_layers"]))
+    converted = convert_checkpoint(src, tmp_path / "hf", model_config=mc, fsync=False)
+    assert converted.keys == list(state) and converted.num_params == model.num_parameters()
+    got = load_state_dict_from_dir(tmp_path / "hf")
+    assert sorted(got) == sorted(state) and all(torch.equal(got[k], v) for k, v in state.items())
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "tinyfam"

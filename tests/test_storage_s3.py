@@ -16,7 +16,8 @@ import pytest
 
 from tasks.core.errors import ArtifactMissing, ManifestError
 from tasks.core.manifest import MANIFEST, sha256_file, write_manifest
-from tasks.core.storage import SHA256_META, RunStore, TransferError, _S3Transfers
+from tasks.core.s3_transfers import S3Transfers
+from tasks.core.storage import SHA256_META, RunStore, TransferError
 
 pytest_plugins = ["tests.conftest_servers"]
 pytestmark = pytest.mark.integration
@@ -118,14 +119,14 @@ def test_manifest_goes_last_and_old_manifest_goes_first(s3_root, tmp_path, monke
     make_artifact(store.local_path(rel), {"a.bin": 7 * MB, "b.json": 10}, seed=2)  # new content
 
     calls: list[tuple[str, str]] = []
-    real_call = _S3Transfers.call
+    real_call = S3Transfers.call
 
     async def recording(self, method, **kw):
         if method in ("put_object", "delete_object", "create_multipart_upload", "complete_multipart_upload"):
             calls.append((method, kw["Key"].rsplit("/", 1)[-1]))
         return await real_call(self, method, **kw)
 
-    monkeypatch.setattr(_S3Transfers, "call", recording)
+    monkeypatch.setattr(S3Transfers, "call", recording)
     store.publish(rel)
     writes = [c for c in calls if c[0] != "create_multipart_upload"]
     assert writes[0] == ("delete_object", MANIFEST)
@@ -141,7 +142,7 @@ def test_failed_republish_leaves_no_manifest_then_completes(s3_root, tmp_path, m
     store.publish(rel)
     v2 = make_artifact(store.local_path(rel), {"a.bin": 12 * MB, "b.bin": 2 * MB, "c.json": 10}, seed=2)
 
-    real_call = _S3Transfers.call
+    real_call = S3Transfers.call
     parts = {"n": 0}
 
     async def flaky(self, method, **kw):
@@ -151,7 +152,7 @@ def test_failed_republish_leaves_no_manifest_then_completes(s3_root, tmp_path, m
                 raise ConnectionResetError("injected: connection dropped mid-part")
         return await real_call(self, method, **kw)
 
-    monkeypatch.setattr(_S3Transfers, "call", flaky)
+    monkeypatch.setattr(S3Transfers, "call", flaky)
     with pytest.raises(TransferError, match="no manifest was written"):
         store.publish(rel)
     # The v1 manifest is gone, so nothing points at the half-replaced objects.
@@ -159,7 +160,7 @@ def test_failed_republish_leaves_no_manifest_then_completes(s3_root, tmp_path, m
     with pytest.raises(ArtifactMissing):
         store.read_manifest(rel)
 
-    monkeypatch.setattr(_S3Transfers, "call", real_call)
+    monkeypatch.setattr(S3Transfers, "call", real_call)
     store.publish(rel)
     assert 0 < store.last_transfer["transferred"] <= 3
     fresh = RunStore(s3_root, staging_dir=str(tmp_path / "b"), part_size=PART)
@@ -174,7 +175,7 @@ def test_bytes_corrupted_on_the_wire_are_refused_by_the_server(s3_root, tmp_path
     store = RunStore(s3_root, staging_dir=str(tmp_path / "a"), part_size=PART)
     rel = f"cpt/step-wire-{method}"
     manifest = make_artifact(store.local_path(rel), {"a.bin": 12 * MB, "b.json": 3000}, seed=3)
-    real_call = _S3Transfers.call
+    real_call = S3Transfers.call
     seen = {"n": 0}
 
     async def corrupting(self, m, **kw):
@@ -186,12 +187,12 @@ def test_bytes_corrupted_on_the_wire_are_refused_by_the_server(s3_root, tmp_path
                 kw = {**kw, "Body": bytes(body)}
         return await real_call(self, m, **kw)
 
-    monkeypatch.setattr(_S3Transfers, "call", corrupting)
+    monkeypatch.setattr(S3Transfers, "call", corrupting)
     with pytest.raises(TransferError, match="did not match|BadDigest") as err:
         store.publish(rel)
     assert "no manifest was written" in str(err.value)
     assert not store.exists(f"{rel}/{MANIFEST}")
-    monkeypatch.setattr(_S3Transfers, "call", real_call)
+    monkeypatch.setattr(S3Transfers, "call", real_call)
     store.publish(rel)
     assert store.verify(rel, deep=True)["files"] == manifest["files"]
 
@@ -206,7 +207,7 @@ def test_server_killed_mid_publish_then_publish_completes(fresh_weed, tmp_path, 
     sizes = {"model/shard-1.safetensors": 30 * MB, "model/shard-2.safetensors": 30 * MB, "optim/shard-1.bin": 20 * MB, "config.json": 500, "train_state.json": 200}
     manifest = make_artifact(store.local_path(rel), sizes)
 
-    real_call = _S3Transfers.call
+    real_call = S3Transfers.call
     done_parts = {"n": 0}
 
     async def kill_after_parts(self, method, **kw):
@@ -217,14 +218,14 @@ def test_server_killed_mid_publish_then_publish_completes(fresh_weed, tmp_path, 
                 fresh_weed.kill()  # a crash, while other parts are on the wire
         return result
 
-    monkeypatch.setattr(_S3Transfers, "call", kill_after_parts)
+    monkeypatch.setattr(S3Transfers, "call", kill_after_parts)
     started = time.monotonic()
     with pytest.raises(TransferError) as excinfo:
         store.publish(rel)
     assert time.monotonic() - started < 120
     assert done_parts["n"] >= 4 and fresh_weed.proc.poll() is not None  # it died mid-publish
     assert fresh_weed.secret_key not in str(excinfo.value) and fresh_weed.secret_key not in caplog.text
-    monkeypatch.setattr(_S3Transfers, "call", real_call)
+    monkeypatch.setattr(S3Transfers, "call", real_call)
 
     fresh_weed.start()  # same data dir and ports
     assert not store.exists(f"{rel}/{MANIFEST}")

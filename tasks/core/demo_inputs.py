@@ -25,15 +25,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+from tasks.core.families import FAMILIES
 
 BOS, EOS, PAD, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]
@@ -50,13 +46,6 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
-
-# Family registry: config class, model class. Family-specific config extras live here, not in
-# if/elif chains.
-FAMILIES: dict[str, tuple[type, type, dict]] = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False, "max_window_layers": 0}),
-}
 
 
 def _corpus_texts(paths: Sequence[str | Path]) -> Iterator[str]:
@@ -150,7 +139,9 @@ def build_tiny_model(
         raise ValueError(f"num_heads={num_heads} must divide hidden_size={hidden_size} and num_kv_heads={num_kv_heads} must divide num_heads")
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS, PAD, IM_END)}
-    config_cls, model_cls, extra = FAMILIES[family]
+    # the family registry names the classes and any config fields this family needs set
+    spec = FAMILIES[family]
+    config_cls, model_cls = getattr(transformers, spec.config_class), getattr(transformers, spec.model_class)
     config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -164,7 +155,7 @@ def build_tiny_model(
         eos_token_id=ids[EOS],
         pad_token_id=ids[PAD],
         torch_dtype="float32",
-        **extra,
+        **spec.demo_config,
     )
     # fork_rng: a fixed seed for the init without disturbing the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):

@@ -17,6 +17,9 @@ artifact: stages write in place and `publish` only verifies. For an `s3://bucket
 - `prune_staging` frees local staging space, deleting only artifacts whose remote manifest is
   byte-identical to the local one (safely published) and never unpublished work, which resume needs.
 
+The object transfers themselves (parts, ranges, checksums) are in `tasks.core.s3_transfers`;
+this module decides what moves and in which order.
+
 Endpoint, region and credentials come only from the standard AWS environment and config files
 (AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3, AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID /
 AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws/*), which botocore reads itself; nothing here logs them.
@@ -27,27 +30,48 @@ AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws/*), which botocore reads itself; noth
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import os
 import shutil
 import tempfile
 import time
-import zlib
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import fsspec
 from fsspec.core import split_protocol, url_to_fs
 
 from tasks.core.errors import ArtifactMissing, ManifestError
-from tasks.core.manifest import MANIFEST, parse_manifest, safe_relpath, sha256_file, verify_artifact
+from tasks.core.manifest import MANIFEST, parse_manifest, safe_relpath, verify_artifact
+from tasks.core.s3_transfers import (
+    SHA256_META,
+    S3Transfers,
+    TransferError,
+    all_or_nothing,
+    b64,
+    crc32,
+    object_matches,
+    run_transfer,
+)
+
+__all__ = [
+    "DEFAULT_WORKERS",
+    "PART_SIZE",
+    "SHA256_META",
+    "RunStore",
+    "TransferError",
+    "fetch_to_local",
+    "fetch_tree",
+    "filesystem",
+    "is_local",
+    "local_path_of",
+    "open_uri",
+]
 
 _LOCAL_PROTOCOLS = {"file", "local"}
 _S3_PROTOCOLS = {"s3", "s3a"}
 PART_SIZE = 16 << 20  # multipart part / ranged-GET size; also the single-PUT threshold
 DEFAULT_WORKERS = 8  # parts in flight at once (memory: PART_SIZE * workers)
-SHA256_META = "sha256"  # object metadata key holding the whole file's sha256 (hex)
 
 # Every standard variable that changes which S3 endpoint/account a client talks to: an S3
 # filesystem is reused only while these are unchanged (fsspec's own cache ignores the env).
@@ -57,10 +81,6 @@ _AWS_ENV = (
     "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE",
 )
 _S3_CACHE: dict[str, Any] = {}
-
-
-class TransferError(OSError):
-    """An upload or download that did not complete (transient I/O); retrying is safe."""
 
 
 # ---- filesystems ----------------------------------------------------------------------------
@@ -107,255 +127,6 @@ def local_path_of(uri: str) -> Path:
     return Path(path)
 
 
-def _b64(digest: bytes) -> str:
-    return base64.b64encode(digest).decode()
-
-
-def _crc32(data: bytes) -> bytes:
-    """CRC32 (IEEE, zlib's) as S3's x-amz-checksum-crc32 carries it: 4 bytes, big-endian."""
-    return zlib.crc32(data).to_bytes(4, "big")
-
-
-def _hash_into(whole, chunk: bytes) -> bytes:
-    """Feed the file's running sha256 and return the chunk's CRC32 (one thread hop)."""
-    whole.update(chunk)
-    return _crc32(chunk)
-
-
-def _read_at(path: Path, offset: int, size: int) -> bytes:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read(size)
-
-
-def _write_at(fd: int, offset: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-async def _all_or_nothing(aws: Iterable[Awaitable[Any]]) -> list[Any]:
-    """Run concurrently; on the first failure cancel the rest and raise that failure."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    if not tasks:
-        return []
-    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
-    if failed is not None:
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        raise failed.exception()
-    return [t.result() for t in tasks]
-
-
-class _S3Transfers:
-    """Parallel, checksummed object transfers on s3fs's event loop (one semaphore bounds memory)."""
-
-    def __init__(self, fs, workers: int, part_size: int):
-        self.fs, self.workers, self.part_size = fs, max(1, workers), max(5 << 20, part_size)
-
-    def run(self, make_coro: Callable[[], Awaitable[Any]]):
-        from fsspec.asyn import sync
-
-        return sync(self.fs.loop, make_coro)
-
-    async def call(self, method: str, **kwargs):
-        return await self.fs._call_s3(method, **kwargs)
-
-    async def head(self, path: str) -> dict | None:
-        bucket, key, _ = self.fs.split_path(path)
-        try:
-            return await self.call("head_object", Bucket=bucket, Key=key)
-        except FileNotFoundError:
-            return None
-
-    # ---- upload -----------------------------------------------------------------------------
-    async def abort_stale_uploads(self, prefix: str) -> int:
-        """Abort unfinished multipart uploads under `prefix` (left by a crashed publish)."""
-        bucket, key, _ = self.fs.split_path(prefix)
-        try:
-            listing = await self.call("list_multipart_uploads", Bucket=bucket, Prefix=key.rstrip("/") + "/")
-        except Exception:
-            return 0  # optional clean-up; servers without the call simply keep the parts
-        uploads = listing.get("Uploads") or []
-        for up in uploads:
-            try:
-                await self.call("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
-            except Exception:
-                pass
-        return len(uploads)
-
-    async def put(self, local: Path, remote: str, entry: dict, sem: asyncio.Semaphore) -> str:
-        """Upload one file unless the remote object already holds exactly it. 'uploaded'|'present'."""
-        size, sha = entry["size"], entry["sha256"]
-        head = await self.head(remote)
-        if _object_matches(head, size, sha):
-            return "present"
-        bucket, key, _ = self.fs.split_path(remote)
-        if size <= self.part_size:
-            async with sem:
-                data = await asyncio.to_thread(_read_at, local, 0, size + 1)
-                whole = hashlib.sha256()
-                crc = await asyncio.to_thread(_hash_into, whole, data)
-                _check_local(local, len(data), whole.hexdigest(), entry)
-                # The server recomputes the body's CRC32 and refuses the PUT if it differs.
-                await self.call(
-                    "put_object", Bucket=bucket, Key=key, Body=data, ChecksumCRC32=_b64(crc), Metadata={SHA256_META: sha},
-                )
-        else:
-            await self._put_multipart(local, bucket, key, entry, sem)
-        head = await self.head(remote)
-        if not _object_matches(head, size, sha):
-            got = None if head is None else (head.get("ContentLength"), (head.get("Metadata") or {}).get(SHA256_META))
-            raise TransferError(f"{remote}: after upload the server reports (size, sha256) = {got}, expected ({size}, {sha})")
-        return "uploaded"
-
-    async def _put_multipart(self, local: Path, bucket: str, key: str, entry: dict, sem: asyncio.Semaphore) -> None:
-        size, sha = entry["size"], entry["sha256"]
-        mpu = await self.call(
-            "create_multipart_upload", Bucket=bucket, Key=key, Metadata={SHA256_META: sha}, ChecksumAlgorithm="CRC32",
-        )
-        upload_id = mpu["UploadId"]
-        tasks: list[asyncio.Future] = []
-
-        async def send(number: int, chunk: bytes, digest: bytes) -> dict:
-            try:
-                resp = await self.call(
-                    "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=chunk,
-                    ChecksumCRC32=_b64(digest),
-                )
-                return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32": _b64(digest)}
-            finally:
-                sem.release()
-
-        try:
-            whole = hashlib.sha256()
-            digests: list[bytes] = []
-            offset, number = 0, 0
-            while offset < size:
-                await sem.acquire()
-                try:
-                    chunk = await asyncio.to_thread(_read_at, local, offset, min(self.part_size, size - offset))
-                    if not chunk:
-                        raise ManifestError(f"{local}: file is shorter than the {size} bytes its manifest lists (changed since the manifest was written)")
-                    digest = await asyncio.to_thread(_hash_into, whole, chunk)
-                except BaseException:
-                    sem.release()
-                    raise
-                number += 1
-                offset += len(chunk)
-                digests.append(digest)
-                tasks.append(asyncio.ensure_future(send(number, chunk, digest)))
-            if os.path.getsize(local) != size or whole.hexdigest() != sha:
-                raise ManifestError(f"{local}: content differs from its manifest entry (sha256/size changed since the manifest was written); not uploaded")
-            parts = await _all_or_nothing(tasks)
-            done = await self.call(
-                "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts},
-            )
-            # S3's composite checksum: the CRC32 of the parts' CRC32s, "-N". Servers that return
-            # it thereby confirm they assembled exactly the parts we hashed, in order.
-            composite = done.get("ChecksumCRC32")
-            expected = f"{_b64(_crc32(b''.join(digests)))}-{len(digests)}"
-            if composite and composite != expected:
-                raise TransferError(f"s3://{bucket}/{key}: server assembled checksum {composite}, expected {expected}")
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            try:  # best effort: a dead server keeps the parts, the next publish aborts them
-                await asyncio.wait_for(self.call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id), 5)
-            except BaseException:
-                pass
-            raise
-
-    # ---- download ---------------------------------------------------------------------------
-    async def get(self, remote: str, dest: Path, entry: dict, sem: asyncio.Semaphore) -> str:
-        """Download one file into place with its sha256 checked. 'downloaded'|'present'."""
-        size, sha = entry["size"], entry["sha256"]
-        if dest.is_file() and dest.stat().st_size == size:
-            async with sem:
-                if await asyncio.to_thread(sha256_file, dest) == sha:
-                    return "present"
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
-        try:
-            if size <= self.part_size:
-                async with sem:
-                    data = await self.fs._cat_file(remote)
-                    digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
-                    await asyncio.to_thread(tmp.write_bytes, data)
-                got = len(data)
-            else:
-                got, digest = await self._get_ranges(remote, tmp, size, sem)
-            if got != size or digest != sha:
-                raise ManifestError(f"{remote}: downloaded {got} bytes with sha256 {digest[:16]}…, manifest says {size} bytes, {sha[:16]}… (object altered or partial)")
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return "downloaded"
-
-    async def _get_ranges(self, remote: str, tmp: Path, size: int, sem: asyncio.Semaphore) -> tuple[int, str]:
-        whole = hashlib.sha256()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def fetch(start: int, end: int) -> bytes:
-            return await self.fs._cat_file(remote, start=start, end=end)
-
-        async def produce() -> None:
-            for start in range(0, size, self.part_size):
-                await sem.acquire()
-                await queue.put(asyncio.ensure_future(fetch(start, min(start + self.part_size, size))))
-            await queue.put(None)
-
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        producer = asyncio.ensure_future(produce())
-        got = 0
-        try:
-            while (task := await queue.get()) is not None:  # consumed in order: hashing is sequential
-                try:
-                    data = await task
-                    await asyncio.to_thread(_write_at, fd, got, data)
-                    await asyncio.to_thread(whole.update, data)
-                    got += len(data)
-                finally:
-                    sem.release()
-            await producer
-        except BaseException:
-            producer.cancel()
-            while not queue.empty():
-                task = queue.get_nowait()
-                if task is not None:
-                    task.cancel()
-                    sem.release()
-            await asyncio.gather(producer, return_exceptions=True)
-            raise
-        finally:
-            os.close(fd)
-        return got, whole.hexdigest()
-
-
-def _run_transfer(xfer: "_S3Transfers", go: Callable[[], Awaitable[Any]], what: str, after: str) -> Any:
-    """Run a transfer; a content problem (ManifestError) passes through, anything else (the
-    server, the network) becomes a TransferError saying what failed and what that leaves."""
-    try:
-        return xfer.run(go)
-    except ManifestError:
-        raise
-    except Exception as exc:
-        raise TransferError(f"{what} failed ({type(exc).__name__}: {exc}); {after}") from exc
-
-
-def _object_matches(head: dict | None, size: int, sha: str) -> bool:
-    return bool(head) and head.get("ContentLength") == size and (head.get("Metadata") or {}).get(SHA256_META) == sha
-
-
-def _check_local(local: Path, size: int, sha: str, entry: dict) -> None:
-    if size != entry["size"] or sha != entry["sha256"]:
-        raise ManifestError(f"{local}: content differs from its manifest entry ({size} bytes, sha256 {sha[:16]}… vs {entry['size']} bytes, {entry['sha256'][:16]}…); not uploaded")
-
-
 class RunStore:
     """Artifacts of one run, addressed by a relative name like 'cpt/step-000010'."""
 
@@ -384,8 +155,8 @@ class RunStore:
         """Where a stage reads/writes `rel` on this machine (the artifact itself when local)."""
         return self.staging / rel
 
-    def _transfers(self) -> _S3Transfers:
-        return _S3Transfers(self.fs, self.max_workers, self.part_size)
+    def _transfers(self) -> S3Transfers:
+        return S3Transfers(self.fs, self.max_workers, self.part_size)
 
     # ---- small files ------------------------------------------------------------------------
     def read_text(self, rel: str) -> str:
@@ -467,7 +238,7 @@ class RunStore:
             if recorded != entry["sha256"]:
                 raise ManifestError(f"{self.uri(rel)}: file {name} fails its sha256 check (object sha256 {recorded[:16]}…, manifest {entry['sha256'][:16]}…)")
 
-        xfer.run(lambda: _all_or_nothing(check(n) for n in sorted(manifest["files"])))
+        xfer.run(lambda: all_or_nothing(check(n) for n in sorted(manifest["files"])))
         return manifest
 
     def _stream_sha256(self, remote: str) -> str:
@@ -508,9 +279,9 @@ class RunStore:
 
         async def go():
             sem = asyncio.Semaphore(self.max_workers)
-            return await _all_or_nothing(xfer.get(self._remote(f"{rel}/{n}"), local / n, manifest["files"][n], sem) for n in names)
+            return await all_or_nothing(xfer.get(self._remote(f"{rel}/{n}"), local / n, manifest["files"][n], sem) for n in names)
 
-        outcome = _run_transfer(xfer, go, f"stage-in of {self.uri(rel)}", "safe to retry")
+        outcome = run_transfer(xfer, go, f"stage-in of {self.uri(rel)}", "safe to retry")
         tmp = local / f".{MANIFEST}.{os.getpid()}.tmp"
         tmp.write_bytes(blob)
         os.replace(tmp, local_manifest)
@@ -551,8 +322,8 @@ class RunStore:
             except FileNotFoundError:
                 current = None
             if current == blob:
-                heads = await _all_or_nothing(xfer.head(self._remote(f"{rel}/{n}")) for n in names)
-                if all(_object_matches(h, manifest["files"][n]["size"], manifest["files"][n]["sha256"]) for h, n in zip(heads, names)):
+                heads = await all_or_nothing(xfer.head(self._remote(f"{rel}/{n}")) for n in names)
+                if all(object_matches(h, manifest["files"][n]["size"], manifest["files"][n]["sha256"]) for h, n in zip(heads, names)):
                     return ["present"] * len(names)
             if current is not None:
                 # The artifact stops existing until the new one is whole.
@@ -560,15 +331,15 @@ class RunStore:
                 await xfer.call("delete_object", Bucket=bucket, Key=key)
             await xfer.abort_stale_uploads(self._remote(rel))
             sem = asyncio.Semaphore(self.max_workers)
-            outcome = await _all_or_nothing(xfer.put(local / n, self._remote(f"{rel}/{n}"), manifest["files"][n], sem) for n in names)
+            outcome = await all_or_nothing(xfer.put(local / n, self._remote(f"{rel}/{n}"), manifest["files"][n], sem) for n in names)
             bucket, key, _ = self.fs.split_path(remote_manifest)
             await xfer.call(
-                "put_object", Bucket=bucket, Key=key, Body=blob, ChecksumCRC32=_b64(_crc32(blob)),
+                "put_object", Bucket=bucket, Key=key, Body=blob, ChecksumCRC32=b64(crc32(blob)),
                 ContentType="application/json",
             )
             return outcome
 
-        outcome = _run_transfer(xfer, go, f"publish of {self.uri(rel)}", "no manifest was written, safe to retry")
+        outcome = run_transfer(xfer, go, f"publish of {self.uri(rel)}", "no manifest was written, safe to retry")
         self.last_transfer = _summary("publish", rel, manifest, names, outcome, started)
         if release:
             shutil.rmtree(local, ignore_errors=True)

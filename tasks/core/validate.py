@@ -243,18 +243,15 @@ def _read_hub(repo: str, revision: str) -> ModelInfo:
 
 
 def estimate_parameters(mc: dict[str, Any]) -> int | None:
-    """Dense decoder (Llama/Qwen2/Mistral shape) parameter count from config.json; None if unknown."""
+    """Parameter count from config.json through its family's tensor table (`tasks.core.families`),
+    the table the converter checks checkpoints against; None for an unknown family or missing dims."""
+    from tasks.core.errors import ConversionError
+    from tasks.core.families import count_parameters
+
     try:
-        h, i, n_layers, vocab = (int(mc[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
-        n_heads = int(mc["num_attention_heads"])
-    except (KeyError, TypeError, ValueError):
+        return count_parameters(mc)
+    except (ConversionError, KeyError, TypeError, ValueError):
         return None
-    n_kv = int(mc.get("num_key_value_heads") or n_heads)
-    head_dim = int(mc.get("head_dim") or h // n_heads)
-    attn = h * n_heads * head_dim * 2 + h * n_kv * head_dim * 2  # q, o + k, v
-    per_layer = attn + 3 * h * i + 2 * h  # gated MLP + two norms
-    embeddings = vocab * h * (1 if mc.get("tie_word_embeddings") else 2)
-    return n_layers * per_layer + embeddings + h
 
 
 def _human(n: float) -> str:
@@ -589,6 +586,25 @@ def check_data(ctx: _Ctx) -> None:
             ctx.ok(f"{name} data {uri}: first {len(records)} record(s) parse, {what}")
 
 
+def check_model_family(ctx: _Ctx) -> None:
+    """The base model's model_type is in the family registry: the unshard after CPT and the export
+    convert checkpoints by its tensor table, so an unknown family would fail only after CPT."""
+    if ctx.model is None:
+        return
+    from tasks.core.families import FAMILIES, supported
+
+    model_type = ctx.model.config.get("model_type")
+    if isinstance(model_type, str) and model_type in FAMILIES:
+        ctx.ok(f"model family {model_type}: in the registry, so the unshard and the export can convert it")
+        return
+    ctx.problem(
+        "base_model.uri",
+        f"{ctx.model.where}: config.json model_type={model_type!r} is not a supported model family (supported: {supported()}); "
+        "the unshard after CPT and the export convert checkpoints by the family's tensor table. Use a base model of a "
+        "supported family, or add the family's entry to FAMILIES in tasks/core/families.py",
+    )
+
+
 CHECKS: tuple[Callable[[_Ctx], None], ...] = (
     check_static_rules,
     check_layout,
@@ -600,6 +616,7 @@ CHECKS: tuple[Callable[[_Ctx], None], ...] = (
     check_run_root,
     check_staging_space,
     check_hub,
+    check_model_family,
 )
 
 
