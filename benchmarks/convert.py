@@ -135,10 +135,9 @@ def work_ours(src: Path, dst: Path, config: dict, fsync: bool, shard: str, dtype
 
 def work_naive(src: Path, dst: Path, config: dict, fsync: bool, shard: str) -> dict:
     import torch
+    from transformers import AutoModelForCausalLM
 
     from tasks.core.manifest import sha256_file
-
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
     model.save_pretrained(dst, safe_serialization=True, max_shard_size=shard)

@@ -33,9 +33,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tasks.core.manifest import MANIFEST, write_manifest  # noqa: E402
-from tasks.core.storage import RunStore  # noqa: E402
-from tests.servers.seaweed import WeedServer  # noqa: E402
+from tasks.core.manifest import MANIFEST, write_manifest
+from tasks.core.storage import RunStore
+from tests.servers.seaweed import WeedServer
 
 BUCKET = "bench"
 

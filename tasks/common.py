@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from prefect import get_run_logger
 

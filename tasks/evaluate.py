@@ -26,7 +26,6 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from tasks import ui
-
 from tasks.core import evaluation as ev
 from tasks.core.config import RunConfig, digest
 from tasks.core.data import read_records

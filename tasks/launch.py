@@ -19,8 +19,9 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tasks.core.config import LaunchConfig
 from tasks.core.errors import StageFailed

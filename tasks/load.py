@@ -26,6 +26,7 @@ from tasks.core.manifest import sha256_file
 from tasks.core.paths import resolve_local
 from tasks.core.storage import fetch_tree, filesystem, is_local
 from tasks.stage import Stage, StageResult, stage_digest, stage_task, token
+
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 PICKLE_PATTERNS = ["*.bin", "*.bin.index.json", "*.pt", "*.pth"]
 SIDE_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "*.model", "vocab.*", "merges.txt", "chat_template*", "added_tokens.json"]

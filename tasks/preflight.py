@@ -23,7 +23,6 @@ from tasks.core.errors import ConfigError
 from tasks.core.hub import SECRET_BLOCK
 from tasks.core.validate import PreflightReport, load_for_check, preflight_report
 
-
 SECRET_TIMEOUT_S = 5.0
 
 

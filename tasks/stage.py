@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import wraps
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.states import Completed, State
@@ -46,7 +47,7 @@ from tasks.core.paths import resolve_local
 from tasks.core.runlayout import STAGE, Status
 from tasks.core.storage import RunStore
 
-__all__ = ["StageResult", "Stage", "stage_task", "outcome", "store_for", "stage_digest", "completed", "fresh_dir", "resolve_local", "secret_token", "token"]
+__all__ = ["Stage", "StageResult", "completed", "fresh_dir", "outcome", "resolve_local", "secret_token", "stage_digest", "stage_task", "store_for", "token"]
 
 
 @dataclass

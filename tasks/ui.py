@@ -14,8 +14,9 @@ import io
 import math
 import re
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from prefect import get_run_logger
 from prefect.artifacts import (

@@ -67,11 +67,11 @@ class EngineRun:
 
     @property
     def progress(self) -> list[dict[str, Any]]:
-        return [json.loads(m) for m in re.findall(r"^\[rank 0\] @@progress (.*)$", self.output, re.M)]
+        return [json.loads(m) for m in re.findall(r"^\[rank 0\] @@progress (.*)$", self.output, re.MULTILINE)]
 
     @property
     def checkpoints(self) -> list[dict[str, Any]]:
-        return [json.loads(m) for m in re.findall(r"^\[rank 0\] @@checkpoint (.*)$", self.output, re.M)]
+        return [json.loads(m) for m in re.findall(r"^\[rank 0\] @@checkpoint (.*)$", self.output, re.MULTILINE)]
 
 
 def engine(verb: str, job: Path, nproc: int = 2, env: dict[str, str] | None = None, expect_ok: bool = True, timeout: int = 300) -> EngineRun:

@@ -77,7 +77,7 @@ def _reload_hf_constants() -> None:
     import importlib
     import sys
 
-    import huggingface_hub.constants as constants
+    from huggingface_hub import constants
 
     old = {k: v for k, v in vars(constants).items() if k.isupper()}
     importlib.reload(constants)

@@ -124,7 +124,7 @@ def _model(cls, cfg_cls, seed: int = 0, **overrides):
     return model
 
 
-def _params(model) -> "OrderedDict[str, torch.Tensor]":
+def _params(model) -> OrderedDict[str, torch.Tensor]:
     """What HybridParallel saves: named_parameters(), so a tied weight appears once."""
     return OrderedDict((k, v.detach()) for k, v in model.named_parameters())
 
@@ -150,7 +150,7 @@ def _logits(model):
 
 
 def _assert_same_state(got: dict, want: dict):
-    assert list(sorted(got)) == list(sorted(want))
+    assert sorted(got) == sorted(want)
     for k in want:
         assert got[k].dtype == want[k].dtype, k
         assert torch.equal(got[k], want[k]), k

@@ -18,7 +18,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tokenizer
 from tasks.core.data import (
     IGNORE_INDEX,
     encode_chat,
@@ -27,6 +26,7 @@ from tasks.core.data import (
     pack_cpt,
     read_records,
 )
+from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tokenizer
 from tasks.engine.sampler import ResumableSampler
 
 

@@ -211,8 +211,8 @@ def test_bridge_is_bitwise_the_plugin_a_checkpoint_and_reproduces_its_logits(fin
 
 
 def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
-    from tasks.core.split import record_id
     from tasks.core.data import read_records
+    from tasks.core.split import record_id
 
     run_root, runs = scenario
     summary = runs[1]["summary"]  # the run that completed SFT, evaluation and the gate

@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests._engine_utils import engine, read_model_dir, run_raw, train_state, write_job  # noqa: E402
+from tests._engine_utils import engine, read_model_dir, run_raw, train_state, write_job
 
 pytestmark = pytest.mark.gpu
 
@@ -276,14 +276,13 @@ def test_gemini_checkpoint_exports_with_matching_fingerprint(gemini_runs, dropou
 
 def _roundtrip_worker(model_dir: Path, out: Path) -> None:
     import colossalai
+    import torch
     import torch.distributed as dist
 
+    from tasks.engine.engine import Engine
     from tasks.engine.faults import Injector
     from tasks.engine.job import parse_job
-    from tasks.engine.engine import Engine
     from tasks.engine.loop import StageData
-
-    import torch
 
     if not torch.cuda.is_available():  # only for checking this worker's logic on CPU with a CPU plugin
         from tasks.engine import cpu_compat

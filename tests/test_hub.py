@@ -256,7 +256,12 @@ async def _everything_recorded(flow_run_id) -> tuple[list[str], list[str]]:
     """Every log line, artifact and run record of the flow run, as text."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
-        ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId,
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterId,
+        LogFilter,
+        LogFilterFlowRunId,
     )
 
     async with get_client() as client:

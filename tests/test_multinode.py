@@ -86,9 +86,9 @@ def test_two_torchrun_agents_rendezvous_and_run_a_cpt_stage(tiny_model_dir, tmp_
 
     # One global rank per node: each agent's process got its own RANK from the rendezvous.
     for out in outs:
-        ranks = set(re.findall(r"^\[rank (\d+)\]", out, re.M))
+        ranks = set(re.findall(r"^\[rank (\d+)\]", out, re.MULTILINE))
         assert len(ranks) == 1, ranks
-    assert set().union(*(set(re.findall(r"^\[rank (\d+)\]", o, re.M)) for o in outs[2:])) == {"0", "1"}
+    assert set().union(*(set(re.findall(r"^\[rank (\d+)\]", o, re.MULTILINE)) for o in outs[2:])) == {"0", "1"}
 
     stage_dir = tmp_path / "run" / "cpt"
     start = verify_artifact(stage_dir / "step-000000")
@@ -99,5 +99,5 @@ def test_two_torchrun_agents_rendezvous_and_run_a_cpt_stage(tiny_model_dir, tmp_
     assert final["meta"]["step"] == STEPS and final["meta"]["plugin"]["tp"] == 2
     state = json.loads((stage_dir / f"step-{STEPS:06d}" / "train_state.json").read_text())
     assert len(state["losses"]) == STEPS and all(l == l for l in state["losses"])
-    progress = [json.loads(m) for o in outs[2:] for m in re.findall(r"^\[rank 0\] @@progress (.*)$", o, re.M)]
+    progress = [json.loads(m) for o in outs[2:] for m in re.findall(r"^\[rank 0\] @@progress (.*)$", o, re.MULTILINE)]
     assert [p["step"] for p in progress] == list(range(1, STEPS + 1))

@@ -35,7 +35,6 @@ import pytest
 from tests.conftest import REPO, tiny_config_raw, write_config
 from tests.servers.prefect_ops import PrefectServer, chromium, ensure_chromium, run_id_from, stop_group
 
-
 TOKEN = "hf_prefect_ops_test_token"
 REPO_ID = "ops-org/tiny-ops"
 FAULT = "fail@step=3@stage=cpt"

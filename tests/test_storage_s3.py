@@ -33,8 +33,7 @@ def make_artifact(root: Path, sizes: dict[str, int], seed: int = 0) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         block = hashlib.sha256(f"{seed}-{i}".encode()).digest() * 32  # 1 KiB, distinct per file
         with open(path, "wb") as f:
-            for _ in range(size // len(block)):
-                f.write(block)
+            f.writelines(block for _ in range(size // len(block)))
             f.write(os.urandom(size % len(block)))
     return write_manifest(root, kind="test-checkpoint", meta={"seed": seed})
 

@@ -24,7 +24,6 @@ from tasks.core.errors import ConfigError
 from tasks.core.plugins import PLUGINS, Precision
 
 
-
 def _registered_plugin(name: str) -> str:
     if name not in PLUGINS:
         raise ValueError(f"unknown plugin {name!r}; registered plugins: {', '.join(PLUGINS)}")
@@ -164,7 +163,7 @@ class RunConfig(_Frozen):
     staging_dir: str | None = Field(default=None, description="Local directory for staging remote artifacts; default a temp dir.")
 
     @model_validator(mode="after")
-    def _static_rules(self) -> "RunConfig":
+    def _static_rules(self) -> RunConfig:
         problems: list[tuple[str, str]] = []
         for stage in ("cpt", "sft"):
             problems += plugin_problems(getattr(self, stage), f"{stage}")
@@ -187,7 +186,7 @@ def plugin_problems(stage: StageConfig, where: str) -> list[tuple[str, str]]:
     return layout_problems(stage, where, tiers=("static",))
 
 
-def gate_problems(cfg: "RunConfig") -> list[tuple[str, str]]:
+def gate_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     """An enabled gate threshold needs the held-out set it is measured on."""
     g = cfg.gate
     if not g.enabled:

@@ -16,6 +16,7 @@ assistant tokens plus the assistant's end-of-turn token, -100 elsewhere.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -41,8 +42,7 @@ def format_of(uri: str) -> str:
     """The FORMATS entry a URI names (a compression suffix is looked through); ValueError otherwise."""
     name = uri.rsplit("/", 1)[-1].lower()
     for comp in _COMPRESSIONS:
-        if name.endswith(comp):
-            name = name[: -len(comp)]
+        name = name.removesuffix(comp)
     for fmt in FORMATS:
         if name.endswith(fmt):
             return fmt
@@ -84,6 +84,21 @@ def iter_text_records(uri: str, fmt: str | None = None) -> Iterator[tuple[int, d
             if not isinstance(rec, dict):
                 raise ValueError(f"{uri}:{lineno}: expected a JSON object per line, got {type(rec).__name__}")
             yield lineno, rec
+
+
+
+def head_records(uri: str, n: int = 64) -> list[tuple[int, dict]]:
+    """(line number, record) of the first n records, without reading the whole file."""
+    import fsspec
+
+    fmt = format_of(uri)
+    if fmt == ".parquet":
+        import pyarrow.parquet as pq
+
+        with fsspec.open(uri, "rb") as f:
+            batch = next(pq.ParquetFile(f).iter_batches(batch_size=n), None)
+            return list(enumerate(batch.to_pylist() if batch is not None else [], 1))
+    return list(itertools.islice(iter_text_records(uri, fmt), n))
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,8 +19,9 @@ Pure: no torch, no transformers import (class names are strings), so pre-flight 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from tasks.core.errors import ConversionError
 

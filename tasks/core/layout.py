@@ -22,8 +22,9 @@ Plugin capabilities come from the registry (`tasks.core.plugins`), never from a 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from tasks.core.errors import ConfigError
 from tasks.core.plugins import PLUGINS, PluginSpec
@@ -37,7 +38,7 @@ TIERS = ("static", "batch", "model", "device")
 
 @dataclass(frozen=True)
 class _Facts:
-    stage: "StageConfig"
+    stage: StageConfig
     where: str  # "cpt" or "sft": the config path prefix of every field named
     spec: PluginSpec
     model: dict[str, Any] | None  # the base model's config.json
@@ -52,7 +53,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def num_microbatches(stage: "StageConfig") -> int:
+def num_microbatches(stage: StageConfig) -> int:
     return stage.plugin.num_microbatches or stage.grad_accum_steps
 
 
@@ -203,7 +204,7 @@ RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
 
 
 def layout_problems(
-    stage: "StageConfig",
+    stage: StageConfig,
     where: str,
     *,
     model_config: dict[str, Any] | None = None,
@@ -245,14 +246,14 @@ class ParallelLayout:
     @classmethod
     def of(
         cls,
-        stage: "StageConfig",
+        stage: StageConfig,
         where: str,
         *,
         model_config: dict[str, Any] | None = None,
         cuda: bool | None = None,
         tiers: tuple[str, ...] = TIERS,
         header: str | None = None,
-    ) -> "ParallelLayout":
+    ) -> ParallelLayout:
         """The layout of `stage`, or one ConfigError naming every broken rule of `tiers`."""
         problems = layout_problems(stage, where, model_config=model_config, cuda=cuda, tiers=tiers)
         if problems:

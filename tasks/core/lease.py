@@ -69,7 +69,7 @@ class Lease:
         return bool(cur and cur.get("token") == self.record["token"])
 
     # ---- protocol ---------------------------------------------------------------------------
-    def acquire(self, log=None) -> "Lease":
+    def acquire(self, log=None) -> Lease:
         for _ in range(2):
             if self._create_exclusive():
                 self._start_heartbeat()
@@ -112,7 +112,7 @@ class Lease:
         if cur and cur.get("token") == self.record["token"]:
             self.store.remove(LEASE)
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -15,8 +15,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterable
+from typing import Any
 
 from tasks.core.errors import ArtifactMissing, ManifestError
 
@@ -45,7 +46,7 @@ def safe_relpath(rel: str, where: str = "manifest") -> str:
     return rel
 
 
-def _inside(root: Path, rel: str, where: str) -> Path:
+def inside_artifact(root: Path, rel: str, where: str) -> Path:
     path = root / rel
     real_root = root.resolve()
     real = path.resolve()
@@ -159,7 +160,7 @@ def verify_artifact(root: str | Path, deep: bool = True) -> dict[str, Any]:
     root = Path(root)
     manifest = read_manifest(root)
     for rel, entry in sorted(manifest["files"].items()):
-        path = _inside(root, rel, str(root))
+        path = inside_artifact(root, rel, str(root))
         if not path.is_file():
             raise ManifestError(f"{root}: file {rel} listed in the manifest is missing")
         size = path.stat().st_size

@@ -16,8 +16,9 @@ import base64
 import hashlib
 import os
 import zlib
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any
 
 from tasks.core.errors import ManifestError
 from tasks.core.manifest import sha256_file
@@ -260,7 +261,7 @@ class S3Transfers:
         return got, whole.hexdigest()
 
 
-def run_transfer(xfer: "S3Transfers", go: Callable[[], Awaitable[Any]], what: str, after: str) -> Any:
+def run_transfer(xfer: S3Transfers, go: Callable[[], Awaitable[Any]], what: str, after: str) -> Any:
     """Run a transfer; a content problem (ManifestError) passes through, anything else (the
     server, the network) becomes a TransferError saying what failed and what that leaves."""
     try:

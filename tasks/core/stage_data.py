@@ -27,8 +27,7 @@ SPLIT_FILE = "data-split.json"  # beside the stage's checkpoints: <run_root>/<st
 def write_jsonl(path: Path, records: list[Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False, default=str) + "\n")
+        f.writelines(json.dumps(rec, ensure_ascii=False, default=str) + "\n" for rec in records)
     os.replace(tmp, path)
 
 

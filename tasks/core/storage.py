@@ -35,8 +35,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import fsspec
 from fsspec.core import split_protocol, url_to_fs

@@ -31,115 +31,39 @@ Decisions recorded here:
 
 from __future__ import annotations
 
-import itertools
-
-import json
-import math
-import os
-import re
-import shutil
 import time
-import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from fsspec.core import url_to_fs
 
 from tasks.core.config import RunConfig, StageConfig, parse_config, plugin_problems, read_raw_config
-from tasks.core.hub import is_hub_id
+from tasks.core.data import head_records
+from tasks.core.errors import ConfigError
 from tasks.core.layout import layout_problems
-from tasks.core.paths import REPO_ROOT, resolve_local
-from tasks.core.errors import ConfigError, ManifestError
-from tasks.core.manifest import MANIFEST, _inside, safe_relpath
-from tasks.core.storage import is_local
+from tasks.core.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
+from tasks.core.paths import resolve_local
+from tasks.core.preflight_report import CheckContext, PreflightReport
+from tasks.core.storage_checks import check_run_root, check_staging_space, estimate_local_bytes
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
 HEAD_RECORDS = 64  # records parsed per dataset: enough to catch a wrong format, cheap on any size
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
-ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
-MASTER_BYTES = 4  # fp32 master weights kept by mixed-precision optimizers
 
-Problem = tuple[str, str]
-
-
-# --------------------------------------------------------------------------------------------
-# What a check sees
-
-
-@dataclass(frozen=True)
-class Machine:
-    """Facts about this machine; `detect()` reads them, tests pass their own."""
-
-    cuda_devices: int
-    cpu_count: int
-    free_bytes: int | None = None  # None: shutil.disk_usage of the staging location
-
-    @classmethod
-    def detect(cls) -> "Machine":
-        import torch  # lazily: config-only callers should not pay for it
-
-        return cls(cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0, cpu_count=os.cpu_count() or 1)
-
-
-@dataclass
-class ModelInfo:
-    """What pre-flight reads of the base model: no weights."""
-
-    source: str  # "local", "fsspec" or "hub"
-    where: str  # the resolved path/URI or repo@revision, for messages
-    config: dict[str, Any]
-    files: list[str]  # top-level file names
-    tokenizer_config: dict[str, Any] | None = None
-    chat_template_file: bool = False  # chat_template.jinja / chat_template.json beside the tokenizer
-
-
-@dataclass
-class PreflightReport:
-    checked: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    problems: list[Problem] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def error(self) -> ConfigError:
-        return ConfigError(self.problems, header="pre-flight failed, nothing was launched")
-
-    def raise_for_problems(self) -> "PreflightReport":
-        if self.problems:
-            raise self.error()
-        return self
-
-    def text(self) -> str:
-        lines = [str(self.error())] if self.problems else [f"pre-flight passed in {self.seconds:.2f} s ({len(self.checked)} checks)"]
-        if self.warnings:
-            lines.append(f"warnings ({len(self.warnings)}):")
-            lines += [f"  ! {w}" for w in self.warnings]
-        lines.append("checked:" if self.ok else "checked (passed or not reached):")
-        lines += [f"  ✓ {c}" for c in self.checked]
-        return "\n".join(lines)
-
-
-@dataclass
-class _Ctx:
-    cfg: RunConfig
-    machine: Machine
-    token_present: bool | None
-    model: ModelInfo | None
-    report: PreflightReport
-
-    def problem(self, where: str, msg: str) -> None:
-        if (where, msg) not in self.report.problems:
-            self.report.problems.append((where, msg))
-
-    def ok(self, line: str) -> None:
-        self.report.checked.append(line)
-
-    def warn(self, line: str) -> None:
-        self.report.warnings.append(line)
+__all__ = [
+    "CHECKS",
+    "CheckContext",
+    "Machine",
+    "ModelInfo",
+    "PreflightReport",
+    "estimate_local_bytes",
+    "estimate_parameters",
+    "load_for_check",
+    "preflight_report",
+    "read_model_info",
+    "resolve_local",
+    "validate",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,7 +74,7 @@ class _Unchecked(RunConfig):
     """RunConfig minus its static-rule validator: pre-flight runs those rules itself, so a
     wrong ZeRO precision and a missing data file are reported in the same message."""
 
-    def _static_rules(self) -> "_Unchecked":  # overrides the parent's model_validator
+    def _static_rules(self) -> _Unchecked:  # overrides the parent's model_validator
         return self
 
 
@@ -168,105 +92,10 @@ def load_for_check(path: str | Path, overrides: dict[str, Any] | None = None) ->
 
 
 # --------------------------------------------------------------------------------------------
-# Reading the base model's metadata
-
-
-def read_model_info(uri: str, revision: str = "main") -> ModelInfo:
-    """config.json, tokenizer_config.json and the file list of a local/fsspec dir or Hub repo.
-
-    Raises ConfigError naming `base_model.uri` when there is no readable config.json.
-    """
-    if is_hub_id(uri):
-        return _read_hub(uri, revision)
-    target = resolve_local(uri)
-    try:
-        fs, root = url_to_fs(target)
-    except (ValueError, ImportError) as exc:
-        raise ConfigError([("base_model.uri", f"{uri}: cannot open ({exc}); use a local path, an fsspec URI with its filesystem installed, or a Hub id org/name")]) from None
-    root = root.rstrip("/")
-    try:
-        has_config = fs.isfile(f"{root}/config.json")
-    except Exception as exc:  # network filesystems raise their own errors
-        raise ConfigError([("base_model.uri", f"{uri}: not reachable ({type(exc).__name__}: {exc})")]) from None
-    if not has_config:
-        what = "does not exist" if not fs.exists(root) else "is not an HF model directory (no config.json)"
-        raise ConfigError([("base_model.uri", f"{target} {what}; point base_model.uri at an HF model directory or a Hub id org/name (for the demo: `python -m tasks.core.demo_inputs --out {uri}`)")])
-
-    def read_json(name: str) -> dict | None:
-        path = f"{root}/{name}"
-        if not fs.isfile(path):
-            return None
-        try:
-            with fs.open(path, "rb") as f:
-                data = json.loads(f.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError([("base_model.uri", f"{target}/{name} is not valid JSON ({exc})")]) from None
-        return data if isinstance(data, dict) else None
-
-    config = read_json("config.json") or {}
-    files = sorted(Path(p.rstrip("/")).name for p in fs.ls(root, detail=False))
-    return ModelInfo(
-        source="local" if is_local(target) else "fsspec",
-        where=target,
-        config=config,
-        files=files,
-        tokenizer_config=read_json("tokenizer_config.json"),
-        chat_template_file=any(n in files for n in ("chat_template.jinja", "chat_template.json")),
-    )
-
-
-def _read_hub(repo: str, revision: str) -> ModelInfo:
-    from huggingface_hub import HfApi, hf_hub_download
-
-    def fetch(name: str) -> dict | None:
-        try:
-            with open(hf_hub_download(repo, name, revision=revision)) as f:
-                return json.load(f)
-        except Exception as exc:
-            if name == "config.json":
-                raise ConfigError([("base_model.uri", f"cannot read config.json of Hub repo {repo}@{revision} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); check the id and revision, the network, and HF_TOKEN for gated repos")]) from None
-            return None
-
-    config = fetch("config.json") or {}
-    try:
-        files = sorted(f for f in HfApi().list_repo_files(repo, revision=revision) if "/" not in f)
-    except Exception as exc:
-        raise ConfigError([("base_model.uri", f"cannot list the files of Hub repo {repo}@{revision} ({type(exc).__name__})")]) from None
-    return ModelInfo(
-        source="hub",
-        where=f"{repo}@{revision}",
-        config=config,
-        files=files,
-        tokenizer_config=fetch("tokenizer_config.json") if "tokenizer_config.json" in files else None,
-        chat_template_file=any(n in files for n in ("chat_template.jinja", "chat_template.json")),
-    )
-
-
-def estimate_parameters(mc: dict[str, Any]) -> int | None:
-    """Parameter count from config.json through its family's tensor table (`tasks.core.families`),
-    the table the converter checks checkpoints against; None for an unknown family or missing dims."""
-    from tasks.core.errors import ConversionError
-    from tasks.core.families import count_parameters
-
-    try:
-        return count_parameters(mc)
-    except (ConversionError, KeyError, TypeError, ValueError):
-        return None
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n} B"
-
-
-# --------------------------------------------------------------------------------------------
 # Checks: each takes the context and records problems, warnings and what it verified.
 
 
-def check_static_rules(ctx: _Ctx) -> None:
+def check_static_rules(ctx: CheckContext) -> None:
     """The config's own rules (ZeRO needs bf16/fp16, tp/pp need hybrid_parallel, world size)."""
     before = len(ctx.report.problems)
     for stage in ("cpt", "sft"):
@@ -276,7 +105,7 @@ def check_static_rules(ctx: _Ctx) -> None:
         ctx.ok("static config rules: plugin/ZeRO/precision combinations, world size multiple of tp*pp, pipeline micro-batches >= pp")
 
 
-def _stage_layout(ctx: _Ctx, name: str, stage: StageConfig) -> None:
+def _stage_layout(ctx: CheckContext, name: str, stage: StageConfig) -> None:
     """The model and batch rules of `tasks.core.layout` (the static ones ran in check_static_rules)."""
     p, launch = stage.plugin, stage.launch
     mc = ctx.model.config if ctx.model else None
@@ -292,7 +121,7 @@ def _stage_layout(ctx: _Ctx, name: str, stage: StageConfig) -> None:
         ctx.ok(f"{name} layout: {p.name} tp={p.tp_size}{heads} · pp={p.pp_size}{layers} · dp={dp} = {launch.nnodes} node(s) x {launch.nproc_per_node} = {world} ranks, {p.precision}, zero_stage {p.zero_stage}")
 
 
-def check_layout(ctx: _Ctx) -> None:
+def check_layout(ctx: CheckContext) -> None:
     """tp divides the attention and KV heads; pp <= layers; tp*pp*dp = world; pipeline batches."""
     for name in ("cpt", "sft"):
         _stage_layout(ctx, name, getattr(ctx.cfg, name))
@@ -300,7 +129,7 @@ def check_layout(ctx: _Ctx) -> None:
         ctx.warn("layout against the base model not checked: its config.json could not be read (see problems)")
 
 
-def check_machine(ctx: _Ctx) -> None:
+def check_machine(ctx: CheckContext) -> None:
     """Processes vs visible GPUs (or CPU cores); plugins that need CUDA."""
     m = ctx.machine
     for name in ("cpt", "sft"):
@@ -319,128 +148,7 @@ def check_machine(ctx: _Ctx) -> None:
             ctx.ok(f"{name} processes: {n} CPU rank(s) (gloo) on {m.cpu_count} core(s), no GPU visible")
 
 
-def check_run_root(ctx: _Ctx) -> None:
-    """The run root is reachable and writable: write, read back and delete a probe object."""
-    from tasks.core.storage import RunStore
-
-    uri = ctx.cfg.run_uri
-    probe = f".preflight-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        store = RunStore(uri, staging_dir=ctx.cfg.staging_dir)
-    except (ValueError, ImportError) as exc:
-        ctx.problem("run_root", f"{uri}: not reachable ({type(exc).__name__}: {exc}); use a local path or an fsspec URI whose filesystem is installed (s3:// needs s3fs)")
-        return
-    try:
-        store.write_text(probe, "cpt-to-sft pre-flight probe\n")
-        if store.read_text(probe) != "cpt-to-sft pre-flight probe\n":
-            raise OSError("the probe read back differently")
-        store.remove(probe)
-    except Exception as exc:
-        ctx.problem("run_root", f"{uri}: not writable ({type(exc).__name__}: {exc}); point run_root at a directory this worker can create files in")
-        return
-    ctx.ok(f"run root {uri}: reachable, probe object written, read back and deleted")
-    _check_existing_manifests(ctx, store)
-
-
-def _check_existing_manifests(ctx: _Ctx, store: Any) -> None:
-    """Artifacts already under the run root (a resume) are untrusted: every manifest path must
-    stay inside its artifact. Only names and link targets are read here, never file contents."""
-    fs, root = store.fs, store.root.rstrip("/")
-    found = []
-    for depth in ("*", "*/*"):
-        try:
-            found += fs.glob(f"{root}/{depth}/{MANIFEST}")
-        except Exception:
-            pass
-    bad = 0
-    for mpath in sorted(set(found)):
-        art = mpath.rsplit("/", 1)[0]
-        rel_art = art[len(root) + 1 :]
-        where = f"{store.uri(rel_art)}/{MANIFEST}"
-        try:
-            with fs.open(mpath, "rb") as f:
-                manifest = json.loads(f.read())
-        except Exception as exc:
-            ctx.warn(f"{where}: unreadable manifest ({type(exc).__name__}); that stage will be rebuilt")
-            continue
-        files = manifest.get("files") if isinstance(manifest, dict) else None
-        if not isinstance(files, dict):
-            ctx.warn(f"{where}: manifest has no files table; that stage will be rebuilt")
-            continue
-        for rel in files:
-            try:
-                safe_relpath(rel, where)
-                if store.local:
-                    _inside(Path(art), rel, where)
-            except ManifestError as exc:
-                bad += 1
-                ctx.problem(where, f"{str(exc).removeprefix(where + ': ')}. Refusing to trust this artifact: move it aside or delete {store.uri(rel_art)}")
-                break
-    if found and not bad:
-        ctx.ok(f"existing artifacts under the run root: {len(found)} manifest(s), every listed path stays inside its artifact")
-
-
-def estimate_local_bytes(cfg: RunConfig, mc: dict[str, Any], local_run_root: bool) -> tuple[int, str] | None:
-    """(bytes of local disk the run needs, how it was computed), or None without model dims."""
-    n = estimate_parameters(mc)
-    if n is None:
-        return None
-    base_bytes = DTYPE_BYTES.get(str(mc.get("torch_dtype", "float32")), 4)
-
-    def ckpt(stage: StageConfig) -> int:
-        w = DTYPE_BYTES[stage.plugin.precision]
-        return n * (w + ADAM_BYTES + (MASTER_BYTES if w < 4 else 0))
-
-    hf = n * (base_bytes + DTYPE_BYTES[cfg.cpt.plugin.precision] + DTYPE_BYTES[cfg.export.dtype])
-    if local_run_root:
-        kept = sum((getattr(cfg, s).keep_last + 1) * ckpt(getattr(cfg, s)) for s in ("cpt", "sft"))
-        how = f"{n / 1e6:.1f}M params: (keep_last+1) checkpoints per stage at (weights + 8 B Adam + 4 B master if mixed) per param, plus 3 HF copies"
-    else:
-        kept = max(2 * ckpt(cfg.cpt), 2 * ckpt(cfg.sft))
-        how = f"{n / 1e6:.1f}M params: 2 staged checkpoints of the larger stage plus 3 HF copies"
-    return kept + hf, how
-
-
-def check_staging_space(ctx: _Ctx) -> None:
-    """Enough local disk for the estimated checkpoints (run root if local, else the staging dir)."""
-    if ctx.model is None:
-        return
-    from tasks.core.storage import local_path_of
-
-    uri = ctx.cfg.run_uri
-    try:
-        local = is_local(uri)
-    except (ValueError, ImportError):
-        return  # reported by check_run_root
-    if local:
-        where = local_path_of(uri)
-    else:
-        import tempfile
-
-        where = Path(ctx.cfg.staging_dir) if ctx.cfg.staging_dir else Path(tempfile.gettempdir())
-    est = estimate_local_bytes(ctx.cfg, ctx.model.config, local)
-    if est is None:
-        ctx.warn("staging space not checked: config.json lacks the dimensions to estimate the parameter count")
-        return
-    need, how = est
-    free = ctx.machine.free_bytes
-    if free is None:
-        probe = where
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        try:
-            free = shutil.disk_usage(probe).free
-        except OSError:
-            ctx.warn(f"staging space not checked: cannot stat {probe}")
-            return
-    field_ = "run_root" if local else "staging_dir"
-    if free < need:
-        ctx.problem(field_, f"{where}: {_human(free)} free, the run needs about {_human(need)} ({how}); free space, lower keep_last, or point {field_} at a larger disk")
-    else:
-        ctx.ok(f"local space at {where}: {_human(free)} free >= about {_human(need)} needed ({how})")
-
-
-def check_hub(ctx: _Ctx) -> None:
+def check_hub(ctx: CheckContext) -> None:
     """A well-formed target repo id and a token when a push is configured."""
     hub = ctx.cfg.hub
     if hub is None:
@@ -464,7 +172,7 @@ def check_hub(ctx: _Ctx) -> None:
         ctx.ok(f"hub: repo id {hub.repo_id} well formed, token available (not shown)")
 
 
-def check_base_model(ctx: _Ctx) -> None:
+def check_base_model(ctx: CheckContext) -> None:
     """Weights are safetensors (pickle only with allow_pickle); remote code only when allowed."""
     if ctx.model is None:
         return
@@ -488,7 +196,7 @@ def check_base_model(ctx: _Ctx) -> None:
         ctx.ok("base model: no remote code (trust_remote_code false)")
 
 
-def check_sequence_length(ctx: _Ctx) -> None:
+def check_sequence_length(ctx: CheckContext) -> None:
     if ctx.model is None:
         return
     max_pos = ctx.model.config.get("max_position_embeddings")
@@ -505,7 +213,7 @@ def check_sequence_length(ctx: _Ctx) -> None:
         ctx.ok(f"seq_len cpt={ctx.cfg.cpt.seq_len}, sft={ctx.cfg.sft.seq_len} <= max_position_embeddings={max_pos}")
 
 
-def check_chat_template(ctx: _Ctx) -> None:
+def check_chat_template(ctx: CheckContext) -> None:
     if ctx.model is None:
         return
     tc = ctx.model.tokenizer_config
@@ -517,23 +225,7 @@ def check_chat_template(ctx: _Ctx) -> None:
         ctx.ok("tokenizer: chat template present")
 
 
-def head_records(uri: str, n: int = HEAD_RECORDS) -> list[tuple[int, dict]]:
-    """(line number, record) of the first n records, without reading the whole file."""
-    import fsspec
-
-    from tasks.core.data import format_of, iter_text_records  # one definition of the formats
-
-    fmt = format_of(uri)
-    if fmt == ".parquet":
-        import pyarrow.parquet as pq
-
-        with fsspec.open(uri, "rb") as f:
-            batch = next(pq.ParquetFile(f).iter_batches(batch_size=n), None)
-            return list(enumerate(batch.to_pylist() if batch is not None else [], 1))
-    return list(itertools.islice(iter_text_records(uri, fmt), n))
-
-
-def check_data(ctx: _Ctx) -> None:
+def check_data(ctx: CheckContext) -> None:
     """Each dataset exists and its first records have the fields and roles the stage needs."""
     from tasks.core.data import validate_messages  # the SFT record rules, defined once
 
@@ -586,7 +278,7 @@ def check_data(ctx: _Ctx) -> None:
             ctx.ok(f"{name} data {uri}: first {len(records)} record(s) parse, {what}")
 
 
-def check_model_family(ctx: _Ctx) -> None:
+def check_model_family(ctx: CheckContext) -> None:
     """The base model's model_type is in the family registry: the unshard after CPT and the export
     convert checkpoints by its tensor table, so an unknown family would fail only after CPT."""
     if ctx.model is None:
@@ -605,7 +297,7 @@ def check_model_family(ctx: _Ctx) -> None:
     )
 
 
-CHECKS: tuple[Callable[[_Ctx], None], ...] = (
+CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_static_rules,
     check_layout,
     check_machine,
@@ -639,7 +331,7 @@ def preflight_report(
             model = read_model_info(cfg.base_model.uri, cfg.base_model.revision)
         except ConfigError as exc:
             report.problems += exc.problems
-    ctx = _Ctx(cfg, machine or Machine.detect(), token_present, model, report)
+    ctx = CheckContext(cfg, machine or Machine.detect(), token_present, model, report)
     for check in CHECKS:
         try:
             check(ctx)

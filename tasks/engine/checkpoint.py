@@ -44,7 +44,8 @@ from safetensors.torch import load_file, save_file
 
 from tasks.core.errors import ManifestError
 from tasks.core.manifest import MANIFEST, fsync_dir, verify_artifact
-from tasks.core.runlayout import STEP_RE, step_name, tmp_step_name
+from tasks.core.runlayout import STEP_RE, tmp_step_name
+from tasks.core.runlayout import step_name as step_name  # re-exported: checkpoints are named here for the engine
 
 KIND = "colossalai-checkpoint"
 TRAIN_STATE = "train_state.json"

@@ -176,11 +176,11 @@ class Engine:
             try:
                 from torch.optim.optimizer import _get_scalar_dtype
 
-                zero_step = lambda: torch.tensor(0.0, dtype=_get_scalar_dtype())  # noqa: E731
+                zero_step = lambda: torch.tensor(0.0, dtype=_get_scalar_dtype())
             except ImportError:  # private helper; float32 is its answer for the default dtype
-                zero_step = lambda: torch.tensor(0.0, dtype=torch.float32)  # noqa: E731
+                zero_step = lambda: torch.tensor(0.0, dtype=torch.float32)
         else:  # ColossalAI's HybridAdam (Gemini) starts its counter at the int 0
-            zero_step = lambda: 0  # noqa: E731
+            zero_step = lambda: 0
         for group in inner.param_groups:
             if group.get("amsgrad") or group.get("fused") or group.get("capturable"):
                 raise ValueError("materialize_optimizer_state mirrors plain AdamW only (no amsgrad/fused/capturable)")
@@ -260,7 +260,7 @@ class Engine:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        phase = lambda name: self.faults.before_save_phase(step, name)  # noqa: E731
+        phase = lambda name: self.faults.before_save_phase(step, name)
         phase("model")
         self.booster.save_model(self.model, str(tmp / "model"), shard=True, use_safetensors=True)
         phase("optimizer")

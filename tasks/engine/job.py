@@ -9,7 +9,7 @@ from __future__ import annotations
 from tasks.core.errors import ConfigError
 from tasks.core.job import STAGES, VERBS, Job, load_job, parse_job
 
-__all__ = ["Job", "parse_job", "load_job", "check_inputs", "VERBS", "STAGES"]
+__all__ = ["STAGES", "VERBS", "Job", "check_inputs", "load_job", "parse_job"]
 
 
 def check_inputs(job: Job) -> None:

@@ -32,7 +32,7 @@ from tasks.engine.faults import Injector
 from tasks.engine.job import Job
 from tasks.engine.plugins import plugin_meta
 
-__all__ = ["StageData", "shard", "find_start", "train"]
+__all__ = ["StageData", "find_start", "shard", "train"]
 
 
 class StageData:

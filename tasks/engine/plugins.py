@@ -14,18 +14,30 @@ saves on CPU, but every forward asserts that its chunks live on CUDA, so it is r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from tasks.core.config import PluginConfig, StageConfig
+from tasks.core.errors import ConfigError
 from tasks.core.layout import ParallelLayout, layout_problems, num_microbatches
 from tasks.core.plugins import spec_of
-from tasks.core.errors import ConfigError
 
-__all__ = ["BUILDERS", "check_supported", "check_model", "make_plugin", "layout_of", "Layout", "plugin_meta",
-           "uses_autocast", "booster_mixed_precision", "can_no_sync", "num_microbatches"]
+__all__ = [
+    "BUILDERS",
+    "Layout",
+    "booster_mixed_precision",
+    "can_no_sync",
+    "check_model",
+    "check_supported",
+    "layout_of",
+    "make_plugin",
+    "num_microbatches",
+    "plugin_meta",
+    "uses_autocast",
+]
 
 
 def _stage_of(plugin_cfg: PluginConfig) -> StageConfig:

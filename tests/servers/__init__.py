@@ -4,7 +4,7 @@ mini`, S3) and a Hugging Face Hub-protocol server (Starlette + uvicorn, files on
 
 import contextlib
 import os
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 
 @contextlib.contextmanager

@@ -580,7 +580,7 @@ def build_app(storage: HubStorage):
 def _front_matter(text: str) -> Any:
     import yaml
 
-    m = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text, re.S)
+    m = re.match(r"^---\s*\n(.*?)\n---\s*(\n|$)", text, re.DOTALL)
     if not m:
         return None
     return yaml.safe_load(m.group(1))
@@ -621,7 +621,7 @@ class HubServer:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> "HubServer":
+    def start(self, timeout: float = 60.0) -> HubServer:
         self.root.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "HUB_SERVER_TOKEN": self.token}
         repo = Path(__file__).resolve().parents[2]

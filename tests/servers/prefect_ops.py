@@ -91,7 +91,7 @@ class PrefectServer:
         env.update(extra)
         return env
 
-    def start(self, timeout: float = 120.0) -> "PrefectServer":
+    def start(self, timeout: float = 120.0) -> PrefectServer:
         self.home.mkdir(parents=True, exist_ok=True)
         log = open(self.home / "server.log", "ab")
         self.proc = subprocess.Popen(

@@ -102,7 +102,7 @@ class WeedServer:
         ]
         return args + [f"-{flag}={port}" for flag, port in self.ports.items()] + list(self.extra_args)
 
-    def start(self, timeout: float = 90.0) -> "WeedServer":
+    def start(self, timeout: float = 90.0) -> WeedServer:
         if self.proc and self.proc.poll() is None:
             return self
         (self.data_dir / "data").mkdir(exist_ok=True)

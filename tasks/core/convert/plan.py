@@ -10,8 +10,9 @@ so one run reports them all. The keys and shapes come from the family registry
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from tasks.core.convert.dtypes import FLOATING, SAFE_WEIGHTS_NAME, itemsize
 from tasks.core.convert.source import Entry, Reader, Source, bitwise_equal
