@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.common import StageResult
+from tasks.stage import StageResult
 from tasks.core.config import parse_config
 from tasks.core.manifest import MANIFEST, read_manifest, sha256_file, write_manifest
 
