@@ -300,7 +300,8 @@ class Engine:
                 "model_format": "hf-safetensors-sharded",
                 "optimizer": type(getattr(self.optimizer, "optim", self.optimizer)).__name__,
             }
-            write_manifest(tmp, kind=ckpt.KIND, meta=meta, parent=job.parent, config_digest=job.config_digest, fingerprint=fp)
+            parent = job.parent.model_dump() if job.parent is not None else None
+            write_manifest(tmp, kind=ckpt.KIND, meta=meta, parent=parent, config_digest=job.config_digest, fingerprint=fp)
             phase("rename")
             ckpt.commit(tmp, final)
         dist.barrier()  # nobody reads step-N (or deletes older ones) before it is committed
