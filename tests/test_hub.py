@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.stage import StageResult
 from tasks.core.config import parse_config
 from tasks.core.manifest import MANIFEST, read_manifest, sha256_file, write_manifest
+from tasks.stage import StageResult
 
 pytest_plugins = ["tests.conftest_servers"]
 pytestmark = pytest.mark.integration

@@ -103,7 +103,9 @@ def _read_hub(repo: str, revision: str) -> ModelInfo:
                 return json.load(f)
         except Exception as exc:
             if name == "config.json":
-                raise ConfigError([("base_model.uri", f"cannot read config.json of Hub repo {repo}@{revision} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); check the id and revision, the network, and HF_TOKEN for gated repos")]) from None
+                first_line = str(exc).splitlines()[0] if str(exc) else ""
+                raise ConfigError([("base_model.uri", (f"cannot read config.json of Hub repo {repo}@{revision} ({type(exc).__name__}: {first_line}); "
+                                                       "check the id and revision, the network, and HF_TOKEN for gated repos"))]) from None
             return None
 
     config = fetch("config.json") or {}
