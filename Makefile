@@ -15,12 +15,15 @@ demo-inputs: install
 demo: demo-inputs
 	$(PY) -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml
 
-# Every tier: unit, distributed (torchrun, 2 CPU ranks), integration and e2e. GPU tests skip without CUDA.
+# Lint first (ruff, configured in pyproject.toml), then every tier: unit, distributed (torchrun,
+# 2 CPU ranks), integration and e2e. GPU tests skip without CUDA.
 test: install
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m "" tests
 
-# The fast unit tier only (no torchrun, no Prefect server).
+# Lint, then the fast unit tier only (no torchrun, no Prefect server).
 test-fast: install
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
 clean:

@@ -228,7 +228,7 @@ def measure(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool, shar
     quiesce(dst.parent)  # start every run with no writeback or discard of an earlier one in flight
     flags = (["--cast", cast] if cast else []) + (["--no-fsync"] if not fsync else []) + ["--max-shard-size", shard]
     cmd = [sys.executable, __file__, "--worker", kind, str(src), str(dst), *flags]
-    proc = subprocess.run(cmd, capture_output=True, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, cwd=ROOT, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {kind} failed ({proc.returncode}):\n{proc.stderr.decode()[-3000:]}")
     result = json.loads(proc.stdout.decode().strip().splitlines()[-1])

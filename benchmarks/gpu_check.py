@@ -40,6 +40,7 @@ fewer; kernels are skipped and the throughput ratio is parsed and printed but no
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -149,10 +150,9 @@ def start(ctx: Ctx, name: str, argv: list[str], timeout: float, env: dict[str, s
     if limit < 10:
         return Proc(name, None, out, time.monotonic(), 0, skipped="out of the time budget")
     say(f"== {name}: {' '.join(argv[:6])}{' ...' if len(argv) > 6 else ''} (limit {limit:.0f}s)")
-    fh = open(out, "w")
-    popen = subprocess.Popen(argv, cwd=REPO, env=env or base_env(ctx.work), stdout=fh, stderr=subprocess.STDOUT,
-                             start_new_session=True)  # its own process group: a timeout ends all of it
-    fh.close()
+    with open(out, "w") as fh:  # the child holds its own copy of the handle; ours closes once it started
+        popen = subprocess.Popen(argv, cwd=REPO, env=env or base_env(ctx.work), stdout=fh, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # its own process group: a timeout ends all of it
     return Proc(name, popen, out, time.monotonic(), limit)
 
 
@@ -224,7 +224,7 @@ def throughput(progress: list[dict[str, Any]], save_steps: set[int], skip: int) 
     recs = sorted(progress, key=lambda r: r["step"])
     tok = sec = 0.0
     used = []
-    for prev, cur in zip(recs, recs[1:]):
+    for prev, cur in itertools.pairwise(recs):
         if cur["step"] != prev["step"] + 1 or cur["step"] <= skip or prev["step"] in save_steps:
             continue
         tok += cur["tokens"] - prev["tokens"]
@@ -326,43 +326,43 @@ def cmd_flow(config: str, run_root: str, records_path: str) -> int:
     from flows.cpt_to_sft import main as flow_main
 
     real = tasks.train.run_engine
-    sink = open(records_path, "a")
+    with open(records_path, "a") as sink:
 
-    def write(obj: dict[str, Any]) -> None:
-        sink.write(json.dumps(obj, sort_keys=True) + "\n")
-        sink.flush()
+        def write(obj: dict[str, Any]) -> None:
+            sink.write(json.dumps(obj, sort_keys=True) + "\n")
+            sink.flush()
 
-    def recording(verb, job, *args, **kwargs):
-        stage, t0 = job.stage, time.monotonic()
-        write({"event": "launch", "verb": verb, "stage": stage})
-        inner_progress, inner_event = kwargs.get("on_progress"), kwargs.get("on_event")
+        def recording(verb, job, *args, **kwargs):
+            stage, t0 = job.stage, time.monotonic()
+            write({"event": "launch", "verb": verb, "stage": stage})
+            inner_progress, inner_event = kwargs.get("on_progress"), kwargs.get("on_event")
 
-        def on_progress(rec):
-            write({**rec, "event": "progress", "verb": verb, "stage": stage})
-            if inner_progress:
-                inner_progress(rec)
+            def on_progress(rec):
+                write({**rec, "event": "progress", "verb": verb, "stage": stage})
+                if inner_progress:
+                    inner_progress(rec)
 
-        def on_event(kind, rec):
-            write({**rec, "event": kind, "verb": verb, "stage": stage})
-            if inner_event:
-                inner_event(kind, rec)
+            def on_event(kind, rec):
+                write({**rec, "event": kind, "verb": verb, "stage": stage})
+                if inner_event:
+                    inner_event(kind, rec)
 
-        kwargs.update(on_progress=on_progress, on_event=on_event)
+            kwargs.update(on_progress=on_progress, on_event=on_event)
+            try:
+                result = real(verb, job, *args, **kwargs)
+            except BaseException as exc:
+                write({"event": "end", "verb": verb, "stage": stage, "ok": False, "seconds": round(time.monotonic() - t0, 2),
+                       "error": str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__})
+                raise
+            write({"event": "end", "verb": verb, "stage": stage, "ok": True, "seconds": round(time.monotonic() - t0, 2)})
+            return result
+
+        tasks.train.run_engine = recording
         try:
-            result = real(verb, job, *args, **kwargs)
-        except BaseException as exc:
-            write({"event": "end", "verb": verb, "stage": stage, "ok": False, "seconds": round(time.monotonic() - t0, 2),
-                   "error": str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__})
-            raise
-        write({"event": "end", "verb": verb, "stage": stage, "ok": True, "seconds": round(time.monotonic() - t0, 2)})
-        return result
-
-    tasks.train.run_engine = recording
-    try:
-        return flow_main(["--config", config, "--run-root", run_root])
-    except Exception as exc:  # the flow re-raises the failed stage's error
-        print(f"flow failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
-        return 4  # 1 and 3 are the flow's own (a stage failed / the gate failed)
+            return flow_main(["--config", config, "--run-root", run_root])
+        except Exception as exc:  # the flow re-raises the failed stage's error
+            print(f"flow failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+            return 4  # 1 and 3 are the flow's own (a stage failed / the gate failed)
 
 
 def cmd_logits(export_dir: str, checkpoint_dir: str) -> int:
@@ -651,7 +651,7 @@ def check_sft_checkpoint(ctx: Ctx, final_sft: Path, sft) -> None:
 
     try:
         m = verify_artifact(final_sft, deep=True)
-    except Exception as exc:
+    except Exception as exc:  # whatever makes it unverifiable is this check's finding, reported with the others
         ctx.check("sft_checkpoint", False, f"{final_sft}: {exc}")
         return
     meta = m.get("meta", {})

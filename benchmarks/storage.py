@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             ours_root = f"s3://{BUCKET}/ours-{r}"
             store = RunStore(ours_root, staging_dir=str(staging), max_workers=a.workers, part_size=a.part_mb << 20)
             store.staging = probe.staging  # publish the same staged directory
-            dt = timed(lambda: store.publish("ckpt"), "ours", server.proc.pid)
+            dt = timed(lambda store=store: store.publish("ckpt"), "ours", server.proc.pid)
             if dt < best["ours"]:
                 CPU_BEST["ours"] = CPU["ours"]
             assert store.last_transfer["transferred"] == len(manifest["files"]), store.last_transfer
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             best["sequential"] = min(best["sequential"], dt_seq)
 
             dst = work / f"copy-{r}"
-            dt_copy = timed(lambda: shutil.copytree(src, dst))
+            dt_copy = timed(lambda dst=dst: shutil.copytree(src, dst))
             best["copy"] = min(best["copy"], dt_copy)
             print(f"round {r + 1}: ours {dt:.2f}s  sequential put {dt_seq:.2f}s  disk copy {dt_copy:.2f}s;  CPU s "
                   f"(client + server): ours {CPU['ours'][0]:.1f} + {CPU['ours'][1]:.1f}, "

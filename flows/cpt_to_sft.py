@@ -55,7 +55,7 @@ def _run_name() -> str:
         cfg = resolve_config(params.get("config", ""), params.get("run_root"), params.get("run_name"))
         model = cfg.base_model.uri.rstrip("/").split("/")[-1]
         return f"{model}-{cfg.name}-{flow_run.id.split('-')[0]}"
-    except Exception:
+    except Exception:  # naming the run must not fail it: pre-flight reports a bad config properly
         return f"cpt-to-sft-{flow_run.id.split('-')[0]}"
 
 
@@ -154,7 +154,7 @@ def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: floa
     store.write_text("run.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
     try:
         ui.stage_table(stages)
-    except Exception as exc:
+    except Exception as exc:  # a view only: run.json above is the record
         get_run_logger().warning("stage table artifact unavailable: %s", exc)
     return summary
 

@@ -74,7 +74,8 @@ def check_weight_files(model_dir: Path, allow_pickle: bool) -> list[str]:
     pickles = [n for n in names if n.endswith((".bin", ".pt", ".pth", ".pkl"))]
     if not safetensors:
         if pickles and not allow_pickle:
-            raise ConfigError([("base_model.allow_pickle", f"{model_dir} has only pickle weights ({', '.join(sorted(pickles)[:3])}); pickle files can run code when loaded. Convert them to safetensors, or set base_model.allow_pickle: true if you trust the source")])
+            raise ConfigError([("base_model.allow_pickle", (f"{model_dir} has only pickle weights ({', '.join(sorted(pickles)[:3])}); pickle files can run code when loaded. "
+                                                            "Convert them to safetensors, or set base_model.allow_pickle: true if you trust the source"))])
         if not pickles:
             raise ConfigError([("base_model.uri", f"{model_dir} has no weight files (*.safetensors)")])
     return sorted(safetensors or pickles)

@@ -35,7 +35,7 @@ def _secret_exists(timeout: float = SECRET_TIMEOUT_S) -> bool:
             from prefect.blocks.system import Secret
 
             found.append(bool(Secret.load(SECRET_BLOCK).get()))
-        except Exception:
+        except Exception:  # a missing block or an unreachable API both mean: no token from the block
             found.append(False)
 
     t = threading.Thread(target=probe, daemon=True, name="preflight-secret")

@@ -43,7 +43,7 @@ def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:
             continue
         try:
             foreign = store.read_manifest(f"{stage}/{name}").get("config_digest") != cdigest
-        except Exception:
+        except Exception:  # noqa: S112 - no readable manifest: not a committed checkpoint (manifests come last), so nothing to resume
             continue
         if foreign:
             dest = store.move_aside(stage, "config changed")
@@ -142,7 +142,7 @@ def _stage_in_latest(store: RunStore, stage: str) -> None:
         try:
             store.stage_in(f"{stage}/{name}")
             return
-        except Exception as exc:
+        except Exception as exc:  # a checkpoint that fails to stage in is skipped for the next older one
             get_run_logger().warning("not resuming from %s: %s", store.uri(f"{stage}/{name}"), exc)
 
 

@@ -38,7 +38,7 @@ def _key(text: str) -> str:
 def _warn(what: str, exc: BaseException) -> None:
     try:
         get_run_logger().warning("%s unavailable: %s", what, exc)
-    except Exception:
+    except Exception:  # outside a flow/task run there is no run logger, and a view must never fail the stage
         pass
 
 
@@ -148,7 +148,7 @@ def _duration(seconds: float) -> str:
     seconds = float(seconds)
     if seconds < 60:
         return f"{seconds:.1f} s"
-    m, s = divmod(int(round(seconds)), 60)
+    m, s = divmod(round(seconds), 60)
     h, m = divmod(m, 60)
     return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
 

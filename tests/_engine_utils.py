@@ -83,7 +83,7 @@ def engine(verb: str, job: Path, nproc: int = 2, env: dict[str, str] | None = No
     e.pop("CPT_TO_SFT_FAULT", None)
     e.update(env or {})
     t0 = time.monotonic()
-    proc = subprocess.run(argv, cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    proc = subprocess.run(argv, cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False)
     run = EngineRun(proc.returncode, proc.stdout, time.monotonic() - t0)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"engine {verb} exited {proc.returncode}:\n{proc.stdout[-6000:]}")

@@ -151,9 +151,9 @@ def _logits(model):
 
 def _assert_same_state(got: dict, want: dict):
     assert sorted(got) == sorted(want)
-    for k in want:
-        assert got[k].dtype == want[k].dtype, k
-        assert torch.equal(got[k], want[k]), k
+    for k, w in want.items():
+        assert got[k].dtype == w.dtype, k
+        assert torch.equal(got[k], w), k
 
 
 def _cfg(model) -> dict:

@@ -118,7 +118,7 @@ def ddp(work, tiny_model_dir, pp2):
     train = _engine("ddp train", "train", train_job)
     first_losses = train_state(stage_dir / "step-000006")["losses"]
     # Flip one byte of the newest checkpoint's weights: the next attempt must refuse it.
-    victim = sorted((stage_dir / "step-000006" / "model").glob("*.safetensors"))[0]
+    victim = min((stage_dir / "step-000006" / "model").glob("*.safetensors"))
     blob = bytearray(victim.read_bytes())
     blob[-7] ^= 0x01
     victim.write_bytes(bytes(blob))

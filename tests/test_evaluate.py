@@ -78,8 +78,8 @@ def test_split_by_heldout_uri_drops_identical_training_records(sft_records):
 
 
 def test_heldout_split_writes_disjoint_train_and_heldout_files(tmp_path, tiny_model_dir):
-    from tasks.stage import store_for
     from tasks.evaluate import heldout_split
+    from tasks.stage import store_for
 
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
     cfg = parse_config(raw)

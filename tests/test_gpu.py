@@ -223,7 +223,7 @@ def test_gemini_save_load_round_trip_is_bitwise(work, dropout_model_dir):
     env.update(_det_env(work))
     env.update({"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
     env.pop("CPT_TO_SFT_FAULT", None)
-    proc = subprocess.run(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=FIRST_LAUNCH_TIMEOUT)
+    proc = subprocess.run(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=FIRST_LAUNCH_TIMEOUT, check=False)
     assert proc.returncode == 0, proc.stdout[-6000:]
     first, second = out / "first" / "sft" / "step-000002", out / "second" / "sft" / "step-000002"
     from tasks.engine.checkpoint import check_checkpoint

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.stage import StageResult
 from tasks.core.config import parse_config
 from tasks.core.manifest import MANIFEST, read_manifest, sha256_file, write_manifest
+from tasks.stage import StageResult
 
 pytest_plugins = ["tests.conftest_servers"]
 pytestmark = pytest.mark.integration
@@ -216,7 +216,7 @@ def test_push_that_cannot_finish_leaves_the_repo_as_it_was(token_env, prefect_ha
     fake_export(tmp_path / "run", seed=2)  # new weights
     hub.set_faults(lfs_complete=100)
     try:
-        with pytest.raises(Exception):
+        with pytest.raises(RuntimeError):  # huggingface_hub: "Error while uploading 'model.safetensors' to the Hub."
             push_to_hub.with_options(retries=1, retry_delay_seconds=0)(config(tmp_path / "run", repo_id="org/stuck", commit_message="v2"), RESULTS)
     finally:
         hub.set_faults()

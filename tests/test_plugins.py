@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import math
 import random
@@ -143,7 +144,7 @@ def test_lr_schedule_shapes():
     kw = dict(warmup=2, max_steps=10, min_ratio=0.1)
     cos = [lr_factor(s, schedule="cosine", **kw) for s in range(10)]
     assert cos[:3] == [0.5, 1.0, 1.0] and math.isclose(lr_factor(10, schedule="cosine", **kw), 0.1)
-    assert all(a >= b for a, b in zip(cos[1:], cos[2:]))
+    assert all(a >= b for a, b in itertools.pairwise(cos[1:]))
     assert lr_factor(6, schedule="linear", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
     assert lr_factor(9, schedule="constant", **kw) == 1.0
 

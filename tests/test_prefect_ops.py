@@ -60,7 +60,7 @@ class Ops:
 
 
 def _t(stamp: str) -> datetime:
-    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    return datetime.fromisoformat(stamp)  # Python >= 3.11 reads the trailing Z itself
 
 
 def _latest(artifacts: list[dict]) -> dict[str, dict]:

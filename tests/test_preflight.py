@@ -153,14 +153,18 @@ HP = {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"}
 
 # (id, mutation, expected field, words in the message)
 BAD = [
-    ("tp3-on-8-kv-heads", _all(_llama3, _set("cpt.plugin", {**HP, "tp_size": 3}), _set("cpt.launch", {"nproc_per_node": 3})), "cpt.plugin.tp_size", "Valid tp_size: [1, 2, 4, 8]"),
+    ("tp3-on-8-kv-heads", _all(_llama3, _set("cpt.plugin", {**HP, "tp_size": 3}), _set("cpt.launch", {"nproc_per_node": 3})),
+     "cpt.plugin.tp_size", "Valid tp_size: [1, 2, 4, 8]"),
     ("tp-not-dividing-tiny-kv", _all(_set("cpt.plugin", {**HP, "tp_size": 4}), _set("cpt.launch", {"nproc_per_node": 4})), "cpt.plugin.tp_size", "num_key_value_heads=2"),
-    ("pp-more-than-layers", _all(_set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 8}), _set("cpt.launch", {"nproc_per_node": 8}), _set("cpt.grad_accum_steps", 8)), "cpt.plugin.pp_size", "num_hidden_layers=4"),
+    ("pp-more-than-layers", _all(_set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 8}), _set("cpt.launch", {"nproc_per_node": 8}), _set("cpt.grad_accum_steps", 8)),
+     "cpt.plugin.pp_size", "num_hidden_layers=4"),
     ("world-size-mismatch", _set("cpt.launch", {"nproc_per_node": 3}), "cpt.launch", "multiple of tp_size*pp_size"),
     ("zero-with-fp32", _set("sft.plugin.precision", "fp32"), "sft.plugin.precision", "fp32 is refused"),
     ("gemini-on-cpu", _set("sft.plugin", {"name": "gemini", "precision": "bf16"}), "sft.plugin.name", "needs CUDA"),
     ("ddp-fp16-on-cpu", _set("sft.plugin", {"name": "torch_ddp", "precision": "fp16"}), "sft.plugin.precision", "needs CUDA"),
-    ("pipeline-microbatches-not-dividing", _all(_set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 2, "num_microbatches": 4}), _set("cpt.micro_batch_size", 3), _set("cpt.grad_accum_steps", 2)), "cpt.plugin.num_microbatches", "does not divide"),
+    ("pipeline-microbatches-not-dividing",
+     _all(_set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 2, "num_microbatches": 4}), _set("cpt.micro_batch_size", 3), _set("cpt.grad_accum_steps", 2)),
+     "cpt.plugin.num_microbatches", "does not divide"),
     ("pipeline-too-few-microbatches", _set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 2}), "cpt.plugin.num_microbatches", "at least pp_size=2"),
     ("more-ranks-than-gpus", _machine(cuda_devices=1), "cpt.launch.nproc_per_node", "1 GPU(s) are visible"),
     ("missing-data-file", _set("cpt.data.uri", "/nonexistent/cpt.jsonl"), "cpt.data.uri", "/nonexistent/cpt.jsonl does not exist"),

@@ -108,7 +108,7 @@ print(json.dumps(sorted(set(sys.modules) - baseline)))
 
 @pytest.mark.parametrize("room, forbidden", [("core", ("prefect", "colossalai", "torch.distributed")), ("engine", ("prefect",))])
 def test_transitive_imports_in_a_fresh_interpreter(room, forbidden):
-    out = subprocess.run([sys.executable, "-c", _PROBE.format(room=room)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", _PROBE.format(room=room)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     bad = [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)]

@@ -88,11 +88,18 @@ class DataConfig(_Frozen):
 
 
 class EvalConfig(_Frozen):
-    heldout_uri: str | None = Field(default=None, description="fsspec URI or path of this stage's held-out set (same format and fields as the training data). Training records identical to a held-out record are dropped from training. None: split heldout_fraction off the training data.")
-    heldout_fraction: float = Field(default=0.05, ge=0.0, le=0.5, description="Without heldout_uri: the share of training records held out, chosen by a hash of each record's canonical JSON (deterministic and order-independent; identical records land on the same side; at least one record). 0 with no heldout_uri: this stage is not evaluated.")
+    heldout_uri: str | None = Field(default=None, description=(
+        "fsspec URI or path of this stage's held-out set (same format and fields as the training data). "
+        "Training records identical to a held-out record are dropped from training. None: split heldout_fraction off the training data."))
+    heldout_fraction: float = Field(default=0.05, ge=0.0, le=0.5, description=(
+        "Without heldout_uri: the share of training records held out, chosen by a hash of each record's canonical JSON "
+        "(deterministic and order-independent; identical records land on the same side; at least one record). "
+        "0 with no heldout_uri: this stage is not evaluated."))
     batch_size: int = Field(default=8, ge=1, description="Sequences per forward pass during evaluation; memory only, the metric is a token-weighted mean over every evaluated token.")
     max_batches: int | None = Field(default=50, ge=1, description="Evaluate at most this many batches of the held-out set (the first ones, in file order); null evaluates all of it.")
-    dtype: Precision = Field(default="fp32", description="Dtype both models of a comparison are loaded in for evaluation (the same on both sides, so the comparison is fair); bf16 halves the memory on a GPU worker.")
+    dtype: Precision = Field(default="fp32", description=(
+        "Dtype both models of a comparison are loaded in for evaluation (the same on both sides, so the comparison is fair); "
+        "bf16 halves the memory on a GPU worker."))
 
     @property
     def enabled(self) -> bool:
@@ -105,7 +112,8 @@ class EvalConfig(_Frozen):
 
 class StageConfig(_Frozen):
     data: DataConfig = Field(description="Training data of this stage.")
-    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out data of this stage and how its evaluation runs (CPT: base vs CPT perplexity; SFT: pre-SFT vs SFT loss on assistant tokens).")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description=(
+        "Held-out data of this stage and how its evaluation runs (CPT: base vs CPT perplexity; SFT: pre-SFT vs SFT loss on assistant tokens)."))
     plugin: PluginConfig = Field(description="The ColossalAI plugin and its parallel layout for this stage.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How many processes and nodes torchrun starts for this stage.")
     max_steps: int = Field(ge=1, description="Optimizer steps to train.")
@@ -130,10 +138,16 @@ class ExportConfig(_Frozen):
 
 
 class GateConfig(_Frozen):
-    enabled: bool = Field(default=True, description="Check the thresholds below before push_to_hub; a failed gate skips the push and keeps every artifact. false lets every run through (metrics are still computed and recorded).")
-    cpt_max_ppl_increase_pct: float | None = Field(default=0.0, description="Fail when the CPT model's held-out perplexity is more than this many percent above the base model's (0: must not get worse; negative: must improve by at least that much); null: not checked.")
+    enabled: bool = Field(default=True, description=(
+        "Check the thresholds below before push_to_hub; a failed gate skips the push and keeps every artifact. "
+        "false lets every run through (metrics are still computed and recorded)."))
+    cpt_max_ppl_increase_pct: float | None = Field(default=0.0, description=(
+        "Fail when the CPT model's held-out perplexity is more than this many percent above the base model's "
+        "(0: must not get worse; negative: must improve by at least that much); null: not checked."))
     sft_loss_must_improve: bool = Field(default=True, description="Fail unless the SFT model's held-out loss on assistant tokens is below the pre-SFT (CPT) model's.")
-    generation_must_stop: bool = Field(default=True, description="Fail unless the export's generation_config.json eos_token_id includes the chat template's end-of-turn token and every greedy generation of a held-out prompt ends at an eos token within max_new_tokens.")
+    generation_must_stop: bool = Field(default=True, description=(
+        "Fail unless the export's generation_config.json eos_token_id includes the chat template's end-of-turn token "
+        "and every greedy generation of a held-out prompt ends at an eos token within max_new_tokens."))
     max_new_tokens: int = Field(default=256, ge=1, description="Generation check: the most tokens a reply may take before it must have stopped.")
     num_prompts: int = Field(default=4, ge=1, description="Generation check: how many held-out SFT prompts (messages up to the last user turn) are decoded greedily.")
 
@@ -153,7 +167,9 @@ class HubConfig(_Frozen):
 
 class RunConfig(_Frozen):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", description="Run name, shown in the Prefect run name and the model card.")
-    run_root: str = Field(description="fsspec URI of this run's directory (local path, NFS path or s3://bucket/prefix); every stage artifact and run.json live under it. Relative paths are relative to the project root.")
+    run_root: str = Field(description=(
+        "fsspec URI of this run's directory (local path, NFS path or s3://bucket/prefix); every stage artifact and run.json live under it. "
+        "Relative paths are relative to the project root."))
     base_model: BaseModelConfig = Field(description="Where the model to continue pre-training comes from.")
     cpt: StageConfig = Field(description="Continued pre-training: packed raw text under plugin A.")
     sft: StageConfig = Field(description="Supervised fine-tuning: chat records, loss on assistant tokens, under plugin B.")
@@ -197,7 +213,8 @@ def gate_problems(cfg: RunConfig) -> list[tuple[str, str]]:
              ("generation_must_stop", "sft", g.generation_must_stop)]
     for name, stage, active in needs:
         if active and not getattr(cfg, stage).eval.enabled:
-            out.append((f"gate.{name}", f"needs a {stage.upper()} held-out set, but {stage}.eval.heldout_fraction is 0 and no heldout_uri is set; give one, or turn this check off (gate.enabled: false disables the whole gate)"))
+            out.append((f"gate.{name}", (f"needs a {stage.upper()} held-out set, but {stage}.eval.heldout_fraction is 0 and no heldout_uri is set; "
+                                         "give one, or turn this check off (gate.enabled: false disables the whole gate)")))
     return out
 
 

@@ -245,7 +245,8 @@ def generation_eos_problem(model_dir: Path, tokenizer) -> tuple[list[int], int |
 
 
 @torch.no_grad()
-def generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: str, max_new_tokens: int, num_prompts: int, dtype: str = "fp32", trust_remote_code: bool = False) -> tuple[dict[str, Any], list[dict]]:
+def generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: str, max_new_tokens: int, num_prompts: int,
+                     dtype: str = "fp32", trust_remote_code: bool = False) -> tuple[dict[str, Any], list[dict]]:
     """Greedy replies to held-out prompts through the chat template, with the model's own
     generation config (as a user of the export gets it). Returns (summary, one row per prompt)."""
     started = time.monotonic()
@@ -351,13 +352,17 @@ def metrics_table(cpt: dict | None, sft: dict | None, verdict: dict | None) -> l
 
     rows = []
     if cpt:
-        rows.append({"metric": "CPT held-out perplexity", "before": f"base {_fmt(cpt['base']['perplexity'])}", "after": f"CPT {_fmt(cpt['cpt']['perplexity'])}", "change": f"{cpt['perplexity_change_pct']:+.2f}%", "gate": verdict_of("cpt_perplexity")})
-        rows.append({"metric": "CPT held-out loss", "before": f"base {_fmt(cpt['base']['loss'])}", "after": f"CPT {_fmt(cpt['cpt']['loss'])}", "change": f"{cpt['cpt']['loss'] - cpt['base']['loss']:+.4f}", "gate": ""})
+        rows.append({"metric": "CPT held-out perplexity", "before": f"base {_fmt(cpt['base']['perplexity'])}", "after": f"CPT {_fmt(cpt['cpt']['perplexity'])}",
+                     "change": f"{cpt['perplexity_change_pct']:+.2f}%", "gate": verdict_of("cpt_perplexity")})
+        rows.append({"metric": "CPT held-out loss", "before": f"base {_fmt(cpt['base']['loss'])}", "after": f"CPT {_fmt(cpt['cpt']['loss'])}",
+                     "change": f"{cpt['cpt']['loss'] - cpt['base']['loss']:+.4f}", "gate": ""})
     if sft:
-        rows.append({"metric": "SFT held-out loss (assistant tokens)", "before": f"pre-SFT {_fmt(sft['pre_sft']['loss'])}", "after": f"SFT {_fmt(sft['sft']['loss'])}", "change": f"{sft['loss_change']:+.4f}", "gate": verdict_of("sft_loss")})
+        rows.append({"metric": "SFT held-out loss (assistant tokens)", "before": f"pre-SFT {_fmt(sft['pre_sft']['loss'])}", "after": f"SFT {_fmt(sft['sft']['loss'])}",
+                     "change": f"{sft['loss_change']:+.4f}", "gate": verdict_of("sft_loss")})
         gen = sft.get("generation")
         if gen:
-            rows.append({"metric": "generations that stop", "before": "", "after": f"{gen['stopped']} / {gen['prompts']}", "change": "; ".join(gen["problems"]), "gate": verdict_of("generation_stops")})
+            rows.append({"metric": "generations that stop", "before": "", "after": f"{gen['stopped']} / {gen['prompts']}",
+                         "change": "; ".join(gen["problems"]), "gate": verdict_of("generation_stops")})
     return rows
 
 

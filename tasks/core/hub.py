@@ -44,6 +44,6 @@ def hub_token(secret: Callable[[], str | None] | None = None) -> str | None:
         return None
     try:
         value = secret()
-    except Exception:
+    except Exception:  # no Secret block (or no Prefect API) means no token, the same as an unset HF_TOKEN
         return None
     return str(value) if value else None

@@ -100,7 +100,8 @@ def _zero_needs_mixed_precision(x: _Facts) -> list[Problem]:
 def _multinode_needs_rendezvous(x: _Facts) -> list[Problem]:
     launch = x.stage.launch
     if launch.nnodes > 1 and not launch.rdzv_endpoint:
-        return [(f"{x.where}.launch.rdzv_endpoint", f"nnodes={launch.nnodes} needs a c10d rendezvous endpoint host:port reachable from every node; without one the stage would wait forever for nodes that never join")]
+        return [(f"{x.where}.launch.rdzv_endpoint", (f"nnodes={launch.nnodes} needs a c10d rendezvous endpoint host:port reachable from every node; "
+                                                     "without one the stage would wait forever for nodes that never join"))]
     return []
 
 
@@ -128,7 +129,8 @@ def _rows_divide_microbatches(x: _Facts) -> list[Problem]:
         return []
     nmb, rows = num_microbatches(st), st.micro_batch_size * st.grad_accum_steps
     if rows % nmb:
-        return [(f"{x.f}.num_microbatches", f"a pipeline step splits micro_batch_size*grad_accum_steps = {rows} sequences per data-parallel rank into {nmb} micro-batches, which does not divide; set num_microbatches to a divisor of {rows}")]
+        return [(f"{x.f}.num_microbatches", (f"a pipeline step splits micro_batch_size*grad_accum_steps = {rows} sequences per data-parallel rank into {nmb} micro-batches, "
+                                             f"which does not divide; set num_microbatches to a divisor of {rows}"))]
     return []
 
 
@@ -137,7 +139,8 @@ def _rows_divide_microbatches(x: _Facts) -> list[Problem]:
 
 def _head_dims(mc: dict[str, Any]) -> dict[str, int]:
     n_heads = mc.get("num_attention_heads")
-    dims = (("num_attention_heads", n_heads), ("num_key_value_heads", mc.get("num_key_value_heads") or n_heads), ("intermediate_size", mc.get("intermediate_size")))
+    dims = (("num_attention_heads", n_heads), ("num_key_value_heads", mc.get("num_key_value_heads") or n_heads),
+            ("intermediate_size", mc.get("intermediate_size")))
     return {k: v for k, v in dims if isinstance(v, int)}
 
 
@@ -149,7 +152,8 @@ def _tp_divides_heads(x: _Facts) -> list[Problem]:
     bad = {k: v for k, v in dims.items() if v % tp}
     if not bad:
         return []
-    return [(f"{x.f}.tp_size", f"tp_size={tp} does not divide {' and '.join(f'{k}={v}' for k, v in bad.items())} of the base model: every rank needs whole attention/KV heads and MLP columns. Valid tp_size: {_divisors(math.gcd(*dims.values()))}")]
+    return [(f"{x.f}.tp_size", (f"tp_size={tp} does not divide {' and '.join(f'{k}={v}' for k, v in bad.items())} of the base model: "
+                                f"every rank needs whole attention/KV heads and MLP columns. Valid tp_size: {_divisors(math.gcd(*dims.values()))}"))]
 
 
 def _tp_divides_vocab(x: _Facts) -> list[Problem]:
@@ -158,7 +162,10 @@ def _tp_divides_vocab(x: _Facts) -> list[Problem]:
     if not isinstance(vocab, int) or tp <= 1 or vocab % tp == 0:
         return []
     valid = _divisors(math.gcd(vocab, *_head_dims(x.model).values()))
-    return [(f"{x.f}.tp_size", f"tp_size={tp} does not divide the base model's vocab_size={vocab}: ColossalAI would pad the embedding and LM head and then fail to checkpoint their optimizer state. Use a tp_size in {valid} or resize the vocabulary to a multiple of tp_size (model.resize_token_embeddings(n, pad_to_multiple_of=tp_size))")]
+    return [(f"{x.f}.tp_size", (f"tp_size={tp} does not divide the base model's vocab_size={vocab}: "
+                                "ColossalAI would pad the embedding and LM head and then fail to checkpoint their optimizer state. "
+                                f"Use a tp_size in {valid} or resize the vocabulary to a multiple of tp_size "
+                                "(model.resize_token_embeddings(n, pad_to_multiple_of=tp_size))"))]
 
 
 def _pp_within_layers(x: _Facts) -> list[Problem]:

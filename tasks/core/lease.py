@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Self
 
 from tasks.core.storage import RunStore
 
@@ -98,7 +98,7 @@ class Lease:
                     cur = self.current()
                     if cur and cur.get("token") == self.record["token"]:
                         self.store.write_text(LEASE, self._payload())
-                except Exception:
+                except Exception:  # a missed beat is retried next interval; the heartbeat thread must not die
                     pass
 
         self._thread = threading.Thread(target=beat, name="run-root-lease", daemon=True)
@@ -112,7 +112,7 @@ class Lease:
         if cur and cur.get("token") == self.record["token"]:
             self.store.remove(LEASE)
 
-    def __enter__(self) -> Lease:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

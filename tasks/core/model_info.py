@@ -101,15 +101,17 @@ def _read_hub(repo: str, revision: str) -> ModelInfo:
         try:
             with open(hf_hub_download(repo, name, revision=revision)) as f:
                 return json.load(f)
-        except Exception as exc:
+        except Exception as exc:  # network, HTTP, auth and JSON errors all mean the same here: unreadable
             if name == "config.json":
-                raise ConfigError([("base_model.uri", f"cannot read config.json of Hub repo {repo}@{revision} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); check the id and revision, the network, and HF_TOKEN for gated repos")]) from None
+                first_line = str(exc).splitlines()[0] if str(exc) else ""
+                raise ConfigError([("base_model.uri", (f"cannot read config.json of Hub repo {repo}@{revision} ({type(exc).__name__}: {first_line}); "
+                                                       "check the id and revision, the network, and HF_TOKEN for gated repos"))]) from None
             return None
 
     config = fetch("config.json") or {}
     try:
         files = sorted(f for f in HfApi().list_repo_files(repo, revision=revision) if "/" not in f)
-    except Exception as exc:
+    except Exception as exc:  # any Hub client error becomes a problem naming base_model.uri
         raise ConfigError([("base_model.uri", f"cannot list the files of Hub repo {repo}@{revision} ({type(exc).__name__})")]) from None
     return ModelInfo(
         source="hub",

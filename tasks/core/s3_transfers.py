@@ -65,7 +65,7 @@ async def all_or_nothing(aws: Iterable[Awaitable[Any]]) -> list[Any]:
     tasks = [asyncio.ensure_future(a) for a in aws]
     if not tasks:
         return []
-    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
     if failed is not None:
         for t in pending:
@@ -108,7 +108,7 @@ class S3Transfers:
         for up in uploads:
             try:
                 await self.call("abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"])
-            except Exception:
+            except Exception:  # optional clean-up: an upload that cannot be aborted now is tried again next publish
                 pass
         return len(uploads)
 
@@ -191,7 +191,7 @@ class S3Transfers:
             await asyncio.gather(*tasks, return_exceptions=True)
             try:  # best effort: a dead server keeps the parts, the next publish aborts them
                 await asyncio.wait_for(self.call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id), 5)
-            except BaseException:
+            except BaseException:  # cancellation included: the original error re-raised below is what matters
                 pass
             raise
 

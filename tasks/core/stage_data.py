@@ -70,5 +70,5 @@ def recorded_split(store: RunStore, stage: str) -> dict[str, Any] | None:
     """The split the stage trained with, for the manifests of the artifacts made from it."""
     try:
         return json.loads(store.read_text(f"{stage}/{SPLIT_FILE}"))
-    except Exception:
+    except Exception:  # no readable split record: the artifact's manifest says data_split null rather than failing
         return None

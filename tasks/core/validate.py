@@ -118,7 +118,8 @@ def _stage_layout(ctx: CheckContext, name: str, stage: StageConfig) -> None:
         dp = world // (p.tp_size * p.pp_size)
         heads = f", divides {mc.get('num_attention_heads')} heads / {mc.get('num_key_value_heads') or mc.get('num_attention_heads')} KV heads" if mc and p.tp_size > 1 else ""
         layers = f", {mc.get('num_hidden_layers')} layers" if mc and p.pp_size > 1 else ""
-        ctx.ok(f"{name} layout: {p.name} tp={p.tp_size}{heads} · pp={p.pp_size}{layers} · dp={dp} = {launch.nnodes} node(s) x {launch.nproc_per_node} = {world} ranks, {p.precision}, zero_stage {p.zero_stage}")
+        ctx.ok(f"{name} layout: {p.name} tp={p.tp_size}{heads} · pp={p.pp_size}{layers} · dp={dp} = "
+               f"{launch.nnodes} node(s) x {launch.nproc_per_node} = {world} ranks, {p.precision}, zero_stage {p.zero_stage}")
 
 
 def check_layout(ctx: CheckContext) -> None:
@@ -180,7 +181,8 @@ def check_base_model(ctx: CheckContext) -> None:
     safetensors = [n for n in files if n.endswith(".safetensors")]
     pickles = [n for n in files if n.endswith(PICKLE_SUFFIXES)]
     if not safetensors and pickles and not b.allow_pickle:
-        ctx.problem("base_model.allow_pickle", f"{ctx.model.where} has only pickle weights ({', '.join(pickles[:3])}); pickle files can run code when loaded. Convert them to safetensors, or set base_model.allow_pickle: true if you trust the source")
+        ctx.problem("base_model.allow_pickle", f"{ctx.model.where} has only pickle weights ({', '.join(pickles[:3])}); pickle files can run code when loaded. "
+                                               "Convert them to safetensors, or set base_model.allow_pickle: true if you trust the source")
     elif not safetensors and not pickles:
         ctx.problem("base_model.uri", f"{ctx.model.where} has no weight files (*.safetensors)")
     elif not safetensors:
@@ -189,7 +191,8 @@ def check_base_model(ctx: CheckContext) -> None:
         ctx.ok(f"base model {ctx.model.where}: {len(safetensors)} safetensors file(s)" + (f"; {len(pickles)} pickle file(s) ignored" if pickles and not b.allow_pickle else ""))
     auto_map = ctx.model.config.get("auto_map")
     if auto_map and not b.trust_remote_code:
-        ctx.problem("base_model.trust_remote_code", f"{ctx.model.where} needs its own Python code (config.json auto_map: {sorted(auto_map)}); review the repo and set base_model.trust_remote_code: true, or use a model transformers supports natively")
+        ctx.problem("base_model.trust_remote_code", f"{ctx.model.where} needs its own Python code (config.json auto_map: {sorted(auto_map)}); "
+                                                    "review the repo and set base_model.trust_remote_code: true, or use a model transformers supports natively")
     elif b.trust_remote_code:
         ctx.warn("base_model.trust_remote_code is true: the model repo's Python code will run in every stage")
     else:
@@ -220,7 +223,8 @@ def check_chat_template(ctx: CheckContext) -> None:
     if tc is None and not ctx.model.chat_template_file:
         ctx.problem("base_model.uri", f"{ctx.model.where} has no tokenizer_config.json: every stage needs the tokenizer saved beside the model")
     elif not ((tc or {}).get("chat_template") or ctx.model.chat_template_file):
-        ctx.problem("base_model.uri", f"the tokenizer of {ctx.model.where} has no chat_template: SFT renders conversations with it; add chat_template to tokenizer_config.json (or a chat_template.jinja file)")
+        ctx.problem("base_model.uri", f"the tokenizer of {ctx.model.where} has no chat_template: SFT renders conversations with it; "
+                                      "add chat_template to tokenizer_config.json (or a chat_template.jinja file)")
     else:
         ctx.ok("tokenizer: chat template present")
 

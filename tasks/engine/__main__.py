@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ManifestError, ValueError, FileNotFoundError) as exc:
         print(f"engine {args.verb} failed: {exc}", file=sys.stderr, flush=True)
         return 1
-    except Exception as exc:  # noqa: BLE001 - report anything, then exit non-zero
+    except Exception as exc:  # report anything, then exit non-zero
         traceback.print_exc()
         print(f"engine {args.verb} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1

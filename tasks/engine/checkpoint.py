@@ -44,8 +44,13 @@ from safetensors.torch import load_file, save_file
 
 from tasks.core.errors import ManifestError
 from tasks.core.manifest import MANIFEST, fsync_dir, verify_artifact
-from tasks.core.runlayout import STEP_RE, tmp_step_name
-from tasks.core.runlayout import step_name as step_name  # re-exported: checkpoints are named here for the engine
+from tasks.core.runlayout import STEP_RE, step_name, tmp_step_name
+
+# step_name is re-exported: the engine names its checkpoints through this module.
+__all__ = [
+    "KIND", "TRAIN_STATE", "ResumePoint", "capture_rng", "check_checkpoint", "commit", "find_resume", "list_steps",
+    "read_train_state", "remove_leftovers", "restore_rng", "retain", "step_name", "tmp_name", "write_json", "write_rng",
+]
 
 KIND = "colossalai-checkpoint"
 TRAIN_STATE = "train_state.json"

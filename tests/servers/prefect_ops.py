@@ -93,13 +93,12 @@ class PrefectServer:
 
     def start(self, timeout: float = 120.0) -> PrefectServer:
         self.home.mkdir(parents=True, exist_ok=True)
-        log = open(self.home / "server.log", "ab")
-        self.proc = subprocess.Popen(
-            [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port), "--analytics-off"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env(), cwd=str(self.home),
-            start_new_session=True,
-        )
-        log.close()
+        with open(self.home / "server.log", "ab") as log:  # the server keeps its own copy of the handle
+            self.proc = subprocess.Popen(
+                [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port), "--analytics-off"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env(), cwd=str(self.home),
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -144,13 +143,12 @@ class PrefectServer:
         return done
 
     def start_worker(self, pool: str, log_path: Path, **env: str) -> subprocess.Popen:
-        log = open(log_path, "ab")
-        proc = subprocess.Popen(
-            [PREFECT, "--no-prompt", "worker", "start", "--pool", pool, "--type", "process"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env(**env), cwd=str(REPO),
-            start_new_session=True,
-        )
-        log.close()
+        with open(log_path, "ab") as log:  # the worker keeps its own copy of the handle
+            proc = subprocess.Popen(
+                [PREFECT, "--no-prompt", "worker", "start", "--pool", pool, "--type", "process"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env(**env), cwd=str(REPO),
+                start_new_session=True,
+            )
         self.children.append(proc)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # a worker shows up in the pool once it has polled
@@ -260,7 +258,7 @@ def ensure_chromium(timeout: float = 900.0) -> tuple[str | None, str]:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for argv in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]):
         try:
-            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
             return None, f"`{' '.join(argv)}` timed out after {timeout:.0f}s"
         if done.returncode != 0:

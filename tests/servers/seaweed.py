@@ -106,9 +106,8 @@ class WeedServer:
         if self.proc and self.proc.poll() is None:
             return self
         (self.data_dir / "data").mkdir(exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
+        with open(self.log_path, "ab") as log:  # weed keeps its own copy of the handle
+            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

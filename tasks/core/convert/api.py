@@ -178,7 +178,7 @@ def load_state_dict_from_dir(directory: str | Path, allow_pickle: bool = False) 
             out.update({k: es[0].tensor for k, es in source.by_key.items() if es[0].file == name})  # type: ignore[misc]
             continue
         with safe_open(str(source.root / name), framework="pt", device="cpu") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping: it has keys() but no __iter__
                 out[key] = f.get_tensor(key)
     return out
 

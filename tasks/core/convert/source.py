@@ -247,7 +247,7 @@ def _scan_pickle(src: Path) -> Source:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except RuntimeError:
                 state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
+        except Exception as exc:  # unpickling a damaged file raises anything (UnpicklingError, EOFError, RuntimeError, ...)
             raise ConversionError(f"{name}: cannot load with torch.load(weights_only=True) ({exc}): corrupted or not a state dict") from None
         for key, t in state.items():
             if not isinstance(t, torch.Tensor) or t.dtype not in TORCH_TO_ST:
