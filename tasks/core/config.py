@@ -69,7 +69,17 @@ class PluginConfig(_Frozen):
     max_norm: float = Field(default=1.0, ge=0, description="Gradient clipping norm applied by the plugin's optimizer (0 disables).")
 
 
+class SlurmConfig(_Frozen):
+    partition: str | None = Field(default=None, description="Slurm partition the stage's jobs go to (sbatch --partition); null: the cluster's default partition.")
+    time_limit: str | None = Field(default=None, description="Wall-clock limit of each job in Slurm's syntax (sbatch --time), e.g. '2-00:00:00' or '90' (minutes); null: the partition's default. A job that hits it ends TIMEOUT and the retry resumes from the newest checkpoint.")
+    gpus_per_node: int = Field(default=0, ge=0, description="GPUs requested on every node (sbatch --gpus-per-node); 0 requests none (CPU ranks).")
+    account: str | None = Field(default=None, description="Slurm account charged for the jobs (sbatch --account); null: your default account.")
+    extra_sbatch_args: tuple[str, ...] = Field(default=(), description="More sbatch flags, one per item, e.g. ['--qos=high', '--exclusive', '--constraint=h100']. Node count, tasks per node and output files are set by the launcher and refused here.")
+
+
 class LaunchConfig(_Frozen):
+    backend: Literal["local", "slurm"] = Field(default="local", description="Where the stage's torchrun agents run: local (on the Prefect worker's node; other nodes are started by you) or slurm (one Slurm job per engine verb, one torchrun agent per allocated node).")
+    slurm: SlurmConfig | None = Field(default=None, description="Slurm job settings when backend is slurm; null takes every default (default partition and time limit, no GPUs).")
     nproc_per_node: int = Field(default=1, ge=1, description="Processes (GPUs, or CPU ranks without CUDA) per node for this stage.")
     nnodes: int = Field(default=1, ge=1, description="Number of nodes the stage spans (torchrun --nnodes).")
     node_rank: int = Field(default=0, ge=0, description="This node's rank when nnodes > 1 and no rendezvous endpoint is given.")
