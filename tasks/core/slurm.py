@@ -343,7 +343,7 @@ def wait_for_job(
             for node, line in logs.poll():
                 on_line(node, line)
         if info is None or not info.active:
-            final = info or last
+            final = info or _ended_while_completing(last, logs)
             if logs is not None and on_line is not None:
                 for node, line in logs.poll(final=True):
                     on_line(node, line)
@@ -354,10 +354,39 @@ def wait_for_job(
         time.sleep(poll_s)
 
 
+# slurmstepd writes this into the batch output when it kills a job (scancel, time limit, ...).
+_KILLED = re.compile(r"\*\*\* JOB \d+ ON \S+ CANCELLED AT \S+(?: DUE TO (TIME LIMIT|NODE FAILURE|PREEMPTION))?")
+_KILLED_STATES = {None: "CANCELLED", "TIME LIMIT": "TIMEOUT", "NODE FAILURE": "NODE_FAIL", "PREEMPTION": "PREEMPTED"}
+
+
+def _ended_while_completing(last: JobInfo, logs: NodeLogs | None) -> JobInfo:
+    """The state of a job the controller forgot while we last saw it COMPLETING.
+
+    A killed job's MinJobAge counts from the kill, and its processes may take longer than that
+    to end (KillWait), so it can leave the controller straight from COMPLETING (measured on the
+    test cluster, MinJobAge=5). slurmstepd's `*** JOB n ON node CANCELLED AT ... [DUE TO ...] ***`
+    line in the batch output then tells the state; without one, the exit code does.
+    """
+    if last.state != "COMPLETING":
+        return last
+    state = None
+    if logs is not None:
+        try:
+            m = _KILLED.search(logs.batch_log().read_text(errors="replace"))
+        except OSError:
+            m = None
+        if m:
+            state = _KILLED_STATES[m.group(1)]
+    if state is None:
+        state = "COMPLETED" if last.exit_code in ("", "0:0") else "FAILED"
+    return dataclasses.replace(last, state=state, reason=f"{last.reason}; read from the batch output after the controller forgot the job".lstrip("; "))
+
+
 _SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (.+)")
 _TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _RANK_PREFIX = re.compile(r"^\[rank (\d+)\]")
 _ERR = re.compile(r"(Traceback|Error|Exception|error:|Killed|Signal)")
+_RAISED = re.compile(r"\b\w+(Error|Exception|Interrupt): ")
 
 
 def failure_message(info: JobInfo, batch_lines: Sequence[str], node_lines: Mapping[str, Sequence[str]], what: str = "") -> str:
@@ -393,8 +422,11 @@ def failure_message(info: JobInfo, batch_lines: Sequence[str], node_lines: Mappi
     state = info.state
     why = FAILURE_STATES.get(state, f"the job ended in state {state}")
     head = f"Slurm job {info.job_id}{' (' + what + ')' if what else ''} ended {state}"
-    if info.exit_code and info.exit_code != "0:0":
-        head += f" (exit code {info.exit_code})"
+    rc, _, sig = info.exit_code.partition(":")
+    if sig not in ("", "0"):
+        head += f" (signal {sig})"
+    elif rc not in ("", "0"):
+        head += f" (exit code {rc})"
     if failed_nodes:
         where = "; ".join(
             f"node {n}" + (f", rank {', '.join(ranks[n])}" if n in ranks else "") + f": {detail}"
@@ -408,10 +440,13 @@ def failure_message(info: JobInfo, batch_lines: Sequence[str], node_lines: Mappi
     parts = [f"{head}. {why}."]
     order = list(failed_nodes) + [n for n in node_lines if n not in failed_nodes]
     for node in order:
-        lines = list(node_lines.get(node, ()))[-15:]
-        if lines:
+        every = list(node_lines.get(node, ()))
+        tail = every[-15:]
+        # torchrun's failure summary fills the tail; the exception that caused it is above it.
+        raised = [l for l in every[:-15] if _RAISED.search(l)][-3:] if node in failed_nodes else []
+        if tail:
             parts.append(f"--- node {node} ---")
-            parts.extend(lines)
+            parts.extend(raised + (["..."] if raised else []) + tail)
     errs = [l for l in batch_lines if "error" in l.lower()][-5:]
     if errs:
         parts.append("--- batch script ---")
