@@ -1,9 +1,12 @@
-"""Process boundary: build the torchrun command for an engine verb, run it, stream its output.
+"""Process boundary: build the torchrun command for an engine verb, run it on the stage's launch
+backend, stream its output.
 
-The argv builder is pure (unit-tested). `run_engine` writes the job file, starts torchrun, routes
-every line into the given logger with its rank prefix (the engine prefixes its own lines with
-`[rank N]`; lines without one come from torchrun itself), turns `@@progress` lines into progress
-callbacks, and on failure raises `StageFailed` with the failing ranks' last lines.
+The argv builder is pure (unit-tested). `run_engine` writes the job file and hands the verb to the
+runner of `launch.backend` (`RUNNERS`: `local` here, `slurm` in tasks/launch_slurm.py). Every
+runner feeds each output line to one `Router`, which logs it with its prefix (`[rank N]` from the
+engine, `[torchrun]` for the agent's own lines, and the node name first on Slurm), turns
+`@@progress` lines into progress callbacks and other `@@` events into `on_event`; a failure raises
+`StageFailed` with the failing ranks' last lines.
 
 Single node picks a free rendezvous port (`--standalone`); several nodes use c10d rendezvous:
 
@@ -28,6 +31,7 @@ from tasks.core.errors import StageFailed
 from tasks.core.events import PROGRESS, parse_line
 from tasks.core.job import Job
 
+REPO = Path(__file__).resolve().parents[1]
 _WARN = re.compile(r"\b(warn(ing)?|deprecat)", re.IGNORECASE)
 _ERR = re.compile(r"(Traceback|Error|Exception|error:)")
 
@@ -51,14 +55,43 @@ def torchrun_argv(verb: str, job_path: str | Path, launch: LaunchConfig, rdzv_id
 
 def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    repo = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     # Keep tokenizers from forking thread pools inside every rank.
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.update(extra or {})
     return env
+
+
+class Router:
+    """Routes engine output lines into the logger, the per-process tails and the progress/event
+    callbacks; the same for every backend, so a line reads the same wherever its rank ran."""
+
+    def __init__(self, logger, on_progress=None, on_event=None):
+        self.logger, self.on_progress, self.on_event = logger, on_progress, on_event
+        self.tails: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=25))
+        self.progress: list[dict[str, Any]] = []
+
+    def line(self, raw: str, node: str | None = None) -> None:
+        line = parse_line(raw)
+        who = f"{node} {line.who}" if node else line.who
+        body = line.body
+        self.tails[who].append(body)
+        if line.kind is not None:
+            if line.kind == PROGRESS:
+                self.progress.append(line.record)
+                if self.on_progress:
+                    self.on_progress(line.record)
+            elif self.on_event:
+                self.on_event(line.kind, line.record)
+            self.logger.info("[%s] %s %s", who, line.kind, line.payload)
+        elif _ERR.search(body):
+            self.logger.error("[%s] %s", who, body)
+        elif _WARN.search(body):
+            self.logger.warning("[%s] %s", who, body)
+        else:
+            self.logger.info("[%s] %s", who, body)
 
 
 def run_engine(
@@ -72,50 +105,38 @@ def run_engine(
     on_event: Callable[[str, dict[str, Any]], None] | None = None,
     env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Write `job` to `job_path`, run its engine verb under torchrun; return the parsed @@progress records."""
+    """Write `job` to `job_path`, run its engine verb on the stage's launch backend (`RUNNERS`);
+    return the parsed @@progress records."""
     job.write(job_path)
+    router = Router(logger, on_progress, on_event)
+    RUNNERS[launch.backend](verb, job, job_path, launch, rdzv_id, router, engine_env(env))
+    return router.progress
+
+
+def run_local(verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]) -> None:
+    """torchrun on this node, its output on a pipe; any exception kills its whole process group."""
     argv = torchrun_argv(verb, job_path, launch, rdzv_id)
-    logger.info("launch: %s", " ".join(argv))
-    tails: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=25))
-    progress: list[dict[str, Any]] = []
+    router.logger.info("launch: %s", " ".join(argv))
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=engine_env(env),
+        env=env,
         text=True,
         bufsize=1,
-        cwd=str(Path(__file__).resolve().parents[1]),
+        cwd=str(REPO),
         start_new_session=True,
     )
     assert proc.stdout is not None
     try:
         for raw in proc.stdout:
-            line = parse_line(raw.rstrip("\n"))
-            who, body = line.who, line.body
-            tails[who].append(body)
-            if line.kind is not None:
-                if line.kind == PROGRESS:
-                    progress.append(line.record)
-                    if on_progress:
-                        on_progress(line.record)
-                elif on_event:
-                    on_event(line.kind, line.record)
-                logger.info("[%s] %s %s", who, line.kind, line.payload)
-                continue
-            if _ERR.search(body):
-                logger.error("[%s] %s", who, body)
-            elif _WARN.search(body):
-                logger.warning("[%s] %s", who, body)
-            else:
-                logger.info("[%s] %s", who, body)
+            router.line(raw.rstrip("\n"))
         rc = proc.wait()
     except BaseException:
         _kill_group(proc)
         raise
     if rc != 0:
-        raise StageFailed(_failure_message(verb, rc, tails))
-    return progress
+        raise StageFailed(_failure_message(verb, rc, router.tails))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -137,3 +158,18 @@ def _failure_message(verb: str, rc: int, tails: dict[str, collections.deque]) ->
         parts.append(f"--- {who} ---")
         parts.extend(list(lines)[-15:])
     return "\n".join(parts)
+
+
+def run_slurm(verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]) -> None:
+    from tasks.launch_slurm import run_slurm as run
+
+    run(verb, job, job_path, launch, rdzv_id, router, env)
+
+
+# One runner per `tasks.core.backends.BACKENDS` row (tests/test_structure.py checks the keys match):
+# each runs one engine verb to completion or raises StageFailed, and ends what it started when
+# interrupted (Prefect's cancellation arrives as an exception in this process).
+RUNNERS: dict[str, Callable[[str, Job, Path, LaunchConfig, str, Router, dict[str, str]], None]] = {
+    "local": run_local,
+    "slurm": run_slurm,
+}

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
+from tasks.core.backends import BACKENDS
 from tasks.core.errors import ConfigError
 from tasks.core.plugins import PLUGINS, Precision
 
@@ -37,6 +38,15 @@ PluginName = Annotated[
     AfterValidator(_registered_plugin),
     WithJsonSchema({"type": "string", "enum": None}),  # enum filled in by PluginConfig's schema hook
 ]
+
+
+def _registered_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown launch backend {name!r}; registered backends: {', '.join(BACKENDS)}")
+    return name
+
+
+BackendName = Annotated[str, AfterValidator(_registered_backend), WithJsonSchema({"type": "string", "enum": None})]
 
 
 class _Frozen(BaseModel):
@@ -77,8 +87,16 @@ class SlurmConfig(_Frozen):
     extra_sbatch_args: tuple[str, ...] = Field(default=(), description="More sbatch flags, one per item, e.g. ['--qos=high', '--exclusive', '--constraint=h100']. Node count, tasks per node and output files are set by the launcher and refused here.")
 
 
+def _launch_schema(schema: dict[str, Any]) -> None:
+    backend = schema["properties"]["backend"]
+    backend["enum"] = list(BACKENDS)
+    backend["description"] = "Where the stage's torchrun agents run: " + "; ".join(f"{n} ({b.summary})" for n, b in BACKENDS.items()) + "."
+
+
 class LaunchConfig(_Frozen):
-    backend: Literal["local", "slurm"] = Field(default="local", description="Where the stage's torchrun agents run: local (on the Prefect worker's node; other nodes are started by you) or slurm (one Slurm job per engine verb, one torchrun agent per allocated node).")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_launch_schema)
+
+    backend: BackendName = Field(default="local", description="Where the stage's torchrun agents run (see tasks/core/backends.py).")
     slurm: SlurmConfig | None = Field(default=None, description="Slurm job settings when backend is slurm; null takes every default (default partition and time limit, no GPUs).")
     nproc_per_node: int = Field(default=1, ge=1, description="Processes (GPUs, or CPU ranks without CUDA) per node for this stage.")
     nnodes: int = Field(default=1, ge=1, description="Number of nodes the stage spans (torchrun --nnodes).")

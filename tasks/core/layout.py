@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tasks.core.backends import BACKENDS
 from tasks.core.errors import ConfigError
 from tasks.core.plugins import PLUGINS, PluginSpec
 
@@ -97,12 +98,31 @@ def _zero_needs_mixed_precision(x: _Facts) -> list[Problem]:
     return []
 
 
-def _multinode_needs_rendezvous(x: _Facts) -> list[Problem]:
+def _rendezvous_by_backend(x: _Facts) -> list[Problem]:
+    """Who places a multi-node rendezvous is the backend's `rendezvous` (tasks.core.backends)."""
     launch = x.stage.launch
+    spec = BACKENDS.get(launch.backend)
+    if spec is None:  # the config's own validator names the unknown backend
+        return []
+    if spec.rendezvous == "scheduler":
+        if launch.rdzv_endpoint or launch.node_rank:
+            return [(f"{x.where}.launch.rdzv_endpoint", f"the {spec.name} backend places the rendezvous on the job's first node and numbers the nodes itself; remove rdzv_endpoint and node_rank")]
+        return []
     if launch.nnodes > 1 and not launch.rdzv_endpoint:
         return [(f"{x.where}.launch.rdzv_endpoint", (f"nnodes={launch.nnodes} needs a c10d rendezvous endpoint host:port reachable from every node; "
-                                                     "without one the stage would wait forever for nodes that never join"))]
+                                                     "without one the stage would wait forever for nodes that never join (or use a backend that starts every node, e.g. backend: slurm)"))]
     return []
+
+
+def _backend_settings(x: _Facts) -> list[Problem]:
+    """Only the chosen backend's settings section may be set; then the backend's own static rules."""
+    launch = x.stage.launch
+    spec = BACKENDS.get(launch.backend)
+    if spec is None:
+        return []
+    out = [(f"{x.where}.launch.{other.settings}", f"is set but backend is {spec.name}, so it would be ignored; set backend: {other.name} or remove the {other.settings} section")
+           for other in BACKENDS.values() if other.settings and other.settings != spec.settings and getattr(launch, other.settings, None) is not None]
+    return out + (spec.static_problems(launch, f"{x.where}.launch") if spec.static_problems else [])
 
 
 def _world_divisible(x: _Facts) -> list[Problem]:
@@ -198,7 +218,8 @@ RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
     ("static", _zero_stage_allowed),
     ("static", _precision_allowed),
     ("static", _zero_needs_mixed_precision),
-    ("static", _multinode_needs_rendezvous),
+    ("static", _rendezvous_by_backend),
+    ("static", _backend_settings),
     ("static", _world_divisible),
     ("static", _pipeline_microbatches),
     ("batch", _rows_divide_microbatches),

@@ -31,6 +31,7 @@ Decisions recorded here:
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -301,6 +302,32 @@ def check_model_family(ctx: CheckContext) -> None:
     )
 
 
+def check_launch_backend(ctx: CheckContext) -> None:
+    """Each stage's launch backend asks its cluster (`BackendSpec.preflight`: for Slurm the
+    controller answers, the partition exists, nodes x GPUs fit it), and a backend whose ranks run
+    on other nodes needs a run root every node sees."""
+    from tasks.core.backends import BACKENDS
+
+    for name in ("cpt", "sft"):
+        stage = getattr(ctx.cfg, name)
+        launch = stage.launch
+        spec = BACKENDS[launch.backend]
+        if spec.preflight is None:
+            continue
+        module, _, fn = spec.preflight.partition(":")
+        problems = getattr(importlib.import_module(module), fn)(launch, f"{name}.launch", tp_pp=stage.plugin.tp_size * stage.plugin.pp_size)
+        for where, msg in problems:
+            ctx.problem(where, msg)
+        if spec.remote_nodes and launch.nnodes > 1 and "://" in ctx.cfg.run_uri:
+            ctx.problem("run_root", f"{name} runs on {launch.nnodes} {spec.name} nodes, but the run root {ctx.cfg.run_uri} is staged on the Prefect worker's node only, where the other nodes' ranks cannot write their "
+                                    "checkpoint parts; use a run root on a filesystem every node mounts at the same path (NFS, Lustre), or nnodes: 1 for this stage")
+        elif spec.remote_nodes and launch.nnodes > 1:
+            ctx.warn(f"{name}.launch: {launch.nnodes} {spec.name} nodes write checkpoints under {ctx.cfg.run_uri}; it must be a shared filesystem (NFS, Lustre) mounted at the same path on every node, and so must this checkout and its Python")
+        if not problems:
+            part = (launch.slurm.partition if launch.slurm else None) or "(default)"
+            ctx.ok(f"{name} {spec.name}: the cluster answers, {launch.nnodes} node(s) x {launch.nproc_per_node} process(es) fit partition {part}")
+
+
 CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_static_rules,
     check_layout,
@@ -310,6 +337,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_chat_template,
     check_data,
     check_run_root,
+    check_launch_backend,
     check_staging_space,
     check_hub,
     check_model_family,

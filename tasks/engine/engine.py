@@ -30,6 +30,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -119,6 +121,10 @@ class Engine:
         self.layout = layout_of(self.plugin, self.pcfg)
         self.booster = Booster(plugin=self.plugin, mixed_precision=booster_mixed_precision(self.pcfg))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # Which node each rank runs on, for the manifests: Slurm names its (possibly emulated)
+        # nodes in SLURMD_NODENAME; elsewhere the host name is the node.
+        self.rank_nodes: list[str] = [""] * self.world
+        dist.all_gather_object(self.rank_nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
         self.autocast = uses_autocast(self.pcfg)
         from colossalai.accelerator import get_accelerator
 
@@ -289,6 +295,8 @@ class Engine:
                 "max_steps": self.cfg.max_steps,
                 "plugin": plugin_meta(self.pcfg, self.cfg),
                 "world_size": self.world,
+                "nodes": sorted(set(self.rank_nodes)),
+                "rank_nodes": self.rank_nodes,
                 "dp_size": self.layout.dp_size,
                 "weights_dtype": self.weights_dtype,
                 "tokens_seen": state["tokens_seen"],
