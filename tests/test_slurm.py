@@ -36,7 +36,7 @@ def test_render_batch_script_has_one_agent_per_node_and_every_setting(tmp_path):
     launch = LaunchConfig(backend="slurm", nnodes=4, nproc_per_node=8, slurm=SlurmConfig(
         partition="gpu", time_limit="2-00:00:00", gpus_per_node=8, account="llm", extra_sbatch_args=("--qos=high", "--exclusive")))
     script = render_batch_script(engine_program("train", "/runs/x/cpt/train.json"), launch, "x-cpt-train", tmp_path / "logs", "/repo", python="/venv/bin/python")
-    directives = [l.removeprefix("#SBATCH ") for l in script.splitlines() if l.startswith("#SBATCH")]
+    directives = [ln.removeprefix("#SBATCH ") for ln in script.splitlines() if ln.startswith("#SBATCH")]
     assert directives == [
         "--job-name=x-cpt-train", "--nodes=4", "--ntasks-per-node=1", f"--output={tmp_path / 'logs'}/job-%j.batch.log",
         "--chdir=/repo", "--no-requeue", "--partition=gpu", "--time=2-00:00:00", "--gpus-per-node=8", "--account=llm",
@@ -145,7 +145,7 @@ def test_two_node_torchrun_rendezvous_across_n1_and_n2(slurm_cluster, tmp_path):
     t0 = time.monotonic()
     info = wait_for_job(cli, job_id, logs, _collect(lines), poll_s=0.5, timeout=240)
     elapsed = time.monotonic() - t0
-    assert info.state == "COMPLETED", failure_message(info, [l for n, l in lines if n == "batch"], {})
+    assert info.state == "COMPLETED", failure_message(info, [ln for n, ln in lines if n == "batch"], {})
     probes = {}
     for node, line in lines:
         if "@@probe " in line:
@@ -157,7 +157,7 @@ def test_two_node_torchrun_rendezvous_across_n1_and_n2(slurm_cluster, tmp_path):
     for node, rec in probes.values():
         assert rec["node"] == node and rec["world"] == 2 and rec["sum"] == 3.0 and rec["job"] == job_id
     assert set(logs.node_files()) == {"n1", "n2"}
-    rdzv = [json.loads(l.split("@@slurm ", 1)[1]) for n, l in lines if n == "batch" and "@@slurm " in l]
+    rdzv = [json.loads(ln.split("@@slurm ", 1)[1]) for n, ln in lines if n == "batch" and "@@slurm " in ln]
     assert rdzv and rdzv[0]["nodes"] == "n1 n2" and rdzv[0]["rdzv_endpoint"].startswith("127.0.0.1:")
     print(f"two-node rendezvous job {job_id}: submit to COMPLETED in {elapsed:.1f}s")
 
@@ -175,7 +175,7 @@ def test_failing_rank_maps_to_failed_naming_node_and_rank(slurm_cluster, tmp_pat
     first = msg.splitlines()[0]
     assert first.startswith(f"Slurm job {job_id} (probe) ended FAILED"), msg
     # c10d hands out global ranks at the rendezvous, so n2's rank is whichever it reported.
-    n2_rank = next(json.loads(l.split("@@probe ", 1)[1])["rank"] for l in by_node["n2"] if "@@probe " in l)
+    n2_rank = next(json.loads(ln.split("@@probe ", 1)[1])["rank"] for ln in by_node["n2"] if "@@probe " in ln)
     assert f"node n2, rank {n2_rank}: Exited with exit code 1" in first, msg
     assert "RuntimeError: probe failure on purpose on n2" in msg, msg
 
@@ -185,7 +185,7 @@ def test_cancelled_job_maps_to_cancelled_and_leaves_no_process(slurm_cluster, tm
     cli, job_id, logs = _submit(slurm_cluster, tmp_path, "sleep")
     seen: list[tuple[str, str]] = []
     deadline = time.monotonic() + 120
-    while sum(" ready pid=" in l for _, l in seen) < 2:
+    while sum(" ready pid=" in ln for _, ln in seen) < 2:
         assert time.monotonic() < deadline, f"ranks never got ready: {seen}"
         seen += list(logs.poll())
         info = cli.job(job_id)
@@ -237,8 +237,8 @@ def test_preflight_refuses_an_unreachable_controller_within_its_timeout(slurm_cl
     dead = free_ports(1)[0]
     conf = tmp_path / "slurm.conf"
     conf.write_text("\n".join(
-        f"SlurmctldPort={dead}" if l.startswith("SlurmctldPort=") else l
-        for l in slurm_cluster.conf.read_text().splitlines()) + "\n")
+        f"SlurmctldPort={dead}" if ln.startswith("SlurmctldPort=") else ln
+        for ln in slurm_cluster.conf.read_text().splitlines()) + "\n")
     t0 = time.monotonic()
     problems = preflight(_launch(partition="debug"), "cpt.launch", cli=SlurmCli(env={"SLURM_CONF": str(conf)}))
     elapsed = time.monotonic() - t0

@@ -105,7 +105,7 @@ def test_cpt_stage_across_two_slurm_nodes_fails_on_a_killed_rank_and_resumes(slu
         assert meta["world_size"] == 2 and manifest["config_digest"] == "c" * 64
         assert meta["nodes"] == ["n1", "n2"] and sorted(meta["rank_nodes"]) == ["n1", "n2"], meta
     # The engine logs from rank 0; its lines carry the node it ran on (c10d decides which).
-    ranked = {tuple(l[1:l.index("]")].split()[::2]) for l in handler.lines if l.startswith("[n") and " rank " in l.split("]")[0]}
+    ranked = {tuple(ln[1:ln.index("]")].split()[::2]) for ln in handler.lines if ln.startswith("[n") and " rank " in ln.split("]")[0]}
     assert ranked and all(node in ("n1", "n2") for node, _ in ranked), ranked
     record = json.loads((stage_dir / ".launch" / "train.slurm.json").read_text())
     assert record["job_id"].isdigit() and record["name"] == "t-cpt-train"
@@ -169,10 +169,10 @@ run_engine("shard", parse_job(d["job"]), Path({str(job_path)!r}), LaunchConfig(*
         stop.set()
         sampler.join(timeout=30)
     assert seen_queues and all(q in ([], [job_id]) for q in seen_queues), seen_queues
-    attach = [l for l in handler.lines if f"re-attaching to Slurm job {job_id}" in l]
+    attach = [ln for ln in handler.lines if f"re-attaching to Slurm job {job_id}" in ln]
     assert attach and "found by name t-reattach" in attach[0] and "already logged by the earlier attempt is skipped" in attach[0], handler.lines[:20]
-    assert not any("submitted Slurm job" in l for l in handler.lines)
-    assert not any("@@slurm" in l for l in handler.lines)  # the batch script's first line was logged by the child
+    assert not any("submitted Slurm job" in ln for ln in handler.lines)
+    assert not any("@@slurm" in ln for ln in handler.lines)  # the batch script's first line was logged by the child
     assert json.loads(record.read_text())["job_id"] == job_id
     from tasks.core.manifest import verify_artifact
 

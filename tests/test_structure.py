@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import tiny_config_raw
+
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tasks"
 MAX_LINES = 450
@@ -164,3 +166,37 @@ def test_the_run_layout_names_every_stage_the_flow_runs():
     flow = (ROOT / "flows" / "cpt_to_sft.py").read_text()
     for name in STAGE_NAMES:
         assert f'"{name}"' in flow, f"the flow does not run {name}"
+
+
+def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(tiny_model_dir, tmp_path):
+    """BACKENDS (tasks/core/backends.py) and RUNNERS (tasks/launch.py) have the same keys; a
+    registered backend is accepted by the config, its rendezvous rule comes from its row, and
+    run_engine dispatches to its runner without any other change."""
+    import logging
+
+    import tasks.launch as launch_mod
+    from tasks.core.backends import BACKENDS, BackendSpec, register
+    from tasks.core.config import ConfigError, parse_config
+    from tasks.core.job import Job, Parent
+
+    assert set(BACKENDS) == set(launch_mod.RUNNERS)
+    ran = []
+    register(BackendSpec(name="dummy_sched", summary="test", rendezvous="scheduler"))
+    launch_mod.RUNNERS["dummy_sched"] = lambda verb, job, path, launch, rdzv, router, env: ran.append((verb, launch.nnodes)) or router.line("[rank 0] @@progress {\"step\": 1}")
+    try:
+        raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
+        raw["cpt"]["launch"] = {"backend": "dummy_sched", "nnodes": 2, "nproc_per_node": 1}
+        cfg = parse_config(raw)  # no rdzv_endpoint needed: the scheduler places it
+        raw["cpt"]["launch"]["rdzv_endpoint"] = "h:1"
+        with pytest.raises(ConfigError, match="dummy_sched backend places the rendezvous"):
+            parse_config(raw)
+        job = Job(verb="train", stage="cpt", run=cfg, model_dir=tiny_model_dir, tokenizer_dir=tiny_model_dir, data_path=tmp_path / "d.jsonl",
+                  stage_dir=tmp_path / "run" / "cpt", parent=Parent(uri=None, digest=None), config_digest=None)
+        progress = launch_mod.run_engine("train", job, tmp_path / "job.json", cfg.cpt.launch, "r", logging.getLogger("t"))
+        assert ran == [("train", 2)] and progress == [{"step": 1}]
+    finally:
+        BACKENDS.pop("dummy_sched", None)
+        launch_mod.RUNNERS.pop("dummy_sched", None)
+    raw["cpt"]["launch"] = {"backend": "dummy_sched"}
+    with pytest.raises(ConfigError, match="unknown launch backend 'dummy_sched'"):
+        parse_config(raw)

@@ -52,7 +52,7 @@ def _sbatch_flag_problems(launch: LaunchConfig, where: str) -> list[Problem]:
         flag = arg.split("=", 1)[0]
         short = any(flag.startswith(f) and len(flag) > 2 for f in LAUNCHER_SBATCH_FLAGS if len(f) == 2)
         if flag in LAUNCHER_SBATCH_FLAGS or short:
-            out.append((f"{where}.slurm.extra_sbatch_args[{i}]", f"{arg!r} is set by the launcher (nodes from launch.nnodes, one task per node, its own job name, comment and output files); remove it"))
+            out.append((f"{where}.slurm.extra_sbatch_args[{i}]", f"{arg!r} is set by the launcher (nodes from launch.nnodes, one task per node, its job name, comment and output files); remove it"))
     return out
 
 

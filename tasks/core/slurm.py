@@ -245,7 +245,8 @@ def preflight(launch: LaunchConfig, where: str, tp_pp: int = 1, cli: SlurmCli | 
         out.append((f"{f}.partition", f"partition {part.name!r} is {part.state}, not UP: jobs would wait until an administrator brings it up"))
     limit = part.total_nodes if part.max_nodes is None else min(part.total_nodes, part.max_nodes)
     if launch.nnodes > limit:
-        out.append((f"{where}.nnodes", f"{launch.nnodes} nodes do not fit partition {part.name!r}: it has {part.total_nodes} node(s)" + (f" and MaxNodes={part.max_nodes}" if part.max_nodes is not None else "") + f"; use at most {limit}"))
+        cap = f" and MaxNodes={part.max_nodes}" if part.max_nodes is not None else ""
+        out.append((f"{where}.nnodes", f"{launch.nnodes} nodes do not fit partition {part.name!r}: it has {part.total_nodes} node(s){cap}; use at most {limit}"))
     if s.gpus_per_node:
         try:
             gpus = cli.node_gpus(part.name)

@@ -84,7 +84,7 @@ class SlurmCluster:
         return dict(line.split(None, 1) for line in out.splitlines() if line.strip())
 
     def queue(self) -> list[str]:
-        return [l for l in self.client("squeue", "-h", "-o", "%i %T").stdout.splitlines() if l.strip()]
+        return [ln for ln in self.client("squeue", "-h", "-o", "%i %T").stdout.splitlines() if ln.strip()]
 
     # -- configuration ------------------------------------------------------------------------
 
