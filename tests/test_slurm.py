@@ -44,8 +44,8 @@ def test_render_batch_script_has_one_agent_per_node_and_every_setting(tmp_path):
     ]
     srun = script[script.index("srun "):]
     for part in ("--nodes=\"$SLURM_NNODES\"", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-                 "/venv/bin/python -m torch.distributed.run --nnodes=$SLURM_NNODES --nproc-per-node=8 --rdzv-backend=c10d "
-                 "--rdzv-endpoint=\"$head_addr:$port\" --rdzv-id=$SLURM_JOB_ID",
+                 ("/venv/bin/python -m torch.distributed.run --nnodes=$SLURM_NNODES --nproc-per-node=8 --rdzv-backend=c10d "
+                  "--rdzv-endpoint=\"$head_addr:$port\" --rdzv-id=$SLURM_JOB_ID"),
                  "-m tasks.engine train --config /runs/x/cpt/train.json",
                  f"{tmp_path / 'logs'}/job-\"$SLURM_JOB_ID\""):
         assert part in srun, part

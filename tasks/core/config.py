@@ -81,10 +81,12 @@ class PluginConfig(_Frozen):
 
 class SlurmConfig(_Frozen):
     partition: str | None = Field(default=None, description="Slurm partition the stage's jobs go to (sbatch --partition); null: the cluster's default partition.")
-    time_limit: str | None = Field(default=None, description="Wall-clock limit of each job in Slurm's syntax (sbatch --time), e.g. '2-00:00:00' or '90' (minutes); null: the partition's default. A job that hits it ends TIMEOUT and the retry resumes from the newest checkpoint.")
+    time_limit: str | None = Field(default=None, description=("Wall-clock limit of each job in Slurm's syntax (sbatch --time), e.g. '2-00:00:00' or '90' (minutes); null: the partition's default. "
+                                                                  "A job that hits it ends TIMEOUT and the retry resumes from the newest checkpoint."))
     gpus_per_node: int = Field(default=0, ge=0, description="GPUs requested on every node (sbatch --gpus-per-node); 0 requests none (CPU ranks).")
     account: str | None = Field(default=None, description="Slurm account charged for the jobs (sbatch --account); null: your default account.")
-    extra_sbatch_args: tuple[str, ...] = Field(default=(), description="More sbatch flags, one per item, e.g. ['--qos=high', '--exclusive', '--constraint=h100']. Node count, tasks per node and output files are set by the launcher and refused here.")
+    extra_sbatch_args: tuple[str, ...] = Field(default=(), description=("More sbatch flags, one per item, e.g. ['--qos=high', '--exclusive', '--constraint=h100']. "
+                                                                               "Node count, tasks per node, job name, comment and output files are set by the launcher and refused here."))
 
 
 def _launch_schema(schema: dict[str, Any]) -> None:

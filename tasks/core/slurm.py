@@ -256,8 +256,8 @@ def preflight(launch: LaunchConfig, where: str, tp_pp: int = 1, cli: SlurmCli | 
         enough = sum(1 for n in gpus.values() if n >= s.gpus_per_node)
         if enough < launch.nnodes:
             most = max(gpus.values(), default=0)
-            out.append((f"{f}.gpus_per_node", f"{launch.nnodes} node(s) x {s.gpus_per_node} GPUs do not fit partition {part.name!r}: "
-                                               f"{enough} of its nodes have that many GPUs (the most on one node is {most})"))
+            out.append((f"{f}.gpus_per_node", (f"{launch.nnodes} node(s) x {s.gpus_per_node} GPUs do not fit partition {part.name!r}: "
+                                                f"{enough} of its nodes have that many GPUs (the most on one node is {most})")))
     return out
 
 

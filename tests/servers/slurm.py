@@ -74,7 +74,7 @@ class SlurmCluster:
 
     def client(self, *argv: str, timeout: float = CLIENT_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess:
         env = {**os.environ, **self.env()}
-        proc = subprocess.run(list(argv), env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(list(argv), env=env, capture_output=True, text=True, timeout=timeout, check=False)
         if check and proc.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
         return proc
@@ -133,7 +133,7 @@ class SlurmCluster:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def start(self, timeout: float = 60.0) -> "SlurmCluster":
+    def start(self, timeout: float = 60.0) -> SlurmCluster:
         if os.geteuid() != 0:
             raise RuntimeError("the Slurm test cluster needs root (slurmd switches to the job's user)")
         t0 = time.monotonic()
@@ -169,13 +169,12 @@ class SlurmCluster:
         self._wait(self.socket.exists, 15, "munged's socket")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        log = open(self.base / f"{name}.stdout", "ab")
         exe = shutil.which(argv[0], path=_path()) or argv[0]
-        self.procs[name] = subprocess.Popen(
-            [exe, *argv[1:]], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.env()}, start_new_session=True,
-        )
-        log.close()
+        with open(self.base / f"{name}.stdout", "ab") as log:
+            self.procs[name] = subprocess.Popen(
+                [exe, *argv[1:]], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env()}, start_new_session=True,
+            )
 
     def _wait(self, ready, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
