@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger
 
 from tasks import ui
+from tasks.core.backends import BACKENDS
 from tasks.core.config import RunConfig
 from tasks.core.events import CHECKPOINT
-from tasks.core.job import Job, Parent
+from tasks.core.job import Job, NodeStaging, Parent
 from tasks.core.paths import resolve_local
 from tasks.core.runlayout import TRAINING, step_name, step_rel
 from tasks.core.stage_data import heldout_split, record_split
@@ -51,6 +54,20 @@ def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:
             return
 
 
+def _node_staging(cfg: RunConfig, store: RunStore, stage: str, verb: str, model_rel: str, data: Path) -> NodeStaging | None:
+    """Per-node staging when the run root is remote and the backend runs ranks on other nodes:
+    those nodes see neither the worker's staging nor each other's, so they stage from the run
+    root themselves (tasks/engine/node_staging.py). The data file the stage trains on is put into
+    the run root for them (`<stage>/.launch/inputs/`)."""
+    launch = getattr(cfg, stage).launch
+    if store.local or launch.nnodes == 1 or not BACKENDS[launch.backend].remote_nodes:
+        return None
+    data_rel = f"{stage}/.launch/inputs/{verb}-{data.name}"
+    store.write_text(data_rel, data.read_text())
+    base = cfg.staging_dir or tempfile.gettempdir()
+    return NodeStaging(run_uri=cfg.run_uri, dir=f"{base}/cpt-to-sft-nodes/{{node}}", model_rel=model_rel, data_rel=data_rel, stage_rel=TRAINING[stage].checkpoints)
+
+
 def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageResult, cdigest: str) -> Job:
     source_rel = TRAINING[stage].source
     source = store.stage_in(parent.rel if verb == "shard" else source_rel) if not store.local else store.local_path(source_rel)
@@ -61,9 +78,11 @@ def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageRe
         record_split(store, stage, split)
     else:
         data = fetch_to_local(resolve_local(getattr(cfg, stage).data.uri), store.staging / "data" / stage)
+    nodes = _node_staging(cfg, store, stage, verb, parent.rel if verb == "shard" else source_rel, data)
     return Job(
         verb=verb, stage=stage, run=cfg, model_dir=source, tokenizer_dir=source, data_path=data,
         stage_dir=store.local_path(TRAINING[stage].checkpoints), parent=Parent(uri=parent.uri, digest=parent.digest), config_digest=cdigest,
+        nodes=nodes,
     )
 
 
@@ -79,7 +98,10 @@ def _shard(cfg: RunConfig, stage: str, parent: StageResult, task_name: str) -> S
     if st.skipped:
         return st.result
     _supersede_foreign(st.store, stage, cdigest)
-    _launch(cfg, st.store, _job(cfg, st.store, stage, "shard", parent, cdigest))
+    job = _job(cfg, st.store, stage, "shard", parent, cdigest)
+    _launch(cfg, st.store, job)
+    if job.nodes is not None:  # the nodes published it; done() finds it whole remotely
+        st.store.stage_in(st.rel)
     return st.done({"plugin": getattr(cfg, stage).plugin.name})
 
 
@@ -104,12 +126,13 @@ def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
     if run.skipped:
         return run.result
     job = _job(cfg, store, stage, "train", start, cdigest)
-    if not store.local:
+    if not store.local and job.nodes is None:
         _stage_in_latest(store, stage)
 
     def on_event(kind: str, record: dict[str, Any]) -> None:
         if kind == CHECKPOINT and not store.local:
-            store.publish(step_rel(stage, int(record["step"])))
+            if job.nodes is None:  # with per-node staging the nodes published it themselves
+                store.publish(step_rel(stage, int(record["step"])))
             _retain_remote(store, stage, st.keep_last)
 
     progress = ui.Progress(stage, st.max_steps)
@@ -117,6 +140,8 @@ def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
         _launch(cfg, store, job, on_progress=progress, on_event=on_event, env=_fault_env(stage))
     finally:
         progress.flush()  # a failed stage shows the step it reached
+    if job.nodes is not None:
+        store.stage_in(run.rel)
     state = json.loads((store.local_path(run.rel) / "train_state.json").read_text())
     losses = [float(x) for x in state.get("losses", [])]
     # Beside the stage's checkpoints, in the run root itself (S3 included), not only in staging.

@@ -39,6 +39,19 @@ class Parent(BaseModel):
     digest: str | None = Field(description="sha256 of that artifact's manifest.")
 
 
+class NodeStaging(BaseModel):
+    """An `s3://` run root on several nodes: each node stages into its own directory
+    (tasks/engine/node_staging.py); the local paths of the job are the worker's and unused there."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_uri: str = Field(description="The remote run root.")
+    dir: str = Field(description="Node-local staging directory; '{node}' is replaced by the node's name.")
+    model_rel: str = Field(description="Artifact in the run root holding the model and tokenizer (model_dir).")
+    data_rel: str = Field(description="The stage's training data file in the run root (data_path).")
+    stage_rel: str = Field(description="The stage's checkpoint directory in the run root (stage_dir).")
+
+
 class Job(BaseModel):
     """One engine verb of one stage; recorded as-is (parent, config_digest) in its manifests."""
 
@@ -53,6 +66,7 @@ class Job(BaseModel):
     stage_dir: AbsPath = Field(description="Directory holding the stage's step-NNNNNN checkpoints.")
     parent: Parent | None = Field(description="The artifact this stage starts from, recorded in manifests.")
     config_digest: str | None = Field(description="The stage's config digest, recorded in manifests.")
+    nodes: NodeStaging | None = Field(default=None, description="Per-node staging of a remote run root; None: every path is used as is.")
     _source: str = PrivateAttr(default="job")
 
     @property

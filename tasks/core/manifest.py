@@ -91,8 +91,10 @@ def write_manifest(
     fingerprint: dict[str, Any] | None = None,
     known_hashes: dict[str, dict] | None = None,
     exclude: Iterable[str] = (),
+    other_files: dict[str, dict] | None = None,
 ) -> dict[str, Any]:
-    """Hash every file under `root` and commit the manifest last, atomically."""
+    """Hash every file under `root` and commit the manifest last, atomically. `other_files`
+    lists files of the same artifact that live elsewhere (other nodes' parts, already published)."""
     root = Path(root)
     manifest = {
         "schema": SCHEMA,
@@ -102,7 +104,7 @@ def write_manifest(
         "parent": parent,
         "config_digest": config_digest,
         "fingerprint": fingerprint,
-        "files": build_file_table(root, known_hashes, exclude),
+        "files": {**(other_files or {}), **build_file_table(root, known_hashes, exclude)},
     }
     blob = json.dumps(manifest, indent=2, sort_keys=True).encode()
     tmp = root / f".{MANIFEST}.{os.getpid()}.tmp"

@@ -319,9 +319,7 @@ def check_launch_backend(ctx: CheckContext) -> None:
         for where, msg in problems:
             ctx.problem(where, msg)
         if spec.remote_nodes and launch.nnodes > 1 and "://" in ctx.cfg.run_uri:
-            ctx.problem("run_root", f"{name} runs on {launch.nnodes} {spec.name} nodes, but the run root {ctx.cfg.run_uri} is staged on the Prefect worker's node only "
-                                    "(per-node staging is not built yet), where the other nodes' ranks cannot write their checkpoint parts; "
-                                    "use a run root on a filesystem every node mounts at the same path (NFS, Lustre), or nnodes: 1 for this stage")
+            ctx.ok(f"{name}: {launch.nnodes} {spec.name} nodes stage {ctx.cfg.run_uri} each into their own directory and publish their checkpoint parts; the nodes need its credentials")
         elif spec.remote_nodes and launch.nnodes > 1:
             ctx.warn(f"{name}.launch: {launch.nnodes} {spec.name} nodes write checkpoints under {ctx.cfg.run_uri}; "
                      "it must be a shared filesystem (NFS, Lustre) mounted at the same path on every node, and so must this checkout and its Python")

@@ -61,14 +61,14 @@ def main(argv: list[str] | None = None) -> int:
 
         job = load_job(args.config, verb=args.verb)
         check_supported(job.stage_cfg.plugin, job.stage)
-        check_inputs(job)
+        if job.nodes is None:  # per-node staging checks what it stages, once the group is up
+            check_inputs(job)
 
         import torch
 
         from tasks.engine.faults import Injector
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        faults = Injector(job.stage, job.stage_dir, rank, world)
         patched: list[str] = []
         if not torch.cuda.is_available():
             from tasks.engine import cpu_compat
@@ -84,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         colossalai.launch_from_torch(seed=job.stage_cfg.seed, verbose=False)
         # Its INFO lines (e.g. where optimizer shards went) are noise next to our own log.
         get_dist_logger().set_level("WARNING")
+        if job.nodes is not None:
+            from tasks.engine import node_staging
+
+            job = node_staging.prepare(job)
+        faults = Injector(job.stage, job.stage_dir, rank, world)
         if rank == 0:
             print(f"engine {args.verb} {job.stage}: world size {dist.get_world_size()}, "
                   f"{'CUDA' if torch.cuda.is_available() else 'CPU (gloo), cpu_compat patched: ' + (', '.join(patched) or 'none')}", flush=True)

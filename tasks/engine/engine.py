@@ -30,8 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +43,7 @@ from tasks.core.fingerprint import hf_dir_logits, model_logits, probe_forward, s
 from tasks.core.manifest import write_manifest
 from tasks.core.plugins import spec_of
 from tasks.engine import checkpoint as ckpt
+from tasks.engine import node_staging
 from tasks.engine.faults import Injector
 from tasks.engine.job import Job
 from tasks.engine.plugins import (
@@ -121,10 +120,10 @@ class Engine:
         self.layout = layout_of(self.plugin, self.pcfg)
         self.booster = Booster(plugin=self.plugin, mixed_precision=booster_mixed_precision(self.pcfg))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        # Which node each rank runs on, for the manifests: Slurm names its (possibly emulated)
-        # nodes in SLURMD_NODENAME; elsewhere the host name is the node.
+        # Which node each rank runs on, for the manifests (node_staging.node_name: Slurm's name
+        # for its, possibly emulated, node, else the host name).
         self.rank_nodes: list[str] = [""] * self.world
-        dist.all_gather_object(self.rank_nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        dist.all_gather_object(self.rank_nodes, node_staging.node_name())
         self.autocast = uses_autocast(self.pcfg)
         from colossalai.accelerator import get_accelerator
 
@@ -260,7 +259,8 @@ class Engine:
         stage_dir = job.stage_dir
         tmp, final = stage_dir / ckpt.tmp_name(step), stage_dir / ckpt.step_name(step)
         t0 = time.monotonic()
-        if rank == 0:
+        # With per-node staging every node writes its parts into its own directory.
+        if rank == 0 or (job.nodes is not None and node_staging.local_rank() == 0):
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
@@ -286,6 +286,7 @@ class Engine:
             fp = save_fingerprint(logits, tmp, dtype=self.weights_dtype)
             ckpt.write_json(tmp / ckpt.TRAIN_STATE, state)
         dist.barrier()  # every rank's files are on disk before the manifest covers them
+        elsewhere = node_staging.publish_parts(job, tmp, final.name) if job.nodes is not None else {}
         phase("manifest")
         if rank == 0:
             losses = state["losses"]
@@ -309,9 +310,13 @@ class Engine:
                 "optimizer": type(getattr(self.optimizer, "optim", self.optimizer)).__name__,
             }
             parent = job.parent.model_dump() if job.parent is not None else None
-            write_manifest(tmp, kind=ckpt.KIND, meta=meta, parent=parent, config_digest=job.config_digest, fingerprint=fp)
+            write_manifest(tmp, kind=ckpt.KIND, meta=meta, parent=parent, config_digest=job.config_digest, fingerprint=fp, other_files=elsewhere)
             phase("rename")
             ckpt.commit(tmp, final)
+            if job.nodes is not None:
+                node_staging.publish_manifest(job, final)
+        elif job.nodes is not None and node_staging.local_rank() == 0:
+            ckpt.commit(tmp, final)  # this node's parts, kept for nothing but a look: resume re-stages
         dist.barrier()  # nobody reads step-N (or deletes older ones) before it is committed
         if rank == 0:
             log(f"checkpoint {final.name} committed in {time.monotonic() - t0:.1f}s")
