@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             from tasks.engine import node_staging
 
             job = node_staging.prepare(job)
+            check_inputs(job)
         faults = Injector(job.stage, job.stage_dir, rank, world)
         if rank == 0:
             print(f"engine {args.verb} {job.stage}: world size {dist.get_world_size()}, "
