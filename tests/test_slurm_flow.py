@@ -53,13 +53,13 @@ def server(slurm_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("slurm-flow")
     srv = PrefectServer(tmp / "prefect-home")
     try:
-        srv.start()
+        srv.start(timeout=300)  # a loaded 2-core machine takes minutes
         yield srv
     finally:
         srv.stop()
 
 
-def _wait_running_job(slurm_cluster, stage_dir: Path, verb: str, proc: subprocess.Popen | None = None, timeout: float = 300) -> str:
+def _wait_running_job(slurm_cluster, stage_dir: Path, verb: str, proc: subprocess.Popen | None = None, timeout: float = 600) -> str:
     """The id of the Slurm job recorded for `verb` once it runs and its nodes have printed output."""
     from tasks.core.slurm import SlurmCli
 
