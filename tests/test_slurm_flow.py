@@ -59,22 +59,26 @@ def server(slurm_cluster, tmp_path_factory):
         srv.stop()
 
 
-def _wait_running_job(slurm_cluster, stage_dir: Path, verb: str, proc: subprocess.Popen | None = None, timeout: float = 600) -> str:
-    """The id of the Slurm job recorded for `verb` once it runs and its nodes have printed output."""
+def _wait_running_job(slurm_cluster, stage_dir: Path, verbs: tuple[str, ...], proc: subprocess.Popen | None = None, timeout: float = 600) -> tuple[str, str]:
+    """(verb, job id) of the first recorded Slurm job of `verbs` that runs with both nodes'
+    engine processes up (a rank may print nothing for a long while, so processes are counted)."""
     from tasks.core.slurm import SlurmCli
 
-    cli, record = SlurmCli(), stage_dir / ".launch" / f"{verb}.slurm.json"
+    cli = SlurmCli()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc is None or proc.poll() is None, "the flow process ended before its Slurm job ran"
-        if record.exists():
+        for verb in verbs:
+            record = stage_dir / ".launch" / f"{verb}.slurm.json"
+            if not record.exists():
+                continue
             job_id = json.loads(record.read_text())["job_id"]
             info = cli.job(job_id)
-            logs = list((stage_dir / ".launch" / "logs").glob(f"job-{job_id}.n*.log"))
-            if info is not None and info.state == "RUNNING" and len(logs) == 2 and all(p.stat().st_size for p in logs):
-                return job_id
+            engines = [p for p in slurm_cluster.leftovers() if " -m tasks.engine " in p]
+            if info is not None and info.state == "RUNNING" and len(engines) >= 2:
+                return verb, job_id
         time.sleep(0.3)
-    raise AssertionError(f"no running Slurm job for {verb} after {timeout:.0f}s: {slurm_cluster.queue()}")
+    raise AssertionError(f"no running Slurm job for {verbs} after {timeout:.0f}s: {slurm_cluster.queue()}")
 
 
 def test_cancelling_the_flow_run_through_the_api_ends_the_slurm_job(server, slurm_cluster, tiny_model_dir, tmp_path):
@@ -84,7 +88,7 @@ def test_cancelling_the_flow_run_through_the_api_ends_the_slurm_job(server, slur
     server.start_worker("gpu", tmp_path / "worker.log", CPT_TO_SFT_HOME=str(REPO), PREFECT_WORKER_QUERY_SECONDS="1", **ENGINE_ENV)
     out = server.cli("deployment", "run", "cpt-to-sft/default", "-p", f"config={config}")
     run_id = run_id_from(out.stdout)
-    job_id = _wait_running_job(slurm_cluster, run_root / "cpt", "shard")
+    _, job_id = _wait_running_job(slurm_cluster, run_root / "cpt", ("shard", "train"))
 
     t0 = time.monotonic()
     server.api("POST", f"/flow_runs/{run_id}/set_state", {"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True})
@@ -114,7 +118,7 @@ def test_flow_survives_its_own_death_and_completes_with_cpt_on_two_slurm_nodes(s
     log = tmp_path / "flow.log"
     first = _flow(server, config, log)
     try:
-        job_id = _wait_running_job(slurm_cluster, run_root / "cpt", "train", proc=first)
+        _, job_id = _wait_running_job(slurm_cluster, run_root / "cpt", ("train",), proc=first)
         seen = run_root / "cpt" / ".launch" / "train.slurm.seen.json"
         deadline = time.monotonic() + 60
         while not seen.exists() and time.monotonic() < deadline:

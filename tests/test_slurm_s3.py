@@ -54,9 +54,16 @@ def test_s3_run_root_with_per_node_staging_on_two_slurm_nodes(slurm_cluster, s3_
         assert manifest["meta"]["nodes"] == ["n1", "n2"] and manifest["meta"]["world_size"] == 2
     nodes = tmp_path / "staging" / "cpt-to-sft-nodes"
     assert sorted(p.name for p in nodes.iterdir()) == ["n1", "n2"]
+    # After the last save each node's directory holds only the parts its own ranks wrote: they
+    # do not overlap, each node wrote some (at least its rank's RNG state), and together they
+    # are exactly the files the published manifest lists.
+    parts = {}
     for node in ("n1", "n2"):
-        staged = list((nodes / node).glob("*/cpt/step-*"))
-        assert staged, f"node {node} staged nothing of its own"
+        (final,) = (nodes / node).glob(f"*/cpt/step-{STEPS:06d}")
+        parts[node] = {p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file() and p.name != "manifest.json"}
+        assert parts[node], f"node {node} wrote no part of the checkpoint"
+    assert not parts["n1"] & parts["n2"]
+    assert parts["n1"] | parts["n2"] == set(manifest["files"])
     # The worker's staging holds no checkpoint the nodes wrote there: it only staged in the final
     # one from S3 to read its train state.
     worker_steps = sorted(p.name for p in (tmp_path / "staging").glob("*/cpt/step-*"))

@@ -163,7 +163,7 @@ def commit(tmp: Path, final: Path) -> None:
 
 
 def capture_rng() -> dict[str, Any]:
-    """This rank's generator states, in plain types (gathered to rank 0 for writing)."""
+    """This rank's generator states, in plain types (each rank writes its own)."""
     version, mt, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     tensors = {"torch_cpu": torch.get_rng_state().clone()}

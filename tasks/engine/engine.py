@@ -274,11 +274,8 @@ class Engine:
         phase("lr_scheduler")
         self.booster.save_lr_scheduler(self.scheduler, str(tmp / "lr_scheduler.pt"))
         phase("rng")
-        states = [None] * self.world if rank == 0 else None
-        dist.gather_object(ckpt.capture_rng(), states, dst=0)
-        if rank == 0:
-            for r, s in enumerate(states):
-                ckpt.write_rng(tmp / "rng", r, s)
+        # Each rank writes its own generator state: its part of the checkpoint, on its own node.
+        ckpt.write_rng(tmp / "rng", rank, ckpt.capture_rng())
         phase("fingerprint")
         logits = self.fingerprint(tmp / "model")
         phase("state")
