@@ -42,7 +42,7 @@ def _config(tmp: Path, model_dir: Path, name: str, cpt_steps: int) -> tuple[Path
     run_root = tmp / name
     raw = tiny_config_raw(model_dir, run_root)
     raw["name"] = name
-    raw["cpt"].update(max_steps=cpt_steps, checkpoint_every=2, launch=SLURM_CPT)
+    raw["cpt"].update(max_steps=cpt_steps, checkpoint_every=10, launch=SLURM_CPT)
     raw["sft"].update(max_steps=4, checkpoint_every=2)
     raw.setdefault("gate", {})["enabled"] = False  # a 4-step random model earns no gate; tested elsewhere
     return write_config(tmp / f"{name}.yaml", raw), run_root
@@ -114,7 +114,9 @@ def test_flow_survives_its_own_death_and_completes_with_cpt_on_two_slurm_nodes(s
     from tasks.core.manifest import verify_artifact
     from tasks.core.slurm import SlurmCli
 
-    config, run_root = _config(tmp_path, tiny_model_dir, "slurm-flow", cpt_steps=6)
+    # Enough steps that the job still trains when the re-run reaches train_cpt (a loaded machine
+    # takes a minute to start the flow again).
+    config, run_root = _config(tmp_path, tiny_model_dir, "slurm-flow", cpt_steps=60)
     log = tmp_path / "flow.log"
     first = _flow(server, config, log)
     try:
@@ -158,7 +160,7 @@ def test_flow_survives_its_own_death_and_completes_with_cpt_on_two_slurm_nodes(s
     assert f"re-attaching to Slurm job {job_id}" in text
     summary = json.loads((run_root / "run.json").read_text())
     assert summary["complete"], summary
-    for step in (0, 6):
+    for step in (0, 60):
         meta = verify_artifact(run_root / "cpt" / f"step-{step:06d}")["meta"]
         assert meta["world_size"] == 2 and meta["nodes"] == ["n1", "n2"], meta
     assert (run_root / "export" / "manifest.json").exists()
