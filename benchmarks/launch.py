@@ -101,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     if left:
         print("processes outlived the cluster:\n" + "\n".join(left), file=sys.stderr)
     loc, slu = times["local"], times["slurm"]
-    print(f"\n{'':>24}{'local':>10}{'slurm':>10}{'slurm - local':>16}{'ratio':>8}")
+    print(f"\n{'':>30}{'local':>10}{'slurm':>10}{'slurm - local':>16}{'ratio':>8}")
     for name, f in (("best", min), ("median", statistics.median)):
         a, b = f(loc), f(slu)
-        print(f"{'task start -> step 1 ' + name:>24}{a:>9.2f}s{b:>9.2f}s{b - a:>+15.2f}s{b / a:>8.2f}")
+        print(f"{'task start -> step 1 ' + name:>30}{a:>9.2f}s{b:>9.2f}s{b - a:>+15.2f}s{b / a:>8.2f}")
     added = statistics.median(slu) - statistics.median(loc)
     print(f"\nSlurm adds {added:+.2f} s (median) to the first training step; target <= 3 s: {'met' if added <= 3 else 'NOT met'}")
     return 0
