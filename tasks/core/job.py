@@ -111,10 +111,24 @@ def parse_job(raw: Any, source: str = "job", verb: str | None = None) -> Job:
     return job
 
 
+def _unique_pairs(source: str):
+    """json object hook refusing a key written twice (json.loads would keep the last one)."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError([(key, f"written twice in one object of {source}; JSON would silently keep the second value. Delete one of them")], header=f"duplicated keys in {source}")
+            out[key] = value
+        return out
+
+    return hook
+
+
 def load_job(path: str | Path, verb: str | None = None) -> Job:
     path = Path(path)
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(), object_pairs_hook=_unique_pairs(str(path)))
     except FileNotFoundError:
         raise ConfigError([(str(path), "job file not found")]) from None
     except json.JSONDecodeError as exc:

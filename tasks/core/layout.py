@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.core.backends import BACKENDS
 from tasks.core.errors import ConfigError
-from tasks.core.plugins import PLUGINS, PluginSpec
+from tasks.core.plugins import PLUGINS, PRECISION_SPECS, PluginSpec
 
 if TYPE_CHECKING:
     from tasks.core.config import StageConfig
@@ -208,8 +208,17 @@ def _cuda_only_plugin(x: _Facts) -> list[Problem]:
 
 def _cuda_only_precision(x: _Facts) -> list[Problem]:
     p = x.stage.plugin
-    if x.cuda is False and p.precision in x.spec.cuda_precisions:
-        return [(f"{x.f}.precision", f"{p.name} runs {p.precision} through torch.cuda.amp (GradScaler), which needs CUDA; use precision bf16 or fp32 on CPU")]
+    why = PRECISION_SPECS[p.precision].cuda_reason
+    if x.cuda is False and why:
+        cpu_ok = ", ".join(n for n, s in PRECISION_SPECS.items() if not s.cuda_reason and n in x.spec.precisions)
+        return [(f"{x.f}.precision", f"precision {p.precision} needs CUDA ({why}) and this stage runs on CPU; use precision {cpu_ok} on CPU, or run this stage on a CUDA node")]
+    return []
+
+
+def _fp16_needs_dynamic_loss_scale(x: _Facts) -> list[Problem]:
+    p = x.stage.plugin
+    if PRECISION_SPECS[p.precision].loss_scaling and x.spec.loss_scale != "dynamic":
+        return [(f"{x.f}.precision", f"precision {p.precision} needs dynamic loss scaling (small gradients underflow to zero otherwise) and {p.name} is built without it; use precision bf16")]
     return []
 
 
@@ -222,6 +231,7 @@ RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
     ("static", _backend_settings),
     ("static", _world_divisible),
     ("static", _pipeline_microbatches),
+    ("static", _fp16_needs_dynamic_loss_scale),
     ("batch", _rows_divide_microbatches),
     ("model", _tp_divides_heads),
     ("model", _tp_divides_vocab),

@@ -2,7 +2,8 @@
 
 A second flow run over the same run root fails at once with an error naming the holder (flow
 run, host, pid, since when) — it does not wait. A lease whose heartbeat is older than its TTL
-belongs to a dead run and is taken over with a warning; an operator can also break it:
+belongs to a dead run and is taken over with a warning; so is, at once, a lease whose holder ran
+on this host under a pid that no longer exists (`holder_is_dead`). An operator can also break it:
 
     python -m flows.cpt_to_sft --config FILE --break-lease
 
@@ -79,9 +80,11 @@ class Lease:
             if cur.get("token") == self.record["token"]:
                 self._start_heartbeat()
                 return self
-            if age > float(cur.get("ttl_s", self.ttl_s)):
+            dead = holder_is_dead(cur)
+            if dead or age > float(cur.get("ttl_s", self.ttl_s)):
                 if log:
-                    log(f"breaking stale lease of {describe(cur)}: no heartbeat for {age:.0f}s")
+                    why = f"its process no longer exists on this host ({dead})" if dead else f"no heartbeat for {age:.0f}s"
+                    log(f"breaking stale lease of {describe(cur)}: {why}; taking it over")
                 self.store.remove(LEASE)
                 continue
             raise LeaseHeld(
@@ -117,6 +120,32 @@ class Lease:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def pid_exists(pid: int) -> bool:
+    """Whether a process with this pid exists here (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def holder_is_dead(record: dict[str, Any]) -> str | None:
+    """Why the holder is provably dead, or None: only for a holder on this host whose pid is gone.
+
+    Another host's pids mean nothing here, so remote holders keep the heartbeat rule. A reused pid
+    (a new process under the dead holder's number) reads as alive: the lease is refused, never
+    wrongly taken.
+    """
+    pid = record.get("pid")
+    if record.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None
+    if pid == os.getpid() or pid_exists(pid):
+        return None
+    return f"host {record['host']}, pid {pid} not running"
 
 
 def describe(record: dict[str, Any]) -> str:

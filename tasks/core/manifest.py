@@ -35,9 +35,14 @@ def sha256_file(path: Path) -> str:
 
 
 def safe_relpath(rel: str, where: str = "manifest") -> str:
-    """Refuse absolute paths, '..', backslashes and empty parts before anything touches the disk."""
+    """Refuse absolute paths, '..', backslashes, control characters and empty parts before anything touches the disk."""
     if not isinstance(rel, str) or not rel:
         raise ManifestError(f"{where}: empty or non-string file path {rel!r}")
+    bad = sorted({c for c in rel if ord(c) < 32 or ord(c) == 127})
+    if bad:
+        # The OS would refuse it mid-verification (a NUL raises "embedded null byte" deep inside
+        # os.stat); no stage ever writes such a name, so the manifest is corrupt or forged.
+        raise ManifestError(f"{where}: file path {rel!r} is not a valid path (control character{'s' if len(bad) > 1 else ''} {', '.join(repr(c) for c in bad)}); no stage writes such a name, so this manifest is corrupt or was tampered with: delete the artifact directory and the stage is rebuilt")
     if "\\" in rel or rel.startswith("/") or (len(rel) > 1 and rel[1] == ":"):
         raise ManifestError(f"{where}: file path {rel!r} is absolute; manifests may only list paths inside the artifact")
     parts = PurePosixPath(rel).parts
@@ -48,8 +53,11 @@ def safe_relpath(rel: str, where: str = "manifest") -> str:
 
 def inside_artifact(root: Path, rel: str, where: str) -> Path:
     path = root / rel
-    real_root = root.resolve()
-    real = path.resolve()
+    try:
+        real_root = root.resolve()
+        real = path.resolve()
+    except (ValueError, OSError) as exc:  # e.g. a symlink loop; an unchecked name would be a bare ValueError
+        raise ManifestError(f"{where}: {rel!r} cannot be resolved inside the artifact ({type(exc).__name__}: {exc}); delete the artifact directory and the stage is rebuilt") from None
     if real_root != real and real_root not in real.parents:
         raise ManifestError(f"{where}: {rel!r} resolves outside the artifact (symlink to {real})")
     return path

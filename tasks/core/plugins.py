@@ -13,6 +13,9 @@ Facts recorded in the rows were measured with colossalai 0.5.0 (see tasks/engine
 - ZeRO-2 partitions gradients as they are reduced, so it must reduce every micro-batch (no
   `no_sync`); Gemini accumulates inside its chunks.
 - Gemini's forward asserts that its chunks live on CUDA; torch_ddp's fp16 is torch.cuda.amp.
+- fp16 needs CUDA on every plugin (`PRECISION_SPECS`), and every fp16 plugin scales the loss
+  dynamically: HybridParallel, LowLevelZero and Gemini through ColossalAI's DynamicGradScaler,
+  torch_ddp through torch.cuda.amp's GradScaler; the engine passes `LOSS_SCALE` to each.
 - torch_ddp does not cast the model: bf16 there is fp32 weights under torch.autocast.
 - HybridParallel's checkpoint IO drops the tied LM head itself and loads strictly; the general IO
   (low_level_zero, torch_ddp) needs the tied tensor saved once and a non-strict load whose key
@@ -30,6 +33,48 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
+class PrecisionSpec:
+    """What a training precision needs, whatever the plugin (the layout rules read these rows)."""
+
+    name: str
+    cuda_reason: str = ""  # non-empty: refused without CUDA, for this reason
+    loss_scaling: bool = False  # gradients underflow unless the loss is scaled (dynamically)
+
+
+PRECISION_SPECS: dict[str, PrecisionSpec] = {
+    "fp32": PrecisionSpec("fp32"),
+    "bf16": PrecisionSpec("bf16"),
+    # Measured on the demo (tiny-cpu, low_level_zero): fp16 on CPU ends at loss 4.90 against
+    # 3.61 in bf16 and fails the gate; torch_ddp's fp16 is torch.cuda.amp, which disables itself.
+    "fp16": PrecisionSpec(
+        "fp16",
+        cuda_reason="fp16 mixed precision trains badly on CPU (demo: final loss 4.90 vs 3.61 in bf16) and torch_ddp's fp16 is torch.cuda.amp",
+        loss_scaling=True,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class DynamicLossScale:
+    """The dynamic loss scale every fp16 plugin is built with (ColossalAI's DynamicGradScaler
+    names; torch_ddp's torch.cuda.amp GradScaler takes the first four). Passed explicitly, so a
+    plugin default (low_level_zero starts at 2**32, torch amp grows every 2000 steps) cannot
+    change a run silently: the scale halves after `hysteresis` overflowing steps (skipped) and
+    doubles after `growth_interval` clean ones."""
+
+    initial_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+    max_scale: float = 2.0**32
+
+
+LOSS_SCALE = DynamicLossScale()
+
+
+@dataclass(frozen=True)
 class PluginSpec:
     """What one booster plugin supports; read by config validation, pre-flight and the engine."""
 
@@ -41,7 +86,7 @@ class PluginSpec:
     zero_hint: str = ""  # how to pick a valid zero_stage, for the message
     needs_cuda: bool = False  # refused on a machine without CUDA (before any model is loaded)
     cuda_reason: str = ""  # why it needs CUDA, for the message
-    cuda_precisions: tuple[str, ...] = ()  # precisions that need CUDA on this plugin
+    loss_scale: Literal["dynamic", "none"] = "dynamic"  # what its builder gives fp16: dynamic (LOSS_SCALE) or none
     precisions: tuple[str, ...] = PRECISIONS
     no_sync_zero_stages: tuple[int, ...] = (0, 1)  # zero stages that may skip the gradient sync under accumulation
     casts_model: bool = True  # False: weights stay fp32; bf16 runs under torch.autocast, fp16 under amp
@@ -127,7 +172,6 @@ register(PluginSpec(
     summary="plain PyTorch DDP",
     zero_stages=(0,),
     zero_hint="torch_ddp has no ZeRO; set zero_stage: 0",
-    cuda_precisions=("fp16",),
     no_sync_zero_stages=(0,),
     casts_model=False,
     clips_grad=False,

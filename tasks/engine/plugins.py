@@ -14,6 +14,7 @@ saves on CPU, but every forward asserts that its chunks live on CUDA, so it is r
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 from tasks.core.config import PluginConfig, StageConfig
 from tasks.core.errors import ConfigError
 from tasks.core.layout import ParallelLayout, layout_problems, num_microbatches
-from tasks.core.plugins import spec_of
+from tasks.core.plugins import LOSS_SCALE, PRECISION_SPECS, spec_of
 
 __all__ = [
     "BUILDERS",
@@ -33,6 +34,7 @@ __all__ = [
     "check_model",
     "check_supported",
     "layout_of",
+    "loss_scale_kwargs",
     "make_plugin",
     "num_microbatches",
     "plugin_meta",
@@ -64,6 +66,13 @@ def check_model(stage_cfg: StageConfig, model_config: dict[str, Any], stage: str
 # -- builders: one per registry row (tasks/core/plugins.py) ---------------------------------------
 
 
+def loss_scale_kwargs(p: PluginConfig) -> dict[str, Any]:
+    """ColossalAI's DynamicGradScaler settings for a precision that scales the loss (fp16), else none."""
+    if not PRECISION_SPECS[p.precision].loss_scaling:
+        return {}
+    return dataclasses.asdict(LOSS_SCALE)
+
+
 def _hybrid_parallel(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool):
     from colossalai.booster.plugin import HybridParallelPlugin
 
@@ -83,6 +92,7 @@ def _hybrid_parallel(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLa
         # would also pad without tp. 1 pads only when tp does not divide the vocabulary,
         # which the layout rules refuse up front.
         make_vocab_size_divisible_by=1,
+        **loss_scale_kwargs(p),
     )
     if p.pp_size > 1:
         kwargs.update(num_microbatches=layout.num_microbatches, pp_style="1f1b")
@@ -92,7 +102,7 @@ def _hybrid_parallel(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLa
 def _low_level_zero(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool):
     from colossalai.booster.plugin import LowLevelZeroPlugin
 
-    return LowLevelZeroPlugin(stage=p.zero_stage, precision=p.precision, max_norm=p.max_norm, overlap_communication=cuda)  # record_stream again
+    return LowLevelZeroPlugin(stage=p.zero_stage, precision=p.precision, max_norm=p.max_norm, overlap_communication=cuda, **loss_scale_kwargs(p))  # record_stream again
 
 
 def _torch_ddp(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool):
@@ -106,7 +116,7 @@ def _gemini(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cud
 
     return GeminiPlugin(
         precision=p.precision, placement_policy=p.placement_policy, max_norm=p.max_norm,
-        enable_gradient_accumulation=stage_cfg.grad_accum_steps > 1,
+        enable_gradient_accumulation=stage_cfg.grad_accum_steps > 1, **loss_scale_kwargs(p),
     )
 
 
@@ -175,9 +185,16 @@ def uses_autocast(plugin_cfg: PluginConfig) -> torch.dtype | None:
     return _TORCH_DTYPES[name] if name else None
 
 
-def booster_mixed_precision(plugin_cfg: PluginConfig) -> str | None:
-    # fp16 on a plugin that does not cast the model (CUDA only, see the layout rules): ColossalAI's torch.cuda.amp wrapper.
-    return spec_of(plugin_cfg.name).booster_mixed_precision(plugin_cfg.precision)
+def booster_mixed_precision(plugin_cfg: PluginConfig):
+    """fp16 on a plugin that does not cast the model (CUDA only, see the layout rules): ColossalAI's
+    torch.cuda.amp wrapper, its GradScaler set from LOSS_SCALE like every other fp16 plugin."""
+    name = spec_of(plugin_cfg.name).booster_mixed_precision(plugin_cfg.precision)
+    if name != "fp16":
+        return name
+    from colossalai.booster.mixed_precision import FP16TorchMixedPrecision
+
+    s = LOSS_SCALE
+    return FP16TorchMixedPrecision(init_scale=s.initial_scale, growth_factor=s.growth_factor, backoff_factor=s.backoff_factor, growth_interval=s.growth_interval)
 
 
 def can_no_sync(plugin_cfg: PluginConfig) -> bool:
