@@ -19,18 +19,19 @@ import time
 from typing import Any
 
 from prefect import Task, flow, get_run_logger
-from prefect.states import Completed
+from prefect.states import Completed, Failed
 
 from tasks import ui
 from tasks.core.config import RunConfig, load_config
-from tasks.core.lease import Lease, break_lease, describe
+from tasks.core.errors import ConfigError
+from tasks.core.lease import Lease, LeaseHeld, break_lease, describe
 from tasks.core.paths import resolve_local
 from tasks.core.runlayout import DONE, STAGE, STAGE_NAMES, Status
 from tasks.core.storage import fetch_to_local
 from tasks.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back, recorded_metrics
 from tasks.export import export_hf
 from tasks.load import load_from_hf
-from tasks.preflight import preflight, run_check_cli
+from tasks.preflight import REFUSED, preflight, run_check_cli
 from tasks.push import push_to_hub
 from tasks.stage import StageResult, outcome, store_for
 from tasks.train import boost_and_shard, reboost, train_cpt, train_sft
@@ -69,13 +70,23 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
     run_name: override the config's run name.
     """
     logger = get_run_logger()
-    cfg = resolve_config(config, run_root, run_name)
+    try:
+        cfg = resolve_config(config, run_root, run_name)
+    except ConfigError as exc:
+        return Failed(name="Refused", message=f"{exc}\n{REFUSED}")
     store = store_for(cfg)
-    preflight(cfg)  # every problem at once, before a model is loaded or a process launched
+    # Every problem at once, before a model is loaded or a process launched. A refusal is a
+    # Failed state carrying the report, not an exception: nothing crashed, so no traceback.
+    checked = preflight(cfg, return_state=True)
+    if checked.is_failed():
+        return Failed(name="Refused", message=f"{checked.message}\n{REFUSED}")
     logger.info("run %s: artifacts under %s", cfg.name, store.uri())
     started = time.monotonic()
     results: dict[str, StageResult] = {}
-    lease = Lease(store, holder=_holder()).acquire(log=logger.warning)
+    try:
+        lease = Lease(store, holder=_holder()).acquire(log=logger.warning)
+    except LeaseHeld as exc:
+        return Failed(name="Refused", message=str(exc))
 
     def stage(name: str, task_fn, *args) -> StageResult:
         try:
@@ -102,6 +113,13 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
             results["push_to_hub"] = held_back(cfg, verdict)
         else:
             stage("push_to_hub", push_to_hub, cfg, results)
+    except Exception as exc:
+        # The failed stage's row holds its cause (for a launch: the failing rank's first error
+        # line); the run's state message says it, the task run keeps the traceback.
+        failed = next((r for r in reversed(results.values()) if r.status == Status.FAILED), None)
+        return_state = Failed(message=f"stage {failed.stage} failed: {failed.detail['error']}" if failed else failure_cause(exc))
+    else:
+        return_state = None
     finally:
         try:
             summary = write_summary(cfg, results, time.monotonic() - started)
@@ -110,6 +128,8 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
             store.prune_staging()
         finally:
             lease.release()
+    if return_state is not None:
+        return return_state
     if summary["gate"].get("passed") is False:
         # Not a crash: the artifacts are fine and kept, they just did not earn a push.
         return Completed(name="FailedGate", message=gate_message(summary["gate"]), data=summary)
@@ -128,8 +148,16 @@ def _failed(cfg: RunConfig, stage: str, exc: BaseException) -> StageResult:
     rel = STAGE[stage].artifact
     uri = store_for(cfg).uri(rel) if rel else (f"hf://{cfg.hub.repo_id}" if cfg.hub else None)
     # The event carries the whole message (for a launch: every rank's last lines) for automations.
-    ui.stage_event(stage, Status.FAILED, cfg.name, uri, error=f"{type(exc).__name__}: {exc}"[-4000:])
-    return StageResult(stage, Status.FAILED, rel, uri, detail={"error": str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__})
+    cause = failure_cause(exc)
+    ui.stage_event(stage, Status.FAILED, cfg.name, uri, cause=cause, error=f"{type(exc).__name__}: {exc}"[-4000:])
+    return StageResult(stage, Status.FAILED, rel, uri, detail={"error": cause})
+
+
+def failure_cause(exc: BaseException) -> str:
+    """One line: a launch's cause ("rank N: <its first error line>"), else the exception's first line."""
+    problems = getattr(exc, "problems", None)  # a ConfigError: every field and its fix
+    cause = getattr(exc, "cause", None) or ("; ".join(f"{f}: {m}" for f, m in problems) if problems else "") or (str(exc).splitlines()[0] if str(exc).strip() else "")
+    return f"{type(exc).__name__}: {cause}"[:500] if cause else type(exc).__name__
 
 
 def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: float) -> dict[str, Any]:
@@ -178,7 +206,13 @@ def main(argv: list[str] | None = None) -> int:
         old = break_lease(store_for(cfg))
         print(f"lease on {cfg.run_uri}: " + (f"broken (was held by {describe(old)})" if old else "none held"))
         return 0
-    summary = cpt_to_sft(config=args.config, run_root=args.run_root, run_name=args.run_name)
+    state = cpt_to_sft(config=args.config, run_root=args.run_root, run_name=args.run_name, return_state=True)
+    if not state.is_completed():
+        # Refused at pre-flight (the report), the lease held, or a stage failed (its cause): the
+        # state message says which; the last line printed is the reason.
+        print(state.message or state.name, file=sys.stderr)
+        return 1
+    summary = state.result()
     gate_ = summary.get("gate") or {}
     print(json.dumps({"run_root": summary["run_root"], "complete": summary["complete"], "export": summary["export"], "seconds": summary["seconds"], "gate": gate_.get("status")}, indent=2))
     if gate_.get("passed") is False:

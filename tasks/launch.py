@@ -4,9 +4,12 @@ backend, stream its output.
 The argv builder is pure (unit-tested). `run_engine` writes the job file and hands the verb to the
 runner of `launch.backend` (`RUNNERS`: `local` here, `slurm` in tasks/launch_slurm.py). Every
 runner feeds each output line to one `Router`, which logs it with its prefix (`[rank N]` from the
-engine, `[torchrun]` for the agent's own lines, and the node name first on Slurm), turns
-`@@progress` lines into progress callbacks and other `@@` events into `on_event`; a failure raises
-`StageFailed` with the failing ranks' last lines.
+engine, `[torchrun]` for the agent's own lines, and the node name first on Slurm) at the level its
+writer marked (`tasks.core.events`, never guessed from words), turns `@@progress` lines into
+progress callbacks and other `@@` events into `on_event`, and keeps the cause: a failure raises
+`StageFailed` whose first line, and `cause`, is the first error line of the failing rank
+(torchrun's own error line when no rank wrote one, e.g. after a SIGKILL), followed by every
+process's last lines.
 
 Single node picks a free rendezvous port (`--standalone`); several nodes use c10d rendezvous:
 
@@ -19,7 +22,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -28,12 +30,11 @@ from typing import Any
 
 from tasks.core.config import LaunchConfig
 from tasks.core.errors import StageFailed
-from tasks.core.events import PROGRESS, parse_line
+from tasks.core.events import ERROR, INFO, PROGRESS, WARNING, parse_line
 from tasks.core.job import Job
 
 REPO = Path(__file__).resolve().parents[1]
-_WARN = re.compile(r"\b(warn(ing)?|deprecat)", re.IGNORECASE)
-_ERR = re.compile(r"(Traceback|Error|Exception|error:)")
+_LOG_LEVELS = {INFO: logging.INFO, WARNING: logging.WARNING, ERROR: logging.ERROR}
 
 
 def torchrun_argv(verb: str, job_path: str | Path, launch: LaunchConfig, rdzv_id: str, python: str = sys.executable) -> list[str]:
@@ -72,6 +73,8 @@ class Router:
         self.logger, self.on_progress, self.on_event = logger, on_progress, on_event
         self.tails: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=25))
         self.progress: list[dict[str, Any]] = []
+        self.first_error: tuple[str, str] | None = None  # (who, line): the cause of a failure
+        self.first_torchrun_error: tuple[str, str] | None = None
 
     def line(self, raw: str, node: str | None = None) -> None:
         line = parse_line(raw)
@@ -86,12 +89,22 @@ class Router:
             elif self.on_event:
                 self.on_event(line.kind, line.record)
             self.logger.info("[%s] %s %s", who, line.kind, line.payload)
-        elif _ERR.search(body):
-            self.logger.error("[%s] %s", who, body)
-        elif _WARN.search(body):
-            self.logger.warning("[%s] %s", who, body)
-        else:
-            self.logger.info("[%s] %s", who, body)
+            return
+        if line.level == ERROR and body.strip():
+            if line.who == "torchrun":
+                self.first_torchrun_error = self.first_torchrun_error or (who, body.strip())
+            else:
+                self.first_error = self.first_error or (who, body.strip())
+        self.logger.log(_LOG_LEVELS[line.level], "[%s] %s", who, body)
+
+    @property
+    def cause(self) -> tuple[str, str] | None:
+        """(who, line): the first error line a rank wrote, else torchrun's, else None."""
+        return self.first_error or self.first_torchrun_error
+
+    def failure(self, verb: str, rc: int) -> StageFailed:
+        cause = self.cause
+        return StageFailed(_failure_message(verb, rc, self.tails, cause), cause=f"{cause[0]}: {cause[1]}" if cause else f"exit status {rc}, no error line from any process")
 
 
 def run_engine(
@@ -136,7 +149,7 @@ def run_local(verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id
         _kill_group(proc)
         raise
     if rc != 0:
-        raise StageFailed(_failure_message(verb, rc, router.tails))
+        raise router.failure(verb, rc)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -147,14 +160,12 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _failure_message(verb: str, rc: int, tails: dict[str, collections.deque]) -> str:
-    # Put the ranks that printed errors first: they are the ones that failed.
-    def score(item):
-        who, lines = item
-        return (0 if any(_ERR.search(x) for x in lines) else 1, who)
-
-    parts = [f"engine verb '{verb}' exited with status {rc}; last lines per process:"]
-    for who, lines in sorted(tails.items(), key=score):
+def _failure_message(verb: str, rc: int, tails: dict[str, collections.deque], cause: tuple[str, str] | None) -> str:
+    """First line: the cause (the first error line of the failing rank); then every process's tail,
+    the failing process first."""
+    head = f"engine verb '{verb}' failed on {cause[0]}: {cause[1]}" if cause else f"engine verb '{verb}' failed; no process wrote an error line"
+    parts = [head, f"engine verb '{verb}' exited with status {rc}; last lines per process:"]
+    for who, lines in sorted(tails.items(), key=lambda item: (cause is None or item[0] != cause[0], item[0])):
         parts.append(f"--- {who} ---")
         parts.extend(list(lines)[-15:])
     return "\n".join(parts)

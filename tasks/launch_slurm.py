@@ -127,7 +127,10 @@ def run_slurm(verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id
         cancel(cli, job_id, logger)
         raise
     if not info.ok:
-        raise StageFailed(slurm_job.failure_message(info, batch, by_node, what=f"engine verb '{verb}'"))
+        # The cause, as on the local backend: the first error line a rank (else torchrun) wrote.
+        cause = f"{router.cause[0]}: {router.cause[1]}" if router.cause else None
+        message = slurm_job.failure_message(info, batch, by_node, what=f"engine verb '{verb}'")
+        raise StageFailed(f"engine verb '{verb}' failed on {cause}\n{message}" if cause else message, cause=cause)
     logger.info("Slurm job %s COMPLETED on %s", job_id, info.nodes)
 
 

@@ -5,7 +5,10 @@ sha) is first resolved to its commit sha, and `snapshot_download` fetches exactl
 the files cannot change under us mid-download; every LFS file is then checked against the sha256
 the Hub lists for it. The manifest records the repo, the requested revision and the commit sha.
 HF_ENDPOINT selects the Hub; the token is the same as push_to_hub's (HF_TOKEN or the Prefect
-Secret block `hf-token`). Only safetensors weights are taken unless `base_model.allow_pickle`.
+Secret block `hf-token`). Only safetensors weights are taken unless `base_model.allow_pickle`;
+then pickle-only weights are converted here, once, to safetensors (`convert_pickle`), so every
+later stage reads safetensors; the manifest's meta `converted_from_pickle` records the source files
+and their sha256.
 
     python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # runs this first
 """
@@ -19,7 +22,8 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from tasks.core.config import RunConfig
-from tasks.core.errors import ConfigError, ManifestError
+from tasks.core.convert import PICKLE_INDEX_NAME, convert_checkpoint
+from tasks.core.errors import ConfigError, ConversionError, ManifestError
 from tasks.core.fingerprint import hf_dir_logits, save_fingerprint
 from tasks.core.hub import is_hub_id
 from tasks.core.manifest import sha256_file
@@ -29,6 +33,7 @@ from tasks.stage import Stage, StageResult, stage_digest, stage_task, token
 
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 PICKLE_PATTERNS = ["*.bin", "*.bin.index.json", "*.pt", "*.pth"]
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
 SIDE_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "*.model", "vocab.*", "merges.txt", "chat_template*", "added_tokens.json"]
 
 
@@ -71,7 +76,7 @@ def _copy_path(cfg: RunConfig, dest: Path) -> dict:
 def check_weight_files(model_dir: Path, allow_pickle: bool) -> list[str]:
     names = [p.name for p in model_dir.iterdir()]
     safetensors = [n for n in names if n.endswith(".safetensors")]
-    pickles = [n for n in names if n.endswith((".bin", ".pt", ".pth", ".pkl"))]
+    pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
     if not safetensors:
         if pickles and not allow_pickle:
             raise ConfigError([("base_model.allow_pickle", (f"{model_dir} has only pickle weights ({', '.join(sorted(pickles)[:3])}); pickle files can run code when loaded. "
@@ -81,7 +86,45 @@ def check_weight_files(model_dir: Path, allow_pickle: bool) -> list[str]:
     return sorted(safetensors or pickles)
 
 
-@stage_task(name="load_from_hf", retries=2, retry_delay_seconds=15, task_run_name="load_from_hf")
+def convert_pickle(model_dir: Path, model_cfg: dict, uri: str) -> dict:
+    """Replace the pickle weights in `model_dir` by safetensors, once, for every later stage.
+
+    The pickles (and any other pickle file, e.g. training_args.bin) move out of the artifact into
+    a sibling directory that is deleted afterwards; the converter unpickles only
+    pytorch_model.bin or the shards its index names, with torch.load(weights_only=True), which
+    refuses every object but tensors and containers (a `__reduce__` payload never runs). Tied
+    weights are stored once, as save_pretrained does; many shards keep an index.
+    """
+    src = model_dir.with_name(model_dir.name + ".pickle")
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir(parents=True)
+    try:
+        sources = {}
+        for path in sorted(model_dir.iterdir()):
+            if path.is_file() and (path.name.endswith(PICKLE_SUFFIXES) or path.name == PICKLE_INDEX_NAME):
+                sources[path.name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+                shutil.move(str(path), src / path.name)
+        try:
+            report = convert_checkpoint(src, model_dir, model_config=model_cfg, allow_pickle=True, write_config=False)
+        except ConversionError as exc:
+            raise ConfigError([("base_model.uri", f"{uri}: its pickle weights cannot be converted: {exc}. torch.load(weights_only=True) loads tensors only, so a pickle that would run code is refused here; get safetensors weights from the model's source")], header="load_from_hf refused the base model") from None
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+    return {"loader": "torch.load(weights_only=True)", "files": sources, **report.summary()}
+
+
+def _transient(task, task_run, state) -> bool:
+    """Retry downloads and copies, never a refusal: the same inputs give the same ConfigError."""
+    try:
+        state.result()
+    except ConfigError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+@stage_task(name="load_from_hf", retries=2, retry_delay_seconds=15, retry_condition_fn=_transient, task_run_name="load_from_hf")
 def load_from_hf(cfg: RunConfig) -> StageResult:
     logger = get_run_logger()
     stage = Stage("load_from_hf", cfg, stage_digest("load", cfg.base_model, None))
@@ -96,11 +139,12 @@ def load_from_hf(cfg: RunConfig) -> StageResult:
             meta = _copy_path(cfg, out.dir)
         weights = check_weight_files(out.dir, cfg.base_model.allow_pickle)
         model_cfg = json.loads((out.dir / "config.json").read_text())
+        if not any(w.endswith(".safetensors") for w in weights):
+            meta["converted_from_pickle"] = convert_pickle(out.dir, model_cfg, cfg.base_model.uri)
+            logger.info("converted pickle weights %s to safetensors", ", ".join(meta["converted_from_pickle"]["files"]))
+            weights = check_weight_files(out.dir, allow_pickle=False)
         meta.update(model_type=model_cfg.get("model_type"), vocab_size=model_cfg.get("vocab_size"), weights=weights)
-        if all(w.endswith(".safetensors") for w in weights):
-            logits = hf_dir_logits(out.dir, trust_remote_code=cfg.base_model.trust_remote_code)
-            fingerprint = save_fingerprint(logits, out.dir, str(model_cfg.get("torch_dtype", "float32")))
-        else:
-            fingerprint = None  # pickle weights are converted by the shard stage, not loaded here
+        logits = hf_dir_logits(out.dir, trust_remote_code=cfg.base_model.trust_remote_code)
+        fingerprint = save_fingerprint(logits, out.dir, str(model_cfg.get("torch_dtype", "float32")))
         out.manifest(kind="hf-model", meta=meta, fingerprint=fingerprint)
     return stage.done({k: v for k, v in meta.items() if k != "weights"})

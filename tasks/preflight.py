@@ -4,7 +4,8 @@
 
 The checks are pure and live in `tasks.core.validate`; this module adds what needs Prefect (the
 Hub token in the Secret block `hf-token`) and the two ways in: the `preflight` task, first in
-the flow, which raises one `ConfigError` listing every problem; and `run_check_cli`, a plain
+the flow, which on any problem ends Failed with the report as its message (the flow then ends
+Failed the same way, without a traceback); and `run_check_cli`, a plain
 function for `--check` that starts no flow and no Prefect server, prints the report and returns
 the exit code. The token itself is never logged or returned, only whether it exists.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
+from prefect.states import Failed, State
 
 from tasks.core.config import RunConfig
 from tasks.core.errors import ConfigError
@@ -48,16 +50,21 @@ def hub_token_present(consult_secret: bool = True) -> bool:
     return bool(os.environ.get("HF_TOKEN")) or (consult_secret and _secret_exists())
 
 
+REFUSED = "pre-flight stopped: fix the configuration above first, nothing was launched"
+
+
 @task(name="preflight", task_run_name="preflight")  # no retries: the same inputs give the same answer
-def preflight(cfg: RunConfig) -> dict[str, Any]:
-    """Run every pre-flight check; raise one ConfigError listing every problem, else the report."""
+def preflight(cfg: RunConfig) -> dict[str, Any] | State:
+    """Run every pre-flight check. On any problem: a Failed state whose message is the report
+    (no traceback: nothing crashed) and whose result raises one ConfigError listing every problem;
+    else the checked list."""
     logger = get_run_logger()
     report = preflight_report(cfg, token_present=hub_token_present() if cfg.hub else None)
     for w in report.warnings:
         logger.warning("pre-flight: %s", w)
     if not report.ok:
         logger.error("%s", report.text())
-        raise report.error()
+        return Failed(name="Refused", message=report.text(), data=report.error())
     logger.info("%s", report.text())
     return {"checked": report.checked, "warnings": report.warnings, "seconds": round(report.seconds, 3)}
 
@@ -91,7 +98,7 @@ def run_check_cli(cfg: RunConfig | str | Path, run_root: str | None = None, run_
     try:
         report = check(cfg, run_root, run_name)
     except ConfigError as exc:
-        print(f"{exc}\npre-flight stopped: fix the configuration above first, nothing was launched")
+        print(f"{exc}\n{REFUSED}")
         return 1
     print(report.text())
     return 0 if report.ok else 1

@@ -138,10 +138,12 @@ def stage_table(results: Iterable[dict[str, Any]]) -> None:
             "artifact": r.get("uri") or "",
             "manifest digest": (r.get("digest") or "")[:16],
             "duration": _duration(r.get("seconds") or 0.0),
+            # A failed stage's cause (a launch: the failing rank's first error line), else empty.
+            "cause": (r.get("detail") or {}).get("error", "") if r["status"] == "failed" else "",
         }
         for r in results
     ]
-    create_table_artifact(rows, key=STAGES_KEY, description="Stages of this run: status, artifact URI, manifest digest, duration")
+    create_table_artifact(rows, key=STAGES_KEY, description="Stages of this run: status, artifact URI, manifest digest, duration, the cause of a failure")
 
 
 def _duration(seconds: float) -> str:
@@ -168,7 +170,8 @@ def link(key: str, url: str, text: str) -> None:
 
 
 def stage_event(stage: str, status: str, run_name: str, uri: str | None, **payload: Any) -> None:
-    """`cpt-to-sft.stage.<status>` (completed | failed) with the artifact URI in the payload.
+    """`cpt-to-sft.stage.<status>` (completed | failed) with the artifact URI in the payload; a
+    failed stage's payload has `cause` (one line) and `error` (the whole message).
 
     The resource is the run's stage; Prefect adds the flow run (and task run) as related resources,
     so the event shows in the run's event feed and automations can match on either.

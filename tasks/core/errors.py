@@ -30,4 +30,12 @@ class ConversionError(ValueError):
 
 
 class StageFailed(RuntimeError):
-    """A launched stage (torchrun) exited non-zero; the message holds the failing ranks' last lines."""
+    """A launched stage (torchrun) exited non-zero. `cause` is one line, "rank N: <its first error
+    line>"; the message starts with it and then holds every process's last lines."""
+
+    def __init__(self, message: str, cause: str | None = None):
+        super().__init__(message)
+        self.cause = cause or (message.splitlines()[0] if message else "")
+
+    def __reduce__(self):  # Prefect may pickle a task's exception; keep the cause
+        return (type(self), (str(self), self.cause))

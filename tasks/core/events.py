@@ -7,6 +7,13 @@ lines without one come from torchrun itself. A machine-readable event is one lin
 `@@<kind> <json>` printed by rank 0 (`tasks.engine.engine.emit`); the task
 (`tasks/launch.py`) turns `progress` events into progress callbacks and hands every other kind to
 its `on_event` callback.
+
+Levels are said by the writer, never guessed from words. The prefix carries them:
+`[rank N] ` is info, `[rank N|warning] ` and `[rank N|error] ` the others. The engine writes its own
+failures at `error` (`tasks.engine.rankio.say`); whatever else a rank writes to stderr (Python
+warnings, library loggers) is `warning`, stdout `info`. Unprefixed lines (torchrun's elastic
+agent, torch's C++ logging) are `info` unless they open with the glog severity letter those
+writers put there themselves (`E1130 12:00:00.000000 ...`).
 """
 
 from __future__ import annotations
@@ -21,11 +28,15 @@ PROGRESS = "progress"  # one optimizer step: stage, step, total, loss, lr, token
 CHECKPOINT = "checkpoint"  # a committed checkpoint: step, path
 KINDS = (PROGRESS, CHECKPOINT)
 
-_RANK = re.compile(r"^\[rank (\d+)\] ?")
+INFO, WARNING, ERROR = "info", "warning", "error"
+LEVELS = (INFO, WARNING, ERROR)
+_RANK = re.compile(r"^\[rank (\d+)(?:\|(warning|error))?\] ?")
+_GLOG = re.compile(r"^([IWEF])\d{4} \d{2}:\d{2}:\d{2}\.\d+ ")
+_GLOG_LEVELS = {"I": INFO, "W": WARNING, "E": ERROR, "F": ERROR}
 
 
-def rank_prefix(rank: int) -> str:
-    return f"[rank {rank}] "
+def rank_prefix(rank: int, level: str = INFO) -> str:
+    return f"[rank {rank}] " if level == INFO else f"[rank {rank}|{level}] "
 
 
 def format_event(kind: str, record: dict[str, Any]) -> str:
@@ -38,6 +49,7 @@ class Line:
 
     who: str  # "rank N" or "torchrun"
     body: str  # the line without its rank prefix
+    level: str = INFO  # as the writer marked it (see the module docstring)
     kind: str | None = None  # the event kind for `@@` lines
     record: dict[str, Any] | None = None  # the event's payload
     payload: str = ""  # the raw JSON text of an event
@@ -45,13 +57,16 @@ class Line:
 
 def parse_line(line: str) -> Line:
     m = _RANK.match(line)
-    who = f"rank {m.group(1)}" if m else "torchrun"
-    body = line[m.end():] if m else line
+    if m:
+        who, body, level = f"rank {m.group(1)}", line[m.end():], m.group(2) or INFO
+    else:
+        g = _GLOG.match(line)
+        who, body, level = "torchrun", line, _GLOG_LEVELS[g.group(1)] if g else INFO
     if not body.startswith(PREFIX):
-        return Line(who, body)
+        return Line(who, body, level)
     kind, _, payload = body[len(PREFIX):].partition(" ")
     try:
         record = json.loads(payload)
     except json.JSONDecodeError:
         record = {"raw": payload}
-    return Line(who, body, kind, record, payload)
+    return Line(who, body, level, kind, record, payload)

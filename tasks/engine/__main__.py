@@ -9,8 +9,9 @@ rank's output with `[rank N] `; read and validate the job; refuse plugins this m
 patch ColossalAI for CPU when CUDA is absent (tasks/engine/cpu_compat.py); init the process group
 with `colossalai.launch_from_torch(seed=<stage seed>)`; run the verb (tasks/engine/loop.py).
 
-Exit status 0 on success, 1 with a message naming the problem on failure (the traceback too for
-anything that is not a configuration, manifest or data error). Never imports prefect.
+Exit status 0 on success, 1 with a message naming the problem on failure, written at level error
+(`tasks.engine.rankio.say`): the cause line first, then the traceback for anything that is not a
+configuration, manifest or data error. Never imports prefect.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
 
     from tasks.core.errors import ConfigError, ManifestError
+    from tasks.core.events import ERROR
 
     try:
         from tasks.engine.job import check_inputs, load_job
@@ -103,11 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         return 0
     except (ConfigError, ManifestError, ValueError, FileNotFoundError) as exc:
-        print(f"engine {args.verb} failed: {exc}", file=sys.stderr, flush=True)
+        rankio.say(f"engine {args.verb} failed: {exc}", ERROR)
         return 1
     except Exception as exc:  # report anything, then exit non-zero
-        traceback.print_exc()
-        print(f"engine {args.verb} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        # The cause first: the launcher quotes a rank's first error line as the stage's cause.
+        rankio.say(f"engine {args.verb} failed: {type(exc).__name__}: {exc}", ERROR)
+        rankio.say(traceback.format_exc(), ERROR)
         return 1
 
 

@@ -36,6 +36,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.core.events import ERROR
+from tasks.engine import rankio
+
 ENV = "CPT_TO_SFT_FAULT"
 SAVE_PHASES = ("model", "optimizer", "lr_scheduler", "rng", "fingerprint", "state", "manifest", "rename")
 _RANK0_PHASES = ("manifest", "rename")
@@ -148,7 +151,8 @@ class Injector:
                 raise RuntimeError(f"injected failure {f.spec!r} ({ENV}) {where} of stage {self.stage}")
             if self.rank == f.acting_rank(self.world_size):
                 self._mark(mark, f)
-                print(f"injected fault {f.spec!r} ({ENV}): rank {self.rank} SIGKILLs itself {where} of stage {self.stage}", flush=True)
+                # At error level: a SIGKILLed rank says nothing else, and this line is the cause.
+                rankio.say(f"injected fault {f.spec!r} ({ENV}): rank {self.rank} SIGKILLs itself {where} of stage {self.stage}", ERROR)
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -5,6 +5,9 @@ create handlers that capture `sys.stdout`/`sys.stderr`), so the Prefect task tha
 merged output of all ranks can attribute every line. Only Python-level writes are prefixed;
 C++ messages written straight to file descriptor 1/2 (gloo, torch's c10 logging) are not, and the
 launcher attributes them to torchrun.
+
+The prefix also says the line's level (`tasks.core.events`): stdout is info, stderr warning, and
+`say(msg, ERROR)` is the one way a rank writes an error line.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import io
 import sys
 import threading
 
-from tasks.core.events import rank_prefix
+from tasks.core.events import ERROR, INFO, WARNING, rank_prefix
 
 
 class RankPrefixed(io.TextIOBase):
@@ -64,13 +67,34 @@ class RankPrefixed(io.TextIOBase):
         return getattr(self._stream, "errors", "strict")
 
 
+# The level each stream's lines carry (tasks/core/events.py): stdout is info; stderr holds what
+# libraries and Python's warnings machinery write, warnings by convention. Errors are never
+# inferred: only `say(..., ERROR)` writes them.
+_STREAM_LEVELS = {"stdout": INFO, "stderr": WARNING}
+_SAY: dict[str, RankPrefixed] = {}
+
+
 def install(rank: int) -> None:
     """Wrap sys.stdout and sys.stderr once; idempotent."""
-    prefix = rank_prefix(rank)
-    for name in ("stdout", "stderr"):
+    for name, level in _STREAM_LEVELS.items():
         current = getattr(sys, name)
         if isinstance(current, RankPrefixed):
             continue
-        wrapped = RankPrefixed(current, prefix)
+        wrapped = RankPrefixed(current, rank_prefix(rank, level))
         setattr(sys, name, wrapped)
         atexit.register(wrapped.close_partial)
+        _SAY[level] = wrapped
+    if ERROR not in _SAY:
+        _SAY[ERROR] = RankPrefixed(sys.__stderr__, rank_prefix(rank, ERROR))
+        atexit.register(_SAY[ERROR].close_partial)
+
+
+def say(msg: str, level: str = INFO) -> None:
+    """Write `msg` (every line of it) at `level`; before `install`, plain stderr/stdout."""
+    stream = _SAY.get(level)
+    if stream is None:
+        stream = sys.stdout if level == INFO else sys.stderr
+    for s in _SAY.values():  # what was written before stays before
+        s.flush()
+    stream.write(msg.rstrip("\n") + "\n")
+    stream.flush()
