@@ -147,9 +147,10 @@ def _failed(cfg: RunConfig, stage: str, exc: BaseException) -> StageResult:
     # event and the stage table point the operator at.
     rel = STAGE[stage].artifact
     uri = store_for(cfg).uri(rel) if rel else (f"hf://{cfg.hub.repo_id}" if cfg.hub else None)
-    # The event carries the whole message (for a launch: every rank's last lines) for automations.
+    # The event carries the cause (one line) and the message from its start (for a launch: the
+    # cause, then the failing process's last lines first) for automations.
     cause = failure_cause(exc)
-    ui.stage_event(stage, Status.FAILED, cfg.name, uri, cause=cause, error=f"{type(exc).__name__}: {exc}"[-4000:])
+    ui.stage_event(stage, Status.FAILED, cfg.name, uri, cause=cause, error=f"{type(exc).__name__}: {exc}"[:4000])
     return StageResult(stage, Status.FAILED, rel, uri, detail={"error": cause})
 
 

@@ -1,7 +1,9 @@
 """The whole flow on the tiny config, in-process on an ephemeral Prefect server (e2e tier).
 
 One module-scoped scenario serves every test here, because a flow run costs minutes on 2 cores:
-  1. a run whose SFT stage dies (rank 1 SIGKILLed after step 5; the step-4 checkpoint is complete);
+  1. a run whose SFT stage dies (rank 1 SIGKILLed after step 5; the step-4 checkpoint is complete):
+     exit status 1, and the cause (rank 1's error line) in run.json, the failed-stage event and
+     the CLI's last line;
   2. the retry over the same run root: the first five stages are skipped without a launch, SFT
      resumes from step 4 and the run completes;
   3. a re-run of the complete run: every stage skipped, no torchrun process at all;
@@ -12,6 +14,8 @@ One module-scoped scenario serves every test here, because a flow run costs minu
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -47,9 +51,21 @@ class Launches:
         return progress
 
 
+class Events:
+    """Wraps tasks.ui.stage_event: records every stage event's payload, then sends it."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __call__(self, stage, status, run_name, uri, **payload):
+        self.calls.append({"stage": stage, "status": str(status), **payload})
+        return self.real(stage, status, run_name, uri, **payload)
+
+
 @pytest.fixture(scope="module")
 def scenario(prefect_harness, tiny_model_dir, tmp_path_factory):
     import tasks.train
+    import tasks.ui
     from flows.cpt_to_sft import main
 
     tmp = tmp_path_factory.mktemp("e2e")
@@ -61,14 +77,17 @@ def scenario(prefect_harness, tiny_model_dir, tmp_path_factory):
         for fault in ("kill@step=5@stage=sft", "", ""):
             launches = Launches(tasks.train.run_engine.__wrapped__ if hasattr(tasks.train.run_engine, "__wrapped__") else tasks.train.run_engine)
             mp.setattr(tasks.train, "run_engine", launches)
+            events = Events(tasks.ui.stage_event)
+            mp.setattr(tasks.ui, "stage_event", events)
             mp.setenv("CPT_TO_SFT_FAULT", fault) if fault else mp.delenv("CPT_TO_SFT_FAULT", raising=False)
-            try:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
                 rc = main(["--config", str(cfg)])
-            except Exception as exc:  # the failed run raises the task's error
-                rc = exc
             summary = json.loads((run_root / "run.json").read_text())
-            runs.append({"rc": rc, "launches": launches.calls, "summary": summary})
+            last = [x for x in err.getvalue().splitlines() if x.strip()][-1:] or [""]
+            runs.append({"rc": rc, "launches": launches.calls, "summary": summary, "events": events.calls, "last_line": last[0]})
             mp.setattr(tasks.train, "run_engine", launches.real)
+            mp.setattr(tasks.ui, "stage_event", events.real)
         runs += _gate_reruns(mp, tmp, tiny_model_dir, run_root)
     finally:
         mp.undo()
@@ -110,13 +129,21 @@ def statuses(summary):
     return {s["stage"]: s["status"] for s in summary["stages"]}
 
 
-def test_failed_sft_run_is_recorded(scenario):
+def test_failed_sft_run_is_recorded_with_its_cause(scenario):
     _, runs = scenario
     first = runs[0]
-    assert isinstance(first["rc"], Exception) and "exited with status" in str(first["rc"])
-    assert first["summary"]["complete"] is False
+    assert first["rc"] == 1 and first["summary"]["complete"] is False
     st = statuses(first["summary"])
     assert st["train_cpt"] == "completed" and st["train_sft"] == "failed" and st["export"] == "not-run"
+    # The cause is rank 1's own last words (at error level), not "exited with status 1":
+    # in run.json's stage row, the failed-stage event and the CLI's last line.
+    cause = "rank 1: injected fault 'kill@step=5@stage=sft' (CPT_TO_SFT_FAULT): rank 1 SIGKILLs itself after step 5 of stage sft"
+    row = next(s for s in first["summary"]["stages"] if s["stage"] == "train_sft")
+    assert row["detail"]["error"] == f"StageFailed: {cause}", row
+    (event,) = [e for e in first["events"] if e["status"] == "failed"]
+    assert event["stage"] == "train_sft" and event["cause"] == f"StageFailed: {cause}"
+    assert event["error"].startswith(f"StageFailed: engine verb 'train' failed on {cause}") and "last lines per process" in event["error"]
+    assert first["last_line"] == f"stage train_sft failed: StageFailed: {cause}"
 
 
 def test_retry_skips_done_stages_and_resumes_sft(scenario):
@@ -267,15 +294,18 @@ def test_failed_gate_skips_the_push_and_a_disabled_gate_lets_it_through(scenario
     assert [c["check"] for c in summary["gate"]["checks"] if not c["ok"]] == ["cpt_perplexity"]
 
 
-def test_second_run_over_a_held_run_root_fails_naming_the_holder(finished_run):
+def test_second_run_over_a_held_run_root_fails_naming_the_holder(finished_run, capsys):
     from flows.cpt_to_sft import main
-    from tasks.core.lease import Lease, LeaseHeld
+    from tasks.core.lease import Lease
     from tasks.core.storage import RunStore
 
     run_root, cfg = finished_run
+    # A live holder (this very process) on this host: refused at once, naming it; no traceback.
     holder = Lease(RunStore(str(run_root)), holder="flow run other-writer (test)").acquire()
     try:
-        with pytest.raises(LeaseHeld, match="other-writer"):
-            main(["--config", str(cfg)])
+        assert main(["--config", str(cfg)]) == 1
     finally:
         holder.release()
+    err = capsys.readouterr().err
+    last = [x for x in err.splitlines() if x.strip()][-1]
+    assert "is being written by flow run other-writer (test)" in last and "--break-lease" in last

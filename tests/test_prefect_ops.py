@@ -8,7 +8,8 @@ stage, a checkpoint every 2):
 
 1. `prefect deployment run cpt-to-sft/default --watch` with a fault injected at CPT step 3 (job
    variable env CPT_TO_SFT_FAULT): the run fails; the failing rank's last lines are in the error,
-   a `cpt-to-sft.stage.failed` event names the stage directory, the stage table says `failed`;
+   its first error line (the cause) is the run's state message, the event's `cause` and the stage
+   table's; a `cpt-to-sft.stage.failed` event names the stage directory, the stage table says `failed`;
 2. `prefect flow-run retry <id>`: the verified stages are skipped, CPT resumes from step 2, the
    run completes, and the API holds every artifact the UI shows (stage table, progress and loss
    curves for CPT and SFT, export verification, the Hub commit link) and the completion events;
@@ -242,6 +243,8 @@ def test_failed_run_shows_failing_rank_event_and_stage_table(ops, failed_run):
     assert [e["payload"]["stage"] for e in events] == ["train_cpt"]
     assert events[0]["payload"]["artifact_uri"] == f"{ops.run_root}/cpt"
     assert "injected failure" in events[0]["payload"]["error"]
+    assert events[0]["payload"]["cause"].startswith("StageFailed: rank ") and "engine train failed: RuntimeError: injected failure" in events[0]["payload"]["cause"]
+    assert run["state"]["message"] == f"stage train_cpt failed: {events[0]['payload']['cause']}"
 
     latest = _latest(failed_run["artifacts"])
     assert latest["cpt-progress"]["description"].startswith(f"CPT: step 3 / {STEPS}, loss ")  # the step it reached
@@ -250,6 +253,7 @@ def test_failed_run_shows_failing_rank_event_and_stage_table(ops, failed_run):
     rows = {r["stage"]: r for r in json.loads(table["data"])}
     assert rows["load_from_hf"]["status"] == rows["boost_and_shard"]["status"] == "completed"
     assert rows["train_cpt"]["status"] == "failed" and rows["train_cpt"]["artifact"] == f"{ops.run_root}/cpt"
+    assert rows["train_cpt"]["cause"] == events[0]["payload"]["cause"]
     assert rows["unshard"]["status"] == "not-run"
 
     logs = ops.server.logs(failed_run["id"])
@@ -259,8 +263,10 @@ def test_failed_run_shows_failing_rank_event_and_stage_table(ops, failed_run):
     assert progress and all(e["level"] == 20 for e in progress)
     steps = [json.loads(e["message"].split(" ", 3)[3])["step"] for e in progress if '"stage": "cpt"' in e["message"]]
     assert steps == sorted(steps) and steps[:3] == [1, 2, 3], steps  # in order
-    assert any(e["level"] == 40 and "injected failure" in e["message"] for e in ranked)
-    assert all(e["level"] == 30 for e in ranked if "warning" in e["message"].lower() and e["level"] != 40)
+    # Levels as the ranks marked them: the failure is error, nothing is guessed from words.
+    errors = [e for e in ranked if e["level"] == 40]
+    assert errors and "engine train failed: RuntimeError: injected failure" in errors[0]["message"]
+    assert all(e["level"] == 20 for e in ranked if e["message"].split("] ", 1)[1].startswith(("engine train cpt:", "launch:")))
 
 
 @pytest.mark.e2e

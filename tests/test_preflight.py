@@ -307,7 +307,7 @@ def test_cli_check_without_token_or_server_says_the_secret_was_not_consulted(tmp
     assert "no Hub token" in out and "not consulted" in out
 
 
-def test_preflight_task_raises_one_config_error(tmp_path, monkeypatch):
+def test_preflight_task_fails_with_the_report_and_one_config_error(tmp_path, monkeypatch):
     import logging
 
     import tasks.preflight as mod
@@ -317,8 +317,10 @@ def test_preflight_task_raises_one_config_error(tmp_path, monkeypatch):
     case = Case(tmp_path)
     _all(_set("hub", {"repo_id": "my-org/tiny"}), _set("sft.seq_len", 1024))(case)
     cfg = load_for_check(write_config(tmp_path / "c.yaml", case.raw))
+    state = mod.preflight.fn(cfg)  # a Failed state with the report, not a raise: no traceback
+    assert state.is_failed() and "sft.seq_len" in state.message and "hub" in state.message
     with pytest.raises(ConfigError) as info:
-        mod.preflight.fn(cfg)
+        state.result()
     assert {"hub", "sft.seq_len"} <= {f for f, _ in info.value.problems}
 
 
