@@ -107,7 +107,9 @@ def convert_pickle(model_dir: Path, model_cfg: dict, uri: str) -> dict:
         try:
             report = convert_checkpoint(src, model_dir, model_config=model_cfg, allow_pickle=True, write_config=False)
         except ConversionError as exc:
-            raise ConfigError([("base_model.uri", f"{uri}: its pickle weights cannot be converted: {exc}. torch.load(weights_only=True) loads tensors only, so a pickle that would run code is refused here; get safetensors weights from the model's source")], header="load_from_hf refused the base model") from None
+            why = (f"{uri}: its pickle weights cannot be converted: {exc}. torch.load(weights_only=True) loads tensors only, so a pickle that "
+                   "would run code is refused here; get safetensors weights from the model's source")
+            raise ConfigError([("base_model.uri", why)], header="load_from_hf refused the base model") from None
     finally:
         shutil.rmtree(src, ignore_errors=True)
     return {"loader": "torch.load(weights_only=True)", "files": sources, **report.summary()}
@@ -119,7 +121,7 @@ def _transient(task, task_run, state) -> bool:
         state.result()
     except ConfigError:
         return False
-    except Exception:
+    except Exception:  # noqa: BLE001 - any other failure (network, disk) may pass on a retry
         return True
     return True
 

@@ -283,7 +283,7 @@ def test_a_failing_rank_gives_the_stage_its_cause(tmp_path, tiny_model_dir, monk
     finally:
         logger.removeHandler(handler)
     exc = info.value
-    assert exc.cause.startswith("rank ") and "engine train failed" in exc.cause and "model_dir" in exc.cause and "no config.json" in exc.cause
+    assert exc.cause.startswith(("rank 0: ", "rank 1: ")) and "engine train failed: job " in exc.cause and "cannot start: model_dir: " in exc.cause and "no config.json" in exc.cause
     assert str(exc).splitlines()[0] == f"engine verb 'train' failed on {exc.cause}"
     assert "exited with status 1; last lines per process:" in str(exc)
     errors = [r for r in handler.records if r.levelno == logging.ERROR]
@@ -432,7 +432,9 @@ def test_pickle_weights_are_converted_once_in_the_load_stage(prefect_harness, ti
     from tasks.engine.job import check_inputs, parse_job
     from tests._engine_utils import write_job
 
-    job = parse_job(json.loads(write_job(tmp_path / "job.json", verb="shard", stage="cpt", run=cfg.model_dump(mode="json"), model_dir=base, stage_dir=tmp_path / "cpt").read_text()))
+    run = cfg.model_dump(mode="json")
+    run["cpt"]["data"]["uri"] = str(Path(__file__).resolve().parents[1] / run["cpt"]["data"]["uri"])
+    job = parse_job(json.loads(write_job(tmp_path / "job.json", verb="shard", stage="cpt", run=run, model_dir=base, stage_dir=tmp_path / "cpt").read_text()))
     check_inputs(job)
 
 
@@ -443,7 +445,7 @@ def test_a_pickle_that_would_run_code_is_refused(prefect_harness, tiny_model_dir
     model, _ = _pickle_model(tiny_model_dir, tmp_path / "model")
     marker = tmp_path / "pwned"
     torch.save({"model.embed_tokens.weight": _RunsCode(marker)}, model / "pytorch_model.bin")
-    cfg, state = _load(tmp_path, model)
+    _, state = _load(tmp_path, model)
     assert state.is_failed()
     with pytest.raises(ConfigError) as info:
         state.result()

@@ -11,9 +11,14 @@ class ConfigError(ValueError):
 
     def __init__(self, problems: list[tuple[str, str]], header: str = "invalid configuration"):
         self.problems = list(problems)
+        self.header = header
         lines = [f"{header} ({len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}):"]
         lines += [f"  - {field}: {msg}" for field, msg in self.problems]
         super().__init__("\n".join(lines))
+
+    def one_line(self) -> str:
+        """Header and every problem on one line (a cause quoted in a stage row or a state message)."""
+        return f"{self.header}: " + "; ".join(f"{field}: {msg}" for field, msg in self.problems)
 
 
 class ManifestError(ValueError):

@@ -42,7 +42,11 @@ def safe_relpath(rel: str, where: str = "manifest") -> str:
     if bad:
         # The OS would refuse it mid-verification (a NUL raises "embedded null byte" deep inside
         # os.stat); no stage ever writes such a name, so the manifest is corrupt or forged.
-        raise ManifestError(f"{where}: file path {rel!r} is not a valid path (control character{'s' if len(bad) > 1 else ''} {', '.join(repr(c) for c in bad)}); no stage writes such a name, so this manifest is corrupt or was tampered with: delete the artifact directory and the stage is rebuilt")
+        chars = ", ".join(repr(c) for c in bad)
+        raise ManifestError(
+            f"{where}: file path {rel!r} is not a valid path (control character {chars}); no stage writes such a name, "
+            "so this manifest is corrupt or was tampered with: delete the artifact directory and the stage is rebuilt"
+        )
     if "\\" in rel or rel.startswith("/") or (len(rel) > 1 and rel[1] == ":"):
         raise ManifestError(f"{where}: file path {rel!r} is absolute; manifests may only list paths inside the artifact")
     parts = PurePosixPath(rel).parts

@@ -188,9 +188,11 @@ def check_base_model(ctx: CheckContext) -> None:
     elif not safetensors and not pickles:
         ctx.problem("base_model.uri", f"{ctx.model.where} has no weight files (*.safetensors)")
     elif not safetensors and not ({PICKLE_WEIGHTS_NAME, PICKLE_INDEX_NAME} & set(files)):
-        ctx.problem("base_model.uri", f"{ctx.model.where} has pickle files ({', '.join(pickles[:3])}) but no {PICKLE_WEIGHTS_NAME} or {PICKLE_INDEX_NAME}, the HF layouts load_from_hf converts; rename them to the HF layout or provide safetensors")
+        ctx.problem("base_model.uri", f"{ctx.model.where} has pickle files ({', '.join(pickles[:3])}) but no {PICKLE_WEIGHTS_NAME} or {PICKLE_INDEX_NAME}, "
+                    "the HF layouts load_from_hf converts; rename them to the HF layout or provide safetensors")
     elif not safetensors:
-        ctx.warn(f"base_model.allow_pickle: {ctx.model.where} has only pickle weights ({', '.join(pickles[:3])}); load_from_hf converts them once to safetensors with torch.load(weights_only=True), which refuses any pickle that would run code, and every later stage reads the safetensors (the manifest records the conversion)")
+        ctx.warn(f"base_model.allow_pickle: {ctx.model.where} has only pickle weights ({', '.join(pickles[:3])}); load_from_hf converts them once to safetensors "
+                 "with torch.load(weights_only=True), which refuses any pickle that would run code, and every later stage reads the safetensors (the manifest records the conversion)")
     else:
         ctx.ok(f"base model {ctx.model.where}: {len(safetensors)} safetensors file(s)" + (f"; {len(pickles)} pickle file(s) ignored" if pickles and not b.allow_pickle else ""))
     auto_map = ctx.model.config.get("auto_map")

@@ -105,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         return 0
     except (ConfigError, ManifestError, ValueError, FileNotFoundError) as exc:
-        rankio.say(f"engine {args.verb} failed: {exc}", ERROR)
+        # One self-contained first line: the launcher quotes it as the stage's cause.
+        first, *rest = str(exc).splitlines() or [type(exc).__name__]
+        rankio.say(f"engine {args.verb} failed: {exc.one_line() if isinstance(exc, ConfigError) else first}", ERROR)
+        if rest and not isinstance(exc, ConfigError):
+            rankio.say("\n".join(rest), ERROR)
         return 1
     except Exception as exc:  # report anything, then exit non-zero
         # The cause first: the launcher quotes a rank's first error line as the stage's cause.
