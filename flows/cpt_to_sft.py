@@ -113,7 +113,7 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
             results["push_to_hub"] = held_back(cfg, verdict)
         else:
             stage("push_to_hub", push_to_hub, cfg, results)
-    except Exception as exc:  # noqa: BLE001 - any stage failure ends the run Failed with its cause
+    except Exception as exc:  # any stage failure ends the run Failed with its cause
         # The failed stage's row holds its cause (for a launch: the failing rank's first error
         # line); the run's state message says it, the task run keeps the traceback.
         failed = next((r for r in reversed(results.values()) if r.status == Status.FAILED), None)
@@ -157,7 +157,7 @@ def _failed(cfg: RunConfig, stage: str, exc: BaseException) -> StageResult:
 def failure_cause(exc: BaseException) -> str:
     """One line: a launch's cause ("rank N: <its first error line>"), else the exception's first line."""
     problems = getattr(exc, "problems", None)  # a ConfigError: every field and its fix
-    cause = getattr(exc, "cause", None) or ("; ".join(f"{f}: {m}" for f, m in problems) if problems else "") or (str(exc).splitlines()[0] if str(exc).strip() else "")  # noqa: E501
+    cause = getattr(exc, "cause", None) or ("; ".join(f"{f}: {m}" for f, m in problems) if problems else "") or (str(exc).splitlines()[0] if str(exc).strip() else "")
     return f"{type(exc).__name__}: {cause}"[:500] if cause else type(exc).__name__
 
 

@@ -121,7 +121,7 @@ def _transient(task, task_run, state) -> bool:
         state.result()
     except ConfigError:
         return False
-    except Exception:  # noqa: BLE001 - any other failure (network, disk) may pass on a retry
+    except Exception:  # any other failure (network, disk) may pass on a retry
         return True
     return True
 
