@@ -245,10 +245,13 @@ def test_cli_exit_status_of_a_failed_gate(monkeypatch, capsys):
 
     summary = {"run_root": "/r", "complete": False, "export": "/r/export", "seconds": 1.0,
                "gate": {"status": "failed-gate", "passed": False, "reasons": ["SFT held-out loss 2 vs pre-SFT 1"]}}
-    monkeypatch.setattr(flow_mod, "cpt_to_sft", lambda **kw: summary)
+    from prefect.states import Completed
+
+    # main() asks the flow for its final state (return_state=True) and reads the summary from it.
+    monkeypatch.setattr(flow_mod, "cpt_to_sft", lambda **kw: Completed(name="FailedGate", data=summary))
     assert flow_mod.main(["--config", "x.yaml"]) == flow_mod.EXIT_FAILED_GATE == 3
     assert "gate failed, nothing pushed, every artifact kept: SFT held-out loss" in capsys.readouterr().err
-    monkeypatch.setattr(flow_mod, "cpt_to_sft", lambda **kw: {**summary, "complete": True, "gate": {"status": "passed", "passed": True}})
+    monkeypatch.setattr(flow_mod, "cpt_to_sft", lambda **kw: Completed(data={**summary, "complete": True, "gate": {"status": "passed", "passed": True}}))
     assert flow_mod.main(["--config", "x.yaml"]) == 0
 
 
