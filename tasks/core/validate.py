@@ -40,7 +40,6 @@ from typing import Any
 from fsspec.core import url_to_fs
 
 from tasks.core.config import RunConfig, StageConfig, parse_config, plugin_problems, read_raw_config
-from tasks.core.convert.dtypes import PICKLE_INDEX_NAME, PICKLE_WEIGHTS_NAME
 from tasks.core.data import head_records
 from tasks.core.errors import ConfigError
 from tasks.core.layout import layout_problems
@@ -179,6 +178,8 @@ def check_base_model(ctx: CheckContext) -> None:
     """Weights are safetensors (pickle only with allow_pickle); remote code only when allowed."""
     if ctx.model is None:
         return
+    from tasks.core.convert.dtypes import PICKLE_INDEX_NAME, PICKLE_WEIGHTS_NAME  # here: --check imports no converter otherwise
+
     b, files = ctx.cfg.base_model, ctx.model.files
     safetensors = [n for n in files if n.endswith(".safetensors")]
     pickles = [n for n in files if n.endswith(PICKLE_SUFFIXES)]
