@@ -30,7 +30,7 @@ CPU2 = Machine(cuda_devices=0, cpu_count=2, free_bytes=10**13)
 
 
 @pytest.fixture(autouse=True)
-def no_launch(monkeypatch):
+def no_launch(monkeypatch, tmp_path):
     """Pre-flight must never start a process: any launch attempt fails the test."""
 
     def refuse(*args: Any, **kwargs: Any):
@@ -42,6 +42,10 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(tasks.launch, "run_engine", refuse, raising=False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    # No saved `hf auth login` token either: the lookup's third source reads HF_TOKEN_PATH.
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-hf-home" / "token"))
 
 
 def fake_model(root: Path, tokenizer: dict | None = None, weights: tuple[str, ...] = ("model.safetensors",), **dims: Any) -> Path:
@@ -313,7 +317,7 @@ def test_preflight_task_raises_one_config_error(tmp_path, monkeypatch):
     import tasks.preflight as mod
 
     monkeypatch.setattr(mod, "get_run_logger", lambda: logging.getLogger("preflight-test"))
-    monkeypatch.setattr(mod, "_secret_exists", lambda timeout=0: False)
+    monkeypatch.setattr(mod, "_secret_value", lambda timeout=0: None)
     case = Case(tmp_path)
     _all(_set("hub", {"repo_id": "my-org/tiny"}), _set("sft.seq_len", 1024))(case)
     cfg = load_for_check(write_config(tmp_path / "c.yaml", case.raw))

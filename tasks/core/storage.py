@@ -43,7 +43,7 @@ import fsspec
 from fsspec.core import split_protocol, url_to_fs
 
 from tasks.core.errors import ArtifactMissing, ManifestError
-from tasks.core.manifest import MANIFEST, parse_manifest, safe_relpath, verify_artifact
+from tasks.core.manifest import MANIFEST, artifact_of, manifest_tmp, parse_manifest, safe_relpath, verify_artifact
 from tasks.core.s3_transfers import (
     SHA256_META,
     S3Transfers,
@@ -203,7 +203,7 @@ class RunStore:
         try:
             return self.fs.cat_file(self._remote(f"{rel}/{MANIFEST}"))
         except FileNotFoundError:
-            raise ArtifactMissing(f"{self.uri(rel)}: no manifest.json, so this artifact does not exist") from None
+            raise ArtifactMissing(f"{self.uri(rel)}: no {MANIFEST}, so this artifact does not exist") from None
 
     def read_manifest(self, rel: str) -> dict[str, Any]:
         return parse_manifest(self._manifest_bytes(rel), self.uri(rel))
@@ -283,7 +283,7 @@ class RunStore:
             return await all_or_nothing(xfer.get(self._remote(f"{rel}/{n}"), local / n, manifest["files"][n], sem) for n in names)
 
         outcome = run_transfer(xfer, go, f"stage-in of {self.uri(rel)}", "safe to retry")
-        tmp = local / f".{MANIFEST}.{os.getpid()}.tmp"
+        tmp = manifest_tmp(local)
         tmp.write_bytes(blob)
         os.replace(tmp, local_manifest)
         self.last_transfer = _summary("stage_in", rel, manifest, names, outcome, started)
@@ -302,7 +302,7 @@ class RunStore:
             return self.manifest_digest(rel)
         local_manifest = local / MANIFEST
         if not local_manifest.is_file():
-            raise ArtifactMissing(f"{local}: no manifest.json, so there is no complete artifact to publish")
+            raise ArtifactMissing(f"{local}: no {MANIFEST}, so there is no complete artifact to publish")
         blob = local_manifest.read_bytes()
         manifest = parse_manifest(blob, str(local))
         names = sorted(manifest["files"])
@@ -357,7 +357,7 @@ class RunStore:
         keep = [k.strip("/") for k in keep]
         removed = []
         for manifest_path in sorted(self.staging.rglob(MANIFEST)):
-            art = manifest_path.parent
+            art = Path(artifact_of(manifest_path.as_posix()))
             rel = art.relative_to(self.staging).as_posix()
             if any(rel == k or rel.startswith(k + "/") for k in keep):
                 continue
