@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tasks.core.errors import ConfigError
+from tasks.core.manifest import MANIFEST
 from tasks.core.validate import Machine, load_for_check, preflight_report, validate
 from tests.conftest import tiny_config_raw, write_config
 
@@ -68,7 +69,8 @@ def write_jsonl(path: Path, lines: list[Any]) -> str:
 def make_manifest(run_root: Path, rel: str, files: dict[str, Any]) -> Path:
     art = run_root / rel
     art.mkdir(parents=True, exist_ok=True)
-    (art / "manifest.json").write_text(json.dumps({"schema": 1, "kind": "hf-model", "files": files}))
+    (art / MANIFEST).parent.mkdir(parents=True, exist_ok=True)
+    (art / MANIFEST).write_text(json.dumps({"schema": 1, "kind": "hf-model", "files": files}))
     return art
 
 
@@ -189,9 +191,9 @@ BAD = [
     ("no-weights", lambda c: (c.model / "model.safetensors").unlink(), "base_model.uri", "no weight files"),
     ("remote-code-without-trust", lambda c: fake_model(c.model, auto_map={"AutoModelForCausalLM": "modeling_x.X"}), "base_model.trust_remote_code", "its own Python code"),
     ("missing-base-model", _set("base_model.uri", "/nonexistent/model"), "base_model.uri", "does not exist"),
-    ("manifest-with-dotdot", _manifest({"../../etc/passwd": {"size": 1, "sha256": "0" * 64}}), "/run/base/manifest.json", "escapes the artifact"),
-    ("manifest-with-absolute-path", _manifest({"/etc/passwd": {"size": 1, "sha256": "0" * 64}}), "/run/base/manifest.json", "is absolute"),
-    ("manifest-with-symlink-out", _symlink_out, "/run/cpt/hf/manifest.json", "resolves outside the artifact"),
+    ("manifest-with-dotdot", _manifest({"../../etc/passwd": {"size": 1, "sha256": "0" * 64}}), "/run/base/.cpt-to-sft/manifest.json", "escapes the artifact"),
+    ("manifest-with-absolute-path", _manifest({"/etc/passwd": {"size": 1, "sha256": "0" * 64}}), "/run/base/.cpt-to-sft/manifest.json", "is absolute"),
+    ("manifest-with-symlink-out", _symlink_out, "/run/cpt/hf/.cpt-to-sft/manifest.json", "resolves outside the artifact"),
     ("seq-len-over-max-positions", _set("sft.seq_len", 1024), "sft.seq_len", "max_position_embeddings=256"),
     ("tokenizer-without-chat-template", lambda c: fake_model(c.model, tokenizer={"eos_token": "</s>"}), "base_model.uri", "no chat_template"),
     ("unknown-model-family", lambda c: fake_model(c.model, model_type="gpt2"), "base_model.uri", "model_type='gpt2' is not a supported model family (supported: llama, mistral, qwen2, qwen3)"),
