@@ -6,7 +6,7 @@ A base whose `eos_token_id` is `</s>` or `<|endoftext|>`, fine-tuned with a Chat
 learns to end a reply with `<|im_end|>`; if generation does not stop there it never stops. The
 end-of-turn tokens are found from the template itself, the way `tasks.core.data.encode_chat`
 labels them: render a conversation, take each assistant turn's tokens between the generation
-prompt and the end of the turn, and keep the special tokens after the reply's text. No table of
+prompt and the end of the turn, and keep the special tokens among them (the reply's text has none). No table of
 token names is involved, so any template works. The gate's generation check
 (`tasks.core.evaluation.generation_check`) stays an independent check of the result.
 """
@@ -42,10 +42,9 @@ def end_of_turn_tokens(tokenizer) -> list[int]:
         turn = render_chat(tokenizer, _PROBE[: i + 1], add_generation_prompt=False)
         if turn[: len(prompt)] != prompt:
             continue  # not prefix-stable: encode_chat refuses such templates before training
-        reply = turn[len(prompt):]
-        text_ids = [j for j, t in enumerate(reply) if t not in special]
-        after = reply[text_ids[-1] + 1:] if text_ids else reply
-        found += [int(t) for t in after if t in special and int(t) not in found]
+        # The reply's text has no special tokens, and the header is in the generation prompt:
+        # every special token in between is the template closing the turn (what encode_chat labels).
+        found += [int(t) for t in turn[len(prompt):] if t in special and int(t) not in found]
     return found
 
 
