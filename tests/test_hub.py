@@ -273,10 +273,14 @@ def test_provenance_is_a_config_choice_and_a_stray_safetensors_is_refused(token_
     assert not HfApi(token=hub.token).repo_exists("org/stray")
 
 
-def test_a_token_saved_by_login_is_used_by_push_and_preflight(hub_env, prefect_harness, tmp_path):
+def test_a_token_saved_by_login_is_used_by_push_and_preflight(hub_env, prefect_harness, tmp_path, monkeypatch):
     """`hf auth login` writes the token under HF_HOME (a temporary one here); no HF_TOKEN, no Secret."""
     import huggingface_hub
+    import huggingface_hub.hf_api
 
+    # login() asks whoami through huggingface_hub's module-level HfApi, whose endpoint was fixed
+    # when huggingface_hub was first imported: point it at the test Hub like HF_ENDPOINT is.
+    monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", hub_env.endpoint)
     from tasks.preflight import hub_token_present
     from tasks.push import push_to_hub
     from tasks.stage import token
