@@ -9,7 +9,7 @@ artifact: stages write in place and `publish` only verifies. For an `s3://bucket
   body (the AWS SDKs' default wire checksum), which the server checks; a multipart upload is
   accepted only if the server's composite CRC32 is that of exactly the parts we hashed, in order.
   (A per-part SHA-256 would hash every byte a second time here and once more on the server, for
-  nothing the manifest's sha256 and the wire CRC do not already catch.) `manifest.json` goes up last, after every object has been
+  nothing the manifest's sha256 and the wire CRC do not already catch.) `.cpt-to-sft/manifest.json` goes up last, after every object has been
   confirmed by size and sha256; an old manifest is deleted first. A crash mid-publish therefore
   leaves no manifest, so the artifact does not exist, and a retry uploads only what is missing.
 - `stage_in` downloads in parallel (ranged GETs for large files) into `.part` files, checks each
