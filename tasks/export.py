@@ -50,8 +50,8 @@ def _verification_markdown(v: dict) -> str:
         f"| tensors | {v['tensors']} (each bitwise the checkpoint's, cast to {v['dtype']}) |",
         f"| bytes | {v['bytes']:,} |",
         f"| dtype | {v['dtype']} |",
-        f"| logits max abs diff / max abs logit | {v['fingerprint_max_abs_diff']:.3g} / {v['fingerprint_max_abs_logit']:.3g} = "
-        f"{v['fingerprint_rel_diff']:.3g} (tolerance {v['fingerprint_rtol']:g}) {ok} |",
+        (f"| logits max abs diff / max abs logit | {v['fingerprint_max_abs_diff']:.3g} / {v['fingerprint_max_abs_logit']:.3g} = "
+         f"{v['fingerprint_rel_diff']:.3g} (tolerance {v['fingerprint_rtol']:g}) {ok} |"),
         f"| top-1 agreement | {v['top1_agreement']:.3f} ({v['top1_disagreements_beyond_tolerance']} beyond tolerance) |",
         f"| eos_token_id | {stop.get('eos_token_id')} (added: {', '.join(a['token'] for a in stop.get('added', [])) or 'none'}) |",
         f"| tokenizer files | {', '.join(v['tokenizer_files'])} |",

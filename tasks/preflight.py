@@ -83,7 +83,8 @@ def check(cfg: RunConfig | str | Path, run_root: str | None = None, run_name: st
     token = hub_token_present(consult_secret=server) if cfg.hub else None
     report = preflight_report(cfg, token_present=token)
     if cfg.hub and not token and not server:
-        report.warnings.append(f"the Prefect Secret '{SECRET_BLOCK}' was not consulted (no PREFECT_API_URL); export HF_TOKEN, run `hf auth login`, or set PREFECT_API_URL to the server holding the Secret")
+        report.warnings.append(f"the Prefect Secret '{SECRET_BLOCK}' was not consulted (no PREFECT_API_URL); export HF_TOKEN, run `hf auth login`, "
+                               "or set PREFECT_API_URL to the server holding the Secret")
     return report
 
 

@@ -35,7 +35,7 @@ def assert_consumer_rules(folder: Path) -> dict:
     for name in files:
         with safe_open(str(folder / name), framework="pt") as f:
             assert (f.metadata() or {}).get("format") == "pt", f"{name}: safetensors metadata {f.metadata()} lacks format: pt"
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
                 assert key not in names, f"{key} in both {names[key]} and {name}"
                 names[key] = name
     # No other *.safetensors anywhere in the folder (the Hub would count it as weights).

@@ -283,9 +283,9 @@ def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(fin
                   "4 × 1 accum × 2 dp = 8 sequences", f"{tokens:,}", data_sha, "| seq_len | 64 | 128 |", "SFT held-out loss",
                   f"torch {torch.__version__}", "colossalai 0.5.0", "transformers ", "bitwise", "`<|im_end|>` (4)"):
         assert words in card, words
-    snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
+    snippet = re.search(r"```python\n(.*?)```", card, re.DOTALL).group(1)
     snippet = re.sub(r'model_id = ".*"', f"model_id = {str(run_root / 'export')!r}", snippet)
-    out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
 
 

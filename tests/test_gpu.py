@@ -157,8 +157,6 @@ def gemini_runs(work, dropout_model_dir):
 
 
 def test_gemini_checkpoints_are_complete_and_say_so(gemini_runs):
-    from tasks.core.fingerprint import FINGERPRINT_FILE
-    from tasks.core.manifest import MANIFEST
     from tasks.engine.checkpoint import check_checkpoint
 
     for step in (0, 3, 6):
@@ -232,6 +230,8 @@ def test_gemini_save_load_round_trip_is_bitwise(work, dropout_model_dir):
     proc = subprocess.run(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=FIRST_LAUNCH_TIMEOUT, check=False)
     assert proc.returncode == 0, proc.stdout[-6000:]
     first, second = out / "first" / "sft" / "step-000002", out / "second" / "sft" / "step-000002"
+    from tasks.core.fingerprint import FINGERPRINT_FILE
+    from tasks.core.manifest import MANIFEST
     from tasks.engine.checkpoint import check_checkpoint
 
     for d in (first, second):

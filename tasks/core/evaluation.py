@@ -234,7 +234,10 @@ def generation_eos_problem(model_dir: Path, tokenizer) -> tuple[list[int], int |
     token = tokenizer.convert_ids_to_tokens(eot) if eot is not None else None
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
-        return [], eot, f"{path.name} is missing: generation would not know to stop at the chat template's end-of-turn token {token!r} (id {eot}); set export.align_stop_tokens: true so the export writes one whose eos_token_id includes it"
+        return [], eot, (
+            f"{path.name} is missing: generation would not know to stop at the chat template's end-of-turn token {token!r} (id {eot}); "
+            "set export.align_stop_tokens: true so the export writes one whose eos_token_id includes it"
+        )
     eos = _eos_ids(json.loads(path.read_text()).get("eos_token_id"))
     if eot is not None and eot not in eos:
         return eos, eot, (
