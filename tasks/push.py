@@ -10,7 +10,8 @@ of an unchanged export makes no commit at all. Uploads are retried (transient I/
 moves the branch when the commit lands, so a push that cannot finish leaves the repo as it was.
 
 A `.safetensors` file that is not a weight shard of the
-model is refused, so no serving engine meets a tensor that is no parameter.
+model is refused, and one an earlier push left in the repo is deleted in the same commit, so no
+serving engine meets a tensor that is no parameter.
 
 The token comes from HF_TOKEN in the worker's environment, the Prefect Secret block `hf-token`, or
 the token `hf auth login` saved (in that order, `tasks.core.hub.hub_token`) — never from
@@ -66,7 +67,7 @@ def push_export(export_dir: Path, files: list[str], card: str, hub: HubConfig, t
     Returns repo_id, revision, commit_url, commit_oid, parent_commit and `changed` (False when the
     Hub already held exactly this export, in which case no commit was made).
     """
-    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
     api = HfApi(token=token)
     repo_url = api.create_repo(hub.repo_id, private=hub.private, exist_ok=True, repo_type="model")
@@ -77,6 +78,10 @@ def push_export(export_dir: Path, files: list[str], card: str, hub: HubConfig, t
         CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(export_dir / name)) for name in sorted(files) if name != CARD
     ]
     operations.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
+    # A *.safetensors an earlier push left (an old layout's fingerprint, shards of a run with more
+    # of them) would be loaded as weights by every consumer: removed in the same commit.
+    stale = [p for p in api.list_repo_files(hub.repo_id, revision=head, repo_type="model") if p.endswith(".safetensors") and p not in set(files)]
+    operations += [CommitOperationDelete(path_in_repo=p) for p in stale]
     # One commit; parent pinned so a concurrent writer makes this attempt fail (and retry) instead
     # of being overwritten. Unchanged files are dropped by the client, and an all-unchanged push
     # returns the current head without committing.

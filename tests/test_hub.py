@@ -255,7 +255,7 @@ def test_missing_token_is_a_clear_error(hub_env, prefect_harness, tmp_path):
 
 
 def test_provenance_is_a_config_choice_and_a_stray_safetensors_is_refused(token_env, prefect_harness, tmp_path):
-    from huggingface_hub import HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi
 
     from tasks.push import push_to_hub
 
@@ -271,6 +271,15 @@ def test_provenance_is_a_config_choice_and_a_stray_safetensors_is_refused(token_
     with pytest.raises(RuntimeError, match=r"fingerprint\.safetensors: a \.safetensors file that is not a weight shard"):
         push_to_hub.with_options(retries=0)(config(tmp_path / "run", repo_id="org/stray"), RESULTS)
     assert not HfApi(token=hub.token).repo_exists("org/stray")
+
+    # A repo an earlier (old-layout) push left a fingerprint.safetensors and a single shard in:
+    # the new commit removes them, so the repo holds no *.safetensors but the index's shards.
+    api = HfApi(token=hub.token)
+    api.create_repo("org/old-layout", private=True)
+    api.create_commit("org/old-layout", [CommitOperationAdd(n, b"old " + n.encode()) for n in ("fingerprint.safetensors", "model.safetensors")], commit_message="old")
+    manifest = fake_export(tmp_path / "run", seed=6)
+    push_to_hub(config(tmp_path / "run", repo_id="org/old-layout"), RESULTS)
+    assert_repo_holds_export(api, "org/old-layout", tmp_path / "run" / "export", manifest)
 
 
 def test_a_token_saved_by_login_is_used_by_push_and_preflight(hub_env, prefect_harness, tmp_path, monkeypatch):
