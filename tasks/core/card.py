@@ -62,10 +62,10 @@ model_id = "{model_id}"
 tokenizer = AutoTokenizer.from_pretrained(model_id)
 model = AutoModelForCausalLM.from_pretrained(model_id, torch_dtype=torch.bfloat16)
 messages = [{{"role": "user", "content": "Hello! Who are you?"}}]
-inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
 # generation_config.json lists the chat template's end-of-turn token(s) as eos, so this stops.
-output = model.generate(**inputs, max_new_tokens=64, do_sample=False)
-print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=64, do_sample=False)
+print(tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True))
 ```'''
 
 
