@@ -111,7 +111,7 @@ def _gate_reruns(mp, tmp, model_dir, run_root):
         launches, pushes = Launches(tasks.train.run_engine), []
         real_push = flow_mod.push_to_hub
         mp.setattr(tasks.train, "run_engine", launches)
-        mp.setattr(flow_mod, "push_to_hub", lambda cfg_, results, _real=real_push, pushes=pushes, **kw: (pushes.append(cfg_.gate.enabled), _real(cfg_, results, **kw))[1])
+        mp.setattr(flow_mod, "push_to_hub", lambda cfg_, results, _real=real_push, pushes=pushes: (pushes.append(cfg_.gate.enabled), _real(cfg_, results))[1])
         if name == "failing":
             state = flow_mod.cpt_to_sft(config=str(cfg), return_state=True)
             out.append({"state": state, "rc": None, "launches": launches.calls, "pushes": pushes, "summary": json.loads((run_root / "run.json").read_text())})
