@@ -21,7 +21,7 @@ What it runs, each step a time-boxed subprocess (its output goes to $OUT/gpu_che
   flow_resume         the retry over the same run root: nothing before SFT is relaunched, SFT resumes
                       from its last checkpoint, the run completes; redone steps' losses vs the first try
   sft_checkpoint      the SFT checkpoints are Gemini/HybridAdam ones and hold the CUDA RNG state
-  export_fingerprint  export/verification.json matches, and the export's logits recomputed on the GPU
+  export_fingerprint  export/.cpt-to-sft/verification.json matches, and the export's logits recomputed on the GPU
                       match the final SFT checkpoint's fingerprint
   throughput          the flow's CPT tokens/s (from the engine's @@progress records) over the plain
                       script's, same steps, the intervals holding a checkpoint save left out, the first
@@ -535,20 +535,23 @@ def main_check(args: argparse.Namespace) -> int:
     final_sft = run_root / "sft" / f"step-{sft['max_steps']:06d}"
     check_sft_checkpoint(ctx, final_sft, sft)
     export = run_root / "export"
-    ver = _read_json(export / "verification.json")
+    from tasks.hf_artifact import VERIFICATION
+
+    ver = _read_json(export / VERIFICATION)
     if ver and final_sft.is_dir():
         p = run(ctx, "logits", [py, me, "_logits", "--export", str(export), "--checkpoint", str(final_sft)], TIMEOUTS["logits"])
         lrec = (records(p.output, "logits") or [{}])[0]
         ctx.figures["export_logits"] = lrec
-        tol = ver.get("fingerprint_atol", 0.1)
+        # The flow's tolerance is relative to the logits' magnitude (tasks.core.fingerprint.compare_logits).
+        tol = ver.get("fingerprint_rtol", 0.04) * ver.get("fingerprint_max_abs_logit", 1.0)
         ok = bool(ver.get("fingerprint_match")) and p.rc == 0 and lrec.get("max_abs_diff", 1e9) <= tol
         ctx.check("export_fingerprint", ok,
-                  f"flow's check (transformers on CPU) max|dlogit| {ver.get('fingerprint_max_abs_diff'):.3g} <= {tol:g}; "
+                  f"flow's check (transformers on CPU) max|dlogit| {ver.get('fingerprint_max_abs_diff'):.3g} <= {tol:.3g}; "
                   f"recomputed on {lrec.get('device')}: {lrec.get('max_abs_diff', float('nan')):.3g}"
                   f"{' (bitwise)' if lrec.get('bitwise') else ''}, logits mean |x| {lrec.get('ref_mean_abs', float('nan')):.3g}"
                   if p.rc == 0 else why(p))
     else:
-        ctx.check("export_fingerprint", False, "no export/verification.json or final SFT checkpoint: the flow did not complete")
+        ctx.check("export_fingerprint", False, "no export/.cpt-to-sft/verification.json or final SFT checkpoint: the flow did not complete")
 
     # 7. throughput: the flow's CPT stage vs the plain script
     check_throughput(ctx, r1, plain_progress, mc, cpt, skip)

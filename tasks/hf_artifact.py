@@ -2,8 +2,9 @@
 
 Shared by the unshard stage (the plugin-A -> plugin-B bridge) and the export stage. The weights go
 through the streaming converter (`tasks.core.convert`); config, generation config and tokenizer
-files come from the model the stage started from; then plain `transformers` loads the result and
-its logits on the probe batch must match the checkpoint's fingerprint.
+files come from the model the stage started from; then the proof: every tensor bitwise the checkpoint's (`tasks.core.convert.proof`), then plain
+`transformers` loads the result and its logits on the probe batch must match the checkpoint's
+fingerprint within a tolerance relative to their magnitude, with top-1 agreeing.
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.convert import convert_checkpoint
+from tasks.core.convert.proof import prove_weights
 from tasks.core.errors import ConversionError
-from tasks.core.fingerprint import DEFAULT_ATOL, hf_dir_logits, load_fingerprint, max_abs_diff, save_fingerprint
+from tasks.core.fingerprint import compare_logits, default_rtol, hf_dir_logits, load_fingerprint, save_fingerprint
+from tasks.core.manifest import PROVENANCE_DIR
+from tasks.core.stop_tokens import align_generation_config
 
 TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*", "vocab.*", "merges.txt", "*.model")
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+VERIFICATION = f"{PROVENANCE_DIR}/verification.json"  # beside the manifest: provenance, not model files
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:
@@ -39,41 +44,57 @@ def build_hf_dir(
     dtype: str | None,
     max_shard_size: str,
     weights_dtype: str,
-    atol: float | None = None,
+    rtol: float | None = None,
+    align_stop_tokens: bool | None = None,
 ) -> dict[str, Any]:
-    """checkpoint_dir holds `model/` and `fingerprint.safetensors`; returns the verification record."""
+    """checkpoint_dir holds `model/` and its fingerprint; returns the verification record.
+
+    Proof first (every tensor bitwise the checkpoint's cast to the output dtype), then the
+    logits sanity check, scale-aware. `align_stop_tokens` True/False: the export's stop-token
+    rule (`tasks.core.stop_tokens`); None (the unshard bridge) copies the generation config as is.
+    """
     model_config = json.loads((source_model_dir / "config.json").read_text())
     report = convert_checkpoint(checkpoint_dir / "model", dst, model_config=model_config, dtype=dtype, max_shard_size=max_shard_size, write_config=False)
     out_dtype = dtype or weights_dtype
+    proof = prove_weights(checkpoint_dir / "model", dst, dtype, dropped=report.dropped)
     # Private keys like `_attn_implementation_autoset` would change the attention kernel on load.
     model_config = {k: v for k, v in model_config.items() if not k.startswith("_")}
     model_config["torch_dtype"] = _DTYPE_NAMES.get(out_dtype, out_dtype)
     (dst / "config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True) + "\n")
-    gen = source_model_dir / "generation_config.json"
-    if gen.is_file():
-        shutil.copy2(gen, dst / "generation_config.json")
     tokenizer_files = copy_tokenizer(source_model_dir, dst)
+    gen_path = source_model_dir / "generation_config.json"
+    stop_tokens = None
+    if align_stop_tokens is None:
+        if gen_path.is_file():
+            shutil.copy2(gen_path, dst / "generation_config.json")
+    else:
+        from transformers import AutoTokenizer
+
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+        gen, stop_tokens = align_generation_config(gen, model_config, AutoTokenizer.from_pretrained(dst), align=align_stop_tokens)
+        (dst / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 
     logits = hf_dir_logits(dst)
-    reference = load_fingerprint(checkpoint_dir)
-    diff = max_abs_diff(logits, reference)
-    # The tolerance follows the coarsest precision the weights passed through.
-    tol = atol if atol is not None else max(DEFAULT_ATOL.get(out_dtype, 1e-5), DEFAULT_ATOL.get(weights_dtype, 1e-5))
+    check = compare_logits(logits, load_fingerprint(checkpoint_dir), rtol if rtol is not None else default_rtol(out_dtype, weights_dtype))
     fingerprint = save_fingerprint(logits, dst, out_dtype)
     verification = {
         "tensors": report.num_tensors,
         "bytes": report.total_bytes,
         "dtype": out_dtype,
-        "shapes": {k: list(v) for k, v in sorted(report.shapes.items())} if hasattr(report, "shapes") else {},
+        "weights_bitwise": proof,
+        "shapes": {k: list(v) for k, v in sorted(report.shapes.items())},
         "tokenizer_files": tokenizer_files,
-        "fingerprint_max_abs_diff": diff,
-        "fingerprint_atol": tol,
-        "fingerprint_match": diff <= tol,
-        "convert_seconds": getattr(report, "seconds", None),
+        **check,
+        "convert_seconds": report.seconds,
     }
-    if diff > tol:
+    if stop_tokens is not None:
+        verification["stop_tokens"] = stop_tokens
+    if not check["fingerprint_match"]:
         raise ConversionError(
-            f"{dst}: logits of the converted model differ from the checkpoint's fingerprint by {diff:.3g} (> {tol:g}); "
-            "the weights did not survive the conversion"
+            f"{dst}: the weights are bitwise the checkpoint's, but plain transformers' logits on the probe batch differ from the "
+            f"checkpoint's fingerprint by {check['fingerprint_rel_diff']:.3g} of their magnitude (> {check['fingerprint_rtol']:g}; "
+            f"max |Δ| {check['fingerprint_max_abs_diff']:.3g}, max |logit| {check['fingerprint_max_abs_logit']:.3g}) with "
+            f"{check['top1_disagreements_beyond_tolerance']} top-1 disagreements beyond it: the folder loads differently from "
+            "what was trained (config.json, tied weights or dtype); export.fingerprint_rtol sets the tolerance"
         )
     return {"verification": verification, "fingerprint": fingerprint, "known_hashes": report.files}

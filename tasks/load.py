@@ -4,11 +4,11 @@ Accepts a Hub repo id or a local/fsspec path to an HF directory. A Hub revision 
 sha) is first resolved to its commit sha, and `snapshot_download` fetches exactly that commit, so
 the files cannot change under us mid-download; every LFS file is then checked against the sha256
 the Hub lists for it. The manifest records the repo, the requested revision and the commit sha.
-HF_ENDPOINT selects the Hub; the token is the same as push_to_hub's (HF_TOKEN or the Prefect
-Secret block `hf-token`). Only safetensors weights are taken unless `base_model.allow_pickle`;
-then pickle-only weights are converted here, once, to safetensors (`convert_pickle`), so every
-later stage reads safetensors; the manifest's meta `converted_from_pickle` records the source files
-and their sha256.
+HF_ENDPOINT selects the Hub; the token is the same as push_to_hub's (HF_TOKEN, the Prefect
+Secret block `hf-token`, or the saved `hf auth login` token, in that order). Only safetensors
+weights are taken unless `base_model.allow_pickle`; then pickle-only weights are converted here,
+once, to safetensors (`convert_pickle`), so every later stage reads safetensors; the manifest's
+meta `converted_from_pickle` records the source files and their sha256.
 
     python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # runs this first
 """

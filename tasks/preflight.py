@@ -3,9 +3,10 @@
     python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
 
 The checks are pure and live in `tasks.core.validate`; this module adds what needs Prefect (the
-Hub token in the Secret block `hf-token`) and the two ways in: the `preflight` task, first in
-the flow, which on any problem ends Failed with the report as its message (the flow then ends
-Failed the same way, without a traceback); and `run_check_cli`, a plain
+Hub token, looked up as push and load do: HF_TOKEN, the Secret block `hf-token`, the saved
+login) and the two ways in: the `preflight` task, first in the flow, which on any problem ends
+Failed with the report as its message (the flow then ends Failed the same way, without a
+traceback); and `run_check_cli`, a plain
 function for `--check` that starts no flow and no Prefect server, prints the report and returns
 the exit code. The token itself is never logged or returned, only whether it exists.
 """
@@ -22,32 +23,33 @@ from prefect.states import Failed, State
 
 from tasks.core.config import RunConfig
 from tasks.core.errors import ConfigError
-from tasks.core.hub import SECRET_BLOCK
+from tasks.core.hub import SECRET_BLOCK, hub_token
 from tasks.core.validate import PreflightReport, load_for_check, preflight_report
 
 SECRET_TIMEOUT_S = 5.0
 
 
-def _secret_exists(timeout: float = SECRET_TIMEOUT_S) -> bool:
-    """Whether the Secret block loads within `timeout` (a dead API must not stall pre-flight)."""
-    found: list[bool] = []
+def _secret_value(timeout: float = SECRET_TIMEOUT_S) -> str | None:
+    """The Secret block's value if it loads within `timeout` (a dead API must not stall pre-flight)."""
+    found: list[str | None] = []
 
     def probe() -> None:
         try:
             from prefect.blocks.system import Secret
 
-            found.append(bool(Secret.load(SECRET_BLOCK).get()))
+            found.append(Secret.load(SECRET_BLOCK).get() or None)
         except Exception:  # a missing block or an unreachable API both mean: no token from the block
-            found.append(False)
+            found.append(None)
 
     t = threading.Thread(target=probe, daemon=True, name="preflight-secret")
     t.start()
     t.join(timeout)
-    return bool(found and found[0])
+    return found[0] if found else None
 
 
 def hub_token_present(consult_secret: bool = True) -> bool:
-    return bool(os.environ.get("HF_TOKEN")) or (consult_secret and _secret_exists())
+    """Whether push/load would find a token, in their order (tasks.core.hub.hub_token)."""
+    return hub_token(_secret_value if consult_secret else None) is not None
 
 
 REFUSED = "pre-flight stopped: fix the configuration above first, nothing was launched"
@@ -89,7 +91,8 @@ def check(cfg: RunConfig | str | Path, run_root: str | None = None, run_name: st
     token = hub_token_present(consult_secret=server) if cfg.hub else None
     report = preflight_report(cfg, token_present=token)
     if cfg.hub and not token and not server:
-        report.warnings.append(f"the Prefect Secret '{SECRET_BLOCK}' was not consulted (no PREFECT_API_URL); export HF_TOKEN, or set PREFECT_API_URL to the server holding the Secret")
+        report.warnings.append(f"the Prefect Secret '{SECRET_BLOCK}' was not consulted (no PREFECT_API_URL); export HF_TOKEN, run `hf auth login`, "
+                               "or set PREFECT_API_URL to the server holding the Secret")
     return report
 
 

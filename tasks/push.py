@@ -1,14 +1,21 @@
 """Stage push_to_hub: ONE commit of the verified export plus a model card.
 
-The export is staged in (sha256-verified) from the run root; every file its manifest lists and a
-`README.md` written with huggingface_hub's `ModelCard` go up in a single `create_commit` on the
+The export is staged in (sha256-verified) from the run root; its model files (config, generation
+config, weights, tokenizer), its provenance subfolder `.cpt-to-sft/` (manifest, verification record,
+fingerprint; `hub.push_provenance`, default on) and a `README.md` written with huggingface_hub's
+`ModelCard` (`tasks.core.card`) go up in a single `create_commit` on the
 configured branch, with `parent_commit` pinned to the branch head read just before. LFS objects
 the Hub already holds are not sent again (the LFS batch API answers that they exist), and a push
 of an unchanged export makes no commit at all. Uploads are retried (transient I/O); the Hub only
 moves the branch when the commit lands, so a push that cannot finish leaves the repo as it was.
 
-The token comes from HF_TOKEN in the worker's environment or the Prefect Secret block `hf-token`
-— never from parameters — and is never logged or written into the card. HF_ENDPOINT selects
+A `.safetensors` file that is not a weight shard of the
+model is refused, and one an earlier push left in the repo is deleted in the same commit, so no
+serving engine meets a tensor that is no parameter.
+
+The token comes from HF_TOKEN in the worker's environment, the Prefect Secret block `hf-token`, or
+the token `hf auth login` saved (in that order, `tasks.core.hub.hub_token`) — never from
+parameters — and is never logged or written into the card. HF_ENDPOINT selects
 another Hub (the tests run their own). Without `hub:` in the config the stage is skipped.
 
     python -c "from tasks.stage import token; print(bool(token()))"   # is a token reachable?
@@ -25,98 +32,33 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from tasks import ui
+from tasks.core.card import model_card, train_facts
 from tasks.core.config import HubConfig, RunConfig
-from tasks.core.hub import SECRET_BLOCK, hub_dataset_id, is_hub_id
-from tasks.core.manifest import MANIFEST, read_manifest
-from tasks.core.runlayout import EXPORT, TRAINING, Status
+from tasks.core.convert import SAFE_INDEX_NAME, SAFE_WEIGHTS_NAME
+from tasks.core.hub import SECRET_BLOCK
+from tasks.core.manifest import MANIFEST, PROVENANCE_DIR, read_manifest
+from tasks.core.runlayout import EXPORT, Status
 from tasks.stage import StageResult, store_for, token
 
 CARD = "README.md"
 
 
-def train_facts(cfg: RunConfig, results: dict[str, StageResult], read_text: Callable[[str], str] | None = None) -> dict[str, dict]:
-    """Steps and final loss per training stage: from this run's results, or (stages skipped on a
-    re-run) from the final checkpoint's train_state.json, so a re-push renders the same card."""
-    facts = {}
-    for stage in ("cpt", "sft"):
-        steps = getattr(cfg, stage).max_steps
-        loss = None
-        r = results.get(f"train_{stage}")
-        if r is not None and r.detail.get("final_loss") is not None:
-            loss = float(r.detail["final_loss"])
-        elif read_text is not None:
-            try:
-                losses = json.loads(read_text(f"{TRAINING[stage].step(steps)}/train_state.json")).get("losses") or []
-                loss = float(losses[-1]) if losses else None
-            except Exception:  # the card then shows the loss as n/a; it must not block the push
-                loss = None
-        facts[stage] = {"steps": steps, "final_loss": loss}
-    return facts
-
-
-def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str, dict], metrics: dict[str, Any] | None = None) -> str:
-    """The README.md: ModelCardData metadata (with a model-index of the held-out metrics) plus
-    plugins/layouts, steps, losses, verification."""
-    from huggingface_hub import ModelCard, ModelCardData
-
-    from tasks.core.evaluation import eval_results_for_card
-
-    hub = cfg.hub
-    eval_results = eval_results_for_card(metrics or {})
-    datasets = sorted({d for d in (hub_dataset_id(cfg.cpt.data.uri), hub_dataset_id(cfg.sft.data.uri)) if d})
-    data = ModelCardData(
-        base_model=cfg.base_model.uri if is_hub_id(cfg.base_model.uri) else None,
-        datasets=datasets or None,
-        library_name="transformers",
-        license=hub.license if hub and hub.license else None,
-        tags=["cpt-to-sft", "colossalai", *(hub.tags if hub else ())],
-        pipeline_tag="text-generation",
-        # huggingface_hub requires model_name whenever eval_results are given.
-        model_name=(hub.repo_id.split("/")[-1] if hub else cfg.name) if eval_results else None,
-        eval_results=eval_results or None,
-    )
-
-    def layout(stage: str) -> str:
-        st = getattr(cfg, stage)
-        p = st.plugin
-        return f"`{p.name}` tp={p.tp_size} pp={p.pp_size} zero={p.zero_stage} {p.precision}, {st.launch.nnodes}×{st.launch.nproc_per_node} ranks"
-
-    def loss(stage: str) -> str:
-        value = facts.get(stage, {}).get("final_loss")
-        return f"{value:.4f}" if value is not None else "n/a"
-
-    def data_name(uri: str) -> str:
-        return hub_dataset_id(uri) or Path(uri.rstrip("/")).name
-
-    v = (export_manifest.get("meta") or {}).get("verification") or {}
-    if v:
-        verdict = "passed" if v.get("fingerprint_match") else "FAILED"
-        verification = (
-            f"{verdict}: the exported `{v.get('dtype')}` weights ({v.get('tensors')} tensors) loaded with "
-            f"`transformers` give logits on the probe batch within {v.get('fingerprint_atol')} of the SFT "
-            f"checkpoint's (max abs diff {v.get('fingerprint_max_abs_diff')})."
+def files_to_push(export_dir: Path, manifest: dict[str, Any], provenance: bool = True) -> list[str]:
+    """The model files of the export (plus its provenance subfolder when asked), never a stray
+    `*.safetensors`: with an index only its shards, else only `model.safetensors`."""
+    names = sorted(manifest["files"])
+    index = export_dir / SAFE_INDEX_NAME
+    weights = set(json.loads(index.read_text())["weight_map"].values()) if SAFE_INDEX_NAME in names else {SAFE_WEIGHTS_NAME}
+    stray = [n for n in names if n.endswith(".safetensors") and n not in weights]
+    if stray:
+        raise RuntimeError(
+            f"push_to_hub: {export_dir} holds {', '.join(stray)}: a .safetensors file that is not a weight shard of the model "
+            "(serving engines load every *.safetensors without an index and would fail); re-run the export stage"
         )
-    else:
-        verification = "not recorded in the export manifest."
-    base = f"[`{cfg.base_model.uri}`]" if is_hub_id(cfg.base_model.uri) else f"`{Path(cfg.base_model.uri.rstrip('/')).name}`"
-    title = hub.repo_id if hub else cfg.name
-    body = f"""
-# {title}
-
-Continued pre-training (CPT) then supervised fine-tuning (SFT) of {base} with cpt-to-sft on
-ColossalAI, run `{cfg.name}`.
-
-| stage | plugin and parallel layout | steps | final loss | data |
-|---|---|---|---|---|
-| CPT | {layout('cpt')} | {facts.get('cpt', {}).get('steps')} | {loss('cpt')} | `{data_name(cfg.cpt.data.uri)}` |
-| SFT | {layout('sft')} | {facts.get('sft', {}).get('steps')} | {loss('sft')} | `{data_name(cfg.sft.data.uri)}` |
-
-**Export:** `{cfg.export.dtype}` safetensors, {len(export_manifest.get('files', {}))} files, each listed with its
-sha256 in the export manifest.
-
-**Verification:** {verification}
-"""
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content
+    if not weights <= set(names):
+        raise RuntimeError(f"push_to_hub: {export_dir} lacks weight file(s) {sorted(weights - set(names))}; re-run the export stage")
+    model = [n for n in names if not n.startswith(PROVENANCE_DIR + "/") and n != CARD]
+    return model + ([n for n in names if n.startswith(PROVENANCE_DIR + "/")] + [MANIFEST] if provenance else [])
 
 
 def push_export(export_dir: Path, files: list[str], card: str, hub: HubConfig, token: str, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -125,7 +67,7 @@ def push_export(export_dir: Path, files: list[str], card: str, hub: HubConfig, t
     Returns repo_id, revision, commit_url, commit_oid, parent_commit and `changed` (False when the
     Hub already held exactly this export, in which case no commit was made).
     """
-    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
     api = HfApi(token=token)
     repo_url = api.create_repo(hub.repo_id, private=hub.private, exist_ok=True, repo_type="model")
@@ -136,6 +78,10 @@ def push_export(export_dir: Path, files: list[str], card: str, hub: HubConfig, t
         CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(export_dir / name)) for name in sorted(files) if name != CARD
     ]
     operations.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
+    # A *.safetensors an earlier push left (an old layout's fingerprint, shards of a run with more
+    # of them) would be loaded as weights by every consumer: removed in the same commit.
+    stale = [p for p in api.list_repo_files(hub.repo_id, revision=head, repo_type="model") if p.endswith(".safetensors") and p not in set(files)]
+    operations += [CommitOperationDelete(path_in_repo=p) for p in stale]
     # One commit; parent pinned so a concurrent writer makes this attempt fail (and retry) instead
     # of being overwritten. Unchanged files are dropped by the client, and an all-unchanged push
     # returns the current head without committing.
@@ -160,14 +106,17 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
         return StageResult("push_to_hub", Status.NOT_CONFIGURED, detail={"reason": "no hub configured"})
     hf_token = token()
     if not hf_token:
-        raise RuntimeError(f"push_to_hub: no Hub token; set HF_TOKEN in the worker's environment or create the Prefect Secret block '{SECRET_BLOCK}'")
+        raise RuntimeError(
+            f"push_to_hub: no Hub token; set HF_TOKEN in the worker's environment, create the Prefect Secret block '{SECRET_BLOCK}', "
+            "or log the worker in with `hf auth login`"
+        )
     store = store_for(cfg)
     export_dir = store.stage_in(EXPORT)  # sha256-verified against the export manifest
     manifest = read_manifest(export_dir)
     from tasks.evaluate import recorded_metrics
 
     card = model_card(cfg, manifest, train_facts(cfg, results, store.read_text), recorded_metrics(results))
-    files = [name for name in sorted(manifest["files"]) if name != MANIFEST]
+    files = files_to_push(export_dir, manifest, cfg.hub.push_provenance)
     outcome = push_export(export_dir, files, card, cfg.hub, hf_token, log=logger.info)
     ui.link("hub-commit", outcome["commit_url"], f"{cfg.hub.repo_id}@{cfg.hub.revision}")
     ui.stage_event("push_to_hub", "completed", cfg.name, outcome["commit_url"], changed=outcome.get("changed"))

@@ -42,7 +42,7 @@ from tasks import ui
 from tasks.core.config import RunConfig, digest
 from tasks.core.errors import ManifestError
 from tasks.core.hub import SECRET_BLOCK, hub_token
-from tasks.core.manifest import write_manifest
+from tasks.core.manifest import MANIFEST, write_manifest
 from tasks.core.paths import resolve_local
 from tasks.core.runlayout import STAGE, Status
 from tasks.core.storage import RunStore
@@ -77,7 +77,7 @@ def stage_digest(stage: str, section: Any, parent_digest: str | None) -> str:
 def completed(store: RunStore, rel: str, config_digest: str) -> dict[str, Any] | None:
     """The manifest if `rel` exists, verifies and was made from this exact config; else None."""
     logger = get_run_logger()
-    if not store.exists(f"{rel}/manifest.json"):
+    if not store.exists(f"{rel}/{MANIFEST}"):
         return None
     try:
         manifest = store.verify(rel)

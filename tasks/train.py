@@ -22,6 +22,7 @@ from tasks.core.backends import BACKENDS
 from tasks.core.config import RunConfig
 from tasks.core.events import CHECKPOINT
 from tasks.core.job import Job, NodeStaging, Parent
+from tasks.core.manifest import MANIFEST
 from tasks.core.paths import resolve_local
 from tasks.core.runlayout import TRAINING, step_name, step_rel
 from tasks.core.stage_data import heldout_split, record_split
@@ -155,7 +156,7 @@ def _retain_remote(store: RunStore, stage: str, keep_last: int) -> None:
 
     Runs only after a newer manifest is committed remotely, like the engine's local retention."""
     first = step_name(0)
-    published = [n for n in store.listdir(stage) if n.startswith("step-") and n != first and store.exists(f"{stage}/{n}/manifest.json")]
+    published = [n for n in store.listdir(stage) if n.startswith("step-") and n != first and store.exists(f"{stage}/{n}/{MANIFEST}")]
     for name in sorted(published, reverse=True)[keep_last:]:
         store.remove(f"{stage}/{name}")
         get_run_logger().info("retention: removed %s (keep_last=%d)", store.uri(f"{stage}/{name}"), keep_last)

@@ -12,7 +12,7 @@ import yaml
 
 from tasks.core.config import LaunchConfig, load_config, parse_config
 from tasks.core.errors import ArtifactMissing, ConfigError, ManifestError
-from tasks.core.manifest import read_manifest, safe_relpath, verify_artifact, write_manifest
+from tasks.core.manifest import MANIFEST, read_manifest, safe_relpath, verify_artifact, write_manifest
 from tasks.core.storage import RunStore
 from tasks.launch import torchrun_argv
 
@@ -107,9 +107,9 @@ def test_manifest_paths_must_stay_inside(tmp_path, bad):
     with pytest.raises(ManifestError):
         safe_relpath(bad)
     d = _artifact(tmp_path)
-    m = json.loads((d / "manifest.json").read_text())
+    m = json.loads((d / MANIFEST).read_text())
     m["files"][bad] = {"size": 1, "sha256": "0" * 64}
-    (d / "manifest.json").write_text(json.dumps(m))
+    (d / MANIFEST).write_text(json.dumps(m))
     with pytest.raises(ManifestError):
         verify_artifact(d)
 
@@ -118,9 +118,9 @@ def test_manifest_symlink_out_is_refused(tmp_path):
     d = _artifact(tmp_path)
     (tmp_path / "secret").write_text("s")
     (d / "link").symlink_to(tmp_path / "secret")
-    m = json.loads((d / "manifest.json").read_text())
+    m = json.loads((d / MANIFEST).read_text())
     m["files"]["link"] = {"size": 1, "sha256": "0" * 64}
-    (d / "manifest.json").write_text(json.dumps(m))
+    (d / MANIFEST).write_text(json.dumps(m))
     with pytest.raises(ManifestError, match="outside the artifact"):
         verify_artifact(d)
 

@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.core.fingerprint import hf_dir_logits, load_fingerprint, max_abs_diff
-from tasks.core.manifest import verify_artifact
+from tasks.core.fingerprint import FINGERPRINT_FILE, hf_dir_logits, load_fingerprint, max_abs_diff
+from tasks.core.manifest import MANIFEST, verify_artifact
 from tests._engine_utils import engine, read_model_dir, run_raw, train_state, write_job
 
 pytestmark = pytest.mark.distributed
@@ -164,7 +164,7 @@ def _assert_checkpoint(path: Path, stage: str, step: int, plugin: str):
     assert m["parent"] == {"uri": m["parent"]["uri"], "digest": "parent-digest"} and m["config_digest"] == "0" * 64
     files = set(m["files"])
     for rel in ("model/model.safetensors.index.json", "model/config.json", "lr_scheduler.pt", "train_state.json",
-                "fingerprint.safetensors", "rng/rank-00000.json", "rng/rank-00000.safetensors",
+                FINGERPRINT_FILE, "rng/rank-00000.json", "rng/rank-00000.safetensors",
                 "rng/rank-00001.json", "rng/rank-00001.safetensors"):
         assert rel in files, f"{rel} missing from {path}"
     assert any(f.startswith("optimizer/") for f in files)
@@ -325,7 +325,7 @@ def test_ten_kills_at_random_moments_of_saves_never_load_a_torn_checkpoint(work,
         run = _engine(f"kills {spec}", "train", train_job, nproc=2, env={"CPT_TO_SFT_FAULT": spec}, expect_ok=False)
         trials.append((spec, run))
         assert run.rc != 0, f"seed {seed}: {spec} did not kill the run"
-        assert not (stage_dir / f"step-{killed_step:06d}").exists() or not (stage_dir / f"step-{killed_step:06d}" / "manifest.json").exists()
+        assert not (stage_dir / f"step-{killed_step:06d}").exists() or not (stage_dir / f"step-{killed_step:06d}" / MANIFEST).exists()
         # This launch started after the previous one died saving step killed_step-1: it resumed
         # from the newest complete checkpoint, killed_step-2, redoing exactly one interval.
         resumed_from = max(killed_step - 2, 0)

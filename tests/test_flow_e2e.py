@@ -9,7 +9,12 @@ One module-scoped scenario serves every test here, because a flow run costs minu
   3. a re-run of the complete run: every stage skipped, no torchrun process at all;
   4. the same run root with an impossible gate threshold: only the gate is decided anew, it fails,
      the push is skipped and the flow run ends Completed, named "FailedGate";
-  5. the same with `gate.enabled: false`: the push runs again, the run is complete.
+  5. the same with `gate.enabled: false`: the push runs again, the run is complete;
+  6. a copy of the run root with `export.align_stop_tokens: false`: only export, evaluate_sft and the
+     gate run again, and the gate fails naming the fix.
+The base model's generation_config eos is the document end only (<|end_of_text|>), not the chat
+template's end of turn (<|im_end|>), like a pre-trained base fine-tuned with ChatML: the export
+adds it, and the greedy generations of the export stop.
 """
 
 from __future__ import annotations
@@ -17,10 +22,15 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from tasks.core.manifest import MANIFEST, PROVENANCE_DIR
+from tests._consumer_rules import assert_consumer_rules
 from tests.conftest import tiny_config_raw, write_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
@@ -63,11 +73,23 @@ class Events:
 
 
 @pytest.fixture(scope="module")
-def scenario(prefect_harness, tiny_model_dir, tmp_path_factory):
+def eos_mismatch_base(tiny_model_dir, tmp_path_factory):
+    """The demo model with generation_config eos = <|end_of_text|> (1) only."""
+    out = tmp_path_factory.mktemp("base") / "tiny-llama-eos"
+    shutil.copytree(tiny_model_dir, out)
+    gen = json.loads((out / "generation_config.json").read_text())
+    gen["eos_token_id"] = 1
+    (out / "generation_config.json").write_text(json.dumps(gen))
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenario(prefect_harness, eos_mismatch_base, tmp_path_factory):
     import tasks.train
     import tasks.ui
     from flows.cpt_to_sft import main
 
+    tiny_model_dir = eos_mismatch_base
     tmp = tmp_path_factory.mktemp("e2e")
     run_root = tmp / "run"
     cfg = write_config(tmp / "tiny.yaml", tiny_config_raw(tiny_model_dir, run_root))
@@ -89,6 +111,7 @@ def scenario(prefect_harness, tiny_model_dir, tmp_path_factory):
             mp.setattr(tasks.train, "run_engine", launches.real)
             mp.setattr(tasks.ui, "stage_event", events.real)
         runs += _gate_reruns(mp, tmp, tiny_model_dir, run_root)
+        runs.append(_unaligned_rerun(mp, tmp, tiny_model_dir, run_root))
     finally:
         mp.undo()
     return run_root, runs
@@ -117,6 +140,23 @@ def _gate_reruns(mp, tmp, model_dir, run_root):
         mp.setattr(tasks.train, "run_engine", launches.real)
         mp.setattr(flow_mod, "push_to_hub", real_push)
     return out
+
+
+def _unaligned_rerun(mp, tmp, model_dir, run_root):
+    """Step 6, on a copy so the finished run's export stays the aligned one."""
+    import flows.cpt_to_sft as flow_mod
+    import tasks.train
+
+    copy = tmp / "run-unaligned"
+    shutil.copytree(run_root, copy, ignore=shutil.ignore_patterns(".lease.json"))
+    raw = tiny_config_raw(model_dir, copy)
+    raw["export"]["align_stop_tokens"] = False
+    cfg = write_config(tmp / "tiny-unaligned.yaml", raw)
+    launches = Launches(tasks.train.run_engine)
+    mp.setattr(tasks.train, "run_engine", launches)
+    state = flow_mod.cpt_to_sft(config=str(cfg), return_state=True)
+    mp.setattr(tasks.train, "run_engine", launches.real)
+    return {"state": state, "launches": launches.calls, "summary": json.loads((copy / "run.json").read_text()), "run_root": copy}
 
 
 @pytest.fixture(scope="module")
@@ -198,11 +238,11 @@ def test_cpt_loss_decreases_and_sft_starts_from_cpt(finished_run):
     assert set(sft0) == set(bridge)
     for key, tensor in bridge.items():
         assert torch.equal(sft0[key].float(), tensor.to(sft0[key].dtype).float()), key
-    manifest = json.loads((run_root / "sft/step-000000/manifest.json").read_text())
+    manifest = json.loads((run_root / "sft/step-000000" / MANIFEST).read_text())
     assert manifest["parent"]["uri"].endswith("cpt/hf")
 
 
-def test_export_loads_in_transformers_with_matching_logits(finished_run):
+def test_export_is_a_clean_model_folder_with_matching_logits(finished_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tasks.core.fingerprint import load_fingerprint, model_logits
@@ -210,17 +250,70 @@ def test_export_loads_in_transformers_with_matching_logits(finished_run):
     run_root, _ = finished_run
     export = run_root / "export"
     names = {p.name for p in export.iterdir()}
-    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= names
-    assert any(n.endswith(".safetensors") and n != "fingerprint.safetensors" for n in names)
+    # Model files only; the provenance is in its subfolder, and no *.safetensors but the weights.
+    assert names == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", PROVENANCE_DIR}, names
+    assert {p.name for p in (export / PROVENANCE_DIR).iterdir()} == {"manifest.json", "verification.json", "fingerprint.npy"}
+    assert_consumer_rules(export)
     model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(export)
     assert tok.chat_template and "assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     logits = model_logits(model, model.config.vocab_size)
     reference = load_fingerprint(run_root / "sft/step-000008")
-    diff = float((logits - reference).abs().max())
-    verification = json.loads((export / "verification.json").read_text())
-    assert verification["fingerprint_match"] and diff <= verification["fingerprint_atol"], diff
+    verification = json.loads((export / PROVENANCE_DIR / "verification.json").read_text())
+    assert verification["fingerprint_match"] and verification["top1_disagreements_beyond_tolerance"] == 0
+    assert float((logits - reference).abs().max()) <= verification["fingerprint_rtol"] * verification["fingerprint_max_abs_logit"]
+    assert verification["weights_bitwise"]["tensors"] == verification["tensors"] == len(list(model.parameters()))
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_export_stops_at_the_templates_end_of_turn_and_the_gate_passes(scenario):
+    run_root, runs = scenario
+    export = run_root / "export"
+    gen = json.loads((export / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [1, 4] and gen["pad_token_id"] == 2  # base <|end_of_text|> + <|im_end|>; <|pad|>
+    stop = json.loads((export / PROVENANCE_DIR / "verification.json").read_text())["stop_tokens"]
+    assert stop["base_eos_token_id"] == [1] and [(a["id"], a["token"]) for a in stop["added"]] == [(4, "<|im_end|>")]
+    finished = runs[1]["summary"]
+    generation = finished["evaluation"]["sft"]["generation"]
+    assert generation["stopped"] == generation["prompts"] and not generation["problems"], generation
+    assert finished["gate"]["passed"] is True
+    assert {c["check"]: c["ok"] for c in finished["gate"]["checks"]}.get("generation_stops") is True
+
+
+def test_without_stop_token_alignment_the_gate_fails_naming_the_fix(scenario):
+    unaligned = scenario[1][5]
+    st = statuses(unaligned["summary"])
+    assert unaligned["launches"] == [] and st["export"] == "completed" and st["evaluate_sft"] == "completed", st
+    assert all(st[s] == "skipped" for s in UPSTREAM if s not in ("export", "evaluate_sft")), st
+    assert unaligned["state"].name == "FailedGate"
+    reasons = " ".join(unaligned["summary"]["gate"]["reasons"])
+    assert "lacks the chat template's end-of-turn token '<|im_end|>'" in reasons and "export.align_stop_tokens: true" in reasons, reasons
+    assert json.loads((unaligned["run_root"] / "export" / "generation_config.json").read_text())["eos_token_id"] == 1
+
+
+def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(finished_run):
+    import re
+
+    from tasks.core.card import model_card, train_facts
+    from tasks.core.config import load_config
+    from tasks.core.manifest import read_manifest
+
+    run_root, cfg_path = finished_run
+    cfg = load_config(str(cfg_path))
+    summary = json.loads((run_root / "run.json").read_text())
+    manifest = read_manifest(run_root / "export")
+    facts = train_facts(cfg, {}, lambda rel: (run_root / rel).read_text())
+    card = model_card(cfg, manifest, facts, summary["evaluation"])
+    tokens = json.loads((run_root / "sft/step-000008/train_state.json").read_text())["tokens_seen"]
+    data_sha = json.loads((run_root / "cpt/data-split.json").read_text())["data_sha256"]
+    for words in ("`hybrid_parallel` tp=2", "`low_level_zero`", "AdamW lr 0.003", "cosine, warm-up 3", "4 × 1 accum × 1 dp = 4 sequences",
+                  "4 × 1 accum × 2 dp = 8 sequences", f"{tokens:,}", data_sha, "| seq_len | 64 | 128 |", "SFT held-out loss",
+                  f"torch {torch.__version__}", "colossalai 0.5.0", "transformers ", "bitwise", "`<|im_end|>` (4)"):
+        assert words in card, words
+    snippet = re.search(r"```python\n(.*?)```", card, re.DOTALL).group(1)
+    snippet = re.sub(r'model_id = ".*"', f"model_id = {str(run_root / 'export')!r}", snippet)
+    out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 def test_bridge_is_bitwise_the_plugin_a_checkpoint_and_reproduces_its_logits(finished_run):
@@ -233,8 +326,8 @@ def test_bridge_is_bitwise_the_plugin_a_checkpoint_and_reproduces_its_logits(fin
     for key in saved:
         assert saved[key].dtype == bridge[key].dtype and torch.equal(saved[key], bridge[key]), key
     # The unshard stage compared plain transformers' logits with the live plugin-A (tp=2) logits.
-    meta = json.loads((run_root / "cpt/hf/manifest.json").read_text())["meta"]["verification"]
-    assert meta["fingerprint_max_abs_diff"] <= 1e-5 and meta["fingerprint_match"] is True
+    meta = json.loads((run_root / "cpt/hf" / MANIFEST).read_text())["meta"]["verification"]
+    assert meta["fingerprint_rel_diff"] <= 1e-5 and meta["fingerprint_match"] is True and meta["weights_bitwise"]["tensors"] == len(saved)
 
 
 def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
@@ -243,8 +336,8 @@ def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
 
     run_root, runs = scenario
     summary = runs[1]["summary"]  # the run that completed SFT, evaluation and the gate
-    cpt = json.loads((run_root / "eval/cpt/manifest.json").read_text())["meta"]["metrics"]
-    sft_manifest = json.loads((run_root / "eval/sft/manifest.json").read_text())
+    cpt = json.loads((run_root / "eval/cpt" / MANIFEST).read_text())["meta"]["metrics"]
+    sft_manifest = json.loads((run_root / "eval/sft" / MANIFEST).read_text())
     sft = sft_manifest["meta"]["metrics"]
     assert summary["evaluation"] == {"cpt": cpt, "sft": sft}
     # CPT on the CPT domain: the held-out perplexity dropped below the base model's.
@@ -258,7 +351,7 @@ def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
     assert len(rows) == gen["prompts"] and all(r["prompt"][-1]["role"] == "user" for r in rows)
     # The split: recorded with the artifacts, and training never saw a held-out record.
     for stage, artifact, metrics in (("cpt", "cpt/hf", cpt), ("sft", "export", sft)):
-        split = json.loads((run_root / artifact / "manifest.json").read_text())["meta"]["data_split"]
+        split = json.loads((run_root / artifact / MANIFEST).read_text())["meta"]["data_split"]
         assert split == metrics["split"] and split["method"] == "hash-fraction" and split["heldout_records"] >= 1
         train = read_records(str(run_root / "data" / stage / "split" / "train.jsonl"))
         held = read_records(str(run_root / "data" / stage / "split" / "heldout.jsonl"))

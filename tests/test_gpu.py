@@ -99,6 +99,10 @@ def _load_any(path: Path):
         from safetensors.torch import load_file
 
         return load_file(str(path))
+    if path.suffix == ".npy":  # the fingerprint
+        import numpy as np
+
+        return {"logits": torch.from_numpy(np.load(path, allow_pickle=False))}
     return torch.load(str(path), map_location="cpu", weights_only=True)
 
 
@@ -226,18 +230,20 @@ def test_gemini_save_load_round_trip_is_bitwise(work, dropout_model_dir):
     proc = subprocess.run(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=FIRST_LAUNCH_TIMEOUT, check=False)
     assert proc.returncode == 0, proc.stdout[-6000:]
     first, second = out / "first" / "sft" / "step-000002", out / "second" / "sft" / "step-000002"
+    from tasks.core.fingerprint import FINGERPRINT_FILE
+    from tasks.core.manifest import MANIFEST
     from tasks.engine.checkpoint import check_checkpoint
 
     for d in (first, second):
         check_checkpoint(d, 2, "sft", "0" * 64)
-    names = sorted(str(p.relative_to(first)) for p in first.rglob("*") if p.is_file() and p.name != "manifest.json")
-    assert names == sorted(str(p.relative_to(second)) for p in second.rglob("*") if p.is_file() and p.name != "manifest.json")
+    names = sorted(str(p.relative_to(first)) for p in first.rglob("*") if p.is_file() and p.relative_to(first).as_posix() != MANIFEST)
+    assert names == sorted(str(p.relative_to(second)) for p in second.rglob("*") if p.is_file() and p.relative_to(second).as_posix() != MANIFEST)
     assert any(n.startswith("optimizer/") and n.endswith(".bin") for n in names), names
     # Tensors and their indexes. model/generation_config.json legitimately differs (the first model
     # came from from_pretrained, the second from from_config, as in the engine's train verb), and so
     # does rng/ (the generators moved on between the two saves).
-    tensors = [n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".index.json")) and not n.startswith("rng/")]
-    assert any(n.startswith("model/") for n in tensors) and "fingerprint.safetensors" in tensors, tensors
+    tensors = [n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".npy", ".index.json")) and not n.startswith("rng/")]
+    assert any(n.startswith("model/") for n in tensors) and FINGERPRINT_FILE in tensors, tensors
     differ = [n for n in tensors if not _same(_load_any(first / n), _load_any(second / n))]
     assert differ == [], f"not bitwise equal after save -> load -> save under Gemini: {differ}"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 from tasks.core.config import parse_config
-from tasks.core.manifest import MANIFEST, read_manifest, sha256_file, write_manifest
+from tasks.core.manifest import MANIFEST, PROVENANCE_DIR, read_manifest, sha256_file, write_manifest
 from tasks.stage import StageResult
 
 pytest_plugins = ["tests.conftest_servers"]
@@ -35,19 +36,32 @@ def config(run_root: Path, base: str = "org/base-model", **hub) -> object:
     return parse_config(raw)
 
 
-def fake_export(run_root: Path, seed: int = 0) -> dict:
-    """An export artifact as the export stage leaves it: weights (multipart-sized), config,
-    tokenizer, verification record, manifest last."""
+def fake_export(run_root: Path, seed: int = 0, stray: str | None = None) -> dict:
+    """An export artifact as the export stage leaves it: two weight shards (one multipart-sized)
+    and their index, config, tokenizer, and the provenance subfolder (verification record,
+    fingerprint), manifest last. `stray` adds a non-weight .safetensors file of that name."""
     d = run_root / "export"
-    d.mkdir(parents=True, exist_ok=True)
+    if d.exists():
+        shutil.rmtree(d)
+    (d / PROVENANCE_DIR).mkdir(parents=True)
     block = hashlib.sha256(f"export-{seed}".encode()).digest() * 64
-    (d / "model.safetensors").write_bytes(block * ((1536 * KB) // len(block)))  # > the server's 1 MiB multipart threshold
-    (d / "extra.safetensors").write_bytes(block[:700] * 3)
+    shards = {"model-00001-of-00002.safetensors": block * ((1536 * KB) // len(block)), "model-00002-of-00002.safetensors": block[:700] * 3}
+    for name, blob in shards.items():  # > the server's 1 MiB multipart threshold, and a small one
+        (d / name).write_bytes(blob)
+    index = {"metadata": {"total_size": sum(map(len, shards.values()))}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
     (d / "config.json").write_text(json.dumps({"model_type": "llama", "seed": seed}))
     (d / "tokenizer.json").write_text(json.dumps({"version": "1.0"}))
-    verification = {"dtype": "bf16", "tensors": 12, "fingerprint_max_abs_diff": 0.01, "fingerprint_atol": 0.1, "fingerprint_match": True}
-    (d / "verification.json").write_text(json.dumps(verification))
-    return write_manifest(d, kind="hf-export", meta={"dtype": "bf16", "verification": verification})
+    if stray:
+        (d / stray).write_bytes(b"not a weight" * 10)
+    verification = {
+        "dtype": "bf16", "tensors": 12, "fingerprint_max_abs_diff": 0.01, "fingerprint_max_abs_logit": 10.0, "fingerprint_rel_diff": 0.001,
+        "fingerprint_rtol": 0.04, "top1_agreement": 1.0, "fingerprint_match": True, "weights_bitwise": {"tensors": 12},
+        "stop_tokens": {"base_eos_token_id": [1], "eos_token_id": [1, 4], "added": [{"id": 4, "token": "<|im_end|>"}]},
+    }
+    (d / PROVENANCE_DIR / "verification.json").write_text(json.dumps(verification))
+    (d / PROVENANCE_DIR / "fingerprint.npy").write_bytes(block[:96] + bytes([seed]))
+    return write_manifest(d, kind="hf-export", meta={"dtype": "bf16", "verification": verification, "versions": {"torch": "2.x", "colossalai": "0.5.0", "transformers": "4.x"}})
 
 
 RESULTS = {
@@ -64,7 +78,11 @@ def assert_repo_holds_export(api, repo_id: str, export_dir: Path, manifest: dict
     from huggingface_hub import hf_hub_download
 
     tree = hub_tree(api, repo_id, revision)
-    assert set(manifest["files"]) | {"README.md", ".gitattributes"} == set(tree)
+    # The model files, the card, and the provenance subfolder with the manifest itself.
+    assert set(manifest["files"]) | {"README.md", ".gitattributes", MANIFEST} == set(tree)
+    index = json.loads((export_dir / "model.safetensors.index.json").read_text())
+    assert sorted(n for n in tree if n.endswith(".safetensors")) == sorted(set(index["weight_map"].values()))
+    assert sha256_file(Path(hf_hub_download(repo_id, MANIFEST, revision=revision))) == sha256_file(export_dir / MANIFEST)
     for name, entry in manifest["files"].items():
         remote = tree[name]
         assert remote.size == entry["size"], name
@@ -93,7 +111,8 @@ def test_model_card_metadata_and_body(tmp_path):
     assert card.data.base_model == "org/base-model" and card.data.library_name == "transformers"
     assert card.data.license == "apache-2.0" and {"cpt-to-sft", "colossalai", "tiny"} <= set(card.data.tags)
     assert card.data.datasets is None  # local data files are not Hub datasets
-    for words in ("hybrid_parallel", "tp=2", "low_level_zero", "zero=2", "2.5000", "1.2500", "passed", "within 0.1"):
+    for words in ("hybrid_parallel", "tp=2", "low_level_zero", "zero=2", "2.5000", "1.2500", "passed", "tolerance 0.04", "bitwise",
+                  "AdamW lr 0.003", "| seq_len | 64 | 128 |", "colossalai 0.5.0", "`<|im_end|>` (4)", 'model_id = "org/card"', "apply_chat_template"):
         assert words in text, words
     # A re-run whose training stages were skipped renders the same card (losses from the checkpoints).
     ckpt = tmp_path / "cpt" / f"step-{cfg.cpt.max_steps:06d}"
@@ -166,7 +185,7 @@ def test_push_makes_one_commit_and_a_repush_uploads_nothing(token_env, prefect_h
     again = push_to_hub(cfg, RESULTS)
     final = hub.stats()
     assert final["lfs_bytes_received"] == after["lfs_bytes_received"] and final["commits"] == after["commits"]
-    assert final["batch_objects_existing"] - after["batch_objects_existing"] == 2
+    assert final["batch_objects_existing"] - after["batch_objects_existing"] == 3  # two shards and the fingerprint
     assert again.detail["changed"] is False and again.detail["commit_oid"] == commits[0].commit_id
     assert len(api.list_repo_commits("org/pushed")) == 2
 
@@ -223,7 +242,7 @@ def test_push_that_cannot_finish_leaves_the_repo_as_it_was(token_env, prefect_ha
     assert api.repo_info("org/stuck").sha == head
     assert [c.title for c in api.list_repo_commits("org/stuck")] == ["v1", "initial commit"]
     assert {p: (f.size, f.blob_id) for p, f in hub_tree(api, "org/stuck").items()} == tree
-    assert hub_tree(api, "org/stuck")["model.safetensors"].lfs.sha256 == first["files"]["model.safetensors"]["sha256"]
+    assert hub_tree(api, "org/stuck")["model-00001-of-00002.safetensors"].lfs.sha256 == first["files"]["model-00001-of-00002.safetensors"]["sha256"]
 
 
 def test_missing_token_is_a_clear_error(hub_env, prefect_harness, tmp_path):
@@ -233,6 +252,57 @@ def test_missing_token_is_a_clear_error(hub_env, prefect_harness, tmp_path):
     cfg = config(tmp_path / "run", repo_id="org/no-token")
     with pytest.raises(RuntimeError, match="HF_TOKEN"):
         push_to_hub.with_options(retries=0)(cfg, RESULTS)
+
+
+def test_provenance_is_a_config_choice_and_a_stray_safetensors_is_refused(token_env, prefect_harness, tmp_path):
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    from tasks.push import push_to_hub
+
+    hub = token_env
+    manifest = fake_export(tmp_path / "run", seed=3)
+    push_to_hub(config(tmp_path / "run", repo_id="org/no-provenance", push_provenance=False), RESULTS)
+    tree = hub_tree(HfApi(token=hub.token), "org/no-provenance")
+    model_files = {n for n in manifest["files"] if not n.startswith(PROVENANCE_DIR + "/")}
+    assert set(tree) == model_files | {"README.md", ".gitattributes"}, sorted(tree)
+
+    # The old layout's fingerprint.safetensors beside the weights is never pushed.
+    fake_export(tmp_path / "run", seed=4, stray="fingerprint.safetensors")
+    with pytest.raises(RuntimeError, match=r"fingerprint\.safetensors: a \.safetensors file that is not a weight shard"):
+        push_to_hub.with_options(retries=0)(config(tmp_path / "run", repo_id="org/stray"), RESULTS)
+    assert not HfApi(token=hub.token).repo_exists("org/stray")
+
+    # A repo an earlier (old-layout) push left a fingerprint.safetensors and a single shard in:
+    # the new commit removes them, so the repo holds no *.safetensors but the index's shards.
+    api = HfApi(token=hub.token)
+    api.create_repo("org/old-layout", private=True)
+    api.create_commit("org/old-layout", [CommitOperationAdd(n, b"old " + n.encode()) for n in ("fingerprint.safetensors", "model.safetensors")], commit_message="old")
+    manifest = fake_export(tmp_path / "run", seed=6)
+    push_to_hub(config(tmp_path / "run", repo_id="org/old-layout"), RESULTS)
+    assert_repo_holds_export(api, "org/old-layout", tmp_path / "run" / "export", manifest)
+
+
+def test_a_token_saved_by_login_is_used_by_push_and_preflight(hub_env, prefect_harness, tmp_path, monkeypatch):
+    """`hf auth login` writes the token under HF_HOME (a temporary one here); no HF_TOKEN, no Secret."""
+    import huggingface_hub
+    import huggingface_hub.hf_api
+
+    # login() asks whoami through huggingface_hub's module-level HfApi, whose endpoint was fixed
+    # when huggingface_hub was first imported: point it at the test Hub like HF_ENDPOINT is.
+    monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", hub_env.endpoint)
+    from tasks.preflight import hub_token_present
+    from tasks.push import push_to_hub
+    from tasks.stage import token
+
+    hub = hub_env
+    assert not hub_token_present(consult_secret=False) and token() is None
+    huggingface_hub.login(token=hub.token, add_to_git_credential=False)
+    assert (Path(huggingface_hub.constants.HF_HOME) / "token").is_file()
+    assert hub_token_present(consult_secret=False) and token() == hub.token
+    manifest = fake_export(tmp_path / "run", seed=5)
+    result = push_to_hub.with_options(retries=0)(config(tmp_path / "run", repo_id="org/logged-in"), RESULTS)
+    assert result.detail["changed"]
+    assert_repo_holds_export(huggingface_hub.HfApi(token=hub.token), "org/logged-in", tmp_path / "run" / "export", manifest)
 
 
 # ---- token hygiene over a whole (small) flow run -----------------------------------------------

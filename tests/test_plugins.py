@@ -18,7 +18,7 @@ import torch
 
 from tasks.core.config import PluginConfig, StageConfig
 from tasks.core.errors import ConfigError
-from tasks.core.manifest import write_manifest
+from tasks.core.manifest import MANIFEST, write_manifest
 from tasks.engine import checkpoint as ckpt
 from tasks.engine import faults
 from tasks.engine.job import parse_job
@@ -188,7 +188,7 @@ def _fake_ckpt(stage_dir: Path, step: int, stage: str = "cpt", digest: str = "d"
 def test_find_resume_skips_torn_corrupt_and_foreign(tmp_path):
     for s in (0, 3, 6, 9, 12):
         _fake_ckpt(tmp_path, s)
-    (tmp_path / "step-000012" / "manifest.json").unlink()  # torn: no manifest
+    (tmp_path / "step-000012" / MANIFEST).unlink()  # torn: no manifest
     (tmp_path / "step-000009" / "lr_scheduler.pt").write_bytes(b"y")  # corrupt: same size, other bytes
     _fake_ckpt(tmp_path, 15, digest="other")  # another config
     (tmp_path / ".step-000018.tmp").mkdir()  # an unfinished save
@@ -197,7 +197,7 @@ def test_find_resume_skips_torn_corrupt_and_foreign(tmp_path):
     why = dict(rp.skipped)
     assert list(why) == ["step-000015", "step-000012", "step-000009"]
     assert "config digest" in why["step-000015"]
-    assert "no manifest.json" in why["step-000012"]
+    assert f"no {MANIFEST}" in why["step-000012"]
     assert "lr_scheduler.pt fails its sha256" in why["step-000009"]
     assert ckpt.find_resume(tmp_path, "sft", "d").step is None  # wrong stage everywhere
     assert ckpt.remove_leftovers(tmp_path) == [".step-000018.tmp"]
@@ -218,7 +218,7 @@ def test_commit_replaces_a_stale_directory(tmp_path):
     (tmp / "new").write_text("1")
     ckpt.commit(tmp, old)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000003"]
-    assert (old / "new").is_file() and not (old / "manifest.json").exists()
+    assert (old / "new").is_file() and not (old / MANIFEST).exists()
 
 
 def test_rng_round_trip_is_json_and_safetensors(tmp_path):

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tasks.core.errors import ConfigError
+from tasks.core.manifest import MANIFEST
 from tasks.core.validate import Machine, load_for_check, preflight_report, validate
 from tests.conftest import tiny_config_raw, write_config
 
@@ -30,7 +31,7 @@ CPU2 = Machine(cuda_devices=0, cpu_count=2, free_bytes=10**13)
 
 
 @pytest.fixture(autouse=True)
-def no_launch(monkeypatch):
+def no_launch(monkeypatch, tmp_path):
     """Pre-flight must never start a process: any launch attempt fails the test."""
 
     def refuse(*args: Any, **kwargs: Any):
@@ -42,6 +43,10 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(tasks.launch, "run_engine", refuse, raising=False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    # No saved `hf auth login` token either: the lookup's third source reads HF_TOKEN_PATH.
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-hf-home" / "token"))
 
 
 def fake_model(root: Path, tokenizer: dict | None = None, weights: tuple[str, ...] = ("model.safetensors",), **dims: Any) -> Path:
@@ -64,7 +69,8 @@ def write_jsonl(path: Path, lines: list[Any]) -> str:
 def make_manifest(run_root: Path, rel: str, files: dict[str, Any]) -> Path:
     art = run_root / rel
     art.mkdir(parents=True, exist_ok=True)
-    (art / "manifest.json").write_text(json.dumps({"schema": 1, "kind": "hf-model", "files": files}))
+    (art / MANIFEST).parent.mkdir(parents=True, exist_ok=True)
+    (art / MANIFEST).write_text(json.dumps({"schema": 1, "kind": "hf-model", "files": files}))
     return art
 
 
@@ -185,9 +191,9 @@ BAD = [
     ("no-weights", lambda c: (c.model / "model.safetensors").unlink(), "base_model.uri", "no weight files"),
     ("remote-code-without-trust", lambda c: fake_model(c.model, auto_map={"AutoModelForCausalLM": "modeling_x.X"}), "base_model.trust_remote_code", "its own Python code"),
     ("missing-base-model", _set("base_model.uri", "/nonexistent/model"), "base_model.uri", "does not exist"),
-    ("manifest-with-dotdot", _manifest({"../../etc/passwd": {"size": 1, "sha256": "0" * 64}}), "/run/base/manifest.json", "escapes the artifact"),
-    ("manifest-with-absolute-path", _manifest({"/etc/passwd": {"size": 1, "sha256": "0" * 64}}), "/run/base/manifest.json", "is absolute"),
-    ("manifest-with-symlink-out", _symlink_out, "/run/cpt/hf/manifest.json", "resolves outside the artifact"),
+    ("manifest-with-dotdot", _manifest({"../../etc/passwd": {"size": 1, "sha256": "0" * 64}}), "/run/base/.cpt-to-sft/manifest.json", "escapes the artifact"),
+    ("manifest-with-absolute-path", _manifest({"/etc/passwd": {"size": 1, "sha256": "0" * 64}}), "/run/base/.cpt-to-sft/manifest.json", "is absolute"),
+    ("manifest-with-symlink-out", _symlink_out, "/run/cpt/hf/.cpt-to-sft/manifest.json", "resolves outside the artifact"),
     ("seq-len-over-max-positions", _set("sft.seq_len", 1024), "sft.seq_len", "max_position_embeddings=256"),
     ("tokenizer-without-chat-template", lambda c: fake_model(c.model, tokenizer={"eos_token": "</s>"}), "base_model.uri", "no chat_template"),
     ("unknown-model-family", lambda c: fake_model(c.model, model_type="gpt2"), "base_model.uri", "model_type='gpt2' is not a supported model family (supported: llama, mistral, qwen2, qwen3)"),
@@ -313,7 +319,7 @@ def test_preflight_task_fails_with_the_report_and_one_config_error(tmp_path, mon
     import tasks.preflight as mod
 
     monkeypatch.setattr(mod, "get_run_logger", lambda: logging.getLogger("preflight-test"))
-    monkeypatch.setattr(mod, "_secret_exists", lambda timeout=0: False)
+    monkeypatch.setattr(mod, "_secret_value", lambda timeout=0: None)
     case = Case(tmp_path)
     _all(_set("hub", {"repo_id": "my-org/tiny"}), _set("sft.seq_len", 1024))(case)
     cfg = load_for_check(write_config(tmp_path / "c.yaml", case.raw))

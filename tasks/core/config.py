@@ -164,7 +164,12 @@ class StageConfig(_Frozen):
 class ExportConfig(_Frozen):
     dtype: Literal["fp32", "bf16", "fp16"] = Field(default="bf16", description="dtype of the exported safetensors.")
     max_shard_size: str = Field(default="5GB", description="Largest safetensors shard of the export, e.g. '5GB' or '500MB'.")
-    fingerprint_atol: float | None = Field(default=None, description="Allowed max |logit difference| against the SFT fingerprint; default 1e-5 for fp32, 0.1 for bf16, 0.02 for fp16.")
+    fingerprint_rtol: float | None = Field(default=None, gt=0, description=(
+        "Logits sanity check after the bitwise weight proof: allowed max |logit difference| against the SFT fingerprint, relative to max |logit| "
+        "(top-1 must also agree wherever the reference's margin exceeds it); default 1e-5 for fp32, 0.04 for bf16, 0.005 for fp16."))
+    align_stop_tokens: bool = Field(default=True, description=(
+        "Make generation_config.json eos_token_id a list: the base model's eos plus the chat template's end-of-turn token(s), found by rendering "
+        "a conversation; pad_token_id set from the tokenizer. false keeps the base model's generation config as it is."))
 
 
 class GateConfig(_Frozen):
@@ -193,6 +198,8 @@ class HubConfig(_Frozen):
     commit_message: str = Field(default="cpt-to-sft export", description="Commit message of the single export commit.")
     license: str | None = Field(default=None, description="License id for the model card metadata, e.g. 'apache-2.0'.")
     tags: tuple[str, ...] = Field(default=(), description="Extra model card tags.")
+    push_provenance: bool = Field(default=True, description=(
+        "Also upload the export's provenance (.cpt-to-sft/: manifest, verification record, fingerprint) in its subfolder; false pushes only the model files and the card."))
 
 
 class RunConfig(_Frozen):

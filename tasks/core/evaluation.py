@@ -234,12 +234,16 @@ def generation_eos_problem(model_dir: Path, tokenizer) -> tuple[list[int], int |
     token = tokenizer.convert_ids_to_tokens(eot) if eot is not None else None
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
-        return [], eot, f"{path.name} is missing: generation would not know to stop at the chat template's end-of-turn token {token!r} (id {eot}); write one whose eos_token_id includes it"
+        return [], eot, (
+            f"{path.name} is missing: generation would not know to stop at the chat template's end-of-turn token {token!r} (id {eot}); "
+            "set export.align_stop_tokens: true so the export writes one whose eos_token_id includes it"
+        )
     eos = _eos_ids(json.loads(path.read_text()).get("eos_token_id"))
     if eot is not None and eot not in eos:
         return eos, eot, (
             f"generation_config.json eos_token_id {eos} lacks the chat template's end-of-turn token {token!r} (id {eot}): "
-            f"generation would run past the end of a reply; add {eot} to eos_token_id"
+            f"generation would run past the end of a reply; set export.align_stop_tokens: true (the default) so the export adds it, "
+            f"or add {eot} to eos_token_id"
         )
     return eos, eot, None
 

@@ -2,9 +2,11 @@
 
     python -c "from tasks.core.hub import is_hub_id; print(is_hub_id('org/name'))"
 
-The token is looked up in one order everywhere: HF_TOKEN in the environment, then the caller's
-secret lookup (the Prefect Secret block `hf-token`, passed in by the task side so this module
-stays free of Prefect). It is never logged or returned anywhere but to the Hub client.
+The token is looked up in one order everywhere (load, push, pre-flight): HF_TOKEN in the
+environment, then the caller's secret lookup (the Prefect Secret block `hf-token`, passed in by
+the task side so this module stays free of Prefect), then the token `hf auth login` /
+`huggingface_hub.login` saved under HF_HOME (`huggingface_hub.get_token()`). It is never logged
+or returned anywhere but to the Hub client.
 """
 
 from __future__ import annotations
@@ -35,15 +37,26 @@ def hub_dataset_id(uri: str) -> str | None:
     return None
 
 
+def stored_token() -> str | None:
+    """The token `hf auth login` saved under HF_HOME, or None (huggingface_hub's own lookup)."""
+    try:
+        from huggingface_hub import get_token
+
+        return get_token() or None
+    except Exception:  # an unreadable token file is the same as no saved login
+        return None
+
+
 def hub_token(secret: Callable[[], str | None] | None = None) -> str | None:
-    """HF_TOKEN from the environment, else `secret()` (the Secret block), else None."""
+    """HF_TOKEN from the environment, else `secret()` (the Secret block), else the saved login, else None."""
     token = os.environ.get("HF_TOKEN")
     if token:
         return token
-    if secret is None:
-        return None
-    try:
-        value = secret()
-    except Exception:  # no Secret block (or no Prefect API) means no token, the same as an unset HF_TOKEN
-        return None
-    return str(value) if value else None
+    if secret is not None:
+        try:
+            value = secret()
+        except Exception:  # no Secret block (or no Prefect API) means no token there, the same as an unset HF_TOKEN
+            value = None
+        if value:
+            return str(value)
+    return stored_token()

@@ -1,7 +1,7 @@
 """Artifact manifests: the contract between stages.
 
-An artifact is a directory plus `manifest.json`, written LAST (tmp file + rename). A directory
-without a manifest does not exist; a manifest whose files do not verify is an error naming the
+An artifact is a directory plus `.cpt-to-sft/manifest.json`, written LAST (tmp file + rename). A
+directory without a manifest does not exist; a manifest whose files do not verify is an error naming the
 file. Manifests are untrusted input when read back: every listed path must be relative and stay
 inside the artifact directory, and it is checked before a byte of the file is read.
 
@@ -21,7 +21,11 @@ from typing import Any
 
 from tasks.core.errors import ArtifactMissing, ManifestError
 
-MANIFEST = "manifest.json"
+# Provenance (manifest, fingerprint, verification record) lives in one hidden subfolder of every
+# artifact, so an HF model folder holds only what a model repo should and no weight loader (vLLM's
+# `*.safetensors` glob, the Hub's weight count) ever meets it. This is the one place it is spelled.
+PROVENANCE_DIR = ".cpt-to-sft"
+MANIFEST = f"{PROVENANCE_DIR}/manifest.json"
 SCHEMA = 1
 _CHUNK = 8 << 20
 
@@ -119,14 +123,28 @@ def write_manifest(
         "files": {**(other_files or {}), **build_file_table(root, known_hashes, exclude)},
     }
     blob = json.dumps(manifest, indent=2, sort_keys=True).encode()
-    tmp = root / f".{MANIFEST}.{os.getpid()}.tmp"
+    tmp = manifest_tmp(root)
     with open(tmp, "wb") as f:
         f.write(blob)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / MANIFEST)
-    fsync_dir(root)
+    fsync_dir(root / PROVENANCE_DIR)
     return manifest
+
+
+def manifest_tmp(root: Path) -> Path:
+    """Where a manifest is written before its rename: beside it, so the rename is atomic."""
+    (root / PROVENANCE_DIR).mkdir(parents=True, exist_ok=True)
+    return root / PROVENANCE_DIR / f".manifest.json.{os.getpid()}.tmp"
+
+
+def artifact_of(manifest_path: str) -> str:
+    """The artifact directory of a manifest path (posix or fsspec string)."""
+    suffix = "/" + MANIFEST
+    if not manifest_path.endswith(suffix):
+        raise ValueError(f"{manifest_path} is not a manifest path (…{suffix})")
+    return manifest_path[: -len(suffix)]
 
 
 def fsync_dir(path: Path) -> None:
@@ -147,9 +165,9 @@ def parse_manifest(blob: bytes, where: str) -> dict[str, Any]:
     try:
         manifest = json.loads(blob)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"{where}: manifest.json is not valid JSON ({exc})") from None
+        raise ManifestError(f"{where}: {MANIFEST} is not valid JSON ({exc})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        raise ManifestError(f"{where}: manifest.json has no 'files' table")
+        raise ManifestError(f"{where}: {MANIFEST} has no 'files' table")
     for rel, entry in manifest["files"].items():
         safe_relpath(rel, where)
         if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
@@ -161,7 +179,7 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     root = Path(root)
     path = root / MANIFEST
     if not path.is_file():
-        raise ArtifactMissing(f"{root}: no manifest.json, so this artifact does not exist (incomplete or never written)")
+        raise ArtifactMissing(f"{root}: no {MANIFEST}, so this artifact does not exist (incomplete or never written)")
     return parse_manifest(path.read_bytes(), str(root))
 
 

@@ -9,7 +9,7 @@ artifact: stages write in place and `publish` only verifies. For an `s3://bucket
   body (the AWS SDKs' default wire checksum), which the server checks; a multipart upload is
   accepted only if the server's composite CRC32 is that of exactly the parts we hashed, in order.
   (A per-part SHA-256 would hash every byte a second time here and once more on the server, for
-  nothing the manifest's sha256 and the wire CRC do not already catch.) `manifest.json` goes up last, after every object has been
+  nothing the manifest's sha256 and the wire CRC do not already catch.) `.cpt-to-sft/manifest.json` goes up last, after every object has been
   confirmed by size and sha256; an old manifest is deleted first. A crash mid-publish therefore
   leaves no manifest, so the artifact does not exist, and a retry uploads only what is missing.
 - `stage_in` downloads in parallel (ranged GETs for large files) into `.part` files, checks each
@@ -43,7 +43,7 @@ import fsspec
 from fsspec.core import split_protocol, url_to_fs
 
 from tasks.core.errors import ArtifactMissing, ManifestError
-from tasks.core.manifest import MANIFEST, parse_manifest, safe_relpath, verify_artifact
+from tasks.core.manifest import MANIFEST, artifact_of, manifest_tmp, parse_manifest, safe_relpath, verify_artifact
 from tasks.core.s3_transfers import (
     SHA256_META,
     S3Transfers,
@@ -203,7 +203,7 @@ class RunStore:
         try:
             return self.fs.cat_file(self._remote(f"{rel}/{MANIFEST}"))
         except FileNotFoundError:
-            raise ArtifactMissing(f"{self.uri(rel)}: no manifest.json, so this artifact does not exist") from None
+            raise ArtifactMissing(f"{self.uri(rel)}: no {MANIFEST}, so this artifact does not exist") from None
 
     def read_manifest(self, rel: str) -> dict[str, Any]:
         return parse_manifest(self._manifest_bytes(rel), self.uri(rel))
@@ -283,7 +283,7 @@ class RunStore:
             return await all_or_nothing(xfer.get(self._remote(f"{rel}/{n}"), local / n, manifest["files"][n], sem) for n in names)
 
         outcome = run_transfer(xfer, go, f"stage-in of {self.uri(rel)}", "safe to retry")
-        tmp = local / f".{MANIFEST}.{os.getpid()}.tmp"
+        tmp = manifest_tmp(local)
         tmp.write_bytes(blob)
         os.replace(tmp, local_manifest)
         self.last_transfer = _summary("stage_in", rel, manifest, names, outcome, started)
@@ -302,7 +302,7 @@ class RunStore:
             return self.manifest_digest(rel)
         local_manifest = local / MANIFEST
         if not local_manifest.is_file():
-            raise ArtifactMissing(f"{local}: no manifest.json, so there is no complete artifact to publish")
+            raise ArtifactMissing(f"{local}: no {MANIFEST}, so there is no complete artifact to publish")
         blob = local_manifest.read_bytes()
         manifest = parse_manifest(blob, str(local))
         names = sorted(manifest["files"])
@@ -357,7 +357,7 @@ class RunStore:
         keep = [k.strip("/") for k in keep]
         removed = []
         for manifest_path in sorted(self.staging.rglob(MANIFEST)):
-            art = manifest_path.parent
+            art = Path(artifact_of(manifest_path.as_posix()))
             rel = art.relative_to(self.staging).as_posix()
             if any(rel == k or rel.startswith(k + "/") for k in keep):
                 continue

@@ -21,7 +21,7 @@ from typing import Any
 
 from tasks.core.config import RunConfig, StageConfig
 from tasks.core.errors import ManifestError
-from tasks.core.manifest import MANIFEST, inside_artifact, safe_relpath
+from tasks.core.manifest import MANIFEST, artifact_of, inside_artifact, safe_relpath
 from tasks.core.model_info import DTYPE_BYTES, estimate_parameters
 from tasks.core.preflight_report import CheckContext
 from tasks.core.storage import is_local
@@ -73,7 +73,7 @@ def _check_existing_manifests(ctx: CheckContext, store: Any) -> None:
             pass
     bad = 0
     for mpath in sorted(set(found)):
-        art = mpath.rsplit("/", 1)[0]
+        art = artifact_of(mpath)
         rel_art = art[len(root) + 1 :]
         where = f"{store.uri(rel_art)}/{MANIFEST}"
         try:

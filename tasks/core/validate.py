@@ -167,7 +167,8 @@ def check_hub(ctx: CheckContext) -> None:
         repo_ok = False
         ctx.problem("hub.repo_id", f"{hub.repo_id!r} is not a valid Hub repo id ({str(exc).splitlines()[0]}); use 'org/name' with letters, digits, '-', '_', '.'")
     if ctx.token_present is False:
-        ctx.problem("hub", "a push is configured but no Hub token was found: export HF_TOKEN on the worker or create the Prefect Secret block 'hf-token' (never put the token in the config)")
+        ctx.problem("hub", "a push is configured but no Hub token was found: export HF_TOKEN on the worker, create the Prefect Secret block 'hf-token', "
+                    "or run `hf auth login` on the worker (never put the token in the config)")
     elif ctx.token_present is None:
         ctx.warn("hub token presence not checked")
     if repo_ok and ctx.token_present:

@@ -12,8 +12,8 @@ rank 0 wrote the manifest LAST):
     rng/rank-NNNNN.safetensors  torch CPU generator state (and CUDA's where present) of every rank
     train_state.json          step, tokens_seen, sampler position (epoch, offset, seed), per-step
                               losses and learning rates so far (full precision), stage
-    fingerprint.safetensors   logits on the fixed probe batch (tasks.core.fingerprint)
-    manifest.json             tasks.core.manifest.write_manifest: every file with size + sha256
+    .cpt-to-sft/fingerprint.npy  logits on the fixed probe batch (tasks.core.fingerprint)
+    .cpt-to-sft/manifest.json    tasks.core.manifest.write_manifest: every file with size + sha256
 
 Pickles: the optimizer files and lr_scheduler.pt are torch pickles written by us into our own
 storage; ColossalAI reads them with a bare `torch.load`, which defaults to `weights_only=True` in

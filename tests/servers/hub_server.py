@@ -2,7 +2,7 @@
 
 It implements what `huggingface_hub<1.0` uses for `create_repo`, `create_branch`, `create_commit`
 (validate-yaml, preupload, the LFS batch API with basic and multipart transfers, the ndjson commit
-endpoint), `repo_info`/`model_info`, `list_repo_tree`, `list_repo_refs`, `list_repo_commits`,
+endpoint), `whoami` (for `login`), `repo_info`/`model_info`, `list_repo_tree`, `list_repo_refs`, `list_repo_commits`,
 `hf_hub_download`/`snapshot_download` (resolve HEAD/GET with X-Repo-Commit, ETag, X-Linked-Etag and
 X-Linked-Size). The real client talks to it over HTTP through `HF_ENDPOINT`.
 
@@ -541,6 +541,14 @@ def build_app(storage: HubStorage):
             raise HubError(404, f"LFS object {body.get('oid')} is not stored")
         return JSONResponse({})
 
+    async def whoami(request: Request) -> Response:
+        """What `huggingface_hub.login` asks before it saves a token: who the token belongs to."""
+        header = request.headers.get("authorization", "")
+        if not header.lower().startswith("bearer "):
+            raise HubError(401, "Authorization header is missing: a token is needed")
+        storage.check_auth(request, write=True)
+        return JSONResponse({"type": "user", "name": "test-user", "auth": {"type": "access_token", "accessToken": {"displayName": "test-token", "role": "write"}}})
+
     # ---- test controls --------------------------------------------------------------------------
     async def test_faults(request: Request) -> Response:
         storage.faults = {k: int(v) for k, v in (await request.json()).items()}
@@ -570,6 +578,7 @@ def build_app(storage: HubStorage):
         Route("/_lfs/verify/{rest:path}", guarded(lfs_verify), methods=["POST"]),
         Route("/api/repos/create", guarded(create_repo), methods=["POST"]),
         Route("/api/validate-yaml", guarded(validate_yaml), methods=["POST"]),
+        Route("/api/whoami-v2", guarded(whoami), methods=["GET"]),
         Route("/api/{rest:path}", guarded(api_repo), methods=["GET", "POST", "DELETE"]),
         Route("/{rest:path}.git/info/lfs/objects/batch", guarded(lfs_batch), methods=["POST"]),
         Route("/{rest:path}", guarded(resolve_file), methods=["GET", "HEAD"]),

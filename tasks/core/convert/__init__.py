@@ -37,7 +37,8 @@ own hasher. `safetensors.safe_open` validates every input header with the refere
 Modules, in the order a conversion runs: `dtypes` (tables of dtypes, sizes, file names),
 `source` (reading and validating the input), `plan` (checking it against the model family
 registry `tasks.core.families`, laying out shards), `write` (hashed, parallel shard writing),
-`api` (`convert_checkpoint`), `__main__` (the command line).
+`api` (`convert_checkpoint`), `__main__` (the command line); then `proof` (`prove_weights`: every
+written tensor bitwise the source's cast to the output dtype, read back with `safetensors` itself).
 """
 
 from __future__ import annotations
