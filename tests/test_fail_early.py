@@ -177,7 +177,7 @@ BAD_NAMES = ["model\x00.safetensors", "config\n.json", "a\x1b[31m.bin", "x\x7f"]
 
 @pytest.mark.parametrize("name", BAD_NAMES, ids=["nul", "newline", "escape", "del"])
 def test_control_characters_in_a_manifest_are_refused(tmp_path, capsys, name):
-    from tasks.core.manifest import verify_artifact
+    from tasks.core.manifest import MANIFEST, verify_artifact
     from tasks.preflight import run_check_cli
 
     case = Case(tmp_path)
@@ -188,7 +188,7 @@ def test_control_characters_in_a_manifest_are_refused(tmp_path, capsys, name):
     assert str(art) in msg and repr(name) in msg and "not a valid path" in msg and "delete the artifact" in msg
     report = case.report()
     fields = {f: m for f, m in report.problems}
-    where = f"{case.run_root}/base/manifest.json"
+    where = f"{case.run_root}/base/{MANIFEST}"
     assert where in fields and repr(name) in fields[where] and "move it aside or delete" in fields[where], report.text()
     assert run_check_cli(str(write_config(tmp_path / "c.yaml", case.raw))) == 1
     out = capsys.readouterr()
