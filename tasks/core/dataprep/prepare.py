@@ -32,7 +32,8 @@ from tasks.core.dataprep.records import BadRecord, iter_file_records
 from tasks.core.dataprep.shard import ShardSpec, load_tokenizer, read_summary, shard_dir, tokenize_file
 from tasks.core.split import canonical_json
 
-INDEX = "index.json"
+from tasks.core.dataprep.reader import INDEX
+
 INDEX_VERSION = 1
 # Every file a Hugging Face tokenizer may be built from; the fingerprint covers those present.
 TOKENIZER_FILES = (
@@ -123,11 +124,13 @@ def _work(args: tuple[int, InputFile, ShardSpec, str, str]) -> tuple[int, dict]:
 
 
 def run_files(p: Plan, indices: list[int], spec: ShardSpec, workers: int, progress: Callable[[dict], None] | None = None) -> dict[int, dict]:
-    """Tokenize inputs[indices] (largest first, so the pool ends together); summaries by index."""
-    order = sorted(indices, key=lambda i: -p.inputs[i].size)
+    """Tokenize inputs[indices]; summaries by index. In this process: in input order, so the first
+    problem reported is the first in the corpus. On a pool: largest first, so the workers end together."""
+    parallel = workers > 1 and len(indices) > 1
+    order = sorted(indices, key=lambda i: -p.inputs[i].size) if parallel else sorted(indices)
     jobs = [(i, p.inputs[i], spec, p.tokenizer_dir, str(p.out_dir)) for i in order]
     out: dict[int, dict] = {}
-    if workers <= 1 or len(jobs) <= 1:
+    if not parallel:
         for job in jobs:
             i, s = _work(job)
             out[i] = s
@@ -136,11 +139,30 @@ def run_files(p: Plan, indices: list[int], spec: ShardSpec, workers: int, progre
         return out
     import multiprocessing as mp
 
+    # At most `workers` files in flight: on the first error no new file starts, the ones in
+    # flight finish and keep their shards (a retry after the fix reuses them), then it raises.
+    pending = list(reversed(jobs))
+    error: BaseException | None = None
     with mp.get_context("spawn").Pool(min(workers, len(jobs)), initializer=_init_worker) as pool:
-        for i, s in pool.imap_unordered(_work, jobs):
-            out[i] = s
-            if progress:
-                progress(s)
+        running = []
+        while pending or running:
+            while pending and error is None and len(running) < workers:
+                running.append(pool.apply_async(_work, (pending.pop(),)))
+            if not running:
+                break
+            running[0].wait(0.05)
+            for r in [r for r in running if r.ready()]:
+                running.remove(r)
+                try:
+                    i, s = r.get()
+                except BaseException as e:  # noqa: BLE001 - re-raised below, after the others finish
+                    error = error or e
+                    continue
+                out[i] = s
+                if progress:
+                    progress(s)
+    if error is not None:
+        raise error
     return out
 
 

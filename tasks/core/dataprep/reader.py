@@ -22,9 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.core.dataprep.prepare import INDEX
-
-IGNORE_INDEX = -100
+INDEX = "index.json"  # prepare.py writes it last
+IGNORE_INDEX = -100  # tasks.engine.data's value; not imported, so a rank's reader pulls in numpy only
 
 
 class TokenDataset:
