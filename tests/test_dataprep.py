@@ -24,7 +24,7 @@ from tasks.core.dataprep.prepare import PrepareError, prepare, tokenizer_fingerp
 from tasks.core.dataprep.reader import TokenDataset
 from tasks.core.dataprep.shard import BadRecordError, token_dtype
 from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tokenizer
-from tasks.core.split import split_by_fraction
+from tasks.core.split import split_by_fraction, split_by_heldout
 from tasks.engine.data import ResumableSampler, encode_sft, pack_cpt, read_records
 
 CPT, SFT = DEFAULT_CORPUS
@@ -120,6 +120,18 @@ def test_no_record_below_fraction_holds_out_the_lowest_id(tok, tokdir, tmp_path)
     r = _prep(str(corpus), tokdir, tmp_path / "out", heldout_fraction=1e-6, seq_len=16)
     assert _heldout_records(tmp_path / "out", r.index) == split.heldout
     assert np.array_equal(_all(TokenDataset(tmp_path / "out"))["input_ids"], pack_cpt(tok, split.train, seq_len=16).numpy())
+
+
+def test_heldout_uri_drops_its_records_from_training(tok, tokdir, tmp_path):
+    records = read_records(str(CPT))
+    held = records[10:20] + [{"text": "a record only the held-out set has"}]
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(x) + "\n" for x in held))
+    split = split_by_heldout(records, held, "held.jsonl")
+    r = _prep(str(CPT), tokdir, tmp_path / "out", heldout_uri=str(tmp_path / "held.jsonl"))
+    assert r.index["split"]["method"] == "heldout-uri" and r.index["files"][0]["dropped_in_heldout_set"] == 10
+    assert np.array_equal(_all(TokenDataset(tmp_path / "out"))["input_ids"], pack_cpt(tok, split.train, seq_len=64).numpy())
+    with pytest.raises(PrepareError, match="not both"):
+        _prep(str(CPT), tokdir, tmp_path / "out", heldout_uri=str(tmp_path / "held.jsonl"), heldout_fraction=0.05)
 
 
 # --------------------------------------------------------------------------------------------

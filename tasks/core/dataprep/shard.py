@@ -42,6 +42,7 @@ import numpy as np
 from tasks.core.dataprep.inputs import InputFile
 from tasks.core.dataprep.records import BadRecord, iter_file_records
 from tasks.core.split import _unit, canonical_json
+from tasks.engine.data import IGNORE_INDEX, encode_chat  # issue 13 moves these to tasks.core.data
 
 SHARD_VERSION = 1
 _BATCH_CHARS = 1 << 20  # CPT texts are batch-encoded ~1 MB at a time: the tokenizer's fast path
@@ -257,8 +258,6 @@ def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: 
                 reject(BadRecord(inp.uri, line, f"the record has over {spec.max_record_chars:,} characters ({len(text):,}); raise data.max_record_chars or split the record", parquet))
                 continue
             if spec.kind == "sft":
-                from tasks.engine.data import IGNORE_INDEX, encode_chat  # issue 13 moves these to tasks.core.data
-
                 try:
                     ids, labels = encode_chat(tok, value, spec.seq_len)
                 except ValueError as e:
