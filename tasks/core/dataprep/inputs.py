@@ -75,6 +75,9 @@ def _checksum(fs, path: str, info: dict) -> str:
 
 def _expand(entry: str) -> tuple[object, list[str]]:
     fs, path = fsspec.core.url_to_fs(entry)
+    # fsspec reuses filesystem instances and s3fs caches listings in them: a file added or
+    # rewritten since the last call in this process must not be missed (or keep its old ETag).
+    fs.invalidate_cache()
     if any(c in path for c in _GLOB_CHARS):
         found = sorted(p for p in fs.glob(path) if fs.isfile(p))
         if not found:
