@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import shutil
 import subprocess
 import sys
@@ -108,14 +107,15 @@ t = time.monotonic(); c = time.process_time(); n = raw_pass(); raw = time.monoto
 inp = resolve_inputs(path)[0]
 spec = ShardSpec(kind="cpt", field="text", seq_len=1024, tokenizer_sha256=tokenizer_fingerprint(tokdir), heldout_fraction=0.01)
 t = time.monotonic(); c = time.process_time(); s = tokenize_file(inp, spec, tokdir, out); worker = time.monotonic() - t; worker_cpu = time.process_time() - c
-print(json.dumps({"bytes": inp.size, "raw_s": raw, "worker_s": worker, "raw_cpu_s": raw_cpu, "worker_cpu_s": worker_cpu, "raw_tokens": n, "worker_tokens": s["train"]["tokens"] + s["heldout"]["tokens"] - s["records"]}))
+print(json.dumps({"bytes": inp.size, "raw_s": raw, "worker_s": worker, "raw_cpu_s": raw_cpu, "worker_cpu_s": worker_cpu, "raw_tokens": n,
+                  "worker_tokens": s["train"]["tokens"] + s["heldout"]["tokens"] - s["records"]}))
 """
 
 START = """
 import json, sys, time
 t0 = time.monotonic()
 import numpy as np
-from tasks.engine.data import ResumableSampler
+from tasks.engine.sampler import ResumableSampler
 t1 = time.monotonic()
 from tasks.core.dataprep.reader import TokenDataset
 out, late = sys.argv[1], sys.argv[2] == "late"
@@ -132,7 +132,8 @@ OLD_START = """
 import json, sys, time
 t0 = time.monotonic()
 from transformers import AutoTokenizer
-from tasks.engine.data import ResumableSampler, pack_cpt, read_records
+from tasks.core.data import pack_cpt, read_records
+from tasks.engine.sampler import ResumableSampler
 t1 = time.monotonic()
 corpus, tokdir = sys.argv[1], sys.argv[2]
 import glob
@@ -172,12 +173,12 @@ def main() -> None:
             for w in (1, 2):
                 out = work / f"prep-{mb:g}-{w}"
                 shutil.rmtree(out, ignore_errors=True)
-                subprocess.run(["sync"])
+                subprocess.run(["sync"], check=False)
                 res = child(PREPARE, str(corpus), str(tokdir), str(out), str(w))
                 r[f"prep{w}_mbs"] = nbytes / 1e6 / res["seconds"]
                 r[f"prep{w}_rss"] = res["peak_rss_mb"]
                 r["tokens"] = res["tokens"]
-            first = sorted(corpus.glob("*.jsonl"))[0]
+            first = min(corpus.glob("*.jsonl"))
             tf = child(TOKFILE, str(first), str(tokdir), str(work / f"tokfile-{mb:g}"))
             r["raw_mbs"] = tf["bytes"] / 1e6 / tf["raw_s"]
             r["worker_mbs"] = tf["bytes"] / 1e6 / tf["worker_s"]

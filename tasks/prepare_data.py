@@ -1,131 +1,166 @@
-"""Stage prepare_data (integration draft, issue 14): a stage's corpus -> data/<stage>/ token shards.
+"""Stages prepare_cpt / prepare_sft: a training stage's corpus -> data/<stage>/ memory-mapped token shards.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # once wired into the flow
+    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # both run right after load_from_hf
 
-DRAFT: not yet called by the flow, no config fields yet, not run under a Prefect API in a test.
-It fixes the shape the stage will have:
-- prepare_data(cfg, stage, tokenizer_dir) runs before boost_and_shard (CPT) / reboost (SFT).
-  Skip rule: the manifest of data/<stage>/ verifies and its config digest matches; the digest
-  covers the data and split config, the tokenizer fingerprint and every input's checksum/etag,
-  so adding a file re-runs the stage, and inside it only the new file is tokenized.
+Both run before any training process starts (before boost_and_shard), with the base model's
+tokenizer, so a bad record anywhere in either corpus stops the run naming the user's file and line.
+reboost checks that the CPT model's tokenizer is the one the SFT shards were made with.
+
+- The skip rule is the stage protocol's: data/<stage>/manifest.json verifies and records this
+  digest, which covers the data config (not the task runner), the split, seq_len, the tokenizer
+  fingerprint and every input file's size and checksum/etag. Adding one file re-runs the stage,
+  and inside it only that file is tokenized.
 - The files still to tokenize are mapped as `tokenize_shard` tasks in a subflow whose task runner
-  comes from the config: Prefect's ProcessPoolTaskRunner (default), or prefect-dask's
-  DaskTaskRunner with a scheduler address or a `distributed.LocalCluster` of n worker processes.
-  Shards land under the stage's staging dir keyed by content, so a retry after a failure reuses
-  every file already done.
-- Progress (files, records, tokens, MB/s) goes to a Prefect progress artifact; the token counts per
-  split to a table artifact.
+  comes from `data.tokenize`: Prefect's ProcessPoolTaskRunner (default), or prefect-dask's
+  DaskTaskRunner on a running scheduler or a `distributed.LocalCluster` it starts.
+- Shards are written into `<staging>/data-cache/<stage>/shards/<key>/` (key: input checksum,
+  tokenizer, spec), summary last. A failed run keeps every file already tokenized there, and the
+  retry reuses them. The artifact hard-links the shards it names (no second copy), writes
+  index.json, then the manifest.
+- Progress (files, records, tokens, MB/s) goes to a Prefect progress artifact; the token counts
+  per split (and the skipped bad records) to a table artifact.
 """
 
 from __future__ import annotations
 
-import time
+import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
 
-from tasks.common import StageResult, completed, done, stage_digest, store_for
+from tasks import ui
+from tasks.core.config import RunConfig, TokenizeConfig
 from tasks.core.dataprep import prepare as prep
 from tasks.core.dataprep.inputs import InputFile
-from tasks.core.dataprep.shard import ShardSpec, tokenize_file
-from tasks.core.manifest import write_manifest
+from tasks.core.dataprep.reader import INDEX
+from tasks.core.dataprep.records import iter_file_records
+from tasks.core.dataprep.shard import ShardSpec, read_summary, shard_dir, tokenize_file
+from tasks.core.runlayout import PREPARE, STAGE
+from tasks.core.stage_data import HELDOUT_SET
+from tasks.stage import Stage, StageResult, stage_digest, stage_task, store_for
 
-TOKENS_TABLE_KEY = "cpt-to-sft-data"
+CACHE = "data-cache"  # <staging>/data-cache/<stage>/: shards kept across failures and re-runs
 
 
-def task_runner_for(runner: dict[str, Any] | None):
-    """{"kind": "process", "workers": N} | {"kind": "dask", "address": "tcp://..."} | {"kind": "dask", "workers": N}."""
-    runner = runner or {"kind": "process"}
-    if runner["kind"] == "process":
-        from prefect.task_runners import ProcessPoolTaskRunner
-
-        return ProcessPoolTaskRunner(max_workers=runner.get("workers"), initializer=prep._init_worker)
-    if runner["kind"] == "dask":
+def task_runner_for(tok: TokenizeConfig):
+    """The task runner `data.tokenize` names: a process pool, or Dask (a scheduler or a LocalCluster)."""
+    if tok.dask_address or tok.local_cluster:
         try:
             from prefect_dask import DaskTaskRunner
         except ImportError:
-            raise ValueError("data.prepare.runner.kind is 'dask' but prefect-dask is not installed: pip install 'prefect-dask==0.3.7' (it brings distributed)") from None
-        if runner.get("address"):
-            return DaskTaskRunner(address=runner["address"])
+            raise ValueError("data.tokenize names a Dask cluster but prefect-dask is not installed: pip install 'prefect-dask==0.3.7'") from None
+        if tok.dask_address:
+            return DaskTaskRunner(address=tok.dask_address)
         # One thread per worker process: the tokenizer holds the GIL between its Rust calls.
-        return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={"n_workers": runner.get("workers", 2), "threads_per_worker": 1, "processes": True})
-    raise ValueError(f"data.prepare.runner.kind={runner['kind']!r}: use 'process' or 'dask'")
+        return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={"n_workers": tok.local_cluster.n_workers, "threads_per_worker": 1, "processes": True})
+    from prefect.task_runners import ProcessPoolTaskRunner
+
+    return ProcessPoolTaskRunner(max_workers=tok.workers)
 
 
-@task(name="tokenize_shard", task_run_name="tokenize {inp.uri}", retries=1)
+@task(name="tokenize_shard", task_run_name="tokenize {inp.uri}")
 def tokenize_shard(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: str) -> dict[str, Any]:
+    # One worker = one core: the tokenizer's own thread pool would oversubscribe the machine.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
     return tokenize_file(inp, spec, tokenizer_dir, out_dir)
 
 
-@flow(name="prepare_data files", flow_run_name="tokenize {n} files")
-def tokenize_files(p: prep.Plan, n: int) -> dict[int, dict]:
+@flow(name="tokenize-files", flow_run_name="tokenize {stage}: {n} files", validate_parameters=False)
+def tokenize_files(stage: str, n: int, inputs: list[InputFile], spec: ShardSpec, tokenizer_dir: str, out_dir: str) -> list[dict]:
+    """Every file as one mapped task; all finish (their shards stay) before the first error, in input order, is raised."""
     from prefect.futures import as_completed
 
-    report = _progress_reporter(n, sum(p.inputs[i].size for i in p.todo))
-    futures = tokenize_shard.map([p.inputs[i] for i in p.todo], spec=p.spec, tokenizer_dir=p.tokenizer_dir, out_dir=str(p.out_dir))
-    which = {f.task_run_id: i for f, i in zip(futures, p.todo)}
-    out: dict[int, dict] = {}
+    report = ui.DataProgress(stage, n, sum(f.size for f in inputs))
+    futures = tokenize_shard.map(inputs, spec=spec, tokenizer_dir=tokenizer_dir, out_dir=out_dir)
+    order = {f.task_run_id: i for i, f in enumerate(futures)}
+    out: list[dict | None] = [None] * len(inputs)
+    errors: dict[int, BaseException] = {}
     for f in as_completed(futures):
-        out[which[f.task_run_id]] = summary = f.result()
+        try:
+            out[order[f.task_run_id]] = summary = f.result()
+        except Exception as exc:
+            errors[order[f.task_run_id]] = exc
+            continue
         report(summary)
+    if errors:
+        raise errors[min(errors)]
     return out
 
 
-def _progress_reporter(total_files: int, total_bytes: int):
-    from prefect.artifacts import create_progress_artifact, update_progress_artifact
-
-    aid = create_progress_artifact(0.0, description=f"prepare_data: {total_files} files to tokenize")
-    state = {"files": 0, "bytes": 0, "records": 0, "tokens": 0, "t0": time.monotonic()}
-
-    def report(summary: dict) -> None:
-        state["files"] += 1
-        state["bytes"] += summary["input"]["size"]
-        state["records"] += summary["records"]
-        state["tokens"] += summary["train"]["tokens"] + summary["heldout"]["tokens"]
-        mbs = state["bytes"] / 1e6 / max(1e-9, time.monotonic() - state["t0"])
-        update_progress_artifact(aid, 100.0 * state["bytes"] / max(1, total_bytes),
-                                 description=f"{state['files']}/{total_files} files, {state['records']:,} records, {state['tokens']:,} tokens, {mbs:.1f} MB/s")
-
-    return report
+def _link_tree(src: Path, dest: Path) -> None:
+    """Hard links (same filesystem: the staging dir), so the artifact costs no second copy."""
+    dest.mkdir(parents=True)
+    for p in src.iterdir():
+        try:
+            os.link(p, dest / p.name)
+        except OSError:
+            shutil.copy2(p, dest / p.name)
 
 
-@task(name="prepare_data", task_run_name="prepare data: {stage}")
-def prepare_data(cfg, stage: str, tokenizer_dir: Path, runner: dict[str, Any] | None = None, parent: StageResult | None = None) -> StageResult:
+@stage_task(name="prepare_data", task_run_name="{stage}: tokenize data")
+def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult:
+    """Tokenize `stage`'s corpus with `source`'s tokenizer into data/<stage>/ (token shards, index, held-out records)."""
     logger = get_run_logger()
-    started = time.monotonic()
+    st_cfg = getattr(cfg, stage)
+    name = PREPARE[stage]
     store = store_for(cfg)
-    rel = f"data/{stage}"
-    st = getattr(cfg, stage)
-    kind_field = st.data.text_field if stage == "cpt" else st.data.messages_field
-    out = store.local_path(rel)
+    tok_dir = store.local_path(source.rel) if store.local else store.stage_in(source.rel)
+    cache = store.staging / CACHE / stage
+    d = st_cfg.data
     p = prep.plan(
-        st.data.uri, tokenizer_dir, out, kind=stage, field=kind_field, seq_len=st.seq_len,
-        heldout_fraction=st.eval.heldout_fraction if not st.eval.heldout_uri else 0.0, heldout_uri=st.eval.heldout_uri,
-        on_bad_record=getattr(st.data, "on_bad_record", "error"), max_bad_records=getattr(st.data, "max_bad_records", 100),
+        d.uris, tok_dir, cache, kind=stage, field=d.text_field if stage == "cpt" else d.messages_field, seq_len=st_cfg.seq_len,
+        heldout_fraction=0.0 if st_cfg.eval.heldout_uri else st_cfg.eval.heldout_fraction, heldout_uri=st_cfg.eval.heldout_uri,
+        on_bad_record=d.on_bad_record, max_bad_records=d.max_bad_records, max_record_chars=d.max_record_chars,
     )
-    section = {"data": st.data.model_dump(mode="json"), "split": st.eval.split_section() if hasattr(st.eval, "split_section") else None,
-               "seq_len": st.seq_len, "spec": p.spec.key_fields(), "inputs": [f.to_json() for f in p.inputs]}
-    cdigest = stage_digest("prepare_data", section, parent.digest if parent else None)
-    if completed(store, rel, cdigest):
-        logger.info("prepare_data %s: skipped, %s verifies and its inputs, tokenizer and config match", stage, store.uri(rel))
-        return StageResult(f"prepare_data_{stage}", "skipped", rel, store.uri(rel), store.manifest_digest(rel), time.monotonic() - started)
-    (out / "shards").mkdir(parents=True, exist_ok=True)
-    logger.info("prepare_data %s: %d input files, %d to tokenize, %d reused", stage, len(p.inputs), len(p.todo), len(p.inputs) - len(p.todo))
-    fresh = tokenize_files.with_options(task_runner=task_runner_for(runner))(p, len(p.todo)) if p.todo else {}
-    summaries = {i: fresh.get(i) or prep.read_summary(prep.shard_dir(out, p.keys[i])) for i in range(len(p.inputs))}
-    index = prep.finalize(p, summaries)
-    prep.prune(out, index)
-    write_manifest(out, kind="data", meta={"stage": stage, "totals": index["totals"], "tokenizer_sha256": index["tokenizer_sha256"]}, config_digest=cdigest)
-    try:
-        from prefect.artifacts import create_table_artifact
+    section = {
+        "data": d.shard_section(), "split": st_cfg.eval.split_section(), "seq_len": st_cfg.seq_len,
+        "spec": p.spec.key_fields(), "inputs": [f.to_json() for f in p.inputs],
+    }
+    st = Stage(name, cfg, stage_digest(name, section, None))
+    if st.skipped:
+        return st.result
+    shards = cache / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    for stale in shards.glob(".tmp-*"):  # a worker killed mid-file; its summary never landed
+        shutil.rmtree(stale, ignore_errors=True)
+    logger.info("%s: %d input files (%.1f MB), %d to tokenize, %d reused from %s", name, len(p.inputs), sum(f.size for f in p.inputs) / 1e6, len(p.todo), len(p.inputs) - len(p.todo), cache)
+    if p.todo:
+        runner = task_runner_for(d.tokenize)
+        todo = [p.inputs[i] for i in p.todo]
+        tokenize_files.with_options(task_runner=runner)(stage, len(todo), todo, p.spec, str(tok_dir), str(cache))
+    summaries = {i: read_summary(shard_dir(cache, p.keys[i])) for i in range(len(p.inputs))}
+    index = prep.finalize(p, summaries, workers=1)
+    t = index["totals"]
+    with st.build() as out:
+        for f in index["files"]:
+            _link_tree(cache / f["shard"], out.dir / f["shard"])
+        shutil.copy2(cache / INDEX, out.dir / INDEX)
+        if p.heldout_inputs:  # evaluation reads eval.heldout_uri's records from the artifact, not the source
+            with open(out.dir / HELDOUT_SET, "w", encoding="utf-8") as fh:
+                for f in p.heldout_inputs:
+                    fh.writelines(json.dumps(rec, ensure_ascii=False, default=str) + "\n" for _, rec in iter_file_records(f.uri, f.fmt, d.max_record_chars))
+        out.manifest(
+            kind="token-shards", parent=source,
+            meta={"stage": stage, "tokenizer_sha256": index["tokenizer_sha256"], "dtype": index["dtype"], "split": index["split"], "totals": t, "on_bad_record": d.on_bad_record},
+        )
+    prep.prune(cache, index)
+    ui.token_table(stage, t)
+    if t["skipped"]:
+        logger.warning("%s: %d bad records skipped (data.on_bad_record: skip); the first: %s", name, t["skipped"], next(b for f in index["files"] for b in f["bad_records"]))
+    return st.done(
+        {"files": t["files"], "tokenized": len(p.todo), "records": t["records"], "skipped": t["skipped"], "train_tokens": t["train_tokens"], "heldout_tokens": t["heldout_tokens"]},
+        event={"train_tokens": t["train_tokens"], "skipped": t["skipped"]},
+    )
 
-        t = index["totals"]
-        create_table_artifact([
-            {"split": "train", "records": t["train_records"], "tokens": t["train_tokens"]},
-            {"split": "held-out", "records": t["heldout_records"], "tokens": t["heldout_tokens"]},
-            {"split": "skipped (bad)", "records": t["skipped"], "tokens": 0},
-        ], key=f"{TOKENS_TABLE_KEY}-{stage}", description=f"{stage.upper()} data: tokens per split")
-    except Exception as exc:  # noqa: BLE001 - the UI table is a view; the manifest holds the counts
-        logger.warning("token table artifact unavailable: %s", exc)
-    return done(f"prepare_data_{stage}", store, rel, started, totals=index["totals"])
+
+def prepared_dir(cfg: RunConfig, stage: str) -> Path:
+    """The local data/<stage>/ a training or evaluation stage reads (staged in, sha256-verified, for remote run roots)."""
+    store, rel = store_for(cfg), STAGE[PREPARE[stage]].artifact
+    return store.local_path(rel) if store.local else store.stage_in(rel)
+
+
+__all__ = ["prepare_data", "prepared_dir", "task_runner_for", "tokenize_files", "tokenize_shard"]

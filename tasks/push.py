@@ -63,7 +63,7 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
 
     hub = cfg.hub
     eval_results = eval_results_for_card(metrics or {})
-    datasets = sorted({d for d in (hub_dataset_id(cfg.cpt.data.uri), hub_dataset_id(cfg.sft.data.uri)) if d})
+    datasets = sorted({d for u in (*cfg.cpt.data.uris, *cfg.sft.data.uris) if (d := hub_dataset_id(u))})
     data = ModelCardData(
         base_model=cfg.base_model.uri if is_hub_id(cfg.base_model.uri) else None,
         datasets=datasets or None,
@@ -85,8 +85,8 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
         value = facts.get(stage, {}).get("final_loss")
         return f"{value:.4f}" if value is not None else "n/a"
 
-    def data_name(uri: str) -> str:
-        return hub_dataset_id(uri) or Path(uri.rstrip("/")).name
+    def data_name(uris: list[str]) -> str:
+        return ", ".join(hub_dataset_id(u) or Path(u.rstrip("/")).name for u in uris)
 
     v = (export_manifest.get("meta") or {}).get("verification") or {}
     if v:
@@ -108,8 +108,8 @@ ColossalAI, run `{cfg.name}`.
 
 | stage | plugin and parallel layout | steps | final loss | data |
 |---|---|---|---|---|
-| CPT | {layout('cpt')} | {facts.get('cpt', {}).get('steps')} | {loss('cpt')} | `{data_name(cfg.cpt.data.uri)}` |
-| SFT | {layout('sft')} | {facts.get('sft', {}).get('steps')} | {loss('sft')} | `{data_name(cfg.sft.data.uri)}` |
+| CPT | {layout('cpt')} | {facts.get('cpt', {}).get('steps')} | {loss('cpt')} | `{data_name(cfg.cpt.data.uris)}` |
+| SFT | {layout('sft')} | {facts.get('sft', {}).get('steps')} | {loss('sft')} | `{data_name(cfg.sft.data.uris)}` |
 
 **Export:** `{cfg.export.dtype}` safetensors, {len(export_manifest.get('files', {}))} files, each listed with its
 sha256 in the export manifest.

@@ -19,13 +19,14 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
+from tasks.core.data import encode_sft, pack_cpt, read_records
 from tasks.core.dataprep.inputs import InputError, resolve_inputs
 from tasks.core.dataprep.prepare import PrepareError, prepare, tokenizer_fingerprint
 from tasks.core.dataprep.reader import TokenDataset
 from tasks.core.dataprep.shard import BadRecordError, token_dtype
 from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tokenizer
 from tasks.core.split import split_by_fraction, split_by_heldout
-from tasks.engine.data import ResumableSampler, encode_sft, pack_cpt, read_records
+from tasks.engine.sampler import ResumableSampler
 
 CPT, SFT = DEFAULT_CORPUS
 
@@ -93,8 +94,8 @@ def test_sft_sample_matches_encode_sft(tok, tokdir, tmp_path):
     r = _prep(str(SFT), tokdir, tmp_path, kind="sft", seq_len=96, heldout_fraction=0.05)
     got = _all(TokenDataset(tmp_path))
     assert set(got) == set(want)
-    for k in want:
-        assert np.array_equal(got[k], want[k]), k
+    for k, v in want.items():
+        assert np.array_equal(got[k], v), k
     assert _heldout_records(tmp_path, r.index) == split.heldout
     # A seq_len that truncates: encode_sft drops rows without an assistant token; so does prepare.
     out2 = tmp_path / "short"
@@ -102,8 +103,8 @@ def test_sft_sample_matches_encode_sft(tok, tokdir, tmp_path):
     r2 = _prep(str(SFT), tokdir, out2, kind="sft", seq_len=24, heldout_fraction=0.05)
     got2 = _all(TokenDataset(out2))
     assert r2.index["totals"]["dropped_no_labels"] == len(split.train) - want2["input_ids"].shape[0] > 0
-    for k in want2:
-        assert np.array_equal(got2[k], want2[k]), k
+    for k, v in want2.items():
+        assert np.array_equal(got2[k], v), k
     with pytest.raises(ValueError, match="prepared for seq_len=24, not 96"):
         TokenDataset(out2, 96)
 
@@ -163,7 +164,7 @@ def test_directory_of_mixed_formats_and_adding_a_file(tok, tokdir, tmp_path):
     r1 = _prep(str(corpus), tokdir, out, heldout_fraction=0.05)
     names = [f["input"]["uri"].rsplit("/", 1)[-1] for f in r1.index["files"]]
     assert names == ["a.jsonl", "b.jsonl.gz", "c.jsonl", "d.parquet"] and len(r1.tokenized) == 4
-    split = split_by_fraction(sum(parts[:4], []), 0.05)
+    split = split_by_fraction([r for part in parts[:4] for r in part], 0.05)
     assert np.array_equal(_all(TokenDataset(out))["input_ids"], pack_cpt(tok, split.train, seq_len=64).numpy())
 
     again = _prep(str(corpus), tokdir, out, heldout_fraction=0.05)

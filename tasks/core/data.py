@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # what torch.nn.CrossEntropyLoss (and HF models) skip
 ROLES = ("system", "user", "assistant")
-_COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 FORMATS = (".jsonl", ".txt", ".parquet")
 
 
@@ -41,12 +41,12 @@ FORMATS = (".jsonl", ".txt", ".parquet")
 def format_of(uri: str) -> str:
     """The FORMATS entry a URI names (a compression suffix is looked through); ValueError otherwise."""
     name = uri.rsplit("/", 1)[-1].lower()
-    for comp in _COMPRESSIONS:
+    for comp in COMPRESSIONS:
         name = name.removesuffix(comp)
     for fmt in FORMATS:
         if name.endswith(fmt):
             return fmt
-    raise ValueError(f"data uri {uri!r}: unknown format; use one of {', '.join(FORMATS)} (optionally compressed {', '.join(_COMPRESSIONS)})")
+    raise ValueError(f"data uri {uri!r}: unknown format; use one of {', '.join(FORMATS)} (optionally compressed {', '.join(COMPRESSIONS)})")
 
 
 def read_records(uri: str) -> list[dict]:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import fsspec
 
-from tasks.engine.data import FORMATS, _COMPRESSIONS, _format_of  # issue 13 moves these to tasks.core.data
+from tasks.core.data import COMPRESSIONS, FORMATS, format_of
 
 _GLOB_CHARS = "*?["
 _CHUNK = 1 << 20
@@ -50,7 +50,7 @@ def _supported(name: str) -> bool:
     if base.startswith((".", "_")):
         return False
     try:
-        _format_of(base)
+        format_of(base)
     except ValueError:
         return False
     return True
@@ -84,21 +84,30 @@ def _expand(entry: str) -> tuple[object, list[str]]:
             raise InputError(f"data.uri: the glob {entry!r} matches no file; check the pattern and that the files exist")
         bad = [p for p in found if not _supported(p)]
         if bad:
-            raise InputError(f"data.uri: the glob {entry!r} matches {_display(fs, bad[0])!r}, which is not {', '.join(FORMATS)} (optionally {', '.join(_COMPRESSIONS)}); narrow the pattern")
+            raise InputError(f"data.uri: the glob {entry!r} matches {_display(fs, bad[0])!r}, which is not {', '.join(FORMATS)} (optionally {', '.join(COMPRESSIONS)}); narrow the pattern")
         return fs, found
     if fs.isdir(path):
         found = sorted(p for p in fs.find(path) if _supported(p))
         if not found:
-            raise InputError(f"data.uri: the directory {entry!r} holds no {', '.join(FORMATS)} file (optionally {', '.join(_COMPRESSIONS)}); point data.uri at the corpus files")
+            raise InputError(f"data.uri: the directory {entry!r} holds no {', '.join(FORMATS)} file (optionally {', '.join(COMPRESSIONS)}); point data.uri at the corpus files")
         return fs, found
     if not fs.exists(path):
         raise InputError(f"data.uri: {entry!r} does not exist (no such file or directory); fix the path or URI")
-    _format_of(path)  # an unknown format is refused here, naming the supported ones
+    format_of(path)  # an unknown format is refused here, naming the supported ones
     return fs, [path]
 
 
-def resolve_inputs(uri: str | Sequence[str]) -> list[InputFile]:
-    """The input files of `data.uri`, each with size and checksum, in a deterministic order."""
+def _readable(fs, path: str, info: dict) -> str:
+    with fs.open(path, "rb") as f:
+        f.read(1)
+    return ""
+
+
+def resolve_inputs(uri: str | Sequence[str], checksums: bool = True) -> list[InputFile]:
+    """The input files of `data.uri`, each with size and checksum, in a deterministic order.
+
+    checksums=False (pre-flight): every file is still opened, so an unreadable one is refused, but
+    not hashed; the checksum is then empty."""
     entries = [uri] if isinstance(uri, str) else list(uri)
     if not entries:
         raise InputError("data.uri is an empty list: name at least one file, glob or directory")
@@ -113,10 +122,10 @@ def resolve_inputs(uri: str | Sequence[str]) -> list[InputFile]:
             seen[shown] = str(entry)
             try:
                 info = fs.info(p)
-                checksum = _checksum(fs, p, info)
+                checksum = (_checksum if checksums else _readable)(fs, p, info)
             except PermissionError as e:
                 raise InputError(f"data.uri: {shown!r} is not readable ({e}); fix its permissions or credentials") from None
-            out.append(InputFile(uri=shown, size=int(info.get("size") or 0), checksum=checksum, fmt=_format_of(p)))
+            out.append(InputFile(uri=shown, size=int(info.get("size") or 0), checksum=checksum, fmt=format_of(p)))
     if all(f.size == 0 for f in out):
         raise InputError(f"data.uri: every input file is empty ({len(out)} files, 0 bytes); the corpus has no records")
     return out

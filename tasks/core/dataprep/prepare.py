@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.dataprep.inputs import InputError, InputFile, resolve_inputs
+from tasks.core.dataprep.reader import INDEX
 from tasks.core.dataprep.records import BadRecord, iter_file_records
 from tasks.core.dataprep.shard import ShardSpec, load_tokenizer, read_summary, shard_dir, tokenize_file
 from tasks.core.split import canonical_json
-
-from tasks.core.dataprep.reader import INDEX
 
 INDEX_VERSION = 1
 # Every file a Hugging Face tokenizer may be built from; the fingerprint covers those present.
@@ -155,7 +154,7 @@ def run_files(p: Plan, indices: list[int], spec: ShardSpec, workers: int, progre
                 running.remove(r)
                 try:
                     i, s = r.get()
-                except BaseException as e:  # noqa: BLE001 - re-raised below, after the others finish
+                except BaseException as e:
                     error = error or e
                     continue
                 out[i] = s

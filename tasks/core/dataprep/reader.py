@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 INDEX = "index.json"  # prepare.py writes it last
-IGNORE_INDEX = -100  # tasks.engine.data's value; not imported, so a rank's reader pulls in numpy only
+IGNORE_INDEX = -100  # tasks.core.data's value; not imported, so a rank's reader pulls in numpy only
 
 
 class TokenDataset:

@@ -17,7 +17,6 @@ import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import fsspec
 
@@ -99,11 +98,11 @@ def iter_file_records(uri: str, fmt: str, max_record_chars: int) -> Iterator[tup
 
 
 def main(argv: list[str]) -> None:
-    from tasks.engine.data import _format_of
+    from tasks.core.data import format_of
 
     for uri in argv:
         good, bad = 0, []
-        for _, rec in iter_file_records(uri, _format_of(uri), 1 << 24):
+        for _, rec in iter_file_records(uri, format_of(uri), 1 << 24):
             if isinstance(rec, BadRecord):
                 bad.append(rec)
             else:

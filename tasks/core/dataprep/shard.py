@@ -32,17 +32,17 @@ import json
 import os
 import shutil
 import time
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tasks.core.data import IGNORE_INDEX, encode_chat
 from tasks.core.dataprep.inputs import InputFile
 from tasks.core.dataprep.records import BadRecord, iter_file_records
-from tasks.core.split import _unit, canonical_json
-from tasks.engine.data import IGNORE_INDEX, encode_chat  # issue 13 moves these to tasks.core.data
+from tasks.core.split import canonical_json, unit
 
 SHARD_VERSION = 1
 _BATCH_CHARS = 1 << 20  # CPT texts are batch-encoded ~1 MB at a time: the tokenizer's fast path
@@ -123,9 +123,10 @@ class _Side:
 
     def __init__(self, tmp: Path, name: str, dtype: np.dtype, sft: bool):
         self.dtype, self.sft = dtype, sft
-        self.tokens = open(tmp / f"{name}.tokens", "wb")
-        self.offsets = open(tmp / f"{name}.offsets", "wb")
-        self.mask = open(tmp / f"{name}.mask", "wb") if sft else None
+        # Appended to for the whole file's pass and closed by close(): no one `with` spans that.
+        self.tokens = open(tmp / f"{name}.tokens", "wb")  # noqa: SIM115
+        self.offsets = open(tmp / f"{name}.offsets", "wb")  # noqa: SIM115
+        self.mask = open(tmp / f"{name}.mask", "wb") if sft else None  # noqa: SIM115
         self.offsets.write(np.zeros(1, np.int64).tobytes())
         self.n_tokens = self.n_records = 0
         self.max_id = -1
@@ -200,7 +201,7 @@ def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     sides = {name: _Side(tmp, name, dtype, spec.kind == "sft") for name in ("train", "heldout")}
-    heldout_jsonl = open(tmp / "heldout.jsonl", "w", encoding="utf-8")
+    heldout_jsonl = open(tmp / "heldout.jsonl", "w", encoding="utf-8")  # noqa: SIM115 - closed with the sides, below
     counts = {"lines": 0, "records": 0, "skipped": 0, "dropped_in_heldout_set": 0, "dropped_no_labels": 0}
     bad: list[str] = []
     min_id = max_id = None
@@ -270,7 +271,7 @@ def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: 
             if rid in spec.heldout_ids:
                 counts["dropped_in_heldout_set"] += 1
                 continue
-            held = rid in spec.force_heldout or (spec.heldout_fraction > 0 and _unit(rid) < spec.heldout_fraction)
+            held = rid in spec.force_heldout or (spec.heldout_fraction > 0 and unit(rid) < spec.heldout_fraction)
             side = "heldout" if held else "train"
             if held:
                 heldout_jsonl.write(json.dumps(rec, ensure_ascii=False, default=str) + "\n")
