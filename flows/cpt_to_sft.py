@@ -25,7 +25,7 @@ from tasks import ui
 from tasks.core.config import RunConfig, load_config
 from tasks.core.lease import Lease, break_lease, describe
 from tasks.core.paths import resolve_local
-from tasks.core.runlayout import DONE, PREPARE, STAGE, STAGE_NAMES, Status
+from tasks.core.runlayout import DONE, STAGE, STAGE_NAMES, Status
 from tasks.core.storage import fetch_to_local
 from tasks.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back, recorded_metrics
 from tasks.export import export_hf
@@ -91,8 +91,8 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
     try:
         base = stage("load_from_hf", load_from_hf, cfg)
         # Both corpora are read in full and tokenized before any training process starts.
-        data_cpt = stage(PREPARE["cpt"], prepare_data, cfg, "cpt", base)
-        data_sft = stage(PREPARE["sft"], prepare_data, cfg, "sft", base)
+        data_cpt = stage("prepare_cpt", prepare_data, cfg, "cpt", base)
+        data_sft = stage("prepare_sft", prepare_data, cfg, "sft", base)
         a0 = stage("boost_and_shard", boost_and_shard, cfg, base, data_cpt)
         cpt = stage("train_cpt", train_cpt, cfg, a0)
         bridge = stage("unshard", unshard, cfg, cpt)

@@ -38,6 +38,7 @@ from tasks.core.dataprep.inputs import InputFile
 from tasks.core.dataprep.reader import INDEX
 from tasks.core.dataprep.records import iter_file_records
 from tasks.core.dataprep.shard import ShardSpec, read_summary, shard_dir, tokenize_file
+from tasks.core.paths import resolve_local
 from tasks.core.runlayout import PREPARE, STAGE
 from tasks.core.stage_data import HELDOUT_SET
 from tasks.stage import Stage, StageResult, stage_digest, stage_task, store_for
@@ -112,8 +113,8 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     cache = store.staging / CACHE / stage
     d = st_cfg.data
     p = prep.plan(
-        d.uris, tok_dir, cache, kind=stage, field=d.text_field if stage == "cpt" else d.messages_field, seq_len=st_cfg.seq_len,
-        heldout_fraction=0.0 if st_cfg.eval.heldout_uri else st_cfg.eval.heldout_fraction, heldout_uri=st_cfg.eval.heldout_uri,
+        [resolve_local(u) for u in d.uris], tok_dir, cache, kind=stage, field=d.text_field if stage == "cpt" else d.messages_field, seq_len=st_cfg.seq_len,
+        heldout_fraction=0.0 if st_cfg.eval.heldout_uri else st_cfg.eval.heldout_fraction, heldout_uri=resolve_local(st_cfg.eval.heldout_uri) if st_cfg.eval.heldout_uri else None,
         on_bad_record=d.on_bad_record, max_bad_records=d.max_bad_records, max_record_chars=d.max_record_chars,
     )
     section = {

@@ -23,6 +23,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 STAGE_DIRS = {
     "load_from_hf": "base",
+    "prepare_cpt": "data/cpt",
+    "prepare_sft": "data/sft",
     "boost_and_shard": "cpt/step-000000",
     "train_cpt": "cpt/step-000008",
     "unshard": "cpt/hf",
@@ -212,7 +214,9 @@ def test_bridge_is_bitwise_the_plugin_a_checkpoint_and_reproduces_its_logits(fin
 
 def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
     from tasks.core.data import read_records
+    from tasks.core.paths import resolve_local
     from tasks.core.split import record_id
+    from tasks.core.stage_data import heldout_records
 
     run_root, runs = scenario
     summary = runs[1]["summary"]  # the run that completed SFT, evaluation and the gate
@@ -233,12 +237,13 @@ def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
     for stage, artifact, metrics in (("cpt", "cpt/hf", cpt), ("sft", "export", sft)):
         split = json.loads((run_root / artifact / "manifest.json").read_text())["meta"]["data_split"]
         assert split == metrics["split"] and split["method"] == "hash-fraction" and split["heldout_records"] >= 1
-        train = read_records(str(run_root / "data" / stage / "split" / "train.jsonl"))
-        held = read_records(str(run_root / "data" / stage / "split" / "heldout.jsonl"))
-        assert not ({record_id(r) for r in train} & {record_id(r) for r in held})
-        assert len(train) == split["train_records"] and len(held) == split["heldout_records"]
+        # prepare_data decided the split in its one pass; the held-out records live in data/<stage>/.
+        held = heldout_records(run_root / "data" / stage)
+        held_ids = {record_id(r) for r in held}
+        train = [r for r in read_records(resolve_local(split["data_uri"])) if record_id(r) not in held_ids]
+        assert len(train) == split["train_records"] + split["dropped_no_labels"] and len(held) == split["heldout_records"]
         job = json.loads((run_root / "jobs" / f"{stage}-train.json").read_text())
-        assert job["data_path"] == str(run_root / "data" / stage / "split" / "train.jsonl")
+        assert job["data_dir"] == str(run_root / "data" / stage)
 
 
 def test_failed_gate_skips_the_push_and_a_disabled_gate_lets_it_through(scenario):

@@ -62,7 +62,8 @@ def split_info(data_dir: Path, data_uri: str | list[str]) -> dict[str, Any]:
     t = index["totals"]
     return {
         "data_uri": data_uri, "files": t["files"], "prepared": str(data_dir), "tokenizer_sha256": index["tokenizer_sha256"],
-        **index["split"], "train_records": t["train_records"], "heldout_records": t["heldout_records"], "skipped": t["skipped"],
+        **index["split"], "train_records": t["train_records"], "heldout_records": t["heldout_records"],
+        "dropped_no_labels": t["dropped_no_labels"], "skipped": t["skipped"],
     }
 
 
