@@ -46,8 +46,27 @@ from tasks.stage import Stage, StageResult, stage_digest, stage_task, store_for
 CACHE = "data-cache"  # <staging>/data-cache/<stage>/: shards kept across failures and re-runs
 
 
-def task_runner_for(tok: TokenizeConfig):
+def _share_api_with_workers() -> None:
+    """Point worker processes at this process's Prefect API.
+
+    Without PREFECT_API_URL the flow runs on an ephemeral server that only this process knows;
+    a pool or Dask worker would start one of its own (slow, and its task runs would land in
+    another database). Workers inherit os.environ, so the ephemeral server's URL is put there.
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()  # the singleton get_client() started
+    if server.running and server.port:
+        os.environ["PREFECT_API_URL"] = server.api_url
+
+
+def task_runner_for(tok: TokenizeConfig, files: int):
     """The task runner `data.tokenize` names: a process pool, or Dask (a scheduler or a LocalCluster)."""
+    _share_api_with_workers()
     if tok.dask_address or tok.local_cluster:
         try:
             from prefect_dask import DaskTaskRunner
@@ -56,10 +75,10 @@ def task_runner_for(tok: TokenizeConfig):
         if tok.dask_address:
             return DaskTaskRunner(address=tok.dask_address)
         # One thread per worker process: the tokenizer holds the GIL between its Rust calls.
-        return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={"n_workers": tok.local_cluster.n_workers, "threads_per_worker": 1, "processes": True})
+        return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={"n_workers": min(tok.local_cluster.n_workers, files), "threads_per_worker": 1, "processes": True})
     from prefect.task_runners import ProcessPoolTaskRunner
 
-    return ProcessPoolTaskRunner(max_workers=tok.workers)
+    return ProcessPoolTaskRunner(max_workers=min(tok.workers, files))  # no idle worker to spawn
 
 
 @task(name="tokenize_shard", task_run_name="tokenize {inp.uri}")
@@ -130,7 +149,7 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
         shutil.rmtree(stale, ignore_errors=True)
     logger.info("%s: %d input files (%.1f MB), %d to tokenize, %d reused from %s", name, len(p.inputs), sum(f.size for f in p.inputs) / 1e6, len(p.todo), len(p.inputs) - len(p.todo), cache)
     if p.todo:
-        runner = task_runner_for(d.tokenize)
+        runner = task_runner_for(d.tokenize, len(p.todo))
         todo = [p.inputs[i] for i in p.todo]
         tokenize_files.with_options(task_runner=runner)(stage, len(todo), todo, p.spec, str(tok_dir), str(cache))
     summaries = {i: read_summary(shard_dir(cache, p.keys[i])) for i in range(len(p.inputs))}
