@@ -1,8 +1,9 @@
 """Training data: read records, pack CPT text, render and loss-mask SFT chats.
 
 The one definition of the data formats and the SFT record rules, shared by pre-flight
-(`tasks/core/validate.py`), evaluation (`tasks/core/evaluation.py`) and the training loop inside
-each torchrun rank (`tasks/engine/loop.py`, whose sampler orders the rows built here). Reads go
+(`tasks/core/validate.py`), evaluation (`tasks/core/evaluation.py`) and data preparation
+(`tasks/core/dataprep/`, which writes the token shards the training ranks memory-map; its
+output is bit-identical to `pack_cpt` / `encode_sft` over the same records, tests/test_dataprep.py). Reads go
 through the storage seam (`tasks.core.storage.open_uri`). To eyeball what a stage will train on:
 
     python -m tasks.core.data --model runs/demo/base-model --uri data/sample/sft.jsonl --kind sft --seq-len 64
