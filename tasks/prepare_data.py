@@ -11,7 +11,7 @@ reboost checks that the CPT model's tokenizer is the one the SFT shards were mad
   fingerprint and every input file's size and checksum/etag. Adding one file re-runs the stage,
   and inside it only that file is tokenized.
 - The files still to tokenize are mapped as `tokenize_shard` tasks in a subflow whose task runner
-  comes from `data.tokenize`: Prefect's ProcessPoolTaskRunner (default), or prefect-dask's
+  comes from `data.tokenize`: Prefect's ProcessPoolTaskRunner (default; one file: a thread here), or prefect-dask's
   DaskTaskRunner on a running scheduler or a `distributed.LocalCluster` it starts.
 - Shards are written into `<staging>/data-cache/<stage>/shards/<key>/` (key: input checksum,
   tokenizer, spec), summary last. A failed run keeps every file already tokenized there, and the
@@ -24,6 +24,7 @@ reboost checks that the CPT model's tokenizer is the one the SFT shards were mad
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 from pathlib import Path
@@ -76,16 +77,21 @@ def task_runner_for(tok: TokenizeConfig, files: int):
             return DaskTaskRunner(address=tok.dask_address)
         # One thread per worker process: the tokenizer holds the GIL between its Rust calls.
         return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={"n_workers": min(tok.local_cluster.n_workers, files), "threads_per_worker": 1, "processes": True})
-    from prefect.task_runners import ProcessPoolTaskRunner
+    from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
+    if min(tok.workers, files) == 1:
+        # One file at a time: a worker process would only add its start-up (spawn, imports) to it.
+        return ThreadPoolTaskRunner(max_workers=1)
     return ProcessPoolTaskRunner(max_workers=min(tok.workers, files))  # no idle worker to spawn
 
 
 @task(name="tokenize_shard", task_run_name="tokenize {inp.uri}")
 def tokenize_shard(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: str) -> dict[str, Any]:
-    # One worker = one core: the tokenizer's own thread pool would oversubscribe the machine.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    if multiprocessing.parent_process() is not None:
+        # A pool or Dask worker process = one core: the tokenizer's own thread pool would
+        # oversubscribe the machine (set before its first use in this process).
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        os.environ.setdefault("RAYON_NUM_THREADS", "1")
     return tokenize_file(inp, spec, tokenizer_dir, out_dir)
 
 
