@@ -203,7 +203,7 @@ def test_inputs_list_glob_and_refusals(tmp_path):
         resolve_inputs([str(tmp_path / "a.jsonl"), str(tmp_path / "*.jsonl")])
     (tmp_path / "z").mkdir()
     (tmp_path / "z" / "e.jsonl").write_text("")
-    with pytest.raises(InputError, match="every input file is empty"):
+    with pytest.raises(InputError, match="holds no records"):
         resolve_inputs(str(tmp_path / "z"))
 
 

@@ -244,7 +244,7 @@ def check_data(ctx: CheckContext) -> None:
         # refused here); only the first file's head is read: prepare_data reads every record.
         try:
             inputs = resolve_inputs([resolve_local(u) for u in raw_uris], checksums=False)
-        except (InputError, OSError) as exc:
+        except (InputError, ValueError, OSError) as exc:  # InputError: no file, an empty glob/dir; ValueError: an unknown format
             ctx.problem(where, str(exc).removeprefix("data.uri: "))
             continue
         uri = inputs[0].uri

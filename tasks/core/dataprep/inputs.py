@@ -92,7 +92,7 @@ def _expand(entry: str) -> tuple[object, list[str]]:
             raise InputError(f"data.uri: the directory {entry!r} holds no {', '.join(FORMATS)} file (optionally {', '.join(COMPRESSIONS)}); point data.uri at the corpus files")
         return fs, found
     if not fs.exists(path):
-        raise InputError(f"data.uri: {entry!r} does not exist (no such file or directory); fix the path or URI")
+        raise InputError(f"data.uri: {entry} does not exist (no such file or directory); fix the path or URI")
     format_of(path)  # an unknown format is refused here, naming the supported ones
     return fs, [path]
 
@@ -127,7 +127,8 @@ def resolve_inputs(uri: str | Sequence[str], checksums: bool = True) -> list[Inp
                 raise InputError(f"data.uri: {shown!r} is not readable ({e}); fix its permissions or credentials") from None
             out.append(InputFile(uri=shown, size=int(info.get("size") or 0), checksum=checksum, fmt=format_of(p)))
     if all(f.size == 0 for f in out):
-        raise InputError(f"data.uri: every input file is empty ({len(out)} files, 0 bytes); the corpus has no records")
+        which = out[0].uri if len(out) == 1 else f"every one of its {len(out)} files"
+        raise InputError(f"data.uri: {which} holds no records (0 bytes); point data.uri at the corpus")
     return out
 
 
