@@ -126,7 +126,7 @@ def test_retry_skips_done_stages_and_resumes_sft(scenario):
     retry = runs[1]
     assert retry["rc"] == 0 and retry["summary"]["complete"] is True
     st = statuses(retry["summary"])
-    for stage in ("load_from_hf", "boost_and_shard", "train_cpt", "unshard", "evaluate_cpt", "reboost"):
+    for stage in ("load_from_hf", "prepare_cpt", "prepare_sft", "boost_and_shard", "train_cpt", "unshard", "evaluate_cpt", "reboost"):
         assert st[stage] == "skipped", (stage, st)
     assert st["train_sft"] == "completed" and st["export"] == "completed" and st["evaluate_sft"] == "completed"
     assert st["gate"] == "passed" and retry["summary"]["gate"]["passed"] is True
