@@ -55,7 +55,32 @@ def _prepare_cpt(config: Path):
 
 
 def _files(root: Path) -> dict[str, bytes]:
+    """Every file of a prepared artifact but its manifest (which records where the artifact lives)."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+
+
+def test_bad_sft_record_stops_the_run_before_boost_and_shard(prefect_harness, tiny_model_dir, tmp_path):
+    from flows.cpt_to_sft import main
+
+    corpus = tmp_path / "sft"
+    corpus.mkdir()
+    rows = [json.loads(x) for x in (REPO / "data/sample/sft.jsonl").read_text().splitlines() if x.strip()]
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"{i}: {r['messages'][0]['content']}"}, *r["messages"][1:]]}) for i, r in enumerate(rows * 8)]
+    (corpus / "part-0.jsonl").write_text("\n".join(lines[:320]) + "\n")
+    second = lines[320:640]
+    second[299] = json.dumps({"messages": [{"role": "user", "content": "is anyone there?"}]})  # line 300: no assistant turn
+    (corpus / "part-1.jsonl").write_text("\n".join(second) + "\n")
+    assert len(second) == 320
+    raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
+    raw["sft"]["data"] = {"uri": str(corpus)}
+    with pytest.raises(Exception, match=r"part-1\.jsonl:300: no assistant message"):
+        main(["--config", str(write_config(tmp_path / "bad.yaml", raw))])
+    stages = {s["stage"]: s for s in json.loads((tmp_path / "run/run.json").read_text())["stages"]}
+    assert stages["prepare_cpt"]["status"] == "completed" and stages["prepare_sft"]["status"] == "failed"
+    assert "part-1.jsonl:300" in stages["prepare_sft"]["detail"]["error"]
+    assert stages["boost_and_shard"]["status"] == "not-run" and not (tmp_path / "run/cpt").exists()  # no training process started
+    # The good file stays tokenized for the retry after the fix.
+    assert len([p for p in (tmp_path / "run/data-cache/sft/shards").iterdir() if (p / "summary.json").is_file()]) == 1
 
 
 def test_pool_and_dask_skip_increment_and_identical_shards(prefect_harness, tiny_model_dir, tmp_path):
@@ -86,28 +111,4 @@ def test_pool_and_dask_skip_increment_and_identical_shards(prefect_harness, tiny
     assert on_dask.status == "completed" and on_dask.detail["tokenized"] == 5
     pool_files, dask_files = _files(tmp_path / "pool/data/cpt"), _files(tmp_path / "dask/data/cpt")
     assert set(pool_files) == set(dask_files) and len(pool_files) > 5 * 4
-    assert all(pool_files[k] == dask_files[k] for k in pool_files)
-
-
-def test_bad_sft_record_stops_the_run_before_boost_and_shard(prefect_harness, tiny_model_dir, tmp_path):
-    from flows.cpt_to_sft import main
-
-    corpus = tmp_path / "sft"
-    corpus.mkdir()
-    rows = [json.loads(x) for x in (REPO / "data/sample/sft.jsonl").read_text().splitlines() if x.strip()]
-    lines = [json.dumps({"messages": [{"role": "user", "content": f"{i}: {r['messages'][0]['content']}"}, *r["messages"][1:]]}) for i, r in enumerate(rows * 8)]
-    (corpus / "part-0.jsonl").write_text("\n".join(lines[:320]) + "\n")
-    second = lines[320:640]
-    second[299] = json.dumps({"messages": [{"role": "user", "content": "is anyone there?"}]})  # line 300: no assistant turn
-    (corpus / "part-1.jsonl").write_text("\n".join(second) + "\n")
-    assert len(second) == 320
-    raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
-    raw["sft"]["data"] = {"uri": str(corpus)}
-    with pytest.raises(Exception, match=r"part-1\.jsonl:300: no assistant message"):
-        main(["--config", str(write_config(tmp_path / "bad.yaml", raw))])
-    stages = {s["stage"]: s for s in json.loads((tmp_path / "run/run.json").read_text())["stages"]}
-    assert stages["prepare_cpt"]["status"] == "completed" and stages["prepare_sft"]["status"] == "failed"
-    assert "part-1.jsonl:300" in stages["prepare_sft"]["detail"]["error"]
-    assert stages["boost_and_shard"]["status"] == "not-run" and not (tmp_path / "run/cpt").exists()  # no training process started
-    # The good file stays tokenized for the retry after the fix.
-    assert len([p for p in (tmp_path / "run/data-cache/sft/shards").iterdir() if (p / "summary.json").is_file()]) == 1
+    assert [k for k in pool_files if pool_files[k] != dask_files[k]] == []  # tokens, offsets, summaries, index.json

@@ -31,7 +31,6 @@ import hashlib
 import json
 import os
 import shutil
-import time
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -183,7 +182,6 @@ def read_summary(path: Path) -> dict | None:
 
 def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: str | Path) -> dict[str, Any]:
     """Tokenize one input file into shards/<key>/ and return its summary (summary.json)."""
-    started = time.monotonic()
     out_dir = Path(out_dir)
     key = spec.key(inp)
     final = shard_dir(out_dir, key)
@@ -311,7 +309,6 @@ def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: 
         "min_record_id": min_id,
         "max_record_id": max_id,
         "bad_records": bad,
-        "seconds": round(time.monotonic() - started, 3),
     }
     (tmp / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     try:
