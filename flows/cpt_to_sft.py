@@ -32,6 +32,7 @@ from tasks.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_
 from tasks.export import export_hf
 from tasks.load import load_from_hf
 from tasks.preflight import REFUSED, preflight, run_check_cli
+from tasks.prepare_data import prepare_data
 from tasks.push import push_to_hub
 from tasks.stage import StageResult, outcome, store_for
 from tasks.train import boost_and_shard, reboost, train_cpt, train_sft
@@ -62,7 +63,7 @@ def _run_name() -> str:
 
 @flow(name="cpt-to-sft", flow_run_name=_run_name, log_prints=True)
 def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str | None = None, run_name: str | None = None) -> dict[str, Any]:
-    """Load → boost & shard (A) → train CPT (A) → unshard → evaluate CPT → reboost (B) → train SFT (B)
+    """Load → prepare data (CPT, SFT) → boost & shard (A) → train CPT (A) → unshard → evaluate CPT → reboost (B) → train SFT (B)
     → export → evaluate SFT → gate → push.
 
     config: path or fsspec URI of the run's YAML (see deployments/configs/).
@@ -100,11 +101,14 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
 
     try:
         base = stage("load_from_hf", load_from_hf, cfg)
-        a0 = stage("boost_and_shard", boost_and_shard, cfg, base)
+        # Both corpora are read in full and tokenized before any training process starts.
+        data_cpt = stage("prepare_cpt", prepare_data, cfg, "cpt", base)
+        data_sft = stage("prepare_sft", prepare_data, cfg, "sft", base)
+        a0 = stage("boost_and_shard", boost_and_shard, cfg, base, data_cpt)
         cpt = stage("train_cpt", train_cpt, cfg, a0)
         bridge = stage("unshard", unshard, cfg, cpt)
         cpt_eval = stage("evaluate_cpt", evaluate_cpt, cfg, base, bridge)  # base vs CPT, held-out perplexity
-        b0 = stage("reboost", reboost, cfg, bridge)
+        b0 = stage("reboost", reboost, cfg, bridge, data_sft)
         sft = stage("train_sft", train_sft, cfg, b0)
         export = stage("export", export_hf, cfg, sft)
         sft_eval = stage("evaluate_sft", evaluate_sft, cfg, bridge, export)  # pre-SFT vs SFT, generation check

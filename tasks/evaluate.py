@@ -9,8 +9,8 @@ directory, which is also how users will load it.
   -> eval/sft/ (metrics.json, generations.jsonl + manifest)
 - gate: the thresholds of `gate:` over those metrics; a failed gate holds the push back.
 
-Held-out data is split off before training (`heldout_split`, called by tasks.train._job) and the
-same deterministic split is recomputed here. The evaluation artifacts are leaves nobody trains
+The held-out records were decided by prepare_data in its one pass over the corpus and are read
+here from data/<stage>/ (`tasks.core.stage_data.heldout_records`), never re-split. The evaluation artifacts are leaves nobody trains
 from, so changing an evaluation setting re-runs evaluation only, never training; and they skip
 on a re-run like every stage (manifest verifies, config digest matches).
 
@@ -28,10 +28,10 @@ from prefect import get_run_logger, task
 from tasks import ui
 from tasks.core import evaluation as ev
 from tasks.core.config import RunConfig, digest
-from tasks.core.data import read_records
 from tasks.core.runlayout import Status
-from tasks.core.stage_data import heldout_split, write_jsonl
+from tasks.core.stage_data import heldout_records, split_info, write_jsonl
 from tasks.core.storage import RunStore
+from tasks.prepare_data import prepared_dir
 from tasks.stage import Stage, StageResult, stage_digest, stage_task
 
 EVAL_TABLE_KEY = "cpt-to-sft-evaluation"
@@ -72,9 +72,10 @@ def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult) -> Stag
     if stage.skipped:
         return _with_metrics(stage.result, store)
     base_dir, cpt_dir = store.stage_in(base.rel), store.stage_in(bridge.rel)
-    _, heldout, split = heldout_split(cfg, store, "cpt")
+    data = prepared_dir(cfg, "cpt")
+    split = split_info(data, cfg.cpt.data.uri)
     st = cfg.cpt
-    metrics = ev.evaluate_cpt(base_dir, cpt_dir, read_records(str(heldout)), st.data.text_field, st.seq_len, st.eval, cfg.base_model.trust_remote_code)
+    metrics = ev.evaluate_cpt(base_dir, cpt_dir, heldout_records(data), st.data.text_field, st.seq_len, st.eval, cfg.base_model.trust_remote_code)
     metrics["split"] = split
     logger.info(
         "evaluate_cpt: held-out perplexity base %.4f -> CPT %.4f (%+.2f%%) on %d tokens in %.1fs",
@@ -100,9 +101,10 @@ def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult) -> St
     if stage.skipped:
         return _with_metrics(stage.result, store)
     pre_dir, export_dir = store.stage_in(bridge.rel), store.stage_in(export.rel)
-    _, heldout_file, split = heldout_split(cfg, store, "sft")
+    data = prepared_dir(cfg, "sft")
+    split = split_info(data, cfg.sft.data.uri)
     st = cfg.sft
-    heldout = read_records(str(heldout_file))
+    heldout = heldout_records(data)
     trust = cfg.base_model.trust_remote_code
     metrics = ev.evaluate_sft(pre_dir, export_dir, heldout, st.data.messages_field, st.seq_len, st.eval, trust)
     gen, rows = ev.generation_check(export_dir, heldout, st.data.messages_field, g.max_new_tokens, g.num_prompts, st.eval.dtype, trust)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger
@@ -23,19 +22,21 @@ from tasks.core.config import RunConfig
 from tasks.core.events import CHECKPOINT
 from tasks.core.job import Job, NodeStaging, Parent
 from tasks.core.manifest import MANIFEST
-from tasks.core.paths import resolve_local
-from tasks.core.runlayout import TRAINING, step_name, step_rel
-from tasks.core.stage_data import heldout_split, record_split
-from tasks.core.storage import RunStore, fetch_to_local
+from tasks.core.runlayout import PREPARE, STAGE, TRAINING, step_name, step_rel
+from tasks.core.stage_data import check_against_model, record_split, split_info
+from tasks.core.storage import RunStore
 from tasks.launch import run_engine
+from tasks.prepare_data import prepared_dir
 from tasks.stage import Stage, StageResult, stage_digest, stage_task, store_for
 
 
-def stage_config_digest(cfg: RunConfig, stage: str, parent_digest: str) -> str:
+def stage_config_digest(cfg: RunConfig, stage: str, parent_digest: str, data_digest: str | None) -> str:
     # Of the evaluation settings only the held-out split changes what the stage trains on;
-    # batch size, dtype etc. of the evaluation must not re-train anything.
+    # batch size, dtype etc. of the evaluation must not re-train anything, nor does where the data
+    # was tokenized. The prepared data's manifest digest stands for the corpus itself (a file
+    # added to a directory changes it, while the config does not change).
     st = getattr(cfg, stage)
-    section = {**st.model_dump(mode="json"), "eval": st.eval.split_section()}
+    section = {**st.model_dump(mode="json"), "data": st.data.shard_section(), "eval": st.eval.split_section(), "prepared_data": data_digest}
     return stage_digest(stage, section, parent_digest)
 
 
@@ -55,16 +56,15 @@ def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:
             return
 
 
-def _node_staging(cfg: RunConfig, store: RunStore, stage: str, verb: str, model_rel: str, data: Path) -> NodeStaging | None:
+def _node_staging(cfg: RunConfig, store: RunStore, stage: str, model_rel: str) -> NodeStaging | None:
     """Per-node staging when the run root is remote and the backend runs ranks on other nodes:
     those nodes see neither the worker's staging nor each other's, so they stage from the run
-    root themselves (tasks/engine/node_staging.py). The data file the stage trains on is put into
-    the run root for them (`<stage>/.launch/inputs/`)."""
+    root themselves (tasks/engine/node_staging.py): the model, the prepared data artifact
+    (`data/<stage>/`, already published by prepare_data) and the newest checkpoint."""
     launch = getattr(cfg, stage).launch
     if store.local or launch.nnodes == 1 or not BACKENDS[launch.backend].remote_nodes:
         return None
-    data_rel = f"{stage}/.launch/inputs/{verb}-{data.name}"
-    store.write_text(data_rel, data.read_text())
+    data_rel = STAGE[PREPARE[stage]].artifact
     base = cfg.staging_dir or tempfile.gettempdir()
     return NodeStaging(run_uri=cfg.run_uri, dir=f"{base}/cpt-to-sft-nodes/{{node}}", model_rel=model_rel, data_rel=data_rel, stage_rel=TRAINING[stage].checkpoints)
 
@@ -72,16 +72,15 @@ def _node_staging(cfg: RunConfig, store: RunStore, stage: str, verb: str, model_
 def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageResult, cdigest: str) -> Job:
     source_rel = TRAINING[stage].source
     source = store.stage_in(parent.rel if verb == "shard" else source_rel) if not store.local else store.local_path(source_rel)
+    # Before any launch: the shards must have been made with this model's tokenizer (prepare_sft
+    # ran with the base model's; the CPT model's must be the same) and fit its vocabulary.
+    data = prepared_dir(cfg, stage)
+    check_against_model(data, source, stage)
     if verb == "train":
-        # The held-out records are split off here, before the engine sees the data: the engine
-        # trains on every record of data_path, so it gets the training part only.
-        data, _, split = heldout_split(cfg, store, stage)
-        record_split(store, stage, split)
-    else:
-        data = fetch_to_local(resolve_local(getattr(cfg, stage).data.uri), store.staging / "data" / stage)
-    nodes = _node_staging(cfg, store, stage, verb, parent.rel if verb == "shard" else source_rel, data)
+        record_split(store, stage, split_info(data, getattr(cfg, stage).data.uri))
+    nodes = _node_staging(cfg, store, stage, parent.rel if verb == "shard" else source_rel)
     return Job(
-        verb=verb, stage=stage, run=cfg, model_dir=source, tokenizer_dir=source, data_path=data,
+        verb=verb, stage=stage, run=cfg, model_dir=source, tokenizer_dir=source, data_dir=data,
         stage_dir=store.local_path(TRAINING[stage].checkpoints), parent=Parent(uri=parent.uri, digest=parent.digest), config_digest=cdigest,
         nodes=nodes,
     )
@@ -93,8 +92,8 @@ def _launch(cfg: RunConfig, store: RunStore, job: Job, **kwargs: Any) -> None:
     run_engine(job.verb, job, path, st.launch, f"{cfg.name}-{job.stage}-{job.verb}", get_run_logger(), **kwargs)
 
 
-def _shard(cfg: RunConfig, stage: str, parent: StageResult, task_name: str) -> StageResult:
-    cdigest = stage_config_digest(cfg, stage, parent.digest)
+def _shard(cfg: RunConfig, stage: str, parent: StageResult, data: StageResult, task_name: str) -> StageResult:
+    cdigest = stage_config_digest(cfg, stage, parent.digest, data.digest)
     st = Stage(task_name, cfg, cdigest, rel=TRAINING[stage].step(0))
     if st.skipped:
         return st.result
@@ -107,15 +106,15 @@ def _shard(cfg: RunConfig, stage: str, parent: StageResult, task_name: str) -> S
 
 
 @stage_task(name="boost_and_shard", task_run_name="boost_and_shard [{cfg.cpt.plugin.name}]")
-def boost_and_shard(cfg: RunConfig, base: StageResult) -> StageResult:
+def boost_and_shard(cfg: RunConfig, base: StageResult, data: StageResult) -> StageResult:
     """Boost the base model under plugin A and save the starting checkpoint cpt/step-000000."""
-    return _shard(cfg, "cpt", base, "boost_and_shard")
+    return _shard(cfg, "cpt", base, data, "boost_and_shard")
 
 
 @stage_task(name="reboost", task_run_name="reboost [{cfg.sft.plugin.name}]")
-def reboost(cfg: RunConfig, bridge: StageResult) -> StageResult:
+def reboost(cfg: RunConfig, bridge: StageResult, data: StageResult) -> StageResult:
     """Boost the unsharded CPT model under plugin B and save sft/step-000000."""
-    return _shard(cfg, "sft", bridge, "reboost")
+    return _shard(cfg, "sft", bridge, data, "reboost")
 
 
 def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:

@@ -83,6 +83,55 @@ class Progress:
             _warn("progress update", exc)
 
 
+class DataProgress:
+    """The `data-<stage>-progress` artifact of prepare_data: files, records, tokens and MB/s so far.
+
+    Called with each tokenized file's summary as it finishes (the unit of work of the task runner).
+    """
+
+    def __init__(self, stage: str, files: int, total_bytes: int):
+        self.stage, self.files, self.total_bytes = stage, files, max(total_bytes, 1)
+        self.done = {"files": 0, "bytes": 0, "records": 0, "tokens": 0, "skipped": 0}
+        self.t0 = time.monotonic()
+        self._id = None
+        try:
+            self._id = create_progress_artifact(0.0, key=_key(f"data-{stage}-progress"), description=f"{stage.upper()} data: 0 / {files} files")
+        except Exception as exc:
+            _warn("data progress artifact", exc)
+
+    def __call__(self, summary: dict[str, Any]) -> None:
+        d = self.done
+        d["files"] += 1
+        d["bytes"] += summary["input"]["size"]
+        d["records"] += summary["records"]
+        d["tokens"] += summary["train"]["tokens"] + summary["heldout"]["tokens"]
+        d["skipped"] += summary["skipped"]
+        mbs = d["bytes"] / 1e6 / max(time.monotonic() - self.t0, 1e-9)
+        text = (f"{self.stage.upper()} data: {d['files']} / {self.files} files, {d['records']:,} records, {d['tokens']:,} tokens, "
+                f"{mbs:.1f} MB/s" + (f", {d['skipped']} bad records skipped" if d["skipped"] else ""))
+        try:
+            get_run_logger().info(text)
+            if self._id is not None:
+                update_progress_artifact(self._id, 100.0 * d["bytes"] / self.total_bytes, description=text)
+        except Exception as exc:
+            _warn("data progress artifact", exc)
+
+
+def token_table(stage: str, totals: dict[str, Any]) -> None:
+    """The `data-<stage>-tokens` table: records and tokens per split, and the bad records skipped."""
+    rows = [
+        {"split": "train", "records": totals["train_records"], "tokens": totals["train_tokens"]},
+        {"split": "held-out", "records": totals["heldout_records"], "tokens": totals["heldout_tokens"]},
+        {"split": "skipped (bad records)", "records": totals["skipped"], "tokens": 0},
+    ]
+    if totals.get("cpt_blocks") is not None:
+        rows.append({"split": "train blocks (seq_len)", "records": totals["cpt_blocks"], "tokens": None})
+    try:
+        create_table_artifact(rows, key=_key(f"data-{stage}-tokens"), description=f"{stage.upper()} data: {totals['files']} files, {totals['bytes'] / 1e6:.1f} MB")
+    except Exception as exc:
+        _warn("token table artifact", exc)
+
+
 def render_loss_png(stage: str, losses: list[float], first_step: int = 1) -> bytes:
     import matplotlib
 

@@ -43,15 +43,27 @@ def run_raw(model_dir: Path, run_root: Path, stage: str, plugin: dict[str, Any],
     }
 
 
+def prepared_data(run: dict[str, Any], stage: str, tokenizer_dir: Path, out: Path) -> Path:
+    """The stage's corpus tokenized as prepare_data does (no held-out part: the engine tests train on every record)."""
+    from tasks.core.dataprep.prepare import prepare
+
+    d = run[stage]["data"]
+    if not (out / "index.json").is_file():
+        field = d.get("text_field", "text") if stage == "cpt" else d.get("messages_field", "messages")
+        prepare(d["uri"], tokenizer_dir, out, kind=stage, field=field, seq_len=run[stage]["seq_len"], heldout_fraction=0.0)
+    return out
+
+
 def write_job(path: Path, *, verb: str, stage: str, run: dict[str, Any], model_dir: Path, stage_dir: Path,
               tokenizer_dir: Path | None = None, config_digest: str = "0" * 64) -> Path:
+    data_dir = prepared_data(run, stage, tokenizer_dir or model_dir, path.parent / f"data-{stage}-{Path(tokenizer_dir or model_dir).name}")
     job = {
         "verb": verb,
         "stage": stage,
         "run": run,
         "model_dir": str(model_dir),
         "tokenizer_dir": str(tokenizer_dir or model_dir),
-        "data_path": run[stage]["data"]["uri"],
+        "data_dir": str(data_dir),
         "stage_dir": str(stage_dir),
         "parent": {"uri": str(model_dir), "digest": "parent-digest"},
         "config_digest": config_digest,

@@ -77,37 +77,49 @@ def test_split_by_heldout_uri_drops_identical_training_records(sft_records):
         split_by_heldout(heldout, heldout, "x.jsonl")
 
 
-def test_heldout_split_writes_disjoint_train_and_heldout_files(tmp_path, tiny_model_dir):
-    from tasks.evaluate import heldout_split
-    from tasks.stage import store_for
+def test_prepared_data_holds_the_split_and_refuses_another_tokenizer(tmp_path, tiny_model_dir):
+    """Evaluation reads the held-out records prepare_data kept (split_by_fraction's, in file order);
+    a model whose tokenizer differs from the shards' is refused naming both fingerprints."""
+    import shutil
 
-    raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
-    cfg = parse_config(raw)
-    train, held, info = heldout_split(cfg, store_for(cfg), "sft")
-    tr, he = read_records(str(train)), read_records(str(held))
-    assert train.parent == held.parent == tmp_path / "run" / "data" / "sft" / "split"
-    assert not ({record_id(r) for r in tr} & {record_id(r) for r in he})
-    assert info["train_records"] == len(tr) and info["heldout_records"] == len(he) and info["fraction"] == cfg.sft.eval.heldout_fraction
-    assert info["data_uri"] == cfg.sft.data.uri and len(info["data_sha256"]) == 64
-    # No held-out set: training gets the data file itself.
-    raw["cpt"]["eval"] = {"heldout_fraction": 0.0}
-    raw["gate"]["cpt_max_ppl_increase_pct"] = None
-    cfg = parse_config(raw)
-    train, held, info = heldout_split(cfg, store_for(cfg), "cpt")
-    assert held is None and info["method"] == "none" and train == SAMPLE / "cpt.jsonl"
+    from tasks.core.dataprep.prepare import prepare, tokenizer_fingerprint
+    from tasks.core.split import split_by_fraction
+    from tasks.core.stage_data import check_against_model, heldout_records, split_info
+
+    records = read_records(str(SAMPLE / "sft.jsonl"))
+    prepare(str(SAMPLE / "sft.jsonl"), tiny_model_dir, tmp_path / "data", kind="sft", field="messages", seq_len=64, heldout_fraction=0.1)
+    split = split_by_fraction(records, 0.1)
+    assert heldout_records(tmp_path / "data") == split.heldout
+    info = split_info(tmp_path / "data", "data/sample/sft.jsonl")
+    assert info["method"] == "hash-fraction" and info["heldout_records"] == len(split.heldout)
+    assert info["train_records"] + info["dropped_no_labels"] == len(split.train)
+    assert check_against_model(tmp_path / "data", tiny_model_dir, "sft")["tokenizer_sha256"] == tokenizer_fingerprint(tiny_model_dir)
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, other)
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    cfg["model_max_length"] = 77  # any byte change makes it another tokenizer
+    (other / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="not the one .* was prepared with") as e:
+        check_against_model(tmp_path / "data", other, "sft")
+    assert tokenizer_fingerprint(other) in str(e.value) and tokenizer_fingerprint(tiny_model_dir) in str(e.value)
 
 
 def test_training_digest_changes_with_the_split_only(tiny_model_dir, tmp_path):
     from tasks.train import stage_config_digest
 
     raw = tiny_config_raw(tiny_model_dir, tmp_path)
-    d0 = stage_config_digest(parse_config(raw), "cpt", "p")
+    d0 = stage_config_digest(parse_config(raw), "cpt", "p", "d")
     raw["cpt"]["eval"] = {"batch_size": 2, "max_batches": 3, "dtype": "bf16"}
-    assert stage_config_digest(parse_config(raw), "cpt", "p") == d0  # evaluation knobs never re-train
+    assert stage_config_digest(parse_config(raw), "cpt", "p", "d") == d0  # evaluation knobs never re-train
     raw["cpt"]["eval"] = {"heldout_fraction": 0.2}
-    assert stage_config_digest(parse_config(raw), "cpt", "p") != d0
+    assert stage_config_digest(parse_config(raw), "cpt", "p", "d") != d0
     raw["gate"] = {"enabled": False}
-    assert stage_config_digest(parse_config(raw), "cpt", "p") == stage_config_digest(parse_config({**raw, "gate": {}}), "cpt", "p")
+    assert stage_config_digest(parse_config(raw), "cpt", "p", "d") == stage_config_digest(parse_config({**raw, "gate": {}}), "cpt", "p", "d")
+    # Where the data was tokenized never re-trains; the prepared data itself (its manifest) does.
+    d1 = stage_config_digest(parse_config(raw), "cpt", "p", "d")
+    raw["cpt"]["data"] = {**raw["cpt"]["data"], "tokenize": {"local_cluster": {"n_workers": 2}}}
+    assert stage_config_digest(parse_config(raw), "cpt", "p", "d") == d1
+    assert stage_config_digest(parse_config(raw), "cpt", "p", "another data manifest") != d1
 
 
 def test_gate_config_needs_the_heldout_sets_it_measures(tiny_model_dir, tmp_path):

@@ -37,6 +37,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 STAGE_DIRS = {
     "load_from_hf": "base",
+    "prepare_cpt": "data/cpt",
+    "prepare_sft": "data/sft",
     "boost_and_shard": "cpt/step-000000",
     "train_cpt": "cpt/step-000008",
     "unshard": "cpt/hf",
@@ -191,7 +193,7 @@ def test_retry_skips_done_stages_and_resumes_sft(scenario):
     retry = runs[1]
     assert retry["rc"] == 0 and retry["summary"]["complete"] is True
     st = statuses(retry["summary"])
-    for stage in ("load_from_hf", "boost_and_shard", "train_cpt", "unshard", "evaluate_cpt", "reboost"):
+    for stage in ("load_from_hf", "prepare_cpt", "prepare_sft", "boost_and_shard", "train_cpt", "unshard", "evaluate_cpt", "reboost"):
         assert st[stage] == "skipped", (stage, st)
     assert st["train_sft"] == "completed" and st["export"] == "completed" and st["evaluate_sft"] == "completed"
     assert st["gate"] == "passed" and retry["summary"]["gate"]["passed"] is True
@@ -305,7 +307,7 @@ def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(fin
     facts = train_facts(cfg, {}, lambda rel: (run_root / rel).read_text())
     card = model_card(cfg, manifest, facts, summary["evaluation"])
     tokens = json.loads((run_root / "sft/step-000008/train_state.json").read_text())["tokens_seen"]
-    data_sha = json.loads((run_root / "cpt/data-split.json").read_text())["data_sha256"]
+    data_sha = json.loads((run_root / "cpt/data-split.json").read_text())["inputs"][0]["checksum"]
     for words in ("`hybrid_parallel` tp=2", "`low_level_zero`", "AdamW lr 0.003", "cosine, warm-up 3", "4 × 1 accum × 1 dp = 4 sequences",
                   "4 × 1 accum × 2 dp = 8 sequences", f"{tokens:,}", data_sha, "| seq_len | 64 | 128 |", "SFT held-out loss",
                   f"torch {torch.__version__}", "colossalai 0.5.0", "transformers ", "bitwise", "`<|im_end|>` (4)"):
@@ -332,7 +334,9 @@ def test_bridge_is_bitwise_the_plugin_a_checkpoint_and_reproduces_its_logits(fin
 
 def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
     from tasks.core.data import read_records
+    from tasks.core.paths import resolve_local
     from tasks.core.split import record_id
+    from tasks.core.stage_data import heldout_records
 
     run_root, runs = scenario
     summary = runs[1]["summary"]  # the run that completed SFT, evaluation and the gate
@@ -353,12 +357,13 @@ def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
     for stage, artifact, metrics in (("cpt", "cpt/hf", cpt), ("sft", "export", sft)):
         split = json.loads((run_root / artifact / MANIFEST).read_text())["meta"]["data_split"]
         assert split == metrics["split"] and split["method"] == "hash-fraction" and split["heldout_records"] >= 1
-        train = read_records(str(run_root / "data" / stage / "split" / "train.jsonl"))
-        held = read_records(str(run_root / "data" / stage / "split" / "heldout.jsonl"))
-        assert not ({record_id(r) for r in train} & {record_id(r) for r in held})
-        assert len(train) == split["train_records"] and len(held) == split["heldout_records"]
+        # prepare_data decided the split in its one pass; the held-out records live in data/<stage>/.
+        held = heldout_records(run_root / "data" / stage)
+        held_ids = {record_id(r) for r in held}
+        train = [r for r in read_records(resolve_local(split["data_uri"])) if record_id(r) not in held_ids]
+        assert len(train) == split["train_records"] + split["dropped_no_labels"] and len(held) == split["heldout_records"]
         job = json.loads((run_root / "jobs" / f"{stage}-train.json").read_text())
-        assert job["data_path"] == str(run_root / "data" / stage / "split" / "train.jsonl")
+        assert job["data_dir"] == str(run_root / "data" / stage)
 
 
 def test_failed_gate_skips_the_push_and_a_disabled_gate_lets_it_through(scenario):

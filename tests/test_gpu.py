@@ -300,7 +300,7 @@ def _roundtrip_worker(model_dir: Path, out: Path) -> None:
     def job(name: str):
         return parse_job({
             "verb": "shard", "stage": "sft", "run": run, "model_dir": str(model_dir), "tokenizer_dir": str(model_dir),
-            "data_path": run["sft"]["data"]["uri"], "stage_dir": str(out / name / "sft"), "parent": None, "config_digest": "0" * 64,
+            "stage_dir": str(out / name / "sft"), "parent": None, "config_digest": "0" * 64,
         })
 
     first = job("first")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._engine_utils import prepared_data
 from tests.conftest import REPO, tiny_config_raw
 from tests.servers.prefect_ops import free_port, stop_group
 
@@ -34,7 +35,7 @@ def _job(tmp: Path, model_dir: Path, verb: str, run: dict, digest: str) -> Path:
         "run": run,
         "model_dir": str(model_dir),
         "tokenizer_dir": str(model_dir),
-        "data_path": str(REPO / "data" / "sample" / "cpt.jsonl"),
+        "data_dir": str(prepared_data(run, "cpt", model_dir, tmp / "data-cpt")),
         "stage_dir": str(tmp / "run" / "cpt"),
         "parent": {"uri": str(model_dir), "digest": "base-digest"},
         "config_digest": digest,

@@ -301,8 +301,8 @@ def test_retry_resumes_and_shows_every_artifact(ops, failed_run, retried_run):
     link = latest["hub-commit"]
     assert f"[{REPO_ID}@main](" in link["data"] and f"/{REPO_ID}/commit/" in link["data"]  # a link artifact is markdown
 
-    # load_from_hf and boost_and_shard completed in the first attempt, the others in the retry.
-    expected = {"load_from_hf", "boost_and_shard", "train_cpt", "unshard", "reboost", "train_sft", "export", "push_to_hub"}
+    # load_from_hf, the prepare stages and boost_and_shard completed in the first attempt, the others in the retry.
+    expected = {"load_from_hf", "prepare_cpt", "prepare_sft", "boost_and_shard", "train_cpt", "unshard", "reboost", "train_sft", "export", "push_to_hub"}
     by_stage = {e["payload"]["stage"]: e["payload"] for e in s.run_events("cpt-to-sft.stage.completed", run_id, expected)}
     assert expected <= set(by_stage), sorted(by_stage)
     assert f"/{REPO_ID}/commit/" in by_stage["push_to_hub"]["artifact_uri"]

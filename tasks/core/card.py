@@ -103,7 +103,7 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
 
     hub = cfg.hub
     eval_results = eval_results_for_card(metrics or {})
-    datasets = sorted({d for d in (hub_dataset_id(cfg.cpt.data.uri), hub_dataset_id(cfg.sft.data.uri)) if d})
+    datasets = sorted({d for u in (*cfg.cpt.data.uris, *cfg.sft.data.uris) if (d := hub_dataset_id(u))})
     data = ModelCardData(
         base_model=cfg.base_model.uri if is_hub_id(cfg.base_model.uri) else None,
         datasets=datasets or None,
@@ -133,13 +133,15 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
     }
     train += [f"| {name} | {fn('cpt')} | {fn('sft')} |" for name, fn in rows.items()]
 
-    data_rows = ["| stage | dataset | sha256 | train records | held-out records | split |", "|---|---|---|---|---|---|"]
+    data_rows = ["| stage | dataset | checksum | train records | held-out records | split |", "|---|---|---|---|---|---|"]
     for stage in STAGES:
         split = facts.get(stage, {}).get("split") or {}
         held = split.get("heldout_uri")
         how = f"held-out file `{_data_name(held)}`" if held else (f"{split.get('fraction'):g} hash split" if split.get("method") == "hash-fraction" else split.get("method", "n/a"))
-        data_rows.append(f"| {stage.upper()} | `{_data_name(getattr(cfg, stage).data.uri)}` | `{split.get('data_sha256', 'n/a')}` | "
-                         f"{_num(split.get('train_records'))} | {_num(split.get('heldout_records'))} | {how} |")
+        inputs = split.get("inputs") or [{"uri": u, "checksum": "n/a"} for u in getattr(cfg, stage).data.uris]
+        names = "<br>".join(f"`{_data_name(i['uri'])}`" for i in inputs)
+        sums = "<br>".join(f"`{i.get('checksum', 'n/a')}`" for i in inputs)
+        data_rows.append(f"| {stage.upper()} | {names} | {sums} | {_num(split.get('train_records'))} | {_num(split.get('heldout_records'))} | {how} |")
 
     evaluation = "not recorded."
     table = metrics_table((metrics or {}).get("cpt"), (metrics or {}).get("sft"), None)

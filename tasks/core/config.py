@@ -111,10 +111,44 @@ class LaunchConfig(_Frozen):
         return self.nproc_per_node * self.nnodes
 
 
+class LocalClusterConfig(_Frozen):
+    n_workers: int = Field(default=2, ge=1, description="Worker processes of the dask.distributed LocalCluster (one thread each).")
+
+
+class TokenizeConfig(_Frozen):
+    """How prepare_data runs its tokenize tasks; never part of a digest (the shards are the same bytes)."""
+
+    workers: int = Field(default=2, ge=1, description="Process-pool workers (Prefect's ProcessPoolTaskRunner) when no Dask cluster is named; 1 file per worker at a time.")
+    dask_address: str | None = Field(default=None, description="Scheduler address of a running Dask cluster (tcp://host:8786): the files are tokenized on its workers (prefect-dask DaskTaskRunner).")
+    local_cluster: LocalClusterConfig | None = Field(default=None, description="Start a dask.distributed LocalCluster of n_workers processes for this stage instead of the process pool.")
+
+    @model_validator(mode="after")
+    def _one_runner(self) -> TokenizeConfig:
+        if self.dask_address and self.local_cluster:
+            raise ValueError("give tokenize.dask_address (a running cluster) or tokenize.local_cluster (start one), not both")
+        return self
+
+
 class DataConfig(_Frozen):
-    uri: str = Field(description="fsspec URI or path of the dataset: .jsonl, .txt or .parquet.")
+    uri: str | list[str] = Field(description=(
+        "The corpus: one file, a glob, a directory (every .jsonl/.txt/.parquet below it, optionally .gz/.bz2/.xz/.zst), "
+        "or a list of those; any fsspec URI (local, NFS, s3://). Read once by prepare_data into token shards under data/<stage>/."))
     text_field: str = Field(default="text", description="CPT: the record field holding raw text (jsonl/parquet).")
     messages_field: str = Field(default="messages", description="SFT: the record field holding the chat messages.")
+    on_bad_record: Literal["error", "skip"] = Field(default="error", description=(
+        "A record that does not parse, is not UTF-8, lacks the field, or (SFT) breaks the chat rules: 'error' stops prepare_data "
+        "naming its file and line; 'skip' leaves it out and counts it (manifest and UI)."))
+    max_bad_records: int = Field(default=100, ge=0, description="With on_bad_record: skip, prepare_data fails when more records than this are bad.")
+    max_record_chars: int = Field(default=1 << 24, ge=1, description="A record longer than this (characters of its JSON) is a bad record: a guard against a missing newline swallowing a file.")
+    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig, description="Where the files are tokenized: a local process pool (default) or a Dask cluster.")
+
+    @property
+    def uris(self) -> list[str]:
+        return [self.uri] if isinstance(self.uri, str) else list(self.uri)
+
+    def shard_section(self) -> dict[str, Any]:
+        """The fields that change the prepared data (its digest); the task runner does not."""
+        return self.model_dump(mode="json", exclude={"tokenize"})
 
 
 class EvalConfig(_Frozen):

@@ -1,8 +1,9 @@
 """Training data: read records, pack CPT text, render and loss-mask SFT chats.
 
 The one definition of the data formats and the SFT record rules, shared by pre-flight
-(`tasks/core/validate.py`), evaluation (`tasks/core/evaluation.py`) and the training loop inside
-each torchrun rank (`tasks/engine/loop.py`, whose sampler orders the rows built here). Reads go
+(`tasks/core/validate.py`), evaluation (`tasks/core/evaluation.py`) and data preparation
+(`tasks/core/dataprep/`, which writes the token shards the training ranks memory-map; its
+output is bit-identical to `pack_cpt` / `encode_sft` over the same records, tests/test_dataprep.py). Reads go
 through the storage seam (`tasks.core.storage.open_uri`). To eyeball what a stage will train on:
 
     python -m tasks.core.data --model runs/demo/base-model --uri data/sample/sft.jsonl --kind sft --seq-len 64
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # what torch.nn.CrossEntropyLoss (and HF models) skip
 ROLES = ("system", "user", "assistant")
-_COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 FORMATS = (".jsonl", ".txt", ".parquet")
 
 
@@ -41,12 +42,12 @@ FORMATS = (".jsonl", ".txt", ".parquet")
 def format_of(uri: str) -> str:
     """The FORMATS entry a URI names (a compression suffix is looked through); ValueError otherwise."""
     name = uri.rsplit("/", 1)[-1].lower()
-    for comp in _COMPRESSIONS:
+    for comp in COMPRESSIONS:
         name = name.removesuffix(comp)
     for fmt in FORMATS:
         if name.endswith(fmt):
             return fmt
-    raise ValueError(f"data uri {uri!r}: unknown format; use one of {', '.join(FORMATS)} (optionally compressed {', '.join(_COMPRESSIONS)})")
+    raise ValueError(f"data uri {uri!r}: unknown format; use one of {', '.join(FORMATS)} (optionally compressed {', '.join(COMPRESSIONS)})")
 
 
 def read_records(uri: str) -> list[dict]:

@@ -48,7 +48,7 @@ class NodeStaging(BaseModel):
     run_uri: str = Field(description="The remote run root.")
     dir: str = Field(description="Node-local staging directory; '{node}' is replaced by the node's name.")
     model_rel: str = Field(description="Artifact in the run root holding the model and tokenizer (model_dir).")
-    data_rel: str = Field(description="The stage's training data file in the run root (data_path).")
+    data_rel: str = Field(description="The stage's prepared data artifact in the run root (data/<stage>/, read as data_dir).")
     stage_rel: str = Field(description="The stage's checkpoint directory in the run root (stage_dir).")
 
 
@@ -62,7 +62,8 @@ class Job(BaseModel):
     run: RunConfig = Field(description="The whole validated run configuration.")
     model_dir: AbsPath = Field(description="HF model directory (config.json + safetensors).")
     tokenizer_dir: AbsPath = Field(description="Directory with the tokenizer files.")
-    data_path: AbsPath = Field(description="The stage's training data file.")
+    data_dir: AbsPath | None = Field(default=None, description=(
+        "The stage's prepared data (data/<stage>/: token shards and index.json, made by prepare_data); the train verb reads it memory-mapped."))
     stage_dir: AbsPath = Field(description="Directory holding the stage's step-NNNNNN checkpoints.")
     parent: Parent | None = Field(description="The artifact this stage starts from, recorded in manifests.")
     config_digest: str | None = Field(description="The stage's config digest, recorded in manifests.")

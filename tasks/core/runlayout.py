@@ -9,6 +9,8 @@ stage). No run-directory literal is spelled anywhere else.
 
     <run_root>/run.json
     <run_root>/base/                    load_from_hf
+    <run_root>/data/cpt/                prepare_cpt: token shards, index.json, held-out records
+    <run_root>/data/sft/                prepare_sft
     <run_root>/cpt/step-NNNNNN/         boost_and_shard (step 0), train_cpt
     <run_root>/cpt/hf/                  unshard: the HF bridge between the plugins
     <run_root>/eval/cpt/                evaluate_cpt
@@ -89,8 +91,19 @@ class StageSpec:
     source: str | None = None  # run-root-relative artifact it reads
 
 
+# The prepare stage of each training stage; both tokenize with the base model's tokenizer.
+PREPARE: dict[str, str] = {"cpt": "prepare_cpt", "sft": "prepare_sft"}
+
+
+def data_rel(stage: str) -> str:
+    """The prepared data of a training stage: token shards, index.json, held-out records."""
+    return f"data/{stage}"
+
+
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("load_from_hf", BASE),
+    StageSpec(PREPARE["cpt"], data_rel("cpt"), source=BASE),
+    StageSpec(PREPARE["sft"], data_rel("sft"), source=BASE),
     StageSpec("boost_and_shard", TRAINING["cpt"].checkpoints, source=BASE),
     StageSpec("train_cpt", TRAINING["cpt"].checkpoints, source=TRAINING["cpt"].checkpoints),
     StageSpec("unshard", "cpt/hf", source=TRAINING["cpt"].checkpoints),

@@ -32,7 +32,8 @@ def record_id(record: Any) -> str:
     return hashlib.sha256(canonical_json(record).encode("utf-8")).hexdigest()
 
 
-def _unit(rid: str) -> float:
+def unit(rid: str) -> float:
+    """A record id as a number in [0, 1): below heldout_fraction means held out."""
     return int(rid[:16], 16) / _SCALE
 
 
@@ -73,7 +74,7 @@ def split_by_fraction(records: Sequence[Any], fraction: float) -> Split:
     unique = set(ids)
     if len(unique) < 2:
         raise ValueError(f"{len(records)} records ({len(unique)} distinct) cannot be split into a training and a held-out part; add data or give eval.heldout_uri")
-    held = {rid for rid in unique if _unit(rid) < fraction}
+    held = {rid for rid in unique if unit(rid) < fraction}
     if not held:
         held = {min(unique)}  # at least one held-out record, still chosen by hash alone
     if held == unique:

@@ -37,8 +37,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsspec.core import url_to_fs
-
 from tasks.core.config import RunConfig, StageConfig, parse_config, plugin_problems, read_raw_config
 from tasks.core.data import head_records
 from tasks.core.errors import ConfigError
@@ -240,25 +238,24 @@ def check_chat_template(ctx: CheckContext) -> None:
 def check_data(ctx: CheckContext) -> None:
     """Each dataset exists and its first records have the fields and roles the stage needs."""
     from tasks.core.data import validate_messages  # the SFT record rules, defined once
+    from tasks.core.dataprep.inputs import InputError, resolve_inputs
 
     datasets = []
     for name in ("cpt", "sft"):
         st = getattr(ctx.cfg, name)
-        datasets.append((name, f"{name}.data.uri", st.data.uri))
+        datasets.append((name, f"{name}.data.uri", st.data.uris))
         if st.eval.heldout_uri:
-            datasets.append((name, f"{name}.eval.heldout_uri", st.eval.heldout_uri))
-    for name, where, raw_uri in datasets:
+            datasets.append((name, f"{name}.eval.heldout_uri", [st.eval.heldout_uri]))
+    for name, where, raw_uris in datasets:
         d = getattr(ctx.cfg, name).data
-        uri = resolve_local(raw_uri)
+        # Every file is listed (a glob matching nothing, an empty directory, an unreadable file is
+        # refused here); only the first file's head is read: prepare_data reads every record.
         try:
-            fs, path = url_to_fs(uri)
-            exists = fs.isfile(path)
-        except Exception as exc:
-            ctx.problem(where, f"{uri}: not reachable ({type(exc).__name__}: {exc})")
+            inputs = resolve_inputs([resolve_local(u) for u in raw_uris], checksums=False)
+        except (InputError, ValueError, OSError) as exc:  # InputError: no file, an empty glob/dir; ValueError: an unknown format
+            ctx.problem(where, str(exc).removeprefix("data.uri: "))
             continue
-        if not exists:
-            ctx.problem(where, f"{uri} does not exist; point {where} at a .jsonl, .txt or .parquet file")
-            continue
+        uri = inputs[0].uri
         try:
             records = head_records(uri)
         except (ValueError, UnicodeDecodeError, OSError) as exc:
@@ -287,7 +284,8 @@ def check_data(ctx: CheckContext) -> None:
                 break  # one example per dataset is enough to say what is wrong
         if not failed:
             what = f"field {d.text_field!r} is text" if name == "cpt" else f"{d.messages_field!r} have valid roles and an assistant turn"
-            ctx.ok(f"{name} data {uri}: first {len(records)} record(s) parse, {what}")
+            more = f" (+{len(inputs) - 1} more files, {sum(i.size for i in inputs) / 1e6:.1f} MB in all)" if len(inputs) > 1 else ""
+            ctx.ok(f"{name} data {uri}{more}: first {len(records)} record(s) parse, {what}")
 
 
 def check_model_family(ctx: CheckContext) -> None:

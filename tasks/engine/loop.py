@@ -36,43 +36,43 @@ __all__ = ["StageData", "find_start", "shard", "train"]
 
 
 class StageData:
-    """The stage's training tensors and the resumable global order."""
+    """The stage's prepared token shards (memory-mapped) and the resumable global order.
+
+    Start-up reads index.json and maps shards lazily, so its time and memory do not grow with the
+    corpus; a batch gathers its rows from the page cache, which every rank on a node shares.
+    """
 
     def __init__(self, job: Job, dp_rank: int, dp_size: int):
-        from transformers import AutoTokenizer
-
-        from tasks.core.data import encode_sft, pack_cpt, read_records
+        from tasks.core.dataprep.reader import TokenDataset
         from tasks.engine.sampler import ResumableSampler
 
         cfg = job.stage_cfg
-        tok = AutoTokenizer.from_pretrained(str(job.tokenizer_dir), trust_remote_code=job.trust_remote_code)
-        records = read_records(str(job.data_path))
-        if job.stage == "cpt":
-            blocks = pack_cpt(tok, records, text_field=cfg.data.text_field, seq_len=cfg.seq_len)
-            self.tensors = {"input_ids": blocks, "labels": blocks}
-        else:
-            self.tensors = encode_sft(tok, records, messages_field=cfg.data.messages_field, seq_len=cfg.seq_len)
-        self.num_items = int(self.tensors["input_ids"].shape[0])
+        self.dataset = TokenDataset(job.data_dir, seq_len=cfg.seq_len)
+        if self.dataset.kind != job.stage:
+            raise ValueError(f"{job.data_dir} holds {self.dataset.kind} data, but this is the {job.stage} stage: point data_dir at data/{job.stage}")
+        self.num_items = len(self.dataset)
+        if self.num_items == 0:
+            raise ValueError(f"{job.data_dir} has no training sequence of seq_len={cfg.seq_len} ({self.dataset.index['totals']}): add data or lower seq_len")
         self.per_rank = cfg.micro_batch_size * cfg.grad_accum_steps
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.sampler = ResumableSampler(self.num_items, dp_rank, dp_size, seed=cfg.seed)
 
     def check_vocab(self, vocab_size: int, job: Job) -> None:
-        top = int(self.tensors["input_ids"].max())
+        top = self.dataset.max_token_id
         if top >= vocab_size:
             raise ValueError(
-                f"token id {top} from the tokenizer in {job.tokenizer_dir} does not fit the model's vocab_size {vocab_size} "
-                f"({job.model_dir}/config.json): tokenizer and model do not belong together"
+                f"token id {top} in {job.data_dir} (tokenizer sha256 {self.dataset.index['tokenizer_sha256'][:16]}...) does not fit the model's "
+                f"vocab_size {vocab_size} ({job.model_dir}/config.json): tokenizer and model do not belong together"
             )
 
     def next_batch(self) -> tuple[dict[str, torch.Tensor], int]:
         """This rank's rows of the next global batch, and the global count of real tokens."""
         glob = self.sampler.next_global(self.per_rank * self.dp_size)
         mine = glob[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
-        batch = {k: v[mine] for k, v in self.tensors.items()}
-        mask = self.tensors.get("attention_mask")
-        tokens = int(mask[glob].sum()) if mask is not None else len(glob) * self.tensors["input_ids"].shape[1]
+        batch = {k: torch.from_numpy(v) for k, v in self.dataset.batch(mine).items()}
+        tokens = int(self.dataset.row_lengths(glob).sum())
         return batch, tokens
+
 
 def _initial_state(job: Job, sampler_state: dict[str, int], lr: float) -> dict[str, Any]:
     return {

@@ -33,7 +33,7 @@ from tasks.core.job import Job
 from tasks.core.manifest import MANIFEST, build_file_table
 from tasks.core.runlayout import STEP_RE
 from tasks.core.s3_transfers import S3Transfers, all_or_nothing, b64, crc32, run_transfer
-from tasks.core.storage import RunStore, fetch_to_local, filesystem
+from tasks.core.storage import RunStore, filesystem
 
 
 def node_name() -> str:
@@ -71,10 +71,9 @@ def prepare(job: Job) -> Job:
     assert ns is not None
     store = store_of(job)
     stage_dir = store.local_path(ns.stage_rel)
-    data_dir = store.staging / "inputs" / job.stage / job.verb
     if local_rank() == 0:
         store.stage_in(ns.model_rel)
-        fetch_to_local(store.uri(ns.data_rel), data_dir)
+        store.stage_in(ns.data_rel)  # the prepared token shards, sha256-verified
         stage_dir.mkdir(parents=True, exist_ok=True)
         kept = _stage_in_newest(store, ns.stage_rel) if job.verb == "train" else None
         for p in stage_dir.iterdir():
@@ -83,8 +82,8 @@ def prepare(job: Job) -> Job:
         _log(f"staged {ns.model_rel}, {ns.data_rel}" + (f", {ns.stage_rel}/{kept}" if kept else "") + f" into {store.staging}")
     dist.barrier()
     model = store.local_path(ns.model_rel)
-    data = data_dir / ns.data_rel.rsplit("/", 1)[-1]
-    return job.model_copy(update={"model_dir": model, "tokenizer_dir": model, "data_path": data, "stage_dir": stage_dir})
+    data = store.local_path(ns.data_rel)
+    return job.model_copy(update={"model_dir": model, "tokenizer_dir": model, "data_dir": data, "stage_dir": stage_dir})
 
 
 def _remote(store: RunStore, rel: str) -> tuple[Any, str]:

@@ -1,0 +1,226 @@
+"""Data preparation at corpus scale: prepare throughput, tokenizer overhead, training start-up and RSS.
+
+    /work/main/.venv/bin/python benchmarks/data.py                      # 100 MB and 400 MB (issue 14's sizes)
+    /work/main/.venv/bin/python benchmarks/data.py --sizes 10 40        # quicker, same table
+
+For each size it generates a JSONL CPT corpus of --files files (demo-style text, every record
+distinct) and the demo tokenizer, then runs, each in its own process (peak RSS = wait4's ru_maxrss):
+  prepare-1   tasks.core.dataprep.prepare, 1 worker (in process), fresh output: MB/s of input
+  prepare-2   the same with a 2-process pool: MB/s, and the ratio to prepare-1 (target >= 1.6)
+  tok-file    one worker tokenizing the first file (tokenize_file) vs the tokenizer's own batch
+              encode of the same texts on one core, texts already in memory: ratio (target >= 0.8)
+  start       a rank's start-up on the prepared data: TokenDataset + ResumableSampler + the
+              first global batch of 8 x seq_len blocks; then the same at a late step (resume)
+  old-start   today's in-rank path, read_records + pack_cpt + the first batch, at sizes up to
+              --old-max-mb (it needs ~55 bytes of RAM per byte of text)
+Every process runs with TOKENIZERS_PARALLELISM=false (one core per worker). On a shared machine
+the absolute figures move with the neighbours' load; the ratios are measured side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+SEQ_LEN = 1024
+
+
+def make_corpus(dest: Path, mb: float, files: int, seed: int = 0) -> int:
+    """`files` JSONL files of ~mb MB in all; documents of 1-6 sample sentences, numbers varied."""
+    from tasks.core.demo_inputs import DEFAULT_CORPUS
+
+    sentences = []
+    with open(DEFAULT_CORPUS[0], encoding="utf-8") as f:
+        for line in f:
+            sentences += [s.strip() + "." for s in json.loads(line)["text"].split(".") if s.strip()]
+    rng = random.Random(seed)
+    dest.mkdir(parents=True, exist_ok=True)
+    per_file = int(mb * 1e6 / files)
+    total, doc = 0, 0
+    for k in range(files):
+        with open(dest / f"part-{k:04d}.jsonl", "w", encoding="utf-8") as out:
+            written = 0
+            while written < per_file:
+                text = f"Log {doc}, cycle {rng.randrange(10**6)}: " + " ".join(rng.choice(sentences) for _ in range(rng.randint(4, 24)))
+                line = json.dumps({"text": text}) + "\n"
+                out.write(line)
+                written += len(line)
+                doc += 1
+            total += written
+    return total
+
+
+def child(code: str, *args: str) -> dict:
+    """Run `code` in a fresh interpreter; it prints one JSON line. Adds peak RSS (MB)."""
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-c", code, *args], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(p.pid, 0)
+    out, err = p.stdout.read(), p.stderr.read()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"child failed:\n{err[-3000:]}")
+    rec = json.loads(out.strip().splitlines()[-1])
+    rec["peak_rss_mb"] = usage.ru_maxrss / 1024  # Linux: KiB; children of the child (pool) not included
+    rec["process_s"] = time.monotonic() - t0
+    return rec
+
+
+PREPARE = """
+import json, sys, time
+from tasks.core.dataprep.prepare import prepare
+corpus, tok, out, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+t = time.monotonic()
+r = prepare(corpus, tok, out, workers=workers, kind="cpt", field="text", seq_len=1024, heldout_fraction=0.01)
+print(json.dumps({"seconds": time.monotonic() - t, "tokens": r.index["totals"]["train_tokens"], "files": len(r.tokenized)}))
+"""
+
+TOKFILE = """
+import json, sys, time
+from pathlib import Path
+from tasks.core.dataprep.inputs import resolve_inputs
+from tasks.core.dataprep.shard import ShardSpec, tokenize_file, load_tokenizer
+from tasks.core.dataprep.prepare import tokenizer_fingerprint
+path, tokdir, out = sys.argv[1], sys.argv[2], sys.argv[3]
+tok = load_tokenizer(tokdir)
+texts = [json.loads(l)["text"] for l in open(path, encoding="utf-8")]
+# The tokenizer alone: its Rust batch encode (what tok(texts) runs, minus the conversion to Python
+# dicts) in ~1 MB batches as the worker sends them. Wall and CPU seconds: the machine is shared.
+backend = tok.backend_tokenizer
+def raw_pass():
+    n = 0; batch = []; size = 0
+    for x in texts:
+        batch.append(x); size += len(x)
+        if size >= 1 << 20:
+            n += sum(len(e.ids) for e in backend.encode_batch(batch, add_special_tokens=False)); batch = []; size = 0
+    return n + (sum(len(e.ids) for e in backend.encode_batch(batch, add_special_tokens=False)) if batch else 0)
+t = time.monotonic(); c = time.process_time(); n = raw_pass(); raw = time.monotonic() - t; raw_cpu = time.process_time() - c
+inp = resolve_inputs(path)[0]
+spec = ShardSpec(kind="cpt", field="text", seq_len=1024, tokenizer_sha256=tokenizer_fingerprint(tokdir), heldout_fraction=0.01)
+t = time.monotonic(); c = time.process_time(); s = tokenize_file(inp, spec, tokdir, out); worker = time.monotonic() - t; worker_cpu = time.process_time() - c
+print(json.dumps({"bytes": inp.size, "raw_s": raw, "worker_s": worker, "raw_cpu_s": raw_cpu, "worker_cpu_s": worker_cpu, "raw_tokens": n,
+                  "worker_tokens": s["train"]["tokens"] + s["heldout"]["tokens"] - s["records"]}))
+"""
+
+START = """
+import json, sys, time
+t0 = time.monotonic()
+import numpy as np
+from tasks.engine.sampler import ResumableSampler
+t1 = time.monotonic()
+from tasks.core.dataprep.reader import TokenDataset
+out, late = sys.argv[1], sys.argv[2] == "late"
+ds = TokenDataset(out, 1024)
+s = ResumableSampler(ds.num_items, 0, 1, seed=1)
+if late:
+    s.load_state_dict({"epoch": 3, "offset": ds.num_items - 5, "seed": 1})
+b = ds.batch(s.next_indices(8))
+assert b["input_ids"].shape == (8, 1024)
+print(json.dumps({"seconds": time.monotonic() - t1, "imports_s": t1 - t0, "items": ds.num_items}))
+"""
+
+OLD_START = """
+import json, sys, time
+t0 = time.monotonic()
+from transformers import AutoTokenizer
+from tasks.core.data import pack_cpt, read_records
+from tasks.engine.sampler import ResumableSampler
+t1 = time.monotonic()
+corpus, tokdir = sys.argv[1], sys.argv[2]
+import glob
+tok = AutoTokenizer.from_pretrained(tokdir)
+records = [r for p in sorted(glob.glob(corpus + "/*.jsonl")) for r in read_records(p)]
+blocks = pack_cpt(tok, records, seq_len=1024)
+s = ResumableSampler(blocks.shape[0], 0, 1, seed=1)
+b = blocks[s.next_indices(8)]
+print(json.dumps({"seconds": time.monotonic() - t1, "imports_s": t1 - t0, "items": int(blocks.shape[0])}))
+"""
+
+
+def fmt(x, unit=""):
+    return "-" if x is None else (f"{x:,.1f}{unit}" if isinstance(x, float) else f"{x}{unit}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=float, nargs="+", default=[100, 400], help="corpus sizes in MB")
+    ap.add_argument("--files", type=int, default=8, help="files per corpus")
+    ap.add_argument("--old-max-mb", type=float, default=100, help="run today's in-rank path up to this size (RAM: ~55x the corpus)")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--keep", action="store_true")
+    a = ap.parse_args()
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="bench-data-"))
+    work.mkdir(parents=True, exist_ok=True)
+    from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tokenizer
+
+    tokdir = work / "tokenizer"
+    build_tokenizer(DEFAULT_CORPUS, vocab_size=512).save_pretrained(tokdir)
+    rows = []
+    try:
+        for mb in a.sizes:
+            corpus = work / f"corpus-{mb:g}MB"
+            nbytes = make_corpus(corpus, mb, a.files)
+            r: dict = {"mb": nbytes / 1e6}
+            for w in (1, 2):
+                out = work / f"prep-{mb:g}-{w}"
+                shutil.rmtree(out, ignore_errors=True)
+                subprocess.run(["sync"], check=False)
+                res = child(PREPARE, str(corpus), str(tokdir), str(out), str(w))
+                r[f"prep{w}_mbs"] = nbytes / 1e6 / res["seconds"]
+                r[f"prep{w}_rss"] = res["peak_rss_mb"]
+                r["tokens"] = res["tokens"]
+            first = min(corpus.glob("*.jsonl"))
+            tf = child(TOKFILE, str(first), str(tokdir), str(work / f"tokfile-{mb:g}"))
+            r["raw_mbs"] = tf["bytes"] / 1e6 / tf["raw_s"]
+            r["worker_mbs"] = tf["bytes"] / 1e6 / tf["worker_s"]
+            r["cpu_ratio"] = tf["raw_cpu_s"] / tf["worker_cpu_s"]
+            assert tf["raw_tokens"] == tf["worker_tokens"], tf
+            out = work / f"prep-{mb:g}-1"
+            st = child(START, str(out), "first")
+            late = child(START, str(out), "late")
+            r.update(start_s=st["seconds"], start_rss=st["peak_rss_mb"], late_s=late["seconds"], blocks=st["items"])
+            if nbytes / 1e6 <= a.old_max_mb:
+                old = child(OLD_START, str(corpus), str(tokdir))
+                r.update(old_s=old["seconds"], old_rss=old["peak_rss_mb"])
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            shutil.rmtree(corpus, ignore_errors=True)
+            for d in work.glob(f"*-{mb:g}*"):
+                shutil.rmtree(d, ignore_errors=True)
+    finally:
+        if not a.keep and not a.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+    print(f"\nCPT corpora of {a.files} JSONL files, demo tokenizer (vocab 512), seq_len {SEQ_LEN}, os.cpu_count()={os.cpu_count()}\n")
+    hdr = ["corpus MB", "tokens", "prep 1w MB/s", "prep 2w MB/s", "2w/1w (>=1.6)", "worker MB/s", "tokenizer MB/s", "worker/tok (>=0.8)", "same, CPU s",
+           "start s", "start RSS MB", "resume/start (<=1.1)", "old start s", "old RSS MB", "old/new start", "old/new RSS"]
+    table = []
+    for r in rows:
+        table.append([
+            fmt(r["mb"]), f"{r['tokens']:,}", fmt(r["prep1_mbs"]), fmt(r["prep2_mbs"]), f"{r['prep2_mbs'] / r['prep1_mbs']:.2f}",
+            fmt(r["worker_mbs"]), fmt(r["raw_mbs"]), f"{r['worker_mbs'] / r['raw_mbs']:.2f}", f"{r['cpu_ratio']:.2f}",
+            f"{r['start_s']:.3f}", fmt(r["start_rss"]), f"{r['late_s'] / r['start_s']:.2f}",
+            fmt(r.get("old_s")), fmt(r.get("old_rss")),
+            f"{r['old_s'] / r['start_s']:.0f}x" if "old_s" in r else "-", f"{r['old_rss'] / r['start_rss']:.1f}x" if "old_s" in r else "-",
+        ])
+    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(hdr)]
+    print(" | ".join(h.rjust(w) for h, w in zip(hdr, widths)))
+    print("-|-".join("-" * w for w in widths))
+    for t in table:
+        print(" | ".join(c.rjust(w) for c, w in zip(t, widths)))
+    if len(rows) >= 2:
+        lo, hi = rows[0], rows[-1]
+        print(f"\nfrom {lo['mb']:.0f} MB to {hi['mb']:.0f} MB: start-up x{hi['start_s'] / lo['start_s']:.2f}, start-up RSS x{hi['start_rss'] / lo['start_rss']:.2f} (target <= 1.10 each)")
+
+
+if __name__ == "__main__":
+    main()

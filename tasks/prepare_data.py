@@ -1,0 +1,192 @@
+"""Stages prepare_cpt / prepare_sft: a training stage's corpus -> data/<stage>/ memory-mapped token shards.
+
+    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # both run right after load_from_hf
+
+Both run before any training process starts (before boost_and_shard), with the base model's
+tokenizer, so a bad record anywhere in either corpus stops the run naming the user's file and line.
+reboost checks that the CPT model's tokenizer is the one the SFT shards were made with.
+
+- The skip rule is the stage protocol's: data/<stage>/manifest.json verifies and records this
+  digest, which covers the data config (not the task runner), the split, seq_len, the tokenizer
+  fingerprint and every input file's size and checksum/etag. Adding one file re-runs the stage,
+  and inside it only that file is tokenized.
+- The files still to tokenize are mapped as `tokenize_shard` tasks in a subflow whose task runner
+  comes from `data.tokenize`: Prefect's ProcessPoolTaskRunner (default; one file: a thread here), or prefect-dask's
+  DaskTaskRunner on a running scheduler or a `distributed.LocalCluster` it starts.
+- Shards are written into `<staging>/data-cache/<stage>/shards/<key>/` (key: input checksum,
+  tokenizer, spec), summary last. A failed run keeps every file already tokenized there, and the
+  retry reuses them. The artifact hard-links the shards it names (no second copy), writes
+  index.json, then the manifest.
+- Progress (files, records, tokens, MB/s) goes to a Prefect progress artifact; the token counts
+  per split (and the skipped bad records) to a table artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+
+from tasks import ui
+from tasks.core.config import RunConfig, TokenizeConfig
+from tasks.core.dataprep import prepare as prep
+from tasks.core.dataprep.inputs import InputFile
+from tasks.core.dataprep.reader import INDEX
+from tasks.core.dataprep.records import iter_file_records
+from tasks.core.dataprep.shard import ShardSpec, read_summary, shard_dir, tokenize_file
+from tasks.core.paths import resolve_local
+from tasks.core.runlayout import PREPARE, STAGE
+from tasks.core.stage_data import HELDOUT_SET
+from tasks.stage import Stage, StageResult, stage_digest, stage_task, store_for
+
+CACHE = "data-cache"  # <staging>/data-cache/<stage>/: shards kept across failures and re-runs
+
+
+def _share_api_with_workers() -> None:
+    """Point worker processes at this process's Prefect API.
+
+    Without PREFECT_API_URL the flow runs on an ephemeral server that only this process knows;
+    a pool or Dask worker would start one of its own (slow, and its task runs would land in
+    another database). Workers inherit os.environ, so the ephemeral server's URL is put there.
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()  # the singleton get_client() started
+    if server.running and server.port:
+        os.environ["PREFECT_API_URL"] = server.api_url
+
+
+def task_runner_for(tok: TokenizeConfig, files: int):
+    """The task runner `data.tokenize` names: a process pool, or Dask (a scheduler or a LocalCluster)."""
+    _share_api_with_workers()
+    if tok.dask_address or tok.local_cluster:
+        try:
+            from prefect_dask import DaskTaskRunner
+        except ImportError:
+            raise ValueError("data.tokenize names a Dask cluster but prefect-dask is not installed: pip install 'prefect-dask==0.3.7'") from None
+        if tok.dask_address:
+            return DaskTaskRunner(address=tok.dask_address)
+        # One thread per worker process: the tokenizer holds the GIL between its Rust calls.
+        return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={"n_workers": min(tok.local_cluster.n_workers, files), "threads_per_worker": 1, "processes": True})
+    from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
+
+    if min(tok.workers, files) == 1:
+        # One file at a time: a worker process would only add its start-up (spawn, imports) to it.
+        return ThreadPoolTaskRunner(max_workers=1)
+    return ProcessPoolTaskRunner(max_workers=min(tok.workers, files))  # no idle worker to spawn
+
+
+@task(name="tokenize_shard", task_run_name="tokenize {inp.uri}")
+def tokenize_shard(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: str) -> dict[str, Any]:
+    if multiprocessing.parent_process() is not None:
+        # A pool or Dask worker process = one core: the tokenizer's own thread pool would
+        # oversubscribe the machine (set before its first use in this process).
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    return tokenize_file(inp, spec, tokenizer_dir, out_dir)
+
+
+@flow(name="tokenize-files", flow_run_name="tokenize {stage}: {n} files", validate_parameters=False)
+def tokenize_files(stage: str, n: int, inputs: list[InputFile], spec: ShardSpec, tokenizer_dir: str, out_dir: str) -> list[dict]:
+    """Every file as one mapped task; all finish (their shards stay) before the first error, in input order, is raised."""
+    from prefect.futures import as_completed
+
+    report = ui.DataProgress(stage, n, sum(f.size for f in inputs))
+    futures = tokenize_shard.map(inputs, spec=spec, tokenizer_dir=tokenizer_dir, out_dir=out_dir)
+    order = {f.task_run_id: i for i, f in enumerate(futures)}
+    out: list[dict | None] = [None] * len(inputs)
+    errors: dict[int, BaseException] = {}
+    for f in as_completed(futures):
+        try:
+            out[order[f.task_run_id]] = summary = f.result()
+        except Exception as exc:
+            errors[order[f.task_run_id]] = exc
+            continue
+        report(summary)
+    if errors:
+        raise errors[min(errors)]
+    return out
+
+
+def _link_tree(src: Path, dest: Path) -> None:
+    """Hard links (same filesystem: the staging dir), so the artifact costs no second copy."""
+    dest.mkdir(parents=True)
+    for p in src.iterdir():
+        try:
+            os.link(p, dest / p.name)
+        except OSError:
+            shutil.copy2(p, dest / p.name)
+
+
+@stage_task(name="prepare_data", task_run_name="{stage}: tokenize data")
+def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult:
+    """Tokenize `stage`'s corpus with `source`'s tokenizer into data/<stage>/ (token shards, index, held-out records)."""
+    logger = get_run_logger()
+    st_cfg = getattr(cfg, stage)
+    name = PREPARE[stage]
+    store = store_for(cfg)
+    tok_dir = store.local_path(source.rel) if store.local else store.stage_in(source.rel)
+    cache = store.staging / CACHE / stage
+    d = st_cfg.data
+    p = prep.plan(
+        [resolve_local(u) for u in d.uris], tok_dir, cache, kind=stage, field=d.text_field if stage == "cpt" else d.messages_field, seq_len=st_cfg.seq_len,
+        heldout_fraction=0.0 if st_cfg.eval.heldout_uri else st_cfg.eval.heldout_fraction, heldout_uri=resolve_local(st_cfg.eval.heldout_uri) if st_cfg.eval.heldout_uri else None,
+        on_bad_record=d.on_bad_record, max_bad_records=d.max_bad_records, max_record_chars=d.max_record_chars,
+    )
+    section = {
+        "data": d.shard_section(), "split": st_cfg.eval.split_section(), "seq_len": st_cfg.seq_len,
+        "spec": p.spec.key_fields(), "inputs": [f.to_json() for f in p.inputs],
+    }
+    st = Stage(name, cfg, stage_digest(name, section, None))
+    if st.skipped:
+        return st.result
+    shards = cache / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    for stale in shards.glob(".tmp-*"):  # a worker killed mid-file; its summary never landed
+        shutil.rmtree(stale, ignore_errors=True)
+    logger.info("%s: %d input files (%.1f MB), %d to tokenize, %d reused from %s", name, len(p.inputs), sum(f.size for f in p.inputs) / 1e6, len(p.todo), len(p.inputs) - len(p.todo), cache)
+    if p.todo:
+        runner = task_runner_for(d.tokenize, len(p.todo))
+        todo = [p.inputs[i] for i in p.todo]
+        tokenize_files.with_options(task_runner=runner)(stage, len(todo), todo, p.spec, str(tok_dir), str(cache))
+    summaries = {i: read_summary(shard_dir(cache, p.keys[i])) for i in range(len(p.inputs))}
+    index = prep.finalize(p, summaries, workers=1)
+    t = index["totals"]
+    with st.build() as out:
+        for f in index["files"]:
+            _link_tree(cache / f["shard"], out.dir / f["shard"])
+        shutil.copy2(cache / INDEX, out.dir / INDEX)
+        if p.heldout_inputs:  # evaluation reads eval.heldout_uri's records from the artifact, not the source
+            with open(out.dir / HELDOUT_SET, "w", encoding="utf-8") as fh:
+                for f in p.heldout_inputs:
+                    fh.writelines(json.dumps(rec, ensure_ascii=False, default=str) + "\n" for _, rec in iter_file_records(f.uri, f.fmt, d.max_record_chars))
+        out.manifest(
+            kind="token-shards", parent=source,
+            meta={"stage": stage, "tokenizer_sha256": index["tokenizer_sha256"], "dtype": index["dtype"], "split": index["split"], "totals": t, "on_bad_record": d.on_bad_record},
+        )
+    prep.prune(cache, index)
+    ui.token_table(stage, t)
+    if t["skipped"]:
+        logger.warning("%s: %d bad records skipped (data.on_bad_record: skip); the first: %s", name, t["skipped"], next(b for f in index["files"] for b in f["bad_records"]))
+    return st.done(
+        {"files": t["files"], "tokenized": len(p.todo), "records": t["records"], "skipped": t["skipped"], "train_tokens": t["train_tokens"], "heldout_tokens": t["heldout_tokens"]},
+        event={"train_tokens": t["train_tokens"], "skipped": t["skipped"]},
+    )
+
+
+def prepared_dir(cfg: RunConfig, stage: str) -> Path:
+    """The local data/<stage>/ a training or evaluation stage reads (staged in, sha256-verified, for remote run roots)."""
+    store, rel = store_for(cfg), STAGE[PREPARE[stage]].artifact
+    return store.local_path(rel) if store.local else store.stage_in(rel)
+
+
+__all__ = ["prepare_data", "prepared_dir", "task_runner_for", "tokenize_files", "tokenize_shard"]

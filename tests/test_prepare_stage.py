@@ -1,0 +1,114 @@
+"""The prepare_data stage under Prefect: mapped tokenize tasks on a process pool and on a real Dask
+LocalCluster, skip and increment, bad records named by file and line before any training process.
+
+    python -m pytest -m integration tests/test_prepare_stage.py
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, tiny_config_raw, write_config
+
+pytestmark = pytest.mark.integration
+
+
+def _lines(n: int, tag: str) -> list[str]:
+    return [json.dumps({"text": f"{tag} record {i}: Zorvath has {i % 7} moons and {i % 5} rings."}) for i in range(n)]
+
+
+def _corpus(d: Path) -> Path:
+    """Three JSONL shards (one gzip'd, one with a malformed line) and a parquet file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d.mkdir(parents=True)
+    (d / "a.jsonl").write_text("\n".join(_lines(120, "a")) + "\n")
+    with gzip.open(d / "b.jsonl.gz", "wt") as f:
+        f.write("\n".join(_lines(90, "b")) + "\n")
+    c = _lines(80, "c")
+    c[41] = '{"text": "cut off'  # line 42: skipped and counted (on_bad_record: skip)
+    (d / "c.jsonl").write_text("\n".join(c) + "\n")
+    pq.write_table(pa.table({"text": [json.loads(x)["text"] for x in _lines(60, "d")]}), d / "d.parquet")
+    return d
+
+
+def _prepare_cpt(config: Path):
+    from prefect import flow
+
+    from tasks.core.config import load_config
+    from tasks.load import load_from_hf
+    from tasks.prepare_data import prepare_data
+    from tasks.stage import outcome
+
+    @flow(name="prepare-cpt-test")
+    def prep(path: str):
+        cfg = load_config(path)
+        base = outcome(load_from_hf(cfg, return_state=True))
+        return outcome(prepare_data(cfg, "cpt", base, return_state=True))
+
+    return prep(str(config))
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file of a prepared artifact but its manifest (which records where the artifact lives)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+
+
+def test_bad_sft_record_stops_the_run_before_boost_and_shard(prefect_harness, tiny_model_dir, tmp_path):
+    from flows.cpt_to_sft import main
+
+    corpus = tmp_path / "sft"
+    corpus.mkdir()
+    rows = [json.loads(x) for x in (REPO / "data/sample/sft.jsonl").read_text().splitlines() if x.strip()]
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"{i}: {r['messages'][0]['content']}"}, *r["messages"][1:]]}) for i, r in enumerate(rows * 8)]
+    (corpus / "part-0.jsonl").write_text("\n".join(lines[:320]) + "\n")
+    second = lines[320:640]
+    second[299] = json.dumps({"messages": [{"role": "user", "content": "is anyone there?"}]})  # line 300: no assistant turn
+    (corpus / "part-1.jsonl").write_text("\n".join(second) + "\n")
+    assert len(second) == 320
+    raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
+    raw["sft"]["data"] = {"uri": str(corpus)}
+    with pytest.raises(Exception, match=r"part-1\.jsonl:300: no assistant message"):
+        main(["--config", str(write_config(tmp_path / "bad.yaml", raw))])
+    stages = {s["stage"]: s for s in json.loads((tmp_path / "run/run.json").read_text())["stages"]}
+    assert stages["prepare_cpt"]["status"] == "completed" and stages["prepare_sft"]["status"] == "failed"
+    assert "part-1.jsonl:300" in stages["prepare_sft"]["detail"]["error"]
+    assert stages["boost_and_shard"]["status"] == "not-run" and not (tmp_path / "run/cpt").exists()  # no training process started
+    # The good file stays tokenized for the retry after the fix.
+    assert len([p for p in (tmp_path / "run/data-cache/sft/shards").iterdir() if (p / "summary.json").is_file()]) == 1
+
+
+def test_pool_and_dask_skip_increment_and_identical_shards(prefect_harness, tiny_model_dir, tmp_path):
+    corpus = _corpus(tmp_path / "corpus")
+    data = {"uri": str(corpus), "on_bad_record": "skip", "max_bad_records": 5, "tokenize": {"workers": 2}}
+    raw = tiny_config_raw(tiny_model_dir, tmp_path / "pool")
+    raw["cpt"]["data"] = data
+    cfg = write_config(tmp_path / "pool.yaml", raw)
+
+    first = _prepare_cpt(cfg)
+    assert first.status == "completed" and first.detail["files"] == 4 and first.detail["tokenized"] == 4
+    manifest = json.loads((tmp_path / "pool/data/cpt/manifest.json").read_text())
+    assert manifest["meta"]["totals"]["skipped"] == 1 == first.detail["skipped"]
+    index = json.loads((tmp_path / "pool/data/cpt/index.json").read_text())
+    assert [f["input"]["uri"].rsplit("/", 1)[-1] for f in index["files"]] == ["a.jsonl", "b.jsonl.gz", "c.jsonl", "d.parquet"]
+    assert "c.jsonl:42: malformed JSON" in index["files"][2]["bad_records"][0]
+
+    assert _prepare_cpt(cfg).status == "skipped"  # same inputs, tokenizer and config
+
+    (corpus / "e.jsonl").write_text("\n".join(_lines(50, "e")) + "\n")
+    grown = _prepare_cpt(cfg)
+    assert grown.status == "completed" and grown.detail["files"] == 5 and grown.detail["tokenized"] == 1  # only the new file
+
+    # The same corpus on a real dask.distributed LocalCluster of 2 worker processes: the same bytes.
+    raw["run_root"] = str(tmp_path / "dask")
+    raw["cpt"]["data"] = {**data, "tokenize": {"local_cluster": {"n_workers": 2}}}
+    on_dask = _prepare_cpt(write_config(tmp_path / "dask.yaml", raw))
+    assert on_dask.status == "completed" and on_dask.detail["tokenized"] == 5
+    pool_files, dask_files = _files(tmp_path / "pool/data/cpt"), _files(tmp_path / "dask/data/cpt")
+    assert set(pool_files) == set(dask_files) and len(pool_files) > 5 * 4
+    assert [k for k in pool_files if pool_files[k] != dask_files[k]] == []  # tokens, offsets, summaries, index.json
