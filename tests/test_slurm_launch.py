@@ -65,9 +65,11 @@ def _stage(tiny_model_dir: Path, tmp_path: Path):
 def _job(cfg, tmp_path: Path, model_dir: Path, verb: str):
     """The job the stage tasks write (tasks/train.py:_job)."""
     from tasks.core.job import Job, Parent
+    from tests._engine_utils import prepared_data
 
+    data_dir = prepared_data(cfg.model_dump(mode="json"), "cpt", model_dir, tmp_path / "data-cpt")
     return Job(verb=verb, stage="cpt", run=cfg, model_dir=model_dir, tokenizer_dir=model_dir,
-               data_path=REPO / "data" / "sample" / "cpt.jsonl", stage_dir=tmp_path / "run" / "cpt",
+               data_dir=data_dir, stage_dir=tmp_path / "run" / "cpt",
                parent=Parent(uri=str(model_dir), digest="base-digest"), config_digest="c" * 64)
 
 
