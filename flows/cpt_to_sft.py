@@ -21,10 +21,11 @@ from typing import Any
 from prefect import Task, flow, get_run_logger
 from prefect.states import Completed, Failed
 
-from tasks import ui
+from tasks import tracking, ui
 from tasks.core.config import RunConfig, load_config
 from tasks.core.errors import ConfigError
 from tasks.core.lease import Lease, LeaseHeld, break_lease, describe
+from tasks.core.overrides import RunOverrides
 from tasks.core.paths import resolve_local
 from tasks.core.runlayout import DONE, STAGE, STAGE_NAMES, Status
 from tasks.core.storage import fetch_to_local
@@ -39,14 +40,16 @@ from tasks.train import boost_and_shard, reboost, train_cpt, train_sft
 from tasks.unshard import unshard
 
 
-def resolve_config(config: str, run_root: str | None = None, run_name: str | None = None) -> RunConfig:
-    """Read the YAML from a local path or fsspec URI and apply the CLI/deployment overrides."""
+def resolve_config(config: str, overrides: RunOverrides | dict | None = None) -> RunConfig:
+    """Read the YAML from a local path or fsspec URI and apply the run form's typed overrides
+    (validated by RunConfig like the YAML: a wrong value names the config field)."""
     import tempfile
     from pathlib import Path
 
     path = fetch_to_local(resolve_local(config), Path(tempfile.mkdtemp(prefix="cpt-to-sft-config-")))
-    overrides = {k: v for k, v in (("run_root", run_root), ("name", run_name)) if v}
-    return load_config(path, overrides)
+    if isinstance(overrides, dict):
+        overrides = RunOverrides.model_validate(overrides)
+    return load_config(path, overrides.dotted() if overrides else None)
 
 
 def _run_name() -> str:
@@ -54,7 +57,7 @@ def _run_name() -> str:
 
     params = flow_run.parameters or {}
     try:
-        cfg = resolve_config(params.get("config", ""), params.get("run_root"), params.get("run_name"))
+        cfg = resolve_config(params.get("config", ""), params.get("overrides"))
         model = cfg.base_model.uri.rstrip("/").split("/")[-1]
         return f"{model}-{cfg.name}-{flow_run.id.split('-')[0]}"
     except Exception:  # naming the run must not fail it: pre-flight reports a bad config properly
@@ -62,17 +65,17 @@ def _run_name() -> str:
 
 
 @flow(name="cpt-to-sft", flow_run_name=_run_name, log_prints=True)
-def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str | None = None, run_name: str | None = None) -> dict[str, Any]:
+def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: RunOverrides | None = None) -> dict[str, Any]:
     """Load → prepare data (CPT, SFT) → boost & shard (A) → train CPT (A) → unshard → evaluate CPT → reboost (B) → train SFT (B)
     → export → evaluate SFT → gate → push.
 
     config: path or fsspec URI of the run's YAML (see deployments/configs/).
-    run_root: override the config's run_root (where every artifact and run.json are written).
-    run_name: override the config's run name.
+    overrides: per-run changes to the config (run name and root, base model, data, steps, lr);
+        empty fields keep the config's values.
     """
     logger = get_run_logger()
     try:
-        cfg = resolve_config(config, run_root, run_name)
+        cfg = resolve_config(config, overrides)
     except ConfigError as exc:
         return Failed(name="Refused", message=f"{exc}\n{REFUSED}")
     store = store_for(cfg)
@@ -88,6 +91,7 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
         lease = Lease(store, holder=_holder()).acquire(log=logger.warning)
     except LeaseHeld as exc:
         return Failed(name="Refused", message=str(exc))
+    tracker = _start_tracking(cfg, logger)
 
     def stage(name: str, task_fn, *args) -> StageResult:
         try:
@@ -127,6 +131,7 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
     finally:
         try:
             summary = write_summary(cfg, results, time.monotonic() - started)
+            _finish_tracking(tracker, summary)
             # Staged copies of published artifacts are recoverable from the run root; unpublished
             # ones (what a resume needs) stay.
             store.prune_staging()
@@ -138,6 +143,34 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", run_root: str 
         # Not a crash: the artifacts are fine and kept, they just did not earn a push.
         return Completed(name="FailedGate", message=gate_message(summary["gate"]), data=summary)
     return summary
+
+
+def _start_tracking(cfg: RunConfig, logger) -> tracking.RunTracker | None:
+    if not cfg.tracking.mlflow.uri:
+        return None
+    from prefect.runtime import flow_run
+    from prefect.settings import PREFECT_UI_URL
+
+    ui_url = PREFECT_UI_URL.value()
+    url = f"{ui_url.rstrip('/')}/runs/flow-run/{flow_run.id}" if ui_url else None
+    try:
+        tracker = tracking.RunTracker.start(cfg, flow_run_id=flow_run.id, flow_run_url=url, warn=logger.warning)
+    except Exception as exc:  # it passed pre-flight moments ago: a view, never a failed run
+        logger.warning("MLflow run not created at %s: %s; training continues without it", tracking.redact(cfg.tracking.mlflow.uri), exc)
+        return None
+    tracking.set_current(tracker)
+    ui.link("mlflow-run", tracker.url, f"MLflow run of {cfg.name}")
+    return tracker
+
+
+def _finish_tracking(tracker: tracking.RunTracker | None, summary: dict[str, Any]) -> None:
+    if tracker is None:
+        return
+    tags = {f"manifest.{s['stage']}": s.get("digest") for s in summary["stages"]}
+    hub = summary.get("hub") or {}
+    tracker.tag(**tags, export_uri=summary.get("export"), hub_url=hub.get("commit_url") or hub.get("repo_url"))
+    tracker.finish("FINISHED" if summary["complete"] else "FAILED")
+    tracking.set_current(None)
 
 
 def _holder() -> str:
@@ -207,11 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return run_check_cli(args.config, run_root=args.run_root, run_name=args.run_name)
     if args.break_lease:
-        cfg = resolve_config(args.config, args.run_root, args.run_name)
+        cfg = resolve_config(args.config, _cli_overrides(args))
         old = break_lease(store_for(cfg))
         print(f"lease on {cfg.run_uri}: " + (f"broken (was held by {describe(old)})" if old else "none held"))
         return 0
-    state = cpt_to_sft(config=args.config, run_root=args.run_root, run_name=args.run_name, return_state=True)
+    state = cpt_to_sft(config=args.config, overrides=_cli_overrides(args), return_state=True)
     if not state.is_completed():
         # Refused at pre-flight (the report), the lease held, or a stage failed (its cause): the
         # state message says which; the last line printed is the reason.
@@ -224,6 +257,12 @@ def main(argv: list[str] | None = None) -> int:
         print(gate_message(gate_), file=sys.stderr)
         return EXIT_FAILED_GATE
     return 0 if summary["complete"] else 1
+
+
+def _cli_overrides(args: argparse.Namespace) -> RunOverrides | None:
+    if not (args.run_root or args.run_name):
+        return None
+    return RunOverrides(run_root=args.run_root, run_name=args.run_name)
 
 
 EXIT_FAILED_GATE = 3  # the run finished and kept its artifacts, but the gate held the push back

@@ -25,7 +25,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from tasks import ui
+from tasks import tracking, ui
 from tasks.core import evaluation as ev
 from tasks.core.config import RunConfig, digest
 from tasks.core.runlayout import Status
@@ -83,6 +83,7 @@ def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult) -> Stag
     )
     with stage.build() as out:
         (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        tracking.log_evaluation("cpt", metrics, out.dir, st.max_steps)
         out.manifest(
             kind="evaluation", parent=bridge,
             meta={"stage": "cpt", "metrics": metrics, "reference": {"uri": base.uri, "digest": base.digest}, "candidate": {"uri": bridge.uri, "digest": bridge.digest}},
@@ -120,6 +121,7 @@ def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult) -> St
     with stage.build() as out:
         (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         write_jsonl(out.dir / "generations.jsonl", rows)
+        tracking.log_evaluation("sft", metrics, out.dir, st.max_steps)
         out.manifest(
             kind="evaluation", parent=export,
             meta={"stage": "sft", "metrics": metrics, "reference": {"uri": bridge.uri, "digest": bridge.digest}, "candidate": {"uri": export.uri, "digest": export.digest}},

@@ -16,7 +16,7 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from tasks import ui
+from tasks import tracking, ui
 from tasks.core.backends import BACKENDS
 from tasks.core.config import RunConfig
 from tasks.core.events import CHECKPOINT
@@ -133,13 +133,19 @@ def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
         if kind == CHECKPOINT and not store.local:
             if job.nodes is None:  # with per-node staging the nodes published it themselves
                 store.publish(step_rel(stage, int(record["step"])))
+                tracking.publish_tensorboard(store, stage)
             _retain_remote(store, stage, st.keep_last)
 
-    progress = ui.Progress(stage, st.max_steps)
+    mlflow_run = tracking.stage_tracker(stage)
+    progress = ui.Progress(stage, st.max_steps, links={"MLflow run": mlflow_run.url} if mlflow_run else None)
+    failed = True
     try:
-        _launch(cfg, store, job, on_progress=progress, on_event=on_event, env=_fault_env(stage))
+        _launch(cfg, store, job, on_progress=tracking.fan_out(progress, mlflow_run), on_event=on_event, env=_fault_env(stage))
+        failed = False
     finally:
         progress.flush()  # a failed stage shows the step it reached
+        if mlflow_run is not None:
+            mlflow_run.close(status="FAILED" if failed else "FINISHED")
     if job.nodes is not None:
         store.stage_in(run.rel)
     state = json.loads((store.local_path(run.rel) / "train_state.json").read_text())

@@ -47,11 +47,13 @@ class Progress:
 
     Called with every @@progress record of rank 0; sends at most one update per `min_interval`
     seconds and always the last step; `flush()` (when the launch ends, failed or not) sends the
-    last record seen, so a failed stage shows the step it reached.
+    last record seen, so a failed stage shows the step it reached. `links` ({text: url}, e.g. the
+    stage's MLflow run) are appended to the description, which the UI renders as markdown.
     """
 
-    def __init__(self, stage: str, total: int, min_interval: float = 2.0):
+    def __init__(self, stage: str, total: int, min_interval: float = 2.0, links: dict[str, str] | None = None):
         self.stage, self.total, self.min_interval = stage, max(total, 1), min_interval
+        self.links = "".join(f" · [{text}]({url})" for text, url in (links or {}).items())
         self._last = float("-inf")  # the first record always goes out
         self._id = None
         self._pending: dict[str, Any] | None = None
@@ -77,6 +79,7 @@ class Progress:
         text = f"{self.stage.upper()}: step {step} / {self.total}"
         if isinstance(loss, (int, float)) and math.isfinite(loss):
             text += f", loss {loss:.4f}"
+        text += self.links
         try:
             update_progress_artifact(self._id, min(100.0, 100.0 * step / self.total), description=text)
         except Exception as exc:

@@ -35,12 +35,16 @@ import pytest
 
 from tests.conftest import REPO, tiny_config_raw, write_config
 from tests.servers.prefect_ops import PrefectServer, chromium, ensure_chromium, run_id_from, stop_group
+from tests.servers.webhook import WebhookReceiver
 
 TOKEN = "hf_prefect_ops_test_token"
 REPO_ID = "ops-org/tiny-ops"
 FAULT = "fail@step=3@stage=cpt"
 STEPS, EVERY = 4, 2
 SCREENSHOTS = REPO / "build" / "test-artifacts" / "prefect-ui"
+# The run form's typed overrides: the config file says 8 steps and another name, so every check
+# below of the name "ops-tiny" and of 4 steps shows that a deployment run used them.
+OVERRIDES = json.dumps({"run_name": "ops-tiny", "cpt": {"max_steps": STEPS}, "sft": {"max_steps": STEPS}})
 ARTIFACT_KEYS = {"cpt-to-sft-stages", "cpt-progress", "sft-progress", "cpt-loss-curve", "sft-loss-curve", "export-verification", "hub-commit"}
 
 
@@ -50,12 +54,13 @@ class Ops:
     tmp: Path
     config: Path
     run_root: Path
+    webhook: WebhookReceiver
     timings: dict[str, float] = field(default_factory=dict)
 
     def run(self, *extra: str, timeout: float = 420.0) -> tuple[subprocess.CompletedProcess, str]:
         out = self.server.cli(
             "deployment", "run", "cpt-to-sft/default", "--watch", "--watch-interval", "2",
-            "-p", f"config={self.config}", *extra, check=False, timeout=timeout,
+            "-p", f"config={self.config}", "-p", f"overrides={OVERRIDES}", *extra, check=False, timeout=timeout,
         )
         return out, run_id_from(out.stdout)
 
@@ -86,6 +91,7 @@ def test_prefect_yaml_declares_both_deployments_on_the_gpu_pool():
         assert d["entrypoint"] == "flows/cpt_to_sft.py:cpt_to_sft" and d["work_pool"]["name"] == "gpu"
         assert (REPO / d["parameters"]["config"]).is_file()
     assert "schedules" not in deployments["default"]
+    assert deployments["nightly"]["parameters"]["overrides"] == {"run_name": "nightly"}
     assert deployments["nightly"]["schedules"] == [{"cron": "0 2 * * *", "timezone": "UTC", "active": False}]
 
 
@@ -136,6 +142,32 @@ def test_stage_table_rows(monkeypatch):
     assert made["rows"][0]["cause"] == "StageFailed: rank 1: engine train failed: boom"
 
 
+def test_run_form_overrides_are_typed_and_validated_like_the_yaml(tmp_path):
+    from prefect.utilities.callables import parameter_schema
+    from pydantic import ValidationError
+
+    from flows.cpt_to_sft import cpt_to_sft, resolve_config
+    from tasks.core.errors import ConfigError
+    from tasks.core.overrides import RunOverrides
+
+    schema = parameter_schema(cpt_to_sft.fn).model_dump()
+    assert set(schema["properties"]) == {"config", "overrides"}
+    form = schema["definitions"]["RunOverrides"]["properties"]
+    assert form["run_root"]["title"] == "Run root" and "Empty: as in the config." in form["run_root"]["description"]
+    assert schema["definitions"]["StageOverrides"]["properties"]["lr"]["description"].startswith("Peak learning rate.")
+
+    tiny = str(REPO / "deployments" / "configs" / "tiny-cpu.yaml")
+    cfg = resolve_config(tiny, {"run_name": "form", "run_root": str(tmp_path), "base_model_revision": "v1",
+                                "cpt": {"max_steps": 3, "lr": 1e-4, "data_uri": "data/sample/cpt.jsonl"}, "sft": {"max_steps": 2}})
+    assert (cfg.name, cfg.run_root, cfg.base_model.revision) == ("form", str(tmp_path), "v1")
+    assert (cfg.cpt.max_steps, cfg.cpt.lr, cfg.cpt.data.uri, cfg.sft.max_steps) == (3, 1e-4, "data/sample/cpt.jsonl", 2)
+    with pytest.raises(ValidationError, match="max_steps"):
+        RunOverrides.model_validate({"cpt": {"max_steps": 0}})  # the form refuses it before a run exists
+    with pytest.raises(ConfigError) as err:  # the config's own rules, naming the config field
+        resolve_config(tiny, RunOverrides(run_name="not a valid name!"))
+    assert [field for field, _ in err.value.problems] == ["name"]
+
+
 # --- e2e: a real server, worker and CLI --------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -146,8 +178,8 @@ def ops(tmp_path_factory, tiny_model_dir):
     run_root = tmp / "run"
     raw = tiny_config_raw(tiny_model_dir, run_root)
     for stage in ("cpt", "sft"):
-        raw[stage].update(max_steps=STEPS, checkpoint_every=EVERY)
-    raw["name"] = "ops-tiny"
+        raw[stage].update(max_steps=2 * STEPS, checkpoint_every=EVERY)  # OVERRIDES sets STEPS
+    raw["name"] = "ops-config"
     raw["hub"] = {"repo_id": REPO_ID, "private": True}
     # 4 steps of a random model do not earn a push; the gate has its own tests (test_evaluate.py).
     raw.setdefault("gate", {})["enabled"] = False
@@ -156,6 +188,7 @@ def ops(tmp_path_factory, tiny_model_dir):
     started = time.monotonic()
     server = PrefectServer(tmp / "prefect-home")
     hub = HubServer(tmp / "hub", token=TOKEN)
+    webhook = WebhookReceiver().start()
     try:
         server.start()
         hub.start()
@@ -170,15 +203,19 @@ def ops(tmp_path_factory, tiny_model_dir):
             [sys.executable, "-c", f"from prefect.blocks.system import Secret; Secret(value={TOKEN!r}).save('hf-token', overwrite=True)"],
             env=server.env(), cwd=str(tmp), check=True, capture_output=True, timeout=120,
         )
+        # Failure notifications as the README applies them: a webhook block + the automation file.
+        subprocess.run([sys.executable, "-m", "flows.cli", "notifications", "--webhook-url", webhook.url],
+                       env=server.env(), cwd=str(REPO), check=True, capture_output=True, timeout=180)
         server.start_worker(
             "gpu", tmp / "worker.log",
             CPT_TO_SFT_HOME=str(REPO), PREFECT_WORKER_QUERY_SECONDS="1", HF_ENDPOINT=hub.endpoint,
             HF_HUB_DISABLE_TELEMETRY="1",
         )
-        yield Ops(server, tmp, config, run_root, timings)
+        yield Ops(server, tmp, config, run_root, webhook, timings)
     finally:
         server.stop()  # worker first (its flow runs and torchrun are in its process group), then the server
         hub.stop()
+        webhook.stop()
         for name in ("worker.log",):
             if (tmp / name).exists():
                 sys.stderr.write(f"--- {name} (tail) ---\n{(tmp / name).read_text(errors='replace')[-3000:]}\n")
@@ -245,6 +282,14 @@ def test_failed_run_shows_failing_rank_event_and_stage_table(ops, failed_run):
     assert "injected failure" in events[0]["payload"]["error"]
     assert events[0]["payload"]["cause"].startswith("StageFailed: rank ") and "engine train failed: RuntimeError: injected failure" in events[0]["payload"]["cause"]
     assert run["state"]["message"] == f"stage train_cpt failed: {events[0]['payload']['cause']}"
+
+    # The automation of deployments/automations.yaml turned that event into a webhook message.
+    got = ops.webhook.wait(lambda r: "train_cpt" in r["json"].get("subject", ""), timeout=120)
+    (note,) = [r["json"] for r in got if "train_cpt" in r["json"].get("subject", "")]
+    assert note["subject"] == "cpt-to-sft: stage train_cpt failed in run ops-tiny"
+    body = dict(line.split(": ", 1) for line in note["body"].splitlines())
+    assert body["Run"] == "ops-tiny" and body["Stage"] == "train_cpt" and body["Artifact"] == f"{ops.run_root}/cpt"
+    assert body["Error"] == events[0]["payload"]["cause"] and "injected failure" in body["Error"], body["Error"]
 
     latest = _latest(failed_run["artifacts"])
     assert latest["cpt-progress"]["description"].startswith(f"CPT: step 3 / {STEPS}, loss ")  # the step it reached
@@ -315,7 +360,7 @@ def test_retry_resumes_and_shows_every_artifact(ops, failed_run, retried_run):
 def test_two_runs_at_once_run_one_after_the_other(ops, retried_run):
     s = ops.server
     t = time.monotonic()
-    argv = ["deployment", "run", "cpt-to-sft/default", "--watch", "--watch-interval", "2", "-p", f"config={ops.config}"]
+    argv = ["deployment", "run", "cpt-to-sft/default", "--watch", "--watch-interval", "2", "-p", f"config={ops.config}", "-p", f"overrides={OVERRIDES}"]
     procs = [subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "--no-prompt", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=s.env(), cwd=str(REPO), start_new_session=True) for _ in range(2)]
     outs = []
@@ -361,4 +406,10 @@ def test_browser_shows_the_runs_artifacts(ops, retried_run, tmp_path):
     chromium(binary, table, tmp_path / "profile", screenshot=SCREENSHOTS / "stage-table.png", window="1440,1000")
     for name in ("flow-run-artifacts.png", "cpt-loss-curve.png", "stage-table.png"):
         assert (SCREENSHOTS / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The typed run form: the overrides as labelled fields with the config's descriptions.
+    deployment = s.api("GET", "/deployments/name/cpt-to-sft/default")
+    form = f"{s.url}/v2/deployments/deployment/{deployment['id']}/run"
+    dom = chromium(binary, form, tmp_path / "profile", budget_ms=30000)
+    for label in ("Overrides", "Run name", "Run root", "Base model URI", "Base model revision", "Max steps", "Learning rate", "Data URI", "Peak learning rate."):
+        assert label in dom, f"{label!r} not in the run form at {form}\n{dom[-3000:]}"
     (SCREENSHOTS / "timings.json").write_text(json.dumps({k: round(v, 1) for k, v in ops.timings.items()}, indent=2) + "\n")

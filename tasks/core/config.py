@@ -23,6 +23,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from tasks.core.backends import BACKENDS
 from tasks.core.errors import ConfigError
 from tasks.core.plugins import PLUGINS, Precision
+from tasks.core.tracking_config import TrackingConfig
 
 
 def _registered_plugin(name: str) -> str:
@@ -247,6 +248,7 @@ class RunConfig(_Frozen):
     export: ExportConfig = Field(default_factory=ExportConfig, description="The HF safetensors export.")
     gate: GateConfig = Field(default_factory=GateConfig, description="Thresholds the evaluation must meet before the export is pushed to the Hub.")
     hub: HubConfig | None = Field(default=None, description="Push the export to this Hub repo; None skips the push.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Experiment tracking: MLflow when tracking.mlflow.uri is set (TensorBoard event files are always written).")
     staging_dir: str | None = Field(default=None, description="Local directory for staging remote artifacts; default a temp dir.")
 
     @model_validator(mode="after")
@@ -263,7 +265,9 @@ class RunConfig(_Frozen):
     def run_uri(self) -> str:
         if "://" in self.run_root or self.run_root.startswith("/"):
             return self.run_root.rstrip("/")
-        return str(Path(__file__).resolve().parents[2] / self.run_root)
+        from tasks.core.paths import project_root
+
+        return str(project_root() / self.run_root)
 
 
 def plugin_problems(stage: StageConfig, where: str) -> list[tuple[str, str]]:

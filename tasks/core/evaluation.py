@@ -409,23 +409,38 @@ def _split_dataset(m: dict, stage: str) -> tuple[str, str]:
     return _dataset_name(source), f"{stage} held-out ({how}{_dataset_name(source)})"
 
 
+def evaluate_one(model_dir: Path, records: Sequence[dict], kind: str, field: str, seq_len: int, cfg: EvalConfig) -> dict[str, Any]:
+    """Held-out loss and perplexity of one HF folder: packed text (cpt) or assistant tokens (sft)."""
+    tok = load_tokenizer(model_dir)
+    batch = cpt_batch(tok, records, field, seq_len, cfg) if kind == "cpt" else sft_batch(tok, records, field, seq_len, cfg)[0]
+    device = eval_device()
+    model = load_model(model_dir, cfg.dtype, device)
+    try:
+        return {"model": str(model_dir), **heldout_loss(model, batch, cfg.batch_size, device), "sequences": int(batch["input_ids"].shape[0]), "seq_len": seq_len}
+    finally:
+        _free(model)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     from tasks.core.data import read_records
 
-    p = argparse.ArgumentParser(prog="python -m tasks.core.evaluation", description="Compare two HF model dirs on a held-out file.")
-    p.add_argument("kind", choices=["cpt", "sft"])
-    p.add_argument("--reference", required=True)
-    p.add_argument("--candidate", required=True)
+    p = argparse.ArgumentParser(prog="cpt-to-sft eval", description="Held-out metrics of an HF model folder on a data file, or of two compared.")
+    p.add_argument("kind", choices=["cpt", "sft"], help="cpt: packed raw text; sft: chat records, loss on assistant tokens")
+    p.add_argument("--candidate", "--model", required=True, help="the HF folder to evaluate")
+    p.add_argument("--reference", default=None, help="a second HF folder to compare with (e.g. the base model); omit for one folder")
     p.add_argument("--data", required=True)
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--field", default=None)
     a = p.parse_args(argv)
     cfg = EvalConfig()
     records = read_records(a.data)
-    if a.kind == "cpt":
-        m = evaluate_cpt(Path(a.reference), Path(a.candidate), records, a.field or "text", a.seq_len, cfg)
+    field = a.field or ("text" if a.kind == "cpt" else "messages")
+    if a.reference is None:
+        m = evaluate_one(Path(a.candidate), records, a.kind, field, a.seq_len, cfg)
+    elif a.kind == "cpt":
+        m = evaluate_cpt(Path(a.reference), Path(a.candidate), records, field, a.seq_len, cfg)
     else:
-        m = evaluate_sft(Path(a.reference), Path(a.candidate), records, a.field or "messages", a.seq_len, cfg)
+        m = evaluate_sft(Path(a.reference), Path(a.candidate), records, field, a.seq_len, cfg)
     print(json.dumps(m, indent=2))
 
 

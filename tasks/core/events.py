@@ -24,9 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 PREFIX = "@@"
-PROGRESS = "progress"  # one optimizer step: stage, step, total, loss, lr, tokens, elapsed_s
+PROGRESS = "progress"  # one optimizer step: stage, step, total, loss, lr, tokens, elapsed_s, and the
+# metric fields of tasks/engine/metrics.py (grad_norm, tokens_per_s, step_s, peak_mem_bytes, mfu)
 CHECKPOINT = "checkpoint"  # a committed checkpoint: step, path
 KINDS = (PROGRESS, CHECKPOINT)
+# The numeric @@progress fields that are per-step metrics (TensorBoard tags, MLflow metrics).
+METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_s", "peak_mem_bytes", "mfu", "tokens")
 
 INFO, WARNING, ERROR = "info", "warning", "error"
 LEVELS = (INFO, WARNING, ERROR)

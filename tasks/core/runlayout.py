@@ -44,6 +44,7 @@ DONE = frozenset({Status.COMPLETED, Status.SKIPPED, Status.NOT_CONFIGURED, Statu
 
 BASE = "base"
 EXPORT = "export"
+TENSORBOARD = "tensorboard"  # <stage>/tensorboard/: rank 0's event files (tasks/engine/metrics.py)
 STEP_RE = re.compile(r"^step-(\d{6,})$")
 
 

@@ -45,6 +45,8 @@ from tasks.core.model_info import Machine, ModelInfo, estimate_parameters, read_
 from tasks.core.paths import resolve_local
 from tasks.core.preflight_report import CheckContext, PreflightReport
 from tasks.core.storage_checks import check_run_root, check_staging_space, estimate_local_bytes
+from tasks.core.tracking_config import FIELD as TRACKING_FIELD
+from tasks.core.tracking_config import check_uri, redact
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
 HEAD_RECORDS = 64  # records parsed per dataset: enough to catch a wrong format, cheap on any size
@@ -331,6 +333,17 @@ def check_launch_backend(ctx: CheckContext) -> None:
         if not problems:
             part = (launch.slurm.partition if launch.slurm else None) or "(default)"
             ctx.ok(f"{name} {spec.name}: the cluster answers, {launch.nnodes} node(s) x {launch.nproc_per_node} process(es) fit partition {part}")
+def check_tracking(ctx: CheckContext) -> None:
+    """An MLflow server answers at tracking.mlflow.uri (when set): a run must not train for hours
+    believing it is tracked."""
+    uri = ctx.cfg.tracking.mlflow.uri
+    if not uri:
+        return
+    problem = check_uri(uri)
+    if problem:
+        ctx.problem(TRACKING_FIELD, problem)
+    else:
+        ctx.ok(f"tracking: MLflow answers at {redact(uri)}")
 
 
 CHECKS: tuple[Callable[[CheckContext], None], ...] = (
@@ -346,6 +359,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_staging_space,
     check_hub,
     check_model_family,
+    check_tracking,
 )
 
 

@@ -130,6 +130,7 @@ class Engine:
         self.device = get_accelerator().get_current_device()
         self.model = self.optimizer = self.scheduler = None
         self.config = None
+        self.clip_norm = None
 
     # -- model ------------------------------------------------------------------------------
 
@@ -225,8 +226,10 @@ class Engine:
                     booster.backward(loss / ga, optimizer)
                 local += loss.detach().double()
             local = local / ga
+        # A plugin whose optimizer wrapper keeps no grad norm (torch_ddp): the clip call returns it.
+        self.clip_norm = None
         if not self.spec.clips_grad and self.pcfg.max_norm > 0:
-            optimizer.clip_grad_by_norm(self.pcfg.max_norm)
+            self.clip_norm = optimizer.clip_grad_by_norm(self.pcfg.max_norm)
         optimizer.step()
         optimizer.zero_grad()
         self.scheduler.step()

@@ -30,6 +30,7 @@ from tasks.engine import checkpoint as ckpt
 from tasks.engine.engine import Engine, emit, log
 from tasks.engine.faults import Injector
 from tasks.engine.job import Job
+from tasks.engine.metrics import StepMetrics, count_params
 from tasks.engine.plugins import plugin_meta
 
 __all__ = ["StageData", "find_start", "shard", "train"]
@@ -144,6 +145,7 @@ def train(job: Job, faults: Injector) -> Path | None:
     data = StageData(job, eng.layout.dp_rank, eng.layout.dp_size)
     t0 = time.monotonic()
     model = eng.from_config()
+    n_params = count_params(model)  # before the plugin shards it
     data.check_vocab(model.config.vocab_size, job)
     eng.boost(model)
     eng.load(rp.path)
@@ -163,11 +165,17 @@ def train(job: Job, faults: Injector) -> Path | None:
     tokens = int(state["tokens_seen"])
     last = rp.path
     started = time.monotonic()
+    # purge_step: the steps after the resumed checkpoint are trained again; TensorBoard (and
+    # tasks.core.tbevents) hide the points an earlier launch wrote for them.
+    meter = StepMetrics(job.stage_dir, rank=eng.rank, world=eng.world, n_params=n_params, model_config=eng.config,
+                        seq_len=cfg.seq_len, precision=eng.pcfg.precision, purge_step=rp.step + 1)
     for step in range(rp.step + 1, cfg.max_steps + 1):
         faults.after_step(step - 1)
         batch, ntok = data.next_batch()
         lr = float(eng.scheduler.get_last_lr()[0])
+        meter.start()
         loss = eng.train_step(batch)
+        metrics = meter.stop(step, loss=loss, lr=lr, tokens=ntok, optimizer=eng.optimizer, clip_norm=eng.clip_norm)
         if not math.isfinite(loss):
             raise FloatingPointError(f"{job.stage} loss is {loss} at step {step} (lr {lr}); lower {job.stage}.lr or check the data")
         losses.append(loss)
@@ -175,7 +183,7 @@ def train(job: Job, faults: Injector) -> Path | None:
         tokens += ntok
         emit(PROGRESS, {
             "stage": job.stage, "step": step, "total": cfg.max_steps, "loss": loss, "lr": lr, "tokens": tokens,
-            "elapsed_s": round(time.monotonic() - started, 3),
+            "elapsed_s": round(time.monotonic() - started, 3), **metrics,
         })
         if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
             sampler_state = data.sampler.state_dict()
@@ -191,4 +199,5 @@ def train(job: Job, faults: Injector) -> Path | None:
                 "lr": float(eng.scheduler.get_last_lr()[0]),
             }
             last = eng.save(step, state)
+    meter.close()
     return last

@@ -1,0 +1,242 @@
+"""The `cpt-to-sft` console command (`[project.scripts]`; `pip install .` puts it on PATH).
+
+    cpt-to-sft run --config deployments/configs/tiny-cpu.yaml --set cpt.max_steps=4 --set cpt.lr=1e-4
+    cpt-to-sft check --config FILE [--set key.path=value ...]     # pre-flight only, launches nothing
+    cpt-to-sft break-lease --config FILE
+    cpt-to-sft convert SRC_DIR DST_DIR [--dtype bf16 ...]           # ColossalAI checkpoint -> HF safetensors
+    cpt-to-sft verify PATH                                          # an artifact or a whole run root
+    cpt-to-sft eval {cpt,sft} --model DIR --data FILE --seq-len N [--reference DIR]  # held-out metrics
+    cpt-to-sft schema                                               # RunConfig's JSON Schema
+    cpt-to-sft notifications --webhook-url URL                      # failure notifications (flows/notifications.py)
+    cpt-to-sft --version
+
+`--set key.path=value` overrides are applied in the order given, each value parsed as YAML (so
+`--set cpt.lr=1e-4` is a float and `--set hub=null` removes the push), and the result is validated
+by the same models as the YAML file: a wrong one is an error naming the field. `python -m
+flows.cpt_to_sft` keeps working. Relative paths resolve as in tasks/core/paths.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EXIT_FAILED_GATE = 3
+
+
+def version() -> str:
+    """The installed distribution's version; from a checkout that is not installed, pyproject's."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("cpt-to-sft")
+    except PackageNotFoundError:
+        import tomllib
+
+        from tasks.core.paths import REPO_ROOT
+
+        pyproject = REPO_ROOT / "pyproject.toml"
+        if pyproject.is_file():
+            return tomllib.loads(pyproject.read_text())["project"]["version"] + " (checkout, not installed)"
+        return "unknown"
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """['a.b=1', 'c=x'] -> {'a.b': 1, 'c': 'x'}, later ones winning, order kept."""
+    from tasks.core.errors import ConfigError
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or not key or any(not part for part in key.split(".")):
+            raise ConfigError([(f"--set {item}", "expected key.path=value, e.g. --set cpt.max_steps=100")])
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError([(key, f"--set value {raw!r} is not valid YAML: {exc}")]) from None
+        out.pop(key, None)  # re-insert: the last --set of a key applies last
+        out[key] = value
+    return out
+
+
+def resolved_config_file(config: str, sets: list[str], run_root: str | None = None, run_name: str | None = None) -> tuple[Path, Any]:
+    """The config (local path or fsspec URI) with the overrides applied and validated, written to a
+    temp YAML that the flow, the pre-flight and break-lease read like any config file."""
+    from tasks.core.config import parse_config, read_raw_config
+    from tasks.core.paths import resolve_local
+    from tasks.core.storage import fetch_to_local
+
+    path = fetch_to_local(resolve_local(config), Path(tempfile.mkdtemp(prefix="cpt-to-sft-config-")))
+    overrides = parse_sets(sets)
+    overrides.update({k: v for k, v in (("run_root", run_root), ("name", run_name)) if v})
+    raw = read_raw_config(path, overrides)
+    cfg = parse_config(raw, source=f"{config} with --set overrides" if overrides else config)
+    out = Path(tempfile.mkdtemp(prefix="cpt-to-sft-resolved-")) / Path(path).name
+    out.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return out, cfg
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="YAML config: local path or fsspec URI")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override one config field (value parsed as YAML); repeatable, applied in order")
+    p.add_argument("--run-root", help="override run_root (local path, NFS path or s3://...)")
+    p.add_argument("--run-name", help="override the run name")
+
+
+# Subcommands that are whole existing CLIs: their own parser and --help, unchanged.
+def _convert(argv: list[str]) -> int:
+    from tasks.core.convert.__main__ import main as _main
+
+    return _main(argv)
+
+
+def _eval(argv: list[str]) -> int:
+    from tasks.core.evaluation import main as eval_main
+
+    eval_main(argv)
+    return 0
+
+
+def _notifications(argv: list[str]) -> int:
+    from flows.notifications import main as notify_main
+
+    return notify_main(argv)
+
+
+DELEGATED = {
+    "notifications": (_notifications, "apply the failure-notification automation (deployments/automations.yaml) to the Prefect server"),
+    "convert": (_convert, "a ColossalAI checkpoint directory -> HF safetensors (the streaming converter)"),
+    "eval": (_eval, "held-out loss/perplexity of an HF model folder on a data file (--reference DIR compares two)"),
+}
+
+
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def recompute_fingerprint(art: Path, manifest: dict[str, Any]) -> str:
+    """Re-run the probe batch through an HF-format artifact (plain transformers, its own dtype) and
+    compare with its stored fingerprint. Plugin checkpoints (weights under model/) need the plugin
+    to load, so only their sha256 is checked."""
+    from tasks.core.errors import ManifestError
+    from tasks.core.fingerprint import DEFAULT_ATOL, hf_dir_logits, load_fingerprint, max_abs_diff
+
+    if not manifest.get("fingerprint"):
+        return "no fingerprint"
+    if not (art / "config.json").is_file():
+        return "fingerprint sha256 ok (a plugin checkpoint: logits not recomputed)"
+    dtype = str(manifest["fingerprint"].get("dtype", "fp32"))
+    atol = DEFAULT_ATOL.get(_DTYPE_NAMES.get(dtype, dtype), 1e-3)
+    diff = max_abs_diff(hf_dir_logits(art), load_fingerprint(art))
+    if diff > atol:
+        raise ManifestError(f"{art}: recomputed logits differ from fingerprint.safetensors by {diff:.3g} (> {atol:g}): the weights do not produce the recorded model")
+    return f"fingerprint recomputed (max abs diff {diff:.3g} <= {atol:g})"
+
+
+def verify(path: str, fingerprints: bool = True) -> int:
+    """Every artifact (a directory with manifest.json) at or under `path`: files, sizes, sha256,
+    and, for HF-format artifacts with a fingerprint, the logits recomputed. One line per
+    artifact; 1 if any fails."""
+    from tasks.core.errors import ManifestError
+    from tasks.core.manifest import MANIFEST, manifest_digest, verify_artifact
+
+    root = Path(path)
+    if not root.exists():
+        print(f"FAILED: {root}: no such file or directory", file=sys.stderr)
+        return 1
+    roots = [root] if (root / MANIFEST).is_file() else sorted(p.parent for p in root.rglob(MANIFEST))
+    if not roots:
+        print(f"FAILED: {root}: no manifest.json at or under it: not an artifact or run root", file=sys.stderr)
+        return 1
+    failed = 0
+    for art in roots:
+        try:
+            m = verify_artifact(art, deep=True)
+            fp = recompute_fingerprint(art, m) if fingerprints else ("fingerprint not recomputed" if m.get("fingerprint") else "no fingerprint")
+        except (ManifestError, ValueError, OSError) as exc:
+            failed += 1
+            print(f"FAILED: {exc}")
+            continue
+        print(f"ok: {art} kind={m.get('kind')} files={len(m['files'])} {fp} digest={manifest_digest(art)[:16]}")
+    print(f"{len(roots) - failed} of {len(roots)} artifacts verify")
+    return 1 if failed else 0
+
+
+def schema() -> dict[str, Any]:
+    from tasks.core.config import RunConfig
+
+    out = RunConfig.model_json_schema()
+    out["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    return out
+
+
+def _print(text: str) -> int:
+    """Print for a pipe: `cpt-to-sft schema | head` closing early is no error."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Python would report the broken pipe again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cpt-to-sft", description="CPT -> SFT on ColossalAI, orchestrated by Prefect.",
+                                     epilog="run exit status: 0 complete; 1 a stage failed; 3 the gate failed (artifacts kept, nothing pushed)")
+    parser.add_argument("--version", action="version", version=f"cpt-to-sft {version()}")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    _config_args(sub.add_parser("run", help="run the whole flow (an embedded Prefect server without PREFECT_API_URL)"))
+    _config_args(sub.add_parser("check", help="pre-flight only: every problem at once; exit 1 on any, 0 when clean"))
+    _config_args(sub.add_parser("break-lease", help="remove the run root's lease left by a dead run"))
+    for name, (_, text) in DELEGATED.items():
+        sub.add_parser(name, help=text, add_help=False)
+    v = sub.add_parser("verify", help="verify an artifact or every artifact of a run root (manifests, sizes, sha256, fingerprints)")
+    v.add_argument("path")
+    v.add_argument("--no-fingerprint", action="store_true", help="skip recomputing the logits of HF-format artifacts (no model is loaded)")
+    sub.add_parser("schema", help="print the run config's JSON Schema (for editors and CI)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tasks.core.errors import ConfigError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        return DELEGATED[argv[0]][0](argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.cmd == "schema":
+        return _print(json.dumps(schema(), indent=2))
+    if args.cmd == "verify":
+        return verify(args.path, fingerprints=not args.no_fingerprint)
+    try:
+        path, cfg = resolved_config_file(args.config, args.sets, args.run_root, args.run_name)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    if args.cmd == "check":
+        from tasks.preflight import run_check_cli
+
+        return run_check_cli(path)
+    if args.cmd == "break-lease":
+        from tasks.core.lease import break_lease, describe
+        from tasks.stage import store_for
+
+        old = break_lease(store_for(cfg))
+        print(f"lease on {cfg.run_uri}: " + (f"broken (was held by {describe(old)})" if old else "none held"))
+        return 0
+    from flows.cpt_to_sft import main as flow_main
+
+    return flow_main(["--config", str(path)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

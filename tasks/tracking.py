@@ -1,0 +1,286 @@
+"""MLflow, written by the Prefect task side only, from the `@@progress` records it already receives.
+
+    python -m tasks.core.tracking_config http://127.0.0.1:5000   # pre-flight check of a tracking URI
+
+One MLflow run per flow run (params: the flattened config, secrets left out; tags: the Prefect
+flow run id and URL, later the manifest digests and the export URI / Hub link) and one nested run
+per training stage, whose metrics are the per-step fields of the engine's records
+(tasks/engine/metrics.py). The training ranks never import a tracking client.
+
+Failure handling: an unreachable server is a pre-flight problem naming `tracking.mlflow.uri`
+(`check_tracking` in tasks/core/validate.py).
+Mid-run, a stage's records go through a queue to one writer thread, so a slow or dead server
+never stalls the launch's output pipe (and with it the ranks). While the server does not answer,
+records are dropped (retrying every `retry_s`), the first failure is a warning in the run's log
+(the Prefect UI), and when the stage ends every gap is logged as `steps a..b not recorded`.
+MLflow's own HTTP retries (7 with backoff, minutes) are lowered for this process to 0 and a
+5 s timeout unless set in the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tasks.core.events import METRICS
+from tasks.core.runlayout import TENSORBOARD
+from tasks.core.tracking_config import FIELD, check_uri, flatten, redact
+
+__all__ = ["FIELD", "RunTracker", "StageTracker", "check_uri", "current", "eval_scalars", "fan_out", "flatten", "log_evaluation", "publish_tensorboard", "redact", "set_current", "stage_tracker"]
+
+def _client(uri: str):
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+class RunTracker:
+    """The flow run's MLflow run. `None`-safe use: `RunTracker.start(...)` returns None without a URI."""
+
+    def __init__(self, client, uri: str, experiment_id: str, run_id: str, warn: Callable[[str], None]):
+        self.client, self.uri, self.experiment_id, self.run_id, self.warn = client, uri, experiment_id, run_id, warn
+        self.stages: dict[str, StageTracker] = {}
+
+    @classmethod
+    def start(cls, cfg, *, flow_run_id: str | None = None, flow_run_url: str | None = None,
+              warn: Callable[[str], None] = print) -> RunTracker | None:
+        m = cfg.tracking.mlflow
+        if not m.uri:
+            return None
+        client = _client(m.uri)
+        exp = client.get_experiment_by_name(m.experiment)
+        exp_id = exp.experiment_id if exp else client.create_experiment(m.experiment)
+        tags = {"mlflow.runName": cfg.name, "cpt-to-sft.run": cfg.name}
+        if flow_run_id:
+            tags["prefect.flow_run_id"] = flow_run_id
+        if flow_run_url:
+            tags["prefect.flow_run_url"] = flow_run_url
+        run = client.create_run(exp_id, tags=tags, run_name=cfg.name)
+        self = cls(client, m.uri, exp_id, run.info.run_id, warn)
+        from mlflow.entities import Param
+
+        params = [Param(k, v) for k, v in flatten(cfg.model_dump(mode="json")).items()]
+        for i in range(0, len(params), 100):  # MLflow's log_batch takes at most 100 params
+            client.log_batch(self.run_id, params=params[i : i + 100])
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+
+    def stage(self, stage: str, retry_s: float = 10.0) -> StageTracker:
+        run = self.client.create_run(self.experiment_id, run_name=stage, tags={"mlflow.parentRunId": self.run_id, "cpt-to-sft.stage": stage})
+        self.stages[stage] = StageTracker(self, stage, run.info.run_id, retry_s)
+        return self.stages[stage]
+
+    def tag(self, **tags: Any) -> None:
+        """Tags of the parent run (manifest digests, export URI, Hub link); a failure is a warning."""
+        for k, v in tags.items():
+            if v is None:
+                continue
+            try:
+                self.client.set_tag(self.run_id, k, redact(str(v)))
+            except Exception as exc:
+                self.warn(f"MLflow tag {k} not recorded ({redact(self.uri)}): {exc}")
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Metrics of the parent run (the evaluation stages'); a failure is a warning."""
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        try:
+            self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()])
+        except Exception as exc:
+            self.warn(f"MLflow metrics {sorted(metrics)} not recorded ({redact(self.uri)}): {exc}")
+
+    def finish(self, status: str = "FINISHED") -> None:
+        for st in self.stages.values():
+            st.close()
+        try:
+            self.client.set_terminated(self.run_id, status=status)
+        except Exception as exc:
+            self.warn(f"MLflow run {self.run_id} not marked {status} ({redact(self.uri)}): {exc}")
+
+
+class StageTracker:
+    """Callable with each @@progress record of one stage; writes on its own thread."""
+
+    def __init__(self, parent: RunTracker, stage: str, run_id: str, retry_s: float):
+        self.parent, self.stage, self.run_id, self.retry_s = parent, stage, run_id, retry_s
+        self.gaps: list[list[int]] = []  # [first, last] steps not recorded
+        self.recorded = 0
+        self._q: queue.Queue = queue.Queue()
+        self._down_since: float | None = None
+        self._last_try = 0.0
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"mlflow-{stage}", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"{self.parent.uri.rstrip('/')}/#/experiments/{self.parent.experiment_id}/runs/{self.run_id}"
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if not self._closed:
+            self._q.put(dict(record))
+
+    def _loop(self) -> None:
+        from mlflow.entities import Metric
+
+        while True:
+            rec = self._q.get()
+            if rec is None:
+                return
+            step = int(rec.get("step", 0))
+            now = time.monotonic()
+            if self._down_since is not None and now - self._last_try < self.retry_s:
+                self._missed(step)
+                continue
+            ts = int(time.time() * 1000)
+            metrics = [Metric(k, float(rec[k]), ts, step) for k in METRICS if isinstance(rec.get(k), (int, float))]
+            try:
+                self.parent.client.log_batch(self.run_id, metrics=metrics)
+            except Exception as exc:
+                self._last_try = time.monotonic()
+                if self._down_since is None:
+                    self._down_since = self._last_try
+                    self.parent.warn(
+                        f"MLflow at {redact(self.parent.uri)} stopped answering at {self.stage} step {step} ({type(exc).__name__}: "
+                        f"{str(exc)[:300]}); training continues, steps are not recorded in MLflow until it answers again"
+                    )
+                self._missed(step)
+                continue
+            if self._down_since is not None:
+                self._down_since = None
+                self.parent.warn(f"MLflow at {redact(self.parent.uri)} answers again from {self.stage} step {step}")
+            self.recorded += 1
+
+    def _missed(self, step: int) -> None:
+        if self.gaps and self.gaps[-1][1] == step - 1:
+            self.gaps[-1][1] = step
+        else:
+            self.gaps.append([step, step])
+
+    def close(self, timeout: float = 60.0, status: str = "FINISHED") -> list[list[int]]:
+        """Drain the queue, end the nested run, log every gap; returns the gaps."""
+        if self._closed:
+            return self.gaps
+        self._closed = True
+        self._q.put(None)
+        self._thread.join(timeout)
+        for first, last in self.gaps:
+            self.parent.warn(f"MLflow gap in {self.stage}: steps {first}..{last} not recorded ({redact(self.parent.uri)} did not answer)")
+        try:
+            self.parent.client.set_terminated(self.run_id, status=status)
+        except Exception as exc:
+            self.parent.warn(f"MLflow stage run {self.stage} not marked {status}: {exc}")
+        return self.gaps
+
+
+# ------------------------------------------------------------------------------------------------
+# The flow run's tracker, shared with its training tasks (which run in the flow's process): a
+# module-level slot, because a client object is no Prefect task parameter (not hashable for the
+# cache key, not serializable for the UI).
+
+_CURRENT: RunTracker | None = None
+
+
+def set_current(tracker: RunTracker | None) -> None:
+    global _CURRENT
+    _CURRENT = tracker
+
+
+def current() -> RunTracker | None:
+    return _CURRENT
+
+
+def stage_tracker(stage: str) -> StageTracker | None:
+    """The nested MLflow run of `stage`, or None without MLflow; a server that does not answer
+    when the stage starts is a warning, never a failed stage."""
+    tracker = _CURRENT
+    if tracker is None:
+        return None
+    try:
+        return tracker.stage(stage)
+    except Exception as exc:
+        tracker.warn(f"MLflow run for {stage} not created ({redact(tracker.uri)}): {exc}; training continues without it")
+        return None
+
+
+def fan_out(*callbacks: Callable[[dict[str, Any]], None] | None) -> Callable[[dict[str, Any]], None]:
+    live = [c for c in callbacks if c is not None]
+
+    def call(record: dict[str, Any]) -> None:
+        for c in live:
+            c(record)
+
+    return call
+
+
+def eval_scalars(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numeric leaves of an evaluation's metrics.json as dotted names (timings, the split
+    description and booleans left out): base.perplexity, cpt.loss, perplexity_change_pct, ..."""
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if k in ("split", "seconds", "problems", "file"):
+            continue
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(eval_scalars(v, f"{key}."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key] = float(v)
+    return out
+
+
+def _warn(message: str) -> None:
+    try:
+        from prefect import get_run_logger
+
+        get_run_logger().warning("%s", message)
+    except Exception:  # outside a flow/task run: stderr
+        print(message, file=sys.stderr)
+
+
+def log_evaluation(which: str, metrics: dict[str, Any], out_dir, step: int) -> dict[str, float]:
+    """An evaluation stage's metrics as TensorBoard scalars `eval/<name>` at the training stage's
+    last step, under `<out_dir>/tensorboard/` (inside the evaluation artifact, so its manifest
+    covers them and `tensorboard --logdir <run_root>` shows them), and as `eval.<which>.<name>`
+    metrics of the flow's MLflow run. Both are views: a failure is a warning."""
+    from pathlib import Path
+
+    scalars = eval_scalars(metrics)
+    try:
+        from tensorboardX import SummaryWriter
+
+        with SummaryWriter(logdir=str(Path(out_dir) / TENSORBOARD)) as writer:
+            for name, value in scalars.items():
+                writer.add_scalar(f"eval/{name}", value, step)
+    except Exception as exc:
+        _warn(f"TensorBoard evaluation scalars not written under {out_dir}: {exc}")
+    if _CURRENT is not None:
+        _CURRENT.log_metrics({f"eval.{which}.{k}": v for k, v in scalars.items()}, step)
+    return scalars
+
+
+def publish_tensorboard(store, stage: str) -> int:
+    """Copy `<stage>/tensorboard/` from staging to a remote run root (a local run root already
+    holds it: the engine writes there). Whole files each time: they are small and append-only."""
+    if store.local:
+        return 0
+    from tasks.core.storage import open_uri
+
+    local = store.local_path(f"{stage}/{TENSORBOARD}")
+    n = 0
+    for path in sorted(local.rglob("*")) if local.is_dir() else []:
+        if path.is_file():
+            with open_uri(store.uri(f"{stage}/{TENSORBOARD}/{path.relative_to(local).as_posix()}"), "wb") as f:
+                f.write(path.read_bytes())
+            n += 1
+    return n

@@ -1,0 +1,78 @@
+"""The demo flow with TensorBoard and MLflow: the session's real `mlflow server`, the embedded
+Prefect server, 2 steps per stage on the tiny model. One run checks every tracking fact.
+
+    python -m pytest -q -m e2e tests/test_tracking_flow.py
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tasks.core.tbevents import read_scalars
+from tests.conftest import tiny_config_raw, write_config
+
+pytest_plugins = ["tests.conftest_servers"]
+STEPS = 2
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+
+def _progress_descriptions(flow_run_id: str) -> dict[str, str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    keys = ["cpt-progress", "sft-progress"]
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return {a.key: a.description for a in arts}
+
+
+def test_flow_writes_tensorboard_and_one_mlflow_run_with_two_stage_runs(prefect_harness, mlflow_server, tiny_model_dir, tmp_path):
+    from mlflow import MlflowClient
+
+    from flows.cpt_to_sft import main
+    from tasks.core.config import load_config
+    from tasks.core.tracking_config import flatten
+
+    run_root = tmp_path / "run"
+    raw = tiny_config_raw(tiny_model_dir, run_root)
+    for stage in ("cpt", "sft"):
+        raw[stage].update(max_steps=STEPS, checkpoint_every=STEPS)
+    raw["gate"] = {"enabled": False}
+    raw["tracking"] = {"mlflow": {"uri": mlflow_server.uri, "experiment": "demo"}}
+    config = write_config(tmp_path / "cfg.yaml", raw)
+    assert main(["--config", str(config)]) == 0
+
+    client = MlflowClient(mlflow_server.uri)
+    runs = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert sorted(children) == ["cpt", "sft"]
+    flow_run_id = parent.data.tags["prefect.flow_run_id"]
+    assert len(flow_run_id) == 36 and parent.info.status == "FINISHED"
+    assert parent.data.tags["export_uri"] == f"{run_root}/export" and len(parent.data.tags["manifest.train_sft"]) == 64
+    # params: the whole config, flattened, nothing that looks like a secret
+    assert parent.data.params == flatten(load_config(config).model_dump(mode="json"))
+    assert not [k for k in parent.data.params if re.search(r"(^|[._])(token|secret|password)($|[._])", k)]
+    for stage, child in children.items():
+        loss = sorted(client.get_metric_history(child.info.run_id, "loss"), key=lambda m: m.step)
+        assert [m.step for m in loss] == list(range(1, STEPS + 1)), stage
+        for key in ("lr", "grad_norm", "tokens_per_s", "step_s", "peak_mem_bytes"):
+            assert len(client.get_metric_history(child.info.run_id, key)) == STEPS, (stage, key)
+        assert child.info.status == "FINISHED"
+    # the evaluation stages' metrics: the parent run and the evaluation artifacts' event files
+    assert parent.data.metrics["eval.cpt.cpt.perplexity"] > 1 and parent.data.metrics["eval.sft.sft.loss"] > 0
+    assert read_scalars(run_root / "eval" / "cpt" / "tensorboard")["eval/cpt.perplexity"][0][0] == STEPS
+    assert "eval/sft.loss" in read_scalars(run_root / "eval" / "sft" / "tensorboard")
+
+    # TensorBoard: one point per step per metric in both stages
+    for stage in ("cpt", "sft"):
+        scalars = read_scalars(run_root / stage / "tensorboard")
+        for tag in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_s", "perf/peak_mem_bytes"):
+            assert [s for s, _ in scalars[tag]] == list(range(1, STEPS + 1)), (stage, tag)
+
+    # the Prefect link: each progress artifact links to its stage's MLflow run
+    progress = _progress_descriptions(flow_run_id)
+    for stage, child in children.items():
+        assert f"[MLflow run]({mlflow_server.uri}/#/experiments/{child.info.experiment_id}/runs/{child.info.run_id})" in progress[f"{stage}-progress"]
