@@ -128,18 +128,21 @@ def recompute_fingerprint(art: Path, manifest: dict[str, Any]) -> str:
     compare with its stored fingerprint. Plugin checkpoints (weights under model/) need the plugin
     to load, so only their sha256 is checked."""
     from tasks.core.errors import ManifestError
-    from tasks.core.fingerprint import DEFAULT_ATOL, hf_dir_logits, load_fingerprint, max_abs_diff
+    from tasks.core.fingerprint import compare_logits, default_rtol, hf_dir_logits, load_fingerprint
 
     if not manifest.get("fingerprint"):
         return "no fingerprint"
     if not (art / "config.json").is_file():
         return "fingerprint sha256 ok (a plugin checkpoint: logits not recomputed)"
     dtype = str(manifest["fingerprint"].get("dtype", "fp32"))
-    atol = DEFAULT_ATOL.get(_DTYPE_NAMES.get(dtype, dtype), 1e-3)
-    diff = max_abs_diff(hf_dir_logits(art), load_fingerprint(art))
-    if diff > atol:
-        raise ManifestError(f"{art}: recomputed logits differ from fingerprint.safetensors by {diff:.3g} (> {atol:g}): the weights do not produce the recorded model")
-    return f"fingerprint recomputed (max abs diff {diff:.3g} <= {atol:g})"
+    rtol = default_rtol(_DTYPE_NAMES.get(dtype, dtype))
+    c = compare_logits(hf_dir_logits(art), load_fingerprint(art), rtol)
+    if not c["fingerprint_match"]:
+        raise ManifestError(
+            f"{art}: recomputed logits differ from its fingerprint (relative {c['fingerprint_rel_diff']:.3g} > {rtol:g}, "
+            f"{c['top1_disagreements_beyond_tolerance']} top-1 flips): the weights do not produce the recorded model"
+        )
+    return f"fingerprint recomputed (relative diff {c['fingerprint_rel_diff']:.3g} <= {rtol:g})"
 
 
 def verify(path: str, fingerprints: bool = True) -> int:
@@ -153,7 +156,8 @@ def verify(path: str, fingerprints: bool = True) -> int:
     if not root.exists():
         print(f"FAILED: {root}: no such file or directory", file=sys.stderr)
         return 1
-    roots = [root] if (root / MANIFEST).is_file() else sorted(p.parent for p in root.rglob(MANIFEST))
+    depth = len(Path(MANIFEST).parts)  # the manifest may sit in a subfolder of its artifact
+    roots = [root] if (root / MANIFEST).is_file() else sorted(p.parents[depth - 1] for p in root.rglob(MANIFEST))
     if not roots:
         print(f"FAILED: {root}: no manifest.json at or under it: not an artifact or run root", file=sys.stderr)
         return 1
