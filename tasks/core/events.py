@@ -26,7 +26,9 @@ from typing import Any
 PREFIX = "@@"
 PROGRESS = "progress"  # one optimizer step: stage, step, total, loss, lr, tokens, elapsed_s
 CHECKPOINT = "checkpoint"  # a committed checkpoint: step, path
-KINDS = (PROGRESS, CHECKPOINT)
+# the engine waits at a save for uploads: step, state (waiting | resumed), pending, max_pending_publishes, waited_s
+BACKPRESSURE = "backpressure"
+KINDS = (PROGRESS, CHECKPOINT, BACKPRESSURE)
 
 INFO, WARNING, ERROR = "info", "warning", "error"
 LEVELS = (INFO, WARNING, ERROR)
