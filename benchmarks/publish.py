@@ -36,8 +36,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tasks.core.config import LaunchConfig
+from tasks.core.job import Job, parse_job
 from tasks.core.published import manifest_sha256, mark_published
 from tasks.core.publisher import Publisher, retain_remote
+from tasks.core.runlayout import step_name, step_rel
 from tasks.core.storage import RunStore
 from tasks.launch import run_engine
 from tests._engine_utils import run_raw, write_job
@@ -48,11 +50,11 @@ BUCKET = "bench-publish"
 log = logging.getLogger("bench")
 
 
-def _job(path: Path, run: dict, model: Path, stage_dir: Path, verb: str, remote: bool = False) -> dict:
+def _job(path: Path, run: dict, model: Path, stage_dir: Path, verb: str, remote: bool = False) -> Job:
     write_job(path, verb=verb, stage="cpt", run=run, model_dir=model, stage_dir=stage_dir)
     job = json.loads(path.read_text())
     job["remote_run_root"] = remote
-    return job
+    return parse_job(job, source=str(path))
 
 
 def _train(mode: str, work: Path, run: dict, model: Path, base: Path, s3_uri: str) -> dict:
@@ -60,18 +62,18 @@ def _train(mode: str, work: Path, run: dict, model: Path, base: Path, s3_uri: st
     staging = work / f"staging-{mode}"
     store = RunStore(s3_uri, staging_dir=str(staging)) if mode != "local" else RunStore(str(work / "local-root"))
     stage_dir = store.local_path("cpt")
-    shutil.copytree(base, stage_dir / "step-000000")
+    shutil.copytree(base, stage_dir / step_name(0))
     publisher = None
     if mode != "local":
-        store.publish("cpt/step-000000")
-        mark_published(stage_dir / "step-000000", manifest_sha256(stage_dir / "step-000000"))
+        store.publish(step_rel("cpt", 0))
+        mark_published(stage_dir / step_name(0), manifest_sha256(stage_dir / step_name(0)))
     keep_last = run["cpt"]["keep_last"]
 
     if mode == "sync":
         def on_event(kind, rec):
             if kind == "checkpoint":  # the old on_event: upload inside the reader, then retention
                 step = int(rec["step"])
-                store.publish(f"cpt/step-{step:06d}")
+                store.publish(step_rel("cpt", step))
                 retain_remote(store, "cpt", keep_last, step)
     elif mode == "async":
         publisher = Publisher(store, "cpt", keep_last, max_queue=16, log=log).start()
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         base_dir = work / "base"
         run_engine("shard", _job(work / "shard.json", run, model, base_dir, "shard"), work / "shard.json",
                    LaunchConfig(nproc_per_node=2), "bench-shard", log)
-        base = base_dir / "step-000000"
+        base = base_dir / step_name(0)
         size = sum(f.stat().st_size for f in base.rglob("*") if f.is_file())
         print(f"checkpoint {size / 1e6:.2f} MB; proxy {a.rate_mb:.2f} MB/s (~{size / (a.rate_mb * MB):.1f}s per upload); "
               f"{a.steps} steps, a checkpoint every {a.every}, keep_last {a.keep_last}, max_pending_publishes {a.max_pending}; "

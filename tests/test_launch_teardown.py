@@ -19,6 +19,7 @@ import pytest
 
 from tasks.core.config import LaunchConfig
 from tasks.core.errors import StageFailed
+from tasks.core.job import parse_job
 from tasks.launch import run_engine
 from tests._engine_utils import engine, run_raw, write_job
 
@@ -63,7 +64,7 @@ def test_background_failure_stops_the_stage(sharded, tmp_path):
     _, run, base, model = sharded
     stage_dir = tmp_path / "cpt"
     shutil.copytree(base / "step-000000", stage_dir / "step-000000")
-    job = json.loads(write_job(tmp_path / "j.json", verb="train", stage="cpt", run=run, model_dir=model, stage_dir=stage_dir).read_text())
+    job = parse_job(json.loads(write_job(tmp_path / "j.json", verb="train", stage="cpt", run=run, model_dir=model, stage_dir=stage_dir).read_text()))
     job_path = tmp_path / "train-a.json"
     seen: list[int] = []
     boom = RuntimeError("publish of checkpoint s3://bucket/run/cpt/step-000002 failed after 5 attempt(s)")
@@ -82,7 +83,7 @@ def test_dead_rank_fails_the_stage_and_leaves_nothing(sharded, tmp_path):
     _, run, base, model = sharded
     stage_dir = tmp_path / "cpt"
     shutil.copytree(base / "step-000000", stage_dir / "step-000000")
-    job = json.loads(write_job(tmp_path / "j.json", verb="train", stage="cpt", run=run, model_dir=model, stage_dir=stage_dir).read_text())
+    job = parse_job(json.loads(write_job(tmp_path / "j.json", verb="train", stage="cpt", run=run, model_dir=model, stage_dir=stage_dir).read_text()))
     job_path = tmp_path / "train-b.json"
     with pytest.raises(StageFailed):
         run_engine("train", job, job_path, LaunchConfig(nproc_per_node=2), "teardown-b", logging.getLogger("test"),

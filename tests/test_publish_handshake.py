@@ -164,3 +164,27 @@ def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(thr
     local = engine("train", _train_job(tmp_path / "train-local.json", run, tiny_model_dir, local_twin, remote=False))
     assert "@@backpressure" not in local.output
     assert train_state(local_twin / "step-000004")["losses"] == train_state(stage_dir / "step-000004")["losses"]
+
+
+def test_staging_estimate_counts_checkpoints_waiting_for_upload():
+    from tasks.core.config import parse_config
+    from tasks.core.model_info import estimate_parameters
+    from tasks.core.storage_checks import estimate_local_bytes
+    from tests._engine_utils import run_raw
+
+    mc = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 4, "tie_word_embeddings": False, "torch_dtype": "float32"}
+    n = estimate_parameters(mc)
+    assert n
+
+    def remote(keep_last: int, pending: int) -> int:
+        raw = run_raw(Path("/m"), Path("/r"), "cpt", {"name": "torch_ddp", "precision": "fp32"}, keep_last=keep_last, max_pending_publishes=pending)
+        raw["run_root"] = "s3://bucket/run"
+        raw["sft"].update(plugin={"name": "torch_ddp", "precision": "fp32"}, keep_last=1, max_pending_publishes=1)  # cpt is the larger
+        need, how = estimate_local_bytes(parse_config(raw), mc, local_run_root=False)
+        assert "max_pending_publishes" in how
+        return need
+
+    per_ckpt = n * (4 + 8)  # fp32 weights + Adam moments
+    assert remote(1, 2) - remote(1, 1) == per_ckpt
+    assert remote(3, 2) - remote(1, 2) == 2 * per_ckpt
