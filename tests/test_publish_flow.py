@@ -17,11 +17,13 @@ proxy (tests/servers/throttle.py), real torchrun ranks, a real Prefect server (t
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,32 +44,56 @@ pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 STEPS = 5
 
 
-class Captured(logging.Handler):
-    """Every record of the stage tasks' run loggers, with the time it reached the Prefect log."""
+class PrefectLog:
+    """The flow run's log as the Prefect server stores it: (time the record was made, message, level)."""
 
-    def __init__(self, on_record=None):
-        super().__init__(logging.DEBUG)
+    def __init__(self, state):
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+        from prefect.client.schemas.sorting import LogSort
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler.flush()  # records still batched for the API
         self.records: list[tuple[float, str, int]] = []
-        self.on_record = on_record
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        self.records.append((time.monotonic(), msg, record.levelno))
-        if self.on_record:
-            self.on_record(msg)
-
-    def __enter__(self):
-        logging.getLogger("prefect.task_runs").addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        logging.getLogger("prefect.task_runs").removeHandler(self)
+        flt = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+        with get_client(sync_client=True) as client:
+            while True:
+                page = client.read_logs(log_filter=flt, limit=200, offset=len(self.records), sort=LogSort.TIMESTAMP_ASC)
+                self.records += [(log.timestamp.timestamp(), log.message, log.level) for log in page]
+                if len(page) < 200:
+                    break
 
     def text(self) -> str:
         return "\n".join(m for _, m, _ in self.records)
 
 
+class Watch:
+    """Polls the staging directory beside the flow and acts once a path appears."""
+
+    def __init__(self, staging: Path, pattern: str, action):
+        self.staging, self.pattern, self.action = staging, pattern, action
+        self.fired, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            hits = list(self.staging.glob(self.pattern)) if self.staging.is_dir() else []
+            if hits:
+                self.action(hits[0])
+                self.fired.set()
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def _config(tmp: Path, model: Path, run_root: str, **cpt) -> Path:
+    tmp.mkdir(parents=True, exist_ok=True)
     raw = tiny_config_raw(model, run_root)  # type: ignore[arg-type]
     raw["run_root"] = run_root
     raw["staging_dir"] = str(tmp / "staging")
@@ -82,16 +108,14 @@ def _run(cfg: Path):
     return cpt_only(str(cfg), return_state=True)
 
 
-def _throttle_after_shard(proxy: ThrottleProxy, staging: Path, seconds_per_upload: float):
-    """Once step 0 is committed remotely, slow the proxy so one checkpoint takes that long."""
+def _throttle_after_shard(proxy: ThrottleProxy, staging: Path, seconds_per_upload: float) -> Watch:
+    """Once step 0 is committed, slow the proxy so one checkpoint upload takes that long."""
 
-    def on_record(msg: str) -> None:
-        if msg.startswith("boost_and_shard: completed"):
-            step0 = next(staging.rglob(f"cpt/{step_name(0)}"))
-            size = sum(f.stat().st_size for f in step0.rglob("*") if f.is_file())
-            proxy.set_rate(max(size / seconds_per_upload, 64 << 10))
+    def slow(manifest: Path) -> None:
+        size = sum(f.stat().st_size for f in manifest.parent.rglob("*") if f.is_file())
+        proxy.set_rate(max(size / seconds_per_upload, 64 << 10))
 
-    return on_record
+    return Watch(staging, f"*/cpt/{step_name(0)}/manifest.json", slow)
 
 
 def _published(text: str) -> list[str]:
@@ -107,9 +131,10 @@ def test_keep_last_1_every_step_through_a_slow_store(prefect_harness, weed, tiny
     os.environ["AWS_ENDPOINT_URL"], saved = proxy.endpoint, os.environ["AWS_ENDPOINT_URL"]
     try:
         cfg = _config(tmp_path / "s3", tiny_model_dir, s3_root, max_pending_publishes=STEPS)
-        with Captured(_throttle_after_shard(proxy, tmp_path / "s3" / "staging", 2.5)) as log:
+        with _throttle_after_shard(proxy, tmp_path / "s3" / "staging", 2.5):
             state = _run(cfg)
         assert state.is_completed(), state.message
+        log = PrefectLog(state)
         store = RunStore(s3_root)
         # Every checkpoint was published and verified, in order; retention kept only the newest.
         assert _published(log.text()) == [step_name(s) for s in range(1, STEPS + 1)]
@@ -143,8 +168,12 @@ def test_keep_last_1_every_step_through_a_slow_store(prefect_harness, weed, tiny
 
     # The same stage on a local run root: bitwise the same losses and weights (fp32).
     local_root = tmp_path / "local-run"
-    with Captured():
-        assert _run(_config(tmp_path / "local", tiny_model_dir, str(local_root))).is_completed()
+    # Its load and shard stages are the S3 run's (same digests): start from their staged copies,
+    # so only training runs again.
+    staged = next((tmp_path / "s3" / "staging").glob(f"*/cpt/{step_name(0)}")).parent.parent
+    shutil.copytree(staged / "base", local_root / "base")
+    shutil.copytree(staged / "cpt" / step_name(0), local_root / "cpt" / step_name(0), ignore=shutil.ignore_patterns(".published"))
+    assert _run(_config(tmp_path / "local", tiny_model_dir, str(local_root))).is_completed()
     assert _final_state(RunStore(str(local_root)))["losses"] == _final_state(store)["losses"]
     remote_files = store.read_manifest(f"cpt/{step_name(STEPS)}")["files"]
     local_files = RunStore(str(local_root)).read_manifest(f"cpt/{step_name(STEPS)}")["files"]
@@ -171,15 +200,17 @@ def test_backpressure_is_said_aloud_and_deletes_nothing_unpublished(prefect_harn
     cfg = _config(tmp_path, tiny_model_dir, s3_root, max_pending_publishes=1)
     seen: list[str] = []
     stop = threading.Event()
-    poller = threading.Thread(target=_progress_descriptions, args=(stop, seen), daemon=True)
+    # The harness's API settings live in context variables, which a new thread does not inherit.
+    poller = threading.Thread(target=contextvars.copy_context().run, args=(_progress_descriptions, stop, seen), daemon=True)
     poller.start()
     try:
-        with Captured(_throttle_after_shard(throttled_s3, tmp_path / "staging", 4.0)) as log:
+        with _throttle_after_shard(throttled_s3, tmp_path / "staging", 4.0):
             state = _run(cfg)
     finally:
         stop.set()
         poller.join()
     assert state.is_completed(), state.message
+    log = PrefectLog(state)
     text = log.text()
     warnings = [m for _, m, lvl in log.records if lvl == logging.WARNING and "waits before saving step" in m]
     assert warnings, text[-3000:]
@@ -223,19 +254,13 @@ def test_store_killed_during_upload_fails_naming_it_then_a_retry_resumes(prefect
     root = f"s3://cpt-tests/killed-{os.getpid()}"
     cfg = _config(tmp_path, tiny_model_dir, root, max_pending_publishes=STEPS)
     staging = tmp_path / "staging"
-    killed = threading.Event()
-
-    def on_record(msg: str) -> None:
-        _throttle_after_shard(proxy, staging, 2.0)(msg)
-        if not killed.is_set() and re.search(r"published \S+/cpt/step-000001 in ", msg):
-            killed.set()
-            fresh_weed.kill()  # step 2 (at least) is on the wire or queued
-
     try:
-        with Captured(on_record) as log:
+        # Step 1 is committed remotely (marked); step 2 (at least) is on the wire or queued.
+        with _throttle_after_shard(proxy, staging, 2.0), Watch(staging, f"*/cpt/{step_name(1)}/.published", lambda _: fresh_weed.kill()) as killed:
             state = _run(cfg)
         reported_at = time.monotonic()
-        assert killed.is_set() and state.is_failed(), state.message
+        assert killed.fired.is_set() and state.is_failed(), state.message
+        log = PrefectLog(state)
         stage_dir = next(staging.rglob("jobs")).parent / "cpt"
         job_path = next(staging.rglob("jobs/cpt-train.json"))
         message = str(state.message) + log.text()
@@ -248,9 +273,9 @@ def test_store_killed_during_upload_fails_naming_it_then_a_retry_resumes(prefect
         # (local and unpublished here), publishes what the failed attempt left, and completes.
         fresh_weed.start()
         proxy.set_rate(200 * MB)
-        with Captured() as log2:
-            state2 = _run(cfg)
+        state2 = _run(cfg)
         assert state2.is_completed(), state2.message
+        log2 = PrefectLog(state2)
         newest = local_complete[-1]
         assert f"resuming cpt from {newest}" in log2.text(), log2.text()[-3000:]
         published = _published(log2.text())
