@@ -1,4 +1,4 @@
-"""The CPT half of the runbook as one small Prefect flow (load -> boost & shard -> train CPT), for
+"""The CPT half of the runbook as one small Prefect flow (load -> prepare -> boost & shard -> train CPT), for
 the publish/teardown flow tests (tests/test_publish_flow.py). The stage tasks are the real ones.
 
 Run as a script it is the cancellation test's driver: it starts a throwaway Prefect server,
@@ -16,6 +16,7 @@ from prefect import flow
 
 from tasks.core.config import load_config
 from tasks.load import load_from_hf
+from tasks.prepare_data import prepare_data
 from tasks.stage import StageResult, outcome
 from tasks.train import boost_and_shard, train_cpt
 
@@ -24,7 +25,8 @@ from tasks.train import boost_and_shard, train_cpt
 def cpt_only(config: str) -> StageResult:
     cfg = load_config(config)
     base = outcome(load_from_hf(cfg, return_state=True))
-    start = outcome(boost_and_shard(cfg, base, return_state=True))
+    data = outcome(prepare_data(cfg, "cpt", base, return_state=True))
+    start = outcome(boost_and_shard(cfg, base, data, return_state=True))
     return outcome(train_cpt(cfg, start, return_state=True))
 
 
