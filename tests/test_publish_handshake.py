@@ -75,7 +75,7 @@ def _job(**extra) -> dict:
     from tests._engine_utils import run_raw
 
     run = run_raw(Path("/m"), Path("/r"), "cpt", {"name": "torch_ddp", "precision": "fp32"})
-    return {"verb": "train", "stage": "cpt", "run": run, "model_dir": "/m", "tokenizer_dir": "/m", "data_path": "/d.jsonl",
+    return {"verb": "train", "stage": "cpt", "run": run, "model_dir": "/m", "tokenizer_dir": "/m",
             "stage_dir": "/s", "parent": None, "config_digest": "0" * 64, **extra}
 
 

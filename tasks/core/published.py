@@ -4,7 +4,7 @@ After the task has published a checkpoint and verified its remote manifest (task
 it writes `<checkpoint>/.published` holding the sha256 of the manifest it committed. The engine
 (tasks/engine/checkpoint.py) reads it: with a remote run root, local retention deletes only marked
 checkpoints, and unmarked ones count towards backpressure. The marker names the manifest, so a
-step re-saved with other content reads as unpublished. No dependencies beyond the standard library,
+step re-saved with other content reads as unpublished.
 because every rank imports it.
 
     python -c "from tasks.core.published import is_published; print(is_published(__import__('pathlib').Path('runs/demo/cpt/step-000004')))"
@@ -16,8 +16,9 @@ import hashlib
 import os
 from pathlib import Path
 
+from tasks.core.manifest import MANIFEST as _MANIFEST
+
 PUBLISHED_MARKER = ".published"
-_MANIFEST = "manifest.json"  # tasks.core.manifest.MANIFEST, not imported: that module pulls more in
 
 
 def manifest_sha256(checkpoint_dir: Path) -> str:
