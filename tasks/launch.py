@@ -9,7 +9,13 @@ writer marked (`tasks.core.events`, never guessed from words), turns `@@progress
 progress callbacks and other `@@` events into `on_event`, and keeps the cause: a failure raises
 `StageFailed` whose first line, and `cause`, is the first error line of the failing rank
 (torchrun's own error line when no rank wrote one, e.g. after a SIGKILL), followed by every
-process's last lines.
+process's last lines. Callbacks run in the reader and must not block (publishing is a queue,
+tasks/core/publisher.py): a reader that stops reading fills the pipe and stalls every rank.
+
+Teardown of the local runner (tasks/core/proctree.py): the task process is a child subreaper and
+torchrun carries a stage token in its environment, so a failure, a cancellation or a background
+failure reported by `failure()` (a publish that spent its retries) ends torchrun and every rank in
+every session it created, and `run_engine` raises only once none of them remains.
 
 Single node picks a free rendezvous port (`--standalone`); several nodes use c10d rendezvous:
 
@@ -24,6 +30,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +39,7 @@ from tasks.core.config import LaunchConfig
 from tasks.core.errors import StageFailed
 from tasks.core.events import ERROR, INFO, PROGRESS, WARNING, parse_line
 from tasks.core.job import Job
+from tasks.core.proctree import TOKEN_ENV, StageProcesses, become_subreaper, new_token, teardown
 
 REPO = Path(__file__).resolve().parents[1]
 _LOG_LEVELS = {INFO: logging.INFO, WARNING: logging.WARNING, ERROR: logging.ERROR}
@@ -71,6 +79,8 @@ class Router:
 
     def __init__(self, logger, on_progress=None, on_event=None):
         self.logger, self.on_progress, self.on_event = logger, on_progress, on_event
+        # Polled beside the reader by the local runner: an exception once the stage must stop.
+        self.stop_check: Callable[[], BaseException | None] | None = None
         self.tails: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=25))
         self.progress: list[dict[str, Any]] = []
         self.first_error: tuple[str, str] | None = None  # (who, line): the cause of a failure
@@ -117,11 +127,15 @@ def run_engine(
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     on_event: Callable[[str, dict[str, Any]], None] | None = None,
     env: dict[str, str] | None = None,
+    failure: Callable[[], BaseException | None] | None = None,
 ) -> list[dict[str, Any]]:
     """Write `job` to `job_path`, run its engine verb on the stage's launch backend (`RUNNERS`);
-    return the parsed @@progress records."""
+    return the parsed @@progress records. `failure`, polled twice a second beside the reader,
+    returns an exception once the stage must stop (the publisher gave up); the stage is then torn
+    down and that exception raised."""
     job.write(job_path)
     router = Router(logger, on_progress, on_event)
+    router.stop_check = failure
     RUNNERS[launch.backend](verb, job, job_path, launch, rdzv_id, router, engine_env(env))
     return router.progress
 
@@ -130,34 +144,56 @@ def run_local(verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id
     """torchrun on this node, its output on a pipe; any exception kills its whole process group."""
     argv = torchrun_argv(verb, job_path, launch, rdzv_id)
     router.logger.info("launch: %s", " ".join(argv))
+    become_subreaper()  # orphaned ranks re-parent to this process, not to PID 1
+    token = new_token()
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=env,
+        env={**env, TOKEN_ENV: token},
         text=True,
         bufsize=1,
         cwd=str(REPO),
         start_new_session=True,
     )
     assert proc.stdout is not None
+    stage = StageProcesses(proc.pid, token)
+    stop = threading.Event()
+    raised: list[BaseException] = []
+    check = router.stop_check
+
+    def watch() -> None:
+        while not stop.wait(0.5):
+            exc = check() if check else None
+            if exc is not None:
+                raised.append(exc)
+                router.logger.error("stopping the stage: %s", exc)
+                teardown(stage)  # closes the pipe, so the reader below ends
+                return
+
+    watcher = threading.Thread(target=watch, name="stage-watch", daemon=True)
+    watcher.start()
     try:
         for raw in proc.stdout:
             router.line(raw.rstrip("\n"))
         rc = proc.wait()
     except BaseException:
-        _kill_group(proc)
+        stop.set()
+        router.logger.warning("torn down the %s stage: %s", verb, teardown(stage))
+        proc.wait()
         raise
+    finally:
+        stop.set()
+        watcher.join()
+    if raised:
+        teardown(stage)
+        raise raised[0]
+    # torchrun has exited; a rank it lost track of must not outlive it (no-op when none is left).
+    report = teardown(stage)
+    if report.terminated or report.killed:
+        router.logger.warning("after torchrun exited: %s", report)
     if rc != 0:
         raise router.failure(verb, rc)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, 9)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
 
 
 def _failure_message(verb: str, rc: int, tails: dict[str, collections.deque], cause: tuple[str, str] | None) -> str:

@@ -19,15 +19,21 @@ from prefect import get_run_logger
 from tasks import tracking, ui
 from tasks.core.backends import BACKENDS
 from tasks.core.config import RunConfig
-from tasks.core.events import CHECKPOINT
+from tasks.core.events import BACKPRESSURE, CHECKPOINT
 from tasks.core.job import Job, NodeStaging, Parent
-from tasks.core.manifest import MANIFEST
-from tasks.core.runlayout import PREPARE, STAGE, TRAINING, step_name, step_rel
+from tasks.core.published import manifest_sha256, mark_published
+from tasks.core.publisher import Publisher, retain_remote, unpublished_steps
+from tasks.core.runlayout import PREPARE, STAGE, TRAINING
 from tasks.core.stage_data import check_against_model, record_split, split_info
 from tasks.core.storage import RunStore
 from tasks.launch import run_engine
 from tasks.prepare_data import prepared_dir
 from tasks.stage import Stage, StageResult, stage_digest, stage_task, store_for
+
+# A failed checkpoint upload is retried this many times, backing off from PUBLISH_BACKOFF_S
+# (doubling, at most 30 s): about a minute in all, then the stage fails naming the checkpoint.
+PUBLISH_RETRIES = 4
+PUBLISH_BACKOFF_S = 2.0
 
 
 def stage_config_digest(cfg: RunConfig, stage: str, parent_digest: str, data_digest: str | None) -> str:
@@ -36,7 +42,8 @@ def stage_config_digest(cfg: RunConfig, stage: str, parent_digest: str, data_dig
     # was tokenized. The prepared data's manifest digest stands for the corpus itself (a file
     # added to a directory changes it, while the config does not change).
     st = getattr(cfg, stage)
-    section = {**st.model_dump(mode="json"), "data": st.data.shard_section(), "eval": st.eval.split_section(), "prepared_data": data_digest}
+    # max_pending_publishes only paces uploads; the trained weights do not depend on it.
+    section = {**st.model_dump(mode="json", exclude={"max_pending_publishes"}), "data": st.data.shard_section(), "eval": st.eval.split_section(), "prepared_data": data_digest}
     return stage_digest(stage, section, parent_digest)
 
 
@@ -83,6 +90,8 @@ def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageRe
         verb=verb, stage=stage, run=cfg, model_dir=source, tokenizer_dir=source, data_dir=data,
         stage_dir=store.local_path(TRAINING[stage].checkpoints), parent=Parent(uri=parent.uri, digest=parent.digest), config_digest=cdigest,
         nodes=nodes,
+        # The engine deletes only checkpoints the publisher marked, and waits when uploads lag.
+        remote_run_root=not store.local and nodes is None,
     )
 
 
@@ -126,23 +135,39 @@ def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
     if run.skipped:
         return run.result
     job = _job(cfg, store, stage, "train", start, cdigest)
+    logger = get_run_logger()
+    publisher = None
     if not store.local and job.nodes is None:
         _stage_in_latest(store, stage)
-
-    def on_event(kind: str, record: dict[str, Any]) -> None:
-        if kind == CHECKPOINT and not store.local:
-            if job.nodes is None:  # with per-node staging the nodes published it themselves
-                store.publish(step_rel(stage, int(record["step"])))
-                tracking.publish_tensorboard(store, stage)
-            _retain_remote(store, stage, st.keep_last)
-
+        # Uploads run beside the log reader (tasks/core/publisher.py); the reader only enqueues.
+        # The stage's TensorBoard files go up beside each published checkpoint, on the publisher's thread.
+        publisher = Publisher(store, stage, st.keep_last, max_queue=st.keep_last + st.max_pending_publishes + 4,
+                              retries=PUBLISH_RETRIES, backoff_s=PUBLISH_BACKOFF_S, log=logger,
+                              on_published=lambda _done: tracking.publish_tensorboard(store, stage)).start()
+        for step in unpublished_steps(store.local_path(stage)):  # left by a failed attempt
+            publisher.submit(step)
     mlflow_run = tracking.stage_tracker(stage)
     progress = ui.Progress(stage, st.max_steps, links={"MLflow run": mlflow_run.url} if mlflow_run else None)
+
+    def on_event(kind: str, record: dict[str, Any]) -> None:
+        if kind == CHECKPOINT and publisher is not None:
+            publisher.submit(int(record["step"]))
+        elif kind == CHECKPOINT and not store.local:  # per-node staging: the nodes published it themselves
+            retain_remote(store, stage, st.keep_last, int(record["step"]))
+            tracking.publish_tensorboard(store, stage)
+        elif kind == BACKPRESSURE:
+            progress.backpressure(record)
+
     failed = True
     try:
-        _launch(cfg, store, job, on_progress=tracking.fan_out(progress, mlflow_run), on_event=on_event, env=_fault_env(stage))
+        _launch(cfg, store, job, on_progress=tracking.fan_out(progress, mlflow_run), on_event=on_event, env=_fault_env(stage),
+                failure=(lambda: publisher.failure) if publisher is not None else None)
+        if publisher is not None:
+            publisher.drain()  # every checkpoint up, in order; raises PublishFailed naming one
         failed = False
     finally:
+        if publisher is not None:
+            publisher.close()
         progress.flush()  # a failed stage shows the step it reached
         if mlflow_run is not None:
             mlflow_run.close(status="FAILED" if failed else "FINISHED")
@@ -156,22 +181,13 @@ def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
     return run.done({"steps": st.max_steps, "first_loss": losses[0] if losses else None, "final_loss": final}, event={"final_loss": final})
 
 
-def _retain_remote(store: RunStore, stage: str, keep_last: int) -> None:
-    """The engine's keep_last retention, applied to the published copies (step 0 is kept).
-
-    Runs only after a newer manifest is committed remotely, like the engine's local retention."""
-    first = step_name(0)
-    published = [n for n in store.listdir(stage) if n.startswith("step-") and n != first and store.exists(f"{stage}/{n}/{MANIFEST}")]
-    for name in sorted(published, reverse=True)[keep_last:]:
-        store.remove(f"{stage}/{name}")
-        get_run_logger().info("retention: removed %s (keep_last=%d)", store.uri(f"{stage}/{name}"), keep_last)
-
-
 def _stage_in_latest(store: RunStore, stage: str) -> None:
     names = sorted((n for n in store.listdir(stage) if n.startswith("step-")), reverse=True)
     for name in names:
         try:
-            store.stage_in(f"{stage}/{name}")
+            local = store.stage_in(f"{stage}/{name}")
+            # Verified against its remote manifest: committed remotely, so the engine may delete it.
+            mark_published(local, manifest_sha256(local))
             return
         except Exception as exc:  # a checkpoint that fails to stage in is skipped for the next older one
             get_run_logger().warning("not resuming from %s: %s", store.uri(f"{stage}/{name}"), exc)

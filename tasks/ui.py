@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 import math
 import re
 import time
@@ -35,6 +36,13 @@ def _key(text: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:100]
 
 
+def _log_warning(msg: str, *args: Any) -> None:
+    try:
+        get_run_logger().warning(msg, *args)
+    except Exception:  # outside a flow/task run there is no run logger
+        logging.getLogger(__name__).warning(msg, *args)
+
+
 def _warn(what: str, exc: BaseException) -> None:
     try:
         get_run_logger().warning("%s unavailable: %s", what, exc)
@@ -49,6 +57,9 @@ class Progress:
     seconds and always the last step; `flush()` (when the launch ends, failed or not) sends the
     last record seen, so a failed stage shows the step it reached. `links` ({text: url}, e.g. the
     stage's MLflow run) are appended to the description, which the UI renders as markdown.
+    `backpressure(record)` (an @@backpressure record) logs a warning and, while the engine waits
+    for uploads, appends `waiting for N upload(s)` to the description, so the UI says why the bar
+    stopped.
     """
 
     def __init__(self, stage: str, total: int, min_interval: float = 2.0, links: dict[str, str] | None = None):
@@ -57,6 +68,8 @@ class Progress:
         self._last = float("-inf")  # the first record always goes out
         self._id = None
         self._pending: dict[str, Any] | None = None
+        self._last_record: dict[str, Any] = {"step": 0}
+        self._waiting = ""
         try:
             self._id = create_progress_artifact(0.0, key=_key(f"{stage}-progress"), description=f"{stage.upper()}: step 0 / {self.total}")
         except Exception as exc:
@@ -64,9 +77,21 @@ class Progress:
 
     def __call__(self, record: dict[str, Any]) -> None:
         step = int(record.get("step", 0))
-        self._pending = record
+        self._pending = self._last_record = record
         if self._id is not None and (time.monotonic() - self._last >= self.min_interval or step >= self.total):
             self._send(record)
+
+    def backpressure(self, record: dict[str, Any]) -> None:
+        step, cap = record.get("step"), record.get("max_pending_publishes")
+        if record.get("state") == "waiting":
+            n = len(record.get("pending", []))
+            self._waiting = f" — waiting for {n} checkpoint upload(s) before saving step {step} (max_pending_publishes={cap})"
+            _log_warning("%s training waits before saving step %s: %d checkpoint(s) still uploading (max_pending_publishes=%s)", self.stage.upper(), step, n, cap)
+        else:
+            self._waiting = ""
+            _log_warning("%s training resumed after waiting %.1fs for checkpoint uploads before step %s", self.stage.upper(), float(record.get("waited_s", 0)), step)
+        if self._id is not None:
+            self._send(self._pending or self._last_record)
 
     def flush(self) -> None:
         if self._id is not None and self._pending is not None:
@@ -79,7 +104,7 @@ class Progress:
         text = f"{self.stage.upper()}: step {step} / {self.total}"
         if isinstance(loss, (int, float)) and math.isfinite(loss):
             text += f", loss {loss:.4f}"
-        text += self.links
+        text += self._waiting + self.links
         try:
             update_progress_artifact(self._id, min(100.0, 100.0 * step / self.total), description=text)
         except Exception as exc:

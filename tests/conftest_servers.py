@@ -5,6 +5,9 @@
   (and restored afterwards) so every client configures itself the standard way;
 - `s3_root`: a fresh `s3://` run root per test on that server;
 - `fresh_weed`: a private server for tests that kill it (same ports and data across restarts);
+- `throttled_s3`: a bandwidth-limiting proxy (tests/servers/throttle.py, 2 MB/s unless the test
+  calls `set_rate`) in front of the session's server, with AWS_ENDPOINT_URL pointed at it for
+  one test, so every S3 client of that test goes through it;
 - `hub`: the test-owned Hub-protocol server for the session (private repos need its token);
 - `hub_env`: HF_ENDPOINT pointed at it and a fresh HF_HUB_CACHE/HF_HOME for one test.
   huggingface_hub reads HF_ENDPOINT when `huggingface_hub.constants` is imported, so the fixture
@@ -20,6 +23,7 @@ import pytest
 from tests.servers import patched_env
 from tests.servers.hub_server import HubServer
 from tests.servers.seaweed import WeedServer, weed_binary
+from tests.servers.throttle import MB, ThrottleProxy
 
 BUCKET = "cpt-tests"
 
@@ -58,6 +62,16 @@ def fresh_weed(tmp_path, monkeypatch):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def throttled_s3(weed, monkeypatch):
+    proxy = ThrottleProxy(("127.0.0.1", weed.ports["s3.port"]), 2 * MB, lifetime_s=900).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
 
 
 @pytest.fixture(scope="session")

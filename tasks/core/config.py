@@ -193,6 +193,10 @@ class StageConfig(_Frozen):
     betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW betas.")
     checkpoint_every: int = Field(default=100, ge=1, description="Save a complete training checkpoint every this many steps (and at the last step).")
     keep_last: int = Field(default=2, ge=1, description="Complete checkpoints kept; older ones are deleted only after a newer manifest is committed.")
+    max_pending_publishes: int = Field(default=2, ge=1, description=(
+        "With an s3:// (remote) run root: at most this many committed checkpoints may wait for their upload; a save that would "
+        "exceed it waits (and says so in the log and UI) until uploads catch up. Local staging holds up to keep_last + this many "
+        "checkpoints. Not part of the stage's digest: changing it re-trains nothing."))
     seed: int = Field(default=1234, description="Seed for model init randomness, data order and dropout.")
 
 

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError
 
 from tasks.core.config import RunConfig, StageConfig
 from tasks.core.errors import ConfigError
@@ -68,6 +68,9 @@ class Job(BaseModel):
     parent: Parent | None = Field(description="The artifact this stage starts from, recorded in manifests.")
     config_digest: str | None = Field(description="The stage's config digest, recorded in manifests.")
     nodes: NodeStaging | None = Field(default=None, description="Per-node staging of a remote run root; None: every path is used as is.")
+    remote_run_root: StrictBool = Field(default=False, description=(
+        "stage_dir is staging for an s3:// run root: the task publishes each committed checkpoint and marks it `.published`; "
+        "the engine deletes only marked ones and waits at a save while max_pending_publishes are unmarked."))
     _source: str = PrivateAttr(default="job")
 
     @property

@@ -7,7 +7,9 @@ Staging space is an estimate (parameter count from the model family's tensor tab
 checkpoint is weights in the training precision + fp32 Adam moments (8 B/param) + fp32 master
 weights when training in bf16/fp16 (4 B/param); a local run root keeps `keep_last + 1` of them per
 stage at once (the new one is committed before the oldest is deleted), plus the three HF copies
-(base, cpt/hf, export). A remote run root stages at most two checkpoints of one stage.
+(base, cpt/hf, export). A remote run root stages, per stage, the `keep_last` newest published
+checkpoints plus up to `max_pending_publishes` still uploading (the engine waits at a save beyond
+that; tasks/engine/backpressure.py), plus the one being written: keep_last + max_pending_publishes + 1.
 """
 
 from __future__ import annotations
@@ -115,8 +117,10 @@ def estimate_local_bytes(cfg: RunConfig, mc: dict[str, Any], local_run_root: boo
         kept = sum((getattr(cfg, s).keep_last + 1) * ckpt(getattr(cfg, s)) for s in ("cpt", "sft"))
         how = f"{n / 1e6:.1f}M params: (keep_last+1) checkpoints per stage at (weights + 8 B Adam + 4 B master if mixed) per param, plus 3 HF copies"
     else:
-        kept = max(2 * ckpt(cfg.cpt), 2 * ckpt(cfg.sft))
-        how = f"{n / 1e6:.1f}M params: 2 staged checkpoints of the larger stage plus 3 HF copies"
+        staged = {s: getattr(cfg, s).keep_last + getattr(cfg, s).max_pending_publishes + 1 for s in ("cpt", "sft")}
+        kept = max(staged[s] * ckpt(getattr(cfg, s)) for s in staged)
+        how = (f"{n / 1e6:.1f}M params: (keep_last + max_pending_publishes + 1) staged checkpoints of the larger stage "
+               f"(cpt {staged['cpt']}, sft {staged['sft']}) plus 3 HF copies")
     return kept + hf, how
 
 

@@ -45,6 +45,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     rank = int(os.environ.get("RANK", "0"))
+    from tasks.core.proctree import die_with_parent
+
+    # torchrun starts each rank in a session of its own; if torchrun dies, the rank goes with it.
+    die_with_parent()
     from tasks.engine import rankio
 
     rankio.install(rank)

@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save_file
 
 from tasks.core.errors import ManifestError
 from tasks.core.manifest import MANIFEST, fsync_dir, verify_artifact
+from tasks.core.published import is_published
 from tasks.core.runlayout import STEP_RE, step_name, tmp_step_name
 
 # step_name is re-exported: the engine names its checkpoints through this module.
@@ -123,13 +124,20 @@ def remove_leftovers(stage_dir: Path) -> list[str]:
     return removed
 
 
-def retain(stage_dir: Path, keep_last: int) -> list[str]:
+def unpublished(stage_dir: Path) -> list[str]:
+    """Complete checkpoints (steps > 0) the task has not yet marked as committed remotely."""
+    return [p.name for s, p in list_steps(stage_dir) if s > 0 and (p / MANIFEST).is_file() and not is_published(p)]
+
+
+def retain(stage_dir: Path, keep_last: int, require_published: bool = False) -> list[str]:
     """Keep the newest `keep_last` complete training checkpoints; step-000000 is always kept.
 
     step-000000 is the artifact of the shard/reboost stage (the flow's skip rule looks for it), so
     retention applies to steps > 0 only. Directories older than the keep_last-th newest complete
     checkpoint are deleted (complete or not); newer incomplete ones are left for the next resume to
-    report. Called only after the newest manifest is committed.
+    report. Called only after the newest manifest is committed. `require_published` (a remote run
+    root, where this directory is only staging): a complete checkpoint without the task's
+    `.published` marker is never deleted, whatever keep_last says: its remote copy may not exist yet.
     """
     complete = [(s, p) for s, p in list_steps(stage_dir) if s > 0 and (p / MANIFEST).is_file()]
     if len(complete) <= keep_last:
@@ -137,6 +145,8 @@ def retain(stage_dir: Path, keep_last: int) -> list[str]:
     oldest_kept = complete[keep_last - 1][0]
     removed = []
     for s, p in list_steps(stage_dir):
+        if require_published and (p / MANIFEST).is_file() and not is_published(p):
+            continue
         if 0 < s < oldest_kept:
             # Rename first: a half-deleted directory must never look like a checkpoint.
             doomed = p.with_name(f".{p.name}.old-{os.getpid()}")

@@ -44,6 +44,7 @@ from tasks.core.manifest import write_manifest
 from tasks.core.plugins import spec_of
 from tasks.engine import checkpoint as ckpt
 from tasks.engine import node_staging
+from tasks.engine.backpressure import wait_for_publishes
 from tasks.engine.faults import Injector
 from tasks.engine.job import Job
 from tasks.engine.plugins import (
@@ -261,6 +262,8 @@ class Engine:
         job, rank = self.job, self.rank
         stage_dir = job.stage_dir
         tmp, final = stage_dir / ckpt.tmp_name(step), stage_dir / ckpt.step_name(step)
+        if job.remote_run_root and step > 0:
+            wait_for_publishes(stage_dir, step, self.cfg.max_pending_publishes, self.cfg.keep_last, log, emit)
         t0 = time.monotonic()
         # With per-node staging every node writes its parts into its own directory.
         if rank == 0 or (job.nodes is not None and node_staging.local_rank() == 0):
@@ -322,7 +325,7 @@ class Engine:
             log(f"checkpoint {final.name} committed in {time.monotonic() - t0:.1f}s")
             emit(CHECKPOINT, {"step": step, "path": str(final)})
             if step > 0:
-                removed = ckpt.retain(stage_dir, self.cfg.keep_last)
+                removed = ckpt.retain(stage_dir, self.cfg.keep_last, require_published=job.remote_run_root)
                 if removed:
                     log(f"retention keep_last={self.cfg.keep_last}: removed {', '.join(removed)}")
         return final

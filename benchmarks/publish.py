@@ -1,0 +1,172 @@
+"""Training steps/s of one CPT stage while its checkpoints go to a slow S3, side by side:
+
+- (a) local run root: checkpoints stay on the local disk, nothing is uploaded;
+- (b) s3:// run root, synchronous publish: each checkpoint uploaded by the log reader itself, then
+      remote retention (what tasks/train.py did before the publisher);
+- (c) s3:// run root, asynchronous publisher (tasks/core/publisher.py): the reader only enqueues,
+      the engine retains only `.published` checkpoints and waits past max_pending_publishes.
+
+The S3 side is a real SeaweedFS server (`weed mini`) behind the bandwidth-limiting proxy of
+tests/servers/throttle.py at `--rate-mb` MB/s, so each checkpoint takes seconds to upload. The
+same tiny random Llama is sharded once; each mode trains from a copy of that step-000000 with 2
+CPU ranks (torch_ddp, fp32) through `tasks.launch.run_engine`, exactly as the train task launches
+it. steps/s is the ranks' own count: steps / `elapsed_s` of the last @@progress record (from the
+first step to the last, saves and waits included; a failed mode: up to its last step); the wall
+time adds launch and the final drain. Mode (c) keeps pace with (a) when one upload takes less than
+the training time between two checkpoints; when it takes longer, backpressure slows (c) to the
+upload rate instead of failing or deleting anything (try --every 15).
+
+    .venv/bin/python benchmarks/publish.py                         # ~4 min on 2 cores
+    .venv/bin/python benchmarks/publish.py --rate-mb 0.5 --steps 60 --every 15 --keep-last 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tasks.core.config import LaunchConfig
+from tasks.core.job import Job, parse_job
+from tasks.core.published import manifest_sha256, mark_published
+from tasks.core.publisher import Publisher, retain_remote
+from tasks.core.runlayout import step_name, step_rel
+from tasks.core.storage import RunStore
+from tasks.launch import run_engine
+from tests._engine_utils import run_raw, write_job
+from tests.servers.seaweed import WeedServer
+from tests.servers.throttle import MB, ThrottleProxy
+
+BUCKET = "bench-publish"
+log = logging.getLogger("bench")
+
+
+def _job(path: Path, run: dict, model: Path, stage_dir: Path, verb: str, remote: bool = False) -> Job:
+    write_job(path, verb=verb, stage="cpt", run=run, model_dir=model, stage_dir=stage_dir)
+    job = json.loads(path.read_text())
+    job["remote_run_root"] = remote
+    return parse_job(job, source=str(path))
+
+
+def _train(mode: str, work: Path, run: dict, model: Path, base: Path, s3_uri: str) -> dict:
+    events: list[dict] = []
+    staging = work / f"staging-{mode}"
+    store = RunStore(s3_uri, staging_dir=str(staging)) if mode != "local" else RunStore(str(work / "local-root"))
+    stage_dir = store.local_path("cpt")
+    shutil.copytree(base, stage_dir / step_name(0))
+    publisher = None
+    if mode != "local":
+        store.publish(step_rel("cpt", 0))
+        mark_published(stage_dir / step_name(0), manifest_sha256(stage_dir / step_name(0)))
+    keep_last = run["cpt"]["keep_last"]
+
+    if mode == "sync":
+        def on_event(kind, rec):
+            if kind == "checkpoint":  # the old on_event: upload inside the reader, then retention
+                step = int(rec["step"])
+                store.publish(step_rel("cpt", step))
+                retain_remote(store, "cpt", keep_last, step)
+    elif mode == "async":
+        publisher = Publisher(store, "cpt", keep_last, max_queue=16, log=log).start()
+
+        def on_event(kind, rec):
+            if kind == "checkpoint":
+                publisher.submit(int(rec["step"]))
+            elif kind == "backpressure":
+                events.append(rec)
+    else:
+        on_event = None
+
+    t0 = time.monotonic()
+    error = None
+    progress: list[dict] = []
+    try:
+        job = _job(work / f"train-{mode}.json", run, model, stage_dir, "train", remote=mode == "async")
+        run_engine("train", job, work / f"train-{mode}.json", LaunchConfig(nproc_per_node=2), f"bench-{mode}", log,
+                   on_progress=progress.append, on_event=on_event, failure=(lambda: publisher.failure) if publisher else None)
+        if publisher:
+            publisher.drain()
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    finally:
+        if publisher:
+            publisher.close()
+    wall = time.monotonic() - t0
+    last = progress[-1] if progress else {}
+    steps = int(last.get("step", 0))
+    waited = sum(e.get("waited_s", 0) for e in events if e.get("state") == "resumed")
+    return {"mode": mode, "steps": steps, "train_s": float(last.get("elapsed_s", 0.0)), "wall_s": wall, "error": error,
+            "waited_s": waited, "steps_per_s": steps / float(last["elapsed_s"]) if last.get("elapsed_s") else 0.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rate-mb", type=float, default=1.0, help="proxy bandwidth, MB/s each way (default 1)")
+    ap.add_argument("--steps", type=int, default=300, help="training steps per mode")
+    ap.add_argument("--every", type=int, default=75, help="checkpoint interval in steps")
+    ap.add_argument("--keep-last", type=int, default=1)
+    ap.add_argument("--max-pending", type=int, default=2, help="max_pending_publishes of mode (c)")
+    ap.add_argument("--workdir", default=None)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="publish-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    server = WeedServer(work / "weed").start()
+    os.environ.update(server.env())
+    server.make_bucket(BUCKET)
+    proxy = ThrottleProxy(("127.0.0.1", server.ports["s3.port"]), a.rate_mb * MB, lifetime_s=3600).start()
+    os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint
+    try:
+        from tasks.core.demo_inputs import (
+            DEFAULT_CORPUS,
+            build_tiny_model,
+            build_tokenizer,
+        )
+
+        model = work / "tiny-llama"
+        build_tiny_model(model, build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
+        run = run_raw(model, work / "unused", "cpt", {"name": "torch_ddp", "precision": "fp32"},
+                      max_steps=a.steps, checkpoint_every=a.every, keep_last=a.keep_last, max_pending_publishes=a.max_pending)
+        base_dir = work / "base"
+        run_engine("shard", _job(work / "shard.json", run, model, base_dir, "shard"), work / "shard.json",
+                   LaunchConfig(nproc_per_node=2), "bench-shard", log)
+        base = base_dir / step_name(0)
+        size = sum(f.stat().st_size for f in base.rglob("*") if f.is_file())
+        print(f"checkpoint {size / 1e6:.2f} MB; proxy {a.rate_mb:.2f} MB/s (~{size / (a.rate_mb * MB):.1f}s per upload); "
+              f"{a.steps} steps, a checkpoint every {a.every}, keep_last {a.keep_last}, max_pending_publishes {a.max_pending}; "
+              f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+        results = {}
+        for i, mode in enumerate(("local", "sync", "async")):
+            results[mode] = _train(mode, work, run, model, base, f"s3://{BUCKET}/{mode}-{i}")
+            r = results[mode]
+            print(f"  {mode:<6} {r['steps_per_s']:6.2f} steps/s  ({r['steps']} steps in {r['train_s']:.1f}s, wall {r['wall_s']:.1f}s"
+                  + (f", waited {r['waited_s']:.1f}s at saves" if r["waited_s"] else "") + (f"; FAILED {r['error']}" if r["error"] else "") + ")",
+                  flush=True)
+        a_ = results["local"]["steps_per_s"] or float("nan")
+        print("\nsteps/s            (a) local   (b) S3 sync   (c) S3 async")
+        print(f"                   {results['local']['steps_per_s']:10.2f}   {results['sync']['steps_per_s']:11.2f}   {results['async']['steps_per_s']:12.2f}")
+        print(f"ratio to (a)       {1.0:10.2f}   {results['sync']['steps_per_s'] / a_:11.2f}   {results['async']['steps_per_s'] / a_:12.2f}"
+              f"   (target: (c) >= 0.95)")
+        for mode in ("sync", "async"):
+            if results[mode]["error"]:
+                print(f"({mode} failed: {results[mode]['error']})")
+    finally:
+        proxy.close()
+        server.stop()
+        if not a.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

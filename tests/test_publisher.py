@@ -1,0 +1,175 @@
+"""The checkpoint publisher (tasks/core/publisher.py): order, marker, remote retention, retries,
+failure naming the checkpoint; on a local run root (unit tier) and on the real S3 server through
+the bandwidth-limiting proxy (integration tier).
+
+    .venv/bin/python -m pytest -q tests/test_publisher.py            # unit tier, ~2 s
+    .venv/bin/python -m pytest -q -m "" tests/test_publisher.py      # + real S3 through the proxy, ~40 s
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.core.manifest import MANIFEST, write_manifest
+from tasks.core.published import PUBLISHED_MARKER, is_published
+from tasks.core.publisher import Publisher, PublishFailed
+from tasks.core.storage import RunStore
+
+pytest_plugins = ["tests.conftest_servers"]
+MB = 1 << 20
+
+
+def make_checkpoint(store: RunStore, stage: str, step: int, size: int = 64 << 10) -> Path:
+    root = store.local_path(f"{stage}/step-{step:06d}")
+    (root / "model").mkdir(parents=True, exist_ok=True)
+    (root / "model" / "weights.bin").write_bytes(os.urandom(size))
+    (root / "train_state.json").write_text(f'{{"step": {step}}}')
+    write_manifest(root, kind="test-checkpoint", meta={"step": step, "stage": stage})
+    return root
+
+
+# ---- unit tier: local run root -------------------------------------------------------------------
+def test_local_root_marks_in_order_and_keeps_everything(tmp_path):
+    store = RunStore(str(tmp_path / "run"))
+    dirs = [make_checkpoint(store, "cpt", s) for s in (1, 2, 3)]
+    pub = Publisher(store, "cpt", keep_last=1).start()
+    for s in (1, 2, 3, 2):  # a repeated report is published once
+        pub.submit(s)
+    done = pub.drain(timeout=30)
+    assert [p.rel for p in done] == ["cpt/step-000001", "cpt/step-000002", "cpt/step-000003"]
+    for d, p in zip(dirs, done):
+        assert is_published(d) and p.digest == hashlib.sha256((d / MANIFEST).read_bytes()).hexdigest()
+    # A local root is the artifact itself: retention is the engine's, the publisher removes nothing.
+    assert all(d.is_dir() for d in dirs) and all(p.removed == () for p in done)
+
+
+def test_marker_names_the_manifest(tmp_path):
+    store = RunStore(str(tmp_path / "run"))
+    d = make_checkpoint(store, "cpt", 4)
+    assert not is_published(d)
+    pub = Publisher(store, "cpt", keep_last=2).start()
+    pub.submit(4)
+    pub.drain(timeout=30)
+    assert is_published(d)
+    make_checkpoint(store, "cpt", 4)  # re-saved with other bytes: the old marker no longer counts
+    assert (d / PUBLISHED_MARKER).is_file() and not is_published(d)
+
+
+def test_failure_is_retried_then_names_the_checkpoint_and_stops_the_order(tmp_path):
+    store = RunStore(str(tmp_path / "run"))
+    bad = make_checkpoint(store, "sft", 1)
+    (bad / "model" / "weights.bin").write_bytes(b"truncated")  # the manifest no longer matches
+    good = make_checkpoint(store, "sft", 2)
+    warnings: list[str] = []
+
+    class Log:
+        def warning(self, msg, *args):
+            warnings.append(msg % args)
+
+        def error(self, msg, *args):
+            pass
+
+        def info(self, msg, *args):
+            pass
+
+    pub = Publisher(store, "sft", keep_last=1, retries=2, backoff_s=0.01, log=Log()).start()
+    pub.submit(1)
+    pub.submit(2)
+    with pytest.raises(PublishFailed, match=r"sft/step-000001 failed after 3 attempt") as err:
+        pub.drain(timeout=30)
+    assert err.value.rel == "sft/step-000001" and len(warnings) == 2
+    # Nothing newer is published after a failure, and nothing is deleted.
+    assert not is_published(good) and not is_published(bad) and bad.is_dir() and good.is_dir()
+
+
+def test_submit_never_blocks_and_a_full_queue_is_a_failure(tmp_path):
+    store = RunStore(str(tmp_path / "run"))
+    for s in (1, 2, 3):
+        make_checkpoint(store, "cpt", s)
+    pub = Publisher(store, "cpt", keep_last=1, max_queue=2)  # not started: nothing is consumed
+    pub.submit(1)
+    pub.submit(2)
+    pub.submit(3)
+    assert pub.failure is not None and "step-000003" in str(pub.failure)
+    with pytest.raises(RuntimeError, match="max_pending_publishes"):
+        pub.drain(timeout=30)
+
+
+# ---- integration tier: the real S3 server through the throttled proxy -----------------------------
+def _direct_fs(weed):
+    """An S3 client straight to the server, bypassing the proxy (to look while it is paused)."""
+    import s3fs
+
+    return s3fs.S3FileSystem(endpoint_url=weed.endpoint, key=weed.access_key, secret=weed.secret_key,
+                             client_kwargs={"region_name": "us-east-1"}, skip_instance_cache=True, use_listings_cache=False)
+
+
+@pytest.mark.integration
+def test_s3_publishes_in_order_and_retains_only_after_a_newer_commit(throttled_s3, weed, s3_root, tmp_path):
+    store = RunStore(s3_root, staging_dir=str(tmp_path / "staging"), part_size=5 * MB)
+    make_checkpoint(store, "cpt", 0, size=1024)
+    store.publish("cpt/step-000000")
+    dirs = {s: make_checkpoint(store, "cpt", s, size=3 * MB) for s in (1, 2, 3)}
+    throttled_s3.set_rate(4 * MB)
+    direct, root = _direct_fs(weed), store.root
+    pub = Publisher(store, "cpt", keep_last=1).start()
+
+    t0 = time.monotonic()
+    pub.submit(1)
+    assert time.monotonic() - t0 < 0.5  # the reader only enqueues; the upload takes ~1 s
+    while not pub.published:
+        assert pub.failure is None
+        time.sleep(0.05)
+    throttled_s3.pause()
+    pub.submit(2)
+    time.sleep(1.0)
+    # step-000002 is in flight, stalled: step-000001 must still be committed remotely.
+    assert direct.exists(f"{root}/cpt/step-000001/{MANIFEST}") and not is_published(dirs[2])
+    throttled_s3.resume()
+    pub.submit(3)
+    done = pub.drain(timeout=120)
+
+    assert [p.rel for p in done] == ["cpt/step-000001", "cpt/step-000002", "cpt/step-000003"]
+    assert all(is_published(d) for d in dirs.values())
+    # keep_last=1, step 0 kept. (SeaweedFS may list an emptied prefix as a directory: look at objects.)
+    assert sorted(n for n in store.listdir("cpt") if store.exists(f"cpt/{n}/{MANIFEST}")) == ["step-000000", "step-000003"]
+    for gone in ("step-000001", "step-000002"):
+        assert [p for p in direct.find(f"{root}/cpt/{gone}") if p.rstrip("/") != f"{root}/cpt/{gone}"] == []
+    assert store.verify("cpt/step-000003", deep=True)["files"].keys() == {"model/weights.bin", "train_state.json"}
+    assert [p.removed for p in done] == [(), ("cpt/step-000001",), ("cpt/step-000002",)]
+
+
+@pytest.mark.integration
+def test_s3_server_gone_during_publish_fails_naming_the_checkpoint(throttled_s3, s3_root, tmp_path):
+    store = RunStore(s3_root, staging_dir=str(tmp_path / "staging"), part_size=5 * MB)
+    d = make_checkpoint(store, "cpt", 5, size=6 * MB)
+    throttled_s3.set_rate(1 * MB)
+    pub = Publisher(store, "cpt", keep_last=1, retries=2, backoff_s=0.2).start()
+    pub.submit(5)
+    killer = threading.Timer(1.0, throttled_s3.kill)  # mid-upload: ~1 of 6 MB sent
+    killer.start()
+    with pytest.raises(PublishFailed, match=r"cpt/step-000005 failed after 3 attempt") as err:
+        pub.drain(timeout=180)
+    killer.join()
+    assert store.uri("cpt/step-000005") in str(err.value)
+    # The local copy is intact and unmarked: the engine keeps it and a retry resumes from it.
+    assert d.is_dir() and (d / MANIFEST).is_file() and not is_published(d)
+
+
+def test_unpublished_steps_are_what_a_failed_attempt_left(tmp_path):
+    from tasks.core.publisher import unpublished_steps
+
+    store = RunStore(str(tmp_path / "run"))
+    for s in (0, 2, 4, 6):
+        make_checkpoint(store, "cpt", s)
+    (store.local_path("cpt/step-000006") / MANIFEST).unlink()  # torn save: nothing to publish
+    pub = Publisher(store, "cpt", keep_last=2).start()
+    pub.submit(2)
+    pub.drain(timeout=30)
+    assert unpublished_steps(store.local_path("cpt")) == [4]  # step 0 is the shard stage's
