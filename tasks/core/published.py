@@ -5,7 +5,6 @@ it writes `<checkpoint>/.published` holding the sha256 of the manifest it commit
 (tasks/engine/checkpoint.py) reads it: with a remote run root, local retention deletes only marked
 checkpoints, and unmarked ones count towards backpressure. The marker names the manifest, so a
 step re-saved with other content reads as unpublished.
-because every rank imports it.
 
     python -c "from tasks.core.published import is_published; print(is_published(__import__('pathlib').Path('runs/demo/cpt/step-000004')))"
 """
