@@ -178,7 +178,8 @@ def test_tp2_fp32_shard_train_checkpoints(tp2):
     losses = _assert_trains(d, tp2["train"], "cpt")
     assert [c["step"] for c in tp2["train"].checkpoints] == [3, 6]
     # keep_last=1: step-000003 went once step-000006 committed; step-000000 (the shard artifact) stays.
-    assert sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) == ["step-000000", "step-000006"]
+    # (the stage directory also holds tensorboard/, the rank-0 event files)
+    assert sorted(p.name for p in d.iterdir() if p.name.startswith("step-")) == ["step-000000", "step-000006"]
     m = _assert_checkpoint(d / "step-000006", "cpt", 6, "hybrid_parallel")
     assert m["meta"]["final_loss"] == losses[-1] and m["meta"]["dp_size"] == 1
     rng = json.loads((d / "step-000006" / "rng" / "rank-00001.json").read_text())

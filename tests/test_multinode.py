@@ -86,11 +86,12 @@ def test_two_torchrun_agents_rendezvous_and_run_a_cpt_stage(tiny_model_dir, tmp_
     outs = _two_nodes("shard", _job(tmp_path, tiny_model_dir, "shard", run, digest))
     outs += _two_nodes("train", _job(tmp_path, tiny_model_dir, "train", run, digest))
 
-    # One global rank per node: each agent's process got its own RANK from the rendezvous.
-    for out in outs:
-        ranks = set(re.findall(r"^\[rank (\d+)\]", out, re.MULTILINE))
-        assert len(ranks) == 1, ranks
-    assert set().union(*(set(re.findall(r"^\[rank (\d+)\]", o, re.MULTILINE)) for o in outs[2:])) == {"0", "1"}
+    # One global rank per node: each agent's process got its own RANK from the rendezvous. A rank
+    # with nothing to say prints no line (the engine states its own output levels; rank 1 logs
+    # nothing at info), so no agent shows two ranks, and both ranks' saved state proves both ran.
+    seen = [set(re.findall(r"^\[rank (\d+)(?:\|\w+)?\]", out, re.MULTILINE)) for out in outs]
+    assert all(len(ranks) <= 1 for ranks in seen), seen
+    assert "0" in set().union(*seen[2:])
 
     stage_dir = tmp_path / "run" / "cpt"
     start = verify_artifact(stage_dir / "step-000000")
@@ -98,6 +99,7 @@ def test_two_torchrun_agents_rendezvous_and_run_a_cpt_stage(tiny_model_dir, tmp_
     for manifest in (start, final):
         assert manifest["config_digest"] == digest
         assert manifest["meta"]["world_size"] == 2
+    assert {p.name for p in (stage_dir / f"step-{STEPS:06d}" / "rng").glob("*.json")} == {"rank-00000.json", "rank-00001.json"}
     assert final["meta"]["step"] == STEPS and final["meta"]["plugin"]["tp"] == 2
     state = json.loads((stage_dir / f"step-{STEPS:06d}" / "train_state.json").read_text())
     assert len(state["losses"]) == STEPS and not any(math.isnan(x) for x in state["losses"])
