@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,7 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != "manifest.json"}
 
 
-def test_bad_sft_record_stops_the_run_before_boost_and_shard(prefect_harness, tiny_model_dir, tmp_path):
+def test_bad_sft_record_stops_the_run_before_boost_and_shard(prefect_harness, tiny_model_dir, tmp_path, capsys):
     from flows.cpt_to_sft import main
 
     corpus = tmp_path / "sft"
@@ -73,8 +74,10 @@ def test_bad_sft_record_stops_the_run_before_boost_and_shard(prefect_harness, ti
     assert len(second) == 320
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
     raw["sft"]["data"] = {"uri": str(corpus)}
-    with pytest.raises(Exception, match=r"part-1\.jsonl:300: no assistant message"):
-        main(["--config", str(write_config(tmp_path / "bad.yaml", raw))])
+    # The CLI ends with the failing stage and its cause, exit status 1, no traceback (issue 16).
+    assert main(["--config", str(write_config(tmp_path / "bad.yaml", raw))]) == 1
+    out = capsys.readouterr()
+    assert re.search(r"part-1\.jsonl:300: no assistant message", (out.out + out.err).strip().splitlines()[-1]), (out.out + out.err)[-2000:]
     stages = {s["stage"]: s for s in json.loads((tmp_path / "run/run.json").read_text())["stages"]}
     assert stages["prepare_cpt"]["status"] == "completed" and stages["prepare_sft"]["status"] == "failed"
     assert "part-1.jsonl:300" in stages["prepare_sft"]["detail"]["error"]
