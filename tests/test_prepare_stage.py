@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks.core.manifest import MANIFEST
 from tests.conftest import REPO, tiny_config_raw, write_config
 
 pytestmark = pytest.mark.integration
@@ -57,7 +58,7 @@ def _prepare_cpt(config: Path):
 
 def _files(root: Path) -> dict[str, bytes]:
     """Every file of a prepared artifact but its manifest (which records where the artifact lives)."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root).as_posix() != MANIFEST}
 
 
 def test_bad_sft_record_stops_the_run_before_boost_and_shard(prefect_harness, tiny_model_dir, tmp_path, capsys):
@@ -95,7 +96,7 @@ def test_pool_and_dask_skip_increment_and_identical_shards(prefect_harness, tiny
 
     first = _prepare_cpt(cfg)
     assert first.status == "completed" and first.detail["files"] == 4 and first.detail["tokenized"] == 4
-    manifest = json.loads((tmp_path / "pool/data/cpt/manifest.json").read_text())
+    manifest = json.loads((tmp_path / "pool/data/cpt" / MANIFEST).read_text())
     assert manifest["meta"]["totals"]["skipped"] == 1 == first.detail["skipped"]
     index = json.loads((tmp_path / "pool/data/cpt/index.json").read_text())
     assert [f["input"]["uri"].rsplit("/", 1)[-1] for f in index["files"]] == ["a.jsonl", "b.jsonl.gz", "c.jsonl", "d.parquet"]

@@ -34,6 +34,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tasks.core.manifest import MANIFEST
 from tasks.core.runlayout import step_name
 from tasks.core.storage import RunStore
 from tests.conftest import REPO, tiny_config_raw, write_config
@@ -119,7 +120,7 @@ def _throttle_after_shard(proxy: ThrottleProxy, staging: Path, seconds_per_uploa
         size = sum(f.stat().st_size for f in manifest.parent.rglob("*") if f.is_file())
         proxy.set_rate(max(size / seconds_per_upload, 64 << 10))
 
-    return Watch(staging, f"*/cpt/{step_name(0)}/manifest.json", slow)
+    return Watch(staging, f"*/cpt/{step_name(0)}/{MANIFEST}", slow)
 
 
 def _published(text: str) -> list[str]:
@@ -145,7 +146,7 @@ def test_keep_last_1_every_step_through_a_slow_store(prefect_harness, weed, tiny
         assert {step_name(0), step_name(LONG)} <= set(store.listdir("cpt"))
         for name in (step_name(0), step_name(LONG)):
             store.verify(f"cpt/{name}", deep=True)
-        assert not any(store.exists(f"cpt/{step_name(s)}/manifest.json") for s in range(1, LONG))
+        assert not any(store.exists(f"cpt/{step_name(s)}/{MANIFEST}") for s in range(1, LONG))
         assert "@@backpressure" not in log.text() and "waits before saving" not in log.text()
 
         # While an upload ran, the ranks' lines kept reaching the Prefect log.
@@ -270,7 +271,7 @@ def test_store_killed_during_upload_fails_naming_it_then_a_retry_resumes(prefect
         message = str(state.message) + log.text()
         assert re.search(r"publish of checkpoint s3://\S+/cpt/step-000002 failed after 5 attempt\(s\)", message), message[-3000:]
         _nothing_left(job_path, stage_dir, reported_at)
-        local_complete = sorted(p.name for p in stage_dir.glob("step-*") if (p / "manifest.json").is_file())
+        local_complete = sorted(p.name for p in stage_dir.glob("step-*") if (p / MANIFEST).is_file())
         assert step_name(2) in local_complete, "an unpublished checkpoint was deleted"
 
         # The retry: the server is back; training resumes from the newest complete checkpoint

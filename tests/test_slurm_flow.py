@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks.core.manifest import MANIFEST
 from tests.conftest import REPO, tiny_config_raw, write_config
 from tests.servers.prefect_ops import PrefectServer, run_id_from, stop_group
 
@@ -163,5 +164,5 @@ def test_flow_survives_its_own_death_and_completes_with_cpt_on_two_slurm_nodes(s
     for step in (0, 60):
         meta = verify_artifact(run_root / "cpt" / f"step-{step:06d}")["meta"]
         assert meta["world_size"] == 2 and meta["nodes"] == ["n1", "n2"], meta
-    assert (run_root / "export" / "manifest.json").exists()
+    assert (run_root / "export" / MANIFEST).exists()
     assert slurm_cluster.leftovers() == []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 
+from tasks.core.manifest import MANIFEST
 from tests.conftest import tiny_config_raw
 
 pytest_plugins = ["tests.conftest_slurm", "tests.conftest_servers"]
@@ -60,7 +61,7 @@ def test_s3_run_root_with_per_node_staging_on_two_slurm_nodes(slurm_cluster, s3_
     parts = {}
     for node in ("n1", "n2"):
         (final,) = (nodes / node).glob(f"*/cpt/step-{STEPS:06d}")
-        parts[node] = {p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file() and p.name != "manifest.json"}
+        parts[node] = {p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file() and p.relative_to(final).as_posix() != MANIFEST}
         assert parts[node], f"node {node} wrote no part of the checkpoint"
     assert not parts["n1"] & parts["n2"]
     assert parts["n1"] | parts["n2"] == set(manifest["files"])
