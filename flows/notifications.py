@@ -1,6 +1,6 @@
 """Apply the failure-notification automation (deployments/automations.yaml) to a Prefect server.
 
-    cpt-to-sft notifications --webhook-url https://hooks.example.com/XXX     # saves the block too
+    cpt-to-sft notifications --webhook-url "$WEBHOOK_URL"     # saves the block too
     cpt-to-sft notifications --block slack-webhook/ml-alerts                 # an existing block
     python -m flows.notifications --webhook-url URL                          # the same, from a checkout
 
