@@ -12,10 +12,10 @@ progress callbacks and other `@@` events into `on_event`, and keeps the cause: a
 process's last lines. Callbacks run in the reader and must not block (publishing is a queue,
 tasks/core/publisher.py): a reader that stops reading fills the pipe and stalls every rank.
 
-Teardown of the local runner (tasks/core/proctree.py): the task process is a child subreaper and
-torchrun carries a stage token in its environment, so a failure, a cancellation or a background
-failure reported by `failure()` (a publish that spent its retries) ends torchrun and every rank in
-every session it created, and `run_engine` raises only once none of them remains.
+Teardown of the local runner (tasks/core/proctree.py): the task process is a child subreaper while
+the stage runs, and torchrun carries a stage token in its environment, so a failure, a cancellation
+or a background failure reported by `failure()` (a publish that spent its retries) ends torchrun
+and every rank in every session it created, and `run_engine` raises only once none of them remains.
 
 Single node picks a free rendezvous port (`--standalone`); several nodes use c10d rendezvous:
 
@@ -39,7 +39,7 @@ from tasks.core.config import LaunchConfig
 from tasks.core.errors import StageFailed
 from tasks.core.events import ERROR, INFO, PROGRESS, WARNING, parse_line
 from tasks.core.job import Job
-from tasks.core.proctree import TOKEN_ENV, StageProcesses, become_subreaper, new_token, teardown
+from tasks.core.proctree import TOKEN_ENV, StageProcesses, new_token, subreaper, teardown
 
 REPO = Path(__file__).resolve().parents[1]
 _LOG_LEVELS = {INFO: logging.INFO, WARNING: logging.WARNING, ERROR: logging.ERROR}
@@ -141,10 +141,15 @@ def run_engine(
 
 
 def run_local(verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]) -> None:
-    """torchrun on this node, its output on a pipe; any exception kills its whole process group."""
+    """torchrun on this node, its output on a pipe; any exception kills its whole process group.
+    While it runs, orphaned ranks re-parent to this process, not to PID 1 (`subreaper`)."""
+    with subreaper():
+        _run_local(verb, job_path, launch, rdzv_id, router, env)
+
+
+def _run_local(verb: str, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]) -> None:
     argv = torchrun_argv(verb, job_path, launch, rdzv_id)
     router.logger.info("launch: %s", " ".join(argv))
-    become_subreaper()  # orphaned ranks re-parent to this process, not to PID 1
     token = new_token()
     proc = subprocess.Popen(
         argv,

@@ -4,8 +4,11 @@ torch's elastic agent starts every rank with `start_new_session=True`, so `os.ki
 misses the ranks; once torchrun is gone they are orphans (parent PID 1) that keep training and
 committing checkpoints. Three mechanisms, none of which looks at a process name:
 
-- `become_subreaper()`: the task process sets PR_SET_CHILD_SUBREAPER, so orphans of its
-  descendants re-parent to it (and stay visible in its process tree) instead of to PID 1;
+- `subreaper()`: while a stage runs, the task process is a child subreaper (PR_SET_CHILD_SUBREAPER),
+  so orphans of its descendants re-parent to it (and stay visible in its process tree) instead of
+  to PID 1; the flag is cleared again when the last stage of the process ends, so a long-lived
+  process (a worker, pytest) does not go on adopting, and leaving unreaped, the orphans of daemons
+  it started for other reasons (a Slurm daemon's slurmstepd, say);
 - a stage token: the task starts torchrun with `CPT_TO_SFT_STAGE_TOKEN=<uuid>` in its environment,
   which every rank inherits; `StageProcesses.snapshot()` finds the stage's processes as
   torchrun's descendants (psutil, recursive) plus every process carrying the token (the job's own
@@ -23,14 +26,17 @@ calls (prctl) report False elsewhere; the snapshot and signals work wherever psu
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import psutil
@@ -38,6 +44,7 @@ import psutil
 TOKEN_ENV = "CPT_TO_SFT_STAGE_TOKEN"
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 
 
 def _prctl(option: int, arg: int) -> bool:
@@ -52,8 +59,46 @@ def _prctl(option: int, arg: int) -> bool:
 
 def become_subreaper() -> bool:
     """Orphaned descendants of this process re-parent to it instead of to PID 1 (process-wide,
-    lasts for the process's life). It must then reap them, which `teardown` does."""
+    lasts until cleared). It must then reap them, which `teardown` does. A stage uses the scoped
+    `subreaper()`; this is for a process that is a stage driver for its whole life."""
     return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def is_subreaper() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        flag = ctypes.c_int(0)
+        return libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0 and flag.value != 0
+    except OSError:
+        return False
+
+
+_scope_lock = threading.Lock()
+_scope_depth = 0
+_scope_owned = False
+
+
+@contextlib.contextmanager
+def subreaper() -> Iterator[bool]:
+    """This process is a child subreaper while any `with subreaper():` block runs (stages may run
+    in several threads of one process); when the last one ends, the flag is cleared again, unless
+    the process was a subreaper before the first block began. Yields whether the flag is set."""
+    global _scope_depth, _scope_owned
+    with _scope_lock:
+        if _scope_depth == 0:
+            _scope_owned = not is_subreaper() and become_subreaper()
+        _scope_depth += 1
+        on = is_subreaper()
+    try:
+        yield on
+    finally:
+        with _scope_lock:
+            _scope_depth -= 1
+            if _scope_depth == 0 and _scope_owned:
+                _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+                _scope_owned = False
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:

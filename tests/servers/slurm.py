@@ -33,6 +33,8 @@ from pathlib import Path
 
 from tests.servers.seaweed import free_ports
 
+_REPO = Path(__file__).resolve().parents[2]
+
 NODES = ("n1", "n2")
 PARTITION = "debug"
 CPUS_PER_NODE = 2
@@ -169,11 +171,14 @@ class SlurmCluster:
         self._wait(self.socket.exists, 15, "munged's socket")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
+        # Under tests/servers/reaper.py: the daemon's orphans (each job's slurmstepd) are reaped by
+        # it, never adopted by a test process that happens to be a child subreaper.
         exe = shutil.which(argv[0], path=_path()) or argv[0]
+        env = {**os.environ, **self.env(), "PYTHONPATH": os.pathsep.join(p for p in (str(_REPO), os.environ.get("PYTHONPATH")) if p)}
         with open(self.base / f"{name}.stdout", "ab") as log:
             self.procs[name] = subprocess.Popen(
-                [exe, *argv[1:]], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env()}, start_new_session=True,
+                [sys.executable, "-m", "tests.servers.reaper", exe, *argv[1:]], stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=env, cwd=str(_REPO), start_new_session=True,
             )
 
     def _wait(self, ready, timeout: float, what: str) -> None:
@@ -217,8 +222,12 @@ class SlurmCluster:
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                # slurmd ignores SIGTERM while it is still retrying its registration.
-                proc.kill()
+                # slurmd ignores SIGTERM while it is still retrying its registration: SIGKILL the
+                # reaper's process group, the daemon with it.
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 proc.wait(timeout=10)
         return self.leftovers()
 
