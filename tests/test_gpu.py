@@ -48,7 +48,7 @@ if str(REPO) not in sys.path:
 
 from tests._engine_utils import engine, read_model_dir, run_raw, train_state, write_job
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(3600)]  # the first launch may JIT-build kernels
 
 GEMINI = {"name": "gemini", "precision": "bf16", "placement_policy": "static"}
 ONE_RANK = {"launch": {"nproc_per_node": 1}, "keep_last": 3}
