@@ -65,7 +65,7 @@ def _run_name() -> str:
 
 
 @flow(name="cpt-to-sft", flow_run_name=_run_name, log_prints=True)
-def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: RunOverrides | None = None) -> dict[str, Any]:
+def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: RunOverrides = RunOverrides()) -> dict[str, Any]:  # noqa: B008 - frozen
     """Load → prepare data (CPT, SFT) → boost & shard (A) → train CPT (A) → unshard → evaluate CPT → reboost (B) → train SFT (B)
     → export → evaluate SFT → gate → push.
 
@@ -259,10 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if summary["complete"] else 1
 
 
-def _cli_overrides(args: argparse.Namespace) -> RunOverrides | None:
-    if not (args.run_root or args.run_name):
-        return None
-    return RunOverrides(run_root=args.run_root, run_name=args.run_name)
+def _cli_overrides(args: argparse.Namespace) -> RunOverrides:
+    return RunOverrides(run_root=args.run_root or "", run_name=args.run_name or "")
 
 
 EXIT_FAILED_GATE = 3  # the run finished and kept its artifacts, but the gate held the push back

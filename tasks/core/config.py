@@ -133,7 +133,7 @@ class TokenizeConfig(_Frozen):
 class DataConfig(_Frozen):
     uri: str | list[str] = Field(description=(
         "The corpus: one file, a glob, a directory (every .jsonl/.txt/.parquet below it, optionally .gz/.bz2/.xz/.zst), "
-        "or a list of those; any fsspec URI (local, NFS, s3://). Read once by prepare_data into token shards under data/<stage>/."))
+        "or a list of those; any fsspec URI (local, NFS, s3://). Read once by prepare_data into token shards under data/cpt/ or data/sft/."))
     text_field: str = Field(default="text", description="CPT: the record field holding raw text (jsonl/parquet).")
     messages_field: str = Field(default="messages", description="SFT: the record field holding the chat messages.")
     on_bad_record: Literal["error", "skip"] = Field(default="error", description=(
