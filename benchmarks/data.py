@@ -13,6 +13,11 @@ distinct) and the demo tokenizer, then runs, each in its own process (peak RSS =
               first global batch of 8 x seq_len blocks; then the same at a late step (resume)
   old-start   today's in-rank path, read_records + pack_cpt + the first batch, at sizes up to
               --old-max-mb (it needs ~55 bytes of RAM per byte of text)
+  train       the real thing: the engine's train verb under torchrun with 2 CPU ranks (torch_ddp fp32,
+              a tiny random Llama with 1024 positions) on the prepared corpus, through
+              tasks.launch.run_engine as the train task launches it, --train-steps steps: seconds
+              from launch to the first step's @@progress record, and the peak RSS of each rank
+              (psutil, sampled every 0.1 s, over the whole run). --no-train skips it.
 Every process runs with TOKENIZERS_PARALLELISM=false (one core per worker). On a shared machine
 the absolute figures move with the neighbours' load; the ratios are measured side by side.
 """
@@ -146,6 +151,74 @@ print(json.dumps({"seconds": time.monotonic() - t1, "imports_s": t1 - t0, "items
 """
 
 
+def _rank_rss_poller(job_path: Path, peaks: dict[int, int], stop) -> None:
+    """Peak RSS per rank process (those whose command line names the job file and run tasks.engine
+    but are not torchrun itself), sampled every 0.1 s."""
+    import psutil
+
+    while not stop.wait(0.1):
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                cmd = " ".join(p.info["cmdline"] or [])
+                if str(job_path) in cmd and "tasks.engine" in cmd and "torch.distributed.run" not in cmd:
+                    peaks[p.pid] = max(peaks.get(p.pid, 0), p.memory_info().rss)
+            except psutil.Error:
+                pass
+
+
+def train_probe(work: Path, tokdir: Path, prepared: Path, steps: int) -> dict:
+    """Shard a tiny model once (cached in `work`), then train `steps` steps with 2 ranks on `prepared`."""
+    import logging
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from tasks.core.config import LaunchConfig
+    from tasks.core.demo_inputs import build_tiny_model
+    from tasks.core.job import parse_job
+    from tasks.core.runlayout import step_name
+    from tasks.launch import run_engine
+    from tests._engine_utils import run_raw
+
+    log = logging.getLogger("bench-data")
+    model = work / "tiny-llama-1k"
+    run = run_raw(model, work / "unused", "cpt", {"name": "torch_ddp", "precision": "fp32"},
+                  seq_len=SEQ_LEN, micro_batch_size=2, max_steps=steps, checkpoint_every=steps, keep_last=1)
+
+    def job(verb: str, stage_dir: Path, path: Path):
+        raw = {"verb": verb, "stage": "cpt", "run": run, "model_dir": str(model), "tokenizer_dir": str(tokdir), "data_dir": str(prepared),
+               "stage_dir": str(stage_dir), "parent": {"uri": str(model), "digest": "bench"}, "config_digest": "0" * 64}
+        path.write_text(json.dumps(raw))
+        return parse_job(raw, source=str(path))
+
+    base = work / "base-1k"
+    if not (base / step_name(0)).is_dir():
+        build_tiny_model(model, AutoTokenizer.from_pretrained(tokdir), max_position_embeddings=SEQ_LEN)
+        run_engine("shard", job("shard", base, work / "shard.json"), work / "shard.json", LaunchConfig(nproc_per_node=2), "bench-data-shard", log)
+    stage = work / "train-stage"
+    shutil.rmtree(stage, ignore_errors=True)
+    shutil.copytree(base / step_name(0), stage / step_name(0))
+    path = work / "train.json"
+    j = job("train", stage, path)
+    first: list[float] = []
+    peaks: dict[int, int] = {}
+    stop = threading.Event()
+    poller = threading.Thread(target=_rank_rss_poller, args=(path, peaks, stop), daemon=True)
+    poller.start()
+    t0 = time.monotonic()
+    try:
+        progress = run_engine("train", j, path, LaunchConfig(nproc_per_node=2), "bench-data-train", log,
+                              on_progress=lambda rec: first.append(time.monotonic()) if not first else None)
+    finally:
+        stop.set()
+        poller.join()
+    wall = time.monotonic() - t0
+    last = progress[-1] if progress else {}
+    assert int(last.get("step", 0)) == steps and len(peaks) == 2, (last, peaks)
+    return {"train_first_s": first[0] - t0, "train_wall_s": wall, "train_rank_rss": max(peaks.values()) / 2**20,
+            "train_loss": last.get("loss")}
+
+
 def fmt(x, unit=""):
     return "-" if x is None else (f"{x:,.1f}{unit}" if isinstance(x, float) else f"{x}{unit}")
 
@@ -157,6 +230,8 @@ def main() -> None:
     ap.add_argument("--old-max-mb", type=float, default=100, help="run today's in-rank path up to this size (RAM: ~55x the corpus)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--no-train", action="store_true", help="skip the 2-rank training run on each prepared corpus")
+    ap.add_argument("--train-steps", type=int, default=3)
     a = ap.parse_args()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="bench-data-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -191,6 +266,8 @@ def main() -> None:
             if nbytes / 1e6 <= a.old_max_mb:
                 old = child(OLD_START, str(corpus), str(tokdir))
                 r.update(old_s=old["seconds"], old_rss=old["peak_rss_mb"])
+            if not a.no_train:
+                r.update(train_probe(work, tokdir, out, a.train_steps))
             rows.append(r)
             print(json.dumps(r), flush=True)
             shutil.rmtree(corpus, ignore_errors=True)
@@ -217,9 +294,17 @@ def main() -> None:
     print("-|-".join("-" * w for w in widths))
     for t in table:
         print(" | ".join(c.rjust(w) for c, w in zip(t, widths)))
+    if not a.no_train:
+        print(f"\nThe engine's train verb, 2 CPU ranks (torchrun, torch_ddp fp32, tiny Llama, seq_len {SEQ_LEN}, micro-batch 2), {a.train_steps} steps:")
+        print("corpus MB | launch -> first step s | whole run s | peak RSS per rank MB | last loss")
+        for r in rows:
+            print(f"{r['mb']:9.1f} | {r['train_first_s']:22.1f} | {r['train_wall_s']:11.1f} | {r['train_rank_rss']:20.0f} | {r['train_loss']}")
     if len(rows) >= 2:
         lo, hi = rows[0], rows[-1]
         print(f"\nfrom {lo['mb']:.0f} MB to {hi['mb']:.0f} MB: start-up x{hi['start_s'] / lo['start_s']:.2f}, start-up RSS x{hi['start_rss'] / lo['start_rss']:.2f} (target <= 1.10 each)")
+        if not a.no_train:
+            print(f"  a real 2-rank launch: launch -> first step x{hi['train_first_s'] / lo['train_first_s']:.2f}, "
+                  f"peak RSS per rank x{hi['train_rank_rss'] / lo['train_rank_rss']:.2f} (target <= 1.10 each)")
 
 
 if __name__ == "__main__":
