@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -68,24 +67,15 @@ def read_records(uri: str) -> list[dict]:
 
 
 def iter_text_records(uri: str, fmt: str | None = None) -> Iterator[tuple[int, dict]]:
-    """(line number, record) of a .jsonl or .txt file, streamed: pre-flight reads only a head."""
-    fmt = fmt or format_of(uri)
-    with open_uri(uri, "rt", encoding="utf-8", compression="infer") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            if fmt == ".txt":
-                yield lineno, {"text": line}
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{uri}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); every line must be one JSON object") from None
-            if not isinstance(rec, dict):
-                raise ValueError(f"{uri}:{lineno}: expected a JSON object per line, got {type(rec).__name__}")
-            yield lineno, rec
+    """(line number, record) of a .jsonl or .txt file, streamed: pre-flight reads only a head.
+    The reader is prepare_data's (`iter_file_records`); here the first problem raises, naming the
+    file and line."""
+    from tasks.core.dataprep.records import BadRecord, iter_file_records
 
+    for lineno, rec in iter_file_records(uri, fmt or format_of(uri), max_record_chars=1 << 40):
+        if isinstance(rec, BadRecord):
+            raise ValueError(str(rec))
+        yield lineno, rec
 
 
 def head_records(uri: str, n: int = 64) -> list[tuple[int, dict]]:

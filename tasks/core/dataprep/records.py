@@ -2,10 +2,10 @@
 
     python -m tasks.core.dataprep.records data/sample/sft.jsonl     # counts records and problems
 
-Unlike `iter_text_records` (which stops at the first problem), this yields a `BadRecord` in
-place of a record it cannot read and goes on, so the caller decides between `on_bad_record:
-error` and `skip`. Line splitting and numbering are exactly iter_text_records': text mode with
-universal newlines, every line counted, blank lines skipped. Bytes that are not UTF-8 are read
+This yields a `BadRecord` in place of a record it cannot read and goes on, so the caller decides
+between `on_bad_record: error` and `skip` (`tasks.core.data.iter_text_records`, for pre-flight and
+evaluation, raises at the first one). Text mode with universal newlines, every line counted, blank
+lines skipped. Bytes that are not UTF-8 are read
 with `surrogateescape` so one bad line does not end the stream, then refused by their line.
 Parquet records are numbered by row (1-based) and streamed one row group batch at a time.
 """
@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import fsspec
+from tasks.core.storage import open_uri
 
 _PARQUET_BATCH = 1024
 
@@ -38,7 +38,7 @@ class BadRecord:
 
 
 def _text_records(uri: str, fmt: str, max_chars: int) -> Iterator[tuple[int, dict | BadRecord]]:
-    with fsspec.open(uri, "rb", compression="infer") as raw:
+    with open_uri(uri, "rb", compression="infer") as raw:
         f = io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape", newline=None)
         lineno = 0
         while True:
@@ -82,7 +82,7 @@ def _text_records(uri: str, fmt: str, max_chars: int) -> Iterator[tuple[int, dic
 def _parquet_records(uri: str) -> Iterator[tuple[int, dict | BadRecord]]:
     import pyarrow.parquet as pq  # only parquet users pay for the import
 
-    with fsspec.open(uri, "rb", compression="infer") as f:
+    with open_uri(uri, "rb", compression="infer") as f:
         row = 0
         for batch in pq.ParquetFile(f).iter_batches(batch_size=_PARQUET_BATCH):
             for rec in batch.to_pylist():
