@@ -694,6 +694,13 @@ def check_throughput(ctx: Ctx, r1, plain_progress, mc, cpt, skip: int) -> None:
         d["mfu_spec"] = d["tflops_per_gpu"] / PEAK_SPEC_TFLOPS
         d["mfu_measured_peak"] = d["tflops_per_gpu"] / PEAK_MEASURED_TFLOPS
     ratio = (f["tokens_per_s"] or 0) / pl["tokens_per_s"] if pl["tokens_per_s"] else None
+    # The engine's own per-step figures (tasks/engine/metrics.py: 6N with the embeddings + attention,
+    # against tasks/core/flops.py's peak for the device), over the same steps.
+    used = [r for r in flow_progress if int(r["step"]) > skip and int(r["step"]) - 1 not in saves]
+    eng_mfu = sorted(float(r["mfu"]) for r in used if r.get("mfu") is not None)
+    peak_mem = max((int(r["peak_mem_bytes"]) for r in used if r.get("peak_mem_bytes")), default=None)
+    f["engine_mfu_median"] = eng_mfu[len(eng_mfu) // 2] if eng_mfu else None
+    f["peak_mem_gib"] = round(peak_mem / 2**30, 2) if peak_mem else None
     ctx.figures["throughput"] = {"flow": f, "plain": pl, "ratio": ratio, "flops_per_token": fpt, "checkpoint_steps_left_out": sorted(saves)}
     say("")
     say(f"   CPT throughput, steps {skip + 1}..{cpt['max_steps']} (intervals with a checkpoint save left out), "
@@ -704,6 +711,9 @@ def check_throughput(ctx: Ctx, r1, plain_progress, mc, cpt, skip: int) -> None:
         say(f"   {name:8} {d['tokens_per_s'] or 0:12.0f} {d['tflops_per_gpu']:12.1f} {d['mfu_spec']:8.1%} {d['mfu_measured_peak']:8.1%} "
             f"{d['steps_used']:6d} {wall or 0:24.0f}")
     say(f"   flow / plain = {ratio:.3f} (target >= {TARGET_RATIO})" if ratio else "   flow / plain = n/a")
+    if f["engine_mfu_median"] is not None or f["peak_mem_gib"] is not None:
+        say(f"   the engine's own figures: median MFU {f['engine_mfu_median'] or 0:.1%} (6N incl. embeddings, tasks/core/flops.py peak), "
+            f"peak GPU memory {f['peak_mem_gib']} GiB")
     detail = (f"flow {f['tokens_per_s']:.0f} tok/s = {f['tflops_per_gpu']:.1f} TFLOP/s/GPU (MFU {f['mfu_spec']:.1%} of 989, "
               f"{f['mfu_measured_peak']:.1%} of 790), plain {pl['tokens_per_s']:.0f} tok/s = {pl['tflops_per_gpu']:.1f} TFLOP/s; "
               f"ratio {ratio:.3f} (target >= {TARGET_RATIO})") if ratio else "no window"

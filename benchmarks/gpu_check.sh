@@ -3,7 +3,9 @@
 #   bash benchmarks/gpu_check.sh [benchmarks/gpu_check.py options, e.g. --skip-tests --budget-s 480]
 # From the CPU machine, with the wheels fetched first by `bash benchmarks/gpu_wheels.sh`, the device
 # tool's call is:
-#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=600)
+#   run(command="bash benchmarks/gpu_check.sh --budget-s 490", carry=[".whl"], timeout_s=575)
+# (the installs and import checks take ~30-60 s before the budget starts; the machine's start is
+# not in timeout_s but counts against the session's device time)
 #
 # 1. installs the carried wheels (.whl/) into $GPU_CHECK_SITE (default /tmp/site) and puts it first on
 #    PYTHONPATH, over the image's own transformers 5 / huggingface_hub 1 / tokenizers 0.23; torch is
@@ -13,7 +15,10 @@
 #    -> galore_torch / .galore -> bitsandbytes.optim.optimizer.Optimizer2State) and this project never
 #    uses it; the real wheel (43 MB) does not fit in what a device call carries. Instantiating the
 #    stand-in raises. There is no dist-info, so transformers reports bitsandbytes unavailable;
-# 3. runs benchmarks/gpu_check.py, its console copied to $OUT/console.log ($OUT/gpu_check.log holds
+# 3. finds CUDA_HOME (the toolkit nvcc reports) and the cuBLAS/cuSPARSE/cuSOLVER headers torch's
+#    ATen/cuda headers include (CPATH, from the image's pip nvidia-* packages when the toolkit lacks
+#    them), which ColossalAI's JIT-built fused-Adam kernel needs;
+# 4. runs benchmarks/gpu_check.py, its console copied to $OUT/console.log ($OUT/gpu_check.log holds
 #    every subprocess's output, $OUT/summary.json the checks and figures).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,10 +62,41 @@ if ! "$PY" -c "import prefect, transformers, colossalai.nn.optimizer" ; then
   exit 1
 fi
 
+# CUDA_HOME for ColossalAI's JIT kernels: the toolkit nvcc itself reports (its TOP, which sees
+# through a wrapper script such as /usr/local/bin/nvcc -> exec /usr/local/cuda-13.0/bin/nvcc), else
+# the resolved nvcc's grandparent, else /usr/local/cuda; the first that holds include/cuda_runtime.h.
 if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
-  CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
-  export CUDA_HOME
+  probe=$(mktemp -d)
+  : > "$probe/k.cu"
+  top=$(cd "$probe" && nvcc --dryrun -c k.cu 2>&1 | sed -n 's/^#\$ TOP=//p' | head -1)
+  rm -rf "$probe"
+  for c in "${top:+$(readlink -f "$top")}" "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")" /usr/local/cuda; do
+    if [ -n "$c" ] && [ -x "$c/bin/nvcc" ] && [ -f "$c/include/cuda_runtime.h" ]; then CUDA_HOME=$c; break; fi
+  done
+  [ -n "${CUDA_HOME:-}" ] && export CUDA_HOME
 fi
+# torch's ATen/cuda headers (included by the fused-Adam kernel) need cublas_v2.h, cublasLt.h,
+# cusparse.h and cusolverDn.h. A toolkit with only the compiler lacks them; the image's pip
+# nvidia-cublas / -cusparse / -cusolver packages ship them: put their include folders on CPATH
+# (read by g++, which nvcc preprocesses with).
+hdrs=""
+for h in cublas_v2.h cublasLt.h cusparse.h cusolverDn.h cusolver_common.h; do
+  [ -n "${CUDA_HOME:-}" ] && [ -f "$CUDA_HOME/include/$h" ] && continue
+  nv=$("$PY" -c "import nvidia, sys; print(' '.join(nvidia.__path__))" 2>/dev/null)
+  d=$(find $nv /usr/local/cuda*/ /usr/include -maxdepth 5 -name "$h" -path "*include*" 2>/dev/null | head -1)
+  if [ -n "$d" ]; then
+    d=$(dirname "$d")
+    case ":$hdrs:" in *":$d:"*) ;; *) hdrs="${hdrs:+$hdrs:}$d" ;; esac
+  else
+    echo "gpu_check.sh: $h not found (CUDA_HOME=${CUDA_HOME:-unset}): the fused-Adam kernel will not build" >&2
+  fi
+done
+if [ -n "$hdrs" ]; then
+  export CPATH="$hdrs${CPATH:+:$CPATH}"
+  echo "gpu_check.sh: CUDA library headers from $hdrs (CPATH)"
+fi
+echo "gpu_check.sh: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1);" \
+  "nvcc $(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p'); $(g++ --version 2>/dev/null | head -1); $(nproc) CPUs"
 export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PREFECT_SERVER_ANALYTICS_ENABLED=false
 echo "gpu_check.sh: setup took $(( $(date +%s) - t0 ))s; python $("$PY" -c 'import sys; print(sys.executable)'); CUDA_HOME=${CUDA_HOME:-unset}"
 

@@ -10,7 +10,8 @@
 # colossalai 0.5.0), and no prefect, pydantic, colossalai, peft or galore. It reaches no registry.
 # The list is this project's .venv (pyproject.toml + colossalai's runtime needs, prefect 3.9.1's
 # closure) minus what that image already holds, at the exact versions the CPU tests run with, plus
-# the pins the image gets wrong. typing-extensions and certifi are carried because pydantic 2.14
+# the pins the image gets wrong. tensorboardX (pure Python, 88 KB): the engine's per-step TensorBoard
+# writer (tasks/engine/metrics.py), which without it only warns and writes nothing. typing-extensions and certifi are carried because pydantic 2.14
 # and prefect 3.9 need releases newer than an image may hold.
 #
 # Not carried:
@@ -45,6 +46,7 @@ WHEELS=(
   rich-rst==2.2.0 rpds-py==2026.9.1 ruamel-yaml==0.19.1 semver==3.1.2 sniffio==1.3.1 sqlalchemy==2.1.9
   starlette==1.10.0 text-unidecode==1.3 toml==0.10.2 tzdata==2026.6 tzlocal==5.4.5 uncalled-for==0.6.2
   uvicorn==0.54.0 websockets==16.1.1 whenever==0.11.0
+  tensorboardX==2.6.5
 )
 PLATFORMS=()
 for p in manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do

@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests._engine_utils import engine, read_model_dir, run_raw, train_state, write_job
+from tests._engine_utils import engine, prepared_data, read_model_dir, run_raw, train_state, write_job
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(3600)]  # the first launch may JIT-build kernels
 
@@ -280,7 +280,7 @@ def test_gemini_checkpoint_exports_with_matching_fingerprint(gemini_runs, dropou
 # torchrun worker (not a test): python -m torch.distributed.run ... tests/test_gpu.py --worker roundtrip
 
 
-def _roundtrip_worker(model_dir: Path, out: Path) -> None:
+def _roundtrip_worker(model_dir: Path, out: Path, plugin: dict | None = None) -> None:
     import colossalai
     import torch
     import torch.distributed as dist
@@ -295,12 +295,13 @@ def _roundtrip_worker(model_dir: Path, out: Path) -> None:
 
         cpu_compat.apply()
     colossalai.launch_from_torch(seed=1234, verbose=False)
-    run = run_raw(model_dir, out / "runs", "sft", GEMINI, **ONE_RANK)
+    run = run_raw(model_dir, out / "runs", "sft", plugin or GEMINI, **ONE_RANK)
+    data_dir = prepared_data(run, "sft", model_dir, out / "data-sft")  # StageData reads prepared token shards
 
     def job(name: str):
         return parse_job({
             "verb": "shard", "stage": "sft", "run": run, "model_dir": str(model_dir), "tokenizer_dir": str(model_dir),
-            "stage_dir": str(out / name / "sft"), "parent": None, "config_digest": "0" * 64,
+            "data_dir": str(data_dir), "stage_dir": str(out / name / "sft"), "parent": None, "config_digest": "0" * 64,
         })
 
     first = job("first")
@@ -328,5 +329,6 @@ if __name__ == "__main__":
     ap.add_argument("--worker", choices=["roundtrip"], required=True)
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--plugin", type=json.loads, default=None, help="plugin section as JSON (default Gemini; a CPU plugin to check this worker without CUDA)")
     a = ap.parse_args()
-    _roundtrip_worker(a.model, a.work)
+    _roundtrip_worker(a.model, a.work, a.plugin)
