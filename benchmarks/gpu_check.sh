@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU validation in one command, on a machine with one CUDA GPU and no internet:
 #   bash benchmarks/gpu_check.sh [benchmarks/gpu_check.py options, e.g. --skip-tests --budget-s 480]
+#   bash benchmarks/gpu_check.sh --tests-only [pytest options]   # the set-up, then only tests/test_gpu.py
 # From the CPU machine, with the wheels fetched first by `bash benchmarks/gpu_wheels.sh`, the device
 # tool's call is:
 #   run(command="bash benchmarks/gpu_check.sh --budget-s 490", carry=[".whl"], timeout_s=575)
@@ -100,5 +101,10 @@ echo "gpu_check.sh: $(nvidia-smi --query-gpu=name,driver_version,memory.total --
 export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PREFECT_SERVER_ANALYTICS_ENABLED=false
 echo "gpu_check.sh: setup took $(( $(date +%s) - t0 ))s; python $("$PY" -c 'import sys; print(sys.executable)'); CUDA_HOME=${CUDA_HOME:-unset}"
 
+if [ "${1:-}" = "--tests-only" ]; then  # only tests/test_gpu.py, after the same set-up (its first launch JIT-builds the kernels)
+  shift
+  "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py "$@" 2>&1 | tee "$OUT/console.log"
+  exit "${PIPESTATUS[0]}"
+fi
 "$PY" benchmarks/gpu_check.py "$@" 2>&1 | tee "$OUT/console.log"
 exit "${PIPESTATUS[0]}"

@@ -26,7 +26,7 @@ CUBLAS_WORKSPACE_CONFIG); the engine itself runs unchanged.
   optimizer, scheduler and fingerprint bitwise equal.
 - RNG unit: capture_rng / write_rng / restore_rng reproduce CUDA random draws bitwise.
 - export: A's final Gemini checkpoint through `build_hf_dir` (the export stage's code): fingerprint
-  match, tensors bitwise the checkpoint's, logits of plain transformers on the GPU within 1e-2 of
+  match, tensors bitwise the checkpoint's cast to bf16, logits of plain transformers on the GPU within 1e-2 of
   the fingerprint the engine took under Gemini.
 """
 
@@ -270,7 +270,11 @@ def test_gemini_checkpoint_exports_with_matching_fingerprint(gemini_runs, dropou
     exported = {k: v for f in sorted(dst.glob("model*.safetensors")) for k, v in load_file(str(f)).items()}
     trained = read_model_dir(ckpt / "model")
     assert exported.keys() == trained.keys()
-    assert [k for k in trained if not _same(exported[k], trained[k])] == []
+    # The export is the checkpoint's tensors cast to the export dtype (what build_hf_dir's proof
+    # checks). Not the checkpoint's dtype: on one GPU Gemini's chunks stay gathered, and colossalai
+    # 0.5.0's get_temp_total_chunk_on_cuda then returns the fp32 chunk uncast, so model/ holds the
+    # fp32 masters (the first device run compared without the cast and every tensor differed).
+    assert [k for k in trained if not _same(exported[k], trained[k].to(exported[k].dtype))] == []
     model = AutoModelForCausalLM.from_pretrained(dst, torch_dtype=torch.bfloat16, use_safetensors=True).cuda()
     diff = max_abs_diff(model_logits(model, model.config.vocab_size), load_fingerprint(ckpt))
     assert diff <= 1e-2, f"export logits on the GPU differ from the Gemini fingerprint by {diff}"

@@ -188,6 +188,12 @@ class Engine:
                 zero_step = lambda: torch.tensor(0.0, dtype=torch.float32)
         else:  # ColossalAI's HybridAdam (Gemini) starts its counter at the int 0
             zero_step = lambda: 0
+        # Gemini: the optimizer's params are empty placeholders outside step(); each stands for the
+        # fp32 range [begin, end) of its chunk that this rank updates (GeminiOptimizer.param_to_range),
+        # and HybridAdam's own lazy init makes 1-D fp32 moments of that size on the chunk's device.
+        # Moments shaped like the empty placeholder fail the save (pack_optimizer_states_to_tensor
+        # asserts numel == shard size) and the first step (multi_tensor_adam: Size mismatch).
+        ranges = getattr(self.optimizer, "param_to_range", None)
         for group in inner.param_groups:
             if group.get("amsgrad") or group.get("fused") or group.get("capturable"):
                 raise ValueError("materialize_optimizer_state mirrors plain AdamW only (no amsgrad/fused/capturable)")
@@ -195,6 +201,13 @@ class Engine:
                 state = inner.state[p]
                 if len(state) == 0:
                     state["step"] = zero_step()
+                    if ranges is not None and p in ranges:
+                        begin, end = ranges[p]
+                        state["exp_avg"] = torch.zeros(end - begin, dtype=torch.float32, device=p.device)
+                        state["exp_avg_sq"] = torch.zeros(end - begin, dtype=torch.float32, device=p.device)
+                        if hasattr(inner, "_post_state_init"):  # what HybridAdam's lazy init does next
+                            inner._post_state_init(p)
+                        continue
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
