@@ -88,6 +88,62 @@ def test_failure_is_retried_then_names_the_checkpoint_and_stops_the_order(tmp_pa
     assert not is_published(good) and not is_published(bad) and bad.is_dir() and good.is_dir()
 
 
+class _Log:
+    def __init__(self):
+        self.warnings: list[str] = []
+        self.errors: list[str] = []
+
+    def warning(self, msg, *args):
+        self.warnings.append(msg % args)
+
+    def error(self, msg, *args):
+        self.errors.append(msg % args)
+
+    def info(self, msg, *args):
+        pass
+
+
+def test_a_failing_on_published_callback_is_a_warning_and_publishing_goes_on(tmp_path):
+    # The callback (the stage's TensorBoard copy) fails when the store is gone; a dead worker
+    # thread would leave the engine waiting at its next save for a marker nobody writes.
+    store = RunStore(str(tmp_path / "run"))
+    dirs = [make_checkpoint(store, "cpt", s) for s in (1, 2)]
+    log = _Log()
+
+    def on_published(done):
+        raise OSError(f"store gone after {done.rel}")
+
+    pub = Publisher(store, "cpt", keep_last=1, log=log, on_published=on_published).start()
+    pub.submit(1)
+    pub.submit(2)
+    assert [p.rel for p in pub.drain(timeout=30)] == ["cpt/step-000001", "cpt/step-000002"]
+    assert all(is_published(d) for d in dirs)
+    assert len(log.warnings) == 2 and "cpt/step-000001" in log.warnings[0] and "store gone" in log.warnings[0]
+
+
+def test_an_unexpected_error_in_the_worker_is_the_failure_naming_the_checkpoint(tmp_path, monkeypatch):
+    from tasks.core import publisher
+
+    store = RunStore(str(tmp_path / "run"))
+    first, second = make_checkpoint(store, "cpt", 1), make_checkpoint(store, "cpt", 2)
+
+    def no_space(checkpoint_dir, digest):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(publisher, "mark_published", no_space)
+    log = _Log()
+    pub = Publisher(store, "cpt", keep_last=1, log=log).start()
+    pub.submit(1)
+    pub.submit(2)
+    deadline = time.monotonic() + 30
+    while pub.failure is None and time.monotonic() < deadline:  # what the stage's watcher polls
+        time.sleep(0.01)
+    assert pub.failure is not None and "step-000001" in str(pub.failure) and "No space left" in str(pub.failure)
+    with pytest.raises(RuntimeError, match=r"cpt/step-000001: OSError"):
+        pub.drain(timeout=30)
+    assert log.errors and first.is_dir() and second.is_dir() and not is_published(second)
+
+
 def test_submit_never_blocks_and_a_full_queue_is_a_failure(tmp_path):
     store = RunStore(str(tmp_path / "run"))
     for s in (1, 2, 3):

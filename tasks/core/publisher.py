@@ -104,7 +104,9 @@ class Publisher:
 
     `max_queue` bounds the checkpoints waiting (the engine's backpressure keeps the real number at
     most max_pending_publishes + 1); a submit beyond it is recorded as a failure, never dropped
-    silently. `on_published(Published)` and `log` are called from the worker thread.
+    silently. `on_published(Published)` and `log` are called from the worker thread; an exception
+    from `on_published` is logged as a warning (the checkpoint is committed by then), and any other
+    unexpected one becomes the failure: the worker never ends silently.
     """
 
     def __init__(
@@ -198,6 +200,16 @@ class Publisher:
                     return
                 if self._failure is None:
                     self._publish_one(int(item))
+            except BaseException as exc:
+                # The worker must never end silently: the engine would wait at its next save for a
+                # marker nobody writes, and drain() would report nothing. Record it as the failure,
+                # so the stage stops naming the checkpoint.
+                rel = step_rel(self.stage, int(item))
+                self._failure = RuntimeError(
+                    f"publisher stopped while handling checkpoint {self.store.uri(rel)}: {type(exc).__name__}: {exc}. "
+                    "Its local copy is kept; a retried flow run resumes from the newest checkpoint complete remotely or locally."
+                )
+                self.log.error("%s", self._failure)
             finally:
                 self._queue.task_done()
 
@@ -236,7 +248,14 @@ class Publisher:
         self.published.append(done)
         self.log.info("published %s in %.1fs (%d attempt(s), %.1f MB sent)", self.store.uri(rel), done.seconds, attempt, moved / 1e6)
         if self.on_published:
-            self.on_published(done)
+            # Best effort (the stage's TensorBoard files): the checkpoint is committed whatever it does,
+            # and a failure here must not stop the worker (the next checkpoint's publish retries and,
+            # if the store is really gone, fails naming it).
+            try:
+                self.on_published(done)
+            except Exception as exc:
+                self.log.warning("after publishing %s: %s: %s (the checkpoint is committed; retried after the next one)",
+                                 self.store.uri(rel), type(exc).__name__, exc)
 
     def _publish_and_verify(self, rel: str) -> str:
         digest = self.store.publish(rel)
