@@ -8,15 +8,19 @@
 
 The S3 side is a real SeaweedFS server (`weed mini`) behind the bandwidth-limiting proxy of
 tests/servers/throttle.py at `--rate-mb` MB/s, so each checkpoint takes seconds to upload. The
-same tiny random Llama is sharded once; each mode trains from a copy of that step-000000 with 2
-CPU ranks (torch_ddp, fp32) through `tasks.launch.run_engine`, exactly as the train task launches
-it. steps/s is the ranks' own count: steps / `elapsed_s` of the last @@progress record (from the
+same tiny random Llama is sharded once; each mode trains from a copy of that step-000000 with
+--nproc CPU ranks (torch_ddp, fp32; default 1) through `tasks.launch.run_engine`, exactly as the
+train task launches it. One rank by default: on this 2-core machine two CPU ranks take both cores,
+and any upload (s3fs, the proxy, the S3 server, all on the same cores) then slows training
+whether it runs in the reader or beside it (measured: 2 ranks, a checkpoint every 75 steps: local
+39.3 steps/s, sync 22.6, async 23.3 with no backpressure wait). On a GPU node the ranks' CPU
+cores are mostly idle while the GPU trains. steps/s is the ranks' own count: steps / `elapsed_s` of the last @@progress record (from the
 first step to the last, saves and waits included; a failed mode: up to its last step); the wall
 time adds launch and the final drain. Mode (c) keeps pace with (a) when one upload takes less than
 the training time between two checkpoints; when it takes longer, backpressure slows (c) to the
 upload rate instead of failing or deleting anything (try --every 15).
 
-    .venv/bin/python benchmarks/publish.py                         # ~4 min on 2 cores
+    .venv/bin/python benchmarks/publish.py                         # ~2 min on 2 cores
     .venv/bin/python benchmarks/publish.py --rate-mb 0.5 --steps 60 --every 15 --keep-last 1
 """
 
@@ -57,7 +61,7 @@ def _job(path: Path, run: dict, model: Path, stage_dir: Path, verb: str, remote:
     return parse_job(job, source=str(path))
 
 
-def _train(mode: str, work: Path, run: dict, model: Path, base: Path, s3_uri: str) -> dict:
+def _train(mode: str, work: Path, run: dict, model: Path, base: Path, s3_uri: str, nproc: int) -> dict:
     events: list[dict] = []
     staging = work / f"staging-{mode}"
     store = RunStore(s3_uri, staging_dir=str(staging)) if mode != "local" else RunStore(str(work / "local-root"))
@@ -91,7 +95,7 @@ def _train(mode: str, work: Path, run: dict, model: Path, base: Path, s3_uri: st
     progress: list[dict] = []
     try:
         job = _job(work / f"train-{mode}.json", run, model, stage_dir, "train", remote=mode == "async")
-        run_engine("train", job, work / f"train-{mode}.json", LaunchConfig(nproc_per_node=2), f"bench-{mode}", log,
+        run_engine("train", job, work / f"train-{mode}.json", LaunchConfig(nproc_per_node=nproc), f"bench-{mode}", log,
                    on_progress=progress.append, on_event=on_event, failure=(lambda: publisher.failure) if publisher else None)
         if publisher:
             publisher.drain()
@@ -111,8 +115,9 @@ def _train(mode: str, work: Path, run: dict, model: Path, base: Path, s3_uri: st
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rate-mb", type=float, default=1.0, help="proxy bandwidth, MB/s each way (default 1)")
-    ap.add_argument("--steps", type=int, default=300, help="training steps per mode")
-    ap.add_argument("--every", type=int, default=75, help="checkpoint interval in steps")
+    ap.add_argument("--steps", type=int, default=600, help="training steps per mode")
+    ap.add_argument("--every", type=int, default=150, help="checkpoint interval in steps")
+    ap.add_argument("--nproc", type=int, default=1, help="CPU ranks (default 1: on 2 cores, 2 ranks leave no core for the upload path)")
     ap.add_argument("--keep-last", type=int, default=1)
     ap.add_argument("--max-pending", type=int, default=2, help="max_pending_publishes of mode (c)")
     ap.add_argument("--workdir", default=None)
@@ -139,15 +144,15 @@ def main(argv: list[str] | None = None) -> int:
                       max_steps=a.steps, checkpoint_every=a.every, keep_last=a.keep_last, max_pending_publishes=a.max_pending)
         base_dir = work / "base"
         run_engine("shard", _job(work / "shard.json", run, model, base_dir, "shard"), work / "shard.json",
-                   LaunchConfig(nproc_per_node=2), "bench-shard", log)
+                   LaunchConfig(nproc_per_node=a.nproc), "bench-shard", log)
         base = base_dir / step_name(0)
         size = sum(f.stat().st_size for f in base.rglob("*") if f.is_file())
         print(f"checkpoint {size / 1e6:.2f} MB; proxy {a.rate_mb:.2f} MB/s (~{size / (a.rate_mb * MB):.1f}s per upload); "
-              f"{a.steps} steps, a checkpoint every {a.every}, keep_last {a.keep_last}, max_pending_publishes {a.max_pending}; "
+              f"{a.nproc} rank(s), {a.steps} steps, a checkpoint every {a.every}, keep_last {a.keep_last}, max_pending_publishes {a.max_pending}; "
               f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
         results = {}
         for i, mode in enumerate(("local", "sync", "async")):
-            results[mode] = _train(mode, work, run, model, base, f"s3://{BUCKET}/{mode}-{i}")
+            results[mode] = _train(mode, work, run, model, base, f"s3://{BUCKET}/{mode}-{i}", a.nproc)
             r = results[mode]
             print(f"  {mode:<6} {r['steps_per_s']:6.2f} steps/s  ({r['steps']} steps in {r['train_s']:.1f}s, wall {r['wall_s']:.1f}s"
                   + (f", waited {r['waited_s']:.1f}s at saves" if r["waited_s"] else "") + (f"; FAILED {r['error']}" if r["error"] else "") + ")",
