@@ -1,7 +1,7 @@
 """An `s3://` run root with its CPT stage on two Slurm nodes, per-node staging (integration): a real
 SeaweedFS S3 server and the real two-node Slurm test cluster.
 
-The flow's first three stages run as Prefect tasks (load_from_hf -> boost_and_shard -> train_cpt,
+The flow's first four stages run as Prefect tasks (load_from_hf -> prepare_data -> boost_and_shard -> train_cpt,
 HybridParallel tp=2 with one rank on each of n1 and n2). The run's staging_dir differs from the
 nodes' staging directories, and each node gets its own (`<staging>/cpt-to-sft-nodes/<node>`), so
 no node can read what another one or the worker staged: each node stages the model, the data and
@@ -30,6 +30,7 @@ def test_s3_run_root_with_per_node_staging_on_two_slurm_nodes(slurm_cluster, s3_
     from tasks.core.config import parse_config
     from tasks.core.storage import RunStore
     from tasks.load import load_from_hf
+    from tasks.prepare_data import prepare_data
     from tasks.stage import outcome
     from tasks.train import boost_and_shard, train_cpt
 
@@ -43,7 +44,8 @@ def test_s3_run_root_with_per_node_staging_on_two_slurm_nodes(slurm_cluster, s3_
     @flow(name="slurm-s3-cpt")
     def cpt_only():
         base = outcome(load_from_hf(cfg, return_state=True))
-        a0 = outcome(boost_and_shard(cfg, base, return_state=True))
+        data = outcome(prepare_data(cfg, "cpt", base, return_state=True))
+        a0 = outcome(boost_and_shard(cfg, base, data, return_state=True))
         return outcome(train_cpt(cfg, a0, return_state=True))
 
     result = cpt_only()
