@@ -47,12 +47,13 @@ _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 
 
-def _prctl(option: int, arg: int) -> bool:
+def _prctl(option: int, arg) -> bool:
+    """prctl(option, arg); `arg` an int, or a ctypes pointer for the GET options."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0) == 0
+        return libc.prctl(option, arg if isinstance(arg, ctypes._Pointer) else ctypes.c_ulong(arg), 0, 0, 0) == 0
     except OSError:
         return False
 
@@ -65,14 +66,8 @@ def become_subreaper() -> bool:
 
 
 def is_subreaper() -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        flag = ctypes.c_int(0)
-        return libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0 and flag.value != 0
-    except OSError:
-        return False
+    flag = ctypes.c_int(0)
+    return _prctl(_PR_GET_CHILD_SUBREAPER, ctypes.pointer(flag)) and flag.value != 0
 
 
 _scope_lock = threading.Lock()
