@@ -151,8 +151,9 @@ class ThrottleProxy:
             try:
                 # SO_LINGER 0: close() sends RST, so the client sees the connection die mid-request.
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                # close() alone does not wake a thread blocked in recv() on this socket.
-                s.shutdown(socket.SHUT_RD)
+                # close() alone wakes neither a thread blocked in recv() nor one blocked in
+                # sendall() on a full buffer; shutdown of both directions wakes both.
+                s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             _close(s)
@@ -207,7 +208,15 @@ class ThrottleProxy:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             pair = _Pair(client, server)
             with self._lock:
-                self._conns.update((client, server))
+                # kill() sets _closed before it takes its snapshot under this lock: a connection
+                # accepted just before kill() is either in that snapshot or refused here.
+                refused = self._closed.is_set()
+                if not refused:
+                    self._conns.update((client, server))
+            if refused:
+                _close(client)
+                _close(server)
+                return
             for src, dst, bucket, attr in ((client, server, self.up, "bytes_up"), (server, client, self.down, "bytes_down")):
                 t = threading.Thread(target=self._pump, args=(src, dst, bucket, attr, pair), daemon=True)
                 with self._lock:
@@ -234,8 +243,10 @@ class ThrottleProxy:
                     view = view[k:]
         except (OSError, Stopped):
             # One direction broke: the other must not wait forever on a half-dead connection.
-            _close(pair.client)
-            _close(pair.server)
+            # shutdown, not close: close() does not wake the other pump out of its recv(), and
+            # once closed the socket cannot be shut down by kill() either (EBADF).
+            _shutdown(pair.client)
+            _shutdown(pair.server)
         finally:
             with self._lock:
                 self._threads.discard(threading.current_thread())
@@ -252,6 +263,13 @@ class ThrottleProxy:
 class _Pair:
     def __init__(self, client: socket.socket, server: socket.socket):
         self.client, self.server, self.pumps = client, server, 2
+
+
+def _shutdown(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _close(s: socket.socket) -> None:
