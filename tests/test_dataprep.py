@@ -331,3 +331,53 @@ def test_another_tokenizer_is_refused_by_fingerprint(tok, tokdir, tmp_path):
     assert tokenizer_fingerprint(other) != tokenizer_fingerprint(tokdir)
     with pytest.raises(ValueError, match=rf"sha256 {tokenizer_fingerprint(other)[:16]}.*sha256 {tokenizer_fingerprint(tokdir)[:16]}"):
         ds.check_tokenizer(other)
+
+
+# --------------------------------------------------------------------------------------------
+# The frozen CPT encoder: pool workers tokenize without transformers or torch
+
+
+def test_pool_workers_encode_added_tokens_like_the_tokenizer(tmp_path):
+    """Two pool workers, each with the frozen encoder only, give pack_cpt's blocks over text
+    holding tokens added after training (they live in the backend transformers builds)."""
+    tok = build_tokenizer(DEFAULT_CORPUS, vocab_size=512)
+    tok.add_tokens(["ZZQ", "<tool>"])
+    tok.add_special_tokens({"additional_special_tokens": ["<|sep|>"]})
+    tokdir = tmp_path / "tok"
+    tok.save_pretrained(tokdir)
+    records = [{"text": f"{r['text']} ZZQ<tool> and <|sep|>{i}"} for i, r in enumerate(read_records(str(CPT)))]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    half = len(records) // 2
+    _write(corpus / "a.jsonl", records[:half])
+    _write(corpus / "b.jsonl", records[half:])
+    assert tok("ZZQ<tool><|sep|>", add_special_tokens=False)["input_ids"] == [len(tok) - 3, len(tok) - 2, len(tok) - 1]
+    out = tmp_path / "prep"
+    r = _prep(str(corpus), tokdir, out, workers=2)
+    assert len(r.tokenized) == 2 and (out / "encoders" / f"{tokenizer_fingerprint(tokdir)}.json").is_file()
+    assert r.index["vocab_size"] == len(tok)
+    blocks = pack_cpt(tok, records, seq_len=64).numpy()
+    assert np.array_equal(_all(TokenDataset(out))["input_ids"], blocks)
+
+
+def test_a_cpt_worker_imports_neither_transformers_nor_torch(tokdir, tmp_path):
+    import subprocess
+    import sys
+
+    from tasks.core.dataprep.prepare import plan
+
+    p = plan(str(CPT), tokdir, tmp_path, kind="cpt", field="text", seq_len=64)
+    code = (
+        "import pickle, sys\n"
+        "from tasks.core.dataprep.shard import tokenize_file\n"
+        "inp, spec, tokdir, out = pickle.load(sys.stdin.buffer)\n"
+        "s = tokenize_file(inp, spec, tokdir, out)\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'})\n"
+        "print(s['train']['tokens'], heavy)\n"
+    )
+    import pickle
+
+    res = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((p.inputs[0], p.spec, str(tokdir), str(tmp_path))),
+                         capture_output=True, check=True)
+    tokens, heavy = res.stdout.decode().split(" ", 1)
+    assert int(tokens) > 0 and heavy.strip() == "[]", res.stdout

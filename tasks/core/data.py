@@ -20,11 +20,12 @@ import argparse
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tasks.core.storage import open_uri
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: a tokenizing worker never needs it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,8 @@ def pack_cpt(tokenizer, records: Sequence[dict], text_field: str = "text", seq_l
     n = len(flat) // seq_len
     if n == 0:
         raise ValueError(f"the corpus has {len(flat)} tokens, fewer than seq_len={seq_len}: add data or lower seq_len")
+    import torch
+
     return torch.tensor(flat[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
@@ -224,6 +227,8 @@ def encode_sft_with_stats(
         log.warning("dropped %d of %d SFT records: no assistant token left within seq_len=%d", dropped, len(records), seq_len)
     if not rows_ids:
         raise ValueError(f"no SFT record has an assistant token within seq_len={seq_len} ({len(records)} records, {dropped} dropped): raise seq_len or check the data")
+    import torch
+
     input_ids = torch.tensor(rows_ids, dtype=torch.long)
     attention_mask = (torch.arange(seq_len)[None, :] < torch.tensor(lengths)[:, None]).long()
     return {"input_ids": input_ids, "labels": torch.tensor(rows_labels, dtype=torch.long), "attention_mask": attention_mask}, dropped

@@ -30,7 +30,7 @@ from typing import Any
 from tasks.core.dataprep.inputs import InputError, InputFile, resolve_inputs
 from tasks.core.dataprep.reader import INDEX
 from tasks.core.dataprep.records import BadRecord, iter_file_records
-from tasks.core.dataprep.shard import ShardSpec, load_tokenizer, read_summary, shard_dir, tokenize_file
+from tasks.core.dataprep.shard import ShardSpec, freeze_encoder, load_tokenizer, read_summary, shard_dir, tokenize_file
 from tasks.core.split import canonical_json
 
 INDEX_VERSION = 1
@@ -108,6 +108,8 @@ def plan(
     )
     keys = [spec.key(f) for f in inputs]
     todo = [i for i, k in enumerate(keys) if read_summary(shard_dir(out, k)) is None]
+    if todo and kind == "cpt":
+        freeze_encoder(str(tokenizer_dir), out, spec.tokenizer_sha256)  # workers then need no transformers
     return Plan(out, str(tokenizer_dir), spec, inputs, keys, todo, held_inputs)
 
 
