@@ -19,7 +19,7 @@ demo: demo-inputs
 # 2 CPU ranks), integration and e2e. GPU tests skip without CUDA.
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "" tests
+	$(PY) -m pytest -q -m "" --durations=40 tests
 
 # Lint, then the fast unit tier only (no torchrun, no Prefect server).
 test-fast: install
