@@ -22,7 +22,7 @@ from tasks.core.config import RunConfig
 from tasks.core.events import BACKPRESSURE, CHECKPOINT
 from tasks.core.job import Job, NodeStaging, Parent
 from tasks.core.published import manifest_sha256, mark_published
-from tasks.core.publisher import Publisher, retain_remote, unpublished_steps
+from tasks.core.publisher import BACKOFF_S, RETRIES, Publisher, retain_remote, unpublished_steps
 from tasks.core.runlayout import PREPARE, STAGE, TRAINING
 from tasks.core.stage_data import check_against_model, record_split, split_info
 from tasks.core.storage import RunStore
@@ -32,8 +32,8 @@ from tasks.stage import Stage, StageResult, stage_digest, stage_task, store_for
 
 # A failed checkpoint upload is retried this many times, backing off from PUBLISH_BACKOFF_S
 # (doubling, at most 30 s): about a minute in all, then the stage fails naming the checkpoint.
-PUBLISH_RETRIES = 4
-PUBLISH_BACKOFF_S = 2.0
+PUBLISH_RETRIES = RETRIES
+PUBLISH_BACKOFF_S = BACKOFF_S
 
 
 def stage_config_digest(cfg: RunConfig, stage: str, parent_digest: str, data_digest: str | None) -> str:

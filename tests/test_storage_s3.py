@@ -242,6 +242,41 @@ def test_server_killed_mid_publish_then_publish_completes(fresh_weed, tmp_path, 
         assert sha256_file(local / name) == entry["sha256"], name
 
 
+def test_a_stage_artifact_publish_outlasts_a_store_outage_or_names_it(fresh_weed, tmp_path, caplog):
+    """Every stage's final publish (tasks/stage.py Stage.done) goes through publish_retrying: the S3
+    server down for a few seconds costs a retry, not the stage's work; down for good, the stage
+    fails after the bounded retries naming the artifact, and no manifest exists remotely."""
+    import threading
+
+    from tasks.core.publisher import PublishFailed, publish_retrying
+    from tests.conftest_servers import BUCKET
+
+    store = RunStore(f"s3://{BUCKET}/outage", staging_dir=str(tmp_path / "stage"), part_size=PART)
+    rel = "cpt/hf"
+    manifest = make_artifact(store.local_path(rel), {"model.safetensors": 6 * MB, "config.json": 300})
+    fresh_weed.kill()
+    restarted = threading.Timer(2.0, fresh_weed.start)
+    restarted.start()
+    try:
+        digest, attempts = publish_retrying(store, rel, retries=6, backoff_s=0.5, backoff_max_s=2.0, what="the unshard artifact")
+    finally:
+        restarted.join()
+    assert attempts >= 2 and "publish of s3://" in caplog.text and "retrying in" in caplog.text
+    assert store.verify(rel, deep=True)["files"] == manifest["files"]
+    assert digest == store.manifest_digest(rel)
+
+    rel2 = "sft/hf"
+    make_artifact(store.local_path(rel2), {"model.safetensors": MB}, seed=1)
+    fresh_weed.kill()
+    with pytest.raises(PublishFailed) as excinfo:
+        publish_retrying(store, rel2, retries=2, backoff_s=0.2, what="the unshard artifact")
+    msg = str(excinfo.value)
+    assert excinfo.value.attempts == 3 and f"s3://{BUCKET}/outage/sft/hf" in msg and "the unshard artifact" in msg
+    assert "redoes this stage" in msg and fresh_weed.secret_key not in msg
+    fresh_weed.start()
+    assert not store.exists(f"{rel2}/{MANIFEST}")
+
+
 def test_prune_staging_keeps_unpublished_work(s3_root, tmp_path):
     store = RunStore(s3_root, staging_dir=str(tmp_path / "a"), part_size=PART)
     for rel in ("cpt/step-000004", "cpt/step-000008", "base"):

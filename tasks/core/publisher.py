@@ -45,16 +45,54 @@ from tasks.core.storage import RunStore
 _STOP = object()
 
 
-class PublishFailed(RuntimeError):
-    """A checkpoint could not be published after the bounded retries; names the checkpoint."""
+# A failed upload is retried this many times, backing off from BACKOFF_S (doubling, at most
+# BACKOFF_MAX_S): about a minute of an unreachable store before the stage gives up.
+RETRIES = 4
+BACKOFF_S = 2.0
+BACKOFF_MAX_S = 30.0
 
-    def __init__(self, rel: str, uri: str, attempts: int, cause: BaseException):
+
+class PublishFailed(RuntimeError):
+    """An artifact could not be published after the bounded retries; names it."""
+
+    def __init__(self, rel: str, uri: str, attempts: int, cause: BaseException, what: str = "checkpoint"):
         self.rel, self.uri, self.attempts, self.cause = rel, uri, attempts, cause
-        super().__init__(
-            f"publish of checkpoint {uri} failed after {attempts} attempt(s): {type(cause).__name__}: {cause}. "
-            "Its local copy is kept (never deleted unpublished); a retried flow run resumes from the newest "
-            "checkpoint complete remotely or locally."
-        )
+        kept = ("Its local copy is kept (never deleted unpublished); a retried flow run resumes from the newest "
+                "checkpoint complete remotely or locally.") if what == "checkpoint" else \
+            "Its local copy is kept in the staging directory; no manifest was written remotely, so a retried flow run redoes this stage."
+        super().__init__(f"publish of {what} {uri} failed after {attempts} attempt(s): {type(cause).__name__}: {cause}. {kept}")
+
+
+def publish_retrying(
+    store: RunStore, rel: str, publish: Callable[[str], str] | None = None, *, retries: int = RETRIES, backoff_s: float = BACKOFF_S,
+    backoff_max_s: float = BACKOFF_MAX_S, log: logging.Logger | logging.LoggerAdapter | None = None,
+    abort: threading.Event | None = None, what: str = "checkpoint",
+) -> tuple[str, int]:
+    """`publish(rel)` (default `store.publish`) with bounded exponential backoff: (digest, attempts).
+
+    A retry uploads only what is missing (RunStore.publish skips objects already whole remotely).
+    Raises PublishFailed, naming the artifact, after the last attempt, at once when the local
+    artifact is gone (nothing a retry could fix), or when `abort` is set.
+    """
+    publish = publish or store.publish
+    log = log or logging.getLogger(__name__)
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return publish(rel), attempt
+        except BaseException as exc:
+            permanent = isinstance(exc, ManifestError) and not store.local_path(rel).is_dir()
+            if attempt > retries or permanent or (abort is not None and abort.is_set()) or not isinstance(exc, Exception):
+                raise PublishFailed(rel, store.uri(rel), attempt, exc, what) from exc
+            delay = min(backoff_max_s, backoff_s * 2 ** (attempt - 1))
+            log.warning("publish of %s failed (attempt %d of %d: %s: %s); retrying in %.1fs",
+                        store.uri(rel), attempt, retries + 1, type(exc).__name__, exc, delay)
+            if abort is not None:
+                if abort.wait(delay):
+                    raise PublishFailed(rel, store.uri(rel), attempt, exc, what) from exc
+            else:
+                time.sleep(delay)
 
 
 def unpublished_steps(stage_dir: Path) -> list[int]:
@@ -116,9 +154,9 @@ class Publisher:
         keep_last: int,
         *,
         max_queue: int = 8,
-        retries: int = 4,
-        backoff_s: float = 2.0,
-        backoff_max_s: float = 30.0,
+        retries: int = RETRIES,
+        backoff_s: float = BACKOFF_S,
+        backoff_max_s: float = BACKOFF_MAX_S,
         log: logging.Logger | logging.LoggerAdapter | None = None,
         on_published: Callable[[Published], None] | None = None,
     ):
@@ -215,24 +253,15 @@ class Publisher:
 
     def _publish_one(self, step: int) -> None:
         rel = step_rel(self.stage, step)
-        started, attempt = time.monotonic(), 0
-        while True:
-            attempt += 1
-            try:
-                digest = self._publish_and_verify(rel)
-                break
-            except BaseException as exc:
-                permanent = isinstance(exc, ManifestError) and not self.store.local_path(rel).is_dir()
-                if attempt > self.retries or permanent or self._abort.is_set():
-                    self._failure = PublishFailed(rel, self.store.uri(rel), attempt, exc)
-                    self.log.error("%s", self._failure)
-                    return
-                delay = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
-                self.log.warning("publish of %s failed (attempt %d of %d: %s: %s); retrying in %.1fs",
-                                 self.store.uri(rel), attempt, self.retries + 1, type(exc).__name__, exc, delay)
-                if self._abort.wait(delay):
-                    self._failure = PublishFailed(rel, self.store.uri(rel), attempt, exc)
-                    return
+        started = time.monotonic()
+        try:
+            digest, attempt = publish_retrying(self.store, rel, self._publish_and_verify, retries=self.retries, backoff_s=self.backoff_s,
+                                               backoff_max_s=self.backoff_max_s, log=self.log, abort=self._abort)
+        except PublishFailed as exc:
+            self._failure = exc
+            if not self._abort.is_set():
+                self.log.error("%s", exc)
+            return
         mark_published(self.store.local_path(rel), digest)
         removed: list[str] = []
         if not self.store.local:
