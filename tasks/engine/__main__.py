@@ -133,7 +133,17 @@ def _exit(code: int) -> None:
     # groups whose peers may be dead, which can hang instead of exiting.
     if code != 0:
         os._exit(code)
-    sys.exit(code)
+    # On success everything is written, closed and behind a barrier, and the process group is
+    # destroyed: run the exit hooks (TensorBoard writers, our stream wrappers), then skip the
+    # interpreter's teardown of torch, transformers and ColossalAI, which does nothing this
+    # process needs and costs each rank about a second at the end of every stage (measured:
+    # last line -> torchrun's exit 1.4 s before, 0.5 s after).
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
