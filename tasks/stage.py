@@ -44,14 +44,9 @@ from tasks.core.errors import ManifestError
 from tasks.core.hub import SECRET_BLOCK, hub_token
 from tasks.core.manifest import MANIFEST, write_manifest
 from tasks.core.paths import resolve_local
-from tasks.core.publisher import BACKOFF_S, RETRIES, publish_retrying
+from tasks.core.publisher import RETRIES, publish_retrying
 from tasks.core.runlayout import STAGE, Status
 from tasks.core.storage import RunStore
-
-# A stage's artifact on a remote run root: retried like checkpoint uploads (a local one is not:
-# a full disk does not heal in a minute).
-PUBLISH_RETRIES = RETRIES
-PUBLISH_BACKOFF_S = BACKOFF_S
 
 __all__ = ["Stage", "StageResult", "completed", "fresh_dir", "outcome", "resolve_local", "secret_token", "stage_digest", "stage_task", "store_for", "token"]
 
@@ -169,7 +164,8 @@ class Stage:
         """Publish the artifact (manifest last), log it, send the completed event."""
         # A transient store error must not throw away the stage's work (a boost & shard of a large
         # model, say): the same bounded backoff as checkpoint uploads, then a failure naming it.
-        published, attempts = publish_retrying(self.store, self.rel, retries=0 if self.store.local else PUBLISH_RETRIES, backoff_s=PUBLISH_BACKOFF_S,
+        # A local run root is not retried: a full disk does not heal in a minute.
+        published, attempts = publish_retrying(self.store, self.rel, retries=0 if self.store.local else RETRIES,
                                                log=get_run_logger(), what=f"the {self.name} artifact")
         get_run_logger().info("%s: completed, %s (manifest %s%s)", self.name, self.uri, published[:12],
                               f", published at attempt {attempts}" if attempts > 1 else "")

@@ -229,3 +229,37 @@ def test_unpublished_steps_are_what_a_failed_attempt_left(tmp_path):
     pub.submit(2)
     pub.drain(timeout=30)
     assert unpublished_steps(store.local_path("cpt")) == [4]  # step 0 is the shard stage's
+
+
+def test_publish_retrying_retries_failures_but_lets_a_cancellation_through(tmp_path):
+    from tasks.core.publisher import PublishFailed, publish_retrying
+
+    store = RunStore(str(tmp_path / "run"))
+    make_checkpoint(store, "cpt", 1)
+    calls: list[int] = []
+
+    def flaky(rel):
+        calls.append(1)
+        if len(calls) < 3:
+            raise OSError("connection reset")
+        return store.publish(rel)
+
+    log = _Log()
+    digest, attempts = publish_retrying(store, "cpt/step-000001", flaky, retries=4, backoff_s=0.01, log=log)
+    assert attempts == 3 and len(log.warnings) == 2 and "connection reset" in log.warnings[0]
+    assert digest == store.manifest_digest("cpt/step-000001")
+
+    with pytest.raises(PublishFailed, match=r"after 2 attempt\(s\): OSError: down"):
+        publish_retrying(store, "cpt/step-000001", lambda rel: (_ for _ in ()).throw(OSError("down")), retries=1, backoff_s=0.01, log=_Log())
+
+    class Cancelled(BaseException):  # what Prefect raises in a cancelled task (TerminationSignal)
+        pass
+
+    def cancelled(rel):
+        calls.append(1)
+        raise Cancelled()
+
+    calls.clear()
+    with pytest.raises(Cancelled):
+        publish_retrying(store, "cpt/step-000001", cancelled, retries=4, backoff_s=0.01, log=_Log())
+    assert len(calls) == 1  # not retried, not turned into a publish failure

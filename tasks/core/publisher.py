@@ -72,27 +72,26 @@ def publish_retrying(
 
     A retry uploads only what is missing (RunStore.publish skips objects already whole remotely).
     Raises PublishFailed, naming the artifact, after the last attempt, at once when the local
-    artifact is gone (nothing a retry could fix), or when `abort` is set.
+    artifact is gone (nothing a retry could fix), or when `abort` is set. A BaseException that is
+    not an Exception (a cancellation, Ctrl-C) passes through as it is: it is not a failed upload.
     """
     publish = publish or store.publish
     log = log or logging.getLogger(__name__)
+    abort = abort or threading.Event()
     attempt = 0
     while True:
         attempt += 1
         try:
             return publish(rel), attempt
-        except BaseException as exc:
+        except Exception as exc:
             permanent = isinstance(exc, ManifestError) and not store.local_path(rel).is_dir()
-            if attempt > retries or permanent or (abort is not None and abort.is_set()) or not isinstance(exc, Exception):
+            if attempt > retries or permanent or abort.is_set():
                 raise PublishFailed(rel, store.uri(rel), attempt, exc, what) from exc
             delay = min(backoff_max_s, backoff_s * 2 ** (attempt - 1))
             log.warning("publish of %s failed (attempt %d of %d: %s: %s); retrying in %.1fs",
                         store.uri(rel), attempt, retries + 1, type(exc).__name__, exc, delay)
-            if abort is not None:
-                if abort.wait(delay):
-                    raise PublishFailed(rel, store.uri(rel), attempt, exc, what) from exc
-            else:
-                time.sleep(delay)
+            if abort.wait(delay):
+                raise PublishFailed(rel, store.uri(rel), attempt, exc, what) from exc
 
 
 def unpublished_steps(stage_dir: Path) -> list[int]:

@@ -75,13 +75,13 @@ class TokenBucket:
             self._stopped = True
             self._cond.notify_all()
 
-    def _quantum(self, n: int) -> float:
-        # Bytes released at once: `quantum_s` worth (or all of a smaller send). Released byte by
-        # byte, a 1 MB/s link wakes its pump 1,000 times a second for 1 KB each: the proxy's own
-        # CPU (and the GIL of whatever process hosts it) then shows up in what it measures.
-        return max(1.0, min(float(n), self._capacity(), self._rate * self.quantum_s))
-
+    # Bytes are released `quantum_s` worth at a time (or all of a smaller send). Released byte by
+    # byte, a 1 MB/s link wakes its pump 1,000 times a second for 1 KB each: the proxy's own CPU
+    # (and the GIL of whatever process hosts it) then shows up in what it measures.
     quantum_s = 0.01
+
+    def _quantum(self, n: int) -> float:
+        return max(1.0, min(float(n), self._capacity(), self._rate * self.quantum_s))
 
     def take(self, n: int) -> int:
         """Block until a quantum may pass; return how many of `n` may pass now (>= 1)."""

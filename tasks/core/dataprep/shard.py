@@ -161,11 +161,11 @@ class _FrozenEncoder:
 
 
 def _cpt_encoder(tokenizer_dir: str, out_dir: Path, fingerprint: str):
+    """freeze_encoder's file when the plan wrote one (cached per process), else the tokenizer."""
     path = out_dir / ENCODERS / f"{fingerprint}.json"
-    key = f"{path}"
-    enc = _TOKENIZERS.get(key)
+    enc = _TOKENIZERS.get(str(path))
     if enc is None and path.is_file():
-        enc = _TOKENIZERS[key] = _FrozenEncoder(path)
+        enc = _TOKENIZERS[str(path)] = _FrozenEncoder(path)
     return enc or load_tokenizer(tokenizer_dir)
 
 
