@@ -10,7 +10,7 @@ install:
 	bash scripts/install.sh
 
 demo-inputs: install
-	$(PY) -m tasks.core.demo_inputs --out $(DEMO_MODEL)
+	$(PY) -m tasks.core.models.demo --out $(DEMO_MODEL)
 
 demo: demo-inputs
 	$(PY) -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml

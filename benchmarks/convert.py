@@ -7,7 +7,7 @@ plain byte copy, side by side on the same synthetic Llama-shaped checkpoint in C
 
 For each size it writes `model-0000K.safetensors` shards of at most 1024 MiB plus the MiB-valued
 `model.safetensors.index.json` (ColossalAI's defaults), then runs, each in its own process:
-  (a) ours:  tasks.core.convert.convert_checkpoint (fp32 -> fp32, sha256, fsync, default workers)
+  (a) ours:  tasks.core.models.convert.convert_checkpoint (fp32 -> fp32, sha256, fsync, default workers)
   (b) naive: AutoModelForCausalLM.from_pretrained + save_pretrained(safe_serialization=True), fsync
   (c) copy:  read and write the same files in 16 MiB chunks, fsync (the disk's limit)
 (a) and (b) write the same output shards: `--max-shard-size` goes to both. Its default scales the
@@ -64,7 +64,7 @@ def write_checkpoint(ckpt: Path, config: dict) -> tuple[int, int]:
     from safetensors.torch import save_file
     from transformers import LlamaConfig
 
-    from tasks.core.convert import expected_tensors
+    from tasks.core.models.convert import expected_tensors
 
     ckpt.mkdir(parents=True)
     gen = torch.Generator().manual_seed(0)
@@ -128,7 +128,7 @@ def work_copy(src: Path, dst: Path, config: dict, fsync: bool, shard: str) -> No
 
 
 def work_ours(src: Path, dst: Path, config: dict, fsync: bool, shard: str, dtype: str | None = None) -> None:
-    from tasks.core.convert import convert_checkpoint
+    from tasks.core.models.convert import convert_checkpoint
 
     convert_checkpoint(src, dst, model_config=config, dtype=dtype, fsync=fsync, max_shard_size=shard)
 
@@ -137,7 +137,7 @@ def work_naive(src: Path, dst: Path, config: dict, fsync: bool, shard: str) -> d
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tasks.core.manifest import sha256_file
+    from tasks.core.run.manifest import sha256_file
 
     model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
     model.save_pretrained(dst, safe_serialization=True, max_shard_size=shard)
@@ -157,7 +157,7 @@ def run_worker(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool, s
     config = json.loads((src / "config.json").read_text())
     # import what the worker needs before the clock and the RSS baseline start
     if kind == "ours":
-        import tasks.core.convert  # noqa: F401
+        import tasks.core.models.convert  # noqa: F401
     elif kind == "naive":
         import transformers  # noqa: F401
         from transformers import AutoModelForCausalLM  # noqa: F401

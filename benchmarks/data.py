@@ -5,7 +5,7 @@
 
 For each size it generates a JSONL CPT corpus of --files files (demo-style text, every record
 distinct) and the demo tokenizer, then runs, each in its own process (peak RSS = VmHWM of the child's own program):
-  prepare-1   tasks.core.dataprep.prepare, 1 worker (in process), fresh output: MB/s of input
+  prepare-1   tasks.core.data.prepare, 1 worker (in process), fresh output: MB/s of input
   prepare-2   the same with a 2-process pool: MB/s, and the ratio to prepare-1 (target >= 1.6)
   tok-file    one worker tokenizing the first file (tokenize_file) vs the tokenizer's own batch
               encode of the same texts on one core, texts already in memory: ratio (target >= 0.8)
@@ -16,7 +16,7 @@ distinct) and the demo tokenizer, then runs, each in its own process (peak RSS =
               --old-max-mb (it needs ~55 bytes of RAM per byte of text)
   train       the real thing: the engine's train verb under torchrun with 2 CPU ranks (torch_ddp fp32,
               a tiny random Llama with 1024 positions) on the prepared corpus, through
-              tasks.launch.run_engine as the train task launches it, --train-steps steps: seconds
+              tasks.core.launch.torchrun.run_engine as the train task launches it, --train-steps steps: seconds
               from launch to the first step's @@progress record, and the peak RSS of each rank
               (psutil, sampled every 0.1 s, over the whole run); the faster of two launches and the
               larger RSS. --no-train skips it.
@@ -45,7 +45,7 @@ SEQ_LEN = 1024
 
 def make_corpus(dest: Path, mb: float, files: int, seed: int = 0) -> int:
     """`files` JSONL files of ~mb MB in all; documents of 1-6 sample sentences, numbers varied."""
-    from tasks.core.demo_inputs import DEFAULT_CORPUS
+    from tasks.core.models.demo import DEFAULT_CORPUS
 
     sentences = []
     with open(DEFAULT_CORPUS[0], encoding="utf-8") as f:
@@ -96,7 +96,7 @@ def child(code: str, *args: str) -> dict:
 
 PREPARE = """
 import json, sys, time
-from tasks.core.dataprep.prepare import prepare
+from tasks.core.data.prepare import prepare
 corpus, tok, out, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 t = time.monotonic()
 r = prepare(corpus, tok, out, workers=workers, kind="cpt", field="text", seq_len=1024, heldout_fraction=0.01)
@@ -106,9 +106,9 @@ print(json.dumps({"seconds": time.monotonic() - t, "tokens": r.index["totals"]["
 TOKFILE = """
 import json, sys, time
 from pathlib import Path
-from tasks.core.dataprep.inputs import resolve_inputs
-from tasks.core.dataprep.shard import ShardSpec, tokenize_file, load_tokenizer
-from tasks.core.dataprep.prepare import tokenizer_fingerprint
+from tasks.core.data.inputs import resolve_inputs
+from tasks.core.data.shard import ShardSpec, tokenize_file, load_tokenizer
+from tasks.core.data.prepare import tokenizer_fingerprint
 path, tokdir, out = sys.argv[1], sys.argv[2], sys.argv[3]
 tok = load_tokenizer(tokdir)
 texts = [json.loads(l)["text"] for l in open(path, encoding="utf-8")]
@@ -136,7 +136,7 @@ t0 = time.monotonic()
 import numpy as np
 from tasks.engine.sampler import ResumableSampler
 t1 = time.monotonic()
-from tasks.core.dataprep.reader import TokenDataset
+from tasks.core.data.reader import TokenDataset
 out, late = sys.argv[1], sys.argv[2] == "late"
 best = None
 for _ in range(5):  # the best of 5 opens: a few milliseconds each, so one reading is mostly noise
@@ -157,7 +157,7 @@ OLD_START = """
 import json, sys, time
 t0 = time.monotonic()
 from transformers import AutoTokenizer
-from tasks.core.data import pack_cpt, read_records
+from tasks.core.data.formats import pack_cpt, read_records
 from tasks.engine.sampler import ResumableSampler
 t1 = time.monotonic()
 corpus, tokdir = sys.argv[1], sys.argv[2]
@@ -193,11 +193,11 @@ def train_probe(work: Path, tokdir: Path, prepared: Path, steps: int) -> dict:
 
     from transformers import AutoTokenizer
 
-    from tasks.core.config import LaunchConfig
-    from tasks.core.demo_inputs import build_tiny_model
-    from tasks.core.job import parse_job
-    from tasks.core.runlayout import step_name
-    from tasks.launch import run_engine
+    from tasks.core.config.schema import LaunchConfig
+    from tasks.core.launch.torchrun import run_engine
+    from tasks.core.models.demo import build_tiny_model
+    from tasks.core.run.job import parse_job
+    from tasks.core.run.stages import step_name
     from tests._engine_utils import run_raw
 
     log = logging.getLogger("bench-data")
@@ -255,7 +255,7 @@ def main() -> None:
     a = ap.parse_args()
     work = Path(a.workdir or tempfile.mkdtemp(prefix="bench-data-"))
     work.mkdir(parents=True, exist_ok=True)
-    from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tokenizer
+    from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
 
     tokdir = work / "tokenizer"
     build_tokenizer(DEFAULT_CORPUS, vocab_size=512).save_pretrained(tokdir)

@@ -299,8 +299,8 @@ def cmd_kernels() -> int:
 
 
 def cmd_build_model(out: str, size: str) -> int:
-    from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
-    from tasks.core.validate import estimate_parameters
+    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+    from tasks.core.preflight.checks import estimate_parameters
 
     shape = dict(FULL_MODEL if size == "full" else DRY_MODEL)
     vocab = shape.pop("vocab_size")
@@ -370,7 +370,7 @@ def cmd_logits(export_dir: str, checkpoint_dir: str) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tasks.core.fingerprint import load_fingerprint, max_abs_diff, model_logits
+    from tasks.core.models.fingerprint import load_fingerprint, max_abs_diff, model_logits
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(export_dir, torch_dtype=torch.bfloat16, use_safetensors=True).to(device)
@@ -535,14 +535,14 @@ def main_check(args: argparse.Namespace) -> int:
     final_sft = run_root / "sft" / f"step-{sft['max_steps']:06d}"
     check_sft_checkpoint(ctx, final_sft, sft)
     export = run_root / "export"
-    from tasks.hf_artifact import VERIFICATION
+    from tasks.core.models.hf_artifact import VERIFICATION
 
     ver = _read_json(export / VERIFICATION)
     if ver and final_sft.is_dir():
         p = run(ctx, "logits", [py, me, "_logits", "--export", str(export), "--checkpoint", str(final_sft)], TIMEOUTS["logits"])
         lrec = (records(p.output, "logits") or [{}])[0]
         ctx.figures["export_logits"] = lrec
-        # The flow's tolerance is relative to the logits' magnitude (tasks.core.fingerprint.compare_logits).
+        # The flow's tolerance is relative to the logits' magnitude (tasks.core.models.fingerprint.compare_logits).
         tol = ver.get("fingerprint_rtol", 0.04) * ver.get("fingerprint_max_abs_logit", 1.0)
         ok = bool(ver.get("fingerprint_match")) and p.rc == 0 and lrec.get("max_abs_diff", 1e9) <= tol
         ctx.check("export_fingerprint", ok,
@@ -650,7 +650,7 @@ def check_flow_resume(ctx: Ctx, p: Proc, r1, r2, run2, sft) -> None:
 
 
 def check_sft_checkpoint(ctx: Ctx, final_sft: Path, sft) -> None:
-    from tasks.core.manifest import verify_artifact
+    from tasks.core.run.manifest import verify_artifact
 
     try:
         m = verify_artifact(final_sft, deep=True)
@@ -695,7 +695,7 @@ def check_throughput(ctx: Ctx, r1, plain_progress, mc, cpt, skip: int) -> None:
         d["mfu_measured_peak"] = d["tflops_per_gpu"] / PEAK_MEASURED_TFLOPS
     ratio = (f["tokens_per_s"] or 0) / pl["tokens_per_s"] if pl["tokens_per_s"] else None
     # The engine's own per-step figures (tasks/engine/metrics.py: 6N with the embeddings + attention,
-    # against tasks/core/flops.py's peak for the device), over the same steps.
+    # against tasks/core/models/flops.py's peak for the device), over the same steps.
     used = [r for r in flow_progress if int(r["step"]) > skip and int(r["step"]) - 1 not in saves]
     eng_mfu = sorted(float(r["mfu"]) for r in used if r.get("mfu") is not None)
     peak_mem = max((int(r["peak_mem_bytes"]) for r in used if r.get("peak_mem_bytes")), default=None)
@@ -712,7 +712,7 @@ def check_throughput(ctx: Ctx, r1, plain_progress, mc, cpt, skip: int) -> None:
             f"{d['steps_used']:6d} {wall or 0:24.0f}")
     say(f"   flow / plain = {ratio:.3f} (target >= {TARGET_RATIO})" if ratio else "   flow / plain = n/a")
     if f["engine_mfu_median"] is not None or f["peak_mem_gib"] is not None:
-        say(f"   the engine's own figures: median MFU {f['engine_mfu_median'] or 0:.1%} (6N incl. embeddings, tasks/core/flops.py peak), "
+        say(f"   the engine's own figures: median MFU {f['engine_mfu_median'] or 0:.1%} (6N incl. embeddings, tasks/core/models/flops.py peak), "
             f"peak GPU memory {f['peak_mem_gib']} GiB")
     detail = (f"flow {f['tokens_per_s']:.0f} tok/s = {f['tflops_per_gpu']:.1f} TFLOP/s/GPU (MFU {f['mfu_spec']:.1%} of 989, "
               f"{f['mfu_measured_peak']:.1%} of 790), plain {pl['tokens_per_s']:.0f} tok/s = {pl['tflops_per_gpu']:.1f} TFLOP/s; "

@@ -1,7 +1,7 @@
 """Launch overhead, side by side: task start -> first training step, local backend vs Slurm backend.
 
 The same CPT `train` verb of the tiny model (HybridParallel tp=2, world size 2), from the same
-step-0 checkpoint, run through `tasks.launch.run_engine` exactly as the Prefect task does:
+step-0 checkpoint, run through `tasks.core.launch.torchrun.run_engine` exactly as the Prefect task does:
 
 - local: `torchrun --standalone --nproc-per-node 2` on this machine;
 - slurm: one Slurm job on a real two-node test cluster (`tests.servers.slurm`, slurmd n1 and n2
@@ -30,10 +30,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tasks.core.config import parse_config
-from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
-from tasks.core.job import Job, Parent
-from tasks.launch import run_engine
+from tasks.core.config.schema import parse_config
+from tasks.core.launch.torchrun import run_engine
+from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+from tasks.core.run.job import Job, Parent
 from tests.conftest import tiny_config_raw
 from tests.servers import patched_env
 from tests.servers.slurm import SlurmCluster

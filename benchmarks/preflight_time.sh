@@ -5,7 +5,7 @@
 #
 # Times three runs each of a failing pre-flight (the config with its SFT seq_len over the model's
 # max positions and a missing CPT data file) and of the config as given (which passes once
-# `python -m tasks.core.demo_inputs --out build/demo-inputs/tiny-llama` has built the base model),
+# `python -m tasks.core.models.demo --out build/demo-inputs/tiny-llama` has built the base model),
 # and prints the exit codes and the median wall seconds. Nothing is launched and no Prefect
 # server is started: --check is a plain function (tasks.preflight.run_check_cli).
 set -euo pipefail

@@ -3,13 +3,13 @@
 - (a) local run root: checkpoints stay on the local disk, nothing is uploaded;
 - (b) s3:// run root, synchronous publish: each checkpoint uploaded by the log reader itself, then
       remote retention (what tasks/train.py did before the publisher);
-- (c) s3:// run root, asynchronous publisher (tasks/core/publisher.py): the reader only enqueues,
+- (c) s3:// run root, asynchronous publisher (tasks/core/storage/publisher.py): the reader only enqueues,
       the engine retains only `.published` checkpoints and waits past max_pending_publishes.
 
 The S3 side is a real SeaweedFS server (`weed mini`) behind the bandwidth-limiting proxy of
 tests/servers/throttle.py at `--rate-mb` MB/s, so each checkpoint takes seconds to upload. The
 same tiny random Llama is sharded once; each mode trains from a copy of that step-000000 with
---nproc CPU ranks (torch_ddp, fp32; default 1) through `tasks.launch.run_engine`, exactly as the
+--nproc CPU ranks (torch_ddp, fp32; default 1) through `tasks.core.launch.torchrun.run_engine`, exactly as the
 train task launches it. One rank by default: on this 2-core machine two CPU ranks take both cores,
 and any upload (s3fs, the proxy, the S3 server, all on the same cores) then slows training
 whether it runs in the reader or beside it (measured: 2 ranks, a checkpoint every 75 steps: local
@@ -39,13 +39,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tasks.core.config import LaunchConfig
-from tasks.core.job import Job, parse_job
-from tasks.core.published import manifest_sha256, mark_published
-from tasks.core.publisher import Publisher, retain_remote
-from tasks.core.runlayout import step_name, step_rel
-from tasks.core.storage import RunStore
-from tasks.launch import run_engine
+from tasks.core.config.schema import LaunchConfig
+from tasks.core.launch.torchrun import run_engine
+from tasks.core.run.job import Job, parse_job
+from tasks.core.run.stages import step_name, step_rel
+from tasks.core.storage.fs import RunStore
+from tasks.core.storage.handshake import manifest_sha256, mark_published
+from tasks.core.storage.publisher import Publisher, retain_remote
 from tests._engine_utils import run_raw, write_job
 from tests.servers.seaweed import WeedServer
 from tests.servers.throttle import MB, ThrottleProxy
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     proxy = ThrottleProxy(("127.0.0.1", server.ports["s3.port"]), a.rate_mb * MB, lifetime_s=3600).start()
     os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint
     try:
-        from tasks.core.demo_inputs import (
+        from tasks.core.models.demo import (
             DEFAULT_CORPUS,
             build_tiny_model,
             build_tokenizer,

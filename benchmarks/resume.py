@@ -34,7 +34,7 @@ def main() -> int:
 
     import tasks.train
     from flows.cpt_to_sft import main as run_flow
-    from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
     from tests.conftest import tiny_config_raw, write_config
 
     @flow(name="warm-up")

@@ -33,8 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tasks.core.manifest import MANIFEST, write_manifest
-from tasks.core.storage import RunStore
+from tasks.core.run.manifest import MANIFEST, write_manifest
+from tasks.core.storage.fs import RunStore
 from tests.servers.seaweed import WeedServer
 
 BUCKET = "bench"

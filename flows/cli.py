@@ -13,7 +13,7 @@
 `--set key.path=value` overrides are applied in the order given, each value parsed as YAML (so
 `--set cpt.lr=1e-4` is a float and `--set hub=null` removes the push), and the result is validated
 by the same models as the YAML file: a wrong one is an error naming the field. `python -m
-flows.cpt_to_sft` keeps working. Relative paths resolve as in tasks/core/paths.py.
+flows.cpt_to_sft` keeps working. Relative paths resolve as in tasks/core/config/paths.py.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def version() -> str:
     except PackageNotFoundError:
         import tomllib
 
-        from tasks.core.paths import REPO_ROOT
+        from tasks.core.config.paths import REPO_ROOT
 
         pyproject = REPO_ROOT / "pyproject.toml"
         if pyproject.is_file():
@@ -71,9 +71,9 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
 def resolved_config_file(config: str, sets: list[str], run_root: str | None = None, run_name: str | None = None) -> tuple[Path, Any]:
     """The config (local path or fsspec URI) with the overrides applied and validated, written to a
     temp YAML that the flow, the pre-flight and break-lease read like any config file."""
-    from tasks.core.config import parse_config, read_raw_config
-    from tasks.core.paths import resolve_local
-    from tasks.core.storage import fetch_to_local
+    from tasks.core.config.paths import resolve_local
+    from tasks.core.config.schema import parse_config, read_raw_config
+    from tasks.core.storage.fs import fetch_to_local
 
     path = fetch_to_local(resolve_local(config), Path(tempfile.mkdtemp(prefix="cpt-to-sft-config-")))
     overrides = parse_sets(sets)
@@ -95,13 +95,13 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 # Subcommands that are whole existing CLIs: their own parser and --help, unchanged.
 def _convert(argv: list[str]) -> int:
-    from tasks.core.convert.__main__ import main as _main
+    from tasks.core.models.convert.__main__ import main as _main
 
     return _main(argv)
 
 
 def _eval(argv: list[str]) -> int:
-    from tasks.core.evaluation import main as eval_main
+    from tasks.core.evaluation.heldout import main as eval_main
 
     eval_main(argv)
     return 0
@@ -128,7 +128,7 @@ def recompute_fingerprint(art: Path, manifest: dict[str, Any]) -> str:
     compare with its stored fingerprint. Plugin checkpoints (weights under model/) need the plugin
     to load, so only their sha256 is checked."""
     from tasks.core.errors import ManifestError
-    from tasks.core.fingerprint import compare_logits, default_rtol, hf_dir_logits, load_fingerprint
+    from tasks.core.models.fingerprint import compare_logits, default_rtol, hf_dir_logits, load_fingerprint
 
     if not manifest.get("fingerprint"):
         return "no fingerprint"
@@ -150,7 +150,7 @@ def verify(path: str, fingerprints: bool = True) -> int:
     and, for HF-format artifacts with a fingerprint, the logits recomputed. One line per
     artifact; 1 if any fails."""
     from tasks.core.errors import ManifestError
-    from tasks.core.manifest import MANIFEST, manifest_digest, verify_artifact
+    from tasks.core.run.manifest import MANIFEST, manifest_digest, verify_artifact
 
     root = Path(path)
     if not root.exists():
@@ -176,7 +176,7 @@ def verify(path: str, fingerprints: bool = True) -> int:
 
 
 def schema() -> dict[str, Any]:
-    from tasks.core.config import RunConfig
+    from tasks.core.config.schema import RunConfig
 
     out = RunConfig.model_json_schema()
     out["$schema"] = "https://json-schema.org/draft/2020-12/schema"
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_check_cli(path)
     if args.cmd == "break-lease":
-        from tasks.core.lease import break_lease, describe
+        from tasks.core.run.lease import break_lease, describe
         from tasks.stage import store_for
 
         old = break_lease(store_for(cfg))

@@ -22,13 +22,13 @@ from prefect import Task, flow, get_run_logger
 from prefect.states import Completed, Failed
 
 from tasks import tracking, ui
-from tasks.core.config import RunConfig, load_config
+from tasks.core.config.overrides import RunOverrides
+from tasks.core.config.paths import resolve_local
+from tasks.core.config.schema import RunConfig, load_config
 from tasks.core.errors import ConfigError
-from tasks.core.lease import Lease, LeaseHeld, break_lease, describe
-from tasks.core.overrides import RunOverrides
-from tasks.core.paths import resolve_local
-from tasks.core.runlayout import DONE, STAGE, STAGE_NAMES, Status
-from tasks.core.storage import fetch_to_local
+from tasks.core.run.lease import Lease, LeaseHeld, break_lease, describe
+from tasks.core.run.stages import DONE, STAGE, STAGE_NAMES, Status
+from tasks.core.storage.fs import fetch_to_local
 from tasks.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back, recorded_metrics
 from tasks.export import export_hf
 from tasks.load import load_from_hf

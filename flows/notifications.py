@@ -20,7 +20,7 @@ from uuid import UUID
 
 import yaml
 
-from tasks.core.paths import resolve_local
+from tasks.core.config.paths import resolve_local
 
 AUTOMATIONS = "deployments/automations.yaml"
 PLACEHOLDER = "BLOCK_DOCUMENT_ID"

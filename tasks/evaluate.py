@@ -10,7 +10,7 @@ directory, which is also how users will load it.
 - gate: the thresholds of `gate:` over those metrics; a failed gate holds the push back.
 
 The held-out records were decided by prepare_data in its one pass over the corpus and are read
-here from data/<stage>/ (`tasks.core.stage_data.heldout_records`), never re-split. The evaluation artifacts are leaves nobody trains
+here from data/<stage>/ (`tasks.core.data.prepared.heldout_records`), never re-split. The evaluation artifacts are leaves nobody trains
 from, so changing an evaluation setting re-runs evaluation only, never training; and they skip
 on a re-run like every stage (manifest verifies, config digest matches).
 
@@ -26,11 +26,11 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from tasks import tracking, ui
-from tasks.core import evaluation as ev
-from tasks.core.config import RunConfig, digest
-from tasks.core.runlayout import Status
-from tasks.core.stage_data import heldout_records, split_info, write_jsonl
-from tasks.core.storage import RunStore
+from tasks.core.config.schema import RunConfig, digest
+from tasks.core.data.prepared import heldout_records, split_info, write_jsonl
+from tasks.core.evaluation import heldout as ev
+from tasks.core.run.stages import Status
+from tasks.core.storage.fs import RunStore
 from tasks.prepare_data import prepared_dir
 from tasks.stage import Stage, StageResult, stage_digest, stage_task
 
@@ -172,7 +172,7 @@ def held_back(cfg: RunConfig, verdict: StageResult) -> StageResult:
 def recorded_metrics(results: dict[str, StageResult]) -> dict[str, dict[str, Any] | None]:
     """{"cpt": metrics | None, "sft": metrics | None} from this run's stage results (skipped
     evaluations carry the metrics recorded in their manifests): run.json's "evaluation" and the
-    input of `tasks.core.evaluation.eval_results_for_card`."""
+    input of `tasks.core.evaluation.heldout.eval_results_for_card`."""
     out: dict[str, dict[str, Any] | None] = {}
     for stage in ("cpt", "sft"):
         r = results.get(f"evaluate_{stage}")

@@ -18,11 +18,11 @@ from importlib import metadata
 from prefect import get_run_logger
 
 from tasks import ui
-from tasks.core.config import RunConfig
-from tasks.core.runlayout import TRAINING
-from tasks.core.stage_data import recorded_split
-from tasks.core.stop_tokens import describe
-from tasks.hf_artifact import VERIFICATION, build_hf_dir
+from tasks.core.config.schema import RunConfig
+from tasks.core.data.prepared import recorded_split
+from tasks.core.models.hf_artifact import VERIFICATION, build_hf_dir
+from tasks.core.models.stop_tokens import describe
+from tasks.core.run.stages import TRAINING
 from tasks.stage import Stage, StageResult, stage_digest, stage_task
 
 VERSIONED = ("torch", "colossalai", "transformers", "safetensors", "huggingface_hub")

@@ -21,14 +21,14 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from tasks.core.config import RunConfig
-from tasks.core.convert import PICKLE_INDEX_NAME, convert_checkpoint
+from tasks.core.config.paths import resolve_local
+from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError, ConversionError, ManifestError
-from tasks.core.fingerprint import hf_dir_logits, save_fingerprint
-from tasks.core.hub import is_hub_id
-from tasks.core.manifest import sha256_file
-from tasks.core.paths import resolve_local
-from tasks.core.storage import fetch_tree, filesystem, is_local
+from tasks.core.hub.repo import is_hub_id
+from tasks.core.models.convert import PICKLE_INDEX_NAME, convert_checkpoint
+from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
+from tasks.core.run.manifest import sha256_file
+from tasks.core.storage.fs import fetch_tree, filesystem, is_local
 from tasks.stage import Stage, StageResult, stage_digest, stage_task, token
 
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
@@ -59,7 +59,7 @@ def _copy_path(cfg: RunConfig, dest: Path) -> dict:
     if is_local(uri):
         src = Path(filesystem(uri)[1])
         if not (src / "config.json").is_file():
-            raise ConfigError([("base_model.uri", f"{src} is not an HF model directory (no config.json); for the demo run `python -m tasks.core.demo_inputs --out {cfg.base_model.uri}` first")])
+            raise ConfigError([("base_model.uri", f"{src} is not an HF model directory (no config.json); for the demo run `python -m tasks.core.models.demo --out {cfg.base_model.uri}` first")])
         for path in sorted(src.rglob("*")):
             if path.is_file() and not path.name.startswith("."):
                 target = dest / path.relative_to(src)

@@ -2,7 +2,7 @@
 
     python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
 
-The checks are pure and live in `tasks.core.validate`; this module adds what needs Prefect (the
+The checks are pure and live in `tasks.core.preflight.checks`; this module adds what needs Prefect (the
 Hub token, looked up as push and load do: HF_TOKEN, the Secret block `hf-token`, the saved
 login) and the two ways in: the `preflight` task, first in the flow, which on any problem ends
 Failed with the report as its message (the flow then ends Failed the same way, without a
@@ -21,10 +21,10 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.states import Failed, State
 
-from tasks.core.config import RunConfig
+from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError
-from tasks.core.hub import SECRET_BLOCK, hub_token
-from tasks.core.validate import PreflightReport, load_for_check, preflight_report
+from tasks.core.hub.repo import SECRET_BLOCK, hub_token
+from tasks.core.preflight.checks import PreflightReport, load_for_check, preflight_report
 
 SECRET_TIMEOUT_S = 5.0
 
@@ -48,7 +48,7 @@ def _secret_value(timeout: float = SECRET_TIMEOUT_S) -> str | None:
 
 
 def hub_token_present(consult_secret: bool = True) -> bool:
-    """Whether push/load would find a token, in their order (tasks.core.hub.hub_token)."""
+    """Whether push/load would find a token, in their order (tasks.core.hub.repo.hub_token)."""
     return hub_token(_secret_value if consult_secret else None) is not None
 
 
@@ -81,8 +81,8 @@ def check(cfg: RunConfig | str | Path, run_root: str | None = None, run_name: st
     if not isinstance(cfg, RunConfig):
         import tempfile
 
-        from tasks.core.storage import fetch_to_local
-        from tasks.core.validate import resolve_local
+        from tasks.core.preflight.checks import resolve_local
+        from tasks.core.storage.fs import fetch_to_local
 
         path = fetch_to_local(resolve_local(str(cfg)), Path(tempfile.mkdtemp(prefix="cpt-to-sft-check-")))
         overrides = {k: v for k, v in (("run_root", run_root), ("name", run_name)) if v}

@@ -33,15 +33,15 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 
 from tasks import ui
-from tasks.core.config import RunConfig, TokenizeConfig
-from tasks.core.dataprep import prepare as prep
-from tasks.core.dataprep.inputs import InputFile
-from tasks.core.dataprep.reader import INDEX
-from tasks.core.dataprep.records import iter_file_records
-from tasks.core.dataprep.shard import ShardSpec, read_summary, shard_dir, tokenize_file
-from tasks.core.paths import resolve_local
-from tasks.core.runlayout import PREPARE, STAGE
-from tasks.core.stage_data import HELDOUT_SET
+from tasks.core.config.paths import resolve_local
+from tasks.core.config.schema import RunConfig, TokenizeConfig
+from tasks.core.data import prepare as prep
+from tasks.core.data.inputs import InputFile
+from tasks.core.data.prepared import HELDOUT_SET
+from tasks.core.data.reader import INDEX
+from tasks.core.data.records import iter_file_records
+from tasks.core.data.shard import ShardSpec, read_summary, shard_dir, tokenize_file
+from tasks.core.run.stages import PREPARE, STAGE
 from tasks.stage import Stage, StageResult, stage_digest, stage_task, store_for
 
 CACHE = "data-cache"  # <staging>/data-cache/<stage>/: shards kept across failures and re-runs

@@ -3,7 +3,7 @@
 The export is staged in (sha256-verified) from the run root; its model files (config, generation
 config, weights, tokenizer), its provenance subfolder `.cpt-to-sft/` (manifest, verification record,
 fingerprint; `hub.push_provenance`, default on) and a `README.md` written with huggingface_hub's
-`ModelCard` (`tasks.core.card`) go up in a single `create_commit` on the
+`ModelCard` (`tasks.core.hub.card`) go up in a single `create_commit` on the
 configured branch, with `parent_commit` pinned to the branch head read just before. LFS objects
 the Hub already holds are not sent again (the LFS batch API answers that they exist), and a push
 of an unchanged export makes no commit at all. Uploads are retried (transient I/O); the Hub only
@@ -14,7 +14,7 @@ model is refused, and one an earlier push left in the repo is deleted in the sam
 serving engine meets a tensor that is no parameter.
 
 The token comes from HF_TOKEN in the worker's environment, the Prefect Secret block `hf-token`, or
-the token `hf auth login` saved (in that order, `tasks.core.hub.hub_token`) — never from
+the token `hf auth login` saved (in that order, `tasks.core.hub.repo.hub_token`) — never from
 parameters — and is never logged or written into the card. HF_ENDPOINT selects
 another Hub (the tests run their own). Without `hub:` in the config the stage is skipped.
 
@@ -32,12 +32,12 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from tasks import ui
-from tasks.core.card import model_card, train_facts
-from tasks.core.config import HubConfig, RunConfig
-from tasks.core.convert import SAFE_INDEX_NAME, SAFE_WEIGHTS_NAME
-from tasks.core.hub import SECRET_BLOCK
-from tasks.core.manifest import MANIFEST, PROVENANCE_DIR, read_manifest
-from tasks.core.runlayout import EXPORT, Status
+from tasks.core.config.schema import HubConfig, RunConfig
+from tasks.core.hub.card import model_card, train_facts
+from tasks.core.hub.repo import SECRET_BLOCK
+from tasks.core.models.convert import SAFE_INDEX_NAME, SAFE_WEIGHTS_NAME
+from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR, read_manifest
+from tasks.core.run.stages import EXPORT, Status
 from tasks.stage import StageResult, store_for, token
 
 CARD = "README.md"

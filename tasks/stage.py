@@ -39,14 +39,14 @@ from prefect import get_run_logger, task
 from prefect.states import Completed, State
 
 from tasks import ui
-from tasks.core.config import RunConfig, digest
+from tasks.core.config.paths import resolve_local
+from tasks.core.config.schema import RunConfig, digest
 from tasks.core.errors import ManifestError
-from tasks.core.hub import SECRET_BLOCK, hub_token
-from tasks.core.manifest import MANIFEST, write_manifest
-from tasks.core.paths import resolve_local
-from tasks.core.publisher import RETRIES, publish_retrying
-from tasks.core.runlayout import STAGE, Status
-from tasks.core.storage import RunStore
+from tasks.core.hub.repo import SECRET_BLOCK, hub_token
+from tasks.core.run.manifest import MANIFEST, write_manifest
+from tasks.core.run.stages import STAGE, Status
+from tasks.core.storage.fs import RunStore
+from tasks.core.storage.publisher import RETRIES, publish_retrying
 
 __all__ = ["Stage", "StageResult", "completed", "fresh_dir", "outcome", "resolve_local", "secret_token", "stage_digest", "stage_task", "store_for", "token"]
 
@@ -205,5 +205,5 @@ def secret_token() -> str | None:
 
 
 def token() -> str | None:
-    """The Hub token in its one lookup order (tasks.core.hub.hub_token) with the Secret block."""
+    """The Hub token in its one lookup order (tasks.core.hub.repo.hub_token) with the Secret block."""
     return hub_token(secret_token)

@@ -1,6 +1,6 @@
 """MLflow, written by the Prefect task side only, from the `@@progress` records it already receives.
 
-    python -m tasks.core.tracking_config http://127.0.0.1:5000   # pre-flight check of a tracking URI
+    python -m tasks.core.tracking.config http://127.0.0.1:5000   # pre-flight check of a tracking URI
 
 One MLflow run per flow run (params: the flattened config, secrets left out; tags: the Prefect
 flow run id and URL, later the manifest digests and the export URI / Hub link) and one nested run
@@ -8,7 +8,7 @@ per training stage, whose metrics are the per-step fields of the engine's record
 (tasks/engine/metrics.py). The training ranks never import a tracking client.
 
 Failure handling: an unreachable server is a pre-flight problem naming `tracking.mlflow.uri`
-(`check_tracking` in tasks/core/validate.py).
+(`check_tracking` in tasks/core/preflight/checks.py).
 Mid-run, a stage's records go through a queue to one writer thread, so a slow or dead server
 never stalls the launch's output pipe (and with it the ranks). While the server does not answer,
 records are dropped (retrying every `retry_s`), the first failure is a warning in the run's log
@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tasks.core.events import METRICS
-from tasks.core.runlayout import TENSORBOARD
-from tasks.core.tracking_config import FIELD, check_uri, flatten, redact
+from tasks.core.run.events import METRICS
+from tasks.core.run.stages import TENSORBOARD
+from tasks.core.tracking.config import FIELD, check_uri, flatten, redact
 
 __all__ = ["FIELD", "RunTracker", "StageTracker", "check_uri", "current", "eval_scalars", "fan_out", "flatten", "log_evaluation", "publish_tensorboard", "redact", "set_current", "stage_tracker"]
 
@@ -274,7 +274,7 @@ def publish_tensorboard(store, stage: str) -> int:
     holds it: the engine writes there). Whole files each time: they are small and append-only."""
     if store.local:
         return 0
-    from tasks.core.storage import open_uri
+    from tasks.core.storage.fs import open_uri
 
     local = store.local_path(f"{stage}/{TENSORBOARD}")
     n = 0

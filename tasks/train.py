@@ -17,16 +17,16 @@ from typing import Any
 from prefect import get_run_logger
 
 from tasks import tracking, ui
-from tasks.core.backends import BACKENDS
-from tasks.core.config import RunConfig
-from tasks.core.events import BACKPRESSURE, CHECKPOINT
-from tasks.core.job import Job, NodeStaging, Parent
-from tasks.core.published import manifest_sha256, mark_published
-from tasks.core.publisher import BACKOFF_S, RETRIES, Publisher, retain_remote, unpublished_steps
-from tasks.core.runlayout import PREPARE, STAGE, TRAINING
-from tasks.core.stage_data import check_against_model, record_split, split_info
-from tasks.core.storage import RunStore
-from tasks.launch import run_engine
+from tasks.core.config.schema import RunConfig
+from tasks.core.data.prepared import check_against_model, record_split, split_info
+from tasks.core.launch.backends import BACKENDS
+from tasks.core.launch.torchrun import run_engine
+from tasks.core.run.events import BACKPRESSURE, CHECKPOINT
+from tasks.core.run.job import Job, NodeStaging, Parent
+from tasks.core.run.stages import PREPARE, STAGE, TRAINING
+from tasks.core.storage.fs import RunStore
+from tasks.core.storage.handshake import manifest_sha256, mark_published
+from tasks.core.storage.publisher import BACKOFF_S, RETRIES, Publisher, retain_remote, unpublished_steps
 from tasks.prepare_data import prepared_dir
 from tasks.stage import Stage, StageResult, stage_digest, stage_task, store_for
 
@@ -139,7 +139,7 @@ def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
     publisher = None
     if not store.local and job.nodes is None:
         _stage_in_latest(store, stage)
-        # Uploads run beside the log reader (tasks/core/publisher.py); the reader only enqueues.
+        # Uploads run beside the log reader (tasks/core/storage/publisher.py); the reader only enqueues.
         # The stage's TensorBoard files go up beside each published checkpoint, on the publisher's thread.
         publisher = Publisher(store, stage, st.keep_last, max_queue=st.keep_last + st.max_pending_publishes + 4,
                               retries=PUBLISH_RETRIES, backoff_s=PUBLISH_BACKOFF_S, log=logger,

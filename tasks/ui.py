@@ -184,7 +184,7 @@ def render_loss_png(stage: str, losses: list[float], first_step: int = 1) -> byt
 def loss_curve(stage: str, losses: list[float], png: str | Path) -> bytes:
     """Render the PNG, save it at `png` (a local path or fsspec URI beside the stage's artifact,
     e.g. `<run_root>/cpt/loss-curve.png`) and show it inline in the `<stage>-loss-curve` artifact."""
-    from tasks.core.storage import open_uri
+    from tasks.core.storage.fs import open_uri
 
     data = render_loss_png(stage, losses)
     try:

@@ -6,10 +6,10 @@ streaming conversion on the worker's CPU; the fingerprint proves the logits surv
 
 from __future__ import annotations
 
-from tasks.core.config import RunConfig
-from tasks.core.runlayout import BASE, TRAINING
-from tasks.core.stage_data import recorded_split
-from tasks.hf_artifact import build_hf_dir
+from tasks.core.config.schema import RunConfig
+from tasks.core.data.prepared import recorded_split
+from tasks.core.models.hf_artifact import build_hf_dir
+from tasks.core.run.stages import BASE, TRAINING
 from tasks.stage import Stage, StageResult, stage_digest, stage_task
 
 

@@ -45,7 +45,7 @@ def run_raw(model_dir: Path, run_root: Path, stage: str, plugin: dict[str, Any],
 
 def prepared_data(run: dict[str, Any], stage: str, tokenizer_dir: Path, out: Path) -> Path:
     """The stage's corpus tokenized as prepare_data does (no held-out part: the engine tests train on every record)."""
-    from tasks.core.dataprep.prepare import prepare
+    from tasks.core.data.prepare import prepare
 
     d = run[stage]["data"]
     if not (out / "index.json").is_file():

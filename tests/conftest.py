@@ -45,7 +45,7 @@ def prefect_harness():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The demo's tiny random Llama + tokenizer, built offline once per session."""
-    from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
 
     out = tmp_path_factory.mktemp("tiny") / "tiny-llama"
     build_tiny_model(out, build_tokenizer(DEFAULT_CORPUS, vocab_size=512))

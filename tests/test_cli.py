@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from flows.cli import main, parse_sets, resolved_config_file, schema
-from tasks.core.manifest import write_manifest
+from tasks.core.run.manifest import write_manifest
 from tests.conftest import REPO
 
 TINY = str(REPO / "deployments" / "configs" / "tiny-cpu.yaml")
@@ -81,7 +81,7 @@ def test_verify_flags_a_flipped_byte_naming_the_file(tmp_path, capsys):
 
 
 def test_relative_paths_resolve_against_the_checkout_or_cpt_to_sft_home(monkeypatch, tmp_path):
-    from tasks.core.paths import project_root, resolve_local
+    from tasks.core.config.paths import project_root, resolve_local
 
     monkeypatch.delenv("CPT_TO_SFT_HOME", raising=False)
     assert project_root() == REPO
@@ -115,7 +115,7 @@ def test_wheel_in_a_fresh_venv(tmp_path):
         assert (r.returncode == 0) == ok, (args, r.returncode, r.stdout[-2000:], r.stderr[-2000:])
         return r
 
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import tasks, flows; print(tasks.__file__); from tasks.core.paths import project_root; print(project_root())"],
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import tasks, flows; print(tasks.__file__); from tasks.core.config.paths import project_root; print(project_root())"],
                            cwd=work, env=env, capture_output=True, text=True, check=True).stdout.split()
     assert where[0].startswith(str(vsite)) and where[1] == str(work)  # installed copy; relative paths from the cwd
     assert "cpt-to-sft 0.1.0" in run("--version").stdout
@@ -138,7 +138,7 @@ def test_verify_recomputes_the_fingerprint_of_an_hf_artifact(tmp_path, tiny_mode
     logits no longer match the recorded fingerprint."""
     from safetensors.torch import load_file, save_file
 
-    from tasks.core.fingerprint import hf_dir_logits, save_fingerprint
+    from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
 
     art = tmp_path / "run" / "base"
     shutil.copytree(tiny_model_dir, art)

@@ -30,7 +30,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from tasks.core.convert import (
+from tasks.core.errors import ConversionError
+from tasks.core.models.convert import (
     SAFE_INDEX_NAME,
     convert_checkpoint,
     expected_tensors,
@@ -38,7 +39,6 @@ from tasks.core.convert import (
     parse_size,
     plan_shards,
 )
-from tasks.core.errors import ConversionError
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
@@ -282,8 +282,8 @@ def test_multi_shard_index_and_hashes(tmp_path, llama):
 
 
 def test_parallel_shard_writers_are_byte_identical_and_fail_cleanly(tmp_path, llama, monkeypatch):
-    from tasks.core.convert import write
-    from tasks.core.convert.source import Reader
+    from tasks.core.models.convert import write
+    from tasks.core.models.convert.source import Reader
 
     src = write_colossal_checkpoint(_params(llama), tmp_path / "ckpt")
     serial = convert_checkpoint(src, tmp_path / "w1", model_config=_cfg(llama), max_shard_size="100KB", fsync=False, workers=1)
@@ -356,7 +356,7 @@ def test_tied_duplicate_dropped_only_if_equal(tmp_path, qwen_tied):
 def test_tiny_io_chunks(tmp_path, qwen_tied, monkeypatch, dtype):
     """Chunk size far below the tensor sizes: exercises multi-chunk copies and casts, reuse of the
     write ring while the hasher thread is behind, and chunked tied-weight comparison."""
-    from tasks.core.convert import dtypes
+    from tasks.core.models.convert import dtypes
 
     monkeypatch.setattr(dtypes, "CHUNK", 4100)
     params = _params(qwen_tied)
@@ -371,7 +371,7 @@ def test_tiny_io_chunks(tmp_path, qwen_tied, monkeypatch, dtype):
 
 
 def test_cli(tmp_path, llama, capsys):
-    from tasks.core.convert.__main__ import main as _main
+    from tasks.core.models.convert.__main__ import main as _main
 
     src = write_colossal_checkpoint(_params(llama), tmp_path / "ckpt", config=llama.config)
     assert _main([str(src), str(tmp_path / "hf"), "--dtype", "bf16", "--max-shard-size", "100KB", "--no-fsync"]) == 0

@@ -10,11 +10,11 @@ import pydantic
 import pytest
 import yaml
 
-from tasks.core.config import LaunchConfig, load_config, parse_config
+from tasks.core.config.schema import LaunchConfig, load_config, parse_config
 from tasks.core.errors import ArtifactMissing, ConfigError, ManifestError
-from tasks.core.manifest import MANIFEST, read_manifest, safe_relpath, verify_artifact, write_manifest
-from tasks.core.storage import RunStore
-from tasks.launch import torchrun_argv
+from tasks.core.launch.torchrun import torchrun_argv
+from tasks.core.run.manifest import MANIFEST, read_manifest, safe_relpath, verify_artifact, write_manifest
+from tasks.core.storage.fs import RunStore
 
 TINY = Path(__file__).resolve().parents[1] / "deployments" / "configs" / "tiny-cpu.yaml"
 
@@ -66,7 +66,7 @@ def test_config_is_frozen_and_documented():
     cfg = load_config(TINY)
     with pytest.raises(pydantic.ValidationError):
         cfg.name = "x"  # type: ignore[misc]
-    from tasks.core import config as mod
+    from tasks.core.config import schema as mod
 
     for model in (mod.RunConfig, mod.StageConfig, mod.PluginConfig, mod.LaunchConfig, mod.DataConfig, mod.ExportConfig, mod.HubConfig, mod.BaseModelConfig):
         for name, field in model.model_fields.items():
@@ -172,7 +172,7 @@ def test_import_boundaries():
 def test_lease_one_writer_per_run_root(tmp_path):
     import time as _time
 
-    from tasks.core.lease import LEASE, Lease, LeaseHeld, break_lease
+    from tasks.core.run.lease import LEASE, Lease, LeaseHeld, break_lease
 
     store = RunStore(str(tmp_path / "run"))
     first = Lease(store, holder="flow run alpha (1234)", heartbeat_s=0.05).acquire()

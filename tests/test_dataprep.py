@@ -19,13 +19,13 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from tasks.core.data import encode_sft, pack_cpt, read_records
-from tasks.core.dataprep.inputs import InputError, resolve_inputs
-from tasks.core.dataprep.prepare import PrepareError, prepare, tokenizer_fingerprint
-from tasks.core.dataprep.reader import TokenDataset
-from tasks.core.dataprep.shard import BadRecordError, token_dtype
-from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tokenizer
-from tasks.core.split import split_by_fraction, split_by_heldout
+from tasks.core.data.formats import encode_sft, pack_cpt, read_records
+from tasks.core.data.inputs import InputError, resolve_inputs
+from tasks.core.data.prepare import PrepareError, prepare, tokenizer_fingerprint
+from tasks.core.data.reader import TokenDataset
+from tasks.core.data.shard import BadRecordError, token_dtype
+from tasks.core.data.split import split_by_fraction, split_by_heldout
+from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
 from tasks.engine.sampler import ResumableSampler
 
 CPT, SFT = DEFAULT_CORPUS
@@ -364,12 +364,12 @@ def test_a_cpt_worker_imports_neither_transformers_nor_torch(tokdir, tmp_path):
     import subprocess
     import sys
 
-    from tasks.core.dataprep.prepare import plan
+    from tasks.core.data.prepare import plan
 
     p = plan(str(CPT), tokdir, tmp_path, kind="cpt", field="text", seq_len=64)
     code = (
         "import pickle, sys\n"
-        "from tasks.core.dataprep.shard import tokenize_file\n"
+        "from tasks.core.data.shard import tokenize_file\n"
         "inp, spec, tokdir, out = pickle.load(sys.stdin.buffer)\n"
         "s = tokenize_file(inp, spec, tokdir, out)\n"
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers'})\n"

@@ -12,12 +12,12 @@ import fsspec
 import numpy as np
 import pytest
 
-from tasks.core.data import pack_cpt, read_records
-from tasks.core.dataprep.inputs import InputError, resolve_inputs
-from tasks.core.dataprep.prepare import prepare
-from tasks.core.dataprep.reader import TokenDataset
-from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tokenizer
-from tasks.core.split import split_by_fraction
+from tasks.core.data.formats import pack_cpt, read_records
+from tasks.core.data.inputs import InputError, resolve_inputs
+from tasks.core.data.prepare import prepare
+from tasks.core.data.reader import TokenDataset
+from tasks.core.data.split import split_by_fraction
+from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
 
 pytest_plugins = ["tests.conftest_servers"]
 pytestmark = pytest.mark.integration

@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tasks.core import demo_inputs as di
-from tasks.core.families import FAMILIES, expected_tensors
+from tasks.core.models import demo as di
+from tasks.core.models.families import FAMILIES, expected_tensors
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.core.fingerprint import FINGERPRINT_FILE, hf_dir_logits, load_fingerprint, max_abs_diff
-from tasks.core.manifest import MANIFEST, verify_artifact
+from tasks.core.models.fingerprint import FINGERPRINT_FILE, hf_dir_logits, load_fingerprint, max_abs_diff
+from tasks.core.run.manifest import MANIFEST, verify_artifact
 from tests._engine_utils import engine, read_model_dir, run_raw, train_state, write_job
 
 pytestmark = pytest.mark.distributed
@@ -128,7 +128,7 @@ def ddp(work, tiny_model_dir, pp2):
 
 @pytest.fixture(scope="module")
 def tied(work):
-    from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
 
     model_dir = build_tiny_model(work / "qwen2-tied", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family="qwen2", tie_word_embeddings=True)
     stage_dir = work / "tied" / "cpt"
@@ -282,7 +282,7 @@ def zero1(work, tiny_model_dir):
 def test_streaming_converter_on_real_checkpoints_is_bitwise(tp2, pp2, zero1, llz, tiny_model_dir, tmp_path):
     """tp=2, pp=2, tp=2+zero1 and LowLevelZero saves, converted to HF shards, are exactly the
     model's full state dict at save time (the HF input, cast to the plugin's dtype)."""
-    from tasks.core.convert import convert_checkpoint, load_state_dict_from_dir
+    from tasks.core.models.convert import convert_checkpoint, load_state_dict_from_dir
 
     ref = read_model_dir(tiny_model_dir)
     config = json.loads((tiny_model_dir / "config.json").read_text())

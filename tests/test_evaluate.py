@@ -12,11 +12,11 @@ import shutil
 import pytest
 import torch
 
-from tasks.core import evaluation as ev
-from tasks.core.config import EvalConfig, GateConfig, parse_config
-from tasks.core.data import read_records
+from tasks.core.config.schema import EvalConfig, GateConfig, parse_config
+from tasks.core.data.formats import read_records
+from tasks.core.data.split import overlap, record_id, split_by_fraction, split_by_heldout
 from tasks.core.errors import ConfigError
-from tasks.core.split import overlap, record_id, split_by_fraction, split_by_heldout
+from tasks.core.evaluation import heldout as ev
 from tests.conftest import REPO, tiny_config_raw
 
 SAMPLE = REPO / "data" / "sample"
@@ -82,9 +82,9 @@ def test_prepared_data_holds_the_split_and_refuses_another_tokenizer(tmp_path, t
     a model whose tokenizer differs from the shards' is refused naming both fingerprints."""
     import shutil
 
-    from tasks.core.dataprep.prepare import prepare, tokenizer_fingerprint
-    from tasks.core.split import split_by_fraction
-    from tasks.core.stage_data import check_against_model, heldout_records, split_info
+    from tasks.core.data.prepare import prepare, tokenizer_fingerprint
+    from tasks.core.data.prepared import check_against_model, heldout_records, split_info
+    from tasks.core.data.split import split_by_fraction
 
     records = read_records(str(SAMPLE / "sft.jsonl"))
     prepare(str(SAMPLE / "sft.jsonl"), tiny_model_dir, tmp_path / "data", kind="sft", field="messages", seq_len=64, heldout_fraction=0.1)
@@ -123,7 +123,7 @@ def test_training_digest_changes_with_the_split_only(tiny_model_dir, tmp_path):
 
 
 def test_gate_config_needs_the_heldout_sets_it_measures(tiny_model_dir, tmp_path):
-    from tasks.core import config as mod
+    from tasks.core.config import schema as mod
 
     raw = tiny_config_raw(tiny_model_dir, tmp_path)
     raw["sft"]["eval"] = {"heldout_fraction": 0}

@@ -18,16 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.core.convert.proof import prove_weights
 from tasks.core.errors import ConversionError
-from tasks.core.manifest import MANIFEST, PROVENANCE_DIR
+from tasks.core.models.convert.proof import prove_weights
+from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR
 from tests._consumer_rules import assert_consumer_rules, served_files
 
 MODEL_FILES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
 
 
 def _base(root: Path, tie: bool) -> Path:
-    from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
 
     out = root / f"qwen2-{'tied' if tie else 'untied'}"
     build_tiny_model(out, build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family="qwen2", tie_word_embeddings=tie)
@@ -41,7 +41,7 @@ def _base(root: Path, tie: bool) -> Path:
 
 def _checkpoint(root: Path, base: Path) -> Path:
     """What the engine leaves: model/ (HF names, fp32) and the fingerprint of those weights."""
-    from tasks.core.fingerprint import hf_dir_logits, save_fingerprint
+    from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
 
     ckpt = root / f"ckpt-{base.name}"
     (ckpt / "model").mkdir(parents=True)
@@ -53,8 +53,8 @@ def _checkpoint(root: Path, base: Path) -> Path:
 
 
 def _export(root: Path, base: Path, ckpt: Path, name: str, max_shard_size: str, align: bool = True) -> Path:
-    from tasks.core.manifest import write_manifest
-    from tasks.hf_artifact import VERIFICATION, build_hf_dir
+    from tasks.core.models.hf_artifact import VERIFICATION, build_hf_dir
+    from tasks.core.run.manifest import write_manifest
 
     dst = root / name
     dst.mkdir()
@@ -109,7 +109,7 @@ def test_end_of_turn_comes_from_rendering_the_template_not_from_names(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from tasks.core.stop_tokens import end_of_turn_tokens
+    from tasks.core.models.stop_tokens import end_of_turn_tokens
 
     # A template with made-up markers no table of names could know: the reply ends with [[/A]].
     specials = ["[[BOS]]", "[[EOS]]", "[[A]]", "[[/A]]", "[[U]]", "[[/U]]"]
@@ -151,8 +151,8 @@ def test_a_swapped_pair_of_layers_fails_the_proof_naming_both(qwen2, tmp_path):
 
 def test_one_flipped_mantissa_bit_fails_the_export_naming_the_tensor(qwen2, tmp_path, monkeypatch):
     """A converter that writes one wrong bit: the export stage's build fails, naming the tensor."""
-    import tasks.hf_artifact as hf
-    from tasks.core.convert import convert_checkpoint
+    import tasks.core.models.hf_artifact as hf
+    from tasks.core.models.convert import convert_checkpoint
 
     export, ckpt = qwen2["multi"]
     key = "model.layers.2.self_attn.q_proj.weight"

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.core.config import load_config, read_raw_config
+from tasks.core.config.schema import load_config, read_raw_config
 from tasks.core.errors import ConfigError, ManifestError, StageFailed
-from tasks.core.events import ERROR, INFO, WARNING, parse_line
-from tasks.launch import run_engine as _REAL_RUN_ENGINE
+from tasks.core.launch.torchrun import run_engine as _REAL_RUN_ENGINE
+from tasks.core.run.events import ERROR, INFO, WARNING, parse_line
 from tests.conftest import tiny_config_raw, write_config
 from tests.test_preflight import CPU2, Case, make_manifest, no_launch  # noqa: F401 - no_launch is an autouse fixture
 
@@ -86,7 +86,7 @@ def test_duplicated_yaml_key_is_refused_naming_both_lines(tmp_path, capsys, afte
 
 
 def test_duplicated_key_in_a_job_file_is_refused(tmp_path):
-    from tasks.core.job import load_job
+    from tasks.core.run.job import load_job
 
     path = tmp_path / "job.json"
     path.write_text('{"verb": "train", "stage": "cpt", "verb": "shard"}')
@@ -113,7 +113,7 @@ FP16_PLUGINS = [
 
 @pytest.mark.parametrize("plugin, extra", FP16_PLUGINS, ids=[p for p, _ in FP16_PLUGINS])
 def test_fp16_needs_cuda_on_every_plugin(tmp_path, plugin, extra):
-    from tasks.core.layout import layout_problems
+    from tasks.core.config.layout import layout_problems
 
     case = Case(tmp_path)
     case.raw["sft"]["plugin"] = {"name": plugin, "precision": "fp16", **extra}
@@ -127,9 +127,9 @@ def test_fp16_needs_cuda_on_every_plugin(tmp_path, plugin, extra):
 
 
 def test_fp16_without_dynamic_loss_scaling_is_refused(monkeypatch):
-    from tasks.core.config import PluginConfig, StageConfig
-    from tasks.core.layout import layout_problems
-    from tasks.core.plugins import PLUGINS, PluginSpec
+    from tasks.core.config.layout import layout_problems
+    from tasks.core.config.plugins import PLUGINS, PluginSpec
+    from tasks.core.config.schema import PluginConfig, StageConfig
 
     monkeypatch.setitem(PLUGINS, "unscaled", PluginSpec(name="unscaled", summary="fp16 without a loss scaler", loss_scale="none"))
     stage = StageConfig.model_construct(plugin=PluginConfig(name="unscaled", precision="fp16"))
@@ -145,10 +145,10 @@ def test_every_fp16_plugin_is_built_with_the_dynamic_loss_scale(tmp_path):
 
     import torch.distributed as dist
 
-    from tasks.core.config import PluginConfig, StageConfig
-    from tasks.core.layout import ParallelLayout
-    from tasks.core.plugins import LOSS_SCALE, PLUGINS
-    from tasks.engine.plugins import BUILDERS, booster_mixed_precision, loss_scale_kwargs
+    from tasks.core.config.layout import ParallelLayout
+    from tasks.core.config.plugins import LOSS_SCALE, PLUGINS
+    from tasks.core.config.schema import PluginConfig, StageConfig
+    from tasks.engine.builders import BUILDERS, booster_mixed_precision, loss_scale_kwargs
 
     assert all(spec.loss_scale == "dynamic" for spec in PLUGINS.values())
     want = dataclasses.asdict(LOSS_SCALE)
@@ -177,7 +177,7 @@ BAD_NAMES = ["model\x00.safetensors", "config\n.json", "a\x1b[31m.bin", "x\x7f"]
 
 @pytest.mark.parametrize("name", BAD_NAMES, ids=["nul", "newline", "escape", "del"])
 def test_control_characters_in_a_manifest_are_refused(tmp_path, capsys, name):
-    from tasks.core.manifest import MANIFEST, verify_artifact
+    from tasks.core.run.manifest import MANIFEST, verify_artifact
     from tasks.preflight import run_check_cli
 
     case = Case(tmp_path)
@@ -263,8 +263,8 @@ class _Records(logging.Handler):
 def test_a_failing_rank_gives_the_stage_its_cause(tmp_path, tiny_model_dir, monkeypatch):
     """Real torchrun, 2 ranks: the job names a model directory without config.json, so every rank
     refuses before any process group exists; StageFailed's first line is the first error line."""
-    from tasks.core.config import LaunchConfig
-    from tasks.core.job import parse_job
+    from tasks.core.config.schema import LaunchConfig
+    from tasks.core.run.job import parse_job
     from tests._engine_utils import run_raw, write_job
 
     monkeypatch.setattr(subprocess, "Popen", _REAL_POPEN)  # this test launches
@@ -314,8 +314,8 @@ LEASES = [
 
 @pytest.mark.parametrize("host, pid_of, taken", LEASES, ids=[f"{h}-host-{p}-pid" for h, p, _ in LEASES])
 def test_a_dead_local_holder_is_taken_over_at_once(tmp_path, monkeypatch, host, pid_of, taken):
-    from tasks.core.lease import LEASE, Lease, LeaseHeld
-    from tasks.core.storage import RunStore
+    from tasks.core.run.lease import LEASE, Lease, LeaseHeld
+    from tasks.core.storage.fs import RunStore
 
     monkeypatch.setattr(subprocess, "Popen", _REAL_POPEN)  # to make a pid that has exited
     store = RunStore(str(tmp_path / "run"))
@@ -402,9 +402,9 @@ PICKLES = [
 @pytest.mark.integration
 @pytest.mark.parametrize("name, shards, tied", PICKLES, ids=[p[0] for p in PICKLES])
 def test_pickle_weights_are_converted_once_in_the_load_stage(prefect_harness, tiny_model_dir, tmp_path, name, shards, tied):
-    from tasks.core.convert import load_state_dict_from_dir
-    from tasks.core.manifest import verify_artifact
-    from tasks.core.validate import load_for_check, preflight_report
+    from tasks.core.models.convert import load_state_dict_from_dir
+    from tasks.core.preflight.checks import load_for_check, preflight_report
+    from tasks.core.run.manifest import verify_artifact
 
     model, original = _pickle_model(tiny_model_dir, tmp_path / "model", shards=shards, tied=tied)
     raw = tiny_config_raw(model, tmp_path / "run")
@@ -429,7 +429,7 @@ def test_pickle_weights_are_converted_once_in_the_load_stage(prefect_harness, ti
     for key, tensor in converted.items():
         assert tensor.dtype == original[key].dtype and bool((tensor == original[key]).all()), key
     # What the shard stage checks before it starts: safetensors only, and now there are some.
-    from tasks.engine.job import check_inputs, parse_job
+    from tasks.engine.preconditions import check_inputs, parse_job
     from tests._engine_utils import write_job
 
     run = cfg.model_dump(mode="json")

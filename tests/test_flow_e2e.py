@@ -29,7 +29,7 @@ import sys
 import pytest
 import torch
 
-from tasks.core.manifest import MANIFEST, PROVENANCE_DIR
+from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR
 from tests._consumer_rules import assert_consumer_rules
 from tests.conftest import tiny_config_raw, write_config
 
@@ -212,7 +212,7 @@ def test_rerun_of_complete_run_launches_nothing(scenario):
 
 
 def test_every_stage_has_a_verified_artifact(finished_run):
-    from tasks.core.manifest import manifest_digest, verify_artifact
+    from tasks.core.run.manifest import manifest_digest, verify_artifact
 
     run_root, _ = finished_run
     summary = json.loads((run_root / "run.json").read_text())
@@ -229,7 +229,7 @@ def test_every_stage_has_a_verified_artifact(finished_run):
 
 def test_cpt_loss_decreases_and_sft_starts_from_cpt(finished_run):
 
-    from tasks.core.convert import load_state_dict_from_dir
+    from tasks.core.models.convert import load_state_dict_from_dir
 
     run_root, _ = finished_run
     cpt = json.loads((run_root / "cpt/step-000008/train_state.json").read_text())["losses"]
@@ -247,7 +247,7 @@ def test_cpt_loss_decreases_and_sft_starts_from_cpt(finished_run):
 def test_export_is_a_clean_model_folder_with_matching_logits(finished_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tasks.core.fingerprint import load_fingerprint, model_logits
+    from tasks.core.models.fingerprint import load_fingerprint, model_logits
 
     run_root, _ = finished_run
     export = run_root / "export"
@@ -296,9 +296,9 @@ def test_without_stop_token_alignment_the_gate_fails_naming_the_fix(scenario):
 def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(finished_run):
     import re
 
-    from tasks.core.card import model_card, train_facts
-    from tasks.core.config import load_config
-    from tasks.core.manifest import read_manifest
+    from tasks.core.config.schema import load_config
+    from tasks.core.hub.card import model_card, train_facts
+    from tasks.core.run.manifest import read_manifest
 
     run_root, cfg_path = finished_run
     cfg = load_config(str(cfg_path))
@@ -319,7 +319,7 @@ def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(fin
 
 
 def test_bridge_is_bitwise_the_plugin_a_checkpoint_and_reproduces_its_logits(finished_run):
-    from tasks.core.convert import load_state_dict_from_dir
+    from tasks.core.models.convert import load_state_dict_from_dir
 
     run_root, _ = finished_run
     saved = load_state_dict_from_dir(run_root / "cpt/step-000008/model")
@@ -333,10 +333,10 @@ def test_bridge_is_bitwise_the_plugin_a_checkpoint_and_reproduces_its_logits(fin
 
 
 def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
-    from tasks.core.data import read_records
-    from tasks.core.paths import resolve_local
-    from tasks.core.split import record_id
-    from tasks.core.stage_data import heldout_records
+    from tasks.core.config.paths import resolve_local
+    from tasks.core.data.formats import read_records
+    from tasks.core.data.prepared import heldout_records
+    from tasks.core.data.split import record_id
 
     run_root, runs = scenario
     summary = runs[1]["summary"]  # the run that completed SFT, evaluation and the gate
@@ -394,8 +394,8 @@ def test_failed_gate_skips_the_push_and_a_disabled_gate_lets_it_through(scenario
 
 def test_second_run_over_a_held_run_root_fails_naming_the_holder(finished_run, capsys):
     from flows.cpt_to_sft import main
-    from tasks.core.lease import Lease
-    from tasks.core.storage import RunStore
+    from tasks.core.run.lease import Lease
+    from tasks.core.storage.fs import RunStore
 
     run_root, cfg = finished_run
     # A live holder (this very process) on this host: refused at once, naming it; no traceback.

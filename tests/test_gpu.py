@@ -124,7 +124,7 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def dropout_model_dir(work) -> Path:
     """The tiny demo Llama with attention dropout 0.1 (training consumes the CUDA generator)."""
-    from tasks.core.demo_inputs import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
 
     out = build_tiny_model(work / "tiny-dropout", build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
     cfg = json.loads((out / "config.json").read_text())
@@ -230,8 +230,8 @@ def test_gemini_save_load_round_trip_is_bitwise(work, dropout_model_dir):
     proc = subprocess.run(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=FIRST_LAUNCH_TIMEOUT, check=False)
     assert proc.returncode == 0, proc.stdout[-6000:]
     first, second = out / "first" / "sft" / "step-000002", out / "second" / "sft" / "step-000002"
-    from tasks.core.fingerprint import FINGERPRINT_FILE
-    from tasks.core.manifest import MANIFEST
+    from tasks.core.models.fingerprint import FINGERPRINT_FILE
+    from tasks.core.run.manifest import MANIFEST
     from tasks.engine.checkpoint import check_checkpoint
 
     for d in (first, second):
@@ -256,8 +256,8 @@ def test_gemini_checkpoint_exports_with_matching_fingerprint(gemini_runs, dropou
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tasks.core.fingerprint import load_fingerprint, max_abs_diff, model_logits
-    from tasks.hf_artifact import build_hf_dir
+    from tasks.core.models.fingerprint import load_fingerprint, max_abs_diff, model_logits
+    from tasks.core.models.hf_artifact import build_hf_dir
 
     ckpt = gemini_runs["a"] / "step-000006"
     dst = tmp_path / "export"
@@ -291,8 +291,8 @@ def _roundtrip_worker(model_dir: Path, out: Path, plugin: dict | None = None) ->
 
     from tasks.engine.engine import Engine
     from tasks.engine.faults import Injector
-    from tasks.engine.job import parse_job
     from tasks.engine.loop import StageData
+    from tasks.engine.preconditions import parse_job
 
     if not torch.cuda.is_available():  # only for checking this worker's logic on CPU with a CPU plugin
         from tasks.engine import cpu_compat

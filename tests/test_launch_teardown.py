@@ -1,4 +1,4 @@
-"""`run_engine` (tasks/launch.py) tears down every process of a failed stage: a failure reported
+"""`run_engine` (tasks/core/launch/torchrun.py) tears down every process of a failed stage: a failure reported
 beside the reader (a publish that spent its retries) and a rank that dies. After `run_engine`
 raised, no process of the stage exists, then or 10 s later, and nothing in the stage directory
 changes any more.
@@ -17,10 +17,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.core.config import LaunchConfig
+from tasks.core.config.schema import LaunchConfig
 from tasks.core.errors import StageFailed
-from tasks.core.job import parse_job
-from tasks.launch import run_engine
+from tasks.core.launch.torchrun import run_engine
+from tasks.core.run.job import parse_job
 from tests._engine_utils import engine, run_raw, write_job
 
 pytestmark = pytest.mark.distributed

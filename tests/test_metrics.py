@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from tasks.core.errors import ManifestError
-from tasks.core.flops import flops_per_token, mfu, peak_flops
-from tasks.core.tbevents import read_scalars
+from tasks.core.models.flops import flops_per_token, mfu, peak_flops
+from tasks.core.tracking.tbevents import read_scalars
 from tasks.engine.metrics import TAGS, StepMetrics, grad_norm
 from tests._engine_utils import engine, run_raw, write_job
 

@@ -1,7 +1,7 @@
 """Multi-node launch: two torchrun agents ("nodes") on 127.0.0.1 meet at one c10d rendezvous and run
 a CPT stage together (distributed tier): `shard` (boost under plugin A, save step-000000), then
 `train` (4 steps, a checkpoint every 2), each node with one process, HybridParallel tp=2 across
-the two nodes. Both agents' commands come from `tasks.launch.torchrun_argv`, as in production
+the two nodes. Both agents' commands come from `tasks.core.launch.torchrun.torchrun_argv`, as in production
 where every node runs the same command with its own --node-rank.
 """
 
@@ -44,8 +44,8 @@ def _job(tmp: Path, model_dir: Path, verb: str, run: dict, digest: str) -> Path:
 
 
 def _two_nodes(verb: str, job: Path, timeout: float = 400.0) -> list[str]:
-    from tasks.core.config import LaunchConfig
-    from tasks.launch import engine_env, torchrun_argv
+    from tasks.core.config.schema import LaunchConfig
+    from tasks.core.launch.torchrun import engine_env, torchrun_argv
 
     endpoint = f"127.0.0.1:{free_port()}"
     procs = []
@@ -74,8 +74,8 @@ def _two_nodes(verb: str, job: Path, timeout: float = 400.0) -> list[str]:
 
 
 def test_two_torchrun_agents_rendezvous_and_run_a_cpt_stage(tiny_model_dir, tmp_path):
-    from tasks.core.config import parse_config
-    from tasks.core.manifest import verify_artifact
+    from tasks.core.config.schema import parse_config
+    from tasks.core.run.manifest import verify_artifact
 
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
     raw["cpt"].update(max_steps=STEPS, checkpoint_every=EVERY, launch={"nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400"})

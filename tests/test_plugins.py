@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.core.config import PluginConfig, StageConfig
+from tasks.core.config.schema import PluginConfig, StageConfig
 from tasks.core.errors import ConfigError
-from tasks.core.manifest import MANIFEST, write_manifest
+from tasks.core.run.manifest import MANIFEST, write_manifest
 from tasks.engine import checkpoint as ckpt
 from tasks.engine import faults
-from tasks.engine.job import parse_job
-from tasks.engine.plugins import can_no_sync, check_supported, make_plugin
+from tasks.engine.builders import can_no_sync, check_supported, make_plugin
+from tasks.engine.preconditions import parse_job
 
 
 def _stage(plugin: dict, **kw) -> StageConfig:

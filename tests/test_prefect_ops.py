@@ -147,8 +147,8 @@ def test_run_form_overrides_are_typed_and_validated_like_the_yaml(tmp_path):
     from pydantic import ValidationError
 
     from flows.cpt_to_sft import cpt_to_sft, resolve_config
+    from tasks.core.config.overrides import RunOverrides
     from tasks.core.errors import ConfigError
-    from tasks.core.overrides import RunOverrides
 
     schema = parameter_schema(cpt_to_sft.fn).model_dump()
     assert set(schema["properties"]) == {"config", "overrides"}

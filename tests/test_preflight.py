@@ -2,10 +2,10 @@
 
     .venv/bin/python -m pytest tests/test_preflight.py -q
 
-Table-driven: each case mutates a good config (and its inputs), runs `tasks.core.validate`, and
+Table-driven: each case mutates a good config (and its inputs), runs `tasks.core.preflight.checks`, and
 expects a problem naming the config field or file. No weights are read: the base model is a
 config.json, a tokenizer_config.json and an empty model.safetensors. Every test runs with
-subprocess.Popen and tasks.launch.run_engine replaced by functions that fail the test.
+subprocess.Popen and tasks.core.launch.torchrun.run_engine replaced by functions that fail the test.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from tasks.core.errors import ConfigError
-from tasks.core.manifest import MANIFEST
-from tasks.core.validate import Machine, load_for_check, preflight_report, validate
+from tasks.core.preflight.checks import Machine, load_for_check, preflight_report, validate
+from tasks.core.run.manifest import MANIFEST
 from tests.conftest import tiny_config_raw, write_config
 
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -38,9 +38,9 @@ def no_launch(monkeypatch, tmp_path):
         raise AssertionError(f"pre-flight started a process: {args[:1]}")
 
     monkeypatch.setattr(subprocess, "Popen", refuse)
-    import tasks.launch
+    import tasks.core.launch.torchrun
 
-    monkeypatch.setattr(tasks.launch, "run_engine", refuse, raising=False)
+    monkeypatch.setattr(tasks.core.launch.torchrun, "run_engine", refuse, raising=False)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     # No saved `hf auth login` token either: the lookup's third source reads HF_TOKEN_PATH.
@@ -373,7 +373,7 @@ def test_missing_heldout_uri_names_the_eval_field(tmp_path):
 def test_multi_node_without_rendezvous_endpoint_is_refused():
     import yaml
 
-    from tasks.core.config import parse_config
+    from tasks.core.config.schema import parse_config
     from tests.conftest import REPO
 
     raw = yaml.safe_load((REPO / "deployments/configs/tiny-cpu.yaml").read_text())
@@ -383,7 +383,7 @@ def test_multi_node_without_rendezvous_endpoint_is_refused():
     assert "cpt.launch.rdzv_endpoint" in {f for f, _ in info.value.problems}
 
 
-# ---- the model-family registry (tasks/core/families.py) -----------------------------------------
+# ---- the model-family registry (tasks/core/models/families.py) -----------------------------------------
 
 
 def _llama_shaped_estimate(mc: dict[str, Any]) -> int:
@@ -414,8 +414,8 @@ _H, _I, _Q, _KV = TINY_DIMS["hidden_size"], TINY_DIMS["intermediate_size"], TINY
 def test_parameter_estimate_is_the_family_table_count(model_type, overrides, left_out_per_layer):
     import transformers
 
-    from tasks.core.families import FAMILIES
-    from tasks.core.validate import estimate_parameters
+    from tasks.core.models.families import FAMILIES
+    from tasks.core.preflight.checks import estimate_parameters
 
     spec = FAMILIES[model_type]
     config = getattr(transformers, spec.config_class)(**TINY_DIMS, **overrides)
@@ -427,7 +427,7 @@ def test_parameter_estimate_is_the_family_table_count(model_type, overrides, lef
 
 
 def test_parameter_estimate_of_llama3_8b_is_unchanged():
-    from tasks.core.validate import estimate_parameters
+    from tasks.core.preflight.checks import estimate_parameters
 
     mc = {"model_type": "llama", **LLAMA3_8B}
     assert estimate_parameters(mc) == _llama_shaped_estimate(mc) == 8_030_261_248  # Meta-Llama-3-8B's published count
@@ -441,9 +441,9 @@ def test_a_new_model_family_is_one_registry_entry(tmp_path, monkeypatch):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tasks.core.convert import convert_checkpoint, load_state_dict_from_dir
-    from tasks.core.families import FAMILIES
-    from tasks.core.validate import estimate_parameters
+    from tasks.core.models.convert import convert_checkpoint, load_state_dict_from_dir
+    from tasks.core.models.families import FAMILIES
+    from tasks.core.preflight.checks import estimate_parameters
     from tests.test_convert import pp2_stages, write_colossal_checkpoint
 
     case = Case(tmp_path)

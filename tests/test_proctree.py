@@ -1,4 +1,4 @@
-"""Teardown of a real torchrun with 2 ranks that ignore SIGTERM (tasks/core/proctree.py).
+"""Teardown of a real torchrun with 2 ranks that ignore SIGTERM (tasks/core/launch/proctree.py).
 
 A driver process plays the Prefect task (it becomes the subreaper, as the task does; pytest
 itself is left alone): it starts torchrun with the stage token, waits until both ranks write into
@@ -22,13 +22,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.core.proctree import TOKEN_ENV, StageProcesses, new_token, teardown
+from tasks.core.launch.proctree import TOKEN_ENV, StageProcesses, new_token, teardown
 
 REPO = Path(__file__).resolve().parents[1]
 
 DRIVER = r"""
 import json, os, signal, subprocess, sys, time
-from tasks.core.proctree import StageProcesses, TOKEN_ENV, become_subreaper, new_token, teardown
+from tasks.core.launch.proctree import StageProcesses, TOKEN_ENV, become_subreaper, new_token, teardown
 mode, watched = sys.argv[1], sys.argv[2]
 subreaper = become_subreaper()
 token = new_token()
@@ -46,7 +46,7 @@ info = {"driver": os.getpid(), "torchrun": proc.pid, "ranks": ranks, "subreaper"
         "rank_sessions": [os.getsid(p) for p in ranks]}
 stage = StageProcesses(proc.pid, token)
 if mode == "orphans":
-    os.killpg(proc.pid, signal.SIGKILL)   # what tasks/launch.py _kill_group does today
+    os.killpg(proc.pid, signal.SIGKILL)   # what tasks/core/launch/torchrun.py _kill_group does today
     proc.wait()
     time.sleep(1.0)
     import psutil

@@ -37,9 +37,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.core.manifest import MANIFEST
-from tasks.core.runlayout import step_name
-from tasks.core.storage import RunStore
+from tasks.core.run.manifest import MANIFEST
+from tasks.core.run.stages import step_name
+from tasks.core.storage.fs import RunStore
 from tests.conftest import REPO, tiny_config_raw, write_config
 from tests.servers.throttle import MB, ThrottleProxy
 

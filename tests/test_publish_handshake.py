@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks.core.config import StageConfig
+from tasks.core.config.schema import StageConfig
 from tasks.core.errors import ConfigError
-from tasks.core.manifest import MANIFEST, write_manifest
-from tasks.core.published import is_published, manifest_sha256, mark_published
+from tasks.core.run.manifest import MANIFEST, write_manifest
+from tasks.core.storage.handshake import is_published, manifest_sha256, mark_published
 from tasks.engine import checkpoint as ckpt
-from tasks.engine.job import parse_job
+from tasks.engine.preconditions import parse_job
 
 pytest_plugins = ["tests.conftest_servers"]
 MB = 1 << 20
@@ -110,8 +110,8 @@ def _train_job(path: Path, run: dict, model_dir: Path, stage_dir: Path, remote: 
 
 @pytest.mark.distributed
 def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(throttled_s3, s3_root, tmp_path, tiny_model_dir):
-    from tasks.core.publisher import Publisher
-    from tasks.core.storage import RunStore
+    from tasks.core.storage.fs import RunStore
+    from tasks.core.storage.publisher import Publisher
     from tests._engine_utils import REPO, engine, run_raw, train_state, write_job
 
     store = RunStore(s3_root, staging_dir=str(tmp_path / "staging"))
@@ -134,7 +134,7 @@ def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(thr
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines, seen_dirs = [], set()
     try:
-        for line in proc.stdout:  # the reader only enqueues, as tasks/launch.py does
+        for line in proc.stdout:  # the reader only enqueues, as tasks/core/launch/torchrun.py does
             lines.append(line)
             m = re.match(r"^\[rank 0\] @@checkpoint (.*)$", line)
             if m:
@@ -167,9 +167,9 @@ def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(thr
 
 
 def test_staging_estimate_counts_checkpoints_waiting_for_upload():
-    from tasks.core.config import parse_config
-    from tasks.core.model_info import estimate_parameters
-    from tasks.core.storage_checks import estimate_local_bytes
+    from tasks.core.config.schema import parse_config
+    from tasks.core.preflight.model_info import estimate_parameters
+    from tasks.core.preflight.storage import estimate_local_bytes
     from tests._engine_utils import run_raw
 
     mc = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

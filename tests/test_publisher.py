@@ -1,4 +1,4 @@
-"""The checkpoint publisher (tasks/core/publisher.py): order, marker, remote retention, retries,
+"""The checkpoint publisher (tasks/core/storage/publisher.py): order, marker, remote retention, retries,
 failure naming the checkpoint; on a local run root (unit tier) and on the real S3 server through
 the bandwidth-limiting proxy (integration tier).
 
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.core.manifest import MANIFEST, write_manifest
-from tasks.core.published import PUBLISHED_MARKER, is_published
-from tasks.core.publisher import Publisher, PublishFailed
-from tasks.core.storage import RunStore
+from tasks.core.run.manifest import MANIFEST, write_manifest
+from tasks.core.storage.fs import RunStore
+from tasks.core.storage.handshake import PUBLISHED_MARKER, is_published
+from tasks.core.storage.publisher import Publisher, PublishFailed
 
 pytest_plugins = ["tests.conftest_servers"]
 MB = 1 << 20
@@ -122,7 +122,7 @@ def test_a_failing_on_published_callback_is_a_warning_and_publishing_goes_on(tmp
 
 
 def test_an_unexpected_error_in_the_worker_is_the_failure_naming_the_checkpoint(tmp_path, monkeypatch):
-    from tasks.core import publisher
+    from tasks.core.storage import publisher
 
     store = RunStore(str(tmp_path / "run"))
     first, second = make_checkpoint(store, "cpt", 1), make_checkpoint(store, "cpt", 2)
@@ -219,7 +219,7 @@ def test_s3_server_gone_during_publish_fails_naming_the_checkpoint(throttled_s3,
 
 
 def test_unpublished_steps_are_what_a_failed_attempt_left(tmp_path):
-    from tasks.core.publisher import unpublished_steps
+    from tasks.core.storage.publisher import unpublished_steps
 
     store = RunStore(str(tmp_path / "run"))
     for s in (0, 2, 4, 6):
@@ -232,7 +232,7 @@ def test_unpublished_steps_are_what_a_failed_attempt_left(tmp_path):
 
 
 def test_publish_retrying_retries_failures_but_lets_a_cancellation_through(tmp_path):
-    from tasks.core.publisher import PublishFailed, publish_retrying
+    from tasks.core.storage.publisher import PublishFailed, publish_retrying
 
     store = RunStore(str(tmp_path / "run"))
     make_checkpoint(store, "cpt", 1)

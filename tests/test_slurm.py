@@ -1,4 +1,4 @@
-"""The Slurm launch backend's core (`tasks/core/slurm.py`, `tasks/core/slurm_job.py`): batch-script rendering and failure
+"""The Slurm launch backend's core (`tasks/core/launch/slurm.py`, `tasks/core/launch/slurm_batch.py`): batch-script rendering and failure
 messages (unit tier), and on a real two-node Slurm cluster (integration tier, the
 `slurm_cluster` fixture: slurmctld + slurmd n1 and n2 on 127.0.0.1) a torchrun c10d rendezvous
 across both nodes, the states of a failing and a cancelled job, and the pre-flight refusals.
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.core.config import ConfigError, LaunchConfig, SlurmConfig, parse_config
-from tasks.core.slurm import JobInfo, SlurmCli, parse_kv, preflight
-from tasks.core.slurm_job import NodeLogs, engine_program, failure_message, render_batch_script, wait_for_job
+from tasks.core.config.schema import ConfigError, LaunchConfig, SlurmConfig, parse_config
+from tasks.core.launch.slurm import JobInfo, SlurmCli, parse_kv, preflight
+from tasks.core.launch.slurm_batch import NodeLogs, engine_program, failure_message, render_batch_script, wait_for_job
 from tests.conftest import REPO, tiny_config_raw
 
 pytest_plugins = ["tests.conftest_slurm"]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.core.manifest import MANIFEST
+from tasks.core.run.manifest import MANIFEST
 from tests.conftest import REPO, tiny_config_raw, write_config
 from tests.servers.prefect_ops import PrefectServer, run_id_from, stop_group
 
@@ -63,7 +63,7 @@ def server(slurm_cluster, tmp_path_factory):
 def _wait_running_job(slurm_cluster, stage_dir: Path, verbs: tuple[str, ...], proc: subprocess.Popen | None = None, timeout: float = 600) -> tuple[str, str]:
     """(verb, job id) of the first recorded Slurm job of `verbs` that runs with both nodes'
     engine processes up (a rank may print nothing for a long while, so processes are counted)."""
-    from tasks.core.slurm import SlurmCli
+    from tasks.core.launch.slurm import SlurmCli
 
     cli = SlurmCli()
     deadline = time.monotonic() + timeout
@@ -112,8 +112,8 @@ def _flow(server: PrefectServer, config: Path, log: Path, *extra: str) -> subpro
 
 
 def test_flow_survives_its_own_death_and_completes_with_cpt_on_two_slurm_nodes(server, slurm_cluster, tiny_model_dir, tmp_path):
-    from tasks.core.manifest import verify_artifact
-    from tasks.core.slurm import SlurmCli
+    from tasks.core.launch.slurm import SlurmCli
+    from tasks.core.run.manifest import verify_artifact
 
     # Enough steps that the job still trains when the re-run reaches train_cpt (a loaded machine
     # takes a minute to start the flow again).

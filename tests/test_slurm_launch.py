@@ -1,4 +1,4 @@
-"""`tasks.launch.run_engine` on the Slurm backend, on the real two-node test cluster (integration):
+"""`tasks.core.launch.torchrun.run_engine` on the Slurm backend, on the real two-node test cluster (integration):
 
 - a CPT stage with HybridParallel tp=2, one rank on each Slurm node: `shard`, then `train` with
   rank 1 SIGKILLed after step 2 (CPT_TO_SFT_FAULT) -> StageFailed naming the job state, the node
@@ -53,7 +53,7 @@ def _logger(name: str) -> tuple[logging.Logger, _Lines]:
 
 
 def _stage(tiny_model_dir: Path, tmp_path: Path):
-    from tasks.core.config import parse_config
+    from tasks.core.config.schema import parse_config
 
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
     raw["cpt"].update(max_steps=STEPS, checkpoint_every=EVERY,
@@ -64,7 +64,7 @@ def _stage(tiny_model_dir: Path, tmp_path: Path):
 
 def _job(cfg, tmp_path: Path, model_dir: Path, verb: str):
     """The job the stage tasks write (tasks/train.py:_job)."""
-    from tasks.core.job import Job, Parent
+    from tasks.core.run.job import Job, Parent
     from tests._engine_utils import prepared_data
 
     data_dir = prepared_data(cfg.model_dump(mode="json"), "cpt", model_dir, tmp_path / "data-cpt")
@@ -75,8 +75,8 @@ def _job(cfg, tmp_path: Path, model_dir: Path, verb: str):
 
 def test_cpt_stage_across_two_slurm_nodes_fails_on_a_killed_rank_and_resumes(slurm_cluster, tiny_model_dir, tmp_path):
     from tasks.core.errors import StageFailed
-    from tasks.core.manifest import verify_artifact
-    from tasks.launch import run_engine
+    from tasks.core.launch.torchrun import run_engine
+    from tasks.core.run.manifest import verify_artifact
 
     cfg = _stage(tiny_model_dir, tmp_path)
     logger, handler = _logger("slurm-stage")
@@ -118,8 +118,8 @@ def test_cpt_stage_across_two_slurm_nodes_fails_on_a_killed_rank_and_resumes(slu
 
 
 def test_reattach_after_the_submitting_process_dies(slurm_cluster, tiny_model_dir, tmp_path):
-    from tasks.core.slurm import SlurmCli
-    from tasks.launch import run_engine
+    from tasks.core.launch.slurm import SlurmCli
+    from tasks.core.launch.torchrun import run_engine
 
     cfg = _stage(tiny_model_dir, tmp_path)
     job = _job(cfg, tmp_path, tiny_model_dir, "shard")
@@ -129,9 +129,9 @@ def test_reattach_after_the_submitting_process_dies(slurm_cluster, tiny_model_di
 import json, logging, sys
 from pathlib import Path
 sys.path.insert(0, {str(REPO)!r})
-from tasks.core.config import LaunchConfig
-from tasks.core.job import parse_job
-from tasks.launch import run_engine
+from tasks.core.config.schema import LaunchConfig
+from tasks.core.run.job import parse_job
+from tasks.core.launch.torchrun import run_engine
 d = json.loads(Path({str(tmp_path / 'cfg.json')!r}).read_text())
 logging.basicConfig(level=logging.INFO)
 run_engine("shard", parse_job(d["job"]), Path({str(job_path)!r}), LaunchConfig(**d["launch"]), "t-reattach", logging.getLogger("child"), env={{"GLOO_SOCKET_IFNAME": "lo"}})
@@ -176,14 +176,14 @@ run_engine("shard", parse_job(d["job"]), Path({str(job_path)!r}), LaunchConfig(*
     assert not any("submitted Slurm job" in ln for ln in handler.lines)
     assert not any("@@slurm" in ln for ln in handler.lines)  # the batch script's first line was logged by the child
     assert json.loads(record.read_text())["job_id"] == job_id
-    from tasks.core.manifest import verify_artifact
+    from tasks.core.run.manifest import verify_artifact
 
     assert verify_artifact(tmp_path / "run" / "cpt" / "step-000000")["meta"]["world_size"] == 2
 
 
 def test_flow_preflight_runs_the_slurm_checks(slurm_cluster, tiny_model_dir, tmp_path):
-    from tasks.core.config import parse_config
-    from tasks.core.validate import preflight_report
+    from tasks.core.config.schema import parse_config
+    from tasks.core.preflight.checks import preflight_report
 
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
     raw["cpt"]["launch"] = {"backend": "slurm", "nnodes": 2, "nproc_per_node": 1, "slurm": {"partition": "debug"}}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.core.manifest import MANIFEST
+from tasks.core.run.manifest import MANIFEST
 from tests.conftest import tiny_config_raw
 
 pytest_plugins = ["tests.conftest_slurm", "tests.conftest_servers"]
@@ -27,8 +27,8 @@ STEPS, EVERY = 4, 2
 def test_s3_run_root_with_per_node_staging_on_two_slurm_nodes(slurm_cluster, s3_root, prefect_harness, tiny_model_dir, tmp_path, monkeypatch):
     from prefect import flow
 
-    from tasks.core.config import parse_config
-    from tasks.core.storage import RunStore
+    from tasks.core.config.schema import parse_config
+    from tasks.core.storage.fs import RunStore
     from tasks.load import load_from_hf
     from tasks.prepare_data import prepare_data
     from tasks.stage import outcome

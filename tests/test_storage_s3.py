@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from tasks.core.errors import ArtifactMissing, ManifestError
-from tasks.core.manifest import MANIFEST, sha256_file, write_manifest
-from tasks.core.s3_transfers import S3Transfers
-from tasks.core.storage import SHA256_META, RunStore, TransferError
+from tasks.core.run.manifest import MANIFEST, sha256_file, write_manifest
+from tasks.core.storage.fs import SHA256_META, RunStore, TransferError
+from tasks.core.storage.s3 import S3Transfers
 
 pytest_plugins = ["tests.conftest_servers"]
 pytestmark = pytest.mark.integration
@@ -248,7 +248,7 @@ def test_a_stage_artifact_publish_outlasts_a_store_outage_or_names_it(fresh_weed
     fails after the bounded retries naming the artifact, and no manifest exists remotely."""
     import threading
 
-    from tasks.core.publisher import PublishFailed, publish_retrying
+    from tasks.core.storage.publisher import PublishFailed, publish_retrying
     from tests.conftest_servers import BUCKET
 
     store = RunStore(f"s3://{BUCKET}/outage", staging_dir=str(tmp_path / "stage"), part_size=PART)

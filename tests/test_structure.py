@@ -118,11 +118,11 @@ def test_transitive_imports_in_a_fresh_interpreter(room, forbidden):
 
 
 def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
-    from tasks.core import plugins
-    from tasks.core.config import PluginConfig, RunConfig, parse_config
+    from tasks.core.config import plugins
+    from tasks.core.config.layout import ParallelLayout, layout_problems
+    from tasks.core.config.schema import PluginConfig, RunConfig, parse_config
     from tasks.core.errors import ConfigError
-    from tasks.core.layout import ParallelLayout, layout_problems
-    from tasks.engine import plugins as engine_plugins
+    from tasks.engine import builders as engine_plugins
     from tests.conftest import tiny_config_raw
 
     built = []
@@ -154,14 +154,14 @@ def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
 
 
 def test_every_registered_plugin_has_an_engine_builder():
-    from tasks.core.plugins import PLUGINS
-    from tasks.engine.plugins import BUILDERS
+    from tasks.core.config.plugins import PLUGINS
+    from tasks.engine.builders import BUILDERS
 
     assert set(PLUGINS) == set(BUILDERS)
 
 
 def test_the_run_layout_names_every_stage_the_flow_runs():
-    from tasks.core.runlayout import STAGE_NAMES
+    from tasks.core.run.stages import STAGE_NAMES
 
     flow = (ROOT / "flows" / "cpt_to_sft.py").read_text()
     for name in STAGE_NAMES:
@@ -169,15 +169,15 @@ def test_the_run_layout_names_every_stage_the_flow_runs():
 
 
 def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(tiny_model_dir, tmp_path):
-    """BACKENDS (tasks/core/backends.py) and RUNNERS (tasks/launch.py) have the same keys; a
+    """BACKENDS (tasks/core/launch/backends.py) and RUNNERS (tasks/core/launch/torchrun.py) have the same keys; a
     registered backend is accepted by the config, its rendezvous rule comes from its row, and
     run_engine dispatches to its runner without any other change."""
     import logging
 
-    import tasks.launch as launch_mod
-    from tasks.core.backends import BACKENDS, BackendSpec, register
-    from tasks.core.config import ConfigError, parse_config
-    from tasks.core.job import Job, Parent
+    import tasks.core.launch.torchrun as launch_mod
+    from tasks.core.config.schema import ConfigError, parse_config
+    from tasks.core.launch.backends import BACKENDS, BackendSpec, register
+    from tasks.core.run.job import Job, Parent
 
     assert set(BACKENDS) == set(launch_mod.RUNNERS)
     ran = []

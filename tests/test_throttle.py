@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tasks.core.storage import filesystem
+from tasks.core.storage.fs import filesystem
 from tests.servers.throttle import MB
 
 pytest_plugins = ["tests.conftest_servers"]

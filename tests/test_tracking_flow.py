@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tasks.core.tbevents import read_scalars
+from tasks.core.tracking.tbevents import read_scalars
 from tests.conftest import tiny_config_raw, write_config
 
 pytest_plugins = ["tests.conftest_servers"]
@@ -32,8 +32,8 @@ def test_flow_writes_tensorboard_and_one_mlflow_run_with_two_stage_runs(prefect_
     from mlflow import MlflowClient
 
     from flows.cpt_to_sft import main
-    from tasks.core.config import load_config
-    from tasks.core.tracking_config import flatten
+    from tasks.core.config.schema import load_config
+    from tasks.core.tracking.config import flatten
 
     run_root = tmp_path / "run"
     raw = tiny_config_raw(tiny_model_dir, run_root)

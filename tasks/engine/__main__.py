@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 -m tasks.engine shard --config JOB.json
     torchrun --nproc_per_node=2 -m tasks.engine train --config JOB.json
 
-JOB.json is described in tasks/engine/job.py. Order of work, cheapest checks first: prefix this
+JOB.json is described in tasks/engine/preconditions.py. Order of work, cheapest checks first: prefix this
 rank's output with `[rank N] `; read and validate the job; refuse plugins this machine cannot run
 (Gemini without CUDA) before any model is loaded; parse CPT_TO_SFT_FAULT (tasks/engine/faults.py);
 patch ColossalAI for CPU when CUDA is absent (tasks/engine/cpu_compat.py); init the process group
@@ -45,7 +45,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     rank = int(os.environ.get("RANK", "0"))
-    from tasks.core.proctree import die_with_parent
+    from tasks.core.launch.proctree import die_with_parent
 
     # torchrun starts each rank in a session of its own; if torchrun dies, the rank goes with it.
     die_with_parent()
@@ -59,11 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
 
     from tasks.core.errors import ConfigError, ManifestError
-    from tasks.core.events import ERROR
+    from tasks.core.run.events import ERROR
 
     try:
-        from tasks.engine.job import check_inputs, load_job
-        from tasks.engine.plugins import check_supported
+        from tasks.engine.builders import check_supported
+        from tasks.engine.preconditions import check_inputs, load_job
 
         job = load_job(args.config, verb=args.verb)
         check_supported(job.stage_cfg.plugin, job.stage)

@@ -1,7 +1,7 @@
 """Backpressure of checkpoint uploads, as every torchrun rank sees it.
 
 With a remote (s3://) run root the task publishes each committed checkpoint beside training and
-marks it `.published` (tasks/core/publisher.py, tasks/core/published.py). Before a save, rank 0
+marks it `.published` (tasks/core/storage/publisher.py, tasks/core/storage/handshake.py). Before a save, rank 0
 counts the committed checkpoints still unmarked; while `max_pending_publishes` of them wait, a new
 one would exceed the bound, so every rank waits here. Rank 0 re-counts every `poll_s` and
 broadcasts the answer: each collective is short, so a long wait never trips the process group's
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tasks.core.events import BACKPRESSURE
+from tasks.core.run.events import BACKPRESSURE
 from tasks.engine import checkpoint as ckpt
 
 

@@ -12,8 +12,8 @@ rank 0 wrote the manifest LAST):
     rng/rank-NNNNN.safetensors  torch CPU generator state (and CUDA's where present) of every rank
     train_state.json          step, tokens_seen, sampler position (epoch, offset, seed), per-step
                               losses and learning rates so far (full precision), stage
-    .cpt-to-sft/fingerprint.npy  logits on the fixed probe batch (tasks.core.fingerprint)
-    .cpt-to-sft/manifest.json    tasks.core.manifest.write_manifest: every file with size + sha256
+    .cpt-to-sft/fingerprint.npy  logits on the fixed probe batch (tasks.core.models.fingerprint)
+    .cpt-to-sft/manifest.json    tasks.core.run.manifest.write_manifest: every file with size + sha256
 
 Pickles: the optimizer files and lr_scheduler.pt are torch pickles written by us into our own
 storage; ColossalAI reads them with a bare `torch.load`, which defaults to `weights_only=True` in
@@ -43,9 +43,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tasks.core.errors import ManifestError
-from tasks.core.manifest import MANIFEST, fsync_dir, verify_artifact
-from tasks.core.published import is_published
-from tasks.core.runlayout import STEP_RE, step_name, tmp_step_name
+from tasks.core.run.manifest import MANIFEST, fsync_dir, verify_artifact
+from tasks.core.run.stages import STEP_RE, step_name, tmp_step_name
+from tasks.core.storage.handshake import is_published
 
 # step_name is re-exported: the engine names its checkpoints through this module.
 __all__ = [

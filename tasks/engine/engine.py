@@ -22,7 +22,7 @@ Fingerprint: pp == 1 -> the live boosted model on every rank (tensor-parallel vo
 gathered), i.e. exactly the weights being trained in their training dtype; pp > 1 -> no rank holds
 the whole model, so rank 0 loads the just-saved `model/` into a fresh `transformers` model.
 
-What differs between plugins is read from the registry (`tasks.core.plugins`), never from a name.
+What differs between plugins is read from the registry (`tasks.core.config.plugins`), never from a name.
 """
 
 from __future__ import annotations
@@ -37,17 +37,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tasks.core.config.plugins import spec_of
 from tasks.core.errors import ManifestError
-from tasks.core.events import CHECKPOINT, format_event
-from tasks.core.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
-from tasks.core.manifest import write_manifest
-from tasks.core.plugins import spec_of
+from tasks.core.models.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
+from tasks.core.run.events import CHECKPOINT, format_event
+from tasks.core.run.manifest import write_manifest
 from tasks.engine import checkpoint as ckpt
 from tasks.engine import node_staging
 from tasks.engine.backpressure import wait_for_publishes
-from tasks.engine.faults import Injector
-from tasks.engine.job import Job
-from tasks.engine.plugins import (
+from tasks.engine.builders import (
     booster_mixed_precision,
     can_no_sync,
     check_model,
@@ -56,6 +54,8 @@ from tasks.engine.plugins import (
     plugin_meta,
     uses_autocast,
 )
+from tasks.engine.faults import Injector
+from tasks.engine.preconditions import Job
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -66,7 +66,7 @@ def log(msg: str, all_ranks: bool = False) -> None:
 
 
 def emit(kind: str, record: dict[str, Any]) -> None:
-    """Machine-readable line for the Prefect task (rank 0 only; tasks/core/events.py)."""
+    """Machine-readable line for the Prefect task (rank 0 only; tasks/core/run/events.py)."""
     if dist.get_rank() == 0:
         print(format_event(kind, record), flush=True)
 

@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.core.events import ERROR
+from tasks.core.run.events import ERROR
 from tasks.engine import rankio
 
 ENV = "CPT_TO_SFT_FAULT"

@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 
 from tasks.core.errors import ManifestError
-from tasks.core.events import PROGRESS
+from tasks.core.run.events import PROGRESS
 from tasks.engine import checkpoint as ckpt
+from tasks.engine.builders import plugin_meta
 from tasks.engine.engine import Engine, emit, log
 from tasks.engine.faults import Injector
-from tasks.engine.job import Job
 from tasks.engine.metrics import StepMetrics, count_params
-from tasks.engine.plugins import plugin_meta
+from tasks.engine.preconditions import Job
 
 __all__ = ["StageData", "find_start", "shard", "train"]
 
@@ -44,7 +44,7 @@ class StageData:
     """
 
     def __init__(self, job: Job, dp_rank: int, dp_size: int):
-        from tasks.core.dataprep.reader import TokenDataset
+        from tasks.core.data.reader import TokenDataset
         from tasks.engine.sampler import ResumableSampler
 
         cfg = job.stage_cfg
@@ -166,7 +166,7 @@ def train(job: Job, faults: Injector) -> Path | None:
     last = rp.path
     started = time.monotonic()
     # purge_step: the steps after the resumed checkpoint are trained again; TensorBoard (and
-    # tasks.core.tbevents) hide the points an earlier launch wrote for them.
+    # tasks.core.tracking.tbevents) hide the points an earlier launch wrote for them.
     meter = StepMetrics(job.stage_dir, rank=eng.rank, world=eng.world, n_params=n_params, model_config=eng.config,
                         seq_len=cfg.seq_len, precision=eng.pcfg.precision, purge_step=rp.step + 1)
     for step in range(rp.step + 1, cfg.max_steps + 1):

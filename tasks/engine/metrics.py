@@ -2,7 +2,7 @@
 TensorBoard event files under `<stage_dir>/tensorboard/`.
 
     torchrun --nproc_per_node=2 -m tasks.engine train --config JOB.json   # writes them as it trains
-    python -m tasks.core.tbevents <stage_dir>/tensorboard                  # reads them back
+    python -m tasks.core.tracking.tbevents <stage_dir>/tensorboard                  # reads them back
     tensorboard --logdir <run_root>                                        # both stages side by side
 
 Per optimizer step: loss, lr, grad_norm (the norm the plugin's optimizer computed for clipping,
@@ -10,7 +10,7 @@ before clipping; absent when the plugin did not compute one, e.g. max_norm 0), t
 tokens of the global batch / step time), step_s (wall time of the step on rank 0, which waits for
 the collectives of every rank), peak_mem_bytes (CUDA: max allocated since the previous step on
 rank 0's device; CPU: rank 0's peak RSS since the process started, the kernel keeps no other
-peak) and mfu (tasks.core.flops; only on a device with a known peak).
+peak) and mfu (tasks.core.models.flops; only on a device with a known peak).
 
 The ranks never import a tracking client: MLflow is written by the Prefect task from these
 records (tasks/tracking.py). TensorBoard needs no server, so the engine writes it itself, with
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from tasks.core.flops import flops_per_token, mfu, peak_flops
-from tasks.core.runlayout import TENSORBOARD as TB_DIR
+from tasks.core.models.flops import flops_per_token, mfu, peak_flops
+from tasks.core.run.stages import TENSORBOARD as TB_DIR
 
 # The @@progress field -> its TensorBoard tag. One scalar per step per field that has a value.
 TAGS = {

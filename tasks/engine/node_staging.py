@@ -29,11 +29,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tasks.core.job import Job
-from tasks.core.manifest import MANIFEST, build_file_table
-from tasks.core.runlayout import STEP_RE
-from tasks.core.s3_transfers import S3Transfers, all_or_nothing, b64, crc32, run_transfer
-from tasks.core.storage import RunStore, filesystem
+from tasks.core.run.job import Job
+from tasks.core.run.manifest import MANIFEST, build_file_table
+from tasks.core.run.stages import STEP_RE
+from tasks.core.storage.fs import RunStore, filesystem
+from tasks.core.storage.s3 import S3Transfers, all_or_nothing, b64, crc32, run_transfer
 
 
 def node_name() -> str:

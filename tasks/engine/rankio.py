@@ -6,7 +6,7 @@ merged output of all ranks can attribute every line. Only Python-level writes ar
 C++ messages written straight to file descriptor 1/2 (gloo, torch's c10 logging) are not, and the
 launcher attributes them to torchrun.
 
-The prefix also says the line's level (`tasks.core.events`): stdout is info, stderr warning, and
+The prefix also says the line's level (`tasks.core.run.events`): stdout is info, stderr warning, and
 `say(msg, ERROR)` is the one way a rank writes an error line.
 """
 
@@ -17,7 +17,7 @@ import io
 import sys
 import threading
 
-from tasks.core.events import ERROR, INFO, WARNING, rank_prefix
+from tasks.core.run.events import ERROR, INFO, WARNING, rank_prefix
 
 
 class RankPrefixed(io.TextIOBase):
@@ -67,7 +67,7 @@ class RankPrefixed(io.TextIOBase):
         return getattr(self._stream, "errors", "strict")
 
 
-# The level each stream's lines carry (tasks/core/events.py): stdout is info; stderr holds what
+# The level each stream's lines carry (tasks/core/run/events.py): stdout is info; stderr holds what
 # libraries and Python's warnings machinery write, warnings by convention. Errors are never
 # inferred: only `say(..., ERROR)` writes them.
 _STREAM_LEVELS = {"stdout": INFO, "stderr": WARNING}

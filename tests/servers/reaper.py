@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 
-from tasks.core.proctree import become_subreaper
+from tasks.core.launch.proctree import become_subreaper
 
 
 def main(argv: list[str]) -> int:

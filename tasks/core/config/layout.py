@@ -1,0 +1,304 @@
+"""`ParallelLayout`: a stage's parallel layout, every rule stated once, dp derived.
+
+    python -c "from tasks.core.config.schema import load_config; from tasks.core.config.layout import ParallelLayout; \
+c = load_config('deployments/configs/tiny-cpu.yaml'); print(ParallelLayout.of(c.cpt, 'cpt'))"
+
+torchtitan's `ParallelDims` is the model: a frozen value built from the config validates every
+layout rule and derives the data-parallel degree. Each rule below is one function that names the
+config field it concerns and the fix; each belongs to one tier, which decides who can check it:
+
+- `static`: the config alone. Run by `RunConfig`'s validator (and by pre-flight, which loads the
+  config without that validator so every problem lands in one report).
+- `batch`: the config alone too, but checked only by pre-flight and the engine (a pipeline step
+  must split its rows evenly into micro-batches), as before this module existed.
+- `model`: needs the base model's config.json (heads, KV heads, vocabulary, layers). Pre-flight
+  reads it; the engine passes the model it built.
+- `device`: needs to know whether CUDA is present. Pre-flight passes the machine, the engine
+  asks torch.
+
+Plugin capabilities come from the registry (`tasks.core.config.plugins`), never from a plugin's name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tasks.core.config.plugins import PLUGINS, PRECISION_SPECS, PluginSpec
+from tasks.core.errors import ConfigError
+from tasks.core.launch.backends import BACKENDS
+
+if TYPE_CHECKING:
+    from tasks.core.config.schema import StageConfig
+
+Problem = tuple[str, str]
+TIERS = ("static", "batch", "model", "device")
+
+
+@dataclass(frozen=True)
+class _Facts:
+    stage: StageConfig
+    where: str  # "cpt" or "sft": the config path prefix of every field named
+    spec: PluginSpec
+    model: dict[str, Any] | None  # the base model's config.json
+    cuda: bool | None
+
+    @property
+    def f(self) -> str:
+        return f"{self.where}.plugin"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def num_microbatches(stage: StageConfig) -> int:
+    return stage.plugin.num_microbatches or stage.grad_accum_steps
+
+
+def is_zero(spec: PluginSpec, zero_stage: int) -> bool:
+    """Whether the plugin shards optimizer state (always, for ZeRO-only plugins)."""
+    return spec.zero_stage(zero_stage) > 0 or min(spec.zero_stages) > 0
+
+
+# -- static ---------------------------------------------------------------------------------------
+
+
+def _tp_pp_need_support(x: _Facts) -> list[Problem]:
+    p, out = x.stage.plugin, []
+    if not x.spec.supports_tp_pp:
+        capable = ", ".join(n for n, s in PLUGINS.items() if s.supports_tp_pp)
+        if p.tp_size != 1:
+            out.append((f"{x.f}.tp_size", f"tensor parallelism needs plugin {capable}, not {p.name}; set tp_size: 1 or name: {capable}"))
+        if p.pp_size != 1:
+            out.append((f"{x.f}.pp_size", f"pipeline parallelism needs plugin {capable}, not {p.name}; set pp_size: 1 or name: {capable}"))
+    return out
+
+
+def _zero_stage_allowed(x: _Facts) -> list[Problem]:
+    z = x.stage.plugin.zero_stage
+    if z in x.spec.zero_stages:
+        return []
+    return [(f"{x.f}.zero_stage", f"{x.spec.zero_hint}, got {z}")]
+
+
+def _precision_allowed(x: _Facts) -> list[Problem]:
+    p = x.stage.plugin
+    if p.precision in x.spec.precisions:
+        return []
+    return [(f"{x.f}.precision", f"{p.name} supports precision {', '.join(x.spec.precisions)}, got {p.precision}")]
+
+
+def _zero_needs_mixed_precision(x: _Facts) -> list[Problem]:
+    p = x.stage.plugin
+    if p.precision == "fp32" and is_zero(x.spec, p.zero_stage):
+        return [(f"{x.f}.precision", f"ZeRO ({p.name}, zero_stage {p.zero_stage}) shards fp32 master weights of a bf16/fp16 model; fp32 is refused: set precision: bf16")]
+    return []
+
+
+def _rendezvous_by_backend(x: _Facts) -> list[Problem]:
+    """Who places a multi-node rendezvous is the backend's `rendezvous` (tasks.core.launch.backends)."""
+    launch = x.stage.launch
+    spec = BACKENDS.get(launch.backend)
+    if spec is None:  # the config's own validator names the unknown backend
+        return []
+    if spec.rendezvous == "scheduler":
+        if launch.rdzv_endpoint or launch.node_rank:
+            return [(f"{x.where}.launch.rdzv_endpoint", f"the {spec.name} backend places the rendezvous on the job's first node and numbers the nodes itself; remove rdzv_endpoint and node_rank")]
+        return []
+    if launch.nnodes > 1 and not launch.rdzv_endpoint:
+        return [(f"{x.where}.launch.rdzv_endpoint", (f"nnodes={launch.nnodes} needs a c10d rendezvous endpoint host:port reachable from every node; "
+                                                     "without one the stage would wait forever for nodes that never join (or use a backend that starts every node, e.g. backend: slurm)"))]
+    return []
+
+
+def _backend_settings(x: _Facts) -> list[Problem]:
+    """Only the chosen backend's settings section may be set; then the backend's own static rules."""
+    launch = x.stage.launch
+    spec = BACKENDS.get(launch.backend)
+    if spec is None:
+        return []
+    out = [(f"{x.where}.launch.{other.settings}", f"is set but backend is {spec.name}, so it would be ignored; set backend: {other.name} or remove the {other.settings} section")
+           for other in BACKENDS.values() if other.settings and other.settings != spec.settings and getattr(launch, other.settings, None) is not None]
+    return out + (spec.static_problems(launch, f"{x.where}.launch") if spec.static_problems else [])
+
+
+def _world_divisible(x: _Facts) -> list[Problem]:
+    p, world = x.stage.plugin, x.stage.launch.world_size
+    if world % (p.tp_size * p.pp_size):
+        return [(f"{x.where}.launch", f"world size nnodes*nproc_per_node = {world} is not a multiple of tp_size*pp_size = {p.tp_size * p.pp_size}")]
+    return []
+
+
+def _pipeline_microbatches(x: _Facts) -> list[Problem]:
+    p = x.stage.plugin
+    nmb = num_microbatches(x.stage)
+    if p.pp_size > 1 and nmb < p.pp_size:
+        return [(f"{x.f}.num_microbatches", f"pipeline needs at least pp_size={p.pp_size} micro-batches per step, got {nmb}; raise grad_accum_steps or num_microbatches")]
+    return []
+
+
+# -- batch ----------------------------------------------------------------------------------------
+
+
+def _rows_divide_microbatches(x: _Facts) -> list[Problem]:
+    st = x.stage
+    if st.plugin.pp_size <= 1:
+        return []
+    nmb, rows = num_microbatches(st), st.micro_batch_size * st.grad_accum_steps
+    if rows % nmb:
+        return [(f"{x.f}.num_microbatches", (f"a pipeline step splits micro_batch_size*grad_accum_steps = {rows} sequences per data-parallel rank into {nmb} micro-batches, "
+                                             f"which does not divide; set num_microbatches to a divisor of {rows}"))]
+    return []
+
+
+# -- model ----------------------------------------------------------------------------------------
+
+
+def _head_dims(mc: dict[str, Any]) -> dict[str, int]:
+    n_heads = mc.get("num_attention_heads")
+    dims = (("num_attention_heads", n_heads), ("num_key_value_heads", mc.get("num_key_value_heads") or n_heads),
+            ("intermediate_size", mc.get("intermediate_size")))
+    return {k: v for k, v in dims if isinstance(v, int)}
+
+
+def _tp_divides_heads(x: _Facts) -> list[Problem]:
+    tp = x.stage.plugin.tp_size
+    if x.model is None or tp <= 1:
+        return []
+    dims = _head_dims(x.model)
+    bad = {k: v for k, v in dims.items() if v % tp}
+    if not bad:
+        return []
+    return [(f"{x.f}.tp_size", (f"tp_size={tp} does not divide {' and '.join(f'{k}={v}' for k, v in bad.items())} of the base model: "
+                                f"every rank needs whole attention/KV heads and MLP columns. Valid tp_size: {_divisors(math.gcd(*dims.values()))}"))]
+
+
+def _tp_divides_vocab(x: _Facts) -> list[Problem]:
+    tp = x.stage.plugin.tp_size
+    vocab = x.model.get("vocab_size") if x.model else None
+    if not isinstance(vocab, int) or tp <= 1 or vocab % tp == 0:
+        return []
+    valid = _divisors(math.gcd(vocab, *_head_dims(x.model).values()))
+    return [(f"{x.f}.tp_size", (f"tp_size={tp} does not divide the base model's vocab_size={vocab}: "
+                                "ColossalAI would pad the embedding and LM head and then fail to checkpoint their optimizer state. "
+                                f"Use a tp_size in {valid} or resize the vocabulary to a multiple of tp_size "
+                                "(model.resize_token_embeddings(n, pad_to_multiple_of=tp_size))"))]
+
+
+def _pp_within_layers(x: _Facts) -> list[Problem]:
+    pp = x.stage.plugin.pp_size
+    layers = x.model.get("num_hidden_layers") if x.model else None
+    if pp > 1 and isinstance(layers, int) and pp > layers:
+        return [(f"{x.f}.pp_size", f"pp_size={pp} exceeds num_hidden_layers={layers} of the base model: a pipeline stage would hold no layer; use pp_size <= {layers}")]
+    return []
+
+
+# -- device ---------------------------------------------------------------------------------------
+
+
+def _cuda_only_plugin(x: _Facts) -> list[Problem]:
+    if x.cuda is False and x.spec.needs_cuda:
+        cpu_ok = ", ".join(n for n, s in PLUGINS.items() if not s.needs_cuda)
+        return [(f"{x.f}.name", f"{x.spec.name} needs CUDA ({x.spec.cuda_reason}) and no GPU is visible here; on CPU use {cpu_ok}, or run this stage on a CUDA node")]
+    return []
+
+
+def _cuda_only_precision(x: _Facts) -> list[Problem]:
+    p = x.stage.plugin
+    why = PRECISION_SPECS[p.precision].cuda_reason
+    if x.cuda is False and why:
+        cpu_ok = ", ".join(n for n, s in PRECISION_SPECS.items() if not s.cuda_reason and n in x.spec.precisions)
+        return [(f"{x.f}.precision", f"precision {p.precision} needs CUDA ({why}) and this stage runs on CPU; use precision {cpu_ok} on CPU, or run this stage on a CUDA node")]
+    return []
+
+
+def _fp16_needs_dynamic_loss_scale(x: _Facts) -> list[Problem]:
+    p = x.stage.plugin
+    if PRECISION_SPECS[p.precision].loss_scaling and x.spec.loss_scale != "dynamic":
+        return [(f"{x.f}.precision", f"precision {p.precision} needs dynamic loss scaling (small gradients underflow to zero otherwise) and {p.name} is built without it; use precision bf16")]
+    return []
+
+
+RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
+    ("static", _tp_pp_need_support),
+    ("static", _zero_stage_allowed),
+    ("static", _precision_allowed),
+    ("static", _zero_needs_mixed_precision),
+    ("static", _rendezvous_by_backend),
+    ("static", _backend_settings),
+    ("static", _world_divisible),
+    ("static", _pipeline_microbatches),
+    ("static", _fp16_needs_dynamic_loss_scale),
+    ("batch", _rows_divide_microbatches),
+    ("model", _tp_divides_heads),
+    ("model", _tp_divides_vocab),
+    ("model", _pp_within_layers),
+    ("device", _cuda_only_plugin),
+    ("device", _cuda_only_precision),
+)
+
+
+def layout_problems(
+    stage: StageConfig,
+    where: str,
+    *,
+    model_config: dict[str, Any] | None = None,
+    cuda: bool | None = None,
+    tiers: tuple[str, ...] = TIERS,
+) -> list[Problem]:
+    """Every broken rule of the chosen tiers, as (config field, message with the fix).
+
+    `model` rules need `model_config`, `device` rules need `cuda`; without them they are skipped.
+    """
+    spec = PLUGINS.get(stage.plugin.name)
+    if spec is None:  # the config's own validator names the unknown plugin
+        return [(f"{where}.plugin.name", f"unknown plugin {stage.plugin.name!r}; registered plugins: {', '.join(PLUGINS)}")]
+    facts = _Facts(stage, where, spec, model_config, cuda)
+    out: list[Problem] = []
+    for tier, rule in RULES:
+        if tier in tiers:
+            out += [p for p in rule(facts) if p not in out]
+    return out
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """A validated layout: tp x pp x dp = world size, under one plugin."""
+
+    plugin: str
+    tp: int
+    pp: int
+    dp: int
+    world_size: int
+    zero_stage: int  # the stage the plugin really runs
+    precision: str
+    num_microbatches: int
+
+    @property
+    def spec(self) -> PluginSpec:
+        return PLUGINS[self.plugin]
+
+    @classmethod
+    def of(
+        cls,
+        stage: StageConfig,
+        where: str,
+        *,
+        model_config: dict[str, Any] | None = None,
+        cuda: bool | None = None,
+        tiers: tuple[str, ...] = TIERS,
+        header: str | None = None,
+    ) -> ParallelLayout:
+        """The layout of `stage`, or one ConfigError naming every broken rule of `tiers`."""
+        problems = layout_problems(stage, where, model_config=model_config, cuda=cuda, tiers=tiers)
+        if problems:
+            raise ConfigError(problems, header=header or f"stage {where} cannot run with this layout")
+        p, world = stage.plugin, stage.launch.world_size
+        spec = PLUGINS[p.name]
+        return cls(
+            plugin=p.name, tp=p.tp_size, pp=p.pp_size, dp=world // (p.tp_size * p.pp_size), world_size=world,
+            zero_stage=spec.zero_stage(p.zero_stage), precision=p.precision, num_microbatches=num_microbatches(stage),
+        )

@@ -1,0 +1,58 @@
+"""The typed per-run overrides of a deployment run: what a user changes per run without editing
+the YAML. Prefect renders this model as the labelled fields of the run form (with these
+descriptions, taken from the config's own fields), and every value is validated again by
+RunConfig once it is applied to the YAML, so a wrong one names the config field.
+
+    python -c "from tasks.core.config.overrides import RunOverrides as R; print(R(run_name='x', cpt={'max_steps': 4}).dotted())"
+    prefect deployment run cpt-to-sft/default -p config=deployments/configs/tiny-cpu.yaml \
+        --params '{"overrides": {"run_name": "smoke", "cpt": {"max_steps": 4, "lr": 1e-4}}}'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tasks.core.config.schema import BaseModelConfig, DataConfig, RunConfig, StageConfig
+
+
+def _about(model: type[BaseModel], field: str, prefix: str = "") -> str:
+    return f"{prefix}{model.model_fields[field].description} Empty: as in the config."
+
+
+# Text fields are plain strings, empty meaning "as in the config", so the run form shows a text box
+# rather than a "str | None" switch; numbers stay optional (None: as in the config).
+class _Overrides(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class StageOverrides(_Overrides):
+    data_uri: str = Field(default="", title="Data URI", description=_about(DataConfig, "uri", "Training data: "))
+    max_steps: int | None = Field(default=None, ge=1, title="Max steps", description=_about(StageConfig, "max_steps"))
+    lr: float | None = Field(default=None, gt=0, title="Learning rate", description=_about(StageConfig, "lr"))
+
+
+class RunOverrides(_Overrides):
+    run_name: str = Field(default="", title="Run name", description=_about(RunConfig, "name"))
+    run_root: str = Field(default="", title="Run root", description=_about(RunConfig, "run_root"))
+    base_model_uri: str = Field(default="", title="Base model URI", description=_about(BaseModelConfig, "uri"))
+    base_model_revision: str = Field(default="", title="Base model revision", description=_about(BaseModelConfig, "revision"))
+    # Not optional (an empty one changes nothing): an optional object is a collapsed "None" toggle
+    # in Prefect's run form, and its fields would not show until a user switched it on.
+    cpt: StageOverrides = Field(default_factory=StageOverrides, title="CPT", description="Continued pre-training: data, steps, learning rate.")
+    sft: StageOverrides = Field(default_factory=StageOverrides, title="SFT", description="Supervised fine-tuning: data, steps, learning rate.")
+
+    def dotted(self) -> dict[str, Any]:
+        """The set fields as dotted config keys, for `read_raw_config` (the same path as --set)."""
+        out: dict[str, Any] = {}
+        top = {"run_name": "name", "run_root": "run_root", "base_model_uri": "base_model.uri", "base_model_revision": "base_model.revision"}
+        for field, key in top.items():
+            if getattr(self, field) not in (None, ""):
+                out[key] = getattr(self, field)
+        for stage in ("cpt", "sft"):
+            st = getattr(self, stage)
+            for field, key in (("data_uri", "data.uri"), ("max_steps", "max_steps"), ("lr", "lr")):
+                if getattr(st, field) not in (None, ""):
+                    out[f"{stage}.{key}"] = getattr(st, field)
+        return out

@@ -1,0 +1,180 @@
+"""The plugin registry: one `PluginSpec` row per ColossalAI booster plugin, pure data.
+
+    python -c "from tasks.core.config.plugins import PLUGINS; print(sorted(PLUGINS))"
+
+Everything the rest of the project needs to know about a plugin by name is a field here: the
+config's plugin-name type (`tasks.core.config.schema.PluginConfig.name`) is checked against these keys,
+the layout rules (`tasks.core.config.layout`) read the capabilities, and the engine
+(`tasks.engine.builders.BUILDERS`) keeps exactly one builder per key. Adding a plugin is one
+`register(PluginSpec(...))` plus one builder; nothing branches on a plugin's name elsewhere.
+
+Facts recorded in the rows were measured with colossalai 0.5.0 (see tasks/engine/builders.py):
+- ZeRO shards fp32 master weights of a bf16/fp16 model, so ZeRO with precision fp32 is refused.
+- ZeRO-2 partitions gradients as they are reduced, so it must reduce every micro-batch (no
+  `no_sync`); Gemini accumulates inside its chunks.
+- Gemini's forward asserts that its chunks live on CUDA; torch_ddp's fp16 is torch.cuda.amp.
+- fp16 needs CUDA on every plugin (`PRECISION_SPECS`), and every fp16 plugin scales the loss
+  dynamically: HybridParallel, LowLevelZero and Gemini through ColossalAI's DynamicGradScaler,
+  torch_ddp through torch.cuda.amp's GradScaler; the engine passes `LOSS_SCALE` to each.
+- torch_ddp does not cast the model: bf16 there is fp32 weights under torch.autocast.
+- HybridParallel's checkpoint IO drops the tied LM head itself and loads strictly; the general IO
+  (low_level_zero, torch_ddp) needs the tied tensor saved once and a non-strict load whose key
+  set is checked by the engine.
+- Gemini accepts only ColossalAI's own Adam kernels (HybridAdam); every other plugin wraps AdamW.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    """What a training precision needs, whatever the plugin (the layout rules read these rows)."""
+
+    name: str
+    cuda_reason: str = ""  # non-empty: refused without CUDA, for this reason
+    loss_scaling: bool = False  # gradients underflow unless the loss is scaled (dynamically)
+
+
+PRECISION_SPECS: dict[str, PrecisionSpec] = {
+    "fp32": PrecisionSpec("fp32"),
+    "bf16": PrecisionSpec("bf16"),
+    # Measured on the demo (tiny-cpu, low_level_zero): fp16 on CPU ends at loss 4.90 against
+    # 3.61 in bf16 and fails the gate; torch_ddp's fp16 is torch.cuda.amp, which disables itself.
+    "fp16": PrecisionSpec(
+        "fp16",
+        cuda_reason="fp16 mixed precision trains badly on CPU (demo: final loss 4.90 vs 3.61 in bf16) and torch_ddp's fp16 is torch.cuda.amp",
+        loss_scaling=True,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class DynamicLossScale:
+    """The dynamic loss scale every fp16 plugin is built with (ColossalAI's DynamicGradScaler
+    names; torch_ddp's torch.cuda.amp GradScaler takes the first four). Passed explicitly, so a
+    plugin default (low_level_zero starts at 2**32, torch amp grows every 2000 steps) cannot
+    change a run silently: the scale halves after `hysteresis` overflowing steps (skipped) and
+    doubles after `growth_interval` clean ones."""
+
+    initial_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+    max_scale: float = 2.0**32
+
+
+LOSS_SCALE = DynamicLossScale()
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """What one booster plugin supports; read by config validation, pre-flight and the engine."""
+
+    name: str
+    summary: str  # one line for the config field description and error messages
+    supports_tp_pp: bool = False  # tensor/pipeline parallel (and a stage manager, tp/dp groups)
+    zero_stages: tuple[int, ...] = (0,)  # accepted values of plugin.zero_stage
+    implicit_zero: int | None = None  # ZeRO stage the plugin always runs (gemini: 3), whatever zero_stage says
+    zero_hint: str = ""  # how to pick a valid zero_stage, for the message
+    needs_cuda: bool = False  # refused on a machine without CUDA (before any model is loaded)
+    cuda_reason: str = ""  # why it needs CUDA, for the message
+    loss_scale: Literal["dynamic", "none"] = "dynamic"  # what its builder gives fp16: dynamic (LOSS_SCALE) or none
+    precisions: tuple[str, ...] = PRECISIONS
+    no_sync_zero_stages: tuple[int, ...] = (0, 1)  # zero stages that may skip the gradient sync under accumulation
+    casts_model: bool = True  # False: weights stay fp32; bf16 runs under torch.autocast, fp16 under amp
+    optimizer: Literal["adamw", "hybrid_adam"] = "adamw"
+    clips_grad: bool = True  # the plugin applies plugin.max_norm itself; else the engine clips through its optimizer wrapper
+    strict_load: bool = True  # booster.load_model(strict=True) works; else non-strict plus an exact key check
+    dedupes_tied_weights: bool = True  # its checkpoint IO saves a tied tensor once by itself
+    extra_meta: tuple[str, ...] = field(default=())  # PluginConfig fields recorded in manifests for this plugin only
+
+    def zero_stage(self, configured: int) -> int:
+        """The ZeRO stage the plugin really runs."""
+        return self.implicit_zero if self.implicit_zero is not None else configured
+
+    def can_no_sync(self, zero_stage: int) -> bool:
+        return self.zero_stage(zero_stage) in self.no_sync_zero_stages
+
+    def weights_dtype(self, precision: str) -> str:
+        """dtype of the parameters the plugin trains (and saves)."""
+        return precision if self.casts_model else "fp32"
+
+    def autocast(self, precision: str) -> str | None:
+        """The torch.autocast dtype for a plugin that does not cast the model (bf16 only)."""
+        return "bf16" if not self.casts_model and precision == "bf16" else None
+
+    def booster_mixed_precision(self, precision: str) -> str | None:
+        """Booster(mixed_precision=...) for a plugin that does not cast the model: fp16 amp."""
+        return "fp16" if not self.casts_model and precision == "fp16" else None
+
+
+PLUGINS: dict[str, PluginSpec] = {}
+
+
+def register(spec: PluginSpec) -> PluginSpec:
+    """Add (or replace) a plugin row. The engine needs a builder under the same name."""
+    PLUGINS[spec.name] = spec
+    return spec
+
+
+def spec_of(name: str) -> PluginSpec:
+    try:
+        return PLUGINS[name]
+    except KeyError:
+        raise KeyError(f"unknown plugin {name!r}; registered plugins: {', '.join(PLUGINS)}") from None
+
+
+def plugin_names() -> tuple[str, ...]:
+    return tuple(PLUGINS)
+
+
+register(PluginSpec(
+    name="hybrid_parallel",
+    summary="tensor/pipeline parallel with optional ZeRO-1",
+    supports_tp_pp=True,
+    zero_stages=(0, 1),
+    zero_hint="hybrid_parallel supports zero_stage 0 or 1 here; use low_level_zero for stage 2 or gemini for stage 3",
+    no_sync_zero_stages=(0, 1),
+))
+register(PluginSpec(
+    name="low_level_zero",
+    summary="ZeRO-1/2 data parallel",
+    zero_stages=(1, 2),
+    zero_hint="low_level_zero needs zero_stage 1 or 2",
+    no_sync_zero_stages=(1,),
+    strict_load=False,
+    dedupes_tied_weights=False,
+))
+register(PluginSpec(
+    name="gemini",
+    summary="ZeRO-3 with chunked heterogeneous memory (CUDA only)",
+    zero_stages=(0, 3),
+    implicit_zero=3,
+    zero_hint="gemini is ZeRO-3 by construction; leave zero_stage at 0 or 3",
+    needs_cuda=True,
+    cuda_reason="ColossalAI asserts in every forward that Gemini's chunks live on a GPU",
+    no_sync_zero_stages=(),
+    optimizer="hybrid_adam",
+    strict_load=False,
+    dedupes_tied_weights=False,
+    extra_meta=("placement_policy",),
+))
+register(PluginSpec(
+    name="torch_ddp",
+    summary="plain PyTorch DDP",
+    zero_stages=(0,),
+    zero_hint="torch_ddp has no ZeRO; set zero_stage: 0",
+    no_sync_zero_stages=(0,),
+    casts_model=False,
+    clips_grad=False,
+    strict_load=False,
+    dedupes_tied_weights=False,
+))

@@ -1,0 +1,398 @@
+"""The lifecycle configuration: frozen pydantic models, one docstring-like description per field.
+
+Prefect renders these models as the run form; the engine reads the same models from the job file
+the task writes. Load and validate a YAML file with:
+
+    python -c "from tasks.core.config.schema import load_config; print(load_config('deployments/configs/tiny-cpu.yaml'))"
+
+Static rules (no model config, no filesystem) live in `RunConfig`'s validator and collect every
+problem into one `ConfigError`; rules that need the base model's config.json or the machine live
+in `tasks.core.preflight.checks`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+
+from tasks.core.config.plugins import PLUGINS, Precision
+from tasks.core.errors import ConfigError
+from tasks.core.launch.backends import BACKENDS
+from tasks.core.tracking.config import TrackingConfig
+
+
+def _registered_plugin(name: str) -> str:
+    if name not in PLUGINS:
+        raise ValueError(f"unknown plugin {name!r}; registered plugins: {', '.join(PLUGINS)}")
+    return name
+
+
+# The plugin-name type is the registry's keys, read when a config is validated and when the JSON
+# schema (the Prefect run form) is rendered, so a plugin registered later is accepted everywhere.
+PluginName = Annotated[
+    str,
+    AfterValidator(_registered_plugin),
+    WithJsonSchema({"type": "string", "enum": None}),  # enum filled in by PluginConfig's schema hook
+]
+
+
+def _registered_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown launch backend {name!r}; registered backends: {', '.join(BACKENDS)}")
+    return name
+
+
+BackendName = Annotated[str, AfterValidator(_registered_backend), WithJsonSchema({"type": "string", "enum": None})]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+class BaseModelConfig(_Frozen):
+    uri: str = Field(description="Hugging Face Hub repo id (org/name) or a local/fsspec path to an HF model directory.")
+    revision: str = Field(default="main", description="Hub revision (branch, tag or commit sha) to pin; ignored for paths.")
+    trust_remote_code: bool = Field(default=False, description="Allow the model repo's own Python code to run. Off unless you trust the repo.")
+    allow_pickle: bool = Field(default=False, description="Accept .bin/pickle weight files from the base model. Off: only safetensors are read.")
+
+
+def _plugin_schema(schema: dict[str, Any]) -> None:
+    name = schema["properties"]["name"]
+    name["enum"] = list(PLUGINS)
+    name["description"] = "ColossalAI booster plugin: " + "; ".join(f"{n} ({s.summary})" for n, s in PLUGINS.items()) + "."
+
+
+class PluginConfig(_Frozen):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_plugin_schema)
+
+    name: PluginName = Field(description="ColossalAI booster plugin (see tasks/core/config/plugins.py for what each supports).")
+    tp_size: int = Field(default=1, ge=1, description="Tensor-parallel degree (hybrid_parallel only); must divide attention and KV heads.")
+    pp_size: int = Field(default=1, ge=1, description="Pipeline-parallel degree (hybrid_parallel only); at most the number of layers.")
+    zero_stage: int = Field(default=0, ge=0, le=3, description="ZeRO stage: 0/1 for hybrid_parallel (1 needs bf16/fp16), 1/2 for low_level_zero.")
+    precision: Precision = Field(default="bf16", description="Training precision: fp32, bf16 or fp16 (mixed precision with fp32 master weights where the plugin keeps them).")
+    num_microbatches: int | None = Field(default=None, ge=1, description="Pipeline micro-batches per step (pp_size > 1); defaults to grad_accum_steps.")
+    placement_policy: Literal["static", "auto"] = Field(default="static", description="Gemini chunk placement policy (gemini only).")
+    max_norm: float = Field(default=1.0, ge=0, description="Gradient clipping norm applied by the plugin's optimizer (0 disables).")
+
+
+class SlurmConfig(_Frozen):
+    partition: str | None = Field(default=None, description="Slurm partition the stage's jobs go to (sbatch --partition); null: the cluster's default partition.")
+    time_limit: str | None = Field(default=None, description=("Wall-clock limit of each job in Slurm's syntax (sbatch --time), e.g. '2-00:00:00' or '90' (minutes); null: the partition's default. "
+                                                                  "A job that hits it ends TIMEOUT and the retry resumes from the newest checkpoint."))
+    gpus_per_node: int = Field(default=0, ge=0, description="GPUs requested on every node (sbatch --gpus-per-node); 0 requests none (CPU ranks).")
+    account: str | None = Field(default=None, description="Slurm account charged for the jobs (sbatch --account); null: your default account.")
+    extra_sbatch_args: tuple[str, ...] = Field(default=(), description=("More sbatch flags, one per item, e.g. ['--qos=high', '--exclusive', '--constraint=h100']. "
+                                                                               "Node count, tasks per node, job name, comment and output files are set by the launcher and refused here."))
+
+
+def _launch_schema(schema: dict[str, Any]) -> None:
+    backend = schema["properties"]["backend"]
+    backend["enum"] = list(BACKENDS)
+    backend["description"] = "Where the stage's torchrun agents run: " + "; ".join(f"{n} ({b.summary})" for n, b in BACKENDS.items()) + "."
+
+
+class LaunchConfig(_Frozen):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_launch_schema)
+
+    backend: BackendName = Field(default="local", description="Where the stage's torchrun agents run (see tasks/core/launch/backends.py).")
+    slurm: SlurmConfig | None = Field(default=None, description="Slurm job settings when backend is slurm; null takes every default (default partition and time limit, no GPUs).")
+    nproc_per_node: int = Field(default=1, ge=1, description="Processes (GPUs, or CPU ranks without CUDA) per node for this stage.")
+    nnodes: int = Field(default=1, ge=1, description="Number of nodes the stage spans (torchrun --nnodes).")
+    node_rank: int = Field(default=0, ge=0, description="This node's rank when nnodes > 1 and no rendezvous endpoint is given.")
+    rdzv_endpoint: str | None = Field(default=None, description="host:port of the c10d rendezvous for multi-node runs; None picks a free local port.")
+    rdzv_id: str | None = Field(default=None, description="Rendezvous id shared by the nodes of one stage; defaults to the run name and stage.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+class LocalClusterConfig(_Frozen):
+    n_workers: int = Field(default=2, ge=1, description="Worker processes of the dask.distributed LocalCluster (one thread each).")
+
+
+class TokenizeConfig(_Frozen):
+    """How prepare_data runs its tokenize tasks; never part of a digest (the shards are the same bytes)."""
+
+    workers: int = Field(default=2, ge=1, description="Process-pool workers (Prefect's ProcessPoolTaskRunner) when no Dask cluster is named; 1 file per worker at a time.")
+    dask_address: str | None = Field(default=None, description="Scheduler address of a running Dask cluster (tcp://host:8786): the files are tokenized on its workers (prefect-dask DaskTaskRunner).")
+    local_cluster: LocalClusterConfig | None = Field(default=None, description="Start a dask.distributed LocalCluster of n_workers processes for this stage instead of the process pool.")
+
+    @model_validator(mode="after")
+    def _one_runner(self) -> TokenizeConfig:
+        if self.dask_address and self.local_cluster:
+            raise ValueError("give tokenize.dask_address (a running cluster) or tokenize.local_cluster (start one), not both")
+        return self
+
+
+class DataConfig(_Frozen):
+    uri: str | list[str] = Field(description=(
+        "The corpus: one file, a glob, a directory (every .jsonl/.txt/.parquet below it, optionally .gz/.bz2/.xz/.zst), "
+        "or a list of those; any fsspec URI (local, NFS, s3://). Read once by prepare_data into token shards under data/cpt/ or data/sft/."))
+    text_field: str = Field(default="text", description="CPT: the record field holding raw text (jsonl/parquet).")
+    messages_field: str = Field(default="messages", description="SFT: the record field holding the chat messages.")
+    on_bad_record: Literal["error", "skip"] = Field(default="error", description=(
+        "A record that does not parse, is not UTF-8, lacks the field, or (SFT) breaks the chat rules: 'error' stops prepare_data "
+        "naming its file and line; 'skip' leaves it out and counts it (manifest and UI)."))
+    max_bad_records: int = Field(default=100, ge=0, description="With on_bad_record: skip, prepare_data fails when more records than this are bad.")
+    max_record_chars: int = Field(default=1 << 24, ge=1, description="A record longer than this (characters of its JSON) is a bad record: a guard against a missing newline swallowing a file.")
+    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig, description="Where the files are tokenized: a local process pool (default) or a Dask cluster.")
+
+    @property
+    def uris(self) -> list[str]:
+        return [self.uri] if isinstance(self.uri, str) else list(self.uri)
+
+    def shard_section(self) -> dict[str, Any]:
+        """The fields that change the prepared data (its digest); the task runner does not."""
+        return self.model_dump(mode="json", exclude={"tokenize"})
+
+
+class EvalConfig(_Frozen):
+    heldout_uri: str | None = Field(default=None, description=(
+        "fsspec URI or path of this stage's held-out set (same format and fields as the training data). "
+        "Training records identical to a held-out record are dropped from training. None: split heldout_fraction off the training data."))
+    heldout_fraction: float = Field(default=0.05, ge=0.0, le=0.5, description=(
+        "Without heldout_uri: the share of training records held out, chosen by a hash of each record's canonical JSON "
+        "(deterministic and order-independent; identical records land on the same side; at least one record). "
+        "0 with no heldout_uri: this stage is not evaluated."))
+    batch_size: int = Field(default=8, ge=1, description="Sequences per forward pass during evaluation; memory only, the metric is a token-weighted mean over every evaluated token.")
+    max_batches: int | None = Field(default=50, ge=1, description="Evaluate at most this many batches of the held-out set (the first ones, in file order); null evaluates all of it.")
+    dtype: Precision = Field(default="fp32", description=(
+        "Dtype both models of a comparison are loaded in for evaluation (the same on both sides, so the comparison is fair); "
+        "bf16 halves the memory on a GPU worker."))
+
+    @property
+    def enabled(self) -> bool:
+        return self.heldout_uri is not None or self.heldout_fraction > 0
+
+    def split_section(self) -> dict[str, Any]:
+        """The fields that decide what the stage trains on (part of its training digest)."""
+        return {"heldout_uri": self.heldout_uri, "heldout_fraction": self.heldout_fraction}
+
+
+class StageConfig(_Frozen):
+    data: DataConfig = Field(description="Training data of this stage.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description=(
+        "Held-out data of this stage and how its evaluation runs (CPT: base vs CPT perplexity; SFT: pre-SFT vs SFT loss on assistant tokens)."))
+    plugin: PluginConfig = Field(description="The ColossalAI plugin and its parallel layout for this stage.")
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How many processes and nodes torchrun starts for this stage.")
+    max_steps: int = Field(ge=1, description="Optimizer steps to train.")
+    micro_batch_size: int = Field(default=1, ge=1, description="Sequences per data-parallel rank per micro-batch.")
+    grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches accumulated per optimizer step (pipeline micro-batches when pp_size > 1).")
+    seq_len: int = Field(ge=8, description="Tokens per sequence (CPT packing block, SFT truncation length).")
+    lr: float = Field(gt=0, description="Peak learning rate.")
+    min_lr: float = Field(default=0.0, ge=0, description="Final learning rate of the cosine/linear schedule.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up steps.")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field(default="cosine", description="Learning-rate schedule after warm-up.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW betas.")
+    checkpoint_every: int = Field(default=100, ge=1, description="Save a complete training checkpoint every this many steps (and at the last step).")
+    keep_last: int = Field(default=2, ge=1, description="Complete checkpoints kept; older ones are deleted only after a newer manifest is committed.")
+    max_pending_publishes: int = Field(default=2, ge=1, description=(
+        "With an s3:// (remote) run root: at most this many committed checkpoints may wait for their upload; a save that would "
+        "exceed it waits (and says so in the log and UI) until uploads catch up. Local staging holds up to keep_last + this many "
+        "checkpoints. Not part of the stage's digest: changing it re-trains nothing."))
+    seed: int = Field(default=1234, description="Seed for model init randomness, data order and dropout.")
+
+
+class ExportConfig(_Frozen):
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(default="bf16", description="dtype of the exported safetensors.")
+    max_shard_size: str = Field(default="5GB", description="Largest safetensors shard of the export, e.g. '5GB' or '500MB'.")
+    fingerprint_rtol: float | None = Field(default=None, gt=0, description=(
+        "Logits sanity check after the bitwise weight proof: allowed max |logit difference| against the SFT fingerprint, relative to max |logit| "
+        "(top-1 must also agree wherever the reference's margin exceeds it); default 1e-5 for fp32, 0.04 for bf16, 0.005 for fp16."))
+    align_stop_tokens: bool = Field(default=True, description=(
+        "Make generation_config.json eos_token_id a list: the base model's eos plus the chat template's end-of-turn token(s), found by rendering "
+        "a conversation; pad_token_id set from the tokenizer. false keeps the base model's generation config as it is."))
+
+
+class GateConfig(_Frozen):
+    enabled: bool = Field(default=True, description=(
+        "Check the thresholds below before push_to_hub; a failed gate skips the push and keeps every artifact. "
+        "false lets every run through (metrics are still computed and recorded)."))
+    cpt_max_ppl_increase_pct: float | None = Field(default=0.0, description=(
+        "Fail when the CPT model's held-out perplexity is more than this many percent above the base model's "
+        "(0: must not get worse; negative: must improve by at least that much); null: not checked."))
+    sft_loss_must_improve: bool = Field(default=True, description="Fail unless the SFT model's held-out loss on assistant tokens is below the pre-SFT (CPT) model's.")
+    generation_must_stop: bool = Field(default=True, description=(
+        "Fail unless the export's generation_config.json eos_token_id includes the chat template's end-of-turn token "
+        "and every greedy generation of a held-out prompt ends at an eos token within max_new_tokens."))
+    max_new_tokens: int = Field(default=256, ge=1, description="Generation check: the most tokens a reply may take before it must have stopped.")
+    num_prompts: int = Field(default=4, ge=1, description="Generation check: how many held-out SFT prompts (messages up to the last user turn) are decoded greedily.")
+
+    def generation_section(self) -> dict[str, Any]:
+        """The fields the SFT evaluation depends on (its digest); thresholds only decide the verdict."""
+        return {"max_new_tokens": self.max_new_tokens, "num_prompts": self.num_prompts}
+
+
+class HubConfig(_Frozen):
+    repo_id: str = Field(description="Target Hub repo, 'org/name'.")
+    private: bool = Field(default=True, description="Create the repo private.")
+    revision: str = Field(default="main", description="Branch to commit to (created if missing).")
+    commit_message: str = Field(default="cpt-to-sft export", description="Commit message of the single export commit.")
+    license: str | None = Field(default=None, description="License id for the model card metadata, e.g. 'apache-2.0'.")
+    tags: tuple[str, ...] = Field(default=(), description="Extra model card tags.")
+    push_provenance: bool = Field(default=True, description=(
+        "Also upload the export's provenance (.cpt-to-sft/: manifest, verification record, fingerprint) in its subfolder; false pushes only the model files and the card."))
+
+
+class RunConfig(_Frozen):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", description="Run name, shown in the Prefect run name and the model card.")
+    run_root: str = Field(description=(
+        "fsspec URI of this run's directory (local path, NFS path or s3://bucket/prefix); every stage artifact and run.json live under it. "
+        "Relative paths are relative to the project root."))
+    base_model: BaseModelConfig = Field(description="Where the model to continue pre-training comes from.")
+    cpt: StageConfig = Field(description="Continued pre-training: packed raw text under plugin A.")
+    sft: StageConfig = Field(description="Supervised fine-tuning: chat records, loss on assistant tokens, under plugin B.")
+    export: ExportConfig = Field(default_factory=ExportConfig, description="The HF safetensors export.")
+    gate: GateConfig = Field(default_factory=GateConfig, description="Thresholds the evaluation must meet before the export is pushed to the Hub.")
+    hub: HubConfig | None = Field(default=None, description="Push the export to this Hub repo; None skips the push.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Experiment tracking: MLflow when tracking.mlflow.uri is set (TensorBoard event files are always written).")
+    staging_dir: str | None = Field(default=None, description="Local directory for staging remote artifacts; default a temp dir.")
+
+    @model_validator(mode="after")
+    def _static_rules(self) -> RunConfig:
+        problems: list[tuple[str, str]] = []
+        for stage in ("cpt", "sft"):
+            problems += plugin_problems(getattr(self, stage), f"{stage}")
+        problems += gate_problems(self)
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    @property
+    def run_uri(self) -> str:
+        if "://" in self.run_root or self.run_root.startswith("/"):
+            return self.run_root.rstrip("/")
+        from tasks.core.config.paths import project_root
+
+        return str(project_root() / self.run_root)
+
+
+def plugin_problems(stage: StageConfig, where: str) -> list[tuple[str, str]]:
+    """The layout rules that hold for any model and machine (`tasks.core.config.layout`, tier static)."""
+    from tasks.core.config.layout import layout_problems
+
+    return layout_problems(stage, where, tiers=("static",))
+
+
+def gate_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """An enabled gate threshold needs the held-out set it is measured on."""
+    g = cfg.gate
+    if not g.enabled:
+        return []
+    out: list[tuple[str, str]] = []
+    needs = [("cpt_max_ppl_increase_pct", "cpt", g.cpt_max_ppl_increase_pct is not None),
+             ("sft_loss_must_improve", "sft", g.sft_loss_must_improve),
+             ("generation_must_stop", "sft", g.generation_must_stop)]
+    for name, stage, active in needs:
+        if active and not getattr(cfg, stage).eval.enabled:
+            out.append((f"gate.{name}", (f"needs a {stage.upper()} held-out set, but {stage}.eval.heldout_fraction is 0 and no heldout_uri is set; "
+                                         "give one, or turn this check off (gate.enabled: false disables the whole gate)")))
+    return out
+
+
+def join_uri(root: str, *parts: str) -> str:
+    root = root.rstrip("/")
+    return "/".join([root, *[p.strip("/") for p in parts if p]])
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that keeps the composed node tree, so duplicated keys can be found by path.
+
+    PyYAML's own loader lets the last of two equal keys win without a word: `max_steps` written
+    twice under `cpt:` would silently change the run.
+    """
+
+
+def duplicate_keys(node: yaml.Node, path: str = "") -> list[tuple[str, int, int]]:
+    """(key path, first line, second line) of every mapping key written twice, 1-based lines."""
+    out: list[tuple[str, int, int]] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may repeat by design
+                continue
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else repr(key_node.value)
+            where = f"{path}.{key}" if path else str(key)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                out.append((where, seen[key], line))
+            else:
+                seen[key] = line
+            out += duplicate_keys(value_node, where)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out += duplicate_keys(item, f"{path}[{i}]")
+    return out
+
+
+def load_yaml_unique(text: str, source: str) -> Any:
+    """yaml.safe_load that refuses a mapping key written twice, naming the key path and both lines."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        dups = duplicate_keys(node)
+        if dups:
+            raise ConfigError(
+                [(key, f"written twice in {source} (line {a} and line {b}); YAML would silently keep the second value. Delete one of them") for key, a, b in dups],
+                header=f"duplicated keys in {source}",
+            )
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def read_raw_config(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The YAML mapping of a local config file with dotted overrides like {"run_root": "/x"}."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([(str(path), "config file not found; pass --config with an existing YAML file")])
+    try:
+        raw = load_yaml_unique(path.read_text(), str(path))
+    except yaml.YAMLError as exc:
+        raise ConfigError([(str(path), f"not valid YAML: {exc}")]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError([(str(path), "expected a YAML mapping at the top level")])
+    for key, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return raw
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read YAML (local path), apply dotted overrides, validate."""
+    return parse_config(read_raw_config(path, overrides), source=str(path))
+
+
+def parse_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems: list[tuple[str, str]] = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or source
+            ctx_err = (err.get("ctx") or {}).get("error")
+            if isinstance(ctx_err, ConfigError):
+                problems += ctx_err.problems
+            else:
+                problems.append((loc, err["msg"]))
+        raise ConfigError(problems, header=f"invalid configuration in {source}") from None
+
+
+def digest(obj: Any) -> str:
+    """sha256 of the canonical JSON of a pydantic model or plain data: the config digest."""
+    if isinstance(obj, BaseModel):
+        obj = obj.model_dump(mode="json")
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()

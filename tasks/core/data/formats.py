@@ -1,0 +1,273 @@
+"""Training data: read records, pack CPT text, render and loss-mask SFT chats.
+
+The one definition of the data formats and the SFT record rules, shared by pre-flight
+(`tasks/core/preflight/checks.py`), evaluation (`tasks/core/evaluation/heldout.py`) and data preparation
+(`tasks/core/data/`, which writes the token shards the training ranks memory-map; its
+output is bit-identical to `pack_cpt` / `encode_sft` over the same records, tests/test_dataprep.py). Reads go
+through the storage seam (`tasks.core.storage.fs.open_uri`). To eyeball what a stage will train on:
+
+    python -m tasks.core.data.formats --model runs/demo/base-model --uri data/sample/sft.jsonl --kind sft --seq-len 64
+    python -m tasks.core.data.formats --model runs/demo/base-model --uri data/sample/cpt.jsonl --kind cpt --seq-len 64
+
+Conventions (see tasks/core/models/demo.py for the demo tokenizer): no bos is added here, the
+tokenizer and its chat template decide; CPT documents are joined by eos; SFT labels are the
+assistant tokens plus the assistant's end-of-turn token, -100 elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from tasks.core.storage.fs import open_uri
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: a tokenizing worker never needs it
+    import torch
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100  # what torch.nn.CrossEntropyLoss (and HF models) skip
+ROLES = ("system", "user", "assistant")
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+FORMATS = (".jsonl", ".txt", ".parquet")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+def format_of(uri: str) -> str:
+    """The FORMATS entry a URI names (a compression suffix is looked through); ValueError otherwise."""
+    name = uri.rsplit("/", 1)[-1].lower()
+    for comp in COMPRESSIONS:
+        name = name.removesuffix(comp)
+    for fmt in FORMATS:
+        if name.endswith(fmt):
+            return fmt
+    raise ValueError(f"data uri {uri!r}: unknown format; use one of {', '.join(FORMATS)} (optionally compressed {', '.join(COMPRESSIONS)})")
+
+
+def read_records(uri: str) -> list[dict]:
+    """All records of a .jsonl, .txt (one {"text": line} per non-empty line) or .parquet file.
+
+    Through the storage seam, so `s3://...` works like a local path. Deliberately not `datasets`:
+    its cache and fingerprinting would race between ranks and pull in a large dependency for a
+    list of dicts.
+    """
+    fmt = format_of(uri)
+    if fmt == ".parquet":
+        import pyarrow.parquet as pq  # only parquet users pay for the import
+
+        with open_uri(uri, "rb") as f:
+            return pq.read_table(f).to_pylist()
+
+    return [rec for _, rec in iter_text_records(uri, fmt)]
+
+
+def iter_text_records(uri: str, fmt: str | None = None) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of a .jsonl or .txt file, streamed: pre-flight reads only a head.
+    The reader is prepare_data's (`iter_file_records`); here the first problem raises, naming the
+    file and line."""
+    from tasks.core.data.records import BadRecord, iter_file_records
+
+    for lineno, rec in iter_file_records(uri, fmt or format_of(uri), max_record_chars=1 << 40):
+        if isinstance(rec, BadRecord):
+            raise ValueError(str(rec))
+        yield lineno, rec
+
+
+def head_records(uri: str, n: int = 64) -> list[tuple[int, dict]]:
+    """(line number, record) of the first n records, without reading the whole file."""
+    import fsspec
+
+    fmt = format_of(uri)
+    if fmt == ".parquet":
+        import pyarrow.parquet as pq
+
+        with fsspec.open(uri, "rb") as f:
+            batch = next(pq.ParquetFile(f).iter_batches(batch_size=n), None)
+            return list(enumerate(batch.to_pylist() if batch is not None else [], 1))
+    return list(itertools.islice(iter_text_records(uri, fmt), n))
+
+
+# --------------------------------------------------------------------------------------------
+# CPT
+
+
+def pack_cpt(tokenizer, records: Sequence[dict], text_field: str = "text", seq_len: int = 256) -> torch.LongTensor:
+    """[N, seq_len] blocks of the concatenated corpus, each document followed by eos.
+
+    Packing (no padding) keeps every token a training token; blocks cross document boundaries
+    on purpose, the eos tells the model where a document ended. The tail that does not fill a
+    block is dropped.
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos_token: CPT packing needs one to separate documents; set eos_token in tokenizer_config.json")
+    texts = []
+    for i, rec in enumerate(records):
+        text = rec.get(text_field) if isinstance(rec, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(f"record {i}: no string field {text_field!r} (fields: {sorted(rec) if isinstance(rec, dict) else type(rec).__name__}); set data.text_field to the field holding the text")
+        texts.append(text)
+    eos = tokenizer.eos_token_id
+    flat: list[int] = []
+    # No special tokens inside documents: some tokenizers (Llama) would add a bos per call.
+    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []:
+        flat.extend(ids)
+        flat.append(eos)
+    n = len(flat) // seq_len
+    if n == 0:
+        raise ValueError(f"the corpus has {len(flat)} tokens, fewer than seq_len={seq_len}: add data or lower seq_len")
+    import torch
+
+    return torch.tensor(flat[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+# --------------------------------------------------------------------------------------------
+# SFT
+
+
+def validate_messages(messages: Any) -> None:
+    """The SFT record rules, defined once for training and pre-flight: ValueError naming the message."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} objects, got {type(messages).__name__}")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"message {j} must be an object with 'role' and 'content', got {m!r:.80}")
+        if m["role"] not in ROLES:
+            raise ValueError(f"message {j} has role {m['role']!r}; allowed roles are {', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"message {j} ({m['role']}) content must be a string, got {type(m['content']).__name__}")
+    if messages[0]["role"] == "assistant":
+        raise ValueError("message 0 is an assistant turn; a conversation must open with a system or user message")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("no assistant message: nothing to train on; every SFT record needs at least one assistant turn")
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """Token ids of the conversation as the chat template renders it."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    # The template owns bos and every special token; letting the tokenizer add its own would
+    # double them (Llama-3 templates start with {{ bos_token }}).
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """Every special token id, the end-of-turn tokens included."""
+    ids = set(tokenizer.all_special_ids)
+    # Llama-3's <|eot_id|> is an added special token but not in all_special_ids.
+    ids.update(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+    return ids
+
+
+def encode_chat(tokenizer, messages: list[dict], seq_len: int) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one conversation, truncated to seq_len.
+
+    Prefix method, valid for any chat template: for assistant turn i the ids of
+    render(messages[:i], add_generation_prompt=True) are a prefix of render(messages[:i+1]);
+    the tokens in between are the assistant's reply. Of those, everything up to and including
+    the last special token (the end-of-turn, e.g. <|im_end|> or <|eot_id|>) is labelled, so the
+    model learns to stop; what follows it (a newline) is template scaffolding and stays -100.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the tokenizer has no chat_template: SFT needs one to render conversations; add it to tokenizer_config.json")
+    validate_messages(messages)
+    full = render_chat(tokenizer, messages, add_generation_prompt=False)
+    labels = [IGNORE_INDEX] * len(full)
+    special = special_token_ids(tokenizer)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = render_chat(tokenizer, messages[:i], add_generation_prompt=True)
+        turn = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if turn[: len(prompt)] != prompt or full[: len(turn)] != turn:
+            raise ValueError(
+                f"the chat template is not prefix-stable at message {i} (assistant): rendering the conversation up to that "
+                "turn with add_generation_prompt=True is not a token prefix of rendering it with the reply (or a later turn "
+                "re-renders earlier ones), so the assistant tokens cannot be located; use a template whose generation prompt "
+                "is exactly the assistant header and that renders past turns unchanged"
+            )
+        end = len(turn)
+        for j in range(len(turn) - 1, len(prompt) - 1, -1):
+            if turn[j] in special:
+                end = j + 1
+                break
+        labels[len(prompt) : end] = full[len(prompt) : end]
+    return full[:seq_len], labels[:seq_len]
+
+
+def encode_sft_with_stats(
+    tokenizer, records: Sequence[dict], messages_field: str = "messages", seq_len: int = 256
+) -> tuple[dict[str, torch.LongTensor], int]:
+    """encode_sft, also returning how many records were dropped (no labelled token left)."""
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        # Any id works: padded positions are masked out of attention and loss.
+        pad = tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither pad_token nor eos_token: set pad_token in tokenizer_config.json")
+    rows_ids, rows_labels, lengths, dropped = [], [], [], 0
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict) or messages_field not in rec:
+            raise ValueError(f"record {i}: no field {messages_field!r} (fields: {sorted(rec) if isinstance(rec, dict) else type(rec).__name__}); set data.messages_field to the field holding the chat")
+        try:
+            ids, labels = encode_chat(tokenizer, rec[messages_field], seq_len)
+        except ValueError as e:
+            raise ValueError(f"record {i}: {e}") from None
+        if all(x == IGNORE_INDEX for x in labels):
+            dropped += 1  # truncation cut every assistant token: it would only add zero-loss padding
+            continue
+        lengths.append(len(ids))
+        rows_ids.append(ids + [pad] * (seq_len - len(ids)))
+        rows_labels.append(labels + [IGNORE_INDEX] * (seq_len - len(labels)))
+    if dropped:
+        log.warning("dropped %d of %d SFT records: no assistant token left within seq_len=%d", dropped, len(records), seq_len)
+    if not rows_ids:
+        raise ValueError(f"no SFT record has an assistant token within seq_len={seq_len} ({len(records)} records, {dropped} dropped): raise seq_len or check the data")
+    import torch
+
+    input_ids = torch.tensor(rows_ids, dtype=torch.long)
+    attention_mask = (torch.arange(seq_len)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": input_ids, "labels": torch.tensor(rows_labels, dtype=torch.long), "attention_mask": attention_mask}, dropped
+
+
+def encode_sft(tokenizer, records: Sequence[dict], messages_field: str = "messages", seq_len: int = 256) -> dict[str, torch.LongTensor]:
+    """{"input_ids", "labels", "attention_mask"}, each [N, seq_len], right-padded with pad_token_id.
+
+    Records whose labels are all -100 after truncation are dropped (the count is logged).
+    """
+    return encode_sft_with_stats(tokenizer, records, messages_field=messages_field, seq_len=seq_len)[0]
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from transformers import AutoTokenizer
+
+    p = argparse.ArgumentParser(prog="python -m tasks.core.data.formats", description="Show how a dataset is tokenized for a stage.")
+    p.add_argument("--model", required=True, help="HF model dir holding the tokenizer")
+    p.add_argument("--uri", required=True, help="dataset: .jsonl, .txt or .parquet")
+    p.add_argument("--kind", choices=["cpt", "sft"], required=True)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--field", default=None, help="text_field (cpt) or messages_field (sft)")
+    a = p.parse_args(argv)
+    tok = AutoTokenizer.from_pretrained(a.model)
+    records = read_records(a.uri)
+    if a.kind == "cpt":
+        blocks = pack_cpt(tok, records, text_field=a.field or "text", seq_len=a.seq_len)
+        print(f"{len(records)} records -> {tuple(blocks.shape)} blocks; first block:\n{tok.decode(blocks[0])!r}")
+    else:
+        batch, dropped = encode_sft_with_stats(tok, records, messages_field=a.field or "messages", seq_len=a.seq_len)
+        ids, labels = batch["input_ids"][0], batch["labels"][0]
+        print(f"{len(records)} records -> {tuple(batch['input_ids'].shape)} rows, {dropped} dropped; first row:")
+        print(f"  input : {tok.decode(ids[batch['attention_mask'][0].bool()])!r}")
+        print(f"  target: {tok.decode(ids[labels != IGNORE_INDEX])!r}")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    main()

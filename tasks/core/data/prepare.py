@@ -1,0 +1,312 @@
+"""Prepare a stage's data: resolve the inputs, tokenize the files not yet tokenized, write the index.
+
+    python -m tasks.core.data.prepare --tokenizer runs/demo/base-model --uri data/sample/cpt.jsonl \
+        --kind cpt --seq-len 256 --heldout-fraction 0.05 --out /tmp/prep --workers 2
+
+Output (`out_dir`): `shards/<key>/` per input file (see shard.py) and `index.json`, written last,
+listing the files in input order with their shard, counts and the split. The index is a pure
+function of the inputs, the tokenizer and the spec (no times, no host names), so its digest can be
+the stage's skip rule. Shards of files that left the corpus stay in `shards/` (a cache keyed by
+content) until `prune=True`.
+
+Files are tokenized by a process pool (`workers` > 1; spawn, so a caller's threads and CUDA state
+never leak into a worker) or in this process (`workers` <= 1). A Prefect task runner can map
+`tokenize_file` itself instead; `plan` and `finalize` are the two halves around that map.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tasks.core.data.inputs import InputError, InputFile, resolve_inputs
+from tasks.core.data.reader import INDEX
+from tasks.core.data.records import BadRecord, iter_file_records
+from tasks.core.data.shard import ShardSpec, freeze_encoder, load_tokenizer, read_summary, shard_dir, tokenize_file
+from tasks.core.data.split import canonical_json
+
+INDEX_VERSION = 1
+# Every file a Hugging Face tokenizer may be built from; the fingerprint covers those present.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json",
+)
+
+
+class PrepareError(ValueError):
+    """The corpus as a whole cannot be trained on (empty, too small, no split possible)."""
+
+
+def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
+    """sha256 over (name, sha256) of the tokenizer's files: equal iff the same tokenizer bytes."""
+    d = Path(tokenizer_dir)
+    h = hashlib.sha256()
+    found = []
+    for name in TOKENIZER_FILES:
+        p = d / name
+        if p.is_file():
+            found.append(name)
+            h.update(f"{name}\0{hashlib.sha256(p.read_bytes()).hexdigest()}\n".encode())
+    if not found:
+        raise PrepareError(f"{d}: no tokenizer file ({', '.join(TOKENIZER_FILES[:3])}, ...); the model directory must hold its tokenizer")
+    return h.hexdigest()
+
+
+@dataclass
+class Plan:
+    out_dir: Path
+    tokenizer_dir: str
+    spec: ShardSpec
+    inputs: list[InputFile]
+    keys: list[str]
+    todo: list[int]  # indices into inputs whose shards do not exist yet
+    heldout_inputs: list[InputFile] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    index: dict[str, Any]
+    tokenized: list[str]  # input uris tokenized by this call
+    reused: list[str]  # input uris whose shards already existed
+    seconds: float
+
+
+def _heldout_ids(files: list[InputFile], max_record_chars: int) -> frozenset[str]:
+    ids = set()
+    for f in files:
+        for _, rec in iter_file_records(f.uri, f.fmt, max_record_chars):
+            if isinstance(rec, BadRecord):
+                raise PrepareError(f"eval.heldout_uri: {rec}; the held-out set must be clean")
+            ids.add(hashlib.sha256(canonical_json(rec).encode("utf-8")).hexdigest())
+    if not ids:
+        raise PrepareError(f"eval.heldout_uri: the held-out set ({', '.join(f.uri for f in files)}) has no records")
+    return frozenset(ids)
+
+
+def plan(
+    uri: str | Sequence[str], tokenizer_dir: str | Path, out_dir: str | Path, *, kind: str, field: str, seq_len: int,
+    heldout_fraction: float = 0.0, heldout_uri: str | Sequence[str] | None = None, on_bad_record: str = "error",
+    max_bad_records: int = 100, max_record_chars: int = 1 << 24,
+) -> Plan:
+    out = Path(out_dir)
+    inputs = resolve_inputs(uri)
+    if heldout_fraction and heldout_uri:
+        raise PrepareError("give eval.heldout_uri or eval.heldout_fraction, not both (set heldout_fraction: 0 when heldout_uri is set)")
+    held_inputs = resolve_inputs(heldout_uri) if heldout_uri else []
+    spec = ShardSpec(
+        kind=kind, field=field, seq_len=seq_len, tokenizer_sha256=tokenizer_fingerprint(tokenizer_dir),
+        heldout_fraction=heldout_fraction, heldout_ids=_heldout_ids(held_inputs, max_record_chars) if held_inputs else frozenset(),
+        on_bad_record=on_bad_record, max_bad_records=max_bad_records, max_record_chars=max_record_chars,
+    )
+    keys = [spec.key(f) for f in inputs]
+    todo = [i for i, k in enumerate(keys) if read_summary(shard_dir(out, k)) is None]
+    if todo and kind == "cpt":
+        freeze_encoder(str(tokenizer_dir), out, spec.tokenizer_sha256)  # workers then need no transformers
+    return Plan(out, str(tokenizer_dir), spec, inputs, keys, todo, held_inputs)
+
+
+def _init_worker() -> None:
+    # One worker = one core: the tokenizer's own thread pool would oversubscribe the machine.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
+
+
+def _work(args: tuple[int, InputFile, ShardSpec, str, str]) -> tuple[int, dict]:
+    i, inp, spec, tokenizer_dir, out_dir = args
+    return i, tokenize_file(inp, spec, tokenizer_dir, out_dir)
+
+
+def run_files(p: Plan, indices: list[int], spec: ShardSpec, workers: int, progress: Callable[[dict], None] | None = None) -> dict[int, dict]:
+    """Tokenize inputs[indices]; summaries by index. In this process: in input order, so the first
+    problem reported is the first in the corpus. On a pool: largest first, so the workers end together."""
+    parallel = workers > 1 and len(indices) > 1
+    order = sorted(indices, key=lambda i: -p.inputs[i].size) if parallel else sorted(indices)
+    jobs = [(i, p.inputs[i], spec, p.tokenizer_dir, str(p.out_dir)) for i in order]
+    out: dict[int, dict] = {}
+    if not parallel:
+        for job in jobs:
+            i, s = _work(job)
+            out[i] = s
+            if progress:
+                progress(s)
+        return out
+    import multiprocessing as mp
+
+    # At most `workers` files in flight: on the first error no new file starts, the ones in
+    # flight finish and keep their shards (a retry after the fix reuses them), then it raises.
+    pending = list(reversed(jobs))
+    error: BaseException | None = None
+    with mp.get_context("spawn").Pool(min(workers, len(jobs)), initializer=_init_worker) as pool:
+        running = []
+        while pending or running:
+            while pending and error is None and len(running) < workers:
+                running.append(pool.apply_async(_work, (pending.pop(),)))
+            if not running:
+                break
+            running[0].wait(0.05)
+            for r in [r for r in running if r.ready()]:
+                running.remove(r)
+                try:
+                    i, s = r.get()
+                except BaseException as e:
+                    error = error or e
+                    continue
+                out[i] = s
+                if progress:
+                    progress(s)
+    if error is not None:
+        raise error
+    return out
+
+
+def _check_corpus(p: Plan, summaries: list[dict]) -> None:
+    records = sum(s["records"] for s in summaries)
+    skipped = sum(s["skipped"] for s in summaries)
+    where = f"{len(p.inputs)} input file{'s' if len(p.inputs) != 1 else ''} ({p.inputs[0].uri}{', ...' if len(p.inputs) > 1 else ''})"
+    if records == 0:
+        raise PrepareError(f"the corpus has no usable record: {where}, {skipped} bad records skipped; check data.uri and data.{'text_field' if p.spec.kind == 'cpt' else 'messages_field'}")
+    if skipped > p.spec.max_bad_records:
+        first = next(b for s in summaries for b in s["bad_records"])
+        raise PrepareError(f"{skipped} bad records in {where}, more than data.max_bad_records={p.spec.max_bad_records} (the first: {first}); fix the data or raise data.max_bad_records")
+
+
+def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str, Any]:
+    """Corpus-wide checks, split_by_fraction's fallback, then index.json (written last)."""
+    spec = p.spec
+    rows = [summaries[i] for i in range(len(p.inputs))]
+    _check_corpus(p, rows)
+    split: dict[str, Any] = {"method": "none"}
+    if spec.heldout_fraction > 0:
+        lo = min(s["min_record_id"] for s in rows if s["min_record_id"])
+        hi = max(s["max_record_id"] for s in rows if s["max_record_id"])
+        if lo == hi:
+            raise PrepareError(f"{sum(s['records'] for s in rows)} records (1 distinct) cannot be split into a training and a held-out part; add data or give eval.heldout_uri")
+        if sum(s["heldout"]["records"] for s in rows) == 0:
+            # split_by_fraction's rule: no id below the fraction -> the lowest id is held out.
+            # Only the files holding it are tokenized again, with that id forced to the held-out side.
+            spec = replace(spec, force_heldout=frozenset({lo}))
+            again = [i for i, s in enumerate(rows) if s["min_record_id"] == lo]
+            for i in again:
+                p.keys[i] = spec.key(p.inputs[i])
+            rows_again = run_files(p, again, spec, workers)
+            for i, s in rows_again.items():
+                rows[i] = s
+        if sum(s["train"]["records"] + s["dropped_no_labels"] for s in rows) == 0:
+            raise PrepareError(f"heldout_fraction={spec.heldout_fraction} holds out every distinct record; lower it or add data")
+        split = {"method": "hash-fraction", "fraction": spec.heldout_fraction, "forced": sorted(spec.force_heldout)}
+    elif spec.heldout_ids:
+        split = {"method": "heldout-uri", "heldout": [f.to_json() for f in p.heldout_inputs], "heldout_ids": len(spec.heldout_ids)}
+    tok = load_tokenizer(p.tokenizer_dir)
+    train_records = sum(s["train"]["records"] for s in rows)
+    train_tokens = sum(s["train"]["tokens"] for s in rows)
+    if spec.kind == "cpt" and train_tokens < spec.seq_len:
+        raise PrepareError(f"the corpus has {train_tokens} training tokens, fewer than seq_len={spec.seq_len}: add data or lower seq_len")
+    if spec.kind == "sft" and train_records == 0:
+        dropped = sum(s["dropped_no_labels"] for s in rows)
+        raise PrepareError(f"no SFT record has an assistant token within seq_len={spec.seq_len} ({dropped} dropped): raise seq_len or check the data")
+    dtypes = {s["dtype"] for s in rows}
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    index = {
+        "version": INDEX_VERSION,
+        "kind": spec.kind,
+        "field": spec.field,
+        "seq_len": spec.seq_len,
+        "tokenizer_sha256": spec.tokenizer_sha256,
+        "vocab_size": rows[0]["vocab_size"],
+        "dtype": dtypes.pop() if len(dtypes) == 1 else "mixed",
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": pad,
+        "max_token_id": max(s["max_token_id"] for s in rows),
+        "split": split,
+        "on_bad_record": spec.on_bad_record,
+        "files": [
+            {
+                "input": s["input"], "shard": f"shards/{s['key']}", "records": s["records"], "skipped": s["skipped"],
+                "dropped_in_heldout_set": s["dropped_in_heldout_set"], "dropped_no_labels": s["dropped_no_labels"],
+                "train": s["train"], "heldout": s["heldout"], "bad_records": s["bad_records"][:5],
+            }
+            for s in rows
+        ],
+        "totals": {
+            "files": len(rows),
+            "bytes": sum(f.size for f in p.inputs),
+            "records": sum(s["records"] for s in rows),
+            "skipped": sum(s["skipped"] for s in rows),
+            "dropped_no_labels": sum(s["dropped_no_labels"] for s in rows),
+            "train_records": train_records,
+            "train_tokens": train_tokens,
+            "heldout_records": sum(s["heldout"]["records"] for s in rows),
+            "heldout_tokens": sum(s["heldout"]["tokens"] for s in rows),
+            "cpt_blocks": train_tokens // spec.seq_len if spec.kind == "cpt" else None,
+        },
+    }
+    tmp = p.out_dir / f".{INDEX}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, p.out_dir / INDEX)
+    return index
+
+
+def prune(out_dir: Path, index: dict[str, Any]) -> int:
+    """Remove shards the index does not name (files that left the corpus); returns how many."""
+    keep = {f["shard"].rsplit("/", 1)[-1] for f in index["files"]}
+    n = 0
+    for d in (out_dir / "shards").iterdir():
+        if d.name not in keep:
+            shutil.rmtree(d, ignore_errors=True)
+            n += 1
+    return n
+
+
+def prepare(
+    uri: str | Sequence[str], tokenizer_dir: str | Path, out_dir: str | Path, *, workers: int = 1,
+    progress: Callable[[dict], None] | None = None, prune_unused: bool = False, **spec: Any,
+) -> Result:
+    """Resolve, tokenize what is missing (a failure keeps every file already done), index."""
+    started = time.monotonic()
+    p = plan(uri, tokenizer_dir, out_dir, **spec)
+    shards = p.out_dir / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    for stale in shards.glob(".tmp-*"):  # a worker killed mid-file; its summary never landed
+        shutil.rmtree(stale, ignore_errors=True)
+    done = run_files(p, p.todo, p.spec, workers, progress)
+    summaries = {i: done.get(i) or read_summary(shard_dir(p.out_dir, p.keys[i])) for i in range(len(p.inputs))}
+    index = finalize(p, summaries, workers)
+    if prune_unused:
+        prune(p.out_dir, index)
+    return Result(index, [p.inputs[i].uri for i in p.todo], [f.uri for i, f in enumerate(p.inputs) if i not in p.todo], time.monotonic() - started)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m tasks.core.data.prepare", description="Tokenize a corpus into memory-mapped token shards.")
+    ap.add_argument("--uri", required=True, nargs="+", help="file(s), glob(s) or directory(ies), any fsspec URI")
+    ap.add_argument("--tokenizer", required=True, help="directory holding the tokenizer (an HF model dir)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--kind", choices=["cpt", "sft"], required=True)
+    ap.add_argument("--field", default=None)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--heldout-fraction", type=float, default=0.0)
+    ap.add_argument("--on-bad-record", choices=["error", "skip"], default="error")
+    ap.add_argument("--max-bad-records", type=int, default=100)
+    ap.add_argument("--workers", type=int, default=1)
+    a = ap.parse_args(argv)
+    try:
+        r = prepare(
+            a.uri if len(a.uri) > 1 else a.uri[0], a.tokenizer, a.out, workers=a.workers, kind=a.kind,
+            field=a.field or ("text" if a.kind == "cpt" else "messages"), seq_len=a.seq_len, heldout_fraction=a.heldout_fraction,
+            on_bad_record=a.on_bad_record, max_bad_records=a.max_bad_records,
+        )
+    except (InputError, PrepareError, ValueError) as e:
+        raise SystemExit(f"prepare: {e}") from None
+    print(json.dumps({"tokenized": len(r.tokenized), "reused": len(r.reused), "seconds": round(r.seconds, 2), **r.index["totals"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

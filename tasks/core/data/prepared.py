@@ -1,0 +1,99 @@
+"""What a training or evaluation stage reads from its prepared data (data/<stage>/, made by prepare_data).
+
+    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # train and evaluate call this
+
+- `check_against_model`: before any launch, the shards' tokenizer fingerprint must be the model's
+  (a different tokenizer is refused naming both) and every token id must fit its vocabulary.
+- `heldout_records`: the held-out records evaluation runs on, as prepare_data decided them in its
+  one streaming pass (no second read of the corpus, no second split).
+- `split_info` / `record_split` / `recorded_split`: the split record kept beside the stage's
+  checkpoints (`<run_root>/<stage>/data-split.json`) and copied into the manifests made from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tasks.core.data.reader import INDEX
+from tasks.core.storage.fs import RunStore
+
+SPLIT_FILE = "data-split.json"  # beside the stage's checkpoints: <run_root>/<stage>/data-split.json
+HELDOUT_SET = "heldout.jsonl"  # eval.heldout_uri's records, at the root of data/<stage>/
+
+
+def write_jsonl(path: Path, records: list[Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(rec, ensure_ascii=False, default=str) + "\n" for rec in records)
+    os.replace(tmp, path)
+
+
+def read_index(data_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((Path(data_dir) / INDEX).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{data_dir}: no {INDEX}; the data was not prepared (the prepare_data stage makes it)") from None
+
+
+def check_against_model(data_dir: Path, model_dir: Path, stage: str) -> dict[str, Any]:
+    """Refuse shards made with another tokenizer than model_dir's, or holding ids beyond its vocabulary."""
+    from tasks.core.data.prepare import tokenizer_fingerprint
+
+    index = read_index(data_dir)
+    have = tokenizer_fingerprint(model_dir)
+    if have != index["tokenizer_sha256"]:
+        raise ValueError(
+            f"the tokenizer of {model_dir} (sha256 {have}) is not the one {data_dir} was prepared with (sha256 {index['tokenizer_sha256']}): "
+            f"{stage} would train on token ids the model reads differently; prepare the data again with this model's tokenizer"
+        )
+    vocab = json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size")
+    if vocab is not None and index["max_token_id"] >= vocab:
+        raise ValueError(f"token id {index['max_token_id']} in {data_dir} does not fit the vocab_size {vocab} of {model_dir}/config.json: tokenizer and model do not belong together")
+    return index
+
+
+def split_info(data_dir: Path, data_uri: str | list[str]) -> dict[str, Any]:
+    """The split record of a prepared stage: method, counts, and the corpus it was made from."""
+    index = read_index(data_dir)
+    t = index["totals"]
+    return {
+        "data_uri": data_uri, "files": t["files"], "prepared": str(data_dir), "tokenizer_sha256": index["tokenizer_sha256"],
+        **index["split"], "train_records": t["train_records"], "heldout_records": t["heldout_records"],
+        "dropped_no_labels": t["dropped_no_labels"], "skipped": t["skipped"],
+        # every input file with its size and checksum (sha256, or the object store's etag): the
+        # model card lists them as the datasets the model was trained on
+        "inputs": [{k: f["input"][k] for k in ("uri", "size", "checksum")} for f in index["files"]],
+    }
+
+
+def iter_heldout(data_dir: Path) -> Iterator[dict]:
+    """Held-out records in corpus order (fraction split), or eval.heldout_uri's records."""
+    data_dir = Path(data_dir)
+    index = read_index(data_dir)
+    files = [data_dir / HELDOUT_SET] if index["split"]["method"] == "heldout-uri" else [data_dir / f["shard"] / HELDOUT_SET for f in index["files"]]
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    yield json.loads(line)
+
+
+def heldout_records(data_dir: Path) -> list[dict]:
+    return list(iter_heldout(data_dir))
+
+
+def record_split(store: RunStore, stage: str, info: dict[str, Any]) -> None:
+    """Keep the split record in the run root beside the stage's checkpoints (S3 included)."""
+    store.write_text(f"{stage}/{SPLIT_FILE}", json.dumps(info, indent=2, sort_keys=True) + "\n")
+
+
+def recorded_split(store: RunStore, stage: str) -> dict[str, Any] | None:
+    """The split the stage trained with, for the manifests of the artifacts made from it."""
+    try:
+        return json.loads(store.read_text(f"{stage}/{SPLIT_FILE}"))
+    except Exception:  # no readable split record: the artifact's manifest says data_split null rather than failing
+        return None

@@ -1,0 +1,162 @@
+"""The training side of prepared data: blocks (CPT) or rows (SFT) read from memory-mapped shards.
+
+    python -m tasks.core.data.reader /tmp/prep --seq-len 256      # counts and the first item
+
+Start-up reads index.json and one small offsets array per SFT file, never a token; a shard is
+memory-mapped the first time an item touches it. So start-up time and RSS depend on the number of
+files, not on the corpus size, and the page cache (shared by every rank on a node) holds the
+tokens. Items are what the in-memory path built, bit for bit:
+- CPT: item i is tokens [i*seq_len, (i+1)*seq_len) of the training streams of all files in index
+  order (each document followed by eos), i.e. pack_cpt over the same records; the tail is dropped.
+- SFT: item i is the i-th kept training conversation, right-padded to seq_len with pad_token_id,
+  labels -100 off the assistant tokens and on padding, as encode_sft builds it.
+`num_items` and integer indices are all ResumableSampler needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+INDEX = "index.json"  # prepare.py writes it last
+IGNORE_INDEX = -100  # tasks.core.data.formats's value; not imported, so a rank's reader pulls in numpy only
+
+
+class TokenDataset:
+    def __init__(self, prepared_dir: str | Path, seq_len: int | None = None, split: str = "train"):
+        self.root = Path(prepared_dir)
+        try:
+            self.index = json.loads((self.root / INDEX).read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.root}: no {INDEX}; the data was not prepared (run the prepare_data stage)") from None
+        self.kind = self.index["kind"]
+        self.split = split
+        self.seq_len = int(seq_len or self.index["seq_len"])
+        if self.kind == "sft" and self.seq_len != self.index["seq_len"]:
+            raise ValueError(f"the SFT data in {self.root} was prepared for seq_len={self.index['seq_len']}, not {self.seq_len}: prepare it again with this seq_len")
+        self.pad = int(self.index["pad_token_id"])
+        files = self.index["files"]
+        self._dirs = [self.root / f["shard"] for f in files]
+        self._dtypes = [np.dtype(json.loads((d / "summary.json").read_text())["dtype"]) if self.index["dtype"] == "mixed" else np.dtype(self.index["dtype"]) for d in self._dirs]
+        self._maps: dict[tuple[int, str], np.ndarray] = {}
+        if self.kind == "cpt":
+            counts = np.array([f[split]["tokens"] for f in files], dtype=np.int64)
+            self.total_tokens = int(counts.sum())
+            self.num_items = self.total_tokens // self.seq_len
+        else:
+            counts = np.array([f[split]["records"] for f in files], dtype=np.int64)
+            self.num_items = int(counts.sum())
+        self._ends = np.cumsum(counts)
+        self._starts = self._ends - counts
+
+    def __len__(self) -> int:
+        return self.num_items
+
+    @property
+    def max_token_id(self) -> int:
+        return int(self.index["max_token_id"])
+
+    def check_tokenizer(self, tokenizer_dir: str | Path) -> None:
+        """Refuse a tokenizer other than the one the shards were made with, naming both."""
+        from tasks.core.data.prepare import tokenizer_fingerprint
+
+        have = tokenizer_fingerprint(tokenizer_dir)
+        if have != self.index["tokenizer_sha256"]:
+            raise ValueError(
+                f"the tokenizer in {tokenizer_dir} (sha256 {have[:16]}...) is not the one {self.root} was prepared with "
+                f"(sha256 {self.index['tokenizer_sha256'][:16]}...): prepare the data again with this model's tokenizer"
+            )
+
+    def _map(self, f: int, what: str) -> np.ndarray:
+        key = (f, what)
+        m = self._maps.get(key)
+        if m is None:
+            path = self._dirs[f] / f"{self.split}.{what}"
+            dtype = {"offsets": np.dtype(np.int64), "mask": np.dtype(np.uint8)}.get(what, self._dtypes[f])
+            # np.memmap refuses an empty file; an empty side is an empty array.
+            m = np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
+            self._maps[key] = m
+        return m
+
+    def _check(self, i: int) -> int:
+        i = int(i)
+        if not 0 <= i < self.num_items:
+            raise IndexError(f"item {i} is outside the {self.num_items} {self.split} items of {self.root}")
+        return i
+
+    def _block(self, i: int) -> np.ndarray:
+        start = self._check(i) * self.seq_len
+        end = start + self.seq_len
+        out = np.empty(self.seq_len, np.int64)
+        f = int(np.searchsorted(self._ends, start, side="right"))
+        filled = 0
+        while filled < self.seq_len:
+            local = start + filled - int(self._starts[f])
+            take = min(self.seq_len - filled, int(self._ends[f]) - (start + filled))
+            if take > 0:
+                out[filled : filled + take] = self._map(f, "tokens")[local : local + take]
+                filled += take
+            f += 1
+        assert start + filled == end
+        return out
+
+    def _row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        i = self._check(i)
+        f = int(np.searchsorted(self._ends, i, side="right"))
+        j = i - int(self._starts[f])
+        off = self._map(f, "offsets")
+        a, b = int(off[j]), int(off[j + 1])
+        return np.asarray(self._map(f, "tokens")[a:b], np.int64), np.asarray(self._map(f, "mask")[a:b], bool)
+
+    def row_lengths(self, indices: Sequence[int]) -> np.ndarray:
+        """Real (unpadded) tokens of each item: what attention_mask sums to."""
+        if self.kind == "cpt":
+            return np.full(len(indices), self.seq_len, np.int64)
+        out = np.empty(len(indices), np.int64)
+        for n, i in enumerate(indices):
+            i = self._check(i)
+            f = int(np.searchsorted(self._ends, i, side="right"))
+            off = self._map(f, "offsets")
+            j = i - int(self._starts[f])
+            out[n] = off[j + 1] - off[j]
+        return out
+
+    def batch(self, indices: Sequence[int]) -> dict[str, np.ndarray]:
+        """{"input_ids", "labels"[, "attention_mask"]} as int64 arrays [len(indices), seq_len]."""
+        n, L = len(indices), self.seq_len
+        if self.kind == "cpt":
+            ids = np.stack([self._block(i) for i in indices]) if n else np.zeros((0, L), np.int64)
+            return {"input_ids": ids, "labels": ids.copy()}
+        ids = np.full((n, L), self.pad, np.int64)
+        labels = np.full((n, L), IGNORE_INDEX, np.int64)
+        attn = np.zeros((n, L), np.int64)
+        for r, i in enumerate(indices):
+            x, m = self._row(i)
+            k = len(x)
+            ids[r, :k] = x
+            labels[r, :k] = np.where(m, x, IGNORE_INDEX)
+            attn[r, :k] = 1
+        return {"input_ids": ids, "labels": labels, "attention_mask": attn}
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return {k: v[0] for k, v in self.batch([i]).items()}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m tasks.core.data.reader")
+    ap.add_argument("prepared_dir")
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--split", default="train", choices=["train", "heldout"])
+    a = ap.parse_args(argv)
+    ds = TokenDataset(a.prepared_dir, a.seq_len, a.split)
+    print(f"{ds.kind} {a.split}: {ds.num_items} items of seq_len {ds.seq_len}; totals {json.dumps(ds.index['totals'])}")
+    if ds.num_items:
+        print({k: v[:16].tolist() for k, v in ds[0].items()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Records of one input file, streamed, each with the location the user will find it at.
+
+    python -m tasks.core.data.records data/sample/sft.jsonl     # counts records and problems
+
+This yields a `BadRecord` in place of a record it cannot read and goes on, so the caller decides
+between `on_bad_record: error` and `skip` (`tasks.core.data.formats.iter_text_records`, for pre-flight and
+evaluation, raises at the first one). Text mode with universal newlines, every line counted, blank
+lines skipped. Bytes that are not UTF-8 are read
+with `surrogateescape` so one bad line does not end the stream, then refused by their line.
+Parquet records are numbered by row (1-based) and streamed one row group batch at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from tasks.core.storage.fs import open_uri
+
+_PARQUET_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    uri: str
+    line: int  # the line number (text formats) or the 1-based row (parquet)
+    reason: str
+    parquet: bool = False
+
+    def where(self) -> str:
+        return f"{self.uri} row {self.line}" if self.parquet else f"{self.uri}:{self.line}"
+
+    def __str__(self) -> str:
+        return f"{self.where()}: {self.reason}"
+
+
+def _text_records(uri: str, fmt: str, max_chars: int) -> Iterator[tuple[int, dict | BadRecord]]:
+    with open_uri(uri, "rb", compression="infer") as raw:
+        f = io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape", newline=None)
+        lineno = 0
+        while True:
+            # A size limit on readline keeps a runaway line (a binary file, a missing newline
+            # in a 10 GB dump) from being read into memory whole before it can be refused.
+            line = f.readline(max_chars + 1)
+            if not line:
+                return
+            lineno += 1
+            if len(line) > max_chars and not line.endswith("\n"):
+                n = len(line)
+                while line and not line.endswith("\n"):
+                    line = f.readline(max_chars + 1)
+                    n += len(line)
+                yield lineno, BadRecord(uri, lineno, f"the line has over {max_chars:,} characters ({n:,}); raise data.max_record_chars or split the record")
+                continue
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            if not line.isascii():
+                try:
+                    line.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    byte = ord(line[e.start]) - 0xDC00
+                    yield lineno, BadRecord(uri, lineno, f"bytes that are not UTF-8 (0x{byte:02x} at character {e.start + 1}); save the file as UTF-8")
+                    continue
+            if fmt == ".txt":
+                yield lineno, {"text": line}
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                yield lineno, BadRecord(uri, lineno, f"malformed JSON ({e.msg} at column {e.colno}); every line must be one JSON object")
+                continue
+            if not isinstance(rec, dict):
+                yield lineno, BadRecord(uri, lineno, f"expected a JSON object per line, got {type(rec).__name__}")
+                continue
+            yield lineno, rec
+
+
+def _parquet_records(uri: str) -> Iterator[tuple[int, dict | BadRecord]]:
+    import pyarrow.parquet as pq  # only parquet users pay for the import
+
+    with open_uri(uri, "rb", compression="infer") as f:
+        row = 0
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=_PARQUET_BATCH):
+            for rec in batch.to_pylist():
+                row += 1
+                yield row, rec
+
+
+def iter_file_records(uri: str, fmt: str, max_record_chars: int) -> Iterator[tuple[int, dict | BadRecord]]:
+    """(line or row, record or BadRecord) of one .jsonl/.txt/.parquet file, optionally compressed."""
+    if fmt == ".parquet":
+        return _parquet_records(uri)
+    return _text_records(uri, fmt, max_record_chars)
+
+
+def main(argv: list[str]) -> None:
+    from tasks.core.data.formats import format_of
+
+    for uri in argv:
+        good, bad = 0, []
+        for _, rec in iter_file_records(uri, format_of(uri), 1 << 24):
+            if isinstance(rec, BadRecord):
+                bad.append(rec)
+            else:
+                good += 1
+        print(f"{uri}: {good} records, {len(bad)} bad")
+        for b in bad[:10]:
+            print(f"  {b}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,380 @@
+"""One input file -> one self-contained directory of memory-mappable token shards.
+
+    python -m tasks.core.data.prepare ...     # runs this worker over every input file
+
+Layout of `shards/<key>/` (every array a raw little-endian file that `numpy.memmap` opens):
+    train.tokens   CPT: every training document's tokens followed by eos, concatenated.
+                   SFT: every kept conversation's rendered tokens (truncated to seq_len).
+    train.offsets  int64, records + 1 entries: record r is tokens[offsets[r]:offsets[r+1]].
+    train.mask     SFT only, uint8 per token: 1 where the token is a label (encode_chat's
+                   labels are the token itself or -100, so one bit per token says it all).
+    heldout.*      the same for the held-out side, plus heldout.jsonl, the held-out records
+                   themselves (evaluation's generation check needs the conversations).
+    summary.json   counts, dtype, the input's checksum, the spec; written last, so a directory
+                   without it is never read.
+
+The key is sha256(input uri + checksum, tokenizer fingerprint, the spec fields that change the
+bytes). Adding a file to a corpus therefore tokenizes that file only, and a changed tokenizer,
+field, split or (SFT) seq_len gives new keys instead of stale shards. CPT shards do not depend on
+seq_len: packing into blocks is arithmetic over the concatenated stream, done by the reader.
+
+The held-out side is decided here, in the one streaming pass, by `tasks.core.data.split`'s record id:
+held out when the id's unit value falls below heldout_fraction (split_by_fraction's rule), or,
+with eval.heldout_uri, dropped from training when the id is in the held-out set
+(split_by_heldout's rule). `force_heldout` carries split_by_fraction's corpus-wide fallback (no id
+below the fraction: the lowest id is held out), which prepare.py resolves after a first pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tasks.core.data.formats import IGNORE_INDEX, encode_chat
+from tasks.core.data.inputs import InputFile
+from tasks.core.data.records import BadRecord, iter_file_records
+from tasks.core.data.split import canonical_json, unit
+
+SHARD_VERSION = 1
+_BATCH_CHARS = 1 << 20  # CPT texts are batch-encoded ~1 MB at a time: the tokenizer's fast path
+_KEEP_BAD = 20  # bad-record messages kept in a summary (all are counted)
+_TOKENIZERS: dict[str, Any] = {}
+
+
+class BadRecordError(ValueError):
+    """A record the stage cannot use, named by the user's file and line."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    kind: str  # "cpt" | "sft"
+    field: str  # data.text_field (cpt) or data.messages_field (sft)
+    seq_len: int
+    tokenizer_sha256: str
+    heldout_fraction: float = 0.0
+    heldout_ids: frozenset[str] = frozenset()  # eval.heldout_uri's record ids: dropped from training
+    force_heldout: frozenset[str] = frozenset()
+    on_bad_record: str = "error"  # "error" | "skip"
+    max_bad_records: int = 100
+    max_record_chars: int = 1 << 24
+
+    def __post_init__(self):
+        if self.kind not in ("cpt", "sft"):
+            raise ValueError(f"kind={self.kind!r}: use 'cpt' or 'sft'")
+        if self.on_bad_record not in ("error", "skip"):
+            raise ValueError(f"data.on_bad_record={self.on_bad_record!r}: use 'error' (stop at the first bad record) or 'skip' (count and leave it out)")
+
+    def key_fields(self) -> dict[str, Any]:
+        """What changes the bytes of a shard (max_bad_records only decides whether to stop)."""
+        return {
+            "version": SHARD_VERSION,
+            "kind": self.kind,
+            "field": self.field,
+            "seq_len": self.seq_len if self.kind == "sft" else None,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "heldout_fraction": self.heldout_fraction,
+            "heldout_ids_sha256": _set_digest(self.heldout_ids),
+            "force_heldout": sorted(self.force_heldout),
+            "on_bad_record": self.on_bad_record,
+            "max_record_chars": self.max_record_chars,
+        }
+
+    def key(self, inp: InputFile) -> str:
+        blob = json.dumps({"input": [inp.uri, inp.size, inp.checksum], **self.key_fields()}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _set_digest(ids: frozenset[str]) -> str | None:
+    if not ids:
+        return None
+    return hashlib.sha256("\n".join(sorted(ids)).encode()).hexdigest()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def vocab_size_of(tokenizer) -> int:
+    if isinstance(tokenizer, _FrozenEncoder):
+        return tokenizer.vocab_size
+    special = [i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) if i is not None]
+    return max([len(tokenizer), *(i + 1 for i in special)])
+
+
+ENCODERS = "encoders"  # <out_dir>/encoders/<tokenizer fingerprint>.json: see freeze_encoder
+
+
+def _backend(tok):
+    """The fast tokenizer's Rust backend, when encoding through it gives what tok(texts,
+    add_special_tokens=False) gives: always, unless tokenizer.json configures truncation or padding
+    (which tok() switches off per call)."""
+    backend = tok.backend_tokenizer if getattr(tok, "is_fast", False) else None
+    if backend is not None and (backend.truncation is not None or backend.padding is not None):
+        return None
+    return backend
+
+
+def freeze_encoder(tokenizer_dir: str, out_dir: str | Path, fingerprint: str) -> Path | None:
+    """Write what a CPT worker needs from the tokenizer: the backend as transformers built it
+    (tokenizer.json plus the added tokens transformers put in, serialised by the `tokenizers`
+    library itself), the eos id and the vocabulary size.
+
+    A pool or Dask worker then imports `tokenizers` and numpy only (~0.2 s) instead of
+    transformers and torch (3-5 s here), which on a 2-core machine is the difference between
+    one worker per core paying off at 100 MB or not. The file is keyed by the tokenizer's
+    fingerprint and rewritten by every plan, so it never outlives the tokenizer it came from.
+    None (and no file) when there is no fast backend: workers then load the tokenizer itself.
+    """
+    tok = load_tokenizer(tokenizer_dir)
+    backend = _backend(tok)
+    if backend is None:
+        return None
+    path = Path(out_dir) / ENCODERS / f"{fingerprint}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = {"eos_token_id": tok.eos_token_id, "vocab_size": vocab_size_of(tok), "backend": backend.to_str()}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(blob))
+    os.replace(tmp, path)
+    return path
+
+
+class _FrozenEncoder:
+    """freeze_encoder's file, loaded: the attributes tokenize_file reads from a tokenizer."""
+
+    is_fast = True
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer
+
+        blob = json.loads(path.read_text())
+        self.eos_token_id = blob["eos_token_id"]
+        self.vocab_size = blob["vocab_size"]
+        self.backend_tokenizer = Tokenizer.from_str(blob["backend"])
+
+
+def _cpt_encoder(tokenizer_dir: str, out_dir: Path, fingerprint: str):
+    """freeze_encoder's file when the plan wrote one (cached per process), else the tokenizer."""
+    path = out_dir / ENCODERS / f"{fingerprint}.json"
+    enc = _TOKENIZERS.get(str(path))
+    if enc is None and path.is_file():
+        enc = _TOKENIZERS[str(path)] = _FrozenEncoder(path)
+    return enc or load_tokenizer(tokenizer_dir)
+
+
+def load_tokenizer(tokenizer_dir: str):
+    """One tokenizer per process and directory (a pool worker tokenizes many files)."""
+    tok = _TOKENIZERS.get(tokenizer_dir)
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        tok = _TOKENIZERS[tokenizer_dir] = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return tok
+
+
+class _Side:
+    """The growing arrays of one side (train or heldout), appended to files as they come."""
+
+    def __init__(self, tmp: Path, name: str, dtype: np.dtype, sft: bool):
+        self.dtype, self.sft = dtype, sft
+        # Appended to for the whole file's pass and closed by close(): no one `with` spans that.
+        self.tokens = open(tmp / f"{name}.tokens", "wb")  # noqa: SIM115
+        self.offsets = open(tmp / f"{name}.offsets", "wb")  # noqa: SIM115
+        self.mask = open(tmp / f"{name}.mask", "wb") if sft else None  # noqa: SIM115
+        self.offsets.write(np.zeros(1, np.int64).tobytes())
+        self.n_tokens = self.n_records = 0
+        self.max_id = -1
+        self.label_tokens = 0
+
+    def add(self, docs: list[list[int]], masks: list[list[int]] | None = None, eos: int | None = None) -> None:
+        """Append records; with `eos`, each document is followed by it (CPT)."""
+        if not docs:
+            return
+        lengths = np.fromiter(map(len, docs), np.int64, len(docs))
+        if eos is None:
+            flat = np.fromiter(chain.from_iterable(docs), np.int64, int(lengths.sum()))
+        else:
+            lengths += 1
+            flat = np.empty(int(lengths.sum()), np.int64)
+            ends = np.cumsum(lengths) - 1
+            body = np.ones(flat.size, bool)
+            body[ends] = False
+            flat[body] = np.fromiter(chain.from_iterable(docs), np.int64, flat.size - len(docs))
+            flat[ends] = eos
+        if flat.size:
+            self.max_id = max(self.max_id, int(flat.max()))
+        self.tokens.write(flat.astype(self.dtype).tobytes())
+        self.offsets.write((self.n_tokens + np.cumsum(lengths)).tobytes())
+        if masks is not None:
+            m = np.fromiter((x for mm in masks for x in mm), np.uint8, int(lengths.sum()))
+            self.label_tokens += int(m.sum())
+            self.mask.write(m.tobytes())
+        self.n_tokens += int(lengths.sum())
+        self.n_records += len(docs)
+
+    def close(self) -> None:
+        for f in (self.tokens, self.offsets, self.mask):
+            if f is not None:
+                f.close()
+
+    def stats(self) -> dict[str, int]:
+        out = {"records": self.n_records, "tokens": self.n_tokens}
+        if self.sft:
+            out["label_tokens"] = self.label_tokens
+        return out
+
+
+def shard_dir(out_dir: Path, key: str) -> Path:
+    return out_dir / "shards" / key
+
+
+def read_summary(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: str | Path) -> dict[str, Any]:
+    """Tokenize one input file into shards/<key>/ and return its summary (summary.json)."""
+    out_dir = Path(out_dir)
+    key = spec.key(inp)
+    final = shard_dir(out_dir, key)
+    done = read_summary(final)
+    if done is not None:
+        return done
+    tok = _cpt_encoder(tokenizer_dir, out_dir, spec.tokenizer_sha256) if spec.kind == "cpt" else load_tokenizer(tokenizer_dir)
+    if spec.kind == "cpt" and tok.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos_token: CPT packing needs one to separate documents; set eos_token in tokenizer_config.json")
+    if spec.kind == "sft" and getattr(tok, "chat_template", None) is None:
+        raise ValueError("the tokenizer has no chat_template: SFT needs one to render conversations; add it to tokenizer_config.json")
+    vocab = vocab_size_of(tok)
+    dtype = token_dtype(vocab)
+    tmp = final.parent / f".tmp-{key}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    sides = {name: _Side(tmp, name, dtype, spec.kind == "sft") for name in ("train", "heldout")}
+    heldout_jsonl = open(tmp / "heldout.jsonl", "w", encoding="utf-8")  # noqa: SIM115 - closed with the sides, below
+    counts = {"lines": 0, "records": 0, "skipped": 0, "dropped_in_heldout_set": 0, "dropped_no_labels": 0}
+    bad: list[str] = []
+    min_id = max_id = None
+    pending: dict[str, list] = {"train": [], "heldout": []}
+    pending_chars = 0
+
+    # The fast tokenizer's backend gives the ids tok(texts, add_special_tokens=False) gives (that
+    # call is this encode_batch plus a per-text conversion to Python dicts, ~10 % of the time)
+    # unless tokenizer.json configures truncation or padding, which tok() would switch off.
+    backend = _backend(tok)
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        if backend is not None:
+            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+        return tok(texts, add_special_tokens=False)["input_ids"]
+
+    def flush() -> None:
+        nonlocal pending_chars
+        for name, texts in pending.items():
+            if texts:
+                sides[name].add(encode(texts), eos=tok.eos_token_id)
+                texts.clear()
+        pending_chars = 0
+
+    def reject(b: BadRecord) -> None:
+        counts["skipped"] += 1
+        if spec.on_bad_record == "error":
+            raise BadRecordError(f"{b}; fix the record, or set data.on_bad_record: skip to leave bad records out (at most data.max_bad_records of them)")
+        if len(bad) < _KEEP_BAD:
+            bad.append(str(b))
+        if counts["skipped"] > spec.max_bad_records:
+            raise BadRecordError(
+                f"{inp.uri}: more than data.max_bad_records={spec.max_bad_records} bad records (the latest: {b}; the first: {bad[0]}); "
+                "fix the data or raise data.max_bad_records"
+            )
+
+    parquet = inp.fmt == ".parquet"
+    try:
+        for line, rec in iter_file_records(inp.uri, inp.fmt, spec.max_record_chars):
+            counts["lines"] = line
+            if isinstance(rec, BadRecord):
+                reject(rec)
+                continue
+            value = rec.get(spec.field)
+            if spec.kind == "cpt" and not isinstance(value, str):
+                reject(BadRecord(inp.uri, line, f"no string field {spec.field!r} (fields: {sorted(rec)}); set data.text_field to the field holding the text", parquet))
+                continue
+            if spec.kind == "sft" and value is None:
+                reject(BadRecord(inp.uri, line, f"no field {spec.field!r} (fields: {sorted(rec)}); set data.messages_field to the field holding the chat", parquet))
+                continue
+            text = canonical_json(rec)
+            if len(text) > spec.max_record_chars:
+                reject(BadRecord(inp.uri, line, f"the record has over {spec.max_record_chars:,} characters ({len(text):,}); raise data.max_record_chars or split the record", parquet))
+                continue
+            if spec.kind == "sft":
+                try:
+                    ids, labels = encode_chat(tok, value, spec.seq_len)
+                except ValueError as e:
+                    reject(BadRecord(inp.uri, line, str(e), parquet))
+                    continue
+            rid = hashlib.sha256(text.encode("utf-8")).hexdigest()  # == tasks.core.data.split.record_id(rec)
+            counts["records"] += 1
+            min_id = rid if min_id is None or rid < min_id else min_id
+            max_id = rid if max_id is None or rid > max_id else max_id
+            if rid in spec.heldout_ids:
+                counts["dropped_in_heldout_set"] += 1
+                continue
+            held = rid in spec.force_heldout or (spec.heldout_fraction > 0 and unit(rid) < spec.heldout_fraction)
+            side = "heldout" if held else "train"
+            if held:
+                heldout_jsonl.write(json.dumps(rec, ensure_ascii=False, default=str) + "\n")
+            if spec.kind == "cpt":
+                pending[side].append(value)
+                pending_chars += len(value)
+                if pending_chars >= _BATCH_CHARS:
+                    flush()
+            else:
+                mask = [int(y != IGNORE_INDEX) for y in labels]
+                if side == "train" and not any(mask):
+                    counts["dropped_no_labels"] += 1  # encode_sft's rule: truncation left no assistant token
+                    continue
+                sides[side].add([ids], [mask])
+        if spec.kind == "cpt":
+            flush()
+    except BaseException:
+        for s in sides.values():
+            s.close()
+        heldout_jsonl.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for s in sides.values():
+        s.close()
+    heldout_jsonl.close()
+    summary = {
+        "version": SHARD_VERSION,
+        "key": key,
+        "input": inp.to_json(),
+        "spec": spec.key_fields(),
+        "dtype": dtype.name,
+        "vocab_size": vocab,
+        "max_token_id": max(s.max_id for s in sides.values()),
+        **counts,
+        "train": sides["train"].stats(),
+        "heldout": sides["heldout"].stats(),
+        "min_record_id": min_id,
+        "max_record_id": max_id,
+        "bad_records": bad,
+    }
+    (tmp / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        # Another worker finished the same key first (same input, same spec): its bytes are ours.
+        shutil.rmtree(tmp, ignore_errors=True)
+    return read_summary(final) or summary
+

@@ -1,0 +1,448 @@
+"""Held-out evaluation on HF-format artifacts with plain `transformers`, and the publish gate.
+
+    python -m tasks.core.evaluation.heldout cpt --reference runs/tiny-demo/base --candidate runs/tiny-demo/cpt/hf --data runs/tiny-demo/data/cpt/heldout.jsonl --seq-len 64
+    python -m tasks.core.evaluation.heldout sft --reference runs/tiny-demo/cpt/hf --candidate runs/tiny-demo/export --data runs/tiny-demo/data/sft/heldout.jsonl --seq-len 128
+
+Both sides of a comparison see the same tensors: the held-out records are tokenized once (with
+the candidate's tokenizer, which must equal the reference's), packed by `tasks.core.data.formats`'s
+`pack_cpt` / `encode_sft` exactly as training packs them, cut to the same batches, and scored by
+both models in the same dtype. The metric is a token-weighted mean of the next-token cross
+entropy in float64 (CPT: every token; SFT: the assistant tokens the SFT loss is trained on), so
+batch size changes memory, not the number. Runs on CUDA when the worker has it, else on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tasks.core.config.schema import EvalConfig, GateConfig
+from tasks.core.data.formats import IGNORE_INDEX, encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_PPL_CAP = 700.0  # exp(700) is near float64's limit; a loss that high is "infinite" perplexity
+
+
+def eval_device() -> torch.device:
+    return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < _PPL_CAP else float("inf")
+
+
+def load_model(model_dir: str | Path, dtype: str, device: torch.device, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, torch_dtype=_DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True
+    )
+    return model.to(device).eval()
+
+
+def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+
+
+def _free(model) -> None:
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def same_tokenizer(a: Path, b: Path) -> None:
+    """Both sides must see the same token ids; the flow copies tokenizer files, so this holds."""
+    for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt"):
+        fa, fb = Path(a) / name, Path(b) / name
+        if fa.is_file() and fb.is_file() and hashlib.sha256(fa.read_bytes()).digest() != hashlib.sha256(fb.read_bytes()).digest():
+            raise ValueError(f"{fa} and {fb} differ: the two models do not share a tokenizer, so their losses are not comparable")
+
+
+# ------------------------------------------------------------------------------------------------
+# Batches and losses
+
+
+def limit_rows(batch: dict[str, torch.Tensor], cfg: EvalConfig) -> dict[str, torch.Tensor]:
+    if cfg.max_batches is None:
+        return batch
+    n = cfg.batch_size * cfg.max_batches
+    return {k: v[:n] for k, v in batch.items()}
+
+
+def cpt_batch(tokenizer, records: Sequence[dict], text_field: str, seq_len: int, cfg: EvalConfig) -> dict[str, torch.Tensor]:
+    try:
+        blocks = pack_cpt(tokenizer, records, text_field=text_field, seq_len=seq_len)
+    except ValueError as exc:
+        raise ValueError(f"CPT held-out set ({len(records)} records): {exc}; raise cpt.eval.heldout_fraction or give cpt.eval.heldout_uri") from None
+    return limit_rows({"input_ids": blocks, "labels": blocks.clone()}, cfg)
+
+
+def sft_batch(tokenizer, records: Sequence[dict], messages_field: str, seq_len: int, cfg: EvalConfig) -> tuple[dict[str, torch.Tensor], int]:
+    try:
+        batch, dropped = encode_sft_with_stats(tokenizer, records, messages_field=messages_field, seq_len=seq_len)
+    except ValueError as exc:
+        raise ValueError(f"SFT held-out set ({len(records)} records): {exc}") from None
+    return limit_rows(batch, cfg), dropped
+
+
+@torch.no_grad()
+def heldout_loss(model, batch: dict[str, torch.Tensor], batch_size: int, device: torch.device) -> dict[str, float]:
+    """Token-weighted next-token cross entropy over every labelled position (float64 sums)."""
+    total, count = 0.0, 0
+    n = batch["input_ids"].shape[0]
+    for i in range(0, n, batch_size):
+        ids = batch["input_ids"][i : i + batch_size].to(device)
+        labels = batch["labels"][i : i + batch_size].to(device)
+        mask = batch.get("attention_mask")
+        kwargs = {"attention_mask": mask[i : i + batch_size].to(device)} if mask is not None else {}
+        logits = model(input_ids=ids, use_cache=False, **kwargs).logits.float()
+        target = labels[:, 1:]
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        total += float(nll.double())
+        count += int((target != IGNORE_INDEX).sum())
+    if count == 0:
+        raise ValueError("the held-out batch has no labelled token to score")
+    loss = total / count
+    return {"loss": loss, "perplexity": perplexity(loss), "tokens": count}
+
+
+def compare(reference_dir: Path, candidate_dir: Path, batch: dict[str, torch.Tensor], cfg: EvalConfig, trust_remote_code: bool = False) -> tuple[dict, dict]:
+    """(reference, candidate) losses on the very same batch, one model in memory at a time."""
+    device = eval_device()
+    out = []
+    for model_dir in (reference_dir, candidate_dir):
+        model = load_model(model_dir, cfg.dtype, device, trust_remote_code)
+        try:
+            out.append(heldout_loss(model, batch, cfg.batch_size, device))
+        finally:
+            _free(model)
+    return out[0], out[1]
+
+
+def _pct(after: float, before: float) -> float:
+    return 100.0 * (after - before) / before if before and math.isfinite(before) else float("inf")
+
+
+def evaluate_cpt(base_dir: Path, cpt_dir: Path, heldout: Sequence[dict], text_field: str, seq_len: int, cfg: EvalConfig, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Held-out loss and perplexity of the base model and of the CPT model on the CPT held-out set."""
+    started = time.monotonic()
+    same_tokenizer(base_dir, cpt_dir)
+    batch = cpt_batch(load_tokenizer(cpt_dir, trust_remote_code), heldout, text_field, seq_len, cfg)
+    base, cpt = compare(base_dir, cpt_dir, batch, cfg, trust_remote_code)
+    return {
+        "base": _lp(base),
+        "cpt": _lp(cpt),
+        "perplexity_change_pct": _pct(cpt["perplexity"], base["perplexity"]),
+        "tokens": cpt["tokens"],
+        "sequences": int(batch["input_ids"].shape[0]),
+        "seq_len": seq_len,
+        "batch_size": cfg.batch_size,
+        "dtype": cfg.dtype,
+        "device": str(eval_device()),
+        "seconds": round(time.monotonic() - started, 3),
+    }
+
+
+def evaluate_sft(pre_dir: Path, sft_dir: Path, heldout: Sequence[dict], messages_field: str, seq_len: int, cfg: EvalConfig, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Held-out loss on assistant tokens of the pre-SFT (CPT) model and of the SFT export."""
+    started = time.monotonic()
+    same_tokenizer(pre_dir, sft_dir)
+    batch, dropped = sft_batch(load_tokenizer(sft_dir, trust_remote_code), heldout, messages_field, seq_len, cfg)
+    pre, sft = compare(pre_dir, sft_dir, batch, cfg, trust_remote_code)
+    return {
+        "pre_sft": _lp(pre),
+        "sft": _lp(sft),
+        "loss_change": sft["loss"] - pre["loss"],
+        "tokens": sft["tokens"],
+        "sequences": int(batch["input_ids"].shape[0]),
+        "dropped_records": dropped,
+        "seq_len": seq_len,
+        "batch_size": cfg.batch_size,
+        "dtype": cfg.dtype,
+        "device": str(eval_device()),
+        "seconds": round(time.monotonic() - started, 3),
+    }
+
+
+def _lp(d: dict) -> dict[str, float]:
+    return {"loss": d["loss"], "perplexity": d["perplexity"]}
+
+
+# ------------------------------------------------------------------------------------------------
+# Generation check
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The token the chat template closes an assistant turn with (<|im_end|>, <|eot_id|>, ...).
+
+    Found the way `encode_chat` labels it: the last special token between the generation prompt
+    and the end of a rendered one-turn reply.
+    """
+    msgs = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+    prompt = render_chat(tokenizer, msgs[:1], add_generation_prompt=True)
+    turn = render_chat(tokenizer, msgs, add_generation_prompt=False)
+    special = special_token_ids(tokenizer)
+    for j in range(len(turn) - 1, len(prompt) - 1, -1):
+        if turn[j] in special:
+            return int(turn[j])
+    return tokenizer.eos_token_id
+
+
+def prompt_messages(messages: list[dict]) -> list[dict] | None:
+    """The conversation up to and including its last user turn (None if it has none)."""
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    return None if last_user is None else list(messages[: last_user + 1])
+
+
+def distinct_prompts(heldout: Sequence[dict], messages_field: str, n: int) -> list[list[dict]]:
+    """The first n distinct prompts of the held-out records, in file order."""
+    seen, out = set(), []
+    for rec in heldout:
+        p = prompt_messages(rec.get(messages_field) or []) if isinstance(rec, dict) else None
+        key = json.dumps(p, sort_keys=True)
+        if p and key not in seen:
+            seen.add(key)
+            out.append(p)
+        if len(out) == n:
+            break
+    return out
+
+
+def _eos_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def generation_eos_problem(model_dir: Path, tokenizer) -> tuple[list[int], int | None, str | None]:
+    """(eos ids of generation_config.json, end-of-turn id, problem or None)."""
+    eot = end_of_turn_id(tokenizer)
+    token = tokenizer.convert_ids_to_tokens(eot) if eot is not None else None
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return [], eot, (
+            f"{path.name} is missing: generation would not know to stop at the chat template's end-of-turn token {token!r} (id {eot}); "
+            "set export.align_stop_tokens: true so the export writes one whose eos_token_id includes it"
+        )
+    eos = _eos_ids(json.loads(path.read_text()).get("eos_token_id"))
+    if eot is not None and eot not in eos:
+        return eos, eot, (
+            f"generation_config.json eos_token_id {eos} lacks the chat template's end-of-turn token {token!r} (id {eot}): "
+            f"generation would run past the end of a reply; set export.align_stop_tokens: true (the default) so the export adds it, "
+            f"or add {eot} to eos_token_id"
+        )
+    return eos, eot, None
+
+
+@torch.no_grad()
+def generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: str, max_new_tokens: int, num_prompts: int,
+                     dtype: str = "fp32", trust_remote_code: bool = False) -> tuple[dict[str, Any], list[dict]]:
+    """Greedy replies to held-out prompts through the chat template, with the model's own
+    generation config (as a user of the export gets it). Returns (summary, one row per prompt)."""
+    started = time.monotonic()
+    tokenizer = load_tokenizer(model_dir, trust_remote_code)
+    eos, eot, eos_problem = generation_eos_problem(model_dir, tokenizer)
+    prompts = distinct_prompts(heldout, messages_field, num_prompts)
+    if not prompts:
+        raise ValueError(f"no held-out SFT record has a user turn to prompt with ({len(heldout)} records)")
+    device = eval_device()
+    model = load_model(model_dir, dtype, device, trust_remote_code)
+    stop_ids = set(_eos_ids(model.generation_config.eos_token_id))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(stop_ids) if stop_ids else 0)
+    rows = []
+    try:
+        for i, msgs in enumerate(prompts):
+            ids = torch.tensor([render_chat(tokenizer, msgs, add_generation_prompt=True)], device=device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+            new = out[0, ids.shape[1] :].tolist()
+            stopped = bool(new) and new[-1] in stop_ids
+            rows.append({
+                "prompt": msgs,
+                "completion": tokenizer.decode(new, skip_special_tokens=False),
+                "new_tokens": len(new),
+                "stopped": stopped,
+                "stop_token": tokenizer.convert_ids_to_tokens(new[-1]) if stopped else None,
+            })
+    finally:
+        _free(model)
+    stopped = sum(r["stopped"] for r in rows)
+    problems = [eos_problem] if eos_problem else []
+    if stopped < len(rows):
+        problems.append(f"{len(rows) - stopped} of {len(rows)} greedy generations did not stop at an eos token within max_new_tokens={max_new_tokens}")
+    summary = {
+        "passed": not problems,
+        "problems": problems,
+        "prompts": len(rows),
+        "stopped": stopped,
+        "max_new_tokens": max_new_tokens,
+        "mean_new_tokens": sum(r["new_tokens"] for r in rows) / len(rows),
+        "eos_token_id": eos,
+        "end_of_turn": {"id": eot, "token": tokenizer.convert_ids_to_tokens(eot) if eot is not None else None},
+        "dtype": dtype,
+        "seconds": round(time.monotonic() - started, 3),
+    }
+    return summary, rows
+
+
+# ------------------------------------------------------------------------------------------------
+# The gate
+
+
+def gate_verdict(gate: GateConfig, cpt: dict[str, Any] | None, sft: dict[str, Any] | None) -> dict[str, Any]:
+    """{"enabled", "passed", "reasons", "checks"}: every configured check, each with its numbers.
+
+    A disabled gate passes but still lists what each check found.
+    """
+    checks: list[dict[str, Any]] = []
+
+    def check(name: str, ok: bool, message: str, **numbers: Any) -> None:
+        checks.append({"check": name, "ok": bool(ok), "message": message, **numbers})
+
+    if gate.cpt_max_ppl_increase_pct is not None:
+        limit = gate.cpt_max_ppl_increase_pct
+        if not cpt:
+            check("cpt_perplexity", False, "no CPT evaluation was recorded (cpt.eval has no held-out set)", limit_pct=limit)
+        else:
+            before, after, change = cpt["base"]["perplexity"], cpt["cpt"]["perplexity"], cpt["perplexity_change_pct"]
+            ok = math.isfinite(after) and change <= limit
+            check("cpt_perplexity", ok, f"CPT held-out perplexity {after:.4g} vs base {before:.4g} ({change:+.2f}%, allowed at most {limit:+g}%)",
+                  before=before, after=after, change_pct=change, limit_pct=limit)
+    if gate.sft_loss_must_improve:
+        if not sft:
+            check("sft_loss", False, "no SFT evaluation was recorded (sft.eval has no held-out set)")
+        else:
+            before, after = sft["pre_sft"]["loss"], sft["sft"]["loss"]
+            check("sft_loss", after < before, f"SFT held-out loss on assistant tokens {after:.4f} vs pre-SFT {before:.4f} (must be lower)", before=before, after=after)
+    if gate.generation_must_stop:
+        gen = (sft or {}).get("generation")
+        if not gen:
+            check("generation_stops", False, "no generation check was recorded (sft.eval has no held-out set)")
+        else:
+            msg = f"{gen['stopped']} of {gen['prompts']} greedy generations stopped within {gen['max_new_tokens']} tokens"
+            check("generation_stops", gen["passed"], "; ".join([msg, *gen["problems"]]), stopped=gen["stopped"], prompts=gen["prompts"])
+    failed = [c["message"] for c in checks if not c["ok"]]
+    return {"enabled": gate.enabled, "passed": (not failed) or not gate.enabled, "reasons": failed if gate.enabled else [], "checks": checks}
+
+
+# ------------------------------------------------------------------------------------------------
+# Reporting
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:.4f}" if isinstance(x, float) else ("" if x is None else str(x))
+
+
+def metrics_table(cpt: dict | None, sft: dict | None, verdict: dict | None) -> list[dict[str, str]]:
+    """Rows for the Prefect table artifact: one per metric, before/after and the gate's word."""
+    by_check = {c["check"]: c for c in (verdict or {}).get("checks", [])}
+
+    def verdict_of(name: str) -> str:
+        c = by_check.get(name)
+        return "" if c is None else ("pass" if c["ok"] else "FAIL")
+
+    rows = []
+    if cpt:
+        rows.append({"metric": "CPT held-out perplexity", "before": f"base {_fmt(cpt['base']['perplexity'])}", "after": f"CPT {_fmt(cpt['cpt']['perplexity'])}",
+                     "change": f"{cpt['perplexity_change_pct']:+.2f}%", "gate": verdict_of("cpt_perplexity")})
+        rows.append({"metric": "CPT held-out loss", "before": f"base {_fmt(cpt['base']['loss'])}", "after": f"CPT {_fmt(cpt['cpt']['loss'])}",
+                     "change": f"{cpt['cpt']['loss'] - cpt['base']['loss']:+.4f}", "gate": ""})
+    if sft:
+        rows.append({"metric": "SFT held-out loss (assistant tokens)", "before": f"pre-SFT {_fmt(sft['pre_sft']['loss'])}", "after": f"SFT {_fmt(sft['sft']['loss'])}",
+                     "change": f"{sft['loss_change']:+.4f}", "gate": verdict_of("sft_loss")})
+        gen = sft.get("generation")
+        if gen:
+            rows.append({"metric": "generations that stop", "before": "", "after": f"{gen['stopped']} / {gen['prompts']}",
+                         "change": "; ".join(gen["problems"]), "gate": verdict_of("generation_stops")})
+    return rows
+
+
+def _dataset_name(uri: str) -> str:
+    return uri.rstrip("/").rsplit("/", 1)[-1]
+
+
+def eval_results_for_card(metrics: dict[str, Any], model_name: str | None = None) -> list:
+    """huggingface_hub EvalResults for the card's `model-index` (pass `model_name` to ModelCardData
+    too: it is required with eval_results). `metrics` is run.json's "evaluation" section
+    ({"cpt": ..., "sft": ...}); missing parts are left out."""
+    from huggingface_hub import EvalResult
+
+    out = []
+
+    def add(ds: tuple[str, str], metric_type: str, value: float, name: str) -> None:
+        out.append(EvalResult(task_type="text-generation", dataset_type=ds[0], dataset_name=ds[1], dataset_split="heldout",
+                              metric_type=metric_type, metric_value=value, metric_name=name))
+
+    sft, cpt = metrics.get("sft"), metrics.get("cpt")
+    if sft:
+        ds = _split_dataset(sft, "SFT")
+        add(ds, "loss", round(sft["sft"]["loss"], 6), "held-out loss on assistant tokens")
+        add(ds, "loss", round(sft["pre_sft"]["loss"], 6), "held-out loss on assistant tokens, before SFT")
+        gen = sft.get("generation")
+        if gen:
+            add(ds, "stop_rate", round(gen["stopped"] / max(gen["prompts"], 1), 4),
+                f"greedy replies ending at an eos token within {gen['max_new_tokens']} tokens")
+    if cpt:
+        ds = _split_dataset(cpt, "CPT")
+        add(ds, "perplexity", round(cpt["cpt"]["perplexity"], 4), "held-out perplexity after CPT (before SFT)")
+        add(ds, "perplexity", round(cpt["base"]["perplexity"], 4), "held-out perplexity of the base model")
+    return out
+
+
+def _split_dataset(m: dict, stage: str) -> tuple[str, str]:
+    split = m.get("split") or {}
+    source = split.get("heldout_uri") or split.get("data_uri") or stage.lower()
+    how = f"{split['fraction']:g} hash split of " if split.get("method") == "hash-fraction" else ""
+    return _dataset_name(source), f"{stage} held-out ({how}{_dataset_name(source)})"
+
+
+def evaluate_one(model_dir: Path, records: Sequence[dict], kind: str, field: str, seq_len: int, cfg: EvalConfig) -> dict[str, Any]:
+    """Held-out loss and perplexity of one HF folder: packed text (cpt) or assistant tokens (sft)."""
+    tok = load_tokenizer(model_dir)
+    batch = cpt_batch(tok, records, field, seq_len, cfg) if kind == "cpt" else sft_batch(tok, records, field, seq_len, cfg)[0]
+    device = eval_device()
+    model = load_model(model_dir, cfg.dtype, device)
+    try:
+        return {"model": str(model_dir), **heldout_loss(model, batch, cfg.batch_size, device), "sequences": int(batch["input_ids"].shape[0]), "seq_len": seq_len}
+    finally:
+        _free(model)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from tasks.core.data.formats import read_records
+
+    p = argparse.ArgumentParser(prog="cpt-to-sft eval", description="Held-out metrics of an HF model folder on a data file, or of two compared.")
+    p.add_argument("kind", choices=["cpt", "sft"], help="cpt: packed raw text; sft: chat records, loss on assistant tokens")
+    p.add_argument("--candidate", "--model", required=True, help="the HF folder to evaluate")
+    p.add_argument("--reference", default=None, help="a second HF folder to compare with (e.g. the base model); omit for one folder")
+    p.add_argument("--data", required=True)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--field", default=None)
+    a = p.parse_args(argv)
+    cfg = EvalConfig()
+    records = read_records(a.data)
+    field = a.field or ("text" if a.kind == "cpt" else "messages")
+    if a.reference is None:
+        m = evaluate_one(Path(a.candidate), records, a.kind, field, a.seq_len, cfg)
+    elif a.kind == "cpt":
+        m = evaluate_cpt(Path(a.reference), Path(a.candidate), records, field, a.seq_len, cfg)
+    else:
+        m = evaluate_sft(Path(a.reference), Path(a.candidate), records, field, a.seq_len, cfg)
+    print(json.dumps(m, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""The model card (README.md) of an export: what an anchor model card carries, from recorded facts only.
+
+    python -c "from tasks.core.hub.card import usage_snippet; print(usage_snippet('org/name'))"
+
+Everything in it is read from the run's records, never recomputed: hyperparameters from the
+config, steps/tokens/losses from each stage's final checkpoint (`train_state.json`), data sha256
+and split sizes from the split records, evaluation from run.json's metrics, framework versions
+and the weight proof from the export manifest. A re-push of a finished run renders the same card.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tasks.core.config.schema import RunConfig
+from tasks.core.data.prepared import SPLIT_FILE
+from tasks.core.evaluation.heldout import eval_results_for_card, metrics_table
+from tasks.core.hub.repo import hub_dataset_id, is_hub_id
+from tasks.core.run.manifest import MANIFEST
+from tasks.core.run.stages import TRAINING
+
+STAGES = ("cpt", "sft")
+
+
+def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[str], str] | None = None) -> dict[str, dict]:
+    """Per training stage: steps, final loss, tokens seen and the data split, from this run's
+    results or the final checkpoint's `train_state.json` and the stage's split record."""
+    facts = {}
+    for stage in STAGES:
+        steps = getattr(cfg, stage).max_steps
+        fact: dict[str, Any] = {"steps": steps, "final_loss": None, "tokens_seen": None, "split": None}
+        r = results.get(f"train_{stage}")
+        if r is not None and r.detail.get("final_loss") is not None:
+            fact["final_loss"] = float(r.detail["final_loss"])
+        if read_text is not None:
+            try:
+                state = json.loads(read_text(f"{TRAINING[stage].step(steps)}/train_state.json"))
+                losses = state.get("losses") or []
+                if fact["final_loss"] is None and losses:
+                    fact["final_loss"] = float(losses[-1])
+                fact["tokens_seen"] = state.get("tokens_seen")
+            except Exception:
+                pass
+            try:
+                fact["split"] = json.loads(read_text(f"{stage}/{SPLIT_FILE}"))
+            except Exception:
+                pass
+        facts[stage] = fact
+    return facts
+
+
+def usage_snippet(model_id: str) -> str:
+    """Load, apply the chat template, generate: the test runs exactly this against the export."""
+    return f'''```python
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model_id = "{model_id}"
+tokenizer = AutoTokenizer.from_pretrained(model_id)
+model = AutoModelForCausalLM.from_pretrained(model_id, torch_dtype=torch.bfloat16)
+messages = [{{"role": "user", "content": "Hello! Who are you?"}}]
+input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+# generation_config.json lists the chat template's end-of-turn token(s) as eos, so this stops.
+output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=64, do_sample=False)
+print(tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True))
+```'''
+
+
+def _layout(cfg: RunConfig, stage: str) -> str:
+    st = getattr(cfg, stage)
+    p = st.plugin
+    return f"`{p.name}` tp={p.tp_size} pp={p.pp_size} zero={p.zero_stage} {p.precision}, {st.launch.nnodes}×{st.launch.nproc_per_node} ranks"
+
+
+def _batch(cfg: RunConfig, stage: str) -> str:
+    st = getattr(cfg, stage)
+    p = st.plugin
+    dp = max(st.launch.world_size // (p.tp_size * p.pp_size), 1)
+    return f"{st.micro_batch_size} × {st.grad_accum_steps} accum × {dp} dp = {st.micro_batch_size * st.grad_accum_steps * dp} sequences"
+
+
+def _schedule(cfg: RunConfig, stage: str) -> str:
+    st = getattr(cfg, stage)
+    return (f"AdamW lr {st.lr:g} → {st.min_lr:g} {st.lr_schedule}, warm-up {st.warmup_steps}, "
+            f"weight decay {st.weight_decay:g}, betas {tuple(st.betas)}, clip {st.plugin.max_norm:g}")
+
+
+def _num(x: Any, fmt: str = "{:,}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def _data_name(uri: str) -> str:
+    return hub_dataset_id(uri) or Path(uri.rstrip("/")).name
+
+
+def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str, dict], metrics: dict[str, Any] | None = None) -> str:
+    """README.md: ModelCardData metadata (with a model-index of the held-out metrics) plus
+    training hyperparameters, data, evaluation, versions, verification and usage."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    hub = cfg.hub
+    eval_results = eval_results_for_card(metrics or {})
+    datasets = sorted({d for u in (*cfg.cpt.data.uris, *cfg.sft.data.uris) if (d := hub_dataset_id(u))})
+    data = ModelCardData(
+        base_model=cfg.base_model.uri if is_hub_id(cfg.base_model.uri) else None,
+        datasets=datasets or None,
+        library_name="transformers",
+        license=hub.license if hub and hub.license else None,
+        tags=["cpt-to-sft", "colossalai", *(hub.tags if hub else ())],
+        pipeline_tag="text-generation",
+        # huggingface_hub requires model_name whenever eval_results are given.
+        model_name=(hub.repo_id.split("/")[-1] if hub else cfg.name) if eval_results else None,
+        eval_results=eval_results or None,
+    )
+    meta = export_manifest.get("meta") or {}
+    v = meta.get("verification") or {}
+    base = f"[`{cfg.base_model.uri}`](https://huggingface.co/{cfg.base_model.uri})" if is_hub_id(cfg.base_model.uri) else f"`{Path(cfg.base_model.uri.rstrip('/')).name}`"
+    title = hub.repo_id if hub else cfg.name
+
+    train = ["| | CPT | SFT |", "|---|---|---|"]
+    rows = {
+        "plugin and parallel layout": lambda s: _layout(cfg, s),
+        "steps": lambda s: str(facts.get(s, {}).get("steps")),
+        "learning rate schedule": lambda s: _schedule(cfg, s),
+        "batch per step": lambda s: _batch(cfg, s),
+        "seq_len": lambda s: str(getattr(cfg, s).seq_len),
+        "tokens seen": lambda s: _num(facts.get(s, {}).get("tokens_seen")),
+        "final training loss": lambda s: _num(facts.get(s, {}).get("final_loss"), "{:.4f}"),
+        "seed": lambda s: str(getattr(cfg, s).seed),
+    }
+    train += [f"| {name} | {fn('cpt')} | {fn('sft')} |" for name, fn in rows.items()]
+
+    data_rows = ["| stage | dataset | checksum | train records | held-out records | split |", "|---|---|---|---|---|---|"]
+    for stage in STAGES:
+        split = facts.get(stage, {}).get("split") or {}
+        held = split.get("heldout_uri")
+        how = f"held-out file `{_data_name(held)}`" if held else (f"{split.get('fraction'):g} hash split" if split.get("method") == "hash-fraction" else split.get("method", "n/a"))
+        inputs = split.get("inputs") or [{"uri": u, "checksum": "n/a"} for u in getattr(cfg, stage).data.uris]
+        names = "<br>".join(f"`{_data_name(i['uri'])}`" for i in inputs)
+        sums = "<br>".join(f"`{i.get('checksum', 'n/a')}`" for i in inputs)
+        data_rows.append(f"| {stage.upper()} | {names} | {sums} | {_num(split.get('train_records'))} | {_num(split.get('heldout_records'))} | {how} |")
+
+    evaluation = "not recorded."
+    table = metrics_table((metrics or {}).get("cpt"), (metrics or {}).get("sft"), None)
+    if table:
+        evaluation = "\n".join(["| metric | before | after | change |", "|---|---|---|---|"]
+                               + [f"| {r['metric']} | {r['before']} | {r['after']} | {r['change']} |" for r in table])
+
+    versions = meta.get("versions") or {}
+    version_line = ", ".join(f"{k} {val}" for k, val in versions.items() if val) or "not recorded"
+    if v:
+        proof = v.get("weights_bitwise") or {}
+        verification = (
+            f"{'passed' if v.get('fingerprint_match') else 'FAILED'}: every one of the {proof.get('tensors', v.get('tensors'))} exported "
+            f"`{v.get('dtype')}` tensors is bitwise the SFT checkpoint's tensor cast to `{v.get('dtype')}`; loaded with `transformers`, "
+            f"the logits on a fixed probe batch are within {v.get('fingerprint_rel_diff', float('nan')):.3g} of their magnitude "
+            f"(tolerance {v.get('fingerprint_rtol')}) of the checkpoint's, top-1 agreement {v.get('top1_agreement', float('nan')):.3f}."
+        )
+    else:
+        verification = "not recorded in the export manifest."
+    stop = v.get("stop_tokens") or {}
+    added = ", ".join(f"`{a['token']}` ({a['id']})" for a in stop.get("added", []))
+    stop_line = (f"`eos_token_id` is {stop.get('eos_token_id')}: the base model's {stop.get('base_eos_token_id')}"
+                 + (f" plus the chat template's end-of-turn {added}" if added else "") + ".") if stop else ""
+    usage_id = hub.repo_id if hub else f"path/to/{cfg.name}/export"
+    body = f"""
+# {title}
+
+Continued pre-training (CPT) then supervised fine-tuning (SFT) of {base} with cpt-to-sft on
+ColossalAI, run `{cfg.name}`.
+
+## Usage
+
+{usage_snippet(usage_id)}
+
+{stop_line}
+
+## Training hyperparameters
+
+{chr(10).join(train)}
+
+## Data
+
+{chr(10).join(data_rows)}
+
+## Evaluation (held-out)
+
+{evaluation}
+
+## Framework versions
+
+{version_line}
+
+## Export
+
+`{cfg.export.dtype}` safetensors. Provenance is in `{MANIFEST.split('/')[0]}/`: `{MANIFEST.split('/')[1]}` lists every file
+with its sha256, `verification.json` holds the checks below.
+
+**Verification:** {verification}
+"""
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content

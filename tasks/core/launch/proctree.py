@@ -1,0 +1,249 @@
+"""Teardown that reaches every process of a stage, not only torchrun's process group.
+
+torch's elastic agent starts every rank with `start_new_session=True`, so `os.killpg(torchrun)`
+misses the ranks; once torchrun is gone they are orphans (parent PID 1) that keep training and
+committing checkpoints. Three mechanisms, none of which looks at a process name:
+
+- `subreaper()`: while a stage runs, the task process is a child subreaper (PR_SET_CHILD_SUBREAPER),
+  so orphans of its descendants re-parent to it (and stay visible in its process tree) instead of
+  to PID 1; the flag is cleared again when the last stage of the process ends, so a long-lived
+  process (a worker, pytest) does not go on adopting, and leaving unreaped, the orphans of daemons
+  it started for other reasons (a Slurm daemon's slurmstepd, say);
+- a stage token: the task starts torchrun with `CPT_TO_SFT_STAGE_TOKEN=<uuid>` in its environment,
+  which every rank inherits; `StageProcesses.snapshot()` finds the stage's processes as
+  torchrun's descendants (psutil, recursive) plus every process carrying the token (the job's own
+  record, found even where an orphan escaped to PID 1);
+- `die_with_parent()`: each rank (and torchrun) sets PR_SET_PDEATHSIG, so a SIGKILLed parent
+  still takes its children along when no teardown code gets to run.
+
+`teardown()` snapshots before the first signal, sends SIGTERM, waits `grace_s`, SIGKILLs what is
+left, re-snapshots (anything forked meanwhile), and returns only when none remains. Linux-only
+calls (prctl) report False elsewhere; the snapshot and signals work wherever psutil does.
+
+    python -m tasks.core.launch.proctree --grace 5 -- torchrun --standalone --nproc-per-node 2 train.py
+    # runs the command as a stage; Ctrl+C (or --timeout S) tears down every process it started
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import psutil
+
+TOKEN_ENV = "CPT_TO_SFT_STAGE_TOKEN"
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+
+
+def _prctl(option: int, arg) -> bool:
+    """prctl(option, arg); `arg` an int, or a ctypes pointer for the GET options."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(option, arg if isinstance(arg, ctypes._Pointer) else ctypes.c_ulong(arg), 0, 0, 0) == 0
+    except OSError:
+        return False
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants of this process re-parent to it instead of to PID 1 (process-wide,
+    lasts until cleared). It must then reap them, which `teardown` does. A stage uses the scoped
+    `subreaper()`; this is for a process that is a stage driver for its whole life."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def is_subreaper() -> bool:
+    flag = ctypes.c_int(0)
+    return _prctl(_PR_GET_CHILD_SUBREAPER, ctypes.pointer(flag)) and flag.value != 0
+
+
+_scope_lock = threading.Lock()
+_scope_depth = 0
+_scope_owned = False
+
+
+@contextlib.contextmanager
+def subreaper() -> Iterator[bool]:
+    """This process is a child subreaper while any `with subreaper():` block runs (stages may run
+    in several threads of one process); when the last one ends, the flag is cleared again, unless
+    the process was a subreaper before the first block began. Yields whether the flag is set."""
+    global _scope_depth, _scope_owned
+    with _scope_lock:
+        if _scope_depth == 0:
+            _scope_owned = not is_subreaper() and become_subreaper()
+        _scope_depth += 1
+        on = is_subreaper()
+    try:
+        yield on
+    finally:
+        with _scope_lock:
+            _scope_depth -= 1
+            if _scope_depth == 0 and _scope_owned:
+                _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+                _scope_owned = False
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Have the kernel send `sig` to this process when its parent (thread) exits. Usable as a
+    Popen preexec_fn. If the parent is already gone, exit now rather than run as an orphan."""
+    parent = os.getppid()
+    ok = _prctl(_PR_SET_PDEATHSIG, int(sig))
+    if ok and os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+    return ok
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex
+
+
+def _carries(proc: psutil.Process, token: str) -> bool:
+    try:
+        return proc.environ().get(TOKEN_ENV) == token
+    except (psutil.Error, OSError):
+        return False
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        # A zombie runs no code and writes nothing; it only waits for its parent to reap it.
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@dataclass
+class StageProcesses:
+    """The processes of one stage: `root_pid`'s descendants plus those carrying `token`."""
+
+    root_pid: int
+    token: str | None = None
+    seen: dict[int, psutil.Process] = field(default_factory=dict)
+
+    def snapshot(self) -> list[psutil.Process]:
+        found: dict[int, psutil.Process] = {}
+        try:
+            root = psutil.Process(self.root_pid)
+            found[root.pid] = root
+            for child in root.children(recursive=True):
+                found[child.pid] = child
+        except psutil.NoSuchProcess:
+            pass
+        if self.token:
+            me = os.getpid()
+            for proc in psutil.process_iter():
+                if proc.pid != me and proc.pid not in found and _carries(proc, self.token):
+                    found[proc.pid] = proc
+                    try:
+                        for child in proc.children(recursive=True):
+                            found.setdefault(child.pid, child)
+                    except psutil.Error:
+                        pass
+        # psutil.Process remembers each process's start time, so a signal never reaches a
+        # recycled PID that now belongs to someone else.
+        self.seen.update(found)
+        return [p for p in found.values() if _alive(p)]
+
+
+@dataclass
+class TeardownReport:
+    terminated: list[int]  # ended after SIGTERM
+    killed: list[int]  # needed SIGKILL
+    seconds: float
+
+    def __str__(self) -> str:
+        return (f"{len(self.terminated) + len(self.killed)} process(es) ended in {self.seconds:.1f}s "
+                f"({len(self.terminated)} on SIGTERM, {len(self.killed)} needed SIGKILL)")
+
+
+def _signal(procs: list[psutil.Process], sig: int) -> None:
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.Error:
+            pass
+
+
+def _wait(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait (reaping our own children) until every process has ended or `timeout`; the rest."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in procs:
+            try:
+                os.waitpid(p.pid, os.WNOHANG)  # reap orphans re-parented to us (subreaper)
+            except (ChildProcessError, OSError):
+                pass
+        left = [p for p in procs if _alive(p)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
+def teardown(stage: StageProcesses, grace_s: float = 5.0, kill_timeout_s: float = 10.0, rounds: int = 5) -> TeardownReport:
+    """SIGTERM every process of the stage, SIGKILL what outlives `grace_s`, repeat for anything
+    forked meanwhile; return once none is left. Raises RuntimeError naming survivors (a process
+    in uninterruptible sleep longer than `kill_timeout_s`) rather than report a clean teardown."""
+    t0 = time.monotonic()
+    procs = stage.snapshot()  # before the first signal: afterwards orphans may have moved
+    terminated: list[int] = []
+    killed: list[int] = []
+    for _ in range(rounds):
+        if not procs:
+            break
+        # Stopped processes (SIGSTOP, a debugger) would ignore SIGTERM until continued.
+        _signal(procs, signal.SIGTERM)
+        _signal(procs, signal.SIGCONT)
+        left = _wait(procs, grace_s)
+        terminated += [p.pid for p in procs if p not in left]
+        if left:
+            _signal(left, signal.SIGKILL)
+            still = _wait(left, kill_timeout_s)
+            killed += [p.pid for p in left if p not in still]
+            if still:
+                raise RuntimeError(f"teardown: {len(still)} process(es) survived SIGKILL for {kill_timeout_s:.0f}s: "
+                                   + ", ".join(f"pid {p.pid}" for p in still))
+        procs = stage.snapshot()
+    if procs:
+        raise RuntimeError(f"teardown: processes kept appearing after {rounds} rounds: " + ", ".join(f"pid {p.pid}" for p in procs))
+    return TeardownReport(terminated, killed, time.monotonic() - t0)
+
+
+def _main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m tasks.core.launch.proctree", description=__doc__.split("\n")[0])
+    ap.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    ap.add_argument("--timeout", type=float, default=None, help="tear the command down after this many seconds")
+    ap.add_argument("command", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not cmd:
+        ap.error("give the command after --")
+    become_subreaper()
+    token = new_token()
+    proc = subprocess.Popen(cmd, env={**os.environ, TOKEN_ENV: token}, start_new_session=True)
+    stage = StageProcesses(proc.pid, token)
+    try:
+        rc = proc.wait(timeout=args.timeout)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        rc = 130
+    report = teardown(stage, grace_s=args.grace)  # also after a clean exit: ranks may linger
+    print(f"teardown: {report}", file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,227 @@
+"""Process boundary: build the torchrun command for an engine verb, run it on the stage's launch
+backend, stream its output.
+
+The argv builder is pure (unit-tested). `run_engine` writes the job file and hands the verb to the
+runner of `launch.backend` (`RUNNERS`: `local` here, `slurm` in tasks/core/launch/slurm_runner.py). Every
+runner feeds each output line to one `Router`, which logs it with its prefix (`[rank N]` from the
+engine, `[torchrun]` for the agent's own lines, and the node name first on Slurm) at the level its
+writer marked (`tasks.core.run.events`, never guessed from words), turns `@@progress` lines into
+progress callbacks and other `@@` events into `on_event`, and keeps the cause: a failure raises
+`StageFailed` whose first line, and `cause`, is the first error line of the failing rank
+(torchrun's own error line when no rank wrote one, e.g. after a SIGKILL), followed by every
+process's last lines. Callbacks run in the reader and must not block (publishing is a queue,
+tasks/core/storage/publisher.py): a reader that stops reading fills the pipe and stalls every rank.
+
+Teardown of the local runner (tasks/core/launch/proctree.py): the task process is a child subreaper while
+the stage runs, and torchrun carries a stage token in its environment, so a failure, a cancellation
+or a background failure reported by `failure()` (a publish that spent its retries) ends torchrun
+and every rank in every session it created, and `run_engine` raises only once none of them remains.
+
+Single node picks a free rendezvous port (`--standalone`); several nodes use c10d rendezvous:
+
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --rdzv-backend c10d \
+             --rdzv-endpoint head:29400 --rdzv-id run-cpt -m tasks.engine train --config job.json
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tasks.core.config.schema import LaunchConfig
+from tasks.core.errors import StageFailed
+from tasks.core.launch.proctree import TOKEN_ENV, StageProcesses, new_token, subreaper, teardown
+from tasks.core.run.events import ERROR, INFO, PROGRESS, WARNING, parse_line
+from tasks.core.run.job import Job
+
+REPO = Path(__file__).resolve().parents[3]
+_LOG_LEVELS = {INFO: logging.INFO, WARNING: logging.WARNING, ERROR: logging.ERROR}
+
+
+def torchrun_argv(verb: str, job_path: str | Path, launch: LaunchConfig, rdzv_id: str, python: str = sys.executable) -> list[str]:
+    argv = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(launch.nproc_per_node)]
+    if launch.nnodes == 1 and not launch.rdzv_endpoint:
+        argv += ["--standalone"]
+    else:
+        endpoint = launch.rdzv_endpoint or "127.0.0.1:29400"
+        argv += [
+            "--nnodes", str(launch.nnodes),
+            "--node-rank", str(launch.node_rank),
+            "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint,
+            "--rdzv-id", launch.rdzv_id or rdzv_id,
+        ]
+    argv += ["-m", "tasks.engine", verb, "--config", str(job_path)]
+    return argv
+
+
+def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    # Keep tokenizers from forking thread pools inside every rank.
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.update(extra or {})
+    return env
+
+
+class Router:
+    """Routes engine output lines into the logger, the per-process tails and the progress/event
+    callbacks; the same for every backend, so a line reads the same wherever its rank ran."""
+
+    def __init__(self, logger, on_progress=None, on_event=None):
+        self.logger, self.on_progress, self.on_event = logger, on_progress, on_event
+        # Polled beside the reader by the local runner: an exception once the stage must stop.
+        self.stop_check: Callable[[], BaseException | None] | None = None
+        self.tails: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=25))
+        self.progress: list[dict[str, Any]] = []
+        self.first_error: tuple[str, str] | None = None  # (who, line): the cause of a failure
+        self.first_torchrun_error: tuple[str, str] | None = None
+
+    def line(self, raw: str, node: str | None = None) -> None:
+        line = parse_line(raw)
+        who = f"{node} {line.who}" if node else line.who
+        body = line.body
+        self.tails[who].append(body)
+        if line.kind is not None:
+            if line.kind == PROGRESS:
+                self.progress.append(line.record)
+                if self.on_progress:
+                    self.on_progress(line.record)
+            elif self.on_event:
+                self.on_event(line.kind, line.record)
+            self.logger.info("[%s] %s %s", who, line.kind, line.payload)
+            return
+        if line.level == ERROR and body.strip():
+            if line.who == "torchrun":
+                self.first_torchrun_error = self.first_torchrun_error or (who, body.strip())
+            else:
+                self.first_error = self.first_error or (who, body.strip())
+        self.logger.log(_LOG_LEVELS[line.level], "[%s] %s", who, body)
+
+    @property
+    def cause(self) -> tuple[str, str] | None:
+        """(who, line): the first error line a rank wrote, else torchrun's, else None."""
+        return self.first_error or self.first_torchrun_error
+
+    def failure(self, verb: str, rc: int) -> StageFailed:
+        cause = self.cause
+        return StageFailed(_failure_message(verb, rc, self.tails, cause), cause=f"{cause[0]}: {cause[1]}" if cause else f"exit status {rc}, no error line from any process")
+
+
+def run_engine(
+    verb: str,
+    job: Job,
+    job_path: Path,
+    launch: LaunchConfig,
+    rdzv_id: str,
+    logger: logging.Logger | logging.LoggerAdapter,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    on_event: Callable[[str, dict[str, Any]], None] | None = None,
+    env: dict[str, str] | None = None,
+    failure: Callable[[], BaseException | None] | None = None,
+) -> list[dict[str, Any]]:
+    """Write `job` to `job_path`, run its engine verb on the stage's launch backend (`RUNNERS`);
+    return the parsed @@progress records. `failure`, polled twice a second beside the reader,
+    returns an exception once the stage must stop (the publisher gave up); the stage is then torn
+    down and that exception raised."""
+    job.write(job_path)
+    router = Router(logger, on_progress, on_event)
+    router.stop_check = failure
+    RUNNERS[launch.backend](verb, job, job_path, launch, rdzv_id, router, engine_env(env))
+    return router.progress
+
+
+def run_local(verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]) -> None:
+    """torchrun on this node, its output on a pipe; any exception kills its whole process group.
+    While it runs, orphaned ranks re-parent to this process, not to PID 1 (`subreaper`)."""
+    with subreaper():
+        _run_local(verb, job_path, launch, rdzv_id, router, env)
+
+
+def _run_local(verb: str, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]) -> None:
+    argv = torchrun_argv(verb, job_path, launch, rdzv_id)
+    router.logger.info("launch: %s", " ".join(argv))
+    token = new_token()
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**env, TOKEN_ENV: token},
+        text=True,
+        bufsize=1,
+        cwd=str(REPO),
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    stage = StageProcesses(proc.pid, token)
+    stop = threading.Event()
+    raised: list[BaseException] = []
+    check = router.stop_check
+
+    def watch() -> None:
+        while not stop.wait(0.5):
+            exc = check() if check else None
+            if exc is not None:
+                raised.append(exc)
+                router.logger.error("stopping the stage: %s", exc)
+                teardown(stage)  # closes the pipe, so the reader below ends
+                return
+
+    watcher = threading.Thread(target=watch, name="stage-watch", daemon=True)
+    watcher.start()
+    try:
+        for raw in proc.stdout:
+            router.line(raw.rstrip("\n"))
+        rc = proc.wait()
+    except BaseException:
+        stop.set()
+        router.logger.warning("torn down the %s stage: %s", verb, teardown(stage))
+        proc.wait()
+        raise
+    finally:
+        stop.set()
+        watcher.join()
+    if raised:
+        teardown(stage)
+        raise raised[0]
+    # torchrun has exited; a rank it lost track of must not outlive it (no-op when none is left).
+    report = teardown(stage)
+    if report.terminated or report.killed:
+        router.logger.warning("after torchrun exited: %s", report)
+    if rc != 0:
+        raise router.failure(verb, rc)
+
+
+def _failure_message(verb: str, rc: int, tails: dict[str, collections.deque], cause: tuple[str, str] | None) -> str:
+    """First line: the cause (the first error line of the failing rank); then every process's tail,
+    the failing process first."""
+    head = f"engine verb '{verb}' failed on {cause[0]}: {cause[1]}" if cause else f"engine verb '{verb}' failed; no process wrote an error line"
+    parts = [head, f"engine verb '{verb}' exited with status {rc}; last lines per process:"]
+    for who, lines in sorted(tails.items(), key=lambda item: (cause is None or item[0] != cause[0], item[0])):
+        parts.append(f"--- {who} ---")
+        parts.extend(list(lines)[-15:])
+    return "\n".join(parts)
+
+
+def run_slurm(verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]) -> None:
+    from tasks.core.launch.slurm_runner import run_slurm as run
+
+    run(verb, job, job_path, launch, rdzv_id, router, env)
+
+
+# One runner per `tasks.core.launch.backends.BACKENDS` row (tests/test_structure.py checks the keys match):
+# each runs one engine verb to completion or raises StageFailed, and ends what it started when
+# interrupted (Prefect's cancellation arrives as an exception in this process).
+RUNNERS: dict[str, Callable[[str, Job, Path, LaunchConfig, str, Router, dict[str, str]], None]] = {
+    "local": run_local,
+    "slurm": run_slurm,
+}

@@ -1,0 +1,223 @@
+"""The model-family registry: everything this project knows per decoder family, as data.
+
+    python -c "from tasks.core.models.families import FAMILIES, expected_tensors; print(sorted(FAMILIES))"
+
+One `ModelFamily` per config.json `model_type` holds all that differs between families: the
+tensor table (key, symbolic shape, presence flag) in module (= save) order, the defaults its
+config class applies to omitted fields, which keys are tied or index the vocabulary, and the
+transformers classes that build it. Every reader takes it from here (torchtitan keeps its
+`from_hf_map` key maps as data the same way):
+- the converter (`tasks.core.models.convert`) checks every key and shape of a checkpoint against it;
+- pre-flight (`tasks.core.preflight.checks`) refuses a base model whose family is missing here, before
+  a CPT stage trains for hours and the unshard then fails, and counts parameters from the table;
+- the demo-input builder (`tasks.core.models.demo`) builds a model of any family listed here.
+Adding a family is one entry in FAMILIES; nothing else branches on a family name.
+
+Pure: no torch, no transformers import (class names are strings), so pre-flight stays cheap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tasks.core.errors import ConversionError
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """One tensor of a model: key (with `{i}` for the layer index), symbolic shape, presence."""
+
+    key: str
+    shape: tuple[str, ...]  # names from DIMS
+    when: str | None = None  # present only if this config flag is true
+    unless: str | None = None  # absent if this config flag is true
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """How a decoder-only family lays out its state dict, in module (= save) order."""
+
+    head: tuple[TensorRule, ...]
+    layer: tuple[TensorRule, ...]
+    tail: tuple[TensorRule, ...]
+    config_defaults: Mapping[str, Any]  # the family's config class defaults for omitted fields
+    # transformers class names (strings: importing transformers here would slow pre-flight down)
+    config_class: str
+    model_class: str
+    # config fields the demo builder sets beyond the common dimensions
+    demo_config: Mapping[str, Any] = field(default_factory=dict)
+    # key -> the key it is a copy of when tie_word_embeddings is true
+    tied: Mapping[str, str] = field(default_factory=lambda: {"lm_head.weight": "model.embed_tokens.weight"})
+    # key -> dim that indexes the vocabulary (to tell padded vocab rows from other mismatches)
+    vocab_dims: Mapping[str, int] = field(
+        default_factory=lambda: {"model.embed_tokens.weight": 0, "lm_head.weight": 0}
+    )
+
+
+def _head_dim(c: Mapping[str, Any]) -> int:
+    head_dim = c.get("head_dim")
+    if head_dim:
+        return int(head_dim)
+    if c["hidden_size"] % c["num_attention_heads"]:
+        raise ConversionError(
+            f"config: hidden_size={c['hidden_size']} is not divisible by num_attention_heads="
+            f"{c['num_attention_heads']} and head_dim is not set"
+        )
+    return c["hidden_size"] // c["num_attention_heads"]
+
+
+def _kv_heads(c: Mapping[str, Any]) -> int:
+    return c.get("num_key_value_heads") or c["num_attention_heads"]
+
+
+DIMS: dict[str, Callable[[Mapping[str, Any]], int]] = {
+    "vocab": lambda c: c["vocab_size"],
+    "hidden": lambda c: c["hidden_size"],
+    "inter": lambda c: c["intermediate_size"],
+    "head_dim": _head_dim,
+    "q": lambda c: c["num_attention_heads"] * _head_dim(c),
+    "kv": lambda c: _kv_heads(c) * _head_dim(c),
+}
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
+LAYER_PREFIX = "model.layers.{i}."
+
+
+def _attn(q_bias: str | None, o_bias: str | None, qk_norm: bool = False) -> tuple[TensorRule, ...]:
+    """Attention projections; `*_bias` is the flag that enables the bias ("always" = always)."""
+
+    def bias(name: str, dim: str, flag: str | None) -> tuple[TensorRule, ...]:
+        if flag is None:
+            return ()
+        return (TensorRule(f"self_attn.{name}.bias", (dim,), when=None if flag == "always" else flag),)
+
+    rules = (
+        TensorRule("self_attn.q_proj.weight", ("q", "hidden")), *bias("q_proj", "q", q_bias),
+        TensorRule("self_attn.k_proj.weight", ("kv", "hidden")), *bias("k_proj", "kv", q_bias),
+        TensorRule("self_attn.v_proj.weight", ("kv", "hidden")), *bias("v_proj", "kv", q_bias),
+        TensorRule("self_attn.o_proj.weight", ("hidden", "q")), *bias("o_proj", "hidden", o_bias),
+    )  # fmt: skip
+    if qk_norm:
+        rules += (TensorRule("self_attn.q_norm.weight", ("head_dim",)), TensorRule("self_attn.k_norm.weight", ("head_dim",)))
+    return rules
+
+
+def _mlp(flag: str | None) -> tuple[TensorRule, ...]:
+    out: list[TensorRule] = []
+    for name, shape, bias_dim in (("gate_proj", ("inter", "hidden"), "inter"),
+                                  ("up_proj", ("inter", "hidden"), "inter"),
+                                  ("down_proj", ("hidden", "inter"), "hidden")):  # fmt: skip
+        out.append(TensorRule(f"mlp.{name}.weight", shape))
+        if flag:
+            out.append(TensorRule(f"mlp.{name}.bias", (bias_dim,), when=flag))
+    return tuple(out)
+
+
+_NORMS = (TensorRule("input_layernorm.weight", ("hidden",)), TensorRule("post_attention_layernorm.weight", ("hidden",)))
+_HEAD = (TensorRule("model.embed_tokens.weight", ("vocab", "hidden")),)
+_TAIL = (
+    TensorRule("model.norm.weight", ("hidden",)),
+    TensorRule("lm_head.weight", ("vocab", "hidden"), unless="tie_word_embeddings"),
+)
+
+# model_type -> family; transformers 4.51's module definitions are the source of truth (the tests
+# compare every table with the state dict of a tiny model built from the entry's classes)
+FAMILIES: dict[str, ModelFamily] = {
+    "llama": ModelFamily(
+        _HEAD, _attn("attention_bias", "attention_bias") + _mlp("mlp_bias") + _NORMS, _TAIL,
+        config_defaults={"tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False},
+        config_class="LlamaConfig", model_class="LlamaForCausalLM",
+    ),
+    "mistral": ModelFamily(
+        _HEAD, _attn(None, None) + _mlp(None) + _NORMS, _TAIL,
+        config_defaults={"tie_word_embeddings": False},
+        config_class="MistralConfig", model_class="MistralForCausalLM",
+    ),
+    "qwen2": ModelFamily(
+        _HEAD, _attn("always", None) + _mlp(None) + _NORMS, _TAIL,
+        config_defaults={"tie_word_embeddings": False},
+        config_class="Qwen2Config", model_class="Qwen2ForCausalLM",
+        # no sliding-window layers: the tiny demo model attends over its whole context
+        demo_config={"use_sliding_window": False, "max_window_layers": 0},
+    ),
+    "qwen3": ModelFamily(
+        _HEAD, _attn("attention_bias", "attention_bias", qk_norm=True) + _mlp(None) + _NORMS, _TAIL,
+        config_defaults={"tie_word_embeddings": False, "attention_bias": False, "head_dim": 128},
+        config_class="Qwen3Config", model_class="Qwen3ForCausalLM",
+    ),
+}  # fmt: skip
+
+
+def supported() -> str:
+    """The registered model types, for messages: 'llama, mistral, qwen2, qwen3'."""
+    return ", ".join(sorted(FAMILIES))
+
+
+def family_config(model_config: Mapping[str, Any]) -> tuple[ModelFamily, dict[str, Any]]:
+    """The family of a config.json and the config with the family's defaults filled in."""
+    model_type = model_config.get("model_type")
+    family = FAMILIES.get(model_type)  # type: ignore[arg-type]
+    if family is None:
+        raise ConversionError(
+            f"config.json model_type={model_type!r} is not supported by the converter; "
+            f"supported: {supported()} (add its layout to FAMILIES in tasks/core/models/families.py)"
+        )
+    config = {**family.config_defaults, **{k: v for k, v in model_config.items() if v is not None}}
+    missing = [f for f in REQUIRED_FIELDS if not isinstance(config.get(f), int)]
+    if missing:
+        raise ConversionError(f"config.json ({model_type}) lacks integer field(s) {missing}: cannot derive tensor shapes")
+    return family, config
+
+
+def expected_tensors(model_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every key the HF model built from `model_config` has, with its shape, in module order."""
+    family, config = family_config(model_config)
+    dims = {name: fn(config) for name, fn in DIMS.items()}
+
+    def present(rule: TensorRule) -> bool:
+        return (rule.when is None or bool(config.get(rule.when))) and not (rule.unless and config.get(rule.unless))
+
+    out: dict[str, tuple[int, ...]] = {}
+    for rule in family.head:
+        if present(rule):
+            out[rule.key] = tuple(dims[d] for d in rule.shape)
+    for i in range(config["num_hidden_layers"]):
+        prefix = LAYER_PREFIX.format(i=i)
+        for rule in family.layer:
+            if present(rule):
+                out[prefix + rule.key] = tuple(dims[d] for d in rule.shape)
+    for rule in family.tail:
+        if present(rule):
+            out[rule.key] = tuple(dims[d] for d in rule.shape)
+    return out
+
+
+def count_parameters(model_config: Mapping[str, Any]) -> int:
+    """Parameters of the model `model_config` describes: the sum over its tensor table."""
+    return sum(math.prod(shape) for shape in expected_tensors(model_config).values())
+
+
+def tied_keys(model_config: Mapping[str, Any]) -> dict[str, str]:
+    """{dropped key: key it duplicates} when the config ties embeddings, else {}."""
+    family, config = family_config(model_config)
+    return dict(family.tied) if config.get("tie_word_embeddings") else {}
+
+
+def shape_cause(key: str, got: tuple[int, ...], want: tuple[int, ...], family: ModelFamily) -> str:
+    """Most likely reason a saved shape differs from the config's, for the error message."""
+    if len(got) != len(want):
+        return "a different architecture, or a fused/flattened tensor"
+    dim = next(d for d in range(len(want)) if got[d] != want[d])
+    if family.vocab_dims.get(key) == dim and got[dim] > want[dim]:
+        return (
+            f"padded vocabulary rows: {got[dim] - want[dim]} rows beyond vocab_size={want[dim]} (the saver did not "
+            f"strip the padding ColossalAI adds for tensor parallelism, or config.json's vocab_size is stale)"
+        )
+    if got[dim] < want[dim] and want[dim] % got[dim] == 0:
+        return (
+            f"ungathered tensor-parallel shard: holds 1/{want[dim] // got[dim]} of dim {dim} "
+            f"(saved from one tp rank without gathering)"
+        )
+    return "the checkpoint belongs to a model with a different config.json (size, heads or vocabulary)"

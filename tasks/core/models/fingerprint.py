@@ -1,0 +1,132 @@
+"""Fingerprints: a model's logits on a fixed probe batch, stored with the artifact's provenance.
+
+The probe batch depends only on the vocabulary size, so a fingerprint taken under a plugin at
+save time can be compared with one taken by plain `transformers` on an export. Logits are kept
+in fp32 in `.cpt-to-sft/fingerprint.npy` (numpy's format, read with allow_pickle=False): not a
+`.safetensors` file, so no weight loader mistakes it for a shard. The manifest carries a summary.
+
+    python -c "from tasks.core.models.fingerprint import load_fingerprint as f; print(f('runs/demo/export').shape)"
+
+The comparison (`compare_logits`) is a sanity check of the loading path, not the weight proof
+(that is `tasks.core.weight_proof`, bitwise): its tolerance is relative to the logits' magnitude,
+because rounding error in bf16/fp16 grows with it as training proceeds, and top-1 must agree
+wherever the reference's own margin is wider than that tolerance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tasks.core.run.manifest import PROVENANCE_DIR
+
+FINGERPRINT_FILE = f"{PROVENANCE_DIR}/fingerprint.npy"
+PROBE_SEED = 20240607
+PROBE_SHAPE = (2, 16)
+
+
+def probe_batch(vocab_size: int, seed: int = PROBE_SEED, shape: tuple[int, int] = PROBE_SHAPE) -> torch.LongTensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, shape, generator=g, dtype=torch.long)
+
+
+@torch.no_grad()
+def probe_forward(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
+    """The model's raw output logits on the probe batch, in eval mode, where the model lives."""
+    device = next(model.parameters()).device
+    ids = probe_batch(vocab_size).to(device)
+    was_training = model.training
+    model.eval()
+    out = model(input_ids=ids, use_cache=False)
+    if was_training:
+        model.train()
+    return (out.logits if hasattr(out, "logits") else out[0]).contiguous()
+
+
+def model_logits(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
+    """Logits of a plain (unwrapped or HF) causal LM on the probe batch, fp32 on CPU."""
+    return probe_forward(model, vocab_size)[..., :vocab_size].float().cpu()
+
+
+def save_fingerprint(logits: torch.Tensor, directory: str | Path, dtype: str) -> dict[str, Any]:
+    path = Path(directory) / FINGERPRINT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        np.save(f, logits.detach().contiguous().float().cpu().numpy(), allow_pickle=False)
+    return {
+        "file": FINGERPRINT_FILE,
+        "probe_seed": PROBE_SEED,
+        "probe_shape": list(PROBE_SHAPE),
+        "dtype": dtype,
+        "shape": list(logits.shape),
+        "mean_abs": float(logits.abs().mean()),
+    }
+
+
+def load_fingerprint(directory: str | Path) -> torch.Tensor:
+    return torch.from_numpy(np.load(Path(directory) / FINGERPRINT_FILE, allow_pickle=False))
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        raise ValueError(f"fingerprint shapes differ: {tuple(a.shape)} vs {tuple(b.shape)} (vocabulary or probe changed)")
+    return float((a.float() - b.float()).abs().max())
+
+
+# max|Δ| / max|reference logits|: a few units in the last place of the dtype, accumulated
+# over a forward pass computed by different kernels on each side (plugin vs plain transformers).
+DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 0.04, "fp16": 0.005}
+
+
+def default_rtol(*dtypes: str) -> float:
+    """The tolerance of the coarsest precision the weights passed through."""
+    return max(DEFAULT_RTOL.get(d, 1e-5) for d in dtypes)
+
+
+def compare_logits(logits: torch.Tensor, reference: torch.Tensor, rtol: float) -> dict:
+    """Relative max difference and top-1 agreement of `logits` against `reference`.
+
+    A top-1 disagreement counts only where the reference's margin between its own choice and
+    the other side's choice exceeds the allowed error: a near-tie may flip under rounding.
+    """
+    a, b = logits.float(), reference.float()
+    diff = max_abs_diff(a, b)
+    scale = float(b.abs().max()) or 1.0
+    allowed = rtol * scale
+    top_a, top_b = a.argmax(-1), b.argmax(-1)
+    margin = b.gather(-1, top_b.unsqueeze(-1)) - b.gather(-1, top_a.unsqueeze(-1))
+    flips = int(((top_a != top_b) & (margin.squeeze(-1) > allowed)).sum())
+    rel = diff / scale
+    return {
+        "fingerprint_max_abs_diff": diff,
+        "fingerprint_max_abs_logit": scale,
+        "fingerprint_rel_diff": rel,
+        "fingerprint_rtol": rtol,
+        "top1_agreement": float((top_a == top_b).float().mean()),
+        "top1_disagreements_beyond_tolerance": flips,
+        "fingerprint_match": rel <= rtol and flips == 0,
+    }
+
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def hf_dir_logits(model_dir: str | Path, dtype: str | None = None, trust_remote_code: bool = False) -> torch.Tensor:
+    """Logits of plain `transformers` on an HF directory: what a user of the artifact will see.
+
+    Loads with safetensors only (`use_safetensors=True`), in the artifact's own dtype unless told.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    torch_dtype = _TORCH_DTYPES[dtype] if dtype else (getattr(config, "torch_dtype", None) or torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, torch_dtype=torch_dtype, use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True
+    )
+    try:
+        return model_logits(model, config.vocab_size)
+    finally:
+        del model

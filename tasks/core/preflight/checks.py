@@ -1,0 +1,398 @@
+"""Pre-flight: every check a run can fail in seconds, before a model is loaded or a rank started.
+
+    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+
+Pure of prefect: the Prefect task (`tasks.preflight.preflight`) adds the one check that needs it
+(the Hub token in the Secret block `hf-token`) and passes its answer in as `token_present`.
+Nothing here reads weights: the base model's config.json, tokenizer_config.json and file list
+are enough (for a Hub repo: `hf_hub_download` of those two small files and the repo's file list).
+
+Every check appends to one report; a problem is (config field or file, message with the fix).
+All of them are reported together in one `ConfigError`; a clean run returns the report, whose
+`checked` lines say what was verified. Machine facts (GPUs, CPUs, free disk) and the token
+answer are parameters, so tests inject them instead of needing the machine.
+
+Decisions recorded here:
+- vocab_size not divisible by tp_size is REFUSED for hybrid_parallel with tp > 1. ColossalAI
+  0.5.0 would pad the embedding and LM head (`make_vocab_size_divisible_by`), and although the
+  model save strips the padding (`to_unpadded_tensor`), saving the optimizer state of a padded
+  parameter fails (AssertionError in `search_tp_partition_dim`, measured here). The engine turns
+  padding off (`make_vocab_size_divisible_by=1`), so the export always holds exactly
+  `vocab_size` rows and `tasks.core.models.convert` refuses any padded row it finds. Choose a tp_size
+  that divides the vocabulary (or resize the vocabulary to a multiple of it) instead.
+- pp must be <= num_hidden_layers, not a divisor of it: ColossalAI's stage manager distributes
+  layers unevenly.
+- Staging space is an estimate (dense decoder parameter count from config.json): a training
+  checkpoint is weights in the training precision + fp32 Adam moments (8 B/param) + fp32 master
+  weights when training in bf16/fp16 (4 B/param); a local run root keeps `keep_last + 1` of them
+  per stage at once (the new one is committed before the oldest is deleted), plus the three HF
+  copies (base, cpt/hf, export). A remote run root stages at most two checkpoints of one stage.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tasks.core.config.layout import layout_problems
+from tasks.core.config.paths import resolve_local
+from tasks.core.config.schema import RunConfig, StageConfig, parse_config, plugin_problems, read_raw_config
+from tasks.core.data.formats import head_records
+from tasks.core.errors import ConfigError
+from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
+from tasks.core.preflight.report import CheckContext, PreflightReport
+from tasks.core.preflight.storage import check_run_root, check_staging_space, estimate_local_bytes
+from tasks.core.tracking.config import FIELD as TRACKING_FIELD
+from tasks.core.tracking.config import check_uri, redact
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
+HEAD_RECORDS = 64  # records parsed per dataset: enough to catch a wrong format, cheap on any size
+
+__all__ = [
+    "CHECKS",
+    "CheckContext",
+    "Machine",
+    "ModelInfo",
+    "PreflightReport",
+    "estimate_local_bytes",
+    "estimate_parameters",
+    "load_for_check",
+    "preflight_report",
+    "read_model_info",
+    "resolve_local",
+    "validate",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Loading the config without stopping at the first kind of problem
+
+
+class _Unchecked(RunConfig):
+    """RunConfig minus its static-rule validator: pre-flight runs those rules itself, so a
+    wrong ZeRO precision and a missing data file are reported in the same message."""
+
+    def _static_rules(self) -> _Unchecked:  # overrides the parent's model_validator
+        return self
+
+
+def load_for_check(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read a local YAML config like `load_config`, deferring the static rules to pre-flight.
+
+    Structural problems (unknown or missing fields, wrong types) still raise `ConfigError`
+    here: nothing else can be checked without a well-formed config.
+    """
+    raw = read_raw_config(path, overrides)
+    try:
+        return _Unchecked.model_validate(raw)
+    except Exception:
+        return parse_config(raw, source=str(path))  # raises ConfigError naming every field
+
+
+# --------------------------------------------------------------------------------------------
+# Checks: each takes the context and records problems, warnings and what it verified.
+
+
+def check_static_rules(ctx: CheckContext) -> None:
+    """The config's own rules (ZeRO needs bf16/fp16, tp/pp need hybrid_parallel, world size)."""
+    before = len(ctx.report.problems)
+    for stage in ("cpt", "sft"):
+        for where, msg in plugin_problems(getattr(ctx.cfg, stage), stage):
+            ctx.problem(where, msg)
+    if len(ctx.report.problems) == before:
+        ctx.ok("static config rules: plugin/ZeRO/precision combinations, world size multiple of tp*pp, pipeline micro-batches >= pp")
+
+
+def _stage_layout(ctx: CheckContext, name: str, stage: StageConfig) -> None:
+    """The model and batch rules of `tasks.core.config.layout` (the static ones ran in check_static_rules)."""
+    p, launch = stage.plugin, stage.launch
+    mc = ctx.model.config if ctx.model else None
+    if mc is not None and p.tp_size > 1 and not isinstance(mc.get("num_attention_heads"), int):
+        ctx.warn(f"{name}.plugin.tp_size: config.json has no num_attention_heads; tensor-parallel divisibility not checked")
+    for where, msg in layout_problems(stage, name, model_config=mc, tiers=("batch", "model")):
+        ctx.problem(where, msg)
+    world = launch.world_size
+    if world % (p.tp_size * p.pp_size) == 0 and not any(where.startswith(f"{name}.") for where, _ in ctx.report.problems):
+        dp = world // (p.tp_size * p.pp_size)
+        heads = f", divides {mc.get('num_attention_heads')} heads / {mc.get('num_key_value_heads') or mc.get('num_attention_heads')} KV heads" if mc and p.tp_size > 1 else ""
+        layers = f", {mc.get('num_hidden_layers')} layers" if mc and p.pp_size > 1 else ""
+        ctx.ok(f"{name} layout: {p.name} tp={p.tp_size}{heads} · pp={p.pp_size}{layers} · dp={dp} = "
+               f"{launch.nnodes} node(s) x {launch.nproc_per_node} = {world} ranks, {p.precision}, zero_stage {p.zero_stage}")
+
+
+def check_layout(ctx: CheckContext) -> None:
+    """tp divides the attention and KV heads; pp <= layers; tp*pp*dp = world; pipeline batches."""
+    for name in ("cpt", "sft"):
+        _stage_layout(ctx, name, getattr(ctx.cfg, name))
+    if ctx.model is None:
+        ctx.warn("layout against the base model not checked: its config.json could not be read (see problems)")
+
+
+def check_machine(ctx: CheckContext) -> None:
+    """Processes vs visible GPUs (or CPU cores); plugins that need CUDA."""
+    m = ctx.machine
+    for name in ("cpt", "sft"):
+        stage = getattr(ctx.cfg, name)
+        n = stage.launch.nproc_per_node
+        for where, msg in layout_problems(stage, name, cuda=bool(m.cuda_devices), tiers=("device",)):
+            ctx.problem(where, msg)
+        if m.cuda_devices:
+            if n > m.cuda_devices:
+                ctx.problem(f"{name}.launch.nproc_per_node", f"{n} processes per node requested but {m.cuda_devices} GPU(s) are visible (CUDA_VISIBLE_DEVICES); set nproc_per_node <= {m.cuda_devices}")
+            else:
+                ctx.ok(f"{name} processes: {n} per node <= {m.cuda_devices} visible GPU(s)")
+        elif n > m.cpu_count:
+            ctx.warn(f"{name}.launch.nproc_per_node: {n} CPU ranks on {m.cpu_count} core(s) oversubscribes the CPU; it runs, slowly")
+        else:
+            ctx.ok(f"{name} processes: {n} CPU rank(s) (gloo) on {m.cpu_count} core(s), no GPU visible")
+
+
+def check_hub(ctx: CheckContext) -> None:
+    """A well-formed target repo id and a token when a push is configured."""
+    hub = ctx.cfg.hub
+    if hub is None:
+        ctx.ok("hub: not configured, the export is not pushed")
+        return
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    repo_ok = True
+    try:
+        validate_repo_id(hub.repo_id)
+        if hub.repo_id.count("/") != 1:
+            raise HFValidationError("needs exactly one '/': org/name")
+    except HFValidationError as exc:
+        repo_ok = False
+        ctx.problem("hub.repo_id", f"{hub.repo_id!r} is not a valid Hub repo id ({str(exc).splitlines()[0]}); use 'org/name' with letters, digits, '-', '_', '.'")
+    if ctx.token_present is False:
+        ctx.problem("hub", "a push is configured but no Hub token was found: export HF_TOKEN on the worker, create the Prefect Secret block 'hf-token', "
+                    "or run `hf auth login` on the worker (never put the token in the config)")
+    elif ctx.token_present is None:
+        ctx.warn("hub token presence not checked")
+    if repo_ok and ctx.token_present:
+        ctx.ok(f"hub: repo id {hub.repo_id} well formed, token available (not shown)")
+
+
+def check_base_model(ctx: CheckContext) -> None:
+    """Weights are safetensors (pickle only with allow_pickle); remote code only when allowed."""
+    if ctx.model is None:
+        return
+    from tasks.core.models.convert.dtypes import PICKLE_INDEX_NAME, PICKLE_WEIGHTS_NAME  # here: --check imports no converter otherwise
+
+    b, files = ctx.cfg.base_model, ctx.model.files
+    safetensors = [n for n in files if n.endswith(".safetensors")]
+    pickles = [n for n in files if n.endswith(PICKLE_SUFFIXES)]
+    if not safetensors and pickles and not b.allow_pickle:
+        ctx.problem("base_model.allow_pickle", f"{ctx.model.where} has only pickle weights ({', '.join(pickles[:3])}); pickle files can run code when loaded. "
+                                               "Convert them to safetensors, or set base_model.allow_pickle: true if you trust the source")
+    elif not safetensors and not pickles:
+        ctx.problem("base_model.uri", f"{ctx.model.where} has no weight files (*.safetensors)")
+    elif not safetensors and not ({PICKLE_WEIGHTS_NAME, PICKLE_INDEX_NAME} & set(files)):
+        ctx.problem("base_model.uri", f"{ctx.model.where} has pickle files ({', '.join(pickles[:3])}) but no {PICKLE_WEIGHTS_NAME} or {PICKLE_INDEX_NAME}, "
+                    "the HF layouts load_from_hf converts; rename them to the HF layout or provide safetensors")
+    elif not safetensors:
+        ctx.warn(f"base_model.allow_pickle: {ctx.model.where} has only pickle weights ({', '.join(pickles[:3])}); load_from_hf converts them once to safetensors "
+                 "with torch.load(weights_only=True), which refuses any pickle that would run code, and every later stage reads the safetensors (the manifest records the conversion)")
+    else:
+        ctx.ok(f"base model {ctx.model.where}: {len(safetensors)} safetensors file(s)" + (f"; {len(pickles)} pickle file(s) ignored" if pickles and not b.allow_pickle else ""))
+    auto_map = ctx.model.config.get("auto_map")
+    if auto_map and not b.trust_remote_code:
+        ctx.problem("base_model.trust_remote_code", f"{ctx.model.where} needs its own Python code (config.json auto_map: {sorted(auto_map)}); "
+                                                    "review the repo and set base_model.trust_remote_code: true, or use a model transformers supports natively")
+    elif b.trust_remote_code:
+        ctx.warn("base_model.trust_remote_code is true: the model repo's Python code will run in every stage")
+    else:
+        ctx.ok("base model: no remote code (trust_remote_code false)")
+
+
+def check_sequence_length(ctx: CheckContext) -> None:
+    if ctx.model is None:
+        return
+    max_pos = ctx.model.config.get("max_position_embeddings")
+    if not isinstance(max_pos, int):
+        ctx.warn("seq_len not checked: config.json has no max_position_embeddings")
+        return
+    ok = True
+    for name in ("cpt", "sft"):
+        seq = getattr(ctx.cfg, name).seq_len
+        if seq > max_pos:
+            ok = False
+            ctx.problem(f"{name}.seq_len", f"seq_len={seq} exceeds the base model's max_position_embeddings={max_pos}; use seq_len <= {max_pos}")
+    if ok:
+        ctx.ok(f"seq_len cpt={ctx.cfg.cpt.seq_len}, sft={ctx.cfg.sft.seq_len} <= max_position_embeddings={max_pos}")
+
+
+def check_chat_template(ctx: CheckContext) -> None:
+    if ctx.model is None:
+        return
+    tc = ctx.model.tokenizer_config
+    if tc is None and not ctx.model.chat_template_file:
+        ctx.problem("base_model.uri", f"{ctx.model.where} has no tokenizer_config.json: every stage needs the tokenizer saved beside the model")
+    elif not ((tc or {}).get("chat_template") or ctx.model.chat_template_file):
+        ctx.problem("base_model.uri", f"the tokenizer of {ctx.model.where} has no chat_template: SFT renders conversations with it; "
+                                      "add chat_template to tokenizer_config.json (or a chat_template.jinja file)")
+    else:
+        ctx.ok("tokenizer: chat template present")
+
+
+def check_data(ctx: CheckContext) -> None:
+    """Each dataset exists and its first records have the fields and roles the stage needs."""
+    from tasks.core.data.formats import validate_messages  # the SFT record rules, defined once
+    from tasks.core.data.inputs import InputError, resolve_inputs
+
+    datasets = []
+    for name in ("cpt", "sft"):
+        st = getattr(ctx.cfg, name)
+        datasets.append((name, f"{name}.data.uri", st.data.uris))
+        if st.eval.heldout_uri:
+            datasets.append((name, f"{name}.eval.heldout_uri", [st.eval.heldout_uri]))
+    for name, where, raw_uris in datasets:
+        d = getattr(ctx.cfg, name).data
+        # Every file is listed (a glob matching nothing, an empty directory, an unreadable file is
+        # refused here); only the first file's head is read: prepare_data reads every record.
+        try:
+            inputs = resolve_inputs([resolve_local(u) for u in raw_uris], checksums=False)
+        except (InputError, ValueError, OSError) as exc:  # InputError: no file, an empty glob/dir; ValueError: an unknown format
+            ctx.problem(where, str(exc).removeprefix("data.uri: "))
+            continue
+        uri = inputs[0].uri
+        try:
+            records = head_records(uri)
+        except (ValueError, UnicodeDecodeError, OSError) as exc:
+            ctx.problem(where, str(exc))
+            continue
+        if not records:
+            ctx.problem(where, f"{uri} holds no records")
+            continue
+        failed = False
+        for lineno, rec in records:
+            at = f"{uri}:{lineno}"
+            if name == "cpt":
+                if not isinstance(rec.get(d.text_field), str):
+                    ctx.problem("cpt.data.text_field", f"{at}: no string field {d.text_field!r} (fields: {sorted(rec)}); set cpt.data.text_field to the field holding the text")
+                    failed = True
+            elif d.messages_field not in rec:
+                ctx.problem("sft.data.messages_field", f"{at}: no field {d.messages_field!r} (fields: {sorted(rec)}); set sft.data.messages_field to the field holding the chat")
+                failed = True
+            else:
+                try:
+                    validate_messages(rec[d.messages_field])
+                except ValueError as exc:
+                    ctx.problem(where, f"{at}: {exc}")
+                    failed = True
+            if failed:
+                break  # one example per dataset is enough to say what is wrong
+        if not failed:
+            what = f"field {d.text_field!r} is text" if name == "cpt" else f"{d.messages_field!r} have valid roles and an assistant turn"
+            more = f" (+{len(inputs) - 1} more files, {sum(i.size for i in inputs) / 1e6:.1f} MB in all)" if len(inputs) > 1 else ""
+            ctx.ok(f"{name} data {uri}{more}: first {len(records)} record(s) parse, {what}")
+
+
+def check_model_family(ctx: CheckContext) -> None:
+    """The base model's model_type is in the family registry: the unshard after CPT and the export
+    convert checkpoints by its tensor table, so an unknown family would fail only after CPT."""
+    if ctx.model is None:
+        return
+    from tasks.core.models.families import FAMILIES, supported
+
+    model_type = ctx.model.config.get("model_type")
+    if isinstance(model_type, str) and model_type in FAMILIES:
+        ctx.ok(f"model family {model_type}: in the registry, so the unshard and the export can convert it")
+        return
+    ctx.problem(
+        "base_model.uri",
+        f"{ctx.model.where}: config.json model_type={model_type!r} is not a supported model family (supported: {supported()}); "
+        "the unshard after CPT and the export convert checkpoints by the family's tensor table. Use a base model of a "
+        "supported family, or add the family's entry to FAMILIES in tasks/core/models/families.py",
+    )
+
+
+def check_launch_backend(ctx: CheckContext) -> None:
+    """Each stage's launch backend asks its cluster (`BackendSpec.preflight`: for Slurm the
+    controller answers, the partition exists, nodes x GPUs fit it), and a backend whose ranks run
+    on other nodes needs a run root every node sees."""
+    from tasks.core.launch.backends import BACKENDS
+
+    for name in ("cpt", "sft"):
+        stage = getattr(ctx.cfg, name)
+        launch = stage.launch
+        spec = BACKENDS[launch.backend]
+        if spec.preflight is None:
+            continue
+        module, _, fn = spec.preflight.partition(":")
+        problems = getattr(importlib.import_module(module), fn)(launch, f"{name}.launch", tp_pp=stage.plugin.tp_size * stage.plugin.pp_size)
+        for where, msg in problems:
+            ctx.problem(where, msg)
+        if spec.remote_nodes and launch.nnodes > 1 and "://" in ctx.cfg.run_uri:
+            ctx.ok(f"{name}: {launch.nnodes} {spec.name} nodes stage {ctx.cfg.run_uri} each into their own directory and publish their checkpoint parts; the nodes need its credentials")
+        elif spec.remote_nodes and launch.nnodes > 1:
+            ctx.warn(f"{name}.launch: {launch.nnodes} {spec.name} nodes write checkpoints under {ctx.cfg.run_uri}; "
+                     "it must be a shared filesystem (NFS, Lustre) mounted at the same path on every node, and so must this checkout and its Python")
+        if not problems:
+            part = (launch.slurm.partition if launch.slurm else None) or "(default)"
+            ctx.ok(f"{name} {spec.name}: the cluster answers, {launch.nnodes} node(s) x {launch.nproc_per_node} process(es) fit partition {part}")
+def check_tracking(ctx: CheckContext) -> None:
+    """An MLflow server answers at tracking.mlflow.uri (when set): a run must not train for hours
+    believing it is tracked."""
+    uri = ctx.cfg.tracking.mlflow.uri
+    if not uri:
+        return
+    problem = check_uri(uri)
+    if problem:
+        ctx.problem(TRACKING_FIELD, problem)
+    else:
+        ctx.ok(f"tracking: MLflow answers at {redact(uri)}")
+
+
+CHECKS: tuple[Callable[[CheckContext], None], ...] = (
+    check_static_rules,
+    check_layout,
+    check_machine,
+    check_base_model,
+    check_sequence_length,
+    check_chat_template,
+    check_data,
+    check_run_root,
+    check_launch_backend,
+    check_staging_space,
+    check_hub,
+    check_model_family,
+    check_tracking,
+)
+
+
+def preflight_report(
+    cfg: RunConfig,
+    *,
+    machine: Machine | None = None,
+    token_present: bool | None = None,
+    model: ModelInfo | None = None,
+) -> PreflightReport:
+    """Run every check; never raises for a problem, returns them all in the report.
+
+    `token_present`: whether HF_TOKEN or the Secret `hf-token` exists (the caller looks; None
+    means "not checked"). `model`: the base model's metadata (read here when None).
+    """
+    started = time.monotonic()
+    report = PreflightReport()
+    if model is None:
+        try:
+            model = read_model_info(cfg.base_model.uri, cfg.base_model.revision)
+        except ConfigError as exc:
+            report.problems += exc.problems
+    ctx = CheckContext(cfg, machine or Machine.detect(), token_present, model, report)
+    for check in CHECKS:
+        try:
+            check(ctx)
+        except ConfigError as exc:
+            for p in exc.problems:
+                ctx.problem(*p)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def validate(cfg: RunConfig, **kwargs: Any) -> PreflightReport:
+    """`preflight_report`, raising one ConfigError with every problem; the report when clean."""
+    return preflight_report(cfg, **kwargs).raise_for_problems()

@@ -1,0 +1,135 @@
+"""What pre-flight knows before anything is loaded: the machine, and the base model's metadata
+(config.json, tokenizer_config.json and the file list; never weights), and the parameter count
+the staging-space estimate is built on.
+
+    python -c "from tasks.core.preflight.model_info import read_model_info; print(read_model_info('build/demo-inputs/tiny-llama').config['model_type'])"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fsspec.core import url_to_fs
+
+from tasks.core.config.paths import resolve_local
+from tasks.core.errors import ConfigError
+from tasks.core.hub.repo import is_hub_id
+from tasks.core.storage.fs import is_local
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Facts about this machine; `detect()` reads them, tests pass their own."""
+
+    cuda_devices: int
+    cpu_count: int
+    free_bytes: int | None = None  # None: shutil.disk_usage of the staging location
+
+    @classmethod
+    def detect(cls) -> Machine:
+        import torch  # lazily: config-only callers should not pay for it
+
+        return cls(cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0, cpu_count=os.cpu_count() or 1)
+
+
+@dataclass
+class ModelInfo:
+    """What pre-flight reads of the base model: no weights."""
+
+    source: str  # "local", "fsspec" or "hub"
+    where: str  # the resolved path/URI or repo@revision, for messages
+    config: dict[str, Any]
+    files: list[str]  # top-level file names
+    tokenizer_config: dict[str, Any] | None = None
+    chat_template_file: bool = False  # chat_template.jinja / chat_template.json beside the tokenizer
+
+
+def read_model_info(uri: str, revision: str = "main") -> ModelInfo:
+    """config.json, tokenizer_config.json and the file list of a local/fsspec dir or Hub repo.
+
+    Raises ConfigError naming `base_model.uri` when there is no readable config.json.
+    """
+    if is_hub_id(uri):
+        return _read_hub(uri, revision)
+    target = resolve_local(uri)
+    try:
+        fs, root = url_to_fs(target)
+    except (ValueError, ImportError) as exc:
+        raise ConfigError([("base_model.uri", f"{uri}: cannot open ({exc}); use a local path, an fsspec URI with its filesystem installed, or a Hub id org/name")]) from None
+    root = root.rstrip("/")
+    try:
+        has_config = fs.isfile(f"{root}/config.json")
+    except Exception as exc:  # network filesystems raise their own errors
+        raise ConfigError([("base_model.uri", f"{uri}: not reachable ({type(exc).__name__}: {exc})")]) from None
+    if not has_config:
+        what = "does not exist" if not fs.exists(root) else "is not an HF model directory (no config.json)"
+        raise ConfigError([("base_model.uri", f"{target} {what}; point base_model.uri at an HF model directory or a Hub id org/name (for the demo: `python -m tasks.core.models.demo --out {uri}`)")])
+
+    def read_json(name: str) -> dict | None:
+        path = f"{root}/{name}"
+        if not fs.isfile(path):
+            return None
+        try:
+            with fs.open(path, "rb") as f:
+                data = json.loads(f.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError([("base_model.uri", f"{target}/{name} is not valid JSON ({exc})")]) from None
+        return data if isinstance(data, dict) else None
+
+    config = read_json("config.json") or {}
+    files = sorted(Path(p.rstrip("/")).name for p in fs.ls(root, detail=False))
+    return ModelInfo(
+        source="local" if is_local(target) else "fsspec",
+        where=target,
+        config=config,
+        files=files,
+        tokenizer_config=read_json("tokenizer_config.json"),
+        chat_template_file=any(n in files for n in ("chat_template.jinja", "chat_template.json")),
+    )
+
+
+def _read_hub(repo: str, revision: str) -> ModelInfo:
+    from huggingface_hub import HfApi, hf_hub_download
+
+    def fetch(name: str) -> dict | None:
+        try:
+            with open(hf_hub_download(repo, name, revision=revision)) as f:
+                return json.load(f)
+        except Exception as exc:  # network, HTTP, auth and JSON errors all mean the same here: unreadable
+            if name == "config.json":
+                first_line = str(exc).splitlines()[0] if str(exc) else ""
+                raise ConfigError([("base_model.uri", (f"cannot read config.json of Hub repo {repo}@{revision} ({type(exc).__name__}: {first_line}); "
+                                                       "check the id and revision, the network, and HF_TOKEN for gated repos"))]) from None
+            return None
+
+    config = fetch("config.json") or {}
+    try:
+        files = sorted(f for f in HfApi().list_repo_files(repo, revision=revision) if "/" not in f)
+    except Exception as exc:  # any Hub client error becomes a problem naming base_model.uri
+        raise ConfigError([("base_model.uri", f"cannot list the files of Hub repo {repo}@{revision} ({type(exc).__name__})")]) from None
+    return ModelInfo(
+        source="hub",
+        where=f"{repo}@{revision}",
+        config=config,
+        files=files,
+        tokenizer_config=fetch("tokenizer_config.json") if "tokenizer_config.json" in files else None,
+        chat_template_file=any(n in files for n in ("chat_template.jinja", "chat_template.json")),
+    )
+
+
+def estimate_parameters(mc: dict[str, Any]) -> int | None:
+    """Parameter count from config.json through its family's tensor table (`tasks.core.models.families`),
+    the table the converter checks checkpoints against; None for an unknown family or missing dims."""
+    from tasks.core.errors import ConversionError
+    from tasks.core.models.families import count_parameters
+
+    try:
+        return count_parameters(mc)
+    except (ConversionError, KeyError, TypeError, ValueError):
+        return None

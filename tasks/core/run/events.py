@@ -1,0 +1,77 @@
+"""The line protocol between the ranks and the Prefect task, defined once: emitter and parser.
+
+    python -c "from tasks.core.run.events import format_event, parse_line; print(parse_line('[rank 0] ' + format_event('progress', {'step': 1})))"
+
+Every line a rank prints carries `[rank N] ` (`rank_prefix`, installed by tasks/engine/rankio.py);
+lines without one come from torchrun itself. A machine-readable event is one line
+`@@<kind> <json>` printed by rank 0 (`tasks.engine.engine.emit`); the task
+(`tasks/core/launch/torchrun.py`) turns `progress` events into progress callbacks and hands every other kind to
+its `on_event` callback.
+
+Levels are said by the writer, never guessed from words. The prefix carries them:
+`[rank N] ` is info, `[rank N|warning] ` and `[rank N|error] ` the others. The engine writes its own
+failures at `error` (`tasks.engine.rankio.say`); whatever else a rank writes to stderr (Python
+warnings, library loggers) is `warning`, stdout `info`. Unprefixed lines (torchrun's elastic
+agent, torch's C++ logging) are `info` unless they open with the glog severity letter those
+writers put there themselves (`E1130 12:00:00.000000 ...`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+PREFIX = "@@"
+PROGRESS = "progress"  # one optimizer step: stage, step, total, loss, lr, tokens, elapsed_s, and the
+# metric fields of tasks/engine/metrics.py (grad_norm, tokens_per_s, step_s, peak_mem_bytes, mfu)
+CHECKPOINT = "checkpoint"  # a committed checkpoint: step, path
+# the engine waits at a save for uploads: step, state (waiting | resumed), pending, max_pending_publishes, waited_s
+BACKPRESSURE = "backpressure"
+KINDS = (PROGRESS, CHECKPOINT, BACKPRESSURE)
+# The numeric @@progress fields that are per-step metrics (TensorBoard tags, MLflow metrics).
+METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_s", "peak_mem_bytes", "mfu", "tokens")
+
+INFO, WARNING, ERROR = "info", "warning", "error"
+LEVELS = (INFO, WARNING, ERROR)
+_RANK = re.compile(r"^\[rank (\d+)(?:\|(warning|error))?\] ?")
+_GLOG = re.compile(r"^([IWEF])\d{4} \d{2}:\d{2}:\d{2}\.\d+ ")
+_GLOG_LEVELS = {"I": INFO, "W": WARNING, "E": ERROR, "F": ERROR}
+
+
+def rank_prefix(rank: int, level: str = INFO) -> str:
+    return f"[rank {rank}] " if level == INFO else f"[rank {rank}|{level}] "
+
+
+def format_event(kind: str, record: dict[str, Any]) -> str:
+    return f"{PREFIX}{kind} {json.dumps(record, sort_keys=True)}"
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line of a stage's merged output, attributed."""
+
+    who: str  # "rank N" or "torchrun"
+    body: str  # the line without its rank prefix
+    level: str = INFO  # as the writer marked it (see the module docstring)
+    kind: str | None = None  # the event kind for `@@` lines
+    record: dict[str, Any] | None = None  # the event's payload
+    payload: str = ""  # the raw JSON text of an event
+
+
+def parse_line(line: str) -> Line:
+    m = _RANK.match(line)
+    if m:
+        who, body, level = f"rank {m.group(1)}", line[m.end():], m.group(2) or INFO
+    else:
+        g = _GLOG.match(line)
+        who, body, level = "torchrun", line, _GLOG_LEVELS[g.group(1)] if g else INFO
+    if not body.startswith(PREFIX):
+        return Line(who, body, level)
+    kind, _, payload = body[len(PREFIX):].partition(" ")
+    try:
+        record = json.loads(payload)
+    except json.JSONDecodeError:
+        record = {"raw": payload}
+    return Line(who, body, level, kind, record, payload)

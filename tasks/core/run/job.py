@@ -1,0 +1,140 @@
+"""The job file: what one engine invocation does. One frozen pydantic model, written by the
+Prefect task (tasks/train.py) and read by the engine (tasks/engine/__main__.py):
+
+    torchrun --nproc_per_node=2 -m tasks.engine train --config JOB.json
+
+`shard` reads weights from model_dir; `train` reads only its config.json (the weights come from
+the newest complete checkpoint in stage_dir). Every local path is absolute: the ranks may run
+with another working directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError
+
+from tasks.core.config.schema import RunConfig, StageConfig
+from tasks.core.errors import ConfigError
+
+VERBS = ("shard", "train")
+STAGES = ("cpt", "sft")
+
+
+def _absolute(p: Path) -> Path:
+    if not p.is_absolute():
+        raise ValueError(f"must be an absolute local path, got {str(p)!r}")
+    return p
+
+
+AbsPath = Annotated[Path, AfterValidator(_absolute)]
+
+
+class Parent(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    uri: str | None = Field(description="URI of the artifact this stage starts from.")
+    digest: str | None = Field(description="sha256 of that artifact's manifest.")
+
+
+class NodeStaging(BaseModel):
+    """An `s3://` run root on several nodes: each node stages into its own directory
+    (tasks/engine/node_staging.py); the local paths of the job are the worker's and unused there."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_uri: str = Field(description="The remote run root.")
+    dir: str = Field(description="Node-local staging directory; '{node}' is replaced by the node's name.")
+    model_rel: str = Field(description="Artifact in the run root holding the model and tokenizer (model_dir).")
+    data_rel: str = Field(description="The stage's prepared data artifact in the run root (data/<stage>/, read as data_dir).")
+    stage_rel: str = Field(description="The stage's checkpoint directory in the run root (stage_dir).")
+
+
+class Job(BaseModel):
+    """One engine verb of one stage; recorded as-is (parent, config_digest) in its manifests."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    verb: Literal["shard", "train"] = Field(description="shard: boost the HF model and save step 0; train: resume and train.")
+    stage: Literal["cpt", "sft"] = Field(description="The training stage; run[stage] is its StageConfig.")
+    run: RunConfig = Field(description="The whole validated run configuration.")
+    model_dir: AbsPath = Field(description="HF model directory (config.json + safetensors).")
+    tokenizer_dir: AbsPath = Field(description="Directory with the tokenizer files.")
+    data_dir: AbsPath | None = Field(default=None, description=(
+        "The stage's prepared data (data/<stage>/: token shards and index.json, made by prepare_data); the train verb reads it memory-mapped."))
+    stage_dir: AbsPath = Field(description="Directory holding the stage's step-NNNNNN checkpoints.")
+    parent: Parent | None = Field(description="The artifact this stage starts from, recorded in manifests.")
+    config_digest: str | None = Field(description="The stage's config digest, recorded in manifests.")
+    nodes: NodeStaging | None = Field(default=None, description="Per-node staging of a remote run root; None: every path is used as is.")
+    remote_run_root: StrictBool = Field(default=False, description=(
+        "stage_dir is staging for an s3:// run root: the task publishes each committed checkpoint and marks it `.published`; "
+        "the engine deletes only marked ones and waits at a save while max_pending_publishes are unmarked."))
+    _source: str = PrivateAttr(default="job")
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    @property
+    def stage_cfg(self) -> StageConfig:
+        return getattr(self.run, self.stage)
+
+    @property
+    def trust_remote_code(self) -> bool:
+        return self.run.base_model.trust_remote_code
+
+    def write(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True))
+        return path
+
+
+def parse_job(raw: Any, source: str = "job", verb: str | None = None) -> Job:
+    """Validate a job dict; every problem is reported at once, each naming its key."""
+    if not isinstance(raw, dict):
+        raise ConfigError([(source, "the job file must hold a JSON object")])
+    problems: list[tuple[str, str]] = []
+    if verb is not None and "verb" in raw and raw["verb"] != verb:
+        problems.append(("verb", f"the job says {raw['verb']!r} but the command line asked for {verb!r}"))
+    job = None
+    try:
+        job = Job.model_validate(raw)
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or source
+            nested = (err.get("ctx") or {}).get("error")
+            if isinstance(nested, ConfigError):  # the RunConfig's own rules
+                problems += [(f"{loc}.{f}" if not f.startswith(loc) else f, m) for f, m in nested.problems]
+            else:
+                problems.append((loc, err["msg"].removeprefix("Value error, ")))
+    if problems:
+        raise ConfigError(problems, header=f"invalid job file {source}")
+    job._source = source
+    return job
+
+
+def _unique_pairs(source: str):
+    """json object hook refusing a key written twice (json.loads would keep the last one)."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError([(key, f"written twice in one object of {source}; JSON would silently keep the second value. Delete one of them")], header=f"duplicated keys in {source}")
+            out[key] = value
+        return out
+
+    return hook
+
+
+def load_job(path: str | Path, verb: str | None = None) -> Job:
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(), object_pairs_hook=_unique_pairs(str(path)))
+    except FileNotFoundError:
+        raise ConfigError([(str(path), "job file not found")]) from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError([(str(path), f"not valid JSON: {exc}")]) from None
+    return parse_job(raw, source=str(path), verb=verb)

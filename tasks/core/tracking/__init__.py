@@ -1,0 +1,3 @@
+"""Tracking: the `tracking:` config section (MLflow mirroring, redaction) and reading
+TensorBoard event files back.
+"""
