@@ -1,10 +1,23 @@
 """Shared test set-up. Tiers are markers: `distributed` (torchrun, 2 CPU ranks), `integration`
-(Prefect flows, real servers), `e2e` (the whole flow), `gpu` (CUDA only, skipped without it)."""
+(Prefect flows, real servers), `e2e` (the whole flow), `gpu` (CUDA only, skipped without it).
+
+    .venv/bin/python -m pytest -q tests                 # the fast unit tier
+    .venv/bin/python -m pytest -q -m "" tests           # every tier
+
+Session fixtures built once, because a flow run costs a minute or more on 2 cores:
+- `demo_run`: ONE finished tiny demo run (the whole flow on `tiny_config_raw`, tracked to the
+  session's MLflow server). Read-only by convention: a test that writes into a run root takes
+  `demo_run_copy` (a copy under its tmp_path, with a config pointing at the copy).
+- `mlflow_server`: one real `mlflow server` for the session.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -70,3 +83,71 @@ def write_config(path: Path, raw: dict) -> Path:
 
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """One real `mlflow server` (SQLite, local artifacts) for the session: it takes tens of
+    seconds to start on 2 busy cores. Tests that kill a server start their own."""
+    from tests.servers.mlflow import MlflowServer
+
+    with MlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def eos_doc_end_model(tiny_model_dir, tmp_path_factory) -> Path:
+    """The demo model with generation_config eos = <|end_of_text|> (1) only: like a pre-trained
+    base fine-tuned with ChatML, whose template ends a turn with <|im_end|>, so the export must
+    add that stop token."""
+    out = tmp_path_factory.mktemp("base") / "tiny-llama-eos"
+    shutil.copytree(tiny_model_dir, out)
+    gen = json.loads((out / "generation_config.json").read_text())
+    gen["eos_token_id"] = 1
+    (out / "generation_config.json").write_text(json.dumps(gen))
+    return out
+
+
+DEMO_EXPERIMENT = "demo"  # the demo run's MLflow experiment: it holds that one run only
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """A finished run: its root, the config file and raw config it ran with, the CLI's exit
+    status and run.json."""
+
+    run_root: Path
+    config: Path
+    raw: dict
+    rc: int
+    summary: dict
+
+    def copy_to(self, dest: Path) -> DemoRun:
+        """A copy of the run root (files and mtimes preserved, no lease) at dest/run, and its
+        config at dest/demo.yaml pointing at it, without tracking (a re-run over a copy must not
+        add runs to the demo's MLflow experiment; tracking is in no artifact's digest)."""
+        run_root = Path(dest) / "run"
+        shutil.copytree(self.run_root, run_root, ignore=shutil.ignore_patterns(".lease.json"))
+        raw = {**self.raw, "run_root": str(run_root)}
+        raw.pop("tracking", None)
+        return DemoRun(run_root, write_config(Path(dest) / "demo.yaml", raw), raw, self.rc, json.loads((run_root / "run.json").read_text()))
+
+
+@pytest.fixture(scope="session")
+def demo_run(prefect_harness, mlflow_server, eos_doc_end_model, tmp_path_factory) -> DemoRun:
+    """The whole flow once, through the CLI, on the tiny config (8 steps per stage, a checkpoint
+    every 4) and the eos-doc-end demo model, tracked to the session's MLflow server."""
+    from flows.cpt_to_sft import main
+
+    tmp = tmp_path_factory.mktemp("demo-run")
+    raw = tiny_config_raw(eos_doc_end_model, tmp / "run")
+    raw["tracking"] = {"mlflow": {"uri": mlflow_server.uri, "experiment": DEMO_EXPERIMENT}}
+    cfg = write_config(tmp / "demo.yaml", raw)
+    rc = main(["--config", str(cfg)])
+    return DemoRun(tmp / "run", cfg, raw, rc, json.loads((tmp / "run" / "run.json").read_text()))
+
+
+@pytest.fixture
+def demo_run_copy(demo_run, tmp_path) -> DemoRun:
+    """A writable copy of the demo run under this test's tmp_path."""
+    return demo_run.copy_to(tmp_path / "demo-copy")

@@ -123,13 +123,3 @@ def hub_env(hub, tmp_path):
             yield hub
     finally:
         _reload_hf_constants()
-
-
-@pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
-    """One real `mlflow server` (SQLite, local artifacts) for the session: it takes tens of
-    seconds to start on 2 busy cores. Tests that kill a server start their own."""
-    from tests.servers.mlflow import MlflowServer
-
-    with MlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
-        yield server
