@@ -1,7 +1,8 @@
 """Unshard/export at disk speed: our streaming converter vs the naive transformers round trip vs a
 plain byte copy, side by side on the same synthetic Llama-shaped checkpoint in ColossalAI's layout.
 
-    .venv/bin/python benchmarks/convert.py --size-gb 1 4          # issue 6's figures
+    .venv/bin/python benchmarks/convert.py --smoke                # a 4 MB model, one round: seconds, same table
+    .venv/bin/python benchmarks/convert.py --size-gb 1 4          # the figures docs/scaling.md quotes
     .venv/bin/python benchmarks/convert.py --size-gb 1 4 --workdir /dev/shm/bc --no-fsync   # CPU cost
     .venv/bin/python benchmarks/convert.py --size-gb 0.5 1 --cast bf16 --max-shard-size 5GB
 
@@ -45,20 +46,24 @@ sys.path.insert(0, str(ROOT))
 # at every size and only the number of layers grows with --size-gb
 DIMS = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
 COLOSSAL_SHARD_MB = 1024
+# --smoke: the same shapes scaled down, and 1 MiB source shards, so a 4 MB checkpoint still has
+# several source and output shards and every path (a, b, c) runs as it does at full size
+SMOKE_DIMS = dict(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+SMOKE_SHARD_MB = 1
 CHUNK = 16 << 20
 
 
-def llama_config(size_gb: float) -> dict:
+def llama_config(size_gb: float, dims: dict = DIMS) -> dict:
     from transformers import LlamaConfig
 
-    h, i, v = DIMS["hidden_size"], DIMS["intermediate_size"], DIMS["vocab_size"]
-    kv = h // DIMS["num_attention_heads"] * DIMS["num_key_value_heads"]
+    h, i, v = dims["hidden_size"], dims["intermediate_size"], dims["vocab_size"]
+    kv = h // dims["num_attention_heads"] * dims["num_key_value_heads"]
     per_layer = 4 * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h)
     layers = max(1, round((size_gb * 1e9 - 4 * (2 * v * h + h)) / per_layer))
-    return LlamaConfig(**DIMS, num_hidden_layers=layers, torch_dtype="float32").to_dict()
+    return LlamaConfig(**dims, num_hidden_layers=layers, torch_dtype="float32").to_dict()
 
 
-def write_checkpoint(ckpt: Path, config: dict) -> tuple[int, int]:
+def write_checkpoint(ckpt: Path, config: dict, shard_mb: float = COLOSSAL_SHARD_MB) -> tuple[int, int]:
     """ColossalAI's pp=1 layout (StateDictSharder's MiB budget and names); returns (bytes, largest)."""
     import torch
     from safetensors.torch import save_file
@@ -82,7 +87,7 @@ def write_checkpoint(ckpt: Path, config: dict) -> tuple[int, int]:
     for key, shape in expected_tensors(config).items():
         t = torch.empty(shape).uniform_(-0.02, 0.02, generator=gen) if len(shape) > 1 else torch.ones(shape)
         mb = t.numel() * 4 / 1024 / 1024
-        if block_mb + mb > COLOSSAL_SHARD_MB and block_mb > 0:
+        if block_mb + mb > shard_mb and block_mb > 0:
             flush()
         block[key] = t
         block_mb += mb
@@ -240,12 +245,12 @@ def measure(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool, shar
     return result
 
 
-def bench_size(size_gb: float, workdir: Path, cast: str | None, fsync: bool, repeat: int, shard: str | None) -> dict:
-    config = llama_config(size_gb)
+def bench_size(size_gb: float, workdir: Path, cast: str | None, fsync: bool, repeat: int, shard: str | None, smoke: bool = False) -> dict:
+    config = llama_config(size_gb, SMOKE_DIMS if smoke else DIMS)
     shard = shard or f"{max(1, round(size_gb * 1000 / 4))}MB"
     src = workdir / f"ckpt-{size_gb:g}GB"
     t0 = time.perf_counter()
-    tensor_bytes, largest = write_checkpoint(src, config)
+    tensor_bytes, largest = write_checkpoint(src, config, SMOKE_SHARD_MB if smoke else COLOSSAL_SHARD_MB)
     print(f"\n== {tensor_bytes / 1e9:.2f} GB Llama-shaped checkpoint: {config['num_hidden_layers']} layers, "
           f"{len(list(src.glob('model-*.safetensors')))} ColossalAI shards, largest tensor {largest / 1e6:.0f} MB "
           f"(written in {time.perf_counter() - t0:.0f} s); output shard budget {shard} for (a) and (b); "
@@ -311,9 +316,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="rounds per size (medians are compared)")
     ap.add_argument("--max-shard-size", help="output shard budget for (a) and (b) (default: a quarter of each size)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--smoke", action="store_true", help="a 4 MB model of the same shape family, one round: checks the script runs (figures meaningless)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.size_gb, args.repeat = [0.004], 1
     if args.worker:
         print(json.dumps(run_worker(args.worker, Path(args.paths[0]), Path(args.paths[1]), args.cast, not args.no_fsync, args.max_shard_size)))
         return 0
@@ -330,7 +338,7 @@ def main(argv: list[str]) -> int:
     summaries = []
     try:
         for size in args.size_gb:
-            summaries.append(bench_size(size, workdir, args.cast, not args.no_fsync, args.repeat, args.max_shard_size))
+            summaries.append(bench_size(size, workdir, args.cast, not args.no_fsync, args.repeat, args.max_shard_size, args.smoke))
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -1,7 +1,8 @@
 """Data preparation at corpus scale: prepare throughput, tokenizer overhead, training start-up and RSS.
 
-    /work/main/.venv/bin/python benchmarks/data.py                      # 100 MB and 400 MB (issue 14's sizes)
-    /work/main/.venv/bin/python benchmarks/data.py --sizes 10 40        # quicker, same table
+    .venv/bin/python benchmarks/data.py                      # 100 MB and 400 MB: the sizes docs/scaling.md quotes
+    .venv/bin/python benchmarks/data.py --sizes 10 40        # quicker, same table
+    .venv/bin/python benchmarks/data.py --smoke              # 0.3 MB, one 1-step train launch: checks the script runs
 
 For each size it generates a JSONL CPT corpus of --files files (demo-style text, every record
 distinct) and the demo tokenizer, then runs, each in its own process (peak RSS = VmHWM of the child's own program):
@@ -157,7 +158,8 @@ OLD_START = """
 import json, sys, time
 t0 = time.monotonic()
 from transformers import AutoTokenizer
-from tasks.core.data.formats import pack_cpt, read_records
+from tasks.core.data.records import read_records
+from tasks.core.data.samples import pack_cpt
 from tasks.engine.sampler import ResumableSampler
 t1 = time.monotonic()
 corpus, tokdir = sys.argv[1], sys.argv[2]
@@ -206,7 +208,7 @@ def train_probe(work: Path, tokdir: Path, prepared: Path, steps: int) -> dict:
                   seq_len=SEQ_LEN, micro_batch_size=2, max_steps=steps, checkpoint_every=steps, keep_last=1)
 
     def job(verb: str, stage_dir: Path, path: Path):
-        raw = {"verb": verb, "stage": "cpt", "run": run, "model_dir": str(model), "tokenizer_dir": str(tokdir), "data_dir": str(prepared),
+        raw = {"verb": verb, "stage": "cpt", "stage_cfg": run["cpt"], "trust_remote_code": False, "model_dir": str(model), "tokenizer_dir": str(tokdir), "data_dir": str(prepared),
                "stage_dir": str(stage_dir), "parent": {"uri": str(model), "digest": "bench"}, "config_digest": "0" * 64}
         path.write_text(json.dumps(raw))
         return parse_job(raw, source=str(path))
@@ -252,7 +254,11 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--no-train", action="store_true", help="skip the 2-rank training run on each prepared corpus")
     ap.add_argument("--train-steps", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="one 0.3 MB corpus in 2 files, one 1-step train launch: checks the script runs (figures meaningless)")
     a = ap.parse_args()
+    if a.smoke:
+        a.sizes, a.files, a.train_steps = [0.3], 2, 1
+    train_launches = 1 if a.smoke else 2
     work = Path(a.workdir or tempfile.mkdtemp(prefix="bench-data-"))
     work.mkdir(parents=True, exist_ok=True)
     from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
@@ -287,7 +293,7 @@ def main() -> None:
                 old = child(OLD_START, str(corpus), str(tokdir))
                 r.update(old_s=old["seconds"], old_rss=old["peak_rss_mb"])
             if not a.no_train:  # twice: the faster launch, the larger RSS
-                runs = [train_probe(work, tokdir, out, a.train_steps) for _ in range(2)]
+                runs = [train_probe(work, tokdir, out, a.train_steps) for _ in range(train_launches)]
                 r.update(min(runs, key=lambda x: x["train_first_s"]), train_rank_rss=max(x["train_rank_rss"] for x in runs))
             rows.append(r)
             print(json.dumps(r), flush=True)

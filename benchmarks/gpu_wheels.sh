@@ -2,6 +2,7 @@
 # Fetch, HERE (with internet), the wheels the GPU machine lacks into .whl/ (ignored by git, carried
 # to the device with `carry: [".whl"]`; benchmarks/gpu_check.sh installs them into /tmp/site):
 #   bash benchmarks/gpu_wheels.sh          # ~52 MB, about a minute; idempotent (pip skips what is there)
+#   bash benchmarks/gpu_wheels.sh --smoke  # no network: checks the pin list (one version per package) and prints the plan
 #
 # The GPU machine (nvidia-h200, /work/.library/device/KINDS.md) has Python 3.12 at
 # /opt/torch/.venv/bin/python3 with torch 2.11.0+cu130, nvcc 13.0, ninja, numpy, safetensors 0.8.0,
@@ -26,8 +27,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DEST=.whl
-mkdir -p "$DEST"
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+SMOKE=0
+if [ "${1:-}" = "--smoke" ]; then SMOKE=1; fi
 
 # Binary and pure wheels, exact versions (cp312, manylinux x86_64).
 WHEELS=(
@@ -52,6 +53,14 @@ PLATFORMS=()
 for p in manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
   PLATFORMS+=(--platform "${p}_x86_64")
 done
+if [ "$SMOKE" = 1 ]; then  # two pins of one package would make the device's install refuse both
+  dups=$(printf '%s\n' "${WHEELS[@]}" | cut -d= -f1 | tr 'A-Z_' 'a-z-' | sort | uniq -d)
+  echo "gpu_wheels --smoke: ${#WHEELS[@]} pinned wheels + colossalai, contexttimer (built from sdists), $(( ${#PLATFORMS[@]} / 2 )) platform tags; would fetch into $DEST (nothing fetched)"
+  if [ -n "$dups" ]; then echo "gpu_wheels: pinned more than once: $dups" >&2; exit 1; fi
+  exit 0
+fi
+mkdir -p "$DEST"
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 # This machine's pip config lists local indexes that may not exist; drop that noise, keep errors.
 "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${PLATFORMS[@]}" -d "$DEST" "${WHEELS[@]}" 2> >(grep -v "is ignored" >&2)

@@ -3,9 +3,10 @@
     torchrun --standalone --nproc-per-node 1 benchmarks/plain_colossalai_train.py \
         --model build/gpu-check/base-model --plugin hybrid_parallel --zero-stage 1 --precision bf16 \
         --seq-len 2048 --micro-batch-size 8 --steps 60
+    torchrun --standalone --nproc-per-node 1 benchmarks/plain_colossalai_train.py --smoke   # CPU, seconds
 
 No Prefect, no job file, no checkpoints, no data pipeline: `from_pretrained` of the base model (fp32,
-cast by the plugin), the plugin built with the arguments `tasks/engine/plugins.make_plugin` uses
+cast by the plugin), the plugin built with the arguments `tasks/engine/builders.make_plugin` uses
 (so the comparison measures orchestration, not kernel choices), AdamW with the stage's
 hyper-parameters under a LambdaLR warm-up + cosine, and random token ids of the stage's shape
 (the data's content does not change the work). One `@@progress` line per step in the engine's
@@ -15,6 +16,8 @@ which synchronizes the device every step as the engine's loss all-reduce does.
 
 On a machine without CUDA (gpu_check.py --dry-run) it first applies `tasks.engine.cpu_compat`, the
 same patches the engine applies there; that is its only project import, and only on CPU.
+`--smoke` (no --model needed) writes the demo's tiny random Llama to a temporary directory
+(`tasks.core.models.demo`) and runs 3 short steps of the same loop: it checks the script runs.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
+    p.add_argument("--model", help="HF model directory (config.json + safetensors); required unless --smoke")
     p.add_argument("--plugin", choices=["hybrid_parallel", "torch_ddp"], default="hybrid_parallel")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--zero-stage", type=int, default=1)
@@ -45,7 +48,25 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95))
     p.add_argument("--token-vocab", type=int, default=None, help="draw token ids below this (default: the model's vocab_size)")
     p.add_argument("--seed", type=int, default=1234)
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="a tiny random model in a temp dir, 3 steps of 2 x 64 tokens: checks the script runs")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.steps, args.seq_len, args.micro_batch_size, args.warmup_steps = 3, 64, 2, 1
+    elif not args.model:
+        p.error("--model is required (or --smoke)")
+    return args
+
+
+def smoke_model() -> str:
+    """The demo's tiny random Llama in a temp dir (each rank its own: nothing to coordinate)."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+
+    out = Path(tempfile.mkdtemp(prefix="plain-smoke-")) / "tiny-llama"
+    build_tiny_model(out, build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
+    return str(out)
 
 
 def make_plugin(args: argparse.Namespace, cuda: bool):
@@ -67,6 +88,8 @@ def make_plugin(args: argparse.Namespace, cuda: bool):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.smoke:
+        args.model = smoke_model()
     import torch
 
     cuda = torch.cuda.is_available()
@@ -140,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"plain: done, {tokens} tokens in {time.monotonic() - started:.1f}s", flush=True)
     dist.destroy_process_group()
+    if args.smoke:
+        import shutil
+
+        shutil.rmtree(Path(args.model).parent, ignore_errors=True)
     return 0
 
 

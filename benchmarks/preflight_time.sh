@@ -2,6 +2,7 @@
 # Wall time of `python -m flows.cpt_to_sft --config FILE --check`, imports included (target < 10 s).
 #
 #   benchmarks/preflight_time.sh [CONFIG]        # default: deployments/configs/tiny-cpu.yaml
+#   benchmarks/preflight_time.sh --smoke [CONFIG] # one run each instead of three: checks the script runs
 #
 # Times three runs each of a failing pre-flight (the config with its SFT seq_len over the model's
 # max positions and a missing CPT data file) and of the config as given (which passes once
@@ -11,6 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+RUNS=3
+if [ "${1:-}" = "--smoke" ]; then RUNS=1; shift; fi
 CFG=${1:-deployments/configs/tiny-cpu.yaml}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
@@ -24,7 +27,7 @@ PYEOF
 
 run() {  # $1 label, $2 config, $3 expected rc
   local times=() rc
-  for _ in 1 2 3; do
+  for _ in $(seq "$RUNS"); do
     local t0=$(date +%s.%N)
     set +e; "$PY" -m flows.cpt_to_sft --config "$2" --run-root "$TMP/run" --check >"$TMP/out" 2>&1; rc=$?; set -e
     times+=("$(echo "$(date +%s.%N) - $t0" | bc)")
@@ -32,7 +35,7 @@ run() {  # $1 label, $2 config, $3 expected rc
   if grep -q "unrecognized arguments: --check" "$TMP/out"; then
     echo "flows/cpt_to_sft.py has no --check yet (see tasks/preflight.py: run_check_cli)"; exit 2
   fi
-  local median=$(printf '%s\n' "${times[@]}" | sort -n | sed -n 2p)
+  local median=$(printf '%s\n' "${times[@]}" | sort -n | sed -n "$(( (RUNS + 1) / 2 ))p")
   printf '%-8s rc=%s (expected %s)  median wall %.2f s  runs: %s\n' "$1" "$rc" "$3" "$median" "${times[*]}"
   head -3 "$TMP/out" | sed 's/^/         | /'
 }

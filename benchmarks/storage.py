@@ -15,6 +15,7 @@ server CPU) / cores. Where the server burns most of the CPU (weed mini: ~12 CPU 
 half of it MD5 for ETags), no client can beat that floor, and a sequential put that already keeps
 the cores mostly busy is close to it.
 
+    .venv/bin/python benchmarks/storage.py --smoke          # 20 MB, one round: a few seconds, same table
     .venv/bin/python benchmarks/storage.py --size-gb 1
     .venv/bin/python benchmarks/storage.py --size-gb 0.5 --repeats 3 --workers 8 --part-mb 16
 """
@@ -88,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=8, help="RunStore parts in flight")
     p.add_argument("--part-mb", type=int, default=16, help="RunStore multipart part size")
     p.add_argument("--workdir", default=None, help="where the checkpoint, copies and the S3 data live (default: a temp dir)")
+    p.add_argument("--smoke", action="store_true", help="20 MB in 2 shards, 5 MB parts (still multipart), one round: checks the script runs")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.size_gb, a.shards, a.repeats, a.part_mb = 0.02, 2, 1, 5
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="storage-bench-"))
     work.mkdir(parents=True, exist_ok=True)
