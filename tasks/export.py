@@ -25,7 +25,7 @@ from tasks.core.models.folder import folder_problems
 from tasks.core.models.hf_artifact import VERIFICATION, build_hf_dir
 from tasks.core.models.stop_tokens import describe
 from tasks.core.run.stages import TRAINING
-from tasks.stage import Stage, StageResult, stage_digest, stage_task
+from tasks.stage import Stage, StageResult, stage_task
 
 VERSIONED = ("torch", "colossalai", "transformers", "safetensors", "huggingface_hub")
 
@@ -67,7 +67,7 @@ def _verification_markdown(v: dict) -> str:
 
 @stage_task(name="export", task_run_name="export HF safetensors [{cfg.export.dtype}]")
 def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
-    stage = Stage("export", cfg, stage_digest("export", cfg.export, sft.digest))
+    stage = Stage("export", cfg, sft)
     if stage.skipped:
         return stage.result
     ckpt, source = stage.store.stage_in(sft.rel), stage.store.stage_in(TRAINING["sft"].source)
