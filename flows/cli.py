@@ -147,9 +147,11 @@ def recompute_fingerprint(art: Path, manifest: dict[str, Any]) -> str:
 
 def verify(path: str, fingerprints: bool = True) -> int:
     """Every artifact (a directory with manifest.json) at or under `path`: files, sizes, sha256,
-    and, for HF-format artifacts with a fingerprint, the logits recomputed. One line per
+    the model-folder rule (no stray `*.safetensors`, no adapter beside merged weights, listed or
+    not), and, for HF-format artifacts with a fingerprint, the logits recomputed. One line per
     artifact; 1 if any fails."""
     from tasks.core.errors import ManifestError
+    from tasks.core.models.folder import folder_problems
     from tasks.core.run.manifest import MANIFEST, manifest_digest, verify_artifact
 
     root = Path(path)
@@ -165,6 +167,9 @@ def verify(path: str, fingerprints: bool = True) -> int:
     for art in roots:
         try:
             m = verify_artifact(art, deep=True)
+            strays = folder_problems(art)  # files the manifest does not list are judged too: a loader globs the folder
+            if strays:
+                raise ManifestError("; ".join(strays))
             fp = recompute_fingerprint(art, m) if fingerprints else ("fingerprint not recomputed" if m.get("fingerprint") else "no fingerprint")
         except (ManifestError, ValueError, OSError) as exc:
             failed += 1

@@ -27,7 +27,7 @@ from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, load_config
 from tasks.core.errors import ConfigError
 from tasks.core.run.lease import Lease, LeaseHeld, break_lease, describe
-from tasks.core.run.stages import DONE, STAGE, STAGE_NAMES, Status
+from tasks.core.run.stages import DONE, RUN_JSON, STAGE, STAGE_NAMES, Status
 from tasks.core.storage.fs import fetch_to_local
 from tasks.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back, recorded_metrics
 from tasks.export import export_hf
@@ -218,7 +218,7 @@ def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: floa
         "gate": ({"status": str(verdict.status), **verdict.detail} if verdict and verdict.status != Status.FAILED else {"status": str(verdict.status if verdict else Status.NOT_RUN)}),
         "hub": (push.detail if push and push.status == Status.COMPLETED else {"status": str(push.status if push else Status.NOT_RUN), **(push.detail if push else {})}),
     }
-    store.write_text("run.json", json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    store.write_text(RUN_JSON, json.dumps(summary, indent=2, sort_keys=True) + "\n")
     try:
         ui.stage_table(stages)
     except Exception as exc:  # a view only: run.json above is the record

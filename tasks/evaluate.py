@@ -26,13 +26,13 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from tasks import tracking, ui
-from tasks.core.config.schema import RunConfig, digest
+from tasks.core.config.schema import RunConfig
 from tasks.core.data.prepared import heldout_records, split_info, write_jsonl
 from tasks.core.evaluation import heldout as ev
 from tasks.core.run.stages import Status
 from tasks.core.storage.fs import RunStore
 from tasks.prepare_data import prepared_dir
-from tasks.stage import Stage, StageResult, stage_digest, stage_task
+from tasks.stage import Stage, StageResult, stage_task
 
 EVAL_TABLE_KEY = "cpt-to-sft-evaluation"
 
@@ -53,21 +53,12 @@ def _not_configured(stage: str, which: str) -> StageResult:
     return StageResult(stage, Status.NOT_CONFIGURED, detail={"reason": f"{which}.eval has no held-out set"})
 
 
-def _eval_digest(cfg: RunConfig, stage: str, extra: dict[str, Any], *parents: StageResult) -> str:
-    st = getattr(cfg, stage)
-    section = {
-        "eval": st.eval.model_dump(mode="json"), "data": st.data.model_dump(mode="json"), "seq_len": st.seq_len,
-        "trust_remote_code": cfg.base_model.trust_remote_code, **extra,
-    }
-    return stage_digest(f"evaluate_{stage}", section, digest([p.digest for p in parents]))
-
-
 @stage_task(name="evaluate_cpt", task_run_name="evaluate CPT: base vs CPT held-out perplexity")
 def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult) -> StageResult:
     logger = get_run_logger()
     if not cfg.cpt.eval.enabled:
         return _not_configured("evaluate_cpt", "cpt")
-    stage = Stage("evaluate_cpt", cfg, _eval_digest(cfg, "cpt", {}, base, bridge))
+    stage = Stage("evaluate_cpt", cfg, base, bridge)
     store = stage.store
     if stage.skipped:
         return _with_metrics(stage.result, store)
@@ -97,7 +88,7 @@ def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult) -> St
     if not cfg.sft.eval.enabled:
         return _not_configured("evaluate_sft", "sft")
     g = cfg.gate
-    stage = Stage("evaluate_sft", cfg, _eval_digest(cfg, "sft", {"generation": g.generation_section()}, bridge, export))
+    stage = Stage("evaluate_sft", cfg, bridge, export)
     store = stage.store
     if stage.skipped:
         return _with_metrics(stage.result, store)

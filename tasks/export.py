@@ -20,10 +20,12 @@ from prefect import get_run_logger
 from tasks import ui
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.prepared import recorded_split
+from tasks.core.errors import ConversionError
+from tasks.core.models.folder import folder_problems
 from tasks.core.models.hf_artifact import VERIFICATION, build_hf_dir
 from tasks.core.models.stop_tokens import describe
 from tasks.core.run.stages import TRAINING
-from tasks.stage import Stage, StageResult, stage_digest, stage_task
+from tasks.stage import Stage, StageResult, stage_task
 
 VERSIONED = ("torch", "colossalai", "transformers", "safetensors", "huggingface_hub")
 
@@ -65,7 +67,7 @@ def _verification_markdown(v: dict) -> str:
 
 @stage_task(name="export", task_run_name="export HF safetensors [{cfg.export.dtype}]")
 def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
-    stage = Stage("export", cfg, stage_digest("export", cfg.export, sft.digest))
+    stage = Stage("export", cfg, sft)
     if stage.skipped:
         return stage.result
     ckpt, source = stage.store.stage_in(sft.rel), stage.store.stage_in(TRAINING["sft"].source)
@@ -75,6 +77,9 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
             weights_dtype=cfg.sft.plugin.precision, rtol=cfg.export.fingerprint_rtol, align_stop_tokens=cfg.export.align_stop_tokens,
         )
         v = built["verification"]
+        problems = folder_problems(out.dir)  # the rule verify, push and pre-flight apply to this folder later
+        if problems:
+            raise ConversionError("export: " + "; ".join(problems))
         get_run_logger().info("export: %s", describe(v["stop_tokens"]))
         (out.dir / VERIFICATION).write_text(json.dumps(v, indent=2, sort_keys=True) + "\n")
         out.manifest(

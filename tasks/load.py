@@ -29,7 +29,7 @@ from tasks.core.models.convert import PICKLE_INDEX_NAME, convert_checkpoint
 from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
 from tasks.core.run.manifest import sha256_file
 from tasks.core.storage.fs import fetch_tree, filesystem, is_local
-from tasks.stage import Stage, StageResult, stage_digest, stage_task, token
+from tasks.stage import Stage, StageResult, stage_task, token
 
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 PICKLE_PATTERNS = ["*.bin", "*.bin.index.json", "*.pt", "*.pth"]
@@ -129,7 +129,7 @@ def _transient(task, task_run, state) -> bool:
 @stage_task(name="load_from_hf", retries=2, retry_delay_seconds=15, retry_condition_fn=_transient, task_run_name="load_from_hf")
 def load_from_hf(cfg: RunConfig) -> StageResult:
     logger = get_run_logger()
-    stage = Stage("load_from_hf", cfg, stage_digest("load", cfg.base_model, None))
+    stage = Stage("load_from_hf", cfg)
     if stage.skipped:
         return stage.result
     with stage.build() as out:

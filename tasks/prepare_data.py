@@ -41,10 +41,8 @@ from tasks.core.data.prepared import HELDOUT_SET
 from tasks.core.data.reader import INDEX
 from tasks.core.data.records import iter_file_records
 from tasks.core.data.shard import ShardSpec, read_summary, shard_dir, tokenize_file
-from tasks.core.run.stages import PREPARE, STAGE
-from tasks.stage import Stage, StageResult, stage_digest, stage_task, store_for
-
-CACHE = "data-cache"  # <staging>/data-cache/<stage>/: shards kept across failures and re-runs
+from tasks.core.run.stages import DATA_CACHE, PREPARE, STAGE
+from tasks.stage import Stage, StageResult, stage_task, store_for
 
 
 def _share_api_with_workers() -> None:
@@ -135,18 +133,14 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     name = PREPARE[stage]
     store = store_for(cfg)
     tok_dir = store.local_path(source.rel) if store.local else store.stage_in(source.rel)
-    cache = store.staging / CACHE / stage
+    cache = store.staging / DATA_CACHE / stage
     d = st_cfg.data
     p = prep.plan(
         [resolve_local(u) for u in d.uris], tok_dir, cache, kind=stage, field=d.text_field if stage == "cpt" else d.messages_field, seq_len=st_cfg.seq_len,
         heldout_fraction=0.0 if st_cfg.eval.heldout_uri else st_cfg.eval.heldout_fraction, heldout_uri=resolve_local(st_cfg.eval.heldout_uri) if st_cfg.eval.heldout_uri else None,
         on_bad_record=d.on_bad_record, max_bad_records=d.max_bad_records, max_record_chars=d.max_record_chars,
     )
-    section = {
-        "data": d.shard_section(), "split": st_cfg.eval.split_section(), "seq_len": st_cfg.seq_len,
-        "spec": p.spec.key_fields(), "inputs": [f.to_json() for f in p.inputs],
-    }
-    st = Stage(name, cfg, stage_digest(name, section, None))
+    st = Stage(name, cfg, inputs={"spec": p.spec.key_fields(), "files": [f.to_json() for f in p.inputs]})
     if st.skipped:
         return st.result
     shards = cache / "shards"

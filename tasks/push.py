@@ -9,9 +9,10 @@ the Hub already holds are not sent again (the LFS batch API answers that they ex
 of an unchanged export makes no commit at all. Uploads are retried (transient I/O); the Hub only
 moves the branch when the commit lands, so a push that cannot finish leaves the repo as it was.
 
-A `.safetensors` file that is not a weight shard of the
-model is refused, and one an earlier push left in the repo is deleted in the same commit, so no
-serving engine meets a tensor that is no parameter.
+A `.safetensors` file that is not a weight shard of the model, or an adapter beside the merged
+weights, is refused (the folder rule verify and pre-flight apply too: `tasks.core.models.folder`),
+and a `.safetensors` an earlier push left in the repo is deleted in the same commit, so no serving
+engine meets a tensor that is no parameter.
 
 The token comes from HF_TOKEN in the worker's environment, the Prefect Secret block `hf-token`, or
 the token `hf auth login` saved (in that order, `tasks.core.hub.repo.hub_token`) — never from
@@ -23,7 +24,6 @@ another Hub (the tests run their own). Without `hub:` in the config the stage is
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +35,7 @@ from tasks import ui
 from tasks.core.config.schema import HubConfig, RunConfig
 from tasks.core.hub.card import model_card, train_facts
 from tasks.core.hub.repo import SECRET_BLOCK
-from tasks.core.models.convert import SAFE_INDEX_NAME, SAFE_WEIGHTS_NAME
+from tasks.core.models.folder import folder_problems
 from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR, read_manifest
 from tasks.core.run.stages import EXPORT, Status
 from tasks.stage import StageResult, store_for, token
@@ -45,18 +45,11 @@ CARD = "README.md"
 
 def files_to_push(export_dir: Path, manifest: dict[str, Any], provenance: bool = True) -> list[str]:
     """The model files of the export (plus its provenance subfolder when asked), never a stray
-    `*.safetensors`: with an index only its shards, else only `model.safetensors`."""
+    `*.safetensors` nor an adapter: the model-folder rule of `tasks.core.models.folder`."""
     names = sorted(manifest["files"])
-    index = export_dir / SAFE_INDEX_NAME
-    weights = set(json.loads(index.read_text())["weight_map"].values()) if SAFE_INDEX_NAME in names else {SAFE_WEIGHTS_NAME}
-    stray = [n for n in names if n.endswith(".safetensors") and n not in weights]
-    if stray:
-        raise RuntimeError(
-            f"push_to_hub: {export_dir} holds {', '.join(stray)}: a .safetensors file that is not a weight shard of the model "
-            "(serving engines load every *.safetensors without an index and would fail); re-run the export stage"
-        )
-    if not weights <= set(names):
-        raise RuntimeError(f"push_to_hub: {export_dir} lacks weight file(s) {sorted(weights - set(names))}; re-run the export stage")
+    problems = folder_problems(export_dir, names)
+    if problems:
+        raise RuntimeError("push_to_hub: " + "; ".join(problems))
     model = [n for n in names if not n.startswith(PROVENANCE_DIR + "/") and n != CARD]
     return model + ([n for n in names if n.startswith(PROVENANCE_DIR + "/")] + [MANIFEST] if provenance else [])
 

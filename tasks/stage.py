@@ -3,15 +3,16 @@
     python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # every stage goes through here
 
 The skip rule (README, "Re-runs and retries"): a stage is skipped when its artifact's manifest
-verifies AND records the config digest the stage would produce now. A stage's digest covers its
-own config section and its parent artifact's manifest digest, so changing a stage's config re-runs
-that stage and, through the chain of parent digests, everything downstream.
+verifies AND records the config digest the stage would produce now. `Stage` computes that digest
+one way for every stage (tasks/core/run/digest.py) from the config fields its StageSpec declares
+and its parents' content digests (their files and config digests, not their manifests' bytes), so
+changing a stage's config re-runs that stage and, through the chain of parents, everything downstream.
 
 A stage task body is its real work:
 
     @stage_task(name="unshard")
     def unshard(cfg, cpt):
-        st = Stage("unshard", cfg, stage_digest("unshard", {}, cpt.digest))
+        st = Stage("unshard", cfg, cpt)           # the declared parents' results
         if st.skipped:
             return st.result
         with st.build() as out:                   # <artifact>.tmp-build, swapped in on success
@@ -40,15 +41,16 @@ from prefect.states import Completed, State
 
 from tasks import ui
 from tasks.core.config.paths import resolve_local
-from tasks.core.config.schema import RunConfig, digest
+from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ManifestError
 from tasks.core.hub.repo import SECRET_BLOCK, hub_token
+from tasks.core.run.digest import config_digest, content_digest
 from tasks.core.run.manifest import MANIFEST, write_manifest
-from tasks.core.run.stages import STAGE, Status
+from tasks.core.run.stages import BUILD_SUFFIX, STAGE, Status
 from tasks.core.storage.fs import RunStore
 from tasks.core.storage.publisher import RETRIES, publish_retrying
 
-__all__ = ["Stage", "StageResult", "completed", "fresh_dir", "outcome", "resolve_local", "secret_token", "stage_digest", "stage_task", "store_for", "token"]
+__all__ = ["Stage", "StageResult", "completed", "fresh_dir", "outcome", "resolve_local", "secret_token", "stage_task", "store_for", "token"]
 
 
 @dataclass
@@ -71,10 +73,6 @@ def store_for(cfg: RunConfig) -> RunStore:
     return RunStore(cfg.run_uri, staging_dir=cfg.staging_dir)
 
 
-def stage_digest(stage: str, section: Any, parent_digest: str | None) -> str:
-    return digest({"stage": stage, "config": section.model_dump(mode="json") if hasattr(section, "model_dump") else section, "parent": parent_digest})
-
-
 def completed(store: RunStore, rel: str, config_digest: str) -> dict[str, Any] | None:
     """The manifest if `rel` exists, verifies and was made from this exact config; else None."""
     logger = get_run_logger()
@@ -94,7 +92,7 @@ def completed(store: RunStore, rel: str, config_digest: str) -> dict[str, Any] |
 @contextmanager
 def fresh_dir(path: Path) -> Iterator[Path]:
     """Build an artifact in `path.tmp-build`, then swap it into place; a failure leaves the old one."""
-    tmp = path.with_name(path.name + ".tmp-build")
+    tmp = path.with_name(path.name + BUILD_SUFFIX)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -122,16 +120,34 @@ class _Output:
 
 
 class Stage:
-    """One run of one stage: its artifact under the run root, its digest, its timing."""
+    """One run of one stage: its artifact under the run root, its digest, its timing.
 
-    def __init__(self, name: str, cfg: RunConfig, config_digest: str, rel: str | None = None):
+    `parents` are the results of the stages its StageSpec names in `parents` (or, for a stage that
+    `continues` another, that stage's result); `inputs` the run-time facts its digest also covers.
+    """
+
+    def __init__(self, name: str, cfg: RunConfig, *parents: StageResult, inputs: Any = None, rel: str | None = None):
         spec = STAGE[name]
-        self.name, self.cfg, self.digest = name, cfg, config_digest
+        self.name, self.cfg = name, cfg
         self.rel = rel or spec.artifact
         self.store = store_for(cfg)
         self.started = time.monotonic()
+        self.digest = self._config_digest(parents, inputs)
         self.result: StageResult | None = None
         self._skip_checked = False
+
+    def _config_digest(self, parents: tuple[StageResult, ...], inputs: Any) -> str:
+        spec = STAGE[self.name]
+        for p in parents:
+            if p.rel is None:
+                raise ValueError(f"{self.name}: parent {p.stage} has no artifact ({p.status}); a stage digest is made from its parents' artifacts")
+        if spec.continues:
+            # Training continues the digest its starting checkpoint was made with (config + parents).
+            (start,) = parents
+            if start.stage != spec.continues:
+                raise ValueError(f"{self.name} continues {spec.continues}, not {start.stage}")
+            return self.store.read_manifest(start.rel)["config_digest"]
+        return config_digest(self.cfg, self.name, {p.stage: content_digest(self.store.read_manifest(p.rel)) for p in parents}, inputs)
 
     @property
     def uri(self) -> str:

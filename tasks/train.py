@@ -23,12 +23,12 @@ from tasks.core.launch.backends import BACKENDS
 from tasks.core.launch.torchrun import run_engine
 from tasks.core.run.events import BACKPRESSURE, CHECKPOINT
 from tasks.core.run.job import Job, NodeStaging, Parent
-from tasks.core.run.stages import PREPARE, STAGE, TRAINING
+from tasks.core.run.stages import PREPARE, STAGE, TRAIN_STATE, TRAINING, is_step_name, job_file, loss_curve_rel
 from tasks.core.storage.fs import RunStore
 from tasks.core.storage.handshake import manifest_sha256, mark_published
 from tasks.core.storage.publisher import BACKOFF_S, RETRIES, Publisher, retain_remote, unpublished_steps
 from tasks.prepare_data import prepared_dir
-from tasks.stage import Stage, StageResult, stage_digest, stage_task, store_for
+from tasks.stage import Stage, StageResult, stage_task, store_for
 
 # A failed checkpoint upload is retried this many times, backing off from PUBLISH_BACKOFF_S
 # (doubling, at most 30 s): about a minute in all, then the stage fails naming the checkpoint.
@@ -36,22 +36,11 @@ PUBLISH_RETRIES = RETRIES
 PUBLISH_BACKOFF_S = BACKOFF_S
 
 
-def stage_config_digest(cfg: RunConfig, stage: str, parent_digest: str, data_digest: str | None) -> str:
-    # Of the evaluation settings only the held-out split changes what the stage trains on;
-    # batch size, dtype etc. of the evaluation must not re-train anything, nor does where the data
-    # was tokenized. The prepared data's manifest digest stands for the corpus itself (a file
-    # added to a directory changes it, while the config does not change).
-    st = getattr(cfg, stage)
-    # max_pending_publishes only paces uploads; the trained weights do not depend on it.
-    section = {**st.model_dump(mode="json", exclude={"max_pending_publishes"}), "data": st.data.shard_section(), "eval": st.eval.split_section(), "prepared_data": data_digest}
-    return stage_digest(stage, section, parent_digest)
-
-
 def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:
     """Checkpoints made from another config/parent must not be resumed: move the stage dir aside."""
     logger = get_run_logger()
     for name in store.listdir(stage):
-        if not name.startswith("step-"):
+        if not is_step_name(name):
             continue
         try:
             foreign = store.read_manifest(f"{stage}/{name}").get("config_digest") != cdigest
@@ -98,13 +87,15 @@ def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageRe
 
 def _launch(cfg: RunConfig, store: RunStore, job: Job, **kwargs: Any) -> None:
     st = job.stage_cfg
-    path = store.staging / "jobs" / f"{job.stage}-{job.verb}.json"
+    path = store.staging / job_file(job.stage, job.verb)
     run_engine(job.verb, job, path, st.launch, f"{cfg.name}-{job.stage}-{job.verb}", get_run_logger(), **kwargs)
 
 
 def _shard(cfg: RunConfig, stage: str, parent: StageResult, data: StageResult, task_name: str) -> StageResult:
-    cdigest = stage_config_digest(cfg, stage, parent.digest, data.digest)
-    st = Stage(task_name, cfg, cdigest, rel=TRAINING[stage].step(0))
+    # The prepared data's content stands for the corpus itself (a file added to a directory
+    # changes it, while the config does not change).
+    st = Stage(task_name, cfg, parent, data, rel=TRAINING[stage].step(0))
+    cdigest = st.digest
     if st.skipped:
         return st.result
     _supersede_foreign(st.store, stage, cdigest)
@@ -130,9 +121,8 @@ def reboost(cfg: RunConfig, bridge: StageResult, data: StageResult) -> StageResu
 def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
     st = getattr(cfg, stage)
     store = store_for(cfg)
-    # Training continues the digest its starting checkpoint was made with (config + parent).
-    cdigest = store.read_manifest(start.rel)["config_digest"]
-    run = Stage(f"train_{stage}", cfg, cdigest, rel=TRAINING[stage].step(st.max_steps))
+    run = Stage(f"train_{stage}", cfg, start, rel=TRAINING[stage].step(st.max_steps))  # start's digest, carried on
+    cdigest = run.digest
     if run.skipped:
         return run.result
     job = _job(cfg, store, stage, "train", start, cdigest)
@@ -174,16 +164,16 @@ def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
             mlflow_run.close(status="FAILED" if failed else "FINISHED")
     if job.nodes is not None:
         store.stage_in(run.rel)
-    state = json.loads((store.local_path(run.rel) / "train_state.json").read_text())
+    state = json.loads((store.local_path(run.rel) / TRAIN_STATE).read_text())
     losses = [float(x) for x in state.get("losses", [])]
     # Beside the stage's checkpoints, in the run root itself (S3 included), not only in staging.
-    ui.loss_curve(stage, losses, store.uri(f"{stage}/loss-curve.png"))
+    ui.loss_curve(stage, losses, store.uri(loss_curve_rel(stage)))
     final = losses[-1] if losses else None
     return run.done({"steps": st.max_steps, "first_loss": losses[0] if losses else None, "final_loss": final}, event={"final_loss": final})
 
 
 def _stage_in_latest(store: RunStore, stage: str) -> None:
-    names = sorted((n for n in store.listdir(stage) if n.startswith("step-")), reverse=True)
+    names = sorted((n for n in store.listdir(stage) if is_step_name(n)), reverse=True)
     for name in names:
         try:
             local = store.stage_in(f"{stage}/{name}")

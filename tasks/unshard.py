@@ -10,12 +10,12 @@ from tasks.core.config.schema import RunConfig
 from tasks.core.data.prepared import recorded_split
 from tasks.core.models.hf_artifact import build_hf_dir
 from tasks.core.run.stages import BASE, TRAINING
-from tasks.stage import Stage, StageResult, stage_digest, stage_task
+from tasks.stage import Stage, StageResult, stage_task
 
 
 @stage_task(name="unshard", task_run_name="unshard CPT -> HF")
 def unshard(cfg: RunConfig, cpt: StageResult) -> StageResult:
-    stage = Stage("unshard", cfg, stage_digest("unshard", {}, cpt.digest), rel=TRAINING["cpt"].hf)
+    stage = Stage("unshard", cfg, cpt, rel=TRAINING["cpt"].hf)
     if stage.skipped:
         return stage.result
     ckpt, source = stage.store.stage_in(cpt.rel), stage.store.stage_in(BASE)

@@ -105,7 +105,10 @@ def test_prepared_data_holds_the_split_and_refuses_another_tokenizer(tmp_path, t
 
 
 def test_training_digest_changes_with_the_split_only(tiny_model_dir, tmp_path):
-    from tasks.train import stage_config_digest
+    from tasks.core.run.digest import config_digest
+
+    def stage_config_digest(cfg, stage, parent, data):  # the digest of boost_and_shard, carried on by train_cpt
+        return config_digest(cfg, "boost_and_shard", {"load_from_hf": parent, "prepare_cpt": data})
 
     raw = tiny_config_raw(tiny_model_dir, tmp_path)
     d0 = stage_config_digest(parse_config(raw), "cpt", "p", "d")
@@ -115,7 +118,7 @@ def test_training_digest_changes_with_the_split_only(tiny_model_dir, tmp_path):
     assert stage_config_digest(parse_config(raw), "cpt", "p", "d") != d0
     raw["gate"] = {"enabled": False}
     assert stage_config_digest(parse_config(raw), "cpt", "p", "d") == stage_config_digest(parse_config({**raw, "gate": {}}), "cpt", "p", "d")
-    # Where the data was tokenized never re-trains; the prepared data itself (its manifest) does.
+    # Where the data was tokenized never re-trains; the prepared data itself (its content) does.
     d1 = stage_config_digest(parse_config(raw), "cpt", "p", "d")
     raw["cpt"]["data"] = {**raw["cpt"]["data"], "tokenize": {"local_cluster": {"n_workers": 2}}}
     assert stage_config_digest(parse_config(raw), "cpt", "p", "d") == d1

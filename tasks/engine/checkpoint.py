@@ -44,17 +44,16 @@ from safetensors.torch import load_file, save_file
 
 from tasks.core.errors import ManifestError
 from tasks.core.run.manifest import MANIFEST, fsync_dir, verify_artifact
-from tasks.core.run.stages import STEP_RE, step_name, tmp_step_name
+from tasks.core.run.stages import STEP_RE, TRAIN_STATE, step_name, tmp_step_name
 from tasks.core.storage.handshake import is_published
 
-# step_name is re-exported: the engine names its checkpoints through this module.
+# step_name and TRAIN_STATE are re-exported: the engine names its checkpoints through this module.
 __all__ = [
     "KIND", "TRAIN_STATE", "ResumePoint", "capture_rng", "check_checkpoint", "commit", "find_resume", "list_steps",
     "read_train_state", "remove_leftovers", "restore_rng", "retain", "step_name", "tmp_name", "write_json", "write_rng",
 ]
 
 KIND = "colossalai-checkpoint"
-TRAIN_STATE = "train_state.json"
 tmp_name = tmp_step_name  # the engine's name for it
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.data.reader import INDEX
+from tasks.core.run.stages import split_rel
 from tasks.core.storage.fs import RunStore
 
-SPLIT_FILE = "data-split.json"  # beside the stage's checkpoints: <run_root>/<stage>/data-split.json
 HELDOUT_SET = "heldout.jsonl"  # eval.heldout_uri's records, at the root of data/<stage>/
 
 
@@ -88,12 +88,12 @@ def heldout_records(data_dir: Path) -> list[dict]:
 
 def record_split(store: RunStore, stage: str, info: dict[str, Any]) -> None:
     """Keep the split record in the run root beside the stage's checkpoints (S3 included)."""
-    store.write_text(f"{stage}/{SPLIT_FILE}", json.dumps(info, indent=2, sort_keys=True) + "\n")
+    store.write_text(split_rel(stage), json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 
 def recorded_split(store: RunStore, stage: str) -> dict[str, Any] | None:
     """The split the stage trained with, for the manifests of the artifacts made from it."""
     try:
-        return json.loads(store.read_text(f"{stage}/{SPLIT_FILE}"))
+        return json.loads(store.read_text(split_rel(stage)))
     except Exception:  # no readable split record: the artifact's manifest says data_split null rather than failing
         return None

@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.config.schema import RunConfig
-from tasks.core.data.prepared import SPLIT_FILE
 from tasks.core.evaluation.heldout import eval_results_for_card, metrics_table
 from tasks.core.hub.repo import hub_dataset_id, is_hub_id
 from tasks.core.run.manifest import MANIFEST
-from tasks.core.run.stages import TRAINING
+from tasks.core.run.stages import TRAIN_STATE, TRAINING, split_rel
 
 STAGES = ("cpt", "sft")
 
@@ -37,7 +36,7 @@ def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[st
             fact["final_loss"] = float(r.detail["final_loss"])
         if read_text is not None:
             try:
-                state = json.loads(read_text(f"{TRAINING[stage].step(steps)}/train_state.json"))
+                state = json.loads(read_text(f"{TRAINING[stage].step(steps)}/{TRAIN_STATE}"))
                 losses = state.get("losses") or []
                 if fact["final_loss"] is None and losses:
                     fact["final_loss"] = float(losses[-1])
@@ -45,7 +44,7 @@ def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[st
             except Exception:
                 pass
             try:
-                fact["split"] = json.loads(read_text(f"{stage}/{SPLIT_FILE}"))
+                fact["split"] = json.loads(read_text(split_rel(stage)))
             except Exception:
                 pass
         facts[stage] = fact

@@ -23,6 +23,7 @@ from typing import Any
 
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.errors import ManifestError
+from tasks.core.models.folder import folder_problems
 from tasks.core.preflight.model_info import DTYPE_BYTES, estimate_parameters
 from tasks.core.preflight.report import CheckContext
 from tasks.core.run.manifest import MANIFEST, artifact_of, inside_artifact, safe_relpath
@@ -65,7 +66,8 @@ def check_run_root(ctx: CheckContext) -> None:
 
 def _check_existing_manifests(ctx: CheckContext, store: Any) -> None:
     """Artifacts already under the run root (a resume) are untrusted: every manifest path must
-    stay inside its artifact. Only names and link targets are read here, never file contents."""
+    stay inside its artifact, and a model folder keeps the folder rule (`tasks.core.models.folder`).
+    Only names, link targets and a weight index are read here, never weights."""
     fs, root = store.fs, store.root.rstrip("/")
     found = []
     for depth in ("*", "*/*"):
@@ -97,8 +99,17 @@ def _check_existing_manifests(ctx: CheckContext, store: Any) -> None:
                 bad += 1
                 ctx.problem(where, f"{str(exc).removeprefix(where + ': ')}. Refusing to trust this artifact: move it aside or delete {store.uri(rel_art)}")
                 break
+        else:
+            # The model-folder rule verify and push apply: a stray *.safetensors (listed or not) would be served as weights.
+            try:
+                strays = folder_problems(Path(art), require_weights=False) if store.local else []
+            except ValueError as exc:  # an unreadable weight index
+                strays = [str(exc)]
+            bad += bool(strays)
+            for msg in strays:
+                ctx.problem(where, msg)
     if found and not bad:
-        ctx.ok(f"existing artifacts under the run root: {len(found)} manifest(s), every listed path stays inside its artifact")
+        ctx.ok(f"existing artifacts under the run root: {len(found)} manifest(s), every listed path stays inside its artifact, no stray weight file")
 
 
 def estimate_local_bytes(cfg: RunConfig, mc: dict[str, Any], local_run_root: bool) -> tuple[int, str] | None:

@@ -21,9 +21,9 @@ import time
 import uuid
 from typing import Any, Self
 
+from tasks.core.run.stages import LEASE
 from tasks.core.storage.fs import RunStore
 
-LEASE = ".lease.json"
 DEFAULT_TTL_S = 600.0
 HEARTBEAT_S = 60.0
 

@@ -1,22 +1,30 @@
 """The run layout and the stage list, as data: what each stage is called, where its artifact
-lives under the run root, what it reads, and how checkpoints are named.
+lives under the run root, what it reads, what its config digest covers, and how checkpoints are named.
 
-    python -c "from tasks.core.run.stages import STAGES; print([(s.name, s.artifact) for s in STAGES])"
+    python -c "from tasks.core.run.stages import STAGES; print([(s.name, s.artifact, s.digest) for s in STAGES])"
 
-Read by the flow (order, stage table, failure URIs), every stage task (its artifact directory and
-its source), the engine (checkpoint names) and the push (the final checkpoint of each training
-stage). No run-directory literal is spelled anywhere else.
+Read by the flow (order, stage table, failure URIs), every stage task (its artifact directory, its
+source, its digest fields through `tasks.core.run.digest`), the engine (checkpoint names) and the
+push (the final checkpoint of each training stage). No run-directory literal is spelled anywhere else.
 
     <run_root>/run.json
+    <run_root>/.lease.json              the one writer's lease (tasks/core/run/lease.py)
     <run_root>/base/                    load_from_hf
     <run_root>/data/cpt/                prepare_cpt: token shards, index.json, held-out records
     <run_root>/data/sft/                prepare_sft
-    <run_root>/cpt/step-NNNNNN/         boost_and_shard (step 0), train_cpt
+    <run_root>/cpt/step-NNNNNN/         boost_and_shard (step 0), train_cpt; train_state.json in each
+    <run_root>/cpt/data-split.json      what CPT trained on and held out
+    <run_root>/cpt/loss-curve.png       train_cpt's loss per step
+    <run_root>/cpt/tensorboard/         rank 0's event files
     <run_root>/cpt/hf/                  unshard: the HF bridge between the plugins
     <run_root>/eval/cpt/                evaluate_cpt
-    <run_root>/sft/step-NNNNNN/         reboost (step 0), train_sft
+    <run_root>/sft/...                  reboost (step 0), train_sft: as cpt/
     <run_root>/export/                  export
     <run_root>/eval/sft/                evaluate_sft
+    <artifact>.tmp-build/               an artifact being built, swapped into place when whole
+    <dir>.superseded-<UTC time>/        checkpoints of another config, moved aside (never deleted)
+    <staging>/jobs/<stage>-<verb>.json  the job file of each engine launch
+    <staging>/data-cache/<stage>/       prepare_data's shards, kept across failures and re-runs
 """
 
 from __future__ import annotations
@@ -42,14 +50,42 @@ class Status(StrEnum):
 # Statuses of a run that did its job.
 DONE = frozenset({Status.COMPLETED, Status.SKIPPED, Status.NOT_CONFIGURED, Status.PASSED, Status.DISABLED})
 
+RUN_JSON = "run.json"  # the run's record: every stage's status, artifact and manifest digest
+LEASE = ".lease.json"
 BASE = "base"
 EXPORT = "export"
 TENSORBOARD = "tensorboard"  # <stage>/tensorboard/: rank 0's event files (tasks/engine/metrics.py)
-STEP_RE = re.compile(r"^step-(\d{6,})$")
+TRAIN_STATE = "train_state.json"  # in every checkpoint: step, tokens seen, sampler position, losses
+SPLIT_FILE = "data-split.json"  # <stage>/data-split.json: the prepared data's split, beside the checkpoints
+LOSS_CURVE = "loss-curve.png"
+BUILD_SUFFIX = ".tmp-build"  # <artifact>.tmp-build: built here, renamed into place when whole
+SUPERSEDED = ".superseded-"  # <dir>.superseded-<UTC time>: work of another config, kept aside, not deleted
+JOBS = "jobs"  # <staging>/jobs/: the job files of the engine launches
+DATA_CACHE = "data-cache"  # <staging>/data-cache/<stage>/: shards kept across failures and re-runs
+STEP_PREFIX = "step-"
+STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{6,}})$")
 
 
 def step_name(step: int) -> str:
-    return f"step-{step:06d}"
+    return f"{STEP_PREFIX}{step:06d}"
+
+
+def is_step_name(name: str) -> bool:
+    """Whether a directory name under a training stage is a checkpoint's (committed or not)."""
+    return name.startswith(STEP_PREFIX)
+
+
+def split_rel(stage: str) -> str:
+    return f"{stage}/{SPLIT_FILE}"
+
+
+def loss_curve_rel(stage: str) -> str:
+    return f"{stage}/{LOSS_CURVE}"
+
+
+def job_file(stage: str, verb: str) -> str:
+    """Staging-relative path of the job file of one engine launch."""
+    return f"{JOBS}/{stage}-{verb}.json"
 
 
 def tmp_step_name(step: int) -> str:
@@ -83,13 +119,36 @@ TRAINING: dict[str, TrainingStage] = {
 }
 
 
+# Settings that change how a stage runs, never the bytes it writes, so no digest holds them
+# (tasks/core/run/digest.py drops them from every declared field): the tokenize task runner (each
+# shard is the same bytes whichever worker tokenized it), the upload pacing of a remote run root,
+# experiment tracking and the Hub push (no artifact is made from either). The launch settings are
+# NOT here: the world size changes the data-parallel split, and the backend's settings (Slurm GPUs,
+# partition) can put a stage on other hardware, so none is provably byte-neutral.
+NEVER_DIGESTED: tuple[str, ...] = (
+    *(f"{key}.{field}" for key in TRAINING for field in ("data.tokenize", "max_pending_publishes")),
+    "tracking",
+    "hub",
+)
+
+
 @dataclass(frozen=True)
 class StageSpec:
-    """One Prefect task of the flow."""
+    """One Prefect task of the flow, and what its config digest covers.
+
+    The digest of an artifact stage (tasks/core/run/digest.py) is made from `digest` (config paths,
+    less their subfields named in `minus` and NEVER_DIGESTED), the content digests of the artifacts
+    of `parents`, and the run-time inputs its task passes (prepare_data: the input files). A stage
+    with `continues` computes none: it carries the digest recorded by that stage's artifact.
+    """
 
     name: str  # the task name, the key in run.json
     artifact: str | None  # run-root-relative directory it writes (a training stage: its checkpoint dir)
     source: str | None = None  # run-root-relative artifact it reads
+    digest: tuple[str, ...] = ()  # config paths the artifact is made from, e.g. "cpt", "base_model.trust_remote_code"
+    minus: tuple[str, ...] = ()  # subfields of those paths it is not made from
+    parents: tuple[str, ...] = ()  # stages whose artifacts it is made from
+    continues: str | None = None  # training: its checkpoints carry the digest of this stage's (step 0)
 
 
 # The prepare stage of each training stage; both tokenize with the base model's tokenizer.
@@ -101,18 +160,38 @@ def data_rel(stage: str) -> str:
     return f"data/{stage}"
 
 
+def _prepare_fields(key: str) -> tuple[str, ...]:
+    # The corpus, how it is split and cut into sequences; the held-out split decides which
+    # records go where. The input files themselves come in as run-time inputs.
+    return (f"{key}.data", f"{key}.eval.heldout_uri", f"{key}.eval.heldout_fraction", f"{key}.seq_len")
+
+
+# The evaluation's own knobs change the metrics, never what a stage trains on.
+def _eval_knobs(key: str) -> tuple[str, ...]:
+    return tuple(f"{key}.eval.{f}" for f in ("batch_size", "max_batches", "dtype"))
+
+
+def _eval_fields(key: str) -> tuple[str, ...]:
+    return (f"{key}.eval", f"{key}.data", f"{key}.seq_len", "base_model.trust_remote_code")
+
+
 STAGES: tuple[StageSpec, ...] = (
-    StageSpec("load_from_hf", BASE),
-    StageSpec(PREPARE["cpt"], data_rel("cpt"), source=BASE),
-    StageSpec(PREPARE["sft"], data_rel("sft"), source=BASE),
-    StageSpec("boost_and_shard", TRAINING["cpt"].checkpoints, source=BASE),
-    StageSpec("train_cpt", TRAINING["cpt"].checkpoints, source=TRAINING["cpt"].checkpoints),
-    StageSpec("unshard", "cpt/hf", source=TRAINING["cpt"].checkpoints),
-    StageSpec("evaluate_cpt", "eval/cpt", source="cpt/hf"),
-    StageSpec("reboost", TRAINING["sft"].checkpoints, source="cpt/hf"),
-    StageSpec("train_sft", TRAINING["sft"].checkpoints, source=TRAINING["sft"].checkpoints),
-    StageSpec("export", EXPORT, source=TRAINING["sft"].checkpoints),
-    StageSpec("evaluate_sft", "eval/sft", source=EXPORT),
+    StageSpec("load_from_hf", BASE, digest=("base_model",)),
+    StageSpec(PREPARE["cpt"], data_rel("cpt"), source=BASE, digest=_prepare_fields("cpt")),
+    StageSpec(PREPARE["sft"], data_rel("sft"), source=BASE, digest=_prepare_fields("sft")),
+    StageSpec("boost_and_shard", TRAINING["cpt"].checkpoints, source=BASE, digest=("cpt",), minus=_eval_knobs("cpt"),
+              parents=("load_from_hf", PREPARE["cpt"])),
+    StageSpec("train_cpt", TRAINING["cpt"].checkpoints, source=TRAINING["cpt"].checkpoints, continues="boost_and_shard"),
+    # export.max_shard_size, which unshard also reads, only cuts the same tensors into other files.
+    StageSpec("unshard", "cpt/hf", source=TRAINING["cpt"].checkpoints, parents=("train_cpt",)),
+    StageSpec("evaluate_cpt", "eval/cpt", source="cpt/hf", digest=_eval_fields("cpt"), parents=("load_from_hf", "unshard")),
+    StageSpec("reboost", TRAINING["sft"].checkpoints, source="cpt/hf", digest=("sft",), minus=_eval_knobs("sft"),
+              parents=("unshard", PREPARE["sft"])),
+    StageSpec("train_sft", TRAINING["sft"].checkpoints, source=TRAINING["sft"].checkpoints, continues="reboost"),
+    StageSpec("export", EXPORT, source=TRAINING["sft"].checkpoints, digest=("export",), parents=("train_sft",)),
+    # The thresholds of `gate:` only decide the verdict; the generation check's size is evaluated.
+    StageSpec("evaluate_sft", "eval/sft", source=EXPORT, digest=(*_eval_fields("sft"), "gate.max_new_tokens", "gate.num_prompts"),
+              parents=("unshard", "export")),
     StageSpec("gate", None),
     StageSpec("push_to_hub", None, source=EXPORT),
 )

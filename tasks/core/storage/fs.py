@@ -44,6 +44,7 @@ from fsspec.core import split_protocol, url_to_fs
 
 from tasks.core.errors import ArtifactMissing, ManifestError
 from tasks.core.run.manifest import MANIFEST, artifact_of, manifest_tmp, parse_manifest, safe_relpath, verify_artifact
+from tasks.core.run.stages import SUPERSEDED
 from tasks.core.storage.s3 import (
     SHA256_META,
     S3Transfers,
@@ -192,7 +193,7 @@ class RunStore:
         """Keep superseded work instead of deleting it: rel -> rel.superseded-<UTC time>."""
         if not self.exists(rel):
             return None
-        dest = f"{rel}.superseded-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        dest = f"{rel}{SUPERSEDED}{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
         self.fs.mv(self._remote(rel), self._remote(dest), recursive=True)
         if not self.local and self.local_path(rel).exists():
             shutil.rmtree(self.local_path(rel))
