@@ -71,8 +71,8 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
 def resolved_config_file(config: str, sets: list[str], run_root: str | None = None, run_name: str | None = None) -> tuple[Path, Any]:
     """The config (local path or fsspec URI) with the overrides applied and validated, written to a
     temp YAML that the flow, the pre-flight and break-lease read like any config file."""
+    from tasks.core.config.load import parse_config, read_raw_config
     from tasks.core.config.paths import resolve_local
-    from tasks.core.config.schema import parse_config, read_raw_config
     from tasks.core.storage.fs import fetch_to_local
 
     path = fetch_to_local(resolve_local(config), Path(tempfile.mkdtemp(prefix="cpt-to-sft-config-")))

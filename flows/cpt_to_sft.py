@@ -22,9 +22,10 @@ from prefect import Task, flow, get_run_logger
 from prefect.states import Completed, Failed
 
 from tasks import tracking, ui
+from tasks.core.config.load import load_config
 from tasks.core.config.overrides import RunOverrides
 from tasks.core.config.paths import resolve_local
-from tasks.core.config.schema import RunConfig, load_config
+from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError
 from tasks.core.run.lease import Lease, LeaseHeld, break_lease, describe
 from tasks.core.run.stages import DONE, RUN_JSON, STAGE, STAGE_NAMES, Status

@@ -14,7 +14,7 @@ import sys
 
 from prefect import flow
 
-from tasks.core.config.schema import load_config
+from tasks.core.config.load import load_config
 from tasks.load import load_from_hf
 from tasks.prepare_data import prepare_data
 from tasks.stage import StageResult, outcome

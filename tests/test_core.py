@@ -10,7 +10,8 @@ import pydantic
 import pytest
 import yaml
 
-from tasks.core.config.schema import LaunchConfig, load_config, parse_config
+from tasks.core.config.load import load_config, parse_config
+from tasks.core.config.schema import LaunchConfig
 from tasks.core.errors import ArtifactMissing, ConfigError, ManifestError
 from tasks.core.launch.torchrun import torchrun_argv
 from tasks.core.run.manifest import MANIFEST, read_manifest, safe_relpath, verify_artifact, write_manifest

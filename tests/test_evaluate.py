@@ -12,7 +12,8 @@ import shutil
 import pytest
 import torch
 
-from tasks.core.config.schema import EvalConfig, GateConfig, parse_config
+from tasks.core.config.load import parse_config
+from tasks.core.config.schema import EvalConfig, GateConfig
 from tasks.core.data.formats import read_records
 from tasks.core.data.split import overlap, record_id, split_by_fraction, split_by_heldout
 from tasks.core.errors import ConfigError

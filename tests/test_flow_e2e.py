@@ -296,7 +296,7 @@ def test_without_stop_token_alignment_the_gate_fails_naming_the_fix(scenario):
 def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(finished_run):
     import re
 
-    from tasks.core.config.schema import load_config
+    from tasks.core.config.load import load_config
     from tasks.core.hub.card import model_card, train_facts
     from tasks.core.run.manifest import read_manifest
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.core.config.schema import parse_config
+from tasks.core.config.load import parse_config
 from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR, read_manifest, sha256_file, write_manifest
 from tasks.stage import StageResult
 
@@ -309,7 +309,7 @@ def test_a_token_saved_by_login_is_used_by_push_and_preflight(hub_env, prefect_h
 def _flow():
     from prefect import flow
 
-    from tasks.core.config.schema import load_config
+    from tasks.core.config.load import load_config
     from tasks.load import load_from_hf
     from tasks.push import push_to_hub
 

@@ -32,11 +32,10 @@ def _job(tmp: Path, model_dir: Path, verb: str, run: dict, digest: str) -> Path:
     path.write_text(json.dumps({
         "verb": verb,
         "stage": "cpt",
-        "stage_cfg": run["cpt"],
-        "trust_remote_code": run["base_model"]["trust_remote_code"],
+        "run": run,
         "model_dir": str(model_dir),
         "tokenizer_dir": str(model_dir),
-        "data_dir": str(prepared_data(run["cpt"], "cpt", model_dir, tmp / "data-cpt")),
+        "data_dir": str(prepared_data(run, "cpt", model_dir, tmp / "data-cpt")),
         "stage_dir": str(tmp / "run" / "cpt"),
         "parent": {"uri": str(model_dir), "digest": "base-digest"},
         "config_digest": digest,
@@ -75,7 +74,7 @@ def _two_nodes(verb: str, job: Path, timeout: float = 400.0) -> list[str]:
 
 
 def test_two_torchrun_agents_rendezvous_and_run_a_cpt_stage(tiny_model_dir, tmp_path):
-    from tasks.core.config.schema import parse_config
+    from tasks.core.config.load import parse_config
     from tasks.core.run.manifest import verify_artifact
 
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")

@@ -373,7 +373,7 @@ def test_missing_heldout_uri_names_the_eval_field(tmp_path):
 def test_multi_node_without_rendezvous_endpoint_is_refused():
     import yaml
 
-    from tasks.core.config.schema import parse_config
+    from tasks.core.config.load import parse_config
     from tests.conftest import REPO
 
     raw = yaml.safe_load((REPO / "deployments/configs/tiny-cpu.yaml").read_text())

@@ -42,7 +42,7 @@ def _corpus(d: Path) -> Path:
 def _prepare_cpt(config: Path):
     from prefect import flow
 
-    from tasks.core.config.schema import load_config
+    from tasks.core.config.load import load_config
     from tasks.load import load_from_hf
     from tasks.prepare_data import prepare_data
     from tasks.stage import outcome

@@ -53,7 +53,7 @@ def _logger(name: str) -> tuple[logging.Logger, _Lines]:
 
 
 def _stage(tiny_model_dir: Path, tmp_path: Path):
-    from tasks.core.config.schema import parse_config
+    from tasks.core.config.load import parse_config
 
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
     raw["cpt"].update(max_steps=STEPS, checkpoint_every=EVERY,
@@ -67,8 +67,8 @@ def _job(cfg, tmp_path: Path, model_dir: Path, verb: str):
     from tasks.core.run.job import Job, Parent
     from tests._engine_utils import prepared_data
 
-    data_dir = prepared_data(cfg.cpt.model_dump(mode="json"), "cpt", model_dir, tmp_path / "data-cpt")
-    return Job(verb=verb, stage="cpt", stage_cfg=cfg.cpt, trust_remote_code=cfg.base_model.trust_remote_code, model_dir=model_dir, tokenizer_dir=model_dir,
+    data_dir = prepared_data(cfg.model_dump(mode="json"), "cpt", model_dir, tmp_path / "data-cpt")
+    return Job(verb=verb, stage="cpt", run=cfg, model_dir=model_dir, tokenizer_dir=model_dir,
                data_dir=data_dir, stage_dir=tmp_path / "run" / "cpt",
                parent=Parent(uri=str(model_dir), digest="base-digest"), config_digest="c" * 64)
 
@@ -182,7 +182,7 @@ run_engine("shard", parse_job(d["job"]), Path({str(job_path)!r}), LaunchConfig(*
 
 
 def test_flow_preflight_runs_the_slurm_checks(slurm_cluster, tiny_model_dir, tmp_path):
-    from tasks.core.config.schema import parse_config
+    from tasks.core.config.load import parse_config
     from tasks.core.preflight.checks import preflight_report
 
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")

@@ -27,7 +27,7 @@ STEPS, EVERY = 4, 2
 def test_s3_run_root_with_per_node_staging_on_two_slurm_nodes(slurm_cluster, s3_root, prefect_harness, tiny_model_dir, tmp_path, monkeypatch):
     from prefect import flow
 
-    from tasks.core.config.schema import parse_config
+    from tasks.core.config.load import parse_config
     from tasks.core.storage.fs import RunStore
     from tasks.load import load_from_hf
     from tasks.prepare_data import prepare_data

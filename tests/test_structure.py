@@ -120,7 +120,8 @@ def test_transitive_imports_in_a_fresh_interpreter(room, forbidden):
 def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
     from tasks.core.config import plugins
     from tasks.core.config.layout import ParallelLayout, layout_problems
-    from tasks.core.config.schema import PluginConfig, RunConfig, parse_config
+    from tasks.core.config.load import parse_config
+    from tasks.core.config.schema import PluginConfig, RunConfig
     from tasks.core.errors import ConfigError
     from tasks.engine import builders as engine_plugins
     from tests.conftest import tiny_config_raw
@@ -175,7 +176,8 @@ def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(
     import logging
 
     import tasks.core.launch.torchrun as launch_mod
-    from tasks.core.config.schema import ConfigError, parse_config
+    from tasks.core.config.load import parse_config
+    from tasks.core.errors import ConfigError
     from tasks.core.launch.backends import BACKENDS, BackendSpec, register
     from tasks.core.run.job import Job, Parent
 
@@ -190,7 +192,7 @@ def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(
         raw["cpt"]["launch"]["rdzv_endpoint"] = "h:1"
         with pytest.raises(ConfigError, match="dummy_sched backend places the rendezvous"):
             parse_config(raw)
-        job = Job(verb="train", stage="cpt", stage_cfg=cfg.cpt, trust_remote_code=False, model_dir=tiny_model_dir, tokenizer_dir=tiny_model_dir, data_dir=tmp_path / "data",
+        job = Job(verb="train", stage="cpt", run=cfg, model_dir=tiny_model_dir, tokenizer_dir=tiny_model_dir, data_dir=tmp_path / "data",
                   stage_dir=tmp_path / "run" / "cpt", parent=Parent(uri=None, digest=None), config_digest=None)
         progress = launch_mod.run_engine("train", job, tmp_path / "job.json", cfg.cpt.launch, "r", logging.getLogger("t"))
         assert ran == [("train", 2)] and progress == [{"step": 1}]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.core.config.schema import load_config
+from tasks.core.config.load import load_config
 from tasks.core.tracking.config import check_uri, flatten, redact
 from tasks.tracking import RunTracker
 from tests.conftest import tiny_config_raw, write_config

@@ -32,7 +32,7 @@ def test_flow_writes_tensorboard_and_one_mlflow_run_with_two_stage_runs(prefect_
     from mlflow import MlflowClient
 
     from flows.cpt_to_sft import main
-    from tasks.core.config.schema import load_config
+    from tasks.core.config.load import load_config
     from tasks.core.tracking.config import flatten
 
     run_root = tmp_path / "run"

@@ -1,14 +1,14 @@
 """`ParallelLayout`: a stage's parallel layout, every rule stated once, dp derived.
 
-    python -c "from tasks.core.config.schema import load_config; from tasks.core.config.layout import ParallelLayout; \
+    python -c "from tasks.core.config.load import load_config; from tasks.core.config.layout import ParallelLayout; \
 c = load_config('deployments/configs/tiny-cpu.yaml'); print(ParallelLayout.of(c.cpt, 'cpt'))"
 
 torchtitan's `ParallelDims` is the model: a frozen value built from the config validates every
 layout rule and derives the data-parallel degree. Each rule below is one function that names the
 config field it concerns and the fix; each belongs to one tier, which decides who can check it:
 
-- `static`: the config alone. Run by `RunConfig`'s validator (and by pre-flight, which loads the
-  config without that validator so every problem lands in one report).
+- `static`: the config alone. Run where a config is loaded (`tasks.core.config.load`), and by
+  pre-flight, which loads the config without them so every problem lands in one report.
 - `batch`: the config alone too, but checked only by pre-flight and the engine (a pipeline step
   must split its rows evenly into micro-batches), as before this module existed.
 - `model`: needs the base model's config.json (heads, KV heads, vocabulary, layers). Pre-flight
@@ -24,14 +24,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tasks.core.config.plugins import PLUGINS, PRECISION_SPECS, PluginSpec
+from tasks.core.config.schema import StageConfig
 from tasks.core.errors import ConfigError
 from tasks.core.launch.backends import BACKENDS
-
-if TYPE_CHECKING:
-    from tasks.core.config.schema import StageConfig
 
 Problem = tuple[str, str]
 TIERS = ("static", "batch", "model", "device")
@@ -122,7 +120,11 @@ def _backend_settings(x: _Facts) -> list[Problem]:
         return []
     out = [(f"{x.where}.launch.{other.settings}", f"is set but backend is {spec.name}, so it would be ignored; set backend: {other.name} or remove the {other.settings} section")
            for other in BACKENDS.values() if other.settings and other.settings != spec.settings and getattr(launch, other.settings, None) is not None]
-    return out + (spec.static_problems(launch, f"{x.where}.launch") if spec.static_problems else [])
+    if not spec.static_problems:
+        return out
+    if spec.settings:
+        return out + spec.static_problems(getattr(launch, spec.settings, None), f"{x.where}.launch.{spec.settings}")
+    return out + spec.static_problems(None, f"{x.where}.launch")
 
 
 def _world_divisible(x: _Facts) -> list[Problem]:

@@ -1,28 +1,28 @@
-"""The lifecycle configuration: frozen pydantic models, one docstring-like description per field.
+"""The lifecycle configuration: frozen pydantic models, one description per field. A leaf: the
+rules between fields run where a config is loaded (`tasks.core.config.load`), not here.
 
 Prefect renders these models as the run form; the engine reads the same models from the job file
-the task writes. Load and validate a YAML file with:
+the task writes. Print the JSON schema of the run form with:
 
-    python -c "from tasks.core.config.schema import load_config; print(load_config('deployments/configs/tiny-cpu.yaml'))"
+    python -c "from tasks.core.config.schema import RunConfig; import json; print(json.dumps(RunConfig.model_json_schema())[:400])"
 
-Static rules (no model config, no filesystem) live in `RunConfig`'s validator and collect every
-problem into one `ConfigError`; rules that need the base model's config.json or the machine live
-in `tasks.core.preflight.checks`.
+What a single field accepts (types, bounds, registered plugin and backend names) is checked here;
+rules across fields (`tasks.core.config.layout`, the gate's held-out sets) by the loader; rules that
+need the base model's config.json or the machine in `tasks.core.preflight.checks`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
+from tasks.core.config.base import Frozen
 from tasks.core.config.plugins import PLUGINS, Precision
-from tasks.core.errors import ConfigError
 from tasks.core.launch.backends import BACKENDS
+from tasks.core.launch.slurm_settings import SlurmConfig
 from tasks.core.tracking.config import TrackingConfig
 
 
@@ -50,11 +50,7 @@ def _registered_backend(name: str) -> str:
 BackendName = Annotated[str, AfterValidator(_registered_backend), WithJsonSchema({"type": "string", "enum": None})]
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-
-class BaseModelConfig(_Frozen):
+class BaseModelConfig(Frozen):
     uri: str = Field(description="Hugging Face Hub repo id (org/name) or a local/fsspec path to an HF model directory.")
     revision: str = Field(default="main", description="Hub revision (branch, tag or commit sha) to pin; ignored for paths.")
     trust_remote_code: bool = Field(default=False, description="Allow the model repo's own Python code to run. Off unless you trust the repo.")
@@ -67,7 +63,7 @@ def _plugin_schema(schema: dict[str, Any]) -> None:
     name["description"] = "ColossalAI booster plugin: " + "; ".join(f"{n} ({s.summary})" for n, s in PLUGINS.items()) + "."
 
 
-class PluginConfig(_Frozen):
+class PluginConfig(Frozen):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_plugin_schema)
 
     name: PluginName = Field(description="ColossalAI booster plugin (see tasks/core/config/plugins.py for what each supports).")
@@ -80,23 +76,13 @@ class PluginConfig(_Frozen):
     max_norm: float = Field(default=1.0, ge=0, description="Gradient clipping norm applied by the plugin's optimizer (0 disables).")
 
 
-class SlurmConfig(_Frozen):
-    partition: str | None = Field(default=None, description="Slurm partition the stage's jobs go to (sbatch --partition); null: the cluster's default partition.")
-    time_limit: str | None = Field(default=None, description=("Wall-clock limit of each job in Slurm's syntax (sbatch --time), e.g. '2-00:00:00' or '90' (minutes); null: the partition's default. "
-                                                                  "A job that hits it ends TIMEOUT and the retry resumes from the newest checkpoint."))
-    gpus_per_node: int = Field(default=0, ge=0, description="GPUs requested on every node (sbatch --gpus-per-node); 0 requests none (CPU ranks).")
-    account: str | None = Field(default=None, description="Slurm account charged for the jobs (sbatch --account); null: your default account.")
-    extra_sbatch_args: tuple[str, ...] = Field(default=(), description=("More sbatch flags, one per item, e.g. ['--qos=high', '--exclusive', '--constraint=h100']. "
-                                                                               "Node count, tasks per node, job name, comment and output files are set by the launcher and refused here."))
-
-
 def _launch_schema(schema: dict[str, Any]) -> None:
     backend = schema["properties"]["backend"]
     backend["enum"] = list(BACKENDS)
     backend["description"] = "Where the stage's torchrun agents run: " + "; ".join(f"{n} ({b.summary})" for n, b in BACKENDS.items()) + "."
 
 
-class LaunchConfig(_Frozen):
+class LaunchConfig(Frozen):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_launch_schema)
 
     backend: BackendName = Field(default="local", description="Where the stage's torchrun agents run (see tasks/core/launch/backends.py).")
@@ -112,11 +98,11 @@ class LaunchConfig(_Frozen):
         return self.nproc_per_node * self.nnodes
 
 
-class LocalClusterConfig(_Frozen):
+class LocalClusterConfig(Frozen):
     n_workers: int = Field(default=2, ge=1, description="Worker processes of the dask.distributed LocalCluster (one thread each).")
 
 
-class TokenizeConfig(_Frozen):
+class TokenizeConfig(Frozen):
     """How prepare_data runs its tokenize tasks; never part of a digest (the shards are the same bytes)."""
 
     workers: int = Field(default=2, ge=1, description="Process-pool workers (Prefect's ProcessPoolTaskRunner) when no Dask cluster is named; 1 file per worker at a time.")
@@ -130,7 +116,7 @@ class TokenizeConfig(_Frozen):
         return self
 
 
-class DataConfig(_Frozen):
+class DataConfig(Frozen):
     uri: str | list[str] = Field(description=(
         "The corpus: one file, a glob, a directory (every .jsonl/.txt/.parquet below it, optionally .gz/.bz2/.xz/.zst), "
         "or a list of those; any fsspec URI (local, NFS, s3://). Read once by prepare_data into token shards under data/cpt/ or data/sft/."))
@@ -152,7 +138,7 @@ class DataConfig(_Frozen):
         return self.model_dump(mode="json", exclude={"tokenize"})
 
 
-class EvalConfig(_Frozen):
+class EvalConfig(Frozen):
     heldout_uri: str | None = Field(default=None, description=(
         "fsspec URI or path of this stage's held-out set (same format and fields as the training data). "
         "Training records identical to a held-out record are dropped from training. None: split heldout_fraction off the training data."))
@@ -175,7 +161,7 @@ class EvalConfig(_Frozen):
         return {"heldout_uri": self.heldout_uri, "heldout_fraction": self.heldout_fraction}
 
 
-class StageConfig(_Frozen):
+class StageConfig(Frozen):
     data: DataConfig = Field(description="Training data of this stage.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description=(
         "Held-out data of this stage and how its evaluation runs (CPT: base vs CPT perplexity; SFT: pre-SFT vs SFT loss on assistant tokens)."))
@@ -200,7 +186,7 @@ class StageConfig(_Frozen):
     seed: int = Field(default=1234, description="Seed for model init randomness, data order and dropout.")
 
 
-class ExportConfig(_Frozen):
+class ExportConfig(Frozen):
     dtype: Literal["fp32", "bf16", "fp16"] = Field(default="bf16", description="dtype of the exported safetensors.")
     max_shard_size: str = Field(default="5GB", description="Largest safetensors shard of the export, e.g. '5GB' or '500MB'.")
     fingerprint_rtol: float | None = Field(default=None, gt=0, description=(
@@ -211,7 +197,7 @@ class ExportConfig(_Frozen):
         "a conversation; pad_token_id set from the tokenizer. false keeps the base model's generation config as it is."))
 
 
-class GateConfig(_Frozen):
+class GateConfig(Frozen):
     enabled: bool = Field(default=True, description=(
         "Check the thresholds below before push_to_hub; a failed gate skips the push and keeps every artifact. "
         "false lets every run through (metrics are still computed and recorded)."))
@@ -230,7 +216,7 @@ class GateConfig(_Frozen):
         return {"max_new_tokens": self.max_new_tokens, "num_prompts": self.num_prompts}
 
 
-class HubConfig(_Frozen):
+class HubConfig(Frozen):
     repo_id: str = Field(description="Target Hub repo, 'org/name'.")
     private: bool = Field(default=True, description="Create the repo private.")
     revision: str = Field(default="main", description="Branch to commit to (created if missing).")
@@ -241,7 +227,7 @@ class HubConfig(_Frozen):
         "Also upload the export's provenance (.cpt-to-sft/: manifest, verification record, fingerprint) in its subfolder; false pushes only the model files and the card."))
 
 
-class RunConfig(_Frozen):
+class RunConfig(Frozen):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", description="Run name, shown in the Prefect run name and the model card.")
     run_root: str = Field(description=(
         "fsspec URI of this run's directory (local path, NFS path or s3://bucket/prefix); every stage artifact and run.json live under it. "
@@ -255,16 +241,6 @@ class RunConfig(_Frozen):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Experiment tracking: MLflow when tracking.mlflow.uri is set (TensorBoard event files are always written).")
     staging_dir: str | None = Field(default=None, description="Local directory for staging remote artifacts; default a temp dir.")
 
-    @model_validator(mode="after")
-    def _static_rules(self) -> RunConfig:
-        problems: list[tuple[str, str]] = []
-        for stage in ("cpt", "sft"):
-            problems += plugin_problems(getattr(self, stage), f"{stage}")
-        problems += gate_problems(self)
-        if problems:
-            raise ConfigError(problems)
-        return self
-
     @property
     def run_uri(self) -> str:
         if "://" in self.run_root or self.run_root.startswith("/"):
@@ -272,122 +248,6 @@ class RunConfig(_Frozen):
         from tasks.core.config.paths import project_root
 
         return str(project_root() / self.run_root)
-
-
-def plugin_problems(stage: StageConfig, where: str) -> list[tuple[str, str]]:
-    """The layout rules that hold for any model and machine (`tasks.core.config.layout`, tier static)."""
-    from tasks.core.config.layout import layout_problems
-
-    return layout_problems(stage, where, tiers=("static",))
-
-
-def gate_problems(cfg: RunConfig) -> list[tuple[str, str]]:
-    """An enabled gate threshold needs the held-out set it is measured on."""
-    g = cfg.gate
-    if not g.enabled:
-        return []
-    out: list[tuple[str, str]] = []
-    needs = [("cpt_max_ppl_increase_pct", "cpt", g.cpt_max_ppl_increase_pct is not None),
-             ("sft_loss_must_improve", "sft", g.sft_loss_must_improve),
-             ("generation_must_stop", "sft", g.generation_must_stop)]
-    for name, stage, active in needs:
-        if active and not getattr(cfg, stage).eval.enabled:
-            out.append((f"gate.{name}", (f"needs a {stage.upper()} held-out set, but {stage}.eval.heldout_fraction is 0 and no heldout_uri is set; "
-                                         "give one, or turn this check off (gate.enabled: false disables the whole gate)")))
-    return out
-
-
-def join_uri(root: str, *parts: str) -> str:
-    root = root.rstrip("/")
-    return "/".join([root, *[p.strip("/") for p in parts if p]])
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that keeps the composed node tree, so duplicated keys can be found by path.
-
-    PyYAML's own loader lets the last of two equal keys win without a word: `max_steps` written
-    twice under `cpt:` would silently change the run.
-    """
-
-
-def duplicate_keys(node: yaml.Node, path: str = "") -> list[tuple[str, int, int]]:
-    """(key path, first line, second line) of every mapping key written twice, 1-based lines."""
-    out: list[tuple[str, int, int]] = []
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[Any, int] = {}
-        for key_node, value_node in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may repeat by design
-                continue
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else repr(key_node.value)
-            where = f"{path}.{key}" if path else str(key)
-            line = key_node.start_mark.line + 1
-            if key in seen:
-                out.append((where, seen[key], line))
-            else:
-                seen[key] = line
-            out += duplicate_keys(value_node, where)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            out += duplicate_keys(item, f"{path}[{i}]")
-    return out
-
-
-def load_yaml_unique(text: str, source: str) -> Any:
-    """yaml.safe_load that refuses a mapping key written twice, naming the key path and both lines."""
-    loader = _UniqueKeyLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        dups = duplicate_keys(node)
-        if dups:
-            raise ConfigError(
-                [(key, f"written twice in {source} (line {a} and line {b}); YAML would silently keep the second value. Delete one of them") for key, a, b in dups],
-                header=f"duplicated keys in {source}",
-            )
-        return loader.construct_document(node)
-    finally:
-        loader.dispose()
-
-
-def read_raw_config(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The YAML mapping of a local config file with dotted overrides like {"run_root": "/x"}."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError([(str(path), "config file not found; pass --config with an existing YAML file")])
-    try:
-        raw = load_yaml_unique(path.read_text(), str(path))
-    except yaml.YAMLError as exc:
-        raise ConfigError([(str(path), f"not valid YAML: {exc}")]) from None
-    if not isinstance(raw, dict):
-        raise ConfigError([(str(path), "expected a YAML mapping at the top level")])
-    for key, value in (overrides or {}).items():
-        node = raw
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return raw
-
-
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Read YAML (local path), apply dotted overrides, validate."""
-    return parse_config(read_raw_config(path, overrides), source=str(path))
-
-
-def parse_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
-    try:
-        return RunConfig.model_validate(raw)
-    except ValidationError as exc:
-        problems: list[tuple[str, str]] = []
-        for err in exc.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or source
-            ctx_err = (err.get("ctx") or {}).get("error")
-            if isinstance(ctx_err, ConfigError):
-                problems += ctx_err.problems
-            else:
-                problems.append((loc, err["msg"]))
-        raise ConfigError(problems, header=f"invalid configuration in {source}") from None
 
 
 def digest(obj: Any) -> str:

@@ -3,20 +3,21 @@
     python -c "from tasks.core.launch.backends import BACKENDS; print({n: b.summary for n, b in BACKENDS.items()})"
 
 `launch.backend` is validated against these keys (`tasks.core.config.schema.LaunchConfig`); the layout
-rules (`tasks.core.config.layout`) read `rendezvous` and `static_problems`; pre-flight
+rules (`tasks.core.config.layout`) read `rendezvous` and run `static_problems`; pre-flight
 (`tasks.core.preflight.checks.check_launch_backend`) calls `preflight`; the Prefect task picks the runner
-of the same name from `tasks.core.launch.torchrun.RUNNERS`. Adding a backend (Kubernetes, see docs/scaling.md)
-is one row here plus one runner there.
+of the same name from `tasks.core.launch.torchrun.RUNNERS`. A backend owns its settings model and their
+rules in a module of its own (Slurm: `tasks.core.launch.slurm_settings`), which the schema embeds; this
+registry never reads the schema. Adding a backend (Kubernetes, see docs/scaling.md) is one row here,
+its settings module, and one runner there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
-if TYPE_CHECKING:
-    from tasks.core.config.schema import LaunchConfig
+from tasks.core.launch.slurm_settings import sbatch_flag_problems
 
 Problem = tuple[str, str]
 
@@ -34,26 +35,12 @@ class BackendSpec:
     # Whether ranks on nodes other than the Prefect worker's write checkpoints directly into the
     # stage directory (the run root must then be a path every node sees).
     remote_nodes: bool = False
-    # Static rules of the backend's settings (config alone): (launch, "cpt.launch") -> problems.
-    static_problems: Callable[[LaunchConfig, str], list[Problem]] | None = None
+    # Static rules of the backend's settings (config alone): (its settings section or None,
+    # that section's path, e.g. "cpt.launch.slurm") -> problems.
+    static_problems: Callable[[Any, str], list[Problem]] | None = None
     # "module:function" of the pre-flight check that asks the cluster:
     # (launch, "cpt.launch", tp_pp) -> problems. Imported only when a stage uses the backend.
     preflight: str | None = None
-
-
-# sbatch flags the Slurm launcher sets itself: given again they would split or misplace the job.
-LAUNCHER_SBATCH_FLAGS = ("-N", "--nodes", "-n", "--ntasks", "--ntasks-per-node", "-o", "--output", "-e", "--error",
-                         "-J", "--job-name", "--comment", "--wait", "-W", "--parsable", "--requeue")
-
-
-def _sbatch_flag_problems(launch: LaunchConfig, where: str) -> list[Problem]:
-    out: list[Problem] = []
-    for i, arg in enumerate(launch.slurm.extra_sbatch_args if launch.slurm else ()):
-        flag = arg.split("=", 1)[0]
-        short = any(flag.startswith(f) and len(flag) > 2 for f in LAUNCHER_SBATCH_FLAGS if len(f) == 2)
-        if flag in LAUNCHER_SBATCH_FLAGS or short:
-            out.append((f"{where}.slurm.extra_sbatch_args[{i}]", f"{arg!r} is set by the launcher (nodes from launch.nnodes, one task per node, its job name, comment and output files); remove it"))
-    return out
 
 
 BACKENDS: dict[str, BackendSpec] = {
@@ -68,7 +55,7 @@ BACKENDS: dict[str, BackendSpec] = {
         rendezvous="scheduler",
         settings="slurm",
         remote_nodes=True,
-        static_problems=_sbatch_flag_problems,
+        static_problems=sbatch_flag_problems,
         preflight="tasks.core.launch.slurm:preflight",
     ),
 }

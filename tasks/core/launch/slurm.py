@@ -32,7 +32,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tasks.core.config.schema import LaunchConfig, SlurmConfig
+from tasks.core.config.schema import LaunchConfig
+from tasks.core.launch.slurm_settings import SlurmConfig
 
 DEFAULT_TIMEOUT = 30.0
 # Preflight asks the controller with a short bound: a dead one must not stall the run form.
@@ -271,7 +272,7 @@ def _user() -> str | None:
 
 
 def _main(argv: list[str]) -> int:
-    from tasks.core.config.schema import load_config
+    from tasks.core.config.load import load_config
 
     if len(argv) != 1:
         print("usage: python -m tasks.core.launch.slurm CONFIG.yaml", file=sys.stderr)

@@ -28,8 +28,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from tasks.core.config.schema import LaunchConfig, SlurmConfig
+from tasks.core.config.schema import LaunchConfig
 from tasks.core.launch.slurm import FAILURE_STATES, JobInfo, SlurmCli, SlurmError
+from tasks.core.launch.slurm_settings import SlurmConfig
 
 
 def engine_program(verb: str, job_path: str | Path) -> list[str]:
@@ -295,7 +296,7 @@ def failure_message(info: JobInfo, batch_lines: Sequence[str], node_lines: Mappi
 
 
 def _main(argv: list[str]) -> int:
-    from tasks.core.config.schema import load_config
+    from tasks.core.config.load import load_config
 
     if len(argv) != 3:
         print("usage: python -m tasks.core.launch.slurm CONFIG.yaml cpt|sft VERB", file=sys.stderr)

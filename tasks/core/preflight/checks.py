@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.config.layout import layout_problems
+from tasks.core.config.load import parse_fields, plugin_problems, read_raw_config
 from tasks.core.config.paths import resolve_local
-from tasks.core.config.schema import RunConfig, StageConfig, parse_config, plugin_problems, read_raw_config
+from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.data.formats import head_records
 from tasks.core.errors import ConfigError
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
@@ -71,25 +72,14 @@ __all__ = [
 # Loading the config without stopping at the first kind of problem
 
 
-class _Unchecked(RunConfig):
-    """RunConfig minus its static-rule validator: pre-flight runs those rules itself, so a
-    wrong ZeRO precision and a missing data file are reported in the same message."""
-
-    def _static_rules(self) -> _Unchecked:  # overrides the parent's model_validator
-        return self
-
-
 def load_for_check(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Read a local YAML config like `load_config`, deferring the static rules to pre-flight.
+    """Read a local YAML config like `load_config`, deferring the static rules to pre-flight, so a
+    wrong ZeRO precision and a missing data file are reported in the same message.
 
     Structural problems (unknown or missing fields, wrong types) still raise `ConfigError`
     here: nothing else can be checked without a well-formed config.
     """
-    raw = read_raw_config(path, overrides)
-    try:
-        return _Unchecked.model_validate(raw)
-    except Exception:
-        return parse_config(raw, source=str(path))  # raises ConfigError naming every field
+    return parse_fields(read_raw_config(path, overrides), source=str(path))
 
 
 # --------------------------------------------------------------------------------------------

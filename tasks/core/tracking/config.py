@@ -21,16 +21,14 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from tasks.core.config.base import Frozen
 
 FIELD = "tracking.mlflow.uri"
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class MlflowConfig(_Frozen):
+class MlflowConfig(Frozen):
     uri: str | None = Field(default=None, description=(
         "MLflow tracking server URI (http://host:port). Set: one MLflow run per flow run, a nested run per training stage; "
         "an unreachable server is a pre-flight error. Needs the [mlflow] extra (pip install 'cpt-to-sft[mlflow]')."
@@ -38,7 +36,7 @@ class MlflowConfig(_Frozen):
     experiment: str = Field(default="cpt-to-sft", min_length=1, description="MLflow experiment the runs are created in (created when missing).")
 
 
-class TrackingConfig(_Frozen):
+class TrackingConfig(Frozen):
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="Mirror params, per-step metrics and tags to an MLflow tracking server.")
 
 

@@ -1,0 +1,144 @@
+"""Loading a run config: YAML that refuses duplicated keys, dotted overrides, the schema, then the rules.
+
+    python -c "from tasks.core.config.load import load_config; print(load_config('deployments/configs/tiny-cpu.yaml'))"
+
+`parse_config` validates every field against the schema (`tasks.core.config.schema`) and, when
+they all validate, runs the static rules across fields: the parallel-layout rules of tier static
+(`tasks.core.config.layout`) for each stage and the gate's held-out sets. Every problem of a step
+is collected into one `ConfigError`. Pre-flight stops after the fields (`parse_fields`) and runs
+the rules itself, so they land in its one report with the checks that need a model or a machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from tasks.core.config.layout import layout_problems
+from tasks.core.config.schema import RunConfig, StageConfig
+from tasks.core.errors import ConfigError
+
+Problem = tuple[str, str]
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that keeps the composed node tree, so duplicated keys can be found by path.
+
+    PyYAML's own loader lets the last of two equal keys win without a word: `max_steps` written
+    twice under `cpt:` would silently change the run.
+    """
+
+
+def duplicate_keys(node: yaml.Node, path: str = "") -> list[tuple[str, int, int]]:
+    """(key path, first line, second line) of every mapping key written twice, 1-based lines."""
+    out: list[tuple[str, int, int]] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may repeat by design
+                continue
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else repr(key_node.value)
+            where = f"{path}.{key}" if path else str(key)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                out.append((where, seen[key], line))
+            else:
+                seen[key] = line
+            out += duplicate_keys(value_node, where)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out += duplicate_keys(item, f"{path}[{i}]")
+    return out
+
+
+def load_yaml_unique(text: str, source: str) -> Any:
+    """yaml.safe_load that refuses a mapping key written twice, naming the key path and both lines."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        dups = duplicate_keys(node)
+        if dups:
+            raise ConfigError(
+                [(key, f"written twice in {source} (line {a} and line {b}); YAML would silently keep the second value. Delete one of them") for key, a, b in dups],
+                header=f"duplicated keys in {source}",
+            )
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def read_raw_config(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The YAML mapping of a local config file with dotted overrides like {"run_root": "/x"}."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([(str(path), "config file not found; pass --config with an existing YAML file")])
+    try:
+        raw = load_yaml_unique(path.read_text(), str(path))
+    except yaml.YAMLError as exc:
+        raise ConfigError([(str(path), f"not valid YAML: {exc}")]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError([(str(path), "expected a YAML mapping at the top level")])
+    for key, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return raw
+
+
+def plugin_problems(stage: StageConfig, where: str) -> list[Problem]:
+    """The layout rules that hold for any model and machine (`tasks.core.config.layout`, tier static)."""
+    return layout_problems(stage, where, tiers=("static",))
+
+
+def gate_problems(cfg: RunConfig) -> list[Problem]:
+    """An enabled gate threshold needs the held-out set it is measured on."""
+    g = cfg.gate
+    if not g.enabled:
+        return []
+    out: list[Problem] = []
+    needs = [("cpt_max_ppl_increase_pct", "cpt", g.cpt_max_ppl_increase_pct is not None),
+             ("sft_loss_must_improve", "sft", g.sft_loss_must_improve),
+             ("generation_must_stop", "sft", g.generation_must_stop)]
+    for name, stage, active in needs:
+        if active and not getattr(cfg, stage).eval.enabled:
+            out.append((f"gate.{name}", (f"needs a {stage.upper()} held-out set, but {stage}.eval.heldout_fraction is 0 and no heldout_uri is set; "
+                                         "give one, or turn this check off (gate.enabled: false disables the whole gate)")))
+    return out
+
+
+def static_problems(cfg: RunConfig) -> list[Problem]:
+    """Every rule across fields that the config alone decides: each stage's layout, then the gate."""
+    problems: list[Problem] = []
+    for stage in ("cpt", "sft"):
+        problems += plugin_problems(getattr(cfg, stage), stage)
+    return problems + gate_problems(cfg)
+
+
+def parse_fields(raw: dict[str, Any], source: str = "config") -> RunConfig:
+    """The RunConfig of `raw` with every field validated, the rules across fields not yet run."""
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = [(".".join(str(x) for x in err["loc"]) or source, err["msg"]) for err in exc.errors()]
+        raise ConfigError(problems, header=f"invalid configuration in {source}") from None
+
+
+def parse_config(raw: dict[str, Any], source: str = "config") -> RunConfig:
+    """Validate every field, then (when they all validate) every static rule; one ConfigError for either."""
+    cfg = parse_fields(raw, source)
+    problems = static_problems(cfg)
+    if problems:
+        raise ConfigError(problems, header=f"invalid configuration in {source}")
+    return cfg
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read YAML (local path), apply dotted overrides, validate."""
+    return parse_config(read_raw_config(path, overrides), source=str(path))
