@@ -1,5 +1,6 @@
 """The demo flow with TensorBoard and MLflow: the session's real `mlflow server`, the embedded
-Prefect server, 2 steps per stage on the tiny model. One run checks every tracking fact.
+Prefect server, 8 steps per stage on the tiny model. One run (the session's demo run,
+tests/conftest.py `demo_run`, tracked to that server) checks every tracking fact.
 
     python -m pytest -q -m e2e tests/test_tracking_flow.py
 """
@@ -11,10 +12,9 @@ import re
 import pytest
 
 from tasks.core.tracking.tbevents import read_scalars
-from tests.conftest import tiny_config_raw, write_config
 
 pytest_plugins = ["tests.conftest_servers"]
-STEPS = 2
+STEPS = 8  # the demo run's steps per stage (tests/conftest.py tiny_config_raw)
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 
@@ -28,24 +28,20 @@ def _progress_descriptions(flow_run_id: str) -> dict[str, str]:
     return {a.key: a.description for a in arts}
 
 
-def test_flow_writes_tensorboard_and_one_mlflow_run_with_two_stage_runs(prefect_harness, mlflow_server, tiny_model_dir, tmp_path):
+def test_flow_writes_tensorboard_and_one_mlflow_run_with_two_stage_runs(demo_run, mlflow_server):
     from mlflow import MlflowClient
 
-    from flows.cpt_to_sft import main
     from tasks.core.config.load import load_config
     from tasks.core.tracking.config import flatten
+    from tests.conftest import DEMO_EXPERIMENT
 
-    run_root = tmp_path / "run"
-    raw = tiny_config_raw(tiny_model_dir, run_root)
-    for stage in ("cpt", "sft"):
-        raw[stage].update(max_steps=STEPS, checkpoint_every=STEPS)
-    raw["gate"] = {"enabled": False}
-    raw["tracking"] = {"mlflow": {"uri": mlflow_server.uri, "experiment": "demo"}}
-    config = write_config(tmp_path / "cfg.yaml", raw)
-    assert main(["--config", str(config)]) == 0
+    run_root, config = demo_run.run_root, demo_run.config
+    assert demo_run.raw["tracking"]["mlflow"] == {"uri": mlflow_server.uri, "experiment": DEMO_EXPERIMENT}
+    assert demo_run.rc == 0, demo_run.summary
+    assert demo_run.raw["cpt"]["max_steps"] == demo_run.raw["sft"]["max_steps"] == STEPS
 
     client = MlflowClient(mlflow_server.uri)
-    runs = client.search_runs([client.get_experiment_by_name("demo").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name(DEMO_EXPERIMENT).experiment_id])
     (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
     assert sorted(children) == ["cpt", "sft"]
