@@ -2,7 +2,7 @@
 plain byte copy, side by side on the same synthetic Llama-shaped checkpoint in ColossalAI's layout.
 
     .venv/bin/python benchmarks/convert.py --smoke                # a 4 MB model, one round: seconds, same table
-    .venv/bin/python benchmarks/convert.py --size-gb 1 4          # the figures docs/scaling.md quotes
+    .venv/bin/python benchmarks/convert.py --size-gb 1 4          # the README benchmark table's sizes
     .venv/bin/python benchmarks/convert.py --size-gb 1 4 --workdir /dev/shm/bc --no-fsync   # CPU cost
     .venv/bin/python benchmarks/convert.py --size-gb 0.5 1 --cast bf16 --max-shard-size 5GB
 
@@ -16,8 +16,8 @@ export's shard budget with the model (a quarter of the checkpoint: 4 output shar
 export has at the 5GB default; a 70B one has 28), so the scaled-down model takes the same code
 path as a real one; `--max-shard-size 5GB` gives the single-shard case at these sizes.
 plus a derived row, (b) with the sha256 pass over its output that its manifest still needs (ours
-hashes while writing), and prints throughput (GB = 1e9 bytes of tensors per second of work), the ratios the issue sets
-targets for (a/c >= 0.7, b/a time >= 2), and peak RSS: of the whole process (wait4's ru_maxrss)
+hashes while writing), and prints throughput (GB = 1e9 bytes of tensors per second of work), the ratios
+it is judged by (a/c >= 0.7: near disk speed; b/a time >= 2: worth its code), and peak RSS: of the whole process (wait4's ru_maxrss)
 and its growth during the work (VmHWM after resetting it post-import, minus the RSS then), which
 for (a) must stay under the largest tensor + 512 MB at every size. The source is in the page cache
 (just written), as it is when unshard follows a save on the same node. Every run starts after
@@ -265,7 +265,7 @@ def bench_size(size_gb: float, workdir: Path, cast: str | None, fsync: bool, rep
         for label, kind, dtype in plan[r % len(plan) :] + plan[: r % len(plan)]:
             runs[label].append(measure(kind, src, workdir / "out", dtype, fsync, shard))
 
-    # (b) as the issue defines it, and (b) plus the hashing pass its manifest would still need
+    # (b) as transformers does it, and (b) plus the hashing pass its manifest would still need
     runs["b naive+sha256"] = [{**x, "seconds": x["seconds"] + x["hash_seconds"]} for x in runs["b naive"]]
     rows = {}
     for label, results in runs.items():

@@ -3,6 +3,7 @@
     bash benchmarks/gpu_check.sh                     # GPU machine: install carried wheels, then this
     python benchmarks/gpu_check.py [--budget-s 540]  # the same without the installs
     python benchmarks/gpu_check.py --dry-run         # here, on CPU: small model, CPU plugin for SFT
+    python benchmarks/gpu_check.py --smoke --skip-tests   # the dry run at 4 steps a stage: checks the script runs
 
 What it runs, each step a time-boxed subprocess (its output goes to $OUT/gpu_check.log, or
 <work>/gpu_check.log without $OUT), then one `CHECK <name>: ok|failed (<reason>)` line per check:
@@ -35,6 +36,8 @@ What it runs, each step a time-boxed subprocess (its output goes to $OUT/gpu_che
 --dry-run (no CUDA): the model is tiny (same config otherwise), the CPT plugin is the config's own
 (HybridParallel ZeRO-1 bf16 on one CPU rank), SFT runs low_level_zero instead of Gemini, steps are
 fewer; kernels are skipped and the throughput ratio is parsed and printed but not judged.
+--smoke is the dry run with SMOKE_OVERRIDES on top (4 steps a stage, shorter CPT blocks): every
+check still runs, in a few minutes of two CPU cores instead of many.
 """
 
 from __future__ import annotations
@@ -67,6 +70,12 @@ DRY_MODEL = dict(vocab_size=None, hidden_size=64, num_layers=2, num_heads=4, num
 DRY_OVERRIDES = {
     "cpt": {"max_steps": 8, "checkpoint_every": 4},
     "sft": {"max_steps": 8, "checkpoint_every": 4, "plugin": {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"}},
+}
+# --smoke: on top of DRY_OVERRIDES. Checkpoints every 2 steps so the kill (after step 3) falls inside
+# an interval and the throughput window (steps after the first 2, saves left out) keeps one step.
+SMOKE_OVERRIDES = {
+    "cpt": {"max_steps": 4, "checkpoint_every": 2, "seq_len": 256, "micro_batch_size": 2},
+    "sft": {"max_steps": 4, "checkpoint_every": 2},
 }
 TIMEOUTS = {"env": 120, "kernels": 420, "model": 180, "preflight": 90, "plain": 240, "flow1": 420, "flow2": 300,
             "logits": 150, "tests": 300}
@@ -399,11 +408,13 @@ def write_config(ctx: Ctx) -> tuple[Path, dict[str, Any]]:
         return CONFIG, raw
     import yaml
 
-    for stage, over in DRY_OVERRIDES.items():
-        raw[stage].update(over)
+    for overrides in (DRY_OVERRIDES, SMOKE_OVERRIDES) if ctx.args.smoke else (DRY_OVERRIDES,):
+        for stage, over in overrides.items():
+            raw[stage].update(over)
     raw["name"] = "gpu-check-dry"
     path = ctx.work / "gpu-check-dry.yaml"
-    path.write_text("# gpu-check.yaml with benchmarks/gpu_check.py's DRY_OVERRIDES (CPU dry run)\n" + yaml.safe_dump(raw, sort_keys=False))
+    which = "DRY_OVERRIDES and SMOKE_OVERRIDES (CPU smoke run)" if ctx.args.smoke else "DRY_OVERRIDES (CPU dry run)"
+    path.write_text(f"# gpu-check.yaml with benchmarks/gpu_check.py's {which}\n" + yaml.safe_dump(raw, sort_keys=False))
     return path, raw
 
 
@@ -769,7 +780,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=None, help="start no step after this many seconds (default 540; 1800 with --dry-run)")
     p.add_argument("--work", help="scratch directory, emptied first (default /tmp/gpu-check[-dry])")
     p.add_argument("--skip-tests", action="store_true", help="do not run tests/test_gpu.py")
+    p.add_argument("--smoke", action="store_true", help="the dry run at 4 steps a stage (implies --dry-run): checks the script runs")
     args = p.parse_args(argv)
+    args.dry_run = args.dry_run or args.smoke
     sys.path.insert(0, str(REPO))
     return main_check(args)
 

@@ -2,6 +2,7 @@
 # The GPU validation in one command, on a machine with one CUDA GPU and no internet:
 #   bash benchmarks/gpu_check.sh [benchmarks/gpu_check.py options, e.g. --skip-tests --budget-s 480]
 #   bash benchmarks/gpu_check.sh --tests-only [pytest options]   # the set-up, then only tests/test_gpu.py
+#   PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh --smoke   # CPU: the same set-up, then gpu_check.py's smoke run
 # From the CPU machine, with the wheels fetched first by `bash benchmarks/gpu_wheels.sh`, the device
 # tool's call is:
 #   run(command="bash benchmarks/gpu_check.sh --budget-s 490", carry=[".whl"], timeout_s=575)

@@ -74,3 +74,15 @@ def test_data_smoke():
     out = smoke([PY, "benchmarks/data.py", "--smoke"])
     assert "prep 1w MB/s | prep 2w MB/s | 2w/1w (>=1.6)" in out and "resume/start (<=1.1)" in out, out
     assert "launch -> first step s | whole run s | peak RSS per rank MB | last loss" in out, out
+
+
+@pytest.mark.e2e
+def test_gpu_check_smoke(tmp_path):
+    """gpu_check.sh's set-up on this CPU machine, then gpu_check.py --smoke: the dry run (the flow killed
+    once and resumed, beside the plain baseline) at 4 steps a stage, every check reported."""
+    out = smoke(["bash", "benchmarks/gpu_check.sh", "--smoke", "--work", str(tmp_path / "work")], timeout=900,
+                env={"PYTHON": PY, "GPU_CHECK_SITE": str(tmp_path / "site"), "OUT": str(tmp_path / "out")})
+    for check in ("env", "model", "preflight", "plain_baseline", "flow_kill", "flow_resume", "sft_checkpoint", "export_fingerprint", "throughput"):
+        assert f"CHECK {check}: ok" in out, out
+    assert "CPT throughput, steps" in out and "flow / plain = " in out, out
+    assert "RESULT: all checks ok" in out and (tmp_path / "out" / "summary.json").is_file(), out

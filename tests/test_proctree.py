@@ -2,8 +2,8 @@
 
 A driver process plays the Prefect task (it becomes the subreaper, as the task does; pytest
 itself is left alone): it starts torchrun with the stage token, waits until both ranks write into
-a watched directory, optionally SIGKILLs torchrun's process group first as `_kill_group` does
-today (the ranks, in sessions of their own, survive that as orphans), then tears the stage down.
+a watched directory, optionally SIGKILLs torchrun's process group first, the naive teardown (the
+ranks, in sessions of their own, survive that as orphans), then tears the stage down.
 Checked: no process of the stage exists, at once and 10 s later, and no file in the watched
 directory changes after teardown returned.
 
@@ -46,7 +46,7 @@ info = {"driver": os.getpid(), "torchrun": proc.pid, "ranks": ranks, "subreaper"
         "rank_sessions": [os.getsid(p) for p in ranks]}
 stage = StageProcesses(proc.pid, token)
 if mode == "orphans":
-    os.killpg(proc.pid, signal.SIGKILL)   # what tasks/core/launch/torchrun.py _kill_group does today
+    os.killpg(proc.pid, signal.SIGKILL)   # the naive teardown: torchrun's own process group only
     proc.wait()
     time.sleep(1.0)
     import psutil

@@ -1,6 +1,6 @@
 """The whole flow with its CPT stage on the Slurm backend, on the real two-node test cluster and a
 real Prefect server (integration, e2e): CPT runs HybridParallel tp=2 with one rank on each of the
-emulated nodes n1 and n2; SFT and every other stage run on the worker as before.
+emulated nodes n1 and n2; SFT and every other stage run on the worker (the local backend).
 
 1. Cancellation: a deployment run on a process worker; once its Slurm job runs, the flow run is
    set to CANCELLING through the Prefect REST API. Prefect's worker SIGTERMs the flow-run process,
