@@ -31,9 +31,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tasks.core.config.load import parse_config
+from tasks.core.config.paths import resolve_local
 from tasks.core.launch.torchrun import run_engine
 from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
 from tasks.core.run.job import Job, Parent
+from tests._engine_utils import prepared_data
 from tests.conftest import tiny_config_raw
 from tests.servers import patched_env
 from tests.servers.slurm import SlurmCluster
@@ -50,9 +52,17 @@ class _Quiet(logging.Logger):
         super().__init__("bench", logging.WARNING)
 
 
-def _job(cfg, model: Path, stage_dir: Path, verb: str) -> Job:
-    return Job(verb=verb, stage="cpt", run=cfg, model_dir=model, tokenizer_dir=model, data_path=REPO / "data" / "sample" / "cpt.jsonl",
-               stage_dir=stage_dir, parent=Parent(uri=str(model), digest="bench"), config_digest="b" * 64)
+def _job(cfg, model: Path, data: Path, stage_dir: Path, verb: str) -> Job:
+    """The job tasks/train.py writes for the cpt stage; `data` is the prepared data/cpt of `cfg`."""
+    return Job(verb=verb, stage="cpt", stage_cfg=cfg.cpt, trust_remote_code=cfg.base_model.trust_remote_code, model_dir=model,
+               tokenizer_dir=model, data_dir=data, stage_dir=stage_dir, parent=Parent(uri=str(model), digest="bench"), config_digest="b" * 64)
+
+
+def _prepared(cfg, model: Path, out: Path) -> Path:
+    """cpt's sample corpus tokenized as prepare_cpt does; the same for every backend (only the launch differs)."""
+    section = cfg.cpt.model_dump(mode="json")
+    section["data"]["uri"] = resolve_local(section["data"]["uri"])
+    return prepared_data(section, "cpt", model, out)
 
 
 def _config(model: Path, root: Path, backend: str):
@@ -61,14 +71,14 @@ def _config(model: Path, root: Path, backend: str):
     return parse_config(raw)
 
 
-def first_step_s(backend: str, model: Path, step0: Path, work: Path) -> float:
+def first_step_s(backend: str, model: Path, data: Path, step0: Path, work: Path) -> float:
     cfg = _config(model, work / "run", backend)
     stage_dir = work / "run" / "cpt"
     shutil.rmtree(work, ignore_errors=True)
     shutil.copytree(step0, stage_dir / step0.name)
     first: list[float] = []
     t0 = time.monotonic()
-    run_engine("train", _job(cfg, model, stage_dir, "train"), work / "jobs" / "train.json", cfg.cpt.launch, f"bench-{backend}", _Quiet(),
+    run_engine("train", _job(cfg, model, data, stage_dir, "train"), work / "jobs" / "train.json", cfg.cpt.launch, f"bench-{backend}", _Quiet(),
                on_progress=lambda rec: first.append(time.monotonic()) if not first else None, env=ENV)
     if not first:
         raise RuntimeError(f"{backend}: the stage trained no step")
@@ -87,12 +97,13 @@ def main(argv: list[str] | None = None) -> int:
             build_tiny_model(model, build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
             cfg = _config(model, tmp / "seed", "local")
             seed_dir = tmp / "seed" / "cpt"
-            run_engine("shard", _job(cfg, model, seed_dir, "shard"), tmp / "seed" / "shard.json", cfg.cpt.launch, "bench-shard", _Quiet(), env=ENV)
+            data = _prepared(cfg, model, tmp / "data-cpt")
+            run_engine("shard", _job(cfg, model, data, seed_dir, "shard"), tmp / "seed" / "shard.json", cfg.cpt.launch, "bench-shard", _Quiet(), env=ENV)
             step0 = seed_dir / "step-000000"
             times: dict[str, list[float]] = {b: [] for b in LAUNCHES}
             for r in range(args.repeats):
                 for backend in LAUNCHES:
-                    s = first_step_s(backend, model, step0, tmp / f"{backend}-{r}")
+                    s = first_step_s(backend, model, data, step0, tmp / f"{backend}-{r}")
                     times[backend].append(s)
                     print(f"round {r + 1} {backend:>5}: task start -> first step {s:6.2f} s", flush=True)
     finally:

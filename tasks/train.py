@@ -76,7 +76,8 @@ def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageRe
         record_split(store, stage, split_info(data, getattr(cfg, stage).data.uri))
     nodes = _node_staging(cfg, store, stage, parent.rel if verb == "shard" else source_rel)
     return Job(
-        verb=verb, stage=stage, run=cfg, model_dir=source, tokenizer_dir=source, data_dir=data,
+        verb=verb, stage=stage, stage_cfg=getattr(cfg, stage), trust_remote_code=cfg.base_model.trust_remote_code,
+        model_dir=source, tokenizer_dir=source, data_dir=data,
         stage_dir=store.local_path(TRAINING[stage].checkpoints), parent=Parent(uri=parent.uri, digest=parent.digest), config_digest=cdigest,
         nodes=nodes,
         # The engine deletes only checkpoints the publisher marked, and waits when uploads lag.

@@ -26,41 +26,43 @@ STAGE = {
 }
 
 
+def stage_raw(stage: str, plugin: dict[str, Any], **stage_kw) -> dict[str, Any]:
+    """One stage section (a StageConfig dict) of the sample data under `plugin`: what a job carries."""
+    data = {"uri": str(REPO / "data" / "sample" / f"{stage}.jsonl")}
+    seq = {"seq_len": 64} if stage == "sft" else {}  # chats are longer than 32 tokens
+    return {"data": data, "plugin": plugin, "launch": {"nproc_per_node": 2}, **STAGE, **seq, "seed": 1234, **stage_kw}
+
+
 def run_raw(model_dir: Path, run_root: Path, stage: str, plugin: dict[str, Any], **stage_kw) -> dict[str, Any]:
     """A RunConfig dict whose `stage` section uses `plugin`; the other stage is a valid filler."""
-    def section(kind: str, plug: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-        data = {"uri": str(REPO / "data" / "sample" / f"{kind}.jsonl")}
-        seq = {"seq_len": 64} if kind == "sft" else {}  # chats are longer than 32 tokens
-        return {"data": data, "plugin": plug, "launch": {"nproc_per_node": 2}, **STAGE, **seq, "seed": 1234, **extra}
-
     filler = {"name": "torch_ddp", "precision": "fp32"}
     return {
         "name": "engine-test",
         "run_root": str(run_root),
         "base_model": {"uri": str(model_dir)},
-        "cpt": section("cpt", plugin if stage == "cpt" else filler, stage_kw if stage == "cpt" else {}),
-        "sft": section("sft", plugin if stage == "sft" else filler, stage_kw if stage == "sft" else {}),
+        **{s: stage_raw(s, plugin, **stage_kw) if s == stage else stage_raw(s, filler) for s in ("cpt", "sft")},
     }
 
 
-def prepared_data(run: dict[str, Any], stage: str, tokenizer_dir: Path, out: Path) -> Path:
+def prepared_data(stage_cfg: dict[str, Any], stage: str, tokenizer_dir: Path, out: Path) -> Path:
     """The stage's corpus tokenized as prepare_data does (no held-out part: the engine tests train on every record)."""
     from tasks.core.data.prepare import prepare
 
-    d = run[stage]["data"]
+    d = stage_cfg["data"]
     if not (out / "index.json").is_file():
         field = d.get("text_field", "text") if stage == "cpt" else d.get("messages_field", "messages")
-        prepare(d["uri"], tokenizer_dir, out, kind=stage, field=field, seq_len=run[stage]["seq_len"], heldout_fraction=0.0)
+        prepare(d["uri"], tokenizer_dir, out, kind=stage, field=field, seq_len=stage_cfg["seq_len"], heldout_fraction=0.0)
     return out
 
 
-def write_job(path: Path, *, verb: str, stage: str, run: dict[str, Any], model_dir: Path, stage_dir: Path,
+def write_job(path: Path, *, verb: str, stage: str, stage_cfg: dict[str, Any], model_dir: Path, stage_dir: Path,
               tokenizer_dir: Path | None = None, config_digest: str = "0" * 64) -> Path:
-    data_dir = prepared_data(run, stage, tokenizer_dir or model_dir, path.parent / f"data-{stage}-{Path(tokenizer_dir or model_dir).name}")
+    data_dir = prepared_data(stage_cfg, stage, tokenizer_dir or model_dir, path.parent / f"data-{stage}-{Path(tokenizer_dir or model_dir).name}")
     job = {
         "verb": verb,
         "stage": stage,
-        "run": run,
+        "stage_cfg": stage_cfg,
+        "trust_remote_code": False,
         "model_dir": str(model_dir),
         "tokenizer_dir": str(tokenizer_dir or model_dir),
         "data_dir": str(data_dir),

@@ -31,7 +31,7 @@ import torch
 
 from tasks.core.models.fingerprint import FINGERPRINT_FILE, hf_dir_logits, load_fingerprint, max_abs_diff
 from tasks.core.run.manifest import MANIFEST, verify_artifact
-from tests._engine_utils import engine, read_model_dir, run_raw, train_state, write_job
+from tests._engine_utils import engine, read_model_dir, stage_raw, train_state, write_job
 
 pytestmark = pytest.mark.distributed
 
@@ -64,8 +64,8 @@ def work(tmp_path_factory) -> Path:
 
 
 def _jobs(work: Path, name: str, stage: str, plugin: dict, model_dir: Path, tokenizer_dir: Path, stage_dir: Path, **stage_kw):
-    run = run_raw(model_dir, work / "runs", stage, plugin, **stage_kw)
-    common = dict(stage=stage, run=run, model_dir=model_dir, tokenizer_dir=tokenizer_dir, stage_dir=stage_dir)
+    section = stage_raw(stage, plugin, **stage_kw)
+    common = dict(stage=stage, stage_cfg=section, model_dir=model_dir, tokenizer_dir=tokenizer_dir, stage_dir=stage_dir)
     return (
         write_job(work / "jobs" / f"{name}-shard.json", verb="shard", **common),
         write_job(work / "jobs" / f"{name}-train.json", verb="train", **common),

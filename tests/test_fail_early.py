@@ -265,13 +265,13 @@ def test_a_failing_rank_gives_the_stage_its_cause(tmp_path, tiny_model_dir, monk
     refuses before any process group exists; StageFailed's first line is the first error line."""
     from tasks.core.config.schema import LaunchConfig
     from tasks.core.run.job import parse_job
-    from tests._engine_utils import run_raw, write_job
+    from tests._engine_utils import stage_raw, write_job
 
     monkeypatch.setattr(subprocess, "Popen", _REAL_POPEN)  # this test launches
     empty = tmp_path / "no-model"
     empty.mkdir()
-    run = run_raw(tiny_model_dir, tmp_path / "run", "cpt", {"name": "torch_ddp", "precision": "fp32"})
-    job_path = write_job(tmp_path / "job.json", verb="train", stage="cpt", run=run, model_dir=empty, stage_dir=tmp_path / "cpt", tokenizer_dir=tiny_model_dir)
+    section = stage_raw("cpt", {"name": "torch_ddp", "precision": "fp32"})
+    job_path = write_job(tmp_path / "job.json", verb="train", stage="cpt", stage_cfg=section, model_dir=empty, stage_dir=tmp_path / "cpt", tokenizer_dir=tiny_model_dir)
     job = parse_job(json.loads(job_path.read_text()))
     logger = logging.getLogger("i16-launch")
     handler = _Records()
@@ -434,7 +434,7 @@ def test_pickle_weights_are_converted_once_in_the_load_stage(prefect_harness, ti
 
     run = cfg.model_dump(mode="json")
     run["cpt"]["data"]["uri"] = str(Path(__file__).resolve().parents[1] / run["cpt"]["data"]["uri"])
-    job = parse_job(json.loads(write_job(tmp_path / "job.json", verb="shard", stage="cpt", run=run, model_dir=base, stage_dir=tmp_path / "cpt").read_text()))
+    job = parse_job(json.loads(write_job(tmp_path / "job.json", verb="shard", stage="cpt", stage_cfg=run["cpt"], model_dir=base, stage_dir=tmp_path / "cpt").read_text()))
     check_inputs(job)
 
 

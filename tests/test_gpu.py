@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests._engine_utils import engine, prepared_data, read_model_dir, run_raw, train_state, write_job
+from tests._engine_utils import engine, prepared_data, read_model_dir, stage_raw, train_state, write_job
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(3600)]  # the first launch may JIT-build kernels
 
@@ -137,8 +137,8 @@ def dropout_model_dir(work) -> Path:
 def gemini_runs(work, dropout_model_dir):
     """A: shard + 6 steps; B: the same from a copy of step 0, killed after step 4 and resumed."""
     env = _det_env(work)
-    run = run_raw(dropout_model_dir, work / "runs", "sft", GEMINI, **ONE_RANK)
-    common = dict(stage="sft", run=run, model_dir=dropout_model_dir)
+    section = stage_raw("sft", GEMINI, **ONE_RANK)
+    common = dict(stage="sft", stage_cfg=section, model_dir=dropout_model_dir)
     a_dir, b_dir = work / "a" / "sft", work / "b" / "sft"
     shard_a = write_job(work / "jobs" / "a-shard.json", verb="shard", stage_dir=a_dir, **common)
     train_a = write_job(work / "jobs" / "a-train.json", verb="train", stage_dir=a_dir, **common)
@@ -299,12 +299,12 @@ def _roundtrip_worker(model_dir: Path, out: Path, plugin: dict | None = None) ->
 
         cpu_compat.apply()
     colossalai.launch_from_torch(seed=1234, verbose=False)
-    run = run_raw(model_dir, out / "runs", "sft", plugin or GEMINI, **ONE_RANK)
-    data_dir = prepared_data(run, "sft", model_dir, out / "data-sft")  # StageData reads prepared token shards
+    section = stage_raw("sft", plugin or GEMINI, **ONE_RANK)
+    data_dir = prepared_data(section, "sft", model_dir, out / "data-sft")  # StageData reads prepared token shards
 
     def job(name: str):
         return parse_job({
-            "verb": "shard", "stage": "sft", "run": run, "model_dir": str(model_dir), "tokenizer_dir": str(model_dir),
+            "verb": "shard", "stage": "sft", "stage_cfg": section, "trust_remote_code": False, "model_dir": str(model_dir), "tokenizer_dir": str(model_dir),
             "data_dir": str(data_dir), "stage_dir": str(out / name / "sft"), "parent": None, "config_digest": "0" * 64,
         })
 
@@ -315,7 +315,7 @@ def _roundtrip_worker(model_dir: Path, out: Path, plugin: dict | None = None) ->
     data = StageData(first, 0, 1)
     losses = [a.train_step(data.next_batch()[0]) for _ in range(2)]
     sampler = data.sampler.state_dict()
-    state = {"stage": "sft", "step": 2, "max_steps": run["sft"]["max_steps"], "tokens_seen": 0, "sampler": sampler,
+    state = {"stage": "sft", "step": 2, "max_steps": section["max_steps"], "tokens_seen": 0, "sampler": sampler,
              "epoch": sampler["epoch"], "losses": losses, "lrs": [], "lr": float(a.scheduler.get_last_lr()[0])}
     saved = a.save(2, state)
 

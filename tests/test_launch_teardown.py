@@ -21,7 +21,7 @@ from tasks.core.config.schema import LaunchConfig
 from tasks.core.errors import StageFailed
 from tasks.core.launch.torchrun import run_engine
 from tasks.core.run.job import parse_job
-from tests._engine_utils import engine, run_raw, write_job
+from tests._engine_utils import engine, stage_raw, write_job
 
 pytestmark = pytest.mark.distributed
 DDP = {"name": "torch_ddp", "precision": "fp32"}
@@ -46,10 +46,10 @@ def _tree(d: Path) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory, tiny_model_dir):
     work = tmp_path_factory.mktemp("teardown")
-    run = run_raw(tiny_model_dir, work / "runs", "cpt", DDP, max_steps=400, checkpoint_every=2, keep_last=2)
+    section = stage_raw("cpt", DDP, max_steps=400, checkpoint_every=2, keep_last=2)
     stage_dir = work / "cpt"
-    engine("shard", write_job(work / "shard.json", verb="shard", stage="cpt", run=run, model_dir=tiny_model_dir, stage_dir=stage_dir))
-    return work, run, stage_dir, tiny_model_dir
+    engine("shard", write_job(work / "shard.json", verb="shard", stage="cpt", stage_cfg=section, model_dir=tiny_model_dir, stage_dir=stage_dir))
+    return work, section, stage_dir, tiny_model_dir
 
 
 def _assert_nothing_left(job_path: Path, stage_dir: Path, raised_at: float) -> None:
@@ -61,10 +61,10 @@ def _assert_nothing_left(job_path: Path, stage_dir: Path, raised_at: float) -> N
 
 
 def test_background_failure_stops_the_stage(sharded, tmp_path):
-    _, run, base, model = sharded
+    _, section, base, model = sharded
     stage_dir = tmp_path / "cpt"
     shutil.copytree(base / "step-000000", stage_dir / "step-000000")
-    job = parse_job(json.loads(write_job(tmp_path / "j.json", verb="train", stage="cpt", run=run, model_dir=model, stage_dir=stage_dir).read_text()))
+    job = parse_job(json.loads(write_job(tmp_path / "j.json", verb="train", stage="cpt", stage_cfg=section, model_dir=model, stage_dir=stage_dir).read_text()))
     job_path = tmp_path / "train-a.json"
     seen: list[int] = []
     boom = RuntimeError("publish of checkpoint s3://bucket/run/cpt/step-000002 failed after 5 attempt(s)")
@@ -80,10 +80,10 @@ def test_background_failure_stops_the_stage(sharded, tmp_path):
 
 
 def test_dead_rank_fails_the_stage_and_leaves_nothing(sharded, tmp_path):
-    _, run, base, model = sharded
+    _, section, base, model = sharded
     stage_dir = tmp_path / "cpt"
     shutil.copytree(base / "step-000000", stage_dir / "step-000000")
-    job = parse_job(json.loads(write_job(tmp_path / "j.json", verb="train", stage="cpt", run=run, model_dir=model, stage_dir=stage_dir).read_text()))
+    job = parse_job(json.loads(write_job(tmp_path / "j.json", verb="train", stage="cpt", stage_cfg=section, model_dir=model, stage_dir=stage_dir).read_text()))
     job_path = tmp_path / "train-b.json"
     with pytest.raises(StageFailed):
         run_engine("train", job, job_path, LaunchConfig(nproc_per_node=2), "teardown-b", logging.getLogger("test"),

@@ -12,7 +12,7 @@ from tasks.core.errors import ManifestError
 from tasks.core.models.flops import flops_per_token, mfu, peak_flops
 from tasks.core.tracking.tbevents import read_scalars
 from tasks.engine.metrics import TAGS, StepMetrics, grad_norm
-from tests._engine_utils import engine, run_raw, write_job
+from tests._engine_utils import engine, stage_raw, write_job
 
 
 class _Cfg:
@@ -100,9 +100,9 @@ def test_grad_norm_from_colossalai_wrappers():
 @pytest.mark.distributed
 def test_ddp_train_emits_metrics_and_one_event_point_per_step(tmp_path, tiny_model_dir):
     plugin = {"name": "torch_ddp", "precision": "fp32"}
-    run = run_raw(tiny_model_dir, tmp_path / "runs", "cpt", plugin, max_steps=4, checkpoint_every=4)
+    section = stage_raw("cpt", plugin, max_steps=4, checkpoint_every=4)
     stage_dir = tmp_path / "cpt"
-    common = dict(stage="cpt", run=run, model_dir=tiny_model_dir, stage_dir=stage_dir)
+    common = dict(stage="cpt", stage_cfg=section, model_dir=tiny_model_dir, stage_dir=stage_dir)
     engine("shard", write_job(tmp_path / "shard.json", verb="shard", **common))
     out = engine("train", write_job(tmp_path / "train.json", verb="train", **common))
     progress = out.progress

@@ -32,10 +32,11 @@ def _job(tmp: Path, model_dir: Path, verb: str, run: dict, digest: str) -> Path:
     path.write_text(json.dumps({
         "verb": verb,
         "stage": "cpt",
-        "run": run,
+        "stage_cfg": run["cpt"],
+        "trust_remote_code": run["base_model"]["trust_remote_code"],
         "model_dir": str(model_dir),
         "tokenizer_dir": str(model_dir),
-        "data_dir": str(prepared_data(run, "cpt", model_dir, tmp / "data-cpt")),
+        "data_dir": str(prepared_data(run["cpt"], "cpt", model_dir, tmp / "data-cpt")),
         "stage_dir": str(tmp / "run" / "cpt"),
         "parent": {"uri": str(model_dir), "digest": "base-digest"},
         "config_digest": digest,

@@ -169,7 +169,7 @@ def test_job_errors_name_every_key(tmp_path):
     with pytest.raises(ConfigError) as exc:
         parse_job({"verb": "fly", "stage": "dpo", "model_dir": "rel/path", "extra": 1}, verb="train")
     fields = {f for f, _ in exc.value.problems}
-    assert {"verb", "stage", "model_dir", "extra", "run", "tokenizer_dir", "stage_dir", "config_digest"} <= fields
+    assert {"verb", "stage", "model_dir", "extra", "stage_cfg", "trust_remote_code", "tokenizer_dir", "stage_dir", "config_digest"} <= fields
 
 
 # -- checkpoints -------------------------------------------------------------------------------------

@@ -72,10 +72,10 @@ def test_marker_of_another_manifest_does_not_count(tmp_path):
 
 
 def _job(**extra) -> dict:
-    from tests._engine_utils import run_raw
+    from tests._engine_utils import stage_raw
 
-    run = run_raw(Path("/m"), Path("/r"), "cpt", {"name": "torch_ddp", "precision": "fp32"})
-    return {"verb": "train", "stage": "cpt", "run": run, "model_dir": "/m", "tokenizer_dir": "/m",
+    section = stage_raw("cpt", {"name": "torch_ddp", "precision": "fp32"})
+    return {"verb": "train", "stage": "cpt", "stage_cfg": section, "trust_remote_code": False, "model_dir": "/m", "tokenizer_dir": "/m",
             "stage_dir": "/s", "parent": None, "config_digest": "0" * 64, **extra}
 
 
@@ -90,18 +90,18 @@ def test_job_key_remote_run_root():
 def test_max_pending_publishes_field():
     field = StageConfig.model_fields["max_pending_publishes"]
     assert field.default == 2 and "upload" in field.description
-    run = _job()["run"]
-    run["cpt"]["max_pending_publishes"] = 0
+    section = _job()["stage_cfg"]
+    section["max_pending_publishes"] = 0
     with pytest.raises(ConfigError) as exc:
-        parse_job(_job(run=run))
-    assert any(f == "run.cpt.max_pending_publishes" for f, _ in exc.value.problems), exc.value.problems
+        parse_job(_job(stage_cfg=section))
+    assert any(f == "stage_cfg.max_pending_publishes" for f, _ in exc.value.problems), exc.value.problems
 
 
 # ---- distributed tier: real torchrun, real Publisher, real S3 through the throttled proxy ----------
-def _train_job(path: Path, run: dict, model_dir: Path, stage_dir: Path, remote: bool) -> Path:
+def _train_job(path: Path, section: dict, model_dir: Path, stage_dir: Path, remote: bool) -> Path:
     from tests._engine_utils import write_job
 
-    write_job(path, verb="train", stage="cpt", run=run, model_dir=model_dir, stage_dir=stage_dir)
+    write_job(path, verb="train", stage="cpt", stage_cfg=section, model_dir=model_dir, stage_dir=stage_dir)
     job = json.loads(path.read_text())
     job["remote_run_root"] = remote
     path.write_text(json.dumps(job, indent=2))
@@ -112,13 +112,13 @@ def _train_job(path: Path, run: dict, model_dir: Path, stage_dir: Path, remote: 
 def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(throttled_s3, s3_root, tmp_path, tiny_model_dir):
     from tasks.core.storage.fs import RunStore
     from tasks.core.storage.publisher import Publisher
-    from tests._engine_utils import REPO, engine, run_raw, train_state, write_job
+    from tests._engine_utils import REPO, engine, stage_raw, train_state, write_job
 
     store = RunStore(s3_root, staging_dir=str(tmp_path / "staging"))
     stage_dir = store.local_path("cpt")
-    run = run_raw(tiny_model_dir, tmp_path / "unused", "cpt", {"name": "torch_ddp", "precision": "fp32"},
-                  max_steps=4, checkpoint_every=1, keep_last=1, max_pending_publishes=1)
-    engine("shard", write_job(tmp_path / "shard.json", verb="shard", stage="cpt", run=run, model_dir=tiny_model_dir, stage_dir=stage_dir))
+    section = stage_raw("cpt", {"name": "torch_ddp", "precision": "fp32"},
+                            max_steps=4, checkpoint_every=1, keep_last=1, max_pending_publishes=1)
+    engine("shard", write_job(tmp_path / "shard.json", verb="shard", stage="cpt", stage_cfg=section, model_dir=tiny_model_dir, stage_dir=stage_dir))
     local_twin = tmp_path / "local" / "cpt"
     shutil.copytree(stage_dir / "step-000000", local_twin / "step-000000")
     store.publish("cpt/step-000000")
@@ -127,7 +127,7 @@ def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(thr
     # Slow enough that one upload spans several training steps: the engine must wait.
     throttled_s3.set_rate(max(size / 2.0, 256 << 10))
 
-    job = _train_job(tmp_path / "train.json", run, tiny_model_dir, stage_dir, remote=True)
+    job = _train_job(tmp_path / "train.json", section, tiny_model_dir, stage_dir, remote=True)
     pub = Publisher(store, "cpt", keep_last=1, backoff_s=0.5).start()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "tasks.engine", "train", "--config", str(job)]
@@ -161,7 +161,7 @@ def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(thr
         ckpt.check_checkpoint(p, int(p.name[5:]), "cpt", "0" * 64)
 
     # The same steps on a local run root: bitwise the same losses (fp32), whatever the uploads did.
-    local = engine("train", _train_job(tmp_path / "train-local.json", run, tiny_model_dir, local_twin, remote=False))
+    local = engine("train", _train_job(tmp_path / "train-local.json", section, tiny_model_dir, local_twin, remote=False))
     assert "@@backpressure" not in local.output
     assert train_state(local_twin / "step-000004")["losses"] == train_state(stage_dir / "step-000004")["losses"]
 

@@ -67,8 +67,8 @@ def _job(cfg, tmp_path: Path, model_dir: Path, verb: str):
     from tasks.core.run.job import Job, Parent
     from tests._engine_utils import prepared_data
 
-    data_dir = prepared_data(cfg.model_dump(mode="json"), "cpt", model_dir, tmp_path / "data-cpt")
-    return Job(verb=verb, stage="cpt", run=cfg, model_dir=model_dir, tokenizer_dir=model_dir,
+    data_dir = prepared_data(cfg.cpt.model_dump(mode="json"), "cpt", model_dir, tmp_path / "data-cpt")
+    return Job(verb=verb, stage="cpt", stage_cfg=cfg.cpt, trust_remote_code=cfg.base_model.trust_remote_code, model_dir=model_dir, tokenizer_dir=model_dir,
                data_dir=data_dir, stage_dir=tmp_path / "run" / "cpt",
                parent=Parent(uri=str(model_dir), digest="base-digest"), config_digest="c" * 64)
 

@@ -192,7 +192,7 @@ def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(
         raw["cpt"]["launch"]["rdzv_endpoint"] = "h:1"
         with pytest.raises(ConfigError, match="dummy_sched backend places the rendezvous"):
             parse_config(raw)
-        job = Job(verb="train", stage="cpt", run=cfg, model_dir=tiny_model_dir, tokenizer_dir=tiny_model_dir, data_dir=tmp_path / "data",
+        job = Job(verb="train", stage="cpt", stage_cfg=cfg.cpt, trust_remote_code=False, model_dir=tiny_model_dir, tokenizer_dir=tiny_model_dir, data_dir=tmp_path / "data",
                   stage_dir=tmp_path / "run" / "cpt", parent=Parent(uri=None, digest=None), config_digest=None)
         progress = launch_mod.run_engine("train", job, tmp_path / "job.json", cfg.cpt.launch, "r", logging.getLogger("t"))
         assert ran == [("train", 2)] and progress == [{"step": 1}]

@@ -7,9 +7,9 @@ the files a verb will read, checked before any process group or model exists.
 from __future__ import annotations
 
 from tasks.core.errors import ConfigError
-from tasks.core.run.job import STAGES, VERBS, Job, load_job, parse_job
+from tasks.core.run.job import VERBS, Job, load_job, parse_job
 
-__all__ = ["STAGES", "VERBS", "Job", "check_inputs", "load_job", "parse_job"]
+__all__ = ["VERBS", "Job", "check_inputs", "load_job", "parse_job"]
 
 
 def check_inputs(job: Job) -> None:

@@ -3,9 +3,12 @@ Prefect task (tasks/train.py) and read by the engine (tasks/engine/__main__.py):
 
     torchrun --nproc_per_node=2 -m tasks.engine train --config JOB.json
 
-`shard` reads weights from model_dir; `train` reads only its config.json (the weights come from
-the newest complete checkpoint in stage_dir). Every local path is absolute: the ranks may run
-with another working directory.
+It carries only what the ranks read: the stage's own config section (`stage_cfg`), whether the
+model may run remote code, and where the model, tokenizer, data and checkpoints are. The rest of
+the run config (the other stage, export, gate, hub, tracking) stays with the task, which validated
+all of it. `shard` reads weights from model_dir; `train` reads only its config.json (the weights
+come from the newest complete checkpoint in stage_dir). Every local path is absolute: the ranks
+may run with another working directory.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError, field_validator
 
-from tasks.core.config.schema import RunConfig, StageConfig
+from tasks.core.config.load import plugin_problems
+from tasks.core.config.schema import StageConfig
 from tasks.core.errors import ConfigError
+from tasks.core.run.stages import TRAINING
 
 VERBS = ("shard", "train")
-STAGES = ("cpt", "sft")
 
 
 def _absolute(p: Path) -> Path:
@@ -57,9 +61,10 @@ class Job(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    verb: Literal["shard", "train"] = Field(description="shard: boost the HF model and save step 0; train: resume and train.")
-    stage: Literal["cpt", "sft"] = Field(description="The training stage; run[stage] is its StageConfig.")
-    run: RunConfig = Field(description="The whole validated run configuration.")
+    verb: Literal[VERBS] = Field(description="shard: boost the HF model and save step 0; train: resume and train.")
+    stage: Literal[tuple(TRAINING)] = Field(description="The training stage (a key of tasks.core.run.stages.TRAINING).")
+    stage_cfg: StageConfig = Field(description="The run config's section of this stage (run[stage]), validated by the task.")
+    trust_remote_code: StrictBool = Field(description="base_model.trust_remote_code: whether loading the model may run code it ships.")
     model_dir: AbsPath = Field(description="HF model directory (config.json + safetensors).")
     tokenizer_dir: AbsPath = Field(description="Directory with the tokenizer files.")
     data_dir: AbsPath | None = Field(default=None, description=(
@@ -73,17 +78,19 @@ class Job(BaseModel):
         "the engine deletes only marked ones and waits at a save while max_pending_publishes are unmarked."))
     _source: str = PrivateAttr(default="job")
 
+    @field_validator("stage_cfg")
+    @classmethod
+    def _static_layout(cls, stage_cfg: StageConfig) -> StageConfig:
+        # The static layout rules parse_config applies to each stage, again for the one stage the
+        # ranks train: a hand-written or edited job file fails here, before any process group exists.
+        problems = plugin_problems(stage_cfg, "stage_cfg")
+        if problems:
+            raise ConfigError(problems)
+        return stage_cfg
+
     @property
     def source(self) -> str:
         return self._source
-
-    @property
-    def stage_cfg(self) -> StageConfig:
-        return getattr(self.run, self.stage)
-
-    @property
-    def trust_remote_code(self) -> bool:
-        return self.run.base_model.trust_remote_code
 
     def write(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +112,7 @@ def parse_job(raw: Any, source: str = "job", verb: str | None = None) -> Job:
         for err in exc.errors():
             loc = ".".join(str(x) for x in err["loc"]) or source
             nested = (err.get("ctx") or {}).get("error")
-            if isinstance(nested, ConfigError):  # the RunConfig's own rules
+            if isinstance(nested, ConfigError):  # the stage section's layout rules
                 problems += [(f"{loc}.{f}" if not f.startswith(loc) else f, m) for f, m in nested.problems]
             else:
                 problems.append((loc, err["msg"].removeprefix("Value error, ")))
