@@ -24,7 +24,7 @@ from prefect import get_run_logger
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError, ConversionError, ManifestError
-from tasks.core.hub.repo import is_hub_id
+from tasks.core.hub.repo import HubTokenRefused, is_hub_id
 from tasks.core.models.convert import PICKLE_INDEX_NAME, convert_checkpoint
 from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
 from tasks.core.run.manifest import sha256_file
@@ -115,18 +115,37 @@ def convert_pickle(model_dir: Path, model_cfg: dict, uri: str) -> dict:
     return {"loader": "torch.load(weights_only=True)", "files": sources, **report.summary()}
 
 
-def _transient(task, task_run, state) -> bool:
-    """Retry downloads and copies, never a refusal: the same inputs give the same ConfigError."""
+UNHEALING_STATUS = (401, 403, 404)  # a refused token, a missing right, a missing repo/revision/file: the same on every try
+
+
+def cannot_heal(exc: BaseException) -> bool:
+    """An error a retry meets again: a refusal (ConfigError), the Hub answering 401/403/404, a
+    malformed safetensors file. Its causes count too (a loader may wrap the SafetensorError)."""
+    from huggingface_hub.errors import HfHubHTTPError
+    from safetensors import SafetensorError
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, (ConfigError, SafetensorError, HubTokenRefused)):
+            return True
+        if isinstance(exc, HfHubHTTPError) and getattr(exc.response, "status_code", None) in UNHEALING_STATUS:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def transient(task, task_run, state) -> bool:
+    """Prefect's retry condition for the Hub stages: retry downloads, copies and uploads (network,
+    disk), never an error that cannot heal (`cannot_heal`)."""
     try:
         state.result()
-    except ConfigError:
-        return False
-    except Exception:  # any other failure (network, disk) may pass on a retry
-        return True
+    except Exception as exc:  # the failure itself is what is judged
+        return not cannot_heal(exc)
     return True
 
 
-@stage_task(name="load_from_hf", retries=2, retry_delay_seconds=15, retry_condition_fn=_transient, task_run_name="load_from_hf")
+@stage_task(name="load_from_hf", retries=2, retry_delay_seconds=15, retry_condition_fn=transient, task_run_name="load_from_hf")
 def load_from_hf(cfg: RunConfig) -> StageResult:
     logger = get_run_logger()
     stage = Stage("load_from_hf", cfg)

@@ -8,7 +8,8 @@ login) and the two ways in: the `preflight` task, first in the flow, which on an
 Failed with the report as its message (the flow then ends Failed the same way, without a
 traceback); and `run_check_cli`, a plain
 function for `--check` that starts no flow and no Prefect server, prints the report and returns
-the exit code. The token itself is never logged or returned, only whether it exists.
+the exit code. The token itself is never logged or returned: pre-flight asks the Hub `whoami` with
+it and names only its source.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from prefect.states import Failed, State
 
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError
-from tasks.core.hub.repo import SECRET_BLOCK, hub_token
+from tasks.core.hub.repo import SECRET_BLOCK, HubToken, find_hub_token
 from tasks.core.preflight.checks import PreflightReport, load_for_check, preflight_report
 
 SECRET_TIMEOUT_S = 5.0
@@ -47,9 +48,14 @@ def _secret_value(timeout: float = SECRET_TIMEOUT_S) -> str | None:
     return found[0] if found else None
 
 
+def hub_token_found(consult_secret: bool = True) -> HubToken | None:
+    """The token push/load would use, with its source, in their order (tasks.core.hub.repo.find_hub_token)."""
+    return find_hub_token(_secret_value if consult_secret else None)
+
+
 def hub_token_present(consult_secret: bool = True) -> bool:
-    """Whether push/load would find a token, in their order (tasks.core.hub.repo.hub_token)."""
-    return hub_token(_secret_value if consult_secret else None) is not None
+    """Whether push/load would find a token."""
+    return hub_token_found(consult_secret) is not None
 
 
 REFUSED = "pre-flight stopped: fix the configuration above first, nothing was launched"
@@ -61,7 +67,8 @@ def preflight(cfg: RunConfig) -> dict[str, Any] | State:
     (no traceback: nothing crashed) and whose result raises one ConfigError listing every problem;
     else the checked list."""
     logger = get_run_logger()
-    report = preflight_report(cfg, token_present=hub_token_present() if cfg.hub else None)
+    found = hub_token_found() if cfg.hub else None
+    report = preflight_report(cfg, token_present=(found is not None) if cfg.hub else None, hub_token=found)
     for w in report.warnings:
         logger.warning("pre-flight: %s", w)
     if not report.ok:
@@ -88,8 +95,9 @@ def check(cfg: RunConfig | str | Path, run_root: str | None = None, run_name: st
         overrides = {k: v for k, v in (("run_root", run_root), ("name", run_name)) if v}
         cfg = load_for_check(path, overrides)
     server = bool(os.environ.get("PREFECT_API_URL"))
-    token = hub_token_present(consult_secret=server) if cfg.hub else None
-    report = preflight_report(cfg, token_present=token)
+    found = hub_token_found(consult_secret=server) if cfg.hub else None
+    token = (found is not None) if cfg.hub else None
+    report = preflight_report(cfg, token_present=token, hub_token=found)
     if cfg.hub and not token and not server:
         report.warnings.append(f"the Prefect Secret '{SECRET_BLOCK}' was not consulted (no PREFECT_API_URL); export HF_TOKEN, run `hf auth login`, "
                                "or set PREFECT_API_URL to the server holding the Secret")

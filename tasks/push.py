@@ -8,6 +8,7 @@ configured branch, with `parent_commit` pinned to the branch head read just befo
 the Hub already holds are not sent again (the LFS batch API answers that they exist), and a push
 of an unchanged export makes no commit at all. Uploads are retried (transient I/O); the Hub only
 moves the branch when the commit lands, so a push that cannot finish leaves the repo as it was.
+A token the Hub refuses (401/403) is not retried, and the error names where it came from.
 
 A `.safetensors` file that is not a weight shard of the model, or an adapter beside the merged
 weights, is refused (the folder rule verify and pre-flight apply too: `tasks.core.models.folder`),
@@ -34,11 +35,12 @@ from prefect import get_run_logger, task
 from tasks import ui
 from tasks.core.config.schema import HubConfig, RunConfig
 from tasks.core.hub.card import model_card, train_facts
-from tasks.core.hub.repo import SECRET_BLOCK
+from tasks.core.hub.repo import REFUSED_STATUS, SECRET_BLOCK, HubTokenRefused, find_hub_token, refused_token_message
 from tasks.core.models.folder import folder_problems
 from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR, read_manifest
 from tasks.core.run.stages import EXPORT, Status
-from tasks.stage import StageResult, store_for, token
+from tasks.load import transient
+from tasks.stage import StageResult, secret_token, store_for
 
 CARD = "README.md"
 
@@ -90,15 +92,15 @@ def push_export(export_dir: Path, files: list[str], card: str, hub: HubConfig, t
     }
 
 
-@task(name="push_to_hub", retries=3, retry_delay_seconds=20, task_run_name="push_to_hub")
+@task(name="push_to_hub", retries=3, retry_delay_seconds=20, retry_condition_fn=transient, task_run_name="push_to_hub")
 def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
     logger = get_run_logger()
     started = time.monotonic()
     if cfg.hub is None:
         logger.info("push_to_hub: skipped, no `hub:` section in the config (nothing is published)")
         return StageResult("push_to_hub", Status.NOT_CONFIGURED, detail={"reason": "no hub configured"})
-    hf_token = token()
-    if not hf_token:
+    found = find_hub_token(secret_token)
+    if found is None:
         raise RuntimeError(
             f"push_to_hub: no Hub token; set HF_TOKEN in the worker's environment, create the Prefect Secret block '{SECRET_BLOCK}', "
             "or log the worker in with `hf auth login`"
@@ -110,7 +112,17 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
 
     card = model_card(cfg, manifest, train_facts(cfg, results, store.read_text), recorded_metrics(results))
     files = files_to_push(export_dir, manifest, cfg.hub.push_provenance)
-    outcome = push_export(export_dir, files, card, cfg.hub, hf_token, log=logger.info)
+    try:
+        outcome = push_export(export_dir, files, card, cfg.hub, found.value, log=logger.info)
+    except Exception as exc:
+        from huggingface_hub import constants
+        from huggingface_hub.errors import HfHubHTTPError
+
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if not isinstance(exc, HfHubHTTPError) or status not in REFUSED_STATUS:
+            raise
+
+        raise HubTokenRefused(f"push_to_hub: {refused_token_message(found, constants.ENDPOINT, status)}") from None
     ui.link("hub-commit", outcome["commit_url"], f"{cfg.hub.repo_id}@{cfg.hub.revision}")
     ui.stage_event("push_to_hub", "completed", cfg.name, outcome["commit_url"], changed=outcome.get("changed"))
     return StageResult("push_to_hub", Status.COMPLETED, uri=outcome["repo_url"], seconds=time.monotonic() - started, detail=outcome)

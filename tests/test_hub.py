@@ -282,6 +282,22 @@ def test_provenance_is_a_config_choice_and_a_stray_safetensors_is_refused(token_
     assert_repo_holds_export(api, "org/old-layout", tmp_path / "run" / "export", manifest)
 
 
+def test_a_refused_token_fails_the_push_at_once_naming_its_source(hub_env, prefect_harness, tmp_path, monkeypatch):
+    """A 401 cannot heal: the push's retries (3 x 20 s) are not spent on it, and the error names the
+    token's source, never its value."""
+    from tasks.core.hub.repo import HubTokenRefused
+    from tasks.push import push_to_hub
+
+    wrong = "hf_WRONGwrongWRONG0123456789"
+    monkeypatch.setenv("HF_TOKEN", wrong)
+    fake_export(tmp_path / "run", seed=7)
+    started = time.monotonic()
+    with pytest.raises(HubTokenRefused, match=r"refuses the token from HF_TOKEN \(the environment\) \(HTTP 401") as info:
+        push_to_hub(config(tmp_path / "run", repo_id="org/refused"), RESULTS)  # the task's own retries=3
+    assert time.monotonic() - started < 15, "a refused token was retried"
+    assert wrong not in str(info.value) and hub_env.endpoint in str(info.value)
+
+
 def test_a_token_saved_by_login_is_used_by_push_and_preflight(hub_env, prefect_harness, tmp_path, monkeypatch):
     """`hf auth login` writes the token under HF_HOME (a temporary one here); no HF_TOKEN, no Secret."""
     import huggingface_hub

@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 
 from flows.cli import main
+from tasks.core.preflight.checks import preflight_report
 from tasks.core.run.manifest import write_manifest
 from tests.test_preflight import Case, fake_model, make_manifest, no_launch  # noqa: F401  (no_launch: autouse, no process may start)
+
+pytest_plugins = ["tests.conftest_servers"]
 
 
 def hf_folder(d: Path, extra: dict[str, bytes] | None = None) -> Path:
@@ -73,3 +76,104 @@ def test_preflight_refuses_a_stray_safetensors_in_an_existing_artifact(tmp_path)
     report = case.report()
     msgs = [m for f, m in report.problems if f.endswith("/run/export/.cpt-to-sft/manifest.json")]
     assert any("holds model-extra.safetensors" in m for m in msgs), report.text()
+
+
+# ---- (7) the Hub token asked in pre-flight, naming its source ----------------------------------
+def _hub_case(tmp_path: Path) -> Case:
+    case = Case(tmp_path)
+    case.raw["hub"] = {"repo_id": "my-org/tiny"}
+    return case
+
+
+def _report(case: Case, token):
+    from tasks.core.preflight.checks import load_for_check
+    from tests.conftest import write_config
+
+    cfg = load_for_check(write_config(case.tmp / "config.yaml", case.raw))
+    return preflight_report(cfg, machine=case.machine, token_present=token is not None, hub_token=token)
+
+
+@pytest.mark.integration
+def test_preflight_refuses_a_token_the_hub_rejects_naming_its_source(hub_env, tmp_path, monkeypatch):
+    from tasks.preflight import check
+    from tests.conftest import write_config
+
+    wrong = "hf_WRONGwrongWRONG0123456789"
+    monkeypatch.setenv("HF_TOKEN", wrong)
+    case = _hub_case(tmp_path)
+    report = check(write_config(tmp_path / "c.yaml", case.raw))
+    msgs = [m for f, m in report.problems if f == "hub"]
+    assert msgs and "refuses the token from HF_TOKEN (the environment) (HTTP 401" in msgs[0], report.text()
+    assert hub_env.endpoint in msgs[0] and wrong not in report.text()
+
+    monkeypatch.setenv("HF_TOKEN", hub_env.token)
+    report = check(write_config(tmp_path / "c.yaml", case.raw))
+    assert report.ok, report.text()
+    assert any("accepts the token from HF_TOKEN (the environment) (user test-user" in c for c in report.checked), report.text()
+    assert hub_env.token not in report.text()
+
+
+@pytest.mark.integration
+def test_the_secret_block_and_the_saved_login_are_named_as_sources(hub_env, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from tasks.core.hub.repo import find_hub_token
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    case = _hub_case(tmp_path)
+    from_block = find_hub_token(lambda: "hf_stale_secret_value")
+    assert from_block.source == "the Prefect Secret block 'hf-token'" and "hf_stale" not in repr(from_block)
+    report = _report(case, from_block)
+    assert any(f == "hub" and "refuses the token from the Prefect Secret block 'hf-token'" in m for f, m in report.problems), report.text()
+
+    saved = tmp_path / "hf-home" / "token"
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text("hf_stale_login_value")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(saved))
+    from_login = find_hub_token(lambda: None)
+    assert from_login.source == f"the token `hf auth login` saved ({saved})"
+    report = _report(case, from_login)
+    assert any(f == "hub" and f"refuses the token from the token `hf auth login` saved ({saved})" in m for f, m in report.problems), report.text()
+    assert "hf_stale_login_value" not in report.text()
+
+
+def test_an_unreachable_hub_is_a_warning_not_a_refusal(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from tasks.core.hub.repo import HubToken
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    report = _report(_hub_case(tmp_path), HubToken("hf_x", "HF_TOKEN (the environment)"))
+    assert report.ok, report.text()
+    assert any("was not verified: http://127.0.0.1:9 did not answer whoami" in w for w in report.warnings), report.text()
+
+
+# ---- (6) errors that cannot heal are not retried -----------------------------------------------
+def _http_error(status: int):
+    import requests
+    from huggingface_hub.errors import HfHubHTTPError
+
+    response = requests.Response()
+    response.status_code = status
+    return HfHubHTTPError(f"{status} Client Error", response=response)
+
+
+def test_errors_that_cannot_heal_are_not_retried():
+    from safetensors import SafetensorError
+
+    from tasks.core.errors import ConfigError
+    from tasks.load import cannot_heal
+
+    for status in (401, 403, 404):
+        assert cannot_heal(_http_error(status)), status
+    assert cannot_heal(SafetensorError("Error while deserializing header: HeaderTooLarge"))
+    assert cannot_heal(ConfigError([("base_model.uri", "x")]))
+    try:  # a loader that wraps the malformed header still meets it on every try
+        try:
+            raise SafetensorError("HeaderTooLarge")
+        except SafetensorError as inner:
+            raise OSError("Unable to load weights") from inner
+    except OSError as wrapped:
+        assert cannot_heal(wrapped)
+    for healable in (_http_error(500), _http_error(429), ConnectionError("reset by peer"), TimeoutError("read timed out"), OSError("No space left")):
+        assert not cannot_heal(healable), healable

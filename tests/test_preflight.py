@@ -263,8 +263,12 @@ def test_oversubscribed_cpu_is_a_warning_not_an_error(tmp_path):
 def test_the_token_never_appears_in_the_report(tmp_path, monkeypatch):
     from tasks.preflight import check
 
+    import huggingface_hub.constants
+
     secret = "hf_SECRETsecretSECRET123"
     monkeypatch.setenv("HF_TOKEN", secret)
+    # Pre-flight asks the Hub whoami: an endpoint nobody listens on keeps this test offline (a warning, not a problem).
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
     case = Case(tmp_path)
     case.raw["hub"] = {"repo_id": "my-org/tiny"}
     report = check(write_config(tmp_path / "c.yaml", case.raw))

@@ -43,6 +43,7 @@ from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.data.formats import head_records
 from tasks.core.errors import ConfigError
+from tasks.core.hub.repo import HubToken
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tasks.core.preflight.storage import check_run_root, check_staging_space, estimate_local_bytes
@@ -141,7 +142,7 @@ def check_machine(ctx: CheckContext) -> None:
 
 
 def check_hub(ctx: CheckContext) -> None:
-    """A well-formed target repo id and a token when a push is configured."""
+    """A well-formed target repo id and a token the Hub accepts when a push is configured."""
     hub = ctx.cfg.hub
     if hub is None:
         ctx.ok("hub: not configured, the export is not pushed")
@@ -161,8 +162,29 @@ def check_hub(ctx: CheckContext) -> None:
                     "or run `hf auth login` on the worker (never put the token in the config)")
     elif ctx.token_present is None:
         ctx.warn("hub token presence not checked")
-    if repo_ok and ctx.token_present:
+    if ctx.hub_token is not None:
+        _check_token(ctx, hub.repo_id, repo_ok)
+    elif repo_ok and ctx.token_present:
         ctx.ok(f"hub: repo id {hub.repo_id} well formed, token available (not shown)")
+
+
+def _check_token(ctx: CheckContext, repo_id: str, repo_ok: bool) -> None:
+    """The Hub answers `whoami` for the token push will use: a refused token fails here, not
+    after training; an unreachable Hub is a warning (it may answer by the time the push runs)."""
+    from tasks.core.hub.repo import refused_token_message, whoami
+
+    tok = ctx.hub_token
+    answer = whoami(tok)
+    if answer.user is not None:
+        if repo_ok:
+            ctx.ok(f"hub: repo id {repo_id} well formed; {answer.endpoint} accepts the token from {tok.source} (user {answer.user}; token not shown)")
+    elif answer.refused:
+        ctx.problem("hub", refused_token_message(tok, answer.endpoint, answer.status, answer.reason))
+    else:
+        if repo_ok:
+            ctx.ok(f"hub: repo id {repo_id} well formed, token available from {tok.source} (not shown)")
+        ctx.warn(f"hub: the token from {tok.source} was not verified: {answer.endpoint} did not answer whoami "
+                 f"({answer.status or answer.reason}); the push at the end needs that Hub")
 
 
 def check_base_model(ctx: CheckContext) -> None:
@@ -359,11 +381,13 @@ def preflight_report(
     machine: Machine | None = None,
     token_present: bool | None = None,
     model: ModelInfo | None = None,
+    hub_token: HubToken | None = None,
 ) -> PreflightReport:
     """Run every check; never raises for a problem, returns them all in the report.
 
     `token_present`: whether HF_TOKEN or the Secret `hf-token` exists (the caller looks; None
-    means "not checked"). `model`: the base model's metadata (read here when None).
+    means "not checked"). `model`: the base model's metadata (read here when None). `hub_token`:
+    the token itself with its source, asked `whoami` at HF_ENDPOINT (None: presence only).
     """
     started = time.monotonic()
     report = PreflightReport()
@@ -372,7 +396,7 @@ def preflight_report(
             model = read_model_info(cfg.base_model.uri, cfg.base_model.revision)
         except ConfigError as exc:
             report.problems += exc.problems
-    ctx = CheckContext(cfg, machine or Machine.detect(), token_present, model, report)
+    ctx = CheckContext(cfg, machine or Machine.detect(), token_present, model, report, hub_token)
     for check in CHECKS:
         try:
             check(ctx)

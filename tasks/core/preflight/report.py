@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError
+from tasks.core.hub.repo import HubToken
 from tasks.core.preflight.model_info import Machine, ModelInfo
 
 Problem = tuple[str, str]
@@ -50,6 +51,7 @@ class CheckContext:
     token_present: bool | None
     model: ModelInfo | None
     report: PreflightReport
+    hub_token: HubToken | None = None  # the token push would use, for the whoami check (its value is never shown)
 
     def problem(self, where: str, msg: str) -> None:
         if (where, msg) not in self.report.problems:
