@@ -109,7 +109,7 @@ import json, sys, time
 from pathlib import Path
 from tasks.core.data.inputs import resolve_inputs
 from tasks.core.data.shard import ShardSpec, tokenize_file, load_tokenizer
-from tasks.core.data.prepare import tokenizer_fingerprint
+from tasks.core.data.index import tokenizer_fingerprint
 path, tokdir, out = sys.argv[1], sys.argv[2], sys.argv[3]
 tok = load_tokenizer(tokdir)
 texts = [json.loads(l)["text"] for l in open(path, encoding="utf-8")]

@@ -36,9 +36,9 @@ from tasks import ui
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, TokenizeConfig
 from tasks.core.data import prepare as prep
+from tasks.core.data.index import INDEX
 from tasks.core.data.inputs import InputFile
 from tasks.core.data.prepared import HELDOUT_SET
-from tasks.core.data.reader import INDEX
 from tasks.core.data.records import iter_file_records
 from tasks.core.data.shard import ShardSpec, read_summary, shard_dir, tokenize_file
 from tasks.core.run.stages import DATA_CACHE, PREPARE, STAGE

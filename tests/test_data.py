@@ -19,14 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks.core.data.formats import (
-    IGNORE_INDEX,
-    encode_chat,
-    encode_sft,
-    encode_sft_with_stats,
-    pack_cpt,
-    read_records,
-)
+from tasks.core.data.records import read_records
+from tasks.core.data.samples import IGNORE_INDEX, encode_chat, encode_sft, encode_sft_with_stats, pack_cpt
 from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
 from tasks.engine.sampler import ResumableSampler
 
@@ -261,7 +255,7 @@ def test_encode_sft_pads_and_masks(tok):
 def test_encode_sft_drops_records_without_labels(tok, caplog):
     long_prompt = {"messages": [u("Zorvath " * 40), a("Yes.")]}
     records = [{"messages": CASES["single turn"]}, long_prompt]
-    with caplog.at_level(logging.WARNING, logger="tasks.core.data.formats"):
+    with caplog.at_level(logging.WARNING, logger="tasks.core.data.samples"):
         out, dropped = encode_sft_with_stats(tok, records, seq_len=48)
     assert dropped == 1 and out["input_ids"].shape == (1, 48)
     assert "dropped 1 of 2" in caplog.text

@@ -19,10 +19,12 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from tasks.core.data.formats import encode_sft, pack_cpt, read_records
+from tasks.core.data.index import PrepareError, check_fits_model, tokenizer_fingerprint
 from tasks.core.data.inputs import InputError, resolve_inputs
-from tasks.core.data.prepare import PrepareError, prepare, tokenizer_fingerprint
+from tasks.core.data.prepare import prepare
 from tasks.core.data.reader import TokenDataset
+from tasks.core.data.records import read_records
+from tasks.core.data.samples import encode_sft, pack_cpt
 from tasks.core.data.shard import BadRecordError, token_dtype
 from tasks.core.data.split import split_by_fraction, split_by_heldout
 from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
@@ -322,7 +324,7 @@ def test_large_vocabulary_is_stored_as_uint32(tmp_path):
 def test_another_tokenizer_is_refused_by_fingerprint(tok, tokdir, tmp_path):
     _prep(str(CPT), tokdir, tmp_path / "out")
     ds = TokenDataset(tmp_path / "out")
-    ds.check_tokenizer(tokdir)
+    check_fits_model(ds.index, tmp_path / "out", tokdir, "cpt", vocab_size=len(tok))
     other = tmp_path / "other"
     shutil.copytree(tokdir, other)
     cfg = json.loads((other / "tokenizer_config.json").read_text())
@@ -330,7 +332,10 @@ def test_another_tokenizer_is_refused_by_fingerprint(tok, tokdir, tmp_path):
     (other / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert tokenizer_fingerprint(other) != tokenizer_fingerprint(tokdir)
     with pytest.raises(ValueError, match=rf"sha256 {tokenizer_fingerprint(other)[:16]}.*sha256 {tokenizer_fingerprint(tokdir)[:16]}"):
-        ds.check_tokenizer(other)
+        check_fits_model(ds.index, tmp_path / "out", other, "cpt", vocab_size=len(tok))
+    top = ds.index["max_token_id"]
+    with pytest.raises(ValueError, match=rf"token id {top} in .* does not fit the vocab_size {top} of .*tokenizer and model do not belong together"):
+        check_fits_model(ds.index, tmp_path / "out", tokdir, "cpt", vocab_size=top, fingerprint=False)
 
 
 # --------------------------------------------------------------------------------------------

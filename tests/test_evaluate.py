@@ -14,7 +14,7 @@ import torch
 
 from tasks.core.config.load import parse_config
 from tasks.core.config.schema import EvalConfig, GateConfig
-from tasks.core.data.formats import read_records
+from tasks.core.data.records import read_records
 from tasks.core.data.split import overlap, record_id, split_by_fraction, split_by_heldout
 from tasks.core.errors import ConfigError
 from tasks.core.evaluation import heldout as ev
@@ -83,7 +83,8 @@ def test_prepared_data_holds_the_split_and_refuses_another_tokenizer(tmp_path, t
     a model whose tokenizer differs from the shards' is refused naming both fingerprints."""
     import shutil
 
-    from tasks.core.data.prepare import prepare, tokenizer_fingerprint
+    from tasks.core.data.index import tokenizer_fingerprint
+    from tasks.core.data.prepare import prepare
     from tasks.core.data.prepared import check_against_model, heldout_records, split_info
     from tasks.core.data.split import split_by_fraction
 

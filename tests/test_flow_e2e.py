@@ -334,8 +334,8 @@ def test_bridge_is_bitwise_the_plugin_a_checkpoint_and_reproduces_its_logits(fin
 
 def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
     from tasks.core.config.paths import resolve_local
-    from tasks.core.data.formats import read_records
     from tasks.core.data.prepared import heldout_records
+    from tasks.core.data.records import read_records
     from tasks.core.data.split import record_id
 
     run_root, runs = scenario

@@ -7,6 +7,10 @@
   source of every module and, transitively, in a fresh interpreter.
 - No module imports another module's private (`_name`) names.
 - No module under `tasks/` is over 450 lines.
+- No import cycle among the modules of `tasks/` and `flows/`, read from the source (function-level
+  and `if TYPE_CHECKING:` imports count: each is a dependency a reader has to follow).
+- `tasks/core/` holds at most 12 entries, each a subpackage or a module, and every subpackage says
+  in its `__init__` docstring what it holds.
 - A fifth plugin is one registry row plus one builder; nothing else changes.
 """
 
@@ -94,6 +98,92 @@ def test_no_module_imports_another_modules_private_names():
 def test_no_module_under_tasks_is_over_450_lines():
     long = {str(p.relative_to(ROOT)): n for p in _modules(TASKS) if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def _module_of(name: str, known: set[str]) -> str | None:
+    """The project module an import names: the longest known prefix (a package is its __init__)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in known:
+            return ".".join(parts[:n])
+    return None
+
+
+def import_graph(paths: list[Path]) -> dict[str, dict[str, set[str]]]:
+    """module -> {imported project module -> names taken from it}, every import of the source counted."""
+    known = {_module_name(p) for p in paths}
+    graph: dict[str, dict[str, set[str]]] = {m: {} for m in known}
+    for path in paths:
+        me = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [(a.name, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(path, node)
+                # `from pkg import mod` imports the module pkg.mod; `from mod import name` imports mod
+                targets = [(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base, a.name) for a in node.names]
+            else:
+                continue
+            for target, name in targets:
+                mod = _module_of(target, known)
+                if mod is not None and mod != me:
+                    graph[me].setdefault(mod, set()).add(name)
+    return graph
+
+
+def strongly_connected(graph: dict[str, dict[str, set[str]]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one module, each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_among_the_project_modules():
+    graph = import_graph(_modules(TASKS) + _modules(ROOT / "flows"))
+    cycles = strongly_connected(graph)
+    report = []
+    for comp in cycles:
+        report.append("cycle: " + ", ".join(comp))
+        report += [f"  {a} imports {b}: {', '.join(sorted(graph[a][b]))}" for a in comp for b in sorted(graph[a]) if b in comp]
+    assert not cycles, "modules that import each other (directly or around a loop); move what both need into a module of its own:\n" + "\n".join(report)
+
+
+def test_core_top_level_is_subpackages_and_modules_each_package_documented():
+    core = TASKS / "core"
+    entries = sorted(p for p in core.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 12, f"tasks/core/ has {len(entries)} entries ({', '.join(p.name for p in entries)}); at most 12: group them into a subpackage"
+    stray = [p.name for p in entries if not ((p.is_dir() and (p / "__init__.py").is_file()) or (p.is_file() and p.suffix == ".py"))]
+    assert not stray, f"tasks/core/ holds {stray}: only subpackages (a folder with __init__.py) and modules belong at its top level"
+    undocumented = [str(p.relative_to(ROOT)) for p in sorted(core.rglob("__init__.py")) if "__pycache__" not in p.parts and not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not undocumented, f"packages without a docstring saying what they hold: {undocumented}"
 
 
 _PROBE = """

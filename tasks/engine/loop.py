@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tasks.core.data.index import check_fits_model
 from tasks.core.errors import ManifestError
 from tasks.core.run.events import PROGRESS
 from tasks.engine import checkpoint as ckpt
@@ -59,12 +60,8 @@ class StageData:
         self.sampler = ResumableSampler(self.num_items, dp_rank, dp_size, seed=cfg.seed)
 
     def check_vocab(self, vocab_size: int, job: Job) -> None:
-        top = self.dataset.max_token_id
-        if top >= vocab_size:
-            raise ValueError(
-                f"token id {top} in {job.data_dir} (tokenizer sha256 {self.dataset.index['tokenizer_sha256'][:16]}...) does not fit the model's "
-                f"vocab_size {vocab_size} ({job.model_dir}/config.json): tokenizer and model do not belong together"
-            )
+        # The task compared the tokenizer fingerprints before launching; here the model as built.
+        check_fits_model(self.dataset.index, job.data_dir, job.model_dir, job.stage, vocab_size=vocab_size, fingerprint=False)
 
     def next_batch(self) -> tuple[dict[str, torch.Tensor], int]:
         """This rank's rows of the next global batch, and the global count of real tokens."""

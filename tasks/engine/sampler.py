@@ -1,7 +1,7 @@
 """The resumable order of training rows: which rows each dp rank takes at each optimizer step.
 
 Used by the training loop inside each torchrun rank (`tasks/engine/loop.py`); the rows themselves
-come from `tasks/core/data/formats.py`. To see the order a stage would take:
+come from `tasks/core/data/samples.py`. To see the order a stage would take:
 
     python -c "from tasks.engine.sampler import ResumableSampler as S; s = S(10, 0, 2, seed=0); print([s.next_indices(4) for _ in range(3)])"
 """

@@ -1,12 +1,16 @@
-"""Data preparation: tokenize a corpus once into memory-mapped token shards (issue 14).
+"""Data: read a corpus, tokenize it once into memory-mapped token shards, and read those back.
 
     python -m tasks.core.data.prepare --tokenizer runs/demo/base-model --uri data/sample/cpt.jsonl --kind cpt --out /tmp/prep
 
+- records.py : record formats (FORMATS, format_of) and the one reader: streamed records of a file with their line numbers
+- samples.py : CPT packing, SFT chat rendering and loss masks, the SFT record rules
 - inputs.py  : `data.uri` (file, list, glob, directory; any fsspec URI) -> sorted files with size and checksum
-- records.py : streamed records of one file with its line numbers; bad records named by file:line
+- split.py   : a record's id and the held-out split it decides
 - shard.py   : one input file -> self-contained token shards (training and held-out sides)
+- index.py   : index.json's name, the tokenizer fingerprint, and the check that the data fits a model
 - prepare.py : plan (which shards exist), run the missing ones on a process pool, write the index
 - reader.py  : the memmap reader the training loop indexes by block (CPT) or row (SFT)
+- prepared.py: what a training or evaluation stage reads from its prepared data
 
 Pure logic (numpy, fsspec, tokenizers): no prefect, no colossalai, no torch.distributed.
 """

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import fsspec
 
-from tasks.core.data.formats import COMPRESSIONS, FORMATS, format_of
+from tasks.core.data.records import COMPRESSIONS, FORMATS, format_of
 
 _GLOB_CHARS = "*?["
 _CHUNK = 1 << 20

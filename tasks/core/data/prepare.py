@@ -17,7 +17,6 @@ never leak into a worker) or in this process (`workers` <= 1). A Prefect task ru
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -27,37 +26,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from tasks.core.data.index import INDEX, PrepareError, tokenizer_fingerprint
 from tasks.core.data.inputs import InputError, InputFile, resolve_inputs
-from tasks.core.data.reader import INDEX
 from tasks.core.data.records import BadRecord, iter_file_records
 from tasks.core.data.shard import ShardSpec, freeze_encoder, load_tokenizer, read_summary, shard_dir, tokenize_file
-from tasks.core.data.split import canonical_json
+from tasks.core.data.split import record_id
 
 INDEX_VERSION = 1
-# Every file a Hugging Face tokenizer may be built from; the fingerprint covers those present.
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json",
-)
-
-
-class PrepareError(ValueError):
-    """The corpus as a whole cannot be trained on (empty, too small, no split possible)."""
-
-
-def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
-    """sha256 over (name, sha256) of the tokenizer's files: equal iff the same tokenizer bytes."""
-    d = Path(tokenizer_dir)
-    h = hashlib.sha256()
-    found = []
-    for name in TOKENIZER_FILES:
-        p = d / name
-        if p.is_file():
-            found.append(name)
-            h.update(f"{name}\0{hashlib.sha256(p.read_bytes()).hexdigest()}\n".encode())
-    if not found:
-        raise PrepareError(f"{d}: no tokenizer file ({', '.join(TOKENIZER_FILES[:3])}, ...); the model directory must hold its tokenizer")
-    return h.hexdigest()
 
 
 @dataclass
@@ -85,7 +60,7 @@ def _heldout_ids(files: list[InputFile], max_record_chars: int) -> frozenset[str
         for _, rec in iter_file_records(f.uri, f.fmt, max_record_chars):
             if isinstance(rec, BadRecord):
                 raise PrepareError(f"eval.heldout_uri: {rec}; the held-out set must be clean")
-            ids.add(hashlib.sha256(canonical_json(rec).encode("utf-8")).hexdigest())
+            ids.add(record_id(rec))
     if not ids:
         raise PrepareError(f"eval.heldout_uri: the held-out set ({', '.join(f.uri for f in files)}) has no records")
     return frozenset(ids)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks.core.data.reader import INDEX
+from tasks.core.data.index import INDEX, check_fits_model
 from tasks.core.run.stages import split_rel
 from tasks.core.storage.fs import RunStore
 
@@ -41,18 +41,8 @@ def read_index(data_dir: Path) -> dict[str, Any]:
 
 def check_against_model(data_dir: Path, model_dir: Path, stage: str) -> dict[str, Any]:
     """Refuse shards made with another tokenizer than model_dir's, or holding ids beyond its vocabulary."""
-    from tasks.core.data.prepare import tokenizer_fingerprint
-
     index = read_index(data_dir)
-    have = tokenizer_fingerprint(model_dir)
-    if have != index["tokenizer_sha256"]:
-        raise ValueError(
-            f"the tokenizer of {model_dir} (sha256 {have}) is not the one {data_dir} was prepared with (sha256 {index['tokenizer_sha256']}): "
-            f"{stage} would train on token ids the model reads differently; prepare the data again with this model's tokenizer"
-        )
-    vocab = json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size")
-    if vocab is not None and index["max_token_id"] >= vocab:
-        raise ValueError(f"token id {index['max_token_id']} in {data_dir} does not fit the vocab_size {vocab} of {model_dir}/config.json: tokenizer and model do not belong together")
+    check_fits_model(index, data_dir, model_dir, stage)
     return index
 
 

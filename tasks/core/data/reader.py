@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-INDEX = "index.json"  # prepare.py writes it last
-IGNORE_INDEX = -100  # tasks.core.data.formats's value; not imported, so a rank's reader pulls in numpy only
+from tasks.core.data.index import INDEX
+
+IGNORE_INDEX = -100  # tasks.core.data.samples's value; not imported, so a rank's reader pulls in numpy only
 
 
 class TokenDataset:
@@ -55,21 +56,6 @@ class TokenDataset:
 
     def __len__(self) -> int:
         return self.num_items
-
-    @property
-    def max_token_id(self) -> int:
-        return int(self.index["max_token_id"])
-
-    def check_tokenizer(self, tokenizer_dir: str | Path) -> None:
-        """Refuse a tokenizer other than the one the shards were made with, naming both."""
-        from tasks.core.data.prepare import tokenizer_fingerprint
-
-        have = tokenizer_fingerprint(tokenizer_dir)
-        if have != self.index["tokenizer_sha256"]:
-            raise ValueError(
-                f"the tokenizer in {tokenizer_dir} (sha256 {have[:16]}...) is not the one {self.root} was prepared with "
-                f"(sha256 {self.index['tokenizer_sha256'][:16]}...): prepare the data again with this model's tokenizer"
-            )
 
     def _map(self, f: int, what: str) -> np.ndarray:
         key = (f, what)

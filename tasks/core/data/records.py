@@ -1,18 +1,23 @@
-"""Records of one input file, streamed, each with the location the user will find it at.
+"""Record formats and their one reader: streamed records of a file, each with the location the user will find it at.
 
     python -m tasks.core.data.records data/sample/sft.jsonl     # counts records and problems
 
-This yields a `BadRecord` in place of a record it cannot read and goes on, so the caller decides
-between `on_bad_record: error` and `skip` (`tasks.core.data.formats.iter_text_records`, for pre-flight and
-evaluation, raises at the first one). Text mode with universal newlines, every line counted, blank
-lines skipped. Bytes that are not UTF-8 are read
+`FORMATS` and `COMPRESSIONS` are the file suffixes a corpus may use; `format_of` names a URI's.
+`iter_file_records` yields a `BadRecord` in place of a record it cannot read and goes on, so the
+caller decides between `on_bad_record: error` and `skip`; `iter_records` / `read_records` /
+`head_records` (pre-flight, evaluation, the tokenizing CLI) raise at the first one. Text mode with
+universal newlines, every line counted, blank lines skipped. Bytes that are not UTF-8 are read
 with `surrogateescape` so one bad line does not end the stream, then refused by their line.
-Parquet records are numbered by row (1-based) and streamed one row group batch at a time.
+Parquet records are numbered by row (1-based) and streamed one row group batch at a time. Every
+read goes through the storage seam (`tasks.core.storage.fs.open_uri`), so `s3://...` works like a
+local path. Deliberately not `datasets`: its cache and fingerprinting would race between ranks and
+pull in a large dependency for a list of dicts.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import sys
 from collections.abc import Iterator
@@ -20,7 +25,20 @@ from dataclasses import dataclass
 
 from tasks.core.storage.fs import open_uri
 
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+FORMATS = (".jsonl", ".txt", ".parquet")
 _PARQUET_BATCH = 1024
+
+
+def format_of(uri: str) -> str:
+    """The FORMATS entry a URI names (a compression suffix is looked through); ValueError otherwise."""
+    name = uri.rsplit("/", 1)[-1].lower()
+    for comp in COMPRESSIONS:
+        name = name.removesuffix(comp)
+    for fmt in FORMATS:
+        if name.endswith(fmt):
+            return fmt
+    raise ValueError(f"data uri {uri!r}: unknown format; use one of {', '.join(FORMATS)} (optionally compressed {', '.join(COMPRESSIONS)})")
 
 
 @dataclass(frozen=True)
@@ -97,9 +115,25 @@ def iter_file_records(uri: str, fmt: str, max_record_chars: int) -> Iterator[tup
     return _text_records(uri, fmt, max_record_chars)
 
 
-def main(argv: list[str]) -> None:
-    from tasks.core.data.formats import format_of
+def iter_records(uri: str, fmt: str | None = None) -> Iterator[tuple[int, dict]]:
+    """(line or row, record) of one file, streamed; the first bad record raises, naming the file and line."""
+    for lineno, rec in iter_file_records(uri, fmt or format_of(uri), max_record_chars=1 << 40):
+        if isinstance(rec, BadRecord):
+            raise ValueError(str(rec))
+        yield lineno, rec
 
+
+def read_records(uri: str) -> list[dict]:
+    """All records of a .jsonl, .txt (one {"text": line} per non-empty line) or .parquet file."""
+    return [rec for _, rec in iter_records(uri)]
+
+
+def head_records(uri: str, n: int = 64) -> list[tuple[int, dict]]:
+    """(line or row, record) of the first n records, without reading the whole file."""
+    return list(itertools.islice(iter_records(uri), n))
+
+
+def main(argv: list[str]) -> None:
     for uri in argv:
         good, bad = 0, []
         for _, rec in iter_file_records(uri, format_of(uri), 1 << 24):

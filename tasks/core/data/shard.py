@@ -38,10 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from tasks.core.data.formats import IGNORE_INDEX, encode_chat
 from tasks.core.data.inputs import InputFile
 from tasks.core.data.records import BadRecord, iter_file_records
-from tasks.core.data.split import canonical_json, unit
+from tasks.core.data.samples import IGNORE_INDEX, encode_chat
+from tasks.core.data.split import canonical_id, canonical_json, unit
 
 SHARD_VERSION = 1
 _BATCH_CHARS = 1 << 20  # CPT texts are batch-encoded ~1 MB at a time: the tokenizer's fast path
@@ -322,7 +322,7 @@ def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: 
                 except ValueError as e:
                     reject(BadRecord(inp.uri, line, str(e), parquet))
                     continue
-            rid = hashlib.sha256(text.encode("utf-8")).hexdigest()  # == tasks.core.data.split.record_id(rec)
+            rid = canonical_id(text)  # record_id(rec), from the JSON made above
             counts["records"] += 1
             min_id = rid if min_id is None or rid < min_id else min_id
             max_id = rid if max_id is None or rid > max_id else max_id

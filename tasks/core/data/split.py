@@ -29,7 +29,12 @@ def canonical_json(record: Any) -> str:
 
 
 def record_id(record: Any) -> str:
-    return hashlib.sha256(canonical_json(record).encode("utf-8")).hexdigest()
+    return canonical_id(canonical_json(record))
+
+
+def canonical_id(text: str) -> str:
+    """record_id from the record's canonical JSON, for a caller that has made it already (shard.py)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def unit(rid: str) -> float:

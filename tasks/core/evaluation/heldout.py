@@ -4,7 +4,7 @@
     python -m tasks.core.evaluation.heldout sft --reference runs/tiny-demo/cpt/hf --candidate runs/tiny-demo/export --data runs/tiny-demo/data/sft/heldout.jsonl --seq-len 128
 
 Both sides of a comparison see the same tensors: the held-out records are tokenized once (with
-the candidate's tokenizer, which must equal the reference's), packed by `tasks.core.data.formats`'s
+the candidate's tokenizer, which must equal the reference's), packed by `tasks.core.data.samples`'s
 `pack_cpt` / `encode_sft` exactly as training packs them, cut to the same batches, and scored by
 both models in the same dtype. The metric is a token-weighted mean of the next-token cross
 entropy in float64 (CPT: every token; SFT: the assistant tokens the SFT loss is trained on), so
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from tasks.core.config.schema import EvalConfig, GateConfig
-from tasks.core.data.formats import IGNORE_INDEX, encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
+from tasks.core.data.samples import IGNORE_INDEX, encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PPL_CAP = 700.0  # exp(700) is near float64's limit; a loss that high is "infinite" perplexity
@@ -422,7 +422,7 @@ def evaluate_one(model_dir: Path, records: Sequence[dict], kind: str, field: str
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from tasks.core.data.formats import read_records
+    from tasks.core.data.records import read_records
 
     p = argparse.ArgumentParser(prog="cpt-to-sft eval", description="Held-out metrics of an HF model folder on a data file, or of two compared.")
     p.add_argument("kind", choices=["cpt", "sft"], help="cpt: packed raw text; sft: chat records, loss on assistant tokens")

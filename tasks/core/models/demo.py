@@ -8,7 +8,7 @@ second, and the weights are a seeded random init. The result is an ordinary HF m
 (config.json, model.safetensors, generation_config.json, tokenizer files with a ChatML chat
 template) that every stage of the flow accepts as a "base model".
 
-Token conventions, shared with `tasks/core/data/formats.py`:
+Token conventions, shared with `tasks/core/data/samples.py`:
 - specials get the first ids, in SPECIAL_TOKENS order: <|begin_of_text|>=0, <|end_of_text|>=1,
   <|pad|>=2, <|im_start|>=3, <|im_end|>=4;
 - bos is never prepended: the tokenizer has no post-processor and the chat template emits no

@@ -4,7 +4,7 @@
 
 A base whose `eos_token_id` is `</s>` or `<|endoftext|>`, fine-tuned with a ChatML-style template,
 learns to end a reply with `<|im_end|>`; if generation does not stop there it never stops. The
-end-of-turn tokens are found from the template itself, the way `tasks.core.data.formats.encode_chat`
+end-of-turn tokens are found from the template itself, the way `tasks.core.data.samples.encode_chat`
 labels them: render a conversation, take each assistant turn's tokens between the generation
 prompt and the end of the turn, and keep the special tokens among them (the reply's text has none). No table of
 token names is involved, so any template works. The gate's generation check
@@ -17,7 +17,7 @@ import json
 import sys
 from typing import Any
 
-from tasks.core.data.formats import render_chat, special_token_ids
+from tasks.core.data.samples import render_chat, special_token_ids
 
 WHY = (
     "the chat template closes an assistant turn with it (found by rendering a conversation with the template), "

@@ -41,7 +41,7 @@ from tasks.core.config.layout import layout_problems
 from tasks.core.config.load import parse_fields, plugin_problems, read_raw_config
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, StageConfig
-from tasks.core.data.formats import head_records
+from tasks.core.data.records import head_records
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import HubToken
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
@@ -251,8 +251,8 @@ def check_chat_template(ctx: CheckContext) -> None:
 
 def check_data(ctx: CheckContext) -> None:
     """Each dataset exists and its first records have the fields and roles the stage needs."""
-    from tasks.core.data.formats import validate_messages  # the SFT record rules, defined once
     from tasks.core.data.inputs import InputError, resolve_inputs
+    from tasks.core.data.samples import validate_messages  # the SFT record rules, defined once
 
     datasets = []
     for name in ("cpt", "sft"):

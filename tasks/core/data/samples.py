@@ -1,13 +1,13 @@
-"""Training data: read records, pack CPT text, render and loss-mask SFT chats.
+"""Training samples from records: pack CPT text into blocks, render and loss-mask SFT chats.
 
-The one definition of the data formats and the SFT record rules, shared by pre-flight
+The one definition of the samples and of the SFT record rules, shared by pre-flight
 (`tasks/core/preflight/checks.py`), evaluation (`tasks/core/evaluation/heldout.py`) and data preparation
 (`tasks/core/data/`, which writes the token shards the training ranks memory-map; its
-output is bit-identical to `pack_cpt` / `encode_sft` over the same records, tests/test_dataprep.py). Reads go
-through the storage seam (`tasks.core.storage.fs.open_uri`). To eyeball what a stage will train on:
+output is bit-identical to `pack_cpt` / `encode_sft` over the same records, tests/test_dataprep.py).
+Records come from `tasks.core.data.records`. To eyeball what a stage will train on:
 
-    python -m tasks.core.data.formats --model runs/demo/base-model --uri data/sample/sft.jsonl --kind sft --seq-len 64
-    python -m tasks.core.data.formats --model runs/demo/base-model --uri data/sample/cpt.jsonl --kind cpt --seq-len 64
+    python -m tasks.core.data.samples --model runs/demo/base-model --uri data/sample/sft.jsonl --kind sft --seq-len 64
+    python -m tasks.core.data.samples --model runs/demo/base-model --uri data/sample/cpt.jsonl --kind cpt --seq-len 64
 
 Conventions (see tasks/core/models/demo.py for the demo tokenizer): no bos is added here, the
 tokenizer and its chat template decide; CPT documents are joined by eos; SFT labels are the
@@ -17,12 +17,11 @@ assistant tokens plus the assistant's end-of-turn token, -100 elsewhere.
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from tasks.core.storage.fs import open_uri
+from tasks.core.data.records import read_records
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a tokenizing worker never needs it
     import torch
@@ -31,66 +30,6 @@ log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # what torch.nn.CrossEntropyLoss (and HF models) skip
 ROLES = ("system", "user", "assistant")
-COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
-FORMATS = (".jsonl", ".txt", ".parquet")
-
-
-# --------------------------------------------------------------------------------------------
-# Reading
-
-
-def format_of(uri: str) -> str:
-    """The FORMATS entry a URI names (a compression suffix is looked through); ValueError otherwise."""
-    name = uri.rsplit("/", 1)[-1].lower()
-    for comp in COMPRESSIONS:
-        name = name.removesuffix(comp)
-    for fmt in FORMATS:
-        if name.endswith(fmt):
-            return fmt
-    raise ValueError(f"data uri {uri!r}: unknown format; use one of {', '.join(FORMATS)} (optionally compressed {', '.join(COMPRESSIONS)})")
-
-
-def read_records(uri: str) -> list[dict]:
-    """All records of a .jsonl, .txt (one {"text": line} per non-empty line) or .parquet file.
-
-    Through the storage seam, so `s3://...` works like a local path. Deliberately not `datasets`:
-    its cache and fingerprinting would race between ranks and pull in a large dependency for a
-    list of dicts.
-    """
-    fmt = format_of(uri)
-    if fmt == ".parquet":
-        import pyarrow.parquet as pq  # only parquet users pay for the import
-
-        with open_uri(uri, "rb") as f:
-            return pq.read_table(f).to_pylist()
-
-    return [rec for _, rec in iter_text_records(uri, fmt)]
-
-
-def iter_text_records(uri: str, fmt: str | None = None) -> Iterator[tuple[int, dict]]:
-    """(line number, record) of a .jsonl or .txt file, streamed: pre-flight reads only a head.
-    The reader is prepare_data's (`iter_file_records`); here the first problem raises, naming the
-    file and line."""
-    from tasks.core.data.records import BadRecord, iter_file_records
-
-    for lineno, rec in iter_file_records(uri, fmt or format_of(uri), max_record_chars=1 << 40):
-        if isinstance(rec, BadRecord):
-            raise ValueError(str(rec))
-        yield lineno, rec
-
-
-def head_records(uri: str, n: int = 64) -> list[tuple[int, dict]]:
-    """(line number, record) of the first n records, without reading the whole file."""
-    import fsspec
-
-    fmt = format_of(uri)
-    if fmt == ".parquet":
-        import pyarrow.parquet as pq
-
-        with fsspec.open(uri, "rb") as f:
-            batch = next(pq.ParquetFile(f).iter_batches(batch_size=n), None)
-            return list(enumerate(batch.to_pylist() if batch is not None else [], 1))
-    return list(itertools.islice(iter_text_records(uri, fmt), n))
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,7 +187,7 @@ def encode_sft(tokenizer, records: Sequence[dict], messages_field: str = "messag
 def main(argv: Sequence[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
-    p = argparse.ArgumentParser(prog="python -m tasks.core.data.formats", description="Show how a dataset is tokenized for a stage.")
+    p = argparse.ArgumentParser(prog="python -m tasks.core.data.samples", description="Show how a dataset is tokenized for a stage.")
     p.add_argument("--model", required=True, help="HF model dir holding the tokenizer")
     p.add_argument("--uri", required=True, help="dataset: .jsonl, .txt or .parquet")
     p.add_argument("--kind", choices=["cpt", "sft"], required=True)
