@@ -132,10 +132,6 @@ def spec_of(name: str) -> PluginSpec:
         raise KeyError(f"unknown plugin {name!r}; registered plugins: {', '.join(PLUGINS)}") from None
 
 
-def plugin_names() -> tuple[str, ...]:
-    return tuple(PLUGINS)
-
-
 register(PluginSpec(
     name="hybrid_parallel",
     summary="tensor/pipeline parallel with optional ZeRO-1",

@@ -203,14 +203,6 @@ def verify_artifact(root: str | Path, deep: bool = True) -> dict[str, Any]:
     return manifest
 
 
-def is_complete(root: str | Path, deep: bool = True) -> bool:
-    try:
-        verify_artifact(root, deep=deep)
-        return True
-    except ManifestError:
-        return False
-
-
 def _main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "verify":
         print("usage: python -m tasks.core.run.manifest verify DIR", file=sys.stderr)
