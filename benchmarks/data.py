@@ -1,6 +1,6 @@
 """Data preparation at corpus scale: prepare throughput, tokenizer overhead, training start-up and RSS.
 
-    .venv/bin/python benchmarks/data.py                      # 100 MB and 400 MB: the sizes docs/scaling.md quotes
+    .venv/bin/python benchmarks/data.py                      # 100 MB and 400 MB: the README benchmark table's sizes
     .venv/bin/python benchmarks/data.py --sizes 10 40        # quicker, same table
     .venv/bin/python benchmarks/data.py --smoke              # 0.3 MB, one 1-step train launch: checks the script runs
 
@@ -13,8 +13,9 @@ distinct) and the demo tokenizer, then runs, each in its own process (peak RSS =
   start       a rank's start-up on the prepared data: TokenDataset + ResumableSampler + the
               first global batch of 8 x seq_len blocks (the best of 5 in one process); then the
               same at a late step (resume)
-  old-start   today's in-rank path, read_records + pack_cpt + the first batch, at sizes up to
-              --old-max-mb (it needs ~55 bytes of RAM per byte of text)
+  old-start   the in-rank path without prepared data: each rank reads and tokenizes the raw corpus
+              (read_records + pack_cpt) and takes the first batch, at sizes up to --old-max-mb (it needs
+              ~55 bytes of RAM per byte of text): what prepared data saves
   train       the real thing: the engine's train verb under torchrun with 2 CPU ranks (torch_ddp fp32,
               a tiny random Llama with 1024 positions) on the prepared corpus, through
               tasks.core.launch.torchrun.run_engine as the train task launches it, --train-steps steps: seconds
@@ -249,7 +250,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=float, nargs="+", default=[100, 400], help="corpus sizes in MB")
     ap.add_argument("--files", type=int, default=8, help="files per corpus")
-    ap.add_argument("--old-max-mb", type=float, default=100, help="run today's in-rank path up to this size (RAM: ~55x the corpus)")
+    ap.add_argument("--old-max-mb", type=float, default=100, help="run the in-rank path without prepared data up to this size (RAM: ~55x the corpus)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--no-train", action="store_true", help="skip the 2-rank training run on each prepared corpus")
