@@ -177,3 +177,78 @@ def test_errors_that_cannot_heal_are_not_retried():
         assert cannot_heal(wrapped)
     for healable in (_http_error(500), _http_error(429), ConnectionError("reset by peer"), TimeoutError("read timed out"), OSError("No space left")):
         assert not cannot_heal(healable), healable
+
+
+# ---- (6) paths: the run never reads its own output; base-model files are the model's own ------
+def _corpus_dir(case: Case) -> Path:
+    corpus = case.tmp / "corpus"
+    corpus.mkdir()
+    (corpus / "part-0.jsonl").write_text(json.dumps({"text": "some words of the corpus"}) + "\n")
+    case.raw["cpt"]["data"]["uri"] = str(corpus)
+    return corpus
+
+
+def test_a_run_root_inside_a_data_directory_is_refused_naming_both(tmp_path):
+    case = Case(tmp_path)
+    corpus = _corpus_dir(case)
+    case.raw["run_root"] = str(corpus / "runs" / "demo")
+    report = case.report()
+    msgs = [m for f, m in report.problems if f == "run_root"]
+    assert msgs and f"run_root {corpus}/runs/demo is inside the data source cpt.data.uri = {corpus}" in msgs[0], report.text()
+
+
+def test_a_staging_dir_inside_a_data_directory_is_refused(tmp_path):
+    case = Case(tmp_path)
+    corpus = _corpus_dir(case)
+    case.raw["staging_dir"] = str(corpus / "staging")
+    report = case.report()
+    assert any(f == "staging_dir" and f"inside the data source cpt.data.uri = {corpus}" in m for f, m in report.problems), report.text()
+
+
+def test_a_data_source_inside_the_run_root_is_refused(tmp_path):
+    case = Case(tmp_path)
+    held = case.run_root / "data" / "sft" / "heldout.jsonl"  # a previous run's own held-out split
+    held.parent.mkdir(parents=True)
+    held.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    case.raw["sft"]["data"]["uri"] = str(held)
+    report = case.report()
+    assert any(f == "sft.data.uri" and f"{held} is inside run_root = {case.run_root}" in m for f, m in report.problems), report.text()
+
+
+def test_separate_paths_pass(tmp_path):
+    case = Case(tmp_path)
+    _corpus_dir(case)
+    report = case.report()
+    assert report.ok, report.text()
+    assert any("do not contain one another" in c for c in report.checked) and any("every file resolves inside its directory" in c for c in report.checked)
+
+
+def test_a_base_model_file_linking_outside_its_directory_is_refused_naming_link_and_target(tmp_path):
+    case = Case(tmp_path)
+    elsewhere = tmp_path / "elsewhere" / "weights.safetensors"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"\xff" * 64)  # what load_from_hf would copy through the link
+    link = case.model / "model.safetensors"
+    link.unlink()
+    link.symlink_to(elsewhere)
+    report = case.report()
+    msgs = [m for f, m in report.problems if f == "base_model.uri"]
+    assert msgs and f"{link} is a link to {elsewhere}, outside the model directory" in msgs[0], report.text()
+
+    link.unlink()
+    link.symlink_to(tmp_path / "gone.safetensors")
+    assert any(f"{link} is a link to {tmp_path / 'gone.safetensors'}, which does not exist" in m for _, m in case.report().problems)
+
+
+def test_a_hub_cache_snapshot_linking_into_its_blobs_is_accepted(tmp_path):
+    case = Case(tmp_path)
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = fake_model(repo / "snapshots" / ("a" * 40))
+    blob = repo / "blobs" / ("b" * 64)
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"")
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(Path("../../blobs") / blob.name)
+    case.raw["base_model"]["uri"] = str(snapshot)
+    report = case.report()
+    assert report.ok, report.text()

@@ -46,7 +46,7 @@ from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import HubToken
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.report import CheckContext, PreflightReport
-from tasks.core.preflight.storage import check_run_root, check_staging_space, estimate_local_bytes
+from tasks.core.preflight.storage import check_base_model_links, check_paths, check_run_root, check_staging_space, estimate_local_bytes
 from tasks.core.tracking.config import FIELD as TRACKING_FIELD
 from tasks.core.tracking.config import check_uri, redact
 
@@ -363,10 +363,12 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_layout,
     check_machine,
     check_base_model,
+    check_base_model_links,
     check_sequence_length,
     check_chat_template,
     check_data,
     check_run_root,
+    check_paths,
     check_launch_backend,
     check_staging_space,
     check_hub,

@@ -1,5 +1,7 @@
-"""Pre-flight checks of where the run writes: the run root is reachable and writable, the
-artifacts already under it are trustworthy by name, and there is local space for the checkpoints.
+"""Pre-flight checks of paths: the run root is reachable and writable, the artifacts already
+under it are trustworthy by name and keep the model-folder rule, there is local space for the
+checkpoints, the run never reads what it writes (run root, staging dir and data sources apart),
+and a local base model's files all resolve inside its directory.
 
     python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
 
@@ -27,7 +29,7 @@ from tasks.core.models.folder import folder_problems
 from tasks.core.preflight.model_info import DTYPE_BYTES, estimate_parameters
 from tasks.core.preflight.report import CheckContext
 from tasks.core.run.manifest import MANIFEST, artifact_of, inside_artifact, safe_relpath
-from tasks.core.storage.fs import is_local
+from tasks.core.storage.fs import is_local, local_path_of
 
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4  # fp32 master weights kept by mixed-precision optimizers
@@ -139,7 +141,6 @@ def check_staging_space(ctx: CheckContext) -> None:
     """Enough local disk for the estimated checkpoints (run root if local, else the staging dir)."""
     if ctx.model is None:
         return
-    from tasks.core.storage.fs import local_path_of
 
     uri = ctx.cfg.run_uri
     try:
@@ -172,3 +173,76 @@ def check_staging_space(ctx: CheckContext) -> None:
         ctx.problem(field_, f"{where}: {_human(free)} free, the run needs about {_human(need)} ({how}); free space, lower keep_last, or point {field_} at a larger disk")
     else:
         ctx.ok(f"local space at {where}: {_human(free)} free >= about {_human(need)} needed ({how})")
+
+
+def _location(uri: str) -> str | None:
+    """A comparable form of a path or URI: the real local path, else the URI without a trailing
+    slash; for a glob, the directory above its first wildcard. None when it cannot be told."""
+    from tasks.core.config.paths import resolve_local
+
+    target = resolve_local(str(uri))
+    if any(c in target for c in "*?["):
+        target = target[: min(target.find(c) for c in "*?[" if c in target)].rsplit("/", 1)[0] or "/"
+    try:
+        return os.path.realpath(local_path_of(target)) if is_local(target) else target.rstrip("/")
+    except (ValueError, ImportError):
+        return None
+
+
+def _within(inner: str, outer: str) -> bool:
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
+
+
+def check_paths(ctx: CheckContext) -> None:
+    """The run never reads its own output as input: no run_root or staging_dir inside a data
+    source, and no data source inside the run root (a second run would read the first one's
+    held-out JSONL and generations.jsonl as corpus)."""
+    cfg = ctx.cfg
+    writes = [("run_root", cfg.run_uri)] + ([("staging_dir", str(cfg.staging_dir))] if cfg.staging_dir else [])
+    sources = [(f"{s}.data.uri", u) for s in ("cpt", "sft") for u in getattr(cfg, s).data.uris]
+    sources += [(f"{s}.eval.heldout_uri", getattr(cfg, s).eval.heldout_uri) for s in ("cpt", "sft") if getattr(cfg, s).eval.heldout_uri]
+    bad = 0
+    for wfield, wuri in writes:
+        w = _location(wuri)
+        for sfield, suri in sources:
+            s = _location(suri)
+            if w is None or s is None:
+                continue
+            source_is_dir = not is_local(s) or os.path.isdir(s) or any(c in str(suri) for c in "*?[")
+            if source_is_dir and _within(w, s):
+                bad += 1
+                ctx.problem(wfield, f"{wfield} {w} is inside the data source {sfield} = {s}: the run's own files (held-out JSONL, generations.jsonl, "
+                                    f"checkpoints) would be read as data by the next run; point {wfield} outside {s}")
+            elif _within(s, w):
+                bad += 1
+                ctx.problem(sfield, f"{sfield} {s} is inside {wfield} = {w}, which the run writes and deletes in; "
+                                    f"move the data out of {w}, or point {wfield} elsewhere")
+    if not bad:
+        ctx.ok(f"paths: {' and '.join(f for f, _ in writes)} and the {len(sources)} data source(s) do not contain one another")
+
+
+def check_base_model_links(ctx: CheckContext) -> None:
+    """Every file of a local base model is its own: a link resolving outside the model directory
+    (or to nothing) is refused, since load_from_hf copies through links. The Hub cache's layout
+    (snapshots/<sha>/ linking into the repo's blobs/) is the one accepted exception."""
+    if ctx.model is None or ctx.model.source != "local":
+        return
+    root = Path(ctx.model.where)
+    real_root = root.resolve()
+    allowed = [real_root] + ([real_root.parent.parent / "blobs"] if real_root.parent.name == "snapshots" else [])
+    bad = 0
+    for path in sorted(root.rglob("*")):
+        if not path.is_symlink():
+            continue
+        target = Path(os.path.realpath(path))
+        if not target.exists():
+            why = f"a link to {target}, which does not exist"
+        elif not any(_within(str(target), str(a)) for a in allowed):
+            why = f"a link to {target}, outside the model directory {real_root}"
+        else:
+            continue
+        bad += 1
+        ctx.problem("base_model.uri", f"{path} is {why}: load_from_hf would copy whatever the link points at as the model's file; "
+                                      f"copy the real file into {root} (or point base_model.uri at the directory that holds it)")
+    if not bad:
+        ctx.ok(f"base model {root}: every file resolves inside its directory")
