@@ -1,6 +1,8 @@
 """The whole flow on the tiny config, in-process on an ephemeral Prefect server (e2e tier).
 
-One module-scoped scenario serves every test here, because a flow run costs minutes on 2 cores:
+The tests that only read a finished run read the session's demo run (tests/conftest.py
+`demo_run`: the same config and base model, straight through). One module-scoped scenario
+serves the others, because a flow run costs minutes on 2 cores:
   1. a run whose SFT stage dies (rank 1 SIGKILLed after step 5; the step-4 checkpoint is complete):
      exit status 1, and the cause (rank 1's error line) in run.json, the failed-stage event and
      the CLI's last line;
@@ -75,23 +77,12 @@ class Events:
 
 
 @pytest.fixture(scope="module")
-def eos_mismatch_base(tiny_model_dir, tmp_path_factory):
-    """The demo model with generation_config eos = <|end_of_text|> (1) only."""
-    out = tmp_path_factory.mktemp("base") / "tiny-llama-eos"
-    shutil.copytree(tiny_model_dir, out)
-    gen = json.loads((out / "generation_config.json").read_text())
-    gen["eos_token_id"] = 1
-    (out / "generation_config.json").write_text(json.dumps(gen))
-    return out
-
-
-@pytest.fixture(scope="module")
-def scenario(prefect_harness, eos_mismatch_base, tmp_path_factory):
+def scenario(prefect_harness, eos_doc_end_model, tmp_path_factory):
     import tasks.train
     import tasks.ui
     from flows.cpt_to_sft import main
 
-    tiny_model_dir = eos_mismatch_base
+    tiny_model_dir = eos_doc_end_model
     tmp = tmp_path_factory.mktemp("e2e")
     run_root = tmp / "run"
     cfg = write_config(tmp / "tiny.yaml", tiny_config_raw(tiny_model_dir, run_root))
@@ -132,7 +123,7 @@ def _gate_reruns(mp, tmp, model_dir, run_root):
         launches, pushes = Launches(tasks.train.run_engine), []
         real_push = flow_mod.push_to_hub
         mp.setattr(tasks.train, "run_engine", launches)
-        mp.setattr(flow_mod, "push_to_hub", lambda cfg_, results, _real=real_push, pushes=pushes: (pushes.append(cfg_.gate.enabled), _real(cfg_, results))[1])
+        mp.setattr(flow_mod, "push_to_hub", _counting_push(real_push, pushes))
         if name == "failing":
             state = flow_mod.cpt_to_sft(config=str(cfg), return_state=True)
             out.append({"state": state, "rc": None, "launches": launches.calls, "pushes": pushes, "summary": json.loads((run_root / "run.json").read_text())})
@@ -142,6 +133,18 @@ def _gate_reruns(mp, tmp, model_dir, run_root):
         mp.setattr(tasks.train, "run_engine", launches.real)
         mp.setattr(flow_mod, "push_to_hub", real_push)
     return out
+
+
+def _counting_push(real_push, pushes: list):
+    """push_to_hub as a task that records each call's gate.enabled, then runs the real one."""
+    from prefect import task
+
+    @task(name="push_to_hub")
+    def push(cfg_, results):
+        pushes.append(cfg_.gate.enabled)
+        return real_push(cfg_, results)
+
+    return push
 
 
 def _unaligned_rerun(mp, tmp, model_dir, run_root):
@@ -162,9 +165,11 @@ def _unaligned_rerun(mp, tmp, model_dir, run_root):
 
 
 @pytest.fixture(scope="module")
-def finished_run(scenario):
-    run_root = scenario[0]
-    return run_root, run_root.parent / "tiny.yaml"  # the scenario's config file
+def finished_run(demo_run):
+    """The session's finished demo run (tests/conftest.py), read only: the same config and base
+    model as the scenario, run straight through."""
+    assert demo_run.rc == 0, demo_run.summary
+    return demo_run.run_root, demo_run.config
 
 
 def statuses(summary):
@@ -392,12 +397,12 @@ def test_failed_gate_skips_the_push_and_a_disabled_gate_lets_it_through(scenario
     assert [c["check"] for c in summary["gate"]["checks"] if not c["ok"]] == ["cpt_perplexity"]
 
 
-def test_second_run_over_a_held_run_root_fails_naming_the_holder(finished_run, capsys):
+def test_second_run_over_a_held_run_root_fails_naming_the_holder(demo_run_copy, capsys):
     from flows.cpt_to_sft import main
     from tasks.core.run.lease import Lease
     from tasks.core.storage.fs import RunStore
 
-    run_root, cfg = finished_run
+    run_root, cfg = demo_run_copy.run_root, demo_run_copy.config  # a copy: the lease is a write
     # A live holder (this very process) on this host: refused at once, naming it; no traceback.
     holder = Lease(RunStore(str(run_root)), holder="flow run other-writer (test)").acquire()
     try:
