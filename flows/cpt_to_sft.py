@@ -93,6 +93,9 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
     except LeaseHeld as exc:
         return Failed(name="Refused", message=str(exc))
     tracker = _start_tracking(cfg, logger)
+    # The stages that report to MLflow get the run as a task parameter: plain data, so they reach
+    # it from whatever process the task runner puts them in.
+    handle = tracker.handle if tracker is not None else None
 
     def stage(name: str, task_fn, *args) -> StageResult:
         try:
@@ -110,13 +113,13 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
         data_cpt = stage("prepare_cpt", prepare_data, cfg, "cpt", base)
         data_sft = stage("prepare_sft", prepare_data, cfg, "sft", base)
         a0 = stage("boost_and_shard", boost_and_shard, cfg, base, data_cpt)
-        cpt = stage("train_cpt", train_cpt, cfg, a0)
+        cpt = stage("train_cpt", train_cpt, cfg, a0, handle)
         bridge = stage("unshard", unshard, cfg, cpt)
-        cpt_eval = stage("evaluate_cpt", evaluate_cpt, cfg, base, bridge)  # base vs CPT, held-out perplexity
+        cpt_eval = stage("evaluate_cpt", evaluate_cpt, cfg, base, bridge, handle)  # base vs CPT, held-out perplexity
         b0 = stage("reboost", reboost, cfg, bridge, data_sft)
-        sft = stage("train_sft", train_sft, cfg, b0)
+        sft = stage("train_sft", train_sft, cfg, b0, handle)
         export = stage("export", export_hf, cfg, sft)
-        sft_eval = stage("evaluate_sft", evaluate_sft, cfg, bridge, export)  # pre-SFT vs SFT, generation check
+        sft_eval = stage("evaluate_sft", evaluate_sft, cfg, bridge, export, handle)  # pre-SFT vs SFT, generation check
         verdict = stage("gate", gate, cfg, cpt_eval, sft_eval)
         if verdict.status == Status.FAILED_GATE:
             results["push_to_hub"] = held_back(cfg, verdict)
@@ -159,7 +162,6 @@ def _start_tracking(cfg: RunConfig, logger) -> tracking.RunTracker | None:
     except Exception as exc:  # it passed pre-flight moments ago: a view, never a failed run
         logger.warning("MLflow run not created at %s: %s; training continues without it", tracking.redact(cfg.tracking.mlflow.uri), exc)
         return None
-    tracking.set_current(tracker)
     ui.link("mlflow-run", tracker.url, f"MLflow run of {cfg.name}")
     return tracker
 
@@ -171,7 +173,6 @@ def _finish_tracking(tracker: tracking.RunTracker | None, summary: dict[str, Any
     hub = summary.get("hub") or {}
     tracker.tag(**tags, export_uri=summary.get("export"), hub_url=hub.get("commit_url") or hub.get("repo_url"))
     tracker.finish("FINISHED" if summary["complete"] else "FAILED")
-    tracking.set_current(None)
 
 
 def _holder() -> str:

@@ -54,7 +54,8 @@ def _not_configured(stage: str, which: str) -> StageResult:
 
 
 @stage_task(name="evaluate_cpt", task_run_name="evaluate CPT: base vs CPT held-out perplexity")
-def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult) -> StageResult:
+def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult, tracker: tracking.TrackerHandle | None = None) -> StageResult:
+    """Held-out perplexity of base vs CPT; `tracker`: the flow run's MLflow run, which gets the metrics."""
     logger = get_run_logger()
     if not cfg.cpt.eval.enabled:
         return _not_configured("evaluate_cpt", "cpt")
@@ -74,7 +75,7 @@ def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult) -> Stag
     )
     with stage.build() as out:
         (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-        tracking.log_evaluation("cpt", metrics, out.dir, st.max_steps)
+        tracking.log_evaluation("cpt", metrics, out.dir, st.max_steps, tracker)
         out.manifest(
             kind="evaluation", parent=bridge,
             meta={"stage": "cpt", "metrics": metrics, "reference": {"uri": base.uri, "digest": base.digest}, "candidate": {"uri": bridge.uri, "digest": bridge.digest}},
@@ -83,7 +84,8 @@ def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult) -> Stag
 
 
 @stage_task(name="evaluate_sft", task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
-def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult) -> StageResult:
+def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult, tracker: tracking.TrackerHandle | None = None) -> StageResult:
+    """Held-out loss of pre-SFT vs SFT and the generation check; `tracker`: the flow run's MLflow run, which gets the metrics."""
     logger = get_run_logger()
     if not cfg.sft.eval.enabled:
         return _not_configured("evaluate_sft", "sft")
@@ -112,7 +114,7 @@ def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult) -> St
     with stage.build() as out:
         (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         write_jsonl(out.dir / "generations.jsonl", rows)
-        tracking.log_evaluation("sft", metrics, out.dir, st.max_steps)
+        tracking.log_evaluation("sft", metrics, out.dir, st.max_steps, tracker)
         out.manifest(
             kind="evaluation", parent=export,
             meta={"stage": "sft", "metrics": metrics, "reference": {"uri": bridge.uri, "digest": bridge.digest}, "candidate": {"uri": export.uri, "digest": export.digest}},

@@ -7,6 +7,10 @@ flow run id and URL, later the manifest digests and the export URI / Hub link) a
 per training stage, whose metrics are the per-step fields of the engine's records
 (tasks/engine/metrics.py). The training ranks never import a tracking client.
 
+The flow opens the parent run and hands the stages that report to it a `TrackerHandle` (the
+tracking URI and the run's ids) as a task parameter: plain data, so a task reaches the run from
+whatever process its task runner put it in.
+
 Failure handling: an unreachable server is a pre-flight problem naming `tracking.mlflow.uri`
 (`check_tracking` in tasks/core/preflight/checks.py).
 Mid-run, a stage's records go through a queue to one writer thread, so a slow or dead server
@@ -27,11 +31,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from tasks.core.run.events import METRICS
 from tasks.core.run.stages import TENSORBOARD
 from tasks.core.tracking.config import FIELD, check_uri, flatten, redact
 
-__all__ = ["FIELD", "RunTracker", "StageTracker", "check_uri", "current", "eval_scalars", "fan_out", "flatten", "log_evaluation", "publish_tensorboard", "redact", "set_current", "stage_tracker"]
+__all__ = ["FIELD", "RunTracker", "StageTracker", "TrackerHandle", "check_uri", "eval_scalars", "fan_out", "flatten", "log_evaluation", "publish_tensorboard", "redact", "stage_tracker"]
 
 def _client(uri: str):
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -39,6 +45,17 @@ def _client(uri: str):
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri)
+
+
+class TrackerHandle(BaseModel):
+    """The flow run's MLflow run as a task parameter: enough to log to it or open a nested run
+    under it from any process (a client object is neither hashable nor serializable)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    uri: str
+    experiment_id: str
+    run_id: str
 
 
 class RunTracker:
@@ -70,6 +87,15 @@ class RunTracker:
         for i in range(0, len(params), 100):  # MLflow's log_batch takes at most 100 params
             client.log_batch(self.run_id, params=params[i : i + 100])
         return self
+
+    @classmethod
+    def attach(cls, handle: TrackerHandle, warn: Callable[[str], None] = print) -> RunTracker:
+        """The run `handle` names, in this process (a task's), with its own client."""
+        return cls(_client(handle.uri), handle.uri, handle.experiment_id, handle.run_id, warn)
+
+    @property
+    def handle(self) -> TrackerHandle:
+        return TrackerHandle(uri=self.uri, experiment_id=self.experiment_id, run_id=self.run_id)
 
     @property
     def url(self) -> str:
@@ -184,33 +210,16 @@ class StageTracker:
         return self.gaps
 
 
-# ------------------------------------------------------------------------------------------------
-# The flow run's tracker, shared with its training tasks (which run in the flow's process): a
-# module-level slot, because a client object is no Prefect task parameter (not hashable for the
-# cache key, not serializable for the UI).
-
-_CURRENT: RunTracker | None = None
-
-
-def set_current(tracker: RunTracker | None) -> None:
-    global _CURRENT
-    _CURRENT = tracker
-
-
-def current() -> RunTracker | None:
-    return _CURRENT
-
-
-def stage_tracker(stage: str) -> StageTracker | None:
-    """The nested MLflow run of `stage`, or None without MLflow; a server that does not answer
-    when the stage starts is a warning, never a failed stage."""
-    tracker = _CURRENT
-    if tracker is None:
+def stage_tracker(handle: TrackerHandle | None, stage: str, warn: Callable[[str], None]) -> StageTracker | None:
+    """The nested MLflow run of `stage` under the run `handle` names, or None without MLflow; a
+    server that does not answer when the stage starts is a warning, never a failed stage. `warn`
+    is called from the writer thread too: pass a logger bound in the task (its run's log)."""
+    if handle is None:
         return None
     try:
-        return tracker.stage(stage)
+        return RunTracker.attach(handle, warn).stage(stage)
     except Exception as exc:
-        tracker.warn(f"MLflow run for {stage} not created ({redact(tracker.uri)}): {exc}; training continues without it")
+        warn(f"MLflow run for {stage} not created ({redact(handle.uri)}): {exc}; training continues without it")
         return None
 
 
@@ -248,11 +257,11 @@ def _warn(message: str) -> None:
         print(message, file=sys.stderr)
 
 
-def log_evaluation(which: str, metrics: dict[str, Any], out_dir, step: int) -> dict[str, float]:
+def log_evaluation(which: str, metrics: dict[str, Any], out_dir, step: int, tracker: TrackerHandle | None = None) -> dict[str, float]:
     """An evaluation stage's metrics as TensorBoard scalars `eval/<name>` at the training stage's
     last step, under `<out_dir>/tensorboard/` (inside the evaluation artifact, so its manifest
     covers them and `tensorboard --logdir <run_root>` shows them), and as `eval.<which>.<name>`
-    metrics of the flow's MLflow run. Both are views: a failure is a warning."""
+    metrics of the flow's MLflow run (`tracker`, None without MLflow). Both are views: a failure is a warning."""
     from pathlib import Path
 
     scalars = eval_scalars(metrics)
@@ -264,8 +273,11 @@ def log_evaluation(which: str, metrics: dict[str, Any], out_dir, step: int) -> d
                 writer.add_scalar(f"eval/{name}", value, step)
     except Exception as exc:
         _warn(f"TensorBoard evaluation scalars not written under {out_dir}: {exc}")
-    if _CURRENT is not None:
-        _CURRENT.log_metrics({f"eval.{which}.{k}": v for k, v in scalars.items()}, step)
+    if tracker is not None:
+        try:
+            RunTracker.attach(tracker, _warn).log_metrics({f"eval.{which}.{k}": v for k, v in scalars.items()}, step)
+        except Exception as exc:  # the client itself (an unusable URI): a view, never a failed stage
+            _warn(f"MLflow evaluation metrics not recorded ({redact(tracker.uri)}): {exc}")
     return scalars
 
 

@@ -118,7 +118,7 @@ def reboost(cfg: RunConfig, bridge: StageResult, data: StageResult) -> StageResu
     return _shard(cfg, "sft", bridge, data, "reboost")
 
 
-def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
+def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.TrackerHandle | None) -> StageResult:
     st = getattr(cfg, stage)
     store = store_for(cfg)
     run = Stage(f"train_{stage}", cfg, start, rel=TRAINING[stage].step(st.max_steps))  # start's digest, carried on
@@ -137,7 +137,7 @@ def _train(cfg: RunConfig, stage: str, start: StageResult) -> StageResult:
                               on_published=lambda _done: tracking.publish_tensorboard(store, stage)).start()
         for step in unpublished_steps(store.local_path(stage)):  # left by a failed attempt
             publisher.submit(step)
-    mlflow_run = tracking.stage_tracker(stage)
+    mlflow_run = tracking.stage_tracker(tracker, stage, warn=logger.warning)
     progress = ui.Progress(stage, st.max_steps, links={"MLflow run": mlflow_run.url} if mlflow_run else None)
 
     def on_event(kind: str, record: dict[str, Any]) -> None:
@@ -191,10 +191,12 @@ def _fault_env(stage: str) -> dict[str, str]:
 
 
 @stage_task(name="train_cpt", task_run_name="train CPT [{cfg.cpt.plugin.name}]")
-def train_cpt(cfg: RunConfig, start: StageResult) -> StageResult:
-    return _train(cfg, "cpt", start)
+def train_cpt(cfg: RunConfig, start: StageResult, tracker: tracking.TrackerHandle | None = None) -> StageResult:
+    """Train CPT from `start`; `tracker`: the flow run's MLflow run, which gets a nested run of the steps."""
+    return _train(cfg, "cpt", start, tracker)
 
 
 @stage_task(name="train_sft", task_run_name="train SFT [{cfg.sft.plugin.name}]")
-def train_sft(cfg: RunConfig, start: StageResult) -> StageResult:
-    return _train(cfg, "sft", start)
+def train_sft(cfg: RunConfig, start: StageResult, tracker: tracking.TrackerHandle | None = None) -> StageResult:
+    """Train SFT from `start`; `tracker`: the flow run's MLflow run, which gets a nested run of the steps."""
+    return _train(cfg, "sft", start, tracker)

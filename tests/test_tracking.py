@@ -80,3 +80,40 @@ def test_server_dying_mid_stage_leaves_a_logged_gap_and_a_warning(tmp_path, tiny
     assert gaps == [[2, STEPS]]
     assert any("stopped answering at cpt step 2" in w and server.uri in w for w in warnings)
     assert any(f"steps 2..{STEPS} not recorded" in w for w in warnings)
+
+
+def test_the_tracker_handle_is_plain_data():
+    from tasks.tracking import TrackerHandle
+
+    handle = TrackerHandle(uri="http://127.0.0.1:5000", experiment_id="1", run_id="abc")
+    assert TrackerHandle.model_validate_json(handle.model_dump_json()) == handle and hash(handle) == hash(handle.model_copy())
+    with pytest.raises(Exception, match="frozen"):
+        handle.run_id = "other"
+
+
+def _stage_in_another_process(handle, steps: int) -> list[list[int]]:
+    """A training task's side, run where a task runner might put it: only the handle crosses."""
+    from tasks.tracking import stage_tracker
+
+    st = stage_tracker(handle, "cpt", warn=print)
+    for step in range(1, steps + 1):
+        st(_record(step))
+    return st.close()
+
+
+@pytest.mark.integration
+def test_a_stage_in_another_process_reports_to_the_flow_runs_mlflow_run(tmp_path, tiny_model_dir, mlflow_server):
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from mlflow import MlflowClient
+
+    cfg = _cfg(tmp_path, tiny_model_dir, mlflow_server.uri, name="handle")
+    tracker = RunTracker.start(cfg)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        assert pool.submit(_stage_in_another_process, tracker.handle, STEPS).result(timeout=300) == []
+    client = MlflowClient(mlflow_server.uri)
+    (child,) = client.search_runs([tracker.experiment_id], f"tags.`mlflow.parentRunId` = '{tracker.run_id}'")
+    assert child.info.run_name == "cpt" and child.info.status == "FINISHED"
+    assert [m.step for m in sorted(client.get_metric_history(child.info.run_id, "loss"), key=lambda m: m.step)] == list(range(1, STEPS + 1))
+    tracker.finish()
