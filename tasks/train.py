@@ -10,7 +10,6 @@ whose manifest verifies, so a retried flow run continues where it broke.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from typing import Any
 
@@ -20,7 +19,7 @@ from tasks import tracking, ui
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.prepared import check_against_model, record_split, split_info
 from tasks.core.launch.backends import BACKENDS
-from tasks.core.launch.torchrun import run_engine
+from tasks.core.launch.torchrun import run_engine, stage_fault_env
 from tasks.core.run.events import BACKPRESSURE, CHECKPOINT
 from tasks.core.run.job import Job, NodeStaging, Parent
 from tasks.core.run.stages import PREPARE, STAGE, TRAIN_STATE, TRAINING, is_step_name, job_file, loss_curve_rel
@@ -151,7 +150,7 @@ def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.Tra
 
     failed = True
     try:
-        _launch(cfg, store, job, on_progress=tracking.fan_out(progress, mlflow_run), on_event=on_event, env=_fault_env(stage),
+        _launch(cfg, store, job, on_progress=tracking.fan_out(progress, mlflow_run), on_event=on_event, env=stage_fault_env(stage),
                 failure=(lambda: publisher.failure) if publisher is not None else None)
         if publisher is not None:
             publisher.drain()  # every checkpoint up, in order; raises PublishFailed naming one
@@ -182,12 +181,6 @@ def _stage_in_latest(store: RunStore, stage: str) -> None:
             return
         except Exception as exc:  # a checkpoint that fails to stage in is skipped for the next older one
             get_run_logger().warning("not resuming from %s: %s", store.uri(f"{stage}/{name}"), exc)
-
-
-def _fault_env(stage: str) -> dict[str, str]:
-    # CPT_TO_SFT_FAULT is read by the engine (tasks/engine/faults.py); pass it only to its stage.
-    fault = os.environ.get("CPT_TO_SFT_FAULT", "")
-    return {"CPT_TO_SFT_FAULT": fault} if fault else {}
 
 
 @stage_task(name="train_cpt", task_run_name="train CPT [{cfg.cpt.plugin.name}]")

@@ -31,7 +31,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +62,22 @@ def torchrun_argv(verb: str, job_path: str | Path, launch: LaunchConfig, rdzv_id
     return argv
 
 
-def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
+# Read by the engine (tasks/engine/faults.py). The task process may hold it for one stage only: a
+# launch gets it when its stage passes it (`stage_fault_env`), never by inheritance.
+FAULT_ENV = "CPT_TO_SFT_FAULT"
+
+
+def stage_fault_env(stage: str, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The fault specs of `environ[FAULT_ENV]` that may fire in `stage`'s training launch: each one
+    naming no stage, or this one (`...@stage=S`), as the `extra` of `engine_env`; {} when none."""
+    keep = [spec for spec in (s.strip() for s in environ.get(FAULT_ENV, "").split(";"))
+            if spec and all(part.partition("=")[2] == stage for part in spec.split("@")[1:] if part.startswith("stage="))]
+    return {FAULT_ENV: ";".join(keep)} if keep else {}
+
+
+def engine_env(extra: dict[str, str] | None = None, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """torchrun's whole environment: `environ` (this process's) without FAULT_ENV, then `extra`."""
+    env = {k: v for k, v in environ.items() if k != FAULT_ENV}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
