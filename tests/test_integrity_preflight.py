@@ -252,3 +252,27 @@ def test_a_hub_cache_snapshot_linking_into_its_blobs_is_accepted(tmp_path):
     case.raw["base_model"]["uri"] = str(snapshot)
     report = case.report()
     assert report.ok, report.text()
+
+
+@pytest.mark.integration
+def test_a_malformed_safetensors_header_is_not_retried_by_load(prefect_harness, tiny_model_dir, tmp_path):
+    """The real load stage on a base model whose weights file has a header length past its end:
+    one attempt, not three with 15 s between them."""
+    import shutil
+    import time
+
+    from tasks.core.config.load import load_config
+    from tasks.load import cannot_heal, load_from_hf
+    from tests.conftest import tiny_config_raw, write_config
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "model.safetensors").write_bytes((1 << 40).to_bytes(8, "little") + b"{}")  # "header too large"
+    cfg = load_config(write_config(tmp_path / "c.yaml", tiny_config_raw(model, tmp_path / "run")))
+    started = time.monotonic()
+    state = load_from_hf(cfg, return_state=True)
+    assert state.is_failed()
+    assert time.monotonic() - started < 14, "a malformed safetensors file was retried"
+    with pytest.raises(Exception) as info:
+        state.result()
+    assert "header too large" in str(info.value) and cannot_heal(info.value), repr(info.value)
