@@ -261,9 +261,9 @@ def test_oversubscribed_cpu_is_a_warning_not_an_error(tmp_path):
 
 
 def test_the_token_never_appears_in_the_report(tmp_path, monkeypatch):
-    from tasks.preflight import check
-
     import huggingface_hub.constants
+
+    from tasks.preflight import check
 
     secret = "hf_SECRETsecretSECRET123"
     monkeypatch.setenv("HF_TOKEN", secret)
