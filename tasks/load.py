@@ -24,7 +24,7 @@ from prefect import get_run_logger
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError, ConversionError, ManifestError
-from tasks.core.hub.repo import HubTokenRefused, is_hub_id
+from tasks.core.hub.repo import HubRefusal, is_hub_id
 from tasks.core.models.convert import PICKLE_INDEX_NAME, convert_checkpoint
 from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
 from tasks.core.run.manifest import sha256_file
@@ -119,15 +119,15 @@ UNHEALING_STATUS = (401, 403, 404)  # a refused token, a missing right, a missin
 
 
 def cannot_heal(exc: BaseException) -> bool:
-    """An error a retry meets again: a refusal (ConfigError), the Hub answering 401/403/404, a
-    malformed safetensors file. Its causes count too (a loader may wrap the SafetensorError)."""
+    """An error a retry meets again: a refusal (ConfigError, HubRefusal), the Hub answering
+    401/403/404, a malformed safetensors file. Its causes count too (a loader may wrap the SafetensorError)."""
     from huggingface_hub.errors import HfHubHTTPError
     from safetensors import SafetensorError
 
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, (ConfigError, SafetensorError, HubTokenRefused)):
+        if isinstance(exc, (ConfigError, SafetensorError, HubRefusal)):
             return True
         if isinstance(exc, HfHubHTTPError) and getattr(exc.response, "status_code", None) in UNHEALING_STATUS:
             return True

@@ -8,7 +8,8 @@ configured branch, with `parent_commit` pinned to the branch head read just befo
 the Hub already holds are not sent again (the LFS batch API answers that they exist), and a push
 of an unchanged export makes no commit at all. Uploads are retried (transient I/O); the Hub only
 moves the branch when the commit lands, so a push that cannot finish leaves the repo as it was.
-A token the Hub refuses (401/403) is not retried, and the error names where it came from.
+A token the Hub refuses (401/403) is not retried, and the error names where it came from; nor
+is any other refusal (no token, a folder breaking the model-folder rule).
 
 A `.safetensors` file that is not a weight shard of the model, or an adapter beside the merged
 weights, is refused (the folder rule verify and pre-flight apply too: `tasks.core.models.folder`),
@@ -35,7 +36,7 @@ from prefect import get_run_logger, task
 from tasks import ui
 from tasks.core.config.schema import HubConfig, RunConfig
 from tasks.core.hub.card import model_card, train_facts
-from tasks.core.hub.repo import REFUSED_STATUS, SECRET_BLOCK, HubTokenRefused, find_hub_token, refused_token_message
+from tasks.core.hub.repo import REFUSED_STATUS, SECRET_BLOCK, HubRefusal, HubTokenRefused, find_hub_token, refused_token_message
 from tasks.core.models.folder import folder_problems
 from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR, read_manifest
 from tasks.core.run.stages import EXPORT, Status
@@ -51,7 +52,7 @@ def files_to_push(export_dir: Path, manifest: dict[str, Any], provenance: bool =
     names = sorted(manifest["files"])
     problems = folder_problems(export_dir, names)
     if problems:
-        raise RuntimeError("push_to_hub: " + "; ".join(problems))
+        raise HubRefusal("push_to_hub: " + "; ".join(problems))
     model = [n for n in names if not n.startswith(PROVENANCE_DIR + "/") and n != CARD]
     return model + ([n for n in names if n.startswith(PROVENANCE_DIR + "/")] + [MANIFEST] if provenance else [])
 
@@ -101,7 +102,7 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
         return StageResult("push_to_hub", Status.NOT_CONFIGURED, detail={"reason": "no hub configured"})
     found = find_hub_token(secret_token)
     if found is None:
-        raise RuntimeError(
+        raise HubRefusal(
             f"push_to_hub: no Hub token; set HF_TOKEN in the worker's environment, create the Prefect Secret block '{SECRET_BLOCK}', "
             "or log the worker in with `hf auth login`"
         )

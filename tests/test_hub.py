@@ -296,6 +296,13 @@ def test_a_refused_token_fails_the_push_at_once_naming_its_source(hub_env, prefe
         push_to_hub(config(tmp_path / "run", repo_id="org/refused"), RESULTS)  # the task's own retries=3
     assert time.monotonic() - started < 15, "a refused token was retried"
     assert wrong not in str(info.value) and hub_env.endpoint in str(info.value)
+    # Nor is a folder the model-folder rule refuses retried.
+    monkeypatch.setenv("HF_TOKEN", hub_env.token)
+    fake_export(tmp_path / "run", seed=8, stray="model-extra.safetensors")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"holds model-extra\.safetensors: a \.safetensors file that is not a weight shard"):
+        push_to_hub(config(tmp_path / "run", repo_id="org/refused"), RESULTS)
+    assert time.monotonic() - started < 15, "a refused folder was retried"
 
 
 def test_a_token_saved_by_login_is_used_by_push_and_preflight(hub_env, prefect_harness, tmp_path, monkeypatch):

@@ -162,12 +162,14 @@ def test_errors_that_cannot_heal_are_not_retried():
     from safetensors import SafetensorError
 
     from tasks.core.errors import ConfigError
+    from tasks.core.hub.repo import HubRefusal, HubTokenRefused
     from tasks.load import cannot_heal
 
     for status in (401, 403, 404):
         assert cannot_heal(_http_error(status)), status
     assert cannot_heal(SafetensorError("Error while deserializing header: HeaderTooLarge"))
     assert cannot_heal(ConfigError([("base_model.uri", "x")]))
+    assert cannot_heal(HubRefusal("push_to_hub: no Hub token")) and cannot_heal(HubTokenRefused("refused"))
     try:  # a loader that wraps the malformed header still meets it on every try
         try:
             raise SafetensorError("HeaderTooLarge")

@@ -126,7 +126,12 @@ def whoami(token: HubToken, endpoint: str | None = None, timeout: float = 10.0) 
     return WhoAmI(endpoint, status=r.status_code, reason=reason)
 
 
-class HubTokenRefused(RuntimeError):
+class HubRefusal(RuntimeError):
+    """A Hub stage refused its input (no token, a folder breaking the model-folder rule): the
+    message names the cause and the fix; a retry would meet it again, so none is made."""
+
+
+class HubTokenRefused(HubRefusal):
     """The Hub refused the token (401/403): the message names its source; no retry can heal it."""
 
 
