@@ -2,7 +2,7 @@
 
 - (a) local run root: checkpoints stay on the local disk, nothing is uploaded;
 - (b) s3:// run root, synchronous publish: each checkpoint uploaded by the log reader itself, then
-      remote retention (what tasks/train.py did before the publisher);
+      remote retention (the simplest design, and the baseline the publisher must beat);
 - (c) s3:// run root, asynchronous publisher (tasks/core/storage/publisher.py): the reader only enqueues,
       the engine retains only `.published` checkpoints and waits past max_pending_publishes.
 
@@ -22,6 +22,7 @@ upload rate instead of failing or deleting anything (try --every 15).
 
     .venv/bin/python benchmarks/publish.py                         # ~2 min on 2 cores
     .venv/bin/python benchmarks/publish.py --rate-mb 0.5 --steps 60 --every 15 --keep-last 1
+    .venv/bin/python benchmarks/publish.py --smoke                 # 6 steps, one run per mode: checks the script runs
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _train(mode: str, work: Path, run: dict, model: Path, base: Path, s3_uri: st
 
     if mode == "sync":
         def on_event(kind, rec):
-            if kind == "checkpoint":  # the old on_event: upload inside the reader, then retention
+            if kind == "checkpoint":  # upload inside the reader, then retention: training waits for both
                 step = int(rec["step"])
                 store.publish(step_rel("cpt", step))
                 retain_remote(store, "cpt", keep_last, step)
@@ -122,7 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per mode, interleaved; the table takes each mode's best")
     ap.add_argument("--max-pending", type=int, default=2, help="max_pending_publishes of mode (c)")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--smoke", action="store_true", help="6 steps, a checkpoint every 3, keep_last 2, one run per mode at 8 MB/s: checks the script runs")
     a = ap.parse_args(argv)
+    if a.smoke:
+        # keep_last 2: with 3 steps between saves the engine outruns mode (b)'s in-reader upload and
+        # would delete step 3 locally (keep_last 1) while it is still being read
+        a.steps, a.every, a.repeat, a.rate_mb, a.keep_last = 6, 3, 1, 8.0, 2
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="publish-bench-"))

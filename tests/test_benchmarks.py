@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.servers.slurm import slurm_available
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
@@ -86,3 +88,35 @@ def test_gpu_check_smoke(tmp_path):
         assert f"CHECK {check}: ok" in out, out
     assert "CPT throughput, steps" in out and "flow / plain = " in out, out
     assert "RESULT: all checks ok" in out and (tmp_path / "out" / "summary.json").is_file(), out
+
+
+@pytest.mark.e2e
+def test_resume_smoke():
+    """The flow on the embedded Prefect server: a first run, its re-run, and a run killed inside a CPT
+    checkpoint interval, then retried."""
+    out = smoke([PY, "benchmarks/resume.py", "--smoke"], timeout=900)
+    for row in ("first run wall", "re-run of complete run", "re-run / first", "killed after CPT step", "resumed from step", "steps redone"):
+        assert row in out, out
+    assert "result: " in out, out
+
+
+@pytest.mark.integration
+@pytest.mark.distributed
+def test_publish_smoke():
+    out = smoke([PY, "benchmarks/publish.py", "--smoke"], timeout=600)
+    for mode in ("local", "sync", "async"):
+        assert f"  {mode:<6} " in out and "steps/s" in out, out
+    assert "(a) local   (b) S3 sync   (c) S3 async" in out and "ratio to (a)" in out, out
+    assert "FAILED" not in out and "failed:" not in out, out
+
+
+@pytest.mark.distributed
+def test_launch_smoke():
+    """The local backend always; the Slurm backend where the Slurm tests would run (installed, root)."""
+    out = smoke([PY, "benchmarks/launch.py", "--smoke"], timeout=600)
+    assert "round 1 local: task start -> first step" in out, out
+    assert "task start -> step 1 best" in out and "task start -> step 1 median" in out, out
+    if slurm_available() and os.geteuid() == 0:
+        assert "round 1 slurm: task start -> first step" in out and "Slurm adds " in out and "not measured" not in out, out
+    else:
+        assert "slurm: skipped" in out and "Slurm adds: not measured" in out, out
