@@ -44,7 +44,7 @@ from safetensors.torch import load_file, save_file
 
 from tasks.core.errors import ManifestError
 from tasks.core.run.manifest import MANIFEST, fsync_dir, verify_artifact
-from tasks.core.run.stages import STEP_RE, TRAIN_STATE, step_name, tmp_step_name
+from tasks.core.run.stages import STEP_PREFIX, STEP_RE, TRAIN_STATE, step_name, tmp_step_name
 from tasks.core.storage.handshake import is_published
 
 # step_name and TRAIN_STATE are re-exported: the engine names its checkpoints through this module.
@@ -117,7 +117,7 @@ def remove_leftovers(stage_dir: Path) -> list[str]:
     removed = []
     if stage_dir.is_dir():
         for p in stage_dir.iterdir():
-            if p.name.startswith(".step-") and (p.name.endswith(".tmp") or ".old" in p.name):
+            if p.name.startswith(f".{STEP_PREFIX}") and (p.name.endswith(".tmp") or ".old" in p.name):
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p.name)
     return removed
