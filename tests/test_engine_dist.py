@@ -267,7 +267,7 @@ def test_tied_embeddings_under_low_level_zero(tied):
     _assert_trains(tied["dir"], tied["train"], "cpt", max_steps=2)
 
 
-# ---- conversion of real ColossalAI checkpoints (issue 6) ---------------------------------------
+# ---- conversion of real ColossalAI checkpoints ------------------------------------------------
 
 ZERO1 = {"name": "hybrid_parallel", "tp_size": 2, "zero_stage": 1, "precision": "bf16"}
 
@@ -302,7 +302,7 @@ def test_streaming_converter_on_real_checkpoints_is_bitwise(tp2, pp2, zero1, llz
         assert report.num_tensors == len(expected) and len([f for f in report.files if f.endswith(".safetensors")]) > 1
 
 
-# ---- kill during save, many times (issue 3) ----------------------------------------------------
+# ---- kill during save, many times ---------------------------------------------------------------
 
 
 def test_ten_kills_at_random_moments_of_saves_never_load_a_torn_checkpoint(work, tiny_model_dir):

@@ -391,7 +391,7 @@ def test_multi_node_without_rendezvous_endpoint_is_refused():
 
 
 def _llama_shaped_estimate(mc: dict[str, Any]) -> int:
-    """The formula pre-flight estimated parameters with before it read the family registry."""
+    """A reference count from the Llama shape alone (attention, gated MLP, norms, embeddings), independent of the family registry."""
     h, i, n_layers, vocab = (int(mc[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
     n_heads = int(mc["num_attention_heads"])
     n_kv = int(mc.get("num_key_value_heads") or n_heads)
@@ -426,7 +426,7 @@ def test_parameter_estimate_is_the_family_table_count(model_type, overrides, lef
     model = getattr(transformers, spec.model_class)(config)
     mc = config.to_dict()
     assert estimate_parameters(mc) == model.num_parameters()  # the real model, a tied weight once
-    # the old Llama-shaped formula gave the same count, except for the tensors it did not know of
+    # the Llama-shaped reference agrees, except for the tensors it does not know of
     assert estimate_parameters(mc) == _llama_shaped_estimate(mc) + TINY_DIMS["num_hidden_layers"] * left_out_per_layer
 
 

@@ -54,7 +54,7 @@ def test_remote_retention_never_deletes_an_unpublished_checkpoint(tmp_path, keep
     assert set(removed) == {"step-000001", "step-000004"} - kept_newest
     assert set(_names(tmp_path)) == {ckpt.step_name(s) for s in range(7)} - set(removed)
     assert ckpt.unpublished(tmp_path) == ["step-000006", "step-000005", "step-000003", "step-000002"]
-    # A local run root (no marker needed) keeps exactly keep_last, as before.
+    # A local run root (no marker needed: nothing is uploaded) keeps exactly keep_last.
     local = tmp_path / "local"
     for s in range(7):
         _ckpt(local, s)
