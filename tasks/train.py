@@ -25,14 +25,9 @@ from tasks.core.run.job import Job, NodeStaging, Parent
 from tasks.core.run.stages import PREPARE, STAGE, TRAIN_STATE, TRAINING, is_step_name, job_file, loss_curve_rel
 from tasks.core.storage.fs import RunStore
 from tasks.core.storage.handshake import manifest_sha256, mark_published
-from tasks.core.storage.publisher import BACKOFF_S, RETRIES, Publisher, retain_remote, unpublished_steps
+from tasks.core.storage.publisher import Publisher, retain_remote, unpublished_steps
 from tasks.prepare_data import prepared_dir
 from tasks.stage import Stage, StageResult, stage_task, store_for
-
-# A failed checkpoint upload is retried this many times, backing off from PUBLISH_BACKOFF_S
-# (doubling, at most 30 s): about a minute in all, then the stage fails naming the checkpoint.
-PUBLISH_RETRIES = RETRIES
-PUBLISH_BACKOFF_S = BACKOFF_S
 
 
 def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:
@@ -131,8 +126,9 @@ def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.Tra
         _stage_in_latest(store, stage)
         # Uploads run beside the log reader (tasks/core/storage/publisher.py); the reader only enqueues.
         # The stage's TensorBoard files go up beside each published checkpoint, on the publisher's thread.
-        publisher = Publisher(store, stage, st.keep_last, max_queue=st.keep_last + st.max_pending_publishes + 4,
-                              retries=PUBLISH_RETRIES, backoff_s=PUBLISH_BACKOFF_S, log=logger,
+        # A failed upload is retried with the publisher's bounded backoff (about a minute), then the
+        # stage fails naming the checkpoint.
+        publisher = Publisher(store, stage, st.keep_last, max_queue=st.keep_last + st.max_pending_publishes + 4, log=logger,
                               on_published=lambda _done: tracking.publish_tensorboard(store, stage)).start()
         for step in unpublished_steps(store.local_path(stage)):  # left by a failed attempt
             publisher.submit(step)

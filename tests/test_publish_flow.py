@@ -290,9 +290,10 @@ def _until_readable(store: RunStore, rel: str, timeout: float = 60.0) -> None:
 
 
 def test_store_killed_during_upload_fails_naming_it_then_a_retry_resumes(prefect_harness, fresh_weed, tiny_model_dir, tmp_path, monkeypatch):
-    import tasks.train
+    from tasks.core.storage.publisher import Publisher
 
-    monkeypatch.setattr(tasks.train, "PUBLISH_BACKOFF_S", 0.5)  # 4 retries in ~8 s instead of ~1 min
+    # The publisher's own default backoff, which train_cpt's Publisher uses: 4 retries in ~8 s instead of ~1 min.
+    monkeypatch.setitem(Publisher.__init__.__kwdefaults__, "backoff_s", 0.5)
     proxy = ThrottleProxy(("127.0.0.1", fresh_weed.ports["s3.port"]), 200 * MB, lifetime_s=900).start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
     root = f"s3://cpt-tests/killed-{os.getpid()}"
