@@ -2,6 +2,7 @@
 
     cpt-to-sft run --config deployments/configs/tiny-cpu.yaml --set cpt.max_steps=4 --set cpt.lr=1e-4
     cpt-to-sft check --config FILE [--set key.path=value ...]     # pre-flight only, launches nothing
+    cpt-to-sft run --config FILE --stop-after export                # the stages up to the export only
     cpt-to-sft break-lease --config FILE
     cpt-to-sft convert SRC_DIR DST_DIR [--dtype bf16 ...]           # ColossalAI checkpoint -> HF safetensors
     cpt-to-sft verify PATH                                          # an artifact or a whole run root
@@ -91,6 +92,13 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                    help="override one config field (value parsed as YAML); repeatable, applied in order")
     p.add_argument("--run-root", help="override run_root (local path, NFS path or s3://...)")
     p.add_argument("--run-name", help="override the run name")
+
+
+def add_stop_after(p: argparse.ArgumentParser) -> None:
+    from tasks.core.run.stages import STAGE_NAMES
+
+    p.add_argument("--stop-after", choices=STAGE_NAMES, metavar="STAGE",
+                   help=f"run the stages up to and including STAGE, record the rest as not-run, exit 0 (one of: {', '.join(STAGE_NAMES)})")
 
 
 # Subcommands that are whole existing CLIs: their own parser and --help, unchanged.
@@ -200,10 +208,12 @@ def _print(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cpt-to-sft", description="CPT -> SFT on ColossalAI, orchestrated by Prefect.",
-                                     epilog="run exit status: 0 complete; 1 a stage failed; 3 the gate failed (artifacts kept, nothing pushed)")
+                                     epilog="run exit status: 0 complete, or stopped after --stop-after; 1 a stage failed; 3 the gate failed (artifacts kept, nothing pushed)")
     parser.add_argument("--version", action="version", version=f"cpt-to-sft {version()}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    _config_args(sub.add_parser("run", help="run the whole flow (an embedded Prefect server without PREFECT_API_URL)"))
+    run = sub.add_parser("run", help="run the whole flow (an embedded Prefect server without PREFECT_API_URL)")
+    _config_args(run)
+    add_stop_after(run)
     _config_args(sub.add_parser("check", help="pre-flight only: every problem at once; exit 1 on any, 0 when clean"))
     _config_args(sub.add_parser("break-lease", help="remove the run root's lease left by a dead run"))
     for name, (_, text) in DELEGATED.items():
@@ -244,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from flows.cpt_to_sft import main as flow_main
 
-    return flow_main(["--config", str(path)])
+    return flow_main(["--config", str(path), *(["--stop-after", args.stop_after] if args.stop_after else [])])
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml [--run-root URI]
     python -m flows.cpt_to_sft --config FILE --check          # pre-flight only, launches nothing
+    python -m flows.cpt_to_sft --config FILE --stop-after export   # the stages up to the export only
 
 Without PREFECT_API_URL this starts an embedded Prefect server (nothing to run first). Each line
 below is one Prefect task that leaves a verified artifact under the run root; re-running skips
@@ -66,16 +67,20 @@ def _run_name() -> str:
 
 
 @flow(name="cpt-to-sft", flow_run_name=_run_name, log_prints=True)
-def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: RunOverrides = RunOverrides()) -> dict[str, Any]:  # noqa: B008 - frozen
+def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: RunOverrides = RunOverrides(),  # noqa: B008 - frozen
+               stop_after: str | None = None) -> dict[str, Any]:
     """Load → prepare data (CPT, SFT) → boost & shard (A) → train CPT (A) → unshard → evaluate CPT → reboost (B) → train SFT (B)
     → export → evaluate SFT → gate → push.
 
     config: path or fsspec URI of the run's YAML (see deployments/configs/).
     overrides: per-run changes to the config (run name and root, base model, data, steps, lr);
         empty fields keep the config's values.
+    stop_after: run the stages up to and including this one (a stage name, e.g. "export"); the
+        rest are recorded as not-run and the run ends Completed. Empty: every stage.
     """
     logger = get_run_logger()
     try:
+        check_stop_after(stop_after)
         cfg = resolve_config(config, overrides)
     except ConfigError as exc:
         return Failed(name="Refused", message=f"{exc}\n{REFUSED}")
@@ -105,6 +110,8 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
         except BaseException as exc:
             results[name] = _failed(cfg, name, exc)  # its row in the stage table + a failed event
             raise
+        if name == stop_after:
+            raise _StopAfter
         return results[name]
 
     try:
@@ -125,6 +132,9 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
             results["push_to_hub"] = held_back(cfg, verdict)
         else:
             stage("push_to_hub", push_to_hub, cfg, results)
+    except _StopAfter:  # the stages after stop_after are not-run in run.json
+        logger.info("stopped after %s, as asked (stop_after)", stop_after)
+        return_state = None
     except Exception as exc:  # any stage failure ends the run Failed with its cause
         # The failed stage's row holds its cause (for a launch: the failing rank's first error
         # line); the run's state message says it, the task run keeps the traceback.
@@ -134,7 +144,7 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
         return_state = None
     finally:
         try:
-            summary = write_summary(cfg, results, time.monotonic() - started)
+            summary = write_summary(cfg, results, time.monotonic() - started, stop_after)
             _finish_tracking(tracker, summary)
             # Staged copies of published artifacts are recoverable from the run root; unpublished
             # ones (what a resume needs) stay.
@@ -200,7 +210,16 @@ def failure_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {cause}"[:500] if cause else type(exc).__name__
 
 
-def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: float) -> dict[str, Any]:
+class _StopAfter(Exception):
+    """Raised by the flow's stage helper right after the stage named by stop_after."""
+
+
+def check_stop_after(stop_after: str | None) -> None:
+    if stop_after and stop_after not in STAGE_NAMES:
+        raise ConfigError([("stop_after", f"{stop_after!r} is no stage; use one of: {', '.join(STAGE_NAMES)}")], header="invalid flow parameter")
+
+
+def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: float, stop_after: str | None = None) -> dict[str, Any]:
     store = store_for(cfg)
     stages = []
     for name in STAGE_NAMES:
@@ -220,6 +239,8 @@ def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: floa
         "gate": ({"status": str(verdict.status), **verdict.detail} if verdict and verdict.status != Status.FAILED else {"status": str(verdict.status if verdict else Status.NOT_RUN)}),
         "hub": (push.detail if push and push.status == Status.COMPLETED else {"status": str(push.status if push else Status.NOT_RUN), **(push.detail if push else {})}),
     }
+    if stop_after:
+        summary["stopped_after"] = stop_after  # the not-run stages were not asked for
     store.write_text(RUN_JSON, json.dumps(summary, indent=2, sort_keys=True) + "\n")
     try:
         ui.stage_table(stages)
@@ -231,13 +252,15 @@ def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: floa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flows.cpt_to_sft", description=__doc__.splitlines()[0],
-        epilog="exit status: 0 complete (pushed, or no hub configured); 1 a stage failed; 3 the gate failed (artifacts kept, nothing pushed)",
+        epilog="exit status: 0 complete (pushed, or no hub configured), or stopped after --stop-after; 1 a stage failed; 3 the gate failed (artifacts kept, nothing pushed)",
     )
     parser.add_argument("--config", required=True, help="YAML config: local path or fsspec URI")
     parser.add_argument("--run-root", help="override run_root (local path, NFS path or s3://...)")
     parser.add_argument("--run-name", help="override the run name")
     parser.add_argument("--break-lease", action="store_true", help="remove the run root's lease left by a dead run, then exit")
     parser.add_argument("--check", action="store_true", help="pre-flight only: print the report, exit 1 on any problem, 0 when clean; starts nothing")
+    parser.add_argument("--stop-after", choices=STAGE_NAMES, metavar="STAGE",
+                        help=f"run the stages up to and including STAGE, record the rest as not-run, exit 0 (one of: {', '.join(STAGE_NAMES)})")
     args = parser.parse_args(argv)
     if args.check:
         return run_check_cli(args.config, run_root=args.run_root, run_name=args.run_name)
@@ -246,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         old = break_lease(store_for(cfg))
         print(f"lease on {cfg.run_uri}: " + (f"broken (was held by {describe(old)})" if old else "none held"))
         return 0
-    state = cpt_to_sft(config=args.config, overrides=_cli_overrides(args), return_state=True)
+    state = cpt_to_sft(config=args.config, overrides=_cli_overrides(args), stop_after=args.stop_after, return_state=True)
     if not state.is_completed():
         # Refused at pre-flight (the report), the lease held, or a stage failed (its cause): the
         # state message says which; the last line printed is the reason.
@@ -258,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if gate_.get("passed") is False:
         print(gate_message(gate_), file=sys.stderr)
         return EXIT_FAILED_GATE
-    return 0 if summary["complete"] else 1
+    return 0 if summary["complete"] or summary.get("stopped_after") else 1
 
 
 def _cli_overrides(args: argparse.Namespace) -> RunOverrides:

@@ -1,16 +1,15 @@
 """The CPT half of the runbook as one small Prefect flow (load -> prepare -> boost & shard -> train CPT), for
-the publish/teardown flow tests (tests/test_publish_flow.py). The stage tasks are the real ones.
+the publish flow tests (tests/test_publish_flow.py). The stage tasks are the real ones.
 
-Run as a script it is the cancellation test's driver: it starts a throwaway Prefect server,
-runs the flow on the given config, and prints the final state (the test SIGTERMs it first, which
-is how a Prefect runner cancels a flow run):
+    python -c "from tests._publish_flow import cpt_only; print(cpt_only('CONFIG.yaml'))"
 
-    python -m tests._publish_flow CONFIG.yaml
+Not the real flow with `stop_after="train_cpt"`: that one also writes run.json and its lease on
+the run root when it ends, and the store-outage test ends its first run with the S3 server down
+(the lease it could not remove would then refuse the retry); the slow-store test reuses the
+staged copies the real flow prunes at its end.
 """
 
 from __future__ import annotations
-
-import sys
 
 from prefect import flow
 
@@ -29,11 +28,3 @@ def cpt_only(config: str) -> StageResult:
     start = outcome(boost_and_shard(cfg, base, data, return_state=True))
     return outcome(train_cpt(cfg, start, return_state=True))
 
-
-if __name__ == "__main__":
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        print("driver: flow starting", flush=True)
-        state = cpt_only(sys.argv[1], return_state=True)
-        print(f"driver: flow ended {state.type.value}: {state.message}", flush=True)

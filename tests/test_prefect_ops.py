@@ -151,7 +151,7 @@ def test_run_form_overrides_are_typed_and_validated_like_the_yaml(tmp_path):
     from tasks.core.errors import ConfigError
 
     schema = parameter_schema(cpt_to_sft.fn).model_dump()
-    assert set(schema["properties"]) == {"config", "overrides"}
+    assert set(schema["properties"]) == {"config", "overrides", "stop_after"}
     form = schema["definitions"]["RunOverrides"]["properties"]
     assert form["run_root"]["title"] == "Run root" and "Empty: as in the config." in form["run_root"]["description"]
     assert schema["definitions"]["StageOverrides"]["properties"]["lr"]["description"].startswith("Peak learning rate.")

@@ -13,7 +13,8 @@ proxy (tests/servers/throttle.py), real torchrun ranks, a real Prefect server (t
   the upload is retried, the stage fails after the bounded retries naming the checkpoint, no
   process of the stage is left 10 s later and the staging directory stays still;
   a retry of the flow resumes from the newest complete checkpoint;
-- a cancellation (SIGTERM to the flow's process, as a Prefect runner sends): the same teardown.
+- a cancellation (SIGTERM to the process of the real flow's CLI, `--stop-after train_cpt`, as a
+  Prefect runner sends): the same teardown.
 
     /work/main/.venv/bin/python -m pytest -q -s -m "" tests/test_publish_flow.py     # ~5-7 min on 2 busy cores
 """
@@ -341,18 +342,21 @@ def test_store_killed_during_upload_fails_naming_it_then_a_retry_resumes(prefect
         proxy.close()
 
 
-def test_cancellation_leaves_no_process_and_no_write(tiny_model_dir, tmp_path):
+def test_cancellation_leaves_no_process_and_no_write(prefect_harness, tiny_model_dir, tmp_path):
+    from prefect.settings import PREFECT_API_URL
+
     run_root = tmp_path / "run"
     raw_cfg = _config(tmp_path, tiny_model_dir, str(run_root))
     # Long enough that the cancellation lands mid-training.
     text = raw_cfg.read_text().replace(f"max_steps: {STEPS}", "max_steps: 5000", 1)
     raw_cfg.write_text(text)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # The real flow's CLI, up to train_cpt, on the session's Prefect server (no server of its own to start).
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PREFECT_API_URL": PREFECT_API_URL.value()}
     env.pop("CPT_TO_SFT_FAULT", None)
     out_path = tmp_path / "driver.log"
-    # Its own session, so the driver's Prefect server goes with it at the end (this pytest process
+    # Its own session, so whatever the driver started goes with it at the end (this pytest process
     # may be a subreaper after the tests above, and would otherwise inherit it).
-    driver = subprocess.Popen([sys.executable, "-m", "tests._publish_flow", str(raw_cfg)], cwd=REPO, env=env,
+    driver = subprocess.Popen([sys.executable, "-m", "flows.cpt_to_sft", "--config", str(raw_cfg), "--stop-after", "train_cpt"], cwd=REPO, env=env,
                               stdout=out_path.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     stage_dir, job_path = run_root / "cpt", run_root / "jobs" / "cpt-train.json"
     try:
@@ -369,7 +373,7 @@ def test_cancellation_leaves_no_process_and_no_write(tiny_model_dir, tmp_path):
         out = out_path.read_text()
     finally:
         try:
-            os.killpg(driver.pid, signal.SIGKILL)  # whatever of the driver's own is left (its server)
+            os.killpg(driver.pid, signal.SIGKILL)  # whatever of the driver's own is left
         except ProcessLookupError:
             pass
         driver.wait()
