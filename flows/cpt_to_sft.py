@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from prefect import Task, flow, get_run_logger
+from prefect import flow, get_run_logger
 from prefect.states import Completed, Failed
 
 from tasks import tracking, ui
@@ -105,8 +105,7 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
     def stage(name: str, task_fn, *args) -> StageResult:
         try:
             # A skipped stage ends in a state named "Skipped"; outcome() reads its StageResult.
-            # (A stage may also be a plain function: tests wrap tasks to observe them.)
-            results[name] = outcome(task_fn(*args, return_state=True) if isinstance(task_fn, Task) else task_fn(*args))
+            results[name] = outcome(task_fn(*args, return_state=True))
         except BaseException as exc:
             results[name] = _failed(cfg, name, exc)  # its row in the stage table + a failed event
             raise

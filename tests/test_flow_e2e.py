@@ -139,10 +139,12 @@ def _counting_push(real_push, pushes: list):
     """push_to_hub as a task that records each call's gate.enabled, then runs the real one."""
     from prefect import task
 
+    from tasks.stage import outcome
+
     @task(name="push_to_hub")
     def push(cfg_, results):
         pushes.append(cfg_.gate.enabled)
-        return real_push(cfg_, results)
+        return outcome(real_push(cfg_, results, return_state=True))  # its StageResult, a skip included
 
     return push
 
