@@ -9,7 +9,7 @@
 # (the installs and import checks take ~30-60 s before the budget starts; the machine's start is
 # not in timeout_s but counts against the session's device time)
 #
-# 1. installs the carried wheels (.whl/) into $GPU_CHECK_SITE (default /tmp/site) and puts it first on
+# 1. installs the carried wheels ($GPU_CHECK_WHEELS, default .whl/) into $GPU_CHECK_SITE (default /tmp/site) and puts it first on
 #    PYTHONPATH, over the image's own transformers 5 / huggingface_hub 1 / tokenizers 0.23; torch is
 #    the image's CUDA build (python3 there is /opt/torch/.venv/bin/python3);
 # 2. writes an import-only stand-in for bitsandbytes when none is importable: colossalai 0.5.0's
@@ -26,17 +26,18 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/site}
+WHL=${GPU_CHECK_WHEELS:-.whl}  # the CPU smoke test points this at an empty folder: .whl/ holds cp312 wheels for the GPU image
 OUT=${OUT:-$PWD/build/gpu-check/out}
 export OUT
 mkdir -p "$OUT" "$SITE"
 t0=$(date +%s)
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-  echo "gpu_check.sh: installing $(ls .whl/*.whl | wc -l) carried wheels into $SITE"
+if ls "$WHL"/*.whl >/dev/null 2>&1; then
+  echo "gpu_check.sh: installing $(ls "$WHL"/*.whl | wc -l) carried wheels into $SITE"
   "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" .whl/*.whl 2>&1 | grep -v "is ignored\|is not a directory" || true
+    --target "$SITE" "$WHL"/*.whl 2>&1 | grep -v "is ignored\|is not a directory" || true
 else
-  echo "gpu_check.sh: no .whl/ here: using $PY's packages as they are (run benchmarks/gpu_wheels.sh and carry .whl)"
+  echo "gpu_check.sh: no wheels in $WHL/: using $PY's packages as they are (run benchmarks/gpu_wheels.sh and carry .whl)"
 fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
