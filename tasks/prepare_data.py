@@ -27,6 +27,8 @@ import json
 import multiprocessing
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,27 +47,28 @@ from tasks.core.run.stages import DATA_CACHE, PREPARE, STAGE
 from tasks.stage import Stage, StageResult, stage_task, store_for
 
 
-def _share_api_with_workers() -> None:
-    """Point worker processes at this process's Prefect API.
+@contextmanager
+def worker_api() -> Iterator[str]:
+    """The Prefect API this process talks to, named in the settings while the block runs; yields its URL.
 
-    Without PREFECT_API_URL the flow runs on an ephemeral server that only this process knows;
-    a pool or Dask worker would start one of its own (slow, and its task runs would land in
-    another database). Workers inherit os.environ, so the ephemeral server's URL is put there.
+    Prefect hands the current settings to every task its runner starts elsewhere: a process-pool
+    worker gets them as its environment, a Dask task in its serialized context. Without
+    PREFECT_API_URL the flow runs on an ephemeral server that only this process knows; a worker
+    left to itself would start one of its own (slow, and its task runs would land in another
+    database), so the URL is set explicitly for the subflow and its workers.
     """
-    from prefect.settings import PREFECT_API_URL
+    from prefect import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    if PREFECT_API_URL.value():
-        return
-    from prefect.server.api.server import SubprocessASGIServer
-
-    server = SubprocessASGIServer()  # the singleton get_client() started
-    if server.running and server.port:
-        os.environ["PREFECT_API_URL"] = server.api_url
+    with get_client(sync_client=True) as client:
+        url = str(client.api_url).rstrip("/")
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield url
 
 
 def task_runner_for(tok: TokenizeConfig, files: int):
-    """The task runner `data.tokenize` names: a process pool, or Dask (a scheduler or a LocalCluster)."""
-    _share_api_with_workers()
+    """The task runner `data.tokenize` names: a process pool, or Dask (a scheduler or a LocalCluster).
+    Its workers reach this run's Prefect API when the subflow runs inside `worker_api()`."""
     if tok.dask_address or tok.local_cluster:
         try:
             from prefect_dask import DaskTaskRunner
@@ -151,7 +154,8 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     if p.todo:
         runner = task_runner_for(d.tokenize, len(p.todo))
         todo = [p.inputs[i] for i in p.todo]
-        tokenize_files.with_options(task_runner=runner)(stage, len(todo), todo, p.spec, str(tok_dir), str(cache))
+        with worker_api():
+            tokenize_files.with_options(task_runner=runner)(stage, len(todo), todo, p.spec, str(tok_dir), str(cache))
     summaries = {i: read_summary(shard_dir(cache, p.keys[i])) for i in range(len(p.inputs))}
     index = prep.finalize(p, summaries, workers=1)
     t = index["totals"]
@@ -183,4 +187,4 @@ def prepared_dir(cfg: RunConfig, stage: str) -> Path:
     return store.local_path(rel) if store.local else store.stage_in(rel)
 
 
-__all__ = ["prepare_data", "prepared_dir", "task_runner_for", "tokenize_files", "tokenize_shard"]
+__all__ = ["prepare_data", "prepared_dir", "task_runner_for", "tokenize_files", "tokenize_shard", "worker_api"]

@@ -116,3 +116,44 @@ def test_pool_and_dask_skip_increment_and_identical_shards(prefect_harness, tiny
     pool_files, dask_files = _files(tmp_path / "pool/data/cpt"), _files(tmp_path / "dask/data/cpt")
     assert set(pool_files) == set(dask_files) and len(pool_files) > 5 * 4
     assert [k for k in pool_files if pool_files[k] != dask_files[k]] == []  # tokens, offsets, summaries, index.json
+
+_EPHEMERAL_PROBE = """
+import json, os
+from prefect import flow, task
+from prefect.settings import PREFECT_API_URL
+from prefect.task_runners import ProcessPoolTaskRunner
+from tasks.prepare_data import worker_api
+
+@task
+def probe(i):
+    return {"pid": os.getpid(), "api": PREFECT_API_URL.value()}
+
+@flow
+def fan_out():
+    return [f.result() for f in probe.map(range(2))]
+
+@flow
+def outer():
+    with worker_api() as url:
+        return {"url": url, "parent": os.getpid(), "workers": fan_out.with_options(task_runner=ProcessPoolTaskRunner(max_workers=2))()}
+
+print("PROBE " + json.dumps(outer()))
+"""
+
+
+def test_pool_workers_reach_the_ephemeral_api_of_the_flow_process(tmp_path):
+    """Without PREFECT_API_URL (an ephemeral server only the flow's process knows), the URL that
+    `worker_api` puts in the settings is the one every process-pool worker talks to."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", _EPHEMERAL_PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    probe = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("PROBE "))[len("PROBE "):])
+    assert probe["url"].startswith("http://127.0.0.1:")
+    workers = probe["workers"]
+    assert len(workers) == 2 and all(w["pid"] != probe["parent"] for w in workers), probe
+    assert {w["api"] for w in workers} == {probe["url"]}, probe
