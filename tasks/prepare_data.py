@@ -15,8 +15,11 @@ reboost checks that the CPT model's tokenizer is the one the SFT shards were mad
   DaskTaskRunner on a running scheduler or a `distributed.LocalCluster` it starts.
 - Shards are written into `<staging>/data-cache/<stage>/shards/<key>/` (key: input checksum,
   tokenizer, spec), summary last. A failed run keeps every file already tokenized there, and the
-  retry reuses them. The artifact hard-links the shards it names (no second copy), writes
-  index.json, then the manifest.
+  retry reuses them, each only after its files match the sha256 recorded when it was made (a
+  damaged one is dropped, with a warning naming it, and tokenized again). The artifact copies the
+  shards it names (never a hard link, so damage to one never reaches the other; a reflink where the
+  filesystem has them), writes index.json, then the manifest.
+- Input files that hold no record (0 bytes, blank lines only) are warned about and counted.
 - Progress (files, records, tokens, MB/s) goes to a Prefect progress artifact; the token counts
   per split (and the skipped bad records) to a table artifact.
 """
@@ -118,16 +121,6 @@ def tokenize_files(stage: str, n: int, inputs: list[InputFile], spec: ShardSpec,
     return out
 
 
-def _link_tree(src: Path, dest: Path) -> None:
-    """Hard links (same filesystem: the staging dir), so the artifact costs no second copy."""
-    dest.mkdir(parents=True)
-    for p in src.iterdir():
-        try:
-            os.link(p, dest / p.name)
-        except OSError:
-            shutil.copy2(p, dest / p.name)
-
-
 @stage_task(name="prepare_data", task_run_name="{stage}: tokenize data")
 def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult:
     """Tokenize `stage`'s corpus with `source`'s tokenizer into data/<stage>/ (token shards, index, held-out records)."""
@@ -150,6 +143,8 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     shards.mkdir(parents=True, exist_ok=True)
     for stale in shards.glob(".tmp-*"):  # a worker killed mid-file; its summary never landed
         shutil.rmtree(stale, ignore_errors=True)
+    for damaged in p.dropped:
+        logger.warning("%s: %s", name, damaged)
     logger.info("%s: %d input files (%.1f MB), %d to tokenize, %d reused from %s", name, len(p.inputs), sum(f.size for f in p.inputs) / 1e6, len(p.todo), len(p.inputs) - len(p.todo), cache)
     if p.todo:
         runner = task_runner_for(d.tokenize, len(p.todo))
@@ -161,7 +156,7 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     t = index["totals"]
     with st.build() as out:
         for f in index["files"]:
-            _link_tree(cache / f["shard"], out.dir / f["shard"])
+            prep.copy_shard(cache / f["shard"], out.dir / f["shard"])
         shutil.copy2(cache / INDEX, out.dir / INDEX)
         if p.heldout_inputs:  # evaluation reads eval.heldout_uri's records from the artifact, not the source
             with open(out.dir / HELDOUT_SET, "w", encoding="utf-8") as fh:
@@ -173,10 +168,16 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
         )
     prep.prune(cache, index)
     ui.token_table(stage, t)
+    empty = prep.empty_files(index["files"])
+    if empty:
+        logger.warning("%s: %d input file(s) hold no record (0 bytes or blank lines only): %s", name, len(empty), ", ".join(empty))
     if t["skipped"]:
         logger.warning("%s: %d bad records skipped (data.on_bad_record: skip); the first: %s", name, t["skipped"], next(b for f in index["files"] for b in f["bad_records"]))
     return st.done(
-        {"files": t["files"], "tokenized": len(p.todo), "records": t["records"], "skipped": t["skipped"], "train_tokens": t["train_tokens"], "heldout_tokens": t["heldout_tokens"]},
+        {
+            "files": t["files"], "tokenized": len(p.todo), "empty_files": t["empty_files"], "cache_dropped": p.dropped,
+            "records": t["records"], "skipped": t["skipped"], "train_tokens": t["train_tokens"], "heldout_tokens": t["heldout_tokens"],
+        },
         event={"train_tokens": t["train_tokens"], "skipped": t["skipped"]},
     )
 

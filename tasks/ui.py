@@ -152,6 +152,8 @@ def token_table(stage: str, totals: dict[str, Any]) -> None:
         {"split": "held-out", "records": totals["heldout_records"], "tokens": totals["heldout_tokens"]},
         {"split": "skipped (bad records)", "records": totals["skipped"], "tokens": 0},
     ]
+    if totals.get("empty_files"):
+        rows.append({"split": "empty input files (no record)", "records": totals["empty_files"], "tokens": 0})
     if totals.get("cpt_blocks") is not None:
         rows.append({"split": "train blocks (seq_len)", "records": totals["cpt_blocks"], "tokens": None})
     try:

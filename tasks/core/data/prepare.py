@@ -7,7 +7,9 @@ Output (`out_dir`): `shards/<key>/` per input file (see shard.py) and `index.jso
 listing the files in input order with their shard, counts and the split. The index is a pure
 function of the inputs, the tokenizer and the spec (no times, no host names), so its digest can be
 the stage's skip rule. Shards of files that left the corpus stay in `shards/` (a cache keyed by
-content) until `prune=True`.
+content) until `prune=True`. A cached shard is reused only when every file of it still has the
+sha256 recorded when it was made (`shard.verified_summary`); one that does not is deleted and its
+input tokenized again, and `Plan.dropped` says which and why (the caller warns).
 
 Files are tokenized by a process pool (`workers` > 1; spawn, so a caller's threads and CUDA state
 never leak into a worker) or in this process (`workers` <= 1). A Prefect task runner can map
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -29,7 +32,7 @@ from typing import Any
 from tasks.core.data.index import INDEX, PrepareError, tokenizer_fingerprint
 from tasks.core.data.inputs import InputError, InputFile, resolve_inputs
 from tasks.core.data.records import BadRecord, iter_file_records
-from tasks.core.data.shard import ShardSpec, freeze_encoder, load_tokenizer, read_summary, shard_dir, tokenize_file
+from tasks.core.data.shard import ShardSpec, freeze_encoder, load_tokenizer, read_summary, shard_dir, tokenize_file, verified_summary
 from tasks.core.data.split import record_id
 
 INDEX_VERSION = 1
@@ -42,8 +45,9 @@ class Plan:
     spec: ShardSpec
     inputs: list[InputFile]
     keys: list[str]
-    todo: list[int]  # indices into inputs whose shards do not exist yet
+    todo: list[int]  # indices into inputs whose shards do not exist yet (or failed their check)
     heldout_inputs: list[InputFile] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # cached shards deleted as damaged: file and why
 
 
 @dataclass
@@ -52,6 +56,7 @@ class Result:
     tokenized: list[str]  # input uris tokenized by this call
     reused: list[str]  # input uris whose shards already existed
     seconds: float
+    dropped: list[str] = field(default_factory=list)  # Plan.dropped
 
 
 def _heldout_ids(files: list[InputFile], max_record_chars: int) -> frozenset[str]:
@@ -82,10 +87,17 @@ def plan(
         on_bad_record=on_bad_record, max_bad_records=max_bad_records, max_record_chars=max_record_chars,
     )
     keys = [spec.key(f) for f in inputs]
-    todo = [i for i, k in enumerate(keys) if read_summary(shard_dir(out, k)) is None]
+    todo, dropped = [], []
+    for i, k in enumerate(keys):
+        summary, damaged = verified_summary(shard_dir(out, k))
+        if damaged:
+            shutil.rmtree(shard_dir(out, k), ignore_errors=True)
+            dropped.append(f"{inputs[i].uri}: its cached shard is dropped and tokenized again: {damaged}")
+        if summary is None:
+            todo.append(i)
     if todo and kind == "cpt":
         freeze_encoder(str(tokenizer_dir), out, spec.tokenizer_sha256)  # workers then need no transformers
-    return Plan(out, str(tokenizer_dir), spec, inputs, keys, todo, held_inputs)
+    return Plan(out, str(tokenizer_dir), spec, inputs, keys, todo, held_inputs, dropped)
 
 
 def _init_worker() -> None:
@@ -153,6 +165,31 @@ def _check_corpus(p: Plan, summaries: list[dict]) -> None:
         raise PrepareError(f"{skipped} bad records in {where}, more than data.max_bad_records={p.spec.max_bad_records} (the first: {first}); fix the data or raise data.max_bad_records")
 
 
+def empty_files(rows: list[dict]) -> list[str]:
+    """The inputs (index files or summaries) that hold no record at all, good or bad: 0 bytes, or blank lines only."""
+    return [s["input"]["uri"] for s in rows if s["records"] == 0 and s["skipped"] == 0]
+
+
+def copy_shard(src: Path, dest: Path) -> None:
+    """A cached shard directory copied into an artifact. Never a hard link: an artifact sharing an
+    inode with the cache would let a byte flipped in one flip the other, and the cache would then
+    rebuild the artifact from the damaged bytes. (Read-only hard links would still share the one
+    copy that a disk fault or a tool run as the owner damages.) os.copy_file_range lets the kernel
+    share the blocks copy-on-write where the filesystem can (btrfs, XFS: a reflink) and copy in
+    the kernel elsewhere; shutil.copyfile where the call is refused."""
+    dest.mkdir(parents=True)
+    for f in sorted(src.iterdir()):
+        with open(f, "rb") as fi, open(dest / f.name, "wb") as fo:
+            left = os.fstat(fi.fileno()).st_size
+            try:
+                while left > 0 and (n := os.copy_file_range(fi.fileno(), fo.fileno(), left)) > 0:
+                    left -= n
+            except OSError:
+                left = -1
+        if left != 0:
+            shutil.copyfile(f, dest / f.name)
+
+
 def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str, Any]:
     """Corpus-wide checks, split_by_fraction's fallback, then index.json (written last)."""
     spec = p.spec
@@ -216,6 +253,7 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
             "records": sum(s["records"] for s in rows),
             "skipped": sum(s["skipped"] for s in rows),
             "dropped_no_labels": sum(s["dropped_no_labels"] for s in rows),
+            "empty_files": len(empty_files(rows)),
             "train_records": train_records,
             "train_tokens": train_tokens,
             "heldout_records": sum(s["heldout"]["records"] for s in rows),
@@ -256,7 +294,7 @@ def prepare(
     index = finalize(p, summaries, workers)
     if prune_unused:
         prune(p.out_dir, index)
-    return Result(index, [p.inputs[i].uri for i in p.todo], [f.uri for i, f in enumerate(p.inputs) if i not in p.todo], time.monotonic() - started)
+    return Result(index, [p.inputs[i].uri for i in p.todo], [f.uri for i, f in enumerate(p.inputs) if i not in p.todo], time.monotonic() - started, p.dropped)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -280,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     except (InputError, PrepareError, ValueError) as e:
         raise SystemExit(f"prepare: {e}") from None
+    for d in r.dropped:
+        print(f"warning: {d}", file=sys.stderr)
     print(json.dumps({"tokenized": len(r.tokenized), "reused": len(r.reused), "seconds": round(r.seconds, 2), **r.index["totals"]}, indent=1))
 
 

@@ -6,8 +6,13 @@
 `iter_file_records` yields a `BadRecord` in place of a record it cannot read and goes on, so the
 caller decides between `on_bad_record: error` and `skip`; `iter_records` / `read_records` /
 `head_records` (pre-flight, evaluation, the tokenizing CLI) raise at the first one. Text mode with
-universal newlines, every line counted, blank lines skipped. Bytes that are not UTF-8 are read
-with `surrogateescape` so one bad line does not end the stream, then refused by their line.
+universal newlines (CRLF and a last line without a newline read like LF), a UTF-8 byte-order mark
+at the start looked through, every line counted, blank lines skipped. Bytes that are not UTF-8 are
+read with `surrogateescape` so one bad line does not end the stream, then refused by their line.
+A compressed stream is decompressed here, not by fsspec, so that one that is truncated or corrupt
+raises `CorruptFileError` naming the file and the compressed byte offset: the file is damaged, not
+a record, so `on_bad_record: skip` never applies to it (zstandard's own reader returns a truncated
+frame's bytes, or none, without a word).
 Parquet records are numbered by row (1-based) and streamed one row group batch at a time. Every
 read goes through the storage seam (`tasks.core.storage.fs.open_uri`), so `s3://...` works like a
 local path. Deliberately not `datasets`: its cache and fingerprinting would race between ranks and
@@ -16,10 +21,13 @@ pull in a large dependency for a list of dicts.
 
 from __future__ import annotations
 
+import bz2
 import io
 import itertools
 import json
+import lzma
 import sys
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -28,6 +36,11 @@ from tasks.core.storage.fs import open_uri
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 FORMATS = (".jsonl", ".txt", ".parquet")
 _PARQUET_BATCH = 1024
+_COMPRESSED_CHUNK = 1 << 16  # compressed bytes read at a time (a gzip chunk inflates to at most ~64 MB)
+
+
+class CorruptFileError(ValueError):
+    """A compressed input whose stream is truncated or corrupt: a file error, never a bad record."""
 
 
 def format_of(uri: str) -> str:
@@ -55,9 +68,91 @@ class BadRecord:
         return f"{self.where()}: {self.reason}"
 
 
+def _decompressor(comp: str):
+    if comp == ".gz":
+        return zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)  # gzip header and trailer (CRC32, size) checked
+    if comp == ".bz2":
+        return bz2.BZ2Decompressor()
+    if comp == ".xz":
+        return lzma.LZMADecompressor()
+    import zstandard  # only .zst users pay for the import
+
+    return zstandard.ZstdDecompressor().decompressobj()
+
+
+class _Decompressed(io.RawIOBase):
+    """The decompressed bytes of `raw`, every member/frame in turn; CorruptFileError, naming the
+    file and the compressed bytes read so far, when a stream is corrupt or ends before its
+    end-of-stream marker."""
+
+    def __init__(self, raw, uri: str, comp: str):
+        self.raw, self.uri, self.comp = raw, uri, comp
+        self.d = _decompressor(comp)
+        self.consumed = 0
+        self.buf, self.off, self.done = b"", 0, False
+
+    def readable(self) -> bool:
+        return True
+
+    def _corrupt(self, detail: str) -> CorruptFileError:
+        return CorruptFileError(
+            f"{self.uri}: the {self.comp} stream is truncated or corrupt at compressed byte {self.consumed:,} ({detail}); "
+            "the file is damaged, not a record (data.on_bad_record does not apply): re-create or re-download it"
+        )
+
+    def _fill(self) -> None:
+        chunk = self.raw.read(_COMPRESSED_CHUNK)
+        if not chunk:
+            if self.consumed and not self.d.eof:
+                raise self._corrupt("the stream ends before its end-of-stream marker")
+            self.done = True
+            return
+        self.consumed += len(chunk)
+        out = []
+        try:
+            data = chunk
+            while data:
+                if self.d.eof:  # the next gzip member / bz2 stream / zstd frame
+                    self.d = _decompressor(self.comp)
+                out.append(self.d.decompress(data))
+                data = self.d.unused_data if self.d.eof else b""
+        except Exception as e:  # zlib.error, OSError, EOFError, lzma.LZMAError, zstandard.ZstdError
+            raise self._corrupt(f"{type(e).__name__}: {e}") from None
+        self.buf, self.off = b"".join(out), 0
+
+    def readinto(self, b) -> int:
+        while self.off >= len(self.buf) and not self.done:
+            self._fill()
+        n = min(len(b), len(self.buf) - self.off)
+        b[:n] = self.buf[self.off:self.off + n]
+        self.off += n
+        return n
+
+
+def _compression(uri: str) -> str | None:
+    name = uri.rsplit("/", 1)[-1].lower()
+    return next((c for c in COMPRESSIONS if name.endswith(c)), None)
+
+
+def check_stream(uri: str) -> None:
+    """CorruptFileError when `uri` is compressed and its stream is truncated or corrupt (read to the end).
+
+    A damaged stream can inflate to garbage before its decompressor notices: a bad record found in a
+    compressed file is first put to this check, so the damage is named, not the garbage."""
+    comp = _compression(uri)
+    if comp:
+        with open_uri(uri, "rb") as raw:
+            stream = _Decompressed(raw, uri, comp)
+            while stream.read(1 << 20):
+                pass
+
+
 def _text_records(uri: str, fmt: str, max_chars: int) -> Iterator[tuple[int, dict | BadRecord]]:
-    with open_uri(uri, "rb", compression="infer") as raw:
-        f = io.TextIOWrapper(raw, encoding="utf-8", errors="surrogateescape", newline=None)
+    comp = _compression(uri)
+    with open_uri(uri, "rb") as raw:
+        stream = io.BufferedReader(_Decompressed(raw, uri, comp), 1 << 16) if comp else raw
+        # utf-8-sig: a byte-order mark at the start (what Windows tools write) is not part of line 1.
+        f = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="surrogateescape", newline=None)
         lineno = 0
         while True:
             # A size limit on readline keeps a runaway line (a binary file, a missing newline

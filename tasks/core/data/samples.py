@@ -80,6 +80,8 @@ def validate_messages(messages: Any) -> None:
             raise ValueError(f"message {j} has role {m['role']!r}; allowed roles are {', '.join(ROLES)}")
         if not isinstance(m["content"], str):
             raise ValueError(f"message {j} ({m['role']}) content must be a string, got {type(m['content']).__name__}")
+        if m["role"] == "assistant" and not m["content"].strip():
+            raise ValueError(f"message {j} (assistant) is empty{' (whitespace only)' if m['content'] else ''}: an empty reply teaches nothing; write the reply or drop the record")
     if messages[0]["role"] == "assistant":
         raise ValueError("message 0 is an assistant turn; a conversation must open with a system or user message")
     if not any(m["role"] == "assistant" for m in messages):

@@ -10,8 +10,11 @@ Layout of `shards/<key>/` (every array a raw little-endian file that `numpy.memm
                    labels are the token itself or -100, so one bit per token says it all).
     heldout.*      the same for the held-out side, plus heldout.jsonl, the held-out records
                    themselves (evaluation's generation check needs the conversations).
-    summary.json   counts, dtype, the input's checksum, the spec; written last, so a directory
-                   without it is never read.
+    summary.json   counts, dtype, the input's checksum, the spec and the size and sha256 of
+                   every other file here; written last, so a directory without it is never read.
+
+The shards directory is a cache, and a cache is not trusted: `verified_summary` reuses a shard
+directory only while every file in it still has the sha256 its summary recorded when it was made.
 
 The key is sha256(input uri + checksum, tokenizer fingerprint, the spec fields that change the
 bytes). Adding a file to a corpus therefore tokenizes that file only, and a changed tokenizer,
@@ -39,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from tasks.core.data.inputs import InputFile
-from tasks.core.data.records import BadRecord, iter_file_records
+from tasks.core.data.records import BadRecord, check_stream, iter_file_records
 from tasks.core.data.samples import IGNORE_INDEX, encode_chat
 from tasks.core.data.split import canonical_id, canonical_json, unit
 
@@ -242,14 +245,45 @@ def read_summary(path: Path) -> dict | None:
         return None
 
 
+def _file_table(d: Path) -> dict[str, dict[str, Any]]:
+    out = {}
+    for p in sorted(d.iterdir()):
+        if p.name != "summary.json":
+            with open(p, "rb") as f:
+                out[p.name] = {"size": p.stat().st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+    return out
+
+
+def verified_summary(path: Path) -> tuple[dict | None, str | None]:
+    """(summary, None) when shards/<key>/ holds exactly the files its summary recorded, each with
+    its recorded sha256; else (None, why not), why being None when there is no finished shard."""
+    summary = read_summary(path)
+    if summary is None:
+        return None, (f"{path}: summary.json is missing or unreadable" if path.is_dir() else None)
+    recorded = summary.get("files")
+    if not isinstance(recorded, dict):
+        return None, f"{path}: summary.json records no file hashes, so its shards cannot be checked"
+    have = _file_table(path)
+    for name in sorted(set(recorded) | set(have)):
+        if name not in have:
+            return None, f"{path / name} is missing"
+        if name not in recorded:
+            return None, f"{path / name} was not written with the shard"
+        if have[name] != recorded[name]:
+            return None, f"{path / name} fails its sha256 check (sha256 {have[name]['sha256'][:16]}…, recorded when made {recorded[name]['sha256'][:16]}…; corrupted)"
+    return summary, None
+
+
 def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: str | Path) -> dict[str, Any]:
     """Tokenize one input file into shards/<key>/ and return its summary (summary.json)."""
     out_dir = Path(out_dir)
     key = spec.key(inp)
     final = shard_dir(out_dir, key)
-    done = read_summary(final)
+    done, damaged = verified_summary(final)
     if done is not None:
         return done
+    if damaged:  # rebuilt from the input, never from the damaged bytes
+        shutil.rmtree(final, ignore_errors=True)
     tok = _cpt_encoder(tokenizer_dir, out_dir, spec.tokenizer_sha256) if spec.kind == "cpt" else load_tokenizer(tokenizer_dir)
     if spec.kind == "cpt" and tok.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token: CPT packing needs one to separate documents; set eos_token in tokenizer_config.json")
@@ -288,6 +322,8 @@ def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: 
 
     def reject(b: BadRecord) -> None:
         counts["skipped"] += 1
+        if spec.on_bad_record == "error" or counts["skipped"] > spec.max_bad_records:
+            check_stream(inp.uri)  # a damaged compressed stream is named as such, not by its garbage
         if spec.on_bad_record == "error":
             raise BadRecordError(f"{b}; fix the record, or set data.on_bad_record: skip to leave bad records out (at most data.max_bad_records of them)")
         if len(bad) < _KEEP_BAD:
@@ -308,6 +344,9 @@ def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: 
             value = rec.get(spec.field)
             if spec.kind == "cpt" and not isinstance(value, str):
                 reject(BadRecord(inp.uri, line, f"no string field {spec.field!r} (fields: {sorted(rec)}); set data.text_field to the field holding the text", parquet))
+                continue
+            if spec.kind == "cpt" and not value.strip():
+                reject(BadRecord(inp.uri, line, f"field {spec.field!r} is empty{' (whitespace only)' if value else ''}: no text to train on; fill it or drop the record", parquet))
                 continue
             if spec.kind == "sft" and value is None:
                 reject(BadRecord(inp.uri, line, f"no field {spec.field!r} (fields: {sorted(rec)}); set data.messages_field to the field holding the chat", parquet))
@@ -369,6 +408,7 @@ def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: 
         "min_record_id": min_id,
         "max_record_id": max_id,
         "bad_records": bad,
+        "files": _file_table(tmp),
     }
     (tmp / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     try:

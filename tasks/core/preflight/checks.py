@@ -269,16 +269,27 @@ def check_data(ctx: CheckContext) -> None:
         except (InputError, ValueError, OSError) as exc:  # InputError: no file, an empty glob/dir; ValueError: an unknown format
             ctx.problem(where, str(exc).removeprefix("data.uri: "))
             continue
-        uri = inputs[0].uri
-        try:
-            records = head_records(uri)
-        except (ValueError, UnicodeDecodeError, OSError) as exc:
-            ctx.problem(where, str(exc))
+        # The head sampled is the first file's that holds a record: an empty file among good ones
+        # is warned about and counted, as prepare_data does, not refused.
+        empty, records, uri, failed = [i.uri for i in inputs if i.size == 0], [], inputs[0].uri, False
+        for inp in (i for i in inputs if i.size):
+            uri = inp.uri
+            try:
+                records = head_records(uri)
+            except (ValueError, UnicodeDecodeError, OSError) as exc:
+                ctx.problem(where, str(exc))
+                failed = True
+                break
+            if records:
+                break
+            empty.append(uri)
+        if failed:
             continue
         if not records:
-            ctx.problem(where, f"{uri} holds no records")
+            ctx.problem(where, f"{uri} holds no records" if len(inputs) == 1 else f"none of its {len(inputs)} files holds a record ({uri}, ...)")
             continue
-        failed = False
+        if empty:
+            ctx.warn(f"{where}: {len(empty)} empty input file(s) (0 bytes or no record) add nothing: {', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''}")
         for lineno, rec in records:
             at = f"{uri}:{lineno}"
             if name == "cpt":
