@@ -75,7 +75,7 @@ def test_bad_sft_record_stops_the_run_before_boost_and_shard(prefect_harness, ti
     assert len(second) == 320
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
     raw["sft"]["data"] = {"uri": str(corpus)}
-    # The CLI ends with the failing stage and its cause, exit status 1, no traceback (issue 16).
+    # The CLI ends with the failing stage and its cause, exit status 1, no traceback: the operator reads one line.
     assert main(["--config", str(write_config(tmp_path / "bad.yaml", raw))]) == 1
     out = capsys.readouterr()
     assert re.search(r"part-1\.jsonl:300: no assistant message", (out.out + out.err).strip().splitlines()[-1]), (out.out + out.err)[-2000:]
