@@ -13,8 +13,8 @@
 
 `--set key.path=value` overrides are applied in the order given, each value parsed as YAML (so
 `--set cpt.lr=1e-4` is a float and `--set hub=null` removes the push), and the result is validated
-by the same models as the YAML file: a wrong one is an error naming the field. `python -m
-flows.cpt_to_sft` keeps working. Relative paths resolve as in tasks/core/config/paths.py.
+by the same models as the YAML file: a wrong one is an error naming the field. Without the install,
+`python -m flows.cpt_to_sft --config FILE` runs the flow. Relative paths resolve as in tasks/core/config/paths.py.
 """
 
 from __future__ import annotations
