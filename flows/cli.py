@@ -208,7 +208,7 @@ def _print(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cpt-to-sft", description="CPT -> SFT on ColossalAI, orchestrated by Prefect.",
-                                     epilog="run exit status: 0 complete, or stopped after --stop-after; 1 a stage failed; 3 the gate failed (artifacts kept, nothing pushed)")
+                                     epilog="run exit status: 0 complete, or stopped after --stop-after; 1 a stage failed or the config is refused; 3 the gate failed (artifacts kept, nothing pushed)")
     parser.add_argument("--version", action="version", version=f"cpt-to-sft {version()}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="run the whole flow (an embedded Prefect server without PREFECT_API_URL)")
@@ -238,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         return verify(args.path, fingerprints=not args.no_fingerprint)
     try:
         path, cfg = resolved_config_file(args.config, args.sets, args.run_root, args.run_name)
-    except ConfigError as exc:
+    except ConfigError as exc:  # a refusal, as pre-flight's: 1, the status `python -m flows.cpt_to_sft` gives it
         print(str(exc), file=sys.stderr)
-        return 2
+        return 1
     if args.cmd == "check":
         from tasks.preflight import run_check_cli
 

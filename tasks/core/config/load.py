@@ -11,11 +11,14 @@ the rules itself, so they land in its one report with the checks that need a mod
 
 from __future__ import annotations
 
+import difflib
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from tasks.core.config.layout import layout_problems
 from tasks.core.config.schema import RunConfig, StageConfig
@@ -121,12 +124,44 @@ def static_problems(cfg: RunConfig) -> list[Problem]:
     return problems + gate_problems(cfg)
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation can hold: itself, or inside Optional/Union/list/dict/Annotated."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin is dict:
+        args = args[1:]  # a dict's values, never its keys
+    return [m for arg in args for m in _models_in(arg)] if origin is not None or isinstance(annotation, types.UnionType) else []
+
+
+def field_names_at(loc: tuple[Any, ...], root: type[BaseModel] = RunConfig) -> list[str]:
+    """The field names of the model(s) that the key path `loc` (a pydantic error's, without the
+    unknown key) points into; [] where the path leads to no model."""
+    models = [root]
+    for part in loc:
+        if isinstance(part, int):  # a list index: the models stay those of the element type
+            continue
+        models = [m for model in models if part in model.model_fields for m in _models_in(model.model_fields[part].annotation)]
+    return sorted({name for model in models for name in model.model_fields})
+
+
+def unknown_key_hint(loc: tuple[Any, ...], msg: str) -> str:
+    """An unknown key's message (`msg`, pydantic's) with the nearest valid key, or else the valid ones."""
+    names = field_names_at(loc[:-1])
+    near = difflib.get_close_matches(str(loc[-1]), names, n=1)
+    if near:
+        return f"{msg}; did you mean {near[0]!r}?"
+    return f"{msg}; the keys here are: {', '.join(names)}" if names else msg
+
+
 def parse_fields(raw: dict[str, Any], source: str = "config") -> RunConfig:
     """The RunConfig of `raw` with every field validated, the rules across fields not yet run."""
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as exc:
-        problems = [(".".join(str(x) for x in err["loc"]) or source, err["msg"]) for err in exc.errors()]
+        problems = [(".".join(str(x) for x in err["loc"]) or source, unknown_key_hint(err["loc"], err["msg"]) if err["type"] == "extra_forbidden" else err["msg"])
+                    for err in exc.errors()]
         raise ConfigError(problems, header=f"invalid configuration in {source}") from None
 
 
