@@ -69,19 +69,21 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def resolved_config_file(config: str, sets: list[str], run_root: str | None = None, run_name: str | None = None) -> tuple[Path, Any]:
-    """The config (local path or fsspec URI) with the overrides applied and validated, written to a
-    temp YAML that the flow, the pre-flight and break-lease read like any config file."""
+def resolved_config_file(config: str, sets: list[str], run_root: str | None = None, run_name: str | None = None, *, dest: Path) -> tuple[Path, Any]:
+    """The config (local path or fsspec URI) with the overrides applied and validated, written as
+    a YAML file into `dest` (a directory the caller removes after the command), which the flow
+    reads like any config file; and the parsed config."""
     from tasks.core.config.load import parse_config, read_raw_config
     from tasks.core.config.paths import resolve_local
     from tasks.core.storage.fs import fetch_to_local
 
-    path = fetch_to_local(resolve_local(config), Path(tempfile.mkdtemp(prefix="cpt-to-sft-config-")))
     overrides = parse_sets(sets)
     overrides.update({k: v for k, v in (("run_root", run_root), ("name", run_name)) if v})
-    raw = read_raw_config(path, overrides)
+    with tempfile.TemporaryDirectory(prefix="cpt-to-sft-config-") as tmp:  # a remote config's copy, gone once read
+        path = fetch_to_local(resolve_local(config), Path(tmp))
+        raw = read_raw_config(path, overrides)
     cfg = parse_config(raw, source=f"{config} with --set overrides" if overrides else config)
-    out = Path(tempfile.mkdtemp(prefix="cpt-to-sft-resolved-")) / Path(path).name
+    out = dest / Path(path).name
     out.write_text(yaml.safe_dump(raw, sort_keys=False))
     return out, cfg
 
@@ -236,15 +238,21 @@ def main(argv: list[str] | None = None) -> int:
         return _print(json.dumps(schema(), indent=2))
     if args.cmd == "verify":
         return verify(args.path, fingerprints=not args.no_fingerprint)
-    try:
-        path, cfg = resolved_config_file(args.config, args.sets, args.run_root, args.run_name)
-    except ConfigError as exc:  # a refusal, as pre-flight's: 1, the status `python -m flows.cpt_to_sft` gives it
-        print(str(exc), file=sys.stderr)
-        return 1
+    with tempfile.TemporaryDirectory(prefix="cpt-to-sft-resolved-") as tmp:  # the resolved YAML lives as long as the command
+        try:
+            path, cfg = resolved_config_file(args.config, args.sets, args.run_root, args.run_name, dest=Path(tmp))
+        except ConfigError as exc:  # a refusal, as pre-flight's: 1, the status `python -m flows.cpt_to_sft` gives it
+            print(str(exc), file=sys.stderr)
+            return 1
+        return _config_command(args, path, cfg)
+
+
+def _config_command(args: argparse.Namespace, path: Path, cfg: Any) -> int:
+    """run, check or break-lease on the config read once by `main` (`cfg`, and `path`, its resolved YAML for the flow)."""
     if args.cmd == "check":
         from tasks.preflight import run_check_cli
 
-        return run_check_cli(path)
+        return run_check_cli(cfg)
     if args.cmd == "break-lease":
         from tasks.core.run.lease import break_lease, describe
         from tasks.stage import store_for

@@ -48,25 +48,32 @@ def resolve_config(config: str, overrides: RunOverrides | dict | None = None) ->
     import tempfile
     from pathlib import Path
 
-    path = fetch_to_local(resolve_local(config), Path(tempfile.mkdtemp(prefix="cpt-to-sft-config-")))
     if isinstance(overrides, dict):
         overrides = RunOverrides.model_validate(overrides)
-    return load_config(path, overrides.dotted() if overrides else None)
+    with tempfile.TemporaryDirectory(prefix="cpt-to-sft-config-") as tmp:  # a remote config's copy, gone once parsed
+        return load_config(fetch_to_local(resolve_local(config), Path(tmp)), overrides.dotted() if overrides else None)
 
 
-def _run_name() -> str:
-    from prefect.runtime import flow_run
+def _name_run(cfg: RunConfig | None, logger) -> None:
+    """Name this flow run `<model>-<run name>-<first 8 characters of its id>` (`cpt-to-sft-<id>`
+    when the config did not load), from the config the run already read: a `flow_run_name`
+    callable would read it a second time."""
+    from prefect import get_client
+    from prefect.context import FlowRunContext
 
-    params = flow_run.parameters or {}
+    run = FlowRunContext.get().flow_run
+    short = str(run.id).split("-")[0]
+    name = f"{cfg.base_model.uri.rstrip('/').split('/')[-1]}-{cfg.name}-{short}" if cfg else f"cpt-to-sft-{short}"
     try:
-        cfg = resolve_config(params.get("config", ""), params.get("overrides"))
-        model = cfg.base_model.uri.rstrip("/").split("/")[-1]
-        return f"{model}-{cfg.name}-{flow_run.id.split('-')[0]}"
-    except Exception:  # naming the run must not fail it: pre-flight reports a bad config properly
-        return f"cpt-to-sft-{flow_run.id.split('-')[0]}"
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_name(run.id, name)
+    except Exception as exc:  # naming the run must not fail it
+        logger.warning("flow run not renamed to %s: %s", name, exc)
+        return
+    run.name = name  # what prefect.runtime's flow_run.name (the lease holder) and the run's logger read
 
 
-@flow(name="cpt-to-sft", flow_run_name=_run_name, log_prints=True)
+@flow(name="cpt-to-sft", log_prints=True)
 def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: RunOverrides = RunOverrides(),  # noqa: B008 - frozen
                stop_after: str | None = None) -> dict[str, Any]:
     """Load → prepare data (CPT, SFT) → boost & shard (A) → train CPT (A) → unshard → evaluate CPT → reboost (B) → train SFT (B)
@@ -78,12 +85,14 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
     stop_after: run the stages up to and including this one (a stage name, e.g. "export"); the
         rest are recorded as not-run and the run ends Completed. Empty: every stage.
     """
-    logger = get_run_logger()
     try:
         check_stop_after(stop_after)
         cfg = resolve_config(config, overrides)
     except ConfigError as exc:
+        _name_run(None, get_run_logger())
         return Failed(name="Refused", message=f"{exc}\n{REFUSED}")
+    _name_run(cfg, get_run_logger())
+    logger = get_run_logger()  # after the rename: its lines name the run
     store = store_for(cfg)
     # Every problem at once, before a model is loaded or a process launched. A refusal is a
     # Failed state carrying the report, not an exception: nothing crashed, so no traceback.

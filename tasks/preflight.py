@@ -88,12 +88,12 @@ def check(cfg: RunConfig | str | Path, run_root: str | None = None, run_name: st
     if not isinstance(cfg, RunConfig):
         import tempfile
 
-        from tasks.core.preflight.checks import resolve_local
+        from tasks.core.config.paths import resolve_local
         from tasks.core.storage.fs import fetch_to_local
 
-        path = fetch_to_local(resolve_local(str(cfg)), Path(tempfile.mkdtemp(prefix="cpt-to-sft-check-")))
         overrides = {k: v for k, v in (("run_root", run_root), ("name", run_name)) if v}
-        cfg = load_for_check(path, overrides)
+        with tempfile.TemporaryDirectory(prefix="cpt-to-sft-check-") as tmp:  # a remote config's copy, gone once parsed
+            cfg = load_for_check(fetch_to_local(resolve_local(str(cfg)), Path(tmp)), overrides)
     server = bool(os.environ.get("PREFECT_API_URL"))
     found = hub_token_found(consult_secret=server) if cfg.hub else None
     token = (found is not None) if cfg.hub else None

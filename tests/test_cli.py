@@ -24,11 +24,11 @@ from tests.conftest import REPO
 TINY = str(REPO / "deployments" / "configs" / "tiny-cpu.yaml")
 
 
-def test_sets_are_yaml_and_applied_in_order():
+def test_sets_are_yaml_and_applied_in_order(tmp_path):
     sets = parse_sets(["cpt.lr=0.1", "hub=null", "cpt.max_steps=3", "cpt.lr=2.0e-4", "name=x y"])
     assert sets == {"hub": None, "cpt.max_steps": 3, "cpt.lr": 2e-4, "name": "x y"} and list(sets)[-2:] == ["cpt.lr", "name"]
     # YAML 1.1 reads `1e-4` as a string, in a --set as in the file; the model coerces it alike.
-    path, cfg = resolved_config_file(TINY, ["cpt.max_steps=3", "sft.plugin.name=torch_ddp", "sft.plugin.zero_stage=0", "cpt.max_steps=5", "cpt.lr=1e-4"])
+    path, cfg = resolved_config_file(TINY, ["cpt.max_steps=3", "sft.plugin.name=torch_ddp", "sft.plugin.zero_stage=0", "cpt.max_steps=5", "cpt.lr=1e-4"], dest=tmp_path)
     assert cfg.cpt.max_steps == 5 and cfg.sft.plugin.name == "torch_ddp" and cfg.cpt.lr == 1e-4
     assert yaml.safe_load(path.read_text())["cpt"]["max_steps"] == 5
 
@@ -170,3 +170,15 @@ def test_eval_of_one_folder_and_schema_into_a_closed_pipe(tiny_model_dir, capsys
     assert m["model"] == str(tiny_model_dir) and m["perplexity"] > 1 and m["tokens"] > 0
     r = subprocess.run(f"{sys.executable} -m flows.cli schema | head -n 1", shell=True, cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     assert r.stdout == "{\n" and r.stderr == ""
+
+
+def test_config_commands_leave_no_temp_files(tmp_path, monkeypatch, capsys):
+    """The config is read once per command, into directories that are gone when it returns."""
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    assert main(["break-lease", "--config", TINY, "--run-root", str(tmp_path / "run")]) == 0
+    assert main(["check", "--config", TINY, "--set", "cpt.lr=fast"]) == 1
+    assert "none held" in capsys.readouterr().out and list(scratch.iterdir()) == []

@@ -172,6 +172,31 @@ def test_run_form_overrides_are_typed_and_validated_like_the_yaml(tmp_path):
     assert [field for field, _ in err.value.problems] == ["name"]
 
 
+@pytest.mark.integration
+def test_the_run_is_named_from_the_config_it_read_once(prefect_harness, tiny_model_dir, tmp_path, monkeypatch):
+    """`<model>-<run name>-<id8>`, or `cpt-to-sft-<id8>` for a config
+    that does not load; the flow reads its config once."""
+    from prefect import get_client
+
+    import flows.cpt_to_sft as flow_mod
+    from tasks.core.config import load
+
+    raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
+    raw["name"] = "named"
+    cfg = write_config(tmp_path / "cfg.yaml", raw)
+    reads: list[str] = []
+    real_load = load.load_config
+    monkeypatch.setattr(flow_mod, "load_config", lambda path, overrides=None: (reads.append(str(path)), real_load(path, overrides))[1])
+    ok = flow_mod.cpt_to_sft(config=str(cfg), stop_after="load_from_hf", return_state=True)
+    bad = flow_mod.cpt_to_sft(config=str(tmp_path / "missing.yaml"), return_state=True)
+    assert ok.is_completed() and bad.is_failed() and bad.name == "Refused", (ok.message, bad.message)
+    assert len(reads) == 2, reads  # one per flow run
+    with get_client(sync_client=True) as client:
+        runs = [client.read_flow_run(s.state_details.flow_run_id) for s in (ok, bad)]
+    assert runs[0].name == f"tiny-llama-named-{str(runs[0].id).split('-')[0]}"
+    assert runs[1].name == f"cpt-to-sft-{str(runs[1].id).split('-')[0]}"
+
+
 # --- e2e: a real server, worker and CLI --------------------------------------------------------
 
 @pytest.fixture(scope="module")
