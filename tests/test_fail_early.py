@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import flows.cpt_to_sft  # noqa: F401 - Prefect sets up its console logging on import: not under a test's capsys
 from tasks.core.config.load import load_config, read_raw_config
 from tasks.core.errors import ConfigError, ManifestError, StageFailed
 from tasks.core.launch.torchrun import run_engine as _REAL_RUN_ENGINE
