@@ -13,11 +13,9 @@ need the base model's config.json or the machine in `tasks.core.preflight.checks
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 from tasks.core.config.base import Frozen
 from tasks.core.config.plugins import PLUGINS, Precision
@@ -133,10 +131,6 @@ class DataConfig(Frozen):
     def uris(self) -> list[str]:
         return [self.uri] if isinstance(self.uri, str) else list(self.uri)
 
-    def shard_section(self) -> dict[str, Any]:
-        """The fields that change the prepared data (its digest); the task runner does not."""
-        return self.model_dump(mode="json", exclude={"tokenize"})
-
 
 class EvalConfig(Frozen):
     heldout_uri: str | None = Field(default=None, description=(
@@ -155,10 +149,6 @@ class EvalConfig(Frozen):
     @property
     def enabled(self) -> bool:
         return self.heldout_uri is not None or self.heldout_fraction > 0
-
-    def split_section(self) -> dict[str, Any]:
-        """The fields that decide what the stage trains on (part of its training digest)."""
-        return {"heldout_uri": self.heldout_uri, "heldout_fraction": self.heldout_fraction}
 
 
 class StageConfig(Frozen):
@@ -211,10 +201,6 @@ class GateConfig(Frozen):
     max_new_tokens: int = Field(default=256, ge=1, description="Generation check: the most tokens a reply may take before it must have stopped.")
     num_prompts: int = Field(default=4, ge=1, description="Generation check: how many held-out SFT prompts (messages up to the last user turn) are decoded greedily.")
 
-    def generation_section(self) -> dict[str, Any]:
-        """The fields the SFT evaluation depends on (its digest); thresholds only decide the verdict."""
-        return {"max_new_tokens": self.max_new_tokens, "num_prompts": self.num_prompts}
-
 
 class HubConfig(Frozen):
     repo_id: str = Field(description="Target Hub repo, 'org/name'.")
@@ -249,10 +235,3 @@ class RunConfig(Frozen):
 
         return str(project_root() / self.run_root)
 
-
-def digest(obj: Any) -> str:
-    """sha256 of the canonical JSON of a pydantic model or plain data: the config digest."""
-    if isinstance(obj, BaseModel):
-        obj = obj.model_dump(mode="json")
-    blob = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()

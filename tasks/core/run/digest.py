@@ -14,13 +14,25 @@ verifies AND records the config digest the stage would produce now. That digest 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any
 
-from tasks.core.config.schema import RunConfig, digest
+from pydantic import BaseModel
+
+from tasks.core.config.schema import RunConfig
 from tasks.core.run.stages import NEVER_DIGESTED, STAGE, STAGES, StageSpec
 
-__all__ = ["config_digest", "content_digest", "declared", "digest_fields"]
+__all__ = ["config_digest", "content_digest", "declared", "digest", "digest_fields"]
+
+
+def digest(obj: Any) -> str:
+    """sha256 of the canonical JSON (sorted keys, no spaces) of a pydantic model or plain data."""
+    if isinstance(obj, BaseModel):
+        obj = obj.model_dump(mode="json")
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
 
 
 def content_digest(manifest: Mapping[str, Any]) -> str:
