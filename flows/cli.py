@@ -254,7 +254,7 @@ def _config_command(args: argparse.Namespace, path: Path, cfg: Any) -> int:
 
         return run_check_cli(cfg)
     if args.cmd == "break-lease":
-        from tasks.core.run.lease import break_lease, describe
+        from tasks.core.storage.lease import break_lease, describe
         from tasks.stage import store_for
 
         old = break_lease(store_for(cfg))

@@ -1,6 +1,6 @@
 """MLflow, written by the Prefect task side only, from the `@@progress` records it already receives.
 
-    python -m tasks.core.tracking.config http://127.0.0.1:5000   # pre-flight check of a tracking URI
+    python -m tasks.core.config.tracking http://127.0.0.1:5000   # pre-flight check of a tracking URI
 
 One MLflow run per flow run (params: the flattened config, secrets left out; tags: the Prefect
 flow run id and URL, later the manifest digests and the export URI / Hub link) and one nested run
@@ -33,9 +33,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from tasks.core.config.tracking import FIELD, check_uri, flatten, redact
 from tasks.core.run.events import METRICS
 from tasks.core.run.stages import TENSORBOARD
-from tasks.core.tracking.config import FIELD, check_uri, flatten, redact
 
 __all__ = ["FIELD", "RunTracker", "StageTracker", "TrackerHandle", "check_uri", "eval_scalars", "fan_out", "flatten", "log_evaluation", "publish_tensorboard", "redact", "stage_tracker"]
 

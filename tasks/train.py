@@ -16,9 +16,9 @@ from typing import Any
 from prefect import get_run_logger
 
 from tasks import tracking, ui
+from tasks.core.config.backends import BACKENDS
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.prepared import check_against_model, record_split, split_info
-from tasks.core.launch.backends import BACKENDS
 from tasks.core.launch.torchrun import run_engine, stage_fault_env
 from tasks.core.run.events import BACKPRESSURE, CHECKPOINT
 from tasks.core.run.job import Job, NodeStaging, Parent

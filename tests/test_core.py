@@ -185,7 +185,7 @@ def test_import_boundaries():
 def test_lease_one_writer_per_run_root(tmp_path):
     import time as _time
 
-    from tasks.core.run.lease import LEASE, Lease, LeaseHeld, break_lease
+    from tasks.core.storage.lease import LEASE, Lease, LeaseHeld, break_lease
 
     store = RunStore(str(tmp_path / "run"))
     first = Lease(store, holder="flow run alpha (1234)", heartbeat_s=0.05).acquire()

@@ -315,8 +315,8 @@ LEASES = [
 
 @pytest.mark.parametrize("host, pid_of, taken", LEASES, ids=[f"{h}-host-{p}-pid" for h, p, _ in LEASES])
 def test_a_dead_local_holder_is_taken_over_at_once(tmp_path, monkeypatch, host, pid_of, taken):
-    from tasks.core.run.lease import LEASE, Lease, LeaseHeld
     from tasks.core.storage.fs import RunStore
+    from tasks.core.storage.lease import LEASE, Lease, LeaseHeld
 
     monkeypatch.setattr(subprocess, "Popen", _REAL_POPEN)  # to make a pid that has exited
     store = RunStore(str(tmp_path / "run"))

@@ -401,8 +401,8 @@ def test_failed_gate_skips_the_push_and_a_disabled_gate_lets_it_through(scenario
 
 def test_second_run_over_a_held_run_root_fails_naming_the_holder(demo_run_copy, capsys):
     from flows.cpt_to_sft import main
-    from tasks.core.run.lease import Lease
     from tasks.core.storage.fs import RunStore
+    from tasks.core.storage.lease import Lease
 
     run_root, cfg = demo_run_copy.run_root, demo_run_copy.config  # a copy: the lease is a write
     # A live holder (this very process) on this host: refused at once, naming it; no traceback.

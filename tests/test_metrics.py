@@ -10,7 +10,7 @@ import pytest
 
 from tasks.core.errors import ManifestError
 from tasks.core.models.flops import flops_per_token, mfu, peak_flops
-from tasks.core.tracking.tbevents import read_scalars
+from tasks.core.run.tbevents import read_scalars
 from tasks.engine.metrics import TAGS, StepMetrics, grad_norm
 from tests._engine_utils import engine, stage_raw, write_job
 

@@ -17,10 +17,10 @@ import pytest
 
 from tasks.core.config.load import parse_config
 from tasks.core.config.schema import LaunchConfig
+from tasks.core.config.slurm import SlurmConfig
 from tasks.core.errors import ConfigError
 from tasks.core.launch.slurm import JobInfo, SlurmCli, parse_kv, preflight
 from tasks.core.launch.slurm_batch import NodeLogs, engine_program, failure_message, render_batch_script, wait_for_job
-from tasks.core.launch.slurm_settings import SlurmConfig
 from tests.conftest import REPO, tiny_config_raw
 
 pytest_plugins = ["tests.conftest_slurm"]

@@ -260,15 +260,15 @@ def test_the_run_layout_names_every_stage_the_flow_runs():
 
 
 def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(tiny_model_dir, tmp_path):
-    """BACKENDS (tasks/core/launch/backends.py) and RUNNERS (tasks/core/launch/torchrun.py) have the same keys; a
+    """BACKENDS (tasks/core/config/backends.py) and RUNNERS (tasks/core/launch/torchrun.py) have the same keys; a
     registered backend is accepted by the config, its rendezvous rule comes from its row, and
     run_engine dispatches to its runner without any other change."""
     import logging
 
     import tasks.core.launch.torchrun as launch_mod
+    from tasks.core.config.backends import BACKENDS, BackendSpec, register
     from tasks.core.config.load import parse_config
     from tasks.core.errors import ConfigError
-    from tasks.core.launch.backends import BACKENDS, BackendSpec, register
     from tasks.core.run.job import Job, Parent
 
     assert set(BACKENDS) == set(launch_mod.RUNNERS)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tasks.core.config.load import load_config
-from tasks.core.tracking.config import check_uri, flatten, redact
+from tasks.core.config.tracking import check_uri, flatten, redact
 from tasks.tracking import RunTracker
 from tests.conftest import tiny_config_raw, write_config
 from tests.servers.prefect_ops import free_port

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from tasks.core.tracking.tbevents import read_scalars
+from tasks.core.run.tbevents import read_scalars
 
 pytest_plugins = ["tests.conftest_servers"]
 STEPS = 8  # the demo run's steps per stage (tests/conftest.py tiny_config_raw)
@@ -32,7 +32,7 @@ def test_flow_writes_tensorboard_and_one_mlflow_run_with_two_stage_runs(demo_run
     from mlflow import MlflowClient
 
     from tasks.core.config.load import load_config
-    from tasks.core.tracking.config import flatten
+    from tasks.core.config.tracking import flatten
     from tests.conftest import DEMO_EXPERIMENT
 
     run_root, config = demo_run.run_root, demo_run.config

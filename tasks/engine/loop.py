@@ -163,7 +163,7 @@ def train(job: Job, faults: Injector) -> Path | None:
     last = rp.path
     started = time.monotonic()
     # purge_step: the steps after the resumed checkpoint are trained again; TensorBoard (and
-    # tasks.core.tracking.tbevents) hide the points an earlier launch wrote for them.
+    # tasks.core.run.tbevents) hide the points an earlier launch wrote for them.
     meter = StepMetrics(job.stage_dir, rank=eng.rank, world=eng.world, n_params=n_params, model_config=eng.config,
                         seq_len=cfg.seq_len, precision=eng.pcfg.precision, purge_step=rp.step + 1)
     for step in range(rp.step + 1, cfg.max_steps + 1):

@@ -2,7 +2,7 @@
 TensorBoard event files under `<stage_dir>/tensorboard/`.
 
     torchrun --nproc_per_node=2 -m tasks.engine train --config JOB.json   # writes them as it trains
-    python -m tasks.core.tracking.tbevents <stage_dir>/tensorboard                  # reads them back
+    python -m tasks.core.run.tbevents <stage_dir>/tensorboard                  # reads them back
     tensorboard --logdir <run_root>                                        # both stages side by side
 
 Per optimizer step: loss, lr, grad_norm (the norm the plugin's optimizer computed for clipping,

@@ -26,10 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tasks.core.config.backends import BACKENDS
 from tasks.core.config.plugins import PLUGINS, PRECISION_SPECS, PluginSpec
 from tasks.core.config.schema import StageConfig
 from tasks.core.errors import ConfigError
-from tasks.core.launch.backends import BACKENDS
 
 Problem = tuple[str, str]
 TIERS = ("static", "batch", "model", "device")
@@ -97,7 +97,7 @@ def _zero_needs_mixed_precision(x: _Facts) -> list[Problem]:
 
 
 def _rendezvous_by_backend(x: _Facts) -> list[Problem]:
-    """Who places a multi-node rendezvous is the backend's `rendezvous` (tasks.core.launch.backends)."""
+    """Who places a multi-node rendezvous is the backend's `rendezvous` (tasks.core.config.backends)."""
     launch = x.stage.launch
     spec = BACKENDS.get(launch.backend)
     if spec is None:  # the config's own validator names the unknown backend

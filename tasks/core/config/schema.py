@@ -17,11 +17,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
+from tasks.core.config.backends import BACKENDS
 from tasks.core.config.base import Frozen
 from tasks.core.config.plugins import PLUGINS, Precision
-from tasks.core.launch.backends import BACKENDS
-from tasks.core.launch.slurm_settings import SlurmConfig
-from tasks.core.tracking.config import TrackingConfig
+from tasks.core.config.slurm import SlurmConfig
+from tasks.core.config.tracking import TrackingConfig
 
 
 def _registered_plugin(name: str) -> str:
@@ -83,7 +83,7 @@ def _launch_schema(schema: dict[str, Any]) -> None:
 class LaunchConfig(Frozen):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_launch_schema)
 
-    backend: BackendName = Field(default="local", description="Where the stage's torchrun agents run (see tasks/core/launch/backends.py).")
+    backend: BackendName = Field(default="local", description="Where the stage's torchrun agents run (see tasks/core/config/backends.py).")
     slurm: SlurmConfig | None = Field(default=None, description="Slurm job settings when backend is slurm; null takes every default (default partition and time limit, no GPUs).")
     nproc_per_node: int = Field(default=1, ge=1, description="Processes (GPUs, or CPU ranks without CUDA) per node for this stage.")
     nnodes: int = Field(default=1, ge=1, description="Number of nodes the stage spans (torchrun --nnodes).")

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tasks.core.config.schema import LaunchConfig
-from tasks.core.launch.slurm_settings import SlurmConfig
+from tasks.core.config.slurm import SlurmConfig
 
 DEFAULT_TIMEOUT = 30.0
 # Preflight asks the controller with a short bound: a dead one must not stall the run form.

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from tasks.core.config.schema import LaunchConfig
+from tasks.core.config.slurm import SlurmConfig
 from tasks.core.launch.slurm import FAILURE_STATES, JobInfo, SlurmCli, SlurmError
-from tasks.core.launch.slurm_settings import SlurmConfig
 
 
 def engine_program(verb: str, job_path: str | Path) -> list[str]:

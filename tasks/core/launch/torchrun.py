@@ -232,7 +232,7 @@ def run_slurm(verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id
     run(verb, job, job_path, launch, rdzv_id, router, env)
 
 
-# One runner per `tasks.core.launch.backends.BACKENDS` row (tests/test_structure.py checks the keys match):
+# One runner per `tasks.core.config.backends.BACKENDS` row (tests/test_structure.py checks the keys match):
 # each runs one engine verb to completion or raises StageFailed, and ends what it started when
 # interrupted (Prefect's cancellation arrives as an exception in this process).
 RUNNERS: dict[str, Callable[[str, Job, Path, LaunchConfig, str, Router, dict[str, str]], None]] = {

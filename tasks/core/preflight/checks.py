@@ -41,14 +41,14 @@ from tasks.core.config.layout import layout_problems
 from tasks.core.config.load import parse_fields, plugin_problems, read_raw_config
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, StageConfig
+from tasks.core.config.tracking import FIELD as TRACKING_FIELD
+from tasks.core.config.tracking import check_uri, redact
 from tasks.core.data.records import head_records
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import HubToken
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tasks.core.preflight.storage import check_base_model_links, check_paths, check_run_root, check_staging_space, estimate_local_bytes
-from tasks.core.tracking.config import FIELD as TRACKING_FIELD
-from tasks.core.tracking.config import check_uri, redact
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
 HEAD_RECORDS = 64  # records parsed per dataset: enough to catch a wrong format, cheap on any size
@@ -336,7 +336,7 @@ def check_launch_backend(ctx: CheckContext) -> None:
     """Each stage's launch backend asks its cluster (`BackendSpec.preflight`: for Slurm the
     controller answers, the partition exists, nodes x GPUs fit it), and a backend whose ranks run
     on other nodes needs a run root every node sees."""
-    from tasks.core.launch.backends import BACKENDS
+    from tasks.core.config.backends import BACKENDS
 
     for name in ("cpt", "sft"):
         stage = getattr(ctx.cfg, name)

@@ -8,7 +8,7 @@ source, its digest fields through `tasks.core.run.digest`), the engine (checkpoi
 push (the final checkpoint of each training stage). No run-directory literal is spelled anywhere else.
 
     <run_root>/run.json
-    <run_root>/.lease.json              the one writer's lease (tasks/core/run/lease.py)
+    <run_root>/.lease.json              the one writer's lease (tasks/core/storage/lease.py)
     <run_root>/base/                    load_from_hf
     <run_root>/data/cpt/                prepare_cpt: token shards, index.json, held-out records
     <run_root>/data/sft/                prepare_sft

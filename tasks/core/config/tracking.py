@@ -9,7 +9,7 @@ TensorBoard needs no setting: the training ranks always write `<run_root>/<stage
 Also the pure helpers of the MLflow writer (tasks/tracking.py): the secret filter of params, URI
 redaction, and the reachability probe pre-flight runs (`check_tracking` in tasks/core/preflight/checks.py):
 
-    python -m tasks.core.tracking.config http://127.0.0.1:5000   # exit 1 and the problem, or 0
+    python -m tasks.core.config.tracking http://127.0.0.1:5000   # exit 1 and the problem, or 0
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The launch-backend registry: one `BackendSpec` row per place a stage's torchrun agents can run.
 
-    python -c "from tasks.core.launch.backends import BACKENDS; print({n: b.summary for n, b in BACKENDS.items()})"
+    python -c "from tasks.core.config.backends import BACKENDS; print({n: b.summary for n, b in BACKENDS.items()})"
 
 `launch.backend` is validated against these keys (`tasks.core.config.schema.LaunchConfig`); the layout
 rules (`tasks.core.config.layout`) read `rendezvous` and run `static_problems`; pre-flight
 (`tasks.core.preflight.checks.check_launch_backend`) calls `preflight`; the Prefect task picks the runner
 of the same name from `tasks.core.launch.torchrun.RUNNERS`. A backend owns its settings model and their
-rules in a module of its own (Slurm: `tasks.core.launch.slurm_settings`), which the schema embeds; this
+rules in a module of its own (Slurm: `tasks.core.config.slurm`), which the schema embeds; this
 registry never reads the schema. Adding a backend (Kubernetes, see docs/scaling.md) is one row here,
 its settings module, and one runner there.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tasks.core.launch.slurm_settings import sbatch_flag_problems
+from tasks.core.config.slurm import sbatch_flag_problems
 
 Problem = tuple[str, str]
 

@@ -1,6 +1,6 @@
 """Read TensorBoard event files back: {tag: [(step, value), ...]} from every file under a logdir.
 
-    python -m tasks.core.tracking.tbevents runs/tiny-cpu/cpt/tensorboard      # prints points per tag
+    python -m tasks.core.run.tbevents runs/tiny-cpu/cpt/tensorboard      # prints points per tag
 
 The event format is TFRecord framing (length, masked CRC32C of the length, the `Event` protobuf,
 masked CRC32C of the data) around tensorboardX's own `event_pb2`, so no TensorFlow and no

@@ -1,10 +1,10 @@
 """The Slurm backend's settings (`launch.slurm`) and their static rule: pure data, no cluster.
 
-    python -c "from tasks.core.launch.slurm_settings import SlurmConfig, sbatch_flag_problems; \
+    python -c "from tasks.core.config.slurm import SlurmConfig, sbatch_flag_problems; \
 print(sbatch_flag_problems(SlurmConfig(extra_sbatch_args=('--nodes=2',)), 'cpt.launch.slurm'))"
 
 The run schema embeds `SlurmConfig` as `LaunchConfig.slurm`; the backend registry
-(`tasks.core.launch.backends`) runs `sbatch_flag_problems` as the row's static rule. Asking the
+(`tasks.core.config.backends`) runs `sbatch_flag_problems` as the row's static rule. Asking the
 cluster (pre-flight) and the batch script are `tasks.core.launch.slurm` and `slurm_batch`.
 """
 
