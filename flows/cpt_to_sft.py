@@ -9,18 +9,24 @@ below is one Prefect task that leaves a verified artifact under the run root; re
 every stage whose artifact verifies and whose config is unchanged. The gate before push_to_hub
 compares the evaluations with `gate:`; a failed gate keeps every artifact, pushes nothing, ends
 the flow run in a Completed state named "FailedGate", and the CLI exits with status 3.
+
+Ctrl-C (SIGINT) stops a run as a cancellation's SIGTERM does: the stage's processes end, run.json
+is written, the lease is released and the flow run ends Cancelled (exit status 130); a second
+Ctrl-C exits at once, and the processes the run started go with it (tasks/core/launch/proctree.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.states import Completed, Failed
+from prefect.states import Cancelled, Completed, Failed
 
 from tasks import tracking, ui
 from tasks.core.config.load import load_config
@@ -140,6 +146,8 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
             results["push_to_hub"] = held_back(cfg, verdict)
         else:
             stage("push_to_hub", push_to_hub, cfg, results)
+    except Interrupted as exc:  # Ctrl-C: the stage has been torn down; run.json and the lease below
+        return_state = Cancelled(message=str(exc))
     except _StopAfter:  # the stages after stop_after are not-run in run.json
         logger.info("stopped after %s, as asked (stop_after)", stop_after)
         return_state = None
@@ -218,6 +226,22 @@ def failure_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {cause}"[:500] if cause else type(exc).__name__
 
 
+class Interrupted(KeyboardInterrupt):
+    """Raised in the main thread by the first SIGINT (`_on_sigint`): it unwinds like a cancellation."""
+
+
+def _on_sigint(signum, frame) -> None:
+    signal.signal(signal.SIGINT, _exit_at_once)
+    print("interrupted: stopping the run (ending the stage, writing run.json, releasing the lease); Ctrl-C again exits at once",
+          file=sys.stderr, flush=True)
+    raise Interrupted("interrupted by SIGINT (Ctrl-C)")
+
+
+def _exit_at_once(signum, frame) -> None:
+    # No cleanup: the run's processes go with this one (reap_on_exit), the lease expires or is broken.
+    os._exit(EXIT_INTERRUPTED)
+
+
 class _StopAfter(Exception):
     """Raised by the flow's stage helper right after the stage named by stop_after."""
 
@@ -260,7 +284,7 @@ def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: floa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flows.cpt_to_sft", description=__doc__.splitlines()[0],
-        epilog="exit status: 0 complete (pushed, or no hub configured), or stopped after --stop-after; 1 a stage failed; 3 the gate failed (artifacts kept, nothing pushed)",
+        epilog="exit status: 0 complete (pushed, or no hub configured), or stopped after --stop-after; 1 a stage failed; 3 the gate failed (artifacts kept, nothing pushed); 130 interrupted (Ctrl-C)",
     )
     parser.add_argument("--config", required=True, help="YAML config: local path or fsspec URI")
     parser.add_argument("--run-root", help="override run_root (local path, NFS path or s3://...)")
@@ -277,7 +301,29 @@ def main(argv: list[str] | None = None) -> int:
         old = break_lease(store_for(cfg))
         print(f"lease on {cfg.run_uri}: " + (f"broken (was held by {describe(old)})" if old else "none held"))
         return 0
-    state = cpt_to_sft(config=args.config, overrides=_cli_overrides(args), stop_after=args.stop_after, return_state=True)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flows.embedded_api import EmbeddedApiError, embedded_api
+    from tasks.core.launch.proctree import reap_on_exit
+
+    reap_on_exit()  # what this run starts goes with it, a SIGKILL of this process included
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        with embedded_api():
+            state = cpt_to_sft(config=args.config, overrides=_cli_overrides(args), stop_after=args.stop_after, return_state=True)
+    except EmbeddedApiError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    except Interrupted as exc:  # before or after the stages: nothing of the run to tear down
+        print(exc, file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if state.is_cancelled():
+        print(state.message or state.name, file=sys.stderr)
+        return EXIT_INTERRUPTED
     if not state.is_completed():
         # Refused at pre-flight (the report), the lease held, or a stage failed (its cause): the
         # state message says which; the last line printed is the reason.
@@ -297,6 +343,7 @@ def _cli_overrides(args: argparse.Namespace) -> RunOverrides:
 
 
 EXIT_FAILED_GATE = 3  # the run finished and kept its artifacts, but the gate held the push back
+EXIT_INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
 
 
 if __name__ == "__main__":

@@ -14,7 +14,11 @@ committing checkpoints. Three mechanisms, none of which looks at a process name:
   torchrun's descendants (psutil, recursive) plus every process carrying the token (the job's own
   record, found even where an orphan escaped to PID 1);
 - `die_with_parent()`: each rank (and torchrun) sets PR_SET_PDEATHSIG, so a SIGKILLed parent
-  still takes its children along when no teardown code gets to run.
+  still takes its children along when no teardown code gets to run;
+- `reap_on_exit()`: a process that starts children it cannot give PR_SET_PDEATHSIG (the flow
+  process and its embedded Prefect server) puts a run token in its own environment, which every
+  child inherits, and starts a watchdog that tears down every process carrying it once its parent
+  is gone, even after a SIGKILL.
 
 `teardown()` snapshots before the first signal, sends SIGTERM, waits `grace_s`, SIGKILLs what is
 left, re-snapshots (anything forked meanwhile), and returns only when none remains. Linux-only
@@ -42,6 +46,7 @@ from dataclasses import dataclass, field
 import psutil
 
 TOKEN_ENV = "CPT_TO_SFT_STAGE_TOKEN"
+RUN_TOKEN_ENV = "CPT_TO_SFT_RUN_TOKEN"  # every process a flow process started: reaped by its watchdog
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
@@ -110,9 +115,9 @@ def new_token() -> str:
     return uuid.uuid4().hex
 
 
-def _carries(proc: psutil.Process, token: str) -> bool:
+def _carries(proc: psutil.Process, token: str, env: str = TOKEN_ENV) -> bool:
     try:
-        return proc.environ().get(TOKEN_ENV) == token
+        return proc.environ().get(env) == token
     except (psutil.Error, OSError):
         return False
 
@@ -127,25 +132,28 @@ def _alive(proc: psutil.Process) -> bool:
 
 @dataclass
 class StageProcesses:
-    """The processes of one stage: `root_pid`'s descendants plus those carrying `token`."""
+    """The processes of one stage: `root_pid`'s descendants (none when it is None) plus those
+    carrying `token` in the environment variable `token_env`."""
 
-    root_pid: int
+    root_pid: int | None
     token: str | None = None
     seen: dict[int, psutil.Process] = field(default_factory=dict)
+    token_env: str = TOKEN_ENV
 
     def snapshot(self) -> list[psutil.Process]:
         found: dict[int, psutil.Process] = {}
         try:
-            root = psutil.Process(self.root_pid)
-            found[root.pid] = root
-            for child in root.children(recursive=True):
-                found[child.pid] = child
+            if self.root_pid is not None:
+                root = psutil.Process(self.root_pid)
+                found[root.pid] = root
+                for child in root.children(recursive=True):
+                    found[child.pid] = child
         except psutil.NoSuchProcess:
             pass
         if self.token:
             me = os.getpid()
             for proc in psutil.process_iter():
-                if proc.pid != me and proc.pid not in found and _carries(proc, self.token):
+                if proc.pid != me and proc.pid not in found and _carries(proc, self.token, self.token_env):
                     found[proc.pid] = proc
                     try:
                         for child in proc.children(recursive=True):
@@ -221,14 +229,47 @@ def teardown(stage: StageProcesses, grace_s: float = 5.0, kill_timeout_s: float 
     return TeardownReport(terminated, killed, time.monotonic() - t0)
 
 
+_reaper: subprocess.Popen | None = None
+
+
+def reap_on_exit() -> subprocess.Popen:
+    """Give this process a run token of its own (RUN_TOKEN_ENV, replacing one it inherited, and
+    inherited by everything it starts from now on) and start its watchdog, once per process: when
+    this process has exited, by any path, SIGKILL included, the watchdog tears down every process
+    that carries the token. The watchdog runs in its own session: the terminal's Ctrl-C misses it."""
+    global _reaper
+    with _scope_lock:
+        if _reaper is None or _reaper.poll() is not None:
+            token = os.environ[RUN_TOKEN_ENV] = new_token()
+            env = {k: v for k, v in os.environ.items() if k != RUN_TOKEN_ENV}
+            _reaper = subprocess.Popen([sys.executable, "-m", "tasks.core.launch.proctree", "--reap-after", str(os.getpid()), "--token", token],
+                                       env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        return _reaper
+
+
+def _reap_after(parent: int, token: str, poll_s: float = 0.2) -> int:
+    """The watchdog of `reap_on_exit`: wait until `parent` is no longer this process's parent, then
+    end every process carrying `token`."""
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    report = teardown(StageProcesses(None, token, token_env=RUN_TOKEN_ENV))
+    if report.terminated or report.killed:
+        print(f"after pid {parent} exited: {report}", file=sys.stderr)
+    return 0
+
+
 def _main(argv: list[str]) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m tasks.core.launch.proctree", description=__doc__.split("\n")[0])
     ap.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("--timeout", type=float, default=None, help="tear the command down after this many seconds")
+    ap.add_argument("--reap-after", type=int, metavar="PID", help="watchdog mode (reap_on_exit): when PID, this process's parent, is gone, end every process carrying --token")
+    ap.add_argument("--token", help="the run token of --reap-after")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
+    if args.reap_after is not None:
+        return _reap_after(args.reap_after, args.token)
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not cmd:
         ap.error("give the command after --")

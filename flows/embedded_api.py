@@ -1,0 +1,113 @@
+"""The embedded Prefect API server of `python -m flows.cpt_to_sft` when no PREFECT_API_URL is set.
+
+    python -c "from flows.embedded_api import embedded_api; print(embedded_api().__enter__())"
+
+Prefect would start the same server (uvicorn on `prefect.server.api.server:create_app`, the UI off,
+ephemeral mode) on its first API call, but in the flow's process group: the terminal's Ctrl-C
+reaches it too, it shuts down, and the flow's cleanup then waits on an API that is gone. Started
+here it runs in a session of its own, is stopped when the flow process exits, after Prefect's own
+exit handlers have sent their last events and logs (`reap_on_exit` in tasks/core/launch/proctree.py
+covers a SIGKILL), and is waited for at start-up as long as a busy machine needs: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS when set, else STARTUP_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+
+# Prefect's default (20 s) is too short for the database migrations on 2 loaded cores.
+STARTUP_TIMEOUT_S = 180
+TIMEOUT_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+_PORT_IN_USE = 3  # uvicorn's exit status when the port was taken before it bound
+
+
+class EmbeddedApiError(RuntimeError):
+    """The embedded API server did not start; the message is one line naming the setting to change."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(port: int, env: dict[str, str]) -> subprocess.Popen:
+    import prefect
+
+    argv = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory", "prefect.server.api.server:create_app",
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
+    return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def startup_timeout() -> tuple[float, bool]:
+    """(seconds, whether the user set them): the setting when set, else STARTUP_TIMEOUT_S."""
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, get_current_settings
+
+    if TIMEOUT_SETTING in get_current_settings().to_environment_variables(exclude_unset=True):
+        return float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()), True
+    return float(STARTUP_TIMEOUT_S), False
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)  # it waits for open websockets (Prefect's event client) before exiting
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def embedded_api() -> Iterator[str | None]:
+    """Start the server and name it in Prefect's settings (PREFECT_API_URL) while the block runs;
+    yields its URL, or None (starting nothing) when an API is configured or ephemeral mode is off.
+    The server stops when this process exits. Raises EmbeddedApiError when it does not answer
+    within `startup_timeout()`."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED, get_current_settings, temporary_settings
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        yield None
+        return
+    timeout, user_set = startup_timeout()
+    env = {**os.environ, **get_current_settings().to_environment_variables(exclude_unset=True),
+           "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    port = _free_port()
+    proc = _start(port, env)
+    # Registered before any Prefect client exists: exit handlers run last-registered first, so
+    # Prefect's event and log workers drain into a live server before it stops.
+    atexit.register(lambda: _stop(proc))
+    try:
+        url = f"http://127.0.0.1:{port}/api"
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=5) as client:
+            while True:
+                if proc.poll() == _PORT_IN_USE:  # another process took the port first
+                    port = _free_port()
+                    proc = _start(port, env)
+                    url = f"http://127.0.0.1:{port}/api"
+                elif proc.poll() is not None:
+                    raise EmbeddedApiError(f"the embedded Prefect API server exited with status {proc.returncode} while starting (its output is above); "
+                                           "set PREFECT_API_URL to a running Prefect server to use that instead")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{url}/health").status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    how = f"{TIMEOUT_SETTING}={timeout:g}" if user_set else f"{timeout:g} s ({TIMEOUT_SETTING} unset)"
+                    raise EmbeddedApiError(f"the embedded Prefect API server did not answer within {how}: the machine is busy; "
+                                           f"set {TIMEOUT_SETTING} higher, or PREFECT_API_URL to a running Prefect server")
+                time.sleep(0.2)
+    except BaseException:
+        _stop(proc)
+        raise
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield url
