@@ -176,6 +176,23 @@ def test_no_import_cycle_among_the_project_modules():
     assert not cycles, "modules that import each other (directly or around a loop); move what both need into a module of its own:\n" + "\n".join(report)
 
 
+def test_core_subpackages_import_one_way():
+    """Not only modules: the concerns of tasks/core form layers, so a subpackage reads knowing only those below it."""
+    graph = import_graph(_modules(TASKS / "core"))
+
+    def top(mod: str) -> str:  # tasks.core.<concern>[.module...] -> <concern>
+        return mod.split(".")[2] if mod.count(".") >= 2 else mod
+
+    packages: dict[str, dict[str, set[str]]] = {top(m): {} for m in graph}
+    for a, targets in graph.items():
+        for b in targets:
+            if top(a) != top(b):
+                packages[top(a)].setdefault(top(b), set()).add(f"{a} -> {b}")
+    cycles = strongly_connected(packages)
+    report = [f"{', '.join(c)}: " + "; ".join(sorted(e for a in c for b in c if b in packages[a] for e in packages[a][b])) for c in cycles]
+    assert not cycles, "tasks/core subpackages that import each other; move the shared piece into the lower one:\n" + "\n".join(report)
+
+
 def test_core_top_level_is_subpackages_and_modules_each_package_documented():
     core = TASKS / "core"
     entries = sorted(p for p in core.iterdir() if p.name != "__pycache__")
