@@ -34,9 +34,9 @@ from tasks.core.config.overrides import RunOverrides
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError
-from tasks.core.storage.lease import Lease, LeaseHeld, break_lease, describe
 from tasks.core.run.stages import DONE, RUN_JSON, STAGE, STAGE_NAMES, Status
 from tasks.core.storage.fs import fetch_to_local
+from tasks.core.storage.lease import Lease, LeaseHeld, break_lease, describe
 from tasks.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back, recorded_metrics
 from tasks.export import export_hf
 from tasks.load import load_from_hf
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flows.embedded_api import EmbeddedApiError, embedded_api
+    from flows.embedded_api import ApiUnavailable, embedded_api
     from tasks.core.launch.proctree import reap_on_exit
 
     reap_on_exit()  # what this run starts goes with it, a SIGKILL of this process included
@@ -313,7 +313,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         with embedded_api():
             state = cpt_to_sft(config=args.config, overrides=_cli_overrides(args), stop_after=args.stop_after, return_state=True)
-    except EmbeddedApiError as exc:
+    except ApiUnavailable as exc:
         print(exc, file=sys.stderr)
         return 1
     except Interrupted as exc:  # before or after the stages: nothing of the run to tear down

@@ -8,6 +8,8 @@ reaches it too, it shuts down, and the flow's cleanup then waits on an API that 
 here it runs in a session of its own, is stopped when the flow process exits, after Prefect's own
 exit handlers have sent their last events and logs (`reap_on_exit` in tasks/core/launch/proctree.py
 covers a SIGKILL), and is waited for at start-up as long as a busy machine needs: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS when set, else STARTUP_TIMEOUT_S.
+A configured PREFECT_API_URL is asked once whether it answers at all. Either failure is one line
+(`ApiUnavailable`) naming the setting to change, never a traceback.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ TIMEOUT_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 _PORT_IN_USE = 3  # uvicorn's exit status when the port was taken before it bound
 
 
-class EmbeddedApiError(RuntimeError):
-    """The embedded API server did not start; the message is one line naming the setting to change."""
+class ApiUnavailable(RuntimeError):
+    """The configured API does not answer, or the embedded server did not start; the message is
+    one line naming the setting to change."""
 
 
 def _free_port() -> int:
@@ -67,14 +70,27 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def check_answers(url: str, timeout: float = 10.0) -> None:
+    """Raise ApiUnavailable when nothing answers HTTP at `url` (any HTTP answer, an error status
+    included, means a server is there: Prefect's client reports those itself)."""
+    try:
+        with httpx.Client(timeout=timeout) as client:
+            client.get(f"{url.rstrip('/')}/health")
+    except httpx.TransportError as exc:
+        raise ApiUnavailable(f"the Prefect API at {url} (PREFECT_API_URL) does not answer ({type(exc).__name__}: {exc}); "
+                             "start that server, or unset PREFECT_API_URL to run on an embedded one") from None
+
+
 @contextlib.contextmanager
 def embedded_api() -> Iterator[str | None]:
     """Start the server and name it in Prefect's settings (PREFECT_API_URL) while the block runs;
     yields its URL, or None (starting nothing) when an API is configured or ephemeral mode is off.
-    The server stops when this process exits. Raises EmbeddedApiError when it does not answer
+    The server stops when this process exits. Raises ApiUnavailable when it does not answer
     within `startup_timeout()`."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED, get_current_settings, temporary_settings
 
+    if PREFECT_API_URL.value():
+        check_answers(PREFECT_API_URL.value())
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         yield None
         return
@@ -96,14 +112,14 @@ def embedded_api() -> Iterator[str | None]:
                     proc = _start(port, env)
                     url = f"http://127.0.0.1:{port}/api"
                 elif proc.poll() is not None:
-                    raise EmbeddedApiError(f"the embedded Prefect API server exited with status {proc.returncode} while starting (its output is above); "
+                    raise ApiUnavailable(f"the embedded Prefect API server exited with status {proc.returncode} while starting (its output is above); "
                                            "set PREFECT_API_URL to a running Prefect server to use that instead")
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{url}/health").status_code == 200:
                         break
                 if time.monotonic() > deadline:
                     how = f"{TIMEOUT_SETTING}={timeout:g}" if user_set else f"{timeout:g} s ({TIMEOUT_SETTING} unset)"
-                    raise EmbeddedApiError(f"the embedded Prefect API server did not answer within {how}: the machine is busy; "
+                    raise ApiUnavailable(f"the embedded Prefect API server did not answer within {how}: the machine is busy; "
                                            f"set {TIMEOUT_SETTING} higher, or PREFECT_API_URL to a running Prefect server")
                 time.sleep(0.2)
     except BaseException:

@@ -71,3 +71,44 @@ def test_both_cli_forms_exit_1_on_a_config_error_and_suggest_the_key(tmp_path):
         assert r.returncode == 1, (form, r.returncode, out[-2000:])
         assert "cpt.max_stepz: Extra inputs are not permitted; did you mean 'max_steps'?" in out, (form, out[-2000:])
         assert "Traceback" not in out, (form, out[-2000:])
+
+
+def test_the_embedded_server_waits_long_enough_for_a_busy_machine_unless_told_otherwise():
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
+
+    from flows.embedded_api import STARTUP_TIMEOUT_S, startup_timeout
+
+    if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" not in os.environ:
+        assert startup_timeout() == (STARTUP_TIMEOUT_S, False) and STARTUP_TIMEOUT_S > 20  # Prefect's own default is 20 s
+    with temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 7}):
+        assert startup_timeout() == (7, True)
+
+
+def _flow_cli(tmp_path, **env_updates) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false", **env_updates)
+    return subprocess.run([sys.executable, "-m", "flows.cpt_to_sft", "--config", str(TINY), "--run-root", str(tmp_path / "run")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+@pytest.mark.integration
+def test_an_embedded_server_too_slow_to_start_is_one_line_naming_the_setting(tmp_path):
+    r = _flow_cli(tmp_path, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1")  # a fresh database needs longer than 1 s
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-3000:]
+    assert "did not answer within PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=1" in r.stderr.strip().splitlines()[-1], out[-3000:]
+    assert "Traceback" not in out and not (tmp_path / "run").exists(), out[-3000:]
+
+
+@pytest.mark.integration
+def test_an_unreachable_api_is_one_line_naming_it(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/api"
+    r = _flow_cli(tmp_path, PREFECT_API_URL=url)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-3000:]
+    assert f"the Prefect API at {url} (PREFECT_API_URL) does not answer" in r.stderr.strip().splitlines()[-1], out[-3000:]
+    assert "Traceback" not in out and not (tmp_path / "run").exists(), out[-3000:]
