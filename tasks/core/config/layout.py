@@ -9,8 +9,8 @@ config field it concerns and the fix; each belongs to one tier, which decides wh
 
 - `static`: the config alone. Run where a config is loaded (`tasks.core.config.load`), and by
   pre-flight, which loads the config without them so every problem lands in one report.
-- `batch`: the config alone too, but checked only by pre-flight and the engine (a pipeline step
-  must split its rows evenly into micro-batches), as before this module existed.
+- `batch`: the config alone too, but checked only by pre-flight and the engine, not where a config
+  is loaded (a pipeline step must split its rows evenly into micro-batches).
 - `model`: needs the base model's config.json (heads, KV heads, vocabulary, layers). Pre-flight
   reads it; the engine passes the model it built.
 - `device`: needs to know whether CUDA is present. Pre-flight passes the machine, the engine
