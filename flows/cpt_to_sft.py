@@ -306,9 +306,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from flows.embedded_api import ApiUnavailable, embedded_api
-    from tasks.core.launch.proctree import reap_on_exit
 
-    reap_on_exit()  # what this run starts goes with it, a SIGKILL of this process included
     previous = signal.signal(signal.SIGINT, _on_sigint)
     try:
         with embedded_api():

@@ -97,6 +97,9 @@ def embedded_api() -> Iterator[str | None]:
     timeout, user_set = startup_timeout()
     env = {**os.environ, **get_current_settings().to_environment_variables(exclude_unset=True),
            "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    from tasks.core.launch.proctree import RUN_TOKEN_ENV, reap_on_exit
+
+    env[RUN_TOKEN_ENV] = reap_on_exit()  # a SIGKILL of this process takes the server along
     port = _free_port()
     proc = _start(port, env)
     # Registered before any Prefect client exists: exit handlers run last-registered first, so

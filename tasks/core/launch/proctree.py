@@ -232,11 +232,12 @@ def teardown(stage: StageProcesses, grace_s: float = 5.0, kill_timeout_s: float 
 _reaper: subprocess.Popen | None = None
 
 
-def reap_on_exit() -> subprocess.Popen:
+def reap_on_exit() -> str:
     """Give this process a run token of its own (RUN_TOKEN_ENV, replacing one it inherited, and
     inherited by everything it starts from now on) and start its watchdog, once per process: when
     this process has exited, by any path, SIGKILL included, the watchdog tears down every process
-    that carries the token. The watchdog runs in its own session: the terminal's Ctrl-C misses it."""
+    that carries the token. The watchdog runs in its own session: the terminal's Ctrl-C misses it.
+    Returns the token, for a child whose environment was built before this call."""
     global _reaper
     with _scope_lock:
         if _reaper is None or _reaper.poll() is not None:
@@ -244,7 +245,7 @@ def reap_on_exit() -> subprocess.Popen:
             env = {k: v for k, v in os.environ.items() if k != RUN_TOKEN_ENV}
             _reaper = subprocess.Popen([sys.executable, "-m", "tasks.core.launch.proctree", "--reap-after", str(os.getpid()), "--token", token],
                                        env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-        return _reaper
+        return os.environ[RUN_TOKEN_ENV]
 
 
 def _reap_after(parent: int, token: str, poll_s: float = 0.2) -> int:

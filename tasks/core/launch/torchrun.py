@@ -37,7 +37,7 @@ from typing import Any
 
 from tasks.core.config.schema import LaunchConfig
 from tasks.core.errors import StageFailed
-from tasks.core.launch.proctree import TOKEN_ENV, StageProcesses, new_token, subreaper, teardown
+from tasks.core.launch.proctree import RUN_TOKEN_ENV, TOKEN_ENV, StageProcesses, new_token, reap_on_exit, subreaper, teardown
 from tasks.core.run.events import ERROR, INFO, PROGRESS, WARNING, parse_line
 from tasks.core.run.job import Job
 
@@ -165,11 +165,14 @@ def _run_local(verb: str, job_path: Path, launch: LaunchConfig, rdzv_id: str, ro
     argv = torchrun_argv(verb, job_path, launch, rdzv_id)
     router.logger.info("launch: %s", " ".join(argv))
     token = new_token()
+    # torchrun has no PR_SET_PDEATHSIG: should this process end without a teardown (a second
+    # Ctrl-C, a SIGKILL), its watchdog ends torchrun, and the ranks go with torchrun.
+    run_token = reap_on_exit()
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env={**env, TOKEN_ENV: token},
+        env={**env, RUN_TOKEN_ENV: run_token, TOKEN_ENV: token},
         text=True,
         bufsize=1,
         cwd=str(REPO),
