@@ -117,6 +117,7 @@ def test_pool_and_dask_skip_increment_and_identical_shards(prefect_harness, tiny
     assert set(pool_files) == set(dask_files) and len(pool_files) > 5 * 4
     assert [k for k in pool_files if pool_files[k] != dask_files[k]] == []  # tokens, offsets, summaries, index.json
 
+
 _EPHEMERAL_PROBE = """
 import json, os
 from prefect import flow, task
