@@ -49,7 +49,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 STEPS = 5
 # The slow-store test: LONG steps, each checkpoint's upload throttled to about UPLOAD_S, and the link
 # stalled from step 1's commit until step HOLD_UNTIL's, so uploads lag training on any machine.
-LONG = 10
+# The stall, not the step count, makes the overlap: LONG only needs a few steps after HOLD_UNTIL
+# for the queued uploads to drain while training still runs.
+LONG = 7
 UPLOAD_S = 0.75
 HOLD_UNTIL = 4
 
@@ -236,7 +238,9 @@ def test_backpressure_is_said_aloud_and_deletes_nothing_unpublished(prefect_harn
     poller = threading.Thread(target=contextvars.copy_context().run, args=(_progress_descriptions, stop, seen), daemon=True)
     poller.start()
     try:
-        with _throttle_after_shard(throttled_s3, tmp_path / "staging", 4.0):
+        # 2 s an upload against steps of ~0.1 s: training waits at its saves (as in
+        # tests/test_publish_handshake.py), each wait long enough for the 0.3 s poller to see it.
+        with _throttle_after_shard(throttled_s3, tmp_path / "staging", 2.0):
             state = _run(cfg)
     finally:
         stop.set()
@@ -293,10 +297,15 @@ def _until_readable(store: RunStore, rel: str, timeout: float = 60.0) -> None:
 def test_store_killed_during_upload_fails_naming_it_then_a_retry_resumes(prefect_harness, fresh_weed, tiny_model_dir, tmp_path, monkeypatch):
     from tasks.core.storage.publisher import Publisher
 
-    # The publisher's own default backoff, which train_cpt's Publisher uses: 4 retries in ~8 s instead of ~1 min.
-    monkeypatch.setitem(Publisher.__init__.__kwdefaults__, "backoff_s", 0.5)
+    # The publisher's own default backoff, which train_cpt's Publisher uses: 4 retries in ~4 s instead of ~1 min
+    # (the ranks wait at the next save however long the retries take).
+    monkeypatch.setitem(Publisher.__init__.__kwdefaults__, "backoff_s", 0.25)
     proxy = ThrottleProxy(("127.0.0.1", fresh_weed.ports["s3.port"]), 200 * MB, lifetime_s=900).start()
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    # One botocore try per publisher attempt (botocore reads AWS_MAX_ATTEMPTS; the run store keys its
+    # client on it): against a dead server its own retries only add ~5 s to each of the 5 attempts
+    # counted below. The retry run after the restart gets botocore's default again.
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     root = f"s3://cpt-tests/killed-{os.getpid()}"
     # max_pending_publishes 1: training cannot run ahead of the store, so when the publisher gives
     # up the ranks are still alive (waiting to save step 3) and the failure must tear them down.
@@ -328,6 +337,7 @@ def test_store_killed_during_upload_fails_naming_it_then_a_retry_resumes(prefect
         # The retry: the server is back; training resumes from the newest complete checkpoint
         # (local and unpublished here), publishes what the failed attempt left, and completes.
         fresh_weed.start()
+        monkeypatch.delenv("AWS_MAX_ATTEMPTS")
         proxy.set_rate(200 * MB)
         _until_readable(RunStore(root), "base")  # S3 answers before its filer serves reads again
         state2 = _run(cfg)
