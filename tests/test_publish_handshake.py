@@ -124,8 +124,8 @@ def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(thr
     store.publish("cpt/step-000000")
     mark_published(stage_dir / "step-000000", manifest_sha256(stage_dir / "step-000000"))
     size = sum(f.stat().st_size for f in (stage_dir / "step-000000").rglob("*") if f.is_file())
-    # Slow enough that one upload spans several training steps: the engine must wait.
-    throttled_s3.set_rate(max(size / 2.0, 256 << 10))
+    # Slow enough that one upload (~1 s) spans several training steps (~0.1 s each): the engine must wait.
+    throttled_s3.set_rate(max(size / 1.0, 256 << 10))
 
     job = _train_job(tmp_path / "train.json", section, tiny_model_dir, stage_dir, remote=True)
     pub = Publisher(store, "cpt", keep_last=1, backoff_s=0.5).start()
