@@ -55,10 +55,19 @@ class BaseModelConfig(Frozen):
     allow_pickle: bool = Field(default=False, description="Accept .bin/pickle weight files from the base model. Off: only safetensors are read.")
 
 
-def _plugin_schema(schema: dict[str, Any]) -> None:
-    name = schema["properties"]["name"]
-    name["enum"] = list(PLUGINS)
-    name["description"] = "ColossalAI booster plugin: " + "; ".join(f"{n} ({s.summary})" for n, s in PLUGINS.items()) + "."
+def _registry_enum(field: str, registry: dict[str, Any], lead: str):
+    """JSON-schema hook: the field's enum is the registry's keys (the Prefect form lists them) and its
+    description names each row's summary, so a registered row needs no edit here."""
+
+    def hook(schema: dict[str, Any]) -> None:
+        prop = schema["properties"][field]
+        prop["enum"] = list(registry)
+        prop["description"] = lead + "; ".join(f"{n} ({s.summary})" for n, s in registry.items()) + "."
+
+    return hook
+
+
+_plugin_schema = _registry_enum("name", PLUGINS, "ColossalAI booster plugin: ")
 
 
 class PluginConfig(Frozen):
@@ -74,10 +83,7 @@ class PluginConfig(Frozen):
     max_norm: float = Field(default=1.0, ge=0, description="Gradient clipping norm applied by the plugin's optimizer (0 disables).")
 
 
-def _launch_schema(schema: dict[str, Any]) -> None:
-    backend = schema["properties"]["backend"]
-    backend["enum"] = list(BACKENDS)
-    backend["description"] = "Where the stage's torchrun agents run: " + "; ".join(f"{n} ({b.summary})" for n, b in BACKENDS.items()) + "."
+_launch_schema = _registry_enum("backend", BACKENDS, "Where the stage's torchrun agents run: ")
 
 
 class LaunchConfig(Frozen):
