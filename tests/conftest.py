@@ -78,6 +78,25 @@ def tiny_config_raw(model_dir: Path, run_root: Path, **stage_overrides) -> dict:
     return raw
 
 
+def prepare_cpt(config: Path):
+    """load_from_hf then prepare_cpt, the real stage tasks in a flow of their own (no pre-flight, lease or
+    run.json): what the prepare-stage tests re-run over one run root to see what is reused or rebuilt."""
+    from prefect import flow
+
+    from tasks.core.config.load import load_config
+    from tasks.load import load_from_hf
+    from tasks.prepare_data import prepare_data
+    from tasks.stage import outcome
+
+    @flow(name="prepare-cpt-test")
+    def prep(path: str):
+        cfg = load_config(path)
+        base = outcome(load_from_hf(cfg, return_state=True))
+        return outcome(prepare_data(cfg, "cpt", base, return_state=True))
+
+    return prep(str(config))
+
+
 def write_config(path: Path, raw: dict) -> Path:
     import yaml
 

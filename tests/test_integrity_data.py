@@ -21,7 +21,7 @@ from tasks.core.data.records import CorruptFileError, head_records, iter_records
 from tasks.core.data.shard import BadRecordError
 from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
 from tasks.core.run.manifest import MANIFEST
-from tests.conftest import tiny_config_raw, write_config
+from tests.conftest import prepare_cpt, tiny_config_raw, write_config
 
 
 @pytest.fixture(scope="module")
@@ -179,23 +179,6 @@ def test_truncated_or_corrupt_gz_and_bz2_are_file_errors(tokdir, tmp_path, suffi
 
 # ---- the shard cache is untrusted --------------------------------------------------------------------
 
-def _prepare_cpt(config: Path):
-    from prefect import flow
-
-    from tasks.core.config.load import load_config
-    from tasks.load import load_from_hf
-    from tasks.prepare_data import prepare_data
-    from tasks.stage import outcome
-
-    @flow(name="prepare-cpt-integrity-test")
-    def prep(path: str):
-        cfg = load_config(path)
-        base = outcome(load_from_hf(cfg, return_state=True))
-        return outcome(prepare_data(cfg, "cpt", base, return_state=True))
-
-    return prep(str(config))
-
-
 def _flip(path: Path, at: int = 10) -> None:
     b = bytearray(path.read_bytes())
     b[at] ^= 0x01
@@ -213,7 +196,7 @@ def test_a_damaged_shard_is_never_rebuilt_from_the_damaged_bytes(prefect_harness
     cfg = write_config(tmp_path / "c.yaml", raw)
     art = tmp_path / "run/data/cpt"
 
-    first = _prepare_cpt(cfg)
+    first = prepare_cpt(cfg)
     assert first.status == "completed" and first.detail["tokenized"] == 2
     original = json.loads((art / MANIFEST).read_text())["files"]
     index = json.loads((art / "index.json").read_text())
@@ -224,13 +207,13 @@ def test_a_damaged_shard_is_never_rebuilt_from_the_damaged_bytes(prefect_harness
     assert os.stat(art / tokens).st_ino != os.stat(cached).st_ino
 
     _flip(art / tokens)  # the artifact damaged: its manifest check fails, the intact cache rebuilds it
-    again = _prepare_cpt(cfg)
+    again = prepare_cpt(cfg)
     assert again.status == "completed" and again.detail["tokenized"] == 0 and again.detail["cache_dropped"] == []
     assert json.loads((art / MANIFEST).read_text())["files"] == original
 
     _flip(art / tokens)  # both damaged (a cache written while it was hard-linked, a disk fault)
     _flip(cached)
-    third = _prepare_cpt(cfg)
+    third = prepare_cpt(cfg)
     assert third.status == "completed" and third.detail["tokenized"] == 1  # a.jsonl, from its input
     [dropped] = third.detail["cache_dropped"]
     assert dropped.startswith(f"{corpus / 'a.jsonl'}: its cached shard is dropped and tokenized again: {cached} fails its sha256 check"), dropped

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tasks.core.run.manifest import MANIFEST
-from tests.conftest import REPO, tiny_config_raw, write_config
+from tests.conftest import REPO, prepare_cpt, tiny_config_raw, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -37,23 +37,6 @@ def _corpus(d: Path) -> Path:
     (d / "c.jsonl").write_text("\n".join(c) + "\n")
     pq.write_table(pa.table({"text": [json.loads(x)["text"] for x in _lines(60, "d")]}), d / "d.parquet")
     return d
-
-
-def _prepare_cpt(config: Path):
-    from prefect import flow
-
-    from tasks.core.config.load import load_config
-    from tasks.load import load_from_hf
-    from tasks.prepare_data import prepare_data
-    from tasks.stage import outcome
-
-    @flow(name="prepare-cpt-test")
-    def prep(path: str):
-        cfg = load_config(path)
-        base = outcome(load_from_hf(cfg, return_state=True))
-        return outcome(prepare_data(cfg, "cpt", base, return_state=True))
-
-    return prep(str(config))
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -94,7 +77,7 @@ def test_pool_and_dask_skip_increment_and_identical_shards(prefect_harness, tiny
     raw["cpt"]["data"] = data
     cfg = write_config(tmp_path / "pool.yaml", raw)
 
-    first = _prepare_cpt(cfg)
+    first = prepare_cpt(cfg)
     assert first.status == "completed" and first.detail["files"] == 4 and first.detail["tokenized"] == 4
     manifest = json.loads((tmp_path / "pool/data/cpt" / MANIFEST).read_text())
     assert manifest["meta"]["totals"]["skipped"] == 1 == first.detail["skipped"]
@@ -102,16 +85,16 @@ def test_pool_and_dask_skip_increment_and_identical_shards(prefect_harness, tiny
     assert [f["input"]["uri"].rsplit("/", 1)[-1] for f in index["files"]] == ["a.jsonl", "b.jsonl.gz", "c.jsonl", "d.parquet"]
     assert "c.jsonl:42: malformed JSON" in index["files"][2]["bad_records"][0]
 
-    assert _prepare_cpt(cfg).status == "skipped"  # same inputs, tokenizer and config
+    assert prepare_cpt(cfg).status == "skipped"  # same inputs, tokenizer and config
 
     (corpus / "e.jsonl").write_text("\n".join(_lines(50, "e")) + "\n")
-    grown = _prepare_cpt(cfg)
+    grown = prepare_cpt(cfg)
     assert grown.status == "completed" and grown.detail["files"] == 5 and grown.detail["tokenized"] == 1  # only the new file
 
     # The same corpus on a real dask.distributed LocalCluster of 2 worker processes: the same bytes.
     raw["run_root"] = str(tmp_path / "dask")
     raw["cpt"]["data"] = {**data, "tokenize": {"local_cluster": {"n_workers": 2}}}
-    on_dask = _prepare_cpt(write_config(tmp_path / "dask.yaml", raw))
+    on_dask = prepare_cpt(write_config(tmp_path / "dask.yaml", raw))
     assert on_dask.status == "completed" and on_dask.detail["tokenized"] == 5
     pool_files, dask_files = _files(tmp_path / "pool/data/cpt"), _files(tmp_path / "dask/data/cpt")
     assert set(pool_files) == set(dask_files) and len(pool_files) > 5 * 4
