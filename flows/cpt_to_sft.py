@@ -221,6 +221,8 @@ def _failed(cfg: RunConfig, stage: str, exc: BaseException) -> StageResult:
 
 def failure_cause(exc: BaseException) -> str:
     """One line: a launch's cause ("rank N: <its first error line>"), else the exception's first line."""
+    if isinstance(exc, SystemExit):  # str() is the bare status ("1"): say what it was
+        return f"SystemExit: something in the stage's process called sys.exit({exc.code!r}); its task run in the Prefect UI has the traceback"
     problems = getattr(exc, "problems", None)  # a ConfigError: every field and its fix
     cause = getattr(exc, "cause", None) or ("; ".join(f"{f}: {m}" for f, m in problems) if problems else "") or (str(exc).splitlines()[0] if str(exc).strip() else "")
     return f"{type(exc).__name__}: {cause}"[:500] if cause else type(exc).__name__
@@ -305,6 +307,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from flows.console import console_guard
+
+    with console_guard():  # to the last line printed: a run outlives the reader of its output
+        return _run_flow(args)
+
+
+def _run_flow(args: argparse.Namespace) -> int:
     from flows.embedded_api import ApiUnavailable, embedded_api
 
     previous = signal.signal(signal.SIGINT, _on_sigint)

@@ -246,6 +246,7 @@ def test_failure_cause_is_one_line_from_the_exception():
     exc = StageFailed("engine verb 'train' failed on rank 1: x\nengine verb 'train' exited with status 1; last lines per process:\n--- rank 1 ---", cause="rank 1: engine train failed: boom")
     assert failure_cause(exc) == "StageFailed: rank 1: engine train failed: boom"
     assert failure_cause(ConfigError([("base_model.uri", "bad"), ("cpt.lr", "worse")])) == "ConfigError: base_model.uri: bad; cpt.lr: worse"
+    assert failure_cause(SystemExit(1)).startswith("SystemExit: something in the stage's process called sys.exit(1)")
     import pickle
 
     assert pickle.loads(pickle.dumps(exc)).cause == exc.cause

@@ -1,0 +1,119 @@
+"""The console is a view of a run, so a run outlives whatever reads its output.
+
+    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml | head -3   # the run goes on
+
+When the reader of this process's stdout or stderr goes away (its parent died, the terminal
+closed, `| head` had its lines), the next write raises BrokenPipeError. Prefect logs to the console
+through rich, whose answer to that is `SystemExit(1)`: raised inside whatever logged, it ended the
+running stage in 0.0 s with the cause "SystemExit: 1", naming nothing. Under `console_guard()` a
+stream whose reader is gone is pointed at /dev/null, once, and the run's logs (the Prefect UI, the
+task run) get one warning naming the stream, so the run continues and is watched there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+log = logging.getLogger("cpt_to_sft.console")
+
+
+class _Console:
+    """What was lost, once per file descriptor."""
+
+    def __init__(self) -> None:
+        self.lost: list[int] = []
+
+    def lose(self, fd: int) -> None:
+        if fd in self.lost:
+            return
+        try:
+            broken = os.fstat(fd)
+        except OSError:
+            return
+        # stdout and stderr are often one pipe (`2>&1`): a reader gone for one is gone for both.
+        same = [f for f in (1, 2, fd) if f not in self.lost and _same_file(f, broken)]
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            for f in dict.fromkeys(same):
+                os.dup2(devnull, f)  # buffered output still pending goes there too, not to the broken pipe
+                self.lost.append(f)
+        finally:
+            os.close(devnull)
+        name = " and ".join({1: "stdout", 2: "stderr"}.get(f, f"fd {f}") for f in dict.fromkeys(same))
+        message = (f"the console is gone ({name}: its reader exited, e.g. the parent process or the terminal): "
+                   "the run goes on; follow it in the Prefect UI or its run root")
+        try:
+            from prefect.logging import get_run_logger
+
+            get_run_logger().warning(message)
+        except Exception:  # no flow or task run in this thread: the module logger, at least
+            log.warning(message)
+
+
+def _same_file(fd: int, st: os.stat_result) -> bool:
+    try:
+        other = os.fstat(fd)
+    except OSError:
+        return False
+    return (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino)
+
+
+class _Guarded:
+    """A text stream whose writes survive the loss of its reader."""
+
+    def __init__(self, stream: Any, console: _Console):
+        self._stream, self._console = stream, console
+
+    def _guard(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self._stream, method)(*args)
+        except BrokenPipeError:
+            with contextlib.suppress(Exception):
+                self._console.lose(self._stream.fileno())
+            return len(args[0]) if args else None
+
+    def write(self, text: str) -> int:
+        return self._guard("write", text)
+
+    def flush(self) -> None:
+        self._guard("flush")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _rich_consoles() -> list[Any]:
+    """The rich consoles of the logging handlers in this process (Prefect's console handler)."""
+    seen, out = set(), []
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    for lg in loggers:
+        for handler in lg.handlers:
+            console = getattr(handler, "console", None)
+            if console is not None and hasattr(console, "on_broken_pipe") and id(console) not in seen:
+                seen.add(id(console))
+                out.append(console)
+    return out
+
+
+@contextlib.contextmanager
+def console_guard() -> Iterator[None]:
+    """While the block runs, a broken stdout/stderr is sent to /dev/null (and said once in the
+    run's logs) instead of ending the run."""
+    console = _Console()
+    saved = sys.stdout, sys.stderr
+    patched = _rich_consoles()
+    for c in patched:
+        # rich's own default raises SystemExit(1); this is the documented override point.
+        c.on_broken_pipe = (lambda c=c: console.lose(c.file.fileno()))
+    sys.stdout, sys.stderr = _Guarded(sys.stdout, console), _Guarded(sys.stderr, console)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+        for c in patched:
+            c.__dict__.pop("on_broken_pipe", None)
