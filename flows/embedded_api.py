@@ -9,7 +9,8 @@ here it runs in a session of its own, is stopped when the flow process exits, af
 exit handlers have sent their last events and logs (`reap_on_exit` in tasks/core/launch/proctree.py
 covers a SIGKILL), and is waited for at start-up as long as a busy machine needs: PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS when set, else STARTUP_TIMEOUT_S.
 A configured PREFECT_API_URL is asked once whether it answers at all. Either failure is one line
-(`ApiUnavailable`) naming the setting to change, never a traceback.
+(`ApiUnavailable`) naming the setting to change, never a traceback. The server's own output goes to
+`$PREFECT_HOME/embedded-api.log` (`log_path()`), not the run's console.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 
 # Prefect's default (20 s) is too short for the database migrations on 2 loaded cores.
 STARTUP_TIMEOUT_S = 180
 TIMEOUT_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
-_PORT_IN_USE = 3  # uvicorn's exit status when the port was taken before it bound
+LOG_NAME = "embedded-api.log"  # under PREFECT_HOME: the server's own output, off the run's console
+_PORT_IN_USE = 3  # uvicorn's exit status when the port was taken before it bound (and for any failed start-up)
 
 
 class ApiUnavailable(RuntimeError):
@@ -42,12 +45,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def log_path() -> Path:
+    """Where the embedded server writes: its background services' errors (e.g. a telemetry
+    heartbeat that met a locked SQLite database on a busy machine) are its own, not the run's, and
+    printed on the console they read as a failure of the run."""
+    from prefect.settings import PREFECT_HOME
+
+    return Path(PREFECT_HOME.value()) / LOG_NAME
+
+
 def _start(port: int, env: dict[str, str]) -> subprocess.Popen:
     import prefect
 
     argv = [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory", "prefect.server.api.server:create_app",
             "--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
-    return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    path = log_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("ab") as out:
+        out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} embedded API server on port {port} for pid {os.getpid()}\n".encode())
+        out.flush()
+        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    last = [ln.strip() for ln in text[-lines:] if ln.strip() and not ln.startswith("--- ")]
+    return " | ".join(last)[-600:]
 
 
 def startup_timeout() -> tuple[float, bool]:
@@ -110,13 +136,14 @@ def embedded_api() -> Iterator[str | None]:
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=5) as client:
             while True:
-                if proc.poll() == _PORT_IN_USE:  # another process took the port first
+                if proc.poll() == _PORT_IN_USE and "address already in use" in _tail(log_path(), 20).lower():  # another process took the port first
                     port = _free_port()
                     proc = _start(port, env)
                     url = f"http://127.0.0.1:{port}/api"
                 elif proc.poll() is not None:
-                    raise ApiUnavailable(f"the embedded Prefect API server exited with status {proc.returncode} while starting (its output is above); "
-                                           "set PREFECT_API_URL to a running Prefect server to use that instead")
+                    tail = _tail(log_path())
+                    raise ApiUnavailable(f"the embedded Prefect API server exited with status {proc.returncode} while starting ({log_path()}"
+                                           + (f": {tail}" if tail else "") + "); set PREFECT_API_URL to a running Prefect server to use that instead")
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{url}/health").status_code == 200:
                         break

@@ -98,6 +98,19 @@ def test_an_embedded_server_too_slow_to_start_is_one_line_naming_the_setting(tmp
     assert r.returncode == 1, out[-3000:]
     assert "did not answer within PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=1" in r.stderr.strip().splitlines()[-1], out[-3000:]
     assert "Traceback" not in out and not (tmp_path / "run").exists(), out[-3000:]
+    # The server's own output (here: its migrations cut short) is in its log, not on the run's console.
+    assert (tmp_path / "prefect" / "embedded-api.log").read_text().startswith("--- "), out[-3000:]
+
+
+@pytest.mark.integration
+def test_an_embedded_server_that_cannot_start_says_why_in_one_line(tmp_path):
+    bad = f"sqlite+aiosqlite:///{tmp_path}/no/such/dir/prefect.db"
+    r = _flow_cli(tmp_path, PREFECT_API_DATABASE_CONNECTION_URL=bad)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "embedded Prefect API server exited with status 3 while starting" in last and "unable to open database file" in last, out[-3000:]
+    assert "Traceback" not in out and not (tmp_path / "run").exists(), out[-3000:]
 
 
 @pytest.mark.integration
