@@ -22,7 +22,7 @@ from tasks.core.data.prepared import check_against_model, record_split, split_in
 from tasks.core.launch.torchrun import run_engine, stage_fault_env
 from tasks.core.run.events import BACKPRESSURE, CHECKPOINT
 from tasks.core.run.job import Job, NodeStaging, Parent
-from tasks.core.run.stages import PREPARE, STAGE, TRAIN_STATE, TRAINING, is_step_name, job_file, loss_curve_rel
+from tasks.core.run.stages import PREPARE, STAGE, TRAIN_STATE, TRAINING, is_step_name, job_file, loss_curve_rel, step_medians
 from tasks.core.storage.fs import RunStore
 from tasks.core.storage.handshake import manifest_sha256, mark_published
 from tasks.core.storage.publisher import Publisher, retain_remote, unpublished_steps
@@ -164,7 +164,11 @@ def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.Tra
     # Beside the stage's checkpoints, in the run root itself (S3 included), not only in staging.
     ui.loss_curve(stage, losses, store.uri(loss_curve_rel(stage)))
     final = losses[-1] if losses else None
-    return run.done({"steps": st.max_steps, "first_loss": losses[0] if losses else None, "final_loss": final}, event={"final_loss": final})
+    medians = step_medians(state)
+    if medians:
+        get_run_logger().info("%s: median real tokens/s %.1f, padding %.1f%% of computed tokens, MFU %s", stage.upper(), medians.get("tokens_per_s", 0.0),
+                              100 * medians.get("padding_frac", 0.0), f"{100 * medians['mfu']:.1f}%" if "mfu" in medians else "n/a (no known device peak)")
+    return run.done({"steps": st.max_steps, "first_loss": losses[0] if losses else None, "final_loss": final, "medians": medians}, event={"final_loss": final})
 
 
 def _stage_in_latest(store: RunStore, stage: str) -> None:

@@ -104,6 +104,9 @@ class Progress:
         text = f"{self.stage.upper()}: step {step} / {self.total}"
         if isinstance(loss, (int, float)) and math.isfinite(loss):
             text += f", loss {loss:.4f}"
+        pad = record.get("padding_frac")
+        if isinstance(pad, (int, float)):
+            text += f", padding {100 * pad:.1f}% of computed tokens"
         text += self._waiting + self.links
         try:
             update_progress_artifact(self._id, min(100.0, 100.0 * step / self.total), description=text)

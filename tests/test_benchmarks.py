@@ -120,3 +120,10 @@ def test_launch_smoke():
         assert "round 1 slurm: task start -> first step" in out and "Slurm adds " in out and "not measured" not in out, out
     else:
         assert "slurm: skipped" in out and "Slurm adds: not measured" in out, out
+
+
+def test_sft_efficiency_smoke():
+    out = smoke([PY, "benchmarks/sft_efficiency.py", "--smoke"])
+    assert "useful tokens" in out and "loss equivalence" in out, out[-3000:]
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in ("grouped", "padded")}
+    assert float(rows["grouped"][1]) > float(rows["padded"][1]), out[-3000:]  # grouping computes less padding, whatever the sizes

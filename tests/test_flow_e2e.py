@@ -319,6 +319,7 @@ def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(fin
                   "4 × 1 accum × 2 dp = 8 sequences", f"{tokens:,}", data_sha, "| seq_len | 64 | 128 |", "SFT held-out loss",
                   f"torch {torch.__version__}", "colossalai 0.5.0", "transformers ", "bitwise", "`<|im_end|>` (4)"):
         assert words in card, words
+    assert "| batching | full blocks | padded |" in card and "| median padding (share of computed tokens) | 0.0 % |" in card, card
     snippet = re.search(r"```python\n(.*?)```", card, re.DOTALL).group(1)
     snippet = re.sub(r'model_id = ".*"', f"model_id = {str(run_root / 'export')!r}", snippet)
     out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=300, check=False)
@@ -414,3 +415,26 @@ def test_second_run_over_a_held_run_root_fails_naming_the_holder(demo_run_copy, 
     err = capsys.readouterr().err
     last = [x for x in err.splitlines() if x.strip()][-1]
     assert "is being written by flow run other-writer (test)" in last and "--break-lease" in last
+
+
+def test_each_step_records_its_padding_and_the_stage_its_medians(finished_run):
+    """CPT blocks are full; the demo run's SFT rows are padded to seq_len (`batching: padded`, see
+    tiny_config_raw), most of it padding: in the step records (TensorBoard, the train state the card
+    reads) and the stage's result."""
+    from tasks.core.run.tbevents import read_scalars
+
+    run_root, _ = finished_run
+    summary = json.loads((run_root / "run.json").read_text())
+    medians = {s["stage"]: s["detail"].get("medians") for s in summary["stages"] if s["stage"] in ("train_cpt", "train_sft")}
+    for stage, steps in (("cpt", 8), ("sft", 8)):
+        state = json.loads((run_root / f"{stage}/step-{steps:06d}/train_state.json").read_text())
+        pads = state["step_metrics"]["padding_frac"]
+        assert len(pads) == steps and all(0.0 <= p < 1.0 for p in pads), pads
+        scalars = read_scalars(run_root / stage / "tensorboard")
+        assert [round(v, 6) for _, v in scalars["perf/padding_frac"]] == pytest.approx(pads, abs=1e-6)
+        assert all(v > 0 for _, v in scalars["perf/computed_tokens"])
+        if stage == "sft":  # 8 rows a step (4 per rank, 2 ranks) of seq_len 128
+            assert {v for _, v in scalars["perf/computed_tokens"]} == {8 * 128}
+    assert medians["train_cpt"]["padding_frac"] == 0.0
+    # The demo's chats average ~57 real tokens of seq_len 128: more than half of each step is padding.
+    assert 0.4 < medians["train_sft"]["padding_frac"] < 0.7, medians

@@ -154,13 +154,14 @@ def test_sigkill_of_the_flow_process_takes_its_embedded_server(tiny_model_dir, t
 
 def test_the_run_outlives_the_reader_of_its_console(tiny_model_dir, tmp_path):
     """Whatever reads the flow's output goes away (a dead parent, a closed terminal) before any stage
-    ran: the stages still run (up to boost_and_shard here, a real launch), the run ends complete."""
+    ran: the stages still run and log (up to prepare_sft here: before console_guard the first log line
+    ended the run), and the run ends complete."""
     run_root = tmp_path / "run"
     cfg = write_config(tmp_path / "cfg.yaml", tiny_config_raw(tiny_model_dir, run_root))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("CPT_TO_SFT_FAULT", None)
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cpt_to_sft", "--config", str(cfg), "--stop-after", "boost_and_shard"], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cpt_to_sft", "--config", str(cfg), "--stop-after", "prepare_sft"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen = []
     try:
@@ -175,4 +176,4 @@ def test_the_run_outlives_the_reader_of_its_console(tiny_model_dir, tmp_path):
     summary = json.loads((run_root / "run.json").read_text())
     statuses = {s["stage"]: (s["status"], s["detail"].get("error")) for s in summary["stages"]}
     assert rc == 0, (rc, statuses, "".join(seen)[-2000:])
-    assert summary["stopped_after"] == "boost_and_shard" and statuses["boost_and_shard"][0] == "completed", statuses
+    assert summary["stopped_after"] == "prepare_sft" and statuses["prepare_sft"][0] == "completed", statuses

@@ -218,19 +218,20 @@ class Engine:
 
     # -- one optimizer step -----------------------------------------------------------------
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> float:
+    def train_step(self, micro: list[dict[str, torch.Tensor]]) -> float:
+        """One optimizer step over this rank's micro-batches (`StageData.next_batch`: each padded
+        to its own width; a pipeline gets one batch, which its schedule splits)."""
         model, optimizer, booster = self.model, self.optimizer, self.booster
-        batch = {k: v.to(self.device) for k, v in batch.items()}
+        micro = [{k: v.to(self.device) for k, v in mb.items()} for mb in micro]
         if self.pcfg.pp_size > 1:
             out = booster.execute_pipeline(
-                iter([batch]), model, lambda outputs, inputs: outputs.loss, optimizer, return_loss=True, return_outputs=False
+                iter(micro), model, lambda outputs, inputs: outputs.loss, optimizer, return_loss=True, return_outputs=False
             )
             local = out["loss"].detach().double() if self.layout.is_last_stage else None
         else:
-            ga, mbs = self.cfg.grad_accum_steps, self.cfg.micro_batch_size
+            ga = len(micro)
             local = torch.zeros((), dtype=torch.float64, device=self.device)
-            for i in range(ga):
-                mb = {k: v[i * mbs : (i + 1) * mbs] for k, v in batch.items()}
+            for i, mb in enumerate(micro):
                 skip_sync = i < ga - 1 and can_no_sync(self.pcfg)
                 sync_ctx = booster.no_sync(model, optimizer) if skip_sync else contextlib.nullcontext()
                 with sync_ctx:

@@ -24,9 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tasks.core.config.batching import BATCHING, micro_width
 from tasks.core.data.index import check_fits_model
 from tasks.core.errors import ManifestError
 from tasks.core.run.events import PROGRESS
+from tasks.core.run.stages import STEP_SUMMARY, SUMMARY_FIELDS
 from tasks.engine import checkpoint as ckpt
 from tasks.engine.builders import plugin_meta
 from tasks.engine.engine import Engine, emit, log
@@ -46,7 +48,7 @@ class StageData:
 
     def __init__(self, job: Job, dp_rank: int, dp_size: int):
         from tasks.core.data.reader import TokenDataset
-        from tasks.engine.sampler import ResumableSampler
+        from tasks.engine.sampler import LengthGroups, ResumableSampler
 
         cfg = job.stage_cfg
         self.dataset = TokenDataset(job.data_dir, seq_len=cfg.seq_len)
@@ -57,19 +59,34 @@ class StageData:
             raise ValueError(f"{job.data_dir} has no training sequence of seq_len={cfg.seq_len} ({self.dataset.index['totals']}): add data or lower seq_len")
         self.per_rank = cfg.micro_batch_size * cfg.grad_accum_steps
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.sampler = ResumableSampler(self.num_items, dp_rank, dp_size, seed=cfg.seed)
+        self.micro, self.seq_len = cfg.micro_batch_size, cfg.seq_len
+        self.pipeline = cfg.plugin.pp_size > 1
+        self.batching = BATCHING[cfg.batching]
+        self.lengths = self.dataset.lengths()  # one offsets array per file: no token is read
+        group = None
+        if self.dataset.kind == "sft" and self.batching.groups_by_length:
+            group = LengthGroups(self.lengths, self.per_rank * dp_size)
+        self.sampler = ResumableSampler(self.num_items, dp_rank, dp_size, seed=cfg.seed, group=group)
 
     def check_vocab(self, vocab_size: int, job: Job) -> None:
         # The task compared the tokenizer fingerprints before launching; here the model as built.
         check_fits_model(self.dataset.index, job.data_dir, job.model_dir, job.stage, vocab_size=vocab_size, fingerprint=False)
 
-    def next_batch(self) -> tuple[dict[str, torch.Tensor], int]:
-        """This rank's rows of the next global batch, and the global count of real tokens."""
+    def next_batch(self) -> tuple[list[dict[str, torch.Tensor]], int, int]:
+        """This rank's micro-batches of the next global batch (a pipeline: one batch of all its rows,
+        which the schedule splits), the global count of real tokens, and of computed ones (rows x
+        width, padding included), the same on every rank without a collective."""
         glob = self.sampler.next_global(self.per_rank * self.dp_size)
+        lens = self.lengths[glob]
+        step = self.per_rank if self.pipeline else self.micro
+        widths = [micro_width(int(lens[i : i + step].max()), self.seq_len, self.batching, self.pipeline) for i in range(0, len(glob), step)]
+        first = self.dp_rank * self.per_rank // step
         mine = glob[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
-        batch = {k: torch.from_numpy(v) for k, v in self.dataset.batch(mine).items()}
-        tokens = int(self.dataset.row_lengths(glob).sum())
-        return batch, tokens
+        micro = [
+            {k: torch.from_numpy(v) for k, v in self.dataset.batch(mine[j * step : (j + 1) * step], width=widths[first + j]).items()}
+            for j in range(len(mine) // step)
+        ]
+        return micro, int(lens.sum()), sum(w * step for w in widths)
 
 
 def _initial_state(job: Job, sampler_state: dict[str, int], lr: float) -> dict[str, Any]:
@@ -159,6 +176,8 @@ def train(job: Job, faults: Injector) -> Path | None:
     )
 
     losses, lrs = list(state["losses"]), list(state.get("lrs", []))
+    # Per-step figures the stage's summary and the model card report as medians (STEP_SUMMARY).
+    summary = {k: list(v) for k, v in (state.get(STEP_SUMMARY) or {}).items()}
     tokens = int(state["tokens_seen"])
     last = rp.path
     started = time.monotonic()
@@ -168,15 +187,17 @@ def train(job: Job, faults: Injector) -> Path | None:
                         seq_len=cfg.seq_len, precision=eng.pcfg.precision, purge_step=rp.step + 1)
     for step in range(rp.step + 1, cfg.max_steps + 1):
         faults.after_step(step - 1)
-        batch, ntok = data.next_batch()
+        micro, ntok, computed = data.next_batch()
         lr = float(eng.scheduler.get_last_lr()[0])
         meter.start()
-        loss = eng.train_step(batch)
-        metrics = meter.stop(step, loss=loss, lr=lr, tokens=ntok, optimizer=eng.optimizer, clip_norm=eng.clip_norm)
+        loss = eng.train_step(micro)
+        metrics = meter.stop(step, loss=loss, lr=lr, tokens=ntok, computed=computed, optimizer=eng.optimizer, clip_norm=eng.clip_norm)
         if not math.isfinite(loss):
             raise FloatingPointError(f"{job.stage} loss is {loss} at step {step} (lr {lr}); lower {job.stage}.lr or check the data")
         losses.append(loss)
         lrs.append(lr)
+        for key in SUMMARY_FIELDS:
+            summary.setdefault(key, []).append(metrics.get(key))
         tokens += ntok
         emit(PROGRESS, {
             "stage": job.stage, "step": step, "total": cfg.max_steps, "loss": loss, "lr": lr, "tokens": tokens,
@@ -194,6 +215,7 @@ def train(job: Job, faults: Injector) -> Path | None:
                 "losses": losses,
                 "lrs": lrs,
                 "lr": float(eng.scheduler.get_last_lr()[0]),
+                STEP_SUMMARY: summary,
             }
             last = eng.save(step, state)
     meter.close()

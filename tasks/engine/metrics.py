@@ -10,7 +10,9 @@ before clipping; absent when the plugin did not compute one, e.g. max_norm 0), t
 tokens of the global batch / step time), step_s (wall time of the step on rank 0, which waits for
 the collectives of every rank), peak_mem_bytes (CUDA: max allocated since the previous step on
 rank 0's device; CPU: rank 0's peak RSS since the process started, the kernel keeps no other
-peak) and mfu (tasks.core.models.flops; only on a device with a known peak).
+peak), mfu (tasks.core.models.flops, from the real tokens; only on a device with a known peak),
+computed_tokens (rows x width of the global batch's micro-batches, padding included) and
+padding_frac (1 - real / computed: the share of the step's work spent on padding).
 
 The ranks never import a tracking client: MLflow is written by the Prefect task from these
 records (tasks/tracking.py). TensorBoard needs no server, so the engine writes it itself, with
@@ -41,6 +43,8 @@ TAGS = {
     "step_s": "perf/step_s",
     "peak_mem_bytes": "perf/peak_mem_bytes",
     "mfu": "perf/mfu",
+    "padding_frac": "perf/padding_frac",
+    "computed_tokens": "perf/computed_tokens",
 }
 
 
@@ -105,7 +109,7 @@ class StepMetrics:
             torch.cuda.reset_peak_memory_stats()
         self._t0 = time.perf_counter()
 
-    def stop(self, step: int, *, loss: float, lr: float, tokens: int, optimizer: Any = None, clip_norm: Any = None) -> dict[str, Any]:
+    def stop(self, step: int, *, loss: float, lr: float, tokens: int, computed: int | None = None, optimizer: Any = None, clip_norm: Any = None) -> dict[str, Any]:
         """The metric fields of step `step` (call right after the optimizer step)."""
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -119,6 +123,9 @@ class StepMetrics:
             "step_s": round(step_s, 6),
             "peak_mem_bytes": peak_memory_bytes(),
             "mfu": mfu(tps, self.per_token, self.peak, self.world),
+            # What the step computed beyond the real tokens: the padding of its micro-batches.
+            "computed_tokens": computed,
+            "padding_frac": round(1.0 - tokens / computed, 6) if computed else None,
         }
         rec = {k: v for k, v in rec.items() if v is not None}
         self.write(step, rec)

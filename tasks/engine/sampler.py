@@ -21,6 +21,39 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{epoch}".encode()).digest()[:8], "little") >> 1
 
 
+_GROUP_SALT = 0x5EED_6A0F  # the grouping's own stream: the epoch permutation above stays what it was
+
+
+class LengthGroups:
+    """Length-grouped order of one epoch (the `grouped` batching, tasks/core/config/batching.py).
+
+    The epoch's random permutation is cut into chunks of `megabatch` global batches; each chunk is
+    sorted by length (longest first, ties in permutation order) and cut into global batches, whose
+    order inside the chunk is shuffled with the epoch's seed; a short last batch stays last, so every
+    batch boundary stays a multiple of `global_batch` from the epoch's start. A pure function of
+    (seed, epoch, lengths, global_batch): the sampler's (epoch, offset) state resumes it bitwise.
+    """
+
+    def __init__(self, lengths, global_batch: int, megabatch: int = 64):
+        if global_batch < 1:
+            raise ValueError(f"global batch {global_batch} must be positive")
+        self.lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        self.global_batch, self.megabatch = global_batch, megabatch
+
+    def order(self, perm: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        if len(self.lengths) != len(perm):
+            raise ValueError(f"{len(self.lengths)} lengths for {len(perm)} items")
+        chunk = self.global_batch * self.megabatch
+        out = []
+        for start in range(0, len(perm), chunk):
+            part = perm[start : start + chunk]
+            part = part[torch.sort(self.lengths[part], descending=True, stable=True).indices]
+            batches = list(part.split(self.global_batch))
+            tail = [batches.pop()] if len(batches[-1]) < self.global_batch else []
+            out += [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()] + tail
+        return torch.cat(out) if out else perm
+
+
 class ResumableSampler:
     """Deterministic, resumable order of item indices, the same global stream on every rank.
 
@@ -30,12 +63,13 @@ class ResumableSampler:
     stream, independent of dp_rank/dp_size, so a restore continues bitwise-identically.
     """
 
-    def __init__(self, num_items: int, dp_rank: int, dp_size: int, seed: int):
+    def __init__(self, num_items: int, dp_rank: int, dp_size: int, seed: int, group: LengthGroups | None = None):
         if num_items < 1:
             raise ValueError(f"num_items={num_items}: the dataset is empty")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
         self.num_items, self.dp_rank, self.dp_size, self.seed = num_items, dp_rank, dp_size, seed
+        self.group = group
         self.epoch, self.offset = 0, 0
         self._perm: torch.Tensor | None = None
         self._perm_key: tuple[int, int] | None = None
@@ -46,7 +80,10 @@ class ResumableSampler:
         key = (self.seed, self.epoch)
         if self._perm_key != key:
             g = torch.Generator().manual_seed(_epoch_seed(*key))
-            self._perm, self._perm_key = torch.randperm(self.num_items, generator=g), key
+            perm = torch.randperm(self.num_items, generator=g)
+            if self.group is not None:
+                perm = self.group.order(perm, torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch) ^ _GROUP_SALT))
+            self._perm, self._perm_key = perm, key
         return self._perm
 
     def next_global(self, n_global: int) -> list[int]:

@@ -19,6 +19,7 @@ from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, model_va
 
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.base import Frozen
+from tasks.core.config.batching import BATCHING
 from tasks.core.config.plugins import PLUGINS, Precision
 from tasks.core.config.slurm import SlurmConfig
 from tasks.core.config.tracking import TrackingConfig
@@ -157,7 +158,19 @@ class EvalConfig(Frozen):
         return self.heldout_uri is not None or self.heldout_fraction > 0
 
 
+def _registered_batching(name: str) -> str:
+    if name not in BATCHING:
+        raise ValueError(f"unknown batching {name!r}; registered: {', '.join(BATCHING)}")
+    return name
+
+
+BatchingName = Annotated[str, AfterValidator(_registered_batching), WithJsonSchema({"type": "string", "enum": None})]
+_stage_schema = _registry_enum("batching", BATCHING, "How SFT conversations fill each micro-batch (CPT blocks are always full): ")
+
+
 class StageConfig(Frozen):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_stage_schema)
+
     data: DataConfig = Field(description="Training data of this stage.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description=(
         "Held-out data of this stage and how its evaluation runs (CPT: base vs CPT perplexity; SFT: pre-SFT vs SFT loss on assistant tokens)."))
@@ -167,6 +180,7 @@ class StageConfig(Frozen):
     micro_batch_size: int = Field(default=1, ge=1, description="Sequences per data-parallel rank per micro-batch.")
     grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches accumulated per optimizer step (pipeline micro-batches when pp_size > 1).")
     seq_len: int = Field(ge=8, description="Tokens per sequence (CPT packing block, SFT truncation length).")
+    batching: BatchingName = Field(default="grouped", description="How SFT conversations fill each micro-batch (see tasks/core/config/batching.py).")
     lr: float = Field(gt=0, description="Peak learning rate.")
     min_lr: float = Field(default=0.0, ge=0, description="Final learning rate of the cosine/linear schedule.")
     warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up steps.")

@@ -111,9 +111,18 @@ class TokenDataset:
             out[n] = off[j + 1] - off[j]
         return out
 
-    def batch(self, indices: Sequence[int]) -> dict[str, np.ndarray]:
-        """{"input_ids", "labels"[, "attention_mask"]} as int64 arrays [len(indices), seq_len]."""
+    def lengths(self) -> np.ndarray:
+        """Real tokens of every item, in item order (one offsets array per file, no token read)."""
+        if self.kind == "cpt":
+            return np.full(self.num_items, self.seq_len, np.int64)
+        return np.concatenate([np.diff(np.asarray(self._map(f, "offsets"), np.int64)) for f in range(len(self._dirs))] or [np.zeros(0, np.int64)])
+
+    def batch(self, indices: Sequence[int], width: int | None = None) -> dict[str, np.ndarray]:
+        """{"input_ids", "labels"[, "attention_mask"]} as int64 arrays [len(indices), width]; SFT rows
+        are right-padded to `width` (default seq_len), which must hold the longest of them."""
         n, L = len(indices), self.seq_len
+        if width is not None and self.kind == "sft":
+            L = int(width)
         if self.kind == "cpt":
             ids = np.stack([self._block(i) for i in indices]) if n else np.zeros((0, L), np.int64)
             return {"input_ids": ids, "labels": ids.copy()}
@@ -123,6 +132,8 @@ class TokenDataset:
         for r, i in enumerate(indices):
             x, m = self._row(i)
             k = len(x)
+            if k > L:
+                raise ValueError(f"item {i} has {k} tokens, more than the batch width {L}")
             ids[r, :k] = x
             labels[r, :k] = np.where(m, x, IGNORE_INDEX)
             attn[r, :k] = 1

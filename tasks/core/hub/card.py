@@ -19,7 +19,7 @@ from tasks.core.config.schema import RunConfig
 from tasks.core.evaluation.heldout import eval_results_for_card, metrics_table
 from tasks.core.hub.repo import hub_dataset_id, is_hub_id
 from tasks.core.run.manifest import MANIFEST
-from tasks.core.run.stages import TRAIN_STATE, TRAINING, split_rel
+from tasks.core.run.stages import TRAIN_STATE, TRAINING, split_rel, step_medians
 
 STAGES = ("cpt", "sft")
 
@@ -30,7 +30,7 @@ def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[st
     facts = {}
     for stage in STAGES:
         steps = getattr(cfg, stage).max_steps
-        fact: dict[str, Any] = {"steps": steps, "final_loss": None, "tokens_seen": None, "split": None}
+        fact: dict[str, Any] = {"steps": steps, "final_loss": None, "tokens_seen": None, "split": None, "medians": {}}
         r = results.get(f"train_{stage}")
         if r is not None and r.detail.get("final_loss") is not None:
             fact["final_loss"] = float(r.detail["final_loss"])
@@ -41,6 +41,7 @@ def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[st
                 if fact["final_loss"] is None and losses:
                     fact["final_loss"] = float(losses[-1])
                 fact["tokens_seen"] = state.get("tokens_seen")
+                fact["medians"] = step_medians(state)
             except Exception:
                 pass
             try:
@@ -49,6 +50,14 @@ def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[st
                 pass
         facts[stage] = fact
     return facts
+
+
+def _median(facts: dict[str, dict], stage: str, key: str) -> float | None:
+    return (facts.get(stage, {}).get("medians") or {}).get(key)
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f} %"
 
 
 def usage_snippet(model_id: str) -> str:
@@ -128,6 +137,10 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
         "seq_len": lambda s: str(getattr(cfg, s).seq_len),
         "tokens seen": lambda s: _num(facts.get(s, {}).get("tokens_seen")),
         "final training loss": lambda s: _num(facts.get(s, {}).get("final_loss"), "{:.4f}"),
+        "batching": lambda s: getattr(cfg, s).batching if s == "sft" else "full blocks",
+        "median real tokens/s": lambda s: _num(_median(facts, s, "tokens_per_s"), "{:.1f}"),
+        "median padding (share of computed tokens)": lambda s: _pct(_median(facts, s, "padding_frac")),
+        "median MFU": lambda s: _pct(_median(facts, s, "mfu")),
         "seed": lambda s: str(getattr(cfg, s).seed),
     }
     train += [f"| {name} | {fn('cpt')} | {fn('sft')} |" for name, fn in rows.items()]

@@ -25,13 +25,14 @@ from typing import Any
 
 PREFIX = "@@"
 PROGRESS = "progress"  # one optimizer step: stage, step, total, loss, lr, tokens, elapsed_s, and the
-# metric fields of tasks/engine/metrics.py (grad_norm, tokens_per_s, step_s, peak_mem_bytes, mfu)
+# metric fields of tasks/engine/metrics.py (grad_norm, tokens_per_s, step_s, peak_mem_bytes, mfu,
+# computed_tokens, padding_frac)
 CHECKPOINT = "checkpoint"  # a committed checkpoint: step, path
 # the engine waits at a save for uploads: step, state (waiting | resumed), pending, max_pending_publishes, waited_s
 BACKPRESSURE = "backpressure"
 KINDS = (PROGRESS, CHECKPOINT, BACKPRESSURE)
 # The numeric @@progress fields that are per-step metrics (TensorBoard tags, MLflow metrics).
-METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_s", "peak_mem_bytes", "mfu", "tokens")
+METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_s", "peak_mem_bytes", "mfu", "tokens", "computed_tokens", "padding_frac")
 
 INFO, WARNING, ERROR = "info", "warning", "error"
 LEVELS = (INFO, WARNING, ERROR)

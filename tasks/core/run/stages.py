@@ -56,6 +56,22 @@ BASE = "base"
 EXPORT = "export"
 TENSORBOARD = "tensorboard"  # <stage>/tensorboard/: rank 0's event files (tasks/engine/metrics.py)
 TRAIN_STATE = "train_state.json"  # in every checkpoint: step, tokens seen, sampler position, losses
+# train_state.json's per-step figures beside the losses (null where a step had none, e.g. mfu on
+# CPU): the stage's result and the model card give their medians (`step_medians`).
+STEP_SUMMARY = "step_metrics"
+SUMMARY_FIELDS = ("tokens_per_s", "padding_frac", "mfu")
+
+
+def step_medians(state: dict) -> dict[str, float]:
+    """The median of each SUMMARY_FIELDS series of a train_state.json, where it has values."""
+    import statistics
+
+    out = {}
+    for key, values in (state.get(STEP_SUMMARY) or {}).items():
+        vals = [float(v) for v in values if isinstance(v, (int, float))]
+        if key in SUMMARY_FIELDS and vals:
+            out[key] = statistics.median(vals)
+    return out
 SPLIT_FILE = "data-split.json"  # <stage>/data-split.json: the prepared data's split, beside the checkpoints
 LOSS_CURVE = "loss-curve.png"
 BUILD_SUFFIX = ".tmp-build"  # <artifact>.tmp-build: built here, renamed into place when whole
