@@ -16,10 +16,11 @@ demo: demo-inputs
 	$(PY) -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml
 
 # Lint first (ruff, configured in pyproject.toml), then every tier: unit, distributed (torchrun,
-# 2 CPU ranks), integration and e2e. GPU tests skip without CUDA.
+# 2 CPU ranks), integration and e2e. GPU tests skip without CUDA. Two pytest-xdist workers: about
+# half of a serial run's time waits on servers, sleeps and polls, which a second worker fills.
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "" --durations=40 tests
+	$(PY) -m pytest -q -m "" -n 2 --dist loadgroup --durations=40 tests
 
 # Lint, then the fast unit tier only (no torchrun, no Prefect server).
 test-fast: install

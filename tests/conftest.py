@@ -30,9 +30,44 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+# Session fixtures worth one build per pytest-xdist worker at most: the tests that use them run on
+# one worker (an xdist group each), so each is built once however many workers there are.
+_SHARED_SESSION = {
+    "slurm_cluster": "slurm",  # one cluster on fixed ports per machine
+    "demo_run": "demo-run",  # the whole flow, ~50 s
+    "demo_run_copy": "demo-run",
+    "mlflow_server": "demo-run",  # tens of seconds to start; the demo run tracks to it
+}
+
+
+_HEAVY = {"distributed", "integration", "e2e"}
+
+
+def _xdist_group(item) -> str | None:
+    """The xdist group of a test: the shared session fixture it uses, else its file when it uses a
+    module-scoped fixture (built once per module and worker), else None: any worker may take it."""
+    defs = getattr(item, "_fixtureinfo", None)
+    names = set(defs.names_closure) if defs else set()
+    for fixture, group in _SHARED_SESSION.items():
+        if fixture in names:
+            return group
+    for fixturedefs in (defs.name2fixturedefs.values() if defs else ()):
+        if any(d.scope == "module" and d.baseid == item.nodeid.split("::")[0] for d in fixturedefs):
+            return item.nodeid.split("::")[0]
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    # Files with launches, flows or servers first (a file stays contiguous, so its module fixtures
+    # are built once): under xdist the long tests start early and the unit tier fills the tail.
+    heavy = {item.nodeid.split("::")[0] for item in items if _HEAVY & set(item.keywords)}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in heavy)
+    for item in items:
+        group = _xdist_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (GPU tier)")
@@ -75,6 +110,10 @@ def tiny_config_raw(model_dir: Path, run_root: Path, **stage_overrides) -> dict:
     for stage in ("cpt", "sft"):
         raw[stage].update(max_steps=8, checkpoint_every=4)
         raw[stage].update(stage_overrides.get(stage, {}))
+    # 8 SFT steps of the random demo model learn to end a reply with <|im_end|> (the gate's
+    # generation check) in padded's random order of the chats, not always in grouped's; the
+    # engine tests and `make demo` (30 steps) train grouped, the default.
+    raw["sft"].setdefault("batching", "padded")
     return raw
 
 
