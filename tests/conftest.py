@@ -57,6 +57,7 @@ def _xdist_group(item) -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks into the node ids
 def pytest_collection_modifyitems(config, items):
     import torch
 
