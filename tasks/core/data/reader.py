@@ -98,19 +98,6 @@ class TokenDataset:
         a, b = int(off[j]), int(off[j + 1])
         return np.asarray(self._map(f, "tokens")[a:b], np.int64), np.asarray(self._map(f, "mask")[a:b], bool)
 
-    def row_lengths(self, indices: Sequence[int]) -> np.ndarray:
-        """Real (unpadded) tokens of each item: what attention_mask sums to."""
-        if self.kind == "cpt":
-            return np.full(len(indices), self.seq_len, np.int64)
-        out = np.empty(len(indices), np.int64)
-        for n, i in enumerate(indices):
-            i = self._check(i)
-            f = int(np.searchsorted(self._ends, i, side="right"))
-            off = self._map(f, "offsets")
-            j = i - int(self._starts[f])
-            out[n] = off[j + 1] - off[j]
-        return out
-
     def lengths(self) -> np.ndarray:
         """Real tokens of every item, in item order (one offsets array per file, no token read)."""
         if self.kind == "cpt":

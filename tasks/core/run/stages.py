@@ -30,6 +30,7 @@ push (the final checkpoint of each training stage). No run-directory literal is 
 from __future__ import annotations
 
 import re
+import statistics
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -61,17 +62,6 @@ TRAIN_STATE = "train_state.json"  # in every checkpoint: step, tokens seen, samp
 STEP_SUMMARY = "step_metrics"
 SUMMARY_FIELDS = ("tokens_per_s", "padding_frac", "mfu")
 
-
-def step_medians(state: dict) -> dict[str, float]:
-    """The median of each SUMMARY_FIELDS series of a train_state.json, where it has values."""
-    import statistics
-
-    out = {}
-    for key, values in (state.get(STEP_SUMMARY) or {}).items():
-        vals = [float(v) for v in values if isinstance(v, (int, float))]
-        if key in SUMMARY_FIELDS and vals:
-            out[key] = statistics.median(vals)
-    return out
 SPLIT_FILE = "data-split.json"  # <stage>/data-split.json: the prepared data's split, beside the checkpoints
 LOSS_CURVE = "loss-curve.png"
 BUILD_SUFFIX = ".tmp-build"  # <artifact>.tmp-build: built here, renamed into place when whole
@@ -80,6 +70,16 @@ JOBS = "jobs"  # <staging>/jobs/: the job files of the engine launches
 DATA_CACHE = "data-cache"  # <staging>/data-cache/<stage>/: shards kept across failures and re-runs
 STEP_PREFIX = "step-"
 STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{6,}})$")
+
+
+def step_medians(state: dict) -> dict[str, float]:
+    """The median of each SUMMARY_FIELDS series of a train_state.json, where it has values."""
+    out = {}
+    for key, values in (state.get(STEP_SUMMARY) or {}).items():
+        vals = [float(v) for v in values if isinstance(v, (int, float))]
+        if key in SUMMARY_FIELDS and vals:
+            out[key] = statistics.median(vals)
+    return out
 
 
 def step_name(step: int) -> str:
