@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, tiny_config_raw, write_config
+from tests.servers.prefect_home import seeded_home
 from tests.servers.prefect_ops import PrefectServer, chromium, ensure_chromium, run_id_from, stop_group
 from tests.servers.webhook import WebhookReceiver
 
@@ -215,7 +216,7 @@ def ops(tmp_path_factory, tiny_model_dir):
     config = write_config(tmp / "tiny-ops.yaml", raw)
 
     started = time.monotonic()
-    server = PrefectServer(tmp / "prefect-home")
+    server = PrefectServer(seeded_home(tmp / "prefect-home"))
     hub = HubServer(tmp / "hub", token=TOKEN)
     webhook = WebhookReceiver().start()
     try:

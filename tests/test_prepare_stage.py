@@ -132,8 +132,10 @@ def test_pool_workers_reach_the_ephemeral_api_of_the_flow_process(tmp_path):
     import subprocess
     import sys
 
+    from tests.servers.prefect_home import seeded_home
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(REPO))
+    env.update(PREFECT_HOME=str(seeded_home(tmp_path / "prefect-home")), PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", _EPHEMERAL_PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     probe = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("PROBE "))[len("PROBE "):])

@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, tiny_config_raw, write_config
+from tests.servers.prefect_home import seeded_home
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 SERVER_APP = "prefect.server.api.server:create_app"
@@ -33,7 +34,7 @@ def _start(tmp_path: Path, model: Path) -> tuple[subprocess.Popen, Path, Path]:
     run_root = tmp_path / "run"
     cfg = write_config(tmp_path / "cfg.yaml", tiny_config_raw(model, run_root, cpt={"max_steps": 5000, "checkpoint_every": 1000}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}  # the embedded server, as a user runs it
-    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.update(PREFECT_HOME=str(seeded_home(tmp_path / "prefect")), PREFECT_SERVER_ANALYTICS_ENABLED="false", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("CPT_TO_SFT_FAULT", None)
     log = tmp_path / "flow.log"
     # Its own session: the test's signals reach its process group as a terminal's would.
@@ -159,7 +160,7 @@ def test_the_run_outlives_the_reader_of_its_console(tiny_model_dir, tmp_path):
     run_root = tmp_path / "run"
     cfg = write_config(tmp_path / "cfg.yaml", tiny_config_raw(tiny_model_dir, run_root))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.update(PREFECT_HOME=str(seeded_home(tmp_path / "prefect")), PREFECT_SERVER_ANALYTICS_ENABLED="false", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("CPT_TO_SFT_FAULT", None)
     proc = subprocess.Popen([sys.executable, "-m", "flows.cpt_to_sft", "--config", str(cfg), "--stop-after", "prepare_sft"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -29,6 +29,7 @@ import pytest
 
 from tasks.core.run.manifest import MANIFEST
 from tests.conftest import REPO, tiny_config_raw, write_config
+from tests.servers.prefect_home import seeded_home
 from tests.servers.prefect_ops import PrefectServer, run_id_from, stop_group
 
 pytest_plugins = ["tests.conftest_slurm"]
@@ -52,7 +53,7 @@ def _config(tmp: Path, model_dir: Path, name: str, cpt_steps: int) -> tuple[Path
 @pytest.fixture(scope="module")
 def server(slurm_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("slurm-flow")
-    srv = PrefectServer(tmp / "prefect-home")
+    srv = PrefectServer(seeded_home(tmp / "prefect-home"))
     try:
         srv.start(timeout=300)  # a loaded 2-core machine takes minutes
         yield srv
