@@ -14,10 +14,11 @@ builds them (the sampler's order, each micro-batch's width from `micro_width`), 
 backward each, timed. Every mode trains the same chats once, so an epoch is equal real tokens.
 Printed per mode: the useful-token fraction (real / computed tokens), the epoch's wall time and its
 speed-up over `padded`; then the loss equivalence: the per-token losses on assistant tokens of the
-same rows at the grouped width and at seq_len (max |difference|).
+same chats at the grouped width, and packed several to a row (block-diagonal causal mask, position
+ids restarting), against each chat alone padded to seq_len (max |difference|).
 
 Targets (the issue): grouped >= 0.7 useful tokens; packed >= 0.9 and a packed epoch >= 3x faster
-than padded (packing is not built yet: its row says so).
+than padded.
 """
 
 from __future__ import annotations
@@ -54,53 +55,83 @@ def make_chats(n: int, seq_len: int, seed: int, median_tokens: float, tokens_per
     return chats
 
 
-def epoch_microbatches(ds, mode: str, micro: int, seed: int) -> list[list[int]]:
-    """The epoch's micro-batches (one rank, grad_accum 1) in the order the engine takes them."""
+def epoch_microbatches(ds, mode: str, micro: int, seed: int) -> list[list]:
+    """The epoch's micro-batches (one rank, grad_accum 1) in the order the engine takes them: rows
+    of item indices, or under packing rows of tuples of them (a short last micro-batch included,
+    so every mode trains every chat once)."""
     from tasks.core.config.batching import BATCHING
-    from tasks.engine.sampler import LengthGroups, ResumableSampler
+    from tasks.engine.sampler import LengthGroups, Packs, ResumableSampler
 
-    group = LengthGroups(ds.lengths(), micro) if BATCHING[mode].groups_by_length else None
+    spec = BATCHING[mode]
+    group = Packs(ds.lengths(), ds.seq_len) if spec.packs else LengthGroups(ds.lengths(), micro) if spec.groups_by_length else None
     s = ResumableSampler(ds.num_items, 0, 1, seed=seed, group=group)
-    return [s.next_global(micro) for _ in range(ds.num_items // micro)]
+    units = s.units()
+    return [s.next_global(min(micro, units - i)) for i in range(0, units, micro)]
 
 
 def run_mode(model, ds, mode: str, micro: int, seed: int) -> dict:
     from tasks.core.config.batching import BATCHING, micro_width
+    from tasks.engine.packing import model_inputs
 
     spec = BATCHING[mode]
     lengths = ds.lengths()
+    impl = model.config._attn_implementation
     real = computed = 0
     t0 = time.perf_counter()
     for rows in epoch_microbatches(ds, mode, micro, seed):
-        width = micro_width(int(lengths[rows].max()), ds.seq_len, spec, pipeline=False)
-        b = {k: torch.from_numpy(v) for k, v in ds.batch(rows, width=width).items()}
+        row_lens = [int(lengths[list(r)].sum()) for r in rows] if spec.packs else [int(lengths[r]) for r in rows]
+        width = micro_width(max(row_lens), ds.seq_len, spec, pipeline=False)
+        build = ds.batch_packed if spec.packs else ds.batch
+        b = model_inputs({k: torch.from_numpy(v) for k, v in build(rows, width=width).items()}, impl, torch.float32)
         model(**b).loss.backward()
-        real += int(lengths[rows].sum())
+        real += sum(row_lens)
         computed += len(rows) * width
     seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
     return {"mode": mode, "useful": real / computed, "real_tokens": real, "computed_tokens": computed, "seconds": seconds}
 
 
-def loss_equivalence(model, ds) -> float:
-    """max |per-token loss at the grouped width - at seq_len| over the shortest rows' assistant tokens."""
-    from tasks.core.config.batching import BATCHING, micro_width
+def _padded_per_token(model, ds, rows: list[int], width: int) -> torch.Tensor:
     from tasks.core.data.reader import IGNORE_INDEX
 
+    b = {k: torch.from_numpy(v) for k, v in ds.batch(rows, width=width).items()}
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    labels = b["labels"][:, 1:]
+    keep = labels != IGNORE_INDEX
+    return torch.nn.functional.cross_entropy(logits[:, :-1][keep], labels[keep], reduction="none")
+
+
+def loss_equivalence(model, ds, seed: int) -> dict[str, float]:
+    """max |per-token assistant loss - the same token's loss in a row padded to seq_len|: the
+    shortest chats at the grouped width, and the chats of two packed rows in their rows."""
+    from tasks.core.config.batching import BATCHING, micro_width
+    from tasks.core.data.reader import IGNORE_INDEX
+    from tasks.engine.packing import model_inputs
+    from tasks.engine.sampler import Packs
+
     lengths = ds.lengths()
-    rows = [int(i) for i in np.argsort(lengths)[:4]]
-    width = micro_width(int(lengths[rows].max()), ds.seq_len, BATCHING["grouped"], pipeline=False)
-    worst = 0.0
+    out = {}
     with torch.no_grad():
-        per = []
-        for w in (width, ds.seq_len):
-            b = {k: torch.from_numpy(v) for k, v in ds.batch(rows, width=w).items()}
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-            labels = b["labels"][:, 1:]
-            keep = labels != IGNORE_INDEX
-            per.append(torch.nn.functional.cross_entropy(logits[:, :-1][keep], labels[keep], reduction="none"))
-        worst = float((per[0] - per[1]).abs().max())
-    return worst
+        rows = [int(i) for i in np.argsort(lengths)[:4]]
+        width = micro_width(int(lengths[rows].max()), ds.seq_len, BATCHING["grouped"], pipeline=False)
+        out["grouped"] = float((_padded_per_token(model, ds, rows, width) - _padded_per_token(model, ds, rows, ds.seq_len)).abs().max())
+        packs = Packs(lengths, ds.seq_len).order(torch.randperm(ds.num_items, generator=torch.Generator().manual_seed(seed)), torch.Generator().manual_seed(seed))
+        packs = sorted(packs, key=len, reverse=True)[:2]  # the rows holding the most chats
+        b = model_inputs({k: torch.from_numpy(v) for k, v in ds.batch_packed(packs).items()}, model.config._attn_implementation, torch.float32)
+        logits = model(**b).logits
+        got = []
+        for r, items in enumerate(packs):
+            at = 0
+            for i in items:
+                k = int(lengths[i])
+                lab = b["labels"][r, at + 1 : at + k]
+                keep = lab != IGNORE_INDEX
+                got.append(torch.nn.functional.cross_entropy(logits[r, at : at + k - 1][keep], lab[keep], reduction="none"))
+                at += k
+        want = torch.cat([_padded_per_token(model, ds, list(items), ds.seq_len) for items in packs])
+        out["packed"] = float((torch.cat(got) - want).abs().max())
+        out["packed_chats"] = sum(len(p) for p in packs)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,13 +176,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{'mode':<10} {'useful tokens':>14} {'computed tokens':>16} {'epoch s':>9} {'speed-up vs padded':>19}")
         for r in rows:
             print(f"{r['mode']:<10} {r['useful']:>14.3f} {r['computed_tokens']:>16,} {r['seconds']:>9.2f} {base['seconds'] / r['seconds']:>18.2f}x")
-        print(f"{'packed':<10} {'not built yet (sft packing: the next step of this issue)':>60}")
         grouped = next(r for r in rows if r["mode"] == "grouped")
-        diff = loss_equivalence(model, ds)
-        print(f"\nloss equivalence: max |per-token assistant loss, grouped width - seq_len| = {diff:.2e} (fp32)")
-        ok = grouped["useful"] >= 0.7 and diff < 1e-4
-        print(f"targets: grouped useful >= 0.7: {'met' if grouped['useful'] >= 0.7 else 'NOT met'} ({grouped['useful']:.3f}); "
-              f"equal per-token losses: {'met' if diff < 1e-4 else 'NOT met'}")
+        packed = next(r for r in rows if r["mode"] == "packed")
+        eq = loss_equivalence(model, ds, a.seed)
+        print(f"\nloss equivalence (fp32, attention {model.config._attn_implementation}): max |per-token assistant loss - the same token padded to seq_len|")
+        print(f"  at the grouped width: {eq['grouped']:.2e}    in packed rows ({eq['packed_chats']} chats in 2 rows): {eq['packed']:.2e}")
+        speed = base["seconds"] / packed["seconds"]
+        same = max(eq["grouped"], eq["packed"]) < 1e-4
+        checks = [("grouped useful >= 0.7", grouped["useful"] >= 0.7, f"{grouped['useful']:.3f}"), ("packed useful >= 0.9", packed["useful"] >= 0.9, f"{packed['useful']:.3f}"),
+                  ("packed epoch >= 3x faster than padded", speed >= 3.0, f"{speed:.2f}x"), ("equal per-token losses", same, f"{max(eq['grouped'], eq['packed']):.1e}")]
+        print("targets: " + "; ".join(f"{name}: {'met' if good else 'NOT met'} ({fig})" for name, good, fig in checks))
+        ok = all(good for _, good, _ in checks)
         print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
     return 0 if ok or a.smoke else 1
 

@@ -57,7 +57,7 @@ def prepared_data(stage_cfg: dict[str, Any], stage: str, tokenizer_dir: Path, ou
 
 def write_job(path: Path, *, verb: str, stage: str, stage_cfg: dict[str, Any], model_dir: Path, stage_dir: Path,
               tokenizer_dir: Path | None = None, config_digest: str = "0" * 64) -> Path:
-    data_dir = prepared_data(stage_cfg, stage, tokenizer_dir or model_dir, path.parent / f"data-{stage}-{Path(tokenizer_dir or model_dir).name}")
+    data_dir = prepared_data(stage_cfg, stage, tokenizer_dir or model_dir, path.parent / f"data-{stage}-{stage_cfg['seq_len']}-{Path(tokenizer_dir or model_dir).name}")
     job = {
         "verb": verb,
         "stage": stage,

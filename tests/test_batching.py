@@ -1,5 +1,5 @@
-"""SFT batching (tasks/core/config/batching.py): the length-grouped order and per-micro-batch widths
-change which padding is computed, never a loss.
+"""SFT batching (tasks/core/config/batching.py): the length-grouped order, per-micro-batch widths
+and packed rows change which padding is computed, never a loss.
 
     .venv/bin/python -m pytest -q tests/test_batching.py
 """
@@ -14,7 +14,8 @@ from tasks.core.config.batching import BATCHING, PAD_MULTIPLE, BatchingSpec, mic
 from tasks.core.data.prepare import prepare
 from tasks.core.data.reader import IGNORE_INDEX, TokenDataset
 from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
-from tasks.engine.sampler import LengthGroups, ResumableSampler
+from tasks.engine.packing import block_causal_mask, model_inputs
+from tasks.engine.sampler import LengthGroups, Packs, ResumableSampler
 
 CPT, SFT = DEFAULT_CORPUS
 
@@ -113,3 +114,86 @@ def test_a_batch_narrower_than_a_row_is_refused(sft_data):
     longest = int(np.argmax(sft_data.lengths()))
     with pytest.raises(ValueError, match="more than the batch width"):
         sft_data.batch([longest], width=8)
+
+
+def test_packed_order_holds_every_conversation_once_fills_its_rows_and_resumes_bitwise():
+    lengths = np.random.RandomState(1).lognormal(np.log(300), 0.7, size=1500).astype(np.int64).clip(8, 2048)
+
+    def sampler():
+        return ResumableSampler(len(lengths), 0, 1, seed=11, group=Packs(lengths, 2048, chunk=512))
+
+    s = sampler()
+    rows = s.next_global(s.units())
+    assert s.state_dict()["epoch"] == 1 and s.state_dict()["offset"] == 0  # the epoch's units are its rows
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    assert max(int(lengths[list(r)].sum()) for r in rows) <= 2048
+    assert lengths.sum() / (len(rows) * 2048) >= 0.95  # best-fit decreasing within each chunk
+    assert sampler().next_global(len(rows)) == rows and s.next_global(len(rows)) != rows  # seeded, and each epoch its own
+    s = sampler()
+    first = [s.next_global(8) for _ in range(30)]
+    state = s.state_dict()
+    rest = [s.next_global(8) for _ in range(60)]  # into the next epoch
+    resumed = sampler()
+    resumed.load_state_dict(state)
+    assert [resumed.next_global(8) for _ in range(60)] == rest and first[0] == rows[:8]
+    bad = sampler()
+    with pytest.raises(ValueError, match="does not fit a dataset"):
+        bad.load_state_dict({**state, "offset": len(rows)})
+    assert bad.state_dict() == {"epoch": 0, "offset": 0, "seed": 11}  # a refused state changes nothing
+    with pytest.raises(ValueError, match="longer than seq_len 256"):
+        Packs(lengths, 256)
+
+
+def test_a_packed_row_restarts_positions_and_never_labels_across_conversations(sft_data):
+    lengths = sft_data.lengths()
+    items = [int(i) for i in np.argsort(lengths)[:3]]
+    width = int(lengths[items].sum()) + 5
+    b = sft_data.batch_packed([items], width=width)
+    seg, pos, labels = b["segment_ids"][0], b["position_ids"][0], b["labels"][0]
+    starts = np.concatenate([[0], np.cumsum(lengths[items])[:-1]])
+    assert seg.tolist() == [s + 1 for s, i in enumerate(items) for _ in range(int(lengths[i]))] + [0] * 5
+    assert all(pos[a] == 0 for a in starts) and pos[starts[1] - 1] == lengths[items[0]] - 1
+    assert all(labels[a] == IGNORE_INDEX for a in starts)
+    one = sft_data.batch([items[1]])
+    k = int(lengths[items[1]])
+    assert (b["input_ids"][0, starts[1] : starts[1] + k] == one["input_ids"][0, :k]).all()
+    assert (labels[starts[1] + 1 : starts[1] + k] == one["labels"][0, 1:k]).all()
+    with pytest.raises(ValueError, match="more than the batch width"):
+        sft_data.batch_packed([items], width=width - 6)
+    mask = block_causal_mask(torch.tensor([[1, 1, 2, 2, 0]]), torch.float32)[0, 0]
+    sees = (mask == 0).int().tolist()
+    assert sees == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 0, 1]]
+    assert "attention_mask" not in model_inputs({k: torch.from_numpy(v) for k, v in b.items()}, "flash_attention_2", torch.bfloat16)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_per_token_loss_of_a_packed_row_equals_the_padded_rows(sft_data, tiny_model_dir, attn):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32, attn_implementation=attn).eval()
+    assert model.config._attn_implementation == attn
+    lengths = sft_data.lengths()
+    rows = Packs(lengths, sft_data.seq_len).order(torch.randperm(sft_data.num_items, generator=torch.Generator().manual_seed(0)), torch.Generator().manual_seed(1))
+    packed_rows = [r for r in rows if len(r) >= 3][:2]  # rows of three or more conversations
+    assert len(packed_rows) == 2
+    width = micro_width(max(int(lengths[list(r)].sum()) for r in packed_rows), sft_data.seq_len, BATCHING["packed"], pipeline=False)
+    b = model_inputs({k: torch.from_numpy(v) for k, v in sft_data.batch_packed(packed_rows, width=width).items()}, attn, torch.float32)
+    with torch.no_grad():
+        logits = model(**b).logits
+    got, want = [], []
+    for r, items in enumerate(packed_rows):
+        at = 0
+        for i in items:
+            k = int(lengths[i])
+            lab = b["labels"][r, at + 1 : at + k]
+            keep = lab != IGNORE_INDEX
+            got.append(torch.nn.functional.cross_entropy(logits[r, at : at + k - 1][keep], lab[keep], reduction="none"))
+            at += k
+        want += _per_token_losses(model, sft_data.batch(list(items)))
+    for a, w in zip(got, want, strict=True):
+        assert len(a) == len(w) > 0
+        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5)
+    # The packed micro-batch's loss is the mean over the same labelled tokens.
+    flat = torch.cat(want)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**b).loss, flat.mean(), rtol=1e-5, atol=1e-6)

@@ -125,5 +125,7 @@ def test_launch_smoke():
 def test_sft_efficiency_smoke():
     out = smoke([PY, "benchmarks/sft_efficiency.py", "--smoke"])
     assert "useful tokens" in out and "loss equivalence" in out, out[-3000:]
-    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in ("grouped", "padded")}
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in ("grouped", "padded", "packed")}
     assert float(rows["grouped"][1]) > float(rows["padded"][1]), out[-3000:]  # grouping computes less padding, whatever the sizes
+    assert float(rows["packed"][1]) >= float(rows["grouped"][1]), out[-3000:]
+    assert "equal per-token losses: met" in out, out[-3000:]  # exactness holds at any size

@@ -113,7 +113,8 @@ def llz(work, tiny_model_dir, tp2):
 def ddp(work, tiny_model_dir, pp2):
     hf_in = pp2["dir"] / "step-000006" / "model"
     stage_dir = work / "ddp" / "sft"
-    shard_job, train_job = _jobs(work, "ddp", "sft", DDP, hf_in, tiny_model_dir, stage_dir, grad_accum_steps=2)
+    # Packed SFT rows (several chats a row): the retry after the corruption below resumes them bitwise.
+    shard_job, train_job = _jobs(work, "ddp", "sft", DDP, hf_in, tiny_model_dir, stage_dir, grad_accum_steps=2, batching="packed", seq_len=256)
     shard = _engine("ddp reboost", "shard", shard_job)
     train = _engine("ddp train", "train", train_job)
     first_losses = train_state(stage_dir / "step-000006")["losses"]
@@ -245,6 +246,10 @@ def test_ddp_reboost_from_pp2_hf_dir_is_bitwise(ddp):
     assert got.keys() == src.keys()
     assert all(got[k].dtype == torch.float32 and torch.equal(got[k], v) for k, v in src.items())
     _assert_trains(ddp["dir"], ddp["train"], "sft")
+    # Packed: 8 rows a step (2 x 2 accumulation x 2 ranks) of seq_len 256, each holding more real
+    # tokens than two of the sample's longest chats (106 tokens), little of it padding.
+    state = train_state(ddp["dir"] / "step-000006")
+    assert state["tokens_seen"] / (6 * 8) > 2 * 106 and max(state["step_metrics"]["padding_frac"]) < 0.15, state
 
 
 def test_corrupt_newest_checkpoint_is_named_and_skipped(ddp):

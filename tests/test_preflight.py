@@ -167,6 +167,8 @@ BAD = [
     ("world-size-mismatch", _set("cpt.launch", {"nproc_per_node": 3}), "cpt.launch", "multiple of tp_size*pp_size"),
     ("zero-with-fp32", _set("sft.plugin.precision", "fp32"), "sft.plugin.precision", "fp32 is refused"),
     ("gemini-on-cpu", _set("sft.plugin", {"name": "gemini", "precision": "bf16"}), "sft.plugin.name", "needs CUDA"),
+    ("packing-under-hybrid-parallel", _all(_set("sft.plugin", HP), _set("sft.batching", "packed")), "sft.batching",
+     "packed conversations would attend to each other; pack under plugin low_level_zero, gemini, torch_ddp"),
     ("ddp-fp16-on-cpu", _set("sft.plugin", {"name": "torch_ddp", "precision": "fp16"}), "sft.plugin.precision", "needs CUDA"),
     ("pipeline-microbatches-not-dividing",
      _all(_set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 2, "num_microbatches": 4}), _set("cpt.micro_batch_size", 3), _set("cpt.grad_accum_steps", 2)),

@@ -55,9 +55,11 @@ from tasks.engine.builders import (
     uses_autocast,
 )
 from tasks.engine.faults import Injector
+from tasks.engine.packing import model_inputs
 from tasks.engine.preconditions import Job
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 def log(msg: str, all_ranks: bool = False) -> None:
@@ -222,7 +224,11 @@ class Engine:
         """One optimizer step over this rank's micro-batches (`StageData.next_batch`: each padded
         to its own width; a pipeline gets one batch, which its schedule splits)."""
         model, optimizer, booster = self.model, self.optimizer, self.booster
-        micro = [{k: v.to(self.device) for k, v in mb.items()} for mb in micro]
+        # Packed rows (sft batching `packed`): their segment ids become the attention this model's
+        # implementation needs; the mask is built in the dtype the attention computes in.
+        compute = self.autocast or _DTYPES[self.weights_dtype]
+        impl = getattr(self.config, "_attn_implementation", "eager")
+        micro = [model_inputs({k: v.to(self.device) for k, v in mb.items()}, impl, compute) for mb in micro]
         if self.pcfg.pp_size > 1:
             out = booster.execute_pipeline(
                 iter(micro), model, lambda outputs, inputs: outputs.loss, optimizer, return_loss=True, return_outputs=False

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -48,7 +49,7 @@ class StageData:
 
     def __init__(self, job: Job, dp_rank: int, dp_size: int):
         from tasks.core.data.reader import TokenDataset
-        from tasks.engine.sampler import LengthGroups, ResumableSampler
+        from tasks.engine.sampler import LengthGroups, Packs, ResumableSampler
 
         cfg = job.stage_cfg
         self.dataset = TokenDataset(job.data_dir, seq_len=cfg.seq_len)
@@ -64,7 +65,10 @@ class StageData:
         self.batching = BATCHING[cfg.batching]
         self.lengths = self.dataset.lengths()  # one offsets array per file: no token is read
         group = None
-        if self.dataset.kind == "sft" and self.batching.groups_by_length:
+        self.packs = self.dataset.kind == "sft" and self.batching.packs
+        if self.packs:
+            group = Packs(self.lengths, self.seq_len)
+        elif self.dataset.kind == "sft" and self.batching.groups_by_length:
             group = LengthGroups(self.lengths, self.per_rank * dp_size)
         self.sampler = ResumableSampler(self.num_items, dp_rank, dp_size, seed=cfg.seed, group=group)
 
@@ -76,14 +80,15 @@ class StageData:
         """This rank's micro-batches of the next global batch (a pipeline: one batch of all its rows,
         which the schedule splits), the global count of real tokens, and of computed ones (rows x
         width, padding included), the same on every rank without a collective."""
-        glob = self.sampler.next_global(self.per_rank * self.dp_size)
-        lens = self.lengths[glob]
+        glob = self.sampler.next_global(self.per_rank * self.dp_size)  # packed: rows, each a tuple of conversations
+        lens = np.array([int(self.lengths[list(u)].sum()) for u in glob]) if self.packs else self.lengths[glob]
         step = self.per_rank if self.pipeline else self.micro
         widths = [micro_width(int(lens[i : i + step].max()), self.seq_len, self.batching, self.pipeline) for i in range(0, len(glob), step)]
         first = self.dp_rank * self.per_rank // step
         mine = glob[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
+        build = self.dataset.batch_packed if self.packs else self.dataset.batch
         micro = [
-            {k: torch.from_numpy(v) for k, v in self.dataset.batch(mine[j * step : (j + 1) * step], width=widths[first + j]).items()}
+            {k: torch.from_numpy(v) for k, v in build(mine[j * step : (j + 1) * step], width=widths[first + j]).items()}
             for j in range(len(mine) // step)
         ]
         return micro, int(lens.sum()), sum(w * step for w in widths)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tasks.core.config.backends import BACKENDS
+from tasks.core.config.batching import BATCHING
 from tasks.core.config.plugins import PLUGINS, PRECISION_SPECS, PluginSpec
 from tasks.core.config.schema import StageConfig
 from tasks.core.errors import ConfigError
@@ -142,6 +143,17 @@ def _pipeline_microbatches(x: _Facts) -> list[Problem]:
     return []
 
 
+def _packing_keeps_conversations_apart(x: _Facts) -> list[Problem]:
+    # CPT blocks are whole seq_len windows of one stream: `batching` changes SFT only.
+    spec = BATCHING.get(x.stage.batching)
+    if x.where == "cpt" or spec is None or not spec.packs or not x.spec.packing_refused:
+        return []
+    ok = ", ".join(n for n, s in PLUGINS.items() if not s.packing_refused)
+    others = " or ".join(n for n, s in BATCHING.items() if not s.packs)
+    why = f"batching {spec.name} is refused under plugin {x.spec.name}: {x.spec.packing_refused}; pack under plugin {ok}, or keep {x.spec.name} with batching {others}"
+    return [(f"{x.where}.batching", why)]
+
+
 # -- batch ----------------------------------------------------------------------------------------
 
 
@@ -234,6 +246,7 @@ RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
     ("static", _world_divisible),
     ("static", _pipeline_microbatches),
     ("static", _fp16_needs_dynamic_loss_scale),
+    ("static", _packing_keeps_conversations_apart),
     ("batch", _rows_divide_microbatches),
     ("model", _tp_divides_heads),
     ("model", _tp_divides_vocab),

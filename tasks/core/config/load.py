@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from tasks.core.config.batching import peer_key_hint
 from tasks.core.config.layout import layout_problems
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.errors import ConfigError
@@ -149,6 +150,9 @@ def field_names_at(loc: tuple[Any, ...], root: type[BaseModel] = RunConfig) -> l
 def unknown_key_hint(loc: tuple[Any, ...], msg: str) -> str:
     """An unknown key's message (`msg`, pydantic's) with the nearest valid key, or else the valid ones."""
     names = field_names_at(loc[:-1])
+    peer = peer_key_hint(str(loc[-1])) if "batching" in names else None
+    if peer:
+        return f"{msg}; this project chooses it as a batching mode: set {'.'.join(str(x) for x in loc[:-1])}.{peer}"
     near = difflib.get_close_matches(str(loc[-1]), names, n=1)
     if near:
         return f"{msg}; did you mean {near[0]!r}?"

@@ -95,6 +95,10 @@ class PluginSpec:
     strict_load: bool = True  # booster.load_model(strict=True) works; else non-strict plus an exact key check
     dedupes_tied_weights: bool = True  # its checkpoint IO saves a tied tensor once by itself
     extra_meta: tuple[str, ...] = field(default=())  # PluginConfig fields recorded in manifests for this plugin only
+    # Non-empty: why this plugin's attention cannot keep packed conversations apart (sft batching
+    # `packed` is refused under it, naming this); empty: the HF model's own forward, which takes
+    # the block-diagonal mask or the restarting position ids as they are.
+    packing_refused: str = ""
 
     def zero_stage(self, configured: int) -> int:
         """The ZeRO stage the plugin really runs."""
@@ -139,6 +143,8 @@ register(PluginSpec(
     zero_stages=(0, 1),
     zero_hint="hybrid_parallel supports zero_stage 0 or 1 here; use low_level_zero for stage 2 or gemini for stage 3",
     no_sync_zero_stages=(0, 1),
+    packing_refused=("ColossalAI 0.5.0's shardformer Llama forward builds its attention from the padding mask plus causal only "
+                     "(ColoAttention.prepare_attn_kwargs on its flash-attention path), so packed conversations would attend to each other"),
 ))
 register(PluginSpec(
     name="low_level_zero",

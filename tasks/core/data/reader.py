@@ -126,6 +126,35 @@ class TokenDataset:
             attn[r, :k] = 1
         return {"input_ids": ids, "labels": labels, "attention_mask": attn}
 
+    def batch_packed(self, rows: Sequence[Sequence[int]], width: int | None = None) -> dict[str, np.ndarray]:
+        """Packed SFT rows, each holding several items back to back: {"input_ids", "labels",
+        "position_ids", "segment_ids"} as int64 arrays [len(rows), width]. Position ids restart at
+        0 with each item; segment_ids number a row's items 1, 2, ... (0 is padding), from which the
+        engine builds the attention that keeps items apart (`tasks.engine.packing`). An item's first
+        token is never a label, so no item learns from the one before it, as no padded row's first
+        token is (the causal loss predicts token t from the tokens before t)."""
+        if self.kind != "sft":
+            raise ValueError(f"packing needs sft data; {self.root} holds {self.kind} data")
+        n, L = len(rows), int(width) if width is not None else self.seq_len
+        ids = np.full((n, L), self.pad, np.int64)
+        labels = np.full((n, L), IGNORE_INDEX, np.int64)
+        pos = np.zeros((n, L), np.int64)
+        seg = np.zeros((n, L), np.int64)
+        for r, items in enumerate(rows):
+            at = 0
+            for s, i in enumerate(items, start=1):
+                x, m = self._row(i)
+                k = len(x)
+                if at + k > L:
+                    raise ValueError(f"row {r} holds {at + k} tokens with item {i}, more than the batch width {L}")
+                ids[r, at : at + k] = x
+                labels[r, at : at + k] = np.where(m, x, IGNORE_INDEX)
+                labels[r, at] = IGNORE_INDEX
+                pos[r, at : at + k] = np.arange(k)
+                seg[r, at : at + k] = s
+                at += k
+        return {"input_ids": ids, "labels": labels, "position_ids": pos, "segment_ids": seg}
+
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         return {k: v[0] for k, v in self.batch([i]).items()}
 
