@@ -16,7 +16,11 @@ What it runs, each step a time-boxed subprocess (its output goes to $OUT/gpu_che
   preflight           `python -m flows.cpt_to_sft --config gpu-check.yaml --check` is clean (on CPU:
                       exactly one problem, sft.plugin.name: gemini needs CUDA)
   plain_baseline      benchmarks/plain_colossalai_train.py under torchrun: same model, plugin, batch,
-                      seq_len and steps as the config's CPT stage, no orchestration
+                      seq_len, steps and activation checkpointing as the config's CPT stage, no
+                      orchestration, the fast kernels on as ColossalAI's own benchmark runs them; every
+                      loss finite
+  same_kernels        the flow's CPT training ran the same kernels as the plain script (both decided by
+                      tasks/core/config/kernels.py on this machine; the flow's from its @@kernels record)
   flow_kill           the flow with CPT_TO_SFT_FAULT=kill@step=K@stage=sft (K = 1.5 checkpoint
                       intervals): CPT, unshard, evaluate_cpt and reboost complete, SFT dies after step K
   flow_resume         the retry over the same run root: nothing before SFT is relaunched, SFT resumes
@@ -46,6 +50,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import shutil
 import signal
@@ -510,13 +515,17 @@ def main_check(args: argparse.Namespace) -> int:
                   "--max-norm", str(cpt["plugin"].get("max_norm", 1.0)), "--seq-len", str(cpt["seq_len"]),
                   "--micro-batch-size", str(cpt["micro_batch_size"]), "--steps", str(cpt["max_steps"]), "--lr", str(cpt["lr"]),
                   "--warmup-steps", str(cpt.get("warmup_steps", 0)), "--token-vocab", str(TOKENIZER_VOCAB)]
+    if cpt.get("activation_checkpointing"):
+        plain_argv.append("--activation-checkpointing")
     if cpt.get("grad_accum_steps", 1) != 1:
         say("   note: the plain script runs grad_accum_steps=1; the config's CPT stage accumulates")
     penv = base_env(work)
     penv.setdefault("OMP_NUM_THREADS", "1")
     p = run(ctx, "plain", plain_argv, TIMEOUTS["plain"], penv)
     plain_progress = records(p.output, "progress")
-    ctx.check("plain_baseline", p.rc == 0 and len(plain_progress) == cpt["max_steps"],
+    plain_kernels = (records(p.output, "kernels") or [{}])[0]
+    finite = all(math.isfinite(float(r["loss"])) for r in plain_progress)
+    ctx.check("plain_baseline", p.rc == 0 and len(plain_progress) == cpt["max_steps"] and finite,
               f"{len(plain_progress)} steps, last loss {plain_progress[-1]['loss']:.3f}" if plain_progress and p.rc == 0 else why(p, "no progress records"))
 
     # 4. the flow, SFT killed after step K; 5. the retry over the same run root
@@ -565,8 +574,9 @@ def main_check(args: argparse.Namespace) -> int:
     else:
         ctx.check("export_fingerprint", False, "no export/.cpt-to-sft/verification.json or final SFT checkpoint: the flow did not complete")
 
-    # 7. throughput: the flow's CPT stage vs the plain script
+    # 7. throughput: the flow's CPT stage vs the plain script, with the same kernels
     check_throughput(ctx, r1, plain_progress, mc, cpt, skip)
+    check_same_kernels(ctx, r1, plain_kernels)
 
     # 8. the GPU tests (on CPU: they must collect and skip)
     if tests is None:
@@ -733,6 +743,19 @@ def check_throughput(ctx: Ctx, r1, plain_progress, mc, cpt, skip: int) -> None:
         ctx.check("throughput", bool(ratio) and f["steps_used"] > 0 and pl["steps_used"] > 0, "dry run, parsed, not judged on CPU: " + detail)
     else:
         ctx.check("throughput", bool(ratio) and ratio >= TARGET_RATIO, detail)
+
+
+def check_same_kernels(ctx: Ctx, r1, plain: dict[str, Any]) -> None:
+    """The flow's CPT training and the plain script ran the same kernels and activation checkpointing."""
+    from tasks.core.config.kernels import describe
+
+    flow = next((r for r in r1 if r["event"] == "kernels" and r["stage"] == "cpt" and r["verb"] == "train"), {})
+    ctx.figures["kernels_used"] = {"flow": flow.get("kernels"), "plain": plain.get("kernels"),
+                                   "activation_checkpointing": [flow.get("activation_checkpointing"), plain.get("activation_checkpointing")]}
+    same = bool(flow) and flow.get("kernels") == plain.get("kernels") and flow.get("activation_checkpointing") == plain.get("activation_checkpointing")
+    ac = "on" if flow.get("activation_checkpointing") else "off"
+    ctx.check("same_kernels", same, f"{describe(flow.get('kernels') or {})}; activation checkpointing: {ac}" if same
+              else f"flow {flow.get('kernels')} (ac {flow.get('activation_checkpointing')}) vs plain {plain.get('kernels')} (ac {plain.get('activation_checkpointing')})")
 
 
 def report(ctx: Ctx, t_start: float) -> int:

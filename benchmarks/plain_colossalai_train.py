@@ -6,16 +6,34 @@
     torchrun --standalone --nproc-per-node 1 benchmarks/plain_colossalai_train.py --smoke   # CPU, seconds
 
 No Prefect, no job file, no checkpoints, no data pipeline: `from_pretrained` of the base model (fp32,
-cast by the plugin), the plugin built with the arguments `tasks/engine/builders.make_plugin` uses
-(so the comparison measures orchestration, not kernel choices), AdamW with the stage's
-hyper-parameters under a LambdaLR warm-up + cosine, and random token ids of the stage's shape
-(the data's content does not change the work). One `@@progress` line per step in the engine's
-format: tokens so far, and seconds since the loop started, stamped after the loss is read back,
-which synchronizes the device every step as the engine's loss all-reduce does.
-`benchmarks/gpu_check.py` runs this beside the flow and compares the two.
+cast by the plugin), AdamW with the stage's hyper-parameters under a LambdaLR warm-up + cosine,
+and random token ids of the stage's shape (the data's content does not change the work), with an
+all-ones attention mask as ColossalAI's own benchmark (examples/language/llama/benchmark.py) feeds.
+Configured the way that benchmark runs: the fast kernels on where the device supports them
+(shardformer's flash attention, fused norms where apex is installed; flash_attention_2 under
+torch_ddp where flash_attn is; the fused AdamW step) and, with `--activation-checkpointing`, its
+`-g`. Which ones is decided by the same registry the flow uses (`tasks/core/config/kernels.py`,
+pure data), so "flow vs plain" compares the same best use of ColossalAI: the flow's engine
+passes exactly these arguments. The kernels it ran are printed as one `@@kernels` line in the
+engine's format. One `@@progress` line per step in the engine's format: tokens so far, and seconds
+since the loop started, stamped after the loss is read back, which synchronizes the device every
+step as the engine's loss all-reduce does. `benchmarks/gpu_check.py` runs this beside the flow and
+compares the two (kernels included).
+
+The NaN loss from step 5 on the H200 run (2026-11-30) was this script's: its token ids were drawn
+uniformly from [0, 512), special tokens included, and with seed 1234 step 4's batch has a row
+starting with the pad token (id 2). The demo model's pad embedding row is zero (padding_idx), so
+that position's hidden state is exactly zero in every layer (position 0 attends only to itself);
+each RMSNorm's backward at zero multiplies the gradient by 1/sqrt(eps) = 1000, which over the 301M
+model's 20 layers overflows to inf, then NaN (inf * 0) in a matmul's backward. bf16 has no loss
+scaler to skip such a step, so the clipped NaN update reached every weight and every later loss
+was NaN. Reproduced on CPU: the 301M shape in fp32 or bf16, one row starting with the pad token,
+46 non-finite gradient tensors; the 4-layer demo model stays finite. The flow never trains on such
+a row (CPT blocks are text, SFT rows start with the chat template). Now the ids are drawn above the
+tokenizer's special tokens, and a non-finite loss stops the run naming the step, as the engine does.
 
 On a machine without CUDA (gpu_check.py --dry-run) it first applies `tasks.engine.cpu_compat`, the
-same patches the engine applies there; that is its only project import, and only on CPU.
+same patches the engine applies there; that and the kernel registry are its only project imports.
 `--smoke` (no --model needed) writes the demo's tiny random Llama to a temporary directory
 (`tasks.core.models.demo`) and runs 3 short steps of the same loop: it checks the script runs.
 """
@@ -47,6 +65,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95))
     p.add_argument("--token-vocab", type=int, default=None, help="draw token ids below this (default: the model's vocab_size)")
+    p.add_argument("--first-token-id", type=int, default=None,
+                   help="draw token ids from this one up (default: above the tokenizer's special tokens; see the docstring's NaN)")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in the backward (ColossalAI's -g)")
+    p.add_argument("--no-kernels", action="store_true", help="every fast kernel off (the registry's CPU answer), to see what they give")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--smoke", action="store_true", help="a tiny random model in a temp dir, 3 steps of 2 x 64 tokens: checks the script runs")
     args = p.parse_args(argv)
@@ -69,11 +91,22 @@ def smoke_model() -> str:
     return str(out)
 
 
-def make_plugin(args: argparse.Namespace, cuda: bool):
+def kernels(args: argparse.Namespace, cuda: bool, model_type: str | None):
+    """The kernel registry's decision for this plugin and precision on this machine: what the
+    flow's engine would switch on (tasks/engine/builders.py, tasks/engine/accel.py)."""
+    from tasks.core.config.kernels import Facts, resolve_for
+
+    facts = Facts.detect(cuda=cuda and not args.no_kernels, model_type=model_type)
+    return resolve_for(args.plugin, args.precision, facts, {}, "plain --no-kernels" if args.no_kernels else "kernels")
+
+
+def make_plugin(args: argparse.Namespace, cuda: bool, plugin_kernels: dict):
     from colossalai.booster.plugin import HybridParallelPlugin, TorchDDPPlugin
 
     if args.plugin == "torch_ddp":
         return TorchDDPPlugin()
+    # No pipeline here, so no gradient_checkpoint_config: shardformer's forward checkpoints every
+    # layer once the HF model's flag is set (main), exactly as the engine does at pp = 1.
     return HybridParallelPlugin(
         tp_size=args.tp,
         pp_size=1,
@@ -81,8 +114,9 @@ def make_plugin(args: argparse.Namespace, cuda: bool):
         precision=args.precision,
         max_norm=args.max_norm,
         overlap_communication=cuda,  # record_stream does not exist for CPU tensors
-        enable_all_optimization=False,
+        enable_all_optimization=False,  # each kernel its own flag, from the registry
         make_vocab_size_divisible_by=1,
+        **plugin_kernels,
     )
 
 
@@ -90,11 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.smoke:
         args.model = smoke_model()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import torch
 
     cuda = torch.cuda.is_available()
     if not cuda:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from tasks.engine import cpu_compat
 
         cpu_compat.apply()
@@ -111,10 +145,25 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = get_accelerator().get_current_device()
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32, use_safetensors=True)
+    from tasks.core.config.kernels import passed, record, report
+
+    model_type = json.loads((Path(args.model) / "config.json").read_text()).get("model_type")
+    states = kernels(args, cuda, model_type)
+    model, info = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32, use_safetensors=True,
+                                                       output_loading_info=True, **passed(states, "model"))
+    if any(info.values()):
+        raise SystemExit(f"{args.model}: weights do not match the model's config: {info}")
     model.train()
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     vocab = args.token_vocab or model.config.vocab_size
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay)
+    if args.first_token_id is None:
+        from transformers import AutoTokenizer
+
+        special = AutoTokenizer.from_pretrained(args.model).all_special_ids
+        args.first_token_id = max(special) + 1 if special else 0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay,
+                                  **passed(states, "optimizer"))
 
     def factor(step: int) -> float:  # linear warm-up, then cosine to 0, as the engine's default
         if step < args.warmup_steps:
@@ -123,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    plugin = make_plugin(args, cuda)
+    plugin = make_plugin(args, cuda, passed(states, "plugin"))
     booster = Booster(plugin=plugin)
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
     autocast = args.plugin == "torch_ddp" and args.precision == "bf16"
@@ -131,22 +180,26 @@ def main(argv: list[str] | None = None) -> int:
     # Every rank the same batch when dp == 1; different rows per dp rank otherwise (dp = world / tp).
     g = torch.Generator().manual_seed(args.seed + rank // args.tp)
     dp = world // args.tp
-    data = torch.randint(0, vocab, (args.steps, args.micro_batch_size, args.seq_len), generator=g)
+    data = torch.randint(args.first_token_id, vocab, (args.steps, args.micro_batch_size, args.seq_len), generator=g)
     attn = getattr(getattr(model, "unwrap", lambda: model)(), "config", None)
     if rank == 0:
         print(f"plain: {args.plugin} tp={args.tp} zero={args.zero_stage} {args.precision} on {world} rank(s), "
               f"{'CUDA ' + torch.cuda.get_device_name(0) if cuda else 'CPU'}; attention {getattr(attn, '_attn_implementation', '?')}; "
-              f"{args.steps} steps x {args.micro_batch_size} x {args.seq_len} tokens", flush=True)
+              f"{args.steps} steps x {args.micro_batch_size} x {args.seq_len} tokens, ids {args.first_token_id}..{vocab - 1}", flush=True)
+        print(f"plain: kernels: {report(states)}; activation checkpointing: {'on' if args.activation_checkpointing else 'off'}", flush=True)
+        rec = {"kernels": record(states), "activation_checkpointing": args.activation_checkpointing}
+        print(f"@@kernels {json.dumps(rec, sort_keys=True)}", flush=True)
 
     tokens = 0
     started = time.monotonic()
     for step in range(1, args.steps + 1):
         ids = data[step - 1].to(device)
+        batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False)
         if autocast:
             with torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss = model(**batch).loss
         else:
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss = model(**batch).loss
         booster.backward(loss, optimizer)
         if args.plugin == "torch_ddp" and args.max_norm > 0:
             optimizer.clip_grad_by_norm(args.max_norm)
@@ -154,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.zero_grad()
         scheduler.step()
         value = loss.item()
+        if not math.isfinite(value):  # what the engine does: a NaN run is not a baseline
+            raise SystemExit(f"plain: loss is {value} at step {step} (lr {scheduler.get_last_lr()[0]:.3g})")
         tokens += args.micro_batch_size * args.seq_len * dp
         if rank == 0:
             rec = {"stage": "plain", "step": step, "total": args.steps, "loss": value, "tokens": tokens,

@@ -20,7 +20,7 @@ from tasks.core.config.backends import BACKENDS
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.prepared import check_against_model, record_split, split_info
 from tasks.core.launch.torchrun import run_engine, stage_fault_env
-from tasks.core.run.events import BACKPRESSURE, CHECKPOINT
+from tasks.core.run.events import BACKPRESSURE, CHECKPOINT, KERNELS
 from tasks.core.run.job import Job, NodeStaging, Parent
 from tasks.core.run.stages import PREPARE, STAGE, TRAIN_STATE, TRAINING, is_step_name, job_file, loss_curve_rel, step_medians
 from tasks.core.storage.fs import RunStore
@@ -143,6 +143,8 @@ def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.Tra
             tracking.publish_tensorboard(store, stage)
         elif kind == BACKPRESSURE:
             progress.backpressure(record)
+        elif kind == KERNELS:
+            progress.kernels(record)
 
     failed = True
     try:

@@ -29,6 +29,8 @@ from prefect.artifacts import (
 )
 from prefect.events import emit_event
 
+from tasks.core.config.kernels import describe
+
 STAGES_KEY = "cpt-to-sft-stages"
 
 
@@ -59,7 +61,8 @@ class Progress:
     stage's MLflow run) are appended to the description, which the UI renders as markdown.
     `backpressure(record)` (an @@backpressure record) logs a warning and, while the engine waits
     for uploads, appends `waiting for N upload(s)` to the description, so the UI says why the bar
-    stopped.
+    stopped. `kernels(record)` (the launch's @@kernels record) adds what it runs with, e.g.
+    `kernels: flash attention: off: no CUDA; …; activation checkpointing: on`.
     """
 
     def __init__(self, stage: str, total: int, min_interval: float = 2.0, links: dict[str, str] | None = None):
@@ -70,6 +73,7 @@ class Progress:
         self._pending: dict[str, Any] | None = None
         self._last_record: dict[str, Any] = {"step": 0}
         self._waiting = ""
+        self._kernels = ""
         try:
             self._id = create_progress_artifact(0.0, key=_key(f"{stage}-progress"), description=f"{stage.upper()}: step 0 / {self.total}")
         except Exception as exc:
@@ -93,6 +97,11 @@ class Progress:
         if self._id is not None:
             self._send(self._pending or self._last_record)
 
+    def kernels(self, record: dict[str, Any]) -> None:
+        self._kernels = f" — kernels: {describe(record.get('kernels') or {})}; activation checkpointing: {'on' if record.get('activation_checkpointing') else 'off'}"
+        if self._id is not None:
+            self._send(self._pending or self._last_record)
+
     def flush(self) -> None:
         if self._id is not None and self._pending is not None:
             self._send(self._pending)
@@ -107,7 +116,7 @@ class Progress:
         pad = record.get("padding_frac")
         if isinstance(pad, (int, float)):
             text += f", padding {100 * pad:.1f}% of computed tokens"
-        text += self._waiting + self.links
+        text += self._waiting + self._kernels + self.links
         try:
             update_progress_artifact(self._id, min(100.0, 100.0 * step / self.total), description=text)
         except Exception as exc:

@@ -84,7 +84,7 @@ def test_gpu_check_smoke(tmp_path):
     once and resumed, beside the plain baseline) at 4 steps a stage, every check but gpu_tests reported."""
     out = smoke(["bash", "benchmarks/gpu_check.sh", "--smoke", "--work", str(tmp_path / "work")], timeout=900,
                 env={"PYTHON": PY, "GPU_CHECK_SITE": str(tmp_path / "site"), "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels"), "OUT": str(tmp_path / "out")})
-    for check in ("env", "model", "preflight", "plain_baseline", "flow_kill", "flow_resume", "sft_checkpoint", "export_fingerprint", "throughput"):
+    for check in ("env", "model", "preflight", "plain_baseline", "flow_kill", "flow_resume", "sft_checkpoint", "export_fingerprint", "throughput", "same_kernels"):
         assert f"CHECK {check}: ok" in out, out
     assert "CPT throughput, steps" in out and "flow / plain = " in out, out
     assert "RESULT: all checks ok" in out and (tmp_path / "out" / "summary.json").is_file(), out

@@ -38,6 +38,8 @@ NOTHING_RERUNS = {
     "cpt.data.tokenize.dask_address": lambda raw: raw["cpt"]["data"].update(tokenize={"dask_address": "tcp://scheduler:8786"}),
     "cpt.max_pending_publishes": lambda raw: raw["cpt"].update(max_pending_publishes=7),
     "sft.max_pending_publishes": lambda raw: raw["sft"].update(max_pending_publishes=7),
+    # recomputation: bitwise the same losses and weights (tests/test_activation_checkpointing.py)
+    "cpt.activation_checkpointing": lambda raw: raw["cpt"].update(activation_checkpointing=True),
     "tracking": lambda raw: raw.update(tracking={"mlflow": {"uri": "http://127.0.0.1:5000", "experiment": "elsewhere"}}),
     "hub": lambda raw: raw.update(hub={"repo_id": "someone/tiny", "private": False, "tags": ["x"]}),
     "gate thresholds": lambda raw: raw["gate"].update(cpt_max_ppl_increase_pct=5.0, sft_loss_must_improve=False),
@@ -47,6 +49,7 @@ RERUNS = {
     "cpt.lr": (lambda raw: raw["cpt"].update(lr=1e-3), CPT_AND_BELOW),
     "cpt.seed": (lambda raw: raw["cpt"].update(seed=7), CPT_AND_BELOW),
     "sft.seed": (lambda raw: raw["sft"].update(seed=7), SFT_AND_BELOW),
+    "sft.kernels": (lambda raw: raw["sft"].update(kernels={"flash_attention": False}), SFT_AND_BELOW),  # changes the numerics on CUDA
     "export.dtype": (lambda raw: raw["export"].update(dtype="fp32"), EXPORT_AND_BELOW),
     "cpt.eval.batch_size": (lambda raw: raw["cpt"].update(eval={"batch_size": 3}), {"evaluate_cpt"}),
     "sft.eval.dtype": (lambda raw: raw["sft"].update(eval={**raw["sft"].get("eval", {}), "dtype": "bf16"}), {"evaluate_sft"}),

@@ -183,6 +183,10 @@ def test_tp2_fp32_shard_train_checkpoints(tp2):
     assert sorted(p.name for p in d.iterdir() if p.name.startswith("step-")) == ["step-000000", "step-000006"]
     m = _assert_checkpoint(d / "step-000006", "cpt", 6, "hybrid_parallel")
     assert m["meta"]["final_loss"] == losses[-1] and m["meta"]["dp_size"] == 1
+    # What ran, recorded: on CPU every kernel off with its reason, no activation checkpointing.
+    assert m["meta"]["kernels"] == dict.fromkeys(("flash_attention", "fused_normalization", "jit_fused", "fused_optimizer"), "off: no CUDA")
+    assert m["meta"]["activation_checkpointing"] is False
+    assert "kernels: flash attention: off: no CUDA;" in tp2["train"].output
     rng = json.loads((d / "step-000006" / "rng" / "rank-00001.json").read_text())
     assert set(rng) == {"rank", "python", "numpy"} and rng["rank"] == 1
     # The fingerprint (live tp=2 model, vocab shards gathered) matches plain transformers on model/.

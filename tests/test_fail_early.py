@@ -149,7 +149,7 @@ def test_every_fp16_plugin_is_built_with_the_dynamic_loss_scale(tmp_path):
     from tasks.core.config.layout import ParallelLayout
     from tasks.core.config.plugins import LOSS_SCALE, PLUGINS
     from tasks.core.config.schema import PluginConfig, StageConfig
-    from tasks.engine.builders import BUILDERS, booster_mixed_precision, loss_scale_kwargs
+    from tasks.engine.builders import booster_mixed_precision, build_plugin, loss_scale_kwargs
 
     assert all(spec.loss_scale == "dynamic" for spec in PLUGINS.values())
     want = dataclasses.asdict(LOSS_SCALE)
@@ -164,7 +164,7 @@ def test_every_fp16_plugin_is_built_with_the_dynamic_loss_scale(tmp_path):
             p = PluginConfig(name=name, precision="fp16", zero_stage=2 if name == "low_level_zero" else 0)
             stage = StageConfig.model_construct(plugin=p, grad_accum_steps=1)
             layout = ParallelLayout(name, 1, 1, 1, 1, PLUGINS[name].zero_stage(p.zero_stage), "fp16", 1)
-            built = BUILDERS[name](p, stage, layout, True)
+            built = build_plugin(p, stage, layout, True)
             got = getattr(built, attr)
             assert {k: got[k] for k in want} == want, (name, got)
     finally:

@@ -28,6 +28,10 @@ CUBLAS_WORKSPACE_CONFIG); the engine itself runs unchanged.
 - export: A's final Gemini checkpoint through `build_hf_dir` (the export stage's code): fingerprint
   match, tensors bitwise the checkpoint's cast to bf16, logits of plain transformers on the GPU within 1e-2 of
   the fingerprint the engine took under Gemini.
+- kernels: a CPT stage under hybrid_parallel bf16 with the registry's kernels on (its default on CUDA)
+  and activation checkpointing: shard, then 4 steps resumed from step 0 (the fused AdamW state the
+  shard verb materialized loads back); every checkpoint manifest records what ran: shardformer flash
+  attention and the fused AdamW on, the others off with their reasons.
 """
 
 from __future__ import annotations
@@ -246,6 +250,35 @@ def test_gemini_save_load_round_trip_is_bitwise(work, dropout_model_dir):
     assert any(n.startswith("model/") for n in tensors) and FINGERPRINT_FILE in tensors, tensors
     differ = [n for n in tensors if not _same(_load_any(first / n), _load_any(second / n))]
     assert differ == [], f"not bitwise equal after save -> load -> save under Gemini: {differ}"
+
+
+# ------------------------------------------------------------------------------------------------
+# the fast kernels, on by default on CUDA
+
+
+def test_a_stage_runs_with_the_kernels_on_and_its_manifests_record_them(work, dropout_model_dir):
+    from tasks.core.config.kernels import Facts, resolve_for
+    from tasks.engine.checkpoint import check_checkpoint
+
+    section = stage_raw("cpt", {"name": "hybrid_parallel", "precision": "bf16"}, launch={"nproc_per_node": 1}, max_steps=4,
+                        checkpoint_every=2, activation_checkpointing=True)
+    d = work / "kernels" / "cpt"
+    common = dict(stage="cpt", stage_cfg=section, model_dir=dropout_model_dir, stage_dir=d)
+    shard = engine("shard", write_job(work / "jobs" / "kernels-shard.json", verb="shard", **common), nproc=1, timeout=FIRST_LAUNCH_TIMEOUT)
+    train = engine("train", write_job(work / "jobs" / "kernels-train.json", verb="train", **common), nproc=1)
+    want = resolve_for("hybrid_parallel", "bf16", Facts.detect(cuda=True, model_type="llama"))
+    assert want["flash_attention"].reason == "on (shardformer)" and want["fused_optimizer"].reason == "on (torch AdamW fused)"
+    for step in (0, 2, 4):
+        meta = check_checkpoint(d / f"step-{step:06d}", step, "cpt", "0" * 64)["meta"]
+        # what ran is what the registry decides here: a kernel that failed to load would say so instead
+        assert meta["kernels"] == {n: s.reason for n, s in want.items()}, meta["kernels"]
+        assert meta["activation_checkpointing"] is True
+    assert meta["kernels"]["jit_fused"] == "off: ColossalAI 0.5.0's llama policy has no shardformer JIT fused ops"
+    for run in (shard, train):
+        assert "kernels: flash attention: on (shardformer);" in run.output and "activation checkpointing: on" in run.output
+        assert "failed to load" not in run.output, run.output[-3000:]
+    losses = train_state(d / "step-000004")["losses"]
+    assert len(losses) == 4 and all(x == x and x < 20 for x in losses), losses
 
 
 # ------------------------------------------------------------------------------------------------

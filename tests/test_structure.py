@@ -237,7 +237,10 @@ def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
     spec = plugins.PluginSpec(name="dummy_zero", summary="a test plugin", zero_stages=(1,), zero_hint="dummy_zero needs zero_stage 1",
                               no_sync_zero_stages=(), casts_model=False, strict_load=False, dedupes_tied_weights=False)
     plugins.register(spec)
-    engine_plugins.BUILDERS["dummy_zero"] = lambda p, st, layout, cuda: built.append((p.name, layout.dp)) or "plugin-object"
+    engine_plugins.BUILDERS["dummy_zero"] = engine_plugins.Builder(
+        factory=lambda **kw: built.append(kw) or "plugin-object",
+        kwargs=lambda p, st, layout, cuda: {"stage": p.zero_stage, "dp": layout.dp},
+    )
     try:
         raw = tiny_config_raw(Path("/m"), Path("/r"))
         raw["sft"]["plugin"] = {"name": "dummy_zero", "zero_stage": 1, "precision": "bf16"}
@@ -253,7 +256,7 @@ def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
             raw["sft"]["plugin"] = {"name": "dummy_zero", "zero_stage": 1, "precision": "bf16", "tp_size": 2}
             parse_config(raw)
         assert engine_plugins.make_plugin(cfg.sft.plugin, cfg.sft, stage="sft", cuda=False) == "plugin-object"
-        assert built == [("dummy_zero", 2)]
+        assert built == [{"stage": 1, "dp": 2}]  # no kernel applies to it: only its own arguments
     finally:
         plugins.PLUGINS.pop("dummy_zero", None)
         engine_plugins.BUILDERS.pop("dummy_zero", None)

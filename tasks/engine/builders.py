@@ -10,17 +10,25 @@ What works on CPU (gloo, with `tasks.engine.cpu_compat`), measured with colossal
 hybrid_parallel tp=2 / pp=2 (fp32, bf16), hybrid_parallel zero_stage=1 (bf16),
 low_level_zero stage 1/2 (bf16), torch_ddp (fp32, bf16 via torch.autocast). Gemini boosts and
 saves on CPU, but every forward asserts that its chunks live on CUDA, so it is refused up front.
+
+A plugin is its `BUILDERS` row (`Builder`: the class, and a function of the config giving its
+arguments) plus the flags of the kernels that are on (`tasks.core.config.kernels`, via "plugin");
+`plugin_kwargs` computes them all without constructing the plugin:
+
+    python -c "from tasks.engine.builders import plugin_kwargs; from tasks.core.config.kernels import Facts, resolve; from tasks.core.config.layout import ParallelLayout; from tasks.core.config.schema import StageConfig, PluginConfig; st = StageConfig.model_construct(plugin=PluginConfig(name='hybrid_parallel'), kernels={}, activation_checkpointing=False, grad_accum_steps=1); print(plugin_kwargs(st.plugin, st, ParallelLayout('hybrid_parallel', 1, 1, 1, 1, 0, 'bf16', 1), True, resolve(st, 'cpt', Facts(cuda=True))))"
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tasks.core.config.kernels import Facts, KernelState, passed, resolve
 from tasks.core.config.layout import ParallelLayout, layout_problems, num_microbatches
 from tasks.core.config.plugins import LOSS_SCALE, PRECISION_SPECS, spec_of
 from tasks.core.config.schema import PluginConfig, StageConfig
@@ -28,8 +36,10 @@ from tasks.core.errors import ConfigError
 
 __all__ = [
     "BUILDERS",
+    "Builder",
     "Layout",
     "booster_mixed_precision",
+    "build_plugin",
     "can_no_sync",
     "check_model",
     "check_supported",
@@ -37,7 +47,9 @@ __all__ = [
     "loss_scale_kwargs",
     "make_plugin",
     "num_microbatches",
+    "plugin_kwargs",
     "plugin_meta",
+    "stage_kernels",
     "uses_autocast",
 ]
 
@@ -73,9 +85,7 @@ def loss_scale_kwargs(p: PluginConfig) -> dict[str, Any]:
     return dataclasses.asdict(LOSS_SCALE)
 
 
-def _hybrid_parallel(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool):
-    from colossalai.booster.plugin import HybridParallelPlugin
-
+def _hybrid_parallel(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         tp_size=p.tp_size,
         pp_size=p.pp_size,
@@ -84,7 +94,8 @@ def _hybrid_parallel(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLa
         max_norm=p.max_norm,
         # ZeRO's overlapped reduction calls Tensor.record_stream, which CPU tensors lack.
         overlap_communication=cuda,
-        # Fused kernels and flash attention need CUDA builds; the plain HF modules are exact.
+        # Each shardformer kernel is its own flag, set from the kernel registry (kernel_kwargs):
+        # enable_all_optimization would also switch on sequence overlap and ignore what is installed.
         enable_all_optimization=False,
         # No vocabulary padding: ColossalAI 0.5.0 pads embeddings/LM head to a multiple of
         # 64*tp by default, and then cannot save the optimizer state of the padded rows
@@ -96,48 +107,92 @@ def _hybrid_parallel(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLa
     )
     if p.pp_size > 1:
         kwargs.update(num_microbatches=layout.num_microbatches, pp_style="1f1b")
-    return HybridParallelPlugin(**kwargs)
+        if stage_cfg.activation_checkpointing:
+            # Shardformer's Llama/Qwen2 forwards checkpoint the decoder layers when the HF model's
+            # gradient_checkpointing flag is set (accel.checkpoint_activations); with a pipeline this
+            # config says how many of each stage's layers: all. Without a pipeline the forward reads
+            # it through the stage manager, which is None there (AttributeError in 0.5.0), so it is
+            # passed only with pp > 1; every layer is checkpointed either way.
+            from colossalai.shardformer import PipelineGradientCheckpointConfig
+
+            kwargs["gradient_checkpoint_config"] = PipelineGradientCheckpointConfig(gradient_checkpointing_ratio=1.0)
+    return kwargs
 
 
-def _low_level_zero(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool):
-    from colossalai.booster.plugin import LowLevelZeroPlugin
-
-    return LowLevelZeroPlugin(stage=p.zero_stage, precision=p.precision, max_norm=p.max_norm, overlap_communication=cuda, **loss_scale_kwargs(p))  # record_stream again
+def _low_level_zero(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
+    return dict(stage=p.zero_stage, precision=p.precision, max_norm=p.max_norm, overlap_communication=cuda, **loss_scale_kwargs(p))  # record_stream again
 
 
-def _torch_ddp(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool):
-    from colossalai.booster.plugin import TorchDDPPlugin
-
-    return TorchDDPPlugin()
+def _torch_ddp(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
+    return {}
 
 
-def _gemini(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool):
-    from colossalai.booster.plugin import GeminiPlugin
-
-    return GeminiPlugin(
+def _gemini(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
+    return dict(
         precision=p.precision, placement_policy=p.placement_policy, max_norm=p.max_norm,
         enable_gradient_accumulation=stage_cfg.grad_accum_steps > 1, **loss_scale_kwargs(p),
     )
 
 
-Builder = Callable[[PluginConfig, StageConfig, ParallelLayout, bool], Any]
+@dataclass(frozen=True)
+class Builder:
+    """How one registry row's plugin is built: its class and its arguments, apart, so the arguments
+    can be computed (and tested) without constructing the plugin or a process group."""
+
+    factory: str | Callable[..., Any]  # "module:Class", imported when the plugin is built; or a callable
+    kwargs: Callable[[PluginConfig, StageConfig, ParallelLayout, bool], dict[str, Any]]
+
+
 BUILDERS: dict[str, Builder] = {
-    "hybrid_parallel": _hybrid_parallel,
-    "low_level_zero": _low_level_zero,
-    "torch_ddp": _torch_ddp,
-    "gemini": _gemini,
+    "hybrid_parallel": Builder("colossalai.booster.plugin:HybridParallelPlugin", _hybrid_parallel),
+    "low_level_zero": Builder("colossalai.booster.plugin:LowLevelZeroPlugin", _low_level_zero),
+    "torch_ddp": Builder("colossalai.booster.plugin:TorchDDPPlugin", _torch_ddp),
+    "gemini": Builder("colossalai.booster.plugin:GeminiPlugin", _gemini),
 }
 
 
-def make_plugin(plugin_cfg: PluginConfig, stage_cfg: StageConfig, stage: str = "stage", cuda: bool | None = None):
-    """Build the ColossalAI plugin for this stage. Needs an initialized process group."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    check_supported(plugin_cfg, stage, cuda)
-    layout = ParallelLayout.of(stage_cfg, stage, cuda=cuda, tiers=("static", "batch", "device"))
+def stage_kernels(stage_cfg: StageConfig, stage: str, cuda: bool, model_type: str | None = None) -> dict[str, KernelState]:
+    """The registry's decision for this stage on this machine (installed packages looked up, nothing loaded)."""
+    return resolve(stage_cfg, stage, Facts.detect(cuda=cuda, model_type=model_type))
+
+
+def plugin_kwargs(plugin_cfg: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool,
+                  kernels: Mapping[str, KernelState], stage: str = "stage") -> dict[str, Any]:
+    """Every argument the plugin is built with: its builder's, plus the flags of the kernels that
+    are on and pass through the plugin (`tasks.core.config.kernels`, via "plugin")."""
+    builder = _builder(plugin_cfg, stage)
+    return {**builder.kwargs(plugin_cfg, stage_cfg, layout, cuda), **passed(kernels, "plugin")}
+
+
+def _builder(plugin_cfg: PluginConfig, stage: str) -> Builder:
     builder = BUILDERS.get(plugin_cfg.name)
     if builder is None:
         raise ConfigError([(f"{stage}.plugin.name", f"plugin {plugin_cfg.name!r} is registered but the engine has no builder for it (tasks/engine/builders.py BUILDERS)")])
-    return builder(plugin_cfg, stage_cfg, layout, cuda)
+    return builder
+
+
+def build_plugin(plugin_cfg: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool,
+                 kernels: Mapping[str, KernelState] | None = None, stage: str = "stage"):
+    """The plugin object from `plugin_kwargs`. Needs an initialized process group."""
+    builder = _builder(plugin_cfg, stage)
+    factory = builder.factory
+    if isinstance(factory, str):
+        module, _, name = factory.partition(":")
+        factory = getattr(importlib.import_module(module), name)
+    return factory(**plugin_kwargs(plugin_cfg, stage_cfg, layout, cuda, kernels or {}, stage))
+
+
+def make_plugin(plugin_cfg: PluginConfig, stage_cfg: StageConfig, stage: str = "stage", cuda: bool | None = None,
+                kernels: Mapping[str, KernelState] | None = None):
+    """Build the ColossalAI plugin for this stage. Needs an initialized process group. `kernels`:
+    the stage's kernels as the engine loaded them (`tasks.engine.accel`); None resolves them here."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    check_supported(plugin_cfg, stage, cuda)
+    layout = ParallelLayout.of(stage_cfg, stage, cuda=cuda, tiers=("static", "batch", "device"))
+    _builder(plugin_cfg, stage)
+    if kernels is None:
+        kernels = stage_kernels(stage_cfg, stage, cuda)
+    return build_plugin(plugin_cfg, stage_cfg, layout, cuda, kernels, stage)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ compiled CPU-Adam / fused-Adam kernels: here (colossalai 0.5.0 installed --no-de
 built) `HybridAdam(...)` fails with "No usable kernel found for CPUAdamLoader". The plugins wrap
 any torch optimizer (mixed-precision master weights, ZeRO sharding, gradient clipping) and AdamW's state
 round-trips exactly through ColossalAI's optimizer checkpoints. One parameter group; weight decay
-applies to every parameter.
+applies to every parameter. On CUDA AdamW takes `fused=True` where the kernel registry has it on
+(`fused_optimizer`, tasks/core/config/kernels.py); its state has the same format (step on the device).
 
 LR schedule: `torch.optim.lr_scheduler.LambdaLR` with a plain function (linear warm-up, then
 cosine/linear decay to min_lr, or constant): one scheduler, one state format (numbers only, so
@@ -37,11 +38,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tasks.core.config.kernels import record as kernel_record
 from tasks.core.config.plugins import spec_of
 from tasks.core.errors import ManifestError
 from tasks.core.models.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
 from tasks.core.run.events import CHECKPOINT, format_event
 from tasks.core.run.manifest import write_manifest
+from tasks.engine import accel
 from tasks.engine import checkpoint as ckpt
 from tasks.engine import node_staging
 from tasks.engine.backpressure import wait_for_publishes
@@ -99,14 +102,15 @@ def make_scheduler(optimizer, stage_cfg):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def make_optimizer(model: torch.nn.Module, stage_cfg, plugin_name: str) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, stage_cfg, plugin_name: str, **kernels: Any) -> torch.optim.Optimizer:
+    """`kernels`: AdamW arguments of the kernels that are on (accel.optimizer_kwargs: fused=True)."""
     kw = dict(lr=stage_cfg.lr, betas=tuple(stage_cfg.betas), weight_decay=stage_cfg.weight_decay)
     if spec_of(plugin_name).optimizer == "hybrid_adam":
         # GeminiOptimizer accepts only ColossalAI's own Adam kernels (CUDA nodes build them).
         from colossalai.nn.optimizer import HybridAdam
 
         return HybridAdam(model.parameters(), adamw_mode=True, **kw)
-    return torch.optim.AdamW(model.parameters(), **kw)
+    return torch.optim.AdamW(model.parameters(), **kw, **kernels)
 
 
 class Engine:
@@ -119,7 +123,13 @@ class Engine:
         self.cfg = job.stage_cfg
         self.pcfg = self.cfg.plugin
         self.spec = spec_of(self.pcfg.name)
-        self.plugin = make_plugin(self.pcfg, self.cfg, stage=job.stage)
+        from colossalai.accelerator import get_accelerator
+
+        self.device = get_accelerator().get_current_device()
+        # Each kernel the registry has on is tried on this device first; the plugin gets those that load.
+        self.kernels = accel.load_kernels(self.cfg, job.stage, job.model_dir, torch.cuda.is_available(), self.device, dist.get_rank())
+        self.activation_checkpointing = False
+        self.plugin = make_plugin(self.pcfg, self.cfg, stage=job.stage, kernels=self.kernels)
         self.layout = layout_of(self.plugin, self.pcfg)
         self.booster = Booster(plugin=self.plugin, mixed_precision=booster_mixed_precision(self.pcfg))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -128,9 +138,6 @@ class Engine:
         self.rank_nodes: list[str] = [""] * self.world
         dist.all_gather_object(self.rank_nodes, node_staging.node_name())
         self.autocast = uses_autocast(self.pcfg)
-        from colossalai.accelerator import get_accelerator
-
-        self.device = get_accelerator().get_current_device()
         self.model = self.optimizer = self.scheduler = None
         self.config = None
         self.clip_norm = None
@@ -141,13 +148,17 @@ class Engine:
         """The HF model with its weights (safetensors only), fp32; the plugin casts it."""
         from transformers import AutoModelForCausalLM
 
-        model, info = AutoModelForCausalLM.from_pretrained(
-            str(self.job.model_dir),
-            torch_dtype=torch.float32,
-            use_safetensors=True,
-            trust_remote_code=self.job.trust_remote_code,
-            output_loading_info=True,
-        )
+        def build(**kernels):  # attn_implementation where a kernel is on (accel.load_model)
+            return AutoModelForCausalLM.from_pretrained(
+                str(self.job.model_dir),
+                torch_dtype=torch.float32,
+                use_safetensors=True,
+                trust_remote_code=self.job.trust_remote_code,
+                output_loading_info=True,
+                **kernels,
+            )
+
+        self.kernels, (model, info) = accel.load_model(self.kernels, build, self.rank)
         problems = {k: v for k, v in info.items() if v}
         if problems:
             raise ManifestError(f"{self.job.model_dir}: weights do not match the model's config: {problems}")
@@ -159,7 +170,9 @@ class Engine:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.config = AutoConfig.from_pretrained(str(self.job.model_dir), trust_remote_code=self.job.trust_remote_code)
-        return AutoModelForCausalLM.from_config(self.config, torch_dtype=torch.float32, trust_remote_code=self.job.trust_remote_code)
+        self.kernels, model = accel.load_model(self.kernels, lambda **kernels: AutoModelForCausalLM.from_config(
+            self.config, torch_dtype=torch.float32, trust_remote_code=self.job.trust_remote_code, **kernels), self.rank)
+        return model
 
     def boost(self, model: torch.nn.Module) -> None:
         cfg = self.cfg
@@ -167,9 +180,11 @@ class Engine:
         model.train()
         if not self.spec.dedupes_tied_weights and getattr(model.config, "tie_word_embeddings", False):
             _save_tied_once(model)
-        optimizer = make_optimizer(model, cfg, self.pcfg.name)
+        self.activation_checkpointing = accel.checkpoint_activations(model, cfg, self.job.stage)  # before the plugin wraps it
+        optimizer = make_optimizer(model, cfg, self.pcfg.name, **accel.optimizer_kwargs(self.kernels))
         scheduler = make_scheduler(optimizer, cfg)
         self.model, self.optimizer, _, _, self.scheduler = self.booster.boost(model, optimizer, lr_scheduler=scheduler)
+        accel.announce(self.kernels, self.activation_checkpointing, self.rank)
 
     def materialize_optimizer_state(self) -> None:
         """Create AdamW's zero state now instead of at the first step.
@@ -197,12 +212,13 @@ class Engine:
         # asserts numel == shard size) and the first step (multi_tensor_adam: Size mismatch).
         ranges = getattr(self.optimizer, "param_to_range", None)
         for group in inner.param_groups:
-            if group.get("amsgrad") or group.get("fused") or group.get("capturable"):
-                raise ValueError("materialize_optimizer_state mirrors plain AdamW only (no amsgrad/fused/capturable)")
+            if group.get("amsgrad") or group.get("capturable"):
+                raise ValueError("materialize_optimizer_state mirrors AdamW without amsgrad/capturable only")
             for p in group["params"]:
                 state = inner.state[p]
                 if len(state) == 0:
-                    state["step"] = zero_step()
+                    # fused AdamW keeps its step on the parameter's device in float32 (torch's _init_group)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if group.get("fused") else zero_step()
                     if ranges is not None and p in ranges:
                         begin, end = ranges[p]
                         state["exp_avg"] = torch.zeros(end - begin, dtype=torch.float32, device=p.device)
@@ -331,6 +347,9 @@ class Engine:
                 "architectures": getattr(self.config, "architectures", None),
                 "model_format": "hf-safetensors-sharded",
                 "optimizer": type(getattr(self.optimizer, "optim", self.optimizer)).__name__,
+                # What ran, not what was asked: each kernel's reason (a failed load included).
+                "kernels": kernel_record(self.kernels),
+                "activation_checkpointing": self.activation_checkpointing,
             }
             parent = job.parent.model_dump() if job.parent is not None else None
             write_manifest(tmp, kind=ckpt.KIND, meta=meta, parent=parent, config_digest=job.config_digest, fingerprint=fp, other_files=elsewhere)

@@ -20,6 +20,9 @@ from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, model_va
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.base import Frozen
 from tasks.core.config.batching import BATCHING
+from tasks.core.config.kernels import names as kernel_names
+from tasks.core.config.kernels import summaries as kernel_summaries
+from tasks.core.config.kernels import unknown as unknown_kernels
 from tasks.core.config.plugins import PLUGINS, Precision
 from tasks.core.config.slurm import SlurmConfig
 from tasks.core.config.tracking import TrackingConfig
@@ -165,7 +168,28 @@ def _registered_batching(name: str) -> str:
 
 
 BatchingName = Annotated[str, AfterValidator(_registered_batching), WithJsonSchema({"type": "string", "enum": None})]
-_stage_schema = _registry_enum("batching", BATCHING, "How SFT conversations fill each micro-batch (CPT blocks are always full): ")
+_batching_schema = _registry_enum("batching", BATCHING, "How SFT conversations fill each micro-batch (CPT blocks are always full): ")
+
+
+def _registered_kernels(switches: dict[str, bool]) -> dict[str, bool]:
+    bad = unknown_kernels(switches)
+    if bad:
+        raise ValueError(f"unknown kernel(s) {', '.join(map(repr, bad))}; registered kernels: {', '.join(kernel_names())} (tasks/core/config/kernels.py)")
+    return switches
+
+
+KernelSwitches = Annotated[dict[str, bool], AfterValidator(_registered_kernels)]
+
+
+def _stage_schema(schema: dict[str, Any]) -> None:
+    """The batching enum, and the kernel names the `kernels` mapping takes (read from the registry
+    when the schema is rendered, like the registry enums)."""
+    _batching_schema(schema)
+    prop = schema["properties"]["kernels"]
+    prop["propertyNames"] = {"enum": list(kernel_names())}
+    prop["description"] = ("Fast kernels this stage may use: each is on where the device and the installed packages support it "
+                           "(never without CUDA) unless switched off here, e.g. {flash_attention: false}; "
+                           + "; ".join(f"{n} ({s})" for n, s in kernel_summaries().items()) + ".")
 
 
 class StageConfig(Frozen):
@@ -181,6 +205,12 @@ class StageConfig(Frozen):
     grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches accumulated per optimizer step (pipeline micro-batches when pp_size > 1).")
     seq_len: int = Field(ge=8, description="Tokens per sequence (CPT packing block, SFT truncation length).")
     batching: BatchingName = Field(default="grouped", description="How SFT conversations fill each micro-batch (see tasks/core/config/batching.py).")
+    kernels: KernelSwitches = Field(default_factory=dict, description=(
+        "Switch fast kernels off for this stage ({name: false}); every registered kernel is on where the device and installed "
+        "packages support it, off without CUDA (see tasks/core/config/kernels.py). true is the default, not a demand."))
+    activation_checkpointing: bool = Field(default=False, description=(
+        "Recompute each decoder layer's activations in the backward pass instead of keeping them: far less activation memory "
+        "for about one more forward pass of compute; the losses are the same. Not part of the stage's digest (see tasks/core/run/stages.py)."))
     lr: float = Field(gt=0, description="Peak learning rate.")
     min_lr: float = Field(default=0.0, ge=0, description="Final learning rate of the cosine/linear schedule.")
     warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up steps.")

@@ -3,7 +3,8 @@
     python -c "from tasks.core.hub.card import usage_snippet; print(usage_snippet('org/name'))"
 
 Everything in it is read from the run's records, never recomputed: hyperparameters from the
-config, steps/tokens/losses from each stage's final checkpoint (`train_state.json`), data sha256
+config, steps/tokens/losses from each stage's final checkpoint (`train_state.json`), the kernels
+and activation checkpointing that ran from that checkpoint's manifest, data sha256
 and split sizes from the split records, evaluation from run.json's metrics, framework versions
 and the weight proof from the export manifest. A re-push of a finished run renders the same card.
 """
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tasks.core.config.kernels import describe
 from tasks.core.config.schema import RunConfig
 from tasks.core.evaluation.heldout import eval_results_for_card, metrics_table
 from tasks.core.hub.repo import hub_dataset_id, is_hub_id
@@ -26,11 +28,13 @@ STAGES = ("cpt", "sft")
 
 def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[str], str] | None = None) -> dict[str, dict]:
     """Per training stage: steps, final loss, tokens seen and the data split, from this run's
-    results or the final checkpoint's `train_state.json` and the stage's split record."""
+    results or the final checkpoint's `train_state.json` and the stage's split record; the kernels
+    and activation checkpointing that ran, from that checkpoint's manifest."""
     facts = {}
     for stage in STAGES:
         steps = getattr(cfg, stage).max_steps
-        fact: dict[str, Any] = {"steps": steps, "final_loss": None, "tokens_seen": None, "split": None, "medians": {}}
+        fact: dict[str, Any] = {"steps": steps, "final_loss": None, "tokens_seen": None, "split": None, "medians": {},
+                                "kernels": None, "activation_checkpointing": None}
         r = results.get(f"train_{stage}")
         if r is not None and r.detail.get("final_loss") is not None:
             fact["final_loss"] = float(r.detail["final_loss"])
@@ -48,12 +52,22 @@ def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[st
                 fact["split"] = json.loads(read_text(split_rel(stage)))
             except Exception:
                 pass
+            try:
+                meta = json.loads(read_text(f"{TRAINING[stage].step(steps)}/{MANIFEST}")).get("meta") or {}
+                fact["kernels"], fact["activation_checkpointing"] = meta.get("kernels"), meta.get("activation_checkpointing")
+            except Exception:
+                pass
         facts[stage] = fact
     return facts
 
 
 def _median(facts: dict[str, dict], stage: str, key: str) -> float | None:
     return (facts.get(stage, {}).get("medians") or {}).get(key)
+
+
+def _kernels(facts: dict[str, dict], stage: str) -> str:
+    recorded = facts.get(stage, {}).get("kernels")
+    return "n/a" if recorded is None else describe(recorded).replace("|", "/")
 
 
 def _pct(value: float | None) -> str:
@@ -141,6 +155,8 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
         "median real tokens/s": lambda s: _num(_median(facts, s, "tokens_per_s"), "{:.1f}"),
         "median padding (share of computed tokens)": lambda s: _pct(_median(facts, s, "padding_frac")),
         "median MFU": lambda s: _pct(_median(facts, s, "mfu")),
+        "kernels": lambda s: _kernels(facts, s),
+        "activation checkpointing": lambda s: {True: "on", False: "off"}.get(facts.get(s, {}).get("activation_checkpointing"), "n/a"),
         "seed": lambda s: str(getattr(cfg, s).seed),
     }
     train += [f"| {name} | {fn('cpt')} | {fn('sft')} |" for name, fn in rows.items()]

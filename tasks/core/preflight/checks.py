@@ -46,6 +46,7 @@ from tasks.core.config.tracking import check_uri, redact
 from tasks.core.data.records import head_records
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import HubToken
+from tasks.core.preflight.kernels import check_kernels
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tasks.core.preflight.storage import check_base_model_links, check_paths, check_run_root, check_staging_space, estimate_local_bytes
@@ -373,6 +374,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_static_rules,
     check_layout,
     check_machine,
+    check_kernels,
     check_base_model,
     check_base_model_links,
     check_sequence_length,

@@ -30,7 +30,9 @@ PROGRESS = "progress"  # one optimizer step: stage, step, total, loss, lr, token
 CHECKPOINT = "checkpoint"  # a committed checkpoint: step, path
 # the engine waits at a save for uploads: step, state (waiting | resumed), pending, max_pending_publishes, waited_s
 BACKPRESSURE = "backpressure"
-KINDS = (PROGRESS, CHECKPOINT, BACKPRESSURE)
+# what a launch runs with, once after its plugin is built: kernels ({name: reason}), activation_checkpointing
+KERNELS = "kernels"
+KINDS = (PROGRESS, CHECKPOINT, BACKPRESSURE, KERNELS)
 # The numeric @@progress fields that are per-step metrics (TensorBoard tags, MLflow metrics).
 METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_s", "peak_mem_bytes", "mfu", "tokens", "computed_tokens", "padding_frac")
 
