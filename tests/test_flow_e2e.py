@@ -94,13 +94,14 @@ def scenario(prefect_harness, eos_doc_end_model, tmp_path_factory):
             mp.setattr(tasks.train, "run_engine", launches)
             events = Events(tasks.ui.stage_event)
             mp.setattr(tasks.ui, "stage_event", events)
+            hashed = _count_hashes(mp)
             mp.setenv("CPT_TO_SFT_FAULT", fault) if fault else mp.delenv("CPT_TO_SFT_FAULT", raising=False)
             err = io.StringIO()
             with contextlib.redirect_stderr(err):
                 rc = main(["--config", str(cfg)])
             summary = json.loads((run_root / "run.json").read_text())
             last = [x for x in err.getvalue().splitlines() if x.strip()][-1:] or [""]
-            runs.append({"rc": rc, "launches": launches.calls, "summary": summary, "events": events.calls, "last_line": last[0]})
+            runs.append({"rc": rc, "launches": launches.calls, "summary": summary, "events": events.calls, "last_line": last[0], "hashed": list(hashed)})
             mp.setattr(tasks.train, "run_engine", launches.real)
             mp.setattr(tasks.ui, "stage_event", events.real)
         runs += _gate_reruns(mp, tmp, tiny_model_dir, run_root)
@@ -108,6 +109,25 @@ def scenario(prefect_harness, eos_doc_end_model, tmp_path_factory):
     finally:
         mp.undo()
     return run_root, runs
+
+
+def _count_hashes(mp) -> list[str]:
+    """Every artifact file the flow process hashes against a manifest from now on (engine ranks are
+    other processes and hash their own resume checkpoint)."""
+    import tasks.core.run.manifest as manifest_mod
+    import tasks.load
+
+    seen: list[str] = []
+    real = getattr(manifest_mod.sha256_file, "real", manifest_mod.sha256_file)
+
+    def counting(path):
+        seen.append(str(path))
+        return real(path)
+
+    counting.real = real
+    mp.setattr(manifest_mod, "sha256_file", counting)
+    mp.setattr(tasks.load, "sha256_file", counting)  # load_from_hf's check of the HF files it copies
+    return seen
 
 
 def _gate_reruns(mp, tmp, model_dir, run_root):
@@ -216,6 +236,9 @@ def test_rerun_of_complete_run_launches_nothing(scenario):
     st = statuses(rerun["summary"])
     assert st.pop("gate") == "passed"  # a decision over recorded metrics, taken on every run
     assert set(st.values()) <= {"skipped", "not-configured"}, st
+    # Each skip decision trusted its artifact's verification stamp: no byte of any artifact was
+    # read again (the runs before it hashed every artifact they built or read).
+    assert rerun["hashed"] == [] and runs[0]["hashed"] and runs[1]["hashed"], rerun["hashed"][:5]
 
 
 def test_every_stage_has_a_verified_artifact(finished_run):
@@ -261,7 +284,8 @@ def test_export_is_a_clean_model_folder_with_matching_logits(finished_run):
     names = {p.name for p in export.iterdir()}
     # Model files only; the provenance is in its subfolder, and no *.safetensors but the weights.
     assert names == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", PROVENANCE_DIR}, names
-    assert {p.name for p in (export / PROVENANCE_DIR).iterdir()} == {"manifest.json", "verification.json", "fingerprint.npy"}
+    # The verification stamp (tasks/core/run/stamp.py) sits beside them, listed in no manifest, never pushed.
+    assert {p.name for p in (export / PROVENANCE_DIR).iterdir()} == {"manifest.json", "verification.json", "fingerprint.npy", "verified-stamp.json"}
     assert_consumer_rules(export)
     model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(export)

@@ -26,6 +26,8 @@ from tasks.core.errors import ArtifactMissing, ManifestError
 # `*.safetensors` glob, the Hub's weight count) ever meets it. This is the one place it is spelled.
 PROVENANCE_DIR = ".cpt-to-sft"
 MANIFEST = f"{PROVENANCE_DIR}/manifest.json"
+# Written after the manifest by a deep verification (tasks/core/run/stamp.py), never listed in it.
+STAMP = f"{PROVENANCE_DIR}/verified-stamp.json"
 SCHEMA = 1
 _CHUNK = 8 << 20
 
@@ -72,7 +74,7 @@ def inside_artifact(root: Path, rel: str, where: str) -> Path:
 
 
 def list_files(root: Path, exclude: Iterable[str] = ()) -> list[str]:
-    skip = {MANIFEST, *exclude}
+    skip = {MANIFEST, STAMP, *exclude}
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()

@@ -43,7 +43,8 @@ import fsspec
 from fsspec.core import split_protocol, url_to_fs
 
 from tasks.core.errors import ArtifactMissing, ManifestError
-from tasks.core.run.manifest import MANIFEST, artifact_of, manifest_tmp, parse_manifest, safe_relpath, verify_artifact
+from tasks.core.run import stamp
+from tasks.core.run.manifest import MANIFEST, artifact_of, manifest_tmp, parse_manifest, read_manifest, safe_relpath, verify_artifact
 from tasks.core.run.stages import SUPERSEDED
 from tasks.core.storage.s3 import (
     SHA256_META,
@@ -139,6 +140,7 @@ class RunStore:
         self.max_workers = max_workers
         self.part_size = part_size
         self.last_transfer: dict[str, Any] = {}  # what the latest publish/stage_in moved (benchmarks, logs)
+        self.last_verify = ""  # how the latest verify decided (logs): by stamp, or hashed
         if self.local:
             self.staging = Path(self.root)
         else:
@@ -212,15 +214,18 @@ class RunStore:
     def manifest_digest(self, rel: str) -> str:
         return hashlib.sha256(self._manifest_bytes(rel)).hexdigest()
 
-    def verify(self, rel: str, deep: bool = True) -> dict[str, Any]:
+    def verify(self, rel: str, deep: bool = True, trust_stamp: bool = False) -> dict[str, Any]:
         """Verify the artifact where it lives.
+
+        Local: `trust_stamp` (the skip decision) accepts a current verification stamp
+        (tasks/core/run/stamp.py) instead of hashing every file again; a deep verification writes one.
 
         Remote: every object exists with the manifest's size and (deep) the sha256 recorded when
         it was uploaded through `publish`, which the server checked on upload; an object uploaded
         by another tool has no recorded sha256 and is streamed and hashed instead.
         """
         if self.local:
-            return verify_artifact(self.local_path(rel), deep=deep)
+            return self._verify_local(self.local_path(rel), deep, trust_stamp)
         manifest = self.read_manifest(rel)
         xfer = self._transfers()
 
@@ -243,6 +248,22 @@ class RunStore:
         xfer.run(lambda: all_or_nothing(check(n) for n in sorted(manifest["files"])))
         return manifest
 
+    def _verify_local(self, root: Path, deep: bool = True, trust_stamp: bool = False) -> dict[str, Any]:
+        if deep and trust_stamp:
+            manifest = read_manifest(root)
+            if stamp.current(root, manifest):
+                self.last_verify = f"by its verification stamp ({len(manifest['files'])} files unchanged since they were hashed)"
+                return manifest
+        started = time.monotonic()
+        manifest = verify_artifact(root, deep=deep)
+        self.last_verify = f"hashed {len(manifest['files'])} files in {time.monotonic() - started:.1f}s" if deep else "sizes checked"
+        if deep:
+            try:
+                stamp.write_stamp(root, manifest)
+            except OSError:
+                pass  # a read-only run root: every later skip decision hashes again, nothing worse
+        return manifest
+
     def _stream_sha256(self, remote: str) -> str:
         h = hashlib.sha256()
         with self.fs.open(remote, "rb", block_size=self.part_size) as f:
@@ -260,7 +281,7 @@ class RunStore:
         """
         local = self.local_path(rel)
         if self.local:
-            verify_artifact(local)
+            self._verify_local(local)  # about to be read: every file hashed, whatever the stamp says
             return local
         blob = self._manifest_bytes(rel)
         manifest = parse_manifest(blob, self.uri(rel))
@@ -299,7 +320,7 @@ class RunStore:
         """
         local = self.local_path(rel)
         if self.local:
-            verify_artifact(local)
+            self._verify_local(local)  # just built: hashed once more, and stamped for the skip decisions
             return self.manifest_digest(rel)
         local_manifest = local / MANIFEST
         if not local_manifest.is_file():
