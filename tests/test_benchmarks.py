@@ -72,6 +72,15 @@ def test_plain_colossalai_train_smoke():
 
 
 @pytest.mark.distributed
+def test_activation_checkpointing_smoke():
+    """Both modes in one launch on the demo's tiny model (~15 s): the table, the per-rank lines and the comparison."""
+    out = smoke([PY, "benchmarks/activation_checkpointing.py", "--smoke"])
+    assert "rank | mode | peak RSS MiB | growth in training MiB | step s" in out, out
+    assert "rank 0: growth " in out and "rank 1: growth " in out, out
+    assert "final weights bitwise equal" in out and "command: python benchmarks/activation_checkpointing.py --smoke" in out, out
+
+
+@pytest.mark.distributed
 def test_data_smoke():
     out = smoke([PY, "benchmarks/data.py", "--smoke"])
     assert "prep 1w MB/s | prep 2w MB/s | 2w/1w (>=1.6)" in out and "resume/start (<=1.1)" in out, out
