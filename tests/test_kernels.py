@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -174,8 +173,8 @@ def test_preflight_reports_each_stage_s_kernels(tmp_path):
     assert report.ok, report.problems
     lines = [c for c in report.checked if " kernels" in c]
     assert lines == [
-        "cpt kernels: flash attention: off: no CUDA; fused normalization: off: no CUDA; jit fused: off: no CUDA; "
-        "fused optimizer: off: no CUDA; activation checkpointing: on",
+        ("cpt kernels: flash attention: off: no CUDA; fused normalization: off: no CUDA; jit fused: off: no CUDA; "
+         "fused optimizer: off: no CUDA; activation checkpointing: on"),
         "sft kernels: flash attention: off: no CUDA; fused optimizer: off: no CUDA; activation checkpointing: off",
     ]
     assert "sft.kernels.fused_normalization: applies under hybrid_parallel only; ignored under plugin low_level_zero" in report.warnings

@@ -15,7 +15,10 @@ A plugin is its `BUILDERS` row (`Builder`: the class, and a function of the conf
 arguments) plus the flags of the kernels that are on (`tasks.core.config.kernels`, via "plugin");
 `plugin_kwargs` computes them all without constructing the plugin:
 
-    python -c "from tasks.engine.builders import plugin_kwargs; from tasks.core.config.kernels import Facts, resolve; from tasks.core.config.layout import ParallelLayout; from tasks.core.config.schema import StageConfig, PluginConfig; st = StageConfig.model_construct(plugin=PluginConfig(name='hybrid_parallel'), kernels={}, activation_checkpointing=False, grad_accum_steps=1); print(plugin_kwargs(st.plugin, st, ParallelLayout('hybrid_parallel', 1, 1, 1, 1, 0, 'bf16', 1), True, resolve(st, 'cpt', Facts(cuda=True))))"
+    python -c "from tasks.engine.builders import plugin_kwargs; from tasks.core.config.kernels import Facts, resolve; \
+from tasks.core.config.layout import ParallelLayout; from tasks.core.config.schema import StageConfig, PluginConfig; \
+st = StageConfig.model_construct(plugin=PluginConfig(name='hybrid_parallel'), kernels={}, activation_checkpointing=False, grad_accum_steps=1); \
+print(plugin_kwargs(st.plugin, st, ParallelLayout('hybrid_parallel', 1, 1, 1, 1, 0, 'bf16', 1), True, resolve(st, 'cpt', Facts(cuda=True))))"
 """
 
 from __future__ import annotations

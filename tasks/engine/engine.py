@@ -44,9 +44,8 @@ from tasks.core.errors import ManifestError
 from tasks.core.models.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
 from tasks.core.run.events import CHECKPOINT, format_event
 from tasks.core.run.manifest import write_manifest
-from tasks.engine import accel
+from tasks.engine import accel, node_staging
 from tasks.engine import checkpoint as ckpt
-from tasks.engine import node_staging
 from tasks.engine.backpressure import wait_for_publishes
 from tasks.engine.builders import (
     booster_mixed_precision,
@@ -141,12 +140,22 @@ class Engine:
         self.model = self.optimizer = self.scheduler = None
         self.config = None
         self.clip_norm = None
+        self.pending_weights: Path | None = None  # an HF folder a lazily built model still has to read
 
     # -- model ------------------------------------------------------------------------------
 
     def load_pretrained(self) -> torch.nn.Module:
-        """The HF model with its weights (safetensors only), fp32; the plugin casts it."""
+        """The HF model with its weights (safetensors only), fp32; the plugin casts it.
+
+        A plugin that shards a lazily built model as it materializes it (`PluginSpec.lazy_init`)
+        gets the architecture only, built lazily; `load_pending_weights` then reads the weights
+        into the boosted, sharded model, so no rank ever holds the whole model."""
         from transformers import AutoModelForCausalLM
+
+        if self.spec.lazy_init:
+            model = self.from_config()
+            self.pending_weights = self.job.model_dir
+            return model
 
         def build(**kernels):  # attn_implementation where a kernel is on (accel.load_model)
             return AutoModelForCausalLM.from_pretrained(
@@ -166,13 +175,37 @@ class Engine:
         return model
 
     def from_config(self) -> torch.nn.Module:
-        """Architecture only (weights come from the checkpoint): model_dir's config.json."""
+        """Architecture only (weights come from the checkpoint): model_dir's config.json; built
+        lazily (ColossalAI's LazyInitContext) where the plugin materializes it shard by shard."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.config = AutoConfig.from_pretrained(str(self.job.model_dir), trust_remote_code=self.job.trust_remote_code)
-        self.kernels, model = accel.load_model(self.kernels, lambda **kernels: AutoModelForCausalLM.from_config(
-            self.config, torch_dtype=torch.float32, trust_remote_code=self.job.trust_remote_code, **kernels), self.rank)
+        with self._construction():
+            self.kernels, model = accel.load_model(self.kernels, lambda **kernels: AutoModelForCausalLM.from_config(
+                self.config, torch_dtype=torch.float32, trust_remote_code=self.job.trust_remote_code, **kernels), self.rank)
         return model
+
+    def _construction(self):
+        if not self.spec.lazy_init:
+            return contextlib.nullcontext()
+        from colossalai.lazy import LazyInitContext
+
+        return LazyInitContext(default_device=self.device)
+
+    def load_pending_weights(self) -> None:
+        """The HF weights of a lazily built model, read into the boosted model shard file by shard
+        file; strict, so a key the model lacks or the files lack fails here, naming the folder."""
+        if self.pending_weights is None:
+            return
+        src, self.pending_weights = Path(self.pending_weights), None
+        index = src / "model.safetensors.index.json"
+        target = src if index.is_file() else src / "model.safetensors"  # ColossalAI's IO takes a folder only with an index
+        t0 = time.monotonic()
+        try:
+            self.booster.load_model(self.model, str(target), strict=True)
+        except (RuntimeError, KeyError, FileNotFoundError) as exc:
+            raise ManifestError(f"{src}: weights do not match the model's config: {exc}") from exc
+        log(f"built lazily and sharded under {self.pcfg.name}; read {src}'s weights into this rank's share in {time.monotonic() - t0:.1f}s")
 
     def boost(self, model: torch.nn.Module) -> None:
         cfg = self.cfg

@@ -45,9 +45,19 @@ class StageData:
 
     Start-up reads index.json and maps shards lazily, so its time and memory do not grow with the
     corpus; a batch gathers its rows from the page cache, which every rank on a node shares.
+
+    A mixture (`data.sources`): the blended stream prepare_data wrote defines the epoch's item
+    stream, which the sampler walks in place of a permutation, and the batching row composes with
+    it as with a permutation (SFT `grouped` sorts and shuffles global batches inside chunks of the
+    stream, `packed` packs chunks of it into rows). The blend is decided once, per position, so the
+    order is the same on every rank, and a checkpoint's (epoch, offset) resumes it bitwise. Chosen
+    over sampling a source per batch in the rank: the shares are exact over the planned steps and
+    visible before training, and a resume needs no state but the offset.
     """
 
     def __init__(self, job: Job, dp_rank: int, dp_size: int):
+        from tasks.core.data.blend import check_plan
+        from tasks.core.data.prepared import blend_plan
         from tasks.core.data.reader import TokenDataset
         from tasks.engine.sampler import LengthGroups, Packs, ResumableSampler
 
@@ -70,7 +80,8 @@ class StageData:
             group = Packs(self.lengths, self.seq_len)
         elif self.dataset.kind == "sft" and self.batching.groups_by_length:
             group = LengthGroups(self.lengths, self.per_rank * dp_size)
-        self.sampler = ResumableSampler(self.num_items, dp_rank, dp_size, seed=cfg.seed, group=group)
+        check_plan(self.dataset.index, blend_plan(cfg, job.stage), job.data_dir, job.stage)
+        self.sampler = ResumableSampler(self.num_items, dp_rank, dp_size, seed=cfg.seed, group=group, stream=self.dataset.blend())
 
     def check_vocab(self, vocab_size: int, job: Job) -> None:
         # The task compared the tokenizer fingerprints before launching; here the model as built.
@@ -120,6 +131,7 @@ def shard(job: Job, faults: Injector) -> Path:
     t0 = time.monotonic()
     model = eng.load_pretrained()
     eng.boost(model)
+    eng.load_pending_weights()  # a lazily built model: its weights, into the sharded model
     eng.materialize_optimizer_state()
     log(f"boosted {job.model_dir} under {plugin_meta(eng.pcfg, eng.cfg)} on {eng.world} ranks (dp={eng.layout.dp_size}) in {time.monotonic() - t0:.1f}s")
     if eng.rank == 0:

@@ -21,6 +21,24 @@ Facts recorded in the rows were measured with colossalai 0.5.0 (see tasks/engine
   (low_level_zero, torch_ddp) needs the tied tensor saved once and a non-strict load whose key
   set is checked by the engine.
 - Gemini accepts only ColossalAI's own Adam kernels (HybridAdam); every other plugin wraps AdamW.
+
+`PluginSpec.holds` is what each plugin keeps on a rank per parameter (the memory estimate,
+`tasks.core.preflight.memory`, sums it), read in colossalai 0.5.0's source and checked against the
+measured RSS of the engine's ranks (benchmarks/scale.py):
+- HybridParallel wraps the module in torch DDP whenever pp == 1 and ZeRO is off (dp == 1 included),
+  with gradient_as_bucket_view False: DDP's buckets are a second, flat copy of every gradient.
+  Its AMP optimizer (bf16/fp16, ZeRO off) keeps fp32 masters beside the working weights and turns
+  each working gradient into an fp32 master gradient at the step, releasing the first as it goes.
+- LowLevelZero (and HybridParallel's ZeRO-1, the same optimizer over the dp group) keeps the whole
+  model in the working dtype, an fp32 master shard and the Adam moments of that shard. ZeRO-1
+  all-reduces every gradient and keeps all of them until the step; ZeRO-2 reduce-scatters each
+  12M-element bucket as the backward goes and keeps only this rank's shard. The step casts the
+  rank's gradient shard to fp32.
+- torch_ddp keeps fp32 weights, gradients, DDP's buckets and the moments; under bf16 autocast, the
+  bf16 copy of each weight lives from its forward use to its backward.
+- Gemini shards weights, fp32 masters and moments in chunks; gradients reuse the weight chunks
+  unless gradient accumulation is on (then they get chunks of their own); the layer in use is
+  gathered whole.
 """
 
 from __future__ import annotations
@@ -74,6 +92,28 @@ class DynamicLossScale:
 LOSS_SCALE = DynamicLossScale()
 
 
+MIXED: tuple[str, ...] = ("bf16", "fp16")
+HeldWhen = Literal["always", "forward", "grads", "backward", "step"]
+
+
+@dataclass(frozen=True)
+class Held:
+    """One kind of tensor a plugin keeps on a rank, per parameter of the rank's share (after tp/pp),
+    for the memory estimate. `when` is its lifetime: `always` (boost to the end), `forward` (from
+    the forward to the end of the backward, beside the activations), `grads` (the end of the
+    backward through the step), `backward` (the end of the backward until the step releases it),
+    `step` (during the optimizer step only)."""
+
+    what: str
+    bytes: int | Literal["weights"]  # per parameter; "weights": the size of the dtype the plugin trains in
+    sharded: bool = False  # divided over the data-parallel ranks (ZeRO)
+    when: HeldWhen = "always"
+    zero: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages (the stage the plugin runs) it exists under
+    precisions: tuple[str, ...] = PRECISIONS
+    only: Literal["", "no_pipeline", "grad_accum"] = ""  # pp == 1 only; grad_accum_steps > 1 only
+    per: Literal["parameter", "layer"] = "parameter"  # "layer": counts one decoder layer's parameters, unsharded
+
+
 @dataclass(frozen=True)
 class PluginSpec:
     """What one booster plugin supports; read by config validation, pre-flight and the engine."""
@@ -99,6 +139,13 @@ class PluginSpec:
     # `packed` is refused under it, naming this); empty: the HF model's own forward, which takes
     # the block-diagonal mask or the restarting position ids as they are.
     packing_refused: str = ""
+    holds: tuple[Held, ...] = ()  # what it keeps per parameter on a rank (memory estimate); () = not estimated
+    # The plugin materializes a model built under ColossalAI's LazyInitContext as it shards it, so
+    # a rank holds its own share plus one full tensor, never the whole model (hybrid_parallel: each
+    # layer's weight is materialized by shardformer's from_native_module, then split; a pipeline
+    # stage drops the layers it does not hold first). The weights are then loaded shard file by
+    # shard file into the sharded model (booster.load_model), which also refreshes ZeRO's masters.
+    lazy_init: bool = False
 
     def zero_stage(self, configured: int) -> int:
         """The ZeRO stage the plugin really runs."""
@@ -143,8 +190,22 @@ register(PluginSpec(
     zero_stages=(0, 1),
     zero_hint="hybrid_parallel supports zero_stage 0 or 1 here; use low_level_zero for stage 2 or gemini for stage 3",
     no_sync_zero_stages=(0, 1),
+    lazy_init=True,
     packing_refused=("ColossalAI 0.5.0's shardformer Llama forward builds its attention from the padding mask plus causal only "
                      "(ColoAttention.prepare_attn_kwargs on its flash-attention path), so packed conversations would attend to each other"),
+    holds=(
+        Held("weights", "weights"),
+        Held("gradients", "weights", when="grads", zero=(0,), precisions=("fp32",)),
+        Held("gradients", "weights", when="backward", zero=(0,), precisions=MIXED),
+        Held("fp32 master gradients", 4, when="step", zero=(0,), precisions=MIXED),
+        Held("DDP gradient buckets", "weights", zero=(0,), only="no_pipeline"),
+        Held("fp32 master weights", 4, zero=(0,), precisions=MIXED),
+        Held("Adam moments", 8, zero=(0,)),
+        Held("gradients", "weights", when="grads", zero=(1,)),
+        Held("fp32 gradient shard", 4, sharded=True, when="step", zero=(1,)),
+        Held("fp32 master weight shard", 4, sharded=True, zero=(1,)),
+        Held("Adam moment shard", 8, sharded=True, zero=(1,)),
+    ),
 ))
 register(PluginSpec(
     name="low_level_zero",
@@ -154,6 +215,14 @@ register(PluginSpec(
     no_sync_zero_stages=(1,),
     strict_load=False,
     dedupes_tied_weights=False,
+    holds=(
+        Held("working weights", "weights"),
+        Held("fp32 master weight shard", 4, sharded=True),
+        Held("Adam moment shard", 8, sharded=True),
+        Held("gradients", "weights", when="grads", zero=(1,)),
+        Held("gradient shard", "weights", sharded=True, when="grads", zero=(2,)),
+        Held("fp32 gradient shard", 4, sharded=True, when="step"),
+    ),
 ))
 register(PluginSpec(
     name="gemini",
@@ -168,6 +237,13 @@ register(PluginSpec(
     strict_load=False,
     dedupes_tied_weights=False,
     extra_meta=("placement_policy",),
+    holds=(
+        Held("weight chunk shard", "weights", sharded=True),
+        Held("gathered weights of the layer in use", "weights", when="forward", per="layer"),
+        Held("gradient chunk shard", "weights", sharded=True, when="grads", only="grad_accum"),
+        Held("fp32 master shard", 4, sharded=True),
+        Held("Adam moment shard", 8, sharded=True),
+    ),
 ))
 register(PluginSpec(
     name="torch_ddp",
@@ -179,4 +255,11 @@ register(PluginSpec(
     clips_grad=False,
     strict_load=False,
     dedupes_tied_weights=False,
+    holds=(
+        Held("fp32 weights", "weights"),
+        Held("gradients", "weights", when="grads"),
+        Held("DDP gradient buckets", "weights"),
+        Held("autocast weight copies", 2, when="forward", precisions=MIXED),
+        Held("Adam moments", 8),
+    ),
 ))
