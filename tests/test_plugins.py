@@ -139,7 +139,7 @@ def test_fault_fires_once_per_stage_dir(tmp_path):
 
 
 def test_lr_schedule_shapes():
-    from tasks.engine.engine import lr_factor
+    from tasks.engine.optim import lr_factor
 
     kw = dict(warmup=2, max_steps=10, min_ratio=0.1)
     cos = [lr_factor(s, schedule="cosine", **kw) for s in range(10)]
@@ -150,7 +150,7 @@ def test_lr_schedule_shapes():
 
 
 def test_scheduler_state_loads_weights_only(tmp_path):
-    from tasks.engine.engine import make_scheduler
+    from tasks.engine.optim import make_scheduler
 
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
     sched = make_scheduler(opt, _stage({"name": "torch_ddp", "precision": "fp32"}, warmup_steps=2))

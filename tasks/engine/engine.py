@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +56,7 @@ from tasks.engine.builders import (
     uses_autocast,
 )
 from tasks.engine.faults import Injector
+from tasks.engine.optim import make_optimizer, make_scheduler
 from tasks.engine.packing import model_inputs
 from tasks.engine.preconditions import Job
 
@@ -73,43 +73,6 @@ def emit(kind: str, record: dict[str, Any]) -> None:
     """Machine-readable line for the Prefect task (rank 0 only; tasks/core/run/events.py)."""
     if dist.get_rank() == 0:
         print(format_event(kind, record), flush=True)
-
-
-def lr_factor(step: int, *, warmup: int, max_steps: int, schedule: str, min_ratio: float) -> float:
-    """Multiplier of the peak lr for optimizer step `step + 1` (LambdaLR counts from 0)."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, max(0.0, (step - warmup) / max(1, max_steps - warmup)))
-    if schedule == "cosine":
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
-
-
-def make_scheduler(optimizer, stage_cfg):
-    kw = dict(
-        warmup=stage_cfg.warmup_steps,
-        max_steps=stage_cfg.max_steps,
-        schedule=stage_cfg.lr_schedule,
-        min_ratio=stage_cfg.min_lr / stage_cfg.lr,
-    )
-
-    def factor(step: int) -> float:  # a plain function: LambdaLR stores nothing of it
-        return lr_factor(step, **kw)
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def make_optimizer(model: torch.nn.Module, stage_cfg, plugin_name: str, **kernels: Any) -> torch.optim.Optimizer:
-    """`kernels`: AdamW arguments of the kernels that are on (accel.optimizer_kwargs: fused=True)."""
-    kw = dict(lr=stage_cfg.lr, betas=tuple(stage_cfg.betas), weight_decay=stage_cfg.weight_decay)
-    if spec_of(plugin_name).optimizer == "hybrid_adam":
-        # GeminiOptimizer accepts only ColossalAI's own Adam kernels (CUDA nodes build them).
-        from colossalai.nn.optimizer import HybridAdam
-
-        return HybridAdam(model.parameters(), adamw_mode=True, **kw)
-    return torch.optim.AdamW(model.parameters(), **kw, **kernels)
 
 
 class Engine:
