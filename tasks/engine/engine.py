@@ -108,7 +108,8 @@ class Engine:
     # -- model ------------------------------------------------------------------------------
 
     def load_pretrained(self) -> torch.nn.Module:
-        """The HF model with its weights (safetensors only), fp32; the plugin casts it.
+        """The HF model with its weights (safetensors only), in the dtype the plugin trains it in
+        (`build_dtype`), so a bf16 rank never holds an fp32 copy of the whole model on the way.
 
         A plugin that shards a lazily built model as it materializes it (`PluginSpec.lazy_init`)
         gets the architecture only, built lazily; `load_pending_weights` then reads the weights
@@ -123,7 +124,7 @@ class Engine:
         def build(**kernels):  # attn_implementation where a kernel is on (accel.load_model)
             return AutoModelForCausalLM.from_pretrained(
                 str(self.job.model_dir),
-                torch_dtype=torch.float32,
+                torch_dtype=self.build_dtype,
                 use_safetensors=True,
                 trust_remote_code=self.job.trust_remote_code,
                 output_loading_info=True,
@@ -145,8 +146,17 @@ class Engine:
         self.config = AutoConfig.from_pretrained(str(self.job.model_dir), trust_remote_code=self.job.trust_remote_code)
         with self._construction():
             self.kernels, model = accel.load_model(self.kernels, lambda **kernels: AutoModelForCausalLM.from_config(
-                self.config, torch_dtype=torch.float32, trust_remote_code=self.job.trust_remote_code, **kernels), self.rank)
+                self.config, torch_dtype=self.build_dtype, trust_remote_code=self.job.trust_remote_code, **kernels), self.rank)
         return model
+
+    @property
+    def build_dtype(self) -> torch.dtype:
+        """A plugin that casts the model (low_level_zero, gemini) casts every weight to its
+        precision and derives its fp32 masters from the cast weights (LowLevelZeroOptimizer after
+        LowLevelZeroModel's cast; GeminiDDP's fp32_p = p.clone().float() after p.to(bf16)), so
+        building in that dtype is the same model at a third of the peak (2 bytes a parameter, not
+        4 + 2). A lazily built model stays fp32 until shardformer materializes one layer at a time."""
+        return torch.float32 if self.spec.lazy_init else _DTYPES[self.weights_dtype]
 
     def _construction(self):
         if not self.spec.lazy_init:
