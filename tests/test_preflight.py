@@ -201,6 +201,9 @@ BAD = [
     ("seq-len-over-max-positions", _set("sft.seq_len", 1024), "sft.seq_len", "max_position_embeddings=256"),
     ("tokenizer-without-chat-template", lambda c: fake_model(c.model, tokenizer={"eos_token": "</s>"}), "base_model.uri", "no chat_template"),
     ("unknown-model-family", lambda c: fake_model(c.model, model_type="gpt2"), "base_model.uri", "model_type='gpt2' is not a supported model family (supported: llama, mistral, qwen2, qwen3)"),
+    ("gpu-memory-too-small", _all(_llama3, _set("cpt.plugin", {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"}),
+                                  _set("cpt.launch", {"nproc_per_node": 8, "gpu_memory_gb": 40})),
+     "cpt.launch.gpu_memory_gb", "more than the 40.00 GB of cpt.launch.gpu_memory_gb = 40; it fits with cpt.plugin.zero_stage: 2"),
 ]
 
 

@@ -100,6 +100,10 @@ class LaunchConfig(Frozen):
     node_rank: int = Field(default=0, ge=0, description="This node's rank when nnodes > 1 and no rendezvous endpoint is given.")
     rdzv_endpoint: str | None = Field(default=None, description="host:port of the c10d rendezvous for multi-node runs; None picks a free local port.")
     rdzv_id: str | None = Field(default=None, description="Rendezvous id shared by the nodes of one stage; defaults to the run name and stage.")
+    gpu_memory_gb: float | None = Field(default=None, gt=0, description=(
+        "Memory of each GPU this stage's ranks run on, in GB (1e9 bytes; an 80 GB H100 is 80): pre-flight refuses a layout whose "
+        "estimated memory per rank exceeds it and names the settings that fit (tasks/core/preflight/memory.py). null: the memory of "
+        "the GPU the worker sees, if any. Read by pre-flight only; not part of any digest."))
 
     @property
     def world_size(self) -> int:

@@ -10,7 +10,9 @@ transformers classes that build it. Every reader takes it from here (torchtitan 
 - the converter (`tasks.core.models.convert`) checks every key and shape of a checkpoint against it;
 - pre-flight (`tasks.core.preflight.checks`) refuses a base model whose family is missing here, before
   a CPT stage trains for hours and the unshard then fails, and counts parameters from the table;
-- the demo-input builder (`tasks.core.models.demo`) builds a model of any family listed here.
+- the demo-input builder (`tasks.core.models.demo`) builds a model of any family listed here;
+- the memory estimate (`tasks.core.preflight.memory`) shards the table by tensor parallelism
+  (`TP_SPLIT_DIMS`) and reads what one decoder layer keeps for its backward (`layer_activations`).
 Adding a family is one entry in FAMILIES; nothing else branches on a family name.
 
 Pure: no torch, no transformers import (class names are strings), so pre-flight stays cheap.
@@ -19,7 +21,7 @@ Pure: no torch, no transformers import (class names are strings), so pre-flight 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,39 @@ class TensorRule:
     shape: tuple[str, ...]  # names from DIMS
     when: str | None = None  # present only if this config flag is true
     unless: str | None = None  # absent if this config flag is true
+
+
+@dataclass(frozen=True)
+class ActivationTerm:
+    """Tensors a decoder layer keeps for its backward, per token: `count` of width `dim` (a DIMS
+    name), in the compute dtype, or in fp32 whatever the compute dtype (`fp32`)."""
+
+    dim: str
+    count: int
+    fp32: bool = False
+
+
+# What one Llama-shaped decoder layer (RMSNorm, sdpa attention, SwiGLU MLP) keeps for its backward,
+# counted per token in transformers 4.51 with torch's saved-tensor hooks (tests/test_memory_estimate.py
+# re-counts it for every family): each RMSNorm its fp32 input and two compute-dtype tensors (the
+# normalized input, the output the next projections read); sdpa its query, key and value (GQA's
+# repeat_kv widens key and value to the query heads), its output and a fp32 log-sum-exp per head;
+# o_proj its input; the MLP the gate and up projections, the activation and their product.
+# (Each RMSNorm's 1-wide inverse RMS and RoPE's per-position cos/sin, under 1 %, are left out.)
+LLAMA_LAYER_ACTIVATIONS: tuple[ActivationTerm, ...] = (
+    ActivationTerm("hidden", 2, fp32=True),
+    ActivationTerm("hidden", 4),
+    ActivationTerm("q", 5),
+    ActivationTerm("heads", 1, fp32=True),
+    ActivationTerm("inter", 4),
+)
+# Qwen3's RMSNorms on the query and key heads keep the same three tensors each, q- and kv-wide.
+QK_NORM_ACTIVATIONS: tuple[ActivationTerm, ...] = (
+    ActivationTerm("q", 1, fp32=True), ActivationTerm("q", 1), ActivationTerm("kv", 1, fp32=True), ActivationTerm("kv", 1),
+)
+# The final RMSNorm, once per token (the LM head and the loss are vocabulary-wide: the estimate
+# counts them from vocab_size).
+FINAL_NORM_ACTIVATIONS: tuple[ActivationTerm, ...] = (ActivationTerm("hidden", 1, fp32=True), ActivationTerm("hidden", 2))
 
 
 @dataclass(frozen=True)
@@ -55,6 +90,9 @@ class ModelFamily:
     vocab_dims: Mapping[str, int] = field(
         default_factory=lambda: {"model.embed_tokens.weight": 0, "lm_head.weight": 0}
     )
+    # what one decoder layer keeps for its backward, and the final norm (memory estimate)
+    layer_activations: tuple[ActivationTerm, ...] = LLAMA_LAYER_ACTIVATIONS
+    final_activations: tuple[ActivationTerm, ...] = FINAL_NORM_ACTIVATIONS
 
 
 def _head_dim(c: Mapping[str, Any]) -> int:
@@ -80,7 +118,13 @@ DIMS: dict[str, Callable[[Mapping[str, Any]], int]] = {
     "head_dim": _head_dim,
     "q": lambda c: c["num_attention_heads"] * _head_dim(c),
     "kv": lambda c: _kv_heads(c) * _head_dim(c),
+    "heads": lambda c: c["num_attention_heads"],
 }
+# Dims that tensor parallelism splits over the tp ranks (shardformer's policies for these families:
+# column-parallel q/k/v/gate/up and their biases, row-parallel o/down, vocabulary-parallel embedding
+# and LM head, each rank's attention heads); a tensor with none of them (the norms, o_proj's and
+# down_proj's biases) is replicated on every tp rank.
+TP_SPLIT_DIMS = frozenset({"q", "kv", "inter", "vocab", "heads"})
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
 LAYER_PREFIX = "model.layers.{i}."
 
@@ -146,6 +190,7 @@ FAMILIES: dict[str, ModelFamily] = {
         _HEAD, _attn("attention_bias", "attention_bias", qk_norm=True) + _mlp(None) + _NORMS, _TAIL,
         config_defaults={"tie_word_embeddings": False, "attention_bias": False, "head_dim": 128},
         config_class="Qwen3Config", model_class="Qwen3ForCausalLM",
+        layer_activations=LLAMA_LAYER_ACTIVATIONS + QK_NORM_ACTIVATIONS,
     ),
 }  # fmt: skip
 
@@ -171,27 +216,36 @@ def family_config(model_config: Mapping[str, Any]) -> tuple[ModelFamily, dict[st
     return family, config
 
 
-def expected_tensors(model_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every key the HF model built from `model_config` has, with its shape, in module order."""
+def model_dims(model_config: Mapping[str, Any]) -> dict[str, int]:
+    """Every DIMS value of a config.json (the family's defaults filled in)."""
+    _, config = family_config(model_config)
+    return {name: fn(config) for name, fn in DIMS.items()}
+
+
+def iter_tensors(model_config: Mapping[str, Any]) -> Iterator[tuple[str, TensorRule, tuple[int, ...], int | None]]:
+    """(key, rule, shape, layer index or None) of every tensor the model has, in module order."""
     family, config = family_config(model_config)
     dims = {name: fn(config) for name, fn in DIMS.items()}
 
     def present(rule: TensorRule) -> bool:
         return (rule.when is None or bool(config.get(rule.when))) and not (rule.unless and config.get(rule.unless))
 
-    out: dict[str, tuple[int, ...]] = {}
     for rule in family.head:
         if present(rule):
-            out[rule.key] = tuple(dims[d] for d in rule.shape)
+            yield rule.key, rule, tuple(dims[d] for d in rule.shape), None
     for i in range(config["num_hidden_layers"]):
         prefix = LAYER_PREFIX.format(i=i)
         for rule in family.layer:
             if present(rule):
-                out[prefix + rule.key] = tuple(dims[d] for d in rule.shape)
+                yield prefix + rule.key, rule, tuple(dims[d] for d in rule.shape), i
     for rule in family.tail:
         if present(rule):
-            out[rule.key] = tuple(dims[d] for d in rule.shape)
-    return out
+            yield rule.key, rule, tuple(dims[d] for d in rule.shape), None
+
+
+def expected_tensors(model_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every key the HF model built from `model_config` has, with its shape, in module order."""
+    return {key: shape for key, _, shape, _ in iter_tensors(model_config)}
 
 
 def count_parameters(model_config: Mapping[str, Any]) -> int:

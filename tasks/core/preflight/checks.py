@@ -47,6 +47,7 @@ from tasks.core.data.records import head_records
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import HubToken
 from tasks.core.preflight.kernels import check_kernels
+from tasks.core.preflight.memory import check_memory
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tasks.core.preflight.storage import check_base_model_links, check_paths, check_run_root, check_staging_space, estimate_local_bytes
@@ -384,6 +385,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_paths,
     check_launch_backend,
     check_staging_space,
+    check_memory,
     check_hub,
     check_model_family,
     check_tracking,

@@ -30,12 +30,41 @@ class Machine:
     cuda_devices: int
     cpu_count: int
     free_bytes: int | None = None  # None: shutil.disk_usage of the staging location
+    gpu_memory_bytes: int | None = None  # the smallest visible GPU's memory; None: no GPU, or NVML could not tell
 
     @classmethod
     def detect(cls) -> Machine:
         import torch  # lazily: config-only callers should not pay for it
 
-        return cls(cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0, cpu_count=os.cpu_count() or 1)
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return cls(cuda_devices=n, cpu_count=os.cpu_count() or 1, gpu_memory_bytes=_nvml_memory(n) if n else None)
+
+
+def _nvml_memory(count: int) -> int | None:
+    """The smallest total memory of the visible GPUs, from NVML (the driver's library, through
+    ctypes like torch's own NVML device count): no CUDA context is created in this process, which
+    would hold GPU memory for as long as the worker lives. None when NVML cannot answer."""
+    import ctypes
+
+    import torch
+
+    class _Memory(ctypes.Structure):
+        _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        totals = []
+        for i in range(count):
+            handle, mem = ctypes.c_void_p(), _Memory()
+            index = torch.cuda._get_nvml_device_index(i)  # CUDA_VISIBLE_DEVICES order -> NVML's
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)):
+                return None
+            totals.append(int(mem.total))
+        return min(totals) if totals else None
+    except (OSError, AttributeError, RuntimeError, ValueError):  # no driver library, an older torch, an unparsable CUDA_VISIBLE_DEVICES
+        return None
 
 
 @dataclass

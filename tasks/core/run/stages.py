@@ -150,6 +150,8 @@ TRAINING: dict[str, TrainingStage] = {
 # changes the weights (on CPU every kernel is off whatever the config says).
 NEVER_DIGESTED: tuple[str, ...] = (
     *(f"{key}.{field}" for key in TRAINING for field in ("data.tokenize", "max_pending_publishes", "activation_checkpointing")),
+    # a declaration about the hardware, read by pre-flight's memory check only: the ranks never see it
+    *(f"{key}.launch.gpu_memory_gb" for key in TRAINING),
     "tracking",
     "hub",
 )

@@ -1,0 +1,405 @@
+"""The memory one rank of a stage needs, estimated before launch from config.json, the plugin's
+row and the batch; pre-flight prints it per stage and refuses a layout that does not fit the GPU.
+
+    python -m tasks.core.preflight.memory --table                                 # Llama-3-8B / 70B on 8x80 GB nodes
+    python -m tasks.core.preflight.memory deployments/configs/tiny-cpu.yaml       # each stage of a run config
+
+What is counted, per rank (pure arithmetic: no torch, nothing loaded):
+- the rank's parameters: the family's tensor table (`tasks.core.models.families`), each tensor with a
+  `TP_SPLIT_DIMS` dim divided by tp_size, the pipeline stage's layers (ColossalAI's
+  `distribute_layers`), the embedding on the first stage, the final norm and LM head on the last;
+- what the plugin keeps per parameter (`PluginSpec.holds`: weights, gradients, DDP buckets, fp32
+  masters, Adam moments, each over dp where ZeRO shards it, each with its lifetime);
+- the activations of one micro-batch (micro_batch_size x seq_len tokens; a pipeline stage holds
+  pp - stage micro-batches under 1F1B): each decoder layer what its family's `layer_activations`
+  say (with `activation_checkpointing` only the layer's input, plus the layer being recomputed),
+  one layer's gradients in flight, the final norm, the LM head's logits and the loss (12 fp32 bytes
+  per logit: log-softmax output, its gradient, the gradient of its input), and an SFT batch's
+  attention mask;
+- on CUDA: torch AdamW's foreach temporaries at the step (4 B per stepped parameter) unless the
+  fused AdamW kernel is on, and `CUDA_RESERVE_BYTES`.
+
+The device figure (what must fit one GPU) is the resident states plus the larger phase: the
+forward/backward (activations, autocast copies, gathered layers) or the step (gradients and the
+step's buffers), as PyTorch's caching allocator reuses one phase's blocks for the other. On a CPU
+rank the host figure adds both phases: glibc's heap keeps the freed activations (most are below
+its 32 MiB mmap threshold) resident and does not reliably refill them with the differently sized
+gradient buffers, so after a few steps RSS holds both (benchmarks/scale.py measures it; with
+MALLOC_MMAP_THRESHOLD_=131072 the same ranks' RSS drops to the device figure). Every rank also
+holds `RANK_BASELINE_BYTES` (imports, process group, data), measured. On CUDA the states live on
+the GPU and the host keeps the baseline; while the model is built, today's engine holds the whole
+fp32 model on every rank's host (`construction_host`), unless the plugin row builds it lazily.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from tasks.core.config.layout import ParallelLayout, is_zero, layout_problems, num_microbatches
+from tasks.core.config.plugins import PLUGINS, Held, PluginSpec
+from tasks.core.config.schema import StageConfig
+from tasks.core.errors import ConfigError, ConversionError
+from tasks.core.models.families import TP_SPLIT_DIMS, ActivationTerm, family_config, iter_tensors, model_dims
+
+GB = 1e9
+# Steady RSS of a CPU rank training a ~0.1M-parameter Llama (benchmarks/scale.py "baseline"): torch,
+# transformers and colossalai imported, the gloo group, the data; 0.45 GB under hybrid_parallel tp=2,
+# 0.47 GB under low_level_zero (torch 2.13, transformers 4.51.3, colossalai 0.5.0, 2 ranks).
+RANK_BASELINE_BYTES = int(0.47e9)
+# CUDA context, cuBLAS workspace, NCCL buffers and the caching allocator's slack on each GPU: an
+# allowance, NOT measured here (this machine has no GPU); the GPU figure a real run reports is
+# `peak_mem_bytes` in every @@progress record.
+CUDA_RESERVE_BYTES = int(2e9)
+LOSS_BYTES_PER_LOGIT = 12
+PHASES = ("forward", "grads", "backward", "step")
+
+
+def human(n: float) -> str:
+    """1.52 GB, 310 MB: GB = 1e9 bytes, as the config's gpu_memory_gb."""
+    return f"{n / GB:,.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:,.1f} MB"
+
+
+@dataclass(frozen=True)
+class Term:
+    what: str
+    bytes: int
+    when: str  # a Held lifetime, or "activations"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One rank's memory for one stage, in bytes (the largest pipeline stage's rank)."""
+
+    parameters: int  # the whole model
+    rank_parameters: int  # this rank's share after tp/pp, before ZeRO
+    terms: tuple[Term, ...]
+    baseline: int
+    cuda: bool
+    construction: int  # host bytes of the model while the engine builds it (beside the baseline)
+
+    def total(self, *whens: str) -> int:
+        return sum(t.bytes for t in self.terms if t.when in whens)
+
+    @property
+    def device(self) -> int:
+        """Bytes that must fit the rank's GPU (on CPU: the live bytes besides the baseline)."""
+        fwd = self.total("forward", "activations")
+        step = self.total("grads") + max(self.total("backward"), self.total("step"))
+        return self.total("always") + max(fwd, step) + (CUDA_RESERVE_BYTES if self.cuda else 0)
+
+    @property
+    def host_steady(self) -> int:
+        """The rank's resident host memory while it trains (see the module docstring)."""
+        if self.cuda:
+            return self.baseline
+        both = self.total("forward", "activations", "grads") + max(self.total("backward"), self.total("step"))
+        return self.baseline + self.total("always") + both
+
+    @property
+    def construction_host(self) -> int:
+        return self.baseline + self.construction
+
+    def breakdown(self, limit: int = 4) -> str:
+        merged: dict[str, int] = {}
+        for t in self.terms:
+            merged[t.what] = merged.get(t.what, 0) + t.bytes
+        top = sorted(merged.items(), key=lambda kv: -kv[1])[:limit]
+        return ", ".join(f"{what} {human(b)}" for what, b in top)
+
+
+def _stage_layers(layers: int, pp: int) -> list[int]:
+    """Decoder layers per pipeline stage, as ColossalAI 0.5.0's PipelineStageManager.distribute_layers
+    deals them: evenly, the remainder to the middle stages."""
+    q, r = divmod(layers, pp)
+    out = [q] * pp
+    start = pp // 2 - r // 2
+    for i in range(start, start + r):
+        out[i] += 1
+    return out
+
+
+def _width(term: ActivationTerm, dims: dict[str, int], tp: int, compute: int) -> float:
+    width = dims[term.dim] / tp if term.dim in TP_SPLIT_DIMS else dims[term.dim]
+    return term.count * width * (4 if term.fp32 else compute)
+
+
+def layer_activation_bytes(model_config: dict[str, Any], compute_bytes: int, tp: int = 1) -> float:
+    """Bytes per token one decoder layer keeps for its backward (family's `layer_activations`)."""
+    family, _ = family_config(model_config)
+    dims = model_dims(model_config)
+    return sum(_width(t, dims, tp, compute_bytes) for t in family.layer_activations)
+
+
+def _applies(h: Held, zero: int, precision: str, pp: int, grad_accum: int) -> bool:
+    return (zero in h.zero and precision in h.precisions and not (h.only == "no_pipeline" and pp > 1)
+            and not (h.only == "grad_accum" and grad_accum <= 1))
+
+
+def _fused_adamw(stage_cfg: StageConfig, stage: str, cuda: bool) -> bool:
+    from tasks.core.config.kernels import Facts, resolve
+
+    state = resolve(stage_cfg, stage, Facts(cuda=cuda)).get("fused_optimizer")
+    return bool(state and state.on)
+
+
+def estimate(model_config: dict[str, Any], stage_cfg: StageConfig, *, stage: str = "cpt", cuda: bool = False,
+             baseline: int = RANK_BASELINE_BYTES) -> MemoryEstimate:
+    """The largest rank's memory for `stage_cfg` on the model `model_config` (config.json) describes.
+    Raises ConversionError for an unknown family, KeyError for a plugin without `holds`."""
+    spec: PluginSpec = PLUGINS[stage_cfg.plugin.name]
+    if not spec.holds:
+        raise KeyError(f"plugin {spec.name} has no `holds` rows (tasks/core/config/plugins.py): its memory is not estimated")
+    family, config = family_config(model_config)
+    dims = model_dims(model_config)
+    p = stage_cfg.plugin
+    tp, pp = (p.tp_size, p.pp_size) if spec.supports_tp_pp else (1, 1)
+    dp = max(1, stage_cfg.launch.world_size // (tp * pp))
+    zero = spec.zero_stage(p.zero_stage)
+    weights = 4 if spec.weights_dtype(p.precision) == "fp32" else 2
+    compute = 2 if p.precision in ("bf16", "fp16") else 4
+    layers = config["num_hidden_layers"]
+    per_stage = _stage_layers(layers, pp)
+    nmb = num_microbatches(stage_cfg) if pp > 1 else 1
+    rows = stage_cfg.micro_batch_size * (stage_cfg.grad_accum_steps // nmb if pp > 1 else 1)
+    tokens = rows * stage_cfg.seq_len
+
+    shares, layer_params, largest, total = [0] * pp, 0, 0, 0
+    bounds = [sum(per_stage[:s]) for s in range(pp + 1)]
+    for _, rule, shape, layer in iter_tensors(model_config):
+        n = math.prod(shape)
+        total += n
+        largest = max(largest, n)
+        mine = n // tp if tp > 1 and any(d in TP_SPLIT_DIMS for d in rule.shape) else n
+        if layer is None:
+            shares[0 if rule in family.head else pp - 1] += mine
+        else:
+            shares[next(s for s in range(pp) if bounds[s] <= layer < bounds[s + 1])] += mine
+            if layer == 0:
+                layer_params += mine
+
+    ckpt = bool(getattr(stage_cfg, "activation_checkpointing", False))
+    per_layer = layer_activation_bytes(model_config, compute, tp)
+    saved = dims["hidden"] * compute if ckpt else per_layer  # with checkpointing: the layer's input only
+    lazy = bool(getattr(spec, "lazy_init", False))
+    best: MemoryEstimate | None = None
+    for s in range(pp):
+        terms = []
+        for h in spec.holds:
+            if not _applies(h, zero, p.precision, pp, stage_cfg.grad_accum_steps):
+                continue
+            n = layer_params if h.per == "layer" else shares[s]
+            n = math.ceil(n / dp) if h.sharded else n
+            terms.append(Term(h.what, n * (weights if h.bytes == "weights" else h.bytes), h.when))
+        if cuda and spec.optimizer == "adamw" and not _fused_adamw(stage_cfg, stage, cuda):
+            n = math.ceil(shares[s] / dp) if is_zero(spec, p.zero_stage) else shares[s]  # ZeRO steps this rank's shard
+            terms.append(Term("AdamW foreach temporaries", n * 4, "step"))
+        in_flight = min(pp - s, nmb)
+        acts = in_flight * per_stage[s] * saved + (2 if ckpt else 1) * per_layer  # + the layer in the backward (recomputed)
+        if s == pp - 1:
+            acts += sum(_width(t, dims, tp, compute) for t in family.final_activations)
+            acts += dims["vocab"] / tp * (LOSS_BYTES_PER_LOGIT + (compute if compute < 4 else 0))
+        terms.append(Term("activations", int(acts * tokens), "activations"))
+        if stage == "sft":  # padded or packed rows: a 4D attention mask, shared by the layers
+            terms.append(Term("attention mask", rows * stage_cfg.seq_len ** 2 * compute, "activations"))
+        construction = 4 * (shares[s] + largest) if lazy else 4 * total
+        est = MemoryEstimate(total, shares[s], tuple(terms), baseline, cuda, construction)
+        if best is None or est.device > best.device:
+            best = est
+    assert best is not None
+    return best
+
+
+# -- settings that would make a layout fit -------------------------------------------------------
+
+
+def _with(stage_cfg: StageConfig, plugin: dict[str, Any] | None = None, **fields: Any) -> StageConfig:
+    data = stage_cfg.model_dump()
+    if plugin:
+        data["plugin"] = {**data["plugin"], **plugin}
+    data.update(fields)
+    return StageConfig.model_validate(data)
+
+
+def _levers(st: StageConfig, name: str, cuda: bool) -> Iterable[tuple[str, StageConfig]]:
+    """Single changes that shrink a rank's memory, each named by its config fields, strongest first
+    within a lever (they are tried in turn until one fits)."""
+    p = st.plugin
+    spec = PLUGINS[p.name]
+    mixed = {} if p.precision != "fp32" else {"precision": "bf16"}
+    for z in sorted(z for z in spec.zero_stages if spec.zero_stage(z) > spec.zero_stage(p.zero_stage)):
+        yield f"{name}.plugin.zero_stage: {z}" + (", precision: bf16" if mixed else ""), _with(st, {"zero_stage": z, **mixed})
+    if p.tp_size == 1 and p.pp_size == 1 and p.name != "low_level_zero":
+        yield f"{name}.plugin.name: low_level_zero, zero_stage: 2" + (", precision: bf16" if mixed else ""), _with(st, {"name": "low_level_zero", "zero_stage": 2, **mixed})
+    if cuda and p.tp_size == 1 and p.pp_size == 1 and p.name != "gemini":
+        yield f"{name}.plugin.name: gemini" + (", precision: bf16" if mixed else ""), _with(st, {"name": "gemini", "zero_stage": 0, **mixed})
+    if spec.supports_tp_pp:
+        tp = p.tp_size * 2
+        while tp <= st.launch.nproc_per_node:
+            yield f"{name}.plugin.tp_size: {tp}", _with(st, {"tp_size": tp})
+            tp *= 2
+    if not getattr(st, "activation_checkpointing", True):
+        yield f"{name}.activation_checkpointing: true", _with(st, activation_checkpointing=True)
+    mbs, ga = st.micro_batch_size // 2, st.grad_accum_steps * 2
+    while mbs >= 1 and p.pp_size == 1:
+        yield f"{name}.micro_batch_size: {mbs} (grad_accum_steps: {ga} keeps the global batch)", _with(st, micro_batch_size=mbs, grad_accum_steps=ga)
+        mbs, ga = mbs // 2, ga * 2
+
+
+def fits_with(model_config: dict[str, Any], st: StageConfig, name: str, capacity: int, cuda: bool) -> list[tuple[str, int]]:
+    """(the settings, the device bytes) of each lever's first setting that fits `capacity`; if no
+    single one does, the levers applied together in turn, up to the first combination that fits."""
+    before = set(layout_problems(st, name, model_config=model_config, tiers=("static", "batch", "model")))
+
+    def valid(candidate: StageConfig) -> bool:
+        return set(layout_problems(candidate, name, model_config=model_config, tiers=("static", "batch", "model"))) <= before
+
+    def device(candidate: StageConfig) -> int:
+        return estimate(model_config, candidate, stage=name, cuda=cuda).device
+
+    found, seen = [], set()
+    for label, candidate in _levers(st, name, cuda):
+        lever = label.split(",")[0] if ".plugin.name:" in label else label.split(":")[0]  # each plugin is its own lever
+        if lever in seen or not valid(candidate):
+            continue
+        need = device(candidate)
+        if need <= capacity:
+            found.append((label, need))
+            seen.add(lever)
+    if found:
+        return found
+    combined, labels = st, []
+    for _ in range(8):  # each round applies the strongest remaining lever to the combination so far
+        options = [(device(c), label, c) for label, c in _levers(combined, name, cuda) if valid(c)]
+        if not options:
+            return []
+        need, label, combined = min(options, key=lambda o: o[0])
+        labels.append(label)
+        if need <= capacity:
+            return [(" + ".join(labels), need)]
+    return []
+
+
+# -- pre-flight ------------------------------------------------------------------------------------
+
+
+def check_memory(ctx: Any) -> None:
+    """Each stage's per-rank estimate in the report; a refusal when it exceeds the GPU memory the
+    stage declares (`launch.gpu_memory_gb`) or this machine's GPU, with the settings that fit."""
+    if ctx.model is None:
+        return
+    mc = ctx.model.config
+    for name in ("cpt", "sft"):
+        st: StageConfig = getattr(ctx.cfg, name)
+        declared = getattr(st.launch, "gpu_memory_gb", None)
+        detected = getattr(ctx.machine, "gpu_memory_bytes", None) if ctx.machine.cuda_devices else None
+        capacity = int(declared * GB) if declared else detected
+        cuda = bool(declared) or bool(ctx.machine.cuda_devices)
+        try:
+            ParallelLayout.of(st, name, model_config=mc, tiers=("static", "batch", "model"))
+            est = estimate(mc, st, stage=name, cuda=cuda)
+        except (ConfigError, ConversionError, KeyError) as exc:  # the layout/family checks name the problem
+            ctx.warn(f"{name} memory not estimated: {exc.problems[0][1] if isinstance(exc, ConfigError) else exc}")
+            continue
+        parts = f"{est.rank_parameters / 1e6:,.1f}M of {est.parameters / 1e6:,.1f}M parameters: {est.breakdown()}"
+        built = f"{human(est.construction_host)} host while the model is built"
+        if not cuda:
+            ctx.ok(f"{name} memory per rank (estimate): {human(est.host_steady)} host RAM steady on this CPU rank "
+                   f"(baseline {human(est.baseline)}; {parts}), {built}; no GPU: not checked against one")
+            continue
+        source = f"{name}.launch.gpu_memory_gb = {declared:g}" if declared else "the visible GPU"
+        if capacity is None:
+            ctx.ok(f"{name} memory per rank (estimate): {human(est.device)} GPU ({parts}), {built}; GPU memory unknown: "
+                   f"set {name}.launch.gpu_memory_gb to check it")
+        elif est.device <= capacity:
+            ctx.ok(f"{name} memory per rank (estimate): {human(est.device)} GPU of {human(capacity)} ({source}; {parts}), {built}")
+        else:
+            fixes = fits_with(mc, st, name, capacity, cuda)
+            fix = ("; it fits with " + ", or ".join(f"{label} ({human(need)})" for label, need in fixes)) if fixes else (
+                f"; no change of zero_stage, plugin, tp_size, activation_checkpointing or micro_batch_size fits: add nodes ({name}.launch.nnodes) "
+                "to shard ZeRO state further, or use GPUs with more memory")
+            ctx.problem(f"{name}.launch.gpu_memory_gb" if declared else f"{name}.plugin",
+                        f"{name} needs {human(est.device)} of GPU memory per rank ({parts}; CUDA reserve {human(CUDA_RESERVE_BYTES)}), "
+                        f"more than the {human(capacity)} of {source}{fix}")
+
+
+# -- the map: what fits where (docs/scaling.md) ----------------------------------------------------
+
+# config.json of meta-llama/Meta-Llama-3-8B and -70B (the fields the estimate reads)
+LLAMA3 = {
+    "Llama-3-8B": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False},
+    "Llama-3-70B": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                    "num_attention_heads": 64, "num_key_value_heads": 8, "tie_word_embeddings": False},
+}
+# (model, nodes, plugin fields, activation checkpointing): the layouts the table weighs
+TABLE_LAYOUTS: tuple[tuple[str, int, dict[str, Any], bool], ...] = (
+    ("Llama-3-8B", 1, {"name": "torch_ddp"}, False),
+    ("Llama-3-8B", 1, {"name": "hybrid_parallel", "zero_stage": 1}, False),
+    ("Llama-3-8B", 1, {"name": "low_level_zero", "zero_stage": 2}, False),
+    ("Llama-3-8B", 1, {"name": "low_level_zero", "zero_stage": 2}, True),
+    ("Llama-3-8B", 1, {"name": "hybrid_parallel", "tp_size": 2, "zero_stage": 1}, False),
+    ("Llama-3-8B", 1, {"name": "hybrid_parallel", "tp_size": 8}, False),
+    ("Llama-3-8B", 1, {"name": "gemini"}, False),
+    ("Llama-3-70B", 8, {"name": "low_level_zero", "zero_stage": 2}, True),
+    ("Llama-3-70B", 1, {"name": "hybrid_parallel", "tp_size": 8, "zero_stage": 1}, True),
+    ("Llama-3-70B", 2, {"name": "hybrid_parallel", "tp_size": 8, "zero_stage": 1}, False),
+    ("Llama-3-70B", 2, {"name": "hybrid_parallel", "tp_size": 8, "zero_stage": 1}, True),
+    ("Llama-3-70B", 4, {"name": "hybrid_parallel", "tp_size": 8, "zero_stage": 1}, True),
+    ("Llama-3-70B", 2, {"name": "hybrid_parallel", "tp_size": 8, "pp_size": 2, "zero_stage": 1}, True),
+    ("Llama-3-70B", 1, {"name": "gemini"}, True),
+    ("Llama-3-70B", 2, {"name": "gemini"}, True),
+    ("Llama-3-70B", 4, {"name": "gemini"}, True),
+)
+
+
+def table(gpu_gb: float = 80.0, gpus_per_node: int = 8, seq_len: int = 4096, micro_batch_size: int = 1) -> str:
+    """The markdown table of TABLE_LAYOUTS: per-rank GPU memory, whether it fits, host RAM per node."""
+    out = [f"{gpus_per_node} x {gpu_gb:g} GB GPUs per node; bf16, micro_batch_size {micro_batch_size} x seq_len {seq_len}, AdamW, "
+           f"fused AdamW on; GB = 1e9 bytes; GPU figure includes the {CUDA_RESERVE_BYTES / GB:.0f} GB CUDA reserve.", "",
+           "| model | nodes | plugin / layout | act. ckpt | GPU per rank | fits | host per node, steady | host per node, model build (today) |",
+           "|---|---|---|---|---|---|---|---|"]
+    for model, nodes, plugin, ckpt in TABLE_LAYOUTS:
+        pp = plugin.get("pp_size", 1)
+        st = StageConfig.model_validate({
+            "data": {"uri": "x"}, "plugin": {"precision": "bf16", **plugin}, "max_steps": 1, "seq_len": seq_len, "lr": 1e-4,
+            "micro_batch_size": micro_batch_size, "grad_accum_steps": 2 * pp if pp > 1 else 1, "activation_checkpointing": ckpt,
+            "launch": {"nproc_per_node": gpus_per_node, "nnodes": nodes},
+        })
+        est = estimate(LLAMA3[model], st, cuda=True)
+        p = st.plugin
+        layout = p.name + "".join(f" {k}={getattr(p, k)}" for k in ("tp_size", "pp_size") if getattr(p, k) > 1)
+        layout += f" zero={PLUGINS[p.name].zero_stage(p.zero_stage)} dp={st.launch.world_size // (p.tp_size * p.pp_size)}"
+        fits = "yes" if est.device <= gpu_gb * GB else "no"
+        out.append(f"| {model} | {nodes} | {layout} | {'on' if ckpt else 'off'} | {est.device / GB:.1f} GB | {fits} | "
+                   f"{gpus_per_node * est.host_steady / GB:.0f} GB | {gpus_per_node * est.construction_host / GB:,.0f} GB |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if args[0] == "--table":
+        print(table())
+        return 0
+    from tasks.core.config.load import parse_fields, read_raw_config
+    from tasks.core.preflight.model_info import read_model_info
+
+    cfg = parse_fields(read_raw_config(args[0]), source=args[0])  # as pre-flight reads it: the static rules are its own checks
+    mc = read_model_info(cfg.base_model.uri, cfg.base_model.revision).config
+    for name in ("cpt", "sft"):
+        st = getattr(cfg, name)
+        cuda = bool(getattr(st.launch, "gpu_memory_gb", None))
+        est = estimate(mc, st, stage=name, cuda=cuda)
+        print(f"{name}: {st.plugin.name} on {st.launch.world_size} rank(s): {'GPU' if cuda else 'live'} {human(est.device)}, "
+              f"host {human(est.host_steady)} steady, {human(est.construction_host)} while the model is built ({est.breakdown(8)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Unit tier: the per-rank memory estimate (tasks/core/preflight/memory.py) and pre-flight's use of it.
+
+    .venv/bin/python -m pytest tests/test_memory_estimate.py -q
+
+The figures are arithmetic on config.json and the plugin rows; the activation table of every family
+is checked against what torch really keeps for one decoder layer's backward (saved-tensor hooks on
+a tiny model), and benchmarks/scale.py checks the whole estimate against ranks' measured RSS.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+
+from tasks.core.config import plugins
+from tasks.core.config.schema import StageConfig
+from tasks.core.errors import ConfigError
+from tasks.core.models.families import FAMILIES, TP_SPLIT_DIMS, iter_tensors
+from tasks.core.preflight.checks import Machine, load_for_check
+from tasks.core.preflight.memory import (
+    CUDA_RESERVE_BYTES,
+    LLAMA3,
+    RANK_BASELINE_BYTES,
+    estimate,
+    layer_activation_bytes,
+    table,
+)
+from tests.conftest import write_config
+from tests.test_preflight import LLAMA3_8B, Case, _all, _llama3, _set
+
+# hidden 64, 2 layers, 4 heads of 16 (q = 64), 2 KV heads (kv = 32), MLP 128, vocabulary 512
+TINY = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def stage(plugin: dict, nproc: int = 1, nnodes: int = 1, **kw) -> StageConfig:
+    return StageConfig.model_validate({"data": {"uri": "x"}, "plugin": plugin, "max_steps": 1, "lr": 1e-4,
+                                       "launch": {"nproc_per_node": nproc, "nnodes": nnodes}, **{"seq_len": 16, "micro_batch_size": 2, **kw}})
+
+
+def by_what(est) -> dict[str, int]:
+    return {t.what: t.bytes for t in est.terms}
+
+
+def test_torch_ddp_fp32_estimate_is_the_hand_computed_figure():
+    # Parameters: embedding 512*64 = 32768, LM head 32768, final norm 64; per layer q 64*64 = 4096,
+    # k and v 32*64 = 2048 each, o 4096, gate/up/down 3 * 128*64 = 24576, two norms 128: 36992.
+    P = 32768 + 32768 + 64 + 2 * 36992
+    assert P == 139584
+    # torch_ddp fp32: fp32 weights, DDP's buckets and the Adam moments always (4 + 4 + 8 B),
+    # gradients (4 B) from the backward through the step.
+    always, grads = 16 * P, 4 * P
+    # Activations per token: a layer keeps 2 fp32 hidden-wide (2*4*64 = 512), 4 hidden-wide
+    # (4*4*64 = 1024), 5 q-wide (5*4*64 = 1280), the log-sum-exp of 4 heads (16) and 4 MLP-wide
+    # (4*4*128 = 2048): 4880 B. Two layers plus the one in the backward: 3 * 4880 = 14640; the final
+    # norm 4*64 + 2*4*64 = 768; the loss 12 B per logit: 12*512 = 6144. Tokens: 2 x 16 = 32.
+    acts = (3 * 4880 + 768 + 6144) * 32
+    assert acts == 689664
+    est = estimate(TINY, stage({"name": "torch_ddp", "precision": "fp32"}), cuda=False)
+    assert est.parameters == est.rank_parameters == P
+    assert by_what(est) == {"fp32 weights": 4 * P, "gradients": 4 * P, "DDP gradient buckets": 4 * P, "Adam moments": 8 * P, "activations": acts}
+    assert est.device == always + max(acts, grads) == 2923008
+    # A CPU rank's RSS holds both phases (glibc keeps the freed activations), plus the baseline.
+    assert est.host_steady == RANK_BASELINE_BYTES + always + acts + grads
+    # On CUDA the same states must fit the GPU with the reserve; the host keeps the baseline.
+    gpu = estimate(TINY, stage({"name": "torch_ddp", "precision": "fp32"}), cuda=True)
+    assert gpu.device == est.device + CUDA_RESERVE_BYTES and gpu.host_steady == RANK_BASELINE_BYTES
+    # today's engine builds the whole fp32 model on every rank for torch_ddp
+    assert est.construction_host == RANK_BASELINE_BYTES + 4 * P
+
+
+def test_zero_stages_shrink_the_rank_in_their_proportions():
+    eight = dict(nproc=8, seq_len=4096, micro_batch_size=1)
+    mc = LLAMA3["Llama-3-8B"]
+    z1 = by_what(estimate(mc, stage({"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"}, **eight), cuda=True))
+    z2 = by_what(estimate(mc, stage({"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}, **eight), cuda=True))
+    P = estimate(mc, stage({"name": "torch_ddp"}, **eight)).parameters
+    # ZeRO-1 keeps every bf16 gradient; ZeRO-2 keeps this rank's 1/8: 8x less
+    assert z1["gradients"] == 2 * P and z2["gradient shard"] == math.ceil(P / 8) * 2
+    # both shard masters and moments over the 8 ranks and keep the whole bf16 model
+    for z in (z1, z2):
+        assert (z["working weights"], z["fp32 master weight shard"], z["Adam moment shard"]) == (2 * P, math.ceil(P / 8) * 4, math.ceil(P / 8) * 8)
+    # twice the ranks (2 nodes): the sharded states halve, the whole model does not
+    z2x2 = by_what(estimate(mc, stage({"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}, nnodes=2, **eight), cuda=True))
+    assert z2x2["Adam moment shard"] == math.ceil(P / 16) * 8 and z2x2["working weights"] == z2["working weights"]
+    # Gemini (ZeRO-3) shards the weights too
+    g = by_what(estimate(mc, stage({"name": "gemini", "precision": "bf16"}, **eight), cuda=True))
+    assert g["weight chunk shard"] == math.ceil(P / 8) * 2
+
+
+def test_tensor_parallelism_splits_every_tp_tensor_and_replicates_the_norms():
+    mc = LLAMA3["Llama-3-8B"]
+    split = sum(math.prod(s) for _, rule, s, _ in iter_tensors(mc) if set(rule.shape) & TP_SPLIT_DIMS)
+    replicated = sum(math.prod(s) for _, rule, s, _ in iter_tensors(mc) if not set(rule.shape) & TP_SPLIT_DIMS)
+    assert replicated == 4096 * (2 * 32 + 1)  # the two norms of every layer and the final one
+    for tp in (1, 2, 4, 8):
+        est = estimate(mc, stage({"name": "hybrid_parallel", "tp_size": tp, "precision": "bf16"}, nproc=tp), cuda=True)
+        assert est.rank_parameters == split // tp + replicated
+        assert by_what(est)["Adam moments"] == 8 * (split // tp + replicated)
+    # the activations of the q- and MLP-wide tensors split too, the hidden-wide ones do not
+    per = {tp: layer_activation_bytes(mc, 2, tp) for tp in (1, 2)}
+    hidden_wide = 2 * 4 * 4096 + 4 * 2 * 4096
+    assert per[1] - hidden_wide == pytest.approx(2 * (per[2] - hidden_wide))
+
+
+def test_activation_checkpointing_keeps_only_each_layers_input():
+    plugin = {"name": "hybrid_parallel", "tp_size": 1, "precision": "bf16"}
+    off = by_what(estimate(TINY, stage(plugin), cuda=True))["activations"]
+    on = by_what(estimate(TINY, stage(plugin, activation_checkpointing=True), cuda=True))["activations"]
+    layer, tokens = layer_activation_bytes(TINY, 2), 32
+    # off: 2 layers + the one in the backward; on: 2 layer inputs (64 wide, bf16) + the layer being
+    # recomputed + the one in the backward; the final norm and the loss are the same in both
+    assert off - on == pytest.approx((3 * layer - (2 * 64 * 2 + 2 * layer)) * tokens, abs=2)
+    assert on < off
+
+
+def _saved_per_token(family: str, dtype: torch.dtype) -> float:
+    """Bytes torch keeps for the backward of decoder layer 1 of a tiny model, per token."""
+    spec = FAMILIES[family]
+    dims = dict(vocab_size=300, hidden_size=128, intermediate_size=344, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3, head_dim=16)
+    cfg = getattr(transformers, spec.config_class)(**dims, **spec.demo_config)
+    torch.manual_seed(0)
+    model = getattr(transformers, spec.model_class)(cfg).to(dtype).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    on, seen = [False], {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if on[0] and ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    layer = model.model.layers[1]
+    layer.register_forward_pre_hook(lambda *_: on.__setitem__(0, True))
+    layer.register_forward_hook(lambda *_: on.__setitem__(0, False))
+    ids = torch.randint(3, 300, (2, 32))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids, use_cache=False)
+    return sum(seen.values()) / ids.numel()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_family_activation_table_is_what_torch_keeps(family, dtype):
+    mc = {"model_type": family, "vocab_size": 300, "hidden_size": 128, "intermediate_size": 344, "num_attention_heads": 8,
+          "num_key_value_heads": 2, "num_hidden_layers": 3, "head_dim": 16}
+    table_bytes = layer_activation_bytes(mc, 4 if dtype == torch.float32 else 2)
+    measured = _saved_per_token(family, dtype)
+    # the table leaves out the 1-wide inverse RMS of each norm and RoPE's per-position cos/sin
+    assert table_bytes <= measured <= table_bytes * 1.02, (family, dtype, table_bytes, measured)
+
+
+def test_a_registered_plugin_is_estimated_from_its_holds_row():
+    spec = plugins.PluginSpec(name="dummy_sharded", summary="a test plugin", zero_stages=(3,), zero_hint="3", holds=(
+        plugins.Held("weights", "weights", sharded=True), plugins.Held("grads", "weights", sharded=True, when="grads"),
+        plugins.Held("moments", 8, sharded=True), plugins.Held("fp16-only buffer", 2, precisions=("fp16",)),
+    ))
+    plugins.register(spec)
+    try:
+        st = stage({"name": "dummy_sharded", "zero_stage": 3, "precision": "bf16"}, nproc=4)
+        shard = math.ceil(139584 / 4)
+        assert {k: v for k, v in by_what(estimate(TINY, st)).items() if k != "activations"} == {"weights": 2 * shard, "grads": 2 * shard, "moments": 8 * shard}
+        # on CUDA an AdamW plugin without a fused-AdamW kernel row steps with torch's foreach temporaries
+        assert by_what(estimate(TINY, st, cuda=True))["AdamW foreach temporaries"] == 4 * shard
+        plugins.register(plugins.PluginSpec(name="dummy_sharded", summary="no memory rows"))
+        with pytest.raises(KeyError, match="no `holds` rows"):
+            estimate(TINY, stage({"name": "dummy_sharded"}))
+    finally:
+        plugins.PLUGINS.pop("dummy_sharded", None)
+
+
+def _fat_sft(c: Case) -> None:
+    """Llama-3-8B under ZeRO-1 on 8 ranks: 16 GB bf16 weights + 16 GB gradients + shards."""
+    _llama3(c)
+    _set("cpt.plugin", {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"})(c)
+    _set("cpt.launch", {"nproc_per_node": 8, "gpu_memory_gb": 40})(c)
+
+
+def test_preflight_refuses_a_layout_over_the_declared_gpu_memory_naming_numbers_and_fixes(tmp_path):
+    case = Case(tmp_path)
+    _fat_sft(case)
+    report = case.report()
+    msgs = [m for f, m in report.problems if f == "cpt.launch.gpu_memory_gb"]
+    assert msgs, report.text()
+    mc = {"model_type": "llama", **LLAMA3_8B}
+    st = load_for_check(write_config(tmp_path / "c.yaml", case.raw)).cpt
+    need = estimate(mc, st, cuda=True).device
+    assert f"cpt needs {need / 1e9:,.2f} GB of GPU memory per rank" in msgs[0]
+    assert "more than the 40.00 GB of cpt.launch.gpu_memory_gb = 40" in msgs[0]
+    fixed = estimate(mc, st.model_copy(update={"plugin": st.plugin.model_copy(update={"zero_stage": 2})}), cuda=True).device
+    assert fixed <= 40e9 < need
+    assert f"it fits with cpt.plugin.zero_stage: 2 ({fixed / 1e9:,.2f} GB)" in msgs[0]
+    # the same layout on 80 GB GPUs passes, and says so
+    case.raw["cpt"]["launch"]["gpu_memory_gb"] = 80
+    ok = case.report()
+    assert not [p for p in ok.problems if "gpu_memory" in p[0]], ok.text()
+    assert any(line.startswith("cpt memory per rank (estimate):") and "GPU of 80.00 GB" in line for line in ok.checked), ok.text()
+
+
+def test_a_visible_gpu_is_the_capacity_when_none_is_declared(tmp_path):
+    case = Case(tmp_path)
+    _fat_sft(case)
+    del case.raw["cpt"]["launch"]["gpu_memory_gb"]
+    case.machine = Machine(cuda_devices=8, cpu_count=16, free_bytes=10**13, gpu_memory_bytes=int(24e9))
+    report = case.report()
+    msgs = [m for f, m in report.problems if f == "cpt.plugin"]
+    assert msgs and "more than the 24.00 GB of the visible GPU" in msgs[0], report.text()
+
+
+def test_cpu_without_declared_gpu_memory_prints_the_host_estimate_and_refuses_nothing(tmp_path):
+    case = Case(tmp_path)
+    _all(_llama3, _set("cpt.plugin", {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"}), _set("cpt.launch", {"nproc_per_node": 2}))(case)
+    report = case.report()
+    assert not [p for p in report.problems if p[0].startswith("cpt.launch") or p[0] == "cpt.plugin"], report.text()
+    line = next(c for c in report.checked if c.startswith("cpt memory per rank"))
+    assert "host RAM steady on this CPU rank" in line and "no GPU" in line
+
+
+@pytest.mark.parametrize("value", [0, -8])
+def test_gpu_memory_gb_must_be_positive(tmp_path, value):
+    case = Case(tmp_path)
+    _set("sft.launch", {"nproc_per_node": 2, "gpu_memory_gb": value})(case)
+    with pytest.raises(ConfigError) as info:
+        load_for_check(write_config(tmp_path / "c.yaml", case.raw))
+    assert [f for f, _ in info.value.problems] == ["sft.launch.gpu_memory_gb"] and "greater than 0" in str(info.value)
+
+
+def test_the_map_names_a_layout_that_fits_each_llama3_model():
+    rows = [line.split(" | ") for line in table().splitlines() if line.startswith("| Llama")]
+    for model in LLAMA3:
+        assert any(r[0] == f"| {model}" and r[5] == "yes" for r in rows), model
+        assert any(r[0] == f"| {model}" and r[5] == "no" for r in rows), model
