@@ -41,9 +41,10 @@ from tasks import ui
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, TokenizeConfig
 from tasks.core.data import prepare as prep
+from tasks.core.data.blend import BLEND_FILE, Source
 from tasks.core.data.index import INDEX
 from tasks.core.data.inputs import InputFile
-from tasks.core.data.prepared import HELDOUT_SET
+from tasks.core.data.prepared import HELDOUT_SET, blend_plan
 from tasks.core.data.records import iter_file_records
 from tasks.core.data.shard import ShardSpec, read_summary, shard_dir, tokenize_file
 from tasks.core.run.stages import DATA_CACHE, PREPARE, STAGE
@@ -131,12 +132,18 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     tok_dir = store.local_path(source.rel) if store.local else store.stage_in(source.rel)
     cache = store.staging / DATA_CACHE / stage
     d = st_cfg.data
+    sources = [Source(s.name, [resolve_local(u) for u in s.uris], s.weight) for s in d.source_list]
+    plan_steps = blend_plan(st_cfg, stage)
     p = prep.plan(
-        [resolve_local(u) for u in d.uris], tok_dir, cache, kind=stage, field=d.text_field if stage == "cpt" else d.messages_field, seq_len=st_cfg.seq_len,
+        sources, tok_dir, cache, kind=stage, blend_plan=plan_steps, field=d.text_field if stage == "cpt" else d.messages_field, seq_len=st_cfg.seq_len,
         heldout_fraction=0.0 if st_cfg.eval.heldout_uri else st_cfg.eval.heldout_fraction, heldout_uri=resolve_local(st_cfg.eval.heldout_uri) if st_cfg.eval.heldout_uri else None,
         on_bad_record=d.on_bad_record, max_bad_records=d.max_bad_records, max_record_chars=d.max_record_chars,
     )
-    st = Stage(name, cfg, inputs={"spec": p.spec.key_fields(), "files": [f.to_json() for f in p.inputs]})
+    # A mixture's blend is made for the planned steps: they are inputs of this digest, and only then.
+    inputs = {"spec": p.spec.key_fields(), "files": [f.to_json() for f in p.inputs]}
+    if plan_steps is not None:
+        inputs["blend"] = {"plan": plan_steps.to_json(), "sources": [[s.name, s.weight, list(p.ranges[i])] for i, s in enumerate(sources)]}
+    st = Stage(name, cfg, inputs=inputs)
     if st.skipped:
         return st.result
     shards = cache / "shards"
@@ -158,16 +165,24 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
         for f in index["files"]:
             prep.copy_shard(cache / f["shard"], out.dir / f["shard"])
         shutil.copy2(cache / INDEX, out.dir / INDEX)
+        if index["blend"]:
+            shutil.copy2(cache / BLEND_FILE, out.dir / BLEND_FILE)
         if p.heldout_inputs:  # evaluation reads eval.heldout_uri's records from the artifact, not the source
             with open(out.dir / HELDOUT_SET, "w", encoding="utf-8") as fh:
                 for f in p.heldout_inputs:
                     fh.writelines(json.dumps(rec, ensure_ascii=False, default=str) + "\n" for _, rec in iter_file_records(f.uri, f.fmt, d.max_record_chars))
         out.manifest(
             kind="token-shards", parent=source,
-            meta={"stage": stage, "tokenizer_sha256": index["tokenizer_sha256"], "dtype": index["dtype"], "split": index["split"], "totals": t, "on_bad_record": d.on_bad_record},
+            meta={"stage": stage, "tokenizer_sha256": index["tokenizer_sha256"], "dtype": index["dtype"], "split": index["split"], "totals": t,
+                  "on_bad_record": d.on_bad_record, "sources": index["sources"], "blend": index["blend"] and {k: v for k, v in index["blend"].items() if k != "file"}},
         )
     prep.prune(cache, index)
     ui.token_table(stage, t)
+    ui.mixture_table(stage, index["sources"], index["blend"])
+    for src in index["sources"]:
+        if src.get("epochs", 0) > d.max_source_epochs:
+            logger.warning("%s: source %r is repeated %.1f times over the %d planned steps (more than %s.data.max_source_epochs=%g): "
+                           "give it more data, a lower weight, or fewer steps", name, src["name"], src["epochs"], st_cfg.max_steps, stage, d.max_source_epochs)
     empty = prep.empty_files(index["files"])
     if empty:
         logger.warning("%s: %d input file(s) hold no record (0 bytes or blank lines only): %s", name, len(empty), ", ".join(empty))
@@ -176,6 +191,7 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     return st.done(
         {
             "files": t["files"], "tokenized": len(p.todo), "empty_files": t["empty_files"], "cache_dropped": p.dropped,
+            "sources": {src["name"]: {k: src[k] for k in ("weight", "token_share", "epochs", "tokens_available") if k in src} for src in index["sources"]},
             "records": t["records"], "skipped": t["skipped"], "train_tokens": t["train_tokens"], "heldout_tokens": t["heldout_tokens"],
         },
         event={"train_tokens": t["train_tokens"], "skipped": t["skipped"]},

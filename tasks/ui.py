@@ -174,6 +174,31 @@ def token_table(stage: str, totals: dict[str, Any]) -> None:
         _warn("token table artifact", exc)
 
 
+def mixture_rows(sources: list[dict[str, Any]], blend: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """One row per source: its weight, what it holds, and (a mixture) what the planned steps take of it."""
+    rows = []
+    for src in sources:
+        row = {"source": src["name"], "weight": src.get("weight", 1.0), "files": src["files"][1] - src["files"][0],
+               "samples available": src["samples_available"], "tokens available": src["tokens_available"]}
+        if blend:
+            row.update({"token share": src["token_share"], "samples planned": src["samples"], "epochs": src["epochs"]})
+        rows.append(row)
+    return rows
+
+
+def mixture_table(stage: str, sources: list[dict[str, Any]], blend: dict[str, Any] | None) -> None:
+    """The `data-<stage>-mixture` table: each source's weight, size, realized token share and epochs."""
+    if blend:
+        plan = blend["plan"]
+        what = f"{stage.upper()} mixture over {plan['max_steps']} steps of {plan['global_batch']} ({blend['positions']:,} {blend['unit']})"
+    else:
+        what = f"{stage.upper()} data: one source"
+    try:
+        create_table_artifact(mixture_rows(sources, blend), key=_key(f"data-{stage}-mixture"), description=what)
+    except Exception as exc:
+        _warn("mixture table artifact", exc)
+
+
 def render_loss_png(stage: str, losses: list[float], first_step: int = 1) -> bytes:
     import matplotlib
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -45,19 +46,29 @@ def run_raw(model_dir: Path, run_root: Path, stage: str, plugin: dict[str, Any],
 
 
 def prepared_data(stage_cfg: dict[str, Any], stage: str, tokenizer_dir: Path, out: Path) -> Path:
-    """The stage's corpus tokenized as prepare_data does (no held-out part: the engine tests train on every record)."""
+    """The stage's corpus tokenized as prepare_data does (no held-out part: the engine tests train on
+    every record); a mixture blended for the stage's steps, as prepare_data blends it."""
+    from tasks.core.config.schema import StageConfig
+    from tasks.core.data.blend import Source
     from tasks.core.data.prepare import prepare
+    from tasks.core.data.prepared import blend_plan
 
-    d = stage_cfg["data"]
+    cfg = StageConfig.model_validate(stage_cfg)
     if not (out / "index.json").is_file():
-        field = d.get("text_field", "text") if stage == "cpt" else d.get("messages_field", "messages")
-        prepare(d["uri"], tokenizer_dir, out, kind=stage, field=field, seq_len=stage_cfg["seq_len"], heldout_fraction=0.0)
+        sources = [Source(s.name, s.uris, s.weight) for s in cfg.data.source_list]
+        field = cfg.data.text_field if stage == "cpt" else cfg.data.messages_field
+        prepare(sources, tokenizer_dir, out, kind=stage, field=field, seq_len=cfg.seq_len, heldout_fraction=0.0, blend_plan=blend_plan(cfg, stage))
     return out
 
 
 def write_job(path: Path, *, verb: str, stage: str, stage_cfg: dict[str, Any], model_dir: Path, stage_dir: Path,
               tokenizer_dir: Path | None = None, config_digest: str = "0" * 64) -> Path:
-    data_dir = prepared_data(stage_cfg, stage, tokenizer_dir or model_dir, path.parent / f"data-{stage}-{stage_cfg['seq_len']}-{Path(tokenizer_dir or model_dir).name}")
+    # One prepared directory per corpus, seq_len and tokenizer (a mixture: also per blend plan).
+    tag = f"{stage}-{stage_cfg['seq_len']}-{Path(tokenizer_dir or model_dir).name}"
+    if "sources" in stage_cfg["data"]:
+        tag += "-" + hashlib.sha256(json.dumps([stage_cfg[k] for k in ("data", "max_steps", "micro_batch_size", "grad_accum_steps", "seed", "plugin", "launch", "batching")
+                                                if k in stage_cfg], sort_keys=True, default=str).encode()).hexdigest()[:12]
+    data_dir = prepared_data(stage_cfg, stage, tokenizer_dir or model_dir, path.parent / f"data-{tag}")
     job = {
         "verb": verb,
         "stage": stage,

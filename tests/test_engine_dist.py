@@ -5,16 +5,17 @@
 Every launch costs ~8-13 s of imports on 2 cores, so launches are shared through module-scoped
 fixtures (12 in all):
 
-- hybrid_parallel tp=2 fp32, CPT: shard, train 6 steps uninterrupted, then the same 6 steps killed
-  (SIGKILL of rank 1) after the checkpoint at step 3 and resumed -> per-step losses and final
-  weights bitwise equal; checkpoint layout, manifests, retention, fingerprints.
+- hybrid_parallel tp=2 fp32, CPT on a 70/30 mixture of two sources (the blended stream of the 6
+  steps): shard, train 6 steps uninterrupted, then the same 6 steps killed (SIGKILL of rank 1)
+  after the checkpoint at step 3, mid-blend, and resumed -> per-step losses and final weights
+  bitwise equal; checkpoint layout, manifests, retention, fingerprints.
 - hybrid_parallel pp=2 fp32, CPT: shard; train killed in the middle of the save of step 6
   (before the optimizer files) -> the next attempt discards the torn save and resumes from step 3.
 - low_level_zero stage 2 bf16, SFT (grad_accum 2): reboost from an HF dir made of the tp=2
   checkpoint's `model/` -> every tensor is the exact bf16 cast of its input; train.
-- torch_ddp fp32, SFT (grad_accum 2): reboost from the pp=2 checkpoint's `model/` -> every tensor
-  bitwise equal; train; a flipped byte in the newest checkpoint is detected, named, skipped, and
-  the retrained steps reproduce the same losses.
+- torch_ddp fp32, SFT (grad_accum 2), packed rows of a 60/40 mixture of two chat sources: reboost
+  from the pp=2 checkpoint's `model/` -> every tensor bitwise equal; train; a flipped byte in the
+  newest checkpoint is detected, named, skipped, and the retrained steps reproduce the same losses.
 - low_level_zero on a tied-embedding Qwen2: shard and train (the tied LM head is saved once, as HF does).
 """
 
@@ -72,20 +73,33 @@ def _jobs(work: Path, name: str, stage: str, plugin: dict, model_dir: Path, toke
     )
 
 
+def _mixture(work: Path) -> dict:
+    """CPT data of two weighted sources: the sample corpus (domain) and the sample chats' text (general)."""
+    from tests._engine_utils import REPO
+
+    chats = [json.loads(line) for line in (REPO / "data" / "sample" / "sft.jsonl").read_text().splitlines() if line.strip()]
+    general = work / "general.jsonl"
+    general.write_text("".join(json.dumps({"text": " ".join(m["content"] for m in c["messages"])}) + "\n" for c in chats))
+    return {"sources": [{"name": "domain", "uri": str(REPO / "data" / "sample" / "cpt.jsonl"), "weight": 0.7},
+                        {"name": "general", "uri": str(general), "weight": 0.3}]}
+
+
 @pytest.fixture(scope="module")
 def tp2(work, tiny_model_dir):
     stage_dir = work / "tp2" / "cpt"
-    shard_job, train_job = _jobs(work, "tp2", "cpt", TP2, tiny_model_dir, tiny_model_dir, stage_dir, keep_last=1)
+    mix = _mixture(work)
+    shard_job, train_job = _jobs(work, "tp2", "cpt", TP2, tiny_model_dir, tiny_model_dir, stage_dir, keep_last=1, data=mix)
     shard = _engine("tp2 shard", "shard", shard_job)
     # The interrupted twin starts from a copy of the same step-000000.
     kill_dir = work / "tp2-kill" / "cpt"
     kill_dir.mkdir(parents=True)
     shutil.copytree(stage_dir / "step-000000", kill_dir / "step-000000")
     train = _engine("tp2 train (6 steps)", "train", train_job)
-    _, kill_job = _jobs(work, "tp2-kill", "cpt", TP2, tiny_model_dir, tiny_model_dir, kill_dir, keep_last=1)
+    _, kill_job = _jobs(work, "tp2-kill", "cpt", TP2, tiny_model_dir, tiny_model_dir, kill_dir, keep_last=1, data=mix)
     killed = _engine("tp2 train kill@step=3", "train", kill_job, env={"CPT_TO_SFT_FAULT": "kill@step=3"}, expect_ok=False)
     resumed = _engine("tp2 train resume", "train", kill_job, env={"CPT_TO_SFT_FAULT": "kill@step=3"})
-    return dict(dir=stage_dir, kill_dir=kill_dir, shard=shard, train=train, killed=killed, resumed=resumed)
+    data_dir = Path(json.loads(train_job.read_text())["data_dir"])
+    return dict(dir=stage_dir, kill_dir=kill_dir, shard=shard, train=train, killed=killed, resumed=resumed, data_dir=data_dir)
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +127,15 @@ def llz(work, tiny_model_dir, tp2):
 def ddp(work, tiny_model_dir, pp2):
     hf_in = pp2["dir"] / "step-000006" / "model"
     stage_dir = work / "ddp" / "sft"
-    # Packed SFT rows (several chats a row): the retry after the corruption below resumes them bitwise.
-    shard_job, train_job = _jobs(work, "ddp", "sft", DDP, hf_in, tiny_model_dir, stage_dir, grad_accum_steps=2, batching="packed", seq_len=256)
+    # Packed SFT rows (several chats a row) of a blend of two chat sources: the retry after the
+    # corruption below resumes them bitwise.
+    from tests._engine_utils import REPO
+
+    chats = (REPO / "data" / "sample" / "sft.jsonl").read_text().splitlines(keepends=True)
+    (work / "chats-a.jsonl").write_text("".join(chats[:120]))
+    (work / "chats-b.jsonl").write_text("".join(chats[120:]))
+    mix = {"sources": [{"name": "a", "uri": str(work / "chats-a.jsonl"), "weight": 0.6}, {"name": "b", "uri": str(work / "chats-b.jsonl"), "weight": 0.4}]}
+    shard_job, train_job = _jobs(work, "ddp", "sft", DDP, hf_in, tiny_model_dir, stage_dir, grad_accum_steps=2, batching="packed", seq_len=256, data=mix)
     shard = _engine("ddp reboost", "shard", shard_job)
     train = _engine("ddp train", "train", train_job)
     first_losses = train_state(stage_dir / "step-000006")["losses"]
@@ -124,7 +145,8 @@ def ddp(work, tiny_model_dir, pp2):
     blob[-7] ^= 0x01
     victim.write_bytes(bytes(blob))
     retrain = _engine("ddp train after corruption", "train", train_job)
-    return dict(dir=stage_dir, hf_in=hf_in, shard=shard, train=train, first_losses=first_losses, victim=victim, retrain=retrain)
+    data_dir = Path(json.loads(train_job.read_text())["data_dir"])
+    return dict(dir=stage_dir, hf_in=hf_in, shard=shard, train=train, first_losses=first_losses, victim=victim, retrain=retrain, data_dir=data_dir)
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +227,11 @@ def test_tp2_resume_after_kill_is_bitwise(tp2):
     assert got["lrs"] == ref["lrs"] and got["tokens_seen"] == ref["tokens_seen"] and got["sampler"] == ref["sampler"]
     a, b = read_model_dir(tp2["dir"] / "step-000006" / "model"), read_model_dir(tp2["kill_dir"] / "step-000006" / "model")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # Both runs walked the blend of the 6 planned steps of 2 blocks: its 12 positions, used up
+    # exactly (a permutation of the corpus's blocks would stand at epoch 0, offset 12).
+    index = json.loads((tp2["data_dir"] / "index.json").read_text())
+    assert [(s["name"], s["samples"]) for s in index["sources"]] == [("domain", 8), ("general", 4)] and index["blend"]["positions"] == 12
+    assert ref["sampler"] == {"epoch": 1, "offset": 0, "seed": 1234} and ref["tokens_seen"] == 12 * 32
 
 
 def test_pp2_kill_during_save_resumes_from_last_complete(pp2):
@@ -254,6 +281,11 @@ def test_ddp_reboost_from_pp2_hf_dir_is_bitwise(ddp):
     # tokens than two of the sample's longest chats (106 tokens), little of it padding.
     state = train_state(ddp["dir"] / "step-000006")
     assert state["tokens_seen"] / (6 * 8) > 2 * 106 and max(state["step_metrics"]["padding_frac"]) < 0.15, state
+    # The rows came from the blend, made just long enough for the 48 planned rows.
+    index = json.loads((ddp["data_dir"] / "index.json").read_text())
+    assert index["blend"]["plan"] == {"max_steps": 6, "global_batch": 8, "seed": 1234, "packed_seq_len": 256}
+    assert state["sampler"] in ({"epoch": 0, "offset": 48, "seed": 1234}, {"epoch": 1, "offset": 0, "seed": 1234}), state["sampler"]
+    assert [s["name"] for s in index["sources"]] == ["a", "b"] and abs(index["sources"][0]["sample_share"] - 0.6) < 0.01
 
 
 def test_corrupt_newest_checkpoint_is_named_and_skipped(ddp):

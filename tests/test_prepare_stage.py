@@ -1,5 +1,6 @@
 """The prepare_data stage under Prefect: mapped tokenize tasks on a process pool and on a real Dask
-LocalCluster, skip and increment, bad records named by file and line before any training process.
+LocalCluster, skip and increment of a two-source mixture, bad records named by file and line before
+any training process.
 
     python -m pytest -m integration tests/test_prepare_stage.py
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.core.run.manifest import MANIFEST
+from tasks.core.run.manifest import MANIFEST, STAMP
 from tests.conftest import REPO, prepare_cpt, tiny_config_raw, write_config
 
 pytestmark = pytest.mark.integration
@@ -24,24 +25,27 @@ def _lines(n: int, tag: str) -> list[str]:
 
 
 def _corpus(d: Path) -> Path:
-    """Three JSONL shards (one gzip'd, one with a malformed line) and a parquet file."""
+    """Two sources: domain/ with a JSONL and a gzip'd JSONL shard, general/ with a JSONL shard
+    holding a malformed line and a parquet file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    d.mkdir(parents=True)
-    (d / "a.jsonl").write_text("\n".join(_lines(120, "a")) + "\n")
-    with gzip.open(d / "b.jsonl.gz", "wt") as f:
+    (d / "domain").mkdir(parents=True)
+    (d / "general").mkdir(parents=True)
+    (d / "domain" / "a.jsonl").write_text("\n".join(_lines(120, "a")) + "\n")
+    with gzip.open(d / "domain" / "b.jsonl.gz", "wt") as f:
         f.write("\n".join(_lines(90, "b")) + "\n")
     c = _lines(80, "c")
     c[41] = '{"text": "cut off'  # line 42: skipped and counted (on_bad_record: skip)
-    (d / "c.jsonl").write_text("\n".join(c) + "\n")
-    pq.write_table(pa.table({"text": [json.loads(x)["text"] for x in _lines(60, "d")]}), d / "d.parquet")
+    (d / "general" / "c.jsonl").write_text("\n".join(c) + "\n")
+    pq.write_table(pa.table({"text": [json.loads(x)["text"] for x in _lines(60, "d")]}), d / "general" / "d.parquet")
     return d
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    """Every file of a prepared artifact but its manifest (which records where the artifact lives)."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root).as_posix() != MANIFEST}
+    """Every file of a prepared artifact but its manifest (which records where the artifact lives)
+    and its verification stamp (which records the files' inodes and times)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root).as_posix() not in (MANIFEST, STAMP)}
 
 
 def test_bad_sft_record_stops_the_run_before_boost_and_shard(prefect_harness, tiny_model_dir, tmp_path, capsys):
@@ -72,7 +76,8 @@ def test_bad_sft_record_stops_the_run_before_boost_and_shard(prefect_harness, ti
 
 def test_pool_and_dask_skip_increment_and_identical_shards(prefect_harness, tiny_model_dir, tmp_path):
     corpus = _corpus(tmp_path / "corpus")
-    data = {"uri": str(corpus), "on_bad_record": "skip", "max_bad_records": 5, "tokenize": {"workers": 2}}
+    sources = [{"name": "domain", "uri": str(corpus / "domain"), "weight": 0.7}, {"name": "general", "uri": str(corpus / "general"), "weight": 0.3}]
+    data = {"sources": sources, "on_bad_record": "skip", "max_bad_records": 5, "tokenize": {"workers": 2}}
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "pool")
     raw["cpt"]["data"] = data
     cfg = write_config(tmp_path / "pool.yaml", raw)
@@ -84,12 +89,19 @@ def test_pool_and_dask_skip_increment_and_identical_shards(prefect_harness, tiny
     index = json.loads((tmp_path / "pool/data/cpt/index.json").read_text())
     assert [f["input"]["uri"].rsplit("/", 1)[-1] for f in index["files"]] == ["a.jsonl", "b.jsonl.gz", "c.jsonl", "d.parquet"]
     assert "c.jsonl:42: malformed JSON" in index["files"][2]["bad_records"][0]
+    # The blend of the 8 planned steps of 4 blocks, in the index, the manifest and the stage's result.
+    assert [(s["name"], s["files"], s["samples"]) for s in index["sources"]] == [("domain", [0, 2], 22), ("general", [2, 4], 10)]
+    assert manifest["meta"]["sources"] == index["sources"] and manifest["meta"]["blend"]["positions"] == 32
+    assert first.detail["sources"]["general"]["token_share"] == 0.3125  # 10 of 32 blocks: the closest to 0.3
+    blend = (tmp_path / "pool/data/cpt/blend.items").read_bytes()
 
     assert prepare_cpt(cfg).status == "skipped"  # same inputs, tokenizer and config
 
-    (corpus / "e.jsonl").write_text("\n".join(_lines(50, "e")) + "\n")
+    (corpus / "domain" / "e.jsonl").write_text("\n".join(_lines(50, "e")) + "\n")
     grown = prepare_cpt(cfg)
     assert grown.status == "completed" and grown.detail["files"] == 5 and grown.detail["tokenized"] == 1  # only the new file
+    index = json.loads((tmp_path / "pool/data/cpt/index.json").read_text())
+    assert [s["files"] for s in index["sources"]] == [[0, 3], [3, 5]] and (tmp_path / "pool/data/cpt/blend.items").read_bytes() != blend
 
     # The same corpus on a real dask.distributed LocalCluster of 2 worker processes: the same bytes.
     raw["run_root"] = str(tmp_path / "dask")

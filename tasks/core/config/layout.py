@@ -57,6 +57,13 @@ def num_microbatches(stage: StageConfig) -> int:
     return stage.plugin.num_microbatches or stage.grad_accum_steps
 
 
+def global_batch(stage: StageConfig) -> int:
+    """Sequences (SFT packed: rows) per optimizer step over every data-parallel rank, as the engine's
+    StageData takes them: micro_batch_size x grad_accum_steps x dp, dp = world size / (tp x pp)."""
+    p = stage.plugin
+    return stage.micro_batch_size * stage.grad_accum_steps * max(1, stage.launch.world_size // (p.tp_size * p.pp_size))
+
+
 def is_zero(spec: PluginSpec, zero_stage: int) -> bool:
     """Whether the plugin shards optimizer state (always, for ZeRO-only plugins)."""
     return spec.zero_stage(zero_stage) > 0 or min(spec.zero_stages) > 0

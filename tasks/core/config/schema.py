@@ -128,10 +128,42 @@ class TokenizeConfig(Frozen):
         return self
 
 
+SOURCE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+MAIN_SOURCE = "main"  # the one source `data.uri` stands for
+
+
+class DataSource(Frozen):
+    """One corpus of a weighted mixture (`data.sources`)."""
+
+    name: str = Field(pattern=SOURCE_NAME, description="The source's name: it labels the source in the blend report, the UI, the manifest and the card.")
+    uri: str | list[str] = Field(description="What data.uri accepts: one file, a glob, a directory or a list of those, on any fsspec URI.")
+    weight: float = Field(default=1.0, description=(
+        "Share of the stage's training samples drawn from this source (CPT: of the seq_len blocks, so of the tokens; SFT: of the "
+        "conversations); the weights are normalized to sum to 1. A source smaller than its share is repeated, a larger one subsampled."))
+
+    @model_validator(mode="after")
+    def _positive_weight(self) -> DataSource:
+        if not self.weight > 0:  # also refuses NaN
+            raise ValueError(f"source {self.name!r}: weight {self.weight} must be > 0 (weights are normalized to sum to 1); remove the source to leave it out")
+        return self
+
+    @property
+    def uris(self) -> list[str]:
+        return [self.uri] if isinstance(self.uri, str) else list(self.uri)
+
+
 class DataConfig(Frozen):
-    uri: str | list[str] = Field(description=(
+    uri: str | list[str] | None = Field(default=None, description=(
         "The corpus: one file, a glob, a directory (every .jsonl/.txt/.parquet below it, optionally .gz/.bz2/.xz/.zst), "
-        "or a list of those; any fsspec URI (local, NFS, s3://). Read once by prepare_data into token shards under data/cpt/ or data/sft/."))
+        "or a list of those (concatenated: one source); any fsspec URI (local, NFS, s3://). Read once by prepare_data into token "
+        "shards under data/cpt/ or data/sft/. The one-source shorthand of sources (a source named 'main'); give one of the two."))
+    sources: list[DataSource] | None = Field(default=None, description=(
+        "A weighted mixture: [{name, uri, weight}], e.g. 70 % domain text and 30 % general replay. prepare_data decides once, from "
+        "the seed and the weights, which source and which sample feed every position of the planned steps (max_steps x the global "
+        "batch), like Megatron-LM's BlendedDataset; CPT blocks never straddle two sources."))
+    max_source_epochs: float = Field(default=10.0, gt=0, description=(
+        "Warn (pre-flight, estimated; prepare_data, exact) when the planned steps would repeat a source more than this many times. "
+        "A warning only: not part of any digest."))
     text_field: str = Field(default="text", description="CPT: the record field holding raw text (jsonl/parquet).")
     messages_field: str = Field(default="messages", description="SFT: the record field holding the chat messages.")
     on_bad_record: Literal["error", "skip"] = Field(default="error", description=(
@@ -141,9 +173,34 @@ class DataConfig(Frozen):
     max_record_chars: int = Field(default=1 << 24, ge=1, description="A record longer than this (characters of its JSON) is a bad record: a guard against a missing newline swallowing a file.")
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig, description="Where the files are tokenized: a local process pool (default) or a Dask cluster.")
 
+    @model_validator(mode="after")
+    def _one_corpus(self) -> DataConfig:
+        # One field, the fix in the message: the loader names the path (<stage>.data).
+        if (self.uri is None) == (self.sources is None):
+            raise ValueError("give data.uri (one corpus) or data.sources (a weighted mixture), not both and not neither")
+        if self.sources is not None and not self.sources:
+            raise ValueError("data.sources is empty: list at least one {name, uri, weight}, or give data.uri")
+        seen: set[str] = set()
+        for s in self.sources or ():
+            if s.name in seen:
+                raise ValueError(f"data.sources: the name {s.name!r} is given twice; each source needs its own name")
+            seen.add(s.name)
+        return self
+
+    @property
+    def source_list(self) -> list[DataSource]:
+        """The sources of this stage: data.sources, or data.uri as one source named 'main'."""
+        return list(self.sources) if self.sources is not None else [DataSource(name=MAIN_SOURCE, uri=self.uri)]
+
+    @property
+    def mixture(self) -> bool:
+        """More than one source: training reads a blend (tasks/core/data/blend.py)."""
+        return len(self.source_list) > 1
+
     @property
     def uris(self) -> list[str]:
-        return [self.uri] if isinstance(self.uri, str) else list(self.uri)
+        """Every source's uris, in source order."""
+        return [u for s in self.source_list for u in s.uris]
 
 
 class EvalConfig(Frozen):

@@ -73,7 +73,7 @@ def _checksum(fs, path: str, info: dict) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def _expand(entry: str) -> tuple[object, list[str]]:
+def _expand(entry: str, label: str = "data.uri") -> tuple[object, list[str]]:
     fs, path = fsspec.core.url_to_fs(entry)
     # fsspec reuses filesystem instances and s3fs caches listings in them: a file added or
     # rewritten since the last call in this process must not be missed (or keep its old ETag).
@@ -81,18 +81,18 @@ def _expand(entry: str) -> tuple[object, list[str]]:
     if any(c in path for c in _GLOB_CHARS):
         found = sorted(p for p in fs.glob(path) if fs.isfile(p))
         if not found:
-            raise InputError(f"data.uri: the glob {entry!r} matches no file; check the pattern and that the files exist")
+            raise InputError(f"{label}: the glob {entry!r} matches no file; check the pattern and that the files exist")
         bad = [p for p in found if not _supported(p)]
         if bad:
-            raise InputError(f"data.uri: the glob {entry!r} matches {_display(fs, bad[0])!r}, which is not {', '.join(FORMATS)} (optionally {', '.join(COMPRESSIONS)}); narrow the pattern")
+            raise InputError(f"{label}: the glob {entry!r} matches {_display(fs, bad[0])!r}, which is not {', '.join(FORMATS)} (optionally {', '.join(COMPRESSIONS)}); narrow the pattern")
         return fs, found
     if fs.isdir(path):
         found = sorted(p for p in fs.find(path) if _supported(p))
         if not found:
-            raise InputError(f"data.uri: the directory {entry!r} holds no {', '.join(FORMATS)} file (optionally {', '.join(COMPRESSIONS)}); point data.uri at the corpus files")
+            raise InputError(f"{label}: the directory {entry!r} holds no {', '.join(FORMATS)} file (optionally {', '.join(COMPRESSIONS)}); point {label} at the corpus files")
         return fs, found
     if not fs.exists(path):
-        raise InputError(f"data.uri: {entry} does not exist (no such file or directory); fix the path or URI")
+        raise InputError(f"{label}: {entry} does not exist (no such file or directory); fix the path or URI")
     format_of(path)  # an unknown format is refused here, naming the supported ones
     return fs, [path]
 
@@ -103,32 +103,33 @@ def _readable(fs, path: str, info: dict) -> str:
     return ""
 
 
-def resolve_inputs(uri: str | Sequence[str], checksums: bool = True) -> list[InputFile]:
+def resolve_inputs(uri: str | Sequence[str], checksums: bool = True, label: str = "data.uri") -> list[InputFile]:
     """The input files of `data.uri`, each with size and checksum, in a deterministic order.
 
     checksums=False (pre-flight): every file is still opened, so an unreadable one is refused, but
-    not hashed; the checksum is then empty."""
+    not hashed; the checksum is then empty. `label`: the config field every message names (one
+    source of a mixture: `data.sources[1] (general).uri`)."""
     entries = [uri] if isinstance(uri, str) else list(uri)
     if not entries:
-        raise InputError("data.uri is an empty list: name at least one file, glob or directory")
+        raise InputError(f"{label} is an empty list: name at least one file, glob or directory")
     out: list[InputFile] = []
     seen: dict[str, str] = {}
     for entry in entries:
-        fs, paths = _expand(str(entry))
+        fs, paths = _expand(str(entry), label)
         for p in paths:
             shown = _display(fs, p)
             if shown in seen:
-                raise InputError(f"data.uri: {shown!r} is named twice (by {seen[shown]!r} and {entry!r}); each file may appear once")
+                raise InputError(f"{label}: {shown!r} is named twice (by {seen[shown]!r} and {entry!r}); each file may appear once")
             seen[shown] = str(entry)
             try:
                 info = fs.info(p)
                 checksum = (_checksum if checksums else _readable)(fs, p, info)
             except PermissionError as e:
-                raise InputError(f"data.uri: {shown!r} is not readable ({e}); fix its permissions or credentials") from None
+                raise InputError(f"{label}: {shown!r} is not readable ({e}); fix its permissions or credentials") from None
             out.append(InputFile(uri=shown, size=int(info.get("size") or 0), checksum=checksum, fmt=format_of(p)))
     if all(f.size == 0 for f in out):
         which = out[0].uri if len(out) == 1 else f"every one of its {len(out)} files"
-        raise InputError(f"data.uri: {which} holds no records (0 bytes); point data.uri at the corpus")
+        raise InputError(f"{label}: {which} holds no records (0 bytes); point {label} at the corpus")
     return out
 
 

@@ -4,7 +4,10 @@
         --kind cpt --seq-len 256 --heldout-fraction 0.05 --out /tmp/prep --workers 2
 
 Output (`out_dir`): `shards/<key>/` per input file (see shard.py) and `index.json`, written last,
-listing the files in input order with their shard, counts and the split. The index is a pure
+listing the files in input order with their shard, counts and the split, and `sources`: each
+source's files, weight and training samples and tokens. A mixture (more than one source, with a
+`BlendPlan`) also gets `blend.items`, the blended stream of the planned steps (tasks/core/data/blend.py),
+and each source's realized share and epochs in `sources`. The index is a pure
 function of the inputs, the tokenizer and the spec (no times, no host names), so its digest can be
 the stage's skip rule. Shards of files that left the corpus stay in `shards/` (a cache keyed by
 content) until `prune=True`. A cached shard is reused only when every file of it still has the
@@ -19,6 +22,7 @@ never leak into a worker) or in this process (`workers` <= 1). A Prefect task ru
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -29,6 +33,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from tasks.core.data.blend import BLEND_FILE, BlendPlan, Source, blend
 from tasks.core.data.index import INDEX, PrepareError, tokenizer_fingerprint
 from tasks.core.data.inputs import InputError, InputFile, resolve_inputs
 from tasks.core.data.records import BadRecord, iter_file_records
@@ -36,6 +43,7 @@ from tasks.core.data.shard import ShardSpec, freeze_encoder, load_tokenizer, rea
 from tasks.core.data.split import record_id
 
 INDEX_VERSION = 1
+MAIN_SOURCE = "main"  # the name of data.uri's one source (tasks.core.config.schema.MAIN_SOURCE)
 
 
 @dataclass
@@ -48,6 +56,9 @@ class Plan:
     todo: list[int]  # indices into inputs whose shards do not exist yet (or failed their check)
     heldout_inputs: list[InputFile] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # cached shards deleted as damaged: file and why
+    sources: list[Source] = field(default_factory=list)
+    ranges: list[tuple[int, int]] = field(default_factory=list)  # each source's inputs[a:b]
+    blend: BlendPlan | None = None  # the planned steps a mixture is blended for
 
 
 @dataclass
@@ -71,13 +82,42 @@ def _heldout_ids(files: list[InputFile], max_record_chars: int) -> frozenset[str
     return frozenset(ids)
 
 
+def as_sources(uri: str | Sequence[str] | Sequence[Source]) -> list[Source]:
+    """A list of Source as it is; data.uri's value (a uri or a list of them) as its one source, 'main'."""
+    if not isinstance(uri, str) and uri and all(isinstance(s, Source) for s in uri):
+        return list(uri)
+    return [Source(MAIN_SOURCE, uri)]
+
+
+def resolve_sources(sources: list[Source]) -> tuple[list[InputFile], list[tuple[int, int]]]:
+    """Every source's files, in source order, and each source's range of them. A file may feed one
+    source only; every message names the source's field."""
+    inputs: list[InputFile] = []
+    ranges: list[tuple[int, int]] = []
+    owner: dict[str, str] = {}
+    for i, src in enumerate(sources):
+        label = "data.uri" if len(sources) == 1 and src.name == MAIN_SOURCE else f"data.sources[{i}] ({src.name}).uri"
+        files = resolve_inputs(src.uri, label=label)
+        for f in files:
+            if f.uri in owner:
+                raise InputError(f"{label}: {f.uri!r} is also a file of source {owner[f.uri]!r}; a file may feed one source only")
+            owner[f.uri] = src.name
+        ranges.append((len(inputs), len(inputs) + len(files)))
+        inputs += files
+    return inputs, ranges
+
+
 def plan(
-    uri: str | Sequence[str], tokenizer_dir: str | Path, out_dir: str | Path, *, kind: str, field: str, seq_len: int,
+    uri: str | Sequence[str] | Sequence[Source], tokenizer_dir: str | Path, out_dir: str | Path, *, kind: str, field: str, seq_len: int,
     heldout_fraction: float = 0.0, heldout_uri: str | Sequence[str] | None = None, on_bad_record: str = "error",
-    max_bad_records: int = 100, max_record_chars: int = 1 << 24,
+    max_bad_records: int = 100, max_record_chars: int = 1 << 24, blend_plan: BlendPlan | None = None,
 ) -> Plan:
+    """`uri`: data.uri's value, or the sources of a mixture; `blend_plan`: the steps a mixture is blended for."""
     out = Path(out_dir)
-    inputs = resolve_inputs(uri)
+    sources = as_sources(uri)
+    if len(sources) > 1 and blend_plan is None:
+        raise PrepareError(f"{len(sources)} sources ({', '.join(s.name for s in sources)}) need a BlendPlan: the steps their blend is made for")
+    inputs, ranges = resolve_sources(sources)
     if heldout_fraction and heldout_uri:
         raise PrepareError("give eval.heldout_uri or eval.heldout_fraction, not both (set heldout_fraction: 0 when heldout_uri is set)")
     held_inputs = resolve_inputs(heldout_uri) if heldout_uri else []
@@ -97,7 +137,7 @@ def plan(
             todo.append(i)
     if todo and kind == "cpt":
         freeze_encoder(str(tokenizer_dir), out, spec.tokenizer_sha256)  # workers then need no transformers
-    return Plan(out, str(tokenizer_dir), spec, inputs, keys, todo, held_inputs, dropped)
+    return Plan(out, str(tokenizer_dir), spec, inputs, keys, todo, held_inputs, dropped, sources, ranges, blend_plan if len(sources) > 1 else None)
 
 
 def _init_worker() -> None:
@@ -190,6 +230,41 @@ def copy_shard(src: Path, dest: Path) -> None:
             shutil.copyfile(f, dest / f.name)
 
 
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _mixture(p: Plan, rows: list[dict], spec: ShardSpec) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """index.json's `sources` and, for a mixture, its `blend` (the stream is written here, before the index)."""
+    table = []
+    for src, (a, b) in zip(p.sources, p.ranges):
+        part = rows[a:b]
+        tokens = sum(s["train"]["tokens"] for s in part)
+        samples = tokens // spec.seq_len if spec.kind == "cpt" else sum(s["train"]["records"] for s in part)
+        if len(p.sources) > 1 and samples == 0:
+            what = f"{tokens} training tokens, fewer than seq_len={spec.seq_len}" if spec.kind == "cpt" else "no training conversation"
+            raise PrepareError(f"source {src.name!r} ({part[0]['input']['uri'] if part else 'no file'}{', ...' if len(part) > 1 else ''}) has {what}; add data to it or remove it from data.sources")
+        table.append({"name": src.name, "files": [a, b], "samples_available": samples, "tokens_available": tokens,
+                      "heldout_records": sum(s["heldout"]["records"] for s in part), "heldout_tokens": sum(s["heldout"]["tokens"] for s in part)})
+    if p.blend is None:
+        table[0]["weight"] = 1.0
+        return table, None
+    lengths = None
+    if spec.kind == "sft":  # every conversation's tokens, from the offsets alone
+        lengths = np.concatenate([np.diff(np.fromfile(shard_dir(p.out_dir, s["key"]) / "train.offsets", np.int64)) for s in rows])
+    stream, report = blend([s.name for s in p.sources], [s.weight for s in p.sources], [t["samples_available"] for t in table],
+                           [t["tokens_available"] for t in table], p.blend, spec.seq_len, lengths)
+    data = stream.astype(stream.dtype.newbyteorder("<")).tobytes()
+    _write_atomic(p.out_dir / BLEND_FILE, data)
+    for t, r in zip(table, report):
+        t.update(r)
+    meta = {"file": BLEND_FILE, "dtype": stream.dtype.name, "positions": len(stream), "sha256": hashlib.sha256(data).hexdigest(), "plan": p.blend.to_json(),
+            "unit": "blocks" if spec.kind == "cpt" else "conversations", "rule": "megatron-greedy"}
+    return table, meta
+
+
 def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str, Any]:
     """Corpus-wide checks, split_by_fraction's fallback, then index.json (written last)."""
     spec = p.spec
@@ -226,6 +301,9 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
         raise PrepareError(f"no SFT record has an assistant token within seq_len={spec.seq_len} ({dropped} dropped): raise seq_len or check the data")
     dtypes = {s["dtype"] for s in rows}
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if not p.sources:  # a Plan made by hand: data.uri's one source
+        p.sources, p.ranges = [Source(MAIN_SOURCE, [f.uri for f in p.inputs])], [(0, len(p.inputs))]
+    sources, blend_meta = _mixture(p, rows, spec)
     index = {
         "version": INDEX_VERSION,
         "kind": spec.kind,
@@ -239,6 +317,8 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
         "max_token_id": max(s["max_token_id"] for s in rows),
         "split": split,
         "on_bad_record": spec.on_bad_record,
+        "sources": sources,
+        "blend": blend_meta,
         "files": [
             {
                 "input": s["input"], "shard": f"shards/{s['key']}", "records": s["records"], "skipped": s["skipped"],
@@ -258,12 +338,10 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
             "train_tokens": train_tokens,
             "heldout_records": sum(s["heldout"]["records"] for s in rows),
             "heldout_tokens": sum(s["heldout"]["tokens"] for s in rows),
-            "cpt_blocks": train_tokens // spec.seq_len if spec.kind == "cpt" else None,
+            "cpt_blocks": sum(t["samples_available"] for t in sources) if spec.kind == "cpt" else None,  # blocks never straddle two sources
         },
     }
-    tmp = p.out_dir / f".{INDEX}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, p.out_dir / INDEX)
+    _write_atomic(p.out_dir / INDEX, (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
     return index
 
 

@@ -2,6 +2,8 @@
 
     python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # train and evaluate call this
 
+- `blend_plan`: the steps a mixture is blended for, from the stage's config (prepare_data plans
+  with it, the ranks check it).
 - `check_against_model`: before any launch, the shards' tokenizer fingerprint must be the model's
   (a different tokenizer is refused naming both) and every token id must fit its vocabulary.
 - `heldout_records`: the held-out records evaluation runs on, as prepare_data decided them in its
@@ -18,6 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tasks.core.config.batching import BATCHING
+from tasks.core.config.layout import global_batch
+from tasks.core.data.blend import BlendPlan
 from tasks.core.data.index import INDEX, check_fits_model
 from tasks.core.run.stages import split_rel
 from tasks.core.storage.fs import RunStore
@@ -37,6 +42,15 @@ def read_index(data_dir: Path) -> dict[str, Any]:
         return json.loads((Path(data_dir) / INDEX).read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"{data_dir}: no {INDEX}; the data was not prepared (the prepare_data stage makes it)") from None
+
+
+def blend_plan(stage_cfg: Any, stage: str) -> BlendPlan | None:
+    """The steps a stage's mixture is blended for (None: one source, no blend): its max_steps of
+    global batches, its seed, and under SFT packing the rows' seq_len."""
+    if not stage_cfg.data.mixture:
+        return None
+    packed = stage == "sft" and BATCHING[stage_cfg.batching].packs
+    return BlendPlan(stage_cfg.max_steps, global_batch(stage_cfg), stage_cfg.seed, stage_cfg.seq_len if packed else None)
 
 
 def check_against_model(data_dir: Path, model_dir: Path, stage: str) -> dict[str, Any]:

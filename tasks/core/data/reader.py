@@ -6,11 +6,15 @@ Start-up reads index.json and one small offsets array per SFT file, never a toke
 memory-mapped the first time an item touches it. So start-up time and RSS depend on the number of
 files, not on the corpus size, and the page cache (shared by every rank on a node) holds the
 tokens. Items are what the in-memory path built, bit for bit:
-- CPT: item i is tokens [i*seq_len, (i+1)*seq_len) of the training streams of all files in index
-  order (each document followed by eos), i.e. pack_cpt over the same records; the tail is dropped.
+- CPT: each source's blocks are tokens [b*seq_len, (b+1)*seq_len) of the training streams of its
+  files in index order (each document followed by eos), i.e. pack_cpt over the same records; the
+  tail of each source is dropped, so no block straddles two sources. Item ids are source-major
+  (source 0's blocks first); with one source (data.uri) that is the whole corpus, as before mixtures.
 - SFT: item i is the i-th kept training conversation, right-padded to seq_len with pad_token_id,
   labels -100 off the assistant tokens and on padding, as encode_sft builds it.
-`num_items` and integer indices are all ResumableSampler needs.
+`num_items` and integer indices are all ResumableSampler needs; a mixture's `blend()` is the
+memory-mapped stream of item ids prepare_data blended (tasks/core/data/blend.py), which the sampler
+walks instead of a permutation.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from tasks.core.data.index import INDEX
+
+BLEND_FILE = "blend.items"  # tasks.core.data.blend's name; not imported, so a rank's reader pulls in numpy only
 
 IGNORE_INDEX = -100  # tasks.core.data.samples's value; not imported, so a rank's reader pulls in numpy only
 
@@ -44,18 +50,40 @@ class TokenDataset:
         self._dirs = [self.root / f["shard"] for f in files]
         self._dtypes = [np.dtype(json.loads((d / "summary.json").read_text())["dtype"]) if self.index["dtype"] == "mixed" else np.dtype(self.index["dtype"]) for d in self._dirs]
         self._maps: dict[tuple[int, str], np.ndarray] = {}
+        # An index made before mixtures has no `sources`: its files are one source.
+        self.sources = self.index.get("sources") or [{"name": "main", "files": [0, len(files)]}]
         if self.kind == "cpt":
             counts = np.array([f[split]["tokens"] for f in files], dtype=np.int64)
             self.total_tokens = int(counts.sum())
-            self.num_items = self.total_tokens // self.seq_len
+            # Each file's tokens in one coordinate: source s's kept blocks start where source s-1's
+            # end, and a file's range is cut at its source's last whole block.
+            self._starts, self._ends = np.zeros(len(files), np.int64), np.zeros(len(files), np.int64)
+            base = 0
+            for src in self.sources:
+                a, b = src["files"]
+                within = np.concatenate([[0], np.cumsum(counts[a:b])])
+                kept = (int(within[-1]) // self.seq_len) * self.seq_len
+                self._starts[a:b] = base + np.minimum(within[:-1], kept)
+                self._ends[a:b] = base + np.minimum(within[1:], kept)
+                base += kept
+            self.num_items = base // self.seq_len
         else:
             counts = np.array([f[split]["records"] for f in files], dtype=np.int64)
             self.num_items = int(counts.sum())
-        self._ends = np.cumsum(counts)
-        self._starts = self._ends - counts
+            self._ends = np.cumsum(counts)
+            self._starts = self._ends - counts
 
     def __len__(self) -> int:
         return self.num_items
+
+    def blend(self) -> np.ndarray | None:
+        """The blended stream of item ids (a mixture's training side), memory-mapped; None for one source."""
+        meta = self.index.get("blend")
+        if self.split != "train" or not meta:
+            return None
+        if self.kind == "cpt" and self.seq_len != self.index["seq_len"]:
+            raise ValueError(f"the mixture in {self.root} was blended in blocks of seq_len={self.index['seq_len']}, not {self.seq_len}: prepare it again with this seq_len")
+        return np.memmap(self.root / meta["file"], dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r")
 
     def _map(self, f: int, what: str) -> np.ndarray:
         key = (f, what)

@@ -48,6 +48,7 @@ from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import HubToken
 from tasks.core.preflight.kernels import check_kernels
 from tasks.core.preflight.memory import check_memory
+from tasks.core.preflight.mixture import check_source_epochs
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tasks.core.preflight.storage import check_base_model_links, check_paths, check_run_root, check_staging_space, estimate_local_bytes
@@ -259,7 +260,8 @@ def check_data(ctx: CheckContext) -> None:
     datasets = []
     for name in ("cpt", "sft"):
         st = getattr(ctx.cfg, name)
-        datasets.append((name, f"{name}.data.uri", st.data.uris))
+        for i, src in enumerate(st.data.source_list):  # each source of a mixture on its own, named by its field
+            datasets.append((name, f"{name}.data.uri" if st.data.sources is None else f"{name}.data.sources[{i}] ({src.name}).uri", src.uris))
         if st.eval.heldout_uri:
             datasets.append((name, f"{name}.eval.heldout_uri", [st.eval.heldout_uri]))
     for name, where, raw_uris in datasets:
@@ -267,9 +269,9 @@ def check_data(ctx: CheckContext) -> None:
         # Every file is listed (a glob matching nothing, an empty directory, an unreadable file is
         # refused here); only the first file's head is read: prepare_data reads every record.
         try:
-            inputs = resolve_inputs([resolve_local(u) for u in raw_uris], checksums=False)
+            inputs = resolve_inputs([resolve_local(u) for u in raw_uris], checksums=False, label=where)
         except (InputError, ValueError, OSError) as exc:  # InputError: no file, an empty glob/dir; ValueError: an unknown format
-            ctx.problem(where, str(exc).removeprefix("data.uri: "))
+            ctx.problem(where, str(exc).removeprefix(f"{where}: "))
             continue
         # The head sampled is the first file's that holds a record: an empty file among good ones
         # is warned about and counted, as prepare_data does, not refused.
@@ -381,6 +383,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_sequence_length,
     check_chat_template,
     check_data,
+    check_source_epochs,
     check_run_root,
     check_paths,
     check_launch_backend,

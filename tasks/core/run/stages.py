@@ -152,6 +152,8 @@ NEVER_DIGESTED: tuple[str, ...] = (
     *(f"{key}.{field}" for key in TRAINING for field in ("data.tokenize", "max_pending_publishes", "activation_checkpointing")),
     # a declaration about the hardware, read by pre-flight's memory check only: the ranks never see it
     *(f"{key}.launch.gpu_memory_gb" for key in TRAINING),
+    # the threshold of a warning (pre-flight, prepare_data) about how often a mixture repeats a source
+    *(f"{key}.data.max_source_epochs" for key in TRAINING),
     "tracking",
     "hub",
 )

@@ -1,0 +1,263 @@
+"""Weighted data mixtures (`data.sources`): the blend prepare_data decides once, and training's walk of it.
+
+    python -m pytest tests/test_mixture.py -q
+
+In-process, on the demo tokenizer and the sample corpora cut into sources of different sizes. The
+oracles: the weights (every realized share within 1 % absolute), pack_cpt over each source's own
+records (no block straddles two sources), a second prepare (the same bytes), and a sampler
+restored mid-blend (the same units). The process pool and Dask runs of the same mixture, under
+Prefect, are in tests/test_prepare_stage.py; a kill and bitwise fp32 resume mid-blend in the tp2
+fixture of tests/test_engine_dist.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tasks.core.config.load import parse_config
+from tasks.core.data.blend import BLEND_FILE, BlendError, BlendPlan, Source, check_plan, interleave
+from tasks.core.data.index import PrepareError
+from tasks.core.data.inputs import InputError
+from tasks.core.data.order import Packs
+from tasks.core.data.prepare import prepare
+from tasks.core.data.reader import TokenDataset
+from tasks.core.data.samples import pack_cpt
+from tasks.core.errors import ConfigError
+from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
+from tasks.engine.sampler import ResumableSampler
+from tests.conftest import tiny_config_raw
+
+CPT, SFT = DEFAULT_CORPUS
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(DEFAULT_CORPUS, vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def tokdir(tok, tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    tok.save_pretrained(d)
+    return d
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _write(path: Path, records: list[dict]) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    """The CPT sample cut into three sources of 480, 90 and 30 records, each a directory."""
+    root = tmp_path_factory.mktemp("three")
+    recs = _records(CPT)
+    cuts = {"big": recs[:480], "mid": recs[480:570], "small": recs[570:]}
+    return {name: _write(root / name / "part-0.jsonl", part) and str(root / name) for name, part in cuts.items()}, cuts
+
+
+def _cpt(uri, tokdir, out, plan=None, **kw):
+    return prepare(uri, tokdir, out, kind="cpt", field="text", seq_len=32, heldout_fraction=0.0, blend_plan=plan, **kw)
+
+
+PLAN = BlendPlan(max_steps=125, global_batch=8, seed=1234)  # 1000 blocks: `small` repeated, `big` subsampled
+
+
+def test_cpt_blend_meets_the_weights_and_keeps_blocks_in_their_source(tok, tokdir, three, tmp_path):
+    dirs, cuts = three
+    weights = {"big": 0.6, "mid": 0.3, "small": 0.1}
+    r = _cpt([Source(n, dirs[n], weights[n] * 10) for n in dirs], tokdir, tmp_path / "prep", PLAN)  # unnormalized weights
+    rows = {s["name"]: s for s in r.index["sources"]}
+    ds = TokenDataset(tmp_path / "prep")
+    stream = np.asarray(ds.blend(), np.int64)
+    assert len(stream) == PLAN.units == r.index["blend"]["positions"]
+    # Each source's blocks are pack_cpt over its own records: none straddles two sources.
+    ends = np.cumsum([rows[n]["samples_available"] for n in dirs])
+    assert ds.num_items == ends[-1] == r.index["totals"]["cpt_blocks"]
+    start = 0
+    for n, end in zip(dirs, ends):
+        assert np.array_equal(ds.batch(range(start, end))["input_ids"], pack_cpt(tok, cuts[n], seq_len=32).numpy()), n
+        start = end
+    # Shares, from the stream itself and in the report, within 1 % of the normalized weights.
+    of = np.searchsorted(ends, stream, side="right")
+    for s, n in enumerate(dirs):
+        share = float(np.mean(of == s))
+        assert abs(share - weights[n]) <= 0.01 and abs(rows[n]["token_share"] - weights[n]) <= 0.01, (n, share, rows[n])
+        assert rows[n]["weight"] == pytest.approx(weights[n]) and rows[n]["samples"] == int(np.sum(of == s))
+        assert rows[n]["epochs"] == pytest.approx(rows[n]["samples"] / rows[n]["samples_available"], abs=1e-4)
+        # A pass at a time: every block of a source once before any block twice.
+        picks = stream[of == s]
+        first = picks[: rows[n]["samples_available"]]
+        assert len(set(first.tolist())) == len(first)
+    assert rows["small"]["epochs"] > 1 > rows["big"]["epochs"]  # repeated and subsampled
+    # Megatron's rule holds at every prefix: no source is ever more than one sample off its share.
+    src = interleave([0.6, 0.3, 0.1], 5000)
+    lag = np.cumsum(np.eye(3)[src], axis=0) - np.outer(np.arange(1, 5001), [0.6, 0.3, 0.1])
+    assert np.abs(lag).max() <= 1.0
+
+
+def test_the_blend_is_the_same_bytes_across_runs_and_workers_and_follows_an_added_file(tokdir, three, tmp_path):
+    dirs, _ = three
+    mix = {n: tmp_path / "corpus" / n for n in dirs}
+    for n, d in mix.items():
+        shutil.copytree(dirs[n], d)
+    sources = [Source("big", str(mix["big"]), 0.6), Source("mid", str(mix["mid"]), 0.3), Source("small", str(mix["small"]), 0.1)]
+    one = _cpt(sources, tokdir, tmp_path / "one", PLAN)
+    pool = _cpt(sources, tokdir, tmp_path / "pool", PLAN, workers=2)  # spawned process pool
+    assert len(pool.tokenized) == 3 and pool.index == one.index
+    assert (tmp_path / "one" / BLEND_FILE).read_bytes() == (tmp_path / "pool" / BLEND_FILE).read_bytes()
+    again = _cpt(sources, tokdir, tmp_path / "one", PLAN)
+    assert again.tokenized == [] and again.index == one.index
+    before = (tmp_path / "one" / BLEND_FILE).read_bytes()
+
+    # A file added to one source: only it is tokenized, and the blend is what a fresh prepare makes.
+    _write(mix["small"] / "part-1.jsonl", _records(CPT)[:40])
+    grown = _cpt(sources, tokdir, tmp_path / "one", PLAN)
+    assert [Path(u).name for u in grown.tokenized] == ["part-1.jsonl"] and len(grown.reused) == 3
+    fresh = _cpt(sources, tokdir, tmp_path / "fresh", PLAN)
+    after = (tmp_path / "one" / BLEND_FILE).read_bytes()
+    assert after != before and after == (tmp_path / "fresh" / BLEND_FILE).read_bytes() and grown.index == fresh.index
+    small = next(s for s in grown.index["sources"] if s["name"] == "small")
+    assert small["files"] == [2, 4] and small["samples"] == 100  # the same share, drawn from more blocks
+    # Another seed or other steps: another blend.
+    other = _cpt(sources, tokdir, tmp_path / "one", BlendPlan(125, 8, seed=1))
+    assert other.tokenized == [] and (tmp_path / "one" / BLEND_FILE).read_bytes() != after
+
+
+def test_resume_mid_blend_continues_the_same_units(tokdir, three, tmp_path):
+    dirs, _ = three
+    _cpt([Source(n, dirs[n], w) for n, w in zip(dirs, (0.6, 0.3, 0.1))], tokdir, tmp_path / "prep", PLAN)
+    ds = TokenDataset(tmp_path / "prep")
+
+    def sampler():
+        return ResumableSampler(ds.num_items, 0, 2, seed=PLAN.seed, stream=ds.blend())
+
+    whole = sampler()
+    ref = [whole.next_global(8) for _ in range(PLAN.max_steps)]
+    assert np.array_equal(np.concatenate(ref), np.asarray(ds.blend()))  # the stream, walked as it is
+    assert whole.state_dict() == {"epoch": 1, "offset": 0, "seed": PLAN.seed}  # the plan, used up exactly
+    first = sampler()
+    got = [first.next_global(8) for _ in range(77)]
+    resumed = sampler()
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    got += [resumed.next_global(8) for _ in range(PLAN.max_steps - 77)]
+    assert got == ref
+    assert [ds.batch(u)["input_ids"].tolist() for u in got[77:80]] == [ds.batch(u)["input_ids"].tolist() for u in ref[77:80]]
+
+
+def test_sft_mixture_of_two_chat_sources(tok, tokdir, tmp_path):
+    chats = _records(SFT)
+    a, b = _write(tmp_path / "a.jsonl", chats[:150]), _write(tmp_path / "b.jsonl", chats[150:])
+    sources = [Source("general", a, 0.25), Source("domain", b, 0.75)]
+
+    def sft(out, plan):
+        return prepare(sources, tokdir, tmp_path / out, kind="sft", field="messages", seq_len=128, heldout_fraction=0.0, blend_plan=plan)
+
+    # Padded and grouped: the global batch counts conversations.
+    r = sft("padded", BlendPlan(max_steps=50, global_batch=8, seed=7))
+    rows = {s["name"]: s for s in r.index["sources"]}
+    assert r.index["blend"]["unit"] == "conversations" and r.index["blend"]["positions"] == 400
+    for n, w in (("general", 0.25), ("domain", 0.75)):
+        assert abs(rows[n]["sample_share"] - w) <= 0.01, rows[n]
+        assert rows[n]["epochs"] == pytest.approx(rows[n]["samples"] / rows[n]["samples_available"], abs=1e-4)
+    assert rows["domain"]["epochs"] > 4 and sum(x["token_share"] for x in rows.values()) == pytest.approx(1.0, abs=1e-5)
+    ds = TokenDataset(tmp_path / "padded")
+    stream = np.asarray(ds.blend(), np.int64)
+    lengths = ds.lengths()
+    # The report's token shares are those of the conversations the stream names.
+    assert rows["general"]["tokens"] == int(lengths[stream[stream < 150]].sum())
+    # Each item is the conversation of its own source: rows of the blend are the source's chats.
+    batch = ds.batch(stream[:4])
+    assert batch["input_ids"].shape == (4, 128) and (batch["labels"] != -100).any(axis=1).all()
+
+    # Packed: the global batch counts rows; the stream is the fewest conversations whose rows, packed
+    # as the ranks pack them, cover the planned rows, so the report is what the steps train on.
+    plan = BlendPlan(max_steps=40, global_batch=4, seed=7, packed_seq_len=256)
+    packed = sft("packed", plan)
+    dsp = TokenDataset(tmp_path / "packed")
+    stream = torch.from_numpy(np.asarray(dsp.blend(), np.int64))
+    packs = Packs(dsp.lengths(), 256)
+    g = torch.Generator().manual_seed(0)
+    assert len(packs.order(stream, g)) >= plan.units > len(packs.order(stream[:-1], g))
+    assert sum(s["samples"] for s in packed.index["sources"]) == len(stream) == packed.index["blend"]["positions"]
+    s1 = ResumableSampler(dsp.num_items, 0, 1, seed=7, group=packs, stream=dsp.blend())
+    ref = [s1.next_global(4) for _ in range(plan.max_steps)]
+    s2 = ResumableSampler(dsp.num_items, 0, 1, seed=7, group=packs, stream=dsp.blend())
+    got = [s2.next_global(4) for _ in range(13)]
+    s3 = ResumableSampler(dsp.num_items, 0, 1, seed=7, group=packs, stream=dsp.blend())
+    s3.load_state_dict(s2.state_dict())
+    assert got + [s3.next_global(4) for _ in range(plan.max_steps - 13)] == ref
+    assert s1.state_dict()["epoch"] == 0 or s1.state_dict() == {"epoch": 1, "offset": 0, "seed": 7}  # no second pass
+
+
+def test_a_plan_other_than_the_blends_is_refused(tokdir, three, tmp_path):
+    dirs, _ = three
+    r = _cpt([Source("big", dirs["big"], 0.5), Source("small", dirs["small"], 0.5)], tokdir, tmp_path / "prep", PLAN)
+    check_plan(r.index, PLAN, tmp_path / "prep", "cpt")
+    with pytest.raises(BlendError, match=r"blended for BlendPlan\(max_steps=125.*trains BlendPlan\(max_steps=300.*prepare the data again"):
+        check_plan(r.index, BlendPlan(300, 8, 1234), tmp_path / "prep", "cpt")
+    with pytest.raises(BlendError, match="trains None"):
+        check_plan(r.index, None, tmp_path / "prep", "cpt")
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input, named by source and field
+
+
+def _raw(tmp_path, sources):
+    raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
+    raw["cpt"]["data"] = {"sources": sources}
+    return raw
+
+
+@pytest.mark.parametrize("sources, field, words", [
+    ([{"name": "domain", "uri": "a.jsonl", "weight": 0.7}, {"name": "general", "uri": "b.jsonl", "weight": -0.3}],
+     "cpt.data.sources.1", "source 'general': weight -0.3 must be > 0"),
+    ([{"name": "domain", "uri": "a.jsonl", "weight": 0.7}, {"name": "general", "uri": "b.jsonl", "weight": 0}],
+     "cpt.data.sources.1", "source 'general': weight 0.0 must be > 0"),
+    ([{"name": "domain", "uri": "a.jsonl"}, {"name": "domain", "uri": "b.jsonl"}], "cpt.data", "the name 'domain' is given twice"),
+    ([], "cpt.data", "data.sources is empty"),
+])
+def test_bad_sources_are_refused_naming_the_source_and_field(tmp_path, sources, field, words):
+    with pytest.raises(ConfigError) as info:
+        parse_config(_raw(tmp_path, sources))
+    assert any(f == field and words in msg for f, msg in info.value.problems), info.value
+
+
+def test_uri_and_sources_together_are_refused(tmp_path):
+    raw = _raw(tmp_path, [{"name": "a", "uri": "a.jsonl"}])
+    raw["cpt"]["data"]["uri"] = "b.jsonl"
+    with pytest.raises(ConfigError, match="give data.uri .one corpus. or data.sources"):
+        parse_config(raw)
+    cfg = parse_config(_raw(tmp_path, [{"name": "domain", "uri": ["a.jsonl", "c.jsonl"], "weight": 7}, {"name": "general", "uri": "b.jsonl", "weight": 3}]))
+    assert cfg.cpt.data.mixture and cfg.cpt.data.uris == ["a.jsonl", "c.jsonl", "b.jsonl"]
+    assert [s.name for s in parse_config(tiny_config_raw(tmp_path / "model", tmp_path / "run")).cpt.data.source_list] == ["main"]
+
+
+def test_prepare_names_the_source_that_matches_nothing_or_is_too_small(tokdir, three, tmp_path):
+    dirs, _ = three
+    with pytest.raises(InputError, match=r"data.sources\[1\] \(general\).uri: the glob '.*nothing-\*.jsonl' matches no file"):
+        _cpt([Source("domain", dirs["big"], 0.7), Source("general", str(tmp_path / "nothing-*.jsonl"), 0.3)], tokdir, tmp_path / "p1", PLAN)
+    with pytest.raises(InputError, match=r"data.sources\[1\] \(again\).uri: .*part-0.jsonl' is also a file of source 'domain'"):
+        _cpt([Source("domain", dirs["big"], 0.7), Source("again", dirs["big"] + "/part-0.jsonl", 0.3)], tokdir, tmp_path / "p2", PLAN)
+    tiny = _write(tmp_path / "tiny.jsonl", [{"text": "too short"}])
+    with pytest.raises(PrepareError, match=r"source 'tiny' \(.*tiny.jsonl\) has \d+ training tokens, fewer than seq_len=32; add data to it or remove it"):
+        _cpt([Source("domain", dirs["big"], 0.7), Source("tiny", tiny, 0.3)], tokdir, tmp_path / "p3", PLAN)
+
+
+def test_main_source_name_is_the_configs():
+    from tasks.core.config.schema import MAIN_SOURCE
+    from tasks.core.data.prepare import MAIN_SOURCE as PREPARED
+
+    assert MAIN_SOURCE == PREPARED == "main"
