@@ -38,7 +38,7 @@ TINY = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermedia
 
 def stage(plugin: dict, nproc: int = 1, nnodes: int = 1, **kw) -> StageConfig:
     return StageConfig.model_validate({"data": {"uri": "x"}, "plugin": plugin, "max_steps": 1, "lr": 1e-4,
-                                       "launch": {"nproc_per_node": nproc, "nnodes": nnodes}, **{"seq_len": 16, "micro_batch_size": 2, **kw}})
+                                       "launch": {"nproc_per_node": nproc, "nnodes": nnodes}, "seq_len": 16, "micro_batch_size": 2, **kw})
 
 
 def by_what(est) -> dict[str, int]:

@@ -27,8 +27,9 @@ its 32 MiB mmap threshold) resident and does not reliably refill them with the d
 gradient buffers, so after a few steps RSS holds both (benchmarks/scale.py measures it; with
 MALLOC_MMAP_THRESHOLD_=131072 the same ranks' RSS drops to the device figure). Every rank also
 holds `RANK_BASELINE_BYTES` (imports, process group, data), measured. On CUDA the states live on
-the GPU and the host keeps the baseline; while the model is built, today's engine holds the whole
-fp32 model on every rank's host (`construction_host`), unless the plugin row builds it lazily.
+the GPU and the host keeps the baseline. While the model is built (`construction_host`), a plugin
+that builds lazily (`PluginSpec.lazy_init`: hybrid_parallel) holds its fp32 share plus one whole
+tensor; the others still build the whole model on every rank's host, in the dtype they train in.
 """
 
 from __future__ import annotations
@@ -205,7 +206,9 @@ def estimate(model_config: dict[str, Any], stage_cfg: StageConfig, *, stage: str
         terms.append(Term("activations", int(acts * tokens), "activations"))
         if stage == "sft":  # padded or packed rows: a 4D attention mask, shared by the layers
             terms.append(Term("attention mask", rows * stage_cfg.seq_len ** 2 * compute, "activations"))
-        construction = 4 * (shares[s] + largest) if lazy else 4 * total
+        # the engine builds a lazily built model's share in fp32 one tensor at a time (Engine._construction),
+        # any other whole, in the dtype its plugin trains in (Engine.build_dtype: fp32 for torch_ddp)
+        construction = 4 * (shares[s] + largest) if lazy else weights * total
         est = MemoryEstimate(total, shares[s], tuple(terms), baseline, cuda, construction)
         if best is None or est.device > best.device:
             best = est
@@ -349,7 +352,9 @@ TABLE_LAYOUTS: tuple[tuple[str, int, dict[str, Any], bool], ...] = (
     ("Llama-3-70B", 2, {"name": "hybrid_parallel", "tp_size": 8, "zero_stage": 1}, False),
     ("Llama-3-70B", 2, {"name": "hybrid_parallel", "tp_size": 8, "zero_stage": 1}, True),
     ("Llama-3-70B", 4, {"name": "hybrid_parallel", "tp_size": 8, "zero_stage": 1}, True),
+    ("Llama-3-70B", 8, {"name": "hybrid_parallel", "tp_size": 8, "zero_stage": 1}, True),
     ("Llama-3-70B", 2, {"name": "hybrid_parallel", "tp_size": 8, "pp_size": 2, "zero_stage": 1}, True),
+    ("Llama-3-70B", 4, {"name": "hybrid_parallel", "tp_size": 8, "pp_size": 2, "zero_stage": 1}, True),
     ("Llama-3-70B", 1, {"name": "gemini"}, True),
     ("Llama-3-70B", 2, {"name": "gemini"}, True),
     ("Llama-3-70B", 4, {"name": "gemini"}, True),
@@ -358,8 +363,8 @@ TABLE_LAYOUTS: tuple[tuple[str, int, dict[str, Any], bool], ...] = (
 
 def table(gpu_gb: float = 80.0, gpus_per_node: int = 8, seq_len: int = 4096, micro_batch_size: int = 1) -> str:
     """The markdown table of TABLE_LAYOUTS: per-rank GPU memory, whether it fits, host RAM per node."""
-    out = [f"{gpus_per_node} x {gpu_gb:g} GB GPUs per node; bf16, micro_batch_size {micro_batch_size} x seq_len {seq_len}, AdamW, "
-           f"fused AdamW on; GB = 1e9 bytes; GPU figure includes the {CUDA_RESERVE_BYTES / GB:.0f} GB CUDA reserve.", "",
+    out = [(f"{gpus_per_node} x {gpu_gb:g} GB GPUs per node; bf16, micro_batch_size {micro_batch_size} x seq_len {seq_len}, AdamW, "
+            f"fused AdamW on; GB = 1e9 bytes; GPU figure includes the {CUDA_RESERVE_BYTES / GB:.0f} GB CUDA reserve."), "",
            "| model | nodes | plugin / layout | act. ckpt | GPU per rank | fits | host per node, steady | host per node, model build (today) |",
            "|---|---|---|---|---|---|---|---|"]
     for model, nodes, plugin, ckpt in TABLE_LAYOUTS:
