@@ -27,7 +27,7 @@ from prefect import get_run_logger, task
 
 from tasks import tracking, ui
 from tasks.core.config.schema import RunConfig
-from tasks.core.data.prepared import heldout_records, split_info, write_jsonl
+from tasks.core.data.prepared import corpus_of, heldout_records, split_info, write_jsonl
 from tasks.core.evaluation import heldout as ev
 from tasks.core.run.stages import Status
 from tasks.core.storage.fs import RunStore
@@ -65,7 +65,7 @@ def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult, tracker
         return _with_metrics(stage.result, store)
     base_dir, cpt_dir = store.stage_in(base.rel), store.stage_in(bridge.rel)
     data = prepared_dir(cfg, "cpt")
-    split = split_info(data, cfg.cpt.data.uri)
+    split = split_info(data, corpus_of(cfg.cpt.data))
     st = cfg.cpt
     metrics = ev.evaluate_cpt(base_dir, cpt_dir, heldout_records(data), st.data.text_field, st.seq_len, st.eval, cfg.base_model.trust_remote_code)
     metrics["split"] = split
@@ -96,7 +96,7 @@ def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult, track
         return _with_metrics(stage.result, store)
     pre_dir, export_dir = store.stage_in(bridge.rel), store.stage_in(export.rel)
     data = prepared_dir(cfg, "sft")
-    split = split_info(data, cfg.sft.data.uri)
+    split = split_info(data, corpus_of(cfg.sft.data))
     st = cfg.sft
     heldout = heldout_records(data)
     trust = cfg.base_model.trust_remote_code

@@ -18,7 +18,7 @@ from prefect import get_run_logger
 from tasks import tracking, ui
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.schema import RunConfig
-from tasks.core.data.prepared import check_against_model, record_split, split_info
+from tasks.core.data.prepared import check_against_model, corpus_of, record_split, split_info
 from tasks.core.launch.torchrun import run_engine, stage_fault_env
 from tasks.core.run.events import BACKPRESSURE, CHECKPOINT, KERNELS
 from tasks.core.run.job import Job, NodeStaging, Parent
@@ -67,7 +67,7 @@ def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageRe
     data = prepared_dir(cfg, stage)
     check_against_model(data, source, stage)
     if verb == "train":
-        record_split(store, stage, split_info(data, getattr(cfg, stage).data.uri))
+        record_split(store, stage, split_info(data, corpus_of(getattr(cfg, stage).data)))
     nodes = _node_staging(cfg, store, stage, parent.rel if verb == "shard" else source_rel)
     return Job(
         verb=verb, stage=stage, stage_cfg=getattr(cfg, stage), trust_remote_code=cfg.base_model.trust_remote_code,

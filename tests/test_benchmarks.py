@@ -138,3 +138,11 @@ def test_sft_efficiency_smoke():
     assert float(rows["grouped"][1]) > float(rows["padded"][1]), out[-3000:]  # grouping computes less padding, whatever the sizes
     assert float(rows["packed"][1]) >= float(rows["grouped"][1]), out[-3000:]
     assert "equal per-token losses: met" in out, out[-3000:]  # exactness holds at any size
+
+
+def test_mixture_smoke():
+    out = smoke([PY, "benchmarks/mixture.py", "--smoke"])
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in ("big", "mid", "small")}
+    assert set(rows) == {"big", "mid", "small"}, out[-3000:]
+    assert all(float(r[3]) <= 0.01 for r in rows.values()), out[-3000:]  # the blend's shares hold at any size
+    assert "prepare (s)" in out and "per-step data (ms)" in out and "command: python benchmarks/mixture.py --smoke" in out, out[-3000:]

@@ -31,7 +31,7 @@ from tasks.core.data.samples import pack_cpt
 from tasks.core.errors import ConfigError
 from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
 from tasks.engine.sampler import ResumableSampler
-from tests.conftest import tiny_config_raw
+from tests.conftest import REPO, tiny_config_raw
 
 CPT, SFT = DEFAULT_CORPUS
 
@@ -261,3 +261,58 @@ def test_main_source_name_is_the_configs():
     from tasks.core.data.prepare import MAIN_SOURCE as PREPARED
 
     assert MAIN_SOURCE == PREPARED == "main"
+
+
+# --------------------------------------------------------------------------------------------
+# Pre-flight: each source checked on its own, and its epochs estimated
+
+
+def test_preflight_names_a_missing_source_and_warns_of_a_repeated_one(tiny_model_dir, tokdir, tmp_path):
+    from tasks.core.preflight.checks import Machine, load_for_check, preflight_report
+    from tests.conftest import write_config
+
+    small = _write(tmp_path / "small.jsonl", _records(CPT)[:20])
+    raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
+    raw["cpt"]["max_steps"] = 100  # 100 steps of 4 blocks of 64 tokens: 40 of them from `small`
+    raw["cpt"]["data"] = {"sources": [{"name": "domain", "uri": str(CPT), "weight": 0.9}, {"name": "small", "uri": small, "weight": 0.1}],
+                          "max_source_epochs": 2}
+    machine = Machine(cuda_devices=0, cpu_count=2, free_bytes=10**13)
+    report = preflight_report(load_for_check(write_config(tmp_path / "ok.yaml", raw)), machine=machine, token_present=None)
+    assert report.ok, report.text()
+    warned = [w for w in report.warnings if w.startswith("cpt.data.sources[1] (small):")]
+    assert len(warned) == 1 and "more than cpt.data.max_source_epochs=2" in warned[0], report.warnings
+    assert not [w for w in report.warnings if "(domain)" in w]
+    # The estimate against prepare's exact figure for the same source: within a factor of 1.5.
+    estimated = float(warned[0].split("about ")[2].split(" passes")[0])
+    exact = prepare([Source("domain", str(CPT), 0.9), Source("small", small, 0.1)], tokdir, tmp_path / "prep", kind="cpt", field="text", seq_len=64,
+                    heldout_fraction=0.05, blend_plan=BlendPlan(100, 4, 1234)).index["sources"][1]["epochs"]
+    assert exact / 1.5 < estimated < exact * 1.5, (estimated, exact)
+
+    raw["cpt"]["data"]["sources"][1]["uri"] = str(tmp_path / "nothing-*.jsonl")
+    report = preflight_report(load_for_check(write_config(tmp_path / "bad.yaml", raw)), machine=machine, token_present=None)
+    assert [msg for f, msg in report.problems if f == "cpt.data.sources[1] (small).uri"] == [f"the glob '{tmp_path}/nothing-*.jsonl' matches no file; check the pattern and that the files exist"]
+
+
+def test_split_record_and_card_show_the_mixture(tokdir, tmp_path):
+    import yaml
+
+    from tasks.core.data.prepared import corpus_of, split_info
+    from tasks.core.evaluation.heldout import eval_results_for_card
+    from tasks.core.hub.card import model_card
+
+    raw = yaml.safe_load((REPO / "deployments" / "configs" / "tiny-cpu-mixture.yaml").read_text())
+    raw["run_root"] = str(tmp_path / "run")
+    cfg = parse_config(raw)
+    d = cfg.cpt.data
+    sources = [Source(s.name, [str(REPO / u) for u in s.uris], s.weight) for s in d.source_list]
+    prepare(sources, tokdir, tmp_path / "prep", kind="cpt", field="text", seq_len=cfg.cpt.seq_len, heldout_fraction=0.05,
+            blend_plan=BlendPlan(cfg.cpt.max_steps, 4, cfg.cpt.seed))
+    split = split_info(tmp_path / "prep", corpus_of(d))
+    assert split["data_uri"] == {"domain": "data/sample/cpt.jsonl", "general": "data/sample/general.jsonl"}
+    assert [(s["name"], s["weight"], s["token_share"]) for s in split["sources"]] == [("domain", 0.7, 0.7), ("general", 0.3, 0.3)]
+    assert all(s["heldout_records"] > 0 for s in split["sources"])  # the hash split holds out records of every source
+    card = model_card(cfg, {}, {"cpt": {"split": split}})
+    assert "CPT mixture (blended once for the planned steps):" in card
+    assert "| general | 0.300 | 0.3000 |" in card and "| domain | 0.700 | 0.7000 |" in card
+    metrics = {"cpt": {"split": split, "base": {"perplexity": 9.0}, "cpt": {"perplexity": 3.0}}}
+    assert eval_results_for_card(metrics, "m")  # a mixture's corpus (a mapping) names the held-out set after the stage

@@ -1,6 +1,6 @@
 """Regenerate the committed sample corpora: a fictional star system, the Veyra system.
 
-    python data/sample/make_samples.py            # rewrites cpt.jsonl and sft.jsonl beside this file
+    python data/sample/make_samples.py            # rewrites cpt.jsonl, sft.jsonl and general.jsonl beside this file
 
 The facts are invented so no pretrained model knows them, and the prose is templated so a
 tiny model's held-out loss drops within a few dozen steps: the point is to *see* CPT teach the
@@ -123,6 +123,34 @@ def sft_record(rng: random.Random, i: int) -> dict:
     return {"messages": messages}
 
 
+# general.jsonl: everyday prose, not about Veyra: the "general" source a CPT mixture replays beside
+# the domain (deployments/configs/tiny-cpu-mixture.yaml). Its own generator, so cpt.jsonl and
+# sft.jsonl are the bytes they were before it existed.
+N_GENERAL = 300
+GENERAL_SEED = SEED + 1
+PEOPLE = ("Ana", "Ben", "Chloe", "Dev", "Elif", "Farid", "Grace", "Hugo", "Ines", "Jonas")
+PLACES = ("the market", "the library", "the station", "the park", "the bakery", "the harbour", "the school", "the museum")
+THINGS = ("bread", "apples", "a map", "an umbrella", "a book", "tea", "a bicycle", "soup", "a letter", "coffee")
+WEATHER = ("rainy", "sunny", "windy", "cold", "warm", "foggy")
+DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+GENERAL_TEMPLATES = [
+    "On {day} {who} walked to {place} to buy {thing}.",
+    "The weather was {weather}, so {who} stayed near {place} for most of the afternoon.",
+    "{who} told a friend that {thing} from {place} is the best in town.",
+    "Every {day}, {who} reads for an hour before dinner.",
+    "It was {weather} in the morning, and the streets around {place} were quiet.",
+    "{who} forgot {thing} at {place} and went back to fetch it.",
+    "A small crowd waited outside {place} until the doors opened at nine.",
+    "{who} prefers {weather} days, when {place} is less busy.",
+]
+
+
+def general_record(rng: random.Random) -> dict:
+    slots = lambda: {"who": rng.choice(PEOPLE), "place": rng.choice(PLACES), "thing": rng.choice(THINGS),
+                     "weather": rng.choice(WEATHER), "day": rng.choice(DAYS)}
+    return {"text": " ".join(t.format(**slots()) for t in rng.sample(GENERAL_TEMPLATES, rng.randint(3, 5)))}
+
+
 def write_jsonl(path: Path, records: list[dict]) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
@@ -132,7 +160,9 @@ def main() -> None:
     rng = random.Random(SEED)
     write_jsonl(HERE / "cpt.jsonl", [cpt_record(rng) for _ in range(N_CPT)])
     write_jsonl(HERE / "sft.jsonl", [sft_record(rng, i) for i in range(N_SFT)])
-    for name in ("cpt.jsonl", "sft.jsonl"):
+    general = random.Random(GENERAL_SEED)
+    write_jsonl(HERE / "general.jsonl", [general_record(general) for _ in range(N_GENERAL)])
+    for name in ("cpt.jsonl", "sft.jsonl", "general.jsonl"):
         print(f"{HERE / name}: {(HERE / name).stat().st_size} bytes")
 
 

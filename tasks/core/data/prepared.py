@@ -60,11 +60,19 @@ def check_against_model(data_dir: Path, model_dir: Path, stage: str) -> dict[str
     return index
 
 
-def split_info(data_dir: Path, data_uri: str | list[str]) -> dict[str, Any]:
-    """The split record of a prepared stage: method, counts, and the corpus it was made from."""
+def corpus_of(data_cfg: Any) -> str | list[str] | dict[str, str | list[str]]:
+    """What a split record names as the corpus: data.uri, or a mixture's {source: uri}."""
+    return data_cfg.uri if data_cfg.sources is None else {s.name: s.uri for s in data_cfg.sources}
+
+
+def split_info(data_dir: Path, data_uri: str | list[str] | dict[str, Any]) -> dict[str, Any]:
+    """The split record of a prepared stage: method, counts, the corpus it was made from (`corpus_of`)
+    and, per source, its weight, what the planned steps take of it and its held-out records."""
     index = read_index(data_dir)
     t = index["totals"]
+    keep = ("name", "weight", "token_share", "epochs", "tokens_available", "heldout_records")
     return {
+        "sources": [{k: s[k] for k in keep if k in s} for s in index.get("sources") or []],
         "data_uri": data_uri, "files": t["files"], "prepared": str(data_dir), "tokenizer_sha256": index["tokenizer_sha256"],
         **index["split"], "train_records": t["train_records"], "heldout_records": t["heldout_records"],
         "dropped_no_labels": t["dropped_no_labels"], "skipped": t["skipped"],

@@ -170,6 +170,13 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
         names = "<br>".join(f"`{_data_name(i['uri'])}`" for i in inputs)
         sums = "<br>".join(f"`{i.get('checksum', 'n/a')}`" for i in inputs)
         data_rows.append(f"| {stage.upper()} | {names} | {sums} | {_num(split.get('train_records'))} | {_num(split.get('heldout_records'))} | {how} |")
+    for stage in STAGES:  # a weighted mixture: what each source was meant to give and what the steps took
+        sources = (facts.get(stage, {}).get("split") or {}).get("sources") or []
+        if len(sources) > 1:
+            data_rows += ["", f"{stage.upper()} mixture (blended once for the planned steps):", "",
+                          "| source | weight | realized token share | epochs | training tokens available | held-out records |", "|---|---|---|---|---|---|"]
+            data_rows += [f"| {s['name']} | {s.get('weight', 1):.3f} | {s.get('token_share', 1):.4f} | {_num(s.get('epochs'), '{:.3f}')} | "
+                          f"{_num(s.get('tokens_available'))} | {_num(s.get('heldout_records'))} |" for s in sources]
 
     evaluation = "not recorded."
     table = metrics_table((metrics or {}).get("cpt"), (metrics or {}).get("sft"), None)
