@@ -51,6 +51,7 @@ RERUNS = {
     "cpt.seed": (lambda raw: raw["cpt"].update(seed=7), CPT_AND_BELOW),
     "sft.seed": (lambda raw: raw["sft"].update(seed=7), SFT_AND_BELOW),
     "sft.kernels": (lambda raw: raw["sft"].update(kernels={"flash_attention": False}), SFT_AND_BELOW),  # changes the numerics on CUDA
+    "sft.lora": (lambda raw: raw["sft"].update(lora={"r": 16, "alpha": 32}), SFT_AND_BELOW),  # an adapter on a frozen base: other weights
     "export.dtype": (lambda raw: raw["export"].update(dtype="fp32"), EXPORT_AND_BELOW),
     "cpt.eval.batch_size": (lambda raw: raw["cpt"].update(eval={"batch_size": 3}), {"evaluate_cpt"}),
     "sft.eval.dtype": (lambda raw: raw["sft"].update(eval={**raw["sft"].get("eval", {}), "dtype": "bf16"}), {"evaluate_sft"}),

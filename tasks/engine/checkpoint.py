@@ -92,7 +92,9 @@ def check_checkpoint(path: Path, step: int, stage: str, config_digest: str | Non
             f"{path}: made from config digest {str(manifest.get('config_digest'))[:12]}, this job has {config_digest[:12]} "
             "(another configuration or parent)"
         )
-    for rel in ("model/model.safetensors.index.json", TRAIN_STATE, "lr_scheduler.pt"):
+    # A LoRA checkpoint holds the adapter; its base is the stage's model_dir (tasks/engine/lora.py).
+    weights = "adapter/adapter_model.safetensors" if meta.get("lora") else "model/model.safetensors.index.json"
+    for rel in (weights, TRAIN_STATE, "lr_scheduler.pt"):
         if rel not in manifest["files"]:
             raise ManifestError(f"{path}: manifest lists no {rel}; not a complete training checkpoint")
     return manifest

@@ -43,7 +43,7 @@ from tasks.core.errors import ManifestError
 from tasks.core.models.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
 from tasks.core.run.events import CHECKPOINT, format_event
 from tasks.core.run.manifest import write_manifest
-from tasks.engine import accel, node_staging
+from tasks.engine import accel, lora, node_staging
 from tasks.engine import checkpoint as ckpt
 from tasks.engine.backpressure import wait_for_publishes
 from tasks.engine.builders import (
@@ -104,6 +104,8 @@ class Engine:
         self.config = None
         self.clip_norm = None
         self.pending_weights: Path | None = None  # an HF folder a lazily built model still has to read
+        # LoRA (tasks/engine/lora.py) wraps the whole HF model in peft before boost: never built lazily.
+        self.lazy_init, self.lora_meta = self.spec.lazy_init and self.cfg.lora is None, None
 
     # -- model ------------------------------------------------------------------------------
 
@@ -116,7 +118,7 @@ class Engine:
         into the boosted, sharded model, so no rank ever holds the whole model."""
         from transformers import AutoModelForCausalLM
 
-        if self.spec.lazy_init:
+        if self.lazy_init:
             model = self.from_config()
             self.pending_weights = self.job.model_dir
             return model
@@ -156,10 +158,10 @@ class Engine:
         LowLevelZeroModel's cast; GeminiDDP's fp32_p = p.clone().float() after p.to(bf16)), so
         building in that dtype is the same model at a third of the peak (2 bytes a parameter, not
         4 + 2). A lazily built model stays fp32 until shardformer materializes one layer at a time."""
-        return torch.float32 if self.spec.lazy_init else _DTYPES[self.weights_dtype]
+        return torch.float32 if self.lazy_init else _DTYPES[self.weights_dtype]
 
     def _construction(self):
-        if not self.spec.lazy_init:
+        if not self.lazy_init:
             return contextlib.nullcontext()
         from colossalai.lazy import LazyInitContext
 
@@ -294,6 +296,8 @@ class Engine:
             dist.barrier()
             if self.rank != 0:
                 return None
+            if self.cfg.lora is not None:
+                return lora.dir_logits(self.job.model_dir, model_dir.parent / lora.ADAPTER, self.weights_dtype, self.job.trust_remote_code)
             return hf_dir_logits(model_dir, dtype=self.weights_dtype, trust_remote_code=self.job.trust_remote_code)
         logits = _live_logits(self.model, vocab, self.layout.tp_group)
         return logits if self.rank == 0 else None
@@ -316,7 +320,10 @@ class Engine:
         dist.barrier()
         phase = lambda name: self.faults.before_save_phase(step, name)
         phase("model")
-        self.booster.save_model(self.model, str(tmp / "model"), shard=True, use_safetensors=True)
+        if self.cfg.lora is not None:  # the adapter only: the base stays the job's model_dir, referenced in the meta
+            lora.save_adapter(self.booster, self.model, tmp / lora.ADAPTER)
+        else:
+            self.booster.save_model(self.model, str(tmp / "model"), shard=True, use_safetensors=True)
         phase("optimizer")
         self.booster.save_optimizer(self.optimizer, str(tmp / "optimizer"), shard=True)
         phase("lr_scheduler")
@@ -356,6 +363,7 @@ class Engine:
                 # What ran, not what was asked: each kernel's reason (a failed load included).
                 "kernels": kernel_record(self.kernels),
                 "activation_checkpointing": self.activation_checkpointing,
+                **({"lora": self.lora_meta} if self.lora_meta else {}),
             }
             parent = job.parent.model_dump() if job.parent is not None else None
             write_manifest(tmp, kind=ckpt.KIND, meta=meta, parent=parent, config_digest=job.config_digest, fingerprint=fp, other_files=elsewhere)
@@ -377,7 +385,9 @@ class Engine:
 
     def load(self, path: Path) -> None:
         model_dir = path / "model"
-        if self.spec.strict_load:
+        if self.cfg.lora is not None:
+            pass  # the adapter was read at enable_lora (lora.enable), onto the job's base
+        elif self.spec.strict_load:
             self.booster.load_model(self.model, str(model_dir))
         else:
             # ColossalAI's general loader in strict mode demands a tied LM head that HF (and

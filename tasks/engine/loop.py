@@ -31,6 +31,7 @@ from tasks.core.errors import ManifestError
 from tasks.core.run.events import PROGRESS
 from tasks.core.run.stages import STEP_SUMMARY, SUMMARY_FIELDS
 from tasks.engine import checkpoint as ckpt
+from tasks.engine import lora
 from tasks.engine.builders import plugin_meta
 from tasks.engine.engine import Engine, emit, log
 from tasks.engine.faults import Injector
@@ -105,6 +106,19 @@ class StageData:
         return micro, int(lens.sum()), sum(w * step for w in widths)
 
 
+def _with_adapter(eng: Engine, job: Job, model: torch.nn.Module, adapter_dir: Path | None) -> torch.nn.Module:
+    """`model` wrapped in peft by booster.enable_lora (before boost) when the stage trains LoRA; the
+    trainable and total parameters go to the log, every progress record and the checkpoint meta."""
+    if job.stage_cfg.lora is None:
+        return model
+    model = lora.enable(eng.booster, model, job.stage_cfg.lora, adapter_dir)
+    counts = lora.param_counts(model)
+    eng.lora_meta = lora.meta(job.stage_cfg.lora, job.model_dir, counts)
+    log(f"LoRA r={job.stage_cfg.lora.r} alpha={job.stage_cfg.lora.alpha:g} on {', '.join(job.stage_cfg.lora.target_modules)}: "
+        f"{counts['trainable_params']:,} trainable of {counts['total_params']:,} parameters ({counts['trainable_pct']:.3g} %)")
+    return model
+
+
 def _initial_state(job: Job, sampler_state: dict[str, int], lr: float) -> dict[str, Any]:
     return {
         "stage": job.stage,
@@ -130,6 +144,7 @@ def shard(job: Job, faults: Injector) -> Path:
     eng = Engine(job, faults)
     t0 = time.monotonic()
     model = eng.load_pretrained()
+    model = _with_adapter(eng, job, model, None)
     eng.boost(model)
     eng.load_pending_weights()  # a lazily built model: its weights, into the sharded model
     eng.materialize_optimizer_state()
@@ -175,7 +190,11 @@ def train(job: Job, faults: Injector) -> Path | None:
     eng = Engine(job, faults)
     data = StageData(job, eng.layout.dp_rank, eng.layout.dp_size)
     t0 = time.monotonic()
-    model = eng.from_config()
+    if cfg.lora is not None:  # the frozen base is the job's model_dir, the adapter the checkpoint's
+        lora.check_base(rp.manifest, rp.path, job.model_dir)
+        model = _with_adapter(eng, job, eng.load_pretrained(), rp.path / lora.ADAPTER)
+    else:
+        model = eng.from_config()
     n_params = count_params(model)  # before the plugin shards it
     data.check_vocab(model.config.vocab_size, job)
     eng.boost(model)
@@ -219,6 +238,7 @@ def train(job: Job, faults: Injector) -> Path | None:
         emit(PROGRESS, {
             "stage": job.stage, "step": step, "total": cfg.max_steps, "loss": loss, "lr": lr, "tokens": tokens,
             "elapsed_s": round(time.monotonic() - started, 3), **metrics,
+            **({k: eng.lora_meta[k] for k in ("trainable_params", "total_params", "trainable_pct")} if eng.lora_meta else {}),
         })
         if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
             sampler_state = data.sampler.state_dict()

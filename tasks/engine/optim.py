@@ -46,9 +46,11 @@ def make_scheduler(optimizer, stage_cfg):
 def make_optimizer(model: torch.nn.Module, stage_cfg, plugin_name: str, **kernels: Any) -> torch.optim.Optimizer:
     """`kernels`: AdamW arguments of the kernels that are on (accel.optimizer_kwargs: fused=True)."""
     kw = dict(lr=stage_cfg.lr, betas=tuple(stage_cfg.betas), weight_decay=stage_cfg.weight_decay)
+    # Frozen weights (a LoRA base) get no Adam state; under full fine-tuning this is every parameter.
+    params = [p for p in model.parameters() if p.requires_grad]
     if spec_of(plugin_name).optimizer == "hybrid_adam":
         # GeminiOptimizer accepts only ColossalAI's own Adam kernels (CUDA nodes build them).
         from colossalai.nn.optimizer import HybridAdam
 
-        return HybridAdam(model.parameters(), adamw_mode=True, **kw)
-    return torch.optim.AdamW(model.parameters(), **kw, **kernels)
+        return HybridAdam(params, adamw_mode=True, **kw)
+    return torch.optim.AdamW(params, **kw, **kernels)

@@ -21,6 +21,7 @@ Plugin capabilities come from the registry (`tasks.core.config.plugins`), never 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,6 +162,37 @@ def _packing_keeps_conversations_apart(x: _Facts) -> list[Problem]:
     return [(f"{x.where}.batching", why)]
 
 
+def _lora_in_sft_only(x: _Facts) -> list[Problem]:
+    # cpt/hf is the full CPT model every later stage starts from (reboost, evaluate_cpt, the SFT
+    # adapter's base): a CPT adapter would need a merged artifact of its own in between.
+    if x.where == "cpt" and x.stage.lora is not None:
+        return [(f"{x.where}.lora", ("LoRA is for SFT only: cpt/hf, the model SFT starts from and its adapter's base, is the full CPT model; "
+                                    "remove cpt.lora (continued pre-training updates every weight) and set sft.lora"))]
+    return []
+
+
+def _lora_supported_by_plugin(x: _Facts) -> list[Problem]:
+    if x.stage.lora is None:
+        return []
+    ok = ", ".join(n for n, s in PLUGINS.items() if not s.lora.refused)
+    if x.spec.lora.refused:
+        return [(f"{x.where}.lora", f"LoRA is refused under plugin {x.spec.name}: {x.spec.lora.refused}; use plugin {ok}, or remove {x.where}.lora (full fine-tuning)")]
+    if x.spec.lora.tp1_reason and x.stage.plugin.tp_size > 1:
+        return [(f"{x.f}.tp_size", (f"LoRA under {x.spec.name} needs tp_size 1 ({x.spec.lora.tp1_reason}), got {x.stage.plugin.tp_size}; "
+                                    f"set tp_size: 1 (pp_size and ZeRO stay available), use plugin {ok}, or remove {x.where}.lora"))]
+    return []
+
+
+def _qlora_export_not_built(x: _Facts) -> list[Problem]:
+    # peft#2105: an adapter trained on the 4-bit base and merged onto the unquantized one is another
+    # model; the export here merges onto cpt/hf as it is, so a QLoRA run would export the wrong model.
+    if x.stage.lora is not None and x.stage.lora.quantize:
+        return [(f"{x.where}.lora.quantize", ("QLoRA is not supported yet: the export merges the adapter onto cpt/hf unquantized, not onto the "
+                                              "dequantized 4-bit base it was trained against (peft#2105), so the merged model would differ; "
+                                              "set quantize: false"))]
+    return []
+
+
 # -- batch ----------------------------------------------------------------------------------------
 
 
@@ -243,6 +275,20 @@ def _fp16_needs_dynamic_loss_scale(x: _Facts) -> list[Problem]:
     return []
 
 
+def _qlora_needs_cuda_and_bitsandbytes(x: _Facts) -> list[Problem]:
+    lora = x.stage.lora
+    if lora is None or not lora.quantize or x.cuda is None:
+        return []
+    missing = [why for why, bad in (("no GPU is visible here", x.cuda is False),
+                                    ("bitsandbytes is not installed", importlib.util.find_spec("bitsandbytes") is None)) if bad]
+    if not missing:
+        return []
+    ok = ", ".join(n for n, s in PLUGINS.items() if not s.lora.refused)
+    return [(f"{x.where}.lora.quantize", (f"QLoRA loads the frozen base in 4-bit NF4 through bitsandbytes, whose kernels run on CUDA only, and "
+                                          f"{' and '.join(missing)}; set quantize: false (LoRA on the unquantized base, under plugin {ok}), "
+                                          "or run this stage on a CUDA node with bitsandbytes installed"))]
+
+
 RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
     ("static", _tp_pp_need_support),
     ("static", _zero_stage_allowed),
@@ -254,12 +300,16 @@ RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
     ("static", _pipeline_microbatches),
     ("static", _fp16_needs_dynamic_loss_scale),
     ("static", _packing_keeps_conversations_apart),
+    ("static", _lora_in_sft_only),
+    ("static", _lora_supported_by_plugin),
+    ("static", _qlora_export_not_built),
     ("batch", _rows_divide_microbatches),
     ("model", _tp_divides_heads),
     ("model", _tp_divides_vocab),
     ("model", _pp_within_layers),
     ("device", _cuda_only_plugin),
     ("device", _cuda_only_precision),
+    ("device", _qlora_needs_cuda_and_bitsandbytes),
 )
 
 

@@ -21,6 +21,8 @@ Facts recorded in the rows were measured with colossalai 0.5.0 (see tasks/engine
   (low_level_zero, torch_ddp) needs the tied tensor saved once and a non-strict load whose key
   set is checked by the engine.
 - Gemini accepts only ColossalAI's own Adam kernels (HybridAdam); every other plugin wraps AdamW.
+- LoRA (booster.enable_lora, before boost) trains under TorchDDP, LowLevelZero and HybridParallel
+  with tp_size 1 (`PluginSpec.lora`); Gemini refuses it.
 
 `PluginSpec.holds` is what each plugin keeps on a rank per parameter (the memory estimate,
 `tasks.core.preflight.memory`, sums it), read in colossalai 0.5.0's source and checked against the
@@ -115,6 +117,14 @@ class Held:
 
 
 @dataclass(frozen=True)
+class LoraSupport:
+    """Whether LoRA (booster.enable_lora before boost) trains under a plugin, read in colossalai 0.5.0."""
+
+    refused: str = ""  # non-empty: LoRA is refused under the plugin, for this reason
+    tp1_reason: str = ""  # non-empty: LoRA only with tp_size 1, for this reason
+
+
+@dataclass(frozen=True)
 class PluginSpec:
     """What one booster plugin supports; read by config validation, pre-flight and the engine."""
 
@@ -146,6 +156,7 @@ class PluginSpec:
     # stage drops the layers it does not hold first). The weights are then loaded shard file by
     # shard file into the sharded model (booster.load_model), which also refreshes ZeRO's masters.
     lazy_init: bool = False
+    lora: LoraSupport = LoraSupport()  # LoRA under this plugin: supported, or why not (the layout rules name it)
 
     def zero_stage(self, configured: int) -> int:
         """The ZeRO stage the plugin really runs."""
@@ -191,6 +202,7 @@ register(PluginSpec(
     zero_hint="hybrid_parallel supports zero_stage 0 or 1 here; use low_level_zero for stage 2 or gemini for stage 3",
     no_sync_zero_stages=(0, 1),
     lazy_init=True,
+    lora=LoraSupport(tp1_reason="HybridParallelPlugin.enable_lora asserts tp_size == 1 in colossalai 0.5.0 (shardformer's split linears take no peft adapter); pipelines are gathered at save"),
     packing_refused=("ColossalAI 0.5.0's shardformer Llama forward builds its attention from the padding mask plus causal only "
                      "(ColoAttention.prepare_attn_kwargs on its flash-attention path), so packed conversations would attend to each other"),
     holds=(
@@ -234,6 +246,7 @@ register(PluginSpec(
     cuda_reason="ColossalAI asserts in every forward that Gemini's chunks live on a GPU",
     no_sync_zero_stages=(),
     optimizer="hybrid_adam",
+    lora=LoraSupport(refused="GeminiPlugin.support_lora() is False and its enable_lora raises NotImplementedError in colossalai 0.5.0 (ColossalAI #6138)"),
     strict_load=False,
     dedupes_tied_weights=False,
     extra_meta=("placement_policy",),

@@ -253,6 +253,28 @@ def _stage_schema(schema: dict[str, Any]) -> None:
                            + "; ".join(f"{n} ({s})" for n, s in kernel_summaries().items()) + ".")
 
 
+# The linear projections of every supported family (tasks/core/models/families.py: llama, mistral,
+# qwen2, qwen3 name them alike); LoRA on all of them is the QLoRA paper's finding for quality.
+LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Frozen):
+    """A LoRA adapter trained on the frozen base (peft's LoraConfig, through booster.enable_lora)."""
+
+    r: int = Field(default=8, ge=1, description="Rank of each adapter's low-rank update (B @ A, A: r x in, B: out x r).")
+    alpha: float = Field(default=16.0, gt=0, description="Scale of the update: the adapter adds (alpha / r) * B @ A to each targeted weight.")
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input (peft lora_dropout); 0 keeps a resumed run bitwise.")
+    target_modules: tuple[str, ...] = Field(default=LORA_TARGETS, min_length=1, description=(
+        "Names of the linear modules that get an adapter (peft target_modules, matched on the module name's end); "
+        "default every attention and MLP projection."))
+    modules_to_save: tuple[str, ...] = Field(default=(), description=(
+        "Modules trained in full beside the adapters and saved with them (peft modules_to_save), e.g. ['lm_head'] "
+        "after adding tokens; empty: every base weight stays frozen."))
+    quantize: bool = Field(default=False, description=(
+        "QLoRA: load the frozen base in 4-bit NF4 (bitsandbytes, through booster.enable_lora(quantize=True)); needs CUDA "
+        "and bitsandbytes."))
+
+
 class StageConfig(Frozen):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_stage_schema)
 
@@ -285,6 +307,11 @@ class StageConfig(Frozen):
         "exceed it waits (and says so in the log and UI) until uploads catch up. Local staging holds up to keep_last + this many "
         "checkpoints. Not part of the stage's digest: changing it re-trains nothing."))
     seed: int = Field(default=1234, description="Seed for model init randomness, data order and dropout.")
+    lora: LoraConfig | None = Field(default=None, description=(
+        "Train a LoRA adapter on the frozen model instead of every weight (SFT only), e.g. {r: 16, alpha: 32}; checkpoints "
+        "hold the adapter and its optimizer, the base stays cpt/hf, and the export merges them (export-adapter/ keeps the "
+        "adapter alone). Supported under the plugins whose registry row allows it (tasks/core/config/plugins.py PluginSpec.lora). "
+        "null: full fine-tuning."))
 
 
 class ExportConfig(Frozen):

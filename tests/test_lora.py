@@ -1,0 +1,63 @@
+"""LoRA SFT (issue #26): the config, the plugin registry's capability row and the layout rules.
+
+    .venv/bin/pytest -q tests/test_lora.py
+
+The refusals themselves (Gemini, tp=2, QLoRA on CPU, LoRA on CPT) are rows of
+tests/test_preflight.py's BAD table; here: the defaults a user gets from `sft.lora: {r: 16, alpha:
+32}`, and that the rules read the registry row, not a plugin's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tasks.core.config import plugins
+from tasks.core.config.layout import layout_problems
+from tasks.core.config.load import parse_config
+from tasks.core.config.schema import LORA_TARGETS, LoraConfig
+from tests.conftest import tiny_config_raw
+
+
+def test_a_user_writes_r_and_alpha_and_gets_every_projection():
+    raw = tiny_config_raw(Path("/m"), Path("/r"))
+    raw["sft"]["lora"] = {"r": 16, "alpha": 32}
+    cfg = parse_config(raw)
+    assert cfg.sft.lora == LoraConfig(r=16, alpha=32.0, target_modules=LORA_TARGETS)
+    assert cfg.sft.lora.dropout == 0.0 and not cfg.sft.lora.quantize and cfg.sft.lora.modules_to_save == ()
+    assert cfg.cpt.lora is None
+
+
+@pytest.mark.parametrize("bad", [{"r": 0}, {"alpha": 0}, {"dropout": 1.0}, {"target_modules": []}, {"rank": 8}])
+def test_a_bad_lora_field_is_refused(bad):
+    raw = tiny_config_raw(Path("/m"), Path("/r"))
+    raw["sft"]["lora"] = bad
+    with pytest.raises(Exception, match="sft.lora"):
+        parse_config(raw)
+
+
+def test_the_rules_read_the_registry_row(monkeypatch):
+    """A plugin whose row refuses LoRA is refused for that reason and left out of the plugins
+    offered instead; one whose row needs tp_size 1 is refused only with tp > 1."""
+    raw = tiny_config_raw(Path("/m"), Path("/r"))
+    raw["sft"]["lora"] = {"r": 4}
+    stage = parse_config(raw).sft
+    base = plugins.PLUGINS["low_level_zero"]
+    monkeypatch.setitem(plugins.PLUGINS, "low_level_zero", replace(base, lora=plugins.LoraSupport(refused="a dummy reason")))
+    [(field, msg)] = layout_problems(stage, "sft", tiers=("static",))
+    assert field == "sft.lora" and "refused under plugin low_level_zero: a dummy reason" in msg
+    assert "use plugin hybrid_parallel, torch_ddp," in msg
+    monkeypatch.setitem(plugins.PLUGINS, "low_level_zero", replace(base, supports_tp_pp=True, lora=plugins.LoraSupport(tp1_reason="a tp reason")))
+    assert layout_problems(stage, "sft", tiers=("static",)) == []
+    tp2 = stage.model_copy(update={"plugin": stage.plugin.model_copy(update={"tp_size": 2})})
+    [(field, msg)] = layout_problems(tp2, "sft", tiers=("static",))
+    assert field == "sft.plugin.tp_size" and "needs tp_size 1 (a tp reason), got 2" in msg
+
+
+def test_qlora_is_refused_where_the_config_is_read_until_the_export_merges_onto_the_4bit_base():
+    raw = tiny_config_raw(Path("/m"), Path("/r"))
+    raw["sft"]["lora"] = {"r": 4, "quantize": True}
+    with pytest.raises(Exception, match=r"sft.lora.quantize[\s\S]*peft#2105"):
+        parse_config(raw)
