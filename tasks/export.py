@@ -23,6 +23,7 @@ from tasks.core.data.prepared import recorded_split
 from tasks.core.errors import ConversionError
 from tasks.core.models.folder import folder_problems
 from tasks.core.models.hf_artifact import VERIFICATION, build_hf_dir
+from tasks.core.models.merge import build_merged_dir
 from tasks.core.models.stop_tokens import describe
 from tasks.core.run.stages import TRAINING
 from tasks.stage import Stage, StageResult, stage_task
@@ -50,6 +51,8 @@ def _verification_markdown(v: dict) -> str:
         "| check | value |",
         "|---|---|",
         f"| tensors | {v['tensors']} (each bitwise the checkpoint's, cast to {v['dtype']}) |",
+        *([(f"| LoRA merge | in fp32 onto cpt/hf; {v['lora']['untouched_bitwise']} untouched tensors bitwise the base's, "
+            f"{v['lora']['touched']} merged; head untied: {v['lora']['untied_head']} |")] if v.get("lora") else []),
         f"| bytes | {v['bytes']:,} |",
         f"| dtype | {v['dtype']} |",
         (f"| logits max abs diff / max abs logit | {v['fingerprint_max_abs_diff']:.3g} / {v['fingerprint_max_abs_logit']:.3g} = "
@@ -72,10 +75,14 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
         return stage.result
     ckpt, source = stage.store.stage_in(sft.rel), stage.store.stage_in(TRAINING["sft"].source)
     with stage.build() as out:
-        built = build_hf_dir(
-            ckpt, out.dir, source, dtype=cfg.export.dtype, max_shard_size=cfg.export.max_shard_size,
-            weights_dtype=cfg.sft.plugin.precision, rtol=cfg.export.fingerprint_rtol, align_stop_tokens=cfg.export.align_stop_tokens,
-        )
+        if cfg.sft.lora is not None:  # the adapter merged onto cpt/hf in fp32, proven against peft (tasks/core/models/merge.py)
+            built = build_merged_dir(ckpt, out.dir, source, dtype=cfg.export.dtype, max_shard_size=cfg.export.max_shard_size,
+                                     rtol=cfg.export.fingerprint_rtol, align_stop_tokens=cfg.export.align_stop_tokens, work_dir=cfg.staging_dir)
+        else:
+            built = build_hf_dir(
+                ckpt, out.dir, source, dtype=cfg.export.dtype, max_shard_size=cfg.export.max_shard_size,
+                weights_dtype=cfg.sft.plugin.precision, rtol=cfg.export.fingerprint_rtol, align_stop_tokens=cfg.export.align_stop_tokens,
+            )
         v = built["verification"]
         problems = folder_problems(out.dir)  # the rule verify, push and pre-flight apply to this folder later
         if problems:

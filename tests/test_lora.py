@@ -61,3 +61,33 @@ def test_qlora_is_refused_where_the_config_is_read_until_the_export_merges_onto_
     raw["sft"]["lora"] = {"r": 4, "quantize": True}
     with pytest.raises(Exception, match=r"sft.lora.quantize[\s\S]*peft#2105"):
         parse_config(raw)
+
+
+@pytest.mark.parametrize("train_head", [False, True])
+def test_a_tied_model_merges_without_losing_its_trained_head(tmp_path, train_head):
+    """qwen2-style tied embeddings: adapters on the projections leave the tie as it is; a head
+    trained in full (modules_to_save) is exported untied, so no loader re-ties it onto the embedding."""
+    import torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+    from tasks.core.models.fingerprint import compare_logits, hf_dir_logits, model_logits
+    from tasks.core.models.merge import build_merged_dir
+
+    base_dir = build_tiny_model(tmp_path / "qwen", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family="qwen2", tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32), PeftLoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], modules_to_save=["lm_head"] if train_head else None, init_lora_weights=False))
+    if train_head:
+        with torch.no_grad():
+            model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.05 * torch.randn_like(model.base_model.model.lm_head.weight))
+    model.save_pretrained(tmp_path / "ckpt" / "adapter", safe_serialization=True)
+    reference = model_logits(model.eval(), 512)
+    built = build_merged_dir(tmp_path / "ckpt", tmp_path / "export", base_dir, dtype="fp32", max_shard_size="5GB")
+    assert built["verification"]["lora"]["untied_head"] is train_head
+    assert compare_logits(hf_dir_logits(tmp_path / "export"), reference, 1e-5)["fingerprint_match"]
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert merged.config.tie_word_embeddings is not train_head
+    assert torch.equal(merged.lm_head.weight, merged.model.embed_tokens.weight) is not train_head

@@ -95,3 +95,24 @@ def test_the_adapter_loads_through_peft_onto_the_base(lora_run):
     model = PeftModel.from_pretrained(base, lora_run["dir"] / "step-000006" / "adapter")
     b = next(m for n, m in model.named_modules() if n.endswith("q_proj") and hasattr(m, "lora_B")).lora_B["default"].weight
     assert b.abs().sum() > 0  # trained: peft initializes B to zero
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_merged_export_matches_peft_and_keeps_every_untouched_tensor(lora_run, tmp_path, dtype):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tasks.core.models.fingerprint import compare_logits, default_rtol, hf_dir_logits, model_logits
+    from tasks.core.models.folder import folder_problems
+    from tasks.core.models.merge import build_merged_dir
+
+    out = tmp_path / "export"
+    built = build_merged_dir(lora_run["dir"] / "step-000006", out, lora_run["base"], dtype=dtype, max_shard_size="5GB")
+    v = built["verification"]
+    assert v["fingerprint_match"] and v["dtype"] == dtype
+    layers = json.loads((lora_run["base"] / "config.json").read_text())["num_hidden_layers"]
+    assert v["lora"]["touched"] == 3 * layers and v["lora"]["untouched_bitwise"] > 0 and not v["lora"]["untied_head"]  # q, v, down per layer
+    assert folder_problems(out) == [] and not list(out.glob("adapter*"))
+    base = AutoModelForCausalLM.from_pretrained(lora_run["base"], torch_dtype=torch.float32)
+    peft_logits = model_logits(PeftModel.from_pretrained(base, lora_run["dir"] / "step-000006" / "adapter").eval(), base.config.vocab_size)
+    assert compare_logits(hf_dir_logits(out), peft_logits, default_rtol(dtype, "fp32"))["fingerprint_match"]

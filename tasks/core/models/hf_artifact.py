@@ -46,14 +46,16 @@ def build_hf_dir(
     weights_dtype: str,
     rtol: float | None = None,
     align_stop_tokens: bool | None = None,
+    config_updates: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """checkpoint_dir holds `model/` and its fingerprint; returns the verification record.
 
     Proof first (every tensor bitwise the checkpoint's cast to the output dtype), then the
     logits sanity check, scale-aware. `align_stop_tokens` True/False: the export's stop-token
     rule (`tasks.core.models.stop_tokens`); None (the unshard bridge) copies the generation config as is.
+    `config_updates`: config.json fields the weights change (a merged LoRA head: tie_word_embeddings false).
     """
-    model_config = json.loads((source_model_dir / "config.json").read_text())
+    model_config = {**json.loads((source_model_dir / "config.json").read_text()), **(config_updates or {})}
     report = convert_checkpoint(checkpoint_dir / "model", dst, model_config=model_config, dtype=dtype, max_shard_size=max_shard_size, write_config=False)
     out_dtype = dtype or weights_dtype
     proof = prove_weights(checkpoint_dir / "model", dst, dtype, dropped=report.dropped)
