@@ -27,8 +27,9 @@ from prefect import get_run_logger, task
 
 from tasks import tracking, ui
 from tasks.core.config.schema import RunConfig
-from tasks.core.data.prepared import corpus_of, heldout_records, split_info, write_jsonl
+from tasks.core.data.prepared import corpus_of, heldout_by_source, heldout_records, split_info, write_jsonl
 from tasks.core.evaluation import heldout as ev
+from tasks.core.evaluation import verdict as rules
 from tasks.core.run.stages import Status
 from tasks.core.storage.fs import RunStore
 from tasks.prepare_data import prepared_dir
@@ -67,12 +68,18 @@ def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult, tracker
     data = prepared_dir(cfg, "cpt")
     split = split_info(data, corpus_of(cfg.cpt.data))
     st = cfg.cpt
-    metrics = ev.evaluate_cpt(base_dir, cpt_dir, heldout_records(data), st.data.text_field, st.seq_len, st.eval, cfg.base_model.trust_remote_code)
+    metrics = ev.evaluate_cpt(base_dir, cpt_dir, heldout_records(data), st.data.text_field, st.seq_len, st.eval, cfg.base_model.trust_remote_code,
+                              by_source=heldout_by_source(data))
     metrics["split"] = split
     logger.info(
         "evaluate_cpt: held-out perplexity base %.4f -> CPT %.4f (%+.2f%%) on %d tokens in %.1fs",
         metrics["base"]["perplexity"], metrics["cpt"]["perplexity"], metrics["perplexity_change_pct"], metrics["tokens"], metrics["seconds"],
     )
+    for name, m in (metrics.get("sources") or {}).items():  # a mixture: what CPT did to each source's held-out text
+        if m.get("base") is None:
+            logger.warning("evaluate_cpt: source %r not evaluated: %s", name, m["skipped"])
+        else:
+            logger.info("evaluate_cpt: source %r held-out perplexity base %.4f -> CPT %.4f (%+.2f%%)", name, m["base"]["perplexity"], m["cpt"]["perplexity"], m["perplexity_change_pct"])
     with stage.build() as out:
         (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         tracking.log_evaluation("cpt", metrics, out.dir, st.max_steps, tracker)
@@ -136,7 +143,7 @@ def gate(cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult) -> StageR
     logger = get_run_logger()
     started = time.monotonic()
     cpt, sft = cpt_eval.detail.get("metrics"), sft_eval.detail.get("metrics")
-    verdict = ev.gate_verdict(cfg.gate, cpt, sft)
+    verdict = rules.gate_verdict(cfg.gate, cpt, sft)
     for c in verdict["checks"]:
         logger.info("gate: %s %s: %s", "pass" if c["ok"] else "FAIL", c["check"], c["message"])
     status = Status.DISABLED if not cfg.gate.enabled else (Status.PASSED if verdict["passed"] else Status.FAILED_GATE)
@@ -147,7 +154,7 @@ def gate(cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult) -> StageR
     try:
         from prefect.artifacts import create_table_artifact
 
-        create_table_artifact(ev.metrics_table(cpt, sft, verdict), key=EVAL_TABLE_KEY, description=f"Held-out evaluation and the publish gate: {status}")
+        create_table_artifact(rules.metrics_table(cpt, sft, verdict), key=EVAL_TABLE_KEY, description=f"Held-out evaluation and the publish gate: {status}")
     except Exception as exc:
         logger.warning("evaluation table artifact unavailable: %s", exc)
     return StageResult("gate", status, seconds=time.monotonic() - started, detail=verdict)

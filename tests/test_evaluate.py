@@ -18,6 +18,7 @@ from tasks.core.data.records import read_records
 from tasks.core.data.split import overlap, record_id, split_by_fraction, split_by_heldout
 from tasks.core.errors import ConfigError
 from tasks.core.evaluation import heldout as ev
+from tasks.core.evaluation import verdict as gv
 from tests.conftest import REPO, tiny_config_raw
 
 SAMPLE = REPO / "data" / "sample"
@@ -199,7 +200,7 @@ def test_generation_check_fails_when_generation_config_lacks_end_of_turn(model_c
     assert summary["passed"] is False and summary["end_of_turn"] == {"id": 4, "token": "<|im_end|>"}
     assert "generation_config.json eos_token_id [1] lacks the chat template's end-of-turn token '<|im_end|>' (id 4)" in summary["problems"][0]
     assert len(rows) == 2 and all(r["prompt"][-1]["role"] == "user" and r["new_tokens"] <= 4 for r in rows)
-    verdict = ev.gate_verdict(GateConfig(), None, {"pre_sft": {"loss": 2.0}, "sft": {"loss": 1.0}, "generation": summary})
+    verdict = gv.gate_verdict(GateConfig(), None, {"pre_sft": {"loss": 2.0}, "sft": {"loss": 1.0}, "generation": summary})
     assert any("lacks the chat template's end-of-turn token" in r for r in verdict["reasons"])
     path.unlink()
     summary, _ = ev.generation_check(model_copy, sft_records[:1], "messages", max_new_tokens=2, num_prompts=1)
@@ -247,13 +248,13 @@ def _sft(pre=2.0, post=1.5, stopped=4, problems=()):
     ],
 )
 def test_gate_verdict(gate, cpt, sft, passed, failing):
-    v = ev.gate_verdict(GateConfig(**gate), cpt, sft)
+    v = gv.gate_verdict(GateConfig(**gate), cpt, sft)
     assert v["passed"] is passed
     assert [c["check"] for c in v["checks"] if not c["ok"]] == failing or not v["enabled"]
     assert len(v["reasons"]) == (len(failing) if v["enabled"] else 0)
     if not v["enabled"]:
         assert [c["check"] for c in v["checks"] if not c["ok"]] == ["cpt_perplexity", "sft_loss", "generation_stops"]  # still reported
-    rows = ev.metrics_table(cpt, sft, v)
+    rows = gv.metrics_table(cpt, sft, v)
     assert rows and all(set(r) == {"metric", "before", "after", "change", "gate"} for r in rows)
 
 
@@ -277,9 +278,9 @@ def test_eval_results_for_card_render_a_model_index():
 
     metrics = {"cpt": {**_cpt(), "split": {"method": "hash-fraction", "fraction": 0.05, "data_uri": "data/sample/cpt.jsonl"}},
                "sft": {**_sft(), "split": {"method": "heldout-uri", "heldout_uri": "s3://b/chat-heldout.jsonl"}}}
-    results = ev.eval_results_for_card(metrics)
+    results = gv.eval_results_for_card(metrics)
     yaml_text = ModelCardData(model_name="tiny-demo", eval_results=results).to_yaml()
     assert "model-index:" in yaml_text and "name: tiny-demo" in yaml_text
     assert "value: 50.0" in yaml_text and "type: perplexity" in yaml_text and "chat-heldout.jsonl" in yaml_text
     assert "CPT held-out (0.05 hash split of cpt.jsonl)" in yaml_text
-    assert ev.eval_results_for_card({"cpt": None, "sft": None}) == []
+    assert gv.eval_results_for_card({"cpt": None, "sft": None}) == []

@@ -297,7 +297,7 @@ def test_split_record_and_card_show_the_mixture(tokdir, tmp_path):
     import yaml
 
     from tasks.core.data.prepared import corpus_of, split_info
-    from tasks.core.evaluation.heldout import eval_results_for_card
+    from tasks.core.evaluation.verdict import eval_results_for_card
     from tasks.core.hub.card import model_card
 
     raw = yaml.safe_load((REPO / "deployments" / "configs" / "tiny-cpu-mixture.yaml").read_text())

@@ -114,6 +114,14 @@ def gate_problems(cfg: RunConfig) -> list[Problem]:
         if active and not getattr(cfg, stage).eval.enabled:
             out.append((f"gate.{name}", (f"needs a {stage.upper()} held-out set, but {stage}.eval.heldout_fraction is 0 and no heldout_uri is set; "
                                          "give one, or turn this check off (gate.enabled: false disables the whole gate)")))
+    limits = g.cpt_max_ppl_increase_pct
+    if isinstance(limits, dict):  # per source: each one measured on its own held-out records
+        data, names = cfg.cpt.data, [s.name for s in cfg.cpt.data.source_list]
+        if not data.mixture:
+            out.append(("gate.cpt_max_ppl_increase_pct", "a mapping of limits per source needs a cpt.data.sources mixture; give one number for the held-out set"))
+        elif cfg.cpt.eval.heldout_uri:
+            out.append(("gate.cpt_max_ppl_increase_pct", "limits per source need the hash split of each source (cpt.eval.heldout_fraction), not one cpt.eval.heldout_uri"))
+        out += [(f"gate.cpt_max_ppl_increase_pct.{k}", f"no CPT source is named {k!r} (cpt.data.sources: {', '.join(names)})") for k in limits if data.mixture and k not in names]
     return out
 
 

@@ -329,9 +329,11 @@ class GateConfig(Frozen):
     enabled: bool = Field(default=True, description=(
         "Check the thresholds below before push_to_hub; a failed gate skips the push and keeps every artifact. "
         "false lets every run through (metrics are still computed and recorded)."))
-    cpt_max_ppl_increase_pct: float | None = Field(default=0.0, description=(
+    cpt_max_ppl_increase_pct: float | dict[str, float] | None = Field(default=0.0, description=(
         "Fail when the CPT model's held-out perplexity is more than this many percent above the base model's "
-        "(0: must not get worse; negative: must improve by at least that much); null: not checked."))
+        "(0: must not get worse; negative: must improve by at least that much); null: not checked. A mapping "
+        "{source: percent} (a cpt.data.sources mixture) checks each source's own held-out perplexity instead, e.g. "
+        "{general: 5.0}: the replayed general text may get at most 5 % worse, every source not named must not get worse."))
     sft_loss_must_improve: bool = Field(default=True, description="Fail unless the SFT model's held-out loss on assistant tokens is below the pre-SFT (CPT) model's.")
     generation_must_stop: bool = Field(default=True, description=(
         "Fail unless the export's generation_config.json eos_token_id includes the chat template's end-of-turn token "

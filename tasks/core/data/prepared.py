@@ -7,7 +7,8 @@
 - `check_against_model`: before any launch, the shards' tokenizer fingerprint must be the model's
   (a different tokenizer is refused naming both) and every token id must fit its vocabulary.
 - `heldout_records`: the held-out records evaluation runs on, as prepare_data decided them in its
-  one streaming pass (no second read of the corpus, no second split).
+  one streaming pass (no second read of the corpus, no second split); `heldout_by_source`: the
+  same, per source of a mixture.
 - `split_info` / `record_split` / `recorded_split`: the split record kept beside the stage's
   checkpoints (`<run_root>/<stage>/data-split.json`) and copied into the manifests made from it.
 """
@@ -96,6 +97,24 @@ def iter_heldout(data_dir: Path) -> Iterator[dict]:
 
 def heldout_records(data_dir: Path) -> list[dict]:
     return list(iter_heldout(data_dir))
+
+
+def heldout_by_source(data_dir: Path) -> dict[str, list[dict]] | None:
+    """Each source's held-out records, split off its own files by the hash split (a mixture's
+    per-source evaluation); None for one source or a held-out file of the stage's own (eval.heldout_uri)."""
+    data_dir = Path(data_dir)
+    index = read_index(data_dir)
+    sources = index.get("sources") or []
+    if len(sources) < 2 or index["split"]["method"] == "heldout-uri":
+        return None
+    out: dict[str, list[dict]] = {}
+    for src in sources:
+        a, b = src["files"]
+        out[src["name"]] = []
+        for f in index["files"][a:b]:
+            with open(data_dir / f["shard"] / HELDOUT_SET, encoding="utf-8") as fh:
+                out[src["name"]] += [json.loads(line) for line in fh if line.strip()]
+    return out
 
 
 def record_split(store: RunStore, stage: str, info: dict[str, Any]) -> None:

@@ -1,4 +1,5 @@
-"""Held-out evaluation on HF-format artifacts with plain `transformers`, and the publish gate.
+"""Held-out evaluation on HF-format artifacts with plain `transformers` (the gate's verdict on it:
+`tasks.core.evaluation.verdict`).
 
     python -m tasks.core.evaluation.heldout cpt --reference runs/tiny-demo/base --candidate runs/tiny-demo/cpt/hf --data runs/tiny-demo/data/cpt/heldout.jsonl --seq-len 64
     python -m tasks.core.evaluation.heldout sft --reference runs/tiny-demo/cpt/hf --candidate runs/tiny-demo/export --data runs/tiny-demo/data/sft/heldout.jsonl --seq-len 128
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tasks.core.config.schema import EvalConfig, GateConfig
+from tasks.core.config.schema import EvalConfig
 from tasks.core.data.samples import IGNORE_INDEX, encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -120,30 +121,52 @@ def heldout_loss(model, batch: dict[str, torch.Tensor], batch_size: int, device:
     return {"loss": loss, "perplexity": perplexity(loss), "tokens": count}
 
 
-def compare(reference_dir: Path, candidate_dir: Path, batch: dict[str, torch.Tensor], cfg: EvalConfig, trust_remote_code: bool = False) -> tuple[dict, dict]:
-    """(reference, candidate) losses on the very same batch, one model in memory at a time."""
+def compare_many(reference_dir: Path, candidate_dir: Path, batches: dict[str, dict[str, torch.Tensor]], cfg: EvalConfig,
+                 trust_remote_code: bool = False) -> dict[str, tuple[dict, dict]]:
+    """{name: (reference, candidate) losses} on the very same batches, each model loaded once, one in memory at a time."""
     device = eval_device()
-    out = []
+    out: dict[str, list[dict]] = {name: [] for name in batches}
     for model_dir in (reference_dir, candidate_dir):
         model = load_model(model_dir, cfg.dtype, device, trust_remote_code)
         try:
-            out.append(heldout_loss(model, batch, cfg.batch_size, device))
+            for name, batch in batches.items():
+                out[name].append(heldout_loss(model, batch, cfg.batch_size, device))
         finally:
             _free(model)
-    return out[0], out[1]
+    return {name: (a, b) for name, (a, b) in out.items()}
+
+
+def compare(reference_dir: Path, candidate_dir: Path, batch: dict[str, torch.Tensor], cfg: EvalConfig, trust_remote_code: bool = False) -> tuple[dict, dict]:
+    """(reference, candidate) losses on the very same batch, one model in memory at a time."""
+    return compare_many(reference_dir, candidate_dir, {"": batch}, cfg, trust_remote_code)[""]
 
 
 def _pct(after: float, before: float) -> float:
     return 100.0 * (after - before) / before if before and math.isfinite(before) else float("inf")
 
 
-def evaluate_cpt(base_dir: Path, cpt_dir: Path, heldout: Sequence[dict], text_field: str, seq_len: int, cfg: EvalConfig, trust_remote_code: bool = False) -> dict[str, Any]:
-    """Held-out loss and perplexity of the base model and of the CPT model on the CPT held-out set."""
+def evaluate_cpt(base_dir: Path, cpt_dir: Path, heldout: Sequence[dict], text_field: str, seq_len: int, cfg: EvalConfig, trust_remote_code: bool = False,
+                 by_source: dict[str, Sequence[dict]] | None = None) -> dict[str, Any]:
+    """Held-out loss and perplexity of the base model and of the CPT model on the CPT held-out set;
+    with `by_source` (a mixture: each source's held-out records), also on each source's own, in
+    `sources` (a source with too little held-out text for one block says so in `skipped`)."""
     started = time.monotonic()
     same_tokenizer(base_dir, cpt_dir)
-    batch = cpt_batch(load_tokenizer(cpt_dir, trust_remote_code), heldout, text_field, seq_len, cfg)
-    base, cpt = compare(base_dir, cpt_dir, batch, cfg, trust_remote_code)
+    tok = load_tokenizer(cpt_dir, trust_remote_code)
+    batches = {"": cpt_batch(tok, heldout, text_field, seq_len, cfg)}
+    skipped = {}
+    for name, records in (by_source or {}).items():
+        b = cpt_batch(tok, records, text_field, seq_len, cfg)
+        if b["input_ids"].shape[0]:
+            batches[f"source:{name}"] = b
+        else:
+            skipped[name] = f"{len(records)} held-out records, fewer tokens than one block of seq_len={seq_len}"
+    pairs = compare_many(base_dir, cpt_dir, batches, cfg, trust_remote_code)
+    base, cpt = pairs[""]
+    batch = batches[""]
+    sources = {name: {"skipped": skipped[name]} if name in skipped else _change(*pairs[f"source:{name}"]) for name in (by_source or {})}
     return {
+        **({"sources": sources} if by_source else {}),
         "base": _lp(base),
         "cpt": _lp(cpt),
         "perplexity_change_pct": _pct(cpt["perplexity"], base["perplexity"]),
@@ -176,6 +199,10 @@ def evaluate_sft(pre_dir: Path, sft_dir: Path, heldout: Sequence[dict], messages
         "device": str(eval_device()),
         "seconds": round(time.monotonic() - started, 3),
     }
+
+
+def _change(base: dict, cpt: dict) -> dict[str, Any]:
+    return {"base": _lp(base), "cpt": _lp(cpt), "perplexity_change_pct": _pct(cpt["perplexity"], base["perplexity"]), "tokens": cpt["tokens"]}
 
 
 def _lp(d: dict) -> dict[str, float]:
@@ -296,118 +323,6 @@ def generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: s
         "seconds": round(time.monotonic() - started, 3),
     }
     return summary, rows
-
-
-# ------------------------------------------------------------------------------------------------
-# The gate
-
-
-def gate_verdict(gate: GateConfig, cpt: dict[str, Any] | None, sft: dict[str, Any] | None) -> dict[str, Any]:
-    """{"enabled", "passed", "reasons", "checks"}: every configured check, each with its numbers.
-
-    A disabled gate passes but still lists what each check found.
-    """
-    checks: list[dict[str, Any]] = []
-
-    def check(name: str, ok: bool, message: str, **numbers: Any) -> None:
-        checks.append({"check": name, "ok": bool(ok), "message": message, **numbers})
-
-    if gate.cpt_max_ppl_increase_pct is not None:
-        limit = gate.cpt_max_ppl_increase_pct
-        if not cpt:
-            check("cpt_perplexity", False, "no CPT evaluation was recorded (cpt.eval has no held-out set)", limit_pct=limit)
-        else:
-            before, after, change = cpt["base"]["perplexity"], cpt["cpt"]["perplexity"], cpt["perplexity_change_pct"]
-            ok = math.isfinite(after) and change <= limit
-            check("cpt_perplexity", ok, f"CPT held-out perplexity {after:.4g} vs base {before:.4g} ({change:+.2f}%, allowed at most {limit:+g}%)",
-                  before=before, after=after, change_pct=change, limit_pct=limit)
-    if gate.sft_loss_must_improve:
-        if not sft:
-            check("sft_loss", False, "no SFT evaluation was recorded (sft.eval has no held-out set)")
-        else:
-            before, after = sft["pre_sft"]["loss"], sft["sft"]["loss"]
-            check("sft_loss", after < before, f"SFT held-out loss on assistant tokens {after:.4f} vs pre-SFT {before:.4f} (must be lower)", before=before, after=after)
-    if gate.generation_must_stop:
-        gen = (sft or {}).get("generation")
-        if not gen:
-            check("generation_stops", False, "no generation check was recorded (sft.eval has no held-out set)")
-        else:
-            msg = f"{gen['stopped']} of {gen['prompts']} greedy generations stopped within {gen['max_new_tokens']} tokens"
-            check("generation_stops", gen["passed"], "; ".join([msg, *gen["problems"]]), stopped=gen["stopped"], prompts=gen["prompts"])
-    failed = [c["message"] for c in checks if not c["ok"]]
-    return {"enabled": gate.enabled, "passed": (not failed) or not gate.enabled, "reasons": failed if gate.enabled else [], "checks": checks}
-
-
-# ------------------------------------------------------------------------------------------------
-# Reporting
-
-
-def _fmt(x: Any) -> str:
-    return f"{x:.4f}" if isinstance(x, float) else ("" if x is None else str(x))
-
-
-def metrics_table(cpt: dict | None, sft: dict | None, verdict: dict | None) -> list[dict[str, str]]:
-    """Rows for the Prefect table artifact: one per metric, before/after and the gate's word."""
-    by_check = {c["check"]: c for c in (verdict or {}).get("checks", [])}
-
-    def verdict_of(name: str) -> str:
-        c = by_check.get(name)
-        return "" if c is None else ("pass" if c["ok"] else "FAIL")
-
-    rows = []
-    if cpt:
-        rows.append({"metric": "CPT held-out perplexity", "before": f"base {_fmt(cpt['base']['perplexity'])}", "after": f"CPT {_fmt(cpt['cpt']['perplexity'])}",
-                     "change": f"{cpt['perplexity_change_pct']:+.2f}%", "gate": verdict_of("cpt_perplexity")})
-        rows.append({"metric": "CPT held-out loss", "before": f"base {_fmt(cpt['base']['loss'])}", "after": f"CPT {_fmt(cpt['cpt']['loss'])}",
-                     "change": f"{cpt['cpt']['loss'] - cpt['base']['loss']:+.4f}", "gate": ""})
-    if sft:
-        rows.append({"metric": "SFT held-out loss (assistant tokens)", "before": f"pre-SFT {_fmt(sft['pre_sft']['loss'])}", "after": f"SFT {_fmt(sft['sft']['loss'])}",
-                     "change": f"{sft['loss_change']:+.4f}", "gate": verdict_of("sft_loss")})
-        gen = sft.get("generation")
-        if gen:
-            rows.append({"metric": "generations that stop", "before": "", "after": f"{gen['stopped']} / {gen['prompts']}",
-                         "change": "; ".join(gen["problems"]), "gate": verdict_of("generation_stops")})
-    return rows
-
-
-def _dataset_name(uri: str) -> str:
-    return uri.rstrip("/").rsplit("/", 1)[-1]
-
-
-def eval_results_for_card(metrics: dict[str, Any], model_name: str | None = None) -> list:
-    """huggingface_hub EvalResults for the card's `model-index` (pass `model_name` to ModelCardData
-    too: it is required with eval_results). `metrics` is run.json's "evaluation" section
-    ({"cpt": ..., "sft": ...}); missing parts are left out."""
-    from huggingface_hub import EvalResult
-
-    out = []
-
-    def add(ds: tuple[str, str], metric_type: str, value: float, name: str) -> None:
-        out.append(EvalResult(task_type="text-generation", dataset_type=ds[0], dataset_name=ds[1], dataset_split="heldout",
-                              metric_type=metric_type, metric_value=value, metric_name=name))
-
-    sft, cpt = metrics.get("sft"), metrics.get("cpt")
-    if sft:
-        ds = _split_dataset(sft, "SFT")
-        add(ds, "loss", round(sft["sft"]["loss"], 6), "held-out loss on assistant tokens")
-        add(ds, "loss", round(sft["pre_sft"]["loss"], 6), "held-out loss on assistant tokens, before SFT")
-        gen = sft.get("generation")
-        if gen:
-            add(ds, "stop_rate", round(gen["stopped"] / max(gen["prompts"], 1), 4),
-                f"greedy replies ending at an eos token within {gen['max_new_tokens']} tokens")
-    if cpt:
-        ds = _split_dataset(cpt, "CPT")
-        add(ds, "perplexity", round(cpt["cpt"]["perplexity"], 4), "held-out perplexity after CPT (before SFT)")
-        add(ds, "perplexity", round(cpt["base"]["perplexity"], 4), "held-out perplexity of the base model")
-    return out
-
-
-def _split_dataset(m: dict, stage: str) -> tuple[str, str]:
-    split = m.get("split") or {}
-    source = split.get("heldout_uri") or split.get("data_uri")
-    source = source if isinstance(source, str) else stage.lower()  # a list of uris or a mixture: named after the stage
-    how = f"{split['fraction']:g} hash split of " if split.get("method") == "hash-fraction" else ""
-    return _dataset_name(source), f"{stage} held-out ({how}{_dataset_name(source)})"
 
 
 def evaluate_one(model_dir: Path, records: Sequence[dict], kind: str, field: str, seq_len: int, cfg: EvalConfig) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from tasks.core.config.kernels import describe
 from tasks.core.config.schema import RunConfig
-from tasks.core.evaluation.heldout import eval_results_for_card, metrics_table
+from tasks.core.evaluation.verdict import eval_results_for_card, metrics_table
 from tasks.core.hub.repo import hub_dataset_id, is_hub_id
 from tasks.core.run.manifest import MANIFEST
 from tasks.core.run.stages import TRAIN_STATE, TRAINING, split_rel, step_medians
