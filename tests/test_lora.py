@@ -91,3 +91,22 @@ def test_a_tied_model_merges_without_losing_its_trained_head(tmp_path, train_hea
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     assert merged.config.tie_word_embeddings is not train_head
     assert torch.equal(merged.lm_head.weight, merged.model.embed_tokens.weight) is not train_head
+
+
+def test_the_card_says_lora_r_alpha_targets_and_the_trainable_share(tmp_path):
+    import json
+
+    from tasks.core.hub.card import model_card, train_facts
+    from tasks.core.run.manifest import MANIFEST
+
+    raw = tiny_config_raw(tmp_path / "m", tmp_path)
+    raw["sft"]["lora"] = {"r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]}
+    cfg = parse_config(raw)
+    for stage in ("cpt", "sft"):
+        step = tmp_path / stage / f"step-{getattr(cfg, stage).max_steps:06d}"
+        (step / MANIFEST).parent.mkdir(parents=True)
+        (step / "train_state.json").write_text(json.dumps({"losses": [2.0]}))
+        meta = {"lora": {"trainable_params": 133, "total_params": 1000, "trainable_pct": 13.3}} if stage == "sft" else {}
+        (step / MANIFEST).write_text(json.dumps({"meta": meta}))
+    card = model_card(cfg, {"meta": {}}, train_facts(cfg, {}, lambda rel: (tmp_path / rel).read_text()))
+    assert "| fine-tuning | full | LoRA r=16, alpha=32 on q_proj, v_proj; 13.3 % of parameters trained |" in card

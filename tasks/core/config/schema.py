@@ -309,8 +309,8 @@ class StageConfig(Frozen):
     seed: int = Field(default=1234, description="Seed for model init randomness, data order and dropout.")
     lora: LoraConfig | None = Field(default=None, description=(
         "Train a LoRA adapter on the frozen model instead of every weight (SFT only), e.g. {r: 16, alpha: 32}; checkpoints "
-        "hold the adapter and its optimizer, the base stays cpt/hf, and the export merges them (export-adapter/ keeps the "
-        "adapter alone). Supported under the plugins whose registry row allows it (tasks/core/config/plugins.py PluginSpec.lora). "
+        "hold the adapter and its optimizer, the base stays cpt/hf, and the export merges them in fp32. Supported under the "
+        "plugins whose registry row allows it (tasks/core/config/plugins.py PluginSpec.lora). "
         "null: full fine-tuning."))
 
 

@@ -34,7 +34,7 @@ def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[st
     for stage in STAGES:
         steps = getattr(cfg, stage).max_steps
         fact: dict[str, Any] = {"steps": steps, "final_loss": None, "tokens_seen": None, "split": None, "medians": {},
-                                "kernels": None, "activation_checkpointing": None}
+                                "kernels": None, "activation_checkpointing": None, "lora": None}
         r = results.get(f"train_{stage}")
         if r is not None and r.detail.get("final_loss") is not None:
             fact["final_loss"] = float(r.detail["final_loss"])
@@ -55,6 +55,7 @@ def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[st
             try:
                 meta = json.loads(read_text(f"{TRAINING[stage].step(steps)}/{MANIFEST}")).get("meta") or {}
                 fact["kernels"], fact["activation_checkpointing"] = meta.get("kernels"), meta.get("activation_checkpointing")
+                fact["lora"] = meta.get("lora")  # config and trainable/total parameters of a LoRA stage
             except Exception:
                 pass
         facts[stage] = fact
@@ -68,6 +69,16 @@ def _median(facts: dict[str, dict], stage: str, key: str) -> float | None:
 def _kernels(facts: dict[str, dict], stage: str) -> str:
     recorded = facts.get(stage, {}).get("kernels")
     return "n/a" if recorded is None else describe(recorded).replace("|", "/")
+
+
+def _tuning(cfg: RunConfig, facts: dict[str, dict], stage: str) -> str:
+    """Full, or LoRA with its rank, alpha, target modules and the share of parameters it trained."""
+    lora = getattr(cfg, stage).lora
+    if lora is None:
+        return "full"
+    share = (facts.get(stage, {}).get("lora") or {}).get("trainable_pct")
+    trained = f"; {share:.3g} % of parameters trained" if share is not None else ""
+    return f"LoRA r={lora.r}, alpha={lora.alpha:g} on {', '.join(lora.target_modules)}{trained}"
 
 
 def _pct(value: float | None) -> str:
@@ -157,6 +168,7 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
         "median MFU": lambda s: _pct(_median(facts, s, "mfu")),
         "kernels": lambda s: _kernels(facts, s),
         "activation checkpointing": lambda s: {True: "on", False: "off"}.get(facts.get(s, {}).get("activation_checkpointing"), "n/a"),
+        "fine-tuning": lambda s: _tuning(cfg, facts, s),
         "seed": lambda s: str(getattr(cfg, s).seed),
     }
     train += [f"| {name} | {fn('cpt')} | {fn('sft')} |" for name, fn in rows.items()]
