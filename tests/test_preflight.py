@@ -173,6 +173,8 @@ BAD = [
      "enable_lora raises NotImplementedError in colossalai 0.5.0 (ColossalAI #6138); use plugin hybrid_parallel, low_level_zero, torch_ddp"),
     ("lora-under-tp2", _all(_set("sft.plugin", {**HP, "tp_size": 2}), _set("sft.launch", {"nproc_per_node": 2}), _set("sft.lora", {"r": 8})),
      "sft.plugin.tp_size", "LoRA under hybrid_parallel needs tp_size 1 (HybridParallelPlugin.enable_lora asserts tp_size == 1"),
+    ("lora-under-pp2", _all(_set("sft.plugin", {**HP, "pp_size": 2}), _set("sft.launch", {"nproc_per_node": 2}), _set("sft.grad_accum_steps", 2),
+                            _set("sft.lora", {"r": 8})), "sft.plugin.pp_size", "LoRA under hybrid_parallel needs pp_size 1"),
     ("qlora-on-cpu", _set("sft.lora", {"r": 8, "quantize": True}), "sft.lora.quantize", "bitsandbytes, whose kernels run on CUDA only, and no GPU is visible here"),
     ("lora-on-cpt", _set("cpt.lora", {"r": 8}), "cpt.lora", "LoRA is for SFT only"),
     ("ddp-fp16-on-cpu", _set("sft.plugin", {"name": "torch_ddp", "precision": "fp16"}), "sft.plugin.precision", "needs CUDA"),

@@ -296,8 +296,6 @@ class Engine:
             dist.barrier()
             if self.rank != 0:
                 return None
-            if self.cfg.lora is not None:
-                return lora.dir_logits(self.job.model_dir, model_dir.parent / lora.ADAPTER, self.weights_dtype, self.job.trust_remote_code)
             return hf_dir_logits(model_dir, dtype=self.weights_dtype, trust_remote_code=self.job.trust_remote_code)
         logits = _live_logits(self.model, vocab, self.layout.tp_group)
         return logits if self.rank == 0 else None

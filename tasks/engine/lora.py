@@ -77,15 +77,3 @@ def save_adapter(booster, model, dst: Path) -> None:
     # safetensors explicitly: ColossalAI's default is a pickled adapter_model.bin.
     booster.save_lora_as_pretrained(model, str(dst), use_safetensors=True)
 
-
-def dir_logits(base_dir: Path, adapter_dir: Path, dtype: str, trust_remote_code: bool) -> torch.Tensor:
-    """Probe logits of base + adapter through peft, where no rank holds the live model (pp > 1)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from tasks.core.models.fingerprint import model_logits
-
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch_dtype, trust_remote_code=trust_remote_code)
-    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
-    return model_logits(model, base.config.vocab_size)

@@ -179,7 +179,10 @@ def _lora_supported_by_plugin(x: _Facts) -> list[Problem]:
         return [(f"{x.where}.lora", f"LoRA is refused under plugin {x.spec.name}: {x.spec.lora.refused}; use plugin {ok}, or remove {x.where}.lora (full fine-tuning)")]
     if x.spec.lora.tp1_reason and x.stage.plugin.tp_size > 1:
         return [(f"{x.f}.tp_size", (f"LoRA under {x.spec.name} needs tp_size 1 ({x.spec.lora.tp1_reason}), got {x.stage.plugin.tp_size}; "
-                                    f"set tp_size: 1 (pp_size and ZeRO stay available), use plugin {ok}, or remove {x.where}.lora"))]
+                                    f"set tp_size: 1, use plugin {ok}, or remove {x.where}.lora"))]
+    if x.spec.lora.pp1_reason and x.stage.plugin.pp_size > 1:
+        return [(f"{x.f}.pp_size", (f"LoRA under {x.spec.name} needs pp_size 1 ({x.spec.lora.pp1_reason}), got {x.stage.plugin.pp_size}; "
+                                    f"set pp_size: 1, use plugin {ok}, or remove {x.where}.lora"))]
     return []
 
 

@@ -22,7 +22,7 @@ Facts recorded in the rows were measured with colossalai 0.5.0 (see tasks/engine
   set is checked by the engine.
 - Gemini accepts only ColossalAI's own Adam kernels (HybridAdam); every other plugin wraps AdamW.
 - LoRA (booster.enable_lora, before boost) trains under TorchDDP, LowLevelZero and HybridParallel
-  with tp_size 1 (`PluginSpec.lora`); Gemini refuses it.
+  with tp_size 1 and pp_size 1 (`PluginSpec.lora`); Gemini refuses it.
 
 `PluginSpec.holds` is what each plugin keeps on a rank per parameter (the memory estimate,
 `tasks.core.preflight.memory`, sums it), read in colossalai 0.5.0's source and checked against the
@@ -122,6 +122,7 @@ class LoraSupport:
 
     refused: str = ""  # non-empty: LoRA is refused under the plugin, for this reason
     tp1_reason: str = ""  # non-empty: LoRA only with tp_size 1, for this reason
+    pp1_reason: str = ""  # non-empty: LoRA only with pp_size 1, for this reason
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,12 @@ register(PluginSpec(
     zero_hint="hybrid_parallel supports zero_stage 0 or 1 here; use low_level_zero for stage 2 or gemini for stage 3",
     no_sync_zero_stages=(0, 1),
     lazy_init=True,
-    lora=LoraSupport(tp1_reason="HybridParallelPlugin.enable_lora asserts tp_size == 1 in colossalai 0.5.0 (shardformer's split linears take no peft adapter); pipelines are gathered at save"),
+    lora=LoraSupport(
+        tp1_reason="HybridParallelPlugin.enable_lora asserts tp_size == 1 in colossalai 0.5.0 (shardformer's split linears take no peft adapter)",
+        # measured: shard verb, tiny Llama, pp=2 fp32 (ColossalAI's tests cover LoRA with pp=1 only)
+        pp1_reason=("colossalai 0.5.0's pipeline policy reads the peft-wrapped model one level too shallow "
+                    "(LlamaPolicy.get_shared_params: 'LlamaForCausalLM' object has no attribute 'embed_tokens')"),
+    ),
     packing_refused=("ColossalAI 0.5.0's shardformer Llama forward builds its attention from the padding mask plus causal only "
                      "(ColoAttention.prepare_attn_kwargs on its flash-attention path), so packed conversations would attend to each other"),
     holds=(
