@@ -116,9 +116,10 @@ def test_flow_survives_its_own_death_and_completes_with_cpt_on_two_slurm_nodes(s
     from tasks.core.launch.slurm import SlurmCli
     from tasks.core.run.manifest import verify_artifact
 
-    # Enough steps that the job still trains when the re-run reaches train_cpt (a loaded machine
-    # takes a minute to start the flow again).
-    config, run_root = _config(tmp_path, tiny_model_dir, "slurm-flow", cpt_steps=60)
+    # Enough steps that the job still trains when the re-run reaches train_cpt: a loaded machine
+    # takes a minute or more to start the flow again (at 60 steps the job once finished first, in a
+    # suite run where the other worker trained beside it, and the re-run had nothing to re-attach to).
+    config, run_root = _config(tmp_path, tiny_model_dir, "slurm-flow", cpt_steps=150)
     log = tmp_path / "flow.log"
     first = _flow(server, config, log)
     try:
@@ -162,7 +163,7 @@ def test_flow_survives_its_own_death_and_completes_with_cpt_on_two_slurm_nodes(s
     assert f"re-attaching to Slurm job {job_id}" in text
     summary = json.loads((run_root / "run.json").read_text())
     assert summary["complete"], summary
-    for step in (0, 60):
+    for step in (0, 150):
         meta = verify_artifact(run_root / "cpt" / f"step-{step:06d}")["meta"]
         assert meta["world_size"] == 2 and meta["nodes"] == ["n1", "n2"], meta
     assert (run_root / "export" / MANIFEST).exists()
