@@ -26,12 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
-# One intra-op thread in every test process and what it starts (the flow's in-process evaluation
-# and export checks, in-process training): two xdist workers already share the two cores with
-# torchrun's ranks (which torchrun gives one thread each), and a second OpenMP thread per process
-# only spins against them (measured: a module that trains small models in-process took 17 s alone
-# and 125 s beside the other worker).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
