@@ -383,11 +383,11 @@ class Engine:
 
     def load(self, path: Path) -> None:
         model_dir = path / "model"
-        if self.cfg.lora is not None:
-            pass  # the adapter was read at enable_lora (lora.enable), onto the job's base
-        elif self.spec.strict_load:
+        # Under LoRA the weights are already in place: enable_lora (lora.enable) read the adapter
+        # onto the job's base, so only the optimizer, the scheduler and the data position load here.
+        if self.cfg.lora is None and self.spec.strict_load:
             self.booster.load_model(self.model, str(model_dir))
-        else:
+        elif self.cfg.lora is None:
             # ColossalAI's general loader in strict mode demands a tied LM head that HF (and
             # _save_tied_once) leave out; load non-strict and check the key set exactly here.
             index = json.loads((model_dir / "model.safetensors.index.json").read_text())

@@ -30,6 +30,7 @@ AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws/*), which botocore reads itself; noth
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import shutil
@@ -258,10 +259,9 @@ class RunStore:
         manifest = verify_artifact(root, deep=deep)
         self.last_verify = f"hashed {len(manifest['files'])} files in {time.monotonic() - started:.1f}s" if deep else "sizes checked"
         if deep:
-            try:
+            # A read-only run root cannot hold a stamp: every later skip decision hashes again, nothing worse.
+            with contextlib.suppress(OSError):
                 stamp.write_stamp(root, manifest)
-            except OSError:
-                pass  # a read-only run root: every later skip decision hashes again, nothing worse
         return manifest
 
     def _stream_sha256(self, remote: str) -> str:
