@@ -106,7 +106,7 @@ def loss_equivalence(model, ds, seed: int) -> dict[str, float]:
     shortest chats at the grouped width, and the chats of two packed rows in their rows."""
     from tasks.core.config.batching import BATCHING, micro_width
     from tasks.core.data.reader import IGNORE_INDEX
-    from tasks.engine.packing import model_inputs
+    from tasks.engine.packing import chat_token_losses, model_inputs
     from tasks.engine.sampler import Packs
 
     lengths = ds.lengths()
@@ -119,15 +119,7 @@ def loss_equivalence(model, ds, seed: int) -> dict[str, float]:
         packs = sorted(packs, key=len, reverse=True)[:2]  # the rows holding the most chats
         b = model_inputs({k: torch.from_numpy(v) for k, v in ds.batch_packed(packs).items()}, model.config._attn_implementation, torch.float32)
         logits = model(**b).logits
-        got = []
-        for r, items in enumerate(packs):
-            at = 0
-            for i in items:
-                k = int(lengths[i])
-                lab = b["labels"][r, at + 1 : at + k]
-                keep = lab != IGNORE_INDEX
-                got.append(torch.nn.functional.cross_entropy(logits[r, at : at + k - 1][keep], lab[keep], reduction="none"))
-                at += k
+        got = chat_token_losses(logits, b["labels"], packs, lengths, IGNORE_INDEX)
         want = torch.cat([_padded_per_token(model, ds, list(items), ds.seq_len) for items in packs])
         out["packed"] = float((torch.cat(got) - want).abs().max())
         out["packed_chats"] = sum(len(p) for p in packs)

@@ -14,7 +14,7 @@ from tasks.core.config.batching import BATCHING, PAD_MULTIPLE, BatchingSpec, mic
 from tasks.core.data.prepare import prepare
 from tasks.core.data.reader import IGNORE_INDEX, TokenDataset
 from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
-from tasks.engine.packing import block_causal_mask, model_inputs
+from tasks.engine.packing import block_causal_mask, chat_token_losses, model_inputs
 from tasks.engine.sampler import LengthGroups, Packs, ResumableSampler
 
 CPT, SFT = DEFAULT_CORPUS
@@ -180,16 +180,8 @@ def test_per_token_loss_of_a_packed_row_equals_the_padded_rows(sft_data, tiny_mo
     b = model_inputs({k: torch.from_numpy(v) for k, v in sft_data.batch_packed(packed_rows, width=width).items()}, attn, torch.float32)
     with torch.no_grad():
         logits = model(**b).logits
-    got, want = [], []
-    for r, items in enumerate(packed_rows):
-        at = 0
-        for i in items:
-            k = int(lengths[i])
-            lab = b["labels"][r, at + 1 : at + k]
-            keep = lab != IGNORE_INDEX
-            got.append(torch.nn.functional.cross_entropy(logits[r, at : at + k - 1][keep], lab[keep], reduction="none"))
-            at += k
-        want += _per_token_losses(model, sft_data.batch(list(items)))
+    got = chat_token_losses(logits, b["labels"], packed_rows, lengths, IGNORE_INDEX)
+    want = [w for items in packed_rows for w in _per_token_losses(model, sft_data.batch(list(items)))]
     for a, w in zip(got, want, strict=True):
         assert len(a) == len(w) > 0
         torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5)

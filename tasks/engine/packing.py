@@ -43,3 +43,18 @@ def model_inputs(mb: dict[str, torch.Tensor], attn_implementation: str, dtype: t
     if attn_implementation not in VARLEN_FROM_POSITIONS:
         out["attention_mask"] = block_causal_mask(mb["segment_ids"], dtype)
     return out
+
+
+def chat_token_losses(logits: torch.Tensor, labels: torch.Tensor, rows, lengths, ignore_index: int = -100) -> list[torch.Tensor]:
+    """Each packed chat's per-token loss on its labelled tokens, in row order: what the equivalence
+    checks (tests/test_batching.py, benchmarks/sft_efficiency.py) hold against the chat padded alone."""
+    out = []
+    for r, items in enumerate(rows):
+        at = 0
+        for i in items:
+            k = int(lengths[i])
+            lab = labels[r, at + 1 : at + k]
+            keep = lab != ignore_index
+            out.append(torch.nn.functional.cross_entropy(logits[r, at : at + k - 1][keep], lab[keep], reduction="none"))
+            at += k
+    return out
