@@ -8,6 +8,11 @@ checkpoint's cast to that dtype, aligns the stop tokens with the chat template
 `transformers` logits against the SFT fingerprint, relative to their magnitude. The model folder
 holds only model files (config, generation config, weights, tokenizer); the provenance
 (manifest, `verification.json`, fingerprint) is under `.cpt-to-sft/`, shown in the UI too.
+
+With `sft.lora`, `export/` is cpt/hf with the adapter merged (tasks/core/models/merge.py), and the
+stage also writes `export-adapter/` (stages.EXPORT_ADAPTER), the adapter alone in peft's layout, an
+artifact of its own with its manifest last, proven to give the merged export's logits
+(tasks/core/models/adapter.py). The stage is skipped only when both verify with its digest.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ from tasks import ui
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.prepared import recorded_split
 from tasks.core.errors import ConversionError
+from tasks.core.models.adapter import build_adapter_dir
 from tasks.core.models.folder import folder_problems
 from tasks.core.models.hf_artifact import VERIFICATION, build_hf_dir
 from tasks.core.models.merge import build_merged_dir
 from tasks.core.models.stop_tokens import describe
-from tasks.core.run.stages import TRAINING
-from tasks.stage import Stage, StageResult, stage_task
+from tasks.core.run.manifest import write_manifest
+from tasks.core.run.stages import EXPORT_ADAPTER, TRAINING
+from tasks.core.storage.publisher import RETRIES, publish_retrying
+from tasks.stage import Stage, StageResult, completed, fresh_dir, stage_task
 
 VERSIONED = ("torch", "colossalai", "transformers", "safetensors", "huggingface_hub")
 
@@ -53,6 +61,8 @@ def _verification_markdown(v: dict) -> str:
         f"| tensors | {v['tensors']} (each bitwise the checkpoint's, cast to {v['dtype']}) |",
         *([(f"| LoRA merge | in fp32 onto cpt/hf; {v['lora']['untouched_bitwise']} untouched tensors bitwise the base's, "
             f"{v['lora']['touched']} merged; head untied: {v['lora']['untied_head']} |")] if v.get("lora") else []),
+        *([(f"| export-adapter/ | peft on cpt/hf vs this export: relative {v['adapter']['fingerprint_rel_diff']:.3g}, top-1 "
+            f"{v['adapter']['top1_agreement']:.3f}; base_model_name_or_path {v['adapter']['base_model_name_or_path']} (local) |")] if v.get("adapter") else []),
         f"| bytes | {v['bytes']:,} |",
         f"| dtype | {v['dtype']} |",
         (f"| logits max abs diff / max abs logit | {v['fingerprint_max_abs_diff']:.3g} / {v['fingerprint_max_abs_logit']:.3g} = "
@@ -71,8 +81,12 @@ def _verification_markdown(v: dict) -> str:
 @stage_task(name="export", task_run_name="export HF safetensors [{cfg.export.dtype}]")
 def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
     stage = Stage("export", cfg, sft)
-    if stage.skipped:
+    lora = cfg.sft.lora is not None
+    if stage.skipped and (not lora or completed(stage.store, EXPORT_ADAPTER, stage.digest)):
         return stage.result
+    if not lora and stage.store.exists(EXPORT_ADAPTER):  # an earlier LoRA run's adapter: it does not describe this export
+        get_run_logger().info("export: removing %s, the adapter of an earlier LoRA export (sft.lora is not set now)", stage.store.uri(EXPORT_ADAPTER))
+        stage.store.remove(EXPORT_ADAPTER)
     ckpt, source = stage.store.stage_in(sft.rel), stage.store.stage_in(TRAINING["sft"].source)
     with stage.build() as out:
         if cfg.sft.lora is not None:  # the adapter merged onto cpt/hf in fp32, proven against peft (tasks/core/models/merge.py)
@@ -88,6 +102,8 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
         if problems:
             raise ConversionError("export: " + "; ".join(problems))
         get_run_logger().info("export: %s", describe(v["stop_tokens"]))
+        if lora:
+            v["adapter"] = _export_adapter(stage, sft, ckpt, source, out.dir, v["fingerprint_rtol"])
         (out.dir / VERIFICATION).write_text(json.dumps(v, indent=2, sort_keys=True) + "\n")
         out.manifest(
             kind="hf-export", parent=sft, fingerprint=built["fingerprint"], known_hashes=built["known_hashes"],
@@ -97,5 +113,25 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
                 "versions": framework_versions(),  # of the process that built the export, for the model card
             },
         )
+    if lora:  # the adapter first: export/'s manifest, published last, is what marks the stage done
+        publish_retrying(stage.store, EXPORT_ADAPTER, retries=0 if stage.store.local else RETRIES, log=get_run_logger(), what="the export-adapter artifact")
     ui.markdown("export-verification", _verification_markdown(v), "Export verification: keys, shapes, dtype, fingerprint, stop tokens")
     return stage.done({k: x for k, x in v.items() if k != "shapes"})
+
+
+def _export_adapter(stage: Stage, sft: StageResult, ckpt, base, export_dir, rtol: float) -> dict:
+    """export-adapter/: the checkpoint's adapter in peft's layout, proven against `export_dir`
+    (before its manifest); returns the verification the export's record also carries."""
+    from tasks.core.models.merge import ADAPTER
+
+    base_ref = {"name_or_path": stage.store.uri(TRAINING["sft"].source), "digest": stage.store.manifest_digest(TRAINING["sft"].source)}
+    with fresh_dir(stage.store.local_path(EXPORT_ADAPTER)) as tmp:
+        a = build_adapter_dir(ckpt / ADAPTER, tmp, base, export_dir, base_ref=base_ref, rtol=rtol)
+        (tmp / VERIFICATION).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / VERIFICATION).write_text(json.dumps(a, indent=2, sort_keys=True) + "\n")
+        write_manifest(tmp, kind="lora-adapter", meta={"from_checkpoint": sft.uri, "base": base_ref, "verification": a},
+                       parent={"uri": sft.uri, "digest": sft.digest}, config_digest=stage.digest)
+    get_run_logger().info("export: %s holds the adapter alone (base %s, a local reference); peft on cpt/hf matches the merged export "
+                          "(logits relative diff %.3g <= %g, top-1 %.3f)", stage.store.uri(EXPORT_ADAPTER), base_ref["name_or_path"],
+                          a["fingerprint_rel_diff"], rtol, a["top1_agreement"])
+    return {k: a[k] for k in ("base_model_name_or_path", "base_is", "fingerprint_rel_diff", "fingerprint_match", "top1_agreement")}

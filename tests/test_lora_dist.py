@@ -116,3 +116,22 @@ def test_the_merged_export_matches_peft_and_keeps_every_untouched_tensor(lora_ru
     base = AutoModelForCausalLM.from_pretrained(lora_run["base"], torch_dtype=torch.float32)
     peft_logits = model_logits(PeftModel.from_pretrained(base, lora_run["dir"] / "step-000006" / "adapter").eval(), base.config.vocab_size)
     assert compare_logits(hf_dir_logits(out), peft_logits, default_rtol(dtype, "fp32"))["fingerprint_match"]
+
+    # export-adapter/: the adapter alone, loadable by peft through its base_model_name_or_path, the merged export's model.
+    from peft import AutoPeftModelForCausalLM
+
+    from tasks.core.errors import ConversionError
+    from tasks.core.models.adapter import ADAPTER_FILES, build_adapter_dir
+
+    adapter = tmp_path / "export-adapter"
+    adapter.mkdir()
+    ref = {"name_or_path": str(lora_run["base"]), "digest": manifest_digest(lora_run["base"])}
+    a = build_adapter_dir(lora_run["dir"] / "step-000006" / "adapter", adapter, lora_run["base"], out, base_ref=ref, rtol=v["fingerprint_rtol"])
+    assert a["fingerprint_match"] and a["base_is"] == "local" and a["r"] == 4 and a["fingerprint_rtol"] == default_rtol(dtype, "fp32")
+    assert sorted(p.name for p in adapter.iterdir()) == sorted(ADAPTER_FILES) and folder_problems(adapter) == []  # no weights a loader would take
+    auto = AutoPeftModelForCausalLM.from_pretrained(adapter, torch_dtype=torch.float32)  # finds the base by the reference alone
+    assert compare_logits(model_logits(auto.eval(), base.config.vocab_size), peft_logits, 1e-5)["fingerprint_match"]
+    other = tmp_path / "other-adapter"
+    other.mkdir()
+    with pytest.raises(ConversionError, match="the adapter and the merged model are not the same model"):  # against the base alone: the trained adapter is missing
+        build_adapter_dir(lora_run["dir"] / "step-000006" / "adapter", other, lora_run["base"], lora_run["base"], base_ref=ref, rtol=v["fingerprint_rtol"])

@@ -20,6 +20,7 @@ push (the final checkpoint of each training stage). No run-directory literal is 
     <run_root>/eval/cpt/                evaluate_cpt
     <run_root>/sft/...                  reboost (step 0), train_sft: as cpt/
     <run_root>/export/                  export
+    <run_root>/export-adapter/          export, with sft.lora: the adapter alone in peft's layout
     <run_root>/eval/sft/                evaluate_sft
     <artifact>.tmp-build/               an artifact being built, swapped into place when whole
     <dir>.superseded-<UTC time>/        checkpoints of another config, moved aside (never deleted)
@@ -55,6 +56,10 @@ RUN_JSON = "run.json"  # the run's record: every stage's status, artifact and ma
 LEASE = ".lease.json"
 BASE = "base"
 EXPORT = "export"
+# A LoRA run's adapter alone (adapter_config.json, adapter_model.safetensors): an artifact of its
+# own that the export stage writes beside export/, never inside it, so no loader of the merged
+# weights meets an adapter (tasks/core/models/folder.py).
+EXPORT_ADAPTER = "export-adapter"
 TENSORBOARD = "tensorboard"  # <stage>/tensorboard/: rank 0's event files (tasks/engine/metrics.py)
 TRAIN_STATE = "train_state.json"  # in every checkpoint: step, tokens seen, sampler position, losses
 # train_state.json's per-step figures beside the losses (null where a step had none, e.g. mfu on
