@@ -16,7 +16,9 @@ fixtures (12 in all):
 - torch_ddp fp32, SFT (grad_accum 2), packed rows of a 60/40 mixture of two chat sources: reboost
   from the pp=2 checkpoint's `model/` -> every tensor bitwise equal; train; a flipped byte in the
   newest checkpoint is detected, named, skipped, and the retrained steps reproduce the same losses.
-- low_level_zero on a tied-embedding Qwen2: shard and train (the tied LM head is saved once, as HF does).
+- low_level_zero with cpu_offload on a tied-embedding Qwen2: shard and train (the tied LM head is
+  saved once, as HF does; the plugin takes its offload field and trains with it on CPU, where the
+  fp32 master shard it moves is in host memory anyway).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ TP2 = {"name": "hybrid_parallel", "tp_size": 2, "precision": "fp32"}
 PP2 = {"name": "hybrid_parallel", "pp_size": 2, "precision": "fp32"}
 LLZ2 = {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}
 DDP = {"name": "torch_ddp", "precision": "fp32"}
+LLZ2_OFFLOAD = {**LLZ2, "cpu_offload": True}
 
 LAUNCHES: list[tuple[str, float]] = []
 
@@ -155,7 +158,7 @@ def tied(work):
 
     model_dir = build_tiny_model(work / "qwen2-tied", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family="qwen2", tie_word_embeddings=True)
     stage_dir = work / "tied" / "cpt"
-    shard_job, train_job = _jobs(work, "tied", "cpt", LLZ2, model_dir, model_dir, stage_dir, max_steps=2, checkpoint_every=2)
+    shard_job, train_job = _jobs(work, "tied", "cpt", LLZ2_OFFLOAD, model_dir, model_dir, stage_dir, max_steps=2, checkpoint_every=2)
     shard = _engine("tied llz2 shard", "shard", shard_job)
     train = _engine("tied llz2 train", "train", train_job)
     return dict(dir=stage_dir, model_dir=model_dir, shard=shard, train=train)
@@ -306,6 +309,9 @@ def test_tied_embeddings_under_low_level_zero(tied):
     got = read_model_dir(tied["dir"] / "step-000000" / "model")
     assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in src.items())
     _assert_trains(tied["dir"], tied["train"], "cpt", max_steps=2)
+    # the offload field reached the plugin (builders.offload_kwargs) and is recorded with the checkpoint
+    assert "'cpu_offload': True" in tied["shard"].output
+    assert _assert_checkpoint(tied["dir"] / "step-000002", "cpt", 2, "low_level_zero")["meta"]["plugin"]["cpu_offload"] is True
 
 
 # ---- conversion of real ColossalAI checkpoints ------------------------------------------------

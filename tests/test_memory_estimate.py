@@ -233,3 +233,35 @@ def test_the_map_names_a_layout_that_fits_each_llama3_model():
     for model in LLAMA3:
         assert any(r[0] == f"| {model}" and r[5] == "yes" for r in rows), model
         assert any(r[0] == f"| {model}" and r[5] == "no" for r in rows), model
+
+
+def test_cpu_offload_moves_the_optimizer_state_and_step_to_the_host_on_cuda_only():
+    on, off = ({"name": "low_level_zero", "zero_stage": 2, "precision": "bf16", "cpu_offload": flag} for flag in (True, False))
+    shard = math.ceil(139584 / 2)
+    unfused = {"kernels": {"fused_optimizer": False}}  # torch's foreach AdamW, whose temporaries follow the step
+    gpu_on, gpu_off = (estimate(TINY, stage(p, nproc=2, **unfused), cuda=True) for p in (on, off))
+    # the fp32 master shard (4 B) and the moments (8 B) always, the fp32 gradient shard (4 B) and
+    # AdamW's foreach temporaries (4 B) at the step: in host memory, beside the baseline
+    assert gpu_on.offloaded == 20 * shard and gpu_on.host_steady == RANK_BASELINE_BYTES + 20 * shard
+    assert gpu_off.total("always") - gpu_on.total("always") == 12 * shard and gpu_off.offloaded == 0
+    assert gpu_off.total("step") - gpu_on.total("step") == 8 * shard
+    # on a CPU rank everything is host memory already: the same figure either way
+    assert estimate(TINY, stage(on, nproc=2)).host_steady == estimate(TINY, stage(off, nproc=2)).host_steady
+
+
+def test_gemini_offload_fractions_move_their_share():
+    st = stage({"name": "gemini", "precision": "bf16", "offload_optim_frac": 0.5}, nproc=2)
+    shard = math.ceil(139584 / 2)
+    est = estimate(TINY, st, cuda=True)
+    host = {t.what: t.bytes for t in est.terms if t.host}
+    assert host == {"fp32 master shard": 2 * shard, "Adam moment shard": 4 * shard}  # half of 4 B and of 8 B
+
+
+def test_the_refusal_offers_the_plugins_offload(tmp_path):
+    case = Case(tmp_path)
+    _fat_sft(case)
+    msg = next(m for f, m in case.report().problems if f == "cpt.launch.gpu_memory_gb")
+    st = load_for_check(write_config(tmp_path / "c.yaml", case.raw)).cpt
+    offloaded = st.model_copy(update={"plugin": st.plugin.model_copy(update={"cpu_offload": True})})
+    need = estimate({"model_type": "llama", **LLAMA3_8B}, offloaded, cuda=True).device
+    assert need <= 40e9 and f"cpt.plugin.cpu_offload: true ({need / 1e9:,.2f} GB)" in msg, msg

@@ -61,6 +61,99 @@ def test_no_sync_only_where_colossalai_allows_it():
     assert can_no_sync(PluginConfig(name="torch_ddp", precision="fp32"))
 
 
+# -- offload: the plugins' own memory savers, as registry data ----------------------------------------
+
+OFFLOAD_OK = [
+    ({"name": "low_level_zero", "zero_stage": 2, "cpu_offload": True}, {"cpu_offload": True}),
+    ({"name": "hybrid_parallel", "zero_stage": 1, "cpu_offload": True}, {"cpu_offload": True}),
+    ({"name": "gemini", "offload_optim_frac": 0.5}, {"placement_policy": "static", "offload_optim_frac": 0.5, "offload_param_frac": 0.0}),
+    ({"name": "gemini", "offload_optim_frac": 1.0, "offload_param_frac": 1.0}, {"placement_policy": "static", "offload_optim_frac": 1.0, "offload_param_frac": 1.0}),
+    ({"name": "gemini", "placement_policy": "auto"}, {"placement_policy": "auto", "offload_optim_frac": 0.0, "offload_param_frac": 0.0}),
+]
+
+
+@pytest.mark.parametrize("plugin, passed", OFFLOAD_OK, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items() if k != "name"))
+def test_offload_fields_are_accepted_and_passed_where_the_plugin_has_them(plugin, passed):
+    from tasks.core.config.kernels import Facts, resolve
+    from tasks.core.config.layout import ParallelLayout, layout_problems
+    from tasks.engine.builders import plugin_kwargs, plugin_meta
+
+    st = _stage({"precision": "bf16", **plugin}, launch={"nproc_per_node": 2})
+    assert layout_problems(st, "sft", cuda=True) == []
+    kwargs = plugin_kwargs(st.plugin, st, ParallelLayout.of(st, "sft", cuda=True), True, resolve(st, "sft", Facts(cuda=True)))
+    assert {k: kwargs[k] for k in passed} == passed
+    assert {k: plugin_meta(st.plugin, st)[k] for k in passed} == passed  # recorded in every checkpoint manifest
+
+
+OFFLOAD_REFUSED = [
+    ({"name": "torch_ddp", "cpu_offload": True}, "sft.plugin.cpu_offload", "plugins that have it: hybrid_parallel, low_level_zero"),
+    ({"name": "gemini", "cpu_offload": True}, "sft.plugin.cpu_offload", "plugins that have it: hybrid_parallel, low_level_zero"),
+    ({"name": "low_level_zero", "zero_stage": 2, "offload_optim_frac": 0.5}, "sft.plugin.offload_optim_frac", "plugins that have it: gemini"),
+    ({"name": "hybrid_parallel", "offload_param_frac": 1.0}, "sft.plugin.offload_param_frac", "plugins that have it: gemini"),
+    ({"name": "low_level_zero", "zero_stage": 2, "placement_policy": "auto"}, "sft.plugin.placement_policy", "plugins that have it: gemini"),
+    ({"name": "hybrid_parallel", "tp_size": 2, "cpu_offload": True}, "sft.plugin.cpu_offload", "acts only with zero_stage: 1"),
+    ({"name": "gemini", "placement_policy": "auto", "offload_optim_frac": 1.0}, "sft.plugin.offload_optim_frac", "acts only with placement_policy: static"),
+    ({"name": "gemini", "offload_param_frac": 0.5}, "sft.plugin.offload_param_frac", "acts only with offload_optim_frac: 1.0"),
+]
+
+
+@pytest.mark.parametrize("plugin, field, says", OFFLOAD_REFUSED, ids=lambda v: v if isinstance(v, str) and "." in v else None)
+def test_offload_fields_are_refused_where_the_plugin_lacks_them_naming_the_field(plugin, field, says, tmp_path):
+    from tasks.core.config.load import parse_config
+    from tests.conftest import tiny_config_raw
+
+    raw = tiny_config_raw(tmp_path / "m", tmp_path / "r")
+    raw["sft"]["plugin"] = {"precision": "bf16", **plugin}
+    with pytest.raises(ConfigError) as exc:  # static tier: where the config is read, before any launch
+        parse_config(raw)
+    assert [f for f, _ in exc.value.problems] == [field], exc.value.problems
+    assert says in exc.value.problems[0][1]
+
+
+def test_every_offload_row_is_an_argument_of_its_plugin_class():
+    import importlib
+    import inspect
+
+    from tasks.core.config.plugins import OFFLOAD_FIELDS, PLUGINS
+    from tasks.engine.builders import BUILDERS
+
+    assert set(OFFLOAD_FIELDS) <= set(PluginConfig.model_fields)
+    for name, spec in PLUGINS.items():
+        module, _, cls = BUILDERS[name].factory.partition(":")
+        params = inspect.signature(getattr(importlib.import_module(module), cls).__init__).parameters
+        for o in spec.offload:
+            assert o.field in OFFLOAD_FIELDS and o.field in params, (name, o.field)
+            assert all(f in PluginConfig.model_fields for f, _ in o.requires)
+        assert all(h.offload in {o.field for o in spec.offload} for h in spec.holds if h.offload), name
+
+
+def test_an_offload_row_on_a_new_plugin_is_accepted_passed_and_estimated():
+    from tasks.core.config import plugins
+    from tasks.core.config.layout import ParallelLayout, layout_problems
+    from tasks.core.preflight.memory import LLAMA3, estimate
+    from tasks.engine import builders
+
+    plugins.register(plugins.PluginSpec(
+        name="dummy_offload", summary="a test plugin", zero_stages=(1,), no_sync_zero_stages=(),
+        offload=(plugins.Offload("cpu_offload", moves_step=True),),
+        holds=(plugins.Held("weights", "weights"), plugins.Held("moments", 8, sharded=True, offload="cpu_offload")),
+    ))
+    builders.BUILDERS["dummy_offload"] = builders.Builder(factory=lambda **kw: kw, kwargs=lambda p, st, layout, cuda: {"stage": p.zero_stage})
+    try:
+        st = _stage({"name": "dummy_offload", "zero_stage": 1, "cpu_offload": True}, launch={"nproc_per_node": 2})
+        assert layout_problems(st, "sft", cuda=True) == []
+        assert builders.make_plugin(st.plugin, st, stage="sft", cuda=False, kernels={}) == {"stage": 1, "cpu_offload": True}
+        on, off = (estimate(LLAMA3["Llama-3-8B"], s, stage="sft", cuda=True) for s in (st, _stage({"name": "dummy_offload", "zero_stage": 1}, launch={"nproc_per_node": 2})))
+        moments = 8 * math.ceil(on.rank_parameters / 2)
+        assert off.device - on.device >= moments and on.offloaded >= moments and off.offloaded == 0
+        assert "cpu_offload" in layout_problems(_stage({"name": "torch_ddp", "precision": "fp32", "cpu_offload": True}), "sft")[0][0]
+        assert ParallelLayout.of(st, "sft").plugin == "dummy_offload"
+    finally:
+        plugins.PLUGINS.pop("dummy_offload", None)
+        builders.BUILDERS.pop("dummy_offload", None)
+    assert "dummy_offload" not in layout_problems(_stage({"name": "torch_ddp", "precision": "fp32", "cpu_offload": True}), "sft")[0][1]
+
+
 # -- CPU compatibility -------------------------------------------------------------------------------
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "loss_scale_kwargs",
     "make_plugin",
     "num_microbatches",
+    "offload_kwargs",
     "plugin_kwargs",
     "plugin_meta",
     "stage_kernels",
@@ -132,7 +133,7 @@ def _torch_ddp(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, 
 
 def _gemini(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
     return dict(
-        precision=p.precision, placement_policy=p.placement_policy, max_norm=p.max_norm,
+        precision=p.precision, max_norm=p.max_norm,
         enable_gradient_accumulation=stage_cfg.grad_accum_steps > 1, **loss_scale_kwargs(p),
     )
 
@@ -161,10 +162,17 @@ def stage_kernels(stage_cfg: StageConfig, stage: str, cuda: bool, model_type: st
 
 def plugin_kwargs(plugin_cfg: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool,
                   kernels: Mapping[str, KernelState], stage: str = "stage") -> dict[str, Any]:
-    """Every argument the plugin is built with: its builder's, plus the flags of the kernels that
-    are on and pass through the plugin (`tasks.core.config.kernels`, via "plugin")."""
+    """Every argument the plugin is built with: its builder's, its memory savers (`PluginSpec.offload`,
+    each a PluginConfig field of the plugin argument's name), plus the flags of the kernels that are
+    on and pass through the plugin (`tasks.core.config.kernels`, via "plugin")."""
     builder = _builder(plugin_cfg, stage)
-    return {**builder.kwargs(plugin_cfg, stage_cfg, layout, cuda), **passed(kernels, "plugin")}
+    return {**builder.kwargs(plugin_cfg, stage_cfg, layout, cuda), **offload_kwargs(plugin_cfg), **passed(kernels, "plugin")}
+
+
+def offload_kwargs(plugin_cfg: PluginConfig) -> dict[str, Any]:
+    """The plugin's own offload arguments, as its registry row lists them (the layout rules refused
+    a field set under a plugin without it)."""
+    return {o.field: getattr(plugin_cfg, o.field) for o in spec_of(plugin_cfg.name).offload}
 
 
 def _builder(plugin_cfg: PluginConfig, stage: str) -> Builder:
@@ -265,6 +273,7 @@ def plugin_meta(plugin_cfg: PluginConfig, stage_cfg: StageConfig) -> dict[str, A
     meta = {"name": p.name, "tp": p.tp_size, "pp": p.pp_size, "zero": p.zero_stage, "precision": p.precision, "max_norm": p.max_norm}
     if p.pp_size > 1:
         meta["num_microbatches"] = num_microbatches(stage_cfg)
-    for extra in spec_of(p.name).extra_meta:
+    spec = spec_of(p.name)
+    for extra in (*spec.extra_meta, *(o.field for o in spec.offload)):
         meta[extra] = getattr(p, extra)
     return meta

@@ -29,8 +29,8 @@ from typing import Any
 
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.batching import BATCHING
-from tasks.core.config.plugins import PLUGINS, PRECISION_SPECS, PluginSpec
-from tasks.core.config.schema import StageConfig
+from tasks.core.config.plugins import OFFLOAD_FIELDS, PLUGINS, PRECISION_SPECS, PluginSpec
+from tasks.core.config.schema import PluginConfig, StageConfig
 from tasks.core.errors import ConfigError
 
 Problem = tuple[str, str]
@@ -196,6 +196,26 @@ def _qlora_export_not_built(x: _Facts) -> list[Problem]:
     return []
 
 
+def _offload_where_the_plugin_has_it(x: _Facts) -> list[Problem]:
+    """A memory saver the plugin lacks would be ignored silently (a run that then runs out of GPU
+    memory, or trains slower for nothing); one it has acts only under its `requires`."""
+    p, out = x.stage.plugin, []
+    for name in OFFLOAD_FIELDS:
+        value, default = getattr(p, name), PluginConfig.model_fields[name].default
+        row = x.spec.offload_field(name)
+        if row is None:
+            if value != default:
+                has = ", ".join(n for n, s in PLUGINS.items() if s.offload_field(name)) or "none"
+                out.append((f"{x.f}.{name}", f"plugin {p.name} has no {name} (plugins that have it: {has}); remove {name} or use one of those plugins"))
+            continue
+        unmet = [(f, want) for f, want in row.requires if getattr(p, f) != want]
+        if value != default and unmet:
+            need = ", ".join(f"{f}: {want}" for f, want in unmet)
+            shown = str(value).lower() if isinstance(value, bool) else value
+            out.append((f"{x.f}.{name}", f"{name}: {shown} acts only with {need} ({row.why}); set {need}, or remove {name}"))
+    return out
+
+
 # -- batch ----------------------------------------------------------------------------------------
 
 
@@ -306,6 +326,7 @@ RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
     ("static", _lora_in_sft_only),
     ("static", _lora_supported_by_plugin),
     ("static", _qlora_export_not_built),
+    ("static", _offload_where_the_plugin_has_it),
     ("batch", _rows_divide_microbatches),
     ("model", _tp_divides_heads),
     ("model", _tp_divides_vocab),

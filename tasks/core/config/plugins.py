@@ -23,6 +23,14 @@ Facts recorded in the rows were measured with colossalai 0.5.0 (see tasks/engine
 - Gemini accepts only ColossalAI's own Adam kernels (HybridAdam); every other plugin wraps AdamW.
 - LoRA (booster.enable_lora, before boost) trains under TorchDDP, LowLevelZero and HybridParallel
   with tp_size 1 and pp_size 1 (`PluginSpec.lora`); Gemini refuses it.
+- Offload (`PluginSpec.offload`, `Held.offload`): LowLevelZeroPlugin's `cpu_offload` (and
+  HybridParallelPlugin's, which reaches the same LowLevelZeroOptimizer through ZeRO-1 only) puts
+  the fp32 master shard on the CPU (`_create_master_param_current_rank`), so the Adam moments and
+  the step, with its fp32 gradient shard, follow it; the working weights and gradients stay on the
+  GPU. GeminiPlugin's `offload_optim_frac` puts that share of the chunks' fp32 masters and moments
+  on the CPU and `offload_param_frac` that share of the weight chunks; both act under the "static"
+  `placement_policy` only, and `offload_param_frac` only with `offload_optim_frac` 1.0 (else
+  StaticPlacementPolicy warns and drops it). On a CPU rank every tensor is on the host already.
 
 `PluginSpec.holds` is what each plugin keeps on a rank per parameter (the memory estimate,
 `tasks.core.preflight.memory`, sums it), read in colossalai 0.5.0's source and checked against the
@@ -114,6 +122,20 @@ class Held:
     precisions: tuple[str, ...] = PRECISIONS
     only: Literal["", "no_pipeline", "grad_accum"] = ""  # pp == 1 only; grad_accum_steps > 1 only
     per: Literal["parameter", "layer"] = "parameter"  # "layer": counts one decoder layer's parameters, unsharded
+    offload: str = ""  # the PluginConfig field (an `Offload` row) whose value is the share of this tensor put in host memory
+
+
+@dataclass(frozen=True)
+class Offload:
+    """One memory saver a plugin has: a PluginConfig field, passed to the plugin under the same
+    name. A value other than the field's default is refused under a plugin without this row."""
+
+    field: str
+    # (PluginConfig field, value) pairs the saver needs to act (else the plugin ignores it
+    # silently), and why, for the message
+    requires: tuple[tuple[str, object], ...] = ()
+    why: str = ""
+    moves_step: bool = False  # the optimizer step runs in host memory with the state it moves (AdamW's temporaries follow)
 
 
 @dataclass(frozen=True)
@@ -158,6 +180,7 @@ class PluginSpec:
     # shard file into the sharded model (booster.load_model), which also refreshes ZeRO's masters.
     lazy_init: bool = False
     lora: LoraSupport = LoraSupport()  # LoRA under this plugin: supported, or why not (the layout rules name it)
+    offload: tuple[Offload, ...] = ()  # the plugin's own memory savers, each a PluginConfig field (recorded in manifests)
 
     def zero_stage(self, configured: int) -> int:
         """The ZeRO stage the plugin really runs."""
@@ -178,6 +201,12 @@ class PluginSpec:
         """Booster(mixed_precision=...) for a plugin that does not cast the model: fp16 amp."""
         return "fp16" if not self.casts_model and precision == "fp16" else None
 
+    def offload_field(self, name: str) -> Offload | None:
+        return next((o for o in self.offload if o.field == name), None)
+
+
+# Every PluginConfig field some plugin row may take as an `Offload`: refused where the row lacks it.
+OFFLOAD_FIELDS: tuple[str, ...] = ("cpu_offload", "placement_policy", "offload_optim_frac", "offload_param_frac")
 
 PLUGINS: dict[str, PluginSpec] = {}
 
@@ -203,6 +232,8 @@ register(PluginSpec(
     zero_hint="hybrid_parallel supports zero_stage 0 or 1 here; use low_level_zero for stage 2 or gemini for stage 3",
     no_sync_zero_stages=(0, 1),
     lazy_init=True,
+    offload=(Offload("cpu_offload", requires=(("zero_stage", 1),), moves_step=True,
+                     why="HybridParallelPlugin passes cpu_offload to its ZeRO optimizer only"),),
     lora=LoraSupport(
         tp1_reason="HybridParallelPlugin.enable_lora asserts tp_size == 1 in colossalai 0.5.0 (shardformer's split linears take no peft adapter)",
         # measured: shard verb, tiny Llama, pp=2 fp32 (ColossalAI's tests cover LoRA with pp=1 only)
@@ -220,9 +251,9 @@ register(PluginSpec(
         Held("fp32 master weights", 4, zero=(0,), precisions=MIXED),
         Held("Adam moments", 8, zero=(0,)),
         Held("gradients", "weights", when="grads", zero=(1,)),
-        Held("fp32 gradient shard", 4, sharded=True, when="step", zero=(1,)),
-        Held("fp32 master weight shard", 4, sharded=True, zero=(1,)),
-        Held("Adam moment shard", 8, sharded=True, zero=(1,)),
+        Held("fp32 gradient shard", 4, sharded=True, when="step", zero=(1,), offload="cpu_offload"),
+        Held("fp32 master weight shard", 4, sharded=True, zero=(1,), offload="cpu_offload"),
+        Held("Adam moment shard", 8, sharded=True, zero=(1,), offload="cpu_offload"),
     ),
 ))
 register(PluginSpec(
@@ -233,13 +264,14 @@ register(PluginSpec(
     no_sync_zero_stages=(1,),
     strict_load=False,
     dedupes_tied_weights=False,
+    offload=(Offload("cpu_offload", moves_step=True),),
     holds=(
         Held("working weights", "weights"),
-        Held("fp32 master weight shard", 4, sharded=True),
-        Held("Adam moment shard", 8, sharded=True),
+        Held("fp32 master weight shard", 4, sharded=True, offload="cpu_offload"),
+        Held("Adam moment shard", 8, sharded=True, offload="cpu_offload"),
         Held("gradients", "weights", when="grads", zero=(1,)),
         Held("gradient shard", "weights", sharded=True, when="grads", zero=(2,)),
-        Held("fp32 gradient shard", 4, sharded=True, when="step"),
+        Held("fp32 gradient shard", 4, sharded=True, when="step", offload="cpu_offload"),
     ),
 ))
 register(PluginSpec(
@@ -255,13 +287,19 @@ register(PluginSpec(
     lora=LoraSupport(refused="GeminiPlugin.support_lora() is False and its enable_lora raises NotImplementedError in colossalai 0.5.0 (ColossalAI #6138)"),
     strict_load=False,
     dedupes_tied_weights=False,
-    extra_meta=("placement_policy",),
+    offload=(
+        Offload("placement_policy"),
+        Offload("offload_optim_frac", requires=(("placement_policy", "static"),), moves_step=True,
+                why="GeminiPlugin's offload fractions act under the static placement policy only"),
+        Offload("offload_param_frac", requires=(("placement_policy", "static"), ("offload_optim_frac", 1.0)),
+                why="StaticPlacementPolicy drops offload_param_frac unless the optimizer state is wholly offloaded (offload_optim_frac 1.0)"),
+    ),
     holds=(
-        Held("weight chunk shard", "weights", sharded=True),
+        Held("weight chunk shard", "weights", sharded=True, offload="offload_param_frac"),
         Held("gathered weights of the layer in use", "weights", when="forward", per="layer"),
-        Held("gradient chunk shard", "weights", sharded=True, when="grads", only="grad_accum"),
-        Held("fp32 master shard", 4, sharded=True),
-        Held("Adam moment shard", 8, sharded=True),
+        Held("gradient chunk shard", "weights", sharded=True, when="grads", only="grad_accum", offload="offload_optim_frac"),
+        Held("fp32 master shard", 4, sharded=True, offload="offload_optim_frac"),
+        Held("Adam moment shard", 8, sharded=True, offload="offload_optim_frac"),
     ),
 ))
 register(PluginSpec(

@@ -83,7 +83,16 @@ class PluginConfig(Frozen):
     zero_stage: int = Field(default=0, ge=0, le=3, description="ZeRO stage: 0/1 for hybrid_parallel (1 needs bf16/fp16), 1/2 for low_level_zero.")
     precision: Precision = Field(default="bf16", description="Training precision: fp32, bf16 or fp16 (mixed precision with fp32 master weights where the plugin keeps them).")
     num_microbatches: int | None = Field(default=None, ge=1, description="Pipeline micro-batches per step (pp_size > 1); defaults to grad_accum_steps.")
-    placement_policy: Literal["static", "auto"] = Field(default="static", description="Gemini chunk placement policy (gemini only).")
+    placement_policy: Literal["static", "auto"] = Field(default="static", description=(
+        "Gemini's chunk placement: static (the offload fractions below decide) or auto (Gemini moves chunks by measured use). "
+        "Plugins that take each offload field: PluginSpec.offload in tasks/core/config/plugins.py; refused elsewhere."))
+    cpu_offload: bool = Field(default=False, description=(
+        "Keep the fp32 master weights, Adam moments and the optimizer step in host memory instead of on the GPU "
+        "(low_level_zero; hybrid_parallel with zero_stage 1): less GPU memory, a slower step."))
+    offload_optim_frac: float = Field(default=0.0, ge=0.0, le=1.0, description=(
+        "Share of Gemini's fp32 master chunks and Adam moments kept in host memory (gemini, placement_policy static)."))
+    offload_param_frac: float = Field(default=0.0, ge=0.0, le=1.0, description=(
+        "Share of Gemini's weight chunks kept in host memory (gemini, placement_policy static, offload_optim_frac 1.0)."))
     max_norm: float = Field(default=1.0, ge=0, description="Gradient clipping norm applied by the plugin's optimizer (0 disables).")
 
 

@@ -17,7 +17,10 @@ What is counted, per rank (pure arithmetic: no torch, nothing loaded):
   per logit: log-softmax output, its gradient, the gradient of its input), and an SFT batch's
   attention mask;
 - on CUDA: torch AdamW's foreach temporaries at the step (4 B per stepped parameter) unless the
-  fused AdamW kernel is on, and `CUDA_RESERVE_BYTES`.
+  fused AdamW kernel is on, and `CUDA_RESERVE_BYTES`;
+- on CUDA, the plugin's offload (`PluginSpec.offload`: cpu_offload, Gemini's offload fractions):
+  the share of each `Held` row its field names moves from the GPU figure to the host figure, and
+  the AdamW temporaries follow an offloaded step.
 
 The device figure (what must fit one GPU) is the resident states plus the larger phase: the
 forward/backward (activations, autocast copies, gathered layers) or the step (gradients and the
@@ -27,7 +30,7 @@ its 32 MiB mmap threshold) resident and does not reliably refill them with the d
 gradient buffers, so after a few steps RSS holds both (benchmarks/scale.py measures it; with
 MALLOC_MMAP_THRESHOLD_=131072 the same ranks' RSS drops to the device figure). Every rank also
 holds `RANK_BASELINE_BYTES` (imports, process group, data), measured. On CUDA the states live on
-the GPU and the host keeps the baseline. While the model is built (`construction_host`), a plugin
+the GPU and the host keeps the baseline plus what is offloaded. While the model is built (`construction_host`), a plugin
 that builds lazily (`PluginSpec.lazy_init`: hybrid_parallel) holds its fp32 share plus one whole
 tensor; the others still build the whole model on every rank's host, in the dtype they train in.
 """
@@ -69,6 +72,7 @@ class Term:
     what: str
     bytes: int
     when: str  # a Held lifetime, or "activations"
+    host: bool = False  # offloaded: in the rank's host memory, not on its GPU
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,13 @@ class MemoryEstimate:
     construction: int  # host bytes of the model while the engine builds it (beside the baseline)
 
     def total(self, *whens: str) -> int:
-        return sum(t.bytes for t in self.terms if t.when in whens)
+        """Bytes on the rank's device (its GPU; on CPU everything) alive in these lifetimes."""
+        return sum(t.bytes for t in self.terms if t.when in whens and not t.host)
+
+    @property
+    def offloaded(self) -> int:
+        """Bytes the plugin's offload keeps in host memory instead (all of them resident: pinned or heap)."""
+        return sum(t.bytes for t in self.terms if t.host)
 
     @property
     def device(self) -> int:
@@ -96,7 +106,7 @@ class MemoryEstimate:
     def host_steady(self) -> int:
         """The rank's resident host memory while it trains (see the module docstring)."""
         if self.cuda:
-            return self.baseline
+            return self.baseline + self.offloaded
         both = self.total("forward", "activations", "grads") + max(self.total("backward"), self.total("step"))
         return self.baseline + self.total("always") + both
 
@@ -138,6 +148,20 @@ def layer_activation_bytes(model_config: dict[str, Any], compute_bytes: int, tp:
 def _applies(h: Held, zero: int, precision: str, pp: int, grad_accum: int) -> bool:
     return (zero in h.zero and precision in h.precisions and not (h.only == "no_pipeline" and pp > 1)
             and not (h.only == "grad_accum" and grad_accum <= 1))
+
+
+def _offloaded(spec: PluginSpec, plugin: Any, field: str, cuda: bool) -> float:
+    """The share a plugin's offload field moves to host memory (0 on CPU: everything is there)."""
+    row = spec.offload_field(field) if field and cuda else None
+    if row is None or any(getattr(plugin, f) != want for f, want in row.requires):
+        return 0.0
+    value = getattr(plugin, field)
+    return float(value) if isinstance(value, (bool, int, float)) else 0.0
+
+
+def _split(what: str, n: int, when: str, share: float) -> list[Term]:
+    moved = round(n * share)
+    return [t for t in (Term(what, n - moved, when), Term(what, moved, when, host=True)) if t.bytes or not t.host]
 
 
 def _fused_adamw(stage_cfg: StageConfig, stage: str, cuda: bool) -> bool:
@@ -194,10 +218,11 @@ def estimate(model_config: dict[str, Any], stage_cfg: StageConfig, *, stage: str
                 continue
             n = layer_params if h.per == "layer" else shares[s]
             n = math.ceil(n / dp) if h.sharded else n
-            terms.append(Term(h.what, n * (weights if h.bytes == "weights" else h.bytes), h.when))
+            terms += _split(h.what, n * (weights if h.bytes == "weights" else h.bytes), h.when, _offloaded(spec, p, h.offload, cuda))
         if cuda and spec.optimizer == "adamw" and not _fused_adamw(stage_cfg, stage, cuda):
             n = math.ceil(shares[s] / dp) if is_zero(spec, p.zero_stage) else shares[s]  # ZeRO steps this rank's shard
-            terms.append(Term("AdamW foreach temporaries", n * 4, "step"))
+            step_share = max((_offloaded(spec, p, o.field, cuda) for o in spec.offload if o.moves_step), default=0.0)
+            terms += _split("AdamW foreach temporaries", n * 4, "step", step_share)
         in_flight = min(pp - s, nmb)
         acts = in_flight * per_stage[s] * saved + (2 if ckpt else 1) * per_layer  # + the layer in the backward (recomputed)
         if s == pp - 1:
@@ -246,6 +271,15 @@ def _levers(st: StageConfig, name: str, cuda: bool) -> Iterable[tuple[str, Stage
             tp *= 2
     if not getattr(st, "activation_checkpointing", True):
         yield f"{name}.activation_checkpointing: true", _with(st, activation_checkpointing=True)
+    for o in spec.offload if cuda else ():  # the plugin's own savers: all of the state it can move
+        default = type(st.plugin).model_fields[o.field].default
+        if not isinstance(default, (bool, float)) or getattr(p, o.field) != default:
+            continue
+        change = {o.field: True if isinstance(default, bool) else 1.0, **dict(o.requires)}
+        if p.precision == "fp32" and "zero_stage" in change:
+            change.update(mixed)
+        label = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in change.items() if getattr(p, k) != v)
+        yield f"{name}.plugin.{label}", _with(st, change)
     mbs, ga = st.micro_batch_size // 2, st.grad_accum_steps * 2
     while mbs >= 1 and p.pp_size == 1:
         yield f"{name}.micro_batch_size: {mbs} (grad_accum_steps: {ga} keeps the global batch)", _with(st, micro_batch_size=mbs, grad_accum_steps=ga)
@@ -308,7 +342,8 @@ def check_memory(ctx: Any) -> None:
             ctx.warn(f"{name} memory not estimated: {exc.problems[0][1] if isinstance(exc, ConfigError) else exc}")
             continue
         parts = f"{est.rank_parameters / 1e6:,.1f}M of {est.parameters / 1e6:,.1f}M parameters: {est.breakdown()}"
-        built = f"{human(est.construction_host)} host while the model is built"
+        built = f"{human(est.construction_host)} host while the model is built" + (
+            f", {human(est.host_steady)} host steady ({human(est.offloaded)} offloaded)" if est.offloaded else "")
         if not cuda:
             ctx.ok(f"{name} memory per rank (estimate): {human(est.host_steady)} host RAM steady on this CPU rank "
                    f"(baseline {human(est.baseline)}; {parts}), {built}; no GPU: not checked against one")
@@ -322,7 +357,7 @@ def check_memory(ctx: Any) -> None:
         else:
             fixes = fits_with(mc, st, name, capacity, cuda)
             fix = ("; it fits with " + ", or ".join(f"{label} ({human(need)})" for label, need in fixes)) if fixes else (
-                f"; no change of zero_stage, plugin, tp_size, activation_checkpointing or micro_batch_size fits: add nodes ({name}.launch.nnodes) "
+                f"; no change of zero_stage, plugin, tp_size, offload, activation_checkpointing or micro_batch_size fits: add nodes ({name}.launch.nnodes) "
                 "to shard ZeRO state further, or use GPUs with more memory")
             ctx.problem(f"{name}.launch.gpu_memory_gb" if declared else f"{name}.plugin",
                         f"{name} needs {human(est.device)} of GPU memory per rank ({parts}; CUDA reserve {human(CUDA_RESERVE_BYTES)}), "
