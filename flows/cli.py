@@ -137,6 +137,7 @@ def recompute_fingerprint(art: Path, manifest: dict[str, Any]) -> str:
     """Re-run the probe batch through an HF-format artifact (plain transformers, its own dtype) and
     compare with its stored fingerprint. Plugin checkpoints (weights under model/) need the plugin
     to load, so only their sha256 is checked."""
+    from tasks.core.config.schema import VERIFY_MEMORY_GB
     from tasks.core.errors import ManifestError
     from tasks.core.models.fingerprint import compare_logits, default_rtol, hf_dir_logits, load_fingerprint
 
@@ -146,7 +147,7 @@ def recompute_fingerprint(art: Path, manifest: dict[str, Any]) -> str:
         return "fingerprint sha256 ok (a plugin checkpoint: logits not recomputed)"
     dtype = str(manifest["fingerprint"].get("dtype", "fp32"))
     rtol = default_rtol(_DTYPE_NAMES.get(dtype, dtype))
-    c = compare_logits(hf_dir_logits(art), load_fingerprint(art), rtol)
+    c = compare_logits(hf_dir_logits(art, budget_gb=VERIFY_MEMORY_GB), load_fingerprint(art), rtol)
     if not c["fingerprint_match"]:
         raise ManifestError(
             f"{art}: recomputed logits differ from its fingerprint (relative {c['fingerprint_rel_diff']:.3g} > {rtol:g}, "

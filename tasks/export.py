@@ -91,11 +91,13 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
     with stage.build() as out:
         if cfg.sft.lora is not None:  # the adapter merged onto cpt/hf in fp32, proven against peft (tasks/core/models/merge.py)
             built = build_merged_dir(ckpt, out.dir, source, dtype=cfg.export.dtype, max_shard_size=cfg.export.max_shard_size,
-                                     rtol=cfg.export.fingerprint_rtol, align_stop_tokens=cfg.export.align_stop_tokens, work_dir=cfg.staging_dir)
+                                     rtol=cfg.export.fingerprint_rtol, align_stop_tokens=cfg.export.align_stop_tokens, work_dir=cfg.staging_dir,
+                                     verify_memory_gb=cfg.verify_memory_gb)
         else:
             built = build_hf_dir(
                 ckpt, out.dir, source, dtype=cfg.export.dtype, max_shard_size=cfg.export.max_shard_size,
                 weights_dtype=cfg.sft.plugin.precision, rtol=cfg.export.fingerprint_rtol, align_stop_tokens=cfg.export.align_stop_tokens,
+                verify_memory_gb=cfg.verify_memory_gb,
             )
         v = built["verification"]
         problems = folder_problems(out.dir)  # the rule verify, push and pre-flight apply to this folder later

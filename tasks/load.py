@@ -165,7 +165,7 @@ def load_from_hf(cfg: RunConfig) -> StageResult:
             logger.info("converted pickle weights %s to safetensors", ", ".join(meta["converted_from_pickle"]["files"]))
             weights = check_weight_files(out.dir, allow_pickle=False)
         meta.update(model_type=model_cfg.get("model_type"), vocab_size=model_cfg.get("vocab_size"), weights=weights)
-        logits = hf_dir_logits(out.dir, trust_remote_code=cfg.base_model.trust_remote_code)
+        logits = hf_dir_logits(out.dir, trust_remote_code=cfg.base_model.trust_remote_code, budget_gb=cfg.verify_memory_gb)
         fingerprint = save_fingerprint(logits, out.dir, str(model_cfg.get("torch_dtype", "float32")))
         out.manifest(kind="hf-model", meta=meta, fingerprint=fingerprint)
     return stage.done({k: v for k, v in meta.items() if k != "weights"})

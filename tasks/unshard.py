@@ -20,7 +20,8 @@ def unshard(cfg: RunConfig, cpt: StageResult) -> StageResult:
         return stage.result
     ckpt, source = stage.store.stage_in(cpt.rel), stage.store.stage_in(BASE)
     with stage.build() as out:
-        built = build_hf_dir(ckpt, out.dir, source, dtype=None, max_shard_size=cfg.export.max_shard_size, weights_dtype=cfg.cpt.plugin.precision)
+        built = build_hf_dir(ckpt, out.dir, source, dtype=None, max_shard_size=cfg.export.max_shard_size, weights_dtype=cfg.cpt.plugin.precision,
+                             verify_memory_gb=cfg.verify_memory_gb)
         out.manifest(
             kind="hf-model", parent=cpt, fingerprint=built["fingerprint"], known_hashes=built["known_hashes"],
             meta={

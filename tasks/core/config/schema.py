@@ -362,6 +362,12 @@ class HubConfig(Frozen):
         "Also upload the export's provenance (.cpt-to-sft/: manifest, verification record, fingerprint) in its subfolder; false pushes only the model files and the card."))
 
 
+# Above this many GB of weights a logits check streams the model (tasks/core/models/stream.py):
+# models up to ~1B parameters in fp32 load whole as before; at 8B-70B the flow process would
+# otherwise need 16-140 GB of host RAM beside the node's ranks.
+VERIFY_MEMORY_GB = 4.0
+
+
 class RunConfig(Frozen):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", description="Run name, shown in the Prefect run name and the model card.")
     run_root: str = Field(description=(
@@ -375,6 +381,10 @@ class RunConfig(Frozen):
     hub: HubConfig | None = Field(default=None, description="Push the export to this Hub repo; None skips the push.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Experiment tracking: MLflow when tracking.mlflow.uri is set (TensorBoard event files are always written).")
     staging_dir: str | None = Field(default=None, description="Local directory for staging remote artifacts; default a temp dir.")
+    verify_memory_gb: float = Field(default=VERIFY_MEMORY_GB, gt=0, description=(
+        "The flow process's logits checks (load_from_hf, unshard, export, cpt-to-sft verify) load a model whose weights in the checked dtype "
+        "are at most this many GB (1e9 bytes) whole; a larger one is streamed a decoder layer at a time from its safetensors files through "
+        "its own forward, bitwise the same logits, holding one layer instead of the model. Changes no artifact, so no digest holds it."))
 
     @property
     def run_uri(self) -> str:

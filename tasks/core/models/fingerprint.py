@@ -34,9 +34,10 @@ def probe_batch(vocab_size: int, seed: int = PROBE_SEED, shape: tuple[int, int] 
 
 
 @torch.no_grad()
-def probe_forward(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
-    """The model's raw output logits on the probe batch, in eval mode, where the model lives."""
-    device = next(model.parameters()).device
+def probe_forward(model: torch.nn.Module, vocab_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """The model's raw output logits on the probe batch, in eval mode, where the model lives
+    (`device`: where the batch goes when the parameters are on the meta device, streamed)."""
+    device = device or next(model.parameters()).device
     ids = probe_batch(vocab_size).to(device)
     was_training = model.training
     model.eval()
@@ -46,9 +47,9 @@ def probe_forward(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
     return (out.logits if hasattr(out, "logits") else out[0]).contiguous()
 
 
-def model_logits(model: torch.nn.Module, vocab_size: int) -> torch.Tensor:
+def model_logits(model: torch.nn.Module, vocab_size: int, device: torch.device | None = None) -> torch.Tensor:
     """Logits of a plain (unwrapped or HF) causal LM on the probe batch, fp32 on CPU."""
-    return probe_forward(model, vocab_size)[..., :vocab_size].float().cpu()
+    return probe_forward(model, vocab_size, device)[..., :vocab_size].float().cpu()
 
 
 def save_fingerprint(logits: torch.Tensor, directory: str | Path, dtype: str) -> dict[str, Any]:
@@ -114,15 +115,27 @@ def compare_logits(logits: torch.Tensor, reference: torch.Tensor, rtol: float) -
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def hf_dir_logits(model_dir: str | Path, dtype: str | None = None, trust_remote_code: bool = False) -> torch.Tensor:
+def hf_dir_logits(model_dir: str | Path, dtype: str | None = None, trust_remote_code: bool = False,
+                  budget_gb: float | None = None) -> torch.Tensor:
     """Logits of plain `transformers` on an HF directory: what a user of the artifact will see.
 
-    Loads with safetensors only (`use_safetensors=True`), in the artifact's own dtype unless told.
+    Loads with safetensors only, in the artifact's own dtype unless told. A model whose weights in
+    that dtype exceed `budget_gb` (the config's `verify_memory_gb`; None: never) is not loaded whole
+    but streamed a decoder layer at a time through its own forward (`tasks.core.models.stream`),
+    which gives bitwise the same logits in bounded memory.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from tasks.core.models.stream import meta_model, model_bytes, streaming
+
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     torch_dtype = _TORCH_DTYPES[dtype] if dtype else (getattr(config, "torch_dtype", None) or torch.float32)
+    if budget_gb is not None:
+        meta = meta_model(model_dir, torch_dtype, trust_remote_code)
+        if model_bytes(meta) > budget_gb * 1e9:
+            with streaming(meta, model_dir):
+                return model_logits(meta, config.vocab_size, device=torch.device("cpu"))
+        del meta
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, torch_dtype=torch_dtype, use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True
     )

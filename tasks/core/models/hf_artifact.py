@@ -47,6 +47,7 @@ def build_hf_dir(
     rtol: float | None = None,
     align_stop_tokens: bool | None = None,
     config_updates: dict[str, Any] | None = None,
+    verify_memory_gb: float | None = None,
 ) -> dict[str, Any]:
     """checkpoint_dir holds `model/` and its fingerprint; returns the verification record.
 
@@ -54,6 +55,7 @@ def build_hf_dir(
     logits sanity check, scale-aware. `align_stop_tokens` True/False: the export's stop-token
     rule (`tasks.core.models.stop_tokens`); None (the unshard bridge) copies the generation config as is.
     `config_updates`: config.json fields the weights change (a merged LoRA head: tie_word_embeddings false).
+    `verify_memory_gb`: above it, the logits check streams the folder a layer at a time (bitwise the same).
     """
     model_config = {**json.loads((source_model_dir / "config.json").read_text()), **(config_updates or {})}
     report = convert_checkpoint(checkpoint_dir / "model", dst, model_config=model_config, dtype=dtype, max_shard_size=max_shard_size, write_config=False)
@@ -76,7 +78,7 @@ def build_hf_dir(
         gen, stop_tokens = align_generation_config(gen, model_config, AutoTokenizer.from_pretrained(dst), align=align_stop_tokens)
         (dst / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 
-    logits = hf_dir_logits(dst)
+    logits = hf_dir_logits(dst, budget_gb=verify_memory_gb)
     check = compare_logits(logits, load_fingerprint(checkpoint_dir), rtol if rtol is not None else default_rtol(out_dtype, weights_dtype))
     fingerprint = save_fingerprint(logits, dst, out_dtype)
     verification = {

@@ -74,7 +74,8 @@ def prove_untouched(base_dir: Path, export_dir: Path, touched: set[str], dtype: 
 
 
 def build_merged_dir(checkpoint_dir: Path, dst: Path, base_dir: Path, *, dtype: str, max_shard_size: str, rtol: float | None = None,
-                     align_stop_tokens: bool | None = None, work_dir: str | None = None) -> dict[str, Any]:
+                     align_stop_tokens: bool | None = None, work_dir: str | None = None,
+                     verify_memory_gb: float | None = None) -> dict[str, Any]:
     """`dst` = the merged model of `checkpoint_dir`'s adapter on `base_dir`; returns build_hf_dir's
     record with `verification.lora` added (the untouched-tensor proof, the tie decision)."""
     from peft import PeftModel
@@ -96,6 +97,6 @@ def build_merged_dir(checkpoint_dir: Path, dst: Path, base_dir: Path, *, dtype: 
         merged.save_pretrained(staged / "model", safe_serialization=True, max_shard_size="100GB")
         save_fingerprint(reference, staged, dtype="fp32")
         built = build_hf_dir(staged, dst, base_dir, dtype=dtype, max_shard_size=max_shard_size, weights_dtype="fp32", rtol=rtol,
-                             align_stop_tokens=align_stop_tokens, config_updates=updates)
+                             align_stop_tokens=align_stop_tokens, config_updates=updates, verify_memory_gb=verify_memory_gb)
     built["verification"]["lora"] = {**prove_untouched(base_dir, dst, touched, dtype), "merged_in": "fp32", "untied_head": untie}
     return built
