@@ -1,8 +1,9 @@
 """Stages evaluate_cpt, evaluate_sft and gate: held-out metrics, a generation check, the publish gate.
 
 Evaluation runs on the HF-format artifacts with plain `transformers` on the worker (CUDA when it
-has one, else CPU), never under a plugin: every model compared here already exists as an HF
-directory, which is also how users will load it.
+has one, spread over its visible GPUs when a model does not fit the first; else CPU), never under a
+plugin: every model compared here already exists as an HF directory, which is also how users will
+load it. `eval.dtype` unset follows export.dtype on a GPU, fp32 on CPU (`_with_eval_dtype`).
 - evaluate_cpt: base/ vs cpt/hf/ on the CPT held-out set -> eval/cpt/ (metrics.json + manifest)
 - evaluate_sft: cpt/hf/ (what reboost loaded: the pre-SFT model) vs export/ on the SFT held-out
   set, loss on assistant tokens; then greedy generations of held-out prompts with the export
@@ -26,9 +27,10 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from tasks import tracking, ui
-from tasks.core.config.schema import RunConfig
+from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.data.prepared import corpus_of, heldout_by_source, heldout_records, split_info, write_jsonl
 from tasks.core.evaluation import heldout as ev
+from tasks.core.evaluation import placement
 from tasks.core.evaluation import verdict as rules
 from tasks.core.run.stages import Status
 from tasks.core.storage.fs import RunStore
@@ -49,6 +51,14 @@ def _with_metrics(result: StageResult, store: RunStore) -> StageResult:
     return result
 
 
+def _with_eval_dtype(cfg: RunConfig, st: StageConfig) -> StageConfig:
+    """The stage with eval.dtype decided for this worker: as set, else the export's on a GPU, fp32 on CPU."""
+    import torch
+
+    dtype = placement.eval_dtype(st.eval.dtype, cfg.export.dtype, torch.cuda.is_available())
+    return st.model_copy(update={"eval": st.eval.model_copy(update={"dtype": dtype})})
+
+
 def _not_configured(stage: str, which: str) -> StageResult:
     get_run_logger().info("%s: no %s held-out set (%s.eval.heldout_fraction is 0, no heldout_uri): not evaluated", stage, which.upper(), which)
     return StageResult(stage, Status.NOT_CONFIGURED, detail={"reason": f"{which}.eval has no held-out set"})
@@ -67,7 +77,7 @@ def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult, tracker
     base_dir, cpt_dir = store.stage_in(base.rel), store.stage_in(bridge.rel)
     data = prepared_dir(cfg, "cpt")
     split = split_info(data, corpus_of(cfg.cpt.data))
-    st = cfg.cpt
+    st = _with_eval_dtype(cfg, cfg.cpt)
     metrics = ev.evaluate_cpt(base_dir, cpt_dir, heldout_records(data), st.data.text_field, st.seq_len, st.eval, cfg.base_model.trust_remote_code,
                               by_source=heldout_by_source(data))
     metrics["split"] = split
@@ -104,7 +114,7 @@ def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult, track
     pre_dir, export_dir = store.stage_in(bridge.rel), store.stage_in(export.rel)
     data = prepared_dir(cfg, "sft")
     split = split_info(data, corpus_of(cfg.sft.data))
-    st = cfg.sft
+    st = _with_eval_dtype(cfg, cfg.sft)
     heldout = heldout_records(data)
     trust = cfg.base_model.trust_remote_code
     metrics = ev.evaluate_sft(pre_dir, export_dir, heldout, st.data.messages_field, st.seq_len, st.eval, trust)

@@ -222,9 +222,10 @@ class EvalConfig(Frozen):
         "0 with no heldout_uri: this stage is not evaluated."))
     batch_size: int = Field(default=8, ge=1, description="Sequences per forward pass during evaluation; memory only, the metric is a token-weighted mean over every evaluated token.")
     max_batches: int | None = Field(default=50, ge=1, description="Evaluate at most this many batches of the held-out set (the first ones, in file order); null evaluates all of it.")
-    dtype: Precision = Field(default="fp32", description=(
-        "Dtype both models of a comparison are loaded in for evaluation (the same on both sides, so the comparison is fair); "
-        "bf16 halves the memory on a GPU worker."))
+    dtype: Precision | None = Field(default=None, description=(
+        "Dtype both models of a comparison (and the generation check's model) are loaded in for evaluation, the same on both sides so the "
+        "comparison is fair. null: export.dtype on a GPU worker (bf16 by default), fp32 on CPU. A model that does not fit the first GPU "
+        "is spread over the visible GPUs (tasks/core/evaluation/placement.py)."))
 
     @property
     def enabled(self) -> bool:

@@ -9,7 +9,10 @@ the candidate's tokenizer, which must equal the reference's), packed by `tasks.c
 `pack_cpt` / `encode_sft` exactly as training packs them, cut to the same batches, and scored by
 both models in the same dtype. The metric is a token-weighted mean of the next-token cross
 entropy in float64 (CPT: every token; SFT: the assistant tokens the SFT loss is trained on), so
-batch size changes memory, not the number. Runs on CUDA when the worker has it, else on CPU.
+batch size changes memory, not the number. Where each model goes (`tasks.core.evaluation.placement`):
+the CPU without CUDA, else the first GPU, or, when it does not fit there, every visible GPU through
+accelerate's `device_map="auto"`; in `eval.dtype`, which defaults to the export's on a GPU and to
+fp32 on CPU.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from typing import Any
 
 import torch
 
-from tasks.core.config.schema import EvalConfig
+from tasks.core.config.schema import EvalConfig, ExportConfig
 from tasks.core.data.samples import IGNORE_INDEX, encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
+from tasks.core.evaluation import placement as where
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PPL_CAP = 700.0  # exp(700) is near float64's limit; a loss that high is "infinite" perplexity
@@ -41,13 +45,31 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < _PPL_CAP else float("inf")
 
 
-def load_model(model_dir: str | Path, dtype: str, device: torch.device, trust_remote_code: bool = False):
+def resolved(cfg: EvalConfig) -> EvalConfig:
+    """`cfg` with its dtype decided: as set, else the default export dtype on a GPU, fp32 on CPU
+    (the flow passes its own export.dtype, `tasks.evaluate`)."""
+    default = ExportConfig.model_fields["dtype"].default
+    return cfg if cfg.dtype else cfg.model_copy(update={"dtype": where.eval_dtype(None, default, torch.cuda.is_available())})
+
+
+def load_model(model_dir: str | Path, dtype: str, device: torch.device, trust_remote_code: bool = False,
+               placement: where.Placement | None = None):
+    """The model in `dtype`, on `device`, or where `placement` puts it (a GPU, or spread over the
+    visible GPUs); a placement that fits nowhere is refused before anything is read."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, torch_dtype=_DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True
-    )
-    return model.to(device).eval()
+    if placement is not None and placement.kind == "refused":
+        raise ValueError(f"{model_dir} cannot be evaluated on this node's GPUs: {placement.problem}; set eval.dtype: bf16 (half of fp32), "
+                         "a smaller eval.batch_size, or run the evaluation on a node with more GPU memory")
+    kwargs = dict(torch_dtype=_DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True)
+    if placement is not None and placement.device_map is not None:  # straight onto the GPU(s), never whole in host memory
+        return AutoModelForCausalLM.from_pretrained(model_dir, device_map=placement.device_map, max_memory=placement.max_memory or None, **kwargs).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).to(device).eval()
+
+
+def input_device(model, device: torch.device) -> torch.device:
+    """Where the inputs of a model spread by accelerate go (its embedding's GPU); else `device`."""
+    return model.get_input_embeddings().weight.device if getattr(model, "hf_device_map", None) else device
 
 
 def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
@@ -109,7 +131,7 @@ def heldout_loss(model, batch: dict[str, torch.Tensor], batch_size: int, device:
         mask = batch.get("attention_mask")
         kwargs = {"attention_mask": mask[i : i + batch_size].to(device)} if mask is not None else {}
         logits = model(input_ids=ids, use_cache=False, **kwargs).logits.float()
-        target = labels[:, 1:]
+        target = labels[:, 1:].to(logits.device)  # a spread model's logits are on its last GPU
         nll = torch.nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
         )
@@ -123,14 +145,18 @@ def heldout_loss(model, batch: dict[str, torch.Tensor], batch_size: int, device:
 
 def compare_many(reference_dir: Path, candidate_dir: Path, batches: dict[str, dict[str, torch.Tensor]], cfg: EvalConfig,
                  trust_remote_code: bool = False) -> dict[str, tuple[dict, dict]]:
-    """{name: (reference, candidate) losses} on the very same batches, each model loaded once, one in memory at a time."""
-    device = eval_device()
+    """{name: (reference, candidate) losses} on the very same batches, each model loaded once, one in
+    memory at a time; each result names where its model ran (`device`)."""
+    cfg = resolved(cfg)
+    tokens = cfg.batch_size * max((int(b["input_ids"].shape[-1]) for b in batches.values()), default=0)
     out: dict[str, list[dict]] = {name: [] for name in batches}
     for model_dir in (reference_dir, candidate_dir):
-        model = load_model(model_dir, cfg.dtype, device, trust_remote_code)
+        placed = where.place(model_dir, cfg.dtype, tokens)
+        model = load_model(model_dir, cfg.dtype, eval_device(), trust_remote_code, placed)
+        device = input_device(model, eval_device())
         try:
             for name, batch in batches.items():
-                out[name].append(heldout_loss(model, batch, cfg.batch_size, device))
+                out[name].append({**heldout_loss(model, batch, cfg.batch_size, device), "device": placed.describe()})
         finally:
             _free(model)
     return {name: (a, b) for name, (a, b) in out.items()}
@@ -146,11 +172,12 @@ def _pct(after: float, before: float) -> float:
 
 
 def evaluate_cpt(base_dir: Path, cpt_dir: Path, heldout: Sequence[dict], text_field: str, seq_len: int, cfg: EvalConfig, trust_remote_code: bool = False,
-                 by_source: dict[str, Sequence[dict]] | None = None) -> dict[str, Any]:
+                 by_source: dict[str, Sequence[dict]] | None = None, heldout_only: Collection[str] = ()) -> dict[str, Any]:
     """Held-out loss and perplexity of the base model and of the CPT model on the CPT held-out set;
     with `by_source` (a mixture: each source's held-out records), also on each source's own, in
     `sources` (a source with too little held-out text for one block says so in `skipped`)."""
     started = time.monotonic()
+    cfg = resolved(cfg)
     same_tokenizer(base_dir, cpt_dir)
     tok = load_tokenizer(cpt_dir, trust_remote_code)
     batches = {"": cpt_batch(tok, heldout, text_field, seq_len, cfg)}
@@ -175,7 +202,7 @@ def evaluate_cpt(base_dir: Path, cpt_dir: Path, heldout: Sequence[dict], text_fi
         "seq_len": seq_len,
         "batch_size": cfg.batch_size,
         "dtype": cfg.dtype,
-        "device": str(eval_device()),
+        "device": cpt["device"],
         "seconds": round(time.monotonic() - started, 3),
     }
 
@@ -183,6 +210,7 @@ def evaluate_cpt(base_dir: Path, cpt_dir: Path, heldout: Sequence[dict], text_fi
 def evaluate_sft(pre_dir: Path, sft_dir: Path, heldout: Sequence[dict], messages_field: str, seq_len: int, cfg: EvalConfig, trust_remote_code: bool = False) -> dict[str, Any]:
     """Held-out loss on assistant tokens of the pre-SFT (CPT) model and of the SFT export."""
     started = time.monotonic()
+    cfg = resolved(cfg)
     same_tokenizer(pre_dir, sft_dir)
     batch, dropped = sft_batch(load_tokenizer(sft_dir, trust_remote_code), heldout, messages_field, seq_len, cfg)
     pre, sft = compare(pre_dir, sft_dir, batch, cfg, trust_remote_code)
@@ -196,7 +224,7 @@ def evaluate_sft(pre_dir: Path, sft_dir: Path, heldout: Sequence[dict], messages
         "seq_len": seq_len,
         "batch_size": cfg.batch_size,
         "dtype": cfg.dtype,
-        "device": str(eval_device()),
+        "device": sft["device"],
         "seconds": round(time.monotonic() - started, 3),
     }
 
@@ -277,17 +305,20 @@ def generation_eos_problem(model_dir: Path, tokenizer) -> tuple[list[int], int |
 
 @torch.no_grad()
 def generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: str, max_new_tokens: int, num_prompts: int,
-                     dtype: str = "fp32", trust_remote_code: bool = False) -> tuple[dict[str, Any], list[dict]]:
+                     dtype: str | None = None, trust_remote_code: bool = False) -> tuple[dict[str, Any], list[dict]]:
     """Greedy replies to held-out prompts through the chat template, with the model's own
-    generation config (as a user of the export gets it). Returns (summary, one row per prompt)."""
+    generation config (as a user of the export gets it), placed as the held-out loss places it.
+    Returns (summary, one row per prompt)."""
     started = time.monotonic()
+    dtype = resolved(EvalConfig(dtype=dtype)).dtype
     tokenizer = load_tokenizer(model_dir, trust_remote_code)
     eos, eot, eos_problem = generation_eos_problem(model_dir, tokenizer)
     prompts = distinct_prompts(heldout, messages_field, num_prompts)
     if not prompts:
         raise ValueError(f"no held-out SFT record has a user turn to prompt with ({len(heldout)} records)")
-    device = eval_device()
-    model = load_model(model_dir, dtype, device, trust_remote_code)
+    placed = where.place(model_dir, dtype, max(len(render_chat(tokenizer, p, add_generation_prompt=True)) for p in prompts) + max_new_tokens)
+    model = load_model(model_dir, dtype, eval_device(), trust_remote_code, placed)
+    device = input_device(model, eval_device())
     stop_ids = set(_eos_ids(model.generation_config.eos_token_id))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(stop_ids) if stop_ids else 0)
     rows = []
@@ -320,6 +351,7 @@ def generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: s
         "eos_token_id": eos,
         "end_of_turn": {"id": eot, "token": tokenizer.convert_ids_to_tokens(eot) if eot is not None else None},
         "dtype": dtype,
+        "device": placed.describe(),
         "seconds": round(time.monotonic() - started, 3),
     }
     return summary, rows
@@ -329,10 +361,13 @@ def evaluate_one(model_dir: Path, records: Sequence[dict], kind: str, field: str
     """Held-out loss and perplexity of one HF folder: packed text (cpt) or assistant tokens (sft)."""
     tok = load_tokenizer(model_dir)
     batch = cpt_batch(tok, records, field, seq_len, cfg) if kind == "cpt" else sft_batch(tok, records, field, seq_len, cfg)[0]
-    device = eval_device()
-    model = load_model(model_dir, cfg.dtype, device)
+    cfg = resolved(cfg)
+    placed = where.place(model_dir, cfg.dtype, cfg.batch_size * seq_len)
+    model = load_model(model_dir, cfg.dtype, eval_device(), placement=placed)
+    device = input_device(model, eval_device())
     try:
-        return {"model": str(model_dir), **heldout_loss(model, batch, cfg.batch_size, device), "sequences": int(batch["input_ids"].shape[0]), "seq_len": seq_len}
+        return {"model": str(model_dir), **heldout_loss(model, batch, cfg.batch_size, device), "sequences": int(batch["input_ids"].shape[0]), "seq_len": seq_len,
+                "dtype": cfg.dtype, "device": placed.describe()}
     finally:
         _free(model)
 

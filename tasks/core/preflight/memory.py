@@ -47,6 +47,7 @@ from tasks.core.config.layout import ParallelLayout, is_zero, layout_problems, n
 from tasks.core.config.plugins import PLUGINS, Held, PluginSpec
 from tasks.core.config.schema import StageConfig
 from tasks.core.errors import ConfigError, ConversionError
+from tasks.core.evaluation.placement import CUDA_RESERVE_BYTES  # every GPU figure leaves it (a real run's: @@progress peak_mem_bytes)
 from tasks.core.models.families import TP_SPLIT_DIMS, ActivationTerm, family_config, iter_tensors, model_dims
 
 GB = 1e9
@@ -54,10 +55,6 @@ GB = 1e9
 # transformers and colossalai imported, the gloo group, the data; 0.45 GB under hybrid_parallel tp=2,
 # 0.47 GB under low_level_zero (torch 2.13, transformers 4.51.3, colossalai 0.5.0, 2 ranks).
 RANK_BASELINE_BYTES = int(0.47e9)
-# CUDA context, cuBLAS workspace, NCCL buffers and the caching allocator's slack on each GPU: an
-# allowance, NOT measured here (this machine has no GPU); the GPU figure a real run reports is
-# `peak_mem_bytes` in every @@progress record.
-CUDA_RESERVE_BYTES = int(2e9)
 LOSS_BYTES_PER_LOGIT = 12
 PHASES = ("forward", "grads", "backward", "step")
 
