@@ -16,6 +16,13 @@ weights, is refused (the folder rule verify and pre-flight apply too: `tasks.cor
 and a `.safetensors` an earlier push left in the repo is deleted in the same commit, so no serving
 engine meets a tensor that is no parameter.
 
+With `hub.push_adapter` (a LoRA run) the adapter alone (`export-adapter/`, peft's layout) goes too:
+to `hub.adapter_repo_id` in a commit of its own (with a card saying what base it needs), or, when
+that is unset, to the subfolder `adapter/` of the model repo in the same commit as the merged
+model. Never beside the merged shards: the folder rule refuses adapter files at the top level.
+A push without the adapter deletes an `adapter/` an earlier push left, since it no longer
+matches the merged weights.
+
 The token comes from HF_TOKEN in the worker's environment, the Prefect Secret block `hf-token`, or
 the token `hf auth login` saved (in that order, `tasks.core.hub.repo.hub_token`) — never from
 parameters — and is never logged or written into the card. HF_ENDPOINT selects
@@ -35,15 +42,16 @@ from prefect import get_run_logger, task
 
 from tasks import ui
 from tasks.core.config.schema import HubConfig, RunConfig
-from tasks.core.hub.card import model_card, train_facts
+from tasks.core.hub.card import adapter_card, model_card, train_facts
 from tasks.core.hub.repo import REFUSED_STATUS, SECRET_BLOCK, HubRefusal, HubTokenRefused, find_hub_token, refused_token_message
 from tasks.core.models.folder import folder_problems
 from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR, read_manifest
-from tasks.core.run.stages import EXPORT, Status
+from tasks.core.run.stages import EXPORT, EXPORT_ADAPTER, Status
 from tasks.load import transient
 from tasks.stage import StageResult, secret_token, store_for
 
 CARD = "README.md"
+ADAPTER_SUBFOLDER = "adapter"  # the adapter's folder in the model repo when hub.adapter_repo_id is unset
 
 
 def files_to_push(export_dir: Path, manifest: dict[str, Any], provenance: bool = True) -> list[str]:
@@ -57,8 +65,18 @@ def files_to_push(export_dir: Path, manifest: dict[str, Any], provenance: bool =
     return model + ([n for n in names if n.startswith(PROVENANCE_DIR + "/")] + [MANIFEST] if provenance else [])
 
 
-def push_export(export_dir: Path, files: list[str], card: str, hub: HubConfig, token: str, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """One commit of `files` (relative to export_dir) + README.md to hub.repo_id@hub.revision.
+def adapter_files(adapter_dir: Path, provenance: bool = True) -> dict[str, Path]:
+    """What goes up of export-adapter/ (the name in the adapter's folder -> the local file): peft's
+    two files, plus its provenance when asked."""
+    names = sorted(read_manifest(adapter_dir)["files"])
+    keep = [n for n in names if not n.startswith(PROVENANCE_DIR + "/")] + ([n for n in names if n.startswith(PROVENANCE_DIR + "/")] + [MANIFEST] if provenance else [])
+    return {n: adapter_dir / n for n in keep}
+
+
+def push_export(export_dir: Path, files: list[str], card: str, hub: HubConfig, token: str, log: Callable[[str], None] = print,
+                extra: dict[str, Path] | None = None) -> dict[str, Any]:
+    """One commit of `files` (relative to export_dir) + README.md + `extra` (path in the repo ->
+    local file) to hub.repo_id@hub.revision.
 
     Returns repo_id, revision, commit_url, commit_oid, parent_commit and `changed` (False when the
     Hub already held exactly this export, in which case no commit was made).
@@ -73,10 +91,14 @@ def push_export(export_dir: Path, files: list[str], card: str, hub: HubConfig, t
     operations = [
         CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(export_dir / name)) for name in sorted(files) if name != CARD
     ]
+    operations += [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in sorted((extra or {}).items())]
     operations.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
     # A *.safetensors an earlier push left (an old layout's fingerprint, shards of a run with more
-    # of them) would be loaded as weights by every consumer: removed in the same commit.
-    stale = [p for p in api.list_repo_files(hub.repo_id, revision=head, repo_type="model") if p.endswith(".safetensors") and p not in set(files)]
+    # of them) would be loaded as weights by every consumer, and an adapter/ it left no longer fits
+    # these merged weights: removed in the same commit.
+    pushed = set(files) | set(extra or {})
+    stale = [p for p in api.list_repo_files(hub.repo_id, revision=head, repo_type="model")
+             if (p.endswith(".safetensors") or p.startswith(ADAPTER_SUBFOLDER + "/")) and p not in pushed]
     operations += [CommitOperationDelete(path_in_repo=p) for p in stale]
     # One commit; parent pinned so a concurrent writer makes this attempt fail (and retry) instead
     # of being overwritten. Unchanged files are dropped by the client, and an all-unchanged push
@@ -113,8 +135,18 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
 
     card = model_card(cfg, manifest, train_facts(cfg, results, store.read_text), recorded_metrics(results))
     files = files_to_push(export_dir, manifest, cfg.hub.push_provenance)
+    adapter_dir = store.stage_in(EXPORT_ADAPTER) if cfg.hub.push_adapter else None  # sha256-verified, like the export
+    adapter = adapter_files(adapter_dir, cfg.hub.push_provenance) if adapter_dir else {}
+    sent = {"repo_id": cfg.hub.repo_id, "subfolder": ADAPTER_SUBFOLDER}  # where the adapter goes without a repo of its own
     try:
-        outcome = push_export(export_dir, files, card, cfg.hub, found.value, log=logger.info)
+        if adapter and cfg.hub.adapter_repo_id:  # its own repo, its own commit, first: the model card points at it
+            where = cfg.hub.model_copy(update={"repo_id": cfg.hub.adapter_repo_id})
+            sent = push_export(export_dir, [], adapter_card(cfg, read_manifest(adapter_dir)), where, found.value, log=logger.info, extra=adapter)
+            adapter = {}
+        outcome = push_export(export_dir, files, card, cfg.hub, found.value, log=logger.info,
+                              extra={f"{ADAPTER_SUBFOLDER}/{name}": path for name, path in adapter.items()})
+        if cfg.hub.push_adapter:
+            outcome["adapter"] = sent
     except Exception as exc:
         from huggingface_hub import constants
         from huggingface_hub.errors import HfHubHTTPError

@@ -110,3 +110,17 @@ def test_the_card_says_lora_r_alpha_targets_and_the_trainable_share(tmp_path):
         (step / MANIFEST).write_text(json.dumps({"meta": meta}))
     card = model_card(cfg, {"meta": {}}, train_facts(cfg, {}, lambda rel: (tmp_path / rel).read_text()))
     assert "| fine-tuning | full | LoRA r=16, alpha=32 on q_proj, v_proj; 13.3 % of parameters trained |" in card
+
+
+def test_the_adapter_push_is_refused_where_the_config_is_read_without_an_adapter_or_beside_the_merged_weights():
+    from tasks.core.errors import ConfigError
+
+    raw = tiny_config_raw(Path("/m"), Path("/r"))
+    raw["hub"] = {"repo_id": "org/m", "push_adapter": True}
+    with pytest.raises(ConfigError, match=r"hub.push_adapter: there is no adapter to push"):
+        parse_config(raw)
+    raw["sft"]["lora"] = {"r": 4}
+    assert parse_config(raw).hub.push_adapter  # the subfolder adapter/ of org/m
+    raw["hub"]["adapter_repo_id"] = "org/m"
+    with pytest.raises(ConfigError, match=r"hub.adapter_repo_id: is hub.repo_id \(org/m\): the adapter would sit beside the merged weights"):
+        parse_config(raw)

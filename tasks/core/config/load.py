@@ -125,12 +125,28 @@ def gate_problems(cfg: RunConfig) -> list[Problem]:
     return out
 
 
+def hub_problems(cfg: RunConfig) -> list[Problem]:
+    """The adapter push needs an adapter, and a place for it other than beside the merged weights."""
+    hub = cfg.hub
+    if hub is None:
+        return []
+    out: list[Problem] = []
+    if hub.push_adapter and cfg.sft.lora is None:
+        out.append(("hub.push_adapter", "there is no adapter to push: SFT trains the whole model (sft.lora is not set); set sft.lora, or push_adapter: false"))
+    if hub.adapter_repo_id is not None and not hub.push_adapter:
+        out.append(("hub.adapter_repo_id", "is set but hub.push_adapter is false, so nothing goes there; set push_adapter: true, or remove adapter_repo_id"))
+    if hub.adapter_repo_id is not None and hub.adapter_repo_id == hub.repo_id:
+        out.append(("hub.adapter_repo_id", (f"is hub.repo_id ({hub.repo_id}): the adapter would sit beside the merged weights, which loaders would "
+                                            "apply it on top of; name another repo, or leave it unset for the subfolder adapter/ of hub.repo_id")))
+    return out
+
+
 def static_problems(cfg: RunConfig) -> list[Problem]:
-    """Every rule across fields that the config alone decides: each stage's layout, then the gate."""
+    """Every rule across fields that the config alone decides: each stage's layout, the gate, the Hub push."""
     problems: list[Problem] = []
     for stage in ("cpt", "sft"):
         problems += plugin_problems(getattr(cfg, stage), stage)
-    return problems + gate_problems(cfg)
+    return problems + gate_problems(cfg) + hub_problems(cfg)
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:

@@ -361,6 +361,12 @@ class HubConfig(Frozen):
     tags: tuple[str, ...] = Field(default=(), description="Extra model card tags.")
     push_provenance: bool = Field(default=True, description=(
         "Also upload the export's provenance (.cpt-to-sft/: manifest, verification record, fingerprint) in its subfolder; false pushes only the model files and the card."))
+    push_adapter: bool = Field(default=False, description=(
+        "With sft.lora: also push export-adapter/ (the adapter alone, peft's layout) to hub.adapter_repo_id, or, when that is unset, to the "
+        "subfolder adapter/ of hub.repo_id in the same commit; never beside the merged weights. Its base_model_name_or_path is the run's "
+        "cpt/hf (a local reference: the CPT model is not pushed)."))
+    adapter_repo_id: str | None = Field(default=None, description=(
+        "Hub repo ('org/name', not hub.repo_id) the adapter goes to with hub.push_adapter; unset: the subfolder adapter/ of hub.repo_id."))
 
 
 # Above this many GB of weights a logits check streams the model (tasks/core/models/stream.py):

@@ -247,5 +247,57 @@ ColossalAI, run `{cfg.name}`.
 with its sha256, `verification.json` holds the checks below.
 
 **Verification:** {verification}
+{_adapter_paragraph(cfg, v.get("adapter") or {})}"""
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content
+
+
+def _adapter_where(cfg: RunConfig) -> str:
+    hub = cfg.hub
+    return f"[`{hub.adapter_repo_id}`](https://huggingface.co/{hub.adapter_repo_id})" if hub.adapter_repo_id else "the `adapter/` folder of this repo"
+
+
+def _adapter_paragraph(cfg: RunConfig, proof: dict[str, Any]) -> str:
+    if cfg.hub is None or not cfg.hub.push_adapter:
+        return ""
+    rel = proof.get("fingerprint_rel_diff")
+    return f"""
+## LoRA adapter
+
+The weights above already hold the adapter, merged in fp32. The adapter alone (peft's layout) is in
+{_adapter_where(cfg)}: apply it to the CPT model of run `{cfg.name}` (its `cpt/hf` artifact), never to
+these merged weights. Its `base_model_name_or_path` is that artifact's path on the machine that ran
+the training (a local reference: the CPT model is not on the Hub).
+{f"peft with the adapter on that base gives this model's logits within {rel:.3g} of their magnitude." if rel is not None else ""}
+"""
+
+
+def adapter_card(cfg: RunConfig, adapter_manifest: dict[str, Any]) -> str:
+    """README.md of an adapter pushed to a repo of its own: what it is, the base it needs, the merged model."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    meta = adapter_manifest.get("meta") or {}
+    v, base = meta.get("verification") or {}, meta.get("base") or {}
+    lora = cfg.sft.lora
+    data = ModelCardData(library_name="peft", tags=["cpt-to-sft", "lora", *(cfg.hub.tags if cfg.hub else ())],
+                         license=cfg.hub.license if cfg.hub and cfg.hub.license else None)
+    body = f"""
+# {cfg.hub.adapter_repo_id}
+
+The LoRA adapter (r={lora.r}, alpha={lora.alpha:g} on {', '.join(lora.target_modules)}) of run `{cfg.name}`; the model with it merged
+in is [`{cfg.hub.repo_id}`](https://huggingface.co/{cfg.hub.repo_id}).
+
+Its base is the run's CPT model (`cpt/hf`, manifest digest `{str(base.get('digest'))[:16]}`), which is not on the Hub:
+`base_model_name_or_path` is `{base.get('name_or_path')}`, a local reference on the machine that trained it.
+
+```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+base = AutoModelForCausalLM.from_pretrained("path/to/cpt/hf")
+model = PeftModel.from_pretrained(base, "{cfg.hub.adapter_repo_id}")
+```
+
+**Verification:** peft with this adapter on that base gives the merged model's logits within
+{v.get('fingerprint_rel_diff', float('nan')):.3g} of their magnitude (tolerance {v.get('fingerprint_rtol')}), top-1 agreement {v.get('top1_agreement', float('nan')):.3f}.
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.config.layout import layout_problems
-from tasks.core.config.load import parse_fields, plugin_problems, read_raw_config
+from tasks.core.config.load import hub_problems, parse_fields, plugin_problems, read_raw_config
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.config.tracking import FIELD as TRACKING_FIELD
@@ -153,14 +153,18 @@ def check_hub(ctx: CheckContext) -> None:
         return
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    for where, msg in hub_problems(ctx.cfg):  # the adapter push: an adapter to push, a place other than beside the merged weights
+        ctx.problem(where, msg)
     repo_ok = True
-    try:
-        validate_repo_id(hub.repo_id)
-        if hub.repo_id.count("/") != 1:
-            raise HFValidationError("needs exactly one '/': org/name")
-    except HFValidationError as exc:
-        repo_ok = False
-        ctx.problem("hub.repo_id", f"{hub.repo_id!r} is not a valid Hub repo id ({str(exc).splitlines()[0]}); use 'org/name' with letters, digits, '-', '_', '.'")
+    for field, repo_id in (("repo_id", hub.repo_id), ("adapter_repo_id", hub.adapter_repo_id)):
+        try:
+            if repo_id is not None:
+                validate_repo_id(repo_id)
+            if repo_id is not None and repo_id.count("/") != 1:
+                raise HFValidationError("needs exactly one '/': org/name")
+        except HFValidationError as exc:
+            repo_ok = False
+            ctx.problem(f"hub.{field}", f"{repo_id!r} is not a valid Hub repo id ({str(exc).splitlines()[0]}); use 'org/name' with letters, digits, '-', '_', '.'")
     if ctx.token_present is False:
         ctx.problem("hub", "a push is configured but no Hub token was found: export HF_TOKEN on the worker, create the Prefect Secret block 'hf-token', "
                     "or run `hf auth login` on the worker (never put the token in the config)")
