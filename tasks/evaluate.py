@@ -4,7 +4,8 @@ Evaluation runs on the HF-format artifacts with plain `transformers` on the work
 has one, spread over its visible GPUs when a model does not fit the first; else CPU), never under a
 plugin: every model compared here already exists as an HF directory, which is also how users will
 load it. `eval.dtype` unset follows export.dtype on a GPU, fp32 on CPU (`_with_eval_dtype`).
-- evaluate_cpt: base/ vs cpt/hf/ on the CPT held-out set -> eval/cpt/ (metrics.json + manifest)
+- evaluate_cpt: base/ vs cpt/hf/ on the CPT held-out set, and on each source's own (a mixture's,
+  and cpt.eval.heldout_sources, never trained on) -> eval/cpt/ (metrics.json + manifest)
 - evaluate_sft: cpt/hf/ (what reboost loaded: the pre-SFT model) vs export/ on the SFT held-out
   set, loss on assistant tokens; then greedy generations of held-out prompts with the export
   -> eval/sft/ (metrics.json, generations.jsonl + manifest)
@@ -28,7 +29,7 @@ from prefect import get_run_logger, task
 
 from tasks import tracking, ui
 from tasks.core.config.schema import RunConfig, StageConfig
-from tasks.core.data.prepared import corpus_of, heldout_by_source, heldout_records, split_info, write_jsonl
+from tasks.core.data.prepared import corpus_of, heldout_by_source, heldout_only_names, heldout_records, split_info, write_jsonl
 from tasks.core.evaluation import heldout as ev
 from tasks.core.evaluation import placement
 from tasks.core.evaluation import verdict as rules
@@ -79,17 +80,18 @@ def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult, tracker
     split = split_info(data, corpus_of(cfg.cpt.data))
     st = _with_eval_dtype(cfg, cfg.cpt)
     metrics = ev.evaluate_cpt(base_dir, cpt_dir, heldout_records(data), st.data.text_field, st.seq_len, st.eval, cfg.base_model.trust_remote_code,
-                              by_source=heldout_by_source(data))
+                              by_source=heldout_by_source(data), heldout_only=heldout_only_names(data))
     metrics["split"] = split
     logger.info(
         "evaluate_cpt: held-out perplexity base %.4f -> CPT %.4f (%+.2f%%) on %d tokens in %.1fs",
         metrics["base"]["perplexity"], metrics["cpt"]["perplexity"], metrics["perplexity_change_pct"], metrics["tokens"], metrics["seconds"],
     )
-    for name, m in (metrics.get("sources") or {}).items():  # a mixture: what CPT did to each source's held-out text
+    for name, m in (metrics.get("sources") or {}).items():  # each source: what CPT did to its held-out text
+        kind = "held-out-only source" if m.get("held_out_only") else "source"
         if m.get("base") is None:
-            logger.warning("evaluate_cpt: source %r not evaluated: %s", name, m["skipped"])
+            logger.warning("evaluate_cpt: %s %r not evaluated: %s", kind, name, m["skipped"])
         else:
-            logger.info("evaluate_cpt: source %r held-out perplexity base %.4f -> CPT %.4f (%+.2f%%)", name, m["base"]["perplexity"], m["cpt"]["perplexity"], m["perplexity_change_pct"])
+            logger.info("evaluate_cpt: %s %r held-out perplexity base %.4f -> CPT %.4f (%+.2f%%)", kind, name, m["base"]["perplexity"], m["cpt"]["perplexity"], m["perplexity_change_pct"])
     with stage.build() as out:
         (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         tracking.log_evaluation("cpt", metrics, out.dir, st.max_steps, tracker)

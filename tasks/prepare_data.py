@@ -19,6 +19,9 @@ reboost checks that the CPT model's tokenizer is the one the SFT shards were mad
   damaged one is dropped, with a warning naming it, and tokenized again). The artifact copies the
   shards it names (never a hard link, so damage to one never reaches the other; a reflink where the
   filesystem has them), writes index.json, then the manifest.
+- prepare_cpt also checks `cpt.eval.heldout_sources` (held out only, never trained on) and copies
+  their records into the artifact's `heldout-sources/` (tasks/core/data/heldout_only.py); their
+  files' identity is part of the digest, like the corpus's.
 - Input files that hold no record (0 bytes, blank lines only) are warned about and counted.
 - Progress (files, records, tokens, MB/s) goes to a Prefect progress artifact; the token counts
   per split (and the skipped bad records) to a table artifact.
@@ -133,9 +136,10 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     cache = store.staging / DATA_CACHE / stage
     d = st_cfg.data
     sources = [Source(s.name, [resolve_local(u) for u in s.uris], s.weight) for s in d.source_list]
+    only = [Source(s.name, [resolve_local(u) for u in s.uris], 0.0) for s in st_cfg.eval.heldout_sources or ()]
     plan_steps = blend_plan(st_cfg, stage)
     p = prep.plan(
-        sources, tok_dir, cache, kind=stage, blend_plan=plan_steps, field=d.text_field if stage == "cpt" else d.messages_field, seq_len=st_cfg.seq_len,
+        sources, tok_dir, cache, kind=stage, blend_plan=plan_steps, heldout_sources=only, field=d.text_field if stage == "cpt" else d.messages_field, seq_len=st_cfg.seq_len,
         heldout_fraction=0.0 if st_cfg.eval.heldout_uri else st_cfg.eval.heldout_fraction, heldout_uri=resolve_local(st_cfg.eval.heldout_uri) if st_cfg.eval.heldout_uri else None,
         on_bad_record=d.on_bad_record, max_bad_records=d.max_bad_records, max_record_chars=d.max_record_chars,
     )
@@ -143,6 +147,8 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     inputs = {"spec": p.spec.key_fields(), "files": [f.to_json() for f in p.inputs]}
     if plan_steps is not None:
         inputs["blend"] = {"plan": plan_steps.to_json(), "sources": [[s.name, s.weight, list(p.ranges[i])] for i, s in enumerate(sources)]}
+    if only:  # evaluated, never trained on: their files' identity, like the corpus's
+        inputs["heldout_sources"] = [[s.name, [f.to_json() for f in files]] for s, files in zip(only, p.heldout_only_inputs)]
     st = Stage(name, cfg, inputs=inputs)
     if st.skipped:
         return st.result
@@ -167,6 +173,9 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
         shutil.copy2(cache / INDEX, out.dir / INDEX)
         if index["blend"]:
             shutil.copy2(cache / BLEND_FILE, out.dir / BLEND_FILE)
+        for src in index.get("heldout_sources") or []:  # checked records of each held-out-only source
+            (out.dir / src["file"]).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(cache / src["file"], out.dir / src["file"])
         if p.heldout_inputs:  # evaluation reads eval.heldout_uri's records from the artifact, not the source
             with open(out.dir / HELDOUT_SET, "w", encoding="utf-8") as fh:
                 for f in p.heldout_inputs:
@@ -174,11 +183,12 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
         out.manifest(
             kind="token-shards", parent=source,
             meta={"stage": stage, "tokenizer_sha256": index["tokenizer_sha256"], "dtype": index["dtype"], "split": index["split"], "totals": t,
-                  "on_bad_record": d.on_bad_record, "sources": index["sources"], "blend": index["blend"] and {k: v for k, v in index["blend"].items() if k != "file"}},
+                  "on_bad_record": d.on_bad_record, "sources": index["sources"], "blend": index["blend"] and {k: v for k, v in index["blend"].items() if k != "file"},
+                  **({"heldout_sources": index["heldout_sources"]} if only else {})},
         )
     prep.prune(cache, index)
     ui.token_table(stage, t)
-    ui.mixture_table(stage, index["sources"], index["blend"])
+    ui.mixture_table(stage, index["sources"], index["blend"], index.get("heldout_sources") or [])
     for src in index["sources"]:
         if src.get("epochs", 0) > d.max_source_epochs:
             logger.warning("%s: source %r is repeated %.1f times over the %d planned steps (more than %s.data.max_source_epochs=%g): "
@@ -192,6 +202,7 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
         {
             "files": t["files"], "tokenized": len(p.todo), "empty_files": t["empty_files"], "cache_dropped": p.dropped,
             "sources": {src["name"]: {k: src[k] for k in ("weight", "token_share", "epochs", "tokens_available") if k in src} for src in index["sources"]},
+            **({"heldout_sources": {src["name"]: {"records": src["records"], "tokens": src["tokens"]} for src in index["heldout_sources"]}} if only else {}),
             "records": t["records"], "skipped": t["skipped"], "train_tokens": t["train_tokens"], "heldout_tokens": t["heldout_tokens"],
         },
         event={"train_tokens": t["train_tokens"], "skipped": t["skipped"]},

@@ -174,8 +174,9 @@ def token_table(stage: str, totals: dict[str, Any]) -> None:
         _warn("token table artifact", exc)
 
 
-def mixture_rows(sources: list[dict[str, Any]], blend: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """One row per source: its weight, what it holds, and (a mixture) what the planned steps take of it."""
+def mixture_rows(sources: list[dict[str, Any]], blend: dict[str, Any] | None, heldout_only: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """One row per source: its weight, what it holds, and (a mixture) what the planned steps take of
+    it; then one per held-out-only source (weight 0: evaluated, never trained on)."""
     rows = []
     for src in sources:
         row = {"source": src["name"], "weight": src.get("weight", 1.0), "files": src["files"][1] - src["files"][0],
@@ -183,18 +184,22 @@ def mixture_rows(sources: list[dict[str, Any]], blend: dict[str, Any] | None) ->
         if blend:
             row.update({"token share": src["token_share"], "samples planned": src["samples"], "epochs": src["epochs"]})
         rows.append(row)
+    for src in heldout_only:
+        rows.append({"source": f"{src['name']} (held out only)", "weight": 0.0, "files": len(src["inputs"]), "samples available": 0,
+                     "tokens available": 0, **({"token share": 0.0, "samples planned": 0, "epochs": 0.0} if blend else {}), "held-out tokens": src["tokens"]})
     return rows
 
 
-def mixture_table(stage: str, sources: list[dict[str, Any]], blend: dict[str, Any] | None) -> None:
-    """The `data-<stage>-mixture` table: each source's weight, size, realized token share and epochs."""
+def mixture_table(stage: str, sources: list[dict[str, Any]], blend: dict[str, Any] | None, heldout_only: list[dict[str, Any]] = ()) -> None:
+    """The `data-<stage>-mixture` table: each source's weight, size, realized token share and epochs,
+    and the held-out-only sources beside them."""
     if blend:
         plan = blend["plan"]
         what = f"{stage.upper()} mixture over {plan['max_steps']} steps of {plan['global_batch']} ({blend['positions']:,} {blend['unit']})"
     else:
         what = f"{stage.upper()} data: one source"
     try:
-        create_table_artifact(mixture_rows(sources, blend), key=_key(f"data-{stage}-mixture"), description=what)
+        create_table_artifact(mixture_rows(sources, blend, heldout_only), key=_key(f"data-{stage}-mixture"), description=what)
     except Exception as exc:
         _warn("mixture table artifact", exc)
 

@@ -7,10 +7,13 @@ path (prepared shards, the blended stream walked by ResumableSampler): a tiny Ll
 the general text (the "base"), then continues on the Veyra domain either alone at a high learning
 rate (it forgets the general text) or in a 70/30 mixture with the general text replayed (it does
 not, to within the limit). evaluate_cpt measures both against the base on each source's own
-held-out records, and the gate decides. About 10 s on 2 cores.
+held-out records, and the gate decides; the domain-alone run also has the general text as a
+held-out-only source (eval.heldout_sources), which measures the same forgetting without replay.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -19,7 +22,7 @@ from tasks.core.config.load import parse_config
 from tasks.core.config.schema import EvalConfig, GateConfig
 from tasks.core.data.blend import BlendPlan, Source
 from tasks.core.data.prepare import prepare
-from tasks.core.data.prepared import heldout_by_source, heldout_records
+from tasks.core.data.prepared import heldout_by_source, heldout_only_names, heldout_records
 from tasks.core.data.reader import TokenDataset
 from tasks.core.errors import ConfigError
 from tasks.core.evaluation import heldout as ev
@@ -31,9 +34,9 @@ DOMAIN, GENERAL = str(REPO / "data" / "sample" / "cpt.jsonl"), str(REPO / "data"
 ONLY_GENERAL = {"enabled": True, "sft_loss_must_improve": False, "generation_must_stop": False}
 
 
-def _prep(root, name, sources, plan=None):
+def _prep(root, name, sources, plan=None, **kw):
     out = root / name
-    prepare(sources, root / "random", out, kind="cpt", field="text", seq_len=64, heldout_fraction=0.1, blend_plan=plan)
+    prepare(sources, root / "random", out, kind="cpt", field="text", seq_len=64, heldout_fraction=0.1, blend_plan=plan, **kw)
     return out
 
 
@@ -63,15 +66,22 @@ def runs(tmp_path_factory):
     build_tiny_model(root / "random", build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
     base = _train(root, root / "random", _prep(root, "general", [Source("general", GENERAL)]), "base", 80, 3e-3)
     mix = _prep(root, "mix", [Source("domain", DOMAIN, 0.7), Source("general", GENERAL, 0.3)], BlendPlan(40, 8, 1))
-    alone = _train(root, base, _prep(root, "domain", [Source("domain", DOMAIN)]), "domain-alone", 40, 1e-2)
-    replay = _train(root, base, mix, "replay", 40, 3e-3)
     by_source = heldout_by_source(mix)
+    # The general text neither CPT run trains on, as a file of its own: a held-out-only source
+    # (eval.heldout_sources) of the domain-alone run, which replays nothing.
+    only = root / "general-heldout.jsonl"
+    only.write_text("".join(json.dumps(r) + "\n" for r in by_source["general"]))
+    domain = _prep(root, "domain", [Source("domain", DOMAIN)], heldout_sources=[Source("general", str(only))])
+    alone = _train(root, base, domain, "domain-alone", 40, 1e-2)
+    replay = _train(root, base, mix, "replay", 40, 3e-3)
     pooled = heldout_records(mix)
 
     def evaluate(cpt):
         return ev.evaluate_cpt(base, cpt, pooled, "text", 64, EvalConfig(), by_source=by_source)
 
-    return {"base": base, "by_source": by_source, "alone": evaluate(alone), "replay": evaluate(replay)}
+    alone_only = ev.evaluate_cpt(base, alone, heldout_records(domain), "text", 64, EvalConfig(), by_source=heldout_by_source(domain),
+                                 heldout_only=heldout_only_names(domain))
+    return {"base": base, "by_source": by_source, "alone": evaluate(alone), "replay": evaluate(replay), "domain": domain, "alone_only": alone_only}
 
 
 def test_per_source_perplexity_is_each_sources_own_held_out_set(runs):
@@ -99,6 +109,29 @@ def test_the_forgetting_gate_fails_without_replay_and_passes_with_it(runs):
     assert rows["CPT held-out perplexity: general"]["gate"] == "FAIL" and rows["CPT held-out perplexity: domain"]["gate"] == "pass"
     names = {r.dataset_name for r in gv.eval_results_for_card({"cpt": runs["replay"]}, "m")}
     assert {"CPT held-out of source general", "CPT held-out of source domain"} <= names
+
+
+def test_a_held_out_only_source_measures_forgetting_without_replay(runs):
+    domain, m = runs["domain"], runs["alone_only"]
+    # Its records are the held-out set's, never the training data's: the shards and the index's
+    # sources are those of the same corpus prepared without it (every shard reused, nothing tokenized).
+    index = json.loads((domain / "index.json").read_text())
+    again = prepare([Source("domain", DOMAIN)], domain.parent / "random", domain, kind="cpt", field="text", seq_len=64, heldout_fraction=0.1)
+    assert again.tokenized == [] and {k: v for k, v in index.items() if k != "heldout_sources"} == again.index
+    assert [(s["name"], s["records"]) for s in index["heldout_sources"]] == [("general", len(runs["by_source"]["general"]))]
+    # evaluate_cpt measures it like a trained source (the same numbers as the mixture's general held-out split, the same records).
+    assert set(m["sources"]) == {"domain", "general"} and m["sources"]["general"]["held_out_only"] is True
+    assert "held_out_only" not in m["sources"]["domain"] and m["sources"]["domain"]["perplexity_change_pct"] < -50
+    for side in ("base", "cpt"):
+        assert m["sources"]["general"][side]["loss"] == pytest.approx(runs["alone"]["sources"]["general"][side]["loss"], rel=1e-9)
+    # The gate limits it by name: domain alone at a high learning rate fails on the general text, naming source and limit.
+    v = gv.gate_verdict(GateConfig(cpt_max_ppl_increase_pct={"general": 25.0}, **ONLY_GENERAL), m, None)
+    assert [c["check"] for c in v["checks"] if not c["ok"]] == ["cpt_perplexity:general"]
+    assert v["reasons"][0].startswith("source 'general': CPT held-out perplexity") and "allowed at most +25% by gate.cpt_max_ppl_increase_pct.general" in v["reasons"][0]
+    rows = {r["metric"]: r for r in gv.metrics_table(m, None, v)}
+    assert rows["CPT held-out perplexity: general (held out only, never trained on)"]["gate"] == "FAIL"
+    assert rows["CPT held-out perplexity: domain"]["gate"] == "pass"
+    assert "CPT held-out of source general (never trained on)" in {r.dataset_name for r in gv.eval_results_for_card({"cpt": m}, "m")}
 
 
 def test_unnamed_sources_must_not_get_worse_and_missing_ones_fail():

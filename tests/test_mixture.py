@@ -256,6 +256,64 @@ def test_prepare_names_the_source_that_matches_nothing_or_is_too_small(tokdir, t
         _cpt([Source("domain", dirs["big"], 0.7), Source("tiny", tiny, 0.3)], tokdir, tmp_path / "p3", PLAN)
 
 
+def test_prepare_names_a_bad_held_out_only_source(tokdir, three, tmp_path):
+    dirs, _ = three
+
+    def only(src):
+        return _cpt(dirs["big"], tokdir, tmp_path / "p", heldout_sources=[Source("general", src)])
+
+    with pytest.raises(InputError, match=r"eval.heldout_sources\[0\] \(general\).uri: the glob '.*nothing-\*.jsonl' matches no file"):
+        only(str(tmp_path / "nothing-*.jsonl"))
+    with pytest.raises(InputError, match=r"eval.heldout_sources\[0\] \(general\).uri: .*part-0.jsonl' is also a file of trained source 'main'; "
+                                         r"a held-out-only source must be text the stage never trains on"):
+        only(dirs["big"])
+    short = _write(tmp_path / "short.jsonl", [{"text": "too short"}])
+    with pytest.raises(PrepareError, match=r"eval.heldout_sources\[0\] \(general\).uri: 1 records, \d+ tokens, fewer than one block of seq_len=32"):
+        only(short)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
+    with pytest.raises(PrepareError, match=r"eval.heldout_sources\[0\] \(general\).uri: .*bad.jsonl:2: no string field 'text'"):
+        only(str(bad))
+    with pytest.raises(PrepareError, match="held-out-only sources are evaluated by perplexity, a CPT stage's"):
+        prepare(str(SFT), tokdir, tmp_path / "sft", kind="sft", field="messages", seq_len=64, heldout_sources=[Source("general", short)])
+
+
+@pytest.mark.parametrize("where, value, field, words", [
+    ("cpt", [{"name": "main", "uri": "g.jsonl"}], "cpt.eval.heldout_sources[0].name", "'main' is also a trained source (cpt.data.uri, the one source named 'main')"),
+    ("cpt", [{"name": "g", "uri": "g.jsonl"}, {"name": "g", "uri": "h.jsonl"}], "cpt.eval", "the name 'g' is given twice"),
+    ("cpt", [], "cpt.eval", "eval.heldout_sources is empty"),
+    ("sft", [{"name": "g", "uri": "g.jsonl"}], "sft.eval.heldout_sources", "SFT evaluation has none"),
+])
+def test_bad_held_out_only_sources_are_refused_naming_the_field(tmp_path, where, value, field, words):
+    raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
+    raw[where].setdefault("eval", {})["heldout_sources"] = value
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw)
+    assert any(f == field and words in msg for f, msg in info.value.problems), info.value.problems
+
+
+def test_held_out_only_sources_in_the_gate_and_beside_a_mixture(tmp_path):
+    raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
+    raw["cpt"]["eval"] = {"heldout_sources": [{"name": "general", "uri": "g.jsonl"}]}
+    raw["gate"]["cpt_max_ppl_increase_pct"] = {"general": 5.0, "main": -1.0}  # one trained source: a mapping needs held-out-only ones
+    assert [s.name for s in parse_config(raw).cpt.eval.heldout_sources] == ["general"]
+    raw["gate"]["cpt_max_ppl_increase_pct"] = {"genral": 5.0}
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw)
+    assert info.value.problems == [("gate.cpt_max_ppl_increase_pct.genral", "no CPT source is named 'genral' (cpt.data.uri: main; cpt.eval.heldout_sources: general)")]
+    raw["gate"]["cpt_max_ppl_increase_pct"] = {"general": 5.0}
+    raw["cpt"]["eval"]["heldout_fraction"] = 0
+    with pytest.raises(ConfigError, match="evaluate_cpt does not run without the stage's own held-out set"):
+        parse_config(raw)
+    raw = _raw(tmp_path, [{"name": "domain", "uri": "a.jsonl", "weight": 0.7}, {"name": "general", "uri": "b.jsonl", "weight": 0.3}])
+    raw["cpt"]["eval"] = {"heldout_uri": "h.jsonl", "heldout_fraction": 0, "heldout_sources": [{"name": "web", "uri": "w.jsonl"}, {"name": "general", "uri": "g.jsonl"}]}
+    raw["gate"]["cpt_max_ppl_increase_pct"] = {"web": 5.0, "domain": 0.0}
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw)
+    assert [f for f, _ in info.value.problems] == ["cpt.eval.heldout_sources[1].name", "gate.cpt_max_ppl_increase_pct.domain"], info.value.problems
+    assert "has no held-out records of its own under one cpt.eval.heldout_uri" in info.value.problems[1][1]
+
+
 def test_main_source_name_is_the_configs():
     from tasks.core.config.schema import MAIN_SOURCE
     from tasks.core.data.prepare import MAIN_SOURCE as PREPARED
@@ -289,8 +347,12 @@ def test_preflight_names_a_missing_source_and_warns_of_a_repeated_one(tiny_model
     assert exact / 1.5 < estimated < exact * 1.5, (estimated, exact)
 
     raw["cpt"]["data"]["sources"][1]["uri"] = str(tmp_path / "nothing-*.jsonl")
+    raw["cpt"]["eval"] = {"heldout_sources": [{"name": "web", "uri": str(tmp_path / "none-*.jsonl")}, {"name": "small", "uri": small}]}
     report = preflight_report(load_for_check(write_config(tmp_path / "bad.yaml", raw)), machine=machine, token_present=None)
     assert [msg for f, msg in report.problems if f == "cpt.data.sources[1] (small).uri"] == [f"the glob '{tmp_path}/nothing-*.jsonl' matches no file; check the pattern and that the files exist"]
+    # A held-out-only source: its URI named by its field, its name clashing with a trained source refused.
+    assert [msg for f, msg in report.problems if f == "cpt.eval.heldout_sources[0] (web).uri"] == [f"the glob '{tmp_path}/none-*.jsonl' matches no file; check the pattern and that the files exist"]
+    assert [f for f, _ in report.problems if f.startswith("cpt.eval.heldout_sources[1]")] == ["cpt.eval.heldout_sources[1].name"], report.problems
 
 
 def test_split_record_and_card_show_the_mixture(tokdir, tmp_path):
@@ -305,14 +367,19 @@ def test_split_record_and_card_show_the_mixture(tokdir, tmp_path):
     cfg = parse_config(raw)
     d = cfg.cpt.data
     sources = [Source(s.name, [str(REPO / u) for u in s.uris], s.weight) for s in d.source_list]
+    web = _write(tmp_path / "web.jsonl", _records(CPT)[:8])  # a held-out-only source (its text is no other's file)
     prepare(sources, tokdir, tmp_path / "prep", kind="cpt", field="text", seq_len=cfg.cpt.seq_len, heldout_fraction=0.05,
-            blend_plan=BlendPlan(cfg.cpt.max_steps, 4, cfg.cpt.seed))
+            blend_plan=BlendPlan(cfg.cpt.max_steps, 4, cfg.cpt.seed), heldout_sources=[Source("web", web)])
     split = split_info(tmp_path / "prep", corpus_of(d))
+    assert [(s["name"], s["records"], s["inputs"][0]["uri"]) for s in split["heldout_sources"]] == [("web", 8, web)]
     assert split["data_uri"] == {"domain": "data/sample/cpt.jsonl", "general": "data/sample/general.jsonl"}
     assert [(s["name"], s["weight"], s["token_share"]) for s in split["sources"]] == [("domain", 0.7, 0.7), ("general", 0.3, 0.3)]
     assert all(s["heldout_records"] > 0 for s in split["sources"])  # the hash split holds out records of every source
     card = model_card(cfg, {}, {"cpt": {"split": split}})
     assert "CPT mixture (blended once for the planned steps):" in card
     assert "| general | 0.300 | 0.3000 |" in card and "| domain | 0.700 | 0.7000 |" in card
+    web_sha = split["heldout_sources"][0]["inputs"][0]["checksum"]
+    assert "CPT held-out-only sources (evaluated base vs CPT, never trained on):" in card
+    assert f"| web | `web.jsonl` | `{web_sha}` | 8 | {split['heldout_sources'][0]['tokens']:,} |" in card
     metrics = {"cpt": {"split": split, "base": {"perplexity": 9.0}, "cpt": {"perplexity": 3.0}}}
     assert eval_results_for_card(metrics, "m")  # a mixture's corpus (a mapping) names the held-out set after the stage

@@ -117,11 +117,43 @@ def gate_problems(cfg: RunConfig) -> list[Problem]:
     limits = g.cpt_max_ppl_increase_pct
     if isinstance(limits, dict):  # per source: each one measured on its own held-out records
         data, names = cfg.cpt.data, [s.name for s in cfg.cpt.data.source_list]
-        if not data.mixture:
-            out.append(("gate.cpt_max_ppl_increase_pct", "a mapping of limits per source needs a cpt.data.sources mixture; give one number for the held-out set"))
-        elif cfg.cpt.eval.heldout_uri:
+        only = [s.name for s in cfg.cpt.eval.heldout_sources or ()]
+        split_per_source = not (data.mixture and cfg.cpt.eval.heldout_uri)  # one heldout_uri cannot be told apart by trained source
+        if not data.mixture and not only:
+            out.append(("gate.cpt_max_ppl_increase_pct", ("a mapping of limits per source needs a cpt.data.sources mixture or cpt.eval.heldout_sources; "
+                                                         "give one number for the held-out set")))
+            return out
+        if not split_per_source and not only:
             out.append(("gate.cpt_max_ppl_increase_pct", "limits per source need the hash split of each source (cpt.eval.heldout_fraction), not one cpt.eval.heldout_uri"))
-        out += [(f"gate.cpt_max_ppl_increase_pct.{k}", f"no CPT source is named {k!r} (cpt.data.sources: {', '.join(names)})") for k in limits if data.mixture and k not in names]
+        known = f"cpt.data.sources: {', '.join(names)}" if data.mixture else f"cpt.data.uri: {names[0]}"
+        known += f"; cpt.eval.heldout_sources: {', '.join(only)}" if only else ""
+        for k in limits:
+            if k in names and not split_per_source:
+                out.append((f"gate.cpt_max_ppl_increase_pct.{k}", (f"trained source {k!r} has no held-out records of its own under one cpt.eval.heldout_uri; "
+                                                                  "use the hash split (cpt.eval.heldout_fraction) or limit only cpt.eval.heldout_sources")))
+            elif k not in names and k not in only:
+                out.append((f"gate.cpt_max_ppl_increase_pct.{k}", f"no CPT source is named {k!r} ({known})"))
+    return out
+
+
+def heldout_source_problems(cfg: RunConfig) -> list[Problem]:
+    """Held-out-only sources: CPT only, measured beside the stage's own held-out set, named apart from what is trained."""
+    out: list[Problem] = []
+    if cfg.sft.eval.heldout_sources:
+        out.append(("sft.eval.heldout_sources", ("held-out-only sources are measured by evaluate_cpt (perplexity per source); SFT evaluation has none: "
+                                                "remove it, or move it to cpt.eval.heldout_sources")))
+    ev = cfg.cpt.eval
+    if not ev.heldout_sources:
+        return out
+    if not ev.enabled:
+        out.append(("cpt.eval.heldout_sources", ("evaluate_cpt does not run without the stage's own held-out set (cpt.eval.heldout_fraction is 0 and no "
+                                                "heldout_uri is set); give one")))
+    trained = [s.name for s in cfg.cpt.data.source_list]
+    for i, s in enumerate(ev.heldout_sources):
+        if s.name in trained:
+            where = "cpt.data.sources" if cfg.cpt.data.mixture else "cpt.data.uri, the one source named"
+            out.append((f"cpt.eval.heldout_sources[{i}].name", (f"{s.name!r} is also a trained source ({where} {s.name!r}); a held-out-only source "
+                                                               "needs a name of its own: rename it")))
     return out
 
 
@@ -142,11 +174,11 @@ def hub_problems(cfg: RunConfig) -> list[Problem]:
 
 
 def static_problems(cfg: RunConfig) -> list[Problem]:
-    """Every rule across fields that the config alone decides: each stage's layout, the gate, the Hub push."""
+    """Every rule across fields that the config alone decides: each stage's layout, the held-out-only sources, the gate, the Hub push."""
     problems: list[Problem] = []
     for stage in ("cpt", "sft"):
         problems += plugin_problems(getattr(cfg, stage), stage)
-    return problems + gate_problems(cfg) + hub_problems(cfg)
+    return problems + heldout_source_problems(cfg) + gate_problems(cfg) + hub_problems(cfg)
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:

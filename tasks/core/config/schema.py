@@ -212,6 +212,19 @@ class DataConfig(Frozen):
         return [u for s in self.source_list for u in s.uris]
 
 
+class HeldoutSource(Frozen):
+    """A held-out-only source (`cpt.eval.heldout_sources`): text evaluated, never trained on."""
+
+    name: str = Field(pattern=SOURCE_NAME, description=(
+        "The source's name: it labels its perplexity in metrics.json, run.json, the evaluation table and the card, and its limit in "
+        "gate.cpt_max_ppl_increase_pct."))
+    uri: str | list[str] = Field(description="What data.uri accepts: one file, a glob, a directory or a list of those, on any fsspec URI; records with data.text_field.")
+
+    @property
+    def uris(self) -> list[str]:
+        return [self.uri] if isinstance(self.uri, str) else list(self.uri)
+
+
 class EvalConfig(Frozen):
     heldout_uri: str | None = Field(default=None, description=(
         "fsspec URI or path of this stage's held-out set (same format and fields as the training data). "
@@ -226,6 +239,20 @@ class EvalConfig(Frozen):
         "Dtype both models of a comparison (and the generation check's model) are loaded in for evaluation, the same on both sides so the "
         "comparison is fair. null: export.dtype on a GPU worker (bf16 by default), fp32 on CPU. A model that does not fit the first GPU "
         "is spread over the visible GPUs (tasks/core/evaluation/placement.py)."))
+    heldout_sources: list[HeldoutSource] | None = Field(default=None, description=(
+        "CPT only: sources evaluated but never trained on, [{name, uri}], e.g. general text, to measure forgetting without replaying "
+        "it. prepare_cpt checks and tokenizes them into data/cpt/ beside the held-out split (never into the blend); evaluate_cpt "
+        "reports base vs CPT perplexity on each, like each trained source; gate.cpt_max_ppl_increase_pct may limit each by name."))
+
+    @model_validator(mode="after")
+    def _distinct_names(self) -> EvalConfig:
+        names = [s.name for s in self.heldout_sources or ()]
+        if self.heldout_sources is not None and not names:
+            raise ValueError("eval.heldout_sources is empty: list at least one {name, uri}, or leave it out")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"eval.heldout_sources: the name {twice[0]!r} is given twice; each source needs its own name")
+        return self
 
     @property
     def enabled(self) -> bool:

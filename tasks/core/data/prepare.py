@@ -7,7 +7,8 @@ Output (`out_dir`): `shards/<key>/` per input file (see shard.py) and `index.jso
 listing the files in input order with their shard, counts and the split, and `sources`: each
 source's files, weight and training samples and tokens. A mixture (more than one source, with a
 `BlendPlan`) also gets `blend.items`, the blended stream of the planned steps (tasks/core/data/blend.py),
-and each source's realized share and epochs in `sources`. The index is a pure
+and each source's realized share and epochs in `sources`; held-out-only sources (CPT) their checked
+records in `heldout-sources/` and a row each in `heldout_sources` (tasks/core/data/heldout_only.py). The index is a pure
 function of the inputs, the tokenizer and the spec (no times, no host names), so its digest can be
 the stage's skip rule. Shards of files that left the corpus stay in `shards/` (a cache keyed by
 content) until `prune=True`. A cached shard is reused only when every file of it still has the
@@ -35,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from tasks.core.data import heldout_only
 from tasks.core.data.blend import BLEND_FILE, BlendPlan, Source, blend
 from tasks.core.data.index import INDEX, PrepareError, tokenizer_fingerprint
 from tasks.core.data.inputs import InputError, InputFile, resolve_inputs
@@ -59,6 +61,8 @@ class Plan:
     sources: list[Source] = field(default_factory=list)
     ranges: list[tuple[int, int]] = field(default_factory=list)  # each source's inputs[a:b]
     blend: BlendPlan | None = None  # the planned steps a mixture is blended for
+    heldout_only: list[Source] = field(default_factory=list)  # eval.heldout_sources: evaluated, never trained on
+    heldout_only_inputs: list[list[InputFile]] = field(default_factory=list)
 
 
 @dataclass
@@ -110,14 +114,19 @@ def resolve_sources(sources: list[Source]) -> tuple[list[InputFile], list[tuple[
 def plan(
     uri: str | Sequence[str] | Sequence[Source], tokenizer_dir: str | Path, out_dir: str | Path, *, kind: str, field: str, seq_len: int,
     heldout_fraction: float = 0.0, heldout_uri: str | Sequence[str] | None = None, on_bad_record: str = "error",
-    max_bad_records: int = 100, max_record_chars: int = 1 << 24, blend_plan: BlendPlan | None = None,
+    max_bad_records: int = 100, max_record_chars: int = 1 << 24, blend_plan: BlendPlan | None = None, heldout_sources: Sequence[Source] = (),
 ) -> Plan:
-    """`uri`: data.uri's value, or the sources of a mixture; `blend_plan`: the steps a mixture is blended for."""
+    """`uri`: data.uri's value, or the sources of a mixture; `blend_plan`: the steps a mixture is blended for;
+    `heldout_sources`: held-out-only sources (tasks/core/data/heldout_only.py), CPT only."""
     out = Path(out_dir)
     sources = as_sources(uri)
     if len(sources) > 1 and blend_plan is None:
         raise PrepareError(f"{len(sources)} sources ({', '.join(s.name for s in sources)}) need a BlendPlan: the steps their blend is made for")
+    if heldout_sources and kind != "cpt":
+        raise PrepareError("eval.heldout_sources: held-out-only sources are evaluated by perplexity, a CPT stage's; remove them from the SFT stage")
     inputs, ranges = resolve_sources(sources)
+    owner = {inputs[j].uri: s.name for s, (a, b) in zip(sources, ranges) for j in range(a, b)}
+    only_inputs = heldout_only.resolve(heldout_sources, owner)
     if heldout_fraction and heldout_uri:
         raise PrepareError("give eval.heldout_uri or eval.heldout_fraction, not both (set heldout_fraction: 0 when heldout_uri is set)")
     held_inputs = resolve_inputs(heldout_uri) if heldout_uri else []
@@ -137,7 +146,8 @@ def plan(
             todo.append(i)
     if todo and kind == "cpt":
         freeze_encoder(str(tokenizer_dir), out, spec.tokenizer_sha256)  # workers then need no transformers
-    return Plan(out, str(tokenizer_dir), spec, inputs, keys, todo, held_inputs, dropped, sources, ranges, blend_plan if len(sources) > 1 else None)
+    return Plan(out, str(tokenizer_dir), spec, inputs, keys, todo, held_inputs, dropped, sources, ranges, blend_plan if len(sources) > 1 else None,
+                list(heldout_sources), only_inputs)
 
 
 def _init_worker() -> None:
@@ -341,6 +351,8 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
             "cpt_blocks": sum(t["samples_available"] for t in sources) if spec.kind == "cpt" else None,  # blocks never straddle two sources
         },
     }
+    if p.heldout_only:  # only then: an index without them keeps the bytes (and digest) it had before they existed
+        index["heldout_sources"] = heldout_only.write(p.out_dir, p.heldout_only, p.heldout_only_inputs, tok, spec.field, spec.seq_len, spec.max_record_chars)
     _write_atomic(p.out_dir / INDEX, (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
     return index
 

@@ -8,7 +8,7 @@
   (a different tokenizer is refused naming both) and every token id must fit its vocabulary.
 - `heldout_records`: the held-out records evaluation runs on, as prepare_data decided them in its
   one streaming pass (no second read of the corpus, no second split); `heldout_by_source`: the
-  same, per source of a mixture.
+  same, per source of a mixture, and the held-out-only sources' records (eval.heldout_sources).
 - `split_info` / `record_split` / `recorded_split`: the split record kept beside the stage's
   checkpoints (`<run_root>/<stage>/data-split.json`) and copied into the manifests made from it.
 """
@@ -68,12 +68,16 @@ def corpus_of(data_cfg: Any) -> str | list[str] | dict[str, str | list[str]]:
 
 def split_info(data_dir: Path, data_uri: str | list[str] | dict[str, Any]) -> dict[str, Any]:
     """The split record of a prepared stage: method, counts, the corpus it was made from (`corpus_of`)
-    and, per source, its weight, what the planned steps take of it and its held-out records."""
+    and, per source, its weight, what the planned steps take of it and its held-out records; the
+    held-out-only sources with their records, tokens and files."""
     index = read_index(data_dir)
     t = index["totals"]
     keep = ("name", "weight", "token_share", "epochs", "tokens_available", "heldout_records")
+    only = [{"name": s["name"], "records": s["records"], "tokens": s["tokens"], "inputs": [{k: f[k] for k in ("uri", "size", "checksum")} for f in s["inputs"]]}
+            for s in index.get("heldout_sources") or []]
     return {
         "sources": [{k: s[k] for k in keep if k in s} for s in index.get("sources") or []],
+        **({"heldout_sources": only} if only else {}),
         "data_uri": data_uri, "files": t["files"], "prepared": str(data_dir), "tokenizer_sha256": index["tokenizer_sha256"],
         **index["split"], "train_records": t["train_records"], "heldout_records": t["heldout_records"],
         "dropped_no_labels": t["dropped_no_labels"], "skipped": t["skipped"],
@@ -99,22 +103,37 @@ def heldout_records(data_dir: Path) -> list[dict]:
     return list(iter_heldout(data_dir))
 
 
+def _read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
 def heldout_by_source(data_dir: Path) -> dict[str, list[dict]] | None:
-    """Each source's held-out records, split off its own files by the hash split (a mixture's
-    per-source evaluation); None for one source or a held-out file of the stage's own (eval.heldout_uri)."""
+    """Each source's held-out records: a trained source's split off its own files by the hash split,
+    then each held-out-only source's (eval.heldout_sources), in that order. None when there is no
+    more than the pooled set: one trained source and no held-out-only one. Under eval.heldout_uri a
+    mixture's trained sources have no records of their own (only held-out-only ones are listed);
+    one trained source's are that file's."""
     data_dir = Path(data_dir)
     index = read_index(data_dir)
-    sources = index.get("sources") or []
-    if len(sources) < 2 or index["split"]["method"] == "heldout-uri":
+    sources, only = index.get("sources") or [], index.get("heldout_sources") or []
+    by_file = index["split"]["method"] == "heldout-uri"
+    if not only and (len(sources) < 2 or by_file):
         return None
     out: dict[str, list[dict]] = {}
-    for src in sources:
+    if by_file and len(sources) == 1:
+        out[sources[0]["name"]] = _read_jsonl(data_dir / HELDOUT_SET)
+    for src in [] if by_file else sources:
         a, b = src["files"]
-        out[src["name"]] = []
-        for f in index["files"][a:b]:
-            with open(data_dir / f["shard"] / HELDOUT_SET, encoding="utf-8") as fh:
-                out[src["name"]] += [json.loads(line) for line in fh if line.strip()]
+        out[src["name"]] = [rec for f in index["files"][a:b] for rec in _read_jsonl(data_dir / f["shard"] / HELDOUT_SET)]
+    for src in only:
+        out[src["name"]] = _read_jsonl(data_dir / src["file"])
     return out
+
+
+def heldout_only_names(data_dir: Path) -> list[str]:
+    """The held-out-only sources of a prepared stage (never trained on), in config order."""
+    return [s["name"] for s in read_index(Path(data_dir)).get("heldout_sources") or []]
 
 
 def record_split(store: RunStore, stage: str, info: dict[str, Any]) -> None:

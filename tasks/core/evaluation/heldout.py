@@ -174,8 +174,9 @@ def _pct(after: float, before: float) -> float:
 def evaluate_cpt(base_dir: Path, cpt_dir: Path, heldout: Sequence[dict], text_field: str, seq_len: int, cfg: EvalConfig, trust_remote_code: bool = False,
                  by_source: dict[str, Sequence[dict]] | None = None, heldout_only: Collection[str] = ()) -> dict[str, Any]:
     """Held-out loss and perplexity of the base model and of the CPT model on the CPT held-out set;
-    with `by_source` (a mixture: each source's held-out records), also on each source's own, in
-    `sources` (a source with too little held-out text for one block says so in `skipped`)."""
+    with `by_source` (each source's held-out records), also on each source's own, in `sources` (a
+    source with too little held-out text for one block says so in `skipped`); the names in
+    `heldout_only` (eval.heldout_sources, never trained on) are marked `held_out_only`."""
     started = time.monotonic()
     cfg = resolved(cfg)
     same_tokenizer(base_dir, cpt_dir)
@@ -192,6 +193,8 @@ def evaluate_cpt(base_dir: Path, cpt_dir: Path, heldout: Sequence[dict], text_fi
     base, cpt = pairs[""]
     batch = batches[""]
     sources = {name: {"skipped": skipped[name]} if name in skipped else _change(*pairs[f"source:{name}"]) for name in (by_source or {})}
+    for name in heldout_only:
+        sources[name]["held_out_only"] = True
     return {
         **({"sources": sources} if by_source else {}),
         "base": _lp(base),

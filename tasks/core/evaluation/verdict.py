@@ -5,7 +5,8 @@ evaluation table artifact, the model card's model-index).
 print(gate_verdict(GateConfig(sft_loss_must_improve=False, generation_must_stop=False), {'base': {'perplexity': 9.0}, 'cpt': {'perplexity': 3.0}, 'perplexity_change_pct': -66.7}, None))"
 
 Pure: the metrics come from `tasks.core.evaluation.heldout` (evaluate_cpt, evaluate_sft). A
-mixture's CPT metrics carry `sources` ({name: base vs CPT on that source's held-out records});
+mixture's CPT metrics carry `sources` ({name: base vs CPT on that source's held-out records}), and
+so does a stage with held-out-only sources (cpt.eval.heldout_sources, marked `held_out_only`);
 `gate.cpt_max_ppl_increase_pct` as a mapping is then a limit per source (the forgetting check:
 a replayed general source may not get worse by more than its limit), every source it does not
 name held to 0 (no worse than the base), as the number's default holds the pooled set.
@@ -101,10 +102,11 @@ def metrics_table(cpt: dict | None, sft: dict | None, verdict: dict | None) -> l
         rows.append({"metric": "CPT held-out loss", "before": f"base {_fmt(cpt['base']['loss'])}", "after": f"CPT {_fmt(cpt['cpt']['loss'])}",
                      "change": f"{cpt['cpt']['loss'] - cpt['base']['loss']:+.4f}", "gate": ""})
         for name, m in (cpt.get("sources") or {}).items():
+            metric = f"CPT held-out perplexity: {name}" + (" (held out only, never trained on)" if m.get("held_out_only") else "")
             if m.get("base") is None:
-                rows.append({"metric": f"CPT held-out perplexity: {name}", "before": "", "after": "", "change": m.get("skipped", ""), "gate": verdict_of(f"cpt_perplexity:{name}")})
+                rows.append({"metric": metric, "before": "", "after": "", "change": m.get("skipped", ""), "gate": verdict_of(f"cpt_perplexity:{name}")})
                 continue
-            rows.append({"metric": f"CPT held-out perplexity: {name}", "before": f"base {_fmt(m['base']['perplexity'])}", "after": f"CPT {_fmt(m['cpt']['perplexity'])}",
+            rows.append({"metric": metric, "before": f"base {_fmt(m['base']['perplexity'])}", "after": f"CPT {_fmt(m['cpt']['perplexity'])}",
                          "change": f"{m['perplexity_change_pct']:+.2f}%", "gate": verdict_of(f"cpt_perplexity:{name}")})
     if sft:
         rows.append({"metric": "SFT held-out loss (assistant tokens)", "before": f"pre-SFT {_fmt(sft['pre_sft']['loss'])}", "after": f"SFT {_fmt(sft['sft']['loss'])}",
@@ -147,7 +149,7 @@ def eval_results_for_card(metrics: dict[str, Any], model_name: str | None = None
         add(ds, "perplexity", round(cpt["base"]["perplexity"], 4), "held-out perplexity of the base model")
         for name, m in (cpt.get("sources") or {}).items():
             if m.get("base") is not None:
-                src = (name, f"CPT held-out of source {name}")
+                src = (name, f"CPT held-out of source {name}" + (" (never trained on)" if m.get("held_out_only") else ""))
                 add(src, "perplexity", round(m["cpt"]["perplexity"], 4), f"held-out perplexity of source {name} after CPT")
                 add(src, "perplexity", round(m["base"]["perplexity"], 4), f"held-out perplexity of source {name}, base model")
     return out

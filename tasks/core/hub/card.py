@@ -189,6 +189,14 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
                           "| source | weight | realized token share | epochs | training tokens available | held-out records |", "|---|---|---|---|---|---|"]
             data_rows += [f"| {s['name']} | {s.get('weight', 1):.3f} | {s.get('token_share', 1):.4f} | {_num(s.get('epochs'), '{:.3f}')} | "
                           f"{_num(s.get('tokens_available'))} | {_num(s.get('heldout_records'))} |" for s in sources]
+        only = (facts.get(stage, {}).get("split") or {}).get("heldout_sources") or []
+        if only:  # cpt.eval.heldout_sources: the forgetting check's text, evaluated only
+            data_rows += ["", f"{stage.upper()} held-out-only sources (evaluated base vs {stage.upper()}, never trained on):", "",
+                          "| source | dataset | checksum | records | tokens |", "|---|---|---|---|---|"]
+            for s in only:
+                names = "<br>".join(f"`{_data_name(i['uri'])}`" for i in s["inputs"])
+                sums = "<br>".join(f"`{i['checksum']}`" for i in s["inputs"])
+                data_rows.append(f"| {s['name']} | {names} | {sums} | {_num(s.get('records'))} | {_num(s.get('tokens'))} |")
 
     evaluation = "not recorded."
     table = metrics_table((metrics or {}).get("cpt"), (metrics or {}).get("sft"), None)

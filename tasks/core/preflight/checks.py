@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.config.layout import layout_problems
-from tasks.core.config.load import hub_problems, parse_fields, plugin_problems, read_raw_config
+from tasks.core.config.load import gate_problems, heldout_source_problems, hub_problems, parse_fields, plugin_problems, read_raw_config
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.config.tracking import FIELD as TRACKING_FIELD
@@ -97,8 +97,11 @@ def check_static_rules(ctx: CheckContext) -> None:
     for stage in ("cpt", "sft"):
         for where, msg in plugin_problems(getattr(ctx.cfg, stage), stage):
             ctx.problem(where, msg)
+    for where, msg in heldout_source_problems(ctx.cfg) + gate_problems(ctx.cfg):  # what load_config refuses, in the one report
+        ctx.problem(where, msg)
     if len(ctx.report.problems) == before:
-        ctx.ok("static config rules: plugin/ZeRO/precision combinations, world size multiple of tp*pp, pipeline micro-batches >= pp")
+        ctx.ok("static config rules: plugin/ZeRO/precision combinations, world size multiple of tp*pp, pipeline micro-batches >= pp, "
+               "held-out sets of the gate and of each source")
 
 
 def _stage_layout(ctx: CheckContext, name: str, stage: StageConfig) -> None:
@@ -269,6 +272,8 @@ def check_data(ctx: CheckContext) -> None:
             datasets.append((name, f"{name}.data.uri" if st.data.sources is None else f"{name}.data.sources[{i}] ({src.name}).uri", src.uris))
         if st.eval.heldout_uri:
             datasets.append((name, f"{name}.eval.heldout_uri", [st.eval.heldout_uri]))
+        for i, src in enumerate(st.eval.heldout_sources or ()):  # held out only: evaluated, never trained on
+            datasets.append((name, f"{name}.eval.heldout_sources[{i}] ({src.name}).uri", src.uris))
     for name, where, raw_uris in datasets:
         d = getattr(ctx.cfg, name).data
         # Every file is listed (a glob matching nothing, an empty directory, an unreadable file is
