@@ -105,7 +105,7 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
             raise ConversionError("export: " + "; ".join(problems))
         get_run_logger().info("export: %s", describe(v["stop_tokens"]))
         if lora:
-            v["adapter"] = _export_adapter(stage, sft, ckpt, source, out.dir, v["fingerprint_rtol"])
+            v["adapter"] = _export_adapter(stage, sft, ckpt, source, out.dir, v["fingerprint_rtol"], cfg.verify_memory_gb)
         (out.dir / VERIFICATION).write_text(json.dumps(v, indent=2, sort_keys=True) + "\n")
         out.manifest(
             kind="hf-export", parent=sft, fingerprint=built["fingerprint"], known_hashes=built["known_hashes"],
@@ -121,14 +121,14 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
     return stage.done({k: x for k, x in v.items() if k != "shapes"})
 
 
-def _export_adapter(stage: Stage, sft: StageResult, ckpt, base, export_dir, rtol: float) -> dict:
+def _export_adapter(stage: Stage, sft: StageResult, ckpt, base, export_dir, rtol: float, verify_memory_gb: float) -> dict:
     """export-adapter/: the checkpoint's adapter in peft's layout, proven against `export_dir`
     (before its manifest); returns the verification the export's record also carries."""
     from tasks.core.models.merge import ADAPTER
 
     base_ref = {"name_or_path": stage.store.uri(TRAINING["sft"].source), "digest": stage.store.manifest_digest(TRAINING["sft"].source)}
     with fresh_dir(stage.store.local_path(EXPORT_ADAPTER)) as tmp:
-        a = build_adapter_dir(ckpt / ADAPTER, tmp, base, export_dir, base_ref=base_ref, rtol=rtol)
+        a = build_adapter_dir(ckpt / ADAPTER, tmp, base, export_dir, base_ref=base_ref, rtol=rtol, verify_memory_gb=verify_memory_gb)
         (tmp / VERIFICATION).parent.mkdir(parents=True, exist_ok=True)
         (tmp / VERIFICATION).write_text(json.dumps(a, indent=2, sort_keys=True) + "\n")
         write_manifest(tmp, kind="lora-adapter", meta={"from_checkpoint": sft.uri, "base": base_ref, "verification": a},

@@ -43,11 +43,14 @@ def adapter_logits(adapter_dir: Path, base_dir: Path):
     return model_logits(PeftModel.from_pretrained(base, str(adapter_dir)).eval(), base.config.vocab_size)
 
 
-def build_adapter_dir(adapter_src: Path, dst: Path, base_dir: Path, export_dir: Path, *, base_ref: dict[str, str], rtol: float) -> dict[str, Any]:
+def build_adapter_dir(adapter_src: Path, dst: Path, base_dir: Path, export_dir: Path, *, base_ref: dict[str, str], rtol: float,
+                      verify_memory_gb: float | None = None) -> dict[str, Any]:
     """`dst` = the adapter of `adapter_src` (a checkpoint's adapter/) with `base_model_name_or_path`
     set to `base_ref["name_or_path"]`; returns its verification record against `export_dir`.
 
     `base_ref`: `name_or_path` (cpt/hf's URI: what AutoPeftModel loads) and `digest` (its manifest digest).
+    `verify_memory_gb`: the merged export's logits are streamed above it (hf_dir_logits); peft's
+    side holds the fp32 base whole, as the merge itself does.
     """
     missing = [n for n in ADAPTER_FILES if not (adapter_src / n).is_file()]
     if missing:
@@ -56,7 +59,7 @@ def build_adapter_dir(adapter_src: Path, dst: Path, base_dir: Path, export_dir: 
     config["base_model_name_or_path"] = base_ref["name_or_path"]
     (dst / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     shutil.copyfile(adapter_src / ADAPTER_WEIGHTS, dst / ADAPTER_WEIGHTS)
-    c = compare_logits(hf_dir_logits(export_dir), adapter_logits(dst, base_dir), rtol)
+    c = compare_logits(hf_dir_logits(export_dir, budget_gb=verify_memory_gb), adapter_logits(dst, base_dir), rtol)
     if not c["fingerprint_match"]:
         raise ConversionError(
             f"{dst}: peft's logits of this adapter on {base_dir} differ from the merged export {export_dir} "
