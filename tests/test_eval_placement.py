@@ -114,17 +114,33 @@ def test_accelerate_spreads_the_model_over_exactly_the_gpus_of_the_plan(tiny_mod
 
 # ---- GPU tier: evaluation across the visible GPUs ----------------------------------------------
 
+@pytest.fixture(scope="module")
+def cpt_records():
+    from tasks.core.data.records import read_records
+    from tests.conftest import REPO
+
+    return read_records(str(REPO / "data" / "sample" / "cpt.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def sft_records():
+    from tasks.core.data.records import read_records
+    from tests.conftest import REPO
+
+    return read_records(str(REPO / "data" / "sample" / "sft.jsonl"))
+
+
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible GPUs to spread over")
 
 
-def _squeezed(model_dir, dtype: str, tokens: int) -> list[int]:
-    """Each visible GPU's memory as the plan sees it, cut so that the model cannot fit one of them."""
+def _squeezed(model_dir, dtype: str) -> list[int]:
+    """Each visible GPU's memory as the plan sees it (with the forward counted as nothing), cut so
+    that the model cannot fit one of them but fits all of them."""
     size, n = where.safetensors_numel(model_dir) * where.DTYPE_BYTES[dtype], torch.cuda.device_count()
-    fwd = forward_bytes(json.loads((model_dir / "config.json").read_text()), dtype, tokens)
     share = math.ceil(size / n) + where.largest_block_numel(model_dir) * where.DTYPE_BYTES[dtype] + 1024
     assert share < size  # so the plan spreads
-    return [CUDA_RESERVE_BYTES + fwd + share] * n
+    return [CUDA_RESERVE_BYTES + share] * n
 
 
 @pytest.mark.gpu
@@ -147,8 +163,10 @@ def test_gpu_evaluation_spread_over_the_visible_gpus_gives_the_one_gpu_numbers(t
     one = ev.evaluate_cpt(tiny_model_dir, tiny_model_dir, held, "text", 64, cfg)
     chats = split_by_fraction(sft_records, 0.1).heldout
     gen_one, rows_one = ev.generation_check(tiny_model_dir, chats, "messages", max_new_tokens=8, num_prompts=3, dtype="fp32")
-    squeezed = _squeezed(tiny_model_dir, "fp32", 8 * 64)
-    monkeypatch.setattr(where, "visible_gpu_bytes", lambda: squeezed)  # GPUs as small as the model needs to spread
+    squeezed = _squeezed(tiny_model_dir, "fp32")
+    # GPUs as small as the tiny model needs to be spread (its forward, MBs, would not fit what is left)
+    monkeypatch.setattr(where, "visible_gpu_bytes", lambda: squeezed)
+    monkeypatch.setattr(where, "forward_bytes", lambda config, dtype, tokens: 0)
     spread = ev.evaluate_cpt(tiny_model_dir, tiny_model_dir, held, "text", 64, cfg)
     n = torch.cuda.device_count()
     assert one["device"] == "cuda:0" and spread["device"].startswith(f"cuda:0-{n - 1} (device_map auto")
@@ -159,6 +177,7 @@ def test_gpu_evaluation_spread_over_the_visible_gpus_gives_the_one_gpu_numbers(t
     assert [r["completion"] for r in rows] == [r["completion"] for r in rows_one]
     # what accelerate placed: layers on more than one GPU
     placed = where.place(tiny_model_dir, "fp32", 8 * 64)
+    assert placed.kind == "spread"
     model = ev.load_model(tiny_model_dir, "fp32", torch.device("cuda:0"), placement=placed)
     try:
         assert len({str(p.device) for p in model.parameters()}) > 1, model.hf_device_map

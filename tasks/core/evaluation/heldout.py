@@ -56,11 +56,11 @@ def load_model(model_dir: str | Path, dtype: str, device: torch.device, trust_re
                placement: where.Placement | None = None):
     """The model in `dtype`, on `device`, or where `placement` puts it (a GPU, or spread over the
     visible GPUs); a placement that fits nowhere is refused before anything is read."""
-    from transformers import AutoModelForCausalLM
-
     if placement is not None and placement.kind == "refused":
         raise ValueError(f"{model_dir} cannot be evaluated on this node's GPUs: {placement.problem}; set eval.dtype: bf16 (half of fp32), "
                          "a smaller eval.batch_size, or run the evaluation on a node with more GPU memory")
+    from transformers import AutoModelForCausalLM
+
     kwargs = dict(torch_dtype=_DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True)
     if placement is not None and placement.device_map is not None:  # straight onto the GPU(s), never whole in host memory
         return AutoModelForCausalLM.from_pretrained(model_dir, device_map=placement.device_map, max_memory=placement.max_memory or None, **kwargs).eval()
