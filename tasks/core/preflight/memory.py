@@ -376,6 +376,7 @@ TABLE_LAYOUTS: tuple[tuple[str, int, dict[str, Any], bool], ...] = (
     ("Llama-3-8B", 1, {"name": "hybrid_parallel", "zero_stage": 1}, False),
     ("Llama-3-8B", 1, {"name": "low_level_zero", "zero_stage": 2}, False),
     ("Llama-3-8B", 1, {"name": "low_level_zero", "zero_stage": 2}, True),
+    ("Llama-3-8B", 1, {"name": "low_level_zero", "zero_stage": 2, "cpu_offload": True}, True),
     ("Llama-3-8B", 1, {"name": "hybrid_parallel", "tp_size": 2, "zero_stage": 1}, False),
     ("Llama-3-8B", 1, {"name": "hybrid_parallel", "tp_size": 8}, False),
     ("Llama-3-8B", 1, {"name": "gemini"}, False),
@@ -390,6 +391,8 @@ TABLE_LAYOUTS: tuple[tuple[str, int, dict[str, Any], bool], ...] = (
     ("Llama-3-70B", 1, {"name": "gemini"}, True),
     ("Llama-3-70B", 2, {"name": "gemini"}, True),
     ("Llama-3-70B", 4, {"name": "gemini"}, True),
+    ("Llama-3-70B", 2, {"name": "hybrid_parallel", "tp_size": 8, "zero_stage": 1, "cpu_offload": True}, True),
+    ("Llama-3-70B", 1, {"name": "gemini", "offload_optim_frac": 1.0}, True),
 )
 
 
@@ -410,6 +413,7 @@ def table(gpu_gb: float = 80.0, gpus_per_node: int = 8, seq_len: int = 4096, mic
         p = st.plugin
         layout = p.name + "".join(f" {k}={getattr(p, k)}" for k in ("tp_size", "pp_size") if getattr(p, k) > 1)
         layout += f" zero={PLUGINS[p.name].zero_stage(p.zero_stage)} dp={st.launch.world_size // (p.tp_size * p.pp_size)}"
+        layout += "".join(f" {k}={v}" for k, v in plugin.items() if k in ("cpu_offload", "offload_optim_frac", "offload_param_frac"))
         fits = "yes" if est.device <= gpu_gb * GB else "no"
         out.append(f"| {model} | {nodes} | {layout} | {'on' if ckpt else 'off'} | {est.device / GB:.1f} GB | {fits} | "
                    f"{gpus_per_node * est.host_steady / GB:.0f} GB | {gpus_per_node * est.construction_host / GB:,.0f} GB |")
