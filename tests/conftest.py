@@ -195,12 +195,15 @@ class DemoRun:
 @pytest.fixture(scope="session")
 def demo_run(prefect_harness, mlflow_server, eos_doc_end_model, tmp_path_factory) -> DemoRun:
     """The whole flow once, through the CLI, on the tiny config (8 steps per stage, a checkpoint
-    every 4) and the eos-doc-end demo model, tracked to the session's MLflow server."""
+    every 4) and the eos-doc-end demo model, tracked to the session's MLflow server. CPT also
+    measures the sample general text as a held-out-only source (never trained on), so the run's
+    metrics, run.json and card carry a perplexity per source."""
     from flows.cpt_to_sft import main
 
     tmp = tmp_path_factory.mktemp("demo-run")
     raw = tiny_config_raw(eos_doc_end_model, tmp / "run")
     raw["tracking"] = {"mlflow": {"uri": mlflow_server.uri, "experiment": DEMO_EXPERIMENT}}
+    raw["cpt"]["eval"] = {"heldout_sources": [{"name": "general", "uri": str(REPO / "data" / "sample" / "general.jsonl")}]}
     cfg = write_config(tmp / "demo.yaml", raw)
     rc = main(["--config", str(cfg)])
     return DemoRun(tmp / "run", cfg, raw, rc, json.loads((tmp / "run" / "run.json").read_text()))

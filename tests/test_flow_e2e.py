@@ -344,6 +344,18 @@ def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(fin
                   f"torch {torch.__version__}", "colossalai 0.5.0", "transformers ", "bitwise", "`<|im_end|>` (4)"):
         assert words in card, words
     assert "| batching | full blocks | padded |" in card and "| median padding (share of computed tokens) | 0.0 % |" in card, card
+    # The held-out-only source (demo_run's cpt.eval.heldout_sources): measured base vs CPT beside the
+    # trained one, in metrics.json, run.json, the evaluation table (the card's) and the card's data.
+    cpt = summary["evaluation"]["cpt"]
+    assert cpt == json.loads((run_root / "eval/cpt/metrics.json").read_text())
+    general, main = cpt["sources"]["general"], cpt["sources"]["main"]
+    assert general["held_out_only"] is True and general["tokens"] > 0 and "held_out_only" not in main
+    assert main["cpt"] == cpt["cpt"] and main["base"] == cpt["base"]  # one trained source: its held-out set is the pooled one
+    row = f"| CPT held-out perplexity: general (held out only, never trained on) | base {general['base']['perplexity']:.4f} | CPT {general['cpt']['perplexity']:.4f} |"
+    assert row in card and "CPT held-out-only sources (evaluated base vs CPT, never trained on):" in card, card
+    assert "CPT held-out of source general (never trained on)" in card  # the model-index
+    index = json.loads((run_root / "data/cpt/index.json").read_text())
+    assert index["heldout_sources"][0]["file"] == "heldout-sources/general.jsonl" and (run_root / "data/cpt/heldout-sources/general.jsonl").is_file()
     snippet = re.search(r"```python\n(.*?)```", card, re.DOTALL).group(1)
     snippet = re.sub(r'model_id = ".*"', f"model_id = {str(run_root / 'export')!r}", snippet)
     out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=300, check=False)
