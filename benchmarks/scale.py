@@ -5,6 +5,9 @@ pre-flight estimate (tasks/core/preflight/memory.py).
     .venv/bin/python benchmarks/scale.py --smoke      # the demo-sized model, one plugin: seconds, same table
     .venv/bin/python benchmarks/scale.py --sizes 50M --plugins hp-tp2-fp32 --keep --workdir /tmp/scale
 
+The flow process's figures (the logits check whole vs streamed, the skip decision, a finished run
+re-run) come after the ranks' table, from benchmarks/flow_process.py at the same sizes (--no-flow: not).
+
 Per size, a seeded random Llama is written as an HF directory (in a child process), the CPT sample
 corpus is tokenized by the project's prepare step, and each plugin runs the two engine verbs a CPT
 stage runs, under torchrun with 2 CPU ranks, exactly as `tasks/core/launch/torchrun.py` launches them:
@@ -328,6 +331,7 @@ def main() -> None:
     ap.add_argument("--force", action="store_true", help="run a size even when the estimate says this machine's free memory cannot hold its ranks")
     ap.add_argument("--table-from", default=None, help="print the table of a --json file again (re-estimated), measuring nothing")
     ap.add_argument("--smoke", action="store_true", help="the ~0.1M-parameter model under hybrid_parallel tp=2 only, 2 steps: checks the script runs")
+    ap.add_argument("--no-flow", action="store_true", help="leave out the flow process's figures (benchmarks/flow_process.py)")
     a = ap.parse_args()
     if a.table_from:
         rows = json.loads(Path(a.table_from).read_text())
@@ -369,6 +373,9 @@ def main() -> None:
     print(f"wall {time.monotonic() - started:.0f} s; command: {' '.join([Path(sys.executable).name, *sys.argv])}")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1, default=str))
+    if not a.no_flow:
+        flow = [sys.executable, str(REPO / "benchmarks" / "flow_process.py"), *(["--smoke"] if a.smoke else ["--sizes", *a.sizes])]
+        subprocess.run(flow, check=True, cwd=str(REPO))
 
 
 def print_table(rows: list[dict], steps: int) -> None:

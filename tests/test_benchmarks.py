@@ -146,3 +146,10 @@ def test_mixture_smoke():
     assert set(rows) == {"big", "mid", "small"}, out[-3000:]
     assert all(float(r[3]) <= 0.01 for r in rows.values()), out[-3000:]  # the blend's shares hold at any size
     assert "prepare (s)" in out and "per-step data (ms)" in out and "command: python benchmarks/mixture.py --smoke" in out, out[-3000:]
+
+
+def test_flow_process_smoke():
+    out = smoke([PY, "benchmarks/flow_process.py", "--smoke"])
+    row = next(ln.split(" | ") for ln in out.splitlines() if ln.startswith("tiny | "))
+    assert row[12] == "yes", out[-3000:]  # streamed logits bitwise the whole model's, at any size
+    assert "skip decision by stamp:" in out and "command: python benchmarks/flow_process.py --smoke" in out, out[-3000:]

@@ -37,6 +37,7 @@ NOTHING_RERUNS = {
     "sft.data.tokenize.local_cluster": lambda raw: raw["sft"]["data"].update(tokenize={"local_cluster": {"n_workers": 3}}),
     "cpt.data.tokenize.dask_address": lambda raw: raw["cpt"]["data"].update(tokenize={"dask_address": "tcp://scheduler:8786"}),
     "cpt.max_pending_publishes": lambda raw: raw["cpt"].update(max_pending_publishes=7),
+    "verify_memory_gb": lambda raw: raw.update(verify_memory_gb=0.001),  # streamed logits checks: bitwise the same
     "cpt.data.max_source_epochs": lambda raw: raw["cpt"]["data"].update(max_source_epochs=3),  # a warning's threshold
     "sft.max_pending_publishes": lambda raw: raw["sft"].update(max_pending_publishes=7),
     # recomputation: bitwise the same losses and weights (tests/test_activation_checkpointing.py)
