@@ -58,6 +58,8 @@ RERUNS = {
     "sft.eval.dtype": (lambda raw: raw["sft"].update(eval={**raw["sft"].get("eval", {}), "dtype": "bf16"}), {"evaluate_sft"}),
     "gate.num_prompts": (lambda raw: raw["gate"].update(num_prompts=2), {"evaluate_sft"}),
     "cpt.data.text_field": (lambda raw: raw["cpt"]["data"].update(text_field="body"), {"prepare_cpt"} | CPT_AND_BELOW),
+    # held-out-only sources live in data/cpt/ beside the held-out split, so CPT re-runs: decide them before the run (README)
+    "cpt.eval.heldout_sources": (lambda raw: raw["cpt"].update(eval={"heldout_sources": [{"name": "general", "uri": "g.jsonl"}]}), {"prepare_cpt"} | CPT_AND_BELOW),
 }
 
 
