@@ -6,7 +6,8 @@
 JOB.json is described in tasks/engine/preconditions.py. Order of work, cheapest checks first: prefix this
 rank's output with `[rank N] `; read and validate the job; refuse plugins this machine cannot run
 (Gemini without CUDA) before any model is loaded; parse CPT_TO_SFT_FAULT (tasks/engine/faults.py);
-patch ColossalAI for CPU when CUDA is absent (tasks/engine/cpu_compat.py); init the process group
+import ColossalAI with torch.compile deferred to first use (tasks/engine/lazy_compile.py); patch
+ColossalAI for CPU when CUDA is absent (tasks/engine/cpu_compat.py); init the process group
 with `colossalai.launch_from_torch(seed=<stage seed>)`; run the verb (tasks/engine/loop.py).
 
 Exit status 0 on success, 1 with a message naming the problem on failure, written at level error
@@ -75,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         from tasks.engine.faults import Injector
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        from tasks.engine.lazy_compile import import_colossalai
+
+        # The first import of ColossalAI, without importing torch's compiler for functions this
+        # engine never calls (tasks/engine/lazy_compile.py): half of a rank's start-up CPU.
+        import_colossalai()
         patched: list[str] = []
         if not torch.cuda.is_available():
             from tasks.engine import cpu_compat
