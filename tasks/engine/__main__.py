@@ -18,6 +18,7 @@ configuration, manifest or data error. Never imports prefect.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -108,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
 
         from tasks.engine import loop
 
+        # What the imports built (about 360k objects: torch, transformers, ColossalAI) lives until the
+        # process exits; frozen, it is out of the collector's sight, so the full collections that come
+        # later (ColossalAI's plugin destructor calls gc.collect(), transformers between weight shards)
+        # scan only what the verb allocates: 0.2 s of CPU each, per rank, before.
+        gc.freeze()
         result = loop.shard(job, faults) if args.verb == "shard" else loop.train(job, faults)
         dist.barrier()
         if rank == 0:

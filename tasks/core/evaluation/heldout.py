@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import time
+import weakref
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
@@ -78,9 +79,13 @@ def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
 
-def _free(model) -> None:
-    del model
-    gc.collect()
+def _release(gone: weakref.ref) -> None:
+    """Give back what a model held once the caller has dropped its last name for it. A plain model
+    goes by refcount alone; one with reference cycles (accelerate's dispatch hooks bind each module's
+    forward to the module) needs the collector, whose full pass scans every object of a long-lived
+    process (seconds in a flow process that has run many stages), so it runs only then."""
+    if gone() is not None:
+        gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -158,7 +163,9 @@ def compare_many(reference_dir: Path, candidate_dir: Path, batches: dict[str, di
             for name, batch in batches.items():
                 out[name].append({**heldout_loss(model, batch, cfg.batch_size, device), "device": placed.describe()})
         finally:
-            _free(model)
+            gone = weakref.ref(model)
+            del model  # before the next model loads: one in memory at a time
+            _release(gone)
     return {name: (a, b) for name, (a, b) in out.items()}
 
 
@@ -339,7 +346,9 @@ def generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: s
                 "stop_token": tokenizer.convert_ids_to_tokens(new[-1]) if stopped else None,
             })
     finally:
-        _free(model)
+        gone = weakref.ref(model)
+        del model
+        _release(gone)
     stopped = sum(r["stopped"] for r in rows)
     problems = [eos_problem] if eos_problem else []
     if stopped < len(rows):
@@ -372,7 +381,9 @@ def evaluate_one(model_dir: Path, records: Sequence[dict], kind: str, field: str
         return {"model": str(model_dir), **heldout_loss(model, batch, cfg.batch_size, device), "sequences": int(batch["input_ids"].shape[0]), "seq_len": seq_len,
                 "dtype": cfg.dtype, "device": placed.describe()}
     finally:
-        _free(model)
+        gone = weakref.ref(model)
+        del model
+        _release(gone)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
