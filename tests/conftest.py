@@ -82,6 +82,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+    """Freeze what collection imported (torch, transformers, Prefect, every test module: about a
+    million objects, alive until the worker exits), so the collector's full passes over a long
+    worker (flows, conversions and evaluations run in this process) scan only what tests allocate."""
+    import gc
+
+    gc.freeze()
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
