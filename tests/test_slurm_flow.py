@@ -116,11 +116,10 @@ def test_flow_survives_its_own_death_and_completes_with_cpt_on_two_slurm_nodes(s
     from tasks.core.launch.slurm import SlurmCli
     from tasks.core.run.manifest import verify_artifact
 
-    # Enough steps that the job still trains when the re-run reaches train_cpt: a loaded machine
-    # takes a minute or more to start the flow again (at 60 steps the job once finished first, in a
-    # suite run where the other worker trained beside it, and the re-run had nothing to re-attach to).
-    config, run_root = _config(tmp_path, tiny_model_dir, "slurm-flow", cpt_steps=150)
+    steps = 20
+    config, run_root = _config(tmp_path, tiny_model_dir, "slurm-flow", cpt_steps=steps)
     log = tmp_path / "flow.log"
+    cli = SlurmCli()
     first = _flow(server, config, log)
     try:
         _, job_id = _wait_running_job(slurm_cluster, run_root / "cpt", ("train",), proc=first)
@@ -128,10 +127,14 @@ def test_flow_survives_its_own_death_and_completes_with_cpt_on_two_slurm_nodes(s
         deadline = time.monotonic() + 60
         while not seen.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
+        # The job is held (SUSPENDED: SIGSTOP to its steps, still an active job) until the re-run
+        # has re-attached, so the re-run always finds it training however long the flow takes to
+        # start again on a loaded machine (a job left running once finished first, and there was
+        # nothing to re-attach to).
+        cli.run("scontrol", "suspend", job_id)
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # the flow-run process dies; the Slurm job must not
         first.wait(timeout=30)
-    cli = SlurmCli()
     assert [j for j, _ in cli.queue()] == [job_id]
 
     queues: list[list[str]] = []
@@ -150,9 +153,15 @@ def test_flow_survives_its_own_death_and_completes_with_cpt_on_two_slurm_nodes(s
                               env=server.env(), capture_output=True, timeout=120, check=False).returncode == 0
         second = _flow(server, config, log)
         try:
+            deadline = time.monotonic() + 600
+            while f"re-attaching to Slurm job {job_id}" not in log.read_text(errors="replace"):
+                assert second.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-6000:]
+                time.sleep(0.5)
+            cli.run("scontrol", "resume", job_id)
             rc = second.wait(timeout=900)
         finally:
             stop_group(second)
+            cli.run("scontrol", "resume", job_id, check=False)  # a failed test leaves no job stopped
     finally:
         stop.set()
         sampler.join(timeout=30)
@@ -163,7 +172,7 @@ def test_flow_survives_its_own_death_and_completes_with_cpt_on_two_slurm_nodes(s
     assert f"re-attaching to Slurm job {job_id}" in text
     summary = json.loads((run_root / "run.json").read_text())
     assert summary["complete"], summary
-    for step in (0, 150):
+    for step in (0, steps):
         meta = verify_artifact(run_root / "cpt" / f"step-{step:06d}")["meta"]
         assert meta["world_size"] == 2 and meta["nodes"] == ["n1", "n2"], meta
     assert (run_root / "export" / MANIFEST).exists()
