@@ -314,6 +314,18 @@ def test_commit_replaces_a_stale_directory(tmp_path):
     assert (old / "new").is_file() and not (old / MANIFEST).exists()
 
 
+def test_checkpoint_blocks_are_sized_by_the_largest_tensor_within_floor_and_default():
+    def llama(hidden: int, inter: int, vocab: int, layers: int = 2) -> dict:
+        return {"model_type": "llama", "hidden_size": hidden, "intermediate_size": inter, "vocab_size": vocab,
+                "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 8}
+
+    assert ckpt.save_shard_mib(llama(1024, 2560, 32000), 4) == 125  # the embedding, 32000 x 1024 fp32
+    assert ckpt.save_shard_mib(llama(1024, 2560, 32000), 2) == ckpt.SAVE_SHARD_FLOOR_MIB  # 62.5 MiB in bf16
+    assert ckpt.save_shard_mib(llama(64, 128, 512), 4) == ckpt.SAVE_SHARD_FLOOR_MIB  # the demo model: one file, as before
+    assert ckpt.save_shard_mib(llama(8192, 28672, 128256), 2) == ckpt.COLOSSALAI_SHARD_MIB  # 70B: never above the default
+    assert ckpt.save_shard_mib({"model_type": "not-a-family"}, 4) == ckpt.COLOSSALAI_SHARD_MIB
+
+
 def test_rng_round_trip_is_json_and_safetensors(tmp_path):
     random.seed(1)
     np.random.seed(2)

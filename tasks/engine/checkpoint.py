@@ -7,6 +7,7 @@ rank 0 wrote the manifest LAST):
                               full tensors, model.safetensors.index.json, config.json
     optimizer/                booster.save_optimizer(shard=True): ColossalAI's pickled .bin shards
                               (full, gathered states keyed by parameter index) + index + param groups
+                              (both in files of at most `save_shard_mib`, or one larger tensor)
     lr_scheduler.pt           booster.save_lr_scheduler (a plain dict of numbers)
     rng/rank-NNNNN.json       python `random` and numpy states of every rank, as JSON
     rng/rank-NNNNN.safetensors  torch CPU generator state (and CUDA's where present) of every rank
@@ -42,7 +43,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from tasks.core.errors import ManifestError
+from tasks.core.errors import ConversionError, ManifestError
+from tasks.core.models.families import largest_tensor
 from tasks.core.run.manifest import MANIFEST, fsync_dir, verify_artifact
 from tasks.core.run.stages import STEP_PREFIX, STEP_RE, TRAIN_STATE, step_name, tmp_step_name
 from tasks.core.storage.handshake import is_published
@@ -50,11 +52,32 @@ from tasks.core.storage.handshake import is_published
 # step_name and TRAIN_STATE are re-exported: the engine names its checkpoints through this module.
 __all__ = [
     "KIND", "TRAIN_STATE", "ResumePoint", "capture_rng", "check_checkpoint", "commit", "find_resume", "list_steps",
-    "read_train_state", "remove_leftovers", "restore_rng", "retain", "step_name", "tmp_name", "write_json", "write_rng",
+    "read_train_state", "remove_leftovers", "restore_rng", "retain", "save_shard_mib", "step_name", "tmp_name", "write_json", "write_rng",
 ]
 
 KIND = "colossalai-checkpoint"
 tmp_name = tmp_step_name  # the engine's name for it
+
+# ColossalAI 0.5.0's sharded saves (the model and the optimizer, every plugin) gather whole tensors
+# (tensor-parallel pieces, ZeRO shards) into a block of up to `size_per_shard` MiB on every rank that
+# takes part, the writing one and the others alike, and write a block as one file. At its default,
+# 1024, a model under 1 GB is one block: the step-000000 save of a 190M fp32 model held the whole
+# model on both tp=2 ranks. A block never splits a tensor, so the largest tensor is the least a save
+# holds; blocks no larger than it bound a save to about two of them (the block being written and
+# the tensor that closed it), and never more than the default did. Below the floor a split only
+# adds files: a rank holds ~0.45 GB of imports anyway.
+SAVE_SHARD_FLOOR_MIB = 64
+COLOSSALAI_SHARD_MIB = 1024
+
+
+def save_shard_mib(model_config: dict[str, Any], element_bytes: int) -> int:
+    """`size_per_shard` (MiB) of this model's checkpoint saves: its largest tensor in the saved dtype,
+    within [SAVE_SHARD_FLOOR_MIB, ColossalAI's default]; the default for a family without a tensor table."""
+    try:
+        largest = largest_tensor(model_config) * element_bytes
+    except ConversionError:
+        return COLOSSALAI_SHARD_MIB
+    return min(COLOSSALAI_SHARD_MIB, max(SAVE_SHARD_FLOOR_MIB, -(-largest // 2**20)))
 
 
 def list_steps(stage_dir: Path) -> list[tuple[int, Path]]:

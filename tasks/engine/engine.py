@@ -318,12 +318,13 @@ class Engine:
         dist.barrier()
         phase = lambda name: self.faults.before_save_phase(step, name)
         phase("model")
+        mib = ckpt.save_shard_mib(self.config.to_dict(), _DTYPES[self.weights_dtype].itemsize)  # bounds the save's gathered tensors
         if self.cfg.lora is not None:  # the adapter only: the base stays the job's model_dir, referenced in the meta
             lora.save_adapter(self.booster, self.model, tmp / lora.ADAPTER)
         else:
-            self.booster.save_model(self.model, str(tmp / "model"), shard=True, use_safetensors=True)
+            self.booster.save_model(self.model, str(tmp / "model"), shard=True, use_safetensors=True, size_per_shard=mib)
         phase("optimizer")
-        self.booster.save_optimizer(self.optimizer, str(tmp / "optimizer"), shard=True)
+        self.booster.save_optimizer(self.optimizer, str(tmp / "optimizer"), shard=True, size_per_shard=mib)
         phase("lr_scheduler")
         self.booster.save_lr_scheduler(self.scheduler, str(tmp / "lr_scheduler.pt"))
         phase("rng")

@@ -253,6 +253,11 @@ def count_parameters(model_config: Mapping[str, Any]) -> int:
     return sum(math.prod(shape) for shape in expected_tensors(model_config).values())
 
 
+def largest_tensor(model_config: Mapping[str, Any]) -> int:
+    """Elements of the model's largest whole tensor (the embedding or the LM head, in a decoder LLM)."""
+    return max(math.prod(shape) for shape in expected_tensors(model_config).values())
+
+
 def tied_keys(model_config: Mapping[str, Any]) -> dict[str, str]:
     """{dropped key: key it duplicates} when the config ties embeddings, else {}."""
     family, config = family_config(model_config)
