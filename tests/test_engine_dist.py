@@ -3,7 +3,7 @@
     pytest -m distributed tests/test_engine_dist.py -s
 
 Every launch costs ~8-13 s of imports on 2 cores, so launches are shared through module-scoped
-fixtures (12 in all):
+fixtures (13 in all):
 
 - hybrid_parallel tp=2 fp32, CPT on a 70/30 mixture of two sources (the blended stream of the 6
   steps): shard, train 6 steps uninterrupted, then the same 6 steps killed (SIGKILL of rank 1)
@@ -19,12 +19,18 @@ fixtures (12 in all):
 - low_level_zero with cpu_offload on a tied-embedding Qwen2: shard and train (the tied LM head is
   saved once, as HF does; the plugin takes its offload field and trains with it on CPU, where the
   fp32 master shard it moves is in host memory anyway).
+- hybrid_parallel tp=2 fp32 on a wider random Llama (~100M parameters, 0.41 GB in fp32, weights in
+  32 MB files): the shard verb only. Each rank's logged construction peak (model built lazily,
+  sharded, weights read) against the memory estimate's figure (its share plus one tensor), well
+  below the whole model: not met yet (strict xfail; docs/scaling.md). step-000000 is saved in
+  several files (the save's blocks are sized by the largest tensor) and holds the HF tensors bitwise.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import time
 from pathlib import Path
@@ -162,6 +168,25 @@ def tied(work):
     shard = _engine("tied llz2 shard", "shard", shard_job)
     train = _engine("tied llz2 train", "train", train_job)
     return dict(dir=stage_dir, model_dir=model_dir, shard=shard, train=train)
+
+
+# A Llama wide enough that one rank's share under tp=2 is measurably less than the whole model over
+# the ~0.45 GB a rank holds before it builds one, yet built, read and saved in seconds: 6 layers of
+# 16.8M parameters, a 512-token vocabulary (the demo tokenizer's), largest tensor 16.8 MB in fp32.
+WIDE = dict(hidden_size=1024, num_layers=6, num_heads=16, num_kv_heads=16, intermediate_size=4096)
+CONSTRUCTION = re.compile(r"^\[rank (\d+)\] construction peak (\d+) bytes", re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def wide(work, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from tasks.core.models.demo import build_tiny_model
+
+    model_dir = build_tiny_model(work / "wide-llama", AutoTokenizer.from_pretrained(tiny_model_dir), max_shard_size="32MB", **WIDE)
+    stage_dir = work / "wide" / "cpt"
+    shard_job, _ = _jobs(work, "wide", "cpt", TP2, model_dir, tiny_model_dir, stage_dir)
+    return dict(dir=stage_dir, model_dir=model_dir, shard=_engine("wide tp2 shard", "shard", shard_job), section=json.loads(shard_job.read_text())["stage_cfg"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -386,3 +411,31 @@ def test_ten_kills_at_random_moments_of_saves_never_load_a_torn_checkpoint(work,
     assert len(state["losses"]) == 11 and all(math.isfinite(x) for x in state["losses"])
     verify_artifact(stage_dir / "step-000011")
     assert not any(p.name.endswith(".tmp") for p in stage_dir.iterdir())
+
+
+@pytest.mark.xfail(strict=True, reason="measured 0.45-0.48 GB over the start per rank against an estimate of 0.22 GB and a 0.41 GB model: "
+                   "the peak is inside booster.boost (shardformer replacing and materializing the lazy layers), which settles at the share "
+                   "plus ~70 MB after it; docs/scaling.md")
+def test_tp2_construction_peak_is_the_rank_share_not_the_whole_model(wide):
+    """A rank's host peak while it builds the model lazily, lets the plugin shard it and reads the
+    weights file by file is what the estimate predicts (its fp32 share plus one whole tensor), below
+    the whole fp32 model by the margin the estimate predicts."""
+    from tasks.core.config.schema import StageConfig
+    from tasks.core.preflight.memory import estimate
+
+    config = json.loads((wide["model_dir"] / "config.json").read_text())
+    est = estimate(config, StageConfig.model_validate(wide["section"]), stage="cpt")
+    whole = est.parameters * 4
+    assert est.construction < 0.6 * whole, "the model is too narrow for the estimate to predict a margin"
+    peaks = {int(r): int(b) for r, b in CONSTRUCTION.findall(wide["shard"].output)}
+    assert sorted(peaks) == [0, 1], wide["shard"].output[-3000:]
+    for rank, added in peaks.items():
+        assert added <= 1.25 * est.construction < whole, f"rank {rank}: {added:,} bytes over its start; estimate {est.construction:,}, whole model {whole:,}"
+
+
+def test_a_save_larger_than_its_block_size_holds_the_hf_tensors_bitwise(wide):
+    step0 = wide["dir"] / "step-000000"
+    _assert_checkpoint(step0, "cpt", 0, "hybrid_parallel")
+    assert len(list((step0 / "model").glob("*.safetensors"))) > 1 and len(list((step0 / "optimizer").glob("pytorch_optim-*.bin"))) > 1
+    want, got = read_model_dir(wide["model_dir"]), read_model_dir(step0 / "model")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

@@ -35,7 +35,7 @@ from tasks.engine import lora
 from tasks.engine.builders import plugin_meta
 from tasks.engine.engine import Engine, emit, log
 from tasks.engine.faults import Injector
-from tasks.engine.metrics import StepMetrics, count_params
+from tasks.engine.metrics import HostPeak, StepMetrics, count_params
 from tasks.engine.preconditions import Job
 
 __all__ = ["StageData", "find_start", "shard", "train"]
@@ -119,6 +119,14 @@ def _with_adapter(eng: Engine, job: Job, model: torch.nn.Module, adapter_dir: Pa
     return model
 
 
+def _log_construction(peak: HostPeak, what: str) -> None:
+    """Every rank: the host memory its model's construction took, as `construction peak N bytes`
+    (benchmarks/scale.py and the engine tests read it)."""
+    added = peak.added()
+    if added is not None:
+        log(f"construction peak {added[0]} bytes of host memory over the {added[1]} at its start ({what})", all_ranks=True)
+
+
 def _initial_state(job: Job, sampler_state: dict[str, int], lr: float) -> dict[str, Any]:
     return {
         "stage": job.stage,
@@ -142,11 +150,12 @@ def shard(job: Job, faults: Injector) -> Path:
     from tasks.engine.sampler import ResumableSampler
 
     eng = Engine(job, faults)
-    t0 = time.monotonic()
+    t0, peak = time.monotonic(), HostPeak()
     model = eng.load_pretrained()
     model = _with_adapter(eng, job, model, None)
     eng.boost(model)
     eng.load_pending_weights()  # a lazily built model: its weights, into the sharded model
+    _log_construction(peak, "built and read its weights")
     eng.materialize_optimizer_state()
     log(f"boosted {job.model_dir} under {plugin_meta(eng.pcfg, eng.cfg)} on {eng.world} ranks (dp={eng.layout.dp_size}) in {time.monotonic() - t0:.1f}s")
     if eng.rank == 0:
@@ -189,7 +198,7 @@ def train(job: Job, faults: Injector) -> Path | None:
 
     eng = Engine(job, faults)
     data = StageData(job, eng.layout.dp_rank, eng.layout.dp_size)
-    t0 = time.monotonic()
+    t0, peak = time.monotonic(), HostPeak()
     if cfg.lora is not None:  # the frozen base is the job's model_dir, the adapter the checkpoint's
         lora.check_base(rp.manifest, rp.path, job.model_dir)
         model = _with_adapter(eng, job, eng.load_pretrained(), rp.path / lora.ADAPTER)
@@ -199,6 +208,7 @@ def train(job: Job, faults: Injector) -> Path | None:
     data.check_vocab(model.config.vocab_size, job)
     eng.boost(model)
     eng.load(rp.path)
+    _log_construction(peak, f"built and loaded {rp.path.name}")
     state = ckpt.read_train_state(rp.path)
     if state.get("step") != rp.step:
         raise ManifestError(f"{rp.path}: train_state.json says step {state.get('step')}, the directory is {rp.path.name}")

@@ -14,6 +14,10 @@ peak), mfu (tasks.core.models.flops, from the real tokens; only on a device with
 computed_tokens (rows x width of the global batch's micro-batches, padding included) and
 padding_frac (1 - real / computed: the share of the step's work spent on padding).
 
+Every rank also logs what building its model cost in host memory (`HostPeak`, Linux /proc): the
+peak from the start of construction (VmHWM, reset there) to the weights read into its share, over
+the RSS it held at that start; the peak_mem_bytes of a CPU rank then counts from that start too.
+
 The ranks never import a tracking client: MLflow is written by the Prefect task from these
 records (tasks/tracking.py). TensorBoard needs no server, so the engine writes it itself, with
 tensorboardX (a pure-Python writer: tensorboard itself pulls grpcio and a Rust data server).
@@ -46,6 +50,33 @@ TAGS = {
     "padding_frac": "perf/padding_frac",
     "computed_tokens": "perf/computed_tokens",
 }
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class HostPeak:
+    """This rank's host-memory peak over a span: VmHWM reset to the current RSS at the start
+    (/proc/self/clear_refs 5), read at the end; `added` is None where /proc has neither."""
+
+    def __init__(self):
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.start = _status_bytes("VmRSS")
+        except OSError:
+            self.start = None
+
+    def added(self) -> tuple[int, int] | None:
+        """(peak - start, start) in bytes."""
+        peak = _status_bytes("VmHWM")
+        return None if peak is None or self.start is None else (peak - self.start, self.start)
 
 
 def count_params(model: torch.nn.Module) -> int:

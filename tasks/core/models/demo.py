@@ -124,8 +124,10 @@ def build_tiny_model(
     intermediate_size: int = 128,
     max_position_embeddings: int = 256,
     seed: int = 0,
+    max_shard_size: int | str = "5GB",
 ) -> Path:
-    """Write a seeded random fp32 model, its tokenizer and generation config to `out_dir`.
+    """Write a seeded random fp32 model, its tokenizer and generation config to `out_dir`
+    (weights in safetensors files of at most `max_shard_size`, with an index when there are several).
 
     `vocab_size` defaults to len(tokenizer); a larger value (e.g. 515, not divisible by tp=2)
     gives embedding rows no token maps to, which is how checkpoints padded for TP look.
@@ -169,7 +171,7 @@ def build_tiny_model(
     )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(out)
     return out
 
