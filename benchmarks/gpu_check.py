@@ -35,7 +35,8 @@ What it runs, each step a time-boxed subprocess (its output goes to $OUT/gpu_che
                       embedding not; L layers, H heads, Q head dim, T seq_len) and MFU against the
                       H200's dense bf16 peak: 989 TFLOP/s by the datasheet, ~790 measured here
                       (8192^3 bf16 matmul through PyTorch, /work/.library/device/KINDS.md)
-  gpu_tests           `pytest -m gpu tests/test_gpu.py tests/test_gpu_lora.py tests/test_eval_placement.py` (tiny model; evaluation spread
+  gpu_tests           `pytest -m gpu tests/test_gpu.py tests/test_gpu_lora.py tests/test_eval_placement.py tests/test_gpu_construction.py`
+                      (tiny model, and a 620M one built lazily on the GPU; evaluation spread
                       over the visible GPUs needs two), run beside the retry, which is not timed
 
 --dry-run (no CUDA): the model is tiny (same config otherwise), the CPT plugin is the config's own
@@ -545,7 +546,7 @@ def main_check(args: argparse.Namespace) -> int:
     tests = None
     if not args.skip_tests:
         tests = start(ctx, "gpu-tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                                         "tests/test_gpu.py", "tests/test_gpu_lora.py", "tests/test_eval_placement.py"], TIMEOUTS["tests"])
+                                         "tests/test_gpu.py", "tests/test_gpu_lora.py", "tests/test_eval_placement.py", "tests/test_gpu_construction.py"], TIMEOUTS["tests"])
 
     p2 = run(ctx, "flow2-retry", [py, me, "_flow", "--config", str(cfg_path), "--run-root", str(run_root), "--records", str(rec2)], TIMEOUTS["flow2"])
     r2 = read_jsonl(rec2)

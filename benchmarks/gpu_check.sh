@@ -105,7 +105,7 @@ echo "gpu_check.sh: setup took $(( $(date +%s) - t0 ))s; python $("$PY" -c 'impo
 
 if [ "${1:-}" = "--tests-only" ]; then  # only tests/test_gpu.py, after the same set-up (its first launch JIT-builds the kernels)
   shift
-  "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_lora.py tests/test_eval_placement.py "$@" 2>&1 | tee "$OUT/console.log"
+  "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_lora.py tests/test_eval_placement.py tests/test_gpu_construction.py "$@" 2>&1 | tee "$OUT/console.log"
   exit "${PIPESTATUS[0]}"
 fi
 "$PY" benchmarks/gpu_check.py "$@" 2>&1 | tee "$OUT/console.log"
