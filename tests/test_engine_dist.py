@@ -414,8 +414,8 @@ def test_ten_kills_at_random_moments_of_saves_never_load_a_torn_checkpoint(work,
 
 
 @pytest.mark.xfail(strict=True, reason="measured 0.45-0.48 GB over the start per rank against an estimate of 0.22 GB and a 0.41 GB model: "
-                   "the peak is inside booster.boost, about one more share after shardformer's replacement: torch DDP's start-up sync, "
-                   "which the plugin wraps even at dp=1; docs/scaling.md")
+                   "the peak is inside booster.boost, about one more share after shardformer's replacement, where the plugin wraps "
+                   "the model in torch DDP even at dp=1; docs/scaling.md")
 def test_tp2_construction_peak_is_the_rank_share_not_the_whole_model(wide):
     """A rank's host peak while it builds the model lazily, lets the plugin shard it and reads the
     weights file by file is what the estimate predicts (its fp32 share plus one whole tensor), below
