@@ -16,13 +16,14 @@ demo: demo-inputs
 	$(PY) -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml
 
 # Lint first (ruff, configured in pyproject.toml), then every tier: unit, distributed (torchrun,
-# 2 CPU ranks), integration and e2e. GPU tests skip without CUDA. Three pytest-xdist workers on the
-# two cores: much of a test's time waits on servers, sleeps and polls, which the other workers fill
-# (measured: 157 % CPU with two workers, 186 % with three). Every test process runs one OpenMP
-# thread (tests/conftest.py), so a third worker adds no spinning threads against the others.
+# 2 CPU ranks), integration and e2e. GPU tests skip without CUDA. Two pytest-xdist workers: much of
+# a test's time waits on servers, sleeps and polls, which the other worker fills. Three were
+# measured faster (186 % CPU against 157 %), but two timing-bound tests (the Ctrl-C teardown within
+# 10 s, the Slurm killed-rank cause) failed once at three on a loaded machine; two stay until those
+# are made robust to it.
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "" -n 3 --dist loadgroup --durations=40 tests
+	$(PY) -m pytest -q -m "" -n 2 --dist loadgroup --durations=40 tests
 
 # Lint, then the fast unit tier only (no torchrun, no Prefect server).
 test-fast: install
