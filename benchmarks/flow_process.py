@@ -41,23 +41,20 @@ sys.path.insert(0, str(REPO))
 from benchmarks.scale import GB, SIZES, fmt_gb, model_dir, tokenizer_dir
 
 CHILD = r"""
-import hashlib, json, re, sys, time
-from pathlib import Path
+import hashlib, json, sys, time
 from tasks.core.models.fingerprint import hf_dir_logits
-
-def status(field):
-    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1)) * 1024
+from tasks.engine.metrics import HostPeak
 
 warm, model, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
 hf_dir_logits(warm, dtype=dtype, budget_gb=0)  # imports, the model class, sdpa: what any flow process holds
 hf_dir_logits(warm, dtype=dtype)
 for mode, budget in (("streamed", 0.0), ("whole", None)):  # streamed first: the whole model's freed pages would raise its start
-    start = status("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current RSS
+    span = HostPeak()  # VmHWM := the current RSS
     t = time.perf_counter()
     logits = hf_dir_logits(model, dtype=dtype, budget_gb=budget)
     seconds = time.perf_counter() - t
-    print(json.dumps({"mode": mode, "start": start, "peak": status("VmHWM"), "seconds": seconds,
+    added, start = span.added()
+    print(json.dumps({"mode": mode, "start": start, "peak": start + added, "seconds": seconds,
                       "sha256": hashlib.sha256(logits.numpy().tobytes()).hexdigest()}))
 """
 
