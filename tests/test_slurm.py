@@ -89,6 +89,55 @@ def test_failure_message_names_state_node_and_rank():
     assert "--- node n2 ---" in msg and "RuntimeError: boom" in msg
 
 
+def _torchrun_summary(rank: int, exitcode: int, at: str, micros: str) -> list[str]:
+    """The end of a node's log as torchrun writes it when a rank fails (read from a real two-node run)."""
+    sig = {-9: " (SIGKILL)", -15: " (SIGTERM)"}.get(exitcode, "")
+    return [(f"E1202 {at}.{micros} 24373 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] "
+             f"failed (exitcode: {exitcode}) local_rank: 0 (pid: 24415) of binary: /work/main/.venv/bin/python"),
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "tasks.engine FAILED", "Failures:", "  <NO_OTHER_FAILURES>",
+            "Root Cause (first observed failure):", "[0]:", f"  time      : 2026-12-02_{at}", "  host      : localhost",
+            f"  rank      : {rank} (local_rank: 0)", f"  exitcode  : {exitcode} (pid: 24415) {sig}", "  error_file: <N/A>",
+            "  traceback : " + (f"Signal {-exitcode}{sig} received by PID 24415" if exitcode < 0 else "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")]
+
+
+_GLOO_RESET = ("[rank 0|error] RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+               "[127.0.0.1]:39052: Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application.")
+
+
+@pytest.mark.parametrize("srun_first", ["n1", "n2"])
+def test_failure_message_leads_with_the_killed_rank_not_its_peer(srun_first):
+    """Rank 1 (on n2) SIGKILLed; rank 0 (on n1) then fails on gloo's connection reset, and on a
+    loaded machine its agent may exit, and srun report it, first: n2 still leads."""
+    info = JobInfo(job_id="7", state="FAILED", exit_code="1:0", nodes="n[1-2]", reason="NonZeroExitCode")
+    nodes = {
+        "n1": ["[rank 0] step 2", _GLOO_RESET, *_torchrun_summary(0, 1, "07:32:20", "491000")],
+        "n2": ["[rank 1|error] injected fault 'kill@step=2@rank=1' (CPT_TO_SFT_FAULT)", *_torchrun_summary(1, -9, "07:32:20", "295000")],
+    }
+    task = {"n1": 0, "n2": 1}
+    second = "n2" if srun_first == "n1" else "n1"
+    batch = [f"srun: error: {n}: task {task[n]}: Exited with exit code 1" for n in (srun_first, second)]
+    first = failure_message(info, batch, nodes, what="engine verb 'train'").splitlines()[0]
+    assert first.startswith("Slurm job 7 (engine verb 'train') ended FAILED (exit code 1) on node n2, rank 1: Exited with exit code 1; "
+                            "node n1, rank 0: Exited with exit code 1."), first
+    msg = failure_message(info, batch, nodes)
+    assert msg.index("--- node n2 ---") < msg.index("--- node n1 ---")
+
+
+@pytest.mark.parametrize("srun_first", ["n1", "n2"])
+def test_failure_message_leads_with_the_own_failure_then_the_earliest(srun_first):
+    """No rank signalled: a rank's own exception comes before a peer's collective timeout; between
+    two failures of the same kind, torchrun's earlier recorded time leads."""
+    info = JobInfo(job_id="8", state="FAILED", exit_code="1:0", nodes="n[1-2]")
+    own = ["[rank 1|error] RuntimeError: boom", *_torchrun_summary(1, 1, "07:32:21", "900000")]
+    timeout = ["[rank 0|error] RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv operation to complete",
+               *_torchrun_summary(0, 1, "07:32:20", "100000")]
+    task = {"n1": 0, "n2": 1}
+    batch = [f"srun: error: {n}: task {task[n]}: Exited with exit code 1" for n in ((srun_first, "n2") if srun_first == "n1" else ("n2", "n1"))]
+    assert " on node n2, rank 1: " in failure_message(info, batch, {"n1": timeout, "n2": own}).splitlines()[0]
+    later = ["[rank 0|error] ValueError: bad batch", *_torchrun_summary(0, 1, "07:32:20", "100000")]
+    assert " on node n1, rank 0: " in failure_message(info, batch, {"n1": later, "n2": own}).splitlines()[0]
+
+
 @pytest.mark.parametrize("state, words", [
     ("TIMEOUT", "time limit"), ("NODE_FAIL", "stopped responding"), ("OUT_OF_MEMORY", "memory"), ("CANCELLED", "cancelled"),
 ])

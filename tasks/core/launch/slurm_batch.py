@@ -227,6 +227,18 @@ _TORCHRUN_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _RANK_PREFIX = re.compile(r"^\[rank (\d+)\]")
 _ERR = re.compile(r"(Traceback|Error|Exception|error:|Killed|Signal)")
 _RAISED = re.compile(r"\b\w+(Error|Exception|Interrupt): ")
+# torchrun's failure summary per failed rank (`time      : 2026-12-02_07:32:20`, `exitcode  : -9
+# (pid: 7)  (SIGKILL)`) and its agent's own line as each rank ends, to the microsecond
+# (`E1202 07:32:20.295000 24373 .../api.py:1002] failed (exitcode: -9) local_rank: 0 ...`).
+_SUMMARY_TIME = re.compile(r"^\s*time\s*:\s*(\d{4}-\d\d-\d\d_\d\d:\d\d:\d\d)")
+_SUMMARY_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+_AGENT_FAILED = re.compile(r"^E(\d{4}) (\d\d:\d\d:\d\d(?:\.\d+)?) .*\] failed \(exitcode: (-?\d+)\)")
+# What a rank says when it failed only because a peer went away (gloo, NCCL, c10d store).
+_PEER_GONE = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Connection refused|timed out|"
+                        r"collective operation timeout|remote process exited|DistNetworkError", re.IGNORECASE)
+# A rank SIGTERMed or SIGINTed was stopped from outside (its agent ending the node's other ranks
+# after one failed, a cancellation): any other signal (SIGKILL, SIGSEGV, SIGABRT) is a cause.
+_STOPPED = {-15, -2}
 
 
 def failure_message(info: JobInfo, batch_lines: Sequence[str], node_lines: Mapping[str, Sequence[str]], what: str = "") -> str:
@@ -235,6 +247,7 @@ def failure_message(info: JobInfo, batch_lines: Sequence[str], node_lines: Mappi
     The node comes from srun's own error line (`srun: error: n2: task 1: Exited with exit code 1`)
     or, failing that, from the nodes whose output shows an error; the rank from torchrun's failure
     summary (`rank : 1 (local_rank: 0)`) or the engine's `[rank N]` prefix on an error line.
+    Several failed nodes are listed cause first (`_cause_rank`).
     """
     failed_nodes: dict[str, str] = {}
     for line in batch_lines:
@@ -245,6 +258,10 @@ def failure_message(info: JobInfo, batch_lines: Sequence[str], node_lines: Mappi
         for node, lines in node_lines.items():
             if any(_ERR.search(x) for x in lines):
                 failed_nodes[node] = "printed an error"
+    # srun reports nodes in the order their agents exited, which on a loaded machine can be the
+    # peer of a killed rank first: the cause leads, its casualties follow.
+    srun_order = list(failed_nodes)
+    failed_nodes = {n: failed_nodes[n] for n in sorted(srun_order, key=lambda n: (_cause_rank(node_lines.get(n, ())), srun_order.index(n)))}
     ranks: dict[str, list[str]] = {}
     for node in failed_nodes or node_lines:
         found: list[str] = []
@@ -293,6 +310,34 @@ def failure_message(info: JobInfo, batch_lines: Sequence[str], node_lines: Mappi
         parts.extend(errs)
     return "\n".join(parts)
 
+
+def _cause_rank(lines: Sequence[str]) -> tuple:
+    """How likely a failed node's output is the cause of a multi-node failure; lower sorts first.
+
+    First a node where a rank died by a signal that is no stop request (SIGKILL: the OOM killer,
+    a fault; SIGSEGV), then one whose ranks failed on their own, then one whose ranks only report
+    a peer gone (connection reset or closed, a collective timed out): that peer's node is the
+    cause. Within each, the earliest failure torchrun recorded (its summary's `time`, to the
+    second, then its agent's line, to the microsecond); a node without either sorts last.
+    """
+    exits: list[int] = []
+    coarse: list[str] = []
+    fine: list[tuple[str, str]] = []
+    peer = False
+    for line in lines:
+        if m := _SUMMARY_EXIT.match(line):
+            exits.append(int(m.group(1)))
+        elif m := _SUMMARY_TIME.match(line):
+            coarse.append(m.group(1))
+        elif m := _AGENT_FAILED.match(line):
+            exits.append(int(m.group(3)))
+            fine.append((m.group(1), m.group(2)))
+        elif _PEER_GONE.search(line) and _ERR.search(line):
+            peer = True
+    signalled = any(rc < 0 and rc not in _STOPPED for rc in exits)
+    kind = 0 if signalled else 2 if peer else 1
+    unknown = "~"  # sorts after any digit
+    return kind, min(coarse, default=unknown), min(fine, default=(unknown, unknown))
 
 
 def _main(argv: list[str]) -> int:
