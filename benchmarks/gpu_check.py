@@ -42,7 +42,8 @@ What it runs, each step a time-boxed subprocess (its output goes to $OUT/gpu_che
 --dry-run (no CUDA): the model is tiny (same config otherwise), the CPT plugin is the config's own
 (HybridParallel ZeRO-1 bf16 on one CPU rank), SFT runs low_level_zero instead of Gemini, steps are
 fewer; kernels are skipped and the throughput ratio is parsed and printed but not judged.
---smoke is the dry run with SMOKE_OVERRIDES on top (4 steps a stage, shorter CPT blocks): every
+--smoke is the dry run with SMOKE_OVERRIDES on top (4 steps a stage, shorter CPT blocks) and the
+flows' Prefect home seeded with an already migrated database (tests/servers/prefect_home.py): every
 check but gpu_tests still runs (tests/test_gpu.py only collects and skips on CPU, as the test suite
 itself shows, and a pytest beside the retry would slow it on two cores).
 """
@@ -445,6 +446,12 @@ def main_check(args: argparse.Namespace) -> int:
     work = Path(args.work or ("/tmp/gpu-check-dry" if args.dry_run else "/tmp/gpu-check")).resolve()
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    if args.smoke:
+        # The first flow's embedded server would spend ~35 s wall (~11 s CPU; SQLite's fsyncs) migrating an
+        # empty database, which the smoke has no use for: it starts from a copy of one already migrated.
+        from tests.servers.prefect_home import seeded_home
+
+        seeded_home(work / "prefect-home")
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else work
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = Ctx(args, work, out_dir / "gpu_check.log", time.monotonic() + args.budget_s, cuda)
