@@ -15,10 +15,12 @@ stage runs, under torchrun with 2 CPU ranks, exactly as `tasks/core/launch/torch
 step-000000, then steps). Nothing in the engine is changed or patched for the measurement.
 
 What is measured, per rank, from outside (/proc/<pid>/status of torchrun's rank children):
-- shard peak: the rank's VmHWM over the whole `shard` verb (construction plus the checkpoint save);
-- construction peak: VmHWM of the `train` verb up to its "loaded step-000000" line (from_config of the
-  whole model, boost, checkpoint load). Today every rank builds the whole fp32 model there (issue 25
-  item 1 replaces it with sharded construction); it is printed, not judged;
+- shard peak: the rank's VmHWM over the whole `shard` verb (construction plus the checkpoint save),
+  judged against its limit: 1.3 x the estimate's steady share (weights, gradients and optimizer state
+  the plugin places on the rank) plus the baseline below;
+- construction peak: VmHWM of the `train` verb up to its "loaded step-000000" line (from_config,
+  boost, checkpoint load; under hybrid_parallel built lazily, each rank its share, the checkpoint read
+  one tensor at a time); printed, not judged;
 - steady: the high-water mark of the training steps. At the first @@progress every rank's VmHWM is
   reset (`/proc/<pid>/clear_refs` = 5: VmHWM := the current RSS) and read at the last one: the peak
   over steps 2..N. The run is stopped there (SIGTERM to torchrun), so the final save does not count.
@@ -313,7 +315,9 @@ def estimate_row(row: dict) -> dict:
     from tasks.core.preflight.memory import estimate
 
     est = estimate(row["config"], StageConfig.model_validate(row["stage_cfg"]), cuda=False)
-    return {"estimate": est.host_steady, "fp32_model": est.parameters * 4, "parameters": est.parameters}
+    # the steady share: parameters, gradients and optimizer state the plugin places on the rank (no activations)
+    states = est.total("always", "grads", "backward")
+    return {"estimate": est.host_steady, "fp32_model": est.parameters * 4, "parameters": est.parameters, "states": states}
 
 
 def fmt_gb(b: float | None) -> str:
@@ -382,17 +386,26 @@ def print_table(rows: list[dict], steps: int) -> None:
     print()
     print(f"per-rank RSS on {NPROC} CPU ranks, GB (1e9 bytes); steady = peak over training steps 2..{steps}, estimate = "
           "tasks.core.preflight.memory's host figure; construction = the train verb up to its checkpoint loaded (printed, not judged)")
-    head = ["size", "params", "plugin", "mbs x seq", "fp32 model", "shard peak", "construction", "steady", "estimate", "est/steady"]
+    head = ["size", "params", "plugin", "mbs x seq", "fp32 model", "shard peak", "shard limit", "construction", "steady", "estimate", "est/steady"]
     print(" | ".join(head))
+    base = {r["plugin"]: r["steady"] for r in rows if r["size"] == "tiny"}
+    over = []
     for r in rows:
+        # target: the shard verb's peak within 1.3 x the estimated steady share (weights, gradients,
+        # optimizer state) plus the import baseline (the plugin's tiny-model steady RSS)
+        limit = 1.3 * r["states"] + base.get(r["plugin"], 0) if "states" in r else None
+        if limit is not None and r["size"] != "tiny" and r["shard_peak"] > limit:
+            over.append(f"{r['size']} {r['plugin']}")
         print(" | ".join([r["size"], f"{r['parameters'] / 1e6:.1f}M", r["plugin"], f"{r['mbs']}x{r['seq_len']}", fmt_gb(r["fp32_model"]),
-                          fmt_gb(r["shard_peak"]), fmt_gb(r["construction"]), fmt_gb(r["steady"]), fmt_gb(r["estimate"]),
-                          f"{r['estimate'] / r['steady']:.2f}"]))
+                          fmt_gb(r["shard_peak"]), fmt_gb(limit) if limit is not None else "-", fmt_gb(r["construction"]), fmt_gb(r["steady"]),
+                          fmt_gb(r["estimate"]), f"{r['estimate'] / r['steady']:.2f}"]))
     errors = [abs(r["estimate"] / r["steady"] - 1) for r in rows if r["size"] != "tiny"]
     worst = f"{max(errors):.0%}" if errors else "- (no size measured)"
     baselines = ", ".join(f"{r['plugin']} {fmt_gb(r['steady'])} GB" for r in rows if r["size"] == "tiny")
     print(f"\nlargest |estimate/steady - 1| over the sizes: {worst} (target <= 25%); baseline per plugin (steady RSS of the "
           f"~0.1M model): {baselines}")
+    print("shard peak over its limit (1.3 x the estimated weights, gradients and optimizer state + the baseline): "
+          + (", ".join(over) if over else "none"))
 
 
 if __name__ == "__main__":

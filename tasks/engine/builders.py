@@ -36,6 +36,7 @@ from tasks.core.config.layout import ParallelLayout, layout_problems, num_microb
 from tasks.core.config.plugins import LOSS_SCALE, PRECISION_SPECS, spec_of
 from tasks.core.config.schema import PluginConfig, StageConfig
 from tasks.core.errors import ConfigError
+from tasks.engine import solo_ddp
 
 __all__ = [
     "BUILDERS",
@@ -145,10 +146,13 @@ class Builder:
 
     factory: str | Callable[..., Any]  # "module:Class", imported when the plugin is built; or a callable
     kwargs: Callable[[PluginConfig, StageConfig, ParallelLayout, bool], dict[str, Any]]
+    # Run before the plugin is built: a fix to the library's plugin module (idempotent; returns
+    # what it patched, for the log), e.g. hybrid_parallel's DDP over one rank (tasks/engine/solo_ddp.py).
+    patch: Callable[[], list[str]] | None = None
 
 
 BUILDERS: dict[str, Builder] = {
-    "hybrid_parallel": Builder("colossalai.booster.plugin:HybridParallelPlugin", _hybrid_parallel),
+    "hybrid_parallel": Builder("colossalai.booster.plugin:HybridParallelPlugin", _hybrid_parallel, patch=solo_ddp.apply),
     "low_level_zero": Builder("colossalai.booster.plugin:LowLevelZeroPlugin", _low_level_zero),
     "torch_ddp": Builder("colossalai.booster.plugin:TorchDDPPlugin", _torch_ddp),
     "gemini": Builder("colossalai.booster.plugin:GeminiPlugin", _gemini),
@@ -186,6 +190,8 @@ def build_plugin(plugin_cfg: PluginConfig, stage_cfg: StageConfig, layout: Paral
                  kernels: Mapping[str, KernelState] | None = None, stage: str = "stage"):
     """The plugin object from `plugin_kwargs`. Needs an initialized process group."""
     builder = _builder(plugin_cfg, stage)
+    if builder.patch is not None:
+        builder.patch()
     factory = builder.factory
     if isinstance(factory, str):
         module, _, name = factory.partition(":")

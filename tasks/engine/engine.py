@@ -43,7 +43,7 @@ from tasks.core.errors import ManifestError
 from tasks.core.models.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
 from tasks.core.run.events import CHECKPOINT, format_event
 from tasks.core.run.manifest import write_manifest
-from tasks.engine import accel, lora, node_staging
+from tasks.engine import accel, lora, node_staging, weights
 from tasks.engine import checkpoint as ckpt
 from tasks.engine.backpressure import wait_for_publishes
 from tasks.engine.builders import (
@@ -168,19 +168,21 @@ class Engine:
         return LazyInitContext(default_device=self.device)
 
     def load_pending_weights(self) -> None:
-        """The HF weights of a lazily built model, read into the boosted model shard file by shard
-        file; strict, so a key the model lacks or the files lack fails here, naming the folder."""
+        """The HF weights of a lazily built model, read into the boosted, sharded model one tensor at
+        a time (tasks/engine/weights.py); strict, so a tensor the model holds that the files lack, or
+        one of the wrong shape, fails here, naming the folder."""
         if self.pending_weights is None:
             return
         src, self.pending_weights = Path(self.pending_weights), None
-        index = src / "model.safetensors.index.json"
-        target = src if index.is_file() else src / "model.safetensors"  # ColossalAI's IO takes a folder only with an index
         t0 = time.monotonic()
-        try:
-            self.booster.load_model(self.model, str(target), strict=True)
-        except (RuntimeError, KeyError, FileNotFoundError) as exc:
-            raise ManifestError(f"{src}: weights do not match the model's config: {exc}") from exc
-        log(f"built lazily and sharded under {self.pcfg.name}; read {src}'s weights into this rank's share in {time.monotonic() - t0:.1f}s")
+        got = self.read_weights(src)
+        log(f"built lazily and sharded under {self.pcfg.name}; read {got.tensors} tensors of {src} ({got.files} file(s), "
+            f"the largest {got.largest / 2**20:.1f} MiB) into this rank's share in {time.monotonic() - t0:.1f}s")
+
+    def read_weights(self, src: Path) -> weights.Loaded:
+        got = weights.read_into(self.model.unwrap(), src, self.config.to_dict())
+        self.model.update_master_params()
+        return got
 
     def boost(self, model: torch.nn.Module) -> None:
         cfg = self.cfg
@@ -386,7 +388,9 @@ class Engine:
         model_dir = path / "model"
         # Under LoRA the weights are already in place: enable_lora (lora.enable) read the adapter
         # onto the job's base, so only the optimizer, the scheduler and the data position load here.
-        if self.cfg.lora is None and self.spec.strict_load:
+        if self.cfg.lora is None and self.lazy_init:  # the checkpoint's blocks, one tensor at a time
+            self.read_weights(model_dir)
+        elif self.cfg.lora is None and self.spec.strict_load:
             self.booster.load_model(self.model, str(model_dir))
         elif self.cfg.lora is None:
             # ColossalAI's general loader in strict mode demands a tied LM head that HF (and

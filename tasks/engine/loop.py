@@ -31,7 +31,7 @@ from tasks.core.errors import ManifestError
 from tasks.core.run.events import PROGRESS
 from tasks.core.run.stages import STEP_SUMMARY, SUMMARY_FIELDS
 from tasks.engine import checkpoint as ckpt
-from tasks.engine import lora
+from tasks.engine import hostmem, lora
 from tasks.engine.builders import plugin_meta
 from tasks.engine.engine import Engine, emit, log
 from tasks.engine.faults import Injector
@@ -151,10 +151,11 @@ def shard(job: Job, faults: Injector) -> Path:
 
     eng = Engine(job, faults)
     t0, peak = time.monotonic(), HostPeak()
-    model = eng.load_pretrained()
-    model = _with_adapter(eng, job, model, None)
-    eng.boost(model)
-    eng.load_pending_weights()  # a lazily built model: its weights, into the sharded model
+    with hostmem.large_blocks_mapped():
+        model = eng.load_pretrained()
+        model = _with_adapter(eng, job, model, None)
+        eng.boost(model)
+        eng.load_pending_weights()  # a lazily built model: its weights, into the sharded model
     _log_construction(peak, "built and read its weights")
     eng.materialize_optimizer_state()
     log(f"boosted {job.model_dir} under {plugin_meta(eng.pcfg, eng.cfg)} on {eng.world} ranks (dp={eng.layout.dp_size}) in {time.monotonic() - t0:.1f}s")
@@ -199,15 +200,16 @@ def train(job: Job, faults: Injector) -> Path | None:
     eng = Engine(job, faults)
     data = StageData(job, eng.layout.dp_rank, eng.layout.dp_size)
     t0, peak = time.monotonic(), HostPeak()
-    if cfg.lora is not None:  # the frozen base is the job's model_dir, the adapter the checkpoint's
-        lora.check_base(rp.manifest, rp.path, job.model_dir)
-        model = _with_adapter(eng, job, eng.load_pretrained(), rp.path / lora.ADAPTER)
-    else:
-        model = eng.from_config()
-    n_params = count_params(model)  # before the plugin shards it
-    data.check_vocab(model.config.vocab_size, job)
-    eng.boost(model)
-    eng.load(rp.path)
+    with hostmem.large_blocks_mapped():
+        if cfg.lora is not None:  # the frozen base is the job's model_dir, the adapter the checkpoint's
+            lora.check_base(rp.manifest, rp.path, job.model_dir)
+            model = _with_adapter(eng, job, eng.load_pretrained(), rp.path / lora.ADAPTER)
+        else:
+            model = eng.from_config()
+        n_params = count_params(model)  # before the plugin shards it
+        data.check_vocab(model.config.vocab_size, job)
+        eng.boost(model)
+        eng.load(rp.path)
     _log_construction(peak, f"built and loaded {rp.path.name}")
     state = ckpt.read_train_state(rp.path)
     if state.get("step") != rp.step:

@@ -120,7 +120,8 @@ class Held:
     when: HeldWhen = "always"
     zero: tuple[int, ...] = (0, 1, 2, 3)  # ZeRO stages (the stage the plugin runs) it exists under
     precisions: tuple[str, ...] = PRECISIONS
-    only: Literal["", "no_pipeline", "grad_accum"] = ""  # pp == 1 only; grad_accum_steps > 1 only
+    # "no_pipeline": pp == 1 only; "data_parallel": pp == 1 and dp > 1 only; "grad_accum": grad_accum_steps > 1 only
+    only: Literal["", "no_pipeline", "data_parallel", "grad_accum"] = ""
     per: Literal["parameter", "layer"] = "parameter"  # "layer": counts one decoder layer's parameters, unsharded
     offload: str = ""  # the PluginConfig field (an `Offload` row) whose value is the share of this tensor put in host memory
 
@@ -247,7 +248,9 @@ register(PluginSpec(
         Held("gradients", "weights", when="grads", zero=(0,), precisions=("fp32",)),
         Held("gradients", "weights", when="backward", zero=(0,), precisions=MIXED),
         Held("fp32 master gradients", 4, when="step", zero=(0,), precisions=MIXED),
-        Held("DDP gradient buckets", "weights", zero=(0,), only="no_pipeline"),
+        # torch DDP wraps the model at pp == 1 without ZeRO; not at dp == 1, where the engine
+        # turns it off (tasks/engine/solo_ddp.py)
+        Held("DDP gradient buckets", "weights", zero=(0,), only="data_parallel"),
         Held("fp32 master weights", 4, zero=(0,), precisions=MIXED),
         Held("Adam moments", 8, zero=(0,)),
         Held("gradients", "weights", when="grads", zero=(1,)),

@@ -142,9 +142,9 @@ def layer_activation_bytes(model_config: dict[str, Any], compute_bytes: int, tp:
     return sum(_width(t, dims, tp, compute_bytes) for t in family.layer_activations)
 
 
-def _applies(h: Held, zero: int, precision: str, pp: int, grad_accum: int) -> bool:
-    return (zero in h.zero and precision in h.precisions and not (h.only == "no_pipeline" and pp > 1)
-            and not (h.only == "grad_accum" and grad_accum <= 1))
+def _applies(h: Held, zero: int, precision: str, pp: int, dp: int, grad_accum: int) -> bool:
+    return (zero in h.zero and precision in h.precisions and not (h.only in ("no_pipeline", "data_parallel") and pp > 1)
+            and not (h.only == "data_parallel" and dp <= 1) and not (h.only == "grad_accum" and grad_accum <= 1))
 
 
 def _offloaded(spec: PluginSpec, plugin: Any, field: str, cuda: bool) -> float:
@@ -211,7 +211,7 @@ def estimate(model_config: dict[str, Any], stage_cfg: StageConfig, *, stage: str
     for s in range(pp):
         terms = []
         for h in spec.holds:
-            if not _applies(h, zero, p.precision, pp, stage_cfg.grad_accum_steps):
+            if not _applies(h, zero, p.precision, pp, dp, stage_cfg.grad_accum_steps):
                 continue
             n = layer_params if h.per == "layer" else shares[s]
             n = math.ceil(n / dp) if h.sharded else n
