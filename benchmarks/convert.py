@@ -1,7 +1,7 @@
 """Unshard/export at disk speed: our streaming converter vs the naive transformers round trip vs a
 plain byte copy, side by side on the same synthetic Llama-shaped checkpoint in ColossalAI's layout.
 
-    .venv/bin/python benchmarks/convert.py --smoke                # a 4 MB model, one round: seconds, same table
+    .venv/bin/python benchmarks/convert.py --smoke                # a 4 MB model, one round, no idle-disk wait: seconds, same table
     .venv/bin/python benchmarks/convert.py --size-gb 1 4          # the README benchmark table's sizes
     .venv/bin/python benchmarks/convert.py --size-gb 1 4 --workdir /dev/shm/bc --no-fsync   # CPU cost
     .venv/bin/python benchmarks/convert.py --size-gb 0.5 1 --cast bf16 --max-shard-size 5GB
@@ -222,7 +222,7 @@ def quiesce(path: Path, timeout: float = 60.0) -> float:
     return time.perf_counter() - t0
 
 
-def measure(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool, shard: str) -> dict:
+def measure(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool, shard: str, settle_s: float = 60.0) -> dict:
     """Run one worker in a child process and collect its own timing and peak RSS.
 
     The peak comes from the child's /proc/self/status, not from wait4/RUSAGE_CHILDREN: Linux
@@ -230,7 +230,7 @@ def measure(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool, shar
     with this process's (checkpoint-generating) memory.
     """
     shutil.rmtree(dst, ignore_errors=True)
-    quiesce(dst.parent)  # start every run with no writeback or discard of an earlier one in flight
+    quiesce(dst.parent, settle_s)  # start every run with no writeback or discard of an earlier one in flight
     flags = (["--cast", cast] if cast else []) + (["--no-fsync"] if not fsync else []) + ["--max-shard-size", shard]
     cmd = [sys.executable, __file__, "--worker", kind, str(src), str(dst), *flags]
     proc = subprocess.run(cmd, capture_output=True, cwd=ROOT, check=False)
@@ -263,7 +263,9 @@ def bench_size(size_gb: float, workdir: Path, cast: str | None, fsync: bool, rep
         # this VM's page cache and virtual disk are noisy (the same 1 GB write varies 5x), so
         # methods are interleaved, rotated, and the medians compared
         for label, kind, dtype in plan[r % len(plan) :] + plan[: r % len(plan)]:
-            runs[label].append(measure(kind, src, workdir / "out", dtype, fsync, shard))
+            # The smoke syncs but does not wait for an idle disk: its figures are not judged, and beside
+            # the test suite's other worker the disk is seldom idle for the 0.5 s quiesce waits for.
+            runs[label].append(measure(kind, src, workdir / "out", dtype, fsync, shard, settle_s=0.0 if smoke else 60.0))
 
     # (b) as transformers does it, and (b) plus the hashing pass its manifest would still need
     runs["b naive+sha256"] = [{**x, "seconds": x["seconds"] + x["hash_seconds"]} for x in runs["b naive"]]
