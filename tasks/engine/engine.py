@@ -43,7 +43,7 @@ from tasks.core.errors import ManifestError
 from tasks.core.models.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
 from tasks.core.run.events import CHECKPOINT, format_event
 from tasks.core.run.manifest import write_manifest
-from tasks.engine import accel, lora, node_staging, weights
+from tasks.engine import accel, hostmem, lora, node_staging, weights
 from tasks.engine import checkpoint as ckpt
 from tasks.engine.backpressure import wait_for_publishes
 from tasks.engine.builders import (
@@ -321,12 +321,13 @@ class Engine:
         phase = lambda name: self.faults.before_save_phase(step, name)
         phase("model")
         mib = ckpt.save_shard_mib(self.config.to_dict(), _DTYPES[self.weights_dtype].itemsize)  # bounds the save's gathered tensors
-        if self.cfg.lora is not None:  # the adapter only: the base stays the job's model_dir, referenced in the meta
-            lora.save_adapter(self.booster, self.model, tmp / lora.ADAPTER)
-        else:
-            self.booster.save_model(self.model, str(tmp / "model"), shard=True, use_safetensors=True, size_per_shard=mib)
-        phase("optimizer")
-        self.booster.save_optimizer(self.optimizer, str(tmp / "optimizer"), shard=True, size_per_shard=mib)
+        with hostmem.large_blocks_mapped():  # the gathered blocks go back to the OS once written
+            if self.cfg.lora is not None:  # the adapter only: the base stays the job's model_dir, referenced in the meta
+                lora.save_adapter(self.booster, self.model, tmp / lora.ADAPTER)
+            else:
+                self.booster.save_model(self.model, str(tmp / "model"), shard=True, use_safetensors=True, size_per_shard=mib)
+            phase("optimizer")
+            self.booster.save_optimizer(self.optimizer, str(tmp / "optimizer"), shard=True, size_per_shard=mib)
         phase("lr_scheduler")
         self.booster.save_lr_scheduler(self.scheduler, str(tmp / "lr_scheduler.pt"))
         phase("rng")
