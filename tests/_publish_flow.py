@@ -1,5 +1,6 @@
 """The CPT half of the runbook as one small Prefect flow (load -> prepare -> boost & shard -> train CPT), for
-the publish flow tests (tests/test_publish_flow.py). The stage tasks are the real ones.
+the publish flow tests (tests/test_publish_flow.py), and `shard_only`, its first three stages, which
+make the shard those tests share. The stage tasks are the real ones.
 
     python -c "from tests._publish_flow import cpt_only; print(cpt_only('CONFIG.yaml'))"
 
@@ -18,6 +19,14 @@ from tasks.load import load_from_hf
 from tasks.prepare_data import prepare_data
 from tasks.stage import StageResult, outcome
 from tasks.train import boost_and_shard, train_cpt
+
+
+@flow(name="cpt-shard-test")
+def shard_only(config: str) -> StageResult:
+    cfg = load_config(config)
+    base = outcome(load_from_hf(cfg, return_state=True))
+    data = outcome(prepare_data(cfg, "cpt", base, return_state=True))
+    return outcome(boost_and_shard(cfg, base, data, return_state=True))
 
 
 @flow(name="cpt-publish-test")

@@ -1,6 +1,9 @@
 """Issue 19 at the flow level: the real stage tasks (tests/_publish_flow.py: load -> boost & shard ->
 train CPT) on an s3:// run root served by the real SeaweedFS server through the bandwidth-limiting
 proxy (tests/servers/throttle.py), real torchrun ranks, a real Prefect server (the test harness).
+The S3 tests share one shard: load, prepare and boost & shard run once for the module on a local
+run root (`seed`), and each test publishes those artifacts to its own S3 run root with the run
+store's publish, so its flow verifies and skips them and launches only training.
 
 - keep_last 1, a checkpoint every step, a slow store (and a stalled link while steps 2-4 are
   committed, so uploads lag training on any machine): the stage completes, every checkpoint is
@@ -38,7 +41,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tasks.core.run.manifest import MANIFEST
+from tasks.core.run.manifest import MANIFEST, STAMP
 from tasks.core.run.stages import step_name
 from tasks.core.storage.fs import RunStore
 from tests.conftest import REPO, tiny_config_raw, write_config
@@ -46,12 +49,12 @@ from tests.servers.throttle import MB, ThrottleProxy
 
 pytest_plugins = ["tests.conftest_servers"]
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
-STEPS = 5
-# The slow-store test: LONG steps, each checkpoint's upload throttled to about UPLOAD_S, and the link
-# stalled from step 1's commit until step HOLD_UNTIL's, so uploads lag training on any machine.
-# The stall, not the step count, makes the overlap: LONG only needs a few steps after HOLD_UNTIL
-# for the queued uploads to drain while training still runs.
-LONG = 7
+# One CPT config (steps included: they are in boost_and_shard's digest) for every S3 test, so they
+# all start from one shard (`seed`). The slow-store test throttles each checkpoint's upload to
+# about UPLOAD_S and stalls the link from step 1's commit until step HOLD_UNTIL's, so uploads lag
+# training on any machine. The stall, not the step count, makes the overlap: STEPS only needs a few
+# steps after HOLD_UNTIL for the queued uploads to drain while training still runs.
+STEPS = 7
 UPLOAD_S = 0.75
 HOLD_UNTIL = 4
 
@@ -123,6 +126,28 @@ def _run(cfg: Path):
     return cpt_only(str(cfg), return_state=True)
 
 
+@pytest.fixture(scope="module")
+def seed(prefect_harness, tiny_model_dir, tmp_path_factory) -> Path:
+    """load -> prepare -> boost & shard once for the module, on a local run root with the S3 tests'
+    CPT config: a shard launch (~12 CPU-s, the ranks' imports) each S3 test would otherwise repeat."""
+    from tests._publish_flow import shard_only
+
+    tmp = tmp_path_factory.mktemp("publish-seed")
+    state = shard_only(str(_config(tmp, tiny_model_dir, str(tmp / "run"))), return_state=True)
+    assert state.is_completed(), state.message
+    return tmp / "run"
+
+
+def _seeded(seed: Path, run_root: str, staging: Path) -> None:
+    """The seed's base, prepared data and step 0, published to `run_root` by the run store's own
+    publish (from the staging dir the flow uses): the flow verifies them on S3 and skips those
+    stages, as a re-run does, so its first launch is train_cpt's."""
+    store = RunStore(run_root, staging_dir=str(staging))
+    for rel in ("base", "data/cpt", f"cpt/{step_name(0)}"):
+        shutil.copytree(seed / rel, store.local_path(rel), ignore=shutil.ignore_patterns(Path(STAMP).name))
+        store.publish(rel)
+
+
 def _throttle_after_shard(proxy: ThrottleProxy, staging: Path, seconds_per_upload: float) -> Watch:
     """Once step 0 is committed, slow the proxy so one checkpoint upload takes that long."""
 
@@ -146,12 +171,13 @@ def _final_state(root: RunStore, steps: int) -> dict:
     return json.loads(root.read_text(f"cpt/{step_name(steps)}/train_state.json"))
 
 
-def test_keep_last_1_every_step_through_a_slow_store(prefect_harness, weed, tiny_model_dir, tmp_path, s3_root):
+def test_keep_last_1_every_step_through_a_slow_store(prefect_harness, weed, seed, tiny_model_dir, tmp_path, s3_root):
     proxy = ThrottleProxy(("127.0.0.1", weed.ports["s3.port"]), 200 * MB, lifetime_s=900).start()
     os.environ["AWS_ENDPOINT_URL"], saved = proxy.endpoint, os.environ["AWS_ENDPOINT_URL"]
     try:
-        cfg = _config(tmp_path / "s3", tiny_model_dir, s3_root, steps=LONG, max_pending_publishes=LONG)
+        cfg = _config(tmp_path / "s3", tiny_model_dir, s3_root, max_pending_publishes=STEPS)
         staging = tmp_path / "s3" / "staging"
+        _seeded(seed, s3_root, staging)
         # A stalled link (no byte either way) while steps 2..HOLD_UNTIL are committed: whatever
         # training's speed, an upload is in flight while newer checkpoints land, and keep_last 1
         # must not delete it.
@@ -164,11 +190,11 @@ def test_keep_last_1_every_step_through_a_slow_store(prefect_harness, weed, tiny
         log = PrefectLog(state)
         store = RunStore(s3_root)
         # Every checkpoint was published and verified, in order; retention kept only the newest.
-        assert _published(log.text()) == [step_name(s) for s in range(1, LONG + 1)]
-        assert {step_name(0), step_name(LONG)} <= set(store.listdir("cpt"))
-        for name in (step_name(0), step_name(LONG)):
+        assert _published(log.text()) == [step_name(s) for s in range(1, STEPS + 1)]
+        assert {step_name(0), step_name(STEPS)} <= set(store.listdir("cpt"))
+        for name in (step_name(0), step_name(STEPS)):
             store.verify(f"cpt/{name}", deep=True)
-        assert not any(store.exists(f"cpt/{step_name(s)}/{MANIFEST}") for s in range(1, LONG))
+        assert not any(store.exists(f"cpt/{step_name(s)}/{MANIFEST}") for s in range(1, STEPS))
         assert "@@backpressure" not in log.text() and "waits before saving" not in log.text()
 
         # While an upload ran, the ranks' lines kept reaching the Prefect log.
@@ -182,7 +208,7 @@ def test_keep_last_1_every_step_through_a_slow_store(prefect_harness, weed, tiny
         progress = [json.loads(msg.split(" ", 3)[3]) for _, msg, _ in rec if msg.startswith("[rank 0] progress ")]
         elapsed = [p["elapsed_s"] for p in progress]
         step_time = max(b - a for a, b in itertools.pairwise(elapsed))  # measured in this run, save included
-        train_end = starts[LONG]  # the last checkpoint committed: training lines end here
+        train_end = starts[STEPS]  # the last checkpoint committed: training lines end here
         overlapped = 0
         for step, t0 in starts.items():
             inside = [t for t in rank_times if t0 <= t <= min(ends.get(step, t0), train_end)]
@@ -205,12 +231,12 @@ def test_keep_last_1_every_step_through_a_slow_store(prefect_harness, weed, tiny
     shutil.copytree(staged / "base", local_root / "base")
     shutil.copytree(staged / "data" / "cpt", local_root / "data" / "cpt")
     shutil.copytree(staged / "cpt" / step_name(0), local_root / "cpt" / step_name(0), ignore=shutil.ignore_patterns(".published"))
-    local_state = _run(_config(tmp_path / "local", tiny_model_dir, str(local_root), steps=LONG))
+    local_state = _run(_config(tmp_path / "local", tiny_model_dir, str(local_root)))
     assert local_state.is_completed(), local_state.message
     assert "boost_and_shard: skipped" in PrefectLog(local_state).text(), "the local run re-made step 0"
-    assert _final_state(RunStore(str(local_root)), LONG)["losses"] == _final_state(store, LONG)["losses"]
-    remote_files = store.read_manifest(f"cpt/{step_name(LONG)}")["files"]
-    local_files = RunStore(str(local_root)).read_manifest(f"cpt/{step_name(LONG)}")["files"]
+    assert _final_state(RunStore(str(local_root)), STEPS)["losses"] == _final_state(store, STEPS)["losses"]
+    remote_files = store.read_manifest(f"cpt/{step_name(STEPS)}")["files"]
+    local_files = RunStore(str(local_root)).read_manifest(f"cpt/{step_name(STEPS)}")["files"]
     weights = [k for k in local_files if k.startswith("model/")]
     assert weights and {k: local_files[k]["sha256"] for k in weights} == {k: remote_files[k]["sha256"] for k in weights}
 
@@ -229,9 +255,10 @@ def _progress_descriptions(stop: threading.Event, seen: list[str]) -> None:
                 continue
 
 
-def test_backpressure_is_said_aloud_and_deletes_nothing_unpublished(prefect_harness, throttled_s3, tiny_model_dir, tmp_path, s3_root):
+def test_backpressure_is_said_aloud_and_deletes_nothing_unpublished(prefect_harness, throttled_s3, seed, tiny_model_dir, tmp_path, s3_root):
     throttled_s3.set_rate(200 * MB)
     cfg = _config(tmp_path, tiny_model_dir, s3_root, max_pending_publishes=1)
+    _seeded(seed, s3_root, tmp_path / "staging")
     seen: list[str] = []
     stop = threading.Event()
     # The harness's API settings live in context variables, which a new thread does not inherit.
@@ -294,7 +321,7 @@ def _until_readable(store: RunStore, rel: str, timeout: float = 60.0) -> None:
             time.sleep(0.5)
 
 
-def test_store_killed_during_upload_fails_naming_it_then_a_retry_resumes(prefect_harness, fresh_weed, tiny_model_dir, tmp_path, monkeypatch):
+def test_store_killed_during_upload_fails_naming_it_then_a_retry_resumes(prefect_harness, fresh_weed, seed, tiny_model_dir, tmp_path, monkeypatch):
     from tasks.core.storage.publisher import Publisher
 
     # The publisher's own default backoff, which train_cpt's Publisher uses: 4 retries in ~4 s instead of ~1 min
@@ -311,6 +338,7 @@ def test_store_killed_during_upload_fails_naming_it_then_a_retry_resumes(prefect
     # up the ranks are still alive (waiting to save step 3) and the failure must tear them down.
     cfg = _config(tmp_path, tiny_model_dir, root, max_pending_publishes=1)
     staging = tmp_path / "staging"
+    _seeded(seed, root, staging)
     try:
         # Step 1 is committed remotely (marked); step 2 is saved next and its upload fails.
         with _throttle_after_shard(proxy, staging, 2.0), Watch(staging, f"*/cpt/{step_name(1)}/.published", lambda _: fresh_weed.kill()) as killed:
