@@ -16,7 +16,11 @@ speed trade-off. The Slurm part needs root and Slurm (scripts/install_system.sh)
 (as the Slurm tests skip) only the local backend runs and the Slurm columns print as `-`.
 
     sudo .venv/bin/python benchmarks/launch.py --repeats 3
-    .venv/bin/python benchmarks/launch.py --smoke        # one round: checks the script runs
+    .venv/bin/python benchmarks/launch.py --smoke        # one round, tp=1, one local rank: checks the script runs
+
+--smoke runs the plugin at tp=1 and the local backend (and the shard before it) with one rank, the
+Slurm one still on two nodes (dp=2): two rank processes less, ~6 s of CPU each in imports, for
+figures that are not judged.
 """
 
 from __future__ import annotations
@@ -69,14 +73,18 @@ def _prepared(cfg, model: Path, out: Path) -> Path:
     return prepared_data(section, "cpt", model, out)
 
 
-def _config(model: Path, root: Path, backend: str):
+def _config(model: Path, root: Path, backend: str, smoke: bool = False):
     raw = tiny_config_raw(model, root)
     raw["cpt"].update(max_steps=1, checkpoint_every=1, launch=LAUNCHES[backend])
+    if smoke:
+        raw["cpt"]["plugin"]["tp_size"] = 1
+        if backend == "local":
+            raw["cpt"]["launch"] = {**LAUNCHES["local"], "nproc_per_node": 1}
     return parse_config(raw)
 
 
-def first_step_s(backend: str, model: Path, data: Path, step0: Path, work: Path) -> float:
-    cfg = _config(model, work / "run", backend)
+def first_step_s(backend: str, model: Path, data: Path, step0: Path, work: Path, smoke: bool = False) -> float:
+    cfg = _config(model, work / "run", backend, smoke)
     stage_dir = work / "run" / "cpt"
     shutil.rmtree(work, ignore_errors=True)
     shutil.copytree(step0, stage_dir / step0.name)
@@ -109,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         with patched_env(cluster.env() if cluster else {}):
             model = tmp / "model"
             build_tiny_model(model, build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
-            cfg = _config(model, tmp / "seed", "local")
+            cfg = _config(model, tmp / "seed", "local", args.smoke)
             seed_dir = tmp / "seed" / "cpt"
             data = _prepared(cfg, model, tmp / "data-cpt")
             run_engine("shard", _job(cfg, model, data, seed_dir, "shard"), tmp / "seed" / "shard.json", cfg.cpt.launch, "bench-shard", _Quiet(), env=ENV)
@@ -117,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             times: dict[str, list[float]] = {b: [] for b in LAUNCHES}
             for r in range(args.repeats):
                 for backend in backends:
-                    s = first_step_s(backend, model, data, step0, tmp / f"{backend}-{r}")
+                    s = first_step_s(backend, model, data, step0, tmp / f"{backend}-{r}", args.smoke)
                     times[backend].append(s)
                     print(f"round {r + 1} {backend:>5}: task start -> first step {s:6.2f} s", flush=True)
     finally:
