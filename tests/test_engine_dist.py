@@ -59,7 +59,9 @@ def _engine(label: str, verb: str, job: Path, **kw):
     return run
 
 
-@pytest.fixture(scope="module", autouse=True)
+# Session-scoped: a module-scoped autouse fixture would put every test of this file in one
+# pytest-xdist group (tests/conftest.py), the ten-kill test included.
+@pytest.fixture(scope="session", autouse=True)
 def _report_launches():
     t0 = time.monotonic()
     yield
@@ -378,7 +380,7 @@ def test_streaming_converter_on_real_checkpoints_is_bitwise(tp2, pp2, zero1, llz
 # ---- kill during save, many times ---------------------------------------------------------------
 
 
-def test_ten_kills_at_random_moments_of_saves_never_load_a_torn_checkpoint(work, tiny_model_dir):
+def test_ten_kills_at_random_moments_of_saves_never_load_a_torn_checkpoint(tmp_path, tiny_model_dir):
     """Ten trials: each launch resumes, then a rank dies inside the next checkpoint save at a
     random phase. Every resume must start from the newest COMPLETE checkpoint (one interval back),
     never a partial one; the last launch completes and every step's loss is finite."""
@@ -388,8 +390,10 @@ def test_ten_kills_at_random_moments_of_saves_never_load_a_torn_checkpoint(work,
 
     seed = 20261129
     rng = random.Random(seed)
-    stage_dir = work / "kills" / "sft"
-    shard_job, train_job = _jobs(work, "kills", "sft", DDP, tiny_model_dir, tiny_model_dir, stage_dir,
+    # Its own tmp_path, no module fixture: pytest-xdist may run it on another worker than the
+    # fixtures above (tests/conftest.py groups a file's tests only where they share one).
+    stage_dir = tmp_path / "kills" / "sft"
+    shard_job, train_job = _jobs(tmp_path, "kills", "sft", DDP, tiny_model_dir, tiny_model_dir, stage_dir,
                                  max_steps=11, checkpoint_every=1, keep_last=2)
     _engine("kills ddp shard", "shard", shard_job)
     trials = []
