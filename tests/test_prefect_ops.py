@@ -421,17 +421,16 @@ def test_browser_shows_the_runs_artifacts(ops, retried_run, tmp_path):
     run_id = retried_run["id"]
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page = f"{s.url}/v2/runs/flow-run/{run_id}?tab=Artifacts"
-    dom = chromium(binary, page, tmp_path / "profile")
+    # Each page's DOM is read from the load that takes its screenshot.
+    dom = chromium(binary, page, tmp_path / "profile", screenshot=SCREENSHOTS / "flow-run-artifacts.png", window="1440,1800")
     missing = [k for k in sorted(ARTIFACT_KEYS) if k not in dom]
     assert not missing, f"artifact keys missing from {page}: {missing}\n{dom[-3000:]}"
     assert retried_run["run"]["name"] in dom
-    chromium(binary, page, tmp_path / "profile", screenshot=SCREENSHOTS / "flow-run-artifacts.png", window="1440,1800")
 
     latest = _latest(s.artifacts(run_id))
     curve = f"{s.url}/v2/artifacts/artifact/{latest['cpt-loss-curve']['id']}"
-    dom = chromium(binary, curve, tmp_path / "profile")
+    dom = chromium(binary, curve, tmp_path / "profile", screenshot=SCREENSHOTS / "cpt-loss-curve.png", window="1280,1000")
     assert 'alt="cpt loss" src="data:image/png;base64,' in dom
-    chromium(binary, curve, tmp_path / "profile", screenshot=SCREENSHOTS / "cpt-loss-curve.png", window="1280,1000")
     table = f"{s.url}/v2/artifacts/artifact/{latest['cpt-to-sft-stages']['id']}"
     chromium(binary, table, tmp_path / "profile", screenshot=SCREENSHOTS / "stage-table.png", window="1440,1000")
     for name in ("flow-run-artifacts.png", "cpt-loss-curve.png", "stage-table.png"):

@@ -268,9 +268,10 @@ def ensure_chromium(timeout: float = 900.0) -> tuple[str | None, str]:
 
 
 def chromium(binary: str, url: str, profile_dir: Path, *, screenshot: Path | None = None, budget_ms: int = 15000, window: str = "1440,2000", timeout: float = 120.0) -> str:
-    """Load `url` headless; return the DOM after `budget_ms` of virtual time (or write a PNG)."""
-    argv = [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile_dir}", f"--virtual-time-budget={budget_ms}", f"--window-size={window}"]
-    argv += [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
+    """Load `url` headless; return the DOM after `budget_ms` of virtual time, and write a PNG of the
+    same load when `screenshot` is given (one browser start for both: a start costs seconds of CPU)."""
+    argv = [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile_dir}", f"--virtual-time-budget={budget_ms}", f"--window-size={window}", "--dump-dom"]
+    argv += [f"--screenshot={screenshot}"] if screenshot else []
     proc = subprocess.Popen(argv + [url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
