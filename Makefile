@@ -16,14 +16,14 @@ demo: demo-inputs
 	$(PY) -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml
 
 # Lint first (ruff, configured in pyproject.toml), then every tier: unit, distributed (torchrun,
-# 2 CPU ranks), integration and e2e. GPU tests skip without CUDA. Two pytest-xdist workers: much of
-# a test's time waits on servers, sleeps and polls, which the other worker fills. Three were
-# measured faster (186 % CPU against 157 %), but two timing-bound tests (the Ctrl-C teardown within
-# 10 s, the Slurm killed-rank cause) failed once at three on a loaded machine; two stay until those
-# are made robust to it.
+# 2 CPU ranks), integration and e2e. GPU tests skip without CUDA. Three pytest-xdist workers on two
+# cores: much of a test's time waits on servers, sleeps and polls, which the other workers fill
+# (measured 186 % CPU at three against 157 % at two). The timing-bound tests hold on a loaded
+# machine: the Ctrl-C teardown is well inside its 10 s, and a Slurm failure names the killed rank's
+# node first whichever agent srun reports first.
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "" -n 2 --dist loadgroup --durations=40 tests
+	$(PY) -m pytest -q -m "" -n 3 --dist loadgroup --durations=40 tests
 
 # Lint, then the fast unit tier only (no torchrun, no Prefect server).
 test-fast: install

@@ -106,6 +106,7 @@ def test_first_ctrl_c_tears_the_run_down_and_ends_it_cancelled(tiny_model_dir, t
     finally:
         _cleanup(proc, servers)
     out = log.read_text()
+    print(f"first Ctrl-C to exit 130: {took:.1f}s")
     assert rc == 130 and took < 10, (rc, took, out[-4000:])
     assert _matching(job) == [], "a rank outlived the interrupted run"
     assert not (run_root / ".lease.json").exists(), "the lease was not released"
