@@ -42,11 +42,10 @@ What it runs, each step a time-boxed subprocess (its output goes to $OUT/gpu_che
 --dry-run (no CUDA): the model is tiny (same config otherwise), the CPT plugin is the config's own
 (HybridParallel ZeRO-1 bf16 on one CPU rank), SFT runs low_level_zero instead of Gemini, steps are
 fewer; kernels are skipped and the throughput ratio is parsed and printed but not judged.
---smoke is the dry run with SMOKE_OVERRIDES on top (4 steps a stage, shorter CPT blocks, a shorter
-generation check) and the flows' Prefect home seeded with an already migrated database
-(tests/servers/prefect_home.py): every check but gpu_tests still runs (tests/test_gpu.py only
-collects and skips on CPU, as the test suite itself shows, and a pytest beside the retry would slow
-it on two cores).
+--smoke is the dry run with SMOKE_OVERRIDES on top (4 steps a stage, shorter CPT blocks) and the
+flows' Prefect home seeded with an already migrated database (tests/servers/prefect_home.py): every
+check but gpu_tests still runs (tests/test_gpu.py only collects and skips on CPU, as the test suite
+itself shows, and a pytest beside the retry would slow it on two cores).
 """
 
 from __future__ import annotations
@@ -83,12 +82,9 @@ DRY_OVERRIDES = {
 }
 # --smoke: on top of DRY_OVERRIDES. Checkpoints every 2 steps so the kill (after step 3) falls inside
 # an interval and the throughput window (steps after the first 2, saves left out) keeps one step.
-# evaluate_sft's generation check (the gate is off, the check still runs) decodes one prompt of 8
-# tokens: 2 x 64 greedy tokens of the tiny model in bf16 on CPU cost 5-8 s CPU, 8 tokens 0.2-0.4 s.
 SMOKE_OVERRIDES = {
     "cpt": {"max_steps": 4, "checkpoint_every": 2, "seq_len": 256, "micro_batch_size": 2},
     "sft": {"max_steps": 4, "checkpoint_every": 2},
-    "gate": {"max_new_tokens": 8, "num_prompts": 1},
 }
 TIMEOUTS = {"env": 120, "kernels": 420, "model": 180, "preflight": 90, "plain": 240, "flow1": 420, "flow2": 300,
             "logits": 150, "tests": 300}
