@@ -23,7 +23,6 @@ the loaded ones, as ColossalAI's loader does (`update_master_params`).
 from __future__ import annotations
 
 import gc
-import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,11 +30,9 @@ from pathlib import Path
 
 import torch
 
-from tasks.core.errors import ManifestError
+from tasks.core.errors import ConversionError, ManifestError
 from tasks.core.models.families import tied_keys
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+from tasks.core.models.stream import weight_files
 
 
 @dataclass(frozen=True)
@@ -45,18 +42,13 @@ class Loaded:
     largest: int  # bytes of the largest tensor read
 
 
-def weight_map(src: Path) -> dict[str, str]:
-    """{tensor name: file name} of an HF folder: its index, else its one `model.safetensors`."""
-    index = src / INDEX
-    if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
-    single = src / SINGLE
-    if not single.is_file():
-        raise ManifestError(f"{src}: neither {INDEX} nor {SINGLE}; the engine reads HF safetensors folders only")
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as f:
-        return dict.fromkeys(f.keys(), SINGLE)
+def weight_map(src: Path) -> dict[str, Path]:
+    """{tensor name: its safetensors file} of an HF folder (`tasks.core.models.stream.weight_files`:
+    the index, else the one `model.safetensors`); a folder with neither is a ManifestError here."""
+    try:
+        return weight_files(src)
+    except ConversionError as exc:
+        raise ManifestError(str(exc)) from None
 
 
 def _holds(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -94,7 +86,7 @@ def read_into(module: torch.nn.Module, src: Path, model_config: dict) -> Loaded:
     missing = sorted(k for k in held if k not in files and k not in aliases)
     if missing:
         raise ManifestError(f"{src}: weights do not match the model's config: {len(missing)} tensor(s) the model holds are in no file, e.g. {missing[:5]}")
-    by_file: dict[str, list[tuple[str, str]]] = {}
+    by_file: dict[Path, list[tuple[str, str]]] = {}
     for key in held:
         stored = aliases.get(key, key)
         by_file.setdefault(files[stored], []).append((key, stored))
@@ -104,7 +96,7 @@ def read_into(module: torch.nn.Module, src: Path, model_config: dict) -> Loaded:
         for key, stored in by_file[name]:
             # Opened per tensor: safe_open maps the whole file, and the pages a read touched count in
             # the rank's RSS until the mapping goes (a single-file base: the whole model).
-            with safe_open(str(src / name), framework="pt") as f:
+            with safe_open(str(name), framework="pt") as f:
                 tensor = f.get_tensor(stored)
             largest, count = max(largest, tensor.numel() * tensor.element_size()), count + 1
             state = {key: tensor}
@@ -129,7 +121,7 @@ def _main(argv: list[str]) -> int:
     files = weight_map(src)
     largest, elements = "", 0
     for name in sorted(set(files.values())):
-        with safe_open(str(src / name), framework="pt") as f:
+        with safe_open(str(name), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 n = 1
                 for d in f.get_slice(key).get_shape():
