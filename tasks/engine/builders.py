@@ -36,7 +36,7 @@ from tasks.core.config.layout import ParallelLayout, layout_problems, num_microb
 from tasks.core.config.plugins import LOSS_SCALE, PRECISION_SPECS, spec_of
 from tasks.core.config.schema import PluginConfig, StageConfig
 from tasks.core.errors import ConfigError
-from tasks.engine import solo_ddp
+from tasks.engine import lean_save, solo_ddp
 
 __all__ = [
     "BUILDERS",
@@ -151,9 +151,13 @@ class Builder:
     patch: Callable[[], list[str]] | None = None
 
 
+def _hybrid_parallel_patches() -> list[str]:
+    return solo_ddp.apply() + lean_save.apply()
+
+
 BUILDERS: dict[str, Builder] = {
-    "hybrid_parallel": Builder("colossalai.booster.plugin:HybridParallelPlugin", _hybrid_parallel, patch=solo_ddp.apply),
-    "low_level_zero": Builder("colossalai.booster.plugin:LowLevelZeroPlugin", _low_level_zero),
+    "hybrid_parallel": Builder("colossalai.booster.plugin:HybridParallelPlugin", _hybrid_parallel, patch=_hybrid_parallel_patches),
+    "low_level_zero": Builder("colossalai.booster.plugin:LowLevelZeroPlugin", _low_level_zero, patch=lean_save.apply),
     "torch_ddp": Builder("colossalai.booster.plugin:TorchDDPPlugin", _torch_ddp),
     "gemini": Builder("colossalai.booster.plugin:GeminiPlugin", _gemini),
 }
