@@ -71,6 +71,7 @@ def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageRe
     nodes = _node_staging(cfg, store, stage, parent.rel if verb == "shard" else source_rel)
     return Job(
         verb=verb, stage=stage, stage_cfg=getattr(cfg, stage), trust_remote_code=cfg.base_model.trust_remote_code,
+        verify_memory_gb=cfg.verify_memory_gb,
         model_dir=source, tokenizer_dir=source, data_dir=data,
         stage_dir=store.local_path(TRAINING[stage].checkpoints), parent=Parent(uri=parent.uri, digest=parent.digest), config_digest=cdigest,
         nodes=nodes,

@@ -62,7 +62,7 @@ def prepared_data(stage_cfg: dict[str, Any], stage: str, tokenizer_dir: Path, ou
 
 
 def write_job(path: Path, *, verb: str, stage: str, stage_cfg: dict[str, Any], model_dir: Path, stage_dir: Path,
-              tokenizer_dir: Path | None = None, config_digest: str = "0" * 64) -> Path:
+              tokenizer_dir: Path | None = None, config_digest: str = "0" * 64, verify_memory_gb: float | None = None) -> Path:
     # One prepared directory per corpus, seq_len and tokenizer (a mixture: also per blend plan).
     tag = f"{stage}-{stage_cfg['seq_len']}-{Path(tokenizer_dir or model_dir).name}"
     if "sources" in stage_cfg["data"]:
@@ -81,6 +81,8 @@ def write_job(path: Path, *, verb: str, stage: str, stage_cfg: dict[str, Any], m
         "parent": {"uri": str(model_dir), "digest": "parent-digest"},
         "config_digest": config_digest,
     }
+    if verify_memory_gb is not None:
+        job["verify_memory_gb"] = verify_memory_gb
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(job, indent=2))
     return path

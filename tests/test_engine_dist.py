@@ -75,9 +75,11 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("engine")
 
 
-def _jobs(work: Path, name: str, stage: str, plugin: dict, model_dir: Path, tokenizer_dir: Path, stage_dir: Path, **stage_kw):
+def _jobs(work: Path, name: str, stage: str, plugin: dict, model_dir: Path, tokenizer_dir: Path, stage_dir: Path,
+          verify_memory_gb: float | None = None, **stage_kw):
     section = stage_raw(stage, plugin, **stage_kw)
-    common = dict(stage=stage, stage_cfg=section, model_dir=model_dir, tokenizer_dir=tokenizer_dir, stage_dir=stage_dir)
+    common = dict(stage=stage, stage_cfg=section, model_dir=model_dir, tokenizer_dir=tokenizer_dir, stage_dir=stage_dir,
+                  verify_memory_gb=verify_memory_gb)
     return (
         write_job(work / "jobs" / f"{name}-shard.json", verb="shard", **common),
         write_job(work / "jobs" / f"{name}-train.json", verb="train", **common),
@@ -116,7 +118,10 @@ def tp2(work, tiny_model_dir):
 @pytest.fixture(scope="module")
 def pp2(work, tiny_model_dir):
     stage_dir = work / "pp2" / "cpt"
-    shard_job, train_job = _jobs(work, "pp2", "cpt", PP2, tiny_model_dir, tiny_model_dir, stage_dir, grad_accum_steps=2, keep_last=2)
+    # A weights budget below the tiny model's size: rank 0 streams the saved model/ a layer at a
+    # time for each checkpoint's fingerprint, as it would for a model larger than verify_memory_gb.
+    shard_job, train_job = _jobs(work, "pp2", "cpt", PP2, tiny_model_dir, tiny_model_dir, stage_dir, verify_memory_gb=1e-6,
+                                 grad_accum_steps=2, keep_last=2)
     shard = _engine("pp2 shard", "shard", shard_job)
     torn = _engine("pp2 train kill@save=6", "train", train_job, env={"CPT_TO_SFT_FAULT": "kill@save=6:optimizer"}, expect_ok=False)
     leftovers = sorted(p.name for p in stage_dir.iterdir())
@@ -278,6 +283,8 @@ def test_pp2_kill_during_save_resumes_from_last_complete(pp2):
     # pp=2 writes one file per stage; the fingerprint comes from those weights in plain transformers.
     names = {p.name for p in (d / "step-000006" / "model").glob("*.safetensors")}
     assert names == {"model-stage-00001-shard-00001.safetensors", "model-stage-00002-shard-00001.safetensors"}
+    # Streamed on rank 0 (the job's budget is below the model): bitwise the whole-model forward.
+    assert torch.equal(load_fingerprint(d / "step-000006"), hf_dir_logits(d / "step-000006" / "model", dtype="fp32"))
 
 
 def test_tp2_and_pp2_checkpoints_hold_the_full_hf_state_dict(tp2, pp2, tiny_model_dir):

@@ -21,7 +21,8 @@ min_lr floor.
 
 Fingerprint: pp == 1 -> the live boosted model on every rank (tensor-parallel vocab shards
 gathered), i.e. exactly the weights being trained in their training dtype; pp > 1 -> no rank holds
-the whole model, so rank 0 loads the just-saved `model/` into a fresh `transformers` model.
+the whole model, so rank 0 computes them from the just-saved `model/` with plain `transformers`,
+whole up to the job's `verify_memory_gb`, streamed a decoder layer at a time above it.
 
 What differs between plugins is read from the registry (`tasks.core.config.plugins`), never from a name.
 """
@@ -298,7 +299,8 @@ class Engine:
             dist.barrier()
             if self.rank != 0:
                 return None
-            return hf_dir_logits(model_dir, dtype=self.weights_dtype, trust_remote_code=self.job.trust_remote_code)
+            return hf_dir_logits(model_dir, dtype=self.weights_dtype, trust_remote_code=self.job.trust_remote_code,
+                                 budget_gb=self.job.verify_memory_gb)
         logits = _live_logits(self.model, vocab, self.layout.tp_group)
         return logits if self.rank == 0 else None
 
