@@ -33,6 +33,10 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+from tests.servers import prefect_quiet
+
+# Every Prefect server a test starts inherits these (the harness, flow CLIs' embedded servers).
+prefect_quiet.apply(os.environ)
 
 
 # Session fixtures worth one build per pytest-xdist worker at most: the tests that use them run on

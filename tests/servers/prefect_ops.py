@@ -24,6 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tests.servers import prefect_quiet
+
 REPO = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).parent / "prefect")
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -88,6 +90,7 @@ class PrefectServer:
             PREFECT_CLI_WRAP_LINES="false",
             COLUMNS="200",
         )
+        prefect_quiet.apply(env)
         env.update(extra)
         return env
 
