@@ -144,10 +144,15 @@ def test_pool_workers_reach_the_ephemeral_api_of_the_flow_process(tmp_path):
     import subprocess
     import sys
 
+    from flows.embedded_api import STARTUP_TIMEOUT_S, TIMEOUT_SETTING
     from tests.servers.prefect_home import seeded_home
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(seeded_home(tmp_path / "prefect-home")), PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(REPO))
+    # The probe is a plain Prefect flow, not the flow CLI: give its ephemeral server the start-up
+    # time the CLI gives (flows/embedded_api.py) instead of Prefect's 20 s, which a loaded 2-core
+    # machine can exceed (both full-suite runs of 2026-12-02 failed here on that timeout alone).
+    env[TIMEOUT_SETTING] = str(STARTUP_TIMEOUT_S)
     out = subprocess.run([sys.executable, "-c", _EPHEMERAL_PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     probe = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("PROBE "))[len("PROBE "):])
