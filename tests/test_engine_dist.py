@@ -284,6 +284,7 @@ def test_pp2_kill_during_save_resumes_from_last_complete(pp2):
     names = {p.name for p in (d / "step-000006" / "model").glob("*.safetensors")}
     assert names == {"model-stage-00001-shard-00001.safetensors", "model-stage-00002-shard-00001.safetensors"}
     # Streamed on rank 0 (the job's budget is below the model): bitwise the whole-model forward.
+    assert "/.step-000006.tmp/model: streamed a decoder layer at a time" in out, out[-3000:]  # computed before the rename
     assert torch.equal(load_fingerprint(d / "step-000006"), hf_dir_logits(d / "step-000006" / "model", dtype="fp32"))
 
 

@@ -300,7 +300,7 @@ class Engine:
             if self.rank != 0:
                 return None
             return hf_dir_logits(model_dir, dtype=self.weights_dtype, trust_remote_code=self.job.trust_remote_code,
-                                 budget_gb=self.job.verify_memory_gb)
+                                 budget_gb=self.job.verify_memory_gb, say=log)
         logits = _live_logits(self.model, vocab, self.layout.tp_group)
         return logits if self.rank == 0 else None
 

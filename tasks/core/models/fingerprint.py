@@ -15,6 +15,7 @@ wherever the reference's own margin is wider than that tolerance.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,13 +117,13 @@ _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 
 
 def hf_dir_logits(model_dir: str | Path, dtype: str | None = None, trust_remote_code: bool = False,
-                  budget_gb: float | None = None) -> torch.Tensor:
+                  budget_gb: float | None = None, say: Callable[[str], None] | None = None) -> torch.Tensor:
     """Logits of plain `transformers` on an HF directory: what a user of the artifact will see.
 
     Loads with safetensors only, in the artifact's own dtype unless told. A model whose weights in
     that dtype exceed `budget_gb` (the config's `verify_memory_gb`; None: never) is not loaded whole
     but streamed a decoder layer at a time through its own forward (`tasks.core.models.stream`),
-    which gives bitwise the same logits in bounded memory.
+    which gives bitwise the same logits in bounded memory. `say`, when given, is told that it streams.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -133,6 +134,9 @@ def hf_dir_logits(model_dir: str | Path, dtype: str | None = None, trust_remote_
     if budget_gb is not None:
         meta = meta_model(model_dir, torch_dtype, trust_remote_code)
         if model_bytes(meta) > budget_gb * 1e9:
+            if say is not None:
+                say(f"logits of {model_dir}: streamed a decoder layer at a time ({model_bytes(meta) / 1e9:.3g} GB of weights "
+                    f"over verify_memory_gb {budget_gb:g})")
             with streaming(meta, model_dir):
                 return model_logits(meta, config.vocab_size, device=torch.device("cpu"))
         del meta
