@@ -252,8 +252,14 @@ def failure_message(info: JobInfo, batch_lines: Sequence[str], node_lines: Mappi
     failed_nodes: dict[str, str] = {}
     for line in batch_lines:
         m = _SRUN_ERROR.search(line)
-        if m and "Terminated" not in m.group(3) and m.group(1) not in failed_nodes:
+        if not m or m.group(1) in failed_nodes:
+            continue
+        if "Terminated" not in m.group(3):
             failed_nodes[m.group(1)] = m.group(3).strip()
+        elif sig := _signal_death(node_lines.get(m.group(1), ())):
+            # srun terminates the other nodes once one agent exits, and on a loaded machine the
+            # peer of a SIGKILLed rank can exit first: the node its own log shows dying is a cause.
+            failed_nodes[m.group(1)] = f"a rank died by signal {sig}, then srun terminated the node"
     if not failed_nodes:
         for node, lines in node_lines.items():
             if any(_ERR.search(x) for x in lines):
@@ -309,6 +315,16 @@ def failure_message(info: JobInfo, batch_lines: Sequence[str], node_lines: Mappi
         parts.append("--- batch script ---")
         parts.extend(errs)
     return "\n".join(parts)
+
+
+def _signal_death(lines: Sequence[str]) -> int | None:
+    """The signal a rank of this node died by, per torchrun's summary, when it was no stop request."""
+    for line in lines:
+        m = _SUMMARY_EXIT.match(line) or _AGENT_FAILED.match(line)
+        rc = int(m.group(m.re.groups)) if m else 0
+        if rc < 0 and rc not in _STOPPED:
+            return -rc
+    return None
 
 
 def _cause_rank(lines: Sequence[str]) -> tuple:
