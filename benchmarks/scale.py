@@ -12,7 +12,10 @@ Per size, a seeded random Llama is written as an HF directory (in a child proces
 corpus is tokenized by the project's prepare step, and each plugin runs the two engine verbs a CPT
 stage runs, under torchrun with 2 CPU ranks, exactly as `tasks/core/launch/torchrun.py` launches them:
 `shard` (boost_and_shard: from_pretrained, boost, step-000000) and `train` (from_config, boost, load
-step-000000, then steps). Nothing in the engine is changed or patched for the measurement.
+step-000000, then steps). Nothing in the engine is changed or patched for the measurement. A row is
+skipped, with the reason printed, where its ranks would not fit the free memory, or where the plugin
+trains in bf16/fp16 and this CPU multiplies in that dtype over HALF_SLOWDOWN_LIMIT times slower than
+in fp32 (no native bf16: a few steps would take hours); --force runs it anyway.
 
 What is measured, per rank, from outside (/proc/<pid>/status of torchrun's rank children):
 - shard peak: the rank's VmHWM over the whole `shard` verb (construction plus the checkpoint save),
@@ -71,6 +74,10 @@ PLUGINS = {
     "ddp-fp32": {"name": "torch_ddp", "precision": "fp32"},
 }
 NPROC = 2
+LAUNCH_TIMEOUT_S = 900.0  # --launch-timeout: one engine verb, SIGTERMed past it
+# A bf16/fp16 row is skipped where this CPU runs a half-precision matmul this many times slower than
+# fp32 (no native bf16: measured 59x on an AMD EPYC here, where one 50M bf16 step took minutes).
+HALF_SLOWDOWN_LIMIT = 8.0
 
 
 def _kib(pid: int, field: str) -> int | None:
@@ -148,7 +155,7 @@ class Ranks:
         self.thread.join()
 
 
-def launch(verb: str, job_path: Path, stop_at_step: int | None = None, timeout: float = 900) -> dict:
+def launch(verb: str, job_path: Path, stop_at_step: int | None = None, timeout: float | None = None) -> dict:
     """One engine verb under torchrun (the project's argv and environment); per-rank peaks by phase."""
     from tasks.core.config.schema import LaunchConfig
     from tasks.core.launch.torchrun import engine_env, torchrun_argv
@@ -159,7 +166,7 @@ def launch(verb: str, job_path: Path, stop_at_step: int | None = None, timeout: 
                             env=engine_env(), start_new_session=True)
     ranks = Ranks(proc.pid)
     out: dict = {"lines": []}
-    killer = threading.Timer(timeout, lambda: _stop(proc, ranks))
+    killer = threading.Timer(timeout or LAUNCH_TIMEOUT_S, lambda: _stop(proc, ranks))
     killer.start()
     try:
         for raw in proc.stdout:
@@ -293,6 +300,27 @@ def measure(work: Path, size: str, plugin_key: str, steps: int) -> dict:
             "shard_s": t1 - t0, "train_s": t2 - t1}
 
 
+def half_slowdown(dtype: str) -> float:
+    """How many times slower this CPU multiplies 512x512 matrices in `dtype` than in fp32, one thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(512, 512)
+        took = {}
+        for name, dt in (("fp32", torch.float32), (dtype, {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])):
+            x = a.to(dt)
+            x @ x
+            t = time.perf_counter()
+            for _ in range(3):
+                x @ x
+            took[name] = time.perf_counter() - t
+        return took[dtype] / took["fp32"]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def room_needed(work: Path, size: str, plugin_key: str, steps: int) -> float:
     """What the ranks of one run need at their peak, by the estimate: the larger of the steady RSS and
     the construction figure, x 1.15 (a checkpoint save and the step's transients, measured up to
@@ -325,6 +353,7 @@ def fmt_gb(b: float | None) -> str:
 
 
 def main() -> None:
+    global LAUNCH_TIMEOUT_S
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["50M", "190M", "700M"], choices=[s for s in SIZES if s != "tiny"])
     ap.add_argument("--plugins", nargs="+", default=["hp-tp2-fp32", "llz2-bf16"], choices=list(PLUGINS))
@@ -332,7 +361,9 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="keep models, data and results here (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
-    ap.add_argument("--force", action="store_true", help="run a size even when the estimate says this machine's free memory cannot hold its ranks")
+    ap.add_argument("--force", action="store_true", help="run a size even when the estimate says this machine's free memory cannot hold its "
+                    "ranks, or when its CPU has no fast bf16/fp16 matmul for a half-precision plugin")
+    ap.add_argument("--launch-timeout", type=float, default=LAUNCH_TIMEOUT_S, help="seconds one engine verb may run before it is stopped")
     ap.add_argument("--table-from", default=None, help="print the table of a --json file again (re-estimated), measuring nothing")
     ap.add_argument("--smoke", action="store_true", help="the ~0.1M-parameter model under hybrid_parallel tp=2 only, 2 steps: checks the script runs")
     ap.add_argument("--no-flow", action="store_true", help="leave out the flow process's figures (benchmarks/flow_process.py)")
@@ -343,6 +374,8 @@ def main() -> None:
         return
     if a.smoke:
         a.sizes, a.plugins, a.steps = [], ["hp-tp2-fp32"], 2
+    LAUNCH_TIMEOUT_S = a.launch_timeout
+    slow = {h: half_slowdown(h) for h in {PLUGINS[p].get("precision") for p in a.plugins} & {"bf16", "fp16"}}
     work = Path(a.workdir or tempfile.mkdtemp(prefix="scale-"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -356,6 +389,12 @@ def main() -> None:
             print(f"[{time.monotonic() - started:5.0f} s] baseline {plugin}: {fmt_gb(base['steady'])} GB", flush=True)
         for size in a.sizes:
             for plugin in a.plugins:
+                half = PLUGINS[plugin].get("precision")
+                if slow.get(half, 1.0) > HALF_SLOWDOWN_LIMIT and not a.force:
+                    skipped.append(f"{size} {plugin}: this CPU multiplies {half} matrices {slow[half]:.0f}x slower than fp32 (no native "
+                                   f"{half}), so its steps would take hours (--force runs it anyway)")
+                    print(f"[{time.monotonic() - started:5.0f} s] skipped {skipped[-1]}", flush=True)
+                    continue
                 need, have = room_needed(work, size, plugin, a.steps), psutil.virtual_memory().available
                 if need > 0.9 * have and not a.force:
                     skipped.append(f"{size} {plugin}: its {NPROC} ranks need about {need / GB:.1f} GB (the estimate x 1.15), "
