@@ -26,12 +26,8 @@ from tasks import ui
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.prepared import recorded_split
 from tasks.core.errors import ConversionError
-from tasks.core.models.adapter import build_adapter_dir
-from tasks.core.models.folder import folder_problems
-from tasks.core.models.hf_artifact import VERIFICATION, build_hf_dir
-from tasks.core.models.merge import build_merged_dir
 from tasks.core.models.stop_tokens import describe
-from tasks.core.run.manifest import write_manifest
+from tasks.core.run.manifest import VERIFICATION, write_manifest
 from tasks.core.run.stages import EXPORT_ADAPTER, TRAINING
 from tasks.core.storage.publisher import RETRIES, publish_retrying
 from tasks.stage import Stage, StageResult, completed, fresh_dir, stage_task
@@ -87,6 +83,12 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
     if not lora and stage.store.exists(EXPORT_ADAPTER):  # an earlier LoRA run's adapter: it does not describe this export
         get_run_logger().info("export: removing %s, the adapter of an earlier LoRA export (sft.lora is not set now)", stage.store.uri(EXPORT_ADAPTER))
         stage.store.remove(EXPORT_ADAPTER)
+    # Imported when the stage runs: the converter, the merge and the folder rules import torch (~2.5 s
+    # of CPU), and the flow process, which imports every task module at start, may skip them all.
+    from tasks.core.models.folder import folder_problems
+    from tasks.core.models.hf_artifact import build_hf_dir
+    from tasks.core.models.merge import build_merged_dir
+
     ckpt, source = stage.store.stage_in(sft.rel), stage.store.stage_in(TRAINING["sft"].source)
     with stage.build() as out:
         if cfg.sft.lora is not None:  # the adapter merged onto cpt/hf in fp32, proven against peft (tasks/core/models/merge.py)
@@ -124,6 +126,7 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
 def _export_adapter(stage: Stage, sft: StageResult, ckpt, base, export_dir, rtol: float, verify_memory_gb: float) -> dict:
     """export-adapter/: the checkpoint's adapter in peft's layout, proven against `export_dir`
     (before its manifest); returns the verification the export's record also carries."""
+    from tasks.core.models.adapter import build_adapter_dir
     from tasks.core.models.merge import ADAPTER
 
     base_ref = {"name_or_path": stage.store.uri(TRAINING["sft"].source), "digest": stage.store.manifest_digest(TRAINING["sft"].source)}

@@ -25,7 +25,6 @@ from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError, ConversionError, ManifestError
 from tasks.core.hub.repo import HubRefusal, is_hub_id
-from tasks.core.models.convert import PICKLE_INDEX_NAME, convert_checkpoint
 from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
 from tasks.core.run.manifest import sha256_file
 from tasks.core.storage.fs import fetch_tree, filesystem, is_local
@@ -95,6 +94,8 @@ def convert_pickle(model_dir: Path, model_cfg: dict, uri: str) -> dict:
     refuses every object but tensors and containers (a `__reduce__` payload never runs). Tied
     weights are stored once, as save_pretrained does; many shards keep an index.
     """
+    from tasks.core.models.convert import PICKLE_INDEX_NAME, convert_checkpoint  # here: the converter imports torch
+
     src = model_dir.with_name(model_dir.name + ".pickle")
     shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True)

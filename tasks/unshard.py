@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.prepared import recorded_split
-from tasks.core.models.hf_artifact import build_hf_dir
 from tasks.core.run.stages import BASE, TRAINING
 from tasks.stage import Stage, StageResult, stage_task
 
@@ -18,6 +17,8 @@ def unshard(cfg: RunConfig, cpt: StageResult) -> StageResult:
     stage = Stage("unshard", cfg, cpt, rel=TRAINING["cpt"].hf)
     if stage.skipped:
         return stage.result
+    from tasks.core.models.hf_artifact import build_hf_dir  # here: the converter imports torch, which a skipped stage never needs
+
     ckpt, source = stage.store.stage_in(cpt.rel), stage.store.stage_in(BASE)
     with stage.build() as out:
         built = build_hf_dir(ckpt, out.dir, source, dtype=None, max_shard_size=cfg.export.max_shard_size, weights_dtype=cfg.cpt.plugin.precision,

@@ -26,19 +26,25 @@ import time
 import weakref
 from collections.abc import Collection, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tasks.core.config.schema import EvalConfig, ExportConfig
 from tasks.core.data.samples import IGNORE_INDEX, encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
 from tasks.core.evaluation import placement as where
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a model is scored, not with this module: the flow process imports it to
+# build its tasks, and a re-run that skips every stage never scores anything (torch is ~2.5 s of
+# CPU to import, most of such a re-run's start-up).
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _PPL_CAP = 700.0  # exp(700) is near float64's limit; a loss that high is "infinite" perplexity
 
 
 def eval_device() -> torch.device:
+    import torch
+
     return torch.device("cuda:0") if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -49,6 +55,8 @@ def perplexity(loss: float) -> float:
 def resolved(cfg: EvalConfig) -> EvalConfig:
     """`cfg` with its dtype decided: as set, else the default export dtype on a GPU, fp32 on CPU
     (the flow passes its own export.dtype, `tasks.evaluate`)."""
+    import torch
+
     default = ExportConfig.model_fields["dtype"].default
     return cfg if cfg.dtype else cfg.model_copy(update={"dtype": where.eval_dtype(None, default, torch.cuda.is_available())})
 
@@ -60,9 +68,10 @@ def load_model(model_dir: str | Path, dtype: str, device: torch.device, trust_re
     if placement is not None and placement.kind == "refused":
         raise ValueError(f"{model_dir} cannot be evaluated on this node's GPUs: {placement.problem}; set eval.dtype: bf16 (half of fp32), "
                          "a smaller eval.batch_size, or run the evaluation on a node with more GPU memory")
+    import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(torch_dtype=_DTYPES[dtype], use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True)
+    kwargs = dict(torch_dtype=getattr(torch, _DTYPES[dtype]), use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True)
     if placement is not None and placement.device_map is not None:  # straight onto the GPU(s), never whole in host memory
         return AutoModelForCausalLM.from_pretrained(model_dir, device_map=placement.device_map, max_memory=placement.max_memory or None, **kwargs).eval()
     return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).to(device).eval()
@@ -84,6 +93,8 @@ def _release(gone: weakref.ref) -> None:
     goes by refcount alone; one with reference cycles (accelerate's dispatch hooks bind each module's
     forward to the module) needs the collector, whose full pass scans every object of a long-lived
     process (seconds in a flow process that has run many stages), so it runs only then."""
+    import torch
+
     if gone() is not None:
         gc.collect()
     if torch.cuda.is_available():
@@ -125,27 +136,29 @@ def sft_batch(tokenizer, records: Sequence[dict], messages_field: str, seq_len: 
     return limit_rows(batch, cfg), dropped
 
 
-@torch.no_grad()
 def heldout_loss(model, batch: dict[str, torch.Tensor], batch_size: int, device: torch.device) -> dict[str, float]:
     """Token-weighted next-token cross entropy over every labelled position (float64 sums)."""
-    total, count = 0.0, 0
-    n = batch["input_ids"].shape[0]
-    for i in range(0, n, batch_size):
-        ids = batch["input_ids"][i : i + batch_size].to(device)
-        labels = batch["labels"][i : i + batch_size].to(device)
-        mask = batch.get("attention_mask")
-        kwargs = {"attention_mask": mask[i : i + batch_size].to(device)} if mask is not None else {}
-        logits = model(input_ids=ids, use_cache=False, **kwargs).logits.float()
-        target = labels[:, 1:].to(logits.device)  # a spread model's logits are on its last GPU
-        nll = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
-        total += float(nll.double())
-        count += int((target != IGNORE_INDEX).sum())
-    if count == 0:
-        raise ValueError("the held-out batch has no labelled token to score")
-    loss = total / count
-    return {"loss": loss, "perplexity": perplexity(loss), "tokens": count}
+    import torch
+
+    with torch.no_grad():
+        total, count = 0.0, 0
+        n = batch["input_ids"].shape[0]
+        for i in range(0, n, batch_size):
+            ids = batch["input_ids"][i : i + batch_size].to(device)
+            labels = batch["labels"][i : i + batch_size].to(device)
+            mask = batch.get("attention_mask")
+            kwargs = {"attention_mask": mask[i : i + batch_size].to(device)} if mask is not None else {}
+            logits = model(input_ids=ids, use_cache=False, **kwargs).logits.float()
+            target = labels[:, 1:].to(logits.device)  # a spread model's logits are on its last GPU
+            nll = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+            total += float(nll.double())
+            count += int((target != IGNORE_INDEX).sum())
+        if count == 0:
+            raise ValueError("the held-out batch has no labelled token to score")
+        loss = total / count
+        return {"loss": loss, "perplexity": perplexity(loss), "tokens": count}
 
 
 def compare_many(reference_dir: Path, candidate_dir: Path, batches: dict[str, dict[str, torch.Tensor]], cfg: EvalConfig,
@@ -313,12 +326,21 @@ def generation_eos_problem(model_dir: Path, tokenizer) -> tuple[list[int], int |
     return eos, eot, None
 
 
-@torch.no_grad()
 def generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: str, max_new_tokens: int, num_prompts: int,
                      dtype: str | None = None, trust_remote_code: bool = False) -> tuple[dict[str, Any], list[dict]]:
     """Greedy replies to held-out prompts through the chat template, with the model's own
     generation config (as a user of the export gets it), placed as the held-out loss places it.
     Returns (summary, one row per prompt)."""
+    import torch
+
+    with torch.no_grad():
+        return _generation_check(model_dir, heldout, messages_field, max_new_tokens, num_prompts, dtype, trust_remote_code)
+
+
+def _generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: str, max_new_tokens: int, num_prompts: int,
+                      dtype: str | None, trust_remote_code: bool) -> tuple[dict[str, Any], list[dict]]:
+    import torch
+
     started = time.monotonic()
     dtype = resolved(EvalConfig(dtype=dtype)).dtype
     tokenizer = load_tokenizer(model_dir, trust_remote_code)

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from tasks.core.run.manifest import PROVENANCE_DIR
+
+if TYPE_CHECKING:
+    import torch
 
 FINGERPRINT_FILE = f"{PROVENANCE_DIR}/fingerprint.npy"
 PROBE_SEED = 20240607
@@ -30,19 +32,23 @@ PROBE_SHAPE = (2, 16)
 
 
 def probe_batch(vocab_size: int, seed: int = PROBE_SEED, shape: tuple[int, int] = PROBE_SHAPE) -> torch.LongTensor:
+    import torch  # here, not at the top: the flow process imports this module for its tasks, and a run that skips them never needs torch
+
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, shape, generator=g, dtype=torch.long)
 
 
-@torch.no_grad()
 def probe_forward(model: torch.nn.Module, vocab_size: int, device: torch.device | None = None) -> torch.Tensor:
     """The model's raw output logits on the probe batch, in eval mode, where the model lives
     (`device`: where the batch goes when the parameters are on the meta device, streamed)."""
+    import torch
+
     device = device or next(model.parameters()).device
     ids = probe_batch(vocab_size).to(device)
     was_training = model.training
     model.eval()
-    out = model(input_ids=ids, use_cache=False)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=False)
     if was_training:
         model.train()
     return (out.logits if hasattr(out, "logits") else out[0]).contiguous()
@@ -69,6 +75,8 @@ def save_fingerprint(logits: torch.Tensor, directory: str | Path, dtype: str) ->
 
 
 def load_fingerprint(directory: str | Path) -> torch.Tensor:
+    import torch
+
     return torch.from_numpy(np.load(Path(directory) / FINGERPRINT_FILE, allow_pickle=False))
 
 
@@ -113,7 +121,7 @@ def compare_logits(logits: torch.Tensor, reference: torch.Tensor, rtol: float) -
     }
 
 
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def hf_dir_logits(model_dir: str | Path, dtype: str | None = None, trust_remote_code: bool = False,
@@ -125,12 +133,13 @@ def hf_dir_logits(model_dir: str | Path, dtype: str | None = None, trust_remote_
     but streamed a decoder layer at a time through its own forward (`tasks.core.models.stream`),
     which gives bitwise the same logits in bounded memory. `say`, when given, is told that it streams.
     """
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tasks.core.models.stream import meta_model, model_bytes, streaming
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    torch_dtype = _TORCH_DTYPES[dtype] if dtype else (getattr(config, "torch_dtype", None) or torch.float32)
+    torch_dtype = getattr(torch, _TORCH_DTYPES[dtype]) if dtype else (getattr(config, "torch_dtype", None) or torch.float32)
     if budget_gb is not None:
         meta = meta_model(model_dir, torch_dtype, trust_remote_code)
         if model_bytes(meta) > budget_gb * 1e9:

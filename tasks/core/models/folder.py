@@ -18,8 +18,14 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
-from tasks.core.models.convert.dtypes import SAFE_INDEX_NAME, SAFE_WEIGHTS_NAME
-
+# The file names of an HF model folder, spelled here (the converter, tasks.core.models.convert.dtypes,
+# reads them from this module): the rule needs no converter, so checking a folder imports no torch.
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_INDEX_NAME = "model.safetensors.index.json"
+PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
+PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
 

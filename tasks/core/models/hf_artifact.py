@@ -19,11 +19,10 @@ from tasks.core.models.convert import convert_checkpoint
 from tasks.core.models.convert.proof import prove_weights
 from tasks.core.models.fingerprint import compare_logits, default_rtol, hf_dir_logits, load_fingerprint, save_fingerprint
 from tasks.core.models.stop_tokens import align_generation_config
-from tasks.core.run.manifest import PROVENANCE_DIR
+from tasks.core.run.manifest import VERIFICATION  # noqa: F401 (where the proof goes: callers import it from here too)
 
 TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*", "vocab.*", "merges.txt", "*.model")
 _DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-VERIFICATION = f"{PROVENANCE_DIR}/verification.json"  # beside the manifest: provenance, not model files
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:

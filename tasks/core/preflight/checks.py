@@ -202,7 +202,7 @@ def check_base_model(ctx: CheckContext) -> None:
     """Weights are safetensors (pickle only with allow_pickle); remote code only when allowed."""
     if ctx.model is None:
         return
-    from tasks.core.models.convert.dtypes import PICKLE_INDEX_NAME, PICKLE_WEIGHTS_NAME  # here: --check imports no converter otherwise
+    from tasks.core.models.folder import PICKLE_INDEX_NAME, PICKLE_WEIGHTS_NAME  # the names alone: the converter imports torch
 
     b, files = ctx.cfg.base_model, ctx.model.files
     safetensors = [n for n in files if n.endswith(".safetensors")]

@@ -34,9 +34,13 @@ class Machine:
 
     @classmethod
     def detect(cls) -> Machine:
+        from tasks.core.config.kernels import cuda_available
+
+        if not cuda_available():  # decided without torch where there is no GPU device node
+            return cls(cuda_devices=0, cpu_count=os.cpu_count() or 1)
         import torch  # lazily: config-only callers should not pay for it
 
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        n = torch.cuda.device_count()
         return cls(cuda_devices=n, cpu_count=os.cpu_count() or 1, gpu_memory_bytes=_nvml_memory(n) if n else None)
 
 

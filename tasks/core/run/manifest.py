@@ -28,6 +28,8 @@ PROVENANCE_DIR = ".cpt-to-sft"
 MANIFEST = f"{PROVENANCE_DIR}/manifest.json"
 # Written after the manifest by a deep verification (tasks/core/run/stamp.py), never listed in it.
 STAMP = f"{PROVENANCE_DIR}/verified-stamp.json"
+# An HF artifact's own proof (tasks/core/models/hf_artifact.py writes it), beside the manifest.
+VERIFICATION = f"{PROVENANCE_DIR}/verification.json"
 SCHEMA = 1
 _CHUNK = 8 << 20
 

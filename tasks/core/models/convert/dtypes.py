@@ -1,4 +1,4 @@
-"""dtypes, sizes and file names of the formats the converter reads and writes (tables, so adding one is a line).
+"""dtypes, sizes and file names (spelled in tasks.core.models.folder) of the formats the converter reads and writes (tables, so adding one is a line).
 
     python -c "from tasks.core.models.convert.dtypes import parse_size; print(parse_size('5GB'))"
 """
@@ -10,13 +10,14 @@ import re
 import torch
 
 from tasks.core.errors import ConversionError
-
-SAFE_WEIGHTS_NAME = "model.safetensors"
-SAFE_INDEX_NAME = "model.safetensors.index.json"
-PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
-PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
-CONFIG_NAME = "config.json"
-GENERATION_CONFIG_NAME = "generation_config.json"
+from tasks.core.models.folder import (  # noqa: F401 (the converter's modules read the file names from here)
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    PICKLE_INDEX_NAME,
+    PICKLE_WEIGHTS_NAME,
+    SAFE_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+)
 
 # I/O unit: large enough for disk speed, small enough to keep RSS flat. Readers and writers look
 # it up here at call time (`dtypes.CHUNK`), so one setting governs every copy and comparison.
