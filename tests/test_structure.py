@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_config_raw
+from tests.conftest import tiny_config_raw, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tasks"
@@ -312,3 +313,24 @@ def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(
     raw["cpt"]["launch"] = {"backend": "dummy_sched"}
     with pytest.raises(ConfigError, match="unknown launch backend 'dummy_sched'"):
         parse_config(raw)
+
+
+def test_the_flow_process_starts_and_checks_without_torch_on_a_machine_without_gpus(tmp_path, tiny_model_dir):
+    """No GPU device node here: the flow module, the whole pre-flight report and the kernel facts
+    run without importing torch or transformers (a re-run that skips every stage pays neither);
+    where a node exists, `cuda_available` asks torch."""
+    import glob
+
+    if os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd") or glob.glob("/dev/nvidia[0-9]*"):
+        pytest.skip("this machine has a GPU device node: torch is asked, as it should be")
+    cfg = write_config(tmp_path / "run.yaml", tiny_config_raw(tiny_model_dir, tmp_path / "run"))
+    probe = ("import sys, flows.cpt_to_sft\n"
+             "from tasks.core.preflight.checks import load_for_check, preflight_report\n"
+             "from tasks.core.config.kernels import Facts, cuda_available\n"
+             f"report = preflight_report(load_for_check({str(cfg)!r}))\n"
+             "assert not report.problems, report.problems\n"
+             "assert cuda_available() is False and Facts.detect().cuda is False\n"
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
