@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
-import os
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -83,12 +83,17 @@ class Facts:
         return cls(cuda=cuda, packages=frozenset(p for p in wanted if importlib.util.find_spec(p) is not None), model_type=model_type)
 
 
+# Device nodes a GPU runtime needs on Linux: NVIDIA's driver, ROCm's, WSL2's GPU paravirtualization,
+# and the integrated GPUs of Jetson boards.
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg", "/dev/nvmap", "/dev/nvhost-ctrl-gpu")
+
+
 def cuda_available() -> bool:
-    """`torch.cuda.is_available()`, but False without importing torch where the machine has no GPU
-    device node (NVIDIA's /dev/nvidiactl or /dev/nvidiaN, ROCm's /dev/kfd): no CUDA can run there, and
-    the import is ~2.5 s of CPU that a CPU-only pre-flight, or a re-run that skips every stage, never
-    needs otherwise."""
-    if not (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd") or glob.glob("/dev/nvidia[0-9]*")):
+    """`torch.cuda.is_available()`, but False without importing torch on a Linux machine that has no
+    GPU device node (GPU_DEVICE_NODES): no CUDA can run there, and the import is ~2.5 s of CPU that a
+    CPU-only pre-flight, or a re-run that skips every stage, never needs otherwise. Elsewhere, or
+    once torch is imported, torch is asked."""
+    if "torch" not in sys.modules and sys.platform.startswith("linux") and not any(glob.glob(p) for p in GPU_DEVICE_NODES):
         return False
     import torch
 
