@@ -28,6 +28,7 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from tasks import tracking, ui
+from tasks.core.config.kernels import cuda_available
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.data.prepared import corpus_of, heldout_by_source, heldout_only_names, heldout_records, split_info, write_jsonl
 from tasks.core.evaluation import heldout as ev
@@ -54,9 +55,7 @@ def _with_metrics(result: StageResult, store: RunStore) -> StageResult:
 
 def _with_eval_dtype(cfg: RunConfig, st: StageConfig) -> StageConfig:
     """The stage with eval.dtype decided for this worker: as set, else the export's on a GPU, fp32 on CPU."""
-    import torch
-
-    dtype = placement.eval_dtype(st.eval.dtype, cfg.export.dtype, torch.cuda.is_available())
+    dtype = placement.eval_dtype(st.eval.dtype, cfg.export.dtype, cuda_available())
     return st.model_copy(update={"eval": st.eval.model_copy(update={"dtype": dtype})})
 
 

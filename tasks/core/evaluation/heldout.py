@@ -28,17 +28,18 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tasks.core.config.kernels import cuda_available
 from tasks.core.config.schema import EvalConfig, ExportConfig
 from tasks.core.data.samples import IGNORE_INDEX, encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
 from tasks.core.evaluation import placement as where
+from tasks.core.models.fingerprint import torch_dtype
 
 if TYPE_CHECKING:
     import torch
 
 # torch is imported where a model is scored, not with this module: the flow process imports it to
-# build its tasks, and a re-run that skips every stage never scores anything (torch is ~2.5 s of
-# CPU to import, most of such a re-run's start-up).
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# build its tasks, and a re-run that skips every stage never scores anything (torch's import is
+# ~2.5 s of CPU).
 _PPL_CAP = 700.0  # exp(700) is near float64's limit; a loss that high is "infinite" perplexity
 
 
@@ -55,10 +56,8 @@ def perplexity(loss: float) -> float:
 def resolved(cfg: EvalConfig) -> EvalConfig:
     """`cfg` with its dtype decided: as set, else the default export dtype on a GPU, fp32 on CPU
     (the flow passes its own export.dtype, `tasks.evaluate`)."""
-    import torch
-
     default = ExportConfig.model_fields["dtype"].default
-    return cfg if cfg.dtype else cfg.model_copy(update={"dtype": where.eval_dtype(None, default, torch.cuda.is_available())})
+    return cfg if cfg.dtype else cfg.model_copy(update={"dtype": where.eval_dtype(None, default, cuda_available())})
 
 
 def load_model(model_dir: str | Path, dtype: str, device: torch.device, trust_remote_code: bool = False,
@@ -68,10 +67,9 @@ def load_model(model_dir: str | Path, dtype: str, device: torch.device, trust_re
     if placement is not None and placement.kind == "refused":
         raise ValueError(f"{model_dir} cannot be evaluated on this node's GPUs: {placement.problem}; set eval.dtype: bf16 (half of fp32), "
                          "a smaller eval.batch_size, or run the evaluation on a node with more GPU memory")
-    import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(torch_dtype=getattr(torch, _DTYPES[dtype]), use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True)
+    kwargs = dict(torch_dtype=torch_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True)
     if placement is not None and placement.device_map is not None:  # straight onto the GPU(s), never whole in host memory
         return AutoModelForCausalLM.from_pretrained(model_dir, device_map=placement.device_map, max_memory=placement.max_memory or None, **kwargs).eval()
     return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).to(device).eval()

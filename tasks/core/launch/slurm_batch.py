@@ -336,22 +336,17 @@ def _cause_rank(lines: Sequence[str]) -> tuple:
     cause. Within each, the earliest failure torchrun recorded (its summary's `time`, to the
     second, then its agent's line, to the microsecond); a node without either sorts last.
     """
-    exits: list[int] = []
     coarse: list[str] = []
     fine: list[tuple[str, str]] = []
     peer = False
     for line in lines:
-        if m := _SUMMARY_EXIT.match(line):
-            exits.append(int(m.group(1)))
-        elif m := _SUMMARY_TIME.match(line):
+        if m := _SUMMARY_TIME.match(line):
             coarse.append(m.group(1))
         elif m := _AGENT_FAILED.match(line):
-            exits.append(int(m.group(3)))
             fine.append((m.group(1), m.group(2)))
         elif _PEER_GONE.search(line) and _ERR.search(line):
             peer = True
-    signalled = any(rc < 0 and rc not in _STOPPED for rc in exits)
-    kind = 0 if signalled else 2 if peer else 1
+    kind = 0 if _signal_death(lines) is not None else 2 if peer else 1
     unknown = "~"  # sorts after any digit
     return kind, min(coarse, default=unknown), min(fine, default=(unknown, unknown))
 

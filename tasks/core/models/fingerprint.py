@@ -121,7 +121,15 @@ def compare_logits(logits: torch.Tensor, reference: torch.Tensor, rtol: float) -
     }
 
 
-_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# The config's dtype names as torch and config.json's `torch_dtype` spell them.
+TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config dtype name (fp32, bf16, fp16)."""
+    import torch
+
+    return getattr(torch, TORCH_DTYPE_NAMES[name])
 
 
 def hf_dir_logits(model_dir: str | Path, dtype: str | None = None, trust_remote_code: bool = False,
@@ -139,9 +147,9 @@ def hf_dir_logits(model_dir: str | Path, dtype: str | None = None, trust_remote_
     from tasks.core.models.stream import meta_model, model_bytes, streaming
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    torch_dtype = getattr(torch, _TORCH_DTYPES[dtype]) if dtype else (getattr(config, "torch_dtype", None) or torch.float32)
+    weights_dtype = torch_dtype(dtype) if dtype else (getattr(config, "torch_dtype", None) or torch.float32)
     if budget_gb is not None:
-        meta = meta_model(model_dir, torch_dtype, trust_remote_code)
+        meta = meta_model(model_dir, weights_dtype, trust_remote_code)
         if model_bytes(meta) > budget_gb * 1e9:
             if say is not None:
                 say(f"logits of {model_dir}: streamed a decoder layer at a time ({model_bytes(meta) / 1e9:.3g} GB of weights "
@@ -150,7 +158,7 @@ def hf_dir_logits(model_dir: str | Path, dtype: str | None = None, trust_remote_
                 return model_logits(meta, config.vocab_size, device=torch.device("cpu"))
         del meta
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, torch_dtype=torch_dtype, use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True
+        model_dir, torch_dtype=weights_dtype, use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True
     )
     try:
         return model_logits(model, config.vocab_size)

@@ -17,12 +17,11 @@ from typing import Any
 from tasks.core.errors import ConversionError
 from tasks.core.models.convert import convert_checkpoint
 from tasks.core.models.convert.proof import prove_weights
-from tasks.core.models.fingerprint import compare_logits, default_rtol, hf_dir_logits, load_fingerprint, save_fingerprint
+from tasks.core.models.fingerprint import TORCH_DTYPE_NAMES, compare_logits, default_rtol, hf_dir_logits, load_fingerprint, save_fingerprint
 from tasks.core.models.stop_tokens import align_generation_config
 from tasks.core.run.manifest import VERIFICATION  # noqa: F401 (where the proof goes: callers import it from here too)
 
 TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*", "vocab.*", "merges.txt", "*.model")
-_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:
@@ -62,7 +61,7 @@ def build_hf_dir(
     proof = prove_weights(checkpoint_dir / "model", dst, dtype, dropped=report.dropped)
     # Private keys like `_attn_implementation_autoset` would change the attention kernel on load.
     model_config = {k: v for k, v in model_config.items() if not k.startswith("_")}
-    model_config["torch_dtype"] = _DTYPE_NAMES.get(out_dtype, out_dtype)
+    model_config["torch_dtype"] = TORCH_DTYPE_NAMES.get(out_dtype, out_dtype)
     (dst / "config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True) + "\n")
     tokenizer_files = copy_tokenizer(source_model_dir, dst)
     gen_path = source_model_dir / "generation_config.json"
