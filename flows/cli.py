@@ -231,10 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from tasks.core.errors import ConfigError
 
+    console = argv is None  # the installed command, not a caller in this process (whose Prefect settings may be its own)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
         return DELEGATED[argv[0]][0](argv[1:])
     args = build_parser().parse_args(argv)
+    if console and args.cmd == "run":
+        from flows.embedded_api import prestart
+
+        prestart()  # its start-up runs beside the config's reading and the flow's imports (flows/embedded_api.py)
     if args.cmd == "schema":
         return _print(json.dumps(schema(), indent=2))
     if args.cmd == "verify":

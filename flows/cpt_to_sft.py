@@ -17,11 +17,19 @@ Ctrl-C exits at once, and the processes the run started go with it (tasks/core/l
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":
+    # Started before this module's imports (about 1.7 s), the embedded Prefect server's own start-up
+    # runs beside them rather than after them (flows/embedded_api.py `prestart`).
+    from flows.embedded_api import prestart
+
+    prestart(sys.argv[1:])
+
 import argparse
 import json
 import os
 import signal
-import sys
 import time
 from typing import Any
 
