@@ -12,6 +12,10 @@ Per size, the seeded random Llama of benchmarks/scale.py (an fp32 HF folder, as 
   runs both on the tiny model (imports, kernels), then, streamed first, resets its VmHWM
   (/proc/self/clear_refs = 5) before each check and reads it after: the peak over the check itself,
   beside the RSS it started from. The two logits must be bitwise equal (sha256 of their bytes).
+- LoRA export: an r=8 adapter on every projection (B made non-zero) merged onto the folder by
+  `tasks.core.models.merge.build_merged_dir` into a bf16 export, whole (the fp32 base loaded,
+  peft's merge_and_unload) and streamed (`verify_memory_gb` under the model: a tensor at a time),
+  peak over start as for the check; the two exports' tensors must be bitwise equal.
 - skip decision: the folder published as a run root's `base/` artifact (hard links; a manifest with
   every sha256, then the verification stamp, as Stage.done makes it), then `RunStore.verify` as the
   skip decision ran before stamps (every byte hashed) and as `tasks/stage.py` `completed` runs it now.
@@ -60,6 +64,72 @@ for mode, budget in (("streamed", 0.0), ("whole", None)):  # streamed first: the
     print(json.dumps({"mode": mode, "start": start, "peak": start + added, "seconds": seconds,
                       "sha256": hashlib.sha256(logits.numpy().tobytes()).hexdigest()}))
 """
+
+
+ADAPTER_CHILD = r"""
+import sys, torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+from tasks.core.config.schema import LORA_TARGETS
+
+base, out = sys.argv[1], sys.argv[2]
+model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32), LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS)))
+g = torch.Generator().manual_seed(0)
+with torch.no_grad():
+    for name, t in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: a trained adapter changes every targeted weight
+            t.add_(0.01 * torch.randn(t.shape, generator=g))
+model.save_pretrained(out + "/adapter", safe_serialization=True)
+"""
+
+MERGE_CHILD = r"""
+import hashlib, json, shutil, sys, time
+from pathlib import Path
+from safetensors import safe_open
+from tasks.core.models.merge import build_merged_dir
+from tasks.engine.metrics import HostPeak
+
+def digest(folder):  # every tensor's name and bytes, one tensor at a time
+    h = hashlib.sha256()
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for k in sorted(st.keys()):
+                h.update(k.encode() + st.get_tensor(k).contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+import torch
+warm_ckpt, warm_base, ckpt, base, out = map(Path, sys.argv[1:6])
+for budget in (0.0, None):  # imports, peft, the kernels: what any export stage holds before it merges
+    build_merged_dir(warm_ckpt, out / "warm", warm_base, dtype="bf16", max_shard_size="5GB", verify_memory_gb=budget)
+    shutil.rmtree(out / "warm")
+for mode, budget in (("streamed", 0.0), ("whole", None)):  # streamed first: the whole model's freed pages would raise its start
+    span = HostPeak()
+    t = time.perf_counter()
+    built = build_merged_dir(ckpt, out / mode, base, dtype="bf16", max_shard_size="5GB", verify_memory_gb=budget)
+    seconds = time.perf_counter() - t
+    added, start = span.added()
+    print(json.dumps({"mode": mode, "start": start, "peak": start + added, "seconds": seconds, "merge": built["verification"]["lora"]["merge"],
+                      "digest": digest(out / mode)}))
+"""
+
+
+def adapter_ckpt(work: Path, model: Path) -> Path:
+    """A LoRA SFT checkpoint's adapter/ for `model` (r=8 on every projection, B made non-zero), in a child."""
+    out = work / f"lora-{model.name}"
+    if not (out / "adapter" / "adapter_config.json").is_file():
+        subprocess.run([sys.executable, "-c", ADAPTER_CHILD, str(model), str(out)], check=True, cwd=str(REPO), capture_output=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    return out
+
+
+def merge_check(work: Path, warm: Path, model: Path) -> dict:
+    """{mode: figures} of the LoRA export (build_merged_dir, bf16) streamed, then whole, in one fresh child."""
+    out = work / f"merged-{model.name}"
+    shutil.rmtree(out, ignore_errors=True)
+    r = subprocess.run([sys.executable, "-c", MERGE_CHILD, str(adapter_ckpt(work, warm)), str(warm), str(adapter_ckpt(work, model)), str(model), str(out)],
+                       check=True, cwd=str(REPO), capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"})
+    shutil.rmtree(out, ignore_errors=True)
+    return {r["mode"]: r for r in map(json.loads, r.stdout.strip().splitlines()[-2:])}
 
 
 def tiny_dir(work: Path, tok: Path) -> Path:
@@ -184,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             model = warm if size == "tiny" else model_dir(work, size, tok)
             row = {"size": size, **sizes_of(model, a.dtype)}
             row.update(check(warm, model, a.dtype))
+            row["merge"] = merge_check(work, warm, model)
             row.update(skip_times(work, size, model))
             rows.append(row)
             print(f"[{time.monotonic() - started:5.0f} s] {size}: whole +{fmt_gb(row['whole']['peak'] - row['whole']['start'])} GB, "
@@ -218,6 +289,14 @@ def print_table(rows: list[dict], demo: dict | None, dtype: str) -> None:
         models = [r["model_bytes"] for r in rows]
         print(f"streamed: peak over start {', '.join(fmt_gb(x) for x in streamed)} GB for models of {', '.join(fmt_gb(x) for x in models)} GB "
               f"(largest / smallest: {streamed[-1] / max(streamed[0], 1):.2f} vs model {models[-1] / models[0]:.1f})")
+        print("\nthe LoRA export (build_merged_dir: cpt/hf + an r=8 adapter on every projection, merged in fp32, exported bf16), GB: "
+              "peak = VmHWM over the export, start = RSS before it; whole = the base loaded in fp32 and merge_and_unload, streamed = "
+              "verify_memory_gb under the model (a tensor at a time); exports bitwise equal")
+        print("size | model fp32 | whole: peak-start | s | streamed: peak-start | s | bitwise")
+        for r in rows:
+            w, m = r["merge"]["whole"], r["merge"]["streamed"]
+            print(" | ".join([r["size"], fmt_gb(r["model_bytes"] if dtype == "fp32" else 2 * r["model_bytes"]), fmt_gb(w["peak"] - w["start"]), f"{w['seconds']:.1f}",
+                              fmt_gb(m["peak"] - m["start"]), f"{m['seconds']:.1f}", "yes" if w["digest"] == m["digest"] else "NO"]))
         stamp = ", ".join(f"{r['stamp_s'] * 1e3:.1f} ms" for r in rows)
         hashed = ", ".join(f"{r['hashed_s']:.2f} s" for r in rows)
         print(f"skip decision by stamp: {stamp} for artifacts of {', '.join(fmt_gb(r['artifact_bytes']) for r in rows)} GB (hashed: {hashed})")

@@ -105,11 +105,14 @@ def test_lora_sft_after_hybrid_parallel_cpt_exports_merged_and_adapter_and_pushe
     assert ModelCard.load("org/lora-tiny-adapter", token=hub_env.token).data.library_name == "peft"
     assert not any(p.startswith("adapter/") for p in _tree(api, "org/lora-tiny"))
 
-    # 3. torch_ddp fp32 over the same run root (the CPT stages still skip), pushed without the adapter.
+    # 3. torch_ddp fp32 over the same run root (the CPT stages still skip), pushed without the adapter,
+    # and with a verification budget under the model: the merge and both proofs stream (tasks/core/models/merge.py).
     raw["sft"] = {**raw["sft"], "plugin": {"name": "torch_ddp", "precision": "fp32"}}
     raw["hub"] = {"repo_id": "org/lora-tiny", "private": True}
+    raw["verify_memory_gb"] = 1e-6
     rc, summary = _flow(raw, tmp_path / "ddp.yaml")
     _checked_run(rc, summary, root / "export")
+    assert json.loads((root / "export" / PROVENANCE_DIR / "verification.json").read_text())["lora"]["merge"] == "streamed"
     assert verify_artifact(root / "export-adapter", deep=True)["meta"]["verification"]["fingerprint_match"]  # rebuilt for this adapter
     tree = _tree(api, "org/lora-tiny")
     _no_adapter_beside_weights(tree)

@@ -418,7 +418,8 @@ class RunConfig(Frozen):
     verify_memory_gb: float = Field(default=VERIFY_MEMORY_GB, gt=0, description=(
         "The flow process's logits checks (load_from_hf, unshard, export, cpt-to-sft verify) load a model whose weights in the checked dtype "
         "are at most this many GB (1e9 bytes) whole; a larger one is streamed a decoder layer at a time from its safetensors files through "
-        "its own forward, bitwise the same logits, holding one layer instead of the model. Changes no artifact, so no digest holds it."))
+        "its own forward, bitwise the same logits, holding one layer instead of the model. A LoRA export whose base exceeds it in fp32 is "
+        "merged a tensor at a time, bitwise the same export. Changes no artifact, so no digest holds it."))
 
     @property
     def run_uri(self) -> str:

@@ -33,12 +33,67 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)  # everything peft reads, and all the artifact holds besides its provenance
 
 
-def adapter_logits(adapter_dir: Path, base_dir: Path):
-    """Logits of `base_dir` (fp32) with the adapter in `adapter_dir` applied through peft."""
+_PEFT_PREFIX = "base_model.model."
+
+
+def base_key(name: str) -> str:
+    """The base folder's key of a peft model's parameter name: peft wraps the model
+    (`base_model.model.`), a targeted layer (`.base_layer.`) and a module trained in full
+    (`.original_module.`, the frozen original beside its trained copy)."""
+    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".").replace(".original_module.", ".")
+
+
+def peft_meta_model(base_dir: Path, adapter_dir: Path):
+    """peft's model of the adapter on `base_dir` with the base's parameters on the meta device (no
+    memory) and the adapter's real, in fp32, eval mode: what `PeftModel.from_pretrained` builds on
+    the base loaded whole, without the base. peft's own loader reads and renames the adapter's
+    tensors (low_cpu_mem_usage: assigned, not copied into meta ones); only its last step, moving
+    each adapter to its base layer's device, is held back, since that device is meta here."""
+    from unittest import mock
+
+    import torch
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from tasks.core.models.stream import meta_model
+
+    base = meta_model(base_dir, torch.float32)
+    with mock.patch.object(BaseTunerLayer, "_move_adapter_to_device_of_base_layer", lambda self, *a, **k: None):
+        model = PeftModel.from_pretrained(base, str(adapter_dir), low_cpu_mem_usage=True)
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta and ".lora_" in n]
+    if still_meta:
+        raise ConversionError(f"{adapter_dir}: peft left adapter tensors unloaded ({still_meta[:3]}): the adapter does not fit {base_dir}")
+    for p in model.parameters():  # assigned in the file's dtype; loaded into the fp32 model they are cast, exactly
+        if not p.is_meta and p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.to(torch.float32)
+    # An adapter on the embedding saves the embedding too (peft's save_embedding_layers); assigned,
+    # it replaces the tensor a tied head shares, where loaded into the whole model it is copied into
+    # it. The head gets the embedding's tensor back.
+    plain = model.get_base_model()
+    head, embed = plain.get_output_embeddings(), plain.get_input_embeddings()
+    head = head.get_base_layer() if hasattr(head, "get_base_layer") else head
+    if getattr(plain.config, "tie_word_embeddings", False) and head is not None and embed is not None and head.weight.is_meta and not embed.weight.is_meta:
+        head.weight = embed.weight
+    return model.eval()
+
+
+def adapter_logits(adapter_dir: Path, base_dir: Path, budget_gb: float | None = None):
+    """Logits of `base_dir` (fp32) with the adapter in `adapter_dir` applied through peft. A base
+    whose fp32 weights exceed `budget_gb` (None: never) is streamed a decoder layer at a time
+    through peft's own forward (tasks/core/models/stream.py): bitwise the same logits, in the
+    memory of one layer and the adapter."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from tasks.core.models.stream import model_bytes, streaming
+
+    if budget_gb is not None:
+        model = peft_meta_model(base_dir, adapter_dir)
+        if model_bytes(model.get_base_model()) > budget_gb * 1e9:
+            with streaming(model, base_dir, rename=base_key):
+                return model_logits(model, model.config.vocab_size, device=torch.device("cpu"))
+        del model
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32, use_safetensors=True)
     return model_logits(PeftModel.from_pretrained(base, str(adapter_dir)).eval(), base.config.vocab_size)
 
@@ -49,8 +104,7 @@ def build_adapter_dir(adapter_src: Path, dst: Path, base_dir: Path, export_dir: 
     set to `base_ref["name_or_path"]`; returns its verification record against `export_dir`.
 
     `base_ref`: `name_or_path` (cpt/hf's URI: what AutoPeftModel loads) and `digest` (its manifest digest).
-    `verify_memory_gb`: the merged export's logits are streamed above it (hf_dir_logits); peft's
-    side holds the fp32 base whole, as the merge itself does.
+    `verify_memory_gb`: above it, both sides stream (hf_dir_logits, adapter_logits).
     """
     missing = [n for n in ADAPTER_FILES if not (adapter_src / n).is_file()]
     if missing:
@@ -59,7 +113,7 @@ def build_adapter_dir(adapter_src: Path, dst: Path, base_dir: Path, export_dir: 
     config["base_model_name_or_path"] = base_ref["name_or_path"]
     (dst / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     shutil.copyfile(adapter_src / ADAPTER_WEIGHTS, dst / ADAPTER_WEIGHTS)
-    c = compare_logits(hf_dir_logits(export_dir, budget_gb=verify_memory_gb), adapter_logits(dst, base_dir), rtol)
+    c = compare_logits(hf_dir_logits(export_dir, budget_gb=verify_memory_gb), adapter_logits(dst, base_dir, verify_memory_gb), rtol)
     if not c["fingerprint_match"]:
         raise ConversionError(
             f"{dst}: peft's logits of this adapter on {base_dir} differ from the merged export {export_dir} "

@@ -16,11 +16,24 @@ them, which a plain loader reads as the base model, so the export is made here i
 Tied embeddings: when the merge leaves the LM head different from the input embedding (a trained
 `lm_head` in modules_to_save), the export is written untied (`tie_word_embeddings: false`, both
 tensors saved), so no loader re-ties it onto the embedding and discards the trained head.
+
+A base whose fp32 weights exceed `verify_memory_gb` is never loaded whole (a 70B cpt/hf is 280 GB
+in fp32): peft builds its model with the base on the meta device and the adapter real
+(`tasks.core.models.adapter.peft_meta_model`), the reference logits stream a decoder layer at a
+time through peft's forward, and the merged weights are written one tensor at a time: each
+targeted weight is read from cpt/hf in fp32 into its layer and merged there by peft's own
+`merge()` (what `merge_and_unload` calls on every layer), then the layer is given its meta weight
+back. Both paths write bitwise the same export (tests/test_lora_merge.py); the streamed one holds
+the adapter, one decoder layer for the logits and about two of the model's largest tensors.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import struct
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +42,7 @@ import torch
 from tasks.core.errors import ConversionError
 from tasks.core.models.fingerprint import model_logits, save_fingerprint
 from tasks.core.models.hf_artifact import build_hf_dir
+from tasks.core.models.stream import weight_files
 
 ADAPTER = "adapter"  # the checkpoint's adapter folder (tasks/engine/lora.py writes it)
 _PEFT_PREFIX = "base_model.model."
@@ -51,26 +65,119 @@ def touched_keys(peft_model) -> set[str]:
     return out
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _read(files: dict[str, Path], key: str) -> torch.Tensor:
+    from safetensors import safe_open
 
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(str(path)))
-    return out
+    with safe_open(str(files[key]), framework="pt") as f:  # closed at once: no mapped pages stay resident
+        return f.get_tensor(key)
 
 
 def prove_untouched(base_dir: Path, export_dir: Path, touched: set[str], dtype: str) -> dict[str, Any]:
     """Raise ConversionError unless every export tensor the adapter does not touch is bitwise the
-    base's cast to `dtype`."""
-    base, export = _tensors(base_dir), _tensors(export_dir)
+    base's cast to `dtype`; one tensor of each at a time."""
+    base, export = weight_files(base_dir), weight_files(export_dir)
     untouched = sorted(k for k in export if k not in touched)
     missing = [k for k in untouched if k not in base]
-    bad = [k for k in untouched if k in base and not torch.equal(base[k].to(_TORCH[dtype]), export[k])]
+    bad = [k for k in untouched if k in base and not torch.equal(_read(base, k).to(_TORCH[dtype]), _read(export, k))]
     if missing or bad:
         raise ConversionError(f"{export_dir}: tensors the adapter does not touch are not the base's ({base_dir}) cast to {dtype}: "
                               f"differ {bad[:5]}, not in the base {missing[:5]}")
     return {"untouched_bitwise": len(untouched), "touched": len([k for k in export if k in touched])}
+
+
+def _write_safetensors(path: Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], tensor_of: Callable[[str], torch.Tensor]) -> None:
+    """One safetensors file of the keys in `specs` (shape, dtype), each tensor made by `tensor_of`
+    only when its bytes are due: the header (every shape and offset) is known before any tensor exists."""
+    from tasks.core.models.convert.dtypes import TORCH_TO_ST
+
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, (shape, dtype) in specs.items():
+        n = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": TORCH_TO_ST[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # as the reference writer: tensor data stays 8-byte aligned
+    with path.open("wb") as out:
+        out.write(struct.pack("<Q", len(blob)) + blob)
+        for key, (shape, dtype) in specs.items():
+            t = tensor_of(key).contiguous()
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ConversionError(f"merged {key}: {t.dtype} {tuple(t.shape)}, the staged header says {dtype} {shape}")
+            out.write(t.view(-1).view(torch.uint8).numpy().data)
+
+
+def _merge_streamed(checkpoint_dir: Path, base_dir: Path, staged: Path) -> tuple[torch.Tensor, set[str], bool]:
+    """(peft's reference logits, the touched keys, whether the head is untied) with the merged fp32
+    model written to `staged`/model, in the memory of a decoder layer and about two tensors."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+    from safetensors import safe_open
+
+    from tasks.core.models.adapter import base_key, peft_meta_model
+    from tasks.core.models.stream import meta_model, streaming
+
+    model = peft_meta_model(base_dir, checkpoint_dir / ADAPTER)
+    with streaming(model, base_dir, rename=base_key):
+        reference = model_logits(model, model.config.vocab_size, device=torch.device("cpu"))
+    touched = touched_keys(model)
+    layers = {f"{n.removeprefix(_PEFT_PREFIX)}.weight": m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    trained = {f"{n.removeprefix(_PEFT_PREFIX)}.{k}": t for n, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)
+               for k, t in m.modules_to_save[m.active_adapter].state_dict().items()}
+    files = weight_files(base_dir)
+    plain = meta_model(base_dir, torch.float32)  # the base's own module names, and whether it ties its head to its embedding
+    head, embed = plain.get_output_embeddings(), plain.get_input_embeddings()
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    names = {id(m): n for n, m in plain.named_modules()}
+    head_key, embed_key = (f"{names[id(head)]}.weight", f"{names[id(embed)]}.weight") if tied else (None, None)
+    del plain
+
+    def merged(key: str) -> torch.Tensor:
+        if key in trained:  # a module trained in full: merge_and_unload puts the trained copy in its place
+            t = trained[key].detach()
+            return t.to(torch.float32) if t.is_floating_point() else t
+        # A tied head and embedding are one tensor, stored once: an adapter on either merges into it,
+        # in module order, as merge_and_unload's in-place merges do.
+        group = [k for k in layers if k in (head_key, embed_key)] if key in (head_key, embed_key) else [key]
+        t = _read(files, next(k for k in (key, head_key, embed_key) if k in files))
+        t = t.to(torch.float32) if t.is_floating_point() else t  # as from_pretrained(torch_dtype=float32) reads it
+        for k in group:
+            if k in layers:
+                t = _merge_into(layers[k], t)
+        return t
+
+    from tasks.core.models.convert.dtypes import ST_TO_TORCH
+
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for key in sorted(files):
+        with safe_open(str(files[key]), framework="pt") as f:
+            piece = f.get_slice(key)
+            dtype = ST_TO_TORCH[piece.get_dtype()]
+            specs[key] = (tuple(piece.get_shape()), torch.float32 if dtype.is_floating_point else dtype)  # as merged() reads it
+    # merge_and_unload unties them only where a trained copy replaced one of the two modules
+    untie = tied and (head_key in trained or embed_key in trained) and not torch.equal(merged(head_key), merged(embed_key))
+    if untie:  # both saved, as save_pretrained saves an untied model
+        stored = specs[head_key] if head_key in specs else specs[embed_key]
+        specs.setdefault(head_key, stored)
+        specs.setdefault(embed_key, stored)
+    (staged / "model").mkdir(parents=True)
+    _write_safetensors(staged / "model" / "model.safetensors", specs, merged)
+    return reference, touched, untie
+
+
+def _merge_into(layer, weight: torch.Tensor) -> torch.Tensor:
+    """`weight` with the active adapter of the peft `layer` merged by peft's own `merge()`: the
+    weight is lent to the layer's (meta) base layer for the call, then the meta one is put back."""
+    from torch import nn
+
+    base_layer = layer.get_base_layer()
+    meta = base_layer.weight
+    base_layer.weight = nn.Parameter(weight, requires_grad=False)
+    try:
+        layer.merge()  # in place: W += scaling * (B @ A), as merge_and_unload does on every layer
+        return base_layer.weight.data
+    finally:
+        base_layer.weight, layer.merged_adapters = meta, []
 
 
 def build_merged_dir(checkpoint_dir: Path, dst: Path, base_dir: Path, *, dtype: str, max_shard_size: str, rtol: float | None = None,
@@ -78,6 +185,26 @@ def build_merged_dir(checkpoint_dir: Path, dst: Path, base_dir: Path, *, dtype: 
                      verify_memory_gb: float | None = None) -> dict[str, Any]:
     """`dst` = the merged model of `checkpoint_dir`'s adapter on `base_dir`; returns build_hf_dir's
     record with `verification.lora` added (the untouched-tensor proof, the tie decision)."""
+    from tasks.core.models.stream import meta_model, model_bytes
+
+    streamed = verify_memory_gb is not None and model_bytes(meta_model(base_dir, torch.float32)) > verify_memory_gb * 1e9
+    with tempfile.TemporaryDirectory(prefix="lora-merge-", dir=work_dir) as tmp:
+        staged = Path(tmp)
+        if streamed:
+            reference, touched, untie = _merge_streamed(checkpoint_dir, base_dir, staged)
+        else:
+            reference, touched, untie = _merge_whole(checkpoint_dir, base_dir, staged)
+        save_fingerprint(reference, staged, dtype="fp32")
+        built = build_hf_dir(staged, dst, base_dir, dtype=dtype, max_shard_size=max_shard_size, weights_dtype="fp32", rtol=rtol,
+                             align_stop_tokens=align_stop_tokens, config_updates={"tie_word_embeddings": False} if untie else {},
+                             verify_memory_gb=verify_memory_gb)
+    built["verification"]["lora"] = {**prove_untouched(base_dir, dst, touched, dtype), "merged_in": "fp32", "untied_head": untie,
+                                     "merge": "streamed" if streamed else "whole"}
+    return built
+
+
+def _merge_whole(checkpoint_dir: Path, base_dir: Path, staged: Path) -> tuple[torch.Tensor, set[str], bool]:
+    """As _merge_streamed, with the base loaded whole in fp32 and peft's merge_and_unload."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -89,14 +216,7 @@ def build_merged_dir(checkpoint_dir: Path, dst: Path, base_dir: Path, *, dtype: 
     merged = peft_model.merge_and_unload()
     head, embed = merged.get_output_embeddings(), merged.get_input_embeddings()
     untie = tied and head is not None and not (head.weight is embed.weight or torch.equal(head.weight, embed.weight))
-    updates = {"tie_word_embeddings": False} if untie else {}
     if untie:
         merged.config.tie_word_embeddings = False
-    with tempfile.TemporaryDirectory(prefix="lora-merge-", dir=work_dir) as tmp:
-        staged = Path(tmp)
-        merged.save_pretrained(staged / "model", safe_serialization=True, max_shard_size="100GB")
-        save_fingerprint(reference, staged, dtype="fp32")
-        built = build_hf_dir(staged, dst, base_dir, dtype=dtype, max_shard_size=max_shard_size, weights_dtype="fp32", rtol=rtol,
-                             align_stop_tokens=align_stop_tokens, config_updates=updates, verify_memory_gb=verify_memory_gb)
-    built["verification"]["lora"] = {**prove_untouched(base_dir, dst, touched, dtype), "merged_in": "fp32", "untied_head": untie}
-    return built
+    merged.save_pretrained(staged / "model", safe_serialization=True, max_shard_size="100GB")
+    return reference, touched, untie

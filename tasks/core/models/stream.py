@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -85,7 +85,7 @@ def stream_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
 class _Streamer:
     """Loads a unit's tensors before its forward and gives the meta ones back after it."""
 
-    def __init__(self, model: nn.Module, files: dict[str, Path], model_dir: Path):
+    def __init__(self, model: nn.Module, files: dict[str, Path], model_dir: Path, rename: Callable[[str], str] | None = None):
         self.files, self.model_dir = files, model_dir
         # every name a tensor object answers to (a tied head: its own and the embedding's)
         self.aliases: dict[int, list[str]] = defaultdict(list)
@@ -95,7 +95,10 @@ class _Streamer:
                 for name, t in table.items():
                     if t is None:
                         continue
+                    if is_param and not t.is_meta:  # real already (a peft adapter's weights): not the folder's to give
+                        continue
                     full = f"{prefix}.{name}" if prefix else name
+                    full = rename(full) if rename else full
                     if full not in self.aliases[id(t)]:
                         self.aliases[id(t)].append(full)
                     if is_param or full in files:  # a buffer is read only when the folder saved it
@@ -141,9 +144,11 @@ class _Streamer:
 
 
 @contextmanager
-def streaming(model: nn.Module, model_dir: str | Path) -> Iterator[None]:
-    """Within it, each unit of the meta-built `model` holds real weights only while it runs."""
-    streamer = _Streamer(model, weight_files(model_dir), Path(model_dir))
+def streaming(model: nn.Module, model_dir: str | Path, rename: Callable[[str], str] | None = None) -> Iterator[None]:
+    """Within it, each unit of the meta-built `model` holds real weights only while it runs.
+    `rename`: the folder's key of a parameter name where the two differ (a peft model wrapping the
+    folder's model: tasks/core/models/adapter.py `base_key`); real parameters are left as they are."""
+    streamer = _Streamer(model, weight_files(model_dir), Path(model_dir), rename)
     handles = []
     for unit, recurse in stream_units(model):
         handles.append(unit.register_forward_pre_hook(lambda m, _a, r=recurse: streamer.load(m, r)))
