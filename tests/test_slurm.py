@@ -145,6 +145,25 @@ def test_failure_message_leads_with_the_own_failure_then_the_earliest(srun_first
     assert " on node n1, rank 0: " in failure_message(info, batch, {"n1": later, "n2": own}).splitlines()[0]
 
 
+def test_failure_message_leads_with_the_rank_that_raised_though_srun_terminated_its_node():
+    """Seen in CI: rank 1 (n2) raised; rank 0 (n1) saw gloo's connection close, its agent exited
+    first, and srun terminated n2 while n2's agent was still reporting its own exit code 1."""
+    info = JobInfo(job_id="2", state="FAILED", exit_code="143:0", nodes="n[1-2]")
+    nodes = {
+        "n1": [("[rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+               "[127.0.0.1]:2786. This is typically caused by a remote worker crashing."), *_torchrun_summary(0, 1, "03:33:41", "200000")],
+        "n2": ["[rank1]: RuntimeError: probe failure on purpose on n2", *_torchrun_summary(1, 1, "03:33:41", "100000")],
+    }
+    batch = ["srun: error: n1: task 0: Exited with exit code 1", "srun: error: n2: task 1: Terminated"]
+    first = failure_message(info, batch, nodes, what="probe").splitlines()[0]
+    assert first.startswith("Slurm job 2 (probe) ended FAILED (exit code 143) on node n2, rank 1: Exited with exit code 1, then srun "
+                            "terminated the node; node n1, rank 0: Exited with exit code 1."), first
+    # A terminated node whose ranks only lost a peer is no cause: srun's own word stands alone.
+    nodes["n2"] = ["[rank1]: RuntimeError: Connection reset by peer", *_torchrun_summary(1, 1, "03:33:41", "100000")]
+    first = failure_message(info, batch, nodes, what="probe").splitlines()[0]
+    assert " on node n1, rank 0: Exited with exit code 1." in first and "node n2" not in first, first
+
+
 @pytest.mark.parametrize("state, words", [
     ("TIMEOUT", "time limit"), ("NODE_FAIL", "stopped responding"), ("OUT_OF_MEMORY", "memory"), ("CANCELLED", "cancelled"),
 ])

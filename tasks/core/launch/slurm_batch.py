@@ -260,6 +260,10 @@ def failure_message(info: JobInfo, batch_lines: Sequence[str], node_lines: Mappi
             # srun terminates the other nodes once one agent exits, and on a loaded machine the
             # peer of a SIGKILLed rank can exit first: the node its own log shows dying is a cause.
             failed_nodes[m.group(1)] = f"a rank died by signal {sig}, then srun terminated the node"
+        elif rc := _own_exit(node_lines.get(m.group(1), ())):
+            # Likewise a rank that raised: its peer saw the connection close and its agent exited
+            # first, and srun terminated this node while its own agent was still reporting.
+            failed_nodes[m.group(1)] = f"Exited with exit code {rc}, then srun terminated the node"
     if not failed_nodes:
         for node, lines in node_lines.items():
             if any(_ERR.search(x) for x in lines):
@@ -324,6 +328,19 @@ def _signal_death(lines: Sequence[str]) -> int | None:
         rc = int(m.group(m.re.groups)) if m else 0
         if rc < 0 and rc not in _STOPPED:
             return -rc
+    return None
+
+
+def _own_exit(lines: Sequence[str]) -> int | None:
+    """The exit code a rank of this node failed with on its own (not a peer gone, no signal), per
+    torchrun's summary or its agent's line."""
+    if _cause_rank(lines)[0] != 1:
+        return None
+    for line in lines:
+        m = _SUMMARY_EXIT.match(line) or _AGENT_FAILED.match(line)
+        rc = int(m.group(m.re.groups)) if m else 0
+        if rc > 0:
+            return rc
     return None
 
 
