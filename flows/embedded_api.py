@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 # Prefect's default (20 s) is too short for the database migrations on 2 loaded cores.
 STARTUP_TIMEOUT_S = 180
@@ -39,12 +40,14 @@ _SERVER_FLAGS = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "P
 NO_SERVER_ARGS = frozenset({"--check", "--break-lease", "-h", "--help"})  # CLI arguments that run no flow
 
 
-class _Early:
+class _Early(NamedTuple):
     """The server `prestart` started, and what it was started from (for `embedded_api` to adopt it
     only where it would have started the same one)."""
 
-    def __init__(self, proc: subprocess.Popen, port: int, environ: dict[str, str], log: Path):
-        self.proc, self.port, self.environ, self.log = proc, port, environ, log
+    proc: subprocess.Popen
+    port: int
+    environ: dict[str, str]
+    log: Path
 
 
 _early: _Early | None = None

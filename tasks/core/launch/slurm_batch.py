@@ -321,27 +321,21 @@ def failure_message(info: JobInfo, batch_lines: Sequence[str], node_lines: Mappi
     return "\n".join(parts)
 
 
+def _exit_codes(lines: Sequence[str]) -> Iterator[int]:
+    """The ranks' exit codes torchrun reported on this node (its summary, its agent's lines)."""
+    for line in lines:
+        if m := _SUMMARY_EXIT.match(line) or _AGENT_FAILED.match(line):
+            yield int(m.group(m.re.groups))
+
+
 def _signal_death(lines: Sequence[str]) -> int | None:
     """The signal a rank of this node died by, per torchrun's summary, when it was no stop request."""
-    for line in lines:
-        m = _SUMMARY_EXIT.match(line) or _AGENT_FAILED.match(line)
-        rc = int(m.group(m.re.groups)) if m else 0
-        if rc < 0 and rc not in _STOPPED:
-            return -rc
-    return None
+    return next((-rc for rc in _exit_codes(lines) if rc < 0 and rc not in _STOPPED), None)
 
 
 def _own_exit(lines: Sequence[str]) -> int | None:
-    """The exit code a rank of this node failed with on its own (not a peer gone, no signal), per
-    torchrun's summary or its agent's line."""
-    if _cause_rank(lines)[0] != 1:
-        return None
-    for line in lines:
-        m = _SUMMARY_EXIT.match(line) or _AGENT_FAILED.match(line)
-        rc = int(m.group(m.re.groups)) if m else 0
-        if rc > 0:
-            return rc
-    return None
+    """The exit code a rank of this node failed with on its own (not a peer gone, no signal)."""
+    return next((rc for rc in _exit_codes(lines) if rc > 0), None) if _cause_rank(lines)[0] == 1 else None
 
 
 def _cause_rank(lines: Sequence[str]) -> tuple:

@@ -33,14 +33,14 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)  # everything peft reads, and all the artifact holds besides its provenance
 
 
-_PEFT_PREFIX = "base_model.model."
+PEFT_PREFIX = "base_model.model."  # what peft puts before the wrapped model's own names
 
 
 def base_key(name: str) -> str:
     """The base folder's key of a peft model's parameter name: peft wraps the model
     (`base_model.model.`), a targeted layer (`.base_layer.`) and a module trained in full
     (`.original_module.`, the frozen original beside its trained copy)."""
-    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".").replace(".original_module.", ".")
+    return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".").replace(".original_module.", ".")
 
 
 def peft_meta_model(base_dir: Path, adapter_dir: Path):

@@ -29,9 +29,7 @@ the adapter, one decoder layer for the logits and about two of the model's large
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -40,12 +38,12 @@ from typing import Any
 import torch
 
 from tasks.core.errors import ConversionError
+from tasks.core.models.adapter import PEFT_PREFIX, base_key, peft_meta_model
 from tasks.core.models.fingerprint import model_logits, save_fingerprint
 from tasks.core.models.hf_artifact import build_hf_dir
 from tasks.core.models.stream import weight_files
 
 ADAPTER = "adapter"  # the checkpoint's adapter folder (tasks/engine/lora.py writes it)
-_PEFT_PREFIX = "base_model.model."
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -57,7 +55,7 @@ def touched_keys(peft_model) -> set[str]:
 
     out: set[str] = set()
     for name, module in peft_model.named_modules():
-        plain = name.removeprefix(_PEFT_PREFIX)
+        plain = name.removeprefix(PEFT_PREFIX)
         if isinstance(module, LoraLayer):
             out |= {f"{plain}.weight", f"{plain}.bias"}
         elif isinstance(module, ModulesToSaveWrapper):
@@ -89,17 +87,10 @@ def _write_safetensors(path: Path, specs: dict[str, tuple[tuple[int, ...], torch
     """One safetensors file of the keys in `specs` (shape, dtype), each tensor made by `tensor_of`
     only when its bytes are due: the header (every shape and offset) is known before any tensor exists."""
     from tasks.core.models.convert.dtypes import TORCH_TO_ST
+    from tasks.core.models.convert.write import safetensors_header
 
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for key, (shape, dtype) in specs.items():
-        n = math.prod(shape) * dtype.itemsize
-        header[key] = {"dtype": TORCH_TO_ST[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # as the reference writer: tensor data stays 8-byte aligned
     with path.open("wb") as out:
-        out.write(struct.pack("<Q", len(blob)) + blob)
+        out.write(safetensors_header([(k, TORCH_TO_ST[dt], shape, math.prod(shape) * dt.itemsize) for k, (shape, dt) in specs.items()]))
         for key, (shape, dtype) in specs.items():
             t = tensor_of(key).contiguous()
             if tuple(t.shape) != shape or t.dtype != dtype:
@@ -107,30 +98,29 @@ def _write_safetensors(path: Path, specs: dict[str, tuple[tuple[int, ...], torch
             out.write(t.view(-1).view(torch.uint8).numpy().data)
 
 
-def _merge_streamed(checkpoint_dir: Path, base_dir: Path, staged: Path) -> tuple[torch.Tensor, set[str], bool]:
+def _merge_streamed(checkpoint_dir: Path, base_dir: Path, staged: Path, plain: torch.nn.Module) -> tuple[torch.Tensor, set[str], bool]:
     """(peft's reference logits, the touched keys, whether the head is untied) with the merged fp32
-    model written to `staged`/model, in the memory of a decoder layer and about two tensors."""
+    model written to `staged`/model, in the memory of a decoder layer and about two tensors.
+    `plain`: the base built on the meta device (its own module names, and whether it ties its head)."""
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
-    from safetensors import safe_open
 
-    from tasks.core.models.adapter import base_key, peft_meta_model
-    from tasks.core.models.stream import meta_model, streaming
+    from tasks.core.models.convert.dtypes import ST_TO_TORCH
+    from tasks.core.models.convert.source import read_safetensors_header
+    from tasks.core.models.stream import streaming
 
     model = peft_meta_model(base_dir, checkpoint_dir / ADAPTER)
     with streaming(model, base_dir, rename=base_key):
         reference = model_logits(model, model.config.vocab_size, device=torch.device("cpu"))
     touched = touched_keys(model)
-    layers = {f"{n.removeprefix(_PEFT_PREFIX)}.weight": m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
-    trained = {f"{n.removeprefix(_PEFT_PREFIX)}.{k}": t for n, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)
+    layers = {f"{n.removeprefix(PEFT_PREFIX)}.weight": m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+    trained = {f"{n.removeprefix(PEFT_PREFIX)}.{k}": t for n, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)
                for k, t in m.modules_to_save[m.active_adapter].state_dict().items()}
     files = weight_files(base_dir)
-    plain = meta_model(base_dir, torch.float32)  # the base's own module names, and whether it ties its head to its embedding
     head, embed = plain.get_output_embeddings(), plain.get_input_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
     names = {id(m): n for n, m in plain.named_modules()}
     head_key, embed_key = (f"{names[id(head)]}.weight", f"{names[id(embed)]}.weight") if tied else (None, None)
-    del plain
 
     def merged(key: str) -> torch.Tensor:
         if key in trained:  # a module trained in full: merge_and_unload puts the trained copy in its place
@@ -146,14 +136,11 @@ def _merge_streamed(checkpoint_dir: Path, base_dir: Path, staged: Path) -> tuple
                 t = _merge_into(layers[k], t)
         return t
 
-    from tasks.core.models.convert.dtypes import ST_TO_TORCH
-
+    entries = {k: e for path in sorted(set(files.values())) for k, e in read_safetensors_header(path)[1].items()}  # one header read per file
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for key in sorted(files):
-        with safe_open(str(files[key]), framework="pt") as f:
-            piece = f.get_slice(key)
-            dtype = ST_TO_TORCH[piece.get_dtype()]
-            specs[key] = (tuple(piece.get_shape()), torch.float32 if dtype.is_floating_point else dtype)  # as merged() reads it
+        dtype = ST_TO_TORCH[entries[key].dtype]
+        specs[key] = (entries[key].shape, torch.float32 if dtype.is_floating_point else dtype)  # as merged() reads it
     # merge_and_unload unties them only where a trained copy replaced one of the two modules
     untie = tied and (head_key in trained or embed_key in trained) and not torch.equal(merged(head_key), merged(embed_key))
     if untie:  # both saved, as save_pretrained saves an untied model
@@ -187,11 +174,12 @@ def build_merged_dir(checkpoint_dir: Path, dst: Path, base_dir: Path, *, dtype: 
     record with `verification.lora` added (the untouched-tensor proof, the tie decision)."""
     from tasks.core.models.stream import meta_model, model_bytes
 
-    streamed = verify_memory_gb is not None and model_bytes(meta_model(base_dir, torch.float32)) > verify_memory_gb * 1e9
+    plain = meta_model(base_dir, torch.float32)  # no memory: the base's size, names and tie
+    streamed = verify_memory_gb is not None and model_bytes(plain) > verify_memory_gb * 1e9
     with tempfile.TemporaryDirectory(prefix="lora-merge-", dir=work_dir) as tmp:
         staged = Path(tmp)
         if streamed:
-            reference, touched, untie = _merge_streamed(checkpoint_dir, base_dir, staged)
+            reference, touched, untie = _merge_streamed(checkpoint_dir, base_dir, staged, plain)
         else:
             reference, touched, untie = _merge_whole(checkpoint_dir, base_dir, staged)
         save_fingerprint(reference, staged, dtype="fp32")

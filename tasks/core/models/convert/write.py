@@ -195,11 +195,17 @@ def write_shards(jobs: list[tuple[Path, list[Planned]]], reader: Reader, fsync: 
 
 
 def _safetensors_header(items: list[Planned]) -> bytes:
+    return safetensors_header([(p.entry.key, p.out_dtype, p.entry.shape, p.out_nbytes) for p in items])
+
+
+def safetensors_header(tensors: list[tuple[str, str, tuple[int, ...], int]]) -> bytes:
+    """The length prefix and JSON header of a safetensors file holding `tensors` (key, dtype code,
+    shape, bytes) in that order: known before any tensor's bytes are, so a writer can stream them."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for p in items:
-        header[p.entry.key] = {"dtype": p.out_dtype, "shape": list(p.entry.shape), "data_offsets": [offset, offset + p.out_nbytes]}
-        offset += p.out_nbytes
+    for key, code, shape, nbytes in tensors:
+        header[key] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the reference writer pads to 8 so tensor data stays aligned
     return struct.pack("<Q", len(blob)) + blob
