@@ -44,6 +44,7 @@ from tasks import ui
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, TokenizeConfig
 from tasks.core.data import prepare as prep
+from tasks.core.data import truncation
 from tasks.core.data.blend import BLEND_FILE, Source
 from tasks.core.data.index import INDEX
 from tasks.core.data.inputs import InputFile
@@ -141,7 +142,7 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     p = prep.plan(
         sources, tok_dir, cache, kind=stage, blend_plan=plan_steps, heldout_sources=only, field=d.text_field if stage == "cpt" else d.messages_field, seq_len=st_cfg.seq_len,
         heldout_fraction=0.0 if st_cfg.eval.heldout_uri else st_cfg.eval.heldout_fraction, heldout_uri=resolve_local(st_cfg.eval.heldout_uri) if st_cfg.eval.heldout_uri else None,
-        on_bad_record=d.on_bad_record, max_bad_records=d.max_bad_records, max_record_chars=d.max_record_chars,
+        on_bad_record=d.on_bad_record, max_bad_records=d.max_bad_records, max_record_chars=d.max_record_chars, truncation_rule=st_cfg.truncation,
     )
     # A mixture's blend is made for the planned steps: they are inputs of this digest, and only then.
     inputs = {"spec": p.spec.key_fields(), "files": [f.to_json() for f in p.inputs]}
@@ -150,7 +151,8 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     if only:  # evaluated, never trained on: their files' identity, like the corpus's
         inputs["heldout_sources"] = [[s.name, [f.to_json() for f in files]] for s, files in zip(only, p.heldout_only_inputs)]
     st = Stage(name, cfg, inputs=inputs)
-    if st.skipped:
+    if st.skipped:  # the counts run.json and the stage table show, as the artifact's index recorded them
+        st.result.detail.update(_recorded_truncation(store, STAGE[name].artifact, stage, st_cfg.seq_len))
         return st.result
     shards = cache / "shards"
     shards.mkdir(parents=True, exist_ok=True)
@@ -193,6 +195,14 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
         if src.get("epochs", 0) > d.max_source_epochs:
             logger.warning("%s: source %r is repeated %.1f times over the %d planned steps (more than %s.data.max_source_epochs=%g): "
                            "give it more data, a lower weight, or fewer steps", name, src["name"], src["epochs"], st_cfg.max_steps, stage, d.max_source_epochs)
+    # Records longer than seq_len, said once per source: what the rule made of them.
+    notes = []
+    for src in index["sources"]:
+        line = truncation.describe(src.get("truncation"), stage, index["truncation"]["rule"], st_cfg.seq_len)
+        if line:
+            notes.append(line if len(index["sources"]) == 1 else f"source {src['name']!r}: {line}")
+    for line in notes:
+        (logger.warning if stage == "sft" else logger.info)("%s: %s", name, line)
     empty = prep.empty_files(index["files"])
     if empty:
         logger.warning("%s: %d input file(s) hold no record (0 bytes or blank lines only): %s", name, len(empty), ", ".join(empty))
@@ -201,12 +211,25 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     return st.done(
         {
             "files": t["files"], "tokenized": len(p.todo), "empty_files": t["empty_files"], "cache_dropped": p.dropped,
-            "sources": {src["name"]: {k: src[k] for k in ("weight", "token_share", "epochs", "tokens_available") if k in src} for src in index["sources"]},
+            "sources": {src["name"]: {k: src[k] for k in ("weight", "token_share", "epochs", "tokens_available", "truncation") if k in src} for src in index["sources"]},
             **({"heldout_sources": {src["name"]: {"records": src["records"], "tokens": src["tokens"]} for src in index["heldout_sources"]}} if only else {}),
             "records": t["records"], "skipped": t["skipped"], "train_tokens": t["train_tokens"], "heldout_tokens": t["heldout_tokens"],
+            "truncation": {**index["truncation"], **t["truncation"]},
+            **({"note": "; ".join(notes)} if notes else {}),
         },
         event={"train_tokens": t["train_tokens"], "skipped": t["skipped"]},
     )
+
+
+def _recorded_truncation(store: Any, rel: str, stage: str, seq_len: int) -> dict[str, Any]:
+    try:
+        index = json.loads(store.read_text(f"{rel}/{INDEX}"))
+    except Exception:  # a view only: the artifact verified, its index is the record
+        return {}
+    if "truncation" not in index:
+        return {}
+    line = truncation.describe(index["totals"]["truncation"], stage, index["truncation"]["rule"], seq_len)
+    return {"truncation": {**index["truncation"], **index["totals"]["truncation"]}, **({"note": line} if line else {})}
 
 
 def prepared_dir(cfg: RunConfig, stage: str) -> Path:

@@ -261,10 +261,12 @@ def stage_table(results: Iterable[dict[str, Any]]) -> None:
             "duration": _duration(r.get("seconds") or 0.0),
             # A failed stage's cause (a launch: the failing rank's first error line), else empty.
             "cause": (r.get("detail") or {}).get("error", "") if r["status"] == "failed" else "",
+            # what the stage wants read beside its status (prepare: the records longer than seq_len and what became of them)
+            "note": (r.get("detail") or {}).get("note", ""),
         }
         for r in results
     ]
-    create_table_artifact(rows, key=STAGES_KEY, description="Stages of this run: status, artifact URI, manifest digest, duration, the cause of a failure")
+    create_table_artifact(rows, key=STAGES_KEY, description="Stages of this run: status, artifact URI, manifest digest, duration, the cause of a failure, a note (records longer than seq_len)")
 
 
 def _duration(seconds: float) -> str:

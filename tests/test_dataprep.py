@@ -92,22 +92,26 @@ def test_cpt_sample_matches_pack_cpt(tok, tokdir, tmp_path):
 def test_sft_sample_matches_encode_sft(tok, tokdir, tmp_path):
     records = read_records(str(SFT))
     split = split_by_fraction(records, 0.05)
-    want = {k: v.numpy() for k, v in encode_sft(tok, split.train, seq_len=96).items()}
+    want = {k: v.numpy() for k, v in encode_sft(tok, split.train, seq_len=96, truncation="drop").items()}
     r = _prep(str(SFT), tokdir, tmp_path, kind="sft", seq_len=96, heldout_fraction=0.05)
     got = _all(TokenDataset(tmp_path))
     assert set(got) == set(want)
     for k, v in want.items():
         assert np.array_equal(got[k], v), k
     assert _heldout_records(tmp_path, r.index) == split.heldout
-    # A seq_len that truncates: encode_sft drops rows without an assistant token; so does prepare.
-    out2 = tmp_path / "short"
-    want2 = {k: v.numpy() for k, v in encode_sft(tok, split.train, seq_len=24).items()}
-    r2 = _prep(str(SFT), tokdir, out2, kind="sft", seq_len=24, heldout_fraction=0.05)
-    got2 = _all(TokenDataset(out2))
-    assert r2.index["totals"]["dropped_no_labels"] == len(split.train) - want2["input_ids"].shape[0] > 0
-    for k, v in want2.items():
-        assert np.array_equal(got2[k], v), k
-    with pytest.raises(ValueError, match="prepared for seq_len=24, not 96"):
+    # A seq_len most chats exceed: each sft.truncation rule gives what encode_sft gives under it.
+    for rule in ("drop", "cut", "split_turns"):
+        out2 = tmp_path / f"short-{rule}"
+        want2 = {k: v.numpy() for k, v in encode_sft(tok, split.train, seq_len=48, truncation=rule).items()}
+        r2 = _prep(str(SFT), tokdir, out2, kind="sft", seq_len=48, heldout_fraction=0.05, truncation_rule=rule)
+        got2 = _all(TokenDataset(out2))
+        t = r2.index["totals"]["truncation"]
+        assert t["chats"] == len(split.train) and t["over_seq_len"] > 0 and r2.index["truncation"] == {"rule": rule, "seq_len": 48}
+        if rule != "split_turns":  # one row per kept chat
+            assert r2.index["totals"]["dropped_no_labels"] + t["dropped"] == len(split.train) - want2["input_ids"].shape[0]
+        for k, v in want2.items():
+            assert np.array_equal(got2[k], v), (rule, k)
+    with pytest.raises(ValueError, match="prepared for seq_len=48, not 96"):
         TokenDataset(out2, 96)
 
 

@@ -95,7 +95,7 @@ def test_prepared_data_holds_the_split_and_refuses_another_tokenizer(tmp_path, t
     assert heldout_records(tmp_path / "data") == split.heldout
     info = split_info(tmp_path / "data", "data/sample/sft.jsonl")
     assert info["method"] == "hash-fraction" and info["heldout_records"] == len(split.heldout)
-    assert info["train_records"] + info["dropped_no_labels"] == len(split.train)
+    assert info["train_records"] + info["dropped_no_labels"] + info["truncation"]["dropped"] == len(split.train)  # sft.truncation: drop
     assert check_against_model(tmp_path / "data", tiny_model_dir, "sft")["tokenizer_sha256"] == tokenizer_fingerprint(tiny_model_dir)
     other = tmp_path / "other-model"
     shutil.copytree(tiny_model_dir, other)

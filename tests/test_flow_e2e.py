@@ -405,7 +405,8 @@ def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
         held = heldout_records(run_root / "data" / stage)
         held_ids = {record_id(r) for r in held}
         train = [r for r in read_records(resolve_local(split["data_uri"])) if record_id(r) not in held_ids]
-        assert len(train) == split["train_records"] + split["dropped_no_labels"] and len(held) == split["heldout_records"]
+        dropped = split["dropped_no_labels"] + (split["truncation"].get("dropped", 0) if stage == "sft" else 0)  # sft.truncation: drop
+        assert len(train) == split["train_records"] + dropped and len(held) == split["heldout_records"]
         job = json.loads((run_root / "jobs" / f"{stage}-train.json").read_text())
         assert job["data_dir"] == str(run_root / "data" / stage)
 

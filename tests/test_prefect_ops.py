@@ -137,7 +137,7 @@ def test_stage_table_rows(monkeypatch):
         {"stage": "export", "status": "not-run", "uri": None, "digest": None, "seconds": 0.0},
     ])
     assert made["key"] == "cpt-to-sft-stages"
-    assert made["rows"][0] == {"stage": "train_cpt", "status": "completed", "artifact": "s3://b/run/cpt/step-000010", "manifest digest": "ab" * 8, "duration": "1h 02m 05s", "cause": ""}
+    assert made["rows"][0] == {"stage": "train_cpt", "status": "completed", "artifact": "s3://b/run/cpt/step-000010", "manifest digest": "ab" * 8, "duration": "1h 02m 05s", "cause": "", "note": ""}
     assert made["rows"][1]["artifact"] == "" and made["rows"][1]["duration"] == "0.0 s"
     ui.stage_table([{"stage": "train_sft", "status": "failed", "uri": None, "digest": None, "seconds": 1.0, "detail": {"error": "StageFailed: rank 1: engine train failed: boom"}}])
     assert made["rows"][0]["cause"] == "StageFailed: rank 1: engine train failed: boom"

@@ -325,6 +325,12 @@ class StageConfig(Frozen):
     grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches accumulated per optimizer step (pipeline micro-batches when pp_size > 1).")
     seq_len: int = Field(ge=8, description="Tokens per sequence (CPT packing block, SFT truncation length).")
     batching: BatchingName = Field(default="grouped", description="How SFT conversations fill each micro-batch (see tasks/core/config/batching.py).")
+    truncation: Literal["drop", "cut", "split_turns"] = Field(default="drop", description=(
+        "SFT: what a training chat longer than seq_len becomes, the same in every batching mode (prepare_data makes the rows): "
+        "'drop' leaves it out (the default: nothing is trained that does not fit); 'cut' keeps its first seq_len tokens, with the "
+        "reply the cut goes through unlabelled (no reply is trained as if it ended where it was cut); 'split_turns' makes rows of "
+        "whole exchanges (a user turn and its replies, after the system messages), as many a row as fit. Counted per source in "
+        "data/sft/index.json, run.json, the log and the model card. CPT documents are always split across blocks."))
     kernels: KernelSwitches = Field(default_factory=dict, description=(
         "Switch fast kernels off for this stage ({name: false}); every registered kernel is on where the device and installed "
         "packages support it, off without CUDA (see tasks/core/config/kernels.py). true is the default, not a demand."))

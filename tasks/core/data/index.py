@@ -61,3 +61,19 @@ def check_fits_model(
         vocab_size = json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size")
     if vocab_size is not None and index["max_token_id"] >= vocab_size:
         raise ValueError(f"token id {index['max_token_id']} in {data_dir} does not fit the vocab_size {vocab_size} of {model_dir}/config.json: tokenizer and model do not belong together")
+
+
+def special_tokens(tok, kind: str) -> dict[str, Any]:
+    """The special tokens the prepared data was made with (index.json `special_tokens`): what ends a
+    CPT document (eos), what pads an SFT row (pad, else eos), bos, and the SFT end of turn (the
+    special token(s) the chat template closes an assistant turn with, the last labelled tokens)."""
+    from tasks.core.data.samples import end_of_turn_tokens
+
+    def one(i: int | None) -> dict[str, Any] | None:
+        return None if i is None else {"id": int(i), "token": tok.convert_ids_to_tokens(int(i))}
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    out = {"eos": one(tok.eos_token_id), "bos": one(tok.bos_token_id), "pad": one(pad), "pad_is": "pad_token" if tok.pad_token_id is not None else "eos_token"}
+    if kind == "sft":
+        out["end_of_turn"] = [one(i) for i in end_of_turn_tokens(tok)]
+    return out

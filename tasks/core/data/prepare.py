@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from tasks.core.data import heldout_only
+from tasks.core.data import heldout_only, truncation
 from tasks.core.data.blend import BLEND_FILE, BlendPlan, Source, blend
-from tasks.core.data.index import INDEX, PrepareError, tokenizer_fingerprint
+from tasks.core.data.index import INDEX, PrepareError, special_tokens, tokenizer_fingerprint
 from tasks.core.data.inputs import InputError, InputFile, resolve_inputs
 from tasks.core.data.records import BadRecord, iter_file_records
 from tasks.core.data.shard import ShardSpec, freeze_encoder, load_tokenizer, read_summary, shard_dir, tokenize_file, verified_summary
@@ -115,6 +115,7 @@ def plan(
     uri: str | Sequence[str] | Sequence[Source], tokenizer_dir: str | Path, out_dir: str | Path, *, kind: str, field: str, seq_len: int,
     heldout_fraction: float = 0.0, heldout_uri: str | Sequence[str] | None = None, on_bad_record: str = "error",
     max_bad_records: int = 100, max_record_chars: int = 1 << 24, blend_plan: BlendPlan | None = None, heldout_sources: Sequence[Source] = (),
+    truncation_rule: str = "drop",
 ) -> Plan:
     """`uri`: data.uri's value, or the sources of a mixture; `blend_plan`: the steps a mixture is blended for;
     `heldout_sources`: held-out-only sources (tasks/core/data/heldout_only.py), CPT only."""
@@ -133,7 +134,7 @@ def plan(
     spec = ShardSpec(
         kind=kind, field=field, seq_len=seq_len, tokenizer_sha256=tokenizer_fingerprint(tokenizer_dir),
         heldout_fraction=heldout_fraction, heldout_ids=_heldout_ids(held_inputs, max_record_chars) if held_inputs else frozenset(),
-        on_bad_record=on_bad_record, max_bad_records=max_bad_records, max_record_chars=max_record_chars,
+        on_bad_record=on_bad_record, max_bad_records=max_bad_records, max_record_chars=max_record_chars, truncation=truncation_rule,
     )
     keys = [spec.key(f) for f in inputs]
     todo, dropped = [], []
@@ -257,7 +258,8 @@ def _mixture(p: Plan, rows: list[dict], spec: ShardSpec) -> tuple[list[dict[str,
             what = f"{tokens} training tokens, fewer than seq_len={spec.seq_len}" if spec.kind == "cpt" else "no training conversation"
             raise PrepareError(f"source {src.name!r} ({part[0]['input']['uri'] if part else 'no file'}{', ...' if len(part) > 1 else ''}) has {what}; add data to it or remove it from data.sources")
         table.append({"name": src.name, "files": [a, b], "samples_available": samples, "tokens_available": tokens,
-                      "heldout_records": sum(s["heldout"]["records"] for s in part), "heldout_tokens": sum(s["heldout"]["tokens"] for s in part)})
+                      "heldout_records": sum(s["heldout"]["records"] for s in part), "heldout_tokens": sum(s["heldout"]["tokens"] for s in part),
+                      "truncation": truncation.total([s["truncation"] for s in part])})
     if p.blend is None:
         table[0]["weight"] = 1.0
         return table, None
@@ -308,11 +310,15 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
         raise PrepareError(f"the corpus has {train_tokens} training tokens, fewer than seq_len={spec.seq_len}: add data or lower seq_len")
     if spec.kind == "sft" and train_records == 0:
         dropped = sum(s["dropped_no_labels"] for s in rows)
-        raise PrepareError(f"no SFT record has an assistant token within seq_len={spec.seq_len} ({dropped} dropped): raise seq_len or check the data")
+        too_long = sum((s.get("truncation") or {}).get("dropped", 0) for s in rows)
+        raise PrepareError(f"no SFT record has an assistant token within seq_len={spec.seq_len} ({dropped} dropped without one, {too_long} longer than seq_len "
+                           f"dropped by sft.truncation: {spec.truncation}): raise seq_len, choose sft.truncation: cut or split_turns, or check the data")
     dtypes = {s["dtype"] for s in rows}
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if not p.sources:  # a Plan made by hand: data.uri's one source
         p.sources, p.ranges = [Source(MAIN_SOURCE, [f.uri for f in p.inputs])], [(0, len(p.inputs))]
+    # What became of the training records longer than seq_len, per file (then per source and in all).
+    rows = [{**s, "truncation": truncation.file_counts(s, shard_dir(p.out_dir, s["key"]), spec.kind, spec.seq_len)} for s in rows]
     sources, blend_meta = _mixture(p, rows, spec)
     index = {
         "version": INDEX_VERSION,
@@ -324,16 +330,18 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
         "dtype": dtypes.pop() if len(dtypes) == 1 else "mixed",
         "eos_token_id": tok.eos_token_id,
         "pad_token_id": pad,
+        "special_tokens": special_tokens(tok, spec.kind),  # what pre-flight's special-token check agreed to
         "max_token_id": max(s["max_token_id"] for s in rows),
         "split": split,
         "on_bad_record": spec.on_bad_record,
+        "truncation": {"rule": spec.truncation if spec.kind == "sft" else truncation.CPT_RULE, "seq_len": spec.seq_len},
         "sources": sources,
         "blend": blend_meta,
         "files": [
             {
                 "input": s["input"], "shard": f"shards/{s['key']}", "records": s["records"], "skipped": s["skipped"],
                 "dropped_in_heldout_set": s["dropped_in_heldout_set"], "dropped_no_labels": s["dropped_no_labels"],
-                "train": s["train"], "heldout": s["heldout"], "bad_records": s["bad_records"][:5],
+                "train": s["train"], "heldout": s["heldout"], "bad_records": s["bad_records"][:5], "truncation": s["truncation"],
             }
             for s in rows
         ],
@@ -343,6 +351,7 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
             "records": sum(s["records"] for s in rows),
             "skipped": sum(s["skipped"] for s in rows),
             "dropped_no_labels": sum(s["dropped_no_labels"] for s in rows),
+            "truncation": truncation.total([s["truncation"] for s in rows]),
             "empty_files": len(empty_files(rows)),
             "train_records": train_records,
             "train_tokens": train_tokens,
@@ -397,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--heldout-fraction", type=float, default=0.0)
     ap.add_argument("--on-bad-record", choices=["error", "skip"], default="error")
+    ap.add_argument("--truncation", choices=["drop", "cut", "split_turns"], default="drop", help="SFT: a chat longer than seq_len")
     ap.add_argument("--max-bad-records", type=int, default=100)
     ap.add_argument("--workers", type=int, default=1)
     a = ap.parse_args(argv)
@@ -404,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         r = prepare(
             a.uri if len(a.uri) > 1 else a.uri[0], a.tokenizer, a.out, workers=a.workers, kind=a.kind,
             field=a.field or ("text" if a.kind == "cpt" else "messages"), seq_len=a.seq_len, heldout_fraction=a.heldout_fraction,
-            on_bad_record=a.on_bad_record, max_bad_records=a.max_bad_records,
+            on_bad_record=a.on_bad_record, max_bad_records=a.max_bad_records, truncation_rule=a.truncation,
         )
     except (InputError, PrepareError, ValueError) as e:
         raise SystemExit(f"prepare: {e}") from None

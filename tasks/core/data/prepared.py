@@ -72,7 +72,7 @@ def split_info(data_dir: Path, data_uri: str | list[str] | dict[str, Any]) -> di
     held-out-only sources with their records, tokens and files."""
     index = read_index(data_dir)
     t = index["totals"]
-    keep = ("name", "weight", "token_share", "epochs", "tokens_available", "heldout_records")
+    keep = ("name", "weight", "token_share", "epochs", "tokens_available", "heldout_records", "truncation")
     only = [{"name": s["name"], "records": s["records"], "tokens": s["tokens"], "inputs": [{k: f[k] for k in ("uri", "size", "checksum")} for f in s["inputs"]]}
             for s in index.get("heldout_sources") or []]
     return {
@@ -81,6 +81,8 @@ def split_info(data_dir: Path, data_uri: str | list[str] | dict[str, Any]) -> di
         "data_uri": data_uri, "files": t["files"], "prepared": str(data_dir), "tokenizer_sha256": index["tokenizer_sha256"],
         **index["split"], "train_records": t["train_records"], "heldout_records": t["heldout_records"],
         "dropped_no_labels": t["dropped_no_labels"], "skipped": t["skipped"],
+        # records longer than seq_len: the rule and what it did (tasks/core/data/truncation.py)
+        **({"truncation": {**index["truncation"], **t["truncation"]}} if "truncation" in index else {}),
         # every input file with its size and checksum (sha256, or the object store's etag): the
         # model card lists them as the datasets the model was trained on
         "inputs": [{k: f["input"][k] for k in ("uri", "size", "checksum")} for f in index["files"]],

@@ -104,8 +104,34 @@ def special_token_ids(tokenizer) -> set[int]:
     return ids
 
 
-def encode_chat(tokenizer, messages: list[dict], seq_len: int) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of one conversation, truncated to seq_len.
+_PROBE = [
+    {"role": "user", "content": "ping"},
+    {"role": "assistant", "content": "pong"},
+    {"role": "user", "content": "ping again"},
+    {"role": "assistant", "content": "pong again"},
+]
+
+
+def end_of_turn_tokens(tokenizer) -> list[int]:
+    """Special token ids the template puts after an assistant reply, in order of appearance: what
+    encode_chat labels last in a turn (the SFT end of turn), found by rendering a conversation."""
+    special = special_token_ids(tokenizer)
+    found: list[int] = []
+    for i, m in enumerate(_PROBE):
+        if m["role"] != "assistant":
+            continue
+        prompt = render_chat(tokenizer, _PROBE[:i], add_generation_prompt=True)
+        turn = render_chat(tokenizer, _PROBE[: i + 1], add_generation_prompt=False)
+        if turn[: len(prompt)] != prompt:
+            continue  # not prefix-stable: encode_chat refuses such templates before training
+        # The reply's text has no special tokens, and the header is in the generation prompt:
+        # every special token in between is the template closing the turn (what encode_chat labels).
+        found += [int(t) for t in turn[len(prompt):] if t in special and int(t) not in found]
+    return found
+
+
+def encode_chat(tokenizer, messages: list[dict], seq_len: int | None) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one conversation, truncated to seq_len (None: whole).
 
     Prefix method, valid for any chat template: for assistant turn i the ids of
     render(messages[:i], add_generation_prompt=True) are a prefix of render(messages[:i+1]);
@@ -137,13 +163,81 @@ def encode_chat(tokenizer, messages: list[dict], seq_len: int) -> tuple[list[int
                 end = j + 1
                 break
         labels[len(prompt) : end] = full[len(prompt) : end]
-    return full[:seq_len], labels[:seq_len]
+    return (full, labels) if seq_len is None else (full[:seq_len], labels[:seq_len])
+
+
+# What a training conversation longer than seq_len becomes (`<stage>.truncation`); the default is the first.
+TRUNCATION = ("drop", "cut", "split_turns")
+
+
+def _unlabel_cut_reply(labels: list[int], full_labels: list[int], seq_len: int) -> list[int]:
+    """labels[:seq_len] without the reply the cut goes through: its end is past seq_len, so none of it is
+    trained (the model would learn a reply it never sees finish)."""
+    out = list(labels)
+    if len(full_labels) > seq_len and full_labels[seq_len] != IGNORE_INDEX:
+        j = seq_len - 1
+        while j >= 0 and out[j] != IGNORE_INDEX:
+            out[j] = IGNORE_INDEX
+            j -= 1
+    return out
+
+
+def _exchanges(messages: list[dict]) -> tuple[list[dict], list[list[dict]]]:
+    """(leading system messages, the rest cut before each user message that follows a reply)."""
+    k = 0
+    while k < len(messages) and messages[k]["role"] == "system":
+        k += 1
+    parts: list[list[dict]] = []
+    for m in messages[k:]:
+        if not parts or (m["role"] == "user" and any(x["role"] == "assistant" for x in parts[-1])):
+            parts.append([])
+        parts[-1].append(m)
+    return messages[:k], parts
+
+
+def training_rows(tokenizer, messages: list[dict], seq_len: int, truncation: str) -> tuple[list[tuple[list[int], list[int]]], str]:
+    """The training rows of one conversation and what became of it: 'fits' (one row), or, longer
+    than seq_len, by `truncation`: 'drop' -> no row ('dropped'); 'cut' -> its first seq_len tokens,
+    the reply the cut goes through unlabelled ('cut'; no row when no label is left); 'split_turns'
+    -> rows of whole exchanges (a user turn and what follows it up to the next user turn), each
+    with the leading system messages, as many exchanges a row as fit ('split'); an exchange that
+    alone is longer than seq_len is left out."""
+    if truncation not in TRUNCATION:
+        raise ValueError(f"truncation={truncation!r}: use one of {', '.join(TRUNCATION)}")
+    ids, labels = encode_chat(tokenizer, messages, None)
+    if len(ids) <= seq_len:
+        return [(ids, labels)], "fits"
+    if truncation == "drop":
+        return [], "dropped"
+    if truncation == "cut":
+        cut = _unlabel_cut_reply(labels[:seq_len], labels, seq_len)
+        return ([(ids[:seq_len], cut)] if any(x != IGNORE_INDEX for x in cut) else []), "cut"
+    system, parts = _exchanges(messages)
+    rows: list[tuple[list[int], list[int]]] = []
+    window: list[dict] = []
+    best: tuple[list[int], list[int]] | None = None
+    for part in parts:
+        if not any(m["role"] == "assistant" for m in part):
+            continue  # a last user turn without a reply: nothing to train
+        enc = encode_chat(tokenizer, system + window + part, None)
+        if len(enc[0]) <= seq_len:
+            window, best = window + part, enc
+            continue
+        if best is not None:
+            rows.append(best)
+        enc = encode_chat(tokenizer, system + part, None)
+        window, best = (part, enc) if len(enc[0]) <= seq_len else ([], None)
+    if best is not None:
+        rows.append(best)
+    return rows, "split" if rows else "dropped"
 
 
 def encode_sft_with_stats(
-    tokenizer, records: Sequence[dict], messages_field: str = "messages", seq_len: int = 256
+    tokenizer, records: Sequence[dict], messages_field: str = "messages", seq_len: int = 256, truncation: str | None = None
 ) -> tuple[dict[str, torch.LongTensor], int]:
-    """encode_sft, also returning how many records were dropped (no labelled token left)."""
+    """encode_sft, also returning how many records were dropped (no labelled token left, or, with a
+    `truncation` rule, left out by it). truncation=None: every record cut to seq_len as it is (evaluation's
+    held-out records); a TRUNCATION rule: the rows training gets (`training_rows`), what prepare_data writes."""
     pad = tokenizer.pad_token_id
     if pad is None:
         # Any id works: padded positions are masked out of attention and loss.
@@ -155,15 +249,17 @@ def encode_sft_with_stats(
         if not isinstance(rec, dict) or messages_field not in rec:
             raise ValueError(f"record {i}: no field {messages_field!r} (fields: {sorted(rec) if isinstance(rec, dict) else type(rec).__name__}); set data.messages_field to the field holding the chat")
         try:
-            ids, labels = encode_chat(tokenizer, rec[messages_field], seq_len)
+            rows = [encode_chat(tokenizer, rec[messages_field], seq_len)] if truncation is None else training_rows(tokenizer, rec[messages_field], seq_len, truncation)[0]
         except ValueError as e:
             raise ValueError(f"record {i}: {e}") from None
-        if all(x == IGNORE_INDEX for x in labels):
-            dropped += 1  # truncation cut every assistant token: it would only add zero-loss padding
+        rows = [(ids, labels) for ids, labels in rows if any(x != IGNORE_INDEX for x in labels)]
+        if not rows:
+            dropped += 1  # truncation cut every assistant token (or the rule left it out): it would only add zero-loss padding
             continue
-        lengths.append(len(ids))
-        rows_ids.append(ids + [pad] * (seq_len - len(ids)))
-        rows_labels.append(labels + [IGNORE_INDEX] * (seq_len - len(labels)))
+        for ids, labels in rows:
+            lengths.append(len(ids))
+            rows_ids.append(ids + [pad] * (seq_len - len(ids)))
+            rows_labels.append(labels + [IGNORE_INDEX] * (seq_len - len(labels)))
     if dropped:
         log.warning("dropped %d of %d SFT records: no assistant token left within seq_len=%d", dropped, len(records), seq_len)
     if not rows_ids:
@@ -175,12 +271,12 @@ def encode_sft_with_stats(
     return {"input_ids": input_ids, "labels": torch.tensor(rows_labels, dtype=torch.long), "attention_mask": attention_mask}, dropped
 
 
-def encode_sft(tokenizer, records: Sequence[dict], messages_field: str = "messages", seq_len: int = 256) -> dict[str, torch.LongTensor]:
+def encode_sft(tokenizer, records: Sequence[dict], messages_field: str = "messages", seq_len: int = 256, truncation: str | None = None) -> dict[str, torch.LongTensor]:
     """{"input_ids", "labels", "attention_mask"}, each [N, seq_len], right-padded with pad_token_id.
 
     Records whose labels are all -100 after truncation are dropped (the count is logged).
     """
-    return encode_sft_with_stats(tokenizer, records, messages_field=messages_field, seq_len=seq_len)[0]
+    return encode_sft_with_stats(tokenizer, records, messages_field=messages_field, seq_len=seq_len, truncation=truncation)[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ import numpy as np
 
 from tasks.core.data.inputs import InputFile
 from tasks.core.data.records import BadRecord, check_stream, iter_file_records
-from tasks.core.data.samples import IGNORE_INDEX, encode_chat
+from tasks.core.data.samples import IGNORE_INDEX, TRUNCATION, encode_chat, training_rows
 from tasks.core.data.split import canonical_id, canonical_json, unit
 
 SHARD_VERSION = 1
@@ -68,12 +68,15 @@ class ShardSpec:
     on_bad_record: str = "error"  # "error" | "skip"
     max_bad_records: int = 100
     max_record_chars: int = 1 << 24
+    truncation: str = TRUNCATION[0]  # SFT: what a training chat longer than seq_len becomes (samples.training_rows)
 
     def __post_init__(self):
         if self.kind not in ("cpt", "sft"):
             raise ValueError(f"kind={self.kind!r}: use 'cpt' or 'sft'")
         if self.on_bad_record not in ("error", "skip"):
             raise ValueError(f"data.on_bad_record={self.on_bad_record!r}: use 'error' (stop at the first bad record) or 'skip' (count and leave it out)")
+        if self.truncation not in TRUNCATION:
+            raise ValueError(f"truncation={self.truncation!r}: use one of {', '.join(TRUNCATION)}")
 
     def key_fields(self) -> dict[str, Any]:
         """What changes the bytes of a shard (max_bad_records only decides whether to stop)."""
@@ -88,6 +91,7 @@ class ShardSpec:
             "force_heldout": sorted(self.force_heldout),
             "on_bad_record": self.on_bad_record,
             "max_record_chars": self.max_record_chars,
+            "truncation": self.truncation if self.kind == "sft" else None,
         }
 
     def key(self, inp: InputFile) -> str:
@@ -297,6 +301,8 @@ def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: 
     sides = {name: _Side(tmp, name, dtype, spec.kind == "sft") for name in ("train", "heldout")}
     heldout_jsonl = open(tmp / "heldout.jsonl", "w", encoding="utf-8")  # noqa: SIM115 - closed with the sides, below
     counts = {"lines": 0, "records": 0, "skipped": 0, "dropped_in_heldout_set": 0, "dropped_no_labels": 0}
+    # SFT training chats longer than seq_len, by what spec.truncation made of them (`truncation_counts`)
+    over = {"over_seq_len": 0, "dropped": 0, "cut": 0, "split": 0, "split_rows": 0}
     bad: list[str] = []
     min_id = max_id = None
     pending: dict[str, list] = {"train": [], "heldout": []}
@@ -357,7 +363,7 @@ def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: 
                 continue
             if spec.kind == "sft":
                 try:
-                    ids, labels = encode_chat(tok, value, spec.seq_len)
+                    ids, labels = encode_chat(tok, value, None)  # whole: the held-out side and the truncation rule cut it
                 except ValueError as e:
                     reject(BadRecord(inp.uri, line, str(e), parquet))
                     continue
@@ -377,12 +383,21 @@ def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: 
                 pending_chars += len(value)
                 if pending_chars >= _BATCH_CHARS:
                     flush()
+            elif held:  # evaluated as the records are, cut to seq_len
+                sides[side].add([ids[:spec.seq_len]], [[int(y != IGNORE_INDEX) for y in labels[:spec.seq_len]]])
             else:
-                mask = [int(y != IGNORE_INDEX) for y in labels]
-                if side == "train" and not any(mask):
-                    counts["dropped_no_labels"] += 1  # encode_sft's rule: truncation left no assistant token
+                rows, fate = training_rows(tok, value, spec.seq_len, spec.truncation) if len(ids) > spec.seq_len else ([(ids, labels)], "fits")
+                if fate != "fits":
+                    over["over_seq_len"] += 1
+                    over[fate] += 1
+                    over["split_rows"] += len(rows) if fate == "split" else 0
+                masks = [[int(y != IGNORE_INDEX) for y in lab] for _, lab in rows]
+                kept = [(r[0], m) for r, m in zip(rows, masks) if any(m)]
+                if not kept:
+                    if fate != "dropped":
+                        counts["dropped_no_labels"] += 1  # encode_sft's rule: truncation left no assistant token
                     continue
-                sides[side].add([ids], [mask])
+                sides[side].add([r for r, _ in kept], [m for _, m in kept])
         if spec.kind == "cpt":
             flush()
     except BaseException:
@@ -403,6 +418,7 @@ def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: 
         "vocab_size": vocab,
         "max_token_id": max(s.max_id for s in sides.values()),
         **counts,
+        **({"truncation": over} if spec.kind == "sft" else {}),
         "train": sides["train"].stats(),
         "heldout": sides["heldout"].stats(),
         "min_record_id": min_id,

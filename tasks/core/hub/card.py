@@ -18,6 +18,7 @@ from typing import Any
 
 from tasks.core.config.kernels import describe
 from tasks.core.config.schema import RunConfig
+from tasks.core.data.truncation import describe as describe_truncation
 from tasks.core.evaluation.verdict import eval_results_for_card, metrics_table
 from tasks.core.hub.repo import hub_dataset_id, is_hub_id
 from tasks.core.run.manifest import MANIFEST
@@ -182,13 +183,22 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
         names = "<br>".join(f"`{_data_name(i['uri'])}`" for i in inputs)
         sums = "<br>".join(f"`{i.get('checksum', 'n/a')}`" for i in inputs)
         data_rows.append(f"| {stage.upper()} | {names} | {sums} | {_num(split.get('train_records'))} | {_num(split.get('heldout_records'))} | {how} |")
+    longer = []  # records longer than seq_len: the rule and what it made of them (tasks/core/data/truncation.py)
+    for stage in STAGES:
+        tr = (facts.get(stage, {}).get("split") or {}).get("truncation")
+        line = tr and describe_truncation(tr, stage, tr.get("rule"), tr.get("seq_len") or getattr(cfg, stage).seq_len)
+        longer.append(f"- {stage.upper()}: {line or f'no training record longer than seq_len={getattr(cfg, stage).seq_len}'}." if tr else
+                      f"- {stage.upper()}: not recorded.")
+    data_rows += ["", "Records longer than seq_len:", "", *longer]
     for stage in STAGES:  # a weighted mixture: what each source was meant to give and what the steps took
         sources = (facts.get(stage, {}).get("split") or {}).get("sources") or []
         if len(sources) > 1:
             data_rows += ["", f"{stage.upper()} mixture (blended once for the planned steps):", "",
-                          "| source | weight | realized token share | epochs | training tokens available | held-out records |", "|---|---|---|---|---|---|"]
+                          "| source | weight | realized token share | epochs | training tokens available | held-out records | longer than seq_len |",
+                          "|---|---|---|---|---|---|---|"]
             data_rows += [f"| {s['name']} | {s.get('weight', 1):.3f} | {s.get('token_share', 1):.4f} | {_num(s.get('epochs'), '{:.3f}')} | "
-                          f"{_num(s.get('tokens_available'))} | {_num(s.get('heldout_records'))} |" for s in sources]
+                          f"{_num(s.get('tokens_available'))} | {_num(s.get('heldout_records'))} | {_num((s.get('truncation') or {}).get('over_seq_len'))} |"
+                          for s in sources]
         only = (facts.get(stage, {}).get("split") or {}).get("heldout_sources") or []
         if only:  # cpt.eval.heldout_sources: the forgetting check's text, evaluated only
             data_rows += ["", f"{stage.upper()} held-out-only sources (evaluated base vs {stage.upper()}, never trained on):", "",

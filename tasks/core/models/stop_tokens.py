@@ -17,37 +17,14 @@ import json
 import sys
 from typing import Any
 
-from tasks.core.data.samples import render_chat, special_token_ids
+from tasks.core.data.samples import end_of_turn_tokens
+
+__all__ = ["WHY", "align_generation_config", "describe", "end_of_turn_tokens", "eos_ids"]
 
 WHY = (
     "the chat template closes an assistant turn with it (found by rendering a conversation with the template), "
     "and SFT trained the model to emit it at the end of every reply, so generation must stop there"
 )
-_PROBE = [
-    {"role": "user", "content": "ping"},
-    {"role": "assistant", "content": "pong"},
-    {"role": "user", "content": "ping again"},
-    {"role": "assistant", "content": "pong again"},
-]
-
-
-def end_of_turn_tokens(tokenizer) -> list[int]:
-    """Special token ids the template puts after an assistant reply, in order of appearance."""
-    special = special_token_ids(tokenizer)
-    found: list[int] = []
-    for i, m in enumerate(_PROBE):
-        if m["role"] != "assistant":
-            continue
-        prompt = render_chat(tokenizer, _PROBE[:i], add_generation_prompt=True)
-        turn = render_chat(tokenizer, _PROBE[: i + 1], add_generation_prompt=False)
-        if turn[: len(prompt)] != prompt:
-            continue  # not prefix-stable: encode_chat refuses such templates before training
-        # The reply's text has no special tokens, and the header is in the generation prompt:
-        # every special token in between is the template closing the turn (what encode_chat labels).
-        found += [int(t) for t in turn[len(prompt):] if t in special and int(t) not in found]
-    return found
-
-
 def eos_ids(value: Any) -> list[int]:
     if value is None:
         return []

@@ -53,6 +53,7 @@ from tasks.core.preflight.mixture import check_source_epochs
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tasks.core.preflight.storage import check_base_model_links, check_paths, check_run_root, check_staging_space, estimate_local_bytes
+from tasks.core.preflight.tokens import check_sft_lengths, check_special_tokens
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
 HEAD_RECORDS = 64  # records parsed per dataset: enough to catch a wrong format, cheap on any size
@@ -393,6 +394,8 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_sequence_length,
     check_chat_template,
     check_data,
+    check_special_tokens,
+    check_sft_lengths,
     check_source_epochs,
     check_run_root,
     check_paths,

@@ -195,10 +195,10 @@ def data_rel(stage: str) -> str:
 
 
 def _prepare_fields(key: str) -> tuple[str, ...]:
-    # The corpus, how it is split and cut into sequences; the held-out split decides which
+    # The corpus, how it is split and cut into sequences (a chat longer than seq_len: truncation); the held-out split decides which
     # records go where; the held-out-only sources are checked and kept with them. The input files
     # themselves come in as run-time inputs.
-    return (f"{key}.data", f"{key}.eval.heldout_uri", f"{key}.eval.heldout_fraction", f"{key}.eval.heldout_sources", f"{key}.seq_len")
+    return (f"{key}.data", f"{key}.eval.heldout_uri", f"{key}.eval.heldout_fraction", f"{key}.eval.heldout_sources", f"{key}.seq_len", f"{key}.truncation")
 
 
 # The evaluation's own knobs change the metrics, never what a stage trains on.

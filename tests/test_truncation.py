@@ -1,0 +1,123 @@
+"""Chats longer than seq_len: one rule for every batching mode (sft.truncation), counted per source and
+said in index.json, run.json, the stage's log line, the UI's stage table, the model card and pre-flight.
+
+    python -m pytest -q -m "" tests/test_truncation.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tasks.core.data.prepare import prepare
+from tasks.core.data.reader import IGNORE_INDEX, TokenDataset
+from tasks.core.models.demo import DEFAULT_CORPUS, IM_END, build_tokenizer
+from tests.conftest import tiny_config_raw, write_config
+
+SEQ = 96
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    t = build_tokenizer(DEFAULT_CORPUS, vocab_size=512)
+    t.save_pretrained(d)
+    t.dir = d
+    return t
+
+
+def _turns(n: int, words: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        out += [{"role": "user", "content": f"question {i} about the moons?"}, {"role": "assistant", "content": " ".join(["the moon has rings"] * words)}]
+    return out
+
+
+def _corpus(path: Path, tok) -> Path:
+    chats = [
+        [{"role": "system", "content": "be brief"}, *_turns(1, 1)],  # fits
+        [{"role": "system", "content": "be brief"}, *_turns(4, 2)],  # longer than SEQ; each exchange fits
+        _turns(1, 30),  # one reply longer than SEQ by itself
+    ]
+    lengths = [len(tok.apply_chat_template(c, tokenize=True)) for c in chats]
+    assert lengths[0] <= SEQ < lengths[1] and lengths[2] > SEQ, lengths
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    return path
+
+
+def _runs(labels: np.ndarray) -> list[tuple[int, int]]:
+    """(start, end) of every run of labelled positions of one row."""
+    on = np.concatenate([[False], labels != IGNORE_INDEX, [False]])
+    edges = np.flatnonzero(np.diff(on.astype(np.int8)))
+    return list(zip(edges[::2], edges[1::2]))
+
+
+def test_each_rule_is_one_row_set_for_every_batching_and_no_reply_is_trained_cut(tok, tmp_path):
+    corpus = _corpus(tmp_path / "chats.jsonl", tok)
+    eot = tok.convert_tokens_to_ids(IM_END)
+    seen = {}
+    for rule in ("drop", "cut", "split_turns"):
+        r = prepare(str(corpus), tok.dir, tmp_path / rule, kind="sft", field="messages", seq_len=SEQ, truncation_rule=rule)
+        t, src = r.index["totals"]["truncation"], r.index["sources"][0]["truncation"]
+        assert t == src and t["chats"] == 3 and t["over_seq_len"] == 2 and r.index["truncation"] == {"rule": rule, "seq_len": SEQ}
+        ds = TokenDataset(tmp_path / rule)
+        n = ds.num_items
+        # padded/grouped read ds.batch, packed ds.batch_packed, over the same rows: the rule is decided once, in prepare.
+        for batch in (ds.batch(range(n)), ds.batch(range(n), width=SEQ), ds.batch_packed([[i] for i in range(n)], SEQ)):
+            for row_ids, row_labels in zip(batch["input_ids"], batch["labels"]):
+                runs = _runs(row_labels)
+                assert runs, rule
+                # Every trained reply ends with the end of turn: none is trained as if it ended where it was cut.
+                assert all(row_ids[b - 1] == eot for _, b in runs), (rule, row_ids.tolist(), row_labels.tolist())
+        seen[rule] = (n, t)
+    assert seen["drop"] == (1, {"chats": 3, "over_seq_len": 2, "dropped": 2, "cut": 0, "split": 0, "split_rows": 0})
+    # cut: the multi-turn chat keeps its first whole exchanges; the long reply, cut, has no label left and goes.
+    assert seen["cut"][0] == 2 and seen["cut"][1]["cut"] == 2
+    # split_turns: the multi-turn chat becomes rows of whole exchanges; the one exchange longer than SEQ is left out.
+    assert seen["split_turns"][1]["split"] == 1 and seen["split_turns"][1]["dropped"] == 1 and seen["split_turns"][0] == 1 + seen["split_turns"][1]["split_rows"] >= 3
+
+
+def test_preflight_warns_when_sampled_chats_are_longer_than_seq_len(tok, tiny_model_dir, tmp_path):
+    from tasks.core.preflight.checks import Machine, load_for_check, preflight_report
+
+    raw = tiny_config_raw(tiny_model_dir, tmp_path / "run", sft={"seq_len": SEQ})
+    raw["sft"]["data"] = {"uri": str(_corpus(tmp_path / "chats.jsonl", tok))}
+    report = preflight_report(load_for_check(write_config(tmp_path / "c.yaml", raw)), machine=Machine(0, 2, 10**13))
+    assert report.ok, report.text()
+    assert [w for w in report.warnings if w.startswith("sft.data.uri: 2 of the first 3 chats") and "sft.truncation: drop they are left out" in w], report.warnings
+
+
+@pytest.mark.integration
+def test_prepare_sft_says_what_it_dropped_in_index_run_json_log_stage_table_and_card(prefect_harness, tok, tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Through the CLI up to prepare_sft (no training process): the counts everywhere the issue asks."""
+    from flows.cpt_to_sft import main
+    from tasks import ui
+    from tasks.core.config.load import load_config
+    from tasks.core.data.prepared import split_info
+    from tasks.core.hub.card import model_card
+
+    tables = {}
+    monkeypatch.setattr(ui, "create_table_artifact", lambda rows, key, description: tables.update({key: rows}))
+    raw = tiny_config_raw(tiny_model_dir, tmp_path / "run", sft={"seq_len": SEQ})
+    raw["sft"]["data"] = {"uri": str(_corpus(tmp_path / "chats.jsonl", tok))}
+    raw["sft"]["eval"] = {"heldout_fraction": 0.0}  # every chat is a training chat: the counts are exact
+    raw["gate"] = {"enabled": False}
+    path = write_config(tmp_path / "c.yaml", raw)
+    assert main(["--config", str(path), "--stop-after", "prepare_sft"]) == 0
+    said = "2 of 3 training chats longer than seq_len=96: 2 dropped (sft.truncation: drop)"
+    index = json.loads((tmp_path / "run/data/sft/index.json").read_text())
+    assert index["sources"][0]["truncation"]["dropped"] == 2 and index["totals"]["truncation"]["over_seq_len"] == 2
+    stages = {s["stage"]: s for s in json.loads((tmp_path / "run/run.json").read_text())["stages"]}
+    detail = stages["prepare_sft"]["detail"]
+    assert detail["truncation"]["rule"] == "drop" and detail["truncation"]["dropped"] == 2 and detail["note"] == said
+    assert detail["sources"]["main"]["truncation"]["dropped"] == 2
+    out = capsys.readouterr()
+    assert f"prepare_sft: {said}" in out.out + out.err
+    assert [row["note"] for row in tables["cpt-to-sft-stages"] if row["stage"] == "prepare_sft"] == [said]
+    card = model_card(load_config(str(path)), {"meta": {}}, {"sft": {"split": split_info(tmp_path / "run/data/sft", str(tmp_path / "chats.jsonl"))}})
+    assert f"- SFT: {said}." in card
+    cpt = stages["prepare_cpt"]["detail"]["truncation"]
+    assert cpt["rule"] == "split" and cpt["documents"] > 0  # CPT documents longer than a block are split, and counted
