@@ -188,6 +188,9 @@ def check_special_tokens(ctx: CheckContext) -> None:
             eot = end_of_turn(tf)
         except Exception as exc:  # a template this renderer cannot run: prepare_sft renders it with transformers
             ctx.warn(f"sft end of turn not checked: the chat template does not render outside transformers ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+    if tf.template and eot is None and not any("end of turn not checked" in w for w in ctx.report.warnings):
+        ctx.warn("sft end of turn not checked: rendering a reply with the chat template does not extend its generation prompt token for token "
+                 "(prepare_sft refuses such a template when it renders the chats with transformers)")
     if eot == []:
         ctx.problem("base_model.uri", (
             f"the chat template of {where} closes an assistant turn with no special token (rendered: user 'ping', assistant 'pong'), so SFT "
