@@ -143,6 +143,7 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
         sources, tok_dir, cache, kind=stage, blend_plan=plan_steps, heldout_sources=only, field=d.text_field if stage == "cpt" else d.messages_field, seq_len=st_cfg.seq_len,
         heldout_fraction=0.0 if st_cfg.eval.heldout_uri else st_cfg.eval.heldout_fraction, heldout_uri=resolve_local(st_cfg.eval.heldout_uri) if st_cfg.eval.heldout_uri else None,
         on_bad_record=d.on_bad_record, max_bad_records=d.max_bad_records, max_record_chars=d.max_record_chars, truncation_rule=st_cfg.truncation,
+        formats=d.folder_formats,
     )
     # A mixture's blend is made for the planned steps: they are inputs of this digest, and only then.
     inputs = {"spec": p.spec.key_fields(), "files": [f.to_json() for f in p.inputs]}
@@ -158,6 +159,9 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     shards.mkdir(parents=True, exist_ok=True)
     for stale in shards.glob(".tmp-*"):  # a worker killed mid-file; its summary never landed
         shutil.rmtree(stale, ignore_errors=True)
+    if p.not_data:  # pre-flight named them too: never read, and said once more where the stage's log is kept
+        logger.info("%s: skipped %d file(s) that are not data (%s.data.formats: %s): %s", name, len(p.not_data), stage, ", ".join(d.formats),
+                    ", ".join(p.not_data[:10]) + (f" and {len(p.not_data) - 10} more" if len(p.not_data) > 10 else ""))
     for damaged in p.dropped:
         logger.warning("%s: %s", name, damaged)
     logger.info("%s: %d input files (%.1f MB), %d to tokenize, %d reused from %s", name, len(p.inputs), sum(f.size for f in p.inputs) / 1e6, len(p.todo), len(p.inputs) - len(p.todo), cache)

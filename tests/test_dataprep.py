@@ -201,7 +201,7 @@ def test_inputs_list_glob_and_refusals(tmp_path):
     with pytest.raises(InputError, match=r"the glob .*\*\.parquet' matches no file"):
         resolve_inputs(str(tmp_path / "*.parquet"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(InputError, match="holds no .jsonl, .txt, .parquet file"):
+    with pytest.raises(InputError, match="holds no .jsonl, .parquet file"):
         resolve_inputs(str(tmp_path / "empty"))
     with pytest.raises(InputError, match="does not exist"):
         resolve_inputs(str(tmp_path / "nope.jsonl"))

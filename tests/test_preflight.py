@@ -192,7 +192,7 @@ BAD = [
     ("cpt-missing-text-field", _data("cpt", [{"body": "text"}]), "cpt.data.text_field", "no string field 'text'"),
     ("empty-dataset", _data("cpt", []), "cpt.data.uri", "holds no records"),
     ("glob-matching-nothing", _set("cpt.data.uri", "/nonexistent/corpus/part-*.jsonl"), "cpt.data.uri", "matches no file"),
-    ("directory-without-corpus-files", lambda c: ((c.tmp / "empty-corpus").mkdir(), _set("sft.data.uri", str(c.tmp / "empty-corpus"))(c)), "sft.data.uri", "holds no .jsonl, .txt, .parquet file"),
+    ("directory-without-corpus-files", lambda c: ((c.tmp / "empty-corpus").mkdir(), _set("sft.data.uri", str(c.tmp / "empty-corpus"))(c)), "sft.data.uri", "holds no .jsonl, .parquet file"),
     ("unreachable-run-root", _set("run_root", "nosuchproto://bucket/run"), "run_root", "not reachable"),
     ("unwritable-run-root-below-a-file", _under_a_file, "run_root", "not writable"),
     ("staging-space-too-small", _machine(free_bytes=1000), "run_root", "1.0 KB free, the run needs about"),

@@ -163,16 +163,23 @@ class DataSource(Frozen):
 
 class DataConfig(Frozen):
     uri: str | list[str] | None = Field(default=None, description=(
-        "The corpus: one file, a glob, a directory (every .jsonl/.txt/.parquet below it, optionally .gz/.bz2/.xz/.zst), "
+        "The corpus: one file, a glob, a directory (every file of data.formats below it, default .jsonl/.parquet, optionally .gz/.bz2/.xz/.zst), "
         "or a list of those (concatenated: one source); any fsspec URI (local, NFS, s3://). Read once by prepare_data into token "
         "shards under data/cpt/ or data/sft/. The one-source shorthand of sources (a source named 'main'); give one of the two."))
     sources: list[DataSource] | None = Field(default=None, description=(
         "A weighted mixture: [{name, uri, weight}], e.g. 70 % domain text and 30 % general replay. prepare_data decides once, from "
         "the seed and the weights, which source and which sample feed every position of the planned steps (max_steps x the global "
         "batch), like Megatron-LM's BlendedDataset; CPT blocks never straddle two sources."))
+    strict_weights: bool = Field(default=False, description=(
+        "data.sources weights that do not sum to 1 are normalized, and pre-flight says so with the shares used; true: refused "
+        "instead, so a typo in a weight cannot change the mixture. A check only: not part of any digest."))
     max_source_epochs: float = Field(default=10.0, gt=0, description=(
         "Warn (pre-flight, estimated; prepare_data, exact) when the planned steps would repeat a source more than this many times. "
         "A warning only: not part of any digest."))
+    formats: tuple[Literal["jsonl", "parquet", "txt"], ...] = Field(default=("jsonl", "parquet"), min_length=1, description=(
+        "What a directory named in uri/sources is read for (each optionally .gz/.bz2/.xz/.zst); every other file in it is not data, "
+        "named once by pre-flight. Plain text (txt, one record a line) is read from a directory only when listed here, since any notes "
+        "file is a .txt; a file or glob named directly is read whatever its format."))
     text_field: str = Field(default="text", description="CPT: the record field holding raw text (jsonl/parquet).")
     messages_field: str = Field(default="messages", description="SFT: the record field holding the chat messages.")
     on_bad_record: Literal["error", "skip"] = Field(default="error", description=(
@@ -210,6 +217,11 @@ class DataConfig(Frozen):
     def uris(self) -> list[str]:
         """Every source's uris, in source order."""
         return [u for s in self.source_list for u in s.uris]
+
+    @property
+    def folder_formats(self) -> tuple[str, ...]:
+        """data.formats as file suffixes (what `tasks.core.data.inputs.resolve_inputs` takes)."""
+        return tuple(f".{f}" for f in self.formats)
 
 
 class HeldoutSource(Frozen):

@@ -2,9 +2,12 @@
 
     python -m tasks.core.data.inputs 'data/sample/*.jsonl'
 
-`data.uri` is one file, a glob, a directory (every .jsonl/.txt/.parquet below it, optionally
-compressed; names starting with "." or "_" are skipped like Hadoop/Spark markers), or a list of
-those, on any fsspec URI. Within a glob or directory the files are sorted by path; a list keeps
+`data.uri` is one file, a glob, a directory, or a list of those, on any fsspec URI. A directory is
+read by one explicit rule: every file below it of the formats `data.formats` names (default
+.jsonl and .parquet, optionally compressed: `records.FOLDER_FORMATS`; plain .txt only when listed
+there), names starting with "." or "_" never (Hadoop/Spark markers, .DS_Store). Everything else in
+it is not data: `resolve_inputs(..., skipped=[])` names it, and pre-flight says it in one line. A
+file or a glob the user wrote is read whatever its (known) format. Within a glob or directory the files are sorted by path; a list keeps
 the order it was given in, so the user decides which corpus comes first.
 
 The checksum is what makes the skip rule exact: a shard is reused only when its input's checksum
@@ -24,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import fsspec
 
-from tasks.core.data.records import COMPRESSIONS, FORMATS, format_of
+from tasks.core.data.records import COMPRESSIONS, FOLDER_FORMATS, FORMATS, format_of
 
 _GLOB_CHARS = "*?["
 _CHUNK = 1 << 20
@@ -45,15 +48,14 @@ class InputError(ValueError):
     """data.uri names no usable file; the message says which entry and how to fix it."""
 
 
-def _supported(name: str) -> bool:
+def _supported(name: str, formats: Sequence[str] = FORMATS) -> bool:
     base = name.rsplit("/", 1)[-1]
     if base.startswith((".", "_")):
         return False
     try:
-        format_of(base)
+        return format_of(base) in formats
     except ValueError:
         return False
-    return True
 
 
 def _display(fs, path: str) -> str:
@@ -73,7 +75,7 @@ def _checksum(fs, path: str, info: dict) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def _expand(entry: str, label: str = "data.uri") -> tuple[object, list[str]]:
+def _expand(entry: str, label: str = "data.uri", formats: Sequence[str] = FOLDER_FORMATS, skipped: list[str] | None = None) -> tuple[object, list[str]]:
     fs, path = fsspec.core.url_to_fs(entry)
     # fsspec reuses filesystem instances and s3fs caches listings in them: a file added or
     # rewritten since the last call in this process must not be missed (or keep its old ETag).
@@ -87,9 +89,16 @@ def _expand(entry: str, label: str = "data.uri") -> tuple[object, list[str]]:
             raise InputError(f"{label}: the glob {entry!r} matches {_display(fs, bad[0])!r}, which is not {', '.join(FORMATS)} (optionally {', '.join(COMPRESSIONS)}); narrow the pattern")
         return fs, found
     if fs.isdir(path):
-        found = sorted(p for p in fs.find(path) if _supported(p))
+        every = sorted(fs.find(path))
+        found = [p for p in every if _supported(p, formats)]
+        others = [p[len(path.rstrip("/")) + 1:] for p in every if p not in found]
+        if skipped is not None:
+            skipped += others
         if not found:
-            raise InputError(f"{label}: the directory {entry!r} holds no {', '.join(FORMATS)} file (optionally {', '.join(COMPRESSIONS)}); point {label} at the corpus files")
+            txt = [o for o in others if _supported(o, (".txt",))]
+            field = f"{label.split('.', 1)[0]}.data.formats" if label.startswith(("cpt.", "sft.")) else "data.formats"
+            hint = f"; its {len(txt)} .txt file(s) are read from a folder only when {field} lists txt (or name them: a glob such as '<dir>/*.txt')" if txt else ""
+            raise InputError(f"{label}: the directory {entry!r} holds no {', '.join(formats)} file (optionally {', '.join(COMPRESSIONS)}){hint}; point {label} at the corpus files")
         return fs, found
     if not fs.exists(path):
         raise InputError(f"{label}: {entry} does not exist (no such file or directory); fix the path or URI")
@@ -103,19 +112,22 @@ def _readable(fs, path: str, info: dict) -> str:
     return ""
 
 
-def resolve_inputs(uri: str | Sequence[str], checksums: bool = True, label: str = "data.uri") -> list[InputFile]:
+def resolve_inputs(uri: str | Sequence[str], checksums: bool = True, label: str = "data.uri", formats: Sequence[str] = FOLDER_FORMATS,
+                   skipped: list[str] | None = None) -> list[InputFile]:
     """The input files of `data.uri`, each with size and checksum, in a deterministic order.
 
     checksums=False (pre-flight): every file is still opened, so an unreadable one is refused, but
     not hashed; the checksum is then empty. `label`: the config field every message names (one
-    source of a mixture: `data.sources[1] (general).uri`)."""
+    source of a mixture: `data.sources[1] (general).uri`). `formats`: what a directory is read for
+    (data.formats); `skipped`: when given, every file of a directory that is not read is appended
+    (its path below the directory)."""
     entries = [uri] if isinstance(uri, str) else list(uri)
     if not entries:
         raise InputError(f"{label} is an empty list: name at least one file, glob or directory")
     out: list[InputFile] = []
     seen: dict[str, str] = {}
     for entry in entries:
-        fs, paths = _expand(str(entry), label)
+        fs, paths = _expand(str(entry), label, formats, skipped)
         for p in paths:
             shown = _display(fs, p)
             if shown in seen:

@@ -40,7 +40,7 @@ from tasks.core.data import heldout_only, truncation
 from tasks.core.data.blend import BLEND_FILE, BlendPlan, Source, blend
 from tasks.core.data.index import INDEX, PrepareError, special_tokens, tokenizer_fingerprint
 from tasks.core.data.inputs import InputError, InputFile, resolve_inputs
-from tasks.core.data.records import BadRecord, iter_file_records
+from tasks.core.data.records import FOLDER_FORMATS, BadRecord, iter_file_records
 from tasks.core.data.shard import ShardSpec, freeze_encoder, load_tokenizer, read_summary, shard_dir, tokenize_file, verified_summary
 from tasks.core.data.split import record_id
 
@@ -63,6 +63,7 @@ class Plan:
     blend: BlendPlan | None = None  # the planned steps a mixture is blended for
     heldout_only: list[Source] = field(default_factory=list)  # eval.heldout_sources: evaluated, never trained on
     heldout_only_inputs: list[list[InputFile]] = field(default_factory=list)
+    not_data: list[str] = field(default_factory=list)  # files of a source's directory that are not data.formats (never read)
 
 
 @dataclass
@@ -93,15 +94,15 @@ def as_sources(uri: str | Sequence[str] | Sequence[Source]) -> list[Source]:
     return [Source(MAIN_SOURCE, uri)]
 
 
-def resolve_sources(sources: list[Source]) -> tuple[list[InputFile], list[tuple[int, int]]]:
+def resolve_sources(sources: list[Source], formats: Sequence[str] = FOLDER_FORMATS, skipped: list[str] | None = None) -> tuple[list[InputFile], list[tuple[int, int]]]:
     """Every source's files, in source order, and each source's range of them. A file may feed one
-    source only; every message names the source's field."""
+    source only; every message names the source's field. `formats`, `skipped`: resolve_inputs's."""
     inputs: list[InputFile] = []
     ranges: list[tuple[int, int]] = []
     owner: dict[str, str] = {}
     for i, src in enumerate(sources):
         label = "data.uri" if len(sources) == 1 and src.name == MAIN_SOURCE else f"data.sources[{i}] ({src.name}).uri"
-        files = resolve_inputs(src.uri, label=label)
+        files = resolve_inputs(src.uri, label=label, formats=formats, skipped=skipped)
         for f in files:
             if f.uri in owner:
                 raise InputError(f"{label}: {f.uri!r} is also a file of source {owner[f.uri]!r}; a file may feed one source only")
@@ -115,7 +116,7 @@ def plan(
     uri: str | Sequence[str] | Sequence[Source], tokenizer_dir: str | Path, out_dir: str | Path, *, kind: str, field: str, seq_len: int,
     heldout_fraction: float = 0.0, heldout_uri: str | Sequence[str] | None = None, on_bad_record: str = "error",
     max_bad_records: int = 100, max_record_chars: int = 1 << 24, blend_plan: BlendPlan | None = None, heldout_sources: Sequence[Source] = (),
-    truncation_rule: str = "drop",
+    truncation_rule: str = "drop", formats: Sequence[str] = FOLDER_FORMATS,
 ) -> Plan:
     """`uri`: data.uri's value, or the sources of a mixture; `blend_plan`: the steps a mixture is blended for;
     `heldout_sources`: held-out-only sources (tasks/core/data/heldout_only.py), CPT only."""
@@ -125,7 +126,8 @@ def plan(
         raise PrepareError(f"{len(sources)} sources ({', '.join(s.name for s in sources)}) need a BlendPlan: the steps their blend is made for")
     if heldout_sources and kind != "cpt":
         raise PrepareError("eval.heldout_sources: held-out-only sources are evaluated by perplexity, a CPT stage's; remove them from the SFT stage")
-    inputs, ranges = resolve_sources(sources)
+    skipped: list[str] = []
+    inputs, ranges = resolve_sources(sources, formats, skipped)
     owner = {inputs[j].uri: s.name for s, (a, b) in zip(sources, ranges) for j in range(a, b)}
     only_inputs = heldout_only.resolve(heldout_sources, owner)
     if heldout_fraction and heldout_uri:
@@ -148,7 +150,7 @@ def plan(
     if todo and kind == "cpt":
         freeze_encoder(str(tokenizer_dir), out, spec.tokenizer_sha256)  # workers then need no transformers
     return Plan(out, str(tokenizer_dir), spec, inputs, keys, todo, held_inputs, dropped, sources, ranges, blend_plan if len(sources) > 1 else None,
-                list(heldout_sources), only_inputs)
+                list(heldout_sources), only_inputs, skipped)
 
 
 def _init_worker() -> None:

@@ -35,6 +35,10 @@ from tasks.core.storage.fs import open_uri
 
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 FORMATS = (".jsonl", ".txt", ".parquet")
+# What a directory is read for unless `data.formats` says otherwise: records that say what they are.
+# Plain text is read from a folder only when the user names it (data.formats, a glob or the file):
+# any notes file is a .txt, and one read as training text would be trained on without a word.
+FOLDER_FORMATS = (".jsonl", ".parquet")
 _PARQUET_BATCH = 1024
 _COMPRESSED_CHUNK = 1 << 16  # compressed bytes read at a time (a gzip chunk inflates to at most ~64 MB)
 

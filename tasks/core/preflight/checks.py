@@ -49,7 +49,7 @@ from tasks.core.hub.repo import HubToken
 from tasks.core.preflight.eval_memory import check_eval_memory
 from tasks.core.preflight.kernels import check_kernels
 from tasks.core.preflight.memory import check_memory
-from tasks.core.preflight.mixture import check_source_epochs
+from tasks.core.preflight.mixture import check_mixture_weights, check_source_epochs, warn_not_data
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tasks.core.preflight.storage import check_base_model_links, check_paths, check_run_root, check_staging_space, estimate_local_bytes
@@ -280,10 +280,11 @@ def check_data(ctx: CheckContext) -> None:
         # Every file is listed (a glob matching nothing, an empty directory, an unreadable file is
         # refused here); only the first file's head is read: prepare_data reads every record.
         try:
-            inputs = resolve_inputs([resolve_local(u) for u in raw_uris], checksums=False, label=where)
+            inputs = resolve_inputs([resolve_local(u) for u in raw_uris], checksums=False, label=where, formats=d.folder_formats, skipped=(not_data := []))
         except (InputError, ValueError, OSError) as exc:  # InputError: no file, an empty glob/dir; ValueError: an unknown format
             ctx.problem(where, str(exc).removeprefix(f"{where}: "))
             continue
+        warn_not_data(ctx, where, not_data, f"{name}.data.formats", d.formats)  # a directory's files that are not data: said once
         # The head sampled is the first file's that holds a record: an empty file among good ones
         # is warned about and counted, as prepare_data does, not refused.
         empty, records, uri, failed = [i.uri for i in inputs if i.size == 0], [], inputs[0].uri, False
@@ -396,6 +397,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_data,
     check_special_tokens,
     check_sft_lengths,
+    check_mixture_weights,
     check_source_epochs,
     check_run_root,
     check_paths,

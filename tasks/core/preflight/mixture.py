@@ -1,4 +1,6 @@
-"""Pre-flight's estimate of how often the planned steps repeat each source of a stage.
+"""Pre-flight on a stage's sources: how often the planned steps repeat each one, weights that do not
+sum to 1 (normalized and said, or refused under data.strict_weights), and the files of a source's
+directory that are not data (named in one line, never read).
 
     python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
 
@@ -36,12 +38,12 @@ def _encoder(ctx: CheckContext):
     return Tokenizer.from_file(str(Path(ctx.model.where) / "tokenizer.json"))
 
 
-def _samples(uris: list[str], stage: str, text_field: str, seq_len: int, encoder) -> tuple[float, int] | None:
+def _samples(uris: list[str], stage: str, text_field: str, seq_len: int, encoder, formats: tuple[str, ...]) -> tuple[float, int] | None:
     """(estimated samples, bytes) of one source, or None when it cannot be estimated."""
     from tasks.core.data.inputs import resolve_inputs
 
     try:
-        inputs = resolve_inputs([resolve_local(u) for u in uris], checksums=False)
+        inputs = resolve_inputs([resolve_local(u) for u in uris], checksums=False, formats=formats)
     except (ValueError, OSError):
         return None  # check_data reports it
     if not inputs or any(f.fmt not in _SCALABLE or f.uri.endswith((".gz", ".bz2", ".xz", ".zst")) for f in inputs):
@@ -80,7 +82,7 @@ def check_source_epochs(ctx: CheckContext) -> None:
         shown = []
         for i, (src, w) in enumerate(zip(d.source_list, normalized([s.weight for s in d.source_list]))):
             where = f"{stage}.data.uri" if d.sources is None else f"{stage}.data.sources[{i}] ({src.name})"
-            est = _samples(src.uris, stage, d.text_field, st.seq_len, encoder if stage == "cpt" else None)
+            est = _samples(src.uris, stage, d.text_field, st.seq_len, encoder if stage == "cpt" else None, d.folder_formats)
             if est is None or est[0] <= 0:
                 continue
             epochs = planned * float(w) / est[0]
@@ -91,3 +93,33 @@ def check_source_epochs(ctx: CheckContext) -> None:
                          f"more than {stage}.data.max_source_epochs={d.max_source_epochs:g}: give it more data, a lower weight, or fewer steps")
         if shown:
             ctx.ok(f"{stage} epochs per source over {st.max_steps} steps (estimated): {', '.join(shown)}")
+
+
+def check_mixture_weights(ctx: CheckContext) -> None:
+    """Weights that do not sum to 1 are normalized, and said with the shares used; refused under data.strict_weights."""
+    for stage in ("cpt", "sft"):
+        d = getattr(ctx.cfg, stage).data
+        if d.sources is None:
+            continue
+        weights = [s.weight for s in d.sources]
+        total = sum(weights)
+        if abs(total - 1.0) <= 1e-9:
+            ctx.ok(f"{stage} mixture weights {', '.join(f'{w:g}' for w in weights)} sum to 1")
+            continue
+        shares = ", ".join(f"{float(w):.3f}" for w in normalized(weights))
+        said = f"weights {', '.join(f'{w:g}' for w in weights)} ({', '.join(s.name for s in d.sources)}) sum to {total:g}"
+        if d.strict_weights:
+            ctx.problem(f"{stage}.data.sources", f"{said}, and {stage}.data.strict_weights is true: make them sum to 1 (normalized they would be {shares}), "
+                        f"or set {stage}.data.strict_weights: false to have them normalized")
+        else:
+            ctx.warn(f"{stage}.data.sources: {said}: normalized to {shares} (set {stage}.data.strict_weights: true to refuse weights that do not sum to 1)")
+
+
+def warn_not_data(ctx: CheckContext, where: str, names: list[str], field: str, formats: tuple[str, ...]) -> None:
+    """The one pre-flight line naming a directory's files that are not data: 'skipped 3 files that are not data: ...'."""
+    if not names:
+        return
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    txt = [n for n in names if n.lower().removesuffix(".gz").removesuffix(".bz2").removesuffix(".xz").removesuffix(".zst").endswith(".txt")]
+    hint = f" ({len(txt)} .txt: plain text is read from a folder only when {field} lists txt)" if txt and "txt" not in formats else ""
+    ctx.warn(f"{where}: skipped {len(names)} file{'s' if len(names) != 1 else ''} that {'are' if len(names) != 1 else 'is'} not data ({field}: {', '.join(formats)}): {shown}{hint}")

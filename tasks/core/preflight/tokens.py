@@ -221,7 +221,7 @@ def check_sft_lengths(ctx: CheckContext) -> None:
     for i, src in enumerate(st.data.source_list):
         where = "sft.data.uri" if st.data.sources is None else f"sft.data.sources[{i}] ({src.name}).uri"
         try:
-            first = next(f for f in resolve_inputs([resolve_local(u) for u in src.uris], checksums=False, label=where) if f.size)
+            first = next(f for f in resolve_inputs([resolve_local(u) for u in src.uris], checksums=False, label=where, formats=st.data.folder_formats) if f.size)
             chats = [rec.get(st.data.messages_field) for _, rec in head_records(first.uri, SAMPLE)]
             lengths = []
             for m in chats:

@@ -159,6 +159,8 @@ NEVER_DIGESTED: tuple[str, ...] = (
     *(f"{key}.launch.gpu_memory_gb" for key in TRAINING),
     # the threshold of a warning (pre-flight, prepare_data) about how often a mixture repeats a source
     *(f"{key}.data.max_source_epochs" for key in TRAINING),
+    # whether weights that do not sum to 1 are refused (pre-flight) or normalized, as they always are: the same blend
+    *(f"{key}.data.strict_weights" for key in TRAINING),
     # how much of a model the flow process's logits checks may hold at once: streamed or whole, the same logits
     "verify_memory_gb",
     "tracking",
