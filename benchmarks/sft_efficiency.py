@@ -42,7 +42,7 @@ WORDS = ("the", "model", "data", "train", "token", "batch", "sample", "loss", "l
 
 def make_chats(n: int, seq_len: int, seed: int, median_tokens: float, tokens_per_word: float) -> list[dict]:
     """n chats whose rendered lengths are log-normal around median_tokens, a tail past seq_len
-    (truncated there by prepare, as a real corpus's longest chats are)."""
+    (left out by prepare under sft.truncation's default, drop, as a real corpus's longest chats are)."""
     rng = np.random.RandomState(seed)
     sizes = np.clip(rng.lognormal(math.log(median_tokens / tokens_per_word), 0.7, size=n), 8, 1.5 * seq_len / tokens_per_word).astype(int)
     chats = []

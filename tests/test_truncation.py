@@ -87,7 +87,8 @@ def test_preflight_warns_when_sampled_chats_are_longer_than_seq_len(tok, tiny_mo
     raw["sft"]["data"] = {"uri": str(_corpus(tmp_path / "chats.jsonl", tok))}
     report = preflight_report(load_for_check(write_config(tmp_path / "c.yaml", raw)), machine=Machine(0, 2, 10**13))
     assert report.ok, report.text()
-    assert [w for w in report.warnings if w.startswith("sft.data.uri: 2 of the first 3 chats") and "sft.truncation: drop they are left out" in w], report.warnings
+    said = "with sft.truncation: drop they are left out of training. Raise sft.seq_len, or choose sft.truncation: cut or split_turns;"
+    assert [w for w in report.warnings if w.startswith("sft.data.uri: 2 of the first 3 chats") and said in w], report.warnings
 
 
 @pytest.mark.integration

@@ -62,6 +62,7 @@ class TokenizerFiles:
     template: str | None
     backend: Any  # tokenizers.Tokenizer
     special: set[int] = field(default_factory=set)
+    _compiled: Any = None
 
     def id_of(self, name: str) -> int | None:
         text = self.names.get(name)
@@ -74,6 +75,13 @@ class TokenizerFiles:
         return "none" if i is None else f"{self.token(i)!r} (id {i})"
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        if self._compiled is None:
+            self._compiled = self._compile()
+        text = self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **{k: v for k, v in self.names.items() if v is not None})
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def _compile(self) -> Any:
+        """The template compiled once (a compile costs ~7 ms, a render ~0.1 ms)."""
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -86,9 +94,7 @@ class TokenizerFiles:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
-        text = env.from_string(self.template or "").render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                          **{k: v for k, v in self.names.items() if v is not None})
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return env.from_string(self.template or "")
 
 
 def _template(root: Path, config: dict[str, Any]) -> str | None:
@@ -216,8 +222,9 @@ def check_sft_lengths(ctx: CheckContext) -> None:
     from tasks.core.data.inputs import resolve_inputs
     from tasks.core.data.samples import validate_messages
 
-    fate = {"drop": "left out of training", "cut": "cut to their first tokens, the reply the cut goes through unlabelled",
-            "split_turns": "split into rows of whole exchanges (an exchange longer than seq_len left out)"}[st.truncation]
+    fates = {"drop": "left out of training", "cut": "cut to their first tokens, the reply the cut goes through unlabelled",
+             "split_turns": "split into rows of whole exchanges (an exchange longer than seq_len left out)"}
+    fate, others = fates[st.truncation], " or ".join(r for r in fates if r != st.truncation)
     for i, src in enumerate(st.data.source_list):
         where = "sft.data.uri" if st.data.sources is None else f"sft.data.sources[{i}] ({src.name}).uri"
         try:
@@ -233,6 +240,6 @@ def check_sft_lengths(ctx: CheckContext) -> None:
         if over:
             ctx.warn(f"{where}: {over} of the first {len(lengths)} chats of {first.uri} ({100 * over / len(lengths):.0f} %) are longer than "
                      f"sft.seq_len={st.seq_len} tokens (the longest {max(lengths)}); with sft.truncation: {st.truncation} they are {fate}. "
-                     f"Raise sft.seq_len, or choose sft.truncation: {' or '.join(r for r in fate if r != st.truncation)}; prepare_sft counts them exactly")
+                     f"Raise sft.seq_len, or choose sft.truncation: {others}; prepare_sft counts them exactly")
         elif lengths:
             ctx.ok(f"sft chats: the first {len(lengths)} of {first.uri} fit sft.seq_len={st.seq_len} (the longest {max(lengths)} tokens)")
