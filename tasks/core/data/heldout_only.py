@@ -25,7 +25,7 @@ from typing import Any
 from tasks.core.data.blend import Source
 from tasks.core.data.index import PrepareError
 from tasks.core.data.inputs import InputError, InputFile, resolve_inputs
-from tasks.core.data.records import BadRecord, iter_file_records
+from tasks.core.data.records import FOLDER_FORMATS, BadRecord, iter_file_records
 
 HELDOUT_ONLY_DIR = "heldout-sources"  # data/<stage>/heldout-sources/<name>.jsonl
 
@@ -35,11 +35,12 @@ def label(i: int, name: str) -> str:
     return f"eval.heldout_sources[{i}] ({name}).uri"
 
 
-def resolve(sources: Sequence[Source], owner_of: dict[str, str]) -> list[list[InputFile]]:
-    """Each held-out-only source's files; a file that a trained source (`owner_of`: uri -> name) also reads is refused."""
+def resolve(sources: Sequence[Source], owner_of: dict[str, str], formats: Sequence[str] = FOLDER_FORMATS) -> list[list[InputFile]]:
+    """Each held-out-only source's files (a directory: the stage's data.formats); a file that a trained source
+    (`owner_of`: uri -> name) also reads is refused."""
     out = []
     for i, src in enumerate(sources):
-        files = resolve_inputs(src.uri, label=label(i, src.name))
+        files = resolve_inputs(src.uri, label=label(i, src.name), formats=formats)
         for f in files:
             if f.uri in owner_of:
                 raise InputError(f"{label(i, src.name)}: {f.uri!r} is also a file of trained source {owner_of[f.uri]!r}; "

@@ -129,7 +129,7 @@ def plan(
     skipped: list[str] = []
     inputs, ranges = resolve_sources(sources, formats, skipped)
     owner = {inputs[j].uri: s.name for s, (a, b) in zip(sources, ranges) for j in range(a, b)}
-    only_inputs = heldout_only.resolve(heldout_sources, owner)
+    only_inputs = heldout_only.resolve(heldout_sources, owner, formats)
     if heldout_fraction and heldout_uri:
         raise PrepareError("give eval.heldout_uri or eval.heldout_fraction, not both (set heldout_fraction: 0 when heldout_uri is set)")
     held_inputs = resolve_inputs(heldout_uri) if heldout_uri else []
