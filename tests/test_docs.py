@@ -262,8 +262,10 @@ def shown_commands() -> tuple[list[list[str]], list[tuple[str, list[str]]]]:
 def test_shell_commands_parse():
     """Each command of a shell block goes through its real argument parser (in a process of its
     own: tests/_doc_commands.py), which stops there."""
-    full, _ = shown_commands()
+    full, inline = shown_commands()
     assert len(full) > 20
+    # a subcommand quoted in prose exists: its --help parses
+    full += list({json.dumps(c): c for c in ([argv[0], argv[1], "--help"] for _, argv in inline if argv[0] == "cpt-to-sft" and len(argv) > 1)}.values())
     unknown = [c for c in full if c[0] not in PROGRAMS]
     assert not unknown, f"commands the docs test cannot check: {unknown}"
     done = subprocess.run([sys.executable, "-m", "tests._doc_commands"], input=json.dumps(full), cwd=REPO,
@@ -274,14 +276,12 @@ def test_shell_commands_parse():
 
 
 def test_inline_commands_name_what_exists():
-    """A command quoted in prose names a module, file, Makefile target or subcommand that exists."""
+    """A command quoted in prose names a module, file or Makefile target that exists (its
+    `cpt-to-sft` subcommands are parsed by test_shell_commands_parse)."""
     import importlib.util
 
-    from flows.cli import DELEGATED, build_parser
-
-    subcommands = set(next(a for a in build_parser()._actions if a.dest == "cmd").choices) | set(DELEGATED)
     targets = set(re.findall(r"^([A-Za-z][\w-]*):", (REPO / "Makefile").read_text(), re.MULTILINE))
-    _, inline = shown_commands()
+
     def exists(argv: list[str]) -> bool:
         prog, args = argv[0], argv[1:]
         if prog == "python" and args[:1] == ["-m"]:
@@ -290,7 +290,25 @@ def test_inline_commands_name_what_exists():
             return (REPO / args[0]).exists()
         if prog == "make":
             return {a for a in args if not a.startswith("-")} <= targets
-        return prog != "cpt-to-sft" or not args or args[0].startswith("-") or args[0] in subcommands
+        return True
 
+    _, inline = shown_commands()
     problems = [(where, argv) for where, argv in inline if not exists(argv)]
     assert not problems, problems
+
+
+def test_commands_page_shows_every_subcommand():
+    """docs/commands.md shows each subcommand `cpt-to-sft --help` lists, and `run --help` names the
+    config file, the overrides form and --stop-after."""
+    import argparse
+
+    from flows.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    shown = {c[1] for c in shown_commands()[0] if c[0] == "cpt-to-sft" and len(c) > 1}
+    missing = sorted(set(sub.choices) - shown)
+    assert not missing, f"docs/commands.md: show an example of cpt-to-sft {missing}"
+    run_help = sub.choices["run"].format_help()
+    for option in ("--config", "--set", "--stop-after"):
+        assert option in run_help
