@@ -107,12 +107,30 @@ def sections(model: type[BaseModel] = RunConfig, path: str = "") -> Iterator[tup
             yield from sections(sub, child + ("[]" if is_list else ""))
 
 
+def _registry_types() -> dict[tuple[str, str], str]:
+    """Fields whose values are a registry's keys: their type is that list, linked to its table below."""
+    from tasks.core.config.kernels import names as kernel_names
+
+    def one_of(keys, anchor: str) -> str:
+        return "one of: " + ", ".join(keys) + f" ([table](#{anchor}))"
+
+    return {
+        ("PluginConfig", "name"): one_of(PLUGINS, "plugins"),
+        ("PluginConfig", "precision"): one_of(PRECISION_SPECS, "precisions"),
+        ("LaunchConfig", "backend"): one_of(BACKENDS, "launch-backends"),
+        ("StageConfig", "batching"): one_of(BATCHING, "batching-modes"),
+        ("StageConfig", "kernels"): "mapping of " + ", ".join(kernel_names()) + " to bool ([table](#kernels))",
+    }
+
+
 def _fields_table(path: str, model: type[BaseModel]) -> list[str]:
     lines = ["| field | type | default | constraints | description |", "|---|---|---|---|---|"]
+    registry_types = _registry_types()
     for name, info in model.model_fields.items():
         key = f"{path}.{name}" if path else name
         desc = info.description or ""
-        lines.append(f"| `{key}` | {_cell(_type_name(info.annotation))} | {_cell(_default(info))} | {_cell(_constraints(info))} | {_cell(desc)} |")
+        type_ = registry_types.get((model.__name__, name)) or _type_name(info.annotation)
+        lines.append(f"| `{key}` | {_cell(type_)} | {_cell(_default(info))} | {_cell(_constraints(info))} | {_cell(desc)} |")
     return lines
 
 
