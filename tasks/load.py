@@ -29,6 +29,7 @@ from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
 from tasks.core.models.folder import misnamed
 from tasks.core.run.manifest import sha256_file
 from tasks.core.storage.fs import fetch_tree, filesystem, is_local
+from tasks.core.storage.oserrors import DISK_ERRNOS
 from tasks.stage import Stage, StageResult, stage_task, token
 
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
@@ -124,7 +125,7 @@ UNHEALING_STATUS = (401, 403, 404)  # a refused token, a missing right, a missin
 
 def cannot_heal(exc: BaseException) -> bool:
     """An error a retry meets again: a refusal (ConfigError, HubRefusal), the Hub answering
-    401/403/404, a malformed safetensors file. Its causes count too (a loader may wrap the SafetensorError)."""
+    401/403/404, a malformed safetensors file, a full, read-only or forbidden disk. Its causes count too (a loader may wrap the SafetensorError)."""
     from huggingface_hub.errors import HfHubHTTPError
     from safetensors import SafetensorError
 
@@ -132,6 +133,8 @@ def cannot_heal(exc: BaseException) -> bool:
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, (ConfigError, SafetensorError, HubRefusal)):
+            return True
+        if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:  # a full or read-only disk does not heal in 15 s
             return True
         if isinstance(exc, HfHubHTTPError) and getattr(exc.response, "status_code", None) in UNHEALING_STATUS:
             return True

@@ -50,7 +50,7 @@ from tasks.core.run.stages import BUILD_SUFFIX, STAGE, SUPERSEDED, Status
 from tasks.core.storage.fs import RunStore
 from tasks.core.storage.publisher import RETRIES, publish_retrying
 
-__all__ = ["Stage", "StageResult", "completed", "fresh_dir", "outcome", "resolve_local", "secret_token", "stage_task", "store_for", "token"]
+__all__ = ["Stage", "StageResult", "completed", "disk_cause", "fresh_dir", "outcome", "resolve_local", "secret_token", "stage_task", "store_for", "token", "write_record"]
 
 
 @dataclass
@@ -252,6 +252,48 @@ def outcome(value: StageResult | State) -> StageResult:
     if isinstance(value, State):
         return value.result()
     return value
+
+
+def disk_need(cfg: RunConfig) -> int | None:
+    """Pre-flight's estimate of the local disk the run needs (from base/'s or the base model's config.json), or None."""
+    import json
+
+    from tasks.core.preflight.storage import estimate_local_bytes
+
+    store = store_for(cfg)
+    for config in (store.local_path("base") / "config.json", Path(resolve_local(cfg.base_model.uri)) / "config.json"):
+        try:
+            est = estimate_local_bytes(cfg, json.loads(config.read_text()), store.local)
+            return est[0] if est else None
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def disk_cause(cfg: RunConfig, rel: str | None, exc: BaseException) -> str | None:
+    """A stage failure that is a full disk or another disk error, in one line naming the path, the
+    filesystem, free and needed space and the fix (`tasks.core.storage.oserrors`); None otherwise."""
+    from tasks.core.storage.oserrors import stage_cause
+
+    store = store_for(cfg)
+    place = store.local_path(rel) if rel else store.staging
+    return stage_cause(exc, place, disk_need(cfg), "run_root" if store.local else "staging_dir")
+
+
+def write_record(cfg: RunConfig, store: RunStore, text: str) -> None:
+    """run.json, atomically; on a local disk too full for a new file, over the old run.json's own
+    blocks when it fits; else the failure is logged in one line and the run's state still stands."""
+    from tasks.core.run.stages import RUN_JSON
+    from tasks.core.storage.oserrors import overwrite_in_place, stage_cause
+
+    try:
+        store.write_text(RUN_JSON, text)
+    except OSError as exc:
+        if store.local and overwrite_in_place(store.local_path(RUN_JSON), text):
+            get_run_logger().warning("%s written in place: the disk had no room for a new file (%s)", store.uri(RUN_JSON), exc.strerror)
+            return
+        get_run_logger().error("%s not written: %s", store.uri(RUN_JSON),
+                               stage_cause(exc, store.local_path(RUN_JSON), disk_need(cfg)) or f"{type(exc).__name__}: {exc}")
 
 
 def secret_token() -> str | None:

@@ -21,7 +21,7 @@ import pytest
 from tasks.core.models import lora_targets as lt
 from tasks.core.models.families import FAMILIES
 from tests.conftest import tiny_config_raw, write_config
-from tests.test_preflight import Case, _set, no_launch  # noqa: F401 - no_launch: pre-flight must start no process here either
+from tests.test_preflight import Case, _set
 
 
 def _problems(report, field):
@@ -255,3 +255,72 @@ def test_check_writes_nothing_not_even_the_run_root(tmp_path, tiny_model_dir, ca
     assert main(["check", "--config", str(path)]) == 0, capsys.readouterr().out
     assert "probe object written, read back and deleted" in capsys.readouterr().out
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before and not run.parent.exists()
+
+
+# ---- item 5: a full disk is one line, run.json records it, no temporary file outlives it ----
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real tmpfs of 20 MB (root can mount one): a disk that fills up."""
+    import subprocess
+
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root): the full-disk cases need a real small filesystem")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_on_a_full_disk_writes_leave_no_temporary_file_and_run_json_is_rewritten_in_place(small_tmpfs):
+    import errno
+
+    from tasks.core.run.manifest import write_atomic
+    from tasks.core.storage.oserrors import describe, overwrite_in_place
+
+    record = small_tmpfs / "run.json"
+    write_atomic(record, json.dumps({"stages": ["old"] * 200}))
+    with open(small_tmpfs / "filler", "wb", buffering=0) as f:  # fill the disk to the last block
+        for chunk in (1 << 20, 4096):
+            try:
+                while True:
+                    f.write(bytes(chunk))
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+    with pytest.raises(OSError) as full:
+        write_atomic(record, json.dumps({"stages": ["new"] * 200}))
+    assert full.value.errno == errno.ENOSPC and sorted(p.name for p in small_tmpfs.iterdir()) == ["filler", "run.json"]
+    assert overwrite_in_place(record, json.dumps({"stages": ["failed"]}))
+    assert json.loads(record.read_text()) == {"stages": ["failed"]}
+    assert not overwrite_in_place(record, "x" * (1 << 20))  # does not fit in its blocks: left whole
+    line = describe(errno.ENOSPC, small_tmpfs / "base" / "model.safetensors", need=30_000_000)
+    assert f"No space left on device (ENOSPC) writing {small_tmpfs}/base/model.safetensors on {small_tmpfs} (tmpfs, " in line
+    assert "0 B free of 21.0 MB; the run needs about 30.0 MB there in all" in line and "point run_root at a larger disk" in line
+    assert "\n" not in line
+
+
+@pytest.mark.integration
+def test_a_full_disk_during_a_stage_is_one_line_and_run_json_records_it(prefect_harness, tiny_model_dir, small_tmpfs, tmp_path, capsys):
+    """Pre-flight's estimate (18.8 MB) fits the 20 MB disk; a base model with a 24 MB extra file
+    fills it while load_from_hf copies: the failure names the file, the filesystem, free and needed
+    space and the fix, once, without a retry; run.json records it; no temporary file is left."""
+    from flows.cpt_to_sft import main
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "original").mkdir()
+    (model / "original" / "notes.txt").write_bytes(bytes(24 << 20))
+    run = small_tmpfs / "run"
+    cfg = write_config(tmp_path / "c.yaml", tiny_config_raw(model, run))
+    assert main(["--config", str(cfg), "--stop-after", "load_from_hf"]) == 1
+    out = capsys.readouterr()
+    summary = json.loads((run / "run.json").read_text())
+    (row,) = [s for s in summary["stages"] if s["stage"] == "load_from_hf"]
+    error = row["detail"]["error"]
+    assert row["status"] == "failed" and error.startswith("OSError: No space left on device (ENOSPC) writing ")
+    assert "original/notes.txt on " + str(small_tmpfs) + " (tmpfs, " in error and "the run needs about 18.8 MB" in error, error
+    assert error in out.out + out.err
+    assert not [p.name for p in run.iterdir() if p.name.endswith((".tmp", ".tmp-build")) or p.name.startswith(".run.json")], list(run.iterdir())
