@@ -324,3 +324,18 @@ def test_a_full_disk_during_a_stage_is_one_line_and_run_json_records_it(prefect_
     assert "original/notes.txt on " + str(small_tmpfs) + " (tmpfs, " in error and "the run needs about 18.8 MB" in error, error
     assert error in out.out + out.err
     assert not [p.name for p in run.iterdir() if p.name.endswith((".tmp", ".tmp-build")) or p.name.startswith(".run.json")], list(run.iterdir())
+
+
+def test_a_ranks_disk_error_is_said_at_the_stage_directory(tmp_path):
+    """A rank's error comes back as text ("rank 0: OSError: [Errno 28] ..."), with no file name: the
+    stage's directory is the place named; an error that is not the disk's is left to the usual cause."""
+    from tasks.core.errors import StageFailed
+    from tasks.core.storage.oserrors import stage_cause
+
+    failed = StageFailed("rank 0: OSError: [Errno 28] No space left on device\n...last lines...")
+    line = stage_cause(failed, tmp_path / "cpt", need=10**9)
+    assert line.startswith(f"StageFailed: No space left on device (ENOSPC) writing {tmp_path / 'cpt'} on ") and "the run needs about 1.0 GB" in line
+    assert stage_cause(StageFailed("rank 0: ValueError: bad shape"), tmp_path) is None
+    assert stage_cause(FileNotFoundError(2, "No such file or directory", "x.jsonl"), tmp_path) is None
+    ro = stage_cause(OSError(30, "Read-only file system", str(tmp_path / "run.json")), tmp_path)
+    assert f"Read-only file system (EROFS) writing {tmp_path / 'run.json'}" in ro and "remount it read-write" in ro

@@ -1,6 +1,6 @@
 """Which modules a LoRA `target_modules` adapts, decided before launch the way peft decides it in a rank.
 
-    python -m tasks.core.models.lora_targets build/demo-inputs/tiny-llama q_proj qkv_proj
+    python -m tasks.core.models.lora_targets build/demo-inputs/tiny-llama q_proj qkv_proj   # or all-linear, or 're:<regex>'
 
 peft 0.13.2 reads `target_modules` three ways (`tuners_utils.check_target_module_exists`,
 `_maybe_include_all_linear_layers`): the string `all-linear` is every `nn.Linear`'s last name part
@@ -122,7 +122,8 @@ def _main(argv: list[str]) -> int:
     from pathlib import Path
 
     mc = json.loads((Path(argv[0]) / "config.json").read_text())
-    targets: str | list[str] = argv[1] if len(argv) == 2 and not argv[1].isidentifier() or argv[1:] == [ALL_LINEAR] else argv[1:]
+    # names (a list), all-linear, or re:<regex>
+    targets: str | list[str] = argv[1].removeprefix("re:") if len(argv) == 2 and (is_all_linear(argv[1]) or argv[1].startswith("re:")) else argv[1:]
     modules = model_modules(mc)
     for line in problems(targets, modules, argv[0], output_embedding(mc)) or [f"adapts {', '.join(resolve(targets, modules, output_embedding(mc)).names)}"]:
         print(line)
