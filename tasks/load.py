@@ -26,7 +26,7 @@ from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError, ConversionError, ManifestError
 from tasks.core.hub.repo import HubRefusal, is_hub_id
 from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
-from tasks.core.models.folder import misnamed
+from tasks.core.models.folder import JSON_FILES, json_file_problem, misnamed
 from tasks.core.run.manifest import sha256_file
 from tasks.core.storage.fs import fetch_tree, filesystem, is_local
 from tasks.core.storage.oserrors import DISK_ERRNOS
@@ -173,6 +173,10 @@ def load_from_hf(cfg: RunConfig) -> StageResult:
         if left_out := {**meta.pop("left_out", {}), **stray}:
             meta["left_out"] = left_out
             logger.warning("left out of %s (not what their name says): %s", stage.uri, "; ".join(f"{n}: {why}" for n, why in left_out.items()))
+        broken = [(n, why) for n in JSON_FILES if (out.dir / n).is_file() and (why := json_file_problem(out.dir / n))]
+        if broken:  # a Hub model's files are first read here; pre-flight read a local one's
+            raise ConfigError([("base_model.uri", f"{cfg.base_model.uri}: {n} {why}; restore it from the model's source") for n, why in broken],
+                              header="load_from_hf refused the base model")
         weights = check_weight_files(out.dir, cfg.base_model.allow_pickle)
         model_cfg = json.loads((out.dir / "config.json").read_text())
         if not any(w.endswith(".safetensors") for w in weights):

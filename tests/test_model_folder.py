@@ -339,3 +339,20 @@ def test_a_ranks_disk_error_is_said_at_the_stage_directory(tmp_path):
     assert stage_cause(FileNotFoundError(2, "No such file or directory", "x.jsonl"), tmp_path) is None
     ro = stage_cause(OSError(30, "Read-only file system", str(tmp_path / "run.json")), tmp_path)
     assert f"Read-only file system (EROFS) writing {tmp_path / 'run.json'}" in ro and "remount it read-write" in ro
+
+
+@pytest.mark.integration
+def test_load_from_hf_refuses_a_broken_json_file_naming_it_where_preflight_could_not_read_it(prefect_harness, tiny_model_dir, tmp_path):
+    """A Hub model's tokenizer.json is first read in load_from_hf: the stage refuses it there, naming
+    the file and the parse error, and is not retried (the same check as pre-flight's, on base/)."""
+    from tasks.core.config.load import load_config
+    from tasks.load import load_from_hf
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    text = (model / "tokenizer.json").read_text()
+    (model / "tokenizer.json").write_text(text[: len(text) // 2])
+    cfg = load_config(write_config(tmp_path / "c.yaml", tiny_config_raw(model, tmp_path / "run")))
+    state = load_from_hf(cfg, return_state=True)
+    assert state.is_failed() and state.name == "Failed", state.name  # not "Retrying": a broken file does not heal
+    assert "tokenizer.json is not valid JSON" in state.message and "line " in state.message, state.message

@@ -31,6 +31,8 @@ PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
 PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
+# The model's JSON files every stage reads: pre-flight and load_from_hf refuse a broken one, naming it.
+JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 FOREIGN_WEIGHT_SUFFIXES = (".gguf", ".ggml")  # quantized weights of other runtimes: no HF loader reads them
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -101,6 +103,30 @@ def misnamed(folder: Path, names: Iterable[str] | None = None) -> dict[str, str]
         if strays is not None and name.endswith(".safetensors") and name not in strays and name not in ADAPTER_FILES:
             out[name] = "a .safetensors file that is not a weight shard of the model (the index does not name it)"
     return out
+
+
+def json_file_problem(path: Path) -> str | None:
+    """Why a model's JSON file does not parse (the parse error, its line and column; tokenizer.json
+    also through the tokenizers library every stage loads it with), or None."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        json.loads(text)
+    except UnicodeDecodeError as exc:
+        return f"is not UTF-8 text ({exc})"
+    except json.JSONDecodeError as exc:
+        size = path.stat().st_size
+        cut = " (it ends there: the file is truncated)" if exc.pos >= len(text.rstrip()) else ""
+        return f"is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}{cut}; {size} bytes"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if path.name == "tokenizer.json":
+        from tokenizers import Tokenizer  # the Rust library alone: no transformers import in pre-flight
+
+        try:
+            Tokenizer.from_str(text)
+        except Exception as exc:  # tokenizers raises a bare Exception with serde's message
+            return f"parses as JSON but is not a tokenizer the tokenizers library loads ({str(exc).splitlines()[0]})"
+    return None
 
 
 def top_level_names(folder: Path) -> list[str]:

@@ -11,36 +11,9 @@ the engine checks again on the real model.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from tasks.core.preflight.report import CheckContext
-
-# The model's JSON files every stage reads; config.json and tokenizer_config.json are also parsed
-# by read_model_info (its error names the file), the other two only here.
-JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json")
-
-
-def _json_problem(path: Path) -> str | None:
-    try:
-        text = path.read_text(encoding="utf-8")
-        json.loads(text)
-    except UnicodeDecodeError as exc:
-        return f"is not UTF-8 text ({exc})"
-    except json.JSONDecodeError as exc:
-        size = path.stat().st_size
-        cut = " (it ends there: the file is truncated)" if exc.pos >= len(text.rstrip()) else ""
-        return f"is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}{cut}; {size} bytes"
-    except OSError as exc:
-        return f"cannot be read ({exc.strerror or exc})"
-    if path.name == "tokenizer.json":
-        from tokenizers import Tokenizer  # the Rust library alone: no transformers import in pre-flight
-
-        try:
-            Tokenizer.from_str(text)
-        except Exception as exc:  # tokenizers raises a bare Exception with serde's message
-            return f"parses as JSON but is not a tokenizer the tokenizers library loads ({str(exc).splitlines()[0]})"
-    return None
 
 
 def check_model_files(ctx: CheckContext) -> None:
@@ -49,13 +22,13 @@ def check_model_files(ctx: CheckContext) -> None:
     stray shard) is named, and load_from_hf leaves it out of base/ (so of every later folder and the push)."""
     if ctx.model is None or ctx.model.source != "local":
         return
-    from tasks.core.models.folder import misnamed
+    from tasks.core.models.folder import JSON_FILES, json_file_problem, misnamed
 
     root = Path(ctx.model.where)
     bad = 0
     for name in JSON_FILES:
         path = root / name
-        if path.is_file() and (why := _json_problem(path)):
+        if path.is_file() and (why := json_file_problem(path)):
             bad += 1
             ctx.problem("base_model.uri", f"{path} {why}; every stage reads it: restore the file from the model's source (re-download or re-convert it)")
     try:
