@@ -356,3 +356,17 @@ def test_load_from_hf_refuses_a_broken_json_file_naming_it_where_preflight_could
     state = load_from_hf(cfg, return_state=True)
     assert state.is_failed() and state.name == "Failed", state.name  # not "Retrying": a broken file does not heal
     assert "tokenizer.json is not valid JSON" in state.message and "line " in state.message, state.message
+
+
+def test_preflight_does_not_judge_work_moved_aside(tmp_path):
+    """A superseded folder is the user's, kept, never read by the run: its stray shard is no problem,
+    while the same folder in an artifact's place is refused."""
+    from tests.test_preflight import make_manifest
+
+    case = Case(tmp_path)
+    art = make_manifest(case.run_root, "export.superseded-20260101T000000Z", {"model.safetensors": {"size": 0, "sha256": "0" * 64}})
+    (art / "model.safetensors").write_bytes(b"")
+    (art / "extra.safetensors").write_bytes(b"")
+    assert not [p for p in case.report().problems if "superseded" in p[0]], case.report().text()
+    art.rename(case.run_root / "export")
+    assert any("extra.safetensors" in m for _, m in case.report().problems)

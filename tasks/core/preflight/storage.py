@@ -29,6 +29,7 @@ from tasks.core.models.folder import folder_problems
 from tasks.core.preflight.model_info import DTYPE_BYTES, estimate_parameters
 from tasks.core.preflight.report import CheckContext
 from tasks.core.run.manifest import MANIFEST, artifact_of, inside_artifact, safe_relpath
+from tasks.core.run.stages import SUPERSEDED
 from tasks.core.storage.fs import is_local, local_path_of
 
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -97,6 +98,8 @@ def _check_existing_manifests(ctx: CheckContext, store: Any) -> None:
             found += fs.glob(f"{root}/{depth}/{MANIFEST}")
         except Exception:  # a fresh run root may not exist yet (some stores raise): nothing to check at this depth
             pass
+    # Work moved aside (<dir>.superseded-<time>) is kept for the user, never read by the run.
+    found = [m for m in found if SUPERSEDED not in m[len(root):]]
     bad = 0
     for mpath in sorted(set(found)):
         art = artifact_of(mpath)
