@@ -48,6 +48,7 @@ from tasks.core.run.digest import config_digest, content_digest
 from tasks.core.run.manifest import MANIFEST, list_files, read_manifest, verify_artifact, write_manifest
 from tasks.core.run.stages import BUILD_SUFFIX, STAGE, SUPERSEDED, Status
 from tasks.core.storage.fs import RunStore
+from tasks.core.storage.oserrors import note_free
 from tasks.core.storage.publisher import RETRIES, publish_retrying
 
 __all__ = ["Stage", "StageResult", "completed", "disk_cause", "fresh_dir", "outcome", "resolve_local", "secret_token", "stage_task", "store_for", "token", "write_record"]
@@ -136,7 +137,8 @@ def fresh_dir(path: Path, keep_foreign: bool = True) -> Iterator[Path]:
     tmp.mkdir(parents=True)
     try:
         yield tmp
-    except BaseException:
+    except BaseException as exc:
+        note_free(exc, tmp)  # a full disk: its free space now, before the partial output below is removed
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if keep_foreign:

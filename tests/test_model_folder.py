@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import flows.cpt_to_sft  # noqa: F401 - Prefect sets up its console logging on import: not under a test's capsys
 from tasks.core.models import lora_targets as lt
 from tasks.core.models.families import FAMILIES
 from tests.conftest import tiny_config_raw, write_config
@@ -321,7 +322,8 @@ def test_a_full_disk_during_a_stage_is_one_line_and_run_json_records_it(prefect_
     (row,) = [s for s in summary["stages"] if s["stage"] == "load_from_hf"]
     error = row["detail"]["error"]
     assert row["status"] == "failed" and error.startswith("OSError: No space left on device (ENOSPC) writing ")
-    assert "original/notes.txt on " + str(small_tmpfs) + " (tmpfs, " in error and "the run needs about 18.8 MB" in error, error
+    assert "original/notes.txt on " + str(small_tmpfs) + " (tmpfs, 0 B free when it failed, 21.0 MB free of 21.0 MB now" in error, error
+    assert "the run needs about 18.8 MB" in error
     assert error in out.out + out.err
     assert not [p.name for p in run.iterdir() if p.name.endswith((".tmp", ".tmp-build")) or p.name.startswith(".run.json")], list(run.iterdir())
 

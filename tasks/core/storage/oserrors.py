@@ -70,12 +70,24 @@ def filesystem(path: str | Path) -> tuple[Path, str, str]:
     return p, str(mount), fstype
 
 
-def describe(err_no: int, path: str | Path, need: int | None = None, field: str = "run_root") -> str:
+def note_free(exc: BaseException, path: str | Path) -> None:
+    """Record on a disk error the space free at `path` when it happened (`free_at_failure`), before
+    the stage removes its partial output and the disk looks roomy again."""
+    err = os_error_of(exc)
+    if err is not None and err.errno in DISK_ERRNOS:
+        try:
+            err.free_at_failure = shutil.disk_usage(filesystem(path)[0]).free
+        except OSError:
+            pass
+
+
+def describe(err_no: int, path: str | Path, need: int | None = None, field: str = "run_root", free_then: int | None = None) -> str:
     """One line for an OS error at `path`: what happened, the filesystem, free and needed space, the fix."""
     where, mount, fstype = filesystem(path)
     try:
         du = shutil.disk_usage(where)
-        space = f"{_human(du.free)} free of {_human(du.total)}"
+        now = f"{_human(du.free)} free of {_human(du.total)}"
+        space = now if free_then is None else f"{_human(free_then)} free when it failed, {now} now that the stage's partial output is removed"
     except OSError:
         space = "free space unknown"
     needs = f"; the run needs about {_human(need)} there in all (pre-flight's estimate)" if need else ""
@@ -99,7 +111,8 @@ def stage_cause(exc: BaseException, place: str | Path, need: int | None = None, 
     found = errno_of(exc)
     if found is None or found[0] not in DISK_ERRNOS | {errno.EIO}:
         return None
-    return f"{type(exc).__name__}: {describe(found[0], found[1] or place, need, field)}"
+    free_then = getattr(os_error_of(exc), "free_at_failure", None)
+    return f"{type(exc).__name__}: {describe(found[0], found[1] or place, need, field, free_then)}"
 
 
 def overwrite_in_place(path: Path, text: str) -> bool:
