@@ -50,13 +50,13 @@ from tasks.core.preflight.eval_memory import check_eval_memory
 from tasks.core.preflight.kernels import check_kernels
 from tasks.core.preflight.memory import check_memory
 from tasks.core.preflight.mixture import check_mixture_weights, check_source_epochs, warn_not_data
+from tasks.core.preflight.model_files import check_lora_targets, check_model_files
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tasks.core.preflight.storage import check_base_model_links, check_paths, check_run_root, check_staging_space, estimate_local_bytes
 from tasks.core.preflight.tokens import check_sft_lengths, check_special_tokens
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
-HEAD_RECORDS = 64  # records parsed per dataset: enough to catch a wrong format, cheap on any size
 
 __all__ = [
     "CHECKS",
@@ -392,6 +392,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_kernels,
     check_base_model,
     check_base_model_links,
+    check_model_files,
     check_sequence_length,
     check_chat_template,
     check_data,
@@ -407,6 +408,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_eval_memory,
     check_hub,
     check_model_family,
+    check_lora_targets,
     check_tracking,
 )
 
