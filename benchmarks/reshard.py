@@ -159,7 +159,9 @@ def work_copy(src: Path, dst: Path, config: dict) -> None:
 
 
 def worker(kind: str, src: Path, dst: Path, config: dict) -> dict:
-    import torch  # noqa: F401  (imported before the clock and the RSS baseline)
+    import torch  # imported before the clock and the RSS baseline
+
+    torch.set_num_threads(1)  # one thread, as a rank has (OMP_NUM_THREADS=1): no intra-op threads spinning on a shared CPU
 
     import tasks.core.models.convert.state_view  # noqa: F401
 

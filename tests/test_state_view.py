@@ -179,3 +179,26 @@ def test_preflight_says_how_a_stage_continues_its_checkpoints(tmp_path, change, 
     else:
         assert [where for where, _ in ctx.report.problems] == ["cpt.grad_accum_steps"], ctx.report.problems
         assert text in ctx.report.problems[0][1]
+
+
+def test_the_card_lists_each_segment_of_a_stage_that_changed_layout(tmp_path):
+    from tasks.core.config.load import parse_config
+    from tasks.core.hub.card import model_card, train_facts
+    from tasks.core.run.manifest import MANIFEST
+    from tasks.core.run.segments import record
+    from tests.conftest import tiny_config_raw
+
+    cfg = parse_config(tiny_config_raw(tmp_path / "m", tmp_path))
+    two = record({"name": "low_level_zero", "zero": 2}, 2, 2, 4, 1)
+    one = record({"name": "low_level_zero", "zero": 2}, 1, 1, 4, 2)
+    for stage in ("cpt", "sft"):
+        step = tmp_path / stage / f"step-{getattr(cfg, stage).max_steps:06d}"
+        (step / MANIFEST).parent.mkdir(parents=True)
+        segs = [{"from_step": 0, **two}, {"from_step": 4, **one}] if stage == "sft" else [{"from_step": 0, **two}]
+        (step / "train_state.json").write_text(json.dumps({"losses": [2.0], "segments": segs}))
+        (step / MANIFEST).write_text(json.dumps({"meta": {}}))
+    card = model_card(cfg, {"meta": {}}, train_facts(cfg, {}, lambda rel: (tmp_path / rel).read_text()))
+    row = next(line for line in card.splitlines() if line.startswith("| plugin and parallel layout |"))
+    assert row.endswith("| from step 0: `low_level_zero zero=2 dp=2 on 2 ranks (4 x 1 a rank)`<br>"
+                        "from step 4: `low_level_zero zero=2 dp=1 on 1 rank (4 x 2 a rank)` |"), row
+    assert "`hybrid_parallel` tp=2" in row  # CPT ran under one layout: the config's, as before

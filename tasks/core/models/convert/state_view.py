@@ -95,10 +95,10 @@ def local_piece(full: torch.Tensor, piece: Piece) -> torch.Tensor:
             t = torch.nn.functional.pad(t, pad)
         t = t.narrow(d, piece.tp_rank * piece.local_shape[d], piece.local_shape[d])
     flat = t.reshape(-1)
-    out = torch.zeros(piece.length, dtype=full.dtype)
-    stop = min(piece.start + piece.length, flat.numel())
-    if stop > piece.start:
-        out[: stop - piece.start].copy_(flat[piece.start : stop])
+    out = torch.empty(piece.length, dtype=full.dtype)
+    n = max(0, min(piece.start + piece.length, flat.numel()) - piece.start)
+    out[:n].copy_(flat[piece.start : piece.start + n])
+    out[n:].zero_()
     return out
 
 
