@@ -115,7 +115,7 @@ def _gemini(eng, opt, model) -> list[Local]:
         begin, end = opt.param_to_range[fake]
         info = chunk.tensors_info[real]
         start = begin + (0 if chunk.keep_gathered else chunk.shard_begin) - info.offset
-        master = chunk.paired_chunk.payload[begin:end] if getattr(eng.model.unwrap(), "master_weights", True) else None
+        master = chunk.paired_chunk.payload[begin:end] if getattr(opt.module, "master_weights", True) else None
         shape = tuple(real.shape)
         name = names.get(id(real)) or opt.module.param2name.get(real, f"param.{pid}")
         piece = Piece(name, pid, shape, shape, None, 0, 1, start, end - begin, saved=master is not None, rank=eng.rank)
