@@ -128,6 +128,7 @@ class Held:
     only: Literal["", "no_pipeline", "data_parallel", "grad_accum"] = ""
     per: Literal["parameter", "layer"] = "parameter"  # "layer": counts one decoder layer's parameters, unsharded
     offload: str = ""  # the PluginConfig field (an `Offload` row) whose value is the share of this tensor put in host memory
+    trainable: bool = True  # per trainable parameter only (gradients, masters, moments); False: per parameter (weights), frozen ones too
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,7 @@ register(PluginSpec(
     packing_refused=("ColossalAI 0.5.0's shardformer Llama forward builds its attention from the padding mask plus causal only "
                      "(ColoAttention.prepare_attn_kwargs on its flash-attention path), so packed conversations would attend to each other"),
     holds=(
-        Held("weights", "weights"),
+        Held("weights", "weights", trainable=False),
         Held("gradients", "weights", when="grads", zero=(0,), precisions=("fp32",)),
         Held("gradients", "weights", when="backward", zero=(0,), precisions=MIXED),
         Held("fp32 master gradients", 4, when="step", zero=(0,), precisions=MIXED),
@@ -275,7 +276,7 @@ register(PluginSpec(
     dedupes_tied_weights=False,
     offload=(Offload("cpu_offload", moves_step=True),),
     holds=(
-        Held("working weights", "weights"),
+        Held("working weights", "weights", trainable=False),
         Held("fp32 master weight shard", 4, sharded=True, offload="cpu_offload"),
         Held("Adam moment shard", 8, sharded=True, offload="cpu_offload"),
         Held("gradients", "weights", when="grads", zero=(1,)),
@@ -305,8 +306,8 @@ register(PluginSpec(
                 why="StaticPlacementPolicy drops offload_param_frac unless the optimizer state is wholly offloaded (offload_optim_frac 1.0)"),
     ),
     holds=(
-        Held("weight chunk shard", "weights", sharded=True, offload="offload_param_frac"),
-        Held("gathered weights of the layer in use", "weights", when="forward", per="layer"),
+        Held("weight chunk shard", "weights", sharded=True, offload="offload_param_frac", trainable=False),
+        Held("gathered weights of the layer in use", "weights", when="forward", per="layer", trainable=False),
         Held("gradient chunk shard", "weights", sharded=True, when="grads", only="grad_accum", offload="offload_optim_frac"),
         Held("fp32 master shard", 4, sharded=True, offload="offload_optim_frac"),
         Held("Adam moment shard", 8, sharded=True, offload="offload_optim_frac"),
@@ -323,10 +324,10 @@ register(PluginSpec(
     strict_load=False,
     dedupes_tied_weights=False,
     holds=(
-        Held("fp32 weights", "weights"),
+        Held("fp32 weights", "weights", trainable=False),
         Held("gradients", "weights", when="grads"),
         Held("DDP gradient buckets", "weights"),
-        Held("autocast weight copies", 2, when="forward", precisions=MIXED),
+        Held("autocast weight copies", 2, when="forward", precisions=MIXED, trainable=False),
         Held("Adam moments", 8),
     ),
 ))
