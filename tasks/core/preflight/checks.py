@@ -92,7 +92,7 @@ def load_for_check(path: str | Path, overrides: dict[str, Any] | None = None) ->
 
 
 def check_static_rules(ctx: CheckContext) -> None:
-    """The config's own rules (ZeRO needs bf16/fp16, tp/pp need hybrid_parallel, world size)."""
+    """The config's own rules (hybrid_parallel ZeRO refuses fp32, tp/pp need hybrid_parallel, world size)."""
     before = len(ctx.report.problems)
     for stage in ("cpt", "sft"):
         for where, msg in plugin_problems(getattr(ctx.cfg, stage), stage):
