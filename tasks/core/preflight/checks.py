@@ -57,7 +57,6 @@ from tasks.core.preflight.resume import check_resume
 from tasks.core.preflight.storage import check_base_model_links, check_paths, check_run_root, check_staging_space, estimate_local_bytes
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
-HEAD_RECORDS = 64  # records parsed per dataset: enough to catch a wrong format, cheap on any size
 
 __all__ = [
     "CHECKS",
