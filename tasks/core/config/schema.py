@@ -20,6 +20,7 @@ from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, model_va
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.base import Frozen
 from tasks.core.config.batching import BATCHING
+from tasks.core.config.benchmark import BenchmarkConfig, GateBenchmarks
 from tasks.core.config.kernels import names as kernel_names
 from tasks.core.config.kernels import summaries as kernel_summaries
 from tasks.core.config.kernels import unknown as unknown_kernels
@@ -377,6 +378,9 @@ class GateConfig(Frozen):
         "and every greedy generation of a held-out prompt ends at an eos token within max_new_tokens."))
     max_new_tokens: int = Field(default=256, ge=1, description="Generation check: the most tokens a reply may take before it must have stopped.")
     num_prompts: int = Field(default=4, ge=1, description="Generation check: how many held-out SFT prompts (messages up to the last user turn) are decoded greedily.")
+    benchmarks: GateBenchmarks = Field(default_factory=dict, description=(
+        "Limits on the benchmark stage's scores, {task: {metric, max_drop, min, max}}, e.g. {veyra_facts: {metric: acc, max_drop: 2.0}}: "
+        "every task named must be in benchmark.tasks."))
 
 
 class HubConfig(Frozen):
@@ -411,6 +415,7 @@ class RunConfig(Frozen):
     cpt: StageConfig = Field(description="Continued pre-training: packed raw text under plugin A.")
     sft: StageConfig = Field(description="Supervised fine-tuning: chat records, loss on assistant tokens, under plugin B.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="The HF safetensors export.")
+    benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig, description="lm-evaluation-harness scores of the base and the export on local tasks, before the gate.")
     gate: GateConfig = Field(default_factory=GateConfig, description="Thresholds the evaluation must meet before the export is pushed to the Hub.")
     hub: HubConfig | None = Field(default=None, description="Push the export to this Hub repo; None skips the push.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Experiment tracking: MLflow when tracking.mlflow.uri is set (TensorBoard event files are always written).")
