@@ -47,31 +47,57 @@ def test_demo_run_records_base_and_export_scores_in_run_json_the_manifest_and_th
           "export", scores["export"], "base", scores["base"])
 
 
+def _noise_task(dest) -> str:
+    """A perplexity task on random letters: training on the sample prose makes it less likely, so
+    the export's bits per byte are worse than the random base's, by construction."""
+    import random
+
+    rng = random.Random(7)
+    (dest / "noise_text.jsonl").write_text("".join(json.dumps({"text": "".join(rng.choice("qxzjvkwy ") for _ in range(160))}) + "\n" for _ in range(6)))
+    (dest / "noise_text.yaml").write_text("task: noise_text\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: noise_text.jsonl\ntest_split: test\n"
+                                          "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n"
+                                          "  - metric: bits_per_byte\n    aggregation: bits_per_byte\n    higher_is_better: false\n")
+    return str(dest / "noise_text.yaml")
+
+
 def test_rerun_skips_it_a_new_num_fewshot_reruns_only_it_and_the_gate_holds_a_failing_max_drop(demo_run_copy):
+    import shutil
+
     import flows.cpt_to_sft as flow_mod
 
     copy = demo_run_copy
-    assert flow_mod.main(["--config", str(copy.config)]) == 0
-    again = json.loads((copy.run_root / "run.json").read_text())
+    root = copy.run_root
+
+    def run(name: str, raw: dict) -> tuple[int, dict]:
+        rc = flow_mod.main(["--config", str(write_config(root.parent / f"{name}.yaml", raw))])
+        return rc, json.loads((root / "run.json").read_text())
+
+    rc, again = run("same", copy.raw)
+    assert rc == 0 and _statuses(again)["benchmark"] == "skipped"
     assert {st for st, status in _statuses(again).items() if status not in ("skipped", "passed", "not-configured")} == set()
 
+    # the scores were made once per base: without the artifact, the stage runs again and reuses the base's
+    shutil.rmtree(root / "eval" / "benchmark")
+    rc, rebuilt = run("same", copy.raw)
+    assert rc == 0 and _statuses(rebuilt)["benchmark"] == "completed" and rebuilt["evaluation"]["benchmark"]["base"]["cached"] is True
+    assert rebuilt["evaluation"]["benchmark"]["tasks"] == copy.summary["evaluation"]["benchmark"]["tasks"]
+
     raw = {**copy.raw, "benchmark": {**copy.raw["benchmark"], "num_fewshot": 1}}
-    tasks = copy.summary["evaluation"]["benchmark"]["tasks"]
-    # the metric that moved most against the export: a limit just under its drop fails, one over it holds
-    task, metric, _ = max(((t, k, v) for t, ms in tasks.items() for k, v in ms.items() if v["drop_pct"] is not None), key=lambda x: x[2]["drop_pct"])
-    raw["gate"] = {**raw["gate"], "benchmarks": {task: {"metric": metric, "max_drop": 0.0, "min": None}}}
-    rc = flow_mod.main(["--config", str(write_config(copy.run_root.parent / "fewshot.yaml", raw))])
-    summary = json.loads((copy.run_root / "run.json").read_text())
-    ran = {st for st, status in _statuses(summary).items() if status == "completed"}
-    assert ran == {"benchmark"}, _statuses(summary)
-    now = summary["evaluation"]["benchmark"]
+    rc, fewshot = run("fewshot", raw)
+    assert rc == 0 and {st for st, status in _statuses(fewshot).items() if status == "completed"} == {"benchmark"}, _statuses(fewshot)
+    now = fewshot["evaluation"]["benchmark"]
     assert now["settings"]["num_fewshot"] == 1 and now["n_shot"] == {"veyra_facts": 1, "general_text": 1} and now["base"]["cached"] is False
-    check = next(c for c in summary["gate"]["checks"] if c["check"] == f"benchmark:{task}")
-    moved = now["tasks"][task][metric]["drop_pct"]
-    if moved > 0:  # worse than the base at 1-shot too: held back, naming task and figures
-        assert rc == 3 and not check["ok"] and _statuses(summary)["push_to_hub"] == "failed-gate"
-        assert f"benchmark '{task}' {metric}: export" in summary["gate"]["reasons"][0] and "allowed at most 0%" in summary["gate"]["reasons"][0]
-    raw["gate"]["benchmarks"] = {task: {"metric": metric, "max_drop": max(moved, 0.0) + 1.0}}
-    assert flow_mod.main(["--config", str(write_config(copy.run_root.parent / "holds.yaml", raw))]) == 0
-    holds = json.loads((copy.run_root / "run.json").read_text())
-    assert _statuses(holds)["benchmark"] == "skipped" and holds["gate"]["passed"] and holds["evaluation"]["benchmark"] == now
+
+    raw["benchmark"]["tasks"] = [*raw["benchmark"]["tasks"], _noise_task(root.parent)]
+    raw["gate"] = {**raw["gate"], "benchmarks": {"noise_text": {"metric": "bits_per_byte", "max_drop": 0.0}}}
+    rc, held = run("failing", raw)
+    m = held["evaluation"]["benchmark"]["tasks"]["noise_text"]["bits_per_byte"]
+    assert m["export"] > m["base"] and rc == 3, (m, _statuses(held))
+    assert _statuses(held)["push_to_hub"] == "failed-gate" and held["gate"]["passed"] is False
+    assert held["gate"]["reasons"] == [(f"benchmark 'noise_text' bits_per_byte: export {m['export']:.4g} vs base {m['base']:.4g}; "
+                                       f"{m['drop_pct']:+.2f}% worse (allowed at most 0% by gate.benchmarks.noise_text.max_drop)")]
+
+    raw["gate"]["benchmarks"] = {"noise_text": {"metric": "bits_per_byte", "max_drop": m["drop_pct"] + 1.0}}
+    rc, holds = run("holds", raw)
+    assert rc == 0 and _statuses(holds)["benchmark"] == "skipped" and holds["gate"]["passed"]
+    assert next(c for c in holds["gate"]["checks"] if c["check"] == "benchmark:noise_text")["ok"]
