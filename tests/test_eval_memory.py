@@ -32,7 +32,8 @@ def _reset_hwm() -> None:
 
 @pytest.fixture(scope="module")
 def two_models(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path, int]:
-    """Two copies of a random 159M-parameter fp32 Llama (0.64 GB each) with the demo tokenizer."""
+    """A random 159M-parameter Llama with the demo tokenizer, in fp32 (0.64 GB: the base) and in bf16
+    (the export's dtype in tiny-cpu.yaml; evaluated in fp32 on CPU, so it is converted as it loads)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -46,14 +47,15 @@ def two_models(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path, int]:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(std=0.02)
-    a = out / "a"
+    a, b = out / "a", out / "b"
     model.save_pretrained(a, safe_serialization=True)
     nbytes = sum(p.numel() * 4 for p in model.parameters())
+    model.to(torch.bfloat16).save_pretrained(b, safe_serialization=True)
     del model
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
-        shutil.copy(tiny_model_dir / name, a / name)
-    shutil.copytree(a, out / "b")
-    return a, out / "b", nbytes
+        for d in (a, b):
+            shutil.copy(tiny_model_dir / name, d / name)
+    return a, b, nbytes
 
 
 def test_each_evaluation_holds_one_model_at_a_time(two_models, tiny_model_dir, tmp_path):

@@ -3,18 +3,19 @@ given back before the next one loads.
 
     python -m tasks.core.evaluation.release      # whether this C library has malloc_trim (glibc)
 
-`read_state_dict` reads an HF folder's safetensors tensors one at a time with plain reads into
-tensors of the evaluation dtype, for `from_pretrained(None, config=..., state_dict=...)`:
-transformers' own loader maps a whole shard and copies each tensor out of it, so until the shard
-closes the file's pages and the copies are both resident (measured: a 0.64 GB fp32 Llama peaked
-0.97 GB over the process's start while loading and scoring two such models one after the other).
+`load_on_cpu` builds a CPU model holding one copy of its weights: `read_state_dict` reads each
+safetensors tensor with plain reads into a tensor of the evaluation dtype, and the module tree,
+built on the meta device, is assigned them. transformers' own loader maps each shard: a tensor
+already in the evaluation dtype is used in place (its file pages become resident as it is read),
+but one in another dtype (a bf16 export scored in fp32 on CPU) is copied out while the mapped
+shard's pages stay resident until it closes. Measured on a 159M-parameter Llama (0.64 GB in fp32)
+stored in bf16, loaded in fp32 and run once: 0.95 GB over the process's resident set that way,
+0.66-0.69 GB this way (tests/test_eval_memory.py holds every evaluation to the model + 0.5 GB).
 
-Every evaluation (held-out loss, the generation check, the benchmark) loads one model, scores it
-and drops it before the next: `release` runs the collector only when something still holds the
-model (accelerate's dispatch hooks and lm-eval's wrapper form reference cycles), then asks glibc to
-hand the freed heap back to the OS (`malloc_trim`): a model's tensors under glibc's mmap threshold
-(32 MiB once a mapped block has been freed) come from the heap, which is otherwise kept by the
-process after they are freed, and the next model's RSS is counted on top of it.
+`release`, once the caller dropped a model, collects only if something still holds it (accelerate's
+dispatch hooks and lm-eval's wrapper form reference cycles; a full pass costs seconds in a
+long-lived process) and asks glibc to hand the freed heap back (`malloc_trim`), so the next model
+is not counted on top of the last one's pages.
 """
 
 from __future__ import annotations
@@ -56,24 +57,30 @@ _ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "fl
 
 def read_state_dict(model_dir: str | Path, dtype) -> dict:
     """Every tensor of the folder's safetensors files, floating ones cast to `dtype` (a torch dtype),
-    each read alone from its file (no mapping), so the peak is the result plus one tensor."""
+    each read alone from its file (no mapping): a tensor already in `dtype` is read straight into
+    its own storage, one to convert through a single scratch buffer, so nothing but the results is
+    allocated and freed holes do not grow the heap. The peak is the result plus the scratch."""
     import torch
 
-    out = {}
+    out, scratch = {}, torch.empty(0, dtype=torch.uint8)
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with open(path, "rb", buffering=0) as fh:
             (size,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(size))
+            header.pop("__metadata__", None)
             for name, info in header.items():
-                if name == "__metadata__":
-                    continue
                 start, end = info["data_offsets"]
-                raw = torch.empty(end - start, dtype=torch.uint8)
+                stored = getattr(torch, _ST_DTYPES[info["dtype"]])
                 fh.seek(8 + size + start)
-                fh.readinto(memoryview(raw.numpy()))
-                t = raw.view(getattr(torch, _ST_DTYPES[info["dtype"]])).reshape(info["shape"])
-                out[name] = t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
-                del raw, t
+                if not stored.is_floating_point or stored == dtype:
+                    t = torch.empty(info["shape"], dtype=stored)
+                    fh.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()))
+                else:
+                    if scratch.numel() < end - start:
+                        scratch = torch.empty(end - start, dtype=torch.uint8)
+                    fh.readinto(memoryview(scratch[: end - start].numpy()))
+                    t = scratch[: end - start].view(stored).reshape(info["shape"]).to(dtype)
+                out[name] = t
     return out
 
 
