@@ -48,12 +48,13 @@ def test_demo_run_records_base_and_export_scores_in_run_json_the_manifest_and_th
 
 
 def _noise_task(dest) -> str:
-    """A perplexity task on random letters: training on the sample prose makes it less likely, so
-    the export's bits per byte are worse than the random base's, by construction."""
+    """A perplexity task on symbols the sample corpora never contain: training moves probability
+    to the tokens it sees, so the export's bits per byte are worse than the random base's (measured
+    on the 30-step demo: 9.01 -> 9.82)."""
     import random
 
     rng = random.Random(7)
-    (dest / "noise_text.jsonl").write_text("".join(json.dumps({"text": "".join(rng.choice("qxzjvkwy ") for _ in range(160))}) + "\n" for _ in range(6)))
+    (dest / "noise_text.jsonl").write_text("".join(json.dumps({"text": "".join(rng.choice("@#~^|{}[]<>%&*+=") for _ in range(120))}) + "\n" for _ in range(6)))
     (dest / "noise_text.yaml").write_text("task: noise_text\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: noise_text.jsonl\ntest_split: test\n"
                                           "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n"
                                           "  - metric: bits_per_byte\n    aggregation: bits_per_byte\n    higher_is_better: false\n")
