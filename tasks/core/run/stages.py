@@ -25,7 +25,7 @@ push (the final checkpoint of each training stage). No run-directory literal is 
     <run_root>/eval/benchmark/          benchmark: lm-eval scores of base and export, the tasks' YAMLs and data
     <run_root>/eval/benchmark-base/     the base's scores per base manifest, tasks and settings (run once per base)
     <artifact>.tmp-build/               an artifact being built, swapped into place when whole
-    <dir>.superseded-<UTC time>/        checkpoints of another config, moved aside (never deleted)
+    <dir>.superseded-<UTC time>/        checkpoints of another config, or what sat in an artifact's place that the flow did not write: moved aside (never deleted)
     <staging>/jobs/<stage>-<verb>.json  the job file of each engine launch
     <staging>/data-cache/<stage>/       prepare_data's shards, kept across failures and re-runs
 """
