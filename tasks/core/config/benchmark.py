@@ -64,4 +64,9 @@ class BenchmarkLimit(Frozen):
         return self
 
 
-GateBenchmarks = dict[str, BenchmarkLimit]
+class GateBenchmarkFields(Frozen):
+    """The gate's field for the benchmark (GateConfig derives from this, beside its other thresholds)."""
+
+    benchmarks: dict[str, BenchmarkLimit] = Field(default_factory=dict, description=(
+        "Limits on the benchmark stage's scores, {task: {metric, max_drop, min, max}}, e.g. {veyra_facts: {metric: acc, max_drop: 2.0}}: "
+        "every task named must be in benchmark.tasks."))

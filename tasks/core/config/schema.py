@@ -6,9 +6,8 @@ the task writes. Print the JSON schema of the run form with:
 
     python -c "from tasks.core.config.schema import RunConfig; import json; print(json.dumps(RunConfig.model_json_schema())[:400])"
 
-What a single field accepts (types, bounds, registered plugin and backend names) is checked here;
-rules across fields (`tasks.core.config.layout`, the gate's held-out sets) by the loader; rules that
-need the base model's config.json or the machine in `tasks.core.preflight.checks`.
+What a single field accepts (types, bounds, registered plugin and backend names) is checked here; rules across fields
+(`tasks.core.config.layout`, the gate's held-out sets) by the loader; those that need the base's config.json or the machine in pre-flight.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, model_va
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.base import Frozen
 from tasks.core.config.batching import BATCHING
-from tasks.core.config.benchmark import BenchmarkConfig, GateBenchmarks
+from tasks.core.config.benchmark import BenchmarkConfig, GateBenchmarkFields
 from tasks.core.config.kernels import names as kernel_names
 from tasks.core.config.kernels import summaries as kernel_summaries
 from tasks.core.config.kernels import unknown as unknown_kernels
@@ -381,7 +380,7 @@ class ExportConfig(Frozen):
         "a conversation; pad_token_id set from the tokenizer. false keeps the base model's generation config as it is."))
 
 
-class GateConfig(Frozen):
+class GateConfig(GateBenchmarkFields):  # benchmarks: the limits on the benchmark stage's scores
     enabled: bool = Field(default=True, description=(
         "Check the thresholds below before push_to_hub; a failed gate skips the push and keeps every artifact. "
         "false lets every run through (metrics are still computed and recorded)."))
@@ -396,9 +395,6 @@ class GateConfig(Frozen):
         "and every greedy generation of a held-out prompt ends at an eos token within max_new_tokens."))
     max_new_tokens: int = Field(default=256, ge=1, description="Generation check: the most tokens a reply may take before it must have stopped.")
     num_prompts: int = Field(default=4, ge=1, description="Generation check: how many held-out SFT prompts (messages up to the last user turn) are decoded greedily.")
-    benchmarks: GateBenchmarks = Field(default_factory=dict, description=(
-        "Limits on the benchmark stage's scores, {task: {metric, max_drop, min, max}}, e.g. {veyra_facts: {metric: acc, max_drop: 2.0}}: "
-        "every task named must be in benchmark.tasks."))
 
 
 class HubConfig(Frozen):
