@@ -37,6 +37,7 @@ from prefect import flow, get_run_logger
 from prefect.states import Cancelled, Completed, Failed
 
 from tasks import tracking, ui
+from tasks.benchmark import benchmark
 from tasks.core.config.load import load_config
 from tasks.core.config.overrides import RunOverrides
 from tasks.core.config.paths import resolve_local
@@ -149,7 +150,8 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
         sft = stage("train_sft", train_sft, cfg, b0, handle)
         export = stage("export", export_hf, cfg, sft)
         sft_eval = stage("evaluate_sft", evaluate_sft, cfg, bridge, export, handle)  # pre-SFT vs SFT, generation check
-        verdict = stage("gate", gate, cfg, cpt_eval, sft_eval)
+        scores = stage("benchmark", benchmark, cfg, base, export, handle)  # lm-eval on local tasks, base vs export
+        verdict = stage("gate", gate, cfg, cpt_eval, sft_eval, scores)
         if verdict.status == Status.FAILED_GATE:
             results["push_to_hub"] = held_back(cfg, verdict)
         else:

@@ -46,6 +46,7 @@ from tasks.core.config.tracking import check_uri, redact
 from tasks.core.data.records import head_records, text_problem
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import HubToken
+from tasks.core.preflight.benchmark import check_benchmark
 from tasks.core.preflight.eval_memory import check_eval_memory
 from tasks.core.preflight.kernels import check_kernels
 from tasks.core.preflight.memory import check_memory
@@ -406,6 +407,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_resume,
     check_memory,
     check_eval_memory,
+    check_benchmark,
     check_hub,
     check_model_family,
     check_lora_targets,
