@@ -37,6 +37,7 @@ from prefect import flow, get_run_logger
 from prefect.states import Cancelled, Completed, Failed
 
 from tasks import tracking, ui
+from tasks.benchmark import benchmark
 from tasks.core.config.load import load_config
 from tasks.core.config.overrides import RunOverrides
 from tasks.core.config.paths import resolve_local
@@ -149,7 +150,8 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
         sft = stage("train_sft", train_sft, cfg, b0, handle)
         export = stage("export", export_hf, cfg, sft)
         sft_eval = stage("evaluate_sft", evaluate_sft, cfg, bridge, export, handle)  # pre-SFT vs SFT, generation check
-        verdict = stage("gate", gate, cfg, cpt_eval, sft_eval)
+        scores = stage("benchmark", benchmark, cfg, base, export, handle)  # lm-eval on local tasks, base vs export
+        verdict = stage("gate", gate, cfg, cpt_eval, sft_eval, scores)
         if verdict.status == Status.FAILED_GATE:
             results["push_to_hub"] = held_back(cfg, verdict)
         else:
@@ -319,6 +321,7 @@ def _run(args: argparse.Namespace) -> int:
     import gc
 
     from flows.console import console_guard
+    from tasks.console_log import one_line_failures
 
     # The imports of a run (torch, transformers, Prefect: about 450k objects) live until the process
     # exits, where the interpreter's final collections would walk them all: 1.4-1.7 s of CPU (2-4 s
@@ -327,7 +330,9 @@ def _run(args: argparse.Namespace) -> int:
     # later, they run first), they are left to the OS.
     atexit.unregister(gc.freeze)  # once per process, however often main() runs in it
     atexit.register(gc.freeze)
-    with console_guard():  # to the last line printed: a run outlives the reader of its output
+    # To the last line printed: a run outlives the reader of its output, and a failure is that one
+    # line (the traceback is in the task run's log, tasks/console_log.py).
+    with console_guard(), one_line_failures():
         return _run_flow(args)
 
 

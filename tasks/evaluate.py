@@ -145,7 +145,7 @@ def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult, track
 
 
 @task(name="gate", task_run_name="gate before push")
-def gate(cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult) -> StageResult:
+def gate(cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult, bench_eval: StageResult | None = None) -> StageResult:
     """Status `passed`, `failed-gate` or `disabled`; detail is the verdict (checks and reasons).
 
     Not an artifact: a pure decision over recorded metrics and `gate:`, taken on every run, so
@@ -154,7 +154,8 @@ def gate(cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult) -> StageR
     logger = get_run_logger()
     started = time.monotonic()
     cpt, sft = cpt_eval.detail.get("metrics"), sft_eval.detail.get("metrics")
-    verdict = rules.gate_verdict(cfg.gate, cpt, sft)
+    scores = bench_eval.detail.get("metrics") if bench_eval is not None else None
+    verdict = rules.gate_verdict(cfg.gate, cpt, sft, scores)
     for c in verdict["checks"]:
         logger.info("gate: %s %s: %s", "pass" if c["ok"] else "FAIL", c["check"], c["message"])
     status = Status.DISABLED if not cfg.gate.enabled else (Status.PASSED if verdict["passed"] else Status.FAILED_GATE)
@@ -168,6 +169,10 @@ def gate(cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult) -> StageR
         create_table_artifact(rules.metrics_table(cpt, sft, verdict), key=EVAL_TABLE_KEY, description=f"Held-out evaluation and the publish gate: {status}")
     except Exception as exc:
         logger.warning("evaluation table artifact unavailable: %s", exc)
+    if scores:
+        from tasks.benchmark import show
+
+        show(scores, verdict)  # the benchmark table again, with the gate's word per task
     return StageResult("gate", status, seconds=time.monotonic() - started, detail=verdict)
 
 
@@ -181,13 +186,13 @@ def held_back(cfg: RunConfig, verdict: StageResult) -> StageResult:
 
 
 def recorded_metrics(results: dict[str, StageResult]) -> dict[str, dict[str, Any] | None]:
-    """{"cpt": metrics | None, "sft": metrics | None} from this run's stage results (skipped
-    evaluations carry the metrics recorded in their manifests): run.json's "evaluation" and the
-    input of `tasks.core.evaluation.heldout.eval_results_for_card`."""
+    """{"cpt": metrics | None, "sft": metrics | None, "benchmark": metrics | None} from this run's
+    stage results (skipped evaluations carry the metrics recorded in their manifests): run.json's
+    "evaluation" and the input of the card's model-index (`tasks.core.evaluation.verdict.eval_results_for_card`)."""
     out: dict[str, dict[str, Any] | None] = {}
-    for stage in ("cpt", "sft"):
-        r = results.get(f"evaluate_{stage}")
-        out[stage] = r.detail.get("metrics") if r is not None else None
+    for key, stage in (("cpt", "evaluate_cpt"), ("sft", "evaluate_sft"), ("benchmark", "benchmark")):
+        r = results.get(stage)
+        out[key] = r.detail.get("metrics") if r is not None else None
     return out
 
 

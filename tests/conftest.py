@@ -133,6 +133,8 @@ def tiny_config_raw(model_dir: Path, run_root: Path, **stage_overrides) -> dict:
     # generation check) in padded's random order of the chats, not always in grouped's; the
     # engine tests and `make demo` (30 steps) train grouped, the default.
     raw["sft"].setdefault("batching", "padded")
+    # The benchmark stage runs in the session's demo run (`demo_run`), not in every flow test.
+    raw.pop("benchmark", None)
     return raw
 
 
@@ -222,6 +224,8 @@ def demo_run(prefect_harness, mlflow_server, eos_doc_end_model, tmp_path_factory
     raw = tiny_config_raw(eos_doc_end_model, tmp / "run")
     raw["tracking"] = {"mlflow": {"uri": mlflow_server.uri, "experiment": DEMO_EXPERIMENT}}
     raw["cpt"]["eval"] = {"heldout_sources": [{"name": "general", "uri": str(REPO / "data" / "sample" / "general.jsonl")}]}
+    # lm-eval on the shipped local tasks, base vs export (tests/test_benchmark_flow.py)
+    raw["benchmark"] = {"tasks": [str(REPO / "data" / "sample" / "benchmarks" / f"{t}.yaml") for t in ("veyra_facts", "general_text")], "num_fewshot": 0}
     # Every logits check of the run (load_from_hf, unshard, export) streams the model a layer at a
     # time (tasks/core/models/stream.py): the export test compares it with plain transformers.
     raw["verify_memory_gb"] = 1e-6

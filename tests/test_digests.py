@@ -27,9 +27,9 @@ from tasks.core.run.stages import NEVER_DIGESTED, STAGE, STAGES
 from tests.conftest import tiny_config_raw
 
 ARTIFACT_STAGES = tuple(s.name for s in STAGES if s.artifact is not None)
-CPT_AND_BELOW = {"boost_and_shard", "train_cpt", "unshard", "evaluate_cpt", "reboost", "train_sft", "export", "evaluate_sft"}
-SFT_AND_BELOW = {"reboost", "train_sft", "export", "evaluate_sft"}
-EXPORT_AND_BELOW = {"export", "evaluate_sft"}
+CPT_AND_BELOW = {"boost_and_shard", "train_cpt", "unshard", "evaluate_cpt", "reboost", "train_sft", "export", "evaluate_sft", "benchmark"}
+SFT_AND_BELOW = {"reboost", "train_sft", "export", "evaluate_sft", "benchmark"}
+EXPORT_AND_BELOW = {"export", "evaluate_sft", "benchmark"}
 
 # Settings that change how a stage runs, never the bytes it writes: nothing runs again.
 NOTHING_RERUNS = {
@@ -56,6 +56,7 @@ RERUNS = {
     "cpt.eval.batch_size": (lambda raw: raw["cpt"].update(eval={"batch_size": 3}), {"evaluate_cpt"}),
     "sft.eval.dtype": (lambda raw: raw["sft"].update(eval={**raw["sft"].get("eval", {}), "dtype": "bf16"}), {"evaluate_sft"}),
     "gate.num_prompts": (lambda raw: raw["gate"].update(num_prompts=2), {"evaluate_sft"}),
+    "benchmark.num_fewshot": (lambda raw: raw.update(benchmark={**raw.get("benchmark", {}), "num_fewshot": 3}), {"benchmark"}),
     "cpt.data.text_field": (lambda raw: raw["cpt"]["data"].update(text_field="body"), {"prepare_cpt"} | CPT_AND_BELOW),
     # held-out-only sources live in data/cpt/ beside the held-out split, so CPT re-runs: decide them before the run (README)
     "cpt.eval.heldout_sources": (lambda raw: raw["cpt"].update(eval={"heldout_sources": [{"name": "general", "uri": "g.jsonl"}]}), {"prepare_cpt"} | CPT_AND_BELOW),
@@ -245,6 +246,11 @@ def test_each_recorded_digest_is_what_the_function_computes(demo_run):
         spec = STAGE[name]
         if spec.continues:
             assert recorded[name] == recorded[spec.continues]
+        elif spec.name == "benchmark":  # its digest also covers the task files and lm-eval's version
+            from tasks.core.evaluation.benchmark import fingerprint, lm_eval_version, read_task
+
+            inputs = {"tasks": fingerprint([read_task(u) for u in cfg.benchmark.tasks]), "lm_eval": lm_eval_version()}
+            assert config_digest(cfg, name, {p: contents[p] for p in spec.parents}, inputs) == recorded[name], name
         elif spec.name not in ("prepare_cpt", "prepare_sft"):  # prepare's digest also covers its input files
             assert config_digest(cfg, name, {p: contents[p] for p in spec.parents}) == recorded[name], name
     # The model above, with the real content digests, agrees with itself for the settings tested.

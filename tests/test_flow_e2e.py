@@ -387,7 +387,7 @@ def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
     cpt = json.loads((run_root / "eval/cpt" / MANIFEST).read_text())["meta"]["metrics"]
     sft_manifest = json.loads((run_root / "eval/sft" / MANIFEST).read_text())
     sft = sft_manifest["meta"]["metrics"]
-    assert summary["evaluation"] == {"cpt": cpt, "sft": sft}
+    assert summary["evaluation"] == {"cpt": cpt, "sft": sft, "benchmark": None}  # no benchmark.tasks in this scenario
     # CPT on the CPT domain: the held-out perplexity dropped below the base model's.
     assert cpt["cpt"]["perplexity"] < cpt["base"]["perplexity"] and cpt["perplexity_change_pct"] < 0, cpt
     assert sft["sft"]["loss"] < sft["pre_sft"]["loss"], sft

@@ -59,6 +59,8 @@ def test_flow_writes_tensorboard_and_one_mlflow_run_with_two_stage_runs(demo_run
         assert child.info.status == "FINISHED"
     # the evaluation stages' metrics: the parent run and the evaluation artifacts' event files
     assert parent.data.metrics["eval.cpt.cpt.perplexity"] > 1 and parent.data.metrics["eval.sft.sft.loss"] > 0
+    acc = demo_run.summary["evaluation"]["benchmark"]["tasks"]["veyra_facts"]["acc"]
+    assert (parent.data.metrics["eval.benchmark.tasks.veyra_facts.acc.base"], parent.data.metrics["eval.benchmark.tasks.veyra_facts.acc.export"]) == (acc["base"], acc["export"])
     assert read_scalars(run_root / "eval" / "cpt" / "tensorboard")["eval/cpt.perplexity"][0][0] == STEPS
     assert "eval/sft.loss" in read_scalars(run_root / "eval" / "sft" / "tensorboard")
 

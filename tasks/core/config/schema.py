@@ -6,9 +6,8 @@ the task writes. Print the JSON schema of the run form with:
 
     python -c "from tasks.core.config.schema import RunConfig; import json; print(json.dumps(RunConfig.model_json_schema())[:400])"
 
-What a single field accepts (types, bounds, registered plugin and backend names) is checked here;
-rules across fields (`tasks.core.config.layout`, the gate's held-out sets) by the loader; rules that
-need the base model's config.json or the machine in `tasks.core.preflight.checks`.
+What a single field accepts (types, bounds, registered plugin and backend names) is checked here; rules across fields
+(`tasks.core.config.layout`, the gate's held-out sets) by the loader; those that need the base's config.json or the machine in pre-flight.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, model_va
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.base import Frozen
 from tasks.core.config.batching import BATCHING
+from tasks.core.config.benchmark import BenchmarkConfig, GateBenchmarkFields
 
 # The data sections live in config/data.py; importers keep reading them here.
 from tasks.core.config.data import MAIN_SOURCE, SOURCE_NAME, DataConfig, DataSource, HeldoutSource, LocalClusterConfig, TokenizeConfig  # noqa: F401
@@ -283,7 +283,7 @@ class ExportConfig(Frozen):
         "a conversation; pad_token_id set from the tokenizer. false keeps the base model's generation config as it is."))
 
 
-class GateConfig(Frozen):
+class GateConfig(GateBenchmarkFields):  # benchmarks: the limits on the benchmark stage's scores
     enabled: bool = Field(default=True, description=(
         "Check the thresholds below before push_to_hub; a failed gate skips the push and keeps every artifact. "
         "false lets every run through (metrics are still computed and recorded)."))
@@ -332,6 +332,7 @@ class RunConfig(Frozen):
     cpt: StageConfig = Field(description="Continued pre-training: packed raw text under plugin A.")
     sft: StageConfig = Field(description="Supervised fine-tuning: chat records, loss on assistant tokens, under plugin B.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="The HF safetensors export.")
+    benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig, description="lm-evaluation-harness scores of the base and the export on local tasks, before the gate.")
     gate: GateConfig = Field(default_factory=GateConfig, description="Thresholds the evaluation must meet before the export is pushed to the Hub.")
     hub: HubConfig | None = Field(default=None, description="Push the export to this Hub repo; None skips the push.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Experiment tracking: MLflow when tracking.mlflow.uri is set (TensorBoard event files are always written).")

@@ -18,7 +18,6 @@ fp32 on CPU.
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import json
 import math
@@ -32,6 +31,7 @@ from tasks.core.config.kernels import cuda_available
 from tasks.core.config.schema import EvalConfig, ExportConfig
 from tasks.core.data.samples import IGNORE_INDEX, encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
 from tasks.core.evaluation import placement as where
+from tasks.core.evaluation import release
 from tasks.core.models.fingerprint import torch_dtype
 
 if TYPE_CHECKING:
@@ -67,11 +67,16 @@ def load_model(model_dir: str | Path, dtype: str, device: torch.device, trust_re
     if placement is not None and placement.kind == "refused":
         raise ValueError(f"{model_dir} cannot be evaluated on this node's GPUs: {placement.problem}; set eval.dtype: bf16 (half of fp32), "
                          "a smaller eval.batch_size, or run the evaluation on a node with more GPU memory")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     kwargs = dict(torch_dtype=torch_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True)
     if placement is not None and placement.device_map is not None:  # straight onto the GPU(s), never whole in host memory
         return AutoModelForCausalLM.from_pretrained(model_dir, device_map=placement.device_map, max_memory=placement.max_memory or None, **kwargs).eval()
+    if device.type == "cpu" and any(Path(model_dir).glob("*.safetensors")):  # one copy of the weights, never two
+        model = release.load_on_cpu(model_dir, kwargs["torch_dtype"], trust_remote_code)
+        if (Path(model_dir) / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(model_dir)
+        return model.eval()
     return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).to(device).eval()
 
 
@@ -86,17 +91,7 @@ def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
 
-def _release(gone: weakref.ref) -> None:
-    """Give back what a model held once the caller has dropped its last name for it. A plain model
-    goes by refcount alone; one with reference cycles (accelerate's dispatch hooks bind each module's
-    forward to the module) needs the collector, whose full pass scans every object of a long-lived
-    process (seconds in a flow process that has run many stages), so it runs only then."""
-    import torch
-
-    if gone() is not None:
-        gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+_release = release.release  # after the last name for a model is dropped: collect only if it lives on, trim the heap
 
 
 def same_tokenizer(a: Path, b: Path) -> None:

@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 from tasks.core.config.schema import GateConfig
+from tasks.core.evaluation.benchmark import gate_checks as benchmark_checks
 
 
 def _per_source(limits: dict[str, float], cpt: dict[str, Any] | None, check) -> None:
@@ -41,7 +42,7 @@ def _per_source(limits: dict[str, float], cpt: dict[str, Any] | None, check) -> 
               source=name, before=before, after=after, change_pct=change, limit_pct=limit)
 
 
-def gate_verdict(gate: GateConfig, cpt: dict[str, Any] | None, sft: dict[str, Any] | None) -> dict[str, Any]:
+def gate_verdict(gate: GateConfig, cpt: dict[str, Any] | None, sft: dict[str, Any] | None, bench: dict[str, Any] | None = None) -> dict[str, Any]:
     """{"enabled", "passed", "reasons", "checks"}: every configured check, each with its numbers.
 
     A disabled gate passes but still lists what each check found.
@@ -75,6 +76,7 @@ def gate_verdict(gate: GateConfig, cpt: dict[str, Any] | None, sft: dict[str, An
         else:
             msg = f"{gen['stopped']} of {gen['prompts']} greedy generations stopped within {gen['max_new_tokens']} tokens"
             check("generation_stops", gen["passed"], "; ".join([msg, *gen["problems"]]), stopped=gen["stopped"], prompts=gen["prompts"])
+    benchmark_checks(gate.benchmarks, bench, check)
     failed = [c["message"] for c in checks if not c["ok"]]
     return {"enabled": gate.enabled, "passed": (not failed) or not gate.enabled, "reasons": failed if gate.enabled else [], "checks": checks}
 

@@ -19,6 +19,7 @@ from typing import Any
 from tasks.core.config.kernels import describe
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.truncation import describe as describe_truncation
+from tasks.core.evaluation.benchmark import card_results as benchmark_card_results
 from tasks.core.evaluation.verdict import eval_results_for_card, metrics_table
 from tasks.core.hub.repo import hub_dataset_id, is_hub_id
 from tasks.core.run.manifest import MANIFEST
@@ -147,7 +148,7 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
     from huggingface_hub import ModelCard, ModelCardData
 
     hub = cfg.hub
-    eval_results = eval_results_for_card(metrics or {})
+    eval_results = eval_results_for_card(metrics or {}) + benchmark_card_results((metrics or {}).get("benchmark"))
     datasets = sorted({d for u in (*cfg.cpt.data.uris, *cfg.sft.data.uris) if (d := hub_dataset_id(u))})
     data = ModelCardData(
         base_model=cfg.base_model.uri if is_hub_id(cfg.base_model.uri) else None,

@@ -43,13 +43,14 @@ from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.config.tracking import FIELD as TRACKING_FIELD
 from tasks.core.config.tracking import check_uri, redact
-from tasks.core.data.records import head_records
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import HubToken
+from tasks.core.preflight.benchmark import check_benchmark
+from tasks.core.preflight.data import check_data
 from tasks.core.preflight.eval_memory import check_eval_memory
 from tasks.core.preflight.kernels import check_kernels
 from tasks.core.preflight.memory import check_memory
-from tasks.core.preflight.mixture import check_mixture_weights, check_source_epochs, warn_not_data
+from tasks.core.preflight.mixture import check_mixture_weights, check_source_epochs
 from tasks.core.preflight.model_files import check_lora_targets, check_model_files
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.report import CheckContext, PreflightReport
@@ -94,7 +95,7 @@ def load_for_check(path: str | Path, overrides: dict[str, Any] | None = None) ->
 
 
 def check_static_rules(ctx: CheckContext) -> None:
-    """The config's own rules (ZeRO needs bf16/fp16, tp/pp need hybrid_parallel, world size)."""
+    """The config's own rules (hybrid_parallel ZeRO refuses fp32, tp/pp need hybrid_parallel, world size)."""
     before = len(ctx.report.problems)
     for stage in ("cpt", "sft"):
         for where, msg in plugin_problems(getattr(ctx.cfg, stage), stage):
@@ -262,74 +263,6 @@ def check_chat_template(ctx: CheckContext) -> None:
         ctx.ok("tokenizer: chat template present")
 
 
-def check_data(ctx: CheckContext) -> None:
-    """Each dataset exists and its first records have the fields and roles the stage needs."""
-    from tasks.core.data.inputs import InputError, resolve_inputs
-    from tasks.core.data.samples import validate_messages  # the SFT record rules, defined once
-
-    datasets = []
-    for name in ("cpt", "sft"):
-        st = getattr(ctx.cfg, name)
-        for i, src in enumerate(st.data.source_list):  # each source of a mixture on its own, named by its field
-            datasets.append((name, f"{name}.data.uri" if st.data.sources is None else f"{name}.data.sources[{i}] ({src.name}).uri", src.uris))
-        if st.eval.heldout_uri:
-            datasets.append((name, f"{name}.eval.heldout_uri", [st.eval.heldout_uri]))
-        for i, src in enumerate(st.eval.heldout_sources or ()):  # held out only: evaluated, never trained on
-            datasets.append((name, f"{name}.eval.heldout_sources[{i}] ({src.name}).uri", src.uris))
-    for name, where, raw_uris in datasets:
-        d = getattr(ctx.cfg, name).data
-        # Every file is listed (a glob matching nothing, an empty directory, an unreadable file is
-        # refused here); only the first file's head is read: prepare_data reads every record.
-        try:
-            inputs = resolve_inputs([resolve_local(u) for u in raw_uris], checksums=False, label=where, formats=d.folder_formats, skipped=(not_data := []))
-        except (InputError, ValueError, OSError) as exc:  # InputError: no file, an empty glob/dir; ValueError: an unknown format
-            ctx.problem(where, str(exc).removeprefix(f"{where}: "))
-            continue
-        warn_not_data(ctx, where, not_data, f"{name}.data.formats", d.formats)  # a directory's files that are not data: said once
-        # The head sampled is the first file's that holds a record: an empty file among good ones
-        # is warned about and counted, as prepare_data does, not refused.
-        empty, records, uri, failed = [i.uri for i in inputs if i.size == 0], [], inputs[0].uri, False
-        for inp in (i for i in inputs if i.size):
-            uri = inp.uri
-            try:
-                records = head_records(uri)
-            except (ValueError, UnicodeDecodeError, OSError) as exc:
-                ctx.problem(where, str(exc))
-                failed = True
-                break
-            if records:
-                break
-            empty.append(uri)
-        if failed:
-            continue
-        if not records:
-            ctx.problem(where, f"{uri} holds no records" if len(inputs) == 1 else f"none of its {len(inputs)} files holds a record ({uri}, ...)")
-            continue
-        if empty:
-            ctx.warn(f"{where}: {len(empty)} empty input file(s) (0 bytes or no record) add nothing: {', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''}")
-        for lineno, rec in records:
-            at = f"{uri}:{lineno}"
-            if name == "cpt":
-                if not isinstance(rec.get(d.text_field), str):
-                    ctx.problem("cpt.data.text_field", f"{at}: no string field {d.text_field!r} (fields: {sorted(rec)}); set cpt.data.text_field to the field holding the text")
-                    failed = True
-            elif d.messages_field not in rec:
-                ctx.problem("sft.data.messages_field", f"{at}: no field {d.messages_field!r} (fields: {sorted(rec)}); set sft.data.messages_field to the field holding the chat")
-                failed = True
-            else:
-                try:
-                    validate_messages(rec[d.messages_field])
-                except ValueError as exc:
-                    ctx.problem(where, f"{at}: {exc}")
-                    failed = True
-            if failed:
-                break  # one example per dataset is enough to say what is wrong
-        if not failed:
-            what = f"field {d.text_field!r} is text" if name == "cpt" else f"{d.messages_field!r} have valid roles and an assistant turn"
-            more = f" (+{len(inputs) - 1} more files, {sum(i.size for i in inputs) / 1e6:.1f} MB in all)" if len(inputs) > 1 else ""
-            ctx.ok(f"{name} data {uri}{more}: first {len(records)} record(s) parse, {what}")
-
-
 def check_model_family(ctx: CheckContext) -> None:
     """The base model's model_type is in the family registry: the unshard after CPT and the export
     convert checkpoints by its tensor table, so an unknown family would fail only after CPT."""
@@ -408,6 +341,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_resume,
     check_memory,
     check_eval_memory,
+    check_benchmark,
     check_hub,
     check_model_family,
     check_lora_targets,

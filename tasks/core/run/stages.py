@@ -22,6 +22,8 @@ push (the final checkpoint of each training stage). No run-directory literal is 
     <run_root>/export/                  export
     <run_root>/export-adapter/          export, with sft.lora: the adapter alone in peft's layout
     <run_root>/eval/sft/                evaluate_sft
+    <run_root>/eval/benchmark/          benchmark: lm-eval scores of base and export, the tasks' YAMLs and data
+    <run_root>/eval/benchmark-base/     the base's scores per base manifest, tasks and settings (run once per base)
     <artifact>.tmp-build/               an artifact being built, swapped into place when whole
     <dir>.superseded-<UTC time>/        checkpoints of another config, or what sat in an artifact's place that the flow did not write: moved aside (never deleted)
     <staging>/jobs/<stage>-<verb>.json  the job file of each engine launch
@@ -56,6 +58,7 @@ RUN_JSON = "run.json"  # the run's record: every stage's status, artifact and ma
 LEASE = ".lease.json"
 BASE = "base"
 EXPORT = "export"
+BENCHMARK_BASE = "eval/benchmark-base"  # <key>.json: the base model's benchmark scores, reused while base, tasks and settings match
 # A LoRA run's adapter alone (adapter_config.json, adapter_model.safetensors): an artifact of its
 # own that the export stage writes beside export/, never inside it, so no loader of the merged
 # weights meets an adapter (tasks/core/models/folder.py).
@@ -244,6 +247,8 @@ STAGES: tuple[StageSpec, ...] = (
     # The thresholds of `gate:` only decide the verdict; the generation check's size is evaluated.
     StageSpec("evaluate_sft", "eval/sft", source=EXPORT, digest=(*_eval_fields("sft"), "gate.max_new_tokens", "gate.num_prompts"),
               parents=("unshard", "export")),
+    # lm-eval on local tasks: the task files' sha256 and lm-eval's version come in as run-time inputs.
+    StageSpec("benchmark", "eval/benchmark", source=EXPORT, digest=("benchmark", "base_model.trust_remote_code"), parents=("load_from_hf", "export")),
     StageSpec("gate", None),
     StageSpec("push_to_hub", None, source=EXPORT),
 )
