@@ -83,6 +83,10 @@ class Chunk:
     def order(self) -> tuple[int, int]:
         return self.file, self.n
 
+    @property
+    def label(self) -> str:
+        return f"{self.inp.uri} chunk {self.n} ({'row' if self.mode == 'rows' else 'line'} {self.first_line:,})"
+
     def key(self, spec: ShardSpec) -> str:
         what = [self.inp.uri, self.inp.fmt, self.first_line, self.digest]
         return hashlib.sha256(json.dumps({"chunk": what, **spec.key_fields()}, sort_keys=True).encode()).hexdigest()[:32]
@@ -110,6 +114,10 @@ class Whole:
     @property
     def order(self) -> tuple[int, int]:
         return self.file, 0
+
+    @property
+    def label(self) -> str:
+        return self.inp.uri
 
 
 @dataclass(frozen=True)
