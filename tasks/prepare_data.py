@@ -192,8 +192,9 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     logger.info("%s: %d input files (%.1f MB), %d to tokenize, %d reused from %s", name, len(p.inputs), sum(f.size for f in p.inputs) / 1e6, len(p.todo), len(p.inputs) - len(p.todo), cache)
     if p.todo:
         width = tokenize_width(d.tokenize)
-        c = chunks.chunk_size(sum(p.inputs[i].size for i in p.todo), width, int(d.tokenize.chunk_mb * 2**20))
-        units = sum(max(1, -(-p.inputs[i].size // c)) for i in p.todo)
+        sizes = [p.inputs[i].size for i in p.todo]
+        c = chunks.chunk_size(sizes, width, int(d.tokenize.chunk_mb * 2**20))
+        units = chunks.units(sizes, c)
         runner = task_runner_for(d.tokenize, units, width)
         with worker_api():
             tokenize_files.with_options(task_runner=runner)(stage, len(p.todo), p.inputs, p.todo, p.spec, str(tok_dir), str(cache), c, min(width, units))

@@ -164,10 +164,11 @@ def test_a_prepare_killed_after_some_chunks_reruns_only_the_missing_ones(tokdir,
 
 def test_chunk_size_gives_every_worker_work_and_keeps_the_grid_for_large_corpora():
     mib = 2**20
-    assert ck.chunk_size(200 * mib, 2, 64 * mib) == 16 * mib  # 13 chunks for 2 workers
-    assert ck.chunk_size(100 * 2**30, 64, 64 * mib) == 64 * mib
-    assert ck.chunk_size(3 * mib, 8, 64 * mib) == mib  # not below 1 MiB unless asked
-    assert ck.chunk_size(3 * mib, 1, 64 * mib) == 64 * mib
+    assert ck.chunk_size([200 * mib], 2, 64 * mib) == 16 * mib  # 13 chunks for 2 workers
+    assert ck.chunk_size([12 * mib] * 8, 2, 64 * mib) == 64 * mib  # 8 files are work enough: none is split
+    assert ck.chunk_size([100 * 2**30], 64, 64 * mib) == 64 * mib
+    assert ck.chunk_size([3 * mib], 8, 64 * mib) == mib  # not below 1 MiB unless asked
+    assert ck.chunk_size([3 * mib], 1, 64 * mib) == 64 * mib
 
 
 def test_text_chunks_cut_after_a_newline_and_count_every_line_end(tmp_path):

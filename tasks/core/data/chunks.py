@@ -57,11 +57,16 @@ def chunk_dir(out_dir: Path, key: str) -> Path:
     return Path(out_dir) / CHUNKS / key
 
 
-def chunk_size(todo_bytes: int, workers: int, chunk_bytes: int) -> int:
-    """`chunk_bytes`, halved (not below 1 MiB) while the files to tokenize give fewer than PER_WORKER
-    chunks per worker. A large corpus keeps the fixed grid, so a grown file re-uses its chunks."""
+def units(sizes: list[int], c: int) -> int:
+    """How many files and chunks files of `sizes` give at chunk size `c` (about: a chunk ends at a newline)."""
+    return sum(max(1, -(-size // c)) for size in sizes)
+
+
+def chunk_size(sizes: list[int], workers: int, chunk_bytes: int) -> int:
+    """`chunk_bytes`, halved (not below 1 MiB) while the files to tokenize (their `sizes`) give fewer than
+    PER_WORKER files and chunks per worker. A large corpus keeps the fixed grid, so a grown file re-uses its chunks."""
     c = max(int(chunk_bytes), 1)
-    while workers > 1 and c // 2 >= MIN_SPLIT and todo_bytes < PER_WORKER * workers * c:
+    while workers > 1 and c // 2 >= MIN_SPLIT and units(sizes, c) < PER_WORKER * workers:
         c //= 2
     return c
 

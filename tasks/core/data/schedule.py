@@ -169,9 +169,9 @@ class Pool:
 def run(inputs: list[InputFile], todo: list[int], spec: ShardSpec, tokenizer_dir: str, out_dir: str | Path, workers: int,
         chunk_bytes: int, progress: Callable[[dict], None] | None = None) -> dict[int, dict]:
     """Tokenize inputs[todo] (chunked where larger than the chunk size) on `workers` processes (1: here)."""
-    c = ck.chunk_size(sum(inputs[i].size for i in todo), workers, chunk_bytes)
-    units = sum(max(1, -(-inputs[i].size // c)) for i in todo)
-    width = min(workers, units)
+    sizes = [inputs[i].size for i in todo]
+    c = ck.chunk_size(sizes, workers, chunk_bytes)
+    width = min(workers, ck.units(sizes, c))
     work = ck.work(inputs, todo, spec, Path(out_dir), c, largest_first=width > 1)
     if width <= 1:
         return drive(work, InProcess(spec, tokenizer_dir, str(out_dir)), 1, spec, out_dir, progress)
