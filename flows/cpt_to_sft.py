@@ -319,6 +319,7 @@ def _run(args: argparse.Namespace) -> int:
     import gc
 
     from flows.console import console_guard
+    from tasks.console_log import one_line_failures
 
     # The imports of a run (torch, transformers, Prefect: about 450k objects) live until the process
     # exits, where the interpreter's final collections would walk them all: 1.4-1.7 s of CPU (2-4 s
@@ -327,7 +328,9 @@ def _run(args: argparse.Namespace) -> int:
     # later, they run first), they are left to the OS.
     atexit.unregister(gc.freeze)  # once per process, however often main() runs in it
     atexit.register(gc.freeze)
-    with console_guard():  # to the last line printed: a run outlives the reader of its output
+    # To the last line printed: a run outlives the reader of its output, and a failure is that one
+    # line (the traceback is in the task run's log, tasks/console_log.py).
+    with console_guard(), one_line_failures():
         return _run_flow(args)
 
 

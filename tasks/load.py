@@ -21,6 +21,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
+from tasks.console_log import NOT_ON_CONSOLE
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError, ConversionError, ManifestError
@@ -148,7 +149,12 @@ def transient(task, task_run, state) -> bool:
     try:
         state.result()
     except Exception as exc:  # the failure itself is what is judged
-        return not cannot_heal(exc)
+        if not cannot_heal(exc):
+            return True
+        # Prefect 3.9 logs a failure's traceback only once the retries are spent, never when this
+        # condition declines them: the task run's log keeps it here (the console has the cause).
+        get_run_logger().error("not retried, the same on every try: %s: %s", type(exc).__name__, exc, exc_info=exc, extra=NOT_ON_CONSOLE)
+        return False
     return True
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.states import Failed, State
 
+from tasks.console_log import NOT_ON_CONSOLE
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import SECRET_BLOCK, HubToken, find_hub_token
@@ -72,7 +73,8 @@ def preflight(cfg: RunConfig) -> dict[str, Any] | State:
     for w in report.warnings:
         logger.warning("pre-flight: %s", w)
     if not report.ok:
-        logger.error("%s", report.text())
+        # The run's log keeps the report; the console shows it once, as the CLI's last lines.
+        logger.error("%s", report.text(), extra=NOT_ON_CONSOLE)
         return Failed(name="Refused", message=report.text(), data=report.error())
     logger.info("%s", report.text())
     return {"checked": report.checked, "warnings": report.warnings, "seconds": round(report.seconds, 3)}

@@ -43,7 +43,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 
-from tasks import ui
+from tasks import console_log, ui
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, TokenizeConfig
 from tasks.core.data import chunks
@@ -70,13 +70,22 @@ def worker_api() -> Iterator[str]:
     left to itself would start one of its own (slow, and its task runs would land in another
     database), so the URL is set explicitly for the subflow and its workers.
     """
+    import prefect.context
     from prefect import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with get_client(sync_client=True) as client:
         url = str(client.api_url).rstrip("/")
+    # The process pool forwards its workers' logs and events from a thread of its own, which sees
+    # Prefect's process-wide settings, not this thread's context: without the URL there, it started
+    # a throwaway server and the workers' task-run logs (a failure's traceback) never reached the UI.
+    prior = prefect.context.GLOBAL_SETTINGS_CONTEXT
     with temporary_settings(updates={PREFECT_API_URL: url}):
-        yield url
+        prefect.context.GLOBAL_SETTINGS_CONTEXT = prefect.context.SettingsContext.get() or prior
+        try:
+            yield url
+        finally:
+            prefect.context.GLOBAL_SETTINGS_CONTEXT = prior
 
 
 def _dask_workers(address: str, default: int = 4) -> int:
@@ -121,6 +130,7 @@ def task_runner_for(tok: TokenizeConfig, units: int, width: int | None = None):
 
 @task(name="tokenize_shard", task_run_name="tokenize {item.label}")
 def tokenize_shard(item: Chunk | Whole, spec: ShardSpec, tokenizer_dir: str, out_dir: str) -> dict[str, Any]:
+    console_log.from_environment()  # a pool or Dask worker prints to the run's console too
     if multiprocessing.parent_process() is not None:
         # A pool or Dask worker process = one core: the tokenizer's own thread pool would
         # oversubscribe the machine (set before its first use in this process).

@@ -171,7 +171,9 @@ def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.Tra
     if medians:
         get_run_logger().info("%s: median real tokens/s %.1f, padding %.1f%% of computed tokens, MFU %s", stage.upper(), medians.get("tokens_per_s", 0.0),
                               100 * medians.get("padding_frac", 0.0), f"{100 * medians['mfu']:.1f}%" if "mfu" in medians else "n/a (no known device peak)")
-    return run.done({"steps": st.max_steps, "first_loss": losses[0] if losses else None, "final_loss": final, "medians": medians}, event={"final_loss": final})
+    # "segments": the layout each stretch of steps ran under, when the stage continued under another one (docs/resume.md)
+    return run.done({"steps": st.max_steps, "first_loss": losses[0] if losses else None, "final_loss": final, "medians": medians,
+                     "segments": state.get("segments") or []}, event={"final_loss": final})
 
 
 def _stage_in_latest(store: RunStore, stage: str) -> None:

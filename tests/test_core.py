@@ -34,7 +34,7 @@ def test_shipped_configs_validate():
     "mutate, field, words",
     [
         (lambda r: r["cpt"]["plugin"].update(name="deepspeed"), "cpt.plugin.name", "hybrid_parallel"),
-        (lambda r: r["sft"]["plugin"].update(precision="fp32"), "sft.plugin.precision", "fp32 is refused"),
+        (lambda r: r["sft"]["plugin"].update(name="gemini", zero_stage=0, precision="fp32"), "sft.plugin.precision", "gemini supports precision bf16, fp16"),
         (lambda r: r["cpt"]["plugin"].update(zero_stage=1, precision="fp32"), "cpt.plugin.precision", "ZeRO"),
         (lambda r: r["sft"]["plugin"].update(tp_size=2), "sft.plugin.tp_size", "hybrid_parallel"),
         (lambda r: r["cpt"]["plugin"].update(pp_size=2), "cpt.plugin.num_microbatches", "micro-batches"),
@@ -57,7 +57,7 @@ def test_config_errors_name_the_field(mutate, field, words):
 def test_config_reports_every_problem_at_once():
     raw = tiny_raw()
     raw["cpt"]["plugin"].update(zero_stage=1, precision="fp32")
-    raw["sft"]["plugin"].update(precision="fp32")
+    raw["sft"]["plugin"].update(name="hybrid_parallel", zero_stage=1, precision="fp32")
     with pytest.raises(ConfigError) as info:
         parse_config(raw)
     assert {"cpt.plugin.precision", "sft.plugin.precision"} <= {f for f, _ in info.value.problems}

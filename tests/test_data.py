@@ -96,7 +96,7 @@ def test_pack_cpt_shapes_and_eos(tok):
 
 
 def test_pack_cpt_errors(tok):
-    with pytest.raises(ValueError, match=r"record 1: no string field 'body'"):
+    with pytest.raises(ValueError, match=r"record 1: no field 'body' \(fields: \['text'\]\); set data.text_field"):
         pack_cpt(tok, [{"body": "a"}, {"text": "b"}], text_field="body", seq_len=4)
     with pytest.raises(ValueError, match="fewer than seq_len=512"):
         pack_cpt(tok, [{"text": "tiny"}], seq_len=512)

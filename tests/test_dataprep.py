@@ -283,7 +283,7 @@ def test_bad_record_skip_counts_and_caps(tokdir, tmp_path, case):
 def test_missing_field_and_overlong_record(tokdir, tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text('{"text": "ok ok ok ok ok ok ok ok"}\n{"body": "x"}\n{"text": "' + "y" * 500 + '"}\n')
-    with pytest.raises(BadRecordError, match=r"d\.jsonl:2: no string field 'text' \(fields: \['body'\]\); set data\.text_field"):
+    with pytest.raises(BadRecordError, match=r"d\.jsonl:2: no field 'text' \(fields: \['body'\]\); set data\.text_field"):
         _prep(str(p), tokdir, tmp_path / "o1", seq_len=4)
     with pytest.raises(BadRecordError, match=r"d\.jsonl:3: the line has over 100 characters \(513\)"):
         _prep(str(p), tokdir, tmp_path / "o2", seq_len=4, max_record_chars=100, on_bad_record="skip", max_bad_records=1)

@@ -48,7 +48,7 @@ def test_the_rules_read_the_registry_row(monkeypatch):
     monkeypatch.setitem(plugins.PLUGINS, "low_level_zero", replace(base, lora=plugins.LoraSupport(refused="a dummy reason")))
     [(field, msg)] = layout_problems(stage, "sft", tiers=("static",))
     assert field == "sft.lora" and "refused under plugin low_level_zero: a dummy reason" in msg
-    assert "use plugin hybrid_parallel, torch_ddp," in msg
+    assert "set sft.plugin.name: hybrid_parallel" in msg and "set sft.plugin.name: torch_ddp" in msg and "set sft.lora: null" in msg
     monkeypatch.setitem(plugins.PLUGINS, "low_level_zero", replace(base, supports_tp_pp=True, lora=plugins.LoraSupport(tp1_reason="a tp reason")))
     assert layout_problems(stage, "sft", tiers=("static",)) == []
     tp2 = stage.model_copy(update={"plugin": stage.plugin.model_copy(update={"tp_size": 2})})

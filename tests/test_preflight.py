@@ -165,12 +165,12 @@ BAD = [
     ("pp-more-than-layers", _all(_set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 8}), _set("cpt.launch", {"nproc_per_node": 8}), _set("cpt.grad_accum_steps", 8)),
      "cpt.plugin.pp_size", "num_hidden_layers=4"),
     ("world-size-mismatch", _set("cpt.launch", {"nproc_per_node": 3}), "cpt.launch", "multiple of tp_size*pp_size"),
-    ("zero-with-fp32", _set("sft.plugin.precision", "fp32"), "sft.plugin.precision", "fp32 is refused"),
+    ("zero-with-fp32", _set("sft.plugin", {**HP, "zero_stage": 1, "precision": "fp32"}), "sft.plugin.precision", "fp32 with ZeRO is refused under hybrid_parallel"),
     ("gemini-on-cpu", _set("sft.plugin", {"name": "gemini", "precision": "bf16"}), "sft.plugin.name", "needs CUDA"),
     ("packing-under-hybrid-parallel", _all(_set("sft.plugin", HP), _set("sft.batching", "packed")), "sft.batching",
-     "packed conversations would attend to each other; pack under plugin low_level_zero, gemini, torch_ddp"),
+     "packed conversations would attend to each other; set sft.plugin.name: low_level_zero and sft.plugin.zero_stage: 1"),
     ("lora-under-gemini", _all(_set("sft.plugin", {"name": "gemini", "precision": "bf16"}), _set("sft.lora", {"r": 8})), "sft.lora",
-     "enable_lora raises NotImplementedError in colossalai 0.5.0 (ColossalAI #6138); use plugin hybrid_parallel, low_level_zero, torch_ddp"),
+     "enable_lora raises NotImplementedError in colossalai 0.5.0 (ColossalAI #6138); set sft.plugin.name: hybrid_parallel; or set sft.plugin.name: low_level_zero"),
     ("lora-under-tp2", _all(_set("sft.plugin", {**HP, "tp_size": 2}), _set("sft.launch", {"nproc_per_node": 2}), _set("sft.lora", {"r": 8})),
      "sft.plugin.tp_size", "LoRA under hybrid_parallel needs tp_size 1 (HybridParallelPlugin.enable_lora asserts tp_size == 1"),
     ("lora-under-pp2", _all(_set("sft.plugin", {**HP, "pp_size": 2}), _set("sft.launch", {"nproc_per_node": 2}), _set("sft.grad_accum_steps", 2),
@@ -189,7 +189,7 @@ BAD = [
     ("sft-without-assistant", _data("sft", [{"messages": [USER]}]), "sft.data.uri", "no assistant message"),
     ("sft-bad-role", _data("sft", [{"messages": [{"role": "wizard", "content": "x"}, ASSISTANT]}]), "sft.data.uri", "role 'wizard'"),
     ("sft-missing-messages-field", _data("sft", [{"conversation": [USER, ASSISTANT]}]), "sft.data.messages_field", "no field 'messages'"),
-    ("cpt-missing-text-field", _data("cpt", [{"body": "text"}]), "cpt.data.text_field", "no string field 'text'"),
+    ("cpt-missing-text-field", _data("cpt", [{"body": "text"}]), "cpt.data.text_field", "no field 'text' (fields: ['body']); set cpt.data.text_field"),
     ("empty-dataset", _data("cpt", []), "cpt.data.uri", "holds no records"),
     ("glob-matching-nothing", _set("cpt.data.uri", "/nonexistent/corpus/part-*.jsonl"), "cpt.data.uri", "matches no file"),
     ("directory-without-corpus-files", lambda c: ((c.tmp / "empty-corpus").mkdir(), _set("sft.data.uri", str(c.tmp / "empty-corpus"))(c)), "sft.data.uri", "holds no .jsonl, .txt, .parquet file"),
@@ -250,7 +250,7 @@ def test_every_problem_is_reported_at_once(tmp_path):
         _llama3,
         _set("cpt.plugin", {**HP, "tp_size": 3}),
         _set("cpt.launch", {"nproc_per_node": 3}),
-        _set("sft.plugin.precision", "fp32"),
+        _set("sft.plugin", {**HP, "zero_stage": 1}),
         _set("sft.data.uri", str(tmp_path / "missing.jsonl")),
         _set("hub", {"repo_id": "bad id"}),
         _token(False),
@@ -312,7 +312,7 @@ def test_cli_check_fails_with_the_report_and_launches_nothing(tmp_path, capsys):
     from tasks.preflight import run_check_cli
 
     case = Case(tmp_path)
-    _all(_set("sft.plugin.precision", "fp32"), _set("cpt.data.uri", "/nonexistent/x.jsonl"))(case)
+    _all(_set("sft.plugin", {**HP, "zero_stage": 1}), _set("cpt.data.uri", "/nonexistent/x.jsonl"))(case)
     assert run_check_cli(str(write_config(tmp_path / "bad.yaml", case.raw))) == 1
     out = capsys.readouterr().out
     assert "pre-flight failed, nothing was launched (2 problems)" in out

@@ -29,6 +29,7 @@ from typing import Any
 
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.batching import BATCHING
+from tasks.core.config.fixes import Refusal, shown, working_fixes
 from tasks.core.config.plugins import OFFLOAD_FIELDS, PLUGINS, PRECISION_SPECS, PluginSpec
 from tasks.core.config.schema import PluginConfig, StageConfig
 from tasks.core.errors import ConfigError
@@ -77,10 +78,10 @@ def _tp_pp_need_support(x: _Facts) -> list[Problem]:
     p, out = x.stage.plugin, []
     if not x.spec.supports_tp_pp:
         capable = ", ".join(n for n, s in PLUGINS.items() if s.supports_tp_pp)
-        if p.tp_size != 1:
-            out.append((f"{x.f}.tp_size", f"tensor parallelism needs plugin {capable}, not {p.name}; set tp_size: 1 or name: {capable}"))
-        if p.pp_size != 1:
-            out.append((f"{x.f}.pp_size", f"pipeline parallelism needs plugin {capable}, not {p.name}; set pp_size: 1 or name: {capable}"))
+        names = [n for n, s in PLUGINS.items() if s.supports_tp_pp]
+        for f, what in (("tp_size", "tensor"), ("pp_size", "pipeline")):
+            if getattr(p, f) != 1:
+                out.append(Refusal(f"{x.f}.{f}", f"{what} parallelism needs plugin {capable}, not {p.name}", [{f"plugin.{f}": 1}, *({"plugin.name": n} for n in names)]))
     return out
 
 
@@ -88,21 +89,28 @@ def _zero_stage_allowed(x: _Facts) -> list[Problem]:
     z = x.stage.plugin.zero_stage
     if z in x.spec.zero_stages:
         return []
-    return [(f"{x.f}.zero_stage", f"{x.spec.zero_hint}, got {z}")]
+    fixes = [{"plugin.zero_stage": v} for v in x.spec.zero_stages] + [{"plugin.name": n} for n, s in PLUGINS.items() if z in s.zero_stages]
+    return [Refusal(f"{x.f}.zero_stage", f"{x.spec.zero_hint}, got {z}", fixes)]
 
 
 def _precision_allowed(x: _Facts) -> list[Problem]:
     p = x.stage.plugin
     if p.precision in x.spec.precisions:
         return []
-    return [(f"{x.f}.precision", f"{p.name} supports precision {', '.join(x.spec.precisions)}, got {p.precision}")]
+    fixes = [{"plugin.precision": v} for v in x.spec.precisions] + [{"plugin.name": n} for n, s in PLUGINS.items() if p.precision in s.precisions]
+    return [Refusal(f"{x.f}.precision", f"{p.name} supports precision {', '.join(x.spec.precisions)}, got {p.precision}", fixes)]
 
 
-def _zero_needs_mixed_precision(x: _Facts) -> list[Problem]:
+def _zero_fp32_where_refused(x: _Facts) -> list[Problem]:
     p = x.stage.plugin
-    if p.precision == "fp32" and is_zero(x.spec, p.zero_stage):
-        return [(f"{x.f}.precision", f"ZeRO ({p.name}, zero_stage {p.zero_stage}) shards fp32 master weights of a bf16/fp16 model; fp32 is refused: set precision: bf16")]
-    return []
+    if p.precision != "fp32" or not x.spec.zero_fp32_refused or not is_zero(x.spec, p.zero_stage):
+        return []
+    # Every layout that trains in fp32 is offered first: bf16 is 30-60x slower on a CPU without native bf16.
+    fixes = [{"plugin.zero_stage": z} for z in x.spec.zero_stages if not is_zero(x.spec, z)]
+    fixes += [{"plugin.name": n} for n, s in PLUGINS.items() if n != p.name and "fp32" in s.precisions and not s.needs_cuda]
+    fixes += [{"plugin.precision": v} for v in x.spec.precisions if v != "fp32" and not PRECISION_SPECS[v].cuda_reason]
+    why = f"fp32 with ZeRO is refused under {p.name} (zero_stage {p.zero_stage}): {x.spec.zero_fp32_refused}"
+    return [Refusal(f"{x.f}.precision", why, fixes)]
 
 
 def _rendezvous_by_backend(x: _Facts) -> list[Problem]:
@@ -139,7 +147,9 @@ def _backend_settings(x: _Facts) -> list[Problem]:
 def _world_divisible(x: _Facts) -> list[Problem]:
     p, world = x.stage.plugin, x.stage.launch.world_size
     if world % (p.tp_size * p.pp_size):
-        return [(f"{x.where}.launch", f"world size nnodes*nproc_per_node = {world} is not a multiple of tp_size*pp_size = {p.tp_size * p.pp_size}")]
+        fixes = [{"launch.nproc_per_node": p.tp_size * p.pp_size * x.stage.launch.nnodes}] if x.stage.launch.nnodes == 1 else []
+        fixes += [{"plugin.tp_size": d} for d in _divisors(world) if d > 1 and world % (d * p.pp_size) == 0] + [{"plugin.tp_size": 1, "plugin.pp_size": 1}]
+        return [Refusal(f"{x.where}.launch", f"world size nnodes*nproc_per_node = {world} is not a multiple of tp_size*pp_size = {p.tp_size * p.pp_size}", fixes)]
     return []
 
 
@@ -147,7 +157,8 @@ def _pipeline_microbatches(x: _Facts) -> list[Problem]:
     p = x.stage.plugin
     nmb = num_microbatches(x.stage)
     if p.pp_size > 1 and nmb < p.pp_size:
-        return [(f"{x.f}.num_microbatches", f"pipeline needs at least pp_size={p.pp_size} micro-batches per step, got {nmb}; raise grad_accum_steps or num_microbatches")]
+        fixes = [{"plugin.num_microbatches": p.pp_size}, {"grad_accum_steps": p.pp_size}]
+        return [Refusal(f"{x.f}.num_microbatches", f"pipeline needs at least pp_size={p.pp_size} micro-batches per step, got {nmb}", fixes)]
     return []
 
 
@@ -156,33 +167,29 @@ def _packing_keeps_conversations_apart(x: _Facts) -> list[Problem]:
     spec = BATCHING.get(x.stage.batching)
     if x.where == "cpt" or spec is None or not spec.packs or not x.spec.packing_refused:
         return []
-    ok = ", ".join(n for n, s in PLUGINS.items() if not s.packing_refused)
-    others = " or ".join(n for n, s in BATCHING.items() if not s.packs)
-    why = f"batching {spec.name} is refused under plugin {x.spec.name}: {x.spec.packing_refused}; pack under plugin {ok}, or keep {x.spec.name} with batching {others}"
-    return [(f"{x.where}.batching", why)]
+    fixes = [{"plugin.name": n} for n, s in PLUGINS.items() if not s.packing_refused] + [{"batching": n} for n, s in BATCHING.items() if not s.packs]
+    return [Refusal(f"{x.where}.batching", f"batching {spec.name} is refused under plugin {x.spec.name}: {x.spec.packing_refused}", fixes)]
 
 
 def _lora_in_sft_only(x: _Facts) -> list[Problem]:
     # cpt/hf is the full CPT model every later stage starts from (reboost, evaluate_cpt, the SFT
     # adapter's base): a CPT adapter would need a merged artifact of its own in between.
     if x.where == "cpt" and x.stage.lora is not None:
-        return [(f"{x.where}.lora", ("LoRA is for SFT only: cpt/hf, the model SFT starts from and its adapter's base, is the full CPT model; "
-                                    "remove cpt.lora (continued pre-training updates every weight) and set sft.lora"))]
+        return [Refusal(f"{x.where}.lora", ("LoRA is for SFT only: cpt/hf, the model SFT starts from and its adapter's base, is the full CPT model "
+                                           "(continued pre-training updates every weight); put the lora section under sft"), [{"lora": None}])]
     return []
 
 
 def _lora_supported_by_plugin(x: _Facts) -> list[Problem]:
     if x.stage.lora is None:
         return []
-    ok = ", ".join(n for n, s in PLUGINS.items() if not s.lora.refused)
+    others = [{"plugin.name": n} for n, s in PLUGINS.items() if not s.lora.refused and n != x.spec.name]
+    full = {"lora": None}  # full fine-tuning
     if x.spec.lora.refused:
-        return [(f"{x.where}.lora", f"LoRA is refused under plugin {x.spec.name}: {x.spec.lora.refused}; use plugin {ok}, or remove {x.where}.lora (full fine-tuning)")]
-    if x.spec.lora.tp1_reason and x.stage.plugin.tp_size > 1:
-        return [(f"{x.f}.tp_size", (f"LoRA under {x.spec.name} needs tp_size 1 ({x.spec.lora.tp1_reason}), got {x.stage.plugin.tp_size}; "
-                                    f"set tp_size: 1, use plugin {ok}, or remove {x.where}.lora"))]
-    if x.spec.lora.pp1_reason and x.stage.plugin.pp_size > 1:
-        return [(f"{x.f}.pp_size", (f"LoRA under {x.spec.name} needs pp_size 1 ({x.spec.lora.pp1_reason}), got {x.stage.plugin.pp_size}; "
-                                    f"set pp_size: 1, use plugin {ok}, or remove {x.where}.lora"))]
+        return [Refusal(f"{x.where}.lora", f"LoRA is refused under plugin {x.spec.name}: {x.spec.lora.refused}", [*others, full])]
+    for f, reason in (("tp_size", x.spec.lora.tp1_reason), ("pp_size", x.spec.lora.pp1_reason)):
+        if reason and getattr(x.stage.plugin, f) > 1:
+            return [Refusal(f"{x.f}.{f}", f"LoRA under {x.spec.name} needs {f} 1 ({reason}), got {getattr(x.stage.plugin, f)}", [{f"plugin.{f}": 1}, *others, full])]
     return []
 
 
@@ -190,9 +197,8 @@ def _qlora_export_not_built(x: _Facts) -> list[Problem]:
     # peft#2105: an adapter trained on the 4-bit base and merged onto the unquantized one is another
     # model; the export here merges onto cpt/hf as it is, so a QLoRA run would export the wrong model.
     if x.stage.lora is not None and x.stage.lora.quantize:
-        return [(f"{x.where}.lora.quantize", ("QLoRA is not supported yet: the export merges the adapter onto cpt/hf unquantized, not onto the "
-                                              "dequantized 4-bit base it was trained against (peft#2105), so the merged model would differ; "
-                                              "set quantize: false"))]
+        return [Refusal(f"{x.where}.lora.quantize", ("QLoRA is not supported yet: the export merges the adapter onto cpt/hf unquantized, not onto the "
+                                                     "dequantized 4-bit base it was trained against (peft#2105), so the merged model would differ"), [{"lora.quantize": False}])]
     return []
 
 
@@ -205,14 +211,15 @@ def _offload_where_the_plugin_has_it(x: _Facts) -> list[Problem]:
         row = x.spec.offload_field(name)
         if row is None:
             if value != default:
-                has = ", ".join(n for n, s in PLUGINS.items() if s.offload_field(name)) or "none"
-                out.append((f"{x.f}.{name}", f"plugin {p.name} has no {name} (plugins that have it: {has}); remove {name} or use one of those plugins"))
+                has = [n for n, s in PLUGINS.items() if s.offload_field(name)]
+                out.append(Refusal(f"{x.f}.{name}", f"plugin {p.name} has no {name} (plugins that have it: {', '.join(has) or 'none'})",
+                                   [{f"plugin.{name}": default}, *({"plugin.name": n} for n in has)]))
             continue
         unmet = [(f, want) for f, want in row.requires if getattr(p, f) != want]
         if value != default and unmet:
-            need = ", ".join(f"{f}: {want}" for f, want in unmet)
-            shown = str(value).lower() if isinstance(value, bool) else value
-            out.append((f"{x.f}.{name}", f"{name}: {shown} acts only with {need} ({row.why}); set {need}, or remove {name}"))
+            need = ", ".join(f"{f}: {shown(want)}" for f, want in unmet)
+            out.append(Refusal(f"{x.f}.{name}", f"{name}: {shown(value)} acts only with {need} ({row.why})",
+                               [{f"plugin.{f}": want for f, want in unmet}, {f"plugin.{name}": default}]))
     return out
 
 
@@ -225,8 +232,9 @@ def _rows_divide_microbatches(x: _Facts) -> list[Problem]:
         return []
     nmb, rows = num_microbatches(st), st.micro_batch_size * st.grad_accum_steps
     if rows % nmb:
-        return [(f"{x.f}.num_microbatches", (f"a pipeline step splits micro_batch_size*grad_accum_steps = {rows} sequences per data-parallel rank into {nmb} micro-batches, "
-                                             f"which does not divide; set num_microbatches to a divisor of {rows}"))]
+        why = f"a pipeline step splits micro_batch_size*grad_accum_steps = {rows} sequences per data-parallel rank into {nmb} micro-batches, which does not divide"
+        return [Refusal(f"{x.f}.num_microbatches", why,
+                        [{"plugin.num_microbatches": d} for d in _divisors(rows) if d >= st.plugin.pp_size][:3])]
     return []
 
 
@@ -248,8 +256,9 @@ def _tp_divides_heads(x: _Facts) -> list[Problem]:
     bad = {k: v for k, v in dims.items() if v % tp}
     if not bad:
         return []
-    return [(f"{x.f}.tp_size", (f"tp_size={tp} does not divide {' and '.join(f'{k}={v}' for k, v in bad.items())} of the base model: "
-                                f"every rank needs whole attention/KV heads and MLP columns. Valid tp_size: {_divisors(math.gcd(*dims.values()))}"))]
+    valid = _divisors(math.gcd(*dims.values()))
+    return [Refusal(f"{x.f}.tp_size", (f"tp_size={tp} does not divide {' and '.join(f'{k}={v}' for k, v in bad.items())} of the base model: "
+                                       f"every rank needs whole attention/KV heads and MLP columns. Valid tp_size: {valid}"), [{"plugin.tp_size": v} for v in reversed(valid)])]
 
 
 def _tp_divides_vocab(x: _Facts) -> list[Problem]:
@@ -258,17 +267,18 @@ def _tp_divides_vocab(x: _Facts) -> list[Problem]:
     if not isinstance(vocab, int) or tp <= 1 or vocab % tp == 0:
         return []
     valid = _divisors(math.gcd(vocab, *_head_dims(x.model).values()))
-    return [(f"{x.f}.tp_size", (f"tp_size={tp} does not divide the base model's vocab_size={vocab}: "
-                                "ColossalAI would pad the embedding and LM head and then fail to checkpoint their optimizer state. "
-                                f"Use a tp_size in {valid} or resize the vocabulary to a multiple of tp_size "
-                                "(model.resize_token_embeddings(n, pad_to_multiple_of=tp_size))"))]
+    return [Refusal(f"{x.f}.tp_size", (f"tp_size={tp} does not divide the base model's vocab_size={vocab}: "
+                                       f"ColossalAI would pad the embedding and LM head and then fail to checkpoint their optimizer state. Valid tp_size: {valid} "
+                                       "(or resize the vocabulary to a multiple of tp_size: model.resize_token_embeddings(n, pad_to_multiple_of=tp_size))"),
+                    [{"plugin.tp_size": v} for v in reversed(valid)])]
 
 
 def _pp_within_layers(x: _Facts) -> list[Problem]:
     pp = x.stage.plugin.pp_size
     layers = x.model.get("num_hidden_layers") if x.model else None
     if pp > 1 and isinstance(layers, int) and pp > layers:
-        return [(f"{x.f}.pp_size", f"pp_size={pp} exceeds num_hidden_layers={layers} of the base model: a pipeline stage would hold no layer; use pp_size <= {layers}")]
+        why = f"pp_size={pp} exceeds num_hidden_layers={layers} of the base model: a pipeline stage would hold no layer"
+        return [Refusal(f"{x.f}.pp_size", why, [{"plugin.pp_size": layers}, {"plugin.pp_size": 1}])]
     return []
 
 
@@ -277,8 +287,8 @@ def _pp_within_layers(x: _Facts) -> list[Problem]:
 
 def _cuda_only_plugin(x: _Facts) -> list[Problem]:
     if x.cuda is False and x.spec.needs_cuda:
-        cpu_ok = ", ".join(n for n, s in PLUGINS.items() if not s.needs_cuda)
-        return [(f"{x.f}.name", f"{x.spec.name} needs CUDA ({x.spec.cuda_reason}) and no GPU is visible here; on CPU use {cpu_ok}, or run this stage on a CUDA node")]
+        return [Refusal(f"{x.f}.name", f"{x.spec.name} needs CUDA ({x.spec.cuda_reason}) and no GPU is visible here (or run this stage on a CUDA node)",
+                        [{"plugin.name": n} for n, s in PLUGINS.items() if not s.needs_cuda])]
     return []
 
 
@@ -286,15 +296,17 @@ def _cuda_only_precision(x: _Facts) -> list[Problem]:
     p = x.stage.plugin
     why = PRECISION_SPECS[p.precision].cuda_reason
     if x.cuda is False and why:
-        cpu_ok = ", ".join(n for n, s in PRECISION_SPECS.items() if not s.cuda_reason and n in x.spec.precisions)
-        return [(f"{x.f}.precision", f"precision {p.precision} needs CUDA ({why}) and this stage runs on CPU; use precision {cpu_ok} on CPU, or run this stage on a CUDA node")]
+        cpu_ok = [n for n, s in PRECISION_SPECS.items() if not s.cuda_reason]
+        return [Refusal(f"{x.f}.precision", f"precision {p.precision} needs CUDA ({why}) and this stage runs on CPU (or run this stage on a CUDA node)",
+                        [{"plugin.precision": n} for n in cpu_ok])]
     return []
 
 
 def _fp16_needs_dynamic_loss_scale(x: _Facts) -> list[Problem]:
     p = x.stage.plugin
     if PRECISION_SPECS[p.precision].loss_scaling and x.spec.loss_scale != "dynamic":
-        return [(f"{x.f}.precision", f"precision {p.precision} needs dynamic loss scaling (small gradients underflow to zero otherwise) and {p.name} is built without it; use precision bf16")]
+        return [Refusal(f"{x.f}.precision", f"precision {p.precision} needs dynamic loss scaling (small gradients underflow to zero otherwise) and {p.name} is built without it",
+                        [{"plugin.precision": n} for n, s in PRECISION_SPECS.items() if not s.loss_scaling])]
     return []
 
 
@@ -306,17 +318,15 @@ def _qlora_needs_cuda_and_bitsandbytes(x: _Facts) -> list[Problem]:
                                     ("bitsandbytes is not installed", importlib.util.find_spec("bitsandbytes") is None)) if bad]
     if not missing:
         return []
-    ok = ", ".join(n for n, s in PLUGINS.items() if not s.lora.refused)
-    return [(f"{x.where}.lora.quantize", (f"QLoRA loads the frozen base in 4-bit NF4 through bitsandbytes, whose kernels run on CUDA only, and "
-                                          f"{' and '.join(missing)}; set quantize: false (LoRA on the unquantized base, under plugin {ok}), "
-                                          "or run this stage on a CUDA node with bitsandbytes installed"))]
+    return [Refusal(f"{x.where}.lora.quantize", (f"QLoRA loads the frozen base in 4-bit NF4 through bitsandbytes, whose kernels run on CUDA only, and "
+                                                 f"{' and '.join(missing)} (or run this stage on a CUDA node with bitsandbytes installed)"), [{"lora.quantize": False}])]
 
 
 RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
     ("static", _tp_pp_need_support),
     ("static", _zero_stage_allowed),
     ("static", _precision_allowed),
-    ("static", _zero_needs_mixed_precision),
+    ("static", _zero_fp32_where_refused),
     ("static", _rendezvous_by_backend),
     ("static", _backend_settings),
     ("static", _world_divisible),
@@ -345,18 +355,34 @@ def layout_problems(
     cuda: bool | None = None,
     tiers: tuple[str, ...] = TIERS,
 ) -> list[Problem]:
-    """Every broken rule of the chosen tiers, as (config field, message with the fix).
+    """Every broken rule of the chosen tiers, as (config field, message with the fixes that work).
 
     `model` rules need `model_config`, `device` rules need `cuda`; without them they are skipped.
+    Each `Refusal` keeps its fixes (`.fixes`, overrides of the stage section) that pass every rule
+    of these tiers, so the message offers only what runs.
     """
+    found = _broken(stage, where, model_config, cuda, tiers)
+    if not found:
+        return found
+    def broken(changed: StageConfig) -> list[Refusal]:
+        return _broken(changed, where, model_config, cuda, tiers)
+
+    return [p.with_fixes(working_fixes(stage, p, found, broken), where) if p.fixes else p for p in found]
+
+
+def _broken(stage: StageConfig, where: str, model_config: dict[str, Any] | None, cuda: bool | None, tiers: tuple[str, ...]) -> list[Refusal]:
     spec = PLUGINS.get(stage.plugin.name)
     if spec is None:  # the config's own validator names the unknown plugin
-        return [(f"{where}.plugin.name", f"unknown plugin {stage.plugin.name!r}; registered plugins: {', '.join(PLUGINS)}")]
+        return [Refusal(f"{where}.plugin.name", f"unknown plugin {stage.plugin.name!r}; registered plugins: {', '.join(PLUGINS)}")]
     facts = _Facts(stage, where, spec, model_config, cuda)
-    out: list[Problem] = []
+    out: list[Refusal] = []
     for tier, rule in RULES:
         if tier in tiers:
-            out += [p for p in rule(facts) if p not in out]
+            for p in rule(facts):
+                p = p if isinstance(p, Refusal) else Refusal(*p)
+                p.rule = rule.__name__
+                if p not in out:
+                    out.append(p)
     return out
 
 

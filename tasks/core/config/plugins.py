@@ -9,7 +9,11 @@ the layout rules (`tasks.core.config.layout`) read the capabilities, and the eng
 `register(PluginSpec(...))` plus one builder; nothing branches on a plugin's name elsewhere.
 
 Facts recorded in the rows were measured with colossalai 0.5.0 (see tasks/engine/builders.py):
-- ZeRO shards fp32 master weights of a bf16/fp16 model, so ZeRO with precision fp32 is refused.
+- HybridParallelPlugin.configure asserts precision != "fp32" whenever zero_stage > 0 ("Please set
+  precision to 'fp16' or 'bf16' when using ZeRO"), so fp32 there is zero_stage 0 only
+  (`PluginSpec.zero_fp32_refused`). LowLevelZeroPlugin lists fp32 among its precisions and runs it:
+  the model stays fp32 and its optimizer keeps an fp32 master copy of the rank's shard, as it
+  does for bf16. GeminiPlugin takes fp16 and bf16 only (SUPPORTED_PRECISION).
 - ZeRO-2 partitions gradients as they are reduced, so it must reduce every micro-batch (no
   `no_sync`); Gemini accumulates inside its chunks.
 - Gemini's forward asserts that its chunks live on CUDA; torch_ddp's fp16 is torch.cuda.amp.
@@ -124,6 +128,8 @@ class Held:
     only: Literal["", "no_pipeline", "data_parallel", "grad_accum"] = ""
     per: Literal["parameter", "layer"] = "parameter"  # "layer": counts one decoder layer's parameters, unsharded
     offload: str = ""  # the PluginConfig field (an `Offload` row) whose value is the share of this tensor put in host memory
+    master: bool = False  # the fp32 master weights: every checkpoint saves them (tasks/engine/masters.py), a resume restores them
+    trainable: bool = True  # per trainable parameter only (gradients, masters, moments); False: per parameter (weights), frozen ones too
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,7 @@ class PluginSpec:
     cuda_reason: str = ""  # why it needs CUDA, for the message
     loss_scale: Literal["dynamic", "none"] = "dynamic"  # what its builder gives fp16: dynamic (LOSS_SCALE) or none
     precisions: tuple[str, ...] = PRECISIONS
+    zero_fp32_refused: str = ""  # non-empty: fp32 with ZeRO on is refused under this plugin, for this reason
     no_sync_zero_stages: tuple[int, ...] = (0, 1)  # zero stages that may skip the gradient sync under accumulation
     casts_model: bool = True  # False: weights stay fp32; bf16 runs under torch.autocast, fp16 under amp
     optimizer: Literal["adamw", "hybrid_adam"] = "adamw"
@@ -202,6 +209,12 @@ class PluginSpec:
         """Booster(mixed_precision=...) for a plugin that does not cast the model: fp16 amp."""
         return "fp16" if not self.casts_model and precision == "fp16" else None
 
+    def saves_masters(self, precision: str, zero_stage: int = 0) -> bool:
+        """Whether the plugin keeps fp32 master weights apart from the weights it trains, which its
+        checkpoints then hold (4 bytes a parameter; the disk estimate counts them)."""
+        z = self.zero_stage(zero_stage)
+        return precision in MIXED and any(h.master and precision in h.precisions and z in h.zero for h in self.holds)
+
     def offload_field(self, name: str) -> Offload | None:
         return next((o for o in self.offload if o.field == name), None)
 
@@ -231,6 +244,7 @@ register(PluginSpec(
     supports_tp_pp=True,
     zero_stages=(0, 1),
     zero_hint="hybrid_parallel supports zero_stage 0 or 1 here; use low_level_zero for stage 2 or gemini for stage 3",
+    zero_fp32_refused="HybridParallelPlugin.configure asserts precision != 'fp32' when zero_stage > 0 in colossalai 0.5.0",
     no_sync_zero_stages=(0, 1),
     lazy_init=True,
     offload=(Offload("cpu_offload", requires=(("zero_stage", 1),), moves_step=True,
@@ -244,18 +258,18 @@ register(PluginSpec(
     packing_refused=("ColossalAI 0.5.0's shardformer Llama forward builds its attention from the padding mask plus causal only "
                      "(ColoAttention.prepare_attn_kwargs on its flash-attention path), so packed conversations would attend to each other"),
     holds=(
-        Held("weights", "weights"),
+        Held("weights", "weights", trainable=False),
         Held("gradients", "weights", when="grads", zero=(0,), precisions=("fp32",)),
         Held("gradients", "weights", when="backward", zero=(0,), precisions=MIXED),
         Held("fp32 master gradients", 4, when="step", zero=(0,), precisions=MIXED),
         # torch DDP wraps the model at pp == 1 without ZeRO; not at dp == 1, where the engine
         # turns it off (tasks/engine/solo_ddp.py)
         Held("DDP gradient buckets", "weights", zero=(0,), only="data_parallel"),
-        Held("fp32 master weights", 4, zero=(0,), precisions=MIXED),
+        Held("fp32 master weights", 4, zero=(0,), precisions=MIXED, master=True),
         Held("Adam moments", 8, zero=(0,)),
         Held("gradients", "weights", when="grads", zero=(1,)),
         Held("fp32 gradient shard", 4, sharded=True, when="step", zero=(1,), offload="cpu_offload"),
-        Held("fp32 master weight shard", 4, sharded=True, zero=(1,), offload="cpu_offload"),
+        Held("fp32 master weight shard", 4, sharded=True, zero=(1,), offload="cpu_offload", master=True),
         Held("Adam moment shard", 8, sharded=True, zero=(1,), offload="cpu_offload"),
     ),
 ))
@@ -269,8 +283,8 @@ register(PluginSpec(
     dedupes_tied_weights=False,
     offload=(Offload("cpu_offload", moves_step=True),),
     holds=(
-        Held("working weights", "weights"),
-        Held("fp32 master weight shard", 4, sharded=True, offload="cpu_offload"),
+        Held("working weights", "weights", trainable=False),
+        Held("fp32 master weight shard", 4, sharded=True, offload="cpu_offload", master=True),
         Held("Adam moment shard", 8, sharded=True, offload="cpu_offload"),
         Held("gradients", "weights", when="grads", zero=(1,)),
         Held("gradient shard", "weights", sharded=True, when="grads", zero=(2,)),
@@ -285,6 +299,7 @@ register(PluginSpec(
     zero_hint="gemini is ZeRO-3 by construction; leave zero_stage at 0 or 3",
     needs_cuda=True,
     cuda_reason="ColossalAI asserts in every forward that Gemini's chunks live on a GPU",
+    precisions=MIXED,  # GeminiPlugin's SUPPORTED_PRECISION
     no_sync_zero_stages=(),
     optimizer="hybrid_adam",
     lora=LoraSupport(refused="GeminiPlugin.support_lora() is False and its enable_lora raises NotImplementedError in colossalai 0.5.0 (ColossalAI #6138)"),
@@ -298,10 +313,10 @@ register(PluginSpec(
                 why="StaticPlacementPolicy drops offload_param_frac unless the optimizer state is wholly offloaded (offload_optim_frac 1.0)"),
     ),
     holds=(
-        Held("weight chunk shard", "weights", sharded=True, offload="offload_param_frac"),
-        Held("gathered weights of the layer in use", "weights", when="forward", per="layer"),
+        Held("weight chunk shard", "weights", sharded=True, offload="offload_param_frac", trainable=False),
+        Held("gathered weights of the layer in use", "weights", when="forward", per="layer", trainable=False),
         Held("gradient chunk shard", "weights", sharded=True, when="grads", only="grad_accum", offload="offload_optim_frac"),
-        Held("fp32 master shard", 4, sharded=True, offload="offload_optim_frac"),
+        Held("fp32 master shard", 4, sharded=True, offload="offload_optim_frac", master=True),
         Held("Adam moment shard", 8, sharded=True, offload="offload_optim_frac"),
     ),
 ))
@@ -316,10 +331,10 @@ register(PluginSpec(
     strict_load=False,
     dedupes_tied_weights=False,
     holds=(
-        Held("fp32 weights", "weights"),
+        Held("fp32 weights", "weights", trainable=False),
         Held("gradients", "weights", when="grads"),
         Held("DDP gradient buckets", "weights"),
-        Held("autocast weight copies", 2, when="forward", precisions=MIXED),
+        Held("autocast weight copies", 2, when="forward", precisions=MIXED, trainable=False),
         Held("Adam moments", 8),
     ),
 ))

@@ -217,6 +217,22 @@ def parquet_records(uri: str, row_groups: Sequence[int] | None = None, first_row
                 yield row, rec
 
 
+def text_problem(rec: object, field: str, setting: str = "data.text_field", record_fix: bool = True) -> str | None:
+    """Why a CPT record gives no text, with the fix that fits: a field missing from the record is
+    the config's (`setting`); a field present with another type is the record's (`record_fix`:
+    say so; False where the caller says it)."""
+    fix = ": fix the record, or set data.on_bad_record: skip to leave such records out" if record_fix else ""
+    if not isinstance(rec, dict):
+        return f"the record is a JSON {type(rec).__name__}, not an object{fix}"
+    if field not in rec:
+        return f"no field {field!r} (fields: {sorted(rec)}); set {setting} to the field holding the text"
+    value = rec[field]
+    if isinstance(value, str):
+        return None
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    return f"field {field!r} holds a {type(value).__name__} ({shown}), not text{fix}"
+
+
 def iter_file_records(uri: str, fmt: str, max_record_chars: int) -> Iterator[tuple[int, dict | BadRecord]]:
     """(line or row, record or BadRecord) of one .jsonl/.txt/.parquet file, optionally compressed."""
     if fmt == ".parquet":

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from tasks.core.data.records import read_records
+from tasks.core.data.records import read_records, text_problem
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a tokenizing worker never needs it
     import torch
@@ -47,10 +47,10 @@ def pack_cpt(tokenizer, records: Sequence[dict], text_field: str = "text", seq_l
         raise ValueError("the tokenizer has no eos_token: CPT packing needs one to separate documents; set eos_token in tokenizer_config.json")
     texts = []
     for i, rec in enumerate(records):
-        text = rec.get(text_field) if isinstance(rec, dict) else None
-        if not isinstance(text, str):
-            raise ValueError(f"record {i}: no string field {text_field!r} (fields: {sorted(rec) if isinstance(rec, dict) else type(rec).__name__}); set data.text_field to the field holding the text")
-        texts.append(text)
+        why = text_problem(rec, text_field)
+        if why:
+            raise ValueError(f"record {i}: {why}")
+        texts.append(rec[text_field])
     eos = tokenizer.eos_token_id
     flat: list[int] = []
     # No special tokens inside documents: some tokenizers (Llama) would add a bos per call.

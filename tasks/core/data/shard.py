@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from tasks.core.data.inputs import InputFile
-from tasks.core.data.records import BadRecord, check_stream, iter_file_records
+from tasks.core.data.records import BadRecord, check_stream, iter_file_records, text_problem
 from tasks.core.data.samples import IGNORE_INDEX, encode_chat
 from tasks.core.data.split import canonical_id, canonical_json, unit
 
@@ -349,7 +349,7 @@ def tokenize_records(records: Iterable[tuple[int, dict | BadRecord]], inp: Input
                 continue
             value = rec.get(spec.field)
             if spec.kind == "cpt" and not isinstance(value, str):
-                reject(BadRecord(inp.uri, line, f"no string field {spec.field!r} (fields: {sorted(rec)}); set data.text_field to the field holding the text", parquet))
+                reject(BadRecord(inp.uri, line, text_problem(rec, spec.field, record_fix=False), parquet))
                 continue
             if spec.kind == "cpt" and not value.strip():
                 reject(BadRecord(inp.uri, line, f"field {spec.field!r} is empty{' (whitespace only)' if value else ''}: no text to train on; fill it or drop the record", parquet))

@@ -280,3 +280,16 @@ def shape_cause(key: str, got: tuple[int, ...], want: tuple[int, ...], family: M
             f"(saved from one tp rank without gathering)"
         )
     return "the checkpoint belongs to a model with a different config.json (size, heads or vocabulary)"
+
+
+def lora_trainable(lora: Any, key: str, shape: tuple[int, ...], layer: int | None) -> int:
+    """Parameters LoRA trains for one base tensor: r x (in + out) for a targeted linear weight (peft
+    matches a module name's end; `all-linear`: every decoder-layer linear), the whole tensor for a
+    module in modules_to_save, else none (frozen: no gradient, master copy or optimizer state)."""
+    module = key.rsplit(".", 1)[0] if key.endswith(".weight") else key
+    if any(module == m or module.endswith("." + m) for m in lora.modules_to_save):
+        return math.prod(shape)
+    targeted = any(module == t or module.endswith("." + t) for t in lora.target_modules)
+    if "all-linear" in lora.target_modules:
+        targeted = layer is not None and len(shape) == 2 and key.endswith(".weight")
+    return lora.r * (shape[0] + shape[1]) if targeted and len(shape) == 2 else 0

@@ -43,7 +43,7 @@ from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.config.tracking import FIELD as TRACKING_FIELD
 from tasks.core.config.tracking import check_uri, redact
-from tasks.core.data.records import head_records
+from tasks.core.data.records import head_records, text_problem
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import HubToken
 from tasks.core.preflight.eval_memory import check_eval_memory
@@ -53,10 +53,10 @@ from tasks.core.preflight.mixture import check_source_epochs
 from tasks.core.preflight.model_files import check_lora_targets, check_model_files
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.report import CheckContext, PreflightReport
+from tasks.core.preflight.resume import check_resume
 from tasks.core.preflight.storage import check_base_model_links, check_paths, check_run_root, check_staging_space, estimate_local_bytes
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
-HEAD_RECORDS = 64  # records parsed per dataset: enough to catch a wrong format, cheap on any size
 
 __all__ = [
     "CHECKS",
@@ -93,7 +93,7 @@ def load_for_check(path: str | Path, overrides: dict[str, Any] | None = None) ->
 
 
 def check_static_rules(ctx: CheckContext) -> None:
-    """The config's own rules (ZeRO needs bf16/fp16, tp/pp need hybrid_parallel, world size)."""
+    """The config's own rules (hybrid_parallel ZeRO refuses fp32, tp/pp need hybrid_parallel, world size)."""
     before = len(ctx.report.problems)
     for stage in ("cpt", "sft"):
         for where, msg in plugin_problems(getattr(ctx.cfg, stage), stage):
@@ -308,8 +308,11 @@ def check_data(ctx: CheckContext) -> None:
         for lineno, rec in records:
             at = f"{uri}:{lineno}"
             if name == "cpt":
-                if not isinstance(rec.get(d.text_field), str):
-                    ctx.problem("cpt.data.text_field", f"{at}: no string field {d.text_field!r} (fields: {sorted(rec)}); set cpt.data.text_field to the field holding the text")
+                why = text_problem(rec, d.text_field, "cpt.data.text_field")
+                if why and d.text_field in rec and d.on_bad_record == "skip":  # the record's fault, and skipping was asked for
+                    ctx.warn(f"{at}: {text_problem(rec, d.text_field, record_fix=False)}: skipped (cpt.data.on_bad_record: skip)")
+                elif why:
+                    ctx.problem("cpt.data.text_field" if d.text_field not in rec else where, f"{at}: {why}")
                     failed = True
             elif d.messages_field not in rec:
                 ctx.problem("sft.data.messages_field", f"{at}: no field {d.messages_field!r} (fields: {sorted(rec)}); set sft.data.messages_field to the field holding the chat")
@@ -400,6 +403,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_paths,
     check_launch_backend,
     check_staging_space,
+    check_resume,
     check_memory,
     check_eval_memory,
     check_hub,

@@ -48,7 +48,7 @@ from tasks.core.config.plugins import PLUGINS, Held, PluginSpec
 from tasks.core.config.schema import StageConfig
 from tasks.core.errors import ConfigError, ConversionError
 from tasks.core.evaluation.placement import CUDA_RESERVE_BYTES  # every GPU figure leaves it (a real run's: @@progress peak_mem_bytes)
-from tasks.core.models.families import TP_SPLIT_DIMS, ActivationTerm, family_config, iter_tensors, model_dims
+from tasks.core.models.families import TP_SPLIT_DIMS, ActivationTerm, family_config, iter_tensors, lora_trainable, model_dims
 
 GB = 1e9
 # Steady RSS of a CPU rank training a ~0.1M-parameter Llama (benchmarks/scale.py "baseline"): torch,
@@ -189,19 +189,18 @@ def estimate(model_config: dict[str, Any], stage_cfg: StageConfig, *, stage: str
     rows = stage_cfg.micro_batch_size * (stage_cfg.grad_accum_steps // nmb if pp > 1 else 1)
     tokens = rows * stage_cfg.seq_len
 
-    shares, layer_params, largest, total = [0] * pp, 0, 0, 0
+    shares, trained, layer_params, largest, total = [0] * pp, [0] * pp, 0, 0, 0
     bounds = [sum(per_stage[:s]) for s in range(pp + 1)]
-    for _, rule, shape, layer in iter_tensors(model_config):
+    for key, rule, shape, layer in iter_tensors(model_config):
         n = math.prod(shape)
         total += n
         largest = max(largest, n)
         mine = n // tp if tp > 1 and any(d in TP_SPLIT_DIMS for d in rule.shape) else n
-        if layer is None:
-            shares[0 if rule in family.head else pp - 1] += mine
-        else:
-            shares[next(s for s in range(pp) if bounds[s] <= layer < bounds[s + 1])] += mine
-            if layer == 0:
-                layer_params += mine
+        s_ = (0 if rule in family.head else pp - 1) if layer is None else next(s for s in range(pp) if bounds[s] <= layer < bounds[s + 1])
+        shares[s_] += mine
+        trained[s_] += mine if stage_cfg.lora is None else lora_trainable(stage_cfg.lora, key, shape, layer)
+        if layer == 0:
+            layer_params += mine
 
     ckpt = bool(getattr(stage_cfg, "activation_checkpointing", False))
     per_layer = layer_activation_bytes(model_config, compute, tp)
@@ -213,11 +212,11 @@ def estimate(model_config: dict[str, Any], stage_cfg: StageConfig, *, stage: str
         for h in spec.holds:
             if not _applies(h, zero, p.precision, pp, dp, stage_cfg.grad_accum_steps):
                 continue
-            n = layer_params if h.per == "layer" else shares[s]
+            n = layer_params if h.per == "layer" else (shares[s] if not h.trainable else trained[s])
             n = math.ceil(n / dp) if h.sharded else n
             terms += _split(h.what, n * (weights if h.bytes == "weights" else h.bytes), h.when, _offloaded(spec, p, h.offload, cuda))
         if cuda and spec.optimizer == "adamw" and not _fused_adamw(stage_cfg, stage, cuda):
-            n = math.ceil(shares[s] / dp) if is_zero(spec, p.zero_stage) else shares[s]  # ZeRO steps this rank's shard
+            n = math.ceil(trained[s] / dp) if is_zero(spec, p.zero_stage) else trained[s]  # ZeRO steps this rank's shard
             step_share = max((_offloaded(spec, p, o.field, cuda) for o in spec.offload if o.moves_step), default=0.0)
             terms += _split("AdamW foreach temporaries", n * 4, "step", step_share)
         in_flight = min(pp - s, nmb)

@@ -1,0 +1,118 @@
+"""Advice that works: every layout refusal's suggested fixes, applied to the refused config, pass pre-flight.
+
+    /work/main/.venv/bin/python -m pytest -q tests/test_advice.py
+
+One row per layout rule (tasks/core/config/layout.py RULES): a good tiny config broken one way.
+Each fix the refusal offers (`Refusal.fixes`, dotted overrides) is applied to the YAML and the
+whole pre-flight runs again: the refusal is gone and nothing is refused that was not before (a
+problem of another rule that the case also broke may stay). A rule without a row fails the test.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+
+import pytest
+
+from tasks.core.config.fixes import Refusal, dotted
+from tasks.core.config.layout import RULES, layout_problems
+from tasks.core.preflight.checks import load_for_check
+from tests.conftest import write_config
+from tests.test_preflight import HP, Case, _all, _data, _set, fake_model, no_launch  # noqa: F401 - no_launch is autouse
+
+HP2 = {**HP, "tp_size": 2}
+
+
+def _vocab(n: int) -> Callable[[Case], None]:
+    return lambda c: fake_model(c.model, vocab_size=n)
+
+
+# rule: (stage, mutation)
+CASES: dict[str, tuple[str, Callable[[Case], None]]] = {
+    "_tp_pp_need_support": ("sft", _all(_set("sft.plugin", {"name": "torch_ddp", "tp_size": 2, "precision": "fp32"}))),
+    "_zero_stage_allowed": ("cpt", _set("cpt.plugin", {**HP2, "zero_stage": 2, "precision": "bf16"})),
+    "_precision_allowed": ("sft", _set("sft.plugin", {"name": "gemini", "precision": "fp32"})),
+    "_zero_fp32_where_refused": ("cpt", _set("cpt.plugin", {**HP2, "zero_stage": 1})),
+    "_world_divisible": ("cpt", _set("cpt.launch", {"nproc_per_node": 3})),
+    "_pipeline_microbatches": ("cpt", _set("cpt.plugin", {**HP, "pp_size": 2})),
+    "_packing_keeps_conversations_apart": ("sft", _all(_set("sft.plugin", HP2), _set("sft.batching", "packed"))),
+    "_lora_in_sft_only": ("cpt", _set("cpt.lora", {"r": 8})),
+    "_lora_supported_by_plugin": ("sft", _all(_set("sft.plugin", HP2), _set("sft.lora", {"r": 8}))),
+    "_qlora_export_not_built": ("sft", _set("sft.lora", {"r": 8, "quantize": True})),
+    # the known wrong advice: "set zero_stage: 1", which fp32 then refused
+    "_offload_where_the_plugin_has_it": ("cpt", _set("cpt.plugin", {**HP2, "cpu_offload": True})),
+    "_rows_divide_microbatches": ("cpt", _all(_set("cpt.plugin", {**HP, "pp_size": 2, "num_microbatches": 4}), _set("cpt.micro_batch_size", 3), _set("cpt.grad_accum_steps", 2))),
+    "_tp_divides_heads": ("cpt", _all(_set("cpt.plugin", {**HP, "tp_size": 4}), _set("cpt.launch", {"nproc_per_node": 4}))),
+    "_tp_divides_vocab": ("cpt", _vocab(515)),
+    "_pp_within_layers": ("cpt", _all(_set("cpt.plugin", {**HP, "pp_size": 8}), _set("cpt.launch", {"nproc_per_node": 8}), _set("cpt.grad_accum_steps", 8))),
+    "_cuda_only_plugin": ("sft", _set("sft.plugin", {"name": "gemini", "precision": "bf16"})),
+    "_cuda_only_precision": ("sft", _set("sft.plugin", {"name": "low_level_zero", "zero_stage": 2, "precision": "fp16"})),
+    "_qlora_needs_cuda_and_bitsandbytes": ("sft", _set("sft.lora", {"r": 8, "quantize": True})),
+}
+# Rules whose fix is not a config value (a host:port, another section): said in words.
+IN_WORDS = {"_rendezvous_by_backend": "a rendezvous endpoint only the operator knows", "_backend_settings": "a settings section to move or remove",
+            # no registered plugin builds fp16 without dynamic loss scaling
+            "_fp16_needs_dynamic_loss_scale": "unreachable with the registered plugins"}
+
+
+def test_every_layout_rule_has_a_case():
+    assert {rule.__name__ for _, rule in RULES} == set(CASES) | set(IN_WORDS)
+
+
+def _refusals(case: Case, stage: str, rule: str) -> list[Refusal]:
+    cfg = load_for_check(write_config(case.tmp / "config.yaml", case.raw))
+    model = json.loads((case.model / "config.json").read_text())
+    return [p for p in layout_problems(getattr(cfg, stage), stage, model_config=model, cuda=False) if p.rule == rule]
+
+
+@pytest.mark.parametrize("rule", list(CASES))
+def test_each_offered_fix_passes_preflight(tmp_path, rule):
+    stage, mutate = CASES[rule]
+    case = Case(tmp_path)
+    mutate(case)
+    before = case.report()
+    refused = _refusals(case, stage, rule)
+    assert refused and not before.ok, (rule, before.text())
+    for r in refused:
+        assert r.fixes, (rule, r[1])  # a fix is offered, in the config's own words
+        for fix in r.fixes:
+            overrides = dotted(stage, fix)
+            for key in overrides:
+                assert f"{key}: " in r[1], (key, r[1])  # the message says every field the fix changes
+            fixed = Case(tmp_path / f"fix-{abs(hash(json.dumps(overrides, default=str)))}")
+            fixed.raw = copy.deepcopy(case.raw)
+            fixed.raw["run_root"] = str(fixed.run_root)
+            fixed.model, fixed.raw["base_model"]["uri"] = case.model, str(case.model)
+            for key, value in overrides.items():
+                _set(key, value)(fixed)
+            after = fixed.report()
+            assert r.why not in after.text(), (rule, overrides, after.text())
+            assert {f for f, _ in after.problems} <= {f for f, _ in before.problems}, (rule, overrides, after.text())
+
+
+def test_fp32_refusals_offer_every_plugin_that_trains_in_fp32(tmp_path):
+    """A plugin that cannot take fp32 with ZeRO offers the layouts that run in fp32 before bf16."""
+    case = Case(tmp_path)
+    _set("cpt.plugin", {**HP2, "zero_stage": 1})(case)
+    (r,) = _refusals(case, "cpt", "_zero_fp32_where_refused")
+    assert "HybridParallelPlugin.configure asserts precision != 'fp32'" in r[1]
+    said = r[1].split("; set ", 1)[1]
+    for layout in ("cpt.plugin.zero_stage: 0", "cpt.plugin.name: low_level_zero", "cpt.plugin.name: torch_ddp", "cpt.plugin.precision: bf16"):
+        assert layout in said, r[1]
+    assert said.index("torch_ddp") < said.index("precision: bf16")
+
+
+def test_a_number_where_text_should_be_is_the_records_fault(tmp_path):
+    lines = [{"text": f"document {i}"} for i in range(8)]
+    lines[4] = {"text": 5}
+    case = Case(tmp_path)
+    _data("cpt", lines)(case)
+    report = case.report()
+    (msg,) = [m for _, m in report.problems]
+    assert ":5: field 'text' holds a int (5), not text" in msg and "text_field" not in msg, msg
+    assert "set data.on_bad_record: skip" in msg
+    _set("cpt.data.on_bad_record", "skip")(case)  # the advice, applied
+    report = case.report()
+    assert report.ok and any(":5: field 'text' holds a int (5), not text: skipped" in w for w in report.warnings), report.text()
