@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/data.py                      # 100 MB and 400 MB: the README benchmark table's sizes
     .venv/bin/python benchmarks/data.py --sizes 10 40        # quicker, same table
     .venv/bin/python benchmarks/data.py --smoke              # 0.3 MB, one 1-step train launch of 1 rank: checks the script runs
+    .venv/bin/python benchmarks/data.py --sizes --single-mb 200   # the single-file row alone
 
 For each size it generates a JSONL CPT corpus of --files files (demo-style text, every record
 distinct) and the demo tokenizer, then runs, each in its own process (peak RSS = VmHWM of the child's own program):
@@ -23,6 +24,10 @@ distinct) and the demo tokenizer, then runs, each in its own process (peak RSS =
               (psutil, sampled every 0.1 s, over the whole run); the faster of two launches and the
               larger RSS. --no-train skips it. --smoke launches (shard and train) one rank: a rank
               process is ~6 s of CPU in imports, and the smoke's figures are not judged.
+and a single-file row (--single-mb, default 200; 0 skips it): one JSONL file of that size prepared
+with 1 and 2 workers (tokenized in chunks of data.tokenize.chunk_mb, --chunk-mb, cut at newlines and
+merged back): the 2w/1w ratio (target >= 1.7), and the MB/s of one worker (1w, and 2w/2) against the
+tokenizer's own single-core batch encode of the file's first --raw-mb MB (target >= 0.8).
 Every process runs with TOKENIZERS_PARALLELISM=false (one core per worker). On a shared machine
 the absolute figures move with the neighbours' load; the ratios are measured side by side.
 """
@@ -100,10 +105,33 @@ def child(code: str, *args: str) -> dict:
 PREPARE = """
 import json, sys, time
 from tasks.core.data.prepare import prepare
-corpus, tok, out, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+corpus, tok, out, workers, chunk_mb = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
+chunks = []
 t = time.monotonic()
-r = prepare(corpus, tok, out, workers=workers, kind="cpt", field="text", seq_len=1024, heldout_fraction=0.01)
-print(json.dumps({"seconds": time.monotonic() - t, "tokens": r.index["totals"]["train_tokens"], "files": len(r.tokenized)}))
+r = prepare(corpus, tok, out, workers=workers, kind="cpt", field="text", seq_len=1024, heldout_fraction=0.01, chunk_mb=chunk_mb,
+            progress=lambda s: chunks.append(1) if "n" in s.get("chunk", {}) else None)
+print(json.dumps({"seconds": time.monotonic() - t, "tokens": r.index["totals"]["train_tokens"], "files": len(r.tokenized), "chunks": len(chunks)}))
+"""
+
+RAW = """
+import json, sys, time
+from tasks.core.data.shard import load_tokenizer
+path, tokdir, limit = sys.argv[1], sys.argv[2], float(sys.argv[3]) * 1e6
+backend = load_tokenizer(tokdir).backend_tokenizer
+texts, size = [], 0
+with open(path, encoding="utf-8") as f:
+    for line in f:
+        texts.append(json.loads(line)["text"]); size += len(line.encode())
+        if size >= limit:
+            break
+# The tokenizer alone, one core: its Rust batch encode in ~1 MB batches, texts already in memory.
+t = time.monotonic(); n = 0; batch = []; chars = 0
+for x in texts:
+    batch.append(x); chars += len(x)
+    if chars >= 1 << 20:
+        n += sum(len(e.ids) for e in backend.encode_batch(batch, add_special_tokens=False)); batch = []; chars = 0
+n += sum(len(e.ids) for e in backend.encode_batch(batch, add_special_tokens=False)) if batch else 0
+print(json.dumps({"bytes": size, "seconds": time.monotonic() - t, "tokens": n}))
 """
 
 TOKFILE = """
@@ -250,7 +278,10 @@ def fmt(x, unit=""):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=float, nargs="+", default=[100, 400], help="corpus sizes in MB")
+    ap.add_argument("--sizes", type=float, nargs="*", default=[100, 400], help="corpus sizes in MB (none: the single-file row only)")
+    ap.add_argument("--single-mb", type=float, default=200, help="the single-file row's JSONL size in MB (0: skip it)")
+    ap.add_argument("--chunk-mb", type=float, default=64, help="data.tokenize.chunk_mb for every prepare")
+    ap.add_argument("--raw-mb", type=float, default=32, help="MB of the single file the tokenizer's own encode is timed on")
     ap.add_argument("--files", type=int, default=8, help="files per corpus")
     ap.add_argument("--old-max-mb", type=float, default=100, help="run the in-rank path without prepared data up to this size (RAM: ~55x the corpus)")
     ap.add_argument("--workdir", default=None)
@@ -260,7 +291,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="one 0.3 MB corpus in 2 files, one 1-step train launch: checks the script runs (figures meaningless)")
     a = ap.parse_args()
     if a.smoke:
-        a.sizes, a.files, a.train_steps = [0.3], 2, 1
+        a.sizes, a.files, a.train_steps, a.single_mb, a.chunk_mb, a.raw_mb = [0.3], 2, 1, 0.3, 0.05, 0.3
     train_launches, nproc = (1, 1) if a.smoke else (2, 2)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="bench-data-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -278,7 +309,7 @@ def main() -> None:
                 out = work / f"prep-{mb:g}-{w}"
                 shutil.rmtree(out, ignore_errors=True)
                 subprocess.run(["sync"], check=False)
-                res = child(PREPARE, str(corpus), str(tokdir), str(out), str(w))
+                res = child(PREPARE, str(corpus), str(tokdir), str(out), str(w), str(a.chunk_mb))
                 r[f"prep{w}_mbs"] = nbytes / 1e6 / res["seconds"]
                 r[f"prep{w}_rss"] = res["peak_rss_mb"]
                 r["tokens"] = res["tokens"]
@@ -303,10 +334,53 @@ def main() -> None:
             shutil.rmtree(corpus, ignore_errors=True)
             for d in work.glob(f"*-{mb:g}*"):
                 shutil.rmtree(d, ignore_errors=True)
+        single = single_file(work, tokdir, a) if a.single_mb > 0 else None
     finally:
         if not a.keep and not a.workdir:
             shutil.rmtree(work, ignore_errors=True)
+    if rows:
+        print_rows(rows, a, nproc)
+    if single:
+        print_single(single, a)
+    print(f"\ncommand: python benchmarks/data.py {' '.join(sys.argv[1:])}".rstrip())
 
+
+def single_file(work: Path, tokdir: Path, a) -> dict:
+    """One JSONL file of --single-mb prepared with 1 and 2 workers (in chunks), and the tokenizer alone on one core."""
+    corpus = work / "single"
+    nbytes = make_corpus(corpus, a.single_mb, 1, seed=1)
+    path = next(corpus.glob("*.jsonl"))
+    r: dict = {"mb": nbytes / 1e6, "load_before": os.getloadavg()[0]}
+    for w in (1, 2):
+        out = work / f"single-prep-{w}"
+        shutil.rmtree(out, ignore_errors=True)
+        res = child(PREPARE, str(path), str(tokdir), str(out), str(w), str(a.chunk_mb))
+        r.update({f"prep{w}_mbs": nbytes / 1e6 / res["seconds"], f"prep{w}_rss": res["peak_rss_mb"], f"chunks{w}": res["chunks"], "tokens": res["tokens"]})
+    same = all((work / "single-prep-1" / n).read_bytes() == (work / "single-prep-2" / n).read_bytes() for n in ("index.json",))
+    shard = json.loads((work / "single-prep-1" / "index.json").read_text())["files"][0]["shard"]
+    same = same and all(f.read_bytes() == (work / "single-prep-2" / shard / f.name).read_bytes() for f in (work / "single-prep-1" / shard).iterdir())
+    raw = child(RAW, str(path), str(tokdir), str(a.raw_mb))
+    r.update(raw_mbs=raw["bytes"] / 1e6 / raw["seconds"], same=same, load_after=os.getloadavg()[0])
+    print(json.dumps(r), flush=True)
+    shutil.rmtree(corpus, ignore_errors=True)
+    return r
+
+
+def print_single(r: dict, a) -> None:
+    print(f"\nOne JSONL file of {r['mb']:.1f} MB, data.tokenize.chunk_mb {a.chunk_mb:g} (halved for the workers), demo tokenizer; "
+          f"load average {r['load_before']:.1f} before, {r['load_after']:.1f} after, on {os.cpu_count()} cores\n")
+    hdr = ["file MB", "tokens", "chunks 1w/2w", "prep 1w MB/s", "prep 2w MB/s", "2w/1w (>=1.7)", "tokenizer 1 core MB/s",
+           "1w/tok (>=0.8)", "per worker 2w/tok (>=0.8)", "1w and 2w bytes equal", "RSS 1w/2w MB"]
+    row = [fmt(r["mb"]), f"{r['tokens']:,}", f"{r['chunks1']}/{r['chunks2']}", fmt(r["prep1_mbs"]), fmt(r["prep2_mbs"]), f"{r['prep2_mbs'] / r['prep1_mbs']:.2f}",
+           fmt(r["raw_mbs"]), f"{r['prep1_mbs'] / r['raw_mbs']:.2f}", f"{r['prep2_mbs'] / 2 / r['raw_mbs']:.2f}", str(r["same"]),
+           f"{r['prep1_rss']:.0f}/{r['prep2_rss']:.0f}"]
+    widths = [max(len(h), len(c)) for h, c in zip(hdr, row)]
+    print(" | ".join(h.rjust(w) for h, w in zip(hdr, widths)))
+    print("-|-".join("-" * w for w in widths))
+    print(" | ".join(c.rjust(w) for c, w in zip(row, widths)))
+
+
+def print_rows(rows: list[dict], a, nproc: int) -> None:
     print(f"\nCPT corpora of {a.files} JSONL files, demo tokenizer (vocab 512), seq_len {SEQ_LEN}, os.cpu_count()={os.cpu_count()}\n")
     hdr = ["corpus MB", "tokens", "prep 1w MB/s", "prep 2w MB/s", "2w/1w (>=1.6)", "worker MB/s", "tokenizer MB/s", "worker/tok (>=0.8)", "same, CPU s",
            "start s", "start RSS MB", "resume/start (<=1.1)", "old start s", "old RSS MB", "old/new start", "old/new RSS"]

@@ -10,9 +10,12 @@ reboost checks that the CPT model's tokenizer is the one the SFT shards were mad
   digest, which covers the data config (not the task runner), the split, seq_len, the tokenizer
   fingerprint and every input file's size and checksum/etag. Adding one file re-runs the stage,
   and inside it only that file is tokenized.
-- The files still to tokenize are mapped as `tokenize_shard` tasks in a subflow whose task runner
-  comes from `data.tokenize`: Prefect's ProcessPoolTaskRunner (default; one file: a thread here), or prefect-dask's
-  DaskTaskRunner on a running scheduler or a `distributed.LocalCluster` it starts.
+- The files still to tokenize are submitted as `tokenize_shard` tasks in a subflow whose task runner
+  comes from `data.tokenize`: Prefect's ProcessPoolTaskRunner (default; one unit: a thread here), or prefect-dask's
+  DaskTaskRunner on a running scheduler or a `distributed.LocalCluster` it starts. A file larger than
+  `data.tokenize.chunk_mb` is split at record boundaries into chunks, each a task, merged back into
+  the file's shard byte for byte (tasks/core/data/chunks.py, tasks/core/data/schedule.py `drive`),
+  so one large file keeps every worker busy.
 - Shards are written into `<staging>/data-cache/<stage>/shards/<key>/` (key: input checksum,
   tokenizer, spec), summary last. A failed run keeps every file already tokenized there, and the
   retry reuses them, each only after its files match the sha256 recorded when it was made (a
@@ -43,14 +46,16 @@ from prefect import flow, get_run_logger, task
 from tasks import console_log, ui
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, TokenizeConfig
+from tasks.core.data import chunks, truncation
 from tasks.core.data import prepare as prep
-from tasks.core.data import truncation
 from tasks.core.data.blend import BLEND_FILE, Source
+from tasks.core.data.chunks import Chunk, Whole
 from tasks.core.data.index import INDEX
 from tasks.core.data.inputs import InputFile
 from tasks.core.data.prepared import HELDOUT_SET, blend_plan
 from tasks.core.data.records import iter_file_records
-from tasks.core.data.shard import ShardSpec, read_summary, shard_dir, tokenize_file
+from tasks.core.data.schedule import drive, run_item
+from tasks.core.data.shard import ShardSpec, read_summary, shard_dir
 from tasks.core.run.stages import DATA_CACHE, PREPARE, STAGE
 from tasks.stage import Stage, StageResult, stage_task, store_for
 
@@ -83,9 +88,29 @@ def worker_api() -> Iterator[str]:
             prefect.context.GLOBAL_SETTINGS_CONTEXT = prior
 
 
-def task_runner_for(tok: TokenizeConfig, files: int):
-    """The task runner `data.tokenize` names: a process pool, or Dask (a scheduler or a LocalCluster).
-    Its workers reach this run's Prefect API when the subflow runs inside `worker_api()`."""
+def _dask_workers(address: str, default: int = 4) -> int:
+    """How many workers the running cluster at `address` has now (its width for the chunking)."""
+    try:
+        from distributed import Client
+
+        with Client(address, timeout=10) as client:
+            return max(1, len(client.scheduler_info().get("workers", {}))) or default
+    except Exception:
+        return default
+
+
+def tokenize_width(tok: TokenizeConfig) -> int:
+    """How many workers `data.tokenize` gives (a running Dask cluster: its workers now)."""
+    if tok.dask_address:
+        return _dask_workers(tok.dask_address)
+    return tok.local_cluster.n_workers if tok.local_cluster else tok.workers
+
+
+def task_runner_for(tok: TokenizeConfig, units: int, width: int | None = None):
+    """The task runner `data.tokenize` names: a process pool, or Dask (a scheduler or a LocalCluster),
+    for `units` files and chunks. Its workers reach this run's Prefect API when the subflow runs
+    inside `worker_api()`."""
+    width = min(width or tokenize_width(tok), units)
     if tok.dask_address or tok.local_cluster:
         try:
             from prefect_dask import DaskTaskRunner
@@ -94,46 +119,53 @@ def task_runner_for(tok: TokenizeConfig, files: int):
         if tok.dask_address:
             return DaskTaskRunner(address=tok.dask_address)
         # One thread per worker process: the tokenizer holds the GIL between its Rust calls.
-        return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={"n_workers": min(tok.local_cluster.n_workers, files), "threads_per_worker": 1, "processes": True})
+        return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={"n_workers": width, "threads_per_worker": 1, "processes": True})
     from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
-    if min(tok.workers, files) == 1:
-        # One file at a time: a worker process would only add its start-up (spawn, imports) to it.
+    if width == 1:
+        # One unit at a time: a worker process would only add its start-up (spawn, imports) to it.
         return ThreadPoolTaskRunner(max_workers=1)
-    return ProcessPoolTaskRunner(max_workers=min(tok.workers, files))  # no idle worker to spawn
+    return ProcessPoolTaskRunner(max_workers=width)  # no idle worker to spawn
 
 
-@task(name="tokenize_shard", task_run_name="tokenize {inp.uri}")
-def tokenize_shard(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: str) -> dict[str, Any]:
+@task(name="tokenize_shard", task_run_name="tokenize {item.label}")
+def tokenize_shard(item: Chunk | Whole, spec: ShardSpec, tokenizer_dir: str, out_dir: str) -> dict[str, Any]:
     console_log.from_environment()  # a pool or Dask worker prints to the run's console too
     if multiprocessing.parent_process() is not None:
         # A pool or Dask worker process = one core: the tokenizer's own thread pool would
         # oversubscribe the machine (set before its first use in this process).
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         os.environ.setdefault("RAYON_NUM_THREADS", "1")
-    return tokenize_file(inp, spec, tokenizer_dir, out_dir)
+    return run_item(item, spec, tokenizer_dir, out_dir)
+
+
+class _Tasks:
+    """schedule.drive's runner over Prefect: each file or chunk a `tokenize_shard` task run."""
+
+    def __init__(self, spec: ShardSpec, tokenizer_dir: str, out_dir: str):
+        self.kw = {"spec": spec, "tokenizer_dir": tokenizer_dir, "out_dir": out_dir}
+
+    def submit(self, item):
+        return tokenize_shard.submit(item, **self.kw)
+
+    def wait(self, handles):
+        from prefect.futures import as_completed
+
+        return [next(iter(as_completed(handles)))]
+
+    def result(self, future):
+        return future.result()
 
 
 @flow(name="tokenize-files", flow_run_name="tokenize {stage}: {n} files", validate_parameters=False)
-def tokenize_files(stage: str, n: int, inputs: list[InputFile], spec: ShardSpec, tokenizer_dir: str, out_dir: str) -> list[dict]:
-    """Every file as one mapped task; all finish (their shards stay) before the first error, in input order, is raised."""
-    from prefect.futures import as_completed
-
-    report = ui.DataProgress(stage, n, sum(f.size for f in inputs))
-    futures = tokenize_shard.map(inputs, spec=spec, tokenizer_dir=tokenizer_dir, out_dir=out_dir)
-    order = {f.task_run_id: i for i, f in enumerate(futures)}
-    out: list[dict | None] = [None] * len(inputs)
-    errors: dict[int, BaseException] = {}
-    for f in as_completed(futures):
-        try:
-            out[order[f.task_run_id]] = summary = f.result()
-        except Exception as exc:
-            errors[order[f.task_run_id]] = exc
-            continue
-        report(summary)
-    if errors:
-        raise errors[min(errors)]
-    return out
+def tokenize_files(stage: str, n: int, inputs: list[InputFile], todo: list[int], spec: ShardSpec, tokenizer_dir: str, out_dir: str,
+                   chunk_bytes: int, width: int) -> list[dict]:
+    """inputs[todo], a file larger than `chunk_bytes` in chunks, at most `width` task runs in flight (one queued
+    beyond the workers); all finish (their shards stay) before the first error, in corpus order, is raised."""
+    report = ui.DataProgress(stage, n, sum(inputs[i].size for i in todo))
+    work = chunks.work(inputs, todo, spec, Path(out_dir), chunk_bytes, largest_first=width > 1)
+    done = drive(work, _Tasks(spec, tokenizer_dir, out_dir), width + 1 if width > 1 else 1, spec, out_dir, report)
+    return [done[i] for i in todo]
 
 
 @stage_task(name="prepare_data", task_run_name="{stage}: tokenize data")
@@ -165,10 +197,8 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     if st.skipped:  # the counts run.json and the stage table show, as the artifact's index recorded them
         st.result.detail.update(_recorded_truncation(store, STAGE[name].artifact, stage, st_cfg.seq_len))
         return st.result
-    shards = cache / "shards"
-    shards.mkdir(parents=True, exist_ok=True)
-    for stale in shards.glob(".tmp-*"):  # a worker killed mid-file; its summary never landed
-        shutil.rmtree(stale, ignore_errors=True)
+    (cache / "shards").mkdir(parents=True, exist_ok=True)
+    chunks.clean_stale(cache)  # a worker killed mid-file or mid-chunk; its summary never landed
     if p.not_data:  # pre-flight named them too: never read, and said once more where the stage's log is kept
         logger.info("%s: skipped %d file(s) that are not data (%s.data.formats: %s): %s", name, len(p.not_data), stage, ", ".join(d.formats),
                     ", ".join(p.not_data[:10]) + (f" and {len(p.not_data) - 10} more" if len(p.not_data) > 10 else ""))
@@ -176,10 +206,13 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
         logger.warning("%s: %s", name, damaged)
     logger.info("%s: %d input files (%.1f MB), %d to tokenize, %d reused from %s", name, len(p.inputs), sum(f.size for f in p.inputs) / 1e6, len(p.todo), len(p.inputs) - len(p.todo), cache)
     if p.todo:
-        runner = task_runner_for(d.tokenize, len(p.todo))
-        todo = [p.inputs[i] for i in p.todo]
+        width = tokenize_width(d.tokenize)
+        sizes = [p.inputs[i].size for i in p.todo]
+        c = chunks.chunk_size(sizes, width, int(d.tokenize.chunk_mb * 2**20))
+        units = chunks.units(sizes, c)
+        runner = task_runner_for(d.tokenize, units, width)
         with worker_api():
-            tokenize_files.with_options(task_runner=runner)(stage, len(todo), todo, p.spec, str(tok_dir), str(cache))
+            tokenize_files.with_options(task_runner=runner)(stage, len(p.todo), p.inputs, p.todo, p.spec, str(tok_dir), str(cache), c, min(width, units))
     summaries = {i: read_summary(shard_dir(cache, p.keys[i])) for i in range(len(p.inputs))}
     index = prep.finalize(p, summaries, workers=1)
     t = index["totals"]
@@ -252,4 +285,4 @@ def prepared_dir(cfg: RunConfig, stage: str) -> Path:
     return store.local_path(rel) if store.local else store.stage_in(rel)
 
 
-__all__ = ["prepare_data", "prepared_dir", "task_runner_for", "tokenize_files", "tokenize_shard", "worker_api"]
+__all__ = ["prepare_data", "prepared_dir", "task_runner_for", "tokenize_files", "tokenize_shard", "tokenize_width", "worker_api"]

@@ -126,7 +126,8 @@ class Progress:
 class DataProgress:
     """The `data-<stage>-progress` artifact of prepare_data: files, records, tokens and MB/s so far.
 
-    Called with each tokenized file's summary as it finishes (the unit of work of the task runner).
+    Called with each tokenized file's or chunk's summary as it finishes (the units of work of the
+    task runner); a chunk's counts its bytes, and its file once it completed it (`file_done`).
     """
 
     def __init__(self, stage: str, files: int, total_bytes: int):
@@ -141,8 +142,9 @@ class DataProgress:
 
     def __call__(self, summary: dict[str, Any]) -> None:
         d = self.done
-        d["files"] += 1
-        d["bytes"] += summary["input"]["size"]
+        chunk = summary.get("chunk")
+        d["files"] += 1 if chunk is None or summary.get("file_done") else 0
+        d["bytes"] += summary["input"]["size"] if chunk is None else chunk["bytes"]
         d["records"] += summary["records"]
         d["tokens"] += summary["train"]["tokens"] + summary["heldout"]["tokens"]
         d["skipped"] += summary["skipped"]

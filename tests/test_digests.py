@@ -34,6 +34,7 @@ EXPORT_AND_BELOW = {"export", "evaluate_sft", "benchmark"}
 # Settings that change how a stage runs, never the bytes it writes: nothing runs again.
 NOTHING_RERUNS = {
     "cpt.data.tokenize.workers": lambda raw: raw["cpt"]["data"].update(tokenize={"workers": 1}),
+    "sft.data.tokenize.chunk_mb": lambda raw: raw["sft"]["data"].update(tokenize={"chunk_mb": 0.5}),  # merged chunks: the same shard bytes
     "sft.data.tokenize.local_cluster": lambda raw: raw["sft"]["data"].update(tokenize={"local_cluster": {"n_workers": 3}}),
     "cpt.data.tokenize.dask_address": lambda raw: raw["cpt"]["data"].update(tokenize={"dask_address": "tcp://scheduler:8786"}),
     "cpt.max_pending_publishes": lambda raw: raw["cpt"].update(max_pending_publishes=7),

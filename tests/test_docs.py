@@ -27,7 +27,7 @@ import yaml
 from tasks.core.config import reference
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.layout import RULES
-from tasks.core.preflight import checks
+from tasks.core.preflight import tracking as preflight_tracking
 from tasks.core.preflight.checks import CHECKS, Machine, load_for_check, preflight_report
 from tasks.core.run.stages import STAGES
 
@@ -196,7 +196,7 @@ def test_yaml_example_passes_preflight(where, block, tiny_model_dir, tmp_path, m
     if "slurm" in want:
         monkeypatch.setitem(BACKENDS, "slurm", dataclasses.replace(BACKENDS["slurm"], preflight=f"{__name__}:_cluster_answers"))
     if "mlflow" in want:
-        monkeypatch.setattr(checks, "check_uri", lambda uri: None)
+        monkeypatch.setattr(preflight_tracking, "check_uri", lambda uri: None)
     path = tmp_path / "example.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     report = preflight_report(load_for_check(path), machine=GPU_NODE if "gpus" in want else CPU_NODE, token_present=None)

@@ -103,11 +103,13 @@ def test_pool_and_dask_skip_increment_and_identical_shards(prefect_harness, tiny
     index = json.loads((tmp_path / "pool/data/cpt/index.json").read_text())
     assert [s["files"] for s in index["sources"]] == [[0, 3], [3, 5]] and (tmp_path / "pool/data/cpt/blend.items").read_bytes() != blend
 
-    # The same corpus on a real dask.distributed LocalCluster of 2 worker processes: the same bytes.
+    # The same corpus on a real dask.distributed LocalCluster of 2 worker processes, its files cut in ~2 KB
+    # chunks (JSONL byte ranges, the gzip'd stream spilled; the bad record's line counted): the same bytes.
     raw["run_root"] = str(tmp_path / "dask")
-    raw["cpt"]["data"] = {**data, "tokenize": {"local_cluster": {"n_workers": 2}}}
+    raw["cpt"]["data"] = {**data, "tokenize": {"local_cluster": {"n_workers": 2}, "chunk_mb": 0.002}}
     on_dask = prepare_cpt(write_config(tmp_path / "dask.yaml", raw))
     assert on_dask.status == "completed" and on_dask.detail["tokenized"] == 5
+    assert len(list((tmp_path / "dask/data-cache/cpt/chunks").glob("*/summary.json"))) >= 6
     pool_files, dask_files = _files(tmp_path / "pool/data/cpt"), _files(tmp_path / "dask/data/cpt")
     assert set(pool_files) == set(dask_files) and len(pool_files) > 5 * 4
     assert [k for k in pool_files if pool_files[k] != dask_files[k]] == []  # tokens, offsets, summaries, index.json

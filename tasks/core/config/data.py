@@ -21,7 +21,8 @@ class LocalClusterConfig(Frozen):
 class TokenizeConfig(Frozen):
     """How prepare_data runs its tokenize tasks; never part of a digest (the shards are the same bytes)."""
 
-    workers: int = Field(default=2, ge=1, description="Process-pool workers (Prefect's ProcessPoolTaskRunner) when no Dask cluster is named; 1 file per worker at a time.")
+    workers: int = Field(default=2, ge=1, description="Process-pool workers (Prefect's ProcessPoolTaskRunner) when no Dask cluster is named; 1 file or chunk per worker at a time.")
+    chunk_mb: float = Field(default=64.0, gt=0, description="A file larger than this (MB, 2**20 bytes) is tokenized in chunks cut at record boundaries (JSONL/text: byte ranges; parquet: row groups; compressed: decompressed once and cut), spread over the workers; halved down to 1 MB while the files to tokenize would give fewer than 4 chunks per worker. The prepared shards are the same bytes whatever the chunking.")  # noqa: E501
     dask_address: str | None = Field(default=None, description="Scheduler address of a running Dask cluster (tcp://host:8786): the files are tokenized on its workers (prefect-dask DaskTaskRunner).")
     local_cluster: LocalClusterConfig | None = Field(default=None, description="Start a dask.distributed LocalCluster of n_workers processes for this stage instead of the process pool.")
 

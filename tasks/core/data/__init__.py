@@ -9,6 +9,8 @@
 - shard.py   : one input file -> self-contained token shards (training and held-out sides)
 - index.py   : index.json's name, the tokenizer fingerprint, and the check that the data fits a model
 - prepare.py : plan (which shards exist), run the missing ones on a process pool, write the index
+- chunks.py  : a file larger than data.tokenize.chunk_mb cut at record boundaries, each chunk tokenized, merged back byte for byte
+- schedule.py: the one loop that runs files and chunks on a runner (a process pool here, Prefect's in prepare_data)
 - blend.py   : a weighted mixture's blended stream; order.py: the epoch orders (length groups, packs)
 - heldout_only.py: held-out-only sources (cpt.eval.heldout_sources), evaluated and never trained on
 - reader.py  : the memmap reader the training loop indexes by block (CPT) or row (SFT)

@@ -16,8 +16,10 @@ sha256 recorded when it was made (`shard.verified_summary`); one that does not i
 input tokenized again, and `Plan.dropped` says which and why (the caller warns).
 
 Files are tokenized by a process pool (`workers` > 1; spawn, so a caller's threads and CUDA state
-never leak into a worker) or in this process (`workers` <= 1). A Prefect task runner can map
-`tokenize_file` itself instead; `plan` and `finalize` are the two halves around that map.
+never leak into a worker) or in this process (`workers` <= 1), a file larger than `chunk_mb` a chunk
+at a time, so one large file keeps every worker busy (tasks/core/data/chunks.py; the shards are the
+same bytes). A Prefect task runner can drive the same work instead (tasks/core/data/schedule.py
+`drive`); `plan` and `finalize` are the two halves around it.
 """
 
 from __future__ import annotations
@@ -36,12 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from tasks.core.data import heldout_only, truncation
+from tasks.core.data import chunks, heldout_only, schedule, truncation
 from tasks.core.data.blend import BLEND_FILE, BlendPlan, Source, blend
 from tasks.core.data.index import INDEX, PrepareError, special_tokens, tokenizer_fingerprint
 from tasks.core.data.inputs import InputError, InputFile, resolve_inputs
 from tasks.core.data.records import FOLDER_FORMATS, BadRecord, iter_file_records
-from tasks.core.data.shard import ShardSpec, freeze_encoder, load_tokenizer, read_summary, shard_dir, tokenize_file, verified_summary
+from tasks.core.data.shard import ShardSpec, freeze_encoder, load_tokenizer, read_summary, shard_dir, verified_summary
 from tasks.core.data.split import record_id
 
 INDEX_VERSION = 1
@@ -64,6 +66,7 @@ class Plan:
     heldout_only: list[Source] = field(default_factory=list)  # eval.heldout_sources: evaluated, never trained on
     heldout_only_inputs: list[list[InputFile]] = field(default_factory=list)
     not_data: list[str] = field(default_factory=list)  # files of a source's directory that are not data.formats (never read)
+    chunk_bytes: int = int(chunks.DEFAULT_CHUNK_MB * 2**20)  # data.tokenize.chunk_mb: a larger file is split (chunks.py)
 
 
 @dataclass
@@ -153,58 +156,11 @@ def plan(
                 list(heldout_sources), only_inputs, skipped)
 
 
-def _init_worker() -> None:
-    # One worker = one core: the tokenizer's own thread pool would oversubscribe the machine.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    os.environ["RAYON_NUM_THREADS"] = "1"
-
-
-def _work(args: tuple[int, InputFile, ShardSpec, str, str]) -> tuple[int, dict]:
-    i, inp, spec, tokenizer_dir, out_dir = args
-    return i, tokenize_file(inp, spec, tokenizer_dir, out_dir)
-
-
 def run_files(p: Plan, indices: list[int], spec: ShardSpec, workers: int, progress: Callable[[dict], None] | None = None) -> dict[int, dict]:
-    """Tokenize inputs[indices]; summaries by index. In this process: in input order, so the first
-    problem reported is the first in the corpus. On a pool: largest first, so the workers end together."""
-    parallel = workers > 1 and len(indices) > 1
-    order = sorted(indices, key=lambda i: -p.inputs[i].size) if parallel else sorted(indices)
-    jobs = [(i, p.inputs[i], spec, p.tokenizer_dir, str(p.out_dir)) for i in order]
-    out: dict[int, dict] = {}
-    if not parallel:
-        for job in jobs:
-            i, s = _work(job)
-            out[i] = s
-            if progress:
-                progress(s)
-        return out
-    import multiprocessing as mp
-
-    # At most `workers` files in flight: on the first error no new file starts, the ones in
-    # flight finish and keep their shards (a retry after the fix reuses them), then it raises.
-    pending = list(reversed(jobs))
-    error: BaseException | None = None
-    with mp.get_context("spawn").Pool(min(workers, len(jobs)), initializer=_init_worker) as pool:
-        running = []
-        while pending or running:
-            while pending and error is None and len(running) < workers:
-                running.append(pool.apply_async(_work, (pending.pop(),)))
-            if not running:
-                break
-            running[0].wait(0.05)
-            for r in [r for r in running if r.ready()]:
-                running.remove(r)
-                try:
-                    i, s = r.get()
-                except BaseException as e:
-                    error = error or e
-                    continue
-                out[i] = s
-                if progress:
-                    progress(s)
-    if error is not None:
-        raise error
-    return out
+    """Tokenize inputs[indices] (a file larger than p.chunk_bytes a chunk at a time: tasks/core/data/chunks.py);
+    summaries by index. In this process: in input order, so the first problem reported is the first in the
+    corpus. On a pool: largest file first, so the workers end together."""
+    return schedule.run(p.inputs, indices, spec, p.tokenizer_dir, p.out_dir, workers, p.chunk_bytes, progress)
 
 
 def _check_corpus(p: Plan, summaries: list[dict]) -> None:
@@ -371,6 +327,7 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
 def prune(out_dir: Path, index: dict[str, Any]) -> int:
     """Remove shards the index does not name (files that left the corpus); returns how many."""
     keep = {f["shard"].rsplit("/", 1)[-1] for f in index["files"]}
+    chunks.prune(out_dir, keep)
     n = 0
     for d in (out_dir / "shards").iterdir():
         if d.name not in keep:
@@ -381,15 +338,14 @@ def prune(out_dir: Path, index: dict[str, Any]) -> int:
 
 def prepare(
     uri: str | Sequence[str], tokenizer_dir: str | Path, out_dir: str | Path, *, workers: int = 1,
-    progress: Callable[[dict], None] | None = None, prune_unused: bool = False, **spec: Any,
+    progress: Callable[[dict], None] | None = None, prune_unused: bool = False, chunk_mb: float = chunks.DEFAULT_CHUNK_MB, **spec: Any,
 ) -> Result:
-    """Resolve, tokenize what is missing (a failure keeps every file already done), index."""
+    """Resolve, tokenize what is missing (a failure keeps every file and chunk already done), index."""
     started = time.monotonic()
     p = plan(uri, tokenizer_dir, out_dir, **spec)
-    shards = p.out_dir / "shards"
-    shards.mkdir(parents=True, exist_ok=True)
-    for stale in shards.glob(".tmp-*"):  # a worker killed mid-file; its summary never landed
-        shutil.rmtree(stale, ignore_errors=True)
+    p.chunk_bytes = max(1, int(chunk_mb * 2**20))
+    (p.out_dir / "shards").mkdir(parents=True, exist_ok=True)
+    chunks.clean_stale(p.out_dir)  # a worker killed mid-file or mid-chunk; its summary never landed
     done = run_files(p, p.todo, p.spec, workers, progress)
     summaries = {i: done.get(i) or read_summary(shard_dir(p.out_dir, p.keys[i])) for i in range(len(p.inputs))}
     index = finalize(p, summaries, workers)
@@ -411,10 +367,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--truncation", choices=["drop", "cut", "split_turns"], default="drop", help="SFT: a chat longer than seq_len")
     ap.add_argument("--max-bad-records", type=int, default=100)
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--chunk-mb", type=float, default=chunks.DEFAULT_CHUNK_MB, help="a file larger than this is tokenized in chunks, spread over the workers")
     a = ap.parse_args(argv)
     try:
         r = prepare(
-            a.uri if len(a.uri) > 1 else a.uri[0], a.tokenizer, a.out, workers=a.workers, kind=a.kind,
+            a.uri if len(a.uri) > 1 else a.uri[0], a.tokenizer, a.out, workers=a.workers, chunk_mb=a.chunk_mb, kind=a.kind,
             field=a.field or ("text" if a.kind == "cpt" else "messages"), seq_len=a.seq_len, heldout_fraction=a.heldout_fraction,
             on_bad_record=a.on_bad_record, max_bad_records=a.max_bad_records, truncation_rule=a.truncation,
         )

@@ -28,7 +28,8 @@ import json
 import lzma
 import sys
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tasks.core.storage.fs import open_uri
@@ -133,7 +134,7 @@ class _Decompressed(io.RawIOBase):
         return n
 
 
-def _compression(uri: str) -> str | None:
+def compression_of(uri: str) -> str | None:
     name = uri.rsplit("/", 1)[-1].lower()
     return next((c for c in COMPRESSIONS if name.endswith(c)), None)
 
@@ -143,7 +144,7 @@ def check_stream(uri: str) -> None:
 
     A damaged stream can inflate to garbage before its decompressor notices: a bad record found in a
     compressed file is first put to this check, so the damage is named, not the garbage."""
-    comp = _compression(uri)
+    comp = compression_of(uri)
     if comp:
         with open_uri(uri, "rb") as raw:
             stream = _Decompressed(raw, uri, comp)
@@ -151,57 +152,70 @@ def check_stream(uri: str) -> None:
                 pass
 
 
-def _text_records(uri: str, fmt: str, max_chars: int) -> Iterator[tuple[int, dict | BadRecord]]:
-    comp = _compression(uri)
+@contextmanager
+def open_decompressed(uri: str) -> Iterator[io.BufferedIOBase]:
+    """The bytes of `uri`, decompressed when its name says so (CorruptFileError on a damaged stream)."""
+    comp = compression_of(uri)
     with open_uri(uri, "rb") as raw:
-        stream = io.BufferedReader(_Decompressed(raw, uri, comp), 1 << 16) if comp else raw
-        # utf-8-sig: a byte-order mark at the start (what Windows tools write) is not part of line 1.
-        f = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="surrogateescape", newline=None)
-        lineno = 0
-        while True:
-            # A size limit on readline keeps a runaway line (a binary file, a missing newline
-            # in a 10 GB dump) from being read into memory whole before it can be refused.
-            line = f.readline(max_chars + 1)
-            if not line:
-                return
-            lineno += 1
-            if len(line) > max_chars and not line.endswith("\n"):
-                n = len(line)
-                while line and not line.endswith("\n"):
-                    line = f.readline(max_chars + 1)
-                    n += len(line)
-                yield lineno, BadRecord(uri, lineno, f"the line has over {max_chars:,} characters ({n:,}); raise data.max_record_chars or split the record")
-                continue
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            if not line.isascii():
-                try:
-                    line.encode("utf-8")
-                except UnicodeEncodeError as e:
-                    byte = ord(line[e.start]) - 0xDC00
-                    yield lineno, BadRecord(uri, lineno, f"bytes that are not UTF-8 (0x{byte:02x} at character {e.start + 1}); save the file as UTF-8")
-                    continue
-            if fmt == ".txt":
-                yield lineno, {"text": line}
-                continue
+        yield io.BufferedReader(_Decompressed(raw, uri, comp), 1 << 16) if comp else raw
+
+
+def _text_records(uri: str, fmt: str, max_chars: int) -> Iterator[tuple[int, dict | BadRecord]]:
+    with open_decompressed(uri) as stream:
+        yield from text_records(stream, uri, fmt, max_chars)
+
+
+def text_records(stream, uri: str, fmt: str, max_chars: int, first_line: int = 1) -> Iterator[tuple[int, dict | BadRecord]]:
+    """The records of a binary stream of .jsonl/.txt lines; `first_line`: the stream's first line's
+    number in `uri` (a chunk of a file starts past line 1, and is not where a byte-order mark can be)."""
+    # utf-8-sig: a byte-order mark at the start (what Windows tools write) is not part of line 1.
+    f = io.TextIOWrapper(stream, encoding="utf-8-sig" if first_line == 1 else "utf-8", errors="surrogateescape", newline=None)
+    lineno = first_line - 1
+    while True:
+        # A size limit on readline keeps a runaway line (a binary file, a missing newline
+        # in a 10 GB dump) from being read into memory whole before it can be refused.
+        line = f.readline(max_chars + 1)
+        if not line:
+            return
+        lineno += 1
+        if len(line) > max_chars and not line.endswith("\n"):
+            n = len(line)
+            while line and not line.endswith("\n"):
+                line = f.readline(max_chars + 1)
+                n += len(line)
+            yield lineno, BadRecord(uri, lineno, f"the line has over {max_chars:,} characters ({n:,}); raise data.max_record_chars or split the record")
+            continue
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            continue
+        if not line.isascii():
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield lineno, BadRecord(uri, lineno, f"malformed JSON ({e.msg} at column {e.colno}); every line must be one JSON object")
+                line.encode("utf-8")
+            except UnicodeEncodeError as e:
+                byte = ord(line[e.start]) - 0xDC00
+                yield lineno, BadRecord(uri, lineno, f"bytes that are not UTF-8 (0x{byte:02x} at character {e.start + 1}); save the file as UTF-8")
                 continue
-            if not isinstance(rec, dict):
-                yield lineno, BadRecord(uri, lineno, f"expected a JSON object per line, got {type(rec).__name__}")
-                continue
-            yield lineno, rec
+        if fmt == ".txt":
+            yield lineno, {"text": line}
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            yield lineno, BadRecord(uri, lineno, f"malformed JSON ({e.msg} at column {e.colno}); every line must be one JSON object")
+            continue
+        if not isinstance(rec, dict):
+            yield lineno, BadRecord(uri, lineno, f"expected a JSON object per line, got {type(rec).__name__}")
+            continue
+        yield lineno, rec
 
 
-def _parquet_records(uri: str) -> Iterator[tuple[int, dict | BadRecord]]:
+def parquet_records(uri: str, row_groups: Sequence[int] | None = None, first_row: int = 1) -> Iterator[tuple[int, dict | BadRecord]]:
+    """`row_groups` (all when None): a chunk of the file, whose first row is `first_row`."""
     import pyarrow.parquet as pq  # only parquet users pay for the import
 
     with open_uri(uri, "rb", compression="infer") as f:
-        row = 0
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=_PARQUET_BATCH):
+        row = first_row - 1
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=_PARQUET_BATCH, row_groups=row_groups):
             for rec in batch.to_pylist():
                 row += 1
                 yield row, rec
@@ -226,7 +240,7 @@ def text_problem(rec: object, field: str, setting: str = "data.text_field", reco
 def iter_file_records(uri: str, fmt: str, max_record_chars: int) -> Iterator[tuple[int, dict | BadRecord]]:
     """(line or row, record or BadRecord) of one .jsonl/.txt/.parquet file, optionally compressed."""
     if fmt == ".parquet":
-        return _parquet_records(uri)
+        return parquet_records(uri)
     return _text_records(uri, fmt, max_record_chars)
 
 

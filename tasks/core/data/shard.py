@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -48,7 +49,7 @@ from tasks.core.data.split import canonical_id, canonical_json, unit
 
 SHARD_VERSION = 1
 _BATCH_CHARS = 1 << 20  # CPT texts are batch-encoded ~1 MB at a time: the tokenizer's fast path
-_KEEP_BAD = 20  # bad-record messages kept in a summary (all are counted)
+KEEP_BAD = 20  # bad-record messages kept in a summary (all are counted)
 _TOKENIZERS: dict[str, Any] = {}
 
 
@@ -249,7 +250,7 @@ def read_summary(path: Path) -> dict | None:
         return None
 
 
-def _file_table(d: Path) -> dict[str, dict[str, Any]]:
+def file_table(d: Path) -> dict[str, dict[str, Any]]:
     out = {}
     for p in sorted(d.iterdir()):
         if p.name != "summary.json":
@@ -267,7 +268,7 @@ def verified_summary(path: Path) -> tuple[dict | None, str | None]:
     recorded = summary.get("files")
     if not isinstance(recorded, dict):
         return None, f"{path}: summary.json records no file hashes, so its shards cannot be checked"
-    have = _file_table(path)
+    have = file_table(path)
     for name in sorted(set(recorded) | set(have)):
         if name not in have:
             return None, f"{path / name} is missing"
@@ -280,9 +281,14 @@ def verified_summary(path: Path) -> tuple[dict | None, str | None]:
 
 def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: str | Path) -> dict[str, Any]:
     """Tokenize one input file into shards/<key>/ and return its summary (summary.json)."""
-    out_dir = Path(out_dir)
-    key = spec.key(inp)
-    final = shard_dir(out_dir, key)
+    out_dir, key = Path(out_dir), spec.key(inp)
+    return tokenize_records(iter_file_records(inp.uri, inp.fmt, spec.max_record_chars), inp, spec, tokenizer_dir, out_dir, shard_dir(out_dir, key), key)
+
+
+def tokenize_records(records: Iterable[tuple[int, dict | BadRecord]], inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: Path, final: Path, key: str,
+                     extra: dict[str, Any] | None = None, keep_bad: int = KEEP_BAD) -> dict[str, Any]:
+    """Tokenize `records` (all of `inp`, or a chunk of it: tasks/core/data/chunks.py) into `final`, summary.json
+    last (with `extra` in it), and return the summary; `keep_bad`: how many bad-record messages it keeps."""
     done, damaged = verified_summary(final)
     if done is not None:
         return done
@@ -332,7 +338,7 @@ def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: 
             check_stream(inp.uri)  # a damaged compressed stream is named as such, not by its garbage
         if spec.on_bad_record == "error":
             raise BadRecordError(f"{b}; fix the record, or set data.on_bad_record: skip to leave bad records out (at most data.max_bad_records of them)")
-        if len(bad) < _KEEP_BAD:
+        if len(bad) < keep_bad:
             bad.append(str(b))
         if counts["skipped"] > spec.max_bad_records:
             raise BadRecordError(
@@ -342,7 +348,7 @@ def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: 
 
     parquet = inp.fmt == ".parquet"
     try:
-        for line, rec in iter_file_records(inp.uri, inp.fmt, spec.max_record_chars):
+        for line, rec in records:
             counts["lines"] = line
             if isinstance(rec, BadRecord):
                 reject(rec)
@@ -424,7 +430,8 @@ def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: 
         "min_record_id": min_id,
         "max_record_id": max_id,
         "bad_records": bad,
-        "files": _file_table(tmp),
+        "files": file_table(tmp),
+        **(extra or {}),
     }
     (tmp / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     try:

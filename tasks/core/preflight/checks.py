@@ -41,8 +41,6 @@ from tasks.core.config.layout import layout_problems
 from tasks.core.config.load import gate_problems, heldout_source_problems, hub_problems, parse_fields, plugin_problems, read_raw_config
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, StageConfig
-from tasks.core.config.tracking import FIELD as TRACKING_FIELD
-from tasks.core.config.tracking import check_uri, redact
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import HubToken
 from tasks.core.preflight.benchmark import check_benchmark
@@ -57,6 +55,7 @@ from tasks.core.preflight.report import CheckContext, PreflightReport
 from tasks.core.preflight.resume import check_resume
 from tasks.core.preflight.storage import check_base_model_links, check_paths, check_run_root, check_staging_space, estimate_local_bytes
 from tasks.core.preflight.tokens import check_sft_lengths, check_special_tokens
+from tasks.core.preflight.tracking import check_tracking
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
 
@@ -306,19 +305,6 @@ def check_launch_backend(ctx: CheckContext) -> None:
         if not problems:
             part = (launch.slurm.partition if launch.slurm else None) or "(default)"
             ctx.ok(f"{name} {spec.name}: the cluster answers, {launch.nnodes} node(s) x {launch.nproc_per_node} process(es) fit partition {part}")
-def check_tracking(ctx: CheckContext) -> None:
-    """An MLflow server answers at tracking.mlflow.uri (when set): a run must not train for hours
-    believing it is tracked."""
-    uri = ctx.cfg.tracking.mlflow.uri
-    if not uri:
-        return
-    problem = check_uri(uri)
-    if problem:
-        ctx.problem(TRACKING_FIELD, problem)
-    else:
-        ctx.ok(f"tracking: MLflow answers at {redact(uri)}")
-
-
 CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_static_rules,
     check_layout,
