@@ -14,7 +14,7 @@ import yaml
 from tasks.core.config.schema import RunConfig
 from tasks.core.models.families import count_parameters
 from tasks.core.preflight.checks import CHECKS
-from tasks.core.preflight.eval_time import FLOOR, SHARE, check_eval_time, estimate
+from tasks.core.preflight.eval_time import FLOOR, SHARE, check_eval_time, estimate, threads
 from tasks.core.preflight.model_info import Machine, ModelInfo
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tests.conftest import REPO
@@ -38,11 +38,16 @@ def _issue_case(max_batches: int | None = 50) -> dict[str, Any]:
     return raw
 
 
-def _report(raw: dict[str, Any], model_config: dict[str, Any], cuda: int = 0) -> PreflightReport:
+@pytest.fixture(autouse=True)
+def _default_threads(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+
+def _report(raw: dict[str, Any], model_config: dict[str, Any], cuda: int = 0, cpus: int = 2) -> PreflightReport:
     cfg = RunConfig.model_validate(raw)
     report = PreflightReport()
     model = ModelInfo(source="local", where="model", config=model_config, files=["config.json"])
-    check_eval_time(CheckContext(cfg, Machine(cuda_devices=cuda, cpu_count=16), None, model, report))
+    check_eval_time(CheckContext(cfg, Machine(cuda_devices=cuda, cpu_count=cpus), None, model, report))
     return report
 
 
@@ -83,6 +88,20 @@ def test_estimate_scales_with_batches_and_models():
     assert per_token / n == pytest.approx(4 / 6, rel=0.05)
     # on GPUs training spreads over the stage's 2 ranks, evaluation still runs on one device
     assert estimate(SMALL, st, "cpt", cuda=True).train_flops == pytest.approx(a.train_flops / 2)
+    # on CPU: 2 ranks of 1 thread against evaluation's 8 threads: training takes 4x longer per FLOP
+    assert estimate(SMALL, st, "cpt", cuda=False, eval_threads=8, rank_threads=1, cores=8).train_flops == pytest.approx(a.train_flops * 4)
+
+
+def test_threads_follow_omp_num_threads():
+    assert threads(16, {}) == (16, 1)  # torch in the worker uses every core; torchrun gives each rank 1
+    assert threads(16, {"OMP_NUM_THREADS": "4"}) == (4, 4)
+    assert threads(2, {"OMP_NUM_THREADS": "8"}) == (2, 8)
+
+
+def test_more_evaluation_threads_than_training_threads_lower_the_share():
+    """16 cores: evaluation gets 16 threads, the 2 training ranks 1 each, so the same config passes."""
+    assert _cost_warnings(_report(_issue_case(), SMALL, cpus=2), "cpt")
+    assert not _cost_warnings(_report(_issue_case(), SMALL, cpus=16), "cpt")
 
 
 def test_sft_counts_the_generation_check_and_lora():

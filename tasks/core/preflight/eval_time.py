@@ -7,7 +7,8 @@ Both sides are counted in model FLOPs (`tasks.core.models.flops`) on this worker
 rate of the device mostly cancels. Training: (6N + attention) per token, 4N instead of 6N under
 LoRA (no weight gradients of the frozen model), +2N with activation checkpointing, over
 max_steps x micro_batch x grad_accum x dp sequences of seq_len, spread over the stage's GPUs (on
-CPU its ranks share each node's cores). Evaluation (`tasks.core.evaluation.heldout`) runs in ONE
+CPU over its ranks' threads, OMP_NUM_THREADS each, 1 unless set, at most a node's cores, against
+evaluation's OMP_NUM_THREADS or every core: rate per thread assumed linear). Evaluation (`tasks.core.evaluation.heldout`) runs in ONE
 process on one device at a time (a model spread by device_map runs its GPUs in turn): a forward
 of (2N + attention) per token of at most max_batches x batch_size sequences of seq_len, for each
 of the two compared models (base vs CPT, pre-SFT vs SFT), on the held-out set and, for CPT, on
@@ -20,6 +21,8 @@ The logits fingerprints are taken by load_from_hf, unshard and export, not by th
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,14 +59,27 @@ def _dims(model_config: dict[str, Any]) -> tuple[int, int, int]:
     return count_parameters(model_config), int(c["num_hidden_layers"]), int(c["hidden_size"])
 
 
-def _devices(st: StageConfig, cuda: bool) -> int:
-    """Devices training's FLOPs are spread over, measured in evaluation's unit (one process on one device)."""
-    return st.launch.world_size if cuda else st.launch.nnodes  # CPU ranks of a node share its cores, as evaluation uses them
+def threads(cpu_count: int, environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """(evaluation's threads, each CPU rank's): torch in the worker uses OMP_NUM_THREADS or every
+    core; torchrun gives each rank OMP_NUM_THREADS, 1 unless set (`tasks.core.launch.torchrun`)."""
+    raw = environ.get("OMP_NUM_THREADS", "")
+    omp = int(raw) if raw.isdigit() and int(raw) > 0 else None
+    return min(omp or cpu_count, cpu_count), omp or 1
+
+
+def _devices(st: StageConfig, cuda: bool, eval_threads: int, rank_threads: int, cores: int) -> float:
+    """How many evaluation processes' worth of compute training is spread over: its GPUs (evaluation
+    uses one at a time), or on CPU its ranks' threads (at most each node's cores) over evaluation's."""
+    if cuda:
+        return st.launch.world_size
+    per_node = min(st.launch.nproc_per_node * rank_threads, max(cores, eval_threads))  # nodes like this worker
+    return per_node * st.launch.nnodes / eval_threads
 
 
 def estimate(model_config: dict[str, Any], st: StageConfig, stage: str, *, cuda: bool, num_prompts: int = 0, max_new_tokens: int = 0,
-             max_batches: int | None = None) -> EvalTime:
-    """The estimate for `stage` ("cpt" or "sft"); `max_batches` overrides `st.eval.max_batches`.
+             max_batches: int | None = None, eval_threads: int = 1, rank_threads: int = 1, cores: int = 1) -> EvalTime:
+    """The estimate for `stage` ("cpt" or "sft"); `max_batches` overrides `st.eval.max_batches`;
+    the threads count on CPU only (`threads`).
     Raises ConversionError or KeyError for a family config.json does not describe."""
     n, layers, hidden = _dims(model_config)
     p = st.plugin
@@ -73,7 +89,7 @@ def estimate(model_config: dict[str, Any], st: StageConfig, stage: str, *, cuda:
     attention = 12.0 * layers * hidden * st.seq_len
     per_train_token = (4.0 if st.lora is not None else 6.0) * n + (2.0 * n if st.activation_checkpointing else 0.0) + attention
     train_tokens = st.max_steps * st.micro_batch_size * st.grad_accum_steps * dp * st.seq_len
-    train = per_train_token * train_tokens / _devices(st, cuda)
+    train = per_train_token * train_tokens / _devices(st, cuda, eval_threads, rank_threads, cores)
     sets = 1
     if stage == "cpt":
         sets += len(st.data.sources or ()) + len(st.eval.heldout_sources or ())
@@ -89,6 +105,7 @@ def check_eval_time(ctx: Any) -> None:
     if ctx.model is None:
         return
     cuda = bool(ctx.machine.cuda_devices)
+    eval_threads, rank_threads = threads(ctx.machine.cpu_count)
     g = ctx.cfg.gate
     for name in ("cpt", "sft"):
         st: StageConfig = getattr(ctx.cfg, name)
@@ -98,13 +115,14 @@ def check_eval_time(ctx: Any) -> None:
             ctx.ok(f"evaluate_{name}: time not estimated ({name}.eval.max_batches is null: the whole held-out set is evaluated)")
             continue
         try:
-            e = estimate(ctx.model.config, st, name, cuda=cuda, num_prompts=g.num_prompts, max_new_tokens=g.max_new_tokens)
+            e = estimate(ctx.model.config, st, name, cuda=cuda, num_prompts=g.num_prompts, max_new_tokens=g.max_new_tokens,
+                         eval_threads=eval_threads, rank_threads=rank_threads, cores=ctx.machine.cpu_count)
         except (ConversionError, KeyError, TypeError, ValueError):
             continue  # an unknown family: check_model_family names it
         dtype = eval_dtype(st.eval.dtype, ctx.cfg.export.dtype, cuda=cuda)
-        where = f"one GPU in {dtype}" if cuda else f"this worker's {ctx.machine.cpu_count} CPU core(s) in {dtype}"
+        where = f"one GPU in {dtype}" if cuda else f"{eval_threads} CPU thread(s) in {dtype} (training: {st.launch.world_size} rank(s) x {rank_threads})"
         line = (f"evaluate_{name}: ~{e.eval_flops:.2g} FLOPs in one process on {where}, {e.ratio:.0%} of {name} training's "
-                f"~{e.train_flops:.2g} FLOPs per device")
+                f"~{e.train_flops:.2g} FLOPs in the same unit")
         if e.ratio <= SHARE or e.eval_flops < FLOOR:
             ctx.ok(line)
             continue
@@ -114,4 +132,4 @@ def check_eval_time(ctx: Any) -> None:
         ctx.warn(f"{line}, over the {SHARE:.0%} share: evaluation would take about {e.ratio:.1f}x the training stage's time; "
                  f"lower {name}.eval.max_batches from {st.eval.max_batches} to {fix}{extra}. Estimate: 2N FLOPs per evaluated token for each of "
                  f"the 2 compared models at {st.eval.batch_size} x {st.seq_len} tokens a batch, held-out sets assumed to fill max_batches, "
-                 f"vs {'4N (LoRA)' if st.lora else '6N'} per trained token spread over the stage's devices, at one rate per FLOP")
+                 f"vs {'4N (LoRA)' if st.lora else '6N'} per trained token spread over the stage's GPUs or CPU threads, at one rate per FLOP (and thread)")
