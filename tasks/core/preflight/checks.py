@@ -46,6 +46,7 @@ from tasks.core.hub.repo import HubToken
 from tasks.core.preflight.benchmark import check_benchmark
 from tasks.core.preflight.data import check_data
 from tasks.core.preflight.eval_memory import check_eval_memory
+from tasks.core.preflight.eval_time import check_eval_time
 from tasks.core.preflight.kernels import check_kernels
 from tasks.core.preflight.memory import check_memory
 from tasks.core.preflight.mixture import check_mixture_weights, check_source_epochs
@@ -80,11 +81,9 @@ __all__ = [
 
 
 def load_for_check(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Read a local YAML config like `load_config`, deferring the static rules to pre-flight, so a
-    wrong ZeRO precision and a missing data file are reported in the same message.
+    """Read a local YAML config like `load_config`, deferring the static rules to pre-flight, so a wrong ZeRO precision and a missing data file are reported in the same message.
 
-    Structural problems (unknown or missing fields, wrong types) still raise `ConfigError`
-    here: nothing else can be checked without a well-formed config.
+    Structural problems (unknown or missing fields, wrong types) still raise `ConfigError` here: nothing else can be checked without a well-formed config.
     """
     return parse_fields(read_raw_config(path, overrides), source=str(path))
 
@@ -327,6 +326,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_resume,
     check_memory,
     check_eval_memory,
+    check_eval_time,
     check_benchmark,
     check_hub,
     check_model_family,
