@@ -43,6 +43,7 @@ from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError
 from tasks.core.run.stages import DONE, RUN_JSON, STAGE, STAGE_NAMES, Status
+from tasks.core.run.trainlog import duration, summary_table
 from tasks.core.storage.fs import fetch_to_local
 from tasks.core.storage.lease import Lease, LeaseHeld, break_lease, describe
 from tasks.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back, recorded_metrics
@@ -99,6 +100,9 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
     stop_after: run the stages up to and including this one (a stage name, e.g. "export"); the
         rest are recorded as not-run and the run ends Completed. Empty: every stage.
     """
+    from flows.console import training_log_console
+
+    training_log_console()  # the console reads like a training log; the UI keeps every line
     try:
         check_stop_after(stop_after)
         cfg = resolve_config(config, overrides)
@@ -169,6 +173,8 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
     finally:
         try:
             summary = write_summary(cfg, results, time.monotonic() - started, stop_after)
+            logger.info("run %s %s in %s:\n%s", cfg.name, "complete" if summary["complete"] else "incomplete", duration(summary["seconds"]),
+                        summary_table(summary["stages"], summary["run_root"]))
             _finish_tracking(tracker, summary)
             # Staged copies of published artifacts are recoverable from the run root; unpublished
             # ones (what a resume needs) stay.
@@ -356,7 +362,8 @@ def _run_flow(args: argparse.Namespace) -> int:
         return 1
     summary = state.result()
     gate_ = summary.get("gate") or {}
-    print(json.dumps({"run_root": summary["run_root"], "complete": summary["complete"], "export": summary["export"], "seconds": summary["seconds"], "gate": gate_.get("status")}, indent=2))
+    # One line, for scripts: the table above is for people.
+    print(json.dumps({"run_root": summary["run_root"], "complete": summary["complete"], "export": summary["export"], "seconds": summary["seconds"], "gate": gate_.get("status")}))
     if gate_.get("passed") is False:
         print(gate_message(gate_), file=sys.stderr)
         return EXIT_FAILED_GATE

@@ -154,7 +154,7 @@ TRAINING: dict[str, TrainingStage] = {
 # attention, fused norms and the fused AdamW change the numerics on CUDA, so switching one off
 # changes the weights (on CPU every kernel is off whatever the config says).
 NEVER_DIGESTED: tuple[str, ...] = (
-    *(f"{key}.{field}" for key in TRAINING for field in ("data.tokenize", "max_pending_publishes", "activation_checkpointing")),
+    *(f"{key}.{field}" for key in TRAINING for field in ("data.tokenize", "max_pending_publishes", "activation_checkpointing", "log_every")),
     # a declaration about the hardware, read by pre-flight's memory check only: the ranks never see it
     *(f"{key}.launch.gpu_memory_gb" for key in TRAINING),
     # the threshold of a warning (pre-flight, prepare_data) about how often a mixture repeats a source
