@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -474,3 +475,31 @@ def test_each_step_records_its_padding_and_the_stage_its_medians(finished_run):
     assert medians["train_cpt"]["padding_frac"] == 0.0
     # The demo's chats average ~57 real tokens of seq_len 128: more than half of each step is padding.
     assert 0.4 < medians["train_sft"]["padding_frac"] < 0.7, medians
+
+
+def test_the_console_reads_like_a_training_log_and_the_artifacts_keep_every_step(demo_run):
+    """At most 80 console lines (the JSON line per step, every rank's info lines and the
+    bitsandbytes warning per rank and launch made it ~210): per training stage a start line, a step
+    line every `log_every` (5 in the demo config) and at the last step, an end line; the run ends
+    with a table of the stages. Every step's figures are still in TensorBoard and train_state.json."""
+    from tasks.core.run.stages import STAGE_NAMES
+    from tasks.core.run.tbevents import read_scalars
+
+    lines = demo_run.console.splitlines()
+    assert demo_run.rc == 0 and 20 < len(lines) <= 80, "\n".join(lines)
+    text = demo_run.console
+    assert "progress {" not in text and "gemm_4bit_forward" not in text and "[rank 1]" not in text, text
+    for stage in ("cpt", "sft"):
+        steps = [int(m.group(1)) for m in re.finditer(rf"{stage}  step (\d+)/8 \| loss \d+\.\d{{3}} \| lr \S+ \| \S+ tok/s \| pad \d+% \| mem \d+\.\d GiB", text)]
+        assert steps == [5, 8], (stage, text)
+        assert re.search(rf"{stage}  start \| 8 steps \| .* \| a line every 5 steps", text)
+        assert re.search(rf"{stage}  done  \| step 8/8 in \S+ \| loss \d+\.\d{{3}} → \d+\.\d{{3}} \| median \S+ tok/s \| pad \d+% \| peak mem \d+\.\d GiB \(rank [01]\)", text)
+        state = json.loads((demo_run.run_root / f"{stage}/step-000008/train_state.json").read_text())
+        scalars = read_scalars(demo_run.run_root / stage / "tensorboard")
+        assert len(state["losses"]) == 8 and [s for s, _ in scalars["train/loss"]] == list(range(1, 9))
+        assert [s for s, _ in scalars["perf/peak_mem_rank"]] == list(range(1, 9)) and {v for _, v in scalars["perf/peak_mem_rank"]} <= {0.0, 1.0}
+    table = lines[next(i for i, line in enumerate(lines) if re.match(r"stage\s+status\s+duration\s+key figure", line)) + 1:]
+    assert [row.split()[0] for row in table[:len(STAGE_NAMES)]] == list(STAGE_NAMES)
+    assert re.search(r"evaluate_cpt\s+completed\s+\S+\s+held-out perplexity \d+\.\d\d → \d+\.\d\d", text)
+    assert re.search(r"export\s+completed\s+\S+\s+\d+\.\d kB bf16", text)
+    assert any(line.startswith(f"artifacts: {demo_run.run_root}") for line in table)
