@@ -139,6 +139,7 @@ COMMANDS = {
     "convert": ("a ColossalAI checkpoint -> HF safetensors", "cpt-to-sft convert runs/tiny-demo/sft/step-000030 /tmp/hf --dtype bf16"),
     "eval": ("held-out loss/perplexity of an HF model folder", "cpt-to-sft eval sft --model runs/tiny-demo/export --data data/sample/sft.jsonl --seq-len 128"),
     "schema": ("print the run config's JSON Schema", "cpt-to-sft schema > run-config.schema.json"),
+    "card": ("render the export's model card (export/README.md) again", "cpt-to-sft card runs/tiny-demo"),
     "notifications": ("failure notifications on the Prefect server", "cpt-to-sft notifications --webhook-url https://hooks.example.com/T0/B0"),
 }
 
@@ -204,6 +205,33 @@ def verify(path: str, fingerprints: bool = True) -> int:
     return 1 if failed else 0
 
 
+def card(run_root: str) -> int:
+    """`cpt-to-sft card RUN_ROOT`: export/README.md rendered again from the run's records."""
+    from tasks.core.config.schema import RunConfig
+    from tasks.core.run.stages import RUN_JSON, Status
+    from tasks.core.storage.fs import RunStore
+    from tasks.export import write_card
+    from tasks.stage import StageResult
+
+    try:
+        summary = json.loads(RunStore(run_root).read_text(RUN_JSON))
+    except (OSError, ValueError) as exc:
+        print(f"FAILED: {run_root}: no readable {RUN_JSON} ({type(exc).__name__}: {exc}); give the root of a run", file=sys.stderr)
+        return 1
+    if not summary.get("config"):
+        print(f"FAILED: {run_root}/{RUN_JSON} records no config (written before run.json kept it); run the flow again over this "
+              "run root: every stage is skipped and the card is written", file=sys.stderr)
+        return 1
+    cfg = RunConfig.model_validate({**summary["config"], "run_root": run_root})
+    results = {s["stage"]: StageResult(s["stage"], Status(s["status"]), detail=s.get("detail") or {}) for s in summary["stages"]}
+    if results.get("export") is None or results["export"].status not in (Status.COMPLETED, Status.SKIPPED):
+        print(f"FAILED: {run_root}: the run has no export to write a card into (export: {results['export'].status if 'export' in results else 'not-run'})", file=sys.stderr)
+        return 1
+    uri, changed = write_card(cfg, results, metrics=summary.get("evaluation"))
+    print(f"{uri}: {'written' if changed else 'unchanged'}")
+    return 0
+
+
 def schema() -> dict[str, Any]:
     from tasks.core.config.schema import RunConfig
 
@@ -265,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("path", help="an artifact directory (holding .cpt-to-sft/manifest.json) or a run root")
     v.add_argument("--no-fingerprint", action="store_true", help="skip recomputing the logits of HF-format artifacts (no model is loaded)")
     sub.add_parser("schema", help=COMMANDS["schema"][0])
+    c = sub.add_parser("card", help=COMMANDS["card"][0], description="Render the model card of a finished run into its export/README.md again, from the "
+                       "run's records (run.json with its config, train states, evaluation, the export's manifest); the push uploads this file.")
+    c.add_argument("run_root", metavar="RUN_ROOT", help="the run root (local path or s3://...) holding run.json and export/")
     return parser
 
 
@@ -284,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         return _print(json.dumps(schema(), indent=2))
     if args.cmd == "verify":
         return verify(args.path, fingerprints=not args.no_fingerprint)
+    if args.cmd == "card":
+        return card(args.run_root)
     with tempfile.TemporaryDirectory(prefix="cpt-to-sft-resolved-") as tmp:  # the resolved YAML lives as long as the command
         try:
             path, cfg = resolved_config_file(args.config, args.sets, args.run_root, args.run_name, dest=Path(tmp))

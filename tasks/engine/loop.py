@@ -29,7 +29,7 @@ from tasks.core.config.batching import BATCHING, micro_width
 from tasks.core.data.index import check_fits_model
 from tasks.core.errors import ManifestError
 from tasks.core.run.events import PROGRESS
-from tasks.core.run.stages import STEP_SUMMARY, SUMMARY_FIELDS
+from tasks.core.run.stages import PEAK_FIELDS, STEP_SUMMARY, SUMMARY_FIELDS
 from tasks.engine import checkpoint as ckpt
 from tasks.engine import hostmem, lora
 from tasks.engine.builders import plugin_meta
@@ -244,7 +244,7 @@ def train(job: Job, faults: Injector) -> Path | None:
             raise FloatingPointError(f"{job.stage} loss is {loss} at step {step} (lr {lr}); lower {job.stage}.lr or check the data")
         losses.append(loss)
         lrs.append(lr)
-        for key in SUMMARY_FIELDS:
+        for key in (*SUMMARY_FIELDS, *PEAK_FIELDS):
             summary.setdefault(key, []).append(metrics.get(key))
         tokens += ntok
         emit(PROGRESS, {
