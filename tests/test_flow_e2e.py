@@ -325,19 +325,31 @@ def test_without_stop_token_alignment_the_gate_fails_naming_the_fix(scenario):
     assert json.loads((unaligned["run_root"] / "export" / "generation_config.json").read_text())["eos_token_id"] == 1
 
 
-def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(finished_run):
-    import re
+def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(finished_run, capsys):
+    """A run without `hub:` leaves its model card in export/ (listed by the export's manifest, as
+    the push would send it); `cpt-to-sft card` renders the same bytes again; its snippet loads the
+    export in the export's own dtype."""
+    import hashlib
 
-    from tasks.core.config.load import load_config
-    from tasks.core.hub.card import model_card, train_facts
-    from tasks.core.run.manifest import read_manifest
+    from huggingface_hub import ModelCard
 
-    run_root, cfg_path = finished_run
-    cfg = load_config(str(cfg_path))
+    from flows.cli import main as cli
+    from tasks.core.run.manifest import read_manifest, verify_artifact
+
+    run_root, _ = finished_run
     summary = json.loads((run_root / "run.json").read_text())
-    manifest = read_manifest(run_root / "export")
-    facts = train_facts(cfg, {}, lambda rel: (run_root / rel).read_text())
-    card = model_card(cfg, manifest, facts, summary["evaluation"])
+    manifest = verify_artifact(run_root / "export")
+    export_row = next(s for s in summary["stages"] if s["stage"] == "export")
+    assert manifest["views"] == ["README.md"] and export_row["digest"] == hashlib.sha256((run_root / "export" / MANIFEST).read_bytes()).hexdigest()
+    card = (run_root / "export" / "README.md").read_text()
+    data = ModelCard(card).data  # a local base: its name and its manifest digest
+    assert data.base_model == "tiny-llama-eos" and data.base_model_manifest_digest == hashlib.sha256((run_root / "base" / MANIFEST).read_bytes()).hexdigest()
+    assert "| peak memory (largest rank) |" in card and "torch_dtype=torch.bfloat16" in card  # the demo exports bf16
+    copy = run_root.parent / "card-copy"  # `card` writes: into a copy of the export and run.json, not the session's run
+    if not copy.exists():
+        shutil.copytree(run_root, copy, ignore=shutil.ignore_patterns(".lease.json"))
+    assert cli(["card", str(copy)]) == 0 and capsys.readouterr().out.strip() == f"{copy}/export/README.md: unchanged"
+    assert read_manifest(copy / "export") == manifest
     tokens = json.loads((run_root / "sft/step-000008/train_state.json").read_text())["tokens_seen"]
     data_sha = json.loads((run_root / "cpt/data-split.json").read_text())["inputs"][0]["checksum"]
     for words in ("`hybrid_parallel` tp=2", "`low_level_zero`", "AdamW lr 0.003", "cosine, warm-up 3", "4 × 1 accum × 1 dp = 4 sequences",
@@ -359,6 +371,7 @@ def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(fin
     assert index["heldout_sources"][0]["file"] == "heldout-sources/general.jsonl" and (run_root / "data/cpt/heldout-sources/general.jsonl").is_file()
     snippet = re.search(r"```python\n(.*?)```", card, re.DOTALL).group(1)
     snippet = re.sub(r'model_id = ".*"', f"model_id = {str(run_root / 'export')!r}", snippet)
+    snippet += "\nimport json\nassert str(model.dtype) == 'torch.' + json.load(open(model_id + '/config.json'))['torch_dtype'], model.dtype\n"
     out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
 

@@ -42,7 +42,7 @@ from tasks.core.config.kernels import record as kernel_record
 from tasks.core.config.plugins import spec_of
 from tasks.core.errors import ManifestError
 from tasks.core.models.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
-from tasks.core.run.events import CHECKPOINT, DETAIL, format_event
+from tasks.core.run.events import CHECKPOINT, DETAIL, INFO, format_event
 from tasks.core.run.manifest import write_manifest
 from tasks.engine import accel, hostmem, lora, node_staging, rankio, weights
 from tasks.engine import checkpoint as ckpt
@@ -68,10 +68,7 @@ _DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 def log(msg: str, all_ranks: bool = False, detail: bool = False) -> None:
     """Rank 0's line (every rank's with `all_ranks`); `detail`: for the run's log, not the console."""
     if all_ranks or dist.get_rank() == 0:
-        if detail:
-            rankio.say(msg, DETAIL)
-        else:
-            print(msg, flush=True)
+        rankio.say(msg, DETAIL if detail else INFO)
 
 
 def emit(kind: str, record: dict[str, Any]) -> None:
@@ -178,8 +175,7 @@ class Engine:
         one of the wrong shape, fails here, naming the folder."""
         if self.pending_weights is None:
             return
-        src, self.pending_weights = Path(self.pending_weights), None
-        t0 = time.monotonic()
+        src, self.pending_weights, t0 = Path(self.pending_weights), None, time.monotonic()
         got = self.read_weights(src)
         log(detail=True, msg=f"built lazily and sharded under {self.pcfg.name}; read {got.tensors} tensors of {src} ({got.files} file(s), "
             f"the largest {got.largest / 2**20:.1f} MiB) into this rank's share in {time.monotonic() - t0:.1f}s")
