@@ -161,6 +161,9 @@ def write_card(cfg: RunConfig, results: dict[str, StageResult], metrics: dict | 
         from tasks.evaluate import recorded_metrics
 
         metrics = recorded_metrics(results)
+    # As every record holds them (manifests and run.json sort their keys): the same card from a
+    # first run, a re-run whose evaluations were skipped, and `cpt-to-sft card`.
+    metrics = json.loads(json.dumps(metrics, sort_keys=True))
     card = model_card(cfg, read_manifest(local), train_facts(cfg, results, store.read_text), metrics, base=base_facts(cfg, store.read_text))
     changed = amend_views(local, {CARD: card.encode()})
     if changed:

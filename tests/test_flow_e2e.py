@@ -283,8 +283,9 @@ def test_export_is_a_clean_model_folder_with_matching_logits(finished_run):
     run_root, _ = finished_run
     export = run_root / "export"
     names = {p.name for p in export.iterdir()}
-    # Model files only; the provenance is in its subfolder, and no *.safetensors but the weights.
-    assert names == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", PROVENANCE_DIR}, names
+    # Model files and the card only; the provenance is in its subfolder, and no *.safetensors but the weights.
+    assert names == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "README.md", PROVENANCE_DIR}, names
     # The verification stamp (tasks/core/run/stamp.py) sits beside them, listed in no manifest, never pushed.
     assert {p.name for p in (export / PROVENANCE_DIR).iterdir()} == {"manifest.json", "verification.json", "fingerprint.npy", "verified-stamp.json"}
     assert_consumer_rules(export)
