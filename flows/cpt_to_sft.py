@@ -43,7 +43,7 @@ from tasks.core.config.overrides import RunOverrides
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError
-from tasks.core.run.stages import DONE, RUN_JSON, STAGE, STAGE_NAMES, Status
+from tasks.core.run.stages import DONE, STAGE, STAGE_NAMES, Status
 from tasks.core.run.trainlog import duration, summary_table
 from tasks.core.storage.fs import fetch_to_local
 from tasks.core.storage.lease import Lease, LeaseHeld, break_lease, describe
@@ -53,7 +53,7 @@ from tasks.load import load_from_hf
 from tasks.preflight import REFUSED, preflight, run_check_cli
 from tasks.prepare_data import prepare_data
 from tasks.push import push_to_hub
-from tasks.stage import StageResult, outcome, store_for
+from tasks.stage import StageResult, disk_cause, outcome, store_for, write_record
 from tasks.train import boost_and_shard, reboost, train_cpt, train_sft
 from tasks.unshard import unshard
 
@@ -250,7 +250,7 @@ def _failed(cfg: RunConfig, stage: str, exc: BaseException) -> StageResult:
     uri = store_for(cfg).uri(rel) if rel else (f"hf://{cfg.hub.repo_id}" if cfg.hub else None)
     # The event carries the cause (one line) and the message from its start (for a launch: the
     # cause, then the failing process's last lines first) for automations.
-    cause = failure_cause(exc)
+    cause = disk_cause(cfg, rel, exc) or failure_cause(exc)
     ui.stage_event(stage, Status.FAILED, cfg.name, uri, cause=cause, error=f"{type(exc).__name__}: {exc}"[:4000])
     return StageResult(stage, Status.FAILED, rel, uri, detail={"error": cause})
 
@@ -312,7 +312,7 @@ def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: floa
     if stop_after:
         summary["stopped_after"] = stop_after  # the not-run stages were not asked for
     summary["config"] = recorded_config(cfg)
-    store.write_text(RUN_JSON, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    write_record(cfg, store, json.dumps(summary, indent=2, sort_keys=True) + "\n")
     try:
         ui.stage_table(stages)
     except Exception as exc:  # a view only: run.json above is the record

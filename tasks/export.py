@@ -137,7 +137,7 @@ def _export_adapter(stage: Stage, sft: StageResult, ckpt, base, export_dir, rtol
     from tasks.core.models.merge import ADAPTER
 
     base_ref = {"name_or_path": stage.store.uri(TRAINING["sft"].source), "digest": stage.store.manifest_digest(TRAINING["sft"].source)}
-    with fresh_dir(stage.store.local_path(EXPORT_ADAPTER)) as tmp:
+    with fresh_dir(stage.store.local_path(EXPORT_ADAPTER), keep_foreign=stage.store.local) as tmp:
         a = build_adapter_dir(ckpt / ADAPTER, tmp, base, export_dir, base_ref=base_ref, rtol=rtol, verify_memory_gb=verify_memory_gb)
         (tmp / VERIFICATION).parent.mkdir(parents=True, exist_ok=True)
         (tmp / VERIFICATION).write_text(json.dumps(a, indent=2, sort_keys=True) + "\n")

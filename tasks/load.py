@@ -26,8 +26,10 @@ from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError, ConversionError, ManifestError
 from tasks.core.hub.repo import HubRefusal, is_hub_id
 from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
+from tasks.core.models.folder import JSON_FILES, json_file_problem, misnamed
 from tasks.core.run.manifest import sha256_file
 from tasks.core.storage.fs import fetch_tree, filesystem, is_local
+from tasks.core.storage.oserrors import DISK_ERRNOS
 from tasks.stage import Stage, StageResult, stage_task, token
 
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
@@ -59,8 +61,9 @@ def _copy_path(cfg: RunConfig, dest: Path) -> dict:
         src = Path(filesystem(uri)[1])
         if not (src / "config.json").is_file():
             raise ConfigError([("base_model.uri", f"{src} is not an HF model directory (no config.json); for the demo run `python -m tasks.core.models.demo --out {cfg.base_model.uri}` first")])
+        left_out = misnamed(src)  # not what their name says: never copied (load_from_hf names them)
         for path in sorted(src.rglob("*")):
-            if path.is_file() and not path.name.startswith("."):
+            if path.is_file() and not path.name.startswith(".") and path.relative_to(src).as_posix() not in left_out:
                 target = dest / path.relative_to(src)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, target)
@@ -69,7 +72,8 @@ def _copy_path(cfg: RunConfig, dest: Path) -> dict:
         if not fs.exists(f"{root.rstrip('/')}/config.json"):
             raise ConfigError([("base_model.uri", f"{uri} has no config.json")])
         fetch_tree(uri, dest, skip=lambda rel: any(part.startswith(".") for part in rel.split("/")))
-    return {"source": "path", "uri": cfg.base_model.uri}
+        left_out = {}
+    return {"source": "path", "uri": cfg.base_model.uri, **({"left_out": left_out} if left_out else {})}
 
 
 def check_weight_files(model_dir: Path, allow_pickle: bool) -> list[str]:
@@ -121,7 +125,7 @@ UNHEALING_STATUS = (401, 403, 404)  # a refused token, a missing right, a missin
 
 def cannot_heal(exc: BaseException) -> bool:
     """An error a retry meets again: a refusal (ConfigError, HubRefusal), the Hub answering
-    401/403/404, a malformed safetensors file. Its causes count too (a loader may wrap the SafetensorError)."""
+    401/403/404, a malformed safetensors file, a full, read-only or forbidden disk. Its causes count too (a loader may wrap the SafetensorError)."""
     from huggingface_hub.errors import HfHubHTTPError
     from safetensors import SafetensorError
 
@@ -129,6 +133,8 @@ def cannot_heal(exc: BaseException) -> bool:
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, (ConfigError, SafetensorError, HubRefusal)):
+            return True
+        if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:  # a full or read-only disk does not heal in 15 s
             return True
         if isinstance(exc, HfHubHTTPError) and getattr(exc.response, "status_code", None) in UNHEALING_STATUS:
             return True
@@ -159,6 +165,18 @@ def load_from_hf(cfg: RunConfig) -> StageResult:
         else:
             logger.info("copying base model from %s", cfg.base_model.uri)
             meta = _copy_path(cfg, out.dir)
+        # Files that are not what their name says (a GGUF file named tokenizer.model, a stray shard)
+        # stay out of base/, so no later folder copies them and nothing pushes them.
+        stray = misnamed(out.dir)
+        for name in stray:
+            (out.dir / name).unlink()
+        if left_out := {**meta.pop("left_out", {}), **stray}:
+            meta["left_out"] = left_out
+            logger.warning("left out of %s (not what their name says): %s", stage.uri, "; ".join(f"{n}: {why}" for n, why in left_out.items()))
+        broken = [(n, why) for n in JSON_FILES if (out.dir / n).is_file() and (why := json_file_problem(out.dir / n))]
+        if broken:  # a Hub model's files are first read here; pre-flight read a local one's
+            raise ConfigError([("base_model.uri", f"{cfg.base_model.uri}: {n} {why}; restore it from the model's source") for n, why in broken],
+                              header="load_from_hf refused the base model")
         weights = check_weight_files(out.dir, cfg.base_model.allow_pickle)
         model_cfg = json.loads((out.dir / "config.json").read_text())
         if not any(w.endswith(".safetensors") for w in weights):

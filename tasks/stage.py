@@ -42,15 +42,16 @@ from prefect.states import Completed, State
 from tasks import ui
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
-from tasks.core.errors import ManifestError
+from tasks.core.errors import ArtifactMissing, ManifestError
 from tasks.core.hub.repo import SECRET_BLOCK, hub_token
 from tasks.core.run.digest import config_digest, content_digest
-from tasks.core.run.manifest import MANIFEST, write_manifest
-from tasks.core.run.stages import BUILD_SUFFIX, STAGE, Status
+from tasks.core.run.manifest import MANIFEST, list_files, read_manifest, verify_artifact, write_manifest
+from tasks.core.run.stages import BUILD_SUFFIX, STAGE, SUPERSEDED, Status
 from tasks.core.storage.fs import RunStore
+from tasks.core.storage.oserrors import note_free
 from tasks.core.storage.publisher import RETRIES, publish_retrying
 
-__all__ = ["Stage", "StageResult", "completed", "fresh_dir", "outcome", "resolve_local", "secret_token", "stage_task", "store_for", "token"]
+__all__ = ["Stage", "StageResult", "completed", "disk_cause", "fresh_dir", "outcome", "resolve_local", "secret_token", "stage_task", "store_for", "token", "write_record"]
 
 
 @dataclass
@@ -93,18 +94,55 @@ def completed(store: RunStore, rel: str, config_digest: str) -> dict[str, Any] |
     return manifest
 
 
+def not_ours(path: Path) -> str | None:
+    """Why `path` is not wholly an artifact this flow wrote (so it must not be deleted), or None:
+    no manifest, an unreadable or foreign one, a listed file missing or resized, a file it does not list."""
+    try:
+        manifest = read_manifest(path)
+    except ArtifactMissing:
+        return f"it has no {MANIFEST}"
+    except (ManifestError, OSError) as exc:
+        return f"its manifest is not this flow's ({exc})"
+    listed = set(manifest["files"])
+    extra = [rel for rel in list_files(path) if rel not in listed]
+    if extra:
+        return f"it holds {len(extra)} file(s) its manifest does not list ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})"
+    try:
+        verify_artifact(path, deep=False)
+    except ManifestError as exc:
+        return f"it was changed after its manifest was written ({exc})"
+    return None
+
+
+def set_aside(path: Path) -> Path | None:
+    """Move what sits at `path` aside as `<path>.superseded-<UTC time>` unless it is wholly this
+    flow's artifact (`not_ours`), saying so; None when there was nothing to keep."""
+    why = not_ours(path) if path.exists() else None
+    if why is None:
+        return None
+    stamp_ = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = next(d for i in range(1000) if not (d := path.with_name(f"{path.name}{SUPERSEDED}{stamp_}{f'-{i}' if i else ''}")).exists())
+    path.rename(dest)
+    get_run_logger().warning("%s was not written by this flow (%s): kept as %s, never deleted; delete it yourself when it is not needed", path, why, dest)
+    return dest
+
+
 @contextmanager
-def fresh_dir(path: Path) -> Iterator[Path]:
-    """Build an artifact in `path.tmp-build`, then swap it into place; a failure leaves the old one."""
+def fresh_dir(path: Path, keep_foreign: bool = True) -> Iterator[Path]:
+    """Build an artifact in `path.tmp-build`, then swap it into place; a failure leaves the old one.
+    What the place held is deleted only if it was this flow's own artifact (`keep_foreign`: else moved aside)."""
     tmp = path.with_name(path.name + BUILD_SUFFIX)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
         yield tmp
-    except BaseException:
+    except BaseException as exc:
+        note_free(exc, tmp)  # a full disk: its free space now, before the partial output below is removed
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if keep_foreign:
+        set_aside(path)
     if path.exists():
         shutil.rmtree(path)
     tmp.rename(path)
@@ -174,7 +212,8 @@ class Stage:
     @contextmanager
     def build(self) -> Iterator[_Output]:
         """Build the artifact locally; the manifest must be the last thing written."""
-        with fresh_dir(self.store.local_path(self.rel)) as tmp:
+        # A remote run root's local copy is staging, the flow's own cache: replaced, not kept.
+        with fresh_dir(self.store.local_path(self.rel), keep_foreign=self.store.local) as tmp:
             out = _Output(tmp, self.digest)
             yield out
             if not out.wrote_manifest:
@@ -215,6 +254,48 @@ def outcome(value: StageResult | State) -> StageResult:
     if isinstance(value, State):
         return value.result()
     return value
+
+
+def disk_need(cfg: RunConfig) -> int | None:
+    """Pre-flight's estimate of the local disk the run needs (from base/'s or the base model's config.json), or None."""
+    import json
+
+    from tasks.core.preflight.storage import estimate_local_bytes
+
+    store = store_for(cfg)
+    for config in (store.local_path("base") / "config.json", Path(resolve_local(cfg.base_model.uri)) / "config.json"):
+        try:
+            est = estimate_local_bytes(cfg, json.loads(config.read_text()), store.local)
+            return est[0] if est else None
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def disk_cause(cfg: RunConfig, rel: str | None, exc: BaseException) -> str | None:
+    """A stage failure that is a full disk or another disk error, in one line naming the path, the
+    filesystem, free and needed space and the fix (`tasks.core.storage.oserrors`); None otherwise."""
+    from tasks.core.storage.oserrors import stage_cause
+
+    store = store_for(cfg)
+    place = store.local_path(rel) if rel else store.staging
+    return stage_cause(exc, place, disk_need(cfg), "run_root" if store.local else "staging_dir")
+
+
+def write_record(cfg: RunConfig, store: RunStore, text: str) -> None:
+    """run.json, atomically; on a local disk too full for a new file, over the old run.json's own
+    blocks when it fits; else the failure is logged in one line and the run's state still stands."""
+    from tasks.core.run.stages import RUN_JSON
+    from tasks.core.storage.oserrors import overwrite_in_place, stage_cause
+
+    try:
+        store.write_text(RUN_JSON, text)
+    except OSError as exc:
+        if store.local and overwrite_in_place(store.local_path(RUN_JSON), text):
+            get_run_logger().warning("%s written in place: the disk had no room for a new file (%s)", store.uri(RUN_JSON), exc.strerror)
+            return
+        get_run_logger().error("%s not written: %s", store.uri(RUN_JSON),
+                               stage_cause(exc, store.local_path(RUN_JSON), disk_need(cfg)) or f"{type(exc).__name__}: {exc}")
 
 
 def secret_token() -> str | None:

@@ -47,6 +47,8 @@ def lora_run(tmp_path_factory, tiny_model_dir):
 
 def test_a_lora_checkpoint_holds_the_adapter_and_references_the_base(lora_run):
     assert "trainable of" in lora_run["shard"].output
+    # What peft adapted, not what was asked: the log line, the manifest meta and adapter_config.json agree.
+    assert "LoRA r=4 alpha=8 on down_proj, q_proj, v_proj: " in lora_run["shard"].output
     for name in ("step-000000", "step-000003", "step-000006"):
         ckpt = lora_run["dir"] / name
         manifest = verify_artifact(ckpt)
@@ -56,6 +58,8 @@ def test_a_lora_checkpoint_holds_the_adapter_and_references_the_base(lora_run):
         meta = manifest["meta"]["lora"]
         assert meta["base"]["digest"] == manifest_digest(lora_run["base"])
         assert 0 < meta["trainable_params"] < meta["total_params"] and meta["config"]["r"] == 4
+        assert meta["adapted_modules"] == ["down_proj", "q_proj", "v_proj"]
+        assert sorted(json.loads((ckpt / "adapter" / "adapter_config.json").read_text())["target_modules"]) == meta["adapted_modules"]
         adapter = sum(e["size"] for f, e in manifest["files"].items() if f.startswith("adapter/"))
         optimizer = sum(e["size"] for f, e in manifest["files"].items() if f.startswith("optimizer/"))
         base_bytes = sum(p.stat().st_size for p in lora_run["base"].glob("*.safetensors"))

@@ -111,10 +111,12 @@ def _with_adapter(eng: Engine, job: Job, model: torch.nn.Module, adapter_dir: Pa
     trainable and total parameters go to the log, every progress record and the checkpoint meta."""
     if job.stage_cfg.lora is None:
         return model
+    lora.check_targets(model, job.stage_cfg.lora)
     model = lora.enable(eng.booster, model, job.stage_cfg.lora, adapter_dir)
+    adapted = lora.record_adapted(model)
     counts = lora.param_counts(model)
-    eng.lora_meta = lora.meta(job.stage_cfg.lora, job.model_dir, counts)
-    log(f"LoRA r={job.stage_cfg.lora.r} alpha={job.stage_cfg.lora.alpha:g} on {', '.join(job.stage_cfg.lora.target_modules)}: "
+    eng.lora_meta = {**lora.meta(job.stage_cfg.lora, job.model_dir, counts), "adapted_modules": adapted}
+    log(f"LoRA r={job.stage_cfg.lora.r} alpha={job.stage_cfg.lora.alpha:g} on {', '.join(adapted)}: "
         f"{counts['trainable_params']:,} trainable of {counts['total_params']:,} parameters ({counts['trainable_pct']:.3g} %)")
     return model
 

@@ -31,9 +31,46 @@ def peft_config(lora: LoraConfig):
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules),
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+        target_modules=lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules),
         modules_to_save=list(lora.modules_to_save) or None, bias="none", task_type="CAUSAL_LM",
     )
+
+
+def _kind(module: torch.nn.Module) -> str:
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, (torch.nn.Linear, Conv1D)):
+        return "linear"
+    if isinstance(module, torch.nn.Embedding):
+        return "embedding"
+    return "container" if any(True for _ in module.children()) else "other"
+
+
+def check_targets(model: torch.nn.Module, lora: LoraConfig) -> None:
+    """Refuse target_modules that adapt nothing or a module LoRA cannot wrap, on the real model
+    (pre-flight decided the same from the family table): peft would drop the first silently."""
+    from tasks.core.errors import ConfigError
+    from tasks.core.models import lora_targets
+
+    head = model.get_output_embeddings()
+    head_name = next((n for n, m in model.named_modules() if m is head), None)
+    modules = {n: _kind(m) for n, m in model.named_modules()}
+    problems = lora_targets.problems(lora.target_modules, modules, "the base model", head_name)
+    if problems:
+        raise ConfigError([(lora_targets.FIELD, p) for p in problems], header="LoRA targets refused")
+
+
+def record_adapted(model: torch.nn.Module) -> list[str]:
+    """The last name parts of the modules peft adapted (sorted), written back into the adapter's
+    config when target_modules is a list, so adapter_config.json names exactly what was trained."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)})
+    for config in getattr(model, "peft_config", {}).values():
+        if not isinstance(config.target_modules, str):
+            config.target_modules = set(names)
+    return names
 
 
 def enable(booster, model: torch.nn.Module, lora: LoraConfig, adapter_dir: Path | None = None) -> torch.nn.Module:

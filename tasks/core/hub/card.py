@@ -124,7 +124,8 @@ def _tuning(cfg: RunConfig, facts: dict[str, dict], stage: str) -> str:
         return "full"
     share = (facts.get(stage, {}).get("lora") or {}).get("trainable_pct")
     trained = f"; {share:.3g} % of parameters trained" if share is not None else ""
-    return f"LoRA r={lora.r}, alpha={lora.alpha:g} on {', '.join(lora.target_modules)}{trained}"
+    adapted = (facts.get(stage, {}).get("lora") or {}).get("adapted_modules")  # what peft adapted, recorded by the engine
+    return f"LoRA r={lora.r}, alpha={lora.alpha:g} on {', '.join(adapted) if adapted else lora.targets_text()}{trained}"
 
 
 def _pct(value: float | None) -> str:
@@ -350,12 +351,14 @@ def adapter_card(cfg: RunConfig, adapter_manifest: dict[str, Any]) -> str:
     meta = adapter_manifest.get("meta") or {}
     v, base = meta.get("verification") or {}, meta.get("base") or {}
     lora = cfg.sft.lora
+    adapted = v.get("target_modules")  # what adapter_config.json says peft adapted: names, or the regex
+    targets = adapted if isinstance(adapted, str) else ", ".join(adapted or []) or lora.targets_text()
     data = ModelCardData(library_name="peft", tags=["cpt-to-sft", "lora", *(cfg.hub.tags if cfg.hub else ())],
                          license=cfg.hub.license if cfg.hub and cfg.hub.license else None)
     body = f"""
 # {cfg.hub.adapter_repo_id}
 
-The LoRA adapter (r={lora.r}, alpha={lora.alpha:g} on {', '.join(lora.target_modules)}) of run `{cfg.name}`; the model with it merged
+The LoRA adapter (r={lora.r}, alpha={lora.alpha:g} on {targets}) of run `{cfg.name}`; the model with it merged
 in is [`{cfg.hub.repo_id}`](https://huggingface.co/{cfg.hub.repo_id}).
 
 Its base is the run's CPT model (`cpt/hf`, manifest digest `{str(base.get('digest'))[:16]}`), which is not on the Hub:

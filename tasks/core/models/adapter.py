@@ -122,4 +122,9 @@ def build_adapter_dir(adapter_src: Path, dst: Path, base_dir: Path, export_dir: 
         )
     return {"against": str(export_dir), "base_model_name_or_path": base_ref["name_or_path"], "base_is": "local",
             "base_digest": base_ref["digest"], "r": config.get("r"), "lora_alpha": config.get("lora_alpha"),
-            "target_modules": sorted(config.get("target_modules") or []), **c}
+            "target_modules": _targets(config.get("target_modules")), **c}
+
+
+def _targets(value: Any) -> list[str] | str:
+    """adapter_config.json's target_modules: the names peft adapted (a list), or the regex it matched."""
+    return value if isinstance(value, str) else sorted(value or [])

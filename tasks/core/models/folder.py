@@ -7,7 +7,12 @@ Serving engines (vLLM, SGLang) and `from_pretrained` read the folder's top level
 index they load every `*.safetensors` there as weights, and a PEFT adapter beside merged weights
 makes loaders apply it (or refuse) on top of weights it was already merged into. So a folder whose
 top level holds weights may hold, as `.safetensors`, only its weight shards (the index's
-`weight_map` values, else `model.safetensors`), and no adapter files. Subfolders (the provenance
+`weight_map` values, else `model.safetensors`), and no adapter files. A file must also be what its
+name says (`misnamed`): a `*.model` is a SentencePiece model (a protobuf whose every top-level
+field is one of ModelProto's), never, say, a GGUF file left over from a conversion, and weights in
+a format no HF loader reads (`*.gguf`, `*.ggml`) or pickles beside safetensors are not the
+folder's. load_from_hf leaves such files out of `base/`, the tokenizer copy leaves them out of
+`cpt/hf/` and `export/`, and the rule refuses them where it is applied. Subfolders (the provenance
 folder `.cpt-to-sft/`, a plugin checkpoint's `model/`) are not what a loader globs, so the rule
 looks at the top level only.
 """
@@ -26,7 +31,102 @@ PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
 PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
+# The model's JSON files every stage reads: pre-flight and load_from_hf refuse a broken one, naming it.
+JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+FOREIGN_WEIGHT_SUFFIXES = (".gguf", ".ggml")  # quantized weights of other runtimes: no HF loader reads them
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+# First bytes of formats a misnamed file turns out to be, for the message.
+MAGICS = ((b"GGUF", "a GGUF file"), (b"ggml", "a GGML file"), (b"PK\x03\x04", "a zip archive (a torch.save file)"),
+          (b"\x80", "a pickle"), (b"\x89HDF", "an HDF5 file"), (b"{", "JSON text"))
+# SentencePiece's ModelProto: pieces=1, trainer_spec=2, normalizer_spec=3, self_test_data=4,
+# denormalizer_spec=5, all length-delimited (protobuf wire type 2).
+_SP_FIELDS = frozenset({1, 2, 3, 4, 5})
+
+
+def _varint(f) -> int | None:
+    shift = value = 0
+    while shift < 64:
+        b = f.read(1)
+        if not b:
+            return None
+        value |= (b[0] & 0x7F) << shift
+        if b[0] < 0x80:
+            return value
+        shift += 7
+    return None
+
+
+def sentencepiece_problem(path: Path) -> str | None:
+    """Why `path` is not a SentencePiece model, or None: its top-level protobuf fields are walked
+    (tags and lengths only, seeking past each value), so a 100 MB impostor is judged by its first bytes."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        for magic, what in MAGICS:
+            if head.startswith(magic):
+                return f"it is {what} (its first bytes are {head[:4]!r}), not a SentencePiece model"
+        f.seek(0)
+        pieces = 0
+        while f.tell() < size:
+            at, tag = f.tell(), _varint(f)
+            if tag is None or tag >> 3 not in _SP_FIELDS or tag & 7 != 2:
+                return f"byte {at} is not a field of a SentencePiece model (first bytes {head[:4]!r})"
+            length = _varint(f)
+            if length is None or f.tell() + length > size:
+                return f"a field at byte {at} runs past the end of the file: truncated, or not a SentencePiece model"
+            pieces += tag >> 3 == 1
+            f.seek(length, 1)
+    return None if pieces else "it holds no vocabulary piece: empty, or not a SentencePiece model"
+
+
+def misnamed(folder: Path, names: Iterable[str] | None = None) -> dict[str, str]:
+    """{file name: why it does not belong} for the top-level files that are not what their name says
+    or are weights the folder's loader would not read; {} when every file is what it claims."""
+    names = sorted({n for n in (top_level_names(folder) if names is None else names) if "/" not in n})
+    has_safetensors = any(n.endswith(".safetensors") for n in names)
+    out: dict[str, str] = {}
+    for name in names:
+        if name.endswith(".model") and (folder / name).is_file():
+            why = sentencepiece_problem(folder / name)
+            if why:
+                out[name] = f"named like a SentencePiece tokenizer model, but {why}"
+        elif name.endswith(FOREIGN_WEIGHT_SUFFIXES):
+            out[name] = "weights in a format no HF loader reads (GGUF/GGML)"
+        elif has_safetensors and name.endswith(PICKLE_SUFFIXES) and name not in ADAPTER_FILES:
+            out[name] = "a pickle file beside the safetensors weights, which are what every stage reads"
+    try:
+        strays = weight_shards(folder, names)
+    except ValueError:
+        strays = None  # an unreadable index: folder_problems names it
+    for name in names:
+        if strays is not None and name.endswith(".safetensors") and name not in strays and name not in ADAPTER_FILES:
+            out[name] = "a .safetensors file that is not a weight shard of the model (the index does not name it)"
+    return out
+
+
+def json_file_problem(path: Path) -> str | None:
+    """Why a model's JSON file does not parse (the parse error, its line and column; tokenizer.json
+    also through the tokenizers library every stage loads it with), or None."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        json.loads(text)
+    except UnicodeDecodeError as exc:
+        return f"is not UTF-8 text ({exc})"
+    except json.JSONDecodeError as exc:
+        size = path.stat().st_size
+        cut = " (it ends there: the file is truncated)" if exc.pos >= len(text.rstrip()) else ""
+        return f"is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}{cut}; {size} bytes"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if path.name == "tokenizer.json":
+        from tokenizers import Tokenizer  # the Rust library alone: no transformers import in pre-flight
+
+        try:
+            Tokenizer.from_str(text)
+        except Exception as exc:  # tokenizers raises a bare Exception with serde's message
+            return f"parses as JSON but is not a tokenizer the tokenizers library loads ({str(exc).splitlines()[0]})"
+    return None
 
 
 def top_level_names(folder: Path) -> list[str]:
@@ -65,6 +165,9 @@ def folder_problems(folder: Path, names: Iterable[str] | None = None, require_we
         elif name.endswith(".safetensors") and name not in weights:
             out.append(f"{folder} holds {name}: a .safetensors file that is not a weight shard of the model "
                        f"(serving engines such as vLLM and SGLang load every *.safetensors in the folder as weights); {fix}")
+    for name, why in misnamed(folder, names).items():
+        if not name.endswith(".safetensors"):  # a stray shard is said above
+            out.append(f"{folder} holds {name}: {why}; {fix}")
     missing = sorted(weights - set(names))
     if missing and require_weights:
         named_by = SAFE_INDEX_NAME if SAFE_INDEX_NAME in names else "the folder"

@@ -18,6 +18,7 @@ from tasks.core.errors import ConversionError
 from tasks.core.models.convert import convert_checkpoint
 from tasks.core.models.convert.proof import prove_weights
 from tasks.core.models.fingerprint import TORCH_DTYPE_NAMES, compare_logits, default_rtol, hf_dir_logits, load_fingerprint, save_fingerprint
+from tasks.core.models.folder import misnamed
 from tasks.core.models.stop_tokens import align_generation_config
 from tasks.core.run.manifest import VERIFICATION  # noqa: F401 (where the proof goes: callers import it from here too)
 
@@ -25,10 +26,11 @@ TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json",
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:
-    copied = []
+    """The tokenizer files of `src` into `dst`, but never one that is not what its name says (folder.misnamed)."""
+    copied, left_out = [], misnamed(src)
     for pattern in TOKENIZER_GLOBS:
         for path in sorted(src.glob(pattern)):
-            if path.is_file() and not (dst / path.name).exists():
+            if path.is_file() and not (dst / path.name).exists() and path.name not in left_out:
                 shutil.copy2(path, dst / path.name)
                 copied.append(path.name)
     return copied

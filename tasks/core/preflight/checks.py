@@ -50,6 +50,7 @@ from tasks.core.preflight.eval_memory import check_eval_memory
 from tasks.core.preflight.kernels import check_kernels
 from tasks.core.preflight.memory import check_memory
 from tasks.core.preflight.mixture import check_source_epochs
+from tasks.core.preflight.model_files import check_lora_targets, check_model_files
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tasks.core.preflight.storage import check_base_model_links, check_paths, check_run_root, check_staging_space, estimate_local_bytes
@@ -390,6 +391,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_kernels,
     check_base_model,
     check_base_model_links,
+    check_model_files,
     check_sequence_length,
     check_chat_template,
     check_data,
@@ -402,6 +404,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_eval_memory,
     check_hub,
     check_model_family,
+    check_lora_targets,
     check_tracking,
 )
 

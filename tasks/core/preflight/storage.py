@@ -29,6 +29,7 @@ from tasks.core.models.folder import folder_problems
 from tasks.core.preflight.model_info import DTYPE_BYTES, estimate_parameters
 from tasks.core.preflight.report import CheckContext
 from tasks.core.run.manifest import MANIFEST, artifact_of, inside_artifact, safe_relpath
+from tasks.core.run.stages import SUPERSEDED
 from tasks.core.storage.fs import is_local, local_path_of
 
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -55,15 +56,35 @@ def check_run_root(ctx: CheckContext) -> None:
         ctx.problem("run_root", f"{uri}: not reachable ({type(exc).__name__}: {exc}); use a local path or an fsspec URI whose filesystem is installed (s3:// needs s3fs)")
         return
     try:
-        store.write_text(probe, "cpt-to-sft pre-flight probe\n")
-        if store.read_text(probe) != "cpt-to-sft pre-flight probe\n":
-            raise OSError("the probe read back differently")
-        store.remove(probe)
+        if store.local:
+            _probe_local(Path(store.root), probe)
+        else:
+            store.write_text(probe, "cpt-to-sft pre-flight probe\n")
+            if store.read_text(probe) != "cpt-to-sft pre-flight probe\n":
+                raise OSError("the probe read back differently")
+            store.remove(probe)
     except Exception as exc:
         ctx.problem("run_root", f"{uri}: not writable ({type(exc).__name__}: {exc}); point run_root at a directory this worker can create files in")
         return
     ctx.ok(f"run root {uri}: reachable, probe object written, read back and deleted")
     _check_existing_manifests(ctx, store)
+
+
+def _probe_local(root: Path, probe: str) -> None:
+    """Write, read back and delete a probe in the run root, or, before the run creates it, in its
+    nearest existing parent: a check writes nothing that outlives it, not even the run root."""
+    where = root
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        raise NotADirectoryError(f"{where} is not a directory")
+    path = where / probe
+    try:
+        path.write_text("cpt-to-sft pre-flight probe\n")
+        if path.read_text() != "cpt-to-sft pre-flight probe\n":
+            raise OSError("the probe read back differently")
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def _check_existing_manifests(ctx: CheckContext, store: Any) -> None:
@@ -77,6 +98,8 @@ def _check_existing_manifests(ctx: CheckContext, store: Any) -> None:
             found += fs.glob(f"{root}/{depth}/{MANIFEST}")
         except Exception:  # a fresh run root may not exist yet (some stores raise): nothing to check at this depth
             pass
+    # Work moved aside (<dir>.superseded-<time>) is kept for the user, never read by the run.
+    found = [m for m in found if SUPERSEDED not in m[len(root):]]
     bad = 0
     for mpath in sorted(set(found)):
         art = artifact_of(mpath)

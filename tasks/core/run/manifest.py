@@ -128,13 +128,30 @@ def write_manifest(
     }
     blob = json.dumps(manifest, indent=2, sort_keys=True).encode()
     tmp = manifest_tmp(root)
-    with open(tmp, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / MANIFEST)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, root / MANIFEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(root / PROVENANCE_DIR)
     return manifest
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """`path` written whole or not at all (tmp beside it + rename); the tmp never outlives a failure
+    (a full disk, an interruption) of the write that made it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def amend_views(root: str | Path, views: dict[str, bytes]) -> bool:
@@ -150,10 +167,7 @@ def amend_views(root: str | Path, views: dict[str, bytes]) -> bool:
     if all(manifest["files"].get(n) == e for n, e in table.items()) and set(views) <= set(manifest.get("views") or ()):
         return False
     for name, blob in views.items():
-        path = inside_artifact(root, safe_relpath(name, str(root)), str(root))
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(blob)
-        os.replace(tmp, path)
+        write_atomic(inside_artifact(root, safe_relpath(name, str(root)), str(root)), blob)
     manifest["files"].update(table)
     manifest["views"] = sorted(set(manifest.get("views") or ()) | set(views))
     tmp = manifest_tmp(root)

@@ -23,7 +23,7 @@ push (the final checkpoint of each training stage). No run-directory literal is 
     <run_root>/export-adapter/          export, with sft.lora: the adapter alone in peft's layout
     <run_root>/eval/sft/                evaluate_sft
     <artifact>.tmp-build/               an artifact being built, swapped into place when whole
-    <dir>.superseded-<UTC time>/        checkpoints of another config, moved aside (never deleted)
+    <dir>.superseded-<UTC time>/        checkpoints of another config, or what sat in an artifact's place that the flow did not write: moved aside (never deleted)
     <staging>/jobs/<stage>-<verb>.json  the job file of each engine launch
     <staging>/data-cache/<stage>/       prepare_data's shards, kept across failures and re-runs
 """

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR, STAMP, inside_artifact, read_manifest
+from tasks.core.run.manifest import MANIFEST, STAMP, inside_artifact, read_manifest, write_atomic
 
 SCHEMA = 1
 
@@ -55,9 +55,7 @@ def write_stamp(root: str | Path, manifest: dict[str, Any]) -> None:
         "manifest_sha256": _manifest_sha(root),
         "files": {rel: identity(inside_artifact(root, rel, str(root))) for rel in sorted(manifest["files"])},
     }
-    tmp = root / PROVENANCE_DIR / f".verified-stamp.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(stamp, sort_keys=True))
-    os.replace(tmp, root / STAMP)
+    write_atomic(root / STAMP, json.dumps(stamp, sort_keys=True))
 
 
 def changed(root: str | Path, manifest: dict[str, Any] | None = None) -> list[str]:

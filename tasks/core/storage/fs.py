@@ -45,7 +45,7 @@ from fsspec.core import split_protocol, url_to_fs
 
 from tasks.core.errors import ArtifactMissing, ManifestError
 from tasks.core.run import stamp
-from tasks.core.run.manifest import MANIFEST, artifact_of, manifest_tmp, parse_manifest, read_manifest, safe_relpath, verify_artifact
+from tasks.core.run.manifest import MANIFEST, artifact_of, manifest_tmp, parse_manifest, read_manifest, safe_relpath, verify_artifact, write_atomic
 from tasks.core.run.stages import SUPERSEDED
 from tasks.core.storage.s3 import (
     SHA256_META,
@@ -172,9 +172,7 @@ class RunStore:
         if self.local:
             path = Path(self._remote(rel))
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(text)
-            os.replace(tmp, path)
+            write_atomic(path, text)
         else:
             self.fs.pipe_file(self._remote(rel), text.encode())
 

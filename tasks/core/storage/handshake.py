@@ -12,10 +12,10 @@ step re-saved with other content reads as unpublished.
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 from tasks.core.run.manifest import MANIFEST as _MANIFEST
+from tasks.core.run.manifest import write_atomic
 
 PUBLISHED_MARKER = ".published"
 
@@ -34,6 +34,4 @@ def is_published(checkpoint_dir: Path) -> bool:
 
 def mark_published(checkpoint_dir: Path, manifest_digest: str) -> None:
     """Atomic (tmp + rename): a half-written marker must never read as published."""
-    tmp = checkpoint_dir / f".{PUBLISHED_MARKER}.{os.getpid()}.tmp"
-    tmp.write_text(manifest_digest + "\n")
-    os.replace(tmp, checkpoint_dir / PUBLISHED_MARKER)
+    write_atomic(checkpoint_dir / PUBLISHED_MARKER, manifest_digest + "\n")
