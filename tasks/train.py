@@ -180,8 +180,9 @@ def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.Tra
     medians = step_medians(state)
     logger.info(console.end(run.elapsed, medians))
     peak = {"peak_mem_bytes": console.peak[0], "peak_mem_rank": console.peak[1]} if console.peak else {}
-    return run.done({"steps": st.max_steps, "first_loss": losses[0] if losses else None, "final_loss": final, "medians": medians, **peak},
-                    event={"final_loss": final})
+    # "segments": the layout each stretch of steps ran under, when the stage continued under another one (docs/resume.md)
+    return run.done({"steps": st.max_steps, "first_loss": losses[0] if losses else None, "final_loss": final, "medians": medians,
+                     "segments": state.get("segments") or [], **peak}, event={"final_loss": final})
 
 
 def _stage_in_latest(store: RunStore, stage: str) -> None:

@@ -63,6 +63,14 @@ def test_storage_smoke():
     assert "ours / sequential put = " in out and "CPU s per GB" in out, out
 
 
+def test_reshard_smoke():
+    """The tiny checkpoint written, re-sharded through the layout-neutral view and copied (~20 s, no launch)."""
+    out = smoke([PY, "benchmarks/reshard.py", "--smoke"])
+    row = next(ln.split() for ln in out.splitlines() if ln.startswith("tiny "))
+    assert len(row) == 10 and float(row[3]) > 0 and float(row[4]) > 0, out  # reshard and copy seconds
+    assert "command: python benchmarks/reshard.py --smoke" in out, out
+
+
 @pytest.mark.distributed
 def test_plain_colossalai_train_smoke():
     out = smoke([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "benchmarks/plain_colossalai_train.py", "--smoke"],

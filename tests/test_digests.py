@@ -52,7 +52,6 @@ RERUNS = {
     "cpt.lr": (lambda raw: raw["cpt"].update(lr=1e-3), CPT_AND_BELOW),
     "cpt.seed": (lambda raw: raw["cpt"].update(seed=7), CPT_AND_BELOW),
     "sft.seed": (lambda raw: raw["sft"].update(seed=7), SFT_AND_BELOW),
-    "sft.kernels": (lambda raw: raw["sft"].update(kernels={"flash_attention": False}), SFT_AND_BELOW),  # changes the numerics on CUDA
     "sft.lora": (lambda raw: raw["sft"].update(lora={"r": 16, "alpha": 32}), SFT_AND_BELOW),  # an adapter on a frozen base: other weights
     "export.dtype": (lambda raw: raw["export"].update(dtype="fp32"), EXPORT_AND_BELOW),
     "cpt.eval.batch_size": (lambda raw: raw["cpt"].update(eval={"batch_size": 3}), {"evaluate_cpt"}),
@@ -61,6 +60,24 @@ RERUNS = {
     "cpt.data.text_field": (lambda raw: raw["cpt"]["data"].update(text_field="body"), {"prepare_cpt"} | CPT_AND_BELOW),
     # held-out-only sources live in data/cpt/ beside the held-out split, so CPT re-runs: decide them before the run (README)
     "cpt.eval.heldout_sources": (lambda raw: raw["cpt"].update(eval={"heldout_sources": [{"name": "general", "uri": "g.jsonl"}]}), {"prepare_cpt"} | CPT_AND_BELOW),
+}
+
+# How a training stage runs: a change keeps every digest while the global batch stays, so the stage
+# continues its checkpoints under the new layout (docs/resume.md).
+LAYOUT_KEEPS = {
+    "cpt tp=2 on 2 ranks -> torch_ddp on 1 rank": lambda raw: raw["cpt"].update(plugin={"name": "torch_ddp", "precision": "fp32"}, launch={"nproc_per_node": 1}),
+    "cpt tp=2 -> pp=2": lambda raw: raw["cpt"]["plugin"].update(tp_size=1, pp_size=2),
+    "sft low_level_zero on 2 ranks -> 1 rank at twice the accumulation": lambda raw: raw["sft"].update(launch={"nproc_per_node": 1}, grad_accum_steps=2),
+    "sft micro-batch 4 x 1 -> 2 x 2": lambda raw: raw["sft"].update(micro_batch_size=2, grad_accum_steps=2),
+    "sft low_level_zero -> hybrid_parallel ZeRO-1": lambda raw: raw["sft"]["plugin"].update(name="hybrid_parallel", zero_stage=1),
+    "sft.kernels": lambda raw: raw["sft"].update(kernels={"flash_attention": False}),
+    "cpt.launch.nnodes": lambda raw: raw["cpt"].update(launch={"nproc_per_node": 1, "nnodes": 2}),
+}
+# ... and a layout that changes the global batch changes what the model learns from.
+GLOBAL_BATCH_CHANGES = {
+    "cpt on 2 ranks -> torch_ddp on 2 ranks (dp 1 -> 2)": (lambda raw: raw["cpt"].update(plugin={"name": "torch_ddp", "precision": "fp32"}), CPT_AND_BELOW),
+    "sft on 2 ranks -> 1 rank": (lambda raw: raw["sft"].update(launch={"nproc_per_node": 1}), SFT_AND_BELOW),
+    "sft.plugin.precision": (lambda raw: raw["sft"]["plugin"].update(precision="fp32", name="torch_ddp", zero_stage=0), SFT_AND_BELOW),
 }
 
 
@@ -131,7 +148,8 @@ def test_every_artifact_stage_declares_a_digest_over_real_config_fields(tmp_path
             assert STAGE[spec.continues].artifact == spec.artifact and not spec.digest and not spec.parents
             continue
         fields = digest_fields(cfg, name)  # every declared path resolves, or this raises naming it
-        assert set(fields) == set(spec.digest)
+        assert set(fields) == set(spec.digest) | ({f"{spec.global_batch}.global_batch"} if spec.global_batch else set())
+        fields = {k: v for k, v in fields.items() if not k.endswith(".global_batch")}
         assert all(STAGES.index(STAGE[p]) < STAGES.index(spec) for p in spec.parents), f"{name}: a parent runs after it"
         for path in spec.minus:
             assert any(path.startswith(f + ".") for f in spec.digest), f"{name}: minus {path} is under none of its fields"
@@ -163,6 +181,20 @@ def test_the_digest_names_the_declared_parents(tmp_path):
 def test_a_setting_that_changes_no_artifact_reruns_nothing(tmp_path, setting):
     raw = _raw(tmp_path)
     assert rerun_set(_config(raw), _config(_changed(raw, NOTHING_RERUNS[setting]))) == set()
+
+
+@pytest.mark.parametrize("setting", sorted(LAYOUT_KEEPS))
+def test_a_new_layout_keeping_the_global_batch_reruns_nothing(tmp_path, setting):
+    raw = _raw(tmp_path)
+    new = _config(_changed(raw, LAYOUT_KEEPS[setting]))  # a valid config: the layout rules pass it
+    assert rerun_set(_config(raw), new) == set()
+
+
+@pytest.mark.parametrize("setting", sorted(GLOBAL_BATCH_CHANGES))
+def test_a_layout_that_changes_the_global_batch_reruns_its_stage(tmp_path, setting):
+    change, expected = GLOBAL_BATCH_CHANGES[setting]
+    raw = _raw(tmp_path)
+    assert rerun_set(_config(raw), _config(_changed(raw, change))) == expected
 
 
 @pytest.mark.parametrize("setting", sorted(RERUNS))

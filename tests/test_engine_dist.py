@@ -53,6 +53,13 @@ LLZ2_OFFLOAD = {**LLZ2, "cpu_offload": True}
 LAUNCHES: list[tuple[str, float]] = []
 
 
+def _dump(work: Path, name: str) -> dict[str, str]:
+    """The environment that makes every rank write the state it holds at each save (tasks/engine/masters.py)."""
+    from tasks.engine.masters import DUMP_ENV
+
+    return {DUMP_ENV: str(work / "live-state" / name)}
+
+
 def _engine(label: str, verb: str, job: Path, **kw):
     run = engine(verb, job, **kw)
     LAUNCHES.append((label, run.seconds))
@@ -107,7 +114,7 @@ def tp2(work, tiny_model_dir):
     kill_dir = work / "tp2-kill" / "cpt"
     kill_dir.mkdir(parents=True)
     shutil.copytree(stage_dir / "step-000000", kill_dir / "step-000000")
-    train = _engine("tp2 train (6 steps)", "train", train_job)
+    train = _engine("tp2 train (6 steps)", "train", train_job, env=_dump(work, "tp2"))
     _, kill_job = _jobs(work, "tp2-kill", "cpt", TP2, tiny_model_dir, tiny_model_dir, kill_dir, keep_last=1, data=mix)
     killed = _engine("tp2 train kill@step=3", "train", kill_job, env={"CPT_TO_SFT_FAULT": "kill@step=3"}, expect_ok=False)
     resumed = _engine("tp2 train resume", "train", kill_job, env={"CPT_TO_SFT_FAULT": "kill@step=3"})
@@ -125,7 +132,7 @@ def pp2(work, tiny_model_dir):
     shard = _engine("pp2 shard", "shard", shard_job)
     torn = _engine("pp2 train kill@save=6", "train", train_job, env={"CPT_TO_SFT_FAULT": "kill@save=6:optimizer"}, expect_ok=False)
     leftovers = sorted(p.name for p in stage_dir.iterdir())
-    resumed = _engine("pp2 train resume", "train", train_job)
+    resumed = _engine("pp2 train resume", "train", train_job, env=_dump(work, "pp2"))
     return dict(dir=stage_dir, shard=shard, torn=torn, leftovers=leftovers, resumed=resumed)
 
 
@@ -135,8 +142,15 @@ def llz(work, tiny_model_dir, tp2):
     stage_dir = work / "llz" / "sft"
     shard_job, train_job = _jobs(work, "llz", "sft", LLZ2, hf_in, tiny_model_dir, stage_dir, grad_accum_steps=2)
     shard = _engine("llz2 reboost", "shard", shard_job)
-    train = _engine("llz2 train", "train", train_job)
-    return dict(dir=stage_dir, hf_in=hf_in, shard=shard, train=train)
+    kill_dir = work / "llz-kill" / "sft"  # the interrupted twin, from a copy of the same step-000000
+    kill_dir.mkdir(parents=True)
+    shutil.copytree(stage_dir / "step-000000", kill_dir / "step-000000")
+    train = _engine("llz2 train", "train", train_job, env=_dump(work, "llz"))
+    _, kill_job = _jobs(work, "llz-kill", "sft", LLZ2, hf_in, tiny_model_dir, kill_dir, grad_accum_steps=2)
+    fault = {"CPT_TO_SFT_FAULT": "kill@step=4"}  # step 4 trained, not saved: the resume redoes it from step 3
+    killed = _engine("llz2 train kill@step=4", "train", kill_job, env=fault, expect_ok=False)
+    resumed = _engine("llz2 train resume", "train", kill_job, env=fault)
+    return dict(dir=stage_dir, hf_in=hf_in, shard=shard, train=train, kill_dir=kill_dir, killed=killed, resumed=resumed)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +167,7 @@ def ddp(work, tiny_model_dir, pp2):
     mix = {"sources": [{"name": "a", "uri": str(work / "chats-a.jsonl"), "weight": 0.6}, {"name": "b", "uri": str(work / "chats-b.jsonl"), "weight": 0.4}]}
     shard_job, train_job = _jobs(work, "ddp", "sft", DDP, hf_in, tiny_model_dir, stage_dir, grad_accum_steps=2, batching="packed", seq_len=256, data=mix)
     shard = _engine("ddp reboost", "shard", shard_job)
-    train = _engine("ddp train", "train", train_job)
+    train = _engine("ddp train", "train", train_job, env=_dump(work, "ddp"))
     first_losses = train_state(stage_dir / "step-000006")["losses"]
     # Flip one byte of the newest checkpoint's weights: the next attempt must refuse it.
     victim = min((stage_dir / "step-000006" / "model").glob("*.safetensors"))
@@ -169,11 +183,12 @@ def ddp(work, tiny_model_dir, pp2):
 def tied(work):
     from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
 
-    model_dir = build_tiny_model(work / "qwen2-tied", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family="qwen2", tie_word_embeddings=True)
+    model_dir = build_tiny_model(work / "qwen2-tied", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family="qwen2", tie_word_embeddings=True,
+                                 vocab_size=515)  # embedding rows past the tokenizer's 512: a padded vocabulary
     stage_dir = work / "tied" / "cpt"
     shard_job, train_job = _jobs(work, "tied", "cpt", LLZ2_OFFLOAD, model_dir, model_dir, stage_dir, max_steps=2, checkpoint_every=2)
     shard = _engine("tied llz2 shard", "shard", shard_job)
-    train = _engine("tied llz2 train", "train", train_job)
+    train = _engine("tied llz2 train", "train", train_job, env=_dump(work, "tied"))
     return dict(dir=stage_dir, model_dir=model_dir, shard=shard, train=train)
 
 
@@ -215,7 +230,7 @@ def _assert_trains(stage_dir: Path, run, stage: str, max_steps: int = 6):
     return losses
 
 
-def _assert_checkpoint(path: Path, stage: str, step: int, plugin: str):
+def _assert_checkpoint(path: Path, stage: str, step: int, plugin: str, vocab: int = 512):
     m = verify_artifact(path)
     assert m["kind"] == "colossalai-checkpoint"
     meta = m["meta"]
@@ -227,7 +242,7 @@ def _assert_checkpoint(path: Path, stage: str, step: int, plugin: str):
                 "rng/rank-00001.json", "rng/rank-00001.safetensors"):
         assert rel in files, f"{rel} missing from {path}"
     assert any(f.startswith("optimizer/") for f in files)
-    assert m["fingerprint"]["shape"] == [2, 16, 512]
+    assert m["fingerprint"]["shape"] == [2, 16, vocab]
     return m
 
 
@@ -347,7 +362,7 @@ def test_tied_embeddings_under_low_level_zero(tied):
     _assert_trains(tied["dir"], tied["train"], "cpt", max_steps=2)
     # the offload field reached the plugin (builders.offload_kwargs) and is recorded with the checkpoint
     assert "'cpu_offload': True" in tied["shard"].output
-    assert _assert_checkpoint(tied["dir"] / "step-000002", "cpt", 2, "low_level_zero")["meta"]["plugin"]["cpu_offload"] is True
+    assert _assert_checkpoint(tied["dir"] / "step-000002", "cpt", 2, "low_level_zero", vocab=515)["meta"]["plugin"]["cpu_offload"] is True
 
 
 # ---- conversion of real ColossalAI checkpoints ------------------------------------------------
@@ -358,8 +373,17 @@ ZERO1 = {"name": "hybrid_parallel", "tp_size": 2, "zero_stage": 1, "precision": 
 @pytest.fixture(scope="module")
 def zero1(work, tiny_model_dir):
     stage_dir = work / "zero1" / "cpt"
-    shard_job, _ = _jobs(work, "zero1", "cpt", ZERO1, tiny_model_dir, tiny_model_dir, stage_dir)
-    return dict(dir=stage_dir, shard=_engine("tp2 zero1 bf16 shard", "shard", shard_job))
+    shard_job, train_job = _jobs(work, "zero1", "cpt", ZERO1, tiny_model_dir, tiny_model_dir, stage_dir)
+    shard = _engine("tp2 zero1 bf16 shard", "shard", shard_job)
+    kill_dir = work / "zero1-kill" / "cpt"
+    kill_dir.mkdir(parents=True)
+    shutil.copytree(stage_dir / "step-000000", kill_dir / "step-000000")
+    train = _engine("tp2 zero1 bf16 train", "train", train_job, env=_dump(work, "zero1"))
+    _, kill_job = _jobs(work, "zero1-kill", "cpt", ZERO1, tiny_model_dir, tiny_model_dir, kill_dir)
+    fault = {"CPT_TO_SFT_FAULT": "kill@step=4"}
+    killed = _engine("tp2 zero1 bf16 kill@step=4", "train", kill_job, env=fault, expect_ok=False)
+    resumed = _engine("tp2 zero1 bf16 resume", "train", kill_job, env=fault)
+    return dict(dir=stage_dir, shard=shard, train=train, kill_dir=kill_dir, killed=killed, resumed=resumed)
 
 
 def test_streaming_converter_on_real_checkpoints_is_bitwise(tp2, pp2, zero1, llz, tiny_model_dir, tmp_path):
@@ -451,3 +475,113 @@ def test_a_save_larger_than_its_block_size_holds_the_hf_tensors_bitwise(wide):
     assert len(list((step0 / "model").glob("*.safetensors"))) > 1 and len(list((step0 / "optimizer").glob("pytorch_optim-*.bin"))) > 1
     want, got = read_model_dir(wide["model_dir"]), read_model_dir(step0 / "model")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+# ---- fp32 master weights and the layout-neutral view ----------------------------------------------
+
+
+def test_bf16_resume_after_kill_is_bitwise(llz, zero1):
+    """A bf16 stage killed after step 4 (its last checkpoint at step 3) and resumed reproduces the
+    uninterrupted run's losses and final weights bitwise, under low_level_zero ZeRO-2 on 2 ranks and
+    hybrid_parallel tp=2 with ZeRO-1: the checkpoint holds the fp32 masters and the resume restores
+    them (before, they were rebuilt from the bf16 weights and the run drifted from step 5 on)."""
+    for name, f in (("low_level_zero zero 2", llz), ("hybrid_parallel tp2 zero 1", zero1)):
+        assert f["killed"].rc != 0 and [p["step"] for p in f["killed"].progress] == [1, 2, 3, 4], name
+        out = f["resumed"].output
+        assert "resuming" in out and "from step-000003" in out and [p["step"] for p in f["resumed"].progress] == [4, 5, 6], name
+        assert "restored the fp32 master weights of step-000003 (39 as written)" in out, (name, out[-3000:])
+        ref, got = train_state(f["dir"] / "step-000006"), train_state(f["kill_dir"] / "step-000006")
+        assert got["losses"] == ref["losses"], (name, ref["losses"], got["losses"])
+        a, b = read_model_dir(f["dir"] / "step-000006" / "model"), read_model_dir(f["kill_dir"] / "step-000006" / "model")
+        assert a.keys() == b.keys() and all(a[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a), name
+        meta = verify_artifact(f["kill_dir"] / "step-000006")["meta"]
+        n = sum(v.numel() for v in a.values())
+        assert meta["masters"]["fp32"] is True and n * 4 <= meta["masters"]["bytes"] < n * 4 + 4 * 64, (name, meta["masters"], n)
+
+
+def _assert_view_is_live_state(step_dir: Path, dumped: Path, *, masters: bool) -> int:
+    """Every rank's live state at the save (its fp32 master pieces, its AdamW state, its weights where
+    they are the masters) equals the layout-neutral view cut back to that rank's piece, bitwise."""
+    from dataclasses import replace
+
+    from tasks.core.models.convert.state_view import CheckpointState, Piece, local_piece
+
+    view = CheckpointState(step_dir)
+    ranks = [torch.load(f, weights_only=True) for f in sorted(dumped.glob("rank-*.pt"))]
+    assert len(ranks) == 2, dumped
+    assert set(view.names()) == {n for r in ranks for n in r}
+    assert view.has_masters is masters, step_dir
+    checked = 0
+    for live in ranks:
+        for name, st in live.items():
+            piece = Piece.of(st["piece"], 0)
+            whole = view.master(name)
+            assert whole.dtype == torch.float32 and tuple(whole.shape) == piece.shape
+            if st["master"] is not None:
+                assert torch.equal(local_piece(whole, piece), st["master"].reshape(-1)), (step_dir, name)
+                state_piece = piece
+            else:  # the weight is the master: fp32, this rank's tensor-parallel slice
+                state_piece = replace(piece, start=0, length=piece.local_numel)
+                assert torch.equal(local_piece(whole, state_piece), st["weight"].reshape(-1)), (step_dir, name)
+            adam = view.adam(name)
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(local_piece(adam[k], state_piece), st[k].reshape(-1)), (step_dir, name, k)
+            assert adam["step"] == float(st["step"]) > 0
+            checked += 1
+    view.close()
+    return checked
+
+
+def test_layout_neutral_view_equals_the_state_it_came_from(tp2, pp2, llz, ddp, tied, zero1, work):
+    """The view of checkpoints written under tp=2, pp=2, ZeRO-2 on 2 ranks (a Llama, and a tied-embedding
+    Qwen2 whose vocabulary is padded past its tokenizer's), tp=2 + ZeRO-1 and DDP, per parameter, bitwise."""
+    live = work / "live-state"
+    cases = {
+        "tp2 fp32": (tp2["dir"] / "step-000006", live / "tp2" / "step-000006", False),
+        "pp2 fp32": (pp2["dir"] / "step-000006", live / "pp2" / "step-000006", False),
+        "llz2 bf16": (llz["dir"] / "step-000006", live / "llz" / "step-000006", True),
+        "ddp fp32": (ddp["dir"] / "step-000003", live / "ddp" / "step-000003", False),
+        "tied qwen2 llz2 bf16": (tied["dir"] / "step-000002", live / "tied" / "step-000002", True),
+        "tp2 zero1 bf16": (zero1["dir"] / "step-000006", live / "zero1" / "step-000006", True),
+    }
+    for name, (step_dir, dumped, masters) in cases.items():
+        assert _assert_view_is_live_state(step_dir, dumped, masters=masters) > 0, name
+    config = json.loads((tied["model_dir"] / "config.json").read_text())
+    assert config["tie_word_embeddings"] and config["vocab_size"] > len(json.loads((tied["model_dir"] / "tokenizer.json").read_text())["model"]["vocab"])
+
+
+def test_sft_low_level_zero_on_2_ranks_resumes_on_1_from_the_resharded_state(llz, tiny_model_dir, work):
+    """The SFT stage's step-000003 (low_level_zero ZeRO-2 bf16, 2 ranks, 2 x 2 a rank) continued on one
+    rank at 2 x 4 (the same global batch of 8): the state it resumes from is the checkpoint's, cut for
+    one rank, bitwise (fp32 masters, AdamW moments and step, bf16 weights); steps 4-6 continue the
+    uninterrupted run's losses within bf16 reduction-order noise, and train_state records both segments."""
+    from tasks.core.models.convert.state_view import CheckpointState, Piece, local_piece
+
+    stage_dir = work / "llz-to-1" / "sft"
+    stage_dir.mkdir(parents=True)
+    src = llz["dir"] / "step-000003"
+    shutil.copytree(src, stage_dir / "step-000003")
+    _, job = _jobs(work, "llz-to-1", "sft", LLZ2, llz["hf_in"], tiny_model_dir, stage_dir, grad_accum_steps=4)
+    run = _engine("llz2 2 ranks -> 1", "train", job, nproc=1, env=_dump(work, "llz-to-1"))
+    out = run.output
+    assert ("sft: resuming step-000003, written under low_level_zero zero=2 dp=2 on 2 ranks (2 x 2 a rank), under "
+            "low_level_zero zero=2 dp=1 on 1 rank (2 x 4 a rank): model and optimizer re-sharded") in out, out[-3000:]
+    assert "restored the fp32 master weights of step-000003 (39 cut from the whole tensors for this layout)" in out
+    view, weights = CheckpointState(src), read_model_dir(src / "model")
+    (live,) = [torch.load(f, weights_only=True) for f in sorted((work / "live-state" / "llz-to-1" / "loaded-step-000003").glob("rank-*.pt"))]
+    assert set(live) == set(view.names())
+    for name, st in live.items():
+        piece = Piece.of(st["piece"], 0)
+        assert (piece.start, piece.length) == (0, piece.local_numel)  # one rank: the whole parameter
+        assert torch.equal(st["master"], local_piece(view.master(name), piece)), name
+        assert torch.equal(st["weight"], weights[name]), name
+        adam = view.adam(name)
+        assert torch.equal(st["exp_avg"].reshape(-1), adam["exp_avg"].reshape(-1)) and torch.equal(st["exp_avg_sq"].reshape(-1), adam["exp_avg_sq"].reshape(-1))
+        assert float(st["step"]) == adam["step"] == 3.0
+    view.close()
+    assert [p["step"] for p in run.progress] == [4, 5, 6]
+    ref, got = train_state(llz["dir"] / "step-000006"), train_state(stage_dir / "step-000006")
+    assert got["losses"][:3] == ref["losses"][:3] and got["tokens_seen"] == ref["tokens_seen"] and got["sampler"] == ref["sampler"]
+    assert all(abs(a - b) < 2e-2 * abs(b) for a, b in zip(got["losses"][3:], ref["losses"][3:])), (ref["losses"], got["losses"])
+    assert [(s["from_step"], s["plugin"], s["dp"], s["grad_accum_steps"]) for s in got["segments"]] == [(0, "low_level_zero", 2, 2), (3, "low_level_zero", 1, 4)]
+    assert verify_artifact(stage_dir / "step-000006")["meta"]["layout"]["world_size"] == 1

@@ -8,6 +8,9 @@ rank 0 wrote the manifest LAST):
     optimizer/                booster.save_optimizer(shard=True): ColossalAI's pickled .bin shards
                               (full, gathered states keyed by parameter index) + index + param groups
                               (both in files of at most `save_shard_mib`, or one larger tensor)
+    masters/                  tasks/engine/masters.py: rank-NNNNN.safetensors, each rank's fp32 master
+                              pieces (bf16/fp16), and rank-NNNNN.json, where each piece of each
+                              parameter sits (read by tasks/core/models/convert/state_view.py)
     lr_scheduler.pt           booster.save_lr_scheduler (a plain dict of numbers)
     rng/rank-NNNNN.json       python `random` and numpy states of every rank, as JSON
     rng/rank-NNNNN.safetensors  torch CPU generator state (and CUDA's where present) of every rank

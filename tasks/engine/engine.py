@@ -41,10 +41,12 @@ import torch.distributed as dist
 from tasks.core.config.kernels import record as kernel_record
 from tasks.core.config.plugins import spec_of
 from tasks.core.errors import ManifestError
+from tasks.core.models.convert.state_view import MASTERS
 from tasks.core.models.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
+from tasks.core.run import segments
 from tasks.core.run.events import CHECKPOINT, DETAIL, INFO, format_event
 from tasks.core.run.manifest import write_manifest
-from tasks.engine import accel, hostmem, lora, node_staging, rankio, weights
+from tasks.engine import accel, hostmem, lora, masters, node_staging, rankio, weights
 from tasks.engine import checkpoint as ckpt
 from tasks.engine.backpressure import wait_for_publishes
 from tasks.engine.builders import (
@@ -190,7 +192,7 @@ class Engine:
         check_model(self.cfg, model.config.to_dict(), self.job.stage)
         model.train()
         if not self.spec.dedupes_tied_weights and getattr(model.config, "tie_word_embeddings", False):
-            _save_tied_once(model)
+            weights.save_tied_once(model)
         self.activation_checkpointing = accel.checkpoint_activations(model, cfg, self.job.stage)  # before the plugin wraps it
         optimizer = make_optimizer(model, cfg, self.pcfg.name, **accel.optimizer_kwargs(self.kernels))
         scheduler = make_scheduler(optimizer, cfg)
@@ -239,6 +241,10 @@ class Engine:
                         continue
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def layout_record(self) -> dict[str, Any]:
+        """How this stage runs now (tasks/core/run/segments.py): in every manifest and segment."""
+        return segments.record(plugin_meta(self.pcfg, self.cfg), self.world, self.layout.dp_size, self.cfg.micro_batch_size, self.cfg.grad_accum_steps)
 
     @property
     def weights_dtype(self) -> str:
@@ -330,6 +336,7 @@ class Engine:
                 self.booster.save_model(self.model, str(tmp / "model"), shard=True, use_safetensors=True, size_per_shard=mib)
             phase("optimizer")
             self.booster.save_optimizer(self.optimizer, str(tmp / "optimizer"), shard=True, size_per_shard=mib)
+            kept = masters.save(self, tmp / MASTERS)  # fp32 masters of a mixed-precision stage; every piece's place
         phase("lr_scheduler")
         self.booster.save_lr_scheduler(self.scheduler, str(tmp / "lr_scheduler.pt"))
         phase("rng")
@@ -352,6 +359,7 @@ class Engine:
                 "max_steps": self.cfg.max_steps,
                 "plugin": plugin_meta(self.pcfg, self.cfg),
                 "world_size": self.world,
+                "layout": self.layout_record(),
                 "nodes": sorted(set(self.rank_nodes)),
                 "rank_nodes": self.rank_nodes,
                 "dp_size": self.layout.dp_size,
@@ -367,6 +375,7 @@ class Engine:
                 # What ran, not what was asked: each kernel's reason (a failed load included).
                 "kernels": kernel_record(self.kernels),
                 "activation_checkpointing": self.activation_checkpointing,
+                "masters": kept,  # fp32: whether the fp32 master weights are saved (a resume restores them)
                 **({"lora": self.lora_meta} if self.lora_meta else {}),
             }
             parent = job.parent.model_dump() if job.parent is not None else None
@@ -397,7 +406,7 @@ class Engine:
             self.booster.load_model(self.model, str(model_dir))
         elif self.cfg.lora is None:
             # ColossalAI's general loader in strict mode demands a tied LM head that HF (and
-            # _save_tied_once) leave out; load non-strict and check the key set exactly here.
+            # weights.save_tied_once) leave out; load non-strict and check the key set exactly here.
             index = json.loads((model_dir / "model.safetensors.index.json").read_text())
             want, have = set(self.model.unwrap().state_dict()), set(index["weight_map"])
             if want != have:
@@ -408,29 +417,10 @@ class Engine:
             self.booster.load_model(self.model, str(model_dir), strict=False)
         self.booster.load_optimizer(self.optimizer, str(path / "optimizer"))
         self.booster.load_lr_scheduler(self.scheduler, str(path / "lr_scheduler.pt"))
-
-
-def _save_tied_once(module: torch.nn.Module) -> None:
-    """Make state_dict() list a tied tensor once, under its first name (embed_tokens), like HF.
-
-    ColossalAI's general checkpoint IO (low_level_zero, torch_ddp) hands the whole state dict to
-    safetensors, which refuses two names for one storage (lm_head.weight is embed_tokens.weight
-    in a tied model). HybridParallel's IO already drops the duplicate; from_pretrained re-ties it.
-    """
-
-    def hook(mod, state_dict, prefix, local_metadata):
-        seen = set()
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            t = state_dict[key]
-            if not isinstance(t, torch.Tensor):
-                continue
-            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-            if ident in seen:
-                del state_dict[key]
-            else:
-                seen.add(ident)
-
-    module.register_state_dict_post_hook(hook)
+        said = masters.restore(self, path)  # after ColossalAI rebuilt them from the working weights
+        if said:
+            log(said)
+        masters.dump_loaded(self, path)
 
 
 def _device_type() -> str:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from tasks.core.config.batching import BATCHING, micro_width
 from tasks.core.data.index import check_fits_model
 from tasks.core.errors import ManifestError
+from tasks.core.run import segments
 from tasks.core.run.events import PROGRESS
 from tasks.core.run.stages import PEAK_FIELDS, STEP_SUMMARY, SUMMARY_FIELDS
 from tasks.engine import checkpoint as ckpt
@@ -216,6 +217,16 @@ def train(job: Job, faults: Injector) -> Path | None:
     state = ckpt.read_train_state(rp.path)
     if state.get("step") != rp.step:
         raise ManifestError(f"{rp.path}: train_state.json says step {state.get('step')}, the directory is {rp.path.name}")
+    now = eng.layout_record()
+    was = rp.manifest.get("meta", {}).get("layout") or now  # a checkpoint from before layouts were recorded: this one
+    problem = segments.global_batch_problem(was["global_batch"], now)
+    if problem:
+        raise ManifestError(f"{rp.path}: {problem}")
+    runs = list(state.get("segments") or [{"from_step": 0, **was}])
+    if not segments.same_layout(runs[-1], now):
+        log(f"{job.stage}: resuming {rp.path.name}, written under {segments.describe(was)}, under {segments.describe(now)}: "
+            "model and optimizer re-sharded from the checkpoint's whole tensors")
+        runs.append({"from_step": rp.step, **now})
     data.sampler.load_state_dict(state["sampler"])
     if not ckpt.restore_rng(rp.path / "rng", eng.rank):
         log(f"{rp.path.name} has no RNG state for rank {eng.rank} (saved with another world size): keeping the launch seed", all_ranks=True)
@@ -267,6 +278,7 @@ def train(job: Job, faults: Injector) -> Path | None:
                 "lrs": lrs,
                 "lr": float(eng.scheduler.get_last_lr()[0]),
                 STEP_SUMMARY: summary,
+                "segments": runs,  # the layout of each stretch of steps (tasks/core/run/segments.py)
             }
             last = eng.save(step, state)
     meter.close()

@@ -114,6 +114,29 @@ def read_into(module: torch.nn.Module, src: Path, model_config: dict) -> Loaded:
     return Loaded(tensors=count, files=len(by_file), largest=largest)
 
 
+def save_tied_once(module: torch.nn.Module) -> None:
+    """Make state_dict() list a tied tensor once, under its first name (embed_tokens), like HF.
+
+    ColossalAI's general checkpoint IO (low_level_zero, torch_ddp) hands the whole state dict to
+    safetensors, which refuses two names for one storage (lm_head.weight is embed_tokens.weight
+    in a tied model). HybridParallel's IO already drops the duplicate; from_pretrained re-ties it.
+    """
+
+    def hook(mod, state_dict, prefix, local_metadata):
+        seen = set()
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            t = state_dict[key]
+            if not isinstance(t, torch.Tensor):
+                continue
+            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+            if ident in seen:
+                del state_dict[key]
+            else:
+                seen.add(ident)
+
+    module.register_state_dict_post_hook(hook)
+
+
 def _main(argv: list[str]) -> int:
     from safetensors import safe_open
 

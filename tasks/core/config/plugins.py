@@ -124,6 +124,7 @@ class Held:
     only: Literal["", "no_pipeline", "data_parallel", "grad_accum"] = ""
     per: Literal["parameter", "layer"] = "parameter"  # "layer": counts one decoder layer's parameters, unsharded
     offload: str = ""  # the PluginConfig field (an `Offload` row) whose value is the share of this tensor put in host memory
+    master: bool = False  # the fp32 master weights: every checkpoint saves them (tasks/engine/masters.py), a resume restores them
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,12 @@ class PluginSpec:
         """Booster(mixed_precision=...) for a plugin that does not cast the model: fp16 amp."""
         return "fp16" if not self.casts_model and precision == "fp16" else None
 
+    def saves_masters(self, precision: str, zero_stage: int = 0) -> bool:
+        """Whether the plugin keeps fp32 master weights apart from the weights it trains, which its
+        checkpoints then hold (4 bytes a parameter; the disk estimate counts them)."""
+        z = self.zero_stage(zero_stage)
+        return precision in MIXED and any(h.master and precision in h.precisions and z in h.zero for h in self.holds)
+
     def offload_field(self, name: str) -> Offload | None:
         return next((o for o in self.offload if o.field == name), None)
 
@@ -251,11 +258,11 @@ register(PluginSpec(
         # torch DDP wraps the model at pp == 1 without ZeRO; not at dp == 1, where the engine
         # turns it off (tasks/engine/solo_ddp.py)
         Held("DDP gradient buckets", "weights", zero=(0,), only="data_parallel"),
-        Held("fp32 master weights", 4, zero=(0,), precisions=MIXED),
+        Held("fp32 master weights", 4, zero=(0,), precisions=MIXED, master=True),
         Held("Adam moments", 8, zero=(0,)),
         Held("gradients", "weights", when="grads", zero=(1,)),
         Held("fp32 gradient shard", 4, sharded=True, when="step", zero=(1,), offload="cpu_offload"),
-        Held("fp32 master weight shard", 4, sharded=True, zero=(1,), offload="cpu_offload"),
+        Held("fp32 master weight shard", 4, sharded=True, zero=(1,), offload="cpu_offload", master=True),
         Held("Adam moment shard", 8, sharded=True, zero=(1,), offload="cpu_offload"),
     ),
 ))
@@ -270,7 +277,7 @@ register(PluginSpec(
     offload=(Offload("cpu_offload", moves_step=True),),
     holds=(
         Held("working weights", "weights"),
-        Held("fp32 master weight shard", 4, sharded=True, offload="cpu_offload"),
+        Held("fp32 master weight shard", 4, sharded=True, offload="cpu_offload", master=True),
         Held("Adam moment shard", 8, sharded=True, offload="cpu_offload"),
         Held("gradients", "weights", when="grads", zero=(1,)),
         Held("gradient shard", "weights", sharded=True, when="grads", zero=(2,)),
@@ -301,7 +308,7 @@ register(PluginSpec(
         Held("weight chunk shard", "weights", sharded=True, offload="offload_param_frac"),
         Held("gathered weights of the layer in use", "weights", when="forward", per="layer"),
         Held("gradient chunk shard", "weights", sharded=True, when="grads", only="grad_accum", offload="offload_optim_frac"),
-        Held("fp32 master shard", 4, sharded=True, offload="offload_optim_frac"),
+        Held("fp32 master shard", 4, sharded=True, offload="offload_optim_frac", master=True),
         Held("Adam moment shard", 8, sharded=True, offload="offload_optim_frac"),
     ),
 ))

@@ -22,6 +22,7 @@ from tasks.core.config.schema import RunConfig
 from tasks.core.evaluation.verdict import eval_results_for_card, metrics_table
 from tasks.core.hub.repo import hub_dataset_id, is_hub_id
 from tasks.core.run.manifest import MANIFEST
+from tasks.core.run.segments import describe as describe_layout
 from tasks.core.run.stages import BASE, TRAIN_STATE, TRAINING, split_rel, step_medians, step_peak
 
 STAGES = ("cpt", "sft")
@@ -92,6 +93,7 @@ def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[st
                 fact["tokens_seen"] = state.get("tokens_seen")
                 fact["medians"] = step_medians(state)
                 fact["peak_mem"] = step_peak(state) or fact["peak_mem"]
+                fact["segments"] = state.get("segments")  # the layout of each stretch of steps (tasks/core/run/segments.py)
             except Exception:
                 pass
             try:
@@ -161,6 +163,14 @@ def _layout(cfg: RunConfig, stage: str) -> str:
     return f"`{p.name}` tp={p.tp_size} pp={p.pp_size} zero={p.zero_stage} {p.precision}, {st.launch.nnodes}×{st.launch.nproc_per_node} ranks"
 
 
+def _segments(facts: dict[str, dict], stage: str) -> str | None:
+    """A stage that continued under another layout: each segment's layout and first step."""
+    segs = facts.get(stage, {}).get("segments") or []
+    if len(segs) < 2:
+        return None
+    return "<br>".join(f"from step {seg['from_step']}: `{describe_layout(seg)}`" for seg in segs)
+
+
 def _batch(cfg: RunConfig, stage: str) -> str:
     st = getattr(cfg, stage)
     p = st.plugin
@@ -211,7 +221,7 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
 
     train = ["| | CPT | SFT |", "|---|---|---|"]
     rows = {
-        "plugin and parallel layout": lambda s: _layout(cfg, s),
+        "plugin and parallel layout": lambda s: _segments(facts, s) or _layout(cfg, s),
         "steps": lambda s: str(facts.get(s, {}).get("steps")),
         "learning rate schedule": lambda s: _schedule(cfg, s),
         "batch per step": lambda s: _batch(cfg, s),

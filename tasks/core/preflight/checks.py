@@ -53,6 +53,7 @@ from tasks.core.preflight.mixture import check_source_epochs
 from tasks.core.preflight.model_files import check_lora_targets, check_model_files
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.report import CheckContext, PreflightReport
+from tasks.core.preflight.resume import check_resume
 from tasks.core.preflight.storage import check_base_model_links, check_paths, check_run_root, check_staging_space, estimate_local_bytes
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
@@ -400,6 +401,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_paths,
     check_launch_backend,
     check_staging_space,
+    check_resume,
     check_memory,
     check_eval_memory,
     check_hub,

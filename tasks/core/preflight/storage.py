@@ -6,8 +6,9 @@ and a local base model's files all resolve inside its directory.
     python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
 
 Staging space is an estimate (parameter count from the model family's tensor table): a training
-checkpoint is weights in the training precision + fp32 Adam moments (8 B/param) + fp32 master
-weights when training in bf16/fp16 (4 B/param); a local run root keeps `keep_last + 1` of them per
+checkpoint is weights in the dtype the plugin trains + fp32 Adam moments (8 B/param) + the fp32 master
+weights where the plugin keeps them apart (bf16/fp16 under every plugin but torch_ddp: 4 B/param,
+`PluginSpec.saves_masters`; tasks/engine/masters.py saves them and a resume restores them); a local run root keeps `keep_last + 1` of them per
 stage at once (the new one is committed before the oldest is deleted), plus the three HF copies
 (base, cpt/hf, export). A remote run root stages, per stage, the `keep_last` newest published
 checkpoints plus up to `max_pending_publishes` still uploading (the engine waits at a save beyond
@@ -23,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from tasks.core.config.plugins import spec_of
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.errors import ManifestError
 from tasks.core.models.folder import folder_problems
@@ -33,7 +35,7 @@ from tasks.core.run.stages import SUPERSEDED
 from tasks.core.storage.fs import is_local, local_path_of
 
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
-MASTER_BYTES = 4  # fp32 master weights kept by mixed-precision optimizers
+MASTER_BYTES = 4  # fp32 master weights, saved where the plugin keeps them (PluginSpec.saves_masters)
 
 
 def _human(n: float) -> str:
@@ -145,13 +147,15 @@ def estimate_local_bytes(cfg: RunConfig, mc: dict[str, Any], local_run_root: boo
     base_bytes = DTYPE_BYTES.get(str(mc.get("torch_dtype", "float32")), 4)
 
     def ckpt(stage: StageConfig) -> int:
-        w = DTYPE_BYTES[stage.plugin.precision]
-        return n * (w + ADAM_BYTES + (MASTER_BYTES if w < 4 else 0))
+        p = stage.plugin
+        spec = spec_of(p.name)
+        w = DTYPE_BYTES[spec.weights_dtype(p.precision)]
+        return n * (w + ADAM_BYTES + (MASTER_BYTES if spec.saves_masters(p.precision, p.zero_stage) else 0))
 
     hf = n * (base_bytes + DTYPE_BYTES[cfg.cpt.plugin.precision] + DTYPE_BYTES[cfg.export.dtype])
     if local_run_root:
         kept = sum((getattr(cfg, s).keep_last + 1) * ckpt(getattr(cfg, s)) for s in ("cpt", "sft"))
-        how = f"{n / 1e6:.1f}M params: (keep_last+1) checkpoints per stage at (weights + 8 B Adam + 4 B master if mixed) per param, plus 3 HF copies"
+        how = f"{n / 1e6:.1f}M params: (keep_last+1) checkpoints per stage at (weights + 8 B Adam + 4 B fp32 master where the plugin keeps one) per param, plus 3 HF copies"
     else:
         staged = {s: getattr(cfg, s).keep_last + getattr(cfg, s).max_pending_publishes + 1 for s in ("cpt", "sft")}
         kept = max(staged[s] * ckpt(getattr(cfg, s)) for s in staged)

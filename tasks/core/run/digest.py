@@ -21,8 +21,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tasks.core.config.layout import global_batch
 from tasks.core.config.schema import RunConfig
-from tasks.core.run.stages import NEVER_DIGESTED, STAGE, STAGES, StageSpec
+from tasks.core.run.stages import GLOBAL_BATCH, NEVER_DIGESTED, STAGE, STAGES, StageSpec
 
 __all__ = ["config_digest", "content_digest", "declared", "digest", "digest_fields"]
 
@@ -80,18 +81,21 @@ def digest_fields(cfg: RunConfig, stage: str) -> dict[str, Any]:
             if ex.startswith(path + "."):
                 _drop(value, ex[len(path) + 1:])
         out[path] = value
+    if spec.global_batch:
+        out[f"{spec.global_batch}.{GLOBAL_BATCH}"] = global_batch(getattr(cfg, spec.global_batch))
     return out
 
 
-def config_digest(cfg: RunConfig, stage: str, parents: Mapping[str, str], inputs: Any = None) -> str:
+def config_digest(cfg: RunConfig, stage: str, parents: Mapping[str, str], inputs: Any = None, fields: Mapping[str, Any] | None = None) -> str:
     """The digest of `stage` from its declared config fields, its parents' content digests
-    ({parent stage: content_digest}) and its run-time inputs."""
+    ({parent stage: content_digest}) and its run-time inputs. `fields`: values put in place of the
+    config's (pre-flight asks what the digest would be at a checkpoint's global batch)."""
     spec = STAGE[stage]
     if spec.continues:
         raise ValueError(f"{stage} carries the digest of its {spec.continues} artifact; read it from that manifest instead")
     if sorted(parents) != sorted(spec.parents):
         raise ValueError(f"{stage}: digest given parents {sorted(parents)}, its StageSpec declares {list(spec.parents)}; pass the declared parents' results")
-    return digest({"stage": stage, "config": digest_fields(cfg, stage), "parents": dict(sorted(parents.items())), "inputs": inputs})
+    return digest({"stage": stage, "config": {**digest_fields(cfg, stage), **(fields or {})}, "parents": dict(sorted(parents.items())), "inputs": inputs})
 
 
 def declared() -> dict[str, dict[str, Any]]:

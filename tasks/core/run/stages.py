@@ -149,19 +149,33 @@ TRAINING: dict[str, TrainingStage] = {
 }
 
 
+# How a training stage runs, as against what its model learns from: the launch (world size, nodes,
+# backend), the plugin and its tp/pp/ZeRO and offload, the micro-batch x accumulation split, the
+# kernels. None is in the digest of the stage's step-000000 (so none in its checkpoints'): a change
+# resumes from the newest complete checkpoint, its model and optimizer re-sharded by the loaders
+# (docs/resume.md). What they make together and the model learns from, the global batch, is
+# digested instead (`global_batch`, `GLOBAL_BATCH`); the precision, lr, schedule, seed, data, LoRA
+# and packing stay in the digest, so a change there still moves the checkpoints aside.
+GLOBAL_BATCH = "global_batch"  # the digest entry <key>.global_batch: micro_batch_size x grad_accum_steps x dp
+
+
+def layout_fields(key: str) -> tuple[str, ...]:
+    plugin = ("name", "tp_size", "pp_size", "zero_stage", "num_microbatches", "placement_policy", "cpu_offload", "offload_optim_frac", "offload_param_frac")
+    return (f"{key}.launch", *(f"{key}.plugin.{f}" for f in plugin), f"{key}.micro_batch_size", f"{key}.grad_accum_steps", f"{key}.kernels")
+
+
 # Settings that change how a stage runs, never the bytes it writes, so no digest holds them
 # (tasks/core/run/digest.py drops them from every declared field): the tokenize task runner (each
 # shard is the same bytes whichever worker tokenized it), the upload pacing of a remote run root,
 # experiment tracking and the Hub push (no artifact is made from either). The launch settings are
-# NOT here: the world size changes the data-parallel split, and the backend's settings (Slurm GPUs,
-# partition) can put a stage on other hardware, so none is provably byte-neutral.
+# NOT here: they change the bytes of the checkpoints (reduction order, sharding); a training stage
+# leaves them out of its digest by `layout_fields` instead, and continues its checkpoints.
 # activation_checkpointing recomputes each layer's forward from the same inputs with the same ops
 # (torch.utils.checkpoint keeps the RNG state, so dropout masks repeat): measured bitwise the same
 # losses and weights on CPU (hybrid_parallel tp=2 and pp=2 fp32, low_level_zero bf16:
 # tests/test_activation_checkpointing.py). Left out, a stage that ran out of memory resumes from its
-# own checkpoints once it is switched on, instead of training again. `kernels` IS digested: flash
-# attention, fused norms and the fused AdamW change the numerics on CUDA, so switching one off
-# changes the weights (on CPU every kernel is off whatever the config says).
+# own checkpoints once it is switched on, instead of training again. `kernels` change the numerics on
+# CUDA (flash attention, fused norms, the fused AdamW) as another plugin does: a layout field.
 NEVER_DIGESTED: tuple[str, ...] = (
     *(f"{key}.{field}" for key in TRAINING for field in ("data.tokenize", "max_pending_publishes", "activation_checkpointing", "log_every")),
     # a declaration about the hardware, read by pre-flight's memory check only: the ranks never see it
@@ -192,6 +206,7 @@ class StageSpec:
     minus: tuple[str, ...] = ()  # subfields of those paths it is not made from
     parents: tuple[str, ...] = ()  # stages whose artifacts it is made from
     continues: str | None = None  # training: its checkpoints carry the digest of this stage's (step 0)
+    global_batch: str | None = None  # a training key: digest the global batch its layout fields make
 
 
 # The prepare stage of each training stage; both tokenize with the base model's tokenizer.
@@ -223,14 +238,14 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("load_from_hf", BASE, digest=("base_model",)),
     StageSpec(PREPARE["cpt"], data_rel("cpt"), source=BASE, digest=_prepare_fields("cpt")),
     StageSpec(PREPARE["sft"], data_rel("sft"), source=BASE, digest=_prepare_fields("sft")),
-    StageSpec("boost_and_shard", TRAINING["cpt"].checkpoints, source=BASE, digest=("cpt",), minus=_eval_knobs("cpt"),
-              parents=("load_from_hf", PREPARE["cpt"])),
+    StageSpec("boost_and_shard", TRAINING["cpt"].checkpoints, source=BASE, digest=("cpt",), minus=(*_eval_knobs("cpt"), *layout_fields("cpt")),
+              parents=("load_from_hf", PREPARE["cpt"]), global_batch="cpt"),
     StageSpec("train_cpt", TRAINING["cpt"].checkpoints, source=TRAINING["cpt"].checkpoints, continues="boost_and_shard"),
     # export.max_shard_size, which unshard also reads, only cuts the same tensors into other files.
     StageSpec("unshard", "cpt/hf", source=TRAINING["cpt"].checkpoints, parents=("train_cpt",)),
     StageSpec("evaluate_cpt", "eval/cpt", source="cpt/hf", digest=_eval_fields("cpt"), parents=("load_from_hf", "unshard")),
-    StageSpec("reboost", TRAINING["sft"].checkpoints, source="cpt/hf", digest=("sft",), minus=_eval_knobs("sft"),
-              parents=("unshard", PREPARE["sft"])),
+    StageSpec("reboost", TRAINING["sft"].checkpoints, source="cpt/hf", digest=("sft",), minus=(*_eval_knobs("sft"), *layout_fields("sft")),
+              parents=("unshard", PREPARE["sft"]), global_batch="sft"),
     StageSpec("train_sft", TRAINING["sft"].checkpoints, source=TRAINING["sft"].checkpoints, continues="reboost"),
     StageSpec("export", EXPORT, source=TRAINING["sft"].checkpoints, digest=("export",), parents=("train_sft",)),
     # The thresholds of `gate:` only decide the verdict; the generation check's size is evaluated.

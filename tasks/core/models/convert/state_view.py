@@ -1,0 +1,256 @@
+"""A layout-neutral view of a training checkpoint's state: per HF parameter name, the whole fp32
+master (or fp32 weight) and AdamW's exp_avg, exp_avg_sq and step, whatever plugin wrote it.
+
+    python -m tasks.core.models.convert.state_view CKPT_DIR [NAME ...]   # shapes, dtypes, norms
+
+The optimizer-state twin of the weights' unshard (`tasks.core.models.convert.convert_checkpoint`).
+What it reads from a `step-NNNNNN/` directory (tasks/engine/masters.py writes the first two):
+
+- `masters/rank-NNNNN.json`: each rank's pieces: for every parameter it trains, its HF name, its
+  optimizer id (the index ColossalAI's optimizer files key it by), its whole shape, the shape this
+  rank's copy has (a tensor-parallel slice: `tp_dim`, `tp_rank`, `tp_size`), and which flat range
+  `[start, start + length)` of that slice its fp32 master covers (a ZeRO or Gemini shard; the tail
+  past the slice's numel is the optimizer's padding). `saved`: the piece is in this rank's file
+  (a data-parallel replica without ZeRO saves nothing: rank dp 0 holds the same values).
+- `masters/rank-NNNNN.safetensors`: those fp32 pieces, flat, keyed by name.
+- `optimizer/`: ColossalAI's sharded optimizer save: whole (gathered, unpadded) states keyed by id,
+  in torch pickles read with `weights_only=True` and memory-mapped.
+- `model/`: the weights, for a checkpoint that keeps no masters (fp32 training: the weights are them).
+
+Memory: one whole tensor (the assembled master, or one state memory-mapped) at a time; a master's
+pieces are read with `pread` straight into the whole tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tasks.core.errors import ManifestError
+from tasks.core.models.convert.dtypes import ST_TO_TORCH
+from tasks.core.models.convert.source import read_safetensors_header
+
+MASTERS = "masters"
+OPTIM_INDEX = "pytorch_optim.bin.index.json"
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+__all__ = ["MASTERS", "CheckpointState", "Piece", "local_piece", "rank_record_name", "rank_tensor_name"]
+
+
+def rank_record_name(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def rank_tensor_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one rank holds of one parameter (see the module docstring)."""
+
+    name: str
+    id: int
+    shape: tuple[int, ...]  # the whole parameter
+    local_shape: tuple[int, ...]  # this rank's tensor-parallel slice (the whole shape without tp)
+    tp_dim: int | None = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    start: int = 0  # first element of the slice's flat view its master covers
+    length: int = 0  # elements of the master piece (padding included)
+    saved: bool = False  # in this rank's masters file
+    rank: int = 0
+
+    @classmethod
+    def of(cls, d: dict[str, Any], rank: int) -> Piece:
+        return cls(d["name"], int(d["id"]), tuple(d["shape"]), tuple(d["local_shape"]), d.get("tp_dim"), d.get("tp_rank", 0),
+                   d.get("tp_size", 1), d.get("start", 0), d.get("length", 0), bool(d.get("saved")), rank)
+
+    def record(self) -> dict[str, Any]:
+        return {"name": self.name, "id": self.id, "shape": list(self.shape), "local_shape": list(self.local_shape), "tp_dim": self.tp_dim,
+                "tp_rank": self.tp_rank, "tp_size": self.tp_size, "start": self.start, "length": self.length, "saved": self.saved}
+
+    @property
+    def local_numel(self) -> int:
+        return math.prod(self.local_shape)
+
+
+def local_piece(full: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """This piece of a whole parameter: its tensor-parallel slice (vocabulary padding filled with
+    zeros), flattened, elements [start, start + length) with the padding past the slice's end zero.
+    The inverse of `CheckpointState.master`'s assembly: how a resume under any layout fills a master."""
+    t = full
+    if piece.tp_dim is not None and piece.tp_size > 1:
+        d = piece.tp_dim
+        want = piece.local_shape[d] * piece.tp_size
+        if want > t.shape[d]:  # a padded vocabulary: the pad rows are zeros
+            pad = [0, 0] * (t.dim() - 1 - d) + [0, want - t.shape[d]]
+            t = torch.nn.functional.pad(t, pad)
+        t = t.narrow(d, piece.tp_rank * piece.local_shape[d], piece.local_shape[d])
+    flat = t.reshape(-1)
+    out = torch.empty(piece.length, dtype=full.dtype)
+    n = max(0, min(piece.start + piece.length, flat.numel()) - piece.start)
+    out[:n].copy_(flat[piece.start : piece.start + n])
+    out[n:].zero_()
+    return out
+
+
+@dataclass
+class _Rank:
+    rank: int
+    record: dict[str, Any]
+    pieces: list[Piece] = field(default_factory=list)
+
+
+class CheckpointState:
+    """The layout-neutral view of one checkpoint directory (`step-NNNNNN/`)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        mdir = self.path / MASTERS
+        files = sorted(mdir.glob("rank-*.json")) if mdir.is_dir() else []
+        if not files:
+            raise ManifestError(f"{self.path}: no {MASTERS}/rank-*.json: a checkpoint written before the layout-neutral records; "
+                                "it resumes only under the layout that wrote it")
+        self.ranks: list[_Rank] = []
+        for f in files:
+            rec = json.loads(f.read_text())
+            r = _Rank(int(rec["rank"]), rec)
+            r.pieces = [Piece.of(p, r.rank) for p in rec["params"]]
+            self.ranks.append(r)
+        self.by_name: dict[str, list[Piece]] = {}
+        self.ids: dict[str, int] = {}
+        for r in self.ranks:
+            for p in r.pieces:
+                self.by_name.setdefault(p.name, []).append(p)
+                self.ids.setdefault(p.name, p.id)
+        self.has_masters = any(p.saved for ps in self.by_name.values() for p in ps)
+        self._headers: dict[int, tuple[int, dict]] = {}
+        self._optim: tuple[str, dict] | None = None  # the one optimizer file kept open
+        self._optim_map: dict[str, str] | None = None
+
+    def names(self) -> list[str]:
+        """Every trained parameter, in optimizer-id order."""
+        return sorted(self.by_name, key=lambda n: self.ids[n])
+
+    def pieces(self, name: str) -> list[Piece]:
+        return self.by_name[name]
+
+    # -- masters ----------------------------------------------------------------------------
+
+    def master(self, name: str) -> torch.Tensor:
+        """The whole fp32 master of `name` (the fp32 weight where the checkpoint keeps no masters)."""
+        pieces = [p for p in self.by_name[name] if p.saved]
+        if not pieces:
+            if self.has_masters:
+                raise ManifestError(f"{self.path}: {name} has no saved master piece on any rank")
+            return self._weight(name).float()
+        full = torch.empty(pieces[0].shape, dtype=torch.float32)
+        filled = 0
+        slice_of = lambda p: p.tp_rank if p.tp_dim is not None and p.tp_size > 1 else 0  # a replica: one slice
+        for tp_rank in sorted({slice_of(p) for p in pieces}):
+            mine = [p for p in pieces if slice_of(p) == tp_rank]
+            local = mine[0]
+            whole = local.tp_dim is None or local.tp_size == 1
+            flat = full.reshape(-1) if whole else torch.empty(local.local_numel, dtype=torch.float32)
+            covered: set[int] = set()
+            for p in mine:
+                if p.start in covered:  # the same piece twice (a weight shared by two pipeline stages)
+                    continue
+                covered.add(p.start)
+                stop = min(p.start + p.length, p.local_numel)
+                if stop > p.start:
+                    self._read_piece(p, flat[p.start : stop])
+                    filled += stop - p.start
+            if not whole:
+                d = local.tp_dim
+                lo = min(full.shape[d], tp_rank * local.local_shape[d])
+                rows = min(full.shape[d], lo + local.local_shape[d]) - lo  # fewer where the vocabulary is padded
+                full.narrow(d, lo, rows).copy_(flat.view(local.local_shape).narrow(d, 0, rows))
+                filled -= local.local_numel - full.narrow(d, lo, rows).numel()
+        if filled != full.numel():
+            raise ManifestError(f"{self.path}: the master pieces of {name} cover {filled} of its {full.numel()} elements")
+        return full
+
+    def _read_piece(self, p: Piece, dst: torch.Tensor) -> None:
+        """Elements [p.start, p.start + dst.numel()) of the slice, from this piece's file, into `dst` (contiguous)."""
+        _, entries = self._header(p.rank)
+        e = entries[p.name]
+        where = f"{self.path}/{MASTERS}/{rank_tensor_name(p.rank)}"
+        if ST_TO_TORCH[e.dtype] != torch.float32 or tuple(e.shape) != (p.length,):
+            raise ManifestError(f"{where}: {p.name} is {e.dtype}{list(e.shape)}, the record says F32[{p.length}]")
+        with open(self.path / MASTERS / rank_tensor_name(p.rank), "rb") as f:
+            got = os.preadv(f.fileno(), [memoryview(dst.numpy()).cast("B")], e.offset)
+        if got != dst.numel() * 4:
+            raise ManifestError(f"{where}: {p.name} is truncated")
+
+    def _header(self, rank: int):
+        if rank not in self._headers:
+            data_start, entries, _ = read_safetensors_header(self.path / MASTERS / rank_tensor_name(rank))
+            self._headers[rank] = (data_start, entries)
+        return self._headers[rank]
+
+    def weights_dtype(self, name: str) -> torch.dtype:
+        """The dtype `model/` holds `name` in (without reading its bytes)."""
+        index = self.path / "model" / "model.safetensors.index.json"
+        fname = json.loads(index.read_text())["weight_map"][name]
+        _, entries, _ = read_safetensors_header(self.path / "model" / fname)
+        return ST_TO_TORCH[entries[name].dtype]
+
+    def _weight(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        index = self.path / "model" / "model.safetensors.index.json"
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if name not in weight_map:
+            raise ManifestError(f"{index}: no weight {name}")
+        with safe_open(str(self.path / "model" / weight_map[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    # -- AdamW ------------------------------------------------------------------------------
+
+    def adam(self, name: str) -> dict[str, Any]:
+        """AdamW's whole state of `name`: exp_avg and exp_avg_sq (fp32, the parameter's shape) and step."""
+        pid = str(self.ids[name])
+        index_path = self.path / "optimizer" / OPTIM_INDEX
+        if self._optim_map is None:
+            self._optim_map = json.loads(index_path.read_text())["weight_map"]
+        weight_map = self._optim_map
+        if pid not in weight_map:
+            raise ManifestError(f"{index_path}: no state for parameter id {pid} ({name})")
+        fname = weight_map[pid]
+        if self._optim is None or self._optim[0] != fname:
+            self._optim = None  # drop the previous file's map first
+            self._optim = (fname, torch.load(self.path / "optimizer" / fname, map_location="cpu", mmap=True, weights_only=True))
+        state = self._optim[1][int(pid)]
+        shape = self.by_name[name][0].shape
+        out = {k: state[k].reshape(shape) for k in ADAM_KEYS}
+        step = state.get("step")
+        out["step"] = float(step.item()) if isinstance(step, torch.Tensor) else float(step)
+        return out
+
+    def close(self) -> None:
+        self._optim = None
+
+
+def _main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m tasks.core.models.convert.state_view CKPT_DIR [NAME ...]", file=sys.stderr)
+        return 2
+    view = CheckpointState(argv[0])
+    for name in argv[1:] or view.names():
+        m, a = view.master(name), view.adam(name)
+        print(f"{name}: master {list(m.shape)} |{m.norm():.6g}|  exp_avg |{a['exp_avg'].norm():.6g}|  "
+              f"exp_avg_sq |{a['exp_avg_sq'].norm():.6g}|  step {a['step']:g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
