@@ -89,9 +89,9 @@ def resolved_config_file(config: str, sets: list[str], run_root: str | None = No
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML config: local path or fsspec URI")
+    p.add_argument("--config", required=True, metavar="FILE", help="the run's YAML config file: local path or fsspec URI (e.g. deployments/configs/tiny-cpu.yaml)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="override one config field (value parsed as YAML); repeatable, applied in order")
+                   help="override one config field, e.g. --set cpt.max_steps=100 (value parsed as YAML); repeatable, applied in order")
     p.add_argument("--run-root", help="override run_root (local path, NFS path or s3://...)")
     p.add_argument("--run-name", help="override the run name")
 
@@ -127,6 +127,20 @@ DELEGATED = {
     "notifications": (_notifications, "apply the failure-notification automation (deployments/automations.yaml) to the Prefect server"),
     "convert": (_convert, "a ColossalAI checkpoint directory -> HF safetensors (the streaming converter)"),
     "eval": (_eval, "held-out loss/perplexity of an HF model folder on a data file (--reference DIR compares two)"),
+}
+
+# `cpt-to-sft --help`: each command in one line, and one example of it (tests/test_cli.py runs every
+# example's `--help`, and the config commands' examples with --check-like parsing).
+COMMANDS = {
+    "run": ("run the whole flow, or its stages up to --stop-after", "cpt-to-sft run --config deployments/configs/tiny-cpu.yaml --set cpt.max_steps=4"),
+    "check": ("pre-flight only: every problem at once, nothing launched", "cpt-to-sft check --config deployments/configs/tiny-cpu.yaml"),
+    "verify": ("verify an artifact or every artifact of a run root", "cpt-to-sft verify runs/tiny-demo --no-fingerprint"),
+    "break-lease": ("remove the run root's lease left by a dead run", "cpt-to-sft break-lease --config deployments/configs/tiny-cpu.yaml"),
+    "convert": ("a ColossalAI checkpoint -> HF safetensors", "cpt-to-sft convert runs/tiny-demo/sft/step-000030 /tmp/hf --dtype bf16"),
+    "eval": ("held-out loss/perplexity of an HF model folder", "cpt-to-sft eval sft --model runs/tiny-demo/export --data data/sample/sft.jsonl --seq-len 128"),
+    "schema": ("print the run config's JSON Schema", "cpt-to-sft schema > run-config.schema.json"),
+    "card": ("render the export's model card (export/README.md) again", "cpt-to-sft card runs/tiny-demo"),
+    "notifications": ("failure notifications on the Prefect server", "cpt-to-sft notifications --webhook-url https://hooks.example.com/T0/B0"),
 }
 
 
@@ -191,6 +205,33 @@ def verify(path: str, fingerprints: bool = True) -> int:
     return 1 if failed else 0
 
 
+def card(run_root: str) -> int:
+    """`cpt-to-sft card RUN_ROOT`: export/README.md rendered again from the run's records."""
+    from tasks.core.config.schema import RunConfig
+    from tasks.core.run.stages import RUN_JSON, Status
+    from tasks.core.storage.fs import RunStore
+    from tasks.export import write_card
+    from tasks.stage import StageResult
+
+    try:
+        summary = json.loads(RunStore(run_root).read_text(RUN_JSON))
+    except (OSError, ValueError) as exc:
+        print(f"FAILED: {run_root}: no readable {RUN_JSON} ({type(exc).__name__}: {exc}); give the root of a run", file=sys.stderr)
+        return 1
+    if not summary.get("config"):
+        print(f"FAILED: {run_root}/{RUN_JSON} records no config (written before run.json kept it); run the flow again over this "
+              "run root: every stage is skipped and the card is written", file=sys.stderr)
+        return 1
+    cfg = RunConfig.model_validate({**summary["config"], "run_root": run_root})
+    results = {s["stage"]: StageResult(s["stage"], Status(s["status"]), detail=s.get("detail") or {}) for s in summary["stages"]}
+    if results.get("export") is None or results["export"].status not in (Status.COMPLETED, Status.SKIPPED):
+        print(f"FAILED: {run_root}: the run has no export to write a card into (export: {results['export'].status if 'export' in results else 'not-run'})", file=sys.stderr)
+        return 1
+    uri, changed = write_card(cfg, results, metrics=summary.get("evaluation"))
+    print(f"{uri}: {'written' if changed else 'unchanged'}")
+    return 0
+
+
 def schema() -> dict[str, Any]:
     from tasks.core.config.schema import RunConfig
 
@@ -209,22 +250,52 @@ def _print(text: str) -> int:
     return 0
 
 
+RUN_HELP = """Run the flow: load, prepare the data, train CPT, evaluate, train SFT, export, evaluate, gate, push.
+
+The config file is YAML (a local path or an fsspec URI): deployments/configs/tiny-cpu.yaml is the
+demo; every field, its default and its rules: `cpt-to-sft schema`. `--set key.path=value` overrides
+one field, the value parsed as YAML (`--set cpt.lr=1e-4` is a float, `--set hub=null` removes the
+push), applied in the order given and validated like the file. `--stop-after STAGE` runs the stages
+up to STAGE and records the rest as not-run. Without PREFECT_API_URL the run starts its own Prefect
+server. A re-run skips every stage whose artifact verifies and whose config is unchanged."""
+
+RUN_EXAMPLES = """examples:
+  cpt-to-sft run --config deployments/configs/tiny-cpu.yaml
+  cpt-to-sft run --config my.yaml --set cpt.max_steps=100 --set cpt.lr=1e-4 --set hub=null
+  cpt-to-sft run --config s3://bucket/configs/8b.yaml --run-root s3://bucket/runs/8b --stop-after export
+
+exit status: 0 complete, or stopped after --stop-after; 1 a stage failed or the config is refused;
+3 the gate failed (artifacts kept, nothing pushed); 130 interrupted (Ctrl-C)"""
+
+
+def _epilog() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["commands (`cpt-to-sft COMMAND --help` for each one's options):"]
+    lines += [f"  {name:<{width}}  {text}" for name, (text, _) in COMMANDS.items()]
+    lines += ["", "examples:"] + [f"  {example}" for _, example in COMMANDS.values()]
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cpt-to-sft", description="CPT -> SFT on ColossalAI, orchestrated by Prefect.",
-                                     epilog="run exit status: 0 complete, or stopped after --stop-after; 1 a stage failed or the config is refused; 3 the gate failed (artifacts kept, nothing pushed)")
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="cpt-to-sft", usage="cpt-to-sft [-h] [--version] COMMAND ...", description="CPT -> SFT on ColossalAI, orchestrated by Prefect.",
+                                     epilog=_epilog(), formatter_class=raw)
     parser.add_argument("--version", action="version", version=f"cpt-to-sft {version()}")
-    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    run = sub.add_parser("run", help="run the whole flow (an embedded Prefect server without PREFECT_API_URL)")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND", help=argparse.SUPPRESS)
+    run = sub.add_parser("run", help=COMMANDS["run"][0], description=RUN_HELP, epilog=RUN_EXAMPLES, formatter_class=raw)
     _config_args(run)
     add_stop_after(run)
-    _config_args(sub.add_parser("check", help="pre-flight only: every problem at once; exit 1 on any, 0 when clean"))
-    _config_args(sub.add_parser("break-lease", help="remove the run root's lease left by a dead run"))
+    _config_args(sub.add_parser("check", help=COMMANDS["check"][0], description="Pre-flight only: every problem at once; exit 1 on any, 0 when clean. Launches nothing."))
+    _config_args(sub.add_parser("break-lease", help=COMMANDS["break-lease"][0]))
     for name, (_, text) in DELEGATED.items():
         sub.add_parser(name, help=text, add_help=False)
-    v = sub.add_parser("verify", help="verify an artifact or every artifact of a run root (manifests, sizes, sha256, fingerprints)")
-    v.add_argument("path")
+    v = sub.add_parser("verify", help=COMMANDS["verify"][0], description="Verify an artifact or every artifact of a run root: manifests, sizes, sha256, the model-folder rule, fingerprints.")
+    v.add_argument("path", help="an artifact directory (holding .cpt-to-sft/manifest.json) or a run root")
     v.add_argument("--no-fingerprint", action="store_true", help="skip recomputing the logits of HF-format artifacts (no model is loaded)")
-    sub.add_parser("schema", help="print the run config's JSON Schema (for editors and CI)")
+    sub.add_parser("schema", help=COMMANDS["schema"][0])
+    c = sub.add_parser("card", help=COMMANDS["card"][0], description="Render the model card of a finished run into its export/README.md again, from the "
+                       "run's records (run.json with its config, train states, evaluation, the export's manifest); the push uploads this file.")
+    c.add_argument("run_root", metavar="RUN_ROOT", help="the run root (local path or s3://...) holding run.json and export/")
     return parser
 
 
@@ -244,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         return _print(json.dumps(schema(), indent=2))
     if args.cmd == "verify":
         return verify(args.path, fingerprints=not args.no_fingerprint)
+    if args.cmd == "card":
+        return card(args.run_root)
     with tempfile.TemporaryDirectory(prefix="cpt-to-sft-resolved-") as tmp:  # the resolved YAML lives as long as the command
         try:
             path, cfg = resolved_config_file(args.config, args.sets, args.run_root, args.run_name, dest=Path(tmp))

@@ -117,3 +117,33 @@ def console_guard() -> Iterator[None]:
         sys.stdout, sys.stderr = saved
         for c in patched:
             c.__dict__.pop("on_broken_pipe", None)
+
+
+# Completed states of task and subflow runs (a skipped stage's is a Completed state named Skipped).
+_SAID_BY_THE_STAGE = ("Finished in state Completed()", "Finished in state Skipped()")
+
+
+class _TrainingLog(logging.Filter):
+    """Leaves out of the console the records marked `tasks.core.run.events.CONSOLE_OFF`, and
+    Prefect's own "Finished in state Completed()" of each task and subflow run: every stage says
+    it completed on the line before, with its artifact and manifest digest, and the run ends with
+    the table of the stages. Any other final state (Failed, Crashed, Cancelled) is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name in ("prefect.task_runs", "prefect.flow_runs") and str(record.msg).startswith(_SAID_BY_THE_STAGE):
+            return False
+        return getattr(record, "cpt_to_sft_console", True)
+
+
+def training_log_console() -> None:
+    """Make this process's Prefect console handlers a training log: a record marked CONSOLE_OFF
+    (every rank's per-step record, other ranks' info lines, a rank's `detail` lines, the launch
+    command) still reaches the run's log in the Prefect UI, not the console. Idempotent; called
+    by the flow itself, so a worker's flow-run process gets it too."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    for lg in loggers:
+        for handler in lg.handlers:
+            if isinstance(handler, PrefectConsoleHandler) and not any(isinstance(f, _TrainingLog) for f in handler.filters):
+                handler.addFilter(_TrainingLog())

@@ -27,6 +27,7 @@ if __name__ == "__main__":
     prestart(sys.argv[1:])
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -44,10 +45,11 @@ from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError
 from tasks.core.run.stages import DONE, STAGE, STAGE_NAMES, Status
+from tasks.core.run.trainlog import duration, summary_table
 from tasks.core.storage.fs import fetch_to_local
 from tasks.core.storage.lease import Lease, LeaseHeld, break_lease, describe
 from tasks.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back, recorded_metrics
-from tasks.export import export_hf
+from tasks.export import export_hf, write_card
 from tasks.load import load_from_hf
 from tasks.preflight import REFUSED, preflight, run_check_cli
 from tasks.prepare_data import prepare_data
@@ -100,6 +102,9 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
     stop_after: run the stages up to and including this one (a stage name, e.g. "export"); the
         rest are recorded as not-run and the run ends Completed. Empty: every stage.
     """
+    from flows.console import training_log_console
+
+    training_log_console()  # the console reads like a training log; the UI keeps every line
     try:
         check_stop_after(stop_after)
         cfg = resolve_config(config, overrides)
@@ -117,6 +122,7 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
     logger.info("run %s: artifacts under %s", cfg.name, store.uri())
     started = time.monotonic()
     results: dict[str, StageResult] = {}
+    carded = False
     try:
         lease = Lease(store, holder=_holder()).acquire(log=logger.warning)
     except LeaseHeld as exc:
@@ -152,6 +158,7 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
         sft_eval = stage("evaluate_sft", evaluate_sft, cfg, bridge, export, handle)  # pre-SFT vs SFT, generation check
         scores = stage("benchmark", benchmark, cfg, base, export, handle)  # lm-eval on local tasks, base vs export
         verdict = stage("gate", gate, cfg, cpt_eval, sft_eval, scores)
+        carded = _write_card(cfg, results, logger)  # export/README.md, with the evaluation: the file the push uploads
         if verdict.status == Status.FAILED_GATE:
             results["push_to_hub"] = held_back(cfg, verdict)
         else:
@@ -170,7 +177,11 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
         return_state = None
     finally:
         try:
+            if not carded:  # stopped or failed after the export: its card still says what the run made
+                _write_card(cfg, results, logger)
             summary = write_summary(cfg, results, time.monotonic() - started, stop_after)
+            logger.info("run %s %s in %s:\n%s", cfg.name, "complete" if summary["complete"] else "incomplete", duration(summary["seconds"]),
+                        summary_table(summary["stages"], summary["run_root"]))
             _finish_tracking(tracker, summary)
             # Staged copies of published artifacts are recoverable from the run root; unpublished
             # ones (what a resume needs) stay.
@@ -183,6 +194,23 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
         # Not a crash: the artifacts are fine and kept, they just did not earn a push.
         return Completed(name="FailedGate", message=gate_message(summary["gate"]), data=summary)
     return summary
+
+
+def _write_card(cfg: RunConfig, results: dict[str, StageResult], logger) -> bool:
+    """The model card into the export, when the run has one; a failure to write it is a warning
+    (the push then renders the card itself)."""
+    export = results.get("export")
+    if export is None or export.status not in DONE:
+        return False
+    try:
+        uri, changed = write_card(cfg, results)
+    except Exception as exc:
+        logger.warning("model card not written into the export: %s: %s", type(exc).__name__, exc)
+        return False
+    if changed:  # the export's manifest lists the card: run.json records the manifest as it now is
+        results["export"] = dataclasses.replace(export, digest=store_for(cfg).manifest_digest(STAGE["export"].artifact))
+    logger.info("model card: %s%s", uri, "" if changed else " (unchanged)")
+    return True
 
 
 def _start_tracking(cfg: RunConfig, logger) -> tracking.RunTracker | None:
@@ -285,12 +313,23 @@ def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: floa
     }
     if stop_after:
         summary["stopped_after"] = stop_after  # the not-run stages were not asked for
+    summary["config"] = recorded_config(cfg)
     write_record(cfg, store, json.dumps(summary, indent=2, sort_keys=True) + "\n")
     try:
         ui.stage_table(stages)
     except Exception as exc:  # a view only: run.json above is the record
         get_run_logger().warning("stage table artifact unavailable: %s", exc)
     return summary
+
+
+def recorded_config(cfg: RunConfig) -> dict[str, Any]:
+    """The config the run ran with, as run.json keeps it (`cpt-to-sft card RUN_ROOT` renders the card
+    from it): the tracking URI's credentials redacted, like everywhere else it is shown."""
+    raw = cfg.model_dump(mode="json")
+    mlflow = (raw.get("tracking") or {}).get("mlflow") or {}
+    if mlflow.get("uri"):
+        mlflow["uri"] = tracking.redact(mlflow["uri"])
+    return raw
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,7 +400,8 @@ def _run_flow(args: argparse.Namespace) -> int:
         return 1
     summary = state.result()
     gate_ = summary.get("gate") or {}
-    print(json.dumps({"run_root": summary["run_root"], "complete": summary["complete"], "export": summary["export"], "seconds": summary["seconds"], "gate": gate_.get("status")}, indent=2))
+    # One line, for scripts: the table above is for people.
+    print(json.dumps({"run_root": summary["run_root"], "complete": summary["complete"], "export": summary["export"], "seconds": summary["seconds"], "gate": gate_.get("status")}))
     if gate_.get("passed") is False:
         print(gate_message(gate_), file=sys.stderr)
         return EXIT_FAILED_GATE

@@ -13,6 +13,13 @@ With `sft.lora`, `export/` is cpt/hf with the adapter merged (tasks/core/models/
 stage also writes `export-adapter/` (stages.EXPORT_ADAPTER), the adapter alone in peft's layout, an
 artifact of its own with its manifest last, proven to give the merged export's logits
 (tasks/core/models/adapter.py). The stage is skipped only when both verify with its digest.
+
+The model card, `export/README.md`, is written by every run that has an export (`write_card`,
+called by the flow after the gate, and at the end of a run stopped or failed after the export),
+from the run's records: training, evaluation, the export's proof and the base model. It is a
+view of the artifact (`manifest.amend_views`): listed with its sha256, outside the content digest,
+so rendering it again re-runs nothing. The push uploads this file; `cpt-to-sft card RUN_ROOT`
+renders it again.
 """
 
 from __future__ import annotations
@@ -27,10 +34,10 @@ from tasks.core.config.schema import RunConfig
 from tasks.core.data.prepared import recorded_split
 from tasks.core.errors import ConversionError
 from tasks.core.models.stop_tokens import describe
-from tasks.core.run.manifest import VERIFICATION, write_manifest
-from tasks.core.run.stages import EXPORT_ADAPTER, TRAINING
+from tasks.core.run.manifest import VERIFICATION, amend_views, read_manifest, write_manifest
+from tasks.core.run.stages import EXPORT, EXPORT_ADAPTER, TRAINING
 from tasks.core.storage.publisher import RETRIES, publish_retrying
-from tasks.stage import Stage, StageResult, completed, fresh_dir, stage_task
+from tasks.stage import Stage, StageResult, completed, fresh_dir, stage_task, store_for
 
 VERSIONED = ("torch", "colossalai", "transformers", "safetensors", "huggingface_hub")
 
@@ -140,3 +147,25 @@ def _export_adapter(stage: Stage, sft: StageResult, ckpt, base, export_dir, rtol
                           "(logits relative diff %.3g <= %g, top-1 %.3f)", stage.store.uri(EXPORT_ADAPTER), base_ref["name_or_path"],
                           a["fingerprint_rel_diff"], rtol, a["top1_agreement"])
     return {k: a[k] for k in ("base_model_name_or_path", "base_is", "fingerprint_rel_diff", "fingerprint_match", "top1_agreement")}
+
+
+def write_card(cfg: RunConfig, results: dict[str, StageResult], metrics: dict | None = None) -> tuple[str, bool]:
+    """Render the model card from the run's records into `export/README.md` (published like the
+    artifact, manifest last); returns (its URI, whether it changed). `metrics`: the evaluation,
+    by default this run's results' (`recorded_metrics`)."""
+    from tasks.core.hub.card import CARD, base_facts, model_card, train_facts
+
+    store = store_for(cfg)
+    local = store.stage_in(EXPORT) if not store.local else store.local_path(EXPORT)
+    if metrics is None:
+        from tasks.evaluate import recorded_metrics
+
+        metrics = recorded_metrics(results)
+    # As every record holds them (manifests and run.json sort their keys): the same card from a
+    # first run, a re-run whose evaluations were skipped, and `cpt-to-sft card`.
+    metrics = json.loads(json.dumps(metrics, sort_keys=True))
+    card = model_card(cfg, read_manifest(local), train_facts(cfg, results, store.read_text), metrics, base=base_facts(cfg, store.read_text))
+    changed = amend_views(local, {CARD: card.encode()})
+    if changed:
+        store.publish(EXPORT)
+    return store.uri(f"{EXPORT}/{CARD}"), changed

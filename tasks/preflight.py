@@ -27,6 +27,7 @@ from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import SECRET_BLOCK, HubToken, find_hub_token
 from tasks.core.preflight.checks import PreflightReport, load_for_check, preflight_report
+from tasks.core.run.events import CONSOLE_OFF, UI_OFF
 
 SECRET_TIMEOUT_S = 5.0
 
@@ -76,7 +77,9 @@ def preflight(cfg: RunConfig) -> dict[str, Any] | State:
         # The run's log keeps the report; the console shows it once, as the CLI's last lines.
         logger.error("%s", report.text(), extra=NOT_ON_CONSOLE)
         return Failed(name="Refused", message=report.text(), data=report.error())
-    logger.info("%s", report.text())
+    # The checklist goes to the run's log in the UI; the console gets its first line.
+    logger.info("%s", report.text(), extra=CONSOLE_OFF)
+    logger.info("%s; each check is listed in the run's log (Prefect UI) and by `cpt-to-sft check`", report.text().splitlines()[0], extra=UI_OFF)
     return {"checked": report.checked, "warnings": report.warnings, "seconds": round(report.seconds, 3)}
 
 

@@ -4,7 +4,7 @@ The export is staged in (sha256-verified) from the run root; its model files (co
 config, weights, tokenizer), its provenance subfolder `.cpt-to-sft/` (manifest, verification record,
 fingerprint; `hub.push_provenance`, default on) and a `README.md` written with huggingface_hub's
 `ModelCard` (`tasks.core.hub.card`) go up in a single `create_commit` on the
-configured branch, with `parent_commit` pinned to the branch head read just before. LFS objects
+configured branch (the card is the export's own `README.md`, written by the run), with `parent_commit` pinned to the branch head read just before. LFS objects
 the Hub already holds are not sent again (the LFS batch API answers that they exist), and a push
 of an unchanged export makes no commit at all. Uploads are retried (transient I/O); the Hub only
 moves the branch when the commit lands, so a push that cannot finish leaves the repo as it was.
@@ -42,7 +42,7 @@ from prefect import get_run_logger, task
 
 from tasks import ui
 from tasks.core.config.schema import HubConfig, RunConfig
-from tasks.core.hub.card import adapter_card, model_card, train_facts
+from tasks.core.hub.card import CARD, adapter_card, base_facts, model_card, train_facts
 from tasks.core.hub.repo import REFUSED_STATUS, SECRET_BLOCK, HubRefusal, HubTokenRefused, find_hub_token, refused_token_message
 from tasks.core.models.folder import folder_problems
 from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR, read_manifest
@@ -50,7 +50,6 @@ from tasks.core.run.stages import EXPORT, EXPORT_ADAPTER, Status
 from tasks.load import transient
 from tasks.stage import StageResult, secret_token, store_for
 
-CARD = "README.md"
 ADAPTER_SUBFOLDER = "adapter"  # the adapter's folder in the model repo when hub.adapter_repo_id is unset
 
 
@@ -133,7 +132,10 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
     manifest = read_manifest(export_dir)
     from tasks.evaluate import recorded_metrics
 
-    card = model_card(cfg, manifest, train_facts(cfg, results, store.read_text), recorded_metrics(results))
+    # The card the run wrote into the export (tasks/export.py write_card), byte for byte; rendered
+    # here only for an export that has none listed (made before cards were part of it).
+    card = ((export_dir / CARD).read_text() if CARD in manifest["files"] else
+            model_card(cfg, manifest, train_facts(cfg, results, store.read_text), recorded_metrics(results), base=base_facts(cfg, store.read_text)))
     files = files_to_push(export_dir, manifest, cfg.hub.push_provenance)
     adapter_dir = store.stage_in(EXPORT_ADAPTER) if cfg.hub.push_adapter else None  # sha256-verified, like the export
     adapter = adapter_files(adapter_dir, cfg.hub.push_provenance) if adapter_dir else {}

@@ -23,6 +23,7 @@ from tasks.core.launch.torchrun import run_engine, stage_fault_env
 from tasks.core.run.events import BACKPRESSURE, CHECKPOINT, KERNELS
 from tasks.core.run.job import Job, NodeStaging, Parent
 from tasks.core.run.stages import PREPARE, STAGE, TRAIN_STATE, TRAINING, is_step_name, job_file, loss_curve_rel, step_medians
+from tasks.core.run.trainlog import TrainLog
 from tasks.core.storage.fs import RunStore
 from tasks.core.storage.handshake import manifest_sha256, mark_published
 from tasks.core.storage.publisher import Publisher, retain_remote, unpublished_steps
@@ -135,6 +136,15 @@ def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.Tra
             publisher.submit(step)
     mlflow_run = tracking.stage_tracker(tracker, stage, warn=logger.warning)
     progress = ui.Progress(stage, st.max_steps, links={"MLflow run": mlflow_run.url} if mlflow_run else None)
+    # The console's training log: a line every log_every steps (every step is in TensorBoard, MLflow and the artifact).
+    console = TrainLog(stage, st.max_steps, st.log_every)
+    p = st.plugin
+    logger.info(console.start(f"{p.name} tp={p.tp_size} pp={p.pp_size} zero={p.zero_stage} {p.precision} | {st.launch.world_size} ranks"))
+
+    def to_console(record: dict[str, Any]) -> None:
+        line = console(record)
+        if line:
+            logger.info(line)
 
     def on_event(kind: str, record: dict[str, Any]) -> None:
         if kind == CHECKPOINT and publisher is not None:
@@ -149,7 +159,7 @@ def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.Tra
 
     failed = True
     try:
-        _launch(cfg, store, job, on_progress=tracking.fan_out(progress, mlflow_run), on_event=on_event, env=stage_fault_env(stage),
+        _launch(cfg, store, job, on_progress=tracking.fan_out(progress, mlflow_run, to_console), on_event=on_event, env=stage_fault_env(stage),
                 failure=(lambda: publisher.failure) if publisher is not None else None)
         if publisher is not None:
             publisher.drain()  # every checkpoint up, in order; raises PublishFailed naming one
@@ -168,12 +178,11 @@ def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.Tra
     ui.loss_curve(stage, losses, store.uri(loss_curve_rel(stage)))
     final = losses[-1] if losses else None
     medians = step_medians(state)
-    if medians:
-        get_run_logger().info("%s: median real tokens/s %.1f, padding %.1f%% of computed tokens, MFU %s", stage.upper(), medians.get("tokens_per_s", 0.0),
-                              100 * medians.get("padding_frac", 0.0), f"{100 * medians['mfu']:.1f}%" if "mfu" in medians else "n/a (no known device peak)")
+    logger.info(console.end(run.elapsed, medians))
+    peak = {"peak_mem_bytes": console.peak[0], "peak_mem_rank": console.peak[1]} if console.peak else {}
     # "segments": the layout each stretch of steps ran under, when the stage continued under another one (docs/resume.md)
     return run.done({"steps": st.max_steps, "first_loss": losses[0] if losses else None, "final_loss": final, "medians": medians,
-                     "segments": state.get("segments") or []}, event={"final_loss": final})
+                     "segments": state.get("segments") or [], **peak}, event={"final_loss": final})
 
 
 def _stage_in_latest(store: RunStore, stage: str) -> None:

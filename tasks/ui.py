@@ -30,6 +30,7 @@ from prefect.artifacts import (
 from prefect.events import emit_event
 
 from tasks.core.config.kernels import describe
+from tasks.core.run.trainlog import duration
 
 STAGES_KEY = "cpt-to-sft-stages"
 
@@ -55,7 +56,8 @@ def _warn(what: str, exc: BaseException) -> None:
 class Progress:
     """The `<stage>-progress` artifact: percent of steps done, description `step k / N, loss x`.
 
-    Called with every @@progress record of rank 0; sends at most one update per `min_interval`
+    Called with every @@progress record of rank 0 (the description gains `ETA 3h12m`, the record's
+    `eta_s`, until the last step); sends at most one update per `min_interval`
     seconds and always the last step; `flush()` (when the launch ends, failed or not) sends the
     last record seen, so a failed stage shows the step it reached. `links` ({text: url}, e.g. the
     stage's MLflow run) are appended to the description, which the UI renders as markdown.
@@ -116,6 +118,9 @@ class Progress:
         pad = record.get("padding_frac")
         if isinstance(pad, (int, float)):
             text += f", padding {100 * pad:.1f}% of computed tokens"
+        eta = record.get("eta_s")
+        if isinstance(eta, (int, float)) and step < self.total:
+            text += f", ETA {duration(eta)}"
         text += self._waiting + self._kernels + self.links
         try:
             update_progress_artifact(self._id, min(100.0, 100.0 * step / self.total), description=text)

@@ -13,7 +13,10 @@ Session fixtures built once, because a flow run costs a minute or more on 2 core
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import shutil
 import sys
@@ -193,13 +196,14 @@ DEMO_EXPERIMENT = "demo"  # the demo run's MLflow experiment: it holds that one 
 @dataclass(frozen=True)
 class DemoRun:
     """A finished run: its root, the config file and raw config it ran with, the CLI's exit
-    status and run.json."""
+    status, run.json, and what it printed on the console (Prefect's console handler, stdout, stderr)."""
 
     run_root: Path
     config: Path
     raw: dict
     rc: int
     summary: dict
+    console: str = ""
 
     def copy_to(self, dest: Path) -> DemoRun:
         """A copy of the run root (files and mtimes preserved, no lease) at dest/run, and its
@@ -209,7 +213,7 @@ class DemoRun:
         shutil.copytree(self.run_root, run_root, ignore=shutil.ignore_patterns(".lease.json"))
         raw = {**self.raw, "run_root": str(run_root)}
         raw.pop("tracking", None)
-        return DemoRun(run_root, write_config(Path(dest) / "demo.yaml", raw), raw, self.rc, json.loads((run_root / "run.json").read_text()))
+        return DemoRun(run_root, write_config(Path(dest) / "demo.yaml", raw), raw, self.rc, json.loads((run_root / "run.json").read_text()), self.console)
 
 
 @pytest.fixture(scope="session")
@@ -230,8 +234,29 @@ def demo_run(prefect_harness, mlflow_server, eos_doc_end_model, tmp_path_factory
     # time (tasks/core/models/stream.py): the export test compares it with plain transformers.
     raw["verify_memory_gb"] = 1e-6
     cfg = write_config(tmp / "demo.yaml", raw)
-    rc = main(["--config", str(cfg)])
-    return DemoRun(tmp / "run", cfg, raw, rc, json.loads((tmp / "run" / "run.json").read_text()))
+    with console_capture() as console:
+        rc = main(["--config", str(cfg)])
+    return DemoRun(tmp / "run", cfg, raw, rc, json.loads((tmp / "run" / "run.json").read_text()), console.getvalue())
+
+
+@contextlib.contextmanager
+def console_capture():
+    """What this process shows on a console while the block runs: Prefect's console handlers
+    (rich, as on a pipe: no colour, no wrapping) and stdout/stderr, into one buffer."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    buf = io.StringIO()
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    handlers = list({id(h): h for lg in loggers for h in lg.handlers if isinstance(h, PrefectConsoleHandler)}.values())
+    saved = [(h, h.stream, h.console.file) for h in handlers]
+    for h in handlers:
+        h.stream = h.console.file = buf
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            yield buf
+    finally:
+        for h, stream, file in saved:
+            h.stream, h.console.file = stream, file
 
 
 @pytest.fixture

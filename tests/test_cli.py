@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -176,3 +178,37 @@ def test_config_commands_leave_no_temp_files(tmp_path, monkeypatch, capsys):
     assert main(["break-lease", "--config", TINY, "--run-root", str(tmp_path / "run")]) == 0
     assert main(["check", "--config", TINY, "--set", "cpt.lr=fast"]) == 1
     assert "none held" in capsys.readouterr().out and list(scratch.iterdir()) == []
+
+
+def test_help_lists_every_command_in_one_line_with_an_example_that_parses(capsys):
+    """`cpt-to-sft --help`: each subcommand once, one line, and an example; each example parses
+    (the config commands by this parser, the delegated ones' options are in their own --help);
+    `cpt-to-sft run --help` names the config file, the --set form and --stop-after."""
+    from flows.cli import COMMANDS, DELEGATED, build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit) as out:
+        parser.parse_args(["--help"])
+    assert out.value.code == 0
+    text = capsys.readouterr().out
+    listed = [line.split()[0] for line in text.split("commands (")[1].split("examples:")[0].splitlines()[1:] if line.strip()]
+    choices = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert listed == list(COMMANDS) and set(listed) == set(choices), (listed, sorted(choices))
+    examples = [line.strip() for line in text.split("examples:")[1].splitlines() if line.strip()]
+    assert [e.split()[1] for e in examples] == list(COMMANDS)
+    assert "usage: cpt-to-sft [-h] [--version] COMMAND ..." in text
+    for example in examples:
+        argv = shlex.split(example.split(">")[0])[1:]
+        if argv[0] in DELEGATED:
+            with pytest.raises(SystemExit) as out:
+                main([argv[0], "--help"])
+            assert out.value.code == 0
+            own = capsys.readouterr().out
+            assert all(opt in own for opt in argv if opt.startswith("--")), (example, own)
+        else:
+            assert parser.parse_args(argv).cmd == argv[0]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["run", "--help"])
+    run_help = capsys.readouterr().out
+    for said in ("--config FILE", "YAML", "deployments/configs/tiny-cpu.yaml", "--set KEY.PATH=VALUE", "--set cpt.lr=1e-4", "--stop-after STAGE", "push_to_hub", "exit status"):
+        assert said in run_help, said

@@ -43,6 +43,7 @@ NOTHING_RERUNS = {
     "sft.max_pending_publishes": lambda raw: raw["sft"].update(max_pending_publishes=7),
     # recomputation: bitwise the same losses and weights (tests/test_activation_checkpointing.py)
     "cpt.activation_checkpointing": lambda raw: raw["cpt"].update(activation_checkpointing=True),
+    "sft.log_every": lambda raw: raw["sft"].update(log_every=3),  # what the console prints
     "tracking": lambda raw: raw.update(tracking={"mlflow": {"uri": "http://127.0.0.1:5000", "experiment": "elsewhere"}}),
     "hub": lambda raw: raw.update(hub={"repo_id": "someone/tiny", "private": False, "tags": ["x"]}),
     "gate thresholds": lambda raw: raw["gate"].update(cpt_max_ppl_increase_pct=5.0, sft_loss_must_improve=False),

@@ -197,7 +197,7 @@ def tied(work):
 # 16.8M parameters, a 512-token vocabulary (the demo tokenizer's), largest tensor 16.8 MB in fp32,
 # saved as one file (the case where ColossalAI's own loader reads the whole model on every rank).
 WIDE = dict(hidden_size=1024, num_layers=6, num_heads=16, num_kv_heads=16, intermediate_size=4096)
-CONSTRUCTION = re.compile(r"^\[rank (\d+)\] construction peak (\d+) bytes", re.MULTILINE)
+CONSTRUCTION = re.compile(r"^\[rank (\d+)(?:\|detail)?\] construction peak (\d+) bytes", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")

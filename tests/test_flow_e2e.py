@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -282,8 +283,9 @@ def test_export_is_a_clean_model_folder_with_matching_logits(finished_run):
     run_root, _ = finished_run
     export = run_root / "export"
     names = {p.name for p in export.iterdir()}
-    # Model files only; the provenance is in its subfolder, and no *.safetensors but the weights.
-    assert names == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", PROVENANCE_DIR}, names
+    # Model files and the card only; the provenance is in its subfolder, and no *.safetensors but the weights.
+    assert names == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "README.md", PROVENANCE_DIR}, names
     # The verification stamp (tasks/core/run/stamp.py) sits beside them, listed in no manifest, never pushed.
     assert {p.name for p in (export / PROVENANCE_DIR).iterdir()} == {"manifest.json", "verification.json", "fingerprint.npy", "verified-stamp.json"}
     assert_consumer_rules(export)
@@ -324,19 +326,31 @@ def test_without_stop_token_alignment_the_gate_fails_naming_the_fix(scenario):
     assert json.loads((unaligned["run_root"] / "export" / "generation_config.json").read_text())["eos_token_id"] == 1
 
 
-def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(finished_run):
-    import re
+def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(finished_run, capsys):
+    """A run without `hub:` leaves its model card in export/ (listed by the export's manifest, as
+    the push would send it); `cpt-to-sft card` renders the same bytes again; its snippet loads the
+    export in the export's own dtype."""
+    import hashlib
 
-    from tasks.core.config.load import load_config
-    from tasks.core.hub.card import model_card, train_facts
-    from tasks.core.run.manifest import read_manifest
+    from huggingface_hub import ModelCard
 
-    run_root, cfg_path = finished_run
-    cfg = load_config(str(cfg_path))
+    from flows.cli import main as cli
+    from tasks.core.run.manifest import read_manifest, verify_artifact
+
+    run_root, _ = finished_run
     summary = json.loads((run_root / "run.json").read_text())
-    manifest = read_manifest(run_root / "export")
-    facts = train_facts(cfg, {}, lambda rel: (run_root / rel).read_text())
-    card = model_card(cfg, manifest, facts, summary["evaluation"])
+    manifest = verify_artifact(run_root / "export")
+    export_row = next(s for s in summary["stages"] if s["stage"] == "export")
+    assert manifest["views"] == ["README.md"] and export_row["digest"] == hashlib.sha256((run_root / "export" / MANIFEST).read_bytes()).hexdigest()
+    card = (run_root / "export" / "README.md").read_text()
+    data = ModelCard(card).data  # a local base: its name and its manifest digest
+    assert data.base_model == "tiny-llama-eos" and data.base_model_manifest_digest == hashlib.sha256((run_root / "base" / MANIFEST).read_bytes()).hexdigest()
+    assert "| peak memory (largest rank) |" in card and "torch_dtype=torch.bfloat16" in card  # the demo exports bf16
+    copy = run_root.parent / "card-copy"  # `card` writes: into a copy of the export and run.json, not the session's run
+    if not copy.exists():
+        shutil.copytree(run_root, copy, ignore=shutil.ignore_patterns(".lease.json"))
+    assert cli(["card", str(copy)]) == 0 and capsys.readouterr().out.strip() == f"{copy}/export/README.md: unchanged"
+    assert read_manifest(copy / "export") == manifest
     tokens = json.loads((run_root / "sft/step-000008/train_state.json").read_text())["tokens_seen"]
     data_sha = json.loads((run_root / "cpt/data-split.json").read_text())["inputs"][0]["checksum"]
     for words in ("`hybrid_parallel` tp=2", "`low_level_zero`", "AdamW lr 0.003", "cosine, warm-up 3", "4 × 1 accum × 1 dp = 4 sequences",
@@ -358,6 +372,7 @@ def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(fin
     assert index["heldout_sources"][0]["file"] == "heldout-sources/general.jsonl" and (run_root / "data/cpt/heldout-sources/general.jsonl").is_file()
     snippet = re.search(r"```python\n(.*?)```", card, re.DOTALL).group(1)
     snippet = re.sub(r'model_id = ".*"', f"model_id = {str(run_root / 'export')!r}", snippet)
+    snippet += "\nimport json\nassert str(model.dtype) == 'torch.' + json.load(open(model_id + '/config.json'))['torch_dtype'], model.dtype\n"
     out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
 
@@ -475,3 +490,31 @@ def test_each_step_records_its_padding_and_the_stage_its_medians(finished_run):
     assert medians["train_cpt"]["padding_frac"] == 0.0
     # The demo's chats average ~57 real tokens of seq_len 128: more than half of each step is padding.
     assert 0.4 < medians["train_sft"]["padding_frac"] < 0.7, medians
+
+
+def test_the_console_reads_like_a_training_log_and_the_artifacts_keep_every_step(demo_run):
+    """At most 80 console lines (the JSON line per step, every rank's info lines and the
+    bitsandbytes warning per rank and launch made it ~210): per training stage a start line, a step
+    line every `log_every` (5 in the demo config) and at the last step, an end line; the run ends
+    with a table of the stages. Every step's figures are still in TensorBoard and train_state.json."""
+    from tasks.core.run.stages import STAGE_NAMES
+    from tasks.core.run.tbevents import read_scalars
+
+    lines = demo_run.console.splitlines()
+    assert demo_run.rc == 0 and 20 < len(lines) <= 80, "\n".join(lines)
+    text = demo_run.console
+    assert "progress {" not in text and "gemm_4bit_forward" not in text and "[rank 1]" not in text, text
+    for stage in ("cpt", "sft"):
+        steps = [int(m.group(1)) for m in re.finditer(rf"{stage}  step (\d+)/8 \| loss \d+\.\d{{3}} \| lr \S+ \| \S+ tok/s \| pad \d+% \| mem \d+\.\d GiB", text)]
+        assert steps == [5, 8], (stage, text)
+        assert re.search(rf"{stage}  start \| 8 steps \| .* \| a line every 5 steps", text)
+        assert re.search(rf"{stage}  done  \| step 8/8 in \S+ \| loss \d+\.\d{{3}} → \d+\.\d{{3}} \| median \S+ tok/s \| pad \d+% \| peak mem \d+\.\d GiB \(rank [01]\)", text)
+        state = json.loads((demo_run.run_root / f"{stage}/step-000008/train_state.json").read_text())
+        scalars = read_scalars(demo_run.run_root / stage / "tensorboard")
+        assert len(state["losses"]) == 8 and [s for s, _ in scalars["train/loss"]] == list(range(1, 9))
+        assert [s for s, _ in scalars["perf/peak_mem_rank"]] == list(range(1, 9)) and {v for _, v in scalars["perf/peak_mem_rank"]} <= {0.0, 1.0}
+    table = lines[next(i for i, line in enumerate(lines) if re.match(r"stage\s+status\s+duration\s+key figure", line)) + 1:]
+    assert [row.split()[0] for row in table[:len(STAGE_NAMES)]] == list(STAGE_NAMES)
+    assert re.search(r"evaluate_cpt\s+completed\s+\S+\s+held-out perplexity \d+\.\d\d → \d+\.\d\d", text)
+    assert re.search(r"export\s+completed\s+\S+\s+\d+\.\d kB bf16", text)
+    assert any(line.startswith(f"artifacts: {demo_run.run_root}") for line in table)

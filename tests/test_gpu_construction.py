@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1800)]
 GB = 1e9
 # 12 layers of 51M parameters; the largest tensor is an MLP projection, 5632 x 2048 (46 MB in fp32).
 LARGE = dict(hidden_size=2048, num_layers=12, num_heads=16, num_kv_heads=16, intermediate_size=5632)
-CONSTRUCTION = re.compile(r"^\[rank (\d+)\] construction peak (\d+) bytes", re.MULTILINE)
+CONSTRUCTION = re.compile(r"^\[rank (\d+)(?:\|detail)?\] construction peak (\d+) bytes", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")

@@ -163,11 +163,16 @@ def test_load_from_hf_pins_the_commit_and_records_it(token_env, prefect_harness,
 def test_push_makes_one_commit_and_a_repush_uploads_nothing(token_env, prefect_harness, tmp_path):
     from huggingface_hub import HfApi, ModelCard
 
+    from tasks.export import write_card
     from tasks.push import push_to_hub
 
     hub = token_env
-    manifest = fake_export(tmp_path / "run")
+    fake_export(tmp_path / "run")
     cfg = config(tmp_path / "run", repo_id="org/pushed", license="apache-2.0", tags=["tiny"], commit_message="release 1")
+    # The run writes the card into the export (a view its manifest lists); the push sends that file.
+    assert write_card(cfg, RESULTS) == (str(tmp_path / "run" / "export" / "README.md"), True)
+    manifest = read_manifest(tmp_path / "run" / "export")
+    assert "README.md" in manifest["files"] and manifest["views"] == ["README.md"]
     before = hub.stats()
     result = push_to_hub(cfg, RESULTS)
     after = hub.stats()

@@ -40,7 +40,8 @@ def test_step_metrics_write_one_point_per_step_and_read_back(tmp_path):
         recs.append(m.stop(step, loss=3.0 - step * 0.1, lr=1e-3 * step, tokens=64))
     m.close()
     for r in recs:
-        assert set(r) == {"loss", "lr", "tokens_per_s", "step_s", "peak_mem_bytes"}  # no grad norm, no MFU on CPU
+        assert set(r) == {"loss", "lr", "tokens_per_s", "step_s", "peak_mem_bytes", "peak_mem_rank"}  # no grad norm, no MFU on CPU
+        assert r["peak_mem_rank"] == 0  # no process group: this process is every rank
         assert r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(64 / r["step_s"], rel=1e-3)
         assert r["peak_mem_bytes"] > 10 * 2**20  # this process' RSS peak: torch alone is more
     scalars = read_scalars(tmp_path / "tensorboard")
@@ -108,8 +109,8 @@ def test_ddp_train_emits_metrics_and_one_event_point_per_step(tmp_path, tiny_mod
     progress = out.progress
     assert [p["step"] for p in progress] == [1, 2, 3, 4]
     for p in progress:
-        assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_s", "peak_mem_bytes"} <= set(p)
-        assert p["grad_norm"] > 0 and "mfu" not in p
+        assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_s", "peak_mem_bytes", "peak_mem_rank", "eta_s"} <= set(p)
+        assert p["grad_norm"] > 0 and "mfu" not in p and p["peak_mem_rank"] in (0, 1)
     scalars = read_scalars(stage_dir / "tensorboard")
     for tag in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_s", "perf/peak_mem_bytes"):
         assert [s for s, _ in scalars[tag]] == [1, 2, 3, 4], tag

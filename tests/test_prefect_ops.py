@@ -1,6 +1,8 @@
 """Operating with Prefect, exactly as the README's operator guide does it (e2e tier).
 
-A real `prefect server start` on 127.0.0.1 (free port, temporary PREFECT_HOME, analytics off), the
+A real `prefect server start` on 127.0.0.1 (free port, temporary PREFECT_HOME, analytics off) whose
+database is a real PostgreSQL cluster of the test's own (tests/servers/postgres.py), as a shared
+server runs (SQLite locks under concurrent writers), the
 `gpu` process pool limited to one run, `prefect deploy --all --prefect-file
 deployments/prefect.yaml`, a process worker, the Hub token in the Prefect Secret block `hf-token`
 and a Hub-protocol server for the push. Then the operator's day, on the tiny config (4 steps per
@@ -16,7 +18,8 @@ stage, a checkpoint every 2):
 3. two `prefect deployment run ... --watch` at once on the same run root: the pool runs them one
    after the other (every stage verifies and is skipped, so they are quick);
 4. headless Chromium opens the finished run's page and sees its artifacts; screenshots are kept
-   under build/test-artifacts/prefect-ui/.
+   under build/test-artifacts/prefect-ui/;
+5. PostgreSQL holds the run: its row completed after the retry, its state history with the failure.
 
 Every process is started in its own process group and stopped by PID.
 """
@@ -34,7 +37,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, tiny_config_raw, write_config
-from tests.servers.prefect_home import seeded_home
+from tests.servers.postgres import Postgres
 from tests.servers.prefect_ops import PrefectServer, chromium, ensure_chromium, run_id_from, stop_group
 from tests.servers.webhook import WebhookReceiver
 
@@ -56,6 +59,7 @@ class Ops:
     config: Path
     run_root: Path
     webhook: WebhookReceiver
+    postgres: Postgres
     timings: dict[str, float] = field(default_factory=dict)
 
     def run(self, *extra: str, timeout: float = 420.0) -> tuple[subprocess.CompletedProcess, str]:
@@ -216,11 +220,13 @@ def ops(tmp_path_factory, tiny_model_dir):
     config = write_config(tmp / "tiny-ops.yaml", raw)
 
     started = time.monotonic()
-    server = PrefectServer(seeded_home(tmp / "prefect-home"))
+    postgres = Postgres()
+    server = PrefectServer(tmp / "prefect-home", database_url=postgres.url)
     hub = HubServer(tmp / "hub", token=TOKEN)
     webhook = WebhookReceiver().start()
     try:
-        server.start()
+        postgres.start()
+        server.start(timeout=240)  # Prefect migrates the empty database first
         hub.start()
         timings = {"server_start_s": time.monotonic() - started}
         server.cli("work-pool", "create", "gpu", "--type", "process")
@@ -241,9 +247,10 @@ def ops(tmp_path_factory, tiny_model_dir):
             CPT_TO_SFT_HOME=str(REPO), PREFECT_WORKER_QUERY_SECONDS="1", HF_ENDPOINT=hub.endpoint,
             HF_HUB_DISABLE_TELEMETRY="1",
         )
-        yield Ops(server, tmp, config, run_root, webhook, timings)
+        yield Ops(server, tmp, config, run_root, webhook, postgres, timings)
     finally:
         server.stop()  # worker first (its flow runs and torchrun are in its process group), then the server
+        postgres.stop()
         hub.stop()
         webhook.stop()
         for name in ("worker.log",):
@@ -452,3 +459,27 @@ def test_browser_renders_the_typed_run_form(ops, retried_run, tmp_path):
     # The overrides object is not optional, so its fields show without a "None" switch to flip.
     for label in ("overrides", "Run name", "Run root", "Base model URI", "Base model revision", "Max steps", "Learning rate", "Data URI", "Peak learning rate."):
         assert label in dom, f"{label!r} not in the run form at {form}\n{dom[-3000:]}"
+
+
+@pytest.mark.e2e
+@pytest.mark.integration
+def test_the_server_keeps_the_run_and_its_retry_in_postgresql(ops, failed_run, retried_run):
+    import asyncio
+    import uuid
+
+    import asyncpg
+
+    async def read() -> tuple[dict, list[str]]:
+        conn = await asyncpg.connect(ops.postgres.dsn)
+        try:
+            run_id = uuid.UUID(failed_run["id"])
+            row = dict(await conn.fetchrow("SELECT state_type, run_count FROM flow_run WHERE id = $1", run_id))
+            history = [r["type"] for r in await conn.fetch("SELECT type FROM flow_run_state WHERE flow_run_id = $1 ORDER BY timestamp", run_id)]
+            return row, history
+        finally:
+            await conn.close()
+
+    row, history = asyncio.run(read())
+    assert str(row["state_type"]) == "COMPLETED" and row["run_count"] >= 2, row  # the retry ran it again, on this database
+    assert "FAILED" in map(str, history) and str(history[-1]) == "COMPLETED", history
+    assert not list(ops.server.home.glob("*.db"))  # no SQLite file beside it

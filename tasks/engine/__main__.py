@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import os
 import sys
 import time
@@ -35,6 +36,19 @@ for _pattern in (
     r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
 ):
     warnings.filterwarnings("ignore", message=_pattern)
+
+
+def _harmless_bnb_kernels(record: logging.LogRecord) -> bool:
+    """bitsandbytes (imported by ColossalAI and peft) tries the optional `kernels` package for its
+    4-bit CPU matmul at import and warns, on every rank of every launch, when it is not installed;
+    it falls back to its own kernel, and nothing here runs 4-bit layers. Any other failure of that
+    load (the package present but broken) still gets through."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+                and args and isinstance(args[0], ModuleNotFoundError) and args[0].name == "kernels")
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_harmless_bnb_kernels)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -61,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
 
     from tasks.core.errors import ConfigError, ManifestError
-    from tasks.core.run.events import ERROR
+    from tasks.core.run.events import DETAIL, ERROR
 
     try:
         from tasks.engine.builders import check_supported
@@ -104,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             check_inputs(job)
         faults = Injector(job.stage, job.stage_dir, rank, world)
         if rank == 0:
-            print(f"engine {args.verb} {job.stage}: world size {dist.get_world_size()}, "
-                  f"{'CUDA' if torch.cuda.is_available() else 'CPU (gloo), cpu_compat patched: ' + (', '.join(patched) or 'none')}", flush=True)
+            rankio.say(f"engine {args.verb} {job.stage}: world size {dist.get_world_size()}, "
+                       f"{'CUDA' if torch.cuda.is_available() else 'CPU (gloo), cpu_compat patched: ' + (', '.join(patched) or 'none')}", DETAIL)
 
         from tasks.engine import loop
 
@@ -117,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         result = loop.shard(job, faults) if args.verb == "shard" else loop.train(job, faults)
         dist.barrier()
         if rank == 0:
-            print(f"engine {args.verb} {job.stage}: done in {time.monotonic() - started:.1f}s -> {result}", flush=True)
+            rankio.say(f"engine {args.verb} {job.stage}: done in {time.monotonic() - started:.1f}s -> {result}", DETAIL)
         dist.destroy_process_group()
         return 0
     except (ConfigError, ManifestError, ValueError, FileNotFoundError) as exc:

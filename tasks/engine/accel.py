@@ -28,8 +28,8 @@ import torch
 
 from tasks.core.config.kernels import Facts, KernelState, passed, record, report, resolve
 from tasks.core.errors import ConfigError
+from tasks.core.run.events import DETAIL, WARNING, format_event
 from tasks.core.run.events import KERNELS as KERNELS_EVENT
-from tasks.core.run.events import WARNING, format_event
 from tasks.engine import rankio
 
 __all__ = ["announce", "checkpoint_activations", "load_kernels", "load_model", "optimizer_kwargs"]
@@ -118,5 +118,5 @@ def announce(states: Mapping[str, KernelState], activation_checkpointing: bool, 
     if rank != 0:
         return
     ac = "on" if activation_checkpointing else "off"
-    print(f"kernels: {report(states)}; activation checkpointing: {ac}", flush=True)
+    rankio.say(f"kernels: {report(states)}; activation checkpointing: {ac}", DETAIL)
     print(format_event(KERNELS_EVENT, {"kernels": record(states), "activation_checkpointing": activation_checkpointing}), flush=True)

@@ -44,9 +44,9 @@ from tasks.core.errors import ManifestError
 from tasks.core.models.convert.state_view import MASTERS
 from tasks.core.models.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
 from tasks.core.run import segments
-from tasks.core.run.events import CHECKPOINT, format_event
+from tasks.core.run.events import CHECKPOINT, DETAIL, INFO, format_event
 from tasks.core.run.manifest import write_manifest
-from tasks.engine import accel, hostmem, lora, masters, node_staging, weights
+from tasks.engine import accel, hostmem, lora, masters, node_staging, rankio, weights
 from tasks.engine import checkpoint as ckpt
 from tasks.engine.backpressure import wait_for_publishes
 from tasks.engine.builders import (
@@ -67,9 +67,10 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 _DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
-def log(msg: str, all_ranks: bool = False) -> None:
+def log(msg: str, all_ranks: bool = False, detail: bool = False) -> None:
+    """Rank 0's line (every rank's with `all_ranks`); `detail`: for the run's log, not the console."""
     if all_ranks or dist.get_rank() == 0:
-        print(msg, flush=True)
+        rankio.say(msg, DETAIL if detail else INFO)
 
 
 def emit(kind: str, record: dict[str, Any]) -> None:
@@ -176,10 +177,9 @@ class Engine:
         one of the wrong shape, fails here, naming the folder."""
         if self.pending_weights is None:
             return
-        src, self.pending_weights = Path(self.pending_weights), None
-        t0 = time.monotonic()
+        src, self.pending_weights, t0 = Path(self.pending_weights), None, time.monotonic()
         got = self.read_weights(src)
-        log(f"built lazily and sharded under {self.pcfg.name}; read {got.tensors} tensors of {src} ({got.files} file(s), "
+        log(detail=True, msg=f"built lazily and sharded under {self.pcfg.name}; read {got.tensors} tensors of {src} ({got.files} file(s), "
             f"the largest {got.largest / 2**20:.1f} MiB) into this rank's share in {time.monotonic() - t0:.1f}s")
 
     def read_weights(self, src: Path) -> weights.Loaded:
@@ -393,7 +393,7 @@ class Engine:
             if step > 0:
                 removed = ckpt.retain(stage_dir, self.cfg.keep_last, require_published=job.remote_run_root)
                 if removed:
-                    log(f"retention keep_last={self.cfg.keep_last}: removed {', '.join(removed)}")
+                    log(f"retention keep_last={self.cfg.keep_last}: removed {', '.join(removed)}", detail=True)
         return final
 
     def load(self, path: Path) -> None:

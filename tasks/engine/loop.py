@@ -30,7 +30,7 @@ from tasks.core.data.index import check_fits_model
 from tasks.core.errors import ManifestError
 from tasks.core.run import segments
 from tasks.core.run.events import PROGRESS
-from tasks.core.run.stages import STEP_SUMMARY, SUMMARY_FIELDS
+from tasks.core.run.stages import PEAK_FIELDS, STEP_SUMMARY, SUMMARY_FIELDS
 from tasks.engine import checkpoint as ckpt
 from tasks.engine import hostmem, lora
 from tasks.engine.builders import plugin_meta
@@ -127,7 +127,7 @@ def _log_construction(peak: HostPeak, what: str) -> None:
     (benchmarks/scale.py and the engine tests read it)."""
     added = peak.added()
     if added is not None:
-        log(f"construction peak {added[0]} bytes of host memory over the {added[1]} at its start ({what})", all_ranks=True)
+        log(f"construction peak {added[0]} bytes of host memory over the {added[1]} at its start ({what})", all_ranks=True, detail=True)
 
 
 def _initial_state(job: Job, sampler_state: dict[str, int], lr: float) -> dict[str, Any]:
@@ -161,7 +161,7 @@ def shard(job: Job, faults: Injector) -> Path:
         eng.load_pending_weights()  # a lazily built model: its weights, into the sharded model
     _log_construction(peak, "built and read its weights")
     eng.materialize_optimizer_state()
-    log(f"boosted {job.model_dir} under {plugin_meta(eng.pcfg, eng.cfg)} on {eng.world} ranks (dp={eng.layout.dp_size}) in {time.monotonic() - t0:.1f}s")
+    log(f"boosted {job.model_dir} under {plugin_meta(eng.pcfg, eng.cfg)} on {eng.world} ranks (dp={eng.layout.dp_size}) in {time.monotonic() - t0:.1f}s", detail=True)
     if eng.rank == 0:
         job.stage_dir.mkdir(parents=True, exist_ok=True)
         ckpt.remove_leftovers(job.stage_dir)
@@ -257,12 +257,12 @@ def train(job: Job, faults: Injector) -> Path | None:
             raise FloatingPointError(f"{job.stage} loss is {loss} at step {step} (lr {lr}); lower {job.stage}.lr or check the data")
         losses.append(loss)
         lrs.append(lr)
-        for key in SUMMARY_FIELDS:
+        for key in (*SUMMARY_FIELDS, *PEAK_FIELDS):
             summary.setdefault(key, []).append(metrics.get(key))
         tokens += ntok
         emit(PROGRESS, {
             "stage": job.stage, "step": step, "total": cfg.max_steps, "loss": loss, "lr": lr, "tokens": tokens,
-            "elapsed_s": round(time.monotonic() - started, 3), **metrics,
+            "elapsed_s": round(elapsed := time.monotonic() - started, 3), "eta_s": round(elapsed / (step - rp.step) * (cfg.max_steps - step), 1), **metrics,
             **({k: eng.lora_meta[k] for k in ("trainable_params", "total_params", "trainable_pct")} if eng.lora_meta else {}),
         })
         if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:

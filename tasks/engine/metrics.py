@@ -9,8 +9,8 @@ Per optimizer step: loss, lr, grad_norm (the norm the plugin's optimizer compute
 before clipping; absent when the plugin did not compute one, e.g. max_norm 0), tokens_per_s (real
 tokens of the global batch / step time), step_s (wall time of the step on rank 0, which waits for
 the collectives of every rank), peak_mem_bytes (CUDA: max allocated since the previous step on
-rank 0's device; CPU: rank 0's peak RSS since the process started, the kernel keeps no other
-peak), mfu (tasks.core.models.flops, from the real tokens; only on a device with a known peak),
+the device of each rank; CPU: each rank's peak RSS since the process started, the kernel keeps no
+other peak), the largest of every rank's, and peak_mem_rank, the rank that had it, mfu (tasks.core.models.flops, from the real tokens; only on a device with a known peak),
 computed_tokens (rows x width of the global batch's micro-batches, padding included) and
 padding_frac (1 - real / computed: the share of the step's work spent on padding).
 
@@ -46,6 +46,7 @@ TAGS = {
     "tokens_per_s": "perf/tokens_per_s",
     "step_s": "perf/step_s",
     "peak_mem_bytes": "perf/peak_mem_bytes",
+    "peak_mem_rank": "perf/peak_mem_rank",
     "mfu": "perf/mfu",
     "padding_frac": "perf/padding_frac",
     "computed_tokens": "perf/computed_tokens",
@@ -100,6 +101,22 @@ def grad_norm(optimizer: Any, fallback: Any = None) -> float | None:
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
+def peak_over_ranks(value: int) -> tuple[int, int]:
+    """(the largest of every rank's `value`, the rank that had it): one all-gather of one number,
+    on the device the process group's backend reduces on (NCCL: this rank's GPU)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return int(value), 0
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    values = [int(t.item()) for t in every]
+    rank = max(range(len(values)), key=values.__getitem__)
+    return values[rank], rank
+
+
 def peak_memory_bytes(device: torch.device | str | None = None) -> int:
     if torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated(device))
@@ -152,7 +169,7 @@ class StepMetrics:
             "grad_norm": grad_norm(optimizer, clip_norm) if optimizer is not None else None,
             "tokens_per_s": round(tps, 3),
             "step_s": round(step_s, 6),
-            "peak_mem_bytes": peak_memory_bytes(),
+            **dict(zip(("peak_mem_bytes", "peak_mem_rank"), peak_over_ranks(peak_memory_bytes()), strict=True)),
             "mfu": mfu(tps, self.per_token, self.peak, self.world),
             # What the step computed beyond the real tokens: the padding of its micro-batches.
             "computed_tokens": computed,

@@ -6,8 +6,9 @@ merged output of all ranks can attribute every line. Only Python-level writes ar
 C++ messages written straight to file descriptor 1/2 (gloo, torch's c10 logging) are not, and the
 launcher attributes them to torchrun.
 
-The prefix also says the line's level (`tasks.core.run.events`): stdout is info, stderr warning, and
-`say(msg, ERROR)` is the one way a rank writes an error line.
+The prefix also says the line's level (`tasks.core.run.events`): stdout is info, stderr warning,
+`say(msg, ERROR)` is the one way a rank writes an error line, and `say(msg, DETAIL)` an info line
+for the run's log that the console leaves out.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import io
 import sys
 import threading
 
-from tasks.core.run.events import ERROR, INFO, WARNING, rank_prefix
+from tasks.core.run.events import DETAIL, ERROR, INFO, WARNING, rank_prefix
 
 
 class RankPrefixed(io.TextIOBase):
@@ -84,16 +85,17 @@ def install(rank: int) -> None:
         setattr(sys, name, wrapped)
         atexit.register(wrapped.close_partial)
         _SAY[level] = wrapped
-    if ERROR not in _SAY:
-        _SAY[ERROR] = RankPrefixed(sys.__stderr__, rank_prefix(rank, ERROR))
-        atexit.register(_SAY[ERROR].close_partial)
+    for level, stream in ((ERROR, sys.__stderr__), (DETAIL, sys.__stdout__)):
+        if level not in _SAY:
+            _SAY[level] = RankPrefixed(stream, rank_prefix(rank, level))
+            atexit.register(_SAY[level].close_partial)
 
 
 def say(msg: str, level: str = INFO) -> None:
     """Write `msg` (every line of it) at `level`; before `install`, plain stderr/stdout."""
     stream = _SAY.get(level)
     if stream is None:
-        stream = sys.stdout if level == INFO else sys.stderr
+        stream = sys.stdout if level in (INFO, DETAIL) else sys.stderr
     for s in _SAY.values():  # what was written before stays before
         s.flush()
     stream.write(msg.rstrip("\n") + "\n")

@@ -63,10 +63,12 @@ def stop_group(proc: subprocess.Popen | None, timeout: float = 20.0) -> None:
 
 
 class PrefectServer:
-    """`prefect server start` on a free port of 127.0.0.1 with its own PREFECT_HOME (SQLite)."""
+    """`prefect server start` on a free port of 127.0.0.1 with its own PREFECT_HOME; its database is
+    SQLite there, or `database_url` (PostgreSQL: tests/servers/postgres.py), as a shared server runs."""
 
-    def __init__(self, home: Path):
+    def __init__(self, home: Path, database_url: str | None = None):
         self.home = Path(home)
+        self.database_url = database_url
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.children: list[subprocess.Popen] = []
@@ -90,6 +92,8 @@ class PrefectServer:
             PREFECT_CLI_WRAP_LINES="false",
             COLUMNS="200",
         )
+        if self.database_url:
+            env["PREFECT_API_DATABASE_CONNECTION_URL"] = self.database_url
         prefect_quiet.apply(env)
         env.update(extra)
         return env

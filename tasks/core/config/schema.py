@@ -259,6 +259,7 @@ class StageConfig(Frozen):
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW betas.")
     checkpoint_every: int = Field(default=100, ge=1, description="Save a complete training checkpoint every this many steps (and at the last step).")
+    log_every: int | None = Field(default=None, ge=1, description="A console line every this many steps and at the last; null: 1, 2, 5, 10, ... for <= 25 lines a stage. Not digested.")
     keep_last: int = Field(default=2, ge=1, description="Complete checkpoints kept; older ones are deleted only after a newer manifest is committed.")
     max_pending_publishes: int = Field(default=2, ge=1, description=(
         "With an s3:// (remote) run root: at most this many committed checkpoints may wait for their upload; a save that would "

@@ -11,6 +11,7 @@ and the weight proof from the export manifest. A re-push of a finished run rende
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -24,9 +25,51 @@ from tasks.core.evaluation.verdict import eval_results_for_card, metrics_table
 from tasks.core.hub.repo import hub_dataset_id, is_hub_id
 from tasks.core.run.manifest import MANIFEST
 from tasks.core.run.segments import describe as describe_layout
-from tasks.core.run.stages import TRAIN_STATE, TRAINING, split_rel, step_medians
+from tasks.core.run.stages import BASE, TRAIN_STATE, TRAINING, split_rel, step_medians, step_peak
 
 STAGES = ("cpt", "sft")
+CARD = "README.md"  # the model card: export/README.md, the file the push uploads
+# The torch dtype a snippet loads an export of each `export.dtype` in (the export's own).
+TORCH_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
+
+
+def base_facts(cfg: RunConfig, read_text: Callable[[str], str] | None = None) -> dict[str, Any]:
+    """What the card says the base model is, from base/'s manifest and config.json: from the Hub,
+    its repo id and the commit it was pinned to; otherwise the name its config.json gives
+    (`_name_or_path`, else the folder's name); and always base/'s manifest digest."""
+    uri = cfg.base_model.uri
+    hub_id = uri if is_hub_id(uri) else None
+    name = Path(uri.rstrip("/")).name
+    out: dict[str, Any] = {"name": hub_id or name, "hub_id": hub_id, "revision": None, "digest": None}
+    if read_text is None:
+        return out
+    try:
+        blob = read_text(f"{BASE}/{MANIFEST}")
+        out["digest"] = hashlib.sha256(blob.encode()).hexdigest()
+        meta = json.loads(blob).get("meta") or {}
+        if meta.get("source") == "hub":
+            out.update(name=meta.get("repo_id"), hub_id=meta.get("repo_id"), revision=meta.get("commit_sha"))
+        elif meta.get("source") == "path":
+            out.update(name=name, hub_id=None)
+    except Exception:
+        pass
+    if out["hub_id"] is None:
+        try:
+            out["name"] = json.loads(read_text(f"{BASE}/config.json")).get("_name_or_path") or name
+        except Exception:
+            pass
+    return out
+
+
+def _base_metadata(base: dict[str, Any]) -> dict[str, Any]:
+    """The card's `base_model` metadata: the Hub id (and the commit), else the config's name; the
+    base artifact's manifest digest either way."""
+    meta = {"base_model": base.get("hub_id") or base.get("name")}
+    if base.get("revision"):
+        meta["base_model_revision"] = base["revision"]
+    if base.get("digest"):
+        meta["base_model_manifest_digest"] = base["digest"]
+    return meta
 
 
 def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[str], str] | None = None) -> dict[str, dict]:
@@ -37,10 +80,12 @@ def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[st
     for stage in STAGES:
         steps = getattr(cfg, stage).max_steps
         fact: dict[str, Any] = {"steps": steps, "final_loss": None, "tokens_seen": None, "split": None, "medians": {},
-                                "kernels": None, "activation_checkpointing": None, "lora": None}
+                                "kernels": None, "activation_checkpointing": None, "lora": None, "peak_mem": None}
         r = results.get(f"train_{stage}")
         if r is not None and r.detail.get("final_loss") is not None:
             fact["final_loss"] = float(r.detail["final_loss"])
+        if r is not None and r.detail.get("peak_mem_bytes") is not None:  # the largest of every rank's, and whose
+            fact["peak_mem"] = (int(r.detail["peak_mem_bytes"]), r.detail.get("peak_mem_rank"))
         if read_text is not None:
             try:
                 state = json.loads(read_text(f"{TRAINING[stage].step(steps)}/{TRAIN_STATE}"))
@@ -49,6 +94,7 @@ def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[st
                     fact["final_loss"] = float(losses[-1])
                 fact["tokens_seen"] = state.get("tokens_seen")
                 fact["medians"] = step_medians(state)
+                fact["peak_mem"] = step_peak(state) or fact["peak_mem"]
                 fact["segments"] = state.get("segments")  # the layout of each stretch of steps (tasks/core/run/segments.py)
             except Exception:
                 pass
@@ -90,15 +136,21 @@ def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f} %"
 
 
-def usage_snippet(model_id: str) -> str:
-    """Load, apply the chat template, generate: the test runs exactly this against the export."""
+def _peak(facts: dict[str, dict], stage: str) -> str:
+    peak = facts.get(stage, {}).get("peak_mem")
+    return "n/a" if not peak else f"{peak[0] / 2**30:.2f} GiB" + (f" (rank {peak[1]})" if peak[1] is not None else "")
+
+
+def usage_snippet(model_id: str, dtype: str = "bf16") -> str:
+    """Load in the export's own dtype, apply the chat template, generate: the tests run exactly this
+    against the export."""
     return f'''```python
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model_id = "{model_id}"
 tokenizer = AutoTokenizer.from_pretrained(model_id)
-model = AutoModelForCausalLM.from_pretrained(model_id, torch_dtype=torch.bfloat16)
+model = AutoModelForCausalLM.from_pretrained(model_id, torch_dtype={TORCH_DTYPES[dtype]})
 messages = [{{"role": "user", "content": "Hello! Who are you?"}}]
 input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
 # generation_config.json lists the chat template's end-of-turn token(s) as eos, so this stops.
@@ -142,16 +194,19 @@ def _data_name(uri: str) -> str:
     return hub_dataset_id(uri) or Path(uri.rstrip("/")).name
 
 
-def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str, dict], metrics: dict[str, Any] | None = None) -> str:
-    """README.md: ModelCardData metadata (with a model-index of the held-out metrics) plus
-    training hyperparameters, data, evaluation, versions, verification and usage."""
+def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str, dict], metrics: dict[str, Any] | None = None,
+               base: dict[str, Any] | None = None) -> str:
+    """README.md: ModelCardData metadata (with a model-index of the held-out metrics, and the base
+    model: `base_facts`) plus training hyperparameters, data, evaluation, versions, verification
+    and usage."""
     from huggingface_hub import ModelCard, ModelCardData
 
     hub = cfg.hub
     eval_results = eval_results_for_card(metrics or {}) + benchmark_card_results((metrics or {}).get("benchmark"))
     datasets = sorted({d for u in (*cfg.cpt.data.uris, *cfg.sft.data.uris) if (d := hub_dataset_id(u))})
+    base = base or {"name": Path(cfg.base_model.uri.rstrip("/")).name, "hub_id": cfg.base_model.uri if is_hub_id(cfg.base_model.uri) else None}
     data = ModelCardData(
-        base_model=cfg.base_model.uri if is_hub_id(cfg.base_model.uri) else None,
+        **_base_metadata(base),
         datasets=datasets or None,
         library_name="transformers",
         license=hub.license if hub and hub.license else None,
@@ -163,7 +218,7 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
     )
     meta = export_manifest.get("meta") or {}
     v = meta.get("verification") or {}
-    base = f"[`{cfg.base_model.uri}`](https://huggingface.co/{cfg.base_model.uri})" if is_hub_id(cfg.base_model.uri) else f"`{Path(cfg.base_model.uri.rstrip('/')).name}`"
+    base_line = _base_line(base)
     title = hub.repo_id if hub else cfg.name
 
     train = ["| | CPT | SFT |", "|---|---|---|"]
@@ -179,6 +234,7 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
         "median real tokens/s": lambda s: _num(_median(facts, s, "tokens_per_s"), "{:.1f}"),
         "median padding (share of computed tokens)": lambda s: _pct(_median(facts, s, "padding_frac")),
         "median MFU": lambda s: _pct(_median(facts, s, "mfu")),
+        "peak memory (largest rank)": lambda s: _peak(facts, s),
         "kernels": lambda s: _kernels(facts, s),
         "activation checkpointing": lambda s: {True: "on", False: "off"}.get(facts.get(s, {}).get("activation_checkpointing"), "n/a"),
         "fine-tuning": lambda s: _tuning(cfg, facts, s),
@@ -246,12 +302,12 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
     body = f"""
 # {title}
 
-Continued pre-training (CPT) then supervised fine-tuning (SFT) of {base} with cpt-to-sft on
+Continued pre-training (CPT) then supervised fine-tuning (SFT) of {base_line} with cpt-to-sft on
 ColossalAI, run `{cfg.name}`.
 
 ## Usage
 
-{usage_snippet(usage_id)}
+{usage_snippet(usage_id, cfg.export.dtype)}
 
 {stop_line}
 
@@ -279,6 +335,14 @@ with its sha256, `verification.json` holds the checks below.
 **Verification:** {verification}
 {_adapter_paragraph(cfg, v.get("adapter") or {})}"""
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content
+
+
+def _base_line(base: dict[str, Any]) -> str:
+    if base.get("hub_id"):
+        rev = f" at commit `{base['revision'][:12]}`" if base.get("revision") else ""
+        return f"[`{base['hub_id']}`](https://huggingface.co/{base['hub_id']}){rev}"
+    digest = f" (base artifact's manifest digest `{base['digest'][:16]}`)" if base.get("digest") else ""
+    return f"`{base.get('name')}`{digest}"
 
 
 def _adapter_where(cfg: RunConfig) -> str:

@@ -38,11 +38,12 @@ from typing import Any
 from tasks.core.config.schema import LaunchConfig
 from tasks.core.errors import StageFailed
 from tasks.core.launch.proctree import RUN_TOKEN_ENV, TOKEN_ENV, StageProcesses, new_token, reap_on_exit, subreaper, teardown
-from tasks.core.run.events import ERROR, INFO, PROGRESS, WARNING, parse_line
+from tasks.core.run.events import CONSOLE_OFF, DETAIL, ERROR, INFO, PROGRESS, UI_OFF, WARNING, parse_line
 from tasks.core.run.job import Job
+from tasks.core.run.trainlog import SameWarnings
 
 REPO = Path(__file__).resolve().parents[3]
-_LOG_LEVELS = {INFO: logging.INFO, WARNING: logging.WARNING, ERROR: logging.ERROR}
+_LOG_LEVELS = {INFO: logging.INFO, WARNING: logging.WARNING, ERROR: logging.ERROR, DETAIL: logging.INFO}
 
 
 def torchrun_argv(verb: str, job_path: str | Path, launch: LaunchConfig, rdzv_id: str, python: str = sys.executable) -> list[str]:
@@ -89,10 +90,16 @@ def engine_env(extra: dict[str, str] | None = None, environ: Mapping[str, str] =
 
 class Router:
     """Routes engine output lines into the logger, the per-process tails and the progress/event
-    callbacks; the same for every backend, so a line reads the same wherever its rank ran."""
+    callbacks; the same for every backend, so a line reads the same wherever its rank ran.
 
-    def __init__(self, logger, on_progress=None, on_event=None):
+    Every line reaches the run's log (the Prefect UI); the console gets a training log: rank 0's
+    info lines, not its `detail` ones nor any event line, other ranks' lines only when they are
+    warnings or errors, and a warning that several of the launch's `ranks` print once, naming them
+    (`trainlog.SameWarnings`; `close()` prints what is still held when the launch ends)."""
+
+    def __init__(self, logger, on_progress=None, on_event=None, ranks: int = 1):
         self.logger, self.on_progress, self.on_event = logger, on_progress, on_event
+        self.warnings = SameWarnings(ranks)
         # Polled beside the reader by the local runner: an exception once the stage must stop.
         self.stop_check: Callable[[], BaseException | None] | None = None
         self.tails: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=25))
@@ -112,14 +119,31 @@ class Router:
                     self.on_progress(line.record)
             elif self.on_event:
                 self.on_event(line.kind, line.record)
-            self.logger.info("[%s] %s %s", who, line.kind, line.payload)
+            self.logger.info("[%s] %s %s", who, line.kind, line.payload, extra=CONSOLE_OFF)
             return
         if line.level == ERROR and body.strip():
             if line.who == "torchrun":
                 self.first_torchrun_error = self.first_torchrun_error or (who, body.strip())
             else:
                 self.first_error = self.first_error or (who, body.strip())
-        self.logger.log(_LOG_LEVELS[line.level], "[%s] %s", who, body)
+        self._console(line.who, who, line.level, body)
+
+    def _console(self, rank: str, who: str, level: str, body: str) -> None:
+        if level == WARNING and rank != "torchrun":  # each rank's line to the UI, once per warning to the console
+            self.logger.warning("[%s] %s", who, body, extra=CONSOLE_OFF)
+            self._said(self.warnings.add(who, body))
+            return
+        self._said(self.warnings.flush() if level == ERROR else self.warnings.due())  # what came before stays before
+        quiet = level == DETAIL or (level == INFO and rank not in ("rank 0", "torchrun"))
+        self.logger.log(_LOG_LEVELS[level], "[%s] %s", who, body, **({"extra": CONSOLE_OFF} if quiet else {}))
+
+    def _said(self, lines: list[tuple[str, str]]) -> None:
+        for whos, body in lines:
+            self.logger.warning("[%s] %s", whos, body, extra=UI_OFF)
+
+    def close(self) -> None:
+        """The launch ended: the warnings still held go to the console."""
+        self._said(self.warnings.flush())
 
     @property
     def cause(self) -> tuple[str, str] | None:
@@ -148,9 +172,12 @@ def run_engine(
     returns an exception once the stage must stop (the publisher gave up); the stage is then torn
     down and that exception raised."""
     job.write(job_path)
-    router = Router(logger, on_progress, on_event)
+    router = Router(logger, on_progress, on_event, ranks=launch.world_size)
     router.stop_check = failure
-    RUNNERS[launch.backend](verb, job, job_path, launch, rdzv_id, router, engine_env(env))
+    try:
+        RUNNERS[launch.backend](verb, job, job_path, launch, rdzv_id, router, engine_env(env))
+    finally:
+        router.close()
     return router.progress
 
 
@@ -163,7 +190,7 @@ def run_local(verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id
 
 def _run_local(verb: str, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]) -> None:
     argv = torchrun_argv(verb, job_path, launch, rdzv_id)
-    router.logger.info("launch: %s", " ".join(argv))
+    router.logger.info("launch: %s", " ".join(argv), extra=CONSOLE_OFF)
     token = new_token()
     # torchrun has no PR_SET_PDEATHSIG: should this process end without a teardown (a second
     # Ctrl-C, a SIGKILL), its watchdog ends torchrun, and the ranks go with torchrun.

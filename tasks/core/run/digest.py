@@ -37,8 +37,10 @@ def digest(obj: Any) -> str:
 
 
 def content_digest(manifest: Mapping[str, Any]) -> str:
-    """What an artifact is, whenever it was made: its file table and the config digest it records."""
-    files = {rel: [entry["size"], entry["sha256"]] for rel, entry in sorted(manifest["files"].items())}
+    """What an artifact is, whenever it was made: its file table (less its `views`, files rendered
+    from records such as the export's model card) and the config digest it records."""
+    views = set(manifest.get("views") or ())
+    files = {rel: [entry["size"], entry["sha256"]] for rel, entry in sorted(manifest["files"].items()) if rel not in views}
     return digest({"config_digest": manifest.get("config_digest"), "files": files})
 
 

@@ -9,7 +9,9 @@ lines without one come from torchrun itself. A machine-readable event is one lin
 its `on_event` callback.
 
 Levels are said by the writer, never guessed from words. The prefix carries them:
-`[rank N] ` is info, `[rank N|warning] ` and `[rank N|error] ` the others. The engine writes its own
+`[rank N] ` is info, `[rank N|warning] ` and `[rank N|error] ` the others, and `[rank N|detail] ` is
+info for the run's log in the Prefect UI that the console leaves out (`tasks.engine.engine.log(...,
+detail=True)`: construction figures, retention, how the plugin was built). The engine writes its own
 failures at `error` (`tasks.engine.rankio.say`); whatever else a rank writes to stderr (Python
 warnings, library loggers) is `warning`, stdout `info`. Unprefixed lines (torchrun's elastic
 agent, torch's C++ logging) are `info` unless they open with the glog severity letter those
@@ -25,8 +27,8 @@ from typing import Any
 
 PREFIX = "@@"
 PROGRESS = "progress"  # one optimizer step: stage, step, total, loss, lr, tokens, elapsed_s, and the
-# metric fields of tasks/engine/metrics.py (grad_norm, tokens_per_s, step_s, peak_mem_bytes, mfu,
-# computed_tokens, padding_frac)
+# metric fields of tasks/engine/metrics.py (grad_norm, tokens_per_s, step_s, peak_mem_bytes: the largest of
+# every rank's, peak_mem_rank, mfu, computed_tokens, padding_frac), and eta_s (this launch's pace)
 CHECKPOINT = "checkpoint"  # a committed checkpoint: step, path
 # the engine waits at a save for uploads: step, state (waiting | resumed), pending, max_pending_publishes, waited_s
 BACKPRESSURE = "backpressure"
@@ -34,11 +36,15 @@ BACKPRESSURE = "backpressure"
 KERNELS = "kernels"
 KINDS = (PROGRESS, CHECKPOINT, BACKPRESSURE, KERNELS)
 # The numeric @@progress fields that are per-step metrics (TensorBoard tags, MLflow metrics).
-METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_s", "peak_mem_bytes", "mfu", "tokens", "computed_tokens", "padding_frac")
+METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_s", "peak_mem_bytes", "peak_mem_rank", "mfu", "tokens", "computed_tokens", "padding_frac")
 
-INFO, WARNING, ERROR = "info", "warning", "error"
-LEVELS = (INFO, WARNING, ERROR)
-_RANK = re.compile(r"^\[rank (\d+)(?:\|(warning|error))?\] ?")
+INFO, WARNING, ERROR, DETAIL = "info", "warning", "error", "detail"
+LEVELS = (INFO, WARNING, ERROR, DETAIL)
+_RANK = re.compile(r"^\[rank (\d+)(?:\|(warning|error|detail))?\] ?")
+# `extra=` of a log record: kept in the Prefect UI's log, left off the console (flows/console.py
+# `training_log_console` filters it there); and the converse, Prefect's own `send_to_api` flag.
+CONSOLE_OFF = {"cpt_to_sft_console": False}
+UI_OFF = {"send_to_api": False}
 _GLOG = re.compile(r"^([IWEF])\d{4} \d{2}:\d{2}:\d{2}\.\d+ ")
 _GLOG_LEVELS = {"I": INFO, "W": WARNING, "E": ERROR, "F": ERROR}
 

@@ -154,6 +154,29 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         raise
 
 
+def amend_views(root: str | Path, views: dict[str, bytes]) -> bool:
+    """Write `views` (name -> bytes: files rendered from the artifact's records, e.g. the export's
+    model card) into a committed artifact and commit its manifest again, listing them with their
+    sha256 and under `views`, which the content digest leaves out (`tasks.core.run.digest`): what
+    the artifact is, and so what was made from it, does not change. Returns False when every view
+    already holds those bytes. A crash between the two writes leaves the old manifest whole, the
+    new view unlisted: the next call lists it."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    table = {name: {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()} for name, blob in views.items()}
+    if all(manifest["files"].get(n) == e for n, e in table.items()) and set(views) <= set(manifest.get("views") or ()):
+        return False
+    for name, blob in views.items():
+        write_atomic(inside_artifact(root, safe_relpath(name, str(root)), str(root)), blob)
+    manifest["files"].update(table)
+    manifest["views"] = sorted(set(manifest.get("views") or ()) | set(views))
+    tmp = manifest_tmp(root)
+    tmp.write_bytes(json.dumps(manifest, indent=2, sort_keys=True).encode())
+    os.replace(tmp, root / MANIFEST)
+    fsync_dir(root / PROVENANCE_DIR)
+    return True
+
+
 def manifest_tmp(root: Path) -> Path:
     """Where a manifest is written before its rename: beside it, so the rename is atomic."""
     (root / PROVENANCE_DIR).mkdir(parents=True, exist_ok=True)

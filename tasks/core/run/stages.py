@@ -69,6 +69,8 @@ TRAIN_STATE = "train_state.json"  # in every checkpoint: step, tokens seen, samp
 # CPU): the stage's result and the model card give their medians (`step_medians`).
 STEP_SUMMARY = "step_metrics"
 SUMMARY_FIELDS = ("tokens_per_s", "padding_frac", "mfu")
+# Also kept per step: the largest peak memory of any rank and that rank; the card gives the maximum (`step_peak`).
+PEAK_FIELDS = ("peak_mem_bytes", "peak_mem_rank")
 
 SPLIT_FILE = "data-split.json"  # <stage>/data-split.json: the prepared data's split, beside the checkpoints
 LOSS_CURVE = "loss-curve.png"
@@ -88,6 +90,13 @@ def step_medians(state: dict) -> dict[str, float]:
         if key in SUMMARY_FIELDS and vals:
             out[key] = statistics.median(vals)
     return out
+
+
+def step_peak(state: dict) -> tuple[int, int | None] | None:
+    """(bytes, rank): the largest peak memory of any rank over a train_state.json's steps."""
+    series = state.get(STEP_SUMMARY) or {}
+    peaks = [(int(b), r) for b, r in zip(series.get("peak_mem_bytes") or [], series.get("peak_mem_rank") or [], strict=False) if isinstance(b, (int, float))]
+    return max(peaks, key=lambda p: p[0]) if peaks else None
 
 
 def step_name(step: int) -> str:
@@ -171,7 +180,7 @@ def layout_fields(key: str) -> tuple[str, ...]:
 # own checkpoints once it is switched on, instead of training again. `kernels` change the numerics on
 # CUDA (flash attention, fused norms, the fused AdamW) as another plugin does: a layout field.
 NEVER_DIGESTED: tuple[str, ...] = (
-    *(f"{key}.{field}" for key in TRAINING for field in ("data.tokenize", "max_pending_publishes", "activation_checkpointing")),
+    *(f"{key}.{field}" for key in TRAINING for field in ("data.tokenize", "max_pending_publishes", "activation_checkpointing", "log_every")),
     # a declaration about the hardware, read by pre-flight's memory check only: the ranks never see it
     *(f"{key}.launch.gpu_memory_gb" for key in TRAINING),
     # the threshold of a warning (pre-flight, prepare_data) about how often a mixture repeats a source
