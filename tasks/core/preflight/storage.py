@@ -33,17 +33,10 @@ from tasks.core.preflight.report import CheckContext
 from tasks.core.run.manifest import MANIFEST, artifact_of, inside_artifact, safe_relpath
 from tasks.core.run.stages import SUPERSEDED
 from tasks.core.storage.fs import is_local, local_path_of
+from tasks.core.storage.oserrors import human_bytes
 
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4  # fp32 master weights, saved where the plugin keeps them (PluginSpec.saves_masters)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n} B"
 
 
 def check_run_root(ctx: CheckContext) -> None:
@@ -197,9 +190,9 @@ def check_staging_space(ctx: CheckContext) -> None:
             return
     field_ = "run_root" if local else "staging_dir"
     if free < need:
-        ctx.problem(field_, f"{where}: {_human(free)} free, the run needs about {_human(need)} ({how}); free space, lower keep_last, or point {field_} at a larger disk")
+        ctx.problem(field_, f"{where}: {human_bytes(free)} free, the run needs about {human_bytes(need)} ({how}); free space, lower keep_last, or point {field_} at a larger disk")
     else:
-        ctx.ok(f"local space at {where}: {_human(free)} free >= about {_human(need)} needed ({how})")
+        ctx.ok(f"local space at {where}: {human_bytes(free)} free >= about {human_bytes(need)} needed ({how})")
 
 
 def _location(uri: str) -> str | None:

@@ -21,7 +21,8 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, 
 _ERRNO_TEXT = re.compile(r"\[Errno (\d+)\]")
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """Decimal units, as df and the disk estimate print them."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -86,11 +87,11 @@ def describe(err_no: int, path: str | Path, need: int | None = None, field: str 
     where, mount, fstype = filesystem(path)
     try:
         du = shutil.disk_usage(where)
-        now = f"{_human(du.free)} free of {_human(du.total)}"
-        space = now if free_then is None else f"{_human(free_then)} free when it failed, {now} now that the stage's partial output is removed"
+        now = f"{human_bytes(du.free)} free of {human_bytes(du.total)}"
+        space = now if free_then is None else f"{human_bytes(free_then)} free when it failed, {now} now that the stage's partial output is removed"
     except OSError:
         space = "free space unknown"
-    needs = f"; the run needs about {_human(need)} there in all (pre-flight's estimate)" if need else ""
+    needs = f"; the run needs about {human_bytes(need)} there in all (pre-flight's estimate)" if need else ""
     fs = f"on {mount} ({fstype}, {space}{needs})"
     name = errno.errorcode.get(err_no, str(err_no))
     what = f"{os.strerror(err_no)} ({name}) writing {path} {fs}"
