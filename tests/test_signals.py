@@ -27,12 +27,13 @@ from tests.servers.prefect_home import seeded_home
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 SERVER_APP = "prefect.server.api.server:create_app"
+FIRST_STEP = "cpt  step 1/"  # the console's step line (log_every 1): the training stage's first step is done
 
 
 def _start(tmp_path: Path, model: Path) -> tuple[subprocess.Popen, Path, Path]:
     """The real flow CLI up to train_cpt (long enough to be interrupted) on its own embedded server."""
     run_root = tmp_path / "run"
-    cfg = write_config(tmp_path / "cfg.yaml", tiny_config_raw(model, run_root, cpt={"max_steps": 5000, "checkpoint_every": 1000}))
+    cfg = write_config(tmp_path / "cfg.yaml", tiny_config_raw(model, run_root, cpt={"max_steps": 5000, "checkpoint_every": 1000, "log_every": 1}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}  # the embedded server, as a user runs it
     env.update(PREFECT_HOME=str(seeded_home(tmp_path / "prefect")), PREFECT_SERVER_ANALYTICS_ENABLED="false", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     env.pop("CPT_TO_SFT_FAULT", None)
@@ -95,7 +96,7 @@ def test_first_ctrl_c_tears_the_run_down_and_ends_it_cancelled(tiny_model_dir, t
     job = str(run_root / "jobs" / "cpt-train.json")
     servers: list[psutil.Process] = []
     try:
-        _wait_for(proc, log, "] progress ")  # the training stage's first step
+        _wait_for(proc, log, FIRST_STEP)  # the training stage's first step
         servers = _servers_of(proc)
         ranks = _matching(job)
         assert servers and ranks, log.read_text()[-3000:]
@@ -123,7 +124,7 @@ def test_second_ctrl_c_exits_at_once_and_the_run_still_goes(tiny_model_dir, tmp_
     job = str(run_root / "jobs" / "cpt-train.json")
     servers: list[psutil.Process] = []
     try:
-        _wait_for(proc, log, "] progress ")
+        _wait_for(proc, log, FIRST_STEP)
         servers, ranks = _servers_of(proc), _matching(job)
         assert servers and ranks, log.read_text()[-3000:]
         os.killpg(proc.pid, signal.SIGINT)
@@ -143,7 +144,7 @@ def test_sigkill_of_the_flow_process_takes_its_embedded_server(tiny_model_dir, t
     job = str(run_root / "jobs" / "cpt-train.json")
     servers: list[psutil.Process] = []
     try:
-        _wait_for(proc, log, "] progress ")
+        _wait_for(proc, log, FIRST_STEP)
         servers, ranks = _servers_of(proc), _matching(job)
         assert servers and ranks, log.read_text()[-3000:]
         proc.kill()
