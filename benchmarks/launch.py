@@ -80,6 +80,8 @@ def _config(model: Path, root: Path, backend: str, smoke: bool = False):
         raw["cpt"]["plugin"]["tp_size"] = 1
         if backend == "local":
             raw["cpt"]["launch"] = {**LAUNCHES["local"], "nproc_per_node": 1}
+        else:  # dp 2 on the two nodes: the same global batch as the 1-rank step-000000 it continues
+            raw["cpt"]["micro_batch_size"] = max(1, raw["cpt"].get("micro_batch_size", 4) // 2)
     return parse_config(raw)
 
 

@@ -48,7 +48,7 @@ TP2 = {"name": "hybrid_parallel", "tp_size": 2, "precision": "fp32"}
 PP2 = {"name": "hybrid_parallel", "pp_size": 2, "precision": "fp32"}
 LLZ2 = {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}
 DDP = {"name": "torch_ddp", "precision": "fp32"}
-LLZ2_OFFLOAD = {**LLZ2, "cpu_offload": True, "precision": "fp32"}  # ColossalAI's LowLevelZero runs fp32 too (fp32 master shard copy)
+LLZ2_OFFLOAD = {**LLZ2, "cpu_offload": True}
 
 LAUNCHES: list[tuple[str, float]] = []
 

@@ -125,9 +125,14 @@ def test_prepare_sft_says_what_it_dropped_in_index_run_json_log_stage_table_and_
     detail = stages["prepare_sft"]["detail"]
     assert detail["truncation"]["rule"] == "drop" and detail["truncation"]["dropped"] == 2 and detail["note"] == said
     assert detail["sources"]["main"]["truncation"]["dropped"] == 2
-    # The stage's log line, a warning in the task run's log (what the UI and the console show).
-    out = capsys.readouterr()
-    assert f"prepare_sft: {said}" in out.out + out.err, (out.out + out.err)[-3000:]
+    # The stage's log line, a warning in the task run's log (what the UI shows; the console prints
+    # the same record), read back from the Prefect API the run logged to.
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterLevel
+
+    with get_client(sync_client=True) as client:
+        warned = [log.message for log in client.read_logs(LogFilter(level=LogFilterLevel(ge_=logging.WARNING)), limit=200)]
+    assert any(f"prepare_sft: {said}" in m for m in warned), warned[-20:]
     assert [row["note"] for row in tables["cpt-to-sft-stages"] if row["stage"] == "prepare_sft"] == [said]
     card = model_card(load_config(str(path)), {"meta": {}}, {"sft": {"split": split_info(tmp_path / "run/data/sft", str(tmp_path / "chats.jsonl"))}})
     assert f"- SFT: {said}." in card

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import posixpath
 import sys
@@ -183,9 +184,18 @@ def offline() -> Iterator[None]:
     keys = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
     before = {k: os.environ.get(k) for k in keys}
     os.environ.update({k: "1" for k in keys})
+    # lm-eval's and datasets' progress bars (tqdm on stderr) and their warnings stay off the run's
+    # console: the stage logs the scores. Errors still raise.
+    loggers = [logging.getLogger(name) for name in ("lm_eval", "datasets")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
     try:
-        yield
+        with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+            yield
     finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
         for k, v in before.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
