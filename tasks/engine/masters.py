@@ -163,7 +163,9 @@ def _dump(eng, locals_: list[Local], where: Path) -> None:
     where.mkdir(parents=True, exist_ok=True)
     dump = {}
     for loc in locals_:
-        state = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in inner.state[loc.state_key].items()}
+        # .get: indexing the optimizer's state (a defaultdict) would add an entry for a tensor outside
+        # its param_groups (LowLevelZero fp32 keys state by the flat master), and break its next state_dict()
+        state = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in inner.state.get(loc.state_key, {}).items()}
         dump[loc.piece.name] = {"piece": loc.piece.record(), "master": None if loc.master is None else loc.master.detach().cpu().clone(),
                                  "weight": None if loc.working is None else loc.working.detach().cpu().clone(), **state}
     torch.save(dump, where / f"rank-{eng.rank:05d}.pt")
