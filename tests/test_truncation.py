@@ -96,6 +96,7 @@ def test_prepare_sft_says_what_it_dropped_in_index_run_json_log_stage_table_and_
     """Through the CLI up to prepare_sft (no training process): the counts everywhere the issue asks."""
     import logging
     import sys
+    import time
 
     from flows.cpt_to_sft import main
     from tasks import ui
@@ -129,9 +130,15 @@ def test_prepare_sft_says_what_it_dropped_in_index_run_json_log_stage_table_and_
     # the same record), read back from the Prefect API the run logged to.
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterLevel
+    from prefect.client.schemas.sorting import LogSort
 
-    with get_client(sync_client=True) as client:
-        warned = [log.message for log in client.read_logs(LogFilter(level=LogFilterLevel(ge_=logging.WARNING)), limit=200)]
+    deadline = time.monotonic() + 30  # Prefect's log worker sends in batches, after the flow returned
+    while True:
+        with get_client(sync_client=True) as client:
+            warned = [log.message for log in client.read_logs(LogFilter(level=LogFilterLevel(ge_=logging.WARNING)), limit=200, sort=LogSort.TIMESTAMP_DESC)]
+        if any(f"prepare_sft: {said}" in m for m in warned) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert any(f"prepare_sft: {said}" in m for m in warned), warned[-20:]
     assert [row["note"] for row in tables["cpt-to-sft-stages"] if row["stage"] == "prepare_sft"] == [said]
     card = model_card(load_config(str(path)), {"meta": {}}, {"sft": {"split": split_info(tmp_path / "run/data/sft", str(tmp_path / "chats.jsonl"))}})
