@@ -100,9 +100,9 @@ def benchmark(cfg: RunConfig, base: StageResult, export: StageResult, tracker: t
             "files": fetched,
             "seconds": round(time.monotonic() - started, 3),
         }
-        for task, ms in metrics["tasks"].items():
-            for metric, m in ms.items():
-                logger.info("benchmark: %s %s base %s -> export %.4g", task, metric, "-" if m["base"] is None else f"{m['base']:.4g}", m["export"])
+        for task, ms in metrics["tasks"].items():  # one line a task: the console stays a short log
+            said = ", ".join(f"{metric} {'-' if m['base'] is None else format(m['base'], '.4g')} -> {m['export']:.4g}" for metric, m in ms.items())
+            logger.info("benchmark: %s (base -> export) %s", task, said)
         (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         tracking.log_evaluation("benchmark", {"tasks": metrics["tasks"]}, out.dir, cfg.sft.max_steps, tracker)
         out.manifest(kind="evaluation", parent=export, meta={

@@ -37,6 +37,10 @@ from tasks.core.config.tracking import FIELD, check_uri, flatten, redact
 from tasks.core.run.events import METRICS
 from tasks.core.run.stages import TENSORBOARD
 
+# MLflow writes two link lines to stdout whenever a run ends (three runs a flow): the console is
+# a short training log, and the runs are found from the parent run named in the flow's log.
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+
 __all__ = ["FIELD", "RunTracker", "StageTracker", "TrackerHandle", "check_uri", "eval_scalars", "fan_out", "flatten", "log_evaluation", "publish_tensorboard", "redact", "stage_tracker"]
 
 def _client(uri: str):
