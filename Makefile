@@ -15,7 +15,7 @@ demo-inputs: install
 demo: demo-inputs
 	$(PY) -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml
 
-# Lint first (ruff, configured in pyproject.toml), then every tier: unit, distributed (torchrun,
+# Lint and format check first (ruff, configured in pyproject.toml), then every tier: unit, distributed (torchrun,
 # 2 CPU ranks), integration and e2e; tests/test_docs.py builds the docs site with --strict. GPU tests skip without CUDA. Three pytest-xdist workers on two
 # cores: much of a test's time waits on servers, sleeps and polls, which the other workers fill
 # (measured 186 % CPU at three against 157 % at two). The timing-bound tests hold on a loaded
@@ -23,11 +23,13 @@ demo: demo-inputs
 # node first whichever agent srun reports first.
 test: install
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q -m "" -n 3 --dist loadgroup --durations=40 tests
 
 # Lint, then the fast unit tier only (no torchrun, no Prefect server).
 test-fast: install
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q tests
 
 # The documentation site (mkdocs.yml) into build/site; a broken link or anchor fails it.

@@ -38,7 +38,9 @@ PLUGINS = {
     "ddp-fp32": {"name": "torch_ddp", "precision": "fp32"},
 }
 # The benchmark's model: small weights, long sequences, so activations dominate what training adds.
-MODEL = dict(hidden_size=256, num_layers=8, num_heads=4, num_kv_heads=2, intermediate_size=704, max_position_embeddings=2048)
+MODEL = dict(
+    hidden_size=256, num_layers=8, num_heads=4, num_kv_heads=2, intermediate_size=704, max_position_embeddings=2048
+)
 FIRST_ID = 3  # above bos/eos/pad of the demo tokenizer
 
 
@@ -81,15 +83,31 @@ def _case(spec: str, a: argparse.Namespace, work: Path) -> dict:
 
     plugin_key, _, mode = spec.partition(":")
     stage_cfg = {
-        "data": {"uri": str(REPO / "data" / "sample" / "cpt.jsonl")}, "plugin": PLUGINS[plugin_key],
-        "launch": {"nproc_per_node": dist.get_world_size()}, "max_steps": a.steps, "micro_batch_size": a.mbs,
-        "grad_accum_steps": 2 if "pp2" in plugin_key else 1, "seq_len": a.seq_len, "lr": 3e-3, "warmup_steps": 1,
-        "activation_checkpointing": mode == "on", "seed": 1234,
+        "data": {"uri": str(REPO / "data" / "sample" / "cpt.jsonl")},
+        "plugin": PLUGINS[plugin_key],
+        "launch": {"nproc_per_node": dist.get_world_size()},
+        "max_steps": a.steps,
+        "micro_batch_size": a.mbs,
+        "grad_accum_steps": 2 if "pp2" in plugin_key else 1,
+        "seq_len": a.seq_len,
+        "lr": 3e-3,
+        "warmup_steps": 1,
+        "activation_checkpointing": mode == "on",
+        "seed": 1234,
     }
-    job = Job.model_validate({
-        "verb": "train", "stage": "cpt", "stage_cfg": stage_cfg, "trust_remote_code": False, "model_dir": str(a.model),
-        "tokenizer_dir": str(a.model), "stage_dir": str(work / spec.replace(":", "-")), "parent": None, "config_digest": None,
-    })
+    job = Job.model_validate(
+        {
+            "verb": "train",
+            "stage": "cpt",
+            "stage_cfg": stage_cfg,
+            "trust_remote_code": False,
+            "model_dir": str(a.model),
+            "tokenizer_dir": str(a.model),
+            "stage_dir": str(work / spec.replace(":", "-")),
+            "parent": None,
+            "config_digest": None,
+        }
+    )
     rank = dist.get_rank()
     eng = Engine(job, Injector("cpt", job.stage_dir, rank, dist.get_world_size()))
     torch.manual_seed(1234)
@@ -119,10 +137,16 @@ def _case(spec: str, a: argparse.Namespace, work: Path) -> dict:
         losses.append(eng.train_step(micro))
     seconds = time.monotonic() - t0
     out = {
-        "case": spec, "rank": rank, "losses": losses, "seconds": round(seconds, 2),
-        "peak_kib": _kib("VmHWM"), "start_kib": start_kib,
+        "case": spec,
+        "rank": rank,
+        "losses": losses,
+        "seconds": round(seconds, 2),
+        "peak_kib": _kib("VmHWM"),
+        "start_kib": start_kib,
         "cuda_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-        "activation_checkpointing": eng.activation_checkpointing, "layer_calls": calls[0], "weights": _weights_digest(eng.model),
+        "activation_checkpointing": eng.activation_checkpointing,
+        "layer_calls": calls[0],
+        "weights": _weights_digest(eng.model),
     }
     del eng, model
     return out
@@ -161,14 +185,49 @@ def ranks(argv: list[str]) -> int:
 # -- the parent: launches and the table -------------------------------------------------------------
 
 
-def launch(model: Path, cases: list[str], out: Path, steps: int, seq_len: int, mbs: int, nproc: int = 2, timeout: int = 600) -> list[dict]:
+def launch(
+    model: Path, cases: list[str], out: Path, steps: int, seq_len: int, mbs: int, nproc: int = 2, timeout: int = 600
+) -> list[dict]:
     """One torchrun launch of `cases`; every rank's records, ordered by case then rank."""
     out.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), __file__, "_ranks",
-            "--model", str(model), "--cases", ",".join(cases), "--steps", str(steps), "--seq-len", str(seq_len), "--mbs", str(mbs), "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x)}
-    proc = subprocess.run(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False)
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        __file__,
+        "_ranks",
+        "--model",
+        str(model),
+        "--cases",
+        ",".join(cases),
+        "--steps",
+        str(steps),
+        "--seq-len",
+        str(seq_len),
+        "--mbs",
+        str(mbs),
+        "--out",
+        str(out),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x),
+    }
+    proc = subprocess.run(
+        argv,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun exited {proc.returncode}:\n{proc.stdout[-4000:]}")
     recs = [r for f in sorted(out.glob("rank-*.json")) for r in json.loads(f.read_text())]
@@ -180,8 +239,12 @@ def compare(recs: list[dict], base: str, other: str) -> dict:
     a = {r["rank"]: r for r in recs if r["case"] == base}
     b = {r["rank"]: r for r in recs if r["case"] == other}
     diffs = [abs(x - y) for rk in a for x, y in zip(a[rk]["losses"], b[rk]["losses"])]
-    return {"losses_bitwise": all(a[rk]["losses"] == b[rk]["losses"] for rk in a), "max_loss_diff": max(diffs) if diffs else None,
-            "weights_bitwise": all(a[rk]["weights"] == b[rk]["weights"] for rk in a), "losses": a[0]["losses"]}
+    return {
+        "losses_bitwise": all(a[rk]["losses"] == b[rk]["losses"] for rk in a),
+        "max_loss_diff": max(diffs) if diffs else None,
+        "weights_bitwise": all(a[rk]["weights"] == b[rk]["weights"] for rk in a),
+        "losses": a[0]["losses"],
+    }
 
 
 def build_model(out: Path, smoke: bool) -> Path:
@@ -199,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, str(REPO))
         return ranks(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="the demo's tiny model, 2 steps of 2 x 64 tokens, both modes in one launch")
+    p.add_argument(
+        "--smoke", action="store_true", help="the demo's tiny model, 2 steps of 2 x 64 tokens, both modes in one launch"
+    )
     p.add_argument("--plugin", choices=sorted(PLUGINS), default="hp-tp2-fp32")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=1024)
@@ -215,10 +280,16 @@ def main(argv: list[str] | None = None) -> int:
         if a.smoke:
             recs = launch(model, cases, work / "both", a.steps, a.seq_len, a.mbs)
         else:  # one process per mode: a rank's peak is then that mode's alone
-            recs = [r for i, c in enumerate(cases) for r in launch(model, [c], work / f"mode-{i}", a.steps, a.seq_len, a.mbs)]
+            recs = [
+                r
+                for i, c in enumerate(cases)
+                for r in launch(model, [c], work / f"mode-{i}", a.steps, a.seq_len, a.mbs)
+            ]
     cmp = compare(recs, cases[0], cases[1])
-    print(f"activation checkpointing, {a.plugin} on {len({r['rank'] for r in recs})} CPU ranks, {a.steps} steps of "
-          f"{a.mbs} x {a.seq_len} tokens, model {'demo tiny' if a.smoke else MODEL}")
+    print(
+        f"activation checkpointing, {a.plugin} on {len({r['rank'] for r in recs})} CPU ranks, {a.steps} steps of "
+        f"{a.mbs} x {a.seq_len} tokens, model {'demo tiny' if a.smoke else MODEL}"
+    )
     print(f"{'rank':>4} | {'mode':>4} | {'peak RSS MiB':>12} | {'growth in training MiB':>22} | {'step s':>6}")
     for r in recs:
         mode = r["case"].split(":")[1]
@@ -227,12 +298,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['rank']:>4} | {mode:>4} | {peak:12.1f} | {grow:22.1f} | {r['seconds'] / a.steps:6.2f}")
     for rank in sorted({r["rank"] for r in recs}):
         off, on = (next(r for r in recs if r["rank"] == rank and r["case"] == c) for c in cases)
-        print(f"rank {rank}: growth {(off['peak_kib'] - off['start_kib']) / 1024:.1f} -> {(on['peak_kib'] - on['start_kib']) / 1024:.1f} MiB "
-              f"({(on['peak_kib'] - on['start_kib']) / max(1, off['peak_kib'] - off['start_kib']):.2f}x), peak "
-              f"{off['peak_kib'] / 1024:.0f} -> {on['peak_kib'] / 1024:.0f} MiB, step time {on['seconds'] / max(off['seconds'], 1e-9):.2f}x")
-    print(f"losses {'bitwise equal' if cmp['losses_bitwise'] else 'max |diff| ' + format(cmp['max_loss_diff'], '.3g')}: {cmp['losses']}; "
-          f"final weights {'bitwise equal' if cmp['weights_bitwise'] else 'DIFFER'}")
-    print(f"command: python benchmarks/activation_checkpointing.py {' '.join(argv)}".rstrip() + f"   ({time.monotonic() - t0:.0f} s)")
+        print(
+            f"rank {rank}: growth {(off['peak_kib'] - off['start_kib']) / 1024:.1f} -> {(on['peak_kib'] - on['start_kib']) / 1024:.1f} "
+            "MiB "
+            f"({(on['peak_kib'] - on['start_kib']) / max(1, off['peak_kib'] - off['start_kib']):.2f}x), peak "
+            f"{off['peak_kib'] / 1024:.0f} -> {on['peak_kib'] / 1024:.0f} MiB, step time {on['seconds'] / max(off['seconds'], 1e-9):.2f}x"
+        )
+    print(
+        f"losses {'bitwise equal' if cmp['losses_bitwise'] else 'max |diff| ' + format(cmp['max_loss_diff'], '.3g')}: "
+        f"{cmp['losses']}; "
+        f"final weights {'bitwise equal' if cmp['weights_bitwise'] else 'DIFFER'}"
+    )
+    print(
+        f"command: python benchmarks/activation_checkpointing.py {' '.join(argv)}".rstrip()
+        + f"   ({time.monotonic() - t0:.0f} s)"
+    )
     return 0 if cmp["losses_bitwise"] or (cmp["max_loss_diff"] or 0) < 1e-6 else 1
 
 

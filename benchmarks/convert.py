@@ -245,7 +245,9 @@ def measure(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool, shar
     return result
 
 
-def bench_size(size_gb: float, workdir: Path, cast: str | None, fsync: bool, repeat: int, shard: str | None, smoke: bool = False) -> dict:
+def bench_size(
+    size_gb: float, workdir: Path, cast: str | None, fsync: bool, repeat: int, shard: str | None, smoke: bool = False
+) -> dict:
     config = llama_config(size_gb, SMOKE_DIMS if smoke else DIMS)
     shard = shard or f"{max(1, round(size_gb * 1000 / 4))}MB"
     src = workdir / f"ckpt-{size_gb:g}GB"
@@ -265,7 +267,9 @@ def bench_size(size_gb: float, workdir: Path, cast: str | None, fsync: bool, rep
         for label, kind, dtype in plan[r % len(plan) :] + plan[: r % len(plan)]:
             # The smoke syncs but does not wait for an idle disk: its figures are not judged, and beside
             # the test suite's other worker the disk is seldom idle for the 0.5 s quiesce waits for.
-            runs[label].append(measure(kind, src, workdir / "out", dtype, fsync, shard, settle_s=0.0 if smoke else 60.0))
+            runs[label].append(
+                measure(kind, src, workdir / "out", dtype, fsync, shard, settle_s=0.0 if smoke else 60.0)
+            )
 
     # (b) as transformers does it, and (b) plus the hashing pass its manifest would still need
     runs["b naive+sha256"] = [{**x, "seconds": x["seconds"] + x["hash_seconds"]} for x in runs["b naive"]]
@@ -311,21 +315,38 @@ def bench_size(size_gb: float, workdir: Path, cast: str | None, fsync: bool, rep
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size-gb", type=float, nargs="+", default=[2.0], help="checkpoint sizes to run, in GB (1e9 bytes)")
+    ap.add_argument(
+        "--size-gb", type=float, nargs="+", default=[2.0], help="checkpoint sizes to run, in GB (1e9 bytes)"
+    )
     ap.add_argument("--workdir", help="where the checkpoints and outputs go (default: a temp dir under /tmp)")
     ap.add_argument("--cast", choices=["bf16", "fp16"], help="also time our converter casting fp32 to this dtype")
     ap.add_argument("--no-fsync", action="store_true", help="leave outputs in the page cache (all three alike)")
     ap.add_argument("--repeat", type=int, default=3, help="rounds per size (medians are compared)")
     ap.add_argument("--max-shard-size", help="output shard budget for (a) and (b) (default: a quarter of each size)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
-    ap.add_argument("--smoke", action="store_true", help="a 4 MB model of the same shape family, one round: checks the script runs (figures meaningless)")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a 4 MB model of the same shape family, one round: checks the script runs (figures meaningless)",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
         args.size_gb, args.repeat = [0.004], 1
     if args.worker:
-        print(json.dumps(run_worker(args.worker, Path(args.paths[0]), Path(args.paths[1]), args.cast, not args.no_fsync, args.max_shard_size)))
+        print(
+            json.dumps(
+                run_worker(
+                    args.worker,
+                    Path(args.paths[0]),
+                    Path(args.paths[1]),
+                    args.cast,
+                    not args.no_fsync,
+                    args.max_shard_size,
+                )
+            )
+        )
         return 0
 
     if args.workdir:
@@ -336,11 +357,16 @@ def main(argv: list[str]) -> int:
     if free < need:
         print(f"{workdir}: {free / 1e9:.1f} GB free, need about {need / 1e9:.1f} GB", file=sys.stderr)
         return 1
-    print(f"workdir {workdir}; {os.cpu_count()} CPUs; fsync {'off' if args.no_fsync else 'on'}; python {sys.version.split()[0]}")
+    print(
+        f"workdir {workdir}; {os.cpu_count()} CPUs; fsync {'off' if args.no_fsync else 'on'}; python "
+        f"{sys.version.split()[0]}"
+    )
     summaries = []
     try:
         for size in args.size_gb:
-            summaries.append(bench_size(size, workdir, args.cast, not args.no_fsync, args.repeat, args.max_shard_size, args.smoke))
+            summaries.append(
+                bench_size(size, workdir, args.cast, not args.no_fsync, args.repeat, args.max_shard_size, args.smoke)
+            )
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

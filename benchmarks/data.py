@@ -67,7 +67,9 @@ def make_corpus(dest: Path, mb: float, files: int, seed: int = 0) -> int:
         with open(dest / f"part-{k:04d}.jsonl", "w", encoding="utf-8") as out:
             written = 0
             while written < per_file:
-                text = f"Log {doc}, cycle {rng.randrange(10**6)}: " + " ".join(rng.choice(sentences) for _ in range(rng.randint(4, 24)))
+                text = f"Log {doc}, cycle {rng.randrange(10**6)}: " + " ".join(
+                    rng.choice(sentences) for _ in range(rng.randint(4, 24))
+                )
                 line = json.dumps({"text": text}) + "\n"
                 out.write(line)
                 written += len(line)
@@ -92,7 +94,9 @@ atexit.register(_hwm)
 def child(code: str, *args: str) -> dict:
     """Run `code` in a fresh interpreter; it prints one JSON line. Adds its peak RSS (MB)."""
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-c", PRELUDE + code, *args], env=ENV, capture_output=True, text=True, check=False)
+    p = subprocess.run(
+        [sys.executable, "-c", PRELUDE + code, *args], env=ENV, capture_output=True, text=True, check=False
+    )
     if p.returncode != 0:
         raise RuntimeError(f"child failed:\n{p.stderr[-3000:]}")
     *rest, hwm = p.stdout.strip().splitlines()
@@ -234,19 +238,45 @@ def train_probe(work: Path, tokdir: Path, prepared: Path, steps: int, nproc: int
 
     log = logging.getLogger("bench-data")
     model = work / "tiny-llama-1k"
-    run = run_raw(model, work / "unused", "cpt", {"name": "torch_ddp", "precision": "fp32"},
-                  seq_len=SEQ_LEN, micro_batch_size=2, max_steps=steps, checkpoint_every=steps, keep_last=1)
+    run = run_raw(
+        model,
+        work / "unused",
+        "cpt",
+        {"name": "torch_ddp", "precision": "fp32"},
+        seq_len=SEQ_LEN,
+        micro_batch_size=2,
+        max_steps=steps,
+        checkpoint_every=steps,
+        keep_last=1,
+    )
 
     def job(verb: str, stage_dir: Path, path: Path):
-        raw = {"verb": verb, "stage": "cpt", "stage_cfg": run["cpt"], "trust_remote_code": False, "model_dir": str(model), "tokenizer_dir": str(tokdir), "data_dir": str(prepared),
-               "stage_dir": str(stage_dir), "parent": {"uri": str(model), "digest": "bench"}, "config_digest": "0" * 64}
+        raw = {
+            "verb": verb,
+            "stage": "cpt",
+            "stage_cfg": run["cpt"],
+            "trust_remote_code": False,
+            "model_dir": str(model),
+            "tokenizer_dir": str(tokdir),
+            "data_dir": str(prepared),
+            "stage_dir": str(stage_dir),
+            "parent": {"uri": str(model), "digest": "bench"},
+            "config_digest": "0" * 64,
+        }
         path.write_text(json.dumps(raw))
         return parse_job(raw, source=str(path))
 
     base = work / "base-1k"
     if not (base / step_name(0)).is_dir():
         build_tiny_model(model, AutoTokenizer.from_pretrained(tokdir), max_position_embeddings=SEQ_LEN)
-        run_engine("shard", job("shard", base, work / "shard.json"), work / "shard.json", LaunchConfig(nproc_per_node=nproc), "bench-data-shard", log)
+        run_engine(
+            "shard",
+            job("shard", base, work / "shard.json"),
+            work / "shard.json",
+            LaunchConfig(nproc_per_node=nproc),
+            "bench-data-shard",
+            log,
+        )
     stage = work / "train-stage"
     shutil.rmtree(stage, ignore_errors=True)
     shutil.copytree(base / step_name(0), stage / step_name(0))
@@ -259,8 +289,15 @@ def train_probe(work: Path, tokdir: Path, prepared: Path, steps: int, nproc: int
     poller.start()
     t0 = time.monotonic()
     try:
-        progress = run_engine("train", j, path, LaunchConfig(nproc_per_node=nproc), "bench-data-train", log,
-                              on_progress=lambda rec: first.append(time.monotonic()) if not first else None)
+        progress = run_engine(
+            "train",
+            j,
+            path,
+            LaunchConfig(nproc_per_node=nproc),
+            "bench-data-train",
+            log,
+            on_progress=lambda rec: first.append(time.monotonic()) if not first else None,
+        )
     finally:
         stop.set()
         poller.join()
@@ -268,8 +305,12 @@ def train_probe(work: Path, tokdir: Path, prepared: Path, steps: int, nproc: int
     last = progress[-1] if progress else {}
     # >= nproc: a rank's short-lived fork (same command line) can be sampled beside the ranks.
     assert int(last.get("step", 0)) == steps and len(peaks) >= nproc, (last, peaks)
-    return {"train_first_s": first[0] - t0, "train_wall_s": wall, "train_rank_rss": max(peaks.values()) / 2**20,
-            "train_loss": last.get("loss")}
+    return {
+        "train_first_s": first[0] - t0,
+        "train_wall_s": wall,
+        "train_rank_rss": max(peaks.values()) / 2**20,
+        "train_loss": last.get("loss"),
+    }
 
 
 def fmt(x, unit=""):
@@ -278,17 +319,30 @@ def fmt(x, unit=""):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=float, nargs="*", default=[100, 400], help="corpus sizes in MB (none: the single-file row only)")
+    ap.add_argument(
+        "--sizes", type=float, nargs="*", default=[100, 400], help="corpus sizes in MB (none: the single-file row only)"
+    )
     ap.add_argument("--single-mb", type=float, default=200, help="the single-file row's JSONL size in MB (0: skip it)")
     ap.add_argument("--chunk-mb", type=float, default=64, help="data.tokenize.chunk_mb for every prepare")
-    ap.add_argument("--raw-mb", type=float, default=32, help="MB of the single file the tokenizer's own encode is timed on")
+    ap.add_argument(
+        "--raw-mb", type=float, default=32, help="MB of the single file the tokenizer's own encode is timed on"
+    )
     ap.add_argument("--files", type=int, default=8, help="files per corpus")
-    ap.add_argument("--old-max-mb", type=float, default=100, help="run the in-rank path without prepared data up to this size (RAM: ~55x the corpus)")
+    ap.add_argument(
+        "--old-max-mb",
+        type=float,
+        default=100,
+        help="run the in-rank path without prepared data up to this size (RAM: ~55x the corpus)",
+    )
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--no-train", action="store_true", help="skip the 2-rank training run on each prepared corpus")
     ap.add_argument("--train-steps", type=int, default=3)
-    ap.add_argument("--smoke", action="store_true", help="one 0.3 MB corpus in 2 files, one 1-step train launch: checks the script runs (figures meaningless)")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one 0.3 MB corpus in 2 files, one 1-step train launch: checks the script runs (figures meaningless)",
+    )
     a = ap.parse_args()
     if a.smoke:
         a.sizes, a.files, a.train_steps, a.single_mb, a.chunk_mb, a.raw_mb = [0.3], 2, 1, 0.3, 0.05, 0.3
@@ -328,7 +382,9 @@ def main() -> None:
                 r.update(old_s=old["seconds"], old_rss=old["peak_rss_mb"])
             if not a.no_train:  # twice: the faster launch, the larger RSS
                 runs = [train_probe(work, tokdir, out, a.train_steps, nproc) for _ in range(train_launches)]
-                r.update(min(runs, key=lambda x: x["train_first_s"]), train_rank_rss=max(x["train_rank_rss"] for x in runs))
+                r.update(
+                    min(runs, key=lambda x: x["train_first_s"]), train_rank_rss=max(x["train_rank_rss"] for x in runs)
+                )
             rows.append(r)
             print(json.dumps(r), flush=True)
             shutil.rmtree(corpus, ignore_errors=True)
@@ -355,10 +411,22 @@ def single_file(work: Path, tokdir: Path, a) -> dict:
         out = work / f"single-prep-{w}"
         shutil.rmtree(out, ignore_errors=True)
         res = child(PREPARE, str(path), str(tokdir), str(out), str(w), str(a.chunk_mb))
-        r.update({f"prep{w}_mbs": nbytes / 1e6 / res["seconds"], f"prep{w}_rss": res["peak_rss_mb"], f"chunks{w}": res["chunks"], "tokens": res["tokens"]})
-    same = all((work / "single-prep-1" / n).read_bytes() == (work / "single-prep-2" / n).read_bytes() for n in ("index.json",))
+        r.update(
+            {
+                f"prep{w}_mbs": nbytes / 1e6 / res["seconds"],
+                f"prep{w}_rss": res["peak_rss_mb"],
+                f"chunks{w}": res["chunks"],
+                "tokens": res["tokens"],
+            }
+        )
+    same = all(
+        (work / "single-prep-1" / n).read_bytes() == (work / "single-prep-2" / n).read_bytes() for n in ("index.json",)
+    )
     shard = json.loads((work / "single-prep-1" / "index.json").read_text())["files"][0]["shard"]
-    same = same and all(f.read_bytes() == (work / "single-prep-2" / shard / f.name).read_bytes() for f in (work / "single-prep-1" / shard).iterdir())
+    same = same and all(
+        f.read_bytes() == (work / "single-prep-2" / shard / f.name).read_bytes()
+        for f in (work / "single-prep-1" / shard).iterdir()
+    )
     raw = child(RAW, str(path), str(tokdir), str(a.raw_mb))
     r.update(raw_mbs=raw["bytes"] / 1e6 / raw["seconds"], same=same, load_after=os.getloadavg()[0])
     print(json.dumps(r), flush=True)
@@ -367,13 +435,37 @@ def single_file(work: Path, tokdir: Path, a) -> dict:
 
 
 def print_single(r: dict, a) -> None:
-    print(f"\nOne JSONL file of {r['mb']:.1f} MB, data.tokenize.chunk_mb {a.chunk_mb:g} (halved for the workers), demo tokenizer; "
-          f"load average {r['load_before']:.1f} before, {r['load_after']:.1f} after, on {os.cpu_count()} cores\n")
-    hdr = ["file MB", "tokens", "chunks 1w/2w", "prep 1w MB/s", "prep 2w MB/s", "2w/1w (>=1.7)", "tokenizer 1 core MB/s",
-           "1w/tok (>=0.8)", "per worker 2w/tok (>=0.8)", "1w and 2w bytes equal", "RSS 1w/2w MB"]
-    row = [fmt(r["mb"]), f"{r['tokens']:,}", f"{r['chunks1']}/{r['chunks2']}", fmt(r["prep1_mbs"]), fmt(r["prep2_mbs"]), f"{r['prep2_mbs'] / r['prep1_mbs']:.2f}",
-           fmt(r["raw_mbs"]), f"{r['prep1_mbs'] / r['raw_mbs']:.2f}", f"{r['prep2_mbs'] / 2 / r['raw_mbs']:.2f}", str(r["same"]),
-           f"{r['prep1_rss']:.0f}/{r['prep2_rss']:.0f}"]
+    print(
+        f"\nOne JSONL file of {r['mb']:.1f} MB, data.tokenize.chunk_mb {a.chunk_mb:g} (halved for the workers), demo "
+        "tokenizer; "
+        f"load average {r['load_before']:.1f} before, {r['load_after']:.1f} after, on {os.cpu_count()} cores\n"
+    )
+    hdr = [
+        "file MB",
+        "tokens",
+        "chunks 1w/2w",
+        "prep 1w MB/s",
+        "prep 2w MB/s",
+        "2w/1w (>=1.7)",
+        "tokenizer 1 core MB/s",
+        "1w/tok (>=0.8)",
+        "per worker 2w/tok (>=0.8)",
+        "1w and 2w bytes equal",
+        "RSS 1w/2w MB",
+    ]
+    row = [
+        fmt(r["mb"]),
+        f"{r['tokens']:,}",
+        f"{r['chunks1']}/{r['chunks2']}",
+        fmt(r["prep1_mbs"]),
+        fmt(r["prep2_mbs"]),
+        f"{r['prep2_mbs'] / r['prep1_mbs']:.2f}",
+        fmt(r["raw_mbs"]),
+        f"{r['prep1_mbs'] / r['raw_mbs']:.2f}",
+        f"{r['prep2_mbs'] / 2 / r['raw_mbs']:.2f}",
+        str(r["same"]),
+        f"{r['prep1_rss']:.0f}/{r['prep2_rss']:.0f}",
+    ]
     widths = [max(len(h), len(c)) for h, c in zip(hdr, row)]
     print(" | ".join(h.rjust(w) for h, w in zip(hdr, widths)))
     print("-|-".join("-" * w for w in widths))
@@ -381,35 +473,78 @@ def print_single(r: dict, a) -> None:
 
 
 def print_rows(rows: list[dict], a, nproc: int) -> None:
-    print(f"\nCPT corpora of {a.files} JSONL files, demo tokenizer (vocab 512), seq_len {SEQ_LEN}, os.cpu_count()={os.cpu_count()}\n")
-    hdr = ["corpus MB", "tokens", "prep 1w MB/s", "prep 2w MB/s", "2w/1w (>=1.6)", "worker MB/s", "tokenizer MB/s", "worker/tok (>=0.8)", "same, CPU s",
-           "start s", "start RSS MB", "resume/start (<=1.1)", "old start s", "old RSS MB", "old/new start", "old/new RSS"]
+    print(
+        f"\nCPT corpora of {a.files} JSONL files, demo tokenizer (vocab 512), seq_len {SEQ_LEN}, "
+        f"os.cpu_count()={os.cpu_count()}\n"
+    )
+    hdr = [
+        "corpus MB",
+        "tokens",
+        "prep 1w MB/s",
+        "prep 2w MB/s",
+        "2w/1w (>=1.6)",
+        "worker MB/s",
+        "tokenizer MB/s",
+        "worker/tok (>=0.8)",
+        "same, CPU s",
+        "start s",
+        "start RSS MB",
+        "resume/start (<=1.1)",
+        "old start s",
+        "old RSS MB",
+        "old/new start",
+        "old/new RSS",
+    ]
     table = []
     for r in rows:
-        table.append([
-            fmt(r["mb"]), f"{r['tokens']:,}", fmt(r["prep1_mbs"]), fmt(r["prep2_mbs"]), f"{r['prep2_mbs'] / r['prep1_mbs']:.2f}",
-            fmt(r["worker_mbs"]), fmt(r["raw_mbs"]), f"{r['worker_mbs'] / r['raw_mbs']:.2f}", f"{r['cpu_ratio']:.2f}",
-            f"{r['start_s']:.3f}", fmt(r["start_rss"]), f"{r['late_s'] / r['start_s']:.2f}",
-            fmt(r.get("old_s")), fmt(r.get("old_rss")),
-            f"{r['old_s'] / r['start_s']:.0f}x" if "old_s" in r else "-", f"{r['old_rss'] / r['start_rss']:.1f}x" if "old_s" in r else "-",
-        ])
+        table.append(
+            [
+                fmt(r["mb"]),
+                f"{r['tokens']:,}",
+                fmt(r["prep1_mbs"]),
+                fmt(r["prep2_mbs"]),
+                f"{r['prep2_mbs'] / r['prep1_mbs']:.2f}",
+                fmt(r["worker_mbs"]),
+                fmt(r["raw_mbs"]),
+                f"{r['worker_mbs'] / r['raw_mbs']:.2f}",
+                f"{r['cpu_ratio']:.2f}",
+                f"{r['start_s']:.3f}",
+                fmt(r["start_rss"]),
+                f"{r['late_s'] / r['start_s']:.2f}",
+                fmt(r.get("old_s")),
+                fmt(r.get("old_rss")),
+                f"{r['old_s'] / r['start_s']:.0f}x" if "old_s" in r else "-",
+                f"{r['old_rss'] / r['start_rss']:.1f}x" if "old_s" in r else "-",
+            ]
+        )
     widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(hdr)]
     print(" | ".join(h.rjust(w) for h, w in zip(hdr, widths)))
     print("-|-".join("-" * w for w in widths))
     for t in table:
         print(" | ".join(c.rjust(w) for c, w in zip(t, widths)))
     if not a.no_train:
-        print(f"\nThe engine's train verb, {nproc} CPU rank{'s' if nproc > 1 else ''} (torchrun, torch_ddp fp32, tiny Llama, seq_len {SEQ_LEN}, micro-batch 2), "
-              f"{a.train_steps} steps:")
+        print(
+            f"\nThe engine's train verb, {nproc} CPU rank{'s' if nproc > 1 else ''} (torchrun, torch_ddp fp32, tiny "
+            f"Llama, seq_len {SEQ_LEN}, micro-batch 2), "
+            f"{a.train_steps} steps:"
+        )
         print("corpus MB | launch -> first step s | whole run s | peak RSS per rank MB | last loss")
         for r in rows:
-            print(f"{r['mb']:9.1f} | {r['train_first_s']:22.1f} | {r['train_wall_s']:11.1f} | {r['train_rank_rss']:20.0f} | {r['train_loss']}")
+            print(
+                f"{r['mb']:9.1f} | {r['train_first_s']:22.1f} | {r['train_wall_s']:11.1f} | "
+                f"{r['train_rank_rss']:20.0f} | {r['train_loss']}"
+            )
     if len(rows) >= 2:
         lo, hi = rows[0], rows[-1]
-        print(f"\nfrom {lo['mb']:.0f} MB to {hi['mb']:.0f} MB: start-up x{hi['start_s'] / lo['start_s']:.2f}, start-up RSS x{hi['start_rss'] / lo['start_rss']:.2f} (target <= 1.10 each)")
+        print(
+            f"\nfrom {lo['mb']:.0f} MB to {hi['mb']:.0f} MB: start-up x{hi['start_s'] / lo['start_s']:.2f}, start-up "
+            f"RSS x{hi['start_rss'] / lo['start_rss']:.2f} (target <= 1.10 each)"
+        )
         if not a.no_train:
-            print(f"  a real 2-rank launch: launch -> first step x{hi['train_first_s'] / lo['train_first_s']:.2f}, "
-                  f"peak RSS per rank x{hi['train_rank_rss'] / lo['train_rank_rss']:.2f} (target <= 1.10 each)")
+            print(
+                f"  a real 2-rank launch: launch -> first step x{hi['train_first_s'] / lo['train_first_s']:.2f}, "
+                f"peak RSS per rank x{hi['train_rank_rss'] / lo['train_rank_rss']:.2f} (target <= 1.10 each)"
+            )
 
 
 if __name__ == "__main__":

@@ -117,8 +117,13 @@ def adapter_ckpt(work: Path, model: Path) -> Path:
     """A LoRA SFT checkpoint's adapter/ for `model` (r=8 on every projection, B made non-zero), in a child."""
     out = work / f"lora-{model.name}"
     if not (out / "adapter" / "adapter_config.json").is_file():
-        subprocess.run([sys.executable, "-c", ADAPTER_CHILD, str(model), str(out)], check=True, cwd=str(REPO), capture_output=True,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+        subprocess.run(
+            [sys.executable, "-c", ADAPTER_CHILD, str(model), str(out)],
+            check=True,
+            cwd=str(REPO),
+            capture_output=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
     return out
 
 
@@ -126,8 +131,23 @@ def merge_check(work: Path, warm: Path, model: Path) -> dict:
     """{mode: figures} of the LoRA export (build_merged_dir, bf16) streamed, then whole, in one fresh child."""
     out = work / f"merged-{model.name}"
     shutil.rmtree(out, ignore_errors=True)
-    r = subprocess.run([sys.executable, "-c", MERGE_CHILD, str(adapter_ckpt(work, warm)), str(warm), str(adapter_ckpt(work, model)), str(model), str(out)],
-                       check=True, cwd=str(REPO), capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            MERGE_CHILD,
+            str(adapter_ckpt(work, warm)),
+            str(warm),
+            str(adapter_ckpt(work, model)),
+            str(model),
+            str(out),
+        ],
+        check=True,
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"},
+    )
     shutil.rmtree(out, ignore_errors=True)
     return {r["mode"]: r for r in map(json.loads, r.stdout.strip().splitlines()[-2:])}
 
@@ -148,8 +168,14 @@ def tiny_dir(work: Path, tok: Path) -> Path:
 
 def check(warm: Path, model: Path, dtype: str) -> dict:
     """{mode: figures} of the check streamed, then whole, in one fresh child."""
-    out = subprocess.run([sys.executable, "-c", CHILD, str(warm), str(model), dtype], check=True, cwd=str(REPO),
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"})
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(warm), str(model), dtype],
+        check=True,
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"},
+    )
     return {r["mode"]: r for r in map(json.loads, out.stdout.strip().splitlines()[-2:])}
 
 
@@ -160,8 +186,15 @@ def sizes_of(model: Path, dtype: str) -> dict:
     from tasks.core.models.stream import meta_model, model_bytes, stream_units
 
     meta = meta_model(model, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
-    unit = max(sum(p.numel() * p.element_size() for p in (u.parameters() if r else u.parameters(recurse=False))) for u, r in stream_units(meta))
-    return {"model_bytes": model_bytes(meta), "largest_unit": unit, "parameters": sum(p.numel() for p in meta.parameters())}
+    unit = max(
+        sum(p.numel() * p.element_size() for p in (u.parameters() if r else u.parameters(recurse=False)))
+        for u, r in stream_units(meta)
+    )
+    return {
+        "model_bytes": model_bytes(meta),
+        "largest_unit": unit,
+        "parameters": sum(p.numel() for p in meta.parameters()),
+    }
 
 
 def skip_times(work: Path, size: str, model: Path) -> dict:
@@ -185,7 +218,11 @@ def skip_times(work: Path, size: str, model: Path) -> dict:
     assert "hashed" in store.last_verify, store.last_verify
     stamped = min(_timed(lambda: store.verify("base", trust_stamp=True)) for _ in range(5))
     assert store.last_verify.startswith("by its verification stamp"), store.last_verify
-    return {"artifact_bytes": sum(f.stat().st_size for f in art.rglob("*") if f.is_file()), "hashed_s": hashed, "stamp_s": stamped}
+    return {
+        "artifact_bytes": sum(f.stat().st_size for f in art.rglob("*") if f.is_file()),
+        "hashed_s": hashed,
+        "stamp_s": stamped,
+    }
 
 
 def _timed(fn) -> float:
@@ -210,8 +247,13 @@ def rerun(work: Path) -> dict:
     raw["base_model"]["uri"] = str(base)
     cfg = work / "demo.yaml"
     cfg.write_text(yaml.safe_dump(raw))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(work / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "PREFECT_HOME": str(work / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     env.pop("PREFECT_API_URL", None)
     out = {"cli": twice(cfg, work / "demo-run", env)}  # no PREFECT_API_URL: each process starts its embedded server
     os.environ["PREFECT_HOME"] = env["PREFECT_HOME"]
@@ -225,8 +267,14 @@ def twice(cfg: Path, run_root: Path, env: dict) -> dict:
     walls = []
     for _ in range(2):
         t = time.monotonic()
-        subprocess.run([sys.executable, "-m", "flows.cpt_to_sft", "--config", str(cfg)], check=True, cwd=str(REPO), env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "flows.cpt_to_sft", "--config", str(cfg)],
+            check=True,
+            cwd=str(REPO),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         walls.append(time.monotonic() - t)
     statuses = {s["stage"]: s["status"] for s in json.loads((run_root / "run.json").read_text())["stages"]}
     return {"first_s": walls[0], "rerun_s": walls[1], "statuses": statuses}
@@ -235,7 +283,12 @@ def twice(cfg: Path, run_root: Path, env: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="*", default=["50M", "190M", "700M"], help="none: only the demo run twice")
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the checked dtype (base/ and cpt/hf/ are checked in fp32)")
+    ap.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="the checked dtype (base/ and cpt/hf/ are checked in fp32)",
+    )
     ap.add_argument("--workdir", default=None, help="keep the models here (default: a temporary directory, removed)")
     ap.add_argument("--no-rerun", action="store_true", help="leave out the demo run twice")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
@@ -257,8 +310,12 @@ def main(argv: list[str] | None = None) -> int:
             row["merge"] = merge_check(work, warm, model)
             row.update(skip_times(work, size, model))
             rows.append(row)
-            print(f"[{time.monotonic() - started:5.0f} s] {size}: whole +{fmt_gb(row['whole']['peak'] - row['whole']['start'])} GB, "
-                  f"streamed +{fmt_gb(row['streamed']['peak'] - row['streamed']['start'])} GB", flush=True)
+            print(
+                f"[{time.monotonic() - started:5.0f} s] {size}: whole +{fmt_gb(row['whole']['peak'] - row['whole']['start'])} "
+                "GB, "
+                f"streamed +{fmt_gb(row['streamed']['peak'] - row['streamed']['start'])} GB",
+                flush=True,
+            )
         demo = None if a.smoke or a.no_rerun else rerun(work)
     finally:
         if tmp is not None:
@@ -272,41 +329,104 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(rows: list[dict], demo: dict | None, dtype: str) -> None:
     if rows:
-        print(f"\nthe flow process's logits check ({dtype}), GB (1e9 bytes): peak = VmHWM over the check, start = RSS before it "
-              "(imports, after a warm-up check on the tiny model); logits bitwise equal whole vs streamed")
-        head = ["size", "params", f"model {dtype}", "largest unit", "whole: start", "peak", "peak-start", "s",
-                "streamed: start", "peak", "peak-start", "s", "bitwise", "skip: hashed s", "stamp s"]
+        print(
+            f"\nthe flow process's logits check ({dtype}), GB (1e9 bytes): peak = VmHWM over the check, start = RSS "
+            "before it "
+            "(imports, after a warm-up check on the tiny model); logits bitwise equal whole vs streamed"
+        )
+        head = [
+            "size",
+            "params",
+            f"model {dtype}",
+            "largest unit",
+            "whole: start",
+            "peak",
+            "peak-start",
+            "s",
+            "streamed: start",
+            "peak",
+            "peak-start",
+            "s",
+            "bitwise",
+            "skip: hashed s",
+            "stamp s",
+        ]
         print(" | ".join(head))
         for r in rows:
             w, s = r["whole"], r["streamed"]
-            print(" | ".join([r["size"], f"{r['parameters'] / 1e6:.1f}M", fmt_gb(r["model_bytes"]), fmt_gb(r["largest_unit"]),
-                              fmt_gb(w["start"]), fmt_gb(w["peak"]), fmt_gb(w["peak"] - w["start"]), f"{w['seconds']:.1f}",
-                              fmt_gb(s["start"]), fmt_gb(s["peak"]), fmt_gb(s["peak"] - s["start"]), f"{s['seconds']:.1f}",
-                              "yes" if w["sha256"] == s["sha256"] else "NO", f"{r['hashed_s']:.3f}", f"{r['stamp_s']:.4f}"]))
+            print(
+                " | ".join(
+                    [
+                        r["size"],
+                        f"{r['parameters'] / 1e6:.1f}M",
+                        fmt_gb(r["model_bytes"]),
+                        fmt_gb(r["largest_unit"]),
+                        fmt_gb(w["start"]),
+                        fmt_gb(w["peak"]),
+                        fmt_gb(w["peak"] - w["start"]),
+                        f"{w['seconds']:.1f}",
+                        fmt_gb(s["start"]),
+                        fmt_gb(s["peak"]),
+                        fmt_gb(s["peak"] - s["start"]),
+                        f"{s['seconds']:.1f}",
+                        "yes" if w["sha256"] == s["sha256"] else "NO",
+                        f"{r['hashed_s']:.3f}",
+                        f"{r['stamp_s']:.4f}",
+                    ]
+                )
+            )
         over = [r for r in rows if r["whole"]["peak"] - r["whole"]["start"] > r["model_bytes"] + 0.5 * GB]
-        print(f"\nwhole: peak over start <= model + 0.5 GB at every size: {'yes' if not over else 'NO: ' + ', '.join(r['size'] for r in over)}")
+        print(
+            f"\nwhole: peak over start <= model + 0.5 GB at every size: {'yes' if not over else 'NO: ' + ', '.join(r['size'] for r in over)}"
+        )
         streamed = [r["streamed"]["peak"] - r["streamed"]["start"] for r in rows]
         models = [r["model_bytes"] for r in rows]
-        print(f"streamed: peak over start {', '.join(fmt_gb(x) for x in streamed)} GB for models of {', '.join(fmt_gb(x) for x in models)} GB "
-              f"(largest / smallest: {streamed[-1] / max(streamed[0], 1):.2f} vs model {models[-1] / models[0]:.1f})")
-        print("\nthe LoRA export (build_merged_dir: cpt/hf + an r=8 adapter on every projection, merged in fp32, exported bf16), GB: "
-              "peak = VmHWM over the export, start = RSS before it; whole = the base loaded in fp32 and merge_and_unload, streamed = "
-              "verify_memory_gb under the model (a tensor at a time); exports bitwise equal")
+        print(
+            f"streamed: peak over start {', '.join(fmt_gb(x) for x in streamed)} GB for models of {', '.join(fmt_gb(x) for x in models)} "
+            "GB "
+            f"(largest / smallest: {streamed[-1] / max(streamed[0], 1):.2f} vs model {models[-1] / models[0]:.1f})"
+        )
+        print(
+            "\nthe LoRA export (build_merged_dir: cpt/hf + an r=8 adapter on every projection, merged in fp32, "
+            "exported bf16), GB: "
+            "peak = VmHWM over the export, start = RSS before it; whole = the base loaded in fp32 and "
+            "merge_and_unload, streamed = "
+            "verify_memory_gb under the model (a tensor at a time); exports bitwise equal"
+        )
         print("size | model fp32 | whole: peak-start | s | streamed: peak-start | s | bitwise")
         for r in rows:
             w, m = r["merge"]["whole"], r["merge"]["streamed"]
-            print(" | ".join([r["size"], fmt_gb(r["model_bytes"] if dtype == "fp32" else 2 * r["model_bytes"]), fmt_gb(w["peak"] - w["start"]), f"{w['seconds']:.1f}",
-                              fmt_gb(m["peak"] - m["start"]), f"{m['seconds']:.1f}", "yes" if w["digest"] == m["digest"] else "NO"]))
+            print(
+                " | ".join(
+                    [
+                        r["size"],
+                        fmt_gb(r["model_bytes"] if dtype == "fp32" else 2 * r["model_bytes"]),
+                        fmt_gb(w["peak"] - w["start"]),
+                        f"{w['seconds']:.1f}",
+                        fmt_gb(m["peak"] - m["start"]),
+                        f"{m['seconds']:.1f}",
+                        "yes" if w["digest"] == m["digest"] else "NO",
+                    ]
+                )
+            )
         stamp = ", ".join(f"{r['stamp_s'] * 1e3:.1f} ms" for r in rows)
         hashed = ", ".join(f"{r['hashed_s']:.2f} s" for r in rows)
-        print(f"skip decision by stamp: {stamp} for artifacts of {', '.join(fmt_gb(r['artifact_bytes']) for r in rows)} GB (hashed: {hashed})")
-    for mode, how in (("cli", "the CLI alone, each process starting its embedded Prefect server"),
-                      ("server", "the CLI on a running Prefect server (PREFECT_API_URL), as a deployment's runs and retries")):
+        print(
+            f"skip decision by stamp: {stamp} for artifacts of {', '.join(fmt_gb(r['artifact_bytes']) for r in rows)} "
+            f"GB (hashed: {hashed})"
+        )
+    for mode, how in (
+        ("cli", "the CLI alone, each process starting its embedded Prefect server"),
+        ("server", "the CLI on a running Prefect server (PREFECT_API_URL), as a deployment's runs and retries"),
+    ):
         if demo and mode in demo:
             d = demo[mode]
             ran = sorted(k for k, v in d["statuses"].items() if v in ("completed", "failed"))
-            print(f"re-run of a finished demo run, {how}: {d['rerun_s']:.1f} s vs {d['first_s']:.1f} s first = {d['rerun_s'] / d['first_s']:.3f} x "
-                  f"(target <= 0.1 x); stages the re-run did not skip: {', '.join(ran) or 'none'}")
+            print(
+                f"re-run of a finished demo run, {how}: {d['rerun_s']:.1f} s vs {d['first_s']:.1f} s first = "
+                f"{d['rerun_s'] / d['first_s']:.3f} x "
+                f"(target <= 0.1 x); stages the re-run did not skip: {', '.join(ran) or 'none'}"
+            )
 
 
 if __name__ == "__main__":

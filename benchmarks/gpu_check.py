@@ -71,14 +71,32 @@ PEAK_MEASURED_TFLOPS = 790.0
 TARGET_RATIO = 0.97
 TOKENIZER_VOCAB = 512
 # ~302M parameters: 20 x 11.8M (GQA attention 3.1M + gated MLP 8.7M) + 2 x 32.8M (embedding, LM head).
-FULL_MODEL = dict(vocab_size=32000, hidden_size=1024, num_layers=20, num_heads=16, num_kv_heads=8,
-                  intermediate_size=2816, max_position_embeddings=4096)
-DRY_MODEL = dict(vocab_size=None, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                 intermediate_size=128, max_position_embeddings=4096)
+FULL_MODEL = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    num_layers=20,
+    num_heads=16,
+    num_kv_heads=8,
+    intermediate_size=2816,
+    max_position_embeddings=4096,
+)
+DRY_MODEL = dict(
+    vocab_size=None,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=4096,
+)
 # The dry run's changes to gpu-check.yaml (everything else, the CPT plugin included, is kept).
 DRY_OVERRIDES = {
     "cpt": {"max_steps": 8, "checkpoint_every": 4},
-    "sft": {"max_steps": 8, "checkpoint_every": 4, "plugin": {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"}},
+    "sft": {
+        "max_steps": 8,
+        "checkpoint_every": 4,
+        "plugin": {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"},
+    },
 }
 # --smoke: on top of DRY_OVERRIDES. Checkpoints every 2 steps so the kill (after step 3) falls inside
 # an interval and the throughput window (steps after the first 2, saves left out) keeps one step.
@@ -86,8 +104,17 @@ SMOKE_OVERRIDES = {
     "cpt": {"max_steps": 4, "checkpoint_every": 2, "seq_len": 256, "micro_batch_size": 2},
     "sft": {"max_steps": 4, "checkpoint_every": 2},
 }
-TIMEOUTS = {"env": 120, "kernels": 420, "model": 180, "preflight": 90, "plain": 240, "flow1": 420, "flow2": 300,
-            "logits": 150, "tests": 300}
+TIMEOUTS = {
+    "env": 120,
+    "kernels": 420,
+    "model": 180,
+    "preflight": 90,
+    "plain": 240,
+    "flow1": 420,
+    "flow2": 300,
+    "logits": 150,
+    "tests": 300,
+}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -131,14 +158,16 @@ def say(msg: str) -> None:
 def base_env(work: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    env.update({
-        "PYTHONUNBUFFERED": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_HOME": str(work / "prefect-home"),
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-        "COLUMNS": "200",
-    })
+    env.update(
+        {
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_HOME": str(work / "prefect-home"),
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+            "COLUMNS": "200",
+        }
+    )
     for k in ("CPT_TO_SFT_FAULT", "PREFECT_API_URL"):
         env.pop(k, None)
     return env
@@ -169,8 +198,9 @@ def start(ctx: Ctx, name: str, argv: list[str], timeout: float, env: dict[str, s
         return Proc(name, None, out, time.monotonic(), 0, skipped="out of the time budget")
     say(f"== {name}: {' '.join(argv[:6])}{' ...' if len(argv) > 6 else ''} (limit {limit:.0f}s)")
     with open(out, "w") as fh:  # the child holds its own copy of the handle; ours closes once it started
-        popen = subprocess.Popen(argv, cwd=REPO, env=env or base_env(ctx.work), stdout=fh, stderr=subprocess.STDOUT,
-                                 start_new_session=True)  # its own process group: a timeout ends all of it
+        popen = subprocess.Popen(
+            argv, cwd=REPO, env=env or base_env(ctx.work), stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        )  # its own process group: a timeout ends all of it
     return Proc(name, popen, out, time.monotonic(), limit)
 
 
@@ -188,7 +218,9 @@ def finish(ctx: Ctx, p: Proc) -> Proc:
         p.seconds = time.monotonic() - p.started
         say(f"   {p.name}: rc={p.rc}{' (TIMED OUT)' if p.timed_out else ''} in {p.seconds:.1f}s")
     with open(ctx.log_path, "a") as log:
-        log.write(f"\n{'=' * 100}\n== {p.name}: rc={p.rc} timed_out={p.timed_out} {p.seconds:.1f}s {p.skipped}\n{'=' * 100}\n")
+        log.write(
+            f"\n{'=' * 100}\n== {p.name}: rc={p.rc} timed_out={p.timed_out} {p.seconds:.1f}s {p.skipped}\n{'=' * 100}\n"
+        )
         log.write(p.output)
     return p
 
@@ -211,7 +243,7 @@ def records(text: str, kind: str) -> list[dict[str, Any]]:
     for line in text.splitlines():
         body = line.split("] ", 1)[1] if line.startswith("[rank") else line
         if body.startswith(f"@@{kind} "):
-            out.append(json.loads(body[len(kind) + 3:]))
+            out.append(json.loads(body[len(kind) + 3 :]))
     return out
 
 
@@ -251,7 +283,9 @@ def throughput(progress: list[dict[str, Any]], save_steps: set[int], skip: int) 
     out: dict[str, Any] = {"steps_used": len(used), "seconds": round(sec, 3), "tokens": int(tok)}
     out["tokens_per_s"] = tok / sec if sec > 0 else None
     if recs:
-        out["wall_tokens_per_s_incl_saves"] = recs[-1]["tokens"] / recs[-1]["elapsed_s"] if recs[-1]["elapsed_s"] else None
+        out["wall_tokens_per_s_incl_saves"] = (
+            recs[-1]["tokens"] / recs[-1]["elapsed_s"] if recs[-1]["elapsed_s"] else None
+        )
     return out
 
 
@@ -264,14 +298,33 @@ def cmd_env() -> int:
 
     import torch
 
-    info: dict[str, Any] = {"python": sys.version.split()[0], "executable": sys.executable, "torch": torch.__version__,
-                            "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+    }
     if info["cuda_available"]:
-        info.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
-                    capability=".".join(map(str, torch.cuda.get_device_capability(0))),
-                    memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
-    for name in ("transformers", "tokenizers", "huggingface-hub", "colossalai", "prefect", "pydantic", "safetensors",
-                 "numpy", "peft", "bitsandbytes", "galore-torch"):
+        info.update(
+            gpu=torch.cuda.get_device_name(0),
+            gpus=torch.cuda.device_count(),
+            capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+            memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+        )
+    for name in (
+        "transformers",
+        "tokenizers",
+        "huggingface-hub",
+        "colossalai",
+        "prefect",
+        "pydantic",
+        "safetensors",
+        "numpy",
+        "peft",
+        "bitsandbytes",
+        "galore-torch",
+    ):
         try:
             info[name] = md.version(name)
         except md.PackageNotFoundError:
@@ -331,8 +384,14 @@ def cmd_build_model(out: str, size: str) -> int:
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
     mc = json.loads((dest / "config.json").read_text())
-    info = {"path": str(dest), "params": estimate_parameters(mc), "vocab_size": mc["vocab_size"], "hidden_size": mc["hidden_size"],
-            "layers": mc["num_hidden_layers"], "seconds": round(time.monotonic() - t0, 1)}
+    info = {
+        "path": str(dest),
+        "params": estimate_parameters(mc),
+        "vocab_size": mc["vocab_size"],
+        "hidden_size": mc["hidden_size"],
+        "layers": mc["num_hidden_layers"],
+        "seconds": round(time.monotonic() - t0, 1),
+    }
     print("@@model " + json.dumps(info), flush=True)
     return 0
 
@@ -369,10 +428,20 @@ def cmd_flow(config: str, run_root: str, records_path: str) -> int:
             try:
                 result = real(verb, job, *args, **kwargs)
             except BaseException as exc:
-                write({"event": "end", "verb": verb, "stage": stage, "ok": False, "seconds": round(time.monotonic() - t0, 2),
-                       "error": str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__})
+                write(
+                    {
+                        "event": "end",
+                        "verb": verb,
+                        "stage": stage,
+                        "ok": False,
+                        "seconds": round(time.monotonic() - t0, 2),
+                        "error": str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__,
+                    }
+                )
                 raise
-            write({"event": "end", "verb": verb, "stage": stage, "ok": True, "seconds": round(time.monotonic() - t0, 2)})
+            write(
+                {"event": "end", "verb": verb, "stage": stage, "ok": True, "seconds": round(time.monotonic() - t0, 2)}
+            )
             return result
 
         tasks.train.run_engine = recording
@@ -391,11 +460,17 @@ def cmd_logits(export_dir: str, checkpoint_dir: str) -> int:
     from tasks.core.models.fingerprint import load_fingerprint, max_abs_diff, model_logits
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(export_dir, torch_dtype=torch.bfloat16, use_safetensors=True).to(device)
+    model = AutoModelForCausalLM.from_pretrained(export_dir, torch_dtype=torch.bfloat16, use_safetensors=True).to(
+        device
+    )
     logits = model_logits(model, model.config.vocab_size)
     ref = load_fingerprint(checkpoint_dir)
-    info = {"device": device, "max_abs_diff": max_abs_diff(logits, ref), "bitwise": bool(torch.equal(logits, ref)),
-            "ref_mean_abs": float(ref.abs().mean())}
+    info = {
+        "device": device,
+        "max_abs_diff": max_abs_diff(logits, ref),
+        "bitwise": bool(torch.equal(logits, ref)),
+        "ref_mean_abs": float(ref.abs().mean()),
+    }
     print("@@logits " + json.dumps(info), flush=True)
     return 0
 
@@ -459,7 +534,10 @@ def main_check(args: argparse.Namespace) -> int:
     py = sys.executable
     me = str(Path(__file__).resolve())
     t_start = time.monotonic()
-    say(f"gpu_check: {'DRY RUN on CPU' if args.dry_run else 'GPU'}; work dir {work}; log {ctx.log_path}; budget {args.budget_s:.0f}s")
+    say(
+        f"gpu_check: {'DRY RUN on CPU' if args.dry_run else 'GPU'}; work dir {work}; log {ctx.log_path}; budget "
+        f"{args.budget_s:.0f}s"
+    )
 
     cfg_path, raw = write_config(ctx)
     cpt, sft = raw["cpt"], raw["sft"]
@@ -478,28 +556,56 @@ def main_check(args: argparse.Namespace) -> int:
         bad.append(f"prefect {env_rec.get('prefect')} (want 3.9.x)")
     if not args.dry_run and not env_rec.get("cuda_available"):
         bad.append("torch sees no CUDA device")
-    summary = (f"python {env_rec.get('python')}, torch {env_rec.get('torch')} (CUDA {env_rec.get('torch_cuda')}), "
-               f"{env_rec.get('gpu', 'no GPU')}, transformers {env_rec.get('transformers')}, colossalai {env_rec.get('colossalai')}, "
-               f"prefect {env_rec.get('prefect')}, bitsandbytes {env_rec.get('bitsandbytes') or 'stub/absent'}, nvcc {env_rec.get('nvcc')}")
+    summary = (
+        f"python {env_rec.get('python')}, torch {env_rec.get('torch')} (CUDA {env_rec.get('torch_cuda')}), "
+        f"{env_rec.get('gpu', 'no GPU')}, transformers {env_rec.get('transformers')}, colossalai "
+        f"{env_rec.get('colossalai')}, "
+        f"prefect {env_rec.get('prefect')}, bitsandbytes {env_rec.get('bitsandbytes') or 'stub/absent'}, nvcc "
+        f"{env_rec.get('nvcc')}"
+    )
     ctx.check("env", p.rc == 0 and not bad, summary if p.rc == 0 and not bad else "; ".join(bad) or why(p))
 
     kernels = None if args.dry_run else start(ctx, "kernels", [py, me, "_kernels"], TIMEOUTS["kernels"])
-    p = run(ctx, "model", [py, me, "_build-model", "--out", str(model_dir), "--size", "dry" if args.dry_run else "full"], TIMEOUTS["model"])
+    p = run(
+        ctx,
+        "model",
+        [py, me, "_build-model", "--out", str(model_dir), "--size", "dry" if args.dry_run else "full"],
+        TIMEOUTS["model"],
+    )
     model_rec = (records(p.output, "model") or [{}])[0]
     ctx.figures["model"] = model_rec
-    ctx.check("model", p.rc == 0 and bool(model_rec),
-              f"{model_rec.get('params', 0) / 1e6:.1f}M parameters, hidden {model_rec.get('hidden_size')}, {model_rec.get('layers')} layers, "
-              f"vocab {model_rec.get('vocab_size')} (tokenizer {TOKENIZER_VOCAB}), written in {model_rec.get('seconds')}s" if p.rc == 0 else why(p))
+    ctx.check(
+        "model",
+        p.rc == 0 and bool(model_rec),
+        f"{model_rec.get('params', 0) / 1e6:.1f}M parameters, hidden {model_rec.get('hidden_size')}, "
+        f"{model_rec.get('layers')} layers, "
+        f"vocab {model_rec.get('vocab_size')} (tokenizer {TOKENIZER_VOCAB}), written in {model_rec.get('seconds')}s"
+        if p.rc == 0
+        else why(p),
+    )
     mc = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() else None
 
     # 2. pre-flight of the committed config: clean on the GPU; on CPU exactly the Gemini problem
-    p = run(ctx, "preflight", [py, "-m", "flows.cpt_to_sft", "--config", str(CONFIG), "--run-root", str(run_root), "--check"], TIMEOUTS["preflight"])
+    p = run(
+        ctx,
+        "preflight",
+        [py, "-m", "flows.cpt_to_sft", "--config", str(CONFIG), "--run-root", str(run_root), "--check"],
+        TIMEOUTS["preflight"],
+    )
     found = problems_in(p.output)
     ctx.figures["preflight_report"] = p.output.strip().splitlines()
     if args.dry_run:
-        say("   pre-flight report (gpu-check.yaml on this CPU machine):\n" + "\n".join("     " + ln for ln in p.output.strip().splitlines()))
-        ctx.check("preflight", p.rc == 1 and found == ["sft.plugin.name"],
-                  "exactly one problem on CPU: sft.plugin.name (gemini needs CUDA)" if found == ["sft.plugin.name"] else f"problems {found}, rc={p.rc}")
+        say(
+            "   pre-flight report (gpu-check.yaml on this CPU machine):\n"
+            + "\n".join("     " + ln for ln in p.output.strip().splitlines())
+        )
+        ctx.check(
+            "preflight",
+            p.rc == 1 and found == ["sft.plugin.name"],
+            "exactly one problem on CPU: sft.plugin.name (gemini needs CUDA)"
+            if found == ["sft.plugin.name"]
+            else f"problems {found}, rc={p.rc}",
+        )
     else:
         ctx.check("preflight", p.rc == 0, "clean" if p.rc == 0 else f"problems {found}: {why(p)}")
 
@@ -507,8 +613,11 @@ def main_check(args: argparse.Namespace) -> int:
         finish(ctx, kernels)
         krec = (records(kernels.output, "kernels") or [{}])[0]
         ctx.figures["kernels"] = krec
-        ctx.check("kernels", kernels.rc == 0 and bool(krec),
-                  f"built/loaded in {krec.get('seconds')}s, HybridAdam step ok" if kernels.rc == 0 else why(kernels))
+        ctx.check(
+            "kernels",
+            kernels.rc == 0 and bool(krec),
+            f"built/loaded in {krec.get('seconds')}s, HybridAdam step ok" if kernels.rc == 0 else why(kernels),
+        )
     else:
         ctx.check("kernels", None, "dry run: no CUDA here; HybridAdam's kernels are JIT-built on the GPU machine")
 
@@ -517,13 +626,39 @@ def main_check(args: argparse.Namespace) -> int:
         return report(ctx, t_start)
 
     # 3. the plain baseline (before the flow: nothing else runs on the machine meanwhile)
-    plain_argv = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cpt["launch"]["nproc_per_node"]),
-                  me.replace("gpu_check.py", "plain_colossalai_train.py"), "--model", str(model_dir),
-                  "--plugin", cpt["plugin"]["name"], "--tp", str(cpt["plugin"].get("tp_size", 1)),
-                  "--zero-stage", str(cpt["plugin"].get("zero_stage", 0)), "--precision", cpt["plugin"].get("precision", "bf16"),
-                  "--max-norm", str(cpt["plugin"].get("max_norm", 1.0)), "--seq-len", str(cpt["seq_len"]),
-                  "--micro-batch-size", str(cpt["micro_batch_size"]), "--steps", str(cpt["max_steps"]), "--lr", str(cpt["lr"]),
-                  "--warmup-steps", str(cpt.get("warmup_steps", 0)), "--token-vocab", str(TOKENIZER_VOCAB)]
+    plain_argv = [
+        py,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(cpt["launch"]["nproc_per_node"]),
+        me.replace("gpu_check.py", "plain_colossalai_train.py"),
+        "--model",
+        str(model_dir),
+        "--plugin",
+        cpt["plugin"]["name"],
+        "--tp",
+        str(cpt["plugin"].get("tp_size", 1)),
+        "--zero-stage",
+        str(cpt["plugin"].get("zero_stage", 0)),
+        "--precision",
+        cpt["plugin"].get("precision", "bf16"),
+        "--max-norm",
+        str(cpt["plugin"].get("max_norm", 1.0)),
+        "--seq-len",
+        str(cpt["seq_len"]),
+        "--micro-batch-size",
+        str(cpt["micro_batch_size"]),
+        "--steps",
+        str(cpt["max_steps"]),
+        "--lr",
+        str(cpt["lr"]),
+        "--warmup-steps",
+        str(cpt.get("warmup_steps", 0)),
+        "--token-vocab",
+        str(TOKENIZER_VOCAB),
+    ]
     if cpt.get("activation_checkpointing"):
         plain_argv.append("--activation-checkpointing")
     if cpt.get("grad_accum_steps", 1) != 1:
@@ -534,16 +669,32 @@ def main_check(args: argparse.Namespace) -> int:
     plain_progress = records(p.output, "progress")
     plain_kernels = (records(p.output, "kernels") or [{}])[0]
     finite = all(math.isfinite(float(r["loss"])) for r in plain_progress)
-    ctx.check("plain_baseline", p.rc == 0 and len(plain_progress) == cpt["max_steps"] and finite,
-              f"{len(plain_progress)} steps, last loss {plain_progress[-1]['loss']:.3f}" if plain_progress and p.rc == 0 else why(p, "no progress records"))
+    ctx.check(
+        "plain_baseline",
+        p.rc == 0 and len(plain_progress) == cpt["max_steps"] and finite,
+        f"{len(plain_progress)} steps, last loss {plain_progress[-1]['loss']:.3f}"
+        if plain_progress and p.rc == 0
+        else why(p, "no progress records"),
+    )
 
     # 4. the flow, SFT killed after step K; 5. the retry over the same run root
     rec1, rec2 = work / "records-run1.jsonl", work / "records-run2.jsonl"
     env1 = base_env(work)
     env1["CPT_TO_SFT_FAULT"] = f"kill@step={kill_step}@stage=sft"
-    p1 = run(ctx, "flow1-kill", [py, me, "_flow", "--config", str(cfg_path), "--run-root", str(run_root), "--records", str(rec1)], TIMEOUTS["flow1"], env1)
+    p1 = run(
+        ctx,
+        "flow1-kill",
+        [py, me, "_flow", "--config", str(cfg_path), "--run-root", str(run_root), "--records", str(rec1)],
+        TIMEOUTS["flow1"],
+        env1,
+    )
     if p1.timed_out:
-        run(ctx, "break-lease", [py, "-m", "flows.cpt_to_sft", "--config", str(cfg_path), "--run-root", str(run_root), "--break-lease"], 60)
+        run(
+            ctx,
+            "break-lease",
+            [py, "-m", "flows.cpt_to_sft", "--config", str(cfg_path), "--run-root", str(run_root), "--break-lease"],
+            60,
+        )
     r1 = read_jsonl(rec1)
     run1 = _read_json(run_root / "run.json")
     check_flow_kill(ctx, p1, r1, run1, kill_step, cpt, sft)
@@ -552,10 +703,32 @@ def main_check(args: argparse.Namespace) -> int:
     # and nothing measured runs any more.
     tests = None
     if not args.skip_tests:
-        tests = start(ctx, "gpu-tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                                         "tests/test_gpu.py", "tests/test_gpu_lora.py", "tests/test_eval_placement.py", "tests/test_gpu_construction.py"], TIMEOUTS["tests"])
+        tests = start(
+            ctx,
+            "gpu-tests",
+            [
+                py,
+                "-m",
+                "pytest",
+                "-m",
+                "gpu",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "tests/test_gpu.py",
+                "tests/test_gpu_lora.py",
+                "tests/test_eval_placement.py",
+                "tests/test_gpu_construction.py",
+            ],
+            TIMEOUTS["tests"],
+        )
 
-    p2 = run(ctx, "flow2-retry", [py, me, "_flow", "--config", str(cfg_path), "--run-root", str(run_root), "--records", str(rec2)], TIMEOUTS["flow2"])
+    p2 = run(
+        ctx,
+        "flow2-retry",
+        [py, me, "_flow", "--config", str(cfg_path), "--run-root", str(run_root), "--records", str(rec2)],
+        TIMEOUTS["flow2"],
+    )
     r2 = read_jsonl(rec2)
     run2 = _read_json(run_root / "run.json")
     check_flow_resume(ctx, p2, r1, r2, run2, sft)
@@ -570,19 +743,32 @@ def main_check(args: argparse.Namespace) -> int:
 
     ver = _read_json(export / VERIFICATION)
     if ver and final_sft.is_dir():
-        p = run(ctx, "logits", [py, me, "_logits", "--export", str(export), "--checkpoint", str(final_sft)], TIMEOUTS["logits"])
+        p = run(
+            ctx,
+            "logits",
+            [py, me, "_logits", "--export", str(export), "--checkpoint", str(final_sft)],
+            TIMEOUTS["logits"],
+        )
         lrec = (records(p.output, "logits") or [{}])[0]
         ctx.figures["export_logits"] = lrec
         # The flow's tolerance is relative to the logits' magnitude (tasks.core.models.fingerprint.compare_logits).
         tol = ver.get("fingerprint_rtol", 0.04) * ver.get("fingerprint_max_abs_logit", 1.0)
         ok = bool(ver.get("fingerprint_match")) and p.rc == 0 and lrec.get("max_abs_diff", 1e9) <= tol
-        ctx.check("export_fingerprint", ok,
-                  f"flow's check (transformers on CPU) max|dlogit| {ver.get('fingerprint_max_abs_diff'):.3g} <= {tol:.3g}; "
-                  f"recomputed on {lrec.get('device')}: {lrec.get('max_abs_diff', float('nan')):.3g}"
-                  f"{' (bitwise)' if lrec.get('bitwise') else ''}, logits mean |x| {lrec.get('ref_mean_abs', float('nan')):.3g}"
-                  if p.rc == 0 else why(p))
+        ctx.check(
+            "export_fingerprint",
+            ok,
+            f"flow's check (transformers on CPU) max|dlogit| {ver.get('fingerprint_max_abs_diff'):.3g} <= {tol:.3g}; "
+            f"recomputed on {lrec.get('device')}: {lrec.get('max_abs_diff', float('nan')):.3g}"
+            f"{' (bitwise)' if lrec.get('bitwise') else ''}, logits mean |x| {lrec.get('ref_mean_abs', float('nan')):.3g}"
+            if p.rc == 0
+            else why(p),
+        )
     else:
-        ctx.check("export_fingerprint", False, "no export/.cpt-to-sft/verification.json or final SFT checkpoint: the flow did not complete")
+        ctx.check(
+            "export_fingerprint",
+            False,
+            "no export/.cpt-to-sft/verification.json or final SFT checkpoint: the flow did not complete",
+        )
 
     # 7. throughput: the flow's CPT stage vs the plain script, with the same kernels
     check_throughput(ctx, r1, plain_progress, mc, cpt, skip)
@@ -595,12 +781,20 @@ def main_check(args: argparse.Namespace) -> int:
         p = finish(ctx, tests)
         last = [ln for ln in p.output.splitlines() if ln.strip()][-1:] or ["no output"]
         if p.skipped or p.timed_out:
-            ctx.check("gpu_tests", None if p.skipped else False, why(p) + "; run: python -m pytest -m gpu tests/test_gpu.py")
+            ctx.check(
+                "gpu_tests", None if p.skipped else False, why(p) + "; run: python -m pytest -m gpu tests/test_gpu.py"
+            )
         elif args.dry_run:
-            ctx.check("gpu_tests", p.rc == 0 and "skipped" in last[0] and "failed" not in last[0], f"no CUDA, collected and skipped: {last[0].strip('= ')}")
+            ctx.check(
+                "gpu_tests",
+                p.rc == 0 and "skipped" in last[0] and "failed" not in last[0],
+                f"no CUDA, collected and skipped: {last[0].strip('= ')}",
+            )
         else:
             failed = [ln.strip()[:200] for ln in p.output.splitlines() if ln.startswith("FAILED")]
-            ctx.check("gpu_tests", p.rc == 0, last[0].strip("= ") + ("" if p.rc == 0 else f"; {' | '.join(failed) or why(p)}"))
+            ctx.check(
+                "gpu_tests", p.rc == 0, last[0].strip("= ") + ("" if p.rc == 0 else f"; {' | '.join(failed) or why(p)}")
+            )
     return report(ctx, t_start)
 
 
@@ -642,9 +836,14 @@ def check_flow_kill(ctx: Ctx, p: Proc, r1, run1, kill_step: int, cpt, sft) -> No
         problems.append(f"run.json says train_sft {stages.get('train_sft')!r}, expected 'failed'")
     if p.timed_out or p.skipped:
         problems.insert(0, why(p))
-    ctx.check("flow_kill", not problems,
-              f"CPT {len(cpt_steps)} steps, unshard, evaluate_cpt and reboost done, SFT SIGKILLed after step {kill_step}, run.json records train_sft failed"
-              if not problems else "; ".join(problems))
+    ctx.check(
+        "flow_kill",
+        not problems,
+        f"CPT {len(cpt_steps)} steps, unshard, evaluate_cpt and reboost done, SFT SIGKILLed after step {kill_step}, "
+        "run.json records train_sft failed"
+        if not problems
+        else "; ".join(problems),
+    )
 
 
 def check_flow_resume(ctx: Ctx, p: Proc, r1, r2, run2, sft) -> None:
@@ -675,10 +874,15 @@ def check_flow_resume(ctx: Ctx, p: Proc, r1, r2, run2, sft) -> None:
     # upcast; tests/test_gpu.py checks the first resumed step bitwise with deterministic kernels.
     if diffs and max(diffs) > 0.05:
         problems.append(f"redone steps' losses differ by up to {max(diffs):.3g} from the first try")
-    ctx.check("flow_resume", not problems,
-              f"only SFT relaunched, resumed from step {resumed_from} ({len(redone)} steps redone, <= one interval of {every}), completed; "
-              f"redone losses max|d| {max(diffs) if diffs else float('nan'):.2g}{' (bitwise)' if bitwise and redone else ''}"
-              if not problems else "; ".join(problems))
+    ctx.check(
+        "flow_resume",
+        not problems,
+        f"only SFT relaunched, resumed from step {resumed_from} ({len(redone)} steps redone, <= one interval of "
+        f"{every}), completed; "
+        f"redone losses max|d| {max(diffs) if diffs else float('nan'):.2g}{' (bitwise)' if bitwise and redone else ''}"
+        if not problems
+        else "; ".join(problems),
+    )
 
 
 def check_sft_checkpoint(ctx: Ctx, final_sft: Path, sft) -> None:
@@ -705,9 +909,14 @@ def check_sft_checkpoint(ctx: Ctx, final_sft: Path, sft) -> None:
             keys = sorted(f.keys())
     if ctx.cuda and "cuda" not in keys:
         problems.append(f"rng state keys {keys}: no CUDA generator state")
-    ctx.check("sft_checkpoint", not problems,
-              f"{final_sft.name} verifies ({len(m['files'])} files), plugin {plugin}, optimizer {opt}, "
-              f"weights {meta.get('weights_dtype')}, rng {keys}" if not problems else "; ".join(problems))
+    ctx.check(
+        "sft_checkpoint",
+        not problems,
+        f"{final_sft.name} verifies ({len(m['files'])} files), plugin {plugin}, optimizer {opt}, "
+        f"weights {meta.get('weights_dtype')}, rng {keys}"
+        if not problems
+        else "; ".join(problems),
+    )
 
 
 def check_throughput(ctx: Ctx, r1, plain_progress, mc, cpt, skip: int) -> None:
@@ -733,24 +942,52 @@ def check_throughput(ctx: Ctx, r1, plain_progress, mc, cpt, skip: int) -> None:
     peak_mem = max((int(r["peak_mem_bytes"]) for r in used if r.get("peak_mem_bytes")), default=None)
     f["engine_mfu_median"] = eng_mfu[len(eng_mfu) // 2] if eng_mfu else None
     f["peak_mem_gib"] = round(peak_mem / 2**30, 2) if peak_mem else None
-    ctx.figures["throughput"] = {"flow": f, "plain": pl, "ratio": ratio, "flops_per_token": fpt, "checkpoint_steps_left_out": sorted(saves)}
+    ctx.figures["throughput"] = {
+        "flow": f,
+        "plain": pl,
+        "ratio": ratio,
+        "flops_per_token": fpt,
+        "checkpoint_steps_left_out": sorted(saves),
+    }
     say("")
-    say(f"   CPT throughput, steps {skip + 1}..{cpt['max_steps']} (intervals with a checkpoint save left out), "
-        f"{cpt['micro_batch_size']} x {cpt['seq_len']} tokens/step, {fpt / 1e9:.2f} GFLOP/token:")
-    say(f"   {'':8} {'tokens/s':>12} {'TFLOP/s/GPU':>12} {'MFU@989':>8} {'MFU@790':>8} {'steps':>6} {'wall tok/s incl. saves':>24}")
+    say(
+        f"   CPT throughput, steps {skip + 1}..{cpt['max_steps']} (intervals with a checkpoint save left out), "
+        f"{cpt['micro_batch_size']} x {cpt['seq_len']} tokens/step, {fpt / 1e9:.2f} GFLOP/token:"
+    )
+    say(
+        f"   {'':8} {'tokens/s':>12} {'TFLOP/s/GPU':>12} {'MFU@989':>8} {'MFU@790':>8} {'steps':>6} {'wall tok/s incl. saves':>24}"
+    )
     for name, d in (("flow", f), ("plain", pl)):
         wall = d.get("wall_tokens_per_s_incl_saves")
-        say(f"   {name:8} {d['tokens_per_s'] or 0:12.0f} {d['tflops_per_gpu']:12.1f} {d['mfu_spec']:8.1%} {d['mfu_measured_peak']:8.1%} "
-            f"{d['steps_used']:6d} {wall or 0:24.0f}")
+        say(
+            f"   {name:8} {d['tokens_per_s'] or 0:12.0f} {d['tflops_per_gpu']:12.1f} {d['mfu_spec']:8.1%} "
+            f"{d['mfu_measured_peak']:8.1%} "
+            f"{d['steps_used']:6d} {wall or 0:24.0f}"
+        )
     say(f"   flow / plain = {ratio:.3f} (target >= {TARGET_RATIO})" if ratio else "   flow / plain = n/a")
     if f["engine_mfu_median"] is not None or f["peak_mem_gib"] is not None:
-        say(f"   the engine's own figures: median MFU {f['engine_mfu_median'] or 0:.1%} (6N incl. embeddings, tasks/core/models/flops.py peak), "
-            f"peak GPU memory {f['peak_mem_gib']} GiB")
-    detail = (f"flow {f['tokens_per_s']:.0f} tok/s = {f['tflops_per_gpu']:.1f} TFLOP/s/GPU (MFU {f['mfu_spec']:.1%} of 989, "
-              f"{f['mfu_measured_peak']:.1%} of 790), plain {pl['tokens_per_s']:.0f} tok/s = {pl['tflops_per_gpu']:.1f} TFLOP/s; "
-              f"ratio {ratio:.3f} (target >= {TARGET_RATIO})") if ratio else "no window"
+        say(
+            f"   the engine's own figures: median MFU {f['engine_mfu_median'] or 0:.1%} (6N incl. embeddings, "
+            "tasks/core/models/flops.py peak), "
+            f"peak GPU memory {f['peak_mem_gib']} GiB"
+        )
+    detail = (
+        (
+            f"flow {f['tokens_per_s']:.0f} tok/s = {f['tflops_per_gpu']:.1f} TFLOP/s/GPU (MFU {f['mfu_spec']:.1%} of "
+            "989, "
+            f"{f['mfu_measured_peak']:.1%} of 790), plain {pl['tokens_per_s']:.0f} tok/s = {pl['tflops_per_gpu']:.1f} "
+            "TFLOP/s; "
+            f"ratio {ratio:.3f} (target >= {TARGET_RATIO})"
+        )
+        if ratio
+        else "no window"
+    )
     if ctx.args.dry_run:
-        ctx.check("throughput", bool(ratio) and f["steps_used"] > 0 and pl["steps_used"] > 0, "dry run, parsed, not judged on CPU: " + detail)
+        ctx.check(
+            "throughput",
+            bool(ratio) and f["steps_used"] > 0 and pl["steps_used"] > 0,
+            "dry run, parsed, not judged on CPU: " + detail,
+        )
     else:
         ctx.check("throughput", bool(ratio) and ratio >= TARGET_RATIO, detail)
 
@@ -760,23 +997,44 @@ def check_same_kernels(ctx: Ctx, r1, plain: dict[str, Any]) -> None:
     from tasks.core.config.kernels import describe
 
     flow = next((r for r in r1 if r["event"] == "kernels" and r["stage"] == "cpt" and r["verb"] == "train"), {})
-    ctx.figures["kernels_used"] = {"flow": flow.get("kernels"), "plain": plain.get("kernels"),
-                                   "activation_checkpointing": [flow.get("activation_checkpointing"), plain.get("activation_checkpointing")]}
-    same = bool(flow) and flow.get("kernels") == plain.get("kernels") and flow.get("activation_checkpointing") == plain.get("activation_checkpointing")
+    ctx.figures["kernels_used"] = {
+        "flow": flow.get("kernels"),
+        "plain": plain.get("kernels"),
+        "activation_checkpointing": [flow.get("activation_checkpointing"), plain.get("activation_checkpointing")],
+    }
+    same = (
+        bool(flow)
+        and flow.get("kernels") == plain.get("kernels")
+        and flow.get("activation_checkpointing") == plain.get("activation_checkpointing")
+    )
     ac = "on" if flow.get("activation_checkpointing") else "off"
-    ctx.check("same_kernels", same, f"{describe(flow.get('kernels') or {})}; activation checkpointing: {ac}" if same
-              else f"flow {flow.get('kernels')} (ac {flow.get('activation_checkpointing')}) vs plain {plain.get('kernels')} (ac {plain.get('activation_checkpointing')})")
+    ctx.check(
+        "same_kernels",
+        same,
+        f"{describe(flow.get('kernels') or {})}; activation checkpointing: {ac}"
+        if same
+        else f"flow {flow.get('kernels')} (ac {flow.get('activation_checkpointing')}) vs plain {plain.get('kernels')} "
+        f"(ac {plain.get('activation_checkpointing')})",
+    )
 
 
 def report(ctx: Ctx, t_start: float) -> int:
     total = time.monotonic() - t_start
-    summary = {"dry_run": ctx.args.dry_run, "seconds": round(total, 1), "checks": [c.__dict__ for c in ctx.checks], "figures": ctx.figures}
+    summary = {
+        "dry_run": ctx.args.dry_run,
+        "seconds": round(total, 1),
+        "checks": [c.__dict__ for c in ctx.checks],
+        "figures": ctx.figures,
+    }
     spath = ctx.log_path.with_name("summary.json")
     spath.write_text(json.dumps(summary, indent=1, default=str) + "\n")
     for name in ("stages_run1", "stages_run2"):
         if ctx.figures.get(name):
             say(f"\n   {name.replace('_', ' ')} (run.json):\n" + "\n".join("     " + ln for ln in ctx.figures[name]))
-    say(f"\n== summary ({'dry run, CPU' if ctx.args.dry_run else 'GPU'}; {total:.0f}s; full log {ctx.log_path}; {spath.name}) ==")
+    say(
+        f"\n== summary ({'dry run, CPU' if ctx.args.dry_run else 'GPU'}; {total:.0f}s; full log {ctx.log_path}; "
+        f"{spath.name}) =="
+    )
     for c in ctx.checks:
         say(c.line())
     failed = [c.name for c in ctx.checks if c.status == "failed"]
@@ -810,11 +1068,22 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_logits(a.export, a.checkpoint)
         sub.error(f"unknown internal command {verb}")
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dry-run", action="store_true", help="CPU: small model, SFT on low_level_zero, fewer steps; no kernels")
-    p.add_argument("--budget-s", type=float, default=None, help="start no step after this many seconds (default 540; 1800 with --dry-run)")
+    p.add_argument(
+        "--dry-run", action="store_true", help="CPU: small model, SFT on low_level_zero, fewer steps; no kernels"
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no step after this many seconds (default 540; 1800 with --dry-run)",
+    )
     p.add_argument("--work", help="scratch directory, emptied first (default /tmp/gpu-check[-dry])")
     p.add_argument("--skip-tests", action="store_true", help="do not run tests/test_gpu.py")
-    p.add_argument("--smoke", action="store_true", help="the dry run at 4 steps a stage (implies --dry-run and --skip-tests): checks the script runs")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the dry run at 4 steps a stage (implies --dry-run and --skip-tests): checks the script runs",
+    )
     args = p.parse_args(argv)
     args.dry_run = args.dry_run or args.smoke
     args.skip_tests = args.skip_tests or args.smoke

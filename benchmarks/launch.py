@@ -50,7 +50,12 @@ from tests.servers.slurm import SlurmCluster, slurm_available
 
 LAUNCHES = {
     "local": {"backend": "local", "nnodes": 1, "nproc_per_node": 2},
-    "slurm": {"backend": "slurm", "nnodes": 2, "nproc_per_node": 1, "slurm": {"partition": "debug", "time_limit": "10"}},
+    "slurm": {
+        "backend": "slurm",
+        "nnodes": 2,
+        "nproc_per_node": 1,
+        "slurm": {"partition": "debug", "time_limit": "10"},
+    },
 }
 ENV = {"GLOO_SOCKET_IFNAME": "lo"}
 
@@ -62,8 +67,18 @@ class _Quiet(logging.Logger):
 
 def _job(cfg, model: Path, data: Path, stage_dir: Path, verb: str) -> Job:
     """The job tasks/train.py writes for the cpt stage; `data` is the prepared data/cpt of `cfg`."""
-    return Job(verb=verb, stage="cpt", stage_cfg=cfg.cpt, trust_remote_code=cfg.base_model.trust_remote_code, model_dir=model,
-               tokenizer_dir=model, data_dir=data, stage_dir=stage_dir, parent=Parent(uri=str(model), digest="bench"), config_digest="b" * 64)
+    return Job(
+        verb=verb,
+        stage="cpt",
+        stage_cfg=cfg.cpt,
+        trust_remote_code=cfg.base_model.trust_remote_code,
+        model_dir=model,
+        tokenizer_dir=model,
+        data_dir=data,
+        stage_dir=stage_dir,
+        parent=Parent(uri=str(model), digest="bench"),
+        config_digest="b" * 64,
+    )
 
 
 def _prepared(cfg, model: Path, out: Path) -> Path:
@@ -92,8 +107,16 @@ def first_step_s(backend: str, model: Path, data: Path, step0: Path, work: Path,
     shutil.copytree(step0, stage_dir / step0.name)
     first: list[float] = []
     t0 = time.monotonic()
-    run_engine("train", _job(cfg, model, data, stage_dir, "train"), work / "jobs" / "train.json", cfg.cpt.launch, f"bench-{backend}", _Quiet(),
-               on_progress=lambda rec: first.append(time.monotonic()) if not first else None, env=ENV)
+    run_engine(
+        "train",
+        _job(cfg, model, data, stage_dir, "train"),
+        work / "jobs" / "train.json",
+        cfg.cpt.launch,
+        f"bench-{backend}",
+        _Quiet(),
+        on_progress=lambda rec: first.append(time.monotonic()) if not first else None,
+        env=ENV,
+    )
     if not first:
         raise RuntimeError(f"{backend}: the stage trained no step")
     return first[0] - t0
@@ -107,8 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.repeats = 1
     # the same conditions as tests/conftest_slurm.py's slurm_cluster fixture
-    no_slurm = ("Slurm is not installed (slurmctld/slurmd/sbatch/munged)" if not slurm_available()
-                else "the Slurm test cluster needs root" if os.geteuid() != 0 else None)
+    no_slurm = (
+        "Slurm is not installed (slurmctld/slurmd/sbatch/munged)"
+        if not slurm_available()
+        else "the Slurm test cluster needs root"
+        if os.geteuid() != 0
+        else None
+    )
     backends = [b for b in LAUNCHES if b != "slurm" or not no_slurm]
     if no_slurm:
         print(f"slurm: skipped ({no_slurm}; sudo bash scripts/install_system.sh installs it)", flush=True)
@@ -122,7 +150,15 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _config(model, tmp / "seed", "local", args.smoke)
             seed_dir = tmp / "seed" / "cpt"
             data = _prepared(cfg, model, tmp / "data-cpt")
-            run_engine("shard", _job(cfg, model, data, seed_dir, "shard"), tmp / "seed" / "shard.json", cfg.cpt.launch, "bench-shard", _Quiet(), env=ENV)
+            run_engine(
+                "shard",
+                _job(cfg, model, data, seed_dir, "shard"),
+                tmp / "seed" / "shard.json",
+                cfg.cpt.launch,
+                "bench-shard",
+                _Quiet(),
+                env=ENV,
+            )
             step0 = seed_dir / "step-000000"
             times: dict[str, list[float]] = {b: [] for b in LAUNCHES}
             for r in range(args.repeats):
@@ -149,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nSlurm adds: not measured ({no_slurm})")
         return 0
     added = statistics.median(slu) - statistics.median(loc)
-    print(f"\nSlurm adds {added:+.2f} s (median) to the first training step; target <= 3 s: {'met' if added <= 3 else 'NOT met'}")
+    print(
+        f"\nSlurm adds {added:+.2f} s (median) to the first training step; target <= 3 s: {'met' if added <= 3 else 'NOT met'}"
+    )
     return 0
 
 

@@ -77,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
     from tasks.core.run.manifest import write_manifest
 
-    size = {} if args.smoke else {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1536}
+    size = (
+        {}
+        if args.smoke
+        else {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1536}
+    )
     steps = 2 if args.smoke else args.steps
     work = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     try:
@@ -89,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     frozen = lora["total_params"] - lora["trainable_params"]
     result = {
-        "full": full, "lora": lora,
+        "full": full,
+        "lora": lora,
         "checkpoint_share": round(lora["checkpoint_bytes"] / full["checkpoint_bytes"], 4),
         "peak_saving_bytes": full["peak_rank_bytes"] - lora["peak_rank_bytes"],
         # ZeRO-2 over 2 ranks: fp32 master + two fp32 moments of the frozen weights, halved per rank

@@ -35,8 +35,32 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-WORDS = ("the", "model", "data", "train", "token", "batch", "sample", "loss", "learn", "court", "ruling", "statute", "appeal",
-         "protein", "enzyme", "cell", "orbit", "planet", "river", "market", "price", "city", "engine", "signal")
+WORDS = (
+    "the",
+    "model",
+    "data",
+    "train",
+    "token",
+    "batch",
+    "sample",
+    "loss",
+    "learn",
+    "court",
+    "ruling",
+    "statute",
+    "appeal",
+    "protein",
+    "enzyme",
+    "cell",
+    "orbit",
+    "planet",
+    "river",
+    "market",
+    "price",
+    "city",
+    "engine",
+    "signal",
+)
 WEIGHTS = {"big": 0.6, "mid": 0.3, "small": 0.1}
 
 
@@ -60,8 +84,18 @@ def make_source(d: Path, mb: float, files: int, seed: int) -> str:
 def stage_cfg(data: dict, steps: int, micro: int, seq_len: int):
     from tasks.core.config.schema import StageConfig
 
-    return StageConfig.model_validate({"data": data, "plugin": {"name": "torch_ddp", "precision": "fp32"}, "launch": {"nproc_per_node": 1},
-                                       "max_steps": steps, "micro_batch_size": micro, "seq_len": seq_len, "lr": 1e-4, "seed": 1234})
+    return StageConfig.model_validate(
+        {
+            "data": data,
+            "plugin": {"name": "torch_ddp", "precision": "fp32"},
+            "launch": {"nproc_per_node": 1},
+            "max_steps": steps,
+            "micro_batch_size": micro,
+            "seq_len": seq_len,
+            "lr": 1e-4,
+            "seed": 1234,
+        }
+    )
 
 
 def prepare_mode(cfg, tokdir: Path, out: Path) -> float:
@@ -72,7 +106,17 @@ def prepare_mode(cfg, tokdir: Path, out: Path) -> float:
     shutil.rmtree(out, ignore_errors=True)
     sources = [Source(s.name, s.uris, s.weight) for s in cfg.data.source_list]
     t0 = time.perf_counter()
-    prepare(sources, tokdir, out, workers=2, kind="cpt", field="text", seq_len=cfg.seq_len, heldout_fraction=0.0, blend_plan=blend_plan(cfg, "cpt"))
+    prepare(
+        sources,
+        tokdir,
+        out,
+        workers=2,
+        kind="cpt",
+        field="text",
+        seq_len=cfg.seq_len,
+        heldout_fraction=0.0,
+        blend_plan=blend_plan(cfg, "cpt"),
+    )
     return time.perf_counter() - t0
 
 
@@ -81,8 +125,18 @@ def data_times(cfg, tokdir: Path, data_dir: Path, probe_steps: int) -> tuple[flo
     from tasks.core.run.job import Job
     from tasks.engine.loop import StageData
 
-    job = Job(verb="train", stage="cpt", stage_cfg=cfg, trust_remote_code=False, model_dir=str(tokdir), tokenizer_dir=str(tokdir),
-              data_dir=str(data_dir), stage_dir=str(data_dir.parent / "stage"), parent=None, config_digest=None)
+    job = Job(
+        verb="train",
+        stage="cpt",
+        stage_cfg=cfg,
+        trust_remote_code=False,
+        model_dir=str(tokdir),
+        tokenizer_dir=str(tokdir),
+        data_dir=str(data_dir),
+        stage_dir=str(data_dir.parent / "stage"),
+        parent=None,
+        config_digest=None,
+    )
     t0 = time.perf_counter()
     data = StageData(job, 0, 1)
     data.next_batch()
@@ -109,11 +163,19 @@ def shares(data_dir: Path) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="benchmarks/mixture.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, the same code path and table")
-    ap.add_argument("--repeat", type=int, default=None, help="runs of each mode, alternated; the best is kept (default 3, smoke 1)")
-    ap.add_argument("--probe-steps", type=int, default=None, help="batches timed after start-up (default 200, smoke 20)")
+    ap.add_argument(
+        "--repeat", type=int, default=None, help="runs of each mode, alternated; the best is kept (default 3, smoke 1)"
+    )
+    ap.add_argument(
+        "--probe-steps", type=int, default=None, help="batches timed after start-up (default 200, smoke 20)"
+    )
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     a = ap.parse_args(argv)
-    sizes = {"big": (0.6, 3), "mid": (0.2, 2), "small": (0.04, 1)} if a.smoke else {"big": (24.0, 6), "mid": (8.0, 4), "small": (2.0, 2)}
+    sizes = (
+        {"big": (0.6, 3), "mid": (0.2, 2), "small": (0.04, 1)}
+        if a.smoke
+        else {"big": (24.0, 6), "mid": (8.0, 4), "small": (2.0, 2)}
+    )
     steps, micro, seq_len = (60, 8, 128) if a.smoke else (2000, 32, 256)
     repeat = a.repeat or (1 if a.smoke else 3)
     probe = a.probe_steps or (20 if a.smoke else 200)
@@ -126,7 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     build_tokenizer(DEFAULT_CORPUS, vocab_size=512).save_pretrained(tokdir)
     dirs = {n: make_source(work / "corpus" / n, mb, files, seed) for seed, (n, (mb, files)) in enumerate(sizes.items())}
     files = [str(p) for n in dirs for p in sorted(Path(dirs[n]).iterdir())]
-    mix = stage_cfg({"sources": [{"name": n, "uri": dirs[n], "weight": WEIGHTS[n]} for n in dirs]}, steps, micro, seq_len)
+    mix = stage_cfg(
+        {"sources": [{"name": n, "uri": dirs[n], "weight": WEIGHTS[n]} for n in dirs]}, steps, micro, seq_len
+    )
     one = stage_cfg({"uri": files}, steps, micro, seq_len)
 
     prep = {"mixture": [], "single": []}
@@ -145,14 +209,22 @@ def main(argv: list[str] | None = None) -> None:
     index = json.loads((work / "mixture" / "data" / "index.json").read_text())
     counted = shares(work / "mixture" / "data")
     total_mb = sum(f.stat().st_size for d in dirs.values() for f in Path(d).iterdir()) / 1e6
-    print(f"\nmixture vs one source: {total_mb:.1f} MB in {len(files)} files, {steps} steps x {micro} blocks of {seq_len} tokens "
-          f"({steps * micro:,} planned blocks), best of {repeat}\n")
-    print(f"{'source':<8} {'weight':>7} {'share':>8} {'|diff|':>8} {'epochs':>8} {'blocks avail':>13} {'tokens avail':>13}")
+    print(
+        f"\nmixture vs one source: {total_mb:.1f} MB in {len(files)} files, {steps} steps x {micro} blocks of "
+        f"{seq_len} tokens "
+        f"({steps * micro:,} planned blocks), best of {repeat}\n"
+    )
+    print(
+        f"{'source':<8} {'weight':>7} {'share':>8} {'|diff|':>8} {'epochs':>8} {'blocks avail':>13} {'tokens avail':>13}"
+    )
     worst = 0.0
     for s in index["sources"]:
         diff = abs(counted[s["name"]] - s["weight"])
         worst = max(worst, diff)
-        print(f"{s['name']:<8} {s['weight']:>7.3f} {counted[s['name']]:>8.4f} {diff:>8.4f} {s['epochs']:>8.3f} {s['samples_available']:>13,} {s['tokens_available']:>13,}")
+        print(
+            f"{s['name']:<8} {s['weight']:>7.3f} {counted[s['name']]:>8.4f} {diff:>8.4f} {s['epochs']:>8.3f} "
+            f"{s['samples_available']:>13,} {s['tokens_available']:>13,}"
+        )
     print(f"\n{'':<28} {'one source':>12} {'mixture':>12} {'ratio':>8}")
     rows = [("prepare (s)", prep), ("data start-up (ms)", start), ("per-step data (ms)", step)]
     ratios = {}
@@ -162,8 +234,10 @@ def main(argv: list[str] | None = None) -> None:
         ratios[label] = m / b
         print(f"{label:<28} {b * scale:>12.3f} {m * scale:>12.3f} {m / b:>8.3f}")
     ok = worst <= 0.01 and ratios["data start-up (ms)"] <= 1.05 and ratios["per-step data (ms)"] <= 1.05
-    print(f"\ntargets: every share within 0.01 of its weight (worst {worst:.4f}); start-up and per-step data <= 1.05x: "
-          f"{'met' if ok else 'NOT met'}")
+    print(
+        f"\ntargets: every share within 0.01 of its weight (worst {worst:.4f}); start-up and per-step data <= 1.05x: "
+        f"{'met' if ok else 'NOT met'}"
+    )
     print(f"command: python benchmarks/mixture.py{' --smoke' if a.smoke else ''}")
     if not a.work:
         shutil.rmtree(work, ignore_errors=True)

@@ -64,13 +64,31 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95))
-    p.add_argument("--token-vocab", type=int, default=None, help="draw token ids below this (default: the model's vocab_size)")
-    p.add_argument("--first-token-id", type=int, default=None,
-                   help="draw token ids from this one up (default: above the tokenizer's special tokens; see the docstring's NaN)")
-    p.add_argument("--activation-checkpointing", action="store_true", help="recompute each decoder layer in the backward (ColossalAI's -g)")
-    p.add_argument("--no-kernels", action="store_true", help="every fast kernel off (the registry's CPU answer), to see what they give")
+    p.add_argument(
+        "--token-vocab", type=int, default=None, help="draw token ids below this (default: the model's vocab_size)"
+    )
+    p.add_argument(
+        "--first-token-id",
+        type=int,
+        default=None,
+        help="draw token ids from this one up (default: above the tokenizer's special tokens; see the docstring's NaN)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each decoder layer in the backward (ColossalAI's -g)",
+    )
+    p.add_argument(
+        "--no-kernels",
+        action="store_true",
+        help="every fast kernel off (the registry's CPU answer), to see what they give",
+    )
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--smoke", action="store_true", help="a tiny random model in a temp dir, 3 steps of 2 x 64 tokens: checks the script runs")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny random model in a temp dir, 3 steps of 2 x 64 tokens: checks the script runs",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.seq_len, args.micro_batch_size, args.warmup_steps = 3, 64, 2, 1
@@ -149,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
 
     model_type = json.loads((Path(args.model) / "config.json").read_text()).get("model_type")
     states = kernels(args, cuda, model_type)
-    model, info = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32, use_safetensors=True,
-                                                       output_loading_info=True, **passed(states, "model"))
+    model, info = AutoModelForCausalLM.from_pretrained(
+        args.model, torch_dtype=torch.float32, use_safetensors=True, output_loading_info=True, **passed(states, "model")
+    )
     if any(info.values()):
         raise SystemExit(f"{args.model}: weights do not match the model's config: {info}")
     model.train()
@@ -162,8 +181,13 @@ def main(argv: list[str] | None = None) -> int:
 
         special = AutoTokenizer.from_pretrained(args.model).all_special_ids
         args.first_token_id = max(special) + 1 if special else 0
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=tuple(args.betas), weight_decay=args.weight_decay,
-                                  **passed(states, "optimizer"))
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=args.lr,
+        betas=tuple(args.betas),
+        weight_decay=args.weight_decay,
+        **passed(states, "optimizer"),
+    )
 
     def factor(step: int) -> float:  # linear warm-up, then cosine to 0, as the engine's default
         if step < args.warmup_steps:
@@ -183,10 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     data = torch.randint(args.first_token_id, vocab, (args.steps, args.micro_batch_size, args.seq_len), generator=g)
     attn = getattr(getattr(model, "unwrap", lambda: model)(), "config", None)
     if rank == 0:
-        print(f"plain: {args.plugin} tp={args.tp} zero={args.zero_stage} {args.precision} on {world} rank(s), "
-              f"{'CUDA ' + torch.cuda.get_device_name(0) if cuda else 'CPU'}; attention {getattr(attn, '_attn_implementation', '?')}; "
-              f"{args.steps} steps x {args.micro_batch_size} x {args.seq_len} tokens, ids {args.first_token_id}..{vocab - 1}", flush=True)
-        print(f"plain: kernels: {report(states)}; activation checkpointing: {'on' if args.activation_checkpointing else 'off'}", flush=True)
+        print(
+            f"plain: {args.plugin} tp={args.tp} zero={args.zero_stage} {args.precision} on {world} rank(s), "
+            f"{'CUDA ' + torch.cuda.get_device_name(0) if cuda else 'CPU'}; attention {getattr(attn, '_attn_implementation', '?')}; "
+            f"{args.steps} steps x {args.micro_batch_size} x {args.seq_len} tokens, ids {args.first_token_id}..{vocab - 1}",
+            flush=True,
+        )
+        print(
+            f"plain: kernels: {report(states)}; activation checkpointing: {'on' if args.activation_checkpointing else 'off'}",
+            flush=True,
+        )
         rec = {"kernels": record(states), "activation_checkpointing": args.activation_checkpointing}
         print(f"@@kernels {json.dumps(rec, sort_keys=True)}", flush=True)
 
@@ -211,8 +241,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"plain: loss is {value} at step {step} (lr {scheduler.get_last_lr()[0]:.3g})")
         tokens += args.micro_batch_size * args.seq_len * dp
         if rank == 0:
-            rec = {"stage": "plain", "step": step, "total": args.steps, "loss": value, "tokens": tokens,
-                   "elapsed_s": round(time.monotonic() - started, 3)}
+            rec = {
+                "stage": "plain",
+                "step": step,
+                "total": args.steps,
+                "loss": value,
+                "tokens": tokens,
+                "elapsed_s": round(time.monotonic() - started, 3),
+            }
             print(f"@@progress {json.dumps(rec, sort_keys=True)}", flush=True)
     dist.barrier()
     if rank == 0:

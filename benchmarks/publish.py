@@ -75,6 +75,7 @@ def _train(mode: str, work: Path, run: dict, model: Path, base: Path, s3_uri: st
     keep_last = run["cpt"]["keep_last"]
 
     if mode == "sync":
+
         def on_event(kind, rec):
             if kind == "checkpoint":  # upload inside the reader, then retention: training waits for both
                 step = int(rec["step"])
@@ -96,8 +97,17 @@ def _train(mode: str, work: Path, run: dict, model: Path, base: Path, s3_uri: st
     progress: list[dict] = []
     try:
         job = _job(work / f"train-{mode}.json", run, model, stage_dir, "train", remote=mode == "async")
-        run_engine("train", job, work / f"train-{mode}.json", LaunchConfig(nproc_per_node=nproc), f"bench-{mode}", log,
-                   on_progress=progress.append, on_event=on_event, failure=(lambda: publisher.failure) if publisher else None)
+        run_engine(
+            "train",
+            job,
+            work / f"train-{mode}.json",
+            LaunchConfig(nproc_per_node=nproc),
+            f"bench-{mode}",
+            log,
+            on_progress=progress.append,
+            on_event=on_event,
+            failure=(lambda: publisher.failure) if publisher else None,
+        )
         if publisher:
             publisher.drain()
     except Exception as exc:
@@ -109,8 +119,15 @@ def _train(mode: str, work: Path, run: dict, model: Path, base: Path, s3_uri: st
     last = progress[-1] if progress else {}
     steps = int(last.get("step", 0))
     waited = sum(e.get("waited_s", 0) for e in events if e.get("state") == "resumed")
-    return {"mode": mode, "steps": steps, "train_s": float(last.get("elapsed_s", 0.0)), "wall_s": wall, "error": error,
-            "waited_s": waited, "steps_per_s": steps / float(last["elapsed_s"]) if last.get("elapsed_s") else 0.0}
+    return {
+        "mode": mode,
+        "steps": steps,
+        "train_s": float(last.get("elapsed_s", 0.0)),
+        "wall_s": wall,
+        "error": error,
+        "waited_s": waited,
+        "steps_per_s": steps / float(last["elapsed_s"]) if last.get("elapsed_s") else 0.0,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,12 +135,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate-mb", type=float, default=1.0, help="proxy bandwidth, MB/s each way (default 1)")
     ap.add_argument("--steps", type=int, default=600, help="training steps per mode")
     ap.add_argument("--every", type=int, default=150, help="checkpoint interval in steps")
-    ap.add_argument("--nproc", type=int, default=1, help="CPU ranks (default 1: on 2 cores, 2 ranks leave no core for the upload path)")
+    ap.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="CPU ranks (default 1: on 2 cores, 2 ranks leave no core for the upload path)",
+    )
     ap.add_argument("--keep-last", type=int, default=1)
-    ap.add_argument("--repeat", type=int, default=3, help="runs per mode, interleaved; the table takes each mode's best")
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="runs per mode, interleaved; the table takes each mode's best"
+    )
     ap.add_argument("--max-pending", type=int, default=2, help="max_pending_publishes of mode (c)")
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--smoke", action="store_true", help="6 steps, a checkpoint every 3, keep_last 2, one run per mode at 8 MB/s: checks the script runs")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="6 steps, a checkpoint every 3, keep_last 2, one run per mode at 8 MB/s: checks the script runs",
+    )
     a = ap.parse_args(argv)
     if a.smoke:
         # keep_last 2: with 3 steps between saves the engine outruns mode (b)'s in-reader upload and
@@ -147,35 +175,66 @@ def main(argv: list[str] | None = None) -> int:
 
         model = work / "tiny-llama"
         build_tiny_model(model, build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
-        run = run_raw(model, work / "unused", "cpt", {"name": "torch_ddp", "precision": "fp32"},
-                      max_steps=a.steps, checkpoint_every=a.every, keep_last=a.keep_last, max_pending_publishes=a.max_pending)
+        run = run_raw(
+            model,
+            work / "unused",
+            "cpt",
+            {"name": "torch_ddp", "precision": "fp32"},
+            max_steps=a.steps,
+            checkpoint_every=a.every,
+            keep_last=a.keep_last,
+            max_pending_publishes=a.max_pending,
+        )
         base_dir = work / "base"
-        run_engine("shard", _job(work / "shard.json", run, model, base_dir, "shard"), work / "shard.json",
-                   LaunchConfig(nproc_per_node=a.nproc), "bench-shard", log)
+        run_engine(
+            "shard",
+            _job(work / "shard.json", run, model, base_dir, "shard"),
+            work / "shard.json",
+            LaunchConfig(nproc_per_node=a.nproc),
+            "bench-shard",
+            log,
+        )
         base = base_dir / step_name(0)
         size = sum(f.stat().st_size for f in base.rglob("*") if f.is_file())
-        print(f"checkpoint {size / 1e6:.2f} MB; proxy {a.rate_mb:.2f} MB/s (~{size / (a.rate_mb * MB):.1f}s per upload); "
-              f"{a.nproc} rank(s), {a.steps} steps, a checkpoint every {a.every}, keep_last {a.keep_last}, max_pending_publishes {a.max_pending}; "
-              f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+        print(
+            f"checkpoint {size / 1e6:.2f} MB; proxy {a.rate_mb:.2f} MB/s (~{size / (a.rate_mb * MB):.1f}s per upload); "
+            f"{a.nproc} rank(s), {a.steps} steps, a checkpoint every {a.every}, keep_last {a.keep_last}, "
+            f"max_pending_publishes {a.max_pending}; "
+            f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+        )
         runs: dict[str, list[dict]] = {}
         for rep in range(a.repeat):  # the modes interleaved, so a slow minute of the machine hits all three
             for mode in ("local", "sync", "async"):
                 r = _train(mode, work, run, model, base, f"s3://{BUCKET}/{mode}-{rep}", a.nproc)
-                print(f"  {mode:<6} {r['steps_per_s']:6.2f} steps/s  ({r['steps']} steps in {r['train_s']:.1f}s, wall {r['wall_s']:.1f}s"
-                      + (f", waited {r['waited_s']:.1f}s at saves" if r["waited_s"] else "") + (f"; FAILED {r['error']}" if r["error"] else "") + ")",
-                      flush=True)
+                print(
+                    f"  {mode:<6} {r['steps_per_s']:6.2f} steps/s  ({r['steps']} steps in {r['train_s']:.1f}s, wall "
+                    f"{r['wall_s']:.1f}s"
+                    + (f", waited {r['waited_s']:.1f}s at saves" if r["waited_s"] else "")
+                    + (f"; FAILED {r['error']}" if r["error"] else "")
+                    + ")",
+                    flush=True,
+                )
                 runs.setdefault(mode, []).append(r)
                 shutil.rmtree(work / f"staging-{mode}", ignore_errors=True)
                 shutil.rmtree(work / "local-root", ignore_errors=True)
         # Each mode's best run; a failed run is the mode's result (a failure is never averaged away).
-        results = {m: next((r for r in rs if r["error"]), None) or max(rs, key=lambda r: r["steps_per_s"]) for m, rs in runs.items()}
+        results = {
+            m: next((r for r in rs if r["error"]), None) or max(rs, key=lambda r: r["steps_per_s"])
+            for m, rs in runs.items()
+        }
         if a.repeat > 1:
             print(f"(best of {a.repeat} runs per mode)")
         a_ = results["local"]["steps_per_s"] or float("nan")
         print("\nsteps/s            (a) local   (b) S3 sync   (c) S3 async")
-        print(f"                   {results['local']['steps_per_s']:10.2f}   {results['sync']['steps_per_s']:11.2f}   {results['async']['steps_per_s']:12.2f}")
-        print(f"ratio to (a)       {1.0:10.2f}   {results['sync']['steps_per_s'] / a_:11.2f}   {results['async']['steps_per_s'] / a_:12.2f}"
-              f"   (target: (c) >= 0.95)")
+        print(
+            f"                   {results['local']['steps_per_s']:10.2f}   {results['sync']['steps_per_s']:11.2f}   "
+            f"{results['async']['steps_per_s']:12.2f}"
+        )
+        print(
+            f"ratio to (a)       {1.0:10.2f}   {results['sync']['steps_per_s'] / a_:11.2f}   "
+            f"{results['async']['steps_per_s'] / a_:12.2f}"
+            f"   (target: (c) >= 0.95)"
+        )
         for mode in ("sync", "async"):
             if results[mode]["error"]:
                 print(f"({mode} failed: {results[mode]['error']})")

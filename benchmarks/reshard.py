@@ -36,10 +36,38 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SIZES = {  # the shapes of benchmarks/scale.py
-    "50M": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1376, vocab_size=32000),
-    "190M": dict(hidden_size=1024, num_hidden_layers=11, num_attention_heads=16, num_key_value_heads=8, intermediate_size=2560, vocab_size=32000),
-    "700M": dict(hidden_size=1536, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=8, intermediate_size=4096, vocab_size=32000),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=515),
+    "50M": dict(
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=1376,
+        vocab_size=32000,
+    ),
+    "190M": dict(
+        hidden_size=1024,
+        num_hidden_layers=11,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        intermediate_size=2560,
+        vocab_size=32000,
+    ),
+    "700M": dict(
+        hidden_size=1536,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        intermediate_size=4096,
+        vocab_size=32000,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=515,
+    ),
 }
 SRC_RANKS, TP, DP = 2, 2, 2
 CHUNK = 16 << 20
@@ -85,8 +113,17 @@ def write_checkpoint(out: Path, config: dict) -> dict:
         length = -(-numel // SRC_RANKS)
         flat = torch.nn.functional.pad(master.reshape(-1), [0, length * SRC_RANKS - numel])
         for r in range(SRC_RANKS):
-            shards[r].append((Piece(name, pid, shape, shape, None, 0, 1, r * length, length, saved=True, rank=r), flat[r * length : (r + 1) * length].clone()))
-        state = {"step": torch.tensor(100.0), "exp_avg": torch.randn(shape, generator=g) * 1e-3, "exp_avg_sq": torch.rand(shape, generator=g) * 1e-6}
+            shards[r].append(
+                (
+                    Piece(name, pid, shape, shape, None, 0, 1, r * length, length, saved=True, rank=r),
+                    flat[r * length : (r + 1) * length].clone(),
+                )
+            )
+        state = {
+            "step": torch.tensor(100.0),
+            "exp_avg": torch.randn(shape, generator=g) * 1e-3,
+            "exp_avg_sq": torch.rand(shape, generator=g) * 1e-6,
+        }
         if block and block_bytes + numel * 8 > block_mib * 2**20:
             flush()
         block[pid] = state
@@ -99,7 +136,11 @@ def write_checkpoint(out: Path, config: dict) -> dict:
         rec = {"rank": r, "world_size": SRC_RANKS, "plugin": "low_level_zero", "params": [p.record() for p, _ in held]}
         (out / MASTERS / rank_record_name(r)).write_text(json.dumps(rec))
     sizes = {part: sum(f.stat().st_size for f in (out / part).iterdir()) for part in ("model", "optimizer", MASTERS)}
-    return {"bytes": sizes, "params": sum(math.prod(s) for s in tensors.values()), "largest": max(math.prod(s) for s in tensors.values())}
+    return {
+        "bytes": sizes,
+        "params": sum(math.prod(s) for s in tensors.values()),
+        "largest": max(math.prod(s) for s in tensors.values()),
+    }
 
 
 def _status_kb(key: str) -> int:
@@ -118,7 +159,10 @@ def work_reshard(src: Path, dst: Path, config: dict) -> None:
     from tasks.core.models.families import TP_SPLIT_DIMS, iter_tensors
 
     view = CheckpointState(src)
-    dims = {key: next((d for d, sym in enumerate(rule.shape) if sym in TP_SPLIT_DIMS), None) for key, rule, _, _ in iter_tensors(config)}
+    dims = {
+        key: next((d for d, sym in enumerate(rule.shape) if sym in TP_SPLIT_DIMS), None)
+        for key, rule, _, _ in iter_tensors(config)
+    }
     ranks = [(t, z) for t in range(TP) for z in range(DP)]
     layout = {}
     for name in view.names():
@@ -133,8 +177,15 @@ def work_reshard(src: Path, dst: Path, config: dict) -> None:
     with contextlib.ExitStack() as stack:
         outs = [stack.enter_context(open(dst / f"rank-{i:05d}.safetensors", "wb")) for i in range(len(ranks))]
         for i, f in enumerate(outs):  # one output per target rank: its header first, then its pieces streamed
-            f.write(safetensors_header([(f"{n}.{k}", "F32", (ps[i].length,), ps[i].length * 4)
-                                        for n, ps in layout.items() for k in ("master", "exp_avg", "exp_avg_sq")]))
+            f.write(
+                safetensors_header(
+                    [
+                        (f"{n}.{k}", "F32", (ps[i].length,), ps[i].length * 4)
+                        for n, ps in layout.items()
+                        for k in ("master", "exp_avg", "exp_avg_sq")
+                    ]
+                )
+            )
         for name, pieces in layout.items():
             whole = {"master": view.master(name), **{k: v for k, v in view.adam(name).items() if k != "step"}}
             for i, p in enumerate(pieces):
@@ -161,7 +212,9 @@ def work_copy(src: Path, dst: Path, config: dict) -> None:
 def worker(kind: str, src: Path, dst: Path, config: dict) -> dict:
     import torch  # imported before the clock and the RSS baseline
 
-    torch.set_num_threads(1)  # one thread, as a rank has (OMP_NUM_THREADS=1): no intra-op threads spinning on a shared CPU
+    torch.set_num_threads(
+        1
+    )  # one thread, as a rank has (OMP_NUM_THREADS=1): no intra-op threads spinning on a shared CPU
 
     import tasks.core.models.convert.state_view  # noqa: F401
 
@@ -175,8 +228,12 @@ def worker(kind: str, src: Path, dst: Path, config: dict) -> dict:
 def run(kind: str, src: Path, dst: Path, config: dict) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     subprocess.run(["sync"], check=False)
-    code = f"import json,sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.reshard import worker; from pathlib import Path; " \
-           f"print(json.dumps(worker({kind!r}, Path({str(src)!r}), Path({str(dst)!r}), json.loads({json.dumps(json.dumps(config))}))))"
+    code = (
+        f"import json,sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.reshard import worker; from pathlib "
+        "import Path; "
+        f"print(json.dumps(worker({kind!r}, Path({str(src)!r}), Path({str(dst)!r}), "
+        f"json.loads({json.dumps(json.dumps(config))}))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=str(ROOT))
     shutil.rmtree(dst, ignore_errors=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -191,8 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = ["tiny"] if a.smoke else a.sizes
     work = Path(a.workdir or tempfile.mkdtemp(prefix="reshard-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"{'size':<6} {'params':>9} {'state GB':>9} {'reshard s':>10} {'copy s':>8} {'speed a/b':>10} {'peak growth GB':>15} "
-          f"{'limit GB':>9} {'masters GB':>11} {'masters share':>14}")
+    print(
+        f"{'size':<6} {'params':>9} {'state GB':>9} {'reshard s':>10} {'copy s':>8} {'speed a/b':>10} {'peak growth GB':>15} "
+        f"{'limit GB':>9} {'masters GB':>11} {'masters share':>14}"
+    )
     try:
         for size in sizes:
             config = config_of(size)
@@ -201,19 +260,29 @@ def main(argv: list[str] | None = None) -> int:
             facts = write_checkpoint(src, config)
             b = facts["bytes"]
             state = b["masters"] + b["optimizer"]
-            rs, cp = run("reshard", src, work / size / "resharded", config), run("copy", src, work / size / "copied", config)
+            rs, cp = (
+                run("reshard", src, work / size / "resharded", config),
+                run("copy", src, work / size / "copied", config),
+            )
             limit = facts["largest"] * 12 + 0.5e9
             total = sum(b.values())
-            print(f"{size:<6} {facts['params'] / 1e6:>8.1f}M {state / 1e9:>9.3f} {rs['seconds']:>10.2f} {cp['seconds']:>8.2f} "
-                  f"{cp['seconds'] / rs['seconds']:>10.2f} {rs['growth_kb'] * 1024 / 1e9:>15.3f} {limit / 1e9:>9.3f} "
-                  f"{b['masters'] / 1e9:>11.3f} {b['masters'] / total:>13.1%}")
+            print(
+                f"{size:<6} {facts['params'] / 1e6:>8.1f}M {state / 1e9:>9.3f} {rs['seconds']:>10.2f} "
+                f"{cp['seconds']:>8.2f} "
+                f"{cp['seconds'] / rs['seconds']:>10.2f} {rs['growth_kb'] * 1024 / 1e9:>15.3f} {limit / 1e9:>9.3f} "
+                f"{b['masters'] / 1e9:>11.3f} {b['masters'] / total:>13.1%}"
+            )
             shutil.rmtree(work / size, ignore_errors=True)
     finally:
         if a.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
-    print("reshard: low_level_zero ZeRO-2 on 2 ranks -> hybrid_parallel tp=2 x ZeRO-1 dp=2 on 4 ranks; copy: masters/ + optimizer/; "
-          "speed a/b = copy seconds / reshard seconds (target >= 0.5); limit: the largest tensor's fp32 master and moments + 0.5 GB; "
-          "masters share: of the whole checkpoint (model/ + optimizer/ + masters/)")
+    print(
+        "reshard: low_level_zero ZeRO-2 on 2 ranks -> hybrid_parallel tp=2 x ZeRO-1 dp=2 on 4 ranks; copy: masters/ + "
+        "optimizer/; "
+        "speed a/b = copy seconds / reshard seconds (target >= 0.5); limit: the largest tensor's fp32 master and "
+        "moments + 0.5 GB; "
+        "masters share: of the whole checkpoint (model/ + optimizer/ + masters/)"
+    )
     print(f"command: python benchmarks/reshard.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
     return 0
 

@@ -33,9 +33,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12, help="CPT and SFT steps")
     ap.add_argument("--every", type=int, default=4, help="checkpoint interval")
-    ap.add_argument("--smoke", action="store_true",
-                    help="6 steps, a checkpoint every 3, one CPU rank, three runs of one run root stopped after train_cpt, targets printed "
-                         "but not judged: checks the script runs")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="6 steps, a checkpoint every 3, one CPU rank, three runs of one run root stopped after train_cpt, "
+        "targets printed "
+        "but not judged: checks the script runs",
+    )
     args = ap.parse_args()
     if args.smoke:  # every=3 puts the kill (after step 5) inside an interval, as every=4 does at full size
         args.steps, args.every = 6, 3
@@ -74,7 +78,10 @@ def bench(args: argparse.Namespace) -> int:
     # retry and the skip take the same path with one rank, and the killed rank is then rank 0.
     ranks = 1 if args.smoke else 2
     if args.smoke:
-        stage.update(launch={"nproc_per_node": 1}, plugin={"name": "hybrid_parallel", "tp_size": 1, "pp_size": 1, "zero_stage": 0, "precision": "fp32"})
+        stage.update(
+            launch={"nproc_per_node": 1},
+            plugin={"name": "hybrid_parallel", "tp_size": 1, "pp_size": 1, "zero_stage": 0, "precision": "fp32"},
+        )
 
     def config(name: str, run: str, **stages) -> Path:
         raw = tiny_config_raw(model, tmp / run, **stages)

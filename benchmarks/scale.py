@@ -60,8 +60,12 @@ GB = 1e9
 # and the LM head weigh what they do in a real model). The demo tokenizer's ids all fall below it.
 SIZES: dict[str, dict] = {
     "50M": dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1376, vocab_size=32000),
-    "190M": dict(hidden_size=1024, num_layers=11, num_heads=16, num_kv_heads=8, intermediate_size=2560, vocab_size=32000),
-    "700M": dict(hidden_size=1536, num_layers=24, num_heads=16, num_kv_heads=8, intermediate_size=4096, vocab_size=32000),
+    "190M": dict(
+        hidden_size=1024, num_layers=11, num_heads=16, num_kv_heads=8, intermediate_size=2560, vocab_size=32000
+    ),
+    "700M": dict(
+        hidden_size=1536, num_layers=24, num_heads=16, num_kv_heads=8, intermediate_size=4096, vocab_size=32000
+    ),
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=512),
 }
 # Tokens per micro-batch per size: long sequences at the small size, where activations are a large
@@ -162,8 +166,16 @@ def launch(verb: str, job_path: Path, stop_at_step: int | None = None, timeout: 
     from tasks.core.run.events import PROGRESS, parse_line
 
     argv = torchrun_argv(verb, job_path, LaunchConfig(nproc_per_node=NPROC), f"scale-{verb}")
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, cwd=str(REPO),
-                            env=engine_env(), start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        cwd=str(REPO),
+        env=engine_env(),
+        start_new_session=True,
+    )
     ranks = Ranks(proc.pid)
     out: dict = {"lines": []}
     killer = threading.Timer(timeout or LAUNCH_TIMEOUT_S, lambda: _stop(proc, ranks))
@@ -243,8 +255,12 @@ def model_dir(work: Path, size: str, tokdir: Path) -> Path:
     """The size's random HF model (written once per work dir, in a child: its RAM is not ours)."""
     out = work / f"model-{size}"
     if not (out / "config.json").is_file():
-        subprocess.run([sys.executable, "-c", BUILD, str(out), str(tokdir), json.dumps(SIZES[size])], check=True, cwd=str(REPO),
-                       env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"})
+        subprocess.run(
+            [sys.executable, "-c", BUILD, str(out), str(tokdir), json.dumps(SIZES[size])],
+            check=True,
+            cwd=str(REPO),
+            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"},
+        )
     return out
 
 
@@ -262,14 +278,32 @@ def prepared(work: Path, tokdir: Path, seq_len: int) -> Path:
 
     out = work / f"data-cpt-{seq_len}"
     if not (out / "index.json").is_file():
-        prepare(str(REPO / "data" / "sample" / "cpt.jsonl"), tokdir, out, kind="cpt", field="text", seq_len=seq_len, heldout_fraction=0.0)
+        prepare(
+            str(REPO / "data" / "sample" / "cpt.jsonl"),
+            tokdir,
+            out,
+            kind="cpt",
+            field="text",
+            seq_len=seq_len,
+            heldout_fraction=0.0,
+        )
     return out
 
 
 def stage_cfg(plugin: dict, mbs: int, seq_len: int, steps: int) -> dict:
-    return {"data": {"uri": str(REPO / "data" / "sample" / "cpt.jsonl")}, "plugin": plugin, "launch": {"nproc_per_node": NPROC},
-            "max_steps": steps, "micro_batch_size": mbs, "seq_len": seq_len, "lr": 1e-4, "warmup_steps": 0,
-            "checkpoint_every": 10_000, "keep_last": 1, "seed": 1234}
+    return {
+        "data": {"uri": str(REPO / "data" / "sample" / "cpt.jsonl")},
+        "plugin": plugin,
+        "launch": {"nproc_per_node": NPROC},
+        "max_steps": steps,
+        "micro_batch_size": mbs,
+        "seq_len": seq_len,
+        "lr": 1e-4,
+        "warmup_steps": 0,
+        "checkpoint_every": 10_000,
+        "keep_last": 1,
+        "seed": 1234,
+    }
 
 
 def measure(work: Path, size: str, plugin_key: str, steps: int) -> dict:
@@ -283,8 +317,18 @@ def measure(work: Path, size: str, plugin_key: str, steps: int) -> dict:
     shutil.rmtree(stage_dir, ignore_errors=True)
     jobs = {}
     for verb in ("shard", "train"):
-        job = {"verb": verb, "stage": "cpt", "stage_cfg": cfg, "trust_remote_code": False, "model_dir": str(model), "tokenizer_dir": str(tokdir),
-               "data_dir": str(data), "stage_dir": str(stage_dir), "parent": {"uri": str(model), "digest": "bench"}, "config_digest": "0" * 64}
+        job = {
+            "verb": verb,
+            "stage": "cpt",
+            "stage_cfg": cfg,
+            "trust_remote_code": False,
+            "model_dir": str(model),
+            "tokenizer_dir": str(tokdir),
+            "data_dir": str(data),
+            "stage_dir": str(stage_dir),
+            "parent": {"uri": str(model), "digest": "bench"},
+            "config_digest": "0" * 64,
+        }
         jobs[verb] = work / f"job-{size}-{plugin_key}-{verb}.json"
         jobs[verb].write_text(json.dumps(job))
     t0 = time.monotonic()
@@ -294,10 +338,21 @@ def measure(work: Path, size: str, plugin_key: str, steps: int) -> dict:
     t2 = time.monotonic()
     shutil.rmtree(stage_dir, ignore_errors=True)  # checkpoints of the 700M model are ~8 GB
     config = json.loads((model / "config.json").read_text())
-    return {"size": size, "plugin": plugin_key, "config": config, "stage_cfg": cfg, "mbs": mbs, "seq_len": seq_len,
-            "shard_peak": max(shard["peak"].values()), "construction": max(train["construction"].values()),
-            "steady": max(train["steady"].values()), "steady_by_rank": train["steady"], "loss": train.get("loss"),
-            "shard_s": t1 - t0, "train_s": t2 - t1}
+    return {
+        "size": size,
+        "plugin": plugin_key,
+        "config": config,
+        "stage_cfg": cfg,
+        "mbs": mbs,
+        "seq_len": seq_len,
+        "shard_peak": max(shard["peak"].values()),
+        "construction": max(train["construction"].values()),
+        "steady": max(train["steady"].values()),
+        "steady_by_rank": train["steady"],
+        "loss": train.get("loss"),
+        "shard_s": t1 - t0,
+        "train_s": t2 - t1,
+    }
 
 
 def half_slowdown(dtype: str) -> float:
@@ -330,10 +385,18 @@ def room_needed(work: Path, size: str, plugin_key: str, steps: int) -> float:
 
     mbs, seq_len = BATCH[size]
     dims = SIZES[size]
-    config = {"model_type": "llama", "vocab_size": dims["vocab_size"], "hidden_size": dims["hidden_size"],
-              "intermediate_size": dims["intermediate_size"], "num_hidden_layers": dims["num_layers"],
-              "num_attention_heads": dims["num_heads"], "num_key_value_heads": dims["num_kv_heads"]}
-    est = estimate(config, StageConfig.model_validate(stage_cfg(PLUGINS[plugin_key], mbs, seq_len, steps + 1)), cuda=False)
+    config = {
+        "model_type": "llama",
+        "vocab_size": dims["vocab_size"],
+        "hidden_size": dims["hidden_size"],
+        "intermediate_size": dims["intermediate_size"],
+        "num_hidden_layers": dims["num_layers"],
+        "num_attention_heads": dims["num_heads"],
+        "num_key_value_heads": dims["num_kv_heads"],
+    }
+    est = estimate(
+        config, StageConfig.model_validate(stage_cfg(PLUGINS[plugin_key], mbs, seq_len, steps + 1)), cuda=False
+    )
     return NPROC * 1.15 * max(est.host_steady, est.construction_host)
 
 
@@ -345,7 +408,12 @@ def estimate_row(row: dict) -> dict:
     est = estimate(row["config"], StageConfig.model_validate(row["stage_cfg"]), cuda=False)
     # the steady share: parameters, gradients and optimizer state the plugin places on the rank (no activations)
     states = est.total("always", "grads", "backward")
-    return {"estimate": est.host_steady, "fp32_model": est.parameters * 4, "parameters": est.parameters, "states": states}
+    return {
+        "estimate": est.host_steady,
+        "fp32_model": est.parameters * 4,
+        "parameters": est.parameters,
+        "states": states,
+    }
 
 
 def fmt_gb(b: float | None) -> str:
@@ -357,16 +425,37 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", default=["50M", "190M", "700M"], choices=[s for s in SIZES if s != "tiny"])
     ap.add_argument("--plugins", nargs="+", default=["hp-tp2-fp32", "llz2-bf16"], choices=list(PLUGINS))
-    ap.add_argument("--steps", type=int, default=3, help="training steps measured (the steady figure is the peak over steps 2..N)")
-    ap.add_argument("--workdir", default=None, help="keep models, data and results here (default: a temporary directory)")
+    ap.add_argument(
+        "--steps", type=int, default=3, help="training steps measured (the steady figure is the peak over steps 2..N)"
+    )
+    ap.add_argument(
+        "--workdir", default=None, help="keep models, data and results here (default: a temporary directory)"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
-    ap.add_argument("--force", action="store_true", help="run a size even when the estimate says this machine's free memory cannot hold its "
-                    "ranks, or when its CPU has no fast bf16/fp16 matmul for a half-precision plugin")
-    ap.add_argument("--launch-timeout", type=float, default=LAUNCH_TIMEOUT_S, help="seconds one engine verb may run before it is stopped")
-    ap.add_argument("--table-from", default=None, help="print the table of a --json file again (re-estimated), measuring nothing")
-    ap.add_argument("--smoke", action="store_true", help="the ~0.1M-parameter model under hybrid_parallel tp=2 only, 2 steps: checks the script runs")
-    ap.add_argument("--no-flow", action="store_true", help="leave out the flow process's figures (benchmarks/flow_process.py)")
+    ap.add_argument(
+        "--force",
+        action="store_true",
+        help="run a size even when the estimate says this machine's free memory cannot hold its "
+        "ranks, or when its CPU has no fast bf16/fp16 matmul for a half-precision plugin",
+    )
+    ap.add_argument(
+        "--launch-timeout",
+        type=float,
+        default=LAUNCH_TIMEOUT_S,
+        help="seconds one engine verb may run before it is stopped",
+    )
+    ap.add_argument(
+        "--table-from", default=None, help="print the table of a --json file again (re-estimated), measuring nothing"
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the ~0.1M-parameter model under hybrid_parallel tp=2 only, 2 steps: checks the script runs",
+    )
+    ap.add_argument(
+        "--no-flow", action="store_true", help="leave out the flow process's figures (benchmarks/flow_process.py)"
+    )
     a = ap.parse_args()
     if a.table_from:
         rows = json.loads(Path(a.table_from).read_text())
@@ -391,20 +480,29 @@ def main() -> None:
             for plugin in a.plugins:
                 half = PLUGINS[plugin].get("precision")
                 if slow.get(half, 1.0) > HALF_SLOWDOWN_LIMIT and not a.force:
-                    skipped.append(f"{size} {plugin}: this CPU multiplies {half} matrices {slow[half]:.0f}x slower than fp32 (no native "
-                                   f"{half}), so its steps would take hours (--force runs it anyway)")
+                    skipped.append(
+                        f"{size} {plugin}: this CPU multiplies {half} matrices {slow[half]:.0f}x slower than fp32 (no "
+                        "native "
+                        f"{half}), so its steps would take hours (--force runs it anyway)"
+                    )
                     print(f"[{time.monotonic() - started:5.0f} s] skipped {skipped[-1]}", flush=True)
                     continue
                 need, have = room_needed(work, size, plugin, a.steps), psutil.virtual_memory().available
                 if need > 0.9 * have and not a.force:
-                    skipped.append(f"{size} {plugin}: its {NPROC} ranks need about {need / GB:.1f} GB (the estimate x 1.15), "
-                                   f"{have / GB:.1f} GB is available (--force runs it anyway)")
+                    skipped.append(
+                        f"{size} {plugin}: its {NPROC} ranks need about {need / GB:.1f} GB (the estimate x 1.15), "
+                        f"{have / GB:.1f} GB is available (--force runs it anyway)"
+                    )
                     print(f"[{time.monotonic() - started:5.0f} s] skipped {skipped[-1]}", flush=True)
                     continue
                 row = measure(work, size, plugin, a.steps)
                 rows.append(row)
-                print(f"[{time.monotonic() - started:5.0f} s] {size} {plugin}: steady {fmt_gb(row['steady'])} GB, construction "
-                      f"{fmt_gb(row['construction'])} GB, shard {fmt_gb(row['shard_peak'])} GB", flush=True)
+                print(
+                    f"[{time.monotonic() - started:5.0f} s] {size} {plugin}: steady {fmt_gb(row['steady'])} GB, "
+                    "construction "
+                    f"{fmt_gb(row['construction'])} GB, shard {fmt_gb(row['shard_peak'])} GB",
+                    flush=True,
+                )
     finally:
         if not a.keep and a.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -417,15 +515,34 @@ def main() -> None:
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1, default=str))
     if not a.no_flow:
-        flow = [sys.executable, str(REPO / "benchmarks" / "flow_process.py"), *(["--smoke"] if a.smoke else ["--sizes", *a.sizes])]
+        flow = [
+            sys.executable,
+            str(REPO / "benchmarks" / "flow_process.py"),
+            *(["--smoke"] if a.smoke else ["--sizes", *a.sizes]),
+        ]
         subprocess.run(flow, check=True, cwd=str(REPO))
 
 
 def print_table(rows: list[dict], steps: int) -> None:
     print()
-    print(f"per-rank RSS on {NPROC} CPU ranks, GB (1e9 bytes); steady = peak over training steps 2..{steps}, estimate = "
-          "tasks.core.preflight.memory's host figure; construction = the train verb up to its checkpoint loaded (printed, not judged)")
-    head = ["size", "params", "plugin", "mbs x seq", "fp32 model", "shard peak", "shard limit", "construction", "steady", "estimate", "est/steady"]
+    print(
+        f"per-rank RSS on {NPROC} CPU ranks, GB (1e9 bytes); steady = peak over training steps 2..{steps}, estimate = "
+        "tasks.core.preflight.memory's host figure; construction = the train verb up to its checkpoint loaded "
+        "(printed, not judged)"
+    )
+    head = [
+        "size",
+        "params",
+        "plugin",
+        "mbs x seq",
+        "fp32 model",
+        "shard peak",
+        "shard limit",
+        "construction",
+        "steady",
+        "estimate",
+        "est/steady",
+    ]
     print(" | ".join(head))
     base = {r["plugin"]: r["steady"] for r in rows if r["size"] == "tiny"}
     over = []
@@ -435,16 +552,35 @@ def print_table(rows: list[dict], steps: int) -> None:
         limit = 1.3 * r["states"] + base.get(r["plugin"], 0) if "states" in r else None
         if limit is not None and r["size"] != "tiny" and r["shard_peak"] > limit:
             over.append(f"{r['size']} {r['plugin']}")
-        print(" | ".join([r["size"], f"{r['parameters'] / 1e6:.1f}M", r["plugin"], f"{r['mbs']}x{r['seq_len']}", fmt_gb(r["fp32_model"]),
-                          fmt_gb(r["shard_peak"]), fmt_gb(limit) if limit is not None else "-", fmt_gb(r["construction"]), fmt_gb(r["steady"]),
-                          fmt_gb(r["estimate"]), f"{r['estimate'] / r['steady']:.2f}"]))
+        print(
+            " | ".join(
+                [
+                    r["size"],
+                    f"{r['parameters'] / 1e6:.1f}M",
+                    r["plugin"],
+                    f"{r['mbs']}x{r['seq_len']}",
+                    fmt_gb(r["fp32_model"]),
+                    fmt_gb(r["shard_peak"]),
+                    fmt_gb(limit) if limit is not None else "-",
+                    fmt_gb(r["construction"]),
+                    fmt_gb(r["steady"]),
+                    fmt_gb(r["estimate"]),
+                    f"{r['estimate'] / r['steady']:.2f}",
+                ]
+            )
+        )
     errors = [abs(r["estimate"] / r["steady"] - 1) for r in rows if r["size"] != "tiny"]
     worst = f"{max(errors):.0%}" if errors else "- (no size measured)"
     baselines = ", ".join(f"{r['plugin']} {fmt_gb(r['steady'])} GB" for r in rows if r["size"] == "tiny")
-    print(f"\nlargest |estimate/steady - 1| over the sizes: {worst} (target <= 25%); baseline per plugin (steady RSS of the "
-          f"~0.1M model): {baselines}")
-    print("shard peak over its limit (1.3 x the estimated weights, gradients and optimizer state + the baseline): "
-          + (", ".join(over) if over else "none"))
+    print(
+        f"\nlargest |estimate/steady - 1| over the sizes: {worst} (target <= 25%); baseline per plugin (steady RSS of "
+        "the "
+        f"~0.1M model): {baselines}"
+    )
+    print(
+        "shard peak over its limit (1.3 x the estimated weights, gradients and optimizer state + the baseline): "
+        + (", ".join(over) if over else "none")
+    )
 
 
 if __name__ == "__main__":

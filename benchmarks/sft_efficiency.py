@@ -37,21 +37,44 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-WORDS = ("the", "model", "data", "train", "token", "batch", "sample", "loss", "learn", "chat", "reply", "ask", "answer", "cluster", "node", "shard")
+WORDS = (
+    "the",
+    "model",
+    "data",
+    "train",
+    "token",
+    "batch",
+    "sample",
+    "loss",
+    "learn",
+    "chat",
+    "reply",
+    "ask",
+    "answer",
+    "cluster",
+    "node",
+    "shard",
+)
 
 
 def make_chats(n: int, seq_len: int, seed: int, median_tokens: float, tokens_per_word: float) -> list[dict]:
     """n chats whose rendered lengths are log-normal around median_tokens, a tail past seq_len
     (left out by prepare under sft.truncation's default, drop, as a real corpus's longest chats are)."""
     rng = np.random.RandomState(seed)
-    sizes = np.clip(rng.lognormal(math.log(median_tokens / tokens_per_word), 0.7, size=n), 8, 1.5 * seq_len / tokens_per_word).astype(int)
+    sizes = np.clip(
+        rng.lognormal(math.log(median_tokens / tokens_per_word), 0.7, size=n), 8, 1.5 * seq_len / tokens_per_word
+    ).astype(int)
     chats = []
     for size in sizes:
         user, reply = max(4, int(size) // 3), max(4, int(size) - int(size) // 3)
-        chats.append({"messages": [
-            {"role": "user", "content": " ".join(rng.choice(WORDS, user))},
-            {"role": "assistant", "content": " ".join(rng.choice(WORDS, reply))},
-        ]})
+        chats.append(
+            {
+                "messages": [
+                    {"role": "user", "content": " ".join(rng.choice(WORDS, user))},
+                    {"role": "assistant", "content": " ".join(rng.choice(WORDS, reply))},
+                ]
+            }
+        )
     return chats
 
 
@@ -63,7 +86,13 @@ def epoch_microbatches(ds, mode: str, micro: int, seed: int) -> list[list]:
     from tasks.engine.sampler import LengthGroups, Packs, ResumableSampler
 
     spec = BATCHING[mode]
-    group = Packs(ds.lengths(), ds.seq_len) if spec.packs else LengthGroups(ds.lengths(), micro) if spec.groups_by_length else None
+    group = (
+        Packs(ds.lengths(), ds.seq_len)
+        if spec.packs
+        else LengthGroups(ds.lengths(), micro)
+        if spec.groups_by_length
+        else None
+    )
     s = ResumableSampler(ds.num_items, 0, 1, seed=seed, group=group)
     units = s.units()
     return [s.next_global(min(micro, units - i)) for i in range(0, units, micro)]
@@ -88,7 +117,13 @@ def run_mode(model, ds, mode: str, micro: int, seed: int) -> dict:
         computed += len(rows) * width
     seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
-    return {"mode": mode, "useful": real / computed, "real_tokens": real, "computed_tokens": computed, "seconds": seconds}
+    return {
+        "mode": mode,
+        "useful": real / computed,
+        "real_tokens": real,
+        "computed_tokens": computed,
+        "seconds": seconds,
+    }
 
 
 def _padded_per_token(model, ds, rows: list[int], width: int) -> torch.Tensor:
@@ -114,10 +149,19 @@ def loss_equivalence(model, ds, seed: int) -> dict[str, float]:
     with torch.no_grad():
         rows = [int(i) for i in np.argsort(lengths)[:4]]
         width = micro_width(int(lengths[rows].max()), ds.seq_len, BATCHING["grouped"], pipeline=False)
-        out["grouped"] = float((_padded_per_token(model, ds, rows, width) - _padded_per_token(model, ds, rows, ds.seq_len)).abs().max())
-        packs = Packs(lengths, ds.seq_len).order(torch.randperm(ds.num_items, generator=torch.Generator().manual_seed(seed)), torch.Generator().manual_seed(seed))
+        out["grouped"] = float(
+            (_padded_per_token(model, ds, rows, width) - _padded_per_token(model, ds, rows, ds.seq_len)).abs().max()
+        )
+        packs = Packs(lengths, ds.seq_len).order(
+            torch.randperm(ds.num_items, generator=torch.Generator().manual_seed(seed)),
+            torch.Generator().manual_seed(seed),
+        )
         packs = sorted(packs, key=len, reverse=True)[:2]  # the rows holding the most chats
-        b = model_inputs({k: torch.from_numpy(v) for k, v in ds.batch_packed(packs).items()}, model.config._attn_implementation, torch.float32)
+        b = model_inputs(
+            {k: torch.from_numpy(v) for k, v in ds.batch_packed(packs).items()},
+            model.config._attn_implementation,
+            torch.float32,
+        )
         logits = model(**b).logits
         got = chat_token_losses(logits, b["labels"], packs, lengths, IGNORE_INDEX)
         want = torch.cat([_padded_per_token(model, ds, list(items), ds.seq_len) for items in packs])
@@ -128,7 +172,9 @@ def loss_equivalence(model, ds, seed: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="16 chats at seq_len 256: checks the script runs (figures meaningless)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="16 chats at seq_len 256: checks the script runs (figures meaningless)"
+    )
     ap.add_argument("--chats", type=int, default=192)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--median-tokens", type=float, default=300.0)
@@ -154,29 +200,58 @@ def main(argv: list[str] | None = None) -> int:
         src = root / "chats.jsonl"
         sample = " ".join(WORDS * 8)
         per_word = len(tok(sample)["input_ids"]) / (len(WORDS) * 8)
-        src.write_text("".join(json.dumps(c) + "\n" for c in make_chats(a.chats, a.seq_len, a.seed, a.median_tokens, per_word)))
+        src.write_text(
+            "".join(json.dumps(c) + "\n" for c in make_chats(a.chats, a.seq_len, a.seed, a.median_tokens, per_word))
+        )
         prepare(str(src), root / "tok", root / "prep", kind="sft", field="messages", seq_len=a.seq_len)
         ds = TokenDataset(root / "prep")
         lengths = ds.lengths()
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                             num_key_value_heads=2, max_position_embeddings=a.seq_len, pad_token_id=tok.pad_token_id)).float()
-        print(f"{ds.num_items} chats, seq_len {a.seq_len}, tokens per chat: median {int(np.median(lengths))}, p90 {int(np.percentile(lengths, 90))}, "
-              f"max {int(lengths.max())}; micro_batch_size {a.micro_batch_size}; fp32 CPU, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=len(tok),
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=a.seq_len,
+                pad_token_id=tok.pad_token_id,
+            )
+        ).float()
+        print(
+            f"{ds.num_items} chats, seq_len {a.seq_len}, tokens per chat: median {int(np.median(lengths))}, p90 "
+            f"{int(np.percentile(lengths, 90))}, "
+            f"max {int(lengths.max())}; micro_batch_size {a.micro_batch_size}; fp32 CPU, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+            "parameters"
+        )
         run_mode(model, ds, "grouped", a.micro_batch_size, a.seed)  # warm-up: allocator, kernels
         rows = [run_mode(model, ds, mode, a.micro_batch_size, a.seed) for mode in BATCHING]
         base = next(r for r in rows if r["mode"] == "padded")
         print(f"\n{'mode':<10} {'useful tokens':>14} {'computed tokens':>16} {'epoch s':>9} {'speed-up vs padded':>19}")
         for r in rows:
-            print(f"{r['mode']:<10} {r['useful']:>14.3f} {r['computed_tokens']:>16,} {r['seconds']:>9.2f} {base['seconds'] / r['seconds']:>18.2f}x")
+            print(
+                f"{r['mode']:<10} {r['useful']:>14.3f} {r['computed_tokens']:>16,} {r['seconds']:>9.2f} "
+                f"{base['seconds'] / r['seconds']:>18.2f}x"
+            )
         grouped = next(r for r in rows if r["mode"] == "grouped")
         packed = next(r for r in rows if r["mode"] == "packed")
         eq = loss_equivalence(model, ds, a.seed)
-        print(f"\nloss equivalence (fp32, attention {model.config._attn_implementation}): max |per-token assistant loss - the same token padded to seq_len|")
-        print(f"  at the grouped width: {eq['grouped']:.2e}    in packed rows ({eq['packed_chats']} chats in 2 rows): {eq['packed']:.2e}")
+        print(
+            f"\nloss equivalence (fp32, attention {model.config._attn_implementation}): max |per-token assistant loss "
+            "- the same token padded to seq_len|"
+        )
+        print(
+            f"  at the grouped width: {eq['grouped']:.2e}    in packed rows ({eq['packed_chats']} chats in 2 rows): "
+            f"{eq['packed']:.2e}"
+        )
         speed = base["seconds"] / packed["seconds"]
         same = max(eq["grouped"], eq["packed"]) < 1e-4
-        checks = [("grouped useful >= 0.7", grouped["useful"] >= 0.7, f"{grouped['useful']:.3f}"), ("packed useful >= 0.9", packed["useful"] >= 0.9, f"{packed['useful']:.3f}"),
-                  ("packed epoch >= 3x faster than padded", speed >= 3.0, f"{speed:.2f}x"), ("equal per-token losses", same, f"{max(eq['grouped'], eq['packed']):.1e}")]
+        checks = [
+            ("grouped useful >= 0.7", grouped["useful"] >= 0.7, f"{grouped['useful']:.3f}"),
+            ("packed useful >= 0.9", packed["useful"] >= 0.9, f"{packed['useful']:.3f}"),
+            ("packed epoch >= 3x faster than padded", speed >= 3.0, f"{speed:.2f}x"),
+            ("equal per-token losses", same, f"{max(eq['grouped'], eq['packed']):.1e}"),
+        ]
         print("targets: " + "; ".join(f"{name}: {'met' if good else 'NOT met'} ({fig})" for name, good, fig in checks))
         ok = all(good for _, good, _ in checks)
         print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")

@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
             stamps.append(stamped)
             print(f"{size / (1 << 20):>8.0f}MB {files:>6} {hashed:>10.4f} {stamped:>10.4f} {hashed / stamped:>14.0f}x")
         grow = stamps[-1] / stamps[0]
-        print(f"\nstamp time, largest / smallest artifact: {grow:.2f} (size ratio {sizes[-1] / sizes[0]:.0f}); it grows with the file count "
-              f"({len(store.read_manifest(rel)['files'])} files at the largest), not the bytes")
+        print(
+            f"\nstamp time, largest / smallest artifact: {grow:.2f} (size ratio {sizes[-1] / sizes[0]:.0f}); it grows "
+            "with the file count "
+            f"({len(store.read_manifest(rel)['files'])} files at the largest), not the bytes"
+        )
         print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
     return 0
 

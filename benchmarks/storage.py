@@ -88,8 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="interleaved rounds; the best of each is reported")
     p.add_argument("--workers", type=int, default=8, help="RunStore parts in flight")
     p.add_argument("--part-mb", type=int, default=16, help="RunStore multipart part size")
-    p.add_argument("--workdir", default=None, help="where the checkpoint, copies and the S3 data live (default: a temp dir)")
-    p.add_argument("--smoke", action="store_true", help="20 MB in 2 shards, 5 MB parts (still multipart), one round: checks the script runs")
+    p.add_argument(
+        "--workdir", default=None, help="where the checkpoint, copies and the S3 data live (default: a temp dir)"
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="20 MB in 2 shards, 5 MB parts (still multipart), one round: checks the script runs",
+    )
     a = p.parse_args(argv)
     if a.smoke:
         a.size_gb, a.shards, a.repeats, a.part_mb = 0.02, 2, 1, 5
@@ -107,8 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         manifest = make_checkpoint(src, total, a.shards)
         size = sum(e["size"] for e in manifest["files"].values()) + (src / MANIFEST).stat().st_size
-        print(f"checkpoint: {size / 1e6:.0f} MB in {len(manifest['files'])} files (+ manifest), written and hashed in {time.perf_counter() - t:.1f}s")
-        print(f"S3 server:  weed mini at {server.endpoint}; machine: {os.cpu_count()} CPUs; load avg {os.getloadavg()[0]:.1f}")
+        print(
+            f"checkpoint: {size / 1e6:.0f} MB in {len(manifest['files'])} files (+ manifest), written and hashed in "
+            f"{time.perf_counter() - t:.1f}s"
+        )
+        print(
+            f"S3 server:  weed mini at {server.endpoint}; machine: {os.cpu_count()} CPUs; load avg "
+            f"{os.getloadavg()[0]:.1f}"
+        )
 
         import s3fs
 
@@ -138,9 +150,11 @@ def main(argv: list[str] | None = None) -> int:
             dst = work / f"copy-{r}"
             dt_copy = timed(lambda dst=dst: shutil.copytree(src, dst))
             best["copy"] = min(best["copy"], dt_copy)
-            print(f"round {r + 1}: ours {dt:.2f}s  sequential put {dt_seq:.2f}s  disk copy {dt_copy:.2f}s;  CPU s "
-                  f"(client + server): ours {CPU['ours'][0]:.1f} + {CPU['ours'][1]:.1f}, "
-                  f"sequential {CPU['sequential'][0]:.1f} + {CPU['sequential'][1]:.1f}")
+            print(
+                f"round {r + 1}: ours {dt:.2f}s  sequential put {dt_seq:.2f}s  disk copy {dt_copy:.2f}s;  CPU s "
+                f"(client + server): ours {CPU['ours'][0]:.1f} + {CPU['ours'][1]:.1f}, "
+                f"sequential {CPU['sequential'][0]:.1f} + {CPU['sequential'][1]:.1f}"
+            )
             shutil.rmtree(dst, ignore_errors=True)
             for prefix in (f"{BUCKET}/ours-{r}", f"{BUCKET}/seq-{r}"):
                 fs.rm(prefix, recursive=True)
@@ -156,13 +170,18 @@ def main(argv: list[str] | None = None) -> int:
         for label, key in rows:
             print(f"{label:<34}{best[key]:>9.2f}{mbps[key]:>9.0f}{mbps[key] / mbps['sequential']:>19.2f}x")
         ratio = mbps["ours"] / mbps["sequential"]
-        print(f"\nours / sequential put = {ratio:.2f}x (target >= 1.5x); ours / disk copy = {mbps['ours'] / mbps['copy']:.2f}x")
+        print(
+            f"\nours / sequential put = {ratio:.2f}x (target >= 1.5x); ours / disk copy = {mbps['ours'] / mbps['copy']:.2f}x"
+        )
         cores = len(os.sched_getaffinity(0))
         for key in ("ours", "sequential"):
             client, srv = CPU_BEST[key]
             floor = (client + srv) / cores
-            print(f"{key:<11} CPU s per GB: client {client / size * 1e9:5.2f}, server {srv / size * 1e9:5.2f}; "
-                  f"{cores}-core floor {floor:5.2f} s, achieved {best[key]:5.2f} s ({floor / best[key]:4.0%} of the machine)")
+            print(
+                f"{key:<11} CPU s per GB: client {client / size * 1e9:5.2f}, server {srv / size * 1e9:5.2f}; "
+                f"{cores}-core floor {floor:5.2f} s, achieved {best[key]:5.2f} s ({floor / best[key]:4.0%} of the "
+                "machine)"
+            )
     finally:
         server.stop()
         if not a.workdir:

@@ -69,7 +69,9 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def resolved_config_file(config: str, sets: list[str], run_root: str | None = None, run_name: str | None = None, *, dest: Path) -> tuple[Path, Any]:
+def resolved_config_file(
+    config: str, sets: list[str], run_root: str | None = None, run_name: str | None = None, *, dest: Path
+) -> tuple[Path, Any]:
     """The config (local path or fsspec URI) with the overrides applied and validated, written as
     a YAML file into `dest` (a directory the caller removes after the command), which the flow
     reads like any config file; and the parsed config."""
@@ -89,9 +91,21 @@ def resolved_config_file(config: str, sets: list[str], run_root: str | None = No
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, metavar="FILE", help="the run's YAML config file: local path or fsspec URI (e.g. deployments/configs/tiny-cpu.yaml)")
-    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="override one config field, e.g. --set cpt.max_steps=100 (value parsed as YAML); repeatable, applied in order")
+    p.add_argument(
+        "--config",
+        required=True,
+        metavar="FILE",
+        help="the run's YAML config file: local path or fsspec URI (e.g. deployments/configs/tiny-cpu.yaml)",
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override one config field, e.g. --set cpt.max_steps=100 (value parsed as YAML); repeatable, applied in "
+        "order",
+    )
     p.add_argument("--run-root", help="override run_root (local path, NFS path or s3://...)")
     p.add_argument("--run-name", help="override the run name")
 
@@ -99,8 +113,12 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 def add_stop_after(p: argparse.ArgumentParser) -> None:
     from tasks.core.run.stages import STAGE_NAMES
 
-    p.add_argument("--stop-after", choices=STAGE_NAMES, metavar="STAGE",
-                   help=f"run the stages up to and including STAGE, record the rest as not-run, exit 0 (one of: {', '.join(STAGE_NAMES)})")
+    p.add_argument(
+        "--stop-after",
+        choices=STAGE_NAMES,
+        metavar="STAGE",
+        help=f"run the stages up to and including STAGE, record the rest as not-run, exit 0 (one of: {', '.join(STAGE_NAMES)})",
+    )
 
 
 # Subcommands that are whole existing CLIs: their own parser and --help, unchanged.
@@ -124,7 +142,10 @@ def _notifications(argv: list[str]) -> int:
 
 
 DELEGATED = {
-    "notifications": (_notifications, "apply the failure-notification automation (deployments/automations.yaml) to the Prefect server"),
+    "notifications": (
+        _notifications,
+        "apply the failure-notification automation (deployments/automations.yaml) to the Prefect server",
+    ),
     "convert": (_convert, "a ColossalAI checkpoint directory -> HF safetensors (the streaming converter)"),
     "eval": (_eval, "held-out loss/perplexity of an HF model folder on a data file (--reference DIR compares two)"),
 }
@@ -132,15 +153,36 @@ DELEGATED = {
 # `cpt-to-sft --help`: each command in one line, and one example of it (tests/test_cli.py runs every
 # example's `--help`, and the config commands' examples with --check-like parsing).
 COMMANDS = {
-    "run": ("run the whole flow, or its stages up to --stop-after", "cpt-to-sft run --config deployments/configs/tiny-cpu.yaml --set cpt.max_steps=4"),
-    "check": ("pre-flight only: every problem at once, nothing launched", "cpt-to-sft check --config deployments/configs/tiny-cpu.yaml"),
-    "verify": ("verify an artifact or every artifact of a run root", "cpt-to-sft verify runs/tiny-demo --no-fingerprint"),
-    "break-lease": ("remove the run root's lease left by a dead run", "cpt-to-sft break-lease --config deployments/configs/tiny-cpu.yaml"),
-    "convert": ("a ColossalAI checkpoint -> HF safetensors", "cpt-to-sft convert runs/tiny-demo/sft/step-000030 /tmp/hf --dtype bf16"),
-    "eval": ("held-out loss/perplexity of an HF model folder", "cpt-to-sft eval sft --model runs/tiny-demo/export --data data/sample/sft.jsonl --seq-len 128"),
+    "run": (
+        "run the whole flow, or its stages up to --stop-after",
+        "cpt-to-sft run --config deployments/configs/tiny-cpu.yaml --set cpt.max_steps=4",
+    ),
+    "check": (
+        "pre-flight only: every problem at once, nothing launched",
+        "cpt-to-sft check --config deployments/configs/tiny-cpu.yaml",
+    ),
+    "verify": (
+        "verify an artifact or every artifact of a run root",
+        "cpt-to-sft verify runs/tiny-demo --no-fingerprint",
+    ),
+    "break-lease": (
+        "remove the run root's lease left by a dead run",
+        "cpt-to-sft break-lease --config deployments/configs/tiny-cpu.yaml",
+    ),
+    "convert": (
+        "a ColossalAI checkpoint -> HF safetensors",
+        "cpt-to-sft convert runs/tiny-demo/sft/step-000030 /tmp/hf --dtype bf16",
+    ),
+    "eval": (
+        "held-out loss/perplexity of an HF model folder",
+        "cpt-to-sft eval sft --model runs/tiny-demo/export --data data/sample/sft.jsonl --seq-len 128",
+    ),
     "schema": ("print the run config's JSON Schema", "cpt-to-sft schema > run-config.schema.json"),
     "card": ("render the export's model card (export/README.md) again", "cpt-to-sft card runs/tiny-demo"),
-    "notifications": ("failure notifications on the Prefect server", "cpt-to-sft notifications --webhook-url https://hooks.example.com/T0/B0"),
+    "notifications": (
+        "failure notifications on the Prefect server",
+        "cpt-to-sft notifications --webhook-url https://hooks.example.com/T0/B0",
+    ),
 }
 
 
@@ -164,7 +206,8 @@ def recompute_fingerprint(art: Path, manifest: dict[str, Any]) -> str:
     c = compare_logits(hf_dir_logits(art, budget_gb=VERIFY_MEMORY_GB), load_fingerprint(art), rtol)
     if not c["fingerprint_match"]:
         raise ManifestError(
-            f"{art}: recomputed logits differ from its fingerprint (relative {c['fingerprint_rel_diff']:.3g} > {rtol:g}, "
+            f"{art}: recomputed logits differ from its fingerprint (relative {c['fingerprint_rel_diff']:.3g} > "
+            f"{rtol:g}, "
             f"{c['top1_disagreements_beyond_tolerance']} top-1 flips): the weights do not produce the recorded model"
         )
     return f"fingerprint recomputed (relative diff {c['fingerprint_rel_diff']:.3g} <= {rtol:g})"
@@ -195,7 +238,11 @@ def verify(path: str, fingerprints: bool = True) -> int:
             strays = folder_problems(art)  # files the manifest does not list are judged too: a loader globs the folder
             if strays:
                 raise ManifestError("; ".join(strays))
-            fp = recompute_fingerprint(art, m) if fingerprints else ("fingerprint not recomputed" if m.get("fingerprint") else "no fingerprint")
+            fp = (
+                recompute_fingerprint(art, m)
+                if fingerprints
+                else ("fingerprint not recomputed" if m.get("fingerprint") else "no fingerprint")
+            )
         except (ManifestError, ValueError, OSError) as exc:
             failed += 1
             print(f"FAILED: {exc}")
@@ -216,16 +263,29 @@ def card(run_root: str) -> int:
     try:
         summary = json.loads(RunStore(run_root).read_text(RUN_JSON))
     except (OSError, ValueError) as exc:
-        print(f"FAILED: {run_root}: no readable {RUN_JSON} ({type(exc).__name__}: {exc}); give the root of a run", file=sys.stderr)
+        print(
+            f"FAILED: {run_root}: no readable {RUN_JSON} ({type(exc).__name__}: {exc}); give the root of a run",
+            file=sys.stderr,
+        )
         return 1
     if not summary.get("config"):
-        print(f"FAILED: {run_root}/{RUN_JSON} records no config (written before run.json kept it); run the flow again over this "
-              "run root: every stage is skipped and the card is written", file=sys.stderr)
+        print(
+            f"FAILED: {run_root}/{RUN_JSON} records no config (written before run.json kept it); run the flow again "
+            "over this "
+            "run root: every stage is skipped and the card is written",
+            file=sys.stderr,
+        )
         return 1
     cfg = RunConfig.model_validate({**summary["config"], "run_root": run_root})
-    results = {s["stage"]: StageResult(s["stage"], Status(s["status"]), detail=s.get("detail") or {}) for s in summary["stages"]}
+    results = {
+        s["stage"]: StageResult(s["stage"], Status(s["status"]), detail=s.get("detail") or {})
+        for s in summary["stages"]
+    }
     if results.get("export") is None or results["export"].status not in (Status.COMPLETED, Status.SKIPPED):
-        print(f"FAILED: {run_root}: the run has no export to write a card into (export: {results['export'].status if 'export' in results else 'not-run'})", file=sys.stderr)
+        print(
+            f"FAILED: {run_root}: the run has no export to write a card into (export: {results['export'].status if 'export' in results else 'not-run'})",
+            file=sys.stderr,
+        )
         return 1
     uri, changed = write_card(cfg, results, metrics=summary.get("evaluation"))
     print(f"{uri}: {'written' if changed else 'unchanged'}")
@@ -278,31 +338,60 @@ def _epilog() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(prog="cpt-to-sft", usage="cpt-to-sft [-h] [--version] COMMAND ...", description="CPT -> SFT on ColossalAI, orchestrated by Prefect.",
-                                     epilog=_epilog(), formatter_class=raw)
+    parser = argparse.ArgumentParser(
+        prog="cpt-to-sft",
+        usage="cpt-to-sft [-h] [--version] COMMAND ...",
+        description="CPT -> SFT on ColossalAI, orchestrated by Prefect.",
+        epilog=_epilog(),
+        formatter_class=raw,
+    )
     parser.add_argument("--version", action="version", version=f"cpt-to-sft {version()}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND", help=argparse.SUPPRESS)
     run = sub.add_parser("run", help=COMMANDS["run"][0], description=RUN_HELP, epilog=RUN_EXAMPLES, formatter_class=raw)
     _config_args(run)
     add_stop_after(run)
-    _config_args(sub.add_parser("check", help=COMMANDS["check"][0], description="Pre-flight only: every problem at once; exit 1 on any, 0 when clean. Launches nothing."))
+    _config_args(
+        sub.add_parser(
+            "check",
+            help=COMMANDS["check"][0],
+            description="Pre-flight only: every problem at once; exit 1 on any, 0 when clean. Launches nothing.",
+        )
+    )
     _config_args(sub.add_parser("break-lease", help=COMMANDS["break-lease"][0]))
     for name, (_, text) in DELEGATED.items():
         sub.add_parser(name, help=text, add_help=False)
-    v = sub.add_parser("verify", help=COMMANDS["verify"][0], description="Verify an artifact or every artifact of a run root: manifests, sizes, sha256, the model-folder rule, fingerprints.")
+    v = sub.add_parser(
+        "verify",
+        help=COMMANDS["verify"][0],
+        description="Verify an artifact or every artifact of a run root: manifests, sizes, sha256, the model-folder "
+        "rule, fingerprints.",
+    )
     v.add_argument("path", help="an artifact directory (holding .cpt-to-sft/manifest.json) or a run root")
-    v.add_argument("--no-fingerprint", action="store_true", help="skip recomputing the logits of HF-format artifacts (no model is loaded)")
+    v.add_argument(
+        "--no-fingerprint",
+        action="store_true",
+        help="skip recomputing the logits of HF-format artifacts (no model is loaded)",
+    )
     sub.add_parser("schema", help=COMMANDS["schema"][0])
-    c = sub.add_parser("card", help=COMMANDS["card"][0], description="Render the model card of a finished run into its export/README.md again, from the "
-                       "run's records (run.json with its config, train states, evaluation, the export's manifest); the push uploads this file.")
-    c.add_argument("run_root", metavar="RUN_ROOT", help="the run root (local path or s3://...) holding run.json and export/")
+    c = sub.add_parser(
+        "card",
+        help=COMMANDS["card"][0],
+        description="Render the model card of a finished run into its export/README.md again, from the "
+        "run's records (run.json with its config, train states, evaluation, the export's manifest); the push uploads "
+        "this file.",
+    )
+    c.add_argument(
+        "run_root", metavar="RUN_ROOT", help="the run root (local path or s3://...) holding run.json and export/"
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from tasks.core.errors import ConfigError
 
-    console = argv is None  # the installed command, not a caller in this process (whose Prefect settings may be its own)
+    console = (
+        argv is None
+    )  # the installed command, not a caller in this process (whose Prefect settings may be its own)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
         return DELEGATED[argv[0]][0](argv[1:])
@@ -317,7 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         return verify(args.path, fingerprints=not args.no_fingerprint)
     if args.cmd == "card":
         return card(args.run_root)
-    with tempfile.TemporaryDirectory(prefix="cpt-to-sft-resolved-") as tmp:  # the resolved YAML lives as long as the command
+    with tempfile.TemporaryDirectory(
+        prefix="cpt-to-sft-resolved-"
+    ) as tmp:  # the resolved YAML lives as long as the command
         try:
             path, cfg = resolved_config_file(args.config, args.sets, args.run_root, args.run_name, dest=Path(tmp))
         except ConfigError as exc:  # a refusal, as pre-flight's: 1, the status `python -m flows.cpt_to_sft` gives it

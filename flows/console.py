@@ -45,8 +45,10 @@ class _Console:
         finally:
             os.close(devnull)
         name = " and ".join({1: "stdout", 2: "stderr"}.get(f, f"fd {f}") for f in dict.fromkeys(same))
-        message = (f"the console is gone ({name}: its reader exited, e.g. the parent process or the terminal): "
-                   "the run goes on; follow it in the Prefect UI or its run root")
+        message = (
+            f"the console is gone ({name}: its reader exited, e.g. the parent process or the terminal): "
+            "the run goes on; follow it in the Prefect UI or its run root"
+        )
         try:
             from prefect.logging import get_run_logger
 
@@ -90,7 +92,9 @@ class _Guarded:
 def _rich_consoles() -> list[Any]:
     """The rich consoles of the logging handlers in this process (Prefect's console handler)."""
     seen, out = set(), []
-    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
     for lg in loggers:
         for handler in lg.handlers:
             console = getattr(handler, "console", None)
@@ -109,7 +113,7 @@ def console_guard() -> Iterator[None]:
     patched = _rich_consoles()
     for c in patched:
         # rich's own default raises SystemExit(1); this is the documented override point.
-        c.on_broken_pipe = (lambda c=c: console.lose(c.file.fileno()))
+        c.on_broken_pipe = lambda c=c: console.lose(c.file.fileno())
     sys.stdout, sys.stderr = _Guarded(sys.stdout, console), _Guarded(sys.stderr, console)
     try:
         yield
@@ -142,8 +146,12 @@ def training_log_console() -> None:
     by the flow itself, so a worker's flow-run process gets it too."""
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
     for lg in loggers:
         for handler in lg.handlers:
-            if isinstance(handler, PrefectConsoleHandler) and not any(isinstance(f, _TrainingLog) for f in handler.filters):
+            if isinstance(handler, PrefectConsoleHandler) and not any(
+                isinstance(f, _TrainingLog) for f in handler.filters
+            ):
                 handler.addFilter(_TrainingLog())

@@ -91,8 +91,11 @@ def _name_run(cfg: RunConfig | None, logger) -> None:
 
 
 @flow(name="cpt-to-sft", log_prints=True)
-def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: RunOverrides = RunOverrides(),  # noqa: B008 - frozen
-               stop_after: str | None = None) -> dict[str, Any]:
+def cpt_to_sft(
+    config: str = "deployments/configs/tiny-cpu.yaml",
+    overrides: RunOverrides = RunOverrides(),  # noqa: B008 - frozen
+    stop_after: str | None = None,
+) -> dict[str, Any]:
     """Load → prepare data (CPT, SFT) → boost & shard (A) → train CPT (A) → unshard → evaluate CPT → reboost (B) → train SFT (B)
     → export → evaluate SFT → gate → push.
 
@@ -172,7 +175,9 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
         # The failed stage's row holds its cause (for a launch: the failing rank's first error
         # line); the run's state message says it, the task run keeps the traceback.
         failed = next((r for r in reversed(results.values()) if r.status == Status.FAILED), None)
-        return_state = Failed(message=f"stage {failed.stage} failed: {failed.detail['error']}" if failed else failure_cause(exc))
+        return_state = Failed(
+            message=f"stage {failed.stage} failed: {failed.detail['error']}" if failed else failure_cause(exc)
+        )
     else:
         return_state = None
     finally:
@@ -180,8 +185,13 @@ def cpt_to_sft(config: str = "deployments/configs/tiny-cpu.yaml", overrides: Run
             if not carded:  # stopped or failed after the export: its card still says what the run made
                 _write_card(cfg, results, logger)
             summary = write_summary(cfg, results, time.monotonic() - started, stop_after)
-            logger.info("run %s %s in %s:\n%s", cfg.name, "complete" if summary["complete"] else "incomplete", duration(summary["seconds"]),
-                        summary_table(summary["stages"], summary["run_root"]))
+            logger.info(
+                "run %s %s in %s:\n%s",
+                cfg.name,
+                "complete" if summary["complete"] else "incomplete",
+                duration(summary["seconds"]),
+                summary_table(summary["stages"], summary["run_root"]),
+            )
             _finish_tracking(tracker, summary)
             # Staged copies of published artifacts are recoverable from the run root; unpublished
             # ones (what a resume needs) stay.
@@ -224,7 +234,11 @@ def _start_tracking(cfg: RunConfig, logger) -> tracking.RunTracker | None:
     try:
         tracker = tracking.RunTracker.start(cfg, flow_run_id=flow_run.id, flow_run_url=url, warn=logger.warning)
     except Exception as exc:  # it passed pre-flight moments ago: a view, never a failed run
-        logger.warning("MLflow run not created at %s: %s; training continues without it", tracking.redact(cfg.tracking.mlflow.uri), exc)
+        logger.warning(
+            "MLflow run not created at %s: %s; training continues without it",
+            tracking.redact(cfg.tracking.mlflow.uri),
+            exc,
+        )
         return None
     ui.link("mlflow-run", tracker.url, f"MLflow run of {cfg.name}")
     return tracker
@@ -260,9 +274,16 @@ def _failed(cfg: RunConfig, stage: str, exc: BaseException) -> StageResult:
 def failure_cause(exc: BaseException) -> str:
     """One line: a launch's cause ("rank N: <its first error line>"), else the exception's first line."""
     if isinstance(exc, SystemExit):  # str() is the bare status ("1"): say what it was
-        return f"SystemExit: something in the stage's process called sys.exit({exc.code!r}); its task run in the Prefect UI has the traceback"
+        return (
+            f"SystemExit: something in the stage's process called sys.exit({exc.code!r}); its task run in the "
+            "Prefect UI has the traceback"
+        )
     problems = getattr(exc, "problems", None)  # a ConfigError: every field and its fix
-    cause = getattr(exc, "cause", None) or ("; ".join(f"{f}: {m}" for f, m in problems) if problems else "") or (str(exc).splitlines()[0] if str(exc).strip() else "")
+    cause = (
+        getattr(exc, "cause", None)
+        or ("; ".join(f"{f}: {m}" for f, m in problems) if problems else "")
+        or (str(exc).splitlines()[0] if str(exc).strip() else "")
+    )
     return f"{type(exc).__name__}: {cause}"[:500] if cause else type(exc).__name__
 
 
@@ -272,8 +293,12 @@ class Interrupted(KeyboardInterrupt):
 
 def _on_sigint(signum, frame) -> None:
     signal.signal(signal.SIGINT, _exit_at_once)
-    print("interrupted: stopping the run (ending the stage, writing run.json, releasing the lease); Ctrl-C again exits at once",
-          file=sys.stderr, flush=True)
+    print(
+        "interrupted: stopping the run (ending the stage, writing run.json, releasing the lease); Ctrl-C again exits "
+        "at once",
+        file=sys.stderr,
+        flush=True,
+    )
     raise Interrupted("interrupted by SIGINT (Ctrl-C)")
 
 
@@ -288,15 +313,31 @@ class _StopAfter(Exception):
 
 def check_stop_after(stop_after: str | None) -> None:
     if stop_after and stop_after not in STAGE_NAMES:
-        raise ConfigError([("stop_after", f"{stop_after!r} is no stage; use one of: {', '.join(STAGE_NAMES)}")], header="invalid flow parameter")
+        raise ConfigError(
+            [("stop_after", f"{stop_after!r} is no stage; use one of: {', '.join(STAGE_NAMES)}")],
+            header="invalid flow parameter",
+        )
 
 
-def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: float, stop_after: str | None = None) -> dict[str, Any]:
+def write_summary(
+    cfg: RunConfig, results: dict[str, StageResult], seconds: float, stop_after: str | None = None
+) -> dict[str, Any]:
     store = store_for(cfg)
     stages = []
     for name in STAGE_NAMES:
         r = results.get(name)
-        stages.append(r.as_dict() if r else {"stage": name, "status": str(Status.NOT_RUN), "uri": None, "digest": None, "seconds": 0.0, "detail": {}})
+        stages.append(
+            r.as_dict()
+            if r
+            else {
+                "stage": name,
+                "status": str(Status.NOT_RUN),
+                "uri": None,
+                "digest": None,
+                "seconds": 0.0,
+                "detail": {},
+            }
+        )
     export = results.get("export")
     push = results.get("push_to_hub")
     verdict = results.get("gate")
@@ -308,8 +349,16 @@ def write_summary(cfg: RunConfig, results: dict[str, StageResult], seconds: floa
         "stages": stages,
         "export": export.uri if export else None,
         "evaluation": recorded_metrics(results),
-        "gate": ({"status": str(verdict.status), **verdict.detail} if verdict and verdict.status != Status.FAILED else {"status": str(verdict.status if verdict else Status.NOT_RUN)}),
-        "hub": (push.detail if push and push.status == Status.COMPLETED else {"status": str(push.status if push else Status.NOT_RUN), **(push.detail if push else {})}),
+        "gate": (
+            {"status": str(verdict.status), **verdict.detail}
+            if verdict and verdict.status != Status.FAILED
+            else {"status": str(verdict.status if verdict else Status.NOT_RUN)}
+        ),
+        "hub": (
+            push.detail
+            if push and push.status == Status.COMPLETED
+            else {"status": str(push.status if push else Status.NOT_RUN), **(push.detail if push else {})}
+        ),
     }
     if stop_after:
         summary["stopped_after"] = stop_after  # the not-run stages were not asked for
@@ -334,16 +383,28 @@ def recorded_config(cfg: RunConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m flows.cpt_to_sft", description=__doc__.splitlines()[0],
-        epilog="exit status: 0 complete (pushed, or no hub configured), or stopped after --stop-after; 1 a stage failed; 3 the gate failed (artifacts kept, nothing pushed); 130 interrupted (Ctrl-C)",
+        prog="python -m flows.cpt_to_sft",
+        description=__doc__.splitlines()[0],
+        epilog="exit status: 0 complete (pushed, or no hub configured), or stopped after --stop-after; 1 a stage "
+        "failed; 3 the gate failed (artifacts kept, nothing pushed); 130 interrupted (Ctrl-C)",
     )
     parser.add_argument("--config", required=True, help="YAML config: local path or fsspec URI")
     parser.add_argument("--run-root", help="override run_root (local path, NFS path or s3://...)")
     parser.add_argument("--run-name", help="override the run name")
-    parser.add_argument("--break-lease", action="store_true", help="remove the run root's lease left by a dead run, then exit")
-    parser.add_argument("--check", action="store_true", help="pre-flight only: print the report, exit 1 on any problem, 0 when clean; starts nothing")
-    parser.add_argument("--stop-after", choices=STAGE_NAMES, metavar="STAGE",
-                        help=f"run the stages up to and including STAGE, record the rest as not-run, exit 0 (one of: {', '.join(STAGE_NAMES)})")
+    parser.add_argument(
+        "--break-lease", action="store_true", help="remove the run root's lease left by a dead run, then exit"
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="pre-flight only: print the report, exit 1 on any problem, 0 when clean; starts nothing",
+    )
+    parser.add_argument(
+        "--stop-after",
+        choices=STAGE_NAMES,
+        metavar="STAGE",
+        help=f"run the stages up to and including STAGE, record the rest as not-run, exit 0 (one of: {', '.join(STAGE_NAMES)})",
+    )
     args = parser.parse_args(argv)
     if args.check:
         return run_check_cli(args.config, run_root=args.run_root, run_name=args.run_name)
@@ -381,7 +442,9 @@ def _run_flow(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGINT, _on_sigint)
     try:
         with embedded_api():
-            state = cpt_to_sft(config=args.config, overrides=_cli_overrides(args), stop_after=args.stop_after, return_state=True)
+            state = cpt_to_sft(
+                config=args.config, overrides=_cli_overrides(args), stop_after=args.stop_after, return_state=True
+            )
     except ApiUnavailable as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -401,7 +464,17 @@ def _run_flow(args: argparse.Namespace) -> int:
     summary = state.result()
     gate_ = summary.get("gate") or {}
     # One line, for scripts: the table above is for people.
-    print(json.dumps({"run_root": summary["run_root"], "complete": summary["complete"], "export": summary["export"], "seconds": summary["seconds"], "gate": gate_.get("status")}))
+    print(
+        json.dumps(
+            {
+                "run_root": summary["run_root"],
+                "complete": summary["complete"],
+                "export": summary["export"],
+                "seconds": summary["seconds"],
+                "gate": gate_.get("status"),
+            }
+        )
+    )
     if gate_.get("passed") is False:
         print(gate_message(gate_), file=sys.stderr)
         return EXIT_FAILED_GATE

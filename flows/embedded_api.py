@@ -106,7 +106,11 @@ def _adopt_early(log: Path) -> tuple[subprocess.Popen, int] | None:
     import prefect.context
     from prefect.settings import get_current_settings
 
-    same = early.environ == _prefect_environ() and early.log.resolve() == log.resolve() and get_current_settings() == prefect.context.GLOBAL_SETTINGS_CONTEXT.settings
+    same = (
+        early.environ == _prefect_environ()
+        and early.log.resolve() == log.resolve()
+        and get_current_settings() == prefect.context.GLOBAL_SETTINGS_CONTEXT.settings
+    )
     if same:
         return early.proc, early.port
     _stop(early.proc)
@@ -134,14 +138,33 @@ def _start(port: int, env: dict[str, str], log: Path | None = None, app_dir: Pat
         import prefect
 
         app_dir = prefect.__module_path__.parent
-    argv = [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory", "prefect.server.api.server:create_app",
-            "--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on"]
+    argv = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        str(app_dir),
+        "--factory",
+        "prefect.server.api.server:create_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--lifespan",
+        "on",
+    ]
     path = log or log_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("ab") as out:
-        out.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} embedded API server on port {port} for pid {os.getpid()}\n".encode())
+        out.write(
+            f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} embedded API server on port {port} for pid {os.getpid()}\n".encode()
+        )
         out.flush()
-        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def _warm_imports() -> None:
@@ -192,8 +215,10 @@ def check_answers(url: str, timeout: float = 10.0) -> None:
         with httpx.Client(timeout=timeout) as client:
             client.get(f"{url.rstrip('/')}/health")
     except httpx.TransportError as exc:
-        raise ApiUnavailable(f"the Prefect API at {url} (PREFECT_API_URL) does not answer ({type(exc).__name__}: {exc}); "
-                             "start that server, or unset PREFECT_API_URL to run on an embedded one") from None
+        raise ApiUnavailable(
+            f"the Prefect API at {url} (PREFECT_API_URL) does not answer ({type(exc).__name__}: {exc}); "
+            "start that server, or unset PREFECT_API_URL to run on an embedded one"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -202,7 +227,12 @@ def embedded_api() -> Iterator[str | None]:
     yields its URL, or None (starting nothing) when an API is configured or ephemeral mode is off.
     The server stops when this process exits. Raises ApiUnavailable when it does not answer
     within `startup_timeout()`."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED, get_current_settings, temporary_settings
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_EPHEMERAL_ENABLED,
+        get_current_settings,
+        temporary_settings,
+    )
 
     if PREFECT_API_URL.value():
         check_answers(PREFECT_API_URL.value())
@@ -233,21 +263,29 @@ def embedded_api() -> Iterator[str | None]:
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=5) as client:
             while True:
-                if proc.poll() == _PORT_IN_USE and "address already in use" in _tail(log_path(), 20).lower():  # another process took the port first
+                if (
+                    proc.poll() == _PORT_IN_USE and "address already in use" in _tail(log_path(), 20).lower()
+                ):  # another process took the port first
                     port = _free_port()
                     proc = _start(port, env)
                     url = f"http://127.0.0.1:{port}/api"
                 elif proc.poll() is not None:
                     tail = _tail(log_path())
-                    raise ApiUnavailable(f"the embedded Prefect API server exited with status {proc.returncode} while starting ({log_path()}"
-                                           + (f": {tail}" if tail else "") + "); set PREFECT_API_URL to a running Prefect server to use that instead")
+                    raise ApiUnavailable(
+                        f"the embedded Prefect API server exited with status {proc.returncode} while starting "
+                        f"({log_path()}"
+                        + (f": {tail}" if tail else "")
+                        + "); set PREFECT_API_URL to a running Prefect server to use that instead"
+                    )
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{url}/health").status_code == 200:
                         break
                 if time.monotonic() > deadline:
                     how = f"{TIMEOUT_SETTING}={timeout:g}" if user_set else f"{timeout:g} s ({TIMEOUT_SETTING} unset)"
-                    raise ApiUnavailable(f"the embedded Prefect API server did not answer within {how}: the machine is busy; "
-                                           f"set {TIMEOUT_SETTING} higher, or PREFECT_API_URL to a running Prefect server")
+                    raise ApiUnavailable(
+                        f"the embedded Prefect API server did not answer within {how}: the machine is busy; "
+                        f"set {TIMEOUT_SETTING} higher, or PREFECT_API_URL to a running Prefect server"
+                    )
                 time.sleep(0.05)  # every run waits on this loop: a short interval
     except BaseException:
         _stop(proc)

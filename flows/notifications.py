@@ -63,9 +63,15 @@ def apply(block_document_id: UUID, path: str | Path = AUTOMATIONS) -> dict[str, 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cpt-to-sft notifications", description=__doc__.splitlines()[0])
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--webhook-url", help="save a Custom Webhook block (named --block-name) posting to this URL and use it")
-    which.add_argument("--block", help="use this existing notification block: '<type slug>/<name>' or a Custom Webhook block name")
-    p.add_argument("--block-name", default=DEFAULT_BLOCK, help=f"name of the block --webhook-url saves (default {DEFAULT_BLOCK})")
+    which.add_argument(
+        "--webhook-url", help="save a Custom Webhook block (named --block-name) posting to this URL and use it"
+    )
+    which.add_argument(
+        "--block", help="use this existing notification block: '<type slug>/<name>' or a Custom Webhook block name"
+    )
+    p.add_argument(
+        "--block-name", default=DEFAULT_BLOCK, help=f"name of the block --webhook-url saves (default {DEFAULT_BLOCK})"
+    )
     p.add_argument("--file", default=AUTOMATIONS, help=f"the automation definitions (default {AUTOMATIONS})")
     args = p.parse_args(argv)
     bid = save_webhook(args.webhook_url, args.block_name) if args.webhook_url else block_id(args.block)

@@ -49,28 +49,56 @@ def show(metrics: dict[str, Any] | None, verdict: dict[str, Any] | None = None) 
         from prefect.artifacts import create_table_artifact
 
         s = (metrics or {}).get("settings") or {}
-        create_table_artifact(rows, key=TABLE_KEY, description=f"lm-eval {s.get('lm_eval')} scores, base vs export ({s.get('num_fewshot')}-shot, {s.get('dtype')})")
+        create_table_artifact(
+            rows,
+            key=TABLE_KEY,
+            description=f"lm-eval {s.get('lm_eval')} scores, base vs export ({s.get('num_fewshot')}-shot, "
+            f"{s.get('dtype')})",
+        )
     except Exception as exc:
         get_run_logger().warning("benchmark table artifact unavailable: %s", exc)
 
 
-def _base_scores(stage: Stage, base: StageResult, base_dir: Path, include: Path, names: list[str], cfg: RunConfig, dtype: str, inputs: Any) -> dict[str, Any]:
+def _base_scores(
+    stage: Stage,
+    base: StageResult,
+    base_dir: Path,
+    include: Path,
+    names: list[str],
+    cfg: RunConfig,
+    dtype: str,
+    inputs: Any,
+) -> dict[str, Any]:
     """The base's scores: from eval/benchmark-base/<key>.json when this base, these tasks and
     these settings were scored before, else scored now and kept there."""
-    key = hashlib.sha256(json.dumps({"base": base.digest, "inputs": inputs, "settings": bench.settings(cfg.benchmark, dtype)}, sort_keys=True).encode()).hexdigest()
+    key = hashlib.sha256(
+        json.dumps(
+            {"base": base.digest, "inputs": inputs, "settings": bench.settings(cfg.benchmark, dtype)}, sort_keys=True
+        ).encode()
+    ).hexdigest()
     rel = f"{BENCHMARK_BASE}/{key[:32]}.json"
     if stage.store.exists(rel):
         kept = json.loads(stage.store.read_text(rel))
         if kept.get("key") == key:
-            get_run_logger().info("benchmark: base scores reused from %s (same base, tasks and settings)", stage.store.uri(rel))
+            get_run_logger().info(
+                "benchmark: base scores reused from %s (same base, tasks and settings)", stage.store.uri(rel)
+            )
             return {**kept["scores"], "cached": True, "key": key}
     scores = bench.score(base_dir, include, names, cfg.benchmark, dtype, cfg.base_model.trust_remote_code)
-    stage.store.write_text(rel, json.dumps({"key": key, "base": base.uri, "base_digest": base.digest, "scores": scores}, indent=2, sort_keys=True) + "\n")
+    stage.store.write_text(
+        rel,
+        json.dumps(
+            {"key": key, "base": base.uri, "base_digest": base.digest, "scores": scores}, indent=2, sort_keys=True
+        )
+        + "\n",
+    )
     return {**scores, "cached": False, "key": key}
 
 
 @stage_task(name="benchmark", task_run_name="benchmark: lm-eval scores of base vs export")
-def benchmark(cfg: RunConfig, base: StageResult, export: StageResult, tracker: tracking.TrackerHandle | None = None) -> StageResult:
+def benchmark(
+    cfg: RunConfig, base: StageResult, export: StageResult, tracker: tracking.TrackerHandle | None = None
+) -> StageResult:
     """lm-eval scores of the base and the export; `tracker`: the flow run's MLflow run, which gets them."""
     logger = get_run_logger()
     if not cfg.benchmark.enabled:
@@ -94,19 +122,35 @@ def benchmark(cfg: RunConfig, base: StageResult, export: StageResult, tracker: t
         metrics = {
             "tasks": bench.compare(base_scored, scored),
             "settings": bench.settings(cfg.benchmark, dtype),
-            "n_shot": scored["n_shot"], "samples": scored["samples"], "versions": scored["versions"],
+            "n_shot": scored["n_shot"],
+            "samples": scored["samples"],
+            "versions": scored["versions"],
             "export": {"seconds": scored["seconds"], "device": scored["device"]},
-            "base": {"seconds": base_scored["seconds"], "device": base_scored["device"], "cached": base_scored["cached"]},
+            "base": {
+                "seconds": base_scored["seconds"],
+                "device": base_scored["device"],
+                "cached": base_scored["cached"],
+            },
             "files": fetched,
             "seconds": round(time.monotonic() - started, 3),
         }
         for task, ms in metrics["tasks"].items():  # one line a task: the console stays a short log
-            said = ", ".join(f"{metric} {'-' if m['base'] is None else format(m['base'], '.4g')} -> {m['export']:.4g}" for metric, m in ms.items())
+            said = ", ".join(
+                f"{metric} {'-' if m['base'] is None else format(m['base'], '.4g')} -> {m['export']:.4g}"
+                for metric, m in ms.items()
+            )
             logger.info("benchmark: %s (base -> export) %s", task, said)
         (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         tracking.log_evaluation("benchmark", {"tasks": metrics["tasks"]}, out.dir, cfg.sft.max_steps, tracker)
-        out.manifest(kind="evaluation", parent=export, meta={
-            "stage": "benchmark", "metrics": metrics,
-            "reference": {"uri": base.uri, "digest": base.digest}, "candidate": {"uri": export.uri, "digest": export.digest}})
+        out.manifest(
+            kind="evaluation",
+            parent=export,
+            meta={
+                "stage": "benchmark",
+                "metrics": metrics,
+                "reference": {"uri": base.uri, "digest": base.digest},
+                "candidate": {"uri": export.uri, "digest": export.digest},
+            },
+        )
     show(metrics)
     return stage.done({"metrics": metrics}, event={"tasks": names})

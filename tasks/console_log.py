@@ -50,7 +50,7 @@ def is_echo(record: logging.LogRecord) -> bool:
         if record.levelno >= logging.ERROR and msg.startswith(_ENGINE_ECHOES):
             return True
         if msg.startswith("Finished in state "):
-            state = msg[len("Finished in state "):]
+            state = msg[len("Finished in state ") :]
             return state.startswith(_FAILED_STATES) or state.rstrip().endswith(_FAILED_TYPES)
     if msg != _ROUTED_LINE or not isinstance(record.args, tuple) or len(record.args) != 2:
         return False
@@ -88,7 +88,9 @@ def console_handlers() -> list[logging.Handler]:
     """Prefect's console handlers in this process (the root logger's, and any other logger's)."""
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
     seen: dict[int, logging.Handler] = {}
     for lg in loggers:
         for h in lg.handlers:
@@ -97,7 +99,9 @@ def console_handlers() -> list[logging.Handler]:
     return list(seen.values())
 
 
-def install(handlers: list[logging.Handler] | None = None) -> list[tuple[logging.Handler, OneLineFailures, logging.Formatter | None]]:
+def install(
+    handlers: list[logging.Handler] | None = None,
+) -> list[tuple[logging.Handler, OneLineFailures, logging.Formatter | None]]:
     """Put the rule on `handlers` (default: every console handler of this process), once each;
     returns what `uninstall` undoes."""
     done = []

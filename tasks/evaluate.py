@@ -30,7 +30,14 @@ from prefect import get_run_logger, task
 from tasks import tracking, ui
 from tasks.core.config.kernels import cuda_available
 from tasks.core.config.schema import RunConfig, StageConfig
-from tasks.core.data.prepared import corpus_of, heldout_by_source, heldout_only_names, heldout_records, split_info, write_jsonl
+from tasks.core.data.prepared import (
+    corpus_of,
+    heldout_by_source,
+    heldout_only_names,
+    heldout_records,
+    split_info,
+    write_jsonl,
+)
 from tasks.core.evaluation import heldout as ev
 from tasks.core.evaluation import placement
 from tasks.core.evaluation import verdict as rules
@@ -60,12 +67,19 @@ def _with_eval_dtype(cfg: RunConfig, st: StageConfig) -> StageConfig:
 
 
 def _not_configured(stage: str, which: str) -> StageResult:
-    get_run_logger().info("%s: no %s held-out set (%s.eval.heldout_fraction is 0, no heldout_uri): not evaluated", stage, which.upper(), which)
+    get_run_logger().info(
+        "%s: no %s held-out set (%s.eval.heldout_fraction is 0, no heldout_uri): not evaluated",
+        stage,
+        which.upper(),
+        which,
+    )
     return StageResult(stage, Status.NOT_CONFIGURED, detail={"reason": f"{which}.eval has no held-out set"})
 
 
 @stage_task(name="evaluate_cpt", task_run_name="evaluate CPT: base vs CPT held-out perplexity")
-def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult, tracker: tracking.TrackerHandle | None = None) -> StageResult:
+def evaluate_cpt(
+    cfg: RunConfig, base: StageResult, bridge: StageResult, tracker: tracking.TrackerHandle | None = None
+) -> StageResult:
     """Held-out perplexity of base vs CPT; `tracker`: the flow run's MLflow run, which gets the metrics."""
     logger = get_run_logger()
     if not cfg.cpt.eval.enabled:
@@ -78,31 +92,62 @@ def evaluate_cpt(cfg: RunConfig, base: StageResult, bridge: StageResult, tracker
     data = prepared_dir(cfg, "cpt")
     split = split_info(data, corpus_of(cfg.cpt.data))
     st = _with_eval_dtype(cfg, cfg.cpt)
-    metrics = ev.evaluate_cpt(base_dir, cpt_dir, heldout_records(data), st.data.text_field, st.seq_len, st.eval, cfg.base_model.trust_remote_code,
-                              by_source=heldout_by_source(data), heldout_only=heldout_only_names(data))
+    metrics = ev.evaluate_cpt(
+        base_dir,
+        cpt_dir,
+        heldout_records(data),
+        st.data.text_field,
+        st.seq_len,
+        st.eval,
+        cfg.base_model.trust_remote_code,
+        by_source=heldout_by_source(data),
+        heldout_only=heldout_only_names(data),
+    )
     metrics["split"] = split
     logger.info(
         "evaluate_cpt: held-out perplexity base %.4f -> CPT %.4f (%+.2f%%) on %d tokens in %.1fs",
-        metrics["base"]["perplexity"], metrics["cpt"]["perplexity"], metrics["perplexity_change_pct"], metrics["tokens"], metrics["seconds"],
+        metrics["base"]["perplexity"],
+        metrics["cpt"]["perplexity"],
+        metrics["perplexity_change_pct"],
+        metrics["tokens"],
+        metrics["seconds"],
     )
     for name, m in (metrics.get("sources") or {}).items():  # each source: what CPT did to its held-out text
         kind = "held-out-only source" if m.get("held_out_only") else "source"
         if m.get("base") is None:
             logger.warning("evaluate_cpt: %s %r not evaluated: %s", kind, name, m["skipped"])
         else:
-            logger.info("evaluate_cpt: %s %r held-out perplexity base %.4f -> CPT %.4f (%+.2f%%)", kind, name, m["base"]["perplexity"], m["cpt"]["perplexity"], m["perplexity_change_pct"])
+            logger.info(
+                "evaluate_cpt: %s %r held-out perplexity base %.4f -> CPT %.4f (%+.2f%%)",
+                kind,
+                name,
+                m["base"]["perplexity"],
+                m["cpt"]["perplexity"],
+                m["perplexity_change_pct"],
+            )
     with stage.build() as out:
         (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         tracking.log_evaluation("cpt", metrics, out.dir, st.max_steps, tracker)
         out.manifest(
-            kind="evaluation", parent=bridge,
-            meta={"stage": "cpt", "metrics": metrics, "reference": {"uri": base.uri, "digest": base.digest}, "candidate": {"uri": bridge.uri, "digest": bridge.digest}},
+            kind="evaluation",
+            parent=bridge,
+            meta={
+                "stage": "cpt",
+                "metrics": metrics,
+                "reference": {"uri": base.uri, "digest": base.digest},
+                "candidate": {"uri": bridge.uri, "digest": bridge.digest},
+            },
         )
-    return stage.done({"metrics": metrics}, event={"base_perplexity": metrics["base"]["perplexity"], "cpt_perplexity": metrics["cpt"]["perplexity"]})
+    return stage.done(
+        {"metrics": metrics},
+        event={"base_perplexity": metrics["base"]["perplexity"], "cpt_perplexity": metrics["cpt"]["perplexity"]},
+    )
 
 
 @stage_task(name="evaluate_sft", task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
-def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult, tracker: tracking.TrackerHandle | None = None) -> StageResult:
+def evaluate_sft(
+    cfg: RunConfig, bridge: StageResult, export: StageResult, tracker: tracking.TrackerHandle | None = None
+) -> StageResult:
     """Held-out loss of pre-SFT vs SFT and the generation check; `tracker`: the flow run's MLflow run, which gets the metrics."""
     logger = get_run_logger()
     if not cfg.sft.eval.enabled:
@@ -119,13 +164,22 @@ def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult, track
     heldout = heldout_records(data)
     trust = cfg.base_model.trust_remote_code
     metrics = ev.evaluate_sft(pre_dir, export_dir, heldout, st.data.messages_field, st.seq_len, st.eval, trust)
-    gen, rows = ev.generation_check(export_dir, heldout, st.data.messages_field, g.max_new_tokens, g.num_prompts, st.eval.dtype, trust)
+    gen, rows = ev.generation_check(
+        export_dir, heldout, st.data.messages_field, g.max_new_tokens, g.num_prompts, st.eval.dtype, trust
+    )
     gen["file"] = "generations.jsonl"
     metrics["generation"] = gen
     metrics["split"] = split
     logger.info(
-        "evaluate_sft: held-out assistant loss pre-SFT %.4f -> SFT %.4f on %d tokens; %d of %d generations stopped (%.1fs + %.1fs)",
-        metrics["pre_sft"]["loss"], metrics["sft"]["loss"], metrics["tokens"], gen["stopped"], gen["prompts"], metrics["seconds"], gen["seconds"],
+        "evaluate_sft: held-out assistant loss pre-SFT %.4f -> SFT %.4f on %d tokens; %d of %d generations stopped "
+        "(%.1fs + %.1fs)",
+        metrics["pre_sft"]["loss"],
+        metrics["sft"]["loss"],
+        metrics["tokens"],
+        gen["stopped"],
+        gen["prompts"],
+        metrics["seconds"],
+        gen["seconds"],
     )
     for problem in gen["problems"]:
         logger.warning("evaluate_sft: generation check: %s", problem)
@@ -134,10 +188,23 @@ def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult, track
         write_jsonl(out.dir / "generations.jsonl", rows)
         tracking.log_evaluation("sft", metrics, out.dir, st.max_steps, tracker)
         out.manifest(
-            kind="evaluation", parent=export,
-            meta={"stage": "sft", "metrics": metrics, "reference": {"uri": bridge.uri, "digest": bridge.digest}, "candidate": {"uri": export.uri, "digest": export.digest}},
+            kind="evaluation",
+            parent=export,
+            meta={
+                "stage": "sft",
+                "metrics": metrics,
+                "reference": {"uri": bridge.uri, "digest": bridge.digest},
+                "candidate": {"uri": export.uri, "digest": export.digest},
+            },
         )
-    return stage.done({"metrics": metrics}, event={"pre_sft_loss": metrics["pre_sft"]["loss"], "sft_loss": metrics["sft"]["loss"], "generation_passed": gen["passed"]})
+    return stage.done(
+        {"metrics": metrics},
+        event={
+            "pre_sft_loss": metrics["pre_sft"]["loss"],
+            "sft_loss": metrics["sft"]["loss"],
+            "generation_passed": gen["passed"],
+        },
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -145,7 +212,9 @@ def evaluate_sft(cfg: RunConfig, bridge: StageResult, export: StageResult, track
 
 
 @task(name="gate", task_run_name="gate before push")
-def gate(cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult, bench_eval: StageResult | None = None) -> StageResult:
+def gate(
+    cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult, bench_eval: StageResult | None = None
+) -> StageResult:
     """Status `passed`, `failed-gate` or `disabled`; detail is the verdict (checks and reasons).
 
     Not an artifact: a pure decision over recorded metrics and `gate:`, taken on every run, so
@@ -166,7 +235,11 @@ def gate(cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult, bench_eva
     try:
         from prefect.artifacts import create_table_artifact
 
-        create_table_artifact(rules.metrics_table(cpt, sft, verdict), key=EVAL_TABLE_KEY, description=f"Held-out evaluation and the publish gate: {status}")
+        create_table_artifact(
+            rules.metrics_table(cpt, sft, verdict),
+            key=EVAL_TABLE_KEY,
+            description=f"Held-out evaluation and the publish gate: {status}",
+        )
     except Exception as exc:
         logger.warning("evaluation table artifact unavailable: %s", exc)
     if scores:
@@ -182,7 +255,9 @@ def held_back(cfg: RunConfig, verdict: StageResult) -> StageResult:
     target = f"hf://{cfg.hub.repo_id}" if cfg.hub else None
     get_run_logger().warning("push_to_hub: not run, the gate failed (%s)", "; ".join(reasons))
     ui.stage_event("push_to_hub", Status.FAILED_GATE, cfg.name, target, reasons=reasons)
-    return StageResult("push_to_hub", Status.FAILED_GATE, uri=target, detail={"reason": "the gate failed", "reasons": reasons})
+    return StageResult(
+        "push_to_hub", Status.FAILED_GATE, uri=target, detail={"reason": "the gate failed", "reasons": reasons}
+    )
 
 
 def recorded_metrics(results: dict[str, StageResult]) -> dict[str, dict[str, Any] | None]:

@@ -62,16 +62,41 @@ def _verification_markdown(v: dict) -> str:
         "| check | value |",
         "|---|---|",
         f"| tensors | {v['tensors']} (each bitwise the checkpoint's, cast to {v['dtype']}) |",
-        *([(f"| LoRA merge | in fp32 onto cpt/hf; {v['lora']['untouched_bitwise']} untouched tensors bitwise the base's, "
-            f"{v['lora']['touched']} merged; head untied: {v['lora']['untied_head']} |")] if v.get("lora") else []),
-        *([(f"| export-adapter/ | peft on cpt/hf vs this export: relative {v['adapter']['fingerprint_rel_diff']:.3g}, top-1 "
-            f"{v['adapter']['top1_agreement']:.3f}; base_model_name_or_path {v['adapter']['base_model_name_or_path']} (local) |")] if v.get("adapter") else []),
+        *(
+            [
+                (
+                    f"| LoRA merge | in fp32 onto cpt/hf; {v['lora']['untouched_bitwise']} untouched tensors bitwise "
+                    "the base's, "
+                    f"{v['lora']['touched']} merged; head untied: {v['lora']['untied_head']} |"
+                )
+            ]
+            if v.get("lora")
+            else []
+        ),
+        *(
+            [
+                (
+                    "| export-adapter/ | peft on cpt/hf vs this export: relative "
+                    f"{v['adapter']['fingerprint_rel_diff']:.3g}, top-1 "
+                    f"{v['adapter']['top1_agreement']:.3f}; base_model_name_or_path "
+                    f"{v['adapter']['base_model_name_or_path']} (local) |"
+                )
+            ]
+            if v.get("adapter")
+            else []
+        ),
         f"| bytes | {v['bytes']:,} |",
         f"| dtype | {v['dtype']} |",
-        (f"| logits max abs diff / max abs logit | {v['fingerprint_max_abs_diff']:.3g} / {v['fingerprint_max_abs_logit']:.3g} = "
-         f"{v['fingerprint_rel_diff']:.3g} (tolerance {v['fingerprint_rtol']:g}) {ok} |"),
+        (
+            f"| logits max abs diff / max abs logit | {v['fingerprint_max_abs_diff']:.3g} / "
+            f"{v['fingerprint_max_abs_logit']:.3g} = "
+            f"{v['fingerprint_rel_diff']:.3g} (tolerance {v['fingerprint_rtol']:g}) {ok} |"
+        ),
         f"| top-1 agreement | {v['top1_agreement']:.3f} ({v['top1_disagreements_beyond_tolerance']} beyond tolerance) |",
-        f"| eos_token_id | {stop.get('eos_token_id')} (added: {', '.join(a['token'] for a in stop.get('added', [])) or 'none'}) |",
+        (
+            f"| eos_token_id | {stop.get('eos_token_id')} (added: {', '.join(a['token'] for a in stop.get('added', [])) or 'none'}) "
+            "|"
+        ),
         f"| tokenizer files | {', '.join(v['tokenizer_files'])} |",
         "",
         "| key | shape |",
@@ -87,8 +112,13 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
     lora = cfg.sft.lora is not None
     if stage.skipped and (not lora or completed(stage.store, EXPORT_ADAPTER, stage.digest)):
         return stage.result
-    if not lora and stage.store.exists(EXPORT_ADAPTER):  # an earlier LoRA run's adapter: it does not describe this export
-        get_run_logger().info("export: removing %s, the adapter of an earlier LoRA export (sft.lora is not set now)", stage.store.uri(EXPORT_ADAPTER))
+    if not lora and stage.store.exists(
+        EXPORT_ADAPTER
+    ):  # an earlier LoRA run's adapter: it does not describe this export
+        get_run_logger().info(
+            "export: removing %s, the adapter of an earlier LoRA export (sft.lora is not set now)",
+            stage.store.uri(EXPORT_ADAPTER),
+        )
         stage.store.remove(EXPORT_ADAPTER)
     # Imported when the stage runs: the converter, the merge and the folder rules import torch (~2.5 s
     # of CPU), and the flow process, which imports every task module at start, may skip them all.
@@ -98,14 +128,30 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
 
     ckpt, source = stage.store.stage_in(sft.rel), stage.store.stage_in(TRAINING["sft"].source)
     with stage.build() as out:
-        if cfg.sft.lora is not None:  # the adapter merged onto cpt/hf in fp32, proven against peft (tasks/core/models/merge.py)
-            built = build_merged_dir(ckpt, out.dir, source, dtype=cfg.export.dtype, max_shard_size=cfg.export.max_shard_size,
-                                     rtol=cfg.export.fingerprint_rtol, align_stop_tokens=cfg.export.align_stop_tokens, work_dir=cfg.staging_dir,
-                                     verify_memory_gb=cfg.verify_memory_gb)
+        if (
+            cfg.sft.lora is not None
+        ):  # the adapter merged onto cpt/hf in fp32, proven against peft (tasks/core/models/merge.py)
+            built = build_merged_dir(
+                ckpt,
+                out.dir,
+                source,
+                dtype=cfg.export.dtype,
+                max_shard_size=cfg.export.max_shard_size,
+                rtol=cfg.export.fingerprint_rtol,
+                align_stop_tokens=cfg.export.align_stop_tokens,
+                work_dir=cfg.staging_dir,
+                verify_memory_gb=cfg.verify_memory_gb,
+            )
         else:
             built = build_hf_dir(
-                ckpt, out.dir, source, dtype=cfg.export.dtype, max_shard_size=cfg.export.max_shard_size,
-                weights_dtype=cfg.sft.plugin.precision, rtol=cfg.export.fingerprint_rtol, align_stop_tokens=cfg.export.align_stop_tokens,
+                ckpt,
+                out.dir,
+                source,
+                dtype=cfg.export.dtype,
+                max_shard_size=cfg.export.max_shard_size,
+                weights_dtype=cfg.sft.plugin.precision,
+                rtol=cfg.export.fingerprint_rtol,
+                align_stop_tokens=cfg.export.align_stop_tokens,
                 verify_memory_gb=cfg.verify_memory_gb,
             )
         v = built["verification"]
@@ -114,39 +160,77 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
             raise ConversionError("export: " + "; ".join(problems))
         get_run_logger().info("export: %s", describe(v["stop_tokens"]))
         if lora:
-            v["adapter"] = _export_adapter(stage, sft, ckpt, source, out.dir, v["fingerprint_rtol"], cfg.verify_memory_gb)
+            v["adapter"] = _export_adapter(
+                stage, sft, ckpt, source, out.dir, v["fingerprint_rtol"], cfg.verify_memory_gb
+            )
         (out.dir / VERIFICATION).write_text(json.dumps(v, indent=2, sort_keys=True) + "\n")
         out.manifest(
-            kind="hf-export", parent=sft, fingerprint=built["fingerprint"], known_hashes=built["known_hashes"],
+            kind="hf-export",
+            parent=sft,
+            fingerprint=built["fingerprint"],
+            known_hashes=built["known_hashes"],
             meta={
-                "from_checkpoint": sft.uri, "dtype": cfg.export.dtype, "verification": {k: x for k, x in v.items() if k != "shapes"},
+                "from_checkpoint": sft.uri,
+                "dtype": cfg.export.dtype,
+                "verification": {k: x for k, x in v.items() if k != "shapes"},
                 "data_split": recorded_split(stage.store, "sft"),  # what SFT trained on and what it held out
                 "versions": framework_versions(),  # of the process that built the export, for the model card
             },
         )
     if lora:  # the adapter first: export/'s manifest, published last, is what marks the stage done
-        publish_retrying(stage.store, EXPORT_ADAPTER, retries=0 if stage.store.local else RETRIES, log=get_run_logger(), what="the export-adapter artifact")
-    ui.markdown("export-verification", _verification_markdown(v), "Export verification: keys, shapes, dtype, fingerprint, stop tokens")
+        publish_retrying(
+            stage.store,
+            EXPORT_ADAPTER,
+            retries=0 if stage.store.local else RETRIES,
+            log=get_run_logger(),
+            what="the export-adapter artifact",
+        )
+    ui.markdown(
+        "export-verification",
+        _verification_markdown(v),
+        "Export verification: keys, shapes, dtype, fingerprint, stop tokens",
+    )
     return stage.done({k: x for k, x in v.items() if k != "shapes"})
 
 
-def _export_adapter(stage: Stage, sft: StageResult, ckpt, base, export_dir, rtol: float, verify_memory_gb: float) -> dict:
+def _export_adapter(
+    stage: Stage, sft: StageResult, ckpt, base, export_dir, rtol: float, verify_memory_gb: float
+) -> dict:
     """export-adapter/: the checkpoint's adapter in peft's layout, proven against `export_dir`
     (before its manifest); returns the verification the export's record also carries."""
     from tasks.core.models.adapter import build_adapter_dir
     from tasks.core.models.merge import ADAPTER
 
-    base_ref = {"name_or_path": stage.store.uri(TRAINING["sft"].source), "digest": stage.store.manifest_digest(TRAINING["sft"].source)}
+    base_ref = {
+        "name_or_path": stage.store.uri(TRAINING["sft"].source),
+        "digest": stage.store.manifest_digest(TRAINING["sft"].source),
+    }
     with fresh_dir(stage.store.local_path(EXPORT_ADAPTER), keep_foreign=stage.store.local) as tmp:
-        a = build_adapter_dir(ckpt / ADAPTER, tmp, base, export_dir, base_ref=base_ref, rtol=rtol, verify_memory_gb=verify_memory_gb)
+        a = build_adapter_dir(
+            ckpt / ADAPTER, tmp, base, export_dir, base_ref=base_ref, rtol=rtol, verify_memory_gb=verify_memory_gb
+        )
         (tmp / VERIFICATION).parent.mkdir(parents=True, exist_ok=True)
         (tmp / VERIFICATION).write_text(json.dumps(a, indent=2, sort_keys=True) + "\n")
-        write_manifest(tmp, kind="lora-adapter", meta={"from_checkpoint": sft.uri, "base": base_ref, "verification": a},
-                       parent={"uri": sft.uri, "digest": sft.digest}, config_digest=stage.digest)
-    get_run_logger().info("export: %s holds the adapter alone (base %s, a local reference); peft on cpt/hf matches the merged export "
-                          "(logits relative diff %.3g <= %g, top-1 %.3f)", stage.store.uri(EXPORT_ADAPTER), base_ref["name_or_path"],
-                          a["fingerprint_rel_diff"], rtol, a["top1_agreement"])
-    return {k: a[k] for k in ("base_model_name_or_path", "base_is", "fingerprint_rel_diff", "fingerprint_match", "top1_agreement")}
+        write_manifest(
+            tmp,
+            kind="lora-adapter",
+            meta={"from_checkpoint": sft.uri, "base": base_ref, "verification": a},
+            parent={"uri": sft.uri, "digest": sft.digest},
+            config_digest=stage.digest,
+        )
+    get_run_logger().info(
+        "export: %s holds the adapter alone (base %s, a local reference); peft on cpt/hf matches the merged export "
+        "(logits relative diff %.3g <= %g, top-1 %.3f)",
+        stage.store.uri(EXPORT_ADAPTER),
+        base_ref["name_or_path"],
+        a["fingerprint_rel_diff"],
+        rtol,
+        a["top1_agreement"],
+    )
+    return {
+        k: a[k]
+        for k in ("base_model_name_or_path", "base_is", "fingerprint_rel_diff", "fingerprint_match", "top1_agreement")
+    }
 
 
 def write_card(cfg: RunConfig, results: dict[str, StageResult], metrics: dict | None = None) -> tuple[str, bool]:
@@ -164,7 +248,13 @@ def write_card(cfg: RunConfig, results: dict[str, StageResult], metrics: dict | 
     # As every record holds them (manifests and run.json sort their keys): the same card from a
     # first run, a re-run whose evaluations were skipped, and `cpt-to-sft card`.
     metrics = json.loads(json.dumps(metrics, sort_keys=True))
-    card = model_card(cfg, read_manifest(local), train_facts(cfg, results, store.read_text), metrics, base=base_facts(cfg, store.read_text))
+    card = model_card(
+        cfg,
+        read_manifest(local),
+        train_facts(cfg, results, store.read_text),
+        metrics,
+        base=base_facts(cfg, store.read_text),
+    )
     changed = amend_views(local, {CARD: card.encode()})
     if changed:
         store.publish(EXPORT)

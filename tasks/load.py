@@ -36,7 +36,17 @@ from tasks.stage import Stage, StageResult, stage_task, token
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 PICKLE_PATTERNS = ["*.bin", "*.bin.index.json", "*.pt", "*.pth"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
-SIDE_FILES = ["config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "*.model", "vocab.*", "merges.txt", "chat_template*", "added_tokens.json"]
+SIDE_FILES = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "*.model",
+    "vocab.*",
+    "merges.txt",
+    "chat_template*",
+    "added_tokens.json",
+]
 
 
 def _download_hub(cfg: RunConfig, dest: Path) -> dict:
@@ -52,8 +62,17 @@ def _download_hub(cfg: RunConfig, dest: Path) -> dict:
     for path in sorted(p for p in dest.rglob("*") if p.is_file()):
         rel = path.relative_to(dest).as_posix()
         if rel in lfs and sha256_file(path) != lfs[rel]:
-            raise ManifestError(f"{b.uri}@{info.sha}: downloaded {rel} does not match the sha256 the Hub lists for it (a retry downloads it again)")
-    return {"source": "hub", "repo_id": b.uri, "revision": b.revision, "commit_sha": info.sha, "endpoint": constants.ENDPOINT}
+            raise ManifestError(
+                f"{b.uri}@{info.sha}: downloaded {rel} does not match the sha256 the Hub lists for it (a retry "
+                "downloads it again)"
+            )
+    return {
+        "source": "hub",
+        "repo_id": b.uri,
+        "revision": b.revision,
+        "commit_sha": info.sha,
+        "endpoint": constants.ENDPOINT,
+    }
 
 
 def _copy_path(cfg: RunConfig, dest: Path) -> dict:
@@ -61,7 +80,17 @@ def _copy_path(cfg: RunConfig, dest: Path) -> dict:
     if is_local(uri):
         src = Path(filesystem(uri)[1])
         if not (src / "config.json").is_file():
-            raise ConfigError([("base_model.uri", f"{src} is not an HF model directory (no config.json); for the demo run `python -m tasks.core.models.demo --out {cfg.base_model.uri}` first")])
+            raise ConfigError(
+                [
+                    (
+                        "base_model.uri",
+                        (
+                            f"{src} is not an HF model directory (no config.json); for the demo run `python -m "
+                            f"tasks.core.models.demo --out {cfg.base_model.uri}` first"
+                        ),
+                    )
+                ]
+            )
         left_out = misnamed(src)  # not what their name says: never copied (load_from_hf names them)
         for path in sorted(src.rglob("*")):
             if path.is_file() and not path.name.startswith(".") and path.relative_to(src).as_posix() not in left_out:
@@ -83,8 +112,18 @@ def check_weight_files(model_dir: Path, allow_pickle: bool) -> list[str]:
     pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
     if not safetensors:
         if pickles and not allow_pickle:
-            raise ConfigError([("base_model.allow_pickle", (f"{model_dir} has only pickle weights ({', '.join(sorted(pickles)[:3])}); pickle files can run code when loaded. "
-                                                            "Convert them to safetensors, or set base_model.allow_pickle: true if you trust the source"))])
+            raise ConfigError(
+                [
+                    (
+                        "base_model.allow_pickle",
+                        (
+                            f"{model_dir} has only pickle weights ({', '.join(sorted(pickles)[:3])}); pickle files "
+                            "can run code when loaded. "
+                            "Convert them to safetensors, or set base_model.allow_pickle: true if you trust the source"
+                        ),
+                    )
+                ]
+            )
         if not pickles:
             raise ConfigError([("base_model.uri", f"{model_dir} has no weight files (*.safetensors)")])
     return sorted(safetensors or pickles)
@@ -113,15 +152,22 @@ def convert_pickle(model_dir: Path, model_cfg: dict, uri: str) -> dict:
         try:
             report = convert_checkpoint(src, model_dir, model_config=model_cfg, allow_pickle=True, write_config=False)
         except ConversionError as exc:
-            why = (f"{uri}: its pickle weights cannot be converted: {exc}. torch.load(weights_only=True) loads tensors only, so a pickle that "
-                   "would run code is refused here; get safetensors weights from the model's source")
+            why = (
+                f"{uri}: its pickle weights cannot be converted: {exc}. torch.load(weights_only=True) loads tensors "
+                "only, so a pickle that "
+                "would run code is refused here; get safetensors weights from the model's source"
+            )
             raise ConfigError([("base_model.uri", why)], header="load_from_hf refused the base model") from None
     finally:
         shutil.rmtree(src, ignore_errors=True)
     return {"loader": "torch.load(weights_only=True)", "files": sources, **report.summary()}
 
 
-UNHEALING_STATUS = (401, 403, 404)  # a refused token, a missing right, a missing repo/revision/file: the same on every try
+UNHEALING_STATUS = (
+    401,
+    403,
+    404,
+)  # a refused token, a missing right, a missing repo/revision/file: the same on every try
 
 
 def cannot_heal(exc: BaseException) -> bool:
@@ -153,12 +199,16 @@ def transient(task, task_run, state) -> bool:
             return True
         # Prefect 3.9 logs a failure's traceback only once the retries are spent, never when this
         # condition declines them: the task run's log keeps it here (the console has the cause).
-        get_run_logger().error("not retried, the same on every try: %s: %s", type(exc).__name__, exc, exc_info=exc, extra=NOT_ON_CONSOLE)
+        get_run_logger().error(
+            "not retried, the same on every try: %s: %s", type(exc).__name__, exc, exc_info=exc, extra=NOT_ON_CONSOLE
+        )
         return False
     return True
 
 
-@stage_task(name="load_from_hf", retries=2, retry_delay_seconds=15, retry_condition_fn=transient, task_run_name="load_from_hf")
+@stage_task(
+    name="load_from_hf", retries=2, retry_delay_seconds=15, retry_condition_fn=transient, task_run_name="load_from_hf"
+)
 def load_from_hf(cfg: RunConfig) -> StageResult:
     logger = get_run_logger()
     stage = Stage("load_from_hf", cfg)
@@ -178,11 +228,20 @@ def load_from_hf(cfg: RunConfig) -> StageResult:
             (out.dir / name).unlink()
         if left_out := {**meta.pop("left_out", {}), **stray}:
             meta["left_out"] = left_out
-            logger.warning("left out of %s (not what their name says): %s", stage.uri, "; ".join(f"{n}: {why}" for n, why in left_out.items()))
+            logger.warning(
+                "left out of %s (not what their name says): %s",
+                stage.uri,
+                "; ".join(f"{n}: {why}" for n, why in left_out.items()),
+            )
         broken = [(n, why) for n in JSON_FILES if (out.dir / n).is_file() and (why := json_file_problem(out.dir / n))]
         if broken:  # a Hub model's files are first read here; pre-flight read a local one's
-            raise ConfigError([("base_model.uri", f"{cfg.base_model.uri}: {n} {why}; restore it from the model's source") for n, why in broken],
-                              header="load_from_hf refused the base model")
+            raise ConfigError(
+                [
+                    ("base_model.uri", f"{cfg.base_model.uri}: {n} {why}; restore it from the model's source")
+                    for n, why in broken
+                ],
+                header="load_from_hf refused the base model",
+            )
         weights = check_weight_files(out.dir, cfg.base_model.allow_pickle)
         model_cfg = json.loads((out.dir / "config.json").read_text())
         if not any(w.endswith(".safetensors") for w in weights):
@@ -190,7 +249,9 @@ def load_from_hf(cfg: RunConfig) -> StageResult:
             logger.info("converted pickle weights %s to safetensors", ", ".join(meta["converted_from_pickle"]["files"]))
             weights = check_weight_files(out.dir, allow_pickle=False)
         meta.update(model_type=model_cfg.get("model_type"), vocab_size=model_cfg.get("vocab_size"), weights=weights)
-        logits = hf_dir_logits(out.dir, trust_remote_code=cfg.base_model.trust_remote_code, budget_gb=cfg.verify_memory_gb)
+        logits = hf_dir_logits(
+            out.dir, trust_remote_code=cfg.base_model.trust_remote_code, budget_gb=cfg.verify_memory_gb
+        )
         fingerprint = save_fingerprint(logits, out.dir, str(model_cfg.get("torch_dtype", "float32")))
         out.manifest(kind="hf-model", meta=meta, fingerprint=fingerprint)
     return stage.done({k: v for k, v in meta.items() if k != "weights"})

@@ -79,7 +79,11 @@ def preflight(cfg: RunConfig) -> dict[str, Any] | State:
         return Failed(name="Refused", message=report.text(), data=report.error())
     # The checklist goes to the run's log in the UI; the console gets its first line.
     logger.info("%s", report.text(), extra=CONSOLE_OFF)
-    logger.info("%s; each check is listed in the run's log (Prefect UI) and by `cpt-to-sft check`", report.text().splitlines()[0], extra=UI_OFF)
+    logger.info(
+        "%s; each check is listed in the run's log (Prefect UI) and by `cpt-to-sft check`",
+        report.text().splitlines()[0],
+        extra=UI_OFF,
+    )
     return {"checked": report.checked, "warnings": report.warnings, "seconds": round(report.seconds, 3)}
 
 
@@ -104,8 +108,11 @@ def check(cfg: RunConfig | str | Path, run_root: str | None = None, run_name: st
     token = (found is not None) if cfg.hub else None
     report = preflight_report(cfg, token_present=token, hub_token=found)
     if cfg.hub and not token and not server:
-        report.warnings.append(f"the Prefect Secret '{SECRET_BLOCK}' was not consulted (no PREFECT_API_URL); export HF_TOKEN, run `hf auth login`, "
-                               "or set PREFECT_API_URL to the server holding the Secret")
+        report.warnings.append(
+            f"the Prefect Secret '{SECRET_BLOCK}' was not consulted (no PREFECT_API_URL); export HF_TOKEN, run `hf "
+            "auth login`, "
+            "or set PREFECT_API_URL to the server holding the Secret"
+        )
     return report
 
 

@@ -44,8 +44,9 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 
 from tasks import console_log, ui
+from tasks.core.config.data import TokenizeConfig
 from tasks.core.config.paths import resolve_local
-from tasks.core.config.schema import RunConfig, TokenizeConfig
+from tasks.core.config.schema import RunConfig
 from tasks.core.data import chunks, truncation
 from tasks.core.data import prepare as prep
 from tasks.core.data.blend import BLEND_FILE, Source
@@ -115,11 +116,17 @@ def task_runner_for(tok: TokenizeConfig, units: int, width: int | None = None):
         try:
             from prefect_dask import DaskTaskRunner
         except ImportError:
-            raise ValueError("data.tokenize names a Dask cluster but prefect-dask is not installed: pip install 'prefect-dask==0.3.7'") from None
+            raise ValueError(
+                "data.tokenize names a Dask cluster but prefect-dask is not installed: pip install "
+                "'prefect-dask==0.3.7'"
+            ) from None
         if tok.dask_address:
             return DaskTaskRunner(address=tok.dask_address)
         # One thread per worker process: the tokenizer holds the GIL between its Rust calls.
-        return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={"n_workers": width, "threads_per_worker": 1, "processes": True})
+        return DaskTaskRunner(
+            cluster_class="distributed.LocalCluster",
+            cluster_kwargs={"n_workers": width, "threads_per_worker": 1, "processes": True},
+        )
     from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 
     if width == 1:
@@ -158,8 +165,17 @@ class _Tasks:
 
 
 @flow(name="tokenize-files", flow_run_name="tokenize {stage}: {n} files", validate_parameters=False)
-def tokenize_files(stage: str, n: int, inputs: list[InputFile], todo: list[int], spec: ShardSpec, tokenizer_dir: str, out_dir: str,
-                   chunk_bytes: int, width: int) -> list[dict]:
+def tokenize_files(
+    stage: str,
+    n: int,
+    inputs: list[InputFile],
+    todo: list[int],
+    spec: ShardSpec,
+    tokenizer_dir: str,
+    out_dir: str,
+    chunk_bytes: int,
+    width: int,
+) -> list[dict]:
     """inputs[todo], a file larger than `chunk_bytes` in chunks, at most `width` task runs in flight (one queued
     beyond the workers); all finish (their shards stay) before the first error, in corpus order, is raised."""
     report = ui.DataProgress(stage, n, sum(inputs[i].size for i in todo))
@@ -182,17 +198,33 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     only = [Source(s.name, [resolve_local(u) for u in s.uris], 0.0) for s in st_cfg.eval.heldout_sources or ()]
     plan_steps = blend_plan(st_cfg, stage)
     p = prep.plan(
-        sources, tok_dir, cache, kind=stage, blend_plan=plan_steps, heldout_sources=only, field=d.text_field if stage == "cpt" else d.messages_field, seq_len=st_cfg.seq_len,
-        heldout_fraction=0.0 if st_cfg.eval.heldout_uri else st_cfg.eval.heldout_fraction, heldout_uri=resolve_local(st_cfg.eval.heldout_uri) if st_cfg.eval.heldout_uri else None,
-        on_bad_record=d.on_bad_record, max_bad_records=d.max_bad_records, max_record_chars=d.max_record_chars, truncation_rule=st_cfg.truncation,
+        sources,
+        tok_dir,
+        cache,
+        kind=stage,
+        blend_plan=plan_steps,
+        heldout_sources=only,
+        field=d.text_field if stage == "cpt" else d.messages_field,
+        seq_len=st_cfg.seq_len,
+        heldout_fraction=0.0 if st_cfg.eval.heldout_uri else st_cfg.eval.heldout_fraction,
+        heldout_uri=resolve_local(st_cfg.eval.heldout_uri) if st_cfg.eval.heldout_uri else None,
+        on_bad_record=d.on_bad_record,
+        max_bad_records=d.max_bad_records,
+        max_record_chars=d.max_record_chars,
+        truncation_rule=st_cfg.truncation,
         formats=d.folder_formats,
     )
     # A mixture's blend is made for the planned steps: they are inputs of this digest, and only then.
     inputs = {"spec": p.spec.key_fields(), "files": [f.to_json() for f in p.inputs]}
     if plan_steps is not None:
-        inputs["blend"] = {"plan": plan_steps.to_json(), "sources": [[s.name, s.weight, list(p.ranges[i])] for i, s in enumerate(sources)]}
+        inputs["blend"] = {
+            "plan": plan_steps.to_json(),
+            "sources": [[s.name, s.weight, list(p.ranges[i])] for i, s in enumerate(sources)],
+        }
     if only:  # evaluated, never trained on: their files' identity, like the corpus's
-        inputs["heldout_sources"] = [[s.name, [f.to_json() for f in files]] for s, files in zip(only, p.heldout_only_inputs)]
+        inputs["heldout_sources"] = [
+            [s.name, [f.to_json() for f in files]] for s, files in zip(only, p.heldout_only_inputs)
+        ]
     st = Stage(name, cfg, inputs=inputs)
     if st.skipped:  # the counts run.json and the stage table show, as the artifact's index recorded them
         st.result.detail.update(_recorded_truncation(store, STAGE[name].artifact, stage, st_cfg.seq_len))
@@ -200,11 +232,25 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     (cache / "shards").mkdir(parents=True, exist_ok=True)
     chunks.clean_stale(cache)  # a worker killed mid-file or mid-chunk; its summary never landed
     if p.not_data:  # pre-flight named them too: never read, and said once more where the stage's log is kept
-        logger.info("%s: skipped %d file(s) that are not data (%s.data.formats: %s): %s", name, len(p.not_data), stage, ", ".join(d.formats),
-                    ", ".join(p.not_data[:10]) + (f" and {len(p.not_data) - 10} more" if len(p.not_data) > 10 else ""))
+        logger.info(
+            "%s: skipped %d file(s) that are not data (%s.data.formats: %s): %s",
+            name,
+            len(p.not_data),
+            stage,
+            ", ".join(d.formats),
+            ", ".join(p.not_data[:10]) + (f" and {len(p.not_data) - 10} more" if len(p.not_data) > 10 else ""),
+        )
     for damaged in p.dropped:
         logger.warning("%s: %s", name, damaged)
-    logger.info("%s: %d input files (%.1f MB), %d to tokenize, %d reused from %s", name, len(p.inputs), sum(f.size for f in p.inputs) / 1e6, len(p.todo), len(p.inputs) - len(p.todo), cache)
+    logger.info(
+        "%s: %d input files (%.1f MB), %d to tokenize, %d reused from %s",
+        name,
+        len(p.inputs),
+        sum(f.size for f in p.inputs) / 1e6,
+        len(p.todo),
+        len(p.inputs) - len(p.todo),
+        cache,
+    )
     if p.todo:
         width = tokenize_width(d.tokenize)
         sizes = [p.inputs[i].size for i in p.todo]
@@ -212,7 +258,9 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
         units = chunks.units(sizes, c)
         runner = task_runner_for(d.tokenize, units, width)
         with worker_api():
-            tokenize_files.with_options(task_runner=runner)(stage, len(p.todo), p.inputs, p.todo, p.spec, str(tok_dir), str(cache), c, min(width, units))
+            tokenize_files.with_options(task_runner=runner)(
+                stage, len(p.todo), p.inputs, p.todo, p.spec, str(tok_dir), str(cache), c, min(width, units)
+            )
     summaries = {i: read_summary(shard_dir(cache, p.keys[i])) for i in range(len(p.inputs))}
     index = prep.finalize(p, summaries, workers=1)
     t = index["totals"]
@@ -228,20 +276,41 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
         if p.heldout_inputs:  # evaluation reads eval.heldout_uri's records from the artifact, not the source
             with open(out.dir / HELDOUT_SET, "w", encoding="utf-8") as fh:
                 for f in p.heldout_inputs:
-                    fh.writelines(json.dumps(rec, ensure_ascii=False, default=str) + "\n" for _, rec in iter_file_records(f.uri, f.fmt, d.max_record_chars))
+                    fh.writelines(
+                        json.dumps(rec, ensure_ascii=False, default=str) + "\n"
+                        for _, rec in iter_file_records(f.uri, f.fmt, d.max_record_chars)
+                    )
         out.manifest(
-            kind="token-shards", parent=source,
-            meta={"stage": stage, "tokenizer_sha256": index["tokenizer_sha256"], "dtype": index["dtype"], "split": index["split"], "totals": t,
-                  "on_bad_record": d.on_bad_record, "sources": index["sources"], "blend": index["blend"] and {k: v for k, v in index["blend"].items() if k != "file"},
-                  **({"heldout_sources": index["heldout_sources"]} if only else {})},
+            kind="token-shards",
+            parent=source,
+            meta={
+                "stage": stage,
+                "tokenizer_sha256": index["tokenizer_sha256"],
+                "dtype": index["dtype"],
+                "split": index["split"],
+                "totals": t,
+                "on_bad_record": d.on_bad_record,
+                "sources": index["sources"],
+                "blend": index["blend"] and {k: v for k, v in index["blend"].items() if k != "file"},
+                **({"heldout_sources": index["heldout_sources"]} if only else {}),
+            },
         )
     prep.prune(cache, index)
     ui.token_table(stage, t)
     ui.mixture_table(stage, index["sources"], index["blend"], index.get("heldout_sources") or [])
     for src in index["sources"]:
         if src.get("epochs", 0) > d.max_source_epochs:
-            logger.warning("%s: source %r is repeated %.1f times over the %d planned steps (more than %s.data.max_source_epochs=%g): "
-                           "give it more data, a lower weight, or fewer steps", name, src["name"], src["epochs"], st_cfg.max_steps, stage, d.max_source_epochs)
+            logger.warning(
+                "%s: source %r is repeated %.1f times over the %d planned steps (more than "
+                "%s.data.max_source_epochs=%g): "
+                "give it more data, a lower weight, or fewer steps",
+                name,
+                src["name"],
+                src["epochs"],
+                st_cfg.max_steps,
+                stage,
+                d.max_source_epochs,
+            )
     # Records longer than seq_len, said once per source: what the rule made of them.
     notes = []
     for src in index["sources"]:
@@ -252,15 +321,42 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
         (logger.warning if stage == "sft" else logger.info)("%s: %s", name, line)
     empty = prep.empty_files(index["files"])
     if empty:
-        logger.warning("%s: %d input file(s) hold no record (0 bytes or blank lines only): %s", name, len(empty), ", ".join(empty))
+        logger.warning(
+            "%s: %d input file(s) hold no record (0 bytes or blank lines only): %s", name, len(empty), ", ".join(empty)
+        )
     if t["skipped"]:
-        logger.warning("%s: %d bad records skipped (data.on_bad_record: skip); the first: %s", name, t["skipped"], next(b for f in index["files"] for b in f["bad_records"]))
+        logger.warning(
+            "%s: %d bad records skipped (data.on_bad_record: skip); the first: %s",
+            name,
+            t["skipped"],
+            next(b for f in index["files"] for b in f["bad_records"]),
+        )
     return st.done(
         {
-            "files": t["files"], "tokenized": len(p.todo), "empty_files": t["empty_files"], "cache_dropped": p.dropped,
-            "sources": {src["name"]: {k: src[k] for k in ("weight", "token_share", "epochs", "tokens_available", "truncation") if k in src} for src in index["sources"]},
-            **({"heldout_sources": {src["name"]: {"records": src["records"], "tokens": src["tokens"]} for src in index["heldout_sources"]}} if only else {}),
-            "records": t["records"], "skipped": t["skipped"], "train_tokens": t["train_tokens"], "heldout_tokens": t["heldout_tokens"],
+            "files": t["files"],
+            "tokenized": len(p.todo),
+            "empty_files": t["empty_files"],
+            "cache_dropped": p.dropped,
+            "sources": {
+                src["name"]: {
+                    k: src[k] for k in ("weight", "token_share", "epochs", "tokens_available", "truncation") if k in src
+                }
+                for src in index["sources"]
+            },
+            **(
+                {
+                    "heldout_sources": {
+                        src["name"]: {"records": src["records"], "tokens": src["tokens"]}
+                        for src in index["heldout_sources"]
+                    }
+                }
+                if only
+                else {}
+            ),
+            "records": t["records"],
+            "skipped": t["skipped"],
+            "train_tokens": t["train_tokens"],
+            "heldout_tokens": t["heldout_tokens"],
             "truncation": {**index["truncation"], **t["truncation"]},
             **({"note": "; ".join(notes)} if notes else {}),
         },
@@ -285,4 +381,12 @@ def prepared_dir(cfg: RunConfig, stage: str) -> Path:
     return store.local_path(rel) if store.local else store.stage_in(rel)
 
 
-__all__ = ["prepare_data", "prepared_dir", "task_runner_for", "tokenize_files", "tokenize_shard", "tokenize_width", "worker_api"]
+__all__ = [
+    "prepare_data",
+    "prepared_dir",
+    "task_runner_for",
+    "tokenize_files",
+    "tokenize_shard",
+    "tokenize_width",
+    "worker_api",
+]

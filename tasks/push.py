@@ -41,9 +41,17 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from tasks import ui
-from tasks.core.config.schema import HubConfig, RunConfig
+from tasks.core.config.outputs import HubConfig
+from tasks.core.config.schema import RunConfig
 from tasks.core.hub.card import CARD, adapter_card, base_facts, model_card, train_facts
-from tasks.core.hub.repo import REFUSED_STATUS, SECRET_BLOCK, HubRefusal, HubTokenRefused, find_hub_token, refused_token_message
+from tasks.core.hub.repo import (
+    REFUSED_STATUS,
+    SECRET_BLOCK,
+    HubRefusal,
+    HubTokenRefused,
+    find_hub_token,
+    refused_token_message,
+)
 from tasks.core.models.folder import folder_problems
 from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR, read_manifest
 from tasks.core.run.stages import EXPORT, EXPORT_ADAPTER, Status
@@ -68,12 +76,21 @@ def adapter_files(adapter_dir: Path, provenance: bool = True) -> dict[str, Path]
     """What goes up of export-adapter/ (the name in the adapter's folder -> the local file): peft's
     two files, plus its provenance when asked."""
     names = sorted(read_manifest(adapter_dir)["files"])
-    keep = [n for n in names if not n.startswith(PROVENANCE_DIR + "/")] + ([n for n in names if n.startswith(PROVENANCE_DIR + "/")] + [MANIFEST] if provenance else [])
+    keep = [n for n in names if not n.startswith(PROVENANCE_DIR + "/")] + (
+        [n for n in names if n.startswith(PROVENANCE_DIR + "/")] + [MANIFEST] if provenance else []
+    )
     return {n: adapter_dir / n for n in keep}
 
 
-def push_export(export_dir: Path, files: list[str], card: str, hub: HubConfig, token: str, log: Callable[[str], None] = print,
-                extra: dict[str, Path] | None = None) -> dict[str, Any]:
+def push_export(
+    export_dir: Path,
+    files: list[str],
+    card: str,
+    hub: HubConfig,
+    token: str,
+    log: Callable[[str], None] = print,
+    extra: dict[str, Path] | None = None,
+) -> dict[str, Any]:
     """One commit of `files` (relative to export_dir) + README.md + `extra` (path in the repo ->
     local file) to hub.repo_id@hub.revision.
 
@@ -88,29 +105,49 @@ def push_export(export_dir: Path, files: list[str], card: str, hub: HubConfig, t
         api.create_branch(hub.repo_id, branch=hub.revision, exist_ok=True)
     head = api.repo_info(hub.repo_id, revision=hub.revision, repo_type="model").sha
     operations = [
-        CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(export_dir / name)) for name in sorted(files) if name != CARD
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(export_dir / name))
+        for name in sorted(files)
+        if name != CARD
     ]
-    operations += [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in sorted((extra or {}).items())]
+    operations += [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in sorted((extra or {}).items())
+    ]
     operations.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
     # A *.safetensors an earlier push left (an old layout's fingerprint, shards of a run with more
     # of them) would be loaded as weights by every consumer, and an adapter/ it left no longer fits
     # these merged weights: removed in the same commit.
     pushed = set(files) | set(extra or {})
-    stale = [p for p in api.list_repo_files(hub.repo_id, revision=head, repo_type="model")
-             if (p.endswith(".safetensors") or p.startswith(ADAPTER_SUBFOLDER + "/")) and p not in pushed]
+    stale = [
+        p
+        for p in api.list_repo_files(hub.repo_id, revision=head, repo_type="model")
+        if (p.endswith(".safetensors") or p.startswith(ADAPTER_SUBFOLDER + "/")) and p not in pushed
+    ]
     operations += [CommitOperationDelete(path_in_repo=p) for p in stale]
     # One commit; parent pinned so a concurrent writer makes this attempt fail (and retry) instead
     # of being overwritten. Unchanged files are dropped by the client, and an all-unchanged push
     # returns the current head without committing.
     commit = api.create_commit(
-        repo_id=hub.repo_id, operations=operations, revision=hub.revision, commit_message=hub.commit_message,
-        parent_commit=head, repo_type="model",
+        repo_id=hub.repo_id,
+        operations=operations,
+        revision=hub.revision,
+        commit_message=hub.commit_message,
+        parent_commit=head,
+        repo_type="model",
     )
     changed = commit.oid != head
-    log(f"push_to_hub: {'committed' if changed else 'unchanged, no new commit:'} {commit.commit_url} ({len(operations)} files) to {hub.repo_id}@{hub.revision}")
+    log(
+        f"push_to_hub: {'committed' if changed else 'unchanged, no new commit:'} {commit.commit_url} "
+        f"({len(operations)} files) to {hub.repo_id}@{hub.revision}"
+    )
     return {
-        "repo_id": hub.repo_id, "revision": hub.revision, "repo_url": str(repo_url), "commit_url": commit.commit_url,
-        "commit_oid": commit.oid, "parent_commit": head, "changed": changed, "files": len(operations),
+        "repo_id": hub.repo_id,
+        "revision": hub.revision,
+        "repo_url": str(repo_url),
+        "commit_url": commit.commit_url,
+        "commit_oid": commit.oid,
+        "parent_commit": head,
+        "changed": changed,
+        "files": len(operations),
     }
 
 
@@ -124,7 +161,8 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
     found = find_hub_token(secret_token)
     if found is None:
         raise HubRefusal(
-            f"push_to_hub: no Hub token; set HF_TOKEN in the worker's environment, create the Prefect Secret block '{SECRET_BLOCK}', "
+            "push_to_hub: no Hub token; set HF_TOKEN in the worker's environment, create the Prefect Secret block "
+            f"'{SECRET_BLOCK}', "
             "or log the worker in with `hf auth login`"
         )
     store = store_for(cfg)
@@ -134,19 +172,46 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
 
     # The card the run wrote into the export (tasks/export.py write_card), byte for byte; rendered
     # here only for an export that has none listed (made before cards were part of it).
-    card = ((export_dir / CARD).read_text() if CARD in manifest["files"] else
-            model_card(cfg, manifest, train_facts(cfg, results, store.read_text), recorded_metrics(results), base=base_facts(cfg, store.read_text)))
+    card = (
+        (export_dir / CARD).read_text()
+        if CARD in manifest["files"]
+        else model_card(
+            cfg,
+            manifest,
+            train_facts(cfg, results, store.read_text),
+            recorded_metrics(results),
+            base=base_facts(cfg, store.read_text),
+        )
+    )
     files = files_to_push(export_dir, manifest, cfg.hub.push_provenance)
     adapter_dir = store.stage_in(EXPORT_ADAPTER) if cfg.hub.push_adapter else None  # sha256-verified, like the export
     adapter = adapter_files(adapter_dir, cfg.hub.push_provenance) if adapter_dir else {}
-    sent = {"repo_id": cfg.hub.repo_id, "subfolder": ADAPTER_SUBFOLDER}  # where the adapter goes without a repo of its own
+    sent = {
+        "repo_id": cfg.hub.repo_id,
+        "subfolder": ADAPTER_SUBFOLDER,
+    }  # where the adapter goes without a repo of its own
     try:
         if adapter and cfg.hub.adapter_repo_id:  # its own repo, its own commit, first: the model card points at it
             where = cfg.hub.model_copy(update={"repo_id": cfg.hub.adapter_repo_id})
-            sent = push_export(export_dir, [], adapter_card(cfg, read_manifest(adapter_dir)), where, found.value, log=logger.info, extra=adapter)
+            sent = push_export(
+                export_dir,
+                [],
+                adapter_card(cfg, read_manifest(adapter_dir)),
+                where,
+                found.value,
+                log=logger.info,
+                extra=adapter,
+            )
             adapter = {}
-        outcome = push_export(export_dir, files, card, cfg.hub, found.value, log=logger.info,
-                              extra={f"{ADAPTER_SUBFOLDER}/{name}": path for name, path in adapter.items()})
+        outcome = push_export(
+            export_dir,
+            files,
+            card,
+            cfg.hub,
+            found.value,
+            log=logger.info,
+            extra={f"{ADAPTER_SUBFOLDER}/{name}": path for name, path in adapter.items()},
+        )
         if cfg.hub.push_adapter:
             outcome["adapter"] = sent
     except Exception as exc:
@@ -160,4 +225,6 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
         raise HubTokenRefused(f"push_to_hub: {refused_token_message(found, constants.ENDPOINT, status)}") from None
     ui.link("hub-commit", outcome["commit_url"], f"{cfg.hub.repo_id}@{cfg.hub.revision}")
     ui.stage_event("push_to_hub", "completed", cfg.name, outcome["commit_url"], changed=outcome.get("changed"))
-    return StageResult("push_to_hub", Status.COMPLETED, uri=outcome["repo_url"], seconds=time.monotonic() - started, detail=outcome)
+    return StageResult(
+        "push_to_hub", Status.COMPLETED, uri=outcome["repo_url"], seconds=time.monotonic() - started, detail=outcome
+    )

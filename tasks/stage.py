@@ -51,7 +51,20 @@ from tasks.core.storage.fs import RunStore
 from tasks.core.storage.oserrors import note_free
 from tasks.core.storage.publisher import RETRIES, publish_retrying
 
-__all__ = ["Stage", "StageResult", "completed", "disk_cause", "fresh_dir", "outcome", "resolve_local", "secret_token", "stage_task", "store_for", "token", "write_record"]
+__all__ = [
+    "Stage",
+    "StageResult",
+    "completed",
+    "disk_cause",
+    "fresh_dir",
+    "outcome",
+    "resolve_local",
+    "secret_token",
+    "stage_task",
+    "store_for",
+    "token",
+    "write_record",
+]
 
 
 @dataclass
@@ -89,7 +102,12 @@ def completed(store: RunStore, rel: str, config_digest: str) -> dict[str, Any] |
     if store.local:
         logger.info("%s verifies (%s)", store.uri(rel), store.last_verify)
     if manifest.get("config_digest") != config_digest:
-        logger.info("%s was made from another config or parent (digest %s, now %s): re-running", store.uri(rel), str(manifest.get("config_digest"))[:12], config_digest[:12])
+        logger.info(
+            "%s was made from another config or parent (digest %s, now %s): re-running",
+            store.uri(rel),
+            str(manifest.get("config_digest"))[:12],
+            config_digest[:12],
+        )
         return None
     return manifest
 
@@ -121,9 +139,18 @@ def set_aside(path: Path) -> Path | None:
     if why is None:
         return None
     stamp_ = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    dest = next(d for i in range(1000) if not (d := path.with_name(f"{path.name}{SUPERSEDED}{stamp_}{f'-{i}' if i else ''}")).exists())
+    dest = next(
+        d
+        for i in range(1000)
+        if not (d := path.with_name(f"{path.name}{SUPERSEDED}{stamp_}{f'-{i}' if i else ''}")).exists()
+    )
     path.rename(dest)
-    get_run_logger().warning("%s was not written by this flow (%s): kept as %s, never deleted; delete it yourself when it is not needed", path, why, dest)
+    get_run_logger().warning(
+        "%s was not written by this flow (%s): kept as %s, never deleted; delete it yourself when it is not needed",
+        path,
+        why,
+        dest,
+    )
     return dest
 
 
@@ -182,14 +209,19 @@ class Stage:
         spec = STAGE[self.name]
         for p in parents:
             if p.rel is None:
-                raise ValueError(f"{self.name}: parent {p.stage} has no artifact ({p.status}); a stage digest is made from its parents' artifacts")
+                raise ValueError(
+                    f"{self.name}: parent {p.stage} has no artifact ({p.status}); a stage digest is made from its "
+                    "parents' artifacts"
+                )
         if spec.continues:
             # Training continues the digest its starting checkpoint was made with (config + parents).
             (start,) = parents
             if start.stage != spec.continues:
                 raise ValueError(f"{self.name} continues {spec.continues}, not {start.stage}")
             return self.store.read_manifest(start.rel)["config_digest"]
-        return config_digest(self.cfg, self.name, {p.stage: content_digest(self.store.read_manifest(p.rel)) for p in parents}, inputs)
+        return config_digest(
+            self.cfg, self.name, {p.stage: content_digest(self.store.read_manifest(p.rel)) for p in parents}, inputs
+        )
 
     @property
     def uri(self) -> str:
@@ -202,7 +234,9 @@ class Stage:
             self._skip_checked = True
             if completed(self.store, self.rel, self.digest):
                 get_run_logger().info("%s: skipped, %s verifies and its config digest matches", self.name, self.uri)
-                self.result = StageResult(self.name, Status.SKIPPED, self.rel, self.uri, self.store.manifest_digest(self.rel), self.elapsed)
+                self.result = StageResult(
+                    self.name, Status.SKIPPED, self.rel, self.uri, self.store.manifest_digest(self.rel), self.elapsed
+                )
         return self.result is not None and self.result.status == Status.SKIPPED
 
     @property
@@ -224,11 +258,23 @@ class Stage:
         # A transient store error must not throw away the stage's work (a boost & shard of a large
         # model, say): the same bounded backoff as checkpoint uploads, then a failure naming it.
         # A local run root is not retried: a full disk does not heal in a minute.
-        published, attempts = publish_retrying(self.store, self.rel, retries=0 if self.store.local else RETRIES,
-                                               log=get_run_logger(), what=f"the {self.name} artifact")
-        get_run_logger().info("%s: completed, %s (manifest %s%s)", self.name, self.uri, published[:12],
-                              f", published at attempt {attempts}" if attempts > 1 else "")
-        self.result = StageResult(self.name, Status.COMPLETED, self.rel, self.uri, published, self.elapsed, dict(detail or {}))
+        published, attempts = publish_retrying(
+            self.store,
+            self.rel,
+            retries=0 if self.store.local else RETRIES,
+            log=get_run_logger(),
+            what=f"the {self.name} artifact",
+        )
+        get_run_logger().info(
+            "%s: completed, %s (manifest %s%s)",
+            self.name,
+            self.uri,
+            published[:12],
+            f", published at attempt {attempts}" if attempts > 1 else "",
+        )
+        self.result = StageResult(
+            self.name, Status.COMPLETED, self.rel, self.uri, published, self.elapsed, dict(detail or {})
+        )
         ui.stage_event(self.name, "completed", self.cfg.name, self.uri, **(event or {}))
         return self.result
 
@@ -241,7 +287,9 @@ def stage_task(**task_kwargs: Any) -> Callable[[Callable[..., StageResult]], Any
         def body(*args: Any, **kwargs: Any) -> StageResult | State:
             result = fn(*args, **kwargs)
             if isinstance(result, StageResult) and result.status == Status.SKIPPED:
-                return Completed(name="Skipped", message=f"{result.uri} verifies and its config digest matches", data=result)
+                return Completed(
+                    name="Skipped", message=f"{result.uri} verifies and its config digest matches", data=result
+                )
             return result
 
         return task(**task_kwargs)(body)
@@ -292,10 +340,15 @@ def write_record(cfg: RunConfig, store: RunStore, text: str) -> None:
         store.write_text(RUN_JSON, text)
     except OSError as exc:
         if store.local and overwrite_in_place(store.local_path(RUN_JSON), text):
-            get_run_logger().warning("%s written in place: the disk had no room for a new file (%s)", store.uri(RUN_JSON), exc.strerror)
+            get_run_logger().warning(
+                "%s written in place: the disk had no room for a new file (%s)", store.uri(RUN_JSON), exc.strerror
+            )
             return
-        get_run_logger().error("%s not written: %s", store.uri(RUN_JSON),
-                               stage_cause(exc, store.local_path(RUN_JSON), disk_need(cfg)) or f"{type(exc).__name__}: {exc}")
+        get_run_logger().error(
+            "%s not written: %s",
+            store.uri(RUN_JSON),
+            stage_cause(exc, store.local_path(RUN_JSON), disk_need(cfg)) or f"{type(exc).__name__}: {exc}",
+        )
 
 
 def secret_token() -> str | None:

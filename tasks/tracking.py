@@ -41,7 +41,21 @@ from tasks.core.run.stages import TENSORBOARD
 # a short training log, and the runs are found from the parent run named in the flow's log.
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
-__all__ = ["FIELD", "RunTracker", "StageTracker", "TrackerHandle", "check_uri", "eval_scalars", "fan_out", "flatten", "log_evaluation", "publish_tensorboard", "redact", "stage_tracker"]
+__all__ = [
+    "FIELD",
+    "RunTracker",
+    "StageTracker",
+    "TrackerHandle",
+    "check_uri",
+    "eval_scalars",
+    "fan_out",
+    "flatten",
+    "log_evaluation",
+    "publish_tensorboard",
+    "redact",
+    "stage_tracker",
+]
+
 
 def _client(uri: str):
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -70,8 +84,14 @@ class RunTracker:
         self.stages: dict[str, StageTracker] = {}
 
     @classmethod
-    def start(cls, cfg, *, flow_run_id: str | None = None, flow_run_url: str | None = None,
-              warn: Callable[[str], None] = print) -> RunTracker | None:
+    def start(
+        cls,
+        cfg,
+        *,
+        flow_run_id: str | None = None,
+        flow_run_url: str | None = None,
+        warn: Callable[[str], None] = print,
+    ) -> RunTracker | None:
         m = cfg.tracking.mlflow
         if not m.uri:
             return None
@@ -106,7 +126,9 @@ class RunTracker:
         return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
 
     def stage(self, stage: str, retry_s: float = 10.0) -> StageTracker:
-        run = self.client.create_run(self.experiment_id, run_name=stage, tags={"mlflow.parentRunId": self.run_id, "cpt-to-sft.stage": stage})
+        run = self.client.create_run(
+            self.experiment_id, run_name=stage, tags={"mlflow.parentRunId": self.run_id, "cpt-to-sft.stage": stage}
+        )
         self.stages[stage] = StageTracker(self, stage, run.info.run_id, retry_s)
         return self.stages[stage]
 
@@ -182,8 +204,10 @@ class StageTracker:
                 if self._down_since is None:
                     self._down_since = self._last_try
                     self.parent.warn(
-                        f"MLflow at {redact(self.parent.uri)} stopped answering at {self.stage} step {step} ({type(exc).__name__}: "
-                        f"{str(exc)[:300]}); training continues, steps are not recorded in MLflow until it answers again"
+                        f"MLflow at {redact(self.parent.uri)} stopped answering at {self.stage} step {step} "
+                        f"({type(exc).__name__}: "
+                        f"{str(exc)[:300]}); training continues, steps are not recorded in MLflow until it answers "
+                        "again"
                     )
                 self._missed(step)
                 continue
@@ -206,7 +230,10 @@ class StageTracker:
         self._q.put(None)
         self._thread.join(timeout)
         for first, last in self.gaps:
-            self.parent.warn(f"MLflow gap in {self.stage}: steps {first}..{last} not recorded ({redact(self.parent.uri)} did not answer)")
+            self.parent.warn(
+                f"MLflow gap in {self.stage}: steps {first}..{last} not recorded ({redact(self.parent.uri)} did not "
+                "answer)"
+            )
         try:
             self.parent.client.set_terminated(self.run_id, status=status)
         except Exception as exc:
@@ -261,7 +288,9 @@ def _warn(message: str) -> None:
         print(message, file=sys.stderr)
 
 
-def log_evaluation(which: str, metrics: dict[str, Any], out_dir, step: int, tracker: TrackerHandle | None = None) -> dict[str, float]:
+def log_evaluation(
+    which: str, metrics: dict[str, Any], out_dir, step: int, tracker: TrackerHandle | None = None
+) -> dict[str, float]:
     """An evaluation stage's metrics as TensorBoard scalars `eval/<name>` at the training stage's
     last step, under `<out_dir>/tensorboard/` (inside the evaluation artifact, so its manifest
     covers them and `tensorboard --logdir <run_root>` shows them), and as `eval.<which>.<name>`

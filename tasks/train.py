@@ -22,7 +22,16 @@ from tasks.core.data.prepared import check_against_model, corpus_of, record_spli
 from tasks.core.launch.torchrun import run_engine, stage_fault_env
 from tasks.core.run.events import BACKPRESSURE, CHECKPOINT, KERNELS
 from tasks.core.run.job import Job, NodeStaging, Parent
-from tasks.core.run.stages import PREPARE, STAGE, TRAIN_STATE, TRAINING, is_step_name, job_file, loss_curve_rel, step_medians
+from tasks.core.run.stages import (
+    PREPARE,
+    STAGE,
+    TRAIN_STATE,
+    TRAINING,
+    is_step_name,
+    job_file,
+    loss_curve_rel,
+    step_medians,
+)
 from tasks.core.run.trainlog import TrainLog
 from tasks.core.storage.fs import RunStore
 from tasks.core.storage.handshake import manifest_sha256, mark_published
@@ -43,7 +52,11 @@ def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:
             continue
         if foreign:
             dest = store.move_aside(stage, "config changed")
-            logger.warning("%s holds checkpoints of another config or parent; kept as %s and starting this stage afresh", store.uri(stage), dest)
+            logger.warning(
+                "%s holds checkpoints of another config or parent; kept as %s and starting this stage afresh",
+                store.uri(stage),
+                dest,
+            )
             return
 
 
@@ -57,12 +70,22 @@ def _node_staging(cfg: RunConfig, store: RunStore, stage: str, model_rel: str) -
         return None
     data_rel = STAGE[PREPARE[stage]].artifact
     base = cfg.staging_dir or tempfile.gettempdir()
-    return NodeStaging(run_uri=cfg.run_uri, dir=f"{base}/cpt-to-sft-nodes/{{node}}", model_rel=model_rel, data_rel=data_rel, stage_rel=TRAINING[stage].checkpoints)
+    return NodeStaging(
+        run_uri=cfg.run_uri,
+        dir=f"{base}/cpt-to-sft-nodes/{{node}}",
+        model_rel=model_rel,
+        data_rel=data_rel,
+        stage_rel=TRAINING[stage].checkpoints,
+    )
 
 
 def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageResult, cdigest: str) -> Job:
     source_rel = TRAINING[stage].source
-    source = store.stage_in(parent.rel if verb == "shard" else source_rel) if not store.local else store.local_path(source_rel)
+    source = (
+        store.stage_in(parent.rel if verb == "shard" else source_rel)
+        if not store.local
+        else store.local_path(source_rel)
+    )
     # Before any launch: the shards must have been made with this model's tokenizer (prepare_sft
     # ran with the base model's; the CPT model's must be the same) and fit its vocabulary.
     data = prepared_dir(cfg, stage)
@@ -71,10 +94,17 @@ def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageRe
         record_split(store, stage, split_info(data, corpus_of(getattr(cfg, stage).data)))
     nodes = _node_staging(cfg, store, stage, parent.rel if verb == "shard" else source_rel)
     return Job(
-        verb=verb, stage=stage, stage_cfg=getattr(cfg, stage), trust_remote_code=cfg.base_model.trust_remote_code,
+        verb=verb,
+        stage=stage,
+        stage_cfg=getattr(cfg, stage),
+        trust_remote_code=cfg.base_model.trust_remote_code,
         verify_memory_gb=cfg.verify_memory_gb,
-        model_dir=source, tokenizer_dir=source, data_dir=data,
-        stage_dir=store.local_path(TRAINING[stage].checkpoints), parent=Parent(uri=parent.uri, digest=parent.digest), config_digest=cdigest,
+        model_dir=source,
+        tokenizer_dir=source,
+        data_dir=data,
+        stage_dir=store.local_path(TRAINING[stage].checkpoints),
+        parent=Parent(uri=parent.uri, digest=parent.digest),
+        config_digest=cdigest,
         nodes=nodes,
         # The engine deletes only checkpoints the publisher marked, and waits when uploads lag.
         remote_run_root=not store.local and nodes is None,
@@ -130,8 +160,14 @@ def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.Tra
         # The stage's TensorBoard files go up beside each published checkpoint, on the publisher's thread.
         # A failed upload is retried with the publisher's bounded backoff (about a minute), then the
         # stage fails naming the checkpoint.
-        publisher = Publisher(store, stage, st.keep_last, max_queue=st.keep_last + st.max_pending_publishes + 4, log=logger,
-                              on_published=lambda _done: tracking.publish_tensorboard(store, stage)).start()
+        publisher = Publisher(
+            store,
+            stage,
+            st.keep_last,
+            max_queue=st.keep_last + st.max_pending_publishes + 4,
+            log=logger,
+            on_published=lambda _done: tracking.publish_tensorboard(store, stage),
+        ).start()
         for step in unpublished_steps(store.local_path(stage)):  # left by a failed attempt
             publisher.submit(step)
     mlflow_run = tracking.stage_tracker(tracker, stage, warn=logger.warning)
@@ -139,7 +175,11 @@ def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.Tra
     # The console's training log: a line every log_every steps (every step is in TensorBoard, MLflow and the artifact).
     console = TrainLog(stage, st.max_steps, st.log_every)
     p = st.plugin
-    logger.info(console.start(f"{p.name} tp={p.tp_size} pp={p.pp_size} zero={p.zero_stage} {p.precision} | {st.launch.world_size} ranks"))
+    logger.info(
+        console.start(
+            f"{p.name} tp={p.tp_size} pp={p.pp_size} zero={p.zero_stage} {p.precision} | {st.launch.world_size} ranks"
+        )
+    )
 
     def to_console(record: dict[str, Any]) -> None:
         line = console(record)
@@ -159,8 +199,15 @@ def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.Tra
 
     failed = True
     try:
-        _launch(cfg, store, job, on_progress=tracking.fan_out(progress, mlflow_run, to_console), on_event=on_event, env=stage_fault_env(stage),
-                failure=(lambda: publisher.failure) if publisher is not None else None)
+        _launch(
+            cfg,
+            store,
+            job,
+            on_progress=tracking.fan_out(progress, mlflow_run, to_console),
+            on_event=on_event,
+            env=stage_fault_env(stage),
+            failure=(lambda: publisher.failure) if publisher is not None else None,
+        )
         if publisher is not None:
             publisher.drain()  # every checkpoint up, in order; raises PublishFailed naming one
         failed = False
@@ -181,8 +228,17 @@ def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.Tra
     logger.info(console.end(run.elapsed, medians))
     peak = {"peak_mem_bytes": console.peak[0], "peak_mem_rank": console.peak[1]} if console.peak else {}
     # "segments": the layout each stretch of steps ran under, when the stage continued under another one (docs/resume.md)
-    return run.done({"steps": st.max_steps, "first_loss": losses[0] if losses else None, "final_loss": final, "medians": medians,
-                     "segments": state.get("segments") or [], **peak}, event={"final_loss": final})
+    return run.done(
+        {
+            "steps": st.max_steps,
+            "first_loss": losses[0] if losses else None,
+            "final_loss": final,
+            "medians": medians,
+            "segments": state.get("segments") or [],
+            **peak,
+        },
+        event={"final_loss": final},
+    )
 
 
 def _stage_in_latest(store: RunStore, stage: str) -> None:

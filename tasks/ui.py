@@ -77,7 +77,9 @@ class Progress:
         self._waiting = ""
         self._kernels = ""
         try:
-            self._id = create_progress_artifact(0.0, key=_key(f"{stage}-progress"), description=f"{stage.upper()}: step 0 / {self.total}")
+            self._id = create_progress_artifact(
+                0.0, key=_key(f"{stage}-progress"), description=f"{stage.upper()}: step 0 / {self.total}"
+            )
         except Exception as exc:
             _warn("progress artifact", exc)
 
@@ -91,11 +93,24 @@ class Progress:
         step, cap = record.get("step"), record.get("max_pending_publishes")
         if record.get("state") == "waiting":
             n = len(record.get("pending", []))
-            self._waiting = f" — waiting for {n} checkpoint upload(s) before saving step {step} (max_pending_publishes={cap})"
-            _log_warning("%s training waits before saving step %s: %d checkpoint(s) still uploading (max_pending_publishes=%s)", self.stage.upper(), step, n, cap)
+            self._waiting = (
+                f" — waiting for {n} checkpoint upload(s) before saving step {step} (max_pending_publishes={cap})"
+            )
+            _log_warning(
+                "%s training waits before saving step %s: %d checkpoint(s) still uploading (max_pending_publishes=%s)",
+                self.stage.upper(),
+                step,
+                n,
+                cap,
+            )
         else:
             self._waiting = ""
-            _log_warning("%s training resumed after waiting %.1fs for checkpoint uploads before step %s", self.stage.upper(), float(record.get("waited_s", 0)), step)
+            _log_warning(
+                "%s training resumed after waiting %.1fs for checkpoint uploads before step %s",
+                self.stage.upper(),
+                float(record.get("waited_s", 0)),
+                step,
+            )
         if self._id is not None:
             self._send(self._pending or self._last_record)
 
@@ -141,7 +156,9 @@ class DataProgress:
         self.t0 = time.monotonic()
         self._id = None
         try:
-            self._id = create_progress_artifact(0.0, key=_key(f"data-{stage}-progress"), description=f"{stage.upper()} data: 0 / {files} files")
+            self._id = create_progress_artifact(
+                0.0, key=_key(f"data-{stage}-progress"), description=f"{stage.upper()} data: 0 / {files} files"
+            )
         except Exception as exc:
             _warn("data progress artifact", exc)
 
@@ -154,8 +171,11 @@ class DataProgress:
         d["tokens"] += summary["train"]["tokens"] + summary["heldout"]["tokens"]
         d["skipped"] += summary["skipped"]
         mbs = d["bytes"] / 1e6 / max(time.monotonic() - self.t0, 1e-9)
-        text = (f"{self.stage.upper()} data: {d['files']} / {self.files} files, {d['records']:,} records, {d['tokens']:,} tokens, "
-                f"{mbs:.1f} MB/s" + (f", {d['skipped']} bad records skipped" if d["skipped"] else ""))
+        text = (
+            f"{self.stage.upper()} data: {d['files']} / {self.files} files, {d['records']:,} records, {d['tokens']:,} "
+            "tokens, "
+            f"{mbs:.1f} MB/s" + (f", {d['skipped']} bad records skipped" if d["skipped"] else "")
+        )
         try:
             get_run_logger().info(text)
             if self._id is not None:
@@ -176,37 +196,64 @@ def token_table(stage: str, totals: dict[str, Any]) -> None:
     if totals.get("cpt_blocks") is not None:
         rows.append({"split": "train blocks (seq_len)", "records": totals["cpt_blocks"], "tokens": None})
     try:
-        create_table_artifact(rows, key=_key(f"data-{stage}-tokens"), description=f"{stage.upper()} data: {totals['files']} files, {totals['bytes'] / 1e6:.1f} MB")
+        create_table_artifact(
+            rows,
+            key=_key(f"data-{stage}-tokens"),
+            description=f"{stage.upper()} data: {totals['files']} files, {totals['bytes'] / 1e6:.1f} MB",
+        )
     except Exception as exc:
         _warn("token table artifact", exc)
 
 
-def mixture_rows(sources: list[dict[str, Any]], blend: dict[str, Any] | None, heldout_only: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+def mixture_rows(
+    sources: list[dict[str, Any]], blend: dict[str, Any] | None, heldout_only: list[dict[str, Any]] = ()
+) -> list[dict[str, Any]]:
     """One row per source: its weight, what it holds, and (a mixture) what the planned steps take of
     it; then one per held-out-only source (weight 0: evaluated, never trained on)."""
     rows = []
     for src in sources:
-        row = {"source": src["name"], "weight": src.get("weight", 1.0), "files": src["files"][1] - src["files"][0],
-               "samples available": src["samples_available"], "tokens available": src["tokens_available"]}
+        row = {
+            "source": src["name"],
+            "weight": src.get("weight", 1.0),
+            "files": src["files"][1] - src["files"][0],
+            "samples available": src["samples_available"],
+            "tokens available": src["tokens_available"],
+        }
         if blend:
             row.update({"token share": src["token_share"], "samples planned": src["samples"], "epochs": src["epochs"]})
         rows.append(row)
     for src in heldout_only:
-        rows.append({"source": f"{src['name']} (held out only)", "weight": 0.0, "files": len(src["inputs"]), "samples available": 0,
-                     "tokens available": 0, **({"token share": 0.0, "samples planned": 0, "epochs": 0.0} if blend else {}), "held-out tokens": src["tokens"]})
+        rows.append(
+            {
+                "source": f"{src['name']} (held out only)",
+                "weight": 0.0,
+                "files": len(src["inputs"]),
+                "samples available": 0,
+                "tokens available": 0,
+                **({"token share": 0.0, "samples planned": 0, "epochs": 0.0} if blend else {}),
+                "held-out tokens": src["tokens"],
+            }
+        )
     return rows
 
 
-def mixture_table(stage: str, sources: list[dict[str, Any]], blend: dict[str, Any] | None, heldout_only: list[dict[str, Any]] = ()) -> None:
+def mixture_table(
+    stage: str, sources: list[dict[str, Any]], blend: dict[str, Any] | None, heldout_only: list[dict[str, Any]] = ()
+) -> None:
     """The `data-<stage>-mixture` table: each source's weight, size, realized token share and epochs,
     and the held-out-only sources beside them."""
     if blend:
         plan = blend["plan"]
-        what = f"{stage.upper()} mixture over {plan['max_steps']} steps of {plan['global_batch']} ({blend['positions']:,} {blend['unit']})"
+        what = (
+            f"{stage.upper()} mixture over {plan['max_steps']} steps of {plan['global_batch']} "
+            f"({blend['positions']:,} {blend['unit']})"
+        )
     else:
         what = f"{stage.upper()} data: one source"
     try:
-        create_table_artifact(mixture_rows(sources, blend, heldout_only), key=_key(f"data-{stage}-mixture"), description=what)
+        create_table_artifact(
+            mixture_rows(sources, blend, heldout_only), key=_key(f"data-{stage}-mixture"), description=what
+        )
     except Exception as exc:
         _warn("mixture table artifact", exc)
 
@@ -219,7 +266,9 @@ def render_loss_png(stage: str, losses: list[float], first_step: int = 1) -> byt
     import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-    ax.plot(range(first_step, first_step + len(losses)), losses, lw=1.5, marker="o" if len(losses) <= 30 else None, ms=3)
+    ax.plot(
+        range(first_step, first_step + len(losses)), losses, lw=1.5, marker="o" if len(losses) <= 30 else None, ms=3
+    )
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
@@ -252,7 +301,9 @@ def loss_curve(stage: str, losses: list[float], png: str | Path) -> bytes:
         f"![{stage} loss](data:image/png;base64,{b64})\n\nPNG: `{png}`\n"
     )
     try:
-        create_markdown_artifact(md, key=_key(f"{stage}-loss-curve"), description=f"{stage.upper()} training loss per step")
+        create_markdown_artifact(
+            md, key=_key(f"{stage}-loss-curve"), description=f"{stage.upper()} training loss per step"
+        )
     except Exception as exc:
         _warn("loss-curve artifact", exc)
     return data
@@ -273,7 +324,12 @@ def stage_table(results: Iterable[dict[str, Any]]) -> None:
         }
         for r in results
     ]
-    create_table_artifact(rows, key=STAGES_KEY, description="Stages of this run: status, artifact URI, manifest digest, duration, the cause of a failure, a note (records longer than seq_len)")
+    create_table_artifact(
+        rows,
+        key=STAGES_KEY,
+        description="Stages of this run: status, artifact URI, manifest digest, duration, the cause of a failure, a "
+        "note (records longer than seq_len)",
+    )
 
 
 def _duration(seconds: float) -> str:

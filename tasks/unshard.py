@@ -17,16 +17,30 @@ def unshard(cfg: RunConfig, cpt: StageResult) -> StageResult:
     stage = Stage("unshard", cfg, cpt, rel=TRAINING["cpt"].hf)
     if stage.skipped:
         return stage.result
-    from tasks.core.models.hf_artifact import build_hf_dir  # here: the converter imports torch, which a skipped stage never needs
+    from tasks.core.models.hf_artifact import (
+        build_hf_dir,
+    )  # here: the converter imports torch, which a skipped stage never needs
 
     ckpt, source = stage.store.stage_in(cpt.rel), stage.store.stage_in(BASE)
     with stage.build() as out:
-        built = build_hf_dir(ckpt, out.dir, source, dtype=None, max_shard_size=cfg.export.max_shard_size, weights_dtype=cfg.cpt.plugin.precision,
-                             verify_memory_gb=cfg.verify_memory_gb)
+        built = build_hf_dir(
+            ckpt,
+            out.dir,
+            source,
+            dtype=None,
+            max_shard_size=cfg.export.max_shard_size,
+            weights_dtype=cfg.cpt.plugin.precision,
+            verify_memory_gb=cfg.verify_memory_gb,
+        )
         out.manifest(
-            kind="hf-model", parent=cpt, fingerprint=built["fingerprint"], known_hashes=built["known_hashes"],
+            kind="hf-model",
+            parent=cpt,
+            fingerprint=built["fingerprint"],
+            known_hashes=built["known_hashes"],
             meta={
-                "from_checkpoint": cpt.uri, "plugin": cfg.cpt.plugin.model_dump(mode="json"), "verification": built["verification"],
+                "from_checkpoint": cpt.uri,
+                "plugin": cfg.cpt.plugin.model_dump(mode="json"),
+                "verification": built["verification"],
                 "data_split": recorded_split(stage.store, "cpt"),  # what CPT trained on and what it held out
             },
         )

@@ -34,7 +34,9 @@ def assert_consumer_rules(folder: Path) -> dict:
     names: dict[str, str] = {}
     for name in files:
         with safe_open(str(folder / name), framework="pt") as f:
-            assert (f.metadata() or {}).get("format") == "pt", f"{name}: safetensors metadata {f.metadata()} lacks format: pt"
+            assert (f.metadata() or {}).get("format") == "pt", (
+                f"{name}: safetensors metadata {f.metadata()} lacks format: pt"
+            )
             for key in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
                 assert key not in names, f"{key} in both {names[key]} and {name}"
                 names[key] = name

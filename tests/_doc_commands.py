@@ -62,7 +62,11 @@ def _parses(call, argv: list[str], what: str) -> str | None:
     except Parsed:
         return None
     except SystemExit as exc:
-        return None if exc.code in (0, None) else f"{what} {' '.join(argv)}: {err.getvalue().strip().splitlines()[-1:] or exc.code}"
+        return (
+            None
+            if exc.code in (0, None)
+            else f"{what} {' '.join(argv)}: {err.getvalue().strip().splitlines()[-1:] or exc.code}"
+        )
     finally:
         sys.argv = old
     return f"{what} {' '.join(argv)}: finished without reaching an argument parser"

@@ -57,17 +57,57 @@ def prepared_data(stage_cfg: dict[str, Any], stage: str, tokenizer_dir: Path, ou
     if not (out / "index.json").is_file():
         sources = [Source(s.name, s.uris, s.weight) for s in cfg.data.source_list]
         field = cfg.data.text_field if stage == "cpt" else cfg.data.messages_field
-        prepare(sources, tokenizer_dir, out, kind=stage, field=field, seq_len=cfg.seq_len, heldout_fraction=0.0, blend_plan=blend_plan(cfg, stage))
+        prepare(
+            sources,
+            tokenizer_dir,
+            out,
+            kind=stage,
+            field=field,
+            seq_len=cfg.seq_len,
+            heldout_fraction=0.0,
+            blend_plan=blend_plan(cfg, stage),
+        )
     return out
 
 
-def write_job(path: Path, *, verb: str, stage: str, stage_cfg: dict[str, Any], model_dir: Path, stage_dir: Path,
-              tokenizer_dir: Path | None = None, config_digest: str = "0" * 64, verify_memory_gb: float | None = None) -> Path:
+def write_job(
+    path: Path,
+    *,
+    verb: str,
+    stage: str,
+    stage_cfg: dict[str, Any],
+    model_dir: Path,
+    stage_dir: Path,
+    tokenizer_dir: Path | None = None,
+    config_digest: str = "0" * 64,
+    verify_memory_gb: float | None = None,
+) -> Path:
     # One prepared directory per corpus, seq_len and tokenizer (a mixture: also per blend plan).
     tag = f"{stage}-{stage_cfg['seq_len']}-{Path(tokenizer_dir or model_dir).name}"
     if "sources" in stage_cfg["data"]:
-        tag += "-" + hashlib.sha256(json.dumps([stage_cfg[k] for k in ("data", "max_steps", "micro_batch_size", "grad_accum_steps", "seed", "plugin", "launch", "batching")
-                                                if k in stage_cfg], sort_keys=True, default=str).encode()).hexdigest()[:12]
+        tag += (
+            "-"
+            + hashlib.sha256(
+                json.dumps(
+                    [
+                        stage_cfg[k]
+                        for k in (
+                            "data",
+                            "max_steps",
+                            "micro_batch_size",
+                            "grad_accum_steps",
+                            "seed",
+                            "plugin",
+                            "launch",
+                            "batching",
+                        )
+                        if k in stage_cfg
+                    ],
+                    sort_keys=True,
+                    default=str,
+                ).encode()
+            ).hexdigest()[:12]
+        )
     data_dir = prepared_data(stage_cfg, stage, tokenizer_dir or model_dir, path.parent / f"data-{tag}")
     job = {
         "verb": verb,
@@ -101,16 +141,31 @@ class EngineRun:
         return [json.loads(m) for m in re.findall(r"^\[rank 0\] @@checkpoint (.*)$", self.output, re.MULTILINE)]
 
 
-def engine(verb: str, job: Path, nproc: int = 2, env: dict[str, str] | None = None, expect_ok: bool = True, timeout: int = 300) -> EngineRun:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "-m", "tasks.engine", verb, "--config", str(job)]
+def engine(
+    verb: str, job: Path, nproc: int = 2, env: dict[str, str] | None = None, expect_ok: bool = True, timeout: int = 300
+) -> EngineRun:
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "tasks.engine",
+        verb,
+        "--config",
+        str(job),
+    ]
     e = dict(os.environ)
     e["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), e.get("PYTHONPATH")) if p)
     e.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
     e.pop("CPT_TO_SFT_FAULT", None)
     e.update(env or {})
     t0 = time.monotonic()
-    proc = subprocess.run(argv, cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False)
+    proc = subprocess.run(
+        argv, cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False
+    )
     run = EngineRun(proc.returncode, proc.stdout, time.monotonic() - t0)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"engine {verb} exited {proc.returncode}:\n{proc.stdout[-6000:]}")

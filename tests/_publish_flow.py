@@ -36,4 +36,3 @@ def cpt_only(config: str) -> StageResult:
     data = outcome(prepare_data(cfg, "cpt", base, return_state=True))
     start = outcome(boost_and_shard(cfg, base, data, return_state=True))
     return outcome(train_cpt(cfg, start, return_state=True))
-

@@ -63,7 +63,7 @@ def _xdist_group(item) -> str | None:
     for fixture, group in _SHARED_SESSION.items():
         if fixture in names:
             return group
-    for fixturedefs in (defs.name2fixturedefs.values() if defs else ()):
+    for fixturedefs in defs.name2fixturedefs.values() if defs else ():
         if any(d.scope == "module" and d.baseid == item.nodeid.split("::")[0] for d in fixturedefs):
             return item.nodeid.split("::")[0]
     return None
@@ -213,7 +213,14 @@ class DemoRun:
         shutil.copytree(self.run_root, run_root, ignore=shutil.ignore_patterns(".lease.json"))
         raw = {**self.raw, "run_root": str(run_root)}
         raw.pop("tracking", None)
-        return DemoRun(run_root, write_config(Path(dest) / "demo.yaml", raw), raw, self.rc, json.loads((run_root / "run.json").read_text()), self.console)
+        return DemoRun(
+            run_root,
+            write_config(Path(dest) / "demo.yaml", raw),
+            raw,
+            self.rc,
+            json.loads((run_root / "run.json").read_text()),
+            self.console,
+        )
 
 
 @pytest.fixture(scope="session")
@@ -227,9 +234,14 @@ def demo_run(prefect_harness, mlflow_server, eos_doc_end_model, tmp_path_factory
     tmp = tmp_path_factory.mktemp("demo-run")
     raw = tiny_config_raw(eos_doc_end_model, tmp / "run")
     raw["tracking"] = {"mlflow": {"uri": mlflow_server.uri, "experiment": DEMO_EXPERIMENT}}
-    raw["cpt"]["eval"] = {"heldout_sources": [{"name": "general", "uri": str(REPO / "data" / "sample" / "general.jsonl")}]}
+    raw["cpt"]["eval"] = {
+        "heldout_sources": [{"name": "general", "uri": str(REPO / "data" / "sample" / "general.jsonl")}]
+    }
     # lm-eval on the shipped local tasks, base vs export (tests/test_benchmark_flow.py)
-    raw["benchmark"] = {"tasks": [str(REPO / "data" / "sample" / "benchmarks" / f"{t}.yaml") for t in ("veyra_facts", "general_text")], "num_fewshot": 0}
+    raw["benchmark"] = {
+        "tasks": [str(REPO / "data" / "sample" / "benchmarks" / f"{t}.yaml") for t in ("veyra_facts", "general_text")],
+        "num_fewshot": 0,
+    }
     # Every logits check of the run (load_from_hf, unshard, export) streams the model a layer at a
     # time (tasks/core/models/stream.py): the export test compares it with plain transformers.
     raw["verify_memory_gb"] = 1e-6
@@ -246,7 +258,9 @@ def console_capture():
     from prefect.logging.handlers import PrefectConsoleHandler
 
     buf = io.StringIO()
-    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
     handlers = list({id(h): h for lg in loggers for h in lg.handlers if isinstance(h, PrefectConsoleHandler)}.values())
     saved = [(h, h.stream, h.console.file) for h in handlers]
     for h in handlers:

@@ -38,7 +38,10 @@ def test_losses_and_weights_are_bitwise_the_same_with_activation_checkpointing(t
         on = {r["rank"]: r for r in recs if r["case"] == f"{plugin}:on"}
         for rank in (0, 1):
             assert not off[rank]["activation_checkpointing"] and on[rank]["activation_checkpointing"], plugin
-            assert off[rank]["layer_calls"] > 0 and on[rank]["layer_calls"] == 2 * off[rank]["layer_calls"], (plugin, rank)
+            assert off[rank]["layer_calls"] > 0 and on[rank]["layer_calls"] == 2 * off[rank]["layer_calls"], (
+                plugin,
+                rank,
+            )
             assert len(on[rank]["losses"]) == 3 and all(math.isfinite(x) for x in on[rank]["losses"])
             assert on[rank]["losses"] == off[rank]["losses"], (plugin, rank, off[rank]["losses"], on[rank]["losses"])
             assert on[rank]["weights"] == off[rank]["weights"], (plugin, rank)

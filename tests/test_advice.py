@@ -43,18 +43,41 @@ CASES: dict[str, tuple[str, Callable[[Case], None]]] = {
     "_qlora_export_not_built": ("sft", _set("sft.lora", {"r": 8, "quantize": True})),
     # the known wrong advice: "set zero_stage: 1", which fp32 then refused
     "_offload_where_the_plugin_has_it": ("cpt", _set("cpt.plugin", {**HP2, "cpu_offload": True})),
-    "_rows_divide_microbatches": ("cpt", _all(_set("cpt.plugin", {**HP, "pp_size": 2, "num_microbatches": 4}), _set("cpt.micro_batch_size", 3), _set("cpt.grad_accum_steps", 2))),
-    "_tp_divides_heads": ("cpt", _all(_set("cpt.plugin", {**HP, "tp_size": 4}), _set("cpt.launch", {"nproc_per_node": 4}))),
+    "_rows_divide_microbatches": (
+        "cpt",
+        _all(
+            _set("cpt.plugin", {**HP, "pp_size": 2, "num_microbatches": 4}),
+            _set("cpt.micro_batch_size", 3),
+            _set("cpt.grad_accum_steps", 2),
+        ),
+    ),
+    "_tp_divides_heads": (
+        "cpt",
+        _all(_set("cpt.plugin", {**HP, "tp_size": 4}), _set("cpt.launch", {"nproc_per_node": 4})),
+    ),
     "_tp_divides_vocab": ("cpt", _vocab(515)),
-    "_pp_within_layers": ("cpt", _all(_set("cpt.plugin", {**HP, "pp_size": 8}), _set("cpt.launch", {"nproc_per_node": 8}), _set("cpt.grad_accum_steps", 8))),
+    "_pp_within_layers": (
+        "cpt",
+        _all(
+            _set("cpt.plugin", {**HP, "pp_size": 8}),
+            _set("cpt.launch", {"nproc_per_node": 8}),
+            _set("cpt.grad_accum_steps", 8),
+        ),
+    ),
     "_cuda_only_plugin": ("sft", _set("sft.plugin", {"name": "gemini", "precision": "bf16"})),
-    "_cuda_only_precision": ("sft", _set("sft.plugin", {"name": "low_level_zero", "zero_stage": 2, "precision": "fp16"})),
+    "_cuda_only_precision": (
+        "sft",
+        _set("sft.plugin", {"name": "low_level_zero", "zero_stage": 2, "precision": "fp16"}),
+    ),
     "_qlora_needs_cuda_and_bitsandbytes": ("sft", _set("sft.lora", {"r": 8, "quantize": True})),
 }
 # Rules whose fix is not a config value (a host:port, another section): said in words.
-IN_WORDS = {"_rendezvous_by_backend": "a rendezvous endpoint only the operator knows", "_backend_settings": "a settings section to move or remove",
-            # no registered plugin builds fp16 without dynamic loss scaling
-            "_fp16_needs_dynamic_loss_scale": "unreachable with the registered plugins"}
+IN_WORDS = {
+    "_rendezvous_by_backend": "a rendezvous endpoint only the operator knows",
+    "_backend_settings": "a settings section to move or remove",
+    # no registered plugin builds fp16 without dynamic loss scaling
+    "_fp16_needs_dynamic_loss_scale": "unreachable with the registered plugins",
+}
 
 
 def test_every_layout_rule_has_a_case():
@@ -99,7 +122,12 @@ def test_fp32_refusals_offer_every_plugin_that_trains_in_fp32(tmp_path):
     (r,) = _refusals(case, "cpt", "_zero_fp32_where_refused")
     assert "HybridParallelPlugin.configure asserts precision != 'fp32'" in r[1]
     said = r[1].split("; set ", 1)[1]
-    for layout in ("cpt.plugin.zero_stage: 0", "cpt.plugin.name: low_level_zero", "cpt.plugin.name: torch_ddp", "cpt.plugin.precision: bf16"):
+    for layout in (
+        "cpt.plugin.zero_stage: 0",
+        "cpt.plugin.name: low_level_zero",
+        "cpt.plugin.name: torch_ddp",
+        "cpt.plugin.precision: bf16",
+    ):
         assert layout in said, r[1]
     assert said.index("torch_ddp") < said.index("precision: bf16")
 
@@ -115,4 +143,6 @@ def test_a_number_where_text_should_be_is_the_records_fault(tmp_path):
     assert "set data.on_bad_record: skip" in msg
     _set("cpt.data.on_bad_record", "skip")(case)  # the advice, applied
     report = case.report()
-    assert report.ok and any(":5: field 'text' holds a int (5), not text: skipped" in w for w in report.warnings), report.text()
+    assert report.ok and any(":5: field 'text' holds a int (5), not text: skipped" in w for w in report.warnings), (
+        report.text()
+    )

@@ -63,7 +63,14 @@ def test_grouped_order_is_a_seeded_permutation_of_similar_lengths_that_resumes_b
     random = ResumableSampler(len(lengths), 0, 1, seed=7).next_global(len(lengths))
 
     def spread(order):  # mean (longest - shortest) / longest of a global batch
-        return float(np.mean([np.ptp(lengths[order[i : i + gb]]) / lengths[order[i : i + gb]].max() for i in range(0, len(order) - gb + 1, gb)]))
+        return float(
+            np.mean(
+                [
+                    np.ptp(lengths[order[i : i + gb]]) / lengths[order[i : i + gb]].max()
+                    for i in range(0, len(order) - gb + 1, gb)
+                ]
+            )
+        )
 
     assert spread(epoch) < 0.25 * spread(random), (spread(epoch), spread(random))
     # A restore from any step's state continues exactly, into the next epoch too.
@@ -94,7 +101,9 @@ def test_per_token_loss_of_a_grouped_micro_batch_equals_the_padded_one(sft_data,
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
     lengths = sft_data.lengths()
-    assert (lengths == sft_data.batch(range(sft_data.num_items))["attention_mask"].sum(1)).all()  # what each row really holds
+    assert (
+        lengths == sft_data.batch(range(sft_data.num_items))["attention_mask"].sum(1)
+    ).all()  # what each row really holds
     rows = list(np.argsort(lengths)[:4])  # the four shortest: the narrowest grouped width
     width = micro_width(int(lengths[rows].max()), sft_data.seq_len, BATCHING["grouped"], pipeline=False)
     assert width < sft_data.seq_len
@@ -128,7 +137,9 @@ def test_packed_order_holds_every_conversation_once_fills_its_rows_and_resumes_b
     assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
     assert max(int(lengths[list(r)].sum()) for r in rows) <= 2048
     assert lengths.sum() / (len(rows) * 2048) >= 0.95  # best-fit decreasing within each chunk
-    assert sampler().next_global(len(rows)) == rows and s.next_global(len(rows)) != rows  # seeded, and each epoch its own
+    assert (
+        sampler().next_global(len(rows)) == rows and s.next_global(len(rows)) != rows
+    )  # seeded, and each epoch its own
     s = sampler()
     first = [s.next_global(8) for _ in range(30)]
     state = s.state_dict()
@@ -163,21 +174,33 @@ def test_a_packed_row_restarts_positions_and_never_labels_across_conversations(s
     mask = block_causal_mask(torch.tensor([[1, 1, 2, 2, 0]]), torch.float32)[0, 0]
     sees = (mask == 0).int().tolist()
     assert sees == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 0, 1]]
-    assert "attention_mask" not in model_inputs({k: torch.from_numpy(v) for k, v in b.items()}, "flash_attention_2", torch.bfloat16)
+    assert "attention_mask" not in model_inputs(
+        {k: torch.from_numpy(v) for k, v in b.items()}, "flash_attention_2", torch.bfloat16
+    )
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_per_token_loss_of_a_packed_row_equals_the_padded_rows(sft_data, tiny_model_dir, attn):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32, attn_implementation=attn).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, torch_dtype=torch.float32, attn_implementation=attn
+    ).eval()
     assert model.config._attn_implementation == attn
     lengths = sft_data.lengths()
-    rows = Packs(lengths, sft_data.seq_len).order(torch.randperm(sft_data.num_items, generator=torch.Generator().manual_seed(0)), torch.Generator().manual_seed(1))
+    rows = Packs(lengths, sft_data.seq_len).order(
+        torch.randperm(sft_data.num_items, generator=torch.Generator().manual_seed(0)), torch.Generator().manual_seed(1)
+    )
     packed_rows = [r for r in rows if len(r) >= 3][:2]  # rows of three or more conversations
     assert len(packed_rows) == 2
-    width = micro_width(max(int(lengths[list(r)].sum()) for r in packed_rows), sft_data.seq_len, BATCHING["packed"], pipeline=False)
-    b = model_inputs({k: torch.from_numpy(v) for k, v in sft_data.batch_packed(packed_rows, width=width).items()}, attn, torch.float32)
+    width = micro_width(
+        max(int(lengths[list(r)].sum()) for r in packed_rows), sft_data.seq_len, BATCHING["packed"], pipeline=False
+    )
+    b = model_inputs(
+        {k: torch.from_numpy(v) for k, v in sft_data.batch_packed(packed_rows, width=width).items()},
+        attn,
+        torch.float32,
+    )
     with torch.no_grad():
         logits = model(**b).logits
     got = chat_token_losses(logits, b["labels"], packed_rows, lengths, IGNORE_INDEX)

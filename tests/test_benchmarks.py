@@ -25,7 +25,12 @@ PY = sys.executable
 
 def smoke(argv: list[str], timeout: float = 300, env: dict[str, str] | None = None) -> str:
     """Run one benchmark command from the repository root; its combined output, after asserting rc 0."""
-    full_env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    full_env = {
+        **os.environ,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
     p = subprocess.run(argv, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout, check=False)
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"{' '.join(argv)} exited {p.returncode}:\n{out[-4000:]}"
@@ -73,8 +78,19 @@ def test_reshard_smoke():
 
 @pytest.mark.distributed
 def test_plain_colossalai_train_smoke():
-    out = smoke([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "benchmarks/plain_colossalai_train.py", "--smoke"],
-                env={"OMP_NUM_THREADS": "1"})
+    out = smoke(
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "benchmarks/plain_colossalai_train.py",
+            "--smoke",
+        ],
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert out.count("@@progress ") == 3, out
     assert "plain: done, 384 tokens" in out, out
 
@@ -85,7 +101,9 @@ def test_activation_checkpointing_smoke():
     out = smoke([PY, "benchmarks/activation_checkpointing.py", "--smoke"])
     assert "rank | mode | peak RSS MiB | growth in training MiB | step s" in out, out
     assert "rank 0: growth " in out and "rank 1: growth " in out, out
-    assert "final weights bitwise equal" in out and "command: python benchmarks/activation_checkpointing.py --smoke" in out, out
+    assert (
+        "final weights bitwise equal" in out and "command: python benchmarks/activation_checkpointing.py --smoke" in out
+    ), out
 
 
 @pytest.mark.distributed
@@ -101,9 +119,28 @@ def test_data_smoke():
 def test_gpu_check_smoke(tmp_path):
     """gpu_check.sh's set-up on this CPU machine, then gpu_check.py --smoke: the dry run (the flow killed
     once and resumed, beside the plain baseline) at 4 steps a stage, every check but gpu_tests reported."""
-    out = smoke(["bash", "benchmarks/gpu_check.sh", "--smoke", "--work", str(tmp_path / "work")], timeout=900,
-                env={"PYTHON": PY, "GPU_CHECK_SITE": str(tmp_path / "site"), "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels"), "OUT": str(tmp_path / "out")})
-    for check in ("env", "model", "preflight", "plain_baseline", "flow_kill", "flow_resume", "sft_checkpoint", "export_fingerprint", "throughput", "same_kernels"):
+    out = smoke(
+        ["bash", "benchmarks/gpu_check.sh", "--smoke", "--work", str(tmp_path / "work")],
+        timeout=900,
+        env={
+            "PYTHON": PY,
+            "GPU_CHECK_SITE": str(tmp_path / "site"),
+            "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels"),
+            "OUT": str(tmp_path / "out"),
+        },
+    )
+    for check in (
+        "env",
+        "model",
+        "preflight",
+        "plain_baseline",
+        "flow_kill",
+        "flow_resume",
+        "sft_checkpoint",
+        "export_fingerprint",
+        "throughput",
+        "same_kernels",
+    ):
         assert f"CHECK {check}: ok" in out, out
     assert "CPT throughput, steps" in out and "flow / plain = " in out, out
     assert "RESULT: all checks ok" in out and (tmp_path / "out" / "summary.json").is_file(), out
@@ -114,7 +151,14 @@ def test_resume_smoke():
     """The flow on one embedded Prefect server, up to train_cpt: a run killed inside a CPT checkpoint
     interval, its retry, then its re-run once complete."""
     out = smoke([PY, "benchmarks/resume.py", "--smoke"], timeout=900)
-    for row in ("first run wall", "re-run of complete run", "re-run / first", "killed after CPT step", "resumed from step", "steps redone"):
+    for row in (
+        "first run wall",
+        "re-run of complete run",
+        "re-run / first",
+        "killed after CPT step",
+        "resumed from step",
+        "steps redone",
+    ):
         assert row in out, out
     assert "result: " in out, out
 
@@ -136,7 +180,9 @@ def test_launch_smoke():
     assert "round 1 local: task start -> first step" in out, out
     assert "task start -> step 1 best" in out and "task start -> step 1 median" in out, out
     if slurm_available() and os.geteuid() == 0:
-        assert "round 1 slurm: task start -> first step" in out and "Slurm adds " in out and "not measured" not in out, out
+        assert (
+            "round 1 slurm: task start -> first step" in out and "Slurm adds " in out and "not measured" not in out
+        ), out
     else:
         assert "slurm: skipped" in out and "Slurm adds: not measured" in out, out
 
@@ -144,18 +190,28 @@ def test_launch_smoke():
 def test_sft_efficiency_smoke():
     out = smoke([PY, "benchmarks/sft_efficiency.py", "--smoke"])
     assert "useful tokens" in out and "loss equivalence" in out, out[-3000:]
-    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in ("grouped", "padded", "packed")}
-    assert float(rows["grouped"][1]) > float(rows["padded"][1]), out[-3000:]  # grouping computes less padding, whatever the sizes
+    rows = {
+        ln.split()[0]: ln.split()
+        for ln in out.splitlines()
+        if ln.split() and ln.split()[0] in ("grouped", "padded", "packed")
+    }
+    assert float(rows["grouped"][1]) > float(rows["padded"][1]), out[
+        -3000:
+    ]  # grouping computes less padding, whatever the sizes
     assert float(rows["packed"][1]) >= float(rows["grouped"][1]), out[-3000:]
     assert "equal per-token losses: met" in out, out[-3000:]  # exactness holds at any size
 
 
 def test_mixture_smoke():
     out = smoke([PY, "benchmarks/mixture.py", "--smoke"])
-    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in ("big", "mid", "small")}
+    rows = {
+        ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0] in ("big", "mid", "small")
+    }
     assert set(rows) == {"big", "mid", "small"}, out[-3000:]
     assert all(float(r[3]) <= 0.01 for r in rows.values()), out[-3000:]  # the blend's shares hold at any size
-    assert "prepare (s)" in out and "per-step data (ms)" in out and "command: python benchmarks/mixture.py --smoke" in out, out[-3000:]
+    assert (
+        "prepare (s)" in out and "per-step data (ms)" in out and "command: python benchmarks/mixture.py --smoke" in out
+    ), out[-3000:]
 
 
 def test_flow_process_smoke():

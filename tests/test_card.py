@@ -26,14 +26,18 @@ def test_a_card_is_a_view_listed_by_the_manifest_and_outside_the_content_digest(
     before = read_manifest(export)
     assert amend_views(export, {CARD: b"# card 1\n"}) is True
     after = verify_artifact(export)  # listed with its size and sha256, and on disk
-    assert after["files"][CARD] == {"size": 9, "sha256": hashlib.sha256(b"# card 1\n").hexdigest()} and after["views"] == [CARD]
+    assert after["files"][CARD] == {"size": 9, "sha256": hashlib.sha256(b"# card 1\n").hexdigest()} and after[
+        "views"
+    ] == [CARD]
     assert content_digest(after) == content_digest(before)  # the export is what it was: nothing made from it re-runs
     assert folder_problems(export) == []  # the model-folder rule takes a README
     digest = hashlib.sha256((export / MANIFEST).read_bytes()).hexdigest()
     assert amend_views(export, {CARD: b"# card 1\n"}) is False  # the same card: the manifest is not rewritten
     assert hashlib.sha256((export / MANIFEST).read_bytes()).hexdigest() == digest
     assert amend_views(export, {CARD: b"# card 2, with the evaluation\n"}) is True
-    assert (export / CARD).read_bytes() == b"# card 2, with the evaluation\n" and verify_artifact(export)["files"][CARD]["size"] == 30
+    assert (export / CARD).read_bytes() == b"# card 2, with the evaluation\n" and verify_artifact(export)["files"][
+        CARD
+    ]["size"] == 30
     # A README the build itself wrote (not a view) is content, as any other file.
     write_manifest(export, kind="hf-export")
     assert content_digest(read_manifest(export)) != content_digest(before)
@@ -44,23 +48,39 @@ def test_the_card_names_the_base_and_loads_in_the_exports_own_dtype(tmp_path):
     manifest = fake_export(run)
     base = run / "base"
     base.mkdir()
-    (base / "config.json").write_text(json.dumps({"_name_or_path": "HuggingFaceTB/SmolLM2-135M", "model_type": "llama"}))
+    (base / "config.json").write_text(
+        json.dumps({"_name_or_path": "HuggingFaceTB/SmolLM2-135M", "model_type": "llama"})
+    )
     write_manifest(base, kind="hf-model", meta={"source": "path", "uri": "/models/smollm2"})
-    cfg = config(run, base="/models/smollm2").model_copy(update={"export": config(run).export.model_copy(update={"dtype": "fp32"})})
+    cfg = config(run, base="/models/smollm2").model_copy(
+        update={"export": config(run).export.model_copy(update={"dtype": "fp32"})}
+    )
     facts = base_facts(cfg, lambda rel: (run / rel).read_text())
-    assert facts == {"name": "HuggingFaceTB/SmolLM2-135M", "hub_id": None, "revision": None,
-                     "digest": hashlib.sha256((base / MANIFEST).read_bytes()).hexdigest()}
+    assert facts == {
+        "name": "HuggingFaceTB/SmolLM2-135M",
+        "hub_id": None,
+        "revision": None,
+        "digest": hashlib.sha256((base / MANIFEST).read_bytes()).hexdigest(),
+    }
     text = model_card(cfg, manifest, train_facts(cfg, RESULTS), base=facts)
     card = ModelCard(text)
-    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M" and card.data.base_model_manifest_digest == facts["digest"]
+    assert (
+        card.data.base_model == "HuggingFaceTB/SmolLM2-135M" and card.data.base_model_manifest_digest == facts["digest"]
+    )
     assert "torch_dtype=torch.float32" in text and "bfloat16" not in text.split("## Usage")[1].split("```\n")[0]
     assert f"`HuggingFaceTB/SmolLM2-135M` (base artifact's manifest digest `{facts['digest'][:16]}`)" in text
     # From the Hub: its id and the commit load_from_hf pinned.
-    write_manifest(base, kind="hf-model", meta={"source": "hub", "repo_id": "org/base-model", "revision": "main", "commit_sha": "c0ffee" * 6 + "abcd"})
+    write_manifest(
+        base,
+        kind="hf-model",
+        meta={"source": "hub", "repo_id": "org/base-model", "revision": "main", "commit_sha": "c0ffee" * 6 + "abcd"},
+    )
     hub = base_facts(config(run), lambda rel: (run / rel).read_text())
     card = ModelCard(model_card(config(run), manifest, train_facts(config(run), RESULTS), base=hub))
     assert card.data.base_model == "org/base-model" and card.data.base_model_revision == "c0ffee" * 6 + "abcd"
-    assert "torch_dtype=torch.bfloat16" in usage_snippet("x", "bf16") and "torch_dtype=torch.float16" in usage_snippet("x", "fp16")
+    assert "torch_dtype=torch.bfloat16" in usage_snippet("x", "bf16") and "torch_dtype=torch.float16" in usage_snippet(
+        "x", "fp16"
+    )
 
 
 def test_the_card_gives_the_largest_peak_memory_of_any_rank(tmp_path):
@@ -70,6 +90,8 @@ def test_the_card_gives_the_largest_peak_memory_of_any_rank(tmp_path):
     for stage, peaks, ranks in (("cpt", [3 * 2**30, 5 * 2**30, 4 * 2**30], [0, 1, 1]), ("sft", [2**30], [0])):
         ckpt = run / stage / f"step-{getattr(cfg, stage).max_steps:06d}"
         ckpt.mkdir(parents=True)
-        (ckpt / "train_state.json").write_text(json.dumps({"losses": [2.0], "step_metrics": {"peak_mem_bytes": peaks, "peak_mem_rank": ranks}}))
+        (ckpt / "train_state.json").write_text(
+            json.dumps({"losses": [2.0], "step_metrics": {"peak_mem_bytes": peaks, "peak_mem_rank": ranks}})
+        )
     text = model_card(cfg, manifest, train_facts(cfg, RESULTS, lambda rel: (run / rel).read_text()))
     assert "| peak memory (largest rank) | 5.00 GiB (rank 1) | 1.00 GiB (rank 0) |" in text, text

@@ -57,7 +57,9 @@ def _write(path: Path, records: list[dict], bad: dict[int, bytes] | None = None)
 
 def _prep(path: Path, tokdir, out: Path, kind: str = "cpt", **kw):
     field = "text" if kind == "cpt" else "messages"
-    return prepare(str(path), tokdir, out, kind=kind, field=field, seq_len=64 if kind == "cpt" else 96, heldout_fraction=0.05, **kw)
+    return prepare(
+        str(path), tokdir, out, kind=kind, field=field, seq_len=64 if kind == "cpt" else 96, heldout_fraction=0.05, **kw
+    )
 
 
 def _artifact(out: Path, index: dict) -> dict[str, bytes]:
@@ -136,9 +138,12 @@ def test_a_prepare_killed_after_some_chunks_reruns_only_the_missing_ones(tokdir,
         "def progress(s):\n"
         "    seen.append(s)\n"
         "    if len(seen) == 3: os.kill(os.getpid(), signal.SIGKILL)\n"
-        f"prepare({str(path)!r}, {str(tokdir)!r}, {str(out)!r}, kind='cpt', field='text', seq_len=64, heldout_fraction=0.05, chunk_mb={SMALL}, progress=progress)\n"
+        f"prepare({str(path)!r}, {str(tokdir)!r}, {str(out)!r}, kind='cpt', field='text', seq_len=64, "
+        f"heldout_fraction=0.05, chunk_mb={SMALL}, progress=progress)\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, check=False)
+    p = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, check=False
+    )
     assert p.returncode == -9, p.stderr.decode()[-2000:]
     assert len(list((out / ck.CHUNKS).glob("*/summary.json"))) == 3 and not (out / "index.json").exists()
     again: list[dict] = []
@@ -155,11 +160,18 @@ def test_a_prepare_killed_after_some_chunks_reruns_only_the_missing_ones(tokdir,
     again.clear()
     r = _prep(path, tokdir, out, chunk_mb=SMALL, progress=again.append, prune_unused=True)
     redone = sum(1 for s in again if "n" in s.get("chunk", {}))
-    assert len(grown) > total and redone == sum((c.start, c.end) not in old for c in grown) <= len(grown) - total + 1, (redone, len(grown), total)
+    assert len(grown) > total and redone == sum((c.start, c.end) not in old for c in grown) <= len(grown) - total + 1, (
+        redone,
+        len(grown),
+        total,
+    )
     fresh = _prep(path, tokdir, tmp_path / "fresh")
     assert _artifact(out, r.index) == _artifact(tmp_path / "fresh", fresh.index)
     # Pruned with the index: the old version's last chunk and its chunk list are gone.
-    assert len(list((out / ck.CHUNKS).glob("*/summary.json"))) == len(grown) and len(list((out / ck.CHUNKS).glob("*.json"))) == 1
+    assert (
+        len(list((out / ck.CHUNKS).glob("*/summary.json"))) == len(grown)
+        and len(list((out / ck.CHUNKS).glob("*.json"))) == 1
+    )
 
 
 def test_chunk_size_gives_every_worker_work_and_keeps_the_grid_for_large_corpora():
@@ -173,13 +185,20 @@ def test_chunk_size_gives_every_worker_work_and_keeps_the_grid_for_large_corpora
 
 def test_text_chunks_cut_after_a_newline_and_count_every_line_end(tmp_path):
     # CRLF, a lone CR (universal newlines: a line end too) and a line longer than a chunk.
-    body = b"".join(b'{"text": "r%d"}\r\n' % i for i in range(50)) + b'{"text": "cr"}\r' + b'{"text": "' + b"x" * 300 + b'"}\n' + b"".join(b'{"text": "s%d"}\n' % i for i in range(50))
+    body = (
+        b"".join(b'{"text": "r%d"}\r\n' % i for i in range(50))
+        + b'{"text": "cr"}\r'
+        + b'{"text": "'
+        + b"x" * 300
+        + b'"}\n'
+        + b"".join(b'{"text": "s%d"}\n' % i for i in range(50))
+    )
     path = tmp_path / "crlf.jsonl"
     path.write_bytes(body)
     pieces = _chunked(path, mb=100 / 2**20)
-    assert len(pieces) > 5 and b"".join(body[c.start:c.end] for c in pieces) == body
+    assert len(pieces) > 5 and b"".join(body[c.start : c.end] for c in pieces) == body
     lines = dict(iter_records(str(path)))
     for c in pieces:
-        assert c.start == 0 or body[c.start - 1:c.start] == b"\n"
+        assert c.start == 0 or body[c.start - 1 : c.start] == b"\n"
         first, rec = next(iter(c.records(1 << 20)))
         assert first == c.first_line and rec == lines[first], c

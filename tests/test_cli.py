@@ -1,7 +1,7 @@
 """The `cpt-to-sft` console command: overrides, schema, verify, and a wheel installed in a fresh venv.
 
-    python -m pytest -q tests/test_cli.py                    # unit tier
-    python -m pytest -q -m integration tests/test_cli.py     # + build the wheel, install, run it
+python -m pytest -q tests/test_cli.py                    # unit tier
+python -m pytest -q -m integration tests/test_cli.py     # + build the wheel, install, run it
 """
 
 from __future__ import annotations
@@ -28,19 +28,29 @@ TINY = str(REPO / "deployments" / "configs" / "tiny-cpu.yaml")
 
 def test_sets_are_yaml_and_applied_in_order(tmp_path):
     sets = parse_sets(["cpt.lr=0.1", "hub=null", "cpt.max_steps=3", "cpt.lr=2.0e-4", "name=x y"])
-    assert sets == {"hub": None, "cpt.max_steps": 3, "cpt.lr": 2e-4, "name": "x y"} and list(sets)[-2:] == ["cpt.lr", "name"]
+    assert sets == {"hub": None, "cpt.max_steps": 3, "cpt.lr": 2e-4, "name": "x y"} and list(sets)[-2:] == [
+        "cpt.lr",
+        "name",
+    ]
     # YAML 1.1 reads `1e-4` as a string, in a --set as in the file; the model coerces it alike.
-    path, cfg = resolved_config_file(TINY, ["cpt.max_steps=3", "sft.plugin.name=torch_ddp", "sft.plugin.zero_stage=0", "cpt.max_steps=5", "cpt.lr=1e-4"], dest=tmp_path)
+    path, cfg = resolved_config_file(
+        TINY,
+        ["cpt.max_steps=3", "sft.plugin.name=torch_ddp", "sft.plugin.zero_stage=0", "cpt.max_steps=5", "cpt.lr=1e-4"],
+        dest=tmp_path,
+    )
     assert cfg.cpt.max_steps == 5 and cfg.sft.plugin.name == "torch_ddp" and cfg.cpt.lr == 1e-4
     assert yaml.safe_load(path.read_text())["cpt"]["max_steps"] == 5
 
 
-@pytest.mark.parametrize("item, field", [
-    ("cpt.max_stepz=3", "cpt.max_stepz"),
-    ("cpt.lr=fast", "cpt.lr"),
-    ("sft.plugin.tp_size=2", "sft.plugin.tp_size"),   # a static rule, the same as in the YAML
-    ("cpt.max_steps", "--set cpt.max_steps"),
-])
+@pytest.mark.parametrize(
+    "item, field",
+    [
+        ("cpt.max_stepz=3", "cpt.max_stepz"),
+        ("cpt.lr=fast", "cpt.lr"),
+        ("sft.plugin.tp_size=2", "sft.plugin.tp_size"),  # a static rule, the same as in the YAML
+        ("cpt.max_steps", "--set cpt.max_steps"),
+    ],
+)
 def test_wrong_override_names_the_field(item, field, capsys):
     assert main(["check", "--config", TINY, "--set", item]) == 1
     err = capsys.readouterr().err
@@ -97,28 +107,76 @@ def test_wheel_in_a_fresh_venv(tmp_path):
     through a plain .pth line (torch & co. are not reinstalled; the shared editable install's own
     finder is not loaded), and run the command from outside any checkout."""
     src = tmp_path / "src"
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"), str(src)],
-                   check=True, timeout=300)
+    shutil.copytree(
+        REPO,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "runs", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache"
+        ),
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        check=True,
+        timeout=300,
+    )
     (wheel,) = (tmp_path / "dist").glob("cpt_to_sft-*.whl")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     vsite = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     (vsite / "shared-stack.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--no-deps", "-q", str(wheel)],
-                   check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "--no-deps",
+            "-q",
+            str(wheel),
+        ],
+        check=True,
+        timeout=300,
+    )
     exe = venv / "bin" / "cpt-to-sft"
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CPT_TO_SFT_HOME")}
 
     def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-        r = subprocess.run([str(exe), *args], check=False, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [str(exe), *args], check=False, cwd=work, env=env, capture_output=True, text=True, timeout=300
+        )
         assert (r.returncode == 0) == ok, (args, r.returncode, r.stdout[-2000:], r.stderr[-2000:])
         return r
 
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import tasks, flows; print(tasks.__file__); from tasks.core.config.paths import project_root; print(project_root())"],
-                           cwd=work, env=env, capture_output=True, text=True, check=True).stdout.split()
+    where = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            (
+                "import tasks, flows; print(tasks.__file__); from tasks.core.config.paths import project_root; "
+                "print(project_root())"
+            ),
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert where[0].startswith(str(vsite)) and where[1] == str(work)  # installed copy; relative paths from the cwd
     assert "cpt-to-sft 0.1.0" in run("--version").stdout
     assert "verify" in run("--help").stdout
@@ -161,10 +219,32 @@ def test_verify_recomputes_the_fingerprint_of_an_hf_artifact(tmp_path, tiny_mode
 
 
 def test_eval_of_one_folder_and_schema_into_a_closed_pipe(tiny_model_dir, capsys):
-    assert main(["eval", "cpt", "--model", str(tiny_model_dir), "--data", str(REPO / "data" / "sample" / "cpt.jsonl"), "--seq-len", "32"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "cpt",
+                "--model",
+                str(tiny_model_dir),
+                "--data",
+                str(REPO / "data" / "sample" / "cpt.jsonl"),
+                "--seq-len",
+                "32",
+            ]
+        )
+        == 0
+    )
     m = json.loads(capsys.readouterr().out)
     assert m["model"] == str(tiny_model_dir) and m["perplexity"] > 1 and m["tokens"] > 0
-    r = subprocess.run(f"{sys.executable} -m flows.cli schema | head -n 1", shell=True, cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    r = subprocess.run(
+        f"{sys.executable} -m flows.cli schema | head -n 1",
+        shell=True,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert r.stdout == "{\n" and r.stderr == ""
 
 
@@ -191,7 +271,9 @@ def test_help_lists_every_command_in_one_line_with_an_example_that_parses(capsys
         parser.parse_args(["--help"])
     assert out.value.code == 0
     text = capsys.readouterr().out
-    listed = [line.split()[0] for line in text.split("commands (")[1].split("examples:")[0].splitlines()[1:] if line.strip()]
+    listed = [
+        line.split()[0] for line in text.split("commands (")[1].split("examples:")[0].splitlines()[1:] if line.strip()
+    ]
     choices = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     assert listed == list(COMMANDS) and set(listed) == set(choices), (listed, sorted(choices))
     examples = [line.strip() for line in text.split("examples:")[1].splitlines() if line.strip()]
@@ -210,5 +292,14 @@ def test_help_lists_every_command_in_one_line_with_an_example_that_parses(capsys
     with pytest.raises(SystemExit):
         parser.parse_args(["run", "--help"])
     run_help = capsys.readouterr().out
-    for said in ("--config FILE", "YAML", "deployments/configs/tiny-cpu.yaml", "--set KEY.PATH=VALUE", "--set cpt.lr=1e-4", "--stop-after STAGE", "push_to_hub", "exit status"):
+    for said in (
+        "--config FILE",
+        "YAML",
+        "deployments/configs/tiny-cpu.yaml",
+        "--set KEY.PATH=VALUE",
+        "--set cpt.lr=1e-4",
+        "--stop-after STAGE",
+        "push_to_hub",
+        "exit status",
+    ):
         assert said in run_help, said

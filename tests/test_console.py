@@ -17,22 +17,42 @@ import pytest
 
 from flows.console import _TrainingLog
 from tasks.core.launch.torchrun import Router
-from tasks.core.run.trainlog import LINES, SameWarnings, TrainLog, default_log_every, key_figure, ranks_label, summary_table
+from tasks.core.run.trainlog import (
+    LINES,
+    SameWarnings,
+    TrainLog,
+    default_log_every,
+    key_figure,
+    ranks_label,
+    summary_table,
+)
 
 # What a two-rank launch wrote (the bitsandbytes line as it was before its filter), in arrival order.
-WARNING_1 = "/site-packages/torch/distributed/distributed_c10d.py:4631: UserWarning: No device id is provided via `init_process_group` or `barrier `."
+WARNING_1 = (
+    "/site-packages/torch/distributed/distributed_c10d.py:4631: UserWarning: No device id is provided via "
+    "`init_process_group` or `barrier `."
+)
 LAUNCH = [
     "[rank 1|warning] " + WARNING_1,
     "[rank 0|detail] engine train cpt: world size 2, CPU (gloo), cpu_compat patched: CpuAccelerator.synchronize",
     "[rank 0|warning] " + WARNING_1,
-    "[rank 1|detail] construction peak 11149312 bytes of host memory over the 377143296 at its start (built and loaded step-000000)",
+    (
+        "[rank 1|detail] construction peak 11149312 bytes of host memory over the 377143296 at its start (built and "
+        "loaded step-000000)"
+    ),
     "[rank 1] loaded its shard",
     "[rank 0] resuming cpt from step-000000: the newest checkpoint whose manifest verifies",
     '[rank 0] @@kernels {"activation_checkpointing": false, "kernels": {"flash_attention": "off: no CUDA"}}',
-    '[rank 0] @@progress {"elapsed_s": 0.1, "loss": 6.2, "lr": 0.001, "peak_mem_bytes": 409100288, "peak_mem_rank": 1, "stage": "cpt", "step": 1, "tokens": 256, "total": 2}',
+    (
+        '[rank 0] @@progress {"elapsed_s": 0.1, "loss": 6.2, "lr": 0.001, "peak_mem_bytes": 409100288, "peak_mem_rank": '
+        '1, "stage": "cpt", "step": 1, "tokens": 256, "total": 2}'
+    ),
     "[rank 1|warning] only rank 1 says this",
     '[rank 0] @@checkpoint {"path": "/run/cpt/step-000002", "step": 2}',
-    "W1130 11:02:03.400000 4242 torch/distributed/elastic/multiprocessing/api.py:897] Sending process 12 closing signal SIGTERM",
+    (
+        "W1130 11:02:03.400000 4242 torch/distributed/elastic/multiprocessing/api.py:897] Sending process 12 closing "
+        "signal SIGTERM"
+    ),
 ]
 
 
@@ -72,14 +92,21 @@ def test_a_warning_every_rank_prints_reaches_the_console_once_naming_them(logs):
     assert shown == [
         f"[ranks 0,1] {WARNING_1}",  # once, when the second rank said it
         "[rank 0] resuming cpt from step-000000: the newest checkpoint whose manifest verifies",
-        "[torchrun] W1130 11:02:03.400000 4242 torch/distributed/elastic/multiprocessing/api.py:897] Sending process 12 closing signal SIGTERM",
+        (
+            "[torchrun] W1130 11:02:03.400000 4242 torch/distributed/elastic/multiprocessing/api.py:897] Sending process "
+            "12 closing signal SIGTERM"
+        ),
         "[rank 1] only rank 1 says this",  # held for its peers; said when the launch ended
     ], shown
     assert console.lines[0][0] == logging.WARNING
     # The UI keeps every line of every rank at the level its writer marked, events included.
     said = [m for _, m in ui.lines]
-    assert f"[rank 1] {WARNING_1}" in said and f"[rank 0] {WARNING_1}" in said and f"[ranks 0,1] {WARNING_1}" not in said
-    assert any(m.startswith("[rank 1] construction peak") for m in said) and any(m.startswith("[rank 0] progress {") for m in said)
+    assert (
+        f"[rank 1] {WARNING_1}" in said and f"[rank 0] {WARNING_1}" in said and f"[ranks 0,1] {WARNING_1}" not in said
+    )
+    assert any(m.startswith("[rank 1] construction peak") for m in said) and any(
+        m.startswith("[rank 0] progress {") for m in said
+    )
     assert len(ui.lines) == len(LAUNCH)
     assert [p["step"] for p in progress] == [1]
 
@@ -89,7 +116,10 @@ def test_an_error_line_lets_the_held_warnings_out_first(logs):
     router = Router(logger, ranks=2)
     router.line("[rank 1|warning] deprecated thing")
     router.line("[rank 1|error] engine train failed: RuntimeError: boom")
-    assert [m for _, m in console.lines] == ["[rank 1] deprecated thing", "[rank 1] engine train failed: RuntimeError: boom"]
+    assert [m for _, m in console.lines] == [
+        "[rank 1] deprecated thing",
+        "[rank 1] engine train failed: RuntimeError: boom",
+    ]
     assert router.cause == ("rank 1", "engine train failed: RuntimeError: boom")
 
 
@@ -116,37 +146,88 @@ def test_a_step_line_reads_like_a_training_log():
     log = TrainLog("cpt", 2000, every=120)
     line = None
     for s in range(1, 121):
-        rec = {"step": s, "total": 2000, "loss": 2.314, "lr": 2e-5, "tokens": s * 4120, "elapsed_s": s * 0.1, "tokens_per_s": 41200.0, "step_s": 0.1, "padding_frac": 0.03, "mfu": 0.38,
-               "peak_mem_bytes": int(61.2 * 2**30), "peak_mem_rank": 3, "eta_s": 11520.0}
+        rec = {
+            "step": s,
+            "total": 2000,
+            "loss": 2.314,
+            "lr": 2e-5,
+            "tokens": s * 4120,
+            "elapsed_s": s * 0.1,
+            "tokens_per_s": 41200.0,
+            "step_s": 0.1,
+            "padding_frac": 0.03,
+            "mfu": 0.38,
+            "peak_mem_bytes": int(61.2 * 2**30),
+            "peak_mem_rank": 3,
+            "eta_s": 11520.0,
+        }
         line = log(rec) or line
-    assert line == "cpt  step 120/2000 | loss 2.314 | lr 2.0e-05 | 41.2k tok/s | pad 3% | mfu 38% | mem 61.2 GiB | eta 3h12m"
+    assert (
+        line
+        == "cpt  step 120/2000 | loss 2.314 | lr 2.0e-05 | 41.2k tok/s | pad 3% | mfu 38% | mem 61.2 GiB | eta 3h12m"
+    )
     assert log.end(12.0, {"tokens_per_s": 41200.0}).endswith("median 41.2k tok/s | peak mem 61.2 GiB (rank 3)")
     assert log.peak == (int(61.2 * 2**30), 3)
 
 
 def test_the_run_ends_with_a_table_of_the_stages():
     stages = [
-        {"stage": "train_cpt", "status": "completed", "seconds": 13.4, "detail": {"first_loss": 6.24, "final_loss": 4.332}},
-        {"stage": "evaluate_cpt", "status": "completed", "seconds": 1.0, "detail": {"metrics": {"base": {"perplexity": 515.79}, "cpt": {"perplexity": 77.78}}}},
+        {
+            "stage": "train_cpt",
+            "status": "completed",
+            "seconds": 13.4,
+            "detail": {"first_loss": 6.24, "final_loss": 4.332},
+        },
+        {
+            "stage": "evaluate_cpt",
+            "status": "completed",
+            "seconds": 1.0,
+            "detail": {"metrics": {"base": {"perplexity": 515.79}, "cpt": {"perplexity": 77.78}}},
+        },
         {"stage": "export", "status": "completed", "seconds": 0.2, "detail": {"bytes": 427136, "dtype": "bf16"}},
-        {"stage": "train_sft", "status": "failed", "seconds": 3.0, "detail": {"error": "rank 1: engine train failed: boom"}},
+        {
+            "stage": "train_sft",
+            "status": "failed",
+            "seconds": 3.0,
+            "detail": {"error": "rank 1: engine train failed: boom"},
+        },
         {"stage": "push_to_hub", "status": "not-run", "seconds": 0.0, "detail": {}},
     ]
     table = summary_table(stages, "/runs/demo").splitlines()
     assert re.match(r"stage\s+status\s+duration\s+key figure", table[0])
     assert re.match(r"train_cpt\s+completed\s+13\.4s\s+loss 6\.240 → 4\.332$", table[1])
     assert table[2].endswith("held-out perplexity 515.79 → 77.78") and table[3].endswith("427.1 kB bf16")
-    assert table[4].endswith("its cause is the run's last line") and "boom" not in "\n".join(table) and re.match(r"push_to_hub\s+not-run\s+-$", table[5])
+    assert (
+        table[4].endswith("its cause is the run's last line")
+        and "boom" not in "\n".join(table)
+        and re.match(r"push_to_hub\s+not-run\s+-$", table[5])
+    )
     assert table[-1].startswith("artifacts: /runs/demo")
-    assert key_figure({"stage": "gate", "status": "failed-gate", "detail": {"passed": False, "reasons": ["sft loss did not improve"]}}) == "sft loss did not improve"
+    assert (
+        key_figure(
+            {
+                "stage": "gate",
+                "status": "failed-gate",
+                "detail": {"passed": False, "reasons": ["sft loss did not improve"]},
+            }
+        )
+        == "sft loss did not improve"
+    )
 
 
 def test_the_engine_silences_only_the_harmless_bitsandbytes_kernels_warning():
     from tasks.engine.__main__ import _harmless_bnb_kernels
 
     def record(exc: BaseException) -> logging.LogRecord:
-        return logging.LogRecord("bitsandbytes.backends.cpu.ops", logging.WARNING, "ops.py", 253,
-                                 "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure ...", (exc,), None)
+        return logging.LogRecord(
+            "bitsandbytes.backends.cpu.ops",
+            logging.WARNING,
+            "ops.py",
+            253,
+            "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure ...",
+            (exc,),
+            None,
+        )
 
     missing = ModuleNotFoundError("No module named 'kernels'", name="kernels")
     assert _harmless_bnb_kernels(record(missing)) is False

@@ -76,8 +76,14 @@ def test_the_console_shows_no_echo_of_a_failure_and_no_traceback_while_the_run_l
         task_log.info("Task run failed with exception: OSError() - Retry 1/2 will start 15 second(s) from now")
         task_log.error("the report", extra=NOT_ON_CONSOLE)
         router = Router(task_log)
-        for raw in ("[rank 0] step 3", "[rank 1|error] engine train failed: RuntimeError: boom", "[rank 1|error] Traceback (most recent call last):",
-                    "[rank 0|warning] slow step", "Traceback (most recent call last):", "E1203 11:42:17.831000 1 api.py:1002] failed (exitcode: 1)"):
+        for raw in (
+            "[rank 0] step 3",
+            "[rank 1|error] engine train failed: RuntimeError: boom",
+            "[rank 1|error] Traceback (most recent call last):",
+            "[rank 0|warning] slow step",
+            "Traceback (most recent call last):",
+            "E1203 11:42:17.831000 1 api.py:1002] failed (exitcode: 1)",
+        ):
             router.line(raw)
         router.line("[rank 2|error] lost", node="node-1")
     finally:
@@ -95,7 +101,12 @@ def test_the_console_shows_no_echo_of_a_failure_and_no_traceback_while_the_run_l
         "[rank 0] slow step",
     ], shown
     kept = "\n".join(api.lines)  # every record, tracebacks included, reached the run's log
-    assert kept.count("Traceback (most recent call last)") >= 4 and "malformed JSON" in kept and "the report" in kept and "[node-1 rank 2] lost" in kept
+    assert (
+        kept.count("Traceback (most recent call last)") >= 4
+        and "malformed JSON" in kept
+        and "the report" in kept
+        and "[node-1 rank 2] lost" in kept
+    )
     # Uninstalled: the handler is Prefect's own again.
     assert not console.filters and type(console.formatter).__name__ == "PrefectFormatter"
 
@@ -175,7 +186,9 @@ CASES = {
 
 @pytest.mark.integration
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_cli_prints_a_failure_once_and_the_task_run_log_keeps_its_traceback(prefect_harness, tiny_model_dir, tmp_path, case):
+def test_the_cli_prints_a_failure_once_and_the_task_run_log_keeps_its_traceback(
+    prefect_harness, tiny_model_dir, tmp_path, case
+):
     from prefect.settings import PREFECT_API_URL
 
     change, task_name = CASES[case]
@@ -183,8 +196,15 @@ def test_the_cli_prints_a_failure_once_and_the_task_run_log_keeps_its_traceback(
     cfg = write_config(tmp_path / f"{case}.yaml", raw)
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_API_URL": PREFECT_API_URL.value()}
     env.pop("CPT_TO_SFT_TRACEBACKS", None)
-    r = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--config", str(cfg)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--config", str(cfg)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     console = r.stdout + r.stderr
     assert r.returncode == 1, console[-4000:]
     assert "Traceback" not in console and "NoneType: None" not in console, console[-6000:]
@@ -196,7 +216,13 @@ def test_the_cli_prints_a_failure_once_and_the_task_run_log_keeps_its_traceback(
         return
     assert failure in last[-1], last[-3:]
     logs = _task_run_logs(_flow_run_ids(console))
-    failed = {name: text for name, text in logs.items() if name.startswith(task_name) and "Traceback (most recent call last)" in text}
+    failed = {
+        name: text
+        for name, text in logs.items()
+        if name.startswith(task_name) and "Traceback (most recent call last)" in text
+    }
     assert failed, logs
     if case == "prepare":  # the process-pool worker's own task run: b.jsonl's
-        assert list(failed) == [f"tokenize {Path(raw['cpt']['data']['uri']) / 'b.jsonl'}"] and "malformed JSON" in next(iter(failed.values()))
+        assert list(failed) == [f"tokenize {Path(raw['cpt']['data']['uri']) / 'b.jsonl'}"] and "malformed JSON" in next(
+            iter(failed.values())
+        )

@@ -98,7 +98,9 @@ def write_colossal_checkpoint(
         total = 0.0
         for s, keys in enumerate(stages):
             stage_state = OrderedDict((k, state[k]) for k in keys)
-            total += _save_stage(stage_state, ckpt, f"model-stage-{s + 1:05d}-shard.safetensors", size_per_shard_mb, weight_map)
+            total += _save_stage(
+                stage_state, ckpt, f"model-stage-{s + 1:05d}-shard.safetensors", size_per_shard_mb, weight_map
+            )
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (ckpt / SAFE_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     if config is not None:
@@ -109,7 +111,11 @@ def write_colossal_checkpoint(
 def pp2_stages(state: dict[str, torch.Tensor], n_layers: int) -> list[list[str]]:
     """What a 2-stage pipeline holds: embeddings + first half, then second half + norm + lm_head."""
     half = n_layers // 2
-    first = [k for k in state if k.startswith("model.embed_tokens") or any(k.startswith(f"model.layers.{i}.") for i in range(half))]
+    first = [
+        k
+        for k in state
+        if k.startswith("model.embed_tokens") or any(k.startswith(f"model.layers.{i}.") for i in range(half))
+    ]
     return [first, [k for k in state if k not in first]]
 
 
@@ -169,7 +175,11 @@ def _cfg(model) -> dict:
     "cls,cfg_cls,overrides",
     [
         (LlamaForCausalLM, LlamaConfig, {}),
-        (LlamaForCausalLM, LlamaConfig, {"attention_bias": True, "mlp_bias": True, "head_dim": 8, "num_key_value_heads": 1}),
+        (
+            LlamaForCausalLM,
+            LlamaConfig,
+            {"attention_bias": True, "mlp_bias": True, "head_dim": 8, "num_key_value_heads": 1},
+        ),
         (MistralForCausalLM, MistralConfig, {"head_dim": 32}),
         (Qwen2ForCausalLM, Qwen2Config, {"tie_word_embeddings": True}),
         (Qwen3ForCausalLM, Qwen3Config, {"head_dim": 16}),
@@ -213,7 +223,9 @@ def test_layout_matches_real_colossalai(tmp_path, llama):
         weights_name, index_name = get_model_base_filenames(None, use_safetensors=True)
         if stages is None:
             index = CheckpointIndexFile(str(real))
-            total = save_state_dict_shards(shard_model_checkpoint(state, 0.05), str(real), index, weights_name, True, True)
+            total = save_state_dict_shards(
+                shard_model_checkpoint(state, 0.05), str(real), index, weights_name, True, True
+            )
             index.append_meta_data("total_size", total)
             index.write_index_file(index_name)
         else:  # HybridParallelCheckpointIO.save_sharded_model, pp branch, one stage at a time
@@ -223,7 +235,9 @@ def test_layout_matches_real_colossalai(tmp_path, llama):
                 base = weights_name.replace(".safetensors", f"-stage-{s + 1:05d}-shard.safetensors")
                 stage_index = CheckpointIndexFile(str(real))
                 sub = OrderedDict((k, state[k]) for k in keys)
-                total = save_state_dict_shards(shard_model_checkpoint(sub, 0.05), str(real), stage_index, base, True, True, use_pp_format=True)
+                total = save_state_dict_shards(
+                    shard_model_checkpoint(sub, 0.05), str(real), stage_index, base, True, True, use_pp_format=True
+                )
                 merged.metadata["total_size"] += total
                 for k, f in stage_index.weight_map.items():
                     merged.append_weight_map(k, f)
@@ -264,7 +278,11 @@ def test_multi_shard_index_and_hashes(tmp_path, llama):
     assert len(shards) > 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     index = json.loads((dst / SAFE_INDEX_NAME).read_text())
     state = load_state_dict_from_dir(dst)
-    assert index["metadata"]["total_size"] == report.total_bytes == sum(t.numel() * t.element_size() for t in state.values())
+    assert (
+        index["metadata"]["total_size"]
+        == report.total_bytes
+        == sum(t.numel() * t.element_size() for t in state.values())
+    )
     assert list(index["weight_map"]) == sorted(index["weight_map"]) and set(index["weight_map"].values()) == set(shards)
     assert sorted(os.listdir(dst)) == sorted(report.files)
     for rel, entry in report.files.items():
@@ -286,10 +304,14 @@ def test_parallel_shard_writers_are_byte_identical_and_fail_cleanly(tmp_path, ll
     from tasks.core.models.convert.source import Reader
 
     src = write_colossal_checkpoint(_params(llama), tmp_path / "ckpt")
-    serial = convert_checkpoint(src, tmp_path / "w1", model_config=_cfg(llama), max_shard_size="100KB", fsync=False, workers=1)
+    serial = convert_checkpoint(
+        src, tmp_path / "w1", model_config=_cfg(llama), max_shard_size="100KB", fsync=False, workers=1
+    )
     # fsync on, with the writeback step shrunk so sync_file_range runs on these small files too
     monkeypatch.setattr(write, "_WRITEBACK_STEP", 4096)
-    parallel = convert_checkpoint(src, tmp_path / "w3", model_config=_cfg(llama), max_shard_size="100KB", fsync=True, workers=3)
+    parallel = convert_checkpoint(
+        src, tmp_path / "w3", model_config=_cfg(llama), max_shard_size="100KB", fsync=True, workers=3
+    )
     assert len(serial.files) > 4 and parallel.files == serial.files
     for rel in serial.files:
         assert (tmp_path / "w1" / rel).read_bytes() == (tmp_path / "w3" / rel).read_bytes(), rel
@@ -305,7 +327,9 @@ def test_parallel_shard_writers_are_byte_identical_and_fail_cleanly(tmp_path, ll
 
     monkeypatch.setattr(Reader, "readinto", failing)
     with pytest.raises(OSError, match="injected read error"):
-        convert_checkpoint(src, tmp_path / "broken", model_config=_cfg(llama), max_shard_size="100KB", fsync=False, workers=3)
+        convert_checkpoint(
+            src, tmp_path / "broken", model_config=_cfg(llama), max_shard_size="100KB", fsync=False, workers=3
+        )
     assert not [p.name for p in (tmp_path / "broken").iterdir() if p.name.endswith(".tmp")]
     assert not (tmp_path / "broken" / SAFE_INDEX_NAME).exists()
     with pytest.raises(ConversionError, match="workers=0"):
@@ -314,7 +338,9 @@ def test_parallel_shard_writers_are_byte_identical_and_fail_cleanly(tmp_path, ll
 
 def test_bf16_cast(tmp_path, llama):
     src = write_colossal_checkpoint(_params(llama), tmp_path / "ckpt", stages=pp2_stages(_params(llama), 4))
-    report = convert_checkpoint(src, tmp_path / "hf", model_config=_cfg(llama), dtype="bf16", max_shard_size="200KB", fsync=False)
+    report = convert_checkpoint(
+        src, tmp_path / "hf", model_config=_cfg(llama), dtype="bf16", max_shard_size="200KB", fsync=False
+    )
     assert report.dtype == "bf16"
     got = load_state_dict_from_dir(tmp_path / "hf")
     _assert_same_state(got, {k: v.to(torch.bfloat16) for k, v in _params(llama).items()})
@@ -362,7 +388,9 @@ def test_tiny_io_chunks(tmp_path, qwen_tied, monkeypatch, dtype):
     params = _params(qwen_tied)
     params["lm_head.weight"] = params["model.embed_tokens.weight"].clone()
     src = write_colossal_checkpoint(params, tmp_path / "ckpt", stages=pp2_stages(params, 4))
-    report = convert_checkpoint(src, tmp_path / "hf", model_config=_cfg(qwen_tied), dtype=dtype, max_shard_size="50KB", fsync=False)
+    report = convert_checkpoint(
+        src, tmp_path / "hf", model_config=_cfg(qwen_tied), dtype=dtype, max_shard_size="50KB", fsync=False
+    )
     assert report.dropped == ["lm_head.weight"]
     want = {k: v.to(torch.bfloat16) if dtype else v for k, v in _params(qwen_tied).items()}
     _assert_same_state(load_state_dict_from_dir(tmp_path / "hf"), want)
@@ -384,7 +412,9 @@ def test_hf_directory_input_reshards(tmp_path, llama):
     llama.save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="150KB")
     assert (tmp_path / "sharded" / SAFE_INDEX_NAME).exists()
     for name, layout in (("single", "hf-single"), ("sharded", "hf-sharded")):
-        report = convert_checkpoint(tmp_path / name, tmp_path / f"{name}-out", model_config=_cfg(llama), max_shard_size="300KB", fsync=False)
+        report = convert_checkpoint(
+            tmp_path / name, tmp_path / f"{name}-out", model_config=_cfg(llama), max_shard_size="300KB", fsync=False
+        )
         assert report.source_layout == layout
         _assert_same_state(load_state_dict_from_dir(tmp_path / f"{name}-out"), dict(_params(llama)))
 
@@ -395,7 +425,9 @@ def test_pickle_refused_unless_allowed(tmp_path, llama):
     torch.save(dict(_params(llama)), src / "pytorch_model.bin")
     with pytest.raises(ConversionError, match=r"pytorch_model\.bin: refusing a pickled checkpoint"):
         convert_checkpoint(src, tmp_path / "hf", model_config=_cfg(llama))
-    report = convert_checkpoint(src, tmp_path / "hf", model_config=_cfg(llama), allow_pickle=True, dtype="fp16", fsync=False)
+    report = convert_checkpoint(
+        src, tmp_path / "hf", model_config=_cfg(llama), allow_pickle=True, dtype="fp16", fsync=False
+    )
     assert report.source_layout == "pickle"
     _assert_same_state(load_state_dict_from_dir(tmp_path / "hf"), {k: v.half() for k, v in _params(llama).items()})
 
@@ -435,7 +467,9 @@ def test_truncated_shard_names_file(tmp_path, llama):
     victim = _shards(src)[-1]
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size - 100)
-    _convert_fails(src, llama, rf"{victim.name}: header describes \d+ data bytes but the file holds \d+ \(truncated\)", tmp_path)
+    _convert_fails(
+        src, llama, rf"{victim.name}: header describes \d+ data bytes but the file holds \d+ \(truncated\)", tmp_path
+    )
 
 
 def test_index_naming_missing_file(tmp_path, llama):
@@ -469,12 +503,22 @@ def test_missing_and_extra_keys(tmp_path, llama):
 
 def test_padded_vocab_and_ungathered_shard(tmp_path, llama):
     params = _params(llama)
-    params["model.embed_tokens.weight"] = torch.cat([params["model.embed_tokens.weight"], torch.zeros(27, 64)])  # to 128
-    params["model.layers.0.self_attn.q_proj.weight"] = params["model.layers.0.self_attn.q_proj.weight"][:32]  # tp=2 rank 0
+    params["model.embed_tokens.weight"] = torch.cat(
+        [params["model.embed_tokens.weight"], torch.zeros(27, 64)]
+    )  # to 128
+    params["model.layers.0.self_attn.q_proj.weight"] = params["model.layers.0.self_attn.q_proj.weight"][
+        :32
+    ]  # tp=2 rank 0
     src = write_colossal_checkpoint(params, tmp_path / "ckpt")
     msg = _convert_fails(src, llama, "2 problems", tmp_path)
-    assert "'model.embed_tokens.weight' in model-00001.safetensors has shape [128, 64], config.json implies [101, 64]: padded vocabulary rows: 27 rows" in msg
-    assert "'model.layers.0.self_attn.q_proj.weight'" in msg and "ungathered tensor-parallel shard: holds 1/2 of dim 0" in msg
+    assert (
+        "'model.embed_tokens.weight' in model-00001.safetensors has shape [128, 64], config.json implies [101, 64]: "
+        "padded vocabulary rows: 27 rows" in msg
+    )
+    assert (
+        "'model.layers.0.self_attn.q_proj.weight'" in msg
+        and "ungathered tensor-parallel shard: holds 1/2 of dim 0" in msg
+    )
 
 
 def test_untied_config_with_missing_lm_head(tmp_path, llama):

@@ -34,7 +34,11 @@ def test_shipped_configs_validate():
     "mutate, field, words",
     [
         (lambda r: r["cpt"]["plugin"].update(name="deepspeed"), "cpt.plugin.name", "hybrid_parallel"),
-        (lambda r: r["sft"]["plugin"].update(name="gemini", zero_stage=0, precision="fp32"), "sft.plugin.precision", "gemini supports precision bf16, fp16"),
+        (
+            lambda r: r["sft"]["plugin"].update(name="gemini", zero_stage=0, precision="fp32"),
+            "sft.plugin.precision",
+            "gemini supports precision bf16, fp16",
+        ),
         (lambda r: r["cpt"]["plugin"].update(zero_stage=1, precision="fp32"), "cpt.plugin.precision", "ZeRO"),
         (lambda r: r["sft"]["plugin"].update(tp_size=2), "sft.plugin.tp_size", "hybrid_parallel"),
         (lambda r: r["cpt"]["plugin"].update(pp_size=2), "cpt.plugin.num_microbatches", "micro-batches"),
@@ -69,7 +73,16 @@ def test_config_is_frozen_and_documented():
         cfg.name = "x"  # type: ignore[misc]
     from tasks.core.config import schema as mod
 
-    for model in (mod.RunConfig, mod.StageConfig, mod.PluginConfig, mod.LaunchConfig, mod.DataConfig, mod.ExportConfig, mod.HubConfig, mod.BaseModelConfig):
+    for model in (
+        mod.RunConfig,
+        mod.StageConfig,
+        mod.PluginConfig,
+        mod.LaunchConfig,
+        mod.DataConfig,
+        mod.ExportConfig,
+        mod.HubConfig,
+        mod.BaseModelConfig,
+    ):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
 
@@ -143,9 +156,21 @@ def test_torchrun_argv_single_and_multi_node():
     single = torchrun_argv("train", "/j.json", LaunchConfig(nproc_per_node=2), "r", python="py")
     assert single[:3] == ["py", "-m", "torch.distributed.run"] and "--standalone" in single
     assert single[-5:] == ["-m", "tasks.engine", "train", "--config", "/j.json"]
-    multi = torchrun_argv("train", "/j.json", LaunchConfig(nproc_per_node=8, nnodes=2, node_rank=1, rdzv_endpoint="head:29400"), "run-cpt", python="py")
+    multi = torchrun_argv(
+        "train",
+        "/j.json",
+        LaunchConfig(nproc_per_node=8, nnodes=2, node_rank=1, rdzv_endpoint="head:29400"),
+        "run-cpt",
+        python="py",
+    )
     assert "--standalone" not in multi
-    for flag, value in [("--nnodes", "2"), ("--node-rank", "1"), ("--rdzv-backend", "c10d"), ("--rdzv-endpoint", "head:29400"), ("--rdzv-id", "run-cpt")]:
+    for flag, value in [
+        ("--nnodes", "2"),
+        ("--node-rank", "1"),
+        ("--rdzv-backend", "c10d"),
+        ("--rdzv-endpoint", "head:29400"),
+        ("--rdzv-id", "run-cpt"),
+    ]:
         assert multi[multi.index(flag) + 1] == value
 
 
@@ -157,7 +182,10 @@ def test_a_fault_spec_reaches_only_the_launch_of_its_stage():
     assert FAULT_ENV not in engine_env(environ=task_env) and engine_env(environ=task_env)["PATH"] == "/bin"
     assert engine_env(stage_fault_env("cpt", task_env), environ=task_env)[FAULT_ENV] == "fail@save=2:model"
     # Train SFT's launch gets both: the spec naming it and the one naming no stage.
-    assert engine_env(stage_fault_env("sft", task_env), environ=task_env)[FAULT_ENV] == "kill@step=5@stage=sft;fail@save=2:model"
+    assert (
+        engine_env(stage_fault_env("sft", task_env), environ=task_env)[FAULT_ENV]
+        == "kill@step=5@stage=sft;fail@save=2:model"
+    )
     assert stage_fault_env("cpt", {FAULT_ENV: "kill@stage=sft"}) == {} and stage_fault_env("sft", {}) == {}
 
 
@@ -175,8 +203,14 @@ def _imports(path: Path) -> set[str]:
 def test_import_boundaries():
     root = Path(__file__).resolve().parents[1] / "tasks"
     for path in sorted((root / "core").glob("*.py")):
-        bad = {m for m in _imports(path) if m.split(".")[0] in ("prefect", "colossalai") or m.startswith("torch.distributed")}
-        assert not bad, f"{path.name} imports {bad}: tasks/core must stay free of prefect, colossalai and torch.distributed"
+        bad = {
+            m
+            for m in _imports(path)
+            if m.split(".")[0] in ("prefect", "colossalai") or m.startswith("torch.distributed")
+        }
+        assert not bad, (
+            f"{path.name} imports {bad}: tasks/core must stay free of prefect, colossalai and torch.distributed"
+        )
     for path in sorted((root / "engine").glob("*.py")):
         bad = {m for m in _imports(path) if m.split(".")[0] == "prefect"}
         assert not bad, f"{path.name} imports {bad}: the engine runs inside torchrun ranks and never imports prefect"

@@ -209,7 +209,8 @@ def test_prefix_unstable_template_is_refused(tok):
     # Earlier replies re-rendered once a later turn exists (like templates that strip reasoning).
     t.chat_template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-        "{% if m['role'] == 'assistant' and not loop.last %}[old]{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if m['role'] == 'assistant' and not loop.last %}[old]{% else %}{{ m['content'] }}{% endif "
+        "%}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     with pytest.raises(ValueError, match="not prefix-stable at message 2"):
@@ -220,7 +221,10 @@ def test_prefix_unstable_template_is_refused(tok):
     "messages, match",
     [
         ([u("hi"), u("anyone?")], "no assistant message"),
-        ([u("hi"), {"role": "bot", "content": "x"}], r"message 1 has role 'bot'; allowed roles are system, user, assistant"),
+        (
+            [u("hi"), {"role": "bot", "content": "x"}],
+            r"message 1 has role 'bot'; allowed roles are system, user, assistant",
+        ),
         ([a("hello"), u("hi"), a("x")], "message 0 is an assistant turn"),
         ([u("hi"), {"role": "assistant"}], "message 1 must be an object with 'role' and 'content'"),
         ([u("hi"), {"role": "assistant", "content": ["x"]}], "message 1 .assistant. content must be a string"),

@@ -81,7 +81,9 @@ def test_cpt_sample_matches_pack_cpt(tok, tokdir, tmp_path):
     assert r.index["totals"]["heldout_records"] == len(split.heldout) and r.index["dtype"] == "uint16"
     # Another seq_len packs the same stream differently, with no new tokenization.
     r2 = _prep(str(CPT), tokdir, tmp_path, heldout_fraction=0.05, seq_len=100)
-    assert r2.tokenized == [] and np.array_equal(_all(TokenDataset(tmp_path, 100))["input_ids"], pack_cpt(tok, split.train, seq_len=100).numpy())
+    assert r2.tokenized == [] and np.array_equal(
+        _all(TokenDataset(tmp_path, 100))["input_ids"], pack_cpt(tok, split.train, seq_len=100).numpy()
+    )
     # What StageData does with the sampler's indices, on both paths.
     s_old, s_new = ResumableSampler(blocks.shape[0], 0, 1, seed=3), ResumableSampler(ds.num_items, 0, 1, seed=3)
     for _ in range(3):
@@ -106,9 +108,15 @@ def test_sft_sample_matches_encode_sft(tok, tokdir, tmp_path):
         r2 = _prep(str(SFT), tokdir, out2, kind="sft", seq_len=48, heldout_fraction=0.05, truncation_rule=rule)
         got2 = _all(TokenDataset(out2))
         t = r2.index["totals"]["truncation"]
-        assert t["chats"] == len(split.train) and t["over_seq_len"] > 0 and r2.index["truncation"] == {"rule": rule, "seq_len": 48}
+        assert (
+            t["chats"] == len(split.train)
+            and t["over_seq_len"] > 0
+            and r2.index["truncation"] == {"rule": rule, "seq_len": 48}
+        )
         if rule != "split_turns":  # one row per kept chat
-            assert r2.index["totals"]["dropped_no_labels"] + t["dropped"] == len(split.train) - want2["input_ids"].shape[0]
+            assert (
+                r2.index["totals"]["dropped_no_labels"] + t["dropped"] == len(split.train) - want2["input_ids"].shape[0]
+            )
         for k, v in want2.items():
             assert np.array_equal(got2[k], v), (rule, k)
     with pytest.raises(ValueError, match="prepared for seq_len=48, not 96"):
@@ -126,7 +134,9 @@ def test_no_record_below_fraction_holds_out_the_lowest_id(tok, tokdir, tmp_path)
     assert len(split.heldout) == 1
     r = _prep(str(corpus), tokdir, tmp_path / "out", heldout_fraction=1e-6, seq_len=16)
     assert _heldout_records(tmp_path / "out", r.index) == split.heldout
-    assert np.array_equal(_all(TokenDataset(tmp_path / "out"))["input_ids"], pack_cpt(tok, split.train, seq_len=16).numpy())
+    assert np.array_equal(
+        _all(TokenDataset(tmp_path / "out"))["input_ids"], pack_cpt(tok, split.train, seq_len=16).numpy()
+    )
 
 
 def test_heldout_uri_drops_its_records_from_training(tok, tokdir, tmp_path):
@@ -136,7 +146,9 @@ def test_heldout_uri_drops_its_records_from_training(tok, tokdir, tmp_path):
     split = split_by_heldout(records, held, "held.jsonl")
     r = _prep(str(CPT), tokdir, tmp_path / "out", heldout_uri=str(tmp_path / "held.jsonl"))
     assert r.index["split"]["method"] == "heldout-uri" and r.index["files"][0]["dropped_in_heldout_set"] == 10
-    assert np.array_equal(_all(TokenDataset(tmp_path / "out"))["input_ids"], pack_cpt(tok, split.train, seq_len=64).numpy())
+    assert np.array_equal(
+        _all(TokenDataset(tmp_path / "out"))["input_ids"], pack_cpt(tok, split.train, seq_len=64).numpy()
+    )
     with pytest.raises(PrepareError, match="not both"):
         _prep(str(CPT), tokdir, tmp_path / "out", heldout_uri=str(tmp_path / "held.jsonl"), heldout_fraction=0.05)
 
@@ -235,15 +247,26 @@ def _cpt_lines(n, tag):
 def _sft_lines(n, tag):
     out = []
     for i in range(n):
-        msgs = [{"role": "user", "content": f"{tag} {i}: how many moons?"}, {"role": "assistant", "content": f"{i % 7} moons."}]
+        msgs = [
+            {"role": "user", "content": f"{tag} {i}: how many moons?"},
+            {"role": "assistant", "content": f"{i % 7} moons."},
+        ]
         out.append(json.dumps({"messages": msgs}))
     return out
 
 
 BAD = {
     "malformed JSON": ("cpt", b'{"text": "half a record', r"b\.jsonl:300: malformed JSON"),
-    "non-UTF-8": ("cpt", b'{"text": "caf\xe9 au lait"}', r"b\.jsonl:300: bytes that are not UTF-8 \(0xe9 at character 14\)"),
-    "no assistant turn": ("sft", json.dumps({"messages": [{"role": "user", "content": "anyone?"}]}).encode(), r"b\.jsonl:300: no assistant message"),
+    "non-UTF-8": (
+        "cpt",
+        b'{"text": "caf\xe9 au lait"}',
+        r"b\.jsonl:300: bytes that are not UTF-8 \(0xe9 at character 14\)",
+    ),
+    "no assistant turn": (
+        "sft",
+        json.dumps({"messages": [{"role": "user", "content": "anyone?"}]}).encode(),
+        r"b\.jsonl:300: no assistant message",
+    ),
 }
 
 
@@ -279,7 +302,9 @@ def test_bad_record_skip_counts_and_caps(tokdir, tmp_path, case):
     b = r.index["files"][1]
     assert b["skipped"] == 1 and b["records"] == 399 and r.index["totals"]["skipped"] == 1
     assert len(b["bad_records"]) == 1 and __import__("re").search(match, b["bad_records"][0])
-    assert r.index["totals"]["train_records"] == 350 + 399 - (0 if kind == "cpt" else r.index["totals"]["dropped_no_labels"])
+    assert r.index["totals"]["train_records"] == 350 + 399 - (
+        0 if kind == "cpt" else r.index["totals"]["dropped_no_labels"]
+    )
     with pytest.raises(BadRecordError, match=r"more than data\.max_bad_records=0"):
         _prep(str(d), tokdir, tmp_path / "out0", kind=kind, on_bad_record="skip", max_bad_records=0)
 
@@ -287,7 +312,9 @@ def test_bad_record_skip_counts_and_caps(tokdir, tmp_path, case):
 def test_missing_field_and_overlong_record(tokdir, tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text('{"text": "ok ok ok ok ok ok ok ok"}\n{"body": "x"}\n{"text": "' + "y" * 500 + '"}\n')
-    with pytest.raises(BadRecordError, match=r"d\.jsonl:2: no field 'text' \(fields: \['body'\]\); set data\.text_field"):
+    with pytest.raises(
+        BadRecordError, match=r"d\.jsonl:2: no field 'text' \(fields: \['body'\]\); set data\.text_field"
+    ):
         _prep(str(p), tokdir, tmp_path / "o1", seq_len=4)
     with pytest.raises(BadRecordError, match=r"d\.jsonl:3: the line has over 100 characters \(513\)"):
         _prep(str(p), tokdir, tmp_path / "o2", seq_len=4, max_record_chars=100, on_bad_record="skip", max_bad_records=1)
@@ -335,10 +362,15 @@ def test_another_tokenizer_is_refused_by_fingerprint(tok, tokdir, tmp_path):
     cfg["chat_template"] = cfg["chat_template"] + " "
     (other / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert tokenizer_fingerprint(other) != tokenizer_fingerprint(tokdir)
-    with pytest.raises(ValueError, match=rf"sha256 {tokenizer_fingerprint(other)[:16]}.*sha256 {tokenizer_fingerprint(tokdir)[:16]}"):
+    with pytest.raises(
+        ValueError, match=rf"sha256 {tokenizer_fingerprint(other)[:16]}.*sha256 {tokenizer_fingerprint(tokdir)[:16]}"
+    ):
         check_fits_model(ds.index, tmp_path / "out", other, "cpt", vocab_size=len(tok))
     top = ds.index["max_token_id"]
-    with pytest.raises(ValueError, match=rf"token id {top} in .* does not fit the vocab_size {top} of .*tokenizer and model do not belong together"):
+    with pytest.raises(
+        ValueError,
+        match=rf"token id {top} in .* does not fit the vocab_size {top} of .*tokenizer and model do not belong together",
+    ):
         check_fits_model(ds.index, tmp_path / "out", tokdir, "cpt", vocab_size=top, fingerprint=False)
 
 
@@ -386,7 +418,11 @@ def test_a_cpt_worker_imports_neither_transformers_nor_torch(tokdir, tmp_path):
     )
     import pickle
 
-    res = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((p.inputs[0], p.spec, str(tokdir), str(tmp_path))),
-                         capture_output=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        input=pickle.dumps((p.inputs[0], p.spec, str(tokdir), str(tmp_path))),
+        capture_output=True,
+        check=True,
+    )
     tokens, heavy = res.stdout.decode().split(" ", 1)
     assert int(tokens) > 0 and heavy.strip() == "[]", res.stdout

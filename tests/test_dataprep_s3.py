@@ -1,6 +1,6 @@
 """Prepared data from an `s3://` corpus on the real SeaweedFS S3 server (integration tier).
 
-    python -m pytest -m integration tests/test_dataprep_s3.py -q
+python -m pytest -m integration tests/test_dataprep_s3.py -q
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ def test_s3_directory_corpus_streams_and_reuses_by_etag(s3_root, tmp_path):
     kw = dict(kind="cpt", field="text", seq_len=64, heldout_fraction=0.05)
     r1 = prepare(corpus, tmp_path / "tok", out, **kw)
     split = split_by_fraction(records, 0.05)
-    assert np.array_equal(TokenDataset(out).batch(range(TokenDataset(out).num_items))["input_ids"], pack_cpt(tok, split.train, seq_len=64).numpy())
+    assert np.array_equal(
+        TokenDataset(out).batch(range(TokenDataset(out).num_items))["input_ids"],
+        pack_cpt(tok, split.train, seq_len=64).numpy(),
+    )
     assert len(r1.tokenized) == 2 and prepare(corpus, tmp_path / "tok", out, **kw).tokenized == []
 
     # Rewriting one object changes its ETag: that file alone is tokenized again.

@@ -1,6 +1,6 @@
 """Demo tokenizer and tiny model: exact vocab, determinism, and loadable by plain transformers.
 
-    python -m pytest tests/test_demo_inputs.py -q
+python -m pytest tests/test_demo_inputs.py -q
 """
 
 from __future__ import annotations
@@ -60,13 +60,21 @@ def test_tokenizer_is_deterministic(tok, tmp_path):
 
 def test_model_dir_loads_and_generates(llama_dir):
     names = {p.name for p in llama_dir.iterdir()}
-    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= names
     tok = AutoTokenizer.from_pretrained(llama_dir)
     model = AutoModelForCausalLM.from_pretrained(llama_dir)
     assert model.config.model_type == "llama" and model.config.vocab_size == len(tok) == 512
     assert model.dtype == torch.float32
     assert json.loads((llama_dir / "generation_config.json").read_text())["eos_token_id"] == [1, 4]
-    ids = tok.apply_chat_template([{"role": "user", "content": "Who discovered Brisca?"}], add_generation_prompt=True, return_tensors="pt")
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Who discovered Brisca?"}], add_generation_prompt=True, return_tensors="pt"
+    )
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape[0] == 1 and ids.shape[1] < out.shape[1] <= ids.shape[1] + 4
     assert torch.equal(out[0, : ids.shape[1]], ids[0])

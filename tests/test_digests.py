@@ -27,16 +27,32 @@ from tasks.core.run.stages import NEVER_DIGESTED, STAGE, STAGES
 from tests.conftest import tiny_config_raw
 
 ARTIFACT_STAGES = tuple(s.name for s in STAGES if s.artifact is not None)
-CPT_AND_BELOW = {"boost_and_shard", "train_cpt", "unshard", "evaluate_cpt", "reboost", "train_sft", "export", "evaluate_sft", "benchmark"}
+CPT_AND_BELOW = {
+    "boost_and_shard",
+    "train_cpt",
+    "unshard",
+    "evaluate_cpt",
+    "reboost",
+    "train_sft",
+    "export",
+    "evaluate_sft",
+    "benchmark",
+}
 SFT_AND_BELOW = {"reboost", "train_sft", "export", "evaluate_sft", "benchmark"}
 EXPORT_AND_BELOW = {"export", "evaluate_sft", "benchmark"}
 
 # Settings that change how a stage runs, never the bytes it writes: nothing runs again.
 NOTHING_RERUNS = {
     "cpt.data.tokenize.workers": lambda raw: raw["cpt"]["data"].update(tokenize={"workers": 1}),
-    "sft.data.tokenize.chunk_mb": lambda raw: raw["sft"]["data"].update(tokenize={"chunk_mb": 0.5}),  # merged chunks: the same shard bytes
-    "sft.data.tokenize.local_cluster": lambda raw: raw["sft"]["data"].update(tokenize={"local_cluster": {"n_workers": 3}}),
-    "cpt.data.tokenize.dask_address": lambda raw: raw["cpt"]["data"].update(tokenize={"dask_address": "tcp://scheduler:8786"}),
+    "sft.data.tokenize.chunk_mb": lambda raw: raw["sft"]["data"].update(
+        tokenize={"chunk_mb": 0.5}
+    ),  # merged chunks: the same shard bytes
+    "sft.data.tokenize.local_cluster": lambda raw: raw["sft"]["data"].update(
+        tokenize={"local_cluster": {"n_workers": 3}}
+    ),
+    "cpt.data.tokenize.dask_address": lambda raw: raw["cpt"]["data"].update(
+        tokenize={"dask_address": "tcp://scheduler:8786"}
+    ),
     "cpt.max_pending_publishes": lambda raw: raw["cpt"].update(max_pending_publishes=7),
     "verify_memory_gb": lambda raw: raw.update(verify_memory_gb=0.001),  # streamed logits checks: bitwise the same
     "cpt.data.max_source_epochs": lambda raw: raw["cpt"]["data"].update(max_source_epochs=3),  # a warning's threshold
@@ -44,7 +60,9 @@ NOTHING_RERUNS = {
     # recomputation: bitwise the same losses and weights (tests/test_activation_checkpointing.py)
     "cpt.activation_checkpointing": lambda raw: raw["cpt"].update(activation_checkpointing=True),
     "sft.log_every": lambda raw: raw["sft"].update(log_every=3),  # what the console prints
-    "tracking": lambda raw: raw.update(tracking={"mlflow": {"uri": "http://127.0.0.1:5000", "experiment": "elsewhere"}}),
+    "tracking": lambda raw: raw.update(
+        tracking={"mlflow": {"uri": "http://127.0.0.1:5000", "experiment": "elsewhere"}}
+    ),
     "hub": lambda raw: raw.update(hub={"repo_id": "someone/tiny", "private": False, "tags": ["x"]}),
     "gate thresholds": lambda raw: raw["gate"].update(cpt_max_ppl_increase_pct=5.0, sft_loss_must_improve=False),
 }
@@ -53,33 +71,57 @@ RERUNS = {
     "cpt.lr": (lambda raw: raw["cpt"].update(lr=1e-3), CPT_AND_BELOW),
     "cpt.seed": (lambda raw: raw["cpt"].update(seed=7), CPT_AND_BELOW),
     "sft.seed": (lambda raw: raw["sft"].update(seed=7), SFT_AND_BELOW),
-    "sft.lora": (lambda raw: raw["sft"].update(lora={"r": 16, "alpha": 32}), SFT_AND_BELOW),  # an adapter on a frozen base: other weights
+    "sft.lora": (
+        lambda raw: raw["sft"].update(lora={"r": 16, "alpha": 32}),
+        SFT_AND_BELOW,
+    ),  # an adapter on a frozen base: other weights
     "export.dtype": (lambda raw: raw["export"].update(dtype="fp32"), EXPORT_AND_BELOW),
     "cpt.eval.batch_size": (lambda raw: raw["cpt"].update(eval={"batch_size": 3}), {"evaluate_cpt"}),
-    "sft.eval.dtype": (lambda raw: raw["sft"].update(eval={**raw["sft"].get("eval", {}), "dtype": "bf16"}), {"evaluate_sft"}),
+    "sft.eval.dtype": (
+        lambda raw: raw["sft"].update(eval={**raw["sft"].get("eval", {}), "dtype": "bf16"}),
+        {"evaluate_sft"},
+    ),
     "gate.num_prompts": (lambda raw: raw["gate"].update(num_prompts=2), {"evaluate_sft"}),
-    "benchmark.num_fewshot": (lambda raw: raw.update(benchmark={**raw.get("benchmark", {}), "num_fewshot": 3}), {"benchmark"}),
+    "benchmark.num_fewshot": (
+        lambda raw: raw.update(benchmark={**raw.get("benchmark", {}), "num_fewshot": 3}),
+        {"benchmark"},
+    ),
     "cpt.data.text_field": (lambda raw: raw["cpt"]["data"].update(text_field="body"), {"prepare_cpt"} | CPT_AND_BELOW),
     # held-out-only sources live in data/cpt/ beside the held-out split, so CPT re-runs: decide them before the run (README)
-    "cpt.eval.heldout_sources": (lambda raw: raw["cpt"].update(eval={"heldout_sources": [{"name": "general", "uri": "g.jsonl"}]}), {"prepare_cpt"} | CPT_AND_BELOW),
+    "cpt.eval.heldout_sources": (
+        lambda raw: raw["cpt"].update(eval={"heldout_sources": [{"name": "general", "uri": "g.jsonl"}]}),
+        {"prepare_cpt"} | CPT_AND_BELOW,
+    ),
 }
 
 # How a training stage runs: a change keeps every digest while the global batch stays, so the stage
 # continues its checkpoints under the new layout (docs/resume.md).
 LAYOUT_KEEPS = {
-    "cpt tp=2 on 2 ranks -> torch_ddp on 1 rank": lambda raw: raw["cpt"].update(plugin={"name": "torch_ddp", "precision": "fp32"}, launch={"nproc_per_node": 1}),
+    "cpt tp=2 on 2 ranks -> torch_ddp on 1 rank": lambda raw: raw["cpt"].update(
+        plugin={"name": "torch_ddp", "precision": "fp32"}, launch={"nproc_per_node": 1}
+    ),
     "cpt tp=2 -> pp=2": lambda raw: raw["cpt"]["plugin"].update(tp_size=1, pp_size=2),
-    "sft low_level_zero on 2 ranks -> 1 rank at twice the accumulation": lambda raw: raw["sft"].update(launch={"nproc_per_node": 1}, grad_accum_steps=2),
+    "sft low_level_zero on 2 ranks -> 1 rank at twice the accumulation": lambda raw: raw["sft"].update(
+        launch={"nproc_per_node": 1}, grad_accum_steps=2
+    ),
     "sft micro-batch 4 x 1 -> 2 x 2": lambda raw: raw["sft"].update(micro_batch_size=2, grad_accum_steps=2),
-    "sft low_level_zero -> hybrid_parallel ZeRO-1": lambda raw: raw["sft"]["plugin"].update(name="hybrid_parallel", zero_stage=1),
+    "sft low_level_zero -> hybrid_parallel ZeRO-1": lambda raw: raw["sft"]["plugin"].update(
+        name="hybrid_parallel", zero_stage=1
+    ),
     "sft.kernels": lambda raw: raw["sft"].update(kernels={"flash_attention": False}),
     "cpt.launch.nnodes": lambda raw: raw["cpt"].update(launch={"nproc_per_node": 1, "nnodes": 2}),
 }
 # ... and a layout that changes the global batch changes what the model learns from.
 GLOBAL_BATCH_CHANGES = {
-    "cpt on 2 ranks -> torch_ddp on 2 ranks (dp 1 -> 2)": (lambda raw: raw["cpt"].update(plugin={"name": "torch_ddp", "precision": "fp32"}), CPT_AND_BELOW),
+    "cpt on 2 ranks -> torch_ddp on 2 ranks (dp 1 -> 2)": (
+        lambda raw: raw["cpt"].update(plugin={"name": "torch_ddp", "precision": "fp32"}),
+        CPT_AND_BELOW,
+    ),
     "sft on 2 ranks -> 1 rank": (lambda raw: raw["sft"].update(launch={"nproc_per_node": 1}), SFT_AND_BELOW),
-    "sft.plugin.precision": (lambda raw: raw["sft"]["plugin"].update(precision="fp32", name="torch_ddp", zero_stage=0), SFT_AND_BELOW),
+    "sft.plugin.precision": (
+        lambda raw: raw["sft"]["plugin"].update(precision="fp32", name="torch_ddp", zero_stage=0),
+        SFT_AND_BELOW,
+    ),
 }
 
 
@@ -114,7 +156,9 @@ def rerun_set(old: RunConfig, new: RunConfig, contents: dict[str, str] | None = 
                 rerun.add(spec.name)
             continue
         parents = {p: contents[p] for p in spec.parents}
-        if any(p in rerun for p in spec.parents) or config_digest(old, spec.name, parents) != config_digest(new, spec.name, parents):
+        if any(p in rerun for p in spec.parents) or config_digest(old, spec.name, parents) != config_digest(
+            new, spec.name, parents
+        ):
             rerun.add(spec.name)
     return rerun
 
@@ -154,7 +198,9 @@ def test_every_artifact_stage_declares_a_digest_over_real_config_fields(tmp_path
         fields = {k: v for k, v in fields.items() if not k.endswith(".global_batch")}
         assert all(STAGES.index(STAGE[p]) < STAGES.index(spec) for p in spec.parents), f"{name}: a parent runs after it"
         for path in spec.minus:
-            assert any(path.startswith(f + ".") for f in spec.digest), f"{name}: minus {path} is under none of its fields"
+            assert any(path.startswith(f + ".") for f in spec.digest), (
+                f"{name}: minus {path} is under none of its fields"
+            )
         # The settings that change no artifact are in no stage's digest, however it is declared.
         inside = set().union(*(_paths(v, k) for k, v in fields.items())) if fields else set()
         assert not {p for p in inside for never in NEVER_DIGESTED if p == never or p.startswith(never + ".")}, name
@@ -213,11 +259,15 @@ def test_content_digest_is_the_files_and_config_digest_not_the_manifest_bytes(tm
     (art / "sub").mkdir(parents=True)
     (art / "a.bin").write_bytes(b"weights")
     (art / "sub" / "b.json").write_text("{}")
-    first = write_manifest(art, kind="hf-model", meta={"seconds": 1.5}, parent={"uri": "x", "digest": "old"}, config_digest="c1")
+    first = write_manifest(
+        art, kind="hf-model", meta={"seconds": 1.5}, parent={"uri": "x", "digest": "old"}, config_digest="c1"
+    )
     blob = (art / MANIFEST).read_bytes()
     time.sleep(1.1)  # created_at has a one-second resolution
     (art / MANIFEST).unlink()
-    again = write_manifest(art, kind="hf-model", meta={"seconds": 9.0}, parent={"uri": "x", "digest": "new"}, config_digest="c1")
+    again = write_manifest(
+        art, kind="hf-model", meta={"seconds": 9.0}, parent={"uri": "x", "digest": "new"}, config_digest="c1"
+    )
     assert (art / MANIFEST).read_bytes() != blob and again["created_at"] != first["created_at"]
     assert content_digest(again) == content_digest(first) == content_digest(read_manifest(art))
     assert content_digest({**again, "config_digest": "c2"}) != content_digest(again)
@@ -283,14 +333,29 @@ def reruns(demo_run, tmp_path_factory):
     time.sleep(1.1)  # created_at has a one-second resolution
     (ckpt / MANIFEST).unlink()
     on_disk = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()}
-    write_manifest(ckpt, kind=old["kind"], meta=old["meta"], parent=old["parent"], config_digest=old["config_digest"],
-                   fingerprint=old["fingerprint"], exclude=on_disk - set(old["files"]))
+    write_manifest(
+        ckpt,
+        kind=old["kind"],
+        meta=old["meta"],
+        parent=old["parent"],
+        config_digest=old["config_digest"],
+        fingerprint=old["fingerprint"],
+        exclude=on_disk - set(old["files"]),
+    )
     rebuilt = read_manifest(ckpt)
     raw2 = _changed(raw, RERUNS["export.dtype"][0])
     rc2 = main(["--config", str(write_config(run.config, raw2))])
     second = json.loads((run.run_root / "run.json").read_text())
-    return {"rc": (rc1, rc2), "first": first, "second": second, "old": old, "old_bytes": old_bytes, "rebuilt": rebuilt,
-            "rebuilt_bytes": (ckpt / MANIFEST).read_bytes(), "run_root": run.run_root}
+    return {
+        "rc": (rc1, rc2),
+        "first": first,
+        "second": second,
+        "old": old,
+        "old_bytes": old_bytes,
+        "rebuilt": rebuilt,
+        "rebuilt_bytes": (ckpt / MANIFEST).read_bytes(),
+        "run_root": run.run_root,
+    }
 
 
 @pytest.mark.integration

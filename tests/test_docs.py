@@ -54,8 +54,15 @@ def rel(page: Path) -> str:
 def test_site_builds_strictly(tmp_path):
     """`mkdocs build --strict`: a broken link, a missing anchor or a page left out of the nav fails."""
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
 
 
@@ -98,11 +105,15 @@ def test_stage_diagram_matches_stages_py(page):
     diagrams = [b for b in blocks(REPO / page, ("",)) if re.search(r"^\s*1\s+load_from_hf", b, re.MULTILINE)]
     assert len(diagrams) == 1, f"{page}: expected one numbered stage diagram"
     rows = [m.groups() for line in diagrams[0].splitlines() if (m := STAGE_LINE.match(line))]
-    assert [name for _, name, _ in rows] == [s.name for s in STAGES], f"{page}: the diagram's stages differ from tasks/core/run/stages.py"
+    assert [name for _, name, _ in rows] == [s.name for s in STAGES], (
+        f"{page}: the diagram's stages differ from tasks/core/run/stages.py"
+    )
     assert [int(n) for n, _, _ in rows] == list(range(1, len(STAGES) + 1))
     for (_, name, target), spec in zip(rows, STAGES, strict=True):
         if spec.artifact is not None:
-            assert target and target.rstrip("/").startswith(spec.artifact), f"{page}: {name} writes {spec.artifact}/, the diagram says {target}"
+            assert target and target.rstrip("/").startswith(spec.artifact), (
+                f"{page}: {name} writes {spec.artifact}/, the diagram says {target}"
+            )
 
 
 TREE_ENTRY = re.compile(r"^[\w.*-]+(?:\.py|/)$")
@@ -194,12 +205,16 @@ def test_yaml_example_passes_preflight(where, block, tiny_model_dir, tmp_path, m
         raw["base_model"]["uri"] = str(tiny_model_dir)
     raw["run_root"] = str(tmp_path / "run")
     if "slurm" in want:
-        monkeypatch.setitem(BACKENDS, "slurm", dataclasses.replace(BACKENDS["slurm"], preflight=f"{__name__}:_cluster_answers"))
+        monkeypatch.setitem(
+            BACKENDS, "slurm", dataclasses.replace(BACKENDS["slurm"], preflight=f"{__name__}:_cluster_answers")
+        )
     if "mlflow" in want:
         monkeypatch.setattr(preflight_tracking, "check_uri", lambda uri: None)
     path = tmp_path / "example.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    report = preflight_report(load_for_check(path), machine=GPU_NODE if "gpus" in want else CPU_NODE, token_present=None)
+    report = preflight_report(
+        load_for_check(path), machine=GPU_NODE if "gpus" in want else CPU_NODE, token_present=None
+    )
     assert report.ok, f"{where}:\n{report.text()}"
 
 
@@ -265,12 +280,24 @@ def test_shell_commands_parse():
     full, inline = shown_commands()
     assert len(full) > 20
     # a subcommand quoted in prose exists: its --help parses
-    full += list({json.dumps(c): c for c in ([argv[0], argv[1], "--help"] for _, argv in inline if argv[0] == "cpt-to-sft" and len(argv) > 1)}.values())
+    full += list(
+        {
+            json.dumps(c): c
+            for c in ([argv[0], argv[1], "--help"] for _, argv in inline if argv[0] == "cpt-to-sft" and len(argv) > 1)
+        }.values()
+    )
     unknown = [c for c in full if c[0] not in PROGRAMS]
     assert not unknown, f"commands the docs test cannot check: {unknown}"
-    done = subprocess.run([sys.executable, "-m", "tests._doc_commands"], input=json.dumps(full), cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
-                          capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests._doc_commands"],
+        input=json.dumps(full),
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert json.loads(done.stdout.splitlines()[-1]) == []
 

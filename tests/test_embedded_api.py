@@ -1,6 +1,6 @@
 """The embedded Prefect API server started ahead of the CLI's imports (flows/embedded_api.py `prestart`).
 
-    python -m pytest -q -m "" tests/test_embedded_api.py
+python -m pytest -q -m "" tests/test_embedded_api.py
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tests.conftest import REPO
 @pytest.fixture
 def no_server(monkeypatch):
     """prestart may decide, but must not start a server in these tests."""
+
     def refuse(*a, **k):
         raise AssertionError("a server was started")
 
@@ -28,7 +29,9 @@ def no_server(monkeypatch):
     monkeypatch.setattr(api, "_early", None)
 
 
-@pytest.mark.parametrize("argv", [["--config", "x.yaml", "--check"], ["--break-lease", "--config", "x.yaml"], ["--help"]])
+@pytest.mark.parametrize(
+    "argv", [["--config", "x.yaml", "--check"], ["--break-lease", "--config", "x.yaml"], ["--help"]]
+)
 def test_prestart_starts_nothing_for_arguments_that_run_no_flow(no_server, argv):
     api.prestart(argv)
     assert api._early is None
@@ -88,12 +91,22 @@ with embedded_api() as url:
 def test_the_cli_prestarted_server_is_the_one_the_flow_uses_and_it_stops_with_the_process(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-c", PROBE, "--config", "x.yaml"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE, "--config", "x.yaml"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["url"] == f"http://127.0.0.1:{out['early']['port']}/api", out
     assert out["servers"] == [out["early"]["pid"]], out  # one server: the early one, none started beside it
     deadline = time.monotonic() + 30
-    while psutil.pid_exists(out["early"]["pid"]) and psutil.Process(out["early"]["pid"]).status() != psutil.STATUS_ZOMBIE:
+    while (
+        psutil.pid_exists(out["early"]["pid"]) and psutil.Process(out["early"]["pid"]).status() != psutil.STATUS_ZOMBIE
+    ):
         assert time.monotonic() < deadline, "the prestarted server outlived its process"
         time.sleep(0.2)

@@ -82,11 +82,26 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("engine")
 
 
-def _jobs(work: Path, name: str, stage: str, plugin: dict, model_dir: Path, tokenizer_dir: Path, stage_dir: Path,
-          verify_memory_gb: float | None = None, **stage_kw):
+def _jobs(
+    work: Path,
+    name: str,
+    stage: str,
+    plugin: dict,
+    model_dir: Path,
+    tokenizer_dir: Path,
+    stage_dir: Path,
+    verify_memory_gb: float | None = None,
+    **stage_kw,
+):
     section = stage_raw(stage, plugin, **stage_kw)
-    common = dict(stage=stage, stage_cfg=section, model_dir=model_dir, tokenizer_dir=tokenizer_dir, stage_dir=stage_dir,
-                  verify_memory_gb=verify_memory_gb)
+    common = dict(
+        stage=stage,
+        stage_cfg=section,
+        model_dir=model_dir,
+        tokenizer_dir=tokenizer_dir,
+        stage_dir=stage_dir,
+        verify_memory_gb=verify_memory_gb,
+    )
     return (
         write_job(work / "jobs" / f"{name}-shard.json", verb="shard", **common),
         write_job(work / "jobs" / f"{name}-train.json", verb="train", **common),
@@ -97,18 +112,28 @@ def _mixture(work: Path) -> dict:
     """CPT data of two weighted sources: the sample corpus (domain) and the sample chats' text (general)."""
     from tests._engine_utils import REPO
 
-    chats = [json.loads(line) for line in (REPO / "data" / "sample" / "sft.jsonl").read_text().splitlines() if line.strip()]
+    chats = [
+        json.loads(line) for line in (REPO / "data" / "sample" / "sft.jsonl").read_text().splitlines() if line.strip()
+    ]
     general = work / "general.jsonl"
-    general.write_text("".join(json.dumps({"text": " ".join(m["content"] for m in c["messages"])}) + "\n" for c in chats))
-    return {"sources": [{"name": "domain", "uri": str(REPO / "data" / "sample" / "cpt.jsonl"), "weight": 0.7},
-                        {"name": "general", "uri": str(general), "weight": 0.3}]}
+    general.write_text(
+        "".join(json.dumps({"text": " ".join(m["content"] for m in c["messages"])}) + "\n" for c in chats)
+    )
+    return {
+        "sources": [
+            {"name": "domain", "uri": str(REPO / "data" / "sample" / "cpt.jsonl"), "weight": 0.7},
+            {"name": "general", "uri": str(general), "weight": 0.3},
+        ]
+    }
 
 
 @pytest.fixture(scope="module")
 def tp2(work, tiny_model_dir):
     stage_dir = work / "tp2" / "cpt"
     mix = _mixture(work)
-    shard_job, train_job = _jobs(work, "tp2", "cpt", TP2, tiny_model_dir, tiny_model_dir, stage_dir, keep_last=1, data=mix)
+    shard_job, train_job = _jobs(
+        work, "tp2", "cpt", TP2, tiny_model_dir, tiny_model_dir, stage_dir, keep_last=1, data=mix
+    )
     shard = _engine("tp2 shard", "shard", shard_job)
     # The interrupted twin starts from a copy of the same step-000000.
     kill_dir = work / "tp2-kill" / "cpt"
@@ -116,10 +141,14 @@ def tp2(work, tiny_model_dir):
     shutil.copytree(stage_dir / "step-000000", kill_dir / "step-000000")
     train = _engine("tp2 train (6 steps)", "train", train_job, env=_dump(work, "tp2"))
     _, kill_job = _jobs(work, "tp2-kill", "cpt", TP2, tiny_model_dir, tiny_model_dir, kill_dir, keep_last=1, data=mix)
-    killed = _engine("tp2 train kill@step=3", "train", kill_job, env={"CPT_TO_SFT_FAULT": "kill@step=3"}, expect_ok=False)
+    killed = _engine(
+        "tp2 train kill@step=3", "train", kill_job, env={"CPT_TO_SFT_FAULT": "kill@step=3"}, expect_ok=False
+    )
     resumed = _engine("tp2 train resume", "train", kill_job, env={"CPT_TO_SFT_FAULT": "kill@step=3"})
     data_dir = Path(json.loads(train_job.read_text())["data_dir"])
-    return dict(dir=stage_dir, kill_dir=kill_dir, shard=shard, train=train, killed=killed, resumed=resumed, data_dir=data_dir)
+    return dict(
+        dir=stage_dir, kill_dir=kill_dir, shard=shard, train=train, killed=killed, resumed=resumed, data_dir=data_dir
+    )
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +156,22 @@ def pp2(work, tiny_model_dir):
     stage_dir = work / "pp2" / "cpt"
     # A weights budget below the tiny model's size: rank 0 streams the saved model/ a layer at a
     # time for each checkpoint's fingerprint, as it would for a model larger than verify_memory_gb.
-    shard_job, train_job = _jobs(work, "pp2", "cpt", PP2, tiny_model_dir, tiny_model_dir, stage_dir, verify_memory_gb=1e-6,
-                                 grad_accum_steps=2, keep_last=2)
+    shard_job, train_job = _jobs(
+        work,
+        "pp2",
+        "cpt",
+        PP2,
+        tiny_model_dir,
+        tiny_model_dir,
+        stage_dir,
+        verify_memory_gb=1e-6,
+        grad_accum_steps=2,
+        keep_last=2,
+    )
     shard = _engine("pp2 shard", "shard", shard_job)
-    torn = _engine("pp2 train kill@save=6", "train", train_job, env={"CPT_TO_SFT_FAULT": "kill@save=6:optimizer"}, expect_ok=False)
+    torn = _engine(
+        "pp2 train kill@save=6", "train", train_job, env={"CPT_TO_SFT_FAULT": "kill@save=6:optimizer"}, expect_ok=False
+    )
     leftovers = sorted(p.name for p in stage_dir.iterdir())
     resumed = _engine("pp2 train resume", "train", train_job, env=_dump(work, "pp2"))
     return dict(dir=stage_dir, shard=shard, torn=torn, leftovers=leftovers, resumed=resumed)
@@ -164,8 +205,25 @@ def ddp(work, tiny_model_dir, pp2):
     chats = (REPO / "data" / "sample" / "sft.jsonl").read_text().splitlines(keepends=True)
     (work / "chats-a.jsonl").write_text("".join(chats[:120]))
     (work / "chats-b.jsonl").write_text("".join(chats[120:]))
-    mix = {"sources": [{"name": "a", "uri": str(work / "chats-a.jsonl"), "weight": 0.6}, {"name": "b", "uri": str(work / "chats-b.jsonl"), "weight": 0.4}]}
-    shard_job, train_job = _jobs(work, "ddp", "sft", DDP, hf_in, tiny_model_dir, stage_dir, grad_accum_steps=2, batching="packed", seq_len=256, data=mix)
+    mix = {
+        "sources": [
+            {"name": "a", "uri": str(work / "chats-a.jsonl"), "weight": 0.6},
+            {"name": "b", "uri": str(work / "chats-b.jsonl"), "weight": 0.4},
+        ]
+    }
+    shard_job, train_job = _jobs(
+        work,
+        "ddp",
+        "sft",
+        DDP,
+        hf_in,
+        tiny_model_dir,
+        stage_dir,
+        grad_accum_steps=2,
+        batching="packed",
+        seq_len=256,
+        data=mix,
+    )
     shard = _engine("ddp reboost", "shard", shard_job)
     train = _engine("ddp train", "train", train_job, env=_dump(work, "ddp"))
     first_losses = train_state(stage_dir / "step-000006")["losses"]
@@ -176,17 +234,33 @@ def ddp(work, tiny_model_dir, pp2):
     victim.write_bytes(bytes(blob))
     retrain = _engine("ddp train after corruption", "train", train_job)
     data_dir = Path(json.loads(train_job.read_text())["data_dir"])
-    return dict(dir=stage_dir, hf_in=hf_in, shard=shard, train=train, first_losses=first_losses, victim=victim, retrain=retrain, data_dir=data_dir)
+    return dict(
+        dir=stage_dir,
+        hf_in=hf_in,
+        shard=shard,
+        train=train,
+        first_losses=first_losses,
+        victim=victim,
+        retrain=retrain,
+        data_dir=data_dir,
+    )
 
 
 @pytest.fixture(scope="module")
 def tied(work):
     from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
 
-    model_dir = build_tiny_model(work / "qwen2-tied", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family="qwen2", tie_word_embeddings=True,
-                                 vocab_size=515)  # embedding rows past the tokenizer's 512: a padded vocabulary
+    model_dir = build_tiny_model(
+        work / "qwen2-tied",
+        build_tokenizer(DEFAULT_CORPUS, vocab_size=512),
+        family="qwen2",
+        tie_word_embeddings=True,
+        vocab_size=515,
+    )  # embedding rows past the tokenizer's 512: a padded vocabulary
     stage_dir = work / "tied" / "cpt"
-    shard_job, train_job = _jobs(work, "tied", "cpt", LLZ2_OFFLOAD, model_dir, model_dir, stage_dir, max_steps=2, checkpoint_every=2)
+    shard_job, train_job = _jobs(
+        work, "tied", "cpt", LLZ2_OFFLOAD, model_dir, model_dir, stage_dir, max_steps=2, checkpoint_every=2
+    )
     shard = _engine("tied llz2 shard", "shard", shard_job)
     train = _engine("tied llz2 train", "train", train_job, env=_dump(work, "tied"))
     return dict(dir=stage_dir, model_dir=model_dir, shard=shard, train=train)
@@ -206,10 +280,17 @@ def wide(work, tiny_model_dir):
 
     from tasks.core.models.demo import build_tiny_model
 
-    model_dir = build_tiny_model(work / "wide-llama", AutoTokenizer.from_pretrained(tiny_model_dir), max_shard_size="5GB", **WIDE)
+    model_dir = build_tiny_model(
+        work / "wide-llama", AutoTokenizer.from_pretrained(tiny_model_dir), max_shard_size="5GB", **WIDE
+    )
     stage_dir = work / "wide" / "cpt"
     shard_job, _ = _jobs(work, "wide", "cpt", TP2, model_dir, tiny_model_dir, stage_dir)
-    return dict(dir=stage_dir, model_dir=model_dir, shard=_engine("wide tp2 shard", "shard", shard_job), section=json.loads(shard_job.read_text())["stage_cfg"])
+    return dict(
+        dir=stage_dir,
+        model_dir=model_dir,
+        shard=_engine("wide tp2 shard", "shard", shard_job),
+        section=json.loads(shard_job.read_text())["stage_cfg"],
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -237,9 +318,17 @@ def _assert_checkpoint(path: Path, stage: str, step: int, plugin: str, vocab: in
     assert (meta["stage"], meta["step"], meta["plugin"]["name"], meta["world_size"]) == (stage, step, plugin, 2)
     assert m["parent"] == {"uri": m["parent"]["uri"], "digest": "parent-digest"} and m["config_digest"] == "0" * 64
     files = set(m["files"])
-    for rel in ("model/model.safetensors.index.json", "model/config.json", "lr_scheduler.pt", "train_state.json",
-                FINGERPRINT_FILE, "rng/rank-00000.json", "rng/rank-00000.safetensors",
-                "rng/rank-00001.json", "rng/rank-00001.safetensors"):
+    for rel in (
+        "model/model.safetensors.index.json",
+        "model/config.json",
+        "lr_scheduler.pt",
+        "train_state.json",
+        FINGERPRINT_FILE,
+        "rng/rank-00000.json",
+        "rng/rank-00000.safetensors",
+        "rng/rank-00001.json",
+        "rng/rank-00001.safetensors",
+    ):
         assert rel in files, f"{rel} missing from {path}"
     assert any(f.startswith("optimizer/") for f in files)
     assert m["fingerprint"]["shape"] == [2, 16, vocab]
@@ -257,13 +346,18 @@ def test_tp2_fp32_shard_train_checkpoints(tp2):
     m = _assert_checkpoint(d / "step-000006", "cpt", 6, "hybrid_parallel")
     assert m["meta"]["final_loss"] == losses[-1] and m["meta"]["dp_size"] == 1
     # What ran, recorded: on CPU every kernel off with its reason, no activation checkpointing.
-    assert m["meta"]["kernels"] == dict.fromkeys(("flash_attention", "fused_normalization", "jit_fused", "fused_optimizer"), "off: no CUDA")
+    assert m["meta"]["kernels"] == dict.fromkeys(
+        ("flash_attention", "fused_normalization", "jit_fused", "fused_optimizer"), "off: no CUDA"
+    )
     assert m["meta"]["activation_checkpointing"] is False
     assert "kernels: flash attention: off: no CUDA;" in tp2["train"].output
     rng = json.loads((d / "step-000006" / "rng" / "rank-00001.json").read_text())
     assert set(rng) == {"rank", "python", "numpy"} and rng["rank"] == 1
     # The fingerprint (live tp=2 model, vocab shards gathered) matches plain transformers on model/.
-    assert max_abs_diff(load_fingerprint(d / "step-000006"), hf_dir_logits(d / "step-000006" / "model", dtype="fp32")) < 1e-5
+    assert (
+        max_abs_diff(load_fingerprint(d / "step-000006"), hf_dir_logits(d / "step-000006" / "model", dtype="fp32"))
+        < 1e-5
+    )
 
 
 def test_tp2_resume_after_kill_is_bitwise(tp2):
@@ -276,12 +370,17 @@ def test_tp2_resume_after_kill_is_bitwise(tp2):
     got = train_state(tp2["kill_dir"] / "step-000006")
     assert got["losses"] == ref["losses"]  # python floats from JSON: bitwise
     assert got["lrs"] == ref["lrs"] and got["tokens_seen"] == ref["tokens_seen"] and got["sampler"] == ref["sampler"]
-    a, b = read_model_dir(tp2["dir"] / "step-000006" / "model"), read_model_dir(tp2["kill_dir"] / "step-000006" / "model")
+    a, b = (
+        read_model_dir(tp2["dir"] / "step-000006" / "model"),
+        read_model_dir(tp2["kill_dir"] / "step-000006" / "model"),
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # Both runs walked the blend of the 6 planned steps of 2 blocks: its 12 positions, used up
     # exactly (a permutation of the corpus's blocks would stand at epoch 0, offset 12).
     index = json.loads((tp2["data_dir"] / "index.json").read_text())
-    assert [(s["name"], s["samples"]) for s in index["sources"]] == [("domain", 8), ("general", 4)] and index["blend"]["positions"] == 12
+    assert [(s["name"], s["samples"]) for s in index["sources"]] == [("domain", 8), ("general", 4)] and index["blend"][
+        "positions"
+    ] == 12
     assert ref["sampler"] == {"epoch": 1, "offset": 0, "seed": 1234} and ref["tokens_seen"] == 12 * 32
 
 
@@ -299,7 +398,9 @@ def test_pp2_kill_during_save_resumes_from_last_complete(pp2):
     names = {p.name for p in (d / "step-000006" / "model").glob("*.safetensors")}
     assert names == {"model-stage-00001-shard-00001.safetensors", "model-stage-00002-shard-00001.safetensors"}
     # Streamed on rank 0 (the job's budget is below the model): bitwise the whole-model forward.
-    assert "/.step-000006.tmp/model: streamed a decoder layer at a time" in out, out[-3000:]  # computed before the rename
+    assert "/.step-000006.tmp/model: streamed a decoder layer at a time" in out, out[
+        -3000:
+    ]  # computed before the rename
     assert torch.equal(load_fingerprint(d / "step-000006"), hf_dir_logits(d / "step-000006" / "model", dtype="fp32"))
 
 
@@ -338,13 +439,18 @@ def test_ddp_reboost_from_pp2_hf_dir_is_bitwise(ddp):
     # The rows came from the blend, made just long enough for the 48 planned rows.
     index = json.loads((ddp["data_dir"] / "index.json").read_text())
     assert index["blend"]["plan"] == {"max_steps": 6, "global_batch": 8, "seed": 1234, "packed_seq_len": 256}
-    assert state["sampler"] in ({"epoch": 0, "offset": 48, "seed": 1234}, {"epoch": 1, "offset": 0, "seed": 1234}), state["sampler"]
+    assert state["sampler"] in ({"epoch": 0, "offset": 48, "seed": 1234}, {"epoch": 1, "offset": 0, "seed": 1234}), (
+        state["sampler"]
+    )
     assert [s["name"] for s in index["sources"]] == ["a", "b"] and abs(index["sources"][0]["sample_share"] - 0.6) < 0.01
 
 
 def test_corrupt_newest_checkpoint_is_named_and_skipped(ddp):
     out = ddp["retrain"].output
-    assert f"not resuming from step-000006: {ddp['dir'] / 'step-000006'}: file model/{ddp['victim'].name} fails its sha256 check" in out
+    assert (
+        f"not resuming from step-000006: {ddp['dir'] / 'step-000006'}: file model/{ddp['victim'].name} fails its "
+        "sha256 check" in out
+    )
     assert "resuming sft from step-000003" in out
     assert [p["step"] for p in ddp["retrain"].progress] == [4, 5, 6]
     verify_artifact(ddp["dir"] / "step-000006")
@@ -362,7 +468,12 @@ def test_tied_embeddings_under_low_level_zero(tied):
     _assert_trains(tied["dir"], tied["train"], "cpt", max_steps=2)
     # the offload field reached the plugin (builders.offload_kwargs) and is recorded with the checkpoint
     assert "'cpu_offload': True" in tied["shard"].output
-    assert _assert_checkpoint(tied["dir"] / "step-000002", "cpt", 2, "low_level_zero", vocab=515)["meta"]["plugin"]["cpu_offload"] is True
+    assert (
+        _assert_checkpoint(tied["dir"] / "step-000002", "cpt", 2, "low_level_zero", vocab=515)["meta"]["plugin"][
+            "cpu_offload"
+        ]
+        is True
+    )
 
 
 # ---- conversion of real ColossalAI checkpoints ------------------------------------------------
@@ -401,7 +512,9 @@ def test_streaming_converter_on_real_checkpoints_is_bitwise(tp2, pp2, zero1, llz
     }
     for name, (stage_dir, dtype, expected) in cases.items():
         out = tmp_path / name
-        report = convert_checkpoint(stage_dir / "step-000000" / "model", out, model_config=config, max_shard_size="100KB")
+        report = convert_checkpoint(
+            stage_dir / "step-000000" / "model", out, model_config=config, max_shard_size="100KB"
+        )
         got = load_state_dict_from_dir(out)
         assert got.keys() == expected.keys(), (name, sorted(set(got) ^ set(expected)))
         for k, v in expected.items():
@@ -428,14 +541,27 @@ def test_a_kill_in_every_save_phase_never_loads_a_torn_checkpoint(tmp_path, tiny
     # Its own tmp_path, no module fixture: pytest-xdist may run it on another worker than the
     # fixtures above (tests/conftest.py groups a file's tests only where they share one).
     stage_dir = tmp_path / "kills" / "sft"
-    shard_job, train_job = _jobs(tmp_path, "kills", "sft", DDP, tiny_model_dir, tiny_model_dir, stage_dir,
-                                 max_steps=last, checkpoint_every=1, keep_last=2)
+    shard_job, train_job = _jobs(
+        tmp_path,
+        "kills",
+        "sft",
+        DDP,
+        tiny_model_dir,
+        tiny_model_dir,
+        stage_dir,
+        max_steps=last,
+        checkpoint_every=1,
+        keep_last=2,
+    )
     _engine("kills ddp shard", "shard", shard_job)
     for killed_step, phase in enumerate(phases, start=1):
         spec = f"kill@save={killed_step}:{phase}"
         run = _engine(f"kills {spec}", "train", train_job, nproc=2, env={"CPT_TO_SFT_FAULT": spec}, expect_ok=False)
         assert run.rc != 0, f"seed {seed}: {spec} did not kill the run"
-        assert not (stage_dir / f"step-{killed_step:06d}").exists() or not (stage_dir / f"step-{killed_step:06d}" / MANIFEST).exists()
+        assert (
+            not (stage_dir / f"step-{killed_step:06d}").exists()
+            or not (stage_dir / f"step-{killed_step:06d}" / MANIFEST).exists()
+        )
         # This launch started after the previous one died saving step killed_step-1: it resumed
         # from the newest complete checkpoint, killed_step-2, redoing exactly one interval.
         resumed_from = max(killed_step - 2, 0)
@@ -466,13 +592,18 @@ def test_tp2_construction_peak_is_the_rank_share_not_the_whole_model(wide):
     peaks = {int(r): int(b) for r, b in CONSTRUCTION.findall(wide["shard"].output)}
     assert sorted(peaks) == [0, 1], wide["shard"].output[-3000:]
     for rank, added in peaks.items():
-        assert added <= 1.25 * est.construction < whole, f"rank {rank}: {added:,} bytes over its start; estimate {est.construction:,}, whole model {whole:,}"
+        assert added <= 1.25 * est.construction < whole, (
+            f"rank {rank}: {added:,} bytes over its start; estimate {est.construction:,}, whole model {whole:,}"
+        )
 
 
 def test_a_save_larger_than_its_block_size_holds_the_hf_tensors_bitwise(wide):
     step0 = wide["dir"] / "step-000000"
     _assert_checkpoint(step0, "cpt", 0, "hybrid_parallel")
-    assert len(list((step0 / "model").glob("*.safetensors"))) > 1 and len(list((step0 / "optimizer").glob("pytorch_optim-*.bin"))) > 1
+    assert (
+        len(list((step0 / "model").glob("*.safetensors"))) > 1
+        and len(list((step0 / "optimizer").glob("pytorch_optim-*.bin"))) > 1
+    )
     want, got = read_model_dir(wide["model_dir"]), read_model_dir(step0 / "model")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
@@ -488,15 +619,24 @@ def test_bf16_resume_after_kill_is_bitwise(llz, zero1):
     for name, f in (("low_level_zero zero 2", llz), ("hybrid_parallel tp2 zero 1", zero1)):
         assert f["killed"].rc != 0 and [p["step"] for p in f["killed"].progress] == [1, 2, 3, 4], name
         out = f["resumed"].output
-        assert "resuming" in out and "from step-000003" in out and [p["step"] for p in f["resumed"].progress] == [4, 5, 6], name
+        assert (
+            "resuming" in out and "from step-000003" in out and [p["step"] for p in f["resumed"].progress] == [4, 5, 6]
+        ), name
         assert "restored the fp32 master weights of step-000003 (39 as written)" in out, (name, out[-3000:])
         ref, got = train_state(f["dir"] / "step-000006"), train_state(f["kill_dir"] / "step-000006")
         assert got["losses"] == ref["losses"], (name, ref["losses"], got["losses"])
-        a, b = read_model_dir(f["dir"] / "step-000006" / "model"), read_model_dir(f["kill_dir"] / "step-000006" / "model")
+        a, b = (
+            read_model_dir(f["dir"] / "step-000006" / "model"),
+            read_model_dir(f["kill_dir"] / "step-000006" / "model"),
+        )
         assert a.keys() == b.keys() and all(a[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a), name
         meta = verify_artifact(f["kill_dir"] / "step-000006")["meta"]
         n = sum(v.numel() for v in a.values())
-        assert meta["masters"]["fp32"] is True and n * 4 <= meta["masters"]["bytes"] < n * 4 + 4 * 64, (name, meta["masters"], n)
+        assert meta["masters"]["fp32"] is True and n * 4 <= meta["masters"]["bytes"] < n * 4 + 4 * 64, (
+            name,
+            meta["masters"],
+            n,
+        )
 
 
 def _assert_view_is_live_state(step_dir: Path, dumped: Path, *, masters: bool) -> int:
@@ -547,7 +687,9 @@ def test_layout_neutral_view_equals_the_state_it_came_from(tp2, pp2, llz, ddp, t
     for name, (step_dir, dumped, masters) in cases.items():
         assert _assert_view_is_live_state(step_dir, dumped, masters=masters) > 0, name
     config = json.loads((tied["model_dir"] / "config.json").read_text())
-    assert config["tie_word_embeddings"] and config["vocab_size"] > len(json.loads((tied["model_dir"] / "tokenizer.json").read_text())["model"]["vocab"])
+    assert config["tie_word_embeddings"] and config["vocab_size"] > len(
+        json.loads((tied["model_dir"] / "tokenizer.json").read_text())["model"]["vocab"]
+    )
 
 
 def test_sft_low_level_zero_on_2_ranks_resumes_on_1_from_the_resharded_state(llz, tiny_model_dir, work):
@@ -564,11 +706,16 @@ def test_sft_low_level_zero_on_2_ranks_resumes_on_1_from_the_resharded_state(llz
     _, job = _jobs(work, "llz-to-1", "sft", LLZ2, llz["hf_in"], tiny_model_dir, stage_dir, grad_accum_steps=4)
     run = _engine("llz2 2 ranks -> 1", "train", job, nproc=1, env=_dump(work, "llz-to-1"))
     out = run.output
-    assert ("sft: resuming step-000003, written under low_level_zero zero=2 dp=2 on 2 ranks (2 x 2 a rank), under "
-            "low_level_zero zero=2 dp=1 on 1 rank (2 x 4 a rank): model and optimizer re-sharded") in out, out[-3000:]
+    assert (
+        "sft: resuming step-000003, written under low_level_zero zero=2 dp=2 on 2 ranks (2 x 2 a rank), under "
+        "low_level_zero zero=2 dp=1 on 1 rank (2 x 4 a rank): model and optimizer re-sharded"
+    ) in out, out[-3000:]
     assert "restored the fp32 master weights of step-000003 (39 cut from the whole tensors for this layout)" in out
     view, weights = CheckpointState(src), read_model_dir(src / "model")
-    (live,) = [torch.load(f, weights_only=True) for f in sorted((work / "live-state" / "llz-to-1" / "loaded-step-000003").glob("rank-*.pt"))]
+    (live,) = [
+        torch.load(f, weights_only=True)
+        for f in sorted((work / "live-state" / "llz-to-1" / "loaded-step-000003").glob("rank-*.pt"))
+    ]
     assert set(live) == set(view.names())
     for name, st in live.items():
         piece = Piece.of(st["piece"], 0)
@@ -576,12 +723,24 @@ def test_sft_low_level_zero_on_2_ranks_resumes_on_1_from_the_resharded_state(llz
         assert torch.equal(st["master"], local_piece(view.master(name), piece)), name
         assert torch.equal(st["weight"], weights[name]), name
         adam = view.adam(name)
-        assert torch.equal(st["exp_avg"].reshape(-1), adam["exp_avg"].reshape(-1)) and torch.equal(st["exp_avg_sq"].reshape(-1), adam["exp_avg_sq"].reshape(-1))
+        assert torch.equal(st["exp_avg"].reshape(-1), adam["exp_avg"].reshape(-1)) and torch.equal(
+            st["exp_avg_sq"].reshape(-1), adam["exp_avg_sq"].reshape(-1)
+        )
         assert float(st["step"]) == adam["step"] == 3.0
     view.close()
     assert [p["step"] for p in run.progress] == [4, 5, 6]
     ref, got = train_state(llz["dir"] / "step-000006"), train_state(stage_dir / "step-000006")
-    assert got["losses"][:3] == ref["losses"][:3] and got["tokens_seen"] == ref["tokens_seen"] and got["sampler"] == ref["sampler"]
-    assert all(abs(a - b) < 2e-2 * abs(b) for a, b in zip(got["losses"][3:], ref["losses"][3:])), (ref["losses"], got["losses"])
-    assert [(s["from_step"], s["plugin"], s["dp"], s["grad_accum_steps"]) for s in got["segments"]] == [(0, "low_level_zero", 2, 2), (3, "low_level_zero", 1, 4)]
+    assert (
+        got["losses"][:3] == ref["losses"][:3]
+        and got["tokens_seen"] == ref["tokens_seen"]
+        and got["sampler"] == ref["sampler"]
+    )
+    assert all(abs(a - b) < 2e-2 * abs(b) for a, b in zip(got["losses"][3:], ref["losses"][3:])), (
+        ref["losses"],
+        got["losses"],
+    )
+    assert [(s["from_step"], s["plugin"], s["dp"], s["grad_accum_steps"]) for s in got["segments"]] == [
+        (0, "low_level_zero", 2, 2),
+        (3, "low_level_zero", 1, 4),
+    ]
     assert verify_artifact(stage_dir / "step-000006")["meta"]["layout"]["world_size"] == 1

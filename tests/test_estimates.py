@@ -1,6 +1,6 @@
 """Pre-flight's estimates under LoRA: only the trainable parameters carry gradients and optimizer state.
 
-    /work/main/.venv/bin/python -m pytest -q tests/test_estimates.py
+/work/main/.venv/bin/python -m pytest -q tests/test_estimates.py
 """
 
 from __future__ import annotations
@@ -9,14 +9,32 @@ from tasks.core.config.schema import StageConfig
 from tasks.core.preflight.memory import GB, estimate
 
 # SmolLM2-135M's config.json (30 layers, 9 heads, 3 KV heads, tied embeddings): 134.5M parameters.
-SMOL = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True, "max_position_embeddings": 8192}
+SMOL = {
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 8192,
+}
 
 
 def _sft(lora: dict | None, gpu_gb: float) -> StageConfig:
-    return StageConfig.model_validate({
-        "data": {"uri": "x"}, "plugin": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}, "max_steps": 1, "lr": 1e-4,
-        "seq_len": 512, "micro_batch_size": 1, "launch": {"nproc_per_node": 1, "gpu_memory_gb": gpu_gb}, "lora": lora})
+    return StageConfig.model_validate(
+        {
+            "data": {"uri": "x"},
+            "plugin": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
+            "max_steps": 1,
+            "lr": 1e-4,
+            "seq_len": 512,
+            "micro_batch_size": 1,
+            "launch": {"nproc_per_node": 1, "gpu_memory_gb": gpu_gb},
+            "lora": lora,
+        }
+    )
 
 
 def test_lora_counts_gradients_and_optimizer_state_of_the_adapter_only():

@@ -38,8 +38,19 @@ def two_models(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path, int]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("eval-memory")
-    cfg = LlamaConfig(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=14, num_attention_heads=16, num_key_value_heads=4,
-                      max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=14,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
     torch.manual_seed(0)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -73,7 +84,10 @@ def test_each_evaluation_holds_one_model_at_a_time(two_models, tiny_model_dir, t
     cpt = read_records(str(REPO / "data" / "sample" / "cpt.jsonl"))[:24]
     sft = read_records(str(REPO / "data" / "sample" / "sft.jsonl"))[:12]
     cfg = EvalConfig(batch_size=4, max_batches=1)
-    tasks = [bench.read_task(str(REPO / "data" / "sample" / "benchmarks" / f"{t}.yaml")) for t in ("veyra_facts", "general_text")]
+    tasks = [
+        bench.read_task(str(REPO / "data" / "sample" / "benchmarks" / f"{t}.yaml"))
+        for t in ("veyra_facts", "general_text")
+    ]
     fetched = bench.fetch(tasks, tmp_path / "copies")
     include = bench.runnable(tasks, fetched, tmp_path / "copies", tmp_path / "run", tmp_path / "cache")
     small = BenchmarkConfig(tasks=("x",), batch_size=4, limit=4)

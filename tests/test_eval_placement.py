@@ -54,8 +54,12 @@ def test_a_model_larger_than_one_gpu_is_spread_over_the_visible_gpus_with_room_f
     fwd = forward_bytes({"hidden_size": 8192, "intermediate_size": 28672, "vocab_size": 128256}, "bf16", 4 * 4096)
     p = plan(141 * GB, [80 * GB, 79 * GB, 80 * GB, 80 * GB], forward=fwd)
     assert p.kind == "spread" and p.device_map == "auto" and p.gpus == 4
-    assert p.max_memory == {0: 80 * GB - CUDA_RESERVE_BYTES - fwd, 1: 79 * GB - CUDA_RESERVE_BYTES - fwd,
-                            2: 80 * GB - CUDA_RESERVE_BYTES - fwd, 3: 80 * GB - CUDA_RESERVE_BYTES - fwd}
+    assert p.max_memory == {
+        0: 80 * GB - CUDA_RESERVE_BYTES - fwd,
+        1: 79 * GB - CUDA_RESERVE_BYTES - fwd,
+        2: 80 * GB - CUDA_RESERVE_BYTES - fwd,
+        3: 80 * GB - CUDA_RESERVE_BYTES - fwd,
+    }
     assert sum(p.max_memory.values()) >= 141 * GB and p.describe().startswith("cuda:0-3 (device_map auto")
     # accelerate keeps the largest block (a decoder layer: 1.7 GB) free on each GPU as it fills it
     assert plan(141 * GB, [80 * GB, 79 * GB, 80 * GB, 80 * GB], forward=fwd, largest=int(1.7 * GB)).kind == "spread"
@@ -68,7 +72,11 @@ def test_a_model_larger_than_one_gpu_is_spread_over_the_visible_gpus_with_room_f
 def test_a_model_that_fits_nowhere_is_refused_with_the_numbers():
     p = plan(280 * GB, [80 * GB] * 2, forward=GB)
     assert p.kind == "refused" and p.device_map is None
-    assert "needs 280.00 GB" in p.problem and "2 visible GPU(s) leave 154.00 GB" in p.problem and "80.00, 80.00 GB free" in p.problem
+    assert (
+        "needs 280.00 GB" in p.problem
+        and "2 visible GPU(s) leave 154.00 GB" in p.problem
+        and "80.00, 80.00 GB free" in p.problem
+    )
     with pytest.raises(ValueError, match=r"cannot be evaluated on this node's GPUs: .*set eval\.dtype: bf16"):
         ev.load_model("/nowhere", "fp32", torch.device("cpu"), placement=p)
     # one GPU smaller than the model is refused too: there is nothing to spread over
@@ -77,7 +85,9 @@ def test_a_model_that_fits_nowhere_is_refused_with_the_numbers():
 
 def test_forward_bytes_is_one_layers_working_tensors_and_the_logits():
     # per token: (6 * 64 + 3 * 128) * 2 B in bf16 = 1536, logits 512 * (2 + 8) = 5120
-    assert forward_bytes({"hidden_size": 64, "intermediate_size": 128, "vocab_size": 512}, "bf16", 10) == 10 * (1536 + 5120)
+    assert forward_bytes({"hidden_size": 64, "intermediate_size": 128, "vocab_size": 512}, "bf16", 10) == 10 * (
+        1536 + 5120
+    )
 
 
 def test_model_bytes_come_from_the_safetensors_headers(tiny_model_dir):
@@ -86,7 +96,9 @@ def test_model_bytes_come_from_the_safetensors_headers(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
     # HF saves a tied head once; the demo model is untied, so every parameter is a stored tensor
     assert where.safetensors_numel(tiny_model_dir) == sum(p.numel() for p in model.parameters())
-    assert where.largest_block_numel(tiny_model_dir) == sum(p.numel() for p in model.model.layers[0].parameters())  # > the embedding
+    assert where.largest_block_numel(tiny_model_dir) == sum(
+        p.numel() for p in model.model.layers[0].parameters()
+    )  # > the embedding
     assert where.place(tiny_model_dir, "bf16", 512, gpu_bytes=[]) == Placement("cpu")
     one = where.place(tiny_model_dir, "bf16", 512, gpu_bytes=[80 * GB])
     assert one.kind == "gpu" and one.model_bytes == 2 * where.safetensors_numel(tiny_model_dir)
@@ -107,12 +119,17 @@ def test_accelerate_spreads_the_model_over_exactly_the_gpus_of_the_plan(tiny_mod
     p = plan(size, free, fwd, largest=largest)
     assert p.kind == "spread" and plan(size, [f - 2 for f in free], fwd, largest=largest).kind == "refused"
     no_split = model._no_split_modules
-    balanced = get_balanced_memory(model, max_memory=p.max_memory, no_split_module_classes=no_split, dtype=torch.bfloat16)
-    device_map = infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split, dtype=torch.bfloat16)
+    balanced = get_balanced_memory(
+        model, max_memory=p.max_memory, no_split_module_classes=no_split, dtype=torch.bfloat16
+    )
+    device_map = infer_auto_device_map(
+        model, max_memory=balanced, no_split_module_classes=no_split, dtype=torch.bfloat16
+    )
     assert set(device_map.values()) == {0, 1}, device_map  # both GPUs, never the CPU or the disk
 
 
 # ---- GPU tier: evaluation across the visible GPUs ----------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def cpt_records():
@@ -155,14 +172,18 @@ def test_gpu_evaluation_defaults_to_the_export_dtype_on_the_first_gpu(tiny_model
 
 @pytest.mark.gpu
 @two_gpus
-def test_gpu_evaluation_spread_over_the_visible_gpus_gives_the_one_gpu_numbers(tiny_model_dir, cpt_records, sft_records, monkeypatch):
+def test_gpu_evaluation_spread_over_the_visible_gpus_gives_the_one_gpu_numbers(
+    tiny_model_dir, cpt_records, sft_records, monkeypatch
+):
     from tasks.core.data.split import split_by_fraction
 
     held = split_by_fraction(cpt_records, 0.05).heldout
     cfg = EvalConfig(batch_size=8, dtype="fp32")
     one = ev.evaluate_cpt(tiny_model_dir, tiny_model_dir, held, "text", 64, cfg)
     chats = split_by_fraction(sft_records, 0.1).heldout
-    gen_one, rows_one = ev.generation_check(tiny_model_dir, chats, "messages", max_new_tokens=8, num_prompts=3, dtype="fp32")
+    gen_one, rows_one = ev.generation_check(
+        tiny_model_dir, chats, "messages", max_new_tokens=8, num_prompts=3, dtype="fp32"
+    )
     squeezed = _squeezed(tiny_model_dir, "fp32")
     # GPUs as small as the tiny model needs to be spread (its forward, MBs, would not fit what is left)
     monkeypatch.setattr(where, "visible_gpu_bytes", lambda: squeezed)
@@ -198,7 +219,9 @@ def _report_on(tmp_path, gpus: int, gpu_gb: float, **cpt_eval):
     case.raw["cpt"]["eval"] = {**case.raw["cpt"].get("eval", {}), **cpt_eval}
     case.machine = Machine(cuda_devices=gpus, cpu_count=16, free_bytes=10**13, gpu_memory_bytes=int(gpu_gb * GB))
     report = case.report()
-    return [p for p in report.problems if ".eval." in p[0]], [line for line in report.checked if line.startswith("evaluate_")]
+    return [p for p in report.problems if ".eval." in p[0]], [
+        line for line in report.checked if line.startswith("evaluate_")
+    ]
 
 
 def test_preflight_refuses_an_evaluation_that_fits_no_gpu_naming_the_dtype(tmp_path):
@@ -211,7 +234,9 @@ def test_preflight_refuses_an_evaluation_that_fits_no_gpu_naming_the_dtype(tmp_p
 
 def test_preflight_spreads_an_evaluation_over_the_visible_gpus(tmp_path):
     problems, checked = _report_on(tmp_path, gpus=2, gpu_gb=24, dtype="fp32")
-    assert not problems and checked[0].startswith("evaluate_cpt: 32.12 GB model in fp32 on cuda:0-1 (device_map auto"), checked
+    assert not problems and checked[0].startswith(
+        "evaluate_cpt: 32.12 GB model in fp32 on cuda:0-1 (device_map auto"
+    ), checked
 
 
 def test_preflight_checks_no_evaluation_memory_without_a_gpu(tmp_path):

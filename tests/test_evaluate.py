@@ -1,6 +1,6 @@
 """Unit tier: held-out splits, evaluation metrics, the generation check and the publish gate.
 
-    .venv/bin/python -m pytest -q tests/test_evaluate.py
+.venv/bin/python -m pytest -q tests/test_evaluate.py
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tasks.core.config.load import parse_config
-from tasks.core.config.schema import EvalConfig, GateConfig
+from tasks.core.config.outputs import GateConfig
+from tasks.core.config.schema import EvalConfig
 from tasks.core.data.records import read_records
 from tasks.core.data.split import overlap, record_id, split_by_fraction, split_by_heldout
 from tasks.core.errors import ConfigError
@@ -53,10 +54,20 @@ def test_split_is_deterministic_and_order_independent(sft_records):
     random.Random(7).shuffle(shuffled)
     b = split_by_fraction(shuffled, 0.1)
     assert {record_id(r) for r in a.heldout} == {record_id(r) for r in b.heldout}
-    assert a.info["heldout_ids_sha256"] == b.info["heldout_ids_sha256"] and a.info["train_ids_sha256"] == b.info["train_ids_sha256"]
+    assert (
+        a.info["heldout_ids_sha256"] == b.info["heldout_ids_sha256"]
+        and a.info["train_ids_sha256"] == b.info["train_ids_sha256"]
+    )
     # Within a side, records keep file order; appending data never moves an old record across.
     assert a.heldout == [r for r in sft_records if record_id(r) in {record_id(x) for x in a.heldout}]
-    extra = split_by_fraction(sft_records + [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]} for i in range(50)], 0.1)
+    extra = split_by_fraction(
+        sft_records
+        + [
+            {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+            for i in range(50)
+        ],
+        0.1,
+    )
     assert {record_id(r) for r in a.heldout} <= {record_id(r) for r in extra.heldout}
 
 
@@ -90,13 +101,25 @@ def test_prepared_data_holds_the_split_and_refuses_another_tokenizer(tmp_path, t
     from tasks.core.data.split import split_by_fraction
 
     records = read_records(str(SAMPLE / "sft.jsonl"))
-    prepare(str(SAMPLE / "sft.jsonl"), tiny_model_dir, tmp_path / "data", kind="sft", field="messages", seq_len=64, heldout_fraction=0.1)
+    prepare(
+        str(SAMPLE / "sft.jsonl"),
+        tiny_model_dir,
+        tmp_path / "data",
+        kind="sft",
+        field="messages",
+        seq_len=64,
+        heldout_fraction=0.1,
+    )
     split = split_by_fraction(records, 0.1)
     assert heldout_records(tmp_path / "data") == split.heldout
     info = split_info(tmp_path / "data", "data/sample/sft.jsonl")
     assert info["method"] == "hash-fraction" and info["heldout_records"] == len(split.heldout)
-    assert info["train_records"] + info["dropped_no_labels"] + info["truncation"]["dropped"] == len(split.train)  # sft.truncation: drop
-    assert check_against_model(tmp_path / "data", tiny_model_dir, "sft")["tokenizer_sha256"] == tokenizer_fingerprint(tiny_model_dir)
+    assert info["train_records"] + info["dropped_no_labels"] + info["truncation"]["dropped"] == len(
+        split.train
+    )  # sft.truncation: drop
+    assert check_against_model(tmp_path / "data", tiny_model_dir, "sft")["tokenizer_sha256"] == tokenizer_fingerprint(
+        tiny_model_dir
+    )
     other = tmp_path / "other-model"
     shutil.copytree(tiny_model_dir, other)
     cfg = json.loads((other / "tokenizer_config.json").read_text())
@@ -120,7 +143,9 @@ def test_training_digest_changes_with_the_split_only(tiny_model_dir, tmp_path):
     raw["cpt"]["eval"] = {"heldout_fraction": 0.2}
     assert stage_config_digest(parse_config(raw), "cpt", "p", "d") != d0
     raw["gate"] = {"enabled": False}
-    assert stage_config_digest(parse_config(raw), "cpt", "p", "d") == stage_config_digest(parse_config({**raw, "gate": {}}), "cpt", "p", "d")
+    assert stage_config_digest(parse_config(raw), "cpt", "p", "d") == stage_config_digest(
+        parse_config({**raw, "gate": {}}), "cpt", "p", "d"
+    )
     # Where the data was tokenized never re-trains; the prepared data itself (its content) does.
     d1 = stage_config_digest(parse_config(raw), "cpt", "p", "d")
     raw["cpt"]["data"] = {**raw["cpt"]["data"], "tokenize": {"local_cluster": {"n_workers": 2}}}
@@ -163,9 +188,13 @@ def test_identical_models_give_identical_metrics_equal_to_transformers_loss(tiny
     assert m["base"]["loss"] == pytest.approx(ref, rel=1e-5)
     assert m["base"]["perplexity"] == pytest.approx(torch.tensor(ref).exp().item(), rel=1e-5)
     # Batch size is memory only.
-    assert ev.evaluate_cpt(tiny_model_dir, tiny_model_dir, held, "text", 64, EvalConfig(batch_size=3))["base"]["loss"] == pytest.approx(m["base"]["loss"], rel=1e-6)
+    assert ev.evaluate_cpt(tiny_model_dir, tiny_model_dir, held, "text", 64, EvalConfig(batch_size=3))["base"][
+        "loss"
+    ] == pytest.approx(m["base"]["loss"], rel=1e-6)
 
-    s = ev.evaluate_sft(tiny_model_dir, tiny_model_dir, split_by_fraction(sft_records, 0.1).heldout, "messages", 128, cfg)
+    s = ev.evaluate_sft(
+        tiny_model_dir, tiny_model_dir, split_by_fraction(sft_records, 0.1).heldout, "messages", 128, cfg
+    )
     assert s["pre_sft"] == s["sft"] and s["loss_change"] == 0.0 and s["tokens"] > 0
 
 
@@ -198,9 +227,14 @@ def test_generation_check_fails_when_generation_config_lacks_end_of_turn(model_c
     path.write_text(json.dumps(gen))
     summary, rows = ev.generation_check(model_copy, sft_records[:3], "messages", max_new_tokens=4, num_prompts=2)
     assert summary["passed"] is False and summary["end_of_turn"] == {"id": 4, "token": "<|im_end|>"}
-    assert "generation_config.json eos_token_id [1] lacks the chat template's end-of-turn token '<|im_end|>' (id 4)" in summary["problems"][0]
+    assert (
+        "generation_config.json eos_token_id [1] lacks the chat template's end-of-turn token '<|im_end|>' (id 4)"
+        in summary["problems"][0]
+    )
     assert len(rows) == 2 and all(r["prompt"][-1]["role"] == "user" and r["new_tokens"] <= 4 for r in rows)
-    verdict = gv.gate_verdict(GateConfig(), None, {"pre_sft": {"loss": 2.0}, "sft": {"loss": 1.0}, "generation": summary})
+    verdict = gv.gate_verdict(
+        GateConfig(), None, {"pre_sft": {"loss": 2.0}, "sft": {"loss": 1.0}, "generation": summary}
+    )
     assert any("lacks the chat template's end-of-turn token" in r for r in verdict["reasons"])
     path.unlink()
     summary, _ = ev.generation_check(model_copy, sft_records[:1], "messages", max_new_tokens=2, num_prompts=1)
@@ -212,8 +246,15 @@ def test_generation_eos_check_passes_on_the_demo_model(tiny_model_dir):
 
     eos, eot, problem = ev.generation_eos_problem(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir))
     assert problem is None and eot == 4 and eos == [1, 4]
-    assert ev.prompt_messages([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"},
-                               {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}])[-1] == {"role": "user", "content": "u2"}
+    assert ev.prompt_messages(
+        [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": "u2"},
+            {"role": "assistant", "content": "a2"},
+        ]
+    )[-1] == {"role": "user", "content": "u2"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -221,12 +262,26 @@ def test_generation_eos_check_passes_on_the_demo_model(tiny_model_dir):
 
 
 def _cpt(base_ppl=100.0, cpt_ppl=50.0):
-    return {"base": {"loss": 4.6, "perplexity": base_ppl}, "cpt": {"loss": 3.9, "perplexity": cpt_ppl}, "perplexity_change_pct": 100 * (cpt_ppl - base_ppl) / base_ppl}
+    return {
+        "base": {"loss": 4.6, "perplexity": base_ppl},
+        "cpt": {"loss": 3.9, "perplexity": cpt_ppl},
+        "perplexity_change_pct": 100 * (cpt_ppl - base_ppl) / base_ppl,
+    }
 
 
 def _sft(pre=2.0, post=1.5, stopped=4, problems=()):
-    return {"pre_sft": {"loss": pre}, "sft": {"loss": post}, "loss_change": post - pre,
-            "generation": {"passed": stopped == 4 and not problems, "problems": list(problems), "stopped": stopped, "prompts": 4, "max_new_tokens": 64}}
+    return {
+        "pre_sft": {"loss": pre},
+        "sft": {"loss": post},
+        "loss_change": post - pre,
+        "generation": {
+            "passed": stopped == 4 and not problems,
+            "problems": list(problems),
+            "stopped": stopped,
+            "prompts": 4,
+            "max_new_tokens": 64,
+        },
+    }
 
 
 @pytest.mark.parametrize(
@@ -253,7 +308,11 @@ def test_gate_verdict(gate, cpt, sft, passed, failing):
     assert [c["check"] for c in v["checks"] if not c["ok"]] == failing or not v["enabled"]
     assert len(v["reasons"]) == (len(failing) if v["enabled"] else 0)
     if not v["enabled"]:
-        assert [c["check"] for c in v["checks"] if not c["ok"]] == ["cpt_perplexity", "sft_loss", "generation_stops"]  # still reported
+        assert [c["check"] for c in v["checks"] if not c["ok"]] == [
+            "cpt_perplexity",
+            "sft_loss",
+            "generation_stops",
+        ]  # still reported
     rows = gv.metrics_table(cpt, sft, v)
     assert rows and all(set(r) == {"metric", "before", "after", "change", "gate"} for r in rows)
 
@@ -261,23 +320,34 @@ def test_gate_verdict(gate, cpt, sft, passed, failing):
 def test_cli_exit_status_of_a_failed_gate(monkeypatch, capsys):
     import flows.cpt_to_sft as flow_mod
 
-    summary = {"run_root": "/r", "complete": False, "export": "/r/export", "seconds": 1.0,
-               "gate": {"status": "failed-gate", "passed": False, "reasons": ["SFT held-out loss 2 vs pre-SFT 1"]}}
+    summary = {
+        "run_root": "/r",
+        "complete": False,
+        "export": "/r/export",
+        "seconds": 1.0,
+        "gate": {"status": "failed-gate", "passed": False, "reasons": ["SFT held-out loss 2 vs pre-SFT 1"]},
+    }
     from prefect.states import Completed
 
     # main() asks the flow for its final state (return_state=True) and reads the summary from it.
     monkeypatch.setattr(flow_mod, "cpt_to_sft", lambda **kw: Completed(name="FailedGate", data=summary))
     assert flow_mod.main(["--config", "x.yaml"]) == flow_mod.EXIT_FAILED_GATE == 3
     assert "gate failed, nothing pushed, every artifact kept: SFT held-out loss" in capsys.readouterr().err
-    monkeypatch.setattr(flow_mod, "cpt_to_sft", lambda **kw: Completed(data={**summary, "complete": True, "gate": {"status": "passed", "passed": True}}))
+    monkeypatch.setattr(
+        flow_mod,
+        "cpt_to_sft",
+        lambda **kw: Completed(data={**summary, "complete": True, "gate": {"status": "passed", "passed": True}}),
+    )
     assert flow_mod.main(["--config", "x.yaml"]) == 0
 
 
 def test_eval_results_for_card_render_a_model_index():
     from huggingface_hub import ModelCardData
 
-    metrics = {"cpt": {**_cpt(), "split": {"method": "hash-fraction", "fraction": 0.05, "data_uri": "data/sample/cpt.jsonl"}},
-               "sft": {**_sft(), "split": {"method": "heldout-uri", "heldout_uri": "s3://b/chat-heldout.jsonl"}}}
+    metrics = {
+        "cpt": {**_cpt(), "split": {"method": "hash-fraction", "fraction": 0.05, "data_uri": "data/sample/cpt.jsonl"}},
+        "sft": {**_sft(), "split": {"method": "heldout-uri", "heldout_uri": "s3://b/chat-heldout.jsonl"}},
+    }
     results = gv.eval_results_for_card(metrics)
     yaml_text = ModelCardData(model_name="tiny-demo", eval_results=results).to_yaml()
     assert "model-index:" in yaml_text and "name: tiny-demo" in yaml_text

@@ -23,7 +23,13 @@ from tasks.core.models.convert.proof import prove_weights
 from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR
 from tests._consumer_rules import assert_consumer_rules, served_files
 
-MODEL_FILES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+MODEL_FILES = {
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+}
 
 
 def _base(root: Path, tie: bool) -> Path:
@@ -58,9 +64,17 @@ def _export(root: Path, base: Path, ckpt: Path, name: str, max_shard_size: str, 
 
     dst = root / name
     dst.mkdir()
-    built = build_hf_dir(ckpt, dst, base, dtype="bf16", max_shard_size=max_shard_size, weights_dtype="fp32", align_stop_tokens=align)
+    built = build_hf_dir(
+        ckpt, dst, base, dtype="bf16", max_shard_size=max_shard_size, weights_dtype="fp32", align_stop_tokens=align
+    )
     (dst / VERIFICATION).write_text(json.dumps(built["verification"]))
-    write_manifest(dst, kind="hf-export", meta={"verification": built["verification"]}, fingerprint=built["fingerprint"], known_hashes=built["known_hashes"])
+    write_manifest(
+        dst,
+        kind="hf-export",
+        meta={"verification": built["verification"]},
+        fingerprint=built["fingerprint"],
+        known_hashes=built["known_hashes"],
+    )
     return dst
 
 
@@ -84,11 +98,22 @@ def test_second_family_export_passes_the_consumer_rules(qwen2, kind):
     assert (len(out["files"]) == 1) == (kind == "single"), out
     assert (export / "model.safetensors.index.json").is_file() == (kind == "multi")
     top = {p.name for p in export.iterdir()}
-    assert top - {"model.safetensors", "model.safetensors.index.json", PROVENANCE_DIR} - set(served_files(export)) <= MODEL_FILES, top
-    assert {p.name for p in (export / PROVENANCE_DIR).iterdir()} == {"manifest.json", "verification.json", "fingerprint.npy"}
+    assert (
+        top - {"model.safetensors", "model.safetensors.index.json", PROVENANCE_DIR} - set(served_files(export))
+        <= MODEL_FILES
+    ), top
+    assert {p.name for p in (export / PROVENANCE_DIR).iterdir()} == {
+        "manifest.json",
+        "verification.json",
+        "fingerprint.npy",
+    }
     assert MANIFEST.startswith(PROVENANCE_DIR + "/")
     v = json.loads((export / PROVENANCE_DIR / "verification.json").read_text())
-    assert v["weights_bitwise"]["tensors"] == v["tensors"] and v["fingerprint_match"] and v["top1_disagreements_beyond_tolerance"] == 0
+    assert (
+        v["weights_bitwise"]["tensors"] == v["tensors"]
+        and v["fingerprint_match"]
+        and v["top1_disagreements_beyond_tolerance"] == 0
+    )
 
 
 def test_stop_tokens_are_the_base_eos_plus_the_templates_end_of_turn(qwen2):
@@ -116,9 +141,16 @@ def test_end_of_turn_comes_from_rendering_the_template_not_from_names(tmp_path):
     vocab = {t: i for i, t in enumerate(specials + list("abcdefghijklmnopqrstuvwxyz !?"))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="?"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="[[BOS]]", eos_token="[[EOS]]", unk_token="?", additional_special_tokens=specials[2:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="[[BOS]]",
+        eos_token="[[EOS]]",
+        unk_token="?",
+        additional_special_tokens=specials[2:],
+    )
     fast.chat_template = (
-        "{% for m in messages %}{% if m['role'] == 'user' %}[[U]]{{ m['content'] }}[[/U]]{% else %}[[A]]{{ m['content'] }}[[/A]]{% endif %}{% endfor %}"
+        "{% for m in messages %}{% if m['role'] == 'user' %}[[U]]{{ m['content'] }}[[/U]]{% else %}[[A]]{{ "
+        "m['content'] }}[[/A]]{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}[[A]]{% endif %}"
     )
     assert end_of_turn_tokens(fast) == [vocab["[[/A]]"]]
@@ -171,9 +203,20 @@ def test_one_flipped_mantissa_bit_fails_the_export_naming_the_tensor(qwen2, tmp_
     dst = tmp_path / "flipped"
     dst.mkdir()
     with pytest.raises(ConversionError) as info:
-        hf.build_hf_dir(ckpt, dst, qwen2["root"] / "qwen2-tied", dtype="bf16", max_shard_size="40KB", weights_dtype="fp32", align_stop_tokens=True)
+        hf.build_hf_dir(
+            ckpt,
+            dst,
+            qwen2["root"] / "qwen2-tied",
+            dtype="bf16",
+            max_shard_size="40KB",
+            weights_dtype="fp32",
+            align_stop_tokens=True,
+        )
     msg = str(info.value)
     assert f"'{key}': 1 of {64 * 64} elements differ" in msg and f"flat index {3 * 64 + 5}" in msg, msg
     assert "1 problem)" in msg and "do not publish" in msg
     # The same folder without the flip proves clean: the proof is exact, not tolerant.
-    assert prove_weights(ckpt / "model", export, "bf16")["tensors"] == json.loads((export / PROVENANCE_DIR / "verification.json").read_text())["tensors"]
+    assert (
+        prove_weights(ckpt / "model", export, "bf16")["tensors"]
+        == json.loads((export / PROVENANCE_DIR / "verification.json").read_text())["tensors"]
+    )

@@ -132,11 +132,18 @@ def test_fp16_without_dynamic_loss_scaling_is_refused(monkeypatch):
     from tasks.core.config.plugins import PLUGINS, PluginSpec
     from tasks.core.config.schema import PluginConfig, StageConfig
 
-    monkeypatch.setitem(PLUGINS, "unscaled", PluginSpec(name="unscaled", summary="fp16 without a loss scaler", loss_scale="none"))
+    monkeypatch.setitem(
+        PLUGINS, "unscaled", PluginSpec(name="unscaled", summary="fp16 without a loss scaler", loss_scale="none")
+    )
     stage = StageConfig.model_construct(plugin=PluginConfig(name="unscaled", precision="fp16"))
     problems = layout_problems(stage, "cpt", cuda=True)
     assert [f for f, _ in problems] == ["cpt.plugin.precision"] and "dynamic loss scaling" in problems[0][1]
-    assert layout_problems(StageConfig.model_construct(plugin=PluginConfig(name="unscaled", precision="bf16")), "cpt", cuda=True) == []
+    assert (
+        layout_problems(
+            StageConfig.model_construct(plugin=PluginConfig(name="unscaled", precision="bf16")), "cpt", cuda=True
+        )
+        == []
+    )
 
 
 def test_every_fp16_plugin_is_built_with_the_dynamic_loss_scale(tmp_path):
@@ -155,7 +162,12 @@ def test_every_fp16_plugin_is_built_with_the_dynamic_loss_scale(tmp_path):
     want = dataclasses.asdict(LOSS_SCALE)
     assert loss_scale_kwargs(PluginConfig(name="low_level_zero", zero_stage=2, precision="bf16")) == {}
     amp = booster_mixed_precision(PluginConfig(name="torch_ddp", precision="fp16"))
-    assert amp.torch_amp_kwargs == {"init_scale": LOSS_SCALE.initial_scale, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 1000}
+    assert amp.torch_amp_kwargs == {
+        "init_scale": LOSS_SCALE.initial_scale,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 1000,
+    }
     assert booster_mixed_precision(PluginConfig(name="torch_ddp", precision="bf16")) is None
     where = {"hybrid_parallel": "amp_config", "low_level_zero": "zero_optim_kwargs", "gemini": "optim_kwargs"}
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
@@ -203,9 +215,23 @@ LINES = [
     ("[rank 0] loss went up; Error budget fine", "rank 0", INFO),  # a word is not a level
     ("[rank 1|error] engine train failed: ConfigError", "rank 1", ERROR),
     ("[rank 1|warning] UserWarning: something deprecated", "rank 1", WARNING),
-    ("[rank 0] @@progress {\"step\": 1}", "rank 0", INFO),
-    ("E1130 11:02:03.456000 4242 torch/distributed/elastic/multiprocessing/api.py:869] failed (exitcode: -9) local_rank: 1", "torchrun", ERROR),
-    ("W1130 11:02:03.400000 4242 torch/distributed/elastic/multiprocessing/api.py:897] Sending process 12 closing signal SIGTERM", "torchrun", WARNING),
+    ('[rank 0] @@progress {"step": 1}', "rank 0", INFO),
+    (
+        (
+            "E1130 11:02:03.456000 4242 torch/distributed/elastic/multiprocessing/api.py:869] failed (exitcode: -9) "
+            "local_rank: 1"
+        ),
+        "torchrun",
+        ERROR,
+    ),
+    (
+        (
+            "W1130 11:02:03.400000 4242 torch/distributed/elastic/multiprocessing/api.py:897] Sending process 12 closing "
+            "signal SIGTERM"
+        ),
+        "torchrun",
+        WARNING,
+    ),
     ("Traceback (most recent call last):", "torchrun", INFO),
 ]
 
@@ -237,15 +263,27 @@ def test_rank_output_marks_its_levels():
         rankio._SAY.clear()
         rankio._SAY.update(saved[3])
     parsed = [parse_line(x) for x in (out.getvalue() + err.getvalue()).splitlines()]
-    assert [(p.body, p.level) for p in parsed] == [("plain", INFO), ("a library warning", WARNING), ("engine train failed: boom", ERROR), ("second line", ERROR)]
+    assert [(p.body, p.level) for p in parsed] == [
+        ("plain", INFO),
+        ("a library warning", WARNING),
+        ("engine train failed: boom", ERROR),
+        ("second line", ERROR),
+    ]
 
 
 def test_failure_cause_is_one_line_from_the_exception():
     from flows.cpt_to_sft import failure_cause
 
-    exc = StageFailed("engine verb 'train' failed on rank 1: x\nengine verb 'train' exited with status 1; last lines per process:\n--- rank 1 ---", cause="rank 1: engine train failed: boom")
+    exc = StageFailed(
+        "engine verb 'train' failed on rank 1: x\nengine verb 'train' exited with status 1; last lines per "
+        "process:\n--- rank 1 ---",
+        cause="rank 1: engine train failed: boom",
+    )
     assert failure_cause(exc) == "StageFailed: rank 1: engine train failed: boom"
-    assert failure_cause(ConfigError([("base_model.uri", "bad"), ("cpt.lr", "worse")])) == "ConfigError: base_model.uri: bad; cpt.lr: worse"
+    assert (
+        failure_cause(ConfigError([("base_model.uri", "bad"), ("cpt.lr", "worse")]))
+        == "ConfigError: base_model.uri: bad; cpt.lr: worse"
+    )
     assert failure_cause(SystemExit(1)).startswith("SystemExit: something in the stage's process called sys.exit(1)")
     import pickle
 
@@ -273,7 +311,15 @@ def test_a_failing_rank_gives_the_stage_its_cause(tmp_path, tiny_model_dir, monk
     empty = tmp_path / "no-model"
     empty.mkdir()
     section = stage_raw("cpt", {"name": "torch_ddp", "precision": "fp32"})
-    job_path = write_job(tmp_path / "job.json", verb="train", stage="cpt", stage_cfg=section, model_dir=empty, stage_dir=tmp_path / "cpt", tokenizer_dir=tiny_model_dir)
+    job_path = write_job(
+        tmp_path / "job.json",
+        verb="train",
+        stage="cpt",
+        stage_cfg=section,
+        model_dir=empty,
+        stage_dir=tmp_path / "cpt",
+        tokenizer_dir=tiny_model_dir,
+    )
     job = parse_job(json.loads(job_path.read_text()))
     logger = logging.getLogger("i16-launch")
     handler = _Records()
@@ -285,7 +331,12 @@ def test_a_failing_rank_gives_the_stage_its_cause(tmp_path, tiny_model_dir, monk
     finally:
         logger.removeHandler(handler)
     exc = info.value
-    assert exc.cause.startswith(("rank 0: ", "rank 1: ")) and "engine train failed: job " in exc.cause and "cannot start: model_dir: " in exc.cause and "no config.json" in exc.cause
+    assert (
+        exc.cause.startswith(("rank 0: ", "rank 1: "))
+        and "engine train failed: job " in exc.cause
+        and "cannot start: model_dir: " in exc.cause
+        and "no config.json" in exc.cause
+    )
     assert str(exc).splitlines()[0] == f"engine verb 'train' failed on {exc.cause}"
     assert "exited with status 1; last lines per process:" in str(exc)
     errors = [r for r in handler.records if r.levelno == logging.ERROR]
@@ -297,13 +348,23 @@ def test_a_failing_rank_gives_the_stage_its_cause(tmp_path, tiny_model_dir, monk
 
 
 def _dead_pid() -> int:
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     return int(proc.stdout)
 
 
 def _holder(host: str, pid_of: str) -> dict:
     pid = {"dead": _dead_pid, "live": os.getpid}[pid_of]()
-    return {"holder": f"flow run old ({pid_of})", "token": "t" * 32, "host": host, "pid": pid, "acquired_at": time.time() - 30, "heartbeat_at": time.time(), "ttl_s": 600.0}
+    return {
+        "holder": f"flow run old ({pid_of})",
+        "token": "t" * 32,
+        "host": host,
+        "pid": pid,
+        "acquired_at": time.time() - 30,
+        "heartbeat_at": time.time(),
+        "ttl_s": 600.0,
+    }
 
 
 LEASES = [
@@ -330,7 +391,12 @@ def test_a_dead_local_holder_is_taken_over_at_once(tmp_path, monkeypatch, host, 
         try:
             assert time.monotonic() - started < 5  # at once, not after the TTL
             assert json.loads(store.read_text(LEASE))["holder"] == "flow run new"
-            assert len(said) == 1 and "flow run old (dead)" in said[0] and f"pid {old['pid']}" in said[0] and "no longer exists" in said[0]
+            assert (
+                len(said) == 1
+                and "flow run old (dead)" in said[0]
+                and f"pid {old['pid']}" in said[0]
+                and "no longer exists" in said[0]
+            )
         finally:
             lease.release()
     else:
@@ -352,7 +418,11 @@ def _pickle_model(src: Path, dest: Path, shards: int = 1, tied: bool = False) ->
 
     dest.mkdir(parents=True)
     for f in src.iterdir():
-        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")) and f.name != "manifest.json":
+        if (
+            f.is_file()
+            and not f.name.endswith((".safetensors", ".safetensors.index.json"))
+            and f.name != "manifest.json"
+        ):
             shutil.copy2(f, dest / f.name)
     model = AutoModelForCausalLM.from_pretrained(src, tie_word_embeddings=tied)
     if tied:
@@ -403,7 +473,9 @@ PICKLES = [
 
 @pytest.mark.integration
 @pytest.mark.parametrize("name, shards, tied", PICKLES, ids=[p[0] for p in PICKLES])
-def test_pickle_weights_are_converted_once_in_the_load_stage(prefect_harness, tiny_model_dir, tmp_path, name, shards, tied):
+def test_pickle_weights_are_converted_once_in_the_load_stage(
+    prefect_harness, tiny_model_dir, tmp_path, name, shards, tied
+):
     from tasks.core.models.convert import load_state_dict_from_dir
     from tasks.core.preflight.checks import load_for_check, preflight_report
     from tasks.core.run.manifest import verify_artifact
@@ -412,7 +484,9 @@ def test_pickle_weights_are_converted_once_in_the_load_stage(prefect_harness, ti
     raw = tiny_config_raw(model, tmp_path / "run")
     raw["base_model"]["allow_pickle"] = True
     report = preflight_report(load_for_check(write_config(tmp_path / "p.yaml", raw)), machine=CPU2)
-    assert any("converts them once to safetensors with torch.load(weights_only=True)" in w for w in report.warnings), report.text()
+    assert any("converts them once to safetensors with torch.load(weights_only=True)" in w for w in report.warnings), (
+        report.text()
+    )
     cfg, state = _load(tmp_path, model)
     assert state.is_completed(), state.message
     base = tmp_path / "run" / "base"
@@ -422,10 +496,15 @@ def test_pickle_weights_are_converted_once_in_the_load_stage(prefect_harness, ti
     conv = manifest["meta"]["converted_from_pickle"]
     assert conv["loader"] == "torch.load(weights_only=True)" and conv["source_layout"] == "pickle"
     assert sorted(conv["files"]) == sorted(p.name for p in model.iterdir() if p.name.startswith("pytorch_model"))
-    assert manifest["fingerprint"] is not None and manifest["meta"]["weights"] == [n for n in names if n.endswith(".safetensors") and n != "fingerprint.safetensors"]
+    assert manifest["fingerprint"] is not None and manifest["meta"]["weights"] == [
+        n for n in names if n.endswith(".safetensors") and n != "fingerprint.safetensors"
+    ]
     converted = load_state_dict_from_dir(base)
     if tied:  # stored once, as save_pretrained does
-        assert set(converted) == set(load_state_dict_from_dir(model.parent / "hf-reference")) and "lm_head.weight" not in converted
+        assert (
+            set(converted) == set(load_state_dict_from_dir(model.parent / "hf-reference"))
+            and "lm_head.weight" not in converted
+        )
     else:
         assert set(converted) == set(original)
     for key, tensor in converted.items():
@@ -436,7 +515,18 @@ def test_pickle_weights_are_converted_once_in_the_load_stage(prefect_harness, ti
 
     run = cfg.model_dump(mode="json")
     run["cpt"]["data"]["uri"] = str(Path(__file__).resolve().parents[1] / run["cpt"]["data"]["uri"])
-    job = parse_job(json.loads(write_job(tmp_path / "job.json", verb="shard", stage="cpt", stage_cfg=run["cpt"], model_dir=base, stage_dir=tmp_path / "cpt").read_text()))
+    job = parse_job(
+        json.loads(
+            write_job(
+                tmp_path / "job.json",
+                verb="shard",
+                stage="cpt",
+                stage_cfg=run["cpt"],
+                model_dir=base,
+                stage_dir=tmp_path / "cpt",
+            ).read_text()
+        )
+    )
     check_inputs(job)
 
 
@@ -452,7 +542,11 @@ def test_a_pickle_that_would_run_code_is_refused(prefect_harness, tiny_model_dir
     with pytest.raises(ConfigError) as info:
         state.result()
     msg = str(info.value)
-    assert [f for f, _ in info.value.problems] == ["base_model.uri"] and "pytorch_model.bin" in msg and "weights_only" in msg
+    assert (
+        [f for f, _ in info.value.problems] == ["base_model.uri"]
+        and "pytorch_model.bin" in msg
+        and "weights_only" in msg
+    )
     assert not marker.exists()
     assert not (tmp_path / "run" / "base" / "manifest.json").exists()
     assert not list((tmp_path / "run").glob("base*.pickle"))  # the moved pickles are gone too
@@ -462,7 +556,9 @@ def test_a_pickle_that_would_run_code_is_refused(prefect_harness, tiny_model_dir
 
 
 @pytest.mark.integration
-def test_the_flow_refuses_at_preflight_with_the_report_and_no_traceback(prefect_harness, tiny_model_dir, tmp_path, capfd):
+def test_the_flow_refuses_at_preflight_with_the_report_and_no_traceback(
+    prefect_harness, tiny_model_dir, tmp_path, capfd
+):
     from flows.cpt_to_sft import cpt_to_sft, main
     from tasks.preflight import REFUSED
 

@@ -91,7 +91,11 @@ def scenario(prefect_harness, eos_doc_end_model, tmp_path_factory):
     runs = []
     try:
         for fault in ("kill@step=5@stage=sft", "", ""):
-            launches = Launches(tasks.train.run_engine.__wrapped__ if hasattr(tasks.train.run_engine, "__wrapped__") else tasks.train.run_engine)
+            launches = Launches(
+                tasks.train.run_engine.__wrapped__
+                if hasattr(tasks.train.run_engine, "__wrapped__")
+                else tasks.train.run_engine
+            )
             mp.setattr(tasks.train, "run_engine", launches)
             events = Events(tasks.ui.stage_event)
             mp.setattr(tasks.ui, "stage_event", events)
@@ -102,7 +106,16 @@ def scenario(prefect_harness, eos_doc_end_model, tmp_path_factory):
                 rc = main(["--config", str(cfg)])
             summary = json.loads((run_root / "run.json").read_text())
             last = [x for x in err.getvalue().splitlines() if x.strip()][-1:] or [""]
-            runs.append({"rc": rc, "launches": launches.calls, "summary": summary, "events": events.calls, "last_line": last[0], "hashed": list(hashed)})
+            runs.append(
+                {
+                    "rc": rc,
+                    "launches": launches.calls,
+                    "summary": summary,
+                    "events": events.calls,
+                    "last_line": last[0],
+                    "hashed": list(hashed),
+                }
+            )
             mp.setattr(tasks.train, "run_engine", launches.real)
             mp.setattr(tasks.ui, "stage_event", events.real)
         runs += _gate_reruns(mp, tmp, tiny_model_dir, run_root)
@@ -137,7 +150,10 @@ def _gate_reruns(mp, tmp, model_dir, run_root):
     import tasks.train
 
     out = []
-    for name, gate in (("failing", {"cpt_max_ppl_increase_pct": -100.0}), ("disabled", {"cpt_max_ppl_increase_pct": -100.0, "enabled": False})):
+    for name, gate in (
+        ("failing", {"cpt_max_ppl_increase_pct": -100.0}),
+        ("disabled", {"cpt_max_ppl_increase_pct": -100.0, "enabled": False}),
+    ):
         raw = tiny_config_raw(model_dir, run_root)
         raw["gate"].update(gate)
         cfg = write_config(tmp / f"tiny-gate-{name}.yaml", raw)
@@ -147,10 +163,25 @@ def _gate_reruns(mp, tmp, model_dir, run_root):
         mp.setattr(flow_mod, "push_to_hub", _counting_push(real_push, pushes))
         if name == "failing":
             state = flow_mod.cpt_to_sft(config=str(cfg), return_state=True)
-            out.append({"state": state, "rc": None, "launches": launches.calls, "pushes": pushes, "summary": json.loads((run_root / "run.json").read_text())})
+            out.append(
+                {
+                    "state": state,
+                    "rc": None,
+                    "launches": launches.calls,
+                    "pushes": pushes,
+                    "summary": json.loads((run_root / "run.json").read_text()),
+                }
+            )
         else:
             rc = flow_mod.main(["--config", str(cfg)])
-            out.append({"rc": rc, "launches": launches.calls, "pushes": pushes, "summary": json.loads((run_root / "run.json").read_text())})
+            out.append(
+                {
+                    "rc": rc,
+                    "launches": launches.calls,
+                    "pushes": pushes,
+                    "summary": json.loads((run_root / "run.json").read_text()),
+                }
+            )
         mp.setattr(tasks.train, "run_engine", launches.real)
         mp.setattr(flow_mod, "push_to_hub", real_push)
     return out
@@ -184,7 +215,12 @@ def _unaligned_rerun(mp, tmp, model_dir, run_root):
     mp.setattr(tasks.train, "run_engine", launches)
     state = flow_mod.cpt_to_sft(config=str(cfg), return_state=True)
     mp.setattr(tasks.train, "run_engine", launches.real)
-    return {"state": state, "launches": launches.calls, "summary": json.loads((copy / "run.json").read_text()), "run_root": copy}
+    return {
+        "state": state,
+        "launches": launches.calls,
+        "summary": json.loads((copy / "run.json").read_text()),
+        "run_root": copy,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -207,12 +243,18 @@ def test_failed_sft_run_is_recorded_with_its_cause(scenario):
     assert st["train_cpt"] == "completed" and st["train_sft"] == "failed" and st["export"] == "not-run"
     # The cause is rank 1's own last words (at error level), not "exited with status 1":
     # in run.json's stage row, the failed-stage event and the CLI's last line.
-    cause = "rank 1: injected fault 'kill@step=5@stage=sft' (CPT_TO_SFT_FAULT): rank 1 SIGKILLs itself after step 5 of stage sft"
+    cause = (
+        "rank 1: injected fault 'kill@step=5@stage=sft' (CPT_TO_SFT_FAULT): rank 1 SIGKILLs itself after step "
+        "5 of stage sft"
+    )
     row = next(s for s in first["summary"]["stages"] if s["stage"] == "train_sft")
     assert row["detail"]["error"] == f"StageFailed: {cause}", row
     (event,) = [e for e in first["events"] if e["status"] == "failed"]
     assert event["stage"] == "train_sft" and event["cause"] == f"StageFailed: {cause}"
-    assert event["error"].startswith(f"StageFailed: engine verb 'train' failed on {cause}") and "last lines per process" in event["error"]
+    assert (
+        event["error"].startswith(f"StageFailed: engine verb 'train' failed on {cause}")
+        and "last lines per process" in event["error"]
+    )
     assert first["last_line"] == f"stage train_sft failed: StageFailed: {cause}"
 
 
@@ -221,7 +263,16 @@ def test_retry_skips_done_stages_and_resumes_sft(scenario):
     retry = runs[1]
     assert retry["rc"] == 0 and retry["summary"]["complete"] is True
     st = statuses(retry["summary"])
-    for stage in ("load_from_hf", "prepare_cpt", "prepare_sft", "boost_and_shard", "train_cpt", "unshard", "evaluate_cpt", "reboost"):
+    for stage in (
+        "load_from_hf",
+        "prepare_cpt",
+        "prepare_sft",
+        "boost_and_shard",
+        "train_cpt",
+        "unshard",
+        "evaluate_cpt",
+        "reboost",
+    ):
         assert st[stage] == "skipped", (stage, st)
     assert st["train_sft"] == "completed" and st["export"] == "completed" and st["evaluate_sft"] == "completed"
     assert st["gate"] == "passed" and retry["summary"]["gate"]["passed"] is True
@@ -284,19 +335,37 @@ def test_export_is_a_clean_model_folder_with_matching_logits(finished_run):
     export = run_root / "export"
     names = {p.name for p in export.iterdir()}
     # Model files and the card only; the provenance is in its subfolder, and no *.safetensors but the weights.
-    assert names == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                     "README.md", PROVENANCE_DIR}, names
+    assert names == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "README.md",
+        PROVENANCE_DIR,
+    }, names
     # The verification stamp (tasks/core/run/stamp.py) sits beside them, listed in no manifest, never pushed.
-    assert {p.name for p in (export / PROVENANCE_DIR).iterdir()} == {"manifest.json", "verification.json", "fingerprint.npy", "verified-stamp.json"}
+    assert {p.name for p in (export / PROVENANCE_DIR).iterdir()} == {
+        "manifest.json",
+        "verification.json",
+        "fingerprint.npy",
+        "verified-stamp.json",
+    }
     assert_consumer_rules(export)
     model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(export)
-    assert tok.chat_template and "assistant" in tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert tok.chat_template and "assistant" in tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     logits = model_logits(model, model.config.vocab_size)
     reference = load_fingerprint(run_root / "sft/step-000008")
     verification = json.loads((export / PROVENANCE_DIR / "verification.json").read_text())
     assert verification["fingerprint_match"] and verification["top1_disagreements_beyond_tolerance"] == 0
-    assert float((logits - reference).abs().max()) <= verification["fingerprint_rtol"] * verification["fingerprint_max_abs_logit"]
+    assert (
+        float((logits - reference).abs().max())
+        <= verification["fingerprint_rtol"] * verification["fingerprint_max_abs_logit"]
+    )
     assert verification["weights_bitwise"]["tensors"] == verification["tensors"] == len(list(model.parameters()))
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
 
@@ -322,7 +391,10 @@ def test_without_stop_token_alignment_the_gate_fails_naming_the_fix(scenario):
     assert all(st[s] == "skipped" for s in UPSTREAM if s not in ("export", "evaluate_sft")), st
     assert unaligned["state"].name == "FailedGate"
     reasons = " ".join(unaligned["summary"]["gate"]["reasons"])
-    assert "lacks the chat template's end-of-turn token '<|im_end|>'" in reasons and "export.align_stop_tokens: true" in reasons, reasons
+    assert (
+        "lacks the chat template's end-of-turn token '<|im_end|>'" in reasons
+        and "export.align_stop_tokens: true" in reasons
+    ), reasons
     assert json.loads((unaligned["run_root"] / "export" / "generation_config.json").read_text())["eos_token_id"] == 1
 
 
@@ -341,10 +413,16 @@ def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(fin
     summary = json.loads((run_root / "run.json").read_text())
     manifest = verify_artifact(run_root / "export")
     export_row = next(s for s in summary["stages"] if s["stage"] == "export")
-    assert manifest["views"] == ["README.md"] and export_row["digest"] == hashlib.sha256((run_root / "export" / MANIFEST).read_bytes()).hexdigest()
+    assert (
+        manifest["views"] == ["README.md"]
+        and export_row["digest"] == hashlib.sha256((run_root / "export" / MANIFEST).read_bytes()).hexdigest()
+    )
     card = (run_root / "export" / "README.md").read_text()
     data = ModelCard(card).data  # a local base: its name and its manifest digest
-    assert data.base_model == "tiny-llama-eos" and data.base_model_manifest_digest == hashlib.sha256((run_root / "base" / MANIFEST).read_bytes()).hexdigest()
+    assert (
+        data.base_model == "tiny-llama-eos"
+        and data.base_model_manifest_digest == hashlib.sha256((run_root / "base" / MANIFEST).read_bytes()).hexdigest()
+    )
     assert "| peak memory (largest rank) |" in card and "torch_dtype=torch.bfloat16" in card  # the demo exports bf16
     copy = run_root.parent / "card-copy"  # `card` writes: into a copy of the export and run.json, not the session's run
     if not copy.exists():
@@ -353,26 +431,54 @@ def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(fin
     assert read_manifest(copy / "export") == manifest
     tokens = json.loads((run_root / "sft/step-000008/train_state.json").read_text())["tokens_seen"]
     data_sha = json.loads((run_root / "cpt/data-split.json").read_text())["inputs"][0]["checksum"]
-    for words in ("`hybrid_parallel` tp=2", "`low_level_zero`", "AdamW lr 0.003", "cosine, warm-up 3", "4 × 1 accum × 1 dp = 4 sequences",
-                  "4 × 1 accum × 2 dp = 8 sequences", f"{tokens:,}", data_sha, "| seq_len | 64 | 128 |", "SFT held-out loss",
-                  f"torch {torch.__version__}", "colossalai 0.5.0", "transformers ", "bitwise", "`<|im_end|>` (4)"):
+    for words in (
+        "`hybrid_parallel` tp=2",
+        "`low_level_zero`",
+        "AdamW lr 0.003",
+        "cosine, warm-up 3",
+        "4 × 1 accum × 1 dp = 4 sequences",
+        "4 × 1 accum × 2 dp = 8 sequences",
+        f"{tokens:,}",
+        data_sha,
+        "| seq_len | 64 | 128 |",
+        "SFT held-out loss",
+        f"torch {torch.__version__}",
+        "colossalai 0.5.0",
+        "transformers ",
+        "bitwise",
+        "`<|im_end|>` (4)",
+    ):
         assert words in card, words
-    assert "| batching | full blocks | padded |" in card and "| median padding (share of computed tokens) | 0.0 % |" in card, card
+    assert (
+        "| batching | full blocks | padded |" in card
+        and "| median padding (share of computed tokens) | 0.0 % |" in card
+    ), card
     # The held-out-only source (demo_run's cpt.eval.heldout_sources): measured base vs CPT beside the
     # trained one, in metrics.json, run.json, the evaluation table (the card's) and the card's data.
     cpt = summary["evaluation"]["cpt"]
     assert cpt == json.loads((run_root / "eval/cpt/metrics.json").read_text())
     general, main = cpt["sources"]["general"], cpt["sources"]["main"]
     assert general["held_out_only"] is True and general["tokens"] > 0 and "held_out_only" not in main
-    assert main["cpt"] == cpt["cpt"] and main["base"] == cpt["base"]  # one trained source: its held-out set is the pooled one
-    row = f"| CPT held-out perplexity: general (held out only, never trained on) | base {general['base']['perplexity']:.4f} | CPT {general['cpt']['perplexity']:.4f} |"
+    assert (
+        main["cpt"] == cpt["cpt"] and main["base"] == cpt["base"]
+    )  # one trained source: its held-out set is the pooled one
+    row = (
+        "| CPT held-out perplexity: general (held out only, never trained on) | base "
+        f"{general['base']['perplexity']:.4f} | CPT {general['cpt']['perplexity']:.4f} |"
+    )
     assert row in card and "CPT held-out-only sources (evaluated base vs CPT, never trained on):" in card, card
     assert "CPT held-out of source general (never trained on)" in card  # the model-index
     index = json.loads((run_root / "data/cpt/index.json").read_text())
-    assert index["heldout_sources"][0]["file"] == "heldout-sources/general.jsonl" and (run_root / "data/cpt/heldout-sources/general.jsonl").is_file()
+    assert (
+        index["heldout_sources"][0]["file"] == "heldout-sources/general.jsonl"
+        and (run_root / "data/cpt/heldout-sources/general.jsonl").is_file()
+    )
     snippet = re.search(r"```python\n(.*?)```", card, re.DOTALL).group(1)
     snippet = re.sub(r'model_id = ".*"', f"model_id = {str(run_root / 'export')!r}", snippet)
-    snippet += "\nimport json\nassert str(model.dtype) == 'torch.' + json.load(open(model_id + '/config.json'))['torch_dtype'], model.dtype\n"
+    snippet += (
+        "\nimport json\nassert str(model.dtype) == 'torch.' + json.load(open(model_id + "
+        "'/config.json'))['torch_dtype'], model.dtype\n"
+    )
     out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
 
@@ -388,7 +494,11 @@ def test_bridge_is_bitwise_the_plugin_a_checkpoint_and_reproduces_its_logits(fin
         assert saved[key].dtype == bridge[key].dtype and torch.equal(saved[key], bridge[key]), key
     # The unshard stage compared plain transformers' logits with the live plugin-A (tp=2) logits.
     meta = json.loads((run_root / "cpt/hf" / MANIFEST).read_text())["meta"]["verification"]
-    assert meta["fingerprint_rel_diff"] <= 1e-5 and meta["fingerprint_match"] is True and meta["weights_bitwise"]["tensors"] == len(saved)
+    assert (
+        meta["fingerprint_rel_diff"] <= 1e-5
+        and meta["fingerprint_match"] is True
+        and meta["weights_bitwise"]["tensors"] == len(saved)
+    )
 
 
 def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
@@ -420,7 +530,9 @@ def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
         held = heldout_records(run_root / "data" / stage)
         held_ids = {record_id(r) for r in held}
         train = [r for r in read_records(resolve_local(split["data_uri"])) if record_id(r) not in held_ids]
-        dropped = split["dropped_no_labels"] + (split["truncation"].get("dropped", 0) if stage == "sft" else 0)  # sft.truncation: drop
+        dropped = split["dropped_no_labels"] + (
+            split["truncation"].get("dropped", 0) if stage == "sft" else 0
+        )  # sft.truncation: drop
         assert len(train) == split["train_records"] + dropped and len(held) == split["heldout_records"]
         job = json.loads((run_root / "jobs" / f"{stage}-train.json").read_text())
         assert job["data_dir"] == str(run_root / "data" / stage)
@@ -477,7 +589,9 @@ def test_each_step_records_its_padding_and_the_stage_its_medians(finished_run):
 
     run_root, _ = finished_run
     summary = json.loads((run_root / "run.json").read_text())
-    medians = {s["stage"]: s["detail"].get("medians") for s in summary["stages"] if s["stage"] in ("train_cpt", "train_sft")}
+    medians = {
+        s["stage"]: s["detail"].get("medians") for s in summary["stages"] if s["stage"] in ("train_cpt", "train_sft")
+    }
     for stage, steps in (("cpt", 8), ("sft", 8)):
         state = json.loads((run_root / f"{stage}/step-{steps:06d}/train_state.json").read_text())
         pads = state["step_metrics"]["padding_frac"]
@@ -505,16 +619,30 @@ def test_the_console_reads_like_a_training_log_and_the_artifacts_keep_every_step
     text = demo_run.console
     assert "progress {" not in text and "gemm_4bit_forward" not in text and "[rank 1]" not in text, text
     for stage in ("cpt", "sft"):
-        steps = [int(m.group(1)) for m in re.finditer(rf"{stage}  step (\d+)/8 \| loss \d+\.\d{{3}} \| lr \S+ \| \S+ tok/s \| pad \d+% \| mem \d+\.\d GiB", text)]
+        steps = [
+            int(m.group(1))
+            for m in re.finditer(
+                rf"{stage}  step (\d+)/8 \| loss \d+\.\d{{3}} \| lr \S+ \| \S+ tok/s \| pad \d+% \| mem \d+\.\d GiB",
+                text,
+            )
+        ]
         assert steps == [5, 8], (stage, text)
         assert re.search(rf"{stage}  start \| 8 steps \| .* \| a line every 5 steps", text)
-        assert re.search(rf"{stage}  done  \| step 8/8 in \S+ \| loss \d+\.\d{{3}} → \d+\.\d{{3}} \| median \S+ tok/s \| pad \d+% \| peak mem \d+\.\d GiB \(rank [01]\)", text)
+        assert re.search(
+            rf"{stage}  done  \| step 8/8 in \S+ \| loss \d+\.\d{{3}} → \d+\.\d{{3}} \| median \S+ tok/s \| pad \d+% "
+            r"\| peak mem \d+\.\d GiB \(rank [01]\)",
+            text,
+        )
         state = json.loads((demo_run.run_root / f"{stage}/step-000008/train_state.json").read_text())
         scalars = read_scalars(demo_run.run_root / stage / "tensorboard")
         assert len(state["losses"]) == 8 and [s for s, _ in scalars["train/loss"]] == list(range(1, 9))
-        assert [s for s, _ in scalars["perf/peak_mem_rank"]] == list(range(1, 9)) and {v for _, v in scalars["perf/peak_mem_rank"]} <= {0.0, 1.0}
-    table = lines[next(i for i, line in enumerate(lines) if re.match(r"stage\s+status\s+duration\s+key figure", line)) + 1:]
-    assert [row.split()[0] for row in table[:len(STAGE_NAMES)]] == list(STAGE_NAMES)
+        assert [s for s, _ in scalars["perf/peak_mem_rank"]] == list(range(1, 9)) and {
+            v for _, v in scalars["perf/peak_mem_rank"]
+        } <= {0.0, 1.0}
+    table = lines[
+        next(i for i, line in enumerate(lines) if re.match(r"stage\s+status\s+duration\s+key figure", line)) + 1 :
+    ]
+    assert [row.split()[0] for row in table[: len(STAGE_NAMES)]] == list(STAGE_NAMES)
     assert re.search(r"evaluate_cpt\s+completed\s+\S+\s+held-out perplexity \d+\.\d\d → \d+\.\d\d", text)
     assert re.search(r"export\s+completed\s+\S+\s+\d+\.\d kB bf16", text)
     assert any(line.startswith(f"artifacts: {demo_run.run_root}") for line in table)

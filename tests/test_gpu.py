@@ -154,7 +154,9 @@ def gemini_runs(work, dropout_model_dir):
     shard = engine("shard", shard_a, nproc=1, env=env, timeout=FIRST_LAUNCH_TIMEOUT)
     shutil.copytree(a_dir / "step-000000", b_dir / "step-000000")
     a = engine("train", train_a, nproc=1, env=env)
-    killed = engine("train", train_b, nproc=1, env={**env, "CPT_TO_SFT_FAULT": "kill@step=4@stage=sft"}, expect_ok=False)
+    killed = engine(
+        "train", train_b, nproc=1, env={**env, "CPT_TO_SFT_FAULT": "kill@step=4@stage=sft"}, expect_ok=False
+    )
     resumed = engine("train", train_b, nproc=1, env=env)
     return {"a": a_dir, "b": b_dir, "shard": shard, "train_a": a, "killed": killed, "resumed": resumed}
 
@@ -180,18 +182,28 @@ def test_gemini_kill_and_resume_continues_exactly(gemini_runs):
     assert killed.rc != 0 and "SIGKILLs itself after step 4" in killed.output
     assert "resuming sft from step-000003" in resumed.output
     assert [p["step"] for p in resumed.progress] == [4, 5, 6]
-    nondet = sorted({ln.strip()[:200] for ln in (killed.output + resumed.output).splitlines()
-                     if "does not have a deterministic implementation" in ln})
+    nondet = sorted(
+        {
+            ln.strip()[:200]
+            for ln in (killed.output + resumed.output).splitlines()
+            if "does not have a deterministic implementation" in ln
+        }
+    )
     # Before any resume, A and B are the same computation: step 3's checkpoints are bitwise equal.
     wa = read_model_dir(gemini_runs["a"] / "step-000003" / "model")
     wb = read_model_dir(gemini_runs["b"] / "step-000003" / "model")
     assert wa.keys() == wb.keys()
-    assert [k for k in wa if not _same(wa[k], wb[k])] == [], f"runs differ before the kill; non-deterministic ops: {nondet}"
+    assert [k for k in wa if not _same(wa[k], wb[k])] == [], (
+        f"runs differ before the kill; non-deterministic ops: {nondet}"
+    )
     la = train_state(gemini_runs["a"] / "step-000006")["losses"]
     lb = train_state(gemini_runs["b"] / "step-000006")["losses"]
     assert la[:3] == lb[:3]
     # The first step after the resume: same weights, batch and dropout masks -> the same loss.
-    assert la[3] == lb[3], f"step 4 after resume: {lb[3]!r} vs uninterrupted {la[3]!r} (CUDA RNG not restored?); non-deterministic ops: {nondet}"
+    assert la[3] == lb[3], (
+        f"step 4 after resume: {lb[3]!r} vs uninterrupted {la[3]!r} (CUDA RNG not restored?); non-deterministic ops: "
+        f"{nondet}"
+    )
     # Later steps: the resumed fp32 masters are the bf16 weights upcast (see the module docstring).
     assert max(abs(a - b) for a, b in zip(la[4:], lb[4:])) <= 1e-2, (la, lb)
 
@@ -228,13 +240,35 @@ def test_cuda_rng_capture_restore_reproduces_draws(tmp_path):
 
 def test_gemini_save_load_round_trip_is_bitwise(work, dropout_model_dir):
     out = work / "roundtrip"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", str(Path(__file__).resolve()),
-            "--worker", "roundtrip", "--model", str(dropout_model_dir), "--work", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "1",
+        str(Path(__file__).resolve()),
+        "--worker",
+        "roundtrip",
+        "--model",
+        str(dropout_model_dir),
+        "--work",
+        str(out),
+    ]
     env = dict(os.environ)
     env.update(_det_env(work))
     env.update({"PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
     env.pop("CPT_TO_SFT_FAULT", None)
-    proc = subprocess.run(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=FIRST_LAUNCH_TIMEOUT, check=False)
+    proc = subprocess.run(
+        argv,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=FIRST_LAUNCH_TIMEOUT,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:]
     first, second = out / "first" / "sft" / "step-000002", out / "second" / "sft" / "step-000002"
     from tasks.core.models.fingerprint import FINGERPRINT_FILE
@@ -243,13 +277,25 @@ def test_gemini_save_load_round_trip_is_bitwise(work, dropout_model_dir):
 
     for d in (first, second):
         check_checkpoint(d, 2, "sft", "0" * 64)
-    names = sorted(str(p.relative_to(first)) for p in first.rglob("*") if p.is_file() and p.relative_to(first).as_posix() != MANIFEST)
-    assert names == sorted(str(p.relative_to(second)) for p in second.rglob("*") if p.is_file() and p.relative_to(second).as_posix() != MANIFEST)
+    names = sorted(
+        str(p.relative_to(first))
+        for p in first.rglob("*")
+        if p.is_file() and p.relative_to(first).as_posix() != MANIFEST
+    )
+    assert names == sorted(
+        str(p.relative_to(second))
+        for p in second.rglob("*")
+        if p.is_file() and p.relative_to(second).as_posix() != MANIFEST
+    )
     assert any(n.startswith("optimizer/") and n.endswith(".bin") for n in names), names
     # Tensors and their indexes. model/generation_config.json legitimately differs (the first model
     # came from from_pretrained, the second from from_config, as in the engine's train verb), and so
     # does rng/ (the generators moved on between the two saves).
-    tensors = [n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".npy", ".index.json")) and not n.startswith("rng/")]
+    tensors = [
+        n
+        for n in names
+        if n.endswith((".safetensors", ".bin", ".pt", ".npy", ".index.json")) and not n.startswith("rng/")
+    ]
     assert any(n.startswith("model/") for n in tensors) and FINGERPRINT_FILE in tensors, tensors
     differ = [n for n in tensors if not _same(_load_any(first / n), _load_any(second / n))]
     assert differ == [], f"not bitwise equal after save -> load -> save under Gemini: {differ}"
@@ -263,14 +309,28 @@ def test_a_stage_runs_with_the_kernels_on_and_its_manifests_record_them(work, dr
     from tasks.core.config.kernels import Facts, resolve_for
     from tasks.engine.checkpoint import check_checkpoint
 
-    section = stage_raw("cpt", {"name": "hybrid_parallel", "precision": "bf16"}, launch={"nproc_per_node": 1}, max_steps=4,
-                        checkpoint_every=2, activation_checkpointing=True)
+    section = stage_raw(
+        "cpt",
+        {"name": "hybrid_parallel", "precision": "bf16"},
+        launch={"nproc_per_node": 1},
+        max_steps=4,
+        checkpoint_every=2,
+        activation_checkpointing=True,
+    )
     d = work / "kernels" / "cpt"
     common = dict(stage="cpt", stage_cfg=section, model_dir=dropout_model_dir, stage_dir=d)
-    shard = engine("shard", write_job(work / "jobs" / "kernels-shard.json", verb="shard", **common), nproc=1, timeout=FIRST_LAUNCH_TIMEOUT)
+    shard = engine(
+        "shard",
+        write_job(work / "jobs" / "kernels-shard.json", verb="shard", **common),
+        nproc=1,
+        timeout=FIRST_LAUNCH_TIMEOUT,
+    )
     train = engine("train", write_job(work / "jobs" / "kernels-train.json", verb="train", **common), nproc=1)
     want = resolve_for("hybrid_parallel", "bf16", Facts.detect(cuda=True, model_type="llama"))
-    assert want["flash_attention"].reason == "on (shardformer)" and want["fused_optimizer"].reason == "on (torch AdamW fused)"
+    assert (
+        want["flash_attention"].reason == "on (shardformer)"
+        and want["fused_optimizer"].reason == "on (torch AdamW fused)"
+    )
     for step in (0, 2, 4):
         meta = check_checkpoint(d / f"step-{step:06d}", step, "cpt", "0" * 64)["meta"]
         # what ran is what the registry decides here: a kernel that failed to load would say so instead
@@ -278,7 +338,9 @@ def test_a_stage_runs_with_the_kernels_on_and_its_manifests_record_them(work, dr
         assert meta["activation_checkpointing"] is True
     assert meta["kernels"]["jit_fused"] == "off: ColossalAI 0.5.0's llama policy has no shardformer JIT fused ops"
     for run in (shard, train):
-        assert "kernels: flash attention: on (shardformer);" in run.output and "activation checkpointing: on" in run.output
+        assert (
+            "kernels: flash attention: on (shardformer);" in run.output and "activation checkpointing: on" in run.output
+        )
         assert "failed to load" not in run.output, run.output[-3000:]
     losses = train_state(d / "step-000004")["losses"]
     assert len(losses) == 4 and all(math.isfinite(x) and x < 20 for x in losses), losses
@@ -339,10 +401,20 @@ def _roundtrip_worker(model_dir: Path, out: Path, plugin: dict | None = None) ->
     data_dir = prepared_data(section, "sft", model_dir, out / "data-sft")  # StageData reads prepared token shards
 
     def job(name: str):
-        return parse_job({
-            "verb": "shard", "stage": "sft", "stage_cfg": section, "trust_remote_code": False, "model_dir": str(model_dir), "tokenizer_dir": str(model_dir),
-            "data_dir": str(data_dir), "stage_dir": str(out / name / "sft"), "parent": None, "config_digest": "0" * 64,
-        })
+        return parse_job(
+            {
+                "verb": "shard",
+                "stage": "sft",
+                "stage_cfg": section,
+                "trust_remote_code": False,
+                "model_dir": str(model_dir),
+                "tokenizer_dir": str(model_dir),
+                "data_dir": str(data_dir),
+                "stage_dir": str(out / name / "sft"),
+                "parent": None,
+                "config_digest": "0" * 64,
+            }
+        )
 
     first = job("first")
     a = Engine(first, Injector("sft", first.stage_dir, 0, 1, value=""))
@@ -351,8 +423,17 @@ def _roundtrip_worker(model_dir: Path, out: Path, plugin: dict | None = None) ->
     data = StageData(first, 0, 1)
     losses = [a.train_step(data.next_batch()[0]) for _ in range(2)]
     sampler = data.sampler.state_dict()
-    state = {"stage": "sft", "step": 2, "max_steps": section["max_steps"], "tokens_seen": 0, "sampler": sampler,
-             "epoch": sampler["epoch"], "losses": losses, "lrs": [], "lr": float(a.scheduler.get_last_lr()[0])}
+    state = {
+        "stage": "sft",
+        "step": 2,
+        "max_steps": section["max_steps"],
+        "tokens_seen": 0,
+        "sampler": sampler,
+        "epoch": sampler["epoch"],
+        "losses": losses,
+        "lrs": [],
+        "lr": float(a.scheduler.get_last_lr()[0]),
+    }
     saved = a.save(2, state)
 
     second = job("second")
@@ -369,6 +450,11 @@ if __name__ == "__main__":
     ap.add_argument("--worker", choices=["roundtrip"], required=True)
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--work", type=Path, required=True)
-    ap.add_argument("--plugin", type=json.loads, default=None, help="plugin section as JSON (default Gemini; a CPU plugin to check this worker without CUDA)")
+    ap.add_argument(
+        "--plugin",
+        type=json.loads,
+        default=None,
+        help="plugin section as JSON (default Gemini; a CPU plugin to check this worker without CUDA)",
+    )
     a = ap.parse_args()
     _roundtrip_worker(a.model, a.work, a.plugin)

@@ -40,7 +40,9 @@ def large_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_sharded_construction_on_cuda_keeps_host_memory_under_1gb_plus_the_largest_tensor(large_model_dir, tmp_path, tp):
+def test_sharded_construction_on_cuda_keeps_host_memory_under_1gb_plus_the_largest_tensor(
+    large_model_dir, tmp_path, tp
+):
     import torch
 
     from tasks.core.models.families import count_parameters, largest_tensor
@@ -52,10 +54,20 @@ def test_sharded_construction_on_cuda_keeps_host_memory_under_1gb_plus_the_large
     assert whole > 2 * (GB + largest), "the model is too small for the bound to say anything"
     plugin = {"name": "hybrid_parallel", "tp_size": tp, "precision": "fp32"}
     section = stage_raw("cpt", plugin, launch={"nproc_per_node": tp}, kernels={"flash_attention": False})
-    job = write_job(tmp_path / "shard.json", verb="shard", stage="cpt", stage_cfg=section, model_dir=large_model_dir, stage_dir=tmp_path / "cpt")
+    job = write_job(
+        tmp_path / "shard.json",
+        verb="shard",
+        stage="cpt",
+        stage_cfg=section,
+        model_dir=large_model_dir,
+        stage_dir=tmp_path / "cpt",
+    )
     run = engine("shard", job, nproc=tp, env={"CPT_TO_SFT_FAULT": "fail@save=0:model"}, expect_ok=False, timeout=1200)
     peaks = {int(r): int(b) for r, b in CONSTRUCTION.findall(run.output)}
     assert sorted(peaks) == list(range(tp)), run.output[-4000:]
     for rank, added in peaks.items():
-        assert added < GB + largest, f"rank {rank}: construction took {added / GB:.2f} GB of host memory (model {whole / GB:.2f} GB, largest tensor {largest / GB:.3f} GB)"
+        assert added < GB + largest, (
+            f"rank {rank}: construction took {added / GB:.2f} GB of host memory (model {whole / GB:.2f} GB, largest "
+            f"tensor {largest / GB:.3f} GB)"
+        )
     assert "injected failure" in run.output  # it stopped where the test stopped it, not earlier

@@ -38,7 +38,9 @@ def base(tmp_path_factory) -> Path:
     from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
     from tasks.core.run.manifest import write_manifest
 
-    out = build_tiny_model(tmp_path_factory.mktemp("gpu-lora") / "cpt-hf", build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
+    out = build_tiny_model(
+        tmp_path_factory.mktemp("gpu-lora") / "cpt-hf", build_tokenizer(DEFAULT_CORPUS, vocab_size=512)
+    )
     write_manifest(out, kind="hf-model")
     return out
 
@@ -50,7 +52,9 @@ def test_lora_sft_runs_with_the_fast_kernels_on_and_exports(base, tmp_path):
     from tasks.core.run.manifest import manifest_digest
     from tasks.engine.checkpoint import check_checkpoint
 
-    section = stage_raw("sft", LLZ, lora=LORA, launch={"nproc_per_node": 1}, max_steps=4, checkpoint_every=2, keep_last=3)
+    section = stage_raw(
+        "sft", LLZ, lora=LORA, launch={"nproc_per_node": 1}, max_steps=4, checkpoint_every=2, keep_last=3
+    )
     d = tmp_path / "sft"
     common = dict(stage="sft", stage_cfg=section, model_dir=base, tokenizer_dir=base, stage_dir=d)
     shard = engine("shard", write_job(tmp_path / "jobs" / "shard.json", verb="shard", **common), nproc=1, timeout=900)
@@ -59,7 +63,9 @@ def test_lora_sft_runs_with_the_fast_kernels_on_and_exports(base, tmp_path):
     assert want["fused_optimizer"].reason.startswith("on"), want
     for step in (0, 2, 4):
         meta = check_checkpoint(d / f"step-{step:06d}", step, "sft", "0" * 64)["meta"]
-        assert meta["kernels"] == {n: s.reason for n, s in want.items()}, meta["kernels"]  # what ran is what the registry decides here
+        assert meta["kernels"] == {n: s.reason for n, s in want.items()}, meta[
+            "kernels"
+        ]  # what ran is what the registry decides here
         assert 0 < meta["lora"]["trainable_params"] < meta["lora"]["total_params"]
     for run in (shard, train):
         assert "failed to load" not in run.output, run.output[-3000:]
@@ -70,8 +76,14 @@ def test_lora_sft_runs_with_the_fast_kernels_on_and_exports(base, tmp_path):
     assert built["verification"]["fingerprint_match"], built["verification"]
     adapter = tmp_path / "export-adapter"
     adapter.mkdir()
-    a = build_adapter_dir(d / "step-000004" / "adapter", adapter, base, tmp_path / "export",
-                          base_ref={"name_or_path": str(base), "digest": manifest_digest(base)}, rtol=built["verification"]["fingerprint_rtol"])
+    a = build_adapter_dir(
+        d / "step-000004" / "adapter",
+        adapter,
+        base,
+        tmp_path / "export",
+        base_ref={"name_or_path": str(base), "digest": manifest_digest(base)},
+        rtol=built["verification"]["fingerprint_rtol"],
+    )
     assert a["fingerprint_match"], a
 
 
@@ -83,7 +95,9 @@ def _qlora_model(base_dir: Path):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
-    q = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=quant, torch_dtype=torch.float32, device_map={"": 0})
+    q = AutoModelForCausalLM.from_pretrained(
+        base_dir, quantization_config=quant, torch_dtype=torch.float32, device_map={"": 0}
+    )
     torch.manual_seed(0)
     return get_peft_model(q, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)).eval()
 
@@ -122,7 +136,9 @@ def test_qlora_stays_refused_because_the_merge_onto_the_unquantized_base_is_anot
     state = deq.state_dict()
     for name, module in qlora.get_base_model().named_modules():
         if isinstance(module, bnb.nn.Linear4bit):  # peft wraps each one: <projection>.base_layer
-            state[name.removesuffix(".base_layer") + ".weight"] = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float().cpu()
+            state[name.removesuffix(".base_layer") + ".weight"] = (
+                bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float().cpu()
+            )
     deq.load_state_dict(state)
     merged = PeftModel.from_pretrained(deq, tmp_path / "ckpt" / "adapter").merge_and_unload().eval()
     back = compare_logits(model_logits(merged, 512), trained_in, 1e-3)

@@ -45,23 +45,44 @@ def fake_export(run_root: Path, seed: int = 0, stray: str | None = None) -> dict
         shutil.rmtree(d)
     (d / PROVENANCE_DIR).mkdir(parents=True)
     block = hashlib.sha256(f"export-{seed}".encode()).digest() * 64
-    shards = {"model-00001-of-00002.safetensors": block * ((1536 * KB) // len(block)), "model-00002-of-00002.safetensors": block[:700] * 3}
+    shards = {
+        "model-00001-of-00002.safetensors": block * ((1536 * KB) // len(block)),
+        "model-00002-of-00002.safetensors": block[:700] * 3,
+    }
     for name, blob in shards.items():  # > the server's 1 MiB multipart threshold, and a small one
         (d / name).write_bytes(blob)
-    index = {"metadata": {"total_size": sum(map(len, shards.values()))}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}
+    index = {
+        "metadata": {"total_size": sum(map(len, shards.values()))},
+        "weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"},
+    }
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     (d / "config.json").write_text(json.dumps({"model_type": "llama", "seed": seed}))
     (d / "tokenizer.json").write_text(json.dumps({"version": "1.0"}))
     if stray:
         (d / stray).write_bytes(b"not a weight" * 10)
     verification = {
-        "dtype": "bf16", "tensors": 12, "fingerprint_max_abs_diff": 0.01, "fingerprint_max_abs_logit": 10.0, "fingerprint_rel_diff": 0.001,
-        "fingerprint_rtol": 0.04, "top1_agreement": 1.0, "fingerprint_match": True, "weights_bitwise": {"tensors": 12},
+        "dtype": "bf16",
+        "tensors": 12,
+        "fingerprint_max_abs_diff": 0.01,
+        "fingerprint_max_abs_logit": 10.0,
+        "fingerprint_rel_diff": 0.001,
+        "fingerprint_rtol": 0.04,
+        "top1_agreement": 1.0,
+        "fingerprint_match": True,
+        "weights_bitwise": {"tensors": 12},
         "stop_tokens": {"base_eos_token_id": [1], "eos_token_id": [1, 4], "added": [{"id": 4, "token": "<|im_end|>"}]},
     }
     (d / PROVENANCE_DIR / "verification.json").write_text(json.dumps(verification))
     (d / PROVENANCE_DIR / "fingerprint.npy").write_bytes(block[:96] + bytes([seed]))
-    return write_manifest(d, kind="hf-export", meta={"dtype": "bf16", "verification": verification, "versions": {"torch": "2.x", "colossalai": "0.5.0", "transformers": "4.x"}})
+    return write_manifest(
+        d,
+        kind="hf-export",
+        meta={
+            "dtype": "bf16",
+            "verification": verification,
+            "versions": {"torch": "2.x", "colossalai": "0.5.0", "transformers": "4.x"},
+        },
+    )
 
 
 RESULTS = {
@@ -82,7 +103,9 @@ def assert_repo_holds_export(api, repo_id: str, export_dir: Path, manifest: dict
     assert set(manifest["files"]) | {"README.md", ".gitattributes", MANIFEST} == set(tree)
     index = json.loads((export_dir / "model.safetensors.index.json").read_text())
     assert sorted(n for n in tree if n.endswith(".safetensors")) == sorted(set(index["weight_map"].values()))
-    assert sha256_file(Path(hf_hub_download(repo_id, MANIFEST, revision=revision))) == sha256_file(export_dir / MANIFEST)
+    assert sha256_file(Path(hf_hub_download(repo_id, MANIFEST, revision=revision))) == sha256_file(
+        export_dir / MANIFEST
+    )
     for name, entry in manifest["files"].items():
         remote = tree[name]
         assert remote.size == entry["size"], name
@@ -111,8 +134,23 @@ def test_model_card_metadata_and_body(tmp_path):
     assert card.data.base_model == "org/base-model" and card.data.library_name == "transformers"
     assert card.data.license == "apache-2.0" and {"cpt-to-sft", "colossalai", "tiny"} <= set(card.data.tags)
     assert card.data.datasets is None  # local data files are not Hub datasets
-    for words in ("hybrid_parallel", "tp=2", "low_level_zero", "zero=2", "2.5000", "1.2500", "passed", "tolerance 0.04", "bitwise",
-                  "AdamW lr 0.003", "| seq_len | 64 | 128 |", "colossalai 0.5.0", "`<|im_end|>` (4)", 'model_id = "org/card"', "apply_chat_template"):
+    for words in (
+        "hybrid_parallel",
+        "tp=2",
+        "low_level_zero",
+        "zero=2",
+        "2.5000",
+        "1.2500",
+        "passed",
+        "tolerance 0.04",
+        "bitwise",
+        "AdamW lr 0.003",
+        "| seq_len | 64 | 128 |",
+        "colossalai 0.5.0",
+        "`<|im_end|>` (4)",
+        'model_id = "org/card"',
+        "apply_chat_template",
+    ):
         assert words in text, words
     # A re-run whose training stages were skipped renders the same card (losses from the checkpoints).
     ckpt = tmp_path / "cpt" / f"step-{cfg.cpt.max_steps:06d}"
@@ -134,9 +172,15 @@ def test_load_from_hf_pins_the_commit_and_records_it(token_env, prefect_harness,
     api = HfApi(token=hub.token)
     api.create_repo("org/tiny-base", private=True, exist_ok=True)
     files = sorted(p for p in tiny_model_dir.rglob("*") if p.is_file())
-    first = api.create_commit("org/tiny-base", [CommitOperationAdd(p.relative_to(tiny_model_dir).as_posix(), str(p)) for p in files], commit_message="tiny base")
+    first = api.create_commit(
+        "org/tiny-base",
+        [CommitOperationAdd(p.relative_to(tiny_model_dir).as_posix(), str(p)) for p in files],
+        commit_message="tiny base",
+    )
     marker = b'{"_from_model_config": true, "marker": "later"}'
-    api.create_commit("org/tiny-base", [CommitOperationAdd("generation_config.json", marker)], commit_message="later change")
+    api.create_commit(
+        "org/tiny-base", [CommitOperationAdd("generation_config.json", marker)], commit_message="later change"
+    )
 
     # Pinned to the first commit: the later change must not leak in.
     cfg = config(tmp_path / "run", base="org/tiny-base")
@@ -168,7 +212,9 @@ def test_push_makes_one_commit_and_a_repush_uploads_nothing(token_env, prefect_h
 
     hub = token_env
     fake_export(tmp_path / "run")
-    cfg = config(tmp_path / "run", repo_id="org/pushed", license="apache-2.0", tags=["tiny"], commit_message="release 1")
+    cfg = config(
+        tmp_path / "run", repo_id="org/pushed", license="apache-2.0", tags=["tiny"], commit_message="release 1"
+    )
     # The run writes the card into the export (a view its manifest lists); the push sends that file.
     assert write_card(cfg, RESULTS) == (str(tmp_path / "run" / "export" / "README.md"), True)
     manifest = read_manifest(tmp_path / "run" / "export")
@@ -180,7 +226,10 @@ def test_push_makes_one_commit_and_a_repush_uploads_nothing(token_env, prefect_h
     commits = api.list_repo_commits("org/pushed")
     assert [c.title for c in commits] == ["release 1", "initial commit"]
     assert after["commits"] - before["commits"] == 1
-    assert result.detail["commit_url"] == f"{hub.endpoint}/org/pushed/commit/{commits[0].commit_id}" and result.detail["changed"]
+    assert (
+        result.detail["commit_url"] == f"{hub.endpoint}/org/pushed/commit/{commits[0].commit_id}"
+        and result.detail["changed"]
+    )
     assert_repo_holds_export(api, "org/pushed", tmp_path / "run" / "export", manifest)
     card = ModelCard.load("org/pushed", token=hub.token)
     assert card.data.license == "apache-2.0" and card.data.base_model == "org/base-model" and "tiny" in card.data.tags
@@ -200,7 +249,9 @@ def test_push_makes_one_commit_and_a_repush_uploads_nothing(token_env, prefect_h
     dev = push_to_hub(cfg_dev, RESULTS)
     assert api.list_repo_commits("org/pushed", revision="dev")[0].title == "to dev"
     assert api.repo_info("org/pushed").sha == commits[0].commit_id
-    assert dev.detail["revision"] == "dev" and dev.detail["commit_url"].endswith(api.repo_info("org/pushed", revision="dev").sha)
+    assert dev.detail["revision"] == "dev" and dev.detail["commit_url"].endswith(
+        api.repo_info("org/pushed", revision="dev").sha
+    )
 
 
 def test_dropped_lfs_upload_is_retried_into_exactly_one_commit(token_env, prefect_harness, tmp_path):
@@ -241,13 +292,18 @@ def test_push_that_cannot_finish_leaves_the_repo_as_it_was(token_env, prefect_ha
     hub.set_faults(lfs_complete=100)
     try:
         with pytest.raises(RuntimeError):  # huggingface_hub: "Error while uploading 'model.safetensors' to the Hub."
-            push_to_hub.with_options(retries=1, retry_delay_seconds=0)(config(tmp_path / "run", repo_id="org/stuck", commit_message="v2"), RESULTS)
+            push_to_hub.with_options(retries=1, retry_delay_seconds=0)(
+                config(tmp_path / "run", repo_id="org/stuck", commit_message="v2"), RESULTS
+            )
     finally:
         hub.set_faults()
     assert api.repo_info("org/stuck").sha == head
     assert [c.title for c in api.list_repo_commits("org/stuck")] == ["v1", "initial commit"]
     assert {p: (f.size, f.blob_id) for p, f in hub_tree(api, "org/stuck").items()} == tree
-    assert hub_tree(api, "org/stuck")["model-00001-of-00002.safetensors"].lfs.sha256 == first["files"]["model-00001-of-00002.safetensors"]["sha256"]
+    assert (
+        hub_tree(api, "org/stuck")["model-00001-of-00002.safetensors"].lfs.sha256
+        == first["files"]["model-00001-of-00002.safetensors"]["sha256"]
+    )
 
 
 def test_missing_token_is_a_clear_error(hub_env, prefect_harness, tmp_path):
@@ -273,7 +329,9 @@ def test_provenance_is_a_config_choice_and_a_stray_safetensors_is_refused(token_
 
     # The old layout's fingerprint.safetensors beside the weights is never pushed.
     fake_export(tmp_path / "run", seed=4, stray="fingerprint.safetensors")
-    with pytest.raises(RuntimeError, match=r"fingerprint\.safetensors: a \.safetensors file that is not a weight shard"):
+    with pytest.raises(
+        RuntimeError, match=r"fingerprint\.safetensors: a \.safetensors file that is not a weight shard"
+    ):
         push_to_hub.with_options(retries=0)(config(tmp_path / "run", repo_id="org/stray"), RESULTS)
     assert not HfApi(token=hub.token).repo_exists("org/stray")
 
@@ -281,7 +339,11 @@ def test_provenance_is_a_config_choice_and_a_stray_safetensors_is_refused(token_
     # the new commit removes them, so the repo holds no *.safetensors but the index's shards.
     api = HfApi(token=hub.token)
     api.create_repo("org/old-layout", private=True)
-    api.create_commit("org/old-layout", [CommitOperationAdd(n, b"old " + n.encode()) for n in ("fingerprint.safetensors", "model.safetensors")], commit_message="old")
+    api.create_commit(
+        "org/old-layout",
+        [CommitOperationAdd(n, b"old " + n.encode()) for n in ("fingerprint.safetensors", "model.safetensors")],
+        commit_message="old",
+    )
     manifest = fake_export(tmp_path / "run", seed=6)
     push_to_hub(config(tmp_path / "run", repo_id="org/old-layout"), RESULTS)
     assert_repo_holds_export(api, "org/old-layout", tmp_path / "run" / "export", manifest)
@@ -297,7 +359,9 @@ def test_a_refused_token_fails_the_push_at_once_naming_its_source(hub_env, prefe
     monkeypatch.setenv("HF_TOKEN", wrong)
     fake_export(tmp_path / "run", seed=7)
     started = time.monotonic()
-    with pytest.raises(HubTokenRefused, match=r"refuses the token from HF_TOKEN \(the environment\) \(HTTP 401") as info:
+    with pytest.raises(
+        HubTokenRefused, match=r"refuses the token from HF_TOKEN \(the environment\) \(HTTP 401"
+    ) as info:
         push_to_hub(config(tmp_path / "run", repo_id="org/refused"), RESULTS)  # the task's own retries=3
     assert time.monotonic() - started < 15, "a refused token was retried"
     assert wrong not in str(info.value) and hub_env.endpoint in str(info.value)
@@ -305,7 +369,9 @@ def test_a_refused_token_fails_the_push_at_once_naming_its_source(hub_env, prefe
     monkeypatch.setenv("HF_TOKEN", hub_env.token)
     fake_export(tmp_path / "run", seed=8, stray="model-extra.safetensors")
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"holds model-extra\.safetensors: a \.safetensors file that is not a weight shard"):
+    with pytest.raises(
+        RuntimeError, match=r"holds model-extra\.safetensors: a \.safetensors file that is not a weight shard"
+    ):
         push_to_hub(config(tmp_path / "run", repo_id="org/refused"), RESULTS)
     assert time.monotonic() - started < 15, "a refused folder was retried"
 
@@ -330,7 +396,9 @@ def test_a_token_saved_by_login_is_used_by_push_and_preflight(hub_env, prefect_h
     manifest = fake_export(tmp_path / "run", seed=5)
     result = push_to_hub.with_options(retries=0)(config(tmp_path / "run", repo_id="org/logged-in"), RESULTS)
     assert result.detail["changed"]
-    assert_repo_holds_export(huggingface_hub.HfApi(token=hub.token), "org/logged-in", tmp_path / "run" / "export", manifest)
+    assert_repo_holds_export(
+        huggingface_hub.HfApi(token=hub.token), "org/logged-in", tmp_path / "run" / "export", manifest
+    )
 
 
 # ---- token hygiene over a whole (small) flow run -----------------------------------------------
@@ -365,15 +433,23 @@ async def _everything_recorded(flow_run_id) -> tuple[list[str], list[str]]:
     async with get_client() as client:
         logs, offset = [], 0
         while True:
-            page = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=offset)
+            page = await client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=offset
+            )
             logs += page
             offset += len(page)
             if len(page) < 200:
                 break
-        artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        artifacts = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
         flow_run = await client.read_flow_run(flow_run_id)
         task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    records = [a.model_dump_json() for a in artifacts] + [flow_run.model_dump_json()] + [t.model_dump_json() for t in task_runs]
+    records = (
+        [a.model_dump_json() for a in artifacts]
+        + [flow_run.model_dump_json()]
+        + [t.model_dump_json() for t in task_runs]
+    )
     return [f"{log.name} {log.message}" for log in logs], records
 
 
@@ -387,12 +463,20 @@ def test_token_never_reaches_logs_artifacts_or_the_repo(hub_env, prefect_harness
     api = HfApi(token=token)
     api.create_repo("org/hygiene-base", private=True, exist_ok=True)
     files = sorted(p for p in tiny_model_dir.rglob("*") if p.is_file())
-    api.create_commit("org/hygiene-base", [CommitOperationAdd(p.relative_to(tiny_model_dir).as_posix(), str(p)) for p in files], commit_message="base")
+    api.create_commit(
+        "org/hygiene-base",
+        [CommitOperationAdd(p.relative_to(tiny_model_dir).as_posix(), str(p)) for p in files],
+        commit_message="base",
+    )
 
     run_root = tmp_path / "run"
     fake_export(run_root)
     raw = yaml.safe_load((REPO / "deployments" / "configs" / "tiny-cpu.yaml").read_text())
-    raw.update(run_root=str(run_root), name="hygiene", hub={"repo_id": "org/hygiene", "private": True, "commit_message": "hygiene"})
+    raw.update(
+        run_root=str(run_root),
+        name="hygiene",
+        hub={"repo_id": "org/hygiene", "private": True, "commit_message": "hygiene"},
+    )
     raw["base_model"]["uri"] = "org/hygiene-base"
     cfg_path = tmp_path / "hygiene.yaml"
     cfg_path.write_text(yaml.safe_dump(raw))

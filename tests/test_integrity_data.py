@@ -36,7 +36,14 @@ def _text_lines(n: int, tag: str = "r") -> list[str]:
 
 
 def _chat(i: int, reply: str | None = None) -> str:
-    return json.dumps({"messages": [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}." if reply is None else reply}]})
+    return json.dumps(
+        {
+            "messages": [
+                {"role": "user", "content": f"question {i}?"},
+                {"role": "assistant", "content": f"answer {i}." if reply is None else reply},
+            ]
+        }
+    )
 
 
 def _prep(uri, tokdir, out, kind="cpt", **kw):
@@ -45,13 +52,16 @@ def _prep(uri, tokdir, out, kind="cpt", **kw):
 
 # ---- records with no training signal, empty inputs ------------------------------------------------
 
+
 def test_an_empty_assistant_turn_is_a_bad_record_named_by_file_and_line(tokdir, tmp_path):
     lines = [_chat(i) for i in range(130)]
     lines[4] = _chat(4, "")  # line 5
     lines[119] = _chat(119, " \n\t")  # line 120: whitespace only
     src = tmp_path / "sft.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    with pytest.raises(BadRecordError, match=r"sft\.jsonl:5: message 1 \(assistant\) is empty.*data\.on_bad_record: skip"):
+    with pytest.raises(
+        BadRecordError, match=r"sft\.jsonl:5: message 1 \(assistant\) is empty.*data\.on_bad_record: skip"
+    ):
         _prep(str(src), tokdir, tmp_path / "err", kind="sft")
     r = _prep(str(src), tokdir, tmp_path / "skip", kind="sft", on_bad_record="skip")
     assert r.index["totals"]["skipped"] == 2 and r.index["totals"]["records"] == 128
@@ -68,7 +78,10 @@ def test_an_empty_cpt_text_is_a_bad_record(tokdir, tmp_path):
     with pytest.raises(BadRecordError, match=r"cpt\.jsonl:3: field 'text' is empty"):
         _prep(str(src), tokdir, tmp_path / "err")
     r = _prep(str(src), tokdir, tmp_path / "skip", on_bad_record="skip")
-    assert r.index["totals"]["skipped"] == 2 and [b.split(": ")[0] for b in r.index["files"][0]["bad_records"]] == [f"{src}:3", f"{src}:10"]
+    assert r.index["totals"]["skipped"] == 2 and [b.split(": ")[0] for b in r.index["files"][0]["bad_records"]] == [
+        f"{src}:3",
+        f"{src}:10",
+    ]
 
 
 def _corpus_with_empty_files(d: Path) -> Path:
@@ -107,18 +120,23 @@ def test_preflight_warns_about_and_counts_empty_input_files(tiny_model_dir, tmp_
     corpus = _corpus_with_empty_files(tmp_path / "corpus")
     report = _preflight_data(tiny_model_dir, tmp_path, str(corpus))
     assert not [p for p in report.problems if p[0].startswith("cpt")], report.problems
-    assert [w for w in report.warnings if "cpt.data.uri: 2 empty input file(s)" in w and "a.jsonl" in w and "b.jsonl" in w], report.warnings
+    assert [
+        w for w in report.warnings if "cpt.data.uri: 2 empty input file(s)" in w and "a.jsonl" in w and "b.jsonl" in w
+    ], report.warnings
     assert any("cpt data" in c and "c.jsonl" in c for c in report.checked), report.checked
 
 
 # ---- readers take what producers write ----------------------------------------------------------
+
 
 def _bom_crlf(path: Path, lines: list[str]) -> Path:
     path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode())  # BOM, CRLF, no newline after the last line
     return path
 
 
-def test_bom_crlf_and_a_last_line_without_newline_read_in_the_reader_the_stage_and_preflight(tokdir, tiny_model_dir, tmp_path):
+def test_bom_crlf_and_a_last_line_without_newline_read_in_the_reader_the_stage_and_preflight(
+    tokdir, tiny_model_dir, tmp_path
+):
     src = _bom_crlf(tmp_path / "cpt.jsonl", _text_lines(50))
     recs = list(iter_records(str(src)))
     assert [n for n, _ in recs] == list(range(1, 51)) and recs[-1][1] == json.loads(_text_lines(50)[-1])
@@ -132,12 +150,15 @@ def test_bom_crlf_and_a_last_line_without_newline_read_in_the_reader_the_stage_a
 
 # ---- compressed streams ----------------------------------------------------------------------------
 
+
 def _zst_blocks(lines: list[str], every: int) -> tuple[bytes, list[int]]:
     """One zstd frame, a block flushed after every `every` lines; the byte offsets after each flush."""
     c = zstandard.ZstdCompressor().compressobj()
     out, cuts = b"", []
     for i in range(0, len(lines), every):
-        out += c.compress("".join(x + "\n" for x in lines[i:i + every]).encode()) + c.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+        out += c.compress("".join(x + "\n" for x in lines[i : i + every]).encode()) + c.flush(
+            zstandard.COMPRESSOBJ_FLUSH_BLOCK
+        )
         cuts.append(len(out))
     return out + c.flush(), cuts
 
@@ -146,7 +167,10 @@ def test_a_truncated_zst_is_a_file_error_with_its_byte_offset_not_an_empty_file(
     whole = zstandard.ZstdCompressor().compress("".join(x + "\n" for x in _text_lines(600)).encode())
     src = tmp_path / "one-block.jsonl.zst"
     src.write_bytes(whole[: len(whole) // 2])
-    with pytest.raises(CorruptFileError, match=rf"{src}: the \.zst stream is truncated or corrupt at compressed byte {len(whole) // 2:,}"):
+    with pytest.raises(
+        CorruptFileError,
+        match=rf"{src}: the \.zst stream is truncated or corrupt at compressed byte {len(whole) // 2:,}",
+    ):
         _prep(str(src), tokdir, tmp_path / "a", on_bad_record="skip")
 
 
@@ -155,7 +179,11 @@ def test_a_zst_cut_at_a_line_boundary_is_never_skipped_into_training(tokdir, tmp
     src = tmp_path / "cut.jsonl.zst"
     src.write_bytes(blob[: cuts[6]])  # 280 whole lines, no end of frame
     for on_bad in ("error", "skip"):
-        with pytest.raises(CorruptFileError, match=rf"cut\.jsonl\.zst: the \.zst stream is truncated or corrupt at compressed byte {cuts[6]:,}.*on_bad_record does not apply"):
+        with pytest.raises(
+            CorruptFileError,
+            match=r"cut\.jsonl\.zst: the \.zst stream is truncated or corrupt at compressed byte "
+            rf"{cuts[6]:,}.*on_bad_record does not apply",
+        ):
             _prep(str(src), tokdir, tmp_path / on_bad, on_bad_record=on_bad)
     (tmp_path / "whole.jsonl.zst").write_bytes(blob)
     assert _prep(str(tmp_path / "whole.jsonl.zst"), tokdir, tmp_path / "whole").index["totals"]["records"] == 600
@@ -166,18 +194,24 @@ def test_truncated_or_corrupt_gz_and_bz2_are_file_errors(tokdir, tmp_path, suffi
     blob = compress("".join(x + "\n" for x in _text_lines(600)).encode())
     cut = tmp_path / f"cut.jsonl{suffix}"
     cut.write_bytes(blob[: len(blob) * 2 // 3])
-    with pytest.raises(CorruptFileError, match=rf"cut\.jsonl\{suffix}: the \{suffix} stream is truncated or corrupt at compressed byte [\d,]+"):
+    with pytest.raises(
+        CorruptFileError,
+        match=rf"cut\.jsonl\{suffix}: the \{suffix} stream is truncated or corrupt at compressed byte [\d,]+",
+    ):
         _prep(str(cut), tokdir, tmp_path / "cut", on_bad_record="skip")
     flipped = bytearray(blob)
     flipped[len(blob) // 2] ^= 0xFF
     bad = tmp_path / f"flip.jsonl{suffix}"
     bad.write_bytes(bytes(flipped))
     for on_bad in ("error", "skip"):  # whatever garbage it inflates to, the damage is what is named
-        with pytest.raises(CorruptFileError, match=rf"flip\.jsonl\{suffix}: the \{suffix} stream is truncated or corrupt"):
+        with pytest.raises(
+            CorruptFileError, match=rf"flip\.jsonl\{suffix}: the \{suffix} stream is truncated or corrupt"
+        ):
             _prep(str(bad), tokdir, tmp_path / f"flip-{on_bad}", on_bad_record=on_bad)
 
 
 # ---- the shard cache is untrusted --------------------------------------------------------------------
+
 
 def _flip(path: Path, at: int = 10) -> None:
     b = bytearray(path.read_bytes())
@@ -216,6 +250,8 @@ def test_a_damaged_shard_is_never_rebuilt_from_the_damaged_bytes(prefect_harness
     third = prepare_cpt(cfg)
     assert third.status == "completed" and third.detail["tokenized"] == 1  # a.jsonl, from its input
     [dropped] = third.detail["cache_dropped"]
-    assert dropped.startswith(f"{corpus / 'a.jsonl'}: its cached shard is dropped and tokenized again: {cached} fails its sha256 check"), dropped
+    assert dropped.startswith(
+        f"{corpus / 'a.jsonl'}: its cached shard is dropped and tokenized again: {cached} fails its sha256 check"
+    ), dropped
     assert json.loads((art / MANIFEST).read_text())["files"][tokens]["sha256"] == original[tokens]["sha256"]
     assert json.loads((art / MANIFEST).read_text())["files"] == original

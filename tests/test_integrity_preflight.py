@@ -43,7 +43,10 @@ def test_verify_refuses_a_stray_safetensors_the_manifest_does_not_list(tmp_path,
     (tmp_path / "run" / "export" / "model-extra.safetensors").write_bytes(b"not a weight")
     assert main(["verify", "--no-fingerprint", str(tmp_path / "run")]) == 1
     out = capsys.readouterr().out
-    assert "holds model-extra.safetensors: a .safetensors file that is not a weight shard" in out and "0 of 1 artifacts verify" in out, out
+    assert (
+        "holds model-extra.safetensors: a .safetensors file that is not a weight shard" in out
+        and "0 of 1 artifacts verify" in out
+    ), out
 
 
 def test_verify_refuses_an_adapter_beside_merged_weights(tmp_path, capsys):
@@ -109,7 +112,9 @@ def test_preflight_refuses_a_token_the_hub_rejects_naming_its_source(hub_env, tm
     monkeypatch.setenv("HF_TOKEN", hub_env.token)
     report = check(write_config(tmp_path / "c.yaml", case.raw))
     assert report.ok, report.text()
-    assert any("accepts the token from HF_TOKEN (the environment) (user test-user" in c for c in report.checked), report.text()
+    assert any("accepts the token from HF_TOKEN (the environment) (user test-user" in c for c in report.checked), (
+        report.text()
+    )
     assert hub_env.token not in report.text()
 
 
@@ -124,7 +129,9 @@ def test_the_secret_block_and_the_saved_login_are_named_as_sources(hub_env, tmp_
     from_block = find_hub_token(lambda: "hf_stale_secret_value")
     assert from_block.source == "the Prefect Secret block 'hf-token'" and "hf_stale" not in repr(from_block)
     report = _report(case, from_block)
-    assert any(f == "hub" and "refuses the token from the Prefect Secret block 'hf-token'" in m for f, m in report.problems), report.text()
+    assert any(
+        f == "hub" and "refuses the token from the Prefect Secret block 'hf-token'" in m for f, m in report.problems
+    ), report.text()
 
     saved = tmp_path / "hf-home" / "token"
     saved.parent.mkdir(parents=True, exist_ok=True)
@@ -133,7 +140,10 @@ def test_the_secret_block_and_the_saved_login_are_named_as_sources(hub_env, tmp_
     from_login = find_hub_token(lambda: None)
     assert from_login.source == f"the token `hf auth login` saved ({saved})"
     report = _report(case, from_login)
-    assert any(f == "hub" and f"refuses the token from the token `hf auth login` saved ({saved})" in m for f, m in report.problems), report.text()
+    assert any(
+        f == "hub" and f"refuses the token from the token `hf auth login` saved ({saved})" in m
+        for f, m in report.problems
+    ), report.text()
     assert "hf_stale_login_value" not in report.text()
 
 
@@ -145,7 +155,9 @@ def test_an_unreachable_hub_is_a_warning_not_a_refusal(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
     report = _report(_hub_case(tmp_path), HubToken("hf_x", "HF_TOKEN (the environment)"))
     assert report.ok, report.text()
-    assert any("was not verified: http://127.0.0.1:9 did not answer whoami" in w for w in report.warnings), report.text()
+    assert any("was not verified: http://127.0.0.1:9 did not answer whoami" in w for w in report.warnings), (
+        report.text()
+    )
 
 
 # ---- (6) errors that cannot heal are not retried -----------------------------------------------
@@ -177,7 +189,13 @@ def test_errors_that_cannot_heal_are_not_retried():
             raise OSError("Unable to load weights") from inner
     except OSError as wrapped:
         assert cannot_heal(wrapped)
-    for healable in (_http_error(500), _http_error(429), ConnectionError("reset by peer"), TimeoutError("read timed out"), OSError("No space left")):
+    for healable in (
+        _http_error(500),
+        _http_error(429),
+        ConnectionError("reset by peer"),
+        TimeoutError("read timed out"),
+        OSError("No space left"),
+    ):
         assert not cannot_heal(healable), healable
 
 
@@ -196,7 +214,9 @@ def test_a_run_root_inside_a_data_directory_is_refused_naming_both(tmp_path):
     case.raw["run_root"] = str(corpus / "runs" / "demo")
     report = case.report()
     msgs = [m for f, m in report.problems if f == "run_root"]
-    assert msgs and f"run_root {corpus}/runs/demo is inside the data source cpt.data.uri = {corpus}" in msgs[0], report.text()
+    assert msgs and f"run_root {corpus}/runs/demo is inside the data source cpt.data.uri = {corpus}" in msgs[0], (
+        report.text()
+    )
 
 
 def test_a_staging_dir_inside_a_data_directory_is_refused(tmp_path):
@@ -204,17 +224,23 @@ def test_a_staging_dir_inside_a_data_directory_is_refused(tmp_path):
     corpus = _corpus_dir(case)
     case.raw["staging_dir"] = str(corpus / "staging")
     report = case.report()
-    assert any(f == "staging_dir" and f"inside the data source cpt.data.uri = {corpus}" in m for f, m in report.problems), report.text()
+    assert any(
+        f == "staging_dir" and f"inside the data source cpt.data.uri = {corpus}" in m for f, m in report.problems
+    ), report.text()
 
 
 def test_a_data_source_inside_the_run_root_is_refused(tmp_path):
     case = Case(tmp_path)
     held = case.run_root / "data" / "sft" / "heldout.jsonl"  # a previous run's own held-out split
     held.parent.mkdir(parents=True)
-    held.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    held.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n"
+    )
     case.raw["sft"]["data"]["uri"] = str(held)
     report = case.report()
-    assert any(f == "sft.data.uri" and f"{held} is inside run_root = {case.run_root}" in m for f, m in report.problems), report.text()
+    assert any(
+        f == "sft.data.uri" and f"{held} is inside run_root = {case.run_root}" in m for f, m in report.problems
+    ), report.text()
 
 
 def test_separate_paths_pass(tmp_path):
@@ -222,7 +248,9 @@ def test_separate_paths_pass(tmp_path):
     _corpus_dir(case)
     report = case.report()
     assert report.ok, report.text()
-    assert any("do not contain one another" in c for c in report.checked) and any("every file resolves inside its directory" in c for c in report.checked)
+    assert any("do not contain one another" in c for c in report.checked) and any(
+        "every file resolves inside its directory" in c for c in report.checked
+    )
 
 
 def test_a_base_model_file_linking_outside_its_directory_is_refused_naming_link_and_target(tmp_path):
@@ -239,7 +267,10 @@ def test_a_base_model_file_linking_outside_its_directory_is_refused_naming_link_
 
     link.unlink()
     link.symlink_to(tmp_path / "gone.safetensors")
-    assert any(f"{link} is a link to {tmp_path / 'gone.safetensors'}, which does not exist" in m for _, m in case.report().problems)
+    assert any(
+        f"{link} is a link to {tmp_path / 'gone.safetensors'}, which does not exist" in m
+        for _, m in case.report().problems
+    )
 
 
 def test_a_hub_cache_snapshot_linking_into_its_blobs_is_accepted(tmp_path):

@@ -52,7 +52,12 @@ def test_on_cpu_every_kernel_is_off_with_its_reason_and_nothing_is_passed(tmp_pa
     assert list(resolve(cfg.sft, "sft", Facts(cuda=False))) == ["flash_attention", "fused_optimizer"]
     kw = plugin_kwargs(cfg.cpt.plugin, cfg.cpt, _layout(cfg.cpt, "cpt"), False, cpt)
     assert kw["enable_all_optimization"] is False
-    assert not {"enable_flash_attention", "enable_fused_normalization", "enable_jit_fused", "gradient_checkpoint_config"} & set(kw)
+    assert not {
+        "enable_flash_attention",
+        "enable_fused_normalization",
+        "enable_jit_fused",
+        "gradient_checkpoint_config",
+    } & set(kw)
 
 
 def test_with_cuda_the_builder_passes_the_flags_the_table_names(tmp_path):
@@ -68,27 +73,44 @@ def test_with_cuda_the_builder_passes_the_flags_the_table_names(tmp_path):
     llama = resolve(cfg.cpt, "cpt", Facts(cuda=True, packages=EVERYTHING, model_type="llama"))
     assert llama["jit_fused"].reason == "off: ColossalAI 0.5.0's llama policy has no shardformer JIT fused ops"
     bare = resolve(cfg.cpt, "cpt", Facts(cuda=True, model_type="llama"))
-    assert bare["fused_normalization"].reason == "off: apex not installed" and bare["flash_attention"].on  # torch's CUDA sdpa
+    assert (
+        bare["fused_normalization"].reason == "off: apex not installed" and bare["flash_attention"].on
+    )  # torch's CUDA sdpa
 
     # The plugins without shardformer: flash_attention_2 through from_pretrained, in half precision only.
     sft = resolve(cfg.sft, "sft", Facts(cuda=True, packages=EVERYTHING))  # low_level_zero bf16
-    assert passed(sft, "model") == {"attn_implementation": "flash_attention_2"} and passed(sft, "optimizer") == {"fused": True}
+    assert passed(sft, "model") == {"attn_implementation": "flash_attention_2"} and passed(sft, "optimizer") == {
+        "fused": True
+    }
     assert sft["flash_attention"].reason == "on (transformers flash_attention_2)"
     assert resolve(cfg.sft, "sft", Facts(cuda=True))["flash_attention"].reason == "off: flash_attn not installed"
     ddp32 = resolve_for("torch_ddp", "fp32", Facts(cuda=True, packages=EVERYTHING))
-    assert ddp32["flash_attention"].reason == "off: needs bf16 or fp16 (precision is fp32)" and ddp32["fused_optimizer"].on
-    assert list(resolve_for("gemini", "bf16", Facts(cuda=True, packages=EVERYTHING))) == ["flash_attention"]  # HybridAdam is Gemini's own
+    assert (
+        ddp32["flash_attention"].reason == "off: needs bf16 or fp16 (precision is fp32)" and ddp32["fused_optimizer"].on
+    )
+    assert list(resolve_for("gemini", "bf16", Facts(cuda=True, packages=EVERYTHING))) == [
+        "flash_attention"
+    ]  # HybridAdam is Gemini's own
 
     off = cfg.sft.model_copy(update={"kernels": {"flash_attention": False}})
-    assert resolve(off, "sft", Facts(cuda=True, packages=EVERYTHING))["flash_attention"].reason == "off: switched off in sft.kernels"
+    assert (
+        resolve(off, "sft", Facts(cuda=True, packages=EVERYTHING))["flash_attention"].reason
+        == "off: switched off in sft.kernels"
+    )
 
 
 def test_activation_checkpointing_reaches_shardformer_only_with_a_pipeline(tmp_path):
-    pp = {"plugin": {"name": "hybrid_parallel", "pp_size": 2, "precision": "fp32"}, "grad_accum_steps": 2, "activation_checkpointing": True}
+    pp = {
+        "plugin": {"name": "hybrid_parallel", "pp_size": 2, "precision": "fp32"},
+        "grad_accum_steps": 2,
+        "activation_checkpointing": True,
+    }
     cfg = _cfg(tmp_path, cpt=pp)
     kw = plugin_kwargs(cfg.cpt.plugin, cfg.cpt, _layout(cfg.cpt, "cpt"), False, {})
     assert kw["gradient_checkpoint_config"].gradient_checkpointing_ratio == 1.0
-    tp = _cfg(tmp_path, cpt={"activation_checkpointing": True}).cpt  # pp=1: the forward would read a stage manager that is None
+    tp = _cfg(
+        tmp_path, cpt={"activation_checkpointing": True}
+    ).cpt  # pp=1: the forward would read a stage manager that is None
     assert "gradient_checkpoint_config" not in plugin_kwargs(tp.plugin, tp, _layout(tp, "cpt"), False, {})
 
 
@@ -97,19 +119,28 @@ def test_an_unknown_kernel_is_refused_naming_the_field_and_the_registered_ones(t
     raw["sft"]["kernels"] = {"flash_atention": False}
     with pytest.raises(ConfigError) as err:
         parse_config(raw)
-    (where, msg), = err.value.problems
+    ((where, msg),) = err.value.problems
     assert where == "sft.kernels" and "unknown kernel(s) 'flash_atention'" in msg
     assert "registered kernels: flash_attention, fused_normalization, jit_fused, fused_optimizer" in msg
 
 
 def test_a_new_kernel_is_one_registry_row(tmp_path):
-    row = kernels.register(KernelSpec("dummy_fast", "a test kernel", "a dummy", ("torch_ddp",), "plugin", "dummy_flag", value=7, needs_cuda=False))
+    row = kernels.register(
+        KernelSpec(
+            "dummy_fast", "a test kernel", "a dummy", ("torch_ddp",), "plugin", "dummy_flag", value=7, needs_cuda=False
+        )
+    )
     try:
         with pytest.raises(ValueError, match="already has a row"):
             kernels.register(KernelSpec("dummy_fast", "again", "again", ("torch_ddp",), "model", "x"))
-        cfg = _cfg(tmp_path, sft={"plugin": {"name": "torch_ddp", "precision": "fp32"}, "kernels": {"dummy_fast": True}})
+        cfg = _cfg(
+            tmp_path, sft={"plugin": {"name": "torch_ddp", "precision": "fp32"}, "kernels": {"dummy_fast": True}}
+        )
         props = RunConfig.model_json_schema()["$defs"]["StageConfig"]["properties"]["kernels"]
-        assert "dummy_fast" in props["propertyNames"]["enum"] and "dummy_fast (a test kernel under torch_ddp)" in props["description"]
+        assert (
+            "dummy_fast" in props["propertyNames"]["enum"]
+            and "dummy_fast (a test kernel under torch_ddp)" in props["description"]
+        )
         states = resolve(cfg.sft, "sft", Facts(cuda=False))
         assert states["dummy_fast"].reason == "on (a test kernel)"  # needs no CUDA: on even here
         assert plugin_kwargs(cfg.sft.plugin, cfg.sft, _layout(cfg.sft, "sft"), False, states) == {"dummy_flag": 7}
@@ -124,22 +155,30 @@ def broken_packages(tmp_path, monkeypatch):
     """flash_attn and apex 'installed' but failing to import, as a build against another torch does."""
     for name in ("flash_attn", "apex"):
         (tmp_path / "site" / name).mkdir(parents=True)
-        (tmp_path / "site" / name / "__init__.py").write_text(f"raise ImportError('{name}_cuda.so: undefined symbol: _ZN3c10')\n")
+        (tmp_path / "site" / name / "__init__.py").write_text(
+            f"raise ImportError('{name}_cuda.so: undefined symbol: _ZN3c10')\n"
+        )
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     for name in ("flash_attn", "apex", "apex.normalization"):
         monkeypatch.delitem(sys.modules, name, raising=False)
 
 
-def test_a_kernel_that_fails_to_load_falls_back_with_a_warning_naming_it(tmp_path, broken_packages, capsys, tiny_model_dir):
+def test_a_kernel_that_fails_to_load_falls_back_with_a_warning_naming_it(
+    tmp_path, broken_packages, capsys, tiny_model_dir
+):
     from tasks.engine import accel
 
     cfg = _cfg(tmp_path, cpt={"plugin": {"name": "hybrid_parallel", "tp_size": 2, "precision": "bf16"}})
     # CUDA claimed, CPU device: ColossalAI's FlashAttentionLoader finds no usable kernel, apex does not import.
     states = accel.load_kernels(cfg.cpt, "cpt", tiny_model_dir, cuda=True, device=torch.device("cpu"), rank=0)
     flash, norm = states["flash_attention"], states["fused_normalization"]
-    assert not flash.on and flash.reason.startswith("off: failed to load: AssertionError: No usable kernel found for FlashAttentionLoader")
+    assert not flash.on and flash.reason.startswith(
+        "off: failed to load: AssertionError: No usable kernel found for FlashAttentionLoader"
+    )
     assert not norm.on and norm.reason == "off: failed to load: ImportError: apex_cuda.so: undefined symbol: _ZN3c10"
-    assert states["jit_fused"].reason == "off: ColossalAI 0.5.0's llama policy has no shardformer JIT fused ops"  # config.json says llama
+    assert (
+        states["jit_fused"].reason == "off: ColossalAI 0.5.0's llama policy has no shardformer JIT fused ops"
+    )  # config.json says llama
     assert states["fused_optimizer"].reason == "on (torch AdamW fused)"  # torch's fused AdamW also steps on CPU
     err = capsys.readouterr().err
     assert "kernel flash_attention (shardformer) failed to load: AssertionError" in err and "training without it" in err
@@ -155,7 +194,10 @@ def test_a_kernel_that_fails_to_load_falls_back_with_a_warning_naming_it(tmp_pat
     mc = AutoConfig.from_pretrained(tiny_model_dir)
     sft, model = accel.load_model(sft, lambda **kw: AutoModelForCausalLM.from_config(mc, **kw), rank=0)
     reason = sft["flash_attention"].reason  # transformers 4.51 looks for the distribution's metadata first
-    assert not sft["flash_attention"].on and reason == "off: failed to load: PackageNotFoundError: No package metadata was found for flash_attn"
+    assert (
+        not sft["flash_attention"].on
+        and reason == "off: failed to load: PackageNotFoundError: No package metadata was found for flash_attn"
+    )
     assert model.config._attn_implementation == "sdpa"
     assert "kernel flash_attention (transformers flash_attention_2) failed to load" in capsys.readouterr().err
 
@@ -173,11 +215,16 @@ def test_preflight_reports_each_stage_s_kernels(tmp_path):
     assert report.ok, report.problems
     lines = [c for c in report.checked if " kernels" in c]
     assert lines == [
-        ("cpt kernels: flash attention: off: no CUDA; fused normalization: off: no CUDA; jit fused: off: no CUDA; "
-         "fused optimizer: off: no CUDA; activation checkpointing: on"),
+        (
+            "cpt kernels: flash attention: off: no CUDA; fused normalization: off: no CUDA; jit fused: off: no CUDA; "
+            "fused optimizer: off: no CUDA; activation checkpointing: on"
+        ),
         "sft kernels: flash attention: off: no CUDA; fused optimizer: off: no CUDA; activation checkpointing: off",
     ]
-    assert "sft.kernels.fused_normalization: applies under hybrid_parallel only; ignored under plugin low_level_zero" in report.warnings
+    assert (
+        "sft.kernels.fused_normalization: applies under hybrid_parallel only; ignored under plugin low_level_zero"
+        in report.warnings
+    )
     case.machine = Machine(cuda_devices=2, cpu_count=2, free_bytes=10**13)
     gpu = case.report()
     assert any(c.startswith("cpt kernels: flash attention: on (shardformer);") for c in gpu.checked), gpu.checked
@@ -188,16 +235,23 @@ def test_the_card_and_the_checkpoint_manifest_carry_what_ran(tmp_path):
     from tasks.core.run.manifest import MANIFEST
 
     cfg = _cfg(tmp_path)
-    ran = {"cpt": {"flash_attention": "on (shardformer)", "fused_optimizer": "off: failed to load: RuntimeError: x"},
-           "sft": {"flash_attention": "off: no CUDA"}}
+    ran = {
+        "cpt": {"flash_attention": "on (shardformer)", "fused_optimizer": "off: failed to load: RuntimeError: x"},
+        "sft": {"flash_attention": "off: no CUDA"},
+    }
     for stage in ("cpt", "sft"):
         step = tmp_path / stage / f"step-{getattr(cfg, stage).max_steps:06d}"
         (step / MANIFEST).parent.mkdir(parents=True)
         (step / "train_state.json").write_text(json.dumps({"losses": [2.0]}))
-        (step / MANIFEST).write_text(json.dumps({"meta": {"kernels": ran[stage], "activation_checkpointing": stage == "sft"}}))
+        (step / MANIFEST).write_text(
+            json.dumps({"meta": {"kernels": ran[stage], "activation_checkpointing": stage == "sft"}})
+        )
     facts = train_facts(cfg, {}, lambda rel: (tmp_path / rel).read_text())
     card = model_card(cfg, {"meta": {}}, facts)
-    assert "| kernels | flash attention: on (shardformer); fused optimizer: off: failed to load: RuntimeError: x | flash attention: off: no CUDA |" in card
+    assert (
+        "| kernels | flash attention: on (shardformer); fused optimizer: off: failed to load: RuntimeError: x | flash "
+        "attention: off: no CUDA |" in card
+    )
     assert "| activation checkpointing | off | on |" in card
 
 
@@ -206,9 +260,16 @@ def test_the_progress_artifact_says_what_the_launch_runs_with(monkeypatch):
 
     sent = []
     monkeypatch.setattr(ui, "create_progress_artifact", lambda progress, key, description: "artifact-id")
-    monkeypatch.setattr(ui, "update_progress_artifact", lambda aid, progress, description: sent.append((progress, description)))
+    monkeypatch.setattr(
+        ui, "update_progress_artifact", lambda aid, progress, description: sent.append((progress, description))
+    )
     progress = ui.Progress("sft", 2, min_interval=3600)
-    progress.kernels({"kernels": {"flash_attention": "off: no CUDA", "fused_optimizer": "off: no CUDA"}, "activation_checkpointing": True})
+    progress.kernels(
+        {
+            "kernels": {"flash_attention": "off: no CUDA", "fused_optimizer": "off: no CUDA"},
+            "activation_checkpointing": True,
+        }
+    )
     said = " — kernels: flash attention: off: no CUDA; fused optimizer: off: no CUDA; activation checkpointing: on"
     assert sent == [(0.0, "SFT: step 0 / 2" + said)]
     progress({"step": 2, "loss": 1.5})

@@ -48,7 +48,17 @@ def sharded(tmp_path_factory, tiny_model_dir):
     work = tmp_path_factory.mktemp("teardown")
     section = stage_raw("cpt", DDP, max_steps=400, checkpoint_every=2, keep_last=2)
     stage_dir = work / "cpt"
-    engine("shard", write_job(work / "shard.json", verb="shard", stage="cpt", stage_cfg=section, model_dir=tiny_model_dir, stage_dir=stage_dir))
+    engine(
+        "shard",
+        write_job(
+            work / "shard.json",
+            verb="shard",
+            stage="cpt",
+            stage_cfg=section,
+            model_dir=tiny_model_dir,
+            stage_dir=stage_dir,
+        ),
+    )
     return work, section, stage_dir, tiny_model_dir
 
 
@@ -64,15 +74,28 @@ def test_background_failure_stops_the_stage(sharded, tmp_path):
     _, section, base, model = sharded
     stage_dir = tmp_path / "cpt"
     shutil.copytree(base / "step-000000", stage_dir / "step-000000")
-    job = parse_job(json.loads(write_job(tmp_path / "j.json", verb="train", stage="cpt", stage_cfg=section, model_dir=model, stage_dir=stage_dir).read_text()))
+    job = parse_job(
+        json.loads(
+            write_job(
+                tmp_path / "j.json", verb="train", stage="cpt", stage_cfg=section, model_dir=model, stage_dir=stage_dir
+            ).read_text()
+        )
+    )
     job_path = tmp_path / "train-a.json"
     seen: list[int] = []
     boom = RuntimeError("publish of checkpoint s3://bucket/run/cpt/step-000002 failed after 5 attempt(s)")
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="step-000002 failed") as err:
-        run_engine("train", job, job_path, LaunchConfig(nproc_per_node=2), "teardown-a", logging.getLogger("test"),
-                   on_event=lambda kind, rec: seen.append(rec["step"]) if kind == "checkpoint" else None,
-                   failure=lambda: boom if seen else None)
+        run_engine(
+            "train",
+            job,
+            job_path,
+            LaunchConfig(nproc_per_node=2),
+            "teardown-a",
+            logging.getLogger("test"),
+            on_event=lambda kind, rec: seen.append(rec["step"]) if kind == "checkpoint" else None,
+            failure=lambda: boom if seen else None,
+        )
     raised_at = time.monotonic()
     assert err.value is boom and seen
     print(f"\nbackground failure: stage ended {raised_at - t0:.1f}s after launch, {len(seen)} checkpoint(s) seen")
@@ -83,9 +106,22 @@ def test_dead_rank_fails_the_stage_and_leaves_nothing(sharded, tmp_path):
     _, section, base, model = sharded
     stage_dir = tmp_path / "cpt"
     shutil.copytree(base / "step-000000", stage_dir / "step-000000")
-    job = parse_job(json.loads(write_job(tmp_path / "j.json", verb="train", stage="cpt", stage_cfg=section, model_dir=model, stage_dir=stage_dir).read_text()))
+    job = parse_job(
+        json.loads(
+            write_job(
+                tmp_path / "j.json", verb="train", stage="cpt", stage_cfg=section, model_dir=model, stage_dir=stage_dir
+            ).read_text()
+        )
+    )
     job_path = tmp_path / "train-b.json"
     with pytest.raises(StageFailed):
-        run_engine("train", job, job_path, LaunchConfig(nproc_per_node=2), "teardown-b", logging.getLogger("test"),
-                   env={"CPT_TO_SFT_FAULT": "kill@step=3"})
+        run_engine(
+            "train",
+            job,
+            job_path,
+            LaunchConfig(nproc_per_node=2),
+            "teardown-b",
+            logging.getLogger("test"),
+            env={"CPT_TO_SFT_FAULT": "kill@step=3"},
+        )
     _assert_nothing_left(job_path, stage_dir, time.monotonic())

@@ -1,6 +1,6 @@
 """tasks/engine/lazy_compile.py: torch.compile deferred to the first call while ColossalAI is imported.
 
-    .venv/bin/python -m pytest -q tests/test_lazy_compile.py
+.venv/bin/python -m pytest -q tests/test_lazy_compile.py
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ def test_the_real_compile_runs_once_on_first_call_with_the_same_arguments():
     assert double.__name__ == "double" and double.__doc__ == "Doubles."
     assert double(2) == ("compiled", 4) and double(3) == ("compiled", 6)
     assert tripled(1) == ("compiled", 3)
-    assert calls == [("double", {"mode": "max-autotune-no-cudagraphs", "dynamic": False}), ("triple", {"disable": True})]
+    assert calls == [
+        ("double", {"mode": "max-autotune-no-cudagraphs", "dynamic": False}),
+        ("triple", {"disable": True}),
+    ]
 
 
 def test_torch_compile_is_restored_after_the_block_even_on_error():
@@ -57,8 +60,10 @@ def test_a_deferred_function_gives_what_torch_compile_gives():
 
 
 def test_importing_colossalai_through_it_leaves_inductor_unimported():
-    code = ("import sys; from tasks.engine.lazy_compile import import_colossalai; import_colossalai(); "
-            "import colossalai.booster.plugin as p; assert p.LowLevelZeroPlugin and p.HybridParallelPlugin; "
-            "print('torch._inductor.compile_fx' in sys.modules)")
+    code = (
+        "import sys; from tasks.engine.lazy_compile import import_colossalai; import_colossalai(); "
+        "import colossalai.booster.plugin as p; assert p.LowLevelZeroPlugin and p.HybridParallelPlugin; "
+        "print('torch._inductor.compile_fx' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False"

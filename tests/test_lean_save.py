@@ -61,15 +61,22 @@ def test_hybrid_parallel_blocks_are_colossalais_bytes(group, tmp_path, use_zero)
     from colossalai.checkpoint_io.hybrid_parallel_checkpoint_io import HybridParallelCheckpointIO
 
     # working params; the embedding's rows are padded (ColossalAI pads the vocabulary to a multiple)
-    shapes = {"embed": ((40, 16), (37, 16)), "norm": ((16,), (16,)), "proj": ((24, 16), (24, 16)), "head": ((40, 16), (37, 16))}
+    shapes = {
+        "embed": ((40, 16), (37, 16)),
+        "norm": ((16,), (16,)),
+        "proj": ((24, 16), (24, 16)),
+        "head": ((40, 16), (37, 16)),
+    }
     working = [torch.nn.Parameter(torch.zeros(cur)) for cur, _ in shapes.values()]
     # ZeRO's master params: flat shards, padded past the working numel
     masters = [torch.nn.Parameter(torch.zeros(w.numel() + 3)) for w in working] if use_zero else working
     opt = _adam_state(masters)
     wrapper = SimpleNamespace(
         optim=opt,
-        param_info={"param2id": {id(w): i for i, w in enumerate(working)},
-                    "param2shape": {id(w): torch.Size(orig) for w, (_, orig) in zip(working, shapes.values())}},
+        param_info={
+            "param2id": {id(w): i for i, w in enumerate(working)},
+            "param2shape": {id(w): torch.Size(orig) for w, (_, orig) in zip(working, shapes.values())},
+        },
         get_master_to_working_map=lambda: {id(m): w for m, w in zip(masters, working)} if use_zero else None,
     )
     before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
@@ -92,10 +99,16 @@ def test_low_level_zero_blocks_are_colossalais_bytes(group, tmp_path):
     working = [torch.zeros(s) for s in ((37, 16), (16,), (24, 16), (37, 16))]
     masters = [torch.nn.Parameter(torch.zeros(w.numel() + 5)) for w in working]  # padded flat shards
     opt = _adam_state(masters)
-    fake = SimpleNamespace(optim=opt, master_to_working_param={id(m): w for m, w in zip(masters, working)},
-                           param_to_pg={w: group for w in working})
+    fake = SimpleNamespace(
+        optim=opt,
+        master_to_working_param={id(m): w for m, w in zip(masters, working)},
+        param_to_pg={w: group for w in working},
+    )
     original = LowLevelZeroOptimizer.state_dict_shard.__wrapped__
-    for name, gen in (("colossalai", original(fake, 0.004, None, True)), ("lean", lean_save.low_level_zero_shard(fake, 0.004, True))):
+    for name, gen in (
+        ("colossalai", original(fake, 0.004, None, True)),
+        ("lean", lean_save.low_level_zero_shard(fake, 0.004, True)),
+    ):
         folder = tmp_path / name
         folder.mkdir()
         keys = []
@@ -111,9 +124,14 @@ def test_a_written_block_is_emptied_before_the_next_parameter_is_gathered(group)
     shapes = [(64, 16), (64, 16), (8,)]
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     opt = _adam_state(params, steps=1)
-    wrapper = SimpleNamespace(optim=opt, param_info={"param2id": {id(p): i for i, p in enumerate(params)},
-                                                     "param2shape": {id(p): p.shape for p in params}},
-                              get_master_to_working_map=lambda: None)
+    wrapper = SimpleNamespace(
+        optim=opt,
+        param_info={
+            "param2id": {id(p): i for i, p in enumerate(params)},
+            "param2shape": {id(p): p.shape for p in params},
+        },
+        get_master_to_working_map=lambda: None,
+    )
     gen = lean_save.hybrid_parallel_sharder(wrapper, False, group, group, 0.001)
     first, _ = next(gen)
     assert list(first) == [0]

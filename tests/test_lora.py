@@ -45,11 +45,21 @@ def test_the_rules_read_the_registry_row(monkeypatch):
     raw["sft"]["lora"] = {"r": 4}
     stage = parse_config(raw).sft
     base = plugins.PLUGINS["low_level_zero"]
-    monkeypatch.setitem(plugins.PLUGINS, "low_level_zero", replace(base, lora=plugins.LoraSupport(refused="a dummy reason")))
+    monkeypatch.setitem(
+        plugins.PLUGINS, "low_level_zero", replace(base, lora=plugins.LoraSupport(refused="a dummy reason"))
+    )
     [(field, msg)] = layout_problems(stage, "sft", tiers=("static",))
     assert field == "sft.lora" and "refused under plugin low_level_zero: a dummy reason" in msg
-    assert "set sft.plugin.name: hybrid_parallel" in msg and "set sft.plugin.name: torch_ddp" in msg and "set sft.lora: null" in msg
-    monkeypatch.setitem(plugins.PLUGINS, "low_level_zero", replace(base, supports_tp_pp=True, lora=plugins.LoraSupport(tp1_reason="a tp reason")))
+    assert (
+        "set sft.plugin.name: hybrid_parallel" in msg
+        and "set sft.plugin.name: torch_ddp" in msg
+        and "set sft.lora: null" in msg
+    )
+    monkeypatch.setitem(
+        plugins.PLUGINS,
+        "low_level_zero",
+        replace(base, supports_tp_pp=True, lora=plugins.LoraSupport(tp1_reason="a tp reason")),
+    )
     assert layout_problems(stage, "sft", tiers=("static",)) == []
     tp2 = stage.model_copy(update={"plugin": stage.plugin.model_copy(update={"tp_size": 2})})
     [(field, msg)] = layout_problems(tp2, "sft", tiers=("static",))
@@ -76,13 +86,25 @@ def test_a_tied_model_merges_without_losing_its_trained_head(tmp_path, train_hea
     from tasks.core.models.fingerprint import compare_logits, hf_dir_logits, model_logits
     from tasks.core.models.merge import build_merged_dir
 
-    base_dir = build_tiny_model(tmp_path / "qwen", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family="qwen2", tie_word_embeddings=True)
+    base_dir = build_tiny_model(
+        tmp_path / "qwen", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family="qwen2", tie_word_embeddings=True
+    )
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32), PeftLoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"], modules_to_save=["lm_head"] if train_head else None, init_lora_weights=False))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32),
+        PeftLoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "o_proj"],
+            modules_to_save=["lm_head"] if train_head else None,
+            init_lora_weights=False,
+        ),
+    )
     if train_head:
         with torch.no_grad():
-            model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.05 * torch.randn_like(model.base_model.model.lm_head.weight))
+            model.base_model.model.lm_head.modules_to_save["default"].weight.add_(
+                0.05 * torch.randn_like(model.base_model.model.lm_head.weight)
+            )
     model.save_pretrained(tmp_path / "ckpt" / "adapter", safe_serialization=True)
     reference = model_logits(model.eval(), 512)
     built = build_merged_dir(tmp_path / "ckpt", tmp_path / "export", base_dir, dtype="fp32", max_shard_size="5GB")
@@ -106,7 +128,9 @@ def test_the_card_says_lora_r_alpha_targets_and_the_trainable_share(tmp_path):
         step = tmp_path / stage / f"step-{getattr(cfg, stage).max_steps:06d}"
         (step / MANIFEST).parent.mkdir(parents=True)
         (step / "train_state.json").write_text(json.dumps({"losses": [2.0]}))
-        meta = {"lora": {"trainable_params": 133, "total_params": 1000, "trainable_pct": 13.3}} if stage == "sft" else {}
+        meta = (
+            {"lora": {"trainable_params": 133, "total_params": 1000, "trainable_pct": 13.3}} if stage == "sft" else {}
+        )
         (step / MANIFEST).write_text(json.dumps({"meta": meta}))
     card = model_card(cfg, {"meta": {}}, train_facts(cfg, {}, lambda rel: (tmp_path / rel).read_text()))
     assert "| fine-tuning | full | LoRA r=16, alpha=32 on q_proj, v_proj; 13.3 % of parameters trained |" in card
@@ -122,5 +146,8 @@ def test_the_adapter_push_is_refused_where_the_config_is_read_without_an_adapter
     raw["sft"]["lora"] = {"r": 4}
     assert parse_config(raw).hub.push_adapter  # the subfolder adapter/ of org/m
     raw["hub"]["adapter_repo_id"] = "org/m"
-    with pytest.raises(ConfigError, match=r"hub.adapter_repo_id: is hub.repo_id \(org/m\): the adapter would sit beside the merged weights"):
+    with pytest.raises(
+        ConfigError,
+        match=r"hub.adapter_repo_id: is hub.repo_id \(org/m\): the adapter would sit beside the merged weights",
+    ):
         parse_config(raw)

@@ -53,13 +53,23 @@ def test_a_lora_checkpoint_holds_the_adapter_and_references_the_base(lora_run):
         ckpt = lora_run["dir"] / name
         manifest = verify_artifact(ckpt)
         files = set(manifest["files"])
-        assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json", "lr_scheduler.pt", "train_state.json"} <= files
-        assert not any(f.startswith("model/") or (f.startswith("adapter/") and f.endswith(".bin")) for f in files), sorted(files)  # no base copy, no pickled adapter
+        assert {
+            "adapter/adapter_model.safetensors",
+            "adapter/adapter_config.json",
+            "lr_scheduler.pt",
+            "train_state.json",
+        } <= files
+        assert not any(f.startswith("model/") or (f.startswith("adapter/") and f.endswith(".bin")) for f in files), (
+            sorted(files)
+        )  # no base copy, no pickled adapter
         meta = manifest["meta"]["lora"]
         assert meta["base"]["digest"] == manifest_digest(lora_run["base"])
         assert 0 < meta["trainable_params"] < meta["total_params"] and meta["config"]["r"] == 4
         assert meta["adapted_modules"] == ["down_proj", "q_proj", "v_proj"]
-        assert sorted(json.loads((ckpt / "adapter" / "adapter_config.json").read_text())["target_modules"]) == meta["adapted_modules"]
+        assert (
+            sorted(json.loads((ckpt / "adapter" / "adapter_config.json").read_text())["target_modules"])
+            == meta["adapted_modules"]
+        )
         adapter = sum(e["size"] for f, e in manifest["files"].items() if f.startswith("adapter/"))
         optimizer = sum(e["size"] for f, e in manifest["files"].items() if f.startswith("optimizer/"))
         base_bytes = sum(p.stat().st_size for p in lora_run["base"].glob("*.safetensors"))
@@ -69,7 +79,11 @@ def test_a_lora_checkpoint_holds_the_adapter_and_references_the_base(lora_run):
 def test_a_kill_mid_stage_resumes_bitwise_in_fp32(lora_run):
     assert lora_run["killed"].rc != 0
     first, again = lora_run["killed"].progress, lora_run["resumed"].progress
-    assert [p["step"] for p in first] == [1, 2, 3, 4, 5] and [p["step"] for p in again] == [4, 5, 6]  # resumed from step-000003
+    assert [p["step"] for p in first] == [1, 2, 3, 4, 5] and [p["step"] for p in again] == [
+        4,
+        5,
+        6,
+    ]  # resumed from step-000003
     progress = first + again
     first, again = {p["step"]: p for p in first}, {p["step"]: p for p in again}
     for step in (4, 5):
@@ -97,7 +111,11 @@ def test_the_adapter_loads_through_peft_onto_the_base(lora_run):
 
     base = AutoModelForCausalLM.from_pretrained(lora_run["base"], torch_dtype=torch.float32)
     model = PeftModel.from_pretrained(base, lora_run["dir"] / "step-000006" / "adapter")
-    b = next(m for n, m in model.named_modules() if n.endswith("q_proj") and hasattr(m, "lora_B")).lora_B["default"].weight
+    b = (
+        next(m for n, m in model.named_modules() if n.endswith("q_proj") and hasattr(m, "lora_B"))
+        .lora_B["default"]
+        .weight
+    )
     assert b.abs().sum() > 0  # trained: peft initializes B to zero
 
 
@@ -115,10 +133,14 @@ def test_the_merged_export_matches_peft_and_keeps_every_untouched_tensor(lora_ru
     v = built["verification"]
     assert v["fingerprint_match"] and v["dtype"] == dtype
     layers = json.loads((lora_run["base"] / "config.json").read_text())["num_hidden_layers"]
-    assert v["lora"]["touched"] == 3 * layers and v["lora"]["untouched_bitwise"] > 0 and not v["lora"]["untied_head"]  # q, v, down per layer
+    assert (
+        v["lora"]["touched"] == 3 * layers and v["lora"]["untouched_bitwise"] > 0 and not v["lora"]["untied_head"]
+    )  # q, v, down per layer
     assert folder_problems(out) == [] and not list(out.glob("adapter*"))
     base = AutoModelForCausalLM.from_pretrained(lora_run["base"], torch_dtype=torch.float32)
-    peft_logits = model_logits(PeftModel.from_pretrained(base, lora_run["dir"] / "step-000006" / "adapter").eval(), base.config.vocab_size)
+    peft_logits = model_logits(
+        PeftModel.from_pretrained(base, lora_run["dir"] / "step-000006" / "adapter").eval(), base.config.vocab_size
+    )
     assert compare_logits(hf_dir_logits(out), peft_logits, default_rtol(dtype, "fp32"))["fingerprint_match"]
 
     # export-adapter/: the adapter alone, loadable by peft through its base_model_name_or_path, the merged export's model.
@@ -130,12 +152,37 @@ def test_the_merged_export_matches_peft_and_keeps_every_untouched_tensor(lora_ru
     adapter = tmp_path / "export-adapter"
     adapter.mkdir()
     ref = {"name_or_path": str(lora_run["base"]), "digest": manifest_digest(lora_run["base"])}
-    a = build_adapter_dir(lora_run["dir"] / "step-000006" / "adapter", adapter, lora_run["base"], out, base_ref=ref, rtol=v["fingerprint_rtol"])
-    assert a["fingerprint_match"] and a["base_is"] == "local" and a["r"] == 4 and a["fingerprint_rtol"] == default_rtol(dtype, "fp32")
-    assert sorted(p.name for p in adapter.iterdir()) == sorted(ADAPTER_FILES) and folder_problems(adapter) == []  # no weights a loader would take
-    auto = AutoPeftModelForCausalLM.from_pretrained(adapter, torch_dtype=torch.float32)  # finds the base by the reference alone
+    a = build_adapter_dir(
+        lora_run["dir"] / "step-000006" / "adapter",
+        adapter,
+        lora_run["base"],
+        out,
+        base_ref=ref,
+        rtol=v["fingerprint_rtol"],
+    )
+    assert (
+        a["fingerprint_match"]
+        and a["base_is"] == "local"
+        and a["r"] == 4
+        and a["fingerprint_rtol"] == default_rtol(dtype, "fp32")
+    )
+    assert (
+        sorted(p.name for p in adapter.iterdir()) == sorted(ADAPTER_FILES) and folder_problems(adapter) == []
+    )  # no weights a loader would take
+    auto = AutoPeftModelForCausalLM.from_pretrained(
+        adapter, torch_dtype=torch.float32
+    )  # finds the base by the reference alone
     assert compare_logits(model_logits(auto.eval(), base.config.vocab_size), peft_logits, 1e-5)["fingerprint_match"]
     other = tmp_path / "other-adapter"
     other.mkdir()
-    with pytest.raises(ConversionError, match="the adapter and the merged model are not the same model"):  # against the base alone: the trained adapter is missing
-        build_adapter_dir(lora_run["dir"] / "step-000006" / "adapter", other, lora_run["base"], lora_run["base"], base_ref=ref, rtol=v["fingerprint_rtol"])
+    with pytest.raises(
+        ConversionError, match="the adapter and the merged model are not the same model"
+    ):  # against the base alone: the trained adapter is missing
+        build_adapter_dir(
+            lora_run["dir"] / "step-000006" / "adapter",
+            other,
+            lora_run["base"],
+            lora_run["base"],
+            base_ref=ref,
+            rtol=v["fingerprint_rtol"],
+        )

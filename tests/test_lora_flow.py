@@ -60,7 +60,9 @@ def _checked_run(rc: int, summary: dict, export_dir) -> None:
     assert_consumer_rules(export_dir)
 
 
-def test_lora_sft_after_hybrid_parallel_cpt_exports_merged_and_adapter_and_pushes_both(demo_run, prefect_harness, hub_env, tmp_path, monkeypatch):
+def test_lora_sft_after_hybrid_parallel_cpt_exports_merged_and_adapter_and_pushes_both(
+    demo_run, prefect_harness, hub_env, tmp_path, monkeypatch
+):
     from huggingface_hub import HfApi, ModelCard
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -80,28 +82,48 @@ def test_lora_sft_after_hybrid_parallel_cpt_exports_merged_and_adapter_and_pushe
     rc, summary = _flow(raw, tmp_path / "llz.yaml")
     _checked_run(rc, summary, root / "export")
     adapter = verify_artifact(root / "export-adapter", deep=True)
-    assert adapter["kind"] == "lora-adapter" and sorted(adapter["files"]) == [f"{PROVENANCE_DIR}/verification.json", "adapter_config.json", "adapter_model.safetensors"]
+    assert adapter["kind"] == "lora-adapter" and sorted(adapter["files"]) == [
+        f"{PROVENANCE_DIR}/verification.json",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     proof = adapter["meta"]["verification"]
-    assert proof["fingerprint_match"] and proof["base_is"] == "local" and proof["base_model_name_or_path"] == str(root / "cpt" / "hf")
-    assert json.loads((root / "export-adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(root / "cpt" / "hf")
-    assert json.loads((root / "export" / PROVENANCE_DIR / "verification.json").read_text())["adapter"]["fingerprint_match"]
+    assert (
+        proof["fingerprint_match"]
+        and proof["base_is"] == "local"
+        and proof["base_model_name_or_path"] == str(root / "cpt" / "hf")
+    )
+    assert json.loads((root / "export-adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        root / "cpt" / "hf"
+    )
+    assert json.loads((root / "export" / PROVENANCE_DIR / "verification.json").read_text())["adapter"][
+        "fingerprint_match"
+    ]
     tree = _tree(api, "org/lora-tiny")
     _no_adapter_beside_weights(tree)
     assert {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= tree
     assert sorted(p for p in tree if p.endswith(".safetensors") and "/" not in p) == served_files(root / "export")
     assert "## LoRA adapter" in ModelCard.load("org/lora-tiny", token=hub_env.token).text
     # The adapter as the Hub serves it, through peft onto cpt/hf: the merged export's model.
-    pulled_dir = Path(api.snapshot_download("org/lora-tiny", allow_patterns=["adapter/*"], local_dir=tmp_path / "pulled")) / "adapter"
+    pulled_dir = (
+        Path(api.snapshot_download("org/lora-tiny", allow_patterns=["adapter/*"], local_dir=tmp_path / "pulled"))
+        / "adapter"
+    )
     base = AutoModelForCausalLM.from_pretrained(root / "cpt" / "hf", torch_dtype=torch.float32)
     pulled = PeftModel.from_pretrained(base, pulled_dir)
-    assert compare_logits(hf_dir_logits(root / "export"), model_logits(pulled.eval(), base.config.vocab_size), proof["fingerprint_rtol"])["fingerprint_match"]
+    assert compare_logits(
+        hf_dir_logits(root / "export"), model_logits(pulled.eval(), base.config.vocab_size), proof["fingerprint_rtol"]
+    )["fingerprint_match"]
 
     # 2. The adapter in a repo of its own: the model repo's adapter/ goes in the same re-push.
     raw["hub"] = {**raw["hub"], "adapter_repo_id": "org/lora-tiny-adapter"}
     pushed = push_to_hub.with_options(retries=0)(load_config(write_config(tmp_path / "own-repo.yaml", raw)), {})
     assert pushed.detail["adapter"]["repo_id"] == "org/lora-tiny-adapter"
     own = _tree(api, "org/lora-tiny-adapter")
-    assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= own and not {"config.json", "model.safetensors"} & own
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= own and not {
+        "config.json",
+        "model.safetensors",
+    } & own
     assert ModelCard.load("org/lora-tiny-adapter", token=hub_env.token).data.library_name == "peft"
     assert not any(p.startswith("adapter/") for p in _tree(api, "org/lora-tiny"))
 
@@ -112,8 +134,12 @@ def test_lora_sft_after_hybrid_parallel_cpt_exports_merged_and_adapter_and_pushe
     raw["verify_memory_gb"] = 1e-6
     rc, summary = _flow(raw, tmp_path / "ddp.yaml")
     _checked_run(rc, summary, root / "export")
-    assert json.loads((root / "export" / PROVENANCE_DIR / "verification.json").read_text())["lora"]["merge"] == "streamed"
-    assert verify_artifact(root / "export-adapter", deep=True)["meta"]["verification"]["fingerprint_match"]  # rebuilt for this adapter
+    assert (
+        json.loads((root / "export" / PROVENANCE_DIR / "verification.json").read_text())["lora"]["merge"] == "streamed"
+    )
+    assert verify_artifact(root / "export-adapter", deep=True)["meta"]["verification"][
+        "fingerprint_match"
+    ]  # rebuilt for this adapter
     tree = _tree(api, "org/lora-tiny")
     _no_adapter_beside_weights(tree)
     assert not any("adapter" in p for p in tree), sorted(tree)

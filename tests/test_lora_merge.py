@@ -37,7 +37,10 @@ def bases(tmp_path_factory) -> dict[tuple[str, bool], Path]:
 
     work = tmp_path_factory.mktemp("merge-bases")
     tok = build_tokenizer(DEFAULT_CORPUS, vocab_size=512)
-    return {(fam, tied): build_tiny_model(work / f"{fam}-{tied}", tok, family=fam, tie_word_embeddings=tied) for fam, tied in {(f, t) for f, t, _ in CASES.values()}}
+    return {
+        (fam, tied): build_tiny_model(work / f"{fam}-{tied}", tok, family=fam, tie_word_embeddings=tied)
+        for fam, tied in {(f, t) for f, t, _ in CASES.values()}
+    }
 
 
 def _checkpoint(base_dir: Path, out: Path, lora: dict) -> Path:
@@ -45,8 +48,10 @@ def _checkpoint(base_dir: Path, out: Path, lora: dict) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32),
-                           LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **lora))  # B random too: every adapter changes its weight
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **lora),
+    )  # B random too: every adapter changes its weight
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "modules_to_save" in name:  # a head trained apart from the embedding it was tied to
@@ -77,7 +82,9 @@ def test_the_streamed_merge_writes_the_export_the_whole_model_merge_writes(case,
 
         for budget in (None, 0.0):
             with pytest.raises(ConversionError, match="the folder loads differently from what was trained"):
-                build_merged_dir(ckpt, tmp_path / f"out-{budget}", base, dtype="fp32", max_shard_size="5GB", verify_memory_gb=budget)
+                build_merged_dir(
+                    ckpt, tmp_path / f"out-{budget}", base, dtype="fp32", max_shard_size="5GB", verify_memory_gb=budget
+                )
         return
     whole = build_merged_dir(ckpt, tmp_path / "whole", base, dtype="fp32", max_shard_size="5GB")
 
@@ -87,7 +94,9 @@ def test_the_streamed_merge_writes_the_export_the_whole_model_merge_writes(case,
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", whole_model)
     monkeypatch.setattr(LoraModel, "merge_and_unload", whole_model)
-    streamed = build_merged_dir(ckpt, tmp_path / "streamed", base, dtype="fp32", max_shard_size="5GB", verify_memory_gb=0.0)
+    streamed = build_merged_dir(
+        ckpt, tmp_path / "streamed", base, dtype="fp32", max_shard_size="5GB", verify_memory_gb=0.0
+    )
     monkeypatch.undo()
 
     w, s = whole["verification"], streamed["verification"]
@@ -96,13 +105,17 @@ def test_the_streamed_merge_writes_the_export_the_whole_model_merge_writes(case,
     assert w["lora"]["untied_head"] is (case.endswith("trained-head") and tied)
     assert w["fingerprint_match"] and s["fingerprint_match"] and w["fingerprint_rel_diff"] == s["fingerprint_rel_diff"]
     a, b = _tensors(tmp_path / "whole"), _tensors(tmp_path / "streamed")
-    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), [k for k in a if k in b and not torch.equal(a[k], b[k])]
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), [
+        k for k in a if k in b and not torch.equal(a[k], b[k])
+    ]
     for name in ("config.json", "generation_config.json", FINGERPRINT_FILE):
         assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "streamed" / name).read_bytes(), name
     before = _tensors(base)
     touched = [k for k in a if k not in before or not torch.equal(a[k], before[k])]
     assert touched, "the adapter changed no weight: the case tests nothing"
-    assert json.loads((tmp_path / "streamed" / "config.json").read_text())["tie_word_embeddings"] is (tied and not w["lora"]["untied_head"])
+    assert json.loads((tmp_path / "streamed" / "config.json").read_text())["tie_word_embeddings"] is (
+        tied and not w["lora"]["untied_head"]
+    )
 
 
 def test_peft_logits_streamed_are_bitwise_the_whole_model_ones(bases, tmp_path):

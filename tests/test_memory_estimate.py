@@ -32,13 +32,30 @@ from tests.conftest import write_config
 from tests.test_preflight import LLAMA3_8B, Case, _all, _llama3, _set
 
 # hidden 64, 2 layers, 4 heads of 16 (q = 64), 2 KV heads (kv = 32), MLP 128, vocabulary 512
-TINY = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2}
+TINY = {
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def stage(plugin: dict, nproc: int = 1, nnodes: int = 1, **kw) -> StageConfig:
-    return StageConfig.model_validate({"data": {"uri": "x"}, "plugin": plugin, "max_steps": 1, "lr": 1e-4,
-                                       "launch": {"nproc_per_node": nproc, "nnodes": nnodes}, "seq_len": 16, "micro_batch_size": 2, **kw})
+    return StageConfig.model_validate(
+        {
+            "data": {"uri": "x"},
+            "plugin": plugin,
+            "max_steps": 1,
+            "lr": 1e-4,
+            "launch": {"nproc_per_node": nproc, "nnodes": nnodes},
+            "seq_len": 16,
+            "micro_batch_size": 2,
+            **kw,
+        }
+    )
 
 
 def by_what(est) -> dict[str, int]:
@@ -61,7 +78,13 @@ def test_torch_ddp_fp32_estimate_is_the_hand_computed_figure():
     assert acts == 689664
     est = estimate(TINY, stage({"name": "torch_ddp", "precision": "fp32"}), cuda=False)
     assert est.parameters == est.rank_parameters == P
-    assert by_what(est) == {"fp32 weights": 4 * P, "gradients": 4 * P, "DDP gradient buckets": 4 * P, "Adam moments": 8 * P, "activations": acts}
+    assert by_what(est) == {
+        "fp32 weights": 4 * P,
+        "gradients": 4 * P,
+        "DDP gradient buckets": 4 * P,
+        "Adam moments": 8 * P,
+        "activations": acts,
+    }
     assert est.device == always + max(acts, grads) == 2923008
     # A CPU rank's RSS holds both phases (glibc keeps the freed activations), plus the baseline.
     assert est.host_steady == RANK_BASELINE_BYTES + always + acts + grads
@@ -75,16 +98,28 @@ def test_torch_ddp_fp32_estimate_is_the_hand_computed_figure():
 def test_zero_stages_shrink_the_rank_in_their_proportions():
     eight = dict(nproc=8, seq_len=4096, micro_batch_size=1)
     mc = LLAMA3["Llama-3-8B"]
-    z1 = by_what(estimate(mc, stage({"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"}, **eight), cuda=True))
-    z2 = by_what(estimate(mc, stage({"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}, **eight), cuda=True))
+    z1 = by_what(
+        estimate(mc, stage({"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"}, **eight), cuda=True)
+    )
+    z2 = by_what(
+        estimate(mc, stage({"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}, **eight), cuda=True)
+    )
     P = estimate(mc, stage({"name": "torch_ddp"}, **eight)).parameters
     # ZeRO-1 keeps every bf16 gradient; ZeRO-2 keeps this rank's 1/8: 8x less
     assert z1["gradients"] == 2 * P and z2["gradient shard"] == math.ceil(P / 8) * 2
     # both shard masters and moments over the 8 ranks and keep the whole bf16 model
     for z in (z1, z2):
-        assert (z["working weights"], z["fp32 master weight shard"], z["Adam moment shard"]) == (2 * P, math.ceil(P / 8) * 4, math.ceil(P / 8) * 8)
+        assert (z["working weights"], z["fp32 master weight shard"], z["Adam moment shard"]) == (
+            2 * P,
+            math.ceil(P / 8) * 4,
+            math.ceil(P / 8) * 8,
+        )
     # twice the ranks (2 nodes): the sharded states halve, the whole model does not
-    z2x2 = by_what(estimate(mc, stage({"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}, nnodes=2, **eight), cuda=True))
+    z2x2 = by_what(
+        estimate(
+            mc, stage({"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}, nnodes=2, **eight), cuda=True
+        )
+    )
     assert z2x2["Adam moment shard"] == math.ceil(P / 16) * 8 and z2x2["working weights"] == z2["working weights"]
     # Gemini (ZeRO-3) shards the weights too
     g = by_what(estimate(mc, stage({"name": "gemini", "precision": "bf16"}, **eight), cuda=True))
@@ -120,7 +155,15 @@ def test_activation_checkpointing_keeps_only_each_layers_input():
 def _saved_per_token(family: str, dtype: torch.dtype) -> float:
     """Bytes torch keeps for the backward of decoder layer 1 of a tiny model, per token."""
     spec = FAMILIES[family]
-    dims = dict(vocab_size=300, hidden_size=128, intermediate_size=344, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3, head_dim=16)
+    dims = dict(
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=344,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=3,
+        head_dim=16,
+    )
     cfg = getattr(transformers, spec.config_class)(**dims, **spec.demo_config)
     torch.manual_seed(0)
     model = getattr(transformers, spec.model_class)(cfg).to(dtype).train()
@@ -145,8 +188,16 @@ def _saved_per_token(family: str, dtype: torch.dtype) -> float:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_family_activation_table_is_what_torch_keeps(family, dtype):
-    mc = {"model_type": family, "vocab_size": 300, "hidden_size": 128, "intermediate_size": 344, "num_attention_heads": 8,
-          "num_key_value_heads": 2, "num_hidden_layers": 3, "head_dim": 16}
+    mc = {
+        "model_type": family,
+        "vocab_size": 300,
+        "hidden_size": 128,
+        "intermediate_size": 344,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 3,
+        "head_dim": 16,
+    }
     table_bytes = layer_activation_bytes(mc, 4 if dtype == torch.float32 else 2)
     measured = _saved_per_token(family, dtype)
     # the table leaves out the 1-wide inverse RMS of each norm and RoPE's per-position cos/sin
@@ -154,15 +205,27 @@ def test_the_family_activation_table_is_what_torch_keeps(family, dtype):
 
 
 def test_a_registered_plugin_is_estimated_from_its_holds_row():
-    spec = plugins.PluginSpec(name="dummy_sharded", summary="a test plugin", zero_stages=(3,), zero_hint="3", holds=(
-        plugins.Held("weights", "weights", sharded=True), plugins.Held("grads", "weights", sharded=True, when="grads"),
-        plugins.Held("moments", 8, sharded=True), plugins.Held("fp16-only buffer", 2, precisions=("fp16",)),
-    ))
+    spec = plugins.PluginSpec(
+        name="dummy_sharded",
+        summary="a test plugin",
+        zero_stages=(3,),
+        zero_hint="3",
+        holds=(
+            plugins.Held("weights", "weights", sharded=True),
+            plugins.Held("grads", "weights", sharded=True, when="grads"),
+            plugins.Held("moments", 8, sharded=True),
+            plugins.Held("fp16-only buffer", 2, precisions=("fp16",)),
+        ),
+    )
     plugins.register(spec)
     try:
         st = stage({"name": "dummy_sharded", "zero_stage": 3, "precision": "bf16"}, nproc=4)
         shard = math.ceil(139584 / 4)
-        assert {k: v for k, v in by_what(estimate(TINY, st)).items() if k != "activations"} == {"weights": 2 * shard, "grads": 2 * shard, "moments": 8 * shard}
+        assert {k: v for k, v in by_what(estimate(TINY, st)).items() if k != "activations"} == {
+            "weights": 2 * shard,
+            "grads": 2 * shard,
+            "moments": 8 * shard,
+        }
         # on CUDA an AdamW plugin without a fused-AdamW kernel row steps with torch's foreach temporaries
         assert by_what(estimate(TINY, st, cuda=True))["AdamW foreach temporaries"] == 4 * shard
         plugins.register(plugins.PluginSpec(name="dummy_sharded", summary="no memory rows"))
@@ -190,14 +253,18 @@ def test_preflight_refuses_a_layout_over_the_declared_gpu_memory_naming_numbers_
     need = estimate(mc, st, cuda=True).device
     assert f"cpt needs {need / 1e9:,.2f} GB of GPU memory per rank" in msgs[0]
     assert "more than the 40.00 GB of cpt.launch.gpu_memory_gb = 40" in msgs[0]
-    fixed = estimate(mc, st.model_copy(update={"plugin": st.plugin.model_copy(update={"zero_stage": 2})}), cuda=True).device
+    fixed = estimate(
+        mc, st.model_copy(update={"plugin": st.plugin.model_copy(update={"zero_stage": 2})}), cuda=True
+    ).device
     assert fixed <= 40e9 < need
     assert f"it fits with cpt.plugin.zero_stage: 2 ({fixed / 1e9:,.2f} GB)" in msgs[0]
     # the same layout on 80 GB GPUs passes, and says so
     case.raw["cpt"]["launch"]["gpu_memory_gb"] = 80
     ok = case.report()
     assert not [p for p in ok.problems if "gpu_memory" in p[0]], ok.text()
-    assert any(line.startswith("cpt memory per rank (estimate):") and "GPU of 80.00 GB" in line for line in ok.checked), ok.text()
+    assert any(
+        line.startswith("cpt memory per rank (estimate):") and "GPU of 80.00 GB" in line for line in ok.checked
+    ), ok.text()
 
 
 def test_a_visible_gpu_is_the_capacity_when_none_is_declared(tmp_path):
@@ -212,7 +279,11 @@ def test_a_visible_gpu_is_the_capacity_when_none_is_declared(tmp_path):
 
 def test_cpu_without_declared_gpu_memory_prints_the_host_estimate_and_refuses_nothing(tmp_path):
     case = Case(tmp_path)
-    _all(_llama3, _set("cpt.plugin", {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"}), _set("cpt.launch", {"nproc_per_node": 2}))(case)
+    _all(
+        _llama3,
+        _set("cpt.plugin", {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"}),
+        _set("cpt.launch", {"nproc_per_node": 2}),
+    )(case)
     report = case.report()
     assert not [p for p in report.problems if p[0].startswith("cpt.launch") or p[0] == "cpt.plugin"], report.text()
     line = next(c for c in report.checked if c.startswith("cpt memory per rank"))
@@ -236,7 +307,9 @@ def test_the_map_names_a_layout_that_fits_each_llama3_model():
 
 
 def test_cpu_offload_moves_the_optimizer_state_and_step_to_the_host_on_cuda_only():
-    on, off = ({"name": "low_level_zero", "zero_stage": 2, "precision": "bf16", "cpu_offload": flag} for flag in (True, False))
+    on, off = (
+        {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16", "cpu_offload": flag} for flag in (True, False)
+    )
     shard = math.ceil(139584 / 2)
     unfused = {"kernels": {"fused_optimizer": False}}  # torch's foreach AdamW, whose temporaries follow the step
     gpu_on, gpu_off = (estimate(TINY, stage(p, nproc=2, **unfused), cuda=True) for p in (on, off))

@@ -1,7 +1,7 @@
 """Per-step metrics: the @@progress fields, the TensorBoard event files and their reader.
 
-    python -m pytest -q tests/test_metrics.py                 # unit tier
-    python -m pytest -q -m distributed tests/test_metrics.py  # + one 2-rank torch_ddp train launch
+python -m pytest -q tests/test_metrics.py                 # unit tier
+python -m pytest -q -m distributed tests/test_metrics.py  # + one 2-rank torch_ddp train launch
 """
 
 from __future__ import annotations
@@ -40,7 +40,14 @@ def test_step_metrics_write_one_point_per_step_and_read_back(tmp_path):
         recs.append(m.stop(step, loss=3.0 - step * 0.1, lr=1e-3 * step, tokens=64))
     m.close()
     for r in recs:
-        assert set(r) == {"loss", "lr", "tokens_per_s", "step_s", "peak_mem_bytes", "peak_mem_rank"}  # no grad norm, no MFU on CPU
+        assert set(r) == {
+            "loss",
+            "lr",
+            "tokens_per_s",
+            "step_s",
+            "peak_mem_bytes",
+            "peak_mem_rank",
+        }  # no grad norm, no MFU on CPU
         assert r["peak_mem_rank"] == 0  # no process group: this process is every rank
         assert r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(64 / r["step_s"], rel=1e-3)
         assert r["peak_mem_bytes"] > 10 * 2**20  # this process' RSS peak: torch alone is more
@@ -57,7 +64,9 @@ def test_a_resumed_launch_replaces_the_points_of_the_steps_it_trains_again(tmp_p
     for step in range(1, 6):
         first.write(step, {"loss": float(step)})
     first.close()
-    second = StepMetrics(tmp_path, rank=0, world=1, n_params=10, model_config=_Cfg, seq_len=8, precision="fp32", purge_step=4)
+    second = StepMetrics(
+        tmp_path, rank=0, world=1, n_params=10, model_config=_Cfg, seq_len=8, precision="fp32", purge_step=4
+    )
     for step in (4, 5):
         second.write(step, {"loss": step + 0.5})
     second.close()
@@ -109,7 +118,9 @@ def test_ddp_train_emits_metrics_and_one_event_point_per_step(tmp_path, tiny_mod
     progress = out.progress
     assert [p["step"] for p in progress] == [1, 2, 3, 4]
     for p in progress:
-        assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_s", "peak_mem_bytes", "peak_mem_rank", "eta_s"} <= set(p)
+        assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_s", "peak_mem_bytes", "peak_mem_rank", "eta_s"} <= set(
+            p
+        )
         assert p["grad_norm"] > 0 and "mfu" not in p and p["peak_mem_rank"] in (0, 1)
     scalars = read_scalars(stage_dir / "tensorboard")
     for tag in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_s", "perf/peak_mem_bytes"):

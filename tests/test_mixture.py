@@ -77,7 +77,9 @@ PLAN = BlendPlan(max_steps=125, global_batch=8, seed=1234)  # 1000 blocks: `smal
 def test_cpt_blend_meets_the_weights_and_keeps_blocks_in_their_source(tok, tokdir, three, tmp_path):
     dirs, cuts = three
     weights = {"big": 0.6, "mid": 0.3, "small": 0.1}
-    r = _cpt([Source(n, dirs[n], weights[n] * 10) for n in dirs], tokdir, tmp_path / "prep", PLAN)  # unnormalized weights
+    r = _cpt(
+        [Source(n, dirs[n], weights[n] * 10) for n in dirs], tokdir, tmp_path / "prep", PLAN
+    )  # unnormalized weights
     rows = {s["name"]: s for s in r.index["sources"]}
     ds = TokenDataset(tmp_path / "prep")
     stream = np.asarray(ds.blend(), np.int64)
@@ -112,7 +114,11 @@ def test_the_blend_is_the_same_bytes_across_runs_and_workers_and_follows_an_adde
     mix = {n: tmp_path / "corpus" / n for n in dirs}
     for n, d in mix.items():
         shutil.copytree(dirs[n], d)
-    sources = [Source("big", str(mix["big"]), 0.6), Source("mid", str(mix["mid"]), 0.3), Source("small", str(mix["small"]), 0.1)]
+    sources = [
+        Source("big", str(mix["big"]), 0.6),
+        Source("mid", str(mix["mid"]), 0.3),
+        Source("small", str(mix["small"]), 0.1),
+    ]
     one = _cpt(sources, tokdir, tmp_path / "one", PLAN)
     pool = _cpt(sources, tokdir, tmp_path / "pool", PLAN, workers=2)  # spawned process pool
     assert len(pool.tokenized) == 3 and pool.index == one.index
@@ -153,7 +159,9 @@ def test_resume_mid_blend_continues_the_same_units(tokdir, three, tmp_path):
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
     got += [resumed.next_global(8) for _ in range(PLAN.max_steps - 77)]
     assert got == ref
-    assert [ds.batch(u)["input_ids"].tolist() for u in got[77:80]] == [ds.batch(u)["input_ids"].tolist() for u in ref[77:80]]
+    assert [ds.batch(u)["input_ids"].tolist() for u in got[77:80]] == [
+        ds.batch(u)["input_ids"].tolist() for u in ref[77:80]
+    ]
 
 
 def test_sft_mixture_of_two_chat_sources(tok, tokdir, tmp_path):
@@ -162,7 +170,16 @@ def test_sft_mixture_of_two_chat_sources(tok, tokdir, tmp_path):
     sources = [Source("general", a, 0.25), Source("domain", b, 0.75)]
 
     def sft(out, plan):
-        return prepare(sources, tokdir, tmp_path / out, kind="sft", field="messages", seq_len=128, heldout_fraction=0.0, blend_plan=plan)
+        return prepare(
+            sources,
+            tokdir,
+            tmp_path / out,
+            kind="sft",
+            field="messages",
+            seq_len=128,
+            heldout_fraction=0.0,
+            blend_plan=plan,
+        )
 
     # Padded and grouped: the global batch counts conversations.
     r = sft("padded", BlendPlan(max_steps=50, global_batch=8, seed=7))
@@ -205,7 +222,10 @@ def test_a_plan_other_than_the_blends_is_refused(tokdir, three, tmp_path):
     dirs, _ = three
     r = _cpt([Source("big", dirs["big"], 0.5), Source("small", dirs["small"], 0.5)], tokdir, tmp_path / "prep", PLAN)
     check_plan(r.index, PLAN, tmp_path / "prep", "cpt")
-    with pytest.raises(BlendError, match=r"blended for BlendPlan\(max_steps=125.*trains BlendPlan\(max_steps=300.*prepare the data again"):
+    with pytest.raises(
+        BlendError,
+        match=r"blended for BlendPlan\(max_steps=125.*trains BlendPlan\(max_steps=300.*prepare the data again",
+    ):
         check_plan(r.index, BlendPlan(300, 8, 1234), tmp_path / "prep", "cpt")
     with pytest.raises(BlendError, match="trains None"):
         check_plan(r.index, None, tmp_path / "prep", "cpt")
@@ -221,14 +241,30 @@ def _raw(tmp_path, sources):
     return raw
 
 
-@pytest.mark.parametrize("sources, field, words", [
-    ([{"name": "domain", "uri": "a.jsonl", "weight": 0.7}, {"name": "general", "uri": "b.jsonl", "weight": -0.3}],
-     "cpt.data.sources.1", "source 'general': weight -0.3 must be > 0"),
-    ([{"name": "domain", "uri": "a.jsonl", "weight": 0.7}, {"name": "general", "uri": "b.jsonl", "weight": 0}],
-     "cpt.data.sources.1", "source 'general': weight 0.0 must be > 0"),
-    ([{"name": "domain", "uri": "a.jsonl"}, {"name": "domain", "uri": "b.jsonl"}], "cpt.data", "the name 'domain' is given twice"),
-    ([], "cpt.data", "data.sources is empty"),
-])
+@pytest.mark.parametrize(
+    "sources, field, words",
+    [
+        (
+            [
+                {"name": "domain", "uri": "a.jsonl", "weight": 0.7},
+                {"name": "general", "uri": "b.jsonl", "weight": -0.3},
+            ],
+            "cpt.data.sources.1",
+            "source 'general': weight -0.3 must be > 0",
+        ),
+        (
+            [{"name": "domain", "uri": "a.jsonl", "weight": 0.7}, {"name": "general", "uri": "b.jsonl", "weight": 0}],
+            "cpt.data.sources.1",
+            "source 'general': weight 0.0 must be > 0",
+        ),
+        (
+            [{"name": "domain", "uri": "a.jsonl"}, {"name": "domain", "uri": "b.jsonl"}],
+            "cpt.data",
+            "the name 'domain' is given twice",
+        ),
+        ([], "cpt.data", "data.sources is empty"),
+    ],
+)
 def test_bad_sources_are_refused_naming_the_source_and_field(tmp_path, sources, field, words):
     with pytest.raises(ConfigError) as info:
         parse_config(_raw(tmp_path, sources))
@@ -240,19 +276,47 @@ def test_uri_and_sources_together_are_refused(tmp_path):
     raw["cpt"]["data"]["uri"] = "b.jsonl"
     with pytest.raises(ConfigError, match="give data.uri .one corpus. or data.sources"):
         parse_config(raw)
-    cfg = parse_config(_raw(tmp_path, [{"name": "domain", "uri": ["a.jsonl", "c.jsonl"], "weight": 7}, {"name": "general", "uri": "b.jsonl", "weight": 3}]))
+    cfg = parse_config(
+        _raw(
+            tmp_path,
+            [
+                {"name": "domain", "uri": ["a.jsonl", "c.jsonl"], "weight": 7},
+                {"name": "general", "uri": "b.jsonl", "weight": 3},
+            ],
+        )
+    )
     assert cfg.cpt.data.mixture and cfg.cpt.data.uris == ["a.jsonl", "c.jsonl", "b.jsonl"]
-    assert [s.name for s in parse_config(tiny_config_raw(tmp_path / "model", tmp_path / "run")).cpt.data.source_list] == ["main"]
+    assert [
+        s.name for s in parse_config(tiny_config_raw(tmp_path / "model", tmp_path / "run")).cpt.data.source_list
+    ] == ["main"]
 
 
 def test_prepare_names_the_source_that_matches_nothing_or_is_too_small(tokdir, three, tmp_path):
     dirs, _ = three
-    with pytest.raises(InputError, match=r"data.sources\[1\] \(general\).uri: the glob '.*nothing-\*.jsonl' matches no file"):
-        _cpt([Source("domain", dirs["big"], 0.7), Source("general", str(tmp_path / "nothing-*.jsonl"), 0.3)], tokdir, tmp_path / "p1", PLAN)
-    with pytest.raises(InputError, match=r"data.sources\[1\] \(again\).uri: .*part-0.jsonl' is also a file of source 'domain'"):
-        _cpt([Source("domain", dirs["big"], 0.7), Source("again", dirs["big"] + "/part-0.jsonl", 0.3)], tokdir, tmp_path / "p2", PLAN)
+    with pytest.raises(
+        InputError, match=r"data.sources\[1\] \(general\).uri: the glob '.*nothing-\*.jsonl' matches no file"
+    ):
+        _cpt(
+            [Source("domain", dirs["big"], 0.7), Source("general", str(tmp_path / "nothing-*.jsonl"), 0.3)],
+            tokdir,
+            tmp_path / "p1",
+            PLAN,
+        )
+    with pytest.raises(
+        InputError, match=r"data.sources\[1\] \(again\).uri: .*part-0.jsonl' is also a file of source 'domain'"
+    ):
+        _cpt(
+            [Source("domain", dirs["big"], 0.7), Source("again", dirs["big"] + "/part-0.jsonl", 0.3)],
+            tokdir,
+            tmp_path / "p2",
+            PLAN,
+        )
     tiny = _write(tmp_path / "tiny.jsonl", [{"text": "too short"}])
-    with pytest.raises(PrepareError, match=r"source 'tiny' \(.*tiny.jsonl\) has \d+ training tokens, fewer than seq_len=32; add data to it or remove it"):
+    with pytest.raises(
+        PrepareError,
+        match=r"source 'tiny' \(.*tiny.jsonl\) has \d+ training tokens, fewer than seq_len=32; add data to it or "
+        r"remove it",
+    ):
         _cpt([Source("domain", dirs["big"], 0.7), Source("tiny", tiny, 0.3)], tokdir, tmp_path / "p3", PLAN)
 
 
@@ -262,28 +326,59 @@ def test_prepare_names_a_bad_held_out_only_source(tokdir, three, tmp_path):
     def only(src):
         return _cpt(dirs["big"], tokdir, tmp_path / "p", heldout_sources=[Source("general", src)])
 
-    with pytest.raises(InputError, match=r"eval.heldout_sources\[0\] \(general\).uri: the glob '.*nothing-\*.jsonl' matches no file"):
+    with pytest.raises(
+        InputError, match=r"eval.heldout_sources\[0\] \(general\).uri: the glob '.*nothing-\*.jsonl' matches no file"
+    ):
         only(str(tmp_path / "nothing-*.jsonl"))
-    with pytest.raises(InputError, match=r"eval.heldout_sources\[0\] \(general\).uri: .*part-0.jsonl' is also a file of trained source 'main'; "
-                                         r"a held-out-only source must be text the stage never trains on"):
+    with pytest.raises(
+        InputError,
+        match=r"eval.heldout_sources\[0\] \(general\).uri: .*part-0.jsonl' is also a file of trained source 'main'; "
+        r"a held-out-only source must be text the stage never trains on",
+    ):
         only(dirs["big"])
     short = _write(tmp_path / "short.jsonl", [{"text": "too short"}])
-    with pytest.raises(PrepareError, match=r"eval.heldout_sources\[0\] \(general\).uri: 1 records, \d+ tokens, fewer than one block of seq_len=32"):
+    with pytest.raises(
+        PrepareError,
+        match=r"eval.heldout_sources\[0\] \(general\).uri: 1 records, \d+ tokens, fewer than one block of seq_len=32",
+    ):
         only(short)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
-    with pytest.raises(PrepareError, match=r"eval.heldout_sources\[0\] \(general\).uri: .*bad.jsonl:2: no string field 'text'"):
+    with pytest.raises(
+        PrepareError, match=r"eval.heldout_sources\[0\] \(general\).uri: .*bad.jsonl:2: no string field 'text'"
+    ):
         only(str(bad))
     with pytest.raises(PrepareError, match="held-out-only sources are evaluated by perplexity, a CPT stage's"):
-        prepare(str(SFT), tokdir, tmp_path / "sft", kind="sft", field="messages", seq_len=64, heldout_sources=[Source("general", short)])
+        prepare(
+            str(SFT),
+            tokdir,
+            tmp_path / "sft",
+            kind="sft",
+            field="messages",
+            seq_len=64,
+            heldout_sources=[Source("general", short)],
+        )
 
 
-@pytest.mark.parametrize("where, value, field, words", [
-    ("cpt", [{"name": "main", "uri": "g.jsonl"}], "cpt.eval.heldout_sources[0].name", "'main' is also a trained source (cpt.data.uri, the one source named 'main')"),
-    ("cpt", [{"name": "g", "uri": "g.jsonl"}, {"name": "g", "uri": "h.jsonl"}], "cpt.eval", "the name 'g' is given twice"),
-    ("cpt", [], "cpt.eval", "eval.heldout_sources is empty"),
-    ("sft", [{"name": "g", "uri": "g.jsonl"}], "sft.eval.heldout_sources", "SFT evaluation has none"),
-])
+@pytest.mark.parametrize(
+    "where, value, field, words",
+    [
+        (
+            "cpt",
+            [{"name": "main", "uri": "g.jsonl"}],
+            "cpt.eval.heldout_sources[0].name",
+            "'main' is also a trained source (cpt.data.uri, the one source named 'main')",
+        ),
+        (
+            "cpt",
+            [{"name": "g", "uri": "g.jsonl"}, {"name": "g", "uri": "h.jsonl"}],
+            "cpt.eval",
+            "the name 'g' is given twice",
+        ),
+        ("cpt", [], "cpt.eval", "eval.heldout_sources is empty"),
+        ("sft", [{"name": "g", "uri": "g.jsonl"}], "sft.eval.heldout_sources", "SFT evaluation has none"),
+    ],
+)
 def test_bad_held_out_only_sources_are_refused_naming_the_field(tmp_path, where, value, field, words):
     raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
     raw[where].setdefault("eval", {})["heldout_sources"] = value
@@ -295,27 +390,45 @@ def test_bad_held_out_only_sources_are_refused_naming_the_field(tmp_path, where,
 def test_held_out_only_sources_in_the_gate_and_beside_a_mixture(tmp_path):
     raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
     raw["cpt"]["eval"] = {"heldout_sources": [{"name": "general", "uri": "g.jsonl"}]}
-    raw["gate"]["cpt_max_ppl_increase_pct"] = {"general": 5.0, "main": -1.0}  # one trained source: a mapping needs held-out-only ones
+    raw["gate"]["cpt_max_ppl_increase_pct"] = {
+        "general": 5.0,
+        "main": -1.0,
+    }  # one trained source: a mapping needs held-out-only ones
     assert [s.name for s in parse_config(raw).cpt.eval.heldout_sources] == ["general"]
     raw["gate"]["cpt_max_ppl_increase_pct"] = {"genral": 5.0}
     with pytest.raises(ConfigError) as info:
         parse_config(raw)
-    assert info.value.problems == [("gate.cpt_max_ppl_increase_pct.genral", "no CPT source is named 'genral' (cpt.data.uri: main; cpt.eval.heldout_sources: general)")]
+    assert info.value.problems == [
+        (
+            "gate.cpt_max_ppl_increase_pct.genral",
+            "no CPT source is named 'genral' (cpt.data.uri: main; cpt.eval.heldout_sources: general)",
+        )
+    ]
     raw["gate"]["cpt_max_ppl_increase_pct"] = {"general": 5.0}
     raw["cpt"]["eval"]["heldout_fraction"] = 0
     with pytest.raises(ConfigError, match="evaluate_cpt does not run without the stage's own held-out set"):
         parse_config(raw)
-    raw = _raw(tmp_path, [{"name": "domain", "uri": "a.jsonl", "weight": 0.7}, {"name": "general", "uri": "b.jsonl", "weight": 0.3}])
-    raw["cpt"]["eval"] = {"heldout_uri": "h.jsonl", "heldout_fraction": 0, "heldout_sources": [{"name": "web", "uri": "w.jsonl"}, {"name": "general", "uri": "g.jsonl"}]}
+    raw = _raw(
+        tmp_path,
+        [{"name": "domain", "uri": "a.jsonl", "weight": 0.7}, {"name": "general", "uri": "b.jsonl", "weight": 0.3}],
+    )
+    raw["cpt"]["eval"] = {
+        "heldout_uri": "h.jsonl",
+        "heldout_fraction": 0,
+        "heldout_sources": [{"name": "web", "uri": "w.jsonl"}, {"name": "general", "uri": "g.jsonl"}],
+    }
     raw["gate"]["cpt_max_ppl_increase_pct"] = {"web": 5.0, "domain": 0.0}
     with pytest.raises(ConfigError) as info:
         parse_config(raw)
-    assert [f for f, _ in info.value.problems] == ["cpt.eval.heldout_sources[1].name", "gate.cpt_max_ppl_increase_pct.domain"], info.value.problems
+    assert [f for f, _ in info.value.problems] == [
+        "cpt.eval.heldout_sources[1].name",
+        "gate.cpt_max_ppl_increase_pct.domain",
+    ], info.value.problems
     assert "has no held-out records of its own under one cpt.eval.heldout_uri" in info.value.problems[1][1]
 
 
 def test_main_source_name_is_the_configs():
-    from tasks.core.config.schema import MAIN_SOURCE
+    from tasks.core.config.data import MAIN_SOURCE
     from tasks.core.data.prepare import MAIN_SOURCE as PREPARED
 
     assert MAIN_SOURCE == PREPARED == "main"
@@ -332,27 +445,49 @@ def test_preflight_names_a_missing_source_and_warns_of_a_repeated_one(tiny_model
     small = _write(tmp_path / "small.jsonl", _records(CPT)[:20])
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
     raw["cpt"]["max_steps"] = 100  # 100 steps of 4 blocks of 64 tokens: 40 of them from `small`
-    raw["cpt"]["data"] = {"sources": [{"name": "domain", "uri": str(CPT), "weight": 0.9}, {"name": "small", "uri": small, "weight": 0.1}],
-                          "max_source_epochs": 2}
+    raw["cpt"]["data"] = {
+        "sources": [{"name": "domain", "uri": str(CPT), "weight": 0.9}, {"name": "small", "uri": small, "weight": 0.1}],
+        "max_source_epochs": 2,
+    }
     machine = Machine(cuda_devices=0, cpu_count=2, free_bytes=10**13)
-    report = preflight_report(load_for_check(write_config(tmp_path / "ok.yaml", raw)), machine=machine, token_present=None)
+    report = preflight_report(
+        load_for_check(write_config(tmp_path / "ok.yaml", raw)), machine=machine, token_present=None
+    )
     assert report.ok, report.text()
     warned = [w for w in report.warnings if w.startswith("cpt.data.sources[1] (small):")]
     assert len(warned) == 1 and "more than cpt.data.max_source_epochs=2" in warned[0], report.warnings
     assert not [w for w in report.warnings if "(domain)" in w]
     # The estimate against prepare's exact figure for the same source: within a factor of 1.5.
     estimated = float(warned[0].split("about ")[2].split(" passes")[0])
-    exact = prepare([Source("domain", str(CPT), 0.9), Source("small", small, 0.1)], tokdir, tmp_path / "prep", kind="cpt", field="text", seq_len=64,
-                    heldout_fraction=0.05, blend_plan=BlendPlan(100, 4, 1234)).index["sources"][1]["epochs"]
+    exact = prepare(
+        [Source("domain", str(CPT), 0.9), Source("small", small, 0.1)],
+        tokdir,
+        tmp_path / "prep",
+        kind="cpt",
+        field="text",
+        seq_len=64,
+        heldout_fraction=0.05,
+        blend_plan=BlendPlan(100, 4, 1234),
+    ).index["sources"][1]["epochs"]
     assert exact / 1.5 < estimated < exact * 1.5, (estimated, exact)
 
     raw["cpt"]["data"]["sources"][1]["uri"] = str(tmp_path / "nothing-*.jsonl")
-    raw["cpt"]["eval"] = {"heldout_sources": [{"name": "web", "uri": str(tmp_path / "none-*.jsonl")}, {"name": "small", "uri": small}]}
-    report = preflight_report(load_for_check(write_config(tmp_path / "bad.yaml", raw)), machine=machine, token_present=None)
-    assert [msg for f, msg in report.problems if f == "cpt.data.sources[1] (small).uri"] == [f"the glob '{tmp_path}/nothing-*.jsonl' matches no file; check the pattern and that the files exist"]
+    raw["cpt"]["eval"] = {
+        "heldout_sources": [{"name": "web", "uri": str(tmp_path / "none-*.jsonl")}, {"name": "small", "uri": small}]
+    }
+    report = preflight_report(
+        load_for_check(write_config(tmp_path / "bad.yaml", raw)), machine=machine, token_present=None
+    )
+    assert [msg for f, msg in report.problems if f == "cpt.data.sources[1] (small).uri"] == [
+        f"the glob '{tmp_path}/nothing-*.jsonl' matches no file; check the pattern and that the files exist"
+    ]
     # A held-out-only source: its URI named by its field, its name clashing with a trained source refused.
-    assert [msg for f, msg in report.problems if f == "cpt.eval.heldout_sources[0] (web).uri"] == [f"the glob '{tmp_path}/none-*.jsonl' matches no file; check the pattern and that the files exist"]
-    assert [f for f, _ in report.problems if f.startswith("cpt.eval.heldout_sources[1]")] == ["cpt.eval.heldout_sources[1].name"], report.problems
+    assert [msg for f, msg in report.problems if f == "cpt.eval.heldout_sources[0] (web).uri"] == [
+        f"the glob '{tmp_path}/none-*.jsonl' matches no file; check the pattern and that the files exist"
+    ]
+    assert [f for f, _ in report.problems if f.startswith("cpt.eval.heldout_sources[1]")] == [
+        "cpt.eval.heldout_sources[1].name"
+    ], report.problems
 
 
 def test_split_record_and_card_show_the_mixture(tokdir, tmp_path):
@@ -368,12 +503,24 @@ def test_split_record_and_card_show_the_mixture(tokdir, tmp_path):
     d = cfg.cpt.data
     sources = [Source(s.name, [str(REPO / u) for u in s.uris], s.weight) for s in d.source_list]
     web = _write(tmp_path / "web.jsonl", _records(CPT)[:8])  # a held-out-only source (its text is no other's file)
-    prepare(sources, tokdir, tmp_path / "prep", kind="cpt", field="text", seq_len=cfg.cpt.seq_len, heldout_fraction=0.05,
-            blend_plan=BlendPlan(cfg.cpt.max_steps, 4, cfg.cpt.seed), heldout_sources=[Source("web", web)])
+    prepare(
+        sources,
+        tokdir,
+        tmp_path / "prep",
+        kind="cpt",
+        field="text",
+        seq_len=cfg.cpt.seq_len,
+        heldout_fraction=0.05,
+        blend_plan=BlendPlan(cfg.cpt.max_steps, 4, cfg.cpt.seed),
+        heldout_sources=[Source("web", web)],
+    )
     split = split_info(tmp_path / "prep", corpus_of(d))
     assert [(s["name"], s["records"], s["inputs"][0]["uri"]) for s in split["heldout_sources"]] == [("web", 8, web)]
     assert split["data_uri"] == {"domain": "data/sample/cpt.jsonl", "general": "data/sample/general.jsonl"}
-    assert [(s["name"], s["weight"], s["token_share"]) for s in split["sources"]] == [("domain", 0.7, 0.7), ("general", 0.3, 0.3)]
+    assert [(s["name"], s["weight"], s["token_share"]) for s in split["sources"]] == [
+        ("domain", 0.7, 0.7),
+        ("general", 0.3, 0.3),
+    ]
     assert all(s["heldout_records"] > 0 for s in split["sources"])  # the hash split holds out records of every source
     card = model_card(cfg, {}, {"cpt": {"split": split}})
     assert "CPT mixture (blended once for the planned steps):" in card

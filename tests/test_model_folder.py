@@ -32,35 +32,51 @@ def _problems(report, field):
 # ---- item 2: LoRA targets -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("targets, words", [
-    (["q_proj", "qkv_proj"], "'qkv_proj' matches no module of"),
-    (["wqkv"], "'wqkv' matches no module of"),
-    (["self_attn"], "LoRA can adapt only linear and embedding modules, but the targets match model.layers.0.self_attn (container)"),
-    (["input_layernorm"], "model.layers.0.input_layernorm (norm)"),
-    (r"model\.layers\.\d+\.attn\.q_proj", "the regex"),
-    (["all-linear"], "or use 'all-linear' (without the list)"),
-])
+@pytest.mark.parametrize(
+    "targets, words",
+    [
+        (["q_proj", "qkv_proj"], "'qkv_proj' matches no module of"),
+        (["wqkv"], "'wqkv' matches no module of"),
+        (
+            ["self_attn"],
+            (
+                "LoRA can adapt only linear and embedding modules, but the targets match model.layers.0.self_attn "
+                "(container)"
+            ),
+        ),
+        (["input_layernorm"], "model.layers.0.input_layernorm (norm)"),
+        (r"model\.layers\.\d+\.attn\.q_proj", "the regex"),
+        (["all-linear"], "or use 'all-linear' (without the list)"),
+    ],
+)
 def test_a_lora_target_the_model_lacks_is_refused_naming_it_and_the_models_modules(tmp_path, targets, words):
     case = Case(tmp_path)
     _set("sft.lora", {"r": 8, "target_modules": targets})(case)
     report = case.report()
     msgs = _problems(report, "sft.lora.target_modules")
     assert any(words in m for m in msgs), report.text()
-    assert any("down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in m for m in msgs), msgs
+    assert any(
+        "down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in m for m in msgs
+    ), msgs
 
 
-@pytest.mark.parametrize("targets, adapted", [
-    (["q_proj", "v_proj"], 8),
-    ("all-linear", 28),
-    (r".*\.layers\.[01]\.self_attn\.(q|k)_proj", 4),
-    (["mlp.down_proj", "embed_tokens"], 5),
-])
+@pytest.mark.parametrize(
+    "targets, adapted",
+    [
+        (["q_proj", "v_proj"], 8),
+        ("all-linear", 28),
+        (r".*\.layers\.[01]\.self_attn\.(q|k)_proj", 4),
+        (["mlp.down_proj", "embed_tokens"], 5),
+    ],
+)
 def test_peft_forms_of_lora_targets_pass_and_say_what_they_adapt(tmp_path, targets, adapted):
     case = Case(tmp_path)
     _set("sft.lora", {"r": 8, "target_modules": targets})(case)
     report = case.report()
     assert not _problems(report, "sft.lora.target_modules"), report.text()
-    assert any(line.startswith("LoRA targets") and f"adapt {adapted} modules" in line for line in report.checked), report.checked
+    assert any(line.startswith("LoRA targets") and f"adapt {adapted} modules" in line for line in report.checked), (
+        report.checked
+    )
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -74,17 +90,50 @@ def test_the_family_table_resolves_targets_as_peft_does_on_the_real_model(family
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     spec = FAMILIES[family]
-    mc = {"model_type": family, "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-          "num_key_value_heads": 1, "tie_word_embeddings": tied, "attention_bias": True, "mlp_bias": True, "head_dim": 8, **spec.demo_config}
+    mc = {
+        "model_type": family,
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "tie_word_embeddings": tied,
+        "attention_bias": True,
+        "mlp_bias": True,
+        "head_dim": 8,
+        **spec.demo_config,
+    }
     config = getattr(transformers, spec.config_class)(**mc)
     torch.manual_seed(0)
     modules = lt.model_modules({**config.to_dict(), "model_type": family})
-    for targets in (["q_proj", "down_proj"], "all-linear", r".*\.1\.mlp\.(up|gate)_proj", ["embed_tokens", "lm_head"], ["q_proj", "qkv_proj"]):
+    for targets in (
+        ["q_proj", "down_proj"],
+        "all-linear",
+        r".*\.1\.mlp\.(up|gate)_proj",
+        ["embed_tokens", "lm_head"],
+        ["q_proj", "qkv_proj"],
+    ):
         model = getattr(transformers, spec.model_class)(config)
-        real = {n: ("linear" if isinstance(m, torch.nn.Linear) else "embedding" if isinstance(m, torch.nn.Embedding) else "other") for n, m in model.named_modules()}
-        assert {n: k for n, k in real.items() if k != "other"} == {n: k for n, k in modules.items() if k in lt.LORA_KINDS}
-        peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=list(targets) if isinstance(targets, list) else targets))
-        by_peft = [n.removeprefix("base_model.model.") for n, m in peft_model.named_modules() if isinstance(m, BaseTunerLayer)]
+        real = {
+            n: (
+                "linear"
+                if isinstance(m, torch.nn.Linear)
+                else "embedding"
+                if isinstance(m, torch.nn.Embedding)
+                else "other"
+            )
+            for n, m in model.named_modules()
+        }
+        assert {n: k for n, k in real.items() if k != "other"} == {
+            n: k for n, k in modules.items() if k in lt.LORA_KINDS
+        }
+        peft_model = get_peft_model(
+            model, LoraConfig(r=2, target_modules=list(targets) if isinstance(targets, list) else targets)
+        )
+        by_peft = [
+            n.removeprefix("base_model.model.") for n, m in peft_model.named_modules() if isinstance(m, BaseTunerLayer)
+        ]
         assert list(lt.resolve(targets, modules, lt.output_embedding(mc)).adapted) == by_peft, targets
 
 
@@ -113,7 +162,9 @@ def test_the_engine_records_the_modules_peft_adapted_not_the_ones_asked(tiny_mod
 
 
 @pytest.mark.parametrize("name", ["tokenizer.json", "generation_config.json", "tokenizer_config.json", "config.json"])
-def test_a_truncated_tokenizer_or_config_file_is_refused_naming_the_file_and_the_parse_error(tmp_path, tiny_model_dir, name):
+def test_a_truncated_tokenizer_or_config_file_is_refused_naming_the_file_and_the_parse_error(
+    tmp_path, tiny_model_dir, name
+):
     from tasks.core.preflight.checks import load_for_check, preflight_report
     from tests.test_preflight import CPU2
 
@@ -124,7 +175,9 @@ def test_a_truncated_tokenizer_or_config_file_is_refused_naming_the_file_and_the
     cfg = load_for_check(write_config(tmp_path / "c.yaml", tiny_config_raw(model, tmp_path / "run")))
     report = preflight_report(cfg, machine=CPU2)
     msgs = _problems(report, "base_model.uri")
-    assert any(f"{model / name} is not valid JSON" in m and "line " in m and "column " in m for m in msgs), report.text()
+    assert any(f"{model / name} is not valid JSON" in m and "line " in m and "column " in m for m in msgs), (
+        report.text()
+    )
 
 
 def test_a_tokenizer_json_that_parses_but_is_no_tokenizer_is_refused(tmp_path, tiny_model_dir):
@@ -134,8 +187,12 @@ def test_a_tokenizer_json_that_parses_but_is_no_tokenizer_is_refused(tmp_path, t
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     (model / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "NoSuchModel"}}))
-    report = preflight_report(load_for_check(write_config(tmp_path / "c.yaml", tiny_config_raw(model, tmp_path / "run"))), machine=CPU2)
-    assert any("tokenizer.json parses as JSON but is not a tokenizer" in m for m in _problems(report, "base_model.uri")), report.text()
+    report = preflight_report(
+        load_for_check(write_config(tmp_path / "c.yaml", tiny_config_raw(model, tmp_path / "run"))), machine=CPU2
+    )
+    assert any(
+        "tokenizer.json parses as JSON but is not a tokenizer" in m for m in _problems(report, "base_model.uri")
+    ), report.text()
 
 
 # ---- item 11: files that are not what their name says ---------------------------------------
@@ -145,8 +202,12 @@ def sentencepiece_model() -> bytes:
     import sentencepiece as spm
 
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter([f"the quick brown fox jumps over the lazy dog {i}" for i in range(100)]),
-                                   model_writer=buf, vocab_size=40, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([f"the quick brown fox jumps over the lazy dog {i}" for i in range(100)]),
+        model_writer=buf,
+        vocab_size=40,
+        minloglevel=2,
+    )
     return buf.getvalue()
 
 
@@ -176,9 +237,13 @@ def test_files_that_are_not_what_their_name_says_are_named_in_preflight(tmp_path
     from tests.test_preflight import CPU2
 
     model = hostile_model(tiny_model_dir, tmp_path / "model")
-    report = preflight_report(load_for_check(write_config(tmp_path / "c.yaml", tiny_config_raw(model, tmp_path / "run"))), machine=CPU2)
+    report = preflight_report(
+        load_for_check(write_config(tmp_path / "c.yaml", tiny_config_raw(model, tmp_path / "run"))), machine=CPU2
+    )
     text = "\n".join(report.warnings)
-    assert f"{model / 'tokenizer.model'} is named like a SentencePiece tokenizer model, but it is a GGUF file" in text, report.text()
+    assert (
+        f"{model / 'tokenizer.model'} is named like a SentencePiece tokenizer model, but it is a GGUF file" in text
+    ), report.text()
     assert f"{model / 'model-q4.gguf'} is weights in a format no HF loader reads" in text
     assert f"{model / 'consolidated.safetensors'} is a .safetensors file that is not a weight shard" in text
     assert "load_from_hf leaves it out of base/" in text
@@ -193,7 +258,10 @@ def test_the_folder_rule_refuses_an_impostor_tokenizer_model_in_an_export(tmp_pa
     shutil.copytree(tiny_model_dir, export)
     assert folder_problems(export) == []
     (export / "tokenizer.model").write_bytes(b"GGUF" + bytes(100))
-    assert any("holds tokenizer.model: named like a SentencePiece tokenizer model, but it is a GGUF file" in p for p in folder_problems(export))
+    assert any(
+        "holds tokenizer.model: named like a SentencePiece tokenizer model, but it is a GGUF file" in p
+        for p in folder_problems(export)
+    )
 
 
 @pytest.mark.integration
@@ -217,7 +285,9 @@ def test_load_from_hf_leaves_out_files_that_are_not_what_their_name_says(prefect
     assert (base / "tokenizer.json").is_file() and (base / "model.safetensors").is_file()
     downstream = tmp_path / "export"
     downstream.mkdir()
-    assert "tokenizer.model" not in copy_tokenizer(model, downstream)  # a base/ built before the rule: its impostor stays behind
+    assert "tokenizer.model" not in copy_tokenizer(
+        model, downstream
+    )  # a base/ built before the rule: its impostor stays behind
     assert not (downstream / "tokenizer.model").exists() and (downstream / "tokenizer.json").is_file()
 
 
@@ -225,7 +295,9 @@ def test_load_from_hf_leaves_out_files_that_are_not_what_their_name_says(prefect
 
 
 @pytest.mark.integration
-def test_a_hand_made_folder_in_an_artifacts_place_is_moved_aside_never_emptied(prefect_harness, tiny_model_dir, tmp_path):
+def test_a_hand_made_folder_in_an_artifacts_place_is_moved_aside_never_emptied(
+    prefect_harness, tiny_model_dir, tmp_path
+):
     from tasks.core.config.load import load_config
     from tasks.core.run.manifest import verify_artifact
     from tasks.load import load_from_hf
@@ -268,7 +340,12 @@ def small_tmpfs(tmp_path):
 
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)], check=False, capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)], check=False, capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here (needs root): the full-disk cases need a real small filesystem")
     try:
         yield mnt
@@ -298,13 +375,21 @@ def test_on_a_full_disk_writes_leave_no_temporary_file_and_run_json_is_rewritten
     assert json.loads(record.read_text()) == {"stages": ["failed"]}
     assert not overwrite_in_place(record, "x" * (1 << 20))  # does not fit in its blocks: left whole
     line = describe(errno.ENOSPC, small_tmpfs / "base" / "model.safetensors", need=30_000_000)
-    assert f"No space left on device (ENOSPC) writing {small_tmpfs}/base/model.safetensors on {small_tmpfs} (tmpfs, " in line
-    assert "0 B free of 21.0 MB; the run needs about 30.0 MB there in all" in line and "point run_root at a larger disk" in line
+    assert (
+        f"No space left on device (ENOSPC) writing {small_tmpfs}/base/model.safetensors on {small_tmpfs} (tmpfs, "
+        in line
+    )
+    assert (
+        "0 B free of 21.0 MB; the run needs about 30.0 MB there in all" in line
+        and "point run_root at a larger disk" in line
+    )
     assert "\n" not in line
 
 
 @pytest.mark.integration
-def test_a_full_disk_during_a_stage_is_one_line_and_run_json_records_it(prefect_harness, tiny_model_dir, small_tmpfs, tmp_path, capsys):
+def test_a_full_disk_during_a_stage_is_one_line_and_run_json_records_it(
+    prefect_harness, tiny_model_dir, small_tmpfs, tmp_path, capsys
+):
     """Pre-flight's estimate (18.8 MB) fits the 20 MB disk; a base model with a 24 MB extra file
     fills it while load_from_hf copies: the failure names the file, the filesystem, free and needed
     space and the fix, once, without a retry; run.json records it; no temporary file is left."""
@@ -322,10 +407,15 @@ def test_a_full_disk_during_a_stage_is_one_line_and_run_json_records_it(prefect_
     (row,) = [s for s in summary["stages"] if s["stage"] == "load_from_hf"]
     error = row["detail"]["error"]
     assert row["status"] == "failed" and error.startswith("OSError: No space left on device (ENOSPC) writing ")
-    assert "original/notes.txt on " + str(small_tmpfs) + " (tmpfs, 0 B free when it failed, 21.0 MB free of 21.0 MB now" in error, error
+    assert (
+        "original/notes.txt on " + str(small_tmpfs) + " (tmpfs, 0 B free when it failed, 21.0 MB free of 21.0 MB now"
+        in error
+    ), error
     assert "the run needs about 18.8 MB" in error
     assert error in out.out + out.err
-    assert not [p.name for p in run.iterdir() if p.name.endswith((".tmp", ".tmp-build")) or p.name.startswith(".run.json")], list(run.iterdir())
+    assert not [
+        p.name for p in run.iterdir() if p.name.endswith((".tmp", ".tmp-build")) or p.name.startswith(".run.json")
+    ], list(run.iterdir())
 
 
 def test_a_ranks_disk_error_is_said_at_the_stage_directory(tmp_path):
@@ -336,7 +426,10 @@ def test_a_ranks_disk_error_is_said_at_the_stage_directory(tmp_path):
 
     failed = StageFailed("rank 0: OSError: [Errno 28] No space left on device\n...last lines...")
     line = stage_cause(failed, tmp_path / "cpt", need=10**9)
-    assert line.startswith(f"StageFailed: No space left on device (ENOSPC) writing {tmp_path / 'cpt'} on ") and "the run needs about 1.0 GB" in line
+    assert (
+        line.startswith(f"StageFailed: No space left on device (ENOSPC) writing {tmp_path / 'cpt'} on ")
+        and "the run needs about 1.0 GB" in line
+    )
     assert stage_cause(StageFailed("rank 0: ValueError: bad shape"), tmp_path) is None
     assert stage_cause(FileNotFoundError(2, "No such file or directory", "x.jsonl"), tmp_path) is None
     ro = stage_cause(OSError(30, "Read-only file system", str(tmp_path / "run.json")), tmp_path)
@@ -344,7 +437,9 @@ def test_a_ranks_disk_error_is_said_at_the_stage_directory(tmp_path):
 
 
 @pytest.mark.integration
-def test_load_from_hf_refuses_a_broken_json_file_naming_it_where_preflight_could_not_read_it(prefect_harness, tiny_model_dir, tmp_path):
+def test_load_from_hf_refuses_a_broken_json_file_naming_it_where_preflight_could_not_read_it(
+    prefect_harness, tiny_model_dir, tmp_path
+):
     """A Hub model's tokenizer.json is first read in load_from_hf: the stage refuses it there, naming
     the file and the parse error, and is not retried (the same check as pre-flight's, on base/)."""
     from tasks.core.config.load import load_config
@@ -366,7 +461,9 @@ def test_preflight_does_not_judge_work_moved_aside(tmp_path):
     from tests.test_preflight import make_manifest
 
     case = Case(tmp_path)
-    art = make_manifest(case.run_root, "export.superseded-20260101T000000Z", {"model.safetensors": {"size": 0, "sha256": "0" * 64}})
+    art = make_manifest(
+        case.run_root, "export.superseded-20260101T000000Z", {"model.safetensors": {"size": 0, "sha256": "0" * 64}}
+    )
     (art / "model.safetensors").write_bytes(b"")
     (art / "extra.safetensors").write_bytes(b"")
     assert not [p for p in case.report().problems if "superseded" in p[0]], case.report().text()

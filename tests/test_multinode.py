@@ -29,18 +29,23 @@ def _job(tmp: Path, model_dir: Path, verb: str, run: dict, digest: str) -> Path:
     """The job file the stage tasks write (tasks/train.py:_job)."""
     path = tmp / "jobs" / f"cpt-{verb}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "verb": verb,
-        "stage": "cpt",
-        "stage_cfg": run["cpt"],
-        "trust_remote_code": run["base_model"]["trust_remote_code"],
-        "model_dir": str(model_dir),
-        "tokenizer_dir": str(model_dir),
-        "data_dir": str(prepared_data(run["cpt"], "cpt", model_dir, tmp / "data-cpt")),
-        "stage_dir": str(tmp / "run" / "cpt"),
-        "parent": {"uri": str(model_dir), "digest": "base-digest"},
-        "config_digest": digest,
-    }, indent=2))
+    path.write_text(
+        json.dumps(
+            {
+                "verb": verb,
+                "stage": "cpt",
+                "stage_cfg": run["cpt"],
+                "trust_remote_code": run["base_model"]["trust_remote_code"],
+                "model_dir": str(model_dir),
+                "tokenizer_dir": str(model_dir),
+                "data_dir": str(prepared_data(run["cpt"], "cpt", model_dir, tmp / "data-cpt")),
+                "stage_dir": str(tmp / "run" / "cpt"),
+                "parent": {"uri": str(model_dir), "digest": "base-digest"},
+                "config_digest": digest,
+            },
+            indent=2,
+        )
+    )
     return path
 
 
@@ -52,15 +57,27 @@ def _two_nodes(verb: str, job: Path, timeout: float = 400.0) -> list[str]:
     procs = []
     try:
         for node_rank in (0, 1):
-            launch = LaunchConfig(nproc_per_node=1, nnodes=2, node_rank=node_rank, rdzv_endpoint=endpoint, rdzv_id=f"multinode-{verb}")
+            launch = LaunchConfig(
+                nproc_per_node=1, nnodes=2, node_rank=node_rank, rdzv_endpoint=endpoint, rdzv_id=f"multinode-{verb}"
+            )
             argv = torchrun_argv(verb, job, launch, rdzv_id="unused")
-            assert argv[argv.index("--rdzv-backend") + 1] == "c10d" and argv[argv.index("--node-rank") + 1] == str(node_rank)
+            assert argv[argv.index("--rdzv-backend") + 1] == "c10d" and argv[argv.index("--node-rank") + 1] == str(
+                node_rank
+            )
             # Keep every connection on the loopback interface (the "nodes" share this machine).
             argv[3:3] = ["--local-addr", "127.0.0.1"]
-            procs.append(subprocess.Popen(
-                argv, cwd=str(REPO), env=engine_env({"GLOO_SOCKET_IFNAME": "lo"}), stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, start_new_session=True,
-            ))
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    cwd=str(REPO),
+                    env=engine_env({"GLOO_SOCKET_IFNAME": "lo"}),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
         outs = []
         deadline = time.monotonic() + timeout
         for p in procs:
@@ -79,7 +96,11 @@ def test_two_torchrun_agents_rendezvous_and_run_a_cpt_stage(tiny_model_dir, tmp_
     from tasks.core.run.manifest import verify_artifact
 
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
-    raw["cpt"].update(max_steps=STEPS, checkpoint_every=EVERY, launch={"nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400"})
+    raw["cpt"].update(
+        max_steps=STEPS,
+        checkpoint_every=EVERY,
+        launch={"nproc_per_node": 1, "nnodes": 2, "rdzv_endpoint": "127.0.0.1:29400"},
+    )
     assert raw["cpt"]["plugin"]["tp_size"] == 2  # tensor parallel across the two "nodes"
     run = parse_config(raw).model_dump(mode="json")
     digest = "c" * 64
@@ -100,7 +121,10 @@ def test_two_torchrun_agents_rendezvous_and_run_a_cpt_stage(tiny_model_dir, tmp_
     for manifest in (start, final):
         assert manifest["config_digest"] == digest
         assert manifest["meta"]["world_size"] == 2
-    assert {p.name for p in (stage_dir / f"step-{STEPS:06d}" / "rng").glob("*.json")} == {"rank-00000.json", "rank-00001.json"}
+    assert {p.name for p in (stage_dir / f"step-{STEPS:06d}" / "rng").glob("*.json")} == {
+        "rank-00000.json",
+        "rank-00001.json",
+    }
     assert final["meta"]["step"] == STEPS and final["meta"]["plugin"]["tp"] == 2
     state = json.loads((stage_dir / f"step-{STEPS:06d}" / "train_state.json").read_text())
     assert len(state["losses"]) == STEPS and not any(math.isnan(x) for x in state["losses"])

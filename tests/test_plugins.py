@@ -1,6 +1,6 @@
 """Fast engine unit tests (no torchrun): plugin refusal, CPU patches, faults, schedule, checkpoints.
 
-    pytest tests/test_plugins.py
+pytest tests/test_plugins.py
 """
 
 from __future__ import annotations
@@ -51,7 +51,11 @@ def test_gemini_accepted_with_cuda_and_ddp_fp16_refused_on_cpu():
     check_supported(PluginConfig(name="gemini", precision="bf16"), "sft", cuda=True)
     with pytest.raises(ConfigError, match=r"cpt\.plugin\.precision"):
         check_supported(PluginConfig(name="torch_ddp", precision="fp16"), "cpt", cuda=False)
-    for ok in ({"name": "hybrid_parallel", "tp_size": 2}, {"name": "low_level_zero", "zero_stage": 2}, {"name": "torch_ddp", "precision": "fp32"}):
+    for ok in (
+        {"name": "hybrid_parallel", "tp_size": 2},
+        {"name": "low_level_zero", "zero_stage": 2},
+        {"name": "torch_ddp", "precision": "fp32"},
+    ):
         check_supported(PluginConfig(**ok), "cpt", cuda=False)
 
 
@@ -66,13 +70,24 @@ def test_no_sync_only_where_colossalai_allows_it():
 OFFLOAD_OK = [
     ({"name": "low_level_zero", "zero_stage": 2, "cpu_offload": True}, {"cpu_offload": True}),
     ({"name": "hybrid_parallel", "zero_stage": 1, "cpu_offload": True}, {"cpu_offload": True}),
-    ({"name": "gemini", "offload_optim_frac": 0.5}, {"placement_policy": "static", "offload_optim_frac": 0.5, "offload_param_frac": 0.0}),
-    ({"name": "gemini", "offload_optim_frac": 1.0, "offload_param_frac": 1.0}, {"placement_policy": "static", "offload_optim_frac": 1.0, "offload_param_frac": 1.0}),
-    ({"name": "gemini", "placement_policy": "auto"}, {"placement_policy": "auto", "offload_optim_frac": 0.0, "offload_param_frac": 0.0}),
+    (
+        {"name": "gemini", "offload_optim_frac": 0.5},
+        {"placement_policy": "static", "offload_optim_frac": 0.5, "offload_param_frac": 0.0},
+    ),
+    (
+        {"name": "gemini", "offload_optim_frac": 1.0, "offload_param_frac": 1.0},
+        {"placement_policy": "static", "offload_optim_frac": 1.0, "offload_param_frac": 1.0},
+    ),
+    (
+        {"name": "gemini", "placement_policy": "auto"},
+        {"placement_policy": "auto", "offload_optim_frac": 0.0, "offload_param_frac": 0.0},
+    ),
 ]
 
 
-@pytest.mark.parametrize("plugin, passed", OFFLOAD_OK, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items() if k != "name"))
+@pytest.mark.parametrize(
+    "plugin, passed", OFFLOAD_OK, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items() if k != "name")
+)
 def test_offload_fields_are_accepted_and_passed_where_the_plugin_has_them(plugin, passed):
     from tasks.core.config.kernels import Facts, resolve
     from tasks.core.config.layout import ParallelLayout, layout_problems
@@ -80,24 +95,60 @@ def test_offload_fields_are_accepted_and_passed_where_the_plugin_has_them(plugin
 
     st = _stage({"precision": "bf16", **plugin}, launch={"nproc_per_node": 2})
     assert layout_problems(st, "sft", cuda=True) == []
-    kwargs = plugin_kwargs(st.plugin, st, ParallelLayout.of(st, "sft", cuda=True), True, resolve(st, "sft", Facts(cuda=True)))
+    kwargs = plugin_kwargs(
+        st.plugin, st, ParallelLayout.of(st, "sft", cuda=True), True, resolve(st, "sft", Facts(cuda=True))
+    )
     assert {k: kwargs[k] for k in passed} == passed
     assert {k: plugin_meta(st.plugin, st)[k] for k in passed} == passed  # recorded in every checkpoint manifest
 
 
 OFFLOAD_REFUSED = [
-    ({"name": "torch_ddp", "cpu_offload": True}, "sft.plugin.cpu_offload", "plugins that have it: hybrid_parallel, low_level_zero"),
-    ({"name": "gemini", "cpu_offload": True}, "sft.plugin.cpu_offload", "plugins that have it: hybrid_parallel, low_level_zero"),
-    ({"name": "low_level_zero", "zero_stage": 2, "offload_optim_frac": 0.5}, "sft.plugin.offload_optim_frac", "plugins that have it: gemini"),
-    ({"name": "hybrid_parallel", "offload_param_frac": 1.0}, "sft.plugin.offload_param_frac", "plugins that have it: gemini"),
-    ({"name": "low_level_zero", "zero_stage": 2, "placement_policy": "auto"}, "sft.plugin.placement_policy", "plugins that have it: gemini"),
-    ({"name": "hybrid_parallel", "tp_size": 2, "cpu_offload": True}, "sft.plugin.cpu_offload", "acts only with zero_stage: 1"),
-    ({"name": "gemini", "placement_policy": "auto", "offload_optim_frac": 1.0}, "sft.plugin.offload_optim_frac", "acts only with placement_policy: static"),
-    ({"name": "gemini", "offload_param_frac": 0.5}, "sft.plugin.offload_param_frac", "acts only with offload_optim_frac: 1.0"),
+    (
+        {"name": "torch_ddp", "cpu_offload": True},
+        "sft.plugin.cpu_offload",
+        "plugins that have it: hybrid_parallel, low_level_zero",
+    ),
+    (
+        {"name": "gemini", "cpu_offload": True},
+        "sft.plugin.cpu_offload",
+        "plugins that have it: hybrid_parallel, low_level_zero",
+    ),
+    (
+        {"name": "low_level_zero", "zero_stage": 2, "offload_optim_frac": 0.5},
+        "sft.plugin.offload_optim_frac",
+        "plugins that have it: gemini",
+    ),
+    (
+        {"name": "hybrid_parallel", "offload_param_frac": 1.0},
+        "sft.plugin.offload_param_frac",
+        "plugins that have it: gemini",
+    ),
+    (
+        {"name": "low_level_zero", "zero_stage": 2, "placement_policy": "auto"},
+        "sft.plugin.placement_policy",
+        "plugins that have it: gemini",
+    ),
+    (
+        {"name": "hybrid_parallel", "tp_size": 2, "cpu_offload": True},
+        "sft.plugin.cpu_offload",
+        "acts only with zero_stage: 1",
+    ),
+    (
+        {"name": "gemini", "placement_policy": "auto", "offload_optim_frac": 1.0},
+        "sft.plugin.offload_optim_frac",
+        "acts only with placement_policy: static",
+    ),
+    (
+        {"name": "gemini", "offload_param_frac": 0.5},
+        "sft.plugin.offload_param_frac",
+        "acts only with offload_optim_frac: 1.0",
+    ),
 ]
 
 
-@pytest.mark.parametrize("plugin, field, says", OFFLOAD_REFUSED, ids=lambda v: v if isinstance(v, str) and "." in v else None)
+@pytest.mark.parametrize(
+    "plugin, field, says", OFFLOAD_REFUSED, ids=lambda v: v if isinstance(v, str) and "." in v else None
+)
 def test_offload_fields_are_refused_where_the_plugin_lacks_them_naming_the_field(plugin, field, says, tmp_path):
     from tasks.core.config.load import parse_config
     from tests.conftest import tiny_config_raw
@@ -133,25 +184,44 @@ def test_an_offload_row_on_a_new_plugin_is_accepted_passed_and_estimated():
     from tasks.core.preflight.memory import LLAMA3, estimate
     from tasks.engine import builders
 
-    plugins.register(plugins.PluginSpec(
-        name="dummy_offload", summary="a test plugin", zero_stages=(1,), no_sync_zero_stages=(),
-        offload=(plugins.Offload("cpu_offload", moves_step=True),),
-        holds=(plugins.Held("weights", "weights"), plugins.Held("moments", 8, sharded=True, offload="cpu_offload")),
-    ))
-    builders.BUILDERS["dummy_offload"] = builders.Builder(factory=lambda **kw: kw, kwargs=lambda p, st, layout, cuda: {"stage": p.zero_stage})
+    plugins.register(
+        plugins.PluginSpec(
+            name="dummy_offload",
+            summary="a test plugin",
+            zero_stages=(1,),
+            no_sync_zero_stages=(),
+            offload=(plugins.Offload("cpu_offload", moves_step=True),),
+            holds=(plugins.Held("weights", "weights"), plugins.Held("moments", 8, sharded=True, offload="cpu_offload")),
+        )
+    )
+    builders.BUILDERS["dummy_offload"] = builders.Builder(
+        factory=lambda **kw: kw, kwargs=lambda p, st, layout, cuda: {"stage": p.zero_stage}
+    )
     try:
         st = _stage({"name": "dummy_offload", "zero_stage": 1, "cpu_offload": True}, launch={"nproc_per_node": 2})
         assert layout_problems(st, "sft", cuda=True) == []
-        assert builders.make_plugin(st.plugin, st, stage="sft", cuda=False, kernels={}) == {"stage": 1, "cpu_offload": True}
-        on, off = (estimate(LLAMA3["Llama-3-8B"], s, stage="sft", cuda=True) for s in (st, _stage({"name": "dummy_offload", "zero_stage": 1}, launch={"nproc_per_node": 2})))
+        assert builders.make_plugin(st.plugin, st, stage="sft", cuda=False, kernels={}) == {
+            "stage": 1,
+            "cpu_offload": True,
+        }
+        on, off = (
+            estimate(LLAMA3["Llama-3-8B"], s, stage="sft", cuda=True)
+            for s in (st, _stage({"name": "dummy_offload", "zero_stage": 1}, launch={"nproc_per_node": 2}))
+        )
         moments = 8 * math.ceil(on.rank_parameters / 2)
         assert off.device - on.device >= moments and on.offloaded >= moments and off.offloaded == 0
-        assert "cpu_offload" in layout_problems(_stage({"name": "torch_ddp", "precision": "fp32", "cpu_offload": True}), "sft")[0][0]
+        assert (
+            "cpu_offload"
+            in layout_problems(_stage({"name": "torch_ddp", "precision": "fp32", "cpu_offload": True}), "sft")[0][0]
+        )
         assert ParallelLayout.of(st, "sft").plugin == "dummy_offload"
     finally:
         plugins.PLUGINS.pop("dummy_offload", None)
         builders.BUILDERS.pop("dummy_offload", None)
-    assert "dummy_offload" not in layout_problems(_stage({"name": "torch_ddp", "precision": "fp32", "cpu_offload": True}), "sft")[0][1]
+    assert (
+        "dummy_offload"
+        not in layout_problems(_stage({"name": "torch_ddp", "precision": "fp32", "cpu_offload": True}), "sft")[0][1]
+    )
 
 
 # -- CPU compatibility -------------------------------------------------------------------------------
@@ -209,7 +279,19 @@ def test_fault_specs_parse():
     assert faults.parse("") == [] and faults.parse(None) == []
 
 
-@pytest.mark.parametrize("bad", ["kil@step=3", "kill", "kill@step=x", "kill@save=3", "kill@save=3:nowhere", "kill@step=3@stage=dpo", "kill@when=3", "kill@step=3@color=red"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "kil@step=3",
+        "kill",
+        "kill@step=x",
+        "kill@save=3",
+        "kill@save=3:nowhere",
+        "kill@step=3@stage=dpo",
+        "kill@when=3",
+        "kill@step=3@color=red",
+    ],
+)
 def test_bad_fault_specs_are_errors(bad):
     with pytest.raises(ValueError, match="CPT_TO_SFT_FAULT"):
         faults.parse(bad)
@@ -262,7 +344,17 @@ def test_job_errors_name_every_key(tmp_path):
     with pytest.raises(ConfigError) as exc:
         parse_job({"verb": "fly", "stage": "dpo", "model_dir": "rel/path", "extra": 1}, verb="train")
     fields = {f for f, _ in exc.value.problems}
-    assert {"verb", "stage", "model_dir", "extra", "stage_cfg", "trust_remote_code", "tokenizer_dir", "stage_dir", "config_digest"} <= fields
+    assert {
+        "verb",
+        "stage",
+        "model_dir",
+        "extra",
+        "stage_cfg",
+        "trust_remote_code",
+        "tokenizer_dir",
+        "stage_dir",
+        "config_digest",
+    } <= fields
 
 
 # -- checkpoints -------------------------------------------------------------------------------------
@@ -316,13 +408,24 @@ def test_commit_replaces_a_stale_directory(tmp_path):
 
 def test_checkpoint_blocks_are_sized_by_the_largest_tensor_within_floor_and_default():
     def llama(hidden: int, inter: int, vocab: int, layers: int = 2) -> dict:
-        return {"model_type": "llama", "hidden_size": hidden, "intermediate_size": inter, "vocab_size": vocab,
-                "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 8}
+        return {
+            "model_type": "llama",
+            "hidden_size": hidden,
+            "intermediate_size": inter,
+            "vocab_size": vocab,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+        }
 
     assert ckpt.save_shard_mib(llama(1024, 2560, 32000), 4) == 125  # the embedding, 32000 x 1024 fp32
     assert ckpt.save_shard_mib(llama(1024, 2560, 32000), 2) == ckpt.SAVE_SHARD_FLOOR_MIB  # 62.5 MiB in bf16
-    assert ckpt.save_shard_mib(llama(64, 128, 512), 4) == ckpt.SAVE_SHARD_FLOOR_MIB  # the demo model: one file, as before
-    assert ckpt.save_shard_mib(llama(8192, 28672, 128256), 2) == ckpt.COLOSSALAI_SHARD_MIB  # 70B: never above the default
+    assert (
+        ckpt.save_shard_mib(llama(64, 128, 512), 4) == ckpt.SAVE_SHARD_FLOOR_MIB
+    )  # the demo model: one file, as before
+    assert (
+        ckpt.save_shard_mib(llama(8192, 28672, 128256), 2) == ckpt.COLOSSALAI_SHARD_MIB
+    )  # 70B: never above the default
     assert ckpt.save_shard_mib({"model_type": "not-a-family"}, 4) == ckpt.COLOSSALAI_SHARD_MIB
 
 

@@ -49,7 +49,15 @@ SCREENSHOTS = REPO / "build" / "test-artifacts" / "prefect-ui"
 # The run form's typed overrides: the config file says 8 steps and another name, so every check
 # below of the name "ops-tiny" and of 4 steps shows that a deployment run used them.
 OVERRIDES = json.dumps({"run_name": "ops-tiny", "cpt": {"max_steps": STEPS}, "sft": {"max_steps": STEPS}})
-ARTIFACT_KEYS = {"cpt-to-sft-stages", "cpt-progress", "sft-progress", "cpt-loss-curve", "sft-loss-curve", "export-verification", "hub-commit"}
+ARTIFACT_KEYS = {
+    "cpt-to-sft-stages",
+    "cpt-progress",
+    "sft-progress",
+    "cpt-loss-curve",
+    "sft-loss-curve",
+    "export-verification",
+    "hub-commit",
+}
 
 
 @dataclass
@@ -64,8 +72,19 @@ class Ops:
 
     def run(self, *extra: str, timeout: float = 420.0) -> tuple[subprocess.CompletedProcess, str]:
         out = self.server.cli(
-            "deployment", "run", "cpt-to-sft/default", "--watch", "--watch-interval", "2",
-            "-p", f"config={self.config}", "-p", f"overrides={OVERRIDES}", *extra, check=False, timeout=timeout,
+            "deployment",
+            "run",
+            "cpt-to-sft/default",
+            "--watch",
+            "--watch-interval",
+            "2",
+            "-p",
+            f"config={self.config}",
+            "-p",
+            f"overrides={OVERRIDES}",
+            *extra,
+            check=False,
+            timeout=timeout,
         )
         return out, run_id_from(out.stdout)
 
@@ -85,11 +104,14 @@ def _latest(artifacts: list[dict]) -> dict[str, dict]:
 
 # --- unit tier: the deployment file and the UI helpers, no server ------------------------------
 
+
 def test_prefect_yaml_declares_both_deployments_on_the_gpu_pool():
     import yaml
 
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
-    assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $CPT_TO_SFT_HOME }}"}}]
+    assert spec["pull"] == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": "{{ $CPT_TO_SFT_HOME }}"}}
+    ]
     deployments = {d["name"]: d for d in spec["deployments"]}
     assert set(deployments) == {"default", "nightly"}
     for d in deployments.values():
@@ -105,7 +127,9 @@ def test_progress_throttles_and_flushes_the_last_step(monkeypatch):
 
     sent = []
     monkeypatch.setattr(ui, "create_progress_artifact", lambda progress, key, description: "artifact-id")
-    monkeypatch.setattr(ui, "update_progress_artifact", lambda aid, progress, description: sent.append((progress, description)))
+    monkeypatch.setattr(
+        ui, "update_progress_artifact", lambda aid, progress, description: sent.append((progress, description))
+    )
     progress = ui.Progress("cpt", 4, min_interval=3600)
     progress({"step": 1, "loss": 2.5})  # the first update goes out, the next ones wait for the interval
     progress({"step": 2, "loss": 2.25})
@@ -136,14 +160,41 @@ def test_stage_table_rows(monkeypatch):
 
     made = {}
     monkeypatch.setattr(ui, "create_table_artifact", lambda rows, key, description: made.update(rows=rows, key=key))
-    ui.stage_table([
-        {"stage": "train_cpt", "status": "completed", "uri": "s3://b/run/cpt/step-000010", "digest": "ab" * 32, "seconds": 3725.2},
-        {"stage": "export", "status": "not-run", "uri": None, "digest": None, "seconds": 0.0},
-    ])
+    ui.stage_table(
+        [
+            {
+                "stage": "train_cpt",
+                "status": "completed",
+                "uri": "s3://b/run/cpt/step-000010",
+                "digest": "ab" * 32,
+                "seconds": 3725.2,
+            },
+            {"stage": "export", "status": "not-run", "uri": None, "digest": None, "seconds": 0.0},
+        ]
+    )
     assert made["key"] == "cpt-to-sft-stages"
-    assert made["rows"][0] == {"stage": "train_cpt", "status": "completed", "artifact": "s3://b/run/cpt/step-000010", "manifest digest": "ab" * 8, "duration": "1h 02m 05s", "cause": "", "note": ""}
+    assert made["rows"][0] == {
+        "stage": "train_cpt",
+        "status": "completed",
+        "artifact": "s3://b/run/cpt/step-000010",
+        "manifest digest": "ab" * 8,
+        "duration": "1h 02m 05s",
+        "cause": "",
+        "note": "",
+    }
     assert made["rows"][1]["artifact"] == "" and made["rows"][1]["duration"] == "0.0 s"
-    ui.stage_table([{"stage": "train_sft", "status": "failed", "uri": None, "digest": None, "seconds": 1.0, "detail": {"error": "StageFailed: rank 1: engine train failed: boom"}}])
+    ui.stage_table(
+        [
+            {
+                "stage": "train_sft",
+                "status": "failed",
+                "uri": None,
+                "digest": None,
+                "seconds": 1.0,
+                "detail": {"error": "StageFailed: rank 1: engine train failed: boom"},
+            }
+        ]
+    )
     assert made["rows"][0]["cause"] == "StageFailed: rank 1: engine train failed: boom"
 
 
@@ -166,8 +217,16 @@ def test_run_form_overrides_are_typed_and_validated_like_the_yaml(tmp_path):
     assert form["run_name"]["type"] == "string" and RunOverrides().dotted() == {}
 
     tiny = str(REPO / "deployments" / "configs" / "tiny-cpu.yaml")
-    cfg = resolve_config(tiny, {"run_name": "form", "run_root": str(tmp_path), "base_model_revision": "v1",
-                                "cpt": {"max_steps": 3, "lr": 1e-4, "data_uri": "data/sample/cpt.jsonl"}, "sft": {"max_steps": 2}})
+    cfg = resolve_config(
+        tiny,
+        {
+            "run_name": "form",
+            "run_root": str(tmp_path),
+            "base_model_revision": "v1",
+            "cpt": {"max_steps": 3, "lr": 1e-4, "data_uri": "data/sample/cpt.jsonl"},
+            "sft": {"max_steps": 2},
+        },
+    )
     assert (cfg.name, cfg.run_root, cfg.base_model.revision) == ("form", str(tmp_path), "v1")
     assert (cfg.cpt.max_steps, cfg.cpt.lr, cfg.cpt.data.uri, cfg.sft.max_steps) == (3, 1e-4, "data/sample/cpt.jsonl", 2)
     with pytest.raises(ValidationError, match="max_steps"):
@@ -191,7 +250,9 @@ def test_the_run_is_named_from_the_config_it_read_once(prefect_harness, tiny_mod
     cfg = write_config(tmp_path / "cfg.yaml", raw)
     reads: list[str] = []
     real_load = load.load_config
-    monkeypatch.setattr(flow_mod, "load_config", lambda path, overrides=None: (reads.append(str(path)), real_load(path, overrides))[1])
+    monkeypatch.setattr(
+        flow_mod, "load_config", lambda path, overrides=None: (reads.append(str(path)), real_load(path, overrides))[1]
+    )
     ok = flow_mod.cpt_to_sft(config=str(cfg), stop_after="load_from_hf", return_state=True)
     bad = flow_mod.cpt_to_sft(config=str(tmp_path / "missing.yaml"), return_state=True)
     assert ok.is_completed() and bad.is_failed() and bad.name == "Refused", (ok.message, bad.message)
@@ -203,6 +264,7 @@ def test_the_run_is_named_from_the_config_it_read_once(prefect_harness, tiny_mod
 
 
 # --- e2e: a real server, worker and CLI --------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory, tiny_model_dir):
@@ -236,15 +298,32 @@ def ops(tmp_path_factory, tiny_model_dir):
         timings["deploy_s"] = time.monotonic() - t
         # The Hub token as the README says: a Secret block named hf-token (no HF_TOKEN on the worker).
         subprocess.run(
-            [sys.executable, "-c", f"from prefect.blocks.system import Secret; Secret(value={TOKEN!r}).save('hf-token', overwrite=True)"],
-            env=server.env(), cwd=str(tmp), check=True, capture_output=True, timeout=120,
+            [
+                sys.executable,
+                "-c",
+                f"from prefect.blocks.system import Secret; Secret(value={TOKEN!r}).save('hf-token', overwrite=True)",
+            ],
+            env=server.env(),
+            cwd=str(tmp),
+            check=True,
+            capture_output=True,
+            timeout=120,
         )
         # Failure notifications as the README applies them: a webhook block + the automation file.
-        subprocess.run([sys.executable, "-m", "flows.cli", "notifications", "--webhook-url", webhook.url],
-                       env=server.env(), cwd=str(REPO), check=True, capture_output=True, timeout=180)
+        subprocess.run(
+            [sys.executable, "-m", "flows.cli", "notifications", "--webhook-url", webhook.url],
+            env=server.env(),
+            cwd=str(REPO),
+            check=True,
+            capture_output=True,
+            timeout=180,
+        )
         server.start_worker(
-            "gpu", tmp / "worker.log",
-            CPT_TO_SFT_HOME=str(REPO), PREFECT_WORKER_QUERY_SECONDS="1", HF_ENDPOINT=hub.endpoint,
+            "gpu",
+            tmp / "worker.log",
+            CPT_TO_SFT_HOME=str(REPO),
+            PREFECT_WORKER_QUERY_SECONDS="1",
+            HF_ENDPOINT=hub.endpoint,
             HF_HUB_DISABLE_TELEMETRY="1",
         )
         yield Ops(server, tmp, config, run_root, webhook, postgres, timings)
@@ -292,7 +371,9 @@ def test_deployments_pool_and_schedule(ops):
     for d in deployments.values():
         assert d["work_pool_name"] == "gpu" and d["entrypoint"] == "flows/cpt_to_sft.py:cpt_to_sft"
         # Resolved on the worker when a run starts, not frozen at deploy time.
-        assert d["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $CPT_TO_SFT_HOME }}"}}]
+        assert d["pull_steps"] == [
+            {"prefect.deployments.steps.set_working_directory": {"directory": "{{ $CPT_TO_SFT_HOME }}"}}
+        ]
     assert deployments["default"]["schedules"] == []
     (schedule,) = deployments["nightly"]["schedules"]
     assert schedule["schedule"]["cron"] == "0 2 * * *" and schedule["active"] is False
@@ -309,15 +390,22 @@ def test_failed_run_shows_failing_rank_event_and_stage_table(ops, failed_run):
     # The run name carries the model and the run id.
     assert run["name"] == f"tiny-llama-ops-tiny-{failed_run['id'].split('-')[0]}"
     failed_tasks = [t for t in failed_run["task_runs"] if t["state"]["type"] == "FAILED"]
-    assert [t["task_key"].split("-")[0] for t in failed_tasks] == ["train_cpt"], [t["name"] for t in failed_run["task_runs"]]
+    assert [t["task_key"].split("-")[0] for t in failed_tasks] == ["train_cpt"], [
+        t["name"] for t in failed_run["task_runs"]
+    ]
     message = failed_tasks[0]["state"]["message"]
-    assert "last lines per process" in message and "--- rank" in message and "injected failure" in message, message[-3000:]
+    assert "last lines per process" in message and "--- rank" in message and "injected failure" in message, message[
+        -3000:
+    ]
 
     events = ops.server.run_events("cpt-to-sft.stage.failed", failed_run["id"], {"train_cpt"})
     assert [e["payload"]["stage"] for e in events] == ["train_cpt"]
     assert events[0]["payload"]["artifact_uri"] == f"{ops.run_root}/cpt"
     assert "injected failure" in events[0]["payload"]["error"]
-    assert events[0]["payload"]["cause"].startswith("StageFailed: rank ") and "engine train failed: RuntimeError: injected failure" in events[0]["payload"]["cause"]
+    assert (
+        events[0]["payload"]["cause"].startswith("StageFailed: rank ")
+        and "engine train failed: RuntimeError: injected failure" in events[0]["payload"]["cause"]
+    )
     assert run["state"]["message"] == f"stage train_cpt failed: {events[0]['payload']['cause']}"
 
     # The automation of deployments/automations.yaml turned that event into a webhook message.
@@ -348,7 +436,9 @@ def test_failed_run_shows_failing_rank_event_and_stage_table(ops, failed_run):
     # Levels as the ranks marked them: the failure is error, nothing is guessed from words.
     errors = [e for e in ranked if e["level"] == 40]
     assert errors and "engine train failed: RuntimeError: injected failure" in errors[0]["message"]
-    assert all(e["level"] == 20 for e in ranked if e["message"].split("] ", 1)[1].startswith(("engine train cpt:", "launch:")))
+    assert all(
+        e["level"] == 20 for e in ranked if e["message"].split("] ", 1)[1].startswith(("engine train cpt:", "launch:"))
+    )
 
 
 @pytest.mark.e2e
@@ -361,7 +451,9 @@ def test_retry_resumes_and_shows_every_artifact(ops, failed_run, retried_run):
     status = {st["stage"]: st["status"] for st in summary["stages"]}
     assert summary["complete"] is True
     assert status["load_from_hf"] == status["boost_and_shard"] == "skipped"
-    assert {status[k] for k in ("train_cpt", "unshard", "reboost", "train_sft", "export", "push_to_hub")} == {"completed"}
+    assert {status[k] for k in ("train_cpt", "unshard", "reboost", "train_sft", "export", "push_to_hub")} == {
+        "completed"
+    }
     messages = [e["message"] for e in s.logs(run_id)]
     assert any("resuming cpt from step-000002" in m for m in messages), [m for m in messages if "resum" in m]
 
@@ -379,13 +471,30 @@ def test_retry_resumes_and_shows_every_artifact(ops, failed_run, retried_run):
         png = ops.run_root / stage / "loss-curve.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in curve["data"]
     verification = latest["export-verification"]["data"]
-    assert "Export verification" in verification and "✅ match" in verification and "model.embed_tokens.weight" in verification
+    assert (
+        "Export verification" in verification
+        and "✅ match" in verification
+        and "model.embed_tokens.weight" in verification
+    )
     link = latest["hub-commit"]
     assert f"[{REPO_ID}@main](" in link["data"] and f"/{REPO_ID}/commit/" in link["data"]  # a link artifact is markdown
 
     # load_from_hf, the prepare stages and boost_and_shard completed in the first attempt, the others in the retry.
-    expected = {"load_from_hf", "prepare_cpt", "prepare_sft", "boost_and_shard", "train_cpt", "unshard", "reboost", "train_sft", "export", "push_to_hub"}
-    by_stage = {e["payload"]["stage"]: e["payload"] for e in s.run_events("cpt-to-sft.stage.completed", run_id, expected)}
+    expected = {
+        "load_from_hf",
+        "prepare_cpt",
+        "prepare_sft",
+        "boost_and_shard",
+        "train_cpt",
+        "unshard",
+        "reboost",
+        "train_sft",
+        "export",
+        "push_to_hub",
+    }
+    by_stage = {
+        e["payload"]["stage"]: e["payload"] for e in s.run_events("cpt-to-sft.stage.completed", run_id, expected)
+    }
     assert expected <= set(by_stage), sorted(by_stage)
     assert f"/{REPO_ID}/commit/" in by_stage["push_to_hub"]["artifact_uri"]
     assert by_stage["train_cpt"]["artifact_uri"] == f"{ops.run_root}/cpt/step-{STEPS:06d}"
@@ -397,9 +506,30 @@ def test_retry_resumes_and_shows_every_artifact(ops, failed_run, retried_run):
 def test_two_runs_at_once_run_one_after_the_other(ops, retried_run):
     s = ops.server
     t = time.monotonic()
-    argv = ["deployment", "run", "cpt-to-sft/default", "--watch", "--watch-interval", "2", "-p", f"config={ops.config}", "-p", f"overrides={OVERRIDES}"]
-    procs = [subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "--no-prompt", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=s.env(), cwd=str(REPO), start_new_session=True) for _ in range(2)]
+    argv = [
+        "deployment",
+        "run",
+        "cpt-to-sft/default",
+        "--watch",
+        "--watch-interval",
+        "2",
+        "-p",
+        f"config={ops.config}",
+        "-p",
+        f"overrides={OVERRIDES}",
+    ]
+    procs = [
+        subprocess.Popen(
+            [str(Path(sys.executable).parent / "prefect"), "--no-prompt", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=s.env(),
+            cwd=str(REPO),
+            start_new_session=True,
+        )
+        for _ in range(2)
+    ]
     outs = []
     try:
         for p in procs:
@@ -413,10 +543,17 @@ def test_two_runs_at_once_run_one_after_the_other(ops, retried_run):
     runs = sorted((s.flow_run(run_id_from(o)) for o in outs), key=lambda r: r["start_time"])
     assert all(r["state"]["type"] == "COMPLETED" for r in runs)
     first, second = runs
-    assert _t(first["end_time"]) <= _t(second["start_time"]), (first["start_time"], first["end_time"], second["start_time"], second["end_time"])
+    assert _t(first["end_time"]) <= _t(second["start_time"]), (
+        first["start_time"],
+        first["end_time"],
+        second["start_time"],
+        second["end_time"],
+    )
     summary = json.loads((ops.run_root / "run.json").read_text())
     # (benchmark: not configured here, tests/conftest.py tiny_config_raw)
-    assert {st["status"] for st in summary["stages"] if st["stage"] not in ("gate", "push_to_hub", "benchmark")} == {"skipped"}
+    assert {st["status"] for st in summary["stages"] if st["stage"] not in ("gate", "push_to_hub", "benchmark")} == {
+        "skipped"
+    }
 
 
 @pytest.mark.e2e
@@ -430,20 +567,26 @@ def test_browser_shows_the_runs_artifacts(ops, retried_run, tmp_path):
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page = f"{s.url}/v2/runs/flow-run/{run_id}?tab=Artifacts"
     # Each page's DOM is read from the load that takes its screenshot.
-    dom = chromium(binary, page, tmp_path / "profile", screenshot=SCREENSHOTS / "flow-run-artifacts.png", window="1440,1800")
+    dom = chromium(
+        binary, page, tmp_path / "profile", screenshot=SCREENSHOTS / "flow-run-artifacts.png", window="1440,1800"
+    )
     missing = [k for k in sorted(ARTIFACT_KEYS) if k not in dom]
     assert not missing, f"artifact keys missing from {page}: {missing}\n{dom[-3000:]}"
     assert retried_run["run"]["name"] in dom
 
     latest = _latest(s.artifacts(run_id))
     curve = f"{s.url}/v2/artifacts/artifact/{latest['cpt-loss-curve']['id']}"
-    dom = chromium(binary, curve, tmp_path / "profile", screenshot=SCREENSHOTS / "cpt-loss-curve.png", window="1280,1000")
+    dom = chromium(
+        binary, curve, tmp_path / "profile", screenshot=SCREENSHOTS / "cpt-loss-curve.png", window="1280,1000"
+    )
     assert 'alt="cpt loss" src="data:image/png;base64,' in dom
     table = f"{s.url}/v2/artifacts/artifact/{latest['cpt-to-sft-stages']['id']}"
     chromium(binary, table, tmp_path / "profile", screenshot=SCREENSHOTS / "stage-table.png", window="1440,1000")
     for name in ("flow-run-artifacts.png", "cpt-loss-curve.png", "stage-table.png"):
         assert (SCREENSHOTS / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    (SCREENSHOTS / "timings.json").write_text(json.dumps({k: round(v, 1) for k, v in ops.timings.items()}, indent=2) + "\n")
+    (SCREENSHOTS / "timings.json").write_text(
+        json.dumps({k: round(v, 1) for k, v in ops.timings.items()}, indent=2) + "\n"
+    )
 
 
 @pytest.mark.integration
@@ -457,7 +600,17 @@ def test_browser_renders_the_typed_run_form(ops, retried_run, tmp_path):
     form = f"{s.url}/v2/deployments/deployment/{deployment['id']}/run"
     dom = chromium(binary, form, tmp_path / "profile", budget_ms=30000)
     # The overrides object is not optional, so its fields show without a "None" switch to flip.
-    for label in ("overrides", "Run name", "Run root", "Base model URI", "Base model revision", "Max steps", "Learning rate", "Data URI", "Peak learning rate."):
+    for label in (
+        "overrides",
+        "Run name",
+        "Run root",
+        "Base model URI",
+        "Base model revision",
+        "Max steps",
+        "Learning rate",
+        "Data URI",
+        "Peak learning rate.",
+    ):
         assert label in dom, f"{label!r} not in the run form at {form}\n{dom[-3000:]}"
 
 
@@ -474,12 +627,19 @@ def test_the_server_keeps_the_run_and_its_retry_in_postgresql(ops, failed_run, r
         try:
             run_id = uuid.UUID(failed_run["id"])
             row = dict(await conn.fetchrow("SELECT state_type, run_count FROM flow_run WHERE id = $1", run_id))
-            history = [r["type"] for r in await conn.fetch("SELECT type FROM flow_run_state WHERE flow_run_id = $1 ORDER BY timestamp", run_id)]
+            history = [
+                r["type"]
+                for r in await conn.fetch(
+                    "SELECT type FROM flow_run_state WHERE flow_run_id = $1 ORDER BY timestamp", run_id
+                )
+            ]
             return row, history
         finally:
             await conn.close()
 
     row, history = asyncio.run(read())
-    assert str(row["state_type"]) == "COMPLETED" and row["run_count"] >= 2, row  # the retry ran it again, on this database
+    assert str(row["state_type"]) == "COMPLETED" and row["run_count"] >= 2, (
+        row
+    )  # the retry ran it again, on this database
     assert "FAILED" in map(str, history) and str(history[-1]) == "COMPLETED", history
     assert not list(ops.server.home.glob("*.db"))  # no SQLite file beside it

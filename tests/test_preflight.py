@@ -25,8 +25,24 @@ from tasks.core.run.manifest import MANIFEST
 from tests.conftest import tiny_config_raw, write_config
 
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+TINY_DIMS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=256,
+)
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+)
 CPU2 = Machine(cuda_devices=0, cpu_count=2, free_bytes=10**13)
 
 
@@ -49,10 +65,18 @@ def no_launch(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-hf-home" / "token"))
 
 
-def fake_model(root: Path, tokenizer: dict | None = None, weights: tuple[str, ...] = ("model.safetensors",), **dims: Any) -> Path:
+def fake_model(
+    root: Path, tokenizer: dict | None = None, weights: tuple[str, ...] = ("model.safetensors",), **dims: Any
+) -> Path:
     """An HF model directory as far as pre-flight can tell, without any weights."""
     root.mkdir(parents=True, exist_ok=True)
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "torch_dtype": "float32", **TINY_DIMS, **dims}
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "torch_dtype": "float32",
+        **TINY_DIMS,
+        **dims,
+    }
     (root / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
     tok = {"eos_token": "<|end_of_text|>", "chat_template": CHAT_TEMPLATE} if tokenizer is None else tokenizer
     (root / "tokenizer_config.json").write_text(json.dumps(tok))
@@ -159,65 +183,237 @@ HP = {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"}
 
 # (id, mutation, expected field, words in the message)
 BAD = [
-    ("tp3-on-8-kv-heads", _all(_llama3, _set("cpt.plugin", {**HP, "tp_size": 3}), _set("cpt.launch", {"nproc_per_node": 3})),
-     "cpt.plugin.tp_size", "Valid tp_size: [1, 2, 4, 8]"),
-    ("tp-not-dividing-tiny-kv", _all(_set("cpt.plugin", {**HP, "tp_size": 4}), _set("cpt.launch", {"nproc_per_node": 4})), "cpt.plugin.tp_size", "num_key_value_heads=2"),
-    ("pp-more-than-layers", _all(_set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 8}), _set("cpt.launch", {"nproc_per_node": 8}), _set("cpt.grad_accum_steps", 8)),
-     "cpt.plugin.pp_size", "num_hidden_layers=4"),
+    (
+        "tp3-on-8-kv-heads",
+        _all(_llama3, _set("cpt.plugin", {**HP, "tp_size": 3}), _set("cpt.launch", {"nproc_per_node": 3})),
+        "cpt.plugin.tp_size",
+        "Valid tp_size: [1, 2, 4, 8]",
+    ),
+    (
+        "tp-not-dividing-tiny-kv",
+        _all(_set("cpt.plugin", {**HP, "tp_size": 4}), _set("cpt.launch", {"nproc_per_node": 4})),
+        "cpt.plugin.tp_size",
+        "num_key_value_heads=2",
+    ),
+    (
+        "pp-more-than-layers",
+        _all(
+            _set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 8}),
+            _set("cpt.launch", {"nproc_per_node": 8}),
+            _set("cpt.grad_accum_steps", 8),
+        ),
+        "cpt.plugin.pp_size",
+        "num_hidden_layers=4",
+    ),
     ("world-size-mismatch", _set("cpt.launch", {"nproc_per_node": 3}), "cpt.launch", "multiple of tp_size*pp_size"),
-    ("zero-with-fp32", _set("sft.plugin", {**HP, "zero_stage": 1, "precision": "fp32"}), "sft.plugin.precision", "fp32 with ZeRO is refused under hybrid_parallel"),
+    (
+        "zero-with-fp32",
+        _set("sft.plugin", {**HP, "zero_stage": 1, "precision": "fp32"}),
+        "sft.plugin.precision",
+        "fp32 with ZeRO is refused under hybrid_parallel",
+    ),
     ("gemini-on-cpu", _set("sft.plugin", {"name": "gemini", "precision": "bf16"}), "sft.plugin.name", "needs CUDA"),
-    ("packing-under-hybrid-parallel", _all(_set("sft.plugin", HP), _set("sft.batching", "packed")), "sft.batching",
-     "packed conversations would attend to each other; set sft.plugin.name: low_level_zero and sft.plugin.zero_stage: 1"),
-    ("lora-under-gemini", _all(_set("sft.plugin", {"name": "gemini", "precision": "bf16"}), _set("sft.lora", {"r": 8})), "sft.lora",
-     "enable_lora raises NotImplementedError in colossalai 0.5.0 (ColossalAI #6138); set sft.plugin.name: hybrid_parallel; or set sft.plugin.name: low_level_zero"),
-    ("lora-under-tp2", _all(_set("sft.plugin", {**HP, "tp_size": 2}), _set("sft.launch", {"nproc_per_node": 2}), _set("sft.lora", {"r": 8})),
-     "sft.plugin.tp_size", "LoRA under hybrid_parallel needs tp_size 1 (HybridParallelPlugin.enable_lora asserts tp_size == 1"),
-    ("lora-under-pp2", _all(_set("sft.plugin", {**HP, "pp_size": 2}), _set("sft.launch", {"nproc_per_node": 2}), _set("sft.grad_accum_steps", 2),
-                            _set("sft.lora", {"r": 8})), "sft.plugin.pp_size", "LoRA under hybrid_parallel needs pp_size 1"),
-    ("qlora-on-cpu", _set("sft.lora", {"r": 8, "quantize": True}), "sft.lora.quantize", "bitsandbytes, whose kernels run on CUDA only, and no GPU is visible here"),
+    (
+        "packing-under-hybrid-parallel",
+        _all(_set("sft.plugin", HP), _set("sft.batching", "packed")),
+        "sft.batching",
+        (
+            "packed conversations would attend to each other; set sft.plugin.name: low_level_zero and "
+            "sft.plugin.zero_stage: 1"
+        ),
+    ),
+    (
+        "lora-under-gemini",
+        _all(_set("sft.plugin", {"name": "gemini", "precision": "bf16"}), _set("sft.lora", {"r": 8})),
+        "sft.lora",
+        (
+            "enable_lora raises NotImplementedError in colossalai 0.5.0 (ColossalAI #6138); set sft.plugin.name: "
+            "hybrid_parallel; or set sft.plugin.name: low_level_zero"
+        ),
+    ),
+    (
+        "lora-under-tp2",
+        _all(
+            _set("sft.plugin", {**HP, "tp_size": 2}),
+            _set("sft.launch", {"nproc_per_node": 2}),
+            _set("sft.lora", {"r": 8}),
+        ),
+        "sft.plugin.tp_size",
+        "LoRA under hybrid_parallel needs tp_size 1 (HybridParallelPlugin.enable_lora asserts tp_size == 1",
+    ),
+    (
+        "lora-under-pp2",
+        _all(
+            _set("sft.plugin", {**HP, "pp_size": 2}),
+            _set("sft.launch", {"nproc_per_node": 2}),
+            _set("sft.grad_accum_steps", 2),
+            _set("sft.lora", {"r": 8}),
+        ),
+        "sft.plugin.pp_size",
+        "LoRA under hybrid_parallel needs pp_size 1",
+    ),
+    (
+        "qlora-on-cpu",
+        _set("sft.lora", {"r": 8, "quantize": True}),
+        "sft.lora.quantize",
+        "bitsandbytes, whose kernels run on CUDA only, and no GPU is visible here",
+    ),
     ("lora-on-cpt", _set("cpt.lora", {"r": 8}), "cpt.lora", "LoRA is for SFT only"),
-    ("ddp-fp16-on-cpu", _set("sft.plugin", {"name": "torch_ddp", "precision": "fp16"}), "sft.plugin.precision", "needs CUDA"),
-    ("pipeline-microbatches-not-dividing",
-     _all(_set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 2, "num_microbatches": 4}), _set("cpt.micro_batch_size", 3), _set("cpt.grad_accum_steps", 2)),
-     "cpt.plugin.num_microbatches", "does not divide"),
-    ("pipeline-too-few-microbatches", _set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 2}), "cpt.plugin.num_microbatches", "at least pp_size=2"),
+    (
+        "ddp-fp16-on-cpu",
+        _set("sft.plugin", {"name": "torch_ddp", "precision": "fp16"}),
+        "sft.plugin.precision",
+        "needs CUDA",
+    ),
+    (
+        "pipeline-microbatches-not-dividing",
+        _all(
+            _set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 2, "num_microbatches": 4}),
+            _set("cpt.micro_batch_size", 3),
+            _set("cpt.grad_accum_steps", 2),
+        ),
+        "cpt.plugin.num_microbatches",
+        "does not divide",
+    ),
+    (
+        "pipeline-too-few-microbatches",
+        _set("cpt.plugin", {**HP, "tp_size": 1, "pp_size": 2}),
+        "cpt.plugin.num_microbatches",
+        "at least pp_size=2",
+    ),
     ("more-ranks-than-gpus", _machine(cuda_devices=1), "cpt.launch.nproc_per_node", "1 GPU(s) are visible"),
-    ("missing-data-file", _set("cpt.data.uri", "/nonexistent/cpt.jsonl"), "cpt.data.uri", "/nonexistent/cpt.jsonl does not exist"),
+    (
+        "missing-data-file",
+        _set("cpt.data.uri", "/nonexistent/cpt.jsonl"),
+        "cpt.data.uri",
+        "/nonexistent/cpt.jsonl does not exist",
+    ),
     ("unknown-data-format", _data("cpt", ["a,b"], name="data.csv"), "cpt.data.uri", "unknown format"),
-    ("malformed-jsonl", _data("sft", [{"messages": [USER, ASSISTANT]}, "{not json"]), "sft.data.uri", "sft-data.jsonl:2: malformed JSON"),
+    (
+        "malformed-jsonl",
+        _data("sft", [{"messages": [USER, ASSISTANT]}, "{not json"]),
+        "sft.data.uri",
+        "sft-data.jsonl:2: malformed JSON",
+    ),
     ("sft-without-assistant", _data("sft", [{"messages": [USER]}]), "sft.data.uri", "no assistant message"),
-    ("sft-bad-role", _data("sft", [{"messages": [{"role": "wizard", "content": "x"}, ASSISTANT]}]), "sft.data.uri", "role 'wizard'"),
-    ("sft-missing-messages-field", _data("sft", [{"conversation": [USER, ASSISTANT]}]), "sft.data.messages_field", "no field 'messages'"),
-    ("cpt-missing-text-field", _data("cpt", [{"body": "text"}]), "cpt.data.text_field", "no field 'text' (fields: ['body']); set cpt.data.text_field"),
+    (
+        "sft-bad-role",
+        _data("sft", [{"messages": [{"role": "wizard", "content": "x"}, ASSISTANT]}]),
+        "sft.data.uri",
+        "role 'wizard'",
+    ),
+    (
+        "sft-missing-messages-field",
+        _data("sft", [{"conversation": [USER, ASSISTANT]}]),
+        "sft.data.messages_field",
+        "no field 'messages'",
+    ),
+    (
+        "cpt-missing-text-field",
+        _data("cpt", [{"body": "text"}]),
+        "cpt.data.text_field",
+        "no field 'text' (fields: ['body']); set cpt.data.text_field",
+    ),
     ("empty-dataset", _data("cpt", []), "cpt.data.uri", "holds no records"),
-    ("glob-matching-nothing", _set("cpt.data.uri", "/nonexistent/corpus/part-*.jsonl"), "cpt.data.uri", "matches no file"),
-    ("directory-without-corpus-files", lambda c: ((c.tmp / "empty-corpus").mkdir(), _set("sft.data.uri", str(c.tmp / "empty-corpus"))(c)), "sft.data.uri", "holds no .jsonl, .parquet file"),
+    (
+        "glob-matching-nothing",
+        _set("cpt.data.uri", "/nonexistent/corpus/part-*.jsonl"),
+        "cpt.data.uri",
+        "matches no file",
+    ),
+    (
+        "directory-without-corpus-files",
+        lambda c: ((c.tmp / "empty-corpus").mkdir(), _set("sft.data.uri", str(c.tmp / "empty-corpus"))(c)),
+        "sft.data.uri",
+        "holds no .jsonl, .parquet file",
+    ),
     ("unreachable-run-root", _set("run_root", "nosuchproto://bucket/run"), "run_root", "not reachable"),
     ("unwritable-run-root-below-a-file", _under_a_file, "run_root", "not writable"),
     ("staging-space-too-small", _machine(free_bytes=1000), "run_root", "1.0 KB free, the run needs about"),
     ("push-without-token", _all(_set("hub", {"repo_id": "my-org/tiny"}), _token(False)), "hub", "no Hub token"),
-    ("malformed-repo-id", _all(_set("hub", {"repo_id": "not a repo"}), _token(True)), "hub.repo_id", "not a valid Hub repo id"),
-    ("push-adapter-without-lora", _all(_set("hub", {"repo_id": "my-org/tiny", "push_adapter": True}), _token(True)), "hub.push_adapter",
-     "there is no adapter to push: SFT trains the whole model (sft.lora is not set)"),
-    ("adapter-repo-is-the-model-repo", _all(_set("sft.lora", {"r": 8}), _set("hub", {"repo_id": "my-org/tiny", "push_adapter": True, "adapter_repo_id": "my-org/tiny"}),
-                                            _token(True)), "hub.adapter_repo_id", "the adapter would sit beside the merged weights"),
-    ("malformed-adapter-repo-id", _all(_set("sft.lora", {"r": 8}), _set("hub", {"repo_id": "my-org/tiny", "push_adapter": True, "adapter_repo_id": "no/such/repo"}),
-                                       _token(True)), "hub.adapter_repo_id", "not a valid Hub repo id"),
+    (
+        "malformed-repo-id",
+        _all(_set("hub", {"repo_id": "not a repo"}), _token(True)),
+        "hub.repo_id",
+        "not a valid Hub repo id",
+    ),
+    (
+        "push-adapter-without-lora",
+        _all(_set("hub", {"repo_id": "my-org/tiny", "push_adapter": True}), _token(True)),
+        "hub.push_adapter",
+        "there is no adapter to push: SFT trains the whole model (sft.lora is not set)",
+    ),
+    (
+        "adapter-repo-is-the-model-repo",
+        _all(
+            _set("sft.lora", {"r": 8}),
+            _set("hub", {"repo_id": "my-org/tiny", "push_adapter": True, "adapter_repo_id": "my-org/tiny"}),
+            _token(True),
+        ),
+        "hub.adapter_repo_id",
+        "the adapter would sit beside the merged weights",
+    ),
+    (
+        "malformed-adapter-repo-id",
+        _all(
+            _set("sft.lora", {"r": 8}),
+            _set("hub", {"repo_id": "my-org/tiny", "push_adapter": True, "adapter_repo_id": "no/such/repo"}),
+            _token(True),
+        ),
+        "hub.adapter_repo_id",
+        "not a valid Hub repo id",
+    ),
     ("repo-id-without-org", _all(_set("hub", {"repo_id": "a/b/c"}), _token(True)), "hub.repo_id", "org/name"),
     ("pickle-only-base-model", _pickle_only, "base_model.allow_pickle", "pytorch_model.bin"),
     ("no-weights", lambda c: (c.model / "model.safetensors").unlink(), "base_model.uri", "no weight files"),
-    ("remote-code-without-trust", lambda c: fake_model(c.model, auto_map={"AutoModelForCausalLM": "modeling_x.X"}), "base_model.trust_remote_code", "its own Python code"),
+    (
+        "remote-code-without-trust",
+        lambda c: fake_model(c.model, auto_map={"AutoModelForCausalLM": "modeling_x.X"}),
+        "base_model.trust_remote_code",
+        "its own Python code",
+    ),
     ("missing-base-model", _set("base_model.uri", "/nonexistent/model"), "base_model.uri", "does not exist"),
-    ("manifest-with-dotdot", _manifest({"../../etc/passwd": {"size": 1, "sha256": "0" * 64}}), "/run/base/.cpt-to-sft/manifest.json", "escapes the artifact"),
-    ("manifest-with-absolute-path", _manifest({"/etc/passwd": {"size": 1, "sha256": "0" * 64}}), "/run/base/.cpt-to-sft/manifest.json", "is absolute"),
-    ("manifest-with-symlink-out", _symlink_out, "/run/cpt/hf/.cpt-to-sft/manifest.json", "resolves outside the artifact"),
+    (
+        "manifest-with-dotdot",
+        _manifest({"../../etc/passwd": {"size": 1, "sha256": "0" * 64}}),
+        "/run/base/.cpt-to-sft/manifest.json",
+        "escapes the artifact",
+    ),
+    (
+        "manifest-with-absolute-path",
+        _manifest({"/etc/passwd": {"size": 1, "sha256": "0" * 64}}),
+        "/run/base/.cpt-to-sft/manifest.json",
+        "is absolute",
+    ),
+    (
+        "manifest-with-symlink-out",
+        _symlink_out,
+        "/run/cpt/hf/.cpt-to-sft/manifest.json",
+        "resolves outside the artifact",
+    ),
     ("seq-len-over-max-positions", _set("sft.seq_len", 1024), "sft.seq_len", "max_position_embeddings=256"),
-    ("tokenizer-without-chat-template", lambda c: fake_model(c.model, tokenizer={"eos_token": "</s>"}), "base_model.uri", "no chat_template"),
-    ("unknown-model-family", lambda c: fake_model(c.model, model_type="gpt2"), "base_model.uri", "model_type='gpt2' is not a supported model family (supported: llama, mistral, qwen2, qwen3)"),
-    ("gpu-memory-too-small", _all(_llama3, _set("cpt.plugin", {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"}),
-                                  _set("cpt.launch", {"nproc_per_node": 8, "gpu_memory_gb": 40})),
-     "cpt.launch.gpu_memory_gb", "more than the 40.00 GB of cpt.launch.gpu_memory_gb = 40; it fits with cpt.plugin.zero_stage: 2"),
+    (
+        "tokenizer-without-chat-template",
+        lambda c: fake_model(c.model, tokenizer={"eos_token": "</s>"}),
+        "base_model.uri",
+        "no chat_template",
+    ),
+    (
+        "unknown-model-family",
+        lambda c: fake_model(c.model, model_type="gpt2"),
+        "base_model.uri",
+        "model_type='gpt2' is not a supported model family (supported: llama, mistral, qwen2, qwen3)",
+    ),
+    (
+        "gpu-memory-too-small",
+        _all(
+            _llama3,
+            _set("cpt.plugin", {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"}),
+            _set("cpt.launch", {"nproc_per_node": 8, "gpu_memory_gb": 40}),
+        ),
+        "cpt.launch.gpu_memory_gb",
+        "more than the 40.00 GB of cpt.launch.gpu_memory_gb = 40; it fits with cpt.plugin.zero_stage: 2",
+    ),
 ]
 
 
@@ -238,7 +434,12 @@ def test_bad_input_fails_preflight_naming_the_field(tmp_path, mutate, field, wor
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_llama3_8b_layout_accepts_tp_dividing_its_8_kv_heads(tmp_path, tp):
     case = Case(tmp_path)
-    _all(_llama3, _set("cpt.plugin", {**HP, "tp_size": tp}), _set("cpt.launch", {"nproc_per_node": tp}), _machine(cuda_devices=8))(case)
+    _all(
+        _llama3,
+        _set("cpt.plugin", {**HP, "tp_size": tp}),
+        _set("cpt.launch", {"nproc_per_node": tp}),
+        _machine(cuda_devices=8),
+    )(case)
     report = case.report()
     assert report.ok, report.text()
     assert any(f"tp={tp}, divides 32 heads / 8 KV heads" in c for c in report.checked)
@@ -258,7 +459,9 @@ def test_every_problem_is_reported_at_once(tmp_path):
     with pytest.raises(ConfigError) as info:
         validate(load_for_check(write_config(tmp_path / "c.yaml", case.raw)), machine=case.machine, token_present=False)
     fields = {f for f, _ in info.value.problems}
-    assert {"cpt.plugin.tp_size", "sft.plugin.precision", "sft.data.uri", "hub.repo_id", "hub"} <= fields, str(info.value)
+    assert {"cpt.plugin.tp_size", "sft.plugin.precision", "sft.data.uri", "hub.repo_id", "hub"} <= fields, str(
+        info.value
+    )
 
 
 def test_vocab_not_divisible_by_tp_is_refused_with_valid_choices(tmp_path):
@@ -302,8 +505,18 @@ def test_good_config_passes_and_lists_what_was_checked(tmp_path, tiny_model_dir,
     assert run_check_cli(str(path)) == 0
     out = capsys.readouterr().out
     assert "pre-flight passed" in out
-    for words in ("cpt layout: hybrid_parallel tp=2", "sft layout: low_level_zero", "safetensors", "chat template",
-                  "cpt data", "sft data", "probe object written", "free >=", "max_position_embeddings", "hub: not configured"):
+    for words in (
+        "cpt layout: hybrid_parallel tp=2",
+        "sft layout: low_level_zero",
+        "safetensors",
+        "chat template",
+        "cpt data",
+        "sft data",
+        "probe object written",
+        "free >=",
+        "max_position_embeddings",
+        "hub: not configured",
+    ):
         assert words in out, f"{words!r} missing from:\n{out}"
     assert not list((tmp_path / "run").glob(".preflight-probe-*")), "the probe object must be deleted"
 
@@ -377,7 +590,16 @@ def test_hub_base_model_is_read_from_config_json_and_the_file_list_only(tmp_path
         return str(model / filename)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
-    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", lambda self, repo, revision=None: ["config.json", "tokenizer_config.json", "pytorch_model.bin", "sub/x.safetensors"])
+    monkeypatch.setattr(
+        huggingface_hub.HfApi,
+        "list_repo_files",
+        lambda self, repo, revision=None: [
+            "config.json",
+            "tokenizer_config.json",
+            "pytorch_model.bin",
+            "sub/x.safetensors",
+        ],
+    )
     case = Case(tmp_path)
     case.raw["base_model"]["uri"] = "some-org/some-model"
     report = case.report()
@@ -411,7 +633,9 @@ def test_multi_node_without_rendezvous_endpoint_is_refused():
 
 def _llama_shaped_estimate(mc: dict[str, Any]) -> int:
     """A reference count from the Llama shape alone (attention, gated MLP, norms, embeddings), independent of the family registry."""
-    h, i, n_layers, vocab = (int(mc[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+    h, i, n_layers, vocab = (
+        int(mc[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+    )
     n_heads = int(mc["num_attention_heads"])
     n_kv = int(mc.get("num_key_value_heads") or n_heads)
     head_dim = int(mc.get("head_dim") or h // n_heads)
@@ -419,7 +643,12 @@ def _llama_shaped_estimate(mc: dict[str, Any]) -> int:
     return n_layers * per_layer + vocab * h * (1 if mc.get("tie_word_embeddings") else 2) + h
 
 
-_H, _I, _Q, _KV = TINY_DIMS["hidden_size"], TINY_DIMS["intermediate_size"], TINY_DIMS["hidden_size"], TINY_DIMS["hidden_size"] // 2
+_H, _I, _Q, _KV = (
+    TINY_DIMS["hidden_size"],
+    TINY_DIMS["intermediate_size"],
+    TINY_DIMS["hidden_size"],
+    TINY_DIMS["hidden_size"] // 2,
+)
 
 
 @pytest.mark.parametrize(
@@ -427,7 +656,11 @@ _H, _I, _Q, _KV = TINY_DIMS["hidden_size"], TINY_DIMS["intermediate_size"], TINY
     [
         ("llama", {}, 0),
         ("llama", {"tie_word_embeddings": True}, 0),
-        ("llama", {"attention_bias": True, "mlp_bias": True}, _Q + 2 * _KV + _H + 2 * _I + _H),  # q/k/v/o and MLP biases
+        (
+            "llama",
+            {"attention_bias": True, "mlp_bias": True},
+            _Q + 2 * _KV + _H + 2 * _I + _H,
+        ),  # q/k/v/o and MLP biases
         ("mistral", {}, 0),
         ("qwen2", {"tie_word_embeddings": True}, _Q + 2 * _KV),  # q/k/v biases
         ("qwen3", {"head_dim": 16}, 2 * 16),  # q_norm and k_norm

@@ -1,6 +1,6 @@
 """Pre-flight's evaluation-cost warning (tasks/core/preflight/eval_time.py): pure, no launch.
 
-    PYTHONPATH=$PWD python -m pytest -q tests/test_preflight_eval_time.py
+PYTHONPATH=$PWD python -m pytest -q tests/test_preflight_eval_time.py
 """
 
 from __future__ import annotations
@@ -19,11 +19,27 @@ from tasks.core.preflight.model_info import Machine, ModelInfo
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tests.conftest import REPO
 
-TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}
+TINY = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+}
 # ~135M parameters: a small model that still takes minutes a stage on a CPU
-SMALL = {**TINY, "vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
-         "num_key_value_heads": 4}
+SMALL = {
+    **TINY,
+    "vocab_size": 32000,
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+}
 
 
 def _raw() -> dict[str, Any]:
@@ -89,7 +105,9 @@ def test_estimate_scales_with_batches_and_models():
     # on GPUs training spreads over the stage's 2 ranks, evaluation still runs on one device
     assert estimate(SMALL, st, "cpt", cuda=True).train_flops == pytest.approx(a.train_flops / 2)
     # on CPU: 2 ranks of 1 thread against evaluation's 8 threads: training takes 4x longer per FLOP
-    assert estimate(SMALL, st, "cpt", cuda=False, eval_threads=8, rank_threads=1, cores=8).train_flops == pytest.approx(a.train_flops * 4)
+    assert estimate(SMALL, st, "cpt", cuda=False, eval_threads=8, rank_threads=1, cores=8).train_flops == pytest.approx(
+        a.train_flops * 4
+    )
 
 
 def test_threads_follow_omp_num_threads():

@@ -45,7 +45,11 @@ def _corpus(d: Path) -> Path:
 def _files(root: Path) -> dict[str, bytes]:
     """Every file of a prepared artifact but its manifest (which records where the artifact lives)
     and its verification stamp (which records the files' inodes and times)."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.relative_to(root).as_posix() not in (MANIFEST, STAMP)}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.relative_to(root).as_posix() not in (MANIFEST, STAMP)
+    }
 
 
 def test_bad_sft_record_stops_the_run_before_boost_and_shard(prefect_harness, tiny_model_dir, tmp_path, capsys):
@@ -54,10 +58,17 @@ def test_bad_sft_record_stops_the_run_before_boost_and_shard(prefect_harness, ti
     corpus = tmp_path / "sft"
     corpus.mkdir()
     rows = [json.loads(x) for x in (REPO / "data/sample/sft.jsonl").read_text().splitlines() if x.strip()]
-    lines = [json.dumps({"messages": [{"role": "user", "content": f"{i}: {r['messages'][0]['content']}"}, *r["messages"][1:]]}) for i, r in enumerate(rows * 8)]
+    lines = [
+        json.dumps(
+            {"messages": [{"role": "user", "content": f"{i}: {r['messages'][0]['content']}"}, *r["messages"][1:]]}
+        )
+        for i, r in enumerate(rows * 8)
+    ]
     (corpus / "part-0.jsonl").write_text("\n".join(lines[:320]) + "\n")
     second = lines[320:640]
-    second[299] = json.dumps({"messages": [{"role": "user", "content": "is anyone there?"}]})  # line 300: no assistant turn
+    second[299] = json.dumps(
+        {"messages": [{"role": "user", "content": "is anyone there?"}]}
+    )  # line 300: no assistant turn
     (corpus / "part-1.jsonl").write_text("\n".join(second) + "\n")
     assert len(second) == 320
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
@@ -65,18 +76,25 @@ def test_bad_sft_record_stops_the_run_before_boost_and_shard(prefect_harness, ti
     # The CLI ends with the failing stage and its cause, exit status 1, no traceback: the operator reads one line.
     assert main(["--config", str(write_config(tmp_path / "bad.yaml", raw))]) == 1
     out = capsys.readouterr()
-    assert re.search(r"part-1\.jsonl:300: no assistant message", (out.out + out.err).strip().splitlines()[-1]), (out.out + out.err)[-2000:]
+    assert re.search(r"part-1\.jsonl:300: no assistant message", (out.out + out.err).strip().splitlines()[-1]), (
+        out.out + out.err
+    )[-2000:]
     stages = {s["stage"]: s for s in json.loads((tmp_path / "run/run.json").read_text())["stages"]}
     assert stages["prepare_cpt"]["status"] == "completed" and stages["prepare_sft"]["status"] == "failed"
     assert "part-1.jsonl:300" in stages["prepare_sft"]["detail"]["error"]
-    assert stages["boost_and_shard"]["status"] == "not-run" and not (tmp_path / "run/cpt").exists()  # no training process started
+    assert (
+        stages["boost_and_shard"]["status"] == "not-run" and not (tmp_path / "run/cpt").exists()
+    )  # no training process started
     # The good file stays tokenized for the retry after the fix.
     assert len([p for p in (tmp_path / "run/data-cache/sft/shards").iterdir() if (p / "summary.json").is_file()]) == 1
 
 
 def test_pool_and_dask_skip_increment_and_identical_shards(prefect_harness, tiny_model_dir, tmp_path):
     corpus = _corpus(tmp_path / "corpus")
-    sources = [{"name": "domain", "uri": str(corpus / "domain"), "weight": 0.7}, {"name": "general", "uri": str(corpus / "general"), "weight": 0.3}]
+    sources = [
+        {"name": "domain", "uri": str(corpus / "domain"), "weight": 0.7},
+        {"name": "general", "uri": str(corpus / "general"), "weight": 0.3},
+    ]
     data = {"sources": sources, "on_bad_record": "skip", "max_bad_records": 5, "tokenize": {"workers": 2}}
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "pool")
     raw["cpt"]["data"] = data
@@ -87,10 +105,18 @@ def test_pool_and_dask_skip_increment_and_identical_shards(prefect_harness, tiny
     manifest = json.loads((tmp_path / "pool/data/cpt" / MANIFEST).read_text())
     assert manifest["meta"]["totals"]["skipped"] == 1 == first.detail["skipped"]
     index = json.loads((tmp_path / "pool/data/cpt/index.json").read_text())
-    assert [f["input"]["uri"].rsplit("/", 1)[-1] for f in index["files"]] == ["a.jsonl", "b.jsonl.gz", "c.jsonl", "d.parquet"]
+    assert [f["input"]["uri"].rsplit("/", 1)[-1] for f in index["files"]] == [
+        "a.jsonl",
+        "b.jsonl.gz",
+        "c.jsonl",
+        "d.parquet",
+    ]
     assert "c.jsonl:42: malformed JSON" in index["files"][2]["bad_records"][0]
     # The blend of the 8 planned steps of 4 blocks, in the index, the manifest and the stage's result.
-    assert [(s["name"], s["files"], s["samples"]) for s in index["sources"]] == [("domain", [0, 2], 22), ("general", [2, 4], 10)]
+    assert [(s["name"], s["files"], s["samples"]) for s in index["sources"]] == [
+        ("domain", [0, 2], 22),
+        ("general", [2, 4], 10),
+    ]
     assert manifest["meta"]["sources"] == index["sources"] and manifest["meta"]["blend"]["positions"] == 32
     assert first.detail["sources"]["general"]["token_share"] == 0.3125  # 10 of 32 blocks: the closest to 0.3
     blend = (tmp_path / "pool/data/cpt/blend.items").read_bytes()
@@ -99,9 +125,13 @@ def test_pool_and_dask_skip_increment_and_identical_shards(prefect_harness, tiny
 
     (corpus / "domain" / "e.jsonl").write_text("\n".join(_lines(50, "e")) + "\n")
     grown = prepare_cpt(cfg)
-    assert grown.status == "completed" and grown.detail["files"] == 5 and grown.detail["tokenized"] == 1  # only the new file
+    assert (
+        grown.status == "completed" and grown.detail["files"] == 5 and grown.detail["tokenized"] == 1
+    )  # only the new file
     index = json.loads((tmp_path / "pool/data/cpt/index.json").read_text())
-    assert [s["files"] for s in index["sources"]] == [[0, 3], [3, 5]] and (tmp_path / "pool/data/cpt/blend.items").read_bytes() != blend
+    assert [s["files"] for s in index["sources"]] == [[0, 3], [3, 5]] and (
+        tmp_path / "pool/data/cpt/blend.items"
+    ).read_bytes() != blend
 
     # The same corpus on a real dask.distributed LocalCluster of 2 worker processes, its files cut in ~2 KB
     # chunks (JSONL byte ranges, the gzip'd stream spilled; the bad record's line counted): the same bytes.
@@ -150,14 +180,26 @@ def test_pool_workers_reach_the_ephemeral_api_of_the_flow_process(tmp_path):
     from tests.servers.prefect_home import seeded_home
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(seeded_home(tmp_path / "prefect-home")), PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(REPO))
+    env.update(
+        PREFECT_HOME=str(seeded_home(tmp_path / "prefect-home")),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PYTHONPATH=str(REPO),
+    )
     # The probe is a plain Prefect flow, not the flow CLI: give its ephemeral server the start-up
     # time the CLI gives (flows/embedded_api.py) instead of Prefect's 20 s, which a loaded 2-core
     # machine can exceed (both full-suite runs of 2026-12-02 failed here on that timeout alone).
     env[TIMEOUT_SETTING] = str(STARTUP_TIMEOUT_S)
-    out = subprocess.run([sys.executable, "-c", _EPHEMERAL_PROBE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", _EPHEMERAL_PROBE],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    probe = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("PROBE "))[len("PROBE "):])
+    probe = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("PROBE "))[len("PROBE ") :])
     assert probe["url"].startswith("http://127.0.0.1:")
     workers = probe["workers"]
     assert len(workers) == 2 and all(w["pid"] != probe["parent"] for w in workers), probe

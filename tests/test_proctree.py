@@ -71,8 +71,15 @@ def _gone(pid: int) -> bool:
 
 def _run_driver(mode: str, watched: Path) -> tuple[dict, float]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", DRIVER, mode, str(watched)], check=False, cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", DRIVER, mode, str(watched)],
+        check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     returned = time.monotonic()
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1]), returned
@@ -105,7 +112,11 @@ def test_snapshot_finds_token_carriers_outside_the_tree_and_leaves_others(tmp_pa
     """Unit tier: a process carrying the token but not under the root (an orphan that escaped to
     PID 1) is found; a sibling without it is not touched."""
     token = new_token()
-    sleeper = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"]
+    sleeper = [
+        sys.executable,
+        "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
+    ]
     marked = subprocess.Popen(sleeper, env={**os.environ, TOKEN_ENV: token}, start_new_session=True)
     other = subprocess.Popen(sleeper, start_new_session=True)
     try:

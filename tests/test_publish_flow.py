@@ -115,8 +115,15 @@ def _config(tmp: Path, model: Path, run_root: str, steps: int = STEPS, **cpt) ->
     raw = tiny_config_raw(model, run_root)  # type: ignore[arg-type]
     raw["run_root"] = run_root
     raw["staging_dir"] = str(tmp / "staging")
-    raw["cpt"].update(plugin={"name": "torch_ddp", "precision": "fp32"}, max_steps=steps, checkpoint_every=1, keep_last=1,
-                      micro_batch_size=2, seq_len=32, **cpt)
+    raw["cpt"].update(
+        plugin={"name": "torch_ddp", "precision": "fp32"},
+        max_steps=steps,
+        checkpoint_every=1,
+        keep_last=1,
+        micro_batch_size=2,
+        seq_len=32,
+        **cpt,
+    )
     return write_config(tmp / "cfg.yaml", raw)
 
 
@@ -181,9 +188,11 @@ def test_keep_last_1_every_step_through_a_slow_store(prefect_harness, weed, seed
         # A stalled link (no byte either way) while steps 2..HOLD_UNTIL are committed: whatever
         # training's speed, an upload is in flight while newer checkpoints land, and keep_last 1
         # must not delete it.
-        with (_throttle_after_shard(proxy, staging, UPLOAD_S),
-              Watch(staging, f"*/cpt/{step_name(1)}/{MANIFEST}", lambda _: proxy.pause()) as held,
-              Watch(staging, f"*/cpt/{step_name(HOLD_UNTIL)}/{MANIFEST}", lambda _: proxy.resume()) as resumed):
+        with (
+            _throttle_after_shard(proxy, staging, UPLOAD_S),
+            Watch(staging, f"*/cpt/{step_name(1)}/{MANIFEST}", lambda _: proxy.pause()) as held,
+            Watch(staging, f"*/cpt/{step_name(HOLD_UNTIL)}/{MANIFEST}", lambda _: proxy.resume()) as resumed,
+        ):
             state = _run(cfg)
         assert state.is_completed(), state.message
         assert held.fired.is_set() and resumed.fired.is_set()
@@ -199,8 +208,14 @@ def test_keep_last_1_every_step_through_a_slow_store(prefect_harness, weed, seed
 
         # While an upload ran, the ranks' lines kept reaching the Prefect log.
         rec = log.records
-        starts = {int(m.group(1)): t for t, msg, _ in rec if (m := re.search(r"\[rank 0\] checkpoint \{.*\"step\": (\d+)", msg))}
-        ends = {int(m.group(1)[5:]): t for t, msg, _ in rec if (m := re.search(r"published \S+/cpt/(step-\d+) in ", msg))}
+        starts = {
+            int(m.group(1)): t
+            for t, msg, _ in rec
+            if (m := re.search(r"\[rank 0\] checkpoint \{.*\"step\": (\d+)", msg))
+        }
+        ends = {
+            int(m.group(1)[5:]): t for t, msg, _ in rec if (m := re.search(r"published \S+/cpt/(step-\d+) in ", msg))
+        }
         # The stall worked: a checkpoint older than step HOLD_UNTIL was still unpublished when it was
         # committed (so retention had to keep it), and it was published whole afterwards.
         assert any(ends[s] > starts[HOLD_UNTIL] for s in range(1, HOLD_UNTIL)), (starts, ends)
@@ -215,8 +230,13 @@ def test_keep_last_1_every_step_through_a_slow_store(prefect_harness, weed, seed
             if len(inside) >= 2:  # training ran during this upload
                 overlapped += 1
                 gap = max(b - a for a, b in itertools.pairwise(inside))
-                assert gap <= step_time + 1.0, f"log gap {gap:.2f}s during the upload of step {step} (step time {step_time:.2f}s)"
-        print(f"\nslow store: {len(ends)} uploads, {overlapped} overlapped training, step time {step_time:.2f}s, rate {proxy.up.rate / MB:.2f} MB/s")
+                assert gap <= step_time + 1.0, (
+                    f"log gap {gap:.2f}s during the upload of step {step} (step time {step_time:.2f}s)"
+                )
+        print(
+            f"\nslow store: {len(ends)} uploads, {overlapped} overlapped training, step time {step_time:.2f}s, rate "
+            f"{proxy.up.rate / MB:.2f} MB/s"
+        )
         assert overlapped >= 1, "no upload overlapped training"
     finally:
         os.environ["AWS_ENDPOINT_URL"] = saved
@@ -230,7 +250,9 @@ def test_keep_last_1_every_step_through_a_slow_store(prefect_harness, weed, seed
     staged = next((tmp_path / "s3" / "staging").glob(f"*/cpt/{step_name(0)}")).parent.parent
     shutil.copytree(staged / "base", local_root / "base")
     shutil.copytree(staged / "data" / "cpt", local_root / "data" / "cpt")
-    shutil.copytree(staged / "cpt" / step_name(0), local_root / "cpt" / step_name(0), ignore=shutil.ignore_patterns(".published"))
+    shutil.copytree(
+        staged / "cpt" / step_name(0), local_root / "cpt" / step_name(0), ignore=shutil.ignore_patterns(".published")
+    )
     local_state = _run(_config(tmp_path / "local", tiny_model_dir, str(local_root)))
     assert local_state.is_completed(), local_state.message
     assert "boost_and_shard: skipped" in PrefectLog(local_state).text(), "the local run re-made step 0"
@@ -248,21 +270,27 @@ def _progress_descriptions(stop: threading.Event, seen: list[str]) -> None:
     with get_client(sync_client=True) as client:
         while not stop.wait(0.3):
             try:
-                for art in client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["cpt-progress"]))):
+                for art in client.read_artifacts(
+                    artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["cpt-progress"]))
+                ):
                     if art.description and art.description not in seen:
                         seen.append(art.description)
             except Exception:  # noqa: S112 - a poll that races the server's write is retried
                 continue
 
 
-def test_backpressure_is_said_aloud_and_deletes_nothing_unpublished(prefect_harness, throttled_s3, seed, tiny_model_dir, tmp_path, s3_root):
+def test_backpressure_is_said_aloud_and_deletes_nothing_unpublished(
+    prefect_harness, throttled_s3, seed, tiny_model_dir, tmp_path, s3_root
+):
     throttled_s3.set_rate(200 * MB)
     cfg = _config(tmp_path, tiny_model_dir, s3_root, max_pending_publishes=1)
     _seeded(seed, s3_root, tmp_path / "staging")
     seen: list[str] = []
     stop = threading.Event()
     # The harness's API settings live in context variables, which a new thread does not inherit.
-    poller = threading.Thread(target=contextvars.copy_context().run, args=(_progress_descriptions, stop, seen), daemon=True)
+    poller = threading.Thread(
+        target=contextvars.copy_context().run, args=(_progress_descriptions, stop, seen), daemon=True
+    )
     poller.start()
     try:
         # 2 s an upload against steps of ~0.1 s: training waits at its saves (as in
@@ -321,7 +349,9 @@ def _until_readable(store: RunStore, rel: str, timeout: float = 60.0) -> None:
             time.sleep(0.5)
 
 
-def test_store_killed_during_upload_fails_naming_it_then_a_retry_resumes(prefect_harness, fresh_weed, seed, tiny_model_dir, tmp_path, monkeypatch):
+def test_store_killed_during_upload_fails_naming_it_then_a_retry_resumes(
+    prefect_harness, fresh_weed, seed, tiny_model_dir, tmp_path, monkeypatch
+):
     from tasks.core.storage.publisher import Publisher
 
     # The publisher's own default backoff, which train_cpt's Publisher uses: 4 retries in ~4 s instead of ~1 min
@@ -341,7 +371,10 @@ def test_store_killed_during_upload_fails_naming_it_then_a_retry_resumes(prefect
     _seeded(seed, root, staging)
     try:
         # Step 1 is committed remotely (marked); step 2 is saved next and its upload fails.
-        with _throttle_after_shard(proxy, staging, 2.0), Watch(staging, f"*/cpt/{step_name(1)}/.published", lambda _: fresh_weed.kill()) as killed:
+        with (
+            _throttle_after_shard(proxy, staging, 2.0),
+            Watch(staging, f"*/cpt/{step_name(1)}/.published", lambda _: fresh_weed.kill()) as killed,
+        ):
             state = _run(cfg)
         reported_at = time.monotonic()
         assert killed.fired.is_set() and state.is_failed(), state.message
@@ -349,15 +382,21 @@ def test_store_killed_during_upload_fails_naming_it_then_a_retry_resumes(prefect
         stage_dir = next(staging.rglob("jobs")).parent / "cpt"
         job_path = next(staging.rglob("jobs/cpt-train.json"))
         message = str(state.message) + log.text()
-        assert re.search(r"publish of checkpoint s3://\S+/cpt/step-000002 failed after 5 attempt\(s\)", message), message[-3000:]
+        assert re.search(r"publish of checkpoint s3://\S+/cpt/step-000002 failed after 5 attempt\(s\)", message), (
+            message[-3000:]
+        )
         # The ranks lived through every retry (waiting at the next save) and were stopped only once
         # the retries were spent, by the publish failure, not by finishing.
         msgs = [m for _, m, _ in sorted(log.records, key=lambda r: r[0])]
-        last_retry = max(i for i, m in enumerate(msgs) if re.search(r"publish of \S+/cpt/step-000002 failed \(attempt 4 of 5", m))
+        last_retry = max(
+            i for i, m in enumerate(msgs) if re.search(r"publish of \S+/cpt/step-000002 failed \(attempt 4 of 5", m)
+        )
         stopped = min(i for i, m in enumerate(msgs) if m.startswith("stopping the stage: publish of checkpoint"))
         assert last_retry < stopped, msgs[-40:]
         assert any("training waits before saving step 3" in m for m in msgs[:stopped]), msgs[-40:]
-        assert not any("engine train cpt: done" in m for m in msgs), "training finished before the failure: no teardown was tested"
+        assert not any("engine train cpt: done" in m for m in msgs), (
+            "training finished before the failure: no teardown was tested"
+        )
         _nothing_left(job_path, stage_dir, reported_at)
         local_complete = sorted(p.name for p in stage_dir.glob("step-*") if (p / MANIFEST).is_file())
         assert step_name(2) in local_complete, "an unpublished checkpoint was deleted"
@@ -394,8 +433,14 @@ def test_cancellation_leaves_no_process_and_no_write(prefect_harness, tiny_model
     out_path = tmp_path / "driver.log"
     # Its own session, so whatever the driver started goes with it at the end (this pytest process
     # may be a subreaper after the tests above, and would otherwise inherit it).
-    driver = subprocess.Popen([sys.executable, "-m", "flows.cpt_to_sft", "--config", str(raw_cfg), "--stop-after", "train_cpt"], cwd=REPO, env=env,
-                              stdout=out_path.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "flows.cpt_to_sft", "--config", str(raw_cfg), "--stop-after", "train_cpt"],
+        cwd=REPO,
+        env=env,
+        stdout=out_path.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     stage_dir, job_path = run_root / "cpt", run_root / "jobs" / "cpt-train.json"
     try:
         deadline = time.monotonic() + 480

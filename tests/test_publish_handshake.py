@@ -75,8 +75,18 @@ def _job(**extra) -> dict:
     from tests._engine_utils import stage_raw
 
     section = stage_raw("cpt", {"name": "torch_ddp", "precision": "fp32"})
-    return {"verb": "train", "stage": "cpt", "stage_cfg": section, "trust_remote_code": False, "model_dir": "/m", "tokenizer_dir": "/m",
-            "stage_dir": "/s", "parent": None, "config_digest": "0" * 64, **extra}
+    return {
+        "verb": "train",
+        "stage": "cpt",
+        "stage_cfg": section,
+        "trust_remote_code": False,
+        "model_dir": "/m",
+        "tokenizer_dir": "/m",
+        "stage_dir": "/s",
+        "parent": None,
+        "config_digest": "0" * 64,
+        **extra,
+    }
 
 
 def test_job_key_remote_run_root():
@@ -109,16 +119,34 @@ def _train_job(path: Path, section: dict, model_dir: Path, stage_dir: Path, remo
 
 
 @pytest.mark.distributed
-def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(throttled_s3, s3_root, tmp_path, tiny_model_dir):
+def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(
+    throttled_s3, s3_root, tmp_path, tiny_model_dir
+):
     from tasks.core.storage.fs import RunStore
     from tasks.core.storage.publisher import Publisher
     from tests._engine_utils import REPO, engine, stage_raw, train_state, write_job
 
     store = RunStore(s3_root, staging_dir=str(tmp_path / "staging"))
     stage_dir = store.local_path("cpt")
-    section = stage_raw("cpt", {"name": "torch_ddp", "precision": "fp32"},
-                            max_steps=4, checkpoint_every=1, keep_last=1, max_pending_publishes=1)
-    engine("shard", write_job(tmp_path / "shard.json", verb="shard", stage="cpt", stage_cfg=section, model_dir=tiny_model_dir, stage_dir=stage_dir))
+    section = stage_raw(
+        "cpt",
+        {"name": "torch_ddp", "precision": "fp32"},
+        max_steps=4,
+        checkpoint_every=1,
+        keep_last=1,
+        max_pending_publishes=1,
+    )
+    engine(
+        "shard",
+        write_job(
+            tmp_path / "shard.json",
+            verb="shard",
+            stage="cpt",
+            stage_cfg=section,
+            model_dir=tiny_model_dir,
+            stage_dir=stage_dir,
+        ),
+    )
     local_twin = tmp_path / "local" / "cpt"
     shutil.copytree(stage_dir / "step-000000", local_twin / "step-000000")
     store.publish("cpt/step-000000")
@@ -130,8 +158,22 @@ def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(thr
     job = _train_job(tmp_path / "train.json", section, tiny_model_dir, stage_dir, remote=True)
     pub = Publisher(store, "cpt", keep_last=1, backoff_s=0.5).start()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "tasks.engine", "train", "--config", str(job)]
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "tasks.engine",
+        "train",
+        "--config",
+        str(job),
+    ]
+    proc = subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     lines, seen_dirs = [], set()
     try:
         for line in proc.stdout:  # the reader only enqueues, as tasks/core/launch/torchrun.py does
@@ -147,21 +189,30 @@ def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(thr
     output = "".join(lines)
     assert rc == 0, output[-4000:]
     done = pub.drain(timeout=300)
-    print(f"\ncheckpoint {size / MB:.2f} MB, proxy {throttled_s3.up.rate / MB:.2f} MB/s; publishes: "
-          + ", ".join(f"{p.rel.split('/')[-1]} {p.seconds:.1f}s" for p in done))
+    print(
+        f"\ncheckpoint {size / MB:.2f} MB, proxy {throttled_s3.up.rate / MB:.2f} MB/s; publishes: "
+        + ", ".join(f"{p.rel.split('/')[-1]} {p.seconds:.1f}s" for p in done)
+    )
 
     # Every committed checkpoint was published, in order: none was deleted before its upload.
     assert [p.rel for p in done] == [f"cpt/step-{s:06d}" for s in range(1, 5)]
     waits = [json.loads(m) for m in re.findall(r"^\[rank 0\] @@backpressure (.*)$", output, re.MULTILINE)]
-    assert any(w["state"] == "waiting" for w in waits) and any(w["state"] == "resumed" and w["waited_s"] > 0 for w in waits), output[-3000:]
+    assert any(w["state"] == "waiting" for w in waits) and any(
+        w["state"] == "resumed" and w["waited_s"] > 0 for w in waits
+    ), output[-3000:]
     assert re.search(r"backpressure: waited \d+\.\d+s for uploads before saving step \d", output)
-    assert sorted(n for n in store.listdir("cpt") if store.exists(f"cpt/{n}/{MANIFEST}")) == ["step-000000", "step-000004"]
+    assert sorted(n for n in store.listdir("cpt") if store.exists(f"cpt/{n}/{MANIFEST}")) == [
+        "step-000000",
+        "step-000004",
+    ]
     store.verify("cpt/step-000004", deep=True)
     for _, p in ckpt.list_steps(stage_dir):  # what staging still holds is whole
         ckpt.check_checkpoint(p, int(p.name[5:]), "cpt", "0" * 64)
 
     # The same steps on a local run root: bitwise the same losses (fp32), whatever the uploads did.
-    local = engine("train", _train_job(tmp_path / "train-local.json", section, tiny_model_dir, local_twin, remote=False))
+    local = engine(
+        "train", _train_job(tmp_path / "train-local.json", section, tiny_model_dir, local_twin, remote=False)
+    )
     assert "@@backpressure" not in local.output
     assert train_state(local_twin / "step-000004")["losses"] == train_state(stage_dir / "step-000004")["losses"]
 
@@ -172,15 +223,33 @@ def test_staging_estimate_counts_checkpoints_waiting_for_upload():
     from tasks.core.preflight.storage import estimate_local_bytes
     from tests._engine_utils import run_raw
 
-    mc = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 4, "tie_word_embeddings": False, "torch_dtype": "float32"}
+    mc = {
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
     n = estimate_parameters(mc)
     assert n
 
     def remote(keep_last: int, pending: int) -> int:
-        raw = run_raw(Path("/m"), Path("/r"), "cpt", {"name": "torch_ddp", "precision": "fp32"}, keep_last=keep_last, max_pending_publishes=pending)
+        raw = run_raw(
+            Path("/m"),
+            Path("/r"),
+            "cpt",
+            {"name": "torch_ddp", "precision": "fp32"},
+            keep_last=keep_last,
+            max_pending_publishes=pending,
+        )
         raw["run_root"] = "s3://bucket/run"
-        raw["sft"].update(plugin={"name": "torch_ddp", "precision": "fp32"}, keep_last=1, max_pending_publishes=1)  # cpt is the larger
+        raw["sft"].update(
+            plugin={"name": "torch_ddp", "precision": "fp32"}, keep_last=1, max_pending_publishes=1
+        )  # cpt is the larger
         need, how = estimate_local_bytes(parse_config(raw), mc, local_run_root=False)
         assert "max_pending_publishes" in how
         return need

@@ -162,8 +162,14 @@ def _direct_fs(weed):
     """An S3 client straight to the server, bypassing the proxy (to look while it is paused)."""
     import s3fs
 
-    return s3fs.S3FileSystem(endpoint_url=weed.endpoint, key=weed.access_key, secret=weed.secret_key,
-                             client_kwargs={"region_name": "us-east-1"}, skip_instance_cache=True, use_listings_cache=False)
+    return s3fs.S3FileSystem(
+        endpoint_url=weed.endpoint,
+        key=weed.access_key,
+        secret=weed.secret_key,
+        client_kwargs={"region_name": "us-east-1"},
+        skip_instance_cache=True,
+        use_listings_cache=False,
+    )
 
 
 @pytest.mark.integration
@@ -194,7 +200,10 @@ def test_s3_publishes_in_order_and_retains_only_after_a_newer_commit(throttled_s
     assert [p.rel for p in done] == ["cpt/step-000001", "cpt/step-000002", "cpt/step-000003"]
     assert all(is_published(d) for d in dirs.values())
     # keep_last=1, step 0 kept. (SeaweedFS may list an emptied prefix as a directory: look at objects.)
-    assert sorted(n for n in store.listdir("cpt") if store.exists(f"cpt/{n}/{MANIFEST}")) == ["step-000000", "step-000003"]
+    assert sorted(n for n in store.listdir("cpt") if store.exists(f"cpt/{n}/{MANIFEST}")) == [
+        "step-000000",
+        "step-000003",
+    ]
     for gone in ("step-000001", "step-000002"):
         assert [p for p in direct.find(f"{root}/cpt/{gone}") if p.rstrip("/") != f"{root}/cpt/{gone}"] == []
     assert store.verify("cpt/step-000003", deep=True)["files"].keys() == {"model/weights.bin", "train_state.json"}
@@ -250,7 +259,14 @@ def test_publish_retrying_retries_failures_but_lets_a_cancellation_through(tmp_p
     assert digest == store.manifest_digest("cpt/step-000001")
 
     with pytest.raises(PublishFailed, match=r"after 2 attempt\(s\): OSError: down"):
-        publish_retrying(store, "cpt/step-000001", lambda rel: (_ for _ in ()).throw(OSError("down")), retries=1, backoff_s=0.01, log=_Log())
+        publish_retrying(
+            store,
+            "cpt/step-000001",
+            lambda rel: (_ for _ in ()).throw(OSError("down")),
+            retries=1,
+            backoff_s=0.01,
+            log=_Log(),
+        )
 
     class Cancelled(BaseException):  # what Prefect raises in a cancelled task (TerminationSignal)
         pass

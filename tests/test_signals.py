@@ -33,14 +33,30 @@ FIRST_STEP = "cpt  step 1/"  # the console's step line (log_every 1): the traini
 def _start(tmp_path: Path, model: Path) -> tuple[subprocess.Popen, Path, Path]:
     """The real flow CLI up to train_cpt (long enough to be interrupted) on its own embedded server."""
     run_root = tmp_path / "run"
-    cfg = write_config(tmp_path / "cfg.yaml", tiny_config_raw(model, run_root, cpt={"max_steps": 5000, "checkpoint_every": 1000, "log_every": 1}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}  # the embedded server, as a user runs it
-    env.update(PREFECT_HOME=str(seeded_home(tmp_path / "prefect")), PREFECT_SERVER_ANALYTICS_ENABLED="false", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cfg = write_config(
+        tmp_path / "cfg.yaml",
+        tiny_config_raw(model, run_root, cpt={"max_steps": 5000, "checkpoint_every": 1000, "log_every": 1}),
+    )
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")
+    }  # the embedded server, as a user runs it
+    env.update(
+        PREFECT_HOME=str(seeded_home(tmp_path / "prefect")),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO),
+    )
     env.pop("CPT_TO_SFT_FAULT", None)
     log = tmp_path / "flow.log"
     # Its own session: the test's signals reach its process group as a terminal's would.
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cpt_to_sft", "--config", str(cfg), "--stop-after", "train_cpt"], cwd=REPO, env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cpt_to_sft", "--config", str(cfg), "--stop-after", "train_cpt"],
+        cwd=REPO,
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     return proc, run_root, log
 
 
@@ -114,7 +130,9 @@ def test_first_ctrl_c_tears_the_run_down_and_ends_it_cancelled(tiny_model_dir, t
     summary = json.loads((run_root / "run.json").read_text())
     train = next(s for s in summary["stages"] if s["stage"] == "train_cpt")
     assert train["status"] == "failed" and "SIGINT" in train["detail"]["error"], train
-    assert "Finished in state Cancelled(" in out and "interrupted by SIGINT (Ctrl-C)" in out.splitlines()[-1], out[-3000:]
+    assert "Finished in state Cancelled(" in out and "interrupted by SIGINT (Ctrl-C)" in out.splitlines()[-1], out[
+        -3000:
+    ]
     assert "Traceback" not in out, out[-4000:]
     assert _gone(servers, 10) == [], "the embedded server outlived its flow process"
 
@@ -162,10 +180,22 @@ def test_the_run_outlives_the_reader_of_its_console(tiny_model_dir, tmp_path):
     run_root = tmp_path / "run"
     cfg = write_config(tmp_path / "cfg.yaml", tiny_config_raw(tiny_model_dir, run_root))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_")}
-    env.update(PREFECT_HOME=str(seeded_home(tmp_path / "prefect")), PREFECT_SERVER_ANALYTICS_ENABLED="false", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.update(
+        PREFECT_HOME=str(seeded_home(tmp_path / "prefect")),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO),
+    )
     env.pop("CPT_TO_SFT_FAULT", None)
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cpt_to_sft", "--config", str(cfg), "--stop-after", "prepare_sft"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cpt_to_sft", "--config", str(cfg), "--stop-after", "prepare_sft"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     seen = []
     try:
         for line in proc.stdout:

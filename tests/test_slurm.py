@@ -36,21 +36,53 @@ def _launch(**slurm) -> LaunchConfig:
 
 
 def test_render_batch_script_has_one_agent_per_node_and_every_setting(tmp_path):
-    launch = LaunchConfig(backend="slurm", nnodes=4, nproc_per_node=8, slurm=SlurmConfig(
-        partition="gpu", time_limit="2-00:00:00", gpus_per_node=8, account="llm", extra_sbatch_args=("--qos=high", "--exclusive")))
-    script = render_batch_script(engine_program("train", "/runs/x/cpt/train.json"), launch, "x-cpt-train", tmp_path / "logs", "/repo", python="/venv/bin/python")
+    launch = LaunchConfig(
+        backend="slurm",
+        nnodes=4,
+        nproc_per_node=8,
+        slurm=SlurmConfig(
+            partition="gpu",
+            time_limit="2-00:00:00",
+            gpus_per_node=8,
+            account="llm",
+            extra_sbatch_args=("--qos=high", "--exclusive"),
+        ),
+    )
+    script = render_batch_script(
+        engine_program("train", "/runs/x/cpt/train.json"),
+        launch,
+        "x-cpt-train",
+        tmp_path / "logs",
+        "/repo",
+        python="/venv/bin/python",
+    )
     directives = [ln.removeprefix("#SBATCH ") for ln in script.splitlines() if ln.startswith("#SBATCH")]
     assert directives == [
-        "--job-name=x-cpt-train", "--nodes=4", "--ntasks-per-node=1", f"--output={tmp_path / 'logs'}/job-%j.batch.log",
-        "--chdir=/repo", "--no-requeue", "--partition=gpu", "--time=2-00:00:00", "--gpus-per-node=8", "--account=llm",
-        "--qos=high", "--exclusive",
+        "--job-name=x-cpt-train",
+        "--nodes=4",
+        "--ntasks-per-node=1",
+        f"--output={tmp_path / 'logs'}/job-%j.batch.log",
+        "--chdir=/repo",
+        "--no-requeue",
+        "--partition=gpu",
+        "--time=2-00:00:00",
+        "--gpus-per-node=8",
+        "--account=llm",
+        "--qos=high",
+        "--exclusive",
     ]
-    srun = script[script.index("srun "):]
-    for part in ("--nodes=\"$SLURM_NNODES\"", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-                 ("/venv/bin/python -m torch.distributed.run --nnodes=$SLURM_NNODES --nproc-per-node=8 --rdzv-backend=c10d "
-                  "--rdzv-endpoint=\"$head_addr:$port\" --rdzv-id=$SLURM_JOB_ID"),
-                 "-m tasks.engine train --config /runs/x/cpt/train.json",
-                 f"{tmp_path / 'logs'}/job-\"$SLURM_JOB_ID\""):
+    srun = script[script.index("srun ") :]
+    for part in (
+        '--nodes="$SLURM_NNODES"',
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        (
+            "/venv/bin/python -m torch.distributed.run --nnodes=$SLURM_NNODES --nproc-per-node=8 --rdzv-backend=c10d "
+            '--rdzv-endpoint="$head_addr:$port" --rdzv-id=$SLURM_JOB_ID'
+        ),
+        "-m tasks.engine train --config /runs/x/cpt/train.json",
+        f'{tmp_path / "logs"}/job-"$SLURM_JOB_ID"',
+    ):
         assert part in srun, part
     # bash itself accepts the script (a quoting slip would surface here, not on a cluster).
     path = tmp_path / "job.sh"
@@ -59,7 +91,9 @@ def test_render_batch_script_has_one_agent_per_node_and_every_setting(tmp_path):
 
 
 def test_render_quotes_paths_with_spaces(tmp_path):
-    script = render_batch_script([PROBE, "a b"], LaunchConfig(backend="slurm"), "j", tmp_path / "my logs", "/r", python="/p y/python")
+    script = render_batch_script(
+        [PROBE, "a b"], LaunchConfig(backend="slurm"), "j", tmp_path / "my logs", "/r", python="/p y/python"
+    )
     assert "'/p y/python' -m torch.distributed.run" in script
     assert "'a b'" in script
     assert f"'{tmp_path}/my logs/job-'\"$SLURM_JOB_ID\"" in script
@@ -67,8 +101,10 @@ def test_render_quotes_paths_with_spaces(tmp_path):
 
 
 def test_parse_kv_keeps_values_with_spaces():
-    kv = parse_kv("JobId=7 JobName=a JobState=FAILED Reason=NonZeroExitCode Dependency=(null) ExitCode=1:0 "
-                  "Command=/x/job.sh arg StdOut=/x/o.log NodeList=n[1-2] BatchHost=n1")
+    kv = parse_kv(
+        "JobId=7 JobName=a JobState=FAILED Reason=NonZeroExitCode Dependency=(null) ExitCode=1:0 "
+        "Command=/x/job.sh arg StdOut=/x/o.log NodeList=n[1-2] BatchHost=n1"
+    )
     assert kv["JobState"] == "FAILED" and kv["ExitCode"] == "1:0" and kv["NodeList"] == "n[1-2]"
     assert kv["Command"] == "/x/job.sh arg" and kv["BatchHost"] == "n1"
 
@@ -78,13 +114,21 @@ def test_failure_message_names_state_node_and_rank():
     batch = ["srun: error: n2: task 1: Exited with exit code 1", "srun: error: n1: task 0: Terminated"]
     nodes = {
         "n1": ["[rank 0] step 3"],
-        "n2": ["[rank 1] Traceback (most recent call last):", "[rank 1] RuntimeError: boom",
-               "Root Cause (first observed failure):", "[0]:", "  time      : 2026-11-30_10:00:00",
-               "  rank      : 1 (local_rank: 0)", "  exitcode  : 1 (pid: 99)"],
+        "n2": [
+            "[rank 1] Traceback (most recent call last):",
+            "[rank 1] RuntimeError: boom",
+            "Root Cause (first observed failure):",
+            "[0]:",
+            "  time      : 2026-11-30_10:00:00",
+            "  rank      : 1 (local_rank: 0)",
+            "  exitcode  : 1 (pid: 99)",
+        ],
     }
     msg = failure_message(info, batch, nodes, what="cpt train")
     first = msg.splitlines()[0]
-    assert first.startswith("Slurm job 12 (cpt train) ended FAILED (exit code 1) on node n2, rank 1: Exited with exit code 1")
+    assert first.startswith(
+        "Slurm job 12 (cpt train) ended FAILED (exit code 1) on node n2, rank 1: Exited with exit code 1"
+    )
     assert "n1:" not in first  # the node srun terminated is a casualty, not the failure
     assert "--- node n2 ---" in msg and "RuntimeError: boom" in msg
 
@@ -92,16 +136,36 @@ def test_failure_message_names_state_node_and_rank():
 def _torchrun_summary(rank: int, exitcode: int, at: str, micros: str) -> list[str]:
     """The end of a node's log as torchrun writes it when a rank fails (read from a real two-node run)."""
     sig = {-9: " (SIGKILL)", -15: " (SIGTERM)"}.get(exitcode, "")
-    return [(f"E1202 {at}.{micros} 24373 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] "
-             f"failed (exitcode: {exitcode}) local_rank: 0 (pid: 24415) of binary: /work/main/.venv/bin/python"),
-            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "tasks.engine FAILED", "Failures:", "  <NO_OTHER_FAILURES>",
-            "Root Cause (first observed failure):", "[0]:", f"  time      : 2026-12-02_{at}", "  host      : localhost",
-            f"  rank      : {rank} (local_rank: 0)", f"  exitcode  : {exitcode} (pid: 24415) {sig}", "  error_file: <N/A>",
-            "  traceback : " + (f"Signal {-exitcode}{sig} received by PID 24415" if exitcode < 0 else "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html")]
+    return [
+        (
+            f"E1202 {at}.{micros} 24373 .venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] "
+            f"failed (exitcode: {exitcode}) local_rank: 0 (pid: 24415) of binary: /work/main/.venv/bin/python"
+        ),
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "tasks.engine FAILED",
+        "Failures:",
+        "  <NO_OTHER_FAILURES>",
+        "Root Cause (first observed failure):",
+        "[0]:",
+        f"  time      : 2026-12-02_{at}",
+        "  host      : localhost",
+        f"  rank      : {rank} (local_rank: 0)",
+        f"  exitcode  : {exitcode} (pid: 24415) {sig}",
+        "  error_file: <N/A>",
+        "  traceback : "
+        + (
+            f"Signal {-exitcode}{sig} received by PID 24415"
+            if exitcode < 0
+            else "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+        ),
+    ]
 
 
-_GLOO_RESET = ("[rank 0|error] RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
-               "[127.0.0.1]:39052: Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application.")
+_GLOO_RESET = (
+    "[rank 0|error] RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[127.0.0.1]:39052: Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the "
+    "application."
+)
 
 
 @pytest.mark.parametrize("srun_first", ["n1", "n2"])
@@ -111,14 +175,19 @@ def test_failure_message_leads_with_the_killed_rank_not_its_peer(srun_first):
     info = JobInfo(job_id="7", state="FAILED", exit_code="1:0", nodes="n[1-2]", reason="NonZeroExitCode")
     nodes = {
         "n1": ["[rank 0] step 2", _GLOO_RESET, *_torchrun_summary(0, 1, "07:32:20", "491000")],
-        "n2": ["[rank 1|error] injected fault 'kill@step=2@rank=1' (CPT_TO_SFT_FAULT)", *_torchrun_summary(1, -9, "07:32:20", "295000")],
+        "n2": [
+            "[rank 1|error] injected fault 'kill@step=2@rank=1' (CPT_TO_SFT_FAULT)",
+            *_torchrun_summary(1, -9, "07:32:20", "295000"),
+        ],
     }
     task = {"n1": 0, "n2": 1}
     second = "n2" if srun_first == "n1" else "n1"
     batch = [f"srun: error: {n}: task {task[n]}: Exited with exit code 1" for n in (srun_first, second)]
     first = failure_message(info, batch, nodes, what="engine verb 'train'").splitlines()[0]
-    assert first.startswith("Slurm job 7 (engine verb 'train') ended FAILED (exit code 1) on node n2, rank 1: Exited with exit code 1; "
-                            "node n1, rank 0: Exited with exit code 1."), first
+    assert first.startswith(
+        "Slurm job 7 (engine verb 'train') ended FAILED (exit code 1) on node n2, rank 1: Exited with exit code 1; "
+        "node n1, rank 0: Exited with exit code 1."
+    ), first
     msg = failure_message(info, batch, nodes)
     assert msg.index("--- node n2 ---") < msg.index("--- node n1 ---")
     if srun_first == "n1":
@@ -126,8 +195,10 @@ def test_failure_message_leads_with_the_killed_rank_not_its_peer(srun_first):
         # node whose log shows the SIGKILL still leads, and srun's word for it is not the story.
         batch = ["srun: error: n1: task 0: Exited with exit code 1", "srun: error: n2: task 1: Terminated"]
         first = failure_message(info, batch, nodes, what="engine verb 'train'").splitlines()[0]
-        assert first.startswith("Slurm job 7 (engine verb 'train') ended FAILED (exit code 1) on node n2, rank 1: a rank died by signal 9, "
-                                "then srun terminated the node; node n1, rank 0: Exited with exit code 1."), first
+        assert first.startswith(
+            "Slurm job 7 (engine verb 'train') ended FAILED (exit code 1) on node n2, rank 1: a rank died by signal 9, "
+            "then srun terminated the node; node n1, rank 0: Exited with exit code 1."
+        ), first
 
 
 @pytest.mark.parametrize("srun_first", ["n1", "n2"])
@@ -136,10 +207,18 @@ def test_failure_message_leads_with_the_own_failure_then_the_earliest(srun_first
     two failures of the same kind, torchrun's earlier recorded time leads."""
     info = JobInfo(job_id="8", state="FAILED", exit_code="1:0", nodes="n[1-2]")
     own = ["[rank 1|error] RuntimeError: boom", *_torchrun_summary(1, 1, "07:32:21", "900000")]
-    timeout = ["[rank 0|error] RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv operation to complete",
-               *_torchrun_summary(0, 1, "07:32:20", "100000")]
+    timeout = [
+        (
+            "[rank 0|error] RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for "
+            "recv operation to complete"
+        ),
+        *_torchrun_summary(0, 1, "07:32:20", "100000"),
+    ]
     task = {"n1": 0, "n2": 1}
-    batch = [f"srun: error: {n}: task {task[n]}: Exited with exit code 1" for n in ((srun_first, "n2") if srun_first == "n1" else ("n2", "n1"))]
+    batch = [
+        f"srun: error: {n}: task {task[n]}: Exited with exit code 1"
+        for n in ((srun_first, "n2") if srun_first == "n1" else ("n2", "n1"))
+    ]
     assert " on node n2, rank 1: " in failure_message(info, batch, {"n1": timeout, "n2": own}).splitlines()[0]
     later = ["[rank 0|error] ValueError: bad batch", *_torchrun_summary(0, 1, "07:32:20", "100000")]
     assert " on node n1, rank 0: " in failure_message(info, batch, {"n1": later, "n2": own}).splitlines()[0]
@@ -150,23 +229,37 @@ def test_failure_message_leads_with_the_rank_that_raised_though_srun_terminated_
     first, and srun terminated n2 while n2's agent was still reporting its own exit code 1."""
     info = JobInfo(job_id="2", state="FAILED", exit_code="143:0", nodes="n[1-2]")
     nodes = {
-        "n1": [("[rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
-               "[127.0.0.1]:2786. This is typically caused by a remote worker crashing."), *_torchrun_summary(0, 1, "03:33:41", "200000")],
+        "n1": [
+            (
+                "[rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+                "Connection closed by peer "
+                "[127.0.0.1]:2786. This is typically caused by a remote worker crashing."
+            ),
+            *_torchrun_summary(0, 1, "03:33:41", "200000"),
+        ],
         "n2": ["[rank1]: RuntimeError: probe failure on purpose on n2", *_torchrun_summary(1, 1, "03:33:41", "100000")],
     }
     batch = ["srun: error: n1: task 0: Exited with exit code 1", "srun: error: n2: task 1: Terminated"]
     first = failure_message(info, batch, nodes, what="probe").splitlines()[0]
-    assert first.startswith("Slurm job 2 (probe) ended FAILED (exit code 143) on node n2, rank 1: Exited with exit code 1, then srun "
-                            "terminated the node; node n1, rank 0: Exited with exit code 1."), first
+    assert first.startswith(
+        "Slurm job 2 (probe) ended FAILED (exit code 143) on node n2, rank 1: Exited with exit code 1, then srun "
+        "terminated the node; node n1, rank 0: Exited with exit code 1."
+    ), first
     # A terminated node whose ranks only lost a peer is no cause: srun's own word stands alone.
     nodes["n2"] = ["[rank1]: RuntimeError: Connection reset by peer", *_torchrun_summary(1, 1, "03:33:41", "100000")]
     first = failure_message(info, batch, nodes, what="probe").splitlines()[0]
     assert " on node n1, rank 0: Exited with exit code 1." in first and "node n2" not in first, first
 
 
-@pytest.mark.parametrize("state, words", [
-    ("TIMEOUT", "time limit"), ("NODE_FAIL", "stopped responding"), ("OUT_OF_MEMORY", "memory"), ("CANCELLED", "cancelled"),
-])
+@pytest.mark.parametrize(
+    "state, words",
+    [
+        ("TIMEOUT", "time limit"),
+        ("NODE_FAIL", "stopped responding"),
+        ("OUT_OF_MEMORY", "memory"),
+        ("CANCELLED", "cancelled"),
+    ],
+)
 def test_failure_message_explains_each_state(state, words):
     msg = failure_message(JobInfo(job_id="5", state=state, nodes="n[1-2]", reason="None"), [], {})
     assert msg.startswith(f"Slurm job 5 ended {state} on nodes n[1-2].") and words in msg
@@ -302,7 +395,9 @@ def test_preflight_refuses_missing_partition_and_too_many_nodes(slurm_cluster):
     assert "not a multiple of tp_size*pp_size = 4" in problems[0][1]
     assert "3 nodes do not fit partition 'debug': it has 2 node(s)" in problems[1][1]
 
-    gpus = LaunchConfig(backend="slurm", nnodes=2, nproc_per_node=1, slurm=SlurmConfig(partition="debug", gpus_per_node=1))
+    gpus = LaunchConfig(
+        backend="slurm", nnodes=2, nproc_per_node=1, slurm=SlurmConfig(partition="debug", gpus_per_node=1)
+    )
     problems = preflight(gpus, "cpt.launch")
     assert [f for f, _ in problems] == ["cpt.launch.slurm.gpus_per_node"]
     assert "0 of its nodes have that many GPUs" in problems[0][1]
@@ -314,9 +409,13 @@ def test_preflight_refuses_an_unreachable_controller_within_its_timeout(slurm_cl
 
     dead = free_ports(1)[0]
     conf = tmp_path / "slurm.conf"
-    conf.write_text("\n".join(
-        f"SlurmctldPort={dead}" if ln.startswith("SlurmctldPort=") else ln
-        for ln in slurm_cluster.conf.read_text().splitlines()) + "\n")
+    conf.write_text(
+        "\n".join(
+            f"SlurmctldPort={dead}" if ln.startswith("SlurmctldPort=") else ln
+            for ln in slurm_cluster.conf.read_text().splitlines()
+        )
+        + "\n"
+    )
     t0 = time.monotonic()
     problems = preflight(_launch(partition="debug"), "cpt.launch", cli=SlurmCli(env={"SLURM_CONF": str(conf)}))
     elapsed = time.monotonic() - t0

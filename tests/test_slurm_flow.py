@@ -61,7 +61,9 @@ def server(slurm_cluster, tmp_path_factory):
         srv.stop()
 
 
-def _wait_running_job(slurm_cluster, stage_dir: Path, verbs: tuple[str, ...], proc: subprocess.Popen | None = None, timeout: float = 600) -> tuple[str, str]:
+def _wait_running_job(
+    slurm_cluster, stage_dir: Path, verbs: tuple[str, ...], proc: subprocess.Popen | None = None, timeout: float = 600
+) -> tuple[str, str]:
     """(verb, job id) of the first recorded Slurm job of `verbs` that runs with both nodes'
     engine processes up (a rank may print nothing for a long while, so processes are counted)."""
     from tasks.core.launch.slurm import SlurmCli
@@ -87,17 +89,24 @@ def test_cancelling_the_flow_run_through_the_api_ends_the_slurm_job(server, slur
     config, run_root = _config(tmp_path, tiny_model_dir, "slurm-cancel", cpt_steps=200)
     server.cli("work-pool", "create", "gpu", "--type", "process")
     server.cli("deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
-    server.start_worker("gpu", tmp_path / "worker.log", CPT_TO_SFT_HOME=str(REPO), PREFECT_WORKER_QUERY_SECONDS="1", **ENGINE_ENV)
+    server.start_worker(
+        "gpu", tmp_path / "worker.log", CPT_TO_SFT_HOME=str(REPO), PREFECT_WORKER_QUERY_SECONDS="1", **ENGINE_ENV
+    )
     out = server.cli("deployment", "run", "cpt-to-sft/default", "-p", f"config={config}")
     run_id = run_id_from(out.stdout)
     _, job_id = _wait_running_job(slurm_cluster, run_root / "cpt", ("shard", "train"))
 
     t0 = time.monotonic()
-    server.api("POST", f"/flow_runs/{run_id}/set_state", {"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True})
+    server.api(
+        "POST", f"/flow_runs/{run_id}/set_state", {"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True}
+    )
     while time.monotonic() - t0 < 60 and (slurm_cluster.queue() or slurm_cluster.leftovers()):
         time.sleep(0.2)
     ended_s = time.monotonic() - t0
-    assert slurm_cluster.queue() == [] and slurm_cluster.leftovers() == [], (slurm_cluster.queue(), slurm_cluster.leftovers())
+    assert slurm_cluster.queue() == [] and slurm_cluster.leftovers() == [], (
+        slurm_cluster.queue(),
+        slurm_cluster.leftovers(),
+    )
     run = server.wait_terminal(run_id, timeout=120)
     logs = [x["message"] for x in server.logs(run_id)]
     print(f"cancel -> Slurm job {job_id} gone and no process left: {ended_s:.1f}s; flow run {run['state']['type']}")
@@ -108,11 +117,20 @@ def test_cancelling_the_flow_run_through_the_api_ends_the_slurm_job(server, slur
 
 def _flow(server: PrefectServer, config: Path, log: Path, *extra: str) -> subprocess.Popen:
     with open(log, "ab") as fh:
-        return subprocess.Popen([sys.executable, "-m", "flows.cpt_to_sft", "--config", str(config), *extra], cwd=str(REPO),
-                                env=server.env(**ENGINE_ENV), stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "flows.cpt_to_sft", "--config", str(config), *extra],
+            cwd=str(REPO),
+            env=server.env(**ENGINE_ENV),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
-def test_flow_survives_its_own_death_and_completes_with_cpt_on_two_slurm_nodes(server, slurm_cluster, tiny_model_dir, tmp_path):
+def test_flow_survives_its_own_death_and_completes_with_cpt_on_two_slurm_nodes(
+    server, slurm_cluster, tiny_model_dir, tmp_path
+):
     from tasks.core.launch.slurm import SlurmCli
     from tasks.core.run.manifest import verify_artifact
 
@@ -149,8 +167,17 @@ def test_flow_survives_its_own_death_and_completes_with_cpt_on_two_slurm_nodes(s
     sampler.start()
     t0 = time.monotonic()
     try:
-        assert subprocess.run([sys.executable, "-m", "flows.cpt_to_sft", "--config", str(config), "--break-lease"], cwd=str(REPO),
-                              env=server.env(), capture_output=True, timeout=120, check=False).returncode == 0
+        assert (
+            subprocess.run(
+                [sys.executable, "-m", "flows.cpt_to_sft", "--config", str(config), "--break-lease"],
+                cwd=str(REPO),
+                env=server.env(),
+                capture_output=True,
+                timeout=120,
+                check=False,
+            ).returncode
+            == 0
+        )
         second = _flow(server, config, log)
         try:
             deadline = time.monotonic() + 600
@@ -167,7 +194,9 @@ def test_flow_survives_its_own_death_and_completes_with_cpt_on_two_slurm_nodes(s
         sampler.join(timeout=30)
     text = log.read_text(errors="replace")
     assert rc == 0, text[-6000:]
-    print(f"re-run after SIGKILL: re-attached to Slurm job {job_id} and completed the flow in {time.monotonic() - t0:.1f}s")
+    print(
+        f"re-run after SIGKILL: re-attached to Slurm job {job_id} and completed the flow in {time.monotonic() - t0:.1f}s"
+    )
     assert all(q in ([], [job_id]) for q in queues), queues
     assert f"re-attaching to Slurm job {job_id}" in text
     summary = json.loads((run_root / "run.json").read_text())

@@ -56,8 +56,16 @@ def _stage(tiny_model_dir: Path, tmp_path: Path):
     from tasks.core.config.load import parse_config
 
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
-    raw["cpt"].update(max_steps=STEPS, checkpoint_every=EVERY,
-                      launch={"backend": "slurm", "nnodes": 2, "nproc_per_node": 1, "slurm": {"partition": "debug", "time_limit": "10"}})
+    raw["cpt"].update(
+        max_steps=STEPS,
+        checkpoint_every=EVERY,
+        launch={
+            "backend": "slurm",
+            "nnodes": 2,
+            "nproc_per_node": 1,
+            "slurm": {"partition": "debug", "time_limit": "10"},
+        },
+    )
     assert raw["cpt"]["plugin"]["tp_size"] == 2  # tensor parallel across the two Slurm nodes
     return parse_config(raw)
 
@@ -68,9 +76,18 @@ def _job(cfg, tmp_path: Path, model_dir: Path, verb: str):
     from tests._engine_utils import prepared_data
 
     data_dir = prepared_data(cfg.cpt.model_dump(mode="json"), "cpt", model_dir, tmp_path / "data-cpt")
-    return Job(verb=verb, stage="cpt", stage_cfg=cfg.cpt, trust_remote_code=cfg.base_model.trust_remote_code, model_dir=model_dir, tokenizer_dir=model_dir,
-               data_dir=data_dir, stage_dir=tmp_path / "run" / "cpt",
-               parent=Parent(uri=str(model_dir), digest="base-digest"), config_digest="c" * 64)
+    return Job(
+        verb=verb,
+        stage="cpt",
+        stage_cfg=cfg.cpt,
+        trust_remote_code=cfg.base_model.trust_remote_code,
+        model_dir=model_dir,
+        tokenizer_dir=model_dir,
+        data_dir=data_dir,
+        stage_dir=tmp_path / "run" / "cpt",
+        parent=Parent(uri=str(model_dir), digest="base-digest"),
+        config_digest="c" * 64,
+    )
 
 
 def test_cpt_stage_across_two_slurm_nodes_fails_on_a_killed_rank_and_resumes(slurm_cluster, tiny_model_dir, tmp_path):
@@ -83,21 +100,47 @@ def test_cpt_stage_across_two_slurm_nodes_fails_on_a_killed_rank_and_resumes(slu
     events: list[tuple[str, dict]] = []
     env = {"GLOO_SOCKET_IFNAME": "lo"}
     t0 = time.monotonic()
-    run_engine("shard", _job(cfg, tmp_path, tiny_model_dir, "shard"), tmp_path / "jobs" / "cpt-shard.json", cfg.cpt.launch, "t-cpt-shard", logger, env=env)
+    run_engine(
+        "shard",
+        _job(cfg, tmp_path, tiny_model_dir, "shard"),
+        tmp_path / "jobs" / "cpt-shard.json",
+        cfg.cpt.launch,
+        "t-cpt-shard",
+        logger,
+        env=env,
+    )
     train = _job(cfg, tmp_path, tiny_model_dir, "train")
     with pytest.raises(StageFailed) as failed:
-        run_engine("train", train, tmp_path / "jobs" / "cpt-train.json", cfg.cpt.launch, "t-cpt-train", logger,
-                   on_event=lambda k, r: events.append((k, r)), env={**env, "CPT_TO_SFT_FAULT": f"kill@step={EVERY}@rank=1"})
+        run_engine(
+            "train",
+            train,
+            tmp_path / "jobs" / "cpt-train.json",
+            cfg.cpt.launch,
+            "t-cpt-train",
+            logger,
+            on_event=lambda k, r: events.append((k, r)),
+            env={**env, "CPT_TO_SFT_FAULT": f"kill@step={EVERY}@rank=1"},
+        )
     msg = str(failed.value)
     m = re.search(r"Slurm job (\d+) \(engine verb 'train'\) ended FAILED .*? on node (n[12]), rank 1: ", msg)
     assert m, msg[:3000]
     # The node named is the one that ran rank 1: its own output file shows rank 1's lines.
     rank1_log = tmp_path / "run" / "cpt" / ".launch" / "logs" / f"job-{m.group(1)}.{m.group(2)}.log"
-    assert re.search(r"\[rank 1[]|]", rank1_log.read_text(errors="replace"))  # "[rank 1]" or with its level, "[rank 1|error]"
+    assert re.search(
+        r"\[rank 1[]|]", rank1_log.read_text(errors="replace")
+    )  # "[rank 1]" or with its level, "[rank 1|error]"
     assert [r["step"] for k, r in events if k == "checkpoint"] == [EVERY]
 
-    progress = run_engine("train", train, tmp_path / "jobs" / "cpt-train.json", cfg.cpt.launch, "t-cpt-train", logger,
-                          on_event=lambda k, r: events.append((k, r)), env={**env, "CPT_TO_SFT_FAULT": f"kill@step={EVERY}@rank=1"})
+    progress = run_engine(
+        "train",
+        train,
+        tmp_path / "jobs" / "cpt-train.json",
+        cfg.cpt.launch,
+        "t-cpt-train",
+        logger,
+        on_event=lambda k, r: events.append((k, r)),
+        env={**env, "CPT_TO_SFT_FAULT": f"kill@step={EVERY}@rank=1"},
+    )
     elapsed = time.monotonic() - t0
     assert [p["step"] for p in progress] == list(range(EVERY + 1, STEPS + 1))  # resumed from the step-2 checkpoint
     stage_dir = tmp_path / "run" / "cpt"
@@ -107,12 +150,18 @@ def test_cpt_stage_across_two_slurm_nodes_fails_on_a_killed_rank_and_resumes(slu
         assert meta["world_size"] == 2 and manifest["config_digest"] == "c" * 64
         assert meta["nodes"] == ["n1", "n2"] and sorted(meta["rank_nodes"]) == ["n1", "n2"], meta
     # The engine logs from rank 0; its lines carry the node it ran on (c10d decides which).
-    ranked = {tuple(ln[1:ln.index("]")].split()[::2]) for ln in handler.lines if ln.startswith("[n") and " rank " in ln.split("]")[0]}
+    ranked = {
+        tuple(ln[1 : ln.index("]")].split()[::2])
+        for ln in handler.lines
+        if ln.startswith("[n") and " rank " in ln.split("]")[0]
+    }
     assert ranked and all(node in ("n1", "n2") for node, _ in ranked), ranked
     record = json.loads((stage_dir / ".launch" / "train.slurm.json").read_text())
     assert record["job_id"].isdigit() and record["name"] == "t-cpt-train"
     assert sorted(p.name for p in (stage_dir / ".launch" / "logs").glob(f"job-{record['job_id']}.n*.log")) == [
-        f"job-{record['job_id']}.n1.log", f"job-{record['job_id']}.n2.log"]
+        f"job-{record['job_id']}.n1.log",
+        f"job-{record['job_id']}.n2.log",
+    ]
     assert slurm_cluster.leftovers() == []
     print(f"two-node CPT shard + failed train + resumed train on Slurm: {elapsed:.1f}s")
 
@@ -124,18 +173,28 @@ def test_reattach_after_the_submitting_process_dies(slurm_cluster, tiny_model_di
     cfg = _stage(tiny_model_dir, tmp_path)
     job = _job(cfg, tmp_path, tiny_model_dir, "shard")
     job_path = tmp_path / "jobs" / "cpt-shard.json"
-    (tmp_path / "cfg.json").write_text(json.dumps({"job": job.model_dump(mode="json"), "launch": cfg.cpt.launch.model_dump(mode="json")}))
-    child = subprocess.Popen([sys.executable, "-c", f"""
+    (tmp_path / "cfg.json").write_text(
+        json.dumps({"job": job.model_dump(mode="json"), "launch": cfg.cpt.launch.model_dump(mode="json")})
+    )
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import json, logging, sys
 from pathlib import Path
 sys.path.insert(0, {str(REPO)!r})
 from tasks.core.config.schema import LaunchConfig
 from tasks.core.run.job import parse_job
 from tasks.core.launch.torchrun import run_engine
-d = json.loads(Path({str(tmp_path / 'cfg.json')!r}).read_text())
+d = json.loads(Path({str(tmp_path / "cfg.json")!r}).read_text())
 logging.basicConfig(level=logging.INFO)
 run_engine("shard", parse_job(d["job"]), Path({str(job_path)!r}), LaunchConfig(**d["launch"]), "t-reattach", logging.getLogger("child"), env={{"GLOO_SOCKET_IFNAME": "lo"}})
-"""], cwd=str(REPO), start_new_session=True)
+""",
+        ],
+        cwd=str(REPO),
+        start_new_session=True,
+    )
     record = tmp_path / "run" / "cpt" / ".launch" / "shard.slurm.json"
     seen = record.with_name("shard.slurm.seen.json")
     cli = SlurmCli()
@@ -172,7 +231,11 @@ run_engine("shard", parse_job(d["job"]), Path({str(job_path)!r}), LaunchConfig(*
         sampler.join(timeout=30)
     assert seen_queues and all(q in ([], [job_id]) for q in seen_queues), seen_queues
     attach = [ln for ln in handler.lines if f"re-attaching to Slurm job {job_id}" in ln]
-    assert attach and "found by name t-reattach" in attach[0] and "already logged by the earlier attempt is skipped" in attach[0], handler.lines[:20]
+    assert (
+        attach
+        and "found by name t-reattach" in attach[0]
+        and "already logged by the earlier attempt is skipped" in attach[0]
+    ), handler.lines[:20]
     assert not any("submitted Slurm job" in ln for ln in handler.lines)
     assert not any("@@slurm" in ln for ln in handler.lines)  # the batch script's first line was logged by the child
     assert json.loads(record.read_text())["job_id"] == job_id

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.integration
 STEPS, EVERY = 4, 2
 
 
-def test_s3_run_root_with_per_node_staging_on_two_slurm_nodes(slurm_cluster, s3_root, prefect_harness, tiny_model_dir, tmp_path, monkeypatch):
+def test_s3_run_root_with_per_node_staging_on_two_slurm_nodes(
+    slurm_cluster, s3_root, prefect_harness, tiny_model_dir, tmp_path, monkeypatch
+):
     from prefect import flow
 
     from tasks.core.config.load import parse_config
@@ -37,8 +39,16 @@ def test_s3_run_root_with_per_node_staging_on_two_slurm_nodes(slurm_cluster, s3_
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # both emulated nodes are 127.0.0.1
     raw = tiny_config_raw(tiny_model_dir, s3_root)
     raw["staging_dir"] = str(tmp_path / "staging")
-    raw["cpt"].update(max_steps=STEPS, checkpoint_every=EVERY,
-                      launch={"backend": "slurm", "nnodes": 2, "nproc_per_node": 1, "slurm": {"partition": "debug", "time_limit": "10"}})
+    raw["cpt"].update(
+        max_steps=STEPS,
+        checkpoint_every=EVERY,
+        launch={
+            "backend": "slurm",
+            "nnodes": 2,
+            "nproc_per_node": 1,
+            "slurm": {"partition": "debug", "time_limit": "10"},
+        },
+    )
     cfg = parse_config(raw)
 
     @flow(name="slurm-s3-cpt")
@@ -63,7 +73,11 @@ def test_s3_run_root_with_per_node_staging_on_two_slurm_nodes(slurm_cluster, s3_
     parts = {}
     for node in ("n1", "n2"):
         (final,) = (nodes / node).glob(f"*/cpt/step-{STEPS:06d}")
-        parts[node] = {p.relative_to(final).as_posix() for p in final.rglob("*") if p.is_file() and p.relative_to(final).as_posix() != MANIFEST}
+        parts[node] = {
+            p.relative_to(final).as_posix()
+            for p in final.rglob("*")
+            if p.is_file() and p.relative_to(final).as_posix() != MANIFEST
+        }
         assert parts[node], f"node {node} wrote no part of the checkpoint"
     assert not parts["n1"] & parts["n2"]
     assert parts["n1"] | parts["n2"] == set(manifest["files"])

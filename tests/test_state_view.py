@@ -20,7 +20,14 @@ from safetensors.torch import save_file
 
 from tasks.core.config.plugins import PLUGINS
 from tasks.core.errors import ManifestError
-from tasks.core.models.convert.state_view import MASTERS, CheckpointState, Piece, local_piece, rank_record_name, rank_tensor_name
+from tasks.core.models.convert.state_view import (
+    MASTERS,
+    CheckpointState,
+    Piece,
+    local_piece,
+    rank_record_name,
+    rank_tensor_name,
+)
 
 
 def _pieces(name: str, pid: int, shape, tp_dim, tp_size: int, zero_size: int) -> list[list[Piece]]:
@@ -31,8 +38,13 @@ def _pieces(name: str, pid: int, shape, tp_dim, tp_size: int, zero_size: int) ->
         local[tp_dim] = -(-shape[tp_dim] // tp_size)
     numel = math.prod(local)
     length = -(-numel // zero_size)
-    return [[Piece(name, pid, tuple(shape), tuple(local), tp_dim, t, tp_size, z * length, length, saved=True)
-             for z in range(zero_size)] for t in range(tp_size if tp_dim is not None else 1)]
+    return [
+        [
+            Piece(name, pid, tuple(shape), tuple(local), tp_dim, t, tp_size, z * length, length, saved=True)
+            for z in range(zero_size)
+        ]
+        for t in range(tp_size if tp_dim is not None else 1)
+    ]
 
 
 def _write(ckpt: Path, params: dict[str, tuple[torch.Tensor, object, int, int]]) -> dict[str, list[Piece]]:
@@ -74,10 +86,14 @@ def test_whole_masters_and_adam_state_come_back_bitwise_from_any_cut(tmp_path):
     for name, (whole, *_rest) in params.items():
         assert torch.equal(view.master(name), whole), name
         adam = view.adam(name)
-        assert torch.equal(adam["exp_avg"], whole * 0.5) and torch.equal(adam["exp_avg_sq"], whole * whole) and adam["step"] == 7.0
+        assert (
+            torch.equal(adam["exp_avg"], whole * 0.5)
+            and torch.equal(adam["exp_avg_sq"], whole * whole)
+            and adam["step"] == 7.0
+        )
         for p in cut[name]:  # the padding past a slice's end is zeros, as the optimizers pad
             piece = local_piece(whole, p)
-            assert piece.shape == (p.length,) and not piece[max(0, p.local_numel - p.start):].any()
+            assert piece.shape == (p.length,) and not piece[max(0, p.local_numel - p.start) :].any()
 
 
 def test_a_missing_piece_is_named(tmp_path):
@@ -94,11 +110,19 @@ def test_a_checkpoint_without_records_is_refused_naming_why(tmp_path):
         CheckpointState(tmp_path)
 
 
-@pytest.mark.parametrize("plugin, precision, zero, saves", [
-    ("low_level_zero", "bf16", 2, True), ("low_level_zero", "fp16", 1, True),
-    ("hybrid_parallel", "bf16", 0, True), ("hybrid_parallel", "bf16", 1, True), ("hybrid_parallel", "fp32", 0, False),
-    ("gemini", "bf16", 0, True), ("torch_ddp", "bf16", 0, False), ("torch_ddp", "fp32", 0, False),
-])
+@pytest.mark.parametrize(
+    "plugin, precision, zero, saves",
+    [
+        ("low_level_zero", "bf16", 2, True),
+        ("low_level_zero", "fp16", 1, True),
+        ("hybrid_parallel", "bf16", 0, True),
+        ("hybrid_parallel", "bf16", 1, True),
+        ("hybrid_parallel", "fp32", 0, False),
+        ("gemini", "bf16", 0, True),
+        ("torch_ddp", "bf16", 0, False),
+        ("torch_ddp", "fp32", 0, False),
+    ],
+)
 def test_which_plugins_save_fp32_masters(plugin, precision, zero, saves):
     assert PLUGINS[plugin].saves_masters(precision, zero) is saves
 
@@ -109,8 +133,17 @@ def test_the_disk_estimate_counts_the_masters_a_checkpoint_holds():
     from tasks.core.preflight.storage import estimate_local_bytes
     from tests._engine_utils import run_raw
 
-    mc = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 4, "tie_word_embeddings": False, "torch_dtype": "float32"}
+    mc = {
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
     n = estimate_parameters(mc)
 
     def need(plugin: dict) -> int:
@@ -119,7 +152,9 @@ def test_the_disk_estimate_counts_the_masters_a_checkpoint_holds():
 
     ddp = need({"name": "torch_ddp", "precision": "fp32"})
     # two checkpoints of the stage (keep_last 1, plus the one being written)
-    assert need({"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}) - ddp == 2 * n * ((2 + 8 + 4) - (4 + 8))
+    assert need({"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}) - ddp == 2 * n * (
+        (2 + 8 + 4) - (4 + 8)
+    )
     assert need({"name": "torch_ddp", "precision": "bf16"}) == ddp  # fp32 weights under autocast: no masters apart
 
 
@@ -144,20 +179,51 @@ def _run_root_with_checkpoint(tmp_path, raw: dict) -> None:
     ckpt.mkdir(parents=True)
     (ckpt / "train_state.json").write_text("{}")
     p = cfg.cpt.plugin
-    layout = record({"name": p.name, "tp": p.tp_size, "pp": p.pp_size, "zero": p.zero_stage}, 2, 1, cfg.cpt.micro_batch_size, cfg.cpt.grad_accum_steps)
-    write_manifest(ckpt, kind="colossalai-checkpoint", meta={"layout": layout}, config_digest=config_digest(cfg, "boost_and_shard", parents))
+    layout = record(
+        {"name": p.name, "tp": p.tp_size, "pp": p.pp_size, "zero": p.zero_stage},
+        2,
+        1,
+        cfg.cpt.micro_batch_size,
+        cfg.cpt.grad_accum_steps,
+    )
+    write_manifest(
+        ckpt,
+        kind="colossalai-checkpoint",
+        meta={"layout": layout},
+        config_digest=config_digest(cfg, "boost_and_shard", parents),
+    )
 
 
-@pytest.mark.parametrize("change, expect", [
-    (lambda c: c.update(plugin={"name": "torch_ddp", "precision": "fp32"}, launch={"nproc_per_node": 1}),
-     ("ok", ("cpt: resuming step-000003, written under hybrid_parallel tp=2 dp=1 on 2 ranks (4 x 1 a rank), "
-            "under torch_ddp dp=1 on 1 rank (4 x 1 a rank): model and optimizer re-sharded"))),
-    (lambda c: c.update(plugin={"name": "torch_ddp", "precision": "fp32"}),  # dp 1 -> 2: the global batch doubles
-     ("problem", ("its checkpoints were trained at a global batch of 4 sequences; torch_ddp dp=2 on 2 ranks (4 x 1 a rank) makes "
-                 "4 x 1 x dp 2 = 8: set micro_batch_size: 2 to continue them"))),
-    (lambda c: c.update(lr=1e-4), ("ok", "cpt: what the model learns from changed since step-000003")),
-    (lambda c: None, ("ok", "cpt: resuming step-000003 under the layout that wrote it")),
-])
+@pytest.mark.parametrize(
+    "change, expect",
+    [
+        (
+            lambda c: c.update(plugin={"name": "torch_ddp", "precision": "fp32"}, launch={"nproc_per_node": 1}),
+            (
+                "ok",
+                (
+                    "cpt: resuming step-000003, written under hybrid_parallel tp=2 dp=1 on 2 ranks (4 x 1 a rank), "
+                    "under torch_ddp dp=1 on 1 rank (4 x 1 a rank): model and optimizer re-sharded"
+                ),
+            ),
+        ),
+        (
+            lambda c: c.update(
+                plugin={"name": "torch_ddp", "precision": "fp32"}
+            ),  # dp 1 -> 2: the global batch doubles
+            (
+                "problem",
+                (
+                    "its checkpoints were trained at a global batch of 4 sequences; torch_ddp dp=2 on 2 ranks (4 x 1 "
+                    "a rank) makes "
+                    "4 x 1 x dp 2 = 8: set micro_batch_size: 2 to continue them"
+                ),
+            ),
+        ),
+        (lambda c: c.update(lr=1e-4), ("ok", "cpt: what the model learns from changed since step-000003")),
+        (lambda c: None, ("ok", "cpt: resuming step-000003 under the layout that wrote it")),
+    ],
+)
 def test_preflight_says_how_a_stage_continues_its_checkpoints(tmp_path, change, expect):
     import copy
 
@@ -199,6 +265,8 @@ def test_the_card_lists_each_segment_of_a_stage_that_changed_layout(tmp_path):
         (step / MANIFEST).write_text(json.dumps({"meta": {}}))
     card = model_card(cfg, {"meta": {}}, train_facts(cfg, {}, lambda rel: (tmp_path / rel).read_text()))
     row = next(line for line in card.splitlines() if line.startswith("| plugin and parallel layout |"))
-    assert row.endswith("| from step 0: `low_level_zero zero=2 dp=2 on 2 ranks (4 x 1 a rank)`<br>"
-                        "from step 4: `low_level_zero zero=2 dp=1 on 1 rank (4 x 2 a rank)` |"), row
+    assert row.endswith(
+        "| from step 0: `low_level_zero zero=2 dp=2 on 2 ranks (4 x 1 a rank)`<br>"
+        "from step 4: `low_level_zero zero=2 dp=1 on 1 rank (4 x 2 a rank)` |"
+    ), row
     assert "`hybrid_parallel` tp=2" in row  # CPT ran under one layout: the config's, as before

@@ -58,7 +58,9 @@ def test_the_flow_stops_after_the_stage_and_records_the_rest_as_not_run(prefect_
     assert main(["--config", str(cfg), "--stop-after", "prepare_sft"]) == 0
     summary = json.loads((run_root / "run.json").read_text())
     ran = STAGE_NAMES[: STAGE_NAMES.index("prepare_sft") + 1]
-    assert {s["stage"]: s["status"] for s in summary["stages"]} == {name: "completed" if name in ran else "not-run" for name in STAGE_NAMES}
+    assert {s["stage"]: s["status"] for s in summary["stages"]} == {
+        name: "completed" if name in ran else "not-run" for name in STAGE_NAMES
+    }
     assert summary["stopped_after"] == "prepare_sft" and summary["complete"] is False
     assert summary["gate"] == {"status": "not-run"} and summary["export"] is None
     assert (run_root / "data" / "sft").is_dir() and not (run_root / "cpt").exists()

@@ -1,7 +1,7 @@
 """RunStore against a real S3 server (SeaweedFS `weed mini` on 127.0.0.1), never a mock.
 
-    .venv/bin/python -m pytest -q tests/test_storage_s3.py            # ~1 min
-    .venv/bin/python -m pytest -q tests/test_storage_s3.py -m e2e     # the whole flow on S3
+.venv/bin/python -m pytest -q tests/test_storage_s3.py            # ~1 min
+.venv/bin/python -m pytest -q tests/test_storage_s3.py -m e2e     # the whole flow on S3
 """
 
 from __future__ import annotations
@@ -38,12 +38,18 @@ def make_artifact(root: Path, sizes: dict[str, int], seed: int = 0) -> dict:
     return write_manifest(root, kind="test-checkpoint", meta={"seed": seed})
 
 
-SIZES = {"model/model-00001.safetensors": 12 * MB + 17, "model/model-00002.safetensors": 6 * MB, "optimizer/state.bin": 3 * MB, "train_state.json": 300, "empty.txt": 0}
+SIZES = {
+    "model/model-00001.safetensors": 12 * MB + 17,
+    "model/model-00002.safetensors": 6 * MB,
+    "optimizer/state.bin": 3 * MB,
+    "train_state.json": 300,
+    "empty.txt": 0,
+}
 
 
 def remote_objects(store: RunStore, rel: str) -> dict[str, int]:
     base = store._remote(rel)
-    return {p[len(base) + 1:]: store.fs.size(p) for p in store.fs.find(base)}
+    return {p[len(base) + 1 :]: store.fs.size(p) for p in store.fs.find(base)}
 
 
 def test_publish_stage_in_round_trip_with_checksums(s3_root, tmp_path):
@@ -55,7 +61,10 @@ def test_publish_stage_in_round_trip_with_checksums(s3_root, tmp_path):
     assert store.last_transfer["transferred"] == len(SIZES)
     assert digest == hashlib.sha256((store.local_path(rel) / MANIFEST).read_bytes()).hexdigest()
     assert store.manifest_digest(rel) == digest
-    assert remote_objects(store, rel) == {**{n: e["size"] for n, e in manifest["files"].items()}, MANIFEST: (store.local_path(rel) / MANIFEST).stat().st_size}
+    assert remote_objects(store, rel) == {
+        **{n: e["size"] for n, e in manifest["files"].items()},
+        MANIFEST: (store.local_path(rel) / MANIFEST).stat().st_size,
+    }
     for name, entry in manifest["files"].items():  # each object carries the sha256 the server checked
         bucket, key, _ = store.fs.split_path(store._remote(f"{rel}/{name}"))
         head = store.fs.call_s3("head_object", Bucket=bucket, Key=key)
@@ -204,7 +213,13 @@ def test_server_killed_mid_publish_then_publish_completes(fresh_weed, tmp_path, 
     root = f"s3://{BUCKET}/killed"
     store = RunStore(root, staging_dir=str(tmp_path / "stage"), part_size=PART, max_workers=4)
     rel = "cpt/step-000010"
-    sizes = {"model/shard-1.safetensors": 30 * MB, "model/shard-2.safetensors": 30 * MB, "optim/shard-1.bin": 20 * MB, "config.json": 500, "train_state.json": 200}
+    sizes = {
+        "model/shard-1.safetensors": 30 * MB,
+        "model/shard-2.safetensors": 30 * MB,
+        "optim/shard-1.bin": 20 * MB,
+        "config.json": 500,
+        "train_state.json": 200,
+    }
     manifest = make_artifact(store.local_path(rel), sizes)
 
     real_call = S3Transfers.call
@@ -258,7 +273,9 @@ def test_a_stage_artifact_publish_outlasts_a_store_outage_or_names_it(fresh_weed
     restarted = threading.Timer(2.0, fresh_weed.start)
     restarted.start()
     try:
-        digest, attempts = publish_retrying(store, rel, retries=6, backoff_s=0.5, backoff_max_s=2.0, what="the unshard artifact")
+        digest, attempts = publish_retrying(
+            store, rel, retries=6, backoff_s=0.5, backoff_max_s=2.0, what="the unshard artifact"
+        )
     finally:
         restarted.join()
     assert attempts >= 2 and "publish of s3://" in caplog.text and "retrying in" in caplog.text
@@ -286,7 +303,11 @@ def test_prune_staging_keeps_unpublished_work(s3_root, tmp_path):
     make_artifact(store.local_path("cpt/step-000012"), {"x.bin": 1000})  # written, not yet published
     removed = store.prune_staging(keep=["base"])
     assert removed == ["cpt/step-000004"]
-    assert store.local_path("base").is_dir() and store.local_path("cpt/step-000008").is_dir() and store.local_path("cpt/step-000012").is_dir()
+    assert (
+        store.local_path("base").is_dir()
+        and store.local_path("cpt/step-000008").is_dir()
+        and store.local_path("cpt/step-000012").is_dir()
+    )
     # A released publish drops its staged copy straight away.
     store.publish("cpt/step-000008", release=True)
     assert not store.local_path("cpt/step-000008").exists() and store.exists(f"cpt/step-000008/{MANIFEST}")
@@ -309,7 +330,9 @@ def test_small_files_listing_and_endpoint_from_standard_env(s3_root, weed):
 
 
 @pytest.mark.e2e
-def test_full_tiny_flow_with_run_root_on_s3_and_push_to_hub(weed, hub_env, prefect_harness, tiny_model_dir, tmp_path, monkeypatch):
+def test_full_tiny_flow_with_run_root_on_s3_and_push_to_hub(
+    weed, hub_env, prefect_harness, tiny_model_dir, tmp_path, monkeypatch
+):
     """The whole flow: every artifact on S3 (staged through a local dir), the export pushed to the
     test Hub in one commit, run.json (on S3) recording the commit URL."""
     from huggingface_hub import HfApi

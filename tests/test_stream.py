@@ -1,6 +1,6 @@
 """Streamed logits checks: a model over verify_memory_gb runs a layer at a time, bitwise the whole forward.
 
-    .venv/bin/python -m pytest -q tests/test_stream.py -p no:cacheprovider
+.venv/bin/python -m pytest -q tests/test_stream.py -p no:cacheprovider
 """
 
 from __future__ import annotations
@@ -37,7 +37,11 @@ CASES = [("llama", False, True), ("mistral", False, False), ("qwen2", True, True
 assert {family for family, _, _ in CASES} == set(FAMILIES), "a family added to FAMILIES needs a case here"
 
 
-@pytest.mark.parametrize(("family", "tied", "sharded"), CASES, ids=[f"{f}{'-tied' if t else ''}{'-sharded' if s else ''}" for f, t, s in CASES])
+@pytest.mark.parametrize(
+    ("family", "tied", "sharded"),
+    CASES,
+    ids=[f"{f}{'-tied' if t else ''}{'-sharded' if s else ''}" for f, t, s in CASES],
+)
 def test_streamed_logits_are_bitwise_the_whole_forward(tmp_path, tokenizer, family, tied, sharded):
     from tasks.core.models.demo import build_tiny_model
 
@@ -86,6 +90,9 @@ def test_verify_memory_gb_defaults_and_must_be_positive(tmp_path, tiny_model_dir
     from tests.conftest import tiny_config_raw
 
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
-    assert parse_config(raw).verify_memory_gb == 4.0 and parse_config({**raw, "verify_memory_gb": 0.001}).verify_memory_gb == 0.001
+    assert (
+        parse_config(raw).verify_memory_gb == 4.0
+        and parse_config({**raw, "verify_memory_gb": 0.001}).verify_memory_gb == 0.001
+    )
     with pytest.raises(ConfigError, match="verify_memory_gb"):
         parse_config({**raw, "verify_memory_gb": 0})

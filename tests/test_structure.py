@@ -6,7 +6,7 @@
   project; `tasks/engine` never imports prefect nor the Prefect task modules. Checked on the
   source of every module and, transitively, in a fresh interpreter.
 - No module imports another module's private (`_name`) names.
-- No module under `tasks/` is over 450 lines.
+- No module under `tasks/` is over 600 lines (ruff-formatted).
 - No import cycle among the modules of `tasks/` and `flows/`, read from the source (function-level
   and `if TYPE_CHECKING:` imports count: each is a dependency a reader has to follow).
 - `tasks/core/` holds at most 12 entries, each a subpackage or a module, and every subpackage says
@@ -28,7 +28,8 @@ from tests.conftest import tiny_config_raw, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tasks"
-MAX_LINES = 450
+# Counted in ruff-formatted lines of at most 120 characters.
+MAX_LINES = 600
 
 
 def _modules(folder: Path) -> list[Path]:
@@ -73,16 +74,24 @@ def test_core_imports_no_other_room_and_no_framework():
         for mod, _ in _imports(path):
             top = mod.split(".")[0]
             assert top not in ("prefect", "colossalai") and not mod.startswith("torch.distributed"), (
-                f"{path.relative_to(ROOT)} imports {mod}: tasks/core must stay free of prefect, colossalai and torch.distributed")
-            assert not mod.startswith("tasks.engine") and mod not in PREFECT_TASK_MODULES and not mod.startswith("flows"), (
-                f"{path.relative_to(ROOT)} imports {mod}: tasks/core is the pure room and imports only tasks.core")
+                f"{path.relative_to(ROOT)} imports {mod}: tasks/core must stay free of prefect, colossalai and "
+                "torch.distributed"
+            )
+            assert (
+                not mod.startswith("tasks.engine") and mod not in PREFECT_TASK_MODULES and not mod.startswith("flows")
+            ), f"{path.relative_to(ROOT)} imports {mod}: tasks/core is the pure room and imports only tasks.core"
 
 
 def test_engine_never_imports_prefect_or_the_task_modules():
     for path in _modules(TASKS / "engine"):
         for mod, _ in _imports(path):
-            assert mod.split(".")[0] != "prefect", f"{path.relative_to(ROOT)} imports {mod}: the engine runs inside torchrun ranks and never imports prefect"
-            assert mod not in PREFECT_TASK_MODULES and not mod.startswith("flows"), f"{path.relative_to(ROOT)} imports {mod}: the engine reaches only tasks.core and tasks.engine"
+            assert mod.split(".")[0] != "prefect", (
+                f"{path.relative_to(ROOT)} imports {mod}: the engine runs inside torchrun ranks and never imports "
+                "prefect"
+            )
+            assert mod not in PREFECT_TASK_MODULES and not mod.startswith("flows"), (
+                f"{path.relative_to(ROOT)} imports {mod}: the engine reaches only tasks.core and tasks.engine"
+            )
 
 
 def test_no_module_imports_another_modules_private_names():
@@ -91,11 +100,15 @@ def test_no_module_imports_another_modules_private_names():
     for path in _modules(TASKS) + _modules(ROOT / "flows"):
         for mod, names in _imports(path):
             if mod.split(".")[0] in project and mod != _module_name(path):
-                bad += [f"{path.relative_to(ROOT)}: from {mod} import {n}" for n in names if n.startswith("_") and not n.startswith("__")]
+                bad += [
+                    f"{path.relative_to(ROOT)}: from {mod} import {n}"
+                    for n in names
+                    if n.startswith("_") and not n.startswith("__")
+                ]
     assert not bad, "private names imported across modules (give them a public name):\n" + "\n".join(bad)
 
 
-def test_no_module_under_tasks_is_over_450_lines():
+def test_no_module_under_tasks_is_over_600_lines():
     long = {str(p.relative_to(ROOT)): n for p in _modules(TASKS) if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
@@ -172,8 +185,13 @@ def test_no_import_cycle_among_the_project_modules():
     report = []
     for comp in cycles:
         report.append("cycle: " + ", ".join(comp))
-        report += [f"  {a} imports {b}: {', '.join(sorted(graph[a][b]))}" for a in comp for b in sorted(graph[a]) if b in comp]
-    assert not cycles, "modules that import each other (directly or around a loop); move what both need into a module of its own:\n" + "\n".join(report)
+        report += [
+            f"  {a} imports {b}: {', '.join(sorted(graph[a][b]))}" for a in comp for b in sorted(graph[a]) if b in comp
+        ]
+    assert not cycles, (
+        "modules that import each other (directly or around a loop); move what both need into a module of its own:\n"
+        + "\n".join(report)
+    )
 
 
 def test_core_subpackages_import_one_way():
@@ -189,17 +207,35 @@ def test_core_subpackages_import_one_way():
             if top(a) != top(b):
                 packages[top(a)].setdefault(top(b), set()).add(f"{a} -> {b}")
     cycles = strongly_connected(packages)
-    report = [f"{', '.join(c)}: " + "; ".join(sorted(e for a in c for b in c if b in packages[a] for e in packages[a][b])) for c in cycles]
-    assert not cycles, "tasks/core subpackages that import each other; move the shared piece into the lower one:\n" + "\n".join(report)
+    report = [
+        f"{', '.join(c)}: " + "; ".join(sorted(e for a in c for b in c if b in packages[a] for e in packages[a][b]))
+        for c in cycles
+    ]
+    assert not cycles, (
+        "tasks/core subpackages that import each other; move the shared piece into the lower one:\n" + "\n".join(report)
+    )
 
 
 def test_core_top_level_is_subpackages_and_modules_each_package_documented():
     core = TASKS / "core"
     entries = sorted(p for p in core.iterdir() if p.name != "__pycache__")
-    assert len(entries) <= 12, f"tasks/core/ has {len(entries)} entries ({', '.join(p.name for p in entries)}); at most 12: group them into a subpackage"
-    stray = [p.name for p in entries if not ((p.is_dir() and (p / "__init__.py").is_file()) or (p.is_file() and p.suffix == ".py"))]
-    assert not stray, f"tasks/core/ holds {stray}: only subpackages (a folder with __init__.py) and modules belong at its top level"
-    undocumented = [str(p.relative_to(ROOT)) for p in sorted(core.rglob("__init__.py")) if "__pycache__" not in p.parts and not ast.get_docstring(ast.parse(p.read_text()))]
+    assert len(entries) <= 12, (
+        f"tasks/core/ has {len(entries)} entries ({', '.join(p.name for p in entries)}); at most 12: group them into "
+        "a subpackage"
+    )
+    stray = [
+        p.name
+        for p in entries
+        if not ((p.is_dir() and (p / "__init__.py").is_file()) or (p.is_file() and p.suffix == ".py"))
+    ]
+    assert not stray, (
+        f"tasks/core/ holds {stray}: only subpackages (a folder with __init__.py) and modules belong at its top level"
+    )
+    undocumented = [
+        str(p.relative_to(ROOT))
+        for p in sorted(core.rglob("__init__.py"))
+        if "__pycache__" not in p.parts and not ast.get_docstring(ast.parse(p.read_text()))
+    ]
     assert not undocumented, f"packages without a docstring saying what they hold: {undocumented}"
 
 
@@ -215,9 +251,18 @@ print(json.dumps(sorted(set(sys.modules) - baseline)))
 """
 
 
-@pytest.mark.parametrize("room, forbidden", [("core", ("prefect", "colossalai", "torch.distributed")), ("engine", ("prefect",))])
+@pytest.mark.parametrize(
+    "room, forbidden", [("core", ("prefect", "colossalai", "torch.distributed")), ("engine", ("prefect",))]
+)
 def test_transitive_imports_in_a_fresh_interpreter(room, forbidden):
-    out = subprocess.run([sys.executable, "-c", _PROBE.format(room=room)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(room=room)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     bad = [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)]
@@ -234,8 +279,16 @@ def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
     from tests.conftest import tiny_config_raw
 
     built = []
-    spec = plugins.PluginSpec(name="dummy_zero", summary="a test plugin", zero_stages=(1,), zero_hint="dummy_zero needs zero_stage 1",
-                              no_sync_zero_stages=(), casts_model=False, strict_load=False, dedupes_tied_weights=False)
+    spec = plugins.PluginSpec(
+        name="dummy_zero",
+        summary="a test plugin",
+        zero_stages=(1,),
+        zero_hint="dummy_zero needs zero_stage 1",
+        no_sync_zero_stages=(),
+        casts_model=False,
+        strict_load=False,
+        dedupes_tied_weights=False,
+    )
     plugins.register(spec)
     engine_plugins.BUILDERS["dummy_zero"] = engine_plugins.Builder(
         factory=lambda **kw: built.append(kw) or "plugin-object",
@@ -251,7 +304,12 @@ def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
         # the registry's capabilities drive every rule and engine decision
         assert not engine_plugins.can_no_sync(cfg.sft.plugin)
         assert engine_plugins.uses_autocast(cfg.sft.plugin) is not None  # does not cast the model: bf16 under autocast
-        assert layout_problems(cfg.sft.model_copy(update={"plugin": PluginConfig(name="dummy_zero", zero_stage=2)}), "sft")[0][0] == "sft.plugin.zero_stage"
+        assert (
+            layout_problems(
+                cfg.sft.model_copy(update={"plugin": PluginConfig(name="dummy_zero", zero_stage=2)}), "sft"
+            )[0][0]
+            == "sft.plugin.zero_stage"
+        )
         with pytest.raises(ConfigError, match="tensor parallelism needs plugin hybrid_parallel"):
             raw["sft"]["plugin"] = {"name": "dummy_zero", "zero_stage": 1, "precision": "bf16", "tp_size": 2}
             parse_config(raw)
@@ -294,7 +352,9 @@ def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(
     assert set(BACKENDS) == set(launch_mod.RUNNERS)
     ran = []
     register(BackendSpec(name="dummy_sched", summary="test", rendezvous="scheduler"))
-    launch_mod.RUNNERS["dummy_sched"] = lambda verb, job, path, launch, rdzv, router, env: ran.append((verb, launch.nnodes)) or router.line("[rank 0] @@progress {\"step\": 1}")
+    launch_mod.RUNNERS["dummy_sched"] = lambda verb, job, path, launch, rdzv, router, env: (
+        ran.append((verb, launch.nnodes)) or router.line('[rank 0] @@progress {"step": 1}')
+    )
     try:
         raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
         raw["cpt"]["launch"] = {"backend": "dummy_sched", "nnodes": 2, "nproc_per_node": 1}
@@ -302,9 +362,21 @@ def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(
         raw["cpt"]["launch"]["rdzv_endpoint"] = "h:1"
         with pytest.raises(ConfigError, match="dummy_sched backend places the rendezvous"):
             parse_config(raw)
-        job = Job(verb="train", stage="cpt", stage_cfg=cfg.cpt, trust_remote_code=False, model_dir=tiny_model_dir, tokenizer_dir=tiny_model_dir, data_dir=tmp_path / "data",
-                  stage_dir=tmp_path / "run" / "cpt", parent=Parent(uri=None, digest=None), config_digest=None)
-        progress = launch_mod.run_engine("train", job, tmp_path / "job.json", cfg.cpt.launch, "r", logging.getLogger("t"))
+        job = Job(
+            verb="train",
+            stage="cpt",
+            stage_cfg=cfg.cpt,
+            trust_remote_code=False,
+            model_dir=tiny_model_dir,
+            tokenizer_dir=tiny_model_dir,
+            data_dir=tmp_path / "data",
+            stage_dir=tmp_path / "run" / "cpt",
+            parent=Parent(uri=None, digest=None),
+            config_digest=None,
+        )
+        progress = launch_mod.run_engine(
+            "train", job, tmp_path / "job.json", cfg.cpt.launch, "r", logging.getLogger("t")
+        )
         assert ran == [("train", 2)] and progress == [{"step": 1}]
     finally:
         BACKENDS.pop("dummy_sched", None)
@@ -325,13 +397,22 @@ def test_the_flow_process_starts_and_checks_without_torch_on_a_machine_without_g
     if not sys.platform.startswith("linux") or any(glob.glob(p) for p in GPU_DEVICE_NODES):
         pytest.skip("this machine has a GPU device node: torch is asked, as it should be")
     cfg = write_config(tmp_path / "run.yaml", tiny_config_raw(tiny_model_dir, tmp_path / "run"))
-    probe = ("import sys, flows.cpt_to_sft\n"
-             "from tasks.core.preflight.checks import load_for_check, preflight_report\n"
-             "from tasks.core.config.kernels import Facts, cuda_available\n"
-             f"report = preflight_report(load_for_check({str(cfg)!r}))\n"
-             "assert not report.problems, report.problems\n"
-             "assert cuda_available() is False and Facts.detect().cuda is False\n"
-             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    probe = (
+        "import sys, flows.cpt_to_sft\n"
+        "from tasks.core.preflight.checks import load_for_check, preflight_report\n"
+        "from tasks.core.config.kernels import Facts, cuda_available\n"
+        f"report = preflight_report(load_for_check({str(cfg)!r}))\n"
+        "assert not report.problems, report.problems\n"
+        "assert cuda_available() is False and Facts.detect().cuda is False\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -39,7 +39,9 @@ def test_proxy_enforces_its_rate_both_ways(throttled_s3, s3_root):
     assert got[0] == body  # bytes pass unchanged (the server also checked the CRC32)
     assert throttled_s3.bytes_up - up_before >= len(body)
     assert 0.6 * rate <= up <= 1.4 * rate, f"upload ran at {up / MB:.2f} MB/s through a {rate / MB:.1f} MB/s proxy"
-    assert 0.6 * rate <= down <= 1.4 * rate, f"download ran at {down / MB:.2f} MB/s through a {rate / MB:.1f} MB/s proxy"
+    assert 0.6 * rate <= down <= 1.4 * rate, (
+        f"download ran at {down / MB:.2f} MB/s through a {rate / MB:.1f} MB/s proxy"
+    )
 
 
 def test_rate_change_pause_and_kill_while_transferring(throttled_s3, s3_root):

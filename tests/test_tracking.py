@@ -25,7 +25,13 @@ STEPS = 4
 
 
 def test_flatten_leaves_out_secrets_and_credentials_in_uris():
-    flat = flatten({"hub": {"repo_id": "o/n", "token": "hf_x"}, "run_root": "s3://AKIA:sekrit@bucket/runs", "x": {"api_key": "k", "n": None}})
+    flat = flatten(
+        {
+            "hub": {"repo_id": "o/n", "token": "hf_x"},
+            "run_root": "s3://AKIA:sekrit@bucket/runs",
+            "x": {"api_key": "k", "n": None},
+        }
+    )
     assert flat == {"hub.repo_id": "o/n", "run_root": "s3://***@bucket/runs", "x.n": "null"}
     assert redact("http://u:p@h:1/x") == "http://***@h:1/x"
 
@@ -50,8 +56,18 @@ def test_check_refuses_an_unreachable_tracking_server_naming_field_and_uri(tmp_p
 
 
 def _record(step: int) -> dict:
-    return {"stage": "cpt", "step": step, "total": STEPS, "loss": 5.0 - step / 10, "lr": 1e-3, "tokens": 64 * step,
-            "tokens_per_s": 100.0, "step_s": 0.5, "peak_mem_bytes": 2**30, "grad_norm": 1.5}
+    return {
+        "stage": "cpt",
+        "step": step,
+        "total": STEPS,
+        "loss": 5.0 - step / 10,
+        "lr": 1e-3,
+        "tokens": 64 * step,
+        "tokens_per_s": 100.0,
+        "step_s": 0.5,
+        "peak_mem_bytes": 2**30,
+        "grad_norm": 1.5,
+    }
 
 
 @pytest.mark.integration
@@ -86,7 +102,9 @@ def test_the_tracker_handle_is_plain_data():
     from tasks.tracking import TrackerHandle
 
     handle = TrackerHandle(uri="http://127.0.0.1:5000", experiment_id="1", run_id="abc")
-    assert TrackerHandle.model_validate_json(handle.model_dump_json()) == handle and hash(handle) == hash(handle.model_copy())
+    assert TrackerHandle.model_validate_json(handle.model_dump_json()) == handle and hash(handle) == hash(
+        handle.model_copy()
+    )
     with pytest.raises(Exception, match="frozen"):
         handle.run_id = "other"
 
@@ -115,5 +133,7 @@ def test_a_stage_in_another_process_reports_to_the_flow_runs_mlflow_run(tmp_path
     client = MlflowClient(mlflow_server.uri)
     (child,) = client.search_runs([tracker.experiment_id], f"tags.`mlflow.parentRunId` = '{tracker.run_id}'")
     assert child.info.run_name == "cpt" and child.info.status == "FINISHED"
-    assert [m.step for m in sorted(client.get_metric_history(child.info.run_id, "loss"), key=lambda m: m.step)] == list(range(1, STEPS + 1))
+    assert [m.step for m in sorted(client.get_metric_history(child.info.run_id, "loss"), key=lambda m: m.step)] == list(
+        range(1, STEPS + 1)
+    )
     tracker.finish()

@@ -24,7 +24,11 @@ def _progress_descriptions(flow_run_id: str) -> dict[str, str]:
 
     keys = ["cpt-progress", "sft-progress"]
     with get_client(sync_client=True) as client:
-        arts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        arts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=keys), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])
+            )
+        )
     return {a.key: a.description for a in arts}
 
 
@@ -60,17 +64,30 @@ def test_flow_writes_tensorboard_and_one_mlflow_run_with_two_stage_runs(demo_run
     # the evaluation stages' metrics: the parent run and the evaluation artifacts' event files
     assert parent.data.metrics["eval.cpt.cpt.perplexity"] > 1 and parent.data.metrics["eval.sft.sft.loss"] > 0
     acc = demo_run.summary["evaluation"]["benchmark"]["tasks"]["veyra_facts"]["acc"]
-    assert (parent.data.metrics["eval.benchmark.tasks.veyra_facts.acc.base"], parent.data.metrics["eval.benchmark.tasks.veyra_facts.acc.export"]) == (acc["base"], acc["export"])
+    assert (
+        parent.data.metrics["eval.benchmark.tasks.veyra_facts.acc.base"],
+        parent.data.metrics["eval.benchmark.tasks.veyra_facts.acc.export"],
+    ) == (acc["base"], acc["export"])
     assert read_scalars(run_root / "eval" / "cpt" / "tensorboard")["eval/cpt.perplexity"][0][0] == STEPS
     assert "eval/sft.loss" in read_scalars(run_root / "eval" / "sft" / "tensorboard")
 
     # TensorBoard: one point per step per metric in both stages
     for stage in ("cpt", "sft"):
         scalars = read_scalars(run_root / stage / "tensorboard")
-        for tag in ("train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/step_s", "perf/peak_mem_bytes"):
+        for tag in (
+            "train/loss",
+            "train/lr",
+            "train/grad_norm",
+            "perf/tokens_per_s",
+            "perf/step_s",
+            "perf/peak_mem_bytes",
+        ):
             assert [s for s, _ in scalars[tag]] == list(range(1, STEPS + 1)), (stage, tag)
 
     # the Prefect link: each progress artifact links to its stage's MLflow run
     progress = _progress_descriptions(flow_run_id)
     for stage, child in children.items():
-        assert f"[MLflow run]({mlflow_server.uri}/#/experiments/{child.info.experiment_id}/runs/{child.info.run_id})" in progress[f"{stage}-progress"]
+        assert (
+            f"[MLflow run]({mlflow_server.uri}/#/experiments/{child.info.experiment_id}/runs/{child.info.run_id})"
+            in progress[f"{stage}-progress"]
+        )

@@ -32,7 +32,10 @@ def tok(tmp_path_factory):
 def _turns(n: int, words: int) -> list[dict]:
     out = []
     for i in range(n):
-        out += [{"role": "user", "content": f"question {i} about the moons?"}, {"role": "assistant", "content": " ".join(["the moon has rings"] * words)}]
+        out += [
+            {"role": "user", "content": f"question {i} about the moons?"},
+            {"role": "assistant", "content": " ".join(["the moon has rings"] * words)},
+        ]
     return out
 
 
@@ -60,9 +63,16 @@ def test_each_rule_is_one_row_set_for_every_batching_and_no_reply_is_trained_cut
     eot = tok.convert_tokens_to_ids(IM_END)
     seen = {}
     for rule in ("drop", "cut", "split_turns"):
-        r = prepare(str(corpus), tok.dir, tmp_path / rule, kind="sft", field="messages", seq_len=SEQ, truncation_rule=rule)
+        r = prepare(
+            str(corpus), tok.dir, tmp_path / rule, kind="sft", field="messages", seq_len=SEQ, truncation_rule=rule
+        )
         t, src = r.index["totals"]["truncation"], r.index["sources"][0]["truncation"]
-        assert t == src and t["chats"] == 3 and t["over_seq_len"] == 2 and r.index["truncation"] == {"rule": rule, "seq_len": SEQ}
+        assert (
+            t == src
+            and t["chats"] == 3
+            and t["over_seq_len"] == 2
+            and r.index["truncation"] == {"rule": rule, "seq_len": SEQ}
+        )
         ds = TokenDataset(tmp_path / rule)
         n = ds.num_items
         # padded/grouped read ds.batch, packed ds.batch_packed, over the same rows: the rule is decided once, in prepare.
@@ -77,7 +87,11 @@ def test_each_rule_is_one_row_set_for_every_batching_and_no_reply_is_trained_cut
     # cut: the multi-turn chat keeps its first whole exchanges; the long reply, cut, has no label left and goes.
     assert seen["cut"][0] == 2 and seen["cut"][1]["cut"] == 2
     # split_turns: the multi-turn chat becomes rows of whole exchanges; the one exchange longer than SEQ is left out.
-    assert seen["split_turns"][1]["split"] == 1 and seen["split_turns"][1]["dropped"] == 1 and seen["split_turns"][0] == 1 + seen["split_turns"][1]["split_rows"] >= 3
+    assert (
+        seen["split_turns"][1]["split"] == 1
+        and seen["split_turns"][1]["dropped"] == 1
+        and seen["split_turns"][0] == 1 + seen["split_turns"][1]["split_rows"] >= 3
+    )
 
 
 def test_preflight_warns_when_sampled_chats_are_longer_than_seq_len(tok, tiny_model_dir, tmp_path):
@@ -87,12 +101,19 @@ def test_preflight_warns_when_sampled_chats_are_longer_than_seq_len(tok, tiny_mo
     raw["sft"]["data"] = {"uri": str(_corpus(tmp_path / "chats.jsonl", tok))}
     report = preflight_report(load_for_check(write_config(tmp_path / "c.yaml", raw)), machine=Machine(0, 2, 10**13))
     assert report.ok, report.text()
-    said = "with sft.truncation: drop they are left out of training. Raise sft.seq_len, or choose sft.truncation: cut or split_turns;"
-    assert [w for w in report.warnings if w.startswith("sft.data.uri: 2 of the first 3 chats") and said in w], report.warnings
+    said = (
+        "with sft.truncation: drop they are left out of training. Raise sft.seq_len, or choose sft.truncation: "
+        "cut or split_turns;"
+    )
+    assert [w for w in report.warnings if w.startswith("sft.data.uri: 2 of the first 3 chats") and said in w], (
+        report.warnings
+    )
 
 
 @pytest.mark.integration
-def test_prepare_sft_says_what_it_dropped_in_index_run_json_log_stage_table_and_card(prefect_harness, tok, tiny_model_dir, tmp_path, capsys, monkeypatch):
+def test_prepare_sft_says_what_it_dropped_in_index_run_json_log_stage_table_and_card(
+    prefect_harness, tok, tiny_model_dir, tmp_path, capsys, monkeypatch
+):
     """Through the CLI up to prepare_sft (no training process): the counts everywhere the issue asks."""
     import logging
     import sys
@@ -106,7 +127,10 @@ def test_prepare_sft_says_what_it_dropped_in_index_run_json_log_stage_table_and_
 
     # Prefect's console handler keeps the stderr of the test that first logged (pytest's capture,
     # closed since): this test's CLI run writes to the live one.
-    for logger in [logging.getLogger(), *(v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger))]:
+    for logger in [
+        logging.getLogger(),
+        *(v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]:
         for h in logger.handlers:
             if getattr(getattr(h, "stream", None), "closed", False) and hasattr(h, "console"):
                 monkeypatch.setattr(h, "stream", sys.stderr)
@@ -135,13 +159,22 @@ def test_prepare_sft_says_what_it_dropped_in_index_run_json_log_stage_table_and_
     deadline = time.monotonic() + 30  # Prefect's log worker sends in batches, after the flow returned
     while True:
         with get_client(sync_client=True) as client:
-            warned = [log.message for log in client.read_logs(LogFilter(level=LogFilterLevel(ge_=logging.WARNING)), limit=200, sort=LogSort.TIMESTAMP_DESC)]
+            warned = [
+                log.message
+                for log in client.read_logs(
+                    LogFilter(level=LogFilterLevel(ge_=logging.WARNING)), limit=200, sort=LogSort.TIMESTAMP_DESC
+                )
+            ]
         if any(f"prepare_sft: {said}" in m for m in warned) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert any(f"prepare_sft: {said}" in m for m in warned), warned[-20:]
     assert [row["note"] for row in tables["cpt-to-sft-stages"] if row["stage"] == "prepare_sft"] == [said]
-    card = model_card(load_config(str(path)), {"meta": {}}, {"sft": {"split": split_info(tmp_path / "run/data/sft", str(tmp_path / "chats.jsonl"))}})
+    card = model_card(
+        load_config(str(path)),
+        {"meta": {}},
+        {"sft": {"split": split_info(tmp_path / "run/data/sft", str(tmp_path / "chats.jsonl"))}},
+    )
     assert f"- SFT: {said}." in card
     cpt = stages["prepare_cpt"]["detail"]["truncation"]
     assert cpt["rule"] == "split" and cpt["documents"] > 0  # CPT documents longer than a block are split, and counted

@@ -46,7 +46,9 @@ def test_every_tensor_read_alone_gives_the_saved_model(tiny_model_dir, tmp_path,
 def test_a_tied_head_is_read_from_its_embedding(tmp_path):
     from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
 
-    src = build_tiny_model(tmp_path / "tied", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family="qwen2", tie_word_embeddings=True)
+    src = build_tiny_model(
+        tmp_path / "tied", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family="qwen2", tie_word_embeddings=True
+    )
     assert "lm_head.weight" not in weight_map(src)
     model = _fresh(src)
     read_into(model, src, json.loads((src / "config.json").read_text()))
@@ -61,8 +63,16 @@ def test_a_missing_or_misshapen_tensor_is_refused_naming_the_folder(tiny_model_d
     AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(src)
     config = json.loads((src / "config.json").read_text())
     tensors = load_file(str(src / "model.safetensors"))
-    save_file({k: v for k, v in tensors.items() if k != "model.norm.weight"}, str(src / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ManifestError, match=r"weights do not match the model's config: 1 tensor\(s\) the model holds are in no file, e.g. \['model.norm.weight'\]") as e:
+    save_file(
+        {k: v for k, v in tensors.items() if k != "model.norm.weight"},
+        str(src / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    with pytest.raises(
+        ManifestError,
+        match=r"weights do not match the model's config: 1 tensor\(s\) the model holds are in no file, e.g. "
+        r"\['model.norm.weight'\]",
+    ) as e:
         read_into(_fresh(src), src, config)
     assert str(src) in str(e.value)
     tensors["model.norm.weight"] = torch.ones(3)

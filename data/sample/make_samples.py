@@ -129,7 +129,16 @@ def sft_record(rng: random.Random, i: int) -> dict:
 N_GENERAL = 300
 GENERAL_SEED = SEED + 1
 PEOPLE = ("Ana", "Ben", "Chloe", "Dev", "Elif", "Farid", "Grace", "Hugo", "Ines", "Jonas")
-PLACES = ("the market", "the library", "the station", "the park", "the bakery", "the harbour", "the school", "the museum")
+PLACES = (
+    "the market",
+    "the library",
+    "the station",
+    "the park",
+    "the bakery",
+    "the harbour",
+    "the school",
+    "the museum",
+)
 THINGS = ("bread", "apples", "a map", "an umbrella", "a book", "tea", "a bicycle", "soup", "a letter", "coffee")
 WEATHER = ("rainy", "sunny", "windy", "cold", "warm", "foggy")
 DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
@@ -146,8 +155,13 @@ GENERAL_TEMPLATES = [
 
 
 def general_record(rng: random.Random) -> dict:
-    slots = lambda: {"who": rng.choice(PEOPLE), "place": rng.choice(PLACES), "thing": rng.choice(THINGS),
-                     "weather": rng.choice(WEATHER), "day": rng.choice(DAYS)}
+    slots = lambda: {
+        "who": rng.choice(PEOPLE),
+        "place": rng.choice(PLACES),
+        "thing": rng.choice(THINGS),
+        "weather": rng.choice(WEATHER),
+        "day": rng.choice(DAYS),
+    }
     return {"text": " ".join(t.format(**slots()) for t in rng.sample(GENERAL_TEMPLATES, rng.randint(3, 5)))}
 
 

@@ -44,15 +44,21 @@ def _harmless_bnb_kernels(record: logging.LogRecord) -> bool:
     it falls back to its own kernel, and nothing here runs 4-bit layers. Any other failure of that
     load (the package present but broken) still gets through."""
     args = record.args if isinstance(record.args, tuple) else ()
-    return not (str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
-                and args and isinstance(args[0], ModuleNotFoundError) and args[0].name == "kernels")
+    return not (
+        str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+        and args
+        and isinstance(args[0], ModuleNotFoundError)
+        and args[0].name == "kernels"
+    )
 
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_harmless_bnb_kernels)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tasks.engine", description="cpt-to-sft engine: run one verb in this torchrun rank")
+    p = argparse.ArgumentParser(
+        prog="python -m tasks.engine", description="cpt-to-sft engine: run one verb in this torchrun rank"
+    )
     p.add_argument("verb", choices=["shard", "train"])
     p.add_argument("--config", required=True, help="job file (JSON) written by the Prefect task")
     return p.parse_args(argv)
@@ -118,8 +124,11 @@ def main(argv: list[str] | None = None) -> int:
             check_inputs(job)
         faults = Injector(job.stage, job.stage_dir, rank, world)
         if rank == 0:
-            rankio.say(f"engine {args.verb} {job.stage}: world size {dist.get_world_size()}, "
-                       f"{'CUDA' if torch.cuda.is_available() else 'CPU (gloo), cpu_compat patched: ' + (', '.join(patched) or 'none')}", DETAIL)
+            rankio.say(
+                f"engine {args.verb} {job.stage}: world size {dist.get_world_size()}, "
+                f"{'CUDA' if torch.cuda.is_available() else 'CPU (gloo), cpu_compat patched: ' + (', '.join(patched) or 'none')}",
+                DETAIL,
+            )
 
         from tasks.engine import loop
 

@@ -46,7 +46,9 @@ def _model_type(model_dir: Path) -> str | None:
 
 def _warn(rank: int, state: KernelState) -> None:
     if rank == 0:  # every rank falls back the same way; one line says it
-        rankio.say(f"kernel {state.name} ({state.spec.label}) {state.reason[len('off: '):]}; training without it", WARNING)
+        rankio.say(
+            f"kernel {state.name} ({state.spec.label}) {state.reason[len('off: ') :]}; training without it", WARNING
+        )
 
 
 def _probe(state: KernelState, device: torch.device) -> None:
@@ -65,8 +67,15 @@ def _probe(state: KernelState, device: torch.device) -> None:
         opt.step()
 
 
-def load_kernels(stage_cfg: Any, stage: str, model_dir: Path, cuda: bool, device: torch.device, rank: int,
-                 probe: Callable[[KernelState, torch.device], None] = _probe) -> Kernels:
+def load_kernels(
+    stage_cfg: Any,
+    stage: str,
+    model_dir: Path,
+    cuda: bool,
+    device: torch.device,
+    rank: int,
+    probe: Callable[[KernelState, torch.device], None] = _probe,
+) -> Kernels:
     """The registry's decision for this stage on this rank's machine, each kernel that is on tried
     once; one that fails is off ("failed to load: ...") with a warning naming it."""
     states = resolve(stage_cfg, stage, Facts.detect(cuda=cuda, model_type=_model_type(model_dir)))
@@ -107,8 +116,14 @@ def checkpoint_activations(model: torch.nn.Module, stage_cfg: Any, stage: str) -
     if not stage_cfg.activation_checkpointing:
         return False
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ConfigError([(f"{stage}.activation_checkpointing",
-                            f"{type(model).__name__} does not support gradient checkpointing in transformers; set it to false")])
+        raise ConfigError(
+            [
+                (
+                    f"{stage}.activation_checkpointing",
+                    f"{type(model).__name__} does not support gradient checkpointing in transformers; set it to false",
+                )
+            ]
+        )
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return True
 
@@ -119,4 +134,7 @@ def announce(states: Mapping[str, KernelState], activation_checkpointing: bool, 
         return
     ac = "on" if activation_checkpointing else "off"
     rankio.say(f"kernels: {report(states)}; activation checkpointing: {ac}", DETAIL)
-    print(format_event(KERNELS_EVENT, {"kernels": record(states), "activation_checkpointing": activation_checkpointing}), flush=True)
+    print(
+        format_event(KERNELS_EVENT, {"kernels": record(states), "activation_checkpointing": activation_checkpointing}),
+        flush=True,
+    )

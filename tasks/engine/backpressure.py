@@ -57,14 +57,25 @@ def wait_for_publishes(
                 f"max_pending_publishes={max_pending}: waiting before saving step {step} "
                 f"({now - t0:.0f}s so far; raise max_pending_publishes or use faster storage to wait less)"
             )
-            emit(BACKPRESSURE, {"step": step, "state": "waiting", "pending": sorted(pending),
-                                  "max_pending_publishes": max_pending, "waited_s": round(now - t0, 3)})
+            emit(
+                BACKPRESSURE,
+                {
+                    "step": step,
+                    "state": "waiting",
+                    "pending": sorted(pending),
+                    "max_pending_publishes": max_pending,
+                    "waited_s": round(now - t0, 3),
+                },
+            )
             announced, reminded = True, now
         time.sleep(poll_s)
     waited = time.monotonic() - t0
     if announced and rank0:
         log(f"backpressure: waited {waited:.1f}s for uploads before saving step {step}")
-        emit(BACKPRESSURE, {"step": step, "state": "resumed", "max_pending_publishes": max_pending, "waited_s": round(waited, 3)})
+        emit(
+            BACKPRESSURE,
+            {"step": step, "state": "resumed", "max_pending_publishes": max_pending, "waited_s": round(waited, 3)},
+        )
         # The uploads that ended the wait made older checkpoints deletable now, not one save later.
         removed = ckpt.retain(stage_dir, keep_last, require_published=True)
         if removed:

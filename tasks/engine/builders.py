@@ -125,7 +125,13 @@ def _hybrid_parallel(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLa
 
 
 def _low_level_zero(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
-    return dict(stage=p.zero_stage, precision=p.precision, max_norm=p.max_norm, overlap_communication=cuda, **loss_scale_kwargs(p))  # record_stream again
+    return dict(
+        stage=p.zero_stage,
+        precision=p.precision,
+        max_norm=p.max_norm,
+        overlap_communication=cuda,
+        **loss_scale_kwargs(p),
+    )  # record_stream again
 
 
 def _torch_ddp(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
@@ -134,8 +140,10 @@ def _torch_ddp(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, 
 
 def _gemini(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
     return dict(
-        precision=p.precision, max_norm=p.max_norm,
-        enable_gradient_accumulation=stage_cfg.grad_accum_steps > 1, **loss_scale_kwargs(p),
+        precision=p.precision,
+        max_norm=p.max_norm,
+        enable_gradient_accumulation=stage_cfg.grad_accum_steps > 1,
+        **loss_scale_kwargs(p),
     )
 
 
@@ -156,25 +164,39 @@ def _hybrid_parallel_patches() -> list[str]:
 
 
 BUILDERS: dict[str, Builder] = {
-    "hybrid_parallel": Builder("colossalai.booster.plugin:HybridParallelPlugin", _hybrid_parallel, patch=_hybrid_parallel_patches),
+    "hybrid_parallel": Builder(
+        "colossalai.booster.plugin:HybridParallelPlugin", _hybrid_parallel, patch=_hybrid_parallel_patches
+    ),
     "low_level_zero": Builder("colossalai.booster.plugin:LowLevelZeroPlugin", _low_level_zero, patch=lean_save.apply),
     "torch_ddp": Builder("colossalai.booster.plugin:TorchDDPPlugin", _torch_ddp),
     "gemini": Builder("colossalai.booster.plugin:GeminiPlugin", _gemini),
 }
 
 
-def stage_kernels(stage_cfg: StageConfig, stage: str, cuda: bool, model_type: str | None = None) -> dict[str, KernelState]:
+def stage_kernels(
+    stage_cfg: StageConfig, stage: str, cuda: bool, model_type: str | None = None
+) -> dict[str, KernelState]:
     """The registry's decision for this stage on this machine (installed packages looked up, nothing loaded)."""
     return resolve(stage_cfg, stage, Facts.detect(cuda=cuda, model_type=model_type))
 
 
-def plugin_kwargs(plugin_cfg: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool,
-                  kernels: Mapping[str, KernelState], stage: str = "stage") -> dict[str, Any]:
+def plugin_kwargs(
+    plugin_cfg: PluginConfig,
+    stage_cfg: StageConfig,
+    layout: ParallelLayout,
+    cuda: bool,
+    kernels: Mapping[str, KernelState],
+    stage: str = "stage",
+) -> dict[str, Any]:
     """Every argument the plugin is built with: its builder's, its memory savers (`PluginSpec.offload`,
     each a PluginConfig field of the plugin argument's name), plus the flags of the kernels that are
     on and pass through the plugin (`tasks.core.config.kernels`, via "plugin")."""
     builder = _builder(plugin_cfg, stage)
-    return {**builder.kwargs(plugin_cfg, stage_cfg, layout, cuda), **offload_kwargs(plugin_cfg), **passed(kernels, "plugin")}
+    return {
+        **builder.kwargs(plugin_cfg, stage_cfg, layout, cuda),
+        **offload_kwargs(plugin_cfg),
+        **passed(kernels, "plugin"),
+    }
 
 
 def offload_kwargs(plugin_cfg: PluginConfig) -> dict[str, Any]:
@@ -186,12 +208,28 @@ def offload_kwargs(plugin_cfg: PluginConfig) -> dict[str, Any]:
 def _builder(plugin_cfg: PluginConfig, stage: str) -> Builder:
     builder = BUILDERS.get(plugin_cfg.name)
     if builder is None:
-        raise ConfigError([(f"{stage}.plugin.name", f"plugin {plugin_cfg.name!r} is registered but the engine has no builder for it (tasks/engine/builders.py BUILDERS)")])
+        raise ConfigError(
+            [
+                (
+                    f"{stage}.plugin.name",
+                    (
+                        f"plugin {plugin_cfg.name!r} is registered but the engine has no builder for it "
+                        "(tasks/engine/builders.py BUILDERS)"
+                    ),
+                )
+            ]
+        )
     return builder
 
 
-def build_plugin(plugin_cfg: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool,
-                 kernels: Mapping[str, KernelState] | None = None, stage: str = "stage"):
+def build_plugin(
+    plugin_cfg: PluginConfig,
+    stage_cfg: StageConfig,
+    layout: ParallelLayout,
+    cuda: bool,
+    kernels: Mapping[str, KernelState] | None = None,
+    stage: str = "stage",
+):
     """The plugin object from `plugin_kwargs`. Needs an initialized process group."""
     builder = _builder(plugin_cfg, stage)
     if builder.patch is not None:
@@ -203,8 +241,13 @@ def build_plugin(plugin_cfg: PluginConfig, stage_cfg: StageConfig, layout: Paral
     return factory(**plugin_kwargs(plugin_cfg, stage_cfg, layout, cuda, kernels or {}, stage))
 
 
-def make_plugin(plugin_cfg: PluginConfig, stage_cfg: StageConfig, stage: str = "stage", cuda: bool | None = None,
-                kernels: Mapping[str, KernelState] | None = None):
+def make_plugin(
+    plugin_cfg: PluginConfig,
+    stage_cfg: StageConfig,
+    stage: str = "stage",
+    cuda: bool | None = None,
+    kernels: Mapping[str, KernelState] | None = None,
+):
     """Build the ColossalAI plugin for this stage. Needs an initialized process group. `kernels`:
     the stage's kernels as the engine loaded them (`tasks.engine.accel`); None resolves them here."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -270,7 +313,12 @@ def booster_mixed_precision(plugin_cfg: PluginConfig):
     from colossalai.booster.mixed_precision import FP16TorchMixedPrecision
 
     s = LOSS_SCALE
-    return FP16TorchMixedPrecision(init_scale=s.initial_scale, growth_factor=s.growth_factor, backoff_factor=s.backoff_factor, growth_interval=s.growth_interval)
+    return FP16TorchMixedPrecision(
+        init_scale=s.initial_scale,
+        growth_factor=s.growth_factor,
+        backoff_factor=s.backoff_factor,
+        growth_interval=s.growth_interval,
+    )
 
 
 def can_no_sync(plugin_cfg: PluginConfig) -> bool:
@@ -280,7 +328,14 @@ def can_no_sync(plugin_cfg: PluginConfig) -> bool:
 
 def plugin_meta(plugin_cfg: PluginConfig, stage_cfg: StageConfig) -> dict[str, Any]:
     p = plugin_cfg
-    meta = {"name": p.name, "tp": p.tp_size, "pp": p.pp_size, "zero": p.zero_stage, "precision": p.precision, "max_norm": p.max_norm}
+    meta = {
+        "name": p.name,
+        "tp": p.tp_size,
+        "pp": p.pp_size,
+        "zero": p.zero_stage,
+        "precision": p.precision,
+        "max_norm": p.max_norm,
+    }
     if p.pp_size > 1:
         meta["num_microbatches"] = num_microbatches(stage_cfg)
     spec = spec_of(p.name)

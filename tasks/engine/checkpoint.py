@@ -54,8 +54,23 @@ from tasks.core.storage.handshake import is_published
 
 # step_name and TRAIN_STATE are re-exported: the engine names its checkpoints through this module.
 __all__ = [
-    "KIND", "TRAIN_STATE", "ResumePoint", "capture_rng", "check_checkpoint", "commit", "find_resume", "list_steps",
-    "read_train_state", "remove_leftovers", "restore_rng", "retain", "save_shard_mib", "step_name", "tmp_name", "write_json", "write_rng",
+    "KIND",
+    "TRAIN_STATE",
+    "ResumePoint",
+    "capture_rng",
+    "check_checkpoint",
+    "commit",
+    "find_resume",
+    "list_steps",
+    "read_train_state",
+    "remove_leftovers",
+    "restore_rng",
+    "retain",
+    "save_shard_mib",
+    "step_name",
+    "tmp_name",
+    "write_json",
+    "write_rng",
 ]
 
 KIND = "colossalai-checkpoint"
@@ -115,7 +130,8 @@ def check_checkpoint(path: Path, step: int, stage: str, config_digest: str | Non
         raise ManifestError(f"{path}: checkpoint of stage {meta.get('stage')!r}, this job trains {stage!r}")
     if config_digest is not None and manifest.get("config_digest") != config_digest:
         raise ManifestError(
-            f"{path}: made from config digest {str(manifest.get('config_digest'))[:12]}, this job has {config_digest[:12]} "
+            f"{path}: made from config digest {str(manifest.get('config_digest'))[:12]}, this job has "
+            f"{config_digest[:12]} "
             "(another configuration or parent)"
         )
     # A LoRA checkpoint holds the adapter; its base is the stage's model_dir (tasks/engine/lora.py).
@@ -209,7 +225,13 @@ def capture_rng() -> dict[str, Any]:
     return {
         "json": {
             "python": {"version": version, "state": list(mt), "gauss_next": gauss},
-            "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+            "numpy": {
+                "kind": kind,
+                "keys": keys.tolist(),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },
         },
         "tensors": tensors,
     }
@@ -230,7 +252,9 @@ def restore_rng(rng_dir: Path, rank: int) -> bool:
     py = d["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     n = d["numpy"]
-    np.random.set_state((n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (n["kind"], np.asarray(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     tensors = load_file(str(st))
     torch.set_rng_state(tensors["torch_cpu"])
     if "cuda" in tensors and torch.cuda.is_available():
@@ -266,7 +290,10 @@ def _main(argv: list[str]) -> int:
             m = verify_artifact(path)
             st = read_train_state(path)
             loss = st["losses"][-1] if st.get("losses") else None
-            print(f"{path.name}: complete ({len(m['files'])} files), stage={m['meta'].get('stage')} tokens={st.get('tokens_seen')} loss={loss}")
+            print(
+                f"{path.name}: complete ({len(m['files'])} files), stage={m['meta'].get('stage')} "
+                f"tokens={st.get('tokens_seen')} loss={loss}"
+            )
         except (ManifestError, OSError, KeyError, json.JSONDecodeError) as exc:
             print(f"{path.name}: NOT usable: {exc}")
     print(f"({time.monotonic() - t0:.1f}s)")

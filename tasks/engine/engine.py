@@ -93,7 +93,9 @@ class Engine:
 
         self.device = get_accelerator().get_current_device()
         # Each kernel the registry has on is tried on this device first; the plugin gets those that load.
-        self.kernels = accel.load_kernels(self.cfg, job.stage, job.model_dir, torch.cuda.is_available(), self.device, dist.get_rank())
+        self.kernels = accel.load_kernels(
+            self.cfg, job.stage, job.model_dir, torch.cuda.is_available(), self.device, dist.get_rank()
+        )
         self.activation_checkpointing = False
         self.plugin = make_plugin(self.pcfg, self.cfg, stage=job.stage, kernels=self.kernels)
         self.layout = layout_of(self.plugin, self.pcfg)
@@ -151,8 +153,13 @@ class Engine:
 
         self.config = AutoConfig.from_pretrained(str(self.job.model_dir), trust_remote_code=self.job.trust_remote_code)
         with self._construction():
-            self.kernels, model = accel.load_model(self.kernels, lambda **kernels: AutoModelForCausalLM.from_config(
-                self.config, torch_dtype=self.build_dtype, trust_remote_code=self.job.trust_remote_code, **kernels), self.rank)
+            self.kernels, model = accel.load_model(
+                self.kernels,
+                lambda **kernels: AutoModelForCausalLM.from_config(
+                    self.config, torch_dtype=self.build_dtype, trust_remote_code=self.job.trust_remote_code, **kernels
+                ),
+                self.rank,
+            )
         return model
 
     @property
@@ -179,8 +186,12 @@ class Engine:
             return
         src, self.pending_weights, t0 = Path(self.pending_weights), None, time.monotonic()
         got = self.read_weights(src)
-        log(detail=True, msg=f"built lazily and sharded under {self.pcfg.name}; read {got.tensors} tensors of {src} ({got.files} file(s), "
-            f"the largest {got.largest / 2**20:.1f} MiB) into this rank's share in {time.monotonic() - t0:.1f}s")
+        log(
+            detail=True,
+            msg=f"built lazily and sharded under {self.pcfg.name}; read {got.tensors} tensors of {src} ({got.files} "
+            "file(s), "
+            f"the largest {got.largest / 2**20:.1f} MiB) into this rank's share in {time.monotonic() - t0:.1f}s",
+        )
 
     def read_weights(self, src: Path) -> weights.Loaded:
         got = weights.read_into(self.model.unwrap(), src, self.config.to_dict())
@@ -193,7 +204,9 @@ class Engine:
         model.train()
         if not self.spec.dedupes_tied_weights and getattr(model.config, "tie_word_embeddings", False):
             weights.save_tied_once(model)
-        self.activation_checkpointing = accel.checkpoint_activations(model, cfg, self.job.stage)  # before the plugin wraps it
+        self.activation_checkpointing = accel.checkpoint_activations(
+            model, cfg, self.job.stage
+        )  # before the plugin wraps it
         optimizer = make_optimizer(model, cfg, self.pcfg.name, **accel.optimizer_kwargs(self.kernels))
         scheduler = make_scheduler(optimizer, cfg)
         self.model, self.optimizer, _, _, self.scheduler = self.booster.boost(model, optimizer, lr_scheduler=scheduler)
@@ -231,7 +244,9 @@ class Engine:
                 state = inner.state[p]
                 if len(state) == 0:
                     # fused AdamW keeps its step on the parameter's device in float32 (torch's _init_group)
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device) if group.get("fused") else zero_step()
+                    state["step"] = (
+                        torch.zeros((), dtype=torch.float32, device=p.device) if group.get("fused") else zero_step()
+                    )
                     if ranges is not None and p in ranges:
                         begin, end = ranges[p]
                         state["exp_avg"] = torch.zeros(end - begin, dtype=torch.float32, device=p.device)
@@ -244,7 +259,13 @@ class Engine:
 
     def layout_record(self) -> dict[str, Any]:
         """How this stage runs now (tasks/core/run/segments.py): in every manifest and segment."""
-        return segments.record(plugin_meta(self.pcfg, self.cfg), self.world, self.layout.dp_size, self.cfg.micro_batch_size, self.cfg.grad_accum_steps)
+        return segments.record(
+            plugin_meta(self.pcfg, self.cfg),
+            self.world,
+            self.layout.dp_size,
+            self.cfg.micro_batch_size,
+            self.cfg.grad_accum_steps,
+        )
 
     @property
     def weights_dtype(self) -> str:
@@ -264,7 +285,12 @@ class Engine:
         micro = [model_inputs({k: v.to(self.device) for k, v in mb.items()}, impl, compute) for mb in micro]
         if self.pcfg.pp_size > 1:
             out = booster.execute_pipeline(
-                iter(micro), model, lambda outputs, inputs: outputs.loss, optimizer, return_loss=True, return_outputs=False
+                iter(micro),
+                model,
+                lambda outputs, inputs: outputs.loss,
+                optimizer,
+                return_loss=True,
+                return_outputs=False,
             )
             local = out["loss"].detach().double() if self.layout.is_last_stage else None
         else:
@@ -274,7 +300,11 @@ class Engine:
                 skip_sync = i < ga - 1 and can_no_sync(self.pcfg)
                 sync_ctx = booster.no_sync(model, optimizer) if skip_sync else contextlib.nullcontext()
                 with sync_ctx:
-                    cast = torch.autocast(device_type=_device_type(), dtype=self.autocast) if self.autocast else contextlib.nullcontext()
+                    cast = (
+                        torch.autocast(device_type=_device_type(), dtype=self.autocast)
+                        if self.autocast
+                        else contextlib.nullcontext()
+                    )
                     with cast:
                         loss = model(**mb, use_cache=False).loss
                     booster.backward(loss / ga, optimizer)
@@ -305,8 +335,13 @@ class Engine:
             dist.barrier()
             if self.rank != 0:
                 return None
-            return hf_dir_logits(model_dir, dtype=self.weights_dtype, trust_remote_code=self.job.trust_remote_code,
-                                 budget_gb=self.job.verify_memory_gb, say=log)
+            return hf_dir_logits(
+                model_dir,
+                dtype=self.weights_dtype,
+                trust_remote_code=self.job.trust_remote_code,
+                budget_gb=self.job.verify_memory_gb,
+                say=log,
+            )
         logits = _live_logits(self.model, vocab, self.layout.tp_group)
         return logits if self.rank == 0 else None
 
@@ -328,12 +363,18 @@ class Engine:
         dist.barrier()
         phase = lambda name: self.faults.before_save_phase(step, name)
         phase("model")
-        mib = ckpt.save_shard_mib(self.config.to_dict(), _DTYPES[self.weights_dtype].itemsize)  # bounds the save's gathered tensors
+        mib = ckpt.save_shard_mib(
+            self.config.to_dict(), _DTYPES[self.weights_dtype].itemsize
+        )  # bounds the save's gathered tensors
         with hostmem.large_blocks_mapped():  # the gathered blocks go back to the OS once written
-            if self.cfg.lora is not None:  # the adapter only: the base stays the job's model_dir, referenced in the meta
+            if (
+                self.cfg.lora is not None
+            ):  # the adapter only: the base stays the job's model_dir, referenced in the meta
                 lora.save_adapter(self.booster, self.model, tmp / lora.ADAPTER)
             else:
-                self.booster.save_model(self.model, str(tmp / "model"), shard=True, use_safetensors=True, size_per_shard=mib)
+                self.booster.save_model(
+                    self.model, str(tmp / "model"), shard=True, use_safetensors=True, size_per_shard=mib
+                )
             phase("optimizer")
             self.booster.save_optimizer(self.optimizer, str(tmp / "optimizer"), shard=True, size_per_shard=mib)
             kept = masters.save(self, tmp / MASTERS)  # fp32 masters of a mixed-precision stage; every piece's place
@@ -379,7 +420,15 @@ class Engine:
                 **({"lora": self.lora_meta} if self.lora_meta else {}),
             }
             parent = job.parent.model_dump() if job.parent is not None else None
-            write_manifest(tmp, kind=ckpt.KIND, meta=meta, parent=parent, config_digest=job.config_digest, fingerprint=fp, other_files=elsewhere)
+            write_manifest(
+                tmp,
+                kind=ckpt.KIND,
+                meta=meta,
+                parent=parent,
+                config_digest=job.config_digest,
+                fingerprint=fp,
+                other_files=elsewhere,
+            )
             phase("rename")
             ckpt.commit(tmp, final)
             if job.nodes is not None:

@@ -72,7 +72,9 @@ def parse(value: str | None) -> list[Fault]:
         parts = spec.split("@")
         action = parts[0]
         if action not in ("kill", "fail") or len(parts) < 2:
-            raise ValueError(f"{ENV}={value!r}: spec {spec!r} must start with kill@ or fail@ (see tasks/engine/faults.py)")
+            raise ValueError(
+                f"{ENV}={value!r}: spec {spec!r} must start with kill@ or fail@ (see tasks/engine/faults.py)"
+            )
         fields: dict = {"spec": spec, "action": action}
         for i, part in enumerate(parts[1:]):
             key, eq, val = part.partition("=")
@@ -84,7 +86,9 @@ def parse(value: str | None) -> list[Fault]:
                 elif key == "save":
                     k, colon, phase = val.partition(":")
                     if not colon or phase not in SAVE_PHASES:
-                        raise ValueError(f"{ENV}: {spec!r}: save trigger is save=K:PHASE with PHASE one of {', '.join(SAVE_PHASES)}")
+                        raise ValueError(
+                            f"{ENV}: {spec!r}: save trigger is save=K:PHASE with PHASE one of {', '.join(SAVE_PHASES)}"
+                        )
                     fields.update(trigger="save", step=_int(k, spec), phase=phase)
                 elif key == "stage":
                     fields.update(trigger="stage", stage=_stage(val, spec))
@@ -139,7 +143,10 @@ class Injector:
         self._fire([f for f in self.faults if f.trigger == "step" and f.step == step], f"after step {step}")
 
     def before_save_phase(self, step: int, phase: str) -> None:
-        self._fire([f for f in self.faults if f.trigger == "save" and f.step == step and f.phase == phase], f"in the save of step {step}, before {phase}")
+        self._fire(
+            [f for f in self.faults if f.trigger == "save" and f.step == step and f.phase == phase],
+            f"in the save of step {step}, before {phase}",
+        )
 
     def _fire(self, faults: list[Fault], where: str) -> None:
         for f in faults:
@@ -152,7 +159,10 @@ class Injector:
             if self.rank == f.acting_rank(self.world_size):
                 self._mark(mark, f)
                 # At error level: a SIGKILLed rank says nothing else, and this line is the cause.
-                rankio.say(f"injected fault {f.spec!r} ({ENV}): rank {self.rank} SIGKILLs itself {where} of stage {self.stage}", ERROR)
+                rankio.say(
+                    f"injected fault {f.spec!r} ({ENV}): rank {self.rank} SIGKILLs itself {where} of stage {self.stage}",
+                    ERROR,
+                )
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os.kill(os.getpid(), signal.SIGKILL)

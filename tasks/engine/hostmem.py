@@ -59,5 +59,7 @@ def large_blocks_mapped() -> Iterator[bool]:
 
 if __name__ == "__main__":
     with large_blocks_mapped() as took:
-        print(f"mallopt: {'glibc took M_MMAP_THRESHOLD' if took else 'not available: nothing changes'}; "
-              f"{DURING >> 20} MiB during the span, {AFTER >> 20} MiB after")
+        print(
+            f"mallopt: {'glibc took M_MMAP_THRESHOLD' if took else 'not available: nothing changes'}; "
+            f"{DURING >> 20} MiB during the span, {AFTER >> 20} MiB after"
+        )

@@ -67,9 +67,16 @@ if __name__ == "__main__":
     import subprocess
     import sys
 
-    probe = ("import time; t = time.process_time(); {imp}; "
-             "import sys; print(f'{{time.process_time() - t:.2f}} s CPU, inductor imported: {{\"torch._inductor.compile_fx\" in sys.modules}}')")
-    for label, imp in (("plain import:   ", "import colossalai.booster, colossalai.booster.plugin"),
-                       ("deferred compile:", "from tasks.engine.lazy_compile import import_colossalai; import_colossalai()")):
-        out = subprocess.run([sys.executable, "-W", "ignore", "-c", probe.format(imp=imp)], capture_output=True, text=True, check=True)
+    probe = (
+        "import time; t = time.process_time(); {imp}; "
+        "import sys; print(f'{{time.process_time() - t:.2f}} s CPU, inductor imported: "
+        '{{"torch._inductor.compile_fx" in sys.modules}}\')'
+    )
+    for label, imp in (
+        ("plain import:   ", "import colossalai.booster, colossalai.booster.plugin"),
+        ("deferred compile:", "from tasks.engine.lazy_compile import import_colossalai; import_colossalai()"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-W", "ignore", "-c", probe.format(imp=imp)], capture_output=True, text=True, check=True
+        )
         print(label, out.stdout.strip().splitlines()[-1])

@@ -69,7 +69,9 @@ def _size_mib(shape, dtype: torch.dtype) -> float:
 
 def _compact(v: torch.Tensor) -> bool:
     """Whether torch.save would write exactly this tensor's elements (its own storage, no more)."""
-    return v.storage_offset() == 0 and v.is_contiguous() and v.untyped_storage().nbytes() == v.numel() * v.element_size()
+    return (
+        v.storage_offset() == 0 and v.is_contiguous() and v.untyped_storage().nbytes() == v.numel() * v.element_size()
+    )
 
 
 def _gather(v: torch.Tensor, n: int, dim: int, group) -> torch.Tensor:
@@ -83,7 +85,9 @@ def _gather(v: torch.Tensor, n: int, dim: int, group) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def gather_full_state(state, param: torch.Tensor, original_shape: torch.Size, dp_group, tp_group, use_zero: bool) -> OrderedDict:
+def gather_full_state(
+    state, param: torch.Tensor, original_shape: torch.Size, dp_group, tp_group, use_zero: bool
+) -> OrderedDict:
     """`HybridParallelCheckpointIO.gather_from_sharded_optimizer_state(..., inplace=False)`: the same
     values, strides and storages, without the deep copy of the local states or the extra clone."""
     from colossalai.checkpoint_io.utils import search_padding_dim, search_tp_partition_dim
@@ -120,7 +124,9 @@ def gather_full_state(state, param: torch.Tensor, original_shape: torch.Size, dp
     return out
 
 
-def _full_state_mib(state, param: torch.Tensor, original_shape: torch.Size, use_zero: bool, dp_size: int) -> float | None:
+def _full_state_mib(
+    state, param: torch.Tensor, original_shape: torch.Size, use_zero: bool, dp_size: int
+) -> float | None:
     """The size `StateDictSharder.append_optim_state` will compute for the gathered state (the same
     float sum, in the same order); None when a state is not shaped like its parameter."""
     total = 0.0
@@ -160,7 +166,11 @@ def hybrid_parallel_sharder(optimizer, use_zero: bool, dp_group, tp_group, size_
         original_shape = param_info["param2shape"][id(working_param)]
         size = _full_state_mib(state, working_param, original_shape, use_zero, dp_size)
         # StateDictSharder's own condition, asked before gathering instead of after
-        if size is not None and sharder.current_block_size + size > sharder.max_shard_size and sharder.current_block_size > 0:
+        if (
+            size is not None
+            and sharder.current_block_size + size > sharder.max_shard_size
+            and sharder.current_block_size > 0
+        ):
             block, block_size = take()
             yield block, block_size
             block.clear()
@@ -206,8 +216,14 @@ def low_level_zero_shard(self, max_shard_size: int = 1024, only_on_master: bool 
                 ret_block, ret_block_size = {}, 0
                 yield block, block_size
                 block.clear()
-            current_block = {k: (None if isinstance(v, torch.Tensor) and k != "step" else copy.deepcopy(v))
-                             for k, v in states.items()} if keep else {}
+            current_block = (
+                {
+                    k: (None if isinstance(v, torch.Tensor) and k != "step" else copy.deepcopy(v))
+                    for k, v in states.items()
+                }
+                if keep
+                else {}
+            )
             for k, v in states.items():
                 if isinstance(v, torch.Tensor) and k != "step":
                     state_tensor = torch.empty(v.numel() * get_nd_world_size(pg), device=device, dtype=v.dtype)
@@ -234,8 +250,16 @@ def apply() -> list[str]:
             continue
         original_save = io_cls.save_sharded_optimizer
 
-        def save_sharded_optimizer(self, optimizer, checkpoint, gather_dtensor=True, prefix=None, size_per_shard=1024,
-                                   use_async=False, _original=original_save):
+        def save_sharded_optimizer(
+            self,
+            optimizer,
+            checkpoint,
+            gather_dtensor=True,
+            prefix=None,
+            size_per_shard=1024,
+            use_async=False,
+            _original=original_save,
+        ):
             if use_async:
                 return _original(self, optimizer, checkpoint, gather_dtensor, prefix, size_per_shard, use_async)
             with _sync_save():

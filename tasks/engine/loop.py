@@ -66,10 +66,16 @@ class StageData:
         cfg = job.stage_cfg
         self.dataset = TokenDataset(job.data_dir, seq_len=cfg.seq_len)
         if self.dataset.kind != job.stage:
-            raise ValueError(f"{job.data_dir} holds {self.dataset.kind} data, but this is the {job.stage} stage: point data_dir at data/{job.stage}")
+            raise ValueError(
+                f"{job.data_dir} holds {self.dataset.kind} data, but this is the {job.stage} stage: point data_dir at "
+                f"data/{job.stage}"
+            )
         self.num_items = len(self.dataset)
         if self.num_items == 0:
-            raise ValueError(f"{job.data_dir} has no training sequence of seq_len={cfg.seq_len} ({self.dataset.index['totals']}): add data or lower seq_len")
+            raise ValueError(
+                f"{job.data_dir} has no training sequence of seq_len={cfg.seq_len} ({self.dataset.index['totals']}): "
+                "add data or lower seq_len"
+            )
         self.per_rank = cfg.micro_batch_size * cfg.grad_accum_steps
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.micro, self.seq_len = cfg.micro_batch_size, cfg.seq_len
@@ -83,11 +89,15 @@ class StageData:
         elif self.dataset.kind == "sft" and self.batching.groups_by_length:
             group = LengthGroups(self.lengths, self.per_rank * dp_size)
         check_plan(self.dataset.index, blend_plan(cfg, job.stage), job.data_dir, job.stage)
-        self.sampler = ResumableSampler(self.num_items, dp_rank, dp_size, seed=cfg.seed, group=group, stream=self.dataset.blend())
+        self.sampler = ResumableSampler(
+            self.num_items, dp_rank, dp_size, seed=cfg.seed, group=group, stream=self.dataset.blend()
+        )
 
     def check_vocab(self, vocab_size: int, job: Job) -> None:
         # The task compared the tokenizer fingerprints before launching; here the model as built.
-        check_fits_model(self.dataset.index, job.data_dir, job.model_dir, job.stage, vocab_size=vocab_size, fingerprint=False)
+        check_fits_model(
+            self.dataset.index, job.data_dir, job.model_dir, job.stage, vocab_size=vocab_size, fingerprint=False
+        )
 
     def next_batch(self) -> tuple[list[dict[str, torch.Tensor]], int, int]:
         """This rank's micro-batches of the next global batch (a pipeline: one batch of all its rows,
@@ -96,7 +106,10 @@ class StageData:
         glob = self.sampler.next_global(self.per_rank * self.dp_size)  # packed: rows, each a tuple of conversations
         lens = np.array([int(self.lengths[list(u)].sum()) for u in glob]) if self.packs else self.lengths[glob]
         step = self.per_rank if self.pipeline else self.micro
-        widths = [micro_width(int(lens[i : i + step].max()), self.seq_len, self.batching, self.pipeline) for i in range(0, len(glob), step)]
+        widths = [
+            micro_width(int(lens[i : i + step].max()), self.seq_len, self.batching, self.pipeline)
+            for i in range(0, len(glob), step)
+        ]
         first = self.dp_rank * self.per_rank // step
         mine = glob[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
         build = self.dataset.batch_packed if self.packs else self.dataset.batch
@@ -117,8 +130,11 @@ def _with_adapter(eng: Engine, job: Job, model: torch.nn.Module, adapter_dir: Pa
     adapted = lora.record_adapted(model)
     counts = lora.param_counts(model)
     eng.lora_meta = {**lora.meta(job.stage_cfg.lora, job.model_dir, counts), "adapted_modules": adapted}
-    log(f"LoRA r={job.stage_cfg.lora.r} alpha={job.stage_cfg.lora.alpha:g} on {', '.join(adapted)}: "
-        f"{counts['trainable_params']:,} trainable of {counts['total_params']:,} parameters ({counts['trainable_pct']:.3g} %)")
+    log(
+        f"LoRA r={job.stage_cfg.lora.r} alpha={job.stage_cfg.lora.alpha:g} on {', '.join(adapted)}: "
+        f"{counts['trainable_params']:,} trainable of {counts['total_params']:,} parameters "
+        f"({counts['trainable_pct']:.3g} %)"
+    )
     return model
 
 
@@ -127,7 +143,11 @@ def _log_construction(peak: HostPeak, what: str) -> None:
     (benchmarks/scale.py and the engine tests read it)."""
     added = peak.added()
     if added is not None:
-        log(f"construction peak {added[0]} bytes of host memory over the {added[1]} at its start ({what})", all_ranks=True, detail=True)
+        log(
+            f"construction peak {added[0]} bytes of host memory over the {added[1]} at its start ({what})",
+            all_ranks=True,
+            detail=True,
+        )
 
 
 def _initial_state(job: Job, sampler_state: dict[str, int], lr: float) -> dict[str, Any]:
@@ -161,7 +181,11 @@ def shard(job: Job, faults: Injector) -> Path:
         eng.load_pending_weights()  # a lazily built model: its weights, into the sharded model
     _log_construction(peak, "built and read its weights")
     eng.materialize_optimizer_state()
-    log(f"boosted {job.model_dir} under {plugin_meta(eng.pcfg, eng.cfg)} on {eng.world} ranks (dp={eng.layout.dp_size}) in {time.monotonic() - t0:.1f}s", detail=True)
+    log(
+        f"boosted {job.model_dir} under {plugin_meta(eng.pcfg, eng.cfg)} on {eng.world} ranks "
+        f"(dp={eng.layout.dp_size}) in {time.monotonic() - t0:.1f}s",
+        detail=True,
+    )
     if eng.rank == 0:
         job.stage_dir.mkdir(parents=True, exist_ok=True)
         ckpt.remove_leftovers(job.stage_dir)
@@ -184,7 +208,11 @@ def find_start(job: Job) -> ckpt.ResumePoint:
     if rp.step is None:
         raise ManifestError(
             f"{job.stage_dir}: no complete checkpoint to start {job.stage} training from"
-            + (f" ({len(rp.skipped)} incomplete or corrupt: {', '.join(n for n, _ in rp.skipped)})" if rp.skipped else "")
+            + (
+                f" ({len(rp.skipped)} incomplete or corrupt: {', '.join(n for n, _ in rp.skipped)})"
+                if rp.skipped
+                else ""
+            )
             + "; run the shard verb (boost_and_shard / reboost) first"
         )
     newer = f", skipping {len(rp.skipped)} newer unusable one(s) listed above" if rp.skipped else ""
@@ -197,7 +225,10 @@ def train(job: Job, faults: Injector) -> Path | None:
     faults.at_start()
     rp = find_start(job)
     if rp.step >= cfg.max_steps:
-        log(f"{rp.path.name} is at step {rp.step} >= max_steps={cfg.max_steps}: {job.stage} training is complete, nothing to do")
+        log(
+            f"{rp.path.name} is at step {rp.step} >= max_steps={cfg.max_steps}: {job.stage} training is complete, "
+            "nothing to do"
+        )
         return rp.path
 
     eng = Engine(job, faults)
@@ -216,7 +247,9 @@ def train(job: Job, faults: Injector) -> Path | None:
     _log_construction(peak, f"built and loaded {rp.path.name}")
     state = ckpt.read_train_state(rp.path)
     if state.get("step") != rp.step:
-        raise ManifestError(f"{rp.path}: train_state.json says step {state.get('step')}, the directory is {rp.path.name}")
+        raise ManifestError(
+            f"{rp.path}: train_state.json says step {state.get('step')}, the directory is {rp.path.name}"
+        )
     now = eng.layout_record()
     was = rp.manifest.get("meta", {}).get("layout") or now  # a checkpoint from before layouts were recorded: this one
     problem = segments.global_batch_problem(was["global_batch"], now)
@@ -224,12 +257,19 @@ def train(job: Job, faults: Injector) -> Path | None:
         raise ManifestError(f"{rp.path}: {problem}")
     runs = list(state.get("segments") or [{"from_step": 0, **was}])
     if not segments.same_layout(runs[-1], now):
-        log(f"{job.stage}: resuming {rp.path.name}, written under {segments.describe(was)}, under {segments.describe(now)}: "
-            "model and optimizer re-sharded from the checkpoint's whole tensors")
+        log(
+            f"{job.stage}: resuming {rp.path.name}, written under {segments.describe(was)}, under "
+            f"{segments.describe(now)}: "
+            "model and optimizer re-sharded from the checkpoint's whole tensors"
+        )
         runs.append({"from_step": rp.step, **now})
     data.sampler.load_state_dict(state["sampler"])
     if not ckpt.restore_rng(rp.path / "rng", eng.rank):
-        log(f"{rp.path.name} has no RNG state for rank {eng.rank} (saved with another world size): keeping the launch seed", all_ranks=True)
+        log(
+            f"{rp.path.name} has no RNG state for rank {eng.rank} (saved with another world size): keeping the launch "
+            "seed",
+            all_ranks=True,
+        )
     log(
         f"loaded {rp.path.name} in {time.monotonic() - t0:.1f}s; {data.num_items} sequences of {cfg.seq_len} tokens, "
         f"global batch {data.per_rank * data.dp_size} = micro_batch_size {cfg.micro_batch_size} x grad_accum_steps "
@@ -244,27 +284,53 @@ def train(job: Job, faults: Injector) -> Path | None:
     started = time.monotonic()
     # purge_step: the steps after the resumed checkpoint are trained again; TensorBoard (and
     # tasks.core.run.tbevents) hide the points an earlier launch wrote for them.
-    meter = StepMetrics(job.stage_dir, rank=eng.rank, world=eng.world, n_params=n_params, model_config=eng.config,
-                        seq_len=cfg.seq_len, precision=eng.pcfg.precision, purge_step=rp.step + 1)
+    meter = StepMetrics(
+        job.stage_dir,
+        rank=eng.rank,
+        world=eng.world,
+        n_params=n_params,
+        model_config=eng.config,
+        seq_len=cfg.seq_len,
+        precision=eng.pcfg.precision,
+        purge_step=rp.step + 1,
+    )
     for step in range(rp.step + 1, cfg.max_steps + 1):
         faults.after_step(step - 1)
         micro, ntok, computed = data.next_batch()
         lr = float(eng.scheduler.get_last_lr()[0])
         meter.start()
         loss = eng.train_step(micro)
-        metrics = meter.stop(step, loss=loss, lr=lr, tokens=ntok, computed=computed, optimizer=eng.optimizer, clip_norm=eng.clip_norm)
+        metrics = meter.stop(
+            step, loss=loss, lr=lr, tokens=ntok, computed=computed, optimizer=eng.optimizer, clip_norm=eng.clip_norm
+        )
         if not math.isfinite(loss):
-            raise FloatingPointError(f"{job.stage} loss is {loss} at step {step} (lr {lr}); lower {job.stage}.lr or check the data")
+            raise FloatingPointError(
+                f"{job.stage} loss is {loss} at step {step} (lr {lr}); lower {job.stage}.lr or check the data"
+            )
         losses.append(loss)
         lrs.append(lr)
         for key in (*SUMMARY_FIELDS, *PEAK_FIELDS):
             summary.setdefault(key, []).append(metrics.get(key))
         tokens += ntok
-        emit(PROGRESS, {
-            "stage": job.stage, "step": step, "total": cfg.max_steps, "loss": loss, "lr": lr, "tokens": tokens,
-            "elapsed_s": round(elapsed := time.monotonic() - started, 3), "eta_s": round(elapsed / (step - rp.step) * (cfg.max_steps - step), 1), **metrics,
-            **({k: eng.lora_meta[k] for k in ("trainable_params", "total_params", "trainable_pct")} if eng.lora_meta else {}),
-        })
+        emit(
+            PROGRESS,
+            {
+                "stage": job.stage,
+                "step": step,
+                "total": cfg.max_steps,
+                "loss": loss,
+                "lr": lr,
+                "tokens": tokens,
+                "elapsed_s": round(elapsed := time.monotonic() - started, 3),
+                "eta_s": round(elapsed / (step - rp.step) * (cfg.max_steps - step), 1),
+                **metrics,
+                **(
+                    {k: eng.lora_meta[k] for k in ("trainable_params", "total_params", "trainable_pct")}
+                    if eng.lora_meta
+                    else {}
+                ),
+            },
+        )
         if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
             sampler_state = data.sampler.state_dict()
             state = {

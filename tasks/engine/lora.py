@@ -31,9 +31,13 @@ def peft_config(lora: LoraConfig):
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
         target_modules=lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules),
-        modules_to_save=list(lora.modules_to_save) or None, bias="none", task_type="CAUSAL_LM",
+        modules_to_save=list(lora.modules_to_save) or None,
+        bias="none",
+        task_type="CAUSAL_LM",
     )
 
 
@@ -85,7 +89,11 @@ def param_counts(model: torch.nn.Module) -> dict[str, Any]:
     """Trainable and total parameters (before boost: plugins shard them); the share in percent."""
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"trainable_params": trainable, "total_params": total, "trainable_pct": round(100.0 * trainable / max(1, total), 4)}
+    return {
+        "trainable_params": trainable,
+        "total_params": total,
+        "trainable_pct": round(100.0 * trainable / max(1, total), 4),
+    }
 
 
 def base_ref(model_dir: Path) -> dict[str, str]:
@@ -104,8 +112,10 @@ def check_base(manifest: dict[str, Any], checkpoint: Path, model_dir: Path) -> N
     now = manifest_digest(model_dir)
     if recorded.get("digest") != now:
         raise ManifestError(
-            f"{checkpoint}: its adapter was trained on the base {recorded.get('uri')} with manifest digest {str(recorded.get('digest'))[:12]}, "
-            f"but {model_dir} now has {now[:12]}: an adapter only fits the weights it was trained against; rebuild {model_dir} as it was, "
+            f"{checkpoint}: its adapter was trained on the base {recorded.get('uri')} with manifest digest "
+            f"{str(recorded.get('digest'))[:12]}, "
+            f"but {model_dir} now has {now[:12]}: an adapter only fits the weights it was trained against; rebuild "
+            f"{model_dir} as it was, "
             "or start the stage again from its shard verb (reboost)"
         )
 
@@ -113,4 +123,3 @@ def check_base(manifest: dict[str, Any], checkpoint: Path, model_dir: Path) -> N
 def save_adapter(booster, model, dst: Path) -> None:
     # safetensors explicitly: ColossalAI's default is a pickled adapter_model.bin.
     booster.save_lora_as_pretrained(model, str(dst), use_safetensors=True)
-

@@ -35,7 +35,14 @@ import torch
 import torch.distributed as dist
 
 from tasks.core.models.convert.dtypes import TORCH_TO_ST
-from tasks.core.models.convert.state_view import MASTERS, CheckpointState, Piece, local_piece, rank_record_name, rank_tensor_name
+from tasks.core.models.convert.state_view import (
+    MASTERS,
+    CheckpointState,
+    Piece,
+    local_piece,
+    rank_record_name,
+    rank_tensor_name,
+)
 from tasks.core.models.convert.write import safetensors_header
 
 __all__ = ["DUMP_ENV", "Local", "collect", "dump_loaded", "restore", "save"]
@@ -88,7 +95,9 @@ def collect(eng) -> list[Local]:
         local = tuple(working.shape)
         tp_dim = next((d for d, (a, b) in enumerate(zip(shape, local)) if a > b), None)
         master = w2m.get(wid)
-        if master is not None and (master is working or master.dtype != torch.float32 or working.dtype == torch.float32):
+        if master is not None and (
+            master is working or master.dtype != torch.float32 or working.dtype == torch.float32
+        ):
             master = None  # fp32 training: the weight is its own master
         start, length, sharded = 0, math.prod(local), False
         if master is not None and hasattr(opt, "param_to_pg"):  # ZeRO: an equal flat share of the padded slice
@@ -98,8 +107,19 @@ def collect(eng) -> list[Local]:
             length, sharded = master.numel(), get_nd_world_size(pg) > 1
             start = get_nd_rank(pg) * length
         split = tp_dim is not None and tp_size > 1  # else every tp rank holds the same (a norm): tp rank 0 writes it
-        piece = Piece(name, pid, shape, local, tp_dim if split else None, tp_rank if split else 0, tp_size if split else 1, start, length,
-                      saved=master is not None and (sharded or replica == 0) and (split or tp_rank == 0), rank=eng.rank)
+        piece = Piece(
+            name,
+            pid,
+            shape,
+            local,
+            tp_dim if split else None,
+            tp_rank if split else 0,
+            tp_size if split else 1,
+            start,
+            length,
+            saved=master is not None and (sharded or replica == 0) and (split or tp_rank == 0),
+            rank=eng.rank,
+        )
         out.append(Local(piece, master, master if master is not None and master in inner.state else working, working))
     return out
 
@@ -137,11 +157,19 @@ def save(eng, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     locals_ = collect(eng)
     saved = [loc for loc in locals_ if loc.piece.saved]
-    record: dict[str, Any] = {"rank": eng.rank, "world_size": eng.world, "plugin": eng.pcfg.name,
-                              "params": [loc.piece.record() for loc in locals_]}
+    record: dict[str, Any] = {
+        "rank": eng.rank,
+        "world_size": eng.world,
+        "plugin": eng.pcfg.name,
+        "params": [loc.piece.record() for loc in locals_],
+    }
     scaler = _scaler(eng.optimizer)
     if scaler is not None:
-        record["loss_scale"] = {"scale": float(scaler.scale.item()), "growth_step": scaler._growth_step, "hysteresis_step": scaler._hysteresis_step}
+        record["loss_scale"] = {
+            "scale": float(scaler.scale.item()),
+            "growth_step": scaler._growth_step,
+            "hysteresis_step": scaler._hysteresis_step,
+        }
     if saved:
         _write(out / rank_tensor_name(eng.rank), [(loc.piece.name, loc.master) for loc in saved])
     (out / rank_record_name(eng.rank)).write_text(json.dumps(record))
@@ -165,9 +193,16 @@ def _dump(eng, locals_: list[Local], where: Path) -> None:
     for loc in locals_:
         # .get: indexing the optimizer's state (a defaultdict) would add an entry for a tensor outside
         # its param_groups (LowLevelZero fp32 keys state by the flat master), and break its next state_dict()
-        state = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in inner.state.get(loc.state_key, {}).items()}
-        dump[loc.piece.name] = {"piece": loc.piece.record(), "master": None if loc.master is None else loc.master.detach().cpu().clone(),
-                                 "weight": None if loc.working is None else loc.working.detach().cpu().clone(), **state}
+        state = {
+            k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+            for k, v in inner.state.get(loc.state_key, {}).items()
+        }
+        dump[loc.piece.name] = {
+            "piece": loc.piece.record(),
+            "master": None if loc.master is None else loc.master.detach().cpu().clone(),
+            "weight": None if loc.working is None else loc.working.detach().cpu().clone(),
+            **state,
+        }
     torch.save(dump, where / f"rank-{eng.rank:05d}.pt")
 
 
@@ -196,17 +231,31 @@ def restore(eng, ckpt: Path) -> str:
     with_masters = view is not None and view.has_masters
     targets = [(loc, loc.master) for loc in held if loc.master is not None]
     if with_masters:  # e.g. torch_ddp bf16 (fp32 weights under autocast) continuing a low_level_zero bf16 stage
-        targets += [(loc, loc.working) for loc in held if loc.master is None and loc.working is not None and loc.working.dtype == torch.float32]
+        targets += [
+            (loc, loc.working)
+            for loc in held
+            if loc.master is None and loc.working is not None and loc.working.dtype == torch.float32
+        ]
     if not targets:
         return ""
     if not with_masters and (view is None or view.weights_dtype(targets[0][0].piece.name) != torch.float32):
-        return (f"{ckpt.name} holds no fp32 master weights (written before they were saved): rebuilt from the "
-                f"{eng.weights_dtype} working weights, so this resume is not exact")
+        return (
+            f"{ckpt.name} holds no fp32 master weights (written before they were saved): rebuilt from the "
+            f"{eng.weights_dtype} working weights, so this resume is not exact"
+        )
     direct = cut = 0
     for loc, dst in targets:
         p = loc.piece
-        same = next((q for q in view.pieces(p.name) if q.saved and (q.tp_rank, q.tp_size, q.start, q.length, q.local_shape)
-                     == (p.tp_rank, p.tp_size, p.start, p.length, p.local_shape)), None)
+        same = next(
+            (
+                q
+                for q in view.pieces(p.name)
+                if q.saved
+                and (q.tp_rank, q.tp_size, q.start, q.length, q.local_shape)
+                == (p.tp_rank, p.tp_size, p.start, p.length, p.local_shape)
+            ),
+            None,
+        )
         if same is not None:  # written by a rank in this rank's place: its bytes, padding included
             buf = torch.empty(p.length, dtype=torch.float32)
             view._read_piece(same, buf)
@@ -222,6 +271,17 @@ def restore(eng, ckpt: Path) -> str:
         scaler._scale = torch.tensor([ls["scale"]], dtype=torch.float32, device=scaler.scale.device)
         scaler._growth_step, scaler._hysteresis_step = ls["growth_step"], ls["hysteresis_step"]
     view.close()
-    how = ", ".join(x for x in (f"{direct} as written" if direct else "", f"{cut} cut from the whole tensors for this layout" if cut else "") if x)
-    what = "fp32 master weights" if any(loc.master is not None for loc, _ in targets) else "fp32 weights from the fp32 master weights"
+    how = ", ".join(
+        x
+        for x in (
+            f"{direct} as written" if direct else "",
+            f"{cut} cut from the whole tensors for this layout" if cut else "",
+        )
+        if x
+    )
+    what = (
+        "fp32 master weights"
+        if any(loc.master is not None for loc, _ in targets)
+        else "fp32 weights from the fp32 master weights"
+    )
     return f"restored the {what} of {ckpt.name} ({how}) instead of rebuilding them from the {eng.weights_dtype} weights"

@@ -127,11 +127,25 @@ class StepMetrics:
     """Times each step and turns it into the fields of the @@progress record; rank 0 also writes
     them to TensorBoard. `world` devices share the work (MFU is per device)."""
 
-    def __init__(self, stage_dir: Path, *, rank: int, world: int, n_params: int, model_config: Any,
-                 seq_len: int, precision: str, write: bool | None = None, purge_step: int | None = None):
+    def __init__(
+        self,
+        stage_dir: Path,
+        *,
+        rank: int,
+        world: int,
+        n_params: int,
+        model_config: Any,
+        seq_len: int,
+        precision: str,
+        write: bool | None = None,
+        purge_step: int | None = None,
+    ):
         self.rank, self.world = rank, world
         self.per_token = flops_per_token(
-            n_params, int(getattr(model_config, "num_hidden_layers", 0) or 0), int(getattr(model_config, "hidden_size", 0) or 0), seq_len
+            n_params,
+            int(getattr(model_config, "num_hidden_layers", 0) or 0),
+            int(getattr(model_config, "hidden_size", 0) or 0),
+            seq_len,
         )
         name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
         self.device_name = name or "cpu"
@@ -147,7 +161,9 @@ class StepMetrics:
                 # flush_secs: the files are followed live by `tensorboard --logdir`.
                 # tensorboardX names the file by the second: a relaunch within it must not truncate it.
                 suffix = f".{os.getpid()}.{time.time_ns() % 10**9:09d}"
-                self._writer = SummaryWriter(logdir=str(self.logdir), flush_secs=5, purge_step=purge_step, filename_suffix=suffix)
+                self._writer = SummaryWriter(
+                    logdir=str(self.logdir), flush_secs=5, purge_step=purge_step, filename_suffix=suffix
+                )
                 atexit.register(self.close)  # a rank that dies of an exception still flushes its points
             except Exception as exc:
                 print(f"TensorBoard writer unavailable under {self.logdir}: {exc}", flush=True)
@@ -157,7 +173,17 @@ class StepMetrics:
             torch.cuda.reset_peak_memory_stats()
         self._t0 = time.perf_counter()
 
-    def stop(self, step: int, *, loss: float, lr: float, tokens: int, computed: int | None = None, optimizer: Any = None, clip_norm: Any = None) -> dict[str, Any]:
+    def stop(
+        self,
+        step: int,
+        *,
+        loss: float,
+        lr: float,
+        tokens: int,
+        computed: int | None = None,
+        optimizer: Any = None,
+        clip_norm: Any = None,
+    ) -> dict[str, Any]:
         """The metric fields of step `step` (call right after the optimizer step)."""
         if torch.cuda.is_available():
             torch.cuda.synchronize()

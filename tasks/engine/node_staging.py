@@ -79,7 +79,11 @@ def prepare(job: Job) -> Job:
         for p in stage_dir.iterdir():
             if p.name != kept and (STEP_RE.match(p.name) or p.name.startswith(".step-")):
                 shutil.rmtree(p, ignore_errors=True)
-        _log(f"staged {ns.model_rel}, {ns.data_rel}" + (f", {ns.stage_rel}/{kept}" if kept else "") + f" into {store.staging}")
+        _log(
+            f"staged {ns.model_rel}, {ns.data_rel}"
+            + (f", {ns.stage_rel}/{kept}" if kept else "")
+            + f" into {store.staging}"
+        )
     dist.barrier()
     model = store.local_path(ns.model_rel)
     data = store.local_path(ns.data_rel)
@@ -108,7 +112,9 @@ def publish_parts(job: Job, tmp: Path, final_name: str) -> dict[str, dict]:
             sem = asyncio.Semaphore(store.max_workers)
             return await all_or_nothing(xfer.put(tmp / n, f"{root}/{n}", e, sem) for n, e in sorted(table.items()))
 
-        run_transfer(xfer, go, f"publish of {node_name()}'s part of {store.uri(rel)}", "no manifest was written, safe to retry")
+        run_transfer(
+            xfer, go, f"publish of {node_name()}'s part of {store.uri(rel)}", "no manifest was written, safe to retry"
+        )
         _log(f"published {len(table)} file(s) of {final_name} to {store.uri(rel)}")
     tables: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(tables, table)
@@ -127,6 +133,15 @@ def publish_manifest(job: Job, final: Path) -> None:
     xfer = S3Transfers(fs, store.max_workers, store.part_size)
 
     async def go():
-        return await xfer.call("put_object", Bucket=bucket, Key=key, Body=blob, ChecksumCRC32=b64(crc32(blob)), ContentType="application/json")
+        return await xfer.call(
+            "put_object",
+            Bucket=bucket,
+            Key=key,
+            Body=blob,
+            ChecksumCRC32=b64(crc32(blob)),
+            ContentType="application/json",
+        )
 
-    run_transfer(xfer, go, f"manifest of {store.uri(f'{job.nodes.stage_rel}/{final.name}')}", "the parts are up; safe to retry")
+    run_transfer(
+        xfer, go, f"manifest of {store.uri(f'{job.nodes.stage_rel}/{final.name}')}", "the parts are up; safe to retry"
+    )

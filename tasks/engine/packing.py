@@ -45,7 +45,9 @@ def model_inputs(mb: dict[str, torch.Tensor], attn_implementation: str, dtype: t
     return out
 
 
-def chat_token_losses(logits: torch.Tensor, labels: torch.Tensor, rows, lengths, ignore_index: int = -100) -> list[torch.Tensor]:
+def chat_token_losses(
+    logits: torch.Tensor, labels: torch.Tensor, rows, lengths, ignore_index: int = -100
+) -> list[torch.Tensor]:
     """Each packed chat's per-token loss on its labelled tokens, in row order: what the equivalence
     checks (tests/test_batching.py, benchmarks/sft_efficiency.py) hold against the chat padded alone."""
     out = []

@@ -20,9 +20,16 @@ def check_inputs(job: Job) -> None:
     if job.verb == "shard":
         has_st = any(job.model_dir.glob("*.safetensors"))
         if not has_st:
-            problems.append(("model_dir", f"{job.model_dir} holds no *.safetensors weights; only safetensors are loaded (no pickle)"))
+            problems.append(
+                (
+                    "model_dir",
+                    f"{job.model_dir} holds no *.safetensors weights; only safetensors are loaded (no pickle)",
+                )
+            )
     if job.verb == "train" and (job.data_dir is None or not (job.data_dir / "index.json").is_file()):
-        problems.append(("data_dir", f"{job.data_dir} holds no prepared data (index.json); run the prepare_data stage first"))
+        problems.append(
+            ("data_dir", f"{job.data_dir} holds no prepared data (index.json); run the prepare_data stage first")
+        )
     if not job.tokenizer_dir.is_dir():
         problems.append(("tokenizer_dir", f"{job.tokenizer_dir} is not a directory"))
     if problems:

@@ -45,7 +45,15 @@ class ResumableSampler:
     was blended for) walks the same stream again, reordered by that epoch's seed.
     """
 
-    def __init__(self, num_items: int, dp_rank: int, dp_size: int, seed: int, group: LengthGroups | Packs | None = None, stream: np.ndarray | None = None):
+    def __init__(
+        self,
+        num_items: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        group: LengthGroups | Packs | None = None,
+        stream: np.ndarray | None = None,
+    ):
         if num_items < 1:
             raise ValueError(f"num_items={num_items}: the dataset is empty")
         if not 0 <= dp_rank < dp_size:
@@ -70,7 +78,9 @@ class ResumableSampler:
             else:
                 perm = torch.randperm(self.num_items, generator=torch.Generator().manual_seed(_epoch_seed(*key)))
             if self.group is not None:
-                perm = self.group.order(perm, torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch) ^ _GROUP_SALT))
+                perm = self.group.order(
+                    perm, torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch) ^ _GROUP_SALT)
+                )
             self._perm, self._perm_key = perm, key
         return self._perm
 
@@ -95,7 +105,10 @@ class ResumableSampler:
     def next_indices(self, n_global: int) -> list:
         """This rank's share of the next global batch of n_global items."""
         if n_global < 1 or n_global % self.dp_size:
-            raise ValueError(f"global batch {n_global} must be a positive multiple of dp_size={self.dp_size} (micro_batch_size * grad_accum_steps * dp_size)")
+            raise ValueError(
+                f"global batch {n_global} must be a positive multiple of dp_size={self.dp_size} (micro_batch_size * "
+                "grad_accum_steps * dp_size)"
+            )
         per = n_global // self.dp_size
         return self.next_global(n_global)[self.dp_rank * per : (self.dp_rank + 1) * per]
 
@@ -105,7 +118,9 @@ class ResumableSampler:
     def load_state_dict(self, d: dict[str, int]) -> None:
         missing = {"epoch", "offset", "seed"} - set(d)
         if missing:
-            raise ValueError(f"sampler state is missing {sorted(missing)}; it must come from ResumableSampler.state_dict()")
+            raise ValueError(
+                f"sampler state is missing {sorted(missing)}; it must come from ResumableSampler.state_dict()"
+            )
         if d["seed"] != self.seed:
             # The checkpoint is the truth about data order: resuming must replay the interrupted run.
             log.warning("sampler seed %d from the checkpoint replaces the configured %d", d["seed"], self.seed)
@@ -114,4 +129,7 @@ class ResumableSampler:
         n = self.units() if self.epoch >= 0 else 0  # under Packs an epoch's length is its row count
         if not 0 <= self.offset < n:
             self.epoch, self.offset, self.seed = before
-            raise ValueError(f"sampler state {d} does not fit a dataset of {self.num_items} items ({n} units in epoch {d['epoch']}): was the data changed since the checkpoint?")
+            raise ValueError(
+                f"sampler state {d} does not fit a dataset of {self.num_items} items ({n} units in epoch "
+                f"{d['epoch']}): was the data changed since the checkpoint?"
+            )

@@ -85,7 +85,10 @@ def read_into(module: torch.nn.Module, src: Path, model_config: dict) -> Loaded:
     aliases = {k: v for k, v in tied_keys(model_config).items() if k in held and k not in files}
     missing = sorted(k for k in held if k not in files and k not in aliases)
     if missing:
-        raise ManifestError(f"{src}: weights do not match the model's config: {len(missing)} tensor(s) the model holds are in no file, e.g. {missing[:5]}")
+        raise ManifestError(
+            f"{src}: weights do not match the model's config: {len(missing)} tensor(s) the model holds are in no "
+            f"file, e.g. {missing[:5]}"
+        )
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for key in held:
         stored = aliases.get(key, key)
@@ -150,7 +153,10 @@ def _main(argv: list[str]) -> int:
                 for d in f.get_slice(key).get_shape():
                     n *= d
                 largest, elements = (key, n) if n > elements else (largest, elements)
-    print(f"{src}: {len(files)} tensors in {len(set(files.values()))} file(s); the largest, {largest}, has {elements:,} elements")
+    print(
+        f"{src}: {len(files)} tensors in {len(set(files.values()))} file(s); the largest, {largest}, has {elements:,} "
+        "elements"
+    )
     return 0
 
 

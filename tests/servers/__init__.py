@@ -1,7 +1,6 @@
 """Real-protocol servers owned by the tests, bound to 127.0.0.1 on free ports: SeaweedFS (`weed
 mini`, S3) and a Hugging Face Hub-protocol server (Starlette + uvicorn, files on disk)."""
 
-
 import contextlib
 import os
 from collections.abc import Iterator, Mapping

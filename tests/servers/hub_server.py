@@ -38,10 +38,30 @@ from typing import Any
 from urllib.parse import unquote
 
 REPO_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
-GITATTRIBUTES = "\n".join(
-    f"{p} filter=lfs diff=lfs merge=lfs -text"
-    for p in ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.h5", "*.msgpack", "*.onnx", "*.model", "*.npy", "*.npz", "*.gz", "*.zip", "*.tar", "*.parquet", "*.arrow")
-) + "\n"
+GITATTRIBUTES = (
+    "\n".join(
+        f"{p} filter=lfs diff=lfs merge=lfs -text"
+        for p in (
+            "*.safetensors",
+            "*.bin",
+            "*.pt",
+            "*.pth",
+            "*.ckpt",
+            "*.h5",
+            "*.msgpack",
+            "*.onnx",
+            "*.model",
+            "*.npy",
+            "*.npz",
+            "*.gz",
+            "*.zip",
+            "*.tar",
+            "*.parquet",
+            "*.arrow",
+        )
+    )
+    + "\n"
+)
 REGULAR_MAX = 10 << 20  # larger files go to LFS whatever their name (as on the Hub)
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 SHA1 = re.compile(r"^[0-9a-f]{40}$")
@@ -77,7 +97,15 @@ class HubStorage:
         self.secret = secrets.token_bytes(16)
         self.multipart_threshold, self.chunk_size = multipart_threshold, chunk_size
         self.faults: dict[str, int] = {}
-        self.stats = {"lfs_bytes_received": 0, "lfs_objects_stored": 0, "lfs_puts": 0, "commits": 0, "dropped": 0, "batch_objects_existing": 0, "batch_objects_requested": 0}
+        self.stats = {
+            "lfs_bytes_received": 0,
+            "lfs_objects_stored": 0,
+            "lfs_puts": 0,
+            "commits": 0,
+            "dropped": 0,
+            "batch_objects_existing": 0,
+            "batch_objects_requested": 0,
+        }
 
     # ---- auth ---------------------------------------------------------------------------------
     def check_auth(self, request, write: bool, repo: dict | None = None) -> None:
@@ -87,7 +115,9 @@ class HubStorage:
             raise HubError(401, "Invalid credentials in Authorization header")
         needs = write or (repo is not None and repo.get("private"))
         if needs and self.token is not None and given is None:
-            raise HubError(401, "Authorization header is missing: a token is needed", code="RepoNotFound" if not write else None)
+            raise HubError(
+                401, "Authorization header is missing: a token is needed", code="RepoNotFound" if not write else None
+            )
 
     def sign(self, what: str) -> str:
         return hmac.new(self.secret, what.encode(), hashlib.sha256).hexdigest()[:32]
@@ -121,7 +151,11 @@ class HubStorage:
         oid = self.put_blob(blob)
         tree = {".gitattributes": {"size": len(blob), "oid": oid, "lfs": None}}
         sha = self.write_commit(rtype, repo_id, parents=[], tree=tree, title="initial commit", message="")
-        self.save_repo(rtype, repo_id, {"id": repo_id, "type": rtype, "private": bool(private), "created_at": _now(), "refs": {"main": sha}})
+        self.save_repo(
+            rtype,
+            repo_id,
+            {"id": repo_id, "type": rtype, "private": bool(private), "created_at": _now(), "refs": {"main": sha}},
+        )
         return True
 
     def resolve(self, rtype: str, repo_id: str, repo: dict, revision: str) -> str:
@@ -137,7 +171,14 @@ class HubStorage:
         return json.loads((self.repo_dir(rtype, repo_id) / "commits" / f"{sha}.json").read_text())
 
     def write_commit(self, rtype: str, repo_id: str, parents: list[str], tree: dict, title: str, message: str) -> str:
-        record = {"parents": parents, "tree": tree, "title": title, "message": message, "date": _now(), "authors": [{"user": "tests"}]}
+        record = {
+            "parents": parents,
+            "tree": tree,
+            "title": title,
+            "message": message,
+            "date": _now(),
+            "authors": [{"user": "tests"}],
+        }
         sha = hashlib.sha1(json.dumps(record, sort_keys=True).encode()).hexdigest()
         record["id"] = sha
         path = self.repo_dir(rtype, repo_id) / "commits" / f"{sha}.json"
@@ -271,14 +312,24 @@ def build_app(storage: HubStorage):
             return tree(request, rtype, repo_id, repo, rest[1], "/".join(rest[2:]))
         if method == "GET" and verb == "refs":
             storage.check_auth(request, write=False, repo=repo)
-            branches = [{"name": n, "ref": f"refs/heads/{n}", "targetCommit": s} for n, s in sorted(repo["refs"].items())]
+            branches = [
+                {"name": n, "ref": f"refs/heads/{n}", "targetCommit": s} for n, s in sorted(repo["refs"].items())
+            ]
             return JSONResponse({"branches": branches, "converts": [], "tags": [], "pullRequests": []})
         if method == "GET" and verb == "commits":
             storage.check_auth(request, write=False, repo=repo)
             sha, out = storage.resolve(rtype, repo_id, repo, rest[1]), []
             while sha:
                 c = storage.commit(rtype, repo_id, sha)
-                out.append({"id": c["id"], "title": c["title"], "message": c["message"], "authors": c["authors"], "date": c["date"]})
+                out.append(
+                    {
+                        "id": c["id"],
+                        "title": c["title"],
+                        "message": c["message"],
+                        "authors": c["authors"],
+                        "date": c["date"],
+                    }
+                )
                 sha = c["parents"][0] if c["parents"] else None
             return JSONResponse(out)
         if verb == "branch" and len(rest) == 2:
@@ -309,9 +360,19 @@ def build_app(storage: HubStorage):
                 sib["lfs"] = {"size": e["size"], "sha256": e["lfs"]["oid"], "pointerSize": e["lfs"]["pointerSize"]}
             siblings.append(sib)
         info: dict[str, Any] = {
-            "id": repo_id, "_id": hashlib.sha1(repo_id.encode()).hexdigest()[:24], "author": repo_id.split("/")[0], "sha": sha,
-            "private": repo["private"], "disabled": False, "gated": False, "lastModified": c["date"], "createdAt": repo["created_at"],
-            "tags": [], "downloads": 0, "likes": 0, "siblings": siblings,
+            "id": repo_id,
+            "_id": hashlib.sha1(repo_id.encode()).hexdigest()[:24],
+            "author": repo_id.split("/")[0],
+            "sha": sha,
+            "private": repo["private"],
+            "disabled": False,
+            "gated": False,
+            "lastModified": c["date"],
+            "createdAt": repo["created_at"],
+            "tags": [],
+            "downloads": 0,
+            "likes": 0,
+            "siblings": siblings,
         }
         if "README.md" in c["tree"] and not c["tree"]["README.md"].get("lfs"):
             meta = _front_matter(storage.file_path(c["tree"]["README.md"]).read_text(errors="replace"))
@@ -330,7 +391,11 @@ def build_app(storage: HubStorage):
         for f in body.get("files", []):
             path, size = f["path"], int(f["size"])
             sample = base64.b64decode(f.get("sample", ""))
-            lfs = size > REGULAR_MAX or b"\x00" in sample or any(fnmatch.fnmatch(path.rsplit("/", 1)[-1], p) or fnmatch.fnmatch(path, p) for p in patterns)
+            lfs = (
+                size > REGULAR_MAX
+                or b"\x00" in sample
+                or any(fnmatch.fnmatch(path.rsplit("/", 1)[-1], p) or fnmatch.fnmatch(path, p) for p in patterns)
+            )
             mode = "lfs" if lfs and size > 0 else "regular"
             entry = current.get(path)
             oid = None
@@ -352,7 +417,11 @@ def build_app(storage: HubStorage):
             raise HubError(400, "empty commit summary")
         head = repo["refs"][revision]
         if header.get("parentCommit") and header["parentCommit"] != head:
-            raise HubError(412, f"A commit has happened since. Please refresh and try again. (parent {header['parentCommit']} != head {head})")
+            raise HubError(
+                412,
+                f"A commit has happened since. Please refresh and try again. (parent {header['parentCommit']} != head "
+                f"{head})",
+            )
         tree = dict(storage.commit(rtype, repo_id, head)["tree"])
         for item in lines[1:]:
             key, v = item.get("key"), item.get("value", {})
@@ -360,14 +429,22 @@ def build_app(storage: HubStorage):
             if not path or path.startswith("/") or ".." in path.split("/"):
                 raise HubError(400, f"invalid path {path!r}")
             if key == "file":
-                data = base64.b64decode(v["content"]) if v.get("encoding", "base64") == "base64" else v["content"].encode()
+                data = (
+                    base64.b64decode(v["content"]) if v.get("encoding", "base64") == "base64" else v["content"].encode()
+                )
                 tree[path] = {"size": len(data), "oid": storage.put_blob(data), "lfs": None}
             elif key == "lfsFile":
                 oid, size = v["oid"], int(v["size"])
                 if v.get("algo", "sha256") != "sha256" or not SHA256.match(oid) or not storage.has_lfs(oid, size):
-                    raise HubError(422, f"LFS object {oid} ({size} bytes) for {path} was never uploaded whole: commit refused")
+                    raise HubError(
+                        422, f"LFS object {oid} ({size} bytes) for {path} was never uploaded whole: commit refused"
+                    )
                 pointer = lfs_pointer(oid, size)
-                tree[path] = {"size": size, "oid": git_blob_oid(pointer), "lfs": {"oid": oid, "pointerSize": len(pointer)}}
+                tree[path] = {
+                    "size": size,
+                    "oid": git_blob_oid(pointer),
+                    "lfs": {"oid": oid, "pointerSize": len(pointer)},
+                }
             elif key == "deletedFile":
                 if path not in tree:
                     raise HubError(404, f"A file with this name doesn't exist: {path}", code="EntryNotFound")
@@ -383,7 +460,15 @@ def build_app(storage: HubStorage):
         storage.save_repo(rtype, repo_id, repo)
         storage.stats["commits"] += 1
         prefix = "" if rtype == "models" else f"/{rtype}"
-        return JSONResponse({"success": True, "commitOid": sha, "commitUrl": f"{base(request)}{prefix}/{repo_id}/commit/{sha}", "hookOutput": "", "pullRequestUrl": None})
+        return JSONResponse(
+            {
+                "success": True,
+                "commitOid": sha,
+                "commitUrl": f"{base(request)}{prefix}/{repo_id}/commit/{sha}",
+                "hookOutput": "",
+                "pullRequestUrl": None,
+            }
+        )
 
     def tree(request: Request, rtype: str, repo_id: str, repo: dict, revision: str, path: str) -> Response:
         sha = storage.resolve(rtype, repo_id, repo, revision)
@@ -396,7 +481,7 @@ def build_app(storage: HubStorage):
         for p, e in sorted(files.items()):
             if not p.startswith(prefix):
                 continue
-            rest = p[len(prefix):]
+            rest = p[len(prefix) :]
             if "/" in rest and not recursive:
                 dirs.add(prefix + rest.split("/", 1)[0])
                 continue
@@ -408,7 +493,10 @@ def build_app(storage: HubStorage):
             if e.get("lfs"):
                 entry["lfs"] = {"oid": e["lfs"]["oid"], "size": e["size"], "pointerSize": e["lfs"]["pointerSize"]}
             out.append(entry)
-        out += [{"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d} for d in sorted(dirs)]
+        out += [
+            {"type": "directory", "oid": hashlib.sha1(d.encode()).hexdigest(), "size": 0, "path": d}
+            for d in sorted(dirs)
+        ]
         return JSONResponse(out)
 
     # ---- resolve ------------------------------------------------------------------------------
@@ -450,7 +538,9 @@ def build_app(storage: HubStorage):
             oid, size = obj.get("oid", ""), int(obj.get("size", -1))
             storage.stats["batch_objects_requested"] += 1
             if not SHA256.match(oid) or size < 0:
-                objects.append({"oid": oid, "size": max(size, 0), "error": {"code": 422, "message": "invalid oid or size"}})
+                objects.append(
+                    {"oid": oid, "size": max(size, 0), "error": {"code": 422, "message": "invalid oid or size"}}
+                )
                 continue
             if storage.has_lfs(oid, size):
                 storage.stats["batch_objects_existing"] += 1
@@ -466,8 +556,13 @@ def build_app(storage: HubStorage):
                 upload = {"href": f"{b}/_lfs/complete/{oid}/{size}?sig={sig}", "header": header}
             else:
                 upload = {"href": f"{b}/_lfs/upload/{oid}/{size}?sig={sig}", "header": {}}
-            objects.append({"oid": oid, "size": size, "authenticated": True, "actions": {"upload": upload, "verify": verify}})
-        return JSONResponse({"transfer": "multipart" if used_multipart else "basic", "objects": objects, "hash_algo": "sha256"}, media_type="application/vnd.git-lfs+json")
+            objects.append(
+                {"oid": oid, "size": size, "authenticated": True, "actions": {"upload": upload, "verify": verify}}
+            )
+        return JSONResponse(
+            {"transfer": "multipart" if used_multipart else "basic", "objects": objects, "hash_algo": "sha256"},
+            media_type="application/vnd.git-lfs+json",
+        )
 
     async def lfs_upload(request: Request) -> Response:
         seg = segments(request)  # _lfs, upload, oid, size[, part]
@@ -526,7 +621,9 @@ def build_app(storage: HubStorage):
                     sha.update(data)
                     got += len(data)
             if got != size or sha.hexdigest() != oid:
-                raise HubError(400, f"assembled object has sha256 {sha.hexdigest()} and {got} bytes, expected {oid} and {size}")
+                raise HubError(
+                    400, f"assembled object has sha256 {sha.hexdigest()} and {got} bytes, expected {oid} and {size}"
+                )
             os.replace(tmp, storage.lfs_path(oid))
             storage.stats["lfs_objects_stored"] += 1
             shutil.rmtree(d, ignore_errors=True)
@@ -547,7 +644,13 @@ def build_app(storage: HubStorage):
         if not header.lower().startswith("bearer "):
             raise HubError(401, "Authorization header is missing: a token is needed")
         storage.check_auth(request, write=True)
-        return JSONResponse({"type": "user", "name": "test-user", "auth": {"type": "access_token", "accessToken": {"displayName": "test-token", "role": "write"}}})
+        return JSONResponse(
+            {
+                "type": "user",
+                "name": "test-user",
+                "auth": {"type": "access_token", "accessToken": {"displayName": "test-token", "role": "write"}},
+            }
+        )
 
     # ---- test controls --------------------------------------------------------------------------
     async def test_faults(request: Request) -> Response:
@@ -637,14 +740,32 @@ class HubServer:
         env["PYTHONPATH"] = f"{repo}{os.pathsep}{env.get('PYTHONPATH', '')}"
         with open(self.root / "server.log", "ab") as log:  # the server keeps its own copy of the handle
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.servers.hub_server", "--root", str(self.root / "data"), "--port", str(self.port),
-                 "--multipart-threshold", str(self.multipart_threshold), "--chunk-size", str(self.chunk_size)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=str(repo), start_new_session=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.servers.hub_server",
+                    "--root",
+                    str(self.root / "data"),
+                    "--port",
+                    str(self.port),
+                    "--multipart-threshold",
+                    str(self.multipart_threshold),
+                    "--chunk-size",
+                    str(self.chunk_size),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=str(repo),
+                start_new_session=True,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"hub server exited with {self.proc.returncode}: {(self.root / 'server.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"hub server exited with {self.proc.returncode}: {(self.root / 'server.log').read_text()[-2000:]}"
+                )
             try:
                 urllib.request.urlopen(f"{self.endpoint}/_test/health", timeout=2)
                 return self
@@ -663,7 +784,11 @@ class HubServer:
                 self.proc.wait()
 
     def _call(self, path: str, body: dict | None = None) -> Any:
-        req = urllib.request.Request(f"{self.endpoint}{path}", data=None if body is None else json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{self.endpoint}{path}",
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             return json.loads(r.read())
 

@@ -39,15 +39,28 @@ class MlflowServer:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
         env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
         argv = [
-            MLFLOW, "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-            "--backend-store-uri", f"sqlite:///{self.home / 'mlflow.db'}",
-            "--artifacts-destination", str(self.home / "artifacts"),
+            MLFLOW,
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{self.home / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(self.home / "artifacts"),
         ]
-        self.proc = subprocess.Popen(argv, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}; log {self.log}:\n{self.log.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"mlflow server exited with {self.proc.returncode}; log {self.log}:\n{self.log.read_text()[-3000:]}"
+                )
             if self.healthy():
                 return self
             time.sleep(1.0)

@@ -37,7 +37,10 @@ def pg_bin(name: str) -> str:
     """A PostgreSQL server binary: on PATH, else the newest Debian install's."""
     found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
     if not found:
-        raise RuntimeError(f"PostgreSQL's {name} not found on PATH nor under /usr/lib/postgresql/*/bin: run `sudo bash scripts/install_system.sh` (Debian's postgresql-15)")
+        raise RuntimeError(
+            f"PostgreSQL's {name} not found on PATH nor under /usr/lib/postgresql/*/bin: run `sudo bash "
+            "scripts/install_system.sh` (Debian's postgresql-15)"
+        )
     return found
 
 
@@ -62,10 +65,20 @@ class Postgres:
         return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/{DATABASE}"
 
     def _run(self, *argv: str, timeout: float = 120.0) -> str:
-        out = subprocess.run(list(argv), user=self.user, cwd=str(self.root), capture_output=True, text=True, timeout=timeout, check=False,
-                             env={**{k: v for k, v in os.environ.items() if not k.startswith("PG")}, "LC_ALL": "C"})
+        out = subprocess.run(
+            list(argv),
+            user=self.user,
+            cwd=str(self.root),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("PG")}, "LC_ALL": "C"},
+        )
         if out.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)} exited {out.returncode}:\n{out.stdout[-2000:]}{out.stderr[-2000:]}{self.log_tail()}")
+            raise RuntimeError(
+                f"{' '.join(argv)} exited {out.returncode}:\n{out.stdout[-2000:]}{out.stderr[-2000:]}{self.log_tail()}"
+            )
         return out.stdout
 
     def start(self, timeout: float = 60.0) -> Postgres:
@@ -74,7 +87,19 @@ class Postgres:
             os.chown(self.root, pw.pw_uid, pw.pw_gid)
         self._run(pg_bin("initdb"), "-D", str(self.data), "-U", SUPERUSER, "--auth=trust", "--no-sync", "-E", "UTF8")
         opts = f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off -c full_page_writes=off"
-        self._run(pg_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.root / "server.log"), "-o", opts, "-w", "-t", str(int(timeout)), "start")
+        self._run(
+            pg_bin("pg_ctl"),
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.root / "server.log"),
+            "-o",
+            opts,
+            "-w",
+            "-t",
+            str(int(timeout)),
+            "start",
+        )
         self.pid = int((self.data / "postmaster.pid").read_text().split()[0])
         self._run(pg_bin("createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", SUPERUSER, DATABASE)
         return self

@@ -25,7 +25,10 @@ import tempfile
 from pathlib import Path
 
 DB_NAME = "prefect.db"  # PREFECT_HOME/prefect.db: Prefect's default SQLite connection URL
-_CREATE_DB = "import asyncio\nfrom prefect.server.database import provide_database_interface\nasyncio.run(provide_database_interface().create_db())\n"
+_CREATE_DB = (
+    "import asyncio\nfrom prefect.server.database import "
+    "provide_database_interface\nasyncio.run(provide_database_interface().create_db())\n"
+)
 
 
 def template_db() -> Path:
@@ -39,7 +42,9 @@ def template_db() -> Path:
     build = Path(tempfile.mkdtemp(dir=root, prefix="build-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(build), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    r = subprocess.run([sys.executable, "-c", _CREATE_DB], env=env, capture_output=True, text=True, timeout=300, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", _CREATE_DB], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     if r.returncode != 0 or not (build / DB_NAME).is_file():
         raise RuntimeError(f"migrating a template Prefect database failed (rc {r.returncode}):\n{r.stderr[-3000:]}")
     os.replace(build / DB_NAME, db)

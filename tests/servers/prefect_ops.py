@@ -103,7 +103,11 @@ class PrefectServer:
         with open(self.home / "server.log", "ab") as log:  # the server keeps its own copy of the handle
             self.proc = subprocess.Popen(
                 [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port), "--analytics-off"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env(), cwd=str(self.home),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env(),
+                cwd=str(self.home),
                 start_new_session=True,
             )
         deadline = time.monotonic() + timeout
@@ -132,11 +136,24 @@ class PrefectServer:
 
     # --- the CLI, as an operator types it -------------------------------------------------------
 
-    def cli(self, *args: str, env: dict[str, str] | None = None, timeout: float = 300.0, check: bool = True, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    def cli(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 300.0,
+        check: bool = True,
+        cwd: Path = REPO,
+    ) -> subprocess.CompletedProcess:
         # Own process group, so a timed-out command takes nothing of ours with it but itself.
         proc = subprocess.Popen(
-            [PREFECT, "--no-prompt", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env or self.env(), cwd=str(cwd), text=True, start_new_session=True,
+            [PREFECT, "--no-prompt", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env or self.env(),
+            cwd=str(cwd),
+            text=True,
+            start_new_session=True,
         )
         try:
             out, _ = proc.communicate(timeout=timeout)
@@ -153,7 +170,11 @@ class PrefectServer:
         with open(log_path, "ab") as log:  # the worker keeps its own copy of the handle
             proc = subprocess.Popen(
                 [PREFECT, "--no-prompt", "worker", "start", "--pool", pool, "--type", "process"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env(**env), cwd=str(REPO),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env(**env),
+                cwd=str(REPO),
                 start_new_session=True,
             )
         self.children.append(proc)
@@ -170,7 +191,9 @@ class PrefectServer:
 
     def api(self, method: str, path: str, body: Any = None, timeout: float = 30.0) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"{self.api_url}{path}", data=data, method=method, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{self.api_url}{path}", data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 raw = r.read()
@@ -193,15 +216,32 @@ class PrefectServer:
         raise AssertionError(f"flow run {run_id} not finished after {timeout:.0f}s: {run['state']}")
 
     def artifacts(self, flow_run_id: str) -> list[dict]:
-        return self.api("POST", "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "CREATED_DESC", "limit": 200})
+        return self.api(
+            "POST",
+            "/artifacts/filter",
+            {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "CREATED_DESC", "limit": 200},
+        )
 
     def task_runs(self, flow_run_id: str) -> list[dict]:
-        return self.api("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 200})
+        return self.api(
+            "POST",
+            "/task_runs/filter",
+            {"flow_runs": {"id": {"any_": [flow_run_id]}}, "sort": "EXPECTED_START_TIME_ASC", "limit": 200},
+        )
 
     def logs(self, flow_run_id: str) -> list[dict]:
         out, offset = [], 0
         while True:
-            page = self.api("POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_ASC", "limit": 200, "offset": offset})
+            page = self.api(
+                "POST",
+                "/logs/filter",
+                {
+                    "logs": {"flow_run_id": {"any_": [flow_run_id]}},
+                    "sort": "TIMESTAMP_ASC",
+                    "limit": 200,
+                    "offset": offset,
+                },
+            )
             out += page
             if len(page) < 200:
                 return out
@@ -209,7 +249,10 @@ class PrefectServer:
 
     def events(self, prefix: str) -> list[dict]:
         # Events reach the database through the server's event pipeline a moment after emission.
-        body = {"filter": {"event": {"prefix": [prefix]}, "occurred": {"since": "2000-01-01T00:00:00Z"}, "order": "ASC"}, "limit": 50}
+        body = {
+            "filter": {"event": {"prefix": [prefix]}, "occurred": {"since": "2000-01-01T00:00:00Z"}, "order": "ASC"},
+            "limit": 50,
+        }
         page = self.api("POST", "/events/filter", body)
         events = list(page["events"])
         while page.get("next_page"):
@@ -222,7 +265,11 @@ class PrefectServer:
         `stages` (payload "stage"), since the server persists events a moment after they arrive."""
         deadline = time.monotonic() + timeout
         while True:
-            events = [e for e in self.events(prefix) if any(r["prefect.resource.id"] == f"prefect.flow-run.{flow_run_id}" for r in e["related"])]
+            events = [
+                e
+                for e in self.events(prefix)
+                if any(r["prefect.resource.id"] == f"prefect.flow-run.{flow_run_id}" for r in e["related"])
+            ]
             if stages <= {e["payload"].get("stage") for e in events} or time.monotonic() > deadline:
                 return events
             time.sleep(1.0)
@@ -239,9 +286,17 @@ def run_id_from(output: str) -> str:
 # --- headless Chromium ------------------------------------------------------------------------
 
 CHROMIUM_FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--disable-dev-shm-usage", "--hide-scrollbars", "--mute-audio",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--hide-scrollbars",
+    "--mute-audio",
 )
 
 
@@ -274,12 +329,35 @@ def ensure_chromium(timeout: float = 900.0) -> tuple[str | None, str]:
     return (found, "") if found else (None, "apt-get installed chromium but no chromium binary is on PATH")
 
 
-def chromium(binary: str, url: str, profile_dir: Path, *, screenshot: Path | None = None, budget_ms: int = 15000, window: str = "1440,2000", timeout: float = 120.0) -> str:
+def chromium(
+    binary: str,
+    url: str,
+    profile_dir: Path,
+    *,
+    screenshot: Path | None = None,
+    budget_ms: int = 15000,
+    window: str = "1440,2000",
+    timeout: float = 120.0,
+) -> str:
     """Load `url` headless; return the DOM after `budget_ms` of virtual time, and write a PNG of the
     same load when `screenshot` is given (one browser start for both: a start costs seconds of CPU)."""
-    argv = [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile_dir}", f"--virtual-time-budget={budget_ms}", f"--window-size={window}", "--dump-dom"]
+    argv = [
+        binary,
+        *CHROMIUM_FLAGS,
+        f"--user-data-dir={profile_dir}",
+        f"--virtual-time-budget={budget_ms}",
+        f"--window-size={window}",
+        "--dump-dom",
+    ]
     argv += [f"--screenshot={screenshot}"] if screenshot else []
-    proc = subprocess.Popen(argv + [url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        argv + [url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

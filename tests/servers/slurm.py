@@ -78,7 +78,9 @@ class SlurmCluster:
         env = {**os.environ, **self.env()}
         proc = subprocess.run(list(argv), env=env, capture_output=True, text=True, timeout=timeout, check=False)
         if check and proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
+            raise RuntimeError(
+                f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}"
+            )
         return proc
 
     def node_states(self) -> dict[str, str]:
@@ -129,7 +131,10 @@ class SlurmCluster:
             "MessageTimeout=5",
         ]
         for node, port in self.node_ports.items():
-            lines.append(f"NodeName={node} NodeAddr=127.0.0.1 NodeHostname={socket.gethostname()} Port={port} CPUs={CPUS_PER_NODE} State=UNKNOWN")
+            lines.append(
+                f"NodeName={node} NodeAddr=127.0.0.1 NodeHostname={socket.gethostname()} Port={port} "
+                f"CPUs={CPUS_PER_NODE} State=UNKNOWN"
+            )
         lines.append(f"PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP")
         return "\n".join(lines) + "\n"
 
@@ -148,11 +153,18 @@ class SlurmCluster:
         try:
             self._start_munged()
             self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-i", "-f", str(self.conf)])
-            self._wait(lambda: self.client("sinfo", "-h", timeout=5, check=False).returncode == 0, 30, "slurmctld to answer sinfo")
+            self._wait(
+                lambda: self.client("sinfo", "-h", timeout=5, check=False).returncode == 0,
+                30,
+                "slurmctld to answer sinfo",
+            )
             for node in NODES:
                 self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
-            self._wait(lambda: set(self.node_states().values()) == {"idle"} and len(self.node_states()) == len(NODES),
-                       timeout, "both nodes to be idle")
+            self._wait(
+                lambda: set(self.node_states().values()) == {"idle"} and len(self.node_states()) == len(NODES),
+                timeout,
+                "both nodes to be idle",
+            )
         except BaseException:
             self.stop()
             raise
@@ -163,22 +175,39 @@ class SlurmCluster:
         key = self.munge_dir / "munge.key"
         key.write_bytes(secrets.token_bytes(128))
         os.chmod(key, 0o600)
-        self._spawn("munged", [
-            "munged", "-F", "--force", f"--socket={self.socket}", f"--key-file={key}",
-            f"--pid-file={self.munge_dir / 'munged.pid'}", f"--log-file={self.munge_dir / 'munged.log'}",
-            f"--seed-file={self.munge_dir / 'munged.seed'}",
-        ])
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "-F",
+                "--force",
+                f"--socket={self.socket}",
+                f"--key-file={key}",
+                f"--pid-file={self.munge_dir / 'munged.pid'}",
+                f"--log-file={self.munge_dir / 'munged.log'}",
+                f"--seed-file={self.munge_dir / 'munged.seed'}",
+            ],
+        )
         self._wait(self.socket.exists, 15, "munged's socket")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         # Under tests/servers/reaper.py: the daemon's orphans (each job's slurmstepd) are reaped by
         # it, never adopted by a test process that happens to be a child subreaper.
         exe = shutil.which(argv[0], path=_path()) or argv[0]
-        env = {**os.environ, **self.env(), "PYTHONPATH": os.pathsep.join(p for p in (str(_REPO), os.environ.get("PYTHONPATH")) if p)}
+        env = {
+            **os.environ,
+            **self.env(),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(_REPO), os.environ.get("PYTHONPATH")) if p),
+        }
         with open(self.base / f"{name}.stdout", "ab") as log:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "tests.servers.reaper", exe, *argv[1:]], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=env, cwd=str(_REPO), start_new_session=True,
+                [sys.executable, "-m", "tests.servers.reaper", exe, *argv[1:]],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=str(_REPO),
+                start_new_session=True,
             )
 
     def _wait(self, ready, timeout: float, what: str) -> None:
@@ -186,7 +215,9 @@ class SlurmCluster:
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode} while waiting for {what}:\n{self.log_tail(name)}")
+                    raise RuntimeError(
+                        f"{name} exited with {proc.returncode} while waiting for {what}:\n{self.log_tail(name)}"
+                    )
             try:
                 if ready():
                     return
@@ -243,7 +274,8 @@ class SlurmCluster:
             except OSError:
                 continue
             if any(p in cmd for p in _LEFTOVER_PATTERNS) and (
-                f"SLURM_CONF={self.conf}".encode() in environ or str(self.base) in cmd
+                f"SLURM_CONF={self.conf}".encode() in environ
+                or str(self.base) in cmd
                 or (cmd.startswith("slurmstepd") and self._stepd_is_ours(pid_dir))
             ):
                 out.append(f"{pid_dir.name}: {cmd.strip()}")

@@ -103,7 +103,15 @@ class TokenBucket:
 class ThrottleProxy:
     """Forward 127.0.0.1:<port> to `upstream` at `rate` bytes/s in each direction."""
 
-    def __init__(self, upstream: tuple[str, int], rate: float, *, max_connections: int = 64, chunk: int = 64 << 10, lifetime_s: float = 1800.0):
+    def __init__(
+        self,
+        upstream: tuple[str, int],
+        rate: float,
+        *,
+        max_connections: int = 64,
+        chunk: int = 64 << 10,
+        lifetime_s: float = 1800.0,
+    ):
         self.upstream = upstream
         self.up = TokenBucket(rate)  # client -> server
         self.down = TokenBucket(rate)  # server -> client
@@ -226,7 +234,10 @@ class ThrottleProxy:
                 _close(client)
                 _close(server)
                 return
-            for src, dst, bucket, attr in ((client, server, self.up, "bytes_up"), (server, client, self.down, "bytes_down")):
+            for src, dst, bucket, attr in (
+                (client, server, self.up, "bytes_up"),
+                (server, client, self.down, "bytes_down"),
+            ):
                 t = threading.Thread(target=self._pump, args=(src, dst, bucket, attr, pair), daemon=True)
                 with self._lock:
                     self._threads.add(t)

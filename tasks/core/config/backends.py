@@ -46,7 +46,8 @@ class BackendSpec:
 BACKENDS: dict[str, BackendSpec] = {
     "local": BackendSpec(
         name="local",
-        summary="torchrun on the Prefect worker's node; the agents of other nodes are started by you (rdzv_endpoint, node_rank)",
+        summary="torchrun on the Prefect worker's node; the agents of other nodes are started by you (rdzv_endpoint, "
+        "node_rank)",
         rendezvous="config",
     ),
     "slurm": BackendSpec(

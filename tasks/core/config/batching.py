@@ -29,9 +29,13 @@ class BatchingSpec:
     name: str
     summary: str
     groups_by_length: bool  # each epoch's order puts conversations of similar length in one global batch
-    pads_to: Literal["seq_len", "longest"]  # a micro-batch's width: seq_len, or its longest row rounded up to PAD_MULTIPLE
+    pads_to: Literal[
+        "seq_len", "longest"
+    ]  # a micro-batch's width: seq_len, or its longest row rounded up to PAD_MULTIPLE
     packs: bool = False  # a row holds several conversations (best-fit into seq_len), attention kept inside each
-    peer_keys: tuple[str, ...] = ()  # the keys other trainers turn this mode on with; as a stage key, the error names this row
+    peer_keys: tuple[
+        str, ...
+    ] = ()  # the keys other trainers turn this mode on with; as a stage key, the error names this row
 
 
 BATCHING: dict[str, BatchingSpec] = {}
@@ -42,11 +46,26 @@ def register(spec: BatchingSpec) -> BatchingSpec:
     return spec
 
 
-register(BatchingSpec("grouped", "global batches of conversations of similar length, each micro-batch padded to its longest row", True, "longest"))
+register(
+    BatchingSpec(
+        "grouped",
+        "global batches of conversations of similar length, each micro-batch padded to its longest row",
+        True,
+        "longest",
+    )
+)
 register(BatchingSpec("padded", "every row padded to seq_len, in the seeded random order", False, "seq_len"))
-register(BatchingSpec("packed", "several conversations a row (micro_batch_size counts rows), position ids restarting and attention kept inside each conversation",
-                      False, "longest", packs=True,
-                      peer_keys=("packing", "sample_packing", "packed", "neat_packing", "padding_free")))  # LLaMA-Factory, Axolotl, torchtune, TRL
+register(
+    BatchingSpec(
+        "packed",
+        "several conversations a row (micro_batch_size counts rows), position ids restarting and attention kept "
+        "inside each conversation",
+        False,
+        "longest",
+        packs=True,
+        peer_keys=("packing", "sample_packing", "packed", "neat_packing", "padding_free"),
+    )
+)  # LLaMA-Factory, Axolotl, torchtune, TRL
 
 
 def peer_key_hint(key: str) -> str | None:

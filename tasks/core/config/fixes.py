@@ -87,7 +87,9 @@ def apply_model(model: Any, fix: Fix) -> Any:
     return model.model_copy(update=updates)
 
 
-def working_fixes(section: Any, refused: Refusal, found: list[Refusal], broken: Callable[[Any], list[Refusal] | None]) -> list[Fix]:
+def working_fixes(
+    section: Any, refused: Refusal, found: list[Refusal], broken: Callable[[Any], list[Refusal] | None]
+) -> list[Fix]:
     """`refused.fixes` that work on the stage `section`, each completed in every way that works;
     `broken` gives a section's refusals (None: the fix does not apply)."""
     known = {(p.rule, p[0]) for p in found}
@@ -99,8 +101,14 @@ def working_fixes(section: Any, refused: Refusal, found: list[Refusal], broken: 
     return out
 
 
-def _completed(section: Any, fix: Fix, refused: Refusal, known: set[tuple[str, str]],
-               broken: Callable[[Any], list[Refusal] | None], depth: int) -> Iterator[Fix]:
+def _completed(
+    section: Any,
+    fix: Fix,
+    refused: Refusal,
+    known: set[tuple[str, str]],
+    broken: Callable[[Any], list[Refusal] | None],
+    depth: int,
+) -> Iterator[Fix]:
     """`fix`, completed with other rules' fixes where it breaks them (up to `depth` more), each way
     the stage then breaks neither `refused`'s rule nor any rule it did not break before."""
     changed = apply_model(section, fix)

@@ -80,7 +80,11 @@ class Facts:
         if cuda is None:
             cuda = cuda_available()
         wanted = {row.package for row in KERNELS if row.package}
-        return cls(cuda=cuda, packages=frozenset(p for p in wanted if importlib.util.find_spec(p) is not None), model_type=model_type)
+        return cls(
+            cuda=cuda,
+            packages=frozenset(p for p in wanted if importlib.util.find_spec(p) is not None),
+            model_type=model_type,
+        )
 
 
 # Device nodes a GPU runtime needs on Linux: NVIDIA's driver, ROCm's, WSL2's GPU paravirtualization,
@@ -93,7 +97,11 @@ def cuda_available() -> bool:
     GPU device node (GPU_DEVICE_NODES): no CUDA can run there, and the import is ~2.5 s of CPU that a
     CPU-only pre-flight, or a re-run that skips every stage, never needs otherwise. Elsewhere, or
     once torch is imported, torch is asked."""
-    if "torch" not in sys.modules and sys.platform.startswith("linux") and not any(glob.glob(p) for p in GPU_DEVICE_NODES):
+    if (
+        "torch" not in sys.modules
+        and sys.platform.startswith("linux")
+        and not any(glob.glob(p) for p in GPU_DEVICE_NODES)
+    ):
         return False
     import torch
 
@@ -125,7 +133,9 @@ def register(spec: KernelSpec) -> KernelSpec:
     """Add a row; a second row of one name may not apply to a plugin the first already covers."""
     for row in KERNELS:
         if row.name == spec.name and set(row.plugins) & set(spec.plugins):
-            raise ValueError(f"kernel {spec.name!r} already has a row for plugin(s) {sorted(set(row.plugins) & set(spec.plugins))}")
+            raise ValueError(
+                f"kernel {spec.name!r} already has a row for plugin(s) {sorted(set(row.plugins) & set(spec.plugins))}"
+            )
     KERNELS.append(spec)
     return spec
 
@@ -147,7 +157,9 @@ def unknown(switches: Iterable[str]) -> list[str]:
     return [n for n in switches if n not in names()]
 
 
-def _decide(row: KernelSpec, precision: str, switches: Mapping[str, bool], field_path: str, facts: Facts) -> KernelState:
+def _decide(
+    row: KernelSpec, precision: str, switches: Mapping[str, bool], field_path: str, facts: Facts
+) -> KernelState:
     if switches.get(row.name, True) is False:
         return KernelState(row, False, f"off: switched off in {field_path}")
     if row.needs_cuda and not facts.cuda:
@@ -161,10 +173,13 @@ def _decide(row: KernelSpec, precision: str, switches: Mapping[str, bool], field
     return KernelState(row, True, f"on ({row.label})")
 
 
-def resolve_for(plugin: str, precision: str, facts: Facts, switches: Mapping[str, bool] | None = None,
-                field_path: str = "kernels") -> dict[str, KernelState]:
+def resolve_for(
+    plugin: str, precision: str, facts: Facts, switches: Mapping[str, bool] | None = None, field_path: str = "kernels"
+) -> dict[str, KernelState]:
     """Each kernel that applies under `plugin`, on or off with its reason, in registry order."""
-    return {row.name: _decide(row, precision, switches or {}, field_path, facts) for row in KERNELS if plugin in row.plugins}
+    return {
+        row.name: _decide(row, precision, switches or {}, field_path, facts) for row in KERNELS if plugin in row.plugins
+    }
 
 
 def resolve(stage_cfg: Any, stage: str, facts: Facts) -> dict[str, KernelState]:
@@ -195,22 +210,61 @@ _SHARDFORMER = ("hybrid_parallel",)  # the plugin that shards the model through 
 _HF_ATTENTION = ("low_level_zero", "torch_ddp", "gemini")
 _HALF = ("bf16", "fp16")
 
-register(KernelSpec(
-    "flash_attention", "shardformer", "flash attention", _SHARDFORMER, "plugin", "enable_flash_attention",
-    colossalai_loader="FlashAttentionLoader",
-))
-register(KernelSpec(
-    "flash_attention", "transformers flash_attention_2", "flash attention", _HF_ATTENTION, "model", "attn_implementation",
-    value="flash_attention_2", precisions=_HALF, package="flash_attn", imports=("flash_attn",),
-))
-register(KernelSpec(
-    "fused_normalization", "shardformer, apex", "fused RMSNorm", _SHARDFORMER, "plugin", "enable_fused_normalization",
-    package="apex", imports=("apex.normalization",),
-))
-register(KernelSpec(
-    "jit_fused", "shardformer JIT fused ops", "JIT fused bias/dropout/add", _SHARDFORMER, "plugin", "enable_jit_fused",
-    model_types=("bert", "blip2", "bloom", "chatglm", "gpt2", "opt", "t5", "vit", "whisper"),
-))
-register(KernelSpec(
-    "fused_optimizer", "torch AdamW fused", "the fused AdamW step", ("hybrid_parallel", "low_level_zero", "torch_ddp"), "optimizer", "fused",
-))
+register(
+    KernelSpec(
+        "flash_attention",
+        "shardformer",
+        "flash attention",
+        _SHARDFORMER,
+        "plugin",
+        "enable_flash_attention",
+        colossalai_loader="FlashAttentionLoader",
+    )
+)
+register(
+    KernelSpec(
+        "flash_attention",
+        "transformers flash_attention_2",
+        "flash attention",
+        _HF_ATTENTION,
+        "model",
+        "attn_implementation",
+        value="flash_attention_2",
+        precisions=_HALF,
+        package="flash_attn",
+        imports=("flash_attn",),
+    )
+)
+register(
+    KernelSpec(
+        "fused_normalization",
+        "shardformer, apex",
+        "fused RMSNorm",
+        _SHARDFORMER,
+        "plugin",
+        "enable_fused_normalization",
+        package="apex",
+        imports=("apex.normalization",),
+    )
+)
+register(
+    KernelSpec(
+        "jit_fused",
+        "shardformer JIT fused ops",
+        "JIT fused bias/dropout/add",
+        _SHARDFORMER,
+        "plugin",
+        "enable_jit_fused",
+        model_types=("bert", "blip2", "bloom", "chatglm", "gpt2", "opt", "t5", "vit", "whisper"),
+    )
+)
+register(
+    KernelSpec(
+        "fused_optimizer",
+        "torch AdamW fused",
+        "the fused AdamW step",
+        ("hybrid_parallel", "low_level_zero", "torch_ddp"),
+        "optimizer",
+        "fused",
+    )
+)

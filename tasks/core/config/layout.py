@@ -3,18 +3,14 @@
     python -c "from tasks.core.config.load import load_config; from tasks.core.config.layout import ParallelLayout; \
 c = load_config('deployments/configs/tiny-cpu.yaml'); print(ParallelLayout.of(c.cpt, 'cpt'))"
 
-torchtitan's `ParallelDims` is the model: a frozen value built from the config validates every
-layout rule and derives the data-parallel degree. Each rule below is one function that names the
-config field it concerns and the fix; each belongs to one tier, which decides who can check it:
+torchtitan's `ParallelDims` is the model: a frozen value built from the config validates every layout rule and
+derives the data-parallel degree. Each rule below is one function that names the config field it concerns and the fix;
+its tier decides who can check it:
 
-- `static`: the config alone. Run where a config is loaded (`tasks.core.config.load`), and by
-  pre-flight, which loads the config without them so every problem lands in one report.
-- `batch`: the config alone too, but checked only by pre-flight and the engine, not where a config
-  is loaded (a pipeline step must split its rows evenly into micro-batches).
-- `model`: needs the base model's config.json (heads, KV heads, vocabulary, layers). Pre-flight
-  reads it; the engine passes the model it built.
-- `device`: needs to know whether CUDA is present. Pre-flight passes the machine, the engine
-  asks torch.
+- `static`: the config alone. Run where a config is loaded (`tasks.core.config.load`), and by pre-flight.
+- `batch`: the config alone, checked by pre-flight and the engine only (a pipeline step splits its rows evenly).
+- `model`: needs the base model's config.json (heads, KV heads, vocabulary, layers).
+- `device`: needs to know whether CUDA is present (pre-flight passes the machine, the engine asks torch).
 
 Plugin capabilities come from the registry (`tasks.core.config.plugins`), never from a plugin's name.
 """
@@ -81,7 +77,13 @@ def _tp_pp_need_support(x: _Facts) -> list[Problem]:
         names = [n for n, s in PLUGINS.items() if s.supports_tp_pp]
         for f, what in (("tp_size", "tensor"), ("pp_size", "pipeline")):
             if getattr(p, f) != 1:
-                out.append(Refusal(f"{x.f}.{f}", f"{what} parallelism needs plugin {capable}, not {p.name}", [{f"plugin.{f}": 1}, *({"plugin.name": n} for n in names)]))
+                out.append(
+                    Refusal(
+                        f"{x.f}.{f}",
+                        f"{what} parallelism needs plugin {capable}, not {p.name}",
+                        [{f"plugin.{f}": 1}, *({"plugin.name": n} for n in names)],
+                    )
+                )
     return out
 
 
@@ -89,7 +91,9 @@ def _zero_stage_allowed(x: _Facts) -> list[Problem]:
     z = x.stage.plugin.zero_stage
     if z in x.spec.zero_stages:
         return []
-    fixes = [{"plugin.zero_stage": v} for v in x.spec.zero_stages] + [{"plugin.name": n} for n, s in PLUGINS.items() if z in s.zero_stages]
+    fixes = [{"plugin.zero_stage": v} for v in x.spec.zero_stages] + [
+        {"plugin.name": n} for n, s in PLUGINS.items() if z in s.zero_stages
+    ]
     return [Refusal(f"{x.f}.zero_stage", f"{x.spec.zero_hint}, got {z}", fixes)]
 
 
@@ -97,8 +101,14 @@ def _precision_allowed(x: _Facts) -> list[Problem]:
     p = x.stage.plugin
     if p.precision in x.spec.precisions:
         return []
-    fixes = [{"plugin.precision": v} for v in x.spec.precisions] + [{"plugin.name": n} for n, s in PLUGINS.items() if p.precision in s.precisions]
-    return [Refusal(f"{x.f}.precision", f"{p.name} supports precision {', '.join(x.spec.precisions)}, got {p.precision}", fixes)]
+    fixes = [{"plugin.precision": v} for v in x.spec.precisions] + [
+        {"plugin.name": n} for n, s in PLUGINS.items() if p.precision in s.precisions
+    ]
+    return [
+        Refusal(
+            f"{x.f}.precision", f"{p.name} supports precision {', '.join(x.spec.precisions)}, got {p.precision}", fixes
+        )
+    ]
 
 
 def _zero_fp32_where_refused(x: _Facts) -> list[Problem]:
@@ -107,7 +117,9 @@ def _zero_fp32_where_refused(x: _Facts) -> list[Problem]:
         return []
     # Every layout that trains in fp32 is offered first: bf16 is 30-60x slower on a CPU without native bf16.
     fixes = [{"plugin.zero_stage": z} for z in x.spec.zero_stages if not is_zero(x.spec, z)]
-    fixes += [{"plugin.name": n} for n, s in PLUGINS.items() if n != p.name and "fp32" in s.precisions and not s.needs_cuda]
+    fixes += [
+        {"plugin.name": n} for n, s in PLUGINS.items() if n != p.name and "fp32" in s.precisions and not s.needs_cuda
+    ]
     fixes += [{"plugin.precision": v} for v in x.spec.precisions if v != "fp32" and not PRECISION_SPECS[v].cuda_reason]
     why = f"fp32 with ZeRO is refused under {p.name} (zero_stage {p.zero_stage}): {x.spec.zero_fp32_refused}"
     return [Refusal(f"{x.f}.precision", why, fixes)]
@@ -121,11 +133,27 @@ def _rendezvous_by_backend(x: _Facts) -> list[Problem]:
         return []
     if spec.rendezvous == "scheduler":
         if launch.rdzv_endpoint or launch.node_rank:
-            return [(f"{x.where}.launch.rdzv_endpoint", f"the {spec.name} backend places the rendezvous on the job's first node and numbers the nodes itself; remove rdzv_endpoint and node_rank")]
+            return [
+                (
+                    f"{x.where}.launch.rdzv_endpoint",
+                    (
+                        f"the {spec.name} backend places the rendezvous on the job's first node and numbers the nodes "
+                        "itself; remove rdzv_endpoint and node_rank"
+                    ),
+                )
+            ]
         return []
     if launch.nnodes > 1 and not launch.rdzv_endpoint:
-        return [(f"{x.where}.launch.rdzv_endpoint", (f"nnodes={launch.nnodes} needs a c10d rendezvous endpoint host:port reachable from every node; "
-                                                     "without one the stage would wait forever for nodes that never join (or use a backend that starts every node, e.g. backend: slurm)"))]
+        return [
+            (
+                f"{x.where}.launch.rdzv_endpoint",
+                (
+                    f"nnodes={launch.nnodes} needs a c10d rendezvous endpoint host:port reachable from every node; "
+                    "without one the stage would wait forever for nodes that never join (or use a backend that starts "
+                    "every node, e.g. backend: slurm)"
+                ),
+            )
+        ]
     return []
 
 
@@ -135,8 +163,17 @@ def _backend_settings(x: _Facts) -> list[Problem]:
     spec = BACKENDS.get(launch.backend)
     if spec is None:
         return []
-    out = [(f"{x.where}.launch.{other.settings}", f"is set but backend is {spec.name}, so it would be ignored; set backend: {other.name} or remove the {other.settings} section")
-           for other in BACKENDS.values() if other.settings and other.settings != spec.settings and getattr(launch, other.settings, None) is not None]
+    out = [
+        (
+            f"{x.where}.launch.{other.settings}",
+            (
+                f"is set but backend is {spec.name}, so it would be ignored; set backend: {other.name} or remove the "
+                f"{other.settings} section"
+            ),
+        )
+        for other in BACKENDS.values()
+        if other.settings and other.settings != spec.settings and getattr(launch, other.settings, None) is not None
+    ]
     if not spec.static_problems:
         return out
     if spec.settings:
@@ -147,9 +184,21 @@ def _backend_settings(x: _Facts) -> list[Problem]:
 def _world_divisible(x: _Facts) -> list[Problem]:
     p, world = x.stage.plugin, x.stage.launch.world_size
     if world % (p.tp_size * p.pp_size):
-        fixes = [{"launch.nproc_per_node": p.tp_size * p.pp_size * x.stage.launch.nnodes}] if x.stage.launch.nnodes == 1 else []
-        fixes += [{"plugin.tp_size": d} for d in _divisors(world) if d > 1 and world % (d * p.pp_size) == 0] + [{"plugin.tp_size": 1, "plugin.pp_size": 1}]
-        return [Refusal(f"{x.where}.launch", f"world size nnodes*nproc_per_node = {world} is not a multiple of tp_size*pp_size = {p.tp_size * p.pp_size}", fixes)]
+        fixes = (
+            [{"launch.nproc_per_node": p.tp_size * p.pp_size * x.stage.launch.nnodes}]
+            if x.stage.launch.nnodes == 1
+            else []
+        )
+        fixes += [{"plugin.tp_size": d} for d in _divisors(world) if d > 1 and world % (d * p.pp_size) == 0] + [
+            {"plugin.tp_size": 1, "plugin.pp_size": 1}
+        ]
+        return [
+            Refusal(
+                f"{x.where}.launch",
+                f"world size nnodes*nproc_per_node = {world} is not a multiple of tp_size*pp_size = {p.tp_size * p.pp_size}",
+                fixes,
+            )
+        ]
     return []
 
 
@@ -158,7 +207,13 @@ def _pipeline_microbatches(x: _Facts) -> list[Problem]:
     nmb = num_microbatches(x.stage)
     if p.pp_size > 1 and nmb < p.pp_size:
         fixes = [{"plugin.num_microbatches": p.pp_size}, {"grad_accum_steps": p.pp_size}]
-        return [Refusal(f"{x.f}.num_microbatches", f"pipeline needs at least pp_size={p.pp_size} micro-batches per step, got {nmb}", fixes)]
+        return [
+            Refusal(
+                f"{x.f}.num_microbatches",
+                f"pipeline needs at least pp_size={p.pp_size} micro-batches per step, got {nmb}",
+                fixes,
+            )
+        ]
     return []
 
 
@@ -167,16 +222,33 @@ def _packing_keeps_conversations_apart(x: _Facts) -> list[Problem]:
     spec = BATCHING.get(x.stage.batching)
     if x.where == "cpt" or spec is None or not spec.packs or not x.spec.packing_refused:
         return []
-    fixes = [{"plugin.name": n} for n, s in PLUGINS.items() if not s.packing_refused] + [{"batching": n} for n, s in BATCHING.items() if not s.packs]
-    return [Refusal(f"{x.where}.batching", f"batching {spec.name} is refused under plugin {x.spec.name}: {x.spec.packing_refused}", fixes)]
+    fixes = [{"plugin.name": n} for n, s in PLUGINS.items() if not s.packing_refused] + [
+        {"batching": n} for n, s in BATCHING.items() if not s.packs
+    ]
+    return [
+        Refusal(
+            f"{x.where}.batching",
+            f"batching {spec.name} is refused under plugin {x.spec.name}: {x.spec.packing_refused}",
+            fixes,
+        )
+    ]
 
 
 def _lora_in_sft_only(x: _Facts) -> list[Problem]:
     # cpt/hf is the full CPT model every later stage starts from (reboost, evaluate_cpt, the SFT
     # adapter's base): a CPT adapter would need a merged artifact of its own in between.
     if x.where == "cpt" and x.stage.lora is not None:
-        return [Refusal(f"{x.where}.lora", ("LoRA is for SFT only: cpt/hf, the model SFT starts from and its adapter's base, is the full CPT model "
-                                           "(continued pre-training updates every weight); put the lora section under sft"), [{"lora": None}])]
+        return [
+            Refusal(
+                f"{x.where}.lora",
+                (
+                    "LoRA is for SFT only: cpt/hf, the model SFT starts from and its adapter's base, is the full CPT "
+                    "model "
+                    "(continued pre-training updates every weight); put the lora section under sft"
+                ),
+                [{"lora": None}],
+            )
+        ]
     return []
 
 
@@ -186,10 +258,20 @@ def _lora_supported_by_plugin(x: _Facts) -> list[Problem]:
     others = [{"plugin.name": n} for n, s in PLUGINS.items() if not s.lora.refused and n != x.spec.name]
     full = {"lora": None}  # full fine-tuning
     if x.spec.lora.refused:
-        return [Refusal(f"{x.where}.lora", f"LoRA is refused under plugin {x.spec.name}: {x.spec.lora.refused}", [*others, full])]
+        return [
+            Refusal(
+                f"{x.where}.lora", f"LoRA is refused under plugin {x.spec.name}: {x.spec.lora.refused}", [*others, full]
+            )
+        ]
     for f, reason in (("tp_size", x.spec.lora.tp1_reason), ("pp_size", x.spec.lora.pp1_reason)):
         if reason and getattr(x.stage.plugin, f) > 1:
-            return [Refusal(f"{x.f}.{f}", f"LoRA under {x.spec.name} needs {f} 1 ({reason}), got {getattr(x.stage.plugin, f)}", [{f"plugin.{f}": 1}, *others, full])]
+            return [
+                Refusal(
+                    f"{x.f}.{f}",
+                    f"LoRA under {x.spec.name} needs {f} 1 ({reason}), got {getattr(x.stage.plugin, f)}",
+                    [{f"plugin.{f}": 1}, *others, full],
+                )
+            ]
     return []
 
 
@@ -197,8 +279,16 @@ def _qlora_export_not_built(x: _Facts) -> list[Problem]:
     # peft#2105: an adapter trained on the 4-bit base and merged onto the unquantized one is another
     # model; the export here merges onto cpt/hf as it is, so a QLoRA run would export the wrong model.
     if x.stage.lora is not None and x.stage.lora.quantize:
-        return [Refusal(f"{x.where}.lora.quantize", ("QLoRA is not supported yet: the export merges the adapter onto cpt/hf unquantized, not onto the "
-                                                     "dequantized 4-bit base it was trained against (peft#2105), so the merged model would differ"), [{"lora.quantize": False}])]
+        return [
+            Refusal(
+                f"{x.where}.lora.quantize",
+                (
+                    "QLoRA is not supported yet: the export merges the adapter onto cpt/hf unquantized, not onto the "
+                    "dequantized 4-bit base it was trained against (peft#2105), so the merged model would differ"
+                ),
+                [{"lora.quantize": False}],
+            )
+        ]
     return []
 
 
@@ -212,14 +302,24 @@ def _offload_where_the_plugin_has_it(x: _Facts) -> list[Problem]:
         if row is None:
             if value != default:
                 has = [n for n, s in PLUGINS.items() if s.offload_field(name)]
-                out.append(Refusal(f"{x.f}.{name}", f"plugin {p.name} has no {name} (plugins that have it: {', '.join(has) or 'none'})",
-                                   [{f"plugin.{name}": default}, *({"plugin.name": n} for n in has)]))
+                out.append(
+                    Refusal(
+                        f"{x.f}.{name}",
+                        f"plugin {p.name} has no {name} (plugins that have it: {', '.join(has) or 'none'})",
+                        [{f"plugin.{name}": default}, *({"plugin.name": n} for n in has)],
+                    )
+                )
             continue
         unmet = [(f, want) for f, want in row.requires if getattr(p, f) != want]
         if value != default and unmet:
             need = ", ".join(f"{f}: {shown(want)}" for f, want in unmet)
-            out.append(Refusal(f"{x.f}.{name}", f"{name}: {shown(value)} acts only with {need} ({row.why})",
-                               [{f"plugin.{f}": want for f, want in unmet}, {f"plugin.{name}": default}]))
+            out.append(
+                Refusal(
+                    f"{x.f}.{name}",
+                    f"{name}: {shown(value)} acts only with {need} ({row.why})",
+                    [{f"plugin.{f}": want for f, want in unmet}, {f"plugin.{name}": default}],
+                )
+            )
     return out
 
 
@@ -232,9 +332,17 @@ def _rows_divide_microbatches(x: _Facts) -> list[Problem]:
         return []
     nmb, rows = num_microbatches(st), st.micro_batch_size * st.grad_accum_steps
     if rows % nmb:
-        why = f"a pipeline step splits micro_batch_size*grad_accum_steps = {rows} sequences per data-parallel rank into {nmb} micro-batches, which does not divide"
-        return [Refusal(f"{x.f}.num_microbatches", why,
-                        [{"plugin.num_microbatches": d} for d in _divisors(rows) if d >= st.plugin.pp_size][:3])]
+        why = (
+            f"a pipeline step splits micro_batch_size*grad_accum_steps = {rows} sequences per data-parallel "
+            f"rank into {nmb} micro-batches, which does not divide"
+        )
+        return [
+            Refusal(
+                f"{x.f}.num_microbatches",
+                why,
+                [{"plugin.num_microbatches": d} for d in _divisors(rows) if d >= st.plugin.pp_size][:3],
+            )
+        ]
     return []
 
 
@@ -243,8 +351,11 @@ def _rows_divide_microbatches(x: _Facts) -> list[Problem]:
 
 def _head_dims(mc: dict[str, Any]) -> dict[str, int]:
     n_heads = mc.get("num_attention_heads")
-    dims = (("num_attention_heads", n_heads), ("num_key_value_heads", mc.get("num_key_value_heads") or n_heads),
-            ("intermediate_size", mc.get("intermediate_size")))
+    dims = (
+        ("num_attention_heads", n_heads),
+        ("num_key_value_heads", mc.get("num_key_value_heads") or n_heads),
+        ("intermediate_size", mc.get("intermediate_size")),
+    )
     return {k: v for k, v in dims if isinstance(v, int)}
 
 
@@ -257,8 +368,16 @@ def _tp_divides_heads(x: _Facts) -> list[Problem]:
     if not bad:
         return []
     valid = _divisors(math.gcd(*dims.values()))
-    return [Refusal(f"{x.f}.tp_size", (f"tp_size={tp} does not divide {' and '.join(f'{k}={v}' for k, v in bad.items())} of the base model: "
-                                       f"every rank needs whole attention/KV heads and MLP columns. Valid tp_size: {valid}"), [{"plugin.tp_size": v} for v in reversed(valid)])]
+    return [
+        Refusal(
+            f"{x.f}.tp_size",
+            (
+                f"tp_size={tp} does not divide {' and '.join(f'{k}={v}' for k, v in bad.items())} of the base model: "
+                f"every rank needs whole attention/KV heads and MLP columns. Valid tp_size: {valid}"
+            ),
+            [{"plugin.tp_size": v} for v in reversed(valid)],
+        )
+    ]
 
 
 def _tp_divides_vocab(x: _Facts) -> list[Problem]:
@@ -267,10 +386,19 @@ def _tp_divides_vocab(x: _Facts) -> list[Problem]:
     if not isinstance(vocab, int) or tp <= 1 or vocab % tp == 0:
         return []
     valid = _divisors(math.gcd(vocab, *_head_dims(x.model).values()))
-    return [Refusal(f"{x.f}.tp_size", (f"tp_size={tp} does not divide the base model's vocab_size={vocab}: "
-                                       f"ColossalAI would pad the embedding and LM head and then fail to checkpoint their optimizer state. Valid tp_size: {valid} "
-                                       "(or resize the vocabulary to a multiple of tp_size: model.resize_token_embeddings(n, pad_to_multiple_of=tp_size))"),
-                    [{"plugin.tp_size": v} for v in reversed(valid)])]
+    return [
+        Refusal(
+            f"{x.f}.tp_size",
+            (
+                f"tp_size={tp} does not divide the base model's vocab_size={vocab}: "
+                "ColossalAI would pad the embedding and LM head and then fail to checkpoint their optimizer state. "
+                f"Valid tp_size: {valid} "
+                "(or resize the vocabulary to a multiple of tp_size: model.resize_token_embeddings(n, "
+                "pad_to_multiple_of=tp_size))"
+            ),
+            [{"plugin.tp_size": v} for v in reversed(valid)],
+        )
+    ]
 
 
 def _pp_within_layers(x: _Facts) -> list[Problem]:
@@ -287,8 +415,14 @@ def _pp_within_layers(x: _Facts) -> list[Problem]:
 
 def _cuda_only_plugin(x: _Facts) -> list[Problem]:
     if x.cuda is False and x.spec.needs_cuda:
-        return [Refusal(f"{x.f}.name", f"{x.spec.name} needs CUDA ({x.spec.cuda_reason}) and no GPU is visible here (or run this stage on a CUDA node)",
-                        [{"plugin.name": n} for n, s in PLUGINS.items() if not s.needs_cuda])]
+        return [
+            Refusal(
+                f"{x.f}.name",
+                f"{x.spec.name} needs CUDA ({x.spec.cuda_reason}) and no GPU is visible here (or run this stage on a "
+                "CUDA node)",
+                [{"plugin.name": n} for n, s in PLUGINS.items() if not s.needs_cuda],
+            )
+        ]
     return []
 
 
@@ -297,16 +431,28 @@ def _cuda_only_precision(x: _Facts) -> list[Problem]:
     why = PRECISION_SPECS[p.precision].cuda_reason
     if x.cuda is False and why:
         cpu_ok = [n for n, s in PRECISION_SPECS.items() if not s.cuda_reason]
-        return [Refusal(f"{x.f}.precision", f"precision {p.precision} needs CUDA ({why}) and this stage runs on CPU (or run this stage on a CUDA node)",
-                        [{"plugin.precision": n} for n in cpu_ok])]
+        return [
+            Refusal(
+                f"{x.f}.precision",
+                f"precision {p.precision} needs CUDA ({why}) and this stage runs on CPU (or run this stage on a CUDA "
+                "node)",
+                [{"plugin.precision": n} for n in cpu_ok],
+            )
+        ]
     return []
 
 
 def _fp16_needs_dynamic_loss_scale(x: _Facts) -> list[Problem]:
     p = x.stage.plugin
     if PRECISION_SPECS[p.precision].loss_scaling and x.spec.loss_scale != "dynamic":
-        return [Refusal(f"{x.f}.precision", f"precision {p.precision} needs dynamic loss scaling (small gradients underflow to zero otherwise) and {p.name} is built without it",
-                        [{"plugin.precision": n} for n, s in PRECISION_SPECS.items() if not s.loss_scaling])]
+        return [
+            Refusal(
+                f"{x.f}.precision",
+                f"precision {p.precision} needs dynamic loss scaling (small gradients underflow to zero otherwise) "
+                f"and {p.name} is built without it",
+                [{"plugin.precision": n} for n, s in PRECISION_SPECS.items() if not s.loss_scaling],
+            )
+        ]
     return []
 
 
@@ -314,12 +460,26 @@ def _qlora_needs_cuda_and_bitsandbytes(x: _Facts) -> list[Problem]:
     lora = x.stage.lora
     if lora is None or not lora.quantize or x.cuda is None:
         return []
-    missing = [why for why, bad in (("no GPU is visible here", x.cuda is False),
-                                    ("bitsandbytes is not installed", importlib.util.find_spec("bitsandbytes") is None)) if bad]
+    missing = [
+        why
+        for why, bad in (
+            ("no GPU is visible here", x.cuda is False),
+            ("bitsandbytes is not installed", importlib.util.find_spec("bitsandbytes") is None),
+        )
+        if bad
+    ]
     if not missing:
         return []
-    return [Refusal(f"{x.where}.lora.quantize", (f"QLoRA loads the frozen base in 4-bit NF4 through bitsandbytes, whose kernels run on CUDA only, and "
-                                                 f"{' and '.join(missing)} (or run this stage on a CUDA node with bitsandbytes installed)"), [{"lora.quantize": False}])]
+    return [
+        Refusal(
+            f"{x.where}.lora.quantize",
+            (
+                f"QLoRA loads the frozen base in 4-bit NF4 through bitsandbytes, whose kernels run on CUDA only, and "
+                f"{' and '.join(missing)} (or run this stage on a CUDA node with bitsandbytes installed)"
+            ),
+            [{"lora.quantize": False}],
+        )
+    ]
 
 
 RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
@@ -364,16 +524,24 @@ def layout_problems(
     found = _broken(stage, where, model_config, cuda, tiers)
     if not found:
         return found
+
     def broken(changed: StageConfig) -> list[Refusal]:
         return _broken(changed, where, model_config, cuda, tiers)
 
     return [p.with_fixes(working_fixes(stage, p, found, broken), where) if p.fixes else p for p in found]
 
 
-def _broken(stage: StageConfig, where: str, model_config: dict[str, Any] | None, cuda: bool | None, tiers: tuple[str, ...]) -> list[Refusal]:
+def _broken(
+    stage: StageConfig, where: str, model_config: dict[str, Any] | None, cuda: bool | None, tiers: tuple[str, ...]
+) -> list[Refusal]:
     spec = PLUGINS.get(stage.plugin.name)
     if spec is None:  # the config's own validator names the unknown plugin
-        return [Refusal(f"{where}.plugin.name", f"unknown plugin {stage.plugin.name!r}; registered plugins: {', '.join(PLUGINS)}")]
+        return [
+            Refusal(
+                f"{where}.plugin.name",
+                f"unknown plugin {stage.plugin.name!r}; registered plugins: {', '.join(PLUGINS)}",
+            )
+        ]
     facts = _Facts(stage, where, spec, model_config, cuda)
     out: list[Refusal] = []
     for tier, rule in RULES:
@@ -421,6 +589,12 @@ class ParallelLayout:
         p, world = stage.plugin, stage.launch.world_size
         spec = PLUGINS[p.name]
         return cls(
-            plugin=p.name, tp=p.tp_size, pp=p.pp_size, dp=world // (p.tp_size * p.pp_size), world_size=world,
-            zero_stage=spec.zero_stage(p.zero_stage), precision=p.precision, num_microbatches=num_microbatches(stage),
+            plugin=p.name,
+            tp=p.tp_size,
+            pp=p.pp_size,
+            dp=world // (p.tp_size * p.pp_size),
+            world_size=world,
+            zero_stage=spec.zero_stage(p.zero_stage),
+            precision=p.precision,
+            num_microbatches=num_microbatches(stage),
         )

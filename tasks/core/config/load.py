@@ -68,7 +68,16 @@ def load_yaml_unique(text: str, source: str) -> Any:
         dups = duplicate_keys(node)
         if dups:
             raise ConfigError(
-                [(key, f"written twice in {source} (line {a} and line {b}); YAML would silently keep the second value. Delete one of them") for key, a, b in dups],
+                [
+                    (
+                        key,
+                        (
+                            f"written twice in {source} (line {a} and line {b}); YAML would silently keep the second "
+                            "value. Delete one of them"
+                        ),
+                    )
+                    for key, a, b in dups
+                ],
                 header=f"duplicated keys in {source}",
             )
         return loader.construct_document(node)
@@ -107,30 +116,64 @@ def gate_problems(cfg: RunConfig) -> list[Problem]:
     if not g.enabled:
         return []
     out: list[Problem] = []
-    needs = [("cpt_max_ppl_increase_pct", "cpt", g.cpt_max_ppl_increase_pct is not None),
-             ("sft_loss_must_improve", "sft", g.sft_loss_must_improve),
-             ("generation_must_stop", "sft", g.generation_must_stop)]
+    needs = [
+        ("cpt_max_ppl_increase_pct", "cpt", g.cpt_max_ppl_increase_pct is not None),
+        ("sft_loss_must_improve", "sft", g.sft_loss_must_improve),
+        ("generation_must_stop", "sft", g.generation_must_stop),
+    ]
     for name, stage, active in needs:
         if active and not getattr(cfg, stage).eval.enabled:
-            out.append((f"gate.{name}", (f"needs a {stage.upper()} held-out set, but {stage}.eval.heldout_fraction is 0 and no heldout_uri is set; "
-                                         "give one, or turn this check off (gate.enabled: false disables the whole gate)")))
+            out.append(
+                (
+                    f"gate.{name}",
+                    (
+                        f"needs a {stage.upper()} held-out set, but {stage}.eval.heldout_fraction is 0 and no "
+                        "heldout_uri is set; "
+                        "give one, or turn this check off (gate.enabled: false disables the whole gate)"
+                    ),
+                )
+            )
     limits = g.cpt_max_ppl_increase_pct
     if isinstance(limits, dict):  # per source: each one measured on its own held-out records
         data, names = cfg.cpt.data, [s.name for s in cfg.cpt.data.source_list]
         only = [s.name for s in cfg.cpt.eval.heldout_sources or ()]
-        split_per_source = not (data.mixture and cfg.cpt.eval.heldout_uri)  # one heldout_uri cannot be told apart by trained source
+        split_per_source = not (
+            data.mixture and cfg.cpt.eval.heldout_uri
+        )  # one heldout_uri cannot be told apart by trained source
         if not data.mixture and not only:
-            out.append(("gate.cpt_max_ppl_increase_pct", ("a mapping of limits per source needs a cpt.data.sources mixture or cpt.eval.heldout_sources; "
-                                                         "give one number for the held-out set")))
+            out.append(
+                (
+                    "gate.cpt_max_ppl_increase_pct",
+                    (
+                        "a mapping of limits per source needs a cpt.data.sources mixture or cpt.eval.heldout_sources; "
+                        "give one number for the held-out set"
+                    ),
+                )
+            )
             return out
         if not split_per_source and not only:
-            out.append(("gate.cpt_max_ppl_increase_pct", "limits per source need the hash split of each source (cpt.eval.heldout_fraction), not one cpt.eval.heldout_uri"))
+            out.append(
+                (
+                    "gate.cpt_max_ppl_increase_pct",
+                    (
+                        "limits per source need the hash split of each source (cpt.eval.heldout_fraction), not one "
+                        "cpt.eval.heldout_uri"
+                    ),
+                )
+            )
         known = f"cpt.data.sources: {', '.join(names)}" if data.mixture else f"cpt.data.uri: {names[0]}"
         known += f"; cpt.eval.heldout_sources: {', '.join(only)}" if only else ""
         for k in limits:
             if k in names and not split_per_source:
-                out.append((f"gate.cpt_max_ppl_increase_pct.{k}", (f"trained source {k!r} has no held-out records of its own under one cpt.eval.heldout_uri; "
-                                                                  "use the hash split (cpt.eval.heldout_fraction) or limit only cpt.eval.heldout_sources")))
+                out.append(
+                    (
+                        f"gate.cpt_max_ppl_increase_pct.{k}",
+                        (
+                            f"trained source {k!r} has no held-out records of its own under one cpt.eval.heldout_uri; "
+                            "use the hash split (cpt.eval.heldout_fraction) or limit only cpt.eval.heldout_sources"
+                        ),
+                    )
+                )
             elif k not in names and k not in only:
                 out.append((f"gate.cpt_max_ppl_increase_pct.{k}", f"no CPT source is named {k!r} ({known})"))
     return out
@@ -140,20 +183,43 @@ def heldout_source_problems(cfg: RunConfig) -> list[Problem]:
     """Held-out-only sources: CPT only, measured beside the stage's own held-out set, named apart from what is trained."""
     out: list[Problem] = []
     if cfg.sft.eval.heldout_sources:
-        out.append(("sft.eval.heldout_sources", ("held-out-only sources are measured by evaluate_cpt (perplexity per source); SFT evaluation has none: "
-                                                "remove it, or move it to cpt.eval.heldout_sources")))
+        out.append(
+            (
+                "sft.eval.heldout_sources",
+                (
+                    "held-out-only sources are measured by evaluate_cpt (perplexity per source); SFT evaluation has "
+                    "none: "
+                    "remove it, or move it to cpt.eval.heldout_sources"
+                ),
+            )
+        )
     ev = cfg.cpt.eval
     if not ev.heldout_sources:
         return out
     if not ev.enabled:
-        out.append(("cpt.eval.heldout_sources", ("evaluate_cpt does not run without the stage's own held-out set (cpt.eval.heldout_fraction is 0 and no "
-                                                "heldout_uri is set); give one")))
+        out.append(
+            (
+                "cpt.eval.heldout_sources",
+                (
+                    "evaluate_cpt does not run without the stage's own held-out set (cpt.eval.heldout_fraction is 0 "
+                    "and no "
+                    "heldout_uri is set); give one"
+                ),
+            )
+        )
     trained = [s.name for s in cfg.cpt.data.source_list]
     for i, s in enumerate(ev.heldout_sources):
         if s.name in trained:
             where = "cpt.data.sources" if cfg.cpt.data.mixture else "cpt.data.uri, the one source named"
-            out.append((f"cpt.eval.heldout_sources[{i}].name", (f"{s.name!r} is also a trained source ({where} {s.name!r}); a held-out-only source "
-                                                               "needs a name of its own: rename it")))
+            out.append(
+                (
+                    f"cpt.eval.heldout_sources[{i}].name",
+                    (
+                        f"{s.name!r} is also a trained source ({where} {s.name!r}); a held-out-only source "
+                        "needs a name of its own: rename it"
+                    ),
+                )
+            )
     return out
 
 
@@ -164,12 +230,36 @@ def hub_problems(cfg: RunConfig) -> list[Problem]:
         return []
     out: list[Problem] = []
     if hub.push_adapter and cfg.sft.lora is None:
-        out.append(("hub.push_adapter", "there is no adapter to push: SFT trains the whole model (sft.lora is not set); set sft.lora, or push_adapter: false"))
+        out.append(
+            (
+                "hub.push_adapter",
+                (
+                    "there is no adapter to push: SFT trains the whole model (sft.lora is not set); set sft.lora, or "
+                    "push_adapter: false"
+                ),
+            )
+        )
     if hub.adapter_repo_id is not None and not hub.push_adapter:
-        out.append(("hub.adapter_repo_id", "is set but hub.push_adapter is false, so nothing goes there; set push_adapter: true, or remove adapter_repo_id"))
+        out.append(
+            (
+                "hub.adapter_repo_id",
+                (
+                    "is set but hub.push_adapter is false, so nothing goes there; set push_adapter: true, or remove "
+                    "adapter_repo_id"
+                ),
+            )
+        )
     if hub.adapter_repo_id is not None and hub.adapter_repo_id == hub.repo_id:
-        out.append(("hub.adapter_repo_id", (f"is hub.repo_id ({hub.repo_id}): the adapter would sit beside the merged weights, which loaders would "
-                                            "apply it on top of; name another repo, or leave it unset for the subfolder adapter/ of hub.repo_id")))
+        out.append(
+            (
+                "hub.adapter_repo_id",
+                (
+                    f"is hub.repo_id ({hub.repo_id}): the adapter would sit beside the merged weights, which loaders "
+                    "would "
+                    "apply it on top of; name another repo, or leave it unset for the subfolder adapter/ of hub.repo_id"
+                ),
+            )
+        )
     return out
 
 
@@ -189,7 +279,11 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     origin = typing.get_origin(annotation)
     if origin is dict:
         args = args[1:]  # a dict's values, never its keys
-    return [m for arg in args for m in _models_in(arg)] if origin is not None or isinstance(annotation, types.UnionType) else []
+    return (
+        [m for arg in args for m in _models_in(arg)]
+        if origin is not None or isinstance(annotation, types.UnionType)
+        else []
+    )
 
 
 def field_names_at(loc: tuple[Any, ...], root: type[BaseModel] = RunConfig) -> list[str]:
@@ -199,7 +293,9 @@ def field_names_at(loc: tuple[Any, ...], root: type[BaseModel] = RunConfig) -> l
     for part in loc:
         if isinstance(part, int):  # a list index: the models stay those of the element type
             continue
-        models = [m for model in models if part in model.model_fields for m in _models_in(model.model_fields[part].annotation)]
+        models = [
+            m for model in models if part in model.model_fields for m in _models_in(model.model_fields[part].annotation)
+        ]
     return sorted({name for model in models for name in model.model_fields})
 
 
@@ -220,8 +316,13 @@ def parse_fields(raw: dict[str, Any], source: str = "config") -> RunConfig:
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as exc:
-        problems = [(".".join(str(x) for x in err["loc"]) or source, unknown_key_hint(err["loc"], err["msg"]) if err["type"] == "extra_forbidden" else err["msg"])
-                    for err in exc.errors()]
+        problems = [
+            (
+                ".".join(str(x) for x in err["loc"]) or source,
+                unknown_key_hint(err["loc"], err["msg"]) if err["type"] == "extra_forbidden" else err["msg"],
+            )
+            for err in exc.errors()
+        ]
         raise ConfigError(problems, header=f"invalid configuration in {source}") from None
 
 

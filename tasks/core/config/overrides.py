@@ -37,16 +37,27 @@ class RunOverrides(_Overrides):
     run_name: str = Field(default="", title="Run name", description=_about(RunConfig, "name"))
     run_root: str = Field(default="", title="Run root", description=_about(RunConfig, "run_root"))
     base_model_uri: str = Field(default="", title="Base model URI", description=_about(BaseModelConfig, "uri"))
-    base_model_revision: str = Field(default="", title="Base model revision", description=_about(BaseModelConfig, "revision"))
+    base_model_revision: str = Field(
+        default="", title="Base model revision", description=_about(BaseModelConfig, "revision")
+    )
     # Not optional (an empty one changes nothing): an optional object is a collapsed "None" toggle
     # in Prefect's run form, and its fields would not show until a user switched it on.
-    cpt: StageOverrides = Field(default_factory=StageOverrides, title="CPT", description="Continued pre-training: data, steps, learning rate.")
-    sft: StageOverrides = Field(default_factory=StageOverrides, title="SFT", description="Supervised fine-tuning: data, steps, learning rate.")
+    cpt: StageOverrides = Field(
+        default_factory=StageOverrides, title="CPT", description="Continued pre-training: data, steps, learning rate."
+    )
+    sft: StageOverrides = Field(
+        default_factory=StageOverrides, title="SFT", description="Supervised fine-tuning: data, steps, learning rate."
+    )
 
     def dotted(self) -> dict[str, Any]:
         """The set fields as dotted config keys, for `read_raw_config` (the same path as --set)."""
         out: dict[str, Any] = {}
-        top = {"run_name": "name", "run_root": "run_root", "base_model_uri": "base_model.uri", "base_model_revision": "base_model.revision"}
+        top = {
+            "run_name": "name",
+            "run_root": "run_root",
+            "base_model_uri": "base_model.uri",
+            "base_model_revision": "base_model.revision",
+        }
         for field, key in top.items():
             if getattr(self, field) not in (None, ""):
                 out[key] = getattr(self, field)

@@ -80,7 +80,8 @@ PRECISION_SPECS: dict[str, PrecisionSpec] = {
     # 3.61 in bf16 and fails the gate; torch_ddp's fp16 is torch.cuda.amp, which disables itself.
     "fp16": PrecisionSpec(
         "fp16",
-        cuda_reason="fp16 mixed precision trains badly on CPU (demo: final loss 4.90 vs 3.61 in bf16) and torch_ddp's fp16 is torch.cuda.amp",
+        cuda_reason="fp16 mixed precision trains badly on CPU (demo: final loss 4.90 vs 3.61 in bf16) and torch_ddp's "
+        "fp16 is torch.cuda.amp",
         loss_scaling=True,
     ),
 }
@@ -127,8 +128,12 @@ class Held:
     # "no_pipeline": pp == 1 only; "data_parallel": pp == 1 and dp > 1 only; "grad_accum": grad_accum_steps > 1 only
     only: Literal["", "no_pipeline", "data_parallel", "grad_accum"] = ""
     per: Literal["parameter", "layer"] = "parameter"  # "layer": counts one decoder layer's parameters, unsharded
-    offload: str = ""  # the PluginConfig field (an `Offload` row) whose value is the share of this tensor put in host memory
-    master: bool = False  # the fp32 master weights: every checkpoint saves them (tasks/engine/masters.py), a resume restores them
+    offload: str = (
+        ""  # the PluginConfig field (an `Offload` row) whose value is the share of this tensor put in host memory
+    )
+    master: bool = (
+        False  # the fp32 master weights: every checkpoint saves them (tasks/engine/masters.py), a resume restores them
+    )
     trainable: bool = True  # per trainable parameter only (gradients, masters, moments); False: per parameter (weights), frozen ones too
 
 
@@ -142,7 +147,9 @@ class Offload:
     # silently), and why, for the message
     requires: tuple[tuple[str, object], ...] = ()
     why: str = ""
-    moves_step: bool = False  # the optimizer step runs in host memory with the state it moves (AdamW's temporaries follow)
+    moves_step: bool = (
+        False  # the optimizer step runs in host memory with the state it moves (AdamW's temporaries follow)
+    )
 
 
 @dataclass(frozen=True)
@@ -172,7 +179,9 @@ class PluginSpec:
     no_sync_zero_stages: tuple[int, ...] = (0, 1)  # zero stages that may skip the gradient sync under accumulation
     casts_model: bool = True  # False: weights stay fp32; bf16 runs under torch.autocast, fp16 under amp
     optimizer: Literal["adamw", "hybrid_adam"] = "adamw"
-    clips_grad: bool = True  # the plugin applies plugin.max_norm itself; else the engine clips through its optimizer wrapper
+    clips_grad: bool = (
+        True  # the plugin applies plugin.max_norm itself; else the engine clips through its optimizer wrapper
+    )
     strict_load: bool = True  # booster.load_model(strict=True) works; else non-strict plus an exact key check
     dedupes_tied_weights: bool = True  # its checkpoint IO saves a tied tensor once by itself
     extra_meta: tuple[str, ...] = field(default=())  # PluginConfig fields recorded in manifests for this plugin only
@@ -188,7 +197,9 @@ class PluginSpec:
     # shard file into the sharded model (booster.load_model), which also refreshes ZeRO's masters.
     lazy_init: bool = False
     lora: LoraSupport = LoraSupport()  # LoRA under this plugin: supported, or why not (the layout rules name it)
-    offload: tuple[Offload, ...] = ()  # the plugin's own memory savers, each a PluginConfig field (recorded in manifests)
+    offload: tuple[
+        Offload, ...
+    ] = ()  # the plugin's own memory savers, each a PluginConfig field (recorded in manifests)
 
     def zero_stage(self, configured: int) -> int:
         """The ZeRO stage the plugin really runs."""
@@ -238,103 +249,143 @@ def spec_of(name: str) -> PluginSpec:
         raise KeyError(f"unknown plugin {name!r}; registered plugins: {', '.join(PLUGINS)}") from None
 
 
-register(PluginSpec(
-    name="hybrid_parallel",
-    summary="tensor/pipeline parallel with optional ZeRO-1",
-    supports_tp_pp=True,
-    zero_stages=(0, 1),
-    zero_hint="hybrid_parallel supports zero_stage 0 or 1 here; use low_level_zero for stage 2 or gemini for stage 3",
-    zero_fp32_refused="HybridParallelPlugin.configure asserts precision != 'fp32' when zero_stage > 0 in colossalai 0.5.0",
-    no_sync_zero_stages=(0, 1),
-    lazy_init=True,
-    offload=(Offload("cpu_offload", requires=(("zero_stage", 1),), moves_step=True,
-                     why="HybridParallelPlugin passes cpu_offload to its ZeRO optimizer only"),),
-    lora=LoraSupport(
-        tp1_reason="HybridParallelPlugin.enable_lora asserts tp_size == 1 in colossalai 0.5.0 (shardformer's split linears take no peft adapter)",
-        # measured: shard verb, tiny Llama, pp=2 fp32 (ColossalAI's tests cover LoRA with pp=1 only)
-        pp1_reason=("colossalai 0.5.0's pipeline policy reads the peft-wrapped model one level too shallow "
-                    "(LlamaPolicy.get_shared_params: 'LlamaForCausalLM' object has no attribute 'embed_tokens')"),
-    ),
-    packing_refused=("ColossalAI 0.5.0's shardformer Llama forward builds its attention from the padding mask plus causal only "
-                     "(ColoAttention.prepare_attn_kwargs on its flash-attention path), so packed conversations would attend to each other"),
-    holds=(
-        Held("weights", "weights", trainable=False),
-        Held("gradients", "weights", when="grads", zero=(0,), precisions=("fp32",)),
-        Held("gradients", "weights", when="backward", zero=(0,), precisions=MIXED),
-        Held("fp32 master gradients", 4, when="step", zero=(0,), precisions=MIXED),
-        # torch DDP wraps the model at pp == 1 without ZeRO; not at dp == 1, where the engine
-        # turns it off (tasks/engine/solo_ddp.py)
-        Held("DDP gradient buckets", "weights", zero=(0,), only="data_parallel"),
-        Held("fp32 master weights", 4, zero=(0,), precisions=MIXED, master=True),
-        Held("Adam moments", 8, zero=(0,)),
-        Held("gradients", "weights", when="grads", zero=(1,)),
-        Held("fp32 gradient shard", 4, sharded=True, when="step", zero=(1,), offload="cpu_offload"),
-        Held("fp32 master weight shard", 4, sharded=True, zero=(1,), offload="cpu_offload", master=True),
-        Held("Adam moment shard", 8, sharded=True, zero=(1,), offload="cpu_offload"),
-    ),
-))
-register(PluginSpec(
-    name="low_level_zero",
-    summary="ZeRO-1/2 data parallel",
-    zero_stages=(1, 2),
-    zero_hint="low_level_zero needs zero_stage 1 or 2",
-    no_sync_zero_stages=(1,),
-    strict_load=False,
-    dedupes_tied_weights=False,
-    offload=(Offload("cpu_offload", moves_step=True),),
-    holds=(
-        Held("working weights", "weights", trainable=False),
-        Held("fp32 master weight shard", 4, sharded=True, offload="cpu_offload", master=True),
-        Held("Adam moment shard", 8, sharded=True, offload="cpu_offload"),
-        Held("gradients", "weights", when="grads", zero=(1,)),
-        Held("gradient shard", "weights", sharded=True, when="grads", zero=(2,)),
-        Held("fp32 gradient shard", 4, sharded=True, when="step", offload="cpu_offload"),
-    ),
-))
-register(PluginSpec(
-    name="gemini",
-    summary="ZeRO-3 with chunked heterogeneous memory (CUDA only)",
-    zero_stages=(0, 3),
-    implicit_zero=3,
-    zero_hint="gemini is ZeRO-3 by construction; leave zero_stage at 0 or 3",
-    needs_cuda=True,
-    cuda_reason="ColossalAI asserts in every forward that Gemini's chunks live on a GPU",
-    precisions=MIXED,  # GeminiPlugin's SUPPORTED_PRECISION
-    no_sync_zero_stages=(),
-    optimizer="hybrid_adam",
-    lora=LoraSupport(refused="GeminiPlugin.support_lora() is False and its enable_lora raises NotImplementedError in colossalai 0.5.0 (ColossalAI #6138)"),
-    strict_load=False,
-    dedupes_tied_weights=False,
-    offload=(
-        Offload("placement_policy"),
-        Offload("offload_optim_frac", requires=(("placement_policy", "static"),), moves_step=True,
-                why="GeminiPlugin's offload fractions act under the static placement policy only"),
-        Offload("offload_param_frac", requires=(("placement_policy", "static"), ("offload_optim_frac", 1.0)),
-                why="StaticPlacementPolicy drops offload_param_frac unless the optimizer state is wholly offloaded (offload_optim_frac 1.0)"),
-    ),
-    holds=(
-        Held("weight chunk shard", "weights", sharded=True, offload="offload_param_frac", trainable=False),
-        Held("gathered weights of the layer in use", "weights", when="forward", per="layer", trainable=False),
-        Held("gradient chunk shard", "weights", sharded=True, when="grads", only="grad_accum", offload="offload_optim_frac"),
-        Held("fp32 master shard", 4, sharded=True, offload="offload_optim_frac", master=True),
-        Held("Adam moment shard", 8, sharded=True, offload="offload_optim_frac"),
-    ),
-))
-register(PluginSpec(
-    name="torch_ddp",
-    summary="plain PyTorch DDP",
-    zero_stages=(0,),
-    zero_hint="torch_ddp has no ZeRO; set zero_stage: 0",
-    no_sync_zero_stages=(0,),
-    casts_model=False,
-    clips_grad=False,
-    strict_load=False,
-    dedupes_tied_weights=False,
-    holds=(
-        Held("fp32 weights", "weights", trainable=False),
-        Held("gradients", "weights", when="grads"),
-        Held("DDP gradient buckets", "weights"),
-        Held("autocast weight copies", 2, when="forward", precisions=MIXED, trainable=False),
-        Held("Adam moments", 8),
-    ),
-))
+register(
+    PluginSpec(
+        name="hybrid_parallel",
+        summary="tensor/pipeline parallel with optional ZeRO-1",
+        supports_tp_pp=True,
+        zero_stages=(0, 1),
+        zero_hint="hybrid_parallel supports zero_stage 0 or 1 here; use low_level_zero for stage 2 or gemini for "
+        "stage 3",
+        zero_fp32_refused="HybridParallelPlugin.configure asserts precision != 'fp32' when zero_stage > 0 in "
+        "colossalai 0.5.0",
+        no_sync_zero_stages=(0, 1),
+        lazy_init=True,
+        offload=(
+            Offload(
+                "cpu_offload",
+                requires=(("zero_stage", 1),),
+                moves_step=True,
+                why="HybridParallelPlugin passes cpu_offload to its ZeRO optimizer only",
+            ),
+        ),
+        lora=LoraSupport(
+            tp1_reason="HybridParallelPlugin.enable_lora asserts tp_size == 1 in colossalai 0.5.0 (shardformer's "
+            "split linears take no peft adapter)",
+            # measured: shard verb, tiny Llama, pp=2 fp32 (ColossalAI's tests cover LoRA with pp=1 only)
+            pp1_reason=(
+                "colossalai 0.5.0's pipeline policy reads the peft-wrapped model one level too shallow "
+                "(LlamaPolicy.get_shared_params: 'LlamaForCausalLM' object has no attribute 'embed_tokens')"
+            ),
+        ),
+        packing_refused=(
+            "ColossalAI 0.5.0's shardformer Llama forward builds its attention from the padding mask plus causal only "
+            "(ColoAttention.prepare_attn_kwargs on its flash-attention path), so packed conversations would attend to "
+            "each other"
+        ),
+        holds=(
+            Held("weights", "weights", trainable=False),
+            Held("gradients", "weights", when="grads", zero=(0,), precisions=("fp32",)),
+            Held("gradients", "weights", when="backward", zero=(0,), precisions=MIXED),
+            Held("fp32 master gradients", 4, when="step", zero=(0,), precisions=MIXED),
+            # torch DDP wraps the model at pp == 1 without ZeRO; not at dp == 1, where the engine
+            # turns it off (tasks/engine/solo_ddp.py)
+            Held("DDP gradient buckets", "weights", zero=(0,), only="data_parallel"),
+            Held("fp32 master weights", 4, zero=(0,), precisions=MIXED, master=True),
+            Held("Adam moments", 8, zero=(0,)),
+            Held("gradients", "weights", when="grads", zero=(1,)),
+            Held("fp32 gradient shard", 4, sharded=True, when="step", zero=(1,), offload="cpu_offload"),
+            Held("fp32 master weight shard", 4, sharded=True, zero=(1,), offload="cpu_offload", master=True),
+            Held("Adam moment shard", 8, sharded=True, zero=(1,), offload="cpu_offload"),
+        ),
+    )
+)
+register(
+    PluginSpec(
+        name="low_level_zero",
+        summary="ZeRO-1/2 data parallel",
+        zero_stages=(1, 2),
+        zero_hint="low_level_zero needs zero_stage 1 or 2",
+        no_sync_zero_stages=(1,),
+        strict_load=False,
+        dedupes_tied_weights=False,
+        offload=(Offload("cpu_offload", moves_step=True),),
+        holds=(
+            Held("working weights", "weights", trainable=False),
+            Held("fp32 master weight shard", 4, sharded=True, offload="cpu_offload", master=True),
+            Held("Adam moment shard", 8, sharded=True, offload="cpu_offload"),
+            Held("gradients", "weights", when="grads", zero=(1,)),
+            Held("gradient shard", "weights", sharded=True, when="grads", zero=(2,)),
+            Held("fp32 gradient shard", 4, sharded=True, when="step", offload="cpu_offload"),
+        ),
+    )
+)
+register(
+    PluginSpec(
+        name="gemini",
+        summary="ZeRO-3 with chunked heterogeneous memory (CUDA only)",
+        zero_stages=(0, 3),
+        implicit_zero=3,
+        zero_hint="gemini is ZeRO-3 by construction; leave zero_stage at 0 or 3",
+        needs_cuda=True,
+        cuda_reason="ColossalAI asserts in every forward that Gemini's chunks live on a GPU",
+        precisions=MIXED,  # GeminiPlugin's SUPPORTED_PRECISION
+        no_sync_zero_stages=(),
+        optimizer="hybrid_adam",
+        lora=LoraSupport(
+            refused="GeminiPlugin.support_lora() is False and its enable_lora raises NotImplementedError in "
+            "colossalai 0.5.0 (ColossalAI #6138)"
+        ),
+        strict_load=False,
+        dedupes_tied_weights=False,
+        offload=(
+            Offload("placement_policy"),
+            Offload(
+                "offload_optim_frac",
+                requires=(("placement_policy", "static"),),
+                moves_step=True,
+                why="GeminiPlugin's offload fractions act under the static placement policy only",
+            ),
+            Offload(
+                "offload_param_frac",
+                requires=(("placement_policy", "static"), ("offload_optim_frac", 1.0)),
+                why="StaticPlacementPolicy drops offload_param_frac unless the optimizer state is wholly offloaded "
+                "(offload_optim_frac 1.0)",
+            ),
+        ),
+        holds=(
+            Held("weight chunk shard", "weights", sharded=True, offload="offload_param_frac", trainable=False),
+            Held("gathered weights of the layer in use", "weights", when="forward", per="layer", trainable=False),
+            Held(
+                "gradient chunk shard",
+                "weights",
+                sharded=True,
+                when="grads",
+                only="grad_accum",
+                offload="offload_optim_frac",
+            ),
+            Held("fp32 master shard", 4, sharded=True, offload="offload_optim_frac", master=True),
+            Held("Adam moment shard", 8, sharded=True, offload="offload_optim_frac"),
+        ),
+    )
+)
+register(
+    PluginSpec(
+        name="torch_ddp",
+        summary="plain PyTorch DDP",
+        zero_stages=(0,),
+        zero_hint="torch_ddp has no ZeRO; set zero_stage: 0",
+        no_sync_zero_stages=(0,),
+        casts_model=False,
+        clips_grad=False,
+        strict_load=False,
+        dedupes_tied_weights=False,
+        holds=(
+            Held("fp32 weights", "weights", trainable=False),
+            Held("gradients", "weights", when="grads"),
+            Held("DDP gradient buckets", "weights"),
+            Held("autocast weight copies", 2, when="forward", precisions=MIXED, trainable=False),
+            Held("Adam moments", 8),
+        ),
+    )
+)

@@ -28,11 +28,14 @@ from tasks.core.config.plugins import PLUGINS, PRECISION_SPECS
 from tasks.core.config.schema import RunConfig
 
 COMMAND = "python -m tasks.core.config.reference > docs/reference/config.md"
-INTRO = ("One YAML file per run, read into the frozen pydantic model `RunConfig` (`tasks/core/config/schema.py`). "
-         "Unknown fields are errors, every problem is reported at once with its field path, and a key written twice is refused. "
-         "`cpt` and `sft` are both a stage section (`StageConfig`), documented once as `<stage>`. "
-         "Rules across fields (layout, precision, LoRA, offload) are checked when the config is read and by pre-flight: "
-         "see [Troubleshooting](../troubleshooting.md). `cpt-to-sft schema` prints the same schema as JSON.")
+INTRO = (
+    "One YAML file per run, read into the frozen pydantic model `RunConfig` (`tasks/core/config/schema.py`). "
+    "Unknown fields are errors, every problem is reported at once with its field path, and a key written twice is "
+    "refused. "
+    "`cpt` and `sft` are both a stage section (`StageConfig`), documented once as `<stage>`. "
+    "Rules across fields (layout, precision, LoRA, offload) are checked when the config is read and by pre-flight: "
+    "see [Troubleshooting](../troubleshooting.md). `cpt-to-sft schema` prints the same schema as JSON."
+)
 
 
 def _type_name(tp: Any) -> str:
@@ -58,8 +61,14 @@ def _type_name(tp: Any) -> str:
 def _constraints(info: FieldInfo) -> str:
     out = []
     for m in info.metadata:
-        for cls, sym, attr in ((Ge, "≥", "ge"), (Gt, ">", "gt"), (Le, "≤", "le"), (Lt, "<", "lt"),
-                               (MinLen, "length ≥", "min_length"), (MaxLen, "length ≤", "max_length")):
+        for cls, sym, attr in (
+            (Ge, "≥", "ge"),
+            (Gt, ">", "gt"),
+            (Le, "≤", "le"),
+            (Lt, "<", "lt"),
+            (MinLen, "length ≥", "min_length"),
+            (MaxLen, "length ≤", "max_length"),
+        ):
             if isinstance(m, cls):
                 out.append(f"{sym} {getattr(m, attr)}")
         pattern = getattr(m, "pattern", None)
@@ -102,7 +111,9 @@ def sections(model: type[BaseModel] = RunConfig, path: str = "") -> Iterator[tup
     yield path, model
     for name, info in model.model_fields.items():
         for sub in _models_in(info.annotation):
-            is_list = typing.get_origin(info.annotation) is list or any(typing.get_origin(a) is list for a in typing.get_args(info.annotation))
+            is_list = typing.get_origin(info.annotation) is list or any(
+                typing.get_origin(a) is list for a in typing.get_args(info.annotation)
+            )
             child = f"{path}.{name}" if path else name
             yield from sections(sub, child + ("[]" if is_list else ""))
 
@@ -130,71 +141,134 @@ def _fields_table(path: str, model: type[BaseModel]) -> list[str]:
         key = f"{path}.{name}" if path else name
         desc = info.description or ""
         type_ = registry_types.get((model.__name__, name)) or _type_name(info.annotation)
-        lines.append(f"| `{key}` | {_cell(type_)} | {_cell(_default(info))} | {_cell(_constraints(info))} | {_cell(desc)} |")
+        lines.append(
+            f"| `{key}` | {_cell(type_)} | {_cell(_default(info))} | {_cell(_constraints(info))} | {_cell(desc)} |"
+        )
     return lines
 
 
 def _registry_tables() -> list[str]:
-    out = ["## Plugins", "",
-           "`<stage>.plugin.name`: rows of `tasks/core/config/plugins.py` `PLUGINS`.", "",
-           "| plugin | what | tp/pp | zero_stage | precisions | needs CUDA | LoRA | SFT packing | offload fields |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "## Plugins",
+        "",
+        "`<stage>.plugin.name`: rows of `tasks/core/config/plugins.py` `PLUGINS`.",
+        "",
+        "| plugin | what | tp/pp | zero_stage | precisions | needs CUDA | LoRA | SFT packing | offload fields |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for n, s in PLUGINS.items():
         zero = f"always {s.implicit_zero}" if s.implicit_zero is not None else ", ".join(map(str, s.zero_stages))
         cuda = f"yes: {s.cuda_reason}" if s.needs_cuda else "no"
         lora = f"refused: {s.lora.refused}" if s.lora.refused else "yes"
         pack = f"refused: {s.packing_refused}" if s.packing_refused else "yes"
         off = ", ".join(f"`{o.field}`" for o in s.offload) or "none"
-        out.append(f"| `{n}` | {_cell(s.summary)} | {'yes' if s.supports_tp_pp else 'no'} | {zero} | {', '.join(s.precisions)} | "
-                   f"{_cell(cuda)} | {_cell(lora)} | {_cell(pack)} | {off} |")
-    out += ["", "## Offload fields", "",
-            ("Each is a `<stage>.plugin` field, accepted only under a plugin that has it (`PluginSpec.offload`); "
-             "set elsewhere it is refused, naming the plugins that have it."), "",
-            "| field | plugin | requires | why |", "|---|---|---|---|"]
+        out.append(
+            f"| `{n}` | {_cell(s.summary)} | {'yes' if s.supports_tp_pp else 'no'} | {zero} | {', '.join(s.precisions)} "
+            "| "
+            f"{_cell(cuda)} | {_cell(lora)} | {_cell(pack)} | {off} |"
+        )
+    out += [
+        "",
+        "## Offload fields",
+        "",
+        (
+            "Each is a `<stage>.plugin` field, accepted only under a plugin that has it (`PluginSpec.offload`); "
+            "set elsewhere it is refused, naming the plugins that have it."
+        ),
+        "",
+        "| field | plugin | requires | why |",
+        "|---|---|---|---|",
+    ]
     for n, s in PLUGINS.items():
         for o in s.offload:
             req = ", ".join(f"`{k}: {v}`" for k, v in o.requires) or "nothing"
             out.append(f"| `{o.field}` | `{n}` | {req} | {_cell(o.why)} |")
-    out += ["", "## Precisions", "", "`<stage>.plugin.precision`: rows of `PRECISION_SPECS`.", "",
-            "| precision | needs CUDA | loss scaling |", "|---|---|---|"]
+    out += [
+        "",
+        "## Precisions",
+        "",
+        "`<stage>.plugin.precision`: rows of `PRECISION_SPECS`.",
+        "",
+        "| precision | needs CUDA | loss scaling |",
+        "|---|---|---|",
+    ]
     for n, p in PRECISION_SPECS.items():
-        out.append(f"| `{n}` | {_cell('yes: ' + p.cuda_reason) if p.cuda_reason else 'no'} | {'dynamic' if p.loss_scaling else 'no'} |")
-    out += ["", "## Batching modes", "",
-            "`<stage>.batching` (SFT): rows of `tasks/core/config/batching.py` `BATCHING`.", "",
-            "| mode | what | groups by length | micro-batch width | packs chats | keys of other trainers it answers |",
-            "|---|---|---|---|---|---|"]
+        out.append(
+            f"| `{n}` | {_cell('yes: ' + p.cuda_reason) if p.cuda_reason else 'no'} | {'dynamic' if p.loss_scaling else 'no'} "
+            "|"
+        )
+    out += [
+        "",
+        "## Batching modes",
+        "",
+        "`<stage>.batching` (SFT): rows of `tasks/core/config/batching.py` `BATCHING`.",
+        "",
+        "| mode | what | groups by length | micro-batch width | packs chats | keys of other trainers it answers |",
+        "|---|---|---|---|---|---|",
+    ]
     for n, b in BATCHING.items():
         width = "seq_len" if b.pads_to == "seq_len" else f"longest row, rounded up to {PAD_MULTIPLE}"
         peers = ", ".join(f"`{k}`" for k in b.peer_keys) or ""
-        out.append(f"| `{n}` | {_cell(b.summary)} | {'yes' if b.groups_by_length else 'no'} | {width} | {'yes' if b.packs else 'no'} | {peers} |")
-    out += ["", "## Kernels", "",
-            ("`<stage>.kernels: {NAME: false}` switches one off; each is on by default where its requirements hold "
-             "(rows of `tasks/core/config/kernels.py` `KERNELS`; rows of one name cover other plugins)."), "",
-            "| kernel | runs | plugins | passed as | needs CUDA | precisions | package | model types |",
-            "|---|---|---|---|---|---|---|---|"]
+        out.append(
+            f"| `{n}` | {_cell(b.summary)} | {'yes' if b.groups_by_length else 'no'} | {width} | {'yes' if b.packs else 'no'} "
+            f"| {peers} |"
+        )
+    out += [
+        "",
+        "## Kernels",
+        "",
+        (
+            "`<stage>.kernels: {NAME: false}` switches one off; each is on by default where its requirements hold "
+            "(rows of `tasks/core/config/kernels.py` `KERNELS`; rows of one name cover other plugins)."
+        ),
+        "",
+        "| kernel | runs | plugins | passed as | needs CUDA | precisions | package | model types |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for k in KERNELS:
         types_ = ", ".join(k.model_types) if k.model_types is not None else "any"
-        out.append(f"| `{k.name}` | {_cell(k.label)} | {', '.join(k.plugins)} | {k.via} `{k.arg}` | {'yes' if k.needs_cuda else 'no'} | "
-                   f"{', '.join(k.precisions)} | {k.package or ''} | {types_} |")
-    out += ["", "## Launch backends", "",
-            "`<stage>.launch.backend`: rows of `tasks/core/config/backends.py` `BACKENDS`.", "",
-            "| backend | what | rendezvous placed by | settings section | cluster pre-flight |", "|---|---|---|---|---|"]
+        out.append(
+            f"| `{k.name}` | {_cell(k.label)} | {', '.join(k.plugins)} | {k.via} `{k.arg}` | {'yes' if k.needs_cuda else 'no'} "
+            "| "
+            f"{', '.join(k.precisions)} | {k.package or ''} | {types_} |"
+        )
+    out += [
+        "",
+        "## Launch backends",
+        "",
+        "`<stage>.launch.backend`: rows of `tasks/core/config/backends.py` `BACKENDS`.",
+        "",
+        "| backend | what | rendezvous placed by | settings section | cluster pre-flight |",
+        "|---|---|---|---|---|",
+    ]
     for n, b in BACKENDS.items():
         settings = f"`launch.{b.settings}`" if b.settings else ""
-        out.append(f"| `{n}` | {_cell(b.summary)} | {b.rendezvous} | {settings} | {'`' + b.preflight + '`' if b.preflight else ''} |")
+        out.append(
+            f"| `{n}` | {_cell(b.summary)} | {b.rendezvous} | {settings} | {'`' + b.preflight + '`' if b.preflight else ''} "
+            "|"
+        )
     return out
 
 
 def render() -> str:
-    lines = ["# Configuration reference", "",
-             f"<!-- generated by `{COMMAND}`; tests/test_docs.py fails when it is out of date: do not edit by hand -->", "",
-             INTRO, ""]
+    lines = [
+        "# Configuration reference",
+        "",
+        f"<!-- generated by `{COMMAND}`; tests/test_docs.py fails when it is out of date: do not edit by hand -->",
+        "",
+        INTRO,
+        "",
+    ]
     seen: set[type[BaseModel]] = set()
     for path, model in sections():
         if model in seen:
             continue
         seen.add(model)
-        title = path.replace("cpt.", "<stage>.").replace("cpt", "<stage>") if path.startswith("cpt") else (path or "top level")
+        title = (
+            path.replace("cpt.", "<stage>.").replace("cpt", "<stage>")
+            if path.startswith("cpt")
+            else (path or "top level")
+        )
         lines += [f"## `{title}`" if path else "## Top level", ""]
         doc = (model.__doc__ or "").strip().split("\n\n")[0]
         if doc and model is not RunConfig:

@@ -20,13 +20,12 @@ from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, model_va
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.base import Frozen
 from tasks.core.config.batching import BATCHING
-from tasks.core.config.benchmark import BenchmarkConfig, GateBenchmarkFields
-
-# The data sections live in config/data.py; importers keep reading them here.
-from tasks.core.config.data import MAIN_SOURCE, SOURCE_NAME, DataConfig, DataSource, HeldoutSource, LocalClusterConfig, TokenizeConfig  # noqa: F401
+from tasks.core.config.benchmark import BenchmarkConfig
+from tasks.core.config.data import DataConfig, HeldoutSource
 from tasks.core.config.kernels import names as kernel_names
 from tasks.core.config.kernels import summaries as kernel_summaries
 from tasks.core.config.kernels import unknown as unknown_kernels
+from tasks.core.config.outputs import ExportConfig, GateConfig, HubConfig
 from tasks.core.config.plugins import PLUGINS, Precision
 from tasks.core.config.slurm import SlurmConfig
 from tasks.core.config.tracking import TrackingConfig
@@ -58,9 +57,16 @@ BackendName = Annotated[str, AfterValidator(_registered_backend), WithJsonSchema
 
 class BaseModelConfig(Frozen):
     uri: str = Field(description="Hugging Face Hub repo id (org/name) or a local/fsspec path to an HF model directory.")
-    revision: str = Field(default="main", description="Hub revision (branch, tag or commit sha) to pin; ignored for paths.")
-    trust_remote_code: bool = Field(default=False, description="Allow the model repo's own Python code to run. Off unless you trust the repo.")
-    allow_pickle: bool = Field(default=False, description="Accept .bin/pickle weight files from the base model. Off: only safetensors are read.")
+    revision: str = Field(
+        default="main", description="Hub revision (branch, tag or commit sha) to pin; ignored for paths."
+    )
+    trust_remote_code: bool = Field(
+        default=False, description="Allow the model repo's own Python code to run. Off unless you trust the repo."
+    )
+    allow_pickle: bool = Field(
+        default=False,
+        description="Accept .bin/pickle weight files from the base model. Off: only safetensors are read.",
+    )
 
 
 def _registry_enum(field: str, registry: dict[str, Any], lead: str):
@@ -79,44 +85,114 @@ _plugin_schema = _registry_enum("name", PLUGINS, "ColossalAI booster plugin: ")
 
 
 class PluginConfig(Frozen):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_plugin_schema)
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_plugin_schema
+    )
 
-    name: PluginName = Field(description="ColossalAI booster plugin (see tasks/core/config/plugins.py for what each supports).")
-    tp_size: int = Field(default=1, ge=1, description="Tensor-parallel degree (hybrid_parallel only); must divide attention and KV heads.")
-    pp_size: int = Field(default=1, ge=1, description="Pipeline-parallel degree (hybrid_parallel only); at most the number of layers.")
-    zero_stage: int = Field(default=0, ge=0, le=3, description="ZeRO stage: 0/1 for hybrid_parallel (1 needs bf16/fp16), 1/2 for low_level_zero.")
-    precision: Precision = Field(default="bf16", description="Training precision: fp32, bf16 or fp16 (mixed precision with fp32 master weights where the plugin keeps them).")
-    num_microbatches: int | None = Field(default=None, ge=1, description="Pipeline micro-batches per step (pp_size > 1); defaults to grad_accum_steps.")
-    placement_policy: Literal["static", "auto"] = Field(default="static", description=(
-        "Gemini's chunk placement: static (the offload fractions below decide) or auto (Gemini moves chunks by measured use). "
-        "Plugins that take each offload field: PluginSpec.offload in tasks/core/config/plugins.py; refused elsewhere."))
-    cpu_offload: bool = Field(default=False, description=(
-        "Keep the fp32 master weights, Adam moments and the optimizer step in host memory instead of on the GPU "
-        "(low_level_zero; hybrid_parallel with zero_stage 1): less GPU memory, a slower step."))
-    offload_optim_frac: float = Field(default=0.0, ge=0.0, le=1.0, description=(
-        "Share of Gemini's fp32 master chunks and Adam moments kept in host memory (gemini, placement_policy static)."))
-    offload_param_frac: float = Field(default=0.0, ge=0.0, le=1.0, description=(
-        "Share of Gemini's weight chunks kept in host memory (gemini, placement_policy static, offload_optim_frac 1.0)."))
-    max_norm: float = Field(default=1.0, ge=0, description="Gradient clipping norm applied by the plugin's optimizer (0 disables).")
+    name: PluginName = Field(
+        description="ColossalAI booster plugin (see tasks/core/config/plugins.py for what each supports)."
+    )
+    tp_size: int = Field(
+        default=1,
+        ge=1,
+        description="Tensor-parallel degree (hybrid_parallel only); must divide attention and KV heads.",
+    )
+    pp_size: int = Field(
+        default=1, ge=1, description="Pipeline-parallel degree (hybrid_parallel only); at most the number of layers."
+    )
+    zero_stage: int = Field(
+        default=0,
+        ge=0,
+        le=3,
+        description="ZeRO stage: 0/1 for hybrid_parallel (1 needs bf16/fp16), 1/2 for low_level_zero.",
+    )
+    precision: Precision = Field(
+        default="bf16",
+        description="Training precision: fp32, bf16 or fp16 (mixed precision with fp32 master weights where the "
+        "plugin keeps them).",
+    )
+    num_microbatches: int | None = Field(
+        default=None, ge=1, description="Pipeline micro-batches per step (pp_size > 1); defaults to grad_accum_steps."
+    )
+    placement_policy: Literal["static", "auto"] = Field(
+        default="static",
+        description=(
+            "Gemini's chunk placement: static (the offload fractions below decide) or auto (Gemini moves chunks by "
+            "measured use). "
+            "Plugins that take each offload field: PluginSpec.offload in tasks/core/config/plugins.py; refused "
+            "elsewhere."
+        ),
+    )
+    cpu_offload: bool = Field(
+        default=False,
+        description=(
+            "Keep the fp32 master weights, Adam moments and the optimizer step in host memory instead of on the GPU "
+            "(low_level_zero; hybrid_parallel with zero_stage 1): less GPU memory, a slower step."
+        ),
+    )
+    offload_optim_frac: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Share of Gemini's fp32 master chunks and Adam moments kept in host memory (gemini, placement_policy "
+            "static)."
+        ),
+    )
+    offload_param_frac: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Share of Gemini's weight chunks kept in host memory (gemini, placement_policy static, offload_optim_frac "
+            "1.0)."
+        ),
+    )
+    max_norm: float = Field(
+        default=1.0, ge=0, description="Gradient clipping norm applied by the plugin's optimizer (0 disables)."
+    )
 
 
 _launch_schema = _registry_enum("backend", BACKENDS, "Where the stage's torchrun agents run: ")
 
 
 class LaunchConfig(Frozen):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_launch_schema)
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_launch_schema
+    )
 
-    backend: BackendName = Field(default="local", description="Where the stage's torchrun agents run (see tasks/core/config/backends.py).")
-    slurm: SlurmConfig | None = Field(default=None, description="Slurm job settings when backend is slurm; null takes every default (default partition and time limit, no GPUs).")
-    nproc_per_node: int = Field(default=1, ge=1, description="Processes (GPUs, or CPU ranks without CUDA) per node for this stage.")
+    backend: BackendName = Field(
+        default="local", description="Where the stage's torchrun agents run (see tasks/core/config/backends.py)."
+    )
+    slurm: SlurmConfig | None = Field(
+        default=None,
+        description="Slurm job settings when backend is slurm; null takes every default (default partition and time "
+        "limit, no GPUs).",
+    )
+    nproc_per_node: int = Field(
+        default=1, ge=1, description="Processes (GPUs, or CPU ranks without CUDA) per node for this stage."
+    )
     nnodes: int = Field(default=1, ge=1, description="Number of nodes the stage spans (torchrun --nnodes).")
-    node_rank: int = Field(default=0, ge=0, description="This node's rank when nnodes > 1 and no rendezvous endpoint is given.")
-    rdzv_endpoint: str | None = Field(default=None, description="host:port of the c10d rendezvous for multi-node runs; None picks a free local port.")
-    rdzv_id: str | None = Field(default=None, description="Rendezvous id shared by the nodes of one stage; defaults to the run name and stage.")
-    gpu_memory_gb: float | None = Field(default=None, gt=0, description=(
-        "Memory of each GPU this stage's ranks run on, in GB (1e9 bytes; an 80 GB H100 is 80): pre-flight refuses a layout whose "
-        "estimated memory per rank exceeds it and names the settings that fit (tasks/core/preflight/memory.py). null: the memory of "
-        "the GPU the worker sees, if any. Read by pre-flight only; not part of any digest."))
+    node_rank: int = Field(
+        default=0, ge=0, description="This node's rank when nnodes > 1 and no rendezvous endpoint is given."
+    )
+    rdzv_endpoint: str | None = Field(
+        default=None, description="host:port of the c10d rendezvous for multi-node runs; None picks a free local port."
+    )
+    rdzv_id: str | None = Field(
+        default=None, description="Rendezvous id shared by the nodes of one stage; defaults to the run name and stage."
+    )
+    gpu_memory_gb: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Memory of each GPU this stage's ranks run on, in GB (1e9 bytes; an 80 GB H100 is 80): pre-flight refuses "
+            "a layout whose "
+            "estimated memory per rank exceeds it and names the settings that fit (tasks/core/preflight/memory.py). "
+            "null: the memory of "
+            "the GPU the worker sees, if any. Read by pre-flight only; not part of any digest."
+        ),
+    )
 
     @property
     def world_size(self) -> int:
@@ -124,23 +200,58 @@ class LaunchConfig(Frozen):
 
 
 class EvalConfig(Frozen):
-    heldout_uri: str | None = Field(default=None, description=(
-        "fsspec URI or path of this stage's held-out set (same format and fields as the training data). "
-        "Training records identical to a held-out record are dropped from training. None: split heldout_fraction off the training data."))
-    heldout_fraction: float = Field(default=0.05, ge=0.0, le=0.5, description=(
-        "Without heldout_uri: the share of training records held out, chosen by a hash of each record's canonical JSON "
-        "(deterministic and order-independent; identical records land on the same side; at least one record). "
-        "0 with no heldout_uri: this stage is not evaluated."))
-    batch_size: int = Field(default=8, ge=1, description="Sequences per forward pass during evaluation; memory only, the metric is a token-weighted mean over every evaluated token.")
-    max_batches: int | None = Field(default=50, ge=1, description="Evaluate at most this many batches of the held-out set (the first ones, in file order); null evaluates all of it.")
-    dtype: Precision | None = Field(default=None, description=(
-        "Dtype both models of a comparison (and the generation check's model) are loaded in for evaluation, the same on both sides so the "
-        "comparison is fair. null: export.dtype on a GPU worker (bf16 by default), fp32 on CPU. A model that does not fit the first GPU "
-        "is spread over the visible GPUs (tasks/core/evaluation/placement.py)."))
-    heldout_sources: list[HeldoutSource] | None = Field(default=None, description=(
-        "CPT only: sources evaluated but never trained on, [{name, uri}], e.g. general text, to measure forgetting without replaying "
-        "it. prepare_cpt checks and tokenizes them into data/cpt/ beside the held-out split (never into the blend); evaluate_cpt "
-        "reports base vs CPT perplexity on each, like each trained source; gate.cpt_max_ppl_increase_pct may limit each by name."))
+    heldout_uri: str | None = Field(
+        default=None,
+        description=(
+            "fsspec URI or path of this stage's held-out set (same format and fields as the training data). "
+            "Training records identical to a held-out record are dropped from training. None: split heldout_fraction "
+            "off the training data."
+        ),
+    )
+    heldout_fraction: float = Field(
+        default=0.05,
+        ge=0.0,
+        le=0.5,
+        description=(
+            "Without heldout_uri: the share of training records held out, chosen by a hash of each record's canonical "
+            "JSON "
+            "(deterministic and order-independent; identical records land on the same side; at least one record). "
+            "0 with no heldout_uri: this stage is not evaluated."
+        ),
+    )
+    batch_size: int = Field(
+        default=8,
+        ge=1,
+        description="Sequences per forward pass during evaluation; memory only, the metric is a token-weighted mean "
+        "over every evaluated token.",
+    )
+    max_batches: int | None = Field(
+        default=50,
+        ge=1,
+        description="Evaluate at most this many batches of the held-out set (the first ones, in file order); null "
+        "evaluates all of it.",
+    )
+    dtype: Precision | None = Field(
+        default=None,
+        description=(
+            "Dtype both models of a comparison (and the generation check's model) are loaded in for evaluation, the "
+            "same on both sides so the "
+            "comparison is fair. null: export.dtype on a GPU worker (bf16 by default), fp32 on CPU. A model that does "
+            "not fit the first GPU "
+            "is spread over the visible GPUs (tasks/core/evaluation/placement.py)."
+        ),
+    )
+    heldout_sources: list[HeldoutSource] | None = Field(
+        default=None,
+        description=(
+            "CPT only: sources evaluated but never trained on, [{name, uri}], e.g. general text, to measure "
+            "forgetting without replaying "
+            "it. prepare_cpt checks and tokenizes them into data/cpt/ beside the held-out split (never into the "
+            "blend); evaluate_cpt "
+            "reports base vs CPT perplexity on each, like each trained source; gate.cpt_max_ppl_increase_pct may "
+            "limit each by name."
+        ),
+    )
 
     @model_validator(mode="after")
     def _distinct_names(self) -> EvalConfig:
@@ -149,7 +260,9 @@ class EvalConfig(Frozen):
             raise ValueError("eval.heldout_sources is empty: list at least one {name, uri}, or leave it out")
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
-            raise ValueError(f"eval.heldout_sources: the name {twice[0]!r} is given twice; each source needs its own name")
+            raise ValueError(
+                f"eval.heldout_sources: the name {twice[0]!r} is given twice; each source needs its own name"
+            )
         return self
 
     @property
@@ -164,13 +277,18 @@ def _registered_batching(name: str) -> str:
 
 
 BatchingName = Annotated[str, AfterValidator(_registered_batching), WithJsonSchema({"type": "string", "enum": None})]
-_batching_schema = _registry_enum("batching", BATCHING, "How SFT conversations fill each micro-batch (CPT blocks are always full): ")
+_batching_schema = _registry_enum(
+    "batching", BATCHING, "How SFT conversations fill each micro-batch (CPT blocks are always full): "
+)
 
 
 def _registered_kernels(switches: dict[str, bool]) -> dict[str, bool]:
     bad = unknown_kernels(switches)
     if bad:
-        raise ValueError(f"unknown kernel(s) {', '.join(map(repr, bad))}; registered kernels: {', '.join(kernel_names())} (tasks/core/config/kernels.py)")
+        raise ValueError(
+            f"unknown kernel(s) {', '.join(map(repr, bad))}; registered kernels: {', '.join(kernel_names())} "
+            "(tasks/core/config/kernels.py)"
+        )
     return switches
 
 
@@ -183,9 +301,12 @@ def _stage_schema(schema: dict[str, Any]) -> None:
     _batching_schema(schema)
     prop = schema["properties"]["kernels"]
     prop["propertyNames"] = {"enum": list(kernel_names())}
-    prop["description"] = ("Fast kernels this stage may use: each is on where the device and the installed packages support it "
-                           "(never without CUDA) unless switched off here, e.g. {flash_attention: false}; "
-                           + "; ".join(f"{n} ({s})" for n, s in kernel_summaries().items()) + ".")
+    prop["description"] = (
+        "Fast kernels this stage may use: each is on where the device and the installed packages support it "
+        "(never without CUDA) unless switched off here, e.g. {flash_attention: false}; "
+        + "; ".join(f"{n} ({s})" for n, s in kernel_summaries().items())
+        + "."
+    )
 
 
 # The linear projections of every supported family (tasks/core/models/families.py: llama, mistral,
@@ -199,27 +320,58 @@ def _target_regex(value: str) -> str:
         try:
             re.compile(value)
         except re.error as exc:
-            raise ValueError(f"{value!r} is neither 'all-linear' nor a valid regex ({exc}); write a list of module names, e.g. [q_proj, v_proj]") from None
+            raise ValueError(
+                f"{value!r} is neither 'all-linear' nor a valid regex ({exc}); write a list of module names, e.g. "
+                "[q_proj, v_proj]"
+            ) from None
     return value
 
 
 class LoraConfig(Frozen):
     """A LoRA adapter trained on the frozen base (peft's LoraConfig, through booster.enable_lora)."""
 
-    r: int = Field(default=8, ge=1, description="Rank of each adapter's low-rank update (B @ A, A: r x in, B: out x r).")
-    alpha: float = Field(default=16.0, gt=0, description="Scale of the update: the adapter adds (alpha / r) * B @ A to each targeted weight.")
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input (peft lora_dropout); 0 keeps a resumed run bitwise.")
-    target_modules: Annotated[str, AfterValidator(_target_regex)] | Annotated[tuple[str, ...], Field(min_length=1)] = Field(
-        default=LORA_TARGETS, description=(
-            "The modules that get an adapter, in peft's forms: a list of names, each matching a module whose name ends in it "
-            "(default every attention and MLP projection); 'all-linear', every linear module but the LM head; or any other "
-            "string, a regex that must match a module's whole name. Pre-flight refuses a target that adapts nothing."))
-    modules_to_save: tuple[str, ...] = Field(default=(), description=(
-        "Modules trained in full beside the adapters and saved with them (peft modules_to_save), e.g. ['lm_head'] "
-        "after adding tokens; empty: every base weight stays frozen."))
-    quantize: bool = Field(default=False, description=(
-        "QLoRA: load the frozen base in 4-bit NF4 (bitsandbytes, through booster.enable_lora(quantize=True)); needs CUDA "
-        "and bitsandbytes."))
+    r: int = Field(
+        default=8, ge=1, description="Rank of each adapter's low-rank update (B @ A, A: r x in, B: out x r)."
+    )
+    alpha: float = Field(
+        default=16.0,
+        gt=0,
+        description="Scale of the update: the adapter adds (alpha / r) * B @ A to each targeted weight.",
+    )
+    dropout: float = Field(
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on the adapter's input (peft lora_dropout); 0 keeps a resumed run bitwise.",
+    )
+    target_modules: Annotated[str, AfterValidator(_target_regex)] | Annotated[tuple[str, ...], Field(min_length=1)] = (
+        Field(
+            default=LORA_TARGETS,
+            description=(
+                "The modules that get an adapter, in peft's forms: a list of names, each matching a module whose name "
+                "ends in it "
+                "(default every attention and MLP projection); 'all-linear', every linear module but the LM head; or "
+                "any other "
+                "string, a regex that must match a module's whole name. Pre-flight refuses a target that adapts "
+                "nothing."
+            ),
+        )
+    )
+    modules_to_save: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "Modules trained in full beside the adapters and saved with them (peft modules_to_save), e.g. ['lm_head'] "
+            "after adding tokens; empty: every base weight stays frozen."
+        ),
+    )
+    quantize: bool = Field(
+        default=False,
+        description=(
+            "QLoRA: load the frozen base in 4-bit NF4 (bitsandbytes, through booster.enable_lora(quantize=True)); "
+            "needs CUDA "
+            "and bitsandbytes."
+        ),
+    )
 
     def targets_text(self) -> str:
         """target_modules for a log line or a card: the names, 'all-linear', or the regex quoted."""
@@ -228,94 +380,113 @@ class LoraConfig(Frozen):
 
 
 class StageConfig(Frozen):
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_stage_schema)
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_stage_schema
+    )
 
     data: DataConfig = Field(description="Training data of this stage.")
-    eval: EvalConfig = Field(default_factory=EvalConfig, description=(
-        "Held-out data of this stage and how its evaluation runs (CPT: base vs CPT perplexity; SFT: pre-SFT vs SFT loss on assistant tokens)."))
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig,
+        description=(
+            "Held-out data of this stage and how its evaluation runs (CPT: base vs CPT perplexity; SFT: pre-SFT vs "
+            "SFT loss on assistant tokens)."
+        ),
+    )
     plugin: PluginConfig = Field(description="The ColossalAI plugin and its parallel layout for this stage.")
-    launch: LaunchConfig = Field(default_factory=LaunchConfig, description="How many processes and nodes torchrun starts for this stage.")
+    launch: LaunchConfig = Field(
+        default_factory=LaunchConfig, description="How many processes and nodes torchrun starts for this stage."
+    )
     max_steps: int = Field(ge=1, description="Optimizer steps to train.")
     micro_batch_size: int = Field(default=1, ge=1, description="Sequences per data-parallel rank per micro-batch.")
-    grad_accum_steps: int = Field(default=1, ge=1, description="Micro-batches accumulated per optimizer step (pipeline micro-batches when pp_size > 1).")
+    grad_accum_steps: int = Field(
+        default=1,
+        ge=1,
+        description="Micro-batches accumulated per optimizer step (pipeline micro-batches when pp_size > 1).",
+    )
     seq_len: int = Field(ge=8, description="Tokens per sequence (CPT packing block, SFT truncation length).")
-    batching: BatchingName = Field(default="grouped", description="How SFT conversations fill each micro-batch (see tasks/core/config/batching.py).")
-    truncation: Literal["drop", "cut", "split_turns"] = Field(default="drop", description=(
-        "SFT: what a training chat longer than seq_len becomes, the same in every batching mode (prepare_data makes the rows): "
-        "'drop' leaves it out (the default: nothing is trained that does not fit); 'cut' keeps its first seq_len tokens, with the "
-        "reply the cut goes through unlabelled (no reply is trained as if it ended where it was cut); 'split_turns' makes rows of "
-        "whole exchanges (a user turn and its replies, after the system messages), as many a row as fit. Counted per source in "
-        "data/sft/index.json, run.json, the log and the model card. CPT documents are always split across blocks."))
-    kernels: KernelSwitches = Field(default_factory=dict, description=(
-        "Switch fast kernels off for this stage ({name: false}); every registered kernel is on where the device and installed "
-        "packages support it, off without CUDA (see tasks/core/config/kernels.py). true is the default, not a demand."))
-    activation_checkpointing: bool = Field(default=False, description=(
-        "Recompute each decoder layer's activations in the backward pass instead of keeping them: far less activation memory "
-        "for about one more forward pass of compute; the losses are the same. Not part of the stage's digest (see tasks/core/run/stages.py)."))
+    batching: BatchingName = Field(
+        default="grouped",
+        description="How SFT conversations fill each micro-batch (see tasks/core/config/batching.py).",
+    )
+    truncation: Literal["drop", "cut", "split_turns"] = Field(
+        default="drop",
+        description=(
+            "SFT: what a training chat longer than seq_len becomes, the same in every batching mode (prepare_data "
+            "makes the rows): "
+            "'drop' leaves it out (the default: nothing is trained that does not fit); 'cut' keeps its first seq_len "
+            "tokens, with the "
+            "reply the cut goes through unlabelled (no reply is trained as if it ended where it was cut); "
+            "'split_turns' makes rows of "
+            "whole exchanges (a user turn and its replies, after the system messages), as many a row as fit. Counted "
+            "per source in "
+            "data/sft/index.json, run.json, the log and the model card. CPT documents are always split across blocks."
+        ),
+    )
+    kernels: KernelSwitches = Field(
+        default_factory=dict,
+        description=(
+            "Switch fast kernels off for this stage ({name: false}); every registered kernel is on where the device "
+            "and installed "
+            "packages support it, off without CUDA (see tasks/core/config/kernels.py). true is the default, not a "
+            "demand."
+        ),
+    )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description=(
+            "Recompute each decoder layer's activations in the backward pass instead of keeping them: far less "
+            "activation memory "
+            "for about one more forward pass of compute; the losses are the same. Not part of the stage's digest (see "
+            "tasks/core/run/stages.py)."
+        ),
+    )
     lr: float = Field(gt=0, description="Peak learning rate.")
     min_lr: float = Field(default=0.0, ge=0, description="Final learning rate of the cosine/linear schedule.")
     warmup_steps: int = Field(default=0, ge=0, description="Linear warm-up steps.")
-    lr_schedule: Literal["cosine", "linear", "constant"] = Field(default="cosine", description="Learning-rate schedule after warm-up.")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field(
+        default="cosine", description="Learning-rate schedule after warm-up."
+    )
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW betas.")
-    checkpoint_every: int = Field(default=100, ge=1, description="Save a complete training checkpoint every this many steps (and at the last step).")
-    log_every: int | None = Field(default=None, ge=1, description="A console line every this many steps and at the last; null: 1, 2, 5, 10, ... for <= 25 lines a stage. Not digested.")
-    keep_last: int = Field(default=2, ge=1, description="Complete checkpoints kept; older ones are deleted only after a newer manifest is committed.")
-    max_pending_publishes: int = Field(default=2, ge=1, description=(
-        "With an s3:// (remote) run root: at most this many committed checkpoints may wait for their upload; a save that would "
-        "exceed it waits (and says so in the log and UI) until uploads catch up. Local staging holds up to keep_last + this many "
-        "checkpoints. Not part of the stage's digest: changing it re-trains nothing."))
+    checkpoint_every: int = Field(
+        default=100,
+        ge=1,
+        description="Save a complete training checkpoint every this many steps (and at the last step).",
+    )
+    log_every: int | None = Field(
+        default=None,
+        ge=1,
+        description="A console line every this many steps and at the last; null: 1, 2, 5, 10, ... for <= 25 lines a "
+        "stage. Not digested.",
+    )
+    keep_last: int = Field(
+        default=2,
+        ge=1,
+        description="Complete checkpoints kept; older ones are deleted only after a newer manifest is committed.",
+    )
+    max_pending_publishes: int = Field(
+        default=2,
+        ge=1,
+        description=(
+            "With an s3:// (remote) run root: at most this many committed checkpoints may wait for their upload; a "
+            "save that would "
+            "exceed it waits (and says so in the log and UI) until uploads catch up. Local staging holds up to "
+            "keep_last + this many "
+            "checkpoints. Not part of the stage's digest: changing it re-trains nothing."
+        ),
+    )
     seed: int = Field(default=1234, description="Seed for model init randomness, data order and dropout.")
-    lora: LoraConfig | None = Field(default=None, description=(
-        "Train a LoRA adapter on the frozen model instead of every weight (SFT only), e.g. {r: 16, alpha: 32}; checkpoints "
-        "hold the adapter and its optimizer, the base stays cpt/hf, and the export merges them in fp32. Supported under the "
-        "plugins whose registry row allows it (tasks/core/config/plugins.py PluginSpec.lora). "
-        "null: full fine-tuning."))
-
-
-class ExportConfig(Frozen):
-    dtype: Literal["fp32", "bf16", "fp16"] = Field(default="bf16", description="dtype of the exported safetensors.")
-    max_shard_size: str = Field(default="5GB", description="Largest safetensors shard of the export, e.g. '5GB' or '500MB'.")
-    fingerprint_rtol: float | None = Field(default=None, gt=0, description=(
-        "Logits sanity check after the bitwise weight proof: allowed max |logit difference| against the SFT fingerprint, relative to max |logit| "
-        "(top-1 must also agree wherever the reference's margin exceeds it); default 1e-5 for fp32, 0.04 for bf16, 0.005 for fp16."))
-    align_stop_tokens: bool = Field(default=True, description=(
-        "Make generation_config.json eos_token_id a list: the base model's eos plus the chat template's end-of-turn token(s), found by rendering "
-        "a conversation; pad_token_id set from the tokenizer. false keeps the base model's generation config as it is."))
-
-
-class GateConfig(GateBenchmarkFields):  # benchmarks: the limits on the benchmark stage's scores
-    enabled: bool = Field(default=True, description=(
-        "Check the thresholds below before push_to_hub; a failed gate skips the push and keeps every artifact. "
-        "false lets every run through (metrics are still computed and recorded)."))
-    cpt_max_ppl_increase_pct: float | dict[str, float] | None = Field(default=0.0, description=(
-        "Fail when the CPT model's held-out perplexity is more than this many percent above the base model's "
-        "(0: must not get worse; negative: must improve by at least that much); null: not checked. A mapping "
-        "{source: percent} (a cpt.data.sources mixture) checks each source's own held-out perplexity instead, e.g. "
-        "{general: 5.0}: the replayed general text may get at most 5 % worse, every source not named must not get worse."))
-    sft_loss_must_improve: bool = Field(default=True, description="Fail unless the SFT model's held-out loss on assistant tokens is below the pre-SFT (CPT) model's.")
-    generation_must_stop: bool = Field(default=True, description=(
-        "Fail unless the export's generation_config.json eos_token_id includes the chat template's end-of-turn token "
-        "and every greedy generation of a held-out prompt ends at an eos token within max_new_tokens."))
-    max_new_tokens: int = Field(default=256, ge=1, description="Generation check: the most tokens a reply may take before it must have stopped.")
-    num_prompts: int = Field(default=4, ge=1, description="Generation check: how many held-out SFT prompts (messages up to the last user turn) are decoded greedily.")
-
-
-class HubConfig(Frozen):
-    repo_id: str = Field(description="Target Hub repo, 'org/name'.")
-    private: bool = Field(default=True, description="Create the repo private.")
-    revision: str = Field(default="main", description="Branch to commit to (created if missing).")
-    commit_message: str = Field(default="cpt-to-sft export", description="Commit message of the single export commit.")
-    license: str | None = Field(default=None, description="License id for the model card metadata, e.g. 'apache-2.0'.")
-    tags: tuple[str, ...] = Field(default=(), description="Extra model card tags.")
-    push_provenance: bool = Field(default=True, description=(
-        "Also upload the export's provenance (.cpt-to-sft/: manifest, verification record, fingerprint) in its subfolder; false pushes only the model files and the card."))
-    push_adapter: bool = Field(default=False, description=(
-        "With sft.lora: also push export-adapter/ (the adapter alone, peft's layout) to hub.adapter_repo_id, or, when that is unset, to the "
-        "subfolder adapter/ of hub.repo_id in the same commit; never beside the merged weights. Its base_model_name_or_path is the run's "
-        "cpt/hf (a local reference: the CPT model is not pushed)."))
-    adapter_repo_id: str | None = Field(default=None, description=(
-        "Hub repo ('org/name', not hub.repo_id) the adapter goes to with hub.push_adapter; unset: the subfolder adapter/ of hub.repo_id."))
+    lora: LoraConfig | None = Field(
+        default=None,
+        description=(
+            "Train a LoRA adapter on the frozen model instead of every weight (SFT only), e.g. {r: 16, alpha: 32}; "
+            "checkpoints "
+            "hold the adapter and its optimizer, the base stays cpt/hf, and the export merges them in fp32. Supported "
+            "under the "
+            "plugins whose registry row allows it (tasks/core/config/plugins.py PluginSpec.lora). "
+            "null: full fine-tuning."
+        ),
+    )
 
 
 # Above this many GB of weights a logits check streams the model (tasks/core/models/stream.py):
@@ -325,24 +496,53 @@ VERIFY_MEMORY_GB = 4.0
 
 
 class RunConfig(Frozen):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$", description="Run name, shown in the Prefect run name and the model card.")
-    run_root: str = Field(description=(
-        "fsspec URI of this run's directory (local path, NFS path or s3://bucket/prefix); every stage artifact and run.json live under it. "
-        "Relative paths are relative to the project root."))
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
+        description="Run name, shown in the Prefect run name and the model card.",
+    )
+    run_root: str = Field(
+        description=(
+            "fsspec URI of this run's directory (local path, NFS path or s3://bucket/prefix); every stage artifact "
+            "and run.json live under it. "
+            "Relative paths are relative to the project root."
+        )
+    )
     base_model: BaseModelConfig = Field(description="Where the model to continue pre-training comes from.")
     cpt: StageConfig = Field(description="Continued pre-training: packed raw text under plugin A.")
-    sft: StageConfig = Field(description="Supervised fine-tuning: chat records, loss on assistant tokens, under plugin B.")
+    sft: StageConfig = Field(
+        description="Supervised fine-tuning: chat records, loss on assistant tokens, under plugin B."
+    )
     export: ExportConfig = Field(default_factory=ExportConfig, description="The HF safetensors export.")
-    benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig, description="lm-evaluation-harness scores of the base and the export on local tasks, before the gate.")
-    gate: GateConfig = Field(default_factory=GateConfig, description="Thresholds the evaluation must meet before the export is pushed to the Hub.")
+    benchmark: BenchmarkConfig = Field(
+        default_factory=BenchmarkConfig,
+        description="lm-evaluation-harness scores of the base and the export on local tasks, before the gate.",
+    )
+    gate: GateConfig = Field(
+        default_factory=GateConfig,
+        description="Thresholds the evaluation must meet before the export is pushed to the Hub.",
+    )
     hub: HubConfig | None = Field(default=None, description="Push the export to this Hub repo; None skips the push.")
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Experiment tracking: MLflow when tracking.mlflow.uri is set (TensorBoard event files are always written).")
-    staging_dir: str | None = Field(default=None, description="Local directory for staging remote artifacts; default a temp dir.")
-    verify_memory_gb: float = Field(default=VERIFY_MEMORY_GB, gt=0, description=(
-        "The flow process's logits checks (load_from_hf, unshard, export, cpt-to-sft verify) load a model whose weights in the checked dtype "
-        "are at most this many GB (1e9 bytes) whole; a larger one is streamed a decoder layer at a time from its safetensors files through "
-        "its own forward, bitwise the same logits, holding one layer instead of the model. A LoRA export whose base exceeds it in fp32 is "
-        "merged a tensor at a time, bitwise the same export. Changes no artifact, so no digest holds it."))
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig,
+        description="Experiment tracking: MLflow when tracking.mlflow.uri is set (TensorBoard event files are always "
+        "written).",
+    )
+    staging_dir: str | None = Field(
+        default=None, description="Local directory for staging remote artifacts; default a temp dir."
+    )
+    verify_memory_gb: float = Field(
+        default=VERIFY_MEMORY_GB,
+        gt=0,
+        description=(
+            "The flow process's logits checks (load_from_hf, unshard, export, cpt-to-sft verify) load a model whose "
+            "weights in the checked dtype "
+            "are at most this many GB (1e9 bytes) whole; a larger one is streamed a decoder layer at a time from its "
+            "safetensors files through "
+            "its own forward, bitwise the same logits, holding one layer instead of the model. A LoRA export whose "
+            "base exceeds it in fp32 is "
+            "merged a tensor at a time, bitwise the same export. Changes no artifact, so no digest holds it."
+        ),
+    )
 
     @property
     def run_uri(self) -> str:
@@ -351,4 +551,3 @@ class RunConfig(Frozen):
         from tasks.core.config.paths import project_root
 
         return str(project_root() / self.run_root)
-

@@ -29,20 +29,33 @@ FIELD = "tracking.mlflow.uri"
 
 
 class MlflowConfig(Frozen):
-    uri: str | None = Field(default=None, description=(
-        "MLflow tracking server URI (http://host:port). Set: one MLflow run per flow run, a nested run per training stage; "
-        "an unreachable server is a pre-flight error. Needs the [mlflow] extra (pip install 'cpt-to-sft[mlflow]')."
-    ))
-    experiment: str = Field(default="cpt-to-sft", min_length=1, description="MLflow experiment the runs are created in (created when missing).")
+    uri: str | None = Field(
+        default=None,
+        description=(
+            "MLflow tracking server URI (http://host:port). Set: one MLflow run per flow run, a nested run per "
+            "training stage; "
+            "an unreachable server is a pre-flight error. Needs the [mlflow] extra (pip install 'cpt-to-sft[mlflow]')."
+        ),
+    )
+    experiment: str = Field(
+        default="cpt-to-sft",
+        min_length=1,
+        description="MLflow experiment the runs are created in (created when missing).",
+    )
 
 
 class TrackingConfig(Frozen):
-    mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="Mirror params, per-step metrics and tags to an MLflow tracking server.")
+    mlflow: MlflowConfig = Field(
+        default_factory=MlflowConfig,
+        description="Mirror params, per-step metrics and tags to an MLflow tracking server.",
+    )
 
 
 # Config keys whose values are never sent (none of RunConfig's fields is a secret today; a
 # future `*_token` or a credentialed URI must not leak either).
-_SECRET = re.compile(r"(^|[._])(token|secret|password|passwd|api_key|access_key|secret_key|credentials?|auth)($|[._])", re.IGNORECASE)
+_SECRET = re.compile(
+    r"(^|[._])(token|secret|password|passwd|api_key|access_key|secret_key|credentials?|auth)($|[._])", re.IGNORECASE
+)
 _USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)[^/@]+@", re.IGNORECASE)
 
 
@@ -71,7 +84,10 @@ def check_uri(uri: str, timeout: float = 5.0) -> str | None:
     try:
         import mlflow  # noqa: F401
     except ImportError:
-        return f"{FIELD} is set to {redact(uri)} but the MLflow client is not installed: pip install 'cpt-to-sft[mlflow]' (or unset {FIELD})"
+        return (
+            f"{FIELD} is set to {redact(uri)} but the MLflow client is not installed: pip install "
+            f"'cpt-to-sft[mlflow]' (or unset {FIELD})"
+        )
     parts = urllib.parse.urlparse(uri)
     if parts.scheme not in ("http", "https"):
         return f"{redact(uri)}: expected an http(s):// MLflow tracking server URI"
@@ -84,7 +100,10 @@ def check_uri(uri: str, timeout: float = 5.0) -> str | None:
         # 404 (no such experiment), 401/403 (auth handled by the client's env): it is there.
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        return f"MLflow server at {redact(uri)} is unreachable ({reason}); start it, fix {FIELD}, or unset it to train without MLflow"
+        return (
+            f"MLflow server at {redact(uri)} is unreachable ({reason}); start it, fix {FIELD}, or unset it to "
+            "train without MLflow"
+        )
     return None
 
 

@@ -113,10 +113,16 @@ def source_order(n_items: int, seed: int, name: str, epoch: int) -> np.ndarray:
 def _picks(count: int, n_items: int, seed: int, name: str) -> np.ndarray:
     """The local items of a source's first `count` picks: whole passes, each its own permutation."""
     passes = -(-count // n_items)
-    return np.concatenate([source_order(n_items, seed, name, e) for e in range(passes)])[:count] if count else np.zeros(0, np.int64)
+    return (
+        np.concatenate([source_order(n_items, seed, name, e) for e in range(passes)])[:count]
+        if count
+        else np.zeros(0, np.int64)
+    )
 
 
-def blend_stream(names: Sequence[str], weights: Sequence[float], items: Sequence[int], seed: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
+def blend_stream(
+    names: Sequence[str], weights: Sequence[float], items: Sequence[int], seed: int, positions: int
+) -> tuple[np.ndarray, np.ndarray]:
     """(global item id, source) of each position; global ids are source-major (source 0's items first)."""
     src = interleave(weights, positions)
     base = np.concatenate([[0], np.cumsum(items)[:-1]]).astype(np.int64)
@@ -124,7 +130,9 @@ def blend_stream(names: Sequence[str], weights: Sequence[float], items: Sequence
     for s, (name, n) in enumerate(zip(names, items)):
         at = np.flatnonzero(src == s)
         if len(at) and n < 1:
-            raise BlendError(f"source {name!r} has no training sample to draw from; give it data or remove it from data.sources")
+            raise BlendError(
+                f"source {name!r} has no training sample to draw from; give it data or remove it from data.sources"
+            )
         out[at] = base[s] + _picks(len(at), int(n), seed, name)
     return out, src
 
@@ -163,8 +171,15 @@ def _packed_positions(names, weights, items, plan: BlendPlan, lengths: np.ndarra
     return lo
 
 
-def blend(names: Sequence[str], weights: Sequence[float], items: Sequence[int], tokens: Sequence[int], plan: BlendPlan,
-          seq_len: int, lengths: np.ndarray | None = None) -> tuple[np.ndarray, list[dict[str, Any]]]:
+def blend(
+    names: Sequence[str],
+    weights: Sequence[float],
+    items: Sequence[int],
+    tokens: Sequence[int],
+    plan: BlendPlan,
+    seq_len: int,
+    lengths: np.ndarray | None = None,
+) -> tuple[np.ndarray, list[dict[str, Any]]]:
     """The stream of the planned steps and its report per source.
 
     `items`: training samples of each source (CPT blocks, SFT conversations); `tokens`: its training
@@ -174,12 +189,22 @@ def blend(names: Sequence[str], weights: Sequence[float], items: Sequence[int], 
     positions = plan.units if plan.packed_seq_len is None else _packed_positions(names, w, items, plan, lengths)
     stream, src = blend_stream(names, w, items, plan.seed, positions)
     picked = np.bincount(src, minlength=len(names))
-    seen = picked * seq_len if lengths is None else np.bincount(src, weights=lengths[stream], minlength=len(names)).astype(np.int64)
+    seen = (
+        picked * seq_len
+        if lengths is None
+        else np.bincount(src, weights=lengths[stream], minlength=len(names)).astype(np.int64)
+    )
     report = [
         {
-            "name": name, "weight": round(float(w[s]), 6), "samples_available": int(items[s]), "tokens_available": int(tokens[s]),
-            "samples": int(picked[s]), "tokens": int(seen[s]), "token_share": round(float(seen[s] / max(1, seen.sum())), 6),
-            "sample_share": round(float(picked[s] / positions), 6), "epochs": round(float(picked[s] / max(1, items[s])), 4),
+            "name": name,
+            "weight": round(float(w[s]), 6),
+            "samples_available": int(items[s]),
+            "tokens_available": int(tokens[s]),
+            "samples": int(picked[s]),
+            "tokens": int(seen[s]),
+            "token_share": round(float(seen[s] / max(1, seen.sum())), 6),
+            "sample_share": round(float(picked[s] / positions), 6),
+            "epochs": round(float(picked[s] / max(1, items[s])), 4),
         }
         for s, name in enumerate(names)
     ]
@@ -194,12 +219,17 @@ def check_plan(index: dict[str, Any], plan: BlendPlan | None, data_dir: Any, sta
     have = BlendPlan(**meta["plan"]) if meta else None
     if have != plan:
         fields = "max_steps, micro_batch_size, grad_accum_steps, the data-parallel size, seed, batching"
-        raise BlendError(f"{data_dir} was blended for {have} but {stage} trains {plan}; prepare the data again for this stage "
-                         f"(prepare_{stage} re-runs when {stage}.{{{fields}}} change)")
+        raise BlendError(
+            f"{data_dir} was blended for {have} but {stage} trains {plan}; prepare the data again for this stage "
+            f"(prepare_{stage} re-runs when {stage}.{{{fields}}} change)"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m tasks.core.data.blend", description="The report of a blend of sources of the given sizes (CPT blocks).")
+    ap = argparse.ArgumentParser(
+        prog="python -m tasks.core.data.blend",
+        description="The report of a blend of sources of the given sizes (CPT blocks).",
+    )
     ap.add_argument("--weights", type=float, nargs="+", required=True)
     ap.add_argument("--items", type=int, nargs="+", required=True, help="training samples of each source")
     ap.add_argument("--positions", type=int, required=True, help="planned samples: max_steps x global batch")
@@ -208,7 +238,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     names = [f"s{i}" for i in range(len(a.weights))]
     _, report = blend(names, a.weights, a.items, a.items, BlendPlan(a.positions, 1, a.seed), seq_len=1)
     for r in report:
-        print(f"{r['name']:>6}  weight {r['weight']:.3f}  share {r['token_share']:.4f}  epochs {r['epochs']:8.3f}  of {r['samples_available']:,} samples")
+        print(
+            f"{r['name']:>6}  weight {r['weight']:.3f}  share {r['token_share']:.4f}  epochs {r['epochs']:8.3f}  of "
+            f"{r['samples_available']:,} samples"
+        )
 
 
 if __name__ == "__main__":

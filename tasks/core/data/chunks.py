@@ -42,7 +42,16 @@ import numpy as np
 
 from tasks.core.data.inputs import InputFile, resolve_inputs
 from tasks.core.data.records import compression_of, open_decompressed, parquet_records, text_records
-from tasks.core.data.shard import KEEP_BAD, BadRecordError, ShardSpec, file_table, read_summary, shard_dir, tokenize_records, verified_summary
+from tasks.core.data.shard import (
+    KEEP_BAD,
+    BadRecordError,
+    ShardSpec,
+    file_table,
+    read_summary,
+    shard_dir,
+    tokenize_records,
+    verified_summary,
+)
 from tasks.core.storage.fs import open_uri
 
 CHUNKS = "chunks"
@@ -94,7 +103,9 @@ class Chunk:
 
     def key(self, spec: ShardSpec) -> str:
         what = [self.inp.uri, self.inp.fmt, self.first_line, self.digest]
-        return hashlib.sha256(json.dumps({"chunk": what, **spec.key_fields()}, sort_keys=True).encode()).hexdigest()[:32]
+        return hashlib.sha256(json.dumps({"chunk": what, **spec.key_fields()}, sort_keys=True).encode()).hexdigest()[
+            :32
+        ]
 
     def records(self, max_chars: int) -> Iterator[tuple[int, Any]]:
         if self.mode == "rows":
@@ -106,7 +117,13 @@ class Chunk:
             return
         with open_uri(self.inp.uri, "rb") as f:
             f.seek(self.start)
-            yield from text_records(io.BufferedReader(_Range(f, self.end - self.start), 1 << 16), self.inp.uri, self.inp.fmt, max_chars, self.first_line)
+            yield from text_records(
+                io.BufferedReader(_Range(f, self.end - self.start), 1 << 16),
+                self.inp.uri,
+                self.inp.fmt,
+                max_chars,
+                self.first_line,
+            )
 
 
 @dataclass(frozen=True)
@@ -209,8 +226,13 @@ def _parquet_chunks(i: int, inp: InputFile, c: int) -> Iterator[Chunk]:
 
     with open_uri(inp.uri, "rb") as f:
         meta = pq.ParquetFile(f).metadata
-    groups = [(meta.row_group(g).num_rows, sum(meta.row_group(g).column(j).total_compressed_size for j in range(meta.num_columns)))
-              for g in range(meta.num_row_groups)]
+    groups = [
+        (
+            meta.row_group(g).num_rows,
+            sum(meta.row_group(g).column(j).total_compressed_size for j in range(meta.num_columns)),
+        )
+        for g in range(meta.num_row_groups)
+    ]
     n, start, first, row, size = 0, 0, 1, 1, 0
     for g, (rows, nbytes) in enumerate(groups):
         size, row = size + nbytes, row + rows
@@ -235,7 +257,7 @@ def _spill_chunks(i: int, inp: InputFile, c: int, spill: Path) -> Iterator[Chunk
                         break
                     j = block.find(b"\n", max(c - 1 - cnt.size, 0)) if cnt.size + len(block) >= c else -1
                     if j >= 0:
-                        block, carry = block[: j + 1], block[j + 1:]
+                        block, carry = block[: j + 1], block[j + 1 :]
                     out.write(block)
                     cnt.update(block)
                     if j >= 0:
@@ -261,7 +283,9 @@ def split(i: int, inp: InputFile, c: int, spill: Path) -> Iterator[Chunk] | None
     return _text_chunks(i, inp, bounds) if len(bounds) > 2 else None
 
 
-def work(inputs: list[InputFile], todo: list[int], spec: ShardSpec, out_dir: Path, c: int, largest_first: bool) -> Iterator[Chunk | Whole | FileChunks]:
+def work(
+    inputs: list[InputFile], todo: list[int], spec: ShardSpec, out_dir: Path, c: int, largest_first: bool
+) -> Iterator[Chunk | Whole | FileChunks]:
     """What the workers do for inputs[todo], in order: Whole files and the Chunks not cached yet, each
     file's FileChunks after its last chunk. Largest file first on a pool (the workers end together)."""
     order = sorted(todo, key=lambda i: -inputs[i].size) if largest_first else sorted(todo)
@@ -290,8 +314,17 @@ def tokenize_chunk(ch: Chunk, spec: ShardSpec, tokenizer_dir: str, out_dir: str 
     messages for the merge to report the file's as a whole-file pass would."""
     out, k = Path(out_dir), ch.key(spec)
     info = {"n": ch.n, "first_line": ch.first_line, "bytes": ch.size, "mode": ch.mode}
-    return tokenize_records(ch.records(spec.max_record_chars), ch.inp, spec, tokenizer_dir, out, chunk_dir(out, k), k,
-                            extra={"chunk": info}, keep_bad=max(KEEP_BAD, spec.max_bad_records + 1))
+    return tokenize_records(
+        ch.records(spec.max_record_chars),
+        ch.inp,
+        spec,
+        tokenizer_dir,
+        out,
+        chunk_dir(out, k),
+        k,
+        extra={"chunk": info},
+        keep_bad=max(KEEP_BAD, spec.max_bad_records + 1),
+    )
 
 
 def merge(fc: FileChunks, spec: ShardSpec, out_dir: str | Path) -> dict[str, Any]:
@@ -309,8 +342,11 @@ def merge(fc: FileChunks, spec: ShardSpec, out_dir: str | Path) -> dict[str, Any
     bad = [b for s in parts for b in s["bad_records"]]
     skipped = sum(s["skipped"] for s in parts)
     if skipped > spec.max_bad_records:
-        raise BadRecordError(f"{fc.inp.uri}: more than data.max_bad_records={spec.max_bad_records} bad records (the latest: {bad[spec.max_bad_records]}; "
-                             f"the first: {bad[0]}); fix the data or raise data.max_bad_records")
+        raise BadRecordError(
+            f"{fc.inp.uri}: more than data.max_bad_records={spec.max_bad_records} bad records (the latest: "
+            f"{bad[spec.max_bad_records]}; "
+            f"the first: {bad[0]}); fix the data or raise data.max_bad_records"
+        )
     tmp = final.parent / f".tmp-{key}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -330,17 +366,33 @@ def merge(fc: FileChunks, spec: ShardSpec, out_dir: str | Path) -> dict[str, Any
                 for k in fc.keys:
                     with open(chunk_dir(out, k) / name, "rb") as fi:
                         shutil.copyfileobj(fi, fo, _READ)
-        ids = [s["min_record_id"] for s in parts if s["min_record_id"]], [s["max_record_id"] for s in parts if s["max_record_id"]]
+        ids = (
+            [s["min_record_id"] for s in parts if s["min_record_id"]],
+            [s["max_record_id"] for s in parts if s["max_record_id"]],
+        )
         sides = {side: {f: sum(s[side][f] for s in parts) for f in parts[0][side]} for side in ("train", "heldout")}
         summary = {
             **{f: parts[0][f] for f in ("version", "dtype", "vocab_size")},
-            "key": key, "input": fc.inp.to_json(), "spec": spec.key_fields(),
-            "max_token_id": max(s["max_token_id"] for s in parts), "lines": max(s["lines"] for s in parts),
-            **{f: sum(s[f] for s in parts) for f in ("records", "skipped", "dropped_in_heldout_set", "dropped_no_labels")},
+            "key": key,
+            "input": fc.inp.to_json(),
+            "spec": spec.key_fields(),
+            "max_token_id": max(s["max_token_id"] for s in parts),
+            "lines": max(s["lines"] for s in parts),
+            **{
+                f: sum(s[f] for s in parts)
+                for f in ("records", "skipped", "dropped_in_heldout_set", "dropped_no_labels")
+            },
             # SFT: the chats longer than seq_len and what sft.truncation made of them, summed like the counts above
-            **({"truncation": {f: sum(s["truncation"][f] for s in parts) for f in parts[0]["truncation"]}} if "truncation" in parts[0] else {}),
-            **sides, "min_record_id": min(ids[0], default=None), "max_record_id": max(ids[1], default=None),
-            "bad_records": bad[:KEEP_BAD], "files": file_table(tmp),
+            **(
+                {"truncation": {f: sum(s["truncation"][f] for s in parts) for f in parts[0]["truncation"]}}
+                if "truncation" in parts[0]
+                else {}
+            ),
+            **sides,
+            "min_record_id": min(ids[0], default=None),
+            "max_record_id": max(ids[1], default=None),
+            "bad_records": bad[:KEEP_BAD],
+            "files": file_table(tmp),
         }
         (tmp / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
         listing = out / CHUNKS / f"{key}.json"
@@ -379,7 +431,9 @@ def clean_stale(out_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m tasks.core.data.chunks", description="The chunks a corpus file splits into.")
+    ap = argparse.ArgumentParser(
+        prog="python -m tasks.core.data.chunks", description="The chunks a corpus file splits into."
+    )
     ap.add_argument("uri")
     ap.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_MB)
     a = ap.parse_args(argv)

@@ -35,7 +35,9 @@ def label(i: int, name: str) -> str:
     return f"eval.heldout_sources[{i}] ({name}).uri"
 
 
-def resolve(sources: Sequence[Source], owner_of: dict[str, str], formats: Sequence[str] = FOLDER_FORMATS) -> list[list[InputFile]]:
+def resolve(
+    sources: Sequence[Source], owner_of: dict[str, str], formats: Sequence[str] = FOLDER_FORMATS
+) -> list[list[InputFile]]:
     """Each held-out-only source's files (a directory: the stage's data.formats); a file that a trained source
     (`owner_of`: uri -> name) also reads is refused."""
     out = []
@@ -43,8 +45,10 @@ def resolve(sources: Sequence[Source], owner_of: dict[str, str], formats: Sequen
         files = resolve_inputs(src.uri, label=label(i, src.name), formats=formats)
         for f in files:
             if f.uri in owner_of:
-                raise InputError(f"{label(i, src.name)}: {f.uri!r} is also a file of trained source {owner_of[f.uri]!r}; "
-                                 "a held-out-only source must be text the stage never trains on: point it at other files")
+                raise InputError(
+                    f"{label(i, src.name)}: {f.uri!r} is also a file of trained source {owner_of[f.uri]!r}; "
+                    "a held-out-only source must be text the stage never trains on: point it at other files"
+                )
         out.append(files)
     return out
 
@@ -56,23 +60,37 @@ def _records(i: int, src: Source, files: list[InputFile], field: str, max_record
             if isinstance(rec, BadRecord):
                 raise PrepareError(f"{label(i, src.name)}: {rec}; a held-out set must be clean")
             if not isinstance(rec.get(field), str):
-                raise PrepareError(f"{label(i, src.name)}: {f.uri}:{lineno}: no string field {field!r} (fields: {sorted(rec)}); "
-                                   "its records need data.text_field like the trained sources'")
+                raise PrepareError(
+                    f"{label(i, src.name)}: {f.uri}:{lineno}: no string field {field!r} (fields: {sorted(rec)}); "
+                    "its records need data.text_field like the trained sources'"
+                )
             records.append(rec)
     return records
 
 
-def write(out_dir: Path, sources: Sequence[Source], inputs: Sequence[list[InputFile]], tokenizer: Any, field: str, seq_len: int,
-          max_record_chars: int) -> list[dict[str, Any]]:
+def write(
+    out_dir: Path,
+    sources: Sequence[Source],
+    inputs: Sequence[list[InputFile]],
+    tokenizer: Any,
+    field: str,
+    seq_len: int,
+    max_record_chars: int,
+) -> list[dict[str, Any]]:
     """Check each source, write its records under out_dir/HELDOUT_ONLY_DIR, and return index.json's `heldout_sources`."""
     table = []
     for i, (src, files) in enumerate(zip(sources, inputs)):
         records = _records(i, src, files, field, max_record_chars)
         texts = [r[field] for r in records]
-        tokens = sum(len(ids) + 1 for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else 0  # + eos per document, as pack_cpt
+        tokens = (
+            sum(len(ids) + 1 for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else 0
+        )  # + eos per document, as pack_cpt
         if tokens < seq_len:
-            raise PrepareError(f"{label(i, src.name)}: {len(records)} records, {tokens} tokens, fewer than one block of seq_len={seq_len}; "
-                               "give it more text or remove it from cpt.eval.heldout_sources")
+            raise PrepareError(
+                f"{label(i, src.name)}: {len(records)} records, {tokens} tokens, fewer than one block of "
+                f"seq_len={seq_len}; "
+                "give it more text or remove it from cpt.eval.heldout_sources"
+            )
         rel = f"{HELDOUT_ONLY_DIR}/{src.name}.jsonl"
         path = Path(out_dir) / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -80,18 +98,31 @@ def write(out_dir: Path, sources: Sequence[Source], inputs: Sequence[list[InputF
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(rec, ensure_ascii=False, default=str) + "\n" for rec in records)
         os.replace(tmp, path)
-        table.append({"name": src.name, "file": rel, "inputs": [f.to_json() for f in files], "records": len(records), "tokens": tokens,
-                      "blocks": tokens // seq_len})
+        table.append(
+            {
+                "name": src.name,
+                "file": rel,
+                "inputs": [f.to_json() for f in files],
+                "records": len(records),
+                "tokens": tokens,
+                "blocks": tokens // seq_len,
+            }
+        )
     return table
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m tasks.core.data.heldout_only", description="Check one held-out-only source: records, tokens, blocks.")
+    ap = argparse.ArgumentParser(
+        prog="python -m tasks.core.data.heldout_only",
+        description="Check one held-out-only source: records, tokens, blocks.",
+    )
     ap.add_argument("--uri", required=True, nargs="+")
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--field", default="text")
-    ap.add_argument("--out", default=None, help="write heldout-sources/<name>.jsonl here (default: a temporary directory)")
+    ap.add_argument(
+        "--out", default=None, help="write heldout-sources/<name>.jsonl here (default: a temporary directory)"
+    )
     a = ap.parse_args(argv)
     import tempfile
 
@@ -100,7 +131,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     src = Source("source", a.uri if len(a.uri) > 1 else a.uri[0])
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            rows = write(Path(a.out or tmp), [src], resolve([src], {}), load_tokenizer(a.tokenizer), a.field, a.seq_len, 1 << 24)
+            rows = write(
+                Path(a.out or tmp), [src], resolve([src], {}), load_tokenizer(a.tokenizer), a.field, a.seq_len, 1 << 24
+            )
         except (InputError, PrepareError) as e:
             raise SystemExit(f"heldout_only: {e}") from None
     print(json.dumps({k: v for k, v in rows[0].items() if k != "inputs"}, indent=1))

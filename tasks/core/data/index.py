@@ -18,8 +18,18 @@ from typing import Any
 INDEX = "index.json"  # prepare.py writes it last
 # Every file a Hugging Face tokenizer may be built from; the fingerprint covers those present.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 
 
@@ -38,12 +48,21 @@ def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
             found.append(name)
             h.update(f"{name}\0{hashlib.sha256(p.read_bytes()).hexdigest()}\n".encode())
     if not found:
-        raise PrepareError(f"{d}: no tokenizer file ({', '.join(TOKENIZER_FILES[:3])}, ...); the model directory must hold its tokenizer")
+        raise PrepareError(
+            f"{d}: no tokenizer file ({', '.join(TOKENIZER_FILES[:3])}, ...); the model directory must hold its "
+            "tokenizer"
+        )
     return h.hexdigest()
 
 
 def check_fits_model(
-    index: dict[str, Any], data_dir: str | Path, model_dir: str | Path, stage: str, *, vocab_size: int | None = None, fingerprint: bool = True,
+    index: dict[str, Any],
+    data_dir: str | Path,
+    model_dir: str | Path,
+    stage: str,
+    *,
+    vocab_size: int | None = None,
+    fingerprint: bool = True,
 ) -> None:
     """Refuse shards made with another tokenizer than model_dir's, or holding ids beyond its vocabulary.
 
@@ -54,13 +73,18 @@ def check_fits_model(
         have = tokenizer_fingerprint(model_dir)
         if have != index["tokenizer_sha256"]:
             raise ValueError(
-                f"the tokenizer of {model_dir} (sha256 {have}) is not the one {data_dir} was prepared with (sha256 {index['tokenizer_sha256']}): "
-                f"{stage} would train on token ids the model reads differently; prepare the data again with this model's tokenizer"
+                f"the tokenizer of {model_dir} (sha256 {have}) is not the one {data_dir} was prepared with (sha256 "
+                f"{index['tokenizer_sha256']}): "
+                f"{stage} would train on token ids the model reads differently; prepare the data again with this "
+                "model's tokenizer"
             )
     if vocab_size is None:
         vocab_size = json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size")
     if vocab_size is not None and index["max_token_id"] >= vocab_size:
-        raise ValueError(f"token id {index['max_token_id']} in {data_dir} does not fit the vocab_size {vocab_size} of {model_dir}/config.json: tokenizer and model do not belong together")
+        raise ValueError(
+            f"token id {index['max_token_id']} in {data_dir} does not fit the vocab_size {vocab_size} of "
+            f"{model_dir}/config.json: tokenizer and model do not belong together"
+        )
 
 
 def special_tokens(tok, kind: str) -> dict[str, Any]:
@@ -73,7 +97,12 @@ def special_tokens(tok, kind: str) -> dict[str, Any]:
         return None if i is None else {"id": int(i), "token": tok.convert_ids_to_tokens(int(i))}
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    out = {"eos": one(tok.eos_token_id), "bos": one(tok.bos_token_id), "pad": one(pad), "pad_is": "pad_token" if tok.pad_token_id is not None else "eos_token"}
+    out = {
+        "eos": one(tok.eos_token_id),
+        "bos": one(tok.bos_token_id),
+        "pad": one(pad),
+        "pad_is": "pad_token" if tok.pad_token_id is not None else "eos_token",
+    }
     if kind == "sft":
         out["end_of_turn"] = [one(i) for i in end_of_turn_tokens(tok)]
     return out

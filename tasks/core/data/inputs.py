@@ -75,7 +75,9 @@ def _checksum(fs, path: str, info: dict) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def _expand(entry: str, label: str = "data.uri", formats: Sequence[str] = FOLDER_FORMATS, skipped: list[str] | None = None) -> tuple[object, list[str]]:
+def _expand(
+    entry: str, label: str = "data.uri", formats: Sequence[str] = FOLDER_FORMATS, skipped: list[str] | None = None
+) -> tuple[object, list[str]]:
     fs, path = fsspec.core.url_to_fs(entry)
     # fsspec reuses filesystem instances and s3fs caches listings in them: a file added or
     # rewritten since the last call in this process must not be missed (or keep its old ETag).
@@ -86,19 +88,30 @@ def _expand(entry: str, label: str = "data.uri", formats: Sequence[str] = FOLDER
             raise InputError(f"{label}: the glob {entry!r} matches no file; check the pattern and that the files exist")
         bad = [p for p in found if not _supported(p)]
         if bad:
-            raise InputError(f"{label}: the glob {entry!r} matches {_display(fs, bad[0])!r}, which is not {', '.join(FORMATS)} (optionally {', '.join(COMPRESSIONS)}); narrow the pattern")
+            raise InputError(
+                f"{label}: the glob {entry!r} matches {_display(fs, bad[0])!r}, which is not {', '.join(FORMATS)} "
+                f"(optionally {', '.join(COMPRESSIONS)}); narrow the pattern"
+            )
         return fs, found
     if fs.isdir(path):
         every = sorted(fs.find(path))
         found = [p for p in every if _supported(p, formats)]
-        others = [p[len(path.rstrip("/")) + 1:] for p in every if p not in found]
+        others = [p[len(path.rstrip("/")) + 1 :] for p in every if p not in found]
         if skipped is not None:
             skipped += others
         if not found:
             txt = [o for o in others if _supported(o, (".txt",))]
             field = f"{label.split('.', 1)[0]}.data.formats" if label.startswith(("cpt.", "sft.")) else "data.formats"
-            hint = f"; its {len(txt)} .txt file(s) are read from a folder only when {field} lists txt (or name them: a glob such as '<dir>/*.txt')" if txt else ""
-            raise InputError(f"{label}: the directory {entry!r} holds no {', '.join(formats)} file (optionally {', '.join(COMPRESSIONS)}){hint}; point {label} at the corpus files")
+            hint = (
+                f"; its {len(txt)} .txt file(s) are read from a folder only when {field} lists txt (or name them: a "
+                "glob such as '<dir>/*.txt')"
+                if txt
+                else ""
+            )
+            raise InputError(
+                f"{label}: the directory {entry!r} holds no {', '.join(formats)} file (optionally {', '.join(COMPRESSIONS)}){hint}; "
+                f"point {label} at the corpus files"
+            )
         return fs, found
     if not fs.exists(path):
         raise InputError(f"{label}: {entry} does not exist (no such file or directory); fix the path or URI")
@@ -112,8 +125,13 @@ def _readable(fs, path: str, info: dict) -> str:
     return ""
 
 
-def resolve_inputs(uri: str | Sequence[str], checksums: bool = True, label: str = "data.uri", formats: Sequence[str] = FOLDER_FORMATS,
-                   skipped: list[str] | None = None) -> list[InputFile]:
+def resolve_inputs(
+    uri: str | Sequence[str],
+    checksums: bool = True,
+    label: str = "data.uri",
+    formats: Sequence[str] = FOLDER_FORMATS,
+    skipped: list[str] | None = None,
+) -> list[InputFile]:
     """The input files of `data.uri`, each with size and checksum, in a deterministic order.
 
     checksums=False (pre-flight): every file is still opened, so an unreadable one is refused, but
@@ -131,13 +149,17 @@ def resolve_inputs(uri: str | Sequence[str], checksums: bool = True, label: str 
         for p in paths:
             shown = _display(fs, p)
             if shown in seen:
-                raise InputError(f"{label}: {shown!r} is named twice (by {seen[shown]!r} and {entry!r}); each file may appear once")
+                raise InputError(
+                    f"{label}: {shown!r} is named twice (by {seen[shown]!r} and {entry!r}); each file may appear once"
+                )
             seen[shown] = str(entry)
             try:
                 info = fs.info(p)
                 checksum = (_checksum if checksums else _readable)(fs, p, info)
             except PermissionError as e:
-                raise InputError(f"{label}: {shown!r} is not readable ({e}); fix its permissions or credentials") from None
+                raise InputError(
+                    f"{label}: {shown!r} is not readable ({e}); fix its permissions or credentials"
+                ) from None
             out.append(InputFile(uri=shown, size=int(info.get("size") or 0), checksum=checksum, fmt=format_of(p)))
     if all(f.size == 0 for f in out):
         which = out[0].uri if len(out) == 1 else f"every one of its {len(out)} files"

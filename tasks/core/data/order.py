@@ -19,7 +19,10 @@ import torch
 
 def _check_stream(perm, n_items: int) -> None:
     if len(perm) and not 0 <= int(perm.min()) <= int(perm.max()) < n_items:
-        raise ValueError(f"the epoch's stream names items outside the {n_items} the lengths cover (ids {int(perm.min())}..{int(perm.max())})")
+        raise ValueError(
+            f"the epoch's stream names items outside the {n_items} the lengths cover (ids "
+            f"{int(perm.min())}..{int(perm.max())})"
+        )
 
 
 class LengthGroups:
@@ -71,7 +74,10 @@ class Packs:
         self.seq_len, self.chunk = int(seq_len), int(chunk)
         too_long = int((self.lengths > self.seq_len).sum())
         if too_long:
-            raise ValueError(f"{too_long} conversations are longer than seq_len {self.seq_len}: prepare truncates to seq_len, so the data was prepared for another seq_len")
+            raise ValueError(
+                f"{too_long} conversations are longer than seq_len {self.seq_len}: prepare truncates to seq_len, so "
+                "the data was prepared for another seq_len"
+            )
 
     def pack(self, part: torch.Tensor) -> list[tuple[int, ...]]:
         """One chunk's rows, best-fit decreasing, before the epoch's shuffle (prepare_data counts them to plan a blend)."""

@@ -65,8 +65,12 @@ class Plan:
     blend: BlendPlan | None = None  # the planned steps a mixture is blended for
     heldout_only: list[Source] = field(default_factory=list)  # eval.heldout_sources: evaluated, never trained on
     heldout_only_inputs: list[list[InputFile]] = field(default_factory=list)
-    not_data: list[str] = field(default_factory=list)  # files of a source's directory that are not data.formats (never read)
-    chunk_bytes: int = int(chunks.DEFAULT_CHUNK_MB * 2**20)  # data.tokenize.chunk_mb: a larger file is split (chunks.py)
+    not_data: list[str] = field(
+        default_factory=list
+    )  # files of a source's directory that are not data.formats (never read)
+    chunk_bytes: int = int(
+        chunks.DEFAULT_CHUNK_MB * 2**20
+    )  # data.tokenize.chunk_mb: a larger file is split (chunks.py)
 
 
 @dataclass
@@ -97,7 +101,9 @@ def as_sources(uri: str | Sequence[str] | Sequence[Source]) -> list[Source]:
     return [Source(MAIN_SOURCE, uri)]
 
 
-def resolve_sources(sources: list[Source], formats: Sequence[str] = FOLDER_FORMATS, skipped: list[str] | None = None) -> tuple[list[InputFile], list[tuple[int, int]]]:
+def resolve_sources(
+    sources: list[Source], formats: Sequence[str] = FOLDER_FORMATS, skipped: list[str] | None = None
+) -> tuple[list[InputFile], list[tuple[int, int]]]:
     """Every source's files, in source order, and each source's range of them. A file may feed one
     source only; every message names the source's field. `formats`, `skipped`: resolve_inputs's."""
     inputs: list[InputFile] = []
@@ -108,7 +114,9 @@ def resolve_sources(sources: list[Source], formats: Sequence[str] = FOLDER_FORMA
         files = resolve_inputs(src.uri, label=label, formats=formats, skipped=skipped)
         for f in files:
             if f.uri in owner:
-                raise InputError(f"{label}: {f.uri!r} is also a file of source {owner[f.uri]!r}; a file may feed one source only")
+                raise InputError(
+                    f"{label}: {f.uri!r} is also a file of source {owner[f.uri]!r}; a file may feed one source only"
+                )
             owner[f.uri] = src.name
         ranges.append((len(inputs), len(inputs) + len(files)))
         inputs += files
@@ -116,30 +124,57 @@ def resolve_sources(sources: list[Source], formats: Sequence[str] = FOLDER_FORMA
 
 
 def plan(
-    uri: str | Sequence[str] | Sequence[Source], tokenizer_dir: str | Path, out_dir: str | Path, *, kind: str, field: str, seq_len: int,
-    heldout_fraction: float = 0.0, heldout_uri: str | Sequence[str] | None = None, on_bad_record: str = "error",
-    max_bad_records: int = 100, max_record_chars: int = 1 << 24, blend_plan: BlendPlan | None = None, heldout_sources: Sequence[Source] = (),
-    truncation_rule: str = "drop", formats: Sequence[str] = FOLDER_FORMATS,
+    uri: str | Sequence[str] | Sequence[Source],
+    tokenizer_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    kind: str,
+    field: str,
+    seq_len: int,
+    heldout_fraction: float = 0.0,
+    heldout_uri: str | Sequence[str] | None = None,
+    on_bad_record: str = "error",
+    max_bad_records: int = 100,
+    max_record_chars: int = 1 << 24,
+    blend_plan: BlendPlan | None = None,
+    heldout_sources: Sequence[Source] = (),
+    truncation_rule: str = "drop",
+    formats: Sequence[str] = FOLDER_FORMATS,
 ) -> Plan:
     """`uri`: data.uri's value, or the sources of a mixture; `blend_plan`: the steps a mixture is blended for;
     `heldout_sources`: held-out-only sources (tasks/core/data/heldout_only.py), CPT only."""
     out = Path(out_dir)
     sources = as_sources(uri)
     if len(sources) > 1 and blend_plan is None:
-        raise PrepareError(f"{len(sources)} sources ({', '.join(s.name for s in sources)}) need a BlendPlan: the steps their blend is made for")
+        raise PrepareError(
+            f"{len(sources)} sources ({', '.join(s.name for s in sources)}) need a BlendPlan: the steps their blend "
+            "is made for"
+        )
     if heldout_sources and kind != "cpt":
-        raise PrepareError("eval.heldout_sources: held-out-only sources are evaluated by perplexity, a CPT stage's; remove them from the SFT stage")
+        raise PrepareError(
+            "eval.heldout_sources: held-out-only sources are evaluated by perplexity, a CPT stage's; remove them from "
+            "the SFT stage"
+        )
     skipped: list[str] = []
     inputs, ranges = resolve_sources(sources, formats, skipped)
     owner = {inputs[j].uri: s.name for s, (a, b) in zip(sources, ranges) for j in range(a, b)}
     only_inputs = heldout_only.resolve(heldout_sources, owner, formats)
     if heldout_fraction and heldout_uri:
-        raise PrepareError("give eval.heldout_uri or eval.heldout_fraction, not both (set heldout_fraction: 0 when heldout_uri is set)")
+        raise PrepareError(
+            "give eval.heldout_uri or eval.heldout_fraction, not both (set heldout_fraction: 0 when heldout_uri is set)"
+        )
     held_inputs = resolve_inputs(heldout_uri) if heldout_uri else []
     spec = ShardSpec(
-        kind=kind, field=field, seq_len=seq_len, tokenizer_sha256=tokenizer_fingerprint(tokenizer_dir),
-        heldout_fraction=heldout_fraction, heldout_ids=_heldout_ids(held_inputs, max_record_chars) if held_inputs else frozenset(),
-        on_bad_record=on_bad_record, max_bad_records=max_bad_records, max_record_chars=max_record_chars, truncation=truncation_rule,
+        kind=kind,
+        field=field,
+        seq_len=seq_len,
+        tokenizer_sha256=tokenizer_fingerprint(tokenizer_dir),
+        heldout_fraction=heldout_fraction,
+        heldout_ids=_heldout_ids(held_inputs, max_record_chars) if held_inputs else frozenset(),
+        on_bad_record=on_bad_record,
+        max_bad_records=max_bad_records,
+        max_record_chars=max_record_chars,
+        truncation=truncation_rule,
     )
     keys = [spec.key(f) for f in inputs]
     todo, dropped = [], []
@@ -152,11 +187,27 @@ def plan(
             todo.append(i)
     if todo and kind == "cpt":
         freeze_encoder(str(tokenizer_dir), out, spec.tokenizer_sha256)  # workers then need no transformers
-    return Plan(out, str(tokenizer_dir), spec, inputs, keys, todo, held_inputs, dropped, sources, ranges, blend_plan if len(sources) > 1 else None,
-                list(heldout_sources), only_inputs, skipped)
+    return Plan(
+        out,
+        str(tokenizer_dir),
+        spec,
+        inputs,
+        keys,
+        todo,
+        held_inputs,
+        dropped,
+        sources,
+        ranges,
+        blend_plan if len(sources) > 1 else None,
+        list(heldout_sources),
+        only_inputs,
+        skipped,
+    )
 
 
-def run_files(p: Plan, indices: list[int], spec: ShardSpec, workers: int, progress: Callable[[dict], None] | None = None) -> dict[int, dict]:
+def run_files(
+    p: Plan, indices: list[int], spec: ShardSpec, workers: int, progress: Callable[[dict], None] | None = None
+) -> dict[int, dict]:
     """Tokenize inputs[indices] (a file larger than p.chunk_bytes a chunk at a time: tasks/core/data/chunks.py);
     summaries by index. In this process: in input order, so the first problem reported is the first in the
     corpus. On a pool: largest file first, so the workers end together."""
@@ -168,10 +219,16 @@ def _check_corpus(p: Plan, summaries: list[dict]) -> None:
     skipped = sum(s["skipped"] for s in summaries)
     where = f"{len(p.inputs)} input file{'s' if len(p.inputs) != 1 else ''} ({p.inputs[0].uri}{', ...' if len(p.inputs) > 1 else ''})"
     if records == 0:
-        raise PrepareError(f"the corpus has no usable record: {where}, {skipped} bad records skipped; check data.uri and data.{'text_field' if p.spec.kind == 'cpt' else 'messages_field'}")
+        raise PrepareError(
+            f"the corpus has no usable record: {where}, {skipped} bad records skipped; check data.uri and "
+            f"data.{'text_field' if p.spec.kind == 'cpt' else 'messages_field'}"
+        )
     if skipped > p.spec.max_bad_records:
         first = next(b for s in summaries for b in s["bad_records"])
-        raise PrepareError(f"{skipped} bad records in {where}, more than data.max_bad_records={p.spec.max_bad_records} (the first: {first}); fix the data or raise data.max_bad_records")
+        raise PrepareError(
+            f"{skipped} bad records in {where}, more than data.max_bad_records={p.spec.max_bad_records} (the first: "
+            f"{first}); fix the data or raise data.max_bad_records"
+        )
 
 
 def empty_files(rows: list[dict]) -> list[str]:
@@ -213,25 +270,56 @@ def _mixture(p: Plan, rows: list[dict], spec: ShardSpec) -> tuple[list[dict[str,
         tokens = sum(s["train"]["tokens"] for s in part)
         samples = tokens // spec.seq_len if spec.kind == "cpt" else sum(s["train"]["records"] for s in part)
         if len(p.sources) > 1 and samples == 0:
-            what = f"{tokens} training tokens, fewer than seq_len={spec.seq_len}" if spec.kind == "cpt" else "no training conversation"
-            raise PrepareError(f"source {src.name!r} ({part[0]['input']['uri'] if part else 'no file'}{', ...' if len(part) > 1 else ''}) has {what}; add data to it or remove it from data.sources")
-        table.append({"name": src.name, "files": [a, b], "samples_available": samples, "tokens_available": tokens,
-                      "heldout_records": sum(s["heldout"]["records"] for s in part), "heldout_tokens": sum(s["heldout"]["tokens"] for s in part),
-                      "truncation": truncation.total([s["truncation"] for s in part])})
+            what = (
+                f"{tokens} training tokens, fewer than seq_len={spec.seq_len}"
+                if spec.kind == "cpt"
+                else "no training conversation"
+            )
+            raise PrepareError(
+                f"source {src.name!r} ({part[0]['input']['uri'] if part else 'no file'}{', ...' if len(part) > 1 else ''}) "
+                f"has {what}; add data to it or remove it from data.sources"
+            )
+        table.append(
+            {
+                "name": src.name,
+                "files": [a, b],
+                "samples_available": samples,
+                "tokens_available": tokens,
+                "heldout_records": sum(s["heldout"]["records"] for s in part),
+                "heldout_tokens": sum(s["heldout"]["tokens"] for s in part),
+                "truncation": truncation.total([s["truncation"] for s in part]),
+            }
+        )
     if p.blend is None:
         table[0]["weight"] = 1.0
         return table, None
     lengths = None
     if spec.kind == "sft":  # every conversation's tokens, from the offsets alone
-        lengths = np.concatenate([np.diff(np.fromfile(shard_dir(p.out_dir, s["key"]) / "train.offsets", np.int64)) for s in rows])
-    stream, report = blend([s.name for s in p.sources], [s.weight for s in p.sources], [t["samples_available"] for t in table],
-                           [t["tokens_available"] for t in table], p.blend, spec.seq_len, lengths)
+        lengths = np.concatenate(
+            [np.diff(np.fromfile(shard_dir(p.out_dir, s["key"]) / "train.offsets", np.int64)) for s in rows]
+        )
+    stream, report = blend(
+        [s.name for s in p.sources],
+        [s.weight for s in p.sources],
+        [t["samples_available"] for t in table],
+        [t["tokens_available"] for t in table],
+        p.blend,
+        spec.seq_len,
+        lengths,
+    )
     data = stream.astype(stream.dtype.newbyteorder("<")).tobytes()
     _write_atomic(p.out_dir / BLEND_FILE, data)
     for t, r in zip(table, report):
         t.update(r)
-    meta = {"file": BLEND_FILE, "dtype": stream.dtype.name, "positions": len(stream), "sha256": hashlib.sha256(data).hexdigest(), "plan": p.blend.to_json(),
-            "unit": "blocks" if spec.kind == "cpt" else "conversations", "rule": "megatron-greedy"}
+    meta = {
+        "file": BLEND_FILE,
+        "dtype": stream.dtype.name,
+        "positions": len(stream),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "plan": p.blend.to_json(),
+        "unit": "blocks" if spec.kind == "cpt" else "conversations",
+        "rule": "megatron-greedy",
+    }
     return table, meta
 
 
@@ -245,7 +333,10 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
         lo = min(s["min_record_id"] for s in rows if s["min_record_id"])
         hi = max(s["max_record_id"] for s in rows if s["max_record_id"])
         if lo == hi:
-            raise PrepareError(f"{sum(s['records'] for s in rows)} records (1 distinct) cannot be split into a training and a held-out part; add data or give eval.heldout_uri")
+            raise PrepareError(
+                f"{sum(s['records'] for s in rows)} records (1 distinct) cannot be split into a training and a "
+                "held-out part; add data or give eval.heldout_uri"
+            )
         if sum(s["heldout"]["records"] for s in rows) == 0:
             # split_by_fraction's rule: no id below the fraction -> the lowest id is held out.
             # Only the files holding it are tokenized again, with that id forced to the held-out side.
@@ -257,26 +348,42 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
             for i, s in rows_again.items():
                 rows[i] = s
         if sum(s["train"]["records"] + s["dropped_no_labels"] for s in rows) == 0:
-            raise PrepareError(f"heldout_fraction={spec.heldout_fraction} holds out every distinct record; lower it or add data")
+            raise PrepareError(
+                f"heldout_fraction={spec.heldout_fraction} holds out every distinct record; lower it or add data"
+            )
         split = {"method": "hash-fraction", "fraction": spec.heldout_fraction, "forced": sorted(spec.force_heldout)}
     elif spec.heldout_ids:
-        split = {"method": "heldout-uri", "heldout": [f.to_json() for f in p.heldout_inputs], "heldout_ids": len(spec.heldout_ids)}
+        split = {
+            "method": "heldout-uri",
+            "heldout": [f.to_json() for f in p.heldout_inputs],
+            "heldout_ids": len(spec.heldout_ids),
+        }
     tok = load_tokenizer(p.tokenizer_dir)
     train_records = sum(s["train"]["records"] for s in rows)
     train_tokens = sum(s["train"]["tokens"] for s in rows)
     if spec.kind == "cpt" and train_tokens < spec.seq_len:
-        raise PrepareError(f"the corpus has {train_tokens} training tokens, fewer than seq_len={spec.seq_len}: add data or lower seq_len")
+        raise PrepareError(
+            f"the corpus has {train_tokens} training tokens, fewer than seq_len={spec.seq_len}: add data or lower "
+            "seq_len"
+        )
     if spec.kind == "sft" and train_records == 0:
         dropped = sum(s["dropped_no_labels"] for s in rows)
         too_long = sum((s.get("truncation") or {}).get("dropped", 0) for s in rows)
-        raise PrepareError(f"no SFT record has an assistant token within seq_len={spec.seq_len} ({dropped} dropped without one, {too_long} longer than seq_len "
-                           f"dropped by sft.truncation: {spec.truncation}): raise seq_len, choose sft.truncation: cut or split_turns, or check the data")
+        raise PrepareError(
+            f"no SFT record has an assistant token within seq_len={spec.seq_len} ({dropped} dropped without one, "
+            f"{too_long} longer than seq_len "
+            f"dropped by sft.truncation: {spec.truncation}): raise seq_len, choose sft.truncation: cut or "
+            "split_turns, or check the data"
+        )
     dtypes = {s["dtype"] for s in rows}
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if not p.sources:  # a Plan made by hand: data.uri's one source
         p.sources, p.ranges = [Source(MAIN_SOURCE, [f.uri for f in p.inputs])], [(0, len(p.inputs))]
     # What became of the training records longer than seq_len, per file (then per source and in all).
-    rows = [{**s, "truncation": truncation.file_counts(s, shard_dir(p.out_dir, s["key"]), spec.kind, spec.seq_len)} for s in rows]
+    rows = [
+        {**s, "truncation": truncation.file_counts(s, shard_dir(p.out_dir, s["key"]), spec.kind, spec.seq_len)}
+        for s in rows
+    ]
     sources, blend_meta = _mixture(p, rows, spec)
     index = {
         "version": INDEX_VERSION,
@@ -297,9 +404,16 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
         "blend": blend_meta,
         "files": [
             {
-                "input": s["input"], "shard": f"shards/{s['key']}", "records": s["records"], "skipped": s["skipped"],
-                "dropped_in_heldout_set": s["dropped_in_heldout_set"], "dropped_no_labels": s["dropped_no_labels"],
-                "train": s["train"], "heldout": s["heldout"], "bad_records": s["bad_records"][:5], "truncation": s["truncation"],
+                "input": s["input"],
+                "shard": f"shards/{s['key']}",
+                "records": s["records"],
+                "skipped": s["skipped"],
+                "dropped_in_heldout_set": s["dropped_in_heldout_set"],
+                "dropped_no_labels": s["dropped_no_labels"],
+                "train": s["train"],
+                "heldout": s["heldout"],
+                "bad_records": s["bad_records"][:5],
+                "truncation": s["truncation"],
             }
             for s in rows
         ],
@@ -315,11 +429,15 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
             "train_tokens": train_tokens,
             "heldout_records": sum(s["heldout"]["records"] for s in rows),
             "heldout_tokens": sum(s["heldout"]["tokens"] for s in rows),
-            "cpt_blocks": sum(t["samples_available"] for t in sources) if spec.kind == "cpt" else None,  # blocks never straddle two sources
+            "cpt_blocks": sum(t["samples_available"] for t in sources)
+            if spec.kind == "cpt"
+            else None,  # blocks never straddle two sources
         },
     }
     if p.heldout_only:  # only then: an index without them keeps the bytes (and digest) it had before they existed
-        index["heldout_sources"] = heldout_only.write(p.out_dir, p.heldout_only, p.heldout_only_inputs, tok, spec.field, spec.seq_len, spec.max_record_chars)
+        index["heldout_sources"] = heldout_only.write(
+            p.out_dir, p.heldout_only, p.heldout_only_inputs, tok, spec.field, spec.seq_len, spec.max_record_chars
+        )
     _write_atomic(p.out_dir / INDEX, (json.dumps(index, indent=1, sort_keys=True) + "\n").encode())
     return index
 
@@ -337,8 +455,15 @@ def prune(out_dir: Path, index: dict[str, Any]) -> int:
 
 
 def prepare(
-    uri: str | Sequence[str], tokenizer_dir: str | Path, out_dir: str | Path, *, workers: int = 1,
-    progress: Callable[[dict], None] | None = None, prune_unused: bool = False, chunk_mb: float = chunks.DEFAULT_CHUNK_MB, **spec: Any,
+    uri: str | Sequence[str],
+    tokenizer_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    workers: int = 1,
+    progress: Callable[[dict], None] | None = None,
+    prune_unused: bool = False,
+    chunk_mb: float = chunks.DEFAULT_CHUNK_MB,
+    **spec: Any,
 ) -> Result:
     """Resolve, tokenize what is missing (a failure keeps every file and chunk already done), index."""
     started = time.monotonic()
@@ -351,11 +476,19 @@ def prepare(
     index = finalize(p, summaries, workers)
     if prune_unused:
         prune(p.out_dir, index)
-    return Result(index, [p.inputs[i].uri for i in p.todo], [f.uri for i, f in enumerate(p.inputs) if i not in p.todo], time.monotonic() - started, p.dropped)
+    return Result(
+        index,
+        [p.inputs[i].uri for i in p.todo],
+        [f.uri for i, f in enumerate(p.inputs) if i not in p.todo],
+        time.monotonic() - started,
+        p.dropped,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m tasks.core.data.prepare", description="Tokenize a corpus into memory-mapped token shards.")
+    ap = argparse.ArgumentParser(
+        prog="python -m tasks.core.data.prepare", description="Tokenize a corpus into memory-mapped token shards."
+    )
     ap.add_argument("--uri", required=True, nargs="+", help="file(s), glob(s) or directory(ies), any fsspec URI")
     ap.add_argument("--tokenizer", required=True, help="directory holding the tokenizer (an HF model dir)")
     ap.add_argument("--out", required=True)
@@ -364,22 +497,48 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--heldout-fraction", type=float, default=0.0)
     ap.add_argument("--on-bad-record", choices=["error", "skip"], default="error")
-    ap.add_argument("--truncation", choices=["drop", "cut", "split_turns"], default="drop", help="SFT: a chat longer than seq_len")
+    ap.add_argument(
+        "--truncation", choices=["drop", "cut", "split_turns"], default="drop", help="SFT: a chat longer than seq_len"
+    )
     ap.add_argument("--max-bad-records", type=int, default=100)
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--chunk-mb", type=float, default=chunks.DEFAULT_CHUNK_MB, help="a file larger than this is tokenized in chunks, spread over the workers")
+    ap.add_argument(
+        "--chunk-mb",
+        type=float,
+        default=chunks.DEFAULT_CHUNK_MB,
+        help="a file larger than this is tokenized in chunks, spread over the workers",
+    )
     a = ap.parse_args(argv)
     try:
         r = prepare(
-            a.uri if len(a.uri) > 1 else a.uri[0], a.tokenizer, a.out, workers=a.workers, chunk_mb=a.chunk_mb, kind=a.kind,
-            field=a.field or ("text" if a.kind == "cpt" else "messages"), seq_len=a.seq_len, heldout_fraction=a.heldout_fraction,
-            on_bad_record=a.on_bad_record, max_bad_records=a.max_bad_records, truncation_rule=a.truncation,
+            a.uri if len(a.uri) > 1 else a.uri[0],
+            a.tokenizer,
+            a.out,
+            workers=a.workers,
+            chunk_mb=a.chunk_mb,
+            kind=a.kind,
+            field=a.field or ("text" if a.kind == "cpt" else "messages"),
+            seq_len=a.seq_len,
+            heldout_fraction=a.heldout_fraction,
+            on_bad_record=a.on_bad_record,
+            max_bad_records=a.max_bad_records,
+            truncation_rule=a.truncation,
         )
     except (InputError, PrepareError, ValueError) as e:
         raise SystemExit(f"prepare: {e}") from None
     for d in r.dropped:
         print(f"warning: {d}", file=sys.stderr)
-    print(json.dumps({"tokenized": len(r.tokenized), "reused": len(r.reused), "seconds": round(r.seconds, 2), **r.index["totals"]}, indent=1))
+    print(
+        json.dumps(
+            {
+                "tokenized": len(r.tokenized),
+                "reused": len(r.reused),
+                "seconds": round(r.seconds, 2),
+                **r.index["totals"],
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ def read_index(data_dir: Path) -> dict[str, Any]:
     try:
         return json.loads((Path(data_dir) / INDEX).read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"{data_dir}: no {INDEX}; the data was not prepared (the prepare_data stage makes it)") from None
+        raise FileNotFoundError(
+            f"{data_dir}: no {INDEX}; the data was not prepared (the prepare_data stage makes it)"
+        ) from None
 
 
 def blend_plan(stage_cfg: Any, stage: str) -> BlendPlan | None:
@@ -51,7 +53,9 @@ def blend_plan(stage_cfg: Any, stage: str) -> BlendPlan | None:
     if not stage_cfg.data.mixture:
         return None
     packed = stage == "sft" and BATCHING[stage_cfg.batching].packs
-    return BlendPlan(stage_cfg.max_steps, global_batch(stage_cfg), stage_cfg.seed, stage_cfg.seq_len if packed else None)
+    return BlendPlan(
+        stage_cfg.max_steps, global_batch(stage_cfg), stage_cfg.seed, stage_cfg.seq_len if packed else None
+    )
 
 
 def check_against_model(data_dir: Path, model_dir: Path, stage: str) -> dict[str, Any]:
@@ -73,14 +77,27 @@ def split_info(data_dir: Path, data_uri: str | list[str] | dict[str, Any]) -> di
     index = read_index(data_dir)
     t = index["totals"]
     keep = ("name", "weight", "token_share", "epochs", "tokens_available", "heldout_records", "truncation")
-    only = [{"name": s["name"], "records": s["records"], "tokens": s["tokens"], "inputs": [{k: f[k] for k in ("uri", "size", "checksum")} for f in s["inputs"]]}
-            for s in index.get("heldout_sources") or []]
+    only = [
+        {
+            "name": s["name"],
+            "records": s["records"],
+            "tokens": s["tokens"],
+            "inputs": [{k: f[k] for k in ("uri", "size", "checksum")} for f in s["inputs"]],
+        }
+        for s in index.get("heldout_sources") or []
+    ]
     return {
         "sources": [{k: s[k] for k in keep if k in s} for s in index.get("sources") or []],
         **({"heldout_sources": only} if only else {}),
-        "data_uri": data_uri, "files": t["files"], "prepared": str(data_dir), "tokenizer_sha256": index["tokenizer_sha256"],
-        **index["split"], "train_records": t["train_records"], "heldout_records": t["heldout_records"],
-        "dropped_no_labels": t["dropped_no_labels"], "skipped": t["skipped"],
+        "data_uri": data_uri,
+        "files": t["files"],
+        "prepared": str(data_dir),
+        "tokenizer_sha256": index["tokenizer_sha256"],
+        **index["split"],
+        "train_records": t["train_records"],
+        "heldout_records": t["heldout_records"],
+        "dropped_no_labels": t["dropped_no_labels"],
+        "skipped": t["skipped"],
         # records longer than seq_len: the rule and what it did (tasks/core/data/truncation.py)
         **({"truncation": {**index["truncation"], **t["truncation"]}} if "truncation" in index else {}),
         # every input file with its size and checksum (sha256, or the object store's etag): the
@@ -93,7 +110,11 @@ def iter_heldout(data_dir: Path) -> Iterator[dict]:
     """Held-out records in corpus order (fraction split), or eval.heldout_uri's records."""
     data_dir = Path(data_dir)
     index = read_index(data_dir)
-    files = [data_dir / HELDOUT_SET] if index["split"]["method"] == "heldout-uri" else [data_dir / f["shard"] / HELDOUT_SET for f in index["files"]]
+    files = (
+        [data_dir / HELDOUT_SET]
+        if index["split"]["method"] == "heldout-uri"
+        else [data_dir / f["shard"] / HELDOUT_SET for f in index["files"]]
+    )
     for path in files:
         with open(path, encoding="utf-8") as f:
             for line in f:
@@ -127,7 +148,9 @@ def heldout_by_source(data_dir: Path) -> dict[str, list[dict]] | None:
         out[sources[0]["name"]] = _read_jsonl(data_dir / HELDOUT_SET)
     for src in [] if by_file else sources:
         a, b = src["files"]
-        out[src["name"]] = [rec for f in index["files"][a:b] for rec in _read_jsonl(data_dir / f["shard"] / HELDOUT_SET)]
+        out[src["name"]] = [
+            rec for f in index["files"][a:b] for rec in _read_jsonl(data_dir / f["shard"] / HELDOUT_SET)
+        ]
     for src in only:
         out[src["name"]] = _read_jsonl(data_dir / src["file"])
     return out

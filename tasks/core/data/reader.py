@@ -39,16 +39,26 @@ class TokenDataset:
         try:
             self.index = json.loads((self.root / INDEX).read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"{self.root}: no {INDEX}; the data was not prepared (run the prepare_data stage)") from None
+            raise FileNotFoundError(
+                f"{self.root}: no {INDEX}; the data was not prepared (run the prepare_data stage)"
+            ) from None
         self.kind = self.index["kind"]
         self.split = split
         self.seq_len = int(seq_len or self.index["seq_len"])
         if self.kind == "sft" and self.seq_len != self.index["seq_len"]:
-            raise ValueError(f"the SFT data in {self.root} was prepared for seq_len={self.index['seq_len']}, not {self.seq_len}: prepare it again with this seq_len")
+            raise ValueError(
+                f"the SFT data in {self.root} was prepared for seq_len={self.index['seq_len']}, not {self.seq_len}: "
+                "prepare it again with this seq_len"
+            )
         self.pad = int(self.index["pad_token_id"])
         files = self.index["files"]
         self._dirs = [self.root / f["shard"] for f in files]
-        self._dtypes = [np.dtype(json.loads((d / "summary.json").read_text())["dtype"]) if self.index["dtype"] == "mixed" else np.dtype(self.index["dtype"]) for d in self._dirs]
+        self._dtypes = [
+            np.dtype(json.loads((d / "summary.json").read_text())["dtype"])
+            if self.index["dtype"] == "mixed"
+            else np.dtype(self.index["dtype"])
+            for d in self._dirs
+        ]
         self._maps: dict[tuple[int, str], np.ndarray] = {}
         # An index made before mixtures has no `sources`: its files are one source.
         self.sources = self.index.get("sources") or [{"name": "main", "files": [0, len(files)]}]
@@ -82,7 +92,10 @@ class TokenDataset:
         if self.split != "train" or not meta:
             return None
         if self.kind == "cpt" and self.seq_len != self.index["seq_len"]:
-            raise ValueError(f"the mixture in {self.root} was blended in blocks of seq_len={self.index['seq_len']}, not {self.seq_len}: prepare it again with this seq_len")
+            raise ValueError(
+                f"the mixture in {self.root} was blended in blocks of seq_len={self.index['seq_len']}, not "
+                f"{self.seq_len}: prepare it again with this seq_len"
+            )
         return np.memmap(self.root / meta["file"], dtype=np.dtype(meta["dtype"]).newbyteorder("<"), mode="r")
 
     def _map(self, f: int, what: str) -> np.ndarray:
@@ -130,7 +143,10 @@ class TokenDataset:
         """Real tokens of every item, in item order (one offsets array per file, no token read)."""
         if self.kind == "cpt":
             return np.full(self.num_items, self.seq_len, np.int64)
-        return np.concatenate([np.diff(np.asarray(self._map(f, "offsets"), np.int64)) for f in range(len(self._dirs))] or [np.zeros(0, np.int64)])
+        return np.concatenate(
+            [np.diff(np.asarray(self._map(f, "offsets"), np.int64)) for f in range(len(self._dirs))]
+            or [np.zeros(0, np.int64)]
+        )
 
     def batch(self, indices: Sequence[int], width: int | None = None) -> dict[str, np.ndarray]:
         """{"input_ids", "labels"[, "attention_mask"]} as int64 arrays [len(indices), width]; SFT rows

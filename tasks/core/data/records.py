@@ -56,7 +56,9 @@ def format_of(uri: str) -> str:
     for fmt in FORMATS:
         if name.endswith(fmt):
             return fmt
-    raise ValueError(f"data uri {uri!r}: unknown format; use one of {', '.join(FORMATS)} (optionally compressed {', '.join(COMPRESSIONS)})")
+    raise ValueError(
+        f"data uri {uri!r}: unknown format; use one of {', '.join(FORMATS)} (optionally compressed {', '.join(COMPRESSIONS)})"
+    )
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,8 @@ class _Decompressed(io.RawIOBase):
 
     def _corrupt(self, detail: str) -> CorruptFileError:
         return CorruptFileError(
-            f"{self.uri}: the {self.comp} stream is truncated or corrupt at compressed byte {self.consumed:,} ({detail}); "
+            f"{self.uri}: the {self.comp} stream is truncated or corrupt at compressed byte {self.consumed:,} "
+            f"({detail}); "
             "the file is damaged, not a record (data.on_bad_record does not apply): re-create or re-download it"
         )
 
@@ -129,7 +132,7 @@ class _Decompressed(io.RawIOBase):
         while self.off >= len(self.buf) and not self.done:
             self._fill()
         n = min(len(b), len(self.buf) - self.off)
-        b[:n] = self.buf[self.off:self.off + n]
+        b[:n] = self.buf[self.off : self.off + n]
         self.off += n
         return n
 
@@ -165,11 +168,15 @@ def _text_records(uri: str, fmt: str, max_chars: int) -> Iterator[tuple[int, dic
         yield from text_records(stream, uri, fmt, max_chars)
 
 
-def text_records(stream, uri: str, fmt: str, max_chars: int, first_line: int = 1) -> Iterator[tuple[int, dict | BadRecord]]:
+def text_records(
+    stream, uri: str, fmt: str, max_chars: int, first_line: int = 1
+) -> Iterator[tuple[int, dict | BadRecord]]:
     """The records of a binary stream of .jsonl/.txt lines; `first_line`: the stream's first line's
     number in `uri` (a chunk of a file starts past line 1, and is not where a byte-order mark can be)."""
     # utf-8-sig: a byte-order mark at the start (what Windows tools write) is not part of line 1.
-    f = io.TextIOWrapper(stream, encoding="utf-8-sig" if first_line == 1 else "utf-8", errors="surrogateescape", newline=None)
+    f = io.TextIOWrapper(
+        stream, encoding="utf-8-sig" if first_line == 1 else "utf-8", errors="surrogateescape", newline=None
+    )
     lineno = first_line - 1
     while True:
         # A size limit on readline keeps a runaway line (a binary file, a missing newline
@@ -183,7 +190,15 @@ def text_records(stream, uri: str, fmt: str, max_chars: int, first_line: int = 1
             while line and not line.endswith("\n"):
                 line = f.readline(max_chars + 1)
                 n += len(line)
-            yield lineno, BadRecord(uri, lineno, f"the line has over {max_chars:,} characters ({n:,}); raise data.max_record_chars or split the record")
+            yield (
+                lineno,
+                BadRecord(
+                    uri,
+                    lineno,
+                    f"the line has over {max_chars:,} characters ({n:,}); raise data.max_record_chars or split the "
+                    "record",
+                ),
+            )
             continue
         line = line.rstrip("\r\n")
         if not line.strip():
@@ -193,7 +208,14 @@ def text_records(stream, uri: str, fmt: str, max_chars: int, first_line: int = 1
                 line.encode("utf-8")
             except UnicodeEncodeError as e:
                 byte = ord(line[e.start]) - 0xDC00
-                yield lineno, BadRecord(uri, lineno, f"bytes that are not UTF-8 (0x{byte:02x} at character {e.start + 1}); save the file as UTF-8")
+                yield (
+                    lineno,
+                    BadRecord(
+                        uri,
+                        lineno,
+                        f"bytes that are not UTF-8 (0x{byte:02x} at character {e.start + 1}); save the file as UTF-8",
+                    ),
+                )
                 continue
         if fmt == ".txt":
             yield lineno, {"text": line}
@@ -201,7 +223,12 @@ def text_records(stream, uri: str, fmt: str, max_chars: int, first_line: int = 1
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            yield lineno, BadRecord(uri, lineno, f"malformed JSON ({e.msg} at column {e.colno}); every line must be one JSON object")
+            yield (
+                lineno,
+                BadRecord(
+                    uri, lineno, f"malformed JSON ({e.msg} at column {e.colno}); every line must be one JSON object"
+                ),
+            )
             continue
         if not isinstance(rec, dict):
             yield lineno, BadRecord(uri, lineno, f"expected a JSON object per line, got {type(rec).__name__}")
@@ -209,7 +236,9 @@ def text_records(stream, uri: str, fmt: str, max_chars: int, first_line: int = 1
         yield lineno, rec
 
 
-def parquet_records(uri: str, row_groups: Sequence[int] | None = None, first_row: int = 1) -> Iterator[tuple[int, dict | BadRecord]]:
+def parquet_records(
+    uri: str, row_groups: Sequence[int] | None = None, first_row: int = 1
+) -> Iterator[tuple[int, dict | BadRecord]]:
     """`row_groups` (all when None): a chunk of the file, whose first row is `first_row`."""
     import pyarrow.parquet as pq  # only parquet users pay for the import
 

@@ -44,7 +44,10 @@ def pack_cpt(tokenizer, records: Sequence[dict], text_field: str = "text", seq_l
     block is dropped.
     """
     if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no eos_token: CPT packing needs one to separate documents; set eos_token in tokenizer_config.json")
+        raise ValueError(
+            "the tokenizer has no eos_token: CPT packing needs one to separate documents; set eos_token in "
+            "tokenizer_config.json"
+        )
     texts = []
     for i, rec in enumerate(records):
         why = text_problem(rec, text_field)
@@ -72,7 +75,9 @@ def pack_cpt(tokenizer, records: Sequence[dict], text_field: str = "text", seq_l
 def validate_messages(messages: Any) -> None:
     """The SFT record rules, defined once for training and pre-flight: ValueError naming the message."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} objects, got {type(messages).__name__}")
+        raise ValueError(
+            f"messages must be a non-empty list of {{'role', 'content'}} objects, got {type(messages).__name__}"
+        )
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"message {j} must be an object with 'role' and 'content', got {m!r:.80}")
@@ -81,11 +86,16 @@ def validate_messages(messages: Any) -> None:
         if not isinstance(m["content"], str):
             raise ValueError(f"message {j} ({m['role']}) content must be a string, got {type(m['content']).__name__}")
         if m["role"] == "assistant" and not m["content"].strip():
-            raise ValueError(f"message {j} (assistant) is empty{' (whitespace only)' if m['content'] else ''}: an empty reply teaches nothing; write the reply or drop the record")
+            raise ValueError(
+                f"message {j} (assistant) is empty{' (whitespace only)' if m['content'] else ''}: an empty reply "
+                "teaches nothing; write the reply or drop the record"
+            )
     if messages[0]["role"] == "assistant":
         raise ValueError("message 0 is an assistant turn; a conversation must open with a system or user message")
     if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError("no assistant message: nothing to train on; every SFT record needs at least one assistant turn")
+        raise ValueError(
+            "no assistant message: nothing to train on; every SFT record needs at least one assistant turn"
+        )
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
@@ -126,7 +136,7 @@ def end_of_turn_tokens(tokenizer) -> list[int]:
             continue  # not prefix-stable: encode_chat refuses such templates before training
         # The reply's text has no special tokens, and the header is in the generation prompt:
         # every special token in between is the template closing the turn (what encode_chat labels).
-        found += [int(t) for t in turn[len(prompt):] if t in special and int(t) not in found]
+        found += [int(t) for t in turn[len(prompt) :] if t in special and int(t) not in found]
     return found
 
 
@@ -140,7 +150,9 @@ def encode_chat(tokenizer, messages: list[dict], seq_len: int | None) -> tuple[l
     model learns to stop; what follows it (a newline) is template scaffolding and stays -100.
     """
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("the tokenizer has no chat_template: SFT needs one to render conversations; add it to tokenizer_config.json")
+        raise ValueError(
+            "the tokenizer has no chat_template: SFT needs one to render conversations; add it to tokenizer_config.json"
+        )
     validate_messages(messages)
     full = render_chat(tokenizer, messages, add_generation_prompt=False)
     labels = [IGNORE_INDEX] * len(full)
@@ -152,9 +164,12 @@ def encode_chat(tokenizer, messages: list[dict], seq_len: int | None) -> tuple[l
         turn = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False)
         if turn[: len(prompt)] != prompt or full[: len(turn)] != turn:
             raise ValueError(
-                f"the chat template is not prefix-stable at message {i} (assistant): rendering the conversation up to that "
-                "turn with add_generation_prompt=True is not a token prefix of rendering it with the reply (or a later turn "
-                "re-renders earlier ones), so the assistant tokens cannot be located; use a template whose generation prompt "
+                f"the chat template is not prefix-stable at message {i} (assistant): rendering the conversation up to "
+                "that "
+                "turn with add_generation_prompt=True is not a token prefix of rendering it with the reply (or a "
+                "later turn "
+                "re-renders earlier ones), so the assistant tokens cannot be located; use a template whose generation "
+                "prompt "
                 "is exactly the assistant header and that renders past turns unchanged"
             )
         end = len(turn)
@@ -195,7 +210,9 @@ def _exchanges(messages: list[dict]) -> tuple[list[dict], list[list[dict]]]:
     return messages[:k], parts
 
 
-def training_rows(tokenizer, messages: list[dict], seq_len: int, truncation: str) -> tuple[list[tuple[list[int], list[int]]], str]:
+def training_rows(
+    tokenizer, messages: list[dict], seq_len: int, truncation: str
+) -> tuple[list[tuple[list[int], list[int]]], str]:
     """The training rows of one conversation and what became of it: 'fits' (one row), or, longer
     than seq_len, by `truncation`: 'drop' -> no row ('dropped'); 'cut' -> its first seq_len tokens,
     the reply the cut goes through unlabelled ('cut'; no row when no label is left); 'split_turns'
@@ -233,7 +250,11 @@ def training_rows(tokenizer, messages: list[dict], seq_len: int, truncation: str
 
 
 def encode_sft_with_stats(
-    tokenizer, records: Sequence[dict], messages_field: str = "messages", seq_len: int = 256, truncation: str | None = None
+    tokenizer,
+    records: Sequence[dict],
+    messages_field: str = "messages",
+    seq_len: int = 256,
+    truncation: str | None = None,
 ) -> tuple[dict[str, torch.LongTensor], int]:
     """encode_sft, also returning how many records were dropped (no labelled token left, or, with a
     `truncation` rule, left out by it). truncation=None: every record cut to seq_len as it is (evaluation's
@@ -247,36 +268,62 @@ def encode_sft_with_stats(
     rows_ids, rows_labels, lengths, dropped = [], [], [], 0
     for i, rec in enumerate(records):
         if not isinstance(rec, dict) or messages_field not in rec:
-            raise ValueError(f"record {i}: no field {messages_field!r} (fields: {sorted(rec) if isinstance(rec, dict) else type(rec).__name__}); set data.messages_field to the field holding the chat")
+            raise ValueError(
+                f"record {i}: no field {messages_field!r} (fields: {sorted(rec) if isinstance(rec, dict) else type(rec).__name__}); "
+                "set data.messages_field to the field holding the chat"
+            )
         try:
-            rows = [encode_chat(tokenizer, rec[messages_field], seq_len)] if truncation is None else training_rows(tokenizer, rec[messages_field], seq_len, truncation)[0]
+            rows = (
+                [encode_chat(tokenizer, rec[messages_field], seq_len)]
+                if truncation is None
+                else training_rows(tokenizer, rec[messages_field], seq_len, truncation)[0]
+            )
         except ValueError as e:
             raise ValueError(f"record {i}: {e}") from None
         rows = [(ids, labels) for ids, labels in rows if any(x != IGNORE_INDEX for x in labels)]
         if not rows:
-            dropped += 1  # truncation cut every assistant token (or the rule left it out): it would only add zero-loss padding
+            dropped += (
+                1  # truncation cut every assistant token (or the rule left it out): it would only add zero-loss padding
+            )
             continue
         for ids, labels in rows:
             lengths.append(len(ids))
             rows_ids.append(ids + [pad] * (seq_len - len(ids)))
             rows_labels.append(labels + [IGNORE_INDEX] * (seq_len - len(labels)))
     if dropped:
-        log.warning("dropped %d of %d SFT records: no assistant token left within seq_len=%d", dropped, len(records), seq_len)
+        log.warning(
+            "dropped %d of %d SFT records: no assistant token left within seq_len=%d", dropped, len(records), seq_len
+        )
     if not rows_ids:
-        raise ValueError(f"no SFT record has an assistant token within seq_len={seq_len} ({len(records)} records, {dropped} dropped): raise seq_len or check the data")
+        raise ValueError(
+            f"no SFT record has an assistant token within seq_len={seq_len} ({len(records)} records, {dropped} "
+            "dropped): raise seq_len or check the data"
+        )
     import torch
 
     input_ids = torch.tensor(rows_ids, dtype=torch.long)
     attention_mask = (torch.arange(seq_len)[None, :] < torch.tensor(lengths)[:, None]).long()
-    return {"input_ids": input_ids, "labels": torch.tensor(rows_labels, dtype=torch.long), "attention_mask": attention_mask}, dropped
+    return {
+        "input_ids": input_ids,
+        "labels": torch.tensor(rows_labels, dtype=torch.long),
+        "attention_mask": attention_mask,
+    }, dropped
 
 
-def encode_sft(tokenizer, records: Sequence[dict], messages_field: str = "messages", seq_len: int = 256, truncation: str | None = None) -> dict[str, torch.LongTensor]:
+def encode_sft(
+    tokenizer,
+    records: Sequence[dict],
+    messages_field: str = "messages",
+    seq_len: int = 256,
+    truncation: str | None = None,
+) -> dict[str, torch.LongTensor]:
     """{"input_ids", "labels", "attention_mask"}, each [N, seq_len], right-padded with pad_token_id.
 
     Records whose labels are all -100 after truncation are dropped (the count is logged).
     """
-    return encode_sft_with_stats(tokenizer, records, messages_field=messages_field, seq_len=seq_len, truncation=truncation)[0]
+    return encode_sft_with_stats(
+        tokenizer, records, messages_field=messages_field, seq_len=seq_len, truncation=truncation
+    )[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,7 +332,9 @@ def encode_sft(tokenizer, records: Sequence[dict], messages_field: str = "messag
 def main(argv: Sequence[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
-    p = argparse.ArgumentParser(prog="python -m tasks.core.data.samples", description="Show how a dataset is tokenized for a stage.")
+    p = argparse.ArgumentParser(
+        prog="python -m tasks.core.data.samples", description="Show how a dataset is tokenized for a stage."
+    )
     p.add_argument("--model", required=True, help="HF model dir holding the tokenizer")
     p.add_argument("--uri", required=True, help="dataset: .jsonl, .txt or .parquet")
     p.add_argument("--kind", choices=["cpt", "sft"], required=True)

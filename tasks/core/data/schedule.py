@@ -38,8 +38,14 @@ def run_item(item: ck.Chunk | ck.Whole, spec: ShardSpec, tokenizer_dir: str, out
     return tokenize_file(item.inp, spec, tokenizer_dir, out_dir)
 
 
-def drive(work: Iterator[ck.Chunk | ck.Whole | ck.FileChunks], runner: Runner, width: int, spec: ShardSpec, out_dir: str | Path,
-          progress: Callable[[dict], None] | None = None) -> dict[int, dict]:
+def drive(
+    work: Iterator[ck.Chunk | ck.Whole | ck.FileChunks],
+    runner: Runner,
+    width: int,
+    spec: ShardSpec,
+    out_dir: str | Path,
+    progress: Callable[[dict], None] | None = None,
+) -> dict[int, dict]:
     """Run `work` with at most `width` items in flight; the file summaries by input index.
 
     `progress` gets each whole file's summary and each chunk's (which carries `chunk`, and
@@ -74,8 +80,17 @@ def drive(work: Iterator[ck.Chunk | ck.Whole | ck.FileChunks], runner: Runner, w
             elif isinstance(item, ck.FileChunks):
                 ends[item.file] = item
                 if merge_ready(item.file) and progress:  # every chunk was cached: a file, no new records
-                    progress({"input": item.inp.to_json(), "chunk": {"bytes": 0}, "file_done": True, "records": 0, "skipped": 0,
-                              "train": {"tokens": 0}, "heldout": {"tokens": 0}})
+                    progress(
+                        {
+                            "input": item.inp.to_json(),
+                            "chunk": {"bytes": 0},
+                            "file_done": True,
+                            "records": 0,
+                            "skipped": 0,
+                            "train": {"tokens": 0},
+                            "heldout": {"tokens": 0},
+                        }
+                    )
             else:
                 if isinstance(item, ck.Chunk):
                     pending[item.file] = pending.get(item.file, 0) + 1
@@ -166,8 +181,16 @@ class Pool:
         self.pool.join()
 
 
-def run(inputs: list[InputFile], todo: list[int], spec: ShardSpec, tokenizer_dir: str, out_dir: str | Path, workers: int,
-        chunk_bytes: int, progress: Callable[[dict], None] | None = None) -> dict[int, dict]:
+def run(
+    inputs: list[InputFile],
+    todo: list[int],
+    spec: ShardSpec,
+    tokenizer_dir: str,
+    out_dir: str | Path,
+    workers: int,
+    chunk_bytes: int,
+    progress: Callable[[dict], None] | None = None,
+) -> dict[int, dict]:
     """Tokenize inputs[todo] (chunked where larger than the chunk size) on `workers` processes (1: here)."""
     sizes = [inputs[i].size for i in todo]
     c = ck.chunk_size(sizes, workers, chunk_bytes)

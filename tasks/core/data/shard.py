@@ -75,7 +75,10 @@ class ShardSpec:
         if self.kind not in ("cpt", "sft"):
             raise ValueError(f"kind={self.kind!r}: use 'cpt' or 'sft'")
         if self.on_bad_record not in ("error", "skip"):
-            raise ValueError(f"data.on_bad_record={self.on_bad_record!r}: use 'error' (stop at the first bad record) or 'skip' (count and leave it out)")
+            raise ValueError(
+                f"data.on_bad_record={self.on_bad_record!r}: use 'error' (stop at the first bad record) or 'skip' "
+                "(count and leave it out)"
+            )
         if self.truncation not in TRUNCATION:
             raise ValueError(f"truncation={self.truncation!r}: use one of {', '.join(TRUNCATION)}")
 
@@ -275,18 +278,41 @@ def verified_summary(path: Path) -> tuple[dict | None, str | None]:
         if name not in recorded:
             return None, f"{path / name} was not written with the shard"
         if have[name] != recorded[name]:
-            return None, f"{path / name} fails its sha256 check (sha256 {have[name]['sha256'][:16]}…, recorded when made {recorded[name]['sha256'][:16]}…; corrupted)"
+            return (
+                None,
+                (
+                    f"{path / name} fails its sha256 check (sha256 {have[name]['sha256'][:16]}…, recorded when made "
+                    f"{recorded[name]['sha256'][:16]}…; corrupted)"
+                ),
+            )
     return summary, None
 
 
 def tokenize_file(inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: str | Path) -> dict[str, Any]:
     """Tokenize one input file into shards/<key>/ and return its summary (summary.json)."""
     out_dir, key = Path(out_dir), spec.key(inp)
-    return tokenize_records(iter_file_records(inp.uri, inp.fmt, spec.max_record_chars), inp, spec, tokenizer_dir, out_dir, shard_dir(out_dir, key), key)
+    return tokenize_records(
+        iter_file_records(inp.uri, inp.fmt, spec.max_record_chars),
+        inp,
+        spec,
+        tokenizer_dir,
+        out_dir,
+        shard_dir(out_dir, key),
+        key,
+    )
 
 
-def tokenize_records(records: Iterable[tuple[int, dict | BadRecord]], inp: InputFile, spec: ShardSpec, tokenizer_dir: str, out_dir: Path, final: Path, key: str,
-                     extra: dict[str, Any] | None = None, keep_bad: int = KEEP_BAD) -> dict[str, Any]:
+def tokenize_records(
+    records: Iterable[tuple[int, dict | BadRecord]],
+    inp: InputFile,
+    spec: ShardSpec,
+    tokenizer_dir: str,
+    out_dir: Path,
+    final: Path,
+    key: str,
+    extra: dict[str, Any] | None = None,
+    keep_bad: int = KEEP_BAD,
+) -> dict[str, Any]:
     """Tokenize `records` (all of `inp`, or a chunk of it: tasks/core/data/chunks.py) into `final`, summary.json
     last (with `extra` in it), and return the summary; `keep_bad`: how many bad-record messages it keeps."""
     done, damaged = verified_summary(final)
@@ -294,11 +320,20 @@ def tokenize_records(records: Iterable[tuple[int, dict | BadRecord]], inp: Input
         return done
     if damaged:  # rebuilt from the input, never from the damaged bytes
         shutil.rmtree(final, ignore_errors=True)
-    tok = _cpt_encoder(tokenizer_dir, out_dir, spec.tokenizer_sha256) if spec.kind == "cpt" else load_tokenizer(tokenizer_dir)
+    tok = (
+        _cpt_encoder(tokenizer_dir, out_dir, spec.tokenizer_sha256)
+        if spec.kind == "cpt"
+        else load_tokenizer(tokenizer_dir)
+    )
     if spec.kind == "cpt" and tok.eos_token_id is None:
-        raise ValueError("the tokenizer has no eos_token: CPT packing needs one to separate documents; set eos_token in tokenizer_config.json")
+        raise ValueError(
+            "the tokenizer has no eos_token: CPT packing needs one to separate documents; set eos_token in "
+            "tokenizer_config.json"
+        )
     if spec.kind == "sft" and getattr(tok, "chat_template", None) is None:
-        raise ValueError("the tokenizer has no chat_template: SFT needs one to render conversations; add it to tokenizer_config.json")
+        raise ValueError(
+            "the tokenizer has no chat_template: SFT needs one to render conversations; add it to tokenizer_config.json"
+        )
     vocab = vocab_size_of(tok)
     dtype = token_dtype(vocab)
     tmp = final.parent / f".tmp-{key}-{os.getpid()}"
@@ -337,12 +372,16 @@ def tokenize_records(records: Iterable[tuple[int, dict | BadRecord]], inp: Input
         if spec.on_bad_record == "error" or counts["skipped"] > spec.max_bad_records:
             check_stream(inp.uri)  # a damaged compressed stream is named as such, not by its garbage
         if spec.on_bad_record == "error":
-            raise BadRecordError(f"{b}; fix the record, or set data.on_bad_record: skip to leave bad records out (at most data.max_bad_records of them)")
+            raise BadRecordError(
+                f"{b}; fix the record, or set data.on_bad_record: skip to leave bad records out (at most "
+                "data.max_bad_records of them)"
+            )
         if len(bad) < keep_bad:
             bad.append(str(b))
         if counts["skipped"] > spec.max_bad_records:
             raise BadRecordError(
-                f"{inp.uri}: more than data.max_bad_records={spec.max_bad_records} bad records (the latest: {b}; the first: {bad[0]}); "
+                f"{inp.uri}: more than data.max_bad_records={spec.max_bad_records} bad records (the latest: {b}; the "
+                f"first: {bad[0]}); "
                 "fix the data or raise data.max_bad_records"
             )
 
@@ -358,18 +397,44 @@ def tokenize_records(records: Iterable[tuple[int, dict | BadRecord]], inp: Input
                 reject(BadRecord(inp.uri, line, text_problem(rec, spec.field, record_fix=False), parquet))
                 continue
             if spec.kind == "cpt" and not value.strip():
-                reject(BadRecord(inp.uri, line, f"field {spec.field!r} is empty{' (whitespace only)' if value else ''}: no text to train on; fill it or drop the record", parquet))
+                reject(
+                    BadRecord(
+                        inp.uri,
+                        line,
+                        f"field {spec.field!r} is empty{' (whitespace only)' if value else ''}: no text to train on; "
+                        "fill it or drop the record",
+                        parquet,
+                    )
+                )
                 continue
             if spec.kind == "sft" and value is None:
-                reject(BadRecord(inp.uri, line, f"no field {spec.field!r} (fields: {sorted(rec)}); set data.messages_field to the field holding the chat", parquet))
+                reject(
+                    BadRecord(
+                        inp.uri,
+                        line,
+                        f"no field {spec.field!r} (fields: {sorted(rec)}); set data.messages_field to the field "
+                        "holding the chat",
+                        parquet,
+                    )
+                )
                 continue
             text = canonical_json(rec)
             if len(text) > spec.max_record_chars:
-                reject(BadRecord(inp.uri, line, f"the record has over {spec.max_record_chars:,} characters ({len(text):,}); raise data.max_record_chars or split the record", parquet))
+                reject(
+                    BadRecord(
+                        inp.uri,
+                        line,
+                        f"the record has over {spec.max_record_chars:,} characters ({len(text):,}); raise "
+                        "data.max_record_chars or split the record",
+                        parquet,
+                    )
+                )
                 continue
             if spec.kind == "sft":
                 try:
-                    ids, labels = encode_chat(tok, value, None)  # whole: the held-out side and the truncation rule cut it
+                    ids, labels = encode_chat(
+                        tok, value, None
+                    )  # whole: the held-out side and the truncation rule cut it
                 except ValueError as e:
                     reject(BadRecord(inp.uri, line, str(e), parquet))
                     continue
@@ -390,9 +455,13 @@ def tokenize_records(records: Iterable[tuple[int, dict | BadRecord]], inp: Input
                 if pending_chars >= _BATCH_CHARS:
                     flush()
             elif held:  # evaluated as the records are, cut to seq_len
-                sides[side].add([ids[:spec.seq_len]], [[int(y != IGNORE_INDEX) for y in labels[:spec.seq_len]]])
+                sides[side].add([ids[: spec.seq_len]], [[int(y != IGNORE_INDEX) for y in labels[: spec.seq_len]]])
             else:
-                rows, fate = training_rows(tok, value, spec.seq_len, spec.truncation) if len(ids) > spec.seq_len else ([(ids, labels)], "fits")
+                rows, fate = (
+                    training_rows(tok, value, spec.seq_len, spec.truncation)
+                    if len(ids) > spec.seq_len
+                    else ([(ids, labels)], "fits")
+                )
                 if fate != "fits":
                     over["over_seq_len"] += 1
                     over[fate] += 1
@@ -440,4 +509,3 @@ def tokenize_records(records: Iterable[tuple[int, dict | BadRecord]], inp: Input
         # Another worker finished the same key first (same input, same spec): its bytes are ours.
         shutil.rmtree(tmp, ignore_errors=True)
     return read_summary(final) or summary
-

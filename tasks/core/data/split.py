@@ -78,15 +78,24 @@ def split_by_fraction(records: Sequence[Any], fraction: float) -> Split:
     ids = [record_id(r) for r in records]
     unique = set(ids)
     if len(unique) < 2:
-        raise ValueError(f"{len(records)} records ({len(unique)} distinct) cannot be split into a training and a held-out part; add data or give eval.heldout_uri")
+        raise ValueError(
+            f"{len(records)} records ({len(unique)} distinct) cannot be split into a training and a held-out part; "
+            "add data or give eval.heldout_uri"
+        )
     held = {rid for rid in unique if unit(rid) < fraction}
     if not held:
         held = {min(unique)}  # at least one held-out record, still chosen by hash alone
     if held == unique:
-        raise ValueError(f"heldout_fraction={fraction} holds out all {len(unique)} distinct records; lower it or add data")
+        raise ValueError(
+            f"heldout_fraction={fraction} holds out all {len(unique)} distinct records; lower it or add data"
+        )
     train = [r for r, rid in zip(records, ids) if rid not in held]
     heldout = [r for r, rid in zip(records, ids) if rid in held]
-    return Split(train, heldout, _info("hash-fraction", [i for i in ids if i not in held], [i for i in ids if i in held], fraction=fraction))
+    return Split(
+        train,
+        heldout,
+        _info("hash-fraction", [i for i in ids if i not in held], [i for i in ids if i in held], fraction=fraction),
+    )
 
 
 def split_by_heldout(records: Sequence[Any], heldout: Sequence[Any], heldout_uri: str) -> Split:
@@ -98,9 +107,17 @@ def split_by_heldout(records: Sequence[Any], heldout: Sequence[Any], heldout_uri
     ids = [record_id(r) for r in records]
     train = [r for r, rid in zip(records, ids) if rid not in held]
     if not train:
-        raise ValueError(f"every training record also appears in the held-out set {heldout_uri}: nothing left to train on")
+        raise ValueError(
+            f"every training record also appears in the held-out set {heldout_uri}: nothing left to train on"
+        )
     train_ids = [i for i in ids if i not in held]
-    return Split(train, list(heldout), _info("heldout-uri", train_ids, held_ids, heldout_uri=heldout_uri, dropped_from_train=len(ids) - len(train_ids)))
+    return Split(
+        train,
+        list(heldout),
+        _info(
+            "heldout-uri", train_ids, held_ids, heldout_uri=heldout_uri, dropped_from_train=len(ids) - len(train_ids)
+        ),
+    )
 
 
 def overlap(split: Split) -> set[str]:
@@ -109,7 +126,10 @@ def overlap(split: Split) -> set[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m tasks.core.data.split", description="Show how a .jsonl file splits into training and held-out records.")
+    p = argparse.ArgumentParser(
+        prog="python -m tasks.core.data.split",
+        description="Show how a .jsonl file splits into training and held-out records.",
+    )
     p.add_argument("path", help="a local .jsonl file")
     p.add_argument("--fraction", type=float, default=0.05)
     a = p.parse_args(argv)

@@ -37,7 +37,9 @@ def file_counts(summary: dict[str, Any], shard: Path, kind: str, seq_len: int) -
     if kind == "cpt":
         return cpt_counts(shard, seq_len)
     got = summary.get("truncation") or {}
-    return {k: int(got.get(k, 0)) for k in SFT_KEYS} | {"chats": int(summary["records"]) - int(summary["dropped_in_heldout_set"]) - int(summary["heldout"]["records"])}
+    return {k: int(got.get(k, 0)) for k in SFT_KEYS} | {
+        "chats": int(summary["records"]) - int(summary["dropped_in_heldout_set"]) - int(summary["heldout"]["records"])
+    }
 
 
 def total(rows: list[dict[str, int]]) -> dict[str, int]:
@@ -56,11 +58,19 @@ def describe(counts: dict[str, int] | None, kind: str, rule: str | None, seq_len
     if not n:
         return ""
     rule = rule or "drop"
-    parts = [{"drop": f"{counts.get('dropped', 0):,} dropped", "cut": f"{counts.get('cut', 0):,} cut (the reply the cut goes through unlabelled)",
-              "split_turns": f"{counts.get('split', 0):,} split into {counts.get('split_rows', 0):,} rows of whole turns"}[rule]]
+    parts = [
+        {
+            "drop": f"{counts.get('dropped', 0):,} dropped",
+            "cut": f"{counts.get('cut', 0):,} cut (the reply the cut goes through unlabelled)",
+            "split_turns": f"{counts.get('split', 0):,} split into {counts.get('split_rows', 0):,} rows of whole turns",
+        }[rule]
+    ]
     if rule == "split_turns" and counts.get("dropped"):
         parts.append(f"{counts['dropped']:,} dropped (no exchange fits)")
-    return f"{n:,} of {counts.get('chats', n):,} training chats longer than seq_len={seq_len}: {', '.join(parts)} (sft.truncation: {rule})"
+    return (
+        f"{n:,} of {counts.get('chats', n):,} training chats longer than seq_len={seq_len}: {', '.join(parts)} "
+        f"(sft.truncation: {rule})"
+    )
 
 
 def main(argv: list[str]) -> None:

@@ -37,15 +37,23 @@ from tasks.core.evaluation.release import release
 
 LOCAL_BUILDERS = ("json", "parquet", "csv", "text", "arrow")
 REMOTE_SCHEMES = ("http", "https", "hf", "ftp", "github", "git")
-INSTALL_HINT = ("install lm-evaluation-harness as the project does: bash scripts/install.sh (or pip install -e '.[benchmark]', then "
-                "pip install --no-deps 'lm-eval==0.4.13' 'datasets==4.8.5' 'evaluate==0.4.6')")
+INSTALL_HINT = (
+    "install lm-evaluation-harness as the project does: bash scripts/install.sh (or pip install -e '.[benchmark]', "
+    "then "
+    "pip install --no-deps 'lm-eval==0.4.13' 'datasets==4.8.5' 'evaluate==0.4.6')"
+)
 
 
 class _Loader(yaml.SafeLoader):
     """lm-eval's YAML dialect read as data: `!function utils.x` kept as the string it names."""
 
 
-_Loader.add_multi_constructor("!", lambda loader, tag, node: f"!{tag} {loader.construct_scalar(node) if isinstance(node, yaml.ScalarNode) else ''}".strip())
+_Loader.add_multi_constructor(
+    "!",
+    lambda loader, tag, node: (
+        f"!{tag} {loader.construct_scalar(node) if isinstance(node, yaml.ScalarNode) else ''}".strip()
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -86,11 +94,17 @@ def read_task(uri: str) -> TaskFile:
     except yaml.YAMLError as exc:
         raise ValueError(f"{uri}: not valid YAML: {exc}") from None
     if not isinstance(config, dict) or not isinstance(config.get("task"), str):
-        raise ValueError(f"{uri}: an lm-eval task YAML needs a `task:` name (groups and tags are not supported; name each task's YAML)")
+        raise ValueError(
+            f"{uri}: an lm-eval task YAML needs a `task:` name (groups and tags are not supported; name each task's "
+            "YAML)"
+        )
     files = (config.get("dataset_kwargs") or {}).get("data_files")
     if isinstance(files, (str, list)):
         files = {"train": files}
-    data = {split: [_beside(uri, f) for f in ([fs] if isinstance(fs, str) else list(fs or []))] for split, fs in (files or {}).items()}
+    data = {
+        split: [_beside(uri, f) for f in ([fs] if isinstance(fs, str) else list(fs or []))]
+        for split, fs in (files or {}).items()
+    }
     return TaskFile(uri, config["task"], text, config, data)
 
 
@@ -99,15 +113,19 @@ def task_problems(task: TaskFile) -> list[str]:
     c, out = task.config, []
     path = c.get("dataset_path")
     if path not in LOCAL_BUILDERS:
-        out.append(f"dataset_path {path!r} is a dataset lm-eval would download from the Hub; use dataset_path: json (or {', '.join(LOCAL_BUILDERS[1:])}) "
-                   "with dataset_kwargs.data_files naming local files")
+        out.append(
+            f"dataset_path {path!r} is a dataset lm-eval would download from the Hub; use dataset_path: json (or {', '.join(LOCAL_BUILDERS[1:])}) "
+            "with dataset_kwargs.data_files naming local files"
+        )
     if not task.data:
         out.append("dataset_kwargs.data_files names no data file")
     for files in task.data.values():
         for f in files:
             scheme = f.split("://", 1)[0].split("::")[-1].lower() if "://" in f else ""
             if scheme in REMOTE_SCHEMES:
-                out.append(f"data file {f} would be downloaded ({scheme}://); copy it to local storage or s3:// and name that")
+                out.append(
+                    f"data file {f} would be downloaded ({scheme}://); copy it to local storage or s3:// and name that"
+                )
     if "include" in c:
         out.append(f"include: {c['include']!r} pulls in another task's YAML; write the task whole in one file")
     if "!function" in task.text:
@@ -125,8 +143,14 @@ def sha256_uri(uri: str) -> str:
 
 def fingerprint(tasks: Sequence[TaskFile]) -> list[dict[str, Any]]:
     """What the stage's digest covers of its tasks: each YAML's and data file's sha256."""
-    return [{"task": t.name, "yaml": hashlib.sha256(t.text.encode()).hexdigest(),
-             "data": {split: [sha256_uri(f) for f in files] for split, files in sorted(t.data.items())}} for t in tasks]
+    return [
+        {
+            "task": t.name,
+            "yaml": hashlib.sha256(t.text.encode()).hexdigest(),
+            "data": {split: [sha256_uri(f) for f in files] for split, files in sorted(t.data.items())},
+        }
+        for t in tasks
+    ]
 
 
 def fetch(tasks: Sequence[TaskFile], dest: Path) -> list[dict[str, Any]]:
@@ -144,8 +168,24 @@ def fetch(tasks: Sequence[TaskFile], dest: Path) -> list[dict[str, Any]]:
                 with _open(uri) as src, open(local, "wb") as dst:
                     while chunk := src.read(1 << 20):
                         dst.write(chunk)
-                files.append({"split": split, "uri": uri, "path": str(local.relative_to(dest)), "sha256": sha256_uri(str(local)), "bytes": local.stat().st_size})
-        out.append({"task": t.name, "uri": t.uri, "yaml": f"{t.name}/{yaml_name}", "yaml_sha256": hashlib.sha256(t.text.encode()).hexdigest(), "files": files})
+                files.append(
+                    {
+                        "split": split,
+                        "uri": uri,
+                        "path": str(local.relative_to(dest)),
+                        "sha256": sha256_uri(str(local)),
+                        "bytes": local.stat().st_size,
+                    }
+                )
+        out.append(
+            {
+                "task": t.name,
+                "uri": t.uri,
+                "yaml": f"{t.name}/{yaml_name}",
+                "yaml_sha256": hashlib.sha256(t.text.encode()).hexdigest(),
+                "files": files,
+            }
+        )
     return out
 
 
@@ -165,8 +205,15 @@ def runnable(tasks: Sequence[TaskFile], fetched: Sequence[dict], copies: Path, r
 
 def settings(cfg: BenchmarkConfig, dtype: str) -> dict[str, Any]:
     """The settings the scores were made with: config fields and lm-eval's version."""
-    return {"num_fewshot": cfg.num_fewshot, "apply_chat_template": cfg.apply_chat_template, "fewshot_as_multiturn": cfg.fewshot_as_multiturn,
-            "batch_size": cfg.batch_size, "dtype": dtype, "limit": cfg.limit, "lm_eval": lm_eval_version()}
+    return {
+        "num_fewshot": cfg.num_fewshot,
+        "apply_chat_template": cfg.apply_chat_template,
+        "fewshot_as_multiturn": cfg.fewshot_as_multiturn,
+        "batch_size": cfg.batch_size,
+        "dtype": dtype,
+        "limit": cfg.limit,
+        "lm_eval": lm_eval_version(),
+    }
 
 
 def lm_eval_version() -> str | None:
@@ -221,12 +268,23 @@ def flatten(results: dict[str, Any]) -> dict[str, Any]:
             if not filt or metric.endswith("_stderr") or not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
             scores.setdefault(task, {})[metric if filt == "none" else f"{metric},{filt}"] = float(value)
-    return {"scores": scores, "higher_is_better": results.get("higher_is_better") or {},
-            "samples": {t: (n or {}).get("effective") for t, n in (results.get("n-samples") or {}).items()},
-            "n_shot": dict(results.get("n-shot") or {}), "versions": {t: str(v) for t, v in (results.get("versions") or {}).items()}}
+    return {
+        "scores": scores,
+        "higher_is_better": results.get("higher_is_better") or {},
+        "samples": {t: (n or {}).get("effective") for t, n in (results.get("n-samples") or {}).items()},
+        "n_shot": dict(results.get("n-shot") or {}),
+        "versions": {t: str(v) for t, v in (results.get("versions") or {}).items()},
+    }
 
 
-def score(model_dir: Path, include_dir: Path, names: Sequence[str], cfg: BenchmarkConfig, dtype: str, trust_remote_code: bool = False) -> dict[str, Any]:
+def score(
+    model_dir: Path,
+    include_dir: Path,
+    names: Sequence[str],
+    cfg: BenchmarkConfig,
+    dtype: str,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
     """lm_eval.simple_evaluate of one HF folder on the tasks under `include_dir`, the model placed as
     the held-out evaluation places it; the model is released before this returns."""
     from tasks.core.evaluation.heldout import eval_device, load_model, load_tokenizer
@@ -239,14 +297,28 @@ def score(model_dir: Path, include_dir: Path, names: Sequence[str], cfg: Benchma
         tm, _ = load_tasks(include_dir, names)  # refuses a missing task before a model is loaded
         placed = where.place(model_dir, dtype, cfg.batch_size * 2048)
         model = load_model(model_dir, dtype, eval_device(), trust_remote_code, placed)
-        lm = HFLM(pretrained=model, tokenizer=load_tokenizer(model_dir, trust_remote_code), backend="causal", batch_size=cfg.batch_size,
-                  trust_remote_code=trust_remote_code)
+        lm = HFLM(
+            pretrained=model,
+            tokenizer=load_tokenizer(model_dir, trust_remote_code),
+            backend="causal",
+            batch_size=cfg.batch_size,
+            trust_remote_code=trust_remote_code,
+        )
         gone = weakref.ref(model)
         del model
         try:
-            results = lm_eval.simple_evaluate(model=lm, tasks=list(names), task_manager=tm, num_fewshot=cfg.num_fewshot, batch_size=cfg.batch_size,
-                                              limit=cfg.limit, apply_chat_template=cfg.apply_chat_template, fewshot_as_multiturn=cfg.fewshot_as_multiturn,
-                                              log_samples=False, bootstrap_iters=0)
+            results = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=list(names),
+                task_manager=tm,
+                num_fewshot=cfg.num_fewshot,
+                batch_size=cfg.batch_size,
+                limit=cfg.limit,
+                apply_chat_template=cfg.apply_chat_template,
+                fewshot_as_multiturn=cfg.fewshot_as_multiturn,
+                log_samples=False,
+                bootstrap_iters=0,
+            )
         finally:
             del lm
             release(gone)
@@ -268,8 +340,13 @@ def compare(base: dict[str, Any], export: dict[str, Any]) -> dict[str, dict[str,
             drop = None
             if before is not None and before != 0:
                 drop = 100.0 * ((before - after) if up else (after - before)) / abs(before)
-            out.setdefault(task, {})[metric] = {"base": before, "export": after, "change": None if before is None else after - before,
-                                                "drop_pct": drop, "higher_is_better": up}
+            out.setdefault(task, {})[metric] = {
+                "base": before,
+                "export": after,
+                "change": None if before is None else after - before,
+                "drop_pct": drop,
+                "higher_is_better": up,
+            }
     return out
 
 
@@ -280,23 +357,47 @@ def gate_checks(limits: dict[str, BenchmarkLimit], bench: dict[str, Any] | None,
         name, field_ = f"benchmark:{task}", f"gate.benchmarks.{task}"
         m = (tasks.get(task) or {}).get(lim.metric)
         if m is None:
-            have = f"it has {sorted(tasks.get(task) or {})}" if task in tasks else f"the benchmark scored {sorted(tasks) or 'no task'}"
-            check(name, False, f"benchmark {task!r}: no score for metric {lim.metric!r} ({have}); fix {field_}", task=task, metric=lim.metric)
+            have = (
+                f"it has {sorted(tasks.get(task) or {})}"
+                if task in tasks
+                else f"the benchmark scored {sorted(tasks) or 'no task'}"
+            )
+            check(
+                name,
+                False,
+                f"benchmark {task!r}: no score for metric {lim.metric!r} ({have}); fix {field_}",
+                task=task,
+                metric=lim.metric,
+            )
             continue
         parts, ok = [f"benchmark {task!r} {lim.metric}: export {m['export']:.4g} vs base {_g(m['base'])}"], True
         if lim.max_drop is not None:
             drop = m["drop_pct"]
             good = drop is not None and drop <= lim.max_drop
             ok &= good
-            parts.append(f"{'no base score to compare' if drop is None else f'{drop:+.2f}% worse'} (allowed at most {lim.max_drop:g}% by {field_}.max_drop)")
+            parts.append(
+                f"{'no base score to compare' if drop is None else f'{drop:+.2f}% worse'} (allowed at most "
+                f"{lim.max_drop:g}% by {field_}.max_drop)"
+            )
         if lim.min is not None:
             ok &= m["export"] >= lim.min
             parts.append(f"at least {lim.min:g} by {field_}.min")
         if lim.max is not None:
             ok &= m["export"] <= lim.max
             parts.append(f"at most {lim.max:g} by {field_}.max")
-        check(name, ok, "; ".join(parts), task=task, metric=lim.metric, before=m["base"], after=m["export"], drop_pct=m["drop_pct"],
-              max_drop=lim.max_drop, min=lim.min, max=lim.max)
+        check(
+            name,
+            ok,
+            "; ".join(parts),
+            task=task,
+            metric=lim.metric,
+            before=m["base"],
+            after=m["export"],
+            drop_pct=m["drop_pct"],
+            max_drop=lim.max_drop,
+            min=lim.min,
+            max=lim.max,
+        )
 
 
 def _g(x: Any) -> str:
@@ -311,9 +412,18 @@ def table_rows(bench: dict[str, Any] | None, verdict: dict[str, Any] | None = No
         c = by_check.get(f"benchmark:{task}")
         for metric, m in metrics.items():
             gated = c is not None and c.get("metric") == metric
-            rows.append({"task": task, "metric": metric, "base": _g(m["base"]), "export": _g(m["export"]),
-                         "change": "" if m["change"] is None else f"{m['change']:+.4g}" + ("" if m["drop_pct"] is None else f" ({-m['drop_pct']:+.2f}%)"),
-                         "gate": ("pass" if c["ok"] else "FAIL") if gated else ""})
+            rows.append(
+                {
+                    "task": task,
+                    "metric": metric,
+                    "base": _g(m["base"]),
+                    "export": _g(m["export"]),
+                    "change": ""
+                    if m["change"] is None
+                    else f"{m['change']:+.4g}" + ("" if m["drop_pct"] is None else f" ({-m['drop_pct']:+.2f}%)"),
+                    "gate": ("pass" if c["ok"] else "FAIL") if gated else "",
+                }
+            )
     return rows
 
 
@@ -325,17 +435,29 @@ def card_results(bench: dict[str, Any] | None) -> list:
     from huggingface_hub import EvalResult
 
     s = bench.get("settings") or {}
-    how = f"lm-eval {s.get('lm_eval')}, {s.get('num_fewshot') if s.get('num_fewshot') is not None else 'task default'}-shot, " \
-          f"chat template {'on' if s.get('apply_chat_template') else 'off'}, {s.get('dtype')}"
+    how = (
+        f"lm-eval {s.get('lm_eval')}, {s.get('num_fewshot') if s.get('num_fewshot') is not None else 'task default'}-shot, "
+        f"chat template {'on' if s.get('apply_chat_template') else 'off'}, {s.get('dtype')}"
+    )
     out = []
     for task, metrics in (bench.get("tasks") or {}).items():
         shots = (bench.get("n_shot") or {}).get(task)
         for metric, m in metrics.items():
             for who, value in (("", m["export"]), (", base model", m["base"])):
                 if value is not None:
-                    out.append(EvalResult(task_type="text-generation", dataset_type=task, dataset_name=f"{task} (local lm-eval task)", dataset_split="test",
-                                          metric_type=metric, metric_value=round(value, 6), metric_name=f"{metric}{who}", metric_config=how,
-                                          **({"task_name": f"{task}, {shots}-shot"} if shots is not None else {})))
+                    out.append(
+                        EvalResult(
+                            task_type="text-generation",
+                            dataset_type=task,
+                            dataset_name=f"{task} (local lm-eval task)",
+                            dataset_split="test",
+                            metric_type=metric,
+                            metric_value=round(value, 6),
+                            metric_name=f"{metric}{who}",
+                            metric_config=how,
+                            **({"task_name": f"{task}, {shots}-shot"} if shots is not None else {}),
+                        )
+                    )
     return out
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.config.kernels import cuda_available
-from tasks.core.config.schema import EvalConfig, ExportConfig
+from tasks.core.config.outputs import ExportConfig
+from tasks.core.config.schema import EvalConfig
 from tasks.core.data.samples import IGNORE_INDEX, encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
 from tasks.core.evaluation import placement as where
 from tasks.core.evaluation import release
@@ -60,18 +61,35 @@ def resolved(cfg: EvalConfig) -> EvalConfig:
     return cfg if cfg.dtype else cfg.model_copy(update={"dtype": where.eval_dtype(None, default, cuda_available())})
 
 
-def load_model(model_dir: str | Path, dtype: str, device: torch.device, trust_remote_code: bool = False,
-               placement: where.Placement | None = None):
+def load_model(
+    model_dir: str | Path,
+    dtype: str,
+    device: torch.device,
+    trust_remote_code: bool = False,
+    placement: where.Placement | None = None,
+):
     """The model in `dtype`, on `device`, or where `placement` puts it (a GPU, or spread over the
     visible GPUs); a placement that fits nowhere is refused before anything is read."""
     if placement is not None and placement.kind == "refused":
-        raise ValueError(f"{model_dir} cannot be evaluated on this node's GPUs: {placement.problem}; set eval.dtype: bf16 (half of fp32), "
-                         "a smaller eval.batch_size, or run the evaluation on a node with more GPU memory")
+        raise ValueError(
+            f"{model_dir} cannot be evaluated on this node's GPUs: {placement.problem}; set eval.dtype: bf16 (half of "
+            "fp32), "
+            "a smaller eval.batch_size, or run the evaluation on a node with more GPU memory"
+        )
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    kwargs = dict(torch_dtype=torch_dtype(dtype), use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True)
-    if placement is not None and placement.device_map is not None:  # straight onto the GPU(s), never whole in host memory
-        return AutoModelForCausalLM.from_pretrained(model_dir, device_map=placement.device_map, max_memory=placement.max_memory or None, **kwargs).eval()
+    kwargs = dict(
+        torch_dtype=torch_dtype(dtype),
+        use_safetensors=True,
+        trust_remote_code=trust_remote_code,
+        low_cpu_mem_usage=True,
+    )
+    if (
+        placement is not None and placement.device_map is not None
+    ):  # straight onto the GPU(s), never whole in host memory
+        return AutoModelForCausalLM.from_pretrained(
+            model_dir, device_map=placement.device_map, max_memory=placement.max_memory or None, **kwargs
+        ).eval()
     if device.type == "cpu" and any(Path(model_dir).glob("*.safetensors")):  # one copy of the weights, never two
         model = release.load_on_cpu(model_dir, kwargs["torch_dtype"], trust_remote_code)
         if (Path(model_dir) / "generation_config.json").is_file():
@@ -98,8 +116,14 @@ def same_tokenizer(a: Path, b: Path) -> None:
     """Both sides must see the same token ids; the flow copies tokenizer files, so this holds."""
     for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt"):
         fa, fb = Path(a) / name, Path(b) / name
-        if fa.is_file() and fb.is_file() and hashlib.sha256(fa.read_bytes()).digest() != hashlib.sha256(fb.read_bytes()).digest():
-            raise ValueError(f"{fa} and {fb} differ: the two models do not share a tokenizer, so their losses are not comparable")
+        if (
+            fa.is_file()
+            and fb.is_file()
+            and hashlib.sha256(fa.read_bytes()).digest() != hashlib.sha256(fb.read_bytes()).digest()
+        ):
+            raise ValueError(
+                f"{fa} and {fb} differ: the two models do not share a tokenizer, so their losses are not comparable"
+            )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -113,15 +137,22 @@ def limit_rows(batch: dict[str, torch.Tensor], cfg: EvalConfig) -> dict[str, tor
     return {k: v[:n] for k, v in batch.items()}
 
 
-def cpt_batch(tokenizer, records: Sequence[dict], text_field: str, seq_len: int, cfg: EvalConfig) -> dict[str, torch.Tensor]:
+def cpt_batch(
+    tokenizer, records: Sequence[dict], text_field: str, seq_len: int, cfg: EvalConfig
+) -> dict[str, torch.Tensor]:
     try:
         blocks = pack_cpt(tokenizer, records, text_field=text_field, seq_len=seq_len)
     except ValueError as exc:
-        raise ValueError(f"CPT held-out set ({len(records)} records): {exc}; raise cpt.eval.heldout_fraction or give cpt.eval.heldout_uri") from None
+        raise ValueError(
+            f"CPT held-out set ({len(records)} records): {exc}; raise cpt.eval.heldout_fraction or give "
+            "cpt.eval.heldout_uri"
+        ) from None
     return limit_rows({"input_ids": blocks, "labels": blocks.clone()}, cfg)
 
 
-def sft_batch(tokenizer, records: Sequence[dict], messages_field: str, seq_len: int, cfg: EvalConfig) -> tuple[dict[str, torch.Tensor], int]:
+def sft_batch(
+    tokenizer, records: Sequence[dict], messages_field: str, seq_len: int, cfg: EvalConfig
+) -> tuple[dict[str, torch.Tensor], int]:
     try:
         batch, dropped = encode_sft_with_stats(tokenizer, records, messages_field=messages_field, seq_len=seq_len)
     except ValueError as exc:
@@ -144,7 +175,10 @@ def heldout_loss(model, batch: dict[str, torch.Tensor], batch_size: int, device:
             logits = model(input_ids=ids, use_cache=False, **kwargs).logits.float()
             target = labels[:, 1:].to(logits.device)  # a spread model's logits are on its last GPU
             nll = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+                logits[:, :-1].reshape(-1, logits.shape[-1]),
+                target.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
             )
             total += float(nll.double())
             count += int((target != IGNORE_INDEX).sum())
@@ -154,8 +188,13 @@ def heldout_loss(model, batch: dict[str, torch.Tensor], batch_size: int, device:
         return {"loss": loss, "perplexity": perplexity(loss), "tokens": count}
 
 
-def compare_many(reference_dir: Path, candidate_dir: Path, batches: dict[str, dict[str, torch.Tensor]], cfg: EvalConfig,
-                 trust_remote_code: bool = False) -> dict[str, tuple[dict, dict]]:
+def compare_many(
+    reference_dir: Path,
+    candidate_dir: Path,
+    batches: dict[str, dict[str, torch.Tensor]],
+    cfg: EvalConfig,
+    trust_remote_code: bool = False,
+) -> dict[str, tuple[dict, dict]]:
     """{name: (reference, candidate) losses} on the very same batches, each model loaded once, one in
     memory at a time; each result names where its model ran (`device`)."""
     cfg = resolved(cfg)
@@ -175,7 +214,13 @@ def compare_many(reference_dir: Path, candidate_dir: Path, batches: dict[str, di
     return {name: (a, b) for name, (a, b) in out.items()}
 
 
-def compare(reference_dir: Path, candidate_dir: Path, batch: dict[str, torch.Tensor], cfg: EvalConfig, trust_remote_code: bool = False) -> tuple[dict, dict]:
+def compare(
+    reference_dir: Path,
+    candidate_dir: Path,
+    batch: dict[str, torch.Tensor],
+    cfg: EvalConfig,
+    trust_remote_code: bool = False,
+) -> tuple[dict, dict]:
     """(reference, candidate) losses on the very same batch, one model in memory at a time."""
     return compare_many(reference_dir, candidate_dir, {"": batch}, cfg, trust_remote_code)[""]
 
@@ -184,8 +229,17 @@ def _pct(after: float, before: float) -> float:
     return 100.0 * (after - before) / before if before and math.isfinite(before) else float("inf")
 
 
-def evaluate_cpt(base_dir: Path, cpt_dir: Path, heldout: Sequence[dict], text_field: str, seq_len: int, cfg: EvalConfig, trust_remote_code: bool = False,
-                 by_source: dict[str, Sequence[dict]] | None = None, heldout_only: Collection[str] = ()) -> dict[str, Any]:
+def evaluate_cpt(
+    base_dir: Path,
+    cpt_dir: Path,
+    heldout: Sequence[dict],
+    text_field: str,
+    seq_len: int,
+    cfg: EvalConfig,
+    trust_remote_code: bool = False,
+    by_source: dict[str, Sequence[dict]] | None = None,
+    heldout_only: Collection[str] = (),
+) -> dict[str, Any]:
     """Held-out loss and perplexity of the base model and of the CPT model on the CPT held-out set;
     with `by_source` (each source's held-out records), also on each source's own, in `sources` (a
     source with too little held-out text for one block says so in `skipped`); the names in
@@ -205,7 +259,10 @@ def evaluate_cpt(base_dir: Path, cpt_dir: Path, heldout: Sequence[dict], text_fi
     pairs = compare_many(base_dir, cpt_dir, batches, cfg, trust_remote_code)
     base, cpt = pairs[""]
     batch = batches[""]
-    sources = {name: {"skipped": skipped[name]} if name in skipped else _change(*pairs[f"source:{name}"]) for name in (by_source or {})}
+    sources = {
+        name: {"skipped": skipped[name]} if name in skipped else _change(*pairs[f"source:{name}"])
+        for name in (by_source or {})
+    }
     for name in heldout_only:
         sources[name]["held_out_only"] = True
     return {
@@ -223,7 +280,15 @@ def evaluate_cpt(base_dir: Path, cpt_dir: Path, heldout: Sequence[dict], text_fi
     }
 
 
-def evaluate_sft(pre_dir: Path, sft_dir: Path, heldout: Sequence[dict], messages_field: str, seq_len: int, cfg: EvalConfig, trust_remote_code: bool = False) -> dict[str, Any]:
+def evaluate_sft(
+    pre_dir: Path,
+    sft_dir: Path,
+    heldout: Sequence[dict],
+    messages_field: str,
+    seq_len: int,
+    cfg: EvalConfig,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
     """Held-out loss on assistant tokens of the pre-SFT (CPT) model and of the SFT export."""
     started = time.monotonic()
     cfg = resolved(cfg)
@@ -246,7 +311,12 @@ def evaluate_sft(pre_dir: Path, sft_dir: Path, heldout: Sequence[dict], messages
 
 
 def _change(base: dict, cpt: dict) -> dict[str, Any]:
-    return {"base": _lp(base), "cpt": _lp(cpt), "perplexity_change_pct": _pct(cpt["perplexity"], base["perplexity"]), "tokens": cpt["tokens"]}
+    return {
+        "base": _lp(base),
+        "cpt": _lp(cpt),
+        "perplexity_change_pct": _pct(cpt["perplexity"], base["perplexity"]),
+        "tokens": cpt["tokens"],
+    }
 
 
 def _lp(d: dict) -> dict[str, float]:
@@ -305,33 +375,60 @@ def generation_eos_problem(model_dir: Path, tokenizer) -> tuple[list[int], int |
     token = tokenizer.convert_ids_to_tokens(eot) if eot is not None else None
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
-        return [], eot, (
-            f"{path.name} is missing: generation would not know to stop at the chat template's end-of-turn token {token!r} (id {eot}); "
-            "set export.align_stop_tokens: true so the export writes one whose eos_token_id includes it"
+        return (
+            [],
+            eot,
+            (
+                f"{path.name} is missing: generation would not know to stop at the chat template's end-of-turn token "
+                f"{token!r} (id {eot}); "
+                "set export.align_stop_tokens: true so the export writes one whose eos_token_id includes it"
+            ),
         )
     eos = _eos_ids(json.loads(path.read_text()).get("eos_token_id"))
     if eot is not None and eot not in eos:
-        return eos, eot, (
-            f"generation_config.json eos_token_id {eos} lacks the chat template's end-of-turn token {token!r} (id {eot}): "
-            f"generation would run past the end of a reply; set export.align_stop_tokens: true (the default) so the export adds it, "
-            f"or add {eot} to eos_token_id"
+        return (
+            eos,
+            eot,
+            (
+                f"generation_config.json eos_token_id {eos} lacks the chat template's end-of-turn token {token!r} (id "
+                f"{eot}): "
+                "generation would run past the end of a reply; set export.align_stop_tokens: true (the default) so "
+                "the export adds it, "
+                f"or add {eot} to eos_token_id"
+            ),
         )
     return eos, eot, None
 
 
-def generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: str, max_new_tokens: int, num_prompts: int,
-                     dtype: str | None = None, trust_remote_code: bool = False) -> tuple[dict[str, Any], list[dict]]:
+def generation_check(
+    model_dir: Path,
+    heldout: Sequence[dict],
+    messages_field: str,
+    max_new_tokens: int,
+    num_prompts: int,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[dict[str, Any], list[dict]]:
     """Greedy replies to held-out prompts through the chat template, with the model's own
     generation config (as a user of the export gets it), placed as the held-out loss places it.
     Returns (summary, one row per prompt)."""
     import torch
 
     with torch.no_grad():
-        return _generation_check(model_dir, heldout, messages_field, max_new_tokens, num_prompts, dtype, trust_remote_code)
+        return _generation_check(
+            model_dir, heldout, messages_field, max_new_tokens, num_prompts, dtype, trust_remote_code
+        )
 
 
-def _generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: str, max_new_tokens: int, num_prompts: int,
-                      dtype: str | None, trust_remote_code: bool) -> tuple[dict[str, Any], list[dict]]:
+def _generation_check(
+    model_dir: Path,
+    heldout: Sequence[dict],
+    messages_field: str,
+    max_new_tokens: int,
+    num_prompts: int,
+    dtype: str | None,
+    trust_remote_code: bool,
+) -> tuple[dict[str, Any], list[dict]]:
     import torch
 
     started = time.monotonic()
@@ -341,7 +438,11 @@ def _generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: 
     prompts = distinct_prompts(heldout, messages_field, num_prompts)
     if not prompts:
         raise ValueError(f"no held-out SFT record has a user turn to prompt with ({len(heldout)} records)")
-    placed = where.place(model_dir, dtype, max(len(render_chat(tokenizer, p, add_generation_prompt=True)) for p in prompts) + max_new_tokens)
+    placed = where.place(
+        model_dir,
+        dtype,
+        max(len(render_chat(tokenizer, p, add_generation_prompt=True)) for p in prompts) + max_new_tokens,
+    )
     model = load_model(model_dir, dtype, eval_device(), trust_remote_code, placed)
     device = input_device(model, eval_device())
     stop_ids = set(_eos_ids(model.generation_config.eos_token_id))
@@ -350,16 +451,24 @@ def _generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: 
     try:
         for i, msgs in enumerate(prompts):
             ids = torch.tensor([render_chat(tokenizer, msgs, add_generation_prompt=True)], device=device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+            )
             new = out[0, ids.shape[1] :].tolist()
             stopped = bool(new) and new[-1] in stop_ids
-            rows.append({
-                "prompt": msgs,
-                "completion": tokenizer.decode(new, skip_special_tokens=False),
-                "new_tokens": len(new),
-                "stopped": stopped,
-                "stop_token": tokenizer.convert_ids_to_tokens(new[-1]) if stopped else None,
-            })
+            rows.append(
+                {
+                    "prompt": msgs,
+                    "completion": tokenizer.decode(new, skip_special_tokens=False),
+                    "new_tokens": len(new),
+                    "stopped": stopped,
+                    "stop_token": tokenizer.convert_ids_to_tokens(new[-1]) if stopped else None,
+                }
+            )
     finally:
         gone = weakref.ref(model)
         del model
@@ -367,7 +476,10 @@ def _generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: 
     stopped = sum(r["stopped"] for r in rows)
     problems = [eos_problem] if eos_problem else []
     if stopped < len(rows):
-        problems.append(f"{len(rows) - stopped} of {len(rows)} greedy generations did not stop at an eos token within max_new_tokens={max_new_tokens}")
+        problems.append(
+            f"{len(rows) - stopped} of {len(rows)} greedy generations did not stop at an eos token within "
+            f"max_new_tokens={max_new_tokens}"
+        )
     summary = {
         "passed": not problems,
         "problems": problems,
@@ -384,17 +496,29 @@ def _generation_check(model_dir: Path, heldout: Sequence[dict], messages_field: 
     return summary, rows
 
 
-def evaluate_one(model_dir: Path, records: Sequence[dict], kind: str, field: str, seq_len: int, cfg: EvalConfig) -> dict[str, Any]:
+def evaluate_one(
+    model_dir: Path, records: Sequence[dict], kind: str, field: str, seq_len: int, cfg: EvalConfig
+) -> dict[str, Any]:
     """Held-out loss and perplexity of one HF folder: packed text (cpt) or assistant tokens (sft)."""
     tok = load_tokenizer(model_dir)
-    batch = cpt_batch(tok, records, field, seq_len, cfg) if kind == "cpt" else sft_batch(tok, records, field, seq_len, cfg)[0]
+    batch = (
+        cpt_batch(tok, records, field, seq_len, cfg)
+        if kind == "cpt"
+        else sft_batch(tok, records, field, seq_len, cfg)[0]
+    )
     cfg = resolved(cfg)
     placed = where.place(model_dir, cfg.dtype, cfg.batch_size * seq_len)
     model = load_model(model_dir, cfg.dtype, eval_device(), placement=placed)
     device = input_device(model, eval_device())
     try:
-        return {"model": str(model_dir), **heldout_loss(model, batch, cfg.batch_size, device), "sequences": int(batch["input_ids"].shape[0]), "seq_len": seq_len,
-                "dtype": cfg.dtype, "device": placed.describe()}
+        return {
+            "model": str(model_dir),
+            **heldout_loss(model, batch, cfg.batch_size, device),
+            "sequences": int(batch["input_ids"].shape[0]),
+            "seq_len": seq_len,
+            "dtype": cfg.dtype,
+            "device": placed.describe(),
+        }
     finally:
         gone = weakref.ref(model)
         del model
@@ -404,10 +528,18 @@ def evaluate_one(model_dir: Path, records: Sequence[dict], kind: str, field: str
 def main(argv: Sequence[str] | None = None) -> None:
     from tasks.core.data.records import read_records
 
-    p = argparse.ArgumentParser(prog="cpt-to-sft eval", description="Held-out metrics of an HF model folder on a data file, or of two compared.")
-    p.add_argument("kind", choices=["cpt", "sft"], help="cpt: packed raw text; sft: chat records, loss on assistant tokens")
+    p = argparse.ArgumentParser(
+        prog="cpt-to-sft eval", description="Held-out metrics of an HF model folder on a data file, or of two compared."
+    )
+    p.add_argument(
+        "kind", choices=["cpt", "sft"], help="cpt: packed raw text; sft: chat records, loss on assistant tokens"
+    )
     p.add_argument("--candidate", "--model", required=True, help="the HF folder to evaluate")
-    p.add_argument("--reference", default=None, help="a second HF folder to compare with (e.g. the base model); omit for one folder")
+    p.add_argument(
+        "--reference",
+        default=None,
+        help="a second HF folder to compare with (e.g. the base model); omit for one folder",
+    )
     p.add_argument("--data", required=True)
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--field", default=None)

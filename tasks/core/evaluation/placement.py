@@ -99,7 +99,9 @@ class Placement:
         return "cuda:0" if self.kind == "gpu" else "cpu"
 
 
-def plan(model_bytes: int, gpu_bytes: Sequence[int], forward: int, reserve: int = CUDA_RESERVE_BYTES, largest: int = 0) -> Placement:
+def plan(
+    model_bytes: int, gpu_bytes: Sequence[int], forward: int, reserve: int = CUDA_RESERVE_BYTES, largest: int = 0
+) -> Placement:
     """The placement of a model of `model_bytes` (in the evaluation dtype) on GPUs with `gpu_bytes`
     free each (none: the CPU), leaving `reserve` and one forward's `forward` bytes on every GPU.
     Spread, the model must fit with `largest` (its largest block's bytes) spare on each GPU:
@@ -112,11 +114,19 @@ def plan(model_bytes: int, gpu_bytes: Sequence[int], forward: int, reserve: int 
         return Placement("gpu", model_bytes, device_map={"": 0})
     if len(room) > 1 and model_bytes <= sum(max(0, r - largest) for r in room):
         return Placement("spread", model_bytes, device_map="auto", max_memory=dict(enumerate(room)))
-    return Placement("refused", model_bytes, problem=(
-        f"the model needs {model_bytes / GB:.2f} GB for its weights in the evaluation dtype, and the {len(room)} visible GPU(s) "
-        f"leave {sum(room) / GB:.2f} GB for weights ({', '.join(f'{b / GB:.2f}' for b in gpu_bytes)} GB free, less the "
-        f"{reserve / GB:.0f} GB CUDA reserve and one evaluation batch's forward, {forward / GB:.2f} GB, on each"
-        + (f"; spread, {largest / GB:.2f} GB of each, the largest block, stays free" if len(room) > 1 else "") + ")"))
+    return Placement(
+        "refused",
+        model_bytes,
+        problem=(
+            f"the model needs {model_bytes / GB:.2f} GB for its weights in the evaluation dtype, and the {len(room)} "
+            "visible GPU(s) "
+            f"leave {sum(room) / GB:.2f} GB for weights ({', '.join(f'{b / GB:.2f}' for b in gpu_bytes)} GB free, "
+            "less the "
+            f"{reserve / GB:.0f} GB CUDA reserve and one evaluation batch's forward, {forward / GB:.2f} GB, on each"
+            + (f"; spread, {largest / GB:.2f} GB of each, the largest block, stays free" if len(room) > 1 else "")
+            + ")"
+        ),
+    )
 
 
 def visible_gpu_bytes() -> list[int]:
@@ -135,7 +145,12 @@ def place(model_dir: str | Path, dtype: str, tokens: int, gpu_bytes: Sequence[in
         return Placement("cpu")
     config = json.loads((Path(model_dir) / "config.json").read_text())
     d = DTYPE_BYTES[dtype]
-    return plan(safetensors_numel(model_dir) * d, gpus, forward_bytes(config, dtype, tokens), largest=largest_block_numel(model_dir) * d)
+    return plan(
+        safetensors_numel(model_dir) * d,
+        gpus,
+        forward_bytes(config, dtype, tokens),
+        largest=largest_block_numel(model_dir) * d,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,8 +51,18 @@ def release(gone: weakref.ref | None = None) -> None:
         torch.cuda.empty_cache()
 
 
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64", "I32": "int32", "I16": "int16",
-              "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_ST_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 
 
 def read_state_dict(model_dir: str | Path, dtype) -> dict:
@@ -115,4 +125,7 @@ def rss_bytes() -> int:
 
 
 if __name__ == "__main__":
-    print(f"malloc_trim: {'available (glibc)' if trim() or ctypes.util.find_library('c') else 'not available'}; rss {rss_bytes() / 1e6:.0f} MB")
+    print(
+        f"malloc_trim: {'available (glibc)' if trim() or ctypes.util.find_library('c') else 'not available'}; rss "
+        f"{rss_bytes() / 1e6:.0f} MB"
+    )

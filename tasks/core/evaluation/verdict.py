@@ -1,7 +1,7 @@
 """The publish gate's verdict on the held-out metrics, and how the metrics are reported (the
 evaluation table artifact, the model card's model-index).
 
-    python -c "from tasks.core.evaluation.verdict import gate_verdict; from tasks.core.config.schema import GateConfig; \
+    python -c "from tasks.core.evaluation.verdict import gate_verdict; from tasks.core.config.outputs import GateConfig; \
 print(gate_verdict(GateConfig(sft_loss_must_improve=False, generation_must_stop=False), {'base': {'perplexity': 9.0}, 'cpt': {'perplexity': 3.0}, 'perplexity_change_pct': -66.7}, None))"
 
 Pure: the metrics come from `tasks.core.evaluation.heldout` (evaluate_cpt, evaluate_sft). A
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tasks.core.config.schema import GateConfig
+from tasks.core.config.outputs import GateConfig
 from tasks.core.evaluation.benchmark import gate_checks as benchmark_checks
 
 
@@ -25,24 +25,53 @@ def _per_source(limits: dict[str, float], cpt: dict[str, Any] | None, check) -> 
     """One check per source of the mixture: its held-out perplexity against the base's, within its limit."""
     per = (cpt or {}).get("sources") or {}
     if not cpt or not per:
-        what = "no CPT evaluation was recorded (cpt.eval has no held-out set)" if not cpt else "the CPT evaluation has no per-source metrics (one source)"
-        check("cpt_perplexity", False, f"{what}; gate.cpt_max_ppl_increase_pct names sources {sorted(limits)}", limit_pct=limits)
+        what = (
+            "no CPT evaluation was recorded (cpt.eval has no held-out set)"
+            if not cpt
+            else "the CPT evaluation has no per-source metrics (one source)"
+        )
+        check(
+            "cpt_perplexity",
+            False,
+            f"{what}; gate.cpt_max_ppl_increase_pct names sources {sorted(limits)}",
+            limit_pct=limits,
+        )
         return
     for name in [*per, *(n for n in limits if n not in per)]:
         limit = float(limits.get(name, 0.0))
-        field = f"gate.cpt_max_ppl_increase_pct.{name}" if name in limits else "gate.cpt_max_ppl_increase_pct (a source it does not name: 0)"
+        field = (
+            f"gate.cpt_max_ppl_increase_pct.{name}"
+            if name in limits
+            else "gate.cpt_max_ppl_increase_pct (a source it does not name: 0)"
+        )
         m = per.get(name)
         if m is None or m.get("base") is None:
             why = (m or {}).get("skipped") or "it was not evaluated"
-            check(f"cpt_perplexity:{name}", False, f"source {name!r}: no held-out perplexity ({why}); raise cpt.eval.heldout_fraction", source=name, limit_pct=limit)
+            check(
+                f"cpt_perplexity:{name}",
+                False,
+                f"source {name!r}: no held-out perplexity ({why}); raise cpt.eval.heldout_fraction",
+                source=name,
+                limit_pct=limit,
+            )
             continue
         before, after, change = m["base"]["perplexity"], m["cpt"]["perplexity"], m["perplexity_change_pct"]
-        check(f"cpt_perplexity:{name}", math.isfinite(after) and change <= limit,
-              f"source {name!r}: CPT held-out perplexity {after:.4g} vs base {before:.4g} ({change:+.2f}%, allowed at most {limit:+g}% by {field})",
-              source=name, before=before, after=after, change_pct=change, limit_pct=limit)
+        check(
+            f"cpt_perplexity:{name}",
+            math.isfinite(after) and change <= limit,
+            f"source {name!r}: CPT held-out perplexity {after:.4g} vs base {before:.4g} ({change:+.2f}%, allowed at "
+            f"most {limit:+g}% by {field})",
+            source=name,
+            before=before,
+            after=after,
+            change_pct=change,
+            limit_pct=limit,
+        )
 
 
-def gate_verdict(gate: GateConfig, cpt: dict[str, Any] | None, sft: dict[str, Any] | None, bench: dict[str, Any] | None = None) -> dict[str, Any]:
+def gate_verdict(
+    gate: GateConfig, cpt: dict[str, Any] | None, sft: dict[str, Any] | None, bench: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """{"enabled", "passed", "reasons", "checks"}: every configured check, each with its numbers.
 
     A disabled gate passes but still lists what each check found.
@@ -57,28 +86,60 @@ def gate_verdict(gate: GateConfig, cpt: dict[str, Any] | None, sft: dict[str, An
     elif gate.cpt_max_ppl_increase_pct is not None:
         limit = gate.cpt_max_ppl_increase_pct
         if not cpt:
-            check("cpt_perplexity", False, "no CPT evaluation was recorded (cpt.eval has no held-out set)", limit_pct=limit)
+            check(
+                "cpt_perplexity",
+                False,
+                "no CPT evaluation was recorded (cpt.eval has no held-out set)",
+                limit_pct=limit,
+            )
         else:
             before, after, change = cpt["base"]["perplexity"], cpt["cpt"]["perplexity"], cpt["perplexity_change_pct"]
             ok = math.isfinite(after) and change <= limit
-            check("cpt_perplexity", ok, f"CPT held-out perplexity {after:.4g} vs base {before:.4g} ({change:+.2f}%, allowed at most {limit:+g}%)",
-                  before=before, after=after, change_pct=change, limit_pct=limit)
+            check(
+                "cpt_perplexity",
+                ok,
+                f"CPT held-out perplexity {after:.4g} vs base {before:.4g} ({change:+.2f}%, allowed at most "
+                f"{limit:+g}%)",
+                before=before,
+                after=after,
+                change_pct=change,
+                limit_pct=limit,
+            )
     if gate.sft_loss_must_improve:
         if not sft:
             check("sft_loss", False, "no SFT evaluation was recorded (sft.eval has no held-out set)")
         else:
             before, after = sft["pre_sft"]["loss"], sft["sft"]["loss"]
-            check("sft_loss", after < before, f"SFT held-out loss on assistant tokens {after:.4f} vs pre-SFT {before:.4f} (must be lower)", before=before, after=after)
+            check(
+                "sft_loss",
+                after < before,
+                f"SFT held-out loss on assistant tokens {after:.4f} vs pre-SFT {before:.4f} (must be lower)",
+                before=before,
+                after=after,
+            )
     if gate.generation_must_stop:
         gen = (sft or {}).get("generation")
         if not gen:
             check("generation_stops", False, "no generation check was recorded (sft.eval has no held-out set)")
         else:
-            msg = f"{gen['stopped']} of {gen['prompts']} greedy generations stopped within {gen['max_new_tokens']} tokens"
-            check("generation_stops", gen["passed"], "; ".join([msg, *gen["problems"]]), stopped=gen["stopped"], prompts=gen["prompts"])
+            msg = (
+                f"{gen['stopped']} of {gen['prompts']} greedy generations stopped within {gen['max_new_tokens']} tokens"
+            )
+            check(
+                "generation_stops",
+                gen["passed"],
+                "; ".join([msg, *gen["problems"]]),
+                stopped=gen["stopped"],
+                prompts=gen["prompts"],
+            )
     benchmark_checks(gate.benchmarks, bench, check)
     failed = [c["message"] for c in checks if not c["ok"]]
-    return {"enabled": gate.enabled, "passed": (not failed) or not gate.enabled, "reasons": failed if gate.enabled else [], "checks": checks}
+    return {
+        "enabled": gate.enabled,
+        "passed": (not failed) or not gate.enabled,
+        "reasons": failed if gate.enabled else [],
+        "checks": checks,
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -99,24 +160,69 @@ def metrics_table(cpt: dict | None, sft: dict | None, verdict: dict | None) -> l
 
     rows = []
     if cpt:
-        rows.append({"metric": "CPT held-out perplexity", "before": f"base {_fmt(cpt['base']['perplexity'])}", "after": f"CPT {_fmt(cpt['cpt']['perplexity'])}",
-                     "change": f"{cpt['perplexity_change_pct']:+.2f}%", "gate": verdict_of("cpt_perplexity")})
-        rows.append({"metric": "CPT held-out loss", "before": f"base {_fmt(cpt['base']['loss'])}", "after": f"CPT {_fmt(cpt['cpt']['loss'])}",
-                     "change": f"{cpt['cpt']['loss'] - cpt['base']['loss']:+.4f}", "gate": ""})
+        rows.append(
+            {
+                "metric": "CPT held-out perplexity",
+                "before": f"base {_fmt(cpt['base']['perplexity'])}",
+                "after": f"CPT {_fmt(cpt['cpt']['perplexity'])}",
+                "change": f"{cpt['perplexity_change_pct']:+.2f}%",
+                "gate": verdict_of("cpt_perplexity"),
+            }
+        )
+        rows.append(
+            {
+                "metric": "CPT held-out loss",
+                "before": f"base {_fmt(cpt['base']['loss'])}",
+                "after": f"CPT {_fmt(cpt['cpt']['loss'])}",
+                "change": f"{cpt['cpt']['loss'] - cpt['base']['loss']:+.4f}",
+                "gate": "",
+            }
+        )
         for name, m in (cpt.get("sources") or {}).items():
-            metric = f"CPT held-out perplexity: {name}" + (" (held out only, never trained on)" if m.get("held_out_only") else "")
+            metric = f"CPT held-out perplexity: {name}" + (
+                " (held out only, never trained on)" if m.get("held_out_only") else ""
+            )
             if m.get("base") is None:
-                rows.append({"metric": metric, "before": "", "after": "", "change": m.get("skipped", ""), "gate": verdict_of(f"cpt_perplexity:{name}")})
+                rows.append(
+                    {
+                        "metric": metric,
+                        "before": "",
+                        "after": "",
+                        "change": m.get("skipped", ""),
+                        "gate": verdict_of(f"cpt_perplexity:{name}"),
+                    }
+                )
                 continue
-            rows.append({"metric": metric, "before": f"base {_fmt(m['base']['perplexity'])}", "after": f"CPT {_fmt(m['cpt']['perplexity'])}",
-                         "change": f"{m['perplexity_change_pct']:+.2f}%", "gate": verdict_of(f"cpt_perplexity:{name}")})
+            rows.append(
+                {
+                    "metric": metric,
+                    "before": f"base {_fmt(m['base']['perplexity'])}",
+                    "after": f"CPT {_fmt(m['cpt']['perplexity'])}",
+                    "change": f"{m['perplexity_change_pct']:+.2f}%",
+                    "gate": verdict_of(f"cpt_perplexity:{name}"),
+                }
+            )
     if sft:
-        rows.append({"metric": "SFT held-out loss (assistant tokens)", "before": f"pre-SFT {_fmt(sft['pre_sft']['loss'])}", "after": f"SFT {_fmt(sft['sft']['loss'])}",
-                     "change": f"{sft['loss_change']:+.4f}", "gate": verdict_of("sft_loss")})
+        rows.append(
+            {
+                "metric": "SFT held-out loss (assistant tokens)",
+                "before": f"pre-SFT {_fmt(sft['pre_sft']['loss'])}",
+                "after": f"SFT {_fmt(sft['sft']['loss'])}",
+                "change": f"{sft['loss_change']:+.4f}",
+                "gate": verdict_of("sft_loss"),
+            }
+        )
         gen = sft.get("generation")
         if gen:
-            rows.append({"metric": "generations that stop", "before": "", "after": f"{gen['stopped']} / {gen['prompts']}",
-                         "change": "; ".join(gen["problems"]), "gate": verdict_of("generation_stops")})
+            rows.append(
+                {
+                    "metric": "generations that stop",
+                    "before": "",
+                    "after": f"{gen['stopped']} / {gen['prompts']}",
+                    "change": "; ".join(gen["problems"]),
+                    "gate": verdict_of("generation_stops"),
+                }
+            )
     return rows
 
 
@@ -133,8 +239,17 @@ def eval_results_for_card(metrics: dict[str, Any], model_name: str | None = None
     out = []
 
     def add(ds: tuple[str, str], metric_type: str, value: float, name: str) -> None:
-        out.append(EvalResult(task_type="text-generation", dataset_type=ds[0], dataset_name=ds[1], dataset_split="heldout",
-                              metric_type=metric_type, metric_value=value, metric_name=name))
+        out.append(
+            EvalResult(
+                task_type="text-generation",
+                dataset_type=ds[0],
+                dataset_name=ds[1],
+                dataset_split="heldout",
+                metric_type=metric_type,
+                metric_value=value,
+                metric_name=name,
+            )
+        )
 
     sft, cpt = metrics.get("sft"), metrics.get("cpt")
     if sft:
@@ -143,17 +258,34 @@ def eval_results_for_card(metrics: dict[str, Any], model_name: str | None = None
         add(ds, "loss", round(sft["pre_sft"]["loss"], 6), "held-out loss on assistant tokens, before SFT")
         gen = sft.get("generation")
         if gen:
-            add(ds, "stop_rate", round(gen["stopped"] / max(gen["prompts"], 1), 4),
-                f"greedy replies ending at an eos token within {gen['max_new_tokens']} tokens")
+            add(
+                ds,
+                "stop_rate",
+                round(gen["stopped"] / max(gen["prompts"], 1), 4),
+                f"greedy replies ending at an eos token within {gen['max_new_tokens']} tokens",
+            )
     if cpt:
         ds = _split_dataset(cpt, "CPT")
         add(ds, "perplexity", round(cpt["cpt"]["perplexity"], 4), "held-out perplexity after CPT (before SFT)")
         add(ds, "perplexity", round(cpt["base"]["perplexity"], 4), "held-out perplexity of the base model")
         for name, m in (cpt.get("sources") or {}).items():
             if m.get("base") is not None:
-                src = (name, f"CPT held-out of source {name}" + (" (never trained on)" if m.get("held_out_only") else ""))
-                add(src, "perplexity", round(m["cpt"]["perplexity"], 4), f"held-out perplexity of source {name} after CPT")
-                add(src, "perplexity", round(m["base"]["perplexity"], 4), f"held-out perplexity of source {name}, base model")
+                src = (
+                    name,
+                    f"CPT held-out of source {name}" + (" (never trained on)" if m.get("held_out_only") else ""),
+                )
+                add(
+                    src,
+                    "perplexity",
+                    round(m["cpt"]["perplexity"], 4),
+                    f"held-out perplexity of source {name} after CPT",
+                )
+                add(
+                    src,
+                    "perplexity",
+                    round(m["base"]["perplexity"], 4),
+                    f"held-out perplexity of source {name}, base model",
+                )
     return out
 
 

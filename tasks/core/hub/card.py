@@ -72,15 +72,26 @@ def _base_metadata(base: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
-def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[str], str] | None = None) -> dict[str, dict]:
+def train_facts(
+    cfg: RunConfig, results: dict[str, Any], read_text: Callable[[str], str] | None = None
+) -> dict[str, dict]:
     """Per training stage: steps, final loss, tokens seen and the data split, from this run's
     results or the final checkpoint's `train_state.json` and the stage's split record; the kernels
     and activation checkpointing that ran, from that checkpoint's manifest."""
     facts = {}
     for stage in STAGES:
         steps = getattr(cfg, stage).max_steps
-        fact: dict[str, Any] = {"steps": steps, "final_loss": None, "tokens_seen": None, "split": None, "medians": {},
-                                "kernels": None, "activation_checkpointing": None, "lora": None, "peak_mem": None}
+        fact: dict[str, Any] = {
+            "steps": steps,
+            "final_loss": None,
+            "tokens_seen": None,
+            "split": None,
+            "medians": {},
+            "kernels": None,
+            "activation_checkpointing": None,
+            "lora": None,
+            "peak_mem": None,
+        }
         r = results.get(f"train_{stage}")
         if r is not None and r.detail.get("final_loss") is not None:
             fact["final_loss"] = float(r.detail["final_loss"])
@@ -95,7 +106,9 @@ def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[st
                 fact["tokens_seen"] = state.get("tokens_seen")
                 fact["medians"] = step_medians(state)
                 fact["peak_mem"] = step_peak(state) or fact["peak_mem"]
-                fact["segments"] = state.get("segments")  # the layout of each stretch of steps (tasks/core/run/segments.py)
+                fact["segments"] = state.get(
+                    "segments"
+                )  # the layout of each stretch of steps (tasks/core/run/segments.py)
             except Exception:
                 pass
             try:
@@ -104,7 +117,10 @@ def train_facts(cfg: RunConfig, results: dict[str, Any], read_text: Callable[[st
                 pass
             try:
                 meta = json.loads(read_text(f"{TRAINING[stage].step(steps)}/{MANIFEST}")).get("meta") or {}
-                fact["kernels"], fact["activation_checkpointing"] = meta.get("kernels"), meta.get("activation_checkpointing")
+                fact["kernels"], fact["activation_checkpointing"] = (
+                    meta.get("kernels"),
+                    meta.get("activation_checkpointing"),
+                )
                 fact["lora"] = meta.get("lora")  # config and trainable/total parameters of a LoRA stage
             except Exception:
                 pass
@@ -128,7 +144,9 @@ def _tuning(cfg: RunConfig, facts: dict[str, dict], stage: str) -> str:
         return "full"
     share = (facts.get(stage, {}).get("lora") or {}).get("trainable_pct")
     trained = f"; {share:.3g} % of parameters trained" if share is not None else ""
-    adapted = (facts.get(stage, {}).get("lora") or {}).get("adapted_modules")  # what peft adapted, recorded by the engine
+    adapted = (facts.get(stage, {}).get("lora") or {}).get(
+        "adapted_modules"
+    )  # what peft adapted, recorded by the engine
     return f"LoRA r={lora.r}, alpha={lora.alpha:g} on {', '.join(adapted) if adapted else lora.targets_text()}{trained}"
 
 
@@ -162,7 +180,10 @@ print(tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
 def _layout(cfg: RunConfig, stage: str) -> str:
     st = getattr(cfg, stage)
     p = st.plugin
-    return f"`{p.name}` tp={p.tp_size} pp={p.pp_size} zero={p.zero_stage} {p.precision}, {st.launch.nnodes}×{st.launch.nproc_per_node} ranks"
+    return (
+        f"`{p.name}` tp={p.tp_size} pp={p.pp_size} zero={p.zero_stage} {p.precision}, "
+        f"{st.launch.nnodes}×{st.launch.nproc_per_node} ranks"
+    )
 
 
 def _segments(facts: dict[str, dict], stage: str) -> str | None:
@@ -177,13 +198,18 @@ def _batch(cfg: RunConfig, stage: str) -> str:
     st = getattr(cfg, stage)
     p = st.plugin
     dp = max(st.launch.world_size // (p.tp_size * p.pp_size), 1)
-    return f"{st.micro_batch_size} × {st.grad_accum_steps} accum × {dp} dp = {st.micro_batch_size * st.grad_accum_steps * dp} sequences"
+    return (
+        f"{st.micro_batch_size} × {st.grad_accum_steps} accum × {dp} dp = {st.micro_batch_size * st.grad_accum_steps * dp} "
+        "sequences"
+    )
 
 
 def _schedule(cfg: RunConfig, stage: str) -> str:
     st = getattr(cfg, stage)
-    return (f"AdamW lr {st.lr:g} → {st.min_lr:g} {st.lr_schedule}, warm-up {st.warmup_steps}, "
-            f"weight decay {st.weight_decay:g}, betas {tuple(st.betas)}, clip {st.plugin.max_norm:g}")
+    return (
+        f"AdamW lr {st.lr:g} → {st.min_lr:g} {st.lr_schedule}, warm-up {st.warmup_steps}, "
+        f"weight decay {st.weight_decay:g}, betas {tuple(st.betas)}, clip {st.plugin.max_norm:g}"
+    )
 
 
 def _num(x: Any, fmt: str = "{:,}") -> str:
@@ -194,8 +220,13 @@ def _data_name(uri: str) -> str:
     return hub_dataset_id(uri) or Path(uri.rstrip("/")).name
 
 
-def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str, dict], metrics: dict[str, Any] | None = None,
-               base: dict[str, Any] | None = None) -> str:
+def model_card(
+    cfg: RunConfig,
+    export_manifest: dict[str, Any],
+    facts: dict[str, dict],
+    metrics: dict[str, Any] | None = None,
+    base: dict[str, Any] | None = None,
+) -> str:
     """README.md: ModelCardData metadata (with a model-index of the held-out metrics, and the base
     model: `base_facts`) plus training hyperparameters, data, evaluation, versions, verification
     and usage."""
@@ -204,7 +235,10 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
     hub = cfg.hub
     eval_results = eval_results_for_card(metrics or {}) + benchmark_card_results((metrics or {}).get("benchmark"))
     datasets = sorted({d for u in (*cfg.cpt.data.uris, *cfg.sft.data.uris) if (d := hub_dataset_id(u))})
-    base = base or {"name": Path(cfg.base_model.uri.rstrip("/")).name, "hub_id": cfg.base_model.uri if is_hub_id(cfg.base_model.uri) else None}
+    base = base or {
+        "name": Path(cfg.base_model.uri.rstrip("/")).name,
+        "hub_id": cfg.base_model.uri if is_hub_id(cfg.base_model.uri) else None,
+    }
     data = ModelCardData(
         **_base_metadata(base),
         datasets=datasets or None,
@@ -236,68 +270,117 @@ def model_card(cfg: RunConfig, export_manifest: dict[str, Any], facts: dict[str,
         "median MFU": lambda s: _pct(_median(facts, s, "mfu")),
         "peak memory (largest rank)": lambda s: _peak(facts, s),
         "kernels": lambda s: _kernels(facts, s),
-        "activation checkpointing": lambda s: {True: "on", False: "off"}.get(facts.get(s, {}).get("activation_checkpointing"), "n/a"),
+        "activation checkpointing": lambda s: {True: "on", False: "off"}.get(
+            facts.get(s, {}).get("activation_checkpointing"), "n/a"
+        ),
         "fine-tuning": lambda s: _tuning(cfg, facts, s),
         "seed": lambda s: str(getattr(cfg, s).seed),
     }
     train += [f"| {name} | {fn('cpt')} | {fn('sft')} |" for name, fn in rows.items()]
 
-    data_rows = ["| stage | dataset | checksum | train records | held-out records | split |", "|---|---|---|---|---|---|"]
+    data_rows = [
+        "| stage | dataset | checksum | train records | held-out records | split |",
+        "|---|---|---|---|---|---|",
+    ]
     for stage in STAGES:
         split = facts.get(stage, {}).get("split") or {}
         held = split.get("heldout_uri")
-        how = f"held-out file `{_data_name(held)}`" if held else (f"{split.get('fraction'):g} hash split" if split.get("method") == "hash-fraction" else split.get("method", "n/a"))
+        how = (
+            f"held-out file `{_data_name(held)}`"
+            if held
+            else (
+                f"{split.get('fraction'):g} hash split"
+                if split.get("method") == "hash-fraction"
+                else split.get("method", "n/a")
+            )
+        )
         inputs = split.get("inputs") or [{"uri": u, "checksum": "n/a"} for u in getattr(cfg, stage).data.uris]
         names = "<br>".join(f"`{_data_name(i['uri'])}`" for i in inputs)
         sums = "<br>".join(f"`{i.get('checksum', 'n/a')}`" for i in inputs)
-        data_rows.append(f"| {stage.upper()} | {names} | {sums} | {_num(split.get('train_records'))} | {_num(split.get('heldout_records'))} | {how} |")
+        data_rows.append(
+            f"| {stage.upper()} | {names} | {sums} | {_num(split.get('train_records'))} | "
+            f"{_num(split.get('heldout_records'))} | {how} |"
+        )
     longer = []  # records longer than seq_len: the rule and what it made of them (tasks/core/data/truncation.py)
     for stage in STAGES:
         tr = (facts.get(stage, {}).get("split") or {}).get("truncation")
         line = tr and describe_truncation(tr, stage, tr.get("rule"), tr.get("seq_len") or getattr(cfg, stage).seq_len)
-        longer.append(f"- {stage.upper()}: {line or f'no training record longer than seq_len={getattr(cfg, stage).seq_len}'}." if tr else
-                      f"- {stage.upper()}: not recorded.")
+        longer.append(
+            f"- {stage.upper()}: {line or f'no training record longer than seq_len={getattr(cfg, stage).seq_len}'}."
+            if tr
+            else f"- {stage.upper()}: not recorded."
+        )
     data_rows += ["", "Records longer than seq_len:", "", *longer]
     for stage in STAGES:  # a weighted mixture: what each source was meant to give and what the steps took
         sources = (facts.get(stage, {}).get("split") or {}).get("sources") or []
         if len(sources) > 1:
-            data_rows += ["", f"{stage.upper()} mixture (blended once for the planned steps):", "",
-                          "| source | weight | realized token share | epochs | training tokens available | held-out records | longer than seq_len |",
-                          "|---|---|---|---|---|---|---|"]
-            data_rows += [f"| {s['name']} | {s.get('weight', 1):.3f} | {s.get('token_share', 1):.4f} | {_num(s.get('epochs'), '{:.3f}')} | "
-                          f"{_num(s.get('tokens_available'))} | {_num(s.get('heldout_records'))} | {_num((s.get('truncation') or {}).get('over_seq_len'))} |"
-                          for s in sources]
+            data_rows += [
+                "",
+                f"{stage.upper()} mixture (blended once for the planned steps):",
+                "",
+                (
+                    "| source | weight | realized token share | epochs | training tokens available | held-out records | "
+                    "longer than seq_len |"
+                ),
+                "|---|---|---|---|---|---|---|",
+            ]
+            data_rows += [
+                f"| {s['name']} | {s.get('weight', 1):.3f} | {s.get('token_share', 1):.4f} | {_num(s.get('epochs'), '{:.3f}')} "
+                "| "
+                f"{_num(s.get('tokens_available'))} | {_num(s.get('heldout_records'))} | {_num((s.get('truncation') or {}).get('over_seq_len'))} "
+                "|"
+                for s in sources
+            ]
         only = (facts.get(stage, {}).get("split") or {}).get("heldout_sources") or []
         if only:  # cpt.eval.heldout_sources: the forgetting check's text, evaluated only
-            data_rows += ["", f"{stage.upper()} held-out-only sources (evaluated base vs {stage.upper()}, never trained on):", "",
-                          "| source | dataset | checksum | records | tokens |", "|---|---|---|---|---|"]
+            data_rows += [
+                "",
+                f"{stage.upper()} held-out-only sources (evaluated base vs {stage.upper()}, never trained on):",
+                "",
+                "| source | dataset | checksum | records | tokens |",
+                "|---|---|---|---|---|",
+            ]
             for s in only:
                 names = "<br>".join(f"`{_data_name(i['uri'])}`" for i in s["inputs"])
                 sums = "<br>".join(f"`{i['checksum']}`" for i in s["inputs"])
-                data_rows.append(f"| {s['name']} | {names} | {sums} | {_num(s.get('records'))} | {_num(s.get('tokens'))} |")
+                data_rows.append(
+                    f"| {s['name']} | {names} | {sums} | {_num(s.get('records'))} | {_num(s.get('tokens'))} |"
+                )
 
     evaluation = "not recorded."
     table = metrics_table((metrics or {}).get("cpt"), (metrics or {}).get("sft"), None)
     if table:
-        evaluation = "\n".join(["| metric | before | after | change |", "|---|---|---|---|"]
-                               + [f"| {r['metric']} | {r['before']} | {r['after']} | {r['change']} |" for r in table])
+        evaluation = "\n".join(
+            ["| metric | before | after | change |", "|---|---|---|---|"]
+            + [f"| {r['metric']} | {r['before']} | {r['after']} | {r['change']} |" for r in table]
+        )
 
     versions = meta.get("versions") or {}
     version_line = ", ".join(f"{k} {val}" for k, val in versions.items() if val) or "not recorded"
     if v:
         proof = v.get("weights_bitwise") or {}
         verification = (
-            f"{'passed' if v.get('fingerprint_match') else 'FAILED'}: every one of the {proof.get('tensors', v.get('tensors'))} exported "
-            f"`{v.get('dtype')}` tensors is bitwise the SFT checkpoint's tensor cast to `{v.get('dtype')}`; loaded with `transformers`, "
-            f"the logits on a fixed probe batch are within {v.get('fingerprint_rel_diff', float('nan')):.3g} of their magnitude "
+            f"{'passed' if v.get('fingerprint_match') else 'FAILED'}: every one of the {proof.get('tensors', v.get('tensors'))} "
+            "exported "
+            f"`{v.get('dtype')}` tensors is bitwise the SFT checkpoint's tensor cast to `{v.get('dtype')}`; loaded "
+            "with `transformers`, "
+            f"the logits on a fixed probe batch are within {v.get('fingerprint_rel_diff', float('nan')):.3g} of their "
+            "magnitude "
             f"(tolerance {v.get('fingerprint_rtol')}) of the checkpoint's, top-1 agreement {v.get('top1_agreement', float('nan')):.3f}."
         )
     else:
         verification = "not recorded in the export manifest."
     stop = v.get("stop_tokens") or {}
     added = ", ".join(f"`{a['token']}` ({a['id']})" for a in stop.get("added", []))
-    stop_line = (f"`eos_token_id` is {stop.get('eos_token_id')}: the base model's {stop.get('base_eos_token_id')}"
-                 + (f" plus the chat template's end-of-turn {added}" if added else "") + ".") if stop else ""
+    stop_line = (
+        (
+            f"`eos_token_id` is {stop.get('eos_token_id')}: the base model's {stop.get('base_eos_token_id')}"
+            + (f" plus the chat template's end-of-turn {added}" if added else "")
+            + "."
+        )
+        if stop
+        else ""
+    )
     usage_id = hub.repo_id if hub else f"path/to/{cfg.name}/export"
     body = f"""
 # {title}
@@ -329,7 +412,7 @@ ColossalAI, run `{cfg.name}`.
 
 ## Export
 
-`{cfg.export.dtype}` safetensors. Provenance is in `{MANIFEST.split('/')[0]}/`: `{MANIFEST.split('/')[1]}` lists every file
+`{cfg.export.dtype}` safetensors. Provenance is in `{MANIFEST.split("/")[0]}/`: `{MANIFEST.split("/")[1]}` lists every file
 with its sha256, `verification.json` holds the checks below.
 
 **Verification:** {verification}
@@ -347,7 +430,11 @@ def _base_line(base: dict[str, Any]) -> str:
 
 def _adapter_where(cfg: RunConfig) -> str:
     hub = cfg.hub
-    return f"[`{hub.adapter_repo_id}`](https://huggingface.co/{hub.adapter_repo_id})" if hub.adapter_repo_id else "the `adapter/` folder of this repo"
+    return (
+        f"[`{hub.adapter_repo_id}`](https://huggingface.co/{hub.adapter_repo_id})"
+        if hub.adapter_repo_id
+        else "the `adapter/` folder of this repo"
+    )
 
 
 def _adapter_paragraph(cfg: RunConfig, proof: dict[str, Any]) -> str:
@@ -374,16 +461,19 @@ def adapter_card(cfg: RunConfig, adapter_manifest: dict[str, Any]) -> str:
     lora = cfg.sft.lora
     adapted = v.get("target_modules")  # what adapter_config.json says peft adapted: names, or the regex
     targets = adapted if isinstance(adapted, str) else ", ".join(adapted or []) or lora.targets_text()
-    data = ModelCardData(library_name="peft", tags=["cpt-to-sft", "lora", *(cfg.hub.tags if cfg.hub else ())],
-                         license=cfg.hub.license if cfg.hub and cfg.hub.license else None)
+    data = ModelCardData(
+        library_name="peft",
+        tags=["cpt-to-sft", "lora", *(cfg.hub.tags if cfg.hub else ())],
+        license=cfg.hub.license if cfg.hub and cfg.hub.license else None,
+    )
     body = f"""
 # {cfg.hub.adapter_repo_id}
 
 The LoRA adapter (r={lora.r}, alpha={lora.alpha:g} on {targets}) of run `{cfg.name}`; the model with it merged
 in is [`{cfg.hub.repo_id}`](https://huggingface.co/{cfg.hub.repo_id}).
 
-Its base is the run's CPT model (`cpt/hf`, manifest digest `{str(base.get('digest'))[:16]}`), which is not on the Hub:
-`base_model_name_or_path` is `{base.get('name_or_path')}`, a local reference on the machine that trained it.
+Its base is the run's CPT model (`cpt/hf`, manifest digest `{str(base.get("digest"))[:16]}`), which is not on the Hub:
+`base_model_name_or_path` is `{base.get("name_or_path")}`, a local reference on the machine that trained it.
 
 ```python
 from peft import PeftModel
@@ -394,6 +484,6 @@ model = PeftModel.from_pretrained(base, "{cfg.hub.adapter_repo_id}")
 ```
 
 **Verification:** peft with this adapter on that base gives the merged model's logits within
-{v.get('fingerprint_rel_diff', float('nan')):.3g} of their magnitude (tolerance {v.get('fingerprint_rtol')}), top-1 agreement {v.get('top1_agreement', float('nan')):.3f}.
+{v.get("fingerprint_rel_diff", float("nan")):.3g} of their magnitude (tolerance {v.get("fingerprint_rtol")}), top-1 agreement {v.get("top1_agreement", float("nan")):.3f}.
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content

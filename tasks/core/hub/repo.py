@@ -33,7 +33,7 @@ def hub_dataset_id(uri: str) -> str | None:
     """`hf://datasets/org/name/...` is a Hub dataset a model card can name; other URIs are not."""
     prefix = "hf://datasets/"
     if uri.startswith(prefix):
-        parts = uri[len(prefix):].split("/")
+        parts = uri[len(prefix) :].split("/")
         if len(parts) >= 2 and parts[0] and parts[1]:
             return f"{parts[0]}/{parts[1].split('@')[0]}"
     return None
@@ -112,7 +112,9 @@ def whoami(token: HubToken, endpoint: str | None = None, timeout: float = 10.0) 
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
     try:
         r = get_session().get(f"{endpoint}/api/whoami-v2", headers=build_hf_headers(token=token.value), timeout=timeout)
-    except Exception as exc:  # connection refused, DNS, timeout: the Hub did not answer, which says nothing of the token
+    except (
+        Exception
+    ) as exc:  # connection refused, DNS, timeout: the Hub did not answer, which says nothing of the token
         return WhoAmI(endpoint, reason=f"{type(exc).__name__}: {str(exc)[:200]}")
     if r.status_code == 200:
         try:
@@ -137,7 +139,11 @@ class HubTokenRefused(HubRefusal):
 
 def refused_token_message(token: HubToken, endpoint: str, status: int | None, reason: str = "") -> str:
     """One sentence naming the token's source (never its value) and the fix."""
-    return (f"the Hub at {endpoint} refuses the token from {token.source} (HTTP {status}{': ' + reason if reason else ''}); "
-            "replace that token with a valid one that can write the repo (a token from https://huggingface.co/settings/tokens, "
-            "or from the Hub HF_ENDPOINT names), or remove it so the next source in the lookup order (HF_TOKEN, the Secret block "
-            f"'{SECRET_BLOCK}', the saved `hf auth login`) is used")
+    return (
+        f"the Hub at {endpoint} refuses the token from {token.source} (HTTP {status}{': ' + reason if reason else ''}); "
+        "replace that token with a valid one that can write the repo (a token from "
+        "https://huggingface.co/settings/tokens, "
+        "or from the Hub HF_ENDPOINT names), or remove it so the next source in the lookup order (HF_TOKEN, the "
+        "Secret block "
+        f"'{SECRET_BLOCK}', the saved `hf auth login`) is used"
+    )

@@ -173,8 +173,10 @@ class TeardownReport:
     seconds: float
 
     def __str__(self) -> str:
-        return (f"{len(self.terminated) + len(self.killed)} process(es) ended in {self.seconds:.1f}s "
-                f"({len(self.terminated)} on SIGTERM, {len(self.killed)} needed SIGKILL)")
+        return (
+            f"{len(self.terminated) + len(self.killed)} process(es) ended in {self.seconds:.1f}s "
+            f"({len(self.terminated)} on SIGTERM, {len(self.killed)} needed SIGKILL)"
+        )
 
 
 def _signal(procs: list[psutil.Process], sig: int) -> None:
@@ -200,7 +202,9 @@ def _wait(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
         time.sleep(0.05)
 
 
-def teardown(stage: StageProcesses, grace_s: float = 5.0, kill_timeout_s: float = 10.0, rounds: int = 5) -> TeardownReport:
+def teardown(
+    stage: StageProcesses, grace_s: float = 5.0, kill_timeout_s: float = 10.0, rounds: int = 5
+) -> TeardownReport:
     """SIGTERM every process of the stage, SIGKILL what outlives `grace_s`, repeat for anything
     forked meanwhile; return once none is left. Raises RuntimeError naming survivors (a process
     in uninterruptible sleep longer than `kill_timeout_s`) rather than report a clean teardown."""
@@ -221,11 +225,15 @@ def teardown(stage: StageProcesses, grace_s: float = 5.0, kill_timeout_s: float 
             still = _wait(left, kill_timeout_s)
             killed += [p.pid for p in left if p not in still]
             if still:
-                raise RuntimeError(f"teardown: {len(still)} process(es) survived SIGKILL for {kill_timeout_s:.0f}s: "
-                                   + ", ".join(f"pid {p.pid}" for p in still))
+                raise RuntimeError(
+                    f"teardown: {len(still)} process(es) survived SIGKILL for {kill_timeout_s:.0f}s: "
+                    + ", ".join(f"pid {p.pid}" for p in still)
+                )
         procs = stage.snapshot()
     if procs:
-        raise RuntimeError(f"teardown: processes kept appearing after {rounds} rounds: " + ", ".join(f"pid {p.pid}" for p in procs))
+        raise RuntimeError(
+            f"teardown: processes kept appearing after {rounds} rounds: " + ", ".join(f"pid {p.pid}" for p in procs)
+        )
     return TeardownReport(terminated, killed, time.monotonic() - t0)
 
 
@@ -243,8 +251,20 @@ def reap_on_exit() -> str:
         if _reaper is None or _reaper.poll() is not None:
             token = os.environ[RUN_TOKEN_ENV] = new_token()
             env = {k: v for k, v in os.environ.items() if k != RUN_TOKEN_ENV}
-            _reaper = subprocess.Popen([sys.executable, "-m", "tasks.core.launch.proctree", "--reap-after", str(os.getpid()), "--token", token],
-                                       env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+            _reaper = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tasks.core.launch.proctree",
+                    "--reap-after",
+                    str(os.getpid()),
+                    "--token",
+                    token,
+                ],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         return os.environ[RUN_TOKEN_ENV]
 
 
@@ -265,7 +285,13 @@ def _main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m tasks.core.launch.proctree", description=__doc__.split("\n")[0])
     ap.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("--timeout", type=float, default=None, help="tear the command down after this many seconds")
-    ap.add_argument("--reap-after", type=int, metavar="PID", help="watchdog mode (reap_on_exit): when PID, this process's parent, is gone, end every process carrying --token")
+    ap.add_argument(
+        "--reap-after",
+        type=int,
+        metavar="PID",
+        help="watchdog mode (reap_on_exit): when PID, this process's parent, is gone, end every process carrying "
+        "--token",
+    )
     ap.add_argument("--token", help="the run token of --reap-after")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)

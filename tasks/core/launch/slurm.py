@@ -39,16 +39,32 @@ DEFAULT_TIMEOUT = 30.0
 # Preflight asks the controller with a short bound: a dead one must not stall the run form.
 PING_TIMEOUT = 10.0
 
-ACTIVE_STATES = frozenset({
-    "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
-    "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD", "SPECIAL_EXIT",
-})
+ACTIVE_STATES = frozenset(
+    {
+        "PENDING",
+        "CONFIGURING",
+        "RUNNING",
+        "COMPLETING",
+        "SUSPENDED",
+        "REQUEUED",
+        "REQUEUE_HOLD",
+        "REQUEUE_FED",
+        "RESIZING",
+        "SIGNALING",
+        "STAGE_OUT",
+        "STOPPED",
+        "RESV_DEL_HOLD",
+        "SPECIAL_EXIT",
+    }
+)
 # Why a job ended, in words a user can act on; the state itself is always named too.
 FAILURE_STATES = {
     "FAILED": "a process exited with an error",
-    "NODE_FAIL": "a node stopped responding to the controller (hardware, network or slurmd died); the retry resumes from the newest checkpoint",
+    "NODE_FAIL": "a node stopped responding to the controller (hardware, network or slurmd died); the retry resumes "
+    "from the newest checkpoint",
     "TIMEOUT": "the job reached its time limit (launch.slurm.time_limit); the retry resumes from the newest checkpoint",
-    "OUT_OF_MEMORY": "a process exceeded the memory Slurm granted the job; lower micro_batch_size or ask for more memory (extra_sbatch_args: ['--mem=...'])",
+    "OUT_OF_MEMORY": "a process exceeded the memory Slurm granted the job; lower micro_batch_size or ask for more "
+    "memory (extra_sbatch_args: ['--mem=...'])",
     "CANCELLED": "the job was cancelled (scancel, the flow run's cancellation, or an administrator)",
     "PREEMPTED": "the job was preempted by a higher-priority job",
     "BOOT_FAIL": "a node failed to boot",
@@ -105,15 +121,28 @@ class SlurmCli:
         self.env = dict(env or {})
         self.timeout = timeout
 
-    def run(self, *argv: str, timeout: float | None = None, check: bool = True, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    def run(
+        self, *argv: str, timeout: float | None = None, check: bool = True, env: Mapping[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         limit = timeout or self.timeout
         full_env = {**os.environ, **self.env, **(env or {})}
         try:
-            proc = subprocess.run(list(argv), env=full_env, capture_output=True, text=True, timeout=limit, stdin=subprocess.DEVNULL, check=False)
+            proc = subprocess.run(
+                list(argv),
+                env=full_env,
+                capture_output=True,
+                text=True,
+                timeout=limit,
+                stdin=subprocess.DEVNULL,
+                check=False,
+            )
         except FileNotFoundError:
             raise SlurmError(f"{argv[0]} not found: the Slurm client tools are not installed on this machine") from None
         except subprocess.TimeoutExpired:
-            raise SlurmError(f"`{' '.join(argv[:3])} ...` did not answer within {limit:.0f} s: is slurmctld running and reachable (SLURM_CONF={full_env.get('SLURM_CONF', 'default')})?") from None
+            raise SlurmError(
+                f"`{' '.join(argv[:3])} ...` did not answer within {limit:.0f} s: is slurmctld running and reachable "
+                f"(SLURM_CONF={full_env.get('SLURM_CONF', 'default')})?"
+            ) from None
         if check and proc.returncode != 0:
             msg = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
             raise SlurmError(f"`{' '.join(argv[:3])} ...` exited {proc.returncode}: {' | '.join(msg[-3:])}")
@@ -133,10 +162,12 @@ class SlurmCli:
                 continue
             max_nodes = kv.get("MaxNodes", "UNLIMITED")
             parts[kv["PartitionName"]] = Partition(
-                name=kv["PartitionName"], state=kv.get("State", ""),
+                name=kv["PartitionName"],
+                state=kv.get("State", ""),
                 total_nodes=int(kv.get("TotalNodes", "0") or 0),
                 max_nodes=None if max_nodes in ("UNLIMITED", "") else int(max_nodes),
-                nodes=kv.get("Nodes", ""), default=kv.get("Default") == "YES",
+                nodes=kv.get("Nodes", ""),
+                default=kv.get("Default") == "YES",
             )
         return parts
 
@@ -172,8 +203,12 @@ class SlurmCli:
             raise SlurmError(f"`scontrol show job {job_id}` exited {proc.returncode}: {proc.stderr.strip()}")
         kv = parse_kv(proc.stdout.strip().splitlines()[0])
         return JobInfo(
-            job_id=kv.get("JobId", job_id), state=kv.get("JobState", "UNKNOWN"), reason=kv.get("Reason", ""),
-            exit_code=kv.get("ExitCode", ""), nodes=kv.get("NodeList", ""), batch_host=kv.get("BatchHost", ""),
+            job_id=kv.get("JobId", job_id),
+            state=kv.get("JobState", "UNKNOWN"),
+            reason=kv.get("Reason", ""),
+            exit_code=kv.get("ExitCode", ""),
+            nodes=kv.get("NodeList", ""),
+            batch_host=kv.get("BatchHost", ""),
             name=kv.get("JobName", ""),
         )
 
@@ -194,15 +229,17 @@ class SlurmCli:
         if user:
             argv += ["-u", user]
         out = self.run(*argv).stdout
-        return [i for i, state, c in (line.split("|", 2) for line in out.splitlines() if line.count("|") >= 2)
-                if c.strip() == comment and state in ACTIVE_STATES]
+        return [
+            i
+            for i, state, c in (line.split("|", 2) for line in out.splitlines() if line.count("|") >= 2)
+            if c.strip() == comment and state in ACTIVE_STATES
+        ]
 
     def cancel(self, job_id: str) -> None:
         self.run("scancel", job_id)
 
     def hostnames(self, nodelist: str) -> list[str]:
         return self.run("scontrol", "show", "hostnames", nodelist).stdout.split()
-
 
 
 # -- pre-flight -----------------------------------------------------------------------------------
@@ -223,9 +260,25 @@ def preflight(launch: LaunchConfig, where: str, tp_pp: int = 1, cli: SlurmCli | 
     out: list[tuple[str, str]] = []
     world = launch.nnodes * launch.nproc_per_node
     if world % tp_pp:
-        out.append((f"{where}.nnodes", f"world size nnodes*nproc_per_node = {launch.nnodes}*{launch.nproc_per_node} = {world} is not a multiple of tp_size*pp_size = {tp_pp}"))
+        out.append(
+            (
+                f"{where}.nnodes",
+                (
+                    f"world size nnodes*nproc_per_node = {launch.nnodes}*{launch.nproc_per_node} = {world} is not a "
+                    f"multiple of tp_size*pp_size = {tp_pp}"
+                ),
+            )
+        )
     if s.gpus_per_node and launch.nproc_per_node > s.gpus_per_node:
-        out.append((f"{where}.nproc_per_node", f"{launch.nproc_per_node} processes per node but slurm.gpus_per_node is {s.gpus_per_node}: one process per GPU; make them equal"))
+        out.append(
+            (
+                f"{where}.nproc_per_node",
+                (
+                    f"{launch.nproc_per_node} processes per node but slurm.gpus_per_node is {s.gpus_per_node}: one "
+                    "process per GPU; make them equal"
+                ),
+            )
+        )
     try:
         cli.ping()
         parts = cli.partitions()
@@ -235,19 +288,42 @@ def preflight(launch: LaunchConfig, where: str, tp_pp: int = 1, cli: SlurmCli | 
     if s.partition:
         part = parts.get(s.partition)
         if part is None:
-            out.append((f"{f}.partition", f"partition {s.partition!r} does not exist on this cluster; it has {', '.join(sorted(parts)) or 'none'}"))
+            out.append(
+                (
+                    f"{f}.partition",
+                    f"partition {s.partition!r} does not exist on this cluster; it has {', '.join(sorted(parts)) or 'none'}",
+                )
+            )
             return out
     else:
         part = next((p for p in parts.values() if p.default), None)
         if part is None:
-            out.append((f"{f}.partition", f"the cluster has no default partition; name one of {', '.join(sorted(parts)) or '(none)'}"))
+            out.append(
+                (
+                    f"{f}.partition",
+                    f"the cluster has no default partition; name one of {', '.join(sorted(parts)) or '(none)'}",
+                )
+            )
             return out
     if part.state != "UP":
-        out.append((f"{f}.partition", f"partition {part.name!r} is {part.state}, not UP: jobs would wait until an administrator brings it up"))
+        out.append(
+            (
+                f"{f}.partition",
+                f"partition {part.name!r} is {part.state}, not UP: jobs would wait until an administrator brings it up",
+            )
+        )
     limit = part.total_nodes if part.max_nodes is None else min(part.total_nodes, part.max_nodes)
     if launch.nnodes > limit:
         cap = f" and MaxNodes={part.max_nodes}" if part.max_nodes is not None else ""
-        out.append((f"{where}.nnodes", f"{launch.nnodes} nodes do not fit partition {part.name!r}: it has {part.total_nodes} node(s){cap}; use at most {limit}"))
+        out.append(
+            (
+                f"{where}.nnodes",
+                (
+                    f"{launch.nnodes} nodes do not fit partition {part.name!r}: it has {part.total_nodes} node(s){cap}; "
+                    f"use at most {limit}"
+                ),
+            )
+        )
     if s.gpus_per_node:
         try:
             gpus = cli.node_gpus(part.name)
@@ -257,8 +333,15 @@ def preflight(launch: LaunchConfig, where: str, tp_pp: int = 1, cli: SlurmCli | 
         enough = sum(1 for n in gpus.values() if n >= s.gpus_per_node)
         if enough < launch.nnodes:
             most = max(gpus.values(), default=0)
-            out.append((f"{f}.gpus_per_node", (f"{launch.nnodes} node(s) x {s.gpus_per_node} GPUs do not fit partition {part.name!r}: "
-                                                f"{enough} of its nodes have that many GPUs (the most on one node is {most})")))
+            out.append(
+                (
+                    f"{f}.gpus_per_node",
+                    (
+                        f"{launch.nnodes} node(s) x {s.gpus_per_node} GPUs do not fit partition {part.name!r}: "
+                        f"{enough} of its nodes have that many GPUs (the most on one node is {most})"
+                    ),
+                )
+            )
     return out
 
 

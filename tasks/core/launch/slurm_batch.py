@@ -37,7 +37,9 @@ def engine_program(verb: str, job_path: str | Path) -> list[str]:
     return ["-m", "tasks.engine", verb, "--config", str(job_path)]
 
 
-def sbatch_directives(launch: LaunchConfig, job_name: str, log_dir: str | Path, workdir: str | Path, comment: str = "") -> list[str]:
+def sbatch_directives(
+    launch: LaunchConfig, job_name: str, log_dir: str | Path, workdir: str | Path, comment: str = ""
+) -> list[str]:
     s = launch.slurm or SlurmConfig()
     args = [
         f"--job-name={job_name}",
@@ -83,9 +85,14 @@ def render_batch_script(
     lines = ["#!/bin/bash"]
     lines += [f"#SBATCH {a}" for a in sbatch_directives(launch, job_name, log_dir, workdir, comment)]
     torchrun = [
-        python, "-m", "torch.distributed.run",
-        "--nnodes=$SLURM_NNODES", f"--nproc-per-node={launch.nproc_per_node}",
-        "--rdzv-backend=c10d", '--rdzv-endpoint="$head_addr:$port"', "--rdzv-id=$SLURM_JOB_ID",
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=$SLURM_NNODES",
+        f"--nproc-per-node={launch.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        '--rdzv-endpoint="$head_addr:$port"',
+        "--rdzv-id=$SLURM_JOB_ID",
     ]
     body = f"""
 set -uo pipefail
@@ -101,8 +108,8 @@ echo "@@slurm {{\\"job_id\\": \\"$SLURM_JOB_ID\\", \\"nodes\\": \\"${{nodes[*]}}
 # the host name, the same for every emulated node); exec keeps signals going to torchrun.
 srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \\
   bash -c 'exec "$@" >"$0.$SLURMD_NODENAME.log" 2>&1' {q(prefix)}"$SLURM_JOB_ID" \\
-  {' '.join(a if a.startswith("--") else q(a) for a in torchrun)} \\
-  {' '.join(q(a) for a in program)}
+  {" ".join(a if a.startswith("--") else q(a) for a in torchrun)} \\
+  {" ".join(q(a) for a in program)}
 """
     return "\n".join(lines) + "\n" + body
 
@@ -131,7 +138,7 @@ class NodeLogs:
         prefix = f"job-{self.job_id}."
         out = {}
         for path in sorted(self.log_dir.glob(f"{prefix}*.log")):
-            node = path.name[len(prefix):-len(".log")]
+            node = path.name[len(prefix) : -len(".log")]
             if node != "batch":
                 out[node] = path
         return out
@@ -219,7 +226,11 @@ def _ended_while_completing(last: JobInfo, logs: NodeLogs | None) -> JobInfo:
             state = _KILLED_STATES[m.group(1)]
     if state is None:
         state = "COMPLETED" if last.exit_code in ("", "0:0") else "FAILED"
-    return dataclasses.replace(last, state=state, reason=f"{last.reason}; read from the batch output after the controller forgot the job".lstrip("; "))
+    return dataclasses.replace(
+        last,
+        state=state,
+        reason=f"{last.reason}; read from the batch output after the controller forgot the job".lstrip("; "),
+    )
 
 
 _SRUN_ERROR = re.compile(r"srun: error: (\S+): tasks? ([\d,-]+): (.+)")
@@ -234,14 +245,19 @@ _SUMMARY_TIME = re.compile(r"^\s*time\s*:\s*(\d{4}-\d\d-\d\d_\d\d:\d\d:\d\d)")
 _SUMMARY_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 _AGENT_FAILED = re.compile(r"^E(\d{4}) (\d\d:\d\d:\d\d(?:\.\d+)?) .*\] failed \(exitcode: (-?\d+)\)")
 # What a rank says when it failed only because a peer went away (gloo, NCCL, c10d store).
-_PEER_GONE = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Connection refused|timed out|"
-                        r"collective operation timeout|remote process exited|DistNetworkError", re.IGNORECASE)
+_PEER_GONE = re.compile(
+    r"Connection (reset|closed) by peer|Broken pipe|Connection refused|timed out|"
+    r"collective operation timeout|remote process exited|DistNetworkError",
+    re.IGNORECASE,
+)
 # A rank SIGTERMed or SIGINTed was stopped from outside (its agent ending the node's other ranks
 # after one failed, a cancellation): any other signal (SIGKILL, SIGSEGV, SIGABRT) is a cause.
 _STOPPED = {-15, -2}
 
 
-def failure_message(info: JobInfo, batch_lines: Sequence[str], node_lines: Mapping[str, Sequence[str]], what: str = "") -> str:
+def failure_message(
+    info: JobInfo, batch_lines: Sequence[str], node_lines: Mapping[str, Sequence[str]], what: str = ""
+) -> str:
     """What went wrong, naming the job state, the failing node(s) and rank(s), with their last lines.
 
     The node comes from srun's own error line (`srun: error: n2: task 1: Exited with exit code 1`)
@@ -271,7 +287,10 @@ def failure_message(info: JobInfo, batch_lines: Sequence[str], node_lines: Mappi
     # srun reports nodes in the order their agents exited, which on a loaded machine can be the
     # peer of a killed rank first: the cause leads, its casualties follow.
     srun_order = list(failed_nodes)
-    failed_nodes = {n: failed_nodes[n] for n in sorted(srun_order, key=lambda n: (_cause_rank(node_lines.get(n, ())), srun_order.index(n)))}
+    failed_nodes = {
+        n: failed_nodes[n]
+        for n in sorted(srun_order, key=lambda n: (_cause_rank(node_lines.get(n, ())), srun_order.index(n)))
+    }
     ranks: dict[str, list[str]] = {}
     for node in failed_nodes or node_lines:
         found: list[str] = []
@@ -371,8 +390,15 @@ def _main(argv: list[str]) -> int:
     cfg = load_config(argv[0])
     stage = getattr(cfg, argv[1])
     job_path = f"{cfg.run_uri}/{argv[1]}/.launch/{argv[2]}.json"
-    print(render_batch_script(engine_program(argv[2], job_path), stage.launch, f"{cfg.name}-{argv[1]}-{argv[2]}",
-                              f"{cfg.run_uri}/{argv[1]}/.launch", Path(__file__).resolve().parents[3]))
+    print(
+        render_batch_script(
+            engine_program(argv[2], job_path),
+            stage.launch,
+            f"{cfg.name}-{argv[1]}-{argv[2]}",
+            f"{cfg.run_uri}/{argv[1]}/.launch",
+            Path(__file__).resolve().parents[3],
+        )
+    )
     return 0
 
 

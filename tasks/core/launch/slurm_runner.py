@@ -71,7 +71,16 @@ def attachable(cli: slurm.SlurmCli, record: Path, job_digest: str) -> str | None
     return info.job_id if info is not None and info.active else None
 
 
-def run_slurm(verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id: str, router, env: dict[str, str], cli: slurm.SlurmCli | None = None) -> None:
+def run_slurm(
+    verb: str,
+    job: Job,
+    job_path: Path,
+    launch: LaunchConfig,
+    rdzv_id: str,
+    router,
+    env: dict[str, str],
+    cli: slurm.SlurmCli | None = None,
+) -> None:
     cli = cli or slurm.SlurmCli()
     logger = router.logger
     record = record_path(job, verb)
@@ -88,19 +97,63 @@ def run_slurm(verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id
         found = cli.find(name, comment)
         if found:
             job_id, how = found[0], f"found by name {name} and comment {comment} (its id was never recorded)"
-            _write_json(record, {"job_id": job_id, "verb": verb, "name": name, "job_digest": job_digest, "logs": str(logs_dir), "submitted_at": None})
+            _write_json(
+                record,
+                {
+                    "job_id": job_id,
+                    "verb": verb,
+                    "name": name,
+                    "job_digest": job_digest,
+                    "logs": str(logs_dir),
+                    "submitted_at": None,
+                },
+            )
     start: dict[str, int] = {}
     if job_id:
         start = _read_json(seen).get(job_id, {}) if seen.exists() else {}
-        logger.warning("re-attaching to Slurm job %s (%s), still running from an earlier attempt, %s; not submitting another. %s",
-                       job_id, name, how, "Output already logged by the earlier attempt is skipped (up to its last few seconds may repeat)" if start else "Its output is replayed from the start")
+        logger.warning(
+            "re-attaching to Slurm job %s (%s), still running from an earlier attempt, %s; not submitting another. %s",
+            job_id,
+            name,
+            how,
+            "Output already logged by the earlier attempt is skipped (up to its last few seconds may repeat)"
+            if start
+            else "Its output is replayed from the start",
+        )
     else:
         script = record.parent / f"{verb}.sbatch"
-        script.write_text(slurm_batch.render_batch_script(slurm_batch.engine_program(verb, job_path), launch, name, logs_dir, REPO, python=sys.executable, comment=comment))
+        script.write_text(
+            slurm_batch.render_batch_script(
+                slurm_batch.engine_program(verb, job_path),
+                launch,
+                name,
+                logs_dir,
+                REPO,
+                python=sys.executable,
+                comment=comment,
+            )
+        )
         job_id = cli.sbatch(script, env=env)
-        _write_json(record, {"job_id": job_id, "verb": verb, "name": name, "job_digest": job_digest,
-                             "script": str(script), "logs": str(logs_dir), "submitted_at": time.time()})
-        logger.info("submitted Slurm job %s (%s): %d node(s) x %d process(es); record %s", job_id, name, launch.nnodes, launch.nproc_per_node, record)
+        _write_json(
+            record,
+            {
+                "job_id": job_id,
+                "verb": verb,
+                "name": name,
+                "job_digest": job_digest,
+                "script": str(script),
+                "logs": str(logs_dir),
+                "submitted_at": time.time(),
+            },
+        )
+        logger.info(
+            "submitted Slurm job %s (%s): %d node(s) x %d process(es); record %s",
+            job_id,
+            name,
+            launch.nnodes,
+            launch.nproc_per_node,
+            record,
+        )
 
     logs = slurm_batch.NodeLogs(logs_dir, job_id, start=start)
     batch: list[str] = []

@@ -37,7 +37,15 @@ from typing import Any
 
 from tasks.core.config.schema import LaunchConfig
 from tasks.core.errors import StageFailed
-from tasks.core.launch.proctree import RUN_TOKEN_ENV, TOKEN_ENV, StageProcesses, new_token, reap_on_exit, subreaper, teardown
+from tasks.core.launch.proctree import (
+    RUN_TOKEN_ENV,
+    TOKEN_ENV,
+    StageProcesses,
+    new_token,
+    reap_on_exit,
+    subreaper,
+    teardown,
+)
 from tasks.core.run.events import CONSOLE_OFF, DETAIL, ERROR, INFO, PROGRESS, UI_OFF, WARNING, parse_line
 from tasks.core.run.job import Job
 from tasks.core.run.trainlog import SameWarnings
@@ -46,18 +54,25 @@ REPO = Path(__file__).resolve().parents[3]
 _LOG_LEVELS = {INFO: logging.INFO, WARNING: logging.WARNING, ERROR: logging.ERROR, DETAIL: logging.INFO}
 
 
-def torchrun_argv(verb: str, job_path: str | Path, launch: LaunchConfig, rdzv_id: str, python: str = sys.executable) -> list[str]:
+def torchrun_argv(
+    verb: str, job_path: str | Path, launch: LaunchConfig, rdzv_id: str, python: str = sys.executable
+) -> list[str]:
     argv = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(launch.nproc_per_node)]
     if launch.nnodes == 1 and not launch.rdzv_endpoint:
         argv += ["--standalone"]
     else:
         endpoint = launch.rdzv_endpoint or "127.0.0.1:29400"
         argv += [
-            "--nnodes", str(launch.nnodes),
-            "--node-rank", str(launch.node_rank),
-            "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", endpoint,
-            "--rdzv-id", launch.rdzv_id or rdzv_id,
+            "--nnodes",
+            str(launch.nnodes),
+            "--node-rank",
+            str(launch.node_rank),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            endpoint,
+            "--rdzv-id",
+            launch.rdzv_id or rdzv_id,
         ]
     argv += ["-m", "tasks.engine", verb, "--config", str(job_path)]
     return argv
@@ -71,8 +86,11 @@ FAULT_ENV = "CPT_TO_SFT_FAULT"
 def stage_fault_env(stage: str, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The fault specs of `environ[FAULT_ENV]` that may fire in `stage`'s training launch: each one
     naming no stage, or this one (`...@stage=S`), as the `extra` of `engine_env`; {} when none."""
-    keep = [spec for spec in (s.strip() for s in environ.get(FAULT_ENV, "").split(";"))
-            if spec and all(part.partition("=")[2] == stage for part in spec.split("@")[1:] if part.startswith("stage="))]
+    keep = [
+        spec
+        for spec in (s.strip() for s in environ.get(FAULT_ENV, "").split(";"))
+        if spec and all(part.partition("=")[2] == stage for part in spec.split("@")[1:] if part.startswith("stage="))
+    ]
     return {FAULT_ENV: ";".join(keep)} if keep else {}
 
 
@@ -152,7 +170,10 @@ class Router:
 
     def failure(self, verb: str, rc: int) -> StageFailed:
         cause = self.cause
-        return StageFailed(_failure_message(verb, rc, self.tails, cause), cause=f"{cause[0]}: {cause[1]}" if cause else f"exit status {rc}, no error line from any process")
+        return StageFailed(
+            _failure_message(verb, rc, self.tails, cause),
+            cause=f"{cause[0]}: {cause[1]}" if cause else f"exit status {rc}, no error line from any process",
+        )
 
 
 def run_engine(
@@ -181,14 +202,18 @@ def run_engine(
     return router.progress
 
 
-def run_local(verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]) -> None:
+def run_local(
+    verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]
+) -> None:
     """torchrun on this node, its output on a pipe; any exception kills its whole process group.
     While it runs, orphaned ranks re-parent to this process, not to PID 1 (`subreaper`)."""
     with subreaper():
         _run_local(verb, job_path, launch, rdzv_id, router, env)
 
 
-def _run_local(verb: str, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]) -> None:
+def _run_local(
+    verb: str, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]
+) -> None:
     argv = torchrun_argv(verb, job_path, launch, rdzv_id)
     router.logger.info("launch: %s", " ".join(argv), extra=CONSOLE_OFF)
     token = new_token()
@@ -248,7 +273,11 @@ def _run_local(verb: str, job_path: Path, launch: LaunchConfig, rdzv_id: str, ro
 def _failure_message(verb: str, rc: int, tails: dict[str, collections.deque], cause: tuple[str, str] | None) -> str:
     """First line: the cause (the first error line of the failing rank); then every process's tail,
     the failing process first."""
-    head = f"engine verb '{verb}' failed on {cause[0]}: {cause[1]}" if cause else f"engine verb '{verb}' failed; no process wrote an error line"
+    head = (
+        f"engine verb '{verb}' failed on {cause[0]}: {cause[1]}"
+        if cause
+        else f"engine verb '{verb}' failed; no process wrote an error line"
+    )
     parts = [head, f"engine verb '{verb}' exited with status {rc}; last lines per process:"]
     for who, lines in sorted(tails.items(), key=lambda item: (cause is None or item[0] != cause[0], item[0])):
         parts.append(f"--- {who} ---")
@@ -256,7 +285,9 @@ def _failure_message(verb: str, rc: int, tails: dict[str, collections.deque], ca
     return "\n".join(parts)
 
 
-def run_slurm(verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]) -> None:
+def run_slurm(
+    verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]
+) -> None:
     from tasks.core.launch.slurm_runner import run_slurm as run
 
     run(verb, job, job_path, launch, rdzv_id, router, env)

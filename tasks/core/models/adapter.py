@@ -30,7 +30,10 @@ from tasks.core.models.fingerprint import compare_logits, hf_dir_logits, model_l
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)  # everything peft reads, and all the artifact holds besides its provenance
+ADAPTER_FILES = (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+)  # everything peft reads, and all the artifact holds besides its provenance
 
 
 PEFT_PREFIX = "base_model.model."  # what peft puts before the wrapped model's own names
@@ -62,7 +65,9 @@ def peft_meta_model(base_dir: Path, adapter_dir: Path):
         model = PeftModel.from_pretrained(base, str(adapter_dir), low_cpu_mem_usage=True)
     still_meta = [n for n, p in model.named_parameters() if p.is_meta and ".lora_" in n]
     if still_meta:
-        raise ConversionError(f"{adapter_dir}: peft left adapter tensors unloaded ({still_meta[:3]}): the adapter does not fit {base_dir}")
+        raise ConversionError(
+            f"{adapter_dir}: peft left adapter tensors unloaded ({still_meta[:3]}): the adapter does not fit {base_dir}"
+        )
     for p in model.parameters():  # assigned in the file's dtype; loaded into the fp32 model they are cast, exactly
         if not p.is_meta and p.is_floating_point() and p.dtype != torch.float32:
             p.data = p.data.to(torch.float32)
@@ -72,7 +77,13 @@ def peft_meta_model(base_dir: Path, adapter_dir: Path):
     plain = model.get_base_model()
     head, embed = plain.get_output_embeddings(), plain.get_input_embeddings()
     head = head.get_base_layer() if hasattr(head, "get_base_layer") else head
-    if getattr(plain.config, "tie_word_embeddings", False) and head is not None and embed is not None and head.weight.is_meta and not embed.weight.is_meta:
+    if (
+        getattr(plain.config, "tie_word_embeddings", False)
+        and head is not None
+        and embed is not None
+        and head.weight.is_meta
+        and not embed.weight.is_meta
+    ):
         head.weight = embed.weight
     return model.eval()
 
@@ -98,8 +109,16 @@ def adapter_logits(adapter_dir: Path, base_dir: Path, budget_gb: float | None = 
     return model_logits(PeftModel.from_pretrained(base, str(adapter_dir)).eval(), base.config.vocab_size)
 
 
-def build_adapter_dir(adapter_src: Path, dst: Path, base_dir: Path, export_dir: Path, *, base_ref: dict[str, str], rtol: float,
-                      verify_memory_gb: float | None = None) -> dict[str, Any]:
+def build_adapter_dir(
+    adapter_src: Path,
+    dst: Path,
+    base_dir: Path,
+    export_dir: Path,
+    *,
+    base_ref: dict[str, str],
+    rtol: float,
+    verify_memory_gb: float | None = None,
+) -> dict[str, Any]:
     """`dst` = the adapter of `adapter_src` (a checkpoint's adapter/) with `base_model_name_or_path`
     set to `base_ref["name_or_path"]`; returns its verification record against `export_dir`.
 
@@ -108,21 +127,33 @@ def build_adapter_dir(adapter_src: Path, dst: Path, base_dir: Path, export_dir: 
     """
     missing = [n for n in ADAPTER_FILES if not (adapter_src / n).is_file()]
     if missing:
-        raise ConversionError(f"{adapter_src}: no {', '.join(missing)}: not a peft adapter saved as safetensors; re-run train_sft")
+        raise ConversionError(
+            f"{adapter_src}: no {', '.join(missing)}: not a peft adapter saved as safetensors; re-run train_sft"
+        )
     config = json.loads((adapter_src / ADAPTER_CONFIG).read_text())
     config["base_model_name_or_path"] = base_ref["name_or_path"]
     (dst / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     shutil.copyfile(adapter_src / ADAPTER_WEIGHTS, dst / ADAPTER_WEIGHTS)
-    c = compare_logits(hf_dir_logits(export_dir, budget_gb=verify_memory_gb), adapter_logits(dst, base_dir, verify_memory_gb), rtol)
+    c = compare_logits(
+        hf_dir_logits(export_dir, budget_gb=verify_memory_gb), adapter_logits(dst, base_dir, verify_memory_gb), rtol
+    )
     if not c["fingerprint_match"]:
         raise ConversionError(
             f"{dst}: peft's logits of this adapter on {base_dir} differ from the merged export {export_dir} "
-            f"(relative {c['fingerprint_rel_diff']:.3g} > {rtol:g}, {c['top1_disagreements_beyond_tolerance']} top-1 flips): "
+            f"(relative {c['fingerprint_rel_diff']:.3g} > {rtol:g}, {c['top1_disagreements_beyond_tolerance']} top-1 "
+            "flips): "
             "the adapter and the merged model are not the same model; delete both and re-run the export"
         )
-    return {"against": str(export_dir), "base_model_name_or_path": base_ref["name_or_path"], "base_is": "local",
-            "base_digest": base_ref["digest"], "r": config.get("r"), "lora_alpha": config.get("lora_alpha"),
-            "target_modules": _targets(config.get("target_modules")), **c}
+    return {
+        "against": str(export_dir),
+        "base_model_name_or_path": base_ref["name_or_path"],
+        "base_is": "local",
+        "base_digest": base_ref["digest"],
+        "r": config.get("r"),
+        "lora_alpha": config.get("lora_alpha"),
+        "target_modules": _targets(config.get("target_modules")),
+        **c,
+    }
 
 
 def _targets(value: Any) -> list[str] | str:

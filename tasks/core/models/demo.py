@@ -82,7 +82,10 @@ def build_tokenizer(corpus_paths: Iterable[str | Path] | None = None, vocab_size
     paths = list(corpus_paths) if corpus_paths is not None else list(DEFAULT_CORPUS)
     min_size = 256 + len(SPECIAL_TOKENS)  # byte alphabet + specials
     if vocab_size <= min_size:
-        raise ValueError(f"vocab_size={vocab_size} is too small: byte-level BPE needs more than {min_size} (256 bytes + {len(SPECIAL_TOKENS)} specials)")
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small: byte-level BPE needs more than {min_size} (256 bytes + "
+            f"{len(SPECIAL_TOKENS)} specials)"
+        )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -136,9 +139,15 @@ def build_tiny_model(
         raise ValueError(f"family={family!r} is not supported; choose one of {sorted(FAMILIES)}")
     vocab_size = len(tokenizer) if vocab_size is None else vocab_size
     if vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens): token ids would overflow the embedding")
+        raise ValueError(
+            f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens): token ids would "
+            "overflow the embedding"
+        )
     if hidden_size % num_heads or num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} must divide hidden_size={hidden_size} and num_kv_heads={num_kv_heads} must divide num_heads")
+        raise ValueError(
+            f"num_heads={num_heads} must divide hidden_size={hidden_size} and num_kv_heads={num_kv_heads} must divide "
+            "num_heads"
+        )
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS, PAD, IM_END)}
     # the family registry names the classes and any config fields this family needs set
@@ -181,15 +190,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="directory to write the HF model into (created)")
     p.add_argument("--family", choices=sorted(FAMILIES), default="llama")
     p.add_argument("--vocab-size", type=int, default=512, help="tokenizer size, specials included")
-    p.add_argument("--model-vocab-size", type=int, default=None, help="embedding rows if larger than the tokenizer (e.g. 515)")
+    p.add_argument(
+        "--model-vocab-size", type=int, default=None, help="embedding rows if larger than the tokenizer (e.g. 515)"
+    )
     p.add_argument("--tie-word-embeddings", action="store_true")
-    p.add_argument("--corpus", action="append", default=None, help="corpus file (.jsonl/.txt); repeatable; default: data/sample/cpt.jsonl and sft.jsonl")
+    p.add_argument(
+        "--corpus",
+        action="append",
+        default=None,
+        help="corpus file (.jsonl/.txt); repeatable; default: data/sample/cpt.jsonl and sft.jsonl",
+    )
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
 
     tokenizer = build_tokenizer(a.corpus or DEFAULT_CORPUS, vocab_size=a.vocab_size)
     out = build_tiny_model(
-        a.out, tokenizer, family=a.family, vocab_size=a.model_vocab_size, tie_word_embeddings=a.tie_word_embeddings, seed=a.seed
+        a.out,
+        tokenizer,
+        family=a.family,
+        vocab_size=a.model_vocab_size,
+        tie_word_embeddings=a.tie_word_embeddings,
+        seed=a.seed,
     )
     print(f"wrote {a.family} model (vocab {a.model_vocab_size or len(tokenizer)}, tokenizer {len(tokenizer)}) to {out}")
 

@@ -64,11 +64,17 @@ LLAMA_LAYER_ACTIVATIONS: tuple[ActivationTerm, ...] = (
 )
 # Qwen3's RMSNorms on the query and key heads keep the same three tensors each, q- and kv-wide.
 QK_NORM_ACTIVATIONS: tuple[ActivationTerm, ...] = (
-    ActivationTerm("q", 1, fp32=True), ActivationTerm("q", 1), ActivationTerm("kv", 1, fp32=True), ActivationTerm("kv", 1),
+    ActivationTerm("q", 1, fp32=True),
+    ActivationTerm("q", 1),
+    ActivationTerm("kv", 1, fp32=True),
+    ActivationTerm("kv", 1),
 )
 # The final RMSNorm, once per token (the LM head and the loss are vocabulary-wide: the estimate
 # counts them from vocab_size).
-FINAL_NORM_ACTIVATIONS: tuple[ActivationTerm, ...] = (ActivationTerm("hidden", 1, fp32=True), ActivationTerm("hidden", 2))
+FINAL_NORM_ACTIVATIONS: tuple[ActivationTerm, ...] = (
+    ActivationTerm("hidden", 1, fp32=True),
+    ActivationTerm("hidden", 2),
+)
 
 
 @dataclass(frozen=True)
@@ -87,9 +93,7 @@ class ModelFamily:
     # key -> the key it is a copy of when tie_word_embeddings is true
     tied: Mapping[str, str] = field(default_factory=lambda: {"lm_head.weight": "model.embed_tokens.weight"})
     # key -> dim that indexes the vocabulary (to tell padded vocab rows from other mismatches)
-    vocab_dims: Mapping[str, int] = field(
-        default_factory=lambda: {"model.embed_tokens.weight": 0, "lm_head.weight": 0}
-    )
+    vocab_dims: Mapping[str, int] = field(default_factory=lambda: {"model.embed_tokens.weight": 0, "lm_head.weight": 0})
     # what one decoder layer keeps for its backward, and the final norm (memory estimate)
     layer_activations: tuple[ActivationTerm, ...] = LLAMA_LAYER_ACTIVATIONS
     final_activations: tuple[ActivationTerm, ...] = FINAL_NORM_ACTIVATIONS
@@ -144,7 +148,10 @@ def _attn(q_bias: str | None, o_bias: str | None, qk_norm: bool = False) -> tupl
         TensorRule("self_attn.o_proj.weight", ("hidden", "q")), *bias("o_proj", "hidden", o_bias),
     )  # fmt: skip
     if qk_norm:
-        rules += (TensorRule("self_attn.q_norm.weight", ("head_dim",)), TensorRule("self_attn.k_norm.weight", ("head_dim",)))
+        rules += (
+            TensorRule("self_attn.q_norm.weight", ("head_dim",)),
+            TensorRule("self_attn.k_norm.weight", ("head_dim",)),
+        )
     return rules
 
 
@@ -212,7 +219,9 @@ def family_config(model_config: Mapping[str, Any]) -> tuple[ModelFamily, dict[st
     config = {**family.config_defaults, **{k: v for k, v in model_config.items() if v is not None}}
     missing = [f for f in REQUIRED_FIELDS if not isinstance(config.get(f), int)]
     if missing:
-        raise ConversionError(f"config.json ({model_type}) lacks integer field(s) {missing}: cannot derive tensor shapes")
+        raise ConversionError(
+            f"config.json ({model_type}) lacks integer field(s) {missing}: cannot derive tensor shapes"
+        )
     return family, config
 
 

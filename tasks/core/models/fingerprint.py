@@ -82,7 +82,9 @@ def load_fingerprint(directory: str | Path) -> torch.Tensor:
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
-        raise ValueError(f"fingerprint shapes differ: {tuple(a.shape)} vs {tuple(b.shape)} (vocabulary or probe changed)")
+        raise ValueError(
+            f"fingerprint shapes differ: {tuple(a.shape)} vs {tuple(b.shape)} (vocabulary or probe changed)"
+        )
     return float((a.float() - b.float()).abs().max())
 
 
@@ -132,8 +134,13 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, TORCH_DTYPE_NAMES[name])
 
 
-def hf_dir_logits(model_dir: str | Path, dtype: str | None = None, trust_remote_code: bool = False,
-                  budget_gb: float | None = None, say: Callable[[str], None] | None = None) -> torch.Tensor:
+def hf_dir_logits(
+    model_dir: str | Path,
+    dtype: str | None = None,
+    trust_remote_code: bool = False,
+    budget_gb: float | None = None,
+    say: Callable[[str], None] | None = None,
+) -> torch.Tensor:
     """Logits of plain `transformers` on an HF directory: what a user of the artifact will see.
 
     Loads with safetensors only, in the artifact's own dtype unless told. A model whose weights in
@@ -152,13 +159,20 @@ def hf_dir_logits(model_dir: str | Path, dtype: str | None = None, trust_remote_
         meta = meta_model(model_dir, weights_dtype, trust_remote_code)
         if model_bytes(meta) > budget_gb * 1e9:
             if say is not None:
-                say(f"logits of {model_dir}: streamed a decoder layer at a time ({model_bytes(meta) / 1e9:.3g} GB of weights "
-                    f"over verify_memory_gb {budget_gb:g})")
+                say(
+                    f"logits of {model_dir}: streamed a decoder layer at a time ({model_bytes(meta) / 1e9:.3g} GB of "
+                    "weights "
+                    f"over verify_memory_gb {budget_gb:g})"
+                )
             with streaming(meta, model_dir):
                 return model_logits(meta, config.vocab_size, device=torch.device("cpu"))
         del meta
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, torch_dtype=weights_dtype, use_safetensors=True, trust_remote_code=trust_remote_code, low_cpu_mem_usage=True
+        model_dir,
+        torch_dtype=weights_dtype,
+        use_safetensors=True,
+        trust_remote_code=trust_remote_code,
+        low_cpu_mem_usage=True,
     )
     try:
         return model_logits(model, config.vocab_size)

@@ -37,8 +37,14 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_mo
 FOREIGN_WEIGHT_SUFFIXES = (".gguf", ".ggml")  # quantized weights of other runtimes: no HF loader reads them
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 # First bytes of formats a misnamed file turns out to be, for the message.
-MAGICS = ((b"GGUF", "a GGUF file"), (b"ggml", "a GGML file"), (b"PK\x03\x04", "a zip archive (a torch.save file)"),
-          (b"\x80", "a pickle"), (b"\x89HDF", "an HDF5 file"), (b"{", "JSON text"))
+MAGICS = (
+    (b"GGUF", "a GGUF file"),
+    (b"ggml", "a GGML file"),
+    (b"PK\x03\x04", "a zip archive (a torch.save file)"),
+    (b"\x80", "a pickle"),
+    (b"\x89HDF", "an HDF5 file"),
+    (b"{", "JSON text"),
+)
 # SentencePiece's ModelProto: pieces=1, trainer_spec=2, normalizer_spec=3, self_test_data=4,
 # denormalizer_spec=5, all length-delimited (protobuf wire type 2).
 _SP_FIELDS = frozenset({1, 2, 3, 4, 5})
@@ -142,7 +148,10 @@ def weight_shards(folder: Path, names: Iterable[str]) -> set[str] | None:
         try:
             return set(json.loads((folder / SAFE_INDEX_NAME).read_text())["weight_map"].values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{folder / SAFE_INDEX_NAME}: unreadable weight index ({type(exc).__name__}: {exc}); rebuild the folder (delete it and re-run its stage)") from None
+            raise ValueError(
+                f"{folder / SAFE_INDEX_NAME}: unreadable weight index ({type(exc).__name__}: {exc}); rebuild the "
+                "folder (delete it and re-run its stage)"
+            ) from None
     return {SAFE_WEIGHTS_NAME} if SAFE_WEIGHTS_NAME in names else None
 
 
@@ -161,15 +170,23 @@ def folder_problems(folder: Path, names: Iterable[str] | None = None, require_we
     out = []
     for name in names:
         if name in ADAPTER_FILES:
-            out.append(f"{folder} holds {name}: adapter files beside merged weights (loaders would apply the adapter on top of weights it is already merged into); {fix}")
+            out.append(
+                f"{folder} holds {name}: adapter files beside merged weights (loaders would apply the adapter on top "
+                f"of weights it is already merged into); {fix}"
+            )
         elif name.endswith(".safetensors") and name not in weights:
-            out.append(f"{folder} holds {name}: a .safetensors file that is not a weight shard of the model "
-                       f"(serving engines such as vLLM and SGLang load every *.safetensors in the folder as weights); {fix}")
+            out.append(
+                f"{folder} holds {name}: a .safetensors file that is not a weight shard of the model "
+                f"(serving engines such as vLLM and SGLang load every *.safetensors in the folder as weights); {fix}"
+            )
     for name, why in misnamed(folder, names).items():
         if not name.endswith(".safetensors"):  # a stray shard is said above
             out.append(f"{folder} holds {name}: {why}; {fix}")
     missing = sorted(weights - set(names))
     if missing and require_weights:
         named_by = SAFE_INDEX_NAME if SAFE_INDEX_NAME in names else "the folder"
-        out.append(f"{folder} lacks weight file(s) {', '.join(missing)} that {named_by} names; rebuild the folder (delete it and re-run its stage)")
+        out.append(
+            f"{folder} lacks weight file(s) {', '.join(missing)} that {named_by} names; rebuild the folder (delete it "
+            "and re-run its stage)"
+        )
     return out

@@ -17,12 +17,27 @@ from typing import Any
 from tasks.core.errors import ConversionError
 from tasks.core.models.convert import convert_checkpoint
 from tasks.core.models.convert.proof import prove_weights
-from tasks.core.models.fingerprint import TORCH_DTYPE_NAMES, compare_logits, default_rtol, hf_dir_logits, load_fingerprint, save_fingerprint
+from tasks.core.models.fingerprint import (
+    TORCH_DTYPE_NAMES,
+    compare_logits,
+    default_rtol,
+    hf_dir_logits,
+    load_fingerprint,
+    save_fingerprint,
+)
 from tasks.core.models.folder import misnamed
 from tasks.core.models.stop_tokens import align_generation_config
 from tasks.core.run.manifest import VERIFICATION  # noqa: F401 (where the proof goes: callers import it from here too)
 
-TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template*", "vocab.*", "merges.txt", "*.model")
+TOKENIZER_GLOBS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template*",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+)
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:
@@ -58,7 +73,14 @@ def build_hf_dir(
     `verify_memory_gb`: above it, the logits check streams the folder a layer at a time (bitwise the same).
     """
     model_config = {**json.loads((source_model_dir / "config.json").read_text()), **(config_updates or {})}
-    report = convert_checkpoint(checkpoint_dir / "model", dst, model_config=model_config, dtype=dtype, max_shard_size=max_shard_size, write_config=False)
+    report = convert_checkpoint(
+        checkpoint_dir / "model",
+        dst,
+        model_config=model_config,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        write_config=False,
+    )
     out_dtype = dtype or weights_dtype
     proof = prove_weights(checkpoint_dir / "model", dst, dtype, dropped=report.dropped)
     # Private keys like `_attn_implementation_autoset` would change the attention kernel on load.
@@ -75,11 +97,15 @@ def build_hf_dir(
         from transformers import AutoTokenizer
 
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-        gen, stop_tokens = align_generation_config(gen, model_config, AutoTokenizer.from_pretrained(dst), align=align_stop_tokens)
+        gen, stop_tokens = align_generation_config(
+            gen, model_config, AutoTokenizer.from_pretrained(dst), align=align_stop_tokens
+        )
         (dst / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 
     logits = hf_dir_logits(dst, budget_gb=verify_memory_gb)
-    check = compare_logits(logits, load_fingerprint(checkpoint_dir), rtol if rtol is not None else default_rtol(out_dtype, weights_dtype))
+    check = compare_logits(
+        logits, load_fingerprint(checkpoint_dir), rtol if rtol is not None else default_rtol(out_dtype, weights_dtype)
+    )
     fingerprint = save_fingerprint(logits, dst, out_dtype)
     verification = {
         "tensors": report.num_tensors,
@@ -95,10 +121,14 @@ def build_hf_dir(
         verification["stop_tokens"] = stop_tokens
     if not check["fingerprint_match"]:
         raise ConversionError(
-            f"{dst}: the weights are bitwise the checkpoint's, but plain transformers' logits on the probe batch differ from the "
-            f"checkpoint's fingerprint by {check['fingerprint_rel_diff']:.3g} of their magnitude (> {check['fingerprint_rtol']:g}; "
-            f"max |Δ| {check['fingerprint_max_abs_diff']:.3g}, max |logit| {check['fingerprint_max_abs_logit']:.3g}) with "
-            f"{check['top1_disagreements_beyond_tolerance']} top-1 disagreements beyond it: the folder loads differently from "
+            f"{dst}: the weights are bitwise the checkpoint's, but plain transformers' logits on the probe batch "
+            "differ from the "
+            f"checkpoint's fingerprint by {check['fingerprint_rel_diff']:.3g} of their magnitude (> "
+            f"{check['fingerprint_rtol']:g}; "
+            f"max |Δ| {check['fingerprint_max_abs_diff']:.3g}, max |logit| {check['fingerprint_max_abs_logit']:.3g}) "
+            "with "
+            f"{check['top1_disagreements_beyond_tolerance']} top-1 disagreements beyond it: the folder loads "
+            "differently from "
             "what was trained (config.json, tied weights or dtype); export.fingerprint_rtol sets the tolerance"
         )
     return {"verification": verification, "fingerprint": fingerprint, "known_hashes": report.files}

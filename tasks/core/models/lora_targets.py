@@ -52,11 +52,15 @@ def matches(targets: str | Sequence[str], key: str) -> bool:
     return key in targets or any(key.endswith(f".{t}") for t in targets)
 
 
-def resolve(targets: str | Sequence[str], modules: Mapping[str, str], output_embedding: str | None = "lm_head") -> Resolution:
+def resolve(
+    targets: str | Sequence[str], modules: Mapping[str, str], output_embedding: str | None = "lm_head"
+) -> Resolution:
     """What `targets` adapts among `modules` (whole name -> kind: linear, embedding, norm, container, other)."""
     asked = targets
     if is_all_linear(targets):
-        targets = sorted({n.rsplit(".", 1)[-1] for n, kind in modules.items() if kind == "linear" and n != output_embedding})
+        targets = sorted(
+            {n.rsplit(".", 1)[-1] for n, kind in modules.items() if kind == "linear" and n != output_embedding}
+        )
     hit = [n for n in modules if n and matches(targets, n)]
     if isinstance(targets, str):
         unmatched = () if hit else (targets,)
@@ -76,18 +80,29 @@ def linear_names(modules: Mapping[str, str]) -> list[str]:
     return sorted({n.rsplit(".", 1)[-1] for n, kind in modules.items() if kind in LORA_KINDS})
 
 
-def problems(targets: str | Sequence[str], modules: Mapping[str, str], where: str, output_embedding: str | None = "lm_head") -> list[str]:
+def problems(
+    targets: str | Sequence[str], modules: Mapping[str, str], where: str, output_embedding: str | None = "lm_head"
+) -> list[str]:
     """Sentences naming each target that adapts nothing or something LoRA cannot wrap, with the model's modules."""
     r = resolve(targets, modules, output_embedding)
     names = ", ".join(linear_names(modules))
     out = []
     for t in r.unmatched:
-        what = f"the regex {t!r} matches no module name of {where}" if isinstance(targets, str) else f"{t!r} matches no module of {where}"
-        out.append(f"{what}; its linear and embedding modules are {names}: name some of them, or use 'all-linear' (without the list)")
+        what = (
+            f"the regex {t!r} matches no module name of {where}"
+            if isinstance(targets, str)
+            else f"{t!r} matches no module of {where}"
+        )
+        out.append(
+            f"{what}; its linear and embedding modules are {names}: name some of them, or use 'all-linear' (without "
+            "the list)"
+        )
     if r.unsupported:
         shown = ", ".join(r.unsupported[:4]) + (f" and {len(r.unsupported) - 4} more" if len(r.unsupported) > 4 else "")
-        out.append(f"LoRA can adapt only linear and embedding modules, but the targets match {shown} of {where}; "
-                   f"name the linear modules inside instead ({names})")
+        out.append(
+            f"LoRA can adapt only linear and embedding modules, but the targets match {shown} of {where}; "
+            f"name the linear modules inside instead ({names})"
+        )
     return out
 
 
@@ -100,7 +115,9 @@ def model_modules(model_config: Mapping[str, object]) -> dict[str, str]:
     head = {r.key for r in family.head}
     kinds: dict[str, str] = {}
     keys = [(k, len(shape)) for k, _, shape, _ in iter_tensors(model_config)]
-    keys += [(k, 2) for k in (family.tied if config.get("tie_word_embeddings") else {})]  # a tied head is still a module
+    keys += [
+        (k, 2) for k in (family.tied if config.get("tie_word_embeddings") else {})
+    ]  # a tied head is still a module
     for key, ndim in keys:
         module, _, part = key.rpartition(".")
         if part != "weight":
@@ -123,9 +140,15 @@ def _main(argv: list[str]) -> int:
 
     mc = json.loads((Path(argv[0]) / "config.json").read_text())
     # names (a list), all-linear, or re:<regex>
-    targets: str | list[str] = argv[1].removeprefix("re:") if len(argv) == 2 and (is_all_linear(argv[1]) or argv[1].startswith("re:")) else argv[1:]
+    targets: str | list[str] = (
+        argv[1].removeprefix("re:")
+        if len(argv) == 2 and (is_all_linear(argv[1]) or argv[1].startswith("re:"))
+        else argv[1:]
+    )
     modules = model_modules(mc)
-    for line in problems(targets, modules, argv[0], output_embedding(mc)) or [f"adapts {', '.join(resolve(targets, modules, output_embedding(mc)).names)}"]:
+    for line in problems(targets, modules, argv[0], output_embedding(mc)) or [
+        f"adapts {', '.join(resolve(targets, modules, output_embedding(mc)).names)}"
+    ]:
         print(line)
     return 0
 

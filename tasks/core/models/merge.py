@@ -78,27 +78,39 @@ def prove_untouched(base_dir: Path, export_dir: Path, touched: set[str], dtype: 
     missing = [k for k in untouched if k not in base]
     bad = [k for k in untouched if k in base and not torch.equal(_read(base, k).to(_TORCH[dtype]), _read(export, k))]
     if missing or bad:
-        raise ConversionError(f"{export_dir}: tensors the adapter does not touch are not the base's ({base_dir}) cast to {dtype}: "
-                              f"differ {bad[:5]}, not in the base {missing[:5]}")
+        raise ConversionError(
+            f"{export_dir}: tensors the adapter does not touch are not the base's ({base_dir}) cast to {dtype}: "
+            f"differ {bad[:5]}, not in the base {missing[:5]}"
+        )
     return {"untouched_bitwise": len(untouched), "touched": len([k for k in export if k in touched])}
 
 
-def _write_safetensors(path: Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], tensor_of: Callable[[str], torch.Tensor]) -> None:
+def _write_safetensors(
+    path: Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], tensor_of: Callable[[str], torch.Tensor]
+) -> None:
     """One safetensors file of the keys in `specs` (shape, dtype), each tensor made by `tensor_of`
     only when its bytes are due: the header (every shape and offset) is known before any tensor exists."""
     from tasks.core.models.convert.dtypes import TORCH_TO_ST
     from tasks.core.models.convert.write import safetensors_header
 
     with path.open("wb") as out:
-        out.write(safetensors_header([(k, TORCH_TO_ST[dt], shape, math.prod(shape) * dt.itemsize) for k, (shape, dt) in specs.items()]))
+        out.write(
+            safetensors_header(
+                [(k, TORCH_TO_ST[dt], shape, math.prod(shape) * dt.itemsize) for k, (shape, dt) in specs.items()]
+            )
+        )
         for key, (shape, dtype) in specs.items():
             t = tensor_of(key).contiguous()
             if tuple(t.shape) != shape or t.dtype != dtype:
-                raise ConversionError(f"merged {key}: {t.dtype} {tuple(t.shape)}, the staged header says {dtype} {shape}")
+                raise ConversionError(
+                    f"merged {key}: {t.dtype} {tuple(t.shape)}, the staged header says {dtype} {shape}"
+                )
             out.write(t.view(-1).view(torch.uint8).numpy().data)
 
 
-def _merge_streamed(checkpoint_dir: Path, base_dir: Path, staged: Path, plain: torch.nn.Module) -> tuple[torch.Tensor, set[str], bool]:
+def _merge_streamed(
+    checkpoint_dir: Path, base_dir: Path, staged: Path, plain: torch.nn.Module
+) -> tuple[torch.Tensor, set[str], bool]:
     """(peft's reference logits, the touched keys, whether the head is untied) with the merged fp32
     model written to `staged`/model, in the memory of a decoder layer and about two tensors.
     `plain`: the base built on the meta device (its own module names, and whether it ties its head)."""
@@ -114,8 +126,12 @@ def _merge_streamed(checkpoint_dir: Path, base_dir: Path, staged: Path, plain: t
         reference = model_logits(model, model.config.vocab_size, device=torch.device("cpu"))
     touched = touched_keys(model)
     layers = {f"{n.removeprefix(PEFT_PREFIX)}.weight": m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
-    trained = {f"{n.removeprefix(PEFT_PREFIX)}.{k}": t for n, m in model.named_modules() if isinstance(m, ModulesToSaveWrapper)
-               for k, t in m.modules_to_save[m.active_adapter].state_dict().items()}
+    trained = {
+        f"{n.removeprefix(PEFT_PREFIX)}.{k}": t
+        for n, m in model.named_modules()
+        if isinstance(m, ModulesToSaveWrapper)
+        for k, t in m.modules_to_save[m.active_adapter].state_dict().items()
+    }
     files = weight_files(base_dir)
     head, embed = plain.get_output_embeddings(), plain.get_input_embeddings()
     tied = head is not None and embed is not None and head.weight is embed.weight
@@ -136,13 +152,17 @@ def _merge_streamed(checkpoint_dir: Path, base_dir: Path, staged: Path, plain: t
                 t = _merge_into(layers[k], t)
         return t
 
-    entries = {k: e for path in sorted(set(files.values())) for k, e in read_safetensors_header(path)[1].items()}  # one header read per file
+    entries = {
+        k: e for path in sorted(set(files.values())) for k, e in read_safetensors_header(path)[1].items()
+    }  # one header read per file
     specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for key in sorted(files):
         dtype = ST_TO_TORCH[entries[key].dtype]
         specs[key] = (entries[key].shape, torch.float32 if dtype.is_floating_point else dtype)  # as merged() reads it
     # merge_and_unload unties them only where a trained copy replaced one of the two modules
-    untie = tied and (head_key in trained or embed_key in trained) and not torch.equal(merged(head_key), merged(embed_key))
+    untie = (
+        tied and (head_key in trained or embed_key in trained) and not torch.equal(merged(head_key), merged(embed_key))
+    )
     if untie:  # both saved, as save_pretrained saves an untied model
         stored = specs[head_key] if head_key in specs else specs[embed_key]
         specs.setdefault(head_key, stored)
@@ -167,9 +187,18 @@ def _merge_into(layer, weight: torch.Tensor) -> torch.Tensor:
         base_layer.weight, layer.merged_adapters = meta, []
 
 
-def build_merged_dir(checkpoint_dir: Path, dst: Path, base_dir: Path, *, dtype: str, max_shard_size: str, rtol: float | None = None,
-                     align_stop_tokens: bool | None = None, work_dir: str | None = None,
-                     verify_memory_gb: float | None = None) -> dict[str, Any]:
+def build_merged_dir(
+    checkpoint_dir: Path,
+    dst: Path,
+    base_dir: Path,
+    *,
+    dtype: str,
+    max_shard_size: str,
+    rtol: float | None = None,
+    align_stop_tokens: bool | None = None,
+    work_dir: str | None = None,
+    verify_memory_gb: float | None = None,
+) -> dict[str, Any]:
     """`dst` = the merged model of `checkpoint_dir`'s adapter on `base_dir`; returns build_hf_dir's
     record with `verification.lora` added (the untouched-tensor proof, the tie decision)."""
     from tasks.core.models.stream import meta_model, model_bytes
@@ -183,11 +212,24 @@ def build_merged_dir(checkpoint_dir: Path, dst: Path, base_dir: Path, *, dtype: 
         else:
             reference, touched, untie = _merge_whole(checkpoint_dir, base_dir, staged)
         save_fingerprint(reference, staged, dtype="fp32")
-        built = build_hf_dir(staged, dst, base_dir, dtype=dtype, max_shard_size=max_shard_size, weights_dtype="fp32", rtol=rtol,
-                             align_stop_tokens=align_stop_tokens, config_updates={"tie_word_embeddings": False} if untie else {},
-                             verify_memory_gb=verify_memory_gb)
-    built["verification"]["lora"] = {**prove_untouched(base_dir, dst, touched, dtype), "merged_in": "fp32", "untied_head": untie,
-                                     "merge": "streamed" if streamed else "whole"}
+        built = build_hf_dir(
+            staged,
+            dst,
+            base_dir,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            weights_dtype="fp32",
+            rtol=rtol,
+            align_stop_tokens=align_stop_tokens,
+            config_updates={"tie_word_embeddings": False} if untie else {},
+            verify_memory_gb=verify_memory_gb,
+        )
+    built["verification"]["lora"] = {
+        **prove_untouched(base_dir, dst, touched, dtype),
+        "merged_in": "fp32",
+        "untied_head": untie,
+        "merge": "streamed" if streamed else "whole",
+    }
     return built
 
 

@@ -25,21 +25,31 @@ WHY = (
     "the chat template closes an assistant turn with it (found by rendering a conversation with the template), "
     "and SFT trained the model to emit it at the end of every reply, so generation must stop there"
 )
+
+
 def eos_ids(value: Any) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def align_generation_config(gen: dict[str, Any] | None, model_config: dict[str, Any], tokenizer, align: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+def align_generation_config(
+    gen: dict[str, Any] | None, model_config: dict[str, Any], tokenizer, align: bool = True
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(generation config to write, record for the log and verification.json).
 
     eos_token_id becomes [base eos..., end-of-turn tokens not already there]; pad_token_id is
     the tokenizer's when it has one. With `align` false nothing changes and the record says
     what would have been added.
     """
-    gen = dict(gen) if gen else {k: model_config[k] for k in ("bos_token_id", "eos_token_id") if model_config.get(k) is not None}
-    base = eos_ids(gen.get("eos_token_id")) or eos_ids(model_config.get("eos_token_id")) or eos_ids(tokenizer.eos_token_id)
+    gen = (
+        dict(gen)
+        if gen
+        else {k: model_config[k] for k in ("bos_token_id", "eos_token_id") if model_config.get(k) is not None}
+    )
+    base = (
+        eos_ids(gen.get("eos_token_id")) or eos_ids(model_config.get("eos_token_id")) or eos_ids(tokenizer.eos_token_id)
+    )
     eot = end_of_turn_tokens(tokenizer)
     added = [{"id": i, "token": tokenizer.convert_ids_to_tokens(i), "why": WHY} for i in eot if i not in base]
     record: dict[str, Any] = {
@@ -48,7 +58,12 @@ def align_generation_config(gen: dict[str, Any] | None, model_config: dict[str, 
         "end_of_turn": [{"id": i, "token": tokenizer.convert_ids_to_tokens(i)} for i in eot],
     }
     if not align:
-        record.update(eos_token_id=eos_ids(gen.get("eos_token_id")), would_add=added, added=[], pad_token_id=gen.get("pad_token_id"))
+        record.update(
+            eos_token_id=eos_ids(gen.get("eos_token_id")),
+            would_add=added,
+            added=[],
+            pad_token_id=gen.get("pad_token_id"),
+        )
         return gen, record
     gen["eos_token_id"] = base + [a["id"] for a in added]
     pad = tokenizer.pad_token_id
@@ -62,11 +77,20 @@ def describe(record: dict[str, Any]) -> str:
     """One line for the export log."""
     if not record["aligned"]:
         would = ", ".join(f"{a['token']} ({a['id']})" for a in record["would_add"]) or "nothing"
-        return f"stop tokens left as the base model's eos_token_id {record['eos_token_id']} (export.align_stop_tokens: false); aligning would add {would}"
+        return (
+            f"stop tokens left as the base model's eos_token_id {record['eos_token_id']} "
+            f"(export.align_stop_tokens: false); aligning would add {would}"
+        )
     if not record["added"]:
-        return f"stop tokens: eos_token_id {record['eos_token_id']} already holds the chat template's end-of-turn token(s); pad_token_id {record['pad_token_id']}"
+        return (
+            f"stop tokens: eos_token_id {record['eos_token_id']} already holds the chat template's end-of-turn "
+            f"token(s); pad_token_id {record['pad_token_id']}"
+        )
     added = ", ".join(f"{a['token']} ({a['id']})" for a in record["added"])
-    return f"stop tokens: eos_token_id {record['base_eos_token_id']} -> {record['eos_token_id']}, added {added}: {WHY}; pad_token_id {record['pad_token_id']}"
+    return (
+        f"stop tokens: eos_token_id {record['base_eos_token_id']} -> {record['eos_token_id']}, added {added}: "
+        f"{WHY}; pad_token_id {record['pad_token_id']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args[0])
     gen_path = root / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    _, record = align_generation_config(gen, json.loads((root / "config.json").read_text()), AutoTokenizer.from_pretrained(root))
+    _, record = align_generation_config(
+        gen, json.loads((root / "config.json").read_text()), AutoTokenizer.from_pretrained(root)
+    )
     print(describe(record))
     return 0
 

@@ -85,11 +85,15 @@ def stream_units(model: nn.Module) -> list[tuple[nn.Module, bool]]:
 class _Streamer:
     """Loads a unit's tensors before its forward and gives the meta ones back after it."""
 
-    def __init__(self, model: nn.Module, files: dict[str, Path], model_dir: Path, rename: Callable[[str], str] | None = None):
+    def __init__(
+        self, model: nn.Module, files: dict[str, Path], model_dir: Path, rename: Callable[[str], str] | None = None
+    ):
         self.files, self.model_dir = files, model_dir
         # every name a tensor object answers to (a tied head: its own and the embedding's)
         self.aliases: dict[int, list[str]] = defaultdict(list)
-        self.slots: dict[int, list[tuple[nn.Module, str, bool]]] = defaultdict(list)  # module id -> (owner, name, is_param)
+        self.slots: dict[int, list[tuple[nn.Module, str, bool]]] = defaultdict(
+            list
+        )  # module id -> (owner, name, is_param)
         for prefix, module in model.named_modules(remove_duplicate=False):
             for table, is_param in ((module._parameters, True), (module._buffers, False)):
                 for name, t in table.items():
@@ -110,14 +114,19 @@ class _Streamer:
         for name in names:
             if name in self.files:
                 return name
-        raise ConversionError(f"{self.model_dir}: no tensor {' or '.join(names)} in its safetensors files: the folder does not hold "
-                              "the model its config.json describes")
+        raise ConversionError(
+            f"{self.model_dir}: no tensor {' or '.join(names)} in its safetensors files: the folder does not hold "
+            "the model its config.json describes"
+        )
 
     def load(self, unit: nn.Module, recurse: bool) -> None:
         from safetensors import safe_open
 
         slots = [s for m in (unit.modules() if recurse else (unit,)) for s in self.slots.get(id(m), ())]
-        tables = [(owner, name, is_param, (owner._parameters if is_param else owner._buffers)[name]) for owner, name, is_param in slots]
+        tables = [
+            (owner, name, is_param, (owner._parameters if is_param else owner._buffers)[name])
+            for owner, name, is_param in slots
+        ]
         by_file: dict[Path, list[int]] = defaultdict(list)
         keys = [self._key(meta) for *_, meta in tables]
         for i, key in enumerate(keys):
@@ -131,7 +140,10 @@ class _Streamer:
                     real[i] = t.to(meta.dtype) if t.is_floating_point() and meta.is_floating_point() else t
         for i, (owner, name, is_param, meta) in enumerate(tables):
             if tuple(real[i].shape) != tuple(meta.shape):
-                raise ConversionError(f"{self.model_dir}: {keys[i]} has shape {tuple(real[i].shape)}, its config.json wants {tuple(meta.shape)}")
+                raise ConversionError(
+                    f"{self.model_dir}: {keys[i]} has shape {tuple(real[i].shape)}, its config.json wants "
+                    f"{tuple(meta.shape)}"
+                )
             if is_param:
                 owner._parameters[name] = nn.Parameter(real[i], requires_grad=False)
             else:

@@ -38,7 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.config.layout import layout_problems
-from tasks.core.config.load import gate_problems, heldout_source_problems, hub_problems, parse_fields, plugin_problems, read_raw_config
+from tasks.core.config.load import (
+    gate_problems,
+    heldout_source_problems,
+    hub_problems,
+    parse_fields,
+    plugin_problems,
+    read_raw_config,
+)
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.errors import ConfigError
@@ -54,7 +61,13 @@ from tasks.core.preflight.model_files import check_lora_targets, check_model_fil
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tasks.core.preflight.resume import check_resume
-from tasks.core.preflight.storage import check_base_model_links, check_paths, check_run_root, check_staging_space, estimate_local_bytes
+from tasks.core.preflight.storage import (
+    check_base_model_links,
+    check_paths,
+    check_run_root,
+    check_staging_space,
+    estimate_local_bytes,
+)
 from tasks.core.preflight.tokens import check_sft_lengths, check_special_tokens
 from tasks.core.preflight.tracking import check_tracking
 
@@ -98,11 +111,16 @@ def check_static_rules(ctx: CheckContext) -> None:
     for stage in ("cpt", "sft"):
         for where, msg in plugin_problems(getattr(ctx.cfg, stage), stage):
             ctx.problem(where, msg)
-    for where, msg in heldout_source_problems(ctx.cfg) + gate_problems(ctx.cfg):  # what load_config refuses, in the one report
+    for where, msg in heldout_source_problems(ctx.cfg) + gate_problems(
+        ctx.cfg
+    ):  # what load_config refuses, in the one report
         ctx.problem(where, msg)
     if len(ctx.report.problems) == before:
-        ctx.ok("static config rules: plugin/ZeRO/precision combinations, world size multiple of tp*pp, pipeline micro-batches >= pp, "
-               "held-out sets of the gate and of each source")
+        ctx.ok(
+            "static config rules: plugin/ZeRO/precision combinations, world size multiple of tp*pp, pipeline "
+            "micro-batches >= pp, "
+            "held-out sets of the gate and of each source"
+        )
 
 
 def _stage_layout(ctx: CheckContext, name: str, stage: StageConfig) -> None:
@@ -110,16 +128,28 @@ def _stage_layout(ctx: CheckContext, name: str, stage: StageConfig) -> None:
     p, launch = stage.plugin, stage.launch
     mc = ctx.model.config if ctx.model else None
     if mc is not None and p.tp_size > 1 and not isinstance(mc.get("num_attention_heads"), int):
-        ctx.warn(f"{name}.plugin.tp_size: config.json has no num_attention_heads; tensor-parallel divisibility not checked")
+        ctx.warn(
+            f"{name}.plugin.tp_size: config.json has no num_attention_heads; tensor-parallel divisibility not checked"
+        )
     for where, msg in layout_problems(stage, name, model_config=mc, tiers=("batch", "model")):
         ctx.problem(where, msg)
     world = launch.world_size
-    if world % (p.tp_size * p.pp_size) == 0 and not any(where.startswith(f"{name}.") for where, _ in ctx.report.problems):
+    if world % (p.tp_size * p.pp_size) == 0 and not any(
+        where.startswith(f"{name}.") for where, _ in ctx.report.problems
+    ):
         dp = world // (p.tp_size * p.pp_size)
-        heads = f", divides {mc.get('num_attention_heads')} heads / {mc.get('num_key_value_heads') or mc.get('num_attention_heads')} KV heads" if mc and p.tp_size > 1 else ""
+        heads = (
+            f", divides {mc.get('num_attention_heads')} heads / {mc.get('num_key_value_heads') or mc.get('num_attention_heads')} "
+            "KV heads"
+            if mc and p.tp_size > 1
+            else ""
+        )
         layers = f", {mc.get('num_hidden_layers')} layers" if mc and p.pp_size > 1 else ""
-        ctx.ok(f"{name} layout: {p.name} tp={p.tp_size}{heads} · pp={p.pp_size}{layers} · dp={dp} = "
-               f"{launch.nnodes} node(s) x {launch.nproc_per_node} = {world} ranks, {p.precision}, zero_stage {p.zero_stage}")
+        ctx.ok(
+            f"{name} layout: {p.name} tp={p.tp_size}{heads} · pp={p.pp_size}{layers} · dp={dp} = "
+            f"{launch.nnodes} node(s) x {launch.nproc_per_node} = {world} ranks, {p.precision}, zero_stage "
+            f"{p.zero_stage}"
+        )
 
 
 def check_layout(ctx: CheckContext) -> None:
@@ -140,11 +170,18 @@ def check_machine(ctx: CheckContext) -> None:
             ctx.problem(where, msg)
         if m.cuda_devices:
             if n > m.cuda_devices:
-                ctx.problem(f"{name}.launch.nproc_per_node", f"{n} processes per node requested but {m.cuda_devices} GPU(s) are visible (CUDA_VISIBLE_DEVICES); set nproc_per_node <= {m.cuda_devices}")
+                ctx.problem(
+                    f"{name}.launch.nproc_per_node",
+                    f"{n} processes per node requested but {m.cuda_devices} GPU(s) are visible "
+                    f"(CUDA_VISIBLE_DEVICES); set nproc_per_node <= {m.cuda_devices}",
+                )
             else:
                 ctx.ok(f"{name} processes: {n} per node <= {m.cuda_devices} visible GPU(s)")
         elif n > m.cpu_count:
-            ctx.warn(f"{name}.launch.nproc_per_node: {n} CPU ranks on {m.cpu_count} core(s) oversubscribes the CPU; it runs, slowly")
+            ctx.warn(
+                f"{name}.launch.nproc_per_node: {n} CPU ranks on {m.cpu_count} core(s) oversubscribes the CPU; it "
+                "runs, slowly"
+            )
         else:
             ctx.ok(f"{name} processes: {n} CPU rank(s) (gloo) on {m.cpu_count} core(s), no GPU visible")
 
@@ -157,7 +194,9 @@ def check_hub(ctx: CheckContext) -> None:
         return
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    for where, msg in hub_problems(ctx.cfg):  # the adapter push: an adapter to push, a place other than beside the merged weights
+    for where, msg in hub_problems(
+        ctx.cfg
+    ):  # the adapter push: an adapter to push, a place other than beside the merged weights
         ctx.problem(where, msg)
     repo_ok = True
     for field, repo_id in (("repo_id", hub.repo_id), ("adapter_repo_id", hub.adapter_repo_id)):
@@ -168,10 +207,18 @@ def check_hub(ctx: CheckContext) -> None:
                 raise HFValidationError("needs exactly one '/': org/name")
         except HFValidationError as exc:
             repo_ok = False
-            ctx.problem(f"hub.{field}", f"{repo_id!r} is not a valid Hub repo id ({str(exc).splitlines()[0]}); use 'org/name' with letters, digits, '-', '_', '.'")
+            ctx.problem(
+                f"hub.{field}",
+                f"{repo_id!r} is not a valid Hub repo id ({str(exc).splitlines()[0]}); use 'org/name' with letters, "
+                "digits, '-', '_', '.'",
+            )
     if ctx.token_present is False:
-        ctx.problem("hub", "a push is configured but no Hub token was found: export HF_TOKEN on the worker, create the Prefect Secret block 'hf-token', "
-                    "or run `hf auth login` on the worker (never put the token in the config)")
+        ctx.problem(
+            "hub",
+            "a push is configured but no Hub token was found: export HF_TOKEN on the worker, create the Prefect "
+            "Secret block 'hf-token', "
+            "or run `hf auth login` on the worker (never put the token in the config)",
+        )
     elif ctx.token_present is None:
         ctx.warn("hub token presence not checked")
     if ctx.hub_token is not None:
@@ -189,42 +236,68 @@ def _check_token(ctx: CheckContext, repo_id: str, repo_ok: bool) -> None:
     answer = whoami(tok)
     if answer.user is not None:
         if repo_ok:
-            ctx.ok(f"hub: repo id {repo_id} well formed; {answer.endpoint} accepts the token from {tok.source} (user {answer.user}; token not shown)")
+            ctx.ok(
+                f"hub: repo id {repo_id} well formed; {answer.endpoint} accepts the token from {tok.source} (user "
+                f"{answer.user}; token not shown)"
+            )
     elif answer.refused:
         ctx.problem("hub", refused_token_message(tok, answer.endpoint, answer.status, answer.reason))
     else:
         if repo_ok:
             ctx.ok(f"hub: repo id {repo_id} well formed, token available from {tok.source} (not shown)")
-        ctx.warn(f"hub: the token from {tok.source} was not verified: {answer.endpoint} did not answer whoami "
-                 f"({answer.status or answer.reason}); the push at the end needs that Hub")
+        ctx.warn(
+            f"hub: the token from {tok.source} was not verified: {answer.endpoint} did not answer whoami "
+            f"({answer.status or answer.reason}); the push at the end needs that Hub"
+        )
 
 
 def check_base_model(ctx: CheckContext) -> None:
     """Weights are safetensors (pickle only with allow_pickle); remote code only when allowed."""
     if ctx.model is None:
         return
-    from tasks.core.models.folder import PICKLE_INDEX_NAME, PICKLE_WEIGHTS_NAME  # the names alone: the converter imports torch
+    from tasks.core.models.folder import (
+        PICKLE_INDEX_NAME,
+        PICKLE_WEIGHTS_NAME,
+    )  # the names alone: the converter imports torch
 
     b, files = ctx.cfg.base_model, ctx.model.files
     safetensors = [n for n in files if n.endswith(".safetensors")]
     pickles = [n for n in files if n.endswith(PICKLE_SUFFIXES)]
     if not safetensors and pickles and not b.allow_pickle:
-        ctx.problem("base_model.allow_pickle", f"{ctx.model.where} has only pickle weights ({', '.join(pickles[:3])}); pickle files can run code when loaded. "
-                                               "Convert them to safetensors, or set base_model.allow_pickle: true if you trust the source")
+        ctx.problem(
+            "base_model.allow_pickle",
+            f"{ctx.model.where} has only pickle weights ({', '.join(pickles[:3])}); pickle files can run code when "
+            "loaded. "
+            "Convert them to safetensors, or set base_model.allow_pickle: true if you trust the source",
+        )
     elif not safetensors and not pickles:
         ctx.problem("base_model.uri", f"{ctx.model.where} has no weight files (*.safetensors)")
     elif not safetensors and not ({PICKLE_WEIGHTS_NAME, PICKLE_INDEX_NAME} & set(files)):
-        ctx.problem("base_model.uri", f"{ctx.model.where} has pickle files ({', '.join(pickles[:3])}) but no {PICKLE_WEIGHTS_NAME} or {PICKLE_INDEX_NAME}, "
-                    "the HF layouts load_from_hf converts; rename them to the HF layout or provide safetensors")
+        ctx.problem(
+            "base_model.uri",
+            f"{ctx.model.where} has pickle files ({', '.join(pickles[:3])}) but no {PICKLE_WEIGHTS_NAME} or "
+            f"{PICKLE_INDEX_NAME}, "
+            "the HF layouts load_from_hf converts; rename them to the HF layout or provide safetensors",
+        )
     elif not safetensors:
-        ctx.warn(f"base_model.allow_pickle: {ctx.model.where} has only pickle weights ({', '.join(pickles[:3])}); load_from_hf converts them once to safetensors "
-                 "with torch.load(weights_only=True), which refuses any pickle that would run code, and every later stage reads the safetensors (the manifest records the conversion)")
+        ctx.warn(
+            f"base_model.allow_pickle: {ctx.model.where} has only pickle weights ({', '.join(pickles[:3])}); "
+            "load_from_hf converts them once to safetensors "
+            "with torch.load(weights_only=True), which refuses any pickle that would run code, and every later stage "
+            "reads the safetensors (the manifest records the conversion)"
+        )
     else:
-        ctx.ok(f"base model {ctx.model.where}: {len(safetensors)} safetensors file(s)" + (f"; {len(pickles)} pickle file(s) ignored" if pickles and not b.allow_pickle else ""))
+        ctx.ok(
+            f"base model {ctx.model.where}: {len(safetensors)} safetensors file(s)"
+            + (f"; {len(pickles)} pickle file(s) ignored" if pickles and not b.allow_pickle else "")
+        )
     auto_map = ctx.model.config.get("auto_map")
     if auto_map and not b.trust_remote_code:
-        ctx.problem("base_model.trust_remote_code", f"{ctx.model.where} needs its own Python code (config.json auto_map: {sorted(auto_map)}); "
-                                                    "review the repo and set base_model.trust_remote_code: true, or use a model transformers supports natively")
+        ctx.problem(
+            "base_model.trust_remote_code",
+            f"{ctx.model.where} needs its own Python code (config.json auto_map: {sorted(auto_map)}); "
+            "review the repo and set base_model.trust_remote_code: true, or use a model transformers supports natively",
+        )
     elif b.trust_remote_code:
         ctx.warn("base_model.trust_remote_code is true: the model repo's Python code will run in every stage")
     else:
@@ -243,7 +316,10 @@ def check_sequence_length(ctx: CheckContext) -> None:
         seq = getattr(ctx.cfg, name).seq_len
         if seq > max_pos:
             ok = False
-            ctx.problem(f"{name}.seq_len", f"seq_len={seq} exceeds the base model's max_position_embeddings={max_pos}; use seq_len <= {max_pos}")
+            ctx.problem(
+                f"{name}.seq_len",
+                f"seq_len={seq} exceeds the base model's max_position_embeddings={max_pos}; use seq_len <= {max_pos}",
+            )
     if ok:
         ctx.ok(f"seq_len cpt={ctx.cfg.cpt.seq_len}, sft={ctx.cfg.sft.seq_len} <= max_position_embeddings={max_pos}")
 
@@ -253,10 +329,16 @@ def check_chat_template(ctx: CheckContext) -> None:
         return
     tc = ctx.model.tokenizer_config
     if tc is None and not ctx.model.chat_template_file:
-        ctx.problem("base_model.uri", f"{ctx.model.where} has no tokenizer_config.json: every stage needs the tokenizer saved beside the model")
+        ctx.problem(
+            "base_model.uri",
+            f"{ctx.model.where} has no tokenizer_config.json: every stage needs the tokenizer saved beside the model",
+        )
     elif not ((tc or {}).get("chat_template") or ctx.model.chat_template_file):
-        ctx.problem("base_model.uri", f"the tokenizer of {ctx.model.where} has no chat_template: SFT renders conversations with it; "
-                                      "add chat_template to tokenizer_config.json (or a chat_template.jinja file)")
+        ctx.problem(
+            "base_model.uri",
+            f"the tokenizer of {ctx.model.where} has no chat_template: SFT renders conversations with it; "
+            "add chat_template to tokenizer_config.json (or a chat_template.jinja file)",
+        )
     else:
         ctx.ok("tokenizer: chat template present")
 
@@ -274,7 +356,8 @@ def check_model_family(ctx: CheckContext) -> None:
         return
     ctx.problem(
         "base_model.uri",
-        f"{ctx.model.where}: config.json model_type={model_type!r} is not a supported model family (supported: {supported()}); "
+        f"{ctx.model.where}: config.json model_type={model_type!r} is not a supported model family (supported: "
+        f"{supported()}); "
         "the unshard after CPT and the export convert checkpoints by the family's tensor table. Use a base model of a "
         "supported family, or add the family's entry to FAMILIES in tasks/core/models/families.py",
     )
@@ -293,17 +376,30 @@ def check_launch_backend(ctx: CheckContext) -> None:
         if spec.preflight is None:
             continue
         module, _, fn = spec.preflight.partition(":")
-        problems = getattr(importlib.import_module(module), fn)(launch, f"{name}.launch", tp_pp=stage.plugin.tp_size * stage.plugin.pp_size)
+        problems = getattr(importlib.import_module(module), fn)(
+            launch, f"{name}.launch", tp_pp=stage.plugin.tp_size * stage.plugin.pp_size
+        )
         for where, msg in problems:
             ctx.problem(where, msg)
         if spec.remote_nodes and launch.nnodes > 1 and "://" in ctx.cfg.run_uri:
-            ctx.ok(f"{name}: {launch.nnodes} {spec.name} nodes stage {ctx.cfg.run_uri} each into their own directory and publish their checkpoint parts; the nodes need its credentials")
+            ctx.ok(
+                f"{name}: {launch.nnodes} {spec.name} nodes stage {ctx.cfg.run_uri} each into their own directory and "
+                "publish their checkpoint parts; the nodes need its credentials"
+            )
         elif spec.remote_nodes and launch.nnodes > 1:
-            ctx.warn(f"{name}.launch: {launch.nnodes} {spec.name} nodes write checkpoints under {ctx.cfg.run_uri}; "
-                     "it must be a shared filesystem (NFS, Lustre) mounted at the same path on every node, and so must this checkout and its Python")
+            ctx.warn(
+                f"{name}.launch: {launch.nnodes} {spec.name} nodes write checkpoints under {ctx.cfg.run_uri}; "
+                "it must be a shared filesystem (NFS, Lustre) mounted at the same path on every node, and so must "
+                "this checkout and its Python"
+            )
         if not problems:
             part = (launch.slurm.partition if launch.slurm else None) or "(default)"
-            ctx.ok(f"{name} {spec.name}: the cluster answers, {launch.nnodes} node(s) x {launch.nproc_per_node} process(es) fit partition {part}")
+            ctx.ok(
+                f"{name} {spec.name}: the cluster answers, {launch.nnodes} node(s) x {launch.nproc_per_node} "
+                f"process(es) fit partition {part}"
+            )
+
+
 CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_static_rules,
     check_layout,

@@ -21,7 +21,13 @@ def check_data(ctx: CheckContext) -> None:
     for name in ("cpt", "sft"):
         st = getattr(ctx.cfg, name)
         for i, src in enumerate(st.data.source_list):  # each source of a mixture on its own, named by its field
-            datasets.append((name, f"{name}.data.uri" if st.data.sources is None else f"{name}.data.sources[{i}] ({src.name}).uri", src.uris))
+            datasets.append(
+                (
+                    name,
+                    f"{name}.data.uri" if st.data.sources is None else f"{name}.data.sources[{i}] ({src.name}).uri",
+                    src.uris,
+                )
+            )
         if st.eval.heldout_uri:
             datasets.append((name, f"{name}.eval.heldout_uri", [st.eval.heldout_uri]))
         for i, src in enumerate(st.eval.heldout_sources or ()):  # held out only: evaluated, never trained on
@@ -31,11 +37,23 @@ def check_data(ctx: CheckContext) -> None:
         # Every file is listed (a glob matching nothing, an empty directory, an unreadable file is
         # refused here); only the first file's head is read: prepare_data reads every record.
         try:
-            inputs = resolve_inputs([resolve_local(u) for u in raw_uris], checksums=False, label=where, formats=d.folder_formats, skipped=(not_data := []))
-        except (InputError, ValueError, OSError) as exc:  # InputError: no file, an empty glob/dir; ValueError: an unknown format
+            inputs = resolve_inputs(
+                [resolve_local(u) for u in raw_uris],
+                checksums=False,
+                label=where,
+                formats=d.folder_formats,
+                skipped=(not_data := []),
+            )
+        except (
+            InputError,
+            ValueError,
+            OSError,
+        ) as exc:  # InputError: no file, an empty glob/dir; ValueError: an unknown format
             ctx.problem(where, str(exc).removeprefix(f"{where}: "))
             continue
-        warn_not_data(ctx, where, not_data, f"{name}.data.formats", d.formats)  # a directory's files that are not data: said once
+        warn_not_data(
+            ctx, where, not_data, f"{name}.data.formats", d.formats
+        )  # a directory's files that are not data: said once
         # The head sampled is the first file's that holds a record: an empty file among good ones
         # is warned about and counted, as prepare_data does, not refused.
         empty, records, uri, failed = [i.uri for i in inputs if i.size == 0], [], inputs[0].uri, False
@@ -53,21 +71,37 @@ def check_data(ctx: CheckContext) -> None:
         if failed:
             continue
         if not records:
-            ctx.problem(where, f"{uri} holds no records" if len(inputs) == 1 else f"none of its {len(inputs)} files holds a record ({uri}, ...)")
+            ctx.problem(
+                where,
+                f"{uri} holds no records"
+                if len(inputs) == 1
+                else f"none of its {len(inputs)} files holds a record ({uri}, ...)",
+            )
             continue
         if empty:
-            ctx.warn(f"{where}: {len(empty)} empty input file(s) (0 bytes or no record) add nothing: {', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''}")
+            ctx.warn(
+                f"{where}: {len(empty)} empty input file(s) (0 bytes or no record) add nothing: {', '.join(empty[:5])}{', ...' if len(empty) > 5 else ''}"
+            )
         for lineno, rec in records:
             at = f"{uri}:{lineno}"
             if name == "cpt":
                 why = text_problem(rec, d.text_field, "cpt.data.text_field")
-                if why and d.text_field in rec and d.on_bad_record == "skip":  # the record's fault, and skipping was asked for
-                    ctx.warn(f"{at}: {text_problem(rec, d.text_field, record_fix=False)}: skipped (cpt.data.on_bad_record: skip)")
+                if (
+                    why and d.text_field in rec and d.on_bad_record == "skip"
+                ):  # the record's fault, and skipping was asked for
+                    ctx.warn(
+                        f"{at}: {text_problem(rec, d.text_field, record_fix=False)}: skipped (cpt.data.on_bad_record: "
+                        "skip)"
+                    )
                 elif why:
                     ctx.problem("cpt.data.text_field" if d.text_field not in rec else where, f"{at}: {why}")
                     failed = True
             elif d.messages_field not in rec:
-                ctx.problem("sft.data.messages_field", f"{at}: no field {d.messages_field!r} (fields: {sorted(rec)}); set sft.data.messages_field to the field holding the chat")
+                ctx.problem(
+                    "sft.data.messages_field",
+                    f"{at}: no field {d.messages_field!r} (fields: {sorted(rec)}); set sft.data.messages_field to the "
+                    "field holding the chat",
+                )
                 failed = True
             else:
                 try:
@@ -78,6 +112,14 @@ def check_data(ctx: CheckContext) -> None:
             if failed:
                 break  # one example per dataset is enough to say what is wrong
         if not failed:
-            what = f"field {d.text_field!r} is text" if name == "cpt" else f"{d.messages_field!r} have valid roles and an assistant turn"
-            more = f" (+{len(inputs) - 1} more files, {sum(i.size for i in inputs) / 1e6:.1f} MB in all)" if len(inputs) > 1 else ""
+            what = (
+                f"field {d.text_field!r} is text"
+                if name == "cpt"
+                else f"{d.messages_field!r} have valid roles and an assistant turn"
+            )
+            more = (
+                f" (+{len(inputs) - 1} more files, {sum(i.size for i in inputs) / 1e6:.1f} MB in all)"
+                if len(inputs) > 1
+                else ""
+            )
             ctx.ok(f"{name} data {uri}{more}: first {len(records)} record(s) parse, {what}")

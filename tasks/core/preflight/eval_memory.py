@@ -32,7 +32,12 @@ def eval_plan(model_config: dict[str, Any], dtype: str, tokens: int, *, gpus: in
         block = f"layer {layer}" if layer is not None else key  # a decoder layer is placed whole
         blocks[block] = blocks.get(block, 0) + n
     d = DTYPE_BYTES[dtype]
-    return plan(total * d, [gpu_bytes] * gpus, forward_bytes(model_config, dtype, tokens), largest=max(blocks.values(), default=0) * d)
+    return plan(
+        total * d,
+        [gpu_bytes] * gpus,
+        forward_bytes(model_config, dtype, tokens),
+        largest=max(blocks.values(), default=0) * d,
+    )
 
 
 def check_eval_memory(ctx: Any) -> None:
@@ -52,9 +57,18 @@ def check_eval_memory(ctx: Any) -> None:
             ctx.warn(f"{name} evaluation memory not estimated: {exc}")
             continue
         if p.kind != "refused":
-            ctx.ok(f"evaluate_{name}: {p.model_bytes / 1e9:,.2f} GB model in {dtype} on {p.describe()} of {n} visible GPU(s)")
+            ctx.ok(
+                f"evaluate_{name}: {p.model_bytes / 1e9:,.2f} GB model in {dtype} on {p.describe()} of {n} visible "
+                "GPU(s)"
+            )
             continue
         fixes = ([f"{name}.eval.dtype: bf16 (half of {dtype})"] if dtype == "fp32" else []) + (
-            [f"a smaller {name}.eval.batch_size (each row is {st.seq_len} tokens of forward on every GPU)"] if st.eval.batch_size > 1 else [])
-        ctx.problem(f"{name}.eval.dtype", f"evaluate_{name} cannot load its models on this worker's GPUs: {p.problem}; set "
-                    + " or ".join([*fixes, "run the flow on a worker with more GPU memory"]))
+            [f"a smaller {name}.eval.batch_size (each row is {st.seq_len} tokens of forward on every GPU)"]
+            if st.eval.batch_size > 1
+            else []
+        )
+        ctx.problem(
+            f"{name}.eval.dtype",
+            f"evaluate_{name} cannot load its models on this worker's GPUs: {p.problem}; set "
+            + " or ".join([*fixes, "run the flow on a worker with more GPU memory"]),
+        )

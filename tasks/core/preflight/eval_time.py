@@ -76,8 +76,19 @@ def _devices(st: StageConfig, cuda: bool, eval_threads: int, rank_threads: int, 
     return per_node * st.launch.nnodes / eval_threads
 
 
-def estimate(model_config: dict[str, Any], st: StageConfig, stage: str, *, cuda: bool, num_prompts: int = 0, max_new_tokens: int = 0,
-             max_batches: int | None = None, eval_threads: int = 1, rank_threads: int = 1, cores: int = 1) -> EvalTime:
+def estimate(
+    model_config: dict[str, Any],
+    st: StageConfig,
+    stage: str,
+    *,
+    cuda: bool,
+    num_prompts: int = 0,
+    max_new_tokens: int = 0,
+    max_batches: int | None = None,
+    eval_threads: int = 1,
+    rank_threads: int = 1,
+    cores: int = 1,
+) -> EvalTime:
     """The estimate for `stage` ("cpt" or "sft"); `max_batches` overrides `st.eval.max_batches`;
     the threads count on CPU only (`threads`).
     Raises ConversionError or KeyError for a family config.json does not describe."""
@@ -87,7 +98,9 @@ def estimate(model_config: dict[str, Any], st: StageConfig, stage: str, *, cuda:
     tp, pp = (p.tp_size, p.pp_size) if spec.supports_tp_pp else (1, 1)
     dp = max(1, st.launch.world_size // (tp * pp))
     attention = 12.0 * layers * hidden * st.seq_len
-    per_train_token = (4.0 if st.lora is not None else 6.0) * n + (2.0 * n if st.activation_checkpointing else 0.0) + attention
+    per_train_token = (
+        (4.0 if st.lora is not None else 6.0) * n + (2.0 * n if st.activation_checkpointing else 0.0) + attention
+    )
     train_tokens = st.max_steps * st.micro_batch_size * st.grad_accum_steps * dp * st.seq_len
     train = per_train_token * train_tokens / _devices(st, cuda, eval_threads, rank_threads, cores)
     sets = 1
@@ -112,24 +125,52 @@ def check_eval_time(ctx: Any) -> None:
         if not st.eval.enabled:
             continue
         if st.eval.max_batches is None:
-            ctx.ok(f"evaluate_{name}: time not estimated ({name}.eval.max_batches is null: the whole held-out set is evaluated)")
+            ctx.ok(
+                f"evaluate_{name}: time not estimated ({name}.eval.max_batches is null: the whole held-out set is "
+                "evaluated)"
+            )
             continue
         try:
-            e = estimate(ctx.model.config, st, name, cuda=cuda, num_prompts=g.num_prompts, max_new_tokens=g.max_new_tokens,
-                         eval_threads=eval_threads, rank_threads=rank_threads, cores=ctx.machine.cpu_count)
+            e = estimate(
+                ctx.model.config,
+                st,
+                name,
+                cuda=cuda,
+                num_prompts=g.num_prompts,
+                max_new_tokens=g.max_new_tokens,
+                eval_threads=eval_threads,
+                rank_threads=rank_threads,
+                cores=ctx.machine.cpu_count,
+            )
         except (ConversionError, KeyError, TypeError, ValueError):
             continue  # an unknown family: check_model_family names it
         dtype = eval_dtype(st.eval.dtype, ctx.cfg.export.dtype, cuda=cuda)
-        where = f"one GPU in {dtype}" if cuda else f"{eval_threads} CPU thread(s) in {dtype} (training: {st.launch.world_size} rank(s) x {rank_threads})"
-        line = (f"evaluate_{name}: ~{e.eval_flops:.2g} FLOPs in one process on {where}, {e.ratio:.0%} of {name} training's "
-                f"~{e.train_flops:.2g} FLOPs in the same unit")
+        where = (
+            f"one GPU in {dtype}"
+            if cuda
+            else f"{eval_threads} CPU thread(s) in {dtype} (training: {st.launch.world_size} rank(s) x {rank_threads})"
+        )
+        line = (
+            f"evaluate_{name}: ~{e.eval_flops:.2g} FLOPs in one process on {where}, {e.ratio:.0%} of {name} training's "
+            f"~{e.train_flops:.2g} FLOPs in the same unit"
+        )
         if e.ratio <= SHARE or e.eval_flops < FLOOR:
             ctx.ok(line)
             continue
         fix = e.batches_under(SHARE)
-        extra = f" (the generation check alone is {e.fixed_flops / e.train_flops:.0%}: lower gate.num_prompts or gate.max_new_tokens too)" if (
-            e.fixed_flops > SHARE * e.train_flops) else ""
-        ctx.warn(f"{line}, over the {SHARE:.0%} share: evaluation would take about {e.ratio:.1f}x the training stage's time; "
-                 f"lower {name}.eval.max_batches from {st.eval.max_batches} to {fix}{extra}. Estimate: 2N FLOPs per evaluated token for each of "
-                 f"the 2 compared models at {st.eval.batch_size} x {st.seq_len} tokens a batch, held-out sets assumed to fill max_batches, "
-                 f"vs {'4N (LoRA)' if st.lora else '6N'} per trained token spread over the stage's GPUs or CPU threads, at one rate per FLOP (and thread)")
+        extra = (
+            f" (the generation check alone is {e.fixed_flops / e.train_flops:.0%}: lower gate.num_prompts or "
+            "gate.max_new_tokens too)"
+            if (e.fixed_flops > SHARE * e.train_flops)
+            else ""
+        )
+        ctx.warn(
+            f"{line}, over the {SHARE:.0%} share: evaluation would take about {e.ratio:.1f}x the training stage's "
+            "time; "
+            f"lower {name}.eval.max_batches from {st.eval.max_batches} to {fix}{extra}. Estimate: 2N FLOPs per "
+            "evaluated token for each of "
+            f"the 2 compared models at {st.eval.batch_size} x {st.seq_len} tokens a batch, held-out sets assumed to "
+            "fill max_batches, "
+            f"vs {'4N (LoRA)' if st.lora else '6N'} per trained token spread over the stage's GPUs or CPU threads, at "
+            "one rate per FLOP (and thread)"
+        )

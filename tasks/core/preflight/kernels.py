@@ -20,10 +20,17 @@ def check_kernels(ctx: CheckContext) -> None:
     for name in ("cpt", "sft"):
         stage = getattr(ctx.cfg, name)
         states = resolve(stage, name, facts)
-        where = "" if stage.launch.backend == "local" else f" (on this machine; the {stage.launch.backend} nodes decide again)"
+        where = (
+            ""
+            if stage.launch.backend == "local"
+            else f" (on this machine; the {stage.launch.backend} nodes decide again)"
+        )
         ac = "on" if stage.activation_checkpointing else "off"
         ctx.ok(f"{name} kernels{where}: {report(states)}; activation checkpointing: {ac}")
         for kernel in stage.kernels:
             if kernel not in states:
                 plugins = sorted({p for row in KERNELS if row.name == kernel for p in row.plugins})
-                ctx.warn(f"{name}.kernels.{kernel}: applies under {', '.join(plugins)} only; ignored under plugin {stage.plugin.name}")
+                ctx.warn(
+                    f"{name}.kernels.{kernel}: applies under {', '.join(plugins)} only; ignored under plugin "
+                    f"{stage.plugin.name}"
+                )

@@ -47,8 +47,17 @@ from tasks.core.config.layout import ParallelLayout, is_zero, layout_problems, n
 from tasks.core.config.plugins import PLUGINS, Held, PluginSpec
 from tasks.core.config.schema import StageConfig
 from tasks.core.errors import ConfigError, ConversionError
-from tasks.core.evaluation.placement import CUDA_RESERVE_BYTES  # every GPU figure leaves it (a real run's: @@progress peak_mem_bytes)
-from tasks.core.models.families import TP_SPLIT_DIMS, ActivationTerm, family_config, iter_tensors, lora_trainable, model_dims
+from tasks.core.evaluation.placement import (
+    CUDA_RESERVE_BYTES,
+)  # every GPU figure leaves it (a real run's: @@progress peak_mem_bytes)
+from tasks.core.models.families import (
+    TP_SPLIT_DIMS,
+    ActivationTerm,
+    family_config,
+    iter_tensors,
+    lora_trainable,
+    model_dims,
+)
 
 GB = 1e9
 # Steady RSS of a CPU rank training a ~0.1M-parameter Llama (benchmarks/scale.py "baseline"): torch,
@@ -143,8 +152,13 @@ def layer_activation_bytes(model_config: dict[str, Any], compute_bytes: int, tp:
 
 
 def _applies(h: Held, zero: int, precision: str, pp: int, dp: int, grad_accum: int) -> bool:
-    return (zero in h.zero and precision in h.precisions and not (h.only in ("no_pipeline", "data_parallel") and pp > 1)
-            and not (h.only == "data_parallel" and dp <= 1) and not (h.only == "grad_accum" and grad_accum <= 1))
+    return (
+        zero in h.zero
+        and precision in h.precisions
+        and not (h.only in ("no_pipeline", "data_parallel") and pp > 1)
+        and not (h.only == "data_parallel" and dp <= 1)
+        and not (h.only == "grad_accum" and grad_accum <= 1)
+    )
 
 
 def _offloaded(spec: PluginSpec, plugin: Any, field: str, cuda: bool) -> float:
@@ -168,13 +182,21 @@ def _fused_adamw(stage_cfg: StageConfig, stage: str, cuda: bool) -> bool:
     return bool(state and state.on)
 
 
-def estimate(model_config: dict[str, Any], stage_cfg: StageConfig, *, stage: str = "cpt", cuda: bool = False,
-             baseline: int = RANK_BASELINE_BYTES) -> MemoryEstimate:
+def estimate(
+    model_config: dict[str, Any],
+    stage_cfg: StageConfig,
+    *,
+    stage: str = "cpt",
+    cuda: bool = False,
+    baseline: int = RANK_BASELINE_BYTES,
+) -> MemoryEstimate:
     """The largest rank's memory for `stage_cfg` on the model `model_config` (config.json) describes.
     Raises ConversionError for an unknown family, KeyError for a plugin without `holds`."""
     spec: PluginSpec = PLUGINS[stage_cfg.plugin.name]
     if not spec.holds:
-        raise KeyError(f"plugin {spec.name} has no `holds` rows (tasks/core/config/plugins.py): its memory is not estimated")
+        raise KeyError(
+            f"plugin {spec.name} has no `holds` rows (tasks/core/config/plugins.py): its memory is not estimated"
+        )
     family, config = family_config(model_config)
     dims = model_dims(model_config)
     p = stage_cfg.plugin
@@ -196,7 +218,11 @@ def estimate(model_config: dict[str, Any], stage_cfg: StageConfig, *, stage: str
         total += n
         largest = max(largest, n)
         mine = n // tp if tp > 1 and any(d in TP_SPLIT_DIMS for d in rule.shape) else n
-        s_ = (0 if rule in family.head else pp - 1) if layer is None else next(s for s in range(pp) if bounds[s] <= layer < bounds[s + 1])
+        s_ = (
+            (0 if rule in family.head else pp - 1)
+            if layer is None
+            else next(s for s in range(pp) if bounds[s] <= layer < bounds[s + 1])
+        )
         shares[s_] += mine
         trained[s_] += mine if stage_cfg.lora is None else lora_trainable(stage_cfg.lora, key, shape, layer)
         if layer == 0:
@@ -214,19 +240,25 @@ def estimate(model_config: dict[str, Any], stage_cfg: StageConfig, *, stage: str
                 continue
             n = layer_params if h.per == "layer" else (shares[s] if not h.trainable else trained[s])
             n = math.ceil(n / dp) if h.sharded else n
-            terms += _split(h.what, n * (weights if h.bytes == "weights" else h.bytes), h.when, _offloaded(spec, p, h.offload, cuda))
+            terms += _split(
+                h.what, n * (weights if h.bytes == "weights" else h.bytes), h.when, _offloaded(spec, p, h.offload, cuda)
+            )
         if cuda and spec.optimizer == "adamw" and not _fused_adamw(stage_cfg, stage, cuda):
-            n = math.ceil(trained[s] / dp) if is_zero(spec, p.zero_stage) else trained[s]  # ZeRO steps this rank's shard
+            n = (
+                math.ceil(trained[s] / dp) if is_zero(spec, p.zero_stage) else trained[s]
+            )  # ZeRO steps this rank's shard
             step_share = max((_offloaded(spec, p, o.field, cuda) for o in spec.offload if o.moves_step), default=0.0)
             terms += _split("AdamW foreach temporaries", n * 4, "step", step_share)
         in_flight = min(pp - s, nmb)
-        acts = in_flight * per_stage[s] * saved + (2 if ckpt else 1) * per_layer  # + the layer in the backward (recomputed)
+        acts = (
+            in_flight * per_stage[s] * saved + (2 if ckpt else 1) * per_layer
+        )  # + the layer in the backward (recomputed)
         if s == pp - 1:
             acts += sum(_width(t, dims, tp, compute) for t in family.final_activations)
             acts += dims["vocab"] / tp * (LOSS_BYTES_PER_LOGIT + (compute if compute < 4 else 0))
         terms.append(Term("activations", int(acts * tokens), "activations"))
         if stage == "sft":  # padded or packed rows: a 4D attention mask, shared by the layers
-            terms.append(Term("attention mask", rows * stage_cfg.seq_len ** 2 * compute, "activations"))
+            terms.append(Term("attention mask", rows * stage_cfg.seq_len**2 * compute, "activations"))
         # the engine builds a lazily built model's share in fp32 one tensor at a time (Engine._construction),
         # any other whole, in the dtype its plugin trains in (Engine.build_dtype: fp32 for torch_ddp)
         construction = 4 * (shares[s] + largest) if lazy else weights * total
@@ -255,11 +287,20 @@ def _levers(st: StageConfig, name: str, cuda: bool) -> Iterable[tuple[str, Stage
     spec = PLUGINS[p.name]
     mixed = {} if p.precision != "fp32" else {"precision": "bf16"}
     for z in sorted(z for z in spec.zero_stages if spec.zero_stage(z) > spec.zero_stage(p.zero_stage)):
-        yield f"{name}.plugin.zero_stage: {z}" + (", precision: bf16" if mixed else ""), _with(st, {"zero_stage": z, **mixed})
+        yield (
+            f"{name}.plugin.zero_stage: {z}" + (", precision: bf16" if mixed else ""),
+            _with(st, {"zero_stage": z, **mixed}),
+        )
     if p.tp_size == 1 and p.pp_size == 1 and p.name != "low_level_zero":
-        yield f"{name}.plugin.name: low_level_zero, zero_stage: 2" + (", precision: bf16" if mixed else ""), _with(st, {"name": "low_level_zero", "zero_stage": 2, **mixed})
+        yield (
+            f"{name}.plugin.name: low_level_zero, zero_stage: 2" + (", precision: bf16" if mixed else ""),
+            _with(st, {"name": "low_level_zero", "zero_stage": 2, **mixed}),
+        )
     if cuda and p.tp_size == 1 and p.pp_size == 1 and p.name != "gemini":
-        yield f"{name}.plugin.name: gemini" + (", precision: bf16" if mixed else ""), _with(st, {"name": "gemini", "zero_stage": 0, **mixed})
+        yield (
+            f"{name}.plugin.name: gemini" + (", precision: bf16" if mixed else ""),
+            _with(st, {"name": "gemini", "zero_stage": 0, **mixed}),
+        )
     if spec.supports_tp_pp:
         tp = p.tp_size * 2
         while tp <= st.launch.nproc_per_node:
@@ -274,21 +315,31 @@ def _levers(st: StageConfig, name: str, cuda: bool) -> Iterable[tuple[str, Stage
         change = {o.field: True if isinstance(default, bool) else 1.0, **dict(o.requires)}
         if p.precision == "fp32" and "zero_stage" in change:
             change.update(mixed)
-        label = ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in change.items() if getattr(p, k) != v)
+        label = ", ".join(
+            f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in change.items() if getattr(p, k) != v
+        )
         yield f"{name}.plugin.{label}", _with(st, change)
     mbs, ga = st.micro_batch_size // 2, st.grad_accum_steps * 2
     while mbs >= 1 and p.pp_size == 1:
-        yield f"{name}.micro_batch_size: {mbs} (grad_accum_steps: {ga} keeps the global batch)", _with(st, micro_batch_size=mbs, grad_accum_steps=ga)
+        yield (
+            f"{name}.micro_batch_size: {mbs} (grad_accum_steps: {ga} keeps the global batch)",
+            _with(st, micro_batch_size=mbs, grad_accum_steps=ga),
+        )
         mbs, ga = mbs // 2, ga * 2
 
 
-def fits_with(model_config: dict[str, Any], st: StageConfig, name: str, capacity: int, cuda: bool) -> list[tuple[str, int]]:
+def fits_with(
+    model_config: dict[str, Any], st: StageConfig, name: str, capacity: int, cuda: bool
+) -> list[tuple[str, int]]:
     """(the settings, the device bytes) of each lever's first setting that fits `capacity`; if no
     single one does, the levers applied together in turn, up to the first combination that fits."""
     before = set(layout_problems(st, name, model_config=model_config, tiers=("static", "batch", "model")))
 
     def valid(candidate: StageConfig) -> bool:
-        return set(layout_problems(candidate, name, model_config=model_config, tiers=("static", "batch", "model"))) <= before
+        return (
+            set(layout_problems(candidate, name, model_config=model_config, tiers=("static", "batch", "model")))
+            <= before
+        )
 
     def device(candidate: StageConfig) -> int:
         return estimate(model_config, candidate, stage=name, cuda=cuda).device
@@ -339,35 +390,68 @@ def check_memory(ctx: Any) -> None:
             continue
         parts = f"{est.rank_parameters / 1e6:,.1f}M of {est.parameters / 1e6:,.1f}M parameters: {est.breakdown()}"
         built = f"{human(est.construction_host)} host while the model is built" + (
-            f", {human(est.host_steady)} host steady ({human(est.offloaded)} offloaded)" if est.offloaded else "")
+            f", {human(est.host_steady)} host steady ({human(est.offloaded)} offloaded)" if est.offloaded else ""
+        )
         if not cuda:
-            ctx.ok(f"{name} memory per rank (estimate): {human(est.host_steady)} host RAM steady on this CPU rank "
-                   f"(baseline {human(est.baseline)}; {parts}), {built}; no GPU: not checked against one")
+            ctx.ok(
+                f"{name} memory per rank (estimate): {human(est.host_steady)} host RAM steady on this CPU rank "
+                f"(baseline {human(est.baseline)}; {parts}), {built}; no GPU: not checked against one"
+            )
             continue
         source = f"{name}.launch.gpu_memory_gb = {declared:g}" if declared else "the visible GPU"
         if capacity is None:
-            ctx.ok(f"{name} memory per rank (estimate): {human(est.device)} GPU ({parts}), {built}; GPU memory unknown: "
-                   f"set {name}.launch.gpu_memory_gb to check it")
+            ctx.ok(
+                f"{name} memory per rank (estimate): {human(est.device)} GPU ({parts}), {built}; GPU memory unknown: "
+                f"set {name}.launch.gpu_memory_gb to check it"
+            )
         elif est.device <= capacity:
-            ctx.ok(f"{name} memory per rank (estimate): {human(est.device)} GPU of {human(capacity)} ({source}; {parts}), {built}")
+            ctx.ok(
+                f"{name} memory per rank (estimate): {human(est.device)} GPU of {human(capacity)} ({source}; "
+                f"{parts}), {built}"
+            )
         else:
             fixes = fits_with(mc, st, name, capacity, cuda)
-            fix = ("; it fits with " + ", or ".join(f"{label} ({human(need)})" for label, need in fixes)) if fixes else (
-                f"; no change of zero_stage, plugin, tp_size, offload, activation_checkpointing or micro_batch_size fits: add nodes ({name}.launch.nnodes) "
-                "to shard ZeRO state further, or use GPUs with more memory")
-            ctx.problem(f"{name}.launch.gpu_memory_gb" if declared else f"{name}.plugin",
-                        f"{name} needs {human(est.device)} of GPU memory per rank ({parts}; CUDA reserve {human(CUDA_RESERVE_BYTES)}), "
-                        f"more than the {human(capacity)} of {source}{fix}")
+            fix = (
+                ("; it fits with " + ", or ".join(f"{label} ({human(need)})" for label, need in fixes))
+                if fixes
+                else (
+                    "; no change of zero_stage, plugin, tp_size, offload, activation_checkpointing or "
+                    f"micro_batch_size fits: add nodes ({name}.launch.nnodes) "
+                    "to shard ZeRO state further, or use GPUs with more memory"
+                )
+            )
+            ctx.problem(
+                f"{name}.launch.gpu_memory_gb" if declared else f"{name}.plugin",
+                f"{name} needs {human(est.device)} of GPU memory per rank ({parts}; CUDA reserve "
+                f"{human(CUDA_RESERVE_BYTES)}), "
+                f"more than the {human(capacity)} of {source}{fix}",
+            )
 
 
 # -- the map: what fits where (docs/scaling.md) ----------------------------------------------------
 
 # config.json of meta-llama/Meta-Llama-3-8B and -70B (the fields the estimate reads)
 LLAMA3 = {
-    "Llama-3-8B": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                   "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False},
-    "Llama-3-70B": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-                    "num_attention_heads": 64, "num_key_value_heads": 8, "tie_word_embeddings": False},
+    "Llama-3-8B": {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
+    "Llama-3-70B": {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+    },
 }
 # (model, nodes, plugin fields, activation checkpointing): the layouts the table weighs
 TABLE_LAYOUTS: tuple[tuple[str, int, dict[str, Any], bool], ...] = (
@@ -397,25 +481,48 @@ TABLE_LAYOUTS: tuple[tuple[str, int, dict[str, Any], bool], ...] = (
 
 def table(gpu_gb: float = 80.0, gpus_per_node: int = 8, seq_len: int = 4096, micro_batch_size: int = 1) -> str:
     """The markdown table of TABLE_LAYOUTS: per-rank GPU memory, whether it fits, host RAM per node."""
-    out = [(f"{gpus_per_node} x {gpu_gb:g} GB GPUs per node; bf16, micro_batch_size {micro_batch_size} x seq_len {seq_len}, AdamW, "
-            f"fused AdamW on; GB = 1e9 bytes; GPU figure includes the {CUDA_RESERVE_BYTES / GB:.0f} GB CUDA reserve."), "",
-           "| model | nodes | plugin / layout | act. ckpt | GPU per rank | fits | host per node, steady | host per node, model build (today) |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        (
+            f"{gpus_per_node} x {gpu_gb:g} GB GPUs per node; bf16, micro_batch_size {micro_batch_size} x seq_len "
+            f"{seq_len}, AdamW, "
+            f"fused AdamW on; GB = 1e9 bytes; GPU figure includes the {CUDA_RESERVE_BYTES / GB:.0f} GB CUDA reserve."
+        ),
+        "",
+        (
+            "| model | nodes | plugin / layout | act. ckpt | GPU per rank | fits | host per node, steady | host per node, "
+            "model build (today) |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for model, nodes, plugin, ckpt in TABLE_LAYOUTS:
         pp = plugin.get("pp_size", 1)
-        st = StageConfig.model_validate({
-            "data": {"uri": "x"}, "plugin": {"precision": "bf16", **plugin}, "max_steps": 1, "seq_len": seq_len, "lr": 1e-4,
-            "micro_batch_size": micro_batch_size, "grad_accum_steps": 2 * pp if pp > 1 else 1, "activation_checkpointing": ckpt,
-            "launch": {"nproc_per_node": gpus_per_node, "nnodes": nodes},
-        })
+        st = StageConfig.model_validate(
+            {
+                "data": {"uri": "x"},
+                "plugin": {"precision": "bf16", **plugin},
+                "max_steps": 1,
+                "seq_len": seq_len,
+                "lr": 1e-4,
+                "micro_batch_size": micro_batch_size,
+                "grad_accum_steps": 2 * pp if pp > 1 else 1,
+                "activation_checkpointing": ckpt,
+                "launch": {"nproc_per_node": gpus_per_node, "nnodes": nodes},
+            }
+        )
         est = estimate(LLAMA3[model], st, cuda=True)
         p = st.plugin
         layout = p.name + "".join(f" {k}={getattr(p, k)}" for k in ("tp_size", "pp_size") if getattr(p, k) > 1)
-        layout += f" zero={PLUGINS[p.name].zero_stage(p.zero_stage)} dp={st.launch.world_size // (p.tp_size * p.pp_size)}"
-        layout += "".join(f" {k}={v}" for k, v in plugin.items() if k in ("cpu_offload", "offload_optim_frac", "offload_param_frac"))
+        layout += (
+            f" zero={PLUGINS[p.name].zero_stage(p.zero_stage)} dp={st.launch.world_size // (p.tp_size * p.pp_size)}"
+        )
+        layout += "".join(
+            f" {k}={v}" for k, v in plugin.items() if k in ("cpu_offload", "offload_optim_frac", "offload_param_frac")
+        )
         fits = "yes" if est.device <= gpu_gb * GB else "no"
-        out.append(f"| {model} | {nodes} | {layout} | {'on' if ckpt else 'off'} | {est.device / GB:.1f} GB | {fits} | "
-                   f"{gpus_per_node * est.host_steady / GB:.0f} GB | {gpus_per_node * est.construction_host / GB:,.0f} GB |")
+        out.append(
+            f"| {model} | {nodes} | {layout} | {'on' if ckpt else 'off'} | {est.device / GB:.1f} GB | {fits} | "
+            f"{gpus_per_node * est.host_steady / GB:.0f} GB | {gpus_per_node * est.construction_host / GB:,.0f} GB |"
+        )
     return "\n".join(out)
 
 
@@ -430,14 +537,20 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.core.config.load import parse_fields, read_raw_config
     from tasks.core.preflight.model_info import read_model_info
 
-    cfg = parse_fields(read_raw_config(args[0]), source=args[0])  # as pre-flight reads it: the static rules are its own checks
+    cfg = parse_fields(
+        read_raw_config(args[0]), source=args[0]
+    )  # as pre-flight reads it: the static rules are its own checks
     mc = read_model_info(cfg.base_model.uri, cfg.base_model.revision).config
     for name in ("cpt", "sft"):
         st = getattr(cfg, name)
         cuda = bool(getattr(st.launch, "gpu_memory_gb", None))
         est = estimate(mc, st, stage=name, cuda=cuda)
-        print(f"{name}: {st.plugin.name} on {st.launch.world_size} rank(s): {'GPU' if cuda else 'live'} {human(est.device)}, "
-              f"host {human(est.host_steady)} steady, {human(est.construction_host)} while the model is built ({est.breakdown(8)})")
+        print(
+            f"{name}: {st.plugin.name} on {st.launch.world_size} rank(s): {'GPU' if cuda else 'live'} "
+            f"{human(est.device)}, "
+            f"host {human(est.host_steady)} steady, {human(est.construction_host)} while the model is built "
+            f"({est.breakdown(8)})"
+        )
     return 0
 
 

@@ -38,7 +38,9 @@ def _encoder(ctx: CheckContext):
     return Tokenizer.from_file(str(Path(ctx.model.where) / "tokenizer.json"))
 
 
-def _samples(uris: list[str], stage: str, text_field: str, seq_len: int, encoder, formats: tuple[str, ...]) -> tuple[float, int] | None:
+def _samples(
+    uris: list[str], stage: str, text_field: str, seq_len: int, encoder, formats: tuple[str, ...]
+) -> tuple[float, int] | None:
     """(estimated samples, bytes) of one source, or None when it cannot be estimated."""
     from tasks.core.data.inputs import resolve_inputs
 
@@ -82,15 +84,22 @@ def check_source_epochs(ctx: CheckContext) -> None:
         shown = []
         for i, (src, w) in enumerate(zip(d.source_list, normalized([s.weight for s in d.source_list]))):
             where = f"{stage}.data.uri" if d.sources is None else f"{stage}.data.sources[{i}] ({src.name})"
-            est = _samples(src.uris, stage, d.text_field, st.seq_len, encoder if stage == "cpt" else None, d.folder_formats)
+            est = _samples(
+                src.uris, stage, d.text_field, st.seq_len, encoder if stage == "cpt" else None, d.folder_formats
+            )
             if est is None or est[0] <= 0:
                 continue
             epochs = planned * float(w) / est[0]
             shown.append(f"{src.name} ~{epochs:.2g}")
             if epochs > d.max_source_epochs:
-                ctx.warn(f"{where}: the planned {st.max_steps} steps take about {planned * float(w):,.0f} {unit} from it, about {epochs:.1f} passes over "
-                         f"its ~{est[0]:,.0f} ({est[1] / 1e6:.1f} MB; estimated from its first records, prepare_{stage} reports the exact figure), "
-                         f"more than {stage}.data.max_source_epochs={d.max_source_epochs:g}: give it more data, a lower weight, or fewer steps")
+                ctx.warn(
+                    f"{where}: the planned {st.max_steps} steps take about {planned * float(w):,.0f} {unit} from it, "
+                    f"about {epochs:.1f} passes over "
+                    f"its ~{est[0]:,.0f} ({est[1] / 1e6:.1f} MB; estimated from its first records, prepare_{stage} "
+                    "reports the exact figure), "
+                    f"more than {stage}.data.max_source_epochs={d.max_source_epochs:g}: give it more data, a lower "
+                    "weight, or fewer steps"
+                )
         if shown:
             ctx.ok(f"{stage} epochs per source over {st.max_steps} steps (estimated): {', '.join(shown)}")
 
@@ -107,12 +116,21 @@ def check_mixture_weights(ctx: CheckContext) -> None:
             ctx.ok(f"{stage} mixture weights {', '.join(f'{w:g}' for w in weights)} sum to 1")
             continue
         shares = ", ".join(f"{float(w):.3f}" for w in normalized(weights))
-        said = f"weights {', '.join(f'{w:g}' for w in weights)} ({', '.join(s.name for s in d.sources)}) sum to {total:g}"
+        said = (
+            f"weights {', '.join(f'{w:g}' for w in weights)} ({', '.join(s.name for s in d.sources)}) sum to {total:g}"
+        )
         if d.strict_weights:
-            ctx.problem(f"{stage}.data.sources", f"{said}, and {stage}.data.strict_weights is true: make them sum to 1 (normalized they would be {shares}), "
-                        f"or set {stage}.data.strict_weights: false to have them normalized")
+            ctx.problem(
+                f"{stage}.data.sources",
+                f"{said}, and {stage}.data.strict_weights is true: make them sum to 1 (normalized they would be "
+                f"{shares}), "
+                f"or set {stage}.data.strict_weights: false to have them normalized",
+            )
         else:
-            ctx.warn(f"{stage}.data.sources: {said}: normalized to {shares} (set {stage}.data.strict_weights: true to refuse weights that do not sum to 1)")
+            ctx.warn(
+                f"{stage}.data.sources: {said}: normalized to {shares} (set {stage}.data.strict_weights: true to "
+                "refuse weights that do not sum to 1)"
+            )
 
 
 def warn_not_data(ctx: CheckContext, where: str, names: list[str], field: str, formats: tuple[str, ...]) -> None:
@@ -120,6 +138,17 @@ def warn_not_data(ctx: CheckContext, where: str, names: list[str], field: str, f
     if not names:
         return
     shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-    txt = [n for n in names if n.lower().removesuffix(".gz").removesuffix(".bz2").removesuffix(".xz").removesuffix(".zst").endswith(".txt")]
-    hint = f" ({len(txt)} .txt: plain text is read from a folder only when {field} lists txt)" if txt and "txt" not in formats else ""
-    ctx.warn(f"{where}: skipped {len(names)} file{'s' if len(names) != 1 else ''} that {'are' if len(names) != 1 else 'is'} not data ({field}: {', '.join(formats)}): {shown}{hint}")
+    txt = [
+        n
+        for n in names
+        if n.lower().removesuffix(".gz").removesuffix(".bz2").removesuffix(".xz").removesuffix(".zst").endswith(".txt")
+    ]
+    hint = (
+        f" ({len(txt)} .txt: plain text is read from a folder only when {field} lists txt)"
+        if txt and "txt" not in formats
+        else ""
+    )
+    ctx.warn(
+        f"{where}: skipped {len(names)} file{'s' if len(names) != 1 else ''} that {'are' if len(names) != 1 else 'is'} "
+        f"not data ({field}: {', '.join(formats)}): {shown}{hint}"
+    )

@@ -30,18 +30,26 @@ def check_model_files(ctx: CheckContext) -> None:
         path = root / name
         if path.is_file() and (why := json_file_problem(path)):
             bad += 1
-            ctx.problem("base_model.uri", f"{path} {why}; every stage reads it: restore the file from the model's source (re-download or re-convert it)")
+            ctx.problem(
+                "base_model.uri",
+                f"{path} {why}; every stage reads it: restore the file from the model's source (re-download or "
+                "re-convert it)",
+            )
     try:
         left_out = misnamed(root)
     except OSError as exc:
         ctx.warn(f"base model {root}: its files could not be read to check what they are ({exc})")
         return
     for name, why in left_out.items():
-        ctx.warn(f"base_model.uri: {root / name} is {why}: load_from_hf leaves it out of base/, so it is never copied into "
-                 "cpt/hf/ or export/ nor pushed; delete or rename it to silence this")
+        ctx.warn(
+            f"base_model.uri: {root / name} is {why}: load_from_hf leaves it out of base/, so it is never copied into "
+            "cpt/hf/ or export/ nor pushed; delete or rename it to silence this"
+        )
     if not bad:
         present = [n for n in JSON_FILES if (root / n).is_file()]
-        ctx.ok(f"base model files: {', '.join(present)} parse" + ("" if left_out else "; every file is what its name says"))
+        ctx.ok(
+            f"base model files: {', '.join(present)} parse" + ("" if left_out else "; every file is what its name says")
+        )
 
 
 def check_lora_targets(ctx: CheckContext) -> None:
@@ -64,4 +72,6 @@ def check_lora_targets(ctx: CheckContext) -> None:
         ctx.problem(lt.FIELD, msg)
     if not problems:
         r = lt.resolve(lora.target_modules, modules, head)
-        ctx.ok(f"LoRA targets {lora.targets_text()}: adapt {len(r.adapted)} modules of the base model ({', '.join(r.names)})")
+        ctx.ok(
+            f"LoRA targets {lora.targets_text()}: adapt {len(r.adapted)} modules of the base model ({', '.join(r.names)})"
+        )

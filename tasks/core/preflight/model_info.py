@@ -63,11 +63,18 @@ def _nvml_memory(count: int) -> int | None:
         for i in range(count):
             handle, mem = ctypes.c_void_p(), _Memory()
             index = torch.cuda._get_nvml_device_index(i)  # CUDA_VISIBLE_DEVICES order -> NVML's
-            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) or nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)):
+            if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) or nvml.nvmlDeviceGetMemoryInfo(
+                handle, ctypes.byref(mem)
+            ):
                 return None
             totals.append(int(mem.total))
         return min(totals) if totals else None
-    except (OSError, AttributeError, RuntimeError, ValueError):  # no driver library, an older torch, an unparsable CUDA_VISIBLE_DEVICES
+    except (
+        OSError,
+        AttributeError,
+        RuntimeError,
+        ValueError,
+    ):  # no driver library, an older torch, an unparsable CUDA_VISIBLE_DEVICES
         return None
 
 
@@ -94,7 +101,17 @@ def read_model_info(uri: str, revision: str = "main") -> ModelInfo:
     try:
         fs, root = url_to_fs(target)
     except (ValueError, ImportError) as exc:
-        raise ConfigError([("base_model.uri", f"{uri}: cannot open ({exc}); use a local path, an fsspec URI with its filesystem installed, or a Hub id org/name")]) from None
+        raise ConfigError(
+            [
+                (
+                    "base_model.uri",
+                    (
+                        f"{uri}: cannot open ({exc}); use a local path, an fsspec URI with its filesystem installed, or a "
+                        "Hub id org/name"
+                    ),
+                )
+            ]
+        ) from None
     root = root.rstrip("/")
     try:
         has_config = fs.isfile(f"{root}/config.json")
@@ -102,7 +119,17 @@ def read_model_info(uri: str, revision: str = "main") -> ModelInfo:
         raise ConfigError([("base_model.uri", f"{uri}: not reachable ({type(exc).__name__}: {exc})")]) from None
     if not has_config:
         what = "does not exist" if not fs.exists(root) else "is not an HF model directory (no config.json)"
-        raise ConfigError([("base_model.uri", f"{target} {what}; point base_model.uri at an HF model directory or a Hub id org/name (for the demo: `python -m tasks.core.models.demo --out {uri}`)")])
+        raise ConfigError(
+            [
+                (
+                    "base_model.uri",
+                    (
+                        f"{target} {what}; point base_model.uri at an HF model directory or a Hub id org/name (for the "
+                        f"demo: `python -m tasks.core.models.demo --out {uri}`)"
+                    ),
+                )
+            ]
+        )
 
     def read_json(name: str) -> dict | None:
         path = f"{root}/{name}"
@@ -137,15 +164,27 @@ def _read_hub(repo: str, revision: str) -> ModelInfo:
         except Exception as exc:  # network, HTTP, auth and JSON errors all mean the same here: unreadable
             if name == "config.json":
                 first_line = str(exc).splitlines()[0] if str(exc) else ""
-                raise ConfigError([("base_model.uri", (f"cannot read config.json of Hub repo {repo}@{revision} ({type(exc).__name__}: {first_line}); "
-                                                       "check the id and revision, the network, and HF_TOKEN for gated repos"))]) from None
+                raise ConfigError(
+                    [
+                        (
+                            "base_model.uri",
+                            (
+                                f"cannot read config.json of Hub repo {repo}@{revision} ({type(exc).__name__}: "
+                                f"{first_line}); "
+                                "check the id and revision, the network, and HF_TOKEN for gated repos"
+                            ),
+                        )
+                    ]
+                ) from None
             return None
 
     config = fetch("config.json") or {}
     try:
         files = sorted(f for f in HfApi().list_repo_files(repo, revision=revision) if "/" not in f)
     except Exception as exc:  # any Hub client error becomes a problem naming base_model.uri
-        raise ConfigError([("base_model.uri", f"cannot list the files of Hub repo {repo}@{revision} ({type(exc).__name__})")]) from None
+        raise ConfigError(
+            [("base_model.uri", f"cannot list the files of Hub repo {repo}@{revision} ({type(exc).__name__})")]
+        ) from None
     return ModelInfo(
         source="hub",
         where=f"{repo}@{revision}",

@@ -1,6 +1,6 @@
 """The pre-flight report and what each check sees (pure: no I/O here).
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
 """
 
 from __future__ import annotations
@@ -35,7 +35,11 @@ class PreflightReport:
         return self
 
     def text(self) -> str:
-        lines = [str(self.error())] if self.problems else [f"pre-flight passed in {self.seconds:.2f} s ({len(self.checked)} checks)"]
+        lines = (
+            [str(self.error())]
+            if self.problems
+            else [f"pre-flight passed in {self.seconds:.2f} s ({len(self.checked)} checks)"]
+        )
         if self.warnings:
             lines.append(f"warnings ({len(self.warnings)}):")
             lines += [f"  ! {w}" for w in self.warnings]

@@ -27,8 +27,13 @@ __all__ = ["check_resume"]
 def _layout_now(stage_cfg) -> dict[str, Any]:
     p = stage_cfg.plugin
     world = stage_cfg.launch.world_size
-    return record({"name": p.name, "tp": p.tp_size, "pp": p.pp_size, "zero": p.zero_stage}, world,
-                  max(1, world // (p.tp_size * p.pp_size)), stage_cfg.micro_batch_size, stage_cfg.grad_accum_steps)
+    return record(
+        {"name": p.name, "tp": p.tp_size, "pp": p.pp_size, "zero": p.zero_stage},
+        world,
+        max(1, world // (p.tp_size * p.pp_size)),
+        stage_cfg.micro_batch_size,
+        stage_cfg.grad_accum_steps,
+    )
 
 
 def check_resume(ctx: CheckContext) -> None:
@@ -63,13 +68,23 @@ def check_resume(ctx: CheckContext) -> None:
         digest = manifest.get("config_digest")
         if digest == config_digest(ctx.cfg, shard.name, parents):
             if was and not same_layout(was, now):
-                ctx.ok(f"{key}: resuming {name}, written under {describe(was)}, under {describe(now)}: model and optimizer re-sharded")
+                ctx.ok(
+                    f"{key}: resuming {name}, written under {describe(was)}, under {describe(now)}: model and "
+                    "optimizer re-sharded"
+                )
             else:
                 ctx.ok(f"{key}: resuming {name} under the layout that wrote it")
-        elif was and global_batch(stage_cfg) != was["global_batch"] and digest == config_digest(
-                ctx.cfg, shard.name, parents, fields={f"{key}.{GLOBAL_BATCH}": was["global_batch"]}):
+        elif (
+            was
+            and global_batch(stage_cfg) != was["global_batch"]
+            and digest
+            == config_digest(ctx.cfg, shard.name, parents, fields={f"{key}.{GLOBAL_BATCH}": was["global_batch"]})
+        ):
             field = f"{key}.grad_accum_steps"
             ctx.problem(field, f"{store.uri(key)}/{name}: {global_batch_problem(was['global_batch'], now)}")
         else:
-            ctx.ok(f"{key}: what the model learns from changed since {name} (data, lr, schedule, seed, precision, LoRA, packing "
-                   f"or a parent): its checkpoints will be moved aside and the stage trained from step 0")
+            ctx.ok(
+                f"{key}: what the model learns from changed since {name} (data, lr, schedule, seed, precision, LoRA, "
+                "packing "
+                f"or a parent): its checkpoints will be moved aside and the stage trained from step 0"
+            )

@@ -48,7 +48,11 @@ def check_run_root(ctx: CheckContext) -> None:
     try:
         store = RunStore(uri, staging_dir=ctx.cfg.staging_dir)
     except (ValueError, ImportError) as exc:
-        ctx.problem("run_root", f"{uri}: not reachable ({type(exc).__name__}: {exc}); use a local path or an fsspec URI whose filesystem is installed (s3:// needs s3fs)")
+        ctx.problem(
+            "run_root",
+            f"{uri}: not reachable ({type(exc).__name__}: {exc}); use a local path or an fsspec URI whose filesystem "
+            "is installed (s3:// needs s3fs)",
+        )
         return
     try:
         if store.local:
@@ -59,7 +63,11 @@ def check_run_root(ctx: CheckContext) -> None:
                 raise OSError("the probe read back differently")
             store.remove(probe)
     except Exception as exc:
-        ctx.problem("run_root", f"{uri}: not writable ({type(exc).__name__}: {exc}); point run_root at a directory this worker can create files in")
+        ctx.problem(
+            "run_root",
+            f"{uri}: not writable ({type(exc).__name__}: {exc}); point run_root at a directory this worker can create "
+            "files in",
+        )
         return
     ctx.ok(f"run root {uri}: reachable, probe object written, read back and deleted")
     _check_existing_manifests(ctx, store)
@@ -94,7 +102,7 @@ def _check_existing_manifests(ctx: CheckContext, store: Any) -> None:
         except Exception:  # a fresh run root may not exist yet (some stores raise): nothing to check at this depth
             pass
     # Work moved aside (<dir>.superseded-<time>) is kept for the user, never read by the run.
-    found = [m for m in found if SUPERSEDED not in m[len(root):]]
+    found = [m for m in found if SUPERSEDED not in m[len(root) :]]
     bad = 0
     for mpath in sorted(set(found)):
         art = artifact_of(mpath)
@@ -117,7 +125,11 @@ def _check_existing_manifests(ctx: CheckContext, store: Any) -> None:
                     inside_artifact(Path(art), rel, where)
             except ManifestError as exc:
                 bad += 1
-                ctx.problem(where, f"{str(exc).removeprefix(where + ': ')}. Refusing to trust this artifact: move it aside or delete {store.uri(rel_art)}")
+                ctx.problem(
+                    where,
+                    f"{str(exc).removeprefix(where + ': ')}. Refusing to trust this artifact: move it aside or delete "
+                    f"{store.uri(rel_art)}",
+                )
                 break
         else:
             # The model-folder rule verify and push apply: a stray *.safetensors (listed or not) would be served as weights.
@@ -129,7 +141,10 @@ def _check_existing_manifests(ctx: CheckContext, store: Any) -> None:
             for msg in strays:
                 ctx.problem(where, msg)
     if found and not bad:
-        ctx.ok(f"existing artifacts under the run root: {len(found)} manifest(s), every listed path stays inside its artifact, no stray weight file")
+        ctx.ok(
+            f"existing artifacts under the run root: {len(found)} manifest(s), every listed path stays inside its "
+            "artifact, no stray weight file"
+        )
 
 
 def estimate_local_bytes(cfg: RunConfig, mc: dict[str, Any], local_run_root: bool) -> tuple[int, str] | None:
@@ -148,12 +163,17 @@ def estimate_local_bytes(cfg: RunConfig, mc: dict[str, Any], local_run_root: boo
     hf = n * (base_bytes + DTYPE_BYTES[cfg.cpt.plugin.precision] + DTYPE_BYTES[cfg.export.dtype])
     if local_run_root:
         kept = sum((getattr(cfg, s).keep_last + 1) * ckpt(getattr(cfg, s)) for s in ("cpt", "sft"))
-        how = f"{n / 1e6:.1f}M params: (keep_last+1) checkpoints per stage at (weights + 8 B Adam + 4 B fp32 master where the plugin keeps one) per param, plus 3 HF copies"
+        how = (
+            f"{n / 1e6:.1f}M params: (keep_last+1) checkpoints per stage at (weights + 8 B Adam + 4 B fp32 "
+            "master where the plugin keeps one) per param, plus 3 HF copies"
+        )
     else:
         staged = {s: getattr(cfg, s).keep_last + getattr(cfg, s).max_pending_publishes + 1 for s in ("cpt", "sft")}
         kept = max(staged[s] * ckpt(getattr(cfg, s)) for s in staged)
-        how = (f"{n / 1e6:.1f}M params: (keep_last + max_pending_publishes + 1) staged checkpoints of the larger stage "
-               f"(cpt {staged['cpt']}, sft {staged['sft']}) plus 3 HF copies")
+        how = (
+            f"{n / 1e6:.1f}M params: (keep_last + max_pending_publishes + 1) staged checkpoints of the larger stage "
+            f"(cpt {staged['cpt']}, sft {staged['sft']}) plus 3 HF copies"
+        )
     return kept + hf, how
 
 
@@ -190,7 +210,11 @@ def check_staging_space(ctx: CheckContext) -> None:
             return
     field_ = "run_root" if local else "staging_dir"
     if free < need:
-        ctx.problem(field_, f"{where}: {human_bytes(free)} free, the run needs about {human_bytes(need)} ({how}); free space, lower keep_last, or point {field_} at a larger disk")
+        ctx.problem(
+            field_,
+            f"{where}: {human_bytes(free)} free, the run needs about {human_bytes(need)} ({how}); free space, lower "
+            f"keep_last, or point {field_} at a larger disk",
+        )
     else:
         ctx.ok(f"local space at {where}: {human_bytes(free)} free >= about {human_bytes(need)} needed ({how})")
 
@@ -220,7 +244,11 @@ def check_paths(ctx: CheckContext) -> None:
     cfg = ctx.cfg
     writes = [("run_root", cfg.run_uri)] + ([("staging_dir", str(cfg.staging_dir))] if cfg.staging_dir else [])
     sources = [(f"{s}.data.uri", u) for s in ("cpt", "sft") for u in getattr(cfg, s).data.uris]
-    sources += [(f"{s}.eval.heldout_uri", getattr(cfg, s).eval.heldout_uri) for s in ("cpt", "sft") if getattr(cfg, s).eval.heldout_uri]
+    sources += [
+        (f"{s}.eval.heldout_uri", getattr(cfg, s).eval.heldout_uri)
+        for s in ("cpt", "sft")
+        if getattr(cfg, s).eval.heldout_uri
+    ]
     bad = 0
     for wfield, wuri in writes:
         w = _location(wuri)
@@ -231,14 +259,24 @@ def check_paths(ctx: CheckContext) -> None:
             source_is_dir = not is_local(s) or os.path.isdir(s) or any(c in str(suri) for c in "*?[")
             if source_is_dir and _within(w, s):
                 bad += 1
-                ctx.problem(wfield, f"{wfield} {w} is inside the data source {sfield} = {s}: the run's own files (held-out JSONL, generations.jsonl, "
-                                    f"checkpoints) would be read as data by the next run; point {wfield} outside {s}")
+                ctx.problem(
+                    wfield,
+                    f"{wfield} {w} is inside the data source {sfield} = {s}: the run's own files (held-out JSONL, "
+                    "generations.jsonl, "
+                    f"checkpoints) would be read as data by the next run; point {wfield} outside {s}",
+                )
             elif _within(s, w):
                 bad += 1
-                ctx.problem(sfield, f"{sfield} {s} is inside {wfield} = {w}, which the run writes and deletes in; "
-                                    f"move the data out of {w}, or point {wfield} elsewhere")
+                ctx.problem(
+                    sfield,
+                    f"{sfield} {s} is inside {wfield} = {w}, which the run writes and deletes in; "
+                    f"move the data out of {w}, or point {wfield} elsewhere",
+                )
     if not bad:
-        ctx.ok(f"paths: {' and '.join(f for f, _ in writes)} and the {len(sources)} data source(s) do not contain one another")
+        ctx.ok(
+            f"paths: {' and '.join(f for f, _ in writes)} and the {len(sources)} data source(s) do not contain one "
+            "another"
+        )
 
 
 def check_base_model_links(ctx: CheckContext) -> None:
@@ -262,7 +300,10 @@ def check_base_model_links(ctx: CheckContext) -> None:
         else:
             continue
         bad += 1
-        ctx.problem("base_model.uri", f"{path} is {why}: load_from_hf would copy whatever the link points at as the model's file; "
-                                      f"copy the real file into {root} (or point base_model.uri at the directory that holds it)")
+        ctx.problem(
+            "base_model.uri",
+            f"{path} is {why}: load_from_hf would copy whatever the link points at as the model's file; "
+            f"copy the real file into {root} (or point base_model.uri at the directory that holds it)",
+        )
     if not bad:
         ctx.ok(f"base model {root}: every file resolves inside its directory")

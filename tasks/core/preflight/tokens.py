@@ -77,7 +77,11 @@ class TokenizerFiles:
     def render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         if self._compiled is None:
             self._compiled = self._compile()
-        text = self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **{k: v for k, v in self.names.items() if v is not None})
+        text = self._compiled.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **{k: v for k, v in self.names.items() if v is not None},
+        )
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def _compile(self) -> Any:
@@ -88,7 +92,9 @@ class TokenizerFiles:
         def raise_exception(message: str) -> None:
             raise ValueError(message)
 
-        def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+        def tojson(
+            x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+        ) -> str:
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
@@ -142,7 +148,7 @@ def end_of_turn(tf: TokenizerFiles) -> list[int] | None:
         prompt, turn = tf.render(PROBE[:i], True), tf.render(PROBE[: i + 1], False)
         if turn[: len(prompt)] != prompt:
             return None
-        found += [t for t in turn[len(prompt):] if t in tf.special and t not in found]
+        found += [t for t in turn[len(prompt) :] if t in tf.special and t not in found]
     return found
 
 
@@ -150,13 +156,23 @@ def check_special_tokens(ctx: CheckContext) -> None:
     """The tokenizer's eos (the CPT document separator) is the model's; the template ends a reply with a special token."""
     try:
         tf = read_tokenizer(ctx)
-    except (OSError, ValueError, Exception) as exc:  # a tokenizer.json the library refuses: other checks name broken files
-        ctx.warn(f"special tokens not compared: the tokenizer of {ctx.model.where} does not load ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+    except (
+        OSError,
+        ValueError,
+        Exception,
+    ) as exc:  # a tokenizer.json the library refuses: other checks name broken files
+        ctx.warn(
+            f"special tokens not compared: the tokenizer of {ctx.model.where} does not load "
+            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        )
         return
     if tf is None:
         if ctx.model is not None:
-            ctx.ok(f"special tokens: not compared before the run ({ctx.model.where} is not a local folder with a tokenizer.json); "
-                   "prepare_data records the ones it uses in index.json")
+            ctx.ok(
+                f"special tokens: not compared before the run ({ctx.model.where} is not a local folder with a "
+                "tokenizer.json); "
+                "prepare_data records the ones it uses in index.json"
+            )
         return
     where = tf.where
     gen = _generation_config(ctx)
@@ -164,50 +180,100 @@ def check_special_tokens(ctx: CheckContext) -> None:
     files = [("config.json", eos_ids(ctx.model.config.get("eos_token_id")))]
     if gen is not None:
         files.append(("generation_config.json", eos_ids(gen.get("eos_token_id"))))
-    said = "; ".join(f"{name} eos_token_id {ids if len(ids) > 1 else ids[0]} ({', '.join(repr(tf.token(i)) for i in ids)})" for name, ids in files if ids)
+    said = "; ".join(
+        f"{name} eos_token_id {ids if len(ids) > 1 else ids[0]} ({', '.join(repr(tf.token(i)) for i in ids)})"
+        for name, ids in files
+        if ids
+    )
     if eos is None:
         hint = files[0][1][0] if files[0][1] else None
         named = tf.names.get("eos_token")
-        ctx.problem("base_model.uri", f"{where}/tokenizer_config.json: the tokenizer has no eos_token{'' if named is None else f' in its vocabulary ({named!r})'}; "
-                    f"prepare_cpt ends every CPT document with it. Set \"eos_token\" in tokenizer_config.json"
-                    + (f" to {tf.token(hint)!r}, the token config.json's eos_token_id {hint} names" if hint is not None else ""))
+        ctx.problem(
+            "base_model.uri",
+            f"{where}/tokenizer_config.json: the tokenizer has no eos_token{'' if named is None else f' in its vocabulary ({named!r})'}; "
+            f'prepare_cpt ends every CPT document with it. Set "eos_token" in tokenizer_config.json'
+            + (
+                f" to {tf.token(hint)!r}, the token config.json's eos_token_id {hint} names" if hint is not None else ""
+            ),
+        )
         return
     disagree = [(name, ids) for name, ids in files if ids and eos not in ids]
     if disagree:
         want = disagree[0][1][0]
-        ctx.problem("base_model.uri", (
-            f"the tokenizer's eos is {tf.show(eos)} ({where}/tokenizer_config.json) but {said}: prepare_cpt would end every CPT document "
-            f"with {tf.token(eos)!r}, a boundary the model does not stop at. Fix the file that is wrong: set \"eos_token\": {tf.token(want)!r} in "
-            f"tokenizer_config.json (and special_tokens_map.json if it names one) so the tokenizer's eos is id {want}, or correct eos_token_id in "
-            f"{' and '.join(n for n, _ in disagree)} if the tokenizer is right"))
+        ctx.problem(
+            "base_model.uri",
+            (
+                f"the tokenizer's eos is {tf.show(eos)} ({where}/tokenizer_config.json) but {said}: prepare_cpt would "
+                "end every CPT document "
+                f"with {tf.token(eos)!r}, a boundary the model does not stop at. Fix the file that is wrong: set "
+                f'"eos_token": {tf.token(want)!r} in '
+                "tokenizer_config.json (and special_tokens_map.json if it names one) so the tokenizer's eos is id "
+                f"{want}, or correct eos_token_id in "
+                f"{' and '.join(n for n, _ in disagree)} if the tokenizer is right"
+            ),
+        )
     pad, bos = tf.id_of("pad_token"), tf.id_of("bos_token")
     for name, mine, key in (("pad", pad, "pad_token_id"), ("bos", bos, "bos_token_id")):
         for fname, conf in (("config.json", ctx.model.config), ("generation_config.json", gen or {})):
             theirs = conf.get(key)
             if mine is not None and isinstance(theirs, int) and theirs != mine:
-                why = "padded positions carry no loss" if name == "pad" else "no bos is added to CPT documents; the chat template writes its own"
-                ctx.warn(f"base_model.uri: the tokenizer's {name} is {tf.show(mine)} but {fname} {key} is {tf.show(theirs)}; nothing trained changes ({why}), "
-                         f"but generation reads {fname}: make them agree")
+                why = (
+                    "padded positions carry no loss"
+                    if name == "pad"
+                    else "no bos is added to CPT documents; the chat template writes its own"
+                )
+                ctx.warn(
+                    f"base_model.uri: the tokenizer's {name} is {tf.show(mine)} but {fname} {key} is "
+                    f"{tf.show(theirs)}; nothing trained changes ({why}), "
+                    f"but generation reads {fname}: make them agree"
+                )
     eot = None
     if tf.template:
         try:
             eot = end_of_turn(tf)
         except Exception as exc:  # a template this renderer cannot run: prepare_sft renders it with transformers
-            ctx.warn(f"sft end of turn not checked: the chat template does not render outside transformers ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})")
+            ctx.warn(
+                "sft end of turn not checked: the chat template does not render outside transformers "
+                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+            )
     if tf.template and eot is None and not any("end of turn not checked" in w for w in ctx.report.warnings):
-        ctx.warn("sft end of turn not checked: rendering a reply with the chat template does not extend its generation prompt token for token "
-                 "(prepare_sft refuses such a template when it renders the chats with transformers)")
+        ctx.warn(
+            "sft end of turn not checked: rendering a reply with the chat template does not extend its generation "
+            "prompt token for token "
+            "(prepare_sft refuses such a template when it renders the chats with transformers)"
+        )
     if eot == []:
-        ctx.problem("base_model.uri", (
-            f"the chat template of {where} closes an assistant turn with no special token (rendered: user 'ping', assistant 'pong'), so SFT "
-            "would teach the model no token to stop at; end each assistant turn in the template with a special token of the tokenizer "
-            "(e.g. its eos_token, or an added token marked \"special\": true in tokenizer.json such as <|im_end|>)"))
+        ctx.problem(
+            "base_model.uri",
+            (
+                f"the chat template of {where} closes an assistant turn with no special token (rendered: user 'ping', "
+                "assistant 'pong'), so SFT "
+                "would teach the model no token to stop at; end each assistant turn in the template with a special "
+                "token of the tokenizer "
+                '(e.g. its eos_token, or an added token marked "special": true in tokenizer.json such as <|im_end|>)'
+            ),
+        )
     if not disagree and eot != []:
-        eos_where = ", ".join(f"{n} {ids if len(ids) > 1 else ids[0]}" for n, ids in files if ids) or "no eos_token_id in config.json"
-        turn = "" if not eot else (f"; SFT end of turn {', '.join(tf.show(t) for t in eot)}"
-                                   + ("" if all(any(t in ids for _, ids in files) for t in eot) else " (the export adds it to generation_config.json's eos_token_id)"))
-        ctx.ok(f"special tokens: CPT document separator eos {tf.show(eos)} = {eos_where}; pad {tf.show(pad if pad is not None else eos)}"
-               f"{'' if pad is not None else ' (the eos: no pad_token)'}; bos {tf.show(bos)}{turn}")
+        eos_where = (
+            ", ".join(f"{n} {ids if len(ids) > 1 else ids[0]}" for n, ids in files if ids)
+            or "no eos_token_id in config.json"
+        )
+        turn = (
+            ""
+            if not eot
+            else (
+                f"; SFT end of turn {', '.join(tf.show(t) for t in eot)}"
+                + (
+                    ""
+                    if all(any(t in ids for _, ids in files) for t in eot)
+                    else " (the export adds it to generation_config.json's eos_token_id)"
+                )
+            )
+        )
+        ctx.ok(
+            f"special tokens: CPT document separator eos {tf.show(eos)} = {eos_where}; pad {tf.show(pad if pad is not None else eos)}"
+            f"{'' if pad is not None else ' (the eos: no pad_token)'}; bos {tf.show(bos)}{turn}"
+        )
 
 
 def check_sft_lengths(ctx: CheckContext) -> None:
@@ -222,24 +288,41 @@ def check_sft_lengths(ctx: CheckContext) -> None:
     from tasks.core.data.inputs import resolve_inputs
     from tasks.core.data.samples import validate_messages
 
-    fates = {"drop": "left out of training", "cut": "cut to their first tokens, the reply the cut goes through unlabelled",
-             "split_turns": "split into rows of whole exchanges (an exchange longer than seq_len left out)"}
+    fates = {
+        "drop": "left out of training",
+        "cut": "cut to their first tokens, the reply the cut goes through unlabelled",
+        "split_turns": "split into rows of whole exchanges (an exchange longer than seq_len left out)",
+    }
     fate, others = fates[st.truncation], " or ".join(r for r in fates if r != st.truncation)
     for i, src in enumerate(st.data.source_list):
         where = "sft.data.uri" if st.data.sources is None else f"sft.data.sources[{i}] ({src.name}).uri"
         try:
-            first = next(f for f in resolve_inputs([resolve_local(u) for u in src.uris], checksums=False, label=where, formats=st.data.folder_formats) if f.size)
+            first = next(
+                f
+                for f in resolve_inputs(
+                    [resolve_local(u) for u in src.uris], checksums=False, label=where, formats=st.data.folder_formats
+                )
+                if f.size
+            )
             chats = [rec.get(st.data.messages_field) for _, rec in head_records(first.uri, SAMPLE)]
             lengths = []
             for m in chats:
                 validate_messages(m)
                 lengths.append(len(tf.render(m, False)))
-        except Exception:  # check_data names a source it cannot read; a template that does not render is check_special_tokens's  # noqa: S112
+        except Exception:  # noqa: S112
+            # check_data names a source it cannot read; a template that does not render is check_special_tokens's
             continue
         over = sum(n > st.seq_len for n in lengths)
         if over:
-            ctx.warn(f"{where}: {over} of the first {len(lengths)} chats of {first.uri} ({100 * over / len(lengths):.0f} %) are longer than "
-                     f"sft.seq_len={st.seq_len} tokens (the longest {max(lengths)}); with sft.truncation: {st.truncation} they are {fate}. "
-                     f"Raise sft.seq_len, or choose sft.truncation: {others}; prepare_sft counts them exactly")
+            ctx.warn(
+                f"{where}: {over} of the first {len(lengths)} chats of {first.uri} ({100 * over / len(lengths):.0f} "
+                "%) are longer than "
+                f"sft.seq_len={st.seq_len} tokens (the longest {max(lengths)}); with sft.truncation: {st.truncation} "
+                f"they are {fate}. "
+                f"Raise sft.seq_len, or choose sft.truncation: {others}; prepare_sft counts them exactly"
+            )
         elif lengths:
-            ctx.ok(f"sft chats: the first {len(lengths)} of {first.uri} fit sft.seq_len={st.seq_len} (the longest {max(lengths)} tokens)")
+            ctx.ok(
+                f"sft chats: the first {len(lengths)} of {first.uri} fit sft.seq_len={st.seq_len} (the longest "
+                f"{max(lengths)} tokens)"
+            )

@@ -40,7 +40,9 @@ def content_digest(manifest: Mapping[str, Any]) -> str:
     """What an artifact is, whenever it was made: its file table (less its `views`, files rendered
     from records such as the export's model card) and the config digest it records."""
     views = set(manifest.get("views") or ())
-    files = {rel: [entry["size"], entry["sha256"]] for rel, entry in sorted(manifest["files"].items()) if rel not in views}
+    files = {
+        rel: [entry["size"], entry["sha256"]] for rel, entry in sorted(manifest["files"].items()) if rel not in views
+    }
     return digest({"config_digest": manifest.get("config_digest"), "files": files})
 
 
@@ -48,7 +50,10 @@ def _get(tree: Any, path: str) -> Any:
     node = tree
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
-            raise KeyError(f"digest field {path!r} is not a config field (no {part!r}); fix the stage's digest fields in tasks/core/run/stages.py")
+            raise KeyError(
+                f"digest field {path!r} is not a config field (no {part!r}); fix the stage's digest fields in "
+                "tasks/core/run/stages.py"
+            )
         node = node[part]
     return node
 
@@ -75,27 +80,44 @@ def digest_fields(cfg: RunConfig, stage: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for path in spec.digest:
         if any(path == ex or path.startswith(ex + ".") for ex in NEVER_DIGESTED):
-            raise ValueError(f"{stage}: digest field {path!r} is in NEVER_DIGESTED (tasks/core/run/stages.py); it changes no artifact, so remove it from the stage's digest fields")
+            raise ValueError(
+                f"{stage}: digest field {path!r} is in NEVER_DIGESTED (tasks/core/run/stages.py); it changes no "
+                "artifact, so remove it from the stage's digest fields"
+            )
         value = copy.deepcopy(_get(dump, path))
         for ex in _excluded(spec):
             if ex.startswith(path + "."):
-                _drop(value, ex[len(path) + 1:])
+                _drop(value, ex[len(path) + 1 :])
         out[path] = value
     if spec.global_batch:
         out[f"{spec.global_batch}.{GLOBAL_BATCH}"] = global_batch(getattr(cfg, spec.global_batch))
     return out
 
 
-def config_digest(cfg: RunConfig, stage: str, parents: Mapping[str, str], inputs: Any = None, fields: Mapping[str, Any] | None = None) -> str:
+def config_digest(
+    cfg: RunConfig, stage: str, parents: Mapping[str, str], inputs: Any = None, fields: Mapping[str, Any] | None = None
+) -> str:
     """The digest of `stage` from its declared config fields, its parents' content digests
     ({parent stage: content_digest}) and its run-time inputs. `fields`: values put in place of the
     config's (pre-flight asks what the digest would be at a checkpoint's global batch)."""
     spec = STAGE[stage]
     if spec.continues:
-        raise ValueError(f"{stage} carries the digest of its {spec.continues} artifact; read it from that manifest instead")
+        raise ValueError(
+            f"{stage} carries the digest of its {spec.continues} artifact; read it from that manifest instead"
+        )
     if sorted(parents) != sorted(spec.parents):
-        raise ValueError(f"{stage}: digest given parents {sorted(parents)}, its StageSpec declares {list(spec.parents)}; pass the declared parents' results")
-    return digest({"stage": stage, "config": {**digest_fields(cfg, stage), **(fields or {})}, "parents": dict(sorted(parents.items())), "inputs": inputs})
+        raise ValueError(
+            f"{stage}: digest given parents {sorted(parents)}, its StageSpec declares {list(spec.parents)}; pass the "
+            "declared parents' results"
+        )
+    return digest(
+        {
+            "stage": stage,
+            "config": {**digest_fields(cfg, stage), **(fields or {})},
+            "parents": dict(sorted(parents.items())),
+            "inputs": inputs,
+        }
+    )
 
 
 def declared() -> dict[str, dict[str, Any]]:
@@ -105,5 +127,9 @@ def declared() -> dict[str, dict[str, Any]]:
         if s.artifact is None:
             continue
         minus = [ex for ex in _excluded(s) if any(ex.startswith(f + ".") for f in s.digest)]
-        out[s.name] = {"continues": s.continues} if s.continues else {"fields": list(s.digest), "minus": minus, "parents": list(s.parents)}
+        out[s.name] = (
+            {"continues": s.continues}
+            if s.continues
+            else {"fields": list(s.digest), "minus": minus, "parents": list(s.parents)}
+        )
     return out

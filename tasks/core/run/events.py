@@ -36,7 +36,19 @@ BACKPRESSURE = "backpressure"
 KERNELS = "kernels"
 KINDS = (PROGRESS, CHECKPOINT, BACKPRESSURE, KERNELS)
 # The numeric @@progress fields that are per-step metrics (TensorBoard tags, MLflow metrics).
-METRICS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_s", "peak_mem_bytes", "peak_mem_rank", "mfu", "tokens", "computed_tokens", "padding_frac")
+METRICS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "step_s",
+    "peak_mem_bytes",
+    "peak_mem_rank",
+    "mfu",
+    "tokens",
+    "computed_tokens",
+    "padding_frac",
+)
 
 INFO, WARNING, ERROR, DETAIL = "info", "warning", "error", "detail"
 LEVELS = (INFO, WARNING, ERROR, DETAIL)
@@ -72,13 +84,13 @@ class Line:
 def parse_line(line: str) -> Line:
     m = _RANK.match(line)
     if m:
-        who, body, level = f"rank {m.group(1)}", line[m.end():], m.group(2) or INFO
+        who, body, level = f"rank {m.group(1)}", line[m.end() :], m.group(2) or INFO
     else:
         g = _GLOG.match(line)
         who, body, level = "torchrun", line, _GLOG_LEVELS[g.group(1)] if g else INFO
     if not body.startswith(PREFIX):
         return Line(who, body, level)
-    kind, _, payload = body[len(PREFIX):].partition(" ")
+    kind, _, payload = body[len(PREFIX) :].partition(" ")
     try:
         record = json.loads(payload)
     except json.JSONDecodeError:

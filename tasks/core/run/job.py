@@ -17,7 +17,16 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    ValidationError,
+    field_validator,
+)
 
 from tasks.core.config.load import plugin_problems
 from tasks.core.config.schema import VERIFY_MEMORY_GB, StageConfig
@@ -52,7 +61,9 @@ class NodeStaging(BaseModel):
     run_uri: str = Field(description="The remote run root.")
     dir: str = Field(description="Node-local staging directory; '{node}' is replaced by the node's name.")
     model_rel: str = Field(description="Artifact in the run root holding the model and tokenizer (model_dir).")
-    data_rel: str = Field(description="The stage's prepared data artifact in the run root (data/<stage>/, read as data_dir).")
+    data_rel: str = Field(
+        description="The stage's prepared data artifact in the run root (data/<stage>/, read as data_dir)."
+    )
     stage_rel: str = Field(description="The stage's checkpoint directory in the run root (stage_dir).")
 
 
@@ -63,22 +74,45 @@ class Job(BaseModel):
 
     verb: Literal[VERBS] = Field(description="shard: boost the HF model and save step 0; train: resume and train.")
     stage: Literal[tuple(TRAINING)] = Field(description="The training stage (a key of tasks.core.run.stages.TRAINING).")
-    stage_cfg: StageConfig = Field(description="The run config's section of this stage (run[stage]), validated by the task.")
-    trust_remote_code: StrictBool = Field(description="base_model.trust_remote_code: whether loading the model may run code it ships.")
-    verify_memory_gb: float = Field(default=VERIFY_MEMORY_GB, gt=0, description=(
-        "The run's verify_memory_gb: under pipeline parallelism rank 0 computes the checkpoint's fingerprint from the saved model/ "
-        "folder, whole up to this many GB of weights, streamed a decoder layer at a time above it (bitwise the same logits)."))
+    stage_cfg: StageConfig = Field(
+        description="The run config's section of this stage (run[stage]), validated by the task."
+    )
+    trust_remote_code: StrictBool = Field(
+        description="base_model.trust_remote_code: whether loading the model may run code it ships."
+    )
+    verify_memory_gb: float = Field(
+        default=VERIFY_MEMORY_GB,
+        gt=0,
+        description=(
+            "The run's verify_memory_gb: under pipeline parallelism rank 0 computes the checkpoint's fingerprint from "
+            "the saved model/ "
+            "folder, whole up to this many GB of weights, streamed a decoder layer at a time above it (bitwise the "
+            "same logits)."
+        ),
+    )
     model_dir: AbsPath = Field(description="HF model directory (config.json + safetensors).")
     tokenizer_dir: AbsPath = Field(description="Directory with the tokenizer files.")
-    data_dir: AbsPath | None = Field(default=None, description=(
-        "The stage's prepared data (data/<stage>/: token shards and index.json, made by prepare_data); the train verb reads it memory-mapped."))
+    data_dir: AbsPath | None = Field(
+        default=None,
+        description=(
+            "The stage's prepared data (data/<stage>/: token shards and index.json, made by prepare_data); the train "
+            "verb reads it memory-mapped."
+        ),
+    )
     stage_dir: AbsPath = Field(description="Directory holding the stage's step-NNNNNN checkpoints.")
     parent: Parent | None = Field(description="The artifact this stage starts from, recorded in manifests.")
     config_digest: str | None = Field(description="The stage's config digest, recorded in manifests.")
-    nodes: NodeStaging | None = Field(default=None, description="Per-node staging of a remote run root; None: every path is used as is.")
-    remote_run_root: StrictBool = Field(default=False, description=(
-        "stage_dir is staging for an s3:// run root: the task publishes each committed checkpoint and marks it `.published`; "
-        "the engine deletes only marked ones and waits at a save while max_pending_publishes are unmarked."))
+    nodes: NodeStaging | None = Field(
+        default=None, description="Per-node staging of a remote run root; None: every path is used as is."
+    )
+    remote_run_root: StrictBool = Field(
+        default=False,
+        description=(
+            "stage_dir is staging for an s3:// run root: the task publishes each committed checkpoint and marks it "
+            "`.published`; "
+            "the engine deletes only marked ones and waits at a save while max_pending_publishes are unmarked."
+        ),
+    )
     _source: str = PrivateAttr(default="job")
 
     @field_validator("stage_cfg")
@@ -132,7 +166,18 @@ def _unique_pairs(source: str):
         out: dict[str, Any] = {}
         for key, value in pairs:
             if key in out:
-                raise ConfigError([(key, f"written twice in one object of {source}; JSON would silently keep the second value. Delete one of them")], header=f"duplicated keys in {source}")
+                raise ConfigError(
+                    [
+                        (
+                            key,
+                            (
+                                f"written twice in one object of {source}; JSON would silently keep the second value. "
+                                "Delete one of them"
+                            ),
+                        )
+                    ],
+                    header=f"duplicated keys in {source}",
+                )
             out[key] = value
         return out
 

@@ -56,7 +56,9 @@ def safe_relpath(rel: str, where: str = "manifest") -> str:
             "so this manifest is corrupt or was tampered with: delete the artifact directory and the stage is rebuilt"
         )
     if "\\" in rel or rel.startswith("/") or (len(rel) > 1 and rel[1] == ":"):
-        raise ManifestError(f"{where}: file path {rel!r} is absolute; manifests may only list paths inside the artifact")
+        raise ManifestError(
+            f"{where}: file path {rel!r} is absolute; manifests may only list paths inside the artifact"
+        )
     parts = PurePosixPath(rel).parts
     if any(p in ("..", "", ".") for p in parts) or rel != str(PurePosixPath(*parts)):
         raise ManifestError(f"{where}: file path {rel!r} leaves or escapes the artifact directory")
@@ -69,7 +71,10 @@ def inside_artifact(root: Path, rel: str, where: str) -> Path:
         real_root = root.resolve()
         real = path.resolve()
     except (ValueError, OSError) as exc:  # e.g. a symlink loop; an unchecked name would be a bare ValueError
-        raise ManifestError(f"{where}: {rel!r} cannot be resolved inside the artifact ({type(exc).__name__}: {exc}); delete the artifact directory and the stage is rebuilt") from None
+        raise ManifestError(
+            f"{where}: {rel!r} cannot be resolved inside the artifact ({type(exc).__name__}: {exc}); delete the "
+            "artifact directory and the stage is rebuilt"
+        ) from None
     if real_root != real and real_root not in real.parents:
         raise ManifestError(f"{where}: {rel!r} resolves outside the artifact (symlink to {real})")
     return path
@@ -214,7 +219,11 @@ def parse_manifest(blob: bytes, where: str) -> dict[str, Any]:
         raise ManifestError(f"{where}: {MANIFEST} has no 'files' table")
     for rel, entry in manifest["files"].items():
         safe_relpath(rel, where)
-        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or not isinstance(entry.get("sha256"), str):
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("size"), int)
+            or not isinstance(entry.get("sha256"), str)
+        ):
             raise ManifestError(f"{where}: manifest entry for {rel!r} needs integer size and sha256")
     return manifest
 
@@ -241,7 +250,9 @@ def verify_artifact(root: str | Path, deep: bool = True) -> dict[str, Any]:
             raise ManifestError(f"{root}: file {rel} listed in the manifest is missing")
         size = path.stat().st_size
         if size != entry["size"]:
-            raise ManifestError(f"{root}: file {rel} has {size} bytes, manifest says {entry['size']} (truncated or rewritten)")
+            raise ManifestError(
+                f"{root}: file {rel} has {size} bytes, manifest says {entry['size']} (truncated or rewritten)"
+            )
         if deep and sha256_file(path) != entry["sha256"]:
             raise ManifestError(f"{root}: file {rel} fails its sha256 check (corrupted)")
     return manifest

@@ -16,11 +16,21 @@ from typing import Any
 LAYOUT_KEYS = ("plugin", "tp", "pp", "zero", "dp", "world_size", "micro_batch_size", "grad_accum_steps")
 
 
-def record(plugin_meta: dict[str, Any], world_size: int, dp: int, micro_batch_size: int, grad_accum_steps: int) -> dict[str, Any]:
+def record(
+    plugin_meta: dict[str, Any], world_size: int, dp: int, micro_batch_size: int, grad_accum_steps: int
+) -> dict[str, Any]:
     """How a stage runs, as a segment and a checkpoint record it."""
-    return {"plugin": plugin_meta["name"], "tp": plugin_meta.get("tp", 1), "pp": plugin_meta.get("pp", 1), "zero": plugin_meta.get("zero", 0),
-            "dp": dp, "world_size": world_size, "micro_batch_size": micro_batch_size, "grad_accum_steps": grad_accum_steps,
-            "global_batch": micro_batch_size * grad_accum_steps * dp}
+    return {
+        "plugin": plugin_meta["name"],
+        "tp": plugin_meta.get("tp", 1),
+        "pp": plugin_meta.get("pp", 1),
+        "zero": plugin_meta.get("zero", 0),
+        "dp": dp,
+        "world_size": world_size,
+        "micro_batch_size": micro_batch_size,
+        "grad_accum_steps": grad_accum_steps,
+        "global_batch": micro_batch_size * grad_accum_steps * dp,
+    }
 
 
 def same_layout(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -56,6 +66,8 @@ def global_batch_problem(was: int, now: dict[str, Any]) -> str | None:
         return None
     fixes = keeping(was, now["micro_batch_size"], now["dp"])
     how = " or ".join(f"{f}: {v}" for f, v in fixes) if fixes else f"a data-parallel size that divides {was}"
-    return (f"its checkpoints were trained at a global batch of {was} sequences; {describe(now)} makes "
-            f"{now['micro_batch_size']} x {now['grad_accum_steps']} x dp {now['dp']} = {now['global_batch']}: set {how} "
-            "to continue them (or move the stage's directory aside to start it over)")
+    return (
+        f"its checkpoints were trained at a global batch of {was} sequences; {describe(now)} makes "
+        f"{now['micro_batch_size']} x {now['grad_accum_steps']} x dp {now['dp']} = {now['global_batch']}: set {how} "
+        "to continue them (or move the stage's directory aside to start it over)"
+    )

@@ -58,7 +58,9 @@ RUN_JSON = "run.json"  # the run's record: every stage's status, artifact and ma
 LEASE = ".lease.json"
 BASE = "base"
 EXPORT = "export"
-BENCHMARK_BASE = "eval/benchmark-base"  # <key>.json: the base model's benchmark scores, reused while base, tasks and settings match
+BENCHMARK_BASE = (
+    "eval/benchmark-base"  # <key>.json: the base model's benchmark scores, reused while base, tasks and settings match
+)
 # A LoRA run's adapter alone (adapter_config.json, adapter_model.safetensors): an artifact of its
 # own that the export stage writes beside export/, never inside it, so no loader of the merged
 # weights meets an adapter (tasks/core/models/folder.py).
@@ -95,7 +97,11 @@ def step_medians(state: dict) -> dict[str, float]:
 def step_peak(state: dict) -> tuple[int, int | None] | None:
     """(bytes, rank): the largest peak memory of any rank over a train_state.json's steps."""
     series = state.get(STEP_SUMMARY) or {}
-    peaks = [(int(b), r) for b, r in zip(series.get("peak_mem_bytes") or [], series.get("peak_mem_rank") or [], strict=False) if isinstance(b, (int, float))]
+    peaks = [
+        (int(b), r)
+        for b, r in zip(series.get("peak_mem_bytes") or [], series.get("peak_mem_rank") or [], strict=False)
+        if isinstance(b, (int, float))
+    ]
     return max(peaks, key=lambda p: p[0]) if peaks else None
 
 
@@ -163,8 +169,24 @@ GLOBAL_BATCH = "global_batch"  # the digest entry <key>.global_batch: micro_batc
 
 
 def layout_fields(key: str) -> tuple[str, ...]:
-    plugin = ("name", "tp_size", "pp_size", "zero_stage", "num_microbatches", "placement_policy", "cpu_offload", "offload_optim_frac", "offload_param_frac")
-    return (f"{key}.launch", *(f"{key}.plugin.{f}" for f in plugin), f"{key}.micro_batch_size", f"{key}.grad_accum_steps", f"{key}.kernels")
+    plugin = (
+        "name",
+        "tp_size",
+        "pp_size",
+        "zero_stage",
+        "num_microbatches",
+        "placement_policy",
+        "cpu_offload",
+        "offload_optim_frac",
+        "offload_param_frac",
+    )
+    return (
+        f"{key}.launch",
+        *(f"{key}.plugin.{f}" for f in plugin),
+        f"{key}.micro_batch_size",
+        f"{key}.grad_accum_steps",
+        f"{key}.kernels",
+    )
 
 
 # Settings that change how a stage runs, never the bytes it writes, so no digest holds them
@@ -180,7 +202,11 @@ def layout_fields(key: str) -> tuple[str, ...]:
 # own checkpoints once it is switched on, instead of training again. `kernels` change the numerics on
 # CUDA (flash attention, fused norms, the fused AdamW) as another plugin does: a layout field.
 NEVER_DIGESTED: tuple[str, ...] = (
-    *(f"{key}.{field}" for key in TRAINING for field in ("data.tokenize", "max_pending_publishes", "activation_checkpointing", "log_every")),
+    *(
+        f"{key}.{field}"
+        for key in TRAINING
+        for field in ("data.tokenize", "max_pending_publishes", "activation_checkpointing", "log_every")
+    ),
     # a declaration about the hardware, read by pre-flight's memory check only: the ranks never see it
     *(f"{key}.launch.gpu_memory_gb" for key in TRAINING),
     # the threshold of a warning (pre-flight, prepare_data) about how often a mixture repeats a source
@@ -227,7 +253,14 @@ def _prepare_fields(key: str) -> tuple[str, ...]:
     # The corpus, how it is split and cut into sequences (a chat longer than seq_len: truncation); the held-out split decides which
     # records go where; the held-out-only sources are checked and kept with them. The input files
     # themselves come in as run-time inputs.
-    return (f"{key}.data", f"{key}.eval.heldout_uri", f"{key}.eval.heldout_fraction", f"{key}.eval.heldout_sources", f"{key}.seq_len", f"{key}.truncation")
+    return (
+        f"{key}.data",
+        f"{key}.eval.heldout_uri",
+        f"{key}.eval.heldout_fraction",
+        f"{key}.eval.heldout_sources",
+        f"{key}.seq_len",
+        f"{key}.truncation",
+    )
 
 
 # The evaluation's own knobs change the metrics, never what a stage trains on.
@@ -243,21 +276,50 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("load_from_hf", BASE, digest=("base_model",)),
     StageSpec(PREPARE["cpt"], data_rel("cpt"), source=BASE, digest=_prepare_fields("cpt")),
     StageSpec(PREPARE["sft"], data_rel("sft"), source=BASE, digest=_prepare_fields("sft")),
-    StageSpec("boost_and_shard", TRAINING["cpt"].checkpoints, source=BASE, digest=("cpt",), minus=(*_eval_knobs("cpt"), *layout_fields("cpt")),
-              parents=("load_from_hf", PREPARE["cpt"]), global_batch="cpt"),
-    StageSpec("train_cpt", TRAINING["cpt"].checkpoints, source=TRAINING["cpt"].checkpoints, continues="boost_and_shard"),
+    StageSpec(
+        "boost_and_shard",
+        TRAINING["cpt"].checkpoints,
+        source=BASE,
+        digest=("cpt",),
+        minus=(*_eval_knobs("cpt"), *layout_fields("cpt")),
+        parents=("load_from_hf", PREPARE["cpt"]),
+        global_batch="cpt",
+    ),
+    StageSpec(
+        "train_cpt", TRAINING["cpt"].checkpoints, source=TRAINING["cpt"].checkpoints, continues="boost_and_shard"
+    ),
     # export.max_shard_size, which unshard also reads, only cuts the same tensors into other files.
     StageSpec("unshard", "cpt/hf", source=TRAINING["cpt"].checkpoints, parents=("train_cpt",)),
-    StageSpec("evaluate_cpt", "eval/cpt", source="cpt/hf", digest=_eval_fields("cpt"), parents=("load_from_hf", "unshard")),
-    StageSpec("reboost", TRAINING["sft"].checkpoints, source="cpt/hf", digest=("sft",), minus=(*_eval_knobs("sft"), *layout_fields("sft")),
-              parents=("unshard", PREPARE["sft"]), global_batch="sft"),
+    StageSpec(
+        "evaluate_cpt", "eval/cpt", source="cpt/hf", digest=_eval_fields("cpt"), parents=("load_from_hf", "unshard")
+    ),
+    StageSpec(
+        "reboost",
+        TRAINING["sft"].checkpoints,
+        source="cpt/hf",
+        digest=("sft",),
+        minus=(*_eval_knobs("sft"), *layout_fields("sft")),
+        parents=("unshard", PREPARE["sft"]),
+        global_batch="sft",
+    ),
     StageSpec("train_sft", TRAINING["sft"].checkpoints, source=TRAINING["sft"].checkpoints, continues="reboost"),
     StageSpec("export", EXPORT, source=TRAINING["sft"].checkpoints, digest=("export",), parents=("train_sft",)),
     # The thresholds of `gate:` only decide the verdict; the generation check's size is evaluated.
-    StageSpec("evaluate_sft", "eval/sft", source=EXPORT, digest=(*_eval_fields("sft"), "gate.max_new_tokens", "gate.num_prompts"),
-              parents=("unshard", "export")),
+    StageSpec(
+        "evaluate_sft",
+        "eval/sft",
+        source=EXPORT,
+        digest=(*_eval_fields("sft"), "gate.max_new_tokens", "gate.num_prompts"),
+        parents=("unshard", "export"),
+    ),
     # lm-eval on local tasks: the task files' sha256 and lm-eval's version come in as run-time inputs.
-    StageSpec("benchmark", "eval/benchmark", source=EXPORT, digest=("benchmark", "base_model.trust_remote_code"), parents=("load_from_hf", "export")),
+    StageSpec(
+        "benchmark",
+        "eval/benchmark",
+        source=EXPORT,
+        digest=("benchmark", "base_model.trust_remote_code"),
+        parents=("load_from_hf", "export"),
+    ),
     StageSpec("gate", None),
     StageSpec("push_to_hub", None, source=EXPORT),
 )

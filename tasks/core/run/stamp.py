@@ -78,7 +78,9 @@ def changed(root: str | Path, manifest: dict[str, Any] | None = None) -> list[st
         except OSError:
             now = None
         if now != recorded[rel]:
-            out.append(f"{rel} {'is missing' if now is None else 'changed (size, time, inode or device)'} since it was hashed")
+            out.append(
+                f"{rel} {'is missing' if now is None else 'changed (size, time, inode or device)'} since it was hashed"
+            )
     return out
 
 
@@ -91,7 +93,11 @@ def _main(argv: list[str]) -> int:
         print("usage: python -m tasks.core.run.stamp ARTIFACT_DIR", file=sys.stderr)
         return 2
     why = changed(argv[0])
-    print(f"current: {argv[0]}" if not why else f"stale: {argv[0]}: " + "; ".join(why[:5]) + (f"; and {len(why) - 5} more" if len(why) > 5 else ""))
+    print(
+        f"current: {argv[0]}"
+        if not why
+        else f"stale: {argv[0]}: " + "; ".join(why[:5]) + (f"; and {len(why) - 5} more" if len(why) > 5 else "")
+    )
     return 0 if not why else 1
 
 

@@ -89,7 +89,10 @@ class TrainLog:
         if self.first_step is None:
             self.first_step = step
             self.first_loss = record.get("loss")
-            self._mark = (0.0, int(record.get("tokens", 0)) - int(record.get("tokens_per_s", 0) * record.get("step_s", 0)))
+            self._mark = (
+                0.0,
+                int(record.get("tokens", 0)) - int(record.get("tokens_per_s", 0) * record.get("step_s", 0)),
+            )
         self.last = record
         mem = record.get("peak_mem_bytes")
         if isinstance(mem, (int, float)) and (self.peak is None or mem > self.peak[0]):
@@ -122,7 +125,12 @@ class TrainLog:
     def _interval_tokens_per_s(self, record: dict[str, Any]) -> float | None:
         """Real tokens per second since the previous line (one step is noisy), else the step's."""
         elapsed, tokens = record.get("elapsed_s"), record.get("tokens")
-        if isinstance(elapsed, (int, float)) and isinstance(tokens, int) and self._mark is not None and elapsed > self._mark[0]:
+        if (
+            isinstance(elapsed, (int, float))
+            and isinstance(tokens, int)
+            and self._mark is not None
+            and elapsed > self._mark[0]
+        ):
             tps = (tokens - self._mark[1]) / (elapsed - self._mark[0])
             self._mark = (float(elapsed), tokens)
             return tps
@@ -142,7 +150,9 @@ class TrainLog:
         if "mfu" in medians:
             parts.append(f"mfu {100 * medians['mfu']:.0f}%")
         if self.peak is not None:
-            parts.append(f"peak mem {gib(self.peak[0])}" + (f" (rank {self.peak[1]})" if self.peak[1] is not None else ""))
+            parts.append(
+                f"peak mem {gib(self.peak[0])}" + (f" (rank {self.peak[1]})" if self.peak[1] is not None else "")
+            )
         return " | ".join(parts)
 
 
@@ -203,7 +213,11 @@ def size(n: float) -> str:
 
 
 def _change(before: Any, after: Any, fmt: str) -> str:
-    return f"{before:{fmt}} → {after:{fmt}}" if isinstance(before, (int, float)) and isinstance(after, (int, float)) else ""
+    return (
+        f"{before:{fmt}} → {after:{fmt}}"
+        if isinstance(before, (int, float)) and isinstance(after, (int, float))
+        else ""
+    )
 
 
 def key_figure(row: dict[str, Any]) -> str:
@@ -239,7 +253,10 @@ def key_figure(row: dict[str, Any]) -> str:
 
 def summary_table(stages: list[dict[str, Any]], run_root: str) -> str:
     """The run's end: each stage, its status, duration and key figure; where the artifacts are."""
-    rows = [(s["stage"], str(s["status"]), duration(s["seconds"]) if s.get("seconds") else "-", key_figure(s)) for s in stages]
+    rows = [
+        (s["stage"], str(s["status"]), duration(s["seconds"]) if s.get("seconds") else "-", key_figure(s))
+        for s in stages
+    ]
     widths = [max(len(r[i]) for r in [("stage", "status", "duration", "")] + rows) for i in range(3)]
     lines = [f"{'stage':<{widths[0]}}  {'status':<{widths[1]}}  {'duration':>{widths[2]}}  key figure"]
     lines += [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}  {d}".rstrip() for a, b, c, d in rows]
@@ -251,8 +268,21 @@ if __name__ == "__main__":
     log = TrainLog("cpt", 2000, every=500)
     print(log.start("hybrid_parallel tp=8 pp=1 zero=1 bf16 | 64 ranks"))
     for s in range(1, 2001):
-        out = log({"step": s, "total": 2000, "loss": 3.0 - s / 2000, "lr": 2e-5, "tokens": s * 2060, "elapsed_s": s * 0.05,
-                   "tokens_per_s": 41200.0, "padding_frac": 0.03, "mfu": 0.38, "peak_mem_bytes": 61.2 * 2**30, "peak_mem_rank": 5})
+        out = log(
+            {
+                "step": s,
+                "total": 2000,
+                "loss": 3.0 - s / 2000,
+                "lr": 2e-5,
+                "tokens": s * 2060,
+                "elapsed_s": s * 0.05,
+                "tokens_per_s": 41200.0,
+                "padding_frac": 0.03,
+                "mfu": 0.38,
+                "peak_mem_bytes": 61.2 * 2**30,
+                "peak_mem_rank": 5,
+            }
+        )
         if out:
             print(out)
     print(log.end(100.0, {"tokens_per_s": 41200.0, "padding_frac": 0.03}))

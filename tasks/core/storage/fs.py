@@ -45,7 +45,16 @@ from fsspec.core import split_protocol, url_to_fs
 
 from tasks.core.errors import ArtifactMissing, ManifestError
 from tasks.core.run import stamp
-from tasks.core.run.manifest import MANIFEST, artifact_of, manifest_tmp, parse_manifest, read_manifest, safe_relpath, verify_artifact, write_atomic
+from tasks.core.run.manifest import (
+    MANIFEST,
+    artifact_of,
+    manifest_tmp,
+    parse_manifest,
+    read_manifest,
+    safe_relpath,
+    verify_artifact,
+    write_atomic,
+)
 from tasks.core.run.stages import SUPERSEDED
 from tasks.core.storage.s3 import (
     SHA256_META,
@@ -80,9 +89,19 @@ DEFAULT_WORKERS = 8  # parts in flight at once (memory: PART_SIZE * workers)
 # Every standard variable that changes which S3 endpoint/account a client talks to: an S3
 # filesystem is reused only while these are unchanged (fsspec's own cache ignores the env).
 _AWS_ENV = (
-    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "AWS_DEFAULT_REGION",
-    "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-    "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_MAX_ATTEMPTS",
+    "AWS_RETRY_MODE",
 )
 _S3_CACHE: dict[str, Any] = {}
 
@@ -99,7 +118,8 @@ def _s3_filesystem():
         # botocore's), a signed header the server checks the body against, so hashing each body a
         # second time for the signature (botocore does on plain-http endpoints) buys nothing.
         fs = s3fs.S3FileSystem(
-            skip_instance_cache=True, use_listings_cache=False,
+            skip_instance_cache=True,
+            use_listings_cache=False,
             config_kwargs={"max_pool_connections": 4 * DEFAULT_WORKERS, "s3": {"payload_signing_enabled": False}},
         )
         _S3_CACHE[env_key] = fs
@@ -134,7 +154,13 @@ def local_path_of(uri: str) -> Path:
 class RunStore:
     """Artifacts of one run, addressed by a relative name like 'cpt/step-000010'."""
 
-    def __init__(self, run_uri: str, staging_dir: str | None = None, max_workers: int = DEFAULT_WORKERS, part_size: int = PART_SIZE):
+    def __init__(
+        self,
+        run_uri: str,
+        staging_dir: str | None = None,
+        max_workers: int = DEFAULT_WORKERS,
+        part_size: int = PART_SIZE,
+    ):
         self.run_uri = run_uri.rstrip("/")
         self.fs, self.root = filesystem(self.run_uri)
         self.local = is_local(self.run_uri)
@@ -235,14 +261,19 @@ class RunStore:
             if head is None:
                 raise ManifestError(f"{self.uri(rel)}: file {name} listed in the manifest is missing")
             if head.get("ContentLength") != entry["size"]:
-                raise ManifestError(f"{self.uri(rel)}: file {name} has {head.get('ContentLength')} bytes, manifest says {entry['size']}")
+                raise ManifestError(
+                    f"{self.uri(rel)}: file {name} has {head.get('ContentLength')} bytes, manifest says {entry['size']}"
+                )
             if not deep:
                 return
             recorded = (head.get("Metadata") or {}).get(SHA256_META)
             if recorded is None:
                 recorded = await asyncio.to_thread(self._stream_sha256, remote)
             if recorded != entry["sha256"]:
-                raise ManifestError(f"{self.uri(rel)}: file {name} fails its sha256 check (object sha256 {recorded[:16]}…, manifest {entry['sha256'][:16]}…)")
+                raise ManifestError(
+                    f"{self.uri(rel)}: file {name} fails its sha256 check (object sha256 {recorded[:16]}…, manifest "
+                    f"{entry['sha256'][:16]}…)"
+                )
 
         xfer.run(lambda: all_or_nothing(check(n) for n in sorted(manifest["files"])))
         return manifest
@@ -251,11 +282,15 @@ class RunStore:
         if deep and trust_stamp:
             manifest = read_manifest(root)
             if stamp.current(root, manifest):
-                self.last_verify = f"by its verification stamp ({len(manifest['files'])} files unchanged since they were hashed)"
+                self.last_verify = (
+                    f"by its verification stamp ({len(manifest['files'])} files unchanged since they were hashed)"
+                )
                 return manifest
         started = time.monotonic()
         manifest = verify_artifact(root, deep=deep)
-        self.last_verify = f"hashed {len(manifest['files'])} files in {time.monotonic() - started:.1f}s" if deep else "sizes checked"
+        self.last_verify = (
+            f"hashed {len(manifest['files'])} files in {time.monotonic() - started:.1f}s" if deep else "sizes checked"
+        )
         if deep:
             # A read-only run root cannot hold a stamp: every later skip decision hashes again, nothing worse.
             with contextlib.suppress(OSError):
@@ -300,7 +335,9 @@ class RunStore:
 
         async def go():
             sem = asyncio.Semaphore(self.max_workers)
-            return await all_or_nothing(xfer.get(self._remote(f"{rel}/{n}"), local / n, manifest["files"][n], sem) for n in names)
+            return await all_or_nothing(
+                xfer.get(self._remote(f"{rel}/{n}"), local / n, manifest["files"][n], sem) for n in names
+            )
 
         outcome = run_transfer(xfer, go, f"stage-in of {self.uri(rel)}", "safe to retry")
         tmp = manifest_tmp(local)
@@ -332,7 +369,10 @@ class RunStore:
             if not path.is_file():
                 raise ManifestError(f"{local}: file {name} listed in the manifest is missing")
             if path.stat().st_size != manifest["files"][name]["size"]:
-                raise ManifestError(f"{local}: file {name} has {path.stat().st_size} bytes, manifest says {manifest['files'][name]['size']}")
+                raise ManifestError(
+                    f"{local}: file {name} has {path.stat().st_size} bytes, manifest says "
+                    f"{manifest['files'][name]['size']}"
+                )
         remote_manifest = self._remote(f"{rel}/{MANIFEST}")
         xfer = self._transfers()
         started = time.monotonic()
@@ -344,7 +384,10 @@ class RunStore:
                 current = None
             if current == blob:
                 heads = await all_or_nothing(xfer.head(self._remote(f"{rel}/{n}")) for n in names)
-                if all(object_matches(h, manifest["files"][n]["size"], manifest["files"][n]["sha256"]) for h, n in zip(heads, names)):
+                if all(
+                    object_matches(h, manifest["files"][n]["size"], manifest["files"][n]["sha256"])
+                    for h, n in zip(heads, names)
+                ):
                     return ["present"] * len(names)
             if current is not None:
                 # The artifact stops existing until the new one is whole.
@@ -352,10 +395,16 @@ class RunStore:
                 await xfer.call("delete_object", Bucket=bucket, Key=key)
             await xfer.abort_stale_uploads(self._remote(rel))
             sem = asyncio.Semaphore(self.max_workers)
-            outcome = await all_or_nothing(xfer.put(local / n, self._remote(f"{rel}/{n}"), manifest["files"][n], sem) for n in names)
+            outcome = await all_or_nothing(
+                xfer.put(local / n, self._remote(f"{rel}/{n}"), manifest["files"][n], sem) for n in names
+            )
             bucket, key, _ = self.fs.split_path(remote_manifest)
             await xfer.call(
-                "put_object", Bucket=bucket, Key=key, Body=blob, ChecksumCRC32=b64(crc32(blob)),
+                "put_object",
+                Bucket=bucket,
+                Key=key,
+                Body=blob,
+                ChecksumCRC32=b64(crc32(blob)),
                 ContentType="application/json",
             )
             return outcome
@@ -396,8 +445,12 @@ class RunStore:
 def _summary(op: str, rel: str, manifest: dict, names: list[str], outcome: list[str], started: float) -> dict[str, Any]:
     moved = [n for n, o in zip(names, outcome) if o in ("uploaded", "downloaded")]
     return {
-        "op": op, "rel": rel, "files": len(names), "transferred": len(moved),
-        "bytes": sum(manifest["files"][n]["size"] for n in moved), "seconds": round(time.monotonic() - started, 3),
+        "op": op,
+        "rel": rel,
+        "files": len(names),
+        "transferred": len(moved),
+        "bytes": sum(manifest["files"][n]["size"] for n in moved),
+        "seconds": round(time.monotonic() - started, 3),
     }
 
 
@@ -431,7 +484,7 @@ def fetch_tree(uri: str, dest: Path, skip: Callable[[str], bool] = lambda rel: F
     root = root.rstrip("/")
     out = []
     for path in sorted(fs.find(root)):
-        rel = path[len(root):].lstrip("/")
+        rel = path[len(root) :].lstrip("/")
         if not rel or skip(rel):
             continue
         safe_relpath(rel, uri)

@@ -35,7 +35,13 @@ class LeaseHeld(RuntimeError):
 class Lease:
     def __init__(self, store: RunStore, holder: str, ttl_s: float = DEFAULT_TTL_S, heartbeat_s: float = HEARTBEAT_S):
         self.store, self.ttl_s, self.heartbeat_s = store, ttl_s, heartbeat_s
-        self.record = {"holder": holder, "token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(), "acquired_at": time.time()}
+        self.record = {
+            "holder": holder,
+            "token": uuid.uuid4().hex,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "acquired_at": time.time(),
+        }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -83,7 +89,11 @@ class Lease:
             dead = holder_is_dead(cur)
             if dead or age > float(cur.get("ttl_s", self.ttl_s)):
                 if log:
-                    why = f"its process no longer exists on this host ({dead})" if dead else f"no heartbeat for {age:.0f}s"
+                    why = (
+                        f"its process no longer exists on this host ({dead})"
+                        if dead
+                        else f"no heartbeat for {age:.0f}s"
+                    )
                     log(f"breaking stale lease of {describe(cur)}: {why}; taking it over")
                 self.store.remove(LEASE)
                 continue

@@ -82,13 +82,19 @@ def note_free(exc: BaseException, path: str | Path) -> None:
             pass
 
 
-def describe(err_no: int, path: str | Path, need: int | None = None, field: str = "run_root", free_then: int | None = None) -> str:
+def describe(
+    err_no: int, path: str | Path, need: int | None = None, field: str = "run_root", free_then: int | None = None
+) -> str:
     """One line for an OS error at `path`: what happened, the filesystem, free and needed space, the fix."""
     where, mount, fstype = filesystem(path)
     try:
         du = shutil.disk_usage(where)
         now = f"{human_bytes(du.free)} free of {human_bytes(du.total)}"
-        space = now if free_then is None else f"{human_bytes(free_then)} free when it failed, {now} now that the stage's partial output is removed"
+        space = (
+            now
+            if free_then is None
+            else f"{human_bytes(free_then)} free when it failed, {now} now that the stage's partial output is removed"
+        )
     except OSError:
         space = "free space unknown"
     needs = f"; the run needs about {human_bytes(need)} there in all (pre-flight's estimate)" if need else ""
@@ -96,7 +102,10 @@ def describe(err_no: int, path: str | Path, need: int | None = None, field: str 
     name = errno.errorcode.get(err_no, str(err_no))
     what = f"{os.strerror(err_no)} ({name}) writing {path} {fs}"
     if err_no in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        fix = f"free space there (older <dir>.superseded-* folders, other runs), lower keep_last, or point {field} at a larger disk, then run again: finished stages are skipped"
+        fix = (
+            "free space there (older <dir>.superseded-* folders, other runs), lower keep_last, or point "
+            f"{field} at a larger disk, then run again: finished stages are skipped"
+        )
     elif err_no == errno.EROFS:
         fix = f"remount it read-write or point {field} at a writable directory"
     elif err_no in (errno.EACCES, errno.EPERM):

@@ -57,16 +57,31 @@ class PublishFailed(RuntimeError):
 
     def __init__(self, rel: str, uri: str, attempts: int, cause: BaseException, what: str = "checkpoint"):
         self.rel, self.uri, self.attempts, self.cause = rel, uri, attempts, cause
-        kept = ("Its local copy is kept (never deleted unpublished); a retried flow run resumes from the newest "
-                "checkpoint complete remotely or locally.") if what == "checkpoint" else \
-            "Its local copy is kept in the staging directory; no manifest was written remotely, so a retried flow run redoes this stage."
-        super().__init__(f"publish of {what} {uri} failed after {attempts} attempt(s): {type(cause).__name__}: {cause}. {kept}")
+        kept = (
+            (
+                "Its local copy is kept (never deleted unpublished); a retried flow run resumes from the newest "
+                "checkpoint complete remotely or locally."
+            )
+            if what == "checkpoint"
+            else "Its local copy is kept in the staging directory; no manifest was written remotely, so a retried "
+            "flow run redoes this stage."
+        )
+        super().__init__(
+            f"publish of {what} {uri} failed after {attempts} attempt(s): {type(cause).__name__}: {cause}. {kept}"
+        )
 
 
 def publish_retrying(
-    store: RunStore, rel: str, publish: Callable[[str], str] | None = None, *, retries: int = RETRIES, backoff_s: float = BACKOFF_S,
-    backoff_max_s: float = BACKOFF_MAX_S, log: logging.Logger | logging.LoggerAdapter | None = None,
-    abort: threading.Event | None = None, what: str = "checkpoint",
+    store: RunStore,
+    rel: str,
+    publish: Callable[[str], str] | None = None,
+    *,
+    retries: int = RETRIES,
+    backoff_s: float = BACKOFF_S,
+    backoff_max_s: float = BACKOFF_MAX_S,
+    log: logging.Logger | logging.LoggerAdapter | None = None,
+    abort: threading.Event | None = None,
+    what: str = "checkpoint",
 ) -> tuple[str, int]:
     """`publish(rel)` (default `store.publish`) with bounded exponential backoff: (digest, attempts).
 
@@ -88,8 +103,15 @@ def publish_retrying(
             if attempt > retries or permanent or abort.is_set():
                 raise PublishFailed(rel, store.uri(rel), attempt, exc, what) from exc
             delay = min(backoff_max_s, backoff_s * 2 ** (attempt - 1))
-            log.warning("publish of %s failed (attempt %d of %d: %s: %s); retrying in %.1fs",
-                        store.uri(rel), attempt, retries + 1, type(exc).__name__, exc, delay)
+            log.warning(
+                "publish of %s failed (attempt %d of %d: %s: %s); retrying in %.1fs",
+                store.uri(rel),
+                attempt,
+                retries + 1,
+                type(exc).__name__,
+                exc,
+                delay,
+            )
             if abort.wait(delay):
                 raise PublishFailed(rel, store.uri(rel), attempt, exc, what) from exc
 
@@ -212,7 +234,10 @@ class Publisher:
         self._queue.put(_STOP)
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise TimeoutError(f"publisher of {self.store.uri(self.stage)} still busy after {timeout:.0f}s ({self.pending - 1} checkpoint(s) left)")
+            raise TimeoutError(
+                f"publisher of {self.store.uri(self.stage)} still busy after {timeout:.0f}s ({self.pending - 1} "
+                "checkpoint(s) left)"
+            )
         if self._failure is not None:
             raise self._failure
         return list(self.published)
@@ -244,7 +269,8 @@ class Publisher:
                 rel = step_rel(self.stage, int(item))
                 self._failure = RuntimeError(
                     f"publisher stopped while handling checkpoint {self.store.uri(rel)}: {type(exc).__name__}: {exc}. "
-                    "Its local copy is kept; a retried flow run resumes from the newest checkpoint complete remotely or locally."
+                    "Its local copy is kept; a retried flow run resumes from the newest checkpoint complete remotely "
+                    "or locally."
                 )
                 self.log.error("%s", self._failure)
             finally:
@@ -254,8 +280,16 @@ class Publisher:
         rel = step_rel(self.stage, step)
         started = time.monotonic()
         try:
-            digest, attempt = publish_retrying(self.store, rel, self._publish_and_verify, retries=self.retries, backoff_s=self.backoff_s,
-                                               backoff_max_s=self.backoff_max_s, log=self.log, abort=self._abort)
+            digest, attempt = publish_retrying(
+                self.store,
+                rel,
+                self._publish_and_verify,
+                retries=self.retries,
+                backoff_s=self.backoff_s,
+                backoff_max_s=self.backoff_max_s,
+                log=self.log,
+                abort=self._abort,
+            )
         except PublishFailed as exc:
             self._failure = exc
             if not self._abort.is_set():
@@ -267,14 +301,24 @@ class Publisher:
             try:
                 removed = retain_remote(self.store, self.stage, self.keep_last, step)
             except Exception as exc:
-                self.log.warning("remote retention after %s failed (%s: %s); older copies stay until the next one",
-                                 self.store.uri(rel), type(exc).__name__, exc)
+                self.log.warning(
+                    "remote retention after %s failed (%s: %s); older copies stay until the next one",
+                    self.store.uri(rel),
+                    type(exc).__name__,
+                    exc,
+                )
         for r in removed:
             self.log.info("retention: removed %s (keep_last=%d)", self.store.uri(r), self.keep_last)
         moved = self.store.last_transfer.get("bytes", 0) if self.store.last_transfer.get("rel") == rel else 0
         done = Published(rel, digest, round(time.monotonic() - started, 3), attempt, moved, tuple(removed))
         self.published.append(done)
-        self.log.info("published %s in %.1fs (%d attempt(s), %.1f MB sent)", self.store.uri(rel), done.seconds, attempt, moved / 1e6)
+        self.log.info(
+            "published %s in %.1fs (%d attempt(s), %.1f MB sent)",
+            self.store.uri(rel),
+            done.seconds,
+            attempt,
+            moved / 1e6,
+        )
         if self.on_published:
             # Best effort (the stage's TensorBoard files): the checkpoint is committed whatever it does,
             # and a failure here must not stop the worker (the next checkpoint's publish retries and,
@@ -282,8 +326,12 @@ class Publisher:
             try:
                 self.on_published(done)
             except Exception as exc:
-                self.log.warning("after publishing %s: %s: %s (the checkpoint is committed; retried after the next one)",
-                                 self.store.uri(rel), type(exc).__name__, exc)
+                self.log.warning(
+                    "after publishing %s: %s: %s (the checkpoint is committed; retried after the next one)",
+                    self.store.uri(rel),
+                    type(exc).__name__,
+                    exc,
+                )
 
     def _publish_and_verify(self, rel: str) -> str:
         digest = self.store.publish(rel)

@@ -30,7 +30,6 @@ class TransferError(OSError):
     """An upload or download that did not complete (transient I/O); retrying is safe."""
 
 
-
 def b64(digest: bytes) -> str:
     """A digest as S3's checksum headers carry it (base64)."""
     return base64.b64encode(digest).decode()
@@ -127,20 +126,31 @@ class S3Transfers:
                 _check_local(local, len(data), whole.hexdigest(), entry)
                 # The server recomputes the body's CRC32 and refuses the PUT if it differs.
                 await self.call(
-                    "put_object", Bucket=bucket, Key=key, Body=data, ChecksumCRC32=b64(crc), Metadata={SHA256_META: sha},
+                    "put_object",
+                    Bucket=bucket,
+                    Key=key,
+                    Body=data,
+                    ChecksumCRC32=b64(crc),
+                    Metadata={SHA256_META: sha},
                 )
         else:
             await self._put_multipart(local, bucket, key, entry, sem)
         head = await self.head(remote)
         if not object_matches(head, size, sha):
             got = None if head is None else (head.get("ContentLength"), (head.get("Metadata") or {}).get(SHA256_META))
-            raise TransferError(f"{remote}: after upload the server reports (size, sha256) = {got}, expected ({size}, {sha})")
+            raise TransferError(
+                f"{remote}: after upload the server reports (size, sha256) = {got}, expected ({size}, {sha})"
+            )
         return "uploaded"
 
     async def _put_multipart(self, local: Path, bucket: str, key: str, entry: dict, sem: asyncio.Semaphore) -> None:
         size, sha = entry["size"], entry["sha256"]
         mpu = await self.call(
-            "create_multipart_upload", Bucket=bucket, Key=key, Metadata={SHA256_META: sha}, ChecksumAlgorithm="CRC32",
+            "create_multipart_upload",
+            Bucket=bucket,
+            Key=key,
+            Metadata={SHA256_META: sha},
+            ChecksumAlgorithm="CRC32",
         )
         upload_id = mpu["UploadId"]
         tasks: list[asyncio.Future] = []
@@ -148,7 +158,12 @@ class S3Transfers:
         async def send(number: int, chunk: bytes, digest: bytes) -> dict:
             try:
                 resp = await self.call(
-                    "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=chunk,
+                    "upload_part",
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=chunk,
                     ChecksumCRC32=b64(digest),
                 )
                 return {"PartNumber": number, "ETag": resp["ETag"], "ChecksumCRC32": b64(digest)}
@@ -164,7 +179,10 @@ class S3Transfers:
                 try:
                     chunk = await asyncio.to_thread(_read_at, local, offset, min(self.part_size, size - offset))
                     if not chunk:
-                        raise ManifestError(f"{local}: file is shorter than the {size} bytes its manifest lists (changed since the manifest was written)")
+                        raise ManifestError(
+                            f"{local}: file is shorter than the {size} bytes its manifest lists (changed since the "
+                            "manifest was written)"
+                        )
                     digest = await asyncio.to_thread(_hash_into, whole, chunk)
                 except BaseException:
                     sem.release()
@@ -174,10 +192,17 @@ class S3Transfers:
                 digests.append(digest)
                 tasks.append(asyncio.ensure_future(send(number, chunk, digest)))
             if os.path.getsize(local) != size or whole.hexdigest() != sha:
-                raise ManifestError(f"{local}: content differs from its manifest entry (sha256/size changed since the manifest was written); not uploaded")
+                raise ManifestError(
+                    f"{local}: content differs from its manifest entry (sha256/size changed since the manifest was "
+                    "written); not uploaded"
+                )
             parts = await all_or_nothing(tasks)
             done = await self.call(
-                "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts},
+                "complete_multipart_upload",
+                Bucket=bucket,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
             )
             # S3's composite checksum: the CRC32 of the parts' CRC32s, "-N". Servers that return
             # it thereby confirm they assembled exactly the parts we hashed, in order.
@@ -190,7 +215,9 @@ class S3Transfers:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             try:  # best effort: a dead server keeps the parts, the next publish aborts them
-                await asyncio.wait_for(self.call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id), 5)
+                await asyncio.wait_for(
+                    self.call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id), 5
+                )
             except BaseException:  # cancellation included: the original error re-raised below is what matters
                 pass
             raise
@@ -215,7 +242,10 @@ class S3Transfers:
             else:
                 got, digest = await self._get_ranges(remote, tmp, size, sem)
             if got != size or digest != sha:
-                raise ManifestError(f"{remote}: downloaded {got} bytes with sha256 {digest[:16]}…, manifest says {size} bytes, {sha[:16]}… (object altered or partial)")
+                raise ManifestError(
+                    f"{remote}: downloaded {got} bytes with sha256 {digest[:16]}…, manifest says {size} bytes, "
+                    f"{sha[:16]}… (object altered or partial)"
+                )
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
@@ -279,4 +309,7 @@ def object_matches(head: dict | None, size: int, sha: str) -> bool:
 
 def _check_local(local: Path, size: int, sha: str, entry: dict) -> None:
     if size != entry["size"] or sha != entry["sha256"]:
-        raise ManifestError(f"{local}: content differs from its manifest entry ({size} bytes, sha256 {sha[:16]}… vs {entry['size']} bytes, {entry['sha256'][:16]}…); not uploaded")
+        raise ManifestError(
+            f"{local}: content differs from its manifest entry ({size} bytes, sha256 {sha[:16]}… vs {entry['size']} "
+            f"bytes, {entry['sha256'][:16]}…); not uploaded"
+        )

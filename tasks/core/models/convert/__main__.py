@@ -27,7 +27,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-shard-size", default="5GB")
     ap.add_argument("--allow-pickle", action="store_true")
     ap.add_argument("--no-fsync", action="store_true")
-    ap.add_argument("--workers", type=int, default=None, help="output shards written at once (default: one per CPU, at most 4)")
+    ap.add_argument(
+        "--workers", type=int, default=None, help="output shards written at once (default: one per CPU, at most 4)"
+    )
     args = ap.parse_args(argv)
     config_path = Path(args.config or Path(args.src_dir) / CONFIG_NAME)
     try:
@@ -41,7 +43,10 @@ def main(argv: list[str]) -> int:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(report.summary(), indent=2))
-    print(f"{report.total_bytes / 1e9:.3f} GB in {report.seconds:.2f} s = {report.throughput_gbps:.2f} GB/s", file=sys.stderr)
+    print(
+        f"{report.total_bytes / 1e9:.3f} GB in {report.seconds:.2f} s = {report.throughput_gbps:.2f} GB/s",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -105,7 +105,9 @@ def convert_checkpoint(
     out_code = st_dtype(dtype)
     budget = parse_size(max_shard_size)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        raise ConversionError(f"workers={workers!r}: must be an int >= 1, or None for one per CPU (at most {MAX_WORKERS})")
+        raise ConversionError(
+            f"workers={workers!r}: must be an int >= 1, or None for one per CPU (at most {MAX_WORKERS})"
+        )
     if dst.exists() and src.resolve() == dst.resolve():
         raise ConversionError(f"{dst}: destination is the source directory; convert into a new directory")
 
@@ -127,7 +129,9 @@ def convert_checkpoint(
     if len(names) > 1:
         weight_map = {p.entry.key: name for name, members in zip(names, shards) for p in (planned[i] for i in members)}
         index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        files[SAFE_INDEX_NAME] = write_small(dst / SAFE_INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode(), fsync)
+        files[SAFE_INDEX_NAME] = write_small(
+            dst / SAFE_INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode(), fsync
+        )
 
     out_codes = sorted({p.out_dtype for p in planned if p.out_dtype in FLOATING})
     assert out_code is None or out_codes == [out_code], f"planned dtypes {out_codes} != requested {out_code}"
@@ -138,7 +142,9 @@ def convert_checkpoint(
         config = {k: v for k, v in model_config.items() if not k.startswith("_")}
         if len(out_codes) == 1 and out_codes[0] in ST_CONFIG_DTYPE:
             config["torch_dtype"] = ST_CONFIG_DTYPE[out_codes[0]]
-        files[CONFIG_NAME] = write_small(dst / CONFIG_NAME, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(), fsync)
+        files[CONFIG_NAME] = write_small(
+            dst / CONFIG_NAME, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(), fsync
+        )
         if (src / GENERATION_CONFIG_NAME).is_file():
             blob = (src / GENERATION_CONFIG_NAME).read_bytes()
             files[GENERATION_CONFIG_NAME] = write_small(dst / GENERATION_CONFIG_NAME, blob, fsync)
@@ -181,4 +187,3 @@ def load_state_dict_from_dir(directory: str | Path, allow_pickle: bool = False) 
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping: it has keys() but no __iter__
                 out[key] = f.get_tensor(key)
     return out
-

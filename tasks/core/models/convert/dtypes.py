@@ -1,6 +1,6 @@
 """dtypes, sizes and file names (spelled in tasks.core.models.folder) of the formats the converter reads and writes (tables, so adding one is a line).
 
-    python -c "from tasks.core.models.convert.dtypes import parse_size; print(parse_size('5GB'))"
+python -c "from tasks.core.models.convert.dtypes import parse_size; print(parse_size('5GB'))"
 """
 
 from __future__ import annotations

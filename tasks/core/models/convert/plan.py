@@ -45,7 +45,9 @@ def validate_and_order(
 
     for key, entries in source.by_key.items():
         if len(entries) > 1:
-            problems.append(f"duplicated key {key!r} in {' and '.join(e.file for e in entries)} (overlapping shards or stages)")
+            problems.append(
+                f"duplicated key {key!r} in {' and '.join(e.file for e in entries)} (overlapping shards or stages)"
+            )
     for key in source.by_key:
         if key in expected:
             continue
@@ -61,7 +63,10 @@ def validate_and_order(
                     )
             continue
         hint = " (config.json has tie_word_embeddings=true, so no separate lm_head is expected)" if key in tied else ""
-        problems.append(f"unexpected key {key!r} in {source.by_key[key][0].file}: not in the {config['model_type']} model config.json describes{hint}")
+        problems.append(
+            f"unexpected key {key!r} in {source.by_key[key][0].file}: not in the {config['model_type']} model "
+            f"config.json describes{hint}"
+        )
     for key in expected:
         if key not in source.by_key:
             hint = ""
@@ -117,4 +122,3 @@ def plan_shards(sizes: Iterable[int], budget: int) -> list[list[int]]:
 def shard_name(k: int, n: int) -> str:
     """transformers' naming: one shard is `model.safetensors`, else `model-0000K-of-0000N.safetensors`."""
     return SAFE_WEIGHTS_NAME if n == 1 else f"model-{k:05d}-of-{n:05d}.safetensors"
-

@@ -69,7 +69,9 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
-def prove_weights(checkpoint_dir: str | Path, export_dir: str | Path, dtype: str | None, dropped: Iterable[str] = ()) -> dict[str, Any]:
+def prove_weights(
+    checkpoint_dir: str | Path, export_dir: str | Path, dtype: str | None, dropped: Iterable[str] = ()
+) -> dict[str, Any]:
     """Raise ConversionError naming every tensor that is not bitwise the cast checkpoint tensor.
 
     `dropped` are checkpoint keys the converter left out as bitwise copies of a tied weight.
@@ -79,8 +81,13 @@ def prove_weights(checkpoint_dir: str | Path, export_dir: str | Path, dtype: str
     torch_dtype = _TORCH.get(dtype) if dtype else None
     ckpt_files, export_files = tensor_files(ckpt), tensor_files(export)
     dropped = set(dropped)
-    problems = [f"{k!r} is in the checkpoint but not in the export" for k in sorted(set(ckpt_files) - set(export_files) - dropped)]
-    problems += [f"{k!r} is in the export but not in the checkpoint" for k in sorted(set(export_files) - set(ckpt_files))]
+    problems = [
+        f"{k!r} is in the checkpoint but not in the export"
+        for k in sorted(set(ckpt_files) - set(export_files) - dropped)
+    ]
+    problems += [
+        f"{k!r} is in the export but not in the checkpoint" for k in sorted(set(export_files) - set(ckpt_files))
+    ]
     expected = {k: _digest(_cast(t, torch_dtype)) for k, t in _tensors(ckpt, ckpt_files, sorted(ckpt_files))}
     got: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     total = 0
@@ -94,11 +101,19 @@ def prove_weights(checkpoint_dir: str | Path, export_dir: str | Path, dtype: str
     if problems:
         shown = problems[:_SHOWN] + ([f"... and {len(problems) - _SHOWN} more"] if len(problems) > _SHOWN else [])
         raise ConversionError(
-            f"{export}: the exported weights are not the checkpoint's ({ckpt}) cast to {dtype or 'their own dtype'}, bitwise "
-            f"({len(problems)} problem{'s' if len(problems) != 1 else ''}):\n" + "\n".join(f"  - {p}" for p in shown)
-            + "\nthe export is corrupt or the conversion mis-mapped tensors: re-run the export stage and do not publish this folder"
+            f"{export}: the exported weights are not the checkpoint's ({ckpt}) cast to {dtype or 'their own dtype'}, "
+            "bitwise "
+            f"({len(problems)} problem{'s' if len(problems) != 1 else ''}):\n"
+            + "\n".join(f"  - {p}" for p in shown)
+            + "\nthe export is corrupt or the conversion mis-mapped tensors: re-run the export stage and do not "
+            "publish this folder"
         )
-    return {"tensors": len(got), "bytes": total, "dtype": dtype, "method": "sha256 per tensor: export bytes == checkpoint tensor .to(dtype) bytes"}
+    return {
+        "tensors": len(got),
+        "bytes": total,
+        "dtype": dtype,
+        "method": "sha256 per tensor: export bytes == checkpoint tensor .to(dtype) bytes",
+    }
 
 
 def _explain(key, got, want, owner, ckpt, ckpt_files, export, export_files, torch_dtype) -> str:
@@ -106,10 +121,12 @@ def _explain(key, got, want, owner, ckpt, ckpt_files, export, export_files, torc
         return f"{key!r}: exported as {got[1]} {list(got[2])}, the checkpoint cast gives {want[1]} {list(want[2])}"
     if got[0] in owner:
         return f"{key!r} holds the checkpoint's {owner[got[0]]!r} (mis-mapped or swapped tensors)"
-    (_, a), = _tensors(export, export_files, [key])
-    (_, b), = _tensors(ckpt, ckpt_files, [key])
+    ((_, a),) = _tensors(export, export_files, [key])
+    ((_, b),) = _tensors(ckpt, ckpt_files, [key])
     b = _cast(b, torch_dtype)
-    differ = (a.reshape(-1).view(torch.uint8).reshape(a.numel(), -1) != b.reshape(-1).view(torch.uint8).reshape(b.numel(), -1)).any(-1)
+    differ = (
+        a.reshape(-1).view(torch.uint8).reshape(a.numel(), -1) != b.reshape(-1).view(torch.uint8).reshape(b.numel(), -1)
+    ).any(-1)
     where = differ.nonzero().flatten()
     first = int(where[0])
     return (
@@ -121,7 +138,10 @@ def _explain(key, got, want, owner, ckpt, ckpt_files, export, export_files, torc
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (2, 3):
-        print("usage: python -m tasks.core.models.convert.proof CHECKPOINT_MODEL_DIR EXPORT_DIR [fp32|bf16|fp16]", file=sys.stderr)
+        print(
+            "usage: python -m tasks.core.models.convert.proof CHECKPOINT_MODEL_DIR EXPORT_DIR [fp32|bf16|fp16]",
+            file=sys.stderr,
+        )
         return 2
     try:
         print(json.dumps(prove_weights(args[0], args[1], args[2] if len(args) == 3 else None)))

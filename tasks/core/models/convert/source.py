@@ -71,7 +71,8 @@ def read_safetensors_header(path: str | Path, name: str | None = None) -> tuple[
         (header_len,) = struct.unpack("<Q", f.read(8))
         if header_len > min(size - 8, _MAX_HEADER):
             raise ConversionError(
-                f"{name}: header length field says {header_len} bytes but the file has {size} (truncated or corrupted header)"
+                f"{name}: header length field says {header_len} bytes but the file has {size} (truncated or corrupted "
+                "header)"
             )
         raw = f.read(header_len)
     try:
@@ -96,13 +97,16 @@ def read_safetensors_header(path: str | Path, name: str | None = None) -> tuple[
         nbytes = math.prod(shape) * itemsize(code)
         if end - begin != nbytes or begin < 0:
             raise ConversionError(
-                f"{name}: tensor {key!r} spans bytes [{begin}, {end}) but shape {list(shape)} {code} needs {nbytes} (corrupted header)"
+                f"{name}: tensor {key!r} spans bytes [{begin}, {end}) but shape {list(shape)} {code} needs {nbytes} "
+                "(corrupted header)"
             )
         entries[key] = Entry(key, name, code, shape, data_start + begin, nbytes)
     cursor = 0
     for e in sorted(entries.values(), key=lambda e: e.offset):
         if e.offset - data_start != cursor:
-            raise ConversionError(f"{name}: tensor {e.key!r} does not start where the previous one ends (corrupted header)")
+            raise ConversionError(
+                f"{name}: tensor {e.key!r} does not start where the previous one ends (corrupted header)"
+            )
         cursor += e.nbytes
     if data_start + cursor != size:
         raise ConversionError(
@@ -185,7 +189,9 @@ def scan_source(src: Path, allow_pickle: bool) -> Source:
             f"{src}: shards {stray[:3]} but no {SAFE_INDEX_NAME} (ColossalAI writes the index after the "
             f"shards: the save is incomplete)"
         )
-    raise ConversionError(f"{src}: no {SAFE_INDEX_NAME}, {SAFE_WEIGHTS_NAME} or {PICKLE_WEIGHTS_NAME}: not a checkpoint")
+    raise ConversionError(
+        f"{src}: no {SAFE_INDEX_NAME}, {SAFE_WEIGHTS_NAME} or {PICKLE_WEIGHTS_NAME}: not a checkpoint"
+    )
 
 
 def _read_index(index_path: Path) -> dict:
@@ -208,7 +214,9 @@ def _scan_safetensors(src: Path, index_path: Path | None) -> Source:
         if missing:
             keys = {f: next(k for k, v in weight_map.items() if v == f) for f in missing}
             raise ConversionError(
-                "; ".join(f"{index_path.name} names {f} (e.g. for {keys[f]!r}) but the file is missing" for f in missing)
+                "; ".join(
+                    f"{index_path.name} names {f} (e.g. for {keys[f]!r}) but the file is missing" for f in missing
+                )
                 + " (incomplete copy or an interrupted save)"
             )
     else:
@@ -224,7 +232,9 @@ def _scan_safetensors(src: Path, index_path: Path | None) -> Source:
         # the index and the headers must agree: a disagreement is a stale index or a rewritten shard
         for key, name in weight_map.items():
             if not any(e.file == name for e in by_key.get(key, ())):
-                problems.append(f"{index_path.name} maps {key!r} to {name}, but {name} does not contain it (stale index)")
+                problems.append(
+                    f"{index_path.name} maps {key!r} to {name}, but {name} does not contain it (stale index)"
+                )
         for key, entries in by_key.items():
             if key not in weight_map:
                 problems.append(f"{entries[0].file} holds {key!r}, which {index_path.name} does not list (stale index)")
@@ -247,8 +257,12 @@ def _scan_pickle(src: Path) -> Source:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except RuntimeError:
                 state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # unpickling a damaged file raises anything (UnpicklingError, EOFError, RuntimeError, ...)
-            raise ConversionError(f"{name}: cannot load with torch.load(weights_only=True) ({exc}): corrupted or not a state dict") from None
+        except (
+            Exception
+        ) as exc:  # unpickling a damaged file raises anything (UnpicklingError, EOFError, RuntimeError, ...)
+            raise ConversionError(
+                f"{name}: cannot load with torch.load(weights_only=True) ({exc}): corrupted or not a state dict"
+            ) from None
         for key, t in state.items():
             if not isinstance(t, torch.Tensor) or t.dtype not in TORCH_TO_ST:
                 raise ConversionError(f"{name}: entry {key!r} is not a supported tensor ({type(t).__name__})")
@@ -283,7 +297,9 @@ class Reader:
         while done < len(out):
             n = os.preadv(fd, [out[done:]], entry.offset + pos + done)
             if n == 0:
-                raise ConversionError(f"{entry.file}: ended while reading {entry.key!r} (file shrank during conversion)")
+                raise ConversionError(
+                    f"{entry.file}: ended while reading {entry.key!r} (file shrank during conversion)"
+                )
             done += n
 
     def close(self) -> None:
@@ -304,4 +320,3 @@ def bitwise_equal(reader: Reader, a: Entry, b: Entry) -> bool:
         if buf_a[:n] != buf_b[:n]:
             return False
     return True
-

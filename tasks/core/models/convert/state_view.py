@@ -70,12 +70,33 @@ class Piece:
 
     @classmethod
     def of(cls, d: dict[str, Any], rank: int) -> Piece:
-        return cls(d["name"], int(d["id"]), tuple(d["shape"]), tuple(d["local_shape"]), d.get("tp_dim"), d.get("tp_rank", 0),
-                   d.get("tp_size", 1), d.get("start", 0), d.get("length", 0), bool(d.get("saved")), rank)
+        return cls(
+            d["name"],
+            int(d["id"]),
+            tuple(d["shape"]),
+            tuple(d["local_shape"]),
+            d.get("tp_dim"),
+            d.get("tp_rank", 0),
+            d.get("tp_size", 1),
+            d.get("start", 0),
+            d.get("length", 0),
+            bool(d.get("saved")),
+            rank,
+        )
 
     def record(self) -> dict[str, Any]:
-        return {"name": self.name, "id": self.id, "shape": list(self.shape), "local_shape": list(self.local_shape), "tp_dim": self.tp_dim,
-                "tp_rank": self.tp_rank, "tp_size": self.tp_size, "start": self.start, "length": self.length, "saved": self.saved}
+        return {
+            "name": self.name,
+            "id": self.id,
+            "shape": list(self.shape),
+            "local_shape": list(self.local_shape),
+            "tp_dim": self.tp_dim,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "start": self.start,
+            "length": self.length,
+            "saved": self.saved,
+        }
 
     @property
     def local_numel(self) -> int:
@@ -117,8 +138,10 @@ class CheckpointState:
         mdir = self.path / MASTERS
         files = sorted(mdir.glob("rank-*.json")) if mdir.is_dir() else []
         if not files:
-            raise ManifestError(f"{self.path}: no {MASTERS}/rank-*.json: a checkpoint written before the layout-neutral records; "
-                                "it resumes only under the layout that wrote it")
+            raise ManifestError(
+                f"{self.path}: no {MASTERS}/rank-*.json: a checkpoint written before the layout-neutral records; "
+                "it resumes only under the layout that wrote it"
+            )
         self.ranks: list[_Rank] = []
         for f in files:
             rec = json.loads(f.read_text())
@@ -176,7 +199,9 @@ class CheckpointState:
                 full.narrow(d, lo, rows).copy_(flat.view(local.local_shape).narrow(d, 0, rows))
                 filled -= local.local_numel - full.narrow(d, lo, rows).numel()
         if filled != full.numel():
-            raise ManifestError(f"{self.path}: the master pieces of {name} cover {filled} of its {full.numel()} elements")
+            raise ManifestError(
+                f"{self.path}: the master pieces of {name} cover {filled} of its {full.numel()} elements"
+            )
         return full
 
     def _read_piece(self, p: Piece, dst: torch.Tensor) -> None:
@@ -228,7 +253,10 @@ class CheckpointState:
         fname = weight_map[pid]
         if self._optim is None or self._optim[0] != fname:
             self._optim = None  # drop the previous file's map first
-            self._optim = (fname, torch.load(self.path / "optimizer" / fname, map_location="cpu", mmap=True, weights_only=True))
+            self._optim = (
+                fname,
+                torch.load(self.path / "optimizer" / fname, map_location="cpu", mmap=True, weights_only=True),
+            )
         state = self._optim[1][int(pid)]
         shape = self.by_name[name][0].shape
         out = {k: state[k].reshape(shape) for k in ADAM_KEYS}
@@ -247,8 +275,10 @@ def _main(argv: list[str]) -> int:
     view = CheckpointState(argv[0])
     for name in argv[1:] or view.names():
         m, a = view.master(name), view.adam(name)
-        print(f"{name}: master {list(m.shape)} |{m.norm():.6g}|  exp_avg |{a['exp_avg'].norm():.6g}|  "
-              f"exp_avg_sq |{a['exp_avg_sq'].norm():.6g}|  step {a['step']:g}")
+        print(
+            f"{name}: master {list(m.shape)} |{m.norm():.6g}|  exp_avg |{a['exp_avg'].norm():.6g}|  "
+            f"exp_avg_sq |{a['exp_avg_sq'].norm():.6g}|  step {a['step']:g}"
+        )
     return 0
 
 

@@ -94,7 +94,10 @@ class _HashingWriter:
             self._pending[self._slot] = fut
         self.size += len(view)
         if self._writeback is not None and self.size - self._written_back >= _WRITEBACK_STEP:
-            if self._writeback(self._fd, self._written_back, self.size - self._written_back, _SYNC_FILE_RANGE_WRITE) != 0:
+            if (
+                self._writeback(self._fd, self._written_back, self.size - self._written_back, _SYNC_FILE_RANGE_WRITE)
+                != 0
+            ):
                 self._writeback = None  # not supported here (some FUSE/network filesystems): fsync alone
             self._written_back = self.size
 
@@ -145,7 +148,9 @@ class _ShardContext:
         self.hasher.shutdown(wait=True)
 
 
-def _write_shard(path: Path, items: list[Planned], reader: Reader, fsync: bool, cancel: threading.Event, ctx: _ShardContext) -> dict[str, Any]:
+def _write_shard(
+    path: Path, items: list[Planned], reader: Reader, fsync: bool, cancel: threading.Event, ctx: _ShardContext
+) -> dict[str, Any]:
     """Write one output shard (header, then its tensors in order); returns its size and sha256."""
     out = _HashingWriter(path, ctx.hasher, ctx.ring, fsync)
     try:
@@ -159,7 +164,9 @@ def _write_shard(path: Path, items: list[Planned], reader: Reader, fsync: bool, 
     return {"size": out.size, "sha256": sha}
 
 
-def write_shards(jobs: list[tuple[Path, list[Planned]]], reader: Reader, fsync: bool, workers: int) -> dict[str, dict[str, Any]]:
+def write_shards(
+    jobs: list[tuple[Path, list[Planned]]], reader: Reader, fsync: bool, workers: int
+) -> dict[str, dict[str, Any]]:
     """Write every shard, `workers` at a time; on the first failure the others stop and remove
     their partial files, and that failure is raised. Returns {file name: {size, sha256}}."""
     cancel = threading.Event()
@@ -215,7 +222,9 @@ class _Cancelled(Exception):
     """Another shard writer failed; this one stops and removes its partial file."""
 
 
-def _copy_tensor(p: Planned, reader: Reader, out: _HashingWriter, scratch: list[memoryview], cancel: threading.Event) -> None:
+def _copy_tensor(
+    p: Planned, reader: Reader, out: _HashingWriter, scratch: list[memoryview], cancel: threading.Event
+) -> None:
     e = p.entry
     if p.out_dtype == e.dtype:
         for pos in range(0, e.nbytes, dtypes.CHUNK):
@@ -253,5 +262,3 @@ def write_small(path: Path, blob: bytes, fsync: bool) -> dict[str, Any]:
             os.fsync(f.fileno())
     os.replace(tmp, path)
     return {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
-
-

@@ -1,0 +1,114 @@
+"""What a run produces, as config sections: the export (`export:`), the gate before the push (`gate:`) and
+the Hub repo it goes to (`hub:`). `tasks.core.config.schema.RunConfig` holds them.
+
+    python -c "from tasks.core.config.outputs import GateConfig; print(GateConfig())"
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from tasks.core.config.base import Frozen
+from tasks.core.config.benchmark import GateBenchmarkFields
+
+
+class ExportConfig(Frozen):
+    dtype: Literal["fp32", "bf16", "fp16"] = Field(default="bf16", description="dtype of the exported safetensors.")
+    max_shard_size: str = Field(
+        default="5GB", description="Largest safetensors shard of the export, e.g. '5GB' or '500MB'."
+    )
+    fingerprint_rtol: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Logits sanity check after the bitwise weight proof: allowed max |logit difference| against the SFT "
+            "fingerprint, relative to max |logit| "
+            "(top-1 must also agree wherever the reference's margin exceeds it); default 1e-5 for fp32, 0.04 for "
+            "bf16, 0.005 for fp16."
+        ),
+    )
+    align_stop_tokens: bool = Field(
+        default=True,
+        description=(
+            "Make generation_config.json eos_token_id a list: the base model's eos plus the chat template's "
+            "end-of-turn token(s), found by rendering "
+            "a conversation; pad_token_id set from the tokenizer. false keeps the base model's generation config as "
+            "it is."
+        ),
+    )
+
+
+class GateConfig(GateBenchmarkFields):  # benchmarks: the limits on the benchmark stage's scores
+    enabled: bool = Field(
+        default=True,
+        description=(
+            "Check the thresholds below before push_to_hub; a failed gate skips the push and keeps every artifact. "
+            "false lets every run through (metrics are still computed and recorded)."
+        ),
+    )
+    cpt_max_ppl_increase_pct: float | dict[str, float] | None = Field(
+        default=0.0,
+        description=(
+            "Fail when the CPT model's held-out perplexity is more than this many percent above the base model's "
+            "(0: must not get worse; negative: must improve by at least that much); null: not checked. A mapping "
+            "{source: percent} (a cpt.data.sources mixture) checks each source's own held-out perplexity instead, e.g. "
+            "{general: 5.0}: the replayed general text may get at most 5 % worse, every source not named must not get "
+            "worse."
+        ),
+    )
+    sft_loss_must_improve: bool = Field(
+        default=True,
+        description="Fail unless the SFT model's held-out loss on assistant tokens is below the pre-SFT (CPT) model's.",
+    )
+    generation_must_stop: bool = Field(
+        default=True,
+        description=(
+            "Fail unless the export's generation_config.json eos_token_id includes the chat template's end-of-turn "
+            "token "
+            "and every greedy generation of a held-out prompt ends at an eos token within max_new_tokens."
+        ),
+    )
+    max_new_tokens: int = Field(
+        default=256, ge=1, description="Generation check: the most tokens a reply may take before it must have stopped."
+    )
+    num_prompts: int = Field(
+        default=4,
+        ge=1,
+        description="Generation check: how many held-out SFT prompts (messages up to the last user turn) are decoded "
+        "greedily.",
+    )
+
+
+class HubConfig(Frozen):
+    repo_id: str = Field(description="Target Hub repo, 'org/name'.")
+    private: bool = Field(default=True, description="Create the repo private.")
+    revision: str = Field(default="main", description="Branch to commit to (created if missing).")
+    commit_message: str = Field(default="cpt-to-sft export", description="Commit message of the single export commit.")
+    license: str | None = Field(default=None, description="License id for the model card metadata, e.g. 'apache-2.0'.")
+    tags: tuple[str, ...] = Field(default=(), description="Extra model card tags.")
+    push_provenance: bool = Field(
+        default=True,
+        description=(
+            "Also upload the export's provenance (.cpt-to-sft/: manifest, verification record, fingerprint) in its "
+            "subfolder; false pushes only the model files and the card."
+        ),
+    )
+    push_adapter: bool = Field(
+        default=False,
+        description=(
+            "With sft.lora: also push export-adapter/ (the adapter alone, peft's layout) to hub.adapter_repo_id, or, "
+            "when that is unset, to the "
+            "subfolder adapter/ of hub.repo_id in the same commit; never beside the merged weights. Its "
+            "base_model_name_or_path is the run's "
+            "cpt/hf (a local reference: the CPT model is not pushed)."
+        ),
+    )
+    adapter_repo_id: str | None = Field(
+        default=None,
+        description=(
+            "Hub repo ('org/name', not hub.repo_id) the adapter goes to with hub.push_adapter; unset: the subfolder "
+            "adapter/ of hub.repo_id."
+        ),
+    )
