@@ -78,7 +78,7 @@ def _case(spec: str, a: argparse.Namespace, work: Path) -> dict:
     import torch.distributed as dist
 
     from tasks.core.run.job import Job
-    from tasks.engine.engine import Engine
+    from tasks.engine.boosted import Engine
     from tasks.engine.faults import Injector
 
     plugin_key, _, mode = spec.partition(":")

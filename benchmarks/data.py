@@ -171,7 +171,7 @@ t0 = time.monotonic()
 import numpy as np
 from tasks.engine.sampler import ResumableSampler
 t1 = time.monotonic()
-from tasks.core.data.reader import TokenDataset
+from tasks.core.data.dataset import TokenDataset
 out, late = sys.argv[1], sys.argv[2] == "late"
 best = None
 for _ in range(5):  # the best of 5 opens: a few milliseconds each, so one reading is mostly noise

@@ -101,7 +101,7 @@ def stage_cfg(data: dict, steps: int, micro: int, seq_len: int):
 def prepare_mode(cfg, tokdir: Path, out: Path) -> float:
     from tasks.core.data.blend import Source
     from tasks.core.data.prepare import prepare
-    from tasks.core.data.prepared import blend_plan
+    from tasks.core.data.stage_data import blend_plan
 
     shutil.rmtree(out, ignore_errors=True)
     sources = [Source(s.name, s.uris, s.weight) for s in cfg.data.source_list]
@@ -151,7 +151,7 @@ def data_times(cfg, tokdir: Path, data_dir: Path, probe_steps: int) -> tuple[flo
 
 def shares(data_dir: Path) -> dict[str, float]:
     """Each source's share of the blended stream's items, counted from the stream (blocks: tokens)."""
-    from tasks.core.data.reader import TokenDataset
+    from tasks.core.data.dataset import TokenDataset
 
     ds = TokenDataset(data_dir)
     stream = np.asarray(ds.blend(), np.int64)

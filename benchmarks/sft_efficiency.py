@@ -6,7 +6,7 @@
 Data: chats generated with a realistic length distribution (log-normal, median about 300 tokens of
 the rendered conversation, a tail that reaches seq_len), tokenized by the project's own prepare
 step (`tasks.core.data.prepare`, the demo tokenizer, its chat template, assistant-only labels) into
-the shards the engine reads (`tasks.core.data.reader.TokenDataset`).
+the shards the engine reads (`tasks.core.data.dataset.TokenDataset`).
 
 Per mode (a row of tasks/core/config/batching.py's BATCHING), in this one process, fp32 on CPU, a
 small Llama (hidden 64, 2 layers): the epoch's micro-batches exactly as `tasks.engine.loop.StageData`
@@ -127,7 +127,7 @@ def run_mode(model, ds, mode: str, micro: int, seed: int) -> dict:
 
 
 def _padded_per_token(model, ds, rows: list[int], width: int) -> torch.Tensor:
-    from tasks.core.data.reader import IGNORE_INDEX
+    from tasks.core.data.dataset import IGNORE_INDEX
 
     b = {k: torch.from_numpy(v) for k, v in ds.batch(rows, width=width).items()}
     logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
@@ -140,7 +140,7 @@ def loss_equivalence(model, ds, seed: int) -> dict[str, float]:
     """max |per-token assistant loss - the same token's loss in a row padded to seq_len|: the
     shortest chats at the grouped width, and the chats of two packed rows in their rows."""
     from tasks.core.config.batching import BATCHING, micro_width
-    from tasks.core.data.reader import IGNORE_INDEX
+    from tasks.core.data.dataset import IGNORE_INDEX
     from tasks.engine.packing import chat_token_losses, model_inputs
     from tasks.engine.sampler import Packs
 
@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tasks.core.config.batching import BATCHING
+    from tasks.core.data.dataset import TokenDataset
     from tasks.core.data.prepare import prepare
-    from tasks.core.data.reader import TokenDataset
     from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="sft-eff-") as tmp:

@@ -37,7 +37,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.states import Cancelled, Completed, Failed
 
-from tasks import tracking, ui
+from tasks import automation, tracking, ui
 from tasks.benchmark import benchmark
 from tasks.core.config.load import load_config
 from tasks.core.config.overrides import RunOverrides
@@ -267,7 +267,9 @@ def _failed(cfg: RunConfig, stage: str, exc: BaseException) -> StageResult:
     # The event carries the cause (one line) and the message from its start (for a launch: the
     # cause, then the failing process's last lines first) for automations.
     cause = disk_cause(cfg, rel, exc) or failure_cause(exc)
-    ui.stage_event(stage, Status.FAILED, cfg.name, uri, cause=cause, error=f"{type(exc).__name__}: {exc}"[:4000])
+    automation.stage_event(
+        stage, Status.FAILED, cfg.name, uri, cause=cause, error=f"{type(exc).__name__}: {exc}"[:4000]
+    )
     return StageResult(stage, Status.FAILED, rel, uri, detail={"error": cause})
 
 

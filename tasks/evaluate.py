@@ -12,7 +12,7 @@ load it. `eval.dtype` unset follows export.dtype on a GPU, fp32 on CPU (`_with_e
 - gate: the thresholds of `gate:` over those metrics; a failed gate holds the push back.
 
 The held-out records were decided by prepare_data in its one pass over the corpus and are read
-here from data/<stage>/ (`tasks.core.data.prepared.heldout_records`), never re-split. The evaluation artifacts are leaves nobody trains
+here from data/<stage>/ (`tasks.core.data.stage_data.heldout_records`), never re-split. The evaluation artifacts are leaves nobody trains
 from, so changing an evaluation setting re-runs evaluation only, never training; and they skip
 on a re-run like every stage (manifest verifies, config digest matches).
 
@@ -27,10 +27,10 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from tasks import tracking, ui
+from tasks import automation, tracking
 from tasks.core.config.kernels import cuda_available
 from tasks.core.config.schema import RunConfig, StageConfig
-from tasks.core.data.prepared import (
+from tasks.core.data.stage_data import (
     corpus_of,
     heldout_by_source,
     heldout_only_names,
@@ -254,7 +254,7 @@ def held_back(cfg: RunConfig, verdict: StageResult) -> StageResult:
     reasons = verdict.detail.get("reasons", [])
     target = f"hf://{cfg.hub.repo_id}" if cfg.hub else None
     get_run_logger().warning("push_to_hub: not run, the gate failed (%s)", "; ".join(reasons))
-    ui.stage_event("push_to_hub", Status.FAILED_GATE, cfg.name, target, reasons=reasons)
+    automation.stage_event("push_to_hub", Status.FAILED_GATE, cfg.name, target, reasons=reasons)
     return StageResult(
         "push_to_hub", Status.FAILED_GATE, uri=target, detail={"reason": "the gate failed", "reasons": reasons}
     )

@@ -31,7 +31,7 @@ from prefect import get_run_logger
 
 from tasks import ui
 from tasks.core.config.schema import RunConfig
-from tasks.core.data.prepared import recorded_split
+from tasks.core.data.stage_data import recorded_split
 from tasks.core.errors import ConversionError
 from tasks.core.models.stop_tokens import describe
 from tasks.core.run.manifest import VERIFICATION, amend_views, read_manifest, write_manifest

@@ -10,7 +10,7 @@ reboost checks that the CPT model's tokenizer is the one the SFT shards were mad
   digest, which covers the data config (not the task runner), the split, seq_len, the tokenizer
   fingerprint and every input file's size and checksum/etag. Adding one file re-runs the stage,
   and inside it only that file is tokenized.
-- The files still to tokenize are submitted as `tokenize_shard` tasks in a subflow whose task runner
+- The files still to tokenize are submitted as `tokenize_item` tasks in a subflow whose task runner
   comes from `data.tokenize`: Prefect's ProcessPoolTaskRunner (default; one unit: a thread here), or prefect-dask's
   DaskTaskRunner on a running scheduler or a `distributed.LocalCluster` it starts. A file larger than
   `data.tokenize.chunk_mb` is split at record boundaries into chunks, each a task, merged back into
@@ -53,10 +53,10 @@ from tasks.core.data.blend import BLEND_FILE, Source
 from tasks.core.data.chunks import Chunk, Whole
 from tasks.core.data.index import INDEX
 from tasks.core.data.inputs import InputFile
-from tasks.core.data.prepared import HELDOUT_SET, blend_plan
 from tasks.core.data.records import iter_file_records
 from tasks.core.data.schedule import drive, run_item
 from tasks.core.data.shard import ShardSpec, read_summary, shard_dir
+from tasks.core.data.stage_data import HELDOUT_SET, blend_plan
 from tasks.core.run.stages import DATA_CACHE, PREPARE, STAGE
 from tasks.stage import Stage, StageResult, stage_task, store_for
 
@@ -135,8 +135,8 @@ def task_runner_for(tok: TokenizeConfig, units: int, width: int | None = None):
     return ProcessPoolTaskRunner(max_workers=width)  # no idle worker to spawn
 
 
-@task(name="tokenize_shard", task_run_name="tokenize {item.label}")
-def tokenize_shard(item: Chunk | Whole, spec: ShardSpec, tokenizer_dir: str, out_dir: str) -> dict[str, Any]:
+@task(name="tokenize_item", task_run_name="tokenize {item.label}")
+def tokenize_item(item: Chunk | Whole, spec: ShardSpec, tokenizer_dir: str, out_dir: str) -> dict[str, Any]:
     console_log.from_environment()  # a pool or Dask worker prints to the run's console too
     if multiprocessing.parent_process() is not None:
         # A pool or Dask worker process = one core: the tokenizer's own thread pool would
@@ -147,13 +147,13 @@ def tokenize_shard(item: Chunk | Whole, spec: ShardSpec, tokenizer_dir: str, out
 
 
 class _Tasks:
-    """schedule.drive's runner over Prefect: each file or chunk a `tokenize_shard` task run."""
+    """schedule.drive's runner over Prefect: each file or chunk a `tokenize_item` task run."""
 
     def __init__(self, spec: ShardSpec, tokenizer_dir: str, out_dir: str):
         self.kw = {"spec": spec, "tokenizer_dir": tokenizer_dir, "out_dir": out_dir}
 
     def submit(self, item):
-        return tokenize_shard.submit(item, **self.kw)
+        return tokenize_item.submit(item, **self.kw)
 
     def wait(self, handles):
         from prefect.futures import as_completed
@@ -386,7 +386,7 @@ __all__ = [
     "prepared_dir",
     "task_runner_for",
     "tokenize_files",
-    "tokenize_shard",
+    "tokenize_item",
     "tokenize_width",
     "worker_api",
 ]

@@ -40,7 +40,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from tasks import ui
+from tasks import automation, ui
 from tasks.core.config.outputs import HubConfig
 from tasks.core.config.schema import RunConfig
 from tasks.core.hub.card import CARD, adapter_card, base_facts, model_card, train_facts
@@ -224,7 +224,7 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
 
         raise HubTokenRefused(f"push_to_hub: {refused_token_message(found, constants.ENDPOINT, status)}") from None
     ui.link("hub-commit", outcome["commit_url"], f"{cfg.hub.repo_id}@{cfg.hub.revision}")
-    ui.stage_event("push_to_hub", "completed", cfg.name, outcome["commit_url"], changed=outcome.get("changed"))
+    automation.stage_event("push_to_hub", "completed", cfg.name, outcome["commit_url"], changed=outcome.get("changed"))
     return StageResult(
         "push_to_hub", Status.COMPLETED, uri=outcome["repo_url"], seconds=time.monotonic() - started, detail=outcome
     )

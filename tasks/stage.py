@@ -39,7 +39,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.states import Completed, State
 
-from tasks import ui
+from tasks import automation
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ArtifactMissing, ManifestError
@@ -275,7 +275,7 @@ class Stage:
         self.result = StageResult(
             self.name, Status.COMPLETED, self.rel, self.uri, published, self.elapsed, dict(detail or {})
         )
-        ui.stage_event(self.name, "completed", self.cfg.name, self.uri, **(event or {}))
+        automation.stage_event(self.name, "completed", self.cfg.name, self.uri, **(event or {}))
         return self.result
 
 

@@ -18,7 +18,7 @@ from prefect import get_run_logger
 from tasks import tracking, ui
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.schema import RunConfig
-from tasks.core.data.prepared import check_against_model, corpus_of, record_split, split_info
+from tasks.core.data.stage_data import check_against_model, corpus_of, record_split, split_info
 from tasks.core.launch.torchrun import run_engine, stage_fault_env
 from tasks.core.run.events import BACKPRESSURE, CHECKPOINT, KERNELS
 from tasks.core.run.job import Job, NodeStaging, Parent

@@ -1,5 +1,5 @@
 """What the Prefect UI shows for a run: progress during training, loss curves, the stage table,
-the export verification, the Hub commit link, and an event per stage that completes or fails.
+the export verification and the Hub commit link (each stage's automation event: tasks/automation.py).
 
 Artifact keys must be lowercase letters, digits and dashes; each run's artifacts are attached to
 its flow/task runs, so the keys are stable names (the UI's Artifacts page shows the latest per key,
@@ -27,7 +27,6 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
-from prefect.events import emit_event
 
 from tasks.core.config.kernels import describe
 from tasks.core.run.trainlog import duration
@@ -46,7 +45,7 @@ def _log_warning(msg: str, *args: Any) -> None:
         logging.getLogger(__name__).warning(msg, *args)
 
 
-def _warn(what: str, exc: BaseException) -> None:
+def warn_view_failure(what: str, exc: BaseException) -> None:
     try:
         get_run_logger().warning("%s unavailable: %s", what, exc)
     except Exception:  # outside a flow/task run there is no run logger, and a view must never fail the stage
@@ -81,7 +80,7 @@ class Progress:
                 0.0, key=_key(f"{stage}-progress"), description=f"{stage.upper()}: step 0 / {self.total}"
             )
         except Exception as exc:
-            _warn("progress artifact", exc)
+            warn_view_failure("progress artifact", exc)
 
     def __call__(self, record: dict[str, Any]) -> None:
         step = int(record.get("step", 0))
@@ -140,7 +139,7 @@ class Progress:
         try:
             update_progress_artifact(self._id, min(100.0, 100.0 * step / self.total), description=text)
         except Exception as exc:
-            _warn("progress update", exc)
+            warn_view_failure("progress update", exc)
 
 
 class DataProgress:
@@ -160,7 +159,7 @@ class DataProgress:
                 0.0, key=_key(f"data-{stage}-progress"), description=f"{stage.upper()} data: 0 / {files} files"
             )
         except Exception as exc:
-            _warn("data progress artifact", exc)
+            warn_view_failure("data progress artifact", exc)
 
     def __call__(self, summary: dict[str, Any]) -> None:
         d = self.done
@@ -181,7 +180,7 @@ class DataProgress:
             if self._id is not None:
                 update_progress_artifact(self._id, 100.0 * d["bytes"] / self.total_bytes, description=text)
         except Exception as exc:
-            _warn("data progress artifact", exc)
+            warn_view_failure("data progress artifact", exc)
 
 
 def token_table(stage: str, totals: dict[str, Any]) -> None:
@@ -202,7 +201,7 @@ def token_table(stage: str, totals: dict[str, Any]) -> None:
             description=f"{stage.upper()} data: {totals['files']} files, {totals['bytes'] / 1e6:.1f} MB",
         )
     except Exception as exc:
-        _warn("token table artifact", exc)
+        warn_view_failure("token table artifact", exc)
 
 
 def mixture_rows(
@@ -255,7 +254,7 @@ def mixture_table(
             mixture_rows(sources, blend, heldout_only), key=_key(f"data-{stage}-mixture"), description=what
         )
     except Exception as exc:
-        _warn("mixture table artifact", exc)
+        warn_view_failure("mixture table artifact", exc)
 
 
 def render_loss_png(stage: str, losses: list[float], first_step: int = 1) -> bytes:
@@ -293,7 +292,7 @@ def loss_curve(stage: str, losses: list[float], png: str | Path) -> bytes:
         with open_uri(str(png), "wb") as f:
             f.write(data)
     except Exception as exc:
-        _warn(f"loss-curve PNG at {png}", exc)
+        warn_view_failure(f"loss-curve PNG at {png}", exc)
     b64 = base64.b64encode(data).decode()
     first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
     md = (
@@ -305,7 +304,7 @@ def loss_curve(stage: str, losses: list[float], png: str | Path) -> bytes:
             md, key=_key(f"{stage}-loss-curve"), description=f"{stage.upper()} training loss per step"
         )
     except Exception as exc:
-        _warn("loss-curve artifact", exc)
+        warn_view_failure("loss-curve artifact", exc)
     return data
 
 
@@ -345,32 +344,11 @@ def markdown(key: str, text: str, description: str) -> None:
     try:
         create_markdown_artifact(text, key=_key(key), description=description)
     except Exception as exc:
-        _warn(f"{key} artifact", exc)
+        warn_view_failure(f"{key} artifact", exc)
 
 
 def link(key: str, url: str, text: str) -> None:
     try:
         create_link_artifact(url, link_text=text, key=_key(key), description=text)
     except Exception as exc:
-        _warn(f"{key} artifact", exc)
-
-
-def stage_event(stage: str, status: str, run_name: str, uri: str | None, **payload: Any) -> None:
-    """`cpt-to-sft.stage.<status>` (completed | failed) with the artifact URI in the payload; a
-    failed stage's payload has `cause` (one line) and `error` (the whole message).
-
-    The resource is the run's stage; Prefect adds the flow run (and task run) as related resources,
-    so the event shows in the run's event feed and automations can match on either.
-    """
-    try:
-        emit_event(
-            event=f"cpt-to-sft.stage.{status}",
-            resource={
-                "prefect.resource.id": f"cpt-to-sft.run.{run_name}.{stage}",
-                "prefect.resource.name": stage,
-                "cpt-to-sft.run": run_name,
-            },
-            payload={"stage": stage, "status": status, "artifact_uri": uri, "run": run_name, **payload},
-        )
-    except Exception as exc:
-        _warn(f"{status} event for {stage}", exc)
+        warn_view_failure(f"{key} artifact", exc)

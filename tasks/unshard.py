@@ -7,7 +7,7 @@ streaming conversion on the worker's CPU; the fingerprint proves the logits surv
 from __future__ import annotations
 
 from tasks.core.config.schema import RunConfig
-from tasks.core.data.prepared import recorded_split
+from tasks.core.data.stage_data import recorded_split
 from tasks.core.run.stages import BASE, TRAINING
 from tasks.stage import Stage, StageResult, stage_task
 

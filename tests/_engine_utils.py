@@ -51,7 +51,7 @@ def prepared_data(stage_cfg: dict[str, Any], stage: str, tokenizer_dir: Path, ou
     from tasks.core.config.schema import StageConfig
     from tasks.core.data.blend import Source
     from tasks.core.data.prepare import prepare
-    from tasks.core.data.prepared import blend_plan
+    from tasks.core.data.stage_data import blend_plan
 
     cfg = StageConfig.model_validate(stage_cfg)
     if not (out / "index.json").is_file():

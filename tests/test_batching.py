@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tasks.core.config.batching import BATCHING, PAD_MULTIPLE, BatchingSpec, micro_width, register
+from tasks.core.data.dataset import IGNORE_INDEX, TokenDataset
 from tasks.core.data.prepare import prepare
-from tasks.core.data.reader import IGNORE_INDEX, TokenDataset
 from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
 from tasks.engine.packing import block_causal_mask, chat_token_losses, model_inputs
 from tasks.engine.sampler import LengthGroups, Packs, ResumableSampler

@@ -19,10 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
+from tasks.core.data.dataset import TokenDataset
 from tasks.core.data.index import PrepareError, check_fits_model, tokenizer_fingerprint
 from tasks.core.data.inputs import InputError, resolve_inputs
 from tasks.core.data.prepare import prepare
-from tasks.core.data.reader import TokenDataset
 from tasks.core.data.records import read_records
 from tasks.core.data.samples import encode_sft, pack_cpt
 from tasks.core.data.shard import BadRecordError, token_dtype

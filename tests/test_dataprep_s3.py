@@ -12,9 +12,9 @@ import fsspec
 import numpy as np
 import pytest
 
+from tasks.core.data.dataset import TokenDataset
 from tasks.core.data.inputs import InputError, resolve_inputs
 from tasks.core.data.prepare import prepare
-from tasks.core.data.reader import TokenDataset
 from tasks.core.data.records import read_records
 from tasks.core.data.samples import pack_cpt
 from tasks.core.data.split import split_by_fraction

@@ -97,8 +97,8 @@ def test_prepared_data_holds_the_split_and_refuses_another_tokenizer(tmp_path, t
 
     from tasks.core.data.index import tokenizer_fingerprint
     from tasks.core.data.prepare import prepare
-    from tasks.core.data.prepared import check_against_model, heldout_records, split_info
     from tasks.core.data.split import split_by_fraction
+    from tasks.core.data.stage_data import check_against_model, heldout_records, split_info
 
     records = read_records(str(SAMPLE / "sft.jsonl"))
     prepare(

@@ -67,7 +67,7 @@ class Launches:
 
 
 class Events:
-    """Wraps tasks.ui.stage_event: records every stage event's payload, then sends it."""
+    """Wraps tasks.automation.stage_event: records every stage event's payload, then sends it."""
 
     def __init__(self, real):
         self.real, self.calls = real, []
@@ -79,6 +79,7 @@ class Events:
 
 @pytest.fixture(scope="module")
 def scenario(prefect_harness, eos_doc_end_model, tmp_path_factory):
+    import tasks.automation
     import tasks.train
     import tasks.ui
     from flows.cpt_to_sft import main
@@ -97,8 +98,8 @@ def scenario(prefect_harness, eos_doc_end_model, tmp_path_factory):
                 else tasks.train.run_engine
             )
             mp.setattr(tasks.train, "run_engine", launches)
-            events = Events(tasks.ui.stage_event)
-            mp.setattr(tasks.ui, "stage_event", events)
+            events = Events(tasks.automation.stage_event)
+            mp.setattr(tasks.automation, "stage_event", events)
             hashed = _count_hashes(mp)
             mp.setenv("CPT_TO_SFT_FAULT", fault) if fault else mp.delenv("CPT_TO_SFT_FAULT", raising=False)
             err = io.StringIO()
@@ -117,7 +118,7 @@ def scenario(prefect_harness, eos_doc_end_model, tmp_path_factory):
                 }
             )
             mp.setattr(tasks.train, "run_engine", launches.real)
-            mp.setattr(tasks.ui, "stage_event", events.real)
+            mp.setattr(tasks.automation, "stage_event", events.real)
         runs += _gate_reruns(mp, tmp, tiny_model_dir, run_root)
         runs.append(_unaligned_rerun(mp, tmp, tiny_model_dir, run_root))
     finally:
@@ -503,9 +504,9 @@ def test_bridge_is_bitwise_the_plugin_a_checkpoint_and_reproduces_its_logits(fin
 
 def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
     from tasks.core.config.paths import resolve_local
-    from tasks.core.data.prepared import heldout_records
     from tasks.core.data.records import read_records
     from tasks.core.data.split import record_id
+    from tasks.core.data.stage_data import heldout_records
 
     run_root, runs = scenario
     summary = runs[1]["summary"]  # the run that completed SFT, evaluation and the gate

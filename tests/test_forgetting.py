@@ -22,9 +22,9 @@ from tasks.core.config.load import parse_config
 from tasks.core.config.outputs import GateConfig
 from tasks.core.config.schema import EvalConfig
 from tasks.core.data.blend import BlendPlan, Source
+from tasks.core.data.dataset import TokenDataset
 from tasks.core.data.prepare import prepare
-from tasks.core.data.prepared import heldout_by_source, heldout_only_names, heldout_records
-from tasks.core.data.reader import TokenDataset
+from tasks.core.data.stage_data import heldout_by_source, heldout_only_names, heldout_records
 from tasks.core.errors import ConfigError
 from tasks.core.evaluation import heldout as ev
 from tasks.core.evaluation import verdict as gv

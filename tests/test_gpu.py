@@ -387,7 +387,7 @@ def _roundtrip_worker(model_dir: Path, out: Path, plugin: dict | None = None) ->
     import torch
     import torch.distributed as dist
 
-    from tasks.engine.engine import Engine
+    from tasks.engine.boosted import Engine
     from tasks.engine.faults import Injector
     from tasks.engine.loop import StageData
     from tasks.engine.preconditions import parse_job

@@ -22,11 +22,11 @@ import torch
 
 from tasks.core.config.load import parse_config
 from tasks.core.data.blend import BLEND_FILE, BlendError, BlendPlan, Source, check_plan, interleave
+from tasks.core.data.dataset import TokenDataset
 from tasks.core.data.index import PrepareError
 from tasks.core.data.inputs import InputError
 from tasks.core.data.order import Packs
 from tasks.core.data.prepare import prepare
-from tasks.core.data.reader import TokenDataset
 from tasks.core.data.samples import pack_cpt
 from tasks.core.errors import ConfigError
 from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
@@ -493,7 +493,7 @@ def test_preflight_names_a_missing_source_and_warns_of_a_repeated_one(tiny_model
 def test_split_record_and_card_show_the_mixture(tokdir, tmp_path):
     import yaml
 
-    from tasks.core.data.prepared import corpus_of, split_info
+    from tasks.core.data.stage_data import corpus_of, split_info
     from tasks.core.evaluation.verdict import eval_results_for_card
     from tasks.core.hub.card import model_card
 

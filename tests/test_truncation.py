@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tasks.core.data.dataset import IGNORE_INDEX, TokenDataset
 from tasks.core.data.prepare import prepare
-from tasks.core.data.reader import IGNORE_INDEX, TokenDataset
 from tasks.core.models.demo import DEFAULT_CORPUS, IM_END, build_tokenizer
 from tests.conftest import tiny_config_raw, write_config
 
@@ -122,7 +122,7 @@ def test_prepare_sft_says_what_it_dropped_in_index_run_json_log_stage_table_and_
     from flows.cpt_to_sft import main
     from tasks import ui
     from tasks.core.config.load import load_config
-    from tasks.core.data.prepared import split_info
+    from tasks.core.data.stage_data import split_info
     from tasks.core.hub.card import model_card
 
     # Prefect's console handler keeps the stderr of the test that first logged (pytest's capture,

@@ -8,7 +8,7 @@ broadcasts the answer: each collective is short, so a long wait never trips the 
 timeout. The wait is logged (how long, and why) and reported with an `@@backpressure` line the
 task shows in the UI. Nothing is dropped and nothing unpublished is deleted.
 
-Called from `Engine.save` (tasks/engine/engine.py):
+Called from `Engine.save` (tasks/engine/boosted.py):
 
     torchrun --nproc_per_node=2 -m tasks.engine train --config JOB.json   # JOB.json: "remote_run_root": true
 """

@@ -11,7 +11,7 @@ plugin allows it), each loss divided by grad_accum_steps. The logged loss is the
 micro-batch losses, averaged over data-parallel replicas, in float64.
 
 The plugin, booster, optimizer, schedule, checkpoint saving and fingerprints of a stage live in
-`tasks.engine.engine.Engine`.
+`tasks.engine.boosted.Engine`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from tasks.core.run.events import PROGRESS
 from tasks.core.run.stages import PEAK_FIELDS, STEP_SUMMARY, SUMMARY_FIELDS
 from tasks.engine import checkpoint as ckpt
 from tasks.engine import hostmem, lora
+from tasks.engine.boosted import Engine, emit, log
 from tasks.engine.builders import plugin_meta
-from tasks.engine.engine import Engine, emit, log
 from tasks.engine.faults import Injector
 from tasks.engine.metrics import HostPeak, StepMetrics, count_params
 from tasks.engine.preconditions import Job
@@ -59,8 +59,8 @@ class StageData:
 
     def __init__(self, job: Job, dp_rank: int, dp_size: int):
         from tasks.core.data.blend import check_plan
-        from tasks.core.data.prepared import blend_plan
-        from tasks.core.data.reader import TokenDataset
+        from tasks.core.data.dataset import TokenDataset
+        from tasks.core.data.stage_data import blend_plan
         from tasks.engine.sampler import LengthGroups, Packs, ResumableSampler
 
         cfg = job.stage_cfg

@@ -2,7 +2,7 @@
 
     python -c "import torch; from tasks.engine.packing import block_causal_mask; print(block_causal_mask(torch.tensor([[1, 1, 2, 2, 0]]), torch.float32)[0, 0])"
 
-A packed row (`tasks.core.data.reader.TokenDataset.batch_packed`) holds several conversations
+A packed row (`tasks.core.data.dataset.TokenDataset.batch_packed`) holds several conversations
 back to back, numbered by `segment_ids`, with position ids that restart at 0 in each. How the
 model is told where one ends depends on its attention implementation (`config._attn_implementation`):
 

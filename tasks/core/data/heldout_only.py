@@ -8,7 +8,7 @@ reads every record once, refuses a bad one or a source shorter than one `seq_len
 source's field and file:line, and writes its records into `HELDOUT_ONLY_DIR/<name>.jsonl` of the
 prepared data (`write`), beside the trained sources' held-out split and outside the blend, so the
 training shards, the index's `sources` and `blend.items` are the bytes they would be without it.
-evaluate_cpt reads them through `tasks.core.data.prepared.heldout_by_source`. Records identical to
+evaluate_cpt reads them through `tasks.core.data.stage_data.heldout_by_source`. Records identical to
 a training record are not dropped from training (unlike eval.heldout_uri): a held-out-only source
 is meant to be other text, and checking that would read every training record again.
 """

@@ -4,7 +4,7 @@ data fits a model: made with the model's tokenizer, every token id inside its vo
     python -c "from tasks.core.data.index import tokenizer_fingerprint; print(tokenizer_fingerprint('runs/demo/base-model'))"
 
 prepare.py writes `INDEX` last; reader.py (the ranks) and prepared.py (the tasks) read it. The
-check runs in the task before any launch (`tasks.core.data.prepared.check_against_model`) and in
+check runs in the task before any launch (`tasks.core.data.stage_data.check_against_model`) and in
 every rank against the model it built (`tasks.engine.loop`), with the same messages.
 """
 

@@ -4,13 +4,13 @@
 
 Every line a rank prints carries `[rank N] ` (`rank_prefix`, installed by tasks/engine/rankio.py);
 lines without one come from torchrun itself. A machine-readable event is one line
-`@@<kind> <json>` printed by rank 0 (`tasks.engine.engine.emit`); the task
+`@@<kind> <json>` printed by rank 0 (`tasks.engine.boosted.emit`); the task
 (`tasks/core/launch/torchrun.py`) turns `progress` events into progress callbacks and hands every other kind to
 its `on_event` callback.
 
 Levels are said by the writer, never guessed from words. The prefix carries them:
 `[rank N] ` is info, `[rank N|warning] ` and `[rank N|error] ` the others, and `[rank N|detail] ` is
-info for the run's log in the Prefect UI that the console leaves out (`tasks.engine.engine.log(...,
+info for the run's log in the Prefect UI that the console leaves out (`tasks.engine.boosted.log(...,
 detail=True)`: construction figures, retention, how the plugin was built). The engine writes its own
 failures at `error` (`tasks.engine.rankio.say`); whatever else a rank writes to stderr (Python
 warnings, library loggers) is `warning`, stdout `info`. Unprefixed lines (torchrun's elastic

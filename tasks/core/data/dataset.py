@@ -1,6 +1,6 @@
 """The training side of prepared data: blocks (CPT) or rows (SFT) read from memory-mapped shards.
 
-    python -m tasks.core.data.reader /tmp/prep --seq-len 256      # counts and the first item
+    python -m tasks.core.data.dataset /tmp/prep --seq-len 256      # counts and the first item
 
 Start-up reads index.json and one small offsets array per SFT file, never a token; a shard is
 memory-mapped the first time an item touches it. So start-up time and RSS depend on the number of
@@ -204,7 +204,7 @@ class TokenDataset:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m tasks.core.data.reader")
+    ap = argparse.ArgumentParser(prog="python -m tasks.core.data.dataset")
     ap.add_argument("prepared_dir")
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--split", default="train", choices=["train", "heldout"])
