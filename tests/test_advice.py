@@ -23,6 +23,7 @@ from tests.conftest import write_config
 from tests.test_preflight import HP, Case, _all, _data, _set, fake_model, no_launch  # noqa: F401 - no_launch is autouse
 
 HP2 = {**HP, "tp_size": 2}
+A2A = {"mode": "all_to_all", "size": 2}
 
 
 def _vocab(n: int) -> Callable[[Case], None]:
@@ -70,6 +71,29 @@ CASES: dict[str, tuple[str, Callable[[Case], None]]] = {
         _set("sft.plugin", {"name": "low_level_zero", "zero_stage": 2, "precision": "fp16"}),
     ),
     "_qlora_needs_cuda_and_bitsandbytes": ("sft", _set("sft.lora", {"r": 8, "quantize": True})),
+    "_sp_needs_plugin": (
+        "cpt",
+        _set("cpt.plugin", {"name": "torch_ddp", "precision": "fp32", "sequence_parallelism": A2A}),
+    ),
+    "_sp_mode_refused": ("cpt", _set("cpt.plugin", {**HP2, "sequence_parallelism": {"mode": "ring"}})),
+    "_sp_in_cpt_only": ("sft", _set("sft.plugin", {**HP2, "sequence_parallelism": {"mode": "split_gather"}})),
+    "_sp_inside_tp": ("cpt", _set("cpt.plugin", {**HP, "sequence_parallelism": {"mode": "split_gather"}})),
+    "_sp_own_group_size": ("cpt", _set("cpt.plugin", {**HP2, "sequence_parallelism": A2A})),
+    "_sp_divides_seq_len": (
+        "cpt",
+        _all(_set("cpt.plugin", {**HP, "sequence_parallelism": A2A}), _set("cpt.seq_len", 63)),
+    ),
+    "_sp_divides_heads": (  # the tiny model's 2 KV heads
+        "cpt",
+        _all(
+            _set("cpt.plugin", {**HP, "sequence_parallelism": {"mode": "all_to_all", "size": 4}}),
+            _set("cpt.launch", {"nproc_per_node": 4}),
+        ),
+    ),
+    "_sp_mode_needs_cuda": (
+        "cpt",
+        _set("cpt.plugin", {**HP, "sequence_parallelism": {"mode": "ring_attn", "size": 2}}),
+    ),
 }
 # Rules whose fix is not a config value (a host:port, another section): said in words.
 IN_WORDS = {

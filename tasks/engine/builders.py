@@ -35,7 +35,9 @@ from tasks.core.config.kernels import Facts, KernelState, passed, resolve
 from tasks.core.config.layout import ParallelLayout, layout_problems, num_microbatches
 from tasks.core.config.plugins import LOSS_SCALE, PRECISION_SPECS, spec_of
 from tasks.core.config.schema import PluginConfig, StageConfig
+from tasks.core.config.sequence import SP_MODES
 from tasks.core.errors import ConfigError
+from tasks.core.models.families import sp_family_problem
 from tasks.engine import lean_save, solo_ddp
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "offload_kwargs",
     "plugin_kwargs",
     "plugin_meta",
+    "sequence_kwargs",
     "stage_kernels",
     "uses_autocast",
 ]
@@ -76,6 +79,7 @@ def check_model(stage_cfg: StageConfig, model_config: dict[str, Any], stage: str
     """The layout rules that need the model (tp divides heads and the vocabulary, pp <= layers),
     against the model actually built: the same rules pre-flight ran on config.json."""
     problems = layout_problems(stage_cfg, stage, model_config=model_config, tiers=("model",))
+    problems += [p for p in (sp_family_problem(model_config, stage_cfg, stage),) if p]
     if problems:
         raise ConfigError(problems, header=f"stage {stage} cannot shard this model")
 
@@ -109,6 +113,7 @@ def _hybrid_parallel(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLa
         # which the layout rules refuse up front.
         make_vocab_size_divisible_by=1,
         **loss_scale_kwargs(p),
+        **sequence_kwargs(p),
     )
     if p.pp_size > 1:
         kwargs.update(num_microbatches=layout.num_microbatches, pp_style="1f1b")
@@ -122,6 +127,26 @@ def _hybrid_parallel(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLa
 
             kwargs["gradient_checkpoint_config"] = PipelineGradientCheckpointConfig(gradient_checkpointing_ratio=1.0)
     return kwargs
+
+
+def sequence_kwargs(p: PluginConfig) -> dict[str, Any]:
+    """HybridParallelPlugin's sequence-parallel arguments from the SP_MODES row: sp_size 1 for a mode that
+    splits over the tp group (the plugin warns when it is given another and uses tp_size).
+
+    Shardformer's sequence-parallel attention without flash attention adds the mask it is handed and nothing
+    else, and transformers' sdpa model hands it None (causality left to sdpa's is_causal): attention would see
+    the future. With enable_flash_attention it goes through ColoAttention's causal path instead (on CUDA
+    flash-attn or torch SDPA; on CPU torch SDPA through tasks/engine/cpu_compat.py)."""
+    sp = p.sequence_parallelism
+    if sp is None:
+        return {}
+    spec = SP_MODES[sp.mode]
+    return dict(
+        enable_sequence_parallelism=True,
+        sequence_parallelism_mode=sp.mode,
+        sp_size=1 if spec.shares_tp else spec.size(sp.size, p.tp_size),
+        enable_flash_attention=True,
+    )
 
 
 def _low_level_zero(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
@@ -270,11 +295,13 @@ class Layout:
     tp_rank: int
     is_last_stage: bool
     tp_group: Any = None
+    sp_rank: int = 0  # in a sequence group of its own (all_to_all, ring_attn); 0 otherwise
 
     @property
     def holds_loss(self) -> bool:
-        # One loss per data-parallel replica: the last pipeline stage, tensor-parallel rank 0.
-        return self.is_last_stage and self.tp_rank == 0
+        # One loss per data-parallel replica: the last pipeline stage, tensor- and sequence-parallel rank 0
+        # (every rank of a sequence group computes the same loss, reduced over the group).
+        return self.is_last_stage and self.tp_rank == 0 and self.sp_rank == 0
 
 
 def layout_of(plugin, plugin_cfg: PluginConfig) -> Layout:
@@ -283,14 +310,19 @@ def layout_of(plugin, plugin_cfg: PluginConfig) -> Layout:
     world, rank = dist.get_world_size(), dist.get_rank()
     if spec_of(plugin_cfg.name).supports_tp_pp:
         sm = plugin.stage_manager
+        # Under a sequence group of its own the plugin's dp_size counts dp x sp (its gradients' group); the
+        # data's replicas are the dp group alone: every rank of one sequence group reads the same rows.
+        sp = plugin_cfg.sequence_parallelism
+        own_sp = sp is not None and not SP_MODES[sp.mode].shares_tp
         return Layout(
             world_size=world,
             rank=rank,
-            dp_size=plugin.dp_size,
+            dp_size=dist.get_world_size(plugin.dp_group),
             dp_rank=dist.get_rank(plugin.dp_group),
             tp_rank=dist.get_rank(plugin.tp_group),
             is_last_stage=sm is None or sm.is_last_stage(),
             tp_group=plugin.tp_group if plugin.tp_size > 1 else None,
+            sp_rank=dist.get_rank(plugin.sp_group) if own_sp else 0,
         )
     return Layout(world_size=world, rank=rank, dp_size=world, dp_rank=rank, tp_rank=0, is_last_stage=True)
 

@@ -31,6 +31,12 @@ What ColossalAI does on CPU without them (measured on colossalai 0.5.0, torch 2.
 - `LowLevelZeroOptimizer._sanity_checks` asserts the accelerator is cuda or npu. The rest of the
   check (every parameter has the working dtype) still matters, so the replacement keeps it and
   drops only the device assertion.
+- `ColoAttention` (shardformer's attention, which sequence parallelism always goes through: see
+  `tasks.engine.builders.sequence_kwargs`) dispatches to kernel loaders whose every extension needs
+  CUDA or an NPU ("No usable kernel found"). On CPU it gets torch's scaled_dot_product_attention, as
+  ColossalAI's own `FlashAttentionSdpaCudaExtension` calls it on CUDA; a causal mask without padding
+  becomes `is_causal=True` with no mask tensor, which is what transformers' sdpa attention runs for the
+  same model without sequence parallelism.
 """
 
 from __future__ import annotations
@@ -93,6 +99,19 @@ def _zero_sanity_checks(self):
                 )
 
 
+def _cpu_attention(
+    q, k, v, dropout_p=0.0, scale=None, attention_mask=None, is_causal=False, cu_seqlens_q=None, **padding
+):
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if is_causal and cu_seqlens_q is None:
+        return sdpa(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+    return sdpa(q, k, v, attn_mask=attention_mask, dropout_p=dropout_p, scale=scale)
+
+
+def _dispatch_attention(dtype, mask_type, size):
+    return _cpu_attention
+
+
 _ACCELERATOR_PATCHES = {
     "synchronize": _synchronize,
     "empty_cache": _empty_cache,
@@ -123,6 +142,13 @@ def apply() -> list[str]:
         setattr(_is_hccl_available, _MARK, True)
         torch.distributed.is_hccl_available = _is_hccl_available
         done.append("torch.distributed.is_hccl_available")
+
+    from colossalai.shardformer.layer.attn import ColoAttention
+
+    if not getattr(ColoAttention._dispatch_kernel, _MARK, False):
+        setattr(_dispatch_attention, _MARK, True)
+        ColoAttention._dispatch_kernel = staticmethod(_dispatch_attention)
+        done.append("ColoAttention._dispatch_kernel")
 
     if not getattr(LowLevelZeroOptimizer._sanity_checks, _MARK, False):
         setattr(_zero_sanity_checks, _MARK, True)

@@ -83,7 +83,7 @@ def collect(eng) -> list[Local]:
     order = [id(m2w.get(id(q), q)) for g in inner.param_groups for q in g["params"]]
     tp_size = getattr(eng.plugin, "tp_size", 1) if eng.spec.supports_tp_pp else 1
     tp_rank = dist.get_rank(eng.plugin.tp_group) if tp_size > 1 else 0
-    replica = eng.layout.dp_rank
+    replica = eng.layout.dp_rank + eng.layout.sp_rank  # 0: the first copy of a replicated piece
     out: list[Local] = []
     for pos, wid in enumerate(order):
         name = names.get(wid)

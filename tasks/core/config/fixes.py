@@ -122,5 +122,10 @@ def _completed(
     if depth == 0:
         return
     for extra in new[0].fixes:
-        if not set(extra) & set(fix):
+        if not any(_overlap(a, b) for a in extra for b in fix):
             yield from _completed(section, {**fix, **extra}, refused, known, broken, depth - 1)
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Two dotted keys that set the same value, or one inside the other (`plugin.x` and `plugin.x.mode`)."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")

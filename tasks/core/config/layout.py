@@ -4,15 +4,12 @@
 c = load_config('deployments/configs/tiny-cpu.yaml'); print(ParallelLayout.of(c.cpt, 'cpt'))"
 
 torchtitan's `ParallelDims` is the model: a frozen value built from the config validates every layout rule and
-derives the data-parallel degree. Each rule below is one function that names the config field it concerns and the fix;
-its tier decides who can check it:
-
-- `static`: the config alone. Run where a config is loaded (`tasks.core.config.load`), and by pre-flight.
-- `batch`: the config alone, checked by pre-flight and the engine only (a pipeline step splits its rows evenly).
-- `model`: needs the base model's config.json (heads, KV heads, vocabulary, layers).
-- `device`: needs to know whether CUDA is present (pre-flight passes the machine, the engine asks torch).
-
-Plugin capabilities come from the registry (`tasks.core.config.plugins`), never from a plugin's name.
+derives the data-parallel degree. Each rule names the config field it concerns and the fix; its tier says who
+checks it: `static` (the config alone: the loader and pre-flight), `batch` (the config alone, pre-flight and the
+engine: a pipeline step splits its rows evenly), `model` (the base's config.json: heads, KV heads, vocabulary,
+layers), `device` (whether CUDA is present). Plugin capabilities come from the registry
+(`tasks.core.config.plugins`), never from a plugin's name; sequence parallelism's rules are
+`tasks.core.config.sequence_rules`.
 """
 
 from __future__ import annotations
@@ -28,9 +25,10 @@ from tasks.core.config.batching import BATCHING
 from tasks.core.config.fixes import Refusal, shown, working_fixes
 from tasks.core.config.plugins import OFFLOAD_FIELDS, PLUGINS, PRECISION_SPECS, PluginSpec
 from tasks.core.config.schema import PluginConfig, StageConfig
+from tasks.core.config.sequence import sp_factor, sp_size
+from tasks.core.config.sequence_rules import SP_RULES, Problem
 from tasks.core.errors import ConfigError
 
-Problem = tuple[str, str]
 TIERS = ("static", "batch", "model", "device")
 
 
@@ -57,9 +55,9 @@ def num_microbatches(stage: StageConfig) -> int:
 
 def global_batch(stage: StageConfig) -> int:
     """Sequences (SFT packed: rows) per optimizer step over every data-parallel rank, as the engine's
-    StageData takes them: micro_batch_size x grad_accum_steps x dp, dp = world size / (tp x pp)."""
-    p = stage.plugin
-    return stage.micro_batch_size * stage.grad_accum_steps * max(1, stage.launch.world_size // (p.tp_size * p.pp_size))
+    StageData takes them: micro_batch_size x grad_accum_steps x dp, dp = world / (tp x pp x own sequence group)."""
+    dp = stage.launch.world_size // (stage.plugin.tp_size * stage.plugin.pp_size * sp_factor(stage.plugin))
+    return stage.micro_batch_size * stage.grad_accum_steps * max(1, dp)
 
 
 def is_zero(spec: PluginSpec, zero_stage: int) -> bool:
@@ -504,6 +502,7 @@ RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
     ("device", _cuda_only_plugin),
     ("device", _cuda_only_precision),
     ("device", _qlora_needs_cuda_and_bitsandbytes),
+    *SP_RULES,
 )
 
 
@@ -515,12 +514,9 @@ def layout_problems(
     cuda: bool | None = None,
     tiers: tuple[str, ...] = TIERS,
 ) -> list[Problem]:
-    """Every broken rule of the chosen tiers, as (config field, message with the fixes that work).
-
-    `model` rules need `model_config`, `device` rules need `cuda`; without them they are skipped.
-    Each `Refusal` keeps its fixes (`.fixes`, overrides of the stage section) that pass every rule
-    of these tiers, so the message offers only what runs.
-    """
+    """Every broken rule of the chosen tiers, as (config field, message with the fixes that work). `model` rules need
+    `model_config`, `device` rules `cuda` (else skipped); each `Refusal` keeps the fixes (`.fixes`, overrides of the
+    stage section) that pass every rule of these tiers, so the message offers only what runs."""
     found = _broken(stage, where, model_config, cuda, tiers)
     if not found:
         return found
@@ -556,7 +552,7 @@ def _broken(
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """A validated layout: tp x pp x dp = world size, under one plugin."""
+    """A validated layout: tp x pp x dp (x sp, a sequence group of its own) = world size, under one plugin."""
 
     plugin: str
     tp: int
@@ -566,6 +562,8 @@ class ParallelLayout:
     zero_stage: int  # the stage the plugin really runs
     precision: str
     num_microbatches: int
+    sp: int = 1  # ranks one sequence is split over (under split_gather/ring: the tp group); sp_mode its mode
+    sp_mode: str | None = None
 
     @property
     def spec(self) -> PluginSpec:
@@ -592,9 +590,11 @@ class ParallelLayout:
             plugin=p.name,
             tp=p.tp_size,
             pp=p.pp_size,
-            dp=world // (p.tp_size * p.pp_size),
+            dp=world // (p.tp_size * p.pp_size * sp_factor(p)),
             world_size=world,
             zero_stage=spec.zero_stage(p.zero_stage),
             precision=p.precision,
             num_microbatches=num_microbatches(stage),
+            sp=sp_size(p),
+            sp_mode=getattr(p.sequence_parallelism, "mode", None),
         )

@@ -168,6 +168,7 @@ class PluginSpec:
     name: str
     summary: str  # one line for the config field description and error messages
     supports_tp_pp: bool = False  # tensor/pipeline parallel (and a stage manager, tp/dp groups)
+    sequence_parallel: bool = False  # takes plugin.sequence_parallelism (tasks/core/config/sequence.py)
     zero_stages: tuple[int, ...] = (0,)  # accepted values of plugin.zero_stage
     implicit_zero: int | None = None  # ZeRO stage the plugin always runs (gemini: 3), whatever zero_stage says
     zero_hint: str = ""  # how to pick a valid zero_stage, for the message
@@ -254,6 +255,7 @@ register(
         name="hybrid_parallel",
         summary="tensor/pipeline parallel with optional ZeRO-1",
         supports_tp_pp=True,
+        sequence_parallel=True,
         zero_stages=(0, 1),
         zero_hint="hybrid_parallel supports zero_stage 0 or 1 here; use low_level_zero for stage 2 or gemini for "
         "stage 3",

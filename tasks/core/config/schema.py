@@ -27,6 +27,7 @@ from tasks.core.config.kernels import summaries as kernel_summaries
 from tasks.core.config.kernels import unknown as unknown_kernels
 from tasks.core.config.outputs import ExportConfig, GateConfig, HubConfig
 from tasks.core.config.plugins import PLUGINS, Precision
+from tasks.core.config.sequence import SequenceParallelConfig
 from tasks.core.config.slurm import SlurmConfig
 from tasks.core.config.tracking import TrackingConfig
 
@@ -150,6 +151,10 @@ class PluginConfig(Frozen):
     )
     max_norm: float = Field(
         default=1.0, ge=0, description="Gradient clipping norm applied by the plugin's optimizer (0 disables)."
+    )
+    sequence_parallelism: SequenceParallelConfig | None = Field(
+        default=None,
+        description="Split each sequence over a group of ranks (hybrid_parallel; docs/scaling.md, long context).",
     )
 
 

@@ -97,6 +97,10 @@ class ModelFamily:
     # what one decoder layer keeps for its backward, and the final norm (memory estimate)
     layer_activations: tuple[ActivationTerm, ...] = LLAMA_LAYER_ACTIVATIONS
     final_activations: tuple[ActivationTerm, ...] = FINAL_NORM_ACTIVATIONS
+    # The sequence-parallel modes (tasks/core/config/sequence.py SP_MODES) ColossalAI 0.5.0's shardformer
+    # policy for this family runs, and why the others do not (`sp_family_problem` names it)
+    sp_modes: tuple[str, ...] = ()
+    sp_note: str = ""
 
 
 def _head_dim(c: Mapping[str, Any]) -> int:
@@ -180,16 +184,21 @@ FAMILIES: dict[str, ModelFamily] = {
         _HEAD, _attn("attention_bias", "attention_bias") + _mlp("mlp_bias") + _NORMS, _TAIL,
         config_defaults={"tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False},
         config_class="LlamaConfig", model_class="LlamaForCausalLM",
+        sp_modes=("split_gather", "ring", "all_to_all", "ring_attn"),
     ),
     "mistral": ModelFamily(
         _HEAD, _attn(None, None) + _mlp(None) + _NORMS, _TAIL,
         config_defaults={"tie_word_embeddings": False},
         config_class="MistralConfig", model_class="MistralForCausalLM",
+        sp_note="ColossalAI 0.5.0's Mistral policy switches sequence parallelism off with a warning and trains "
+        "without it",
     ),
     "qwen2": ModelFamily(
         _HEAD, _attn("always", None) + _mlp(None) + _NORMS, _TAIL,
         config_defaults={"tie_word_embeddings": False},
         config_class="Qwen2Config", model_class="Qwen2ForCausalLM",
+        sp_modes=("split_gather", "ring", "all_to_all"),
+        sp_note="ColossalAI 0.5.0's Qwen2 attention forward asserts a mode other than ring_attn",
         # no sliding-window layers: the tiny demo model attends over its whole context
         demo_config={"use_sliding_window": False, "max_window_layers": 0},
     ),
@@ -197,6 +206,7 @@ FAMILIES: dict[str, ModelFamily] = {
         _HEAD, _attn("attention_bias", "attention_bias", qk_norm=True) + _mlp(None) + _NORMS, _TAIL,
         config_defaults={"tie_word_embeddings": False, "attention_bias": False, "head_dim": 128},
         config_class="Qwen3Config", model_class="Qwen3ForCausalLM",
+        sp_note="ColossalAI 0.5.0 has no Qwen3 shardformer policy",
         layer_activations=LLAMA_LAYER_ACTIVATIONS + QK_NORM_ACTIVATIONS,
     ),
 }  # fmt: skip
@@ -302,3 +312,21 @@ def lora_trainable(lora: Any, key: str, shape: tuple[int, ...], layer: int | Non
     if "all-linear" in lora.target_modules:
         targeted = layer is not None and len(shape) == 2 and key.endswith(".weight")
     return lora.r * (shape[0] + shape[1]) if targeted and len(shape) == 2 else 0
+
+
+def sp_family_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: str) -> tuple[str, str] | None:
+    """(field, message) when the stage's sequence-parallel mode is not one its model family's policy runs."""
+    sp = getattr(stage_cfg.plugin, "sequence_parallelism", None)
+    family = FAMILIES.get(str(model_config.get("model_type")))
+    if sp is None or family is None or sp.mode in family.sp_modes:
+        return None
+    from tasks.core.config.sequence import SP_MODES
+
+    usable = [m for m in family.sp_modes if m in SP_MODES and not SP_MODES[m].refused]
+    these = f"modes {', '.join(usable)} run" if usable else "no mode runs"
+    why = (
+        f"sequence-parallel mode {sp.mode} does not run on a {model_config.get('model_type')} model "
+        f"({family.sp_note or 'its shardformer policy lacks it'}); for this family {these} "
+        f"(or set {where}.plugin.sequence_parallelism: null)"
+    )
+    return f"{where}.plugin.sequence_parallelism.mode", why

@@ -133,6 +133,10 @@ def _stage_layout(ctx: CheckContext, name: str, stage: StageConfig) -> None:
         )
     for where, msg in layout_problems(stage, name, model_config=mc, tiers=("batch", "model")):
         ctx.problem(where, msg)
+    from tasks.core.models.families import sp_family_problem
+
+    if mc is not None and (sp := sp_family_problem(mc, stage, name)):
+        ctx.problem(*sp)
     world = launch.world_size
     if world % (p.tp_size * p.pp_size) == 0 and not any(
         where.startswith(f"{name}.") for where, _ in ctx.report.problems
