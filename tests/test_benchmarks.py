@@ -107,6 +107,16 @@ def test_activation_checkpointing_smoke():
 
 
 @pytest.mark.distributed
+def test_long_context_smoke():
+    """Every CPU layout in one launch on the demo's tiny model: the table, each layout's row and trials, the command."""
+    out = smoke([PY, "benchmarks/long_context.py", "--smoke"])
+    assert "longest seq_len | vs dp2" in out, out
+    for layout in ("dp2", "tp2", "split_gather", "all_to_all"):
+        assert f"  {layout}: 256: " in out, out
+    assert "command: python benchmarks/long_context.py --smoke" in out, out
+
+
+@pytest.mark.distributed
 def test_data_smoke():
     out = smoke([PY, "benchmarks/data.py", "--smoke"])
     assert "prep 1w MB/s | prep 2w MB/s | 2w/1w (>=1.6)" in out and "resume/start (<=1.1)" in out, out

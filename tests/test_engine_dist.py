@@ -3,12 +3,15 @@
     pytest -m distributed tests/test_engine_dist.py -s
 
 Every launch costs ~8-13 s of imports on 2 cores, so launches are shared through module-scoped
-fixtures (13 in all):
+fixtures (16 in all):
 
 - hybrid_parallel tp=2 fp32, CPT on a 70/30 mixture of two sources (the blended stream of the 6
   steps): shard, train 6 steps uninterrupted, then the same 6 steps killed (SIGKILL of rank 1)
   after the checkpoint at step 3, mid-blend, and resumed -> per-step losses and final weights
   bitwise equal; checkpoint layout, manifests, retention, fingerprints.
+- the tp=2 stage under sequence parallelism from the same step-000000: split_gather (tp=2) and
+  all_to_all (sp=2, tp=1) train the 6 steps -> losses and weights equal the tp=2 run's within fp32
+  tolerance; the all_to_all stage then trains steps 4-6 again from its step-3 checkpoint -> bitwise.
 - hybrid_parallel pp=2 fp32, CPT: shard; train killed in the middle of the save of step 6
   (before the optimizer files) -> the next attempt discards the torn save and resumes from step 3.
 - low_level_zero stage 2 bf16, SFT (grad_accum 2): reboost from an HF dir made of the tp=2
@@ -135,10 +138,11 @@ def tp2(work, tiny_model_dir):
         work, "tp2", "cpt", TP2, tiny_model_dir, tiny_model_dir, stage_dir, keep_last=1, data=mix
     )
     shard = _engine("tp2 shard", "shard", shard_job)
-    # The interrupted twin starts from a copy of the same step-000000.
+    # The interrupted twin and the sequence-parallel runs start from copies of the same step-000000.
+    for twin in ("tp2-kill", "sp-split-gather", "sp-all-to-all"):
+        (work / twin / "cpt").mkdir(parents=True)
+        shutil.copytree(stage_dir / "step-000000", work / twin / "cpt" / "step-000000")
     kill_dir = work / "tp2-kill" / "cpt"
-    kill_dir.mkdir(parents=True)
-    shutil.copytree(stage_dir / "step-000000", kill_dir / "step-000000")
     train = _engine("tp2 train (6 steps)", "train", train_job, env=_dump(work, "tp2"))
     _, kill_job = _jobs(work, "tp2-kill", "cpt", TP2, tiny_model_dir, tiny_model_dir, kill_dir, keep_last=1, data=mix)
     killed = _engine(
@@ -149,6 +153,30 @@ def tp2(work, tiny_model_dir):
     return dict(
         dir=stage_dir, kill_dir=kill_dir, shard=shard, train=train, killed=killed, resumed=resumed, data_dir=data_dir
     )
+
+
+# The tp=2 stage under sequence parallelism, from the same step-000000, on the same blended data (global
+# batch 2, dp 1 in every layout): split_gather inside tp=2, all_to_all as a group of its own at tp=1 (the
+# checkpoint re-sharded), the latter resumed from its step-3 checkpoint.
+SG = {**TP2, "sequence_parallelism": {"mode": "split_gather"}}
+A2A = {"name": "hybrid_parallel", "precision": "fp32", "sequence_parallelism": {"mode": "all_to_all", "size": 2}}
+
+
+@pytest.fixture(scope="module")
+def sp(work, tiny_model_dir, tp2):
+    mix, out = _mixture(work), {}
+    for name, plugin in (("sp-split-gather", SG), ("sp-all-to-all", A2A)):
+        stage_dir = work / name / "cpt"
+        _, train_job = _jobs(
+            work, name, "cpt", plugin, tiny_model_dir, tiny_model_dir, stage_dir, keep_last=2, data=mix
+        )
+        out[name] = dict(dir=stage_dir, train=_engine(f"{name} train", "train", train_job), job=train_job)
+    # Resume mid-stage: the uninterrupted step-000006 moved aside, the stage trains steps 4-6 again from step 3.
+    a2a = out["sp-all-to-all"]
+    shutil.move(a2a["dir"] / "step-000006", work / "sp-all-to-all-step-000006")
+    a2a["resumed"] = _engine("sp-all-to-all resume", "train", a2a["job"])
+    a2a["uninterrupted"] = work / "sp-all-to-all-step-000006"
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -382,6 +410,35 @@ def test_tp2_resume_after_kill_is_bitwise(tp2):
         "positions"
     ] == 12
     assert ref["sampler"] == {"epoch": 1, "offset": 0, "seed": 1234} and ref["tokens_seen"] == 12 * 32
+
+
+@pytest.mark.parametrize("name", ["sp-split-gather", "sp-all-to-all"])
+def test_sequence_parallel_trains_as_tp2_without_it(sp, tp2, name):
+    """Each CPU-capable mode equals the same stage without sequence parallelism: every step's loss and the
+    weights after 6 steps (measured: split_gather bitwise; all_to_all, whose attention sees its heads in
+    another order of sums, within 1e-6 of the losses and 1e-4 of the weights)."""
+    run = sp[name]
+    steps = [p["step"] for p in run["train"].progress]
+    assert steps == [1, 2, 3, 4, 5, 6], run["train"].output[-3000:]
+    ref, got = train_state(tp2["dir"] / "step-000006"), train_state(run["dir"] / "step-000006")
+    assert got["tokens_seen"] == ref["tokens_seen"] and got["sampler"] == ref["sampler"]
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6)
+    a, b = read_model_dir(tp2["dir"] / "step-000006" / "model"), read_model_dir(run["dir"] / "step-000006" / "model")
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-3, worst
+    m = json.loads((run["dir"] / "step-000006" / MANIFEST).read_text())
+    assert m["meta"]["dp_size"] == 1  # every rank of the sequence group read the same rows
+
+
+def test_sequence_parallel_resume_is_bitwise(sp):
+    a2a = sp["sp-all-to-all"]
+    assert "resuming cpt from step-000003" in a2a["resumed"].output
+    assert [p["step"] for p in a2a["resumed"].progress] == [4, 5, 6]
+    ref, got = train_state(a2a["uninterrupted"]), train_state(a2a["dir"] / "step-000006")
+    assert got["losses"] == ref["losses"] and got["sampler"] == ref["sampler"]
+    a, b = read_model_dir(a2a["uninterrupted"] / "model"), read_model_dir(a2a["dir"] / "step-000006" / "model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_pp2_kill_during_save_resumes_from_last_complete(pp2):

@@ -35,7 +35,7 @@ from tasks.core.config.kernels import Facts, KernelState, passed, resolve
 from tasks.core.config.layout import ParallelLayout, layout_problems, num_microbatches
 from tasks.core.config.plugins import LOSS_SCALE, PRECISION_SPECS, spec_of
 from tasks.core.config.schema import PluginConfig, StageConfig
-from tasks.core.config.sequence import SP_MODES
+from tasks.core.config.sequence import SP_MODES, sp_size
 from tasks.core.errors import ConfigError
 from tasks.core.models.families import sp_family_problem
 from tasks.engine import lean_save, solo_ddp
@@ -370,6 +370,8 @@ def plugin_meta(plugin_cfg: PluginConfig, stage_cfg: StageConfig) -> dict[str, A
     }
     if p.pp_size > 1:
         meta["num_microbatches"] = num_microbatches(stage_cfg)
+    if p.sequence_parallelism is not None:
+        meta["sp"] = {"mode": p.sequence_parallelism.mode, "size": sp_size(p)}
     spec = spec_of(p.name)
     for extra in (*spec.extra_meta, *(o.field for o in spec.offload)):
         meta[extra] = getattr(p, extra)

@@ -36,7 +36,9 @@ What ColossalAI does on CPU without them (measured on colossalai 0.5.0, torch 2.
   CUDA or an NPU ("No usable kernel found"). On CPU it gets torch's scaled_dot_product_attention, as
   ColossalAI's own `FlashAttentionSdpaCudaExtension` calls it on CUDA; a causal mask without padding
   becomes `is_causal=True` with no mask tensor, which is what transformers' sdpa attention runs for the
-  same model without sequence parallelism.
+  same model without sequence parallelism. `ColoAttention.prepare_attn_kwargs` would also build that causal
+  mask as a seq_len x seq_len tensor for every forward (below its 10 GB bound), which the causal kernel never
+  reads: an unpadded causal batch gets the empty mask ColossalAI itself passes above that bound.
 """
 
 from __future__ import annotations
@@ -112,6 +114,19 @@ def _dispatch_attention(dtype, mask_type, size):
     return _cpu_attention
 
 
+_PREPARE_ATTN_KWARGS: list = []  # ColossalAI's own, kept by apply()
+
+
+def _prepare_attn_kwargs(shape_4d, dtype, device, q_padding_mask=None, kv_padding_mask=None, is_causal=False, **kw):
+    from colossalai.shardformer.layer.attn import AttnMaskType
+
+    unpadded = all(m is None or bool(m.bool().all()) for m in (q_padding_mask, kv_padding_mask))
+    if is_causal and unpadded:
+        empty = torch.empty((0,), dtype=dtype, device=device)
+        return {"attention_mask_type": AttnMaskType.CAUSAL, "attention_mask": empty}
+    return _PREPARE_ATTN_KWARGS[0](shape_4d, dtype, device, q_padding_mask, kv_padding_mask, is_causal, **kw)
+
+
 _ACCELERATOR_PATCHES = {
     "synchronize": _synchronize,
     "empty_cache": _empty_cache,
@@ -149,6 +164,11 @@ def apply() -> list[str]:
         setattr(_dispatch_attention, _MARK, True)
         ColoAttention._dispatch_kernel = staticmethod(_dispatch_attention)
         done.append("ColoAttention._dispatch_kernel")
+    if not getattr(ColoAttention.prepare_attn_kwargs, _MARK, False):
+        setattr(_prepare_attn_kwargs, _MARK, True)
+        _PREPARE_ATTN_KWARGS.append(ColoAttention.prepare_attn_kwargs)
+        ColoAttention.prepare_attn_kwargs = staticmethod(_prepare_attn_kwargs)
+        done.append("ColoAttention.prepare_attn_kwargs")
 
     if not getattr(LowLevelZeroOptimizer._sanity_checks, _MARK, False):
         setattr(_zero_sanity_checks, _MARK, True)

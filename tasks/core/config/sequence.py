@@ -9,7 +9,9 @@ from its source and its shardformer policies (`shardformer/policies/llama.py`, `
 
 - `split_gather` and `ring` run inside tensor parallelism: the plugin uses the tp group as the sequence
   group (sp = tp, the world factors as dp x pp x tp) and asserts tp_size > 1; a given sp_size is ignored
-  with a warning. The activations between the tensor-parallel regions (norms, residuals) are split too.
+  with a warning. The activations between the tensor-parallel regions (norms, residuals) are split, but
+  in 0.5.0 each column-parallel linear keeps its gathered input for the backward, which costs more than that
+  saves: measured, split_gather trains no longer a context than tp alone (benchmarks/long_context.py).
   `ring` is registered but refused: its weight gradients are wrong in 0.5.0 (the row's `refused`).
 - `all_to_all` (DeepSpeed-Ulysses) is its own group (world = dp x pp x tp x sp): each rank holds
   seq_len / sp tokens, and attention swaps that for all tokens of heads / sp heads, so the attention and
@@ -51,6 +53,9 @@ class SpModeSpec:
     # What of a decoder layer's activations the group splits (the memory estimate): "outside_tp"
     # (the hidden-wide tensors tp leaves whole) or "sequence" (every per-token tensor).
     splits: Literal["outside_tp", "sequence"] = "sequence"
+    # Column-parallel linears per decoder layer that keep their gathered, whole-sequence input for the backward
+    # (the estimate adds them: what split_gather saves on the norms it spends here).
+    gathered_inputs: int = 0
     # Non-empty: why this mode is refused wherever it runs (a measured defect of the library).
     refused: str = ""
 
@@ -77,6 +82,10 @@ register(
         "Megatron-style: inside tensor parallelism (size = tp_size), the sequence split between the tp regions",
         shares_tp=True,
         splits="outside_tp",
+        # ColossalAI 0.5.0's _LinearWithGatherForwardReduceScatterBackward keeps ctx.gathered_input: q, k, v,
+        # gate and up each hold the whole sequence's input (measured on CPU, tp=2, 4k tokens: 263 MiB of
+        # training memory a rank against 252 without it)
+        gathered_inputs=5,
     )
 )
 register(

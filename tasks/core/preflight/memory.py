@@ -10,7 +10,8 @@ What is counted, per rank (pure arithmetic: no torch, nothing loaded):
   `distribute_layers`), the embedding on the first stage, the final norm and LM head on the last;
 - what the plugin keeps per parameter (`PluginSpec.holds`: weights, gradients, DDP buckets, fp32
   masters, Adam moments, each over dp where ZeRO shards it, each with its lifetime);
-- the activations of one micro-batch (micro_batch_size x seq_len tokens; a pipeline stage holds
+- the activations of one micro-batch (micro_batch_size x seq_len tokens, split by sequence parallelism
+  per its mode, `sequence_split`; a pipeline stage holds
   pp - stage micro-batches under 1F1B): each decoder layer what its family's `layer_activations`
   say (with `activation_checkpointing` only the layer's input, plus the layer being recomputed),
   one layer's gradients in flight, the final norm, the LM head's logits and the loss (12 fp32 bytes
@@ -46,6 +47,7 @@ from typing import Any
 from tasks.core.config.layout import ParallelLayout, is_zero, layout_problems, num_microbatches
 from tasks.core.config.plugins import PLUGINS, Held, PluginSpec
 from tasks.core.config.schema import StageConfig
+from tasks.core.config.sequence import SP_MODES, sp_size
 from tasks.core.errors import ConfigError, ConversionError
 from tasks.core.evaluation.placement import (
     CUDA_RESERVE_BYTES,
@@ -139,16 +141,34 @@ def _stage_layers(layers: int, pp: int) -> list[int]:
     return out
 
 
-def _width(term: ActivationTerm, dims: dict[str, int], tp: int, compute: int) -> float:
-    width = dims[term.dim] / tp if term.dim in TP_SPLIT_DIMS else dims[term.dim]
+def _width(term: ActivationTerm, dims: dict[str, int], tp: int, compute: int, outside: int = 1) -> float:
+    width = dims[term.dim] / (tp if term.dim in TP_SPLIT_DIMS else outside)
     return term.count * width * (4 if term.fp32 else compute)
 
 
-def layer_activation_bytes(model_config: dict[str, Any], compute_bytes: int, tp: int = 1) -> float:
-    """Bytes per token one decoder layer keeps for its backward (family's `layer_activations`)."""
+def layer_activation_bytes(
+    model_config: dict[str, Any], compute_bytes: int, tp: int = 1, outside: int = 1, gathered: int = 0
+) -> float:
+    """Bytes per token one decoder layer keeps for its backward (family's `layer_activations`); `outside`
+    divides the tensors tp leaves whole (split_gather's sequence split between the tp regions), `gathered`
+    linears each keep a whole-sequence copy of their hidden-wide input (split_gather, `SpModeSpec`)."""
     family, _ = family_config(model_config)
     dims = model_dims(model_config)
-    return sum(_width(t, dims, tp, compute_bytes) for t in family.layer_activations)
+    acts = sum(_width(t, dims, tp, compute_bytes, outside) for t in family.layer_activations)
+    return acts + gathered * dims["hidden"] * compute_bytes
+
+
+def sequence_split(stage_cfg: StageConfig) -> tuple[int, int, int]:
+    """(outside, seq, gathered): what a stage's sequence parallelism divides a rank's activations by, per its
+    SP_MODES row: the hidden-wide tensors tp leaves whole (split_gather: by tp, its linears' gathered inputs
+    added back), or every per-token tensor (all_to_all, ring_attn: each rank holds seq_len / size tokens, the
+    logits and the loss included)."""
+    p = stage_cfg.plugin
+    sp = getattr(p, "sequence_parallelism", None)
+    if sp is None or not PLUGINS[p.name].sequence_parallel:
+        return 1, 1, 0
+    n, spec = sp_size(p), SP_MODES[sp.mode]
+    return (n, 1, spec.gathered_inputs) if spec.splits == "outside_tp" else (1, n, spec.gathered_inputs)
 
 
 def _applies(h: Held, zero: int, precision: str, pp: int, dp: int, grad_accum: int) -> bool:
@@ -209,7 +229,8 @@ def estimate(
     per_stage = _stage_layers(layers, pp)
     nmb = num_microbatches(stage_cfg) if pp > 1 else 1
     rows = stage_cfg.micro_batch_size * (stage_cfg.grad_accum_steps // nmb if pp > 1 else 1)
-    tokens = rows * stage_cfg.seq_len
+    outside, seq_split, gathered = sequence_split(stage_cfg)
+    tokens = rows * stage_cfg.seq_len / seq_split
 
     shares, trained, layer_params, largest, total = [0] * pp, [0] * pp, 0, 0, 0
     bounds = [sum(per_stage[:s]) for s in range(pp + 1)]
@@ -229,8 +250,8 @@ def estimate(
             layer_params += mine
 
     ckpt = bool(getattr(stage_cfg, "activation_checkpointing", False))
-    per_layer = layer_activation_bytes(model_config, compute, tp)
-    saved = dims["hidden"] * compute if ckpt else per_layer  # with checkpointing: the layer's input only
+    per_layer = layer_activation_bytes(model_config, compute, tp, outside, gathered)
+    saved = dims["hidden"] * compute / outside if ckpt else per_layer  # with checkpointing: the layer's input only
     lazy = bool(getattr(spec, "lazy_init", False))
     best: MemoryEstimate | None = None
     for s in range(pp):
@@ -254,7 +275,7 @@ def estimate(
             in_flight * per_stage[s] * saved + (2 if ckpt else 1) * per_layer
         )  # + the layer in the backward (recomputed)
         if s == pp - 1:
-            acts += sum(_width(t, dims, tp, compute) for t in family.final_activations)
+            acts += sum(_width(t, dims, tp, compute, outside) for t in family.final_activations)
             acts += dims["vocab"] / tp * (LOSS_BYTES_PER_LOGIT + (compute if compute < 4 else 0))
         terms.append(Term("activations", int(acts * tokens), "activations"))
         if stage == "sft":  # padded or packed rows: a 4D attention mask, shared by the layers

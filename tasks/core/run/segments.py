@@ -20,7 +20,9 @@ def record(
     plugin_meta: dict[str, Any], world_size: int, dp: int, micro_batch_size: int, grad_accum_steps: int
 ) -> dict[str, Any]:
     """How a stage runs, as a segment and a checkpoint record it."""
+    sp = {"sp": plugin_meta["sp"]} if plugin_meta.get("sp") else {}  # a sequence-parallel mode and its size
     return {
+        **sp,
         "plugin": plugin_meta["name"],
         "tp": plugin_meta.get("tp", 1),
         "pp": plugin_meta.get("pp", 1),
@@ -41,6 +43,8 @@ def describe(rec: dict[str, Any]) -> str:
     """'hybrid_parallel tp=2 pp=2 dp=2 on 8 ranks' (ZeRO where on, the split where known)."""
     parts = [str(rec.get("plugin"))]
     parts += [f"{k}={rec[k]}" for k in ("tp", "pp") if rec.get(k, 1) != 1]
+    if rec.get("sp"):
+        parts.append(f"sp={rec['sp']['mode']}/{rec['sp']['size']}")
     if rec.get("zero"):
         parts.append(f"zero={rec['zero']}")
     parts.append(f"dp={rec.get('dp')}")
