@@ -248,3 +248,13 @@ def test_cpu_coloattention_is_sdpa_causal_without_a_mask_tensor():
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert torch.equal(ColoAttention.attention(q, k, v, **kw), ref)
     assert "ColoAttention._dispatch_kernel" not in cpu_compat.apply()  # idempotent
+
+
+def test_preflight_says_the_layout_with_its_sequence_group(tmp_path):
+    from tests.test_preflight import Case, _set
+
+    case = Case(tmp_path)
+    _set("cpt.plugin", {**HP, "tp_size": 1, "sequence_parallelism": {"mode": "all_to_all", "size": 2}})(case)
+    report = case.report()
+    assert report.ok, report.text()
+    assert any("cpt layout: hybrid_parallel tp=1 · pp=1 · sp=all_to_all x 2 · dp=1 = " in c for c in report.checked)

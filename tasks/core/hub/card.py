@@ -19,6 +19,7 @@ from typing import Any
 
 from tasks.core.config.kernels import describe
 from tasks.core.config.schema import RunConfig
+from tasks.core.config.sequence import sp_factor
 from tasks.core.data.truncation import describe as describe_truncation
 from tasks.core.evaluation.benchmark import card_results as benchmark_card_results
 from tasks.core.evaluation.verdict import eval_results_for_card, metrics_table
@@ -197,7 +198,7 @@ def _segments(facts: dict[str, dict], stage: str) -> str | None:
 def _batch(cfg: RunConfig, stage: str) -> str:
     st = getattr(cfg, stage)
     p = st.plugin
-    dp = max(st.launch.world_size // (p.tp_size * p.pp_size), 1)
+    dp = max(st.launch.world_size // (p.tp_size * p.pp_size * sp_factor(p)), 1)  # a sequence group reads one row
     return (
         f"{st.micro_batch_size} × {st.grad_accum_steps} accum × {dp} dp = {st.micro_batch_size * st.grad_accum_steps * dp} "
         "sequences"

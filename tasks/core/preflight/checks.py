@@ -48,6 +48,7 @@ from tasks.core.config.load import (
 )
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig, StageConfig
+from tasks.core.config.sequence import sp_factor, sp_size
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import HubToken
 from tasks.core.preflight.benchmark import check_benchmark
@@ -141,7 +142,7 @@ def _stage_layout(ctx: CheckContext, name: str, stage: StageConfig) -> None:
     if world % (p.tp_size * p.pp_size) == 0 and not any(
         where.startswith(f"{name}.") for where, _ in ctx.report.problems
     ):
-        dp = world // (p.tp_size * p.pp_size)
+        dp = world // (p.tp_size * p.pp_size * sp_factor(p))
         heads = (
             f", divides {mc.get('num_attention_heads')} heads / {mc.get('num_key_value_heads') or mc.get('num_attention_heads')} "
             "KV heads"
@@ -149,8 +150,9 @@ def _stage_layout(ctx: CheckContext, name: str, stage: StageConfig) -> None:
             else ""
         )
         layers = f", {mc.get('num_hidden_layers')} layers" if mc and p.pp_size > 1 else ""
+        seq = f" · sp={p.sequence_parallelism.mode} x {sp_size(p)}" if p.sequence_parallelism else ""
         ctx.ok(
-            f"{name} layout: {p.name} tp={p.tp_size}{heads} · pp={p.pp_size}{layers} · dp={dp} = "
+            f"{name} layout: {p.name} tp={p.tp_size}{heads} · pp={p.pp_size}{layers}{seq} · dp={dp} = "
             f"{launch.nnodes} node(s) x {launch.nproc_per_node} = {world} ranks, {p.precision}, zero_stage "
             f"{p.zero_stage}"
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from tasks.core.config.layout import global_batch
+from tasks.core.config.sequence import sp_factor, sp_size
 from tasks.core.preflight.report import CheckContext
 from tasks.core.run.digest import config_digest, content_digest
 from tasks.core.run.segments import describe, global_batch_problem, record, same_layout
@@ -27,10 +28,11 @@ __all__ = ["check_resume"]
 def _layout_now(stage_cfg) -> dict[str, Any]:
     p = stage_cfg.plugin
     world = stage_cfg.launch.world_size
+    sp = {"sp": {"mode": p.sequence_parallelism.mode, "size": sp_size(p)}} if p.sequence_parallelism else {}
     return record(
-        {"name": p.name, "tp": p.tp_size, "pp": p.pp_size, "zero": p.zero_stage},
+        {"name": p.name, "tp": p.tp_size, "pp": p.pp_size, "zero": p.zero_stage, **sp},
         world,
-        max(1, world // (p.tp_size * p.pp_size)),
+        max(1, world // (p.tp_size * p.pp_size * sp_factor(p))),
         stage_cfg.micro_batch_size,
         stage_cfg.grad_accum_steps,
     )
