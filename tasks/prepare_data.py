@@ -187,7 +187,8 @@ def tokenize_files(
 
 @stage_task(name="prepare_data", task_run_name="{phase}: tokenize data")
 def prepare_data(cfg: RunConfig, phase: Phase, source: StageResult) -> StageResult:
-    """Tokenize `phase`'s corpus with `source`'s tokenizer into data/<phase>/ (token shards, index, held-out records)."""
+    """Tokenize `phase`'s corpus with `source`'s tokenizer into data/<phase>/ (token shards, index, held-out
+    records)."""
     logger = get_run_logger()
     st_cfg = getattr(cfg, phase)
     name = PREPARE[phase]
@@ -361,7 +362,8 @@ def _recorded_truncation(store: Any, rel: str, phase: Phase, seq_len: int) -> di
 
 
 def prepared_dir(cfg: RunConfig, phase: Phase) -> Path:
-    """The local data/<phase>/ a training or evaluation stage reads (staged in, sha256-verified, for remote run roots)."""
+    """The local data/<phase>/ a training or evaluation stage reads (staged in, sha256-verified, for remote run
+    roots)."""
     store, rel = store_for(cfg), STAGE[PREPARE[phase]].artifact
     return store.local_path(rel) if store.local else store.stage_in(rel)
 

@@ -1,6 +1,6 @@
 """One encoder per record kind: what `shard.tokenize_records` does with a record of that kind.
 
-    python -c "from tasks.core.data.encoders import TextEncoder, ChatEncoder; print(TextEncoder.masked, ChatEncoder.masked)"
+    python -c "from tasks.core.data.encoders import ChatEncoder; print(ChatEncoder.masked)"
 
 A phase's row (`tasks.core.config.phases.PhaseSpec.encoder`) names its encoder class; the shared frame in
 shard.py (cache check, bad records, the record id and held-out split, the summary written last) calls:

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tasks.core.config.phases import PHASES
+
 INDEX = "index.json"  # prepare.py writes it last
 # Every file a Hugging Face tokenizer may be built from; the fingerprint covers those present.
 TOKENIZER_FILES = (
@@ -103,6 +105,6 @@ def special_tokens(tok, kind: str) -> dict[str, Any]:
         "pad": one(pad),
         "pad_is": "pad_token" if tok.pad_token_id is not None else "eos_token",
     }
-    if kind == "sft":
+    if PHASES[kind].record == "chat":
         out["end_of_turn"] = [one(i) for i in end_of_turn_tokens(tok)]
     return out

@@ -23,6 +23,7 @@ from typing import Any
 
 from tasks.core.config.batching import BATCHING
 from tasks.core.config.layout import global_batch
+from tasks.core.config.phases import PHASES
 from tasks.core.data.blend import BlendPlan
 from tasks.core.data.index import INDEX, check_fits_model
 from tasks.core.run.stages import split_rel
@@ -52,7 +53,7 @@ def blend_plan(stage_cfg: Any, stage: str) -> BlendPlan | None:
     global batches, its seed, and under SFT packing the rows' seq_len."""
     if not stage_cfg.data.mixture:
         return None
-    packed = stage == "sft" and BATCHING[stage_cfg.batching].packs
+    packed = PHASES[stage].rows and BATCHING[stage_cfg.batching].packs
     return BlendPlan(
         stage_cfg.max_steps, global_batch(stage_cfg), stage_cfg.seed, stage_cfg.seq_len if packed else None
     )
