@@ -19,7 +19,7 @@ def check_data(ctx: CheckContext) -> None:
     from tasks.core.data.samples import validate_messages  # the SFT record rules, defined once
 
     datasets = []
-    for name in ("cpt", "sft"):
+    for name in PHASES:
         st = getattr(ctx.cfg, name)
         for i, src in enumerate(st.data.source_list):  # each source of a mixture on its own, named by its field
             datasets.append(

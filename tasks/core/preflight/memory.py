@@ -45,6 +45,7 @@ from typing import Any
 
 from tasks.core.config.layout import ParallelLayout, is_zero, layout_problems, num_microbatches
 from tasks.core.config.phases import PHASES as PHASE_ROWS
+from tasks.core.config.phases import Phase
 from tasks.core.config.plugins import PLUGINS, Held, PluginSpec
 from tasks.core.config.schema import StageConfig
 from tasks.core.errors import ConfigError, ConversionError
@@ -176,10 +177,10 @@ def _split(what: str, n: int, when: str, share: float) -> list[Term]:
     return [t for t in (Term(what, n - moved, when), Term(what, moved, when, host=True)) if t.bytes or not t.host]
 
 
-def _fused_adamw(stage_cfg: StageConfig, stage: str, cuda: bool) -> bool:
+def _fused_adamw(stage_cfg: StageConfig, phase: Phase, cuda: bool) -> bool:
     from tasks.core.config.kernels import Facts, resolve
 
-    state = resolve(stage_cfg, stage, Facts(cuda=cuda)).get("fused_optimizer")
+    state = resolve(stage_cfg, phase, Facts(cuda=cuda)).get("fused_optimizer")
     return bool(state and state.on)
 
 
