@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.config.kernels import describe
+from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.truncation import describe as describe_truncation
 from tasks.core.evaluation.benchmark import card_results as benchmark_card_results
@@ -27,7 +28,7 @@ from tasks.core.run.manifest import MANIFEST
 from tasks.core.run.segments import describe as describe_layout
 from tasks.core.run.stages import BASE, TRAIN_STATE, TRAINING, split_rel, step_medians, step_peak
 
-STAGES = ("cpt", "sft")
+STAGES = tuple(PHASES)
 CARD = "README.md"  # the model card: export/README.md, the file the push uploads
 # The torch dtype a snippet loads an export of each `export.dtype` in (the export's own).
 TORCH_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
@@ -264,7 +265,7 @@ def model_card(
         "seq_len": lambda s: str(getattr(cfg, s).seq_len),
         "tokens seen": lambda s: _num(facts.get(s, {}).get("tokens_seen")),
         "final training loss": lambda s: _num(facts.get(s, {}).get("final_loss"), "{:.4f}"),
-        "batching": lambda s: getattr(cfg, s).batching if s == "sft" else "full blocks",
+        "batching": lambda s: getattr(cfg, s).batching if PHASES[s].rows else "full blocks",
         "median real tokens/s": lambda s: _num(_median(facts, s, "tokens_per_s"), "{:.1f}"),
         "median padding (share of computed tokens)": lambda s: _pct(_median(facts, s, "padding_frac")),
         "median MFU": lambda s: _pct(_median(facts, s, "mfu")),

@@ -47,6 +47,7 @@ from tasks.core.config.load import (
     read_raw_config,
 )
 from tasks.core.config.paths import resolve_local
+from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import HubToken
@@ -108,7 +109,7 @@ def load_for_check(path: str | Path, overrides: dict[str, Any] | None = None) ->
 def check_static_rules(ctx: CheckContext) -> None:
     """The config's own rules (hybrid_parallel ZeRO refuses fp32, tp/pp need hybrid_parallel, world size)."""
     before = len(ctx.report.problems)
-    for stage in ("cpt", "sft"):
+    for stage in PHASES:
         for where, msg in plugin_problems(getattr(ctx.cfg, stage), stage):
             ctx.problem(where, msg)
     for where, msg in heldout_source_problems(ctx.cfg) + gate_problems(
@@ -154,7 +155,7 @@ def _stage_layout(ctx: CheckContext, name: str, stage: StageConfig) -> None:
 
 def check_layout(ctx: CheckContext) -> None:
     """tp divides the attention and KV heads; pp <= layers; tp*pp*dp = world; pipeline batches."""
-    for name in ("cpt", "sft"):
+    for name in PHASES:
         _stage_layout(ctx, name, getattr(ctx.cfg, name))
     if ctx.model is None:
         ctx.warn("layout against the base model not checked: its config.json could not be read (see problems)")
@@ -163,7 +164,7 @@ def check_layout(ctx: CheckContext) -> None:
 def check_machine(ctx: CheckContext) -> None:
     """Processes vs visible GPUs (or CPU cores); plugins that need CUDA."""
     m = ctx.machine
-    for name in ("cpt", "sft"):
+    for name in PHASES:
         stage = getattr(ctx.cfg, name)
         n = stage.launch.nproc_per_node
         for where, msg in layout_problems(stage, name, cuda=bool(m.cuda_devices), tiers=("device",)):
@@ -312,7 +313,7 @@ def check_sequence_length(ctx: CheckContext) -> None:
         ctx.warn("seq_len not checked: config.json has no max_position_embeddings")
         return
     ok = True
-    for name in ("cpt", "sft"):
+    for name in PHASES:
         seq = getattr(ctx.cfg, name).seq_len
         if seq > max_pos:
             ok = False
@@ -369,7 +370,7 @@ def check_launch_backend(ctx: CheckContext) -> None:
     on other nodes needs a run root every node sees."""
     from tasks.core.config.backends import BACKENDS
 
-    for name in ("cpt", "sft"):
+    for name in PHASES:
         stage = getattr(ctx.cfg, name)
         launch = stage.launch
         spec = BACKENDS[launch.backend]
