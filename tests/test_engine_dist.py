@@ -744,3 +744,34 @@ def test_sft_low_level_zero_on_2_ranks_resumes_on_1_from_the_resharded_state(llz
         (3, "low_level_zero", 1, 4),
     ]
     assert verify_artifact(stage_dir / "step-000006")["meta"]["layout"]["world_size"] == 1
+
+
+def test_cpt_under_pp2_resumes_under_tp2_from_the_resharded_state(pp2, tiny_model_dir, work):
+    """The CPT stage's step-000003 (hybrid_parallel pp=2 fp32, 2 ranks, 2 x 2 a rank) continued under
+    tp=2 on 2 ranks at the same split: each rank's state after the load (its tp slices of the weights,
+    AdamW's moments and step) is the checkpoint's, cut for that rank, bitwise; steps 4-6 continue the
+    pipeline's losses within fp32 reduction-order noise, and train_state records both segments."""
+    stage_dir = work / "pp2-to-tp2" / "cpt"
+    stage_dir.mkdir(parents=True)
+    src = pp2["dir"] / "step-000003"
+    shutil.copytree(src, stage_dir / "step-000003")
+    _, job = _jobs(
+        work, "pp2-to-tp2", "cpt", TP2, tiny_model_dir, tiny_model_dir, stage_dir, grad_accum_steps=2, keep_last=2
+    )
+    run = _engine("pp2 -> tp2", "train", job, env=_dump(work, "pp2-to-tp2"))
+    assert (
+        "cpt: resuming step-000003, written under hybrid_parallel pp=2 dp=1 on 2 ranks (2 x 2 a rank), under "
+        "hybrid_parallel tp=2 dp=1 on 2 ranks (2 x 2 a rank): model and optimizer re-sharded"
+    ) in run.output, run.output[-3000:]
+    loaded = work / "live-state" / "pp2-to-tp2" / "loaded-step-000003"
+    assert _assert_view_is_live_state(src, loaded, masters=False) > 0
+    ranks = [torch.load(f, weights_only=True) for f in sorted(loaded.glob("rank-*.pt"))]
+    assert any(st["piece"]["tp_size"] == 2 for st in ranks[0].values())  # tp slices, not whole tensors
+    assert [p["step"] for p in run.progress] == [4, 5, 6]
+    ref, got = train_state(pp2["dir"] / "step-000006"), train_state(stage_dir / "step-000006")
+    assert got["losses"][:3] == ref["losses"][:3] and got["sampler"] == ref["sampler"]
+    assert got["tokens_seen"] == ref["tokens_seen"]
+    drift = max(abs(a - b) / abs(b) for a, b in zip(got["losses"][3:], ref["losses"][3:]))
+    assert drift < 1e-4, (ref["losses"], got["losses"])
+    print(f"\npp=2 -> tp=2: losses of steps 4-6 within {drift:.2e} (relative) of the pipeline's")
+    assert [(s["from_step"], s["tp"], s["pp"]) for s in got["segments"]] == [(0, 1, 2), (3, 2, 1)]
