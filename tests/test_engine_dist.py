@@ -3,7 +3,7 @@
     pytest -m distributed tests/test_engine_dist.py -s
 
 Every launch costs ~8-13 s of imports on 2 cores, so launches are shared through module-scoped
-fixtures (13 in all):
+fixtures (21 in all; the kill-in-every-save-phase test and the two re-layout tests launch their own):
 
 - hybrid_parallel tp=2 fp32, CPT on a 70/30 mixture of two sources (the blended stream of the 6
   steps): shard, train 6 steps uninterrupted, then the same 6 steps killed (SIGKILL of rank 1)
@@ -24,6 +24,9 @@ fixtures (13 in all):
   construction peak (model built lazily, sharded, weights read one tensor at a time) is what the
   memory estimate says (its share plus one tensor), well below the whole model. step-000000 is saved
   in several files (the save's blocks are sized by the largest tensor) and holds the HF tensors bitwise.
+- hybrid_parallel tp=2 with ZeRO-1 bf16, CPT: shard, train, killed after step 4 and resumed (fp32 masters).
+- Re-layouts, one launch each: the low_level_zero SFT checkpoint continued on 1 rank, the pp=2 CPT
+  checkpoint continued under tp=2.
 """
 
 from __future__ import annotations
