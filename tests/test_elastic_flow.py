@@ -53,7 +53,7 @@ def _check(config: Path) -> str:
     return out.getvalue()
 
 
-def _run(config: Path, stop_after: str, table: list) -> tuple[int, dict, str]:
+def _run(config: Path, stop_after: str) -> tuple[int, dict, str]:
     from flows.cpt_to_sft import main
 
     with console_capture() as console:
@@ -92,7 +92,7 @@ def _assert_loaded_is_the_view(step_dir: Path, dumped: Path, *, masters: bool) -
     return len(live)
 
 
-def _table_note(monkeypatch) -> list:
+def _stage_tables(monkeypatch) -> list:
     """The Prefect stage table's rows as the flow makes them, kept (the artifact is made too)."""
     from tasks import ui
 
@@ -115,11 +115,11 @@ def test_cpt_killed_under_tp2_on_2_ranks_continues_through_the_flow_under_ddp_on
     cpt = copy.run_root / "cpt"
     ref = _state(cpt / "step-000008")
     shutil.rmtree(cpt / "step-000008")  # the stage as a run killed between its checkpoints at 4 and 8 left it
-    table = _table_note(monkeypatch)
+    table = _stage_tables(monkeypatch)
 
     # Under the layout that wrote it: killed after step 6 (rank 1 SIGKILLed), step 4 still the newest.
     monkeypatch.setenv("CPT_TO_SFT_FAULT", "kill@step=6@stage=cpt")
-    rc, summary, _ = _run(copy.config, "train_cpt", table)
+    rc, summary, _ = _run(copy.config, "train_cpt")
     assert rc == 1 and _row(summary, "train_cpt")["status"] == "failed", _row(summary, "train_cpt")
     assert sorted(p.name for p in cpt.glob("step-*")) == ["step-000000", "step-000004"]
     monkeypatch.delenv("CPT_TO_SFT_FAULT")
@@ -131,7 +131,7 @@ def test_cpt_killed_under_tp2_on_2_ranks_continues_through_the_flow_under_ddp_on
     assert CPT_LINE in _check(config)
     dumped = config.parent / "live-state"
     monkeypatch.setenv(DUMP_ENV, str(dumped))
-    rc, summary, console = _run(config, "train_cpt", table)
+    rc, summary, console = _run(config, "train_cpt")
     assert rc == 0, console[-4000:]
     statuses = {s["stage"]: s["status"] for s in summary["stages"]}
     assert statuses["boost_and_shard"] == "skipped" and statuses["train_cpt"] == "completed", statuses
@@ -169,8 +169,8 @@ def test_sft_under_low_level_zero_on_2_ranks_continues_through_the_flow_on_1(dem
     assert SFT_LINE in _check(config)
     dumped = config.parent / "live-state"
     monkeypatch.setenv(DUMP_ENV, str(dumped))
-    table = _table_note(monkeypatch)
-    rc, summary, console = _run(config, "train_sft", table)
+    table = _stage_tables(monkeypatch)
+    rc, summary, console = _run(config, "train_sft")
     assert rc == 0, console[-4000:]
     statuses = {s["stage"]: s["status"] for s in summary["stages"]}
     assert {k for k, v in statuses.items() if v == "completed"} == {"train_sft"}, statuses

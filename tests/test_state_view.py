@@ -105,6 +105,27 @@ def test_a_missing_piece_is_named(tmp_path):
         CheckpointState(tmp_path).master("w")
 
 
+def test_an_fp32_lora_checkpoints_weights_come_from_its_adapter_under_peft_keys(tmp_path):
+    """No masters (fp32) and no model/: the view reads each adapter weight from adapter/ under the key peft
+    saved it with (the PeftModel's prefix, no adapter name), and names a missing one."""
+    name = "model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    whole = torch.arange(8.0).reshape(2, 4)
+    _write(tmp_path, {name: (whole, None, 1, 2)})
+    for f in (tmp_path / MASTERS).glob("rank-*.json"):  # fp32: the records say where, no piece is saved
+        rec = json.loads(f.read_text())
+        rec["params"] = [{**p, "saved": False} for p in rec["params"]]
+        f.write_text(json.dumps(rec))
+    (tmp_path / "adapter").mkdir()
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    save_file({key: whole}, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    view = CheckpointState(tmp_path)
+    assert not view.has_masters and torch.equal(view.master(name), whole)
+    assert view.weights_dtype(name) == torch.float32 and torch.equal(view.adam(name)["exp_avg"], whole * 0.5)
+    save_file({"other": whole}, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    with pytest.raises(ManifestError, match="no weight model.layers.0.self_attn.q_proj.lora_A.weight"):
+        CheckpointState(tmp_path).master(name)
+
+
 def test_a_checkpoint_without_records_is_refused_naming_why(tmp_path):
     with pytest.raises(ManifestError, match="no masters/rank-\\*.json"):
         CheckpointState(tmp_path)
