@@ -84,6 +84,8 @@ class StageData:
         self.lengths = self.dataset.lengths()  # one offsets array per file: no token is read
         group = None
         self.packs = self.dataset.kind == "sft" and self.batching.packs
+        # CPT blocks whose documents are kept apart (cpt.attention: document): the packed rows' inputs
+        self.documents = self.dataset.kind == "cpt" and cfg.attention == "document"
         if self.packs:
             group = Packs(self.lengths, self.seq_len)
         elif self.dataset.kind == "sft" and self.batching.groups_by_length:
@@ -112,7 +114,13 @@ class StageData:
         ]
         first = self.dp_rank * self.per_rank // step
         mine = glob[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
-        build = self.dataset.batch_packed if self.packs else self.dataset.batch
+        build = (
+            self.dataset.batch_packed
+            if self.packs
+            else self.dataset.batch_documents
+            if self.documents
+            else self.dataset.batch
+        )
         micro = [
             {k: torch.from_numpy(v) for k, v in build(mine[j * step : (j + 1) * step], width=widths[first + j]).items()}
             for j in range(len(mine) // step)

@@ -131,7 +131,10 @@ def applied(model_config: dict[str, Any], ctx: ContextConfig | None) -> dict[str
 
 def changes_text(before: dict[str, Any], ctx: ContextConfig | None) -> list[str]:
     """'rope_theta 10000.0 -> 500000.0' for each field the settings change (the log, the card)."""
-    return [f"{k} {before.get(k)} → {v}" for k, v in config_changes(ctx).items() if before.get(k, "unset") != v] or []
+    default = "(its config class's default)"
+    return [
+        f"{k} {before.get(k, default)} → {v}" for k, v in config_changes(ctx).items() if before.get(k, default) != v
+    ]
 
 
 def position_limit(model_config: dict[str, Any], ctx: ContextConfig | None) -> Any:
