@@ -276,3 +276,92 @@ def test_per_token_loss_of_a_document_block_equals_each_document_alone(cpt_docs,
     assert "attention_mask" not in model_inputs(
         {k: torch.from_numpy(v) for k, v in batch.items()}, "flash_attention_2", torch.bfloat16
     )
+
+
+# -- through the engine and the flow ------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_the_engine_trains_document_blocks_with_the_context_settings(tmp_path, tiny_model_dir):
+    """2 launches (shard, train) of a CPT stage under torch_ddp with document attention and a RoPE
+    change: its first loss is the one plain transformers computes on the same blocks with the same
+    config and the block-diagonal mask, and its checkpoints' config.json holds the settings."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tasks.engine.sampler import ResumableSampler
+    from tests._engine_utils import engine, stage_raw, write_job
+
+    context = {"rope_theta": 40000.0, "max_position_embeddings": 512}
+    cfg = stage_raw(
+        "cpt", {"name": "torch_ddp", "precision": "fp32"}, attention="document", max_steps=2, context=context
+    )
+    stage_dir = tmp_path / "cpt"
+    for verb in ("shard", "train"):
+        job = write_job(
+            tmp_path / f"{verb}.json",
+            verb=verb,
+            stage="cpt",
+            stage_cfg=cfg,
+            model_dir=tiny_model_dir,
+            stage_dir=stage_dir,
+        )
+        run = engine(verb, job)
+    first = run.progress[0]
+    assert first["step"] == 1 and first["seq_len"] == SEQ
+    saved = json.loads((stage_dir / "step-000002" / "model" / "config.json").read_text())
+    assert {k: saved[k] for k in context} == context
+    assert json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"] == 256
+
+    data = TokenDataset(json.loads(job.read_text())["data_dir"], seq_len=SEQ)
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config = type(config).from_dict({**config.to_dict(), **context})
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, config=config, torch_dtype=torch.float32).eval()
+    impl = model.config._attn_implementation
+    per_rank = cfg["micro_batch_size"] * cfg["grad_accum_steps"]
+    glob = ResumableSampler(data.num_items, 0, 2, seed=cfg["seed"]).next_global(per_rank * 2)
+    mine = [glob[r * per_rank : (r + 1) * per_rank] for r in range(2)]
+
+    def loss(build, tensors=lambda b: b) -> float:
+        with torch.no_grad():
+            out = [
+                model(**tensors({k: torch.from_numpy(v) for k, v in build(m).items()}), use_cache=False).loss.double()
+                for m in mine
+            ]
+        return float(sum(out) / len(out))
+
+    documents = loss(data.batch_documents, lambda b: model_inputs(b, impl, torch.float32))
+    assert first["loss"] == pytest.approx(documents, rel=1e-6, abs=1e-7)
+    assert abs(loss(data.batch) - documents) > 1e-4  # causal blocks: another loss, so the test tells them apart
+
+
+@pytest.mark.e2e
+@pytest.mark.integration
+def test_the_rope_settings_reach_cpt_hf_the_export_and_the_card(demo_run):
+    """The session's demo run extends the context in CPT (tests/conftest.py demo_run): every model
+    folder made from CPT on holds the settings, and the logits checks of the bridge and the export,
+    which load those folders with plain transformers, match the checkpoints' fingerprints."""
+    from tasks.core.run.manifest import read_manifest
+
+    root, raw = demo_run.run_root, demo_run.raw
+    assert demo_run.rc == 0
+    want = config_changes(ContextConfig(**raw["cpt"]["context"]))
+    base = json.loads((root / "base" / "config.json").read_text())
+    assert all(base.get(k) != v for k, v in want.items()), base
+    for rel in ("cpt/step-000008/model", "cpt/hf", "sft/step-000008/model", "export"):
+        got = json.loads((root / rel / "config.json").read_text())
+        assert {k: got.get(k) for k in want} == want, rel
+    for rel in ("cpt/hf", "export"):
+        meta = read_manifest(root / rel)["meta"]
+        check = meta["verification"]
+        assert check["fingerprint_match"] and check["top1_disagreements_beyond_tolerance"] == 0, (rel, check)
+    assert read_manifest(root / "cpt/hf")["meta"]["context"] == want
+    card = (root / "export" / "README.md").read_text()
+    assert (
+        "| context length trained | 64 tokens; max_position_embeddings 256 → 512; rope_theta 10000.0 → 20000.0; "
+        "rope_scaling None → {'rope_type': 'llama3'" in card
+    ), card
+    assert "| 128 tokens; RoPE and positions as CPT left them (cpt/hf) |" in card
+    rows = {s["stage"]: s for s in demo_run.summary["stages"]}
+    for stage, seq in (("train_cpt", 64), ("train_sft", 128)):
+        detail = rows[stage]["detail"]
+        assert detail["seq_len"] == seq and detail["tokens_per_s"] == detail["medians"]["tokens_per_s"] > 0

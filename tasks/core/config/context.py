@@ -202,8 +202,8 @@ def scaling_problems(scaling: dict[str, Any], model_config: dict[str, Any] | Non
 
 def _context_in_cpt_only(x: Any) -> list[Refusal]:
     # SFT starts from cpt/hf, whose config.json carries the CPT's settings; packed SFT rows are
-    # kept apart by sft.batching: packed.
-    if x.where == "cpt":
+    # kept apart by sft.batching: packed. (A job file's section is `stage_cfg`: checked as the flow's was.)
+    if x.where != "sft":
         return []
     out = []
     if x.stage.context is not None:
@@ -227,7 +227,7 @@ def _context_in_cpt_only(x: Any) -> list[Refusal]:
 
 
 def _document_attention_isolates(x: Any) -> list[Refusal]:
-    if x.where != "cpt" or x.stage.attention != "document" or not x.spec.packing_refused:
+    if x.where == "sft" or x.stage.attention != "document" or not x.spec.packing_refused:
         return []
     fixes = [{"plugin.name": n} for n, s in PLUGINS.items() if not s.packing_refused] + [{"attention": "causal"}]
     return [
