@@ -173,7 +173,7 @@ class Engine:
         changes = config_changes(self.cfg.context)
         if not changes:
             return config
-        log(f"model config: {'; '.join(changes_text(config.to_dict(), self.cfg.context))} (cpt.context)")
+        log(f"model config: {'; '.join(changes_text(config.to_dict(), self.cfg.context))} (cpt.context)", detail=True)
         return type(config).from_dict({**config.to_dict(), **changes})
 
     @property
