@@ -44,6 +44,7 @@ TAGS = {
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "tokens_per_s": "perf/tokens_per_s",
+    "seq_len": "perf/seq_len",
     "step_s": "perf/step_s",
     "peak_mem_bytes": "perf/peak_mem_bytes",
     "peak_mem_rank": "perf/peak_mem_rank",
