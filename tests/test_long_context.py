@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.core.config.context import ROPE_TYPES, ContextConfig, config_changes, scaling_problems
+from tasks.core.config.context import ROPE_TYPES, ContextConfig, changes_text, config_changes, scaling_problems
 from tasks.core.config.layout import layout_problems
 from tasks.core.config.load import load_config
 from tasks.core.data.dataset import IGNORE_INDEX, TokenDataset
@@ -120,6 +120,20 @@ def test_context_settings_become_the_config_fields_transformers_reads():
         "max_position_embeddings": 131072,
     }
     assert all(isinstance(changes["rope_scaling"][k], float) for k in ("factor", "low_freq_factor"))
+    # What the card says is the same from the config as written and as run.json gives it back (keys sorted).
+    base = {"rope_theta": 500000.0, "rope_scaling": None, "max_position_embeddings": 8192}
+    sorted_back = ContextConfig.model_validate(json.loads(json.dumps(ctx.model_dump(), sort_keys=True)))
+    assert (
+        changes_text(base, ctx)
+        == changes_text(base, sorted_back)
+        == [
+            (
+                "rope_scaling null → {factor: 8.0, high_freq_factor: 4.0, low_freq_factor: 1.0, "
+                "original_max_position_embeddings: 8192, rope_type: llama3}"
+            ),
+            "max_position_embeddings 8192 → 131072",
+        ]
+    )
     # {rope_type: default} removes a base's scaling; nothing set changes nothing.
     assert config_changes(ContextConfig(rope_scaling={"rope_type": "default"})) == {"rope_scaling": None}
     assert config_changes(None) == {} == config_changes(ContextConfig())
@@ -357,8 +371,9 @@ def test_the_rope_settings_reach_cpt_hf_the_export_and_the_card(demo_run):
     assert read_manifest(root / "cpt/hf")["meta"]["context"] == want
     card = (root / "export" / "README.md").read_text()
     assert (
-        "| context length trained | 64 tokens; max_position_embeddings 256 → 512; rope_theta 10000.0 → 20000.0; "
-        "rope_scaling None → {'rope_type': 'llama3'" in card
+        "| context length trained | 64 tokens; rope_theta 10000.0 → 20000.0; rope_scaling null → {factor: 2.0, "
+        "high_freq_factor: 4.0, low_freq_factor: 1.0, original_max_position_embeddings: 256, rope_type: llama3}; "
+        "max_position_embeddings 256 → 512 |" in card
     ), card
     assert "| 128 tokens; RoPE and positions as CPT left them (cpt/hf) |" in card
     rows = {s["stage"]: s for s in demo_run.summary["stages"]}

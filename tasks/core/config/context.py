@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from tasks.core.config.base import Frozen
-from tasks.core.config.fixes import Refusal
+from tasks.core.config.fixes import Refusal, shown
 from tasks.core.config.plugins import PLUGINS
 
 Attention = Literal["causal", "document"]
@@ -129,12 +129,25 @@ def applied(model_config: dict[str, Any], ctx: ContextConfig | None) -> dict[str
     return {**model_config, **config_changes(ctx)}
 
 
+def _shown(value: Any) -> str:
+    """A value as YAML flow style says it, a mapping's keys sorted: the same text from the config as
+    loaded and as read back from run.json (whose keys are sorted), so a card renders alike."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_shown(value[k])}" for k in sorted(value)) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_shown, value)) + "]"
+    return shown(value)
+
+
 def changes_text(before: dict[str, Any], ctx: ContextConfig | None) -> list[str]:
-    """'rope_theta 10000.0 -> 500000.0' for each field the settings change (the log, the card)."""
-    default = "(its config class's default)"
-    return [
-        f"{k} {before.get(k, default)} → {v}" for k, v in config_changes(ctx).items() if before.get(k, default) != v
-    ]
+    """'rope_theta 10000.0 → 500000.0' for each field the settings change (the log, the card)."""
+    out = []
+    for k, v in config_changes(ctx).items():
+        if k not in before:
+            out.append(f"{k} (its config class's default) → {_shown(v)}")
+        elif before[k] != v:
+            out.append(f"{k} {_shown(before[k])} → {_shown(v)}")
+    return out
 
 
 def position_limit(model_config: dict[str, Any], ctx: ContextConfig | None) -> Any:
