@@ -76,7 +76,7 @@ CASES: dict[str, tuple[str, Callable[[Case], None]]] = {
         _set("cpt.plugin", {"name": "torch_ddp", "precision": "fp32", "sequence_parallelism": A2A}),
     ),
     "_sp_mode_refused": ("cpt", _set("cpt.plugin", {**HP2, "sequence_parallelism": {"mode": "ring"}})),
-    "_sp_in_cpt_only": ("sft", _set("sft.plugin", {**HP2, "sequence_parallelism": {"mode": "split_gather"}})),
+    "_sp_on_blocks_only": ("sft", _set("sft.plugin", {**HP2, "sequence_parallelism": {"mode": "split_gather"}})),
     "_sp_inside_tp": ("cpt", _set("cpt.plugin", {**HP, "sequence_parallelism": {"mode": "split_gather"}})),
     "_sp_own_group_size": ("cpt", _set("cpt.plugin", {**HP2, "sequence_parallelism": A2A})),
     "_sp_divides_seq_len": (
@@ -94,6 +94,8 @@ CASES: dict[str, tuple[str, Callable[[Case], None]]] = {
         "cpt",
         _set("cpt.plugin", {**HP, "sequence_parallelism": {"mode": "ring_attn", "size": 2}}),
     ),
+    "_context_in_cpt_only": ("sft", _set("sft.context", {"rope_theta": 20000.0})),
+    "_document_attention_isolates": ("cpt", _set("cpt.attention", "document")),
 }
 # Rules whose fix is not a config value (a host:port, another section): said in words.
 IN_WORDS = {
@@ -101,6 +103,8 @@ IN_WORDS = {
     "_backend_settings": "a settings section to move or remove",
     # no registered plugin builds fp16 without dynamic loss scaling
     "_fp16_needs_dynamic_loss_scale": "unreachable with the registered plugins",
+    # the scaling meant: the message names the rope types, the keys and the values they take
+    "_rope_scaling_valid": "a RoPE scaling only the user knows",
 }
 
 

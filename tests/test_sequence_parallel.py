@@ -157,7 +157,7 @@ def test_refusals_name_the_requirement_and_the_modes_that_would_run():
     assert "needs plugin hybrid_parallel" in ddp["cpt.plugin.sequence_parallelism"]
 
     sft = refusals(stage({**HP, "tp_size": 2, "sequence_parallelism": {"mode": "split_gather"}}), where="sft")
-    assert "for long-context CPT blocks" in sft["sft.plugin.sequence_parallelism"]
+    assert "in SFT a record is a row" in sft["sft.plugin.sequence_parallelism"]
 
 
 @pytest.mark.parametrize(

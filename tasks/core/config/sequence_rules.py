@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tasks.core.config.fixes import Refusal
+from tasks.core.config.phases import PHASES
 from tasks.core.config.plugins import PLUGINS
 from tasks.core.config.sequence import SP_MODES, SequenceParallelConfig, SpModeSpec
 
@@ -76,12 +77,13 @@ def _sp_mode_refused(x: Any) -> list[Problem]:
     return [Refusal(_field(x, "mode"), f"sequence-parallel mode {sp.mode} is refused: {spec.refused}", [*others, _OFF])]
 
 
-def _sp_in_cpt_only(x: Any) -> list[Problem]:
-    if x.where != "sft" or _sp(x) is None:
+def _sp_on_blocks_only(x: Any) -> list[Problem]:
+    phase = PHASES.get(x.where)
+    if phase is None or phase.blocks or _sp(x) is None:
         return []
     why = (
-        "sequence parallelism is for long-context CPT blocks: SFT rows are padded to their own width with a "
-        "padding mask, which the sequence split is not checked against here"
+        f"sequence parallelism splits the seq_len blocks of a stream (CPT); in {phase.title} a record is a row, "
+        "padded to its own width with a padding mask, which the sequence split is not checked against here"
     )
     return [Refusal(_field(x), why, [_OFF])]
 
@@ -195,7 +197,7 @@ def _sp_mode_needs_cuda(x: Any) -> list[Problem]:
 SP_RULES: tuple[tuple[str, Callable[[Any], list[Problem]]], ...] = (
     ("static", _sp_needs_plugin),
     ("static", _sp_mode_refused),
-    ("static", _sp_in_cpt_only),
+    ("static", _sp_on_blocks_only),
     ("static", _sp_inside_tp),
     ("static", _sp_own_group_size),
     ("static", _sp_divides_seq_len),
