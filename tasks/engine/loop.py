@@ -86,6 +86,8 @@ class StageData:
         group = None
         rows = PHASES[self.dataset.kind].rows  # a record a row: `batching` orders or packs the rows
         self.packs = rows and self.batching.packs
+        # CPT blocks whose documents are kept apart (cpt.attention: document): the packed rows' inputs
+        self.documents = not rows and cfg.attention == "document"
         if self.packs:
             group = Packs(self.lengths, self.seq_len)
         elif rows and self.batching.groups_by_length:
@@ -114,7 +116,13 @@ class StageData:
         ]
         first = self.dp_rank * self.per_rank // step
         mine = glob[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
-        build = self.dataset.batch_packed if self.packs else self.dataset.batch
+        build = (
+            self.dataset.batch_packed
+            if self.packs
+            else self.dataset.batch_documents
+            if self.documents
+            else self.dataset.batch
+        )
         micro = [
             {k: torch.from_numpy(v) for k, v in build(mine[j * step : (j + 1) * step], width=widths[first + j]).items()}
             for j in range(len(mine) // step)

@@ -25,6 +25,7 @@ from typing import Any
 
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.batching import BATCHING
+from tasks.core.config.context import CONTEXT_RULES
 from tasks.core.config.fixes import Refusal, shown, working_fixes
 from tasks.core.config.phases import PHASES
 from tasks.core.config.plugins import OFFLOAD_FIELDS, PLUGINS, PRECISION_SPECS, PluginSpec
@@ -105,11 +106,8 @@ def _precision_allowed(x: _Facts) -> list[Problem]:
     fixes = [{"plugin.precision": v} for v in x.spec.precisions] + [
         {"plugin.name": n} for n, s in PLUGINS.items() if p.precision in s.precisions
     ]
-    return [
-        Refusal(
-            f"{x.f}.precision", f"{p.name} supports precision {', '.join(x.spec.precisions)}, got {p.precision}", fixes
-        )
-    ]
+    why = f"{p.name} supports precision {', '.join(x.spec.precisions)}, got {p.precision}"
+    return [Refusal(f"{x.f}.precision", why, fixes)]
 
 
 def _zero_fp32_where_refused(x: _Facts) -> list[Problem]:
@@ -494,6 +492,7 @@ RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
     ("static", _lora_supported_by_plugin),
     ("static", _qlora_export_not_built),
     ("static", _offload_where_the_plugin_has_it),
+    *CONTEXT_RULES,
     ("batch", _rows_divide_microbatches),
     ("model", _tp_divides_heads),
     ("model", _tp_divides_vocab),

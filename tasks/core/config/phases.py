@@ -41,6 +41,9 @@ class PhaseSpec:
     eval_digest: tuple[str, ...] = ()  # config paths its evaluation stage's digest adds
     heldout_sources: bool = False  # eval.heldout_sources accepted: held-out-only sources, by perplexity
     lora_refused: str | None = None  # why `<phase>.lora` is refused; None: accepted
+    # why `<phase>.context` (RoPE, positions) is refused; None: the phase sets the model's context (it
+    # starts from the base; a later phase starts from its cpt/hf, whose config.json carries them)
+    context_refused: str | None = None
 
     @property
     def rows(self) -> bool:
@@ -90,6 +93,10 @@ register(
         evaluation="assistant_loss",
         generation=True,
         eval_digest=("gate.max_new_tokens", "gate.num_prompts"),
+        context_refused=(
+            "context settings are for CPT only: SFT starts from cpt/hf, whose config.json carries cpt.context; "
+            "move them to cpt.context"
+        ),
     )
 )
 

@@ -134,6 +134,45 @@ class TokenDataset:
         assert start + filled == end
         return out
 
+    def _doc_starts(self, i: int) -> np.ndarray:
+        """Where a document starts inside CPT block i (block positions, 0 always among them): from
+        each touched file's offsets, every document being its tokens and eos; a file starts one too."""
+        start = self._check(i) * self.seq_len
+        out, filled = [np.zeros(1, np.int64)], 0
+        f = int(np.searchsorted(self._ends, start, side="right"))
+        while filled < self.seq_len:
+            lo = start + filled - int(self._starts[f])
+            take = min(self.seq_len - filled, int(self._ends[f]) - (start + filled))
+            if take > 0:
+                off = self._map(f, "offsets")
+                a, b = np.searchsorted(off, [lo, lo + take], side="left")
+                out.append(np.asarray(off[a:b], np.int64) - lo + filled)
+                filled += take
+            f += 1
+        return np.unique(np.concatenate(out))
+
+    def batch_documents(self, indices: Sequence[int], width: int | None = None) -> dict[str, np.ndarray]:
+        """CPT blocks with their documents kept apart (`cpt.attention: document`): {"input_ids",
+        "labels", "position_ids", "segment_ids"} as int64 arrays [len(indices), seq_len], the same
+        tokens as `batch`. Each document's piece in a block is numbered (segment_ids 1, 2, ...) and its
+        position ids restart at 0, as a packed SFT row's conversations (`batch_packed`); a piece's
+        first token is not a label, so no document learns from the one before it."""
+        if not self.phase.blocks:
+            raise ValueError(
+                f"document attention needs blocks of a document stream; {self.root} holds {self.kind} rows"
+            )
+        out = self.batch(indices)
+        n, L = out["input_ids"].shape
+        pos, seg = np.zeros((n, L), np.int64), np.zeros((n, L), np.int64)
+        for r, i in enumerate(indices):
+            starts = self._doc_starts(i)
+            first = np.zeros(L, np.int64)
+            first[starts] = 1
+            seg[r] = np.cumsum(first)
+            pos[r] = np.arange(L) - starts[seg[r] - 1]
+            out["labels"][r, starts] = IGNORE_INDEX
+        return {**out, "position_ids": pos, "segment_ids": seg}
+
     def _row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         i = self._check(i)
         f = int(np.searchsorted(self._ends, i, side="right"))

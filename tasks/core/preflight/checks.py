@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tasks.core.config.context import changes_text, position_limit
 from tasks.core.config.layout import layout_problems
 from tasks.core.config.load import (
     gate_problems,
@@ -306,12 +307,20 @@ def check_base_model(ctx: CheckContext) -> None:
 
 
 def check_sequence_length(ctx: CheckContext) -> None:
+    """Each stage's seq_len against the positions the model it trains has: the base's, or
+    cpt.context's max_position_embeddings, which cpt/hf and so SFT carry."""
     if ctx.model is None:
         return
-    max_pos = ctx.model.config.get("max_position_embeddings")
+    trained = ctx.cfg.cpt.context
+    max_pos = position_limit(ctx.model.config, trained)
     if not isinstance(max_pos, int):
         ctx.warn("seq_len not checked: config.json has no max_position_embeddings")
         return
+    whose = (
+        "cpt.context.max_position_embeddings"
+        if trained is not None and trained.max_position_embeddings is not None
+        else "the base model's max_position_embeddings"
+    )
     ok = True
     for name in PHASES:
         seq = getattr(ctx.cfg, name).seq_len
@@ -319,10 +328,15 @@ def check_sequence_length(ctx: CheckContext) -> None:
             ok = False
             ctx.problem(
                 f"{name}.seq_len",
-                f"seq_len={seq} exceeds the base model's max_position_embeddings={max_pos}; use seq_len <= {max_pos}",
+                f"seq_len={seq} exceeds {whose}={max_pos}; use seq_len <= {max_pos}, or extend the context with "
+                "cpt.context (max_position_embeddings and a rope_scaling or rope_theta: docs/long-context.md)",
             )
     if ok:
-        ctx.ok(f"seq_len cpt={ctx.cfg.cpt.seq_len}, sft={ctx.cfg.sft.seq_len} <= max_position_embeddings={max_pos}")
+        changed = changes_text(ctx.model.config, trained)
+        ctx.ok(
+            f"seq_len cpt={ctx.cfg.cpt.seq_len}, sft={ctx.cfg.sft.seq_len} <= max_position_embeddings={max_pos}"
+            + (f" (cpt.context: {'; '.join(changed)})" if changed else "")
+        )
 
 
 def check_chat_template(ctx: CheckContext) -> None:
