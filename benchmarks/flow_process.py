@@ -42,15 +42,15 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
+import support  # first: it puts the checkout on sys.path, where `benchmarks` is
 from benchmarks.scale import GB, SIZES, fmt_gb, model_dir, tokenizer_dir
+
+REPO = support.REPO
 
 CHILD = r"""
 import hashlib, json, sys, time
 from tasks.core.models.fingerprint import hf_dir_logits
-from tasks.engine.metrics import HostPeak
+from tasks.core.hostpeak import HostPeak
 
 warm, model, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
 hf_dir_logits(warm, dtype=dtype, budget_gb=0)  # imports, the model class, sdpa: what any flow process holds
@@ -87,7 +87,7 @@ import hashlib, json, shutil, sys, time
 from pathlib import Path
 from safetensors import safe_open
 from tasks.core.models.merge import build_merged_dir
-from tasks.engine.metrics import HostPeak
+from tasks.core.hostpeak import HostPeak
 
 def digest(folder):  # every tensor's name and bytes, one tensor at a time
     h = hashlib.sha256()

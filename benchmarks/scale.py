@@ -47,13 +47,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from support import REPO
+from support.bench import workdir
 
 GB = 1e9
 # Random Llamas; vocab 32000 (the Llama-2 size: divisible by tp=2, large enough that the embedding
@@ -465,7 +464,7 @@ def main() -> None:
         a.sizes, a.plugins, a.steps = [], ["hp-tp2-fp32"], 2
     LAUNCH_TIMEOUT_S = a.launch_timeout
     slow = {h: half_slowdown(h) for h in {PLUGINS[p].get("precision") for p in a.plugins} & {"bf16", "fp16"}}
-    work = Path(a.workdir or tempfile.mkdtemp(prefix="scale-"))
+    work = workdir(a.workdir, "scale-")
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     import psutil

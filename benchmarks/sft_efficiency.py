@@ -34,8 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from support.tiny import tiny_tokenizer
 
 WORDS = (
     "the",
@@ -191,11 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.core.config.batching import BATCHING
     from tasks.core.data.dataset import TokenDataset
     from tasks.core.data.prepare import prepare
-    from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="sft-eff-") as tmp:
         root = Path(tmp)
-        tok = build_tokenizer(DEFAULT_CORPUS, vocab_size=512)
+        tok = tiny_tokenizer()
         tok.save_pretrained(root / "tok")
         src = root / "chats.jsonl"
         sample = " ".join(WORDS * 8)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
+from support.engine import engine, stage_raw, write_job
 from tasks.core.errors import ManifestError
 from tasks.core.models.flops import flops_per_token, mfu, peak_flops
 from tasks.core.run.tbevents import read_scalars
 from tasks.engine.metrics import TAGS, StepMetrics, grad_norm
-from tests._engine_utils import engine, stage_raw, write_job
 
 
 class _Cfg:
