@@ -33,7 +33,7 @@ from pathlib import Path
 
 from support import REPO
 from support.tiny import tiny_model
-from tasks.core.hostpeak import HostPeak
+from tasks.core.run.hostpeak import HostPeak
 
 PLUGINS = {
     "hp-tp2-fp32": {"name": "hybrid_parallel", "tp_size": 2, "precision": "fp32"},

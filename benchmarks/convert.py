@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from support import REPO
-from tasks.core.hostpeak import HostPeak, status_bytes
+from tasks.core.run.hostpeak import HostPeak, status_bytes
 
 # Llama-shaped and fixed, so the largest tensor (embeddings: 32000 x 1024 fp32 = 131 MB) is the same
 # at every size and only the number of layers grows with --size-gb

@@ -84,7 +84,7 @@ def make_corpus(dest: Path, mb: float, files: int, seed: int = 0) -> int:
 # child shared between fork and exec, so every child reported at least the parent's RSS.)
 PRELUDE = """
 import atexit, json as _json
-from tasks.core.hostpeak import status_bytes as _status_bytes
+from tasks.core.run.hostpeak import status_bytes as _status_bytes
 atexit.register(lambda: print(_json.dumps({"hwm_kb": _status_bytes("VmHWM") // 1024})))
 """
 

@@ -50,7 +50,7 @@ REPO = support.REPO
 CHILD = r"""
 import hashlib, json, sys, time
 from tasks.core.models.fingerprint import hf_dir_logits
-from tasks.core.hostpeak import HostPeak
+from tasks.core.run.hostpeak import HostPeak
 
 warm, model, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
 hf_dir_logits(warm, dtype=dtype, budget_gb=0)  # imports, the model class, sdpa: what any flow process holds
@@ -87,7 +87,7 @@ import hashlib, json, shutil, sys, time
 from pathlib import Path
 from safetensors import safe_open
 from tasks.core.models.merge import build_merged_dir
-from tasks.core.hostpeak import HostPeak
+from tasks.core.run.hostpeak import HostPeak
 
 def digest(folder):  # every tensor's name and bytes, one tensor at a time
     h = hashlib.sha256()

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from support import REPO
-from tasks.core.hostpeak import HostPeak
+from tasks.core.run.hostpeak import HostPeak
 
 SIZES = {  # the shapes of benchmarks/scale.py
     "50M": dict(

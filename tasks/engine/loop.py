@@ -28,9 +28,9 @@ import torch.distributed as dist
 from tasks.core.config.batching import BATCHING, micro_width
 from tasks.core.data.index import check_fits_model
 from tasks.core.errors import ManifestError
-from tasks.core.hostpeak import HostPeak
 from tasks.core.run import segments
 from tasks.core.run.events import PROGRESS
+from tasks.core.run.hostpeak import HostPeak
 from tasks.core.run.stages import PEAK_FIELDS, STEP_SUMMARY, SUMMARY_FIELDS
 from tasks.engine import checkpoint as ckpt
 from tasks.engine import hostmem, lora

@@ -1,7 +1,7 @@
 """A process's host-memory peak over a span, from Linux /proc: what the engine logs for building a
 rank's model and what the benchmarks report for the work they time.
 
-    python -c "from tasks.core.hostpeak import HostPeak; p = HostPeak(); b = bytearray(1 << 28); print(p.added())"
+    python -c "from tasks.core.run.hostpeak import HostPeak; p = HostPeak(); b = bytearray(1 << 28); print(p.added())"
 
 Torch-free on purpose: a benchmark's worker imports it before its RSS baseline without the import
 itself weighing on what is measured.
