@@ -25,7 +25,7 @@ Per size, the seeded random Llama of benchmarks/scale.py (an fp32 HF folder, as 
   4.5 s before the first stage, whatever the run's size), then on a Prefect server already running,
   as scheduled and triggered deployment runs and their retries meet it.
 
-Targets (#25): the check's peak over its start <= the model in the checked dtype + 0.5 GB, and
+Targets: the check's peak over its start <= the model in the checked dtype + 0.5 GB, and
 bounded once streamed (one decoder layer or the embedding, not the model); the skip time not
 growing with the artifact; the re-run <= 0.1 x the first run.
 """

@@ -10,7 +10,7 @@ Each mode is the engine's own shard and train verbs under torchrun (2 ranks), on
 - step time: the median `step_s` of the train launch;
 - checkpoint size: every file of the final checkpoint (LoRA: adapter/, never the base);
 - merged export time: tasks.core.models.merge.build_merged_dir (fp32 merge, bf16 export, proofs).
-Targets (issue #26): LoRA checkpoint <= 5 % of the full one at r=8; peak rank memory below full
+Targets: LoRA checkpoint <= 5 % of the full one at r=8; peak rank memory below full
 fine-tuning by at least the optimizer state of the frozen weights.
 """
 

@@ -16,7 +16,7 @@ Measured, each mode from a fresh output directory (no shard cache), alternated, 
 - data start-up (StageData built and its first batch) and per-step data time (median of the
   next `--probe-steps` batches), mixture vs the single source.
 
-Targets (issue #27): every share within 1 % absolute of its weight; start-up and per-step data
+Targets: every share within 1 % absolute of its weight; start-up and per-step data
 time <= 1.05x the single source.
 """
 

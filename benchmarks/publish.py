@@ -12,8 +12,7 @@ same tiny random Llama is sharded once; each mode trains from a copy of that ste
 --nproc CPU ranks (torch_ddp, fp32; default 1) through `tasks.core.launch.torchrun.run_engine`, exactly as the
 train task launches it. One rank by default: on this 2-core machine two CPU ranks take both cores,
 and any upload (s3fs, the proxy, the S3 server, all on the same cores) then slows training
-whether it runs in the reader or beside it (measured: 2 ranks, a checkpoint every 75 steps: local
-39.3 steps/s, sync 22.6, async 23.3 with no backpressure wait). On a GPU node the ranks' CPU
+whether it runs in the reader or beside it. On a GPU node the ranks' CPU
 cores are mostly idle while the GPU trains. steps/s is the ranks' own count: steps / `elapsed_s` of the last @@progress record (from the
 first step to the last, saves and waits included; a failed mode: up to its last step); the wall
 time adds launch and the final drain. Mode (c) keeps pace with (a) when one upload takes less than

@@ -79,7 +79,7 @@ PLUGINS = {
 NPROC = 2
 LAUNCH_TIMEOUT_S = 900.0  # --launch-timeout: one engine verb, SIGTERMed past it
 # A bf16/fp16 row is skipped where this CPU runs a half-precision matmul this many times slower than
-# fp32 (no native bf16: measured 59x on an AMD EPYC here, where one 50M bf16 step took minutes).
+# fp32 (a CPU without native bf16 runs it tens of times slower: one 50M bf16 step takes minutes).
 HALF_SLOWDOWN_LIMIT = 8.0
 
 

@@ -17,7 +17,7 @@ speed-up over `padded`; then the loss equivalence: the per-token losses on assis
 same chats at the grouped width, and packed several to a row (block-diagonal causal mask, position
 ids restarting), against each chat alone padded to seq_len (max |difference|).
 
-Targets (the issue): grouped >= 0.7 useful tokens; packed >= 0.9 and a packed epoch >= 3x faster
+Targets: grouped >= 0.7 useful tokens; packed >= 0.9 and a packed epoch >= 3x faster
 than padded.
 """
 

@@ -12,7 +12,7 @@ makes the hashing column far slower, the stamp column not at all):
 - stamp:  `RunStore.verify(rel, trust_stamp=True)` as `tasks/stage.py` `completed` runs it now
   (one stat per file, the manifest and the stamp read).
 
-Target (#25): the skip time does not grow with the artifact size; the byte-level checks still run
+Target: the skip time does not grow with the artifact size; the byte-level checks still run
 where an artifact is read (stage_in, the engine's resume).
 """
 
