@@ -1,7 +1,6 @@
 """What the tests and the benchmarks share, so that neither folder imports the other: the real-protocol
 servers (`support.servers`), the engine-test helpers (`support.engine`), the tiny model and its
-configs (`support.tiny`), and the measuring kit (`support.bench`: work directories, best-of timing,
-tables).
+configs (`support.tiny`), and the measuring kit (`support.bench`: work directories, best-of timing).
 
     python benchmarks/skip.py --smoke      # a benchmark finds the checkout through this package
     python -c "import support; print(support.REPO)"

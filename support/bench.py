@@ -1,4 +1,4 @@
-"""The measuring kit of the benchmarks: a work directory, best-of timing, a plain-text table.
+"""The measuring kit of the benchmarks: a work directory, best-of timing.
 
 python -c "from support.bench import best_of; print(best_of(lambda: sum(range(10**6)), 3))"
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -24,10 +24,3 @@ def best_of(fn: Callable[[], object], repeat: int) -> float:
         fn()
         out.append(time.perf_counter() - t0)
     return min(out)
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[object]], sep: str = " | ") -> str:
-    """Rows of cells joined by `sep` under their header, each column as wide as its widest cell."""
-    cells = [[str(c) for c in header], *[[str(c) for c in r] for r in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    return "\n".join(sep.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
