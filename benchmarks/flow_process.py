@@ -44,6 +44,8 @@ from pathlib import Path
 
 import support  # first: it puts the checkout on sys.path, where `benchmarks` is
 from benchmarks.scale import GB, SIZES, fmt_gb, model_dir, tokenizer_dir
+from support.bench import best_of
+from support.tiny import tiny_model
 
 REPO = support.REPO
 
@@ -216,7 +218,7 @@ def skip_times(work: Path, size: str, model: Path) -> dict:
     store.verify("base")
     hashed = time.perf_counter() - t
     assert "hashed" in store.last_verify, store.last_verify
-    stamped = min(_timed(lambda: store.verify("base", trust_stamp=True)) for _ in range(5))
+    stamped = best_of(lambda: store.verify("base", trust_stamp=True), 5)
     assert store.last_verify.startswith("by its verification stamp"), store.last_verify
     return {
         "artifact_bytes": sum(f.stat().st_size for f in art.rglob("*") if f.is_file()),
@@ -225,23 +227,16 @@ def skip_times(work: Path, size: str, model: Path) -> dict:
     }
 
 
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
 def rerun(work: Path) -> dict:
     """The demo run twice (the second finds every stage done), wall time of each through the CLI,
     in both ways a flow process meets Prefect: {"cli": ..., "server": ...}."""
     import yaml
 
     from flows.embedded_api import embedded_api
-    from tasks.core.models.demo import build_tiny_model, build_tokenizer
 
     base = work / "demo-base"
     if not (base / "config.json").is_file():
-        build_tiny_model(base, build_tokenizer())
+        tiny_model(base)
     raw = yaml.safe_load((REPO / "deployments" / "configs" / "tiny-cpu.yaml").read_text())
     raw.update(run_root=str(work / "demo-run"), name="flow-process-bench")
     raw["base_model"]["uri"] = str(base)

@@ -53,6 +53,7 @@ from pathlib import Path
 
 from support import REPO
 from support.bench import workdir
+from support.tiny import tiny_tokenizer
 
 GB = 1e9
 # Random Llamas; vocab 32000 (the Llama-2 size: divisible by tp=2, large enough that the embedding
@@ -266,9 +267,7 @@ def model_dir(work: Path, size: str, tokdir: Path) -> Path:
 def tokenizer_dir(work: Path) -> Path:
     out = work / "tokenizer"
     if not (out / "tokenizer.json").is_file():
-        from tasks.core.models.demo import build_tokenizer
-
-        build_tokenizer().save_pretrained(out)
+        tiny_tokenizer().save_pretrained(out)
     return out
 
 
