@@ -12,8 +12,11 @@ torch.cuda.max_memory_allocated instead. The batches are seeded random token ids
 tokens (a sequence that starts with the pad token, whose embedding is zero, NaNs a deep model's
 gradients: benchmarks/plain_colossalai_train.py says why), the same in both modes.
 
-The rank side (`_ranks`) runs any list of cases in one launch; tests/test_activation_checkpointing.py
-uses it for the loss equalities under hybrid_parallel (tp=2, pp=2) and low_level_zero.
+The rank side (`_ranks`) runs any list of cases in one launch; `cases` launches it and writes every
+rank's records to a JSON file, which tests/test_activation_checkpointing.py reads for the loss
+equalities under hybrid_parallel (tp=2, pp=2) and low_level_zero:
+
+    python benchmarks/activation_checkpointing.py cases --model DIR --cases hp-tp2-fp32:off,hp-tp2-fp32:on --out DIR
 """
 
 from __future__ import annotations
@@ -22,14 +25,15 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from support import REPO
+from support.tiny import tiny_model
+from tasks.core.run.hostpeak import HostPeak
 
 PLUGINS = {
     "hp-tp2-fp32": {"name": "hybrid_parallel", "tp_size": 2, "precision": "fp32"},
@@ -47,20 +51,15 @@ FIRST_ID = 3  # above bos/eos/pad of the demo tokenizer
 # -- rank side -------------------------------------------------------------------------------------
 
 
-def _kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-
-
-def _reset_peak() -> None:
+def _trim_heap() -> None:
     import ctypes
     import gc
 
     gc.collect()
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so the reset starts low
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so the peak's reset starts low
     except OSError:
         pass
-    Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := the current resident set
 
 
 def _weights_digest(model) -> str:
@@ -123,8 +122,8 @@ def _case(spec: str, a: argparse.Namespace, work: Path) -> dict:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    _reset_peak()
-    start_kib = _kib("VmRSS")
+    _trim_heap()
+    peak = HostPeak()  # VmHWM := the current resident set
     losses, t0 = [], time.monotonic()
     rows = a.mbs * stage_cfg["grad_accum_steps"]
     for step in range(a.steps):
@@ -136,13 +135,14 @@ def _case(spec: str, a: argparse.Namespace, work: Path) -> dict:
             micro = [batch]
         losses.append(eng.train_step(micro))
     seconds = time.monotonic() - t0
+    added, start = peak.added()
     out = {
         "case": spec,
         "rank": rank,
         "losses": losses,
         "seconds": round(seconds, 2),
-        "peak_kib": _kib("VmHWM"),
-        "start_kib": start_kib,
+        "peak_kib": (added + start) // 1024,
+        "start_kib": start // 1024,
         "cuda_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "activation_checkpointing": eng.activation_checkpointing,
         "layer_calls": calls[0],
@@ -248,19 +248,31 @@ def compare(recs: list[dict], base: str, other: str) -> dict:
 
 
 def build_model(out: Path, smoke: bool) -> Path:
-    sys.path.insert(0, str(REPO))
-    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
-
-    tok = build_tokenizer(DEFAULT_CORPUS, vocab_size=512)
-    build_tiny_model(out, tok, seed=0, **({} if smoke else MODEL))
+    tiny_model(out, seed=0, **({} if smoke else MODEL))
     return out
+
+
+def run_cases(argv: list[str]) -> int:
+    """One launch of the given cases; every rank's records (as `launch` returns them) to OUT/records.json."""
+    p = argparse.ArgumentParser(prog="activation_checkpointing.py cases")
+    p.add_argument("--model", required=True)
+    p.add_argument("--cases", required=True, help="comma-separated PLUGIN:on|off")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--out", required=True, type=Path)
+    a = p.parse_args(argv)
+    recs = launch(Path(a.model), a.cases.split(","), a.out, a.steps, a.seq_len, a.mbs)
+    (a.out / "records.json").write_text(json.dumps(recs, indent=1))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_ranks":
-        sys.path.insert(0, str(REPO))
         return ranks(argv[1:])
+    if argv and argv[0] == "cases":
+        return run_cases(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--smoke", action="store_true", help="the demo's tiny model, 2 steps of 2 x 64 tokens, both modes in one launch"

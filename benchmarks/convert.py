@@ -39,8 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from support import REPO
+from tasks.core.run.hostpeak import HostPeak, status_bytes
 
 # Llama-shaped and fixed, so the largest tensor (embeddings: 32000 x 1024 fp32 = 131 MB) is the same
 # at every size and only the number of layers grows with --size-gb
@@ -106,13 +106,6 @@ def write_checkpoint(ckpt: Path, config: dict, shard_mb: float = COLOSSAL_SHARD_
 # ---------------------------------------------------------------------------------------------
 
 
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
 def _fsync_tree(root: Path) -> None:
     for path in root.iterdir():
         if path.is_file():
@@ -166,20 +159,17 @@ def run_worker(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool, s
     elif kind == "naive":
         import transformers  # noqa: F401
         from transformers import AutoModelForCausalLM  # noqa: F401
-    baseline_kb = _status_kb("VmRSS")
-    import_peak_kb = _status_kb("VmHWM")
-    try:  # reset VmHWM so it measures the work alone (Linux >= 4.0)
-        Path("/proc/self/clear_refs").write_text("5")
-        hwm_reset = True
-    except OSError:
-        hwm_reset = False
+    import_peak_kb = status_bytes("VmHWM") // 1024
+    peak = HostPeak()  # VmHWM reset, so it measures the work alone (Linux >= 4.0)
+    hwm_reset = peak.start is not None
+    baseline_kb = (peak.start if hwm_reset else status_bytes("VmRSS")) // 1024
     t0 = time.perf_counter()
     if kind == "ours":
         extra = work_ours(src, dst, config, fsync, shard, dtype=cast)
     else:
         extra = WORKERS[kind](src, dst, config, fsync, shard)
     seconds = time.perf_counter() - t0 - (extra or {}).get("hash_seconds", 0.0)
-    hwm_kb = _status_kb("VmHWM")
+    hwm_kb = status_bytes("VmHWM") // 1024
     return {
         "seconds": seconds,
         "baseline_kb": baseline_kb,
@@ -233,7 +223,7 @@ def measure(kind: str, src: Path, dst: Path, cast: str | None, fsync: bool, shar
     quiesce(dst.parent, settle_s)  # start every run with no writeback or discard of an earlier one in flight
     flags = (["--cast", cast] if cast else []) + (["--no-fsync"] if not fsync else []) + ["--max-shard-size", shard]
     cmd = [sys.executable, __file__, "--worker", kind, str(src), str(dst), *flags]
-    proc = subprocess.run(cmd, capture_output=True, cwd=ROOT, check=False)
+    proc = subprocess.run(cmd, capture_output=True, cwd=REPO, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {kind} failed ({proc.returncode}):\n{proc.stderr.decode()[-3000:]}")
     result = json.loads(proc.stdout.decode().strip().splitlines()[-1])

@@ -41,13 +41,14 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+from support import REPO
+from support.bench import workdir
+from support.tiny import tiny_tokenizer
+
+ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 SEQ_LEN = 1024
 
 
@@ -83,11 +84,8 @@ def make_corpus(dest: Path, mb: float, files: int, seed: int = 0) -> int:
 # child shared between fork and exec, so every child reported at least the parent's RSS.)
 PRELUDE = """
 import atexit, json as _json
-def _hwm():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            print(_json.dumps({"hwm_kb": int(line.split()[1])}))
-atexit.register(_hwm)
+from tasks.core.run.hostpeak import status_bytes as _status_bytes
+atexit.register(lambda: print(_json.dumps({"hwm_kb": _status_bytes("VmHWM") // 1024})))
 """
 
 
@@ -229,12 +227,12 @@ def train_probe(work: Path, tokdir: Path, prepared: Path, steps: int, nproc: int
 
     from transformers import AutoTokenizer
 
+    from support.engine import run_raw
     from tasks.core.config.schema import LaunchConfig
     from tasks.core.launch.torchrun import run_engine
     from tasks.core.models.demo import build_tiny_model
     from tasks.core.run.job import parse_job
     from tasks.core.run.stages import step_name
-    from tests._engine_utils import run_raw
 
     log = logging.getLogger("bench-data")
     model = work / "tiny-llama-1k"
@@ -347,12 +345,10 @@ def main() -> None:
     if a.smoke:
         a.sizes, a.files, a.train_steps, a.single_mb, a.chunk_mb, a.raw_mb = [0.3], 2, 1, 0.3, 0.05, 0.3
     train_launches, nproc = (1, 1) if a.smoke else (2, 2)
-    work = Path(a.workdir or tempfile.mkdtemp(prefix="bench-data-"))
+    work = workdir(a.workdir, "bench-data-")
     work.mkdir(parents=True, exist_ok=True)
-    from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
-
     tokdir = work / "tokenizer"
-    build_tokenizer(DEFAULT_CORPUS, vocab_size=512).save_pretrained(tokdir)
+    tiny_tokenizer().save_pretrained(tokdir)
     rows = []
     try:
         for mb in a.sizes:

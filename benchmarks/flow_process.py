@@ -25,7 +25,7 @@ Per size, the seeded random Llama of benchmarks/scale.py (an fp32 HF folder, as 
   4.5 s before the first stage, whatever the run's size), then on a Prefect server already running,
   as scheduled and triggered deployment runs and their retries meet it.
 
-Targets (#25): the check's peak over its start <= the model in the checked dtype + 0.5 GB, and
+Targets: the check's peak over its start <= the model in the checked dtype + 0.5 GB, and
 bounded once streamed (one decoder layer or the embedding, not the model); the skip time not
 growing with the artifact; the re-run <= 0.1 x the first run.
 """
@@ -42,15 +42,17 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
+import support  # first: it puts the checkout on sys.path, where `benchmarks` is
 from benchmarks.scale import GB, SIZES, fmt_gb, model_dir, tokenizer_dir
+from support.bench import best_of
+from support.tiny import tiny_model
+
+REPO = support.REPO
 
 CHILD = r"""
 import hashlib, json, sys, time
 from tasks.core.models.fingerprint import hf_dir_logits
-from tasks.engine.metrics import HostPeak
+from tasks.core.run.hostpeak import HostPeak
 
 warm, model, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
 hf_dir_logits(warm, dtype=dtype, budget_gb=0)  # imports, the model class, sdpa: what any flow process holds
@@ -87,7 +89,7 @@ import hashlib, json, shutil, sys, time
 from pathlib import Path
 from safetensors import safe_open
 from tasks.core.models.merge import build_merged_dir
-from tasks.engine.metrics import HostPeak
+from tasks.core.run.hostpeak import HostPeak
 
 def digest(folder):  # every tensor's name and bytes, one tensor at a time
     h = hashlib.sha256()
@@ -216,7 +218,7 @@ def skip_times(work: Path, size: str, model: Path) -> dict:
     store.verify("base")
     hashed = time.perf_counter() - t
     assert "hashed" in store.last_verify, store.last_verify
-    stamped = min(_timed(lambda: store.verify("base", trust_stamp=True)) for _ in range(5))
+    stamped = best_of(lambda: store.verify("base", trust_stamp=True), 5)
     assert store.last_verify.startswith("by its verification stamp"), store.last_verify
     return {
         "artifact_bytes": sum(f.stat().st_size for f in art.rglob("*") if f.is_file()),
@@ -225,23 +227,16 @@ def skip_times(work: Path, size: str, model: Path) -> dict:
     }
 
 
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
 def rerun(work: Path) -> dict:
     """The demo run twice (the second finds every stage done), wall time of each through the CLI,
     in both ways a flow process meets Prefect: {"cli": ..., "server": ...}."""
     import yaml
 
     from flows.embedded_api import embedded_api
-    from tasks.core.models.demo import build_tiny_model, build_tokenizer
 
     base = work / "demo-base"
     if not (base / "config.json").is_file():
-        build_tiny_model(base, build_tokenizer())
+        tiny_model(base)
     raw = yaml.safe_load((REPO / "deployments" / "configs" / "tiny-cpu.yaml").read_text())
     raw.update(run_root=str(work / "demo-run"), name="flow-process-bench")
     raw["base_model"]["uri"] = str(base)

@@ -30,11 +30,9 @@ What it runs, each step a time-boxed subprocess (its output goes to $OUT/gpu_che
                       match the final SFT checkpoint's fingerprint
   throughput          the flow's CPT tokens/s (from the engine's @@progress records) over the plain
                       script's, same steps, the intervals holding a checkpoint save left out, the first
-                      5 steps too; target >= 0.97. Model TFLOP/s per GPU = tokens/s x (6 N + 12 L H Q T)
-                      (PaLM's count: N the matmul parameters, the LM head included, the input
-                      embedding not; L layers, H heads, Q head dim, T seq_len) and MFU against the
-                      H200's dense bf16 peak: 989 TFLOP/s by the datasheet, ~790 measured here
-                      (8192^3 bf16 matmul through PyTorch, /work/.library/device/KINDS.md)
+                      5 steps too; target >= 0.97. Model TFLOP/s per GPU and MFU as the engine
+                      computes them (tasks/core/models/flops.py: 6 N + 12 L H T FLOPs per token, N
+                      every parameter; the device's dense peak from its table), so the two agree
   gpu_tests           `pytest -m gpu tests/test_gpu.py tests/test_gpu_lora.py tests/test_eval_placement.py tests/test_gpu_construction.py`
                       (tiny model, and a 620M one built lazily on the GPU; evaluation spread
                       over the visible GPUs needs two), run beside the retry, which is not timed
@@ -43,7 +41,7 @@ What it runs, each step a time-boxed subprocess (its output goes to $OUT/gpu_che
 (HybridParallel ZeRO-1 bf16 on one CPU rank), SFT runs low_level_zero instead of Gemini, steps are
 fewer; kernels are skipped and the throughput ratio is parsed and printed but not judged.
 --smoke is the dry run with SMOKE_OVERRIDES on top (4 steps a stage, shorter CPT blocks) and the
-flows' Prefect home seeded with an already migrated database (tests/servers/prefect_home.py): every
+flows' Prefect home seeded with an already migrated database (support/servers/prefect_home.py): every
 check but gpu_tests still runs (tests/test_gpu.py only collects and skips on CPU, as the test suite
 itself shows, and a pytest beside the retry would slow it on two cores).
 """
@@ -64,10 +62,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from support import REPO
+from support.tiny import tiny_tokenizer
+from tasks.core.models import flops
+from tasks.core.run.events import parse_line
+
 CONFIG = REPO / "deployments" / "configs" / "gpu-check.yaml"
-PEAK_SPEC_TFLOPS = 989.0
-PEAK_MEASURED_TFLOPS = 790.0
+PY, ME = sys.executable, str(Path(__file__).resolve())
 TARGET_RATIO = 0.97
 TOKENIZER_VOCAB = 512
 # ~302M parameters: 20 x 11.8M (GQA attention 3.1M + gated MLP 8.7M) + 2 x 32.8M (embedding, LM head).
@@ -104,6 +105,13 @@ SMOKE_OVERRIDES = {
     "cpt": {"max_steps": 4, "checkpoint_every": 2, "seq_len": 256, "micro_batch_size": 2},
     "sft": {"max_steps": 4, "checkpoint_every": 2},
 }
+GPU_TESTS = (
+    "tests/test_gpu.py",
+    "tests/test_gpu_lora.py",
+    "tests/test_eval_placement.py",
+    "tests/test_gpu_construction.py",
+)
+# Each step's limit in seconds (a dry run's are three times these).
 TIMEOUTS = {
     "env": 120,
     "kernels": 420,
@@ -138,8 +146,24 @@ class Ctx:
     log_path: Path
     deadline: float
     cuda: bool
+    timeouts: dict[str, float]
     checks: list[Check] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict)
+    config: Path = CONFIG  # the config the flow runs: gpu-check.yaml, or its dry-run copy
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def run_root(self) -> Path:
+        return self.work / "run"
+
+    @property
+    def model_dir(self) -> Path:
+        return REPO / self.raw["base_model"]["uri"]
+
+    @property
+    def kill_step(self) -> int:
+        every = self.raw["sft"]["checkpoint_every"]
+        return every + every // 2
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -239,12 +263,8 @@ def why(p: Proc, default: str = "") -> str:
 
 
 def records(text: str, kind: str) -> list[dict[str, Any]]:
-    out = []
-    for line in text.splitlines():
-        body = line.split("] ", 1)[1] if line.startswith("[rank") else line
-        if body.startswith(f"@@{kind} "):
-            out.append(json.loads(body[len(kind) + 3 :]))
-    return out
+    """The payloads of a step's `@@<kind>` lines, a rank's or its own (tasks/core/run/events.py parses both)."""
+    return [line.record for line in map(parse_line, text.splitlines()) if line.kind == kind]
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -255,18 +275,6 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------------
 # arithmetic
-
-
-def flops_per_token(mc: dict[str, Any], seq_len: int) -> float:
-    """PaLM (appendix B): 6 N + 12 L H Q T, N the parameters that do matmuls (the LM head counts,
-    the input embedding is a lookup), attention over the full T (causal masking not halved)."""
-    h, L, inter, vocab = (int(mc[k]) for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
-    heads = int(mc["num_attention_heads"])
-    kv = int(mc.get("num_key_value_heads") or heads)
-    hd = int(mc.get("head_dim") or h // heads)
-    per_layer = h * heads * hd * 2 + h * kv * hd * 2 + 3 * h * inter
-    n_matmul = L * per_layer + vocab * h
-    return 6.0 * n_matmul + 12.0 * L * heads * hd * seq_len
 
 
 def throughput(progress: list[dict[str, Any]], save_steps: set[int], skip: int) -> dict[str, Any]:
@@ -370,7 +378,7 @@ def cmd_kernels() -> int:
 
 
 def cmd_build_model(out: str, size: str) -> int:
-    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+    from tasks.core.models.demo import build_tiny_model
     from tasks.core.preflight.checks import estimate_parameters
 
     shape = dict(FULL_MODEL if size == "full" else DRY_MODEL)
@@ -379,8 +387,7 @@ def cmd_build_model(out: str, size: str) -> int:
     tmp = dest.with_name(dest.name + ".tmp-build")
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.monotonic()
-    tok = build_tokenizer(DEFAULT_CORPUS, vocab_size=TOKENIZER_VOCAB)
-    build_tiny_model(tmp, tok, vocab_size=vocab, seed=0, **shape)
+    build_tiny_model(tmp, tiny_tokenizer(TOKENIZER_VOCAB), vocab_size=vocab, seed=0, **shape)
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
     mc = json.loads((dest / "config.json").read_text())
@@ -507,15 +514,8 @@ def problems_in(text: str) -> list[str]:
     return [ln.strip()[2:].split(":", 1)[0] for ln in text.splitlines() if ln.startswith("  - ")]
 
 
-def main_check(args: argparse.Namespace) -> int:
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.dry_run:
-        say("no CUDA device visible: run on the GPU machine, or use --dry-run here")
-        return 2
-    if args.dry_run:  # two CPU cores here: every launch is slower than on the GPU machine
-        TIMEOUTS.update({k: v * 3 for k, v in TIMEOUTS.items()})
+def make_ctx(args: argparse.Namespace, cuda: bool) -> Ctx:
+    """The work directory (emptied), the log, the time budget and each step's limit for this run."""
     if args.budget_s is None:
         args.budget_s = 1800.0 if args.dry_run else 540.0
     work = Path(args.work or ("/tmp/gpu-check-dry" if args.dry_run else "/tmp/gpu-check")).resolve()
@@ -524,37 +524,29 @@ def main_check(args: argparse.Namespace) -> int:
     if args.smoke:
         # The first flow's embedded server would spend ~35 s wall (~11 s CPU; SQLite's fsyncs) migrating an
         # empty database, which the smoke has no use for: it starts from a copy of one already migrated.
-        from tests.servers.prefect_home import seeded_home
+        from support.servers.prefect_home import seeded_home
 
         seeded_home(work / "prefect-home")
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else work
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = Ctx(args, work, out_dir / "gpu_check.log", time.monotonic() + args.budget_s, cuda)
+    # two CPU cores in a dry run: every launch is slower than on the GPU machine
+    timeouts = {k: v * 3 for k, v in TIMEOUTS.items()} if args.dry_run else dict(TIMEOUTS)
+    ctx = Ctx(args, work, out_dir / "gpu_check.log", time.monotonic() + args.budget_s, cuda, timeouts)
     ctx.log_path.write_text(f"gpu_check {'--dry-run ' if args.dry_run else ''}started {time.ctime()} in {work}\n")
-    py = sys.executable
-    me = str(Path(__file__).resolve())
-    t_start = time.monotonic()
-    say(
-        f"gpu_check: {'DRY RUN on CPU' if args.dry_run else 'GPU'}; work dir {work}; log {ctx.log_path}; budget "
-        f"{args.budget_s:.0f}s"
-    )
+    ctx.config, ctx.raw = write_config(ctx)
+    return ctx
 
-    cfg_path, raw = write_config(ctx)
-    cpt, sft = raw["cpt"], raw["sft"]
-    run_root = work / "run"
-    model_dir = REPO / raw["base_model"]["uri"]
-    kill_step = sft["checkpoint_every"] + sft["checkpoint_every"] // 2
-    skip = 2 if args.dry_run else 5
 
-    # 1. environment; then the kernels build in the background while the model is written
-    p = run(ctx, "env", [py, me, "_env"], TIMEOUTS["env"])
+def check_env(ctx: Ctx) -> None:
+    """Versions and imports in a fresh process: the pinned stack, and a CUDA device outside a dry run."""
+    p = run(ctx, "env", [PY, ME, "_env"], ctx.timeouts["env"])
     env_rec = (records(p.output, "env") or [{}])[0]
     ctx.figures["env"] = env_rec
     want = {"transformers": "4.51.3", "colossalai": "0.5.0"}
     bad = [f"{k} {env_rec.get(k)} (want {v})" for k, v in want.items() if env_rec.get(k) != v]
     if not str(env_rec.get("prefect") or "").startswith("3.9"):
         bad.append(f"prefect {env_rec.get('prefect')} (want 3.9.x)")
-    if not args.dry_run and not env_rec.get("cuda_available"):
+    if not ctx.args.dry_run and not env_rec.get("cuda_available"):
         bad.append("torch sees no CUDA device")
     summary = (
         f"python {env_rec.get('python')}, torch {env_rec.get('torch')} (CUDA {env_rec.get('torch_cuda')}), "
@@ -565,13 +557,11 @@ def main_check(args: argparse.Namespace) -> int:
     )
     ctx.check("env", p.rc == 0 and not bad, summary if p.rc == 0 and not bad else "; ".join(bad) or why(p))
 
-    kernels = None if args.dry_run else start(ctx, "kernels", [py, me, "_kernels"], TIMEOUTS["kernels"])
-    p = run(
-        ctx,
-        "model",
-        [py, me, "_build-model", "--out", str(model_dir), "--size", "dry" if args.dry_run else "full"],
-        TIMEOUTS["model"],
-    )
+
+def check_model(ctx: Ctx) -> dict[str, Any] | None:
+    """The base model written where the config reads it; its config.json, or None when there is none."""
+    size = "dry" if ctx.args.dry_run else "full"
+    p = run(ctx, "model", [PY, ME, "_build-model", "--out", str(ctx.model_dir), "--size", size], ctx.timeouts["model"])
     model_rec = (records(p.output, "model") or [{}])[0]
     ctx.figures["model"] = model_rec
     ctx.check(
@@ -583,91 +573,89 @@ def main_check(args: argparse.Namespace) -> int:
         if p.rc == 0
         else why(p),
     )
-    mc = json.loads((model_dir / "config.json").read_text()) if (model_dir / "config.json").is_file() else None
+    path = ctx.model_dir / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
-    # 2. pre-flight of the committed config: clean on the GPU; on CPU exactly the Gemini problem
+
+def check_preflight(ctx: Ctx) -> None:
+    """Pre-flight of the committed config: clean on the GPU; on CPU exactly the Gemini problem."""
     p = run(
         ctx,
         "preflight",
-        [py, "-m", "flows.cpt_to_sft", "--config", str(CONFIG), "--run-root", str(run_root), "--check"],
-        TIMEOUTS["preflight"],
+        [PY, "-m", "flows.cpt_to_sft", "--config", str(CONFIG), "--run-root", str(ctx.run_root), "--check"],
+        ctx.timeouts["preflight"],
     )
     found = problems_in(p.output)
     ctx.figures["preflight_report"] = p.output.strip().splitlines()
-    if args.dry_run:
-        say(
-            "   pre-flight report (gpu-check.yaml on this CPU machine):\n"
-            + "\n".join("     " + ln for ln in p.output.strip().splitlines())
-        )
-        ctx.check(
-            "preflight",
-            p.rc == 1 and found == ["sft.plugin.name"],
-            "exactly one problem on CPU: sft.plugin.name (gemini needs CUDA)"
-            if found == ["sft.plugin.name"]
-            else f"problems {found}, rc={p.rc}",
-        )
-    else:
+    if not ctx.args.dry_run:
         ctx.check("preflight", p.rc == 0, "clean" if p.rc == 0 else f"problems {found}: {why(p)}")
+        return
+    say(
+        "   pre-flight report (gpu-check.yaml on this CPU machine):\n"
+        + "\n".join("     " + ln for ln in p.output.strip().splitlines())
+    )
+    ctx.check(
+        "preflight",
+        p.rc == 1 and found == ["sft.plugin.name"],
+        "exactly one problem on CPU: sft.plugin.name (gemini needs CUDA)"
+        if found == ["sft.plugin.name"]
+        else f"problems {found}, rc={p.rc}",
+    )
 
-    if kernels is not None:
-        finish(ctx, kernels)
-        krec = (records(kernels.output, "kernels") or [{}])[0]
-        ctx.figures["kernels"] = krec
-        ctx.check(
-            "kernels",
-            kernels.rc == 0 and bool(krec),
-            f"built/loaded in {krec.get('seconds')}s, HybridAdam step ok" if kernels.rc == 0 else why(kernels),
-        )
-    else:
+
+def check_kernels(ctx: Ctx, kernels: Proc | None) -> None:
+    """The JIT build started beside the model's: HybridAdam's kernels load and take a step."""
+    if kernels is None:
         ctx.check("kernels", None, "dry run: no CUDA here; HybridAdam's kernels are JIT-built on the GPU machine")
+        return
+    finish(ctx, kernels)
+    krec = (records(kernels.output, "kernels") or [{}])[0]
+    ctx.figures["kernels"] = krec
+    ctx.check(
+        "kernels",
+        kernels.rc == 0 and bool(krec),
+        f"built/loaded in {krec.get('seconds')}s, HybridAdam step ok" if kernels.rc == 0 else why(kernels),
+    )
 
-    if mc is None:
-        say("no model: stopping")
-        return report(ctx, t_start)
 
-    # 3. the plain baseline (before the flow: nothing else runs on the machine meanwhile)
-    plain_argv = [
-        py,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(cpt["launch"]["nproc_per_node"]),
-        me.replace("gpu_check.py", "plain_colossalai_train.py"),
-        "--model",
-        str(model_dir),
-        "--plugin",
-        cpt["plugin"]["name"],
-        "--tp",
-        str(cpt["plugin"].get("tp_size", 1)),
-        "--zero-stage",
-        str(cpt["plugin"].get("zero_stage", 0)),
+def plain_argv(ctx: Ctx) -> list[str]:
+    """benchmarks/plain_colossalai_train.py under torchrun, shaped as the config's CPT stage."""
+    cpt = ctx.raw["cpt"]
+    argv = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cpt["launch"]["nproc_per_node"])]
+    argv += [ME.replace("gpu_check.py", "plain_colossalai_train.py"), "--model", str(ctx.model_dir)]
+    argv += ["--plugin", cpt["plugin"]["name"], "--tp", str(cpt["plugin"].get("tp_size", 1))]
+    argv += ["--zero-stage", str(cpt["plugin"].get("zero_stage", 0))]
+    argv += [
         "--precision",
         cpt["plugin"].get("precision", "bf16"),
         "--max-norm",
         str(cpt["plugin"].get("max_norm", 1.0)),
-        "--seq-len",
-        str(cpt["seq_len"]),
-        "--micro-batch-size",
-        str(cpt["micro_batch_size"]),
+    ]
+    argv += ["--seq-len", str(cpt["seq_len"]), "--micro-batch-size", str(cpt["micro_batch_size"])]
+    argv += [
         "--steps",
         str(cpt["max_steps"]),
         "--lr",
         str(cpt["lr"]),
         "--warmup-steps",
         str(cpt.get("warmup_steps", 0)),
-        "--token-vocab",
-        str(TOKENIZER_VOCAB),
     ]
+    argv += ["--token-vocab", str(TOKENIZER_VOCAB)]
     if cpt.get("activation_checkpointing"):
-        plain_argv.append("--activation-checkpointing")
+        argv.append("--activation-checkpointing")
+    return argv
+
+
+def check_plain_baseline(ctx: Ctx) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The plain script's run (before the flow: nothing else runs on the machine meanwhile); its
+    @@progress records and its @@kernels record."""
+    cpt = ctx.raw["cpt"]
     if cpt.get("grad_accum_steps", 1) != 1:
         say("   note: the plain script runs grad_accum_steps=1; the config's CPT stage accumulates")
-    penv = base_env(work)
+    penv = base_env(ctx.work)
     penv.setdefault("OMP_NUM_THREADS", "1")
-    p = run(ctx, "plain", plain_argv, TIMEOUTS["plain"], penv)
+    p = run(ctx, "plain", plain_argv(ctx), ctx.timeouts["plain"], penv)
     plain_progress = records(p.output, "progress")
-    plain_kernels = (records(p.output, "kernels") or [{}])[0]
     finite = all(math.isfinite(float(r["loss"])) for r in plain_progress)
     ctx.check(
         "plain_baseline",
@@ -676,125 +664,146 @@ def main_check(args: argparse.Namespace) -> int:
         if plain_progress and p.rc == 0
         else why(p, "no progress records"),
     )
+    return plain_progress, (records(p.output, "kernels") or [{}])[0]
 
-    # 4. the flow, SFT killed after step K; 5. the retry over the same run root
-    rec1, rec2 = work / "records-run1.jsonl", work / "records-run2.jsonl"
-    env1 = base_env(work)
-    env1["CPT_TO_SFT_FAULT"] = f"kill@step={kill_step}@stage=sft"
-    p1 = run(
-        ctx,
-        "flow1-kill",
-        [py, me, "_flow", "--config", str(cfg_path), "--run-root", str(run_root), "--records", str(rec1)],
-        TIMEOUTS["flow1"],
-        env1,
-    )
+
+def flow_argv(ctx: Ctx, records_path: Path) -> list[str]:
+    return [
+        PY,
+        ME,
+        "_flow",
+        "--config",
+        str(ctx.config),
+        "--run-root",
+        str(ctx.run_root),
+        "--records",
+        str(records_path),
+    ]
+
+
+def run_flow_kill(ctx: Ctx) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The flow with SFT killed after step K (1.5 checkpoint intervals); its launches' records and run.json."""
+    rec1 = ctx.work / "records-run1.jsonl"
+    env1 = base_env(ctx.work)
+    env1["CPT_TO_SFT_FAULT"] = f"kill@step={ctx.kill_step}@stage=sft"
+    p1 = run(ctx, "flow1-kill", flow_argv(ctx, rec1), ctx.timeouts["flow1"], env1)
     if p1.timed_out:
-        run(
-            ctx,
-            "break-lease",
-            [py, "-m", "flows.cpt_to_sft", "--config", str(cfg_path), "--run-root", str(run_root), "--break-lease"],
-            60,
-        )
-    r1 = read_jsonl(rec1)
-    run1 = _read_json(run_root / "run.json")
-    check_flow_kill(ctx, p1, r1, run1, kill_step, cpt, sft)
+        argv = [PY, "-m", "flows.cpt_to_sft", "--config", str(ctx.config), "--run-root", str(ctx.run_root)]
+        run(ctx, "break-lease", [*argv, "--break-lease"], 60)
+    r1, run1 = read_jsonl(rec1), _read_json(ctx.run_root / "run.json")
+    check_flow_kill(ctx, p1, r1, run1, ctx.kill_step, ctx.raw["cpt"], ctx.raw["sft"])
+    return r1, run1
 
-    # The GPU tests (tiny model) run beside the retry, which is not timed: kernels are built by now
-    # and nothing measured runs any more.
-    tests = None
-    if not args.skip_tests:
-        tests = start(
-            ctx,
-            "gpu-tests",
-            [
-                py,
-                "-m",
-                "pytest",
-                "-m",
-                "gpu",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "tests/test_gpu.py",
-                "tests/test_gpu_lora.py",
-                "tests/test_eval_placement.py",
-                "tests/test_gpu_construction.py",
-            ],
-            TIMEOUTS["tests"],
-        )
 
-    p2 = run(
-        ctx,
-        "flow2-retry",
-        [py, me, "_flow", "--config", str(cfg_path), "--run-root", str(run_root), "--records", str(rec2)],
-        TIMEOUTS["flow2"],
-    )
-    r2 = read_jsonl(rec2)
-    run2 = _read_json(run_root / "run.json")
-    check_flow_resume(ctx, p2, r1, r2, run2, sft)
+def start_gpu_tests(ctx: Ctx) -> Proc | None:
+    """The GPU tests (tiny model), started beside the retry, which is not timed: kernels are built by
+    now and nothing measured runs any more."""
+    if ctx.args.skip_tests:
+        return None
+    argv = [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *GPU_TESTS]
+    return start(ctx, "gpu-tests", argv, ctx.timeouts["tests"])
+
+
+def run_flow_retry(ctx: Ctx, r1: list[dict[str, Any]], run1: dict[str, Any]) -> None:
+    """The retry over the same run root: only SFT relaunched, resumed from its last checkpoint."""
+    rec2 = ctx.work / "records-run2.jsonl"
+    p2 = run(ctx, "flow2-retry", flow_argv(ctx, rec2), ctx.timeouts["flow2"])
+    run2 = _read_json(ctx.run_root / "run.json")
+    check_flow_resume(ctx, p2, r1, read_jsonl(rec2), run2, ctx.raw["sft"])
     ctx.figures["stages_run1"] = _stage_table(run1)
     ctx.figures["stages_run2"] = _stage_table(run2)
 
-    # 6. the SFT checkpoints and the export
-    final_sft = run_root / "sft" / f"step-{sft['max_steps']:06d}"
-    check_sft_checkpoint(ctx, final_sft, sft)
-    export = run_root / "export"
+
+def check_export_fingerprint(ctx: Ctx, final_sft: Path) -> None:
+    """The flow's own verification of the export, and the export's logits recomputed on this device
+    against the final SFT checkpoint's fingerprint."""
     from tasks.core.models.hf_artifact import VERIFICATION
 
+    export = ctx.run_root / "export"
     ver = _read_json(export / VERIFICATION)
-    if ver and final_sft.is_dir():
-        p = run(
-            ctx,
-            "logits",
-            [py, me, "_logits", "--export", str(export), "--checkpoint", str(final_sft)],
-            TIMEOUTS["logits"],
-        )
-        lrec = (records(p.output, "logits") or [{}])[0]
-        ctx.figures["export_logits"] = lrec
-        # The flow's tolerance is relative to the logits' magnitude (tasks.core.models.fingerprint.compare_logits).
-        tol = ver.get("fingerprint_rtol", 0.04) * ver.get("fingerprint_max_abs_logit", 1.0)
-        ok = bool(ver.get("fingerprint_match")) and p.rc == 0 and lrec.get("max_abs_diff", 1e9) <= tol
-        ctx.check(
-            "export_fingerprint",
-            ok,
-            f"flow's check (transformers on CPU) max|dlogit| {ver.get('fingerprint_max_abs_diff'):.3g} <= {tol:.3g}; "
-            f"recomputed on {lrec.get('device')}: {lrec.get('max_abs_diff', float('nan')):.3g}"
-            f"{' (bitwise)' if lrec.get('bitwise') else ''}, logits mean |x| {lrec.get('ref_mean_abs', float('nan')):.3g}"
-            if p.rc == 0
-            else why(p),
-        )
-    else:
+    if not ver or not final_sft.is_dir():
         ctx.check(
             "export_fingerprint",
             False,
             "no export/.cpt-to-sft/verification.json or final SFT checkpoint: the flow did not complete",
         )
+        return
+    argv = [PY, ME, "_logits", "--export", str(export), "--checkpoint", str(final_sft)]
+    p = run(ctx, "logits", argv, ctx.timeouts["logits"])
+    lrec = (records(p.output, "logits") or [{}])[0]
+    ctx.figures["export_logits"] = lrec
+    # The flow's tolerance is relative to the logits' magnitude (tasks.core.models.fingerprint.compare_logits).
+    tol = ver.get("fingerprint_rtol", 0.04) * ver.get("fingerprint_max_abs_logit", 1.0)
+    ok = bool(ver.get("fingerprint_match")) and p.rc == 0 and lrec.get("max_abs_diff", 1e9) <= tol
+    ctx.check(
+        "export_fingerprint",
+        ok,
+        f"flow's check (transformers on CPU) max|dlogit| {ver.get('fingerprint_max_abs_diff'):.3g} <= {tol:.3g}; "
+        f"recomputed on {lrec.get('device')}: {lrec.get('max_abs_diff', float('nan')):.3g}"
+        f"{' (bitwise)' if lrec.get('bitwise') else ''}, logits mean |x| {lrec.get('ref_mean_abs', float('nan')):.3g}"
+        if p.rc == 0
+        else why(p),
+    )
 
-    # 7. throughput: the flow's CPT stage vs the plain script, with the same kernels
-    check_throughput(ctx, r1, plain_progress, mc, cpt, skip)
-    check_same_kernels(ctx, r1, plain_kernels)
 
-    # 8. the GPU tests (on CPU: they must collect and skip)
+def check_gpu_tests(ctx: Ctx, tests: Proc | None) -> None:
+    """The GPU tests' outcome; on CPU they must collect and skip."""
     if tests is None:
         ctx.check("gpu_tests", None, "--skip-tests")
+        return
+    p = finish(ctx, tests)
+    last = [ln for ln in p.output.splitlines() if ln.strip()][-1:] or ["no output"]
+    if p.skipped or p.timed_out:
+        ctx.check(
+            "gpu_tests", None if p.skipped else False, why(p) + "; run: python -m pytest -m gpu tests/test_gpu.py"
+        )
+    elif ctx.args.dry_run:
+        ctx.check(
+            "gpu_tests",
+            p.rc == 0 and "skipped" in last[0] and "failed" not in last[0],
+            f"no CUDA, collected and skipped: {last[0].strip('= ')}",
+        )
     else:
-        p = finish(ctx, tests)
-        last = [ln for ln in p.output.splitlines() if ln.strip()][-1:] or ["no output"]
-        if p.skipped or p.timed_out:
-            ctx.check(
-                "gpu_tests", None if p.skipped else False, why(p) + "; run: python -m pytest -m gpu tests/test_gpu.py"
-            )
-        elif args.dry_run:
-            ctx.check(
-                "gpu_tests",
-                p.rc == 0 and "skipped" in last[0] and "failed" not in last[0],
-                f"no CUDA, collected and skipped: {last[0].strip('= ')}",
-            )
-        else:
-            failed = [ln.strip()[:200] for ln in p.output.splitlines() if ln.startswith("FAILED")]
-            ctx.check(
-                "gpu_tests", p.rc == 0, last[0].strip("= ") + ("" if p.rc == 0 else f"; {' | '.join(failed) or why(p)}")
-            )
+        failed = [ln.strip()[:200] for ln in p.output.splitlines() if ln.startswith("FAILED")]
+        ctx.check(
+            "gpu_tests", p.rc == 0, last[0].strip("= ") + ("" if p.rc == 0 else f"; {' | '.join(failed) or why(p)}")
+        )
+
+
+def main_check(args: argparse.Namespace) -> int:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.dry_run:
+        say("no CUDA device visible: run on the GPU machine, or use --dry-run here")
+        return 2
+    ctx = make_ctx(args, cuda)
+    t_start = time.monotonic()
+    say(
+        f"gpu_check: {'DRY RUN on CPU' if args.dry_run else 'GPU'}; work dir {ctx.work}; log {ctx.log_path}; budget "
+        f"{args.budget_s:.0f}s"
+    )
+    check_env(ctx)
+    # the kernels build in the background while the model is written
+    kernels = None if args.dry_run else start(ctx, "kernels", [PY, ME, "_kernels"], ctx.timeouts["kernels"])
+    mc = check_model(ctx)
+    check_preflight(ctx)
+    check_kernels(ctx, kernels)
+    if mc is None:
+        say("no model: stopping")
+        return report(ctx, t_start)
+    plain_progress, plain_kernels = check_plain_baseline(ctx)
+    r1, run1 = run_flow_kill(ctx)
+    tests = start_gpu_tests(ctx)
+    run_flow_retry(ctx, r1, run1)
+    sft = ctx.raw["sft"]
+    final_sft = ctx.run_root / "sft" / f"step-{sft['max_steps']:06d}"
+    check_sft_checkpoint(ctx, final_sft, sft)
+    check_export_fingerprint(ctx, final_sft)
+    # the flow's CPT stage vs the plain script, with the same kernels
+    check_throughput(ctx, r1, plain_progress, mc, ctx.raw["cpt"], 2 if args.dry_run else 5)
+    check_same_kernels(ctx, r1, plain_kernels)
+    check_gpu_tests(ctx, tests)
     return report(ctx, t_start)
 
 
@@ -928,12 +937,14 @@ def check_throughput(ctx: Ctx, r1, plain_progress, mc, cpt, skip: int) -> None:
     f = throughput(flow_progress, saves, skip)
     pl = throughput(plain_progress, set(), skip)
     world = cpt["launch"]["nproc_per_node"] * cpt["launch"].get("nnodes", 1)
-    fpt = flops_per_token(mc, cpt["seq_len"])
+    # the engine's MFU (tasks/engine/metrics.py): its FLOPs per token and its peak for this device
+    fpt = flops.config_flops_per_token(mc, cpt["seq_len"])
+    device = ctx.figures.get("env", {}).get("gpu")
+    peak = flops.peak_flops(device, cpt["plugin"].get("precision", "bf16"))
     for d in (f, pl):
         tps = d["tokens_per_s"] or 0.0
         d["tflops_per_gpu"] = tps * fpt / world / 1e12
-        d["mfu_spec"] = d["tflops_per_gpu"] / PEAK_SPEC_TFLOPS
-        d["mfu_measured_peak"] = d["tflops_per_gpu"] / PEAK_MEASURED_TFLOPS
+        d["mfu"] = flops.mfu(tps, fpt, peak, world)
     ratio = (f["tokens_per_s"] or 0) / pl["tokens_per_s"] if pl["tokens_per_s"] else None
     # The engine's own per-step figures (tasks/engine/metrics.py: 6N with the embeddings + attention,
     # against tasks/core/models/flops.py's peak for the device), over the same steps.
@@ -947,6 +958,7 @@ def check_throughput(ctx: Ctx, r1, plain_progress, mc, cpt, skip: int) -> None:
         "plain": pl,
         "ratio": ratio,
         "flops_per_token": fpt,
+        "peak_flops_per_gpu": peak,
         "checkpoint_steps_left_out": sorted(saves),
     }
     say("")
@@ -954,29 +966,26 @@ def check_throughput(ctx: Ctx, r1, plain_progress, mc, cpt, skip: int) -> None:
         f"   CPT throughput, steps {skip + 1}..{cpt['max_steps']} (intervals with a checkpoint save left out), "
         f"{cpt['micro_batch_size']} x {cpt['seq_len']} tokens/step, {fpt / 1e9:.2f} GFLOP/token:"
     )
-    say(
-        f"   {'':8} {'tokens/s':>12} {'TFLOP/s/GPU':>12} {'MFU@989':>8} {'MFU@790':>8} {'steps':>6} {'wall tok/s incl. saves':>24}"
-    )
+    say(f"   MFU against {peak / 1e12:.0f} TFLOP/s ({device}, tasks/core/models/flops.py)" if peak else "   MFU: n/a")
+    say(f"   {'':8} {'tokens/s':>12} {'TFLOP/s/GPU':>12} {'MFU':>8} {'steps':>6} {'wall tok/s incl. saves':>24}")
     for name, d in (("flow", f), ("plain", pl)):
         wall = d.get("wall_tokens_per_s_incl_saves")
+        mfu = f"{d['mfu']:8.1%}" if d["mfu"] is not None else f"{'n/a':>8}"
         say(
-            f"   {name:8} {d['tokens_per_s'] or 0:12.0f} {d['tflops_per_gpu']:12.1f} {d['mfu_spec']:8.1%} "
-            f"{d['mfu_measured_peak']:8.1%} "
+            f"   {name:8} {d['tokens_per_s'] or 0:12.0f} {d['tflops_per_gpu']:12.1f} {mfu} "
             f"{d['steps_used']:6d} {wall or 0:24.0f}"
         )
     say(f"   flow / plain = {ratio:.3f} (target >= {TARGET_RATIO})" if ratio else "   flow / plain = n/a")
     if f["engine_mfu_median"] is not None or f["peak_mem_gib"] is not None:
         say(
-            f"   the engine's own figures: median MFU {f['engine_mfu_median'] or 0:.1%} (6N incl. embeddings, "
-            "tasks/core/models/flops.py peak), "
+            f"   the engine's own figures: median MFU {f['engine_mfu_median'] or 0:.1%} (per step), "
             f"peak GPU memory {f['peak_mem_gib']} GiB"
         )
     detail = (
         (
-            f"flow {f['tokens_per_s']:.0f} tok/s = {f['tflops_per_gpu']:.1f} TFLOP/s/GPU (MFU {f['mfu_spec']:.1%} of "
-            "989, "
-            f"{f['mfu_measured_peak']:.1%} of 790), plain {pl['tokens_per_s']:.0f} tok/s = {pl['tflops_per_gpu']:.1f} "
-            "TFLOP/s; "
+            f"flow {f['tokens_per_s']:.0f} tok/s = {f['tflops_per_gpu']:.1f} TFLOP/s/GPU"
+            + (f" (MFU {f['mfu']:.1%})" if f["mfu"] is not None else "")
+            + f", plain {pl['tokens_per_s']:.0f} tok/s = {pl['tflops_per_gpu']:.1f} TFLOP/s; "
             f"ratio {ratio:.3f} (target >= {TARGET_RATIO})"
         )
         if ratio
@@ -1054,7 +1063,6 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_argument("--export")
         sub.add_argument("--checkpoint")
         a = sub.parse_args(argv[1:])
-        sys.path.insert(0, str(REPO))
         verb = argv[0]
         if verb == "_env":
             return cmd_env()
@@ -1087,7 +1095,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.dry_run = args.dry_run or args.smoke
     args.skip_tests = args.skip_tests or args.smoke
-    sys.path.insert(0, str(REPO))
     return main_check(args)
 
 

@@ -4,7 +4,7 @@ The same CPT `train` verb of the tiny model (HybridParallel tp=2, world size 2),
 step-0 checkpoint, run through `tasks.core.launch.torchrun.run_engine` exactly as the Prefect task does:
 
 - local: `torchrun --standalone --nproc-per-node 2` on this machine;
-- slurm: one Slurm job on a real two-node test cluster (`tests.servers.slurm`, slurmd n1 and n2
+- slurm: one Slurm job on a real two-node test cluster (`support.servers.slurm`, slurmd n1 and n2
   on 127.0.0.1, started here), one torchrun agent per node with one rank each, c10d rendezvous.
 
 The clock starts when `run_engine` is called and stops at the first `@@progress` record (the
@@ -31,22 +31,18 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
+from support.bench import workdir
+from support.engine import prepared_data
+from support.servers import patched_env
+from support.servers.slurm import SlurmCluster, slurm_available
+from support.tiny import tiny_config_raw, tiny_model
 from tasks.core.config.load import parse_config
 from tasks.core.config.paths import resolve_local
 from tasks.core.launch.torchrun import run_engine
-from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
 from tasks.core.run.job import Job, Parent
-from tests._engine_utils import prepared_data
-from tests.conftest import tiny_config_raw
-from tests.servers import patched_env
-from tests.servers.slurm import SlurmCluster, slurm_available
 
 LAUNCHES = {
     "local": {"backend": "local", "nnodes": 1, "nproc_per_node": 2},
@@ -140,13 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     backends = [b for b in LAUNCHES if b != "slurm" or not no_slurm]
     if no_slurm:
         print(f"slurm: skipped ({no_slurm}; sudo bash scripts/install_system.sh installs it)", flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-launch-"))
+    tmp = workdir(None, "bench-launch-")
     cluster = None if no_slurm else SlurmCluster(tmp / "slurm").start()
     left: list[str] = []
     try:
         with patched_env(cluster.env() if cluster else {}):
             model = tmp / "model"
-            build_tiny_model(model, build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
+            tiny_model(model)
             cfg = _config(model, tmp / "seed", "local", args.smoke)
             seed_dir = tmp / "seed" / "cpt"
             data = _prepared(cfg, model, tmp / "data-cpt")

@@ -10,7 +10,7 @@ Each mode is the engine's own shard and train verbs under torchrun (2 ranks), on
 - step time: the median `step_s` of the train launch;
 - checkpoint size: every file of the final checkpoint (LoRA: adapter/, never the base);
 - merged export time: tasks.core.models.merge.build_merged_dir (fp32 merge, bf16 export, proofs).
-Targets (issue #26): LoRA checkpoint <= 5 % of the full one at r=8; peak rank memory below full
+Targets: LoRA checkpoint <= 5 % of the full one at r=8; peak rank memory below full
 fine-tuning by at least the optimizer state of the frozen weights.
 """
 
@@ -20,13 +20,11 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from support.bench import workdir
+from support.tiny import tiny_model
 
 LLZ2 = {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}
 
@@ -37,7 +35,7 @@ def _bytes(root: Path, prefix: str = "") -> int:
 
 
 def run_mode(work: Path, base: Path, lora: dict | None, steps: int) -> dict:
-    from tests._engine_utils import engine, stage_raw, write_job
+    from support.engine import engine, stage_raw, write_job
 
     name = "lora" if lora else "full"
     extra = {"lora": lora} if lora else {}
@@ -74,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--out", type=Path, help="also write the JSON result here")
     args = p.parse_args(argv)
-    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
     from tasks.core.run.manifest import write_manifest
 
     size = (
@@ -83,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         else {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1536}
     )
     steps = 2 if args.smoke else args.steps
-    work = Path(tempfile.mkdtemp(prefix="bench-lora-"))
+    work = workdir(None, "bench-lora-")
     try:
-        base = build_tiny_model(work / "base", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), **size)
+        base = tiny_model(work / "base", **size)
         write_manifest(base, kind="hf-model")
         full = run_mode(work, base, None, steps)
         lora = run_mode(work, base, {"r": args.r, "alpha": 2 * args.r}, steps)

@@ -16,7 +16,7 @@ Measured, each mode from a fresh output directory (no shard cache), alternated, 
 - data start-up (StageData built and its first batch) and per-step data time (median of the
   next `--probe-steps` batches), mixture vs the single source.
 
-Targets (issue #27): every share within 1 % absolute of its weight; start-up and per-step data
+Targets: every share within 1 % absolute of its weight; start-up and per-step data
 time <= 1.05x the single source.
 """
 
@@ -25,15 +25,13 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from support.bench import workdir
+from support.tiny import tiny_tokenizer
 
 WORDS = (
     "the",
@@ -180,12 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     repeat = a.repeat or (1 if a.smoke else 3)
     probe = a.probe_steps or (20 if a.smoke else 200)
 
-    from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
-
-    work = Path(a.work or tempfile.mkdtemp(prefix="mixture-bench-"))
+    work = workdir(a.work, "mixture-bench-")
     work.mkdir(parents=True, exist_ok=True)
     tokdir = work / "tokenizer"
-    build_tokenizer(DEFAULT_CORPUS, vocab_size=512).save_pretrained(tokdir)
+    tiny_tokenizer().save_pretrained(tokdir)
     dirs = {n: make_source(work / "corpus" / n, mb, files, seed) for seed, (n, (mb, files)) in enumerate(sizes.items())}
     files = [str(p) for n in dirs for p in sorted(Path(dirs[n]).iterdir())]
     mix = stage_cfg(

@@ -20,17 +20,9 @@ since the loop started, stamped after the loss is read back, which synchronizes 
 step as the engine's loss all-reduce does. `benchmarks/gpu_check.py` runs this beside the flow and
 compares the two (kernels included).
 
-The NaN loss from step 5 on the H200 run (2026-11-30) was this script's: its token ids were drawn
-uniformly from [0, 512), special tokens included, and with seed 1234 step 4's batch has a row
-starting with the pad token (id 2). The demo model's pad embedding row is zero (padding_idx), so
-that position's hidden state is exactly zero in every layer (position 0 attends only to itself);
-each RMSNorm's backward at zero multiplies the gradient by 1/sqrt(eps) = 1000, which over the 301M
-model's 20 layers overflows to inf, then NaN (inf * 0) in a matmul's backward. bf16 has no loss
-scaler to skip such a step, so the clipped NaN update reached every weight and every later loss
-was NaN. Reproduced on CPU: the 301M shape in fp32 or bf16, one row starting with the pad token,
-46 non-finite gradient tensors; the 4-layer demo model stays finite. The flow never trains on such
-a row (CPT blocks are text, SFT rows start with the chat template). Now the ids are drawn above the
-tokenizer's special tokens, and a non-finite loss stops the run naming the step, as the engine does.
+The token ids are drawn above the tokenizer's special tokens: a row starting with the pad token
+(whose embedding is zero) gives RMSNorm's backward a zero input, and over a deep model in bf16 the
+gradients overflow to NaN. A non-finite loss stops the run naming the step, as the engine does.
 
 On a machine without CUDA (gpu_check.py --dry-run) it first applies `tasks.engine.cpu_compat`, the
 same patches the engine applies there; that and the kernel registry are its only project imports.
@@ -47,6 +39,8 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import support  # noqa: F401  (the checkout on sys.path: python benchmarks/x.py, torchrun benchmarks/x.py)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,13 +93,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def smoke_model() -> str:
     """The demo's tiny random Llama in a temp dir (each rank its own: nothing to coordinate)."""
-    import tempfile
+    from support.bench import workdir
+    from support.tiny import tiny_model
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
-
-    out = Path(tempfile.mkdtemp(prefix="plain-smoke-")) / "tiny-llama"
-    build_tiny_model(out, build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
+    out = workdir(None, "plain-smoke-") / "tiny-llama"
+    tiny_model(out)
     return str(out)
 
 
@@ -142,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.smoke:
         args.model = smoke_model()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import torch
 
     cuda = torch.cuda.is_available()

@@ -7,13 +7,12 @@
       the engine retains only `.published` checkpoints and waits past max_pending_publishes.
 
 The S3 side is a real SeaweedFS server (`weed mini`) behind the bandwidth-limiting proxy of
-tests/servers/throttle.py at `--rate-mb` MB/s, so each checkpoint takes seconds to upload. The
+support/servers/throttle.py at `--rate-mb` MB/s, so each checkpoint takes seconds to upload. The
 same tiny random Llama is sharded once; each mode trains from a copy of that step-000000 with
 --nproc CPU ranks (torch_ddp, fp32; default 1) through `tasks.core.launch.torchrun.run_engine`, exactly as the
 train task launches it. One rank by default: on this 2-core machine two CPU ranks take both cores,
 and any upload (s3fs, the proxy, the S3 server, all on the same cores) then slows training
-whether it runs in the reader or beside it (measured: 2 ranks, a checkpoint every 75 steps: local
-39.3 steps/s, sync 22.6, async 23.3 with no backpressure wait). On a GPU node the ranks' CPU
+whether it runs in the reader or beside it. On a GPU node the ranks' CPU
 cores are mostly idle while the GPU trains. steps/s is the ranks' own count: steps / `elapsed_s` of the last @@progress record (from the
 first step to the last, saves and waits included; a failed mode: up to its last step); the wall
 time adds launch and the final drain. Mode (c) keeps pace with (a) when one upload takes less than
@@ -33,13 +32,14 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
+from support.bench import workdir
+from support.engine import run_raw, write_job
+from support.servers.seaweed import WeedServer
+from support.servers.throttle import MB, ThrottleProxy
+from support.tiny import tiny_model
 from tasks.core.config.schema import LaunchConfig
 from tasks.core.launch.torchrun import run_engine
 from tasks.core.run.job import Job, parse_job
@@ -47,9 +47,6 @@ from tasks.core.run.stages import step_name, step_rel
 from tasks.core.storage.fs import RunStore
 from tasks.core.storage.handshake import manifest_sha256, mark_published
 from tasks.core.storage.publisher import Publisher, retain_remote
-from tests._engine_utils import run_raw, write_job
-from tests.servers.seaweed import WeedServer
-from tests.servers.throttle import MB, ThrottleProxy
 
 BUCKET = "bench-publish"
 log = logging.getLogger("bench")
@@ -159,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         a.steps, a.every, a.repeat, a.rate_mb, a.keep_last = 6, 3, 1, 8.0, 2
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
 
-    work = Path(a.workdir or tempfile.mkdtemp(prefix="publish-bench-"))
+    work = workdir(a.workdir, "publish-bench-")
     work.mkdir(parents=True, exist_ok=True)
     server = WeedServer(work / "weed").start()
     os.environ.update(server.env())
@@ -167,14 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     proxy = ThrottleProxy(("127.0.0.1", server.ports["s3.port"]), a.rate_mb * MB, lifetime_s=3600).start()
     os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint
     try:
-        from tasks.core.models.demo import (
-            DEFAULT_CORPUS,
-            build_tiny_model,
-            build_tokenizer,
-        )
-
         model = work / "tiny-llama"
-        build_tiny_model(model, build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
+        tiny_model(model)
         run = run_raw(
             model,
             work / "unused",

@@ -32,8 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from support import REPO
+from tasks.core.run.hostpeak import HostPeak
 
 SIZES = {  # the shapes of benchmarks/scale.py
     "50M": dict(
@@ -143,13 +143,6 @@ def write_checkpoint(out: Path, config: dict) -> dict:
     }
 
 
-def _status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return 0
-
-
 def work_reshard(src: Path, dst: Path, config: dict) -> None:
     """Every parameter's whole state, cut into the target layout's pieces, one file per target rank."""
     import torch
@@ -218,23 +211,22 @@ def worker(kind: str, src: Path, dst: Path, config: dict) -> dict:
 
     import tasks.core.models.convert.state_view  # noqa: F401
 
-    baseline = _status_kb("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")
+    peak = HostPeak()  # VmHWM := the current RSS
     t0 = time.perf_counter()
     (work_reshard if kind == "reshard" else work_copy)(src, dst, config)
-    return {"seconds": time.perf_counter() - t0, "growth_kb": _status_kb("VmHWM") - baseline}
+    return {"seconds": time.perf_counter() - t0, "growth_kb": peak.added()[0] // 1024}
 
 
 def run(kind: str, src: Path, dst: Path, config: dict) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     subprocess.run(["sync"], check=False)
     code = (
-        f"import json,sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.reshard import worker; from pathlib "
+        "import json; from benchmarks.reshard import worker; from pathlib "
         "import Path; "
         f"print(json.dumps(worker({kind!r}, Path({str(src)!r}), Path({str(dst)!r}), "
         f"json.loads({json.dumps(json.dumps(config))}))))"
     )
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=str(REPO))
     shutil.rmtree(dst, ignore_errors=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

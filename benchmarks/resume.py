@@ -17,12 +17,12 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from support.bench import workdir
+from support.tiny import tiny_model
+
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The embedded server's default 20 s is too short on a loaded 2-core machine (as in gpu_check.py).
@@ -57,8 +57,7 @@ def bench(args: argparse.Namespace) -> int:
 
     import tasks.train
     from flows.cpt_to_sft import main as run_flow
-    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
-    from tests.conftest import tiny_config_raw, write_config
+    from support.tiny import tiny_config_raw, write_config
 
     @flow(name="warm-up")
     def warm() -> None:
@@ -70,8 +69,8 @@ def bench(args: argparse.Namespace) -> int:
     # launches, a torchrun start each, would cover nothing more of this script) and takes its three
     # runs from one run root: killed, retried (together the first run), then re-run complete.
     stop = ["--stop-after", "train_cpt"] if args.smoke else []
-    tmp = Path(tempfile.mkdtemp(prefix="resume-bench-"))
-    model = build_tiny_model(tmp / "tiny", build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
+    tmp = workdir(None, "resume-bench-")
+    model = tiny_model(tmp / "tiny")
     stage = {"max_steps": args.steps, "checkpoint_every": args.every}
     # The smoke's CPT runs one rank (the config's plugin at tp=1): its three launches then start 3
     # processes less, each ~6 s of CPU importing torch, transformers and ColossalAI; the kill, the

@@ -47,13 +47,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from support import REPO
+from support.bench import workdir
+from support.tiny import tiny_tokenizer
 
 GB = 1e9
 # Random Llamas; vocab 32000 (the Llama-2 size: divisible by tp=2, large enough that the embedding
@@ -80,7 +80,7 @@ PLUGINS = {
 NPROC = 2
 LAUNCH_TIMEOUT_S = 900.0  # --launch-timeout: one engine verb, SIGTERMed past it
 # A bf16/fp16 row is skipped where this CPU runs a half-precision matmul this many times slower than
-# fp32 (no native bf16: measured 59x on an AMD EPYC here, where one 50M bf16 step took minutes).
+# fp32 (a CPU without native bf16 runs it tens of times slower: one 50M bf16 step takes minutes).
 HALF_SLOWDOWN_LIMIT = 8.0
 
 
@@ -267,9 +267,7 @@ def model_dir(work: Path, size: str, tokdir: Path) -> Path:
 def tokenizer_dir(work: Path) -> Path:
     out = work / "tokenizer"
     if not (out / "tokenizer.json").is_file():
-        from tasks.core.models.demo import build_tokenizer
-
-        build_tokenizer().save_pretrained(out)
+        tiny_tokenizer().save_pretrained(out)
     return out
 
 
@@ -465,7 +463,7 @@ def main() -> None:
         a.sizes, a.plugins, a.steps = [], ["hp-tp2-fp32"], 2
     LAUNCH_TIMEOUT_S = a.launch_timeout
     slow = {h: half_slowdown(h) for h in {PLUGINS[p].get("precision") for p in a.plugins} & {"bf16", "fp16"}}
-    work = Path(a.workdir or tempfile.mkdtemp(prefix="scale-"))
+    work = workdir(a.workdir, "scale-")
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     import psutil

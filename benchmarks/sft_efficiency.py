@@ -17,7 +17,7 @@ speed-up over `padded`; then the loss equivalence: the per-token losses on assis
 same chats at the grouped width, and packed several to a row (block-diagonal causal mask, position
 ids restarting), against each chat alone padded to seq_len (max |difference|).
 
-Targets (the issue): grouped >= 0.7 useful tokens; packed >= 0.9 and a packed epoch >= 3x faster
+Targets: grouped >= 0.7 useful tokens; packed >= 0.9 and a packed epoch >= 3x faster
 than padded.
 """
 
@@ -34,8 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from support.tiny import tiny_tokenizer
 
 WORDS = (
     "the",
@@ -191,11 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.core.config.batching import BATCHING
     from tasks.core.data.dataset import TokenDataset
     from tasks.core.data.prepare import prepare
-    from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="sft-eff-") as tmp:
         root = Path(tmp)
-        tok = build_tokenizer(DEFAULT_CORPUS, vocab_size=512)
+        tok = tiny_tokenizer()
         tok.save_pretrained(root / "tok")
         src = root / "chats.jsonl"
         sample = " ".join(WORDS * 8)

@@ -12,7 +12,7 @@ makes the hashing column far slower, the stamp column not at all):
 - stamp:  `RunStore.verify(rel, trust_stamp=True)` as `tasks/stage.py` `completed` runs it now
   (one stat per file, the manifest and the stamp read).
 
-Target (#25): the skip time does not grow with the artifact size; the byte-level checks still run
+Target: the skip time does not grow with the artifact size; the byte-level checks still run
 where an artifact is read (stage_in, the engine's resume).
 """
 
@@ -22,11 +22,9 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from support.bench import best_of
 
 SHARD = 64 << 20
 
@@ -42,15 +40,6 @@ def build(root: Path, size: int) -> None:
         left, i = left - n, i + 1
     (root / "model" / "config.json").write_text('{"model_type": "llama"}')
     write_manifest(root, kind="colossalai-checkpoint", config_digest="0" * 64)
-
-
-def best(fn, repeat: int) -> float:
-    out = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return min(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
             rel = f"cpt/step-{size >> 20:06d}"
             build(store.local_path(rel), size)
             store.publish(rel)  # what Stage.done does on a local run root: hashed once, stamped
-            hashed = best(lambda rel=rel: store.verify(rel), 2)
+            hashed = best_of(lambda rel=rel: store.verify(rel), 2)
             assert "hashed" in store.last_verify, store.last_verify
-            stamped = best(lambda rel=rel: store.verify(rel, trust_stamp=True), 5)
+            stamped = best_of(lambda rel=rel: store.verify(rel, trust_stamp=True), 5)
             assert store.last_verify.startswith("by its verification stamp"), store.last_verify
             files = len(store.read_manifest(rel)["files"])
             stamps.append(stamped)

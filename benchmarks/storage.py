@@ -27,16 +27,13 @@ import hashlib
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
+from support.bench import workdir
+from support.servers.seaweed import WeedServer
 from tasks.core.run.manifest import MANIFEST, write_manifest
 from tasks.core.storage.fs import RunStore
-from tests.servers.seaweed import WeedServer
 
 BUCKET = "bench"
 
@@ -100,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         a.size_gb, a.shards, a.repeats, a.part_mb = 0.02, 2, 1, 5
 
-    work = Path(a.workdir or tempfile.mkdtemp(prefix="storage-bench-"))
+    work = workdir(a.workdir, "storage-bench-")
     work.mkdir(parents=True, exist_ok=True)
     server = WeedServer(work / "weed").start()
     os.environ.update(server.env())

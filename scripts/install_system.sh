@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # System packages the test suite needs beyond the venv: Slurm (controller, node daemon, clients)
-# and MUNGE (Slurm's authentication), for the real two-node test cluster of tests/servers/slurm.py;
+# and MUNGE (Slurm's authentication), for the real two-node test cluster of support/servers/slurm.py;
 # PostgreSQL 15 (Debian's postgresql-15), the database of the Prefect server the operations test
-# runs (tests/servers/postgres.py starts a cluster of its own with initdb/pg_ctl).
+# runs (support/servers/postgres.py starts a cluster of its own with initdb/pg_ctl).
 #
 #   sudo bash scripts/install_system.sh     # Debian/Ubuntu, root; .ci/run calls it before `make test`
 #

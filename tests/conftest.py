@@ -36,7 +36,8 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from tests.servers import prefect_quiet
+from support.servers import prefect_quiet
+from support.tiny import tiny_config_raw, tiny_model, write_config
 
 # Every Prefect server a test starts inherits these (the harness, flow CLIs' embedded servers).
 prefect_quiet.apply(os.environ)
@@ -115,30 +116,7 @@ def prefect_harness():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The demo's tiny random Llama + tokenizer, built offline once per session."""
-    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
-
-    out = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    build_tiny_model(out, build_tokenizer(DEFAULT_CORPUS, vocab_size=512))
-    return out
-
-
-def tiny_config_raw(model_dir: Path, run_root: Path, **stage_overrides) -> dict:
-    """tiny-cpu.yaml pointed at a test model and run root, with fewer steps for speed."""
-    import yaml
-
-    raw = yaml.safe_load((REPO / "deployments" / "configs" / "tiny-cpu.yaml").read_text())
-    raw["base_model"]["uri"] = str(model_dir)
-    raw["run_root"] = str(run_root)
-    for stage in ("cpt", "sft"):
-        raw[stage].update(max_steps=8, checkpoint_every=4)
-        raw[stage].update(stage_overrides.get(stage, {}))
-    # 8 SFT steps of the random demo model learn to end a reply with <|im_end|> (the gate's
-    # generation check) in padded's random order of the chats, not always in grouped's; the
-    # engine tests and `make demo` (30 steps) train grouped, the default.
-    raw["sft"].setdefault("batching", "padded")
-    # The benchmark stage runs in the session's demo run (`demo_run`), not in every flow test.
-    raw.pop("benchmark", None)
-    return raw
+    return tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
 def prepare_cpt(config: Path):
@@ -160,18 +138,11 @@ def prepare_cpt(config: Path):
     return prep(str(config))
 
 
-def write_config(path: Path, raw: dict) -> Path:
-    import yaml
-
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
-
-
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """One real `mlflow server` (SQLite, local artifacts) for the session: it takes tens of
     seconds to start on 2 busy cores. Tests that kill a server start their own."""
-    from tests.servers.mlflow import MlflowServer
+    from support.servers.mlflow import MlflowServer
 
     with MlflowServer(tmp_path_factory.mktemp("mlflow")) as server:
         yield server

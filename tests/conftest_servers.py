@@ -5,7 +5,7 @@
   (and restored afterwards) so every client configures itself the standard way;
 - `s3_root`: a fresh `s3://` run root per test on that server;
 - `fresh_weed`: a private server for tests that kill it (same ports and data across restarts);
-- `throttled_s3`: a bandwidth-limiting proxy (tests/servers/throttle.py, 2 MB/s unless the test
+- `throttled_s3`: a bandwidth-limiting proxy (support/servers/throttle.py, 2 MB/s unless the test
   calls `set_rate`) in front of the session's server, with AWS_ENDPOINT_URL pointed at it for
   one test, so every S3 client of that test goes through it;
 - `hub`: the test-owned Hub-protocol server for the session (private repos need its token);
@@ -20,10 +20,10 @@ import uuid
 
 import pytest
 
-from tests.servers import patched_env
-from tests.servers.hub_server import HubServer
-from tests.servers.seaweed import WeedServer, weed_binary
-from tests.servers.throttle import MB, ThrottleProxy
+from support.servers import patched_env
+from support.servers.hub_server import HubServer
+from support.servers.seaweed import WeedServer, weed_binary
+from support.servers.throttle import MB, ThrottleProxy
 
 BUCKET = "cpt-tests"
 

@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-from tests.servers import patched_env
-from tests.servers.slurm import SlurmCluster, slurm_available
+from support.servers import patched_env
+from support.servers.slurm import SlurmCluster, slurm_available
 
 
 def _in_ci() -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers.slurm import slurm_available
+from support.servers.slurm import slurm_available
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable

@@ -68,8 +68,8 @@ def _row(summary: dict, stage: str) -> dict:
 def _assert_loaded_is_the_view(step_dir: Path, dumped: Path, *, masters: bool) -> int:
     """The one rank's state right after the load (weights, fp32 masters, AdamW's moments and step) is
     the checkpoint's layout-neutral view, whole (one rank holds every parameter whole), bitwise."""
+    from support.engine import read_model_dir
     from tasks.core.models.convert.state_view import CheckpointState, Piece, local_piece
-    from tests._engine_utils import read_model_dir
 
     (live,) = [torch.load(f, weights_only=True) for f in sorted(dumped.glob("rank-*.pt"))]
     view, weights = CheckpointState(step_dir), read_model_dir(step_dir / "model")

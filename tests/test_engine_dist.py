@@ -44,9 +44,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.engine import engine, read_model_dir, stage_raw, train_state, write_job
 from tasks.core.models.fingerprint import FINGERPRINT_FILE, hf_dir_logits, load_fingerprint, max_abs_diff
 from tasks.core.run.manifest import MANIFEST, verify_artifact
-from tests._engine_utils import engine, read_model_dir, stage_raw, train_state, write_job
 
 pytestmark = pytest.mark.distributed
 
@@ -116,7 +116,7 @@ def _jobs(
 
 def _mixture(work: Path) -> dict:
     """CPT data of two weighted sources: the sample corpus (domain) and the sample chats' text (general)."""
-    from tests._engine_utils import REPO
+    from support.engine import REPO
 
     chats = [
         json.loads(line) for line in (REPO / "data" / "sample" / "sft.jsonl").read_text().splitlines() if line.strip()
@@ -231,7 +231,7 @@ def ddp(work, tiny_model_dir, pp2):
     stage_dir = work / "ddp" / "sft"
     # Packed SFT rows (several chats a row) of a blend of two chat sources: the retry after the
     # corruption below resumes them bitwise.
-    from tests._engine_utils import REPO
+    from support.engine import REPO
 
     chats = (REPO / "data" / "sample" / "sft.jsonl").read_text().splitlines(keepends=True)
     (work / "chats-a.jsonl").write_text("".join(chats[:120]))

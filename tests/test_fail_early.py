@@ -303,9 +303,9 @@ class _Records(logging.Handler):
 def test_a_failing_rank_gives_the_stage_its_cause(tmp_path, tiny_model_dir, monkeypatch):
     """Real torchrun, 2 ranks: the job names a model directory without config.json, so every rank
     refuses before any process group exists; StageFailed's first line is the first error line."""
+    from support.engine import stage_raw, write_job
     from tasks.core.config.schema import LaunchConfig
     from tasks.core.run.job import parse_job
-    from tests._engine_utils import stage_raw, write_job
 
     monkeypatch.setattr(subprocess, "Popen", _REAL_POPEN)  # this test launches
     empty = tmp_path / "no-model"
@@ -510,8 +510,8 @@ def test_pickle_weights_are_converted_once_in_the_load_stage(
     for key, tensor in converted.items():
         assert tensor.dtype == original[key].dtype and bool((tensor == original[key]).all()), key
     # What the shard stage checks before it starts: safetensors only, and now there are some.
+    from support.engine import write_job
     from tasks.engine.preconditions import check_inputs, parse_job
-    from tests._engine_utils import write_job
 
     run = cfg.model_dump(mode="json")
     run["cpt"]["data"]["uri"] = str(Path(__file__).resolve().parents[1] / run["cpt"]["data"]["uri"])

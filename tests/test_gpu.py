@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests._engine_utils import engine, prepared_data, read_model_dir, stage_raw, train_state, write_job
+from support.engine import engine, prepared_data, read_model_dir, stage_raw, train_state, write_job
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(3600)]  # the first launch may JIT-build kernels
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._engine_utils import engine, stage_raw, write_job
+from support.engine import engine, stage_raw, write_job
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1800)]
 

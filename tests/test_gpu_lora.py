@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._engine_utils import engine, stage_raw, train_state, write_job
+from support.engine import engine, stage_raw, train_state, write_job
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(3600)]  # the first launch may JIT-build kernels
 

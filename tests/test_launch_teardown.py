@@ -17,11 +17,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from support.engine import engine, stage_raw, write_job
 from tasks.core.config.schema import LaunchConfig
 from tasks.core.errors import StageFailed
 from tasks.core.launch.torchrun import run_engine
 from tasks.core.run.job import parse_job
-from tests._engine_utils import engine, stage_raw, write_job
 
 pytestmark = pytest.mark.distributed
 DDP = {"name": "torch_ddp", "precision": "fp32"}

@@ -302,8 +302,8 @@ def test_the_engine_trains_document_blocks_with_the_context_settings(tmp_path, t
     config and the block-diagonal mask, and its checkpoints' config.json holds the settings."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from support.engine import engine, stage_raw, write_job
     from tasks.engine.sampler import ResumableSampler
-    from tests._engine_utils import engine, stage_raw, write_job
 
     context = {"rope_theta": 40000.0, "max_position_embeddings": 512}
     cfg = stage_raw(

@@ -18,9 +18,9 @@ import shutil
 import pytest
 import torch
 
+from support.engine import engine, stage_raw, write_job
 from tasks.core.errors import ManifestError
 from tasks.core.run.manifest import MANIFEST, manifest_digest, verify_artifact, write_manifest
-from tests._engine_utils import engine, stage_raw, write_job
 
 pytestmark = pytest.mark.distributed
 

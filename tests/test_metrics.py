@@ -6,13 +6,15 @@ python -m pytest -q -m distributed tests/test_metrics.py  # + one 2-rank torch_d
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from support.engine import engine, stage_raw, write_job
 from tasks.core.errors import ManifestError
 from tasks.core.models.flops import flops_per_token, mfu, peak_flops
 from tasks.core.run.tbevents import read_scalars
 from tasks.engine.metrics import TAGS, StepMetrics, grad_norm
-from tests._engine_utils import engine, stage_raw, write_job
 
 
 class _Cfg:
@@ -129,3 +131,38 @@ def test_ddp_train_emits_metrics_and_one_event_point_per_step(tmp_path, tiny_mod
         assert [s for s, _ in scalars[tag]] == [1, 2, 3, 4], tag
     assert [v for _, v in scalars["train/loss"]] == pytest.approx([p["loss"] for p in progress], rel=1e-6)
     (tmp_path / "progress.jsonl").write_text("".join(__import__("json").dumps(p) + "\n" for p in progress))
+
+
+def test_gpu_check_mfu_is_the_engines(tiny_model_dir):
+    """benchmarks/gpu_check.py computes MFU from the model's config.json (flops.config_flops_per_token);
+    the engine from the built model (StepMetrics). Same model, tokens/s, device and world: one number."""
+    import ast
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tasks.core.models.flops import config_flops_per_token
+    from tasks.engine.metrics import count_params
+
+    mc = json.loads((tiny_model_dir / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    eng = StepMetrics(
+        tiny_model_dir,
+        rank=1,
+        world=2,
+        n_params=count_params(model),
+        model_config=AutoConfig.from_pretrained(tiny_model_dir),
+        seq_len=256,
+        precision="bf16",
+        write=False,
+    )
+    peak = peak_flops("NVIDIA H200", "bf16")
+    assert config_flops_per_token(mc, 256) == eng.per_token
+    assert mfu(12345.0, config_flops_per_token(mc, 256), peak, 2) == mfu(12345.0, eng.per_token, peak, 2) > 0
+    # gpu_check takes its FLOP count and its peak from flops.py and keeps neither of its own
+    src = ast.parse((Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py").read_text())
+    names = {n.name for n in ast.walk(src) if isinstance(n, ast.FunctionDef)}
+    names |= {t.id for n in src.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    assert not {n for n in names if "flop" in n.lower() or "peak" in n.lower()}, names
+    calls = {n.func.attr for n in ast.walk(src) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    assert {"config_flops_per_token", "peak_flops", "mfu"} <= calls

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests._engine_utils import prepared_data
+from support.engine import prepared_data
+from support.servers.prefect_ops import free_port, stop_group
 from tests.conftest import REPO, tiny_config_raw
-from tests.servers.prefect_ops import free_port, stop_group
 
 pytestmark = pytest.mark.distributed
 

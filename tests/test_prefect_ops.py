@@ -1,7 +1,7 @@
 """Operating with Prefect, exactly as the README's operator guide does it (e2e tier).
 
 A real `prefect server start` on 127.0.0.1 (free port, temporary PREFECT_HOME, analytics off) whose
-database is a real PostgreSQL cluster of the test's own (tests/servers/postgres.py), as a shared
+database is a real PostgreSQL cluster of the test's own (support/servers/postgres.py), as a shared
 server runs (SQLite locks under concurrent writers), the
 `gpu` process pool limited to one run, `prefect deploy --all --prefect-file
 deployments/prefect.yaml`, a process worker, the Hub token in the Prefect Secret block `hf-token`
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import pytest
 
+from support.servers.postgres import Postgres
+from support.servers.prefect_ops import PrefectServer, chromium, ensure_chromium, run_id_from, stop_group
+from support.servers.webhook import WebhookReceiver
 from tests.conftest import REPO, tiny_config_raw, write_config
-from tests.servers.postgres import Postgres
-from tests.servers.prefect_ops import PrefectServer, chromium, ensure_chromium, run_id_from, stop_group
-from tests.servers.webhook import WebhookReceiver
 
 TOKEN = "hf_prefect_ops_test_token"
 REPO_ID = "ops-org/tiny-ops"
@@ -285,7 +285,7 @@ def test_the_run_is_named_from_the_config_it_read_once(prefect_harness, tiny_mod
 
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory, tiny_model_dir):
-    from tests.servers.hub_server import HubServer
+    from support.servers.hub_server import HubServer
 
     tmp = tmp_path_factory.mktemp("prefect-ops")
     run_root = tmp / "run"

@@ -177,7 +177,7 @@ def test_pool_workers_reach_the_ephemeral_api_of_the_flow_process(tmp_path):
     import sys
 
     from flows.embedded_api import STARTUP_TIMEOUT_S, TIMEOUT_SETTING
-    from tests.servers.prefect_home import seeded_home
+    from support.servers.prefect_home import seeded_home
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(

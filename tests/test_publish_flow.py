@@ -1,6 +1,6 @@
 """Issue 19 at the flow level: the real stage tasks (tests/_publish_flow.py: load -> boost & shard ->
 train CPT) on an s3:// run root served by the real SeaweedFS server through the bandwidth-limiting
-proxy (tests/servers/throttle.py), real torchrun ranks, a real Prefect server (the test harness).
+proxy (support/servers/throttle.py), real torchrun ranks, a real Prefect server (the test harness).
 The S3 tests share one shard: load, prepare and boost & shard run once for the module on a local
 run root (`seed`), and each test publishes those artifacts to its own S3 run root with the run
 store's publish, so its flow verifies and skips them and launches only training.
@@ -41,11 +41,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from support.servers.throttle import MB, ThrottleProxy
 from tasks.core.run.manifest import MANIFEST, STAMP
 from tasks.core.run.stages import step_name
 from tasks.core.storage.fs import RunStore
 from tests.conftest import REPO, tiny_config_raw, write_config
-from tests.servers.throttle import MB, ThrottleProxy
 
 pytest_plugins = ["tests.conftest_servers"]
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]

@@ -72,7 +72,7 @@ def test_marker_of_another_manifest_does_not_count(tmp_path):
 
 
 def _job(**extra) -> dict:
-    from tests._engine_utils import stage_raw
+    from support.engine import stage_raw
 
     section = stage_raw("cpt", {"name": "torch_ddp", "precision": "fp32"})
     return {
@@ -109,7 +109,7 @@ def test_max_pending_publishes_field():
 
 # ---- distributed tier: real torchrun, real Publisher, real S3 through the throttled proxy ----------
 def _train_job(path: Path, section: dict, model_dir: Path, stage_dir: Path, remote: bool) -> Path:
-    from tests._engine_utils import write_job
+    from support.engine import write_job
 
     write_job(path, verb="train", stage="cpt", stage_cfg=section, model_dir=model_dir, stage_dir=stage_dir)
     job = json.loads(path.read_text())
@@ -122,9 +122,9 @@ def _train_job(path: Path, section: dict, model_dir: Path, stage_dir: Path, remo
 def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(
     throttled_s3, s3_root, tmp_path, tiny_model_dir
 ):
+    from support.engine import REPO, engine, stage_raw, train_state, write_job
     from tasks.core.storage.fs import RunStore
     from tasks.core.storage.publisher import Publisher
-    from tests._engine_utils import REPO, engine, stage_raw, train_state, write_job
 
     store = RunStore(s3_root, staging_dir=str(tmp_path / "staging"))
     stage_dir = store.local_path("cpt")
@@ -218,10 +218,10 @@ def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(
 
 
 def test_staging_estimate_counts_checkpoints_waiting_for_upload():
+    from support.engine import run_raw
     from tasks.core.config.load import parse_config
     from tasks.core.preflight.model_info import estimate_parameters
     from tasks.core.preflight.storage import estimate_local_bytes
-    from tests._engine_utils import run_raw
 
     mc = {
         "model_type": "llama",

@@ -22,8 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from support.servers.prefect_home import seeded_home
 from tests.conftest import REPO, tiny_config_raw, write_config
-from tests.servers.prefect_home import seeded_home
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 SERVER_APP = "prefect.server.api.server:create_app"

@@ -405,7 +405,7 @@ def test_preflight_refuses_missing_partition_and_too_many_nodes(slurm_cluster):
 
 @pytest.mark.integration
 def test_preflight_refuses_an_unreachable_controller_within_its_timeout(slurm_cluster, tmp_path):
-    from tests.servers.seaweed import free_ports
+    from support.servers.seaweed import free_ports
 
     dead = free_ports(1)[0]
     conf = tmp_path / "slurm.conf"

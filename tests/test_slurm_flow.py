@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 
+from support.servers.prefect_home import seeded_home
+from support.servers.prefect_ops import PrefectServer, run_id_from, stop_group
 from tasks.core.run.manifest import MANIFEST
 from tests.conftest import REPO, tiny_config_raw, write_config
-from tests.servers.prefect_home import seeded_home
-from tests.servers.prefect_ops import PrefectServer, run_id_from, stop_group
 
 pytest_plugins = ["tests.conftest_slurm"]
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]

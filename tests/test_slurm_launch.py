@@ -72,8 +72,8 @@ def _stage(tiny_model_dir: Path, tmp_path: Path):
 
 def _job(cfg, tmp_path: Path, model_dir: Path, verb: str):
     """The job the stage tasks write (tasks/train.py:_job)."""
+    from support.engine import prepared_data
     from tasks.core.run.job import Job, Parent
-    from tests._engine_utils import prepared_data
 
     data_dir = prepared_data(cfg.cpt.model_dump(mode="json"), "cpt", model_dir, tmp_path / "data-cpt")
     return Job(

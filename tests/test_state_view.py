@@ -149,10 +149,10 @@ def test_which_plugins_save_fp32_masters(plugin, precision, zero, saves):
 
 
 def test_the_disk_estimate_counts_the_masters_a_checkpoint_holds():
+    from support.engine import run_raw
     from tasks.core.config.load import parse_config
     from tasks.core.preflight.model_info import estimate_parameters
     from tasks.core.preflight.storage import estimate_local_bytes
-    from tests._engine_utils import run_raw
 
     mc = {
         "model_type": "llama",

@@ -493,3 +493,30 @@ def test_the_flow_process_starts_and_checks_without_torch_on_a_machine_without_g
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_tests_and_benchmarks_share_code_only_through_support():
+    """benchmarks/ never imports tests/ nor tests/ benchmarks/ (by package or by a script's file name):
+    what both use lives in support/, which imports neither. A test runs a benchmark as a subprocess."""
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    rules = {
+        "benchmarks": {"tests"},
+        "tests": {"benchmarks", *scripts},
+        "support": {"tests", "benchmarks", *scripts},
+    }
+    bad = [
+        f"{path.relative_to(ROOT)} imports {mod}"
+        for folder, forbidden in rules.items()
+        for path in _modules(ROOT / folder)
+        for mod, _ in _imports(path)
+        if mod.split(".")[0] in forbidden
+    ]
+    assert not bad, "tests/ and benchmarks/ share code through support/ only:\n" + "\n".join(bad)
+    # a benchmark finds the checkout in one place, support/__init__.py
+    inserts = [
+        str(path.relative_to(ROOT))
+        for folder in ("benchmarks", "support")
+        for path in _modules(ROOT / folder)
+        if "sys.path.insert(" in path.read_text() and path != ROOT / "support" / "__init__.py"
+    ]
+    assert not inserts, f"sys.path changed outside support/__init__.py: {inserts}"

@@ -1,4 +1,4 @@
-"""The bandwidth-limiting proxy (tests/servers/throttle.py) between the real s3fs client and the
+"""The bandwidth-limiting proxy (support/servers/throttle.py) between the real s3fs client and the
 real SeaweedFS server: the rate it enforces, changed while a transfer runs, paused, killed.
 
     .venv/bin/python -m pytest -q -s tests/test_throttle.py      # ~20 s; -s prints the rates
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
+from support.servers.throttle import MB
 from tasks.core.storage.fs import filesystem
-from tests.servers.throttle import MB
 
 pytest_plugins = ["tests.conftest_servers"]
 pytestmark = pytest.mark.integration

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from support.servers.prefect_ops import free_port
 from tasks.core.config.load import load_config
 from tasks.core.config.tracking import check_uri, flatten, redact
 from tasks.tracking import RunTracker
 from tests.conftest import tiny_config_raw, write_config
-from tests.servers.prefect_ops import free_port
 
 STEPS = 4
 
@@ -74,7 +74,7 @@ def _record(step: int) -> dict:
 def test_server_dying_mid_stage_leaves_a_logged_gap_and_a_warning(tmp_path, tiny_model_dir):
     from mlflow import MlflowClient
 
-    from tests.servers.mlflow import MlflowServer
+    from support.servers.mlflow import MlflowServer
 
     server = MlflowServer(tmp_path / "mlflow").start()
     try:

@@ -31,13 +31,14 @@ from tasks.core.data.index import check_fits_model
 from tasks.core.errors import ManifestError
 from tasks.core.run import segments
 from tasks.core.run.events import PROGRESS
+from tasks.core.run.hostpeak import HostPeak
 from tasks.core.run.stages import PEAK_FIELDS, STEP_SUMMARY, SUMMARY_FIELDS
 from tasks.engine import checkpoint as ckpt
 from tasks.engine import hostmem, lora
 from tasks.engine.boosted import Engine, emit, log
 from tasks.engine.builders import plugin_meta
 from tasks.engine.faults import Injector
-from tasks.engine.metrics import HostPeak, StepMetrics, count_params
+from tasks.engine.metrics import StepMetrics, count_params
 from tasks.engine.preconditions import Job
 
 __all__ = ["StageData", "find_start", "shard", "train"]

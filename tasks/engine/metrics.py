@@ -54,33 +54,6 @@ TAGS = {
 }
 
 
-def _status_bytes(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-class HostPeak:
-    """This rank's host-memory peak over a span: VmHWM reset to the current RSS at the start
-    (/proc/self/clear_refs 5), read at the end; `added` is None where /proc has neither."""
-
-    def __init__(self):
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-            self.start = _status_bytes("VmRSS")
-        except OSError:
-            self.start = None
-
-    def added(self) -> tuple[int, int] | None:
-        """(peak - start, start) in bytes."""
-        peak = _status_bytes("VmHWM")
-        return None if peak is None or self.start is None else (peak - self.start, self.start)
-
-
 def count_params(model: torch.nn.Module) -> int:
     """Parameters of the unsharded model (call before boosting: plugins shard them)."""
     return sum(p.numel() for p in model.parameters())

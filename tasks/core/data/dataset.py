@@ -157,9 +157,11 @@ class TokenDataset:
         tokens as `batch`. Each document's piece in a block is numbered (segment_ids 1, 2, ...) and its
         position ids restart at 0, as a packed SFT row's conversations (`batch_packed`); a piece's
         first token is not a label, so no document learns from the one before it."""
-        if not self.phase.blocks:
+        if not PHASES[self.kind].blocks:
+            blocks = " or ".join(n for n, row in PHASES.items() if row.blocks)
             raise ValueError(
-                f"document attention needs blocks of a document stream; {self.root} holds {self.kind} rows"
+                f"document attention needs {blocks} data (blocks of a document stream); {self.root} holds "
+                f"{self.kind} rows"
             )
         out = self.batch(indices)
         n, L = out["input_ids"].shape

@@ -89,7 +89,7 @@ def check_fits_model(
         )
 
 
-def special_tokens(tok, kind: str) -> dict[str, Any]:
+def special_tokens(tok, kind: Phase) -> dict[str, Any]:
     """The special tokens the prepared data was made with (index.json `special_tokens`): what ends a
     CPT document (eos), what pads an SFT row (pad, else eos), bos, and the SFT end of turn (the
     special token(s) the chat template closes an assistant turn with, the last labelled tokens)."""

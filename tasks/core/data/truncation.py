@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.core.config.phases import PHASES
+from tasks.core.config.phases import PHASES, Phase
 
 SFT_KEYS = ("over_seq_len", "dropped", "cut", "split", "split_rows")
 CPT_RULE = "split"  # a CPT document longer than a block continues in the next block
@@ -34,7 +34,7 @@ def cpt_counts(shard: Path, seq_len: int) -> dict[str, int]:
     return {"documents": int(lengths.size), "over_seq_len": int((lengths > seq_len).sum())}
 
 
-def file_counts(summary: dict[str, Any], shard: Path, kind: str, seq_len: int) -> dict[str, int]:
+def file_counts(summary: dict[str, Any], shard: Path, kind: Phase, seq_len: int) -> dict[str, int]:
     """One input file's counts: its shard summary's (a record a row: SFT), or from its offsets (blocks: CPT)."""
     if PHASES[kind].blocks:
         return cpt_counts(shard, seq_len)
@@ -49,7 +49,7 @@ def total(rows: list[dict[str, int]]) -> dict[str, int]:
     return {k: sum(int(r.get(k, 0)) for r in rows) for k in keys}
 
 
-def describe(counts: dict[str, int] | None, kind: str, rule: str | None, seq_len: int) -> str:
+def describe(counts: dict[str, int] | None, kind: Phase, rule: str | None, seq_len: int) -> str:
     """One sentence: '3 of 200 training chats longer than seq_len=128: 3 dropped (sft.truncation: drop)'."""
     if not counts:
         return ""

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.core.config.kernels import cuda_available
 from tasks.core.config.outputs import ExportConfig
-from tasks.core.config.phases import PHASES
+from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.schema import EvalConfig
 from tasks.core.data.samples import IGNORE_INDEX, encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
 from tasks.core.evaluation import placement as where
@@ -498,7 +498,7 @@ def _generation_check(
 
 
 def evaluate_one(
-    model_dir: Path, records: Sequence[dict], kind: str, field: str, seq_len: int, cfg: EvalConfig
+    model_dir: Path, records: Sequence[dict], kind: Phase, field: str, seq_len: int, cfg: EvalConfig
 ) -> dict[str, Any]:
     """Held-out loss and perplexity of one HF folder: packed text (cpt) or assistant tokens (sft)."""
     tok = load_tokenizer(model_dir)

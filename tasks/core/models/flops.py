@@ -13,6 +13,8 @@ no MFU rather than a guessed one; CPUs never get one.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 # Substring of torch.cuda.get_device_name() -> peak FLOP/s per precision. Order matters: the first
 # matching substring wins, so the more specific names (H100 PCIe) come before the general ones.
@@ -42,6 +44,15 @@ def peak_flops(device_name: str | None, precision: str) -> float | None:
 def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
     """Training FLOPs (forward + backward) of one token: 6N + 12 * layers * hidden * seq_len."""
     return 6.0 * n_params + 12.0 * n_layers * hidden * seq_len
+
+
+def config_flops_per_token(model_config: Mapping[str, Any], seq_len: int) -> float:
+    """`flops_per_token` of the model a config.json describes, N from its family's tensor table: what the
+    engine computes from the built model, for a caller that has only the config (benchmarks/gpu_check.py)."""
+    from tasks.core.models.families import count_parameters
+
+    layers, hidden = int(model_config["num_hidden_layers"]), int(model_config["hidden_size"])
+    return flops_per_token(count_parameters(model_config), layers, hidden, seq_len)
 
 
 def mfu(tokens_per_s: float, per_token: float, peak_per_device: float | None, devices: int) -> float | None:

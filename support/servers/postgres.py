@@ -1,6 +1,6 @@
 """A real PostgreSQL cluster of its own for a test: initdb, pg_ctl start on a free 127.0.0.1 port, stop.
 
-    python -m tests.servers.postgres     # start one, print its URL for Prefect, Ctrl-C stops and removes it
+    python -m support.servers.postgres     # start one, print its URL for Prefect, Ctrl-C stops and removes it
 
 Debian's `postgresql-15` package (scripts/install_system.sh) puts the server binaries under
 /usr/lib/postgresql/<version>/bin, off PATH; they are found there or on PATH. PostgreSQL refuses to

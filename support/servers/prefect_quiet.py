@@ -1,6 +1,6 @@
 """Prefect server loop services the tests never wait for, run every 5 minutes instead of every 5-15 s.
 
-    python -m tests.servers.prefect_quiet      # prints the settings, as the test processes get them
+    python -m support.servers.prefect_quiet      # prints the settings, as the test processes get them
 
 An idle Prefect 3.9 server (SQLite) spends about 5 CPU-s a minute here, most of it in loop
 services polling the database: late runs and pause expirations every 5 s, the cleanup reconciler

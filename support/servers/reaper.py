@@ -1,6 +1,6 @@
 """Run one daemon under a small child subreaper that reaps every orphan the daemon leaves.
 
-    python -m tests.servers.reaper slurmd -D -N n1 -f slurm.conf
+    python -m support.servers.reaper slurmd -D -N n1 -f slurm.conf
 
 slurmd double-forks each job's slurmstepd, which then re-parents to the nearest child subreaper
 above it, or to PID 1. A test process can itself be a subreaper (a local stage makes its task
@@ -26,7 +26,7 @@ from tasks.core.launch.proctree import become_subreaper
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m tests.servers.reaper COMMAND [ARGS...]", file=sys.stderr)
+        print("usage: python -m support.servers.reaper COMMAND [ARGS...]", file=sys.stderr)
         return 2
     become_subreaper()
     child = subprocess.Popen(argv)

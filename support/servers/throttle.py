@@ -10,7 +10,7 @@ Bounded by construction: at most `max_connections` connections, each pump holds 
 `chunk` of bytes, and the proxy closes itself after `lifetime_s` seconds so a test that forgets it
 leaves no thread running for long.
 
-    python -m tests.servers.throttle 127.0.0.1:8333 2.0     # proxy to :8333 at 2 MB/s; prints its port
+    python -m support.servers.throttle 127.0.0.1:8333 2.0     # proxy to :8333 at 2 MB/s; prints its port
 """
 
 from __future__ import annotations

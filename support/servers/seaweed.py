@@ -5,7 +5,7 @@ next to the venv's python. Every port is a free one on 127.0.0.1, the access key
 identities file, and the client side is configured only through the standard AWS variables
 (`env()`), region included (AWS_DEFAULT_REGION).
 
-    python -m tests.servers.seaweed /tmp/weed-data      # run one by hand; prints its AWS env
+    python -m support.servers.seaweed /tmp/weed-data      # run one by hand; prints its AWS env
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class WeedServer:
         """Create a bucket through the real S3 API with the env's credentials."""
         import s3fs
 
-        from tests.servers import patched_env
+        from support.servers import patched_env
 
         with patched_env(self.env()):
             fs = s3fs.S3FileSystem(skip_instance_cache=True)

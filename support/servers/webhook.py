@@ -1,7 +1,7 @@
 """A local HTTP receiver on 127.0.0.1 that records every request body: the far end of a webhook
 notification block in the tests.
 
-    python -m tests.servers.webhook          # prints its URL, then every body it receives
+    python -m support.servers.webhook          # prints its URL, then every body it receives
 """
 
 from __future__ import annotations

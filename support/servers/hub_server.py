@@ -11,7 +11,7 @@ upload, or of a multipart completion, the next N times) and `stats` (bytes and o
 commits made). Commits are atomic: a commit that names an LFS object the server does not hold
 whole is refused, and the branch ref moves only when the commit is written.
 
-    HUB_SERVER_TOKEN=secret python -m tests.servers.hub_server --root /tmp/hub --port 8765
+    HUB_SERVER_TOKEN=secret python -m support.servers.hub_server --root /tmp/hub --port 8765
 """
 
 from __future__ import annotations
@@ -722,7 +722,7 @@ class HubServer:
     """The server as a subprocess, started and stopped by PID, plus its test controls."""
 
     def __init__(self, root: Path, token: str, multipart_threshold: int = 1 << 20, chunk_size: int = 512 << 10):
-        from tests.servers.seaweed import free_ports
+        from support.servers.seaweed import free_ports
 
         self.root, self.token = Path(root), token
         self.port = free_ports(1)[0]
@@ -743,7 +743,7 @@ class HubServer:
                 [
                     sys.executable,
                     "-m",
-                    "tests.servers.hub_server",
+                    "support.servers.hub_server",
                     "--root",
                     str(self.root / "data"),
                     "--port",

@@ -5,7 +5,7 @@ nodes, each daemon on a free port picked per run, every file under one directory
 the cluster through `SLURM_CONF` (`env()`); nothing under /etc is read or written. Root only
 (slurmd runs jobs as their submitting user and must be able to switch to it).
 
-    sudo python -m tests.servers.slurm /tmp/slurm-test     # run one by hand; prints its env
+    sudo python -m support.servers.slurm /tmp/slurm-test     # run one by hand; prints its env
 
 Config lines that matter (measured on Debian's slurm-wlm 22.05):
 - `ProctrackType=proctrack/pgid`: linuxproc leaks orphaned children of a cancelled step;
@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.servers.seaweed import free_ports
+from support.servers.seaweed import free_ports
 
 _REPO = Path(__file__).resolve().parents[2]
 
@@ -191,7 +191,7 @@ class SlurmCluster:
         self._wait(self.socket.exists, 15, "munged's socket")
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        # Under tests/servers/reaper.py: the daemon's orphans (each job's slurmstepd) are reaped by
+        # Under support/servers/reaper.py: the daemon's orphans (each job's slurmstepd) are reaped by
         # it, never adopted by a test process that happens to be a child subreaper.
         exe = shutil.which(argv[0], path=_path()) or argv[0]
         env = {
@@ -201,7 +201,7 @@ class SlurmCluster:
         }
         with open(self.base / f"{name}.stdout", "ab") as log:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "tests.servers.reaper", exe, *argv[1:]],
+                [sys.executable, "-m", "support.servers.reaper", exe, *argv[1:]],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -1,6 +1,6 @@
 """A fresh PREFECT_HOME whose SQLite database Prefect has already migrated.
 
-    python -m tests.servers.prefect_home /tmp/prefect-home   # seed a home by hand, print its database
+    python -m support.servers.prefect_home /tmp/prefect-home   # seed a home by hand, print its database
 
 A server started on an empty PREFECT_HOME spends most of its start on Alembic's migrations
 (measured here: 11.8 s wall, 11.1 s CPU to a healthy API on a fresh home; 3.7 s and 3.9 s on one

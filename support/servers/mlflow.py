@@ -1,7 +1,7 @@
 """A real MLflow tracking server: `mlflow server` with a SQLite backend and a local artifact
 directory under the given folder, on a free port of 127.0.0.1, in its own process group.
 
-    python -m tests.servers.mlflow /tmp/mlflow-home     # run one by hand; Ctrl-C stops it
+    python -m support.servers.mlflow /tmp/mlflow-home     # run one by hand; Ctrl-C stops it
 
 `mlflow-skinny` plus Flask, flask-cors, graphene and huey is enough for the server (the test extra
 installs them); the full `mlflow` package would add ~750 MiB (pandas, scikit-learn, scipy) and
@@ -18,7 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Self
 
-from tests.servers.prefect_ops import free_port, stop_group
+from support.servers.prefect_ops import free_port, stop_group
 
 MLFLOW = str(Path(sys.executable).parent / "mlflow")
 

@@ -5,7 +5,7 @@ process group, stopped by PID (SIGTERM to the group, then SIGKILL). The API is r
 HTTP so the test process never changes its own Prefect settings. Headless Chromium (Debian's
 `chromium`) loads pages of the server's UI.
 
-    python -m tests.servers.prefect_ops /tmp/prefect-home     # run a server by hand; Ctrl-C stops it
+    python -m support.servers.prefect_ops /tmp/prefect-home     # run a server by hand; Ctrl-C stops it
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.servers import prefect_quiet
+from support.servers import prefect_quiet
 
 REPO = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -64,7 +64,7 @@ def stop_group(proc: subprocess.Popen | None, timeout: float = 20.0) -> None:
 
 class PrefectServer:
     """`prefect server start` on a free port of 127.0.0.1 with its own PREFECT_HOME; its database is
-    SQLite there, or `database_url` (PostgreSQL: tests/servers/postgres.py), as a shared server runs."""
+    SQLite there, or `database_url` (PostgreSQL: support/servers/postgres.py), as a shared server runs."""
 
     def __init__(self, home: Path, database_url: str | None = None):
         self.home = Path(home)
