@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -48,20 +47,15 @@ FIRST_ID = 3  # above bos/eos/pad of the demo tokenizer
 # -- rank side -------------------------------------------------------------------------------------
 
 
-def _kib(field: str) -> int:
-    return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-
-
-def _reset_peak() -> None:
+def _trim() -> None:
     import ctypes
     import gc
 
     gc.collect()
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so the span starts low
     except OSError:
         pass
-    Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM := the current resident set
 
 
 def _engine(layout: str, seq_len: int, model: Path, work: Path):
@@ -130,6 +124,8 @@ def ranks(argv: list[str]) -> int:
     import torch.distributed as dist
     from colossalai.logging import get_dist_logger
 
+    from tasks.core.run.hostpeak import HostPeak
+
     colossalai.launch_from_torch(seed=1234, verbose=False)
     get_dist_logger().set_level("WARNING")
     work, records = Path(a.out), []
@@ -138,10 +134,10 @@ def ranks(argv: list[str]) -> int:
         eng = _engine(layout, max(lens + [a.time_len]), Path(a.model), work)
         trials = []
         for i, n in enumerate(lens):
-            _reset_peak()
-            start = _kib("VmRSS")
+            _trim()
+            peak = HostPeak()  # VmHWM := the current resident set
             seconds = _step(eng, n, i)
-            grown = torch.tensor([(_kib("VmHWM") - start) / 1024.0], dtype=torch.float64)
+            grown = torch.tensor([peak.added()[0] / 2**20], dtype=torch.float64)
             dist.all_reduce(grown, op=dist.ReduceOp.MAX)  # the largest rank decides
             trials.append({"seq_len": n, "growth_mib": round(grown.item(), 1), "step_s": round(seconds, 3)})
             if grown.item() > a.cap_mib:

@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 
-from tests._engine_utils import engine, stage_raw, train_state, write_job
+from support.engine import engine, stage_raw, train_state, write_job
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1800)]
 
