@@ -29,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from support import REPO  # the checkout first on sys.path (support/__init__.py)
+
 HP = {"name": "hybrid_parallel", "precision": "fp32"}
 LAYOUTS = {
     "dp2": HP,
@@ -219,7 +220,6 @@ def report(recs: list[dict], cap_mib: float, model: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_ranks":
-        sys.path.insert(0, str(REPO))
         return ranks(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="the demo's tiny model, 256 and 512 tokens, one launch")
@@ -229,7 +229,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-len", type=int, default=2048, help="the equal length the step time is measured at")
     p.add_argument("--save", help="write the printed table to this file as well")
     a = p.parse_args(argv)
-    sys.path.insert(0, str(REPO))
     from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
 
     t0 = time.monotonic()
