@@ -66,6 +66,11 @@ def chunk_dir(out_dir: Path, key: str) -> Path:
     return Path(out_dir) / CHUNKS / key
 
 
+def spill_dir(out_dir: Path) -> Path:
+    """Where this process spills decompressed chunks (removed by schedule.drive once nothing runs)."""
+    return Path(out_dir) / CHUNKS / f".tmp-spill-{os.getpid()}"
+
+
 def units(sizes: list[int], c: int) -> int:
     """How many files and chunks files of `sizes` give at chunk size `c` (about: a chunk ends at a newline)."""
     return sum(max(1, -(-size // c)) for size in sizes)
@@ -289,7 +294,7 @@ def work(
     """What the workers do for inputs[todo], in order: Whole files and the Chunks not cached yet, each
     file's FileChunks after its last chunk. Largest file first on a pool (the workers end together)."""
     order = sorted(todo, key=lambda i: -inputs[i].size) if largest_first else sorted(todo)
-    spill = Path(out_dir) / CHUNKS / f".tmp-spill-{os.getpid()}"
+    spill = spill_dir(out_dir)
     for i in order:
         chunks = split(i, inputs[i], c, spill)
         if chunks is None:
