@@ -9,8 +9,8 @@ Dask cluster has work even when the corpus is one file:
 - .parquet: consecutive row groups of about `chunk_bytes` (compressed column bytes).
 - compressed (.gz, .bz2, .xz, .zst): the stream is decompressed once, in the scheduling process,
   and cut into chunks of decompressed lines written to `chunks/.tmp-spill-*/`, each deleted once
-  tokenized; the scheduler pulls the next one only when a worker is free, so the disk holds at most
-  a chunk per worker.
+  tokenized (the directory when the run ends); the scheduler pulls the next one only when a worker
+  is free, so the disk holds at most a chunk per worker.
 
 Every chunk knows the line (row) number of its first record in the file (a text chunk counts the
 line ends of the bytes before it, read once as its sha256 is taken), so a bad record is named by
