@@ -121,7 +121,7 @@ def test_data_smoke():
     out = smoke([PY, "benchmarks/data.py", "--smoke"])
     assert "prep 1w MB/s | prep 2w MB/s | 2w/1w (>=1.6)" in out and "resume/start (<=1.1)" in out, out
     assert "launch -> first step s | whole run s | peak RSS per rank MB | last loss" in out, out
-    assert "One JSONL file of" in out and "2w/1w (>=1.7)" in out and "per worker 2w/tok (>=0.8)" in out, out
+    assert "One JSONL file of" in out and "2w/1w (>=1.7)" in out and "worker on a chunk/tok (>=0.8)" in out, out
     assert "command: python benchmarks/data.py --smoke" in out, out
 
 

@@ -202,3 +202,38 @@ def test_text_chunks_cut_after_a_newline_and_count_every_line_end(tmp_path):
         assert c.start == 0 or body[c.start - 1 : c.start] == b"\n"
         first, rec = next(iter(c.records(1 << 20)))
         assert first == c.first_line and rec == lines[first], c
+
+
+@pytest.mark.parametrize("name", ["c.jsonl.gz", "c.parquet"])
+def test_a_compressed_or_parquet_prepare_killed_after_some_chunks_reruns_only_the_missing_ones(tokdir, tmp_path, name):
+    path = _write(tmp_path / name, _records("cpt") * 2)
+    total = len(_chunked(path))
+    out = tmp_path / "out"
+    # Killed (SIGKILL: no clean-up runs) as the second chunk's summary lands; a gzip stream leaves its spill behind.
+    code = (
+        "import os, signal\n"
+        "from tasks.core.data.prepare import prepare\n"
+        "seen = []\n"
+        "def progress(s):\n"
+        "    seen.append(s)\n"
+        "    if len(seen) == 2: os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"prepare({str(path)!r}, {str(tokdir)!r}, {str(out)!r}, kind='cpt', field='text', seq_len=64, "
+        f"heldout_fraction=0.05, chunk_mb={SMALL}, progress=progress)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, check=False
+    )
+    assert p.returncode == -9, p.stderr.decode()[-2000:]
+    done = {d.name for d in (out / ck.CHUNKS).iterdir() if (d / "summary.json").is_file()}
+    assert len(done) == 2 and total > 3 and not (out / "index.json").exists()
+    before = {k: (out / ck.CHUNKS / k / "summary.json").stat().st_mtime_ns for k in done}
+    again: list[dict] = []
+    r = _prep(path, tokdir, out, chunk_mb=SMALL, progress=again.append)
+    redone = [s["chunk"]["n"] for s in again if "n" in s.get("chunk", {})]
+    assert sorted(redone) == list(range(2, total)), redone  # chunks 0 and 1 were done: only the others ran
+    assert {k: (out / ck.CHUNKS / k / "summary.json").stat().st_mtime_ns for k in done} == before
+    assert not list((out / ck.CHUNKS).glob(".tmp-*")), (
+        "the killed run's spill and half-written chunks, and this run's spill"
+    )
+    whole = _prep(path, tokdir, tmp_path / "whole")
+    assert _artifact(out, r.index) == _artifact(tmp_path / "whole", whole.index)

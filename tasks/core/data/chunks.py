@@ -9,8 +9,8 @@ Dask cluster has work even when the corpus is one file:
 - .parquet: consecutive row groups of about `chunk_bytes` (compressed column bytes).
 - compressed (.gz, .bz2, .xz, .zst): the stream is decompressed once, in the scheduling process,
   and cut into chunks of decompressed lines written to `chunks/.tmp-spill-*/`, each deleted once
-  tokenized; the scheduler pulls the next one only when a worker is free, so the disk holds at most
-  a chunk per worker.
+  tokenized (the directory when the run ends); the scheduler pulls the next one only when a worker
+  is free, so the disk holds at most a chunk per worker.
 
 Every chunk knows the line (row) number of its first record in the file (a text chunk counts the
 line ends of the bytes before it, read once as its sha256 is taken), so a bad record is named by
@@ -64,6 +64,11 @@ _COMPRESSION_RATIO = 4  # a compressed file's text is taken to be this many time
 
 def chunk_dir(out_dir: Path, key: str) -> Path:
     return Path(out_dir) / CHUNKS / key
+
+
+def spill_dir(out_dir: Path) -> Path:
+    """Where this process spills decompressed chunks (removed by schedule.drive once nothing runs)."""
+    return Path(out_dir) / CHUNKS / f".tmp-spill-{os.getpid()}"
 
 
 def units(sizes: list[int], c: int) -> int:
@@ -289,7 +294,7 @@ def work(
     """What the workers do for inputs[todo], in order: Whole files and the Chunks not cached yet, each
     file's FileChunks after its last chunk. Largest file first on a pool (the workers end together)."""
     order = sorted(todo, key=lambda i: -inputs[i].size) if largest_first else sorted(todo)
-    spill = Path(out_dir) / CHUNKS / f".tmp-spill-{os.getpid()}"
+    spill = spill_dir(out_dir)
     for i in order:
         chunks = split(i, inputs[i], c, spill)
         if chunks is None:

@@ -12,6 +12,7 @@ runs finish (their shards stay for the retry) and raises the first error in corp
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -117,6 +118,7 @@ def drive(
             done = merge_ready(item.file)
             if progress:
                 progress({**s, "file_done": done})
+    shutil.rmtree(ck.spill_dir(Path(out_dir)), ignore_errors=True)  # nothing runs: every spilled chunk is done
     if errors:
         raise errors[min(errors)]
     return out
