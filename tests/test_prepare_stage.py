@@ -53,7 +53,7 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def test_bad_sft_record_stops_the_run_before_boost_and_shard(prefect_harness, tiny_model_dir, tmp_path, capsys):
-    from flows.cpt_to_sft import main
+    from flows.cli import flow_main as main
 
     corpus = tmp_path / "sft"
     corpus.mkdir()
