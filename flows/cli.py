@@ -207,7 +207,7 @@ def recompute_fingerprint(art: Path, manifest: dict[str, Any]) -> str:
         return "fingerprint sha256 ok (a plugin checkpoint: logits not recomputed)"
     dtype = str(manifest["fingerprint"].get("dtype", "fp32"))
     rtol = default_rtol(_DTYPE_NAMES.get(dtype, dtype))
-    c = compare_logits(hf_dir_logits(art, budget_gb=VERIFY_MEMORY_GB), load_fingerprint(art), rtol)
+    c = compare_logits(hf_dir_logits(art, verify_memory_gb=VERIFY_MEMORY_GB), load_fingerprint(art), rtol)
     if not c["fingerprint_match"]:
         raise ManifestError(
             f"{art}: recomputed logits differ from its fingerprint (relative {c['fingerprint_rel_diff']:.3g} > "
@@ -495,6 +495,7 @@ def run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
     import atexit
     import gc
 
+    import flows.cpt_to_sft  # noqa: F401 - first: importing Prefect sets up the console handlers filtered below
     from flows.console import console_guard
     from tasks.console_log import one_line_failures
 

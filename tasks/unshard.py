@@ -27,9 +27,9 @@ def unshard(cfg: RunConfig, cpt: StageResult) -> StageResult:
             ckpt,
             out.dir,
             source,
-            dtype=None,
-            max_shard_size=cfg.export.max_shard_size,
+            cfg.export,  # its shard size: otherwise the checkpoint as it is (bridge)
             weights_dtype=cfg.cpt.plugin.precision,
+            bridge=True,
             verify_memory_gb=cfg.verify_memory_gb,
         )
         out.manifest(

@@ -354,13 +354,14 @@ def test_gemini_checkpoint_exports_with_matching_fingerprint(gemini_runs, dropou
     import torch
     from transformers import AutoModelForCausalLM
 
+    from tasks.core.config.outputs import ExportConfig
     from tasks.core.models.fingerprint import load_fingerprint, max_abs_diff, model_logits
     from tasks.core.models.hf_artifact import build_hf_dir
 
     ckpt = gemini_runs["a"] / "step-000006"
     dst = tmp_path / "export"
     dst.mkdir()
-    built = build_hf_dir(ckpt, dst, dropout_model_dir, dtype="bf16", max_shard_size="5GB", weights_dtype="bf16")
+    built = build_hf_dir(ckpt, dst, dropout_model_dir, ExportConfig(dtype="bf16"), weights_dtype="bf16")
     v = built["verification"]
     assert v["fingerprint_match"], v
     from safetensors.torch import load_file

@@ -124,12 +124,13 @@ def test_the_merged_export_matches_peft_and_keeps_every_untouched_tensor(lora_ru
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from tasks.core.config.outputs import ExportConfig
     from tasks.core.models.fingerprint import compare_logits, default_rtol, hf_dir_logits, model_logits
     from tasks.core.models.folder import folder_problems
     from tasks.core.models.merge import build_merged_dir
 
     out = tmp_path / "export"
-    built = build_merged_dir(lora_run["dir"] / "step-000006", out, lora_run["base"], dtype=dtype, max_shard_size="5GB")
+    built = build_merged_dir(lora_run["dir"] / "step-000006", out, lora_run["base"], ExportConfig(dtype=dtype))
     v = built["verification"]
     assert v["fingerprint_match"] and v["dtype"] == dtype
     layers = json.loads((lora_run["base"] / "config.json").read_text())["num_hidden_layers"]
