@@ -65,7 +65,6 @@ GB = 1e9
 # 0.47 GB under low_level_zero (torch 2.13, transformers 4.51.3, colossalai 0.5.0, 2 ranks).
 RANK_BASELINE_BYTES = int(0.47e9)
 LOSS_BYTES_PER_LOGIT = 12
-PHASES = ("forward", "grads", "backward", "step")
 
 
 def human(n: float) -> str:
