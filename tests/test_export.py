@@ -2,7 +2,7 @@
 multi-shard through the real `build_hf_dir`, checked with the consumers' rules; the exact weight
 proof failing on a swapped pair of layers and on one flipped mantissa bit; stop-token alignment.
 
-    /work/main/.venv/bin/python -m pytest -q tests/test_export.py      # ~1 min on 2 cores
+    .venv/bin/python -m pytest -q tests/test_export.py      # ~1 min on 2 cores
 
 The "checkpoint" here is what the engine's save leaves (`model/` HF safetensors + fingerprint),
 made from the tiny qwen2 base directly: the conversion, the proof, the stop tokens and the

@@ -1,7 +1,7 @@
 """Bad inputs are refused before any launch, and failures carry their cause.
 
-    /work/main/.venv/bin/python -m pytest -q tests/test_fail_early.py            # unit tier
-    /work/main/.venv/bin/python -m pytest -q -m "" tests/test_fail_early.py      # + load stage, flow, torchrun
+    .venv/bin/python -m pytest -q tests/test_fail_early.py            # unit tier
+    .venv/bin/python -m pytest -q -m "" tests/test_fail_early.py      # + load stage, flow, torchrun
 
 One table per kind of bad input. Every refusal is checked for the field or file it names and for
 the absence of a traceback; every unit case runs with process launches replaced by functions that

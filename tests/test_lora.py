@@ -1,4 +1,4 @@
-"""LoRA SFT (issue #26): the config, the plugin registry's capability row and the layout rules.
+"""LoRA SFT: the config, the plugin registry's capability row and the layout rules.
 
     .venv/bin/pytest -q tests/test_lora.py
 

@@ -1,4 +1,4 @@
-"""LoRA SFT in the engine (issue #26): three torchrun launches under torch_ddp fp32.
+"""LoRA SFT in the engine: three torchrun launches under torch_ddp fp32.
 
     .venv/bin/pytest -q -m distributed tests/test_lora_dist.py
 

@@ -1,4 +1,4 @@
-"""The LoRA export merged without loading the base whole (issue #25): the same export, bitwise.
+"""The LoRA export merged without loading the base whole: the same export, bitwise.
 
     .venv/bin/pytest -q tests/test_lora_merge.py
 

@@ -1,4 +1,4 @@
-"""Unit tier: the base model's folder and the run root are judged before launch (issue #38).
+"""Unit tier: the base model's folder and the run root are judged before launch.
 
     .venv/bin/python -m pytest -q tests/test_model_folder.py
 

@@ -187,7 +187,7 @@ def test_pool_workers_reach_the_ephemeral_api_of_the_flow_process(tmp_path):
     )
     # The probe is a plain Prefect flow, not the flow CLI: give its ephemeral server the start-up
     # time the CLI gives (flows/embedded_api.py) instead of Prefect's 20 s, which a loaded 2-core
-    # machine can exceed (both full-suite runs of 2026-12-02 failed here on that timeout alone).
+    # machine can exceed.
     env[TIMEOUT_SETTING] = str(STARTUP_TIMEOUT_S)
     out = subprocess.run(
         [sys.executable, "-c", _EPHEMERAL_PROBE],
