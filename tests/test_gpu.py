@@ -372,7 +372,7 @@ def test_gemini_checkpoint_exports_with_matching_fingerprint(gemini_runs, dropou
     # The export is the checkpoint's tensors cast to the export dtype (what build_hf_dir's proof
     # checks). Not the checkpoint's dtype: on one GPU Gemini's chunks stay gathered, and colossalai
     # 0.5.0's get_temp_total_chunk_on_cuda then returns the fp32 chunk uncast, so model/ holds the
-    # fp32 masters (the first device run compared without the cast and every tensor differed).
+    # fp32 masters.
     assert [k for k in trained if not _same(exported[k], trained[k].to(exported[k].dtype))] == []
     model = AutoModelForCausalLM.from_pretrained(dst, torch_dtype=torch.bfloat16, use_safetensors=True).cuda()
     diff = max_abs_diff(model_logits(model, model.config.vocab_size), load_fingerprint(ckpt))
