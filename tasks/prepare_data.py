@@ -45,18 +45,19 @@ from prefect import flow, get_run_logger, task
 
 from tasks import console_log, ui
 from tasks.core.config.data import TokenizeConfig
-from tasks.core.config.paths import resolve_local
+from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.schema import RunConfig
 from tasks.core.data import chunks, truncation
 from tasks.core.data import prepare as prep
-from tasks.core.data.blend import BLEND_FILE, Source
+from tasks.core.data.blend import BLEND_FILE
 from tasks.core.data.chunks import Chunk, Whole
 from tasks.core.data.index import INDEX
 from tasks.core.data.inputs import InputFile
 from tasks.core.data.records import iter_file_records
 from tasks.core.data.schedule import drive, run_item
 from tasks.core.data.shard import ShardSpec, read_summary, shard_dir
-from tasks.core.data.stage_data import HELDOUT_SET, blend_plan
+from tasks.core.data.spec import prepare_spec
+from tasks.core.data.stage_data import HELDOUT_SET
 from tasks.core.run.stages import DATA_CACHE, PREPARE, STAGE
 from tasks.stage import Stage, StageResult, stage_task, store_for
 
@@ -164,9 +165,9 @@ class _Tasks:
         return future.result()
 
 
-@flow(name="tokenize-files", flow_run_name="tokenize {stage}: {n} files", validate_parameters=False)
+@flow(name="tokenize-files", flow_run_name="tokenize {phase}: {n} files", validate_parameters=False)
 def tokenize_files(
-    stage: str,
+    phase: Phase,
     n: int,
     inputs: list[InputFile],
     todo: list[int],
@@ -178,42 +179,26 @@ def tokenize_files(
 ) -> list[dict]:
     """inputs[todo], a file larger than `chunk_bytes` in chunks, at most `width` task runs in flight (one queued
     beyond the workers); all finish (their shards stay) before the first error, in corpus order, is raised."""
-    report = ui.DataProgress(stage, n, sum(inputs[i].size for i in todo))
+    report = ui.DataProgress(phase, n, sum(inputs[i].size for i in todo))
     work = chunks.work(inputs, todo, spec, Path(out_dir), chunk_bytes, largest_first=width > 1)
     done = drive(work, _Tasks(spec, tokenizer_dir, out_dir), width + 1 if width > 1 else 1, spec, out_dir, report)
     return [done[i] for i in todo]
 
 
-@stage_task(name="prepare_data", task_run_name="{stage}: tokenize data")
-def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult:
-    """Tokenize `stage`'s corpus with `source`'s tokenizer into data/<stage>/ (token shards, index, held-out records)."""
+@stage_task(name="prepare_data", task_run_name="{phase}: tokenize data")
+def prepare_data(cfg: RunConfig, phase: Phase, source: StageResult) -> StageResult:
+    """Tokenize `phase`'s corpus with `source`'s tokenizer into data/<phase>/ (token shards, index, held-out
+    records)."""
     logger = get_run_logger()
-    st_cfg = getattr(cfg, stage)
-    name = PREPARE[stage]
+    st_cfg = getattr(cfg, phase)
+    name = PREPARE[phase]
     store = store_for(cfg)
     tok_dir = store.local_path(source.rel) if store.local else store.stage_in(source.rel)
-    cache = store.staging / DATA_CACHE / stage
+    cache = store.staging / DATA_CACHE / phase
     d = st_cfg.data
-    sources = [Source(s.name, [resolve_local(u) for u in s.uris], s.weight) for s in d.source_list]
-    only = [Source(s.name, [resolve_local(u) for u in s.uris], 0.0) for s in st_cfg.eval.heldout_sources or ()]
-    plan_steps = blend_plan(st_cfg, stage)
-    p = prep.plan(
-        sources,
-        tok_dir,
-        cache,
-        kind=stage,
-        blend_plan=plan_steps,
-        heldout_sources=only,
-        field=d.text_field if stage == "cpt" else d.messages_field,
-        seq_len=st_cfg.seq_len,
-        heldout_fraction=0.0 if st_cfg.eval.heldout_uri else st_cfg.eval.heldout_fraction,
-        heldout_uri=resolve_local(st_cfg.eval.heldout_uri) if st_cfg.eval.heldout_uri else None,
-        on_bad_record=d.on_bad_record,
-        max_bad_records=d.max_bad_records,
-        max_record_chars=d.max_record_chars,
-        truncation_rule=st_cfg.truncation,
-        formats=d.folder_formats,
-    )
+    spec = prepare_spec(st_cfg, phase)
+    sources, only, plan_steps = spec.sources, spec.heldout_sources, spec.blend_plan
+    p = prep.plan(spec, tok_dir, cache)
     # A mixture's blend is made for the planned steps: they are inputs of this digest, and only then.
     inputs = {"spec": p.spec.key_fields(), "files": [f.to_json() for f in p.inputs]}
     if plan_steps is not None:
@@ -227,7 +212,7 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
         ]
     st = Stage(name, cfg, inputs=inputs)
     if st.skipped:  # the counts run.json and the stage table show, as the artifact's index recorded them
-        st.result.detail.update(_recorded_truncation(store, STAGE[name].artifact, stage, st_cfg.seq_len))
+        st.result.detail.update(_recorded_truncation(store, STAGE[name].artifact, phase, st_cfg.seq_len))
         return st.result
     (cache / "shards").mkdir(parents=True, exist_ok=True)
     chunks.clean_stale(cache)  # a worker killed mid-file or mid-chunk; its summary never landed
@@ -236,7 +221,7 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
             "%s: skipped %d file(s) that are not data (%s.data.formats: %s): %s",
             name,
             len(p.not_data),
-            stage,
+            phase,
             ", ".join(d.formats),
             ", ".join(p.not_data[:10]) + (f" and {len(p.not_data) - 10} more" if len(p.not_data) > 10 else ""),
         )
@@ -259,7 +244,7 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
         runner = task_runner_for(d.tokenize, units, width)
         with worker_api():
             tokenize_files.with_options(task_runner=runner)(
-                stage, len(p.todo), p.inputs, p.todo, p.spec, str(tok_dir), str(cache), c, min(width, units)
+                phase, len(p.todo), p.inputs, p.todo, p.spec, str(tok_dir), str(cache), c, min(width, units)
             )
     summaries = {i: read_summary(shard_dir(cache, p.keys[i])) for i in range(len(p.inputs))}
     index = prep.finalize(p, summaries, workers=1)
@@ -284,7 +269,7 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
             kind="token-shards",
             parent=source,
             meta={
-                "stage": stage,
+                "stage": phase,
                 "tokenizer_sha256": index["tokenizer_sha256"],
                 "dtype": index["dtype"],
                 "split": index["split"],
@@ -296,8 +281,8 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
             },
         )
     prep.prune(cache, index)
-    ui.token_table(stage, t)
-    ui.mixture_table(stage, index["sources"], index["blend"], index.get("heldout_sources") or [])
+    ui.token_table(phase, t)
+    ui.mixture_table(phase, index["sources"], index["blend"], index.get("heldout_sources") or [])
     for src in index["sources"]:
         if src.get("epochs", 0) > d.max_source_epochs:
             logger.warning(
@@ -308,17 +293,18 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
                 src["name"],
                 src["epochs"],
                 st_cfg.max_steps,
-                stage,
+                phase,
                 d.max_source_epochs,
             )
     # Records longer than seq_len, said once per source: what the rule made of them.
     notes = []
     for src in index["sources"]:
-        line = truncation.describe(src.get("truncation"), stage, index["truncation"]["rule"], st_cfg.seq_len)
+        line = truncation.describe(src.get("truncation"), phase, index["truncation"]["rule"], st_cfg.seq_len)
         if line:
             notes.append(line if len(index["sources"]) == 1 else f"source {src['name']!r}: {line}")
     for line in notes:
-        (logger.warning if stage == "sft" else logger.info)("%s: %s", name, line)
+        # a row-per-record phase drops or cuts what is over seq_len; a block stream only continues it
+        (logger.warning if PHASES[phase].rows else logger.info)("%s: %s", name, line)
     empty = prep.empty_files(index["files"])
     if empty:
         logger.warning(
@@ -364,20 +350,21 @@ def prepare_data(cfg: RunConfig, stage: str, source: StageResult) -> StageResult
     )
 
 
-def _recorded_truncation(store: Any, rel: str, stage: str, seq_len: int) -> dict[str, Any]:
+def _recorded_truncation(store: Any, rel: str, phase: Phase, seq_len: int) -> dict[str, Any]:
     try:
         index = json.loads(store.read_text(f"{rel}/{INDEX}"))
     except Exception:  # a view only: the artifact verified, its index is the record
         return {}
     if "truncation" not in index:
         return {}
-    line = truncation.describe(index["totals"]["truncation"], stage, index["truncation"]["rule"], seq_len)
+    line = truncation.describe(index["totals"]["truncation"], phase, index["truncation"]["rule"], seq_len)
     return {"truncation": {**index["truncation"], **index["totals"]["truncation"]}, **({"note": line} if line else {})}
 
 
-def prepared_dir(cfg: RunConfig, stage: str) -> Path:
-    """The local data/<stage>/ a training or evaluation stage reads (staged in, sha256-verified, for remote run roots)."""
-    store, rel = store_for(cfg), STAGE[PREPARE[stage]].artifact
+def prepared_dir(cfg: RunConfig, phase: Phase) -> Path:
+    """The local data/<phase>/ a training or evaluation stage reads (staged in, sha256-verified, for remote run
+    roots)."""
+    store, rel = store_for(cfg), STAGE[PREPARE[phase]].artifact
     return store.local_path(rel) if store.local else store.stage_in(rel)
 
 

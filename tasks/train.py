@@ -178,6 +178,7 @@ def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.Tra
     logger.info(
         console.start(
             f"{p.name} tp={p.tp_size} pp={p.pp_size} zero={p.zero_stage} {p.precision} | {st.launch.world_size} ranks"
+            f" | seq_len {st.seq_len}" + (f", {st.attention} attention" if st.attention != "causal" else "")
         )
     )
 
@@ -234,6 +235,9 @@ def _train(cfg: RunConfig, stage: str, start: StageResult, tracker: tracking.Tra
             "first_loss": losses[0] if losses else None,
             "final_loss": final,
             "medians": medians,
+            # the stage's throughput at its sequence length (long-context stages are compared by both)
+            "seq_len": st.seq_len,
+            "tokens_per_s": medians.get("tokens_per_s"),
             "segments": state.get("segments") or [],
             **peak,
         },

@@ -29,6 +29,7 @@ from prefect.artifacts import (
 )
 
 from tasks.core.config.kernels import describe
+from tasks.core.run.segments import summary as segments_summary
 from tasks.core.run.trainlog import duration
 
 STAGES_KEY = "cpt-to-sft-stages"
@@ -318,8 +319,11 @@ def stage_table(results: Iterable[dict[str, Any]]) -> None:
             "duration": _duration(r.get("seconds") or 0.0),
             # A failed stage's cause (a launch: the failing rank's first error line), else empty.
             "cause": (r.get("detail") or {}).get("error", "") if r["status"] == "failed" else "",
-            # what the stage wants read beside its status (prepare: the records longer than seq_len and what became of them)
-            "note": (r.get("detail") or {}).get("note", ""),
+            # what the stage wants read beside its status (prepare: the records longer than seq_len and what became of
+            # them; a training stage continued under another layout: each segment's layout)
+            "note": "; ".join(
+                x for x in ((r.get("detail") or {}).get("note", ""), segments_summary(_segments(r))) if x
+            ),
         }
         for r in results
     ]
@@ -327,8 +331,12 @@ def stage_table(results: Iterable[dict[str, Any]]) -> None:
         rows,
         key=STAGES_KEY,
         description="Stages of this run: status, artifact URI, manifest digest, duration, the cause of a failure, a "
-        "note (records longer than seq_len)",
+        "note (records longer than seq_len, the layout of each segment of a training stage that changed layout)",
     )
+
+
+def _segments(r: dict[str, Any]) -> list[dict[str, Any]]:
+    return (r.get("detail") or {}).get("segments") or []
 
 
 def _duration(seconds: float) -> str:

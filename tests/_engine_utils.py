@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -45,28 +44,25 @@ def run_raw(model_dir: Path, run_root: Path, stage: str, plugin: dict[str, Any],
     }
 
 
-def prepared_data(stage_cfg: dict[str, Any], stage: str, tokenizer_dir: Path, out: Path) -> Path:
-    """The stage's corpus tokenized as prepare_data does (no held-out part: the engine tests train on
-    every record); a mixture blended for the stage's steps, as prepare_data blends it."""
-    from tasks.core.config.schema import StageConfig
-    from tasks.core.data.blend import Source
-    from tasks.core.data.prepare import prepare
-    from tasks.core.data.stage_data import blend_plan
+def prepare_spec(stage_cfg: dict[str, Any], stage: str):
+    """The stage's PrepareSpec as prepare_data builds it (`prepare.prepare_spec`), with no held-out part:
+    the engine tests train on every record."""
+    from dataclasses import replace
 
-    cfg = StageConfig.model_validate(stage_cfg)
+    from tasks.core.config.schema import StageConfig
+    from tasks.core.data.spec import prepare_spec
+
+    spec = prepare_spec(StageConfig.model_validate(stage_cfg), stage)
+    return replace(spec, heldout_fraction=0.0, heldout_uri=None, heldout_sources=())
+
+
+def prepared_data(stage_cfg: dict[str, Any], stage: str, tokenizer_dir: Path, out: Path) -> Path:
+    """The stage's corpus tokenized as prepare_data does (`prepare_spec`); a mixture blended for the
+    stage's steps, as prepare_data blends it."""
+    from tasks.core.data.prepare import prepare_spec_into
+
     if not (out / "index.json").is_file():
-        sources = [Source(s.name, s.uris, s.weight) for s in cfg.data.source_list]
-        field = cfg.data.text_field if stage == "cpt" else cfg.data.messages_field
-        prepare(
-            sources,
-            tokenizer_dir,
-            out,
-            kind=stage,
-            field=field,
-            seq_len=cfg.seq_len,
-            heldout_fraction=0.0,
-            blend_plan=blend_plan(cfg, stage),
-        )
+        prepare_spec_into(prepare_spec(stage_cfg, stage), tokenizer_dir, out)
     return out
 
 
@@ -82,32 +78,12 @@ def write_job(
     config_digest: str = "0" * 64,
     verify_memory_gb: float | None = None,
 ) -> Path:
-    # One prepared directory per corpus, seq_len and tokenizer (a mixture: also per blend plan).
-    tag = f"{stage}-{stage_cfg['seq_len']}-{Path(tokenizer_dir or model_dir).name}"
-    if "sources" in stage_cfg["data"]:
-        tag += (
-            "-"
-            + hashlib.sha256(
-                json.dumps(
-                    [
-                        stage_cfg[k]
-                        for k in (
-                            "data",
-                            "max_steps",
-                            "micro_batch_size",
-                            "grad_accum_steps",
-                            "seed",
-                            "plugin",
-                            "launch",
-                            "batching",
-                        )
-                        if k in stage_cfg
-                    ],
-                    sort_keys=True,
-                    default=str,
-                ).encode()
-            ).hexdigest()[:12]
-        )
+    # One prepared directory per prepare spec (corpus, seq_len, split, a mixture's blend plan) and tokenizer,
+    # keyed by the product's digest of that spec.
+    from tasks.core.run.digest import digest
+
+    spec = prepare_spec(stage_cfg, stage)
+    tag = f"{stage}-{stage_cfg['seq_len']}-{Path(tokenizer_dir or model_dir).name}-{digest(spec.to_json())[:12]}"
     data_dir = prepared_data(stage_cfg, stage, tokenizer_dir or model_dir, path.parent / f"data-{tag}")
     job = {
         "verb": verb,

@@ -228,7 +228,7 @@ def demo_run(prefect_harness, mlflow_server, eos_doc_end_model, tmp_path_factory
     """The whole flow once, through the CLI, on the tiny config (8 steps per stage, a checkpoint
     every 4) and the eos-doc-end demo model, tracked to the session's MLflow server. CPT also
     measures the sample general text as a held-out-only source (never trained on), so the run's
-    metrics, run.json and card carry a perplexity per source."""
+    metrics, run.json and card carry a perplexity per source, and extends the context (`cpt.context`)."""
     from flows.cli import flow_main as main
 
     tmp = tmp_path_factory.mktemp("demo-run")
@@ -245,6 +245,19 @@ def demo_run(prefect_harness, mlflow_server, eos_doc_end_model, tmp_path_factory
     # Every logits check of the run (load_from_hf, unshard, export) streams the model a layer at a
     # time (tasks/core/models/stream.py): the export test compares it with plain transformers.
     raw["verify_memory_gb"] = 1e-6
+    # CPT extends the context (tests/test_long_context.py): 256 -> 512 positions, a Llama 3 RoPE
+    # scaling and another base frequency, which cpt/hf and the export must carry to match the logits.
+    raw["cpt"]["context"] = {
+        "rope_theta": 20000.0,
+        "max_position_embeddings": 512,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 2.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+    }
     cfg = write_config(tmp / "demo.yaml", raw)
     with console_capture() as console:
         rc = main(["--config", str(cfg)])

@@ -70,6 +70,8 @@ CASES: dict[str, tuple[str, Callable[[Case], None]]] = {
         _set("sft.plugin", {"name": "low_level_zero", "zero_stage": 2, "precision": "fp16"}),
     ),
     "_qlora_needs_cuda_and_bitsandbytes": ("sft", _set("sft.lora", {"r": 8, "quantize": True})),
+    "_context_in_cpt_only": ("sft", _set("sft.context", {"rope_theta": 20000.0})),
+    "_document_attention_isolates": ("cpt", _set("cpt.attention", "document")),
 }
 # Rules whose fix is not a config value (a host:port, another section): said in words.
 IN_WORDS = {
@@ -77,6 +79,8 @@ IN_WORDS = {
     "_backend_settings": "a settings section to move or remove",
     # no registered plugin builds fp16 without dynamic loss scaling
     "_fp16_needs_dynamic_loss_scale": "unreachable with the registered plugins",
+    # the scaling meant: the message names the rope types, the keys and the values they take
+    "_rope_scaling_valid": "a RoPE scaling only the user knows",
 }
 
 

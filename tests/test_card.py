@@ -61,6 +61,7 @@ def test_the_card_names_the_base_and_loads_in_the_exports_own_dtype(tmp_path):
         "hub_id": None,
         "revision": None,
         "digest": hashlib.sha256((base / MANIFEST).read_bytes()).hexdigest(),
+        "config": {"max_position_embeddings": None, "rope_theta": None, "rope_scaling": None},
     }
     text = model_card(cfg, manifest, train_facts(cfg, RESULTS), base=facts)
     card = ModelCard(text)

@@ -405,9 +405,9 @@ def test_a_cpt_worker_imports_neither_transformers_nor_torch(tokdir, tmp_path):
     import subprocess
     import sys
 
-    from tasks.core.data.prepare import plan
+    from tasks.core.data.prepare import PrepareSpec, plan
 
-    p = plan(str(CPT), tokdir, tmp_path, kind="cpt", field="text", seq_len=64)
+    p = plan(PrepareSpec.of(str(CPT), kind="cpt", field="text", seq_len=64), tokdir, tmp_path)
     code = (
         "import pickle, sys\n"
         "from tasks.core.data.shard import tokenize_file\n"

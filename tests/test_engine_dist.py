@@ -3,7 +3,7 @@
     pytest -m distributed tests/test_engine_dist.py -s
 
 Every launch costs ~8-13 s of imports on 2 cores, so launches are shared through module-scoped
-fixtures (13 in all):
+fixtures (21 in all; the kill-in-every-save-phase test and the three re-layout tests launch their own):
 
 - hybrid_parallel tp=2 fp32, CPT on a 70/30 mixture of two sources (the blended stream of the 6
   steps): shard, train 6 steps uninterrupted, then the same 6 steps killed (SIGKILL of rank 1)
@@ -24,6 +24,9 @@ fixtures (13 in all):
   construction peak (model built lazily, sharded, weights read one tensor at a time) is what the
   memory estimate says (its share plus one tensor), well below the whole model. step-000000 is saved
   in several files (the save's blocks are sized by the largest tensor) and holds the HF tensors bitwise.
+- hybrid_parallel tp=2 with ZeRO-1 bf16, CPT: shard, train, killed after step 4 and resumed (fp32 masters).
+- Re-layouts, one launch each: the low_level_zero SFT checkpoint continued on 1 rank, the pp=2 CPT
+  checkpoint continued under tp=2, the tp=2 ZeRO-1 bf16 one continued without ZeRO (bitwise).
 """
 
 from __future__ import annotations
@@ -744,3 +747,65 @@ def test_sft_low_level_zero_on_2_ranks_resumes_on_1_from_the_resharded_state(llz
         (3, "low_level_zero", 1, 4),
     ]
     assert verify_artifact(stage_dir / "step-000006")["meta"]["layout"]["world_size"] == 1
+
+
+def test_cpt_under_pp2_resumes_under_tp2_from_the_resharded_state(pp2, tiny_model_dir, work):
+    """The CPT stage's step-000003 (hybrid_parallel pp=2 fp32, 2 ranks, 2 x 2 a rank) continued under
+    tp=2 on 2 ranks at the same split: each rank's state after the load (its tp slices of the weights,
+    AdamW's moments and step) is the checkpoint's, cut for that rank, bitwise; steps 4-6 continue the
+    pipeline's losses within fp32 reduction-order noise, and train_state records both segments."""
+    stage_dir = work / "pp2-to-tp2" / "cpt"
+    stage_dir.mkdir(parents=True)
+    src = pp2["dir"] / "step-000003"
+    shutil.copytree(src, stage_dir / "step-000003")
+    _, job = _jobs(
+        work, "pp2-to-tp2", "cpt", TP2, tiny_model_dir, tiny_model_dir, stage_dir, grad_accum_steps=2, keep_last=2
+    )
+    run = _engine("pp2 -> tp2", "train", job, env=_dump(work, "pp2-to-tp2"))
+    assert (
+        "cpt: resuming step-000003, written under hybrid_parallel pp=2 dp=1 on 2 ranks (2 x 2 a rank), under "
+        "hybrid_parallel tp=2 dp=1 on 2 ranks (2 x 2 a rank): model and optimizer re-sharded"
+    ) in run.output, run.output[-3000:]
+    loaded = work / "live-state" / "pp2-to-tp2" / "loaded-step-000003"
+    assert _assert_view_is_live_state(src, loaded, masters=False) > 0
+    ranks = [torch.load(f, weights_only=True) for f in sorted(loaded.glob("rank-*.pt"))]
+    assert any(st["piece"]["tp_size"] == 2 for st in ranks[0].values())  # tp slices, not whole tensors
+    assert [p["step"] for p in run.progress] == [4, 5, 6]
+    ref, got = train_state(pp2["dir"] / "step-000006"), train_state(stage_dir / "step-000006")
+    assert got["losses"][:3] == ref["losses"][:3] and got["sampler"] == ref["sampler"]
+    assert got["tokens_seen"] == ref["tokens_seen"]
+    drift = max(abs(a - b) / abs(b) for a, b in zip(got["losses"][3:], ref["losses"][3:]))
+    assert drift < 1e-4, (ref["losses"], got["losses"])
+    print(f"\npp=2 -> tp=2: losses of steps 4-6 within {drift:.2e} (relative) of the pipeline's")
+    assert [(s["from_step"], s["tp"], s["pp"]) for s in got["segments"]] == [(0, 1, 2), (3, 2, 1)]
+
+
+def test_hybrid_parallel_bf16_without_zero_resumes_from_the_fp32_masters(zero1, tiny_model_dir, work):
+    """hybrid_parallel bf16 without ZeRO (its mixed-precision optimizer keeps whole fp32 masters per tp
+    slice) continuing the tp=2 ZeRO-1 bf16 stage's step-000003 on the same 2 ranks (dp=1: ZeRO-1 shards
+    nothing): each rank's fp32 masters after the load are the checkpoint's, not rebuilt from the bf16
+    weights, bitwise; steps 4-6 reproduce the uninterrupted ZeRO-1 run's losses and final weights bitwise."""
+    stage_dir = work / "zero1-to-zero0" / "cpt"
+    stage_dir.mkdir(parents=True)
+    src = zero1["dir"] / "step-000003"
+    shutil.copytree(src, stage_dir / "step-000003")
+    plugin = {**ZERO1, "zero_stage": 0}
+    _, job = _jobs(work, "zero1-to-zero0", "cpt", plugin, tiny_model_dir, tiny_model_dir, stage_dir)
+    run = _engine("tp2 zero1 -> zero0 bf16", "train", job, env=_dump(work, "zero1-to-zero0"))
+    out = run.output
+    assert (
+        "cpt: resuming step-000003, written under hybrid_parallel tp=2 zero=1 dp=1 on 2 ranks (2 x 1 a rank), under "
+        "hybrid_parallel tp=2 dp=1 on 2 ranks (2 x 1 a rank): model and optimizer re-sharded"
+    ) in out, out[-3000:]
+    assert "restored the fp32 master weights of step-000003 (39 as written)" in out, out[-3000:]
+    loaded = work / "live-state" / "zero1-to-zero0" / "loaded-step-000003"
+    assert _assert_view_is_live_state(src, loaded, masters=True) > 0
+    ranks = [torch.load(f, weights_only=True) for f in sorted(loaded.glob("rank-*.pt"))]
+    assert all(st["master"].dtype == torch.float32 and st["weight"].dtype == torch.bfloat16 for st in ranks[0].values())
+    # the masters hold what bf16 cannot: rebuilt from the weights, they would equal the weights' cast
+    assert any(not torch.equal(st["master"], st["weight"].float()) for st in ranks[0].values())
+    ref, got = train_state(zero1["dir"] / "step-000006"), train_state(stage_dir / "step-000006")
+    assert [p["step"] for p in run.progress] == [4, 5, 6]
+    assert got["losses"] == ref["losses"], (ref["losses"], got["losses"])
+    a, b = read_model_dir(zero1["dir"] / "step-000006" / "model"), read_model_dir(stage_dir / "step-000006" / "model")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -631,7 +631,7 @@ def test_the_console_reads_like_a_training_log_and_the_artifacts_keep_every_step
         assert steps == [5, 8], (stage, text)
         assert re.search(rf"{stage}  start \| 8 steps \| .* \| a line every 5 steps", text)
         assert re.search(
-            rf"{stage}  done  \| step 8/8 in \S+ \| loss \d+\.\d{{3}} → \d+\.\d{{3}} \| median \S+ tok/s \| pad \d+% "
+            rf"{stage}  done  \| step 8/8 in \S+ \| loss \d+\.\d{{3}} → \d+\.\d{{3}} \| median \S+ tok/s at seq_len \d+ \| pad \d+% "
             r"\| peak mem \d+\.\d GiB \(rank [01]\)",
             text,
         )

@@ -25,6 +25,7 @@ from tests._engine_utils import engine, stage_raw, write_job
 pytestmark = pytest.mark.distributed
 
 DDP = {"name": "torch_ddp", "precision": "fp32"}
+HP = {"name": "hybrid_parallel", "precision": "fp32"}  # tp=1 pp=1 without ZeRO: data parallel, its own checkpoint IO
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
 
@@ -187,3 +188,49 @@ def test_the_merged_export_matches_peft_and_keeps_every_untouched_tensor(lora_ru
             base_ref=ref,
             rtol=v["fingerprint_rtol"],
         )
+
+
+def test_a_lora_stage_continues_under_another_plugin_with_its_optimizer_state(lora_run, tmp_path):
+    """The adapter's step-000003 (torch_ddp fp32 on 2 ranks) continued under hybrid_parallel (dp=2, its own
+    checkpoint IO) at the same split: each rank's adapter weights and AdamW state after the load are the
+    checkpoint's, bitwise (read through the layout-neutral view, which reads a LoRA checkpoint's weights
+    from its adapter); steps 4-6 continue the torch_ddp run's losses within fp32 reduction-order noise."""
+    from tasks.core.models.convert.state_view import CheckpointState
+    from tasks.engine.masters import DUMP_ENV
+
+    stage_dir = tmp_path / "sft"
+    src = lora_run["dir"] / "step-000003"
+    shutil.copytree(src, stage_dir / "step-000003")
+    section = stage_raw("sft", HP, lora=LORA, max_steps=6, checkpoint_every=3, keep_last=3)
+    job = write_job(
+        tmp_path / "jobs" / "train.json",
+        verb="train",
+        stage="sft",
+        stage_cfg=section,
+        model_dir=lora_run["base"],
+        tokenizer_dir=lora_run["base"],
+        stage_dir=stage_dir,
+    )
+    run = engine("train", job, env={DUMP_ENV: str(tmp_path / "live")})
+    assert (
+        "sft: resuming step-000003, written under torch_ddp dp=2 on 2 ranks (2 x 1 a rank), under "
+        "hybrid_parallel dp=2 on 2 ranks (2 x 1 a rank): model and optimizer re-sharded"
+    ) in run.output, run.output[-3000:]
+    view = CheckpointState(src)
+    ranks = [torch.load(f, weights_only=True) for f in sorted((tmp_path / "live" / "loaded-step-000003").glob("*.pt"))]
+    assert len(ranks) == 2 and all(set(live) == set(view.names()) for live in ranks)
+    assert all(".lora_" in name for name in view.names())  # the adapter's parameters only: the base is frozen
+    for live in ranks:
+        for name, st in live.items():
+            assert st["master"] is None and torch.equal(st["weight"], view.master(name)), name
+            adam = view.adam(name)
+            assert torch.equal(st["exp_avg"], adam["exp_avg"]) and torch.equal(st["exp_avg_sq"], adam["exp_avg_sq"])
+            assert float(st["step"]) == adam["step"] == 3.0, name
+    view.close()
+    assert [p["step"] for p in run.progress] == [4, 5, 6]
+    ref = json.loads((lora_run["dir"] / "step-000006" / "train_state.json").read_text())
+    got = json.loads((stage_dir / "step-000006" / "train_state.json").read_text())
+    assert got["losses"][:3] == ref["losses"][:3] and got["sampler"] == ref["sampler"]
+    drift = max(abs(a - b) / abs(b) for a, b in zip(got["losses"][3:], ref["losses"][3:]))
+    assert drift < 1e-4, (ref["losses"], got["losses"])
+    print(f"\nLoRA torch_ddp -> hybrid_parallel: losses of steps 4-6 within {drift:.2e} (relative) of the run's")

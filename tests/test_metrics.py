@@ -44,10 +44,12 @@ def test_step_metrics_write_one_point_per_step_and_read_back(tmp_path):
             "loss",
             "lr",
             "tokens_per_s",
+            "seq_len",
             "step_s",
             "peak_mem_bytes",
             "peak_mem_rank",
         }  # no grad norm, no MFU on CPU
+        assert r["seq_len"] == 32  # what tokens_per_s was measured at
         assert r["peak_mem_rank"] == 0  # no process group: this process is every rank
         assert r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(64 / r["step_s"], rel=1e-3)
         assert r["peak_mem_bytes"] > 10 * 2**20  # this process' RSS peak: torch alone is more

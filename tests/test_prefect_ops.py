@@ -196,6 +196,23 @@ def test_stage_table_rows(monkeypatch):
         ]
     )
     assert made["rows"][0]["cause"] == "StageFailed: rank 1: engine train failed: boom"
+    # A training stage continued under another layout: each segment's layout, beside run.json and the card.
+    from tasks.core.run.segments import record
+
+    two, one = record({"name": "low_level_zero", "zero": 2}, 2, 2, 4, 1), record({"name": "torch_ddp"}, 1, 1, 4, 2)
+    row = {"stage": "train_sft", "status": "completed", "uri": None, "digest": None, "seconds": 1.0}
+    for segs, note in (
+        ([{"from_step": 0, **two}], ""),
+        (
+            [{"from_step": 0, **two}, {"from_step": 4, **one}],
+            (
+                "from step 0: low_level_zero zero=2 dp=2 on 2 ranks (4 x 1 a rank); "
+                "from step 4: torch_ddp dp=1 on 1 rank (4 x 2 a rank)"
+            ),
+        ),
+    ):
+        ui.stage_table([{**row, "detail": {"segments": segs}}])
+        assert made["rows"][0]["note"] == note
 
 
 def test_run_form_overrides_are_typed_and_validated_like_the_yaml(tmp_path):

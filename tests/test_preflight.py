@@ -393,6 +393,41 @@ BAD = [
     ),
     ("seq-len-over-max-positions", _set("sft.seq_len", 1024), "sft.seq_len", "max_position_embeddings=256"),
     (
+        "seq-len-over-the-extended-positions",
+        _all(_set("cpt.context", {"max_position_embeddings": 512}), _set("cpt.seq_len", 1024)),
+        "cpt.seq_len",
+        "exceeds cpt.context.max_position_embeddings=512",
+    ),
+    (
+        "rope-type-transformers-does-not-build",
+        _set("cpt.context", {"rope_scaling": {"rope_type": "ntk", "factor": 2.0}}),
+        "cpt.context.rope_scaling",
+        "use one of default, linear, dynamic, yarn, longrope, llama3",
+    ),
+    (
+        "llama3-scaling-from-the-length-it-extends-to",
+        _set(
+            "cpt.context",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 2.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 256,
+                }
+            },
+        ),
+        "cpt.context.rope_scaling",
+        "original_max_position_embeddings=256 must be below max_position_embeddings=256",
+    ),
+    (
+        "document-attention-under-shardformer",
+        _set("cpt.attention", "document"),
+        "cpt.attention",
+        "attention document is refused under plugin hybrid_parallel",
+    ),
+    (
         "tokenizer-without-chat-template",
         lambda c: fake_model(c.model, tokenizer={"eos_token": "</s>"}),
         "base_model.uri",

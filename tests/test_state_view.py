@@ -105,6 +105,27 @@ def test_a_missing_piece_is_named(tmp_path):
         CheckpointState(tmp_path).master("w")
 
 
+def test_an_fp32_lora_checkpoints_weights_come_from_its_adapter_under_peft_keys(tmp_path):
+    """No masters (fp32) and no model/: the view reads each adapter weight from adapter/ under the key peft
+    saved it with (the PeftModel's prefix, no adapter name), and names a missing one."""
+    name = "model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    whole = torch.arange(8.0).reshape(2, 4)
+    _write(tmp_path, {name: (whole, None, 1, 2)})
+    for f in (tmp_path / MASTERS).glob("rank-*.json"):  # fp32: the records say where, no piece is saved
+        rec = json.loads(f.read_text())
+        rec["params"] = [{**p, "saved": False} for p in rec["params"]]
+        f.write_text(json.dumps(rec))
+    (tmp_path / "adapter").mkdir()
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    save_file({key: whole}, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    view = CheckpointState(tmp_path)
+    assert not view.has_masters and torch.equal(view.master(name), whole)
+    assert view.weights_dtype(name) == torch.float32 and torch.equal(view.adam(name)["exp_avg"], whole * 0.5)
+    save_file({"other": whole}, str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    with pytest.raises(ManifestError, match="no weight model.layers.0.self_attn.q_proj.lora_A.weight"):
+        CheckpointState(tmp_path).master(name)
+
+
 def test_a_checkpoint_without_records_is_refused_naming_why(tmp_path):
     with pytest.raises(ManifestError, match="no masters/rank-\\*.json"):
         CheckpointState(tmp_path)
@@ -161,8 +182,8 @@ def test_the_disk_estimate_counts_the_masters_a_checkpoint_holds():
 # ---- pre-flight: what a training stage does with the checkpoints under the run root ----------------
 
 
-def _run_root_with_checkpoint(tmp_path, raw: dict) -> None:
-    """base/ and data/cpt/ built, and cpt/step-000003 committed under `raw`'s layout."""
+def _run_root_with_checkpoint(tmp_path, raw: dict) -> dict[str, str]:
+    """base/ and data/cpt/ built, and cpt/step-000003 committed under `raw`'s layout; the parents' content digests."""
     from tasks.core.config.schema import RunConfig
     from tasks.core.run.digest import config_digest, content_digest
     from tasks.core.run.manifest import write_manifest
@@ -192,6 +213,7 @@ def _run_root_with_checkpoint(tmp_path, raw: dict) -> None:
         meta={"layout": layout},
         config_digest=config_digest(cfg, "boost_and_shard", parents),
     )
+    return parents
 
 
 @pytest.mark.parametrize(
@@ -245,6 +267,42 @@ def test_preflight_says_how_a_stage_continues_its_checkpoints(tmp_path, change, 
     else:
         assert [where for where, _ in ctx.report.problems] == ["cpt.grad_accum_steps"], ctx.report.problems
         assert text in ctx.report.problems[0][1]
+
+
+@pytest.mark.parametrize(
+    "change, moved",
+    [
+        (lambda c: c.update(lr=1e-4), True),
+        (lambda c: c.update(seed=7), True),
+        (lambda c: c.update(plugin={"name": "torch_ddp", "precision": "fp32"}, launch={"nproc_per_node": 1}), False),
+    ],
+)
+def test_a_changed_learning_rate_still_moves_the_checkpoints_aside(tmp_path, monkeypatch, change, moved):
+    """What the model learns from (lr, seed) changes the shard stage's digest: the training task moves
+    the stage's checkpoints aside (kept, never deleted) and trains from step 0; a new layout alone does not."""
+    import copy
+    import logging
+
+    import tasks.train
+    from tasks.core.config.load import load_config
+    from tasks.core.run.digest import config_digest
+    from tasks.core.storage.fs import RunStore
+    from tests.conftest import tiny_config_raw, write_config
+
+    raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
+    parents = _run_root_with_checkpoint(tmp_path, raw)
+    new = copy.deepcopy(raw)
+    change(new["cpt"])
+    cfg = load_config(write_config(tmp_path / "c.yaml", new))
+    monkeypatch.setattr(tasks.train, "get_run_logger", lambda: logging.getLogger("test"))
+    tasks.train._supersede_foreign(RunStore(cfg.run_uri), "cpt", config_digest(cfg, "boost_and_shard", parents))
+    root = tmp_path / "run"
+    aside = list(root.glob("cpt.superseded-*"))
+    if moved:
+        assert len(aside) == 1 and (aside[0] / "step-000003" / "train_state.json").is_file()
+        assert not (root / "cpt" / "step-000003").exists()
+    else:
+        assert not aside and (root / "cpt" / "step-000003" / "train_state.json").is_file()
 
 
 def test_the_card_lists_each_segment_of_a_stage_that_changed_layout(tmp_path):

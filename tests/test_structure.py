@@ -13,6 +13,7 @@
 - `tasks/core/` holds at most 12 entries, each a subpackage or a module, and every subpackage says
   in its `__init__` docstring what it holds.
 - A fifth plugin is one registry row plus one builder; nothing else changes.
+- No module branches on a phase name ("cpt", "sft") outside the phase registry: it reads the row.
 """
 
 from __future__ import annotations
@@ -112,6 +113,82 @@ def test_no_module_imports_another_modules_private_names():
 def test_no_module_under_tasks_is_over_600_lines():
     long = {str(p.relative_to(ROOT)): n for p in _modules(TASKS) if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+PHASE_NAMES = {"cpt", "sft"}
+PHASE_REGISTRY = ROOT / "tasks" / "core" / "config" / "phases.py"
+
+
+def phase_branches(path: Path) -> list[str]:
+    """`file:line` of each place that branches on a phase name: a "cpt"/"sft" literal compared (`==`, `!=`,
+    `in`), in a conditional expression (`"cpt" if`, `else "sft"`), a `case`, or a tuple or list of phase
+    names (a loop or a membership over both). Data is not a branch: a stage name ("train_cpt"), a config
+    path ("cpt.seq_len"), a dict key or argument ("cpt": ..., TRAINING["cpt"]), text in a docstring."""
+    import io
+    import tokenize
+
+    toks = [
+        t
+        for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+        if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    ]
+
+    def phase(t) -> bool:
+        if t.type != tokenize.STRING:
+            return False
+        try:
+            return ast.literal_eval(t.string) in PHASE_NAMES
+        except (ValueError, SyntaxError):
+            return False
+
+    hits = set()
+    for i, t in enumerate(toks):
+        if not phase(t):
+            continue
+        before = toks[i - 1].string if i else ""
+        after = toks[i + 1].string if i + 1 < len(toks) else ""
+        compared = before in ("==", "!=", "in", "else", "case") or after in ("==", "!=", "if", "in")
+        # a tuple or list of phase names: ("cpt", "sft"), ["cpt", "sft"]
+        listed = (before in ("(", "[", ",") and after == "," and i + 2 < len(toks) and phase(toks[i + 2])) or (
+            before == "," and i >= 2 and phase(toks[i - 2])
+        )
+        if compared or listed:
+            hits.add(f"{path.relative_to(ROOT)}:{t.start[0]}")
+    return sorted(hits)
+
+
+def test_no_branch_on_a_phase_name_outside_the_phase_registry():
+    bad = [
+        hit
+        for folder in (TASKS, ROOT / "flows")
+        for path in _modules(folder)
+        if path != PHASE_REGISTRY
+        for hit in phase_branches(path)
+    ]
+    assert not bad, (
+        "branches on a phase name (read the row of tasks/core/config/phases.py PHASES instead, e.g. "
+        "PHASES[phase].blocks, or iterate PHASES):\n" + "\n".join(bad)
+    )
+
+
+def test_the_phase_branch_finder_finds_branches_and_leaves_data_alone(tmp_path):
+    probe = ROOT / "tasks" / "_phase_probe_for_test.py"
+    src = (
+        "def f(stage, kind, cfg):\n"
+        '    """Docstring naming "cpt" == stage is text."""\n'
+        '    if stage == "cpt":\n'  # 3
+        "        pass\n"
+        '    x = "text" if kind != \'sft\' else "messages"\n'  # 5
+        '    for s in ("cpt", "sft"):\n'  # 6
+        "        pass\n"
+        '    y = "blocks" if kind in ["sft"] else "cpt"\n'  # 8
+        '    return {"cpt": 1}, cfg["sft"], "train_cpt", f"cpt.seq_len", TRAINING["cpt"], g("cpt", 2)  # "cpt" ==\n'
+    )
+    probe.write_text(src)
+    try:
+        assert phase_branches(probe) == [f"tasks/_phase_probe_for_test.py:{n}" for n in (3, 5, 6, 8)]
+    finally:
+        probe.unlink()
 
 
 def _module_of(name: str, known: set[str]) -> str | None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from tasks.core.config.kernels import Facts, KernelState, passed, record, report, resolve
+from tasks.core.config.phases import Phase
 from tasks.core.errors import ConfigError
 from tasks.core.run.events import DETAIL, WARNING, format_event
 from tasks.core.run.events import KERNELS as KERNELS_EVENT
@@ -111,15 +112,15 @@ def optimizer_kwargs(states: Mapping[str, KernelState]) -> dict[str, Any]:
     return passed(states, "optimizer")
 
 
-def checkpoint_activations(model: torch.nn.Module, stage_cfg: Any, stage: str) -> bool:
-    """Switch the HF model's gradient checkpointing on when the stage asks; whether it is on."""
+def checkpoint_activations(model: torch.nn.Module, stage_cfg: Any, phase: Phase) -> bool:
+    """Switch the HF model's gradient checkpointing on when the phase asks; whether it is on."""
     if not stage_cfg.activation_checkpointing:
         return False
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(
             [
                 (
-                    f"{stage}.activation_checkpointing",
+                    f"{phase}.activation_checkpointing",
                     f"{type(model).__name__} does not support gradient checkpointing in transformers; set it to false",
                 )
             ]

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tasks.core.config.context import changes_text, config_changes
 from tasks.core.config.kernels import record as kernel_record
 from tasks.core.config.plugins import spec_of
 from tasks.core.errors import ManifestError
@@ -132,6 +133,7 @@ class Engine:
         def build(**kernels):  # attn_implementation where a kernel is on (accel.load_model)
             return AutoModelForCausalLM.from_pretrained(
                 str(self.job.model_dir),
+                config=self.hf_config(),
                 torch_dtype=self.build_dtype,
                 use_safetensors=True,
                 trust_remote_code=self.job.trust_remote_code,
@@ -149,9 +151,9 @@ class Engine:
     def from_config(self) -> torch.nn.Module:
         """Architecture only (weights come from the checkpoint): model_dir's config.json; built
         lazily (ColossalAI's LazyInitContext) where the plugin materializes it shard by shard."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        self.config = AutoConfig.from_pretrained(str(self.job.model_dir), trust_remote_code=self.job.trust_remote_code)
+        self.config = self.hf_config()
         with self._construction():
             self.kernels, model = accel.load_model(
                 self.kernels,
@@ -161,6 +163,18 @@ class Engine:
                 self.rank,
             )
         return model
+
+    def hf_config(self):
+        """model_dir's config.json with the stage's context settings (`cpt.context`: RoPE, positions)
+        in place, built by its config class as from config.json, so every checkpoint's config.json has them."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(self.job.model_dir), trust_remote_code=self.job.trust_remote_code)
+        changes = config_changes(self.cfg.context)
+        if not changes:
+            return config
+        log(f"model config: {'; '.join(changes_text(config.to_dict(), self.cfg.context))} (cpt.context)", detail=True)
+        return type(config).from_dict({**config.to_dict(), **changes})
 
     @property
     def build_dtype(self) -> torch.dtype:

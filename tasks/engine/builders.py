@@ -33,6 +33,7 @@ import torch
 
 from tasks.core.config.kernels import Facts, KernelState, passed, resolve
 from tasks.core.config.layout import ParallelLayout, layout_problems, num_microbatches
+from tasks.core.config.phases import Phase
 from tasks.core.config.plugins import LOSS_SCALE, PRECISION_SPECS, spec_of
 from tasks.core.config.schema import PluginConfig, StageConfig
 from tasks.core.errors import ConfigError
@@ -64,20 +65,20 @@ def _stage_of(plugin_cfg: PluginConfig) -> StageConfig:
     return StageConfig.model_construct(plugin=plugin_cfg)
 
 
-def check_supported(plugin_cfg: PluginConfig, stage: str, cuda: bool | None = None) -> None:
+def check_supported(plugin_cfg: PluginConfig, phase: Phase, cuda: bool | None = None) -> None:
     """Refuse layouts that cannot run on this machine, naming the config field and the fix."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    problems = layout_problems(_stage_of(plugin_cfg), stage, cuda=cuda, tiers=("device",))
+    problems = layout_problems(_stage_of(plugin_cfg), phase, cuda=cuda, tiers=("device",))
     if problems:
-        raise ConfigError(problems, header=f"stage {stage} cannot run on this machine")
+        raise ConfigError(problems, header=f"stage {phase} cannot run on this machine")
 
 
-def check_model(stage_cfg: StageConfig, model_config: dict[str, Any], stage: str) -> None:
+def check_model(stage_cfg: StageConfig, model_config: dict[str, Any], phase: Phase) -> None:
     """The layout rules that need the model (tp divides heads and the vocabulary, pp <= layers),
     against the model actually built: the same rules pre-flight ran on config.json."""
-    problems = layout_problems(stage_cfg, stage, model_config=model_config, tiers=("model",))
+    problems = layout_problems(stage_cfg, phase, model_config=model_config, tiers=("model",))
     if problems:
-        raise ConfigError(problems, header=f"stage {stage} cannot shard this model")
+        raise ConfigError(problems, header=f"stage {phase} cannot shard this model")
 
 
 # -- builders: one per registry row (tasks/core/config/plugins.py) ---------------------------------------
@@ -205,13 +206,13 @@ def offload_kwargs(plugin_cfg: PluginConfig) -> dict[str, Any]:
     return {o.field: getattr(plugin_cfg, o.field) for o in spec_of(plugin_cfg.name).offload}
 
 
-def _builder(plugin_cfg: PluginConfig, stage: str) -> Builder:
+def _builder(plugin_cfg: PluginConfig, phase: Phase) -> Builder:
     builder = BUILDERS.get(plugin_cfg.name)
     if builder is None:
         raise ConfigError(
             [
                 (
-                    f"{stage}.plugin.name",
+                    f"{phase}.plugin.name",
                     (
                         f"plugin {plugin_cfg.name!r} is registered but the engine has no builder for it "
                         "(tasks/engine/builders.py BUILDERS)"

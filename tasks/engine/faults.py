@@ -36,6 +36,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tasks.core.config.phases import PHASES
 from tasks.core.run.events import ERROR
 from tasks.engine import rankio
 
@@ -115,8 +116,8 @@ def _int(val: str, spec: str) -> int:
 
 
 def _stage(val: str, spec: str) -> str:
-    if val not in ("cpt", "sft"):
-        raise ValueError(f"{ENV}: {spec!r}: stage must be cpt or sft, got {val!r}")
+    if val not in PHASES:
+        raise ValueError(f"{ENV}: {spec!r}: stage must be {' or '.join(PHASES)}, got {val!r}")
     return val
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tasks.core.config.batching import BATCHING, micro_width
+from tasks.core.config.phases import PHASES
 from tasks.core.data.index import check_fits_model
 from tasks.core.errors import ManifestError
 from tasks.core.run import segments
@@ -83,10 +84,13 @@ class StageData:
         self.batching = BATCHING[cfg.batching]
         self.lengths = self.dataset.lengths()  # one offsets array per file: no token is read
         group = None
-        self.packs = self.dataset.kind == "sft" and self.batching.packs
+        rows = PHASES[self.dataset.kind].rows  # a record a row: `batching` orders or packs the rows
+        self.packs = rows and self.batching.packs
+        # CPT blocks whose documents are kept apart (cpt.attention: document): the packed rows' inputs
+        self.documents = not rows and cfg.attention == "document"
         if self.packs:
             group = Packs(self.lengths, self.seq_len)
-        elif self.dataset.kind == "sft" and self.batching.groups_by_length:
+        elif rows and self.batching.groups_by_length:
             group = LengthGroups(self.lengths, self.per_rank * dp_size)
         check_plan(self.dataset.index, blend_plan(cfg, job.stage), job.data_dir, job.stage)
         self.sampler = ResumableSampler(
@@ -112,7 +116,13 @@ class StageData:
         ]
         first = self.dp_rank * self.per_rank // step
         mine = glob[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
-        build = self.dataset.batch_packed if self.packs else self.dataset.batch
+        build = (
+            self.dataset.batch_packed
+            if self.packs
+            else self.dataset.batch_documents
+            if self.documents
+            else self.dataset.batch
+        )
         micro = [
             {k: torch.from_numpy(v) for k, v in build(mine[j * step : (j + 1) * step], width=widths[first + j]).items()}
             for j in range(len(mine) // step)

@@ -7,7 +7,7 @@ TensorBoard event files under `<stage_dir>/tensorboard/`.
 
 Per optimizer step: loss, lr, grad_norm (the norm the plugin's optimizer computed for clipping,
 before clipping; absent when the plugin did not compute one, e.g. max_norm 0), tokens_per_s (real
-tokens of the global batch / step time), step_s (wall time of the step on rank 0, which waits for
+tokens of the global batch / step time, at the stage's `seq_len`, which the record also carries), step_s (wall time of the step on rank 0, which waits for
 the collectives of every rank), peak_mem_bytes (CUDA: max allocated since the previous step on
 the device of each rank; CPU: each rank's peak RSS since the process started, the kernel keeps no
 other peak), the largest of every rank's, and peak_mem_rank, the rank that had it, mfu (tasks.core.models.flops, from the real tokens; only on a device with a known peak),
@@ -44,6 +44,7 @@ TAGS = {
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "tokens_per_s": "perf/tokens_per_s",
+    "seq_len": "perf/seq_len",
     "step_s": "perf/step_s",
     "peak_mem_bytes": "perf/peak_mem_bytes",
     "peak_mem_rank": "perf/peak_mem_rank",
@@ -140,7 +141,7 @@ class StepMetrics:
         write: bool | None = None,
         purge_step: int | None = None,
     ):
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.seq_len = rank, world, seq_len
         self.per_token = flops_per_token(
             n_params,
             int(getattr(model_config, "num_hidden_layers", 0) or 0),
@@ -194,6 +195,7 @@ class StepMetrics:
             "lr": lr,
             "grad_norm": grad_norm(optimizer, clip_norm) if optimizer is not None else None,
             "tokens_per_s": round(tps, 3),
+            "seq_len": self.seq_len,  # what tokens_per_s was measured at: it falls as sequences grow
             "step_s": round(step_s, 6),
             **dict(zip(("peak_mem_bytes", "peak_mem_rank"), peak_over_ranks(peak_memory_bytes()), strict=True)),
             "mfu": mfu(tps, self.per_token, self.peak, self.world),

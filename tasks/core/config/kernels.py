@@ -41,6 +41,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tasks.core.config.phases import Phase
 from tasks.core.config.plugins import PRECISIONS
 
 Via = Literal["plugin", "model", "optimizer"]
@@ -182,9 +183,9 @@ def resolve_for(
     }
 
 
-def resolve(stage_cfg: Any, stage: str, facts: Facts) -> dict[str, KernelState]:
-    """`resolve_for` of a StageConfig (`stage` names the config section in the reasons)."""
-    return resolve_for(stage_cfg.plugin.name, stage_cfg.plugin.precision, facts, stage_cfg.kernels, f"{stage}.kernels")
+def resolve(stage_cfg: Any, phase: Phase, facts: Facts) -> dict[str, KernelState]:
+    """`resolve_for` of a StageConfig (`phase` names the config section in the reasons)."""
+    return resolve_for(stage_cfg.plugin.name, stage_cfg.plugin.precision, facts, stage_cfg.kernels, f"{phase}.kernels")
 
 
 def passed(states: Mapping[str, KernelState], via: Via) -> dict[str, Any]:

@@ -25,7 +25,9 @@ from typing import Any
 
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.batching import BATCHING
+from tasks.core.config.context import CONTEXT_RULES
 from tasks.core.config.fixes import Refusal, shown, working_fixes
+from tasks.core.config.phases import PHASES
 from tasks.core.config.plugins import OFFLOAD_FIELDS, PLUGINS, PRECISION_SPECS, PluginSpec
 from tasks.core.config.schema import PluginConfig, StageConfig
 from tasks.core.errors import ConfigError
@@ -104,11 +106,8 @@ def _precision_allowed(x: _Facts) -> list[Problem]:
     fixes = [{"plugin.precision": v} for v in x.spec.precisions] + [
         {"plugin.name": n} for n, s in PLUGINS.items() if p.precision in s.precisions
     ]
-    return [
-        Refusal(
-            f"{x.f}.precision", f"{p.name} supports precision {', '.join(x.spec.precisions)}, got {p.precision}", fixes
-        )
-    ]
+    why = f"{p.name} supports precision {', '.join(x.spec.precisions)}, got {p.precision}"
+    return [Refusal(f"{x.f}.precision", why, fixes)]
 
 
 def _zero_fp32_where_refused(x: _Facts) -> list[Problem]:
@@ -218,9 +217,10 @@ def _pipeline_microbatches(x: _Facts) -> list[Problem]:
 
 
 def _packing_keeps_conversations_apart(x: _Facts) -> list[Problem]:
-    # CPT blocks are whole seq_len windows of one stream: `batching` changes SFT only.
+    # A block phase (CPT) trains on whole seq_len windows of one stream: `batching` changes row phases only.
     spec = BATCHING.get(x.stage.batching)
-    if x.where == "cpt" or spec is None or not spec.packs or not x.spec.packing_refused:
+    row = PHASES.get(x.where)  # `where` may be any label of a stage section: not a phase, its rules all apply
+    if (row is not None and row.blocks) or spec is None or not spec.packs or not x.spec.packing_refused:
         return []
     fixes = [{"plugin.name": n} for n, s in PLUGINS.items() if not s.packing_refused] + [
         {"batching": n} for n, s in BATCHING.items() if not s.packs
@@ -235,17 +235,12 @@ def _packing_keeps_conversations_apart(x: _Facts) -> list[Problem]:
 
 
 def _lora_in_sft_only(x: _Facts) -> list[Problem]:
-    # cpt/hf is the full CPT model every later stage starts from (reboost, evaluate_cpt, the SFT
-    # adapter's base): a CPT adapter would need a merged artifact of its own in between.
-    if x.where == "cpt" and x.stage.lora is not None:
+    why = PHASES[x.where].lora_refused if x.where in PHASES else None
+    if why is not None and x.stage.lora is not None:
         return [
             Refusal(
                 f"{x.where}.lora",
-                (
-                    "LoRA is for SFT only: cpt/hf, the model SFT starts from and its adapter's base, is the full CPT "
-                    "model "
-                    "(continued pre-training updates every weight); put the lora section under sft"
-                ),
+                why,
                 [{"lora": None}],
             )
         ]
@@ -497,6 +492,7 @@ RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
     ("static", _lora_supported_by_plugin),
     ("static", _qlora_export_not_built),
     ("static", _offload_where_the_plugin_has_it),
+    *CONTEXT_RULES,
     ("batch", _rows_divide_microbatches),
     ("model", _tp_divides_heads),
     ("model", _tp_divides_vocab),

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from tasks.core.config.batching import peer_key_hint
 from tasks.core.config.layout import layout_problems
+from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.errors import ConfigError
 
@@ -266,7 +267,7 @@ def hub_problems(cfg: RunConfig) -> list[Problem]:
 def static_problems(cfg: RunConfig) -> list[Problem]:
     """Every rule across fields that the config alone decides: each stage's layout, the held-out-only sources, the gate, the Hub push."""
     problems: list[Problem] = []
-    for stage in ("cpt", "sft"):
+    for stage in PHASES:
         problems += plugin_problems(getattr(cfg, stage), stage)
     return problems + heldout_source_problems(cfg) + gate_problems(cfg) + hub_problems(cfg)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import BaseModelConfig, DataConfig, RunConfig, StageConfig
 
 
@@ -61,7 +62,7 @@ class RunOverrides(_Overrides):
         for field, key in top.items():
             if getattr(self, field) not in (None, ""):
                 out[key] = getattr(self, field)
-        for stage in ("cpt", "sft"):
+        for stage in PHASES:
             st = getattr(self, stage)
             for field, key in (("data_uri", "data.uri"), ("max_steps", "max_steps"), ("lr", "lr")):
                 if getattr(st, field) not in (None, ""):

@@ -21,6 +21,7 @@ from tasks.core.config.backends import BACKENDS
 from tasks.core.config.base import Frozen
 from tasks.core.config.batching import BATCHING
 from tasks.core.config.benchmark import BenchmarkConfig
+from tasks.core.config.context import Attention, ContextConfig
 from tasks.core.config.data import DataConfig, HeldoutSource
 from tasks.core.config.kernels import names as kernel_names
 from tasks.core.config.kernels import summaries as kernel_summaries
@@ -404,6 +405,17 @@ class StageConfig(Frozen):
         description="Micro-batches accumulated per optimizer step (pipeline micro-batches when pp_size > 1).",
     )
     seq_len: int = Field(ge=8, description="Tokens per sequence (CPT packing block, SFT truncation length).")
+    context: ContextConfig | None = Field(
+        default=None,
+        description="CPT only: the base model's rope_theta, rope_scaling and max_position_embeddings to train with "
+        "(context extension); cpt/hf, SFT and the export carry them (docs/long-context.md). null: the base's.",
+    )
+    attention: Attention = Field(
+        default="causal",
+        description="CPT only: 'causal' lets each token of a packed block attend to every token before it, the "
+        "documents before it included; 'document' keeps attention and position ids inside each document (as packed "
+        "SFT rows), refused under plugins whose attention cannot (tasks/core/config/context.py).",
+    )
     batching: BatchingName = Field(
         default="grouped",
         description="How SFT conversations fill each micro-batch (see tasks/core/config/batching.py).",

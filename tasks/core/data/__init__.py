@@ -6,7 +6,9 @@
 - samples.py : CPT packing, SFT chat rendering and loss masks, the SFT record rules
 - inputs.py  : `data.uri` (file, list, glob, directory; any fsspec URI) -> sorted files with size and checksum
 - split.py   : a record's id and the held-out split it decides
-- shard.py   : one input file -> self-contained token shards (training and held-out sides)
+- shard.py   : one input file -> self-contained token shards (training and held-out sides); the shared frame
+- encoders.py: one encoder per record kind (text, chat), named by the phase's row (tasks.core.config.phases)
+- spec.py    : the PrepareSpec, built once from a phase's config section
 - index.py   : index.json's name, the tokenizer fingerprint, and the check that the data fits a model
 - prepare.py : plan (which shards exist), run the missing ones on a process pool, write the index
 - chunks.py  : a file larger than data.tokenize.chunk_mb cut at record boundaries, each chunk tokenized, merged back byte for byte

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tasks.core.config.phases import PHASES
 from tasks.core.data.index import INDEX
 
 BLEND_FILE = "blend.items"  # tasks.core.data.blend's name; not imported, so a rank's reader pulls in numpy only
@@ -43,11 +44,13 @@ class TokenDataset:
                 f"{self.root}: no {INDEX}; the data was not prepared (run the prepare_data stage)"
             ) from None
         self.kind = self.index["kind"]
+        self.phase = PHASES[self.kind]  # blocks of one stream, or a record a row
         self.split = split
         self.seq_len = int(seq_len or self.index["seq_len"])
-        if self.kind == "sft" and self.seq_len != self.index["seq_len"]:
+        if self.phase.rows and self.seq_len != self.index["seq_len"]:
             raise ValueError(
-                f"the SFT data in {self.root} was prepared for seq_len={self.index['seq_len']}, not {self.seq_len}: "
+                f"the {self.phase.title} data in {self.root} was prepared for seq_len={self.index['seq_len']}, "
+                f"not {self.seq_len}: "
                 "prepare it again with this seq_len"
             )
         self.pad = int(self.index["pad_token_id"])
@@ -62,7 +65,7 @@ class TokenDataset:
         self._maps: dict[tuple[int, str], np.ndarray] = {}
         # An index made before mixtures has no `sources`: its files are one source.
         self.sources = self.index.get("sources") or [{"name": "main", "files": [0, len(files)]}]
-        if self.kind == "cpt":
+        if self.phase.blocks:
             counts = np.array([f[split]["tokens"] for f in files], dtype=np.int64)
             self.total_tokens = int(counts.sum())
             # Each file's tokens in one coordinate: source s's kept blocks start where source s-1's
@@ -91,7 +94,7 @@ class TokenDataset:
         meta = self.index.get("blend")
         if self.split != "train" or not meta:
             return None
-        if self.kind == "cpt" and self.seq_len != self.index["seq_len"]:
+        if self.phase.blocks and self.seq_len != self.index["seq_len"]:
             raise ValueError(
                 f"the mixture in {self.root} was blended in blocks of seq_len={self.index['seq_len']}, not "
                 f"{self.seq_len}: prepare it again with this seq_len"
@@ -131,6 +134,47 @@ class TokenDataset:
         assert start + filled == end
         return out
 
+    def _doc_starts(self, i: int) -> np.ndarray:
+        """Where a document starts inside CPT block i (block positions, 0 always among them): from
+        each touched file's offsets, every document being its tokens and eos; a file starts one too."""
+        start = self._check(i) * self.seq_len
+        out, filled = [np.zeros(1, np.int64)], 0
+        f = int(np.searchsorted(self._ends, start, side="right"))
+        while filled < self.seq_len:
+            lo = start + filled - int(self._starts[f])
+            take = min(self.seq_len - filled, int(self._ends[f]) - (start + filled))
+            if take > 0:
+                off = self._map(f, "offsets")
+                a, b = np.searchsorted(off, [lo, lo + take], side="left")
+                out.append(np.asarray(off[a:b], np.int64) - lo + filled)
+                filled += take
+            f += 1
+        return np.unique(np.concatenate(out))
+
+    def batch_documents(self, indices: Sequence[int], width: int | None = None) -> dict[str, np.ndarray]:
+        """CPT blocks with their documents kept apart (`cpt.attention: document`): {"input_ids",
+        "labels", "position_ids", "segment_ids"} as int64 arrays [len(indices), seq_len], the same
+        tokens as `batch`. Each document's piece in a block is numbered (segment_ids 1, 2, ...) and its
+        position ids restart at 0, as a packed SFT row's conversations (`batch_packed`); a piece's
+        first token is not a label, so no document learns from the one before it."""
+        if not PHASES[self.kind].blocks:
+            blocks = " or ".join(n for n, row in PHASES.items() if row.blocks)
+            raise ValueError(
+                f"document attention needs {blocks} data (blocks of a document stream); {self.root} holds "
+                f"{self.kind} rows"
+            )
+        out = self.batch(indices)
+        n, L = out["input_ids"].shape
+        pos, seg = np.zeros((n, L), np.int64), np.zeros((n, L), np.int64)
+        for r, i in enumerate(indices):
+            starts = self._doc_starts(i)
+            first = np.zeros(L, np.int64)
+            first[starts] = 1
+            seg[r] = np.cumsum(first)
+            pos[r] = np.arange(L) - starts[seg[r] - 1]
+            out["labels"][r, starts] = IGNORE_INDEX
+        return {**out, "position_ids": pos, "segment_ids": seg}
+
     def _row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         i = self._check(i)
         f = int(np.searchsorted(self._ends, i, side="right"))
@@ -141,7 +185,7 @@ class TokenDataset:
 
     def lengths(self) -> np.ndarray:
         """Real tokens of every item, in item order (one offsets array per file, no token read)."""
-        if self.kind == "cpt":
+        if self.phase.blocks:
             return np.full(self.num_items, self.seq_len, np.int64)
         return np.concatenate(
             [np.diff(np.asarray(self._map(f, "offsets"), np.int64)) for f in range(len(self._dirs))]
@@ -152,9 +196,9 @@ class TokenDataset:
         """{"input_ids", "labels"[, "attention_mask"]} as int64 arrays [len(indices), width]; SFT rows
         are right-padded to `width` (default seq_len), which must hold the longest of them."""
         n, L = len(indices), self.seq_len
-        if width is not None and self.kind == "sft":
+        if width is not None and self.phase.rows:
             L = int(width)
-        if self.kind == "cpt":
+        if self.phase.blocks:
             ids = np.stack([self._block(i) for i in indices]) if n else np.zeros((0, L), np.int64)
             return {"input_ids": ids, "labels": ids.copy()}
         ids = np.full((n, L), self.pad, np.int64)
@@ -177,7 +221,7 @@ class TokenDataset:
         engine builds the attention that keeps items apart (`tasks.engine.packing`). An item's first
         token is never a label, so no item learns from the one before it, as no padded row's first
         token is (the causal loss predicts token t from the tokens before t)."""
-        if self.kind != "sft":
+        if not self.phase.rows:
             raise ValueError(f"packing needs sft data; {self.root} holds {self.kind} data")
         n, L = len(rows), int(width) if width is not None else self.seq_len
         ids = np.full((n, L), self.pad, np.int64)

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tasks.core.config.phases import PHASES, Phase
+
 INDEX = "index.json"  # prepare.py writes it last
 # Every file a Hugging Face tokenizer may be built from; the fingerprint covers those present.
 TOKENIZER_FILES = (
@@ -59,7 +61,7 @@ def check_fits_model(
     index: dict[str, Any],
     data_dir: str | Path,
     model_dir: str | Path,
-    stage: str,
+    phase: Phase,
     *,
     vocab_size: int | None = None,
     fingerprint: bool = True,
@@ -75,7 +77,7 @@ def check_fits_model(
             raise ValueError(
                 f"the tokenizer of {model_dir} (sha256 {have}) is not the one {data_dir} was prepared with (sha256 "
                 f"{index['tokenizer_sha256']}): "
-                f"{stage} would train on token ids the model reads differently; prepare the data again with this "
+                f"{phase} would train on token ids the model reads differently; prepare the data again with this "
                 "model's tokenizer"
             )
     if vocab_size is None:
@@ -87,7 +89,7 @@ def check_fits_model(
         )
 
 
-def special_tokens(tok, kind: str) -> dict[str, Any]:
+def special_tokens(tok, kind: Phase) -> dict[str, Any]:
     """The special tokens the prepared data was made with (index.json `special_tokens`): what ends a
     CPT document (eos), what pads an SFT row (pad, else eos), bos, and the SFT end of turn (the
     special token(s) the chat template closes an assistant turn with, the last labelled tokens)."""
@@ -103,6 +105,6 @@ def special_tokens(tok, kind: str) -> dict[str, Any]:
         "pad": one(pad),
         "pad_is": "pad_token" if tok.pad_token_id is not None else "eos_token",
     }
-    if kind == "sft":
+    if PHASES[kind].record == "chat":
         out["end_of_turn"] = [one(i) for i in end_of_turn_tokens(tok)]
     return out

@@ -38,16 +38,17 @@ from typing import Any
 
 import numpy as np
 
+from tasks.core.config.phases import PHASES
 from tasks.core.data import chunks, heldout_only, schedule, truncation
 from tasks.core.data.blend import BLEND_FILE, BlendPlan, Source, blend
 from tasks.core.data.index import INDEX, PrepareError, special_tokens, tokenizer_fingerprint
 from tasks.core.data.inputs import InputError, InputFile, resolve_inputs
 from tasks.core.data.records import FOLDER_FORMATS, BadRecord, iter_file_records
 from tasks.core.data.shard import ShardSpec, freeze_encoder, load_tokenizer, read_summary, shard_dir, verified_summary
+from tasks.core.data.spec import MAIN_SOURCE, PrepareSpec
 from tasks.core.data.split import record_id
 
 INDEX_VERSION = 1
-MAIN_SOURCE = "main"  # the name of data.uri's one source (tasks.core.config.schema.MAIN_SOURCE)
 
 
 @dataclass
@@ -94,13 +95,6 @@ def _heldout_ids(files: list[InputFile], max_record_chars: int) -> frozenset[str
     return frozenset(ids)
 
 
-def as_sources(uri: str | Sequence[str] | Sequence[Source]) -> list[Source]:
-    """A list of Source as it is; data.uri's value (a uri or a list of them) as its one source, 'main'."""
-    if not isinstance(uri, str) and uri and all(isinstance(s, Source) for s in uri):
-        return list(uri)
-    return [Source(MAIN_SOURCE, uri)]
-
-
 def resolve_sources(
     sources: list[Source], formats: Sequence[str] = FOLDER_FORMATS, skipped: list[str] | None = None
 ) -> tuple[list[InputFile], list[tuple[int, int]]]:
@@ -123,37 +117,22 @@ def resolve_sources(
     return inputs, ranges
 
 
-def plan(
-    uri: str | Sequence[str] | Sequence[Source],
-    tokenizer_dir: str | Path,
-    out_dir: str | Path,
-    *,
-    kind: str,
-    field: str,
-    seq_len: int,
-    heldout_fraction: float = 0.0,
-    heldout_uri: str | Sequence[str] | None = None,
-    on_bad_record: str = "error",
-    max_bad_records: int = 100,
-    max_record_chars: int = 1 << 24,
-    blend_plan: BlendPlan | None = None,
-    heldout_sources: Sequence[Source] = (),
-    truncation_rule: str = "drop",
-    formats: Sequence[str] = FOLDER_FORMATS,
-) -> Plan:
-    """`uri`: data.uri's value, or the sources of a mixture; `blend_plan`: the steps a mixture is blended for;
-    `heldout_sources`: held-out-only sources (tasks/core/data/heldout_only.py), CPT only."""
+def plan(spec: PrepareSpec, tokenizer_dir: str | Path, out_dir: str | Path) -> Plan:
+    """What is to be tokenized of `spec`'s corpus into `out_dir`, and the ShardSpec it is tokenized with."""
+    kind, field, seq_len = spec.kind, spec.field, spec.seq_len
+    heldout_fraction, heldout_uri, max_record_chars = spec.heldout_fraction, spec.heldout_uri, spec.max_record_chars
+    blend_plan_, heldout_sources, formats = spec.blend_plan, spec.heldout_sources, spec.formats
     out = Path(out_dir)
-    sources = as_sources(uri)
-    if len(sources) > 1 and blend_plan is None:
+    sources = list(spec.sources)
+    if len(sources) > 1 and blend_plan_ is None:
         raise PrepareError(
             f"{len(sources)} sources ({', '.join(s.name for s in sources)}) need a BlendPlan: the steps their blend "
             "is made for"
         )
-    if heldout_sources and kind != "cpt":
+    if heldout_sources and not PHASES[kind].heldout_sources:
         raise PrepareError(
             "eval.heldout_sources: held-out-only sources are evaluated by perplexity, a CPT stage's; remove them from "
-            "the SFT stage"
+            f"the {PHASES[kind].title} stage"
         )
     skipped: list[str] = []
     inputs, ranges = resolve_sources(sources, formats, skipped)
@@ -164,19 +143,19 @@ def plan(
             "give eval.heldout_uri or eval.heldout_fraction, not both (set heldout_fraction: 0 when heldout_uri is set)"
         )
     held_inputs = resolve_inputs(heldout_uri) if heldout_uri else []
-    spec = ShardSpec(
+    shard_spec = ShardSpec(
         kind=kind,
         field=field,
         seq_len=seq_len,
         tokenizer_sha256=tokenizer_fingerprint(tokenizer_dir),
         heldout_fraction=heldout_fraction,
         heldout_ids=_heldout_ids(held_inputs, max_record_chars) if held_inputs else frozenset(),
-        on_bad_record=on_bad_record,
-        max_bad_records=max_bad_records,
+        on_bad_record=spec.on_bad_record,
+        max_bad_records=spec.max_bad_records,
         max_record_chars=max_record_chars,
-        truncation=truncation_rule,
+        truncation=spec.truncation_rule,
     )
-    keys = [spec.key(f) for f in inputs]
+    keys = [shard_spec.key(f) for f in inputs]
     todo, dropped = [], []
     for i, k in enumerate(keys):
         summary, damaged = verified_summary(shard_dir(out, k))
@@ -185,12 +164,12 @@ def plan(
             dropped.append(f"{inputs[i].uri}: its cached shard is dropped and tokenized again: {damaged}")
         if summary is None:
             todo.append(i)
-    if todo and kind == "cpt":
-        freeze_encoder(str(tokenizer_dir), out, spec.tokenizer_sha256)  # workers then need no transformers
+    if todo and PHASES[kind].record == "text":  # workers then need no transformers
+        freeze_encoder(str(tokenizer_dir), out, shard_spec.tokenizer_sha256)
     return Plan(
         out,
         str(tokenizer_dir),
-        spec,
+        shard_spec,
         inputs,
         keys,
         todo,
@@ -198,7 +177,7 @@ def plan(
         dropped,
         sources,
         ranges,
-        blend_plan if len(sources) > 1 else None,
+        blend_plan_ if len(sources) > 1 else None,
         list(heldout_sources),
         only_inputs,
         skipped,
@@ -221,7 +200,7 @@ def _check_corpus(p: Plan, summaries: list[dict]) -> None:
     if records == 0:
         raise PrepareError(
             f"the corpus has no usable record: {where}, {skipped} bad records skipped; check data.uri and "
-            f"data.{'text_field' if p.spec.kind == 'cpt' else 'messages_field'}"
+            f"data.{PHASES[p.spec.kind].field}"
         )
     if skipped > p.spec.max_bad_records:
         first = next(b for s in summaries for b in s["bad_records"])
@@ -264,16 +243,16 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 def _mixture(p: Plan, rows: list[dict], spec: ShardSpec) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """index.json's `sources` and, for a mixture, its `blend` (the stream is written here, before the index)."""
-    table = []
+    table, row = [], PHASES[spec.kind]
     for src, (a, b) in zip(p.sources, p.ranges):
         part = rows[a:b]
         tokens = sum(s["train"]["tokens"] for s in part)
-        samples = tokens // spec.seq_len if spec.kind == "cpt" else sum(s["train"]["records"] for s in part)
+        samples = tokens // spec.seq_len if row.blocks else sum(s["train"]["records"] for s in part)
         if len(p.sources) > 1 and samples == 0:
             what = (
                 f"{tokens} training tokens, fewer than seq_len={spec.seq_len}"
-                if spec.kind == "cpt"
-                else "no training conversation"
+                if row.blocks
+                else f"no training {row.unit[:-1]}"
             )
             raise PrepareError(
                 f"source {src.name!r} ({part[0]['input']['uri'] if part else 'no file'}{', ...' if len(part) > 1 else ''}) "
@@ -294,7 +273,7 @@ def _mixture(p: Plan, rows: list[dict], spec: ShardSpec) -> tuple[list[dict[str,
         table[0]["weight"] = 1.0
         return table, None
     lengths = None
-    if spec.kind == "sft":  # every conversation's tokens, from the offsets alone
+    if row.rows:  # every row's tokens, from the offsets alone
         lengths = np.concatenate(
             [np.diff(np.fromfile(shard_dir(p.out_dir, s["key"]) / "train.offsets", np.int64)) for s in rows]
         )
@@ -317,7 +296,7 @@ def _mixture(p: Plan, rows: list[dict], spec: ShardSpec) -> tuple[list[dict[str,
         "positions": len(stream),
         "sha256": hashlib.sha256(data).hexdigest(),
         "plan": p.blend.to_json(),
-        "unit": "blocks" if spec.kind == "cpt" else "conversations",
+        "unit": row.unit,
         "rule": "megatron-greedy",
     }
     return table, meta
@@ -361,12 +340,13 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
     tok = load_tokenizer(p.tokenizer_dir)
     train_records = sum(s["train"]["records"] for s in rows)
     train_tokens = sum(s["train"]["tokens"] for s in rows)
-    if spec.kind == "cpt" and train_tokens < spec.seq_len:
+    row = PHASES[spec.kind]
+    if row.blocks and train_tokens < spec.seq_len:
         raise PrepareError(
             f"the corpus has {train_tokens} training tokens, fewer than seq_len={spec.seq_len}: add data or lower "
             "seq_len"
         )
-    if spec.kind == "sft" and train_records == 0:
+    if row.rows and train_records == 0:
         dropped = sum(s["dropped_no_labels"] for s in rows)
         too_long = sum((s.get("truncation") or {}).get("dropped", 0) for s in rows)
         raise PrepareError(
@@ -399,7 +379,7 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
         "max_token_id": max(s["max_token_id"] for s in rows),
         "split": split,
         "on_bad_record": spec.on_bad_record,
-        "truncation": {"rule": spec.truncation if spec.kind == "sft" else truncation.CPT_RULE, "seq_len": spec.seq_len},
+        "truncation": {"rule": spec.truncation if row.rows else truncation.CPT_RULE, "seq_len": spec.seq_len},
         "sources": sources,
         "blend": blend_meta,
         "files": [
@@ -430,7 +410,7 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
             "heldout_records": sum(s["heldout"]["records"] for s in rows),
             "heldout_tokens": sum(s["heldout"]["tokens"] for s in rows),
             "cpt_blocks": sum(t["samples_available"] for t in sources)
-            if spec.kind == "cpt"
+            if row.blocks
             else None,  # blocks never straddle two sources
         },
     }
@@ -465,9 +445,31 @@ def prepare(
     chunk_mb: float = chunks.DEFAULT_CHUNK_MB,
     **spec: Any,
 ) -> Result:
+    """`prepare_spec_into` of the PrepareSpec that `uri` and the keywords `spec` make (PrepareSpec.of)."""
+    return prepare_spec_into(
+        PrepareSpec.of(uri, **spec),
+        tokenizer_dir,
+        out_dir,
+        workers=workers,
+        progress=progress,
+        prune_unused=prune_unused,
+        chunk_mb=chunk_mb,
+    )
+
+
+def prepare_spec_into(
+    spec: PrepareSpec,
+    tokenizer_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    workers: int = 1,
+    progress: Callable[[dict], None] | None = None,
+    prune_unused: bool = False,
+    chunk_mb: float = chunks.DEFAULT_CHUNK_MB,
+) -> Result:
     """Resolve, tokenize what is missing (a failure keeps every file and chunk already done), index."""
     started = time.monotonic()
-    p = plan(uri, tokenizer_dir, out_dir, **spec)
+    p = plan(spec, tokenizer_dir, out_dir)
     p.chunk_bytes = max(1, int(chunk_mb * 2**20))
     (p.out_dir / "shards").mkdir(parents=True, exist_ok=True)
     chunks.clean_stale(p.out_dir)  # a worker killed mid-file or mid-chunk; its summary never landed
@@ -492,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--uri", required=True, nargs="+", help="file(s), glob(s) or directory(ies), any fsspec URI")
     ap.add_argument("--tokenizer", required=True, help="directory holding the tokenizer (an HF model dir)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--kind", choices=["cpt", "sft"], required=True)
+    ap.add_argument("--kind", choices=list(PHASES), required=True)
     ap.add_argument("--field", default=None)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--heldout-fraction", type=float, default=0.0)
@@ -517,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             workers=a.workers,
             chunk_mb=a.chunk_mb,
             kind=a.kind,
-            field=a.field or ("text" if a.kind == "cpt" else "messages"),
+            field=a.field or PHASES[a.kind].default_field,
             seq_len=a.seq_len,
             heldout_fraction=a.heldout_fraction,
             on_bad_record=a.on_bad_record,

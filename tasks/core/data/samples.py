@@ -21,6 +21,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from tasks.core.config.phases import PHASES
 from tasks.core.data.records import read_records, text_problem
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a tokenizing worker never needs it
@@ -337,17 +338,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--model", required=True, help="HF model dir holding the tokenizer")
     p.add_argument("--uri", required=True, help="dataset: .jsonl, .txt or .parquet")
-    p.add_argument("--kind", choices=["cpt", "sft"], required=True)
+    p.add_argument("--kind", choices=list(PHASES), required=True)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--field", default=None, help="text_field (cpt) or messages_field (sft)")
     a = p.parse_args(argv)
     tok = AutoTokenizer.from_pretrained(a.model)
     records = read_records(a.uri)
-    if a.kind == "cpt":
-        blocks = pack_cpt(tok, records, text_field=a.field or "text", seq_len=a.seq_len)
+    if PHASES[a.kind].record == "text":
+        blocks = pack_cpt(tok, records, text_field=a.field or PHASES[a.kind].default_field, seq_len=a.seq_len)
         print(f"{len(records)} records -> {tuple(blocks.shape)} blocks; first block:\n{tok.decode(blocks[0])!r}")
     else:
-        batch, dropped = encode_sft_with_stats(tok, records, messages_field=a.field or "messages", seq_len=a.seq_len)
+        field = a.field or PHASES[a.kind].default_field
+        batch, dropped = encode_sft_with_stats(tok, records, messages_field=field, seq_len=a.seq_len)
         ids, labels = batch["input_ids"][0], batch["labels"][0]
         print(f"{len(records)} records -> {tuple(batch['input_ids'].shape)} rows, {dropped} dropped; first row:")
         print(f"  input : {tok.decode(ids[batch['attention_mask'][0].bool()])!r}")

@@ -6,7 +6,7 @@ Layout of `shards/<key>/` (every array a raw little-endian file that `numpy.memm
     train.tokens   CPT: every training document's tokens followed by eos, concatenated.
                    SFT: every kept conversation's rendered tokens (truncated to seq_len).
     train.offsets  int64, records + 1 entries: record r is tokens[offsets[r]:offsets[r+1]].
-    train.mask     SFT only, uint8 per token: 1 where the token is a label (encode_chat's
+    train.mask     a chat record kind's (SFT), uint8 per token: 1 where the token is a label (encode_chat's
                    labels are the token itself or -100, so one bit per token says it all).
     heldout.*      the same for the held-out side, plus heldout.jsonl, the held-out records
                    themselves (evaluation's generation check needs the conversations).
@@ -31,6 +31,7 @@ below the fraction: the lowest id is held out), which prepare.py resolves after 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -42,13 +43,13 @@ from typing import Any
 
 import numpy as np
 
+from tasks.core.config.phases import PHASES, Phase
 from tasks.core.data.inputs import InputFile
-from tasks.core.data.records import BadRecord, check_stream, iter_file_records, text_problem
-from tasks.core.data.samples import IGNORE_INDEX, TRUNCATION, encode_chat, training_rows
+from tasks.core.data.records import BadRecord, check_stream, iter_file_records
+from tasks.core.data.samples import TRUNCATION
 from tasks.core.data.split import canonical_id, canonical_json, unit
 
 SHARD_VERSION = 1
-_BATCH_CHARS = 1 << 20  # CPT texts are batch-encoded ~1 MB at a time: the tokenizer's fast path
 KEEP_BAD = 20  # bad-record messages kept in a summary (all are counted)
 _TOKENIZERS: dict[str, Any] = {}
 
@@ -59,8 +60,8 @@ class BadRecordError(ValueError):
 
 @dataclass(frozen=True)
 class ShardSpec:
-    kind: str  # "cpt" | "sft"
-    field: str  # data.text_field (cpt) or data.messages_field (sft)
+    kind: Phase  # a PHASES row: its encoder tokenizes the records
+    field: str  # the data field of the phase's record kind (data.text_field, data.messages_field)
     seq_len: int
     tokenizer_sha256: str
     heldout_fraction: float = 0.0
@@ -72,8 +73,8 @@ class ShardSpec:
     truncation: str = TRUNCATION[0]  # SFT: what a training chat longer than seq_len becomes (samples.training_rows)
 
     def __post_init__(self):
-        if self.kind not in ("cpt", "sft"):
-            raise ValueError(f"kind={self.kind!r}: use 'cpt' or 'sft'")
+        if self.kind not in PHASES:
+            raise ValueError(f"kind={self.kind!r}: use one of {', '.join(map(repr, PHASES))}")
         if self.on_bad_record not in ("error", "skip"):
             raise ValueError(
                 f"data.on_bad_record={self.on_bad_record!r}: use 'error' (stop at the first bad record) or 'skip' "
@@ -88,14 +89,14 @@ class ShardSpec:
             "version": SHARD_VERSION,
             "kind": self.kind,
             "field": self.field,
-            "seq_len": self.seq_len if self.kind == "sft" else None,
+            "seq_len": self.seq_len if PHASES[self.kind].rows else None,
             "tokenizer_sha256": self.tokenizer_sha256,
             "heldout_fraction": self.heldout_fraction,
             "heldout_ids_sha256": _set_digest(self.heldout_ids),
             "force_heldout": sorted(self.force_heldout),
             "on_bad_record": self.on_bad_record,
             "max_record_chars": self.max_record_chars,
-            "truncation": self.truncation if self.kind == "sft" else None,
+            "truncation": self.truncation if PHASES[self.kind].rows else None,
         }
 
     def key(self, inp: InputFile) -> str:
@@ -123,7 +124,7 @@ def vocab_size_of(tokenizer) -> int:
 ENCODERS = "encoders"  # <out_dir>/encoders/<tokenizer fingerprint>.json: see freeze_encoder
 
 
-def _backend(tok):
+def fast_backend(tok):
     """The fast tokenizer's Rust backend, when encoding through it gives what tok(texts,
     add_special_tokens=False) gives: always, unless tokenizer.json configures truncation or padding
     (which tok() switches off per call)."""
@@ -145,7 +146,7 @@ def freeze_encoder(tokenizer_dir: str, out_dir: str | Path, fingerprint: str) ->
     None (and no file) when there is no fast backend: workers then load the tokenizer itself.
     """
     tok = load_tokenizer(tokenizer_dir)
-    backend = _backend(tok)
+    backend = fast_backend(tok)
     if backend is None:
         return None
     path = Path(out_dir) / ENCODERS / f"{fingerprint}.json"
@@ -171,7 +172,7 @@ class _FrozenEncoder:
         self.backend_tokenizer = Tokenizer.from_str(blob["backend"])
 
 
-def _cpt_encoder(tokenizer_dir: str, out_dir: Path, fingerprint: str):
+def frozen_or_loaded(tokenizer_dir: str, out_dir: Path, fingerprint: str):
     """freeze_encoder's file when the plan wrote one (cached per process), else the tokenizer."""
     path = out_dir / ENCODERS / f"{fingerprint}.json"
     enc = _TOKENIZERS.get(str(path))
@@ -190,15 +191,15 @@ def load_tokenizer(tokenizer_dir: str):
     return tok
 
 
-class _Side:
+class Side:
     """The growing arrays of one side (train or heldout), appended to files as they come."""
 
-    def __init__(self, tmp: Path, name: str, dtype: np.dtype, sft: bool):
-        self.dtype, self.sft = dtype, sft
+    def __init__(self, tmp: Path, name: str, dtype: np.dtype, masked: bool):
+        self.dtype, self.masked = dtype, masked
         # Appended to for the whole file's pass and closed by close(): no one `with` spans that.
         self.tokens = open(tmp / f"{name}.tokens", "wb")  # noqa: SIM115
         self.offsets = open(tmp / f"{name}.offsets", "wb")  # noqa: SIM115
-        self.mask = open(tmp / f"{name}.mask", "wb") if sft else None  # noqa: SIM115
+        self.mask = open(tmp / f"{name}.mask", "wb") if masked else None  # noqa: SIM115
         self.offsets.write(np.zeros(1, np.int64).tobytes())
         self.n_tokens = self.n_records = 0
         self.max_id = -1
@@ -237,9 +238,15 @@ class _Side:
 
     def stats(self) -> dict[str, int]:
         out = {"records": self.n_records, "tokens": self.n_tokens}
-        if self.sft:
+        if self.masked:
             out["label_tokens"] = self.label_tokens
         return out
+
+
+def encoder_class(kind: Phase) -> type:
+    """The record encoder its phase's row names (tasks/core/data/encoders.py)."""
+    module, _, name = PHASES[kind].encoder.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def shard_dir(out_dir: Path, key: str) -> Path:
@@ -320,52 +327,17 @@ def tokenize_records(
         return done
     if damaged:  # rebuilt from the input, never from the damaged bytes
         shutil.rmtree(final, ignore_errors=True)
-    tok = (
-        _cpt_encoder(tokenizer_dir, out_dir, spec.tokenizer_sha256)
-        if spec.kind == "cpt"
-        else load_tokenizer(tokenizer_dir)
-    )
-    if spec.kind == "cpt" and tok.eos_token_id is None:
-        raise ValueError(
-            "the tokenizer has no eos_token: CPT packing needs one to separate documents; set eos_token in "
-            "tokenizer_config.json"
-        )
-    if spec.kind == "sft" and getattr(tok, "chat_template", None) is None:
-        raise ValueError(
-            "the tokenizer has no chat_template: SFT needs one to render conversations; add it to tokenizer_config.json"
-        )
-    vocab = vocab_size_of(tok)
+    counts = {"lines": 0, "records": 0, "skipped": 0, "dropped_in_heldout_set": 0, "dropped_no_labels": 0}
+    enc = encoder_class(spec.kind)(spec, tokenizer_dir, out_dir, counts)
+    vocab = vocab_size_of(enc.tok)
     dtype = token_dtype(vocab)
     tmp = final.parent / f".tmp-{key}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    sides = {name: _Side(tmp, name, dtype, spec.kind == "sft") for name in ("train", "heldout")}
+    sides = enc.sides = {name: Side(tmp, name, dtype, enc.masked) for name in ("train", "heldout")}
     heldout_jsonl = open(tmp / "heldout.jsonl", "w", encoding="utf-8")  # noqa: SIM115 - closed with the sides, below
-    counts = {"lines": 0, "records": 0, "skipped": 0, "dropped_in_heldout_set": 0, "dropped_no_labels": 0}
-    # SFT training chats longer than seq_len, by what spec.truncation made of them (`truncation_counts`)
-    over = {"over_seq_len": 0, "dropped": 0, "cut": 0, "split": 0, "split_rows": 0}
     bad: list[str] = []
     min_id = max_id = None
-    pending: dict[str, list] = {"train": [], "heldout": []}
-    pending_chars = 0
-
-    # The fast tokenizer's backend gives the ids tok(texts, add_special_tokens=False) gives (that
-    # call is this encode_batch plus a per-text conversion to Python dicts, ~10 % of the time)
-    # unless tokenizer.json configures truncation or padding, which tok() would switch off.
-    backend = _backend(tok)
-
-    def encode(texts: list[str]) -> list[list[int]]:
-        if backend is not None:
-            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
-        return tok(texts, add_special_tokens=False)["input_ids"]
-
-    def flush() -> None:
-        nonlocal pending_chars
-        for name, texts in pending.items():
-            if texts:
-                sides[name].add(encode(texts), eos=tok.eos_token_id)
-                texts.clear()
-        pending_chars = 0
 
     def reject(b: BadRecord) -> None:
         counts["skipped"] += 1
@@ -393,30 +365,9 @@ def tokenize_records(
                 reject(rec)
                 continue
             value = rec.get(spec.field)
-            if spec.kind == "cpt" and not isinstance(value, str):
-                reject(BadRecord(inp.uri, line, text_problem(rec, spec.field, record_fix=False), parquet))
-                continue
-            if spec.kind == "cpt" and not value.strip():
-                reject(
-                    BadRecord(
-                        inp.uri,
-                        line,
-                        f"field {spec.field!r} is empty{' (whitespace only)' if value else ''}: no text to train on; "
-                        "fill it or drop the record",
-                        parquet,
-                    )
-                )
-                continue
-            if spec.kind == "sft" and value is None:
-                reject(
-                    BadRecord(
-                        inp.uri,
-                        line,
-                        f"no field {spec.field!r} (fields: {sorted(rec)}); set data.messages_field to the field "
-                        "holding the chat",
-                        parquet,
-                    )
-                )
+            why = enc.problem(rec, value)
+            if why is not None:
+                reject(BadRecord(inp.uri, line, why, parquet))
                 continue
             text = canonical_json(rec)
             if len(text) > spec.max_record_chars:
@@ -430,14 +381,11 @@ def tokenize_records(
                     )
                 )
                 continue
-            if spec.kind == "sft":
-                try:
-                    ids, labels = encode_chat(
-                        tok, value, None
-                    )  # whole: the held-out side and the truncation rule cut it
-                except ValueError as e:
-                    reject(BadRecord(inp.uri, line, str(e), parquet))
-                    continue
+            try:
+                encoded = enc.encode(value)
+            except ValueError as e:
+                reject(BadRecord(inp.uri, line, str(e), parquet))
+                continue
             rid = canonical_id(text)  # record_id(rec), from the JSON made above
             counts["records"] += 1
             min_id = rid if min_id is None or rid < min_id else min_id
@@ -446,35 +394,10 @@ def tokenize_records(
                 counts["dropped_in_heldout_set"] += 1
                 continue
             held = rid in spec.force_heldout or (spec.heldout_fraction > 0 and unit(rid) < spec.heldout_fraction)
-            side = "heldout" if held else "train"
             if held:
                 heldout_jsonl.write(json.dumps(rec, ensure_ascii=False, default=str) + "\n")
-            if spec.kind == "cpt":
-                pending[side].append(value)
-                pending_chars += len(value)
-                if pending_chars >= _BATCH_CHARS:
-                    flush()
-            elif held:  # evaluated as the records are, cut to seq_len
-                sides[side].add([ids[: spec.seq_len]], [[int(y != IGNORE_INDEX) for y in labels[: spec.seq_len]]])
-            else:
-                rows, fate = (
-                    training_rows(tok, value, spec.seq_len, spec.truncation)
-                    if len(ids) > spec.seq_len
-                    else ([(ids, labels)], "fits")
-                )
-                if fate != "fits":
-                    over["over_seq_len"] += 1
-                    over[fate] += 1
-                    over["split_rows"] += len(rows) if fate == "split" else 0
-                masks = [[int(y != IGNORE_INDEX) for y in lab] for _, lab in rows]
-                kept = [(r[0], m) for r, m in zip(rows, masks) if any(m)]
-                if not kept:
-                    if fate != "dropped":
-                        counts["dropped_no_labels"] += 1  # encode_sft's rule: truncation left no assistant token
-                    continue
-                sides[side].add([r for r, _ in kept], [m for _, m in kept])
-        if spec.kind == "cpt":
-            flush()
+            enc.add("heldout" if held else "train", value, encoded)
+        enc.finish()
     except BaseException:
         for s in sides.values():
             s.close()
@@ -493,7 +416,7 @@ def tokenize_records(
         "vocab_size": vocab,
         "max_token_id": max(s.max_id for s in sides.values()),
         **counts,
-        **({"truncation": over} if spec.kind == "sft" else {}),
+        **enc.extra(),
         "train": sides["train"].stats(),
         "heldout": sides["heldout"].stats(),
         "min_record_id": min_id,

@@ -23,6 +23,7 @@ from typing import Any
 
 from tasks.core.config.batching import BATCHING
 from tasks.core.config.layout import global_batch
+from tasks.core.config.phases import PHASES, Phase
 from tasks.core.data.blend import BlendPlan
 from tasks.core.data.index import INDEX, check_fits_model
 from tasks.core.run.stages import split_rel
@@ -47,21 +48,21 @@ def read_index(data_dir: Path) -> dict[str, Any]:
         ) from None
 
 
-def blend_plan(stage_cfg: Any, stage: str) -> BlendPlan | None:
+def blend_plan(stage_cfg: Any, phase: Phase) -> BlendPlan | None:
     """The steps a stage's mixture is blended for (None: one source, no blend): its max_steps of
     global batches, its seed, and under SFT packing the rows' seq_len."""
     if not stage_cfg.data.mixture:
         return None
-    packed = stage == "sft" and BATCHING[stage_cfg.batching].packs
+    packed = PHASES[phase].rows and BATCHING[stage_cfg.batching].packs
     return BlendPlan(
         stage_cfg.max_steps, global_batch(stage_cfg), stage_cfg.seed, stage_cfg.seq_len if packed else None
     )
 
 
-def check_against_model(data_dir: Path, model_dir: Path, stage: str) -> dict[str, Any]:
+def check_against_model(data_dir: Path, model_dir: Path, phase: Phase) -> dict[str, Any]:
     """Refuse shards made with another tokenizer than model_dir's, or holding ids beyond its vocabulary."""
     index = read_index(data_dir)
-    check_fits_model(index, data_dir, model_dir, stage)
+    check_fits_model(index, data_dir, model_dir, phase)
     return index
 
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from tasks.core.config.phases import PHASES, Phase
+
 SFT_KEYS = ("over_seq_len", "dropped", "cut", "split", "split_rows")
 CPT_RULE = "split"  # a CPT document longer than a block continues in the next block
 
@@ -32,9 +34,9 @@ def cpt_counts(shard: Path, seq_len: int) -> dict[str, int]:
     return {"documents": int(lengths.size), "over_seq_len": int((lengths > seq_len).sum())}
 
 
-def file_counts(summary: dict[str, Any], shard: Path, kind: str, seq_len: int) -> dict[str, int]:
-    """One input file's counts: its shard summary's (SFT), or from its offsets (CPT)."""
-    if kind == "cpt":
+def file_counts(summary: dict[str, Any], shard: Path, kind: Phase, seq_len: int) -> dict[str, int]:
+    """One input file's counts: its shard summary's (a record a row: SFT), or from its offsets (blocks: CPT)."""
+    if PHASES[kind].blocks:
         return cpt_counts(shard, seq_len)
     got = summary.get("truncation") or {}
     return {k: int(got.get(k, 0)) for k in SFT_KEYS} | {
@@ -47,11 +49,11 @@ def total(rows: list[dict[str, int]]) -> dict[str, int]:
     return {k: sum(int(r.get(k, 0)) for r in rows) for k in keys}
 
 
-def describe(counts: dict[str, int] | None, kind: str, rule: str | None, seq_len: int) -> str:
+def describe(counts: dict[str, int] | None, kind: Phase, rule: str | None, seq_len: int) -> str:
     """One sentence: '3 of 200 training chats longer than seq_len=128: 3 dropped (sft.truncation: drop)'."""
     if not counts:
         return ""
-    if kind == "cpt":
+    if PHASES[kind].blocks:
         n, docs = counts.get("over_seq_len", 0), counts.get("documents", 0)
         return f"{n:,} of {docs:,} training documents longer than seq_len={seq_len}: split across blocks" if n else ""
     n = counts.get("over_seq_len", 0)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from tasks.core.config.kernels import cuda_available
 from tasks.core.config.outputs import ExportConfig
+from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.schema import EvalConfig
 from tasks.core.data.samples import IGNORE_INDEX, encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
 from tasks.core.evaluation import placement as where
@@ -497,13 +498,13 @@ def _generation_check(
 
 
 def evaluate_one(
-    model_dir: Path, records: Sequence[dict], kind: str, field: str, seq_len: int, cfg: EvalConfig
+    model_dir: Path, records: Sequence[dict], kind: Phase, field: str, seq_len: int, cfg: EvalConfig
 ) -> dict[str, Any]:
     """Held-out loss and perplexity of one HF folder: packed text (cpt) or assistant tokens (sft)."""
     tok = load_tokenizer(model_dir)
     batch = (
         cpt_batch(tok, records, field, seq_len, cfg)
-        if kind == "cpt"
+        if PHASES[kind].evaluation == "perplexity"
         else sft_batch(tok, records, field, seq_len, cfg)[0]
     )
     cfg = resolved(cfg)
@@ -532,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         prog="cpt-to-sft eval", description="Held-out metrics of an HF model folder on a data file, or of two compared."
     )
     p.add_argument(
-        "kind", choices=["cpt", "sft"], help="cpt: packed raw text; sft: chat records, loss on assistant tokens"
+        "kind", choices=list(PHASES), help="cpt: packed raw text; sft: chat records, loss on assistant tokens"
     )
     p.add_argument("--candidate", "--model", required=True, help="the HF folder to evaluate")
     p.add_argument(
@@ -546,10 +547,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     a = p.parse_args(argv)
     cfg = EvalConfig()
     records = read_records(a.data)
-    field = a.field or ("text" if a.kind == "cpt" else "messages")
+    field = a.field or PHASES[a.kind].default_field
     if a.reference is None:
         m = evaluate_one(Path(a.candidate), records, a.kind, field, a.seq_len, cfg)
-    elif a.kind == "cpt":
+    elif PHASES[a.kind].evaluation == "perplexity":
         m = evaluate_cpt(Path(a.reference), Path(a.candidate), records, field, a.seq_len, cfg)
     else:
         m = evaluate_sft(Path(a.reference), Path(a.candidate), records, field, a.seq_len, cfg)

@@ -17,7 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tasks.core.config.context import changes_text
 from tasks.core.config.kernels import describe
+from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.truncation import describe as describe_truncation
 from tasks.core.evaluation.benchmark import card_results as benchmark_card_results
@@ -27,7 +29,8 @@ from tasks.core.run.manifest import MANIFEST
 from tasks.core.run.segments import describe as describe_layout
 from tasks.core.run.stages import BASE, TRAIN_STATE, TRAINING, split_rel, step_medians, step_peak
 
-STAGES = ("cpt", "sft")
+STAGES = tuple(PHASES)
+POSITION_FIELDS = ("max_position_embeddings", "rope_theta", "rope_scaling")
 CARD = "README.md"  # the model card: export/README.md, the file the push uploads
 # The torch dtype a snippet loads an export of each `export.dtype` in (the export's own).
 TORCH_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
@@ -53,11 +56,13 @@ def base_facts(cfg: RunConfig, read_text: Callable[[str], str] | None = None) ->
             out.update(name=name, hub_id=None)
     except Exception:
         pass
-    if out["hub_id"] is None:
-        try:
-            out["name"] = json.loads(read_text(f"{BASE}/config.json")).get("_name_or_path") or name
-        except Exception:
-            pass
+    try:
+        config = json.loads(read_text(f"{BASE}/config.json"))
+        out["config"] = {k: config.get(k) for k in POSITION_FIELDS}  # what cpt.context changes, as the base had it
+        if out["hub_id"] is None:
+            out["name"] = config.get("_name_or_path") or name
+    except Exception:
+        pass
     return out
 
 
@@ -148,6 +153,19 @@ def _tuning(cfg: RunConfig, facts: dict[str, dict], stage: str) -> str:
         "adapted_modules"
     )  # what peft adapted, recorded by the engine
     return f"LoRA r={lora.r}, alpha={lora.alpha:g} on {', '.join(adapted) if adapted else lora.targets_text()}{trained}"
+
+
+def _context(cfg: RunConfig, base: dict[str, Any], stage: str) -> str:
+    """The tokens a sequence held, and for CPT the RoPE and position settings it changed from the base's."""
+    trained = f"{getattr(cfg, stage).seq_len:,} tokens"
+    if PHASES[stage].context_refused:  # it starts from cpt/hf
+        return f"{trained}; RoPE and positions as CPT left them (cpt/hf)"
+    before = base.get("config") or {}
+    changed = changes_text(before, cfg.cpt.context)
+    if changed:
+        return f"{trained}; " + "; ".join(changed)
+    kept = ", ".join(f"{k} {before[k]}" for k in POSITION_FIELDS if before.get(k) is not None)
+    return f"{trained}; RoPE and positions the base's" + (f" ({kept})" if kept else "")
 
 
 def _pct(value: float | None) -> str:
@@ -262,9 +280,10 @@ def model_card(
         "learning rate schedule": lambda s: _schedule(cfg, s),
         "batch per step": lambda s: _batch(cfg, s),
         "seq_len": lambda s: str(getattr(cfg, s).seq_len),
+        "context length trained": lambda s: _context(cfg, base, s),
         "tokens seen": lambda s: _num(facts.get(s, {}).get("tokens_seen")),
         "final training loss": lambda s: _num(facts.get(s, {}).get("final_loss"), "{:.4f}"),
-        "batching": lambda s: getattr(cfg, s).batching if s == "sft" else "full blocks",
+        "batching": lambda s: getattr(cfg, s).batching if PHASES[s].rows else "full blocks",
         "median real tokens/s": lambda s: _num(_median(facts, s, "tokens_per_s"), "{:.1f}"),
         "median padding (share of computed tokens)": lambda s: _pct(_median(facts, s, "padding_frac")),
         "median MFU": lambda s: _pct(_median(facts, s, "mfu")),

@@ -32,6 +32,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import LaunchConfig
 from tasks.core.config.slurm import SlurmConfig
 
@@ -359,7 +360,7 @@ def _main(argv: list[str]) -> int:
         return 2
     cfg = load_config(argv[0])
     bad = 0
-    for name in ("cpt", "sft"):
+    for name in PHASES:
         stage = getattr(cfg, name)
         if stage.launch.backend != "slurm":
             print(f"{name}: backend {stage.launch.backend}, not Slurm")

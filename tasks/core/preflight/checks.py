@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tasks.core.config.context import changes_text, position_limit
 from tasks.core.config.layout import layout_problems
 from tasks.core.config.load import (
     gate_problems,
@@ -47,6 +48,7 @@ from tasks.core.config.load import (
     read_raw_config,
 )
 from tasks.core.config.paths import resolve_local
+from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import HubToken
@@ -108,7 +110,7 @@ def load_for_check(path: str | Path, overrides: dict[str, Any] | None = None) ->
 def check_static_rules(ctx: CheckContext) -> None:
     """The config's own rules (hybrid_parallel ZeRO refuses fp32, tp/pp need hybrid_parallel, world size)."""
     before = len(ctx.report.problems)
-    for stage in ("cpt", "sft"):
+    for stage in PHASES:
         for where, msg in plugin_problems(getattr(ctx.cfg, stage), stage):
             ctx.problem(where, msg)
     for where, msg in heldout_source_problems(ctx.cfg) + gate_problems(
@@ -154,7 +156,7 @@ def _stage_layout(ctx: CheckContext, name: str, stage: StageConfig) -> None:
 
 def check_layout(ctx: CheckContext) -> None:
     """tp divides the attention and KV heads; pp <= layers; tp*pp*dp = world; pipeline batches."""
-    for name in ("cpt", "sft"):
+    for name in PHASES:
         _stage_layout(ctx, name, getattr(ctx.cfg, name))
     if ctx.model is None:
         ctx.warn("layout against the base model not checked: its config.json could not be read (see problems)")
@@ -163,7 +165,7 @@ def check_layout(ctx: CheckContext) -> None:
 def check_machine(ctx: CheckContext) -> None:
     """Processes vs visible GPUs (or CPU cores); plugins that need CUDA."""
     m = ctx.machine
-    for name in ("cpt", "sft"):
+    for name in PHASES:
         stage = getattr(ctx.cfg, name)
         n = stage.launch.nproc_per_node
         for where, msg in layout_problems(stage, name, cuda=bool(m.cuda_devices), tiers=("device",)):
@@ -305,23 +307,36 @@ def check_base_model(ctx: CheckContext) -> None:
 
 
 def check_sequence_length(ctx: CheckContext) -> None:
+    """Each stage's seq_len against the positions the model it trains has: the base's, or
+    cpt.context's max_position_embeddings, which cpt/hf and so SFT carry."""
     if ctx.model is None:
         return
-    max_pos = ctx.model.config.get("max_position_embeddings")
+    trained = ctx.cfg.cpt.context
+    max_pos = position_limit(ctx.model.config, trained)
     if not isinstance(max_pos, int):
         ctx.warn("seq_len not checked: config.json has no max_position_embeddings")
         return
+    whose = (
+        "cpt.context.max_position_embeddings"
+        if trained is not None and trained.max_position_embeddings is not None
+        else "the base model's max_position_embeddings"
+    )
     ok = True
-    for name in ("cpt", "sft"):
+    for name in PHASES:
         seq = getattr(ctx.cfg, name).seq_len
         if seq > max_pos:
             ok = False
             ctx.problem(
                 f"{name}.seq_len",
-                f"seq_len={seq} exceeds the base model's max_position_embeddings={max_pos}; use seq_len <= {max_pos}",
+                f"seq_len={seq} exceeds {whose}={max_pos}; use seq_len <= {max_pos}, or extend the context with "
+                "cpt.context (max_position_embeddings and a rope_scaling or rope_theta: docs/long-context.md)",
             )
     if ok:
-        ctx.ok(f"seq_len cpt={ctx.cfg.cpt.seq_len}, sft={ctx.cfg.sft.seq_len} <= max_position_embeddings={max_pos}")
+        changed = changes_text(ctx.model.config, trained)
+        ctx.ok(
+            f"seq_len cpt={ctx.cfg.cpt.seq_len}, sft={ctx.cfg.sft.seq_len} <= max_position_embeddings={max_pos}"
+            + (f" (cpt.context: {'; '.join(changed)})" if changed else "")
+        )
 
 
 def check_chat_template(ctx: CheckContext) -> None:
@@ -369,7 +384,7 @@ def check_launch_backend(ctx: CheckContext) -> None:
     on other nodes needs a run root every node sees."""
     from tasks.core.config.backends import BACKENDS
 
-    for name in ("cpt", "sft"):
+    for name in PHASES:
         stage = getattr(ctx.cfg, name)
         launch = stage.launch
         spec = BACKENDS[launch.backend]

@@ -7,6 +7,7 @@ and its first records have the fields and roles the stage needs.
 from __future__ import annotations
 
 from tasks.core.config.paths import resolve_local
+from tasks.core.config.phases import PHASES
 from tasks.core.data.records import head_records, text_problem
 from tasks.core.preflight.mixture import warn_not_data
 from tasks.core.preflight.report import CheckContext
@@ -18,7 +19,7 @@ def check_data(ctx: CheckContext) -> None:
     from tasks.core.data.samples import validate_messages  # the SFT record rules, defined once
 
     datasets = []
-    for name in ("cpt", "sft"):
+    for name in PHASES:
         st = getattr(ctx.cfg, name)
         for i, src in enumerate(st.data.source_list):  # each source of a mixture on its own, named by its field
             datasets.append(
@@ -84,23 +85,23 @@ def check_data(ctx: CheckContext) -> None:
             )
         for lineno, rec in records:
             at = f"{uri}:{lineno}"
-            if name == "cpt":
-                why = text_problem(rec, d.text_field, "cpt.data.text_field")
+            if PHASES[name].record == "text":
+                why = text_problem(rec, d.text_field, f"{name}.data.text_field")
                 if (
                     why and d.text_field in rec and d.on_bad_record == "skip"
                 ):  # the record's fault, and skipping was asked for
                     ctx.warn(
-                        f"{at}: {text_problem(rec, d.text_field, record_fix=False)}: skipped (cpt.data.on_bad_record: "
-                        "skip)"
+                        f"{at}: {text_problem(rec, d.text_field, record_fix=False)}: skipped "
+                        f"({name}.data.on_bad_record: skip)"
                     )
                 elif why:
-                    ctx.problem("cpt.data.text_field" if d.text_field not in rec else where, f"{at}: {why}")
+                    ctx.problem(f"{name}.data.text_field" if d.text_field not in rec else where, f"{at}: {why}")
                     failed = True
             elif d.messages_field not in rec:
                 ctx.problem(
-                    "sft.data.messages_field",
-                    f"{at}: no field {d.messages_field!r} (fields: {sorted(rec)}); set sft.data.messages_field to the "
-                    "field holding the chat",
+                    f"{name}.data.messages_field",
+                    f"{at}: no field {d.messages_field!r} (fields: {sorted(rec)}); "
+                    f"set {name}.data.messages_field to the field holding the chat",
                 )
                 failed = True
             else:
@@ -114,7 +115,7 @@ def check_data(ctx: CheckContext) -> None:
         if not failed:
             what = (
                 f"field {d.text_field!r} is text"
-                if name == "cpt"
+                if PHASES[name].record == "text"
                 else f"{d.messages_field!r} have valid roles and an assistant turn"
             )
             more = (

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.plugins import PLUGINS
 from tasks.core.config.schema import StageConfig
 from tasks.core.errors import ConversionError
@@ -79,7 +80,7 @@ def _devices(st: StageConfig, cuda: bool, eval_threads: int, rank_threads: int, 
 def estimate(
     model_config: dict[str, Any],
     st: StageConfig,
-    stage: str,
+    phase: Phase,
     *,
     cuda: bool,
     num_prompts: int = 0,
@@ -89,7 +90,7 @@ def estimate(
     rank_threads: int = 1,
     cores: int = 1,
 ) -> EvalTime:
-    """The estimate for `stage` ("cpt" or "sft"); `max_batches` overrides `st.eval.max_batches`;
+    """The estimate for `phase` ("cpt" or "sft"); `max_batches` overrides `st.eval.max_batches`;
     the threads count on CPU only (`threads`).
     Raises ConversionError or KeyError for a family config.json does not describe."""
     n, layers, hidden = _dims(model_config)
@@ -104,12 +105,12 @@ def estimate(
     train_tokens = st.max_steps * st.micro_batch_size * st.grad_accum_steps * dp * st.seq_len
     train = per_train_token * train_tokens / _devices(st, cuda, eval_threads, rank_threads, cores)
     sets = 1
-    if stage == "cpt":
+    if PHASES[phase].evaluation == "perplexity":  # per source, and per held-out-only source
         sets += len(st.data.sources or ()) + len(st.eval.heldout_sources or ())
     per_batch = 2 * sets * (2.0 * n + attention / 3) * st.eval.batch_size * st.seq_len  # 2 models
-    fixed = (2.0 * n + attention / 3) * num_prompts * max_new_tokens if stage == "sft" else 0.0
+    fixed = (2.0 * n + attention / 3) * num_prompts * max_new_tokens if PHASES[phase].generation else 0.0
     batches = max_batches if max_batches is not None else st.eval.max_batches
-    return EvalTime(stage, train, fixed + per_batch * (batches or 0), fixed, per_batch)
+    return EvalTime(phase, train, fixed + per_batch * (batches or 0), fixed, per_batch)
 
 
 def check_eval_time(ctx: Any) -> None:
@@ -120,7 +121,7 @@ def check_eval_time(ctx: Any) -> None:
     cuda = bool(ctx.machine.cuda_devices)
     eval_threads, rank_threads = threads(ctx.machine.cpu_count)
     g = ctx.cfg.gate
-    for name in ("cpt", "sft"):
+    for name in PHASES:
         st: StageConfig = getattr(ctx.cfg, name)
         if not st.eval.enabled:
             continue

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tasks.core.config.layout import ParallelLayout, is_zero, layout_problems, num_microbatches
+from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.plugins import PLUGINS, Held, PluginSpec
 from tasks.core.config.schema import StageConfig
 from tasks.core.errors import ConfigError, ConversionError
@@ -174,10 +175,10 @@ def _split(what: str, n: int, when: str, share: float) -> list[Term]:
     return [t for t in (Term(what, n - moved, when), Term(what, moved, when, host=True)) if t.bytes or not t.host]
 
 
-def _fused_adamw(stage_cfg: StageConfig, stage: str, cuda: bool) -> bool:
+def _fused_adamw(stage_cfg: StageConfig, phase: Phase, cuda: bool) -> bool:
     from tasks.core.config.kernels import Facts, resolve
 
-    state = resolve(stage_cfg, stage, Facts(cuda=cuda)).get("fused_optimizer")
+    state = resolve(stage_cfg, phase, Facts(cuda=cuda)).get("fused_optimizer")
     return bool(state and state.on)
 
 
@@ -256,7 +257,7 @@ def estimate(
             acts += sum(_width(t, dims, tp, compute) for t in family.final_activations)
             acts += dims["vocab"] / tp * (LOSS_BYTES_PER_LOGIT + (compute if compute < 4 else 0))
         terms.append(Term("activations", int(acts * tokens), "activations"))
-        if stage == "sft":  # padded or packed rows: a 4D attention mask, shared by the layers
+        if PHASES[stage].rows:  # padded or packed rows: a 4D attention mask, shared by the layers
             terms.append(Term("attention mask", rows * stage_cfg.seq_len**2 * compute, "activations"))
         # the engine builds a lazily built model's share in fp32 one tensor at a time (Engine._construction),
         # any other whole, in the dtype its plugin trains in (Engine.build_dtype: fp32 for torch_ddp)
@@ -375,7 +376,7 @@ def check_memory(ctx: Any) -> None:
     if ctx.model is None:
         return
     mc = ctx.model.config
-    for name in ("cpt", "sft"):
+    for name in PHASES:
         st: StageConfig = getattr(ctx.cfg, name)
         declared = getattr(st.launch, "gpu_memory_gb", None)
         detected = getattr(ctx.machine, "gpu_memory_bytes", None) if ctx.machine.cuda_devices else None
@@ -540,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         read_raw_config(args[0]), source=args[0]
     )  # as pre-flight reads it: the static rules are its own checks
     mc = read_model_info(cfg.base_model.uri, cfg.base_model.revision).config
-    for name in ("cpt", "sft"):
+    for name in PHASES:
         st = getattr(cfg, name)
         cuda = bool(getattr(st.launch, "gpu_memory_gb", None))
         est = estimate(mc, st, stage=name, cuda=cuda)

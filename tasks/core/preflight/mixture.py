@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tasks.core.config.layout import global_batch
 from tasks.core.config.paths import resolve_local
+from tasks.core.config.phases import PHASES
 from tasks.core.data.blend import normalized
 from tasks.core.data.records import head_records
 from tasks.core.preflight.report import CheckContext
@@ -59,7 +60,7 @@ def _samples(
     if not head:
         return None
     head_bytes = sum(len(json.dumps(r, ensure_ascii=False).encode()) + 1 for r in head)
-    if stage == "sft":
+    if PHASES[stage].rows:  # a record a sample
         return total * len(head) / head_bytes, total
     texts = [r.get(text_field) for r in head if isinstance(r.get(text_field), str)]
     if encoder is None or not texts:
@@ -71,21 +72,21 @@ def _samples(
 def check_source_epochs(ctx: CheckContext) -> None:
     """Warn when the planned steps would repeat a source more than `<stage>.data.max_source_epochs` times."""
     encoder = None
-    for stage in ("cpt", "sft"):
+    for stage in PHASES:
         st = getattr(ctx.cfg, stage)
         d = st.data
-        if stage == "cpt" and encoder is None:
+        if PHASES[stage].blocks and encoder is None:
             try:
                 encoder = _encoder(ctx)
             except Exception as exc:  # an unreadable tokenizer.json: other checks name the model's problems
                 ctx.warn(f"{stage} source epochs not estimated: {ctx.model.where}/tokenizer.json does not load ({exc})")
         planned = st.max_steps * global_batch(st)
-        unit = "blocks" if stage == "cpt" else "conversations"
+        unit = PHASES[stage].unit
         shown = []
         for i, (src, w) in enumerate(zip(d.source_list, normalized([s.weight for s in d.source_list]))):
             where = f"{stage}.data.uri" if d.sources is None else f"{stage}.data.sources[{i}] ({src.name})"
             est = _samples(
-                src.uris, stage, d.text_field, st.seq_len, encoder if stage == "cpt" else None, d.folder_formats
+                src.uris, stage, d.text_field, st.seq_len, encoder if PHASES[stage].blocks else None, d.folder_formats
             )
             if est is None or est[0] <= 0:
                 continue
@@ -106,7 +107,7 @@ def check_source_epochs(ctx: CheckContext) -> None:
 
 def check_mixture_weights(ctx: CheckContext) -> None:
     """Weights that do not sum to 1 are normalized, and said with the shares used; refused under data.strict_weights."""
-    for stage in ("cpt", "sft"):
+    for stage in PHASES:
         d = getattr(ctx.cfg, stage).data
         if d.sources is None:
             continue

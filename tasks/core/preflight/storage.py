@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from tasks.core.config.phases import PHASES
 from tasks.core.config.plugins import spec_of
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.errors import ManifestError
@@ -162,13 +163,13 @@ def estimate_local_bytes(cfg: RunConfig, mc: dict[str, Any], local_run_root: boo
 
     hf = n * (base_bytes + DTYPE_BYTES[cfg.cpt.plugin.precision] + DTYPE_BYTES[cfg.export.dtype])
     if local_run_root:
-        kept = sum((getattr(cfg, s).keep_last + 1) * ckpt(getattr(cfg, s)) for s in ("cpt", "sft"))
+        kept = sum((getattr(cfg, s).keep_last + 1) * ckpt(getattr(cfg, s)) for s in PHASES)
         how = (
             f"{n / 1e6:.1f}M params: (keep_last+1) checkpoints per stage at (weights + 8 B Adam + 4 B fp32 "
             "master where the plugin keeps one) per param, plus 3 HF copies"
         )
     else:
-        staged = {s: getattr(cfg, s).keep_last + getattr(cfg, s).max_pending_publishes + 1 for s in ("cpt", "sft")}
+        staged = {s: getattr(cfg, s).keep_last + getattr(cfg, s).max_pending_publishes + 1 for s in PHASES}
         kept = max(staged[s] * ckpt(getattr(cfg, s)) for s in staged)
         how = (
             f"{n / 1e6:.1f}M params: (keep_last + max_pending_publishes + 1) staged checkpoints of the larger stage "
@@ -243,11 +244,9 @@ def check_paths(ctx: CheckContext) -> None:
     held-out JSONL and generations.jsonl as corpus)."""
     cfg = ctx.cfg
     writes = [("run_root", cfg.run_uri)] + ([("staging_dir", str(cfg.staging_dir))] if cfg.staging_dir else [])
-    sources = [(f"{s}.data.uri", u) for s in ("cpt", "sft") for u in getattr(cfg, s).data.uris]
+    sources = [(f"{s}.data.uri", u) for s in PHASES for u in getattr(cfg, s).data.uris]
     sources += [
-        (f"{s}.eval.heldout_uri", getattr(cfg, s).eval.heldout_uri)
-        for s in ("cpt", "sft")
-        if getattr(cfg, s).eval.heldout_uri
+        (f"{s}.eval.heldout_uri", getattr(cfg, s).eval.heldout_uri) for s in PHASES if getattr(cfg, s).eval.heldout_uri
     ]
     bad = 0
     for wfield, wuri in writes:

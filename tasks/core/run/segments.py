@@ -48,6 +48,13 @@ def describe(rec: dict[str, Any]) -> str:
     return " ".join(parts) + f" on {rec.get('world_size')} rank{'s' if rec.get('world_size') != 1 else ''}{split}"
 
 
+def summary(segments: list[dict[str, Any]]) -> str:
+    """'from step 0: ...; from step 4: ...' for a stage that ran under more than one layout, else ""."""
+    if len(segments) < 2:
+        return ""
+    return "; ".join(f"from step {s['from_step']}: {describe(s)}" for s in segments)
+
+
 def keeping(global_batch: int, micro_batch_size: int, dp: int) -> list[tuple[str, int]]:
     """(field, value) pairs that make the global batch `global_batch` again under data-parallel size
     `dp`: grad_accum_steps at this micro-batch, or micro_batch_size at one accumulation step."""

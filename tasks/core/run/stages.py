@@ -37,6 +37,8 @@ import statistics
 from dataclasses import dataclass
 from enum import StrEnum
 
+from tasks.core.config.phases import PHASES, Phase
+
 
 class Status(StrEnum):
     """A stage's outcome, as recorded in run.json and the stage table."""
@@ -140,7 +142,7 @@ def step_rel(stage: str, step: int) -> str:
 class TrainingStage:
     """One training stage (cpt or sft): the config section, the model it starts from, its bridge."""
 
-    key: str  # "cpt" or "sft": the config section and the checkpoint directory
+    key: Phase  # the config section and the checkpoint directory
     source: str  # the HF artifact whose weights the shard verb boosts
     hf: str | None  # the HF artifact made from its final checkpoint (None: the export)
 
@@ -241,12 +243,12 @@ class StageSpec:
 
 
 # The prepare stage of each training stage; both tokenize with the base model's tokenizer.
-PREPARE: dict[str, str] = {"cpt": "prepare_cpt", "sft": "prepare_sft"}
+PREPARE: dict[Phase, str] = {"cpt": "prepare_cpt", "sft": "prepare_sft"}
 
 
-def data_rel(stage: str) -> str:
-    """The prepared data of a training stage: token shards, index.json, held-out records."""
-    return f"data/{stage}"
+def data_rel(phase: Phase) -> str:
+    """The prepared data of a training phase: token shards, index.json, held-out records."""
+    return f"data/{phase}"
 
 
 def _prepare_fields(key: str) -> tuple[str, ...]:
@@ -304,12 +306,13 @@ STAGES: tuple[StageSpec, ...] = (
     ),
     StageSpec("train_sft", TRAINING["sft"].checkpoints, source=TRAINING["sft"].checkpoints, continues="reboost"),
     StageSpec("export", EXPORT, source=TRAINING["sft"].checkpoints, digest=("export",), parents=("train_sft",)),
-    # The thresholds of `gate:` only decide the verdict; the generation check's size is evaluated.
+    # The thresholds of `gate:` only decide the verdict; the generation check's size (the phase row's
+    # eval_digest) is evaluated.
     StageSpec(
         "evaluate_sft",
         "eval/sft",
         source=EXPORT,
-        digest=(*_eval_fields("sft"), "gate.max_new_tokens", "gate.num_prompts"),
+        digest=(*_eval_fields("sft"), *PHASES["sft"].eval_digest),
         parents=("unshard", "export"),
     ),
     # lm-eval on local tasks: the task files' sha256 and lm-eval's version come in as run-time inputs.

@@ -144,7 +144,9 @@ class TrainLog:
         if isinstance(self.first_loss, (int, float)) and isinstance(last, (int, float)):
             parts.append(f"loss {self.first_loss:.3f} → {last:.3f}")
         if "tokens_per_s" in medians:
-            parts.append(f"median {count(medians['tokens_per_s'])} tok/s")
+            seq = self.last.get("seq_len")  # throughput falls as sequences grow: say at which length
+            at = f" at seq_len {seq:,}" if isinstance(seq, int) else ""
+            parts.append(f"median {count(medians['tokens_per_s'])} tok/s{at}")
         if "padding_frac" in medians:
             parts.append(f"pad {100 * medians['padding_frac']:.0f}%")
         if "mfu" in medians:

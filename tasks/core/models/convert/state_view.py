@@ -15,7 +15,9 @@ What it reads from a `step-NNNNNN/` directory (tasks/engine/masters.py writes th
 - `masters/rank-NNNNN.safetensors`: those fp32 pieces, flat, keyed by name.
 - `optimizer/`: ColossalAI's sharded optimizer save: whole (gathered, unpadded) states keyed by id,
   in torch pickles read with `weights_only=True` and memory-mapped.
-- `model/`: the weights, for a checkpoint that keeps no masters (fp32 training: the weights are them).
+- `model/`: the weights, for a checkpoint that keeps no masters (fp32 training: the weights are them);
+  under LoRA `adapter/adapter_model.safetensors`, whose keys are the parameter names under peft's
+  `base_model.model.` without its adapter name (`.default`), as peft saves them.
 
 Memory: one whole tensor (the assembled master, or one state memory-mapped) at a time; a master's
 pieces are read with `pread` straight into the whole tensor.
@@ -40,6 +42,9 @@ from tasks.core.models.convert.source import read_safetensors_header
 MASTERS = "masters"
 OPTIM_INDEX = "pytorch_optim.bin.index.json"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+ADAPTER_WEIGHTS = "adapter/adapter_model.safetensors"  # a LoRA checkpoint's weights (tasks/engine/lora.py)
+PEFT_PREFIX = "base_model.model."  # a PeftModel's names before the model's own
+PEFT_ADAPTER_NAME = "default"  # the adapter name peft puts in parameter names and strips from saved keys
 
 __all__ = ["MASTERS", "CheckpointState", "Piece", "local_piece", "rank_record_name", "rank_tensor_name"]
 
@@ -222,22 +227,38 @@ class CheckpointState:
             self._headers[rank] = (data_start, entries)
         return self._headers[rank]
 
-    def weights_dtype(self, name: str) -> torch.dtype:
-        """The dtype `model/` holds `name` in (without reading its bytes)."""
+    def _weight_source(self, name: str) -> tuple[Path, str]:
+        """The safetensors file holding the weight of `name`, and its key there."""
         index = self.path / "model" / "model.safetensors.index.json"
-        fname = json.loads(index.read_text())["weight_map"][name]
-        _, entries, _ = read_safetensors_header(self.path / "model" / fname)
-        return ST_TO_TORCH[entries[name].dtype]
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if name not in weight_map:
+                raise ManifestError(f"{index}: no weight {name}")
+            return self.path / "model" / weight_map[name], name
+        adapter = self.path / ADAPTER_WEIGHTS
+        if adapter.is_file():
+            # peft's get_peft_model_state_dict drops ".<adapter name>" from every key and keeps the PeftModel's
+            # prefix, which the engine's names (the model under it) lack
+            key = name.replace(f".{PEFT_ADAPTER_NAME}", "")
+            keys = read_safetensors_header(adapter)[1]
+            for k in (key, f"{PEFT_PREFIX}{key}"):
+                if k in keys:
+                    return adapter, k
+            raise ManifestError(f"{adapter}: no weight {key} (the adapter's {name})")
+        raise ManifestError(f"{self.path}: neither model/ nor {ADAPTER_WEIGHTS} holds the weights")
+
+    def weights_dtype(self, name: str) -> torch.dtype:
+        """The dtype `model/` (or the adapter) holds `name` in (without reading its bytes)."""
+        path, key = self._weight_source(name)
+        _, entries, _ = read_safetensors_header(path)
+        return ST_TO_TORCH[entries[key].dtype]
 
     def _weight(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        index = self.path / "model" / "model.safetensors.index.json"
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if name not in weight_map:
-            raise ManifestError(f"{index}: no weight {name}")
-        with safe_open(str(self.path / "model" / weight_map[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        path, key = self._weight_source(name)
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(key)
 
     # -- AdamW ------------------------------------------------------------------------------
 

@@ -1,0 +1,109 @@
+"""The training-phase registry: CPT and SFT as rows of one table, read wherever the code used to branch on them.
+
+    python -c "from tasks.core.config.phases import PHASES; print({n: (p.record, p.unit) for n, p in PHASES.items()})"
+
+A phase is a training section of the config (`cpt`, `sft`): its corpus, how a record becomes training
+samples, and what its evaluation measures. It is not a stage name (`train_cpt`, `push_to_hub`): the
+stages of a phase are rows of `tasks.core.run.stages`. The row holds what differs between phases:
+  - the record kind (`record`) and the data field it is read from (`field`, a `DataConfig` field),
+  - the encoder that turns records into token shards (`encoder`, "module:Class", as a launch backend
+    names its pre-flight: this leaf package never imports the data code; `tasks.core.data.encoders`),
+  - the unit of training (`blocks`: one stream cut into seq_len blocks by the reader, else a record a
+    row, batched by `<phase>.batching`) and its name in messages (`unit`),
+  - the evaluation (`evaluation`, `generation`) and the config paths the evaluation's digest adds
+    (`eval_digest`), whether held-out-only sources and LoRA are accepted.
+Adding a phase is one `register(PhaseSpec(...))` plus its config section (tests/test_phases.py adds one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Phase = Literal["cpt", "sft"]  # a training phase (a config section), never a stage name such as "train_cpt"
+
+
+@dataclass(frozen=True)
+class PhaseSpec:
+    name: str
+    title: str  # how messages name it: "CPT"
+    record: Literal["text", "chat"]  # what one record holds: a document, or a conversation
+    field: str  # the DataConfig field naming the record's field: "text_field" or "messages_field"
+    default_field: str  # that field's default, for the development command lines
+    encoder: str  # "module:Class" of its record encoder (tasks/core/data/encoders.py)
+    unit: str  # one training sample in messages and index.json's blend: "blocks" or "conversations"
+    # True: the records' tokens are one stream the reader cuts into seq_len blocks (shards do not depend
+    # on seq_len, a document longer than a block continues in the next); False: a record is a row, cut
+    # to seq_len by `<phase>.truncation` and batched by `<phase>.batching` (grouped, padded, packed).
+    blocks: bool
+    evaluation: Literal["perplexity", "assistant_loss"]  # held-out metric of its evaluation stage
+    generation: bool = False  # its evaluation also generates (the gate's generation check)
+    eval_digest: tuple[str, ...] = ()  # config paths its evaluation stage's digest adds
+    heldout_sources: bool = False  # eval.heldout_sources accepted: held-out-only sources, by perplexity
+    lora_refused: str | None = None  # why `<phase>.lora` is refused; None: accepted
+    # why `<phase>.context` (RoPE, positions) is refused; None: the phase sets the model's context (it
+    # starts from the base; a later phase starts from its cpt/hf, whose config.json carries them)
+    context_refused: str | None = None
+
+    @property
+    def rows(self) -> bool:
+        """A record is a row (not a block of a stream): `batching`, `truncation` and a row's attention mask apply."""
+        return not self.blocks
+
+
+PHASES: dict[str, PhaseSpec] = {}
+
+
+def register(spec: PhaseSpec) -> PhaseSpec:
+    PHASES[spec.name] = spec
+    return spec
+
+
+register(
+    PhaseSpec(
+        name="cpt",
+        title="CPT",
+        record="text",
+        field="text_field",
+        default_field="text",
+        encoder="tasks.core.data.encoders:TextEncoder",
+        unit="blocks",
+        blocks=True,
+        evaluation="perplexity",
+        heldout_sources=True,
+        # cpt/hf is the full CPT model every later stage starts from (reboost, evaluate_cpt, the SFT
+        # adapter's base): a CPT adapter would need a merged artifact of its own in between.
+        lora_refused=(
+            "LoRA is for SFT only: cpt/hf, the model SFT starts from and its adapter's base, is the full CPT "
+            "model "
+            "(continued pre-training updates every weight); put the lora section under sft"
+        ),
+    )
+)
+register(
+    PhaseSpec(
+        name="sft",
+        title="SFT",
+        record="chat",
+        field="messages_field",
+        default_field="messages",
+        encoder="tasks.core.data.encoders:ChatEncoder",
+        unit="conversations",
+        blocks=False,
+        evaluation="assistant_loss",
+        generation=True,
+        eval_digest=("gate.max_new_tokens", "gate.num_prompts"),
+        context_refused=(
+            "context settings are for CPT only: SFT starts from cpt/hf, whose config.json carries cpt.context; "
+            "move them to cpt.context"
+        ),
+    )
+)
+
+
+def phase(name: str) -> PhaseSpec:
+    """The row of `name`, or a clear error naming the phases there are."""
+    try:
+        return PHASES[name]
+    except KeyError:
+        raise ValueError(f"phase {name!r}: use one of {', '.join(PHASES)}") from None

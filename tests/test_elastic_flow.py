@@ -1,0 +1,188 @@
+"""A training stage continued through the flow under another layout (docs/resume.md), on copies of the
+session's demo run (tests/conftest.py `demo_run`: CPT under hybrid_parallel tp=2 fp32, SFT under
+low_level_zero ZeRO-2 bf16, both on 2 ranks, 8 steps, checkpoints at 4 and 8), whose uninterrupted
+losses are the reference. Three launches in all.
+
+    .venv/bin/python -m pytest -q -m "" tests/test_elastic_flow.py
+
+- CPT: step-000008 removed, the stage re-run under tp=2 and killed after step 6 (its newest checkpoint
+  is step 4), then the flow re-run under torch_ddp on 1 rank: pre-flight and the engine say it in one
+  line, the state step 5 starts from is the checkpoint's re-sharded for one rank, bitwise, the losses
+  continue the uninterrupted run's within fp32 reduction-order noise, run.json and the stage table
+  record both segments.
+- SFT: step-000008 removed, the flow re-run with one rank at 4 x 2 (the same global batch of 8): only
+  train_sft runs, from the checkpoint's fp32 masters cut for one rank, bitwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import console_capture, write_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.integration]
+
+CPT_LINE = (
+    "cpt: resuming step-000004, written under hybrid_parallel tp=2 dp=1 on 2 ranks (4 x 1 a rank), under "
+    "torch_ddp dp=1 on 1 rank (4 x 1 a rank): model and optimizer re-sharded"
+)
+SFT_LINE = (
+    "sft: resuming step-000004, written under low_level_zero zero=2 dp=2 on 2 ranks (4 x 1 a rank), under "
+    "low_level_zero zero=2 dp=1 on 1 rank (4 x 2 a rank): model and optimizer re-sharded"
+)
+
+
+def _state(step_dir: Path) -> dict:
+    return json.loads((step_dir / "train_state.json").read_text())
+
+
+def _check(config: Path) -> str:
+    """What `--check` prints (pre-flight only, nothing started)."""
+    from flows.cli import flow_main as main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["--config", str(config), "--check"]) == 0, out.getvalue()
+    return out.getvalue()
+
+
+def _run(config: Path, stop_after: str) -> tuple[int, dict, str]:
+    from flows.cli import flow_main as main
+
+    with console_capture() as console:
+        rc = main(["--config", str(config), "--stop-after", stop_after])
+    return rc, json.loads((config.parent / "run" / "run.json").read_text()), console.getvalue()
+
+
+def _row(summary: dict, stage: str) -> dict:
+    return next(s for s in summary["stages"] if s["stage"] == stage)
+
+
+def _assert_loaded_is_the_view(step_dir: Path, dumped: Path, *, masters: bool) -> int:
+    """The one rank's state right after the load (weights, fp32 masters, AdamW's moments and step) is
+    the checkpoint's layout-neutral view, whole (one rank holds every parameter whole), bitwise."""
+    from tasks.core.models.convert.state_view import CheckpointState, Piece, local_piece
+    from tests._engine_utils import read_model_dir
+
+    (live,) = [torch.load(f, weights_only=True) for f in sorted(dumped.glob("rank-*.pt"))]
+    view, weights = CheckpointState(step_dir), read_model_dir(step_dir / "model")
+    assert set(live) == set(view.names()) and view.has_masters is masters
+    step = _state(step_dir)["step"]
+    for name, st in live.items():
+        piece = Piece.of(st["piece"], 0)
+        assert (piece.start, piece.length) == (0, piece.local_numel) and piece.local_shape == piece.shape, name
+        whole = view.master(name)
+        if masters:
+            assert torch.equal(st["master"], local_piece(whole, piece)), name
+            assert torch.equal(st["weight"], weights[name]), name  # bf16, as written
+        else:  # fp32: the weight is its own master
+            assert st["master"] is None and torch.equal(st["weight"].reshape(-1), whole.reshape(-1)), name
+        adam = view.adam(name)
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[k].reshape(-1), adam[k].reshape(-1)), (name, k)
+        assert float(st["step"]) == adam["step"] == float(step), name
+    view.close()
+    return len(live)
+
+
+def _stage_tables(monkeypatch) -> list:
+    """The Prefect stage table's rows as the flow makes them, kept (the artifact is made too)."""
+    from tasks import ui
+
+    made: list = []
+    real = ui.create_table_artifact
+
+    def keep(rows, key, description):
+        if key == ui.STAGES_KEY:
+            made.append(rows)
+        return real(rows, key=key, description=description)
+
+    monkeypatch.setattr(ui, "create_table_artifact", keep)
+    return made
+
+
+def test_cpt_killed_under_tp2_on_2_ranks_continues_through_the_flow_under_ddp_on_1(demo_run_copy, monkeypatch):
+    from tasks.engine.masters import DUMP_ENV
+
+    copy = demo_run_copy
+    cpt = copy.run_root / "cpt"
+    ref = _state(cpt / "step-000008")
+    shutil.rmtree(cpt / "step-000008")  # the stage as a run killed between its checkpoints at 4 and 8 left it
+    table = _stage_tables(monkeypatch)
+
+    # Under the layout that wrote it: killed after step 6 (rank 1 SIGKILLed), step 4 still the newest.
+    monkeypatch.setenv("CPT_TO_SFT_FAULT", "kill@step=6@stage=cpt")
+    rc, summary, _ = _run(copy.config, "train_cpt")
+    assert rc == 1 and _row(summary, "train_cpt")["status"] == "failed", _row(summary, "train_cpt")
+    assert sorted(p.name for p in cpt.glob("step-*")) == ["step-000000", "step-000004"]
+    monkeypatch.delenv("CPT_TO_SFT_FAULT")
+
+    # One rank, torch_ddp: the same global batch (4 x 1 x dp 1), so the same digests.
+    raw = json.loads(json.dumps(copy.raw))
+    raw["cpt"].update(plugin={"name": "torch_ddp", "precision": "fp32"}, launch={"nproc_per_node": 1})
+    config = write_config(copy.config.parent / "ddp1.yaml", raw)
+    assert CPT_LINE in _check(config)
+    dumped = config.parent / "live-state"
+    monkeypatch.setenv(DUMP_ENV, str(dumped))
+    rc, summary, console = _run(config, "train_cpt")
+    assert rc == 0, console[-4000:]
+    statuses = {s["stage"]: s["status"] for s in summary["stages"]}
+    assert statuses["boost_and_shard"] == "skipped" and statuses["train_cpt"] == "completed", statuses
+    assert CPT_LINE in console, console[-4000:]  # the engine's line, on the console too
+
+    assert _assert_loaded_is_the_view(cpt / "step-000004", dumped / "loaded-step-000004", masters=False) > 0
+    got = _state(cpt / "step-000008")
+    assert got["losses"][:4] == ref["losses"][:4] and got["tokens_seen"] == ref["tokens_seen"]
+    assert got["sampler"] == ref["sampler"]
+    drift = max(abs(a - b) / abs(b) for a, b in zip(got["losses"][4:], ref["losses"][4:]))
+    assert 0 < drift < 1e-4, (ref["losses"], got["losses"])  # a reduction order of its own: not bitwise
+    print(f"\ncpt tp=2 on 2 ranks -> ddp on 1 rank: losses of steps 5-8 within {drift:.2e} (relative) of the run's")
+
+    segs = [(s["from_step"], s["plugin"], s["tp"], s["world_size"]) for s in got["segments"]]
+    assert segs == [(0, "hybrid_parallel", 2, 2), (4, "torch_ddp", 1, 1)]
+    assert _row(summary, "train_cpt")["detail"]["segments"] == got["segments"]
+    (row,) = [r for r in table[-1] if r["stage"] == "train_cpt"]
+    assert row["note"] == (
+        "from step 0: hybrid_parallel tp=2 dp=1 on 2 ranks (4 x 1 a rank); "
+        "from step 4: torch_ddp dp=1 on 1 rank (4 x 1 a rank)"
+    ), row
+    assert [r["note"] for r in table[-1] if r["stage"] == "boost_and_shard"] == [""]
+
+
+def test_sft_under_low_level_zero_on_2_ranks_continues_through_the_flow_on_1(demo_run_copy, monkeypatch):
+    from tasks.engine.masters import DUMP_ENV
+
+    copy = demo_run_copy
+    sft = copy.run_root / "sft"
+    ref = _state(sft / "step-000008")
+    shutil.rmtree(sft / "step-000008")
+    raw = json.loads(json.dumps(copy.raw))
+    raw["sft"].update(launch={"nproc_per_node": 1}, grad_accum_steps=2)  # 4 x 2 x dp 1 = 4 x 1 x dp 2
+    config = write_config(copy.config.parent / "one-rank.yaml", raw)
+    assert SFT_LINE in _check(config)
+    dumped = config.parent / "live-state"
+    monkeypatch.setenv(DUMP_ENV, str(dumped))
+    table = _stage_tables(monkeypatch)
+    rc, summary, console = _run(config, "train_sft")
+    assert rc == 0, console[-4000:]
+    statuses = {s["stage"]: s["status"] for s in summary["stages"]}
+    assert {k for k, v in statuses.items() if v == "completed"} == {"train_sft"}, statuses
+    assert SFT_LINE in console, console[-4000:]
+
+    assert _assert_loaded_is_the_view(sft / "step-000004", dumped / "loaded-step-000004", masters=True) > 0
+    got = _state(sft / "step-000008")
+    assert got["losses"][:4] == ref["losses"][:4] and got["tokens_seen"] == ref["tokens_seen"]
+    drift = max(abs(a - b) / abs(b) for a, b in zip(got["losses"][4:], ref["losses"][4:]))
+    assert drift < 2e-2, (ref["losses"], got["losses"])  # bf16 working weights: bf16 reduction-order noise
+    print(f"\nsft llz2 on 2 ranks -> 1 rank: losses of steps 5-8 within {drift:.2e} (relative) of the run's")
+    assert [(s["from_step"], s["dp"], s["grad_accum_steps"]) for s in got["segments"]] == [(0, 2, 1), (4, 1, 2)]
+    assert _row(summary, "train_sft")["detail"]["segments"] == got["segments"]
+    (row,) = [r for r in table[-1] if r["stage"] == "train_sft"]
+    assert row["note"].endswith("from step 4: low_level_zero zero=2 dp=1 on 1 rank (4 x 2 a rank)"), row
