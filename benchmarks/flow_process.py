@@ -55,12 +55,12 @@ from tasks.core.models.fingerprint import hf_dir_logits
 from tasks.core.run.hostpeak import HostPeak
 
 warm, model, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
-hf_dir_logits(warm, dtype=dtype, budget_gb=0)  # imports, the model class, sdpa: what any flow process holds
+hf_dir_logits(warm, dtype=dtype, verify_memory_gb=0)  # imports, the model class, sdpa: what any flow process holds
 hf_dir_logits(warm, dtype=dtype)
 for mode, budget in (("streamed", 0.0), ("whole", None)):  # streamed first: the whole model's freed pages would raise its start
     span = HostPeak()  # VmHWM := the current RSS
     t = time.perf_counter()
-    logits = hf_dir_logits(model, dtype=dtype, budget_gb=budget)
+    logits = hf_dir_logits(model, dtype=dtype, verify_memory_gb=budget)
     seconds = time.perf_counter() - t
     added, start = span.added()
     print(json.dumps({"mode": mode, "start": start, "peak": start + added, "seconds": seconds,
@@ -88,6 +88,7 @@ MERGE_CHILD = r"""
 import hashlib, json, shutil, sys, time
 from pathlib import Path
 from safetensors import safe_open
+from tasks.core.config.outputs import ExportConfig
 from tasks.core.models.merge import build_merged_dir
 from tasks.core.run.hostpeak import HostPeak
 
@@ -102,12 +103,12 @@ def digest(folder):  # every tensor's name and bytes, one tensor at a time
 import torch
 warm_ckpt, warm_base, ckpt, base, out = map(Path, sys.argv[1:6])
 for budget in (0.0, None):  # imports, peft, the kernels: what any export stage holds before it merges
-    build_merged_dir(warm_ckpt, out / "warm", warm_base, dtype="bf16", max_shard_size="5GB", verify_memory_gb=budget)
+    build_merged_dir(warm_ckpt, out / "warm", warm_base, ExportConfig(dtype="bf16"), verify_memory_gb=budget)
     shutil.rmtree(out / "warm")
 for mode, budget in (("streamed", 0.0), ("whole", None)):  # streamed first: the whole model's freed pages would raise its start
     span = HostPeak()
     t = time.perf_counter()
-    built = build_merged_dir(ckpt, out / mode, base, dtype="bf16", max_shard_size="5GB", verify_memory_gb=budget)
+    built = build_merged_dir(ckpt, out / mode, base, ExportConfig(dtype="bf16"), verify_memory_gb=budget)
     seconds = time.perf_counter() - t
     added, start = span.added()
     print(json.dumps({"mode": mode, "start": start, "peak": start + added, "seconds": seconds, "merge": built["verification"]["lora"]["merge"],

@@ -407,7 +407,7 @@ def cmd_flow(config: str, run_root: str, records_path: str) -> int:
     """The flow in this process, every engine launch's records appended to a JSONL file as they come
     (a killed stage keeps what it printed)."""
     import tasks.train
-    from flows.cpt_to_sft import main as flow_main
+    from flows.cli import flow_main
 
     real = tasks.train.run_engine
     with open(records_path, "a") as sink:

@@ -56,10 +56,11 @@ def run_mode(work: Path, base: Path, lora: dict | None, steps: int) -> dict:
         "total_params": last.get("total_params"),
     }
     if lora:
+        from tasks.core.config.outputs import ExportConfig
         from tasks.core.models.merge import build_merged_dir
 
         t0 = time.monotonic()
-        built = build_merged_dir(ckpt, work / "export", base, dtype="bf16", max_shard_size="5GB")
+        built = build_merged_dir(ckpt, work / "export", base, ExportConfig(dtype="bf16"))
         out["merged_export_s"] = round(time.monotonic() - t0, 2)
         out["export_rel_diff"] = built["verification"]["fingerprint_rel_diff"]
     return out

@@ -56,7 +56,7 @@ def bench(args: argparse.Namespace) -> int:
     from prefect import flow
 
     import tasks.train
-    from flows.cpt_to_sft import main as run_flow
+    from flows.cli import flow_main as run_flow
     from support.tiny import tiny_config_raw, write_config
 
     @flow(name="warm-up")

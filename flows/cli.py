@@ -14,7 +14,8 @@
 `--set key.path=value` overrides are applied in the order given, each value parsed as YAML (so
 `--set cpt.lr=1e-4` is a float and `--set hub=null` removes the push), and the result is validated
 by the same models as the YAML file: a wrong one is an error naming the field. Without the install,
-`python -m flows.cpt_to_sft --config FILE` runs the flow. Relative paths resolve as in tasks/core/config/paths.py.
+`python -m flows.cpt_to_sft --config FILE [--check | --break-lease]` is run, check or break-lease
+(`flow_main`). Relative paths resolve as in tasks/core/config/paths.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -29,7 +31,8 @@ from typing import Any
 
 import yaml
 
-EXIT_FAILED_GATE = 3
+EXIT_FAILED_GATE = 3  # the run finished and kept its artifacts, but the gate held the push back
+EXIT_INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
 
 
 def version() -> str:
@@ -90,22 +93,23 @@ def resolved_config_file(
     return out, cfg
 
 
-def _config_args(p: argparse.ArgumentParser) -> None:
+def _config_args(p: argparse.ArgumentParser, sets: bool = True) -> None:
     p.add_argument(
         "--config",
         required=True,
         metavar="FILE",
         help="the run's YAML config file: local path or fsspec URI (e.g. deployments/configs/tiny-cpu.yaml)",
     )
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="override one config field, e.g. --set cpt.max_steps=100 (value parsed as YAML); repeatable, applied in "
-        "order",
-    )
+    if sets:
+        p.add_argument(
+            "--set",
+            dest="sets",
+            action="append",
+            default=[],
+            metavar="KEY.PATH=VALUE",
+            help="override one config field, e.g. --set cpt.max_steps=100 (value parsed as YAML); repeatable, applied "
+            "in order",
+        )
     p.add_argument("--run-root", help="override run_root (local path, NFS path or s3://...)")
     p.add_argument("--run-name", help="override the run name")
 
@@ -203,7 +207,7 @@ def recompute_fingerprint(art: Path, manifest: dict[str, Any]) -> str:
         return "fingerprint sha256 ok (a plugin checkpoint: logits not recomputed)"
     dtype = str(manifest["fingerprint"].get("dtype", "fp32"))
     rtol = default_rtol(_DTYPE_NAMES.get(dtype, dtype))
-    c = compare_logits(hf_dir_logits(art, budget_gb=VERIFY_MEMORY_GB), load_fingerprint(art), rtol)
+    c = compare_logits(hf_dir_logits(art, verify_memory_gb=VERIFY_MEMORY_GB), load_fingerprint(art), rtol)
     if not c["fingerprint_match"]:
         raise ManifestError(
             f"{art}: recomputed logits differ from its fingerprint (relative {c['fingerprint_rel_diff']:.3g} > "
@@ -424,15 +428,150 @@ def _config_command(args: argparse.Namespace, path: Path, cfg: Any) -> int:
 
         return run_check_cli(cfg)
     if args.cmd == "break-lease":
-        from tasks.core.storage.lease import break_lease, describe
-        from tasks.stage import store_for
+        return break_lease(cfg)
+    from tasks.core.config.overrides import RunOverrides
 
-        old = break_lease(store_for(cfg))
-        print(f"lease on {cfg.run_uri}: " + (f"broken (was held by {describe(old)})" if old else "none held"))
-        return 0
-    from flows.cpt_to_sft import main as flow_main
+    return run_flow(str(path), RunOverrides(), args.stop_after)
 
-    return flow_main(["--config", str(path), *(["--stop-after", args.stop_after] if args.stop_after else [])])
+
+def break_lease(cfg: Any) -> int:
+    """Remove the run root's lease left by a dead run, saying whose it was."""
+    from tasks.core.storage.lease import break_lease as break_it
+    from tasks.core.storage.lease import describe
+    from tasks.stage import store_for
+
+    old = break_it(store_for(cfg))
+    print(f"lease on {cfg.run_uri}: " + (f"broken (was held by {describe(old)})" if old else "none held"))
+    return 0
+
+
+FLOW_EPILOG = (
+    "exit status: 0 complete (pushed, or no hub configured), or stopped after --stop-after; 1 a stage "
+    "failed; 3 the gate failed (artifacts kept, nothing pushed); 130 interrupted (Ctrl-C)"
+)
+
+
+def flow_parser() -> argparse.ArgumentParser:
+    """`python -m flows.cpt_to_sft`: the `run` command's options without --set, and --check and
+    --break-lease in place of those commands."""
+    parser = argparse.ArgumentParser(
+        prog="python -m flows.cpt_to_sft",
+        description="The `cpt-to-sft` flow: continued pre-training then supervised fine-tuning on ColossalAI.",
+        epilog=FLOW_EPILOG,
+    )
+    _config_args(parser, sets=False)
+    parser.add_argument(
+        "--break-lease", action="store_true", help="remove the run root's lease left by a dead run, then exit"
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="pre-flight only: print the report, exit 1 on any problem, 0 when clean; starts nothing",
+    )
+    add_stop_after(parser)
+    return parser
+
+
+def flow_main(argv: list[str] | None = None) -> int:
+    """`python -m flows.cpt_to_sft`: the flow reads the config itself, with --run-root and --run-name as
+    its `overrides` parameter (`cpt-to-sft run` hands it the config already resolved)."""
+    from tasks.core.config.overrides import RunOverrides
+
+    args = flow_parser().parse_args(argv)
+    if args.check:
+        from tasks.preflight import run_check_cli
+
+        return run_check_cli(args.config, run_root=args.run_root, run_name=args.run_name)
+    overrides = RunOverrides(run_root=args.run_root or "", run_name=args.run_name or "")
+    if args.break_lease:
+        from flows.cpt_to_sft import resolve_config
+
+        return break_lease(resolve_config(args.config, overrides))
+    return run_flow(args.config, overrides, args.stop_after)
+
+
+def run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
+    """Run the flow in this process to its end; the exit status (EXIT_* above, 1 for a failure)."""
+    import atexit
+    import gc
+
+    import flows.cpt_to_sft  # noqa: F401 - first: importing Prefect sets up the console handlers filtered below
+    from flows.console import console_guard
+    from tasks.console_log import one_line_failures
+
+    # The imports of a run (torch, transformers, Prefect: about 450k objects) live until the process
+    # exits, where the interpreter's final collections would walk them all, a wait at every exit.
+    # Frozen by an exit handler that runs after Prefect's and the embedded server's (registered
+    # later, they run first), they are left to the OS.
+    atexit.unregister(gc.freeze)  # once per process, however often this runs in it
+    atexit.register(gc.freeze)
+    # To the last line printed: a run outlives the reader of its output, and a failure is that one
+    # line (the traceback is in the task run's log, tasks/console_log.py).
+    with console_guard(), one_line_failures():
+        return _run_flow(config, overrides, stop_after)
+
+
+def _run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
+    import flows.cpt_to_sft as runbook
+    from flows.embedded_api import ApiUnavailable, embedded_api
+    from tasks.evaluate import gate_message
+
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        with embedded_api():
+            state = runbook.cpt_to_sft(config=config, overrides=overrides, stop_after=stop_after, return_state=True)
+    except ApiUnavailable as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    except runbook.Interrupted as exc:  # before or after the stages: nothing of the run to tear down
+        print(exc, file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if state.is_cancelled():
+        print(state.message or state.name, file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if not state.is_completed():
+        # Refused at pre-flight (the report), the lease held, or a stage failed (its cause): the
+        # state message says which; the last line printed is the reason.
+        print(state.message or state.name, file=sys.stderr)
+        return 1
+    summary = state.result()
+    gate_ = summary.get("gate") or {}
+    # One line, for scripts: the table above is for people.
+    print(
+        json.dumps(
+            {
+                "run_root": summary["run_root"],
+                "complete": summary["complete"],
+                "export": summary["export"],
+                "seconds": summary["seconds"],
+                "gate": gate_.get("status"),
+            }
+        )
+    )
+    if gate_.get("passed") is False:
+        print(gate_message(gate_), file=sys.stderr)
+        return EXIT_FAILED_GATE
+    return 0 if summary["complete"] or summary.get("stopped_after") else 1
+
+
+def _on_sigint(signum, frame) -> None:
+    from flows.cpt_to_sft import Interrupted
+
+    signal.signal(signal.SIGINT, _exit_at_once)
+    print(
+        "interrupted: stopping the run (ending the stage, writing run.json, releasing the lease); Ctrl-C again exits "
+        "at once",
+        file=sys.stderr,
+        flush=True,
+    )
+    raise Interrupted("interrupted by SIGINT (Ctrl-C)")
+
+
+def _exit_at_once(signum, frame) -> None:
+    # No cleanup: the run's processes go with this one (reap_on_exit), the lease expires or is broken.
+    os._exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

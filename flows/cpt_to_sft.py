@@ -13,6 +13,7 @@ the flow run in a Completed state named "FailedGate", and the CLI exits with sta
 Ctrl-C (SIGINT) stops a run as a cancellation's SIGTERM does: the stage's processes end, run.json
 is written, the lease is released and the flow run ends Cancelled (exit status 130); a second
 Ctrl-C exits at once, and the processes the run started go with it (tasks/core/launch/proctree.py).
+This module is the runbook; its command line, as `cpt-to-sft run`'s, is flows/cli.py's (`flow_main`).
 """
 
 from __future__ import annotations
@@ -26,11 +27,8 @@ if __name__ == "__main__":
 
     prestart(sys.argv[1:])
 
-import argparse
 import dataclasses
 import json
-import os
-import signal
 import time
 from typing import Any
 
@@ -47,11 +45,11 @@ from tasks.core.errors import ConfigError
 from tasks.core.run.stages import DONE, STAGE, STAGE_NAMES, Status
 from tasks.core.run.trainlog import duration, summary_table
 from tasks.core.storage.fs import fetch_to_local
-from tasks.core.storage.lease import Lease, LeaseHeld, break_lease, describe
+from tasks.core.storage.lease import Lease, LeaseHeld
 from tasks.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back, recorded_metrics
 from tasks.export import export_hf, write_card
 from tasks.load import load_from_hf
-from tasks.preflight import REFUSED, preflight, run_check_cli
+from tasks.preflight import REFUSED, preflight
 from tasks.prepare_data import prepare_data
 from tasks.push import push_to_hub
 from tasks.stage import StageResult, disk_cause, outcome, store_for, write_record
@@ -290,23 +288,7 @@ def failure_cause(exc: BaseException) -> str:
 
 
 class Interrupted(KeyboardInterrupt):
-    """Raised in the main thread by the first SIGINT (`_on_sigint`): it unwinds like a cancellation."""
-
-
-def _on_sigint(signum, frame) -> None:
-    signal.signal(signal.SIGINT, _exit_at_once)
-    print(
-        "interrupted: stopping the run (ending the stage, writing run.json, releasing the lease); Ctrl-C again exits "
-        "at once",
-        file=sys.stderr,
-        flush=True,
-    )
-    raise Interrupted("interrupted by SIGINT (Ctrl-C)")
-
-
-def _exit_at_once(signum, frame) -> None:
-    # No cleanup: the run's processes go with this one (reap_on_exit), the lease expires or is broken.
-    os._exit(EXIT_INTERRUPTED)
+    """Raised in the main thread by the first SIGINT (flows/cli.py `_on_sigint`): it unwinds like a cancellation."""
 
 
 class _StopAfter(Exception):
@@ -383,113 +365,7 @@ def recorded_config(cfg: RunConfig) -> dict[str, Any]:
     return raw
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m flows.cpt_to_sft",
-        description=__doc__.splitlines()[0],
-        epilog="exit status: 0 complete (pushed, or no hub configured), or stopped after --stop-after; 1 a stage "
-        "failed; 3 the gate failed (artifacts kept, nothing pushed); 130 interrupted (Ctrl-C)",
-    )
-    parser.add_argument("--config", required=True, help="YAML config: local path or fsspec URI")
-    parser.add_argument("--run-root", help="override run_root (local path, NFS path or s3://...)")
-    parser.add_argument("--run-name", help="override the run name")
-    parser.add_argument(
-        "--break-lease", action="store_true", help="remove the run root's lease left by a dead run, then exit"
-    )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="pre-flight only: print the report, exit 1 on any problem, 0 when clean; starts nothing",
-    )
-    parser.add_argument(
-        "--stop-after",
-        choices=STAGE_NAMES,
-        metavar="STAGE",
-        help=f"run the stages up to and including STAGE, record the rest as not-run, exit 0 (one of: {', '.join(STAGE_NAMES)})",
-    )
-    args = parser.parse_args(argv)
-    if args.check:
-        return run_check_cli(args.config, run_root=args.run_root, run_name=args.run_name)
-    if args.break_lease:
-        cfg = resolve_config(args.config, _cli_overrides(args))
-        old = break_lease(store_for(cfg))
-        print(f"lease on {cfg.run_uri}: " + (f"broken (was held by {describe(old)})" if old else "none held"))
-        return 0
-    return _run(args)
-
-
-def _run(args: argparse.Namespace) -> int:
-    import atexit
-    import gc
-
-    from flows.console import console_guard
-    from tasks.console_log import one_line_failures
-
-    # The imports of a run (torch, transformers, Prefect: about 450k objects) live until the process
-    # exits, where the interpreter's final collections would walk them all: 1.4-1.7 s of CPU (2-4 s
-    # on a busy machine) after the run has ended, that every exit, a first Ctrl-C's too, waits on.
-    # Frozen by an exit handler that runs after Prefect's and the embedded server's (registered
-    # later, they run first), they are left to the OS.
-    atexit.unregister(gc.freeze)  # once per process, however often main() runs in it
-    atexit.register(gc.freeze)
-    # To the last line printed: a run outlives the reader of its output, and a failure is that one
-    # line (the traceback is in the task run's log, tasks/console_log.py).
-    with console_guard(), one_line_failures():
-        return _run_flow(args)
-
-
-def _run_flow(args: argparse.Namespace) -> int:
-    from flows.embedded_api import ApiUnavailable, embedded_api
-
-    previous = signal.signal(signal.SIGINT, _on_sigint)
-    try:
-        with embedded_api():
-            state = cpt_to_sft(
-                config=args.config, overrides=_cli_overrides(args), stop_after=args.stop_after, return_state=True
-            )
-    except ApiUnavailable as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    except Interrupted as exc:  # before or after the stages: nothing of the run to tear down
-        print(exc, file=sys.stderr)
-        return EXIT_INTERRUPTED
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if state.is_cancelled():
-        print(state.message or state.name, file=sys.stderr)
-        return EXIT_INTERRUPTED
-    if not state.is_completed():
-        # Refused at pre-flight (the report), the lease held, or a stage failed (its cause): the
-        # state message says which; the last line printed is the reason.
-        print(state.message or state.name, file=sys.stderr)
-        return 1
-    summary = state.result()
-    gate_ = summary.get("gate") or {}
-    # One line, for scripts: the table above is for people.
-    print(
-        json.dumps(
-            {
-                "run_root": summary["run_root"],
-                "complete": summary["complete"],
-                "export": summary["export"],
-                "seconds": summary["seconds"],
-                "gate": gate_.get("status"),
-            }
-        )
-    )
-    if gate_.get("passed") is False:
-        print(gate_message(gate_), file=sys.stderr)
-        return EXIT_FAILED_GATE
-    return 0 if summary["complete"] or summary.get("stopped_after") else 1
-
-
-def _cli_overrides(args: argparse.Namespace) -> RunOverrides:
-    return RunOverrides(run_root=args.run_root or "", run_name=args.run_name or "")
-
-
-EXIT_FAILED_GATE = 3  # the run finished and kept its artifacts, but the gate held the push back
-EXIT_INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from flows.cli import flow_main
+
+    sys.exit(flow_main())

@@ -132,26 +132,15 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
             cfg.sft.lora is not None
         ):  # the adapter merged onto cpt/hf in fp32, proven against peft (tasks/core/models/merge.py)
             built = build_merged_dir(
-                ckpt,
-                out.dir,
-                source,
-                dtype=cfg.export.dtype,
-                max_shard_size=cfg.export.max_shard_size,
-                rtol=cfg.export.fingerprint_rtol,
-                align_stop_tokens=cfg.export.align_stop_tokens,
-                work_dir=cfg.staging_dir,
-                verify_memory_gb=cfg.verify_memory_gb,
+                ckpt, out.dir, source, cfg.export, work_dir=cfg.staging_dir, verify_memory_gb=cfg.verify_memory_gb
             )
         else:
             built = build_hf_dir(
                 ckpt,
                 out.dir,
                 source,
-                dtype=cfg.export.dtype,
-                max_shard_size=cfg.export.max_shard_size,
+                cfg.export,
                 weights_dtype=cfg.sft.plugin.precision,
-                rtol=cfg.export.fingerprint_rtol,
-                align_stop_tokens=cfg.export.align_stop_tokens,
                 verify_memory_gb=cfg.verify_memory_gb,
             )
         v = built["verification"]

@@ -250,7 +250,7 @@ def load_from_hf(cfg: RunConfig) -> StageResult:
             weights = check_weight_files(out.dir, allow_pickle=False)
         meta.update(model_type=model_cfg.get("model_type"), vocab_size=model_cfg.get("vocab_size"), weights=weights)
         logits = hf_dir_logits(
-            out.dir, trust_remote_code=cfg.base_model.trust_remote_code, budget_gb=cfg.verify_memory_gb
+            out.dir, trust_remote_code=cfg.base_model.trust_remote_code, verify_memory_gb=cfg.verify_memory_gb
         )
         fingerprint = save_fingerprint(logits, out.dir, str(model_cfg.get("torch_dtype", "float32")))
         out.manifest(kind="hf-model", meta=meta, fingerprint=fingerprint)

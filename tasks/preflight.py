@@ -55,11 +55,6 @@ def hub_token_found(consult_secret: bool = True) -> HubToken | None:
     return find_hub_token(_secret_value if consult_secret else None)
 
 
-def hub_token_present(consult_secret: bool = True) -> bool:
-    """Whether push/load would find a token."""
-    return hub_token_found(consult_secret) is not None
-
-
 REFUSED = "pre-flight stopped: fix the configuration above first, nothing was launched"
 
 

@@ -29,9 +29,9 @@ def unshard(cfg: RunConfig, cpt: StageResult) -> StageResult:
             ckpt,
             out.dir,
             source,
-            dtype=None,
-            max_shard_size=cfg.export.max_shard_size,
+            cfg.export,  # its shard size: otherwise the checkpoint as it is (bridge)
             weights_dtype=cfg.cpt.plugin.precision,
+            bridge=True,
             verify_memory_gb=cfg.verify_memory_gb,
             # the RoPE and position settings CPT trained with, which its checkpoints' config.json holds
             config_updates=config_changes(cfg.cpt.context),

@@ -73,7 +73,8 @@ def _parses(call, argv: list[str], what: str) -> str | None:
 
 
 def _uses_argparse(path: Path) -> bool:
-    return path.is_file() and "argparse" in path.read_text()
+    """The module parses its arguments, itself or (`python -m flows.cpt_to_sft`) through flows/cli.py."""
+    return path.is_file() and any(word in path.read_text() for word in ("argparse", "from flows.cli import"))
 
 
 def _module_path(name: str) -> Path | None:

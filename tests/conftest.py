@@ -200,7 +200,7 @@ def demo_run(prefect_harness, mlflow_server, eos_doc_end_model, tmp_path_factory
     every 4) and the eos-doc-end demo model, tracked to the session's MLflow server. CPT also
     measures the sample general text as a held-out-only source (never trained on), so the run's
     metrics, run.json and card carry a perplexity per source, and extends the context (`cpt.context`)."""
-    from flows.cpt_to_sft import main
+    from flows.cli import flow_main as main
 
     tmp = tmp_path_factory.mktemp("demo-run")
     raw = tiny_config_raw(eos_doc_end_model, tmp / "run")

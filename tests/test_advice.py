@@ -1,6 +1,6 @@
 """Advice that works: every layout refusal's suggested fixes, applied to the refused config, pass pre-flight.
 
-    /work/main/.venv/bin/python -m pytest -q tests/test_advice.py
+    .venv/bin/python -m pytest -q tests/test_advice.py
 
 One row per layout rule (tasks/core/config/layout.py RULES): a good tiny config broken one way.
 Each fix the refusal offers (`Refusal.fixes`, dotted overrides) is applied to the YAML and the

@@ -92,13 +92,13 @@ def _noise_task(dest) -> str:
 def test_rerun_skips_it_a_new_num_fewshot_reruns_only_it_and_the_gate_holds_a_failing_max_drop(demo_run_copy):
     import shutil
 
-    import flows.cpt_to_sft as flow_mod
+    from flows.cli import flow_main
 
     copy = demo_run_copy
     root = copy.run_root
 
     def run(name: str, raw: dict) -> tuple[int, dict]:
-        rc = flow_mod.main(["--config", str(write_config(root.parent / f"{name}.yaml", raw))])
+        rc = flow_main(["--config", str(write_config(root.parent / f"{name}.yaml", raw))])
         return rc, json.loads((root / "run.json").read_text())
 
     rc, again = run("same", copy.raw)

@@ -1,7 +1,7 @@
 """A failure is one line on the console, without a traceback; the traceback stays in the task run's log.
 
-    /work/main/.venv/bin/python -m pytest -q tests/test_console_failures.py            # the console rule
-    /work/main/.venv/bin/python -m pytest -q -m "" tests/test_console_failures.py      # + the real CLI
+    .venv/bin/python -m pytest -q tests/test_console_failures.py            # the console rule
+    .venv/bin/python -m pytest -q -m "" tests/test_console_failures.py      # + the real CLI
 
 The CLI cases run `python -m flows.cli run` against the session's Prefect server (no torchrun launch):
 a pre-flight refusal, a malformed JSONL line found by a process-pool worker in prepare_cpt, and a

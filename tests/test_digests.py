@@ -315,7 +315,7 @@ def reruns(demo_run, tmp_path_factory):
     (tokenize runners, max_pending_publishes, and the copy has no tracking where the demo had
     MLflow); (2) cpt's final checkpoint manifest rebuilt (same files, a new created_at) and
     export.dtype fp32. The Hub is left out here: a configured hub pushes (the unit covers it)."""
-    from flows.cpt_to_sft import main
+    from flows.cli import flow_main as main
     from tests.conftest import write_config
 
     run = demo_run.copy_to(tmp_path_factory.mktemp("digests"))

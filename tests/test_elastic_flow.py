@@ -45,7 +45,7 @@ def _state(step_dir: Path) -> dict:
 
 def _check(config: Path) -> str:
     """What `--check` prints (pre-flight only, nothing started)."""
-    from flows.cpt_to_sft import main
+    from flows.cli import flow_main as main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -54,7 +54,7 @@ def _check(config: Path) -> str:
 
 
 def _run(config: Path, stop_after: str) -> tuple[int, dict, str]:
-    from flows.cpt_to_sft import main
+    from flows.cli import flow_main as main
 
     with console_capture() as console:
         rc = main(["--config", str(config), "--stop-after", stop_after])

@@ -1,6 +1,6 @@
 """Pre-flight's estimates under LoRA: only the trainable parameters carry gradients and optimizer state.
 
-/work/main/.venv/bin/python -m pytest -q tests/test_estimates.py
+.venv/bin/python -m pytest -q tests/test_estimates.py
 """
 
 from __future__ import annotations

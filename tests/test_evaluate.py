@@ -319,6 +319,7 @@ def test_gate_verdict(gate, cpt, sft, passed, failing):
 
 def test_cli_exit_status_of_a_failed_gate(monkeypatch, capsys):
     import flows.cpt_to_sft as flow_mod
+    from flows.cli import EXIT_FAILED_GATE, flow_main
 
     summary = {
         "run_root": "/r",
@@ -329,16 +330,16 @@ def test_cli_exit_status_of_a_failed_gate(monkeypatch, capsys):
     }
     from prefect.states import Completed
 
-    # main() asks the flow for its final state (return_state=True) and reads the summary from it.
+    # flow_main() asks the flow for its final state (return_state=True) and reads the summary from it.
     monkeypatch.setattr(flow_mod, "cpt_to_sft", lambda **kw: Completed(name="FailedGate", data=summary))
-    assert flow_mod.main(["--config", "x.yaml"]) == flow_mod.EXIT_FAILED_GATE == 3
+    assert flow_main(["--config", "x.yaml"]) == EXIT_FAILED_GATE == 3
     assert "gate failed, nothing pushed, every artifact kept: SFT held-out loss" in capsys.readouterr().err
     monkeypatch.setattr(
         flow_mod,
         "cpt_to_sft",
         lambda **kw: Completed(data={**summary, "complete": True, "gate": {"status": "passed", "passed": True}}),
     )
-    assert flow_mod.main(["--config", "x.yaml"]) == 0
+    assert flow_main(["--config", "x.yaml"]) == 0
 
 
 def test_eval_results_for_card_render_a_model_index():

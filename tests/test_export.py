@@ -2,7 +2,7 @@
 multi-shard through the real `build_hf_dir`, checked with the consumers' rules; the exact weight
 proof failing on a swapped pair of layers and on one flipped mantissa bit; stop-token alignment.
 
-    /work/main/.venv/bin/python -m pytest -q tests/test_export.py      # ~1 min on 2 cores
+    .venv/bin/python -m pytest -q tests/test_export.py      # ~1 min on 2 cores
 
 The "checkpoint" here is what the engine's save leaves (`model/` HF safetensors + fingerprint),
 made from the tiny qwen2 base directly: the conversion, the proof, the stop tokens and the
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tasks.core.config.outputs import ExportConfig
 from tasks.core.errors import ConversionError
 from tasks.core.models.convert.proof import prove_weights
 from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR
@@ -64,9 +65,8 @@ def _export(root: Path, base: Path, ckpt: Path, name: str, max_shard_size: str, 
 
     dst = root / name
     dst.mkdir()
-    built = build_hf_dir(
-        ckpt, dst, base, dtype="bf16", max_shard_size=max_shard_size, weights_dtype="fp32", align_stop_tokens=align
-    )
+    export = ExportConfig(dtype="bf16", max_shard_size=max_shard_size, align_stop_tokens=align)
+    built = build_hf_dir(ckpt, dst, base, export, weights_dtype="fp32")
     (dst / VERIFICATION).write_text(json.dumps(built["verification"]))
     write_manifest(
         dst,
@@ -207,10 +207,8 @@ def test_one_flipped_mantissa_bit_fails_the_export_naming_the_tensor(qwen2, tmp_
             ckpt,
             dst,
             qwen2["root"] / "qwen2-tied",
-            dtype="bf16",
-            max_shard_size="40KB",
+            ExportConfig(dtype="bf16", max_shard_size="40KB", align_stop_tokens=True),
             weights_dtype="fp32",
-            align_stop_tokens=True,
         )
     msg = str(info.value)
     assert f"'{key}': 1 of {64 * 64} elements differ" in msg and f"flat index {3 * 64 + 5}" in msg, msg

@@ -1,7 +1,7 @@
 """Bad inputs are refused before any launch, and failures carry their cause.
 
-    /work/main/.venv/bin/python -m pytest -q tests/test_fail_early.py            # unit tier
-    /work/main/.venv/bin/python -m pytest -q -m "" tests/test_fail_early.py      # + load stage, flow, torchrun
+    .venv/bin/python -m pytest -q tests/test_fail_early.py            # unit tier
+    .venv/bin/python -m pytest -q -m "" tests/test_fail_early.py      # + load stage, flow, torchrun
 
 One table per kind of bad input. Every refusal is checked for the field or file it names and for
 the absence of a traceback; every unit case runs with process launches replaced by functions that
@@ -559,7 +559,8 @@ def test_a_pickle_that_would_run_code_is_refused(prefect_harness, tiny_model_dir
 def test_the_flow_refuses_at_preflight_with_the_report_and_no_traceback(
     prefect_harness, tiny_model_dir, tmp_path, capfd
 ):
-    from flows.cpt_to_sft import cpt_to_sft, main
+    from flows.cli import flow_main as main
+    from flows.cpt_to_sft import cpt_to_sft
     from tasks.preflight import REFUSED
 
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")

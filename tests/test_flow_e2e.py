@@ -82,7 +82,7 @@ def scenario(prefect_harness, eos_doc_end_model, tmp_path_factory):
     import tasks.automation
     import tasks.train
     import tasks.ui
-    from flows.cpt_to_sft import main
+    from flows.cli import flow_main as main
 
     tiny_model_dir = eos_doc_end_model
     tmp = tmp_path_factory.mktemp("e2e")
@@ -149,6 +149,7 @@ def _gate_reruns(mp, tmp, model_dir, run_root):
     """Steps 4 and 5: only the gate config changes; gate config is in no artifact's digest."""
     import flows.cpt_to_sft as flow_mod
     import tasks.train
+    from flows.cli import flow_main
 
     out = []
     for name, gate in (
@@ -174,7 +175,7 @@ def _gate_reruns(mp, tmp, model_dir, run_root):
                 }
             )
         else:
-            rc = flow_mod.main(["--config", str(cfg)])
+            rc = flow_main(["--config", str(cfg)])
             out.append(
                 {
                     "rc": rc,
@@ -566,7 +567,7 @@ def test_failed_gate_skips_the_push_and_a_disabled_gate_lets_it_through(scenario
 
 
 def test_second_run_over_a_held_run_root_fails_naming_the_holder(demo_run_copy, capsys):
-    from flows.cpt_to_sft import main
+    from flows.cli import flow_main as main
     from tasks.core.storage.fs import RunStore
     from tasks.core.storage.lease import Lease
 

@@ -354,13 +354,14 @@ def test_gemini_checkpoint_exports_with_matching_fingerprint(gemini_runs, dropou
     import torch
     from transformers import AutoModelForCausalLM
 
+    from tasks.core.config.outputs import ExportConfig
     from tasks.core.models.fingerprint import load_fingerprint, max_abs_diff, model_logits
     from tasks.core.models.hf_artifact import build_hf_dir
 
     ckpt = gemini_runs["a"] / "step-000006"
     dst = tmp_path / "export"
     dst.mkdir()
-    built = build_hf_dir(ckpt, dst, dropout_model_dir, dtype="bf16", max_shard_size="5GB", weights_dtype="bf16")
+    built = build_hf_dir(ckpt, dst, dropout_model_dir, ExportConfig(dtype="bf16"), weights_dtype="bf16")
     v = built["verification"]
     assert v["fingerprint_match"], v
     from safetensors.torch import load_file
@@ -371,7 +372,7 @@ def test_gemini_checkpoint_exports_with_matching_fingerprint(gemini_runs, dropou
     # The export is the checkpoint's tensors cast to the export dtype (what build_hf_dir's proof
     # checks). Not the checkpoint's dtype: on one GPU Gemini's chunks stay gathered, and colossalai
     # 0.5.0's get_temp_total_chunk_on_cuda then returns the fp32 chunk uncast, so model/ holds the
-    # fp32 masters (the first device run compared without the cast and every tensor differed).
+    # fp32 masters.
     assert [k for k in trained if not _same(exported[k], trained[k].to(exported[k].dtype))] == []
     model = AutoModelForCausalLM.from_pretrained(dst, torch_dtype=torch.bfloat16, use_safetensors=True).cuda()
     diff = max_abs_diff(model_logits(model, model.config.vocab_size), load_fingerprint(ckpt))

@@ -47,6 +47,7 @@ def base(tmp_path_factory) -> Path:
 
 def test_lora_sft_runs_with_the_fast_kernels_on_and_exports(base, tmp_path):
     from tasks.core.config.kernels import Facts, resolve_for
+    from tasks.core.config.outputs import ExportConfig
     from tasks.core.models.adapter import build_adapter_dir
     from tasks.core.models.merge import build_merged_dir
     from tasks.core.run.manifest import manifest_digest
@@ -72,7 +73,7 @@ def test_lora_sft_runs_with_the_fast_kernels_on_and_exports(base, tmp_path):
     losses = train_state(d / "step-000004")["losses"]
     assert len(losses) == 4 and all(math.isfinite(x) and x < 20 for x in losses), losses
 
-    built = build_merged_dir(d / "step-000004", tmp_path / "export", base, dtype="bf16", max_shard_size="5GB")
+    built = build_merged_dir(d / "step-000004", tmp_path / "export", base, ExportConfig(dtype="bf16"))
     assert built["verification"]["fingerprint_match"], built["verification"]
     adapter = tmp_path / "export-adapter"
     adapter.mkdir()
@@ -110,6 +111,7 @@ def test_qlora_stays_refused_because_the_merge_onto_the_unquantized_base_is_anot
 
     from tasks.core.config.layout import layout_problems
     from tasks.core.config.load import parse_fields
+    from tasks.core.config.outputs import ExportConfig
     from tasks.core.models.fingerprint import compare_logits, default_rtol, hf_dir_logits, model_logits
     from tasks.core.models.merge import build_merged_dir
     from tests.conftest import tiny_config_raw
@@ -126,7 +128,7 @@ def test_qlora_stays_refused_because_the_merge_onto_the_unquantized_base_is_anot
 
     # The export as it is: merged onto cpt/hf unquantized. Its own proof passes (peft on the same
     # unquantized base), yet it is not the model the adapter was trained in.
-    built = build_merged_dir(tmp_path / "ckpt", tmp_path / "export", base, dtype="fp32", max_shard_size="5GB")
+    built = build_merged_dir(tmp_path / "ckpt", tmp_path / "export", base, ExportConfig(dtype="fp32"))
     assert built["verification"]["fingerprint_match"]
     exported = compare_logits(hf_dir_logits(tmp_path / "export"), trained_in, default_rtol("fp32"))
     assert not exported["fingerprint_match"] and exported["fingerprint_rel_diff"] > 100 * default_rtol("fp32"), exported

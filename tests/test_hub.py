@@ -384,15 +384,15 @@ def test_a_token_saved_by_login_is_used_by_push_and_preflight(hub_env, prefect_h
     # login() asks whoami through huggingface_hub's module-level HfApi, whose endpoint was fixed
     # when huggingface_hub was first imported: point it at the test Hub like HF_ENDPOINT is.
     monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", hub_env.endpoint)
-    from tasks.preflight import hub_token_present
+    from tasks.preflight import hub_token_found
     from tasks.push import push_to_hub
     from tasks.stage import token
 
     hub = hub_env
-    assert not hub_token_present(consult_secret=False) and token() is None
+    assert hub_token_found(consult_secret=False) is None and token() is None
     huggingface_hub.login(token=hub.token, add_to_git_credential=False)
     assert (Path(huggingface_hub.constants.HF_HOME) / "token").is_file()
-    assert hub_token_present(consult_secret=False) and token() == hub.token
+    assert hub_token_found(consult_secret=False) is not None and token() == hub.token
     manifest = fake_export(tmp_path / "run", seed=5)
     result = push_to_hub.with_options(retries=0)(config(tmp_path / "run", repo_id="org/logged-in"), RESULTS)
     assert result.detail["changed"]

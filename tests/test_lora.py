@@ -1,4 +1,4 @@
-"""LoRA SFT (issue #26): the config, the plugin registry's capability row and the layout rules.
+"""LoRA SFT: the config, the plugin registry's capability row and the layout rules.
 
     .venv/bin/pytest -q tests/test_lora.py
 
@@ -82,6 +82,7 @@ def test_a_tied_model_merges_without_losing_its_trained_head(tmp_path, train_hea
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from tasks.core.config.outputs import ExportConfig
     from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
     from tasks.core.models.fingerprint import compare_logits, hf_dir_logits, model_logits
     from tasks.core.models.merge import build_merged_dir
@@ -107,7 +108,7 @@ def test_a_tied_model_merges_without_losing_its_trained_head(tmp_path, train_hea
             )
     model.save_pretrained(tmp_path / "ckpt" / "adapter", safe_serialization=True)
     reference = model_logits(model.eval(), 512)
-    built = build_merged_dir(tmp_path / "ckpt", tmp_path / "export", base_dir, dtype="fp32", max_shard_size="5GB")
+    built = build_merged_dir(tmp_path / "ckpt", tmp_path / "export", base_dir, ExportConfig(dtype="fp32"))
     assert built["verification"]["lora"]["untied_head"] is train_head
     assert compare_logits(hf_dir_logits(tmp_path / "export"), reference, 1e-5)["fingerprint_match"]
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "export")

@@ -1,4 +1,4 @@
-"""LoRA SFT in the engine (issue #26): three torchrun launches under torch_ddp fp32.
+"""LoRA SFT in the engine: three torchrun launches under torch_ddp fp32.
 
     .venv/bin/pytest -q -m distributed tests/test_lora_dist.py
 
@@ -125,12 +125,13 @@ def test_the_merged_export_matches_peft_and_keeps_every_untouched_tensor(lora_ru
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from tasks.core.config.outputs import ExportConfig
     from tasks.core.models.fingerprint import compare_logits, default_rtol, hf_dir_logits, model_logits
     from tasks.core.models.folder import folder_problems
     from tasks.core.models.merge import build_merged_dir
 
     out = tmp_path / "export"
-    built = build_merged_dir(lora_run["dir"] / "step-000006", out, lora_run["base"], dtype=dtype, max_shard_size="5GB")
+    built = build_merged_dir(lora_run["dir"] / "step-000006", out, lora_run["base"], ExportConfig(dtype=dtype))
     v = built["verification"]
     assert v["fingerprint_match"] and v["dtype"] == dtype
     layers = json.loads((lora_run["base"] / "config.json").read_text())["num_hidden_layers"]

@@ -37,7 +37,7 @@ LORA_SFT = {"lora": {"r": 16, "alpha": 32}, "max_steps": 16, "lr": 5.0e-3}
 
 
 def _flow(raw: dict, path: Path) -> tuple[int, dict]:
-    from flows.cpt_to_sft import main
+    from flows.cli import flow_main as main
 
     rc = main(["--config", str(write_config(path, raw))])
     return rc, json.loads((Path(raw["run_root"]) / "run.json").read_text())

@@ -1,4 +1,4 @@
-"""The LoRA export merged without loading the base whole (issue #25): the same export, bitwise.
+"""The LoRA export merged without loading the base whole: the same export, bitwise.
 
     .venv/bin/pytest -q tests/test_lora_merge.py
 
@@ -71,6 +71,7 @@ def test_the_streamed_merge_writes_the_export_the_whole_model_merge_writes(case,
     import transformers
     from peft.tuners.lora import LoraModel
 
+    from tasks.core.config.outputs import ExportConfig
     from tasks.core.models.fingerprint import FINGERPRINT_FILE
     from tasks.core.models.merge import build_merged_dir
 
@@ -83,10 +84,10 @@ def test_the_streamed_merge_writes_the_export_the_whole_model_merge_writes(case,
         for budget in (None, 0.0):
             with pytest.raises(ConversionError, match="the folder loads differently from what was trained"):
                 build_merged_dir(
-                    ckpt, tmp_path / f"out-{budget}", base, dtype="fp32", max_shard_size="5GB", verify_memory_gb=budget
+                    ckpt, tmp_path / f"out-{budget}", base, ExportConfig(dtype="fp32"), verify_memory_gb=budget
                 )
         return
-    whole = build_merged_dir(ckpt, tmp_path / "whole", base, dtype="fp32", max_shard_size="5GB")
+    whole = build_merged_dir(ckpt, tmp_path / "whole", base, ExportConfig(dtype="fp32"))
 
     # The streamed path never loads a model whole nor unloads peft's: either would hold every weight.
     def whole_model(*a, **k):
@@ -94,9 +95,7 @@ def test_the_streamed_merge_writes_the_export_the_whole_model_merge_writes(case,
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", whole_model)
     monkeypatch.setattr(LoraModel, "merge_and_unload", whole_model)
-    streamed = build_merged_dir(
-        ckpt, tmp_path / "streamed", base, dtype="fp32", max_shard_size="5GB", verify_memory_gb=0.0
-    )
+    streamed = build_merged_dir(ckpt, tmp_path / "streamed", base, ExportConfig(dtype="fp32"), verify_memory_gb=0.0)
     monkeypatch.undo()
 
     w, s = whole["verification"], streamed["verification"]
@@ -124,5 +123,5 @@ def test_peft_logits_streamed_are_bitwise_the_whole_model_ones(bases, tmp_path):
     base = bases[("qwen2", True)]
     ckpt = _checkpoint(base, tmp_path / "ckpt", CASES["qwen2-tied-trained-head"][2])
     whole = adapter_logits(ckpt / "adapter", base)
-    streamed = adapter_logits(ckpt / "adapter", base, budget_gb=0.0)
+    streamed = adapter_logits(ckpt / "adapter", base, verify_memory_gb=0.0)
     assert torch.equal(whole, streamed)

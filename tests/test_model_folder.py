@@ -1,4 +1,4 @@
-"""Unit tier: the base model's folder and the run root are judged before launch (issue #38).
+"""Unit tier: the base model's folder and the run root are judged before launch.
 
     .venv/bin/python -m pytest -q tests/test_model_folder.py
 
@@ -393,7 +393,7 @@ def test_a_full_disk_during_a_stage_is_one_line_and_run_json_records_it(
     """Pre-flight's estimate (18.8 MB) fits the 20 MB disk; a base model with a 24 MB extra file
     fills it while load_from_hf copies: the failure names the file, the filesystem, free and needed
     space and the fix, once, without a retry; run.json records it; no temporary file is left."""
-    from flows.cpt_to_sft import main
+    from flows.cli import flow_main as main
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)

@@ -53,7 +53,7 @@ def _files(root: Path) -> dict[str, bytes]:
 
 
 def test_bad_sft_record_stops_the_run_before_boost_and_shard(prefect_harness, tiny_model_dir, tmp_path, capsys):
-    from flows.cpt_to_sft import main
+    from flows.cli import flow_main as main
 
     corpus = tmp_path / "sft"
     corpus.mkdir()
@@ -187,7 +187,7 @@ def test_pool_workers_reach_the_ephemeral_api_of_the_flow_process(tmp_path):
     )
     # The probe is a plain Prefect flow, not the flow CLI: give its ephemeral server the start-up
     # time the CLI gives (flows/embedded_api.py) instead of Prefect's 20 s, which a loaded 2-core
-    # machine can exceed (both full-suite runs of 2026-12-02 failed here on that timeout alone).
+    # machine can exceed.
     env[TIMEOUT_SETTING] = str(STARTUP_TIMEOUT_S)
     out = subprocess.run(
         [sys.executable, "-c", _EPHEMERAL_PROBE],

@@ -1,6 +1,7 @@
-"""Issue 19 at the flow level: the real stage tasks (tests/_publish_flow.py: load -> boost & shard ->
-train CPT) on an s3:// run root served by the real SeaweedFS server through the bandwidth-limiting
-proxy (support/servers/throttle.py), real torchrun ranks, a real Prefect server (the test harness).
+"""Checkpoints published to a remote run root while training runs, at the flow level: the real
+stage tasks (tests/_publish_flow.py: load -> boost & shard -> train CPT) on an s3:// run root served
+by the real SeaweedFS server through the bandwidth-limiting proxy (support/servers/throttle.py), real
+torchrun ranks, a real Prefect server (the test harness).
 The S3 tests share one shard: load, prepare and boost & shard run once for the module on a local
 run root (`seed`), and each test publishes those artifacts to its own S3 run root with the run
 store's publish, so its flow verifies and skips them and launches only training.
@@ -19,7 +20,7 @@ store's publish, so its flow verifies and skips them and launches only training.
 - a cancellation (SIGTERM to the process of the real flow's CLI, `--stop-after train_cpt`, as a
   Prefect runner sends): the same teardown.
 
-    /work/main/.venv/bin/python -m pytest -q -s -m "" tests/test_publish_flow.py     # ~5-7 min on 2 busy cores
+    .venv/bin/python -m pytest -q -s -m "" tests/test_publish_flow.py     # ~5-7 min on 2 busy cores
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ def test_failure_message_leads_with_the_killed_rank_not_its_peer(srun_first):
     msg = failure_message(info, batch, nodes)
     assert msg.index("--- node n2 ---") < msg.index("--- node n1 ---")
     if srun_first == "n1":
-        # n1's agent exited first and srun terminated n2 before its agent could (seen in CI): the
+        # n1's agent exited first and srun terminated n2 before its agent could: the
         # node whose log shows the SIGKILL still leads, and srun's word for it is not the story.
         batch = ["srun: error: n1: task 0: Exited with exit code 1", "srun: error: n2: task 1: Terminated"]
         first = failure_message(info, batch, nodes, what="engine verb 'train'").splitlines()[0]
@@ -225,7 +225,7 @@ def test_failure_message_leads_with_the_own_failure_then_the_earliest(srun_first
 
 
 def test_failure_message_leads_with_the_rank_that_raised_though_srun_terminated_its_node():
-    """Seen in CI: rank 1 (n2) raised; rank 0 (n1) saw gloo's connection close, its agent exited
+    """Rank 1 (n2) raised; rank 0 (n1) saw gloo's connection close, its agent exited
     first, and srun terminated n2 while n2's agent was still reporting its own exit code 1."""
     info = JobInfo(job_id="2", state="FAILED", exit_code="143:0", nodes="n[1-2]")
     nodes = {

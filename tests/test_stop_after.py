@@ -17,8 +17,8 @@ from tests.conftest import tiny_config_raw, write_config
 
 @pytest.mark.parametrize("which", ["flow", "cli"])
 def test_an_unknown_stage_is_refused_by_the_command_line_naming_the_stages(which, capsys):
+    from flows.cli import flow_main
     from flows.cli import main as cli_main
-    from flows.cpt_to_sft import main as flow_main
 
     argv = ["--config", "nowhere.yaml", "--stop-after", "exprt"]
     with pytest.raises(SystemExit) as exc:
@@ -42,7 +42,8 @@ def test_check_stop_after_names_the_field_and_the_stages():
 
 @pytest.mark.integration
 def test_the_flow_stops_after_the_stage_and_records_the_rest_as_not_run(prefect_harness, tiny_model_dir, tmp_path):
-    from flows.cpt_to_sft import cpt_to_sft, main
+    from flows.cli import flow_main as main
+    from flows.cpt_to_sft import cpt_to_sft
 
     # An unknown name: refused before anything runs (not even the run root is made).
     refused_root = tmp_path / "refused"

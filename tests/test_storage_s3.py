@@ -337,7 +337,7 @@ def test_full_tiny_flow_with_run_root_on_s3_and_push_to_hub(
     test Hub in one commit, run.json (on S3) recording the commit URL."""
     from huggingface_hub import HfApi
 
-    from flows.cpt_to_sft import main
+    from flows.cli import flow_main as main
     from tests.conftest import tiny_config_raw, write_config
     from tests.conftest_servers import BUCKET
 

@@ -50,9 +50,9 @@ def test_streamed_logits_are_bitwise_the_whole_forward(tmp_path, tokenizer, fami
         assert len(_shard(d)) > 3 and (d / "model.safetensors.index.json").is_file()
     for dtype in ("fp32", "bf16"):
         whole = hf_dir_logits(d, dtype=dtype)
-        streamed = hf_dir_logits(d, dtype=dtype, budget_gb=0)  # any model is over a zero budget
+        streamed = hf_dir_logits(d, dtype=dtype, verify_memory_gb=0)  # any model is over a zero budget
         assert torch.equal(streamed, whole), (family, dtype, float((streamed - whole).abs().max()))
-        assert torch.equal(hf_dir_logits(d, dtype=dtype, budget_gb=1.0), whole)  # under the budget: loaded whole
+        assert torch.equal(hf_dir_logits(d, dtype=dtype, verify_memory_gb=1.0), whole)  # under the budget: loaded whole
     meta = meta_model(d, torch.float32)
     # the units: each decoder layer, then embedding, final norm and (untied) head; after the forward all is meta again
     names = {type(u).__name__ for u, _ in stream_units(meta)}
@@ -74,13 +74,13 @@ def test_a_missing_or_misshapen_tensor_is_named(tmp_path, tokenizer):
     key = "model.layers.1.mlp.up_proj.weight"
     save_file({k: v for k, v in tensors.items() if k != key}, str(d / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ConversionError, match=rf"no tensor {key} in its safetensors files"):
-        hf_dir_logits(d, budget_gb=0)
+        hf_dir_logits(d, verify_memory_gb=0)
     save_file({**tensors, key: tensors[key][:-1]}, str(d / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ConversionError, match=rf"{key} has shape \(127, 64\), its config.json wants \(128, 64\)"):
-        hf_dir_logits(d, budget_gb=0)
+        hf_dir_logits(d, verify_memory_gb=0)
     (d / "model.safetensors").rename(d / "weights.safetensors")
     with pytest.raises(ConversionError, match="neither model.safetensors.index.json nor model.safetensors"):
-        hf_dir_logits(d, budget_gb=0)
+        hf_dir_logits(d, verify_memory_gb=0)
 
 
 def test_verify_memory_gb_defaults_and_must_be_positive(tmp_path, tiny_model_dir):

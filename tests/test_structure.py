@@ -8,7 +8,8 @@
 - No module imports another module's private (`_name`) names.
 - No module under `tasks/` is over 600 lines (ruff-formatted).
 - No import cycle among the modules of `tasks/` and `flows/`, read from the source (function-level
-  and `if TYPE_CHECKING:` imports count: each is a dependency a reader has to follow).
+  and `if TYPE_CHECKING:` imports count: each is a dependency a reader has to follow; a module's
+  `if __name__ == "__main__":` block does not, as it runs only when the module is the program).
 - `tasks/core/` holds at most 12 entries, each a subpackage or a module, and every subpackage says
   in its `__init__` docstring what it holds.
 - A fifth plugin is one registry row plus one builder; nothing else changes.
@@ -199,13 +200,29 @@ def _module_of(name: str, known: set[str]) -> str | None:
     return None
 
 
+def _program_only(tree: ast.Module) -> set[int]:
+    """The nodes under a top-level `if __name__ == "__main__":` (e.g. `python -m flows.cpt_to_sft` handing
+    its arguments to flows/cli.py): they run when the module is the program, never when it is imported."""
+    return {
+        id(n)
+        for block in tree.body
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "__name__ == '__main__'"
+        for stmt in block.body
+        for n in ast.walk(stmt)
+    }
+
+
 def import_graph(paths: list[Path]) -> dict[str, dict[str, set[str]]]:
     """module -> {imported project module -> names taken from it}, every import of the source counted."""
     known = {_module_name(p) for p in paths}
     graph: dict[str, dict[str, set[str]]] = {m: {} for m in known}
     for path in paths:
         me = _module_name(path)
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        as_program = _program_only(tree)
+        for node in ast.walk(tree):
+            if id(node) in as_program:
+                continue
             if isinstance(node, ast.Import):
                 targets = [(a.name, a.name) for a in node.names]
             elif isinstance(node, ast.ImportFrom):

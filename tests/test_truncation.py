@@ -119,7 +119,7 @@ def test_prepare_sft_says_what_it_dropped_in_index_run_json_log_stage_table_and_
     import sys
     import time
 
-    from flows.cpt_to_sft import main
+    from flows.cli import flow_main as main
     from tasks import ui
     from tasks.core.config.load import load_config
     from tasks.core.data.stage_data import split_info

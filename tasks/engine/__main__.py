@@ -132,10 +132,9 @@ def main(argv: list[str] | None = None) -> int:
 
         from tasks.engine import loop
 
-        # What the imports built (about 360k objects: torch, transformers, ColossalAI) lives until the
-        # process exits; frozen, it is out of the collector's sight, so the full collections that come
-        # later (ColossalAI's plugin destructor calls gc.collect(), transformers between weight shards)
-        # scan only what the verb allocates: 0.2 s of CPU each, per rank, before.
+        # What the imports built (torch, transformers, ColossalAI) lives until the process exits;
+        # frozen, it is out of the collector's sight, so the full collections that come later
+        # (ColossalAI's plugin destructor, transformers between weight shards) scan only what the verb allocates.
         gc.freeze()
         result = loop.shard(job, faults) if args.verb == "shard" else loop.train(job, faults)
         dist.barrier()
@@ -171,8 +170,7 @@ def _exit(code: int) -> None:
     # On success everything is written, closed and behind a barrier, and the process group is
     # destroyed: run the exit hooks (TensorBoard writers, our stream wrappers), then skip the
     # interpreter's teardown of torch, transformers and ColossalAI, which does nothing this
-    # process needs and costs each rank about a second at the end of every stage (measured:
-    # last line -> torchrun's exit 1.4 s before, 0.5 s after).
+    # process needs and costs each rank about a second at the end of every stage.
     import atexit
 
     atexit._run_exitfuncs()

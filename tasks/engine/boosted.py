@@ -353,7 +353,7 @@ class Engine:
                 model_dir,
                 dtype=self.weights_dtype,
                 trust_remote_code=self.job.trust_remote_code,
-                budget_gb=self.job.verify_memory_gb,
+                verify_memory_gb=self.job.verify_memory_gb,
                 say=log,
             )
         logits = _live_logits(self.model, vocab, self.layout.tp_group)

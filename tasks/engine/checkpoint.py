@@ -79,11 +79,10 @@ tmp_name = tmp_step_name  # the engine's name for it
 # ColossalAI 0.5.0's sharded saves (the model and the optimizer, every plugin) gather whole tensors
 # (tensor-parallel pieces, ZeRO shards) into a block of up to `size_per_shard` MiB on every rank that
 # takes part, the writing one and the others alike, and write a block as one file. At its default,
-# 1024, a model under 1 GB is one block: the step-000000 save of a 190M fp32 model held the whole
-# model on both tp=2 ranks. A block never splits a tensor, so the largest tensor is the least a save
-# holds; blocks no larger than it bound a save to about two of them (the block being written and
-# the tensor that closed it), and never more than the default did. Below the floor a split only
-# adds files: a rank holds ~0.45 GB of imports anyway.
+# 1024, a model under 1 GB is one block, held whole on every such rank. A block never splits a
+# tensor, so the largest tensor is the least a save holds; blocks no larger than it bound a save to
+# about two of them (the block being written and the tensor that closed it), and never more than
+# the default did. Below the floor a split only adds files: a rank holds ~0.45 GB of imports anyway.
 SAVE_SHARD_FLOOR_MIB = 64
 COLOSSALAI_SHARD_MIB = 1024
 

@@ -108,8 +108,8 @@ def read_into(module: torch.nn.Module, src: Path, model_config: dict) -> Loaded:
                 sub._load_from_state_dict(state, prefix, {}, False, [], unexpected, errors)
             # shardformer's slice of a full tensor (d_tensor's distribute_tensor) is left in
             # reference cycles: freed by the collector only, which otherwise lets a share's worth
-            # pile up before it runs (measured: +0.12 GB at 102M, tp=2). Young generations only:
-            # the cycles are this tensor's, and the imports are frozen (engine __main__).
+            # pile up before it runs. Young generations only: the cycles are this tensor's, and the
+            # imports are frozen (engine __main__).
             del state, tensor
             gc.collect(1)
     if errors:

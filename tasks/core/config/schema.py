@@ -507,9 +507,27 @@ class StageConfig(Frozen):
 
 
 # Above this many GB of weights a logits check streams the model (tasks/core/models/stream.py):
-# models up to ~1B parameters in fp32 load whole as before; at 8B-70B the flow process would
+# models up to ~1B parameters in fp32 load whole; at 8B-70B the flow process would
 # otherwise need 16-140 GB of host RAM beside the node's ranks.
 VERIFY_MEMORY_GB = 4.0
+# The one declaration of the budget: the run config's field and the stage job's (which carries it into the ranks).
+VerifyMemoryGB = Annotated[
+    float,
+    Field(
+        gt=0,
+        description=(
+            "The flow process's logits checks (load_from_hf, unshard, export, cpt-to-sft verify) load a model whose "
+            "weights in the checked dtype "
+            "are at most this many GB (1e9 bytes) whole; a larger one is streamed a decoder layer at a time from its "
+            "safetensors files through "
+            "its own forward, bitwise the same logits, holding one layer instead of the model. A LoRA export whose "
+            "base exceeds it in fp32 is "
+            "merged a tensor at a time, bitwise the same export. Under pipeline parallelism rank 0 computes each "
+            "checkpoint's fingerprint from its saved model/ folder the same way. Changes no artifact, so no digest "
+            "holds it."
+        ),
+    ),
+]
 
 
 class RunConfig(Frozen):
@@ -547,19 +565,7 @@ class RunConfig(Frozen):
     staging_dir: str | None = Field(
         default=None, description="Local directory for staging remote artifacts; default a temp dir."
     )
-    verify_memory_gb: float = Field(
-        default=VERIFY_MEMORY_GB,
-        gt=0,
-        description=(
-            "The flow process's logits checks (load_from_hf, unshard, export, cpt-to-sft verify) load a model whose "
-            "weights in the checked dtype "
-            "are at most this many GB (1e9 bytes) whole; a larger one is streamed a decoder layer at a time from its "
-            "safetensors files through "
-            "its own forward, bitwise the same logits, holding one layer instead of the model. A LoRA export whose "
-            "base exceeds it in fp32 is "
-            "merged a tensor at a time, bitwise the same export. Changes no artifact, so no digest holds it."
-        ),
-    )
+    verify_memory_gb: VerifyMemoryGB = VERIFY_MEMORY_GB
 
     @property
     def run_uri(self) -> str:

@@ -6,7 +6,7 @@ the planned steps.
 prepare_data calls `blend` after the shards exist, when a stage has more than one source
 (`data.sources`); the stream goes into the artifact as `BLEND_FILE` (one little-endian item id per
 position, memory-mapped by the ranks) and the report into index.json's `sources`. One source
-(`data.uri`) has no blend: its epochs are the sampler's permutations, as before mixtures existed.
+(`data.uri`) has no blend: its epochs are the sampler's permutations.
 
 - Which source feeds position p is Megatron-LM's `BlendedDataset` rule: the source whose count lags
   its weight most, `argmax_s(w_s * (p + 1) - count_s)`, ties to the first source. A prefix of the

@@ -14,7 +14,7 @@ Dask cluster has work even when the corpus is one file:
 
 Every chunk knows the line (row) number of its first record in the file (a text chunk counts the
 line ends of the bytes before it, read once as its sha256 is taken), so a bad record is named by
-file and line as before. A chunk's shards go to `chunks/<chunk key>/` (shard.py's layout, summary
+file and line as in a whole file. A chunk's shards go to `chunks/<chunk key>/` (shard.py's layout, summary
 last, reused only while its sha256 table holds); `merge` then concatenates a file's chunks into
 `shards/<file key>/`, byte for byte the directory tokenize_file writes for the whole file, so the
 index, the blend, the reader and the artifact never see the chunking or the number of workers.

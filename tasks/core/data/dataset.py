@@ -9,7 +9,7 @@ tokens. Items are what the in-memory path built, bit for bit:
 - CPT: each source's blocks are tokens [b*seq_len, (b+1)*seq_len) of the training streams of its
   files in index order (each document followed by eos), i.e. pack_cpt over the same records; the
   tail of each source is dropped, so no block straddles two sources. Item ids are source-major
-  (source 0's blocks first); with one source (data.uri) that is the whole corpus, as before mixtures.
+  (source 0's blocks first); with one source (data.uri) that is the whole corpus.
 - SFT: item i is the i-th kept training conversation, right-padded to seq_len with pad_token_id,
   labels -100 off the assistant tokens and on padding, as encode_sft builds it.
 `num_items` and integer indices are all ResumableSampler needs; a mixture's `blend()` is the

@@ -5,7 +5,7 @@
 
 Evaluation (held-out loss and the generation check, `tasks.core.evaluation.heldout`) loads each
 compared model with plain `transformers`, as its users will. `plan` is the pure decision: with no
-GPU, the CPU, exactly as before; a model whose weights, one evaluation batch's forward and the CUDA
+GPU, the CPU; a model whose weights, one evaluation batch's forward and the CUDA
 reserve fit the first GPU goes there whole; a larger one is spread over every visible GPU by
 accelerate's `device_map="auto"` (the library `from_pretrained` uses for this), each GPU capped by
 `max_memory` at its free memory less the reserve and the batch's forward, so what accelerate

@@ -239,9 +239,6 @@ class SlurmCli:
     def cancel(self, job_id: str) -> None:
         self.run("scancel", job_id)
 
-    def hostnames(self, nodelist: str) -> list[str]:
-        return self.run("scontrol", "show", "hostnames", nodelist).stdout.split()
-
 
 # -- pre-flight -----------------------------------------------------------------------------------
 

@@ -88,9 +88,9 @@ def peft_meta_model(base_dir: Path, adapter_dir: Path):
     return model.eval()
 
 
-def adapter_logits(adapter_dir: Path, base_dir: Path, budget_gb: float | None = None):
+def adapter_logits(adapter_dir: Path, base_dir: Path, verify_memory_gb: float | None = None):
     """Logits of `base_dir` (fp32) with the adapter in `adapter_dir` applied through peft. A base
-    whose fp32 weights exceed `budget_gb` (None: never) is streamed a decoder layer at a time
+    whose fp32 weights exceed `verify_memory_gb` (None: never) is streamed a decoder layer at a time
     through peft's own forward (tasks/core/models/stream.py): bitwise the same logits, in the
     memory of one layer and the adapter."""
     import torch
@@ -99,9 +99,9 @@ def adapter_logits(adapter_dir: Path, base_dir: Path, budget_gb: float | None = 
 
     from tasks.core.models.stream import model_bytes, streaming
 
-    if budget_gb is not None:
+    if verify_memory_gb is not None:
         model = peft_meta_model(base_dir, adapter_dir)
-        if model_bytes(model.get_base_model()) > budget_gb * 1e9:
+        if model_bytes(model.get_base_model()) > verify_memory_gb * 1e9:
             with streaming(model, base_dir, rename=base_key):
                 return model_logits(model, model.config.vocab_size, device=torch.device("cpu"))
         del model
@@ -135,7 +135,9 @@ def build_adapter_dir(
     (dst / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     shutil.copyfile(adapter_src / ADAPTER_WEIGHTS, dst / ADAPTER_WEIGHTS)
     c = compare_logits(
-        hf_dir_logits(export_dir, budget_gb=verify_memory_gb), adapter_logits(dst, base_dir, verify_memory_gb), rtol
+        hf_dir_logits(export_dir, verify_memory_gb=verify_memory_gb),
+        adapter_logits(dst, base_dir, verify_memory_gb),
+        rtol,
     )
     if not c["fingerprint_match"]:
         raise ConversionError(

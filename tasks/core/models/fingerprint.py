@@ -138,13 +138,13 @@ def hf_dir_logits(
     model_dir: str | Path,
     dtype: str | None = None,
     trust_remote_code: bool = False,
-    budget_gb: float | None = None,
+    verify_memory_gb: float | None = None,
     say: Callable[[str], None] | None = None,
 ) -> torch.Tensor:
     """Logits of plain `transformers` on an HF directory: what a user of the artifact will see.
 
     Loads with safetensors only, in the artifact's own dtype unless told. A model whose weights in
-    that dtype exceed `budget_gb` (the config's `verify_memory_gb`; None: never) is not loaded whole
+    that dtype exceed `verify_memory_gb` (the run config's; None: never) is not loaded whole
     but streamed a decoder layer at a time through its own forward (`tasks.core.models.stream`),
     which gives bitwise the same logits in bounded memory. `say`, when given, is told that it streams.
     """
@@ -155,14 +155,14 @@ def hf_dir_logits(
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     weights_dtype = torch_dtype(dtype) if dtype else (getattr(config, "torch_dtype", None) or torch.float32)
-    if budget_gb is not None:
+    if verify_memory_gb is not None:
         meta = meta_model(model_dir, weights_dtype, trust_remote_code)
-        if model_bytes(meta) > budget_gb * 1e9:
+        if model_bytes(meta) > verify_memory_gb * 1e9:
             if say is not None:
                 say(
                     f"logits of {model_dir}: streamed a decoder layer at a time ({model_bytes(meta) / 1e9:.3g} GB of "
                     "weights "
-                    f"over verify_memory_gb {budget_gb:g})"
+                    f"over verify_memory_gb {verify_memory_gb:g})"
                 )
             with streaming(meta, model_dir):
                 return model_logits(meta, config.vocab_size, device=torch.device("cpu"))

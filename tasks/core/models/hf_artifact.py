@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tasks.core.errors import ConversionError
 from tasks.core.models.convert import convert_checkpoint
@@ -28,6 +28,9 @@ from tasks.core.models.fingerprint import (
 from tasks.core.models.folder import misnamed
 from tasks.core.models.stop_tokens import align_generation_config
 from tasks.core.run.manifest import VERIFICATION  # noqa: F401 (where the proof goes: callers import it from here too)
+
+if TYPE_CHECKING:
+    from tasks.core.config.outputs import ExportConfig
 
 TOKENIZER_GLOBS = (
     "tokenizer*",
@@ -55,23 +58,27 @@ def build_hf_dir(
     checkpoint_dir: Path,
     dst: Path,
     source_model_dir: Path,
+    export: ExportConfig,
     *,
-    dtype: str | None,
-    max_shard_size: str,
     weights_dtype: str,
-    rtol: float | None = None,
-    align_stop_tokens: bool | None = None,
+    bridge: bool = False,
     config_updates: dict[str, Any] | None = None,
     verify_memory_gb: float | None = None,
 ) -> dict[str, Any]:
     """checkpoint_dir holds `model/` and its fingerprint; returns the verification record.
 
     Proof first (every tensor bitwise the checkpoint's cast to the output dtype), then the
-    logits sanity check, scale-aware. `align_stop_tokens` True/False: the export's stop-token
-    rule (`tasks.core.models.stop_tokens`); None (the unshard bridge) copies the generation config as is.
-    `config_updates`: config.json fields the weights change (a merged LoRA head: tie_word_embeddings false).
-    `verify_memory_gb`: above it, the logits check streams the folder a layer at a time (bitwise the same).
+    logits sanity check, scale-aware. `export`: the run's export section (dtype, shard size, logits
+    tolerance, stop-token rule `tasks.core.models.stop_tokens`). `bridge` (the unshard's cpt/hf): only
+    the shard size applies; the checkpoint's own dtype, the source's generation config as is, the
+    default tolerance. `config_updates`: config.json fields the weights change (a merged LoRA head:
+    tie_word_embeddings false). `verify_memory_gb`: above it, the logits check streams the folder a
+    layer at a time (bitwise the same).
     """
+    dtype, rtol, align_stop_tokens = (
+        (None, None, None) if bridge else (export.dtype, export.fingerprint_rtol, export.align_stop_tokens)
+    )
+    max_shard_size = export.max_shard_size
     model_config = {**json.loads((source_model_dir / "config.json").read_text()), **(config_updates or {})}
     report = convert_checkpoint(
         checkpoint_dir / "model",
@@ -102,7 +109,7 @@ def build_hf_dir(
         )
         (dst / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 
-    logits = hf_dir_logits(dst, budget_gb=verify_memory_gb)
+    logits = hf_dir_logits(dst, verify_memory_gb=verify_memory_gb)
     check = compare_logits(
         logits, load_fingerprint(checkpoint_dir), rtol if rtol is not None else default_rtol(out_dtype, weights_dtype)
     )

@@ -33,7 +33,7 @@ import math
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,9 @@ from tasks.core.models.adapter import PEFT_PREFIX, base_key, peft_meta_model
 from tasks.core.models.fingerprint import model_logits, save_fingerprint
 from tasks.core.models.hf_artifact import build_hf_dir
 from tasks.core.models.stream import weight_files
+
+if TYPE_CHECKING:
+    from tasks.core.config.outputs import ExportConfig
 
 ADAPTER = "adapter"  # the checkpoint's adapter folder (tasks/engine/lora.py writes it)
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -191,16 +194,13 @@ def build_merged_dir(
     checkpoint_dir: Path,
     dst: Path,
     base_dir: Path,
+    export: ExportConfig,
     *,
-    dtype: str,
-    max_shard_size: str,
-    rtol: float | None = None,
-    align_stop_tokens: bool | None = None,
     work_dir: str | None = None,
     verify_memory_gb: float | None = None,
 ) -> dict[str, Any]:
-    """`dst` = the merged model of `checkpoint_dir`'s adapter on `base_dir`; returns build_hf_dir's
-    record with `verification.lora` added (the untouched-tensor proof, the tie decision)."""
+    """`dst` = the merged model of `checkpoint_dir`'s adapter on `base_dir`, written as `export` says;
+    returns build_hf_dir's record with `verification.lora` added (the untouched-tensor proof, the tie decision)."""
     from tasks.core.models.stream import meta_model, model_bytes
 
     plain = meta_model(base_dir, torch.float32)  # no memory: the base's size, names and tie
@@ -216,16 +216,13 @@ def build_merged_dir(
             staged,
             dst,
             base_dir,
-            dtype=dtype,
-            max_shard_size=max_shard_size,
+            export,
             weights_dtype="fp32",
-            rtol=rtol,
-            align_stop_tokens=align_stop_tokens,
             config_updates={"tie_word_embeddings": False} if untie else {},
             verify_memory_gb=verify_memory_gb,
         )
     built["verification"]["lora"] = {
-        **prove_untouched(base_dir, dst, touched, dtype),
+        **prove_untouched(base_dir, dst, touched, export.dtype),
         "merged_in": "fp32",
         "untied_head": untie,
         "merge": "streamed" if streamed else "whole",

@@ -1,6 +1,6 @@
 """Probe logits of an HF folder in bounded memory: the model's own forward, one unit's weights at a time.
 
-    python -c "from tasks.core.models.fingerprint import hf_dir_logits as f; print(f('runs/demo/export', budget_gb=0).shape)"
+    python -c "from tasks.core.models.fingerprint import hf_dir_logits as f; print(f('runs/demo/export', verify_memory_gb=0).shape)"
 
 A logits check (load_from_hf, unshard, export, `cpt-to-sft verify`) of a model larger than
 `verify_memory_gb` does not load it whole (a 70B export would need 140 GB of host RAM in bf16).

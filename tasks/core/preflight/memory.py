@@ -45,8 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tasks.core.config.layout import ParallelLayout, is_zero, layout_problems, num_microbatches
-from tasks.core.config.phases import PHASES as PHASE_ROWS
-from tasks.core.config.phases import Phase
+from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.plugins import PLUGINS, Held, PluginSpec
 from tasks.core.config.schema import StageConfig
 from tasks.core.config.sequence import SP_MODES, sp_size
@@ -69,7 +68,6 @@ GB = 1e9
 # 0.47 GB under low_level_zero (torch 2.13, transformers 4.51.3, colossalai 0.5.0, 2 ranks).
 RANK_BASELINE_BYTES = int(0.47e9)
 LOSS_BYTES_PER_LOGIT = 12
-PHASES = ("forward", "grads", "backward", "step")
 
 
 def human(n: float) -> str:
@@ -280,7 +278,7 @@ def estimate(
             acts += sum(_width(t, dims, tp, compute, outside) for t in family.final_activations)
             acts += dims["vocab"] / tp * (LOSS_BYTES_PER_LOGIT + (compute if compute < 4 else 0))
         terms.append(Term("activations", int(acts * tokens), "activations"))
-        if PHASE_ROWS[stage].rows:  # padded or packed rows: a 4D attention mask, shared by the layers
+        if PHASES[stage].rows:  # padded or packed rows: a 4D attention mask, shared by the layers
             terms.append(Term("attention mask", rows * stage_cfg.seq_len**2 * compute, "activations"))
         # the engine builds a lazily built model's share in fp32 one tensor at a time (Engine._construction),
         # any other whole, in the dtype its plugin trains in (Engine.build_dtype: fp32 for torch_ddp)
@@ -399,7 +397,7 @@ def check_memory(ctx: Any) -> None:
     if ctx.model is None:
         return
     mc = ctx.model.config
-    for name in PHASE_ROWS:
+    for name in PHASES:
         st: StageConfig = getattr(ctx.cfg, name)
         declared = getattr(st.launch, "gpu_memory_gb", None)
         detected = getattr(ctx.machine, "gpu_memory_bytes", None) if ctx.machine.cuda_devices else None
@@ -564,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         read_raw_config(args[0]), source=args[0]
     )  # as pre-flight reads it: the static rules are its own checks
     mc = read_model_info(cfg.base_model.uri, cfg.base_model.revision).config
-    for name in PHASE_ROWS:
+    for name in PHASES:
         st = getattr(cfg, name)
         cuda = bool(getattr(st.launch, "gpu_memory_gb", None))
         est = estimate(mc, st, stage=name, cuda=cuda)

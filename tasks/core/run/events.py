@@ -51,7 +51,6 @@ METRICS = (
 )
 
 INFO, WARNING, ERROR, DETAIL = "info", "warning", "error", "detail"
-LEVELS = (INFO, WARNING, ERROR, DETAIL)
 _RANK = re.compile(r"^\[rank (\d+)(?:\|(warning|error|detail))?\] ?")
 # `extra=` of a log record: kept in the Prefect UI's log, left off the console (flows/console.py
 # `training_log_console` filters it there); and the converse, Prefect's own `send_to_api` flag.

@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from tasks.core.config.load import plugin_problems
-from tasks.core.config.schema import VERIFY_MEMORY_GB, StageConfig
+from tasks.core.config.schema import VERIFY_MEMORY_GB, StageConfig, VerifyMemoryGB
 from tasks.core.errors import ConfigError
 from tasks.core.run.stages import TRAINING
 
@@ -80,16 +80,7 @@ class Job(BaseModel):
     trust_remote_code: StrictBool = Field(
         description="base_model.trust_remote_code: whether loading the model may run code it ships."
     )
-    verify_memory_gb: float = Field(
-        default=VERIFY_MEMORY_GB,
-        gt=0,
-        description=(
-            "The run's verify_memory_gb: under pipeline parallelism rank 0 computes the checkpoint's fingerprint from "
-            "the saved model/ "
-            "folder, whole up to this many GB of weights, streamed a decoder layer at a time above it (bitwise the "
-            "same logits)."
-        ),
-    )
+    verify_memory_gb: VerifyMemoryGB = VERIFY_MEMORY_GB
     model_dir: AbsPath = Field(description="HF model directory (config.json + safetensors).")
     tokenizer_dir: AbsPath = Field(description="Directory with the tokenizer files.")
     data_dir: AbsPath | None = Field(

@@ -51,8 +51,7 @@ def _tensors(directory: Path, files: dict[str, str], keys: Iterable[str]):
     for name, ks in sorted(by_file.items()):
         for k in ks:
             # Opened per tensor: a mapped file's pages stay resident until it is closed, so one
-            # `safe_open` over a whole file would hold every tensor read from it (a merged LoRA
-            # model staged as one 2.9 GB file added 2.9 GB to the export's peak).
+            # `safe_open` over a whole file would hold every tensor read from it.
             with safe_open(str(directory / name), framework="pt") as f:
                 yield k, f.get_tensor(k)
 
