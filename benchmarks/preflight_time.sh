@@ -33,7 +33,7 @@ run() {  # $1 label, $2 config, $3 expected rc
     times+=("$(echo "$(date +%s.%N) - $t0" | bc)")
   done
   if grep -q "unrecognized arguments: --check" "$TMP/out"; then
-    echo "flows/cpt_to_sft.py has no --check yet (see tasks/preflight.py: run_check_cli)"; exit 2
+    echo "flows/cpt_to_sft has no --check yet (see tasks/preflight.py: run_check_cli)"; exit 2
   fi
   local median=$(printf '%s\n' "${times[@]}" | sort -n | sed -n "$(( (RUNS + 1) / 2 ))p")
   printf '%-8s rc=%s (expected %s)  median wall %.2f s  runs: %s\n' "$1" "$rc" "$3" "$median" "${times[*]}"

@@ -115,7 +115,7 @@ def test_prefect_yaml_declares_both_deployments_on_the_gpu_pool():
     deployments = {d["name"]: d for d in spec["deployments"]}
     assert set(deployments) == {"default", "nightly"}
     for d in deployments.values():
-        assert d["entrypoint"] == "flows/cpt_to_sft.py:cpt_to_sft" and d["work_pool"]["name"] == "gpu"
+        assert d["entrypoint"] == "flows/cpt_to_sft/__init__.py:cpt_to_sft" and d["work_pool"]["name"] == "gpu"
         assert (REPO / d["parameters"]["config"]).is_file()
     assert "schedules" not in deployments["default"]
     assert deployments["nightly"]["parameters"]["overrides"] == {"run_name": "nightly"}
@@ -386,7 +386,7 @@ def test_deployments_pool_and_schedule(ops):
     deployments = {d["name"]: d for d in s.api("POST", "/deployments/filter", {})}
     assert set(deployments) == {"default", "nightly"}
     for d in deployments.values():
-        assert d["work_pool_name"] == "gpu" and d["entrypoint"] == "flows/cpt_to_sft.py:cpt_to_sft"
+        assert d["work_pool_name"] == "gpu" and d["entrypoint"] == "flows/cpt_to_sft/__init__.py:cpt_to_sft"
         # Resolved on the worker when a run starts, not frozen at deploy time.
         assert d["pull_steps"] == [
             {"prefect.deployments.steps.set_working_directory": {"directory": "{{ $CPT_TO_SFT_HOME }}"}}

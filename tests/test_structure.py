@@ -200,18 +200,6 @@ def _module_of(name: str, known: set[str]) -> str | None:
     return None
 
 
-def _program_only(tree: ast.Module) -> set[int]:
-    """The nodes under a top-level `if __name__ == "__main__":` (e.g. `python -m flows.cpt_to_sft` handing
-    its arguments to flows/cli.py): they run when the module is the program, never when it is imported."""
-    return {
-        id(n)
-        for block in tree.body
-        if isinstance(block, ast.If) and ast.unparse(block.test) == "__name__ == '__main__'"
-        for stmt in block.body
-        for n in ast.walk(stmt)
-    }
-
-
 def import_graph(paths: list[Path]) -> dict[str, dict[str, set[str]]]:
     """module -> {imported project module -> names taken from it}, every import of the source counted."""
     known = {_module_name(p) for p in paths}
@@ -219,10 +207,7 @@ def import_graph(paths: list[Path]) -> dict[str, dict[str, set[str]]]:
     for path in paths:
         me = _module_name(path)
         tree = ast.parse(path.read_text())
-        as_program = _program_only(tree)
         for node in ast.walk(tree):
-            if id(node) in as_program:
-                continue
             if isinstance(node, ast.Import):
                 targets = [(a.name, a.name) for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -426,7 +411,7 @@ def test_every_registered_plugin_has_an_engine_builder():
 def test_the_run_layout_names_every_stage_the_flow_runs():
     from tasks.core.run.stages import STAGE_NAMES
 
-    flow = (ROOT / "flows" / "cpt_to_sft.py").read_text()
+    flow = (ROOT / "flows" / "cpt_to_sft" / "__init__.py").read_text()
     for name in STAGE_NAMES:
         assert f'"{name}"' in flow, f"the flow does not run {name}"
 

@@ -13,19 +13,12 @@ the flow run in a Completed state named "FailedGate", and the CLI exits with sta
 Ctrl-C (SIGINT) stops a run as a cancellation's SIGTERM does: the stage's processes end, run.json
 is written, the lease is released and the flow run ends Cancelled (exit status 130); a second
 Ctrl-C exits at once, and the processes the run started go with it (tasks/core/launch/proctree.py).
-This module is the runbook; its command line, as `cpt-to-sft run`'s, is flows/cli.py's (`flow_main`).
+This package is the runbook; `python -m flows.cpt_to_sft` runs its `__main__.py`, which hands its arguments to
+flows/cli.py (`flow_main`), the command line it shares with `cpt-to-sft run`: the CLI imports the runbook, never
+the other way round.
 """
 
 from __future__ import annotations
-
-import sys
-
-if __name__ == "__main__":
-    # Started before this module's imports (about 1.7 s), the embedded Prefect server's own start-up
-    # runs beside them rather than after them (flows/embedded_api.py `prestart`).
-    from flows.embedded_api import prestart
-
-    prestart(sys.argv[1:])
 
 import dataclasses
 import json
@@ -363,9 +356,3 @@ def recorded_config(cfg: RunConfig) -> dict[str, Any]:
     if mlflow.get("uri"):
         mlflow["uri"] = tracking.redact(mlflow["uri"])
     return raw
-
-
-if __name__ == "__main__":
-    from flows.cli import flow_main
-
-    sys.exit(flow_main())
