@@ -33,6 +33,7 @@ import yaml
 
 EXIT_FAILED_GATE = 3  # the run finished and kept its artifacts, but the gate held the push back
 EXIT_INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
+FLOW_ALIAS = "flow"  # the command `python -m flows.cpt_to_sft` is, left out of the listing
 
 
 def version() -> str:
@@ -387,7 +388,36 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "run_root", metavar="RUN_ROOT", help="the run root (local path or s3://...) holding run.json and export/"
     )
+    _flow_alias(sub)
     return parser
+
+
+FLOW_EPILOG = (
+    "exit status: 0 complete (pushed, or no hub configured), or stopped after --stop-after; 1 a stage "
+    "failed; 3 the gate failed (artifacts kept, nothing pushed); 130 interrupted (Ctrl-C)"
+)
+
+
+def _flow_alias(sub: Any) -> None:
+    """`python -m flows.cpt_to_sft`, the runbook's alias, as a command of this parser left out of the
+    listing (`flow_main` parses its argv under it): the `run` command's options without --set, and
+    --check and --break-lease in place of those commands."""
+    f = sub.add_parser(
+        FLOW_ALIAS,
+        prog="python -m flows.cpt_to_sft",
+        description="The `cpt-to-sft` flow: continued pre-training then supervised fine-tuning on ColossalAI.",
+        epilog=FLOW_EPILOG,
+    )
+    _config_args(f, sets=False)
+    f.add_argument(
+        "--break-lease", action="store_true", help="remove the run root's lease left by a dead run, then exit"
+    )
+    f.add_argument(
+        "--check",
+        action="store_true",
+        help="pre-flight only: print the report, exit 1 on any problem, 0 when clean; starts nothing",
+    )
+    add_stop_after(f)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -410,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         return verify(args.path, fingerprints=not args.no_fingerprint)
     if args.cmd == "card":
         return card(args.run_root)
+    if args.cmd == FLOW_ALIAS:
+        return _flow(args)
     with tempfile.TemporaryDirectory(
         prefix="cpt-to-sft-resolved-"
     ) as tmp:  # the resolved YAML lives as long as the command
@@ -445,39 +477,16 @@ def break_lease(cfg: Any) -> int:
     return 0
 
 
-FLOW_EPILOG = (
-    "exit status: 0 complete (pushed, or no hub configured), or stopped after --stop-after; 1 a stage "
-    "failed; 3 the gate failed (artifacts kept, nothing pushed); 130 interrupted (Ctrl-C)"
-)
-
-
-def flow_parser() -> argparse.ArgumentParser:
-    """`python -m flows.cpt_to_sft`: the `run` command's options without --set, and --check and
-    --break-lease in place of those commands."""
-    parser = argparse.ArgumentParser(
-        prog="python -m flows.cpt_to_sft",
-        description="The `cpt-to-sft` flow: continued pre-training then supervised fine-tuning on ColossalAI.",
-        epilog=FLOW_EPILOG,
-    )
-    _config_args(parser, sets=False)
-    parser.add_argument(
-        "--break-lease", action="store_true", help="remove the run root's lease left by a dead run, then exit"
-    )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="pre-flight only: print the report, exit 1 on any problem, 0 when clean; starts nothing",
-    )
-    add_stop_after(parser)
-    return parser
-
-
 def flow_main(argv: list[str] | None = None) -> int:
     """`python -m flows.cpt_to_sft`: the flow reads the config itself, with --run-root and --run-name as
     its `overrides` parameter (`cpt-to-sft run` hands it the config already resolved)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return _flow(build_parser().parse_args([FLOW_ALIAS, *argv]))
+
+
+def _flow(args: argparse.Namespace) -> int:
     from tasks.core.config.overrides import RunOverrides
 
-    args = flow_parser().parse_args(argv)
     if args.check:
         from tasks.preflight import run_check_cli
 

@@ -264,7 +264,7 @@ def test_help_lists_every_command_in_one_line_with_an_example_that_parses(capsys
     """`cpt-to-sft --help`: each subcommand once, one line, and an example; each example parses
     (the config commands by this parser, the delegated ones' options are in their own --help);
     `cpt-to-sft run --help` names the config file, the --set form and --stop-after."""
-    from flows.cli import COMMANDS, DELEGATED, build_parser
+    from flows.cli import COMMANDS, DELEGATED, FLOW_ALIAS, build_parser
 
     parser = build_parser()
     with pytest.raises(SystemExit) as out:
@@ -275,7 +275,8 @@ def test_help_lists_every_command_in_one_line_with_an_example_that_parses(capsys
         line.split()[0] for line in text.split("commands (")[1].split("examples:")[0].splitlines()[1:] if line.strip()
     ]
     choices = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    assert listed == list(COMMANDS) and set(listed) == set(choices), (listed, sorted(choices))
+    # unlisted: the command `python -m flows.cpt_to_sft` parses its arguments as
+    assert listed == list(COMMANDS) and set(listed) == set(choices) - {FLOW_ALIAS}, (listed, sorted(choices))
     examples = [line.strip() for line in text.split("examples:")[1].splitlines() if line.strip()]
     assert [e.split()[1] for e in examples] == list(COMMANDS)
     assert "usage: cpt-to-sft [-h] [--version] COMMAND ..." in text

@@ -14,6 +14,7 @@
   in its `__init__` docstring what it holds.
 - A fifth plugin is one registry row plus one builder; nothing else changes.
 - No module branches on a phase name ("cpt", "sft") outside the phase registry: it reads the row.
+- The command line is one argument parser (flows/cli.py); `python -m flows.cpt_to_sft` is a command of it.
 """
 
 from __future__ import annotations
@@ -522,3 +523,19 @@ def test_tests_and_benchmarks_share_code_only_through_support():
         if "sys.path.insert(" in path.read_text() and path != ROOT / "support" / "__init__.py"
     ]
     assert not inserts, f"sys.path changed outside support/__init__.py: {inserts}"
+
+
+def test_the_command_line_is_one_argument_parser():
+    """flows/ builds one argument parser, in flows/cli.py: `python -m flows.cpt_to_sft` parses its argv as
+    a command of it. A delegated subcommand (a whole CLI of its own, `cli.DELEGATED`) keeps its parser."""
+    from flows.cli import DELEGATED
+
+    delegated = {ROOT / "flows" / f"{fn.__name__.lstrip('_')}.py" for fn, _ in DELEGATED.values()}
+    built = [
+        str(path.relative_to(ROOT))
+        for path in _modules(ROOT / "flows")
+        if path not in delegated
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "ArgumentParser"
+    ]
+    assert built == ["flows/cli.py"], built
