@@ -20,3 +20,5 @@ REPO = Path(__file__).resolve().parents[1]
 
 if (REPO / "pyproject.toml").is_file() and str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+import tasks  # noqa: F401 - first: the benchmarks' processes import transformers as the project's do (tasks/__init__.py)

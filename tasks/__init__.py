@@ -1,0 +1,9 @@
+"""The project's tasks: `tasks/*.py` the Prefect tasks, `core/` their pure logic, `engine/` the torchrun ranks.
+
+Importing any of it first keeps transformers from importing scikit-learn, which nothing here uses
+(tasks/core/models/hf_imports.py).
+"""
+
+from tasks.core.models.hf_imports import install as _install
+
+_install()

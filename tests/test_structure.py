@@ -327,12 +327,15 @@ import tasks.{room} as room
 for m in pkgutil.walk_packages(room.__path__, "tasks.{room}."):
     if not m.name.endswith("__main__"):
         importlib.import_module(m.name)
+import transformers.generation.candidate_generator  # what loading any tokenizer or model imports
 print(json.dumps(sorted(set(sys.modules) - baseline)))
 """
 
 
+# scikit-learn: transformers would import it (with scipy and pandas) for nothing (tasks/core/models/hf_imports.py).
 @pytest.mark.parametrize(
-    "room, forbidden", [("core", ("prefect", "colossalai", "torch.distributed")), ("engine", ("prefect",))]
+    "room, forbidden",
+    [("core", ("prefect", "colossalai", "torch.distributed", "sklearn")), ("engine", ("prefect", "sklearn"))],
 )
 def test_transitive_imports_in_a_fresh_interpreter(room, forbidden):
     out = subprocess.run(

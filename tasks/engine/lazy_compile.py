@@ -1,6 +1,6 @@
-"""Import ColossalAI without paying for torch's compiler at import time.
+"""Import ColossalAI without paying for torch's compiler, or scikit-learn, at import time.
 
-    python -m tasks.engine.lazy_compile    # prints the CPU seconds of `import colossalai.booster` both ways
+    python -m tasks.engine.lazy_compile    # prints the CPU seconds of `import colossalai.booster` each way
 
 ColossalAI 0.5.0 decorates functions with `torch.compile(...)` at import time
 (`colossalai.quantization.fp8`), and so does bitsandbytes >= 0.47, which ColossalAI imports through
@@ -15,6 +15,10 @@ the same arguments on the first call of the decorated function, while the block 
 unchanged: torch.compile is lazy by design, and only the moment its machinery is imported moves.
 The real `torch.compile` is back in place after the block, so nothing compiled later (our own code,
 a kernel choice) goes through the wrapper.
+
+The project's processes also import transformers without scikit-learn (tasks/core/models/hf_imports.py,
+installed by `tasks/__init__.py`), which a rank would otherwise import through ColossalAI -> peft ->
+transformers' generation.
 """
 
 from __future__ import annotations
@@ -70,11 +74,11 @@ if __name__ == "__main__":
     probe = (
         "import time; t = time.process_time(); {imp}; "
         "import sys; print(f'{{time.process_time() - t:.2f}} s CPU, inductor imported: "
-        '{{"torch._inductor.compile_fx" in sys.modules}}\')'
+        '{{"torch._inductor.compile_fx" in sys.modules}}, sklearn imported: {{"sklearn" in sys.modules}}\')'
     )
     for label, imp in (
-        ("plain import:   ", "import colossalai.booster, colossalai.booster.plugin"),
-        ("deferred compile:", "from tasks.engine.lazy_compile import import_colossalai; import_colossalai()"),
+        ("plain import:    ", "import colossalai.booster, colossalai.booster.plugin"),
+        ("as a rank does it:", "from tasks.engine.lazy_compile import import_colossalai; import_colossalai()"),
     ):
         out = subprocess.run(
             [sys.executable, "-W", "ignore", "-c", probe.format(imp=imp)], capture_output=True, text=True, check=True

@@ -1,0 +1,49 @@
+"""transformers without scikit-learn: installed by `tasks/__init__.py` in every process of the project.
+
+    python -m tasks.engine.lazy_compile    # a rank's imports, plain and as the engine makes them: CPU s, sklearn or not
+
+transformers 4.51 imports `sklearn.metrics` (and with it scipy and pandas) as soon as its generation
+package is imported, which loading a tokenizer or any model does, whenever scikit-learn is installed;
+it is, for the benchmark stage's lm-eval. transformers uses it only for assisted decoding's confidence
+threshold, which nothing here runs, while every rank, preparation worker and flow process paid for it:
+loading a tokenizer in a fresh process took 3.1 CPU-s and a 413 MB peak with it, 1.8 s and 270 MB
+without. `install()` sets transformers' own flag (`transformers.utils.import_utils._sklearn_available`)
+to False right after that module first runs, and imports nothing itself: a process that never touches
+transformers pays nothing. lm-eval imports scikit-learn itself and keeps it.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+from typing import Any
+
+_FLAGS = "transformers.utils.import_utils"
+
+
+class _WithoutSklearn(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: on the first import of transformers' availability flags, lets the
+    other finders find the module and sets its scikit-learn flag once the module has run."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _FLAGS:
+            return None
+        sys.meta_path.remove(self)  # once; and not asked again by the find below
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            module._sklearn_available = False
+
+        spec.loader.exec_module = exec_module  # this spec's own loader object
+        return spec
+
+
+def install() -> None:
+    """Idempotent; too late (and a no-op) once transformers is imported."""
+    if _FLAGS not in sys.modules and not any(isinstance(f, _WithoutSklearn) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WithoutSklearn())
