@@ -49,14 +49,13 @@ FIRST_ID = 3  # above bos/eos/pad of the demo tokenizer
 
 
 def _trim() -> None:
-    import ctypes
+    """Collect, then hand the freed heap back (glibc), so the span starts low."""
     import gc
 
+    from tasks.core.evaluation.release import trim
+
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so the span starts low
-    except OSError:
-        pass
+    trim()
 
 
 def _engine(layout: str, seq_len: int, model: Path, work: Path):
