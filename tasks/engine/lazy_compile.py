@@ -1,4 +1,4 @@
-"""Import ColossalAI without paying for torch's compiler, or scikit-learn, at import time.
+"""Import ColossalAI without paying for torch's compiler at import time.
 
     python -m tasks.engine.lazy_compile    # prints the CPU seconds of `import colossalai.booster` each way
 
