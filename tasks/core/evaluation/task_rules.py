@@ -213,8 +213,11 @@ def key_problems(config: dict) -> list[str]:
     few = config.get("fewshot_config")
     for key in sorted(set(few) - FEWSHOT_KEYS) if isinstance(few, dict) else ():
         out.append(f"fewshot_config.{key}: {KEY_RULES.get(key, 'not taken')} (only {', '.join(sorted(FEWSHOT_KEYS))})")
-    for key in TEMPLATE_KEYS:
-        for value in _strings(config.get(key)):
+    fewshot = few if isinstance(few, dict) else {}
+    templates = [(k, config.get(k)) for k in (*TEMPLATE_KEYS, "doc_to_decontamination_query")]
+    templates += [(f"fewshot_config.{k}", fewshot.get(k)) for k in TEMPLATE_KEYS if k != "description"]
+    for key, template in templates:
+        for value in _strings(template):
             if reason := template_problem(value):
                 out.append(f"{key}: {reason}")
     return out + registry_problems(config)
