@@ -272,3 +272,25 @@ def test_an_oversized_task_file_is_refused_unread(tmp_path):
     task = _task(tmp_path, name="big")
     task.write_text(task.read_text() + "#" * rules.MAX_BYTES)
     assert "over the 1048576-byte limit of a task YAML" in _problems(_check(tmp_path, [task]))
+
+
+def test_cpt_to_sft_check_refuses_the_payloads_and_runs_none(tmp_path, monkeypatch, capsys):
+    """The command the report ran: `cpt-to-sft check` with the Jinja and the metric-path tasks; one
+    report naming both, no marker, nothing under the run root."""
+    from flows.cli import main
+    from tests.test_cli import TINY
+
+    marker = tmp_path / "marker"
+    (tmp_path / "evilmetric").mkdir()
+    (tmp_path / "evilmetric" / "evilmetric.py").write_text(WRITE.format(marker=str(marker)) + "\nraise SystemExit(7)\n")
+    monkeypatch.chdir(tmp_path)
+    jinja = _task(tmp_path, doc_to_text=f"{{{{ lipsum.__globals__['os'].popen('id > {marker}').read() }}}}")
+    metric = _task(tmp_path, name="metric", body="metric_list:\n  - metric: ./evilmetric/evilmetric.py")
+    run_root = tmp_path / "run"
+    sets = [f"benchmark.tasks=[{jinja}, {metric}]", f"run_root={run_root}"]
+    assert main(["check", "--config", TINY, *[a for s in sets for a in ("--set", s)]]) == 1
+    said = capsys.readouterr()
+    out = said.out + said.err
+    assert f"benchmark.tasks[0] ({jinja}): task 'evil' is refused" in out and "reaches '__globals__'" in out, out
+    assert f"benchmark.tasks[1] ({metric}): task 'metric' is refused" in out and "metric_list[0].metric" in out
+    assert not marker.exists() and not run_root.exists()
