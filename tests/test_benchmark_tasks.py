@@ -204,9 +204,13 @@ def test_a_gate_limit_on_a_metric_the_task_does_not_score_is_refused_in_prefligh
     task = _task(tmp_path, name="facts")
     text = _problems(_check(tmp_path, [task], gate={"facts": {"metric": "acc_norm", "max_drop": 2.0}}))
     assert (
-        "gate.benchmarks.facts.metric: 'acc_norm' is not scored by task 'facts' (its metric_list scores ['acc']); "
-        f"use one of those, or add it to the task's metric_list in {task}" in text
+        "gate.benchmarks.facts.metric: 'acc_norm' is not scored by task 'facts': it scores ['acc'] under the "
+        "filter(s) ['none']"
+        in text
+        and f"use one of those, or add it to the task's metric_list in {task}" in text
     ), text
+    filtered = _check(tmp_path, [task], gate={"facts": {"metric": "acc,strict", "max_drop": 2.0}})
+    assert "'acc,strict' is not scored by task 'facts'" in _problems(filtered)
     ok = _check(tmp_path, [task], gate={"facts": {"metric": "acc", "max_drop": 2.0}})
     assert ok.problems == []
 

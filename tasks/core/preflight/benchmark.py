@@ -101,15 +101,17 @@ def _exists(uri: str) -> bool:
 
 
 def _gate_metric(ctx: CheckContext, name: str, metric: str, task: bench.TaskFile) -> None:
-    """gate.benchmarks.<task>.metric is one the task scores (`acc`, or `acc,<filter>` with one of its filters)."""
+    """gate.benchmarks.<task>.metric is one the task scores: `acc` (lm-eval's filter `none`, the
+    one a task without filter_list has) or `acc,<filter>` with a filter of its filter_list."""
     base, _, filt = metric.partition(",")
     scored, filters = rules.scored_metrics(task.config), rules.filter_names(task.config)
-    if base not in scored or (filt and filt not in filters):
+    known_filter = ("none" in filters) if not filt else (filt != "none" and filt in filters)
+    if base not in scored or not known_filter:
         ctx.problem(
             f"gate.benchmarks.{name}.metric",
-            f"{metric!r} is not scored by task {name!r} (its metric_list scores {sorted(scored)}"
-            + (f", filters {sorted(filters)}" if filt else "")
-            + f"); use one of those, or add it to the task's metric_list in {task.uri}",
+            f"{metric!r} is not scored by task {name!r}: it scores {sorted(scored)} under the filter(s) "
+            f"{sorted(filters)} (`acc` is filter none, `acc,<filter>` another); use one of those, or add it to the "
+            f"task's metric_list in {task.uri}",
         )
 
 
