@@ -196,7 +196,7 @@ def key_problems(config: dict) -> list[str]:
         elif key not in TASK_KEYS:
             out.append(f"{key}: not a field of an lm-eval task (lm-eval 0.4.13's TaskConfig); remove it")
         elif not _plain(value):
-            out.append(f"{key}: must be plain YAML data")
+            out.append(f"{key}: must be plain YAML data (strings, numbers, booleans, lists, mappings; quote a date)")
     if config.get("unsafe_code") not in (None, False):
         out.append("unsafe_code: true lets lm-eval run model-written code; remove it")
     kwargs = config.get("dataset_kwargs")
