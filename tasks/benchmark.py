@@ -2,14 +2,15 @@
 
     python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # runs it after the export, before the gate
 
-Reads the task YAMLs and data files `benchmark.tasks` names (checked in pre-flight: nothing is
-downloaded), copies them into eval/benchmark/tasks/ with their sha256, and scores the export and
+Reads the task YAMLs and data files `benchmark.tasks` names as data (checked in pre-flight and
+again here: nothing is downloaded, no task key runs code, templates render in lm-eval's environment
+replaced by a sandbox; tasks/core/evaluation/task_rules.py), copies them into eval/benchmark/tasks/ with their sha256, and scores the export and
 the base with `lm_eval.simple_evaluate` (tasks/core/evaluation/benchmark.py), one model in memory
 at a time. The base's scores are kept in eval/benchmark-base/<key>.json, the key made from the
 base's manifest digest, the tasks' sha256 and the settings, so a new export is compared without
 scoring the same base again. Writes metrics.json (base, export, change per task and metric, the
 settings and lm-eval's version) and the manifest; logs to TensorBoard and MLflow; shows the table
-(task, metric, base, export, change) in the UI. The gate reads the scores.
+(task, metric, base, export, change) in the UI. A task lm-eval gives no score fails the stage. The gate reads the scores.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def benchmark(
     if not cfg.benchmark.enabled:
         return _not_configured()
     tasks = [bench.read_task(uri) for uri in cfg.benchmark.tasks]
+    bench.require_runnable(tasks)  # pre-flight's rules again: the files may have changed since
     inputs = {"tasks": bench.fingerprint(tasks), "lm_eval": bench.lm_eval_version()}
     stage = Stage("benchmark", cfg, base, export, inputs=inputs)
     if stage.skipped:

@@ -6,12 +6,15 @@ copy it with its data, score one HF folder, compare base and export, the gate's 
 A task is lm-eval's own YAML (one `task:`) whose data are local: `dataset_path` is one of datasets'
 packaged file builders (json, parquet, csv, text, arrow) and `dataset_kwargs.data_files` names the
 files (local paths, relative ones beside the YAML, or any fsspec URI the run reads; never http or
-the Hub). `task_problems` says why a task would reach the network, naming it; the stage copies the
+the Hub). `task_problems` says why a task would reach the network or run code (task_rules.py: the
+file read as data, every key that would resolve to code, metrics from lm-eval's registry), naming
+it; pre-flight and the stage (`require_runnable`) both apply it; the stage copies the
 YAML and its data into its artifact with their sha256 (`fetch`), writes a copy of the YAML pointing
 at those copies (`runnable`), and lm-eval loads it through `TaskManager(include_path=...)` without
 its built-in tasks, offline (HF_DATASETS_OFFLINE, HF_HUB_OFFLINE). Each model is loaded as the
 held-out evaluation loads it (`tasks.core.evaluation.heldout.load_model`: its placement and dtype),
-handed to lm-eval's `HFLM`, scored by `lm_eval.simple_evaluate`, and released before the next.
+handed to lm-eval's `HFLM`, scored by `lm_eval.simple_evaluate`, and released before the next;
+a task with no score is an error. Every load renders the task templates in `task_rules.BoundedSandbox`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import yaml
 
 from tasks.core.config.benchmark import BenchmarkConfig, BenchmarkLimit
 from tasks.core.evaluation import placement as where
+from tasks.core.evaluation import task_rules as rules
 from tasks.core.evaluation.release import release
 
 LOCAL_BUILDERS = ("json", "parquet", "csv", "text", "arrow")
@@ -41,18 +45,6 @@ INSTALL_HINT = (
     "install lm-evaluation-harness as the project does: bash scripts/install.sh (or pip install -e '.[benchmark]', "
     "then "
     "pip install --no-deps 'lm-eval==0.4.13' 'datasets==4.8.5' 'evaluate==0.4.6')"
-)
-
-
-class _Loader(yaml.SafeLoader):
-    """lm-eval's YAML dialect read as data: `!function utils.x` kept as the string it names."""
-
-
-_Loader.add_multi_constructor(
-    "!",
-    lambda loader, tag, node: (
-        f"!{tag} {loader.construct_scalar(node) if isinstance(node, yaml.ScalarNode) else ''}".strip()
-    ),
 )
 
 
@@ -82,34 +74,45 @@ def _beside(yaml_uri: str, rel: str) -> str:
 
 
 def read_task(uri: str) -> TaskFile:
-    """Parse one task YAML (ValueError naming the file when it is no task); a relative path is
-    relative to the project root, like every path of the config."""
+    """Parse one task YAML as data (`task_rules.parse`: no custom tag, no alias, bounded size);
+    ValueError naming the file when it is no task or its task or split names are no plain names.
+    A relative path is relative to the project root, like every path of the config."""
     from tasks.core.config.paths import resolve_local
 
     uri = resolve_local(uri)
-    with _open(uri, "rt") as fh:
-        text = fh.read()
-    try:
-        config = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{uri}: not valid YAML: {exc}") from None
+    with _open(uri, "rb") as fh:
+        raw = fh.read(rules.MAX_BYTES + 1)
+    config = rules.parse(raw, uri)
+    text = raw.decode("utf-8", errors="replace")
     if not isinstance(config, dict) or not isinstance(config.get("task"), str):
         raise ValueError(
             f"{uri}: an lm-eval task YAML needs a `task:` name (groups and tags are not supported; name each task's "
             "YAML)"
         )
-    files = (config.get("dataset_kwargs") or {}).get("data_files")
+    if bad := rules.check_name(config["task"], "task"):
+        raise ValueError(f"{uri}: {bad}")
+    files = (
+        (config.get("dataset_kwargs") or {}).get("data_files")
+        if isinstance(config.get("dataset_kwargs"), dict)
+        else None
+    )
     if isinstance(files, (str, list)):
         files = {"train": files}
+    if files is not None and not isinstance(files, dict):
+        raise ValueError(f"{uri}: dataset_kwargs.data_files must be a file, a list or {{split: files}}")
+    for split in files or {}:
+        if bad := rules.check_name(split, "dataset_kwargs.data_files"):
+            raise ValueError(f"{uri}: {bad}")
     data = {
-        split: [_beside(uri, f) for f in ([fs] if isinstance(fs, str) else list(fs or []))]
+        split: [_beside(uri, f) for f in ([fs] if isinstance(fs, str) else list(fs or [])) if isinstance(f, str)]
         for split, fs in (files or {}).items()
     }
     return TaskFile(uri, config["task"], text, config, data)
 
 
 def task_problems(task: TaskFile) -> list[str]:
-    """Why this task cannot run offline from local files (empty: it can)."""
+    """Why this task cannot run offline from local files as data (empty: it can): a download, and
+    every key `task_rules` refuses (code, another file, a name outside lm-eval's registries)."""
     c, out = task.config, []
     path = c.get("dataset_path")
     if path not in LOCAL_BUILDERS:
@@ -126,11 +129,19 @@ def task_problems(task: TaskFile) -> list[str]:
                 out.append(
                     f"data file {f} would be downloaded ({scheme}://); copy it to local storage or s3:// and name that"
                 )
-    if "include" in c:
-        out.append(f"include: {c['include']!r} pulls in another task's YAML; write the task whole in one file")
-    if "!function" in task.text:
-        out.append("!function runs Python beside the YAML; put the processed documents in the data file instead")
-    return out
+    return out + rules.key_problems(c)
+
+
+def eval_split(task: TaskFile) -> str | None:
+    """The split lm-eval scores: test_split, else validation_split."""
+    return task.config.get("test_split") or task.config.get("validation_split")
+
+
+def require_runnable(tasks: Sequence[TaskFile]) -> None:
+    """The stage's own check of the rules pre-flight applies: ValueError naming each task's problems."""
+    problems = [f"{t.uri}: {p}" for t in tasks for p in task_problems(t)]
+    if problems:
+        raise ValueError("benchmark tasks refused (pre-flight names the fix):\n  " + "\n  ".join(problems))
 
 
 def sha256_uri(uri: str) -> str:
@@ -157,14 +168,18 @@ def fetch(tasks: Sequence[TaskFile], dest: Path) -> list[dict[str, Any]]:
     """Copy each task's YAML and data files under `dest/<task>/`; one record per task (files, sha256)."""
     out = []
     for t in tasks:
+        if bad := rules.check_name(t.name, "task"):  # read_task refused it; a name is a path segment here
+            raise ValueError(f"{t.uri}: {bad}")
         root = dest / t.name
         (root / "data").mkdir(parents=True, exist_ok=True)
-        yaml_name = posixpath.basename(t.uri.rstrip("/")) or f"{t.name}.yaml"
+        yaml_name = posixpath.basename(t.uri.rstrip("/"))
+        yaml_name = yaml_name if rules.NAME.fullmatch(yaml_name) else f"{t.name}.yaml"
         (root / yaml_name).write_text(t.text)
         files = []
         for split, uris in sorted(t.data.items()):
             for i, uri in enumerate(uris):
-                local = root / "data" / f"{split}-{i}-{posixpath.basename(uri)}"
+                base = posixpath.basename(uri)
+                local = root / "data" / (f"{split}-{i}-{base}" if rules.NAME.fullmatch(base) else f"{split}-{i}")
                 with _open(uri) as src, open(local, "wb") as dst:
                     while chunk := src.read(1 << 20):
                         dst.write(chunk)
@@ -248,9 +263,12 @@ def offline() -> Iterator[None]:
 
 
 def load_tasks(include_dir: Path, names: Sequence[str]):
-    """lm-eval's TaskManager over `include_dir` alone; the loaded tasks (their data read)."""
+    """lm-eval's TaskManager over `include_dir` alone, its templates in the sandbox; the loaded
+    tasks (their data read, document 0 rendered)."""
     with offline():
         from lm_eval.tasks import TaskManager
+
+        rules.sandbox_lm_eval()
 
         tm = TaskManager(include_path=str(include_dir), include_defaults=False)
         missing = [n for n in names if n not in tm.all_tasks]
@@ -322,7 +340,14 @@ def score(
         finally:
             del lm
             release(gone)
-    return {**flatten(results), "device": placed.describe(), "seconds": round(time.monotonic() - started, 3)}
+    flat = flatten(results)
+    unscored = [n for n in names if not flat["scores"].get(n)]
+    if unscored:
+        raise ValueError(
+            f"lm-eval scored no metric for task(s) {unscored} of {model_dir} (scored: {sorted(flat['scores'])}); "
+            "check each task's metric_list against its output_type"
+        )
+    return {**flat, "device": placed.describe(), "seconds": round(time.monotonic() - started, 3)}
 
 
 def _better(hib: dict, task: str, metric: str) -> bool:
@@ -469,9 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(__doc__)
         return 2
     tasks = [read_task(u) for u in args[1:]]
-    for t in tasks:
-        for p in task_problems(t):
-            print(f"{t.uri}: {p}")
+    require_runnable(tasks)
     with tempfile.TemporaryDirectory() as tmp:
         fetched = fetch(tasks, Path(tmp) / "copies")
         inc = runnable(tasks, fetched, Path(tmp) / "copies", Path(tmp) / "run", Path(tmp) / "cache")
