@@ -260,6 +260,20 @@ def test_run_form_overrides_are_typed_and_validated_like_the_yaml(tmp_path):
     ]
 
 
+def test_the_flow_validates_its_parameters_once_pickled_as_serve_sends_it():
+    """`serve()` runs each flow run in a spawned process with the flow cloudpickled: its function by
+    value, with only the globals its code names. A string annotation ("RunOverrides", under
+    `from __future__ import annotations`) then resolved to nothing and every served run failed."""
+    import cloudpickle
+
+    from flows.cpt_to_sft import cpt_to_sft
+    from tasks.core.config.overrides import RunOverrides
+
+    sent = cloudpickle.loads(cloudpickle.dumps(cpt_to_sft))
+    params = sent.validate_parameters({"config": "x.yaml", "overrides": {"run_name": "n", "cpt": {"max_steps": 2}}})
+    assert params["overrides"] == RunOverrides(run_name="n", cpt={"max_steps": 2})
+
+
 @pytest.mark.integration
 def test_the_run_is_named_from_the_config_it_read_once(prefect_harness, tiny_model_dir, tmp_path, monkeypatch):
     """`<model>-<run name>-<id8>`, or `cpt-to-sft-<id8>` for a config
