@@ -78,8 +78,11 @@ def resolved_config_file(
 ) -> tuple[Path, Any]:
     """The config (local path or fsspec URI) with the overrides applied and validated, written as
     a YAML file into `dest` (a directory the caller removes after the command), which the flow
-    reads like any config file; and the parsed config."""
-    from tasks.core.config.load import parse_config, read_raw_config
+    reads like any config file; and the parsed config. Its fields only: the rules across fields are
+    pre-flight's (check's report, the flow's first task), with the model and the device at hand, so
+    a layout refused for the model and for seq_len is one answer whose fixes pass both."""
+    from tasks.core.config.load import parse_fields as parse_config
+    from tasks.core.config.load import read_raw_config
     from tasks.core.config.paths import resolve_local
     from tasks.core.storage.fs import fetch_to_local
 

@@ -155,3 +155,24 @@ def training_log_console() -> None:
                 isinstance(f, _TrainingLog) for f in handler.filters
             ):
                 handler.addFilter(_TrainingLog())
+
+
+class _RefusalIsNotACrash(logging.Filter):
+    """Drops Prefect's "Engine execution exited with unexpected exception" record (a 40-line
+    traceback in a worker's log) when the exception is the flow's own refusal: a Failed state the
+    flow returned, whose message (the refusal, every problem) the "Finished in state Refused" line
+    before it already holds. Any other failure keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from tasks.preflight import REFUSED
+
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (type(exc).__name__ == "FailedRun" and REFUSED in str(exc))
+
+
+def quiet_refusals() -> None:
+    """Install `_RefusalIsNotACrash` on Prefect's flow-run logger (every handler: the console, the
+    worker's log, the run's log in the UI). Idempotent; called by the flow, in whatever process runs it."""
+    lg = logging.getLogger("prefect.flow_runs")
+    if not any(isinstance(f, _RefusalIsNotACrash) for f in lg.filters):
+        lg.addFilter(_RefusalIsNotACrash())

@@ -23,6 +23,7 @@ from prefect import get_run_logger, task
 from prefect.states import Failed, State
 
 from tasks.console_log import NOT_ON_CONSOLE
+from tasks.core.config.overrides import on_form
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import SECRET_BLOCK, HubToken, find_hub_token
@@ -59,13 +60,15 @@ REFUSED = "pre-flight stopped: fix the configuration above first, nothing was la
 
 
 @task(name="preflight", task_run_name="preflight")  # no retries: the same inputs give the same answer
-def preflight(cfg: RunConfig) -> dict[str, Any] | State:
+def preflight(cfg: RunConfig, form: dict[str, str] | None = None) -> dict[str, Any] | State:
     """Run every pre-flight check. On any problem: a Failed state whose message is the report
     (no traceback: nothing crashed) and whose result raises one ConfigError listing every problem;
-    else the checked list."""
+    else the checked list. `form`: the config keys a deployment run's form set -> its field names
+    (`RunOverrides.form_fields`), so a refusal of one names the form's field."""
     logger = get_run_logger()
     found = hub_token_found() if cfg.hub else None
     report = preflight_report(cfg, token_present=(found is not None) if cfg.hub else None, hub_token=found)
+    report.problems = on_form(report.problems, form or {})
     for w in report.warnings:
         logger.warning("pre-flight: %s", w)
     if not report.ok:

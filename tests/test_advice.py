@@ -174,3 +174,33 @@ def test_a_number_where_text_should_be_is_the_records_fault(tmp_path):
     assert report.ok and any(":5: field 'text' holds a int (5), not text: skipped" in w for w in report.warnings), (
         report.text()
     )
+
+
+def test_sequence_parallel_size_3_on_4_heads_is_one_refusal_whose_fixes_all_pass(tmp_path):
+    """Size 3 on a 4-head model with seq_len 64: the seq_len rule once offered `seq_len: 66` (a
+    multiple of 3), which the heads rule then refused in a second round. Every fix offered now
+    passes pre-flight whole, and the seq_len refusal offers what settles both."""
+    case = Case(tmp_path)
+    fake_model(case.model, num_attention_heads=4, num_key_value_heads=4)
+    _all(
+        _set("cpt.plugin", {**HP, "sequence_parallelism": {"mode": "all_to_all", "size": 3}}),
+        _set("cpt.launch", {"nproc_per_node": 3}),
+        _set("cpt.seq_len", 64),
+    )(case)
+    before = case.report()
+    said = dict(before.problems)
+    assert "seq_len=64 must be a multiple of the sequence-parallel size 3" in said["cpt.seq_len"], before.text()
+    assert "must divide num_attention_heads=4" in said["cpt.plugin.sequence_parallelism.size"]
+    assert "cpt.seq_len: 66" not in before.text() and "cpt.seq_len: 63" not in before.text()
+    assert "set cpt.plugin.sequence_parallelism.size: 2 and cpt.launch.nproc_per_node: 2" in said["cpt.seq_len"]
+    for r in _refusals(case, "cpt", "_sp_divides_seq_len") + _refusals(case, "cpt", "_sp_divides_heads"):
+        assert r.fixes, r[1]
+        for fix in r.fixes:
+            fixed = Case(tmp_path / f"fix-{abs(hash(json.dumps(fix, default=str)))}")
+            fixed.raw = copy.deepcopy(case.raw)
+            fixed.raw["run_root"] = str(fixed.run_root)
+            fixed.model, fixed.raw["base_model"]["uri"] = case.model, str(case.model)
+            for key, value in dotted("cpt", fix).items():
+                _set(key, value)(fixed)
+            after = fixed.report()
+            assert after.ok, (fix, after.text())

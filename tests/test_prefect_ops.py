@@ -248,9 +248,30 @@ def test_run_form_overrides_are_typed_and_validated_like_the_yaml(tmp_path):
     assert (cfg.cpt.max_steps, cfg.cpt.lr, cfg.cpt.data.uri, cfg.sft.max_steps) == (3, 1e-4, "data/sample/cpt.jsonl", 2)
     with pytest.raises(ValidationError, match="max_steps"):
         RunOverrides.model_validate({"cpt": {"max_steps": 0}})  # the form refuses it before a run exists
-    with pytest.raises(ConfigError) as err:  # the config's own rules, naming the config field
-        resolve_config(tiny, RunOverrides(run_name="not a valid name!"))
-    assert [field for field, _ in err.value.problems] == ["name"]
+    with pytest.raises(ConfigError) as err:  # the config's own rules, naming the form's field and the config's
+        resolve_config(tiny, RunOverrides(run_name="not a valid name!", run_root="", cpt={"data_uri": "x.jsonl"}))
+    assert [field for field, _ in err.value.problems] == ["overrides.run_name (the config's name)"]
+    with pytest.raises(ConfigError) as err:  # the form's own types, every wrong field at once
+        resolve_config(tiny, {"run_nam": "x", "cpt": {"max_steps": 0, "lr": -1.0}})
+    assert sorted(f for f, _ in err.value.problems) == [
+        "overrides.cpt.lr",
+        "overrides.cpt.max_steps",
+        "overrides.run_nam",
+    ]
+
+
+def test_the_flow_validates_its_parameters_once_pickled_as_serve_sends_it():
+    """`serve()` runs each flow run in a spawned process with the flow cloudpickled: its function by
+    value, with only the globals its code names. A string annotation ("RunOverrides", under
+    `from __future__ import annotations`) then resolved to nothing and every served run failed."""
+    import cloudpickle
+
+    from flows.cpt_to_sft import cpt_to_sft
+    from tasks.core.config.overrides import RunOverrides
+
+    sent = cloudpickle.loads(cloudpickle.dumps(cpt_to_sft))
+    params = sent.validate_parameters({"config": "x.yaml", "overrides": {"run_name": "n", "cpt": {"max_steps": 2}}})
+    assert params["overrides"] == RunOverrides(run_name="n", cpt={"max_steps": 2})
 
 
 @pytest.mark.integration
@@ -268,7 +289,9 @@ def test_the_run_is_named_from_the_config_it_read_once(prefect_harness, tiny_mod
     reads: list[str] = []
     real_load = load.load_config
     monkeypatch.setattr(
-        flow_mod, "load_config", lambda path, overrides=None: (reads.append(str(path)), real_load(path, overrides))[1]
+        flow_mod,
+        "load_for_check",
+        lambda path, overrides=None: (reads.append(str(path)), real_load(path, overrides))[1],
     )
     ok = flow_mod.cpt_to_sft(config=str(cfg), stop_after="load_from_hf", return_state=True)
     bad = flow_mod.cpt_to_sft(config=str(tmp_path / "missing.yaml"), return_state=True)
@@ -281,6 +304,58 @@ def test_the_run_is_named_from_the_config_it_read_once(prefect_harness, tiny_mod
 
 
 # --- e2e: a real server, worker and CLI --------------------------------------------------------
+
+
+# A run form that is wrong twice over: a run name RunConfig refuses and a data file that is not there.
+BAD_FORM = {"run_name": "not a valid name!", "cpt": {"data_uri": "/nonexistent/cpt-form.jsonl"}}
+
+
+def assert_form_refused(message: str) -> None:
+    """The form's own fields, every problem in the one refusal."""
+    assert "overrides.run_name (the config's name)" in message, message
+    assert "overrides.cpt.data_uri (the config's cpt.data.uri" in message, message
+    assert "/nonexistent/cpt-form.jsonl" in message, message
+
+
+@pytest.mark.integration
+def test_the_flow_serves_as_prefect_documents_it(prefect_harness, tiny_model_dir, tmp_path):
+    """`cpt_to_sft.serve(name=...)` in a process of its own, a run of its deployment through the API:
+    Prefect validates the served run's parameters (the RunOverrides model once failed with "not fully
+    defined") and the flow answers the form with every problem at once."""
+    import os
+
+    from prefect.deployments import run_deployment
+    from prefect.settings import get_current_settings
+
+    config = write_config(tmp_path / "served.yaml", tiny_config_raw(tiny_model_dir, tmp_path / "run"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_API_URL=get_current_settings().api.url, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    log = tmp_path / "serve.log"
+    serve = "from flows.cpt_to_sft import cpt_to_sft\ncpt_to_sft.serve(name='served')\n"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", serve],
+            cwd=str(REPO),
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while "is being served" not in log.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        run = run_deployment(
+            "cpt-to-sft/served", parameters={"config": str(config), "overrides": BAD_FORM}, timeout=300
+        )
+        said = log.read_text(errors="replace")
+        assert run.state.name == "Refused", (run.state, said[-3000:])
+        assert_form_refused(run.state.message)
+        assert "not fully defined" not in said and "Traceback" not in said, said[-3000:]
+    finally:
+        stop_group(proc)
 
 
 @pytest.fixture(scope="module")
@@ -396,6 +471,25 @@ def test_deployments_pool_and_schedule(ops):
     assert schedule["schedule"]["cron"] == "0 2 * * *" and schedule["active"] is False
     # An inactive schedule creates no runs.
     assert s.api("POST", "/flow_runs/filter", {"deployments": {"id": {"any_": [deployments["nightly"]["id"]]}}}) == []
+
+
+@pytest.mark.e2e
+@pytest.mark.integration
+def test_a_refused_run_form_names_its_fields_without_a_traceback(ops):
+    """A deployment run whose form is wrong twice over: one refusal naming both of the form's
+    fields, and the worker's log holds no traceback (a refusal is not a crash)."""
+    log = ops.tmp / "worker.log"
+    start = len(log.read_text(errors="replace"))  # this run's lines only: a failed run's traceback may precede them
+    out = ops.server.cli(
+        "deployment", "run", "cpt-to-sft/default", "--watch", "--watch-interval", "2",
+        "-p", f"config={ops.config}", "-p", f"overrides={json.dumps(BAD_FORM)}",
+        check=False, timeout=300,
+    )  # fmt: skip
+    run = ops.server.wait_terminal(run_id_from(out.stdout), timeout=60)
+    assert run["state"]["name"] == "Refused", out.stdout[-3000:]
+    assert_form_refused(run["state"]["message"])
+    worker = log.read_text(errors="replace")[start:]
+    assert "Refused" in worker and "Traceback" not in worker, worker[-4000:]
 
 
 @pytest.mark.e2e

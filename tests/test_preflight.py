@@ -650,6 +650,30 @@ def test_missing_heldout_uri_names_the_eval_field(tmp_path):
     assert any(f == "sft.eval.heldout_uri" and "does not exist" in m for f, m in report.problems), report.text()
 
 
+def test_a_missing_path_names_its_look_alike_by_unicode_form_or_case(tmp_path):
+    """A data file stored NFD (macOS, archives) while the config names it NFC, and a model folder in
+    another case: "does not exist" once named nothing more. Pre-flight names the look-alike."""
+    import unicodedata
+
+    case = Case(tmp_path)
+    data = Path(case.raw["sft"]["data"]["uri"])
+    stored = tmp_path / unicodedata.normalize("NFD", "café-chats.jsonl")
+    stored.write_bytes(data.read_bytes())
+    case.raw["sft"]["data"]["uri"] = str(tmp_path / unicodedata.normalize("NFC", "café-chats.jsonl"))
+    case.model.rename(tmp_path / "Model")
+    case.raw["base_model"]["uri"] = str(tmp_path / "model")
+    said = dict(case.report().problems)
+    assert "does not exist" in said["sft.data.uri"] and "a look-alike exists" in said["sft.data.uri"], said
+    assert (
+        "stored as 'cafe\\u0301-chats.jsonl', in Unicode NFD; the config says 'caf\\xe9-chats.jsonl'"
+        in said["sft.data.uri"]
+    )
+    assert f"{str(tmp_path / 'Model')!r} (stored as 'Model', in another case" in said["base_model.uri"], said
+    assert "name it exactly as stored, or rename it" in said["base_model.uri"]
+    with pytest.raises(ConfigError, match="stored as 'config.yaml', in another case"):  # the config file itself
+        load_for_check(tmp_path / "Config.yaml")
+
+
 def test_multi_node_without_rendezvous_endpoint_is_refused():
     import yaml
 

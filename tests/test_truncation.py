@@ -83,7 +83,10 @@ def test_each_rule_is_one_row_set_for_every_batching_and_no_reply_is_trained_cut
                 # Every trained reply ends with the end of turn: none is trained as if it ended where it was cut.
                 assert all(row_ids[b - 1] == eot for _, b in runs), (rule, row_ids.tolist(), row_labels.tolist())
         seen[rule] = (n, t)
-    assert seen["drop"] == (1, {"chats": 3, "over_seq_len": 2, "dropped": 2, "cut": 0, "split": 0, "split_rows": 0})
+    assert seen["drop"] == (
+        1,
+        {"chats": 3, "over_seq_len": 2, "dropped": 2, "cut": 0, "split": 0, "split_rows": 0, "exchanges_left_out": 0},
+    )
     # cut: the multi-turn chat keeps its first whole exchanges; the long reply, cut, has no label left and goes.
     assert seen["cut"][0] == 2 and seen["cut"][1]["cut"] == 2
     # split_turns: the multi-turn chat becomes rows of whole exchanges; the one exchange longer than SEQ is left out.
@@ -92,6 +95,64 @@ def test_each_rule_is_one_row_set_for_every_batching_and_no_reply_is_trained_cut
         and seen["split_turns"][1]["dropped"] == 1
         and seen["split_turns"][0] == 1 + seen["split_turns"][1]["split_rows"] >= 3
     )
+
+
+def test_split_turns_counts_every_exchange_it_leaves_out(tok, tmp_path):
+    """ "1 split into 2 rows" once read as nothing lost: the exchange longer than seq_len by itself,
+    inside a chat that was split and in a chat of which nothing fits, is counted in index.json, the
+    stage's run.json detail, the sentence and the model card."""
+    from tasks.core.config.load import load_config
+    from tasks.core.data.stage_data import split_info
+    from tasks.core.hub.card import model_card
+    from tasks.core.storage.fs import RunStore
+    from tasks.prepare_data import _recorded_truncation
+
+    short, long = _turns(1, 2), _turns(1, 30)
+    chats = [[*short, *long, *short, *short], long]  # one long exchange between fitting ones; one chat all long
+    corpus = tmp_path / "chats.jsonl"
+    corpus.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    out = tmp_path / "run" / "data" / "sft"
+    r = prepare(str(corpus), tok.dir, out, kind="sft", field="messages", seq_len=SEQ, truncation_rule="split_turns")
+    t = r.index["totals"]["truncation"]
+    assert r.index["sources"][0]["truncation"] == t
+    assert (t["over_seq_len"], t["split"], t["split_rows"], t["dropped"], t["exchanges_left_out"]) == (2, 1, 2, 1, 2)
+    said = (
+        "2 of 2 training chats longer than seq_len=96: 1 split into 2 rows of whole turns, 1 dropped (no exchange "
+        "fits), 2 exchanges longer than seq_len by itself left out (sft.truncation: split_turns)"
+    )
+    recorded = _recorded_truncation(RunStore(str(tmp_path / "run")), "data/sft", "sft", SEQ)  # run.json's detail
+    assert recorded["truncation"]["exchanges_left_out"] == 2 and recorded["note"] == said
+    raw = tiny_config_raw(tmp_path / "model", tmp_path / "run", sft={"seq_len": SEQ, "truncation": "split_turns"})
+    card = model_card(
+        load_config(str(write_config(tmp_path / "c.yaml", raw))),
+        {"meta": {}},
+        {"sft": {"split": split_info(out, str(corpus))}},
+    )
+    assert f"- SFT: {said}." in card
+
+
+def test_every_chat_longer_than_seq_len_under_drop_is_refused_before_launch_and_by_prepare(
+    tok, tiny_model_dir, tmp_path
+):
+    """Once: pre-flight warned, then prepare_sft failed blaming heldout_fraction. Now pre-flight reads
+    the source to its end, finds no chat that fits and refuses naming the cause and the fixes;
+    prepare_sft's own error (a run without pre-flight) says the same cause."""
+    from tasks.core.data.index import PrepareError
+    from tasks.core.preflight.checks import Machine, load_for_check, preflight_report
+
+    corpus = tmp_path / "long.jsonl"
+    chats = [[{"role": "user", "content": f"chat {i}"}, *_turns(2, 30)[1:]] for i in range(70)]  # past the sample
+    corpus.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    raw = tiny_config_raw(tiny_model_dir, tmp_path / "run", sft={"seq_len": SEQ})
+    raw["sft"]["data"] = {"uri": str(corpus)}
+    report = preflight_report(load_for_check(write_config(tmp_path / "c.yaml", raw)), machine=Machine(0, 2, 10**13))
+    said = dict(report.problems).get("sft.data.uri", "")
+    assert "every chat of this source (70, read to the end) is longer than sft.seq_len=96" in said, report.text()
+    assert "raise sft.seq_len to at least" in said and "set sft.truncation: cut or split_turns" in said
+    with pytest.raises(PrepareError) as err:
+        prepare(str(corpus), tok.dir, tmp_path / "out", kind="sft", field="messages", seq_len=SEQ, heldout_fraction=0.1)
+    assert "every one of the" in str(err.value) and "longer than seq_len=96" in str(err.value), str(err.value)
+    assert "heldout_fraction" not in str(err.value) and "sft.truncation: cut or split_turns" in str(err.value)
 
 
 def test_preflight_warns_when_sampled_chats_are_longer_than_seq_len(tok, tiny_model_dir, tmp_path):

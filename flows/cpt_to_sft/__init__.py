@@ -18,8 +18,9 @@ flows/cli.py (`flow_main`), the command line it shares with `cpt-to-sft run`: th
 the other way round.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: `cpt_to_sft.serve()` cloudpickles the flow's function
+# by value, with only the globals its code names, so Prefect could not resolve a string annotation
+# ("RunOverrides") when it validates a served run's parameters. Real annotations travel with it.
 import dataclasses
 import json
 import time
@@ -31,10 +32,11 @@ from prefect.states import Cancelled, Completed, Failed
 from tasks import automation, tracking, ui
 from tasks.benchmark import benchmark
 from tasks.core.config.load import load_config
-from tasks.core.config.overrides import RunOverrides
+from tasks.core.config.overrides import RunOverrides, on_form, parse_overrides
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError
+from tasks.core.preflight.checks import load_for_check
 from tasks.core.run.stages import DONE, STAGE, STAGE_NAMES, Status
 from tasks.core.run.trainlog import duration, summary_table
 from tasks.core.storage.fs import fetch_to_local
@@ -50,16 +52,52 @@ from tasks.train import boost_and_shard, reboost, train_cpt, train_sft
 from tasks.unshard import unshard
 
 
-def resolve_config(config: str, overrides: RunOverrides | dict | None = None) -> RunConfig:
-    """Read the YAML from a local path or fsspec URI and apply the run form's typed overrides
-    (validated by RunConfig like the YAML: a wrong value names the config field)."""
+def resolve_config(config: str, overrides: RunOverrides | dict | None = None, *, rules: bool = True) -> RunConfig:
+    """Read the YAML from a local path or fsspec URI and apply the run form's typed overrides,
+    validated by RunConfig like the YAML: one ConfigError with every wrong value, a value the form
+    set named as the form names it (`overrides.run_name (the config's name)`). `rules=False`: the
+    fields only, the rules across fields left to pre-flight's one report (as `check` does)."""
+    overrides = parse_overrides(overrides)
+    return _load(config, overrides.dotted(), overrides.form_fields(), rules)
+
+
+def _load(config: str, dotted: dict[str, Any], form: dict[str, str], rules: bool) -> RunConfig:
     import tempfile
     from pathlib import Path
 
-    if isinstance(overrides, dict):
-        overrides = RunOverrides.model_validate(overrides)
     with tempfile.TemporaryDirectory(prefix="cpt-to-sft-config-") as tmp:  # a remote config's copy, gone once parsed
-        return load_config(fetch_to_local(resolve_local(config), Path(tmp)), overrides.dotted() if overrides else None)
+        path = fetch_to_local(resolve_local(config), Path(tmp))
+        try:
+            return (load_config if rules else load_for_check)(path, dotted or None)
+        except ConfigError as exc:
+            raise ConfigError(on_form(exc.problems, form), header=exc.header) from None
+
+
+def refusal(config: str, overrides: RunOverrides | dict | None, exc: ConfigError) -> ConfigError:
+    """`exc` (the config did not load) with pre-flight's problems too, so the form gets every
+    problem in one refusal: pre-flight checks the config without the form's refused values (a
+    wrong run name and a missing data file are one answer, not two rounds)."""
+    try:
+        overrides = parse_overrides(overrides)
+    except ConfigError as bad:
+        return ConfigError(bad.problems + exc.problems, header=exc.header)
+    form = overrides.form_fields()
+    refused = {k for k, name in form.items() if any(f.split(" ")[0] == name for f, _ in exc.problems)}
+    if not refused or any(not f.startswith("overrides.") for f, _ in exc.problems):
+        return exc  # the YAML's own fields: nothing to check the rest against
+    kept = {k: v for k, v in overrides.dotted().items() if k not in refused}
+    try:
+        cfg = _load(config, kept, {k: v for k, v in form.items() if k in kept}, rules=False)
+    except ConfigError:
+        return exc
+    checked = preflight(cfg, form=form, return_state=True)
+    more = checked.result(raise_on_failure=False) if checked.is_failed() else None
+    extra = [
+        (f, m)
+        for f, m in getattr(more, "problems", [])
+        if not any(f == k or f.startswith(k + ".") for k in refused)  # said of the config's value, not the form's
+    ]
+    return ConfigError(exc.problems + extra, header=exc.header)
 
 
 def _name_run(cfg: RunConfig | None, logger) -> None:
@@ -96,21 +134,26 @@ def cpt_to_sft(
     stop_after: run the stages up to and including this one (a stage name, e.g. "export"); the
         rest are recorded as not-run and the run ends Completed. Empty: every stage.
     """
-    from flows.console import training_log_console
+    from flows.console import quiet_refusals, training_log_console
 
     training_log_console()  # the console reads like a training log; the UI keeps every line
+    quiet_refusals()  # a refusal is the state's message, not a traceback in the worker's log
+    refused: ConfigError | None = None
     try:
         check_stop_after(stop_after)
-        cfg = resolve_config(config, overrides)
+        # The fields only: the rules across them are pre-flight's, in its one report with the rest.
+        cfg = resolve_config(config, overrides, rules=False)
     except ConfigError as exc:
+        refused = exc
+    if refused is not None:  # outside the except: pre-flight's task would log this as its traceback
         _name_run(None, get_run_logger())
-        return Failed(name="Refused", message=f"{exc}\n{REFUSED}")
+        return Failed(name="Refused", message=f"{refusal(config, overrides, refused)}\n{REFUSED}")
     _name_run(cfg, get_run_logger())
     logger = get_run_logger()  # after the rename: its lines name the run
     store = store_for(cfg)
     # Every problem at once, before a model is loaded or a process launched. A refusal is a
     # Failed state carrying the report, not an exception: nothing crashed, so no traceback.
-    checked = preflight(cfg, return_state=True)
+    checked = preflight(cfg, form=parse_overrides(overrides).form_fields(), return_state=True)
     if checked.is_failed():
         return Failed(name="Refused", message=f"{checked.message}\n{REFUSED}")
     logger.info("run %s: artifacts under %s", cfg.name, store.uri())

@@ -5,9 +5,10 @@
 A layout rule (tasks/core/config/layout.py) returns `Refusal(field, why, fixes)`: a (field, message)
 pair like every other problem, which also carries its candidate fixes, keys relative to the stage
 section (`plugin.zero_stage`). `layout_problems` keeps only the fixes that work, applying each to
-the stage and running the rules again (a fix that breaks another rule is completed with that rule's
-own fix, so two fields that must change together are offered together), and renders them into the
-message with the full config path, so what the message says is what a test can apply.
+the stage and running every rule it can decide again, whichever tier refused (a fix after which
+another rule still refuses is completed with that rule's own fix, so two fields that must change
+together are offered together), and renders them into the message with the full config path, so
+what the message says is what a test can apply.
 """
 
 from __future__ import annotations
@@ -91,39 +92,63 @@ def working_fixes(
     section: Any, refused: Refusal, found: list[Refusal], broken: Callable[[Any], list[Refusal] | None]
 ) -> list[Fix]:
     """`refused.fixes` that work on the stage `section`, each completed in every way that works;
-    `broken` gives a section's refusals (None: the fix does not apply)."""
-    known = {(p.rule, p[0]) for p in found}
+    `broken` gives a section's refusals (None: the fix does not apply), `found` those it has now.
+    A fix works when every rule passes with it applied, the refusals `found` of other rules included
+    (size 3 refused for the heads is not fixed by a seq_len that is a multiple of 3): another rule's
+    refusal is completed with that rule's own fixes, and where those alone would do, they are the fix."""
+    said = {(p.rule, p[0]) for p in found if not p.fixes}  # refusals said in words: nothing to complete them with
+    before = {(p.rule, p[0]) for p in found}
     out: list[Fix] = []
     for fix in refused.fixes:
-        for done in _completed(section, fix, refused, known, broken, depth=2):
+        for done in _completed(section, fix, refused, said, broken, depth=2):
+            extra = {k: v for k, v in done.items() if k not in fix}
+            if extra and _only_before(section, fix, before, broken) and _passes(section, extra, refused, said, broken):
+                done = extra  # another refusal's own fix settles this one too: the seq_len change is not needed
             if done not in out:
                 out.append(done)
     return out
+
+
+def _only_before(
+    section: Any, fix: Fix, before: set[tuple[str, str]], broken: Callable[[Any], list[Refusal] | None]
+) -> bool:
+    """Whether what still refuses with `fix` applied refused before it too (the fix broke nothing new)."""
+    changed = apply_model(section, fix)
+    after = None if changed is None else broken(changed)
+    return after is not None and all((p.rule, p[0]) in before for p in after)
+
+
+def _passes(
+    section: Any, fix: Fix, refused: Refusal, said: set[tuple[str, str]], broken: Callable[[Any], list[Refusal] | None]
+) -> bool:
+    changed = apply_model(section, fix)
+    after = None if changed is None else broken(changed)
+    return after is not None and all((p.rule, p[0]) in said and p.rule != refused.rule for p in after)
 
 
 def _completed(
     section: Any,
     fix: Fix,
     refused: Refusal,
-    known: set[tuple[str, str]],
+    said: set[tuple[str, str]],
     broken: Callable[[Any], list[Refusal] | None],
     depth: int,
 ) -> Iterator[Fix]:
-    """`fix`, completed with other rules' fixes where it breaks them (up to `depth` more), each way
-    the stage then breaks neither `refused`'s rule nor any rule it did not break before."""
+    """`fix`, completed with other rules' fixes where the stage still breaks them (up to `depth`
+    more), each way the stage then breaks no rule but those said in words (`said`)."""
     changed = apply_model(section, fix)
     after = None if changed is None else broken(changed)
     if after is None or any(p.rule == refused.rule for p in after):
         return
-    new = [p for p in after if (p.rule, p[0]) not in known]
-    if not new:
+    left = [p for p in after if (p.rule, p[0]) not in said]
+    if not left:
         yield fix
         return
     if depth == 0:
         return
-    for extra in new[0].fixes:
+    for extra in left[0].fixes:
         if not any(_overlap(a, b) for a in extra for b in fix):
-            yield from _completed(section, {**fix, **extra}, refused, known, broken, depth - 1)
+            yield from _completed(section, {**fix, **extra}, refused, said, broken, depth - 1)
 
 
 def _overlap(a: str, b: str) -> bool:

@@ -512,15 +512,19 @@ def layout_problems(
 ) -> list[Problem]:
     """Every broken rule of the chosen tiers, as (config field, message with the fixes that work). `model` rules need
     `model_config`, `device` rules `cuda` (else skipped); each `Refusal` keeps the fixes (`.fixes`, overrides of the
-    stage section) that pass every rule of these tiers, so the message offers only what runs."""
+    stage section) that pass every rule these facts decide (whichever tier refused), so the message offers only what
+    runs."""
     found = _broken(stage, where, model_config, cuda, tiers)
     if not found:
         return found
 
+    # A fix is checked against every tier these facts decide, not only the tier that refused: a
+    # static refusal's fix must also pass the model's rules when the model is known.
     def broken(changed: StageConfig) -> list[Refusal]:
-        return _broken(changed, where, model_config, cuda, tiers)
+        return _broken(changed, where, model_config, cuda, TIERS)
 
-    return [p.with_fixes(working_fixes(stage, p, found, broken), where) if p.fixes else p for p in found]
+    every = broken(stage)
+    return [p.with_fixes(working_fixes(stage, p, every, broken), where) if p.fixes else p for p in found]
 
 
 def _broken(

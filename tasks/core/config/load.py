@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from tasks.core.config.batching import peer_key_hint
 from tasks.core.config.layout import layout_problems
+from tasks.core.config.paths import missing_hint
 from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.errors import ConfigError
@@ -90,7 +91,12 @@ def read_raw_config(path: str | Path, overrides: dict[str, Any] | None = None) -
     """The YAML mapping of a local config file with dotted overrides like {"run_root": "/x"}."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError([(str(path), "config file not found; pass --config with an existing YAML file")])
+        from fsspec.implementations.local import LocalFileSystem
+
+        alike = missing_hint(LocalFileSystem(), str(path.absolute()))
+        raise ConfigError(
+            [(str(path), f"config file not found{alike or '; pass --config with an existing YAML file'}")]
+        )
     try:
         raw = load_yaml_unique(path.read_text(), str(path))
     except yaml.YAMLError as exc:

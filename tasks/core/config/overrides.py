@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import BaseModelConfig, DataConfig, RunConfig, StageConfig
+from tasks.core.errors import ConfigError
+
+Problem = tuple[str, str]
 
 
 def _about(model: type[BaseModel], field: str, prefix: str = "") -> str:
@@ -52,19 +55,52 @@ class RunOverrides(_Overrides):
 
     def dotted(self) -> dict[str, Any]:
         """The set fields as dotted config keys, for `read_raw_config` (the same path as --set)."""
-        out: dict[str, Any] = {}
-        top = {
-            "run_name": "name",
-            "run_root": "run_root",
-            "base_model_uri": "base_model.uri",
-            "base_model_revision": "base_model.revision",
-        }
-        for field, key in top.items():
+        return {key: value for key, (_, value) in self._set().items()}
+
+    def form_fields(self) -> dict[str, str]:
+        """The config key each set field changes -> the field as the run form names it
+        (`name` -> `overrides.run_name`): a refusal of that key is about what the form said."""
+        return {key: f"overrides.{field}" for key, (field, _) in self._set().items()}
+
+    def _set(self) -> dict[str, tuple[str, Any]]:
+        """config key -> (the form's field path, its value), for the fields that are set."""
+        out: dict[str, tuple[str, Any]] = {}
+        for field, key in _TOP.items():
             if getattr(self, field) not in (None, ""):
-                out[key] = getattr(self, field)
+                out[key] = (field, getattr(self, field))
         for stage in PHASES:
             st = getattr(self, stage)
-            for field, key in (("data_uri", "data.uri"), ("max_steps", "max_steps"), ("lr", "lr")):
+            for field, key in _PER_STAGE.items():
                 if getattr(st, field) not in (None, ""):
-                    out[f"{stage}.{key}"] = getattr(st, field)
+                    out[f"{stage}.{key}"] = (f"{stage}.{field}", getattr(st, field))
         return out
+
+
+_TOP = {
+    "run_name": "name",
+    "run_root": "run_root",
+    "base_model_uri": "base_model.uri",
+    "base_model_revision": "base_model.revision",
+}
+_PER_STAGE = {"data_uri": "data.uri", "max_steps": "max_steps", "lr": "lr"}
+
+
+def parse_overrides(value: RunOverrides | dict[str, Any] | None) -> RunOverrides:
+    """The form's overrides, or one ConfigError naming every wrong field as the form does (`overrides.cpt.lr`)."""
+    if isinstance(value, RunOverrides):
+        return value
+    try:
+        return RunOverrides.model_validate(value or {})
+    except ValidationError as exc:
+        problems = [("overrides." + ".".join(str(x) for x in e["loc"]), e["msg"]) for e in exc.errors()]
+        raise ConfigError(problems, header="invalid run form overrides") from None
+
+
+def on_form(problems: list[Problem], form: dict[str, str]) -> list[Problem]:
+    """`problems` with each config key the form set renamed to the form's field, the key kept in words:
+    `overrides.run_name (the config's name): ...`."""
+    out: list[Problem] = []
+    for field, msg in problems:
+        key = next((k for k in form if field == k or field.startswith(k + ".")), None)
+        out.append((f"{form[key]}{field[len(key) :]} (the config's {field})", msg) if key else (field, msg))
+    return out

@@ -2,6 +2,9 @@
 
     python -m tasks.core.config.paths        # prints the project root in effect
 
+A path that does not exist is named with its look-alike when one is there (`missing_hint`): a name
+stored NFD on disk while the config says it NFC (macOS, archives), or in another case.
+
 1. `$CPT_TO_SFT_HOME` when set (a deployment's worker sets it to its checkout);
 2. the checkout the package is imported from, when it has a pyproject.toml (editable install or
    `python -m` from a clone): relative paths resolve the same wherever the flow runs from;
@@ -13,7 +16,9 @@
 from __future__ import annotations
 
 import os
+import unicodedata
 from pathlib import Path
+from typing import Any
 
 # The directory holding the `tasks` package: a checkout, or site-packages when installed.
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -33,6 +38,71 @@ def resolve_local(path_or_uri: str) -> str:
     if "://" in path_or_uri or Path(path_or_uri).is_absolute():
         return path_or_uri
     return str(project_root() / path_or_uri)
+
+
+LISTING_CAP = 10_000  # entries of one folder compared with a missing name: a huge folder is not scanned
+
+
+def _fold(name: str) -> str:
+    return unicodedata.normalize("NFC", name).casefold()
+
+
+def look_alike(fs: Any, path: str) -> tuple[str, list[tuple[str, str]]] | None:
+    """(the path that exists, [(the name asked, the name stored)...]) when `path` does not exist but
+    one does whose names differ from it only by Unicode normalization (stored NFD, asked NFC) or by
+    case, folder by folder from the deepest one that exists; None otherwise. `fs`: fsspec's."""
+    parts = path.rstrip("/").split("/")
+    k = len(parts)
+    while k > 1 and not _exists(fs, "/".join(parts[:k])):
+        k -= 1
+    if k == len(parts):
+        return None
+    found, renamed = "/".join(parts[:k]), []
+    for name in parts[k:]:
+        try:
+            listing = fs.ls(found or "/", detail=False)
+        except Exception:  # an unreadable folder: no hint, the error stands as it is
+            return None
+        names = [str(e).rstrip("/").rsplit("/", 1)[-1] for e in listing[:LISTING_CAP]]
+        if name not in names:
+            same = [n for n in names if _fold(n) == _fold(name)]
+            if not same:
+                return None
+            renamed.append((name, same[0]))
+            name = same[0]
+        found = f"{found}/{name}"
+    return found, renamed
+
+
+def _exists(fs: Any, path: str) -> bool:
+    try:
+        return bool(fs.exists(path or "/"))
+    except Exception:
+        return False
+
+
+def missing_hint(fs: Any, path: str) -> str:
+    """The look-alike of a path that does not exist, said with the fix ("" when there is none)."""
+    got = look_alike(fs, path)
+    if got is None:
+        return ""
+    there, renamed = got
+    said = []
+    for asked, stored in renamed:
+        nfc = unicodedata.normalize("NFC", stored)
+        how = (
+            [f"in Unicode {'NFD' if unicodedata.is_normalized('NFD', stored) else 'another form'}"]
+            if nfc != stored
+            else []
+        )
+        how += ["in another case"] if nfc != unicodedata.normalize("NFC", asked) else []
+        said.append(
+            f"stored as {stored!a}, {' and '.join(how) or 'in another Unicode form'}; the config says {asked!a}"
+        )
+    return (
+        f"; a look-alike exists: {there!r} ({'; '.join(said)}): name it exactly as stored, or rename it to the "
+        "config's name"
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import Any
 from tasks.core.data.records import text_problem
 from tasks.core.data.samples import IGNORE_INDEX, encode_chat, training_rows
 from tasks.core.data.shard import ShardSpec, Side, fast_backend, frozen_or_loaded, load_tokenizer
+from tasks.core.data.truncation import SFT_KEYS
 
 _BATCH_CHARS = 1 << 20  # texts are batch-encoded ~1 MB at a time: the tokenizer's fast path
 
@@ -99,7 +100,7 @@ class ChatEncoder:
             )
         self.sides: dict[str, Side] = {}
         # training chats longer than seq_len, by what spec.truncation made of them (`truncation_counts`)
-        self.over = {"over_seq_len": 0, "dropped": 0, "cut": 0, "split": 0, "split_rows": 0}
+        self.over = dict.fromkeys(SFT_KEYS, 0)
 
     def problem(self, rec: dict, value: Any) -> str | None:
         if value is None:
@@ -118,15 +119,16 @@ class ChatEncoder:
         if side == "heldout":  # evaluated as the records are, cut to seq_len
             self.sides[side].add([ids[:seq_len]], [[int(y != IGNORE_INDEX) for y in labels[:seq_len]]])
             return
-        rows, fate = (
+        rows, fate, left_out = (
             training_rows(self.tok, value, seq_len, self.spec.truncation)
             if len(ids) > seq_len
-            else ([(ids, labels)], "fits")
+            else ([(ids, labels)], "fits", 0)
         )
         if fate != "fits":
             self.over["over_seq_len"] += 1
             self.over[fate] += 1
             self.over["split_rows"] += len(rows) if fate == "split" else 0
+            self.over["exchanges_left_out"] += left_out
         masks = [[int(y != IGNORE_INDEX) for y in lab] for _, lab in rows]
         kept = [(r[0], m) for r, m in zip(rows, masks) if any(m)]
         if not kept:

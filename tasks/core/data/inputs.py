@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 import fsspec
 
+from tasks.core.config.paths import missing_hint
 from tasks.core.data.records import COMPRESSIONS, FOLDER_FORMATS, FORMATS, format_of
 
 _GLOB_CHARS = "*?["
@@ -114,7 +115,10 @@ def _expand(
             )
         return fs, found
     if not fs.exists(path):
-        raise InputError(f"{label}: {entry} does not exist (no such file or directory); fix the path or URI")
+        alike = missing_hint(fs, path)
+        raise InputError(
+            f"{label}: {entry} does not exist (no such file or directory){alike or '; fix the path or URI'}"
+        )
     format_of(path)  # an unknown format is refused here, naming the supported ones
     return fs, [path]
 

@@ -302,6 +302,11 @@ def _mixture(p: Plan, rows: list[dict], spec: ShardSpec) -> tuple[list[dict[str,
     return table, meta
 
 
+def _too_long(summary: dict[str, Any]) -> int:
+    """Training chats of one file that sft.truncation left out whole (longer than seq_len)."""
+    return int((summary.get("truncation") or {}).get("dropped", 0))
+
+
 def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str, Any]:
     """Corpus-wide checks, split_by_fraction's fallback, then index.json (written last)."""
     spec = p.spec
@@ -326,7 +331,8 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
             rows_again = run_files(p, again, spec, workers)
             for i, s in rows_again.items():
                 rows[i] = s
-        if sum(s["train"]["records"] + s["dropped_no_labels"] for s in rows) == 0:
+        # Chats truncation left out were training chats: not the held-out split's doing (the error below says it).
+        if sum(s["train"]["records"] + s["dropped_no_labels"] + _too_long(s) for s in rows) == 0:
             raise PrepareError(
                 f"heldout_fraction={spec.heldout_fraction} holds out every distinct record; lower it or add data"
             )
@@ -348,7 +354,13 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
         )
     if row.rows and train_records == 0:
         dropped = sum(s["dropped_no_labels"] for s in rows)
-        too_long = sum((s.get("truncation") or {}).get("dropped", 0) for s in rows)
+        too_long = sum(_too_long(s) for s in rows)
+        if too_long and not dropped:
+            raise PrepareError(
+                f"every one of the {too_long} training chats is longer than seq_len={spec.seq_len} and "
+                f"sft.truncation: {spec.truncation} leaves each one out, so nothing would train: raise sft.seq_len, "
+                "or set sft.truncation: cut or split_turns"
+            )
         raise PrepareError(
             f"no SFT record has an assistant token within seq_len={spec.seq_len} ({dropped} dropped without one, "
             f"{too_long} longer than seq_len "

@@ -213,27 +213,29 @@ def _exchanges(messages: list[dict]) -> tuple[list[dict], list[list[dict]]]:
 
 def training_rows(
     tokenizer, messages: list[dict], seq_len: int, truncation: str
-) -> tuple[list[tuple[list[int], list[int]]], str]:
-    """The training rows of one conversation and what became of it: 'fits' (one row), or, longer
-    than seq_len, by `truncation`: 'drop' -> no row ('dropped'); 'cut' -> its first seq_len tokens,
-    the reply the cut goes through unlabelled ('cut'; no row when no label is left); 'split_turns'
-    -> rows of whole exchanges (a user turn and what follows it up to the next user turn), each
-    with the leading system messages, as many exchanges a row as fit ('split'); an exchange that
-    alone is longer than seq_len is left out."""
+) -> tuple[list[tuple[list[int], list[int]]], str, int]:
+    """The training rows of one conversation, what became of it and how many of its exchanges were
+    left out: 'fits' (one row), or, longer than seq_len, by `truncation`: 'drop' -> no row
+    ('dropped'); 'cut' -> its first seq_len tokens, the reply the cut goes through unlabelled ('cut';
+    no row when no label is left); 'split_turns' -> rows of whole exchanges (a user turn and what
+    follows it up to the next user turn), each with the leading system messages, as many exchanges a
+    row as fit ('split'); an exchange with a reply that alone is longer than seq_len is left out, and
+    counted (the third value; 0 under the other rules)."""
     if truncation not in TRUNCATION:
         raise ValueError(f"truncation={truncation!r}: use one of {', '.join(TRUNCATION)}")
     ids, labels = encode_chat(tokenizer, messages, None)
     if len(ids) <= seq_len:
-        return [(ids, labels)], "fits"
+        return [(ids, labels)], "fits", 0
     if truncation == "drop":
-        return [], "dropped"
+        return [], "dropped", 0
     if truncation == "cut":
         cut = _unlabel_cut_reply(labels[:seq_len], labels, seq_len)
-        return ([(ids[:seq_len], cut)] if any(x != IGNORE_INDEX for x in cut) else []), "cut"
+        return ([(ids[:seq_len], cut)] if any(x != IGNORE_INDEX for x in cut) else []), "cut", 0
     system, parts = _exchanges(messages)
     rows: list[tuple[list[int], list[int]]] = []
     window: list[dict] = []
     best: tuple[list[int], list[int]] | None = None
+    left_out = 0
     for part in parts:
         if not any(m["role"] == "assistant" for m in part):
             continue  # a last user turn without a reply: nothing to train
@@ -245,9 +247,10 @@ def training_rows(
             rows.append(best)
         enc = encode_chat(tokenizer, system + part, None)
         window, best = (part, enc) if len(enc[0]) <= seq_len else ([], None)
+        left_out += best is None
     if best is not None:
         rows.append(best)
-    return rows, "split" if rows else "dropped"
+    return rows, "split" if rows else "dropped", left_out
 
 
 def encode_sft_with_stats(

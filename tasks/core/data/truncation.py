@@ -23,7 +23,9 @@ import numpy as np
 
 from tasks.core.config.phases import PHASES, Phase
 
-SFT_KEYS = ("over_seq_len", "dropped", "cut", "split", "split_rows")
+# exchanges_left_out: under split_turns, the exchanges (a reply included) longer than seq_len by
+# themselves, of split chats and of chats no exchange of which fits.
+SFT_KEYS = ("over_seq_len", "dropped", "cut", "split", "split_rows", "exchanges_left_out")
 CPT_RULE = "split"  # a CPT document longer than a block continues in the next block
 
 
@@ -69,6 +71,9 @@ def describe(counts: dict[str, int] | None, kind: Phase, rule: str | None, seq_l
     ]
     if rule == "split_turns" and counts.get("dropped"):
         parts.append(f"{counts['dropped']:,} dropped (no exchange fits)")
+    if rule == "split_turns" and counts.get("exchanges_left_out"):
+        n_out = counts["exchanges_left_out"]
+        parts.append(f"{n_out:,} exchange{'s' if n_out != 1 else ''} longer than seq_len by itself left out")
     return (
         f"{n:,} of {counts.get('chats', n):,} training chats longer than seq_len={seq_len}: {', '.join(parts)} "
         f"(sft.truncation: {rule})"

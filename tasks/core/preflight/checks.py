@@ -44,7 +44,6 @@ from tasks.core.config.load import (
     heldout_source_problems,
     hub_problems,
     parse_fields,
-    plugin_problems,
     read_raw_config,
 )
 from tasks.core.config.paths import resolve_local
@@ -108,11 +107,16 @@ def load_for_check(path: str | Path, overrides: dict[str, Any] | None = None) ->
 # Checks: each takes the context and records problems, warnings and what it verified.
 
 
+def _facts(ctx: CheckContext) -> dict[str, Any]:
+    """What every layout rule reads, for each tier's check: a fix one tier offers passes the others' rules too."""
+    return {"model_config": ctx.model.config if ctx.model else None, "cuda": bool(ctx.machine.cuda_devices)}
+
+
 def check_static_rules(ctx: CheckContext) -> None:
     """The config's own rules (hybrid_parallel ZeRO refuses fp32, tp/pp need hybrid_parallel, world size)."""
     before = len(ctx.report.problems)
     for stage in PHASES:
-        for where, msg in plugin_problems(getattr(ctx.cfg, stage), stage):
+        for where, msg in layout_problems(getattr(ctx.cfg, stage), stage, tiers=("static",), **_facts(ctx)):
             ctx.problem(where, msg)
     for where, msg in heldout_source_problems(ctx.cfg) + gate_problems(
         ctx.cfg
@@ -134,7 +138,7 @@ def _stage_layout(ctx: CheckContext, name: str, stage: StageConfig) -> None:
         ctx.warn(
             f"{name}.plugin.tp_size: config.json has no num_attention_heads; tensor-parallel divisibility not checked"
         )
-    for where, msg in layout_problems(stage, name, model_config=mc, tiers=("batch", "model")):
+    for where, msg in layout_problems(stage, name, tiers=("batch", "model"), **_facts(ctx)):
         ctx.problem(where, msg)
     from tasks.core.models.families import sp_family_problem
 
@@ -174,7 +178,7 @@ def check_machine(ctx: CheckContext) -> None:
     for name in PHASES:
         stage = getattr(ctx.cfg, name)
         n = stage.launch.nproc_per_node
-        for where, msg in layout_problems(stage, name, cuda=bool(m.cuda_devices), tiers=("device",)):
+        for where, msg in layout_problems(stage, name, tiers=("device",), **_facts(ctx)):
             ctx.problem(where, msg)
         if m.cuda_devices:
             if n > m.cuda_devices:

@@ -15,7 +15,7 @@ from typing import Any
 
 from fsspec.core import url_to_fs
 
-from tasks.core.config.paths import resolve_local
+from tasks.core.config.paths import missing_hint, resolve_local
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import is_hub_id
 from tasks.core.storage.fs import is_local
@@ -118,7 +118,11 @@ def read_model_info(uri: str, revision: str = "main") -> ModelInfo:
     except Exception as exc:  # network filesystems raise their own errors
         raise ConfigError([("base_model.uri", f"{uri}: not reachable ({type(exc).__name__}: {exc})")]) from None
     if not has_config:
-        what = "does not exist" if not fs.exists(root) else "is not an HF model directory (no config.json)"
+        what = (
+            f"does not exist{missing_hint(fs, root)}"
+            if not fs.exists(root)
+            else "is not an HF model directory (no config.json)"
+        )
         raise ConfigError(
             [
                 (

@@ -297,13 +297,14 @@ def check_sft_lengths(ctx: CheckContext) -> None:
     for i, src in enumerate(st.data.source_list):
         where = "sft.data.uri" if st.data.sources is None else f"sft.data.sources[{i}] ({src.name}).uri"
         try:
-            first = next(
+            files = [
                 f
                 for f in resolve_inputs(
                     [resolve_local(u) for u in src.uris], checksums=False, label=where, formats=st.data.folder_formats
                 )
                 if f.size
-            )
+            ]
+            first = files[0]
             chats = [rec.get(st.data.messages_field) for _, rec in head_records(first.uri, SAMPLE)]
             lengths = []
             for m in chats:
@@ -313,7 +314,15 @@ def check_sft_lengths(ctx: CheckContext) -> None:
             # check_data names a source it cannot read; a template that does not render is check_special_tokens's
             continue
         over = sum(n > st.seq_len for n in lengths)
-        if over:
+        shortest = _shortest_if_none_fits(tf, files, st) if lengths and over == len(lengths) else None
+        if shortest is not None:
+            ctx.problem(
+                where,
+                f"every chat of this source ({shortest[1]:,}, read to the end) is longer than sft.seq_len={st.seq_len} "
+                f"tokens (the shortest {shortest[0]}), and sft.truncation: drop leaves each one out, so nothing "
+                f"would train: raise sft.seq_len to at least {shortest[0]}, or set sft.truncation: cut or split_turns",
+            )
+        elif over:
             ctx.warn(
                 f"{where}: {over} of the first {len(lengths)} chats of {first.uri} ({100 * over / len(lengths):.0f} "
                 "%) are longer than "
@@ -326,3 +335,30 @@ def check_sft_lengths(ctx: CheckContext) -> None:
                 f"sft chats: the first {len(lengths)} of {first.uri} fit sft.seq_len={st.seq_len} (the longest "
                 f"{max(lengths)} tokens)"
             )
+
+
+SCAN = 20_000  # chats read past the sample before "every one is too long" is left a warning
+
+
+def _shortest_if_none_fits(tf: Any, files: list[Any], st: Any) -> tuple[int, int] | None:
+    """(the shortest length, the chats read) when sft.truncation is drop and no chat of the source's
+    `files` fits sft.seq_len, read to the end (at most SCAN chats); None when one fits, the rule
+    keeps them in some form, or the source is longer than SCAN (the warning then stands)."""
+    if st.truncation != "drop":
+        return None
+    from tasks.core.data.records import iter_records
+
+    shortest, seen = None, 0
+    try:
+        for f in files:
+            for _, rec in iter_records(f.uri):
+                seen += 1
+                if seen > SCAN:
+                    return None
+                n = len(tf.render(rec.get(st.data.messages_field), False))
+                if n <= st.seq_len:
+                    return None
+                shortest = n if shortest is None else min(shortest, n)
+    except Exception:  # a bad record or chat further on: check_data and prepare_sft name it
+        return None
+    return (shortest, seen) if shortest is not None else None
