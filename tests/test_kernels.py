@@ -256,7 +256,7 @@ def test_the_card_and_the_checkpoint_manifest_carry_what_ran(tmp_path):
 
 
 def test_the_progress_artifact_says_what_the_launch_runs_with(monkeypatch):
-    from tasks import ui
+    from tasks.flowkit import ui
 
     sent = []
     monkeypatch.setattr(ui, "create_progress_artifact", lambda progress, key, description: "artifact-id")

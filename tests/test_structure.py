@@ -69,7 +69,7 @@ def _imports(path: Path) -> list[tuple[str, list[str]]]:
     return out
 
 
-PREFECT_TASK_MODULES = {"tasks." + p.stem for p in TASKS.glob("*.py") if p.stem != "__init__"}
+PREFECT_TASK_MODULES = {_module_name(p) for room in ("stages", "flowkit") for p in _modules(TASKS / room)}
 
 
 def test_core_imports_no_other_room_and_no_framework():

@@ -120,10 +120,10 @@ def test_prepare_sft_says_what_it_dropped_in_index_run_json_log_stage_table_and_
     import time
 
     from flows.cli import flow_main as main
-    from tasks import ui
     from tasks.core.config.load import load_config
     from tasks.core.data.stage_data import split_info
     from tasks.core.hub.card import model_card
+    from tasks.flowkit import ui
 
     # Prefect's console handler keeps the stderr of the test that first logged (pytest's capture,
     # closed since): this test's CLI run writes to the live one.

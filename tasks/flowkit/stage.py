@@ -39,7 +39,6 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.states import Completed, State
 
-from tasks import automation
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ArtifactMissing, ManifestError
@@ -50,6 +49,7 @@ from tasks.core.run.stages import BUILD_SUFFIX, STAGE, SUPERSEDED, Status
 from tasks.core.storage.fs import RunStore
 from tasks.core.storage.oserrors import note_free
 from tasks.core.storage.publisher import RETRIES, publish_retrying
+from tasks.flowkit import automation
 
 __all__ = [
     "Stage",

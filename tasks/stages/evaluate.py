@@ -27,7 +27,6 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from tasks import automation, tracking
 from tasks.core.config.kernels import cuda_available
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.data.stage_data import (
@@ -43,8 +42,9 @@ from tasks.core.evaluation import placement
 from tasks.core.evaluation import verdict as rules
 from tasks.core.run.stages import Status
 from tasks.core.storage.fs import RunStore
-from tasks.prepare_data import prepared_dir
-from tasks.stage import Stage, StageResult, stage_task
+from tasks.flowkit import automation, tracking
+from tasks.flowkit.stage import Stage, StageResult, stage_task
+from tasks.stages.prepare_data import prepared_dir
 
 EVAL_TABLE_KEY = "cpt-to-sft-evaluation"
 
@@ -243,7 +243,7 @@ def gate(
     except Exception as exc:
         logger.warning("evaluation table artifact unavailable: %s", exc)
     if scores:
-        from tasks.benchmark import show
+        from tasks.stages.benchmark import show
 
         show(scores, verdict)  # the benchmark table again, with the gate's word per task
     return StageResult("gate", status, seconds=time.monotonic() - started, detail=verdict)

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from tasks.console_log import NOT_ON_CONSOLE
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError, ConversionError, ManifestError
@@ -31,7 +30,8 @@ from tasks.core.models.folder import JSON_FILES, json_file_problem, misnamed
 from tasks.core.run.manifest import sha256_file
 from tasks.core.storage.fs import fetch_tree, filesystem, is_local
 from tasks.core.storage.oserrors import DISK_ERRNOS
-from tasks.stage import Stage, StageResult, stage_task, token
+from tasks.flowkit.console_log import NOT_ON_CONSOLE
+from tasks.flowkit.stage import Stage, StageResult, stage_task, token
 
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 PICKLE_PATTERNS = ["*.bin", "*.bin.index.json", "*.pt", "*.pth"]

@@ -43,7 +43,6 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 
-from tasks import console_log, ui
 from tasks.core.config.data import TokenizeConfig
 from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.schema import RunConfig
@@ -59,7 +58,8 @@ from tasks.core.data.shard import ShardSpec, read_summary, shard_dir
 from tasks.core.data.spec import prepare_spec
 from tasks.core.data.stage_data import HELDOUT_SET
 from tasks.core.run.stages import DATA_CACHE, PREPARE, STAGE
-from tasks.stage import Stage, StageResult, stage_task, store_for
+from tasks.flowkit import console_log, ui
+from tasks.flowkit.stage import Stage, StageResult, stage_task, store_for
 
 
 @contextmanager

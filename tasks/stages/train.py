@@ -15,7 +15,6 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from tasks import tracking, ui
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.stage_data import check_against_model, corpus_of, record_split, split_info
@@ -36,8 +35,9 @@ from tasks.core.run.trainlog import TrainLog
 from tasks.core.storage.fs import RunStore
 from tasks.core.storage.handshake import manifest_sha256, mark_published
 from tasks.core.storage.publisher import Publisher, retain_remote, unpublished_steps
-from tasks.prepare_data import prepared_dir
-from tasks.stage import Stage, StageResult, stage_task, store_for
+from tasks.flowkit import tracking, ui
+from tasks.flowkit.stage import Stage, StageResult, stage_task, store_for
+from tasks.stages.prepare_data import prepared_dir
 
 
 def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:

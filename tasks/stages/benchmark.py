@@ -23,13 +23,13 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from tasks import tracking
 from tasks.core.config.kernels import cuda_available
 from tasks.core.config.schema import RunConfig
 from tasks.core.evaluation import benchmark as bench
 from tasks.core.evaluation import placement
 from tasks.core.run.stages import BENCHMARK_BASE, Status
-from tasks.stage import Stage, StageResult, stage_task
+from tasks.flowkit import tracking
+from tasks.flowkit.stage import Stage, StageResult, stage_task
 
 TABLE_KEY = "cpt-to-sft-benchmark"
 TASKS_DIR = "tasks"  # eval/benchmark/tasks/<task>/: each YAML and its data as scored

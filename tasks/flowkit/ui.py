@@ -1,5 +1,5 @@
 """What the Prefect UI shows for a run: progress during training, loss curves, the stage table,
-the export verification and the Hub commit link (each stage's automation event: tasks/automation.py).
+the export verification and the Hub commit link (each stage's automation event: tasks/flowkit/automation.py).
 
 Artifact keys must be lowercase letters, digits and dashes; each run's artifacts are attached to
 its flow/task runs, so the keys are stable names (the UI's Artifacts page shows the latest per key,
