@@ -175,7 +175,7 @@ def test_errors_that_cannot_heal_are_not_retried():
 
     from tasks.core.errors import ConfigError
     from tasks.core.hub.repo import HubRefusal, HubTokenRefused
-    from tasks.stages.load import cannot_heal
+    from tasks.flowkit.retry import cannot_heal
 
     for status in (401, 403, 404):
         assert cannot_heal(_http_error(status)), status
@@ -295,7 +295,8 @@ def test_a_malformed_safetensors_header_is_not_retried_by_load(prefect_harness, 
     import time
 
     from tasks.core.config.load import load_config
-    from tasks.stages.load import cannot_heal, load_from_hf
+    from tasks.flowkit.retry import cannot_heal
+    from tasks.stages.load import load_from_hf
     from tests.conftest import tiny_config_raw, write_config
 
     model = tmp_path / "model"

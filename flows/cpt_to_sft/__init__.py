@@ -39,9 +39,9 @@ from tasks.core.storage.fs import fetch_to_local
 from tasks.core.storage.lease import Lease, LeaseHeld
 from tasks.flowkit import automation, tracking, ui
 from tasks.flowkit.preflight import REFUSED, preflight
-from tasks.flowkit.stage import StageResult, disk_cause, outcome, store_for, write_record
+from tasks.flowkit.stage import StageResult, disk_cause, outcome, recorded_metrics, store_for, write_record
 from tasks.stages.benchmark import benchmark
-from tasks.stages.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back, recorded_metrics
+from tasks.stages.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back
 from tasks.stages.export import export_hf, write_card
 from tasks.stages.load import load_from_hf
 from tasks.stages.prepare_data import prepare_data

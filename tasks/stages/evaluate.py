@@ -34,6 +34,7 @@ from tasks.core.data.stage_data import (
     heldout_by_source,
     heldout_only_names,
     heldout_records,
+    prepared_dir,
     split_info,
     write_jsonl,
 )
@@ -42,9 +43,8 @@ from tasks.core.evaluation import placement
 from tasks.core.evaluation import verdict as rules
 from tasks.core.run.stages import Status
 from tasks.core.storage.fs import RunStore
-from tasks.flowkit import automation, tracking
+from tasks.flowkit import automation, tracking, ui
 from tasks.flowkit.stage import Stage, StageResult, stage_task
-from tasks.stages.prepare_data import prepared_dir
 
 EVAL_TABLE_KEY = "cpt-to-sft-evaluation"
 
@@ -76,6 +76,37 @@ def _not_configured(stage: str, which: str) -> StageResult:
     return StageResult(stage, Status.NOT_CONFIGURED, detail={"reason": f"{which}.eval has no held-out set"})
 
 
+def _recorded(
+    stage: Stage,
+    phase: str,
+    metrics: dict[str, Any],
+    reference: StageResult,
+    candidate: StageResult,
+    steps: int,
+    tracker: tracking.TrackerHandle | None,
+    event: dict[str, Any],
+    generations: list[dict] | None = None,
+) -> StageResult:
+    """Both evaluations' end: metrics.json (and the generations), the scalars to TensorBoard and
+    MLflow, the manifest last (its parent the candidate), then publish and the completed event."""
+    with stage.build() as out:
+        (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        if generations is not None:
+            write_jsonl(out.dir / "generations.jsonl", generations)
+        tracking.log_evaluation(phase, metrics, out.dir, steps, tracker)
+        out.manifest(
+            kind="evaluation",
+            parent=candidate,
+            meta={
+                "stage": phase,
+                "metrics": metrics,
+                "reference": {"uri": reference.uri, "digest": reference.digest},
+                "candidate": {"uri": candidate.uri, "digest": candidate.digest},
+            },
+        )
+    return stage.done({"metrics": metrics}, event=event)
+
+
 @stage_task(name="evaluate_cpt", task_run_name="evaluate CPT: base vs CPT held-out perplexity")
 def evaluate_cpt(
     cfg: RunConfig, base: StageResult, bridge: StageResult, tracker: tracking.TrackerHandle | None = None
@@ -89,7 +120,7 @@ def evaluate_cpt(
     if stage.skipped:
         return _with_metrics(stage.result, store)
     base_dir, cpt_dir = store.stage_in(base.rel), store.stage_in(bridge.rel)
-    data = prepared_dir(cfg, "cpt")
+    data = prepared_dir(store, "cpt")
     split = split_info(data, corpus_of(cfg.cpt.data))
     st = _with_eval_dtype(cfg, cfg.cpt)
     metrics = ev.evaluate_cpt(
@@ -125,23 +156,8 @@ def evaluate_cpt(
                 m["cpt"]["perplexity"],
                 m["perplexity_change_pct"],
             )
-    with stage.build() as out:
-        (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-        tracking.log_evaluation("cpt", metrics, out.dir, st.max_steps, tracker)
-        out.manifest(
-            kind="evaluation",
-            parent=bridge,
-            meta={
-                "stage": "cpt",
-                "metrics": metrics,
-                "reference": {"uri": base.uri, "digest": base.digest},
-                "candidate": {"uri": bridge.uri, "digest": bridge.digest},
-            },
-        )
-    return stage.done(
-        {"metrics": metrics},
-        event={"base_perplexity": metrics["base"]["perplexity"], "cpt_perplexity": metrics["cpt"]["perplexity"]},
-    )
+    event = {"base_perplexity": metrics["base"]["perplexity"], "cpt_perplexity": metrics["cpt"]["perplexity"]}
+    return _recorded(stage, "cpt", metrics, base, bridge, st.max_steps, tracker, event)
 
 
 @stage_task(name="evaluate_sft", task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
@@ -158,7 +174,7 @@ def evaluate_sft(
     if stage.skipped:
         return _with_metrics(stage.result, store)
     pre_dir, export_dir = store.stage_in(bridge.rel), store.stage_in(export.rel)
-    data = prepared_dir(cfg, "sft")
+    data = prepared_dir(store, "sft")
     split = split_info(data, corpus_of(cfg.sft.data))
     st = _with_eval_dtype(cfg, cfg.sft)
     heldout = heldout_records(data)
@@ -183,28 +199,12 @@ def evaluate_sft(
     )
     for problem in gen["problems"]:
         logger.warning("evaluate_sft: generation check: %s", problem)
-    with stage.build() as out:
-        (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-        write_jsonl(out.dir / "generations.jsonl", rows)
-        tracking.log_evaluation("sft", metrics, out.dir, st.max_steps, tracker)
-        out.manifest(
-            kind="evaluation",
-            parent=export,
-            meta={
-                "stage": "sft",
-                "metrics": metrics,
-                "reference": {"uri": bridge.uri, "digest": bridge.digest},
-                "candidate": {"uri": export.uri, "digest": export.digest},
-            },
-        )
-    return stage.done(
-        {"metrics": metrics},
-        event={
-            "pre_sft_loss": metrics["pre_sft"]["loss"],
-            "sft_loss": metrics["sft"]["loss"],
-            "generation_passed": gen["passed"],
-        },
-    )
+    event = {
+        "pre_sft_loss": metrics["pre_sft"]["loss"],
+        "sft_loss": metrics["sft"]["loss"],
+        "generation_passed": gen["passed"],
+    }
+    return _recorded(stage, "sft", metrics, bridge, export, st.max_steps, tracker, event, generations=rows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -243,9 +243,7 @@ def gate(
     except Exception as exc:
         logger.warning("evaluation table artifact unavailable: %s", exc)
     if scores:
-        from tasks.stages.benchmark import show
-
-        show(scores, verdict)  # the benchmark table again, with the gate's word per task
+        ui.benchmark_table(scores, verdict)  # the benchmark table again, with the gate's word per task
     return StageResult("gate", status, seconds=time.monotonic() - started, detail=verdict)
 
 
@@ -258,17 +256,6 @@ def held_back(cfg: RunConfig, verdict: StageResult) -> StageResult:
     return StageResult(
         "push_to_hub", Status.FAILED_GATE, uri=target, detail={"reason": "the gate failed", "reasons": reasons}
     )
-
-
-def recorded_metrics(results: dict[str, StageResult]) -> dict[str, dict[str, Any] | None]:
-    """{"cpt": metrics | None, "sft": metrics | None, "benchmark": metrics | None} from this run's
-    stage results (skipped evaluations carry the metrics recorded in their manifests): run.json's
-    "evaluation" and the input of the card's model-index (`tasks.core.evaluation.verdict.eval_results_for_card`)."""
-    out: dict[str, dict[str, Any] | None] = {}
-    for key, stage in (("cpt", "evaluate_cpt"), ("sft", "evaluate_sft"), ("benchmark", "benchmark")):
-        r = results.get(stage)
-        out[key] = r.detail.get("metrics") if r is not None else None
-    return out
 
 
 def gate_message(verdict: dict[str, Any]) -> str:

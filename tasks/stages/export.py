@@ -37,7 +37,7 @@ from tasks.core.run.manifest import VERIFICATION, amend_views, read_manifest, wr
 from tasks.core.run.stages import EXPORT, EXPORT_ADAPTER, TRAINING
 from tasks.core.storage.publisher import RETRIES, publish_retrying
 from tasks.flowkit import ui
-from tasks.flowkit.stage import Stage, StageResult, completed, fresh_dir, stage_task, store_for
+from tasks.flowkit.stage import Stage, StageResult, completed, fresh_dir, recorded_metrics, stage_task, store_for
 
 VERSIONED = ("torch", "colossalai", "transformers", "safetensors", "huggingface_hub")
 
@@ -231,8 +231,6 @@ def write_card(cfg: RunConfig, results: dict[str, StageResult], metrics: dict | 
     store = store_for(cfg)
     local = store.stage_in(EXPORT) if not store.local else store.local_path(EXPORT)
     if metrics is None:
-        from tasks.stages.evaluate import recorded_metrics
-
         metrics = recorded_metrics(results)
     # As every record holds them (manifests and run.json sort their keys): the same card from a
     # first run, a re-run whose evaluations were skipped, and `cpt-to-sft card`.

@@ -361,16 +361,8 @@ def _recorded_truncation(store: Any, rel: str, phase: Phase, seq_len: int) -> di
     return {"truncation": {**index["truncation"], **index["totals"]["truncation"]}, **({"note": line} if line else {})}
 
 
-def prepared_dir(cfg: RunConfig, phase: Phase) -> Path:
-    """The local data/<phase>/ a training or evaluation stage reads (staged in, sha256-verified, for remote run
-    roots)."""
-    store, rel = store_for(cfg), STAGE[PREPARE[phase]].artifact
-    return store.local_path(rel) if store.local else store.stage_in(rel)
-
-
 __all__ = [
     "prepare_data",
-    "prepared_dir",
     "task_runner_for",
     "tokenize_files",
     "tokenize_item",

@@ -55,8 +55,8 @@ from tasks.core.models.folder import folder_problems
 from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR, read_manifest
 from tasks.core.run.stages import EXPORT, EXPORT_ADAPTER, Status
 from tasks.flowkit import automation, ui
-from tasks.flowkit.stage import StageResult, secret_token, store_for
-from tasks.stages.load import transient
+from tasks.flowkit.retry import transient
+from tasks.flowkit.stage import StageResult, recorded_metrics, secret_token, store_for
 
 ADAPTER_SUBFOLDER = "adapter"  # the adapter's folder in the model repo when hub.adapter_repo_id is unset
 
@@ -168,8 +168,6 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
     store = store_for(cfg)
     export_dir = store.stage_in(EXPORT)  # sha256-verified against the export manifest
     manifest = read_manifest(export_dir)
-    from tasks.stages.evaluate import recorded_metrics
-
     # The card the run wrote into the export (tasks/stages/export.py write_card), byte for byte; rendered
     # here only for an export that has none listed (made before cards were part of it).
     card = (

@@ -17,7 +17,7 @@ from prefect import get_run_logger
 
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.schema import RunConfig
-from tasks.core.data.stage_data import check_against_model, corpus_of, record_split, split_info
+from tasks.core.data.stage_data import check_against_model, corpus_of, prepared_dir, record_split, split_info
 from tasks.core.launch.torchrun import run_engine, stage_fault_env
 from tasks.core.run.events import BACKPRESSURE, CHECKPOINT, KERNELS
 from tasks.core.run.job import Job, NodeStaging, Parent
@@ -37,7 +37,6 @@ from tasks.core.storage.handshake import manifest_sha256, mark_published
 from tasks.core.storage.publisher import Publisher, retain_remote, unpublished_steps
 from tasks.flowkit import tracking, ui
 from tasks.flowkit.stage import Stage, StageResult, stage_task, store_for
-from tasks.stages.prepare_data import prepared_dir
 
 
 def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:
@@ -88,7 +87,7 @@ def _job(cfg: RunConfig, store: RunStore, stage: str, verb: str, parent: StageRe
     )
     # Before any launch: the shards must have been made with this model's tokenizer (prepare_sft
     # ran with the base model's; the CPT model's must be the same) and fit its vocabulary.
-    data = prepared_dir(cfg, stage)
+    data = prepared_dir(store, stage)
     check_against_model(data, source, stage)
     if verb == "train":
         record_split(store, stage, split_info(data, corpus_of(getattr(cfg, stage).data)))
