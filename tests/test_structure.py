@@ -238,6 +238,18 @@ def test_no_stage_module_imports_another_stage_module():
     )
 
 
+def test_the_flowkit_never_imports_a_stage_module():
+    bad = [
+        f"{path.relative_to(ROOT)} imports {mod}"
+        for path in _modules(TASKS / "flowkit")
+        for mod, names in _imports(path)
+        if mod.startswith("tasks.stages") and (mod != "tasks.stages" or names)
+    ]
+    assert not bad, "tasks/flowkit/ is what the stages are built with and never reaches up into them:\n" + "\n".join(
+        bad
+    )
+
+
 def test_the_stage_import_finder_finds_every_form_and_leaves_the_rest_alone(tmp_path):
     folder = tmp_path / "stages"
     folder.mkdir()

@@ -190,7 +190,7 @@ def prepare_data(cfg: RunConfig, phase: Phase, source: StageResult) -> StageResu
     """Tokenize `phase`'s corpus with `source`'s tokenizer into data/<phase>/ (token shards, index, held-out
     records)."""
     logger = get_run_logger()
-    st_cfg = getattr(cfg, phase)
+    st_cfg = cfg.phase(phase)
     name = PREPARE[phase]
     store = store_for(cfg)
     tok_dir = store.local_path(source.rel) if store.local else store.stage_in(source.rel)
