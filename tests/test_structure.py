@@ -15,7 +15,8 @@
 - A fifth plugin is one registry row plus one builder; nothing else changes.
 - No module branches on a phase name ("cpt", "sft") outside the phase registry: it reads the row.
 - The stages are peers: no module of `tasks/stages/` imports another (what two stages share lives in
-  `tasks/flowkit/` or `tasks/core/`), so they stand on one level of the import graph.
+  `tasks/flowkit/` or `tasks/core/`), so they stand on one level of the import graph; `tasks/flowkit/`
+  never imports a stage module.
 - The command line is one argument parser (flows/cli.py); `python -m flows.cpt_to_sft` is a command of it.
 """
 

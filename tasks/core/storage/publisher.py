@@ -17,7 +17,8 @@ A failed publish is retried with exponential backoff a bounded number of times (
 only what is missing). After the last attempt the failure is recorded, naming the checkpoint,
 and the worker publishes nothing newer (order matters: a newer remote checkpoint must never exist
 beside a missing older one that retention would then consider published). `drain()`, at the
-end of a stage, waits for the queue to empty and raises the first failure.
+end of a stage, waits for the queue to empty and raises the first failure. `publish_tensorboard`
+copies the stage's TensorBoard files up beside each published checkpoint.
 
 Pure: no prefect, no torch. Try it on a local run root:
 
