@@ -28,6 +28,7 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from tasks.core.config.kernels import cuda_available
+from tasks.core.config.phases import Phase
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.data.stage_data import (
     corpus_of,
@@ -78,7 +79,7 @@ def _not_configured(stage: str, which: str) -> StageResult:
 
 def _recorded(
     stage: Stage,
-    phase: str,
+    phase: Phase,
     metrics: dict[str, Any],
     reference: StageResult,
     candidate: StageResult,
