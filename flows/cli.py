@@ -523,7 +523,7 @@ def run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
 def _run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
     import flows.cpt_to_sft as runbook
     from flows.embedded_api import ApiUnavailable, embedded_api
-    from tasks.stages.evaluate import gate_message
+    from tasks.stages.gate import gate_message
 
     previous = signal.signal(signal.SIGINT, _on_sigint)
     try:

@@ -41,8 +41,9 @@ from tasks.flowkit import automation, tracking, ui
 from tasks.flowkit.preflight import REFUSED, preflight
 from tasks.flowkit.stage import StageResult, disk_cause, outcome, recorded_metrics, store_for, write_record
 from tasks.stages.benchmark import benchmark
-from tasks.stages.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back
+from tasks.stages.evaluate import evaluate_cpt, evaluate_sft
 from tasks.stages.export import export_hf, write_card
+from tasks.stages.gate import gate, gate_message, held_back
 from tasks.stages.load import load_from_hf
 from tasks.stages.prepare_data import prepare_data
 from tasks.stages.push import push_to_hub

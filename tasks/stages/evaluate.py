@@ -1,4 +1,5 @@
-"""Stages evaluate_cpt, evaluate_sft and gate: held-out metrics, a generation check, the publish gate.
+"""Stages evaluate_cpt and evaluate_sft: held-out metrics and a generation check (the gate that reads
+them: tasks/stages/gate.py).
 
 Evaluation runs on the HF-format artifacts with plain `transformers` on the worker (CUDA when it
 has one, spread over its visible GPUs when a model does not fit the first; else CPU), never under a
@@ -9,7 +10,6 @@ load it. `eval.dtype` unset follows export.dtype on a GPU, fp32 on CPU (`_with_e
 - evaluate_sft: cpt/hf/ (what reboost loaded: the pre-SFT model) vs export/ on the SFT held-out
   set, loss on assistant tokens; then greedy generations of held-out prompts with the export
   -> eval/sft/ (metrics.json, generations.jsonl + manifest)
-- gate: the thresholds of `gate:` over those metrics; a failed gate holds the push back.
 
 The held-out records were decided by prepare_data in its one pass over the corpus and are read
 here from data/<stage>/ (`tasks.core.data.stage_data.heldout_records`), never re-split. The evaluation artifacts are leaves nobody trains
@@ -22,10 +22,9 @@ on a re-run like every stage (manifest verifies, config digest matches).
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 
 from tasks.core.config.kernels import cuda_available
 from tasks.core.config.phases import Phase
@@ -41,14 +40,10 @@ from tasks.core.data.stage_data import (
 )
 from tasks.core.evaluation import heldout as ev
 from tasks.core.evaluation import placement
-from tasks.core.evaluation import verdict as rules
 from tasks.core.run.stages import Status
 from tasks.core.storage.fs import RunStore
-from tasks.flowkit import automation, tracking, ui
+from tasks.flowkit import tracking
 from tasks.flowkit.stage import Stage, StageResult, stage_task
-
-EVAL_TABLE_KEY = "cpt-to-sft-evaluation"
-
 
 # ------------------------------------------------------------------------------------------------
 # Evaluation stages
@@ -206,58 +201,3 @@ def evaluate_sft(
         "generation_passed": gen["passed"],
     }
     return _recorded(stage, "sft", metrics, bridge, export, st.max_steps, tracker, event, generations=rows)
-
-
-# ------------------------------------------------------------------------------------------------
-# The gate
-
-
-@task(name="gate", task_run_name="gate before push")
-def gate(
-    cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult, bench_eval: StageResult | None = None
-) -> StageResult:
-    """Status `passed`, `failed-gate` or `disabled`; detail is the verdict (checks and reasons).
-
-    Not an artifact: a pure decision over recorded metrics and `gate:`, taken on every run, so
-    changing a threshold re-decides without re-running anything upstream.
-    """
-    logger = get_run_logger()
-    started = time.monotonic()
-    cpt, sft = cpt_eval.detail.get("metrics"), sft_eval.detail.get("metrics")
-    scores = bench_eval.detail.get("metrics") if bench_eval is not None else None
-    verdict = rules.gate_verdict(cfg.gate, cpt, sft, scores)
-    for c in verdict["checks"]:
-        logger.info("gate: %s %s: %s", "pass" if c["ok"] else "FAIL", c["check"], c["message"])
-    status = Status.DISABLED if not cfg.gate.enabled else (Status.PASSED if verdict["passed"] else Status.FAILED_GATE)
-    if status == Status.DISABLED:
-        logger.warning("gate: disabled by gate.enabled: false; the export goes to push_to_hub whatever the checks say")
-    elif status == Status.FAILED_GATE:
-        logger.error("gate: FAILED, the push is skipped and every artifact is kept: %s", "; ".join(verdict["reasons"]))
-    try:
-        from prefect.artifacts import create_table_artifact
-
-        create_table_artifact(
-            rules.metrics_table(cpt, sft, verdict),
-            key=EVAL_TABLE_KEY,
-            description=f"Held-out evaluation and the publish gate: {status}",
-        )
-    except Exception as exc:
-        logger.warning("evaluation table artifact unavailable: %s", exc)
-    if scores:
-        ui.benchmark_table(scores, verdict)  # the benchmark table again, with the gate's word per task
-    return StageResult("gate", status, seconds=time.monotonic() - started, detail=verdict)
-
-
-def held_back(cfg: RunConfig, verdict: StageResult) -> StageResult:
-    """The push_to_hub result when the gate failed: nothing is pushed, the reasons are kept."""
-    reasons = verdict.detail.get("reasons", [])
-    target = f"hf://{cfg.hub.repo_id}" if cfg.hub else None
-    get_run_logger().warning("push_to_hub: not run, the gate failed (%s)", "; ".join(reasons))
-    automation.stage_event("push_to_hub", Status.FAILED_GATE, cfg.name, target, reasons=reasons)
-    return StageResult(
-        "push_to_hub", Status.FAILED_GATE, uri=target, detail={"reason": "the gate failed", "reasons": reasons}
-    )
-
-
-def gate_message(verdict: dict[str, Any]) -> str:
-    return "gate failed, nothing pushed, every artifact kept: " + "; ".join(verdict.get("reasons") or [])
