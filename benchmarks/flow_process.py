@@ -18,7 +18,7 @@ Per size, the seeded random Llama of benchmarks/scale.py (an fp32 HF folder, as 
   peak over start as for the check; the two exports' tensors must be bitwise equal.
 - skip decision: the folder published as a run root's `base/` artifact (hard links; a manifest with
   every sha256, then the verification stamp, as Stage.done makes it), then `RunStore.verify` as the
-  skip decision ran before stamps (every byte hashed) and as `tasks/stage.py` `completed` runs it now.
+  skip decision ran before stamps (every byte hashed) and as `tasks/flowkit/stage.py` `completed` runs it now.
 - re-run (full mode): the demo config (deployments/configs/tiny-cpu.yaml) run to completion, then
   the same command again: every stage is skipped; wall time of each, end to end, as a user sees it.
   Twice: the CLI alone (no PREFECT_API_URL: each process starts an embedded Prefect server, about

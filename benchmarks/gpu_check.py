@@ -406,10 +406,10 @@ def cmd_build_model(out: str, size: str) -> int:
 def cmd_flow(config: str, run_root: str, records_path: str) -> int:
     """The flow in this process, every engine launch's records appended to a JSONL file as they come
     (a killed stage keeps what it printed)."""
-    import tasks.train
+    import tasks.stages.train
     from flows.cli import flow_main
 
-    real = tasks.train.run_engine
+    real = tasks.stages.train.run_engine
     with open(records_path, "a") as sink:
 
         def write(obj: dict[str, Any]) -> None:
@@ -451,7 +451,7 @@ def cmd_flow(config: str, run_root: str, records_path: str) -> int:
             )
             return result
 
-        tasks.train.run_engine = recording
+        tasks.stages.train.run_engine = recording
         try:
             return flow_main(["--config", config, "--run-root", run_root])
         except Exception as exc:  # the flow re-raises the failed stage's error

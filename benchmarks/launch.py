@@ -62,7 +62,7 @@ class _Quiet(logging.Logger):
 
 
 def _job(cfg, model: Path, data: Path, stage_dir: Path, verb: str) -> Job:
-    """The job tasks/train.py writes for the cpt stage; `data` is the prepared data/cpt of `cfg`."""
+    """The job tasks/stages/train.py writes for the cpt stage; `data` is the prepared data/cpt of `cfg`."""
     return Job(
         verb=verb,
         stage="cpt",

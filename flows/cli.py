@@ -265,8 +265,8 @@ def card(run_root: str) -> int:
     from tasks.core.config.schema import RunConfig
     from tasks.core.run.stages import RUN_JSON, Status
     from tasks.core.storage.fs import RunStore
-    from tasks.export import write_card
-    from tasks.stage import StageResult
+    from tasks.flowkit.stage import StageResult
+    from tasks.stages.export import write_card
 
     try:
         summary = json.loads(RunStore(run_root).read_text(RUN_JSON))
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
 def _config_command(args: argparse.Namespace, path: Path, cfg: Any) -> int:
     """run, check or break-lease on the config read once by `main` (`cfg`, and `path`, its resolved YAML for the flow)."""
     if args.cmd == "check":
-        from tasks.preflight import run_check_cli
+        from tasks.flowkit.preflight import run_check_cli
 
         return run_check_cli(cfg)
     if args.cmd == "break-lease":
@@ -473,7 +473,7 @@ def break_lease(cfg: Any) -> int:
     """Remove the run root's lease left by a dead run, saying whose it was."""
     from tasks.core.storage.lease import break_lease as break_it
     from tasks.core.storage.lease import describe
-    from tasks.stage import store_for
+    from tasks.flowkit.stage import store_for
 
     old = break_it(store_for(cfg))
     print(f"lease on {cfg.run_uri}: " + (f"broken (was held by {describe(old)})" if old else "none held"))
@@ -491,7 +491,7 @@ def _flow(args: argparse.Namespace) -> int:
     from tasks.core.config.overrides import RunOverrides
 
     if args.check:
-        from tasks.preflight import run_check_cli
+        from tasks.flowkit.preflight import run_check_cli
 
         return run_check_cli(args.config, run_root=args.run_root, run_name=args.run_name)
     overrides = RunOverrides(run_root=args.run_root or "", run_name=args.run_name or "")
@@ -509,7 +509,7 @@ def run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
 
     import flows.cpt_to_sft  # noqa: F401 - first: importing Prefect sets up the console handlers filtered below
     from flows.console import console_guard
-    from tasks.console_log import one_line_failures
+    from tasks.flowkit.console_log import one_line_failures
 
     # The imports of a run (torch, transformers, Prefect: about 450k objects) live until the process
     # exits, where the interpreter's final collections would walk them all, a wait at every exit.
@@ -518,7 +518,7 @@ def run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
     atexit.unregister(gc.freeze)  # once per process, however often this runs in it
     atexit.register(gc.freeze)
     # To the last line printed: a run outlives the reader of its output, and a failure is that one
-    # line (the traceback is in the task run's log, tasks/console_log.py).
+    # line (the traceback is in the task run's log, tasks/flowkit/console_log.py).
     with console_guard(), one_line_failures():
         return _run_flow(config, overrides, stop_after)
 
@@ -526,7 +526,7 @@ def run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
 def _run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
     import flows.cpt_to_sft as runbook
     from flows.embedded_api import ApiUnavailable, embedded_api
-    from tasks.evaluate import gate_message
+    from tasks.stages.gate import gate_message
 
     previous = signal.signal(signal.SIGINT, _on_sigint)
     try:

@@ -164,7 +164,7 @@ class _RefusalIsNotACrash(logging.Filter):
     before it already holds. Any other failure keeps its traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from tasks.preflight import REFUSED
+        from tasks.flowkit.preflight import REFUSED
 
         exc = record.exc_info[1] if record.exc_info else None
         return not (type(exc).__name__ == "FailedRun" and REFUSED in str(exc))

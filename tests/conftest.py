@@ -125,9 +125,9 @@ def prepare_cpt(config: Path):
     from prefect import flow
 
     from tasks.core.config.load import load_config
-    from tasks.load import load_from_hf
-    from tasks.prepare_data import prepare_data
-    from tasks.stage import outcome
+    from tasks.flowkit.stage import outcome
+    from tasks.stages.load import load_from_hf
+    from tasks.stages.prepare_data import prepare_data
 
     @flow(name="prepare-cpt-test")
     def prep(path: str):

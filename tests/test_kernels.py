@@ -240,7 +240,7 @@ def test_the_card_and_the_checkpoint_manifest_carry_what_ran(tmp_path):
         "sft": {"flash_attention": "off: no CUDA"},
     }
     for stage in ("cpt", "sft"):
-        step = tmp_path / stage / f"step-{getattr(cfg, stage).max_steps:06d}"
+        step = tmp_path / stage / f"step-{cfg.phase(stage).max_steps:06d}"
         (step / MANIFEST).parent.mkdir(parents=True)
         (step / "train_state.json").write_text(json.dumps({"losses": [2.0]}))
         (step / MANIFEST).write_text(
@@ -256,7 +256,7 @@ def test_the_card_and_the_checkpoint_manifest_carry_what_ran(tmp_path):
 
 
 def test_the_progress_artifact_says_what_the_launch_runs_with(monkeypatch):
-    from tasks import ui
+    from tasks.flowkit import ui
 
     sent = []
     monkeypatch.setattr(ui, "create_progress_artifact", lambda progress, key, description: "artifact-id")

@@ -520,7 +520,7 @@ def test_oversubscribed_cpu_is_a_warning_not_an_error(tmp_path):
 def test_the_token_never_appears_in_the_report(tmp_path, monkeypatch):
     import huggingface_hub.constants
 
-    from tasks.preflight import check
+    from tasks.flowkit.preflight import check
 
     secret = "hf_SECRETsecretSECRET123"
     monkeypatch.setenv("HF_TOKEN", secret)
@@ -534,7 +534,7 @@ def test_the_token_never_appears_in_the_report(tmp_path, monkeypatch):
 
 
 def test_good_config_passes_and_lists_what_was_checked(tmp_path, tiny_model_dir, capsys):
-    from tasks.preflight import run_check_cli
+    from tasks.flowkit.preflight import run_check_cli
 
     path = write_config(tmp_path / "good.yaml", tiny_config_raw(tiny_model_dir, tmp_path / "run"))
     assert run_check_cli(str(path)) == 0
@@ -557,7 +557,7 @@ def test_good_config_passes_and_lists_what_was_checked(tmp_path, tiny_model_dir,
 
 
 def test_cli_check_fails_with_the_report_and_launches_nothing(tmp_path, capsys):
-    from tasks.preflight import run_check_cli
+    from tasks.flowkit.preflight import run_check_cli
 
     case = Case(tmp_path)
     _all(_set("sft.plugin", {**HP, "zero_stage": 1}), _set("cpt.data.uri", "/nonexistent/x.jsonl"))(case)
@@ -568,7 +568,7 @@ def test_cli_check_fails_with_the_report_and_launches_nothing(tmp_path, capsys):
 
 
 def test_cli_check_reports_structural_errors(tmp_path, capsys):
-    from tasks.preflight import run_check_cli
+    from tasks.flowkit.preflight import run_check_cli
 
     case = Case(tmp_path)
     case.raw["cpt"]["typo_field"] = 1
@@ -577,7 +577,7 @@ def test_cli_check_reports_structural_errors(tmp_path, capsys):
 
 
 def test_cli_check_without_token_or_server_says_the_secret_was_not_consulted(tmp_path, capsys):
-    from tasks.preflight import run_check_cli
+    from tasks.flowkit.preflight import run_check_cli
 
     case = Case(tmp_path)
     case.raw["hub"] = {"repo_id": "my-org/tiny"}
@@ -589,7 +589,7 @@ def test_cli_check_without_token_or_server_says_the_secret_was_not_consulted(tmp
 def test_preflight_task_fails_with_the_report_and_one_config_error(tmp_path, monkeypatch):
     import logging
 
-    import tasks.preflight as mod
+    import tasks.flowkit.preflight as mod
 
     monkeypatch.setattr(mod, "get_run_logger", lambda: logging.getLogger("preflight-test"))
     monkeypatch.setattr(mod, "_secret_value", lambda timeout=0: None)
@@ -606,7 +606,7 @@ def test_preflight_task_fails_with_the_report_and_one_config_error(tmp_path, mon
 def test_preflight_task_returns_the_checked_list(tmp_path, monkeypatch):
     import logging
 
-    import tasks.preflight as mod
+    import tasks.flowkit.preflight as mod
 
     monkeypatch.setattr(mod, "get_run_logger", lambda: logging.getLogger("preflight-test"))
     cfg = load_for_check(write_config(tmp_path / "c.yaml", Case(tmp_path).raw))

@@ -14,6 +14,9 @@
   in its `__init__` docstring what it holds.
 - A fifth plugin is one registry row plus one builder; nothing else changes.
 - No module branches on a phase name ("cpt", "sft") outside the phase registry: it reads the row.
+- The stages are peers: no module of `tasks/stages/` imports another (what two stages share lives in
+  `tasks/flowkit/` or `tasks/core/`), so they stand on one level of the import graph; `tasks/flowkit/`
+  never imports a stage module.
 - The command line is one argument parser (flows/cli.py); `python -m flows.cpt_to_sft` is a command of it.
 """
 
@@ -69,7 +72,7 @@ def _imports(path: Path) -> list[tuple[str, list[str]]]:
     return out
 
 
-PREFECT_TASK_MODULES = {"tasks." + p.stem for p in TASKS.glob("*.py") if p.stem != "__init__"}
+PREFECT_TASK_MODULES = {_module_name(p) for room in ("stages", "flowkit") for p in _modules(TASKS / room)}
 
 
 def test_core_imports_no_other_room_and_no_framework():
@@ -190,6 +193,99 @@ def test_the_phase_branch_finder_finds_branches_and_leaves_data_alone(tmp_path):
         assert phase_branches(probe) == [f"tasks/_phase_probe_for_test.py:{n}" for n in (3, 5, 6, 8)]
     finally:
         probe.unlink()
+
+
+STAGES = TASKS / "stages"
+
+
+def stage_cross_imports(folder: Path, package: str = "tasks.stages") -> list[str]:
+    """`path:line imports package.peer` for every import of one stage module by another: absolute, relative,
+    `from package import peer`, inside a function, or by importlib with the name written out."""
+    peers = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    where = package.replace(".", "/")
+    bad = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                targets = [node.args[0].value]
+            else:
+                continue
+            hits = {t[len(package) + 1 :].split(".")[0] for t in targets if t.startswith(package + ".")}
+            bad += [
+                f"{where}/{path.name}:{node.lineno} imports {package}.{o}" for o in sorted(hits & peers - {path.stem})
+            ]
+    return bad
+
+
+def test_no_stage_module_imports_another_stage_module():
+    bad = stage_cross_imports(STAGES)
+    assert not bad, (
+        "a stage module imports another (stages are peers: move what both need into tasks/flowkit/, e.g. "
+        "tasks/flowkit/stage.py, or into tasks/core/):\n" + "\n".join(bad)
+    )
+
+
+def test_the_flowkit_never_imports_a_stage_module():
+    bad = [
+        f"{path.relative_to(ROOT)} imports {mod}"
+        for path in _modules(TASKS / "flowkit")
+        for mod, names in _imports(path)
+        if mod.startswith("tasks.stages") and (mod != "tasks.stages" or names)
+    ]
+    assert not bad, "tasks/flowkit/ is what the stages are built with and never reaches up into them:\n" + "\n".join(
+        bad
+    )
+
+
+def test_the_stage_import_finder_finds_every_form_and_leaves_the_rest_alone(tmp_path):
+    folder = tmp_path / "stages"
+    folder.mkdir()
+    (folder / "__init__.py").write_text('"""The stages."""\n')
+    (folder / "b.py").write_text("X = 1\n")
+    (folder / "c.py").write_text("Y = 2\n")
+    (folder / "a.py").write_text(
+        "import tasks.stages.b\n"  # 1
+        "from tasks.stages.c import Y\n"  # 2
+        "from tasks.stages import b, c\n"  # 3
+        "from . import b as bee\n"  # 4
+        "from .c import Y as why\n"  # 5
+        "from tasks.flowkit.stage import Stage\n"
+        "from tasks.core.data.stage_data import prepared_dir\n"
+        "import tasks.stages.a\n"
+        "from tasks.stagesque import z\n"
+        "import importlib\n"
+        "def f():\n"
+        "    from tasks.stages.b import X\n"  # 12
+        '    return importlib.import_module("tasks.stages.c"), "tasks.stages.b"\n'  # 13
+    )
+    found = stage_cross_imports(folder)
+    assert found == [
+        "tasks/stages/a.py:1 imports tasks.stages.b",
+        "tasks/stages/a.py:2 imports tasks.stages.c",
+        "tasks/stages/a.py:3 imports tasks.stages.b",
+        "tasks/stages/a.py:3 imports tasks.stages.c",
+        "tasks/stages/a.py:4 imports tasks.stages.b",
+        "tasks/stages/a.py:5 imports tasks.stages.c",
+        "tasks/stages/a.py:12 imports tasks.stages.b",
+        "tasks/stages/a.py:13 imports tasks.stages.c",
+    ], found
+    assert stage_cross_imports(folder, package="elsewhere.stages") == [
+        f"elsewhere/stages/a.py:{n} imports elsewhere.stages.{m}" for n, m in ((4, "b"), (5, "c"))
+    ]
 
 
 def _module_of(name: str, known: set[str]) -> str | None:

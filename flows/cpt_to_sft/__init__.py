@@ -29,8 +29,6 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.states import Cancelled, Completed, Failed
 
-from tasks import automation, tracking, ui
-from tasks.benchmark import benchmark
 from tasks.core.config.load import load_config
 from tasks.core.config.overrides import RunOverrides, on_form, parse_overrides
 from tasks.core.config.paths import resolve_local
@@ -41,15 +39,18 @@ from tasks.core.run.stages import DONE, STAGE, STAGE_NAMES, Status
 from tasks.core.run.trainlog import duration, summary_table
 from tasks.core.storage.fs import fetch_to_local
 from tasks.core.storage.lease import Lease, LeaseHeld
-from tasks.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back, recorded_metrics
-from tasks.export import export_hf, write_card
-from tasks.load import load_from_hf
-from tasks.preflight import REFUSED, preflight
-from tasks.prepare_data import prepare_data
-from tasks.push import push_to_hub
-from tasks.stage import StageResult, disk_cause, outcome, store_for, write_record
-from tasks.train import boost_and_shard, reboost, train_cpt, train_sft
-from tasks.unshard import unshard
+from tasks.flowkit import automation, tracking, ui
+from tasks.flowkit.preflight import REFUSED, preflight
+from tasks.flowkit.stage import StageResult, disk_cause, outcome, recorded_metrics, store_for, write_record
+from tasks.stages.benchmark import benchmark
+from tasks.stages.evaluate import evaluate_cpt, evaluate_sft
+from tasks.stages.export import export_hf, write_card
+from tasks.stages.gate import gate, gate_message, held_back
+from tasks.stages.load import load_from_hf
+from tasks.stages.prepare_data import prepare_data
+from tasks.stages.push import push_to_hub
+from tasks.stages.train import boost_and_shard, reboost, train_cpt, train_sft
+from tasks.stages.unshard import unshard
 
 
 def resolve_config(config: str, overrides: RunOverrides | dict | None = None, *, rules: bool = True) -> RunConfig:

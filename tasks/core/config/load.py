@@ -129,7 +129,7 @@ def gate_problems(cfg: RunConfig) -> list[Problem]:
         ("generation_must_stop", "sft", g.generation_must_stop),
     ]
     for name, stage, active in needs:
-        if active and not getattr(cfg, stage).eval.enabled:
+        if active and not cfg.phase(stage).eval.enabled:
             out.append(
                 (
                     f"gate.{name}",
@@ -274,7 +274,7 @@ def static_problems(cfg: RunConfig) -> list[Problem]:
     """Every rule across fields that the config alone decides: each stage's layout, the held-out-only sources, the gate, the Hub push."""
     problems: list[Problem] = []
     for stage in PHASES:
-        problems += plugin_problems(getattr(cfg, stage), stage)
+        problems += plugin_problems(cfg.phase(stage), stage)
     return problems + heldout_source_problems(cfg) + gate_problems(cfg) + hub_problems(cfg)
 
 

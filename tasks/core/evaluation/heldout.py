@@ -57,7 +57,7 @@ def perplexity(loss: float) -> float:
 
 def resolved(cfg: EvalConfig) -> EvalConfig:
     """`cfg` with its dtype decided: as set, else the default export dtype on a GPU, fp32 on CPU
-    (the flow passes its own export.dtype, `tasks.evaluate`)."""
+    (the flow passes its own export.dtype, `tasks.stages.evaluate`)."""
     default = ExportConfig.model_fields["dtype"].default
     return cfg if cfg.dtype else cfg.model_copy(update={"dtype": where.eval_dtype(None, default, cuda_available())})
 

@@ -361,7 +361,7 @@ def _main(argv: list[str]) -> int:
     cfg = load_config(argv[0])
     bad = 0
     for name in PHASES:
-        stage = getattr(cfg, name)
+        stage = cfg.phase(name)
         if stage.launch.backend != "slurm":
             print(f"{name}: backend {stage.launch.backend}, not Slurm")
             continue

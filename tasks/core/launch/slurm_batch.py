@@ -388,7 +388,7 @@ def _main(argv: list[str]) -> int:
         print("usage: python -m tasks.core.launch.slurm CONFIG.yaml cpt|sft VERB", file=sys.stderr)
         return 2
     cfg = load_config(argv[0])
-    stage = getattr(cfg, argv[1])
+    stage = cfg.phase(argv[1])
     job_path = f"{cfg.run_uri}/{argv[1]}/.launch/{argv[2]}.json"
     print(
         render_batch_script(

@@ -2,7 +2,7 @@
 
     python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
 
-Pure of prefect: the Prefect task (`tasks.preflight.preflight`) adds the one check that needs it
+Pure of prefect: the Prefect task (`tasks.flowkit.preflight.preflight`) adds the one check that needs it
 (the Hub token in the Secret block `hf-token`) and passes its answer in as `token_present`.
 Nothing here reads weights: the base model's config.json, tokenizer_config.json and file list
 are enough (for a Hub repo: `hf_hub_download` of those two small files and the repo's file list).

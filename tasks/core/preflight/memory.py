@@ -563,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # as pre-flight reads it: the static rules are its own checks
     mc = read_model_info(cfg.base_model.uri, cfg.base_model.revision).config
     for name in PHASES:
-        st = getattr(cfg, name)
+        st = cfg.phase(name)
         cuda = bool(getattr(st.launch, "gpu_memory_gb", None))
         est = estimate(mc, st, stage=name, cuda=cuda)
         print(

@@ -163,14 +163,14 @@ def estimate_local_bytes(cfg: RunConfig, mc: dict[str, Any], local_run_root: boo
 
     hf = n * (base_bytes + DTYPE_BYTES[cfg.cpt.plugin.precision] + DTYPE_BYTES[cfg.export.dtype])
     if local_run_root:
-        kept = sum((getattr(cfg, s).keep_last + 1) * ckpt(getattr(cfg, s)) for s in PHASES)
+        kept = sum((cfg.phase(s).keep_last + 1) * ckpt(cfg.phase(s)) for s in PHASES)
         how = (
             f"{n / 1e6:.1f}M params: (keep_last+1) checkpoints per stage at (weights + 8 B Adam + 4 B fp32 "
             "master where the plugin keeps one) per param, plus 3 HF copies"
         )
     else:
-        staged = {s: getattr(cfg, s).keep_last + getattr(cfg, s).max_pending_publishes + 1 for s in PHASES}
-        kept = max(staged[s] * ckpt(getattr(cfg, s)) for s in staged)
+        staged = {s: cfg.phase(s).keep_last + cfg.phase(s).max_pending_publishes + 1 for s in PHASES}
+        kept = max(staged[s] * ckpt(cfg.phase(s)) for s in staged)
         how = (
             f"{n / 1e6:.1f}M params: (keep_last + max_pending_publishes + 1) staged checkpoints of the larger stage "
             f"(cpt {staged['cpt']}, sft {staged['sft']}) plus 3 HF copies"
@@ -244,9 +244,9 @@ def check_paths(ctx: CheckContext) -> None:
     held-out JSONL and generations.jsonl as corpus)."""
     cfg = ctx.cfg
     writes = [("run_root", cfg.run_uri)] + ([("staging_dir", str(cfg.staging_dir))] if cfg.staging_dir else [])
-    sources = [(f"{s}.data.uri", u) for s in PHASES for u in getattr(cfg, s).data.uris]
+    sources = [(f"{s}.data.uri", u) for s in PHASES for u in cfg.phase(s).data.uris]
     sources += [
-        (f"{s}.eval.heldout_uri", getattr(cfg, s).eval.heldout_uri) for s in PHASES if getattr(cfg, s).eval.heldout_uri
+        (f"{s}.eval.heldout_uri", cfg.phase(s).eval.heldout_uri) for s in PHASES if cfg.phase(s).eval.heldout_uri
     ]
     bad = 0
     for wfield, wuri in writes:

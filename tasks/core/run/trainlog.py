@@ -226,7 +226,7 @@ def key_figure(row: dict[str, Any]) -> str:
     """The one figure a stage's row of run.json is read for: perplexity, loss, export size, ..."""
     d, name = row.get("detail") or {}, row.get("stage", "")
     if str(row.get("status")) == "failed":
-        return "its cause is the run's last line"  # a failure is one line on the console (tasks/console_log.py)
+        return "its cause is the run's last line"  # a failure is one line on the console (tasks/flowkit/console_log.py)
     m = d.get("metrics") or {}
     if name == "load_from_hf" and d.get("model_type"):
         return f"{d['model_type']}, vocab {d.get('vocab_size')}"

@@ -39,7 +39,6 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.states import Completed, State
 
-from tasks import automation
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ArtifactMissing, ManifestError
@@ -50,6 +49,7 @@ from tasks.core.run.stages import BUILD_SUFFIX, STAGE, SUPERSEDED, Status
 from tasks.core.storage.fs import RunStore
 from tasks.core.storage.oserrors import note_free
 from tasks.core.storage.publisher import RETRIES, publish_retrying
+from tasks.flowkit import automation
 
 __all__ = [
     "Stage",
@@ -58,6 +58,7 @@ __all__ = [
     "disk_cause",
     "fresh_dir",
     "outcome",
+    "recorded_metrics",
     "resolve_local",
     "secret_token",
     "stage_task",
@@ -81,6 +82,17 @@ class StageResult:
         d = asdict(self)
         d["status"] = str(self.status)
         return d
+
+
+def recorded_metrics(results: dict[str, StageResult]) -> dict[str, dict[str, Any] | None]:
+    """{"cpt": metrics | None, "sft": metrics | None, "benchmark": metrics | None} from this run's
+    stage results (skipped evaluations carry the metrics recorded in their manifests): run.json's
+    "evaluation" and the input of the card's model-index (`tasks.core.evaluation.verdict.eval_results_for_card`)."""
+    out: dict[str, dict[str, Any] | None] = {}
+    for key, stage in (("cpt", "evaluate_cpt"), ("sft", "evaluate_sft"), ("benchmark", "benchmark")):
+        r = results.get(stage)
+        out[key] = r.detail.get("metrics") if r is not None else None
+    return out
 
 
 def store_for(cfg: RunConfig) -> RunStore:

@@ -22,13 +22,13 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.states import Failed, State
 
-from tasks.console_log import NOT_ON_CONSOLE
 from tasks.core.config.overrides import on_form
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError
 from tasks.core.hub.repo import SECRET_BLOCK, HubToken, find_hub_token
 from tasks.core.preflight.checks import PreflightReport, load_for_check, preflight_report
 from tasks.core.run.events import CONSOLE_OFF, UI_OFF
+from tasks.flowkit.console_log import NOT_ON_CONSOLE
 
 SECRET_TIMEOUT_S = 5.0
 

@@ -1,4 +1,5 @@
-"""Stages evaluate_cpt, evaluate_sft and gate: held-out metrics, a generation check, the publish gate.
+"""Stages evaluate_cpt and evaluate_sft: held-out metrics and a generation check (the gate that reads
+them: tasks/stages/gate.py).
 
 Evaluation runs on the HF-format artifacts with plain `transformers` on the worker (CUDA when it
 has one, spread over its visible GPUs when a model does not fit the first; else CPU), never under a
@@ -9,7 +10,6 @@ load it. `eval.dtype` unset follows export.dtype on a GPU, fp32 on CPU (`_with_e
 - evaluate_sft: cpt/hf/ (what reboost loaded: the pre-SFT model) vs export/ on the SFT held-out
   set, loss on assistant tokens; then greedy generations of held-out prompts with the export
   -> eval/sft/ (metrics.json, generations.jsonl + manifest)
-- gate: the thresholds of `gate:` over those metrics; a failed gate holds the push back.
 
 The held-out records were decided by prepare_data in its one pass over the corpus and are read
 here from data/<stage>/ (`tasks.core.data.stage_data.heldout_records`), never re-split. The evaluation artifacts are leaves nobody trains
@@ -22,32 +22,28 @@ on a re-run like every stage (manifest verifies, config digest matches).
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 
-from tasks import automation, tracking
 from tasks.core.config.kernels import cuda_available
+from tasks.core.config.phases import Phase
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.data.stage_data import (
     corpus_of,
     heldout_by_source,
     heldout_only_names,
     heldout_records,
+    prepared_dir,
     split_info,
     write_jsonl,
 )
 from tasks.core.evaluation import heldout as ev
 from tasks.core.evaluation import placement
-from tasks.core.evaluation import verdict as rules
 from tasks.core.run.stages import Status
 from tasks.core.storage.fs import RunStore
-from tasks.prepare_data import prepared_dir
-from tasks.stage import Stage, StageResult, stage_task
-
-EVAL_TABLE_KEY = "cpt-to-sft-evaluation"
-
+from tasks.flowkit import tracking
+from tasks.flowkit.stage import Stage, StageResult, stage_task
 
 # ------------------------------------------------------------------------------------------------
 # Evaluation stages
@@ -76,6 +72,37 @@ def _not_configured(stage: str, which: str) -> StageResult:
     return StageResult(stage, Status.NOT_CONFIGURED, detail={"reason": f"{which}.eval has no held-out set"})
 
 
+def _recorded(
+    stage: Stage,
+    phase: Phase,
+    metrics: dict[str, Any],
+    reference: StageResult,
+    candidate: StageResult,
+    steps: int,
+    tracker: tracking.TrackerHandle | None,
+    event: dict[str, Any],
+    generations: list[dict] | None = None,
+) -> StageResult:
+    """Both evaluations' end: metrics.json (and the generations), the scalars to TensorBoard and
+    MLflow, the manifest last (its parent the candidate), then publish and the completed event."""
+    with stage.build() as out:
+        (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        if generations is not None:
+            write_jsonl(out.dir / "generations.jsonl", generations)
+        tracking.log_evaluation(phase, metrics, out.dir, steps, tracker)
+        out.manifest(
+            kind="evaluation",
+            parent=candidate,
+            meta={
+                "stage": phase,
+                "metrics": metrics,
+                "reference": {"uri": reference.uri, "digest": reference.digest},
+                "candidate": {"uri": candidate.uri, "digest": candidate.digest},
+            },
+        )
+    return stage.done({"metrics": metrics}, event=event)
+
+
 @stage_task(name="evaluate_cpt", task_run_name="evaluate CPT: base vs CPT held-out perplexity")
 def evaluate_cpt(
     cfg: RunConfig, base: StageResult, bridge: StageResult, tracker: tracking.TrackerHandle | None = None
@@ -89,7 +116,7 @@ def evaluate_cpt(
     if stage.skipped:
         return _with_metrics(stage.result, store)
     base_dir, cpt_dir = store.stage_in(base.rel), store.stage_in(bridge.rel)
-    data = prepared_dir(cfg, "cpt")
+    data = prepared_dir(store, "cpt")
     split = split_info(data, corpus_of(cfg.cpt.data))
     st = _with_eval_dtype(cfg, cfg.cpt)
     metrics = ev.evaluate_cpt(
@@ -125,23 +152,8 @@ def evaluate_cpt(
                 m["cpt"]["perplexity"],
                 m["perplexity_change_pct"],
             )
-    with stage.build() as out:
-        (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-        tracking.log_evaluation("cpt", metrics, out.dir, st.max_steps, tracker)
-        out.manifest(
-            kind="evaluation",
-            parent=bridge,
-            meta={
-                "stage": "cpt",
-                "metrics": metrics,
-                "reference": {"uri": base.uri, "digest": base.digest},
-                "candidate": {"uri": bridge.uri, "digest": bridge.digest},
-            },
-        )
-    return stage.done(
-        {"metrics": metrics},
-        event={"base_perplexity": metrics["base"]["perplexity"], "cpt_perplexity": metrics["cpt"]["perplexity"]},
-    )
+    event = {"base_perplexity": metrics["base"]["perplexity"], "cpt_perplexity": metrics["cpt"]["perplexity"]}
+    return _recorded(stage, "cpt", metrics, base, bridge, st.max_steps, tracker, event)
 
 
 @stage_task(name="evaluate_sft", task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
@@ -158,7 +170,7 @@ def evaluate_sft(
     if stage.skipped:
         return _with_metrics(stage.result, store)
     pre_dir, export_dir = store.stage_in(bridge.rel), store.stage_in(export.rel)
-    data = prepared_dir(cfg, "sft")
+    data = prepared_dir(store, "sft")
     split = split_info(data, corpus_of(cfg.sft.data))
     st = _with_eval_dtype(cfg, cfg.sft)
     heldout = heldout_records(data)
@@ -183,93 +195,9 @@ def evaluate_sft(
     )
     for problem in gen["problems"]:
         logger.warning("evaluate_sft: generation check: %s", problem)
-    with stage.build() as out:
-        (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-        write_jsonl(out.dir / "generations.jsonl", rows)
-        tracking.log_evaluation("sft", metrics, out.dir, st.max_steps, tracker)
-        out.manifest(
-            kind="evaluation",
-            parent=export,
-            meta={
-                "stage": "sft",
-                "metrics": metrics,
-                "reference": {"uri": bridge.uri, "digest": bridge.digest},
-                "candidate": {"uri": export.uri, "digest": export.digest},
-            },
-        )
-    return stage.done(
-        {"metrics": metrics},
-        event={
-            "pre_sft_loss": metrics["pre_sft"]["loss"],
-            "sft_loss": metrics["sft"]["loss"],
-            "generation_passed": gen["passed"],
-        },
-    )
-
-
-# ------------------------------------------------------------------------------------------------
-# The gate
-
-
-@task(name="gate", task_run_name="gate before push")
-def gate(
-    cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult, bench_eval: StageResult | None = None
-) -> StageResult:
-    """Status `passed`, `failed-gate` or `disabled`; detail is the verdict (checks and reasons).
-
-    Not an artifact: a pure decision over recorded metrics and `gate:`, taken on every run, so
-    changing a threshold re-decides without re-running anything upstream.
-    """
-    logger = get_run_logger()
-    started = time.monotonic()
-    cpt, sft = cpt_eval.detail.get("metrics"), sft_eval.detail.get("metrics")
-    scores = bench_eval.detail.get("metrics") if bench_eval is not None else None
-    verdict = rules.gate_verdict(cfg.gate, cpt, sft, scores)
-    for c in verdict["checks"]:
-        logger.info("gate: %s %s: %s", "pass" if c["ok"] else "FAIL", c["check"], c["message"])
-    status = Status.DISABLED if not cfg.gate.enabled else (Status.PASSED if verdict["passed"] else Status.FAILED_GATE)
-    if status == Status.DISABLED:
-        logger.warning("gate: disabled by gate.enabled: false; the export goes to push_to_hub whatever the checks say")
-    elif status == Status.FAILED_GATE:
-        logger.error("gate: FAILED, the push is skipped and every artifact is kept: %s", "; ".join(verdict["reasons"]))
-    try:
-        from prefect.artifacts import create_table_artifact
-
-        create_table_artifact(
-            rules.metrics_table(cpt, sft, verdict),
-            key=EVAL_TABLE_KEY,
-            description=f"Held-out evaluation and the publish gate: {status}",
-        )
-    except Exception as exc:
-        logger.warning("evaluation table artifact unavailable: %s", exc)
-    if scores:
-        from tasks.benchmark import show
-
-        show(scores, verdict)  # the benchmark table again, with the gate's word per task
-    return StageResult("gate", status, seconds=time.monotonic() - started, detail=verdict)
-
-
-def held_back(cfg: RunConfig, verdict: StageResult) -> StageResult:
-    """The push_to_hub result when the gate failed: nothing is pushed, the reasons are kept."""
-    reasons = verdict.detail.get("reasons", [])
-    target = f"hf://{cfg.hub.repo_id}" if cfg.hub else None
-    get_run_logger().warning("push_to_hub: not run, the gate failed (%s)", "; ".join(reasons))
-    automation.stage_event("push_to_hub", Status.FAILED_GATE, cfg.name, target, reasons=reasons)
-    return StageResult(
-        "push_to_hub", Status.FAILED_GATE, uri=target, detail={"reason": "the gate failed", "reasons": reasons}
-    )
-
-
-def recorded_metrics(results: dict[str, StageResult]) -> dict[str, dict[str, Any] | None]:
-    """{"cpt": metrics | None, "sft": metrics | None, "benchmark": metrics | None} from this run's
-    stage results (skipped evaluations carry the metrics recorded in their manifests): run.json's
-    "evaluation" and the input of the card's model-index (`tasks.core.evaluation.verdict.eval_results_for_card`)."""
-    out: dict[str, dict[str, Any] | None] = {}
-    for key, stage in (("cpt", "evaluate_cpt"), ("sft", "evaluate_sft"), ("benchmark", "benchmark")):
-        r = results.get(stage)
-        out[key] = r.detail.get("metrics") if r is not None else None
-    return out
-
-
-def gate_message(verdict: dict[str, Any]) -> str:
-    return "gate failed, nothing pushed, every artifact kept: " + "; ".join(verdict.get("reasons") or [])
+    event = {
+        "pre_sft_loss": metrics["pre_sft"]["loss"],
+        "sft_loss": metrics["sft"]["loss"],
+        "generation_passed": gen["passed"],
+    }
+    return _recorded(stage, "sft", metrics, bridge, export, st.max_steps, tracker, event, generations=rows)

@@ -28,7 +28,7 @@ the token `hf auth login` saved (in that order, `tasks.core.hub.repo.hub_token`)
 parameters — and is never logged or written into the card. HF_ENDPOINT selects
 another Hub (the tests run their own). Without `hub:` in the config the stage is skipped.
 
-    python -c "from tasks.stage import token; print(bool(token()))"   # is a token reachable?
+    python -c "from tasks.flowkit.stage import token; print(bool(token()))"   # is a token reachable?
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from tasks import automation, ui
 from tasks.core.config.outputs import HubConfig
 from tasks.core.config.schema import RunConfig
 from tasks.core.hub.card import CARD, adapter_card, base_facts, model_card, train_facts
@@ -55,8 +54,9 @@ from tasks.core.hub.repo import (
 from tasks.core.models.folder import folder_problems
 from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR, read_manifest
 from tasks.core.run.stages import EXPORT, EXPORT_ADAPTER, Status
-from tasks.load import transient
-from tasks.stage import StageResult, secret_token, store_for
+from tasks.flowkit import automation, ui
+from tasks.flowkit.retry import transient
+from tasks.flowkit.stage import StageResult, recorded_metrics, secret_token, store_for
 
 ADAPTER_SUBFOLDER = "adapter"  # the adapter's folder in the model repo when hub.adapter_repo_id is unset
 
@@ -168,9 +168,7 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
     store = store_for(cfg)
     export_dir = store.stage_in(EXPORT)  # sha256-verified against the export manifest
     manifest = read_manifest(export_dir)
-    from tasks.evaluate import recorded_metrics
-
-    # The card the run wrote into the export (tasks/export.py write_card), byte for byte; rendered
+    # The card the run wrote into the export (tasks/stages/export.py write_card), byte for byte; rendered
     # here only for an export that has none listed (made before cards were part of it).
     card = (
         (export_dir / CARD).read_text()

@@ -51,7 +51,6 @@ __all__ = [
     "fan_out",
     "flatten",
     "log_evaluation",
-    "publish_tensorboard",
     "redact",
     "stage_tracker",
 ]
@@ -312,20 +311,3 @@ def log_evaluation(
         except Exception as exc:  # the client itself (an unusable URI): a view, never a failed stage
             _warn(f"MLflow evaluation metrics not recorded ({redact(tracker.uri)}): {exc}")
     return scalars
-
-
-def publish_tensorboard(store, stage: str) -> int:
-    """Copy `<stage>/tensorboard/` from staging to a remote run root (a local run root already
-    holds it: the engine writes there). Whole files each time: they are small and append-only."""
-    if store.local:
-        return 0
-    from tasks.core.storage.fs import open_uri
-
-    local = store.local_path(f"{stage}/{TENSORBOARD}")
-    n = 0
-    for path in sorted(local.rglob("*")) if local.is_dir() else []:
-        if path.is_file():
-            with open_uri(store.uri(f"{stage}/{TENSORBOARD}/{path.relative_to(local).as_posix()}"), "wb") as f:
-                f.write(path.read_bytes())
-            n += 1
-    return n

@@ -11,7 +11,7 @@ from tasks.core.config.context import config_changes
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.stage_data import recorded_split
 from tasks.core.run.stages import BASE, TRAINING
-from tasks.stage import Stage, StageResult, stage_task
+from tasks.flowkit.stage import Stage, StageResult, stage_task
 
 
 @stage_task(name="unshard", task_run_name="unshard CPT -> HF")

@@ -24,40 +24,20 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from tasks import tracking
 from tasks.core.config.kernels import cuda_available
 from tasks.core.config.schema import RunConfig
 from tasks.core.evaluation import benchmark as bench
 from tasks.core.evaluation import placement
 from tasks.core.run.stages import BENCHMARK_BASE, Status
-from tasks.stage import Stage, StageResult, stage_task
+from tasks.flowkit import tracking, ui
+from tasks.flowkit.stage import Stage, StageResult, stage_task
 
-TABLE_KEY = "cpt-to-sft-benchmark"
 TASKS_DIR = "tasks"  # eval/benchmark/tasks/<task>/: each YAML and its data as scored
 
 
 def _not_configured() -> StageResult:
     get_run_logger().info("benchmark: benchmark.tasks is empty: no lm-eval benchmark")
     return StageResult("benchmark", Status.NOT_CONFIGURED, detail={"reason": "benchmark.tasks is empty"})
-
-
-def show(metrics: dict[str, Any] | None, verdict: dict[str, Any] | None = None) -> None:
-    """The UI's table artifact: task, metric, base, export, change (and the gate's word)."""
-    rows = bench.table_rows(metrics, verdict)
-    if not rows:
-        return
-    try:
-        from prefect.artifacts import create_table_artifact
-
-        s = (metrics or {}).get("settings") or {}
-        create_table_artifact(
-            rows,
-            key=TABLE_KEY,
-            description=f"lm-eval {s.get('lm_eval')} scores, base vs export ({s.get('num_fewshot')}-shot, "
-            f"{s.get('dtype')})",
-        )
-    except Exception as exc:
-        get_run_logger().warning("benchmark table artifact unavailable: %s", exc)
 
 
 def _base_scores(
@@ -110,7 +90,7 @@ def benchmark(
     stage = Stage("benchmark", cfg, base, export, inputs=inputs)
     if stage.skipped:
         stage.result.detail["metrics"] = (stage.store.read_manifest(stage.rel).get("meta") or {}).get("metrics")
-        show(stage.result.detail["metrics"])
+        ui.benchmark_table(stage.result.detail["metrics"])
         return stage.result
     started = time.monotonic()
     dtype = placement.eval_dtype(cfg.benchmark.dtype, cfg.export.dtype, cuda_available())
@@ -154,5 +134,5 @@ def benchmark(
                 "candidate": {"uri": export.uri, "digest": export.digest},
             },
         )
-    show(metrics)
+    ui.benchmark_table(metrics)
     return stage.done({"metrics": metrics}, event={"tasks": names})

@@ -29,7 +29,6 @@ from importlib import metadata
 
 from prefect import get_run_logger
 
-from tasks import ui
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.stage_data import recorded_split
 from tasks.core.errors import ConversionError
@@ -37,7 +36,8 @@ from tasks.core.models.stop_tokens import describe
 from tasks.core.run.manifest import VERIFICATION, amend_views, read_manifest, write_manifest
 from tasks.core.run.stages import EXPORT, EXPORT_ADAPTER, TRAINING
 from tasks.core.storage.publisher import RETRIES, publish_retrying
-from tasks.stage import Stage, StageResult, completed, fresh_dir, stage_task, store_for
+from tasks.flowkit import ui
+from tasks.flowkit.stage import Stage, StageResult, completed, fresh_dir, recorded_metrics, stage_task, store_for
 
 VERSIONED = ("torch", "colossalai", "transformers", "safetensors", "huggingface_hub")
 
@@ -231,8 +231,6 @@ def write_card(cfg: RunConfig, results: dict[str, StageResult], metrics: dict | 
     store = store_for(cfg)
     local = store.stage_in(EXPORT) if not store.local else store.local_path(EXPORT)
     if metrics is None:
-        from tasks.evaluate import recorded_metrics
-
         metrics = recorded_metrics(results)
     # As every record holds them (manifests and run.json sort their keys): the same card from a
     # first run, a re-run whose evaluations were skipped, and `cpt-to-sft card`.

@@ -43,7 +43,6 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 
-from tasks import console_log, ui
 from tasks.core.config.data import TokenizeConfig
 from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.schema import RunConfig
@@ -59,7 +58,8 @@ from tasks.core.data.shard import ShardSpec, read_summary, shard_dir
 from tasks.core.data.spec import prepare_spec
 from tasks.core.data.stage_data import HELDOUT_SET
 from tasks.core.run.stages import DATA_CACHE, PREPARE, STAGE
-from tasks.stage import Stage, StageResult, stage_task, store_for
+from tasks.flowkit import console_log, ui
+from tasks.flowkit.stage import Stage, StageResult, stage_task, store_for
 
 
 @contextmanager
@@ -190,7 +190,7 @@ def prepare_data(cfg: RunConfig, phase: Phase, source: StageResult) -> StageResu
     """Tokenize `phase`'s corpus with `source`'s tokenizer into data/<phase>/ (token shards, index, held-out
     records)."""
     logger = get_run_logger()
-    st_cfg = getattr(cfg, phase)
+    st_cfg = cfg.phase(phase)
     name = PREPARE[phase]
     store = store_for(cfg)
     tok_dir = store.local_path(source.rel) if store.local else store.stage_in(source.rel)
@@ -361,16 +361,8 @@ def _recorded_truncation(store: Any, rel: str, phase: Phase, seq_len: int) -> di
     return {"truncation": {**index["truncation"], **index["totals"]["truncation"]}, **({"note": line} if line else {})}
 
 
-def prepared_dir(cfg: RunConfig, phase: Phase) -> Path:
-    """The local data/<phase>/ a training or evaluation stage reads (staged in, sha256-verified, for remote run
-    roots)."""
-    store, rel = store_for(cfg), STAGE[PREPARE[phase]].artifact
-    return store.local_path(rel) if store.local else store.stage_in(rel)
-
-
 __all__ = [
     "prepare_data",
-    "prepared_dir",
     "task_runner_for",
     "tokenize_files",
     "tokenize_item",

@@ -21,17 +21,16 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from tasks.console_log import NOT_ON_CONSOLE
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError, ConversionError, ManifestError
-from tasks.core.hub.repo import HubRefusal, is_hub_id
+from tasks.core.hub.repo import is_hub_id
 from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
 from tasks.core.models.folder import JSON_FILES, json_file_problem, misnamed
 from tasks.core.run.manifest import sha256_file
 from tasks.core.storage.fs import fetch_tree, filesystem, is_local
-from tasks.core.storage.oserrors import DISK_ERRNOS
-from tasks.stage import Stage, StageResult, stage_task, token
+from tasks.flowkit.retry import transient
+from tasks.flowkit.stage import Stage, StageResult, stage_task, token
 
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 PICKLE_PATTERNS = ["*.bin", "*.bin.index.json", "*.pt", "*.pth"]
@@ -161,49 +160,6 @@ def convert_pickle(model_dir: Path, model_cfg: dict, uri: str) -> dict:
     finally:
         shutil.rmtree(src, ignore_errors=True)
     return {"loader": "torch.load(weights_only=True)", "files": sources, **report.summary()}
-
-
-UNHEALING_STATUS = (
-    401,
-    403,
-    404,
-)  # a refused token, a missing right, a missing repo/revision/file: the same on every try
-
-
-def cannot_heal(exc: BaseException) -> bool:
-    """An error a retry meets again: a refusal (ConfigError, HubRefusal), the Hub answering
-    401/403/404, a malformed safetensors file, a full, read-only or forbidden disk. Its causes count too (a loader may wrap the SafetensorError)."""
-    from huggingface_hub.errors import HfHubHTTPError
-    from safetensors import SafetensorError
-
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, (ConfigError, SafetensorError, HubRefusal)):
-            return True
-        if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:  # a full or read-only disk does not heal in 15 s
-            return True
-        if isinstance(exc, HfHubHTTPError) and getattr(exc.response, "status_code", None) in UNHEALING_STATUS:
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def transient(task, task_run, state) -> bool:
-    """Prefect's retry condition for the Hub stages: retry downloads, copies and uploads (network,
-    disk), never an error that cannot heal (`cannot_heal`)."""
-    try:
-        state.result()
-    except Exception as exc:  # the failure itself is what is judged
-        if not cannot_heal(exc):
-            return True
-        # Prefect 3.9 logs a failure's traceback only once the retries are spent, never when this
-        # condition declines them: the task run's log keeps it here (the console has the cause).
-        get_run_logger().error(
-            "not retried, the same on every try: %s: %s", type(exc).__name__, exc, exc_info=exc, extra=NOT_ON_CONSOLE
-        )
-        return False
-    return True
 
 
 @stage_task(

@@ -1,5 +1,5 @@
 """What the Prefect UI shows for a run: progress during training, loss curves, the stage table,
-the export verification and the Hub commit link (each stage's automation event: tasks/automation.py).
+the export verification and the Hub commit link (each stage's automation event: tasks/flowkit/automation.py).
 
 Artifact keys must be lowercase letters, digits and dashes; each run's artifacts are attached to
 its flow/task runs, so the keys are stable names (the UI's Artifacts page shows the latest per key,
@@ -29,10 +29,12 @@ from prefect.artifacts import (
 )
 
 from tasks.core.config.kernels import describe
+from tasks.core.evaluation import benchmark as bench
 from tasks.core.run.segments import summary as segments_summary
 from tasks.core.run.trainlog import duration
 
 STAGES_KEY = "cpt-to-sft-stages"
+BENCHMARK_TABLE_KEY = "cpt-to-sft-benchmark"
 
 
 def _key(text: str) -> str:
@@ -256,6 +258,25 @@ def mixture_table(
         )
     except Exception as exc:
         warn_view_failure("mixture table artifact", exc)
+
+
+def benchmark_table(metrics: dict[str, Any] | None, verdict: dict[str, Any] | None = None) -> None:
+    """The UI's table artifact: task, metric, base, export, change (and the gate's word)."""
+    rows = bench.table_rows(metrics, verdict)
+    if not rows:
+        return
+    try:
+        from prefect.artifacts import create_table_artifact
+
+        s = (metrics or {}).get("settings") or {}
+        create_table_artifact(
+            rows,
+            key=BENCHMARK_TABLE_KEY,
+            description=f"lm-eval {s.get('lm_eval')} scores, base vs export ({s.get('num_fewshot')}-shot, "
+            f"{s.get('dtype')})",
+        )
+    except Exception as exc:
+        get_run_logger().warning("benchmark table artifact unavailable: %s", exc)
 
 
 def render_loss_png(stage: str, losses: list[float], first_step: int = 1) -> bytes:

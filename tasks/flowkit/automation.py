@@ -11,7 +11,7 @@ from typing import Any
 
 from prefect.events import emit_event
 
-from tasks.ui import warn_view_failure
+from tasks.flowkit.ui import warn_view_failure
 
 
 def stage_event(stage: str, status: str, run_name: str, uri: str | None, **payload: Any) -> None:
