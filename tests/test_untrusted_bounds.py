@@ -77,3 +77,137 @@ def test_set_values_are_bounded_too():
 def test_aliases_within_the_bound_load_as_before():
     assert load_bounded(alias_bomb(3), "ok.yaml")["a3"][0][0][0][0] == "x"  # 1,111 values: fine
     assert load_bounded("b: &b {x: 1}\no:\n  <<: *b\n  y: 2\n", "ok.yaml") == {"b": {"x": 1}, "o": {"x": 1, "y": 2}}
+
+
+# -- chat templates ------------------------------------------------------------------------------
+
+NESTED_LOOPS = (  # 1e10 iterations: hours for an unmetered sandbox (it caps one range, not their product)
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+)
+
+
+def _globals_template(marker) -> str:
+    return (
+        "{{ lipsum.__globals__['os'].popen('touch " + str(marker) + "').read() }}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+
+
+def _model_with_template(tiny_model_dir, out, template: str, jinja_file: bool = False):
+    import json
+    import shutil
+
+    shutil.copytree(tiny_model_dir, out)
+    if jinja_file:
+        (out / "chat_template.jinja").write_text(template)
+    else:
+        path = out / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": template}))
+    return out
+
+
+def _check(tmp_path, model, capsys) -> tuple[int, str]:
+    from tasks.preflight import run_check_cli
+    from tests.conftest import tiny_config_raw, write_config
+
+    code = run_check_cli(str(write_config(tmp_path / "c.yaml", tiny_config_raw(model, tmp_path / "run"))))
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("jinja_file", [False, True], ids=["tokenizer_config.json", "chat_template.jinja"])
+def test_a_template_with_nested_loops_is_refused_by_preflight_naming_its_file(
+    tiny_model_dir, tmp_path, capsys, jinja_file
+):
+    model = _model_with_template(tiny_model_dir, tmp_path / "m", NESTED_LOOPS, jinja_file)
+    start = time.monotonic()
+    code, out = _check(tmp_path, model, capsys)
+    assert time.monotonic() - start < 60
+    name = "chat_template.jinja" if jinja_file else "tokenizer_config.json"
+    line = next(x for x in out.splitlines() if "the chat template cannot be rendered" in x)
+    assert code == 1 and f"{model}/{name}" in line and "steps (loop items and calls)" in line, out
+
+
+@pytest.mark.timeout(120)
+def test_a_template_reaching_for_globals_is_refused_by_preflight_and_runs_nothing(tiny_model_dir, tmp_path, capsys):
+    marker = tmp_path / "marker"
+    model = _model_with_template(tiny_model_dir, tmp_path / "m", _globals_template(marker))
+    code, out = _check(tmp_path, model, capsys)
+    line = next(x for x in out.splitlines() if "the chat template cannot be rendered" in x)
+    assert code == 1 and f"{model}/tokenizer_config.json" in line and "__globals__" in line, out
+    assert not marker.exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["loops", "globals"])
+def test_preparation_renders_under_the_same_bounds_and_names_the_file(tiny_model_dir, tmp_path, kind):
+    """prepare_sft's path (the ChatEncoder's encode_chat): the template's error, naming the file,
+    fails the stage (never a rejected record), in seconds, and nothing it asked for runs."""
+    from tasks.core.data.prepare import prepare
+    from tasks.core.models.chat_template import ChatTemplateError
+
+    marker = tmp_path / "marker"
+    template = NESTED_LOOPS if kind == "loops" else _globals_template(marker)
+    model = _model_with_template(tiny_model_dir, tmp_path / "m", template)
+    with pytest.raises(ChatTemplateError) as info:
+        prepare(
+            str(__import__("pathlib").Path(__file__).parent.parent / "data/sample/sft.jsonl"),
+            model,
+            tmp_path / "sft",
+            kind="sft",
+            field="messages",
+            seq_len=128,
+        )
+    assert str(model / "tokenizer_config.json") in str(info.value)
+    assert ("steps" if kind == "loops" else "__globals__") in str(info.value)
+    assert not marker.exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "template, why",
+    [
+        ("{{ 'x' * 1000000000 }}", "a repetition of 1,000,000,000 characters"),
+        ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "~"),
+        ("{% macro f(n) %}{% if n %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(60) }}", "steps"),
+        ("{% for a in range(100000) recursive %}{{ loop(range(100000)) if loop.depth < 3 }}{% endfor %}", "steps"),
+        ("{% macro f() %}{% for i in range(99999) %}{{ 'y' * 99 }}AAAA{% endfor %}{% endmacro %}{{ f() }}", "wrote"),
+        ("{{ 'x'|center(10000000000) }}", "center() to a width"),
+        ("{{ ('x' * 100000).replace('x', 'x' * 100000) }}", "replace() making"),
+        ("{{ '{:>999999999999}'.format(1) }}", "a format width"),
+        ("{{ '%0999999999999d' % 1 }}", "a format width"),
+    ],
+    ids=["repeat", "concat-doubling", "macro-recursion", "recursive-loop", "output", "pad", "replace", "format", "%"],
+)
+def test_template_budgets_stop_each_way_of_multiplying_work(template, why):
+    from tasks.core.models.chat_template import ChatTemplateError, render
+
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError) as info:
+        render(template, {"messages": [{"role": "user", "content": "hi"}]}, "/m/tokenizer_config.json")
+    assert time.monotonic() - start < 20
+    assert info.value.kind == "budget" and why in info.value.reason and "/m/tokenizer_config.json" in str(info.value)
+
+
+def test_the_metered_renderer_writes_what_transformers_writes(tiny_model_dir):
+    """Same text as apply_chat_template for the demo template, with and without the generation
+    prompt, and for the `{% generation %}` tag transformers adds."""
+    from transformers import AutoTokenizer
+
+    from tasks.core.models.chat_template import render_with_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ping"},
+        {"role": "assistant", "content": "pong"},
+    ]
+    for gen in (False, True):
+        assert render_with_tokenizer(tok, msgs, gen) == tok.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=gen
+        )
+    tok.chat_template = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"
+    assert (
+        render_with_tokenizer(tok, msgs, False) == tok.apply_chat_template(msgs, tokenize=False) == "be briefpingpong"
+    )
