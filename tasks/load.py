@@ -27,7 +27,7 @@ from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError, ConversionError, ManifestError
 from tasks.core.hub.repo import HubRefusal, is_hub_id
 from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
-from tasks.core.models.folder import JSON_FILES, json_file_problem, misnamed
+from tasks.core.models.folder import JSON_FILES, json_file_problem, misnamed, safetensors_problems
 from tasks.core.run.manifest import sha256_file
 from tasks.core.storage.fs import fetch_tree, filesystem, is_local
 from tasks.core.storage.oserrors import DISK_ERRNOS
@@ -234,6 +234,7 @@ def load_from_hf(cfg: RunConfig) -> StageResult:
                 "; ".join(f"{n}: {why}" for n, why in left_out.items()),
             )
         broken = [(n, why) for n in JSON_FILES if (out.dir / n).is_file() and (why := json_file_problem(out.dir / n))]
+        broken += list(safetensors_problems(out.dir).items())
         if broken:  # a Hub model's files are first read here; pre-flight read a local one's
             raise ConfigError(
                 [

@@ -309,3 +309,4 @@ def test_a_malformed_safetensors_header_is_not_retried_by_load(prefect_harness, 
     with pytest.raises(Exception) as info:
         state.result()
     assert "header too large" in str(info.value) and cannot_heal(info.value), repr(info.value)
+    assert "model.safetensors claims a 1,099,511,627,776-byte header" in str(info.value)  # the file named

@@ -211,3 +211,63 @@ def test_the_metered_renderer_writes_what_transformers_writes(tiny_model_dir):
     assert (
         render_with_tokenizer(tok, msgs, False) == tok.apply_chat_template(msgs, tokenize=False) == "be briefpingpong"
     )
+
+
+# -- safetensors headers -------------------------------------------------------------------------
+
+
+def _header(tensors: dict, data: bytes = b"", length: int | None = None) -> bytes:
+    import json
+
+    blob = json.dumps(tensors).encode()
+    return (len(blob) if length is None else length).to_bytes(8, "little") + blob + data
+
+
+@pytest.mark.parametrize(
+    "blob, why",
+    [
+        (_header({}, length=1 << 40), "claims a 1,099,511,627,776-byte header (header too large"),
+        (_header({}, length=4096), "claims a 4,096-byte header but holds"),
+        (b"\x01\x00", "too short for a safetensors file"),
+        (b"\x04" + b"\x00" * 7 + b"{{{{", "header that is not JSON"),
+        (_header({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\x00" * 8), "at bytes 0-16"),
+        (_header({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, b"\x00" * 8), "need 16"),
+        (_header({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\x00" * 8), "4 bytes after"),
+        (_header({"w": {"dtype": "Q4", "shape": [1], "data_offsets": [0, 1]}}, b"\x00"), "without a known dtype"),
+        (
+            _header(
+                {
+                    "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                    "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+                },
+                b"\x00" * 12,
+            ),
+            "overlapping",
+        ),
+    ],
+    ids=["2^40", "past-the-end", "short", "not-json", "range-out", "dtype-shape", "tail", "dtype", "overlap"],
+)
+def test_a_safetensors_header_is_bounded_and_checked_against_the_file(tmp_path, blob, why):
+    from tasks.core.models.folder import safetensors_problem
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(blob)
+    assert why in (safetensors_problem(path) or ""), safetensors_problem(path)
+
+
+def test_real_safetensors_files_pass(tiny_model_dir):
+    from tasks.core.models.folder import safetensors_problems
+
+    assert safetensors_problems(tiny_model_dir) == {}
+
+
+@pytest.mark.timeout(120)
+def test_preflight_refuses_a_safetensors_header_claiming_2_40_bytes_naming_the_file(tiny_model_dir, tmp_path, capsys):
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "model.safetensors").write_bytes(_header({}, length=1 << 40))
+    code, out = _check(tmp_path, model, capsys)
+    line = next(x for x in out.splitlines() if "header too large" in x)
+    assert code == 1 and f"{model}/model.safetensors claims a 1,099,511,627,776-byte header" in line, out

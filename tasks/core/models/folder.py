@@ -135,6 +135,76 @@ def json_file_problem(path: Path) -> str | None:
     return None
 
 
+# safetensors' own header limit (safetensors/src/tensor.rs MAX_HEADER_SIZE); a header is a few hundred KB
+SAFETENSORS_MAX_HEADER = 100_000_000
+SAFETENSORS_DTYPE_BYTES = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0"), 1),
+    **dict.fromkeys(("U16", "I16", "F16", "BF16"), 2),
+    **dict.fromkeys(("U32", "I32", "F32"), 4),
+    **dict.fromkeys(("U64", "I64", "F64", "C64"), 8),
+}
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a well-formed safetensors file, or None: its 8-byte header length is read
+    and bounded before the header is, the header parses as JSON, and every tensor's byte range lies
+    in the file, matches its dtype and shape, and the ranges tile the data with no gap or overlap
+    (what the safetensors loader checks, said here with the file's name before anything loads it)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"is {size} bytes, too short for a safetensors file (an 8-byte header length comes first)"
+        n = int.from_bytes(head, "little")
+        if n > SAFETENSORS_MAX_HEADER:
+            return (
+                f"claims a {n:,}-byte header (header too large: safetensors' limit is {SAFETENSORS_MAX_HEADER:,}): "
+                "corrupt, or not a safetensors file"
+            )
+        if 8 + n > size:
+            return f"claims a {n:,}-byte header but holds {size:,} bytes: truncated, or not a safetensors file"
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return f"has a header that is not JSON ({exc}): corrupt, or not a safetensors file"
+    if not isinstance(header, dict):
+        return "has a header that is not a JSON object: corrupt, or not a safetensors file"
+    data, ranges = size - 8 - n, []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in entry["data_offsets"])
+            count = 1
+            for dim in entry["shape"]:
+                count *= int(dim)
+            width = SAFETENSORS_DTYPE_BYTES[entry["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            return f"describes tensor {name!r} without a known dtype, a shape and two data_offsets: corrupt"
+        if not 0 <= begin <= end <= data:
+            return f"places tensor {name!r} at bytes {begin}-{end} of its {data:,} data bytes: truncated or corrupt"
+        if end - begin != count * width:
+            return f"gives tensor {name!r} {end - begin} bytes where its dtype and shape need {count * width}: corrupt"
+        ranges.append((begin, end))
+    at = 0
+    for begin, end in sorted(ranges):
+        if begin != at:
+            return f"has {'overlapping' if begin < at else 'unlisted'} data at byte {min(begin, at)} of its tensors: corrupt"
+        at = end
+    if at != data:
+        return f"has {data - at:,} bytes after its last tensor: truncated or corrupt"
+    return None
+
+
+def safetensors_problems(folder: Path) -> dict[str, str]:
+    """{file name: why} for every top-level `*.safetensors` of `folder` that is not well formed."""
+    return {
+        name: why
+        for name in top_level_names(folder)
+        if name.endswith(".safetensors") and (why := safetensors_problem(folder / name))
+    }
+
+
 def top_level_names(folder: Path) -> list[str]:
     """The plain files directly in `folder` (what a weight loader's glob sees)."""
     return sorted(p.name for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
