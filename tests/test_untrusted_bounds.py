@@ -271,3 +271,95 @@ def test_preflight_refuses_a_safetensors_header_claiming_2_40_bytes_naming_the_f
     code, out = _check(tmp_path, model, capsys)
     line = next(x for x in out.splitlines() if "header too large" in x)
     assert code == 1 and f"{model}/model.safetensors claims a 1,099,511,627,776-byte header" in line, out
+
+
+# -- a model folder's code: auto_map and .py files -------------------------------------------------
+
+
+def _model_with_code(tiny_model_dir, out, marker, nested: bool = True):
+    """The tiny model naming its own code: a tokenizer auto_map with the .py beside it (which would
+    write `marker` when imported), and an auto_map nested in config.json's text_config or at its top."""
+    import json
+    import shutil
+
+    shutil.copytree(tiny_model_dir, out)
+    (out / "tokenization_evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    tc = json.loads((out / "tokenizer_config.json").read_text())
+    tc["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    (out / "tokenizer_config.json").write_text(json.dumps(tc))
+    c = json.loads((out / "config.json").read_text())
+    where = c.setdefault("text_config", {}) if nested else c
+    where["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (out / "config.json").write_text(json.dumps(c))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_preflight_refuses_an_auto_map_anywhere_in_the_configs_naming_each(tiny_model_dir, tmp_path, capsys):
+    marker = tmp_path / "marker"
+    model = _model_with_code(tiny_model_dir, tmp_path / "m", marker)
+    code, out = _check(tmp_path, model, capsys)
+    line = next(x for x in out.splitlines() if "names its own Python code" in x)
+    assert code == 1 and "base_model.trust_remote_code" in line, out
+    for words in ("config.json text_config.auto_map", "tokenizer_config.json auto_map", "tokenization_evil.py"):
+        assert words in line, (words, line)
+    assert not marker.exists()
+
+
+def test_a_folders_code_is_never_copied_and_its_auto_map_is_removed(tiny_model_dir, tmp_path):
+    """load_from_hf's copy of a local model and its clean-up (`_copy_path`, `strip_auto_map`), then
+    the tokenizer copy every later folder (cpt/hf/, export/) is made with."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from tasks.core.config.load import load_config
+    from tasks.core.models.folder import auto_map_entries, folder_problems, strip_auto_map
+    from tasks.core.models.hf_artifact import copy_tokenizer
+    from tasks.load import _copy_path
+    from tests.conftest import tiny_config_raw, write_config
+
+    marker = tmp_path / "marker"
+    model = _model_with_code(tiny_model_dir, tmp_path / "m", marker)
+    cfg = load_config(write_config(tmp_path / "c.yaml", tiny_config_raw(model, tmp_path / "run")))
+    base = tmp_path / "base"
+    base.mkdir()
+    meta = _copy_path(cfg, base)
+    assert not list(base.rglob("*.py")) and "tokenization_evil.py" in meta["left_out"]
+    assert strip_auto_map(base) == ["config.json text_config.auto_map", "tokenizer_config.json auto_map"]
+    assert auto_map_entries(base) == [] and json.loads((base / "config.json").read_text())["text_config"] == {}
+    AutoTokenizer.from_pretrained(base, trust_remote_code=True)  # loads as its own class: nothing to import
+    # The model-folder rule (export before its manifest, the push, verify) refuses code that slipped in.
+    assert any("tokenizer_config.json auto_map" in p for p in folder_problems(model))
+    assert any("tokenization_evil.py: Python code" in p for p in folder_problems(model))
+    # The tokenizer copy into cpt/hf/ and export/ never takes a .py, even one named like a tokenizer file.
+    (model / "tokenizer_evil.py").write_text("raise SystemExit\n")
+    out = tmp_path / "export"
+    out.mkdir()
+    assert not [n for n in copy_tokenizer(model, out) if n.endswith(".py")] and not list(out.glob("*.py"))
+    assert not marker.exists()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_load_from_hf_carries_no_code_into_base(prefect_harness, tiny_model_dir, tmp_path):
+    """With trust_remote_code (the model accepted as its native class): the real load stage leaves
+    the .py out of base/ and removes every auto_map with a line in its manifest; nothing runs."""
+    import json
+
+    from tasks.core.config.load import load_config
+    from tasks.load import load_from_hf
+    from tests.conftest import tiny_config_raw, write_config
+
+    marker = tmp_path / "marker"
+    model = _model_with_code(tiny_model_dir, tmp_path / "m", marker, nested=False)
+    raw = tiny_config_raw(model, tmp_path / "run")
+    raw["base_model"]["trust_remote_code"] = True
+    cfg = load_config(write_config(tmp_path / "c.yaml", raw))
+    result = load_from_hf(cfg)
+    base = tmp_path / "run" / "base"
+    manifest = json.loads((base / ".cpt-to-sft" / "manifest.json").read_text())
+    assert not list(base.rglob("*.py")) and "tokenization_evil.py" in manifest["meta"]["left_out"], result
+    assert manifest["meta"]["removed_auto_map"] == ["config.json auto_map", "tokenizer_config.json auto_map"]
+    assert "auto_map" not in (base / "config.json").read_text() + (base / "tokenizer_config.json").read_text()
+    assert not marker.exists()
