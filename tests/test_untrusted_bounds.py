@@ -144,8 +144,8 @@ def test_a_template_reaching_for_globals_is_refused_by_preflight_and_runs_nothin
 def test_preparation_renders_under_the_same_bounds_and_names_the_file(tiny_model_dir, tmp_path, kind):
     """prepare_sft's path (the ChatEncoder's encode_chat): the template's error, naming the file,
     fails the stage (never a rejected record), in seconds, and nothing it asked for runs."""
+    from tasks.core.data.chat_template import ChatTemplateError
     from tasks.core.data.prepare import prepare
-    from tasks.core.models.chat_template import ChatTemplateError
 
     marker = tmp_path / "marker"
     template = NESTED_LOOPS if kind == "loops" else _globals_template(marker)
@@ -181,7 +181,7 @@ def test_preparation_renders_under_the_same_bounds_and_names_the_file(tiny_model
     ids=["repeat", "concat-doubling", "macro-recursion", "recursive-loop", "output", "pad", "replace", "format", "%"],
 )
 def test_template_budgets_stop_each_way_of_multiplying_work(template, why):
-    from tasks.core.models.chat_template import ChatTemplateError, render
+    from tasks.core.data.chat_template import ChatTemplateError, render
 
     start = time.monotonic()
     with pytest.raises(ChatTemplateError) as info:
@@ -195,7 +195,7 @@ def test_the_metered_renderer_writes_what_transformers_writes(tiny_model_dir):
     prompt, and for the `{% generation %}` tag transformers adds."""
     from transformers import AutoTokenizer
 
-    from tasks.core.models.chat_template import render_with_tokenizer
+    from tasks.core.data.chat_template import render_with_tokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     msgs = [

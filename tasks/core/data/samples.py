@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.config.phases import PHASES
+from tasks.core.data.chat_template import render_with_tokenizer
 from tasks.core.data.records import read_records, text_problem
-from tasks.core.models.chat_template import render_with_tokenizer
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a tokenizing worker never needs it
     import torch

@@ -6,7 +6,7 @@ many sampled SFT chats are longer than seq_len.
 Read without transformers (whose import pulls in torch): `tokenizer.json` through the `tokenizers`
 library, `tokenizer_config.json` / `special_tokens_map.json` for the token names, and the chat
 template rendered the way transformers renders it, under the budget prepare_sft renders it under
-(`tasks.core.models.chat_template`): a template that cannot render a plain conversation (over the
+(`tasks.core.data.chat_template`): a template that cannot render a plain conversation (over the
 budget, reaching for Python internals, a syntax error) is refused naming its file. Local base models only: nothing is downloaded for this; prepare_data
 records what it used in index.json `special_tokens` either way.
 
@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.config.paths import resolve_local
+from tasks.core.data.chat_template import REFUSED, ChatTemplateError, render
 from tasks.core.data.records import head_records
-from tasks.core.models.chat_template import REFUSED, ChatTemplateError, render
 from tasks.core.preflight.report import CheckContext
 
 PROBE = [

@@ -1,6 +1,6 @@
 """Chat templates rendered as transformers renders them, but under a budget of work, output and time.
 
-    python -c "from tasks.core.models.chat_template import render; print(render('{% for m in messages %}{{ m.content }}{% endfor %}', {'messages': [{'role': 'user', 'content': 'hi'}]}, 'demo'))"
+    python -c "from tasks.core.data.chat_template import render; print(render('{% for m in messages %}{{ m.content }}{% endfor %}', {'messages': [{'role': 'user', 'content': 'hi'}]}, 'demo'))"
 
 A chat template comes with the model folder, so it is untrusted input. transformers 4.51.3 renders it
 in jinja2's `ImmutableSandboxedEnvironment` (no Python internals), which caps one `range()` at
@@ -97,7 +97,7 @@ _STATE: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("chat_te
 def _budget() -> _Budget:
     b = _STATE.get()
     if b is None:  # only `render` runs these templates
-        raise _Exhausted("rendered outside tasks.core.models.chat_template.render")
+        raise _Exhausted("rendered outside tasks.core.data.chat_template.render")
     return b
 
 
