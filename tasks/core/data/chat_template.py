@@ -189,6 +189,10 @@ def _environment() -> Any:
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             b = _budget()
+            if operator == "+" and type(left) is str and type(right) is str:  # the common case, kept cheap
+                if len(left) + len(right) > b.max_chars:
+                    b.size(left + right, "the operator + made a value")
+                return left + right
             b.tick()
             ints = isinstance(left, int) and isinstance(right, int)
             if operator == "**" and ints and (right > 4096 or abs(left).bit_length() * max(right, 0) > 1 << 20):
