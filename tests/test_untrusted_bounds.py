@@ -363,3 +363,13 @@ def test_load_from_hf_carries_no_code_into_base(prefect_harness, tiny_model_dir,
     assert manifest["meta"]["removed_auto_map"] == ["config.json auto_map", "tokenizer_config.json auto_map"]
     assert "auto_map" not in (base / "config.json").read_text() + (base / "tokenizer_config.json").read_text()
     assert not marker.exists()
+
+
+def test_a_config_transformers_trips_on_is_not_retried():
+    """A text_config section Llama has no sub-config for (the AttributeError of GenerationConfig's
+    `to_dict` on a dict) is the same on every try: load_from_hf does not retry it."""
+    from tasks.load import cannot_heal
+
+    assert cannot_heal(AttributeError("'dict' object has no attribute 'to_dict'"))
+    assert cannot_heal(TypeError("unsupported operand"))
+    assert not cannot_heal(ConnectionError("reset by peer"))
