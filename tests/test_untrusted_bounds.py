@@ -42,17 +42,17 @@ def test_nested_yaml_aliases_are_refused_before_they_expand(tmp_path, capsys):
     with pytest.raises(ConfigError) as info:
         read_raw_config(path)
     assert time.monotonic() - start < 5
-    assert str(path) in str(info.value) and "aliases expand to more than 100,000 values" in str(info.value)
+    assert str(path) in str(info.value) and "more than 100,000 values once its aliases are expanded" in str(info.value)
     assert run_check_cli(str(path)) == 1  # --check: the refusal, no hang, no traceback
     out = capsys.readouterr()
-    assert str(path) in out.out and "aliases expand" in out.out and "Traceback" not in out.out + out.err
+    assert str(path) in out.out and "once its aliases are expanded" in out.out and "Traceback" not in out.out + out.err
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "text, why",
     [
-        (merge_bomb(9), "aliases expand to more than"),
+        (merge_bomb(9), "values once its aliases are expanded"),
         ("a: &a [1, *a]\n", "refers to a node that contains it"),
         ("a: " + "[" * 3000 + "]" * 3000 + "\n", "nested too deeply"),
         ("a: " + "[" * 70 + "]" * 70 + "\n", "nested more than 64 levels"),
@@ -71,7 +71,7 @@ def test_set_values_are_bounded_too():
 
     with pytest.raises(ConfigError) as info:
         parse_sets(["cpt.data.uri=" + "{" + alias_bomb(9).replace("\n", ", ").rstrip(", ") + "}"])
-    assert "--set cpt.data.uri" in str(info.value) and "aliases expand" in str(info.value)
+    assert "--set cpt.data.uri" in str(info.value) and "once its aliases are expanded" in str(info.value)
 
 
 def test_aliases_within_the_bound_load_as_before():

@@ -99,9 +99,9 @@ class _Walk:
         if total > self.max_nodes:
             raise _refuse(
                 self.source,
-                f"line {node.start_mark.line + 1} ({path or 'top'}): its aliases expand to more than "
-                f"{self.max_nodes:,} values (anchors `&` referred to by `*` nest, each level multiplying the "
-                "ones below); write the values out, or use fewer nested aliases",
+                f"line {node.start_mark.line + 1} ({path or 'top'}): more than {self.max_nodes:,} values once its "
+                "aliases are expanded (anchors `&` referred to by `*`, nested, multiply the values below them; a "
+                "config holds a few hundred); use fewer nested aliases, or write the values out",
             )
 
 
