@@ -279,7 +279,7 @@ def test_a_hub_cache_snapshot_linking_into_its_blobs_is_accepted(tmp_path):
     snapshot = fake_model(repo / "snapshots" / ("a" * 40))
     blob = repo / "blobs" / ("b" * 64)
     blob.parent.mkdir(parents=True)
-    blob.write_bytes(b"")
+    blob.write_bytes((snapshot / "model.safetensors").read_bytes())  # a safetensors file with no tensors
     (snapshot / "model.safetensors").unlink()
     (snapshot / "model.safetensors").symlink_to(Path("../../blobs") / blob.name)
     case.raw["base_model"]["uri"] = str(snapshot)
