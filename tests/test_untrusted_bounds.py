@@ -373,3 +373,32 @@ def test_a_config_transformers_trips_on_is_not_retried():
     assert cannot_heal(AttributeError("'dict' object has no attribute 'to_dict'"))
     assert cannot_heal(TypeError("unsupported operand"))
     assert not cannot_heal(ConnectionError("reset by peer"))
+
+
+@pytest.mark.timeout(300)
+def test_an_export_from_a_base_that_still_names_code_carries_none(tiny_model_dir, tmp_path):
+    """A base/ made before load_from_hf removed auto_map (or any source folder): build_hf_dir, which
+    makes cpt/hf/ and export/, copies no .py and removes every auto_map, saying so in its record."""
+    import json
+    import shutil
+
+    from tasks.core.config.outputs import ExportConfig
+    from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
+    from tasks.core.models.folder import auto_map_entries, folder_problems
+    from tasks.core.models.hf_artifact import build_hf_dir
+
+    marker = tmp_path / "marker"
+    base = _model_with_code(tiny_model_dir, tmp_path / "base", marker, nested=False)
+    (base / "tokenizer_evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "model").mkdir(parents=True)
+    shutil.copy2(base / "model.safetensors", ckpt / "model" / "model.safetensors")
+    shutil.copy2(tiny_model_dir / "config.json", ckpt / "model" / "config.json")
+    save_fingerprint(hf_dir_logits(tiny_model_dir, dtype="fp32"), ckpt, "fp32")
+    dst = tmp_path / "export"
+    dst.mkdir()
+    built = build_hf_dir(ckpt, dst, base, ExportConfig(dtype="fp32"), weights_dtype="fp32")
+    assert built["verification"]["removed_auto_map"] == ["config.json auto_map", "tokenizer_config.json auto_map"]
+    assert auto_map_entries(dst) == [] and not list(dst.glob("*.py")) and folder_problems(dst) == []
+    assert "auto_map" not in json.dumps(built["verification"]["tokenizer_files"])
+    assert not marker.exists()
