@@ -177,8 +177,25 @@ def test_preparation_renders_under_the_same_bounds_and_names_the_file(tiny_model
         ("{{ ('x' * 100000).replace('x', 'x' * 100000) }}", "replace() making"),
         ("{{ '{:>999999999999}'.format(1) }}", "a format width"),
         ("{{ '%0999999999999d' % 1 }}", "a format width"),
+        (
+            "{% set a = ['x' * 500] * 1000 %}{% set b = [a] * 1000 %}{{ b|tojson|length }}",
+            "a repetition of 501,001,000",
+        ),
+        ("{{ ('\t' * 1000).expandtabs(100000) }}", "expandtabs() to a width"),
     ],
-    ids=["repeat", "concat-doubling", "macro-recursion", "recursive-loop", "output", "pad", "replace", "format", "%"],
+    ids=[
+        "repeat",
+        "concat-doubling",
+        "macro-recursion",
+        "recursive-loop",
+        "output",
+        "pad",
+        "replace",
+        "format",
+        "%",
+        "nested-repeat",
+        "tabs",
+    ],
 )
 def test_template_budgets_stop_each_way_of_multiplying_work(template, why):
     from tasks.core.data.chat_template import ChatTemplateError, render

@@ -101,13 +101,21 @@ def _budget() -> _Budget:
     return b
 
 
-def _flat_size(value: Any) -> int:
-    """Characters a value holds: a string's length; a list's length plus its strings' (shared references count each time)."""
+def _flat_size(value: Any, memo: dict[int, int] | None = None, depth: int = 0) -> int:
+    """Characters a value holds once written out: a string's length; a list's, tuple's or dict's
+    items and what they hold, a shared reference counted each time it occurs (memoized, so the
+    count itself is cheap however the value was multiplied)."""
     if isinstance(value, str):
         return len(value)
-    if isinstance(value, (list, tuple)):
-        return len(value) + sum(len(v) for v in value if isinstance(v, str))
-    return 0
+    if not isinstance(value, (list, tuple, dict)) or depth > 32:
+        return 0
+    memo = {} if memo is None else memo
+    if id(value) in memo:
+        return memo[id(value)]
+    memo[id(value)] = 0  # a container holding itself counts once
+    items = value.values() if isinstance(value, dict) else value
+    memo[id(value)] = n = len(value) + sum(_flat_size(v, memo, depth + 1) for v in items)
+    return n
 
 
 def _counted(iterable: Any) -> Iterator[Any]:
@@ -128,8 +136,11 @@ def _precheck(b: _Budget, name: str, owner: Any, args: tuple, kwargs: dict) -> N
     """Refuse a string method or filter whose result would be over the size bound, before it
     allocates: a width over it (center, ljust, zfill, indent, ...), a format width, a replace that
     multiplies."""
-    if name in _PADDERS and any(abs(a) > b.max_chars for a in _int_args(args, kwargs)):
-        raise _Exhausted(f"{name}() to a width over the {b.max_chars:,} characters one conversation may make")
+    if name in _PADDERS:
+        width = max((abs(a) for a in _int_args(args, kwargs)), default=0)
+        times = (owner.count("\t") if name == "expandtabs" else owner.count("\n")) + 1 if isinstance(owner, str) else 1
+        if width * (times if name in ("expandtabs", "indent") else 1) > b.max_chars:
+            raise _Exhausted(f"{name}() to a width over the {b.max_chars:,} characters one conversation may make")
     if not isinstance(owner, str):
         return
     if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
