@@ -56,6 +56,7 @@ def version() -> str:
 
 def parse_sets(items: list[str]) -> dict[str, Any]:
     """['a.b=1', 'c=x'] -> {'a.b': 1, 'c': 'x'}, later ones winning, order kept."""
+    from tasks.core.config.bounded_yaml import load_bounded
     from tasks.core.errors import ConfigError
 
     out: dict[str, Any] = {}
@@ -65,7 +66,7 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
         if not eq or not key or any(not part for part in key.split(".")):
             raise ConfigError([(f"--set {item}", "expected key.path=value, e.g. --set cpt.max_steps=100")])
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = load_bounded(raw, f"--set {key}") if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError([(key, f"--set value {raw!r} is not valid YAML: {exc}")]) from None
         out.pop(key, None)  # re-insert: the last --set of a key applies last

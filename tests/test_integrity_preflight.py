@@ -279,7 +279,7 @@ def test_a_hub_cache_snapshot_linking_into_its_blobs_is_accepted(tmp_path):
     snapshot = fake_model(repo / "snapshots" / ("a" * 40))
     blob = repo / "blobs" / ("b" * 64)
     blob.parent.mkdir(parents=True)
-    blob.write_bytes(b"")
+    blob.write_bytes((snapshot / "model.safetensors").read_bytes())  # a safetensors file with no tensors
     (snapshot / "model.safetensors").unlink()
     (snapshot / "model.safetensors").symlink_to(Path("../../blobs") / blob.name)
     case.raw["base_model"]["uri"] = str(snapshot)
@@ -310,3 +310,4 @@ def test_a_malformed_safetensors_header_is_not_retried_by_load(prefect_harness, 
     with pytest.raises(Exception) as info:
         state.result()
     assert "header too large" in str(info.value) and cannot_heal(info.value), repr(info.value)
+    assert "model.safetensors claims a 1,099,511,627,776-byte header" in str(info.value)  # the file named

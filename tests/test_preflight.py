@@ -80,8 +80,8 @@ def fake_model(
     (root / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
     tok = {"eos_token": "<|end_of_text|>", "chat_template": CHAT_TEMPLATE} if tokenizer is None else tokenizer
     (root / "tokenizer_config.json").write_text(json.dumps(tok))
-    for name in weights:
-        (root / name).write_bytes(b"")
+    for name in weights:  # a safetensors file with no tensors (its header is checked), or an empty pickle
+        (root / name).write_bytes((2).to_bytes(8, "little") + b"{}" if name.endswith(".safetensors") else b"")
     return root
 
 

@@ -22,10 +22,13 @@ UNHEALING_STATUS = (
 
 def cannot_heal(exc: BaseException) -> bool:
     """An error a retry meets again: a refusal (ConfigError, HubRefusal), the Hub answering
-    401/403/404, a malformed safetensors file, a full, read-only or forbidden disk. Its causes count too (a loader may wrap the SafetensorError)."""
+    401/403/404, a malformed safetensors file, a config.json transformers trips on (AttributeError,
+    TypeError), a full, read-only or forbidden disk. Its causes count too (a loader may wrap the SafetensorError)."""
     from huggingface_hub.errors import HfHubHTTPError
     from safetensors import SafetensorError
 
+    if isinstance(exc, (AttributeError, TypeError)):  # transformers tripping on the model's own config.json; the
+        return True  # failure itself only: a library may raise a network error while handling one
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

@@ -8,7 +8,10 @@ HF_ENDPOINT selects the Hub; the token is the same as push_to_hub's (HF_TOKEN, t
 Secret block `hf-token`, or the saved `hf auth login` token, in that order). Only safetensors
 weights are taken unless `base_model.allow_pickle`; then pickle-only weights are converted here,
 once, to safetensors (`convert_pickle`), so every later stage reads safetensors; the manifest's
-meta `converted_from_pickle` records the source files and their sha256.
+meta `converted_from_pickle` records the source files and their sha256. A model folder's code never
+comes along: no `.py` file is copied (meta `left_out` names it) and every `auto_map` of its configs,
+nested sections included, is removed with a logged line (meta `removed_auto_map`), so nothing later
+(cpt/hf/, the export, the Hub) carries it and the model loads as transformers' own class.
 
     python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # runs this first
 """
@@ -26,12 +29,20 @@ from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError, ConversionError, ManifestError
 from tasks.core.hub.repo import is_hub_id
 from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
-from tasks.core.models.folder import JSON_FILES, json_file_problem, misnamed
+from tasks.core.models.folder import (
+    JSON_FILES,
+    is_code,
+    json_file_problem,
+    misnamed,
+    safetensors_problems,
+    strip_auto_map,
+)
 from tasks.core.run.manifest import sha256_file
 from tasks.core.storage.fs import fetch_tree, filesystem, is_local
 from tasks.flowkit.retry import transient
 from tasks.flowkit.stage import Stage, StageResult, stage_task, token
 
+CODE_LEFT_OUT = "the model folder's own Python code: no model code runs here, and none is carried on"
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json"]
 PICKLE_PATTERNS = ["*.bin", "*.bin.index.json", "*.pt", "*.pth"]
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
@@ -92,7 +103,9 @@ def _copy_path(cfg: RunConfig, dest: Path) -> dict:
             )
         left_out = misnamed(src)  # not what their name says: never copied (load_from_hf names them)
         for path in sorted(src.rglob("*")):
-            if path.is_file() and not path.name.startswith(".") and path.relative_to(src).as_posix() not in left_out:
+            if path.is_file() and is_code(path.name):  # a model folder's own code: never copied, never run
+                left_out[path.relative_to(src).as_posix()] = CODE_LEFT_OUT
+            elif path.is_file() and not path.name.startswith(".") and path.relative_to(src).as_posix() not in left_out:
                 target = dest / path.relative_to(src)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, target)
@@ -178,18 +191,22 @@ def load_from_hf(cfg: RunConfig) -> StageResult:
             logger.info("copying base model from %s", cfg.base_model.uri)
             meta = _copy_path(cfg, out.dir)
         # Files that are not what their name says (a GGUF file named tokenizer.model, a stray shard)
-        # stay out of base/, so no later folder copies them and nothing pushes them.
+        # and the folder's code stay out of base/, so no later folder copies them and nothing pushes them.
         stray = misnamed(out.dir)
         for name in stray:
             (out.dir / name).unlink()
+        for path in sorted(p for p in out.dir.rglob("*") if p.is_file() and is_code(p.name)):  # a Hub snapshot's
+            stray[path.relative_to(out.dir).as_posix()] = CODE_LEFT_OUT
+            path.unlink()
         if left_out := {**meta.pop("left_out", {}), **stray}:
             meta["left_out"] = left_out
             logger.warning(
-                "left out of %s (not what their name says): %s",
+                "left out of %s: %s",
                 stage.uri,
                 "; ".join(f"{n}: {why}" for n, why in left_out.items()),
             )
         broken = [(n, why) for n in JSON_FILES if (out.dir / n).is_file() and (why := json_file_problem(out.dir / n))]
+        broken += list(safetensors_problems(out.dir).items())
         if broken:  # a Hub model's files are first read here; pre-flight read a local one's
             raise ConfigError(
                 [
@@ -197,6 +214,15 @@ def load_from_hf(cfg: RunConfig) -> StageResult:
                     for n, why in broken
                 ],
                 header="load_from_hf refused the base model",
+            )
+        if removed := strip_auto_map(out.dir):
+            meta["removed_auto_map"] = removed
+            logger.warning(
+                "removed %s from %s: it names the model's own Python code, which this project never runs nor "
+                "carries into cpt/hf/, the export or the Hub; the model loads as transformers' own %r class",
+                ", ".join(removed),
+                stage.uri,
+                json.loads((out.dir / "config.json").read_text()).get("model_type"),
             )
         weights = check_weight_files(out.dir, cfg.base_model.allow_pickle)
         model_cfg = json.loads((out.dir / "config.json").read_text())

@@ -64,7 +64,12 @@ class BaseModelConfig(Frozen):
         default="main", description="Hub revision (branch, tag or commit sha) to pin; ignored for paths."
     )
     trust_remote_code: bool = Field(
-        default=False, description="Allow the model repo's own Python code to run. Off unless you trust the repo."
+        default=False,
+        description=(
+            "Accept a base model whose configs name its own Python code (auto_map): load_from_hf removes every "
+            "auto_map and copies no .py file, so it loads as transformers' own class of its model_type; no model "
+            "folder's code ever runs. Off: such a model is refused."
+        ),
     )
     allow_pickle: bool = Field(
         default=False,

@@ -303,17 +303,45 @@ def check_base_model(ctx: CheckContext) -> None:
             f"base model {ctx.model.where}: {len(safetensors)} safetensors file(s)"
             + (f"; {len(pickles)} pickle file(s) ignored" if pickles and not b.allow_pickle else "")
         )
-    auto_map = ctx.model.config.get("auto_map")
-    if auto_map and not b.trust_remote_code:
+    code = _model_code(ctx)
+    model_type = ctx.model.config.get("model_type")
+    if code and not b.trust_remote_code:
         ctx.problem(
             "base_model.trust_remote_code",
-            f"{ctx.model.where} needs its own Python code (config.json auto_map: {sorted(auto_map)}); "
-            "review the repo and set base_model.trust_remote_code: true, or use a model transformers supports natively",
+            f"{ctx.model.where} names its own Python code ({'; '.join(code)}); this project never runs a model "
+            f"folder's code nor carries it on: review the repo, and if transformers' own {model_type!r} class is the "
+            "model, set base_model.trust_remote_code: true (load_from_hf then removes every auto_map, with a logged "
+            "line, and copies no .py file), or remove the auto_map entries; else use a model transformers supports "
+            "natively",
+        )
+    elif code:
+        ctx.warn(
+            f"base_model.trust_remote_code: {ctx.model.where} names its own Python code ({'; '.join(code)}); "
+            f"load_from_hf removes every auto_map from base/ and copies no .py file, so no model code runs and none "
+            f"reaches cpt/hf/, the export or the Hub: the model loads as transformers' own {model_type!r} class"
         )
     elif b.trust_remote_code:
-        ctx.warn("base_model.trust_remote_code is true: the model repo's Python code will run in every stage")
+        ctx.warn(
+            "base_model.trust_remote_code is true, but the model names no code of its own (no auto_map); no model "
+            "folder's code runs here either way"
+        )
     else:
-        ctx.ok("base model: no remote code (trust_remote_code false)")
+        ctx.ok("base model: no remote code (no auto_map, no .py files)")
+
+
+def _model_code(ctx: CheckContext) -> list[str]:
+    """Where the base model names or holds its own code: every auto_map of its configs (nested ones
+    included; a Hub model's config.json and tokenizer_config.json) and its .py files."""
+    from tasks.core.models.folder import auto_map_entries, auto_map_paths, is_code
+
+    m = ctx.model
+    if m.source == "local":
+        found = auto_map_entries(Path(m.where), m.files)
+    else:
+        found = [f"config.json {p}" for p in auto_map_paths(m.config)]
+        found += [f"tokenizer_config.json {p}" for p in auto_map_paths(m.tokenizer_config or {})]
+    py = [n for n in m.files if is_code(n)]
+    return found + ([f"{len(py)} .py file(s): {', '.join(py[:3])}"] if py else [])
 
 
 def check_sequence_length(ctx: CheckContext) -> None:
