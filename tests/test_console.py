@@ -215,12 +215,15 @@ def test_the_run_ends_with_a_table_of_the_stages():
     )
 
 
-def test_the_engine_silences_only_the_harmless_bitsandbytes_kernels_warning():
-    from tasks.engine.__main__ import _harmless_bnb_kernels
+def test_every_process_silences_only_the_harmless_bitsandbytes_kernels_warning():
+    """The filter sits on bitsandbytes' logger from `import tasks` on, so the flow's process (peft in a LoRA
+    run's merge, evaluation and card) drops the warning as the ranks do."""
+    import tasks  # noqa: F401 - installs it
+    from tasks.core.models.hf_imports import BNB_CPU_OPS, harmless_bnb_kernels
 
     def record(exc: BaseException) -> logging.LogRecord:
         return logging.LogRecord(
-            "bitsandbytes.backends.cpu.ops",
+            BNB_CPU_OPS,
             logging.WARNING,
             "ops.py",
             253,
@@ -230,6 +233,7 @@ def test_the_engine_silences_only_the_harmless_bitsandbytes_kernels_warning():
         )
 
     missing = ModuleNotFoundError("No module named 'kernels'", name="kernels")
-    assert _harmless_bnb_kernels(record(missing)) is False
-    assert _harmless_bnb_kernels(record(RuntimeError("kernels 0.9 too old"))) is True  # a real failure still shows
-    assert any(f is _harmless_bnb_kernels for f in logging.getLogger("bitsandbytes.backends.cpu.ops").filters)
+    assert harmless_bnb_kernels(record(missing)) is False
+    assert harmless_bnb_kernels(record(RuntimeError("kernels 0.9 too old"))) is True  # a real failure still shows
+    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    assert not bnb.filter(record(missing)) and bnb.filter(record(RuntimeError("kernels 0.9 too old")))
