@@ -41,7 +41,7 @@ LAUNCH = [
         "loaded step-000000)"
     ),
     "[rank 1] loaded its shard",
-    "[rank 0] resuming cpt from step-000000: the newest checkpoint whose manifest verifies",
+    "[rank 0] starting cpt from step-000000: the sharded base model",
     '[rank 0] @@kernels {"activation_checkpointing": false, "kernels": {"flash_attention": "off: no CUDA"}}',
     (
         '[rank 0] @@progress {"elapsed_s": 0.1, "loss": 6.2, "lr": 0.001, "peak_mem_bytes": 409100288, "peak_mem_rank": '
@@ -91,7 +91,7 @@ def test_a_warning_every_rank_prints_reaches_the_console_once_naming_them(logs):
     shown = [m for _, m in console.lines]
     assert shown == [
         f"[ranks 0,1] {WARNING_1}",  # once, when the second rank said it
-        "[rank 0] resuming cpt from step-000000: the newest checkpoint whose manifest verifies",
+        "[rank 0] starting cpt from step-000000: the sharded base model",
         (
             "[torchrun] W1130 11:02:03.400000 4242 torch/distributed/elastic/multiprocessing/api.py:897] Sending process "
             "12 closing signal SIGTERM"
