@@ -741,9 +741,7 @@ def test_the_staging_space_check_names_an_unknown_family_not_missing_dimensions(
     said.clear()
     ctx.model.config = {"model_type": "llama", "hidden_size": 64}  # a known family, dimensions missing
     check_staging_space(ctx)
-    assert said == [
-        "staging space not checked: config.json (llama) lacks integer field(s) " + said[0].split("field(s) ")[1]
-    ]
+    assert len(said) == 1 and said[0].startswith("staging space not checked: config.json (llama) lacks integer field")
     assert "cannot derive tensor shapes" in said[0]
 
 
