@@ -215,6 +215,30 @@ def test_the_run_ends_with_a_table_of_the_stages():
     )
 
 
+def test_the_table_gives_the_benchmark_its_scores_and_prepare_its_truncation_count():
+    acc = {"base": 0.6, "export": 0.5714, "change": -0.0286, "drop_pct": 4.76, "higher_is_better": True}
+    bench = {
+        "metrics": {"tasks": {"veyra_facts": {"acc": acc}, "noise": {"bits_per_byte": {"base": None, "export": 2.5}}}}
+    }
+    sft = {
+        "train_tokens": 12000,
+        "heldout_tokens": 800,
+        "truncation": {"rule": "drop", "seq_len": 128, "chats": 200, "over_seq_len": 3, "dropped": 3},
+    }
+    cpt = {"train_tokens": 5000, "heldout_tokens": 0, "truncation": {"rule": "split", "seq_len": 64, "documents": 9}}
+    table = summary_table(
+        [
+            {"stage": "prepare_cpt", "status": "completed", "seconds": 1.0, "detail": cpt},
+            {"stage": "prepare_sft", "status": "completed", "seconds": 1.0, "detail": sft},
+            {"stage": "benchmark", "status": "completed", "seconds": 9.0, "detail": bench},
+        ],
+        "/runs/demo",
+    ).splitlines()
+    assert table[1].endswith("5.0k train tokens, 0 held out"), table[1]
+    assert table[2].endswith("12.0k train tokens, 800 held out; 3 of 200 chats over seq_len=128 (drop)"), table[2]
+    assert table[3].endswith("veyra_facts acc 0.6 → 0.5714; noise bits_per_byte 2.5"), table[3]
+
+
 def test_every_process_silences_only_the_harmless_bitsandbytes_kernels_warning():
     """The filter sits on bitsandbytes' logger from `import tasks` on, so the flow's process (peft in a LoRA
     run's merge, evaluation and card) drops the warning as the ranks do."""
