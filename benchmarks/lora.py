@@ -23,6 +23,8 @@ import statistics
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
+
 from support.bench import workdir
 from support.tiny import tiny_model
 

@@ -6,7 +6,8 @@
   project; `tasks/engine` never imports prefect nor the Prefect task modules. Checked on the
   source of every module and, transitively, in a fresh interpreter.
 - No module imports another module's private (`_name`) names.
-- No module under `tasks/` is over 600 lines (ruff-formatted).
+- No module under `tasks/`, `flows/`, `benchmarks/` or `support/` is over 600 lines (ruff-formatted), nor
+  any function there over 200.
 - No import cycle among the modules of `tasks/` and `flows/`, read from the source (function-level
   and `if TYPE_CHECKING:` imports count: each is a dependency a reader has to follow; a module's
   `if __name__ == "__main__":` block does not, as it runs only when the module is the program).
@@ -112,9 +113,33 @@ def test_no_module_imports_another_modules_private_names():
     assert not bad, "private names imported across modules (give them a public name):\n" + "\n".join(bad)
 
 
-def test_no_module_under_tasks_is_over_600_lines():
-    long = {str(p.relative_to(ROOT)): n for p in _modules(TASKS) if (n := len(p.read_text().splitlines())) > MAX_LINES}
+# The rules hold outside tasks/ too: the runbook, the benchmarks and what tests and benchmarks share.
+RULED = ("tasks", "flows", "benchmarks", "support")
+# A function longer than this is split into named steps (the longest in the project: tasks/core/hub/card.py's
+# model_card, one template filled in order).
+MAX_FUNCTION_LINES = 200
+
+
+def test_no_module_is_over_600_lines():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for folder in RULED
+        for p in _modules(ROOT / folder)
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_no_function_is_over_200_lines():
+    long = {
+        f"{p.relative_to(ROOT)}:{node.lineno} {node.name}": n
+        for folder in RULED
+        for p in _modules(ROOT / folder)
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES
+    }
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps): {long}"
 
 
 PHASE_NAMES = {"cpt", "sft"}
@@ -595,14 +620,32 @@ def test_tests_and_benchmarks_share_code_only_through_support():
         if mod.split(".")[0] in forbidden
     ]
     assert not bad, "tests/ and benchmarks/ share code through support/ only:\n" + "\n".join(bad)
-    # a benchmark finds the checkout in one place, support/__init__.py
+    # a benchmark finds the checkout in one place, benchmarks/_checkout.py, its first import
+    bootstrap = ROOT / "benchmarks" / "_checkout.py"
     inserts = [
         str(path.relative_to(ROOT))
         for folder in ("benchmarks", "support")
         for path in _modules(ROOT / folder)
-        if "sys.path.insert(" in path.read_text() and path != ROOT / "support" / "__init__.py"
+        if "sys.path.insert(" in path.read_text() and path != bootstrap
     ]
-    assert not inserts, f"sys.path changed outside support/__init__.py: {inserts}"
+    assert not inserts, f"sys.path changed outside benchmarks/_checkout.py: {inserts}"
+    unbooted = [
+        p.name
+        for p in (ROOT / "benchmarks").glob("*.py")
+        if p != bootstrap and "\nimport _checkout  # noqa: F401" not in p.read_text()
+    ]
+    assert not unbooted, f"benchmarks that do not import _checkout first: {unbooted}"
+
+
+def test_support_is_read_from_the_checkout_never_installed():
+    """support/ is not among the installed packages; pytest and the processes a test starts find it in the
+    checkout."""
+    import os
+    import tomllib
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert not [p for p in find["include"] if p.startswith("support")], find
+    assert str(ROOT) in os.environ["PYTHONPATH"].split(os.pathsep)  # tests/conftest.py, for child processes
 
 
 def test_the_command_line_is_one_argument_parser():
