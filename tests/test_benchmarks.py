@@ -272,3 +272,21 @@ def test_lora_smoke():
     assert set(result) >= {"full", "lora", "checkpoint_share", "peak_saving_bytes", "frozen_optimizer_bytes_per_rank"}
     assert result["lora"]["checkpoint_bytes"] < result["full"]["checkpoint_bytes"], result  # the adapter only
     assert result["lora"]["merged_export_s"] > 0 and result["lora"]["export_rel_diff"] is not None, result
+
+
+@pytest.mark.distributed
+def test_scale_smoke():
+    """The ~0.1M model under hybrid_parallel tp=2, 2 steps (two 2-rank launches, ~30 CPU-s); the flow
+    process's figures left out (test_flow_process_smoke runs them): the table and its verdict lines."""
+    out = smoke([PY, "benchmarks/scale.py", "--smoke", "--no-flow"])
+    row = next(ln.split(" | ") for ln in out.splitlines() if ln.startswith("tiny | "))
+    assert row[2] == "hp-tp2-fp32" and float(row[-1]) > 0, out[-3000:]  # estimate / steady RSS
+    assert "largest |estimate/steady - 1|" in out and "shard peak over its limit" in out, out[-3000:]
+
+
+def test_every_benchmark_has_a_smoke_test():
+    """Each script under benchmarks/ (the bootstrap aside) is run here, so none can rot unseen."""
+    here = Path(__file__).read_text()
+    scripts = [p for p in (REPO / "benchmarks").iterdir() if p.suffix in (".py", ".sh") and p.name != "_checkout.py"]
+    missing = [p.name for p in scripts if f"benchmarks/{p.stem}." not in here]
+    assert not missing, f"benchmarks without a smoke test in tests/test_benchmarks.py: {missing}"
