@@ -42,12 +42,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import support  # first: it puts the checkout on sys.path, where `benchmarks` is
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
+
 from benchmarks.scale import GB, SIZES, fmt_gb, model_dir, tokenizer_dir
+from support import REPO
 from support.bench import best_of
 from support.tiny import tiny_model
-
-REPO = support.REPO
 
 CHILD = r"""
 import hashlib, json, sys, time

@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
+
 from support.bench import best_of
 
 SHARD = 64 << 20

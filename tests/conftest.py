@@ -36,6 +36,10 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+# ... and in every process a test starts: `support` (its servers, `python -m support.servers.x`) is not
+# installed with the project, so it is found in the checkout.
+if str(REPO) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 from support.servers import prefect_quiet
 from support.tiny import tiny_config_raw, tiny_model, write_config
 

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,8 @@ def test_wheel_in_a_fresh_venv(tmp_path):
         timeout=300,
     )
     (wheel,) = (tmp_path / "dist").glob("cpt_to_sft-*.whl")
+    # the tests' and benchmarks' shared code (support/) is read from a checkout, never shipped
+    assert not [n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("support/")]
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     vsite = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"

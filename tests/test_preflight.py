@@ -749,6 +749,26 @@ def test_parameter_estimate_of_llama3_8b_is_unchanged():
     assert estimate_parameters({"model_type": "gpt2", **LLAMA3_8B}) is None  # refused by check_model_family instead
 
 
+def test_the_staging_space_check_names_an_unknown_family_not_missing_dimensions(tmp_path):
+    from types import SimpleNamespace
+
+    from tasks.core.preflight.storage import check_staging_space
+
+    said: list[str] = []
+    unknown = {"model_type": "veyra_net", "n_embd": 64, "n_layer": 2}
+    ctx = SimpleNamespace(
+        model=SimpleNamespace(config=unknown), cfg=SimpleNamespace(run_uri=str(tmp_path)), warn=said.append
+    )
+    check_staging_space(ctx)
+    assert len(said) == 1 and said[0].startswith("staging space not checked: config.json model_type='veyra_net'")
+    assert "lacks the dimensions" not in said[0] and "llama" in said[0]  # names the known families
+    said.clear()
+    ctx.model.config = {"model_type": "llama", "hidden_size": 64}  # a known family, dimensions missing
+    check_staging_space(ctx)
+    assert len(said) == 1 and said[0].startswith("staging space not checked: config.json (llama) lacks integer field")
+    assert "cannot derive tensor shapes" in said[0]
+
+
 def test_a_new_model_family_is_one_registry_entry(tmp_path, monkeypatch):
     """Registering a family (a renamed copy of llama) is all that pre-flight and the converter need."""
     import dataclasses

@@ -27,7 +27,7 @@ from typing import Any
 from tasks.core.config.phases import PHASES
 from tasks.core.config.plugins import spec_of
 from tasks.core.config.schema import RunConfig, StageConfig
-from tasks.core.errors import ManifestError
+from tasks.core.errors import ConversionError, ManifestError
 from tasks.core.models.folder import folder_problems
 from tasks.core.preflight.model_info import DTYPE_BYTES, estimate_parameters
 from tasks.core.preflight.report import CheckContext
@@ -178,6 +178,18 @@ def estimate_local_bytes(cfg: RunConfig, mc: dict[str, Any], local_run_root: boo
     return kept + hf, how
 
 
+def unestimated(mc: dict[str, Any]) -> str:
+    """Why config.json gives no parameter count: its family is not known (the family registry's own
+    words, naming the known ones and where to add it), or a dimension is missing."""
+    from tasks.core.models.families import family_config
+
+    try:
+        family_config(mc)
+    except ConversionError as exc:
+        return str(exc)
+    return "config.json lacks the dimensions to estimate the parameter count"
+
+
 def check_staging_space(ctx: CheckContext) -> None:
     """Enough local disk for the estimated checkpoints (run root if local, else the staging dir)."""
     if ctx.model is None:
@@ -196,7 +208,7 @@ def check_staging_space(ctx: CheckContext) -> None:
         where = Path(ctx.cfg.staging_dir) if ctx.cfg.staging_dir else Path(tempfile.gettempdir())
     est = estimate_local_bytes(ctx.cfg, ctx.model.config, local)
     if est is None:
-        ctx.warn("staging space not checked: config.json lacks the dimensions to estimate the parameter count")
+        ctx.warn(f"staging space not checked: {unestimated(ctx.model.config)}")
         return
     need, how = est
     free = ctx.machine.free_bytes
