@@ -33,7 +33,7 @@ class TensorRule:
     """One tensor of a model: key (with `{i}` for the layer index), symbolic shape, presence."""
 
     key: str
-    shape: tuple[str, ...]  # names from DIMS
+    shape: tuple[str | int, ...]  # names from DIMS (a derived family's table: the sizes themselves)
     when: str | None = None  # present only if this config flag is true
     unless: str | None = None  # absent if this config flag is true
 
@@ -101,6 +101,13 @@ class ModelFamily:
     # policy for this family runs, and why the others do not (`sp_family_problem` names it)
     sp_modes: tuple[str, ...] = ()
     sp_note: str = ""
+    # The shardformer policy hybrid_parallel shards this family with (dotted class path): ColossalAI
+    # 0.5.0's from its auto_policy mapping (tests/test_families.py compares every row with it), or the
+    # project's own; "" = none, so only the plugins that do not slice tensors run it (`policy_problem`)
+    shardformer_policy: str = ""
+    layer_prefix: str = "model.layers.{i}."
+    # read from the model transformers builds (tasks.core.models.derive), not a row of FAMILIES
+    derived: bool = False
 
 
 def _head_dim(c: Mapping[str, Any]) -> int:
@@ -134,7 +141,7 @@ DIMS: dict[str, Callable[[Mapping[str, Any]], int]] = {
 # down_proj's biases) is replicated on every tp rank.
 TP_SPLIT_DIMS = frozenset({"q", "kv", "inter", "vocab", "heads"})
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
-LAYER_PREFIX = "model.layers.{i}."
+LAYER_PREFIX = ModelFamily.__dataclass_fields__["layer_prefix"].default
 
 
 def _attn(q_bias: str | None, o_bias: str | None, qk_norm: bool = False) -> tuple[TensorRule, ...]:
@@ -177,6 +184,7 @@ _TAIL = (
     TensorRule("lm_head.weight", ("vocab", "hidden"), unless="tie_word_embeddings"),
 )
 
+_COLOSSALAI = "colossalai.shardformer.policies"
 # model_type -> family; transformers 4.51's module definitions are the source of truth (the tests
 # compare every table with the state dict of a tiny model built from the entry's classes)
 FAMILIES: dict[str, ModelFamily] = {
@@ -184,12 +192,14 @@ FAMILIES: dict[str, ModelFamily] = {
         _HEAD, _attn("attention_bias", "attention_bias") + _mlp("mlp_bias") + _NORMS, _TAIL,
         config_defaults={"tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False},
         config_class="LlamaConfig", model_class="LlamaForCausalLM",
+        shardformer_policy=f"{_COLOSSALAI}.llama.LlamaForCausalLMPolicy",
         sp_modes=("split_gather", "ring", "all_to_all", "ring_attn"),
     ),
     "mistral": ModelFamily(
         _HEAD, _attn(None, None) + _mlp(None) + _NORMS, _TAIL,
         config_defaults={"tie_word_embeddings": False},
         config_class="MistralConfig", model_class="MistralForCausalLM",
+        shardformer_policy=f"{_COLOSSALAI}.mistral.MistralForCausalLMPolicy",
         sp_note="ColossalAI 0.5.0's Mistral policy switches sequence parallelism off with a warning and trains "
         "without it",
     ),
@@ -197,6 +207,7 @@ FAMILIES: dict[str, ModelFamily] = {
         _HEAD, _attn("always", None) + _mlp(None) + _NORMS, _TAIL,
         config_defaults={"tie_word_embeddings": False},
         config_class="Qwen2Config", model_class="Qwen2ForCausalLM",
+        shardformer_policy=f"{_COLOSSALAI}.qwen2.Qwen2ForCausalLMPolicy",
         sp_modes=("split_gather", "ring", "all_to_all"),
         sp_note="ColossalAI 0.5.0's Qwen2 attention forward asserts a mode other than ring_attn",
         # no sliding-window layers: the tiny demo model attends over its whole context
@@ -217,15 +228,22 @@ def supported() -> str:
     return ", ".join(sorted(FAMILIES))
 
 
+def family_of(model_config: Mapping[str, Any]) -> ModelFamily:
+    """The row of config.json's model_type, else the family derived from the model the installed
+    transformers builds (`tasks.core.models.derive`: imports torch and transformers, only then).
+    Raises ConversionError when neither exists."""
+    family = FAMILIES.get(model_config.get("model_type"))  # type: ignore[arg-type]
+    if family is not None:
+        return family
+    from tasks.core.models.derive import derive_family
+
+    return derive_family(model_config)
+
+
 def family_config(model_config: Mapping[str, Any]) -> tuple[ModelFamily, dict[str, Any]]:
     """The family of a config.json and the config with the family's defaults filled in."""
     model_type = model_config.get("model_type")
-    family = FAMILIES.get(model_type)  # type: ignore[arg-type]
-    if family is None:
-        raise ConversionError(
-            f"config.json model_type={model_type!r} is not supported by the converter; "
-            f"supported: {supported()} (add its layout to FAMILIES in tasks/core/models/families.py)"
-        )
+    family = family_of(model_config)
     config = {**family.config_defaults, **{k: v for k, v in model_config.items() if v is not None}}
     missing = [f for f in REQUIRED_FIELDS if not isinstance(config.get(f), int)]
     if missing:
@@ -244,22 +262,25 @@ def model_dims(model_config: Mapping[str, Any]) -> dict[str, int]:
 def iter_tensors(model_config: Mapping[str, Any]) -> Iterator[tuple[str, TensorRule, tuple[int, ...], int | None]]:
     """(key, rule, shape, layer index or None) of every tensor the model has, in module order."""
     family, config = family_config(model_config)
-    dims = {name: fn(config) for name, fn in DIMS.items()}
+    names = {name: fn(config) for name, fn in DIMS.items()}
+
+    def dims(rule: TensorRule) -> tuple[int, ...]:
+        return tuple(names[d] if isinstance(d, str) else d for d in rule.shape)
 
     def present(rule: TensorRule) -> bool:
         return (rule.when is None or bool(config.get(rule.when))) and not (rule.unless and config.get(rule.unless))
 
     for rule in family.head:
         if present(rule):
-            yield rule.key, rule, tuple(dims[d] for d in rule.shape), None
+            yield rule.key, rule, dims(rule), None
     for i in range(config["num_hidden_layers"]):
-        prefix = LAYER_PREFIX.format(i=i)
+        prefix = family.layer_prefix.format(i=i)
         for rule in family.layer:
             if present(rule):
-                yield prefix + rule.key, rule, tuple(dims[d] for d in rule.shape), i
+                yield prefix + rule.key, rule, dims(rule), i
     for rule in family.tail:
         if present(rule):
-            yield rule.key, rule, tuple(dims[d] for d in rule.shape), None
+            yield rule.key, rule, dims(rule), None
 
 
 def expected_tensors(model_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -330,3 +351,33 @@ def sp_family_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: st
         f"(or set {where}.plugin.sequence_parallelism: null)"
     )
     return f"{where}.plugin.sequence_parallelism.mode", why
+
+
+def plugins_without_policy() -> list[str]:
+    """The plugins that do not slice tensors, so they run a family with no shardformer policy."""
+    from tasks.core.config.plugins import PLUGINS
+
+    return [name for name, spec in PLUGINS.items() if not spec.shardformer]
+
+
+def policy_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: str) -> tuple[str, str] | None:
+    """(field, message) when the stage's plugin shards with a shardformer policy its family lacks
+    (ColossalAI raises NotImplementedError on a rank in boost_and_shard otherwise)."""
+    from tasks.core.config.plugins import PLUGINS
+
+    name = getattr(stage_cfg.plugin, "name", None)
+    if name not in PLUGINS or not PLUGINS[name].shardformer:
+        return None
+    try:
+        family = family_of(model_config)
+    except ConversionError:
+        return None  # no family at all: check_model_family names it
+    if family.shardformer_policy:
+        return None
+    what = f"derived from {family.model_class}" if family.derived else "a registered family"
+    why = (
+        f"{name} shards the model with a shardformer policy (tensor, pipeline and sequence parallelism), and ColossalAI "
+        f"0.5.0 has none for {family.model_class} (model_type {model_config.get('model_type')!r}, {what}); "
+        f"set {where}.plugin.name to one of the plugins that run it: {', '.join(plugins_without_policy())}"
+    )
+    return f"{where}.plugin.name", why
