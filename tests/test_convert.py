@@ -195,8 +195,8 @@ def test_expected_tensors_match_transformers(cls, cfg_cls, overrides):
 
 
 def test_unknown_model_type_lists_supported():
-    with pytest.raises(ConversionError, match=r"gpt2.*llama.*mistral.*qwen2"):
-        expected_tensors({"model_type": "gpt2", **TINY, "vocab_size": 10})
+    with pytest.raises(ConversionError, match=r"tinyfam.*llama.*mistral.*qwen2"):
+        expected_tensors({"model_type": "tinyfam", **TINY, "vocab_size": 10})
 
 
 def test_parse_size_and_plan():

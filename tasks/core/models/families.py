@@ -374,10 +374,14 @@ def policy_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: str) 
         return None  # no family at all: check_model_family names it
     if family.shardformer_policy:
         return None
-    what = f"derived from {family.model_class}" if family.derived else "a registered family"
     why = (
-        f"{name} shards the model with a shardformer policy (tensor, pipeline and sequence parallelism), and ColossalAI "
-        f"0.5.0 has none for {family.model_class} (model_type {model_config.get('model_type')!r}, {what}); "
-        f"set {where}.plugin.name to one of the plugins that run it: {', '.join(plugins_without_policy())}"
+        f"{name} shards the model with a shardformer policy (tensor, pipeline and sequence parallelism), and "
+        + (
+            f"a family derived from {family.model_class} (model_type {model_config.get('model_type')!r} has no row "
+            "in tasks/core/models/families.py) names none"
+            if family.derived
+            else f"ColossalAI 0.5.0 has none for {family.model_class} (model_type {model_config.get('model_type')!r})"
+        )
+        + f"; set {where}.plugin.name to one of the plugins that run it: {', '.join(plugins_without_policy())}"
     )
     return f"{where}.plugin.name", why
