@@ -11,7 +11,6 @@ for any family without a policy (qwen3 included) before anything launches.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
