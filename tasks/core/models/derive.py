@@ -27,6 +27,7 @@ from functools import lru_cache
 from typing import Any
 
 from tasks.core.errors import ConversionError
+from tasks.core.models.family_spec import FINAL_NORM_ACTIVATIONS, LLAMA_LAYER_ACTIVATIONS, ModelFamily, TensorRule
 
 # config.json fields a derived table never passes to transformers: auto_map names code in the model
 # folder (never run), and the bookkeeping fields are transformers' own to set
@@ -45,11 +46,11 @@ _DIM_FIELDS = (
 _LAYER_KEY = re.compile(r"^(.*?\.)(\d+)\.(.+)$")
 
 
-def derive_family(model_config: Mapping[str, Any]):
+def derive_family(model_config: Mapping[str, Any], registered: str = "") -> ModelFamily:
     """The ModelFamily of a config.json whose model_type has no row (cached per config).
     Raises ConversionError naming why it cannot be derived."""
     try:
-        return _derive(json.dumps(dict(model_config), sort_keys=True, default=str))
+        return _derive(json.dumps(dict(model_config), sort_keys=True, default=str), registered)
     except ConversionError:
         raise
     except Exception as exc:  # a module this reader does not understand: refused, never half-read
@@ -61,12 +62,10 @@ def derive_family(model_config: Mapping[str, Any]):
 
 
 @lru_cache(maxsize=16)
-def _derive(config_json: str):
-    from tasks.core.models.families import FINAL_NORM_ACTIVATIONS, LLAMA_LAYER_ACTIVATIONS, ModelFamily, TensorRule
-
+def _derive(config_json: str, registered: str) -> ModelFamily:
     raw = {k: v for k, v in json.loads(config_json).items() if k not in _DROPPED}
     model_type = raw.get("model_type")
-    config, model = _meta_model(model_type, raw)
+    config, model = _meta_model(model_type, raw, registered)
     params = dict(model.named_parameters(remove_duplicate=False))
     state = model.state_dict()
     first_of: dict[int, str] = {}
@@ -116,7 +115,7 @@ def _derive(config_json: str):
     )
 
 
-def _meta_model(model_type: Any, raw: dict[str, Any]):
+def _meta_model(model_type: Any, raw: dict[str, Any], registered: str):
     """transformers' config object and the causal LM built from it on the meta device."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -126,9 +125,7 @@ def _meta_model(model_type: Any, raw: dict[str, Any]):
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
-    from tasks.core.models.families import supported
-
-    fix = f"use a base model of a family it builds (registered: {supported()})"
+    fix = f"use a base model of a family it builds (registered: {registered})"
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise ConversionError(
             f"config.json model_type={model_type!r} is neither in the family registry nor a model type the installed "
