@@ -160,19 +160,21 @@ def build_tiny_model(
     spec = FAMILIES.get(family)
     config_cls = getattr(transformers, spec.config_class) if spec else CONFIG_MAPPING[family]
     config = config_cls(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=ids[BOS],
-        eos_token_id=ids[EOS],
-        pad_token_id=ids[PAD],
-        torch_dtype="float32",
-        **(spec.demo_config if spec else {}),
+        **(spec.demo_config if spec else {})  # the family's fields first: the demo's own win
+        | dict(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=tie_word_embeddings,
+            bos_token_id=ids[BOS],
+            eos_token_id=ids[EOS],
+            pad_token_id=ids[PAD],
+            torch_dtype="float32",
+        ),
     )
     # fork_rng: a fixed seed for the init without disturbing the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):

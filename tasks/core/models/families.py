@@ -27,7 +27,9 @@ from typing import Any
 from tasks.core.errors import ConversionError
 from tasks.core.models.family_spec import (
     FINAL_NORM_ACTIVATIONS,
+    GEMMA3_LAYER_ACTIVATIONS,
     LLAMA_LAYER_ACTIVATIONS,
+    PHI3_LAYER_ACTIVATIONS,
     QK_NORM_ACTIVATIONS,
     ActivationTerm,
     ModelFamily,
@@ -71,12 +73,15 @@ DIMS: dict[str, Callable[[Mapping[str, Any]], int]] = {
     "q": lambda c: c["num_attention_heads"] * _head_dim(c),
     "kv": lambda c: _kv_heads(c) * _head_dim(c),
     "heads": lambda c: c["num_attention_heads"],
+    # fused projections (Phi-3): q, k and v in one weight; gate and up in one
+    "qkv": lambda c: (c["num_attention_heads"] + 2 * _kv_heads(c)) * _head_dim(c),
+    "inter2": lambda c: 2 * c["intermediate_size"],
 }
 # Dims that tensor parallelism splits over the tp ranks (shardformer's policies for these families:
 # column-parallel q/k/v/gate/up and their biases, row-parallel o/down, vocabulary-parallel embedding
 # and LM head, each rank's attention heads); a tensor with none of them (the norms, o_proj's and
 # down_proj's biases) is replicated on every tp rank.
-TP_SPLIT_DIMS = frozenset({"q", "kv", "inter", "vocab", "heads"})
+TP_SPLIT_DIMS = frozenset({"q", "kv", "inter", "vocab", "heads", "qkv", "inter2"})
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
 LAYER_PREFIX = ModelFamily.__dataclass_fields__["layer_prefix"].default
 
@@ -115,6 +120,18 @@ def _mlp(flag: str | None) -> tuple[TensorRule, ...]:
 
 
 _NORMS = (TensorRule("input_layernorm.weight", ("hidden",)), TensorRule("post_attention_layernorm.weight", ("hidden",)))
+# Gemma 3: a norm before and after each of attention and the MLP
+_FOUR_NORMS = _NORMS + (
+    TensorRule("pre_feedforward_layernorm.weight", ("hidden",)),
+    TensorRule("post_feedforward_layernorm.weight", ("hidden",)),
+)
+# Phi-3: q, k and v in one projection, gate and up in another (a tp split would cut each per part)
+_PHI3_LAYER = (
+    TensorRule("self_attn.o_proj.weight", ("hidden", "q")),
+    TensorRule("self_attn.qkv_proj.weight", ("qkv", "hidden")),
+    TensorRule("mlp.gate_up_proj.weight", ("inter2", "hidden")),
+    TensorRule("mlp.down_proj.weight", ("hidden", "inter")),
+)
 _HEAD = (TensorRule("model.embed_tokens.weight", ("vocab", "hidden")),)
 _TAIL = (
     TensorRule("model.norm.weight", ("hidden",)),
@@ -156,6 +173,27 @@ FAMILIES: dict[str, ModelFamily] = {
         config_class="Qwen3Config", model_class="Qwen3ForCausalLM",
         sp_note="ColossalAI 0.5.0 has no Qwen3 shardformer policy",
         layer_activations=LLAMA_LAYER_ACTIVATIONS + QK_NORM_ACTIVATIONS,
+    ),
+    # Gemma 3 text (Gemma3ForCausalLM: the text half, e.g. gemma-3-270m/1b): the embedding scaled by
+    # sqrt(hidden) in the module (Gemma3TextScaledWordEmbedding, no extra tensor), q/k norms per head,
+    # four norms a layer, sliding-window layers (same tensors), a tied head by default.
+    "gemma3_text": ModelFamily(
+        _HEAD, _attn("attention_bias", "attention_bias", qk_norm=True) + _mlp(None) + _FOUR_NORMS, _TAIL,
+        config_defaults={"tie_word_embeddings": True, "attention_bias": False, "head_dim": 256,
+                         "num_key_value_heads": 4},
+        config_class="Gemma3TextConfig", model_class="Gemma3ForCausalLM",
+        sp_note="ColossalAI 0.5.0 has no Gemma 3 shardformer policy",
+        demo_config={"sliding_window": 32, "sliding_window_pattern": 2},
+        layer_activations=GEMMA3_LAYER_ACTIVATIONS,
+    ),
+    "phi3": ModelFamily(
+        _HEAD, _PHI3_LAYER + _NORMS, _TAIL,
+        config_defaults={"tie_word_embeddings": False},
+        config_class="Phi3Config", model_class="Phi3ForCausalLM",
+        # Phi3Config's pad_token_id=32000 is out of range for a tiny vocabulary (the demo sets its own)
+        demo_config={"pad_token_id": None},
+        sp_note="ColossalAI 0.5.0 has no Phi-3 shardformer policy",
+        layer_activations=PHI3_LAYER_ACTIVATIONS,
     ),
 }  # fmt: skip
 

@@ -55,6 +55,27 @@ QK_NORM_ACTIVATIONS: tuple[ActivationTerm, ...] = (
     ActivationTerm("kv", 1, fp32=True),
     ActivationTerm("kv", 1),
 )
+# Gemma 3 (counted the same way): its RMSNorm multiplies the fp32 normalized input by (1 + weight)
+# before casting, so each of the four norms keeps its input and the normalized input in fp32, and the
+# two before a projection (input, pre-feedforward) their compute-dtype output; the q/k norms keep
+# their input and normalized input in fp32; sdpa and the GELU MLP keep what Llama's do. (The sliding
+# window's additive mask, s-wide per token, is left out with the inverse RMS: ~1.5 % at s=32.)
+GEMMA3_LAYER_ACTIVATIONS: tuple[ActivationTerm, ...] = (
+    ActivationTerm("hidden", 8, fp32=True),
+    ActivationTerm("hidden", 2),
+    ActivationTerm("q", 2, fp32=True),
+    ActivationTerm("kv", 2, fp32=True),
+    ActivationTerm("q", 5),
+    ActivationTerm("heads", 1, fp32=True),
+    ActivationTerm("inter", 4),
+)
+# Phi-3: Llama's, with the fused gate_up output kept once (2 x inter wide: silu reads its gate half,
+# the product its up half) beside the activation and the product
+PHI3_LAYER_ACTIVATIONS: tuple[ActivationTerm, ...] = (
+    *LLAMA_LAYER_ACTIVATIONS[:4],
+    ActivationTerm("inter2", 1),
+    ActivationTerm("inter", 2),
+)
 # The final RMSNorm, once per token (the LM head and the loss are vocabulary-wide: the estimate
 # counts them from vocab_size).
 FINAL_NORM_ACTIVATIONS: tuple[ActivationTerm, ...] = (
