@@ -91,6 +91,44 @@ def test_derivation_never_runs_model_folder_code_and_refuses_what_it_cannot_read
             family_config({"model_type": model_type, **DIMS})
 
 
+# -- the named rows of families ColossalAI has no policy for: the converter's bitwise tests -------
+
+NAMED = {
+    # Gemma 3 text: tied head, q/k norms, four norms a layer, sliding-window layers every other one
+    "gemma3_text": {"head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2},
+    # Phi-3: fused qkv_proj and gate_up_proj
+    "phi3": {"pad_token_id": None},
+}
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("model_type", sorted(NAMED))
+def test_a_named_row_converts_bitwise_with_the_logits_of_the_model(tmp_path, model_type, pp):
+    from tasks.core.models.convert import convert_checkpoint, load_state_dict_from_dir
+    from tests.test_convert import pp2_stages, write_colossal_checkpoint
+
+    spec = FAMILIES[model_type]
+    config = getattr(transformers, spec.config_class)(**DIMS, **NAMED[model_type])
+    torch.manual_seed(0)
+    model = getattr(transformers, spec.model_class)(config).eval()
+    mc = config.to_dict()
+    state = {k: v.detach() for k, v in model.named_parameters()}  # a tied head once
+    assert expected_tensors(mc) == {k: tuple(v.shape) for k, v in state.items()}
+    tied = tied_keys(mc)
+    if pp == 2 and tied:  # the last pipeline stage saves its copy of the tied head: dropped as equal
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    stages = pp2_stages(state, DIMS["num_hidden_layers"]) if pp == 2 else None
+    src = write_colossal_checkpoint(state, tmp_path / "ckpt", stages=stages, config=config)
+    report = convert_checkpoint(src, tmp_path / "hf", model_config=mc, fsync=False)
+    assert report.dropped == (["lm_head.weight"] if pp == 2 and tied else [])
+    got = load_state_dict_from_dir(tmp_path / "hf")
+    assert sorted(got) == sorted(expected_tensors(mc)) and all(torch.equal(got[k], state[k]) for k in got)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, DIMS["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
 # -- a tiny OLMo 2 through the converter, the proof, the fingerprint and the export ----------------
 
 

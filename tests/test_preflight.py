@@ -699,8 +699,10 @@ _H, _I, _Q, _KV = (
         ("mistral", {}, 0),
         ("qwen2", {"tie_word_embeddings": True}, _Q + 2 * _KV),  # q/k/v biases
         ("qwen3", {"head_dim": 16}, 2 * 16),  # q_norm and k_norm
+        ("gemma3_text", {"head_dim": 16}, 2 * 16 + 2 * _H),  # q/k norms, pre/post-feedforward norms
+        ("phi3", {"pad_token_id": None}, 0),  # fused qkv and gate_up: the same parameters
     ],
-    ids=["llama", "llama-tied", "llama-biases", "mistral", "qwen2-tied", "qwen3"],
+    ids=["llama", "llama-tied", "llama-biases", "mistral", "qwen2-tied", "qwen3", "gemma3-tied", "phi3"],
 )
 def test_parameter_estimate_is_the_family_table_count(model_type, overrides, left_out_per_layer):
     import transformers
