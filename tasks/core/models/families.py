@@ -182,7 +182,8 @@ FAMILIES: dict[str, ModelFamily] = {
         config_defaults={"tie_word_embeddings": True, "attention_bias": False, "head_dim": 256,
                          "num_key_value_heads": 4},
         config_class="Gemma3TextConfig", model_class="Gemma3ForCausalLM",
-        sp_note="ColossalAI 0.5.0 has no Gemma 3 shardformer policy",
+        sp_note="ColossalAI 0.5.0 has no Gemma 3 shardformer policy, and the project carries none (its attention, "
+        "four-norm layer and scaled vocabulary-parallel embedding would each need a forward of their own)",
         demo_config={"sliding_window": 32, "sliding_window_pattern": 2},
         layer_activations=GEMMA3_LAYER_ACTIVATIONS,
     ),
@@ -192,7 +193,10 @@ FAMILIES: dict[str, ModelFamily] = {
         config_class="Phi3Config", model_class="Phi3ForCausalLM",
         # Phi3Config's pad_token_id=32000 is out of range for a tiny vocabulary (the demo sets its own)
         demo_config={"pad_token_id": None},
-        sp_note="ColossalAI 0.5.0 has no Phi-3 shardformer policy",
+        sp_note="ColossalAI 0.5.0 has no Phi-3 shardformer policy, and the project carries none: tensor parallelism "
+        "must split qkv_proj per part (q | k | v) and gate_up_proj per part (gate | up); ColossalAI's FusedLinear1D_Col "
+        "(split_sizes) can, but a policy would also need Phi-3's attention with each rank's head counts, and a tp=2 "
+        "flow run to prove it",
         layer_activations=PHI3_LAYER_ACTIVATIONS,
     ),
 }  # fmt: skip
