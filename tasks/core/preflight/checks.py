@@ -390,7 +390,7 @@ def check_model_family(ctx: CheckContext) -> None:
     ctx.ok(
         f"model family {model_type}: no row in the registry; its tensor table is derived from {family.model_class} "
         f"({family.config_class}) built on the meta device by the installed transformers (torch imported for it), "
-        "so the unshard and the export can convert it"
+        "so the unshard and the export can convert it (the memory estimate counts Llama's activation terms for it)"
     )
 
 
