@@ -376,7 +376,11 @@ def check_model_family(ctx: CheckContext) -> None:
 
     model_type = ctx.model.config.get("model_type")
     if isinstance(model_type, str) and model_type in FAMILIES:
-        ctx.ok(f"model family {model_type}: in the registry, so the unshard and the export can convert it")
+        policy = FAMILIES[model_type].shardformer_policy
+        ctx.ok(
+            f"model family {model_type}: in the registry, so the unshard and the export can convert it"
+            + ("" if policy else "; no shardformer policy, so hybrid_parallel does not run it")
+        )
         return
     try:
         family, _ = family_config(ctx.model.config)
