@@ -279,3 +279,15 @@ def test_the_engine_refuses_the_same_before_it_builds_a_plugin():
     check_model(hp, {"model_type": "llama", **DIMS}, "cpt")
     lz = stage({"name": "low_level_zero"}, nproc=2)
     assert policy_problem({"model_type": "olmo2", **DIMS}, lz, "cpt") is None
+
+
+def test_a_dummy_row_shows_in_the_family_table_with_what_runs_it(monkeypatch):
+    import dataclasses
+
+    from tasks.core.models import family_table
+
+    monkeypatch.setitem(FAMILIES, "tinyfam", dataclasses.replace(FAMILIES["llama"], shardformer_policy=""))
+    rows = {line.split(" | ")[0]: line for line in family_table.render().splitlines() if line.startswith("| `")}
+    assert "refused: ColossalAI 0.5.0 has no policy for LlamaForCausalLM" in rows["| `tinyfam`"]
+    assert rows["| `tinyfam`"].endswith("| runs | runs | runs |")
+    assert "runs (tp, pp; sequence parallelism: split_gather" in rows["| `llama`"]
