@@ -8,14 +8,20 @@ config class applies to omitted fields, which keys are tied or index the vocabul
 transformers classes that build it. Every reader takes it from here (torchtitan keeps its
 `from_hf_map` key maps as data the same way):
 - the converter (`tasks.core.models.convert`) checks every key and shape of a checkpoint against it;
-- pre-flight (`tasks.core.preflight.checks`) refuses a base model whose family is missing here, before
+- pre-flight (`tasks.core.preflight.checks`) refuses a base model whose family has no table, before
   a CPT stage trains for hours and the unshard then fails, and counts parameters from the table;
+  it refuses hybrid_parallel for a family without a shardformer policy (`policy_problem`);
 - the demo-input builder (`tasks.core.models.demo`) builds a model of any family listed here;
 - the memory estimate (`tasks.core.preflight.memory`) shards the table by tensor parallelism
   (`TP_SPLIT_DIMS`) and reads what one decoder layer keeps for its backward (`layer_activations`).
-Adding a family is one entry in FAMILIES; nothing else branches on a family name.
+Adding a family is one entry in FAMILIES; nothing else branches on a family name. A model_type
+with no entry gets a family derived from the model the installed transformers builds on the meta
+device (`family_of` -> `tasks.core.models.derive`): its keys, shapes, tied and vocabulary keys, no
+shardformer policy, Llama's activation terms. The docs' table of families x plugins is written
+from here (`tasks.core.models.family_table`).
 
-Pure: no torch, no transformers import (class names are strings), so pre-flight stays cheap.
+Pure: no torch, no transformers import (class names are strings), so pre-flight stays cheap; only a
+model_type with no entry imports them, to derive its family.
 """
 
 from __future__ import annotations
