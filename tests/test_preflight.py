@@ -435,9 +435,9 @@ BAD = [
     ),
     (
         "unknown-model-family",
-        lambda c: fake_model(c.model, model_type="gpt2"),
+        lambda c: fake_model(c.model, model_type="tinyfam"),
         "base_model.uri",
-        "model_type='gpt2' is not a supported model family (supported: llama, mistral, qwen2, qwen3)",
+        "model_type='tinyfam' is neither in the family registry nor a model type the installed transformers knows",
     ),
     (
         "gpu-memory-too-small",
@@ -723,8 +723,10 @@ _H, _I, _Q, _KV = (
         ("mistral", {}, 0),
         ("qwen2", {"tie_word_embeddings": True}, _Q + 2 * _KV),  # q/k/v biases
         ("qwen3", {"head_dim": 16}, 2 * 16),  # q_norm and k_norm
+        ("gemma3_text", {"head_dim": 16}, 2 * 16 + 2 * _H),  # q/k norms, pre/post-feedforward norms
+        ("phi3", {"pad_token_id": None}, 0),  # fused qkv and gate_up: the same parameters
     ],
-    ids=["llama", "llama-tied", "llama-biases", "mistral", "qwen2-tied", "qwen3"],
+    ids=["llama", "llama-tied", "llama-biases", "mistral", "qwen2-tied", "qwen3", "gemma3-tied", "phi3"],
 )
 def test_parameter_estimate_is_the_family_table_count(model_type, overrides, left_out_per_layer):
     import transformers
@@ -746,7 +748,7 @@ def test_parameter_estimate_of_llama3_8b_is_unchanged():
 
     mc = {"model_type": "llama", **LLAMA3_8B}
     assert estimate_parameters(mc) == _llama_shaped_estimate(mc) == 8_030_261_248  # Meta-Llama-3-8B's published count
-    assert estimate_parameters({"model_type": "gpt2", **LLAMA3_8B}) is None  # refused by check_model_family instead
+    assert estimate_parameters({"model_type": "tinyfam", **LLAMA3_8B}) is None  # refused by check_model_family instead
 
 
 def test_the_staging_space_check_names_an_unknown_family_not_missing_dimensions(tmp_path):
@@ -785,7 +787,7 @@ def test_a_new_model_family_is_one_registry_entry(tmp_path, monkeypatch):
     fake_model(case.model, model_type="tinyfam")
     refused = case.report()
     assert [f for f, _ in refused.problems] == ["base_model.uri"], refused.text()
-    assert "model_type='tinyfam' is not a supported model family" in refused.problems[0][1]
+    assert "model_type='tinyfam' is neither in the family registry" in refused.problems[0][1]
 
     monkeypatch.setitem(FAMILIES, "tinyfam", dataclasses.replace(FAMILIES["llama"]))
     report = case.report()

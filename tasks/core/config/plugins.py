@@ -186,6 +186,9 @@ class PluginSpec:
     name: str
     summary: str  # one line for the config field description and error messages
     supports_tp_pp: bool = False  # tensor/pipeline parallel (and a stage manager, tp/dp groups)
+    # shards the model with a shardformer policy (even at tp=pp=1): runs only families that have one
+    # (`ModelFamily.shardformer_policy`, tasks/core/models/families.py)
+    shardformer: bool = False
     sequence_parallel: bool = False  # takes plugin.sequence_parallelism (tasks/core/config/sequence.py)
     zero_stages: tuple[int, ...] = (0,)  # accepted values of plugin.zero_stage
     implicit_zero: int | None = None  # ZeRO stage the plugin always runs (gemini: 3), whatever zero_stage says
@@ -281,6 +284,7 @@ register(
         name="hybrid_parallel",
         summary="tensor/pipeline parallel with optional ZeRO-1",
         supports_tp_pp=True,
+        shardformer=True,
         sequence_parallel=True,
         zero_stages=(0, 1),
         zero_hint="hybrid_parallel supports zero_stage 0 or 1 here; use low_level_zero for stage 2 or gemini for "

@@ -140,9 +140,9 @@ def _stage_layout(ctx: CheckContext, name: str, stage: StageConfig) -> None:
         )
     for where, msg in layout_problems(stage, name, tiers=("batch", "model"), **_facts(ctx)):
         ctx.problem(where, msg)
-    from tasks.core.models.families import sp_family_problem
+    from tasks.core.models.families import policy_problem, sp_family_problem
 
-    if mc is not None and (sp := sp_family_problem(mc, stage, name)):
+    if mc is not None and (sp := policy_problem(mc, stage, name) or sp_family_problem(mc, stage, name)):
         ctx.problem(*sp)
     world = launch.world_size
     if world % (p.tp_size * p.pp_size) == 0 and not any(
@@ -397,22 +397,36 @@ def check_chat_template(ctx: CheckContext) -> None:
 
 
 def check_model_family(ctx: CheckContext) -> None:
-    """The base model's model_type is in the family registry: the unshard after CPT and the export
-    convert checkpoints by its tensor table, so an unknown family would fail only after CPT."""
+    """The base model's family has a tensor table: its row in the registry, or one derived from the
+    model the installed transformers builds on the meta device (which imports torch and transformers,
+    so only for a model_type with no row). The unshard after CPT and the export convert checkpoints by
+    it, so a family without one would fail only after CPT."""
     if ctx.model is None:
         return
-    from tasks.core.models.families import FAMILIES, supported
+    from tasks.core.errors import ConversionError
+    from tasks.core.models.families import FAMILIES, family_config, supported
 
     model_type = ctx.model.config.get("model_type")
     if isinstance(model_type, str) and model_type in FAMILIES:
-        ctx.ok(f"model family {model_type}: in the registry, so the unshard and the export can convert it")
+        policy = FAMILIES[model_type].shardformer_policy
+        ctx.ok(
+            f"model family {model_type}: in the registry, so the unshard and the export can convert it"
+            + ("" if policy else "; no shardformer policy, so hybrid_parallel does not run it")
+        )
         return
-    ctx.problem(
-        "base_model.uri",
-        f"{ctx.model.where}: config.json model_type={model_type!r} is not a supported model family (supported: "
-        f"{supported()}); "
-        "the unshard after CPT and the export convert checkpoints by the family's tensor table. Use a base model of a "
-        "supported family, or add the family's entry to FAMILIES in tasks/core/models/families.py",
+    try:
+        family, _ = family_config(ctx.model.config)
+    except ConversionError as exc:
+        ctx.problem(
+            "base_model.uri",
+            f"{ctx.model.where}: {exc} (the registered families: {supported()}; or add the family's entry to "
+            "FAMILIES in tasks/core/models/families.py)",
+        )
+        return
+    ctx.ok(
+        f"model family {model_type}: no row in the registry; its tensor table is derived from {family.model_class} "
+        f"({family.config_class}) built on the meta device by the installed transformers (torch imported for it), "
+        "so the unshard and the export can convert it (the memory estimate counts Llama's activation terms for it)"
     )
 
 
