@@ -1,6 +1,6 @@
 """Stage benchmark: lm-evaluation-harness scores of the base model and the export on local tasks.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # runs it after the export, before the gate
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # runs it after the export, before the gate
 
 Reads the task YAMLs and data files `benchmark.tasks` names (checked in pre-flight: nothing is
 downloaded), copies them into eval/benchmark/tasks/ with their sha256, and scores the export and

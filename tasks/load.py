@@ -10,7 +10,7 @@ weights are taken unless `base_model.allow_pickle`; then pickle-only weights are
 once, to safetensors (`convert_pickle`), so every later stage reads safetensors; the manifest's
 meta `converted_from_pickle` records the source files and their sha256.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # runs this first
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # runs this first
 """
 
 from __future__ import annotations

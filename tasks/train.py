@@ -4,7 +4,7 @@ Both launch `python -m tasks.engine <verb> --config JOB.json` under torchrun wit
 layout. Training is never retried by Prefect: the engine resumes from the newest checkpoint
 whose manifest verifies, so a retried flow run continues where it broke.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml
 """
 
 from __future__ import annotations

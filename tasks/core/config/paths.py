@@ -6,7 +6,7 @@
 2. the checkout the package is imported from, when it has a pyproject.toml (editable install or
    `python -m` from a clone): relative paths resolve the same wherever the flow runs from;
 3. otherwise (a non-editable `pip install .`: the package lives in site-packages) the current
-   working directory, so `cpt-to-sft run --config deployments/configs/x.yaml` inside a checkout
+   working directory, so `cpt-to-sft run --config examples/x.yaml` inside a checkout
    resolves like `python -m flows.cpt_to_sft` there, never against site-packages.
 """
 

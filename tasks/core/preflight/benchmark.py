@@ -1,6 +1,6 @@
 """Pre-flight of the benchmark stage: lm-eval is installed, every task is local, and its YAML loads.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 
 For each YAML `benchmark.tasks` names: it parses as one lm-eval task, nothing in it would reach the
 network (a Hub `dataset_path`, an http or hf:// data file, `include:`, `!function`: refused, naming
