@@ -35,6 +35,7 @@ def test_data_formats_records_are_read_by_the_reader_and_pass_preflight(tiny_mod
     assert all("messages" not in r for r in text) and all(set(r) == {"messages"} for r in chat)
     for rec in chat:
         validate_messages(rec["messages"])
+    assert [json.loads(b) for b in blocks(page, ("json",))] == chat[:1], "the indented record is the file's first"
     assert plain == [{"text": line} for line in txt[0].splitlines()]
     # The stage's own rules on those files: pre-flight's data checks read them as a run would.
     raw = minimal_config()
