@@ -157,3 +157,22 @@ def test_example_passes_preflight(path, tiny_model_dir, tmp_path, monkeypatch):
         load_for_check(config), machine=GPU_NODE if "gpus" in want else CPU_NODE, token_present=True
     )
     assert report.ok, f"examples/{path.name}:\n{report.text()}"
+
+
+def test_no_file_points_at_the_old_config_folder():
+    """Run configs moved from deployments/configs/ to examples/: a path to the old folder (a
+    docstring's command, a test's fixture, a page) is refused, so a branch written before the move
+    cannot bring one back."""
+    old = "deployments/" + "configs"
+    skip = {".venv", ".git", "build", "runs", "node_modules", ".ruff_cache", ".pytest_cache"}
+    files = [
+        p
+        for p in REPO.rglob("*")
+        if p.is_file()
+        and not skip & set(p.relative_to(REPO).parts)
+        and (p.suffix in (".py", ".md", ".yaml", ".yml", ".sh", ".toml", ".cfg") or p.name == "Makefile")
+    ]
+    stale = [str(p.relative_to(REPO)) for p in files if old in p.read_text(errors="replace")]
+    joined = '"deployments" / ' + '"configs"'  # the same path built with pathlib's /
+    stale += [str(p.relative_to(REPO)) for p in files if joined in p.read_text(errors="replace")]
+    assert not stale, f"these name {old}/, whose configs are now in examples/: {sorted(set(stale))}"
