@@ -160,7 +160,7 @@ def test_example_passes_preflight(path, tiny_model_dir, tmp_path, monkeypatch):
 
 
 def test_no_file_points_at_the_old_config_folder():
-    """Run configs moved from deployments/configs/ to examples/: a path to the old folder (a
+    """Run configs moved from the configs folder under deployments/ to examples/: a path to it (a
     docstring's command, a test's fixture, a page) is refused, so a branch written before the move
     cannot bring one back."""
     old = "deployments/" + "configs"
