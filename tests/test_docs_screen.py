@@ -1,5 +1,5 @@
 """The built site as a reader sees it, in headless Chromium: the front page's stage diagram is not
-clipped and no name in a table's first column (the reference's fields) is broken across lines.
+clipped (nor the concepts page's) and no name in a table's first column (the reference's fields) is broken across lines.
 
     PYTHONPATH=$PWD .venv/bin/python -m pytest -q -m integration tests/test_docs_screen.py
 
@@ -81,9 +81,11 @@ def measure(site: Path, page: str, name: str, tmp_path: Path) -> dict:
 
 
 @pytest.mark.integration
-def test_front_page_stage_diagram_is_not_clipped(site, tmp_path):
-    got = measure(site, "index.html", "index", tmp_path)
-    assert not got["clipped"], f"docs/index.md: code blocks wider than the page: {got['clipped']}"
+@pytest.mark.parametrize("page", ["index", "concepts"])
+def test_stage_diagram_is_not_clipped(site, tmp_path, page):
+    got = measure(site, "index.html" if page == "index" else f"{page}/index.html", page, tmp_path)
+    diagram = [c for c in got["clipped"] if c.startswith("1  load_from_hf")]
+    assert not diagram, f"docs/{page}.md: the stage diagram is wider than the page and scrolls"
 
 
 @pytest.mark.integration
