@@ -12,7 +12,7 @@ What it runs, each step a time-boxed subprocess (its output goes to $OUT/gpu_che
   kernels             ColossalAI's CPU-Adam and fused-Adam JIT kernels (HybridAdam, Gemini's optimizer),
                       built while the model is written
   model               a Llama-shaped random model (~300M parameters, vocab 32000) + the demo tokenizer,
-                      written to deployments/configs/gpu-check.yaml's base_model.uri
+                      written to benchmarks/gpu-check.yaml's base_model.uri
   preflight           `python -m flows.cpt_to_sft --config gpu-check.yaml --check` is clean (on CPU:
                       exactly one problem, sft.plugin.name: gemini needs CUDA)
   plain_baseline      benchmarks/plain_colossalai_train.py under torchrun: same model, plugin, batch,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wall time of `python -m flows.cpt_to_sft --config FILE --check`, imports included (target < 10 s).
 #
-#   benchmarks/preflight_time.sh [CONFIG]        # default: deployments/configs/tiny-cpu.yaml
+#   benchmarks/preflight_time.sh [CONFIG]        # default: examples/tiny-cpu.yaml
 #   benchmarks/preflight_time.sh --smoke [CONFIG] # one run each instead of three: checks the script runs
 #
 # Times three runs each of a failing pre-flight (the config with its SFT seq_len over the model's
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 RUNS=3
 if [ "${1:-}" = "--smoke" ]; then RUNS=1; shift; fi
-CFG=${1:-deployments/configs/tiny-cpu.yaml}
+CFG=${1:-examples/tiny-cpu.yaml}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 "$PY" - "$CFG" "$TMP/bad.yaml" <<'PYEOF'

@@ -1,6 +1,6 @@
 """The `cpt-to-sft` console command (`[project.scripts]`; `pip install .` puts it on PATH).
 
-    cpt-to-sft run --config deployments/configs/tiny-cpu.yaml --set cpt.max_steps=4 --set cpt.lr=1e-4
+    cpt-to-sft run --config examples/tiny-cpu.yaml --set cpt.max_steps=4 --set cpt.lr=1e-4
     cpt-to-sft check --config FILE [--set key.path=value ...]     # pre-flight only, launches nothing
     cpt-to-sft run --config FILE --stop-after export                # the stages up to the export only
     cpt-to-sft break-lease --config FILE
@@ -103,7 +103,7 @@ def _config_args(p: argparse.ArgumentParser, sets: bool = True) -> None:
         "--config",
         required=True,
         metavar="FILE",
-        help="the run's YAML config file: local path or fsspec URI (e.g. deployments/configs/tiny-cpu.yaml)",
+        help="the run's YAML config file: local path or fsspec URI (e.g. examples/tiny-cpu.yaml)",
     )
     if sets:
         p.add_argument(
@@ -164,11 +164,11 @@ DELEGATED = {
 COMMANDS = {
     "run": (
         "run the whole flow, or its stages up to --stop-after",
-        "cpt-to-sft run --config deployments/configs/tiny-cpu.yaml --set cpt.max_steps=4",
+        "cpt-to-sft run --config examples/tiny-cpu.yaml --set cpt.max_steps=4",
     ),
     "check": (
         "pre-flight only: every problem at once, nothing launched",
-        "cpt-to-sft check --config deployments/configs/tiny-cpu.yaml",
+        "cpt-to-sft check --config examples/tiny-cpu.yaml",
     ),
     "verify": (
         "verify an artifact or every artifact of a run root",
@@ -176,7 +176,7 @@ COMMANDS = {
     ),
     "break-lease": (
         "remove the run root's lease left by a dead run",
-        "cpt-to-sft break-lease --config deployments/configs/tiny-cpu.yaml",
+        "cpt-to-sft break-lease --config examples/tiny-cpu.yaml",
     ),
     "convert": (
         "a ColossalAI checkpoint -> HF safetensors",
@@ -321,7 +321,7 @@ def _print(text: str) -> int:
 
 RUN_HELP = """Run the flow: load, prepare the data, train CPT, evaluate, train SFT, export, evaluate, gate, push.
 
-The config file is YAML (a local path or an fsspec URI): deployments/configs/tiny-cpu.yaml is the
+The config file is YAML (a local path or an fsspec URI): examples/tiny-cpu.yaml is the
 demo; every field, its default and its rules: `cpt-to-sft schema`. `--set key.path=value` overrides
 one field, the value parsed as YAML (`--set cpt.lr=1e-4` is a float, `--set hub=null` removes the
 push), applied in the order given and validated like the file. `--stop-after STAGE` runs the stages
@@ -329,7 +329,7 @@ up to STAGE and records the rest as not-run. Without PREFECT_API_URL the run sta
 server. A re-run skips every stage whose artifact verifies and whose config is unchanged."""
 
 RUN_EXAMPLES = """examples:
-  cpt-to-sft run --config deployments/configs/tiny-cpu.yaml
+  cpt-to-sft run --config examples/tiny-cpu.yaml
   cpt-to-sft run --config my.yaml --set cpt.max_steps=100 --set cpt.lr=1e-4 --set hub=null
   cpt-to-sft run --config s3://bucket/configs/8b.yaml --run-root s3://bucket/runs/8b --stop-after export
 

@@ -1,6 +1,6 @@
 """The console is a view of a run, so a run outlives whatever reads its output.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml | head -3   # the run goes on
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml | head -3   # the run goes on
 
 When the reader of this process's stdout or stderr goes away (its parent died, the terminal
 closed, `| head` had its lines), the next write raises BrokenPipeError. Prefect logs to the console

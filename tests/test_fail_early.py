@@ -30,7 +30,7 @@ from tests.conftest import tiny_config_raw, write_config
 from tests.test_preflight import CPU2, Case, make_manifest, no_launch  # noqa: F401 - no_launch is an autouse fixture
 
 _REAL_POPEN = subprocess.Popen  # before `no_launch` replaces it: the tests that must launch put it back
-TINY_YAML = (Path(__file__).resolve().parents[1] / "deployments" / "configs" / "tiny-cpu.yaml").read_text()
+TINY_YAML = (Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml").read_text()
 
 
 def _no_traceback(text: str) -> None:

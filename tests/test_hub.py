@@ -28,7 +28,7 @@ KB = 1 << 10
 
 
 def config(run_root: Path, base: str = "org/base-model", **hub) -> object:
-    raw = yaml.safe_load((REPO / "deployments" / "configs" / "tiny-cpu.yaml").read_text())
+    raw = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
     raw.update(run_root=str(run_root), name="hub-test")
     raw["base_model"]["uri"] = base
     if hub:
@@ -471,7 +471,7 @@ def test_token_never_reaches_logs_artifacts_or_the_repo(hub_env, prefect_harness
 
     run_root = tmp_path / "run"
     fake_export(run_root)
-    raw = yaml.safe_load((REPO / "deployments" / "configs" / "tiny-cpu.yaml").read_text())
+    raw = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
     raw.update(
         run_root=str(run_root),
         name="hygiene",

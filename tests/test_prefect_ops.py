@@ -233,7 +233,7 @@ def test_run_form_overrides_are_typed_and_validated_like_the_yaml(tmp_path):
     assert "$ref" in schema["properties"]["overrides"] and all("$ref" in form[s] for s in ("cpt", "sft"))
     assert form["run_name"]["type"] == "string" and RunOverrides().dotted() == {}
 
-    tiny = str(REPO / "deployments" / "configs" / "tiny-cpu.yaml")
+    tiny = str(REPO / "examples" / "tiny-cpu.yaml")
     cfg = resolve_config(
         tiny,
         {

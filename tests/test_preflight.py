@@ -680,7 +680,7 @@ def test_multi_node_without_rendezvous_endpoint_is_refused():
     from tasks.core.config.load import parse_config
     from tests.conftest import REPO
 
-    raw = yaml.safe_load((REPO / "deployments/configs/tiny-cpu.yaml").read_text())
+    raw = yaml.safe_load((REPO / "examples/tiny-cpu.yaml").read_text())
     raw["cpt"]["launch"] = {"nproc_per_node": 1, "nnodes": 2}
     with pytest.raises(ConfigError) as info:
         parse_config(raw)

@@ -24,7 +24,7 @@ from typing import Any
 from support import REPO
 from tasks.core.run.events import parse_line
 
-CONFIG = REPO / "deployments" / "configs" / "gpu-check.yaml"
+CONFIG = REPO / "benchmarks" / "gpu-check.yaml"
 PY, ME = sys.executable, str(REPO / "benchmarks" / "gpu_check.py")  # ME: the entry, which runs the subcommands
 TARGET_RATIO = 0.97
 TOKENIZER_VOCAB = 512

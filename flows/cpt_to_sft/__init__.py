@@ -1,6 +1,6 @@
 """The `cpt-to-sft` flow: continued pre-training then supervised fine-tuning on ColossalAI.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml [--run-root URI]
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml [--run-root URI]
     python -m flows.cpt_to_sft --config FILE --check          # pre-flight only, launches nothing
     python -m flows.cpt_to_sft --config FILE --stop-after export   # the stages up to the export only
 
@@ -122,14 +122,14 @@ def _name_run(cfg: RunConfig | None, logger) -> None:
 
 @flow(name="cpt-to-sft", log_prints=True)
 def cpt_to_sft(
-    config: str = "deployments/configs/tiny-cpu.yaml",
+    config: str = "examples/tiny-cpu.yaml",
     overrides: RunOverrides = RunOverrides(),  # noqa: B008 - frozen
     stop_after: str | None = None,
 ) -> dict[str, Any]:
     """Load → prepare data (CPT, SFT) → boost & shard (A) → train CPT (A) → unshard → evaluate CPT → reboost (B) → train SFT (B)
     → export → evaluate SFT → gate → push.
 
-    config: path or fsspec URI of the run's YAML (see deployments/configs/).
+    config: path or fsspec URI of the run's YAML (see examples/).
     overrides: per-run changes to the config (run name and root, base model, data, steps, lr);
         empty fields keep the config's values.
     stop_after: run the stages up to and including this one (a stage name, e.g. "export"); the

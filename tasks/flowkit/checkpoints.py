@@ -1,7 +1,7 @@
 """Where a training stage's checkpoints go: one sink, chosen once from where the run root is and how
 many nodes run the stage (`checkpoint_sink`).
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # a local run root: Local
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # a local run root: Local
 
 - `Local`: a local or NFS run root. The engine writes its checkpoints where they stay and keeps
   keep_last itself; nothing is published.

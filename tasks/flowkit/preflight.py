@@ -1,6 +1,6 @@
 """Stage 0, preflight: every check a run can fail in seconds, before anything is loaded or launched.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 
 The checks are pure and live in `tasks.core.preflight.checks`; this module adds what needs Prefect (the
 Hub token, looked up as push and load do: HF_TOKEN, the Secret block `hf-token`, the saved

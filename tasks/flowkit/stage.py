@@ -1,6 +1,6 @@
 """The stage protocol every stage task follows, written once: skip -> build -> manifest -> publish -> event.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # every stage goes through here
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # every stage goes through here
 
 The skip rule (README, "Re-runs and retries"): a stage is skipped when its artifact's manifest
 verifies AND records the config digest the stage would produce now. `Stage` computes that digest

@@ -1,6 +1,6 @@
 """Stage benchmark: lm-evaluation-harness scores of the base model and the export on local tasks.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # runs it after the export, before the gate
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # runs it after the export, before the gate
 
 Reads the task YAMLs and data files `benchmark.tasks` names as data (checked in pre-flight and
 again here: nothing is downloaded, no task key runs code, templates render in lm-eval's environment

@@ -16,7 +16,7 @@ here from data/<stage>/ (`tasks.core.data.stage_data.heldout_records`), never re
 from, so changing an evaluation setting re-runs evaluation only, never training; and they skip
 on a re-run like every stage (manifest verifies, config digest matches).
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # runs them in the flow
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # runs them in the flow
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Stage export: the final SFT checkpoint (plugin B) -> `export/`, a clean HF model folder.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # export runs as one stage of it
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # export runs as one stage of it
 
 Shards to `export.max_shard_size`, casts to `export.dtype`, proves every tensor bitwise the
 checkpoint's cast to that dtype, aligns the stop tokens with the chat template

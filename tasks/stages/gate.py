@@ -4,7 +4,7 @@ gate holds the push back and keeps every artifact.
 Not an artifact: a pure decision over recorded metrics (tasks/core/evaluation/verdict.py), taken on
 every run, so changing a threshold re-decides without re-running anything upstream.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # decides it after the evaluations
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # decides it after the evaluations
 """
 
 from __future__ import annotations

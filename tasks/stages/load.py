@@ -13,7 +13,7 @@ comes along: no `.py` file is copied (meta `left_out` names it) and every `auto_
 nested sections included, is removed with a logged line (meta `removed_auto_map`), so nothing later
 (cpt/hf/, the export, the Hub) carries it and the model loads as transformers' own class.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # runs this first
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # runs this first
 """
 
 from __future__ import annotations

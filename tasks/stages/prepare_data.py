@@ -1,6 +1,6 @@
 """Stages prepare_cpt / prepare_sft: a training stage's corpus -> data/<stage>/ memory-mapped token shards.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # both run right after load_from_hf
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # both run right after load_from_hf
 
 Both run before any training process starts (before boost_and_shard), with the base model's
 tokenizer, so a bad record anywhere in either corpus stops the run naming the user's file and line.

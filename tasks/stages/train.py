@@ -5,7 +5,7 @@ layout; where the checkpoints go (stay local, published by this worker, publishe
 the stage's checkpoint sink, chosen once (tasks/flowkit/checkpoints.py). Training is never retried by Prefect: the engine resumes from the newest checkpoint
 whose manifest verifies, so a retried flow run continues where it broke.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml
 """
 
 from __future__ import annotations

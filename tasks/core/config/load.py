@@ -1,6 +1,6 @@
 """Loading a run config: bounded YAML that refuses duplicated keys, dotted overrides, the schema, then the rules.
 
-    python -c "from tasks.core.config.load import load_config; print(load_config('deployments/configs/tiny-cpu.yaml'))"
+    python -c "from tasks.core.config.load import load_config; print(load_config('examples/tiny-cpu.yaml'))"
 
 `parse_config` validates every field against the schema (`tasks.core.config.schema`) and, when
 they all validate, runs the static rules across fields: the parallel-layout rules of tier static

@@ -1,6 +1,6 @@
 """What a training or evaluation stage reads from its prepared data (data/<stage>/, made by prepare_data).
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # train and evaluate call this
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # train and evaluate call this
 
 - `blend_plan`: the steps a mixture is blended for, from the stage's config (prepare_data plans
   with it, the ranks check it).

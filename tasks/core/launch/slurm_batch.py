@@ -15,7 +15,7 @@ and task) goes to `job-<id>.batch.log`.
 
 Render the batch script the backend would submit for a config (prints it, submits nothing):
 
-    python -m tasks.core.launch.slurm_batch deployments/configs/tiny-cpu.yaml cpt train
+    python -m tasks.core.launch.slurm_batch examples/tiny-cpu.yaml cpt train
 """
 
 from __future__ import annotations

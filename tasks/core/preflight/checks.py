@@ -1,6 +1,6 @@
 """Pre-flight: every check a run can fail in seconds, before a model is loaded or a rank started.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 
 Pure of prefect: the Prefect task (`tasks.flowkit.preflight.preflight`) adds the one check that needs it
 (the Hub token in the Secret block `hf-token`) and passes its answer in as `token_present`.

@@ -2,7 +2,7 @@
 row and the batch; pre-flight prints it per stage and refuses a layout that does not fit the GPU.
 
     python -m tasks.core.preflight.memory --table                                 # Llama-3-8B / 70B on 8x80 GB nodes
-    python -m tasks.core.preflight.memory deployments/configs/tiny-cpu.yaml       # each stage of a run config
+    python -m tasks.core.preflight.memory examples/tiny-cpu.yaml       # each stage of a run config
 
 What is counted, per rank (pure arithmetic: no torch, nothing loaded):
 - the rank's parameters: the family's tensor table (`tasks.core.models.families`), each tensor with a

@@ -2,7 +2,7 @@
 loads as a tokenizer), each safetensors header is bounded and consistent with the file, every file
 is what its name says, and LoRA's targets exist in the model.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 
 A local base model is read here (a Hub model's tokenizer.json and generation_config.json are not
 downloaded for this: load_from_hf meets them); the LoRA targets are resolved against the module

@@ -3,7 +3,7 @@ under it are trustworthy by name and keep the model-folder rule, there is local 
 checkpoints, the run never reads what it writes (run root, staging dir and data sources apart),
 and a local base model's files all resolve inside its directory.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 
 Staging space is an estimate (parameter count from the model family's tensor table): a training
 checkpoint is weights in the dtype the plugin trains + fp32 Adam moments (8 B/param) + the fp32 master

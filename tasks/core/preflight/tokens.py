@@ -1,7 +1,7 @@
 """Pre-flight's look at the base model's tokenizer: the special tokens agree with the model, and how
 many sampled SFT chats are longer than seq_len.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 
 Read without transformers (whose import pulls in torch): `tokenizer.json` through the `tokenizers`
 library, `tokenizer_config.json` / `special_tokens_map.json` for the token names, and the chat
