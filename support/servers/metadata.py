@@ -13,7 +13,7 @@ What it serves (the documented requests, headers checked, the documented answers
 - Azure: `GET /metadata/scheduledevents?api-version=...` with `Metadata: true` -> `{"DocumentIncarnation":
   n, "Events": []}`, then one `Preempt` event; 400 without the header.
 
-`preempt()` flips all three at once; `requests` records what was asked (method, path, headers).
+`preempt()` flips all three at once; `requests` records what was asked (method, path, headers in lower case).
 """
 
 from __future__ import annotations
@@ -46,7 +46,13 @@ class MetadataServer:
 
             def _record(self) -> None:
                 with server._lock:
-                    server.requests.append({"method": self.command, "path": self.path, "headers": dict(self.headers)})
+                    server.requests.append(
+                        {
+                            "method": self.command,
+                            "path": self.path,
+                            "headers": {k.lower(): v for k, v in self.headers.items()},
+                        }
+                    )
 
             def do_PUT(self) -> None:
                 self._record()

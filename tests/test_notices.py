@@ -1,0 +1,192 @@
+"""Preemption notices without a launch: the registry rows, the cloud rows against the local metadata
+double (support/servers/metadata.py), a rank's `Watch` (signal handler and poller), the launcher's
+forwarding and its `Preempted` report, and the keep-the-global-batch rule.
+
+    .venv/bin/python -m pytest -q tests/test_notices.py
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from support.servers.metadata import MetadataServer
+from tasks.core.config.elastic import ElasticConfig, NoticeConfig, keep_global_batch, kept_accumulation
+from tasks.core.config.notices import NOTICES, NoticeSource, register, signal_names
+from tasks.core.errors import ConfigError, Preempted, StageFailed
+from tasks.engine.notice import Watch, http_fetch
+
+
+@pytest.fixture(scope="module")
+def double():
+    with MetadataServer() as m:
+        yield m
+
+
+def _poll(name: str, url: str) -> str | None:
+    return NOTICES[name].poll(http_fetch, url)
+
+
+def test_every_row_has_a_grace_budget_and_one_way_to_arrive():
+    for name, row in NOTICES.items():
+        assert row.grace_s > 0 and row.summary, name
+        assert (row.signal is None) != (row.poll is None), name
+    assert signal_names(["sigterm", "slurm", "aws", "sigterm"]) == ["SIGTERM", "SIGUSR1"]
+
+
+def test_the_cloud_rows_ask_as_documented_and_read_the_preemption(tmp_path):
+    # Its own double: the module's one is preempted by the poller test below.
+    with MetadataServer() as m:
+        assert [_poll(n, m.url) for n in ("aws", "gcp", "azure")] == [None, None, None]
+        m.preempt()
+        aws, gcp, azure = (_poll(n, m.url) for n in ("aws", "gcp", "azure"))
+        assert aws.startswith("aws spot terminate at 20") and aws.endswith("Z")
+        assert gcp == "gcp instance preempted"
+        assert azure.startswith("azure Preempt event 602d9444-d2cd-49c7-8624-8643e7171297 not before ")
+        asked = [(r["method"], r["path"].split("?")[0]) for r in m.requests]
+        assert ("PUT", "/latest/api/token") in asked and ("GET", "/computeMetadata/v1/instance/preempted") in asked
+        tokens = [r for r in m.requests if r["path"] == "/latest/meta-data/spot/instance-action"]
+        assert all(r["headers"].get("x-aws-ec2-metadata-token") for r in tokens)
+        # The headers are the protocol: without them the double refuses, as the clouds do.
+        assert http_fetch("GET", f"{m.url}/computeMetadata/v1/instance/preempted", {})[0] == 403
+        assert http_fetch("GET", f"{m.url}/latest/meta-data/spot/instance-action", {})[0] == 401
+        assert http_fetch("GET", f"{m.url}/metadata/scheduledevents?api-version=2020-07-01", {})[0] == 400
+    with pytest.raises(OSError):
+        _poll("gcp", m.url)  # stopped: unreachable is an error the poller reports, not a notice
+    note = tmp_path / "notice"
+    assert _poll("file", str(note)) is None
+    note.write_text("drain for maintenance\n")
+    assert _poll("file", str(note)) == f"notice file {note}: drain for maintenance"
+
+
+def test_a_rank_s_poller_hears_the_double_and_keeps_the_first_notice(double):
+    said: list[str] = []
+    cfg = ElasticConfig(notices=[{"source": "gcp", "endpoint": double.url, "poll_s": 0.05, "grace_s": 20}])
+    watch = Watch(cfg.notices, say=said.append).start()
+    try:
+        time.sleep(0.3)
+        assert not watch.noticed and watch.remaining() == float("inf")
+        double.preempt()
+        deadline = time.monotonic() + 30
+        while not watch.noticed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.first.source == "gcp" and watch.first.grace_s == 20
+        assert 0 < watch.remaining() <= 20
+        watch.notice("aws", 120, "later")  # a second notice does not move the budget
+        assert watch.first.source == "gcp"
+    finally:
+        watch.close()
+    assert said == ["preemption notice (gcp, grace 20s): gcp instance preempted"]
+
+
+def test_a_rank_s_signal_handler_turns_sigusr1_into_a_notice_and_is_removed_after():
+    before = signal.getsignal(signal.SIGUSR1)
+    watch = Watch(ElasticConfig(notices=[{"source": "slurm"}]).notices).start()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert watch.first.source == "slurm" and watch.first.grace_s == 60.0
+        assert watch.first.text == "SIGUSR1 received"
+    finally:
+        watch.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_a_dummy_row_is_all_a_new_source_needs():
+    register(NoticeSource("dummy", "test", 7.0, poll=lambda fetch, where: f"dummy at {where}", endpoint="x"))
+    try:
+        cfg = ElasticConfig(notices=[{"source": "dummy", "poll_s": 0.01}])
+        watch = Watch(cfg.notices).start()
+        deadline = time.monotonic() + 10
+        while not watch.noticed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        watch.close()
+        assert (watch.first.source, watch.first.grace_s, watch.first.text) == ("dummy", 7.0, "dummy at x")
+    finally:
+        NOTICES.pop("dummy")
+    with pytest.raises(ValueError, match="unknown notice source 'dummy'"):
+        NoticeConfig(source="dummy")
+
+
+def test_notice_settings_are_checked():
+    with pytest.raises(ValueError, match="'file' needs `endpoint`"):
+        NoticeConfig(source="file")
+    with pytest.raises(ValueError, match="is a signal"):
+        NoticeConfig(source="sigterm", endpoint="http://x")
+    assert NoticeConfig(source="aws").where == "http://169.254.169.254"
+    assert ElasticConfig(notices=[{"source": "aws"}, {"source": "sigterm", "grace_s": 20}]).grace_s == 20
+
+
+def test_keep_global_batch_sets_the_accumulation_or_names_the_setting():
+    from support.engine import stage_raw
+    from tasks.core.config.schema import StageConfig
+
+    assert (kept_accumulation(8, 2, 1), kept_accumulation(8, 2, 2), kept_accumulation(8, 4, 4)) == (4, 2, None)
+    cfg = StageConfig.model_validate(stage_raw("cpt", {"name": "torch_ddp", "precision": "fp32"}))
+    kept = keep_global_batch(cfg, "cpt", 4, dp=1, world=1)
+    assert (kept.grad_accum_steps, kept.launch.world_size, kept.micro_batch_size) == (2, 1, 2)
+    from tasks.core.config.layout import global_batch
+
+    assert global_batch(kept) == 4  # what the blend plan and the digest read
+    with pytest.raises(ConfigError, match=r"cpt\.elastic\.keep_global_batch: the checkpoints' global batch of 3"):
+        keep_global_batch(cfg, "cpt", 3, dp=1, world=1)
+
+
+def test_the_launcher_reports_a_preempted_exit_distinctly():
+    import logging
+
+    from tasks.core.launch.torchrun import Router
+    from tasks.core.run.events import PREEMPTED, format_event
+
+    router = Router(logging.getLogger("test-notices"))
+    router.line("[rank 1] injected notice 'term@step=4' (CPT_TO_SFT_FAULT): rank 1 signals itself")
+    assert isinstance(router.failure("train", 1), StageFailed) and not isinstance(router.failure("train", 1), Preempted)
+    rec = {"source": "sigterm", "noticed_step": 5, "checkpoint_step": 5, "steps_lost": 0, "notice_to_commit_s": 1.5}
+    router.line("[rank 0] " + format_event(PREEMPTED, rec))
+    exc = router.failure("train", 1)
+    assert isinstance(exc, Preempted) and exc.record == rec
+    assert (
+        exc.cause == "engine verb 'train' preempted (sigterm) after step 5: checkpoint step 5 committed, steps lost 0"
+    )
+    import pickle
+
+    assert pickle.loads(pickle.dumps(exc)).record == rec  # Prefect may pickle a task's exception
+
+
+def test_the_launcher_passes_sigterm_on_to_the_ranks_as_a_notice(tmp_path):
+    """A stand-in for torchrun whose child (the 'rank') records the SIGTERM it gets and lives on; the
+    launcher's own SIGTERM goes to the rank, and the launcher is not ended by it."""
+    from tasks.core.launch.proctree import StageProcesses, forward_notices, teardown
+
+    got = tmp_path / "rank-got"
+    rank = (
+        "import signal, sys, time, pathlib; p = pathlib.Path(sys.argv[1]);"
+        "signal.signal(signal.SIGTERM, lambda s, f: p.write_text(str(s)));"
+        "pathlib.Path(sys.argv[1] + '.ready').write_text('');"
+        "[time.sleep(0.05) for _ in range(1200) if not p.exists()]"
+    )
+    agent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {rank!r}, {str(got)!r}])"
+    proc = subprocess.Popen([sys.executable, "-c", agent], start_new_session=True)
+    stage = StageProcesses(proc.pid)
+    said: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not Path(f"{got}.ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with forward_notices(stage, ["SIGTERM"], say=said.append) as on:
+            assert on
+            os.kill(os.getpid(), signal.SIGTERM)
+            while not got.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert got.read_text() == str(int(signal.SIGTERM))
+        assert said == ["SIGTERM: passed on to 1 rank(s) as a preemption notice"]
+        assert proc.wait(timeout=60) == 0  # the rank finished on its own, the agent with it
+    finally:
+        teardown(stage)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
