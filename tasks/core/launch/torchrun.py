@@ -266,7 +266,11 @@ def _run_local(
     # A stage that listens for notices: SIGTERM/SIGUSR1 to this process become a notice to its ranks.
     notices = signal_names([n.source for n in job.stage_cfg.elastic.notices]) if verb == "train" else []
     try:
-        with forward_notices(stage, notices, say=router.logger.warning):
+        with forward_notices(stage, notices, say=router.logger.warning) as forwarding:
+            if notices and not forwarding:
+                router.logger.info(
+                    "%s reach the ranks only when sent to them: this launch is not in the main thread", notices
+                )
             for raw in proc.stdout:
                 router.line(raw.rstrip("\n"))
             rc = proc.wait()
