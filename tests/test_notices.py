@@ -190,3 +190,64 @@ def test_the_launcher_passes_sigterm_on_to_the_ranks_as_a_notice(tmp_path):
     finally:
         teardown(stage)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def _keep(raw: dict) -> dict:
+    raw["cpt"]["elastic"] = {"keep_global_batch": True, "notices": [{"source": "sigterm"}]}
+    return raw
+
+
+def test_keep_global_batch_keeps_the_digest_on_another_number_of_ranks(tmp_path):
+    from tasks.core.config.schema import RunConfig
+    from tasks.core.run.digest import config_digest, digest_fields
+    from tests.conftest import tiny_config_raw
+
+    raw = _keep(tiny_config_raw(tmp_path / "model", tmp_path / "run"))
+    parents = {"load_from_hf": "a", "prepare_cpt": "b"}
+    two = RunConfig.model_validate(raw)
+    raw["cpt"].update(plugin={"name": "torch_ddp", "precision": "fp32"}, launch={"nproc_per_node": 1})
+    one = RunConfig.model_validate(raw)
+    assert digest_fields(one, "boost_and_shard")["cpt.global_batch"] == "kept"
+    assert config_digest(one, "boost_and_shard", parents) == config_digest(two, "boost_and_shard", parents)
+    # the notices alone change no artifact
+    raw["cpt"]["elastic"] = {"keep_global_batch": True}
+    assert config_digest(RunConfig.model_validate(raw), "boost_and_shard", parents) == config_digest(
+        one, "boost_and_shard", parents
+    )
+
+
+@pytest.mark.parametrize(
+    "change, kind, text",
+    [
+        (
+            lambda c: c.update(plugin={"name": "torch_ddp", "precision": "fp32"}, micro_batch_size=1),
+            "ok",
+            "cpt: elastic.keep_global_batch sets grad_accum_steps to 2: the global batch of step-000003 (4)",
+        ),
+        (
+            lambda c: c.update(plugin={"name": "torch_ddp", "precision": "fp32"}),  # 4 x ? x dp 2 = 4: none
+            "problem",
+            "its checkpoints were trained at a global batch of 4 sequences",
+        ),
+    ],
+)
+def test_preflight_says_what_keep_global_batch_does(tmp_path, change, kind, text):
+    import copy
+
+    from tasks.core.preflight.checks import load_for_check
+    from tasks.core.preflight.report import CheckContext, PreflightReport
+    from tasks.core.preflight.resume import check_resume
+    from tests.conftest import tiny_config_raw, write_config
+    from tests.test_state_view import _run_root_with_checkpoint
+
+    raw = _keep(tiny_config_raw(tmp_path / "model", tmp_path / "run"))
+    _run_root_with_checkpoint(tmp_path, raw)
+    new = copy.deepcopy(raw)
+    change(new["cpt"])
+    ctx = CheckContext(load_for_check(write_config(tmp_path / "c.yaml", new)), None, None, None, PreflightReport())
+    check_resume(ctx)
+    if kind == "ok":
+        assert text in ctx.report.checked and not ctx.report.problems, (ctx.report.checked, ctx.report.problems)
+    else:
+        assert [w for w, _ in ctx.report.problems] == ["cpt.elastic.keep_global_batch"], ctx.report.problems
+        assert text in ctx.report.problems[0][1]
