@@ -251,3 +251,24 @@ def test_preflight_says_what_keep_global_batch_does(tmp_path, change, kind, text
     else:
         assert [w for w, _ in ctx.report.problems] == ["cpt.elastic.keep_global_batch"], ctx.report.problems
         assert text in ctx.report.problems[0][1]
+
+
+def test_torchrun_is_told_to_pass_the_notices_on_and_wait_the_grace():
+    from tasks.core.config.notices import torchrun_env
+
+    cfg = ElasticConfig(notices=[{"source": "slurm", "grace_s": 90.5}, {"source": "sigterm"}])
+    assert torchrun_env(cfg.notices) == {
+        "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        "PET_SHUTDOWN_TIMEOUT": "91",
+    }
+    assert torchrun_env(()) == {}
+    # torch.distributed.run reads them as its --signals-to-handle and --shutdown-timeout flags
+    from torch.distributed.run import get_args_parser
+
+    os.environ.update(torchrun_env(cfg.notices))
+    try:
+        args = get_args_parser().parse_args(["-m", "tasks.engine"])
+    finally:
+        for k in torchrun_env(cfg.notices):
+            os.environ.pop(k)
+    assert (args.signals_to_handle, args.shutdown_timeout) == ("SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", 91)

@@ -119,3 +119,20 @@ def signal_names(sources: list[str]) -> list[str]:
         if sig and sig not in out:
             out.append(sig)
     return out
+
+
+# torchrun's agent turns the signals it handles into a shutdown that sends the same signal to every
+# rank and waits `--shutdown-timeout` seconds before SIGKILL (torch.distributed.run; PET_* are its
+# flags as environment variables). By default it handles SIGTERM, SIGINT, SIGHUP and SIGQUIT and
+# waits 30 s, and SIGUSR1 ends it outright.
+TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+def torchrun_env(notices: tuple) -> dict[str, str]:
+    """The environment that makes torchrun pass a notice's signal on to the ranks and wait for them
+    up to the longest grace budget of `notices` (`<phase>.elastic.notices` entries); {} without notices."""
+    if not notices:
+        return {}
+    sigs = [*TORCHRUN_SIGNALS, *(s for s in signal_names([n.source for n in notices]) if s not in TORCHRUN_SIGNALS)]
+    grace = max(n.grace for n in notices)
+    return {"PET_SIGNALS_TO_HANDLE": ",".join(sigs), "PET_SHUTDOWN_TIMEOUT": str(int(-(-grace // 1)))}

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tasks.core.config.notices import signal_names
+from tasks.core.config.notices import signal_names, torchrun_env
 from tasks.core.config.schema import LaunchConfig
 from tasks.core.errors import Preempted, StageFailed
 from tasks.core.launch.proctree import (
@@ -211,8 +211,10 @@ def run_engine(
     job.write(job_path)
     router = Router(logger, on_progress, on_event, ranks=launch.world_size)
     router.stop_check = failure
+    # A stage that listens for notices: torchrun passes their signals on to the ranks and waits the grace.
+    notices = torchrun_env(job.stage_cfg.elastic.notices) if verb == "train" else {}
     try:
-        RUNNERS[launch.backend](verb, job, job_path, launch, rdzv_id, router, engine_env(env))
+        RUNNERS[launch.backend](verb, job, job_path, launch, rdzv_id, router, engine_env({**notices, **(env or {})}))
     finally:
         router.close()
     return router.progress
