@@ -272,3 +272,10 @@ def test_torchrun_is_told_to_pass_the_notices_on_and_wait_the_grace():
         for k in torchrun_env(cfg.notices):
             os.environ.pop(k)
     assert (args.signals_to_handle, args.shutdown_timeout) == ("SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", 91)
+
+
+def test_a_save_that_would_outlast_the_grace_is_not_started():
+    from tasks.core.config.notices import worth_saving
+
+    assert worth_saving(20.0, None)  # no save in this launch yet: try (a save never commits torn)
+    assert worth_saving(20.0, 5.0) and not worth_saving(5.0, 5.0) and not worth_saving(1.0, 30.0)

@@ -348,12 +348,6 @@ class Engine:
         self.notice_agreed = bool(t[1].item() > 0)
         return float(t[0].item() / self.layout.dp_size)
 
-    def min_over_ranks(self, value: float) -> float:
-        """The smallest `value` of all ranks (the grace left where a notice came first)."""
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return float(t.item())
-
     # -- fingerprint --------------------------------------------------------------------------
 
     def fingerprint(self, model_dir: Path) -> torch.Tensor | None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from tasks.core.config.batching import BATCHING, micro_width
 from tasks.core.config.elastic import keep_global_batch
+from tasks.core.config.notices import worth_saving
 from tasks.core.config.phases import PHASES
 from tasks.core.config.sequence import sp_factor
 from tasks.core.data.index import check_fits_model
@@ -408,9 +409,9 @@ def _stop_on_notice(eng: Engine, watch: Watch, step: int, state: dict[str, Any],
     mine = (watch.first.source, time.monotonic() - watch.first.at, watch.first.grace_s) if watch.first else None
     heard: list[Any] = [None] * eng.world
     dist.all_gather_object(heard, mine)
-    source, age, grace = max((h for h in heard if h is not None), key=lambda h: h[1])
+    source, age, grace = min((h for h in heard if h is not None), key=lambda h: h[2] - h[1])  # the nearest end
     t0, left = time.monotonic(), grace - age
-    if not saved and (eng.save_s is None or left > 1.2 * eng.save_s):
+    if not saved and worth_saving(left, eng.save_s):
         last, saved = eng.save(step, state), True
     committed = ckpt.read_train_state(last)["step"] if last is not None else None
     record = {
@@ -427,8 +428,7 @@ def _stop_on_notice(eng: Engine, watch: Watch, step: int, state: dict[str, Any],
     if not saved:
         log(
             f"preemption: {left:.1f}s of grace left after step {step}, the last save took {eng.save_s:.1f}s: "
-            f"not saving; {Path(str(last)).name} stands",
-            all_ranks=False,
+            f"not saving; {Path(str(last)).name} stands"
         )
     emit(PREEMPTED, record)
     raise Preempted(

@@ -136,3 +136,14 @@ def torchrun_env(notices: tuple) -> dict[str, str]:
     sigs = [*TORCHRUN_SIGNALS, *(s for s in signal_names([n.source for n in notices]) if s not in TORCHRUN_SIGNALS)]
     grace = max(n.grace for n in notices)
     return {"PET_SIGNALS_TO_HANDLE": ",".join(sigs), "PET_SHUTDOWN_TIMEOUT": str(int(-(-grace // 1)))}
+
+
+# A save that would not end before the machine does is not started: the newest committed checkpoint
+# stands, and no torn directory is left for the next attempt to clear.
+SAVE_MARGIN = 1.2
+
+
+def worth_saving(grace_left_s: float, last_save_s: float | None) -> bool:
+    """Whether a checkpoint save fits in what is left of the grace budget, judged by how long this
+    launch's last save took (no save yet: try, a save in flight is never torn, only left unfinished)."""
+    return last_save_s is None or grace_left_s > SAVE_MARGIN * last_save_s
