@@ -35,7 +35,7 @@ from tasks.core.errors import ManifestError, Preempted
 from tasks.core.run import segments
 from tasks.core.run.events import PREEMPTED, PROGRESS
 from tasks.core.run.hostpeak import HostPeak
-from tasks.core.run.stages import PEAK_FIELDS, STEP_SUMMARY, SUMMARY_FIELDS
+from tasks.core.run.stages import PEAK_FIELDS, STEP_RE, STEP_SUMMARY, SUMMARY_FIELDS
 from tasks.engine import checkpoint as ckpt
 from tasks.engine import hostmem, lora
 from tasks.engine.boosted import Engine, emit, log
@@ -405,7 +405,7 @@ def _stop_on_notice(eng: Engine, watch: Watch, step: int, state: dict[str, Any],
     """Every rank agreed on a notice after `step`: commit its checkpoint (unless this step's periodic
     one is already committed, or the grace left is shorter than this launch's last save took, when
     the newest committed checkpoint stands), say so in a `@@preempted` event and raise Preempted."""
-    # Each rank's notice, if any: the earliest one sets the budget (a notice may reach one rank only).
+    # Each rank's notice, if any: the one whose grace ends first sets the budget (a notice may reach one rank only).
     mine = (watch.first.source, time.monotonic() - watch.first.at, watch.first.grace_s) if watch.first else None
     heard: list[Any] = [None] * eng.world
     dist.all_gather_object(heard, mine)
@@ -413,7 +413,9 @@ def _stop_on_notice(eng: Engine, watch: Watch, step: int, state: dict[str, Any],
     t0, left = time.monotonic(), grace - age
     if not saved and worth_saving(left, eng.save_s):
         last, saved = eng.save(step, state), True
-    committed = ckpt.read_train_state(last)["step"] if last is not None else None
+    # From the name: under per-node staging another node's copy holds its own parts only.
+    m = STEP_RE.match(Path(str(last)).name)
+    committed = int(m.group(1)) if m else None
     record = {
         "stage": eng.job.stage,
         "source": source,
