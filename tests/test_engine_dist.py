@@ -3,12 +3,14 @@
     pytest -m distributed tests/test_engine_dist.py -s
 
 Every launch costs ~8-13 s of imports on 2 cores, so launches are shared through module-scoped
-fixtures (24 in all; the kill-in-every-save-phase test and the three re-layout tests launch their own):
+fixtures (25 in all; the kill-in-every-save-phase test and the four re-layout tests launch their own):
 
 - hybrid_parallel tp=2 fp32, CPT on a 70/30 mixture of two sources (the blended stream of the 6
   steps): shard, train 6 steps uninterrupted, then the same 6 steps killed (SIGKILL of rank 1)
-  after the checkpoint at step 3, mid-blend, and resumed -> per-step losses and final weights
-  bitwise equal; checkpoint layout, manifests, retention, fingerprints.
+  after the checkpoint at step 3, mid-blend, resumed and preempted (SIGTERM to rank 1 after step 4,
+  20 s grace: step-000005 committed, exit preempted), and resumed again -> per-step losses and final
+  weights bitwise equal; checkpoint layout, manifests, retention, fingerprints. The preempted
+  step-000005 continued on 1 rank with elastic.keep_global_batch (one launch of its own).
 - the tp=2 stage under sequence parallelism from the same step-000000: split_gather (tp=2) and
   all_to_all (sp=2, tp=1) train the 6 steps -> losses and weights equal the tp=2 run's within fp32
   tolerance; the all_to_all stage then trains steps 4-6 again from its step-3 checkpoint -> bitwise.
@@ -57,6 +59,7 @@ DDP = {"name": "torch_ddp", "precision": "fp32"}
 LLZ2_OFFLOAD = {**LLZ2, "cpu_offload": True}
 
 LAUNCHES: list[tuple[str, float]] = []
+NOTICE = {"notices": [{"source": "sigterm", "grace_s": 20}]}
 
 
 def _dump(work: Path, name: str) -> dict[str, str]:
@@ -147,14 +150,29 @@ def tp2(work, tiny_model_dir):
         shutil.copytree(stage_dir / "step-000000", work / twin / "cpt" / "step-000000")
     kill_dir = work / "tp2-kill" / "cpt"
     train = _engine("tp2 train (6 steps)", "train", train_job, env=_dump(work, "tp2"))
-    _, kill_job = _jobs(work, "tp2-kill", "cpt", TP2, tiny_model_dir, tiny_model_dir, kill_dir, keep_last=1, data=mix)
-    killed = _engine(
-        "tp2 train kill@step=3", "train", kill_job, env={"CPT_TO_SFT_FAULT": "kill@step=3"}, expect_ok=False
+    # The twin listens for SIGTERM with a 20 s grace (the uninterrupted run above does not: the
+    # setting changes nothing trained).
+    _, kill_job = _jobs(
+        work, "tp2-kill", "cpt", TP2, tiny_model_dir, tiny_model_dir, kill_dir, keep_last=1, data=mix, elastic=NOTICE
     )
-    resumed = _engine("tp2 train resume", "train", kill_job, env={"CPT_TO_SFT_FAULT": "kill@step=3"})
+    faults = {"CPT_TO_SFT_FAULT": "kill@step=3;term@step=4@rank=1"}
+    killed = _engine("tp2 train kill@step=3", "train", kill_job, env=faults, expect_ok=False)
+    # Resumed from step 3; after step 4 rank 1 alone gets SIGTERM: both ranks stop after step 5.
+    preempted = _engine("tp2 train term@step=4", "train", kill_job, env=faults, expect_ok=False)
+    # keep_last=1: the resume drops step-000005; what it was is kept here, and a copy for the 1-rank test.
+    preempted.step5 = (verify_artifact(kill_dir / "step-000005"), train_state(kill_dir / "step-000005"))
+    shutil.copytree(kill_dir / "step-000005", work / "tp2-to-1" / "cpt" / "step-000005")
+    resumed = _engine("tp2 train resume", "train", kill_job, env=faults)
     data_dir = Path(json.loads(train_job.read_text())["data_dir"])
     return dict(
-        dir=stage_dir, kill_dir=kill_dir, shard=shard, train=train, killed=killed, resumed=resumed, data_dir=data_dir
+        dir=stage_dir,
+        kill_dir=kill_dir,
+        shard=shard,
+        train=train,
+        killed=killed,
+        preempted=preempted,
+        resumed=resumed,
+        data_dir=data_dir,
     )
 
 
@@ -395,8 +413,10 @@ def test_tp2_resume_after_kill_is_bitwise(tp2):
     killed, resumed = tp2["killed"], tp2["resumed"]
     assert killed.rc != 0
     assert [p["step"] for p in killed.progress] == [1, 2, 3] and killed.checkpoints[-1]["step"] == 3
-    assert "resuming cpt from step-000003" in resumed.output
-    assert [p["step"] for p in resumed.progress] == [4, 5, 6]
+    assert "resuming cpt from step-000003" in tp2["preempted"].output
+    assert [p["step"] for p in tp2["preempted"].progress] == [4, 5]  # then a notice: see the test below
+    assert "resuming cpt from step-000005" in resumed.output
+    assert [p["step"] for p in resumed.progress] == [6]
     ref = train_state(tp2["dir"] / "step-000006")
     got = train_state(tp2["kill_dir"] / "step-000006")
     assert got["losses"] == ref["losses"]  # python floats from JSON: bitwise
@@ -413,6 +433,72 @@ def test_tp2_resume_after_kill_is_bitwise(tp2):
         "positions"
     ] == 12
     assert ref["sampler"] == {"epoch": 1, "offset": 0, "seed": 1234} and ref["tokens_seen"] == 12 * 32
+
+
+def test_tp2_sigterm_to_one_rank_commits_that_step_and_exits_preempted(tp2):
+    """SIGTERM to rank 1 alone at the start of step 5 (grace 20 s): both ranks agree through the step's
+    loss all-reduce, finish step 5, commit step-000005 (manifest last, as a periodic checkpoint) and
+    exit PREEMPTED_EXIT; the launcher's Router reads the run as `Preempted`, steps lost 0. The resume
+    from it ends bitwise on the uninterrupted run (test_tp2_resume_after_kill_is_bitwise)."""
+    import logging
+
+    from tasks.core.errors import PREEMPTED_EXIT, Preempted
+    from tasks.core.launch.torchrun import Router
+
+    run = tp2["preempted"]
+    assert run.rc != 0
+    assert re.search(rf"exitcode\s*:\s*{PREEMPTED_EXIT}", run.output), run.output[-3000:]
+    assert "[rank 1] preemption notice (sigterm, grace 20s): SIGTERM received" in run.output
+    assert [c["step"] for c in run.checkpoints] == [5]
+    step5 = tp2["kill_dir"] / "step-000005"
+    manifest, state = run.step5  # verified right after the preempted launch
+    assert manifest["meta"]["step"] == 5 and state["step"] == 5 and len(state["losses"]) == 5
+    router = Router(logging.getLogger("test-preempted"))
+    for line in run.output.splitlines():
+        router.line(line)
+    exc = router.failure("train", run.rc)
+    assert isinstance(exc, Preempted), exc
+    rec = exc.record
+    assert (rec["source"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"]) == ("sigterm", 5, 5, 0)
+    assert rec["checkpoint"] == str(step5) and rec["grace_s"] == 20
+    assert 0 < rec["notice_to_commit_s"] < 20 and rec["grace_left_s"] > 0, rec
+    print(f"\nnotice -> committed step-000005: {rec['notice_to_commit_s']:.2f}s of a {rec['grace_s']:g}s grace")
+
+
+def test_tp2_preempted_checkpoint_continues_on_1_rank_at_the_kept_global_batch(tp2, tiny_model_dir, work):
+    """The preempted step-000005 (tp=2, dp 1, 2 x 1 a rank: global batch 2) continued on ONE rank
+    under torch_ddp at micro_batch_size 1 with elastic.keep_global_batch: the engine sets
+    grad_accum_steps 2, so the schedule and the data order continue: step 6's loss is the
+    uninterrupted run's within 1e-6."""
+    stage_dir = work / "tp2-to-1" / "cpt"
+    _, job = _jobs(
+        work,
+        "tp2-to-1",
+        "cpt",
+        DDP,
+        tiny_model_dir,
+        tiny_model_dir,
+        stage_dir,
+        keep_last=1,
+        data=_mixture(work),
+        micro_batch_size=1,
+        elastic={"keep_global_batch": True},
+    )
+    run = _engine("tp2 preempted -> 1 rank", "train", job, nproc=1)
+    assert (
+        "cpt.elastic.keep_global_batch: grad_accum_steps 1 -> 2 on 1 rank(s) (dp 1), the global batch of "
+        "step-000005: 2 sequences"
+    ) in run.output, run.output[-3000:]
+    assert [p["step"] for p in run.progress] == [6]
+    ref, got = train_state(tp2["dir"] / "step-000006"), train_state(stage_dir / "step-000006")
+    assert got["losses"][:5] == ref["losses"][:5] and got["lrs"] == ref["lrs"]
+    assert got["sampler"] == ref["sampler"] and got["tokens_seen"] == ref["tokens_seen"]
+    assert abs(got["losses"][5] - ref["losses"][5]) < 1e-6, (got["losses"], ref["losses"])
+    print(f"\n1 rank at the kept global batch: step 6 loss off by {abs(got['losses'][5] - ref['losses'][5]):.2e}")
+    assert [(s["from_step"], s["world_size"], s["grad_accum_steps"], s["global_batch"]) for s in got["segments"]] == [
+        (0, 2, 1, 2),
+        (5, 1, 2, 2),
+    ]
 
 
 @pytest.mark.parametrize("name", ["sp-split-gather", "sp-all-to-all"])

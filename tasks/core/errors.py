@@ -44,3 +44,22 @@ class StageFailed(RuntimeError):
 
     def __reduce__(self):  # Prefect may pickle a task's exception; keep the cause
         return (type(self), (str(self), self.cause))
+
+
+# The exit status of every rank of a training stage that stopped on a preemption notice after
+# committing what it could (EX_TEMPFAIL: "try again later"); the launcher reports `Preempted`.
+PREEMPTED_EXIT = 75
+
+
+class Preempted(StageFailed):
+    """A stage stopped on a preemption notice (tasks/engine/notice.py). `record` is the engine's
+    `@@preempted` event: source, grace_s, noticed_step, checkpoint (step and path of the newest
+    committed checkpoint), steps_lost, notice_to_commit_s. A StageFailed, so a caller that knows
+    nothing of preemption still stops; one that does catches this first and retries."""
+
+    def __init__(self, message: str, cause: str | None = None, record: dict | None = None):
+        super().__init__(message, cause)
+        self.record = dict(record or {})
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.cause, self.record))

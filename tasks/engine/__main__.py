@@ -10,7 +10,8 @@ import ColossalAI with torch.compile deferred to first use (tasks/engine/lazy_co
 ColossalAI for CPU when CUDA is absent (tasks/engine/cpu_compat.py); init the process group
 with `colossalai.launch_from_torch(seed=<stage seed>)`; run the verb (tasks/engine/loop.py).
 
-Exit status 0 on success, 1 with a message naming the problem on failure, written at level error
+Exit status 0 on success, PREEMPTED_EXIT (75, tasks/core/errors.py) on every rank after a
+preemption notice stopped the stage (tasks/engine/notice.py), 1 with a message naming the problem on failure, written at level error
 (`tasks.engine.rankio.say`): the cause line first, then the traceback for anything that is not a
 configuration, manifest or data error. Never imports prefect.
 """
@@ -65,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
     started = time.monotonic()
 
-    from tasks.core.errors import ConfigError, ManifestError
-    from tasks.core.run.events import DETAIL, ERROR
+    from tasks.core.errors import PREEMPTED_EXIT, ConfigError, ManifestError, Preempted
+    from tasks.core.run.events import DETAIL, ERROR, WARNING
 
     try:
         from tasks.engine.builders import check_supported
@@ -127,6 +128,15 @@ def main(argv: list[str] | None = None) -> int:
             rankio.say(f"engine {args.verb} {job.stage}: done in {time.monotonic() - started:.1f}s -> {result}", DETAIL)
         dist.destroy_process_group()
         return 0
+    except Preempted as exc:
+        # Every rank agreed on the step and committed what it could: leave together, distinctly.
+        import torch.distributed as dist
+
+        if rank == 0:
+            rankio.say(str(exc), WARNING)
+        dist.barrier()
+        dist.destroy_process_group()
+        return PREEMPTED_EXIT
     except (ConfigError, ManifestError, ValueError, FileNotFoundError) as exc:
         # One self-contained first line: the launcher quotes it as the stage's cause.
         first, *rest = str(exc).splitlines() or [type(exc).__name__]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,8 @@ class Engine:
         self.model = self.optimizer = self.scheduler = None
         self.config = None
         self.clip_norm = None
+        self.notice_agreed = False  # some rank holds a preemption notice (reduce_loss)
+        self.save_s: float | None = None  # how long this launch's last save took
         self.pending_weights: Path | None = None  # an HF folder a lazily built model still has to read
         # LoRA (tasks/engine/lora.py) wraps the whole HF model in peft before boost: never built lazily.
         self.lazy_init, self.lora_meta = self.spec.lazy_init and self.cfg.lora is None, None
@@ -288,9 +291,10 @@ class Engine:
 
     # -- one optimizer step -----------------------------------------------------------------
 
-    def train_step(self, micro: list[dict[str, torch.Tensor]]) -> float:
+    def train_step(self, micro: list[dict[str, torch.Tensor]], noticed: Callable[[], bool] | None = None) -> float:
         """One optimizer step over this rank's micro-batches (`StageData.next_batch`: each padded
-        to its own width; a pipeline gets one batch, which its schedule splits)."""
+        to its own width; a pipeline gets one batch, which its schedule splits). `noticed`, read
+        at the step's end, rides the loss all-reduce: `notice_agreed` is then the same on every rank."""
         model, optimizer, booster = self.model, self.optimizer, self.booster
         # Packed rows (sft batching `packed`): their segment ids become the attention this model's
         # implementation needs; the mask is built in the dtype the attention computes in.
@@ -331,14 +335,18 @@ class Engine:
         optimizer.step()
         optimizer.zero_grad()
         self.scheduler.step()
-        return self.reduce_loss(local if self.layout.holds_loss else None)
+        return self.reduce_loss(local if self.layout.holds_loss else None, bool(noticed and noticed()))
 
-    def reduce_loss(self, local: torch.Tensor | None) -> float:
-        t = torch.zeros(1, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
+    def reduce_loss(self, local: torch.Tensor | None, noticed: bool = False) -> float:
+        """The step's loss averaged over data-parallel replicas; the second element counts the ranks
+        that hold a preemption notice (the one collective every step has: no extra round trip)."""
+        t = torch.zeros(2, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
         if local is not None:
-            t += local
+            t[0] += local
+        t[1] = float(noticed)
         dist.all_reduce(t)
-        return float(t.item() / self.layout.dp_size)
+        self.notice_agreed = bool(t[1].item() > 0)
+        return float(t[0].item() / self.layout.dp_size)
 
     # -- fingerprint --------------------------------------------------------------------------
 
@@ -450,8 +458,9 @@ class Engine:
         elif job.nodes is not None and node_staging.local_rank() == 0:
             ckpt.commit(tmp, final)  # this node's parts, kept for nothing but a look: resume re-stages
         dist.barrier()  # nobody reads step-N (or deletes older ones) before it is committed
+        self.save_s = time.monotonic() - t0
         if rank == 0:
-            log(f"checkpoint {final.name} committed in {time.monotonic() - t0:.1f}s")
+            log(f"checkpoint {final.name} committed in {self.save_s:.1f}s")
             emit(CHECKPOINT, {"step": step, "path": str(final)})
             if step > 0:
                 removed = ckpt.retain(stage_dir, self.cfg.keep_last, require_published=job.remote_run_root)

@@ -8,6 +8,8 @@ Grammar: one or more specs separated by ';', each `ACTION@TRIGGER[@OPTION...]`:
 
     ACTION   kill   the chosen rank SIGKILLs itself (no cleanup, no flush beyond its own stdout)
              fail   every rank raises RuntimeError("injected failure ...") (exit status 1)
+             term   the chosen rank sends itself SIGTERM, usr1 SIGUSR1: a preemption notice where the
+                    stage listens for one (`<phase>.elastic.notices`, tasks/engine/notice.py)
     TRIGGER  step=K          at the start of step K+1 of `train`, i.e. after step K finished and
                              the checkpoint of step K (if K is a checkpoint step) was committed
              save=K:PHASE    inside the save of the checkpoint of step K, right before PHASE, one of
@@ -43,12 +45,13 @@ from tasks.engine import rankio
 ENV = "CPT_TO_SFT_FAULT"
 SAVE_PHASES = ("model", "optimizer", "lr_scheduler", "rng", "fingerprint", "state", "manifest", "rename")
 _RANK0_PHASES = ("manifest", "rename")
+_SIGNALS = {"term": signal.SIGTERM, "usr1": signal.SIGUSR1}  # a notice, sent to the acting rank itself
 
 
 @dataclass(frozen=True)
 class Fault:
     spec: str
-    action: str  # kill | fail
+    action: str  # kill | fail | term | usr1
     trigger: str  # step | save | stage
     step: int | None = None
     phase: str | None = None
@@ -72,9 +75,10 @@ def parse(value: str | None) -> list[Fault]:
             continue
         parts = spec.split("@")
         action = parts[0]
-        if action not in ("kill", "fail") or len(parts) < 2:
+        if action not in ("kill", "fail", *_SIGNALS) or len(parts) < 2:
             raise ValueError(
-                f"{ENV}={value!r}: spec {spec!r} must start with kill@ or fail@ (see tasks/engine/faults.py)"
+                f"{ENV}={value!r}: spec {spec!r} must start with kill@, fail@, term@ or usr1@ (see "
+                "tasks/engine/faults.py)"
             )
         fields: dict = {"spec": spec, "action": action}
         for i, part in enumerate(parts[1:]):
@@ -157,7 +161,11 @@ class Injector:
             if f.action == "fail":
                 self._mark(mark, f)
                 raise RuntimeError(f"injected failure {f.spec!r} ({ENV}) {where} of stage {self.stage}")
-            if self.rank == f.acting_rank(self.world_size):
+            if self.rank == f.acting_rank(self.world_size) and f.action in _SIGNALS:
+                self._mark(mark, f)
+                rankio.say(f"injected notice {f.spec!r} ({ENV}): rank {self.rank} signals itself {where}")
+                os.kill(os.getpid(), _SIGNALS[f.action])
+            elif self.rank == f.acting_rank(self.world_size):
                 self._mark(mark, f)
                 # At error level: a SIGKILLed rank says nothing else, and this line is the cause.
                 rankio.say(

@@ -26,19 +26,23 @@ import torch
 import torch.distributed as dist
 
 from tasks.core.config.batching import BATCHING, micro_width
+from tasks.core.config.elastic import keep_global_batch
+from tasks.core.config.notices import worth_saving
 from tasks.core.config.phases import PHASES
+from tasks.core.config.sequence import sp_factor
 from tasks.core.data.index import check_fits_model
-from tasks.core.errors import ManifestError
+from tasks.core.errors import ManifestError, Preempted
 from tasks.core.run import segments
-from tasks.core.run.events import PROGRESS
+from tasks.core.run.events import PREEMPTED, PROGRESS
 from tasks.core.run.hostpeak import HostPeak
-from tasks.core.run.stages import PEAK_FIELDS, STEP_SUMMARY, SUMMARY_FIELDS
+from tasks.core.run.stages import PEAK_FIELDS, STEP_RE, STEP_SUMMARY, SUMMARY_FIELDS
 from tasks.engine import checkpoint as ckpt
 from tasks.engine import hostmem, lora
 from tasks.engine.boosted import Engine, emit, log
 from tasks.engine.builders import plugin_meta
 from tasks.engine.faults import Injector
 from tasks.engine.metrics import StepMetrics, count_params
+from tasks.engine.notice import Watch, polls_here
 from tasks.engine.preconditions import Job
 
 __all__ = ["StageData", "find_start", "shard", "train"]
@@ -231,6 +235,34 @@ def find_start(job: Job) -> ckpt.ResumePoint:
 
 
 def train(job: Job, faults: Injector) -> Path | None:
+    # Listening from the start: a notice during the load is acted on after the first step.
+    watch = Watch(job.stage_cfg.elastic.notices, poll=polls_here(), say=lambda m: log(m, all_ranks=True)).start()
+    try:
+        return _train(job, faults, watch)
+    finally:
+        watch.close()
+
+
+def _kept(job: Job, rp: ckpt.ResumePoint) -> Job:
+    """The job at the checkpoint's global batch when `elastic.keep_global_batch` asks for it and the
+    number of ranks changed it (ConfigError naming the field when no whole accumulation does)."""
+    cfg = job.stage_cfg
+    was = (rp.manifest.get("meta", {}).get("layout") or {}).get("global_batch")
+    if not cfg.elastic.keep_global_batch or was is None:
+        return job
+    p, world = cfg.plugin, dist.get_world_size()
+    dp = max(1, world // (p.tp_size * p.pp_size * sp_factor(p)))
+    if cfg.micro_batch_size * cfg.grad_accum_steps * dp == was:
+        return job
+    kept = keep_global_batch(cfg, job.stage, was, dp, world)
+    log(
+        f"{job.stage}.elastic.keep_global_batch: grad_accum_steps {cfg.grad_accum_steps} -> {kept.grad_accum_steps} "
+        f"on {world} rank(s) (dp {dp}), the global batch of {rp.path.name}: {was} sequences"
+    )
+    return job.model_copy(update={"stage_cfg": kept})
+
+
+def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
     cfg = job.stage_cfg
     faults.at_start()
     rp = find_start(job)
@@ -241,6 +273,8 @@ def train(job: Job, faults: Injector) -> Path | None:
         )
         return rp.path
 
+    job = _kept(job, rp)
+    cfg = job.stage_cfg
     eng = Engine(job, faults)
     data = StageData(job, eng.layout.dp_rank, eng.layout.dp_size)
     t0, peak = time.monotonic(), HostPeak()
@@ -309,7 +343,7 @@ def train(job: Job, faults: Injector) -> Path | None:
         micro, ntok, computed = data.next_batch()
         lr = float(eng.scheduler.get_last_lr()[0])
         meter.start()
-        loss = eng.train_step(micro)
+        loss = eng.train_step(micro, noticed=lambda: watch.noticed)
         metrics = meter.stop(
             step, loss=loss, lr=lr, tokens=ntok, computed=computed, optimizer=eng.optimizer, clip_norm=eng.clip_norm
         )
@@ -341,7 +375,8 @@ def train(job: Job, faults: Injector) -> Path | None:
                 ),
             },
         )
-        if step % cfg.checkpoint_every == 0 or step == cfg.max_steps:
+        periodic = step % cfg.checkpoint_every == 0 or step == cfg.max_steps
+        if periodic or eng.notice_agreed:
             sampler_state = data.sampler.state_dict()
             state = {
                 "stage": job.stage,
@@ -356,6 +391,50 @@ def train(job: Job, faults: Injector) -> Path | None:
                 STEP_SUMMARY: summary,
                 "segments": runs,  # the layout of each stretch of steps (tasks/core/run/segments.py)
             }
+        if periodic:
             last = eng.save(step, state)
+        if eng.notice_agreed and step < cfg.max_steps:
+            meter.close()
+            last = _stop_on_notice(eng, watch, step, state, last, periodic)
     meter.close()
     return last
+
+
+def _stop_on_notice(eng: Engine, watch: Watch, step: int, state: dict[str, Any], last: Path, saved: bool) -> Path:
+    """Every rank agreed on a notice after `step`: commit its checkpoint (unless this step's periodic
+    one is already committed, or the grace left is shorter than this launch's last save took, when
+    the newest committed checkpoint stands), say so in a `@@preempted` event and raise Preempted."""
+    # Each rank's notice, if any: the one whose grace ends first sets the budget (a notice may reach one rank only).
+    mine = (watch.first.source, time.monotonic() - watch.first.at, watch.first.grace_s) if watch.first else None
+    heard: list[Any] = [None] * eng.world
+    dist.all_gather_object(heard, mine)
+    source, age, grace = min((h for h in heard if h is not None), key=lambda h: h[2] - h[1])  # the nearest end
+    t0, left = time.monotonic(), grace - age
+    if not saved and worth_saving(left, eng.save_s):
+        last, saved = eng.save(step, state), True
+    # From the name: under per-node staging another node's copy holds its own parts only.
+    m = STEP_RE.match(Path(str(last)).name)
+    committed = int(m.group(1)) if m else None
+    record = {
+        "stage": eng.job.stage,
+        "source": source,
+        "grace_s": grace,
+        "noticed_step": step,
+        "checkpoint_step": committed,
+        "checkpoint": str(last),
+        "steps_lost": step - committed if committed is not None else step,
+        "notice_to_commit_s": round(age + time.monotonic() - t0, 3) if saved else None,
+        "grace_left_s": round(left - (time.monotonic() - t0), 3),
+    }
+    if not saved:
+        log(
+            f"preemption: {left:.1f}s of grace left after step {step}, the last save took {eng.save_s:.1f}s: "
+            f"not saving; {Path(str(last)).name} stands"
+        )
+    emit(PREEMPTED, record)
+    raise Preempted(
+        f"{eng.job.stage} preempted ({source}) after step {step}: {Path(str(last)).name} committed "
+        + (f"{record['notice_to_commit_s']:.1f}s after the notice, " if saved else "before the notice, ")
+        + f"grace {grace:g}s; steps lost {record['steps_lost']}",
+        record=record,
+    )

@@ -23,6 +23,7 @@ from tasks.core.config.batching import BATCHING
 from tasks.core.config.benchmark import BenchmarkConfig
 from tasks.core.config.context import Attention, ContextConfig
 from tasks.core.config.data import DataConfig, HeldoutSource
+from tasks.core.config.elastic import ElasticConfig
 from tasks.core.config.kernels import names as kernel_names
 from tasks.core.config.kernels import summaries as kernel_summaries
 from tasks.core.config.kernels import unknown as unknown_kernels
@@ -499,6 +500,10 @@ class StageConfig(Frozen):
         ),
     )
     seed: int = Field(default=1234, description="Seed for model init randomness, data order and dropout.")
+    elastic: ElasticConfig = Field(
+        default_factory=ElasticConfig,
+        description="Preemption notices and resuming on another number of ranks (docs/spot.md).",
+    )
     lora: LoraConfig | None = Field(
         default=None,
         description=(

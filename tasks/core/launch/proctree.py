@@ -237,6 +237,43 @@ def teardown(
     return TeardownReport(terminated, killed, time.monotonic() - t0)
 
 
+def ranks_of(stage: StageProcesses) -> list[psutil.Process]:
+    """The processes torchrun started (its direct children: the ranks), alive."""
+    try:
+        return [p for p in psutil.Process(stage.root_pid).children() if _alive(p)] if stage.root_pid else []
+    except psutil.Error:
+        return []
+
+
+@contextlib.contextmanager
+def forward_notices(stage: StageProcesses, signals: list[str], say=None) -> Iterator[bool]:
+    """While the block runs, a signal in `signals` (names: SIGTERM, SIGUSR1) that reaches this process
+    is passed on to the stage's ranks as a preemption notice instead of ending this process (each
+    rank finishes its step, commits a checkpoint and exits preempted: tasks/engine/notice.py); the
+    previous handlers come back after. Python installs handlers from the main thread only: elsewhere
+    nothing is installed and the block yields False (a notice then reaches only ranks signalled
+    directly, as Slurm and Kubernetes do)."""
+    if not signals or threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+    old: dict[int, object] = {}
+
+    def handler(signum: int, frame) -> None:
+        ranks = ranks_of(stage)
+        _signal(ranks, signum)
+        if say:
+            say(f"{signal.Signals(signum).name}: passed on to {len(ranks)} rank(s) as a preemption notice")
+
+    try:
+        for name in signals:
+            sig = getattr(signal, name)
+            old[sig] = signal.signal(sig, handler)
+        yield True
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
 _reaper: subprocess.Popen | None = None
 
 

@@ -35,18 +35,20 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tasks.core.config.notices import signal_names, torchrun_env
 from tasks.core.config.schema import LaunchConfig
-from tasks.core.errors import StageFailed
+from tasks.core.errors import Preempted, StageFailed
 from tasks.core.launch.proctree import (
     RUN_TOKEN_ENV,
     TOKEN_ENV,
     StageProcesses,
+    forward_notices,
     new_token,
     reap_on_exit,
     subreaper,
     teardown,
 )
-from tasks.core.run.events import CONSOLE_OFF, DETAIL, ERROR, INFO, PROGRESS, UI_OFF, WARNING, parse_line
+from tasks.core.run.events import CONSOLE_OFF, DETAIL, ERROR, INFO, PREEMPTED, PROGRESS, UI_OFF, WARNING, parse_line
 from tasks.core.run.job import Job
 from tasks.core.run.trainlog import SameWarnings
 
@@ -124,6 +126,7 @@ class Router:
         self.progress: list[dict[str, Any]] = []
         self.first_error: tuple[str, str] | None = None  # (who, line): the cause of a failure
         self.first_torchrun_error: tuple[str, str] | None = None
+        self.preempted: dict[str, Any] | None = None  # the engine's @@preempted record
 
     def line(self, raw: str, node: str | None = None) -> None:
         line = parse_line(raw)
@@ -131,6 +134,8 @@ class Router:
         body = line.body
         self.tails[who].append(body)
         if line.kind is not None:
+            if line.kind == PREEMPTED:
+                self.preempted = line.record
             if line.kind == PROGRESS:
                 self.progress.append(line.record)
                 if self.on_progress:
@@ -169,6 +174,17 @@ class Router:
         return self.first_error or self.first_torchrun_error
 
     def failure(self, verb: str, rc: int) -> StageFailed:
+        """StageFailed naming the cause; `Preempted` (a StageFailed) when the ranks stopped on a
+        preemption notice (PREEMPTED_EXIT, and the @@preempted record says what was committed)."""
+        if self.preempted is not None:
+            p = self.preempted
+            head = (
+                f"engine verb '{verb}' preempted ({p.get('source')}) after step {p.get('noticed_step')}: "
+                f"checkpoint step {p.get('checkpoint_step')} committed, steps lost {p.get('steps_lost')}"
+            )
+            return Preempted(
+                f"{head}\n{_failure_message(verb, rc, self.tails, None)}", cause=head, record=self.preempted
+            )
         cause = self.cause
         return StageFailed(
             _failure_message(verb, rc, self.tails, cause),
@@ -195,8 +211,10 @@ def run_engine(
     job.write(job_path)
     router = Router(logger, on_progress, on_event, ranks=launch.world_size)
     router.stop_check = failure
+    # A stage that listens for notices: torchrun passes their signals on to the ranks and waits the grace.
+    notices = torchrun_env(job.stage_cfg.elastic.notices) if verb == "train" else {}
     try:
-        RUNNERS[launch.backend](verb, job, job_path, launch, rdzv_id, router, engine_env(env))
+        RUNNERS[launch.backend](verb, job, job_path, launch, rdzv_id, router, engine_env({**notices, **(env or {})}))
     finally:
         router.close()
     return router.progress
@@ -208,11 +226,11 @@ def run_local(
     """torchrun on this node, its output on a pipe; any exception kills its whole process group.
     While it runs, orphaned ranks re-parent to this process, not to PID 1 (`subreaper`)."""
     with subreaper():
-        _run_local(verb, job_path, launch, rdzv_id, router, env)
+        _run_local(verb, job, job_path, launch, rdzv_id, router, env)
 
 
 def _run_local(
-    verb: str, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]
+    verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]
 ) -> None:
     argv = torchrun_argv(verb, job_path, launch, rdzv_id)
     router.logger.info("launch: %s", " ".join(argv), extra=CONSOLE_OFF)
@@ -247,10 +265,17 @@ def _run_local(
 
     watcher = threading.Thread(target=watch, name="stage-watch", daemon=True)
     watcher.start()
+    # A stage that listens for notices: SIGTERM/SIGUSR1 to this process become a notice to its ranks.
+    notices = signal_names([n.source for n in job.stage_cfg.elastic.notices]) if verb == "train" else []
     try:
-        for raw in proc.stdout:
-            router.line(raw.rstrip("\n"))
-        rc = proc.wait()
+        with forward_notices(stage, notices, say=router.logger.warning) as forwarding:
+            if notices and not forwarding:
+                router.logger.info(
+                    "%s reach the ranks only when sent to them: this launch is not in the main thread", notices
+                )
+            for raw in proc.stdout:
+                router.line(raw.rstrip("\n"))
+            rc = proc.wait()
     except BaseException:
         stop.set()
         router.logger.warning("torn down the %s stage: %s", verb, teardown(stage))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tasks.core.config.elastic import FIELD, kept_accumulation
 from tasks.core.config.layout import global_batch
 from tasks.core.config.sequence import sp_factor, sp_size
 from tasks.core.preflight.report import CheckContext
@@ -69,6 +70,17 @@ def check_resume(ctx: CheckContext) -> None:
         was, now = (manifest.get("meta") or {}).get("layout"), _layout_now(stage_cfg)
         digest = manifest.get("config_digest")
         if digest == config_digest(ctx.cfg, shard.name, parents):
+            if was and stage_cfg.elastic.keep_global_batch and now["global_batch"] != was["global_batch"]:
+                ga = kept_accumulation(was["global_batch"], now["micro_batch_size"], now["dp"])
+                if ga is None:
+                    ctx.problem(
+                        f"{key}.{FIELD}", f"{store.uri(key)}/{name}: {global_batch_problem(was['global_batch'], now)}"
+                    )
+                    continue
+                now = {**now, "grad_accum_steps": ga, "global_batch": was["global_batch"]}
+                ctx.ok(
+                    f"{key}: {FIELD} sets grad_accum_steps to {ga}: the global batch of {name} ({was['global_batch']})"
+                )
             if was and not same_layout(was, now):
                 ctx.ok(
                     f"{key}: resuming {name}, written under {describe(was)}, under {describe(now)}: model and "

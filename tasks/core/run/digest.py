@@ -90,7 +90,9 @@ def digest_fields(cfg: RunConfig, stage: str) -> dict[str, Any]:
                 _drop(value, ex[len(path) + 1 :])
         out[path] = value
     if spec.global_batch:
-        out[f"{spec.global_batch}.{GLOBAL_BATCH}"] = global_batch(cfg.phase(spec.global_batch))
+        st = cfg.phase(spec.global_batch)
+        # keep_global_batch: the checkpoints' global batch wins on any layout (tasks/core/config/elastic.py)
+        out[f"{spec.global_batch}.{GLOBAL_BATCH}"] = "kept" if st.elastic.keep_global_batch else global_batch(st)
     return out
 
 

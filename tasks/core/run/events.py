@@ -34,7 +34,10 @@ CHECKPOINT = "checkpoint"  # a committed checkpoint: step, path
 BACKPRESSURE = "backpressure"
 # what a launch runs with, once after its plugin is built: kernels ({name: reason}), activation_checkpointing
 KERNELS = "kernels"
-KINDS = (PROGRESS, CHECKPOINT, BACKPRESSURE, KERNELS)
+# the stage stopped on a preemption notice: source, grace_s, noticed_step, checkpoint_step, checkpoint,
+# steps_lost, notice_to_commit_s (tasks/engine/notice.py); the launcher raises errors.Preempted
+PREEMPTED = "preempted"
+KINDS = (PROGRESS, CHECKPOINT, BACKPRESSURE, KERNELS, PREEMPTED)
 # The numeric @@progress fields that are per-step metrics (TensorBoard tags, MLflow metrics).
 METRICS = (
     "loss",

@@ -209,6 +209,8 @@ NEVER_DIGESTED: tuple[str, ...] = (
         for key in TRAINING
         for field in ("data.tokenize", "max_pending_publishes", "activation_checkpointing", "log_every")
     ),
+    # which preemption notices a stage listens to; keep_global_batch enters as the digest's global batch
+    *(f"{key}.elastic" for key in TRAINING),
     # a declaration about the hardware, read by pre-flight's memory check only: the ranks never see it
     *(f"{key}.launch.gpu_memory_gb" for key in TRAINING),
     # the threshold of a warning (pre-flight, prepare_data) about how often a mixture repeats a source
