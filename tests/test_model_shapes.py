@@ -193,7 +193,7 @@ def test_the_shapes_that_run_pass_preflight_and_it_says_so(tmp_path, sharded):
 
 def test_an_index_naming_a_missing_shard_and_an_eos_outside_the_vocabulary_are_refused(tmp_path, sharded):
     model = _copy(sharded["dir"], tmp_path / "model")
-    shard = sorted(model.glob("model-*.safetensors"))[-1]
+    shard = max(model.glob("model-*.safetensors"))
     shard.unlink()
     _edit_json(model / "generation_config.json", eos_token_id=[sharded["eos"][0], 70000])
     problems = _problems(_report(tmp_path, model))

@@ -95,7 +95,9 @@ def gguf_readable_architectures() -> list[str] | None:
         spec = importlib.util.find_spec("transformers")
         source = Path(spec.origin).parent / "integrations" / "ggml.py"
         for node in ast.parse(source.read_text()).body:
-            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "GGUF_CONFIG_MAPPING" for t in node.targets):
+            if isinstance(node, ast.Assign) and any(
+                getattr(t, "id", None) == "GGUF_CONFIG_MAPPING" for t in node.targets
+            ):
                 keys = [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
                 return [k for k in keys if k not in ("general", "tokenizer", "tokenizer_config")]
     except (AttributeError, ImportError, OSError, SyntaxError, TypeError, ValueError):

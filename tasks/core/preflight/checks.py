@@ -60,8 +60,8 @@ from tasks.core.preflight.kernels import check_kernels
 from tasks.core.preflight.memory import check_memory
 from tasks.core.preflight.mixture import check_mixture_weights, check_source_epochs
 from tasks.core.preflight.model_files import check_lora_targets, check_model_files
-from tasks.core.preflight.model_shapes import check_model_shapes
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
+from tasks.core.preflight.model_shapes import check_model_shapes
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tasks.core.preflight.resume import check_resume
 from tasks.core.preflight.storage import (
