@@ -7,7 +7,8 @@ Unit tier: pre-flight on tiny offline folders of each shape (a GGUF-only folder 
 with no tensors: it is refused, never loaded; the multimodal one is a tiny random LLaVA whose
 fix, saving its `language_model`, is run and passes). Integration tier: the shapes that run
 (sharded weights with their index, chat_template.jinja, several eos ids) go through
-load_from_hf into base/ and through the export's build into export/.
+load_from_hf into base/ and through the export's build into export/, from a local folder and from
+the test Hub server (where a GGUF-only repo is refused before anything is downloaded).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from tasks.core.models.shapes import gguf_architecture, gguf_readable_architectu
 from tasks.core.preflight.checks import load_for_check, preflight_report
 from tests.conftest import tiny_config_raw, write_config
 from tests.test_preflight import CPU2
+
+pytest_plugins = ["tests.conftest_servers"]
 
 # The template a chat_template.jinja carries: ChatML with a system line, so what rendered it shows.
 JINJA = "{{- '<|im_start|>system\\nfrom chat_template.jinja<|im_end|>\\n' -}}" + CHAT_TEMPLATE
@@ -265,3 +268,79 @@ def test_sharded_weights_a_jinja_template_and_several_eos_ids_run_through_load_a
         *sharded["eos"],
         sharded["im_end"],
     ]
+
+
+def _push(api, repo: str, folder: Path) -> None:
+    from huggingface_hub import CommitOperationAdd
+
+    api.create_repo(repo, private=True, exist_ok=True)
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    ops = [CommitOperationAdd(p.relative_to(folder).as_posix(), str(p)) for p in files]
+    api.create_commit(repo, ops, commit_message="upload")
+
+
+@pytest.mark.integration
+def test_hub_repos_of_each_shape_are_run_or_refused_before_launch(
+    hub_env, prefect_harness, tmp_path, sharded, monkeypatch
+):
+    """From the Hub: a GGUF-only repo (no config.json) is refused when pre-flight reads it, naming
+    the file and the conversion; a multimodal one on its text model; the sharded repo with its
+    jinja template and several eos ids downloads whole (index, every shard, the template) into base/;
+    the same repo with its second shard gone is refused by load_from_hf, naming the index."""
+    from huggingface_hub import CommitOperationDelete, HfApi
+
+    from tasks.core.config.load import load_config
+    from tasks.core.errors import ConfigError
+    from tasks.core.preflight.model_info import read_model_info
+    from tasks.load import load_from_hf
+
+    monkeypatch.setenv("HF_TOKEN", hub_env.token)
+    api = HfApi(token=hub_env.token)
+    gguf = tmp_path / "gguf"
+    gguf.mkdir()
+    _gguf(gguf / "gemma-3-270m-it-Q4_K_M.gguf", "gemma3")
+    (gguf / "README.md").write_text("a GGUF export\n")
+    _push(api, "org/gemma-3-270m-gguf", gguf)
+    with pytest.raises(ConfigError) as info:
+        read_model_info("org/gemma-3-270m-gguf")
+    assert "org/gemma-3-270m-gguf@main holds GGUF weights only (gemma-3-270m-it-Q4_K_M.gguf)" in str(
+        info.value
+    ) and "gguf_file='gemma-3-270m-it-Q4_K_M.gguf'" in str(info.value), info.value
+
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    (mm / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "gemma3",
+                "architectures": ["Gemma3ForConditionalGeneration"],
+                "text_config": {"model_type": "gemma3_text"},
+            }
+        )
+    )
+    _push(api, "org/gemma-3-4b-it", mm)
+    info = read_model_info("org/gemma-3-4b-it")
+    raw = tiny_config_raw(sharded["dir"], tmp_path / "r")
+    raw["base_model"]["uri"] = "org/gemma-3-4b-it"
+    cfg = load_for_check(write_config(tmp_path / "mm.yaml", raw))
+    problems = _problems(preflight_report(cfg, machine=CPU2, token_present=True, model=info))
+    assert any("whose text model is in text_config (model_type 'gemma3_text')" in m for m in problems), problems
+
+    _push(api, "org/sharded", sharded["dir"])
+    raw = tiny_config_raw(sharded["dir"], tmp_path / "run")
+    raw["base_model"]["uri"] = "org/sharded"
+    state = load_from_hf(load_config(write_config(tmp_path / "c.yaml", raw)), return_state=True)
+    assert state.is_completed(), state.message
+    base = tmp_path / "run" / "base"
+    for p in sharded["dir"].iterdir():
+        assert (base / p.name).read_bytes() == p.read_bytes(), p.name  # the index, every shard, chat_template.jinja
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(base).chat_template == JINJA
+
+    shards = sorted(p.name for p in sharded["dir"].glob("model-*.safetensors"))
+    api.create_commit("org/sharded", [CommitOperationDelete(shards[-1])], commit_message="lose a shard")
+    raw["run_root"] = str(tmp_path / "run2")
+    state = load_from_hf(load_config(write_config(tmp_path / "c2.yaml", raw)), return_state=True)
+    assert state.is_failed() and state.name == "Failed", state.name  # refused, not retried
+    assert f"names shard(s) the folder lacks: {shards[-1]}" in state.message, state.message

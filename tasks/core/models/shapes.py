@@ -235,6 +235,19 @@ def template_files(names: Iterable[str], tokenizer_config: dict[str, Any] | None
     return notes, warnings
 
 
+def folder_refusals(root: Path, config: dict[str, Any]) -> list[str]:
+    """What load_from_hf refuses in base/, where a Hub model's index and generation config are first
+    read: pre-flight's refusals of a local folder, the same sentences."""
+    if text_model_type(config):
+        return [text_config_refusal(str(root), config)]
+    names = {p.name for p in root.iterdir() if p.is_file()}
+    out = [why] if (why := index_problem(root, names)) else []
+    gen = read_json(root / "generation_config.json")
+    return out + eos_problems(
+        str(root), {"config.json": config, "generation_config.json": gen}, config.get("vocab_size")
+    )
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
