@@ -154,6 +154,52 @@ def test_a_multimodal_checkpoint_is_refused_naming_its_text_model_and_the_fix_ru
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
 
 
+def test_gemma_3_multimodal_is_judged_on_gemma3_text_and_the_fix_saves_that_model(tmp_path):
+    """Gemma 3 4B's shape (model_type gemma3, its text model gemma3_text in text_config), tiny and
+    random: refused naming gemma3_text; the fix gives a folder whose config.json is gemma3_text,
+    which plain transformers loads as a causal LM with the multimodal model's text weights."""
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    from tasks.core.models.shapes import text_config_refusal
+
+    text = Gemma3TextConfig(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=128,
+        sliding_window=16,
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=16
+    )
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=5)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Gemma3ForConditionalGeneration(config).eval().save_pretrained(tmp_path / "gemma3")
+    raw = json.loads((tmp_path / "gemma3" / "config.json").read_text())
+    msg = text_config_refusal(str(tmp_path / "gemma3"), raw)
+    assert "(model_type 'gemma3', architectures Gemma3ForConditionalGeneration)" in msg
+    assert "whose text model is in text_config (model_type 'gemma3_text')" in msg, msg
+    m = AutoModelForImageTextToText.from_pretrained(tmp_path / "gemma3", torch_dtype="auto")
+    m.language_model.save_pretrained(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "gemma3_text"
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(lm).__name__ == "Gemma3ForCausalLM"
+    assert torch.equal(lm.model.embed_tokens.weight, m.language_model.model.embed_tokens.weight)
+
+
 # ---- broken shapes of the ones that run -----------------------------------------------------
 
 
@@ -225,6 +271,19 @@ def test_a_processors_chat_template_json_is_named_since_no_tokenizer_reads_it(tm
         for w in report.warnings
     ), report.warnings
     assert any("has no chat_template" in m for m in _problems(report)), report.text()
+
+    # Both a chat_template.jinja and a different template in tokenizer_config.json: the file wins, said.
+    (tmp_path / "kept.jinja").rename(model / "chat_template.jinja")
+    (model / "chat_template.json").unlink()
+    _edit_json(model / "tokenizer_config.json", chat_template=CHAT_TEMPLATE)
+    report = _report(tmp_path / "both", model)
+    assert not _problems(report), report.text()
+    assert any(
+        "chat_template.jinja and tokenizer_config.json's chat_template differ; the tokenizer uses chat_template.jinja"
+        in w
+        for w in report.warnings
+    ), report.warnings
+    assert AutoTokenizer.from_pretrained(model).chat_template == JINJA
 
 
 # ---- the shapes that run, through load_from_hf and the export ------------------------------
