@@ -84,6 +84,9 @@ def test_the_card_names_a_real_base_and_loads_in_the_exports_own_dtype(tmp_path)
     hub = base_facts(config(run), lambda rel: (run / rel).read_text())
     card = ModelCard(model_card(config(run), manifest, train_facts(config(run), RESULTS), base=hub))
     assert card.data.base_model == "org/base-model" and card.data.base_model_revision == "c0ffee" * 6 + "abcd"
+    # A _name_or_path that is a path of the machine that saved it is not said at all.
+    (base / "config.json").write_text(json.dumps({"_name_or_path": "/home/me/models/smollm2", "model_type": "llama"}))
+    assert "claimed" not in base_facts(cfg, lambda rel: (run / rel).read_text())
     # A local folder whose Hub id the config says (base_model.hub_id): that id, with no commit it cannot know.
     write_manifest(base, kind="hf-model", meta={"source": "path", "uri": "/models/smollm2"})
     told = config(run, base="/models/smollm2").model_copy(

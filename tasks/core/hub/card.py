@@ -25,7 +25,7 @@ from tasks.core.config.sequence import sp_factor
 from tasks.core.data.truncation import describe as describe_truncation
 from tasks.core.evaluation.benchmark import card_results as benchmark_card_results
 from tasks.core.evaluation.verdict import eval_results_for_card, metrics_table
-from tasks.core.hub.repo import hub_dataset_id, is_hub_id
+from tasks.core.hub.repo import HUB_ID, hub_dataset_id, is_hub_id
 from tasks.core.run.manifest import MANIFEST
 from tasks.core.run.segments import describe as describe_layout
 from tasks.core.run.stages import BASE, TRAIN_STATE, TRAINING, split_rel, step_medians, step_peak
@@ -63,8 +63,10 @@ def base_facts(cfg: RunConfig, read_text: Callable[[str], str] | None = None) ->
         config = json.loads(read_text(f"{BASE}/config.json"))
         out["config"] = {k: config.get(k) for k in POSITION_FIELDS}  # what cpt.context changes, as the base had it
         claimed = config.get("_name_or_path")
-        if out["hub_id"] is None and isinstance(claimed, str) and claimed and claimed != name:
-            out["claimed"] = claimed  # said in the card's text as the folder's claim, never as its base_model
+        if out["hub_id"] is None and isinstance(claimed, str) and HUB_ID.match(claimed) and claimed != name:
+            out["claimed"] = (
+                claimed  # said in the card's text as the folder's claim (a local path never), not as base_model
+            )
     except Exception:
         pass
     return out
