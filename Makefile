@@ -13,7 +13,7 @@ demo-inputs: install
 	$(PY) -m tasks.core.models.demo --out $(DEMO_MODEL)
 
 demo: demo-inputs
-	$(PY) -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml
+	.venv/bin/cpt-to-sft run --config examples/tiny-cpu.yaml
 
 # Lint and format check first (ruff, configured in pyproject.toml), then every tier: unit, distributed (torchrun,
 # 2 CPU ranks), integration and e2e; tests/test_docs.py builds the docs site with --strict. GPU tests skip without CUDA. Three pytest-xdist workers on two

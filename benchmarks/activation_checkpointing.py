@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
+
 from support import REPO
 from support.tiny import tiny_model
 from tasks.core.run.hostpeak import HostPeak

@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
+
 from support import REPO
 from tasks.core.run.hostpeak import HostPeak, status_bytes
 

@@ -46,8 +46,10 @@ import sys
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
+
 from support import REPO
-from support.bench import workdir
+from support.bench import print_table, workdir
 from support.tiny import tiny_tokenizer
 
 ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -463,13 +465,10 @@ def single_file(work: Path, tokdir: Path, a) -> dict:
                 "tokens": res["tokens"],
             }
         )
-    same = all(
-        (work / "single-prep-1" / n).read_bytes() == (work / "single-prep-2" / n).read_bytes() for n in ("index.json",)
-    )
     shard = json.loads((work / "single-prep-1" / "index.json").read_text())["files"][0]["shard"]
-    same = same and all(
-        f.read_bytes() == (work / "single-prep-2" / shard / f.name).read_bytes()
-        for f in (work / "single-prep-1" / shard).iterdir()
+    one = [work / "single-prep-1" / "index.json", *(work / "single-prep-1" / shard).iterdir()]
+    same = all(
+        f.read_bytes() == (work / "single-prep-2" / f.relative_to(work / "single-prep-1")).read_bytes() for f in one
     )
     raw = child(RAW, str(path), str(tokdir), str(a.raw_mb))
     r.update(raw_mbs=raw["bytes"] / 1e6 / raw["seconds"], same=same)
@@ -515,10 +514,7 @@ def print_single(r: dict, a) -> None:
         str(r["same"]),
         f"{r['prep1_rss']:.0f}/{r['prep2_rss']:.0f}",
     ]
-    widths = [max(len(h), len(c)) for h, c in zip(hdr, row)]
-    print(" | ".join(h.rjust(w) for h, w in zip(hdr, widths)))
-    print("-|-".join("-" * w for w in widths))
-    print(" | ".join(c.rjust(w) for c, w in zip(row, widths)))
+    print_table(hdr, [row])
     print(
         f"\nworker on a chunk: the first {r['chunk_mb']:.1f} MB chunk a 2-worker prepare hands out, tokenized by "
         f"tokenize_chunk (read, parse, split, encode, write, hash) against the tokenizer's batch encode of its texts "
@@ -573,11 +569,7 @@ def print_rows(rows: list[dict], a, nproc: int) -> None:
                 f"{r['old_rss'] / r['start_rss']:.1f}x" if "old_s" in r else "-",
             ]
         )
-    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(hdr)]
-    print(" | ".join(h.rjust(w) for h, w in zip(hdr, widths)))
-    print("-|-".join("-" * w for w in widths))
-    for t in table:
-        print(" | ".join(c.rjust(w) for c, w in zip(t, widths)))
+    print_table(hdr, table)
     if not a.no_train:
         print(
             f"\nThe engine's train verb, {nproc} CPU rank{'s' if nproc > 1 else ''} (torchrun, torch_ddp fp32, tiny "

@@ -18,8 +18,8 @@ Per size, the seeded random Llama of benchmarks/scale.py (an fp32 HF folder, as 
   peak over start as for the check; the two exports' tensors must be bitwise equal.
 - skip decision: the folder published as a run root's `base/` artifact (hard links; a manifest with
   every sha256, then the verification stamp, as Stage.done makes it), then `RunStore.verify` as the
-  skip decision ran before stamps (every byte hashed) and as `tasks/stage.py` `completed` runs it now.
-- re-run (full mode): the demo config (deployments/configs/tiny-cpu.yaml) run to completion, then
+  skip decision ran before stamps (every byte hashed) and as `tasks/flowkit/stage.py` `completed` runs it now.
+- re-run (full mode): the demo config (examples/tiny-cpu.yaml) run to completion, then
   the same command again: every stage is skipped; wall time of each, end to end, as a user sees it.
   Twice: the CLI alone (no PREFECT_API_URL: each process starts an embedded Prefect server, about
   4.5 s before the first stage, whatever the run's size), then on a Prefect server already running,
@@ -42,12 +42,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import support  # first: it puts the checkout on sys.path, where `benchmarks` is
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
+
 from benchmarks.scale import GB, SIZES, fmt_gb, model_dir, tokenizer_dir
+from support import REPO
 from support.bench import best_of
 from support.tiny import tiny_model
-
-REPO = support.REPO
 
 CHILD = r"""
 import hashlib, json, sys, time
@@ -238,7 +238,7 @@ def rerun(work: Path) -> dict:
     base = work / "demo-base"
     if not (base / "config.json").is_file():
         tiny_model(base)
-    raw = yaml.safe_load((REPO / "deployments" / "configs" / "tiny-cpu.yaml").read_text())
+    raw = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
     raw.update(run_root=str(work / "demo-run"), name="flow-process-bench")
     raw["base_model"]["uri"] = str(base)
     cfg = work / "demo.yaml"

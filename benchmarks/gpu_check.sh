@@ -39,7 +39,7 @@ if ls "$WHL"/*.whl >/dev/null 2>&1; then
 else
   echo "gpu_check.sh: no wheels in $WHL/: using $PY's packages as they are (run benchmarks/gpu_wheels.sh and carry .whl)"
 fi
-# the checkout after the wheels: the project is not installed on the GPU machine (support/__init__.py)
+# the checkout after the wheels: the project is not installed on the GPU machine, support/ never is
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if ! PYTHONPATH="$SITE" "$PY" -c "import bitsandbytes.optim.optimizer" 2>/dev/null; then

@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
+
 from support.bench import workdir
 from support.engine import prepared_data
 from support.servers import patched_env
@@ -62,7 +64,7 @@ class _Quiet(logging.Logger):
 
 
 def _job(cfg, model: Path, data: Path, stage_dir: Path, verb: str) -> Job:
-    """The job tasks/train.py writes for the cpt stage; `data` is the prepared data/cpt of `cfg`."""
+    """The job tasks/stages/train.py writes for the cpt stage; `data` is the prepared data/cpt of `cfg`."""
     return Job(
         verb=verb,
         stage="cpt",

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
+
 from support import REPO  # the checkout first on sys.path (support/__init__.py)
 
 HP = {"name": "hybrid_parallel", "precision": "fp32"}

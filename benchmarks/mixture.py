@@ -28,6 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
 import numpy as np
 
 from support.bench import workdir

@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-import support  # noqa: F401  (the checkout on sys.path: python benchmarks/x.py, torchrun benchmarks/x.py)
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
+
 from support.bench import workdir
 from support.engine import run_raw, write_job
 from support.servers.seaweed import WeedServer

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
+
 from support import REPO
 from tasks.core.run.hostpeak import HostPeak
 
@@ -226,7 +228,10 @@ def run(kind: str, src: Path, dst: Path, config: dict) -> dict:
         f"print(json.dumps(worker({kind!r}, Path({str(src)!r}), Path({str(dst)!r}), "
         f"json.loads({json.dumps(json.dumps(config))}))))"
     )
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=str(REPO))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(REPO / "benchmarks"), str(REPO)))}  # _checkout, support
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=str(REPO), env=env
+    )
     shutil.rmtree(dst, ignore_errors=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

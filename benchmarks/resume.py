@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
+
 from support.bench import workdir
 from support.tiny import tiny_model
 
@@ -55,7 +57,7 @@ def main() -> int:
 def bench(args: argparse.Namespace) -> int:
     from prefect import flow
 
-    import tasks.train
+    import tasks.stages.train
     from flows.cli import flow_main as run_flow
     from support.tiny import tiny_config_raw, write_config
 
@@ -101,7 +103,7 @@ def bench(args: argparse.Namespace) -> int:
     # 2. kill rank 1 in the middle of an interval, then retry
     kill_at = args.every + args.every // 2 + 1  # e.g. every=4: killed after step 7, last checkpoint 4
     seen: list[int] = []
-    real = tasks.train.run_engine
+    real = tasks.stages.train.run_engine
 
     def recording(verb, job, *a, **kw):
         inner = kw.get("on_progress")
@@ -115,7 +117,7 @@ def bench(args: argparse.Namespace) -> int:
         kw["on_progress"] = on_progress
         return real(verb, job, *a, **kw)
 
-    tasks.train.run_engine = recording
+    tasks.stages.train.run_engine = recording
     cfg_b = config("b.yaml", "run-b", cpt=stage, sft={"max_steps": 2, "checkpoint_every": 2})
     os.environ["CPT_TO_SFT_FAULT"] = f"kill@step={kill_at}@stage=cpt"
     t0 = time.perf_counter()
@@ -128,7 +130,7 @@ def bench(args: argparse.Namespace) -> int:
     seen.clear()
     del os.environ["CPT_TO_SFT_FAULT"]
     retried = timed(cfg_b)
-    tasks.train.run_engine = real
+    tasks.stages.train.run_engine = real
     if args.smoke:
         first, rerun = killed + retried, timed(cfg_b)
     last_done = max(before)

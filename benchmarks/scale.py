@@ -51,6 +51,8 @@ import threading
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
+
 from support import REPO
 from support.bench import workdir
 from support.tiny import tiny_tokenizer

@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
 import numpy as np
 import torch
 

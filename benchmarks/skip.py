@@ -9,7 +9,7 @@ after one warm-up read, so the page cache is equally warm for both (a cold read 
 makes the hashing column far slower, the stamp column not at all):
 
 - hashed: `RunStore.verify(rel)` as the skip decision ran before stamps (every byte read, sha256);
-- stamp:  `RunStore.verify(rel, trust_stamp=True)` as `tasks/stage.py` `completed` runs it now
+- stamp:  `RunStore.verify(rel, trust_stamp=True)` as `tasks/flowkit/stage.py` `completed` runs it now
   (one stat per file, the manifest and the stamp read).
 
 Target: the skip time does not grow with the artifact size; the byte-level checks still run
@@ -23,6 +23,8 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
 
 from support.bench import best_of
 

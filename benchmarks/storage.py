@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
+
 from support.bench import workdir
 from support.servers.seaweed import WeedServer
 from tasks.core.run.manifest import MANIFEST, write_manifest

@@ -1,6 +1,6 @@
 """The `cpt-to-sft` console command (`[project.scripts]`; `pip install .` puts it on PATH).
 
-    cpt-to-sft run --config deployments/configs/tiny-cpu.yaml --set cpt.max_steps=4 --set cpt.lr=1e-4
+    cpt-to-sft run --config examples/tiny-cpu.yaml --set cpt.max_steps=4 --set cpt.lr=1e-4
     cpt-to-sft check --config FILE [--set key.path=value ...]     # pre-flight only, launches nothing
     cpt-to-sft run --config FILE --stop-after export                # the stages up to the export only
     cpt-to-sft break-lease --config FILE
@@ -56,6 +56,7 @@ def version() -> str:
 
 def parse_sets(items: list[str]) -> dict[str, Any]:
     """['a.b=1', 'c=x'] -> {'a.b': 1, 'c': 'x'}, later ones winning, order kept."""
+    from tasks.core.config.bounded_yaml import load_bounded
     from tasks.core.errors import ConfigError
 
     out: dict[str, Any] = {}
@@ -65,7 +66,7 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
         if not eq or not key or any(not part for part in key.split(".")):
             raise ConfigError([(f"--set {item}", "expected key.path=value, e.g. --set cpt.max_steps=100")])
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = load_bounded(raw, f"--set {key}") if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError([(key, f"--set value {raw!r} is not valid YAML: {exc}")]) from None
         out.pop(key, None)  # re-insert: the last --set of a key applies last
@@ -102,7 +103,7 @@ def _config_args(p: argparse.ArgumentParser, sets: bool = True) -> None:
         "--config",
         required=True,
         metavar="FILE",
-        help="the run's YAML config file: local path or fsspec URI (e.g. deployments/configs/tiny-cpu.yaml)",
+        help="the run's YAML config file: local path or fsspec URI (e.g. examples/tiny-cpu.yaml)",
     )
     if sets:
         p.add_argument(
@@ -163,11 +164,11 @@ DELEGATED = {
 COMMANDS = {
     "run": (
         "run the whole flow, or its stages up to --stop-after",
-        "cpt-to-sft run --config deployments/configs/tiny-cpu.yaml --set cpt.max_steps=4",
+        "cpt-to-sft run --config examples/tiny-cpu.yaml --set cpt.max_steps=4",
     ),
     "check": (
         "pre-flight only: every problem at once, nothing launched",
-        "cpt-to-sft check --config deployments/configs/tiny-cpu.yaml",
+        "cpt-to-sft check --config examples/tiny-cpu.yaml",
     ),
     "verify": (
         "verify an artifact or every artifact of a run root",
@@ -175,7 +176,7 @@ COMMANDS = {
     ),
     "break-lease": (
         "remove the run root's lease left by a dead run",
-        "cpt-to-sft break-lease --config deployments/configs/tiny-cpu.yaml",
+        "cpt-to-sft break-lease --config examples/tiny-cpu.yaml",
     ),
     "convert": (
         "a ColossalAI checkpoint -> HF safetensors",
@@ -265,8 +266,8 @@ def card(run_root: str) -> int:
     from tasks.core.config.schema import RunConfig
     from tasks.core.run.stages import RUN_JSON, Status
     from tasks.core.storage.fs import RunStore
-    from tasks.export import write_card
-    from tasks.stage import StageResult
+    from tasks.flowkit.stage import StageResult
+    from tasks.stages.export import write_card
 
     try:
         summary = json.loads(RunStore(run_root).read_text(RUN_JSON))
@@ -320,7 +321,7 @@ def _print(text: str) -> int:
 
 RUN_HELP = """Run the flow: load, prepare the data, train CPT, evaluate, train SFT, export, evaluate, gate, push.
 
-The config file is YAML (a local path or an fsspec URI): deployments/configs/tiny-cpu.yaml is the
+The config file is YAML (a local path or an fsspec URI): examples/tiny-cpu.yaml is the
 demo; every field, its default and its rules: `cpt-to-sft schema`. `--set key.path=value` overrides
 one field, the value parsed as YAML (`--set cpt.lr=1e-4` is a float, `--set hub=null` removes the
 push), applied in the order given and validated like the file. `--stop-after STAGE` runs the stages
@@ -328,7 +329,7 @@ up to STAGE and records the rest as not-run. Without PREFECT_API_URL the run sta
 server. A re-run skips every stage whose artifact verifies and whose config is unchanged."""
 
 RUN_EXAMPLES = """examples:
-  cpt-to-sft run --config deployments/configs/tiny-cpu.yaml
+  cpt-to-sft run --config examples/tiny-cpu.yaml
   cpt-to-sft run --config my.yaml --set cpt.max_steps=100 --set cpt.lr=1e-4 --set hub=null
   cpt-to-sft run --config s3://bucket/configs/8b.yaml --run-root s3://bucket/runs/8b --stop-after export
 
@@ -459,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
 def _config_command(args: argparse.Namespace, path: Path, cfg: Any) -> int:
     """run, check or break-lease on the config read once by `main` (`cfg`, and `path`, its resolved YAML for the flow)."""
     if args.cmd == "check":
-        from tasks.preflight import run_check_cli
+        from tasks.flowkit.preflight import run_check_cli
 
         return run_check_cli(cfg)
     if args.cmd == "break-lease":
@@ -473,7 +474,7 @@ def break_lease(cfg: Any) -> int:
     """Remove the run root's lease left by a dead run, saying whose it was."""
     from tasks.core.storage.lease import break_lease as break_it
     from tasks.core.storage.lease import describe
-    from tasks.stage import store_for
+    from tasks.flowkit.stage import store_for
 
     old = break_it(store_for(cfg))
     print(f"lease on {cfg.run_uri}: " + (f"broken (was held by {describe(old)})" if old else "none held"))
@@ -491,7 +492,7 @@ def _flow(args: argparse.Namespace) -> int:
     from tasks.core.config.overrides import RunOverrides
 
     if args.check:
-        from tasks.preflight import run_check_cli
+        from tasks.flowkit.preflight import run_check_cli
 
         return run_check_cli(args.config, run_root=args.run_root, run_name=args.run_name)
     overrides = RunOverrides(run_root=args.run_root or "", run_name=args.run_name or "")
@@ -509,7 +510,7 @@ def run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
 
     import flows.cpt_to_sft  # noqa: F401 - first: importing Prefect sets up the console handlers filtered below
     from flows.console import console_guard
-    from tasks.console_log import one_line_failures
+    from tasks.flowkit.console_log import one_line_failures
 
     # The imports of a run (torch, transformers, Prefect: about 450k objects) live until the process
     # exits, where the interpreter's final collections would walk them all, a wait at every exit.
@@ -518,7 +519,7 @@ def run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
     atexit.unregister(gc.freeze)  # once per process, however often this runs in it
     atexit.register(gc.freeze)
     # To the last line printed: a run outlives the reader of its output, and a failure is that one
-    # line (the traceback is in the task run's log, tasks/console_log.py).
+    # line (the traceback is in the task run's log, tasks/flowkit/console_log.py).
     with console_guard(), one_line_failures():
         return _run_flow(config, overrides, stop_after)
 
@@ -526,7 +527,7 @@ def run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
 def _run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
     import flows.cpt_to_sft as runbook
     from flows.embedded_api import ApiUnavailable, embedded_api
-    from tasks.evaluate import gate_message
+    from tasks.stages.gate import gate_message
 
     previous = signal.signal(signal.SIGINT, _on_sigint)
     try:

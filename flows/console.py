@@ -1,6 +1,6 @@
 """The console is a view of a run, so a run outlives whatever reads its output.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml | head -3   # the run goes on
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml | head -3   # the run goes on
 
 When the reader of this process's stdout or stderr goes away (its parent died, the terminal
 closed, `| head` had its lines), the next write raises BrokenPipeError. Prefect logs to the console
@@ -164,7 +164,7 @@ class _RefusalIsNotACrash(logging.Filter):
     before it already holds. Any other failure keeps its traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from tasks.preflight import REFUSED
+        from tasks.flowkit.preflight import REFUSED
 
         exc = record.exc_info[1] if record.exc_info else None
         return not (type(exc).__name__ == "FailedRun" and REFUSED in str(exc))

@@ -2,23 +2,20 @@
 servers (`support.servers`), the engine-test helpers (`support.engine`), the tiny model and its
 configs (`support.tiny`), and the measuring kit (`support.bench`: work directories, best-of timing).
 
-    python benchmarks/skip.py --smoke      # a benchmark finds the checkout through this package
+    python benchmarks/skip.py --smoke      # a benchmark finds the checkout through benchmarks/_checkout.py
     python -c "import support; print(support.REPO)"
 
-Importing it puts the checkout's root first on sys.path: `python benchmarks/x.py` starts with only
-benchmarks/ there, and a benchmark imports its siblings as `benchmarks.x`. The package is installed
-with the project (`pip install -e .`, pyproject's package list); without an install, set
-PYTHONPATH to the checkout, as benchmarks/gpu_check.sh does.
+It is not installed with the project (pyproject's package list holds `tasks` and `flows` only): it is
+read from the checkout. pytest puts the checkout on sys.path (pyproject's `pythonpath`, and
+tests/conftest.py for the processes a test starts, through PYTHONPATH); a benchmark's first import,
+benchmarks/_checkout.py, does it for `python benchmarks/x.py`; elsewhere set PYTHONPATH to the
+checkout, as benchmarks/gpu_check.sh does.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-if (REPO / "pyproject.toml").is_file() and str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
 import tasks  # noqa: F401 - first: the benchmarks' processes import transformers as the project's do (tasks/__init__.py)
+
+REPO = Path(__file__).resolve().parents[1]

@@ -29,7 +29,7 @@ def tiny_config_raw(model_dir: Path, run_root: Path, **stage_overrides) -> dict:
     """tiny-cpu.yaml pointed at a test model and run root, with fewer steps for speed."""
     import yaml
 
-    raw = yaml.safe_load((REPO / "deployments" / "configs" / "tiny-cpu.yaml").read_text())
+    raw = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
     raw["base_model"]["uri"] = str(model_dir)
     raw["run_root"] = str(run_root)
     for stage in ("cpt", "sft"):

@@ -15,10 +15,10 @@ from __future__ import annotations
 from prefect import flow
 
 from tasks.core.config.load import load_config
-from tasks.load import load_from_hf
-from tasks.prepare_data import prepare_data
-from tasks.stage import StageResult, outcome
-from tasks.train import boost_and_shard, train_cpt
+from tasks.flowkit.stage import StageResult, outcome
+from tasks.stages.load import load_from_hf
+from tasks.stages.prepare_data import prepare_data
+from tasks.stages.train import boost_and_shard, train_cpt
 
 
 @flow(name="cpt-shard-test")

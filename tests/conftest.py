@@ -36,6 +36,10 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+# ... and in every process a test starts: `support` (its servers, `python -m support.servers.x`) is not
+# installed with the project, so it is found in the checkout.
+if str(REPO) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 from support.servers import prefect_quiet
 from support.tiny import tiny_config_raw, tiny_model, write_config
 
@@ -125,9 +129,9 @@ def prepare_cpt(config: Path):
     from prefect import flow
 
     from tasks.core.config.load import load_config
-    from tasks.load import load_from_hf
-    from tasks.prepare_data import prepare_data
-    from tasks.stage import outcome
+    from tasks.flowkit.stage import outcome
+    from tasks.stages.load import load_from_hf
+    from tasks.stages.prepare_data import prepare_data
 
     @flow(name="prepare-cpt-test")
     def prep(path: str):

@@ -115,7 +115,7 @@ def test_every_layout_rule_has_a_case():
 def _refusals(case: Case, stage: str, rule: str) -> list[Refusal]:
     cfg = load_for_check(write_config(case.tmp / "config.yaml", case.raw))
     model = json.loads((case.model / "config.json").read_text())
-    return [p for p in layout_problems(getattr(cfg, stage), stage, model_config=model, cuda=False) if p.rule == rule]
+    return [p for p in layout_problems(cfg.phase(stage), stage, model_config=model, cuda=False) if p.rule == rule]
 
 
 @pytest.mark.parametrize("rule", list(CASES))

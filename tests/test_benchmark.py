@@ -125,11 +125,16 @@ def test_gate_holds_the_push_on_a_failing_max_drop_naming_task_and_figures_and_p
     assert not failed["passed"]
     assert failed["reasons"] == [
         (
-            "benchmark 'veyra_facts' acc: export 0.57 vs base 0.6; +5.00% worse (allowed at most 2% by "
+            "benchmark 'veyra_facts' acc: export 0.57 vs base 0.6; 5.00% worse (allowed at most 2% by "
             "gate.benchmarks.veyra_facts.max_drop)"
         )
     ]
     assert gate_verdict(off, None, None, _bench(0.60, 0.59))["passed"]  # 1.67 % worse: within 2 %
+    better = gate_verdict(off, None, None, _bench(0.56, 0.60))  # an improvement reads as one
+    assert better["passed"] and better["checks"][0]["message"] == (
+        "benchmark 'veyra_facts' acc: export 0.6 vs base 0.56; 7.14% better (allowed at most 2% by "
+        "gate.benchmarks.veyra_facts.max_drop)"
+    )
     # a lower-is-better metric drops when it rises
     ppl = GateConfig.model_validate(
         {**off.model_dump(), "benchmarks": {"veyra_facts": {"metric": "word_perplexity", "max_drop": 2.0}}}

@@ -138,7 +138,7 @@ def test_rerun_skips_it_a_new_num_fewshot_reruns_only_it_and_the_gate_holds_a_fa
     assert held["gate"]["reasons"] == [
         (
             f"benchmark 'noise_text' bits_per_byte: export {m['export']:.4g} vs base {m['base']:.4g}; "
-            f"{m['drop_pct']:+.2f}% worse (allowed at most 0% by gate.benchmarks.noise_text.max_drop)"
+            f"{m['drop_pct']:.2f}% worse (allowed at most 0% by gate.benchmarks.noise_text.max_drop)"
         )
     ]
 

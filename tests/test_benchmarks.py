@@ -11,6 +11,7 @@ judged, only that the table and its ratio lines come out. Smoke runs that launch
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,18 +22,39 @@ from support.servers.slurm import slurm_available
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
+# Hang guards, not speed checks: a smoke run takes seconds to a few minutes on two idle cores, and
+# several times that beside the suite's other workers (one took over 300 s there, correct but slow).
+# A hung one is stopped, its process group with it, an order of magnitude past the slowest correct run.
+SMOKE_TIMEOUT = 1800  # the smoke runs of minutes: flows, torchrun launches
+E2E_TIMEOUT = 2700  # gpu_check.sh's dry run and resume.py: whole flows, killed and retried
+# pytest-timeout's limit for these tests (pyproject: 900 s) sits above the guards, which say more
+pytestmark = pytest.mark.timeout(E2E_TIMEOUT + 300)
 
 
-def smoke(argv: list[str], timeout: float = 300, env: dict[str, str] | None = None) -> str:
-    """Run one benchmark command from the repository root; its combined output, after asserting rc 0."""
+def smoke(argv: list[str], timeout: float = SMOKE_TIMEOUT, env: dict[str, str] | None = None) -> str:
+    """Run one benchmark command from the repository root; its combined output, after asserting rc 0.
+    Past `timeout` its whole process group (torchrun's ranks, servers) is killed and the test fails."""
     full_env = {
         **os.environ,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "TOKENIZERS_PARALLELISM": "false",
         **(env or {}),
     }
-    p = subprocess.run(argv, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout, check=False)
-    out = p.stdout + p.stderr
+    with subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    ) as p:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            pytest.fail(f"{' '.join(argv)} still ran after {timeout:.0f} s (a hang guard):\n{out[-4000:]}")
     assert p.returncode == 0, f"{' '.join(argv)} exited {p.returncode}:\n{out[-4000:]}"
     return out
 
@@ -131,7 +153,7 @@ def test_gpu_check_smoke(tmp_path):
     once and resumed, beside the plain baseline) at 4 steps a stage, every check but gpu_tests reported."""
     out = smoke(
         ["bash", "benchmarks/gpu_check.sh", "--smoke", "--work", str(tmp_path / "work")],
-        timeout=900,
+        timeout=E2E_TIMEOUT,
         env={
             "PYTHON": PY,
             "GPU_CHECK_SITE": str(tmp_path / "site"),
@@ -160,7 +182,7 @@ def test_gpu_check_smoke(tmp_path):
 def test_resume_smoke():
     """The flow on one embedded Prefect server, up to train_cpt: a run killed inside a CPT checkpoint
     interval, its retry, then its re-run once complete."""
-    out = smoke([PY, "benchmarks/resume.py", "--smoke"], timeout=900)
+    out = smoke([PY, "benchmarks/resume.py", "--smoke"], timeout=E2E_TIMEOUT)
     for row in (
         "first run wall",
         "re-run of complete run",
@@ -176,7 +198,7 @@ def test_resume_smoke():
 @pytest.mark.integration
 @pytest.mark.distributed
 def test_publish_smoke():
-    out = smoke([PY, "benchmarks/publish.py", "--smoke"], timeout=600)
+    out = smoke([PY, "benchmarks/publish.py", "--smoke"])
     for mode in ("local", "sync", "async"):
         assert f"  {mode:<6} " in out and "steps/s" in out, out
     assert "(a) local   (b) S3 sync   (c) S3 async" in out and "ratio to (a)" in out, out
@@ -186,7 +208,7 @@ def test_publish_smoke():
 @pytest.mark.distributed
 def test_launch_smoke():
     """The local backend always; the Slurm backend where the Slurm tests would run (installed, root)."""
-    out = smoke([PY, "benchmarks/launch.py", "--smoke"], timeout=600)
+    out = smoke([PY, "benchmarks/launch.py", "--smoke"])
     assert "round 1 local: task start -> first step" in out, out
     assert "task start -> step 1 best" in out and "task start -> step 1 median" in out, out
     if slurm_available() and os.geteuid() == 0:
@@ -229,3 +251,42 @@ def test_flow_process_smoke():
     row = next(ln.split(" | ") for ln in out.splitlines() if ln.startswith("tiny | "))
     assert row[12] == "yes", out[-3000:]  # streamed logits bitwise the whole model's, at any size
     assert "skip decision by stamp:" in out and "command: python benchmarks/flow_process.py --smoke" in out, out[-3000:]
+
+
+def test_skip_smoke():
+    """The skip decision at 1, 4 and 16 MB (~2 s): hashing vs the verification stamp, each row and the ratio line."""
+    out = smoke([PY, "benchmarks/skip.py", "--smoke"])
+    rows = [ln.split() for ln in out.splitlines() if ln.strip().endswith("x") and "MB" in ln]
+    assert [r[0] for r in rows] == ["1MB", "4MB", "16MB"] and all(float(r[3]) > 0 for r in rows), out
+    assert "stamp time, largest / smallest artifact: " in out and "command: python benchmarks/skip.py --smoke" in out
+
+
+@pytest.mark.distributed
+def test_lora_smoke():
+    """Full fine-tuning and LoRA on the demo's tiny model, one rank, 2 steps each (4 launches, ~30 CPU-s):
+    the JSON result with both modes' figures and the LoRA merge's proof."""
+    import json
+
+    out = smoke([PY, "benchmarks/lora.py", "--smoke"])
+    result, _ = json.JSONDecoder().raw_decode(out, out.rindex('{\n  "full": {'))  # the printed result
+    assert set(result) >= {"full", "lora", "checkpoint_share", "peak_saving_bytes", "frozen_optimizer_bytes_per_rank"}
+    assert result["lora"]["checkpoint_bytes"] < result["full"]["checkpoint_bytes"], result  # the adapter only
+    assert result["lora"]["merged_export_s"] > 0 and result["lora"]["export_rel_diff"] is not None, result
+
+
+@pytest.mark.distributed
+def test_scale_smoke():
+    """The ~0.1M model under hybrid_parallel tp=2, 2 steps (two 2-rank launches, ~30 CPU-s); the flow
+    process's figures left out (test_flow_process_smoke runs them): the table and its verdict lines."""
+    out = smoke([PY, "benchmarks/scale.py", "--smoke", "--no-flow"])
+    row = next(ln.split(" | ") for ln in out.splitlines() if ln.startswith("tiny | "))
+    assert row[2] == "hp-tp2-fp32" and float(row[-1]) > 0, out[-3000:]  # estimate / steady RSS
+    assert "largest |estimate/steady - 1|" in out and "shard peak over its limit" in out, out[-3000:]
+
+
+def test_every_benchmark_has_a_smoke_test():
+    """Each script under benchmarks/ (the bootstrap aside) is run here, so none can rot unseen."""
+    here = Path(__file__).read_text()
+    scripts = [p for p in (REPO / "benchmarks").iterdir() if p.suffix in (".py", ".sh") and p.name != "_checkout.py"]
+    missing = [p.name for p in scripts if f"benchmarks/{p.stem}." not in here]
+    assert not missing, f"benchmarks without a smoke test in tests/test_benchmarks.py: {missing}"

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from flows.cli import main, parse_sets, resolved_config_file, schema
 from tasks.core.run.manifest import write_manifest
 from tests.conftest import REPO
 
-TINY = str(REPO / "deployments" / "configs" / "tiny-cpu.yaml")
+TINY = str(REPO / "examples" / "tiny-cpu.yaml")
 
 
 def test_sets_are_yaml_and_applied_in_order(tmp_path):
@@ -65,7 +66,7 @@ def test_schema_is_valid_json_schema_and_accepts_the_shipped_configs(capsys):
     sch = json.loads(capsys.readouterr().out)
     Draft202012Validator.check_schema(sch)
     validator = Draft202012Validator(sch)
-    for path in (REPO / "deployments" / "configs").glob("*.yaml"):
+    for path in (REPO / "examples").glob("*.yaml"):
         assert not list(validator.iter_errors(yaml.safe_load(path.read_text()))), path
     assert list(validator.iter_errors({"name": "x"}))  # run_root, base_model, cpt, sft missing
     assert sch == schema()
@@ -132,6 +133,8 @@ def test_wheel_in_a_fresh_venv(tmp_path):
         timeout=300,
     )
     (wheel,) = (tmp_path / "dist").glob("cpt_to_sft-*.whl")
+    # the tests' and benchmarks' shared code (support/) is read from a checkout, never shipped
+    assert not [n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("support/")]
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     vsite = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
@@ -297,7 +300,7 @@ def test_help_lists_every_command_in_one_line_with_an_example_that_parses(capsys
     for said in (
         "--config FILE",
         "YAML",
-        "deployments/configs/tiny-cpu.yaml",
+        "examples/tiny-cpu.yaml",
         "--set KEY.PATH=VALUE",
         "--set cpt.lr=1e-4",
         "--stop-after STAGE",

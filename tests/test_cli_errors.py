@@ -16,7 +16,7 @@ from tasks.core.config.load import parse_fields
 from tasks.core.errors import ConfigError
 from tests.conftest import REPO, write_config
 
-TINY = REPO / "deployments" / "configs" / "tiny-cpu.yaml"
+TINY = REPO / "examples" / "tiny-cpu.yaml"
 
 
 def _raw() -> dict:

@@ -41,7 +41,7 @@ LAUNCH = [
         "loaded step-000000)"
     ),
     "[rank 1] loaded its shard",
-    "[rank 0] resuming cpt from step-000000: the newest checkpoint whose manifest verifies",
+    "[rank 0] starting cpt from step-000000: the sharded base model",
     '[rank 0] @@kernels {"activation_checkpointing": false, "kernels": {"flash_attention": "off: no CUDA"}}',
     (
         '[rank 0] @@progress {"elapsed_s": 0.1, "loss": 6.2, "lr": 0.001, "peak_mem_bytes": 409100288, "peak_mem_rank": '
@@ -91,7 +91,7 @@ def test_a_warning_every_rank_prints_reaches_the_console_once_naming_them(logs):
     shown = [m for _, m in console.lines]
     assert shown == [
         f"[ranks 0,1] {WARNING_1}",  # once, when the second rank said it
-        "[rank 0] resuming cpt from step-000000: the newest checkpoint whose manifest verifies",
+        "[rank 0] starting cpt from step-000000: the sharded base model",
         (
             "[torchrun] W1130 11:02:03.400000 4242 torch/distributed/elastic/multiprocessing/api.py:897] Sending process "
             "12 closing signal SIGTERM"
@@ -215,12 +215,39 @@ def test_the_run_ends_with_a_table_of_the_stages():
     )
 
 
-def test_the_engine_silences_only_the_harmless_bitsandbytes_kernels_warning():
-    from tasks.engine.__main__ import _harmless_bnb_kernels
+def test_the_table_gives_the_benchmark_its_scores_and_prepare_its_truncation_count():
+    acc = {"base": 0.6, "export": 0.5714, "change": -0.0286, "drop_pct": 4.76, "higher_is_better": True}
+    bench = {
+        "metrics": {"tasks": {"veyra_facts": {"acc": acc}, "noise": {"bits_per_byte": {"base": None, "export": 2.5}}}}
+    }
+    sft = {
+        "train_tokens": 12000,
+        "heldout_tokens": 800,
+        "truncation": {"rule": "drop", "seq_len": 128, "chats": 200, "over_seq_len": 3, "dropped": 3},
+    }
+    cpt = {"train_tokens": 5000, "heldout_tokens": 0, "truncation": {"rule": "split", "seq_len": 64, "documents": 9}}
+    table = summary_table(
+        [
+            {"stage": "prepare_cpt", "status": "completed", "seconds": 1.0, "detail": cpt},
+            {"stage": "prepare_sft", "status": "completed", "seconds": 1.0, "detail": sft},
+            {"stage": "benchmark", "status": "completed", "seconds": 9.0, "detail": bench},
+        ],
+        "/runs/demo",
+    ).splitlines()
+    assert table[1].endswith("5.0k train tokens, 0 held out"), table[1]
+    assert table[2].endswith("12.0k train tokens, 800 held out; 3 of 200 chats over seq_len=128 (drop)"), table[2]
+    assert table[3].endswith("veyra_facts acc 0.6 → 0.5714; noise bits_per_byte 2.5"), table[3]
+
+
+def test_every_process_silences_only_the_harmless_bitsandbytes_kernels_warning():
+    """The filter sits on bitsandbytes' logger from `import tasks` on, so the flow's process (peft in a LoRA
+    run's merge, evaluation and card) drops the warning as the ranks do."""
+    import tasks  # noqa: F401 - installs it
+    from tasks.core.models.hf_imports import BNB_CPU_OPS, harmless_bnb_kernels
 
     def record(exc: BaseException) -> logging.LogRecord:
         return logging.LogRecord(
-            "bitsandbytes.backends.cpu.ops",
+            BNB_CPU_OPS,
             logging.WARNING,
             "ops.py",
             253,
@@ -230,6 +257,7 @@ def test_the_engine_silences_only_the_harmless_bitsandbytes_kernels_warning():
         )
 
     missing = ModuleNotFoundError("No module named 'kernels'", name="kernels")
-    assert _harmless_bnb_kernels(record(missing)) is False
-    assert _harmless_bnb_kernels(record(RuntimeError("kernels 0.9 too old"))) is True  # a real failure still shows
-    assert any(f is _harmless_bnb_kernels for f in logging.getLogger("bitsandbytes.backends.cpu.ops").filters)
+    assert harmless_bnb_kernels(record(missing)) is False
+    assert harmless_bnb_kernels(record(RuntimeError("kernels 0.9 too old"))) is True  # a real failure still shows
+    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    assert not bnb.filter(record(missing)) and bnb.filter(record(RuntimeError("kernels 0.9 too old")))

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import flows.cpt_to_sft  # noqa: F401 - Prefect's logging set up, as in the CLI
-from tasks.console_log import NOT_ON_CONSOLE, install, uninstall
+from tasks.flowkit.console_log import NOT_ON_CONSOLE, install, uninstall
 from tests.conftest import REPO, tiny_config_raw, write_config
 
 

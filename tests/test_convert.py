@@ -20,10 +20,14 @@ import torch
 from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -183,8 +187,20 @@ def _cfg(model) -> dict:
         (MistralForCausalLM, MistralConfig, {"head_dim": 32}),
         (Qwen2ForCausalLM, Qwen2Config, {"tie_word_embeddings": True}),
         (Qwen3ForCausalLM, Qwen3Config, {"head_dim": 16}),
+        (Gemma3ForCausalLM, Gemma3TextConfig, {"head_dim": 16}),  # tied by default
+        (Gemma3ForCausalLM, Gemma3TextConfig, {"tie_word_embeddings": False}),
+        (Phi3ForCausalLM, Phi3Config, {"pad_token_id": None}),
     ],
-    ids=["llama-gqa", "llama-bias-headdim-mqa", "mistral", "qwen2-tied", "qwen3"],
+    ids=[
+        "llama-gqa",
+        "llama-bias-headdim-mqa",
+        "mistral",
+        "qwen2-tied",
+        "qwen3",
+        "gemma3-tied",
+        "gemma3-untied",
+        "phi3",
+    ],
 )
 def test_expected_tensors_match_transformers(cls, cfg_cls, overrides):
     model = _model(cls, cfg_cls, **overrides)
@@ -195,8 +211,8 @@ def test_expected_tensors_match_transformers(cls, cfg_cls, overrides):
 
 
 def test_unknown_model_type_lists_supported():
-    with pytest.raises(ConversionError, match=r"gpt2.*llama.*mistral.*qwen2"):
-        expected_tensors({"model_type": "gpt2", **TINY, "vocab_size": 10})
+    with pytest.raises(ConversionError, match=r"tinyfam.*llama.*mistral.*qwen2"):
+        expected_tensors({"model_type": "tinyfam", **TINY, "vocab_size": 10})
 
 
 def test_parse_size_and_plan():

@@ -17,7 +17,7 @@ from tasks.core.launch.torchrun import torchrun_argv
 from tasks.core.run.manifest import MANIFEST, read_manifest, safe_relpath, verify_artifact, write_manifest
 from tasks.core.storage.fs import RunStore
 
-TINY = Path(__file__).resolve().parents[1] / "deployments" / "configs" / "tiny-cpu.yaml"
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
 
 
 def tiny_raw() -> dict:

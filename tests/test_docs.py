@@ -71,6 +71,16 @@ def test_config_reference_is_generated_from_the_schema():
     assert page.read_text() == reference.render(), f"docs/reference/config.md is out of date: run `{reference.COMMAND}`"
 
 
+def test_family_table_is_generated_from_the_registries():
+    from tasks.core.models import family_table
+    from tasks.core.models.families import FAMILIES
+
+    page = DOCS / "reference" / "families.md"
+    text = family_table.render()
+    assert page.read_text() == text, f"docs/reference/families.md is out of date: run `{family_table.COMMAND}`"
+    assert all(f"| `{t}` |" in text for t in FAMILIES) and "| any other decoder |" in text
+
+
 def test_config_reference_lists_every_field_and_registry_row():
     from tasks.core.config.batching import BATCHING
     from tasks.core.config.kernels import KERNELS

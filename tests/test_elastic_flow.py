@@ -94,7 +94,7 @@ def _assert_loaded_is_the_view(step_dir: Path, dumped: Path, *, masters: bool) -
 
 def _stage_tables(monkeypatch) -> list:
     """The Prefect stage table's rows as the flow makes them, kept (the artifact is made too)."""
-    from tasks import ui
+    from tasks.flowkit import ui
 
     made: list = []
     real = ui.create_table_artifact

@@ -625,7 +625,8 @@ def test_a_kill_in_every_save_phase_never_loads_a_torn_checkpoint(tmp_path, tiny
         # This launch started after the previous one died saving step killed_step-1: it resumed
         # from the newest complete checkpoint, killed_step-2, redoing exactly one interval.
         resumed_from = max(killed_step - 2, 0)
-        assert f"resuming sft from step-{resumed_from:06d}" in run.output, (seed, spec, run.output[-2000:])
+        begins = "starting" if resumed_from == 0 else "resuming"  # step 0 is the sharded base: a fresh start
+        assert f"{begins} sft from step-{resumed_from:06d}" in run.output, (seed, spec, run.output[-2000:])
         assert [p["step"] for p in run.progress] == list(range(resumed_from + 1, killed_step + 1)), (seed, spec)
     final = _engine("kills final resume", "train", train_job)
     assert f"resuming sft from step-{last - 2:06d}" in final.output

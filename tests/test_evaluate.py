@@ -20,6 +20,7 @@ from tasks.core.data.split import overlap, record_id, split_by_fraction, split_b
 from tasks.core.errors import ConfigError
 from tasks.core.evaluation import heldout as ev
 from tasks.core.evaluation import verdict as gv
+from tasks.core.evaluation.heldout import stop_problem
 from tests.conftest import REPO, tiny_config_raw
 
 SAMPLE = REPO / "data" / "sample"
@@ -315,6 +316,14 @@ def test_gate_verdict(gate, cpt, sft, passed, failing):
         ]  # still reported
     rows = gv.metrics_table(cpt, sft, v)
     assert rows and all(set(r) == {"metric", "before", "after", "change", "gate"} for r in rows)
+
+
+def test_the_gate_states_a_generation_failure_once():
+    v = gv.gate_verdict(GateConfig(), _cpt(), _sft(stopped=1, problems=[stop_problem(1, 4, 64)]))
+    assert v["reasons"] == ["3 of 4 greedy generations did not stop at an eos token within max_new_tokens=64"]
+    eos = "the tokenizer has no eos token"
+    v = gv.gate_verdict(GateConfig(), _cpt(), _sft(stopped=4, problems=[eos]))
+    assert v["reasons"] == [f"4 of 4 greedy generations stopped within 64 tokens; {eos}"]
 
 
 def test_cli_exit_status_of_a_failed_gate(monkeypatch, capsys):

@@ -30,7 +30,7 @@ from tests.conftest import tiny_config_raw, write_config
 from tests.test_preflight import CPU2, Case, make_manifest, no_launch  # noqa: F401 - no_launch is an autouse fixture
 
 _REAL_POPEN = subprocess.Popen  # before `no_launch` replaces it: the tests that must launch put it back
-TINY_YAML = (Path(__file__).resolve().parents[1] / "deployments" / "configs" / "tiny-cpu.yaml").read_text()
+TINY_YAML = (Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml").read_text()
 
 
 def _no_traceback(text: str) -> None:
@@ -67,7 +67,7 @@ DUPLICATES = [
 
 @pytest.mark.parametrize("after, line, key, prefix", DUPLICATES, ids=[d[2] for d in DUPLICATES])
 def test_duplicated_yaml_key_is_refused_naming_both_lines(tmp_path, capsys, after, line, key, prefix):
-    from tasks.preflight import run_check_cli
+    from tasks.flowkit.preflight import run_check_cli
 
     text = _twice(after, line)
     path = tmp_path / "dup.yaml"
@@ -191,7 +191,7 @@ BAD_NAMES = ["model\x00.safetensors", "config\n.json", "a\x1b[31m.bin", "x\x7f"]
 @pytest.mark.parametrize("name", BAD_NAMES, ids=["nul", "newline", "escape", "del"])
 def test_control_characters_in_a_manifest_are_refused(tmp_path, capsys, name):
     from tasks.core.run.manifest import MANIFEST, verify_artifact
-    from tasks.preflight import run_check_cli
+    from tasks.flowkit.preflight import run_check_cli
 
     case = Case(tmp_path)
     art = make_manifest(case.run_root, "base", {name: {"size": 1, "sha256": "0" * 64}})
@@ -456,7 +456,7 @@ class _RunsCode:
 
 
 def _load(tmp_path: Path, model: Path, allow_pickle: bool = True):
-    from tasks.load import load_from_hf
+    from tasks.stages.load import load_from_hf
 
     raw = tiny_config_raw(model, tmp_path / "run")
     raw["base_model"]["allow_pickle"] = allow_pickle
@@ -561,7 +561,7 @@ def test_the_flow_refuses_at_preflight_with_the_report_and_no_traceback(
 ):
     from flows.cli import flow_main as main
     from flows.cpt_to_sft import cpt_to_sft
-    from tasks.preflight import REFUSED
+    from tasks.flowkit.preflight import REFUSED
 
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
     raw["sft"]["plugin"] = {"name": "low_level_zero", "zero_stage": 2, "precision": "fp16"}

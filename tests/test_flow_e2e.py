@@ -55,7 +55,7 @@ UPSTREAM = tuple(STAGE_DIRS)  # every stage that leaves an artifact (all but gat
 
 
 class Launches:
-    """Wraps tasks.train.run_engine: records every engine launch and the steps it trained."""
+    """Wraps tasks.stages.train.run_engine: records every engine launch and the steps it trained."""
 
     def __init__(self, real):
         self.real, self.calls = real, []
@@ -67,7 +67,7 @@ class Launches:
 
 
 class Events:
-    """Wraps tasks.automation.stage_event: records every stage event's payload, then sends it."""
+    """Wraps tasks.flowkit.automation.stage_event: records every stage event's payload, then sends it."""
 
     def __init__(self, real):
         self.real, self.calls = real, []
@@ -79,9 +79,9 @@ class Events:
 
 @pytest.fixture(scope="module")
 def scenario(prefect_harness, eos_doc_end_model, tmp_path_factory):
-    import tasks.automation
-    import tasks.train
-    import tasks.ui
+    import tasks.flowkit.automation
+    import tasks.flowkit.ui
+    import tasks.stages.train
     from flows.cli import flow_main as main
 
     tiny_model_dir = eos_doc_end_model
@@ -93,13 +93,13 @@ def scenario(prefect_harness, eos_doc_end_model, tmp_path_factory):
     try:
         for fault in ("kill@step=5@stage=sft", "", ""):
             launches = Launches(
-                tasks.train.run_engine.__wrapped__
-                if hasattr(tasks.train.run_engine, "__wrapped__")
-                else tasks.train.run_engine
+                tasks.stages.train.run_engine.__wrapped__
+                if hasattr(tasks.stages.train.run_engine, "__wrapped__")
+                else tasks.stages.train.run_engine
             )
-            mp.setattr(tasks.train, "run_engine", launches)
-            events = Events(tasks.automation.stage_event)
-            mp.setattr(tasks.automation, "stage_event", events)
+            mp.setattr(tasks.stages.train, "run_engine", launches)
+            events = Events(tasks.flowkit.automation.stage_event)
+            mp.setattr(tasks.flowkit.automation, "stage_event", events)
             hashed = _count_hashes(mp)
             mp.setenv("CPT_TO_SFT_FAULT", fault) if fault else mp.delenv("CPT_TO_SFT_FAULT", raising=False)
             err = io.StringIO()
@@ -117,8 +117,8 @@ def scenario(prefect_harness, eos_doc_end_model, tmp_path_factory):
                     "hashed": list(hashed),
                 }
             )
-            mp.setattr(tasks.train, "run_engine", launches.real)
-            mp.setattr(tasks.automation, "stage_event", events.real)
+            mp.setattr(tasks.stages.train, "run_engine", launches.real)
+            mp.setattr(tasks.flowkit.automation, "stage_event", events.real)
         runs += _gate_reruns(mp, tmp, tiny_model_dir, run_root)
         runs.append(_unaligned_rerun(mp, tmp, tiny_model_dir, run_root))
     finally:
@@ -130,7 +130,7 @@ def _count_hashes(mp) -> list[str]:
     """Every artifact file the flow process hashes against a manifest from now on (engine ranks are
     other processes and hash their own resume checkpoint)."""
     import tasks.core.run.manifest as manifest_mod
-    import tasks.load
+    import tasks.stages.load
 
     seen: list[str] = []
     real = getattr(manifest_mod.sha256_file, "real", manifest_mod.sha256_file)
@@ -141,14 +141,14 @@ def _count_hashes(mp) -> list[str]:
 
     counting.real = real
     mp.setattr(manifest_mod, "sha256_file", counting)
-    mp.setattr(tasks.load, "sha256_file", counting)  # load_from_hf's check of the HF files it copies
+    mp.setattr(tasks.stages.load, "sha256_file", counting)  # load_from_hf's check of the HF files it copies
     return seen
 
 
 def _gate_reruns(mp, tmp, model_dir, run_root):
     """Steps 4 and 5: only the gate config changes; gate config is in no artifact's digest."""
     import flows.cpt_to_sft as flow_mod
-    import tasks.train
+    import tasks.stages.train
     from flows.cli import flow_main
 
     out = []
@@ -159,9 +159,9 @@ def _gate_reruns(mp, tmp, model_dir, run_root):
         raw = tiny_config_raw(model_dir, run_root)
         raw["gate"].update(gate)
         cfg = write_config(tmp / f"tiny-gate-{name}.yaml", raw)
-        launches, pushes = Launches(tasks.train.run_engine), []
+        launches, pushes = Launches(tasks.stages.train.run_engine), []
         real_push = flow_mod.push_to_hub
-        mp.setattr(tasks.train, "run_engine", launches)
+        mp.setattr(tasks.stages.train, "run_engine", launches)
         mp.setattr(flow_mod, "push_to_hub", _counting_push(real_push, pushes))
         if name == "failing":
             state = flow_mod.cpt_to_sft(config=str(cfg), return_state=True)
@@ -184,7 +184,7 @@ def _gate_reruns(mp, tmp, model_dir, run_root):
                     "summary": json.loads((run_root / "run.json").read_text()),
                 }
             )
-        mp.setattr(tasks.train, "run_engine", launches.real)
+        mp.setattr(tasks.stages.train, "run_engine", launches.real)
         mp.setattr(flow_mod, "push_to_hub", real_push)
     return out
 
@@ -193,7 +193,7 @@ def _counting_push(real_push, pushes: list):
     """push_to_hub as a task that records each call's gate.enabled, then runs the real one."""
     from prefect import task
 
-    from tasks.stage import outcome
+    from tasks.flowkit.stage import outcome
 
     @task(name="push_to_hub")
     def push(cfg_, results):
@@ -206,17 +206,17 @@ def _counting_push(real_push, pushes: list):
 def _unaligned_rerun(mp, tmp, model_dir, run_root):
     """Step 6, on a copy so the finished run's export stays the aligned one."""
     import flows.cpt_to_sft as flow_mod
-    import tasks.train
+    import tasks.stages.train
 
     copy = tmp / "run-unaligned"
     shutil.copytree(run_root, copy, ignore=shutil.ignore_patterns(".lease.json"))
     raw = tiny_config_raw(model_dir, copy)
     raw["export"]["align_stop_tokens"] = False
     cfg = write_config(tmp / "tiny-unaligned.yaml", raw)
-    launches = Launches(tasks.train.run_engine)
-    mp.setattr(tasks.train, "run_engine", launches)
+    launches = Launches(tasks.stages.train.run_engine)
+    mp.setattr(tasks.stages.train, "run_engine", launches)
     state = flow_mod.cpt_to_sft(config=str(cfg), return_state=True)
-    mp.setattr(tasks.train, "run_engine", launches.real)
+    mp.setattr(tasks.stages.train, "run_engine", launches.real)
     return {
         "state": state,
         "launches": launches.calls,

@@ -18,7 +18,7 @@ import yaml
 
 from tasks.core.config.load import parse_config
 from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR, read_manifest, sha256_file, write_manifest
-from tasks.stage import StageResult
+from tasks.flowkit.stage import StageResult
 
 pytest_plugins = ["tests.conftest_servers"]
 pytestmark = pytest.mark.integration
@@ -28,7 +28,7 @@ KB = 1 << 10
 
 
 def config(run_root: Path, base: str = "org/base-model", **hub) -> object:
-    raw = yaml.safe_load((REPO / "deployments" / "configs" / "tiny-cpu.yaml").read_text())
+    raw = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
     raw.update(run_root=str(run_root), name="hub-test")
     raw["base_model"]["uri"] = base
     if hub:
@@ -125,7 +125,7 @@ def token_env(hub_env, monkeypatch):
 def test_model_card_metadata_and_body(tmp_path):
     from huggingface_hub import ModelCard
 
-    from tasks.push import model_card, train_facts
+    from tasks.stages.push import model_card, train_facts
 
     cfg = config(tmp_path, repo_id="org/card", license="apache-2.0", tags=["tiny"])
     manifest = fake_export(tmp_path)
@@ -166,7 +166,7 @@ def test_model_card_metadata_and_body(tmp_path):
 def test_load_from_hf_pins_the_commit_and_records_it(token_env, prefect_harness, tiny_model_dir, tmp_path):
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from tasks.load import load_from_hf
+    from tasks.stages.load import load_from_hf
 
     hub = token_env
     api = HfApi(token=hub.token)
@@ -207,8 +207,8 @@ def test_load_from_hf_pins_the_commit_and_records_it(token_env, prefect_harness,
 def test_push_makes_one_commit_and_a_repush_uploads_nothing(token_env, prefect_harness, tmp_path):
     from huggingface_hub import HfApi, ModelCard
 
-    from tasks.export import write_card
-    from tasks.push import push_to_hub
+    from tasks.stages.export import write_card
+    from tasks.stages.push import push_to_hub
 
     hub = token_env
     fake_export(tmp_path / "run")
@@ -257,7 +257,7 @@ def test_push_makes_one_commit_and_a_repush_uploads_nothing(token_env, prefect_h
 def test_dropped_lfs_upload_is_retried_into_exactly_one_commit(token_env, prefect_harness, tmp_path):
     from huggingface_hub import HfApi
 
-    from tasks.push import push_to_hub
+    from tasks.stages.push import push_to_hub
 
     hub = token_env
     manifest = fake_export(tmp_path / "run", seed=7)
@@ -278,7 +278,7 @@ def test_dropped_lfs_upload_is_retried_into_exactly_one_commit(token_env, prefec
 def test_push_that_cannot_finish_leaves_the_repo_as_it_was(token_env, prefect_harness, tmp_path):
     from huggingface_hub import HfApi
 
-    from tasks.push import push_to_hub
+    from tasks.stages.push import push_to_hub
 
     hub = token_env
     first = fake_export(tmp_path / "run", seed=1)
@@ -307,7 +307,7 @@ def test_push_that_cannot_finish_leaves_the_repo_as_it_was(token_env, prefect_ha
 
 
 def test_missing_token_is_a_clear_error(hub_env, prefect_harness, tmp_path):
-    from tasks.push import push_to_hub
+    from tasks.stages.push import push_to_hub
 
     fake_export(tmp_path / "run")
     cfg = config(tmp_path / "run", repo_id="org/no-token")
@@ -318,7 +318,7 @@ def test_missing_token_is_a_clear_error(hub_env, prefect_harness, tmp_path):
 def test_provenance_is_a_config_choice_and_a_stray_safetensors_is_refused(token_env, prefect_harness, tmp_path):
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    from tasks.push import push_to_hub
+    from tasks.stages.push import push_to_hub
 
     hub = token_env
     manifest = fake_export(tmp_path / "run", seed=3)
@@ -353,7 +353,7 @@ def test_a_refused_token_fails_the_push_at_once_naming_its_source(hub_env, prefe
     """A 401 cannot heal: the push's retries (3 x 20 s) are not spent on it, and the error names the
     token's source, never its value."""
     from tasks.core.hub.repo import HubTokenRefused
-    from tasks.push import push_to_hub
+    from tasks.stages.push import push_to_hub
 
     wrong = "hf_WRONGwrongWRONG0123456789"
     monkeypatch.setenv("HF_TOKEN", wrong)
@@ -384,9 +384,9 @@ def test_a_token_saved_by_login_is_used_by_push_and_preflight(hub_env, prefect_h
     # login() asks whoami through huggingface_hub's module-level HfApi, whose endpoint was fixed
     # when huggingface_hub was first imported: point it at the test Hub like HF_ENDPOINT is.
     monkeypatch.setattr(huggingface_hub.hf_api.api, "endpoint", hub_env.endpoint)
-    from tasks.preflight import hub_token_found
-    from tasks.push import push_to_hub
-    from tasks.stage import token
+    from tasks.flowkit.preflight import hub_token_found
+    from tasks.flowkit.stage import token
+    from tasks.stages.push import push_to_hub
 
     hub = hub_env
     assert hub_token_found(consult_secret=False) is None and token() is None
@@ -406,8 +406,8 @@ def _flow():
     from prefect import flow
 
     from tasks.core.config.load import load_config
-    from tasks.load import load_from_hf
-    from tasks.push import push_to_hub
+    from tasks.stages.load import load_from_hf
+    from tasks.stages.push import push_to_hub
 
     @flow(name="hub-round-trip")
     def hub_round_trip(config_path: str) -> dict:
@@ -471,7 +471,7 @@ def test_token_never_reaches_logs_artifacts_or_the_repo(hub_env, prefect_harness
 
     run_root = tmp_path / "run"
     fake_export(run_root)
-    raw = yaml.safe_load((REPO / "deployments" / "configs" / "tiny-cpu.yaml").read_text())
+    raw = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
     raw.update(
         run_root=str(run_root),
         name="hygiene",

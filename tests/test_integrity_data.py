@@ -97,7 +97,7 @@ def test_empty_input_files_are_counted_in_the_index_and_the_stage_table(tokdir, 
     r = _prep(str(corpus), tokdir, tmp_path / "out")
     assert r.index["totals"]["empty_files"] == 2 and r.index["totals"]["records"] == 80
 
-    from tasks import ui
+    from tasks.flowkit import ui
 
     tables = []
     monkeypatch.setattr(ui, "create_table_artifact", lambda rows, **kw: tables.append(rows))

@@ -65,7 +65,7 @@ def test_a_plugin_checkpoint_is_not_judged_as_a_model_folder(tmp_path, capsys):
 
 def test_push_and_verify_share_the_rule(tmp_path):
     from tasks.core.run.manifest import read_manifest
-    from tasks.push import files_to_push
+    from tasks.stages.push import files_to_push
 
     d = hf_folder(tmp_path / "export", extra={"adapter_model.safetensors": b"lora"})
     write_manifest(d, kind="hf-export")  # now listed: the push would send it
@@ -98,7 +98,7 @@ def _report(case: Case, token):
 
 @pytest.mark.integration
 def test_preflight_refuses_a_token_the_hub_rejects_naming_its_source(hub_env, tmp_path, monkeypatch):
-    from tasks.preflight import check
+    from tasks.flowkit.preflight import check
     from tests.conftest import write_config
 
     wrong = "hf_WRONGwrongWRONG0123456789"
@@ -175,7 +175,7 @@ def test_errors_that_cannot_heal_are_not_retried():
 
     from tasks.core.errors import ConfigError
     from tasks.core.hub.repo import HubRefusal, HubTokenRefused
-    from tasks.load import cannot_heal
+    from tasks.flowkit.retry import cannot_heal
 
     for status in (401, 403, 404):
         assert cannot_heal(_http_error(status)), status
@@ -279,7 +279,7 @@ def test_a_hub_cache_snapshot_linking_into_its_blobs_is_accepted(tmp_path):
     snapshot = fake_model(repo / "snapshots" / ("a" * 40))
     blob = repo / "blobs" / ("b" * 64)
     blob.parent.mkdir(parents=True)
-    blob.write_bytes(b"")
+    blob.write_bytes((snapshot / "model.safetensors").read_bytes())  # a safetensors file with no tensors
     (snapshot / "model.safetensors").unlink()
     (snapshot / "model.safetensors").symlink_to(Path("../../blobs") / blob.name)
     case.raw["base_model"]["uri"] = str(snapshot)
@@ -295,7 +295,8 @@ def test_a_malformed_safetensors_header_is_not_retried_by_load(prefect_harness, 
     import time
 
     from tasks.core.config.load import load_config
-    from tasks.load import cannot_heal, load_from_hf
+    from tasks.flowkit.retry import cannot_heal
+    from tasks.stages.load import load_from_hf
     from tests.conftest import tiny_config_raw, write_config
 
     model = tmp_path / "model"
@@ -309,3 +310,4 @@ def test_a_malformed_safetensors_header_is_not_retried_by_load(prefect_harness, 
     with pytest.raises(Exception) as info:
         state.result()
     assert "header too large" in str(info.value) and cannot_heal(info.value), repr(info.value)
+    assert "model.safetensors claims a 1,099,511,627,776-byte header" in str(info.value)  # the file named

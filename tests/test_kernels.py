@@ -127,19 +127,19 @@ def test_an_unknown_kernel_is_refused_naming_the_field_and_the_registered_ones(t
 def test_a_new_kernel_is_one_registry_row(tmp_path):
     row = kernels.register(
         KernelSpec(
-            "dummy_fast", "a test kernel", "a dummy", ("torch_ddp",), "plugin", "dummy_flag", value=7, needs_cuda=False
+            "dummy_fast", "a test kernel", "a dummy", "hf_model", "plugin", "dummy_flag", value=7, needs_cuda=False
         )
     )
     try:
         with pytest.raises(ValueError, match="already has a row"):
-            kernels.register(KernelSpec("dummy_fast", "again", "again", ("torch_ddp",), "model", "x"))
+            kernels.register(KernelSpec("dummy_fast", "again", "again", "hf_model", "model", "x"))
         cfg = _cfg(
             tmp_path, sft={"plugin": {"name": "torch_ddp", "precision": "fp32"}, "kernels": {"dummy_fast": True}}
         )
         props = RunConfig.model_json_schema()["$defs"]["StageConfig"]["properties"]["kernels"]
         assert (
             "dummy_fast" in props["propertyNames"]["enum"]
-            and "dummy_fast (a test kernel under torch_ddp)" in props["description"]
+            and "dummy_fast (a test kernel under low_level_zero/gemini/torch_ddp)" in props["description"]
         )
         states = resolve(cfg.sft, "sft", Facts(cuda=False))
         assert states["dummy_fast"].reason == "on (a test kernel)"  # needs no CUDA: on even here
@@ -240,7 +240,7 @@ def test_the_card_and_the_checkpoint_manifest_carry_what_ran(tmp_path):
         "sft": {"flash_attention": "off: no CUDA"},
     }
     for stage in ("cpt", "sft"):
-        step = tmp_path / stage / f"step-{getattr(cfg, stage).max_steps:06d}"
+        step = tmp_path / stage / f"step-{cfg.phase(stage).max_steps:06d}"
         (step / MANIFEST).parent.mkdir(parents=True)
         (step / "train_state.json").write_text(json.dumps({"losses": [2.0]}))
         (step / MANIFEST).write_text(
@@ -256,7 +256,7 @@ def test_the_card_and_the_checkpoint_manifest_carry_what_ran(tmp_path):
 
 
 def test_the_progress_artifact_says_what_the_launch_runs_with(monkeypatch):
-    from tasks import ui
+    from tasks.flowkit import ui
 
     sent = []
     monkeypatch.setattr(ui, "create_progress_artifact", lambda progress, key, description: "artifact-id")

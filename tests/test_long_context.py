@@ -25,7 +25,7 @@ from tasks.core.models.demo import DEFAULT_CORPUS, build_tokenizer
 from tasks.engine.packing import chat_token_losses, model_inputs
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "deployments" / "configs" / "tiny-cpu.yaml"
+TINY = REPO / "examples" / "tiny-cpu.yaml"
 SEQ = 32
 # A value each rope_scaling key takes, for a model of head dimension 16 extended from 256 to 512 positions.
 VALUES = {

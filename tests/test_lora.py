@@ -126,7 +126,7 @@ def test_the_card_says_lora_r_alpha_targets_and_the_trainable_share(tmp_path):
     raw["sft"]["lora"] = {"r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]}
     cfg = parse_config(raw)
     for stage in ("cpt", "sft"):
-        step = tmp_path / stage / f"step-{getattr(cfg, stage).max_steps:06d}"
+        step = tmp_path / stage / f"step-{cfg.phase(stage).max_steps:06d}"
         (step / MANIFEST).parent.mkdir(parents=True)
         (step / "train_state.json").write_text(json.dumps({"losses": [2.0]}))
         meta = (

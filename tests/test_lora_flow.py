@@ -69,7 +69,7 @@ def test_lora_sft_after_hybrid_parallel_cpt_exports_merged_and_adapter_and_pushe
 
     from tasks.core.config.load import load_config
     from tasks.core.models.fingerprint import compare_logits, hf_dir_logits, model_logits
-    from tasks.push import push_to_hub
+    from tasks.stages.push import push_to_hub
 
     monkeypatch.setenv("HF_TOKEN", hub_env.token)
     api = HfApi(token=hub_env.token)

@@ -210,6 +210,7 @@ def test_a_registered_plugin_is_estimated_from_its_holds_row():
         summary="a test plugin",
         zero_stages=(3,),
         zero_hint="3",
+        kernel_routes=("hf_model",),  # no fused-AdamW kernel row applies
         holds=(
             plugins.Held("weights", "weights", sharded=True),
             plugins.Held("grads", "weights", sharded=True, when="grads"),

@@ -159,10 +159,23 @@ def test_gpu_check_mfu_is_the_engines(tiny_model_dir):
     peak = peak_flops("NVIDIA H200", "bf16")
     assert config_flops_per_token(mc, 256) == eng.per_token
     assert mfu(12345.0, config_flops_per_token(mc, 256), peak, 2) == mfu(12345.0, eng.per_token, peak, 2) > 0
-    # gpu_check takes its FLOP count and its peak from flops.py and keeps neither of its own
-    src = ast.parse((Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py").read_text())
-    names = {n.name for n in ast.walk(src) if isinstance(n, ast.FunctionDef)}
-    names |= {t.id for n in src.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    # gpu_check (its entry and its modules) takes its FLOP count and its peak from flops.py and keeps neither
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    srcs = [ast.parse(p.read_text()) for p in [bench / "gpu_check.py", *sorted((bench / "gpucheck").glob("*.py"))]]
+    names = {n.name for src in srcs for n in ast.walk(src) if isinstance(n, ast.FunctionDef)}
+    names |= {
+        t.id
+        for src in srcs
+        for n in src.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
     assert not {n for n in names if "flop" in n.lower() or "peak" in n.lower()}, names
-    calls = {n.func.attr for n in ast.walk(src) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    calls = {
+        n.func.attr
+        for src in srcs
+        for n in ast.walk(src)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    }
     assert {"config_flops_per_token", "peak_flops", "mfu"} <= calls

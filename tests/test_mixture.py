@@ -497,7 +497,7 @@ def test_split_record_and_card_show_the_mixture(tokdir, tmp_path):
     from tasks.core.evaluation.verdict import eval_results_for_card
     from tasks.core.hub.card import model_card
 
-    raw = yaml.safe_load((REPO / "deployments" / "configs" / "tiny-cpu-mixture.yaml").read_text())
+    raw = yaml.safe_load((REPO / "examples" / "tiny-cpu-mixture.yaml").read_text())
     raw["run_root"] = str(tmp_path / "run")
     cfg = parse_config(raw)
     d = cfg.cpt.data

@@ -300,7 +300,7 @@ def test_sharded_weights_a_jinja_template_and_several_eos_ids_run_through_load_a
 
     from tasks.core.config.load import load_config
     from tasks.core.run.manifest import verify_artifact
-    from tasks.load import load_from_hf
+    from tasks.stages.load import load_from_hf
     from tests.test_export import _checkpoint, _export
 
     model = sharded["dir"]
@@ -351,7 +351,7 @@ def test_hub_repos_of_each_shape_are_run_or_refused_before_launch(
     from tasks.core.config.load import load_config
     from tasks.core.errors import ConfigError
     from tasks.core.preflight.model_info import read_model_info
-    from tasks.load import load_from_hf
+    from tasks.stages.load import load_from_hf
 
     monkeypatch.setenv("HF_TOKEN", hub_env.token)
     api = HfApi(token=hub_env.token)

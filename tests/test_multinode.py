@@ -26,7 +26,7 @@ STEPS, EVERY = 4, 2
 
 
 def _job(tmp: Path, model_dir: Path, verb: str, run: dict, digest: str) -> Path:
-    """The job file the stage tasks write (tasks/train.py:_job)."""
+    """The job file the stage tasks write (tasks/stages/train.py:_job)."""
     path = tmp / "jobs" / f"cpt-{verb}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(

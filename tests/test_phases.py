@@ -112,3 +112,13 @@ def test_a_name_that_is_no_phase_is_refused_naming_the_phases():
         ShardSpec(kind="shout", field="line", seq_len=8, tokenizer_sha256="0")
     with pytest.raises(ValueError, match="phase 'train_cpt': use one of cpt, sft"):
         phases.phase("train_cpt")
+
+
+def test_a_phase_section_is_read_through_the_config_and_a_stage_name_is_refused(tmp_path):
+    from support.tiny import tiny_config_raw
+    from tasks.core.config.load import parse_fields
+
+    cfg = parse_fields(tiny_config_raw(tmp_path / "model", tmp_path / "run"))
+    assert [cfg.phase(p) for p in PHASES] == [cfg.cpt, cfg.sft]
+    with pytest.raises(KeyError, match="'export' is not a training phase; the phases are cpt, sft"):
+        cfg.phase("export")

@@ -386,6 +386,16 @@ def test_find_resume_skips_torn_corrupt_and_foreign(tmp_path):
     assert "lr_scheduler.pt fails its sha256" in why["step-000009"]
     assert ckpt.find_resume(tmp_path, "sft", "d").step is None  # wrong stage everywhere
     assert ckpt.remove_leftovers(tmp_path) == [".step-000018.tmp"]
+    assert rp.announce("cpt") == (
+        "resuming cpt from step-000006: the newest checkpoint whose manifest verifies, skipping 3 newer unusable "
+        "one(s) listed above"
+    )
+
+
+def test_a_fresh_run_starts_from_the_sharded_base_and_says_so(tmp_path):
+    _fake_ckpt(tmp_path, 0)
+    rp = ckpt.find_resume(tmp_path, "cpt", "d")
+    assert rp.step == 0 and rp.announce("cpt") == "starting cpt from step-000000: the sharded base model"
 
 
 def test_retention_keeps_step0_and_last_n(tmp_path):

@@ -123,7 +123,7 @@ def test_prefect_yaml_declares_both_deployments_on_the_gpu_pool():
 
 
 def test_progress_throttles_and_flushes_the_last_step(monkeypatch):
-    from tasks import ui
+    from tasks.flowkit import ui
 
     sent = []
     monkeypatch.setattr(ui, "create_progress_artifact", lambda progress, key, description: "artifact-id")
@@ -144,7 +144,7 @@ def test_progress_throttles_and_flushes_the_last_step(monkeypatch):
 
 
 def test_loss_curve_png_saved_beside_the_stage_and_inlined(monkeypatch, tmp_path):
-    from tasks import ui
+    from tasks.flowkit import ui
 
     made = {}
     monkeypatch.setattr(ui, "create_markdown_artifact", lambda md, key, description: made.update(md=md, key=key))
@@ -156,7 +156,7 @@ def test_loss_curve_png_saved_beside_the_stage_and_inlined(monkeypatch, tmp_path
 
 
 def test_stage_table_rows(monkeypatch):
-    from tasks import ui
+    from tasks.flowkit import ui
 
     made = {}
     monkeypatch.setattr(ui, "create_table_artifact", lambda rows, key, description: made.update(rows=rows, key=key))
@@ -233,7 +233,7 @@ def test_run_form_overrides_are_typed_and_validated_like_the_yaml(tmp_path):
     assert "$ref" in schema["properties"]["overrides"] and all("$ref" in form[s] for s in ("cpt", "sft"))
     assert form["run_name"]["type"] == "string" and RunOverrides().dotted() == {}
 
-    tiny = str(REPO / "deployments" / "configs" / "tiny-cpu.yaml")
+    tiny = str(REPO / "examples" / "tiny-cpu.yaml")
     cfg = resolve_config(
         tiny,
         {

@@ -80,8 +80,8 @@ def fake_model(
     (root / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
     tok = {"eos_token": "<|end_of_text|>", "chat_template": CHAT_TEMPLATE} if tokenizer is None else tokenizer
     (root / "tokenizer_config.json").write_text(json.dumps(tok))
-    for name in weights:
-        (root / name).write_bytes(b"")
+    for name in weights:  # a safetensors file with no tensors (its header is checked), or an empty pickle
+        (root / name).write_bytes((2).to_bytes(8, "little") + b"{}" if name.endswith(".safetensors") else b"")
     return root
 
 
@@ -435,9 +435,9 @@ BAD = [
     ),
     (
         "unknown-model-family",
-        lambda c: fake_model(c.model, model_type="gpt2"),
+        lambda c: fake_model(c.model, model_type="tinyfam"),
         "base_model.uri",
-        "model_type='gpt2' is not a supported model family (supported: llama, mistral, qwen2, qwen3)",
+        "model_type='tinyfam' is neither in the family registry nor a model type the installed transformers knows",
     ),
     (
         "gpu-memory-too-small",
@@ -520,7 +520,7 @@ def test_oversubscribed_cpu_is_a_warning_not_an_error(tmp_path):
 def test_the_token_never_appears_in_the_report(tmp_path, monkeypatch):
     import huggingface_hub.constants
 
-    from tasks.preflight import check
+    from tasks.flowkit.preflight import check
 
     secret = "hf_SECRETsecretSECRET123"
     monkeypatch.setenv("HF_TOKEN", secret)
@@ -534,7 +534,7 @@ def test_the_token_never_appears_in_the_report(tmp_path, monkeypatch):
 
 
 def test_good_config_passes_and_lists_what_was_checked(tmp_path, tiny_model_dir, capsys):
-    from tasks.preflight import run_check_cli
+    from tasks.flowkit.preflight import run_check_cli
 
     path = write_config(tmp_path / "good.yaml", tiny_config_raw(tiny_model_dir, tmp_path / "run"))
     assert run_check_cli(str(path)) == 0
@@ -557,7 +557,7 @@ def test_good_config_passes_and_lists_what_was_checked(tmp_path, tiny_model_dir,
 
 
 def test_cli_check_fails_with_the_report_and_launches_nothing(tmp_path, capsys):
-    from tasks.preflight import run_check_cli
+    from tasks.flowkit.preflight import run_check_cli
 
     case = Case(tmp_path)
     _all(_set("sft.plugin", {**HP, "zero_stage": 1}), _set("cpt.data.uri", "/nonexistent/x.jsonl"))(case)
@@ -568,7 +568,7 @@ def test_cli_check_fails_with_the_report_and_launches_nothing(tmp_path, capsys):
 
 
 def test_cli_check_reports_structural_errors(tmp_path, capsys):
-    from tasks.preflight import run_check_cli
+    from tasks.flowkit.preflight import run_check_cli
 
     case = Case(tmp_path)
     case.raw["cpt"]["typo_field"] = 1
@@ -577,7 +577,7 @@ def test_cli_check_reports_structural_errors(tmp_path, capsys):
 
 
 def test_cli_check_without_token_or_server_says_the_secret_was_not_consulted(tmp_path, capsys):
-    from tasks.preflight import run_check_cli
+    from tasks.flowkit.preflight import run_check_cli
 
     case = Case(tmp_path)
     case.raw["hub"] = {"repo_id": "my-org/tiny"}
@@ -589,7 +589,7 @@ def test_cli_check_without_token_or_server_says_the_secret_was_not_consulted(tmp
 def test_preflight_task_fails_with_the_report_and_one_config_error(tmp_path, monkeypatch):
     import logging
 
-    import tasks.preflight as mod
+    import tasks.flowkit.preflight as mod
 
     monkeypatch.setattr(mod, "get_run_logger", lambda: logging.getLogger("preflight-test"))
     monkeypatch.setattr(mod, "_secret_value", lambda timeout=0: None)
@@ -606,7 +606,7 @@ def test_preflight_task_fails_with_the_report_and_one_config_error(tmp_path, mon
 def test_preflight_task_returns_the_checked_list(tmp_path, monkeypatch):
     import logging
 
-    import tasks.preflight as mod
+    import tasks.flowkit.preflight as mod
 
     monkeypatch.setattr(mod, "get_run_logger", lambda: logging.getLogger("preflight-test"))
     cfg = load_for_check(write_config(tmp_path / "c.yaml", Case(tmp_path).raw))
@@ -680,7 +680,7 @@ def test_multi_node_without_rendezvous_endpoint_is_refused():
     from tasks.core.config.load import parse_config
     from tests.conftest import REPO
 
-    raw = yaml.safe_load((REPO / "deployments/configs/tiny-cpu.yaml").read_text())
+    raw = yaml.safe_load((REPO / "examples/tiny-cpu.yaml").read_text())
     raw["cpt"]["launch"] = {"nproc_per_node": 1, "nnodes": 2}
     with pytest.raises(ConfigError) as info:
         parse_config(raw)
@@ -723,8 +723,10 @@ _H, _I, _Q, _KV = (
         ("mistral", {}, 0),
         ("qwen2", {"tie_word_embeddings": True}, _Q + 2 * _KV),  # q/k/v biases
         ("qwen3", {"head_dim": 16}, 2 * 16),  # q_norm and k_norm
+        ("gemma3_text", {"head_dim": 16}, 2 * 16 + 2 * _H),  # q/k norms, pre/post-feedforward norms
+        ("phi3", {"pad_token_id": None}, 0),  # fused qkv and gate_up: the same parameters
     ],
-    ids=["llama", "llama-tied", "llama-biases", "mistral", "qwen2-tied", "qwen3"],
+    ids=["llama", "llama-tied", "llama-biases", "mistral", "qwen2-tied", "qwen3", "gemma3-tied", "phi3"],
 )
 def test_parameter_estimate_is_the_family_table_count(model_type, overrides, left_out_per_layer):
     import transformers
@@ -746,7 +748,27 @@ def test_parameter_estimate_of_llama3_8b_is_unchanged():
 
     mc = {"model_type": "llama", **LLAMA3_8B}
     assert estimate_parameters(mc) == _llama_shaped_estimate(mc) == 8_030_261_248  # Meta-Llama-3-8B's published count
-    assert estimate_parameters({"model_type": "gpt2", **LLAMA3_8B}) is None  # refused by check_model_family instead
+    assert estimate_parameters({"model_type": "tinyfam", **LLAMA3_8B}) is None  # refused by check_model_family instead
+
+
+def test_the_staging_space_check_names_an_unknown_family_not_missing_dimensions(tmp_path):
+    from types import SimpleNamespace
+
+    from tasks.core.preflight.storage import check_staging_space
+
+    said: list[str] = []
+    unknown = {"model_type": "veyra_net", "n_embd": 64, "n_layer": 2}
+    ctx = SimpleNamespace(
+        model=SimpleNamespace(config=unknown), cfg=SimpleNamespace(run_uri=str(tmp_path)), warn=said.append
+    )
+    check_staging_space(ctx)
+    assert len(said) == 1 and said[0].startswith("staging space not checked: config.json model_type='veyra_net'")
+    assert "lacks the dimensions" not in said[0] and "llama" in said[0]  # names the known families
+    said.clear()
+    ctx.model.config = {"model_type": "llama", "hidden_size": 64}  # a known family, dimensions missing
+    check_staging_space(ctx)
+    assert len(said) == 1 and said[0].startswith("staging space not checked: config.json (llama) lacks integer field")
+    assert "cannot derive tensor shapes" in said[0]
 
 
 def test_a_new_model_family_is_one_registry_entry(tmp_path, monkeypatch):
@@ -765,7 +787,7 @@ def test_a_new_model_family_is_one_registry_entry(tmp_path, monkeypatch):
     fake_model(case.model, model_type="tinyfam")
     refused = case.report()
     assert [f for f, _ in refused.problems] == ["base_model.uri"], refused.text()
-    assert "model_type='tinyfam' is not a supported model family" in refused.problems[0][1]
+    assert "model_type='tinyfam' is neither in the family registry" in refused.problems[0][1]
 
     monkeypatch.setitem(FAMILIES, "tinyfam", dataclasses.replace(FAMILIES["llama"]))
     report = case.report()

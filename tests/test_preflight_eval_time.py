@@ -43,7 +43,7 @@ SMALL = {
 
 
 def _raw() -> dict[str, Any]:
-    return yaml.safe_load((REPO / "deployments" / "configs" / "tiny-cpu.yaml").read_text())
+    return yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
 
 
 def _issue_case(max_batches: int | None = 50) -> dict[str, Any]:

@@ -150,7 +150,7 @@ import json, os
 from prefect import flow, task
 from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ProcessPoolTaskRunner
-from tasks.prepare_data import worker_api
+from tasks.stages.prepare_data import worker_api
 
 @task
 def probe(i):

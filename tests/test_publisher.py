@@ -157,6 +157,39 @@ def test_submit_never_blocks_and_a_full_queue_is_a_failure(tmp_path):
         pub.drain(timeout=30)
 
 
+def test_the_checkpoint_sink_is_chosen_once_from_the_run_root_and_the_nodes(tmp_path):
+    """tasks/flowkit/checkpoints.py: a local run root keeps its checkpoints; a remote one on this worker's
+    node(s) is published by the worker (the engine deletes only marked checkpoints); on nodes of a backend
+    that places ranks elsewhere each node stages and publishes for itself."""
+    from support.tiny import tiny_config_raw
+    from tasks.core.config.load import parse_fields
+    from tasks.flowkit.checkpoints import Local, NodesPublish, WorkerPublishes, checkpoint_sink
+
+    def sink(run_root: str, **launch):
+        raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
+        raw["run_root"] = run_root
+        raw["sft"]["launch"] = {**raw["sft"].get("launch", {}), **launch}
+        cfg = parse_fields(raw)
+        return checkpoint_sink(RunStore(cfg.run_uri), "sft", cfg.phase("sft"), "cpt/hf", str(tmp_path / "stage"))
+
+    local = sink(str(tmp_path / "run"))
+    assert type(local) is Local and local.nodes is None and not local.remote_run_root and local.failure is None
+    worker = sink("s3://bucket/run")
+    assert type(worker) is WorkerPublishes and worker.nodes is None and worker.remote_run_root
+    assert (
+        type(sink("s3://bucket/run", nnodes=2, nproc_per_node=1)) is WorkerPublishes
+    )  # the local backend's nodes share it
+    nodes = sink("s3://bucket/run", backend="slurm", nnodes=2, nproc_per_node=1, slurm={"partition": "debug"})
+    assert type(nodes) is NodesPublish and not nodes.remote_run_root
+    assert nodes.nodes.model_dump() == {
+        "run_uri": "s3://bucket/run",
+        "dir": f"{tmp_path / 'stage'}/cpt-to-sft-nodes/{{node}}",
+        "model_rel": "cpt/hf",
+        "data_rel": "data/sft",
+        "stage_rel": "sft",
+    }
+
+
 # ---- integration tier: the real S3 server through the throttled proxy -----------------------------
 def _direct_fs(weed):
     """An S3 client straight to the server, bypassing the proxy (to look while it is paused)."""

@@ -71,7 +71,7 @@ def _stage(tiny_model_dir: Path, tmp_path: Path):
 
 
 def _job(cfg, tmp_path: Path, model_dir: Path, verb: str):
-    """The job the stage tasks write (tasks/train.py:_job)."""
+    """The job the stage tasks write (tasks/stages/train.py:_job)."""
     from support.engine import prepared_data
     from tasks.core.run.job import Job, Parent
 

@@ -31,10 +31,10 @@ def test_s3_run_root_with_per_node_staging_on_two_slurm_nodes(
 
     from tasks.core.config.load import parse_config
     from tasks.core.storage.fs import RunStore
-    from tasks.load import load_from_hf
-    from tasks.prepare_data import prepare_data
-    from tasks.stage import outcome
-    from tasks.train import boost_and_shard, train_cpt
+    from tasks.flowkit.stage import outcome
+    from tasks.stages.load import load_from_hf
+    from tasks.stages.prepare_data import prepare_data
+    from tasks.stages.train import boost_and_shard, train_cpt
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # both emulated nodes are 127.0.0.1
     raw = tiny_config_raw(tiny_model_dir, s3_root)

@@ -32,7 +32,7 @@ def _model(
 
 
 def _check(tmp_path: Path, model: Path, capsys) -> tuple[int, str]:
-    from tasks.preflight import run_check_cli
+    from tasks.flowkit.preflight import run_check_cli
 
     code = run_check_cli(str(write_config(tmp_path / "c.yaml", tiny_config_raw(model, tmp_path / "run"))))
     return code, capsys.readouterr().out

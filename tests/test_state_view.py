@@ -283,7 +283,7 @@ def test_a_changed_learning_rate_still_moves_the_checkpoints_aside(tmp_path, mon
     import copy
     import logging
 
-    import tasks.train
+    import tasks.stages.train
     from tasks.core.config.load import load_config
     from tasks.core.run.digest import config_digest
     from tasks.core.storage.fs import RunStore
@@ -294,8 +294,8 @@ def test_a_changed_learning_rate_still_moves_the_checkpoints_aside(tmp_path, mon
     new = copy.deepcopy(raw)
     change(new["cpt"])
     cfg = load_config(write_config(tmp_path / "c.yaml", new))
-    monkeypatch.setattr(tasks.train, "get_run_logger", lambda: logging.getLogger("test"))
-    tasks.train._supersede_foreign(RunStore(cfg.run_uri), "cpt", config_digest(cfg, "boost_and_shard", parents))
+    monkeypatch.setattr(tasks.stages.train, "get_run_logger", lambda: logging.getLogger("test"))
+    tasks.stages.train._supersede_foreign(RunStore(cfg.run_uri), "cpt", config_digest(cfg, "boost_and_shard", parents))
     root = tmp_path / "run"
     aside = list(root.glob("cpt.superseded-*"))
     if moved:
@@ -316,7 +316,7 @@ def test_the_card_lists_each_segment_of_a_stage_that_changed_layout(tmp_path):
     two = record({"name": "low_level_zero", "zero": 2}, 2, 2, 4, 1)
     one = record({"name": "low_level_zero", "zero": 2}, 1, 1, 4, 2)
     for stage in ("cpt", "sft"):
-        step = tmp_path / stage / f"step-{getattr(cfg, stage).max_steps:06d}"
+        step = tmp_path / stage / f"step-{cfg.phase(stage).max_steps:06d}"
         (step / MANIFEST).parent.mkdir(parents=True)
         segs = [{"from_step": 0, **two}, {"from_step": 4, **one}] if stage == "sft" else [{"from_step": 0, **two}]
         (step / "train_state.json").write_text(json.dumps({"losses": [2.0], "segments": segs}))

@@ -258,7 +258,7 @@ def test_server_killed_mid_publish_then_publish_completes(fresh_weed, tmp_path, 
 
 
 def test_a_stage_artifact_publish_outlasts_a_store_outage_or_names_it(fresh_weed, tmp_path, caplog):
-    """Every stage's final publish (tasks/stage.py Stage.done) goes through publish_retrying: the S3
+    """Every stage's final publish (tasks/flowkit/stage.py Stage.done) goes through publish_retrying: the S3
     server down for a few seconds costs a retry, not the stage's work; down for good, the stage
     fails after the bounded retries naming the artifact, and no manifest exists remotely."""
     import threading

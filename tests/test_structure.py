@@ -6,14 +6,19 @@
   project; `tasks/engine` never imports prefect nor the Prefect task modules. Checked on the
   source of every module and, transitively, in a fresh interpreter.
 - No module imports another module's private (`_name`) names.
-- No module under `tasks/` is over 600 lines (ruff-formatted).
+- No module under `tasks/`, `flows/`, `benchmarks/` or `support/` is over 600 lines (ruff-formatted), nor
+  any function there over 200.
 - No import cycle among the modules of `tasks/` and `flows/`, read from the source (function-level
   and `if TYPE_CHECKING:` imports count: each is a dependency a reader has to follow; a module's
   `if __name__ == "__main__":` block does not, as it runs only when the module is the program).
 - `tasks/core/` holds at most 12 entries, each a subpackage or a module, and every subpackage says
   in its `__init__` docstring what it holds.
 - A fifth plugin is one registry row plus one builder; nothing else changes.
-- No module branches on a phase name ("cpt", "sft") outside the phase registry: it reads the row.
+- No module branches on a phase name ("cpt", "sft") outside the phase registry, nor on a plugin name
+  outside the plugin registry: it reads the row.
+- The stages are peers: no module of `tasks/stages/` imports another (what two stages share lives in
+  `tasks/flowkit/` or `tasks/core/`), so they stand on one level of the import graph; `tasks/flowkit/`
+  never imports a stage module.
 - The command line is one argument parser (flows/cli.py); `python -m flows.cpt_to_sft` is a command of it.
 """
 
@@ -69,7 +74,7 @@ def _imports(path: Path) -> list[tuple[str, list[str]]]:
     return out
 
 
-PREFECT_TASK_MODULES = {"tasks." + p.stem for p in TASKS.glob("*.py") if p.stem != "__init__"}
+PREFECT_TASK_MODULES = {_module_name(p) for room in ("stages", "flowkit") for p in _modules(TASKS / room)}
 
 
 def test_core_imports_no_other_room_and_no_framework():
@@ -111,9 +116,33 @@ def test_no_module_imports_another_modules_private_names():
     assert not bad, "private names imported across modules (give them a public name):\n" + "\n".join(bad)
 
 
-def test_no_module_under_tasks_is_over_600_lines():
-    long = {str(p.relative_to(ROOT)): n for p in _modules(TASKS) if (n := len(p.read_text().splitlines())) > MAX_LINES}
+# The rules hold outside tasks/ too: the runbook, the benchmarks and what tests and benchmarks share.
+RULED = ("tasks", "flows", "benchmarks", "support")
+# A function longer than this is split into named steps (the longest in the project: tasks/core/hub/card.py's
+# model_card, one template filled in order).
+MAX_FUNCTION_LINES = 200
+
+
+def test_no_module_is_over_600_lines():
+    long = {
+        str(p.relative_to(ROOT)): n
+        for folder in RULED
+        for p in _modules(ROOT / folder)
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_no_function_is_over_200_lines():
+    long = {
+        f"{p.relative_to(ROOT)}:{node.lineno} {node.name}": n
+        for folder in RULED
+        for p in _modules(ROOT / folder)
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES
+    }
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps): {long}"
 
 
 PHASE_NAMES = {"cpt", "sft"}
@@ -125,6 +154,11 @@ def phase_branches(path: Path) -> list[str]:
     `in`), in a conditional expression (`"cpt" if`, `else "sft"`), a `case`, or a tuple or list of phase
     names (a loop or a membership over both). Data is not a branch: a stage name ("train_cpt"), a config
     path ("cpt.seq_len"), a dict key or argument ("cpt": ..., TRAINING["cpt"]), text in a docstring."""
+    return name_branches(path, PHASE_NAMES)
+
+
+def name_branches(path: Path, names: set[str]) -> list[str]:
+    """`file:line` of each place that branches on one of `names` (see `phase_branches`)."""
     import io
     import tokenize
 
@@ -138,7 +172,7 @@ def phase_branches(path: Path) -> list[str]:
         if t.type != tokenize.STRING:
             return False
         try:
-            return ast.literal_eval(t.string) in PHASE_NAMES
+            return ast.literal_eval(t.string) in names
         except (ValueError, SyntaxError):
             return False
 
@@ -188,6 +222,143 @@ def test_the_phase_branch_finder_finds_branches_and_leaves_data_alone(tmp_path):
     probe.write_text(src)
     try:
         assert phase_branches(probe) == [f"tasks/_phase_probe_for_test.py:{n}" for n in (3, 5, 6, 8)]
+    finally:
+        probe.unlink()
+
+
+STAGES = TASKS / "stages"
+
+
+def stage_cross_imports(folder: Path, package: str = "tasks.stages") -> list[str]:
+    """`path:line imports package.peer` for every import of one stage module by another: absolute, relative,
+    `from package import peer`, inside a function, or by importlib with the name written out."""
+    peers = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    where = package.replace(".", "/")
+    bad = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", getattr(node.func, "id", None)) in ("import_module", "__import__")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                targets = [node.args[0].value]
+            else:
+                continue
+            hits = {t[len(package) + 1 :].split(".")[0] for t in targets if t.startswith(package + ".")}
+            bad += [
+                f"{where}/{path.name}:{node.lineno} imports {package}.{o}" for o in sorted(hits & peers - {path.stem})
+            ]
+    return bad
+
+
+def test_no_stage_module_imports_another_stage_module():
+    bad = stage_cross_imports(STAGES)
+    assert not bad, (
+        "a stage module imports another (stages are peers: move what both need into tasks/flowkit/, e.g. "
+        "tasks/flowkit/stage.py, or into tasks/core/):\n" + "\n".join(bad)
+    )
+
+
+def test_the_flowkit_never_imports_a_stage_module():
+    bad = [
+        f"{path.relative_to(ROOT)} imports {mod}"
+        for path in _modules(TASKS / "flowkit")
+        for mod, names in _imports(path)
+        if mod.startswith("tasks.stages") and (mod != "tasks.stages" or names)
+    ]
+    assert not bad, "tasks/flowkit/ is what the stages are built with and never reaches up into them:\n" + "\n".join(
+        bad
+    )
+
+
+def test_the_stage_import_finder_finds_every_form_and_leaves_the_rest_alone(tmp_path):
+    folder = tmp_path / "stages"
+    folder.mkdir()
+    (folder / "__init__.py").write_text('"""The stages."""\n')
+    (folder / "b.py").write_text("X = 1\n")
+    (folder / "c.py").write_text("Y = 2\n")
+    (folder / "a.py").write_text(
+        "import tasks.stages.b\n"  # 1
+        "from tasks.stages.c import Y\n"  # 2
+        "from tasks.stages import b, c\n"  # 3
+        "from . import b as bee\n"  # 4
+        "from .c import Y as why\n"  # 5
+        "from tasks.flowkit.stage import Stage\n"
+        "from tasks.core.data.stage_data import prepared_dir\n"
+        "import tasks.stages.a\n"
+        "from tasks.stagesque import z\n"
+        "import importlib\n"
+        "def f():\n"
+        "    from tasks.stages.b import X\n"  # 12
+        '    return importlib.import_module("tasks.stages.c"), "tasks.stages.b"\n'  # 13
+    )
+    found = stage_cross_imports(folder)
+    assert found == [
+        "tasks/stages/a.py:1 imports tasks.stages.b",
+        "tasks/stages/a.py:2 imports tasks.stages.c",
+        "tasks/stages/a.py:3 imports tasks.stages.b",
+        "tasks/stages/a.py:3 imports tasks.stages.c",
+        "tasks/stages/a.py:4 imports tasks.stages.b",
+        "tasks/stages/a.py:5 imports tasks.stages.c",
+        "tasks/stages/a.py:12 imports tasks.stages.b",
+        "tasks/stages/a.py:13 imports tasks.stages.c",
+    ], found
+    assert stage_cross_imports(folder, package="elsewhere.stages") == [
+        f"elsewhere/stages/a.py:{n} imports elsewhere.stages.{m}" for n, m in ((4, "b"), (5, "c"))
+    ]
+
+
+PLUGIN_REGISTRY = ROOT / "tasks" / "core" / "config" / "plugins.py"
+
+
+def plugin_branches(path: Path) -> list[str]:
+    """`file:line` of each place that branches on a registered plugin's name, as `phase_branches` finds
+    phase names: `p.name != "gemini"`, `plugin in ("low_level_zero", "torch_ddp")`. A config's
+    `{"name": "gemini"}` or the engine's builder table keyed by name is data."""
+    from tasks.core.config.plugins import PLUGINS
+
+    return name_branches(path, set(PLUGINS))
+
+
+def test_no_branch_on_a_plugin_name_outside_the_plugin_registry():
+    bad = [
+        hit
+        for folder in (TASKS, ROOT / "flows")
+        for path in _modules(folder)
+        if path != PLUGIN_REGISTRY
+        for hit in plugin_branches(path)
+    ]
+    assert not bad, (
+        "branches on a plugin name (give the plugin's row in tasks/core/config/plugins.py a field and read it, "
+        "e.g. PLUGINS[name].kernel_routes or .lever):\n" + "\n".join(bad)
+    )
+
+
+def test_the_plugin_branch_finder_finds_branches_and_leaves_data_alone():
+    probe = ROOT / "tasks" / "_plugin_probe_for_test.py"
+    src = (
+        "def f(p, st):\n"
+        '    """Docstring naming p.name != "gemini" is text."""\n'
+        '    if p.name != "gemini":\n'  # 3
+        "        pass\n"
+        '    x = 4 if p.name in ("low_level_zero", "torch_ddp") else 2\n'  # 5
+        '    y = "shard" if "hybrid_parallel" == p.name else "own"\n'  # 6
+        '    return {"name": "gemini", "zero_stage": 0}, BUILDERS["torch_ddp"], g("low_level_zero")  # == "gemini"\n'
+    )
+    probe.write_text(src)
+    try:
+        assert plugin_branches(probe) == [f"tasks/_plugin_probe_for_test.py:{n}" for n in (3, 5, 6)]
     finally:
         probe.unlink()
 
@@ -352,12 +523,26 @@ def test_transitive_imports_in_a_fresh_interpreter(room, forbidden):
     assert not bad, f"importing every tasks.{room} module loads {bad[:10]}"
 
 
+# hidden 64, 2 layers, 4 heads of 16, 2 KV heads, MLP 128, vocabulary 512: 139,584 parameters
+MODEL = {
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
 def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
     from tasks.core.config import plugins
+    from tasks.core.config.kernels import Facts, report, resolve
     from tasks.core.config.layout import ParallelLayout, layout_problems
     from tasks.core.config.load import parse_config
     from tasks.core.config.schema import PluginConfig, RunConfig
     from tasks.core.errors import ConfigError
+    from tasks.core.preflight.memory import estimate, fits_with
     from tasks.engine import builders as engine_plugins
     from tests.conftest import tiny_config_raw
 
@@ -371,6 +556,8 @@ def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
         casts_model=False,
         strict_load=False,
         dedupes_tied_weights=False,
+        holds=(plugins.Held("weights", 4), plugins.Held("Adam moment shard", 8, sharded=True)),
+        lever=plugins.Lever((("zero_stage", 1),)),
     )
     plugins.register(spec)
     engine_plugins.BUILDERS["dummy_zero"] = engine_plugins.Builder(
@@ -397,7 +584,18 @@ def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
             raw["sft"]["plugin"] = {"name": "dummy_zero", "zero_stage": 1, "precision": "bf16", "tp_size": 2}
             parse_config(raw)
         assert engine_plugins.make_plugin(cfg.sft.plugin, cfg.sft, stage="sft", cuda=False) == "plugin-object"
-        assert built == [{"stage": 1, "dp": 2}]  # no kernel applies to it: only its own arguments
+        assert built == [{"stage": 1, "dp": 2}]  # no kernel is a plugin argument under it: only its own ones
+        # its row's kernel routes give it the model's own attention kernel and torch's fused AdamW
+        facts = Facts(cuda=True, packages=frozenset({"flash_attn"}))
+        assert report(resolve(cfg.sft, "sft", facts)) == (
+            "flash attention: on (transformers flash_attention_2); fused optimizer: on (torch AdamW fused)"
+        )
+        # its `holds` give it an estimate, and its `lever` offers it to a layout that does not fit
+        shard = estimate(MODEL, cfg.sft, stage="sft").terms
+        assert [(t.what, t.bytes) for t in shard[:2]] == [("weights", 4 * 139584), ("Adam moment shard", 8 * 69792)]
+        ddp = cfg.sft.model_copy(update={"plugin": PluginConfig(name="torch_ddp", precision="bf16")})
+        offered = fits_with(MODEL, ddp, "sft", capacity=10**12, cuda=False)
+        assert "sft.plugin.name: dummy_zero, zero_stage: 1" in [label for label, _ in offered]
     finally:
         plugins.PLUGINS.pop("dummy_zero", None)
         engine_plugins.BUILDERS.pop("dummy_zero", None)
@@ -518,14 +716,32 @@ def test_tests_and_benchmarks_share_code_only_through_support():
         if mod.split(".")[0] in forbidden
     ]
     assert not bad, "tests/ and benchmarks/ share code through support/ only:\n" + "\n".join(bad)
-    # a benchmark finds the checkout in one place, support/__init__.py
+    # a benchmark finds the checkout in one place, benchmarks/_checkout.py, its first import
+    bootstrap = ROOT / "benchmarks" / "_checkout.py"
     inserts = [
         str(path.relative_to(ROOT))
         for folder in ("benchmarks", "support")
         for path in _modules(ROOT / folder)
-        if "sys.path.insert(" in path.read_text() and path != ROOT / "support" / "__init__.py"
+        if "sys.path.insert(" in path.read_text() and path != bootstrap
     ]
-    assert not inserts, f"sys.path changed outside support/__init__.py: {inserts}"
+    assert not inserts, f"sys.path changed outside benchmarks/_checkout.py: {inserts}"
+    unbooted = [
+        p.name
+        for p in (ROOT / "benchmarks").glob("*.py")
+        if p != bootstrap and "\nimport _checkout  # noqa: F401" not in p.read_text()
+    ]
+    assert not unbooted, f"benchmarks that do not import _checkout first: {unbooted}"
+
+
+def test_support_is_read_from_the_checkout_never_installed():
+    """support/ is not among the installed packages; pytest and the processes a test starts find it in the
+    checkout."""
+    import os
+    import tomllib
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert not [p for p in find["include"] if p.startswith("support")], find
+    assert str(ROOT) in os.environ["PYTHONPATH"].split(os.pathsep)  # tests/conftest.py, for child processes
 
 
 def test_the_command_line_is_one_argument_parser():

@@ -18,7 +18,7 @@ import pytest
 from support.servers.prefect_ops import free_port
 from tasks.core.config.load import load_config
 from tasks.core.config.tracking import check_uri, flatten, redact
-from tasks.tracking import RunTracker
+from tasks.flowkit.tracking import RunTracker
 from tests.conftest import tiny_config_raw, write_config
 
 STEPS = 4
@@ -45,7 +45,7 @@ def _cfg(tmp_path: Path, model_dir: Path, uri: str | None, name: str = "track"):
 
 
 def test_check_refuses_an_unreachable_tracking_server_naming_field_and_uri(tmp_path, tiny_model_dir):
-    from tasks.preflight import check
+    from tasks.flowkit.preflight import check
 
     uri = f"http://127.0.0.1:{free_port()}"
     report = check(_cfg(tmp_path, tiny_model_dir, uri))
@@ -99,7 +99,7 @@ def test_server_dying_mid_stage_leaves_a_logged_gap_and_a_warning(tmp_path, tiny
 
 
 def test_the_tracker_handle_is_plain_data():
-    from tasks.tracking import TrackerHandle
+    from tasks.flowkit.tracking import TrackerHandle
 
     handle = TrackerHandle(uri="http://127.0.0.1:5000", experiment_id="1", run_id="abc")
     assert TrackerHandle.model_validate_json(handle.model_dump_json()) == handle and hash(handle) == hash(
@@ -111,7 +111,7 @@ def test_the_tracker_handle_is_plain_data():
 
 def _stage_in_another_process(handle, steps: int) -> list[list[int]]:
     """A training task's side, run where a task runner might put it: only the handle crosses."""
-    from tasks.tracking import stage_tracker
+    from tasks.flowkit.tracking import stage_tracker
 
     st = stage_tracker(handle, "cpt", warn=print)
     for step in range(1, steps + 1):

@@ -105,7 +105,7 @@ def test_split_turns_counts_every_exchange_it_leaves_out(tok, tmp_path):
     from tasks.core.data.stage_data import split_info
     from tasks.core.hub.card import model_card
     from tasks.core.storage.fs import RunStore
-    from tasks.prepare_data import _recorded_truncation
+    from tasks.stages.prepare_data import _recorded_truncation
 
     short, long = _turns(1, 2), _turns(1, 30)
     chats = [[*short, *long, *short, *short], long]  # one long exchange between fitting ones; one chat all long
@@ -181,10 +181,10 @@ def test_prepare_sft_says_what_it_dropped_in_index_run_json_log_stage_table_and_
     import time
 
     from flows.cli import flow_main as main
-    from tasks import ui
     from tasks.core.config.load import load_config
     from tasks.core.data.stage_data import split_info
     from tasks.core.hub.card import model_card
+    from tasks.flowkit import ui
 
     # Prefect's console handler keeps the stderr of the test that first logged (pytest's capture,
     # closed since): this test's CLI run writes to the live one.

@@ -124,7 +124,7 @@ def sft_record(rng: random.Random, i: int) -> dict:
 
 
 # general.jsonl: everyday prose, not about Veyra: the "general" source a CPT mixture replays beside
-# the domain (deployments/configs/tiny-cpu-mixture.yaml). Its own generator, so cpt.jsonl and
+# the domain (examples/tiny-cpu-mixture.yaml). Its own generator, so cpt.jsonl and
 # sft.jsonl are the bytes they were before it existed.
 N_GENERAL = 300
 GENERAL_SEED = SEED + 1

@@ -1,6 +1,6 @@
 """The `cpt-to-sft` flow: continued pre-training then supervised fine-tuning on ColossalAI.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml [--run-root URI]
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml [--run-root URI]
     python -m flows.cpt_to_sft --config FILE --check          # pre-flight only, launches nothing
     python -m flows.cpt_to_sft --config FILE --stop-after export   # the stages up to the export only
 
@@ -29,8 +29,6 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.states import Cancelled, Completed, Failed
 
-from tasks import automation, tracking, ui
-from tasks.benchmark import benchmark
 from tasks.core.config.load import load_config
 from tasks.core.config.overrides import RunOverrides, on_form, parse_overrides
 from tasks.core.config.paths import resolve_local
@@ -41,15 +39,18 @@ from tasks.core.run.stages import DONE, STAGE, STAGE_NAMES, Status
 from tasks.core.run.trainlog import duration, summary_table
 from tasks.core.storage.fs import fetch_to_local
 from tasks.core.storage.lease import Lease, LeaseHeld
-from tasks.evaluate import evaluate_cpt, evaluate_sft, gate, gate_message, held_back, recorded_metrics
-from tasks.export import export_hf, write_card
-from tasks.load import load_from_hf
-from tasks.preflight import REFUSED, preflight
-from tasks.prepare_data import prepare_data
-from tasks.push import push_to_hub
-from tasks.stage import StageResult, disk_cause, outcome, store_for, write_record
-from tasks.train import boost_and_shard, reboost, train_cpt, train_sft
-from tasks.unshard import unshard
+from tasks.flowkit import automation, tracking, ui
+from tasks.flowkit.preflight import REFUSED, preflight
+from tasks.flowkit.stage import StageResult, disk_cause, outcome, recorded_metrics, store_for, write_record
+from tasks.stages.benchmark import benchmark
+from tasks.stages.evaluate import evaluate_cpt, evaluate_sft
+from tasks.stages.export import export_hf, write_card
+from tasks.stages.gate import gate, gate_message, held_back
+from tasks.stages.load import load_from_hf
+from tasks.stages.prepare_data import prepare_data
+from tasks.stages.push import push_to_hub
+from tasks.stages.train import boost_and_shard, reboost, train_cpt, train_sft
+from tasks.stages.unshard import unshard
 
 
 def resolve_config(config: str, overrides: RunOverrides | dict | None = None, *, rules: bool = True) -> RunConfig:
@@ -121,14 +122,14 @@ def _name_run(cfg: RunConfig | None, logger) -> None:
 
 @flow(name="cpt-to-sft", log_prints=True)
 def cpt_to_sft(
-    config: str = "deployments/configs/tiny-cpu.yaml",
+    config: str = "examples/tiny-cpu.yaml",
     overrides: RunOverrides = RunOverrides(),  # noqa: B008 - frozen
     stop_after: str | None = None,
 ) -> dict[str, Any]:
     """Load → prepare data (CPT, SFT) → boost & shard (A) → train CPT (A) → unshard → evaluate CPT → reboost (B) → train SFT (B)
     → export → evaluate SFT → gate → push.
 
-    config: path or fsspec URI of the run's YAML (see deployments/configs/).
+    config: path or fsspec URI of the run's YAML (see examples/).
     overrides: per-run changes to the config (run name and root, base model, data, steps, lr);
         empty fields keep the config's values.
     stop_after: run the stages up to and including this one (a stage name, e.g. "export"); the

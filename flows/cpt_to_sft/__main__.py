@@ -1,6 +1,6 @@
 """`python -m flows.cpt_to_sft`: the runbook's alias of `cpt-to-sft run`; flows/cli.py parses its arguments.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml [--run-root URI] [--check]
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml [--run-root URI] [--check]
 
 A module of its own so that the runbook (this package's `__init__`) never imports the CLI that runs it.
 """

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import os
 import sys
 import time
@@ -38,21 +37,7 @@ for _pattern in (
     warnings.filterwarnings("ignore", message=_pattern)
 
 
-def _harmless_bnb_kernels(record: logging.LogRecord) -> bool:
-    """bitsandbytes (imported by ColossalAI and peft) tries the optional `kernels` package for its
-    4-bit CPU matmul at import and warns, on every rank of every launch, when it is not installed;
-    it falls back to its own kernel, and nothing here runs 4-bit layers. Any other failure of that
-    load (the package present but broken) still gets through."""
-    args = record.args if isinstance(record.args, tuple) else ()
-    return not (
-        str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
-        and args
-        and isinstance(args[0], ModuleNotFoundError)
-        and args[0].name == "kernels"
-    )
-
-
-logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_harmless_bnb_kernels)
+# bitsandbytes' harmless kernels warning: filtered by tasks/__init__.py (hf_imports.harmless_bnb_kernels).
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -38,7 +38,7 @@ from tasks.core.config.plugins import LOSS_SCALE, PRECISION_SPECS, spec_of
 from tasks.core.config.schema import PluginConfig, StageConfig
 from tasks.core.config.sequence import SP_MODES, sp_size
 from tasks.core.errors import ConfigError
-from tasks.core.models.families import sp_family_problem
+from tasks.core.models.families import policy_problem, sp_family_problem
 from tasks.engine import lean_save, solo_ddp
 
 __all__ = [
@@ -80,7 +80,11 @@ def check_model(stage_cfg: StageConfig, model_config: dict[str, Any], phase: Pha
     """The layout rules that need the model (tp divides heads and the vocabulary, pp <= layers),
     against the model actually built: the same rules pre-flight ran on config.json."""
     problems = layout_problems(stage_cfg, phase, model_config=model_config, tiers=("model",))
-    problems += [p for p in (sp_family_problem(model_config, stage_cfg, phase),) if p]
+    problems += [
+        p
+        for p in (policy_problem(model_config, stage_cfg, phase), sp_family_problem(model_config, stage_cfg, phase))
+        if p
+    ]
     if problems:
         raise ConfigError(problems, header=f"stage {phase} cannot shard this model")
 

@@ -116,6 +116,15 @@ class ResumePoint:
     manifest: dict[str, Any] = field(default_factory=dict)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (newer directory, why not used)
 
+    def announce(self, stage: str) -> str:
+        """The log line of where training begins: step 0 is the sharded base (a fresh start), any other
+        step a resume."""
+        assert self.path is not None
+        newer = f", skipping {len(self.skipped)} newer unusable one(s) listed above" if self.skipped else ""
+        if not self.step:
+            return f"starting {stage} from {self.path.name}: the sharded base model{newer}"
+        return f"resuming {stage} from {self.path.name}: the newest checkpoint whose manifest verifies{newer}"
+
 
 def check_checkpoint(path: Path, step: int, stage: str, config_digest: str | None) -> dict[str, Any]:
     """The manifest of a usable checkpoint, or ManifestError saying why it is not usable."""

@@ -226,8 +226,7 @@ def find_start(job: Job) -> ckpt.ResumePoint:
             )
             + "; run the shard verb (boost_and_shard / reboost) first"
         )
-    newer = f", skipping {len(rp.skipped)} newer unusable one(s) listed above" if rp.skipped else ""
-    log(f"resuming {job.stage} from {rp.path.name}: the newest checkpoint whose manifest verifies{newer}")
+    log(rp.announce(job.stage))
     return rp
 
 

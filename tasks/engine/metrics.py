@@ -19,7 +19,7 @@ peak from the start of construction (VmHWM, reset there) to the weights read int
 the RSS it held at that start; the peak_mem_bytes of a CPU rank then counts from that start too.
 
 The ranks never import a tracking client: MLflow is written by the Prefect task from these
-records (tasks/tracking.py). TensorBoard needs no server, so the engine writes it itself, with
+records (tasks/flowkit/tracking.py). TensorBoard needs no server, so the engine writes it itself, with
 tensorboardX (a pure-Python writer: tensorboard itself pulls grpcio and a Rust data server).
 A write error of the event file is logged once and the training goes on: the files are a view.
 """

@@ -1,4 +1,4 @@
-"""Per-node staging for an `s3://` run root on several nodes (`Job.nodes`, set by tasks/train.py
+"""Per-node staging for an `s3://` run root on several nodes (`Job.nodes`, set by tasks/stages/train.py
 when the stage's launch backend runs ranks on other nodes, e.g. Slurm).
 
     python -m pytest -m "" tests/test_slurm_s3.py      # two Slurm nodes, a real S3 server

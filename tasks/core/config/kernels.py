@@ -2,7 +2,8 @@
 
     python -c "from tasks.core.config.kernels import Facts, report, resolve_for; print(report(resolve_for('hybrid_parallel', 'bf16', Facts(cuda=False))))"
 
-One `KernelSpec` row is one way of switching one acceleration on: the plugins it applies to, what
+One `KernelSpec` row is one way of switching one acceleration on: the route it takes (the plugins
+it applies to are those whose row lists that route, `PluginSpec.kernel_routes`), what
 it needs (CUDA, a precision, an installed package, a model family), how the engine passes it
 (a plugin argument, a `from_pretrained` argument or an optimizer argument) and how the engine
 checks that it loads. Rows that do the same thing under different plugins share a `name`, which is
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tasks.core.config.phases import Phase
-from tasks.core.config.plugins import PRECISIONS
+from tasks.core.config.plugins import PLUGINS, PRECISIONS, KernelRoute
 
 Via = Literal["plugin", "model", "optimizer"]
 
@@ -54,7 +55,7 @@ class KernelSpec:
     name: str  # the key under <stage>.kernels; shared by rows doing the same under other plugins
     label: str  # what runs when it is on, for reports: "shardformer", "transformers flash_attention_2"
     summary: str  # one line for the config field's description
-    plugins: tuple[str, ...]  # the plugins this row applies to (disjoint between rows of one name)
+    route: KernelRoute  # the plugins whose row lists this route get it (one route per row of a name)
     via: Via  # how the engine passes it: a plugin argument, a from_pretrained argument, an optimizer argument
     arg: str  # that argument's name
     value: Any = True  # and its value when on (off passes nothing: the library's default)
@@ -64,6 +65,11 @@ class KernelSpec:
     model_types: tuple[str, ...] | None = None  # config.json model types it changes anything for; None: every one
     imports: tuple[str, ...] = ()  # modules the engine imports before using it: a failure is "failed to load"
     colossalai_loader: str | None = None  # a colossalai.kernel.kernel_loader class whose .load() the engine runs first
+
+    @property
+    def plugins(self) -> tuple[str, ...]:
+        """The registered plugins this row applies to, in registry order."""
+        return tuple(name for name, spec in PLUGINS.items() if self.route in spec.kernel_routes)
 
 
 @dataclass(frozen=True)
@@ -131,12 +137,10 @@ KERNELS: list[KernelSpec] = []
 
 
 def register(spec: KernelSpec) -> KernelSpec:
-    """Add a row; a second row of one name may not apply to a plugin the first already covers."""
+    """Add a row; a second row of one name takes another route."""
     for row in KERNELS:
-        if row.name == spec.name and set(row.plugins) & set(spec.plugins):
-            raise ValueError(
-                f"kernel {spec.name!r} already has a row for plugin(s) {sorted(set(row.plugins) & set(spec.plugins))}"
-            )
+        if row.name == spec.name and row.route == spec.route:
+            raise ValueError(f"kernel {spec.name!r} already has a row for route {spec.route!r}")
     KERNELS.append(spec)
     return spec
 
@@ -178,9 +182,14 @@ def resolve_for(
     plugin: str, precision: str, facts: Facts, switches: Mapping[str, bool] | None = None, field_path: str = "kernels"
 ) -> dict[str, KernelState]:
     """Each kernel that applies under `plugin`, on or off with its reason, in registry order."""
-    return {
-        row.name: _decide(row, precision, switches or {}, field_path, facts) for row in KERNELS if plugin in row.plugins
-    }
+    routes = PLUGINS[plugin].kernel_routes if plugin in PLUGINS else ()
+    out: dict[str, KernelState] = {}
+    for row in KERNELS:
+        if row.route in routes:
+            if row.name in out:
+                raise ValueError(f"plugin {plugin!r} lists two routes of kernel {row.name!r}: {routes}")
+            out[row.name] = _decide(row, precision, switches or {}, field_path, facts)
+    return out
 
 
 def resolve(stage_cfg: Any, phase: Phase, facts: Facts) -> dict[str, KernelState]:
@@ -207,8 +216,6 @@ def report(states: Mapping[str, KernelState]) -> str:
     return describe(record(states))
 
 
-_SHARDFORMER = ("hybrid_parallel",)  # the plugin that shards the model through shardformer policies
-_HF_ATTENTION = ("low_level_zero", "torch_ddp", "gemini")
 _HALF = ("bf16", "fp16")
 
 register(
@@ -216,7 +223,7 @@ register(
         "flash_attention",
         "shardformer",
         "flash attention",
-        _SHARDFORMER,
+        "shardformer",
         "plugin",
         "enable_flash_attention",
         colossalai_loader="FlashAttentionLoader",
@@ -227,7 +234,7 @@ register(
         "flash_attention",
         "transformers flash_attention_2",
         "flash attention",
-        _HF_ATTENTION,
+        "hf_model",
         "model",
         "attn_implementation",
         value="flash_attention_2",
@@ -241,7 +248,7 @@ register(
         "fused_normalization",
         "shardformer, apex",
         "fused RMSNorm",
-        _SHARDFORMER,
+        "shardformer",
         "plugin",
         "enable_fused_normalization",
         package="apex",
@@ -253,7 +260,7 @@ register(
         "jit_fused",
         "shardformer JIT fused ops",
         "JIT fused bias/dropout/add",
-        _SHARDFORMER,
+        "shardformer",
         "plugin",
         "enable_jit_fused",
         model_types=("bert", "blip2", "bloom", "chatglm", "gpt2", "opt", "t5", "vit", "whisper"),
@@ -264,7 +271,7 @@ register(
         "fused_optimizer",
         "torch AdamW fused",
         "the fused AdamW step",
-        ("hybrid_parallel", "low_level_zero", "torch_ddp"),
+        "torch_adamw",
         "optimizer",
         "fused",
     )

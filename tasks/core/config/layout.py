@@ -1,7 +1,7 @@
 """`ParallelLayout`: a stage's parallel layout, every rule stated once, dp derived.
 
     python -c "from tasks.core.config.load import load_config; from tasks.core.config.layout import ParallelLayout; \
-c = load_config('deployments/configs/tiny-cpu.yaml'); print(ParallelLayout.of(c.cpt, 'cpt'))"
+c = load_config('examples/tiny-cpu.yaml'); print(ParallelLayout.of(c.cpt, 'cpt'))"
 
 torchtitan's `ParallelDims` is the model: a frozen value built from the config validates every layout rule and
 derives the data-parallel degree. Each rule names the config field it concerns and the fix; its tier says who

@@ -1,6 +1,6 @@
-"""Loading a run config: YAML that refuses duplicated keys, dotted overrides, the schema, then the rules.
+"""Loading a run config: bounded YAML that refuses duplicated keys, dotted overrides, the schema, then the rules.
 
-    python -c "from tasks.core.config.load import load_config; print(load_config('deployments/configs/tiny-cpu.yaml'))"
+    python -c "from tasks.core.config.load import load_config; print(load_config('examples/tiny-cpu.yaml'))"
 
 `parse_config` validates every field against the schema (`tasks.core.config.schema`) and, when
 they all validate, runs the static rules across fields: the parallel-layout rules of tier static
@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from tasks.core.config.batching import peer_key_hint
+from tasks.core.config.bounded_yaml import check_size, load_bounded
 from tasks.core.config.layout import layout_problems
 from tasks.core.config.paths import missing_hint
 from tasks.core.config.phases import PHASES
@@ -30,61 +31,10 @@ from tasks.core.errors import ConfigError
 Problem = tuple[str, str]
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that keeps the composed node tree, so duplicated keys can be found by path.
-
-    PyYAML's own loader lets the last of two equal keys win without a word: `max_steps` written
-    twice under `cpt:` would silently change the run.
-    """
-
-
-def duplicate_keys(node: yaml.Node, path: str = "") -> list[tuple[str, int, int]]:
-    """(key path, first line, second line) of every mapping key written twice, 1-based lines."""
-    out: list[tuple[str, int, int]] = []
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[Any, int] = {}
-        for key_node, value_node in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may repeat by design
-                continue
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else repr(key_node.value)
-            where = f"{path}.{key}" if path else str(key)
-            line = key_node.start_mark.line + 1
-            if key in seen:
-                out.append((where, seen[key], line))
-            else:
-                seen[key] = line
-            out += duplicate_keys(value_node, where)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            out += duplicate_keys(item, f"{path}[{i}]")
-    return out
-
-
 def load_yaml_unique(text: str, source: str) -> Any:
-    """yaml.safe_load that refuses a mapping key written twice, naming the key path and both lines."""
-    loader = _UniqueKeyLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        dups = duplicate_keys(node)
-        if dups:
-            raise ConfigError(
-                [
-                    (
-                        key,
-                        (
-                            f"written twice in {source} (line {a} and line {b}); YAML would silently keep the second "
-                            "value. Delete one of them"
-                        ),
-                    )
-                    for key, a, b in dups
-                ],
-                header=f"duplicated keys in {source}",
-            )
-        return loader.construct_document(node)
-    finally:
-        loader.dispose()
+    """yaml.safe_load that refuses a mapping key written twice, naming the key path and both lines, and
+    a document whose aliases, size or nesting are over the bounds (`tasks.core.config.bounded_yaml`)."""
+    return load_bounded(text, source)
 
 
 def read_raw_config(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -97,6 +47,7 @@ def read_raw_config(path: str | Path, overrides: dict[str, Any] | None = None) -
         raise ConfigError(
             [(str(path), f"config file not found{alike or '; pass --config with an existing YAML file'}")]
         )
+    check_size(path.stat().st_size, str(path))  # judged before reading: a config is a few KB
     try:
         raw = load_yaml_unique(path.read_text(), str(path))
     except yaml.YAMLError as exc:
@@ -129,7 +80,7 @@ def gate_problems(cfg: RunConfig) -> list[Problem]:
         ("generation_must_stop", "sft", g.generation_must_stop),
     ]
     for name, stage, active in needs:
-        if active and not getattr(cfg, stage).eval.enabled:
+        if active and not cfg.phase(stage).eval.enabled:
             out.append(
                 (
                     f"gate.{name}",
@@ -274,7 +225,7 @@ def static_problems(cfg: RunConfig) -> list[Problem]:
     """Every rule across fields that the config alone decides: each stage's layout, the held-out-only sources, the gate, the Hub push."""
     problems: list[Problem] = []
     for stage in PHASES:
-        problems += plugin_problems(getattr(cfg, stage), stage)
+        problems += plugin_problems(cfg.phase(stage), stage)
     return problems + heldout_source_problems(cfg) + gate_problems(cfg) + hub_problems(cfg)
 
 

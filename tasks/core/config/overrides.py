@@ -4,7 +4,7 @@ descriptions, taken from the config's own fields), and every value is validated 
 RunConfig once it is applied to the YAML, so a wrong one names the config field.
 
     python -c "from tasks.core.config.overrides import RunOverrides as R; print(R(run_name='x', cpt={'max_steps': 4}).dotted())"
-    prefect deployment run cpt-to-sft/default -p config=deployments/configs/tiny-cpu.yaml \
+    prefect deployment run cpt-to-sft/default -p config=examples/tiny-cpu.yaml \
         --params '{"overrides": {"run_name": "smoke", "cpt": {"max_steps": 4, "lr": 1e-4}}}'
 """
 

@@ -9,7 +9,7 @@ stored NFD on disk while the config says it NFC (macOS, archives), or in another
 2. the checkout the package is imported from, when it has a pyproject.toml (editable install or
    `python -m` from a clone): relative paths resolve the same wherever the flow runs from;
 3. otherwise (a non-editable `pip install .`: the package lives in site-packages) the current
-   working directory, so `cpt-to-sft run --config deployments/configs/x.yaml` inside a checkout
+   working directory, so `cpt-to-sft run --config examples/x.yaml` inside a checkout
    resolves like `python -m flows.cpt_to_sft` there, never against site-packages.
 """
 

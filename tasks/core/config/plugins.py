@@ -5,8 +5,11 @@
 Everything the rest of the project needs to know about a plugin by name is a field here: the
 config's plugin-name type (`tasks.core.config.schema.PluginConfig.name`) is checked against these keys,
 the layout rules (`tasks.core.config.layout`) read the capabilities, and the engine
-(`tasks.engine.builders.BUILDERS`) keeps exactly one builder per key. Adding a plugin is one
-`register(PluginSpec(...))` plus one builder; nothing branches on a plugin's name elsewhere.
+(`tasks.engine.builders.BUILDERS`) keeps exactly one builder per key, the kernel registry
+(`tasks.core.config.kernels`) applies its rows by the routes a row lists (`PluginSpec.kernel_routes`),
+and the memory estimate (`tasks.core.preflight.memory`) sums `holds` and offers the plugins whose
+`lever` is set as a memory saver. Adding a plugin is one `register(PluginSpec(...))` plus one builder;
+nothing branches on a plugin's name elsewhere (tests/test_structure.py finds such branches).
 
 Facts recorded in the rows were measured with colossalai 0.5.0 (see tasks/engine/builders.py):
 - HybridParallelPlugin.configure asserts precision != "fp32" whenever zero_stage > 0 ("Please set
@@ -161,6 +164,21 @@ class LoraSupport:
     pp1_reason: str = ""  # non-empty: LoRA only with pp_size 1, for this reason
 
 
+# How the engine passes a kernel (`tasks.core.config.kernels.KernelSpec.route`): "shardformer", flags of a
+# plugin that shards the model through shardformer policies; "hf_model", from_pretrained arguments of
+# the HF model's own forward; "torch_adamw", arguments of torch's AdamW.
+KernelRoute = Literal["shardformer", "hf_model", "torch_adamw"]
+
+
+@dataclass(frozen=True)
+class Lever:
+    """The plugin offered as a memory saver to a layout under another plugin (pre-flight's advice,
+    `tasks.core.preflight.memory`): the PluginConfig fields set with the switch. The layout must fit
+    the row otherwise (tp/pp 1 unless it supports them, CUDA where it needs it)."""
+
+    fields: tuple[tuple[str, object], ...] = ()
+
+
 @dataclass(frozen=True)
 class PluginSpec:
     """What one booster plugin supports; read by config validation, pre-flight and the engine."""
@@ -168,6 +186,9 @@ class PluginSpec:
     name: str
     summary: str  # one line for the config field description and error messages
     supports_tp_pp: bool = False  # tensor/pipeline parallel (and a stage manager, tp/dp groups)
+    # shards the model with a shardformer policy (even at tp=pp=1): runs only families that have one
+    # (`ModelFamily.shardformer_policy`, tasks/core/models/families.py)
+    shardformer: bool = False
     sequence_parallel: bool = False  # takes plugin.sequence_parallelism (tasks/core/config/sequence.py)
     zero_stages: tuple[int, ...] = (0,)  # accepted values of plugin.zero_stage
     implicit_zero: int | None = None  # ZeRO stage the plugin always runs (gemini: 3), whatever zero_stage says
@@ -201,6 +222,10 @@ class PluginSpec:
     offload: tuple[
         Offload, ...
     ] = ()  # the plugin's own memory savers, each a PluginConfig field (recorded in manifests)
+    # The kernel rows that apply under it (`KernelSpec.route`): the model's own forward and torch's AdamW
+    # unless it shards through shardformer or steps its own optimizer.
+    kernel_routes: tuple[KernelRoute, ...] = ("hf_model", "torch_adamw")
+    lever: Lever | None = None  # offered to other layouts as a memory saver with these fields; None: never
 
     def zero_stage(self, configured: int) -> int:
         """The ZeRO stage the plugin really runs."""
@@ -239,6 +264,10 @@ PLUGINS: dict[str, PluginSpec] = {}
 
 def register(spec: PluginSpec) -> PluginSpec:
     """Add (or replace) a plugin row. The engine needs a builder under the same name."""
+    if "torch_adamw" in spec.kernel_routes and spec.optimizer != "adamw":
+        raise ValueError(f"plugin {spec.name!r}: kernel route torch_adamw needs optimizer 'adamw'")
+    if {"shardformer", "hf_model"} <= set(spec.kernel_routes):
+        raise ValueError(f"plugin {spec.name!r}: the model runs either shardformer's forward or its own, not both")
     PLUGINS[spec.name] = spec
     return spec
 
@@ -255,6 +284,7 @@ register(
         name="hybrid_parallel",
         summary="tensor/pipeline parallel with optional ZeRO-1",
         supports_tp_pp=True,
+        shardformer=True,
         sequence_parallel=True,
         zero_stages=(0, 1),
         zero_hint="hybrid_parallel supports zero_stage 0 or 1 here; use low_level_zero for stage 2 or gemini for "
@@ -263,6 +293,7 @@ register(
         "colossalai 0.5.0",
         no_sync_zero_stages=(0, 1),
         lazy_init=True,
+        kernel_routes=("shardformer", "torch_adamw"),
         offload=(
             Offload(
                 "cpu_offload",
@@ -312,6 +343,7 @@ register(
         strict_load=False,
         dedupes_tied_weights=False,
         offload=(Offload("cpu_offload", moves_step=True),),
+        lever=Lever((("zero_stage", 2),)),
         holds=(
             Held("working weights", "weights", trainable=False),
             Held("fp32 master weight shard", 4, sharded=True, offload="cpu_offload", master=True),
@@ -334,6 +366,8 @@ register(
         precisions=MIXED,  # GeminiPlugin's SUPPORTED_PRECISION
         no_sync_zero_stages=(),
         optimizer="hybrid_adam",
+        kernel_routes=("hf_model",),  # its optimizer is always HybridAdam, a fused CUDA kernel already
+        lever=Lever((("zero_stage", 0),)),
         lora=LoraSupport(
             refused="GeminiPlugin.support_lora() is False and its enable_lora raises NotImplementedError in "
             "colossalai 0.5.0 (ColossalAI #6138)"

@@ -27,6 +27,7 @@ from tasks.core.config.kernels import names as kernel_names
 from tasks.core.config.kernels import summaries as kernel_summaries
 from tasks.core.config.kernels import unknown as unknown_kernels
 from tasks.core.config.outputs import ExportConfig, GateConfig, HubConfig
+from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.plugins import PLUGINS, Precision
 from tasks.core.config.sequence import SequenceParallelConfig
 from tasks.core.config.slurm import SlurmConfig
@@ -63,7 +64,12 @@ class BaseModelConfig(Frozen):
         default="main", description="Hub revision (branch, tag or commit sha) to pin; ignored for paths."
     )
     trust_remote_code: bool = Field(
-        default=False, description="Allow the model repo's own Python code to run. Off unless you trust the repo."
+        default=False,
+        description=(
+            "Accept a base model whose configs name its own Python code (auto_map): load_from_hf removes every "
+            "auto_map and copies no .py file, so it loads as transformers' own class of its model_type; no model "
+            "folder's code ever runs. Off: such a model is refused."
+        ),
     )
     allow_pickle: bool = Field(
         default=False,
@@ -572,6 +578,12 @@ class RunConfig(Frozen):
         default=None, description="Local directory for staging remote artifacts; default a temp dir."
     )
     verify_memory_gb: VerifyMemoryGB = VERIFY_MEMORY_GB
+
+    def phase(self, phase: Phase) -> StageConfig:
+        """The config section of a training phase (a row of PHASES): `cfg.phase("sft").seq_len`."""
+        if phase not in PHASES:
+            raise KeyError(f"{phase!r} is not a training phase; the phases are {', '.join(PHASES)}")
+        return getattr(self, phase)
 
     @property
     def run_uri(self) -> str:

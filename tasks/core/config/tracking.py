@@ -6,7 +6,7 @@
         experiment: cpt-to-sft
 
 TensorBoard needs no setting: the training ranks always write `<run_root>/<stage>/tensorboard/`.
-Also the pure helpers of the MLflow writer (tasks/tracking.py): the secret filter of params, URI
+Also the pure helpers of the MLflow writer (tasks/flowkit/tracking.py): the secret filter of params, URI
 redaction, and the reachability probe pre-flight runs (`check_tracking` in tasks/core/preflight/checks.py):
 
     python -m tasks.core.config.tracking http://127.0.0.1:5000   # exit 1 and the problem, or 0

@@ -4,6 +4,7 @@
 
 - records.py : record formats (FORMATS, format_of) and the one reader: streamed records of a file with their line numbers
 - samples.py : CPT packing, SFT chat rendering and loss masks, the SFT record rules
+- chat_template.py: every chat template render, as transformers renders it, under a budget of steps, output and time
 - inputs.py  : `data.uri` (file, list, glob, directory; any fsspec URI) -> sorted files with size and checksum
 - split.py   : a record's id and the held-out split it decides
 - shard.py   : one input file -> self-contained token shards (training and held-out sides); the shared frame

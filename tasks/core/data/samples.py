@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from tasks.core.config.phases import PHASES
+from tasks.core.data.chat_template import render_with_tokenizer
 from tasks.core.data.records import read_records, text_problem
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: a tokenizing worker never needs it
@@ -100,8 +101,11 @@ def validate_messages(messages: Any) -> None:
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    """Token ids of the conversation as the chat template renders it."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    """Token ids of the conversation as the chat template renders it: transformers' rendering, under
+    a budget of work and output (the template is the model folder's, untrusted: a template that
+    cannot render raises ChatTemplateError naming its file, never a ValueError that would only
+    reject the record)."""
+    text = render_with_tokenizer(tokenizer, messages, add_generation_prompt)
     # The template owns bos and every special token; letting the tokenizer add its own would
     # double them (Llama-3 templates start with {{ bos_token }}).
     return tokenizer(text, add_special_tokens=False)["input_ids"]

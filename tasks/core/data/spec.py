@@ -1,7 +1,7 @@
 """What one phase's corpus is prepared from: the PrepareSpec, built once from the phase's config section.
 
     python -c "from tasks.core.config.load import load_config; from tasks.core.data.spec import prepare_spec; \
-print(prepare_spec(load_config('deployments/configs/tiny-cpu.yaml').cpt, 'cpt'))"
+print(prepare_spec(load_config('examples/tiny-cpu.yaml').cpt, 'cpt'))"
 
 `prepare_spec` is the one mapping from a phase's config to what `tasks.core.data.prepare.plan` reads;
 the prepare_data stage and the engine tests' prepared data both build their spec with it.

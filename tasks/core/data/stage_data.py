@@ -1,9 +1,10 @@
 """What a training or evaluation stage reads from its prepared data (data/<stage>/, made by prepare_data).
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml   # train and evaluate call this
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # train and evaluate call this
 
 - `blend_plan`: the steps a mixture is blended for, from the stage's config (prepare_data plans
   with it, the ranks check it).
+- `prepared_dir`: the local data/<phase>/ (staged in and verified from a remote run root).
 - `check_against_model`: before any launch, the shards' tokenizer fingerprint must be the model's
   (a different tokenizer is refused naming both) and every token id must fit its vocabulary.
 - `heldout_records`: the held-out records evaluation runs on, as prepare_data decided them in its
@@ -26,7 +27,7 @@ from tasks.core.config.layout import global_batch
 from tasks.core.config.phases import PHASES, Phase
 from tasks.core.data.blend import BlendPlan
 from tasks.core.data.index import INDEX, check_fits_model
-from tasks.core.run.stages import split_rel
+from tasks.core.run.stages import PREPARE, STAGE, split_rel
 from tasks.core.storage.fs import RunStore
 
 HELDOUT_SET = "heldout.jsonl"  # eval.heldout_uri's records, at the root of data/<stage>/
@@ -57,6 +58,13 @@ def blend_plan(stage_cfg: Any, phase: Phase) -> BlendPlan | None:
     return BlendPlan(
         stage_cfg.max_steps, global_batch(stage_cfg), stage_cfg.seed, stage_cfg.seq_len if packed else None
     )
+
+
+def prepared_dir(store: RunStore, phase: Phase) -> Path:
+    """The local data/<phase>/ a training or evaluation stage reads (staged in, sha256-verified, for remote run
+    roots)."""
+    rel = STAGE[PREPARE[phase]].artifact
+    return store.local_path(rel) if store.local else store.stage_in(rel)
 
 
 def check_against_model(data_dir: Path, model_dir: Path, phase: Phase) -> dict[str, Any]:

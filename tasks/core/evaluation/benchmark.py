@@ -375,6 +375,13 @@ def compare(base: dict[str, Any], export: dict[str, Any]) -> dict[str, dict[str,
     return out
 
 
+def change_text(drop: float | None) -> str:
+    """A drop in percent as words: "5.00% worse", "7.14% better", "unchanged"."""
+    if drop is None:
+        return "no base score to compare"
+    return f"{drop:.2f}% worse" if drop > 0 else f"{-drop:.2f}% better" if drop < 0 else "unchanged"
+
+
 def gate_checks(limits: dict[str, BenchmarkLimit], bench: dict[str, Any] | None, check) -> None:
     """One check per task named in gate.benchmarks: its metric's drop against the base and its bounds."""
     tasks = (bench or {}).get("tasks") or {}
@@ -400,10 +407,7 @@ def gate_checks(limits: dict[str, BenchmarkLimit], bench: dict[str, Any] | None,
             drop = m["drop_pct"]
             good = drop is not None and drop <= lim.max_drop
             ok &= good
-            parts.append(
-                f"{'no base score to compare' if drop is None else f'{drop:+.2f}% worse'} (allowed at most "
-                f"{lim.max_drop:g}% by {field_}.max_drop)"
-            )
+            parts.append(f"{change_text(drop)} (allowed at most {lim.max_drop:g}% by {field_}.max_drop)")
         if lim.min is not None:
             ok &= m["export"] >= lim.min
             parts.append(f"at least {lim.min:g} by {field_}.min")

@@ -57,7 +57,7 @@ def perplexity(loss: float) -> float:
 
 def resolved(cfg: EvalConfig) -> EvalConfig:
     """`cfg` with its dtype decided: as set, else the default export dtype on a GPU, fp32 on CPU
-    (the flow passes its own export.dtype, `tasks.evaluate`)."""
+    (the flow passes its own export.dtype, `tasks.stages.evaluate`)."""
     default = ExportConfig.model_fields["dtype"].default
     return cfg if cfg.dtype else cfg.model_copy(update={"dtype": where.eval_dtype(None, default, cuda_available())})
 
@@ -421,6 +421,15 @@ def generation_check(
         )
 
 
+def stop_problem(stopped: int, prompts: int, max_new_tokens: int) -> str:
+    """The generation check's problem when some greedy generations ran to max_new_tokens (the gate's
+    message states it once, `tasks.core.evaluation.verdict`)."""
+    return (
+        f"{prompts - stopped} of {prompts} greedy generations did not stop at an eos token within "
+        f"max_new_tokens={max_new_tokens}"
+    )
+
+
 def _generation_check(
     model_dir: Path,
     heldout: Sequence[dict],
@@ -477,10 +486,7 @@ def _generation_check(
     stopped = sum(r["stopped"] for r in rows)
     problems = [eos_problem] if eos_problem else []
     if stopped < len(rows):
-        problems.append(
-            f"{len(rows) - stopped} of {len(rows)} greedy generations did not stop at an eos token within "
-            f"max_new_tokens={max_new_tokens}"
-        )
+        problems.append(stop_problem(stopped, len(rows), max_new_tokens))
     summary = {
         "passed": not problems,
         "problems": problems,

@@ -19,6 +19,7 @@ from typing import Any
 
 from tasks.core.config.outputs import GateConfig
 from tasks.core.evaluation.benchmark import gate_checks as benchmark_checks
+from tasks.core.evaluation.heldout import stop_problem
 
 
 def _per_source(limits: dict[str, float], cpt: dict[str, Any] | None, check) -> None:
@@ -122,13 +123,17 @@ def gate_verdict(
         if not gen:
             check("generation_stops", False, "no generation check was recorded (sft.eval has no held-out set)")
         else:
+            stops = stop_problem(gen["stopped"], gen["prompts"], gen["max_new_tokens"])
             msg = (
-                f"{gen['stopped']} of {gen['prompts']} greedy generations stopped within {gen['max_new_tokens']} tokens"
+                stops
+                if gen["stopped"] < gen["prompts"]
+                else f"{gen['stopped']} of {gen['prompts']} greedy generations stopped within "
+                f"{gen['max_new_tokens']} tokens"
             )
             check(
                 "generation_stops",
                 gen["passed"],
-                "; ".join([msg, *gen["problems"]]),
+                "; ".join([msg, *(p for p in gen["problems"] if p != stops)]),  # each reason once
                 stopped=gen["stopped"],
                 prompts=gen["prompts"],
             )

@@ -91,7 +91,7 @@ def train_facts(
     and activation checkpointing that ran, from that checkpoint's manifest."""
     facts = {}
     for stage in STAGES:
-        steps = getattr(cfg, stage).max_steps
+        steps = cfg.phase(stage).max_steps
         fact: dict[str, Any] = {
             "steps": steps,
             "final_loss": None,
@@ -150,7 +150,7 @@ def _kernels(facts: dict[str, dict], stage: str) -> str:
 
 def _tuning(cfg: RunConfig, facts: dict[str, dict], stage: str) -> str:
     """Full, or LoRA with its rank, alpha, target modules and the share of parameters it trained."""
-    lora = getattr(cfg, stage).lora
+    lora = cfg.phase(stage).lora
     if lora is None:
         return "full"
     share = (facts.get(stage, {}).get("lora") or {}).get("trainable_pct")
@@ -163,7 +163,7 @@ def _tuning(cfg: RunConfig, facts: dict[str, dict], stage: str) -> str:
 
 def _context(cfg: RunConfig, base: dict[str, Any], stage: str) -> str:
     """The tokens a sequence held, and for CPT the RoPE and position settings it changed from the base's."""
-    trained = f"{getattr(cfg, stage).seq_len:,} tokens"
+    trained = f"{cfg.phase(stage).seq_len:,} tokens"
     if PHASES[stage].context_refused:  # it starts from cpt/hf
         return f"{trained}; RoPE and positions as CPT left them (cpt/hf)"
     before = base.get("config") or {}
@@ -202,7 +202,7 @@ print(tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
 
 
 def _layout(cfg: RunConfig, stage: str) -> str:
-    st = getattr(cfg, stage)
+    st = cfg.phase(stage)
     p = st.plugin
     return (
         f"`{p.name}` tp={p.tp_size} pp={p.pp_size} zero={p.zero_stage} {p.precision}, "
@@ -219,7 +219,7 @@ def _segments(facts: dict[str, dict], stage: str) -> str | None:
 
 
 def _batch(cfg: RunConfig, stage: str) -> str:
-    st = getattr(cfg, stage)
+    st = cfg.phase(stage)
     p = st.plugin
     dp = max(st.launch.world_size // (p.tp_size * p.pp_size * sp_factor(p)), 1)  # a sequence group reads one row
     return (
@@ -229,7 +229,7 @@ def _batch(cfg: RunConfig, stage: str) -> str:
 
 
 def _schedule(cfg: RunConfig, stage: str) -> str:
-    st = getattr(cfg, stage)
+    st = cfg.phase(stage)
     return (
         f"AdamW lr {st.lr:g} → {st.min_lr:g} {st.lr_schedule}, warm-up {st.warmup_steps}, "
         f"weight decay {st.weight_decay:g}, betas {tuple(st.betas)}, clip {st.plugin.max_norm:g}"
@@ -282,11 +282,11 @@ def model_card(
         "steps": lambda s: str(facts.get(s, {}).get("steps")),
         "learning rate schedule": lambda s: _schedule(cfg, s),
         "batch per step": lambda s: _batch(cfg, s),
-        "seq_len": lambda s: str(getattr(cfg, s).seq_len),
+        "seq_len": lambda s: str(cfg.phase(s).seq_len),
         "context length trained": lambda s: _context(cfg, base, s),
         "tokens seen": lambda s: _num(facts.get(s, {}).get("tokens_seen")),
         "final training loss": lambda s: _num(facts.get(s, {}).get("final_loss"), "{:.4f}"),
-        "batching": lambda s: getattr(cfg, s).batching if PHASES[s].rows else "full blocks",
+        "batching": lambda s: cfg.phase(s).batching if PHASES[s].rows else "full blocks",
         "median real tokens/s": lambda s: _num(_median(facts, s, "tokens_per_s"), "{:.1f}"),
         "median padding (share of computed tokens)": lambda s: _pct(_median(facts, s, "padding_frac")),
         "median MFU": lambda s: _pct(_median(facts, s, "mfu")),
@@ -296,7 +296,7 @@ def model_card(
             facts.get(s, {}).get("activation_checkpointing"), "n/a"
         ),
         "fine-tuning": lambda s: _tuning(cfg, facts, s),
-        "seed": lambda s: str(getattr(cfg, s).seed),
+        "seed": lambda s: str(cfg.phase(s).seed),
     }
     train += [f"| {name} | {fn('cpt')} | {fn('sft')} |" for name, fn in rows.items()]
 
@@ -316,7 +316,7 @@ def model_card(
                 else split.get("method", "n/a")
             )
         )
-        inputs = split.get("inputs") or [{"uri": u, "checksum": "n/a"} for u in getattr(cfg, stage).data.uris]
+        inputs = split.get("inputs") or [{"uri": u, "checksum": "n/a"} for u in cfg.phase(stage).data.uris]
         names = "<br>".join(f"`{_data_name(i['uri'])}`" for i in inputs)
         sums = "<br>".join(f"`{i.get('checksum', 'n/a')}`" for i in inputs)
         data_rows.append(
@@ -326,9 +326,9 @@ def model_card(
     longer = []  # records longer than seq_len: the rule and what it made of them (tasks/core/data/truncation.py)
     for stage in STAGES:
         tr = (facts.get(stage, {}).get("split") or {}).get("truncation")
-        line = tr and describe_truncation(tr, stage, tr.get("rule"), tr.get("seq_len") or getattr(cfg, stage).seq_len)
+        line = tr and describe_truncation(tr, stage, tr.get("rule"), tr.get("seq_len") or cfg.phase(stage).seq_len)
         longer.append(
-            f"- {stage.upper()}: {line or f'no training record longer than seq_len={getattr(cfg, stage).seq_len}'}."
+            f"- {stage.upper()}: {line or f'no training record longer than seq_len={cfg.phase(stage).seq_len}'}."
             if tr
             else f"- {stage.upper()}: not recorded."
         )

@@ -5,7 +5,7 @@ following a job are `tasks.core.launch.slurm_batch`.
 
 Ask a cluster what pre-flight would say about a config's stages (submits nothing):
 
-    python -m tasks.core.launch.slurm deployments/configs/tiny-cpu.yaml
+    python -m tasks.core.launch.slurm examples/tiny-cpu.yaml
 
 The client: the plain `sbatch` / `srun` / `squeue` / `scontrol` / `scancel` CLI, not submitit.
 submitit works against a cluster without accounting, but it reads job states with `sacct`, so
@@ -361,7 +361,7 @@ def _main(argv: list[str]) -> int:
     cfg = load_config(argv[0])
     bad = 0
     for name in PHASES:
-        stage = getattr(cfg, name)
+        stage = cfg.phase(name)
         if stage.launch.backend != "slurm":
             print(f"{name}: backend {stage.launch.backend}, not Slurm")
             continue

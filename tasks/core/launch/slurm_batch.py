@@ -15,7 +15,7 @@ and task) goes to `job-<id>.batch.log`.
 
 Render the batch script the backend would submit for a config (prints it, submits nothing):
 
-    python -m tasks.core.launch.slurm_batch deployments/configs/tiny-cpu.yaml cpt train
+    python -m tasks.core.launch.slurm_batch examples/tiny-cpu.yaml cpt train
 """
 
 from __future__ import annotations
@@ -388,7 +388,7 @@ def _main(argv: list[str]) -> int:
         print("usage: python -m tasks.core.launch.slurm CONFIG.yaml cpt|sft VERB", file=sys.stderr)
         return 2
     cfg = load_config(argv[0])
-    stage = getattr(cfg, argv[1])
+    stage = cfg.phase(argv[1])
     job_path = f"{cfg.run_uri}/{argv[1]}/.launch/{argv[2]}.json"
     print(
         render_batch_script(

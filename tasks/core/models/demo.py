@@ -2,6 +2,7 @@
 
     python -m tasks.core.models.demo --out runs/demo/base-model
     python -m tasks.core.models.demo --out /tmp/qwen --family qwen2 --tie-word-embeddings --model-vocab-size 515
+    python -m tasks.core.models.demo --out /tmp/olmo2 --family olmo2   # a model_type with no row (derived)
 
 Nothing is downloaded: the tokenizer is trained here on `data/sample/*.jsonl` in well under a
 second, and the weights are a seeded random init. The result is an ordinary HF model directory
@@ -135,8 +136,12 @@ def build_tiny_model(
     `vocab_size` defaults to len(tokenizer); a larger value (e.g. 515, not divisible by tp=2)
     gives embedding rows no token maps to, which is how checkpoints padded for TP look.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"family={family!r} is not supported; choose one of {sorted(FAMILIES)}")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if family not in FAMILIES and family not in CONFIG_MAPPING:
+        raise ValueError(
+            f"family={family!r} is neither registered ({sorted(FAMILIES)}) nor a model type transformers knows"
+        )
     vocab_size = len(tokenizer) if vocab_size is None else vocab_size
     if vocab_size < len(tokenizer):
         raise ValueError(
@@ -151,27 +156,35 @@ def build_tiny_model(
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS, PAD, IM_END)}
     # the family registry names the classes and any config fields this family needs set
-    spec = FAMILIES[family]
-    config_cls, model_cls = getattr(transformers, spec.config_class), getattr(transformers, spec.model_class)
+    # (a model_type with no row: transformers' own config class and causal LM for it, as a derived family reads it)
+    spec = FAMILIES.get(family)
+    config_cls = getattr(transformers, spec.config_class) if spec else CONFIG_MAPPING[family]
     config = config_cls(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=ids[BOS],
-        eos_token_id=ids[EOS],
-        pad_token_id=ids[PAD],
-        torch_dtype="float32",
-        **spec.demo_config,
+        **(spec.demo_config if spec else {})  # the family's fields first: the demo's own win
+        | dict(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=tie_word_embeddings,
+            bos_token_id=ids[BOS],
+            eos_token_id=ids[EOS],
+            pad_token_id=ids[PAD],
+            torch_dtype="float32",
+        ),
     )
     # fork_rng: a fixed seed for the init without disturbing the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_cls(config).to(torch.float32).eval()
+        model = (
+            getattr(transformers, spec.model_class)(config)
+            if spec
+            else transformers.AutoModelForCausalLM.from_config(config)
+        )
+        model = model.to(torch.float32).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=ids[BOS],
         # A chat reply ends at <|im_end|>, a raw document at <|end_of_text|>: stop at either.
@@ -188,7 +201,11 @@ def build_tiny_model(
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m tasks.core.models.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="directory to write the HF model into (created)")
-    p.add_argument("--family", choices=sorted(FAMILIES), default="llama")
+    p.add_argument(
+        "--family",
+        default="llama",
+        help=f"a config.json model_type: {', '.join(sorted(FAMILIES))} or any other decoder transformers builds",
+    )
     p.add_argument("--vocab-size", type=int, default=512, help="tokenizer size, specials included")
     p.add_argument(
         "--model-vocab-size", type=int, default=None, help="embedding rows if larger than the tokenizer (e.g. 515)"

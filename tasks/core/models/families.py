@@ -8,99 +8,51 @@ config class applies to omitted fields, which keys are tied or index the vocabul
 transformers classes that build it. Every reader takes it from here (torchtitan keeps its
 `from_hf_map` key maps as data the same way):
 - the converter (`tasks.core.models.convert`) checks every key and shape of a checkpoint against it;
-- pre-flight (`tasks.core.preflight.checks`) refuses a base model whose family is missing here, before
+- pre-flight (`tasks.core.preflight.checks`) refuses a base model whose family has no table, before
   a CPT stage trains for hours and the unshard then fails, and counts parameters from the table;
+  it refuses hybrid_parallel for a family without a shardformer policy (`policy_problem`);
 - the demo-input builder (`tasks.core.models.demo`) builds a model of any family listed here;
 - the memory estimate (`tasks.core.preflight.memory`) shards the table by tensor parallelism
   (`TP_SPLIT_DIMS`) and reads what one decoder layer keeps for its backward (`layer_activations`).
-Adding a family is one entry in FAMILIES; nothing else branches on a family name.
+Adding a family is one entry in FAMILIES; nothing else branches on a family name. A model_type
+with no entry gets a family derived from the model the installed transformers builds on the meta
+device (`family_of` -> `tasks.core.models.derive`): its keys, shapes, tied and vocabulary keys, no
+shardformer policy, Llama's activation terms. The docs' table of families x plugins is written
+from here (`tasks.core.models.family_table`).
 
-Pure: no torch, no transformers import (class names are strings), so pre-flight stays cheap.
+Pure: no torch, no transformers import (class names are strings), so pre-flight stays cheap; only a
+model_type with no entry imports them, to derive its family.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.core.errors import ConversionError
-
-
-@dataclass(frozen=True)
-class TensorRule:
-    """One tensor of a model: key (with `{i}` for the layer index), symbolic shape, presence."""
-
-    key: str
-    shape: tuple[str, ...]  # names from DIMS
-    when: str | None = None  # present only if this config flag is true
-    unless: str | None = None  # absent if this config flag is true
-
-
-@dataclass(frozen=True)
-class ActivationTerm:
-    """Tensors a decoder layer keeps for its backward, per token: `count` of width `dim` (a DIMS
-    name), in the compute dtype, or in fp32 whatever the compute dtype (`fp32`)."""
-
-    dim: str
-    count: int
-    fp32: bool = False
-
-
-# What one Llama-shaped decoder layer (RMSNorm, sdpa attention, SwiGLU MLP) keeps for its backward,
-# counted per token in transformers 4.51 with torch's saved-tensor hooks (tests/test_memory_estimate.py
-# re-counts it for every family): each RMSNorm its fp32 input and two compute-dtype tensors (the
-# normalized input, the output the next projections read); sdpa its query, key and value (GQA's
-# repeat_kv widens key and value to the query heads), its output and a fp32 log-sum-exp per head;
-# o_proj its input; the MLP the gate and up projections, the activation and their product.
-# (Each RMSNorm's 1-wide inverse RMS and RoPE's per-position cos/sin, under 1 %, are left out.)
-LLAMA_LAYER_ACTIVATIONS: tuple[ActivationTerm, ...] = (
-    ActivationTerm("hidden", 2, fp32=True),
-    ActivationTerm("hidden", 4),
-    ActivationTerm("q", 5),
-    ActivationTerm("heads", 1, fp32=True),
-    ActivationTerm("inter", 4),
-)
-# Qwen3's RMSNorms on the query and key heads keep the same three tensors each, q- and kv-wide.
-QK_NORM_ACTIVATIONS: tuple[ActivationTerm, ...] = (
-    ActivationTerm("q", 1, fp32=True),
-    ActivationTerm("q", 1),
-    ActivationTerm("kv", 1, fp32=True),
-    ActivationTerm("kv", 1),
-)
-# The final RMSNorm, once per token (the LM head and the loss are vocabulary-wide: the estimate
-# counts them from vocab_size).
-FINAL_NORM_ACTIVATIONS: tuple[ActivationTerm, ...] = (
-    ActivationTerm("hidden", 1, fp32=True),
-    ActivationTerm("hidden", 2),
+from tasks.core.models.family_spec import (
+    FINAL_NORM_ACTIVATIONS,
+    GEMMA3_LAYER_ACTIVATIONS,
+    LLAMA_LAYER_ACTIVATIONS,
+    PHI3_LAYER_ACTIVATIONS,
+    QK_NORM_ACTIVATIONS,
+    ActivationTerm,
+    ModelFamily,
+    TensorRule,
 )
 
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """How a decoder-only family lays out its state dict, in module (= save) order."""
-
-    head: tuple[TensorRule, ...]
-    layer: tuple[TensorRule, ...]
-    tail: tuple[TensorRule, ...]
-    config_defaults: Mapping[str, Any]  # the family's config class defaults for omitted fields
-    # transformers class names (strings: importing transformers here would slow pre-flight down)
-    config_class: str
-    model_class: str
-    # config fields the demo builder sets beyond the common dimensions
-    demo_config: Mapping[str, Any] = field(default_factory=dict)
-    # key -> the key it is a copy of when tie_word_embeddings is true
-    tied: Mapping[str, str] = field(default_factory=lambda: {"lm_head.weight": "model.embed_tokens.weight"})
-    # key -> dim that indexes the vocabulary (to tell padded vocab rows from other mismatches)
-    vocab_dims: Mapping[str, int] = field(default_factory=lambda: {"model.embed_tokens.weight": 0, "lm_head.weight": 0})
-    # what one decoder layer keeps for its backward, and the final norm (memory estimate)
-    layer_activations: tuple[ActivationTerm, ...] = LLAMA_LAYER_ACTIVATIONS
-    final_activations: tuple[ActivationTerm, ...] = FINAL_NORM_ACTIVATIONS
-    # The sequence-parallel modes (tasks/core/config/sequence.py SP_MODES) ColossalAI 0.5.0's shardformer
-    # policy for this family runs, and why the others do not (`sp_family_problem` names it)
-    sp_modes: tuple[str, ...] = ()
-    sp_note: str = ""
+# the row types live in family_spec (derive.py builds them too); readers take them from here
+__all__ = [
+    "DIMS",
+    "FAMILIES",
+    "FINAL_NORM_ACTIVATIONS",
+    "LLAMA_LAYER_ACTIVATIONS",
+    "QK_NORM_ACTIVATIONS",
+    "ActivationTerm",
+    "ModelFamily",
+    "TensorRule",
+]
 
 
 def _head_dim(c: Mapping[str, Any]) -> int:
@@ -127,14 +79,17 @@ DIMS: dict[str, Callable[[Mapping[str, Any]], int]] = {
     "q": lambda c: c["num_attention_heads"] * _head_dim(c),
     "kv": lambda c: _kv_heads(c) * _head_dim(c),
     "heads": lambda c: c["num_attention_heads"],
+    # fused projections (Phi-3): q, k and v in one weight; gate and up in one
+    "qkv": lambda c: (c["num_attention_heads"] + 2 * _kv_heads(c)) * _head_dim(c),
+    "inter2": lambda c: 2 * c["intermediate_size"],
 }
 # Dims that tensor parallelism splits over the tp ranks (shardformer's policies for these families:
 # column-parallel q/k/v/gate/up and their biases, row-parallel o/down, vocabulary-parallel embedding
 # and LM head, each rank's attention heads); a tensor with none of them (the norms, o_proj's and
 # down_proj's biases) is replicated on every tp rank.
-TP_SPLIT_DIMS = frozenset({"q", "kv", "inter", "vocab", "heads"})
+TP_SPLIT_DIMS = frozenset({"q", "kv", "inter", "vocab", "heads", "qkv", "inter2"})
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
-LAYER_PREFIX = "model.layers.{i}."
+LAYER_PREFIX = ModelFamily.__dataclass_fields__["layer_prefix"].default
 
 
 def _attn(q_bias: str | None, o_bias: str | None, qk_norm: bool = False) -> tuple[TensorRule, ...]:
@@ -171,12 +126,25 @@ def _mlp(flag: str | None) -> tuple[TensorRule, ...]:
 
 
 _NORMS = (TensorRule("input_layernorm.weight", ("hidden",)), TensorRule("post_attention_layernorm.weight", ("hidden",)))
+# Gemma 3: a norm before and after each of attention and the MLP
+_FOUR_NORMS = _NORMS + (
+    TensorRule("pre_feedforward_layernorm.weight", ("hidden",)),
+    TensorRule("post_feedforward_layernorm.weight", ("hidden",)),
+)
+# Phi-3: q, k and v in one projection, gate and up in another (a tp split would cut each per part)
+_PHI3_LAYER = (
+    TensorRule("self_attn.o_proj.weight", ("hidden", "q")),
+    TensorRule("self_attn.qkv_proj.weight", ("qkv", "hidden")),
+    TensorRule("mlp.gate_up_proj.weight", ("inter2", "hidden")),
+    TensorRule("mlp.down_proj.weight", ("hidden", "inter")),
+)
 _HEAD = (TensorRule("model.embed_tokens.weight", ("vocab", "hidden")),)
 _TAIL = (
     TensorRule("model.norm.weight", ("hidden",)),
     TensorRule("lm_head.weight", ("vocab", "hidden"), unless="tie_word_embeddings"),
 )
 
+_COLOSSALAI = "colossalai.shardformer.policies"
 # model_type -> family; transformers 4.51's module definitions are the source of truth (the tests
 # compare every table with the state dict of a tiny model built from the entry's classes)
 FAMILIES: dict[str, ModelFamily] = {
@@ -184,12 +152,14 @@ FAMILIES: dict[str, ModelFamily] = {
         _HEAD, _attn("attention_bias", "attention_bias") + _mlp("mlp_bias") + _NORMS, _TAIL,
         config_defaults={"tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False},
         config_class="LlamaConfig", model_class="LlamaForCausalLM",
+        shardformer_policy=f"{_COLOSSALAI}.llama.LlamaForCausalLMPolicy",
         sp_modes=("split_gather", "ring", "all_to_all", "ring_attn"),
     ),
     "mistral": ModelFamily(
         _HEAD, _attn(None, None) + _mlp(None) + _NORMS, _TAIL,
         config_defaults={"tie_word_embeddings": False},
         config_class="MistralConfig", model_class="MistralForCausalLM",
+        shardformer_policy=f"{_COLOSSALAI}.mistral.MistralForCausalLMPolicy",
         sp_note="ColossalAI 0.5.0's Mistral policy switches sequence parallelism off with a warning and trains "
         "without it",
     ),
@@ -197,6 +167,7 @@ FAMILIES: dict[str, ModelFamily] = {
         _HEAD, _attn("always", None) + _mlp(None) + _NORMS, _TAIL,
         config_defaults={"tie_word_embeddings": False},
         config_class="Qwen2Config", model_class="Qwen2ForCausalLM",
+        shardformer_policy=f"{_COLOSSALAI}.qwen2.Qwen2ForCausalLMPolicy",
         sp_modes=("split_gather", "ring", "all_to_all"),
         sp_note="ColossalAI 0.5.0's Qwen2 attention forward asserts a mode other than ring_attn",
         # no sliding-window layers: the tiny demo model attends over its whole context
@@ -209,6 +180,31 @@ FAMILIES: dict[str, ModelFamily] = {
         sp_note="ColossalAI 0.5.0 has no Qwen3 shardformer policy",
         layer_activations=LLAMA_LAYER_ACTIVATIONS + QK_NORM_ACTIVATIONS,
     ),
+    # Gemma 3 text (Gemma3ForCausalLM: the text half, e.g. gemma-3-270m/1b): the embedding scaled by
+    # sqrt(hidden) in the module (Gemma3TextScaledWordEmbedding, no extra tensor), q/k norms per head,
+    # four norms a layer, sliding-window layers (same tensors), a tied head by default.
+    "gemma3_text": ModelFamily(
+        _HEAD, _attn("attention_bias", "attention_bias", qk_norm=True) + _mlp(None) + _FOUR_NORMS, _TAIL,
+        config_defaults={"tie_word_embeddings": True, "attention_bias": False, "head_dim": 256,
+                         "num_key_value_heads": 4},
+        config_class="Gemma3TextConfig", model_class="Gemma3ForCausalLM",
+        sp_note="ColossalAI 0.5.0 has no Gemma 3 shardformer policy, and the project carries none (its attention, "
+        "four-norm layer and scaled vocabulary-parallel embedding would each need a forward of their own)",
+        demo_config={"sliding_window": 32, "sliding_window_pattern": 2},
+        layer_activations=GEMMA3_LAYER_ACTIVATIONS,
+    ),
+    "phi3": ModelFamily(
+        _HEAD, _PHI3_LAYER + _NORMS, _TAIL,
+        config_defaults={"tie_word_embeddings": False},
+        config_class="Phi3Config", model_class="Phi3ForCausalLM",
+        # Phi3Config's pad_token_id=32000 is out of range for a tiny vocabulary (the demo sets its own)
+        demo_config={"pad_token_id": None},
+        sp_note="ColossalAI 0.5.0 has no Phi-3 shardformer policy, and the project carries none: tensor parallelism "
+        "must split qkv_proj per part (q | k | v) and gate_up_proj per part (gate | up); ColossalAI's FusedLinear1D_Col "
+        "(split_sizes) can, but a policy would also need Phi-3's attention with each rank's head counts, and a tp=2 "
+        "flow run to prove it",
+        layer_activations=PHI3_LAYER_ACTIVATIONS,
+    ),
 }  # fmt: skip
 
 
@@ -217,15 +213,22 @@ def supported() -> str:
     return ", ".join(sorted(FAMILIES))
 
 
+def family_of(model_config: Mapping[str, Any]) -> ModelFamily:
+    """The row of config.json's model_type, else the family derived from the model the installed
+    transformers builds (`tasks.core.models.derive`: imports torch and transformers, only then).
+    Raises ConversionError when neither exists."""
+    family = FAMILIES.get(model_config.get("model_type"))  # type: ignore[arg-type]
+    if family is not None:
+        return family
+    from tasks.core.models.derive import derive_family
+
+    return derive_family(model_config, registered=supported())
+
+
 def family_config(model_config: Mapping[str, Any]) -> tuple[ModelFamily, dict[str, Any]]:
     """The family of a config.json and the config with the family's defaults filled in."""
     model_type = model_config.get("model_type")
-    family = FAMILIES.get(model_type)  # type: ignore[arg-type]
-    if family is None:
-        raise ConversionError(
-            f"config.json model_type={model_type!r} is not supported by the converter; "
-            f"supported: {supported()} (add its layout to FAMILIES in tasks/core/models/families.py)"
-        )
+    family = family_of(model_config)
     config = {**family.config_defaults, **{k: v for k, v in model_config.items() if v is not None}}
     missing = [f for f in REQUIRED_FIELDS if not isinstance(config.get(f), int)]
     if missing:
@@ -244,22 +247,25 @@ def model_dims(model_config: Mapping[str, Any]) -> dict[str, int]:
 def iter_tensors(model_config: Mapping[str, Any]) -> Iterator[tuple[str, TensorRule, tuple[int, ...], int | None]]:
     """(key, rule, shape, layer index or None) of every tensor the model has, in module order."""
     family, config = family_config(model_config)
-    dims = {name: fn(config) for name, fn in DIMS.items()}
+    names = {name: fn(config) for name, fn in DIMS.items()}
+
+    def dims(rule: TensorRule) -> tuple[int, ...]:
+        return tuple(names[d] if isinstance(d, str) else d for d in rule.shape)
 
     def present(rule: TensorRule) -> bool:
         return (rule.when is None or bool(config.get(rule.when))) and not (rule.unless and config.get(rule.unless))
 
     for rule in family.head:
         if present(rule):
-            yield rule.key, rule, tuple(dims[d] for d in rule.shape), None
+            yield rule.key, rule, dims(rule), None
     for i in range(config["num_hidden_layers"]):
-        prefix = LAYER_PREFIX.format(i=i)
+        prefix = family.layer_prefix.format(i=i)
         for rule in family.layer:
             if present(rule):
-                yield prefix + rule.key, rule, tuple(dims[d] for d in rule.shape), i
+                yield prefix + rule.key, rule, dims(rule), i
     for rule in family.tail:
         if present(rule):
-            yield rule.key, rule, tuple(dims[d] for d in rule.shape), None
+            yield rule.key, rule, dims(rule), None
 
 
 def expected_tensors(model_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -330,3 +336,37 @@ def sp_family_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: st
         f"(or set {where}.plugin.sequence_parallelism: null)"
     )
     return f"{where}.plugin.sequence_parallelism.mode", why
+
+
+def plugins_without_policy() -> list[str]:
+    """The plugins that do not slice tensors, so they run a family with no shardformer policy."""
+    from tasks.core.config.plugins import PLUGINS
+
+    return [name for name, spec in PLUGINS.items() if not spec.shardformer]
+
+
+def policy_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: str) -> tuple[str, str] | None:
+    """(field, message) when the stage's plugin shards with a shardformer policy its family lacks
+    (ColossalAI raises NotImplementedError on a rank in boost_and_shard otherwise)."""
+    from tasks.core.config.plugins import PLUGINS
+
+    name = getattr(stage_cfg.plugin, "name", None)
+    if name not in PLUGINS or not PLUGINS[name].shardformer:
+        return None
+    try:
+        family = family_of(model_config)
+    except ConversionError:
+        return None  # no family at all: check_model_family names it
+    if family.shardformer_policy:
+        return None
+    why = (
+        f"{name} shards the model with a shardformer policy (tensor, pipeline and sequence parallelism), and "
+        + (
+            f"a family derived from {family.model_class} (model_type {model_config.get('model_type')!r} has no row "
+            "in tasks/core/models/families.py) names none"
+            if family.derived
+            else f"ColossalAI 0.5.0 has none for {family.model_class} (model_type {model_config.get('model_type')!r})"
+        )
+        + f"; set {where}.plugin.name to one of the plugins that run it: {', '.join(plugins_without_policy())}"
+    )
+    return f"{where}.plugin.name", why

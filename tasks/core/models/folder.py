@@ -1,5 +1,5 @@
 """Which files may sit in an HF model folder: the one rule the export, `cpt-to-sft verify`, the
-push and pre-flight apply alike.
+push and pre-flight apply alike, and a model folder's code (`auto_map`, `*.py`) kept out of them.
 
     python -c "from pathlib import Path; from tasks.core.models.folder import folder_problems; print(folder_problems(Path('runs/demo/export')))"
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 # The file names of an HF model folder, spelled here (the converter, tasks.core.models.convert.dtypes,
 # reads them from this module): the rule needs no converter, so checking a folder imports no torch.
@@ -135,6 +136,144 @@ def json_file_problem(path: Path) -> str | None:
     return None
 
 
+# safetensors' own header limit (safetensors/src/tensor.rs MAX_HEADER_SIZE); a header is a few hundred KB
+SAFETENSORS_MAX_HEADER = 100_000_000
+SAFETENSORS_DTYPE_BYTES = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "F8_E8M0"), 1),
+    **dict.fromkeys(("U16", "I16", "F16", "BF16"), 2),
+    **dict.fromkeys(("U32", "I32", "F32"), 4),
+    **dict.fromkeys(("U64", "I64", "F64", "C64"), 8),
+}
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a well-formed safetensors file, or None: its 8-byte header length is read
+    and bounded before the header is, the header parses as JSON, and every tensor's byte range lies
+    in the file, matches its dtype and shape, and the ranges tile the data with no gap or overlap
+    (what the safetensors loader checks, said here with the file's name before anything loads it)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"is {size} bytes, too short for a safetensors file (an 8-byte header length comes first)"
+        n = int.from_bytes(head, "little")
+        if n > SAFETENSORS_MAX_HEADER:
+            return (
+                f"claims a {n:,}-byte header (header too large: safetensors' limit is {SAFETENSORS_MAX_HEADER:,}): "
+                "corrupt, or not a safetensors file"
+            )
+        if 8 + n > size:
+            return f"claims a {n:,}-byte header but holds {size:,} bytes: truncated, or not a safetensors file"
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return f"has a header that is not JSON ({exc}): corrupt, or not a safetensors file"
+    if not isinstance(header, dict):
+        return "has a header that is not a JSON object: corrupt, or not a safetensors file"
+    data, ranges = size - 8 - n, []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in entry["data_offsets"])
+            count = 1
+            for dim in entry["shape"]:
+                count *= int(dim)
+            width = SAFETENSORS_DTYPE_BYTES[entry["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            return f"describes tensor {name!r} without a known dtype, a shape and two data_offsets: corrupt"
+        if not 0 <= begin <= end <= data:
+            return f"places tensor {name!r} at bytes {begin}-{end} of its {data:,} data bytes: truncated or corrupt"
+        if end - begin != count * width:
+            return f"gives tensor {name!r} {end - begin} bytes where its dtype and shape need {count * width}: corrupt"
+        ranges.append((begin, end))
+    at = 0
+    for begin, end in sorted(ranges):
+        if begin != at:
+            return f"has {'overlapping' if begin < at else 'unlisted'} data at byte {min(begin, at)} of its tensors: corrupt"
+        at = end
+    if at != data:
+        return f"has {data - at:,} bytes after its last tensor: truncated or corrupt"
+    return None
+
+
+def safetensors_problems(folder: Path) -> dict[str, str]:
+    """{file name: why} for every top-level `*.safetensors` of `folder` that is not well formed."""
+    return {
+        name: why
+        for name in top_level_names(folder)
+        if name.endswith(".safetensors") and (why := safetensors_problem(folder / name))
+    }
+
+
+# A model folder's own code: transformers imports it where a config's `auto_map` names it and
+# trust_remote_code is set. This project runs no model folder's code: no .py file is copied into
+# base/ (nor, so, any later folder), and every `auto_map` is removed, with a line (`strip_auto_map`).
+CODE_SUFFIXES = (".py", ".pyc")
+AUTO_MAP = "auto_map"
+
+
+def is_code(name: str) -> bool:
+    return name.endswith(CODE_SUFFIXES)
+
+
+def auto_map_paths(data: Any, prefix: str = "") -> list[str]:
+    """The key path of every `auto_map` in a parsed JSON config, nested sections (text_config,
+    vision_config, ...) and lists included."""
+    out: list[str] = []
+    if isinstance(data, dict):
+        for key, value in data.items():
+            where = f"{prefix}.{key}" if prefix else str(key)
+            if key == AUTO_MAP:
+                out.append(where)
+            else:
+                out += auto_map_paths(value, where)
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            out += auto_map_paths(value, f"{prefix}[{i}]")
+    return out
+
+
+def _configs(folder: Path, names: Iterable[str] | None) -> list[str]:
+    """The top-level JSON files transformers reads an `auto_map` from: config.json, tokenizer_config.json,
+    generation_config.json, processor_config.json, preprocessor_config.json, ..."""
+    names = top_level_names(folder) if names is None else names
+    return sorted(n for n in set(names) if "/" not in n and n.endswith("config.json") and (folder / n).is_file())
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None  # a broken file is json_file_problem's to name
+
+
+def auto_map_entries(folder: Path, names: Iterable[str] | None = None) -> list[str]:
+    """'<file> <key path>' of every `auto_map` in the folder's config files."""
+    return [f"{n} {p}" for n in _configs(folder, names) for p in auto_map_paths(_read_json(folder / n))]
+
+
+def _without_auto_map(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _without_auto_map(v) for k, v in data.items() if k != AUTO_MAP}
+    if isinstance(data, list):
+        return [_without_auto_map(v) for v in data]
+    return data
+
+
+def strip_auto_map(folder: Path) -> list[str]:
+    """Remove every `auto_map` from the folder's config files (rewritten, keys in order); returns
+    what was removed ('<file> <key path>'), for the log line and the manifest."""
+    removed: list[str] = []
+    for name in _configs(folder, None):
+        data = _read_json(folder / name)
+        paths = auto_map_paths(data)
+        if paths:
+            (folder / name).write_text(json.dumps(_without_auto_map(data), indent=2, ensure_ascii=False) + "\n")
+            removed += [f"{name} {p}" for p in paths]
+    return removed
+
+
 def top_level_names(folder: Path) -> list[str]:
     """The plain files directly in `folder` (what a weight loader's glob sees)."""
     return sorted(p.name for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
@@ -182,6 +321,17 @@ def folder_problems(folder: Path, names: Iterable[str] | None = None, require_we
     for name, why in misnamed(folder, names).items():
         if not name.endswith(".safetensors"):  # a stray shard is said above
             out.append(f"{folder} holds {name}: {why}; {fix}")
+    for name in names:
+        if is_code(name):
+            out.append(
+                f"{folder} holds {name}: Python code, which a loader with trust_remote_code would run; no model "
+                f"folder of this project carries code: {fix}"
+            )
+    for entry in auto_map_entries(folder, names):
+        out.append(
+            f"{folder}: {entry} names Python code for loaders to run (auto_map); no model folder of this project "
+            f"carries it: remove the entry, or rebuild the folder (delete it and re-run its stage)"
+        )
     missing = sorted(weights - set(names))
     if missing and require_weights:
         named_by = SAFE_INDEX_NAME if SAFE_INDEX_NAME in names else "the folder"

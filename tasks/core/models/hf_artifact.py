@@ -25,7 +25,7 @@ from tasks.core.models.fingerprint import (
     load_fingerprint,
     save_fingerprint,
 )
-from tasks.core.models.folder import misnamed
+from tasks.core.models.folder import is_code, misnamed, strip_auto_map
 from tasks.core.models.stop_tokens import align_generation_config
 from tasks.core.run.manifest import VERIFICATION  # noqa: F401 (where the proof goes: callers import it from here too)
 
@@ -44,11 +44,17 @@ TOKENIZER_GLOBS = (
 
 
 def copy_tokenizer(src: Path, dst: Path) -> list[str]:
-    """The tokenizer files of `src` into `dst`, but never one that is not what its name says (folder.misnamed)."""
+    """The tokenizer files of `src` into `dst`, but never one that is not what its name says
+    (folder.misnamed), nor code (`tokenizer_x.py`); build_hf_dir removes any `auto_map` after."""
     copied, left_out = [], misnamed(src)
     for pattern in TOKENIZER_GLOBS:
         for path in sorted(src.glob(pattern)):
-            if path.is_file() and not (dst / path.name).exists() and path.name not in left_out:
+            if (
+                path.is_file()
+                and not (dst / path.name).exists()
+                and path.name not in left_out
+                and not is_code(path.name)
+            ):
                 shutil.copy2(path, dst / path.name)
                 copied.append(path.name)
     return copied
@@ -95,6 +101,8 @@ def build_hf_dir(
     model_config["torch_dtype"] = TORCH_DTYPE_NAMES.get(out_dtype, out_dtype)
     (dst / "config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True) + "\n")
     tokenizer_files = copy_tokenizer(source_model_dir, dst)
+    # A base/ made before load_from_hf removed them still holds the model's auto_map: it never goes on.
+    removed_auto_map = strip_auto_map(dst)
     gen_path = source_model_dir / "generation_config.json"
     stop_tokens = None
     if align_stop_tokens is None:
@@ -109,6 +117,7 @@ def build_hf_dir(
         )
         (dst / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 
+    removed_auto_map += strip_auto_map(dst)  # generation_config.json's, if it had one
     logits = hf_dir_logits(dst, verify_memory_gb=verify_memory_gb)
     check = compare_logits(
         logits, load_fingerprint(checkpoint_dir), rtol if rtol is not None else default_rtol(out_dtype, weights_dtype)
@@ -126,6 +135,8 @@ def build_hf_dir(
     }
     if stop_tokens is not None:
         verification["stop_tokens"] = stop_tokens
+    if removed_auto_map:
+        verification["removed_auto_map"] = removed_auto_map
     if not check["fingerprint_match"]:
         raise ConversionError(
             f"{dst}: the weights are bitwise the checkpoint's, but plain transformers' logits on the probe batch "

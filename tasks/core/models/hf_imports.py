@@ -10,12 +10,17 @@ loading a tokenizer in a fresh process took 3.1 CPU-s and a 413 MB peak with it,
 without. `install()` sets transformers' own flag (`transformers.utils.import_utils._sklearn_available`)
 to False right after that module first runs, and imports nothing itself: a process that never touches
 transformers pays nothing. lm-eval imports scikit-learn itself and keeps it.
+
+`install()` also keeps bitsandbytes' harmless "Failed to load CPU gemm_4bit_forward" warning off every
+console (`harmless_bnb_kernels`): peft imports bitsandbytes in the flow's own process (a LoRA run's
+merge, evaluation and card) as ColossalAI does in every rank.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import logging
 import sys
 from typing import Any
 
@@ -43,7 +48,28 @@ class _WithoutSklearn(importlib.abc.MetaPathFinder):
         return spec
 
 
+BNB_CPU_OPS = "bitsandbytes.backends.cpu.ops"
+
+
+def harmless_bnb_kernels(record: logging.LogRecord) -> bool:
+    """bitsandbytes (imported by ColossalAI and peft) tries the optional `kernels` package for its
+    4-bit CPU matmul at import and warns, in every process that imports it, when it is not installed;
+    it falls back to its own kernel, and nothing here runs 4-bit layers on a CPU. Any other failure of
+    that load (the package present but broken) still gets through."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return not (
+        str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+        and args
+        and isinstance(args[0], ModuleNotFoundError)
+        and args[0].name == "kernels"
+    )
+
+
 def install() -> None:
-    """Idempotent; too late (and a no-op) once transformers is imported."""
+    """Idempotent; too late (and a no-op) once transformers is imported. The bitsandbytes filter sits on
+    its logger before bitsandbytes exists (a logger is only a name until then)."""
+    bnb = logging.getLogger(BNB_CPU_OPS)
+    if harmless_bnb_kernels not in bnb.filters:
+        bnb.addFilter(harmless_bnb_kernels)
     if _FLAGS not in sys.modules and not any(isinstance(f, _WithoutSklearn) for f in sys.meta_path):
         sys.meta_path.insert(0, _WithoutSklearn())

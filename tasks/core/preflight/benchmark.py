@@ -1,6 +1,6 @@
 """Pre-flight of the benchmark stage: lm-eval is installed, every task is local data, and its YAML loads.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 
 For each YAML `benchmark.tasks` names: it parses as one lm-eval task with the project's own loader
 (no custom tag such as `!function`, no alias; tasks/core/evaluation/task_rules.py), its `task:` is a

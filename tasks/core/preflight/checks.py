@@ -1,8 +1,8 @@
 """Pre-flight: every check a run can fail in seconds, before a model is loaded or a rank started.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 
-Pure of prefect: the Prefect task (`tasks.preflight.preflight`) adds the one check that needs it
+Pure of prefect: the Prefect task (`tasks.flowkit.preflight.preflight`) adds the one check that needs it
 (the Hub token in the Secret block `hf-token`) and passes its answer in as `token_present`.
 Nothing here reads weights: the base model's config.json, tokenizer_config.json and file list
 are enough (for a Hub repo: `hf_hub_download` of those two small files and the repo's file list).
@@ -141,9 +141,9 @@ def _stage_layout(ctx: CheckContext, name: str, stage: StageConfig) -> None:
         )
     for where, msg in layout_problems(stage, name, tiers=("batch", "model"), **_facts(ctx)):
         ctx.problem(where, msg)
-    from tasks.core.models.families import sp_family_problem
+    from tasks.core.models.families import policy_problem, sp_family_problem
 
-    if mc is not None and (sp := sp_family_problem(mc, stage, name)):
+    if mc is not None and (sp := policy_problem(mc, stage, name) or sp_family_problem(mc, stage, name)):
         ctx.problem(*sp)
     world = launch.world_size
     if world % (p.tp_size * p.pp_size) == 0 and not any(
@@ -312,17 +312,45 @@ def check_base_model(ctx: CheckContext) -> None:
             f"base model {ctx.model.where}: {len(safetensors)} safetensors file(s)"
             + (f"; {len(pickles)} pickle file(s) ignored" if pickles and not b.allow_pickle else "")
         )
-    auto_map = ctx.model.config.get("auto_map")
-    if auto_map and not b.trust_remote_code:
+    code = _model_code(ctx)
+    model_type = ctx.model.config.get("model_type")
+    if code and not b.trust_remote_code:
         ctx.problem(
             "base_model.trust_remote_code",
-            f"{ctx.model.where} needs its own Python code (config.json auto_map: {sorted(auto_map)}); "
-            "review the repo and set base_model.trust_remote_code: true, or use a model transformers supports natively",
+            f"{ctx.model.where} names its own Python code ({'; '.join(code)}); this project never runs a model "
+            f"folder's code nor carries it on: review the repo, and if transformers' own {model_type!r} class is the "
+            "model, set base_model.trust_remote_code: true (load_from_hf then removes every auto_map, with a logged "
+            "line, and copies no .py file), or remove the auto_map entries; else use a model transformers supports "
+            "natively",
+        )
+    elif code:
+        ctx.warn(
+            f"base_model.trust_remote_code: {ctx.model.where} names its own Python code ({'; '.join(code)}); "
+            f"load_from_hf removes every auto_map from base/ and copies no .py file, so no model code runs and none "
+            f"reaches cpt/hf/, the export or the Hub: the model loads as transformers' own {model_type!r} class"
         )
     elif b.trust_remote_code:
-        ctx.warn("base_model.trust_remote_code is true: the model repo's Python code will run in every stage")
+        ctx.warn(
+            "base_model.trust_remote_code is true, but the model names no code of its own (no auto_map); no model "
+            "folder's code runs here either way"
+        )
     else:
-        ctx.ok("base model: no remote code (trust_remote_code false)")
+        ctx.ok("base model: no remote code (no auto_map, no .py files)")
+
+
+def _model_code(ctx: CheckContext) -> list[str]:
+    """Where the base model names or holds its own code: every auto_map of its configs (nested ones
+    included; a Hub model's config.json and tokenizer_config.json) and its .py files."""
+    from tasks.core.models.folder import auto_map_entries, auto_map_paths, is_code
+
+    m = ctx.model
+    if m.source == "local":
+        found = auto_map_entries(Path(m.where), m.files)
+    else:
+        found = [f"config.json {p}" for p in auto_map_paths(m.config)]
+        found += [f"tokenizer_config.json {p}" for p in auto_map_paths(m.tokenizer_config or {})]
+    py = [n for n in m.files if is_code(n)]
+    return found + ([f"{len(py)} .py file(s): {', '.join(py[:3])}"] if py else [])
 
 
 def check_sequence_length(ctx: CheckContext) -> None:
@@ -378,22 +406,36 @@ def check_chat_template(ctx: CheckContext) -> None:
 
 
 def check_model_family(ctx: CheckContext) -> None:
-    """The base model's model_type is in the family registry: the unshard after CPT and the export
-    convert checkpoints by its tensor table, so an unknown family would fail only after CPT."""
+    """The base model's family has a tensor table: its row in the registry, or one derived from the
+    model the installed transformers builds on the meta device (which imports torch and transformers,
+    so only for a model_type with no row). The unshard after CPT and the export convert checkpoints by
+    it, so a family without one would fail only after CPT."""
     if ctx.model is None:
         return
-    from tasks.core.models.families import FAMILIES, supported
+    from tasks.core.errors import ConversionError
+    from tasks.core.models.families import FAMILIES, family_config, supported
 
     model_type = ctx.model.config.get("model_type")
     if isinstance(model_type, str) and model_type in FAMILIES:
-        ctx.ok(f"model family {model_type}: in the registry, so the unshard and the export can convert it")
+        policy = FAMILIES[model_type].shardformer_policy
+        ctx.ok(
+            f"model family {model_type}: in the registry, so the unshard and the export can convert it"
+            + ("" if policy else "; no shardformer policy, so hybrid_parallel does not run it")
+        )
         return
-    ctx.problem(
-        "base_model.uri",
-        f"{ctx.model.where}: config.json model_type={model_type!r} is not a supported model family (supported: "
-        f"{supported()}); "
-        "the unshard after CPT and the export convert checkpoints by the family's tensor table. Use a base model of a "
-        "supported family, or add the family's entry to FAMILIES in tasks/core/models/families.py",
+    try:
+        family, _ = family_config(ctx.model.config)
+    except ConversionError as exc:
+        ctx.problem(
+            "base_model.uri",
+            f"{ctx.model.where}: {exc} (the registered families: {supported()}; or add the family's entry to "
+            "FAMILIES in tasks/core/models/families.py)",
+        )
+        return
+    ctx.ok(
+        f"model family {model_type}: no row in the registry; its tensor table is derived from {family.model_class} "
+        f"({family.config_class}) built on the meta device by the installed transformers (torch imported for it), "
+        "so the unshard and the export can convert it (the memory estimate counts Llama's activation terms for it)"
     )
 
 

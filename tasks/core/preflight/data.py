@@ -1,7 +1,7 @@
 """Pre-flight's look at each dataset: it exists, a directory's files that are not data are named once,
 and its first records have the fields and roles the stage needs.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Pre-flight: each evaluation stage's cost next to its training stage's, and a warning (never a
 refusal) when evaluation would take a large share of the run.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 
 Both sides are counted in model FLOPs (`tasks.core.models.flops`) on this worker, so the unknown
 rate of the device mostly cancels. Training: (6N + attention) per token, 4N instead of 6N under

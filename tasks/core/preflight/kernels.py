@@ -1,7 +1,7 @@
 """Pre-flight's kernel report: what each stage's fast kernels and activation checkpointing will be,
 decided by the kernel registry (tasks/core/config/kernels.py) for this machine and the base model.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check   # "cpt kernels: flash attention: off: no CUDA; ..."
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check   # "cpt kernels: flash attention: off: no CUDA; ..."
 
 A report line, never a problem: a kernel that cannot run is off, with its reason, and the run goes
 on without it. The ranks decide again on their own machine (a Slurm node may have what this one

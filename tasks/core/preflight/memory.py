@@ -2,7 +2,7 @@
 row and the batch; pre-flight prints it per stage and refuses a layout that does not fit the GPU.
 
     python -m tasks.core.preflight.memory --table                                 # Llama-3-8B / 70B on 8x80 GB nodes
-    python -m tasks.core.preflight.memory deployments/configs/tiny-cpu.yaml       # each stage of a run config
+    python -m tasks.core.preflight.memory examples/tiny-cpu.yaml       # each stage of a run config
 
 What is counted, per rank (pure arithmetic: no torch, nothing loaded):
 - the rank's parameters: the family's tensor table (`tasks.core.models.families`), each tensor with a
@@ -301,6 +301,23 @@ def _with(stage_cfg: StageConfig, plugin: dict[str, Any] | None = None, **fields
     return StageConfig.model_validate(data)
 
 
+def _plugin_levers(st: StageConfig, name: str, cuda: bool, mixed: dict[str, str]) -> Iterable[tuple[str, StageConfig]]:
+    """Another plugin that holds less, for each registry row with a `lever` the layout fits."""
+    p = st.plugin
+    for other, spec in PLUGINS.items():
+        if spec.lever is None or other == p.name or (spec.needs_cuda and not cuda):
+            continue
+        if not spec.supports_tp_pp and (p.tp_size > 1 or p.pp_size > 1):
+            continue
+        change = dict(spec.lever.fields)
+        shown = "".join(f", {k}: {v}" for k, v in change.items())
+        change.setdefault("zero_stage", p.zero_stage if p.zero_stage in spec.zero_stages else spec.zero_stages[0])
+        yield (
+            f"{name}.plugin.name: {other}{shown}" + (", precision: bf16" if mixed else ""),
+            _with(st, {"name": other, **change, **mixed}),
+        )
+
+
 def _levers(st: StageConfig, name: str, cuda: bool) -> Iterable[tuple[str, StageConfig]]:
     """Single changes that shrink a rank's memory, each named by its config fields, strongest first
     within a lever (they are tried in turn until one fits)."""
@@ -312,16 +329,7 @@ def _levers(st: StageConfig, name: str, cuda: bool) -> Iterable[tuple[str, Stage
             f"{name}.plugin.zero_stage: {z}" + (", precision: bf16" if mixed else ""),
             _with(st, {"zero_stage": z, **mixed}),
         )
-    if p.tp_size == 1 and p.pp_size == 1 and p.name != "low_level_zero":
-        yield (
-            f"{name}.plugin.name: low_level_zero, zero_stage: 2" + (", precision: bf16" if mixed else ""),
-            _with(st, {"name": "low_level_zero", "zero_stage": 2, **mixed}),
-        )
-    if cuda and p.tp_size == 1 and p.pp_size == 1 and p.name != "gemini":
-        yield (
-            f"{name}.plugin.name: gemini" + (", precision: bf16" if mixed else ""),
-            _with(st, {"name": "gemini", "zero_stage": 0, **mixed}),
-        )
+    yield from _plugin_levers(st, name, cuda, mixed)
     if spec.supports_tp_pp:
         tp = p.tp_size * 2
         while tp <= st.launch.nproc_per_node:
@@ -563,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # as pre-flight reads it: the static rules are its own checks
     mc = read_model_info(cfg.base_model.uri, cfg.base_model.revision).config
     for name in PHASES:
-        st = getattr(cfg, name)
+        st = cfg.phase(name)
         cuda = bool(getattr(st.launch, "gpu_memory_gb", None))
         est = estimate(mc, st, stage=name, cuda=cuda)
         print(

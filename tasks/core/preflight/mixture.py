@@ -2,7 +2,7 @@
 sum to 1 (normalized and said, or refused under data.strict_weights), and the files of a source's
 directory that are not data (named in one line, never read).
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 
 A warning, never a refusal: a small source repeated many times (an instruction set replayed, a
 tiny domain corpus) may be what the user wants, but it should be a decision. The planned samples

@@ -1,7 +1,8 @@
 """Pre-flight checks of the base model's own files: each JSON file parses (and tokenizer.json
-loads as a tokenizer), every file is what its name says, and LoRA's targets exist in the model.
+loads as a tokenizer), each safetensors header is bounded and consistent with the file, every file
+is what its name says, and LoRA's targets exist in the model.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 
 A local base model is read here (a Hub model's tokenizer.json and generation_config.json are not
 downloaded for this: load_from_hf meets them); the LoRA targets are resolved against the module
@@ -22,7 +23,7 @@ def check_model_files(ctx: CheckContext) -> None:
     stray shard) is named, and load_from_hf leaves it out of base/ (so of every later folder and the push)."""
     if ctx.model is None or ctx.model.source != "local":
         return
-    from tasks.core.models.folder import JSON_FILES, json_file_problem, misnamed
+    from tasks.core.models.folder import JSON_FILES, json_file_problem, misnamed, safetensors_problems
 
     root = Path(ctx.model.where)
     bad = 0
@@ -36,6 +37,17 @@ def check_model_files(ctx: CheckContext) -> None:
                 "re-convert it)",
             )
     try:
+        broken_weights = safetensors_problems(root)
+    except OSError as exc:
+        broken_weights = {}
+        ctx.warn(f"base model {root}: its safetensors headers could not be read ({exc})")
+    for name, why in broken_weights.items():
+        bad += 1
+        ctx.problem(
+            "base_model.uri",
+            f"{root / name} {why}; load_from_hf would fail on it: restore the file from the model's source",
+        )
+    try:
         left_out = misnamed(root)
     except OSError as exc:
         ctx.warn(f"base model {root}: its files could not be read to check what they are ({exc})")
@@ -48,7 +60,8 @@ def check_model_files(ctx: CheckContext) -> None:
     if not bad:
         present = [n for n in JSON_FILES if (root / n).is_file()]
         ctx.ok(
-            f"base model files: {', '.join(present)} parse" + ("" if left_out else "; every file is what its name says")
+            f"base model files: {', '.join(present)} parse; the safetensors headers are whole"
+            + ("" if left_out else "; every file is what its name says")
         )
 
 

@@ -1,6 +1,6 @@
 """The pre-flight report and what each check sees (pure: no I/O here).
 
-python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 """
 
 from __future__ import annotations

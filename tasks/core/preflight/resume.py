@@ -7,7 +7,7 @@ the layout the config now asks for (its model and optimizer re-sharded by the lo
 line, naming both layouts. A new layout that changes the global batch is refused, naming the
 values that keep it, when nothing else the model learns from changed (the digest at the
 checkpoint's global batch is the checkpoint's). Any other change moves the checkpoints aside, as the
-training task does (tasks/train.py `_supersede_foreign`); said too. Parents' content digests come
+training task does (tasks/stages/train.py `_supersede_foreign`); said too. Parents' content digests come
 from their artifacts on the run root; without them (nothing built yet) there is nothing to say.
 """
 

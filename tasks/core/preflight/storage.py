@@ -3,7 +3,7 @@ under it are trustworthy by name and keep the model-folder rule, there is local 
 checkpoints, the run never reads what it writes (run root, staging dir and data sources apart),
 and a local base model's files all resolve inside its directory.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 
 Staging space is an estimate (parameter count from the model family's tensor table): a training
 checkpoint is weights in the dtype the plugin trains + fp32 Adam moments (8 B/param) + the fp32 master
@@ -27,7 +27,7 @@ from typing import Any
 from tasks.core.config.phases import PHASES
 from tasks.core.config.plugins import spec_of
 from tasks.core.config.schema import RunConfig, StageConfig
-from tasks.core.errors import ManifestError
+from tasks.core.errors import ConversionError, ManifestError
 from tasks.core.models.folder import folder_problems
 from tasks.core.preflight.model_info import DTYPE_BYTES, estimate_parameters
 from tasks.core.preflight.report import CheckContext
@@ -163,19 +163,31 @@ def estimate_local_bytes(cfg: RunConfig, mc: dict[str, Any], local_run_root: boo
 
     hf = n * (base_bytes + DTYPE_BYTES[cfg.cpt.plugin.precision] + DTYPE_BYTES[cfg.export.dtype])
     if local_run_root:
-        kept = sum((getattr(cfg, s).keep_last + 1) * ckpt(getattr(cfg, s)) for s in PHASES)
+        kept = sum((cfg.phase(s).keep_last + 1) * ckpt(cfg.phase(s)) for s in PHASES)
         how = (
             f"{n / 1e6:.1f}M params: (keep_last+1) checkpoints per stage at (weights + 8 B Adam + 4 B fp32 "
             "master where the plugin keeps one) per param, plus 3 HF copies"
         )
     else:
-        staged = {s: getattr(cfg, s).keep_last + getattr(cfg, s).max_pending_publishes + 1 for s in PHASES}
-        kept = max(staged[s] * ckpt(getattr(cfg, s)) for s in staged)
+        staged = {s: cfg.phase(s).keep_last + cfg.phase(s).max_pending_publishes + 1 for s in PHASES}
+        kept = max(staged[s] * ckpt(cfg.phase(s)) for s in staged)
         how = (
             f"{n / 1e6:.1f}M params: (keep_last + max_pending_publishes + 1) staged checkpoints of the larger stage "
             f"(cpt {staged['cpt']}, sft {staged['sft']}) plus 3 HF copies"
         )
     return kept + hf, how
+
+
+def unestimated(mc: dict[str, Any]) -> str:
+    """Why config.json gives no parameter count: its family is not known (the family registry's own
+    words, naming the known ones and where to add it), or a dimension is missing."""
+    from tasks.core.models.families import family_config
+
+    try:
+        family_config(mc)
+    except ConversionError as exc:
+        return str(exc)
+    return "config.json lacks the dimensions to estimate the parameter count"
 
 
 def check_staging_space(ctx: CheckContext) -> None:
@@ -196,7 +208,7 @@ def check_staging_space(ctx: CheckContext) -> None:
         where = Path(ctx.cfg.staging_dir) if ctx.cfg.staging_dir else Path(tempfile.gettempdir())
     est = estimate_local_bytes(ctx.cfg, ctx.model.config, local)
     if est is None:
-        ctx.warn("staging space not checked: config.json lacks the dimensions to estimate the parameter count")
+        ctx.warn(f"staging space not checked: {unestimated(ctx.model.config)}")
         return
     need, how = est
     free = ctx.machine.free_bytes
@@ -244,9 +256,9 @@ def check_paths(ctx: CheckContext) -> None:
     held-out JSONL and generations.jsonl as corpus)."""
     cfg = ctx.cfg
     writes = [("run_root", cfg.run_uri)] + ([("staging_dir", str(cfg.staging_dir))] if cfg.staging_dir else [])
-    sources = [(f"{s}.data.uri", u) for s in PHASES for u in getattr(cfg, s).data.uris]
+    sources = [(f"{s}.data.uri", u) for s in PHASES for u in cfg.phase(s).data.uris]
     sources += [
-        (f"{s}.eval.heldout_uri", getattr(cfg, s).eval.heldout_uri) for s in PHASES if getattr(cfg, s).eval.heldout_uri
+        (f"{s}.eval.heldout_uri", cfg.phase(s).eval.heldout_uri) for s in PHASES if cfg.phase(s).eval.heldout_uri
     ]
     bad = 0
     for wfield, wuri in writes:

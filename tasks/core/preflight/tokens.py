@@ -1,12 +1,13 @@
 """Pre-flight's look at the base model's tokenizer: the special tokens agree with the model, and how
 many sampled SFT chats are longer than seq_len.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 
 Read without transformers (whose import pulls in torch): `tokenizer.json` through the `tokenizers`
 library, `tokenizer_config.json` / `special_tokens_map.json` for the token names, and the chat
-template rendered by jinja2 the way transformers renders it (a sandbox, trim_blocks, lstrip_blocks,
-`tojson`, `raise_exception`). Local base models only: nothing is downloaded for this; prepare_data
+template rendered the way transformers renders it, under the budget prepare_sft renders it under
+(`tasks.core.data.chat_template`): a template that cannot render a plain conversation (over the
+budget, reaching for Python internals, a syntax error) is refused naming its file. Local base models only: nothing is downloaded for this; prepare_data
 records what it used in index.json `special_tokens` either way.
 
 - `check_special_tokens`: the tokenizer's eos ends every CPT document (prepare_cpt), so it must be
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.core.config.paths import resolve_local
+from tasks.core.data.chat_template import REFUSED, ChatTemplateError, render
 from tasks.core.data.records import head_records
 from tasks.core.preflight.report import CheckContext
 
@@ -62,7 +64,7 @@ class TokenizerFiles:
     template: str | None
     backend: Any  # tokenizers.Tokenizer
     special: set[int] = field(default_factory=set)
-    _compiled: Any = None
+    template_file: str = "tokenizer_config.json"
 
     def id_of(self, name: str) -> int | None:
         text = self.names.get(name)
@@ -75,43 +77,33 @@ class TokenizerFiles:
         return "none" if i is None else f"{self.token(i)!r} (id {i})"
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        if self._compiled is None:
-            self._compiled = self._compile()
-        text = self._compiled.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            **{k: v for k, v in self.names.items() if v is not None},
+        """The template rendered as prepare_sft renders it, under the same budget (ChatTemplateError naming its file)."""
+        context = {
+            "messages": messages,
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        text = render(
+            self.template or "",
+            {**context, **{k: v for k, v in self.names.items() if v is not None}},
+            self.template_file,
         )
         return self.backend.encode(text, add_special_tokens=False).ids
 
-    def _compile(self) -> Any:
-        """The template compiled once (a compile costs ~7 ms, a render ~0.1 ms)."""
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(message: str) -> None:
-            raise ValueError(message)
-
-        def tojson(
-            x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
-        ) -> str:
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.template or "")
-
-
-def _template(root: Path, config: dict[str, Any]) -> str | None:
+def _template(root: Path, config: dict[str, Any]) -> tuple[str | None, str]:
+    """The chat template and the file it is written in (chat_template.jinja, .json, else tokenizer_config.json)."""
     if (root / "chat_template.jinja").is_file():
-        return (root / "chat_template.jinja").read_text()
+        return (root / "chat_template.jinja").read_text(), str(root / "chat_template.jinja")
     if (root / "chat_template.json").is_file():
-        return json.loads((root / "chat_template.json").read_text()).get("chat_template")
+        return json.loads((root / "chat_template.json").read_text()).get("chat_template"), str(
+            root / "chat_template.json"
+        )
     t = config.get("chat_template")
     if isinstance(t, list):  # named templates: the default one
         t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
-    return t if isinstance(t, str) else None
+    return (t if isinstance(t, str) else None), str(root / "tokenizer_config.json")
 
 
 def read_tokenizer(ctx: CheckContext) -> TokenizerFiles | None:
@@ -127,7 +119,10 @@ def read_tokenizer(ctx: CheckContext) -> TokenizerFiles | None:
     names = {k: _content(config.get(k)) or _content(stmap.get(k)) for k in _TOKENS}
     raw = json.loads((root / "tokenizer.json").read_text())
     special = {int(t["id"]) for t in raw.get("added_tokens") or [] if t.get("special")}
-    return TokenizerFiles(root, config, names, _template(root, config), Tokenizer.from_str(json.dumps(raw)), special)
+    template, template_file = _template(root, config)
+    return TokenizerFiles(
+        root, config, names, template, Tokenizer.from_str(json.dumps(raw)), special, template_file=template_file
+    )
 
 
 def _generation_config(ctx: CheckContext) -> dict[str, Any] | None:
@@ -231,10 +226,12 @@ def check_special_tokens(ctx: CheckContext) -> None:
     if tf.template:
         try:
             eot = end_of_turn(tf)
-        except Exception as exc:  # a template this renderer cannot run: prepare_sft renders it with transformers
+        except ChatTemplateError as exc:
+            if exc.kind in REFUSED:  # it fails on any conversation: prepare_sft would too
+                ctx.problem("base_model.uri", str(exc))
+                return
             ctx.warn(
-                "sft end of turn not checked: the chat template does not render outside transformers "
-                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+                f"sft end of turn not checked: {exc.source}: the chat template raised on a plain conversation ({exc.reason})"
             )
     if tf.template and eot is None and not any("end of turn not checked" in w for w in ctx.report.warnings):
         ctx.warn(
@@ -310,6 +307,10 @@ def check_sft_lengths(ctx: CheckContext) -> None:
             for m in chats:
                 validate_messages(m)
                 lengths.append(len(tf.render(m, False)))
+        except ChatTemplateError as exc:
+            if exc.kind in REFUSED and not any(exc.source in p for _, p in ctx.report.problems):
+                ctx.problem("base_model.uri", f"{exc} (rendering a chat of {first.uri})")
+            continue
         except Exception:  # noqa: S112
             # check_data names a source it cannot read; a template that does not render is check_special_tokens's
             continue

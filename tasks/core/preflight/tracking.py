@@ -1,6 +1,6 @@
 """Pre-flight's tracking check: an MLflow server answers at tracking.mlflow.uri.
 
-python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def digest_fields(cfg: RunConfig, stage: str) -> dict[str, Any]:
                 _drop(value, ex[len(path) + 1 :])
         out[path] = value
     if spec.global_batch:
-        out[f"{spec.global_batch}.{GLOBAL_BATCH}"] = global_batch(getattr(cfg, spec.global_batch))
+        out[f"{spec.global_batch}.{GLOBAL_BATCH}"] = global_batch(cfg.phase(spec.global_batch))
     return out
 
 

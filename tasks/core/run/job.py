@@ -1,5 +1,5 @@
 """The job file: what one engine invocation does. One frozen pydantic model, written by the
-Prefect task (tasks/train.py) and read by the engine (tasks/engine/__main__.py):
+Prefect task (tasks/stages/train.py) and read by the engine (tasks/engine/__main__.py):
 
     torchrun --nproc_per_node=2 -m tasks.engine train --config JOB.json
 

@@ -222,16 +222,42 @@ def _change(before: Any, after: Any, fmt: str) -> str:
     )
 
 
+def _over_seq_len(tr: dict[str, Any]) -> str:
+    """'; 3 of 200 chats over seq_len=128 (drop)': what the truncation rule did, from a prepare row's counts."""
+    n = int(tr.get("over_seq_len") or 0)
+    if not n:
+        return ""
+    what = "chats" if "chats" in tr else "documents"
+    return f"; {n:,} of {int(tr.get(what) or 0):,} {what} over seq_len={tr.get('seq_len')} ({tr.get('rule')})"
+
+
+def _scores(tasks: dict[str, Any], shown: int = 2) -> str:
+    """'veyra_facts acc 0.6 → 0.57': each benchmark metric, base to export, the first `shown` of them."""
+    figs = []
+    for task, metrics in tasks.items():
+        for metric, m in (metrics or {}).items():
+            after = m.get("export")
+            figs.append(f"{task} {metric} {_change(m.get('base'), after, '.4g') or _g(after)}")
+    return "; ".join(figs[:shown]) + (f" (+{len(figs) - shown} more)" if len(figs) > shown else "")
+
+
+def _g(x: Any) -> str:
+    return format(x, ".4g") if isinstance(x, (int, float)) else "-"
+
+
 def key_figure(row: dict[str, Any]) -> str:
     """The one figure a stage's row of run.json is read for: perplexity, loss, export size, ..."""
     d, name = row.get("detail") or {}, row.get("stage", "")
     if str(row.get("status")) == "failed":
-        return "its cause is the run's last line"  # a failure is one line on the console (tasks/console_log.py)
+        return "its cause is the run's last line"  # a failure is one line on the console (tasks/flowkit/console_log.py)
     m = d.get("metrics") or {}
     if name == "load_from_hf" and d.get("model_type"):
         return f"{d['model_type']}, vocab {d.get('vocab_size')}"
     if name.startswith("prepare_") and "train_tokens" in d:
-        return f"{count(d['train_tokens'])} train tokens, {count(d.get('heldout_tokens', 0))} held out"
+        return (
+            f"{count(d['train_tokens'])} train tokens, {count(d.get('heldout_tokens', 0))} held out"
+            f"{_over_seq_len(d.get('truncation') or {})}"
+        )
     if name in ("boost_and_shard", "reboost") and d.get("plugin"):
         return str(d["plugin"])
     if name.startswith("train_") and d.get("final_loss") is not None:
@@ -244,6 +270,8 @@ def key_figure(row: dict[str, Any]) -> str:
         gen = m.get("generation") or {}
         stops = f"; {gen.get('stopped')}/{gen.get('prompts')} generations stop" if gen else ""
         return f"held-out loss {_change((m.get('pre_sft') or {}).get('loss'), (m.get('sft') or {}).get('loss'), '.3f')}{stops}"
+    if name == "benchmark" and m.get("tasks"):
+        return _scores(m["tasks"])
     if name == "export" and d.get("bytes") is not None:
         return f"{size(d['bytes'])} {d.get('dtype', '')}".strip()
     if name == "gate" and "passed" in d:

@@ -17,7 +17,8 @@ A failed publish is retried with exponential backoff a bounded number of times (
 only what is missing). After the last attempt the failure is recorded, naming the checkpoint,
 and the worker publishes nothing newer (order matters: a newer remote checkpoint must never exist
 beside a missing older one that retention would then consider published). `drain()`, at the
-end of a stage, waits for the queue to empty and raises the first failure.
+end of a stage, waits for the queue to empty and raises the first failure. `publish_tensorboard`
+copies the stage's TensorBoard files up beside each published checkpoint.
 
 Pure: no prefect, no torch. Try it on a local run root:
 
@@ -38,8 +39,8 @@ from pathlib import Path
 
 from tasks.core.errors import ArtifactMissing, ManifestError
 from tasks.core.run.manifest import MANIFEST
-from tasks.core.run.stages import STEP_RE, step_name, step_rel
-from tasks.core.storage.fs import RunStore
+from tasks.core.run.stages import STEP_RE, TENSORBOARD, step_name, step_rel
+from tasks.core.storage.fs import RunStore, open_uri
 from tasks.core.storage.handshake import PUBLISHED_MARKER, is_published, mark_published
 
 _STOP = object()
@@ -146,6 +147,21 @@ def retain_remote(store: RunStore, stage: str, keep_last: int, newest_committed:
         store.remove(rel)
         removed.append(rel)
     return removed
+
+
+def publish_tensorboard(store: RunStore, stage: str) -> int:
+    """Copy `<stage>/tensorboard/` from staging to a remote run root (a local run root already
+    holds it: the engine writes there). Whole files each time: they are small and append-only."""
+    if store.local:
+        return 0
+    local = store.local_path(f"{stage}/{TENSORBOARD}")
+    n = 0
+    for path in sorted(local.rglob("*")) if local.is_dir() else []:
+        if path.is_file():
+            with open_uri(store.uri(f"{stage}/{TENSORBOARD}/{path.relative_to(local).as_posix()}"), "wb") as f:
+                f.write(path.read_bytes())
+            n += 1
+    return n
 
 
 @dataclass(frozen=True)

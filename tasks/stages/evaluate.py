@@ -1,0 +1,203 @@
+"""Stages evaluate_cpt and evaluate_sft: held-out metrics and a generation check (the gate that reads
+them: tasks/stages/gate.py).
+
+Evaluation runs on the HF-format artifacts with plain `transformers` on the worker (CUDA when it
+has one, spread over its visible GPUs when a model does not fit the first; else CPU), never under a
+plugin: every model compared here already exists as an HF directory, which is also how users will
+load it. `eval.dtype` unset follows export.dtype on a GPU, fp32 on CPU (`_with_eval_dtype`).
+- evaluate_cpt: base/ vs cpt/hf/ on the CPT held-out set, and on each source's own (a mixture's,
+  and cpt.eval.heldout_sources, never trained on) -> eval/cpt/ (metrics.json + manifest)
+- evaluate_sft: cpt/hf/ (what reboost loaded: the pre-SFT model) vs export/ on the SFT held-out
+  set, loss on assistant tokens; then greedy generations of held-out prompts with the export
+  -> eval/sft/ (metrics.json, generations.jsonl + manifest)
+
+The held-out records were decided by prepare_data in its one pass over the corpus and are read
+here from data/<stage>/ (`tasks.core.data.stage_data.heldout_records`), never re-split. The evaluation artifacts are leaves nobody trains
+from, so changing an evaluation setting re-runs evaluation only, never training; and they skip
+on a re-run like every stage (manifest verifies, config digest matches).
+
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # runs them in the flow
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prefect import get_run_logger
+
+from tasks.core.config.kernels import cuda_available
+from tasks.core.config.phases import Phase
+from tasks.core.config.schema import RunConfig, StageConfig
+from tasks.core.data.stage_data import (
+    corpus_of,
+    heldout_by_source,
+    heldout_only_names,
+    heldout_records,
+    prepared_dir,
+    split_info,
+    write_jsonl,
+)
+from tasks.core.evaluation import heldout as ev
+from tasks.core.evaluation import placement
+from tasks.core.run.stages import Status
+from tasks.core.storage.fs import RunStore
+from tasks.flowkit import tracking
+from tasks.flowkit.stage import Stage, StageResult, stage_task
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation stages
+
+
+def _with_metrics(result: StageResult, store: RunStore) -> StageResult:
+    """A skipped evaluation still reports its recorded metrics (run.json, the gate, the card)."""
+    meta = store.read_manifest(result.rel).get("meta") or {}
+    result.detail["metrics"] = meta.get("metrics")
+    return result
+
+
+def _with_eval_dtype(cfg: RunConfig, st: StageConfig) -> StageConfig:
+    """The stage with eval.dtype decided for this worker: as set, else the export's on a GPU, fp32 on CPU."""
+    dtype = placement.eval_dtype(st.eval.dtype, cfg.export.dtype, cuda_available())
+    return st.model_copy(update={"eval": st.eval.model_copy(update={"dtype": dtype})})
+
+
+def _not_configured(stage: str, which: str) -> StageResult:
+    get_run_logger().info(
+        "%s: no %s held-out set (%s.eval.heldout_fraction is 0, no heldout_uri): not evaluated",
+        stage,
+        which.upper(),
+        which,
+    )
+    return StageResult(stage, Status.NOT_CONFIGURED, detail={"reason": f"{which}.eval has no held-out set"})
+
+
+def _recorded(
+    stage: Stage,
+    phase: Phase,
+    metrics: dict[str, Any],
+    reference: StageResult,
+    candidate: StageResult,
+    steps: int,
+    tracker: tracking.TrackerHandle | None,
+    event: dict[str, Any],
+    generations: list[dict] | None = None,
+) -> StageResult:
+    """Both evaluations' end: metrics.json (and the generations), the scalars to TensorBoard and
+    MLflow, the manifest last (its parent the candidate), then publish and the completed event."""
+    with stage.build() as out:
+        (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+        if generations is not None:
+            write_jsonl(out.dir / "generations.jsonl", generations)
+        tracking.log_evaluation(phase, metrics, out.dir, steps, tracker)
+        out.manifest(
+            kind="evaluation",
+            parent=candidate,
+            meta={
+                "stage": phase,
+                "metrics": metrics,
+                "reference": {"uri": reference.uri, "digest": reference.digest},
+                "candidate": {"uri": candidate.uri, "digest": candidate.digest},
+            },
+        )
+    return stage.done({"metrics": metrics}, event=event)
+
+
+@stage_task(name="evaluate_cpt", task_run_name="evaluate CPT: base vs CPT held-out perplexity")
+def evaluate_cpt(
+    cfg: RunConfig, base: StageResult, bridge: StageResult, tracker: tracking.TrackerHandle | None = None
+) -> StageResult:
+    """Held-out perplexity of base vs CPT; `tracker`: the flow run's MLflow run, which gets the metrics."""
+    logger = get_run_logger()
+    if not cfg.cpt.eval.enabled:
+        return _not_configured("evaluate_cpt", "cpt")
+    stage = Stage("evaluate_cpt", cfg, base, bridge)
+    store = stage.store
+    if stage.skipped:
+        return _with_metrics(stage.result, store)
+    base_dir, cpt_dir = store.stage_in(base.rel), store.stage_in(bridge.rel)
+    data = prepared_dir(store, "cpt")
+    split = split_info(data, corpus_of(cfg.cpt.data))
+    st = _with_eval_dtype(cfg, cfg.cpt)
+    metrics = ev.evaluate_cpt(
+        base_dir,
+        cpt_dir,
+        heldout_records(data),
+        st.data.text_field,
+        st.seq_len,
+        st.eval,
+        cfg.base_model.trust_remote_code,
+        by_source=heldout_by_source(data),
+        heldout_only=heldout_only_names(data),
+    )
+    metrics["split"] = split
+    logger.info(
+        "evaluate_cpt: held-out perplexity base %.4f -> CPT %.4f (%+.2f%%) on %d tokens in %.1fs",
+        metrics["base"]["perplexity"],
+        metrics["cpt"]["perplexity"],
+        metrics["perplexity_change_pct"],
+        metrics["tokens"],
+        metrics["seconds"],
+    )
+    for name, m in (metrics.get("sources") or {}).items():  # each source: what CPT did to its held-out text
+        kind = "held-out-only source" if m.get("held_out_only") else "source"
+        if m.get("base") is None:
+            logger.warning("evaluate_cpt: %s %r not evaluated: %s", kind, name, m["skipped"])
+        else:
+            logger.info(
+                "evaluate_cpt: %s %r held-out perplexity base %.4f -> CPT %.4f (%+.2f%%)",
+                kind,
+                name,
+                m["base"]["perplexity"],
+                m["cpt"]["perplexity"],
+                m["perplexity_change_pct"],
+            )
+    event = {"base_perplexity": metrics["base"]["perplexity"], "cpt_perplexity": metrics["cpt"]["perplexity"]}
+    return _recorded(stage, "cpt", metrics, base, bridge, st.max_steps, tracker, event)
+
+
+@stage_task(name="evaluate_sft", task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
+def evaluate_sft(
+    cfg: RunConfig, bridge: StageResult, export: StageResult, tracker: tracking.TrackerHandle | None = None
+) -> StageResult:
+    """Held-out loss of pre-SFT vs SFT and the generation check; `tracker`: the flow run's MLflow run, which gets the metrics."""
+    logger = get_run_logger()
+    if not cfg.sft.eval.enabled:
+        return _not_configured("evaluate_sft", "sft")
+    g = cfg.gate
+    stage = Stage("evaluate_sft", cfg, bridge, export)
+    store = stage.store
+    if stage.skipped:
+        return _with_metrics(stage.result, store)
+    pre_dir, export_dir = store.stage_in(bridge.rel), store.stage_in(export.rel)
+    data = prepared_dir(store, "sft")
+    split = split_info(data, corpus_of(cfg.sft.data))
+    st = _with_eval_dtype(cfg, cfg.sft)
+    heldout = heldout_records(data)
+    trust = cfg.base_model.trust_remote_code
+    metrics = ev.evaluate_sft(pre_dir, export_dir, heldout, st.data.messages_field, st.seq_len, st.eval, trust)
+    gen, rows = ev.generation_check(
+        export_dir, heldout, st.data.messages_field, g.max_new_tokens, g.num_prompts, st.eval.dtype, trust
+    )
+    gen["file"] = "generations.jsonl"
+    metrics["generation"] = gen
+    metrics["split"] = split
+    logger.info(
+        "evaluate_sft: held-out assistant loss pre-SFT %.4f -> SFT %.4f on %d tokens; %d of %d generations stopped "
+        "(%.1fs + %.1fs)",
+        metrics["pre_sft"]["loss"],
+        metrics["sft"]["loss"],
+        metrics["tokens"],
+        gen["stopped"],
+        gen["prompts"],
+        metrics["seconds"],
+        gen["seconds"],
+    )
+    for problem in gen["problems"]:
+        logger.warning("evaluate_sft: generation check: %s", problem)
+    event = {
+        "pre_sft_loss": metrics["pre_sft"]["loss"],
+        "sft_loss": metrics["sft"]["loss"],
+        "generation_passed": gen["passed"],
+    }
+    return _recorded(stage, "sft", metrics, bridge, export, st.max_steps, tracker, event, generations=rows)

@@ -1,0 +1,74 @@
+"""The gate: the thresholds of `gate:` over the recorded evaluation (and benchmark) metrics; a failed
+gate holds the push back and keeps every artifact.
+
+Not an artifact: a pure decision over recorded metrics (tasks/core/evaluation/verdict.py), taken on
+every run, so changing a threshold re-decides without re-running anything upstream.
+
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # decides it after the evaluations
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from tasks.core.config.schema import RunConfig
+from tasks.core.evaluation import verdict as rules
+from tasks.core.run.stages import Status
+from tasks.flowkit import automation, ui
+from tasks.flowkit.stage import StageResult
+
+EVAL_TABLE_KEY = "cpt-to-sft-evaluation"
+
+
+@task(name="gate", task_run_name="gate before push")
+def gate(
+    cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult, bench_eval: StageResult | None = None
+) -> StageResult:
+    """Status `passed`, `failed-gate` or `disabled`; detail is the verdict (checks and reasons).
+
+    Not an artifact: a pure decision over recorded metrics and `gate:`, taken on every run, so
+    changing a threshold re-decides without re-running anything upstream.
+    """
+    logger = get_run_logger()
+    started = time.monotonic()
+    cpt, sft = cpt_eval.detail.get("metrics"), sft_eval.detail.get("metrics")
+    scores = bench_eval.detail.get("metrics") if bench_eval is not None else None
+    verdict = rules.gate_verdict(cfg.gate, cpt, sft, scores)
+    for c in verdict["checks"]:
+        logger.info("gate: %s %s: %s", "pass" if c["ok"] else "FAIL", c["check"], c["message"])
+    status = Status.DISABLED if not cfg.gate.enabled else (Status.PASSED if verdict["passed"] else Status.FAILED_GATE)
+    if status == Status.DISABLED:
+        logger.warning("gate: disabled by gate.enabled: false; the export goes to push_to_hub whatever the checks say")
+    elif status == Status.FAILED_GATE:
+        logger.error("gate: FAILED, the push is skipped and every artifact is kept: %s", "; ".join(verdict["reasons"]))
+    try:
+        from prefect.artifacts import create_table_artifact
+
+        create_table_artifact(
+            rules.metrics_table(cpt, sft, verdict),
+            key=EVAL_TABLE_KEY,
+            description=f"Held-out evaluation and the publish gate: {status}",
+        )
+    except Exception as exc:
+        logger.warning("evaluation table artifact unavailable: %s", exc)
+    if scores:
+        ui.benchmark_table(scores, verdict)  # the benchmark table again, with the gate's word per task
+    return StageResult("gate", status, seconds=time.monotonic() - started, detail=verdict)
+
+
+def held_back(cfg: RunConfig, verdict: StageResult) -> StageResult:
+    """The push_to_hub result when the gate failed: nothing is pushed, the reasons are kept."""
+    reasons = verdict.detail.get("reasons", [])
+    target = f"hf://{cfg.hub.repo_id}" if cfg.hub else None
+    get_run_logger().warning("push_to_hub: not run, the gate failed (%s)", "; ".join(reasons))
+    automation.stage_event("push_to_hub", Status.FAILED_GATE, cfg.name, target, reasons=reasons)
+    return StageResult(
+        "push_to_hub", Status.FAILED_GATE, uri=target, detail={"reason": "the gate failed", "reasons": reasons}
+    )
+
+
+def gate_message(verdict: dict[str, Any]) -> str:
+    return "gate failed, nothing pushed, every artifact kept: " + "; ".join(verdict.get("reasons") or [])

@@ -1,0 +1,198 @@
+"""Stages boost_and_shard / reboost (engine verb `shard`) and train CPT / SFT (engine verb `train`).
+
+Both launch `python -m tasks.engine <verb> --config JOB.json` under torchrun with the stage's
+layout; where the checkpoints go (stay local, published by this worker, published by each node) is
+the stage's checkpoint sink, chosen once (tasks/flowkit/checkpoints.py). Training is never retried by Prefect: the engine resumes from the newest checkpoint
+whose manifest verifies, so a retried flow run continues where it broke.
+
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prefect import get_run_logger
+
+from tasks.core.config.phases import Phase
+from tasks.core.config.schema import RunConfig
+from tasks.core.data.stage_data import check_against_model, corpus_of, prepared_dir, record_split, split_info
+from tasks.core.launch.torchrun import run_engine, stage_fault_env
+from tasks.core.run.events import BACKPRESSURE, CHECKPOINT, KERNELS
+from tasks.core.run.job import Job, Parent
+from tasks.core.run.stages import TRAIN_STATE, TRAINING, is_step_name, job_file, loss_curve_rel, step_medians
+from tasks.core.run.trainlog import TrainLog
+from tasks.core.storage.fs import RunStore
+from tasks.flowkit import tracking, ui
+from tasks.flowkit.checkpoints import CheckpointSink, checkpoint_sink
+from tasks.flowkit.stage import Stage, StageResult, stage_task
+
+
+def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:
+    """Checkpoints made from another config/parent must not be resumed: move the stage dir aside."""
+    logger = get_run_logger()
+    for name in store.listdir(stage):
+        if not is_step_name(name):
+            continue
+        try:
+            foreign = store.read_manifest(f"{stage}/{name}").get("config_digest") != cdigest
+        except Exception:  # noqa: S112 - no readable manifest: not a committed checkpoint (manifests come last), so nothing to resume
+            continue
+        if foreign:
+            dest = store.move_aside(stage, "config changed")
+            logger.warning(
+                "%s holds checkpoints of another config or parent; kept as %s and starting this stage afresh",
+                store.uri(stage),
+                dest,
+            )
+            return
+
+
+def _job(cfg: RunConfig, sink: CheckpointSink, verb: str, parent: StageResult, cdigest: str) -> Job:
+    stage, store = sink.stage, sink.store
+    model_rel = parent.rel if verb == "shard" else TRAINING[stage].source
+    source = sink.stage_in(model_rel)
+    # Before any launch: the shards must have been made with this model's tokenizer (prepare_sft
+    # ran with the base model's; the CPT model's must be the same) and fit its vocabulary.
+    data = prepared_dir(store, stage)
+    check_against_model(data, source, stage)
+    if verb == "train":
+        record_split(store, stage, split_info(data, corpus_of(sink.section.data)))
+    return Job(
+        verb=verb,
+        stage=stage,
+        stage_cfg=sink.section,
+        trust_remote_code=cfg.base_model.trust_remote_code,
+        verify_memory_gb=cfg.verify_memory_gb,
+        model_dir=source,
+        tokenizer_dir=source,
+        data_dir=data,
+        stage_dir=store.local_path(TRAINING[stage].checkpoints),
+        parent=Parent(uri=parent.uri, digest=parent.digest),
+        config_digest=cdigest,
+        nodes=sink.nodes,
+        remote_run_root=sink.remote_run_root,
+    )
+
+
+def _launch(store: RunStore, job: Job, run_name: str, **kwargs: Any) -> None:
+    path = store.staging / job_file(job.stage, job.verb)
+    run_engine(
+        job.verb, job, path, job.stage_cfg.launch, f"{run_name}-{job.stage}-{job.verb}", get_run_logger(), **kwargs
+    )
+
+
+def _shard(cfg: RunConfig, stage: Phase, parent: StageResult, data: StageResult, task_name: str) -> StageResult:
+    # The prepared data's content stands for the corpus itself (a file added to a directory
+    # changes it, while the config does not change).
+    st = Stage(task_name, cfg, parent, data, rel=TRAINING[stage].step(0))
+    if st.skipped:
+        return st.result
+    _supersede_foreign(st.store, stage, st.digest)
+    section = cfg.phase(stage)
+    sink = checkpoint_sink(st.store, stage, section, parent.rel, cfg.staging_dir)
+    _launch(st.store, _job(cfg, sink, "shard", parent, st.digest), cfg.name)
+    sink.finish(st.rel)  # nodes that published it: staged in here; done() finds it whole remotely
+    return st.done({"plugin": section.plugin.name})
+
+
+@stage_task(name="boost_and_shard", task_run_name="boost_and_shard [{cfg.cpt.plugin.name}]")
+def boost_and_shard(cfg: RunConfig, base: StageResult, data: StageResult) -> StageResult:
+    """Boost the base model under plugin A and save the starting checkpoint cpt/step-000000."""
+    return _shard(cfg, "cpt", base, data, "boost_and_shard")
+
+
+@stage_task(name="reboost", task_run_name="reboost [{cfg.sft.plugin.name}]")
+def reboost(cfg: RunConfig, bridge: StageResult, data: StageResult) -> StageResult:
+    """Boost the unsharded CPT model under plugin B and save sft/step-000000."""
+    return _shard(cfg, "sft", bridge, data, "reboost")
+
+
+def _train(cfg: RunConfig, stage: Phase, start: StageResult, tracker: tracking.TrackerHandle | None) -> StageResult:
+    st = cfg.phase(stage)
+    run = Stage(f"train_{stage}", cfg, start, rel=TRAINING[stage].step(st.max_steps))  # start's digest, carried on
+    if run.skipped:
+        return run.result
+    store = run.store
+    sink = checkpoint_sink(store, stage, st, TRAINING[stage].source, cfg.staging_dir)
+    job = _job(cfg, sink, "train", start, run.digest)
+    logger = get_run_logger()
+    mlflow_run = tracking.stage_tracker(tracker, stage, warn=logger.warning)
+    progress = ui.Progress(stage, st.max_steps, links={"MLflow run": mlflow_run.url} if mlflow_run else None)
+    # The console's training log: a line every log_every steps (every step is in TensorBoard, MLflow and the artifact).
+    console = TrainLog(stage, st.max_steps, st.log_every)
+    p = st.plugin
+    logger.info(
+        console.start(
+            f"{p.name} tp={p.tp_size} pp={p.pp_size} zero={p.zero_stage} {p.precision} | {st.launch.world_size} ranks"
+            f" | seq_len {st.seq_len}" + (f", {st.attention} attention" if st.attention != "causal" else "")
+        )
+    )
+
+    def to_console(record: dict[str, Any]) -> None:
+        line = console(record)
+        if line:
+            logger.info(line)
+
+    def on_event(kind: str, record: dict[str, Any]) -> None:
+        if kind == CHECKPOINT:
+            sink.on_checkpoint(int(record["step"]))
+        elif kind == BACKPRESSURE:
+            progress.backpressure(record)
+        elif kind == KERNELS:
+            progress.kernels(record)
+
+    failed = True
+    try:
+        with sink.start():  # a remote run root: the newest checkpoint staged in, uploads beside training
+            _launch(
+                store,
+                job,
+                cfg.name,
+                on_progress=tracking.fan_out(progress, mlflow_run, to_console),
+                on_event=on_event,
+                env=stage_fault_env(stage),
+                failure=sink.failure,
+            )
+            sink.finish(run.rel)
+        failed = False
+    finally:
+        progress.flush()  # a failed stage shows the step it reached
+        if mlflow_run is not None:
+            mlflow_run.close(status="FAILED" if failed else "FINISHED")
+    state = json.loads((store.local_path(run.rel) / TRAIN_STATE).read_text())
+    losses = [float(x) for x in state.get("losses", [])]
+    # Beside the stage's checkpoints, in the run root itself (S3 included), not only in staging.
+    ui.loss_curve(stage, losses, store.uri(loss_curve_rel(stage)))
+    final = losses[-1] if losses else None
+    medians = step_medians(state)
+    logger.info(console.end(run.elapsed, medians))
+    peak = {"peak_mem_bytes": console.peak[0], "peak_mem_rank": console.peak[1]} if console.peak else {}
+    # "segments": the layout each stretch of steps ran under, when the stage continued under another one (docs/resume.md)
+    return run.done(
+        {
+            "steps": st.max_steps,
+            "first_loss": losses[0] if losses else None,
+            "final_loss": final,
+            "medians": medians,
+            # the stage's throughput at its sequence length (long-context stages are compared by both)
+            "seq_len": st.seq_len,
+            "tokens_per_s": medians.get("tokens_per_s"),
+            "segments": state.get("segments") or [],
+            **peak,
+        },
+        event={"final_loss": final},
+    )
+
+
+@stage_task(name="train_cpt", task_run_name="train CPT [{cfg.cpt.plugin.name}]")
+def train_cpt(cfg: RunConfig, start: StageResult, tracker: tracking.TrackerHandle | None = None) -> StageResult:
+    """Train CPT from `start`; `tracker`: the flow run's MLflow run, which gets a nested run of the steps."""
+    return _train(cfg, "cpt", start, tracker)
+
+
+@stage_task(name="train_sft", task_run_name="train SFT [{cfg.sft.plugin.name}]")
+def train_sft(cfg: RunConfig, start: StageResult, tracker: tracking.TrackerHandle | None = None) -> StageResult:
+    """Train SFT from `start`; `tracker`: the flow run's MLflow run, which gets a nested run of the steps."""
+    return _train(cfg, "sft", start, tracker)

@@ -1,0 +1,91 @@
+"""What particular pages promise: the data-formats page's records are read by the real reader and
+pass pre-flight, the extending page names tests that exist, the examples page lists every example,
+and the site is in its four sections.
+
+    PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/test_docs_pages.py
+
+Cheap: no launch; the headless-browser look at the built site is tests/test_docs_screen.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from tasks.core.data.records import read_records, text_problem
+from tasks.core.data.samples import validate_messages
+from tasks.core.preflight.checks import load_for_check, preflight_report
+from tests.test_docs import CPU_NODE, DOCS, REPO, blocks, minimal_config
+
+
+def test_data_formats_records_are_read_by_the_reader_and_pass_preflight(tiny_model_dir, tmp_path):
+    page = DOCS / "data-formats.md"
+    jsonl, txt = blocks(page, ("jsonl",)), blocks(page, ("txt",))
+    assert len(jsonl) == 2 and len(txt) == 1, "data-formats.md: a text block, a chat block and a .txt block"
+    files = {"text": tmp_path / "text.jsonl", "chat": tmp_path / "chat.jsonl", "txt": tmp_path / "plain.txt"}
+    for path, block in zip(files.values(), [*jsonl, *txt], strict=True):
+        path.write_text(block)
+    text, chat, plain = (read_records(str(p)) for p in files.values())
+    assert text == [json.loads(line) for line in jsonl[0].splitlines()]
+    assert all(text_problem(r, "text") is None for r in text)
+    assert all("messages" not in r for r in text) and all(set(r) == {"messages"} for r in chat)
+    for rec in chat:
+        validate_messages(rec["messages"])
+    assert [json.loads(b) for b in blocks(page, ("json",))] == chat[:1], "the indented record is the file's first"
+    assert plain == [{"text": line} for line in txt[0].splitlines()]
+    # The stage's own rules on those files: pre-flight's data checks read them as a run would.
+    raw = minimal_config()
+    raw["base_model"]["uri"] = str(tiny_model_dir)
+    raw["run_root"] = str(tmp_path / "run")
+    raw["cpt"]["data"] = {"uri": [str(files["text"]), str(files["txt"])]}
+    raw["sft"]["data"] = {"uri": str(files["chat"])}
+    raw["sft"]["eval"] = {"heldout_fraction": 0.0}  # two chats: none to spare for a held-out set
+    raw["cpt"]["eval"] = {"heldout_fraction": 0.0}
+    raw["gate"] = {"enabled": False}
+    config = tmp_path / "formats.yaml"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    report = preflight_report(load_for_check(config), machine=CPU_NODE, token_present=None)
+    assert not report.problems, report.text()
+    checked = "\n".join(report.checked)
+    assert "'messages' have valid roles and an assistant turn" in checked, checked
+
+
+def _test_functions(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+
+
+def test_extending_page_names_a_test_that_exists_for_each_recipe():
+    text = (DOCS / "extending.md").read_text()
+    sections = re.split(r"^## ", text, flags=re.MULTILINE)[1:]
+    assert [s.splitlines()[0] for s in sections] == [
+        "A model family",
+        "A plugin",
+        "A phase",
+        "A kernel",
+        "A launch backend",
+    ]
+    for section in sections:
+        named = re.findall(r"`(tests/\w+\.py)::(\w+)`", section)
+        assert named, f"extending.md, {section.splitlines()[0]}: name the test that proves the recipe"
+        for file, name in named:
+            assert name in _test_functions(REPO / file), f"extending.md names {file}::{name}, which does not exist"
+
+
+def test_examples_are_listed_where_a_newcomer_looks():
+    names = sorted(p.name for p in (REPO / "examples").glob("*.yaml"))
+    for page in (DOCS / "examples.md", REPO / "examples" / "README.md"):
+        listed = re.findall(r"^\| `([\w.-]+\.yaml)` \|", page.read_text(), re.MULTILINE)
+        assert sorted(listed) == names, f"{page.relative_to(REPO)} lists {listed}, examples/ holds {names}"
+
+
+def test_the_site_is_in_four_sections():
+    nav = yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"]
+    assert [next(iter(section)) for section in nav] == ["Get started", "How-to", "Reference", "Explanation"]
+    pages = [next(iter(item.values())) for section in nav for item in next(iter(section.values()))]
+    on_disk = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
+    assert sorted(pages) == on_disk, "mkdocs.yml's nav and docs/ hold different pages"

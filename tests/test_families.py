@@ -1,0 +1,293 @@
+"""The family registry against what transformers and ColossalAI really do: every row's shardformer
+policy is ColossalAI 0.5.0's auto_policy entry for its class; a model_type with no row (OLMo 2,
+Granite) gets its tensor table from the model transformers builds on the meta device, and that table
+carries a tiny random OLMo 2 through convert, weight proof, logits fingerprint, export, LoRA target
+resolution and the memory estimate; pre-flight names the derived class and refuses hybrid_parallel
+for any family without a policy (qwen3 included) before anything launches.
+
+    .venv/bin/python -m pytest -q tests/test_families.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from tasks.core.errors import ConfigError, ConversionError
+from tasks.core.models.families import FAMILIES, expected_tensors, family_config, policy_problem, tied_keys
+from tasks.core.run.manifest import PROVENANCE_DIR
+
+DIMS = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+# model types with no row in FAMILIES, one of them tied (its head is the embedding, saved once)
+UNLISTED = {"olmo2": {}, "granite": {"tie_word_embeddings": True}}
+
+
+def _unlisted_model(model_type: str, seed: int = 0) -> transformers.PreTrainedModel:
+    config = CONFIG_MAPPING[model_type](**DIMS, **UNLISTED[model_type])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_every_rows_shardformer_policy_is_colossalais_auto_policy_entry_for_its_class():
+    """The registry's claim cannot drift from ColossalAI's mapping (keyed by the class's dotted path)."""
+    import importlib
+
+    from colossalai.shardformer.policies.auto_policy import _POLICY_LIST
+
+    for model_type, family in FAMILIES.items():
+        cls = getattr(transformers, family.model_class)
+        loc = _POLICY_LIST.get(f"{cls.__module__}.{cls.__qualname__}")
+        want = f"colossalai.shardformer.policies.{loc.file_name}.{loc.class_name}" if loc else ""
+        assert family.shardformer_policy == want, model_type
+        if family.shardformer_policy:
+            module, _, name = family.shardformer_policy.rpartition(".")
+            assert hasattr(importlib.import_module(module), name), family.shardformer_policy
+    assert not FAMILIES["qwen3"].shardformer_policy  # the refusal below is about a real gap
+
+
+@pytest.mark.parametrize("model_type", sorted(UNLISTED))
+def test_a_family_with_no_row_is_derived_from_the_model_transformers_builds(model_type):
+    assert model_type not in FAMILIES
+    model = _unlisted_model(model_type)
+    mc = model.config.to_dict()
+    family, _ = family_config(mc)
+    assert family.derived and family.model_class == type(model).__name__ and not family.shardformer_policy
+    tied = UNLISTED[model_type].get("tie_word_embeddings", False)
+    state = model.state_dict()
+    saved = {k: tuple(v.shape) for k, v in state.items() if not (tied and k == "lm_head.weight")}
+    assert expected_tensors(mc) == saved  # keys, shapes and save order
+    assert tied_keys(mc) == ({"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
+    assert family.vocab_dims == {"model.embed_tokens.weight": 0, "lm_head.weight": 0}
+    from tasks.core.preflight.checks import estimate_parameters
+
+    assert estimate_parameters(mc) == model.num_parameters()
+
+
+def test_derivation_never_runs_model_folder_code_and_refuses_what_it_cannot_read():
+    # auto_map names code in the model folder: dropped, the class is transformers' own
+    family, _ = family_config({"model_type": "olmo2", **DIMS, "auto_map": {"AutoModelForCausalLM": "evil.Model"}})
+    assert family.model_class == "Olmo2ForCausalLM"
+    cases = {
+        "not-a-family": "neither in the family registry nor a model type the installed transformers knows",
+        "bert": "no decoder-only causal LM",  # an encoder with a causal head
+        "gemma3": "cannot derive a tensor table",  # multimodal: its dims live in text_config
+    }
+    for model_type, words in cases.items():
+        with pytest.raises(ConversionError, match=words):
+            family_config({"model_type": model_type, **DIMS})
+
+
+# -- the named rows of families ColossalAI has no policy for: the converter's bitwise tests -------
+
+NAMED = {
+    # Gemma 3 text: tied head, q/k norms, four norms a layer, sliding-window layers every other one
+    "gemma3_text": {"head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2},
+    # Phi-3: fused qkv_proj and gate_up_proj
+    "phi3": {"pad_token_id": None},
+}
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("model_type", sorted(NAMED))
+def test_a_named_row_converts_bitwise_with_the_logits_of_the_model(tmp_path, model_type, pp):
+    from tasks.core.models.convert import convert_checkpoint, load_state_dict_from_dir
+    from tests.test_convert import pp2_stages, write_colossal_checkpoint
+
+    spec = FAMILIES[model_type]
+    config = getattr(transformers, spec.config_class)(**DIMS, **NAMED[model_type])
+    torch.manual_seed(0)
+    model = getattr(transformers, spec.model_class)(config).eval()
+    mc = config.to_dict()
+    state = {k: v.detach() for k, v in model.named_parameters()}  # a tied head once
+    assert expected_tensors(mc) == {k: tuple(v.shape) for k, v in state.items()}
+    tied = tied_keys(mc)
+    if pp == 2 and tied:  # the last pipeline stage saves its copy of the tied head: dropped as equal
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    stages = pp2_stages(state, DIMS["num_hidden_layers"]) if pp == 2 else None
+    src = write_colossal_checkpoint(state, tmp_path / "ckpt", stages=stages, config=config)
+    report = convert_checkpoint(src, tmp_path / "hf", model_config=mc, fsync=False)
+    assert report.dropped == (["lm_head.weight"] if pp == 2 and tied else [])
+    got = load_state_dict_from_dir(tmp_path / "hf")
+    assert sorted(got) == sorted(expected_tensors(mc)) and all(torch.equal(got[k], state[k]) for k in got)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, DIMS["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+# -- a tiny OLMo 2 through the converter, the proof, the fingerprint and the export ----------------
+
+
+@pytest.fixture(scope="module")
+def olmo2(tmp_path_factory) -> Path:
+    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+
+    out = tmp_path_factory.mktemp("olmo2") / "base"
+    return build_tiny_model(out, build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family="olmo2", num_layers=3)
+
+
+@pytest.mark.parametrize("model_type", sorted(UNLISTED))
+def test_a_derived_family_converts_a_pipeline_checkpoint_bitwise(model_type, tmp_path):
+    from tasks.core.models.convert import convert_checkpoint, load_state_dict_from_dir
+    from tests.test_convert import pp2_stages, write_colossal_checkpoint
+
+    model = _unlisted_model(model_type)
+    mc = model.config.to_dict()
+    state = {k: v.detach() for k, v in model.named_parameters()}  # a tied head once
+    tied = tied_keys(mc)
+    if tied:  # the last pipeline stage saves its copy of the tied head: dropped as bitwise equal
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    src = write_colossal_checkpoint(state, tmp_path / "ckpt", stages=pp2_stages(state, DIMS["num_hidden_layers"]))
+    converted = convert_checkpoint(src, tmp_path / "hf", model_config=mc, fsync=False)
+    assert converted.keys == list(expected_tensors(mc)) and converted.dropped == list(tied)
+    assert converted.num_params == model.num_parameters()
+    got = load_state_dict_from_dir(tmp_path / "hf")
+    assert sorted(got) == sorted(expected_tensors(mc)) and all(torch.equal(got[k], state[k]) for k in got)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.randint(0, DIMS["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    # a key the model does not have is named, as for a registered family
+    state["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    bad = write_colossal_checkpoint(state, tmp_path / "bad", stages=[list(state)])
+    with pytest.raises(ConversionError, match="unexpected key 'model.layers.0.self_attn.q_proj.bias'"):
+        convert_checkpoint(bad, tmp_path / "hf-bad", model_config=mc, fsync=False)
+
+
+def test_a_derived_family_exports_with_proof_and_fingerprint_and_loads_in_plain_transformers(olmo2, tmp_path):
+    from tasks.core.models.fingerprint import compare_logits, hf_dir_logits
+    from tests._consumer_rules import assert_consumer_rules
+    from tests.test_export import _checkpoint, _export
+
+    export = _export(tmp_path, olmo2, _checkpoint(tmp_path, olmo2), "export", "40KB")
+    v = json.loads((export / PROVENANCE_DIR / "verification.json").read_text())
+    assert (
+        v["weights_bitwise"]["tensors"]
+        == v["tensors"]
+        == len(expected_tensors(json.loads((olmo2 / "config.json").read_text())))
+    )
+    assert v["fingerprint_match"] and v["top1_disagreements_beyond_tolerance"] == 0
+    assert_consumer_rules(export)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
+    assert type(loaded).__name__ == "Olmo2ForCausalLM"
+    cmp = compare_logits(hf_dir_logits(export, dtype="fp32"), hf_dir_logits(olmo2, dtype="fp32"), rtol=2e-2)
+    assert cmp["top1_disagreements_beyond_tolerance"] == 0, cmp  # bf16 export of the fp32 base
+
+
+@pytest.mark.parametrize("model_type", sorted(UNLISTED))
+def test_a_derived_family_resolves_lora_targets_as_peft_does(model_type):
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from tasks.core.models import lora_targets as lt
+
+    mc = _unlisted_model(model_type).config.to_dict()
+    modules = lt.model_modules(mc)
+    for targets in (["q_proj", "down_proj"], "all-linear", r".*\.1\.mlp\.(up|gate)_proj", ["embed_tokens", "lm_head"]):
+        peft_model = get_peft_model(
+            _unlisted_model(model_type),
+            LoraConfig(r=2, target_modules=list(targets) if isinstance(targets, list) else targets),
+        )
+        by_peft = [
+            n.removeprefix("base_model.model.") for n, m in peft_model.named_modules() if isinstance(m, BaseTunerLayer)
+        ]
+        assert list(lt.resolve(targets, modules, lt.output_embedding(mc)).adapted) == by_peft, targets
+
+
+def test_the_memory_estimate_counts_a_derived_familys_parameters_and_its_activations_with_llamas_terms():
+    from tasks.core.preflight.memory import estimate, layer_activation_bytes
+    from tests.test_memory_estimate import by_what, stage
+
+    model = _unlisted_model("olmo2")
+    mc = model.config.to_dict()
+    for plugin in ({"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}, {"name": "torch_ddp"}):
+        est = estimate(mc, stage(plugin, nproc=2), cuda=True)
+        assert est.parameters == est.rank_parameters == model.num_parameters()
+        assert by_what(est)["activations"] > 0
+    # what torch keeps for the backward of one OLMo 2 layer, against Llama's terms (a row would say its own)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    on, seen = [False], {}
+
+    def pack(t):
+        if on[0] and t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    layer = model.model.layers[1]
+    layer.register_forward_pre_hook(lambda *_: on.__setitem__(0, True))
+    layer.register_forward_hook(lambda *_: on.__setitem__(0, False))
+    ids = torch.randint(3, 512, (2, 32))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.train()(input_ids=ids, labels=ids, use_cache=False)
+    measured, table = sum(seen.values()) / ids.numel(), layer_activation_bytes(mc, 4)
+    print(f"olmo2 layer activations per token: measured {measured:.0f} B, Llama's terms {table:.0f} B")
+    assert 0.7 * measured <= table <= 1.3 * measured, (measured, table)
+
+
+# -- pre-flight: the derived line, and hybrid_parallel refused for a family without a policy -------
+
+
+def _report(tmp_path: Path, model_type: str, cpt_plugin: dict | None = None):
+    from tests.test_preflight import Case, fake_model
+
+    case = Case(tmp_path)
+    fake_model(case.model, model_type=model_type, architectures=None)
+    if cpt_plugin:
+        case.raw["cpt"]["plugin"] = cpt_plugin
+    return case.report()
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "qwen3"])
+def test_hybrid_parallel_is_refused_before_launch_for_a_family_without_a_policy(tmp_path, model_type):
+    report = _report(tmp_path, model_type)  # tiny-cpu: CPT hybrid_parallel tp=2
+    assert [f for f, _ in report.problems] == ["cpt.plugin.name"], report.text()
+    msg = report.problems[0][1]
+    assert ("derived from Olmo2ForCausalLM" if model_type == "olmo2" else "ColossalAI 0.5.0 has none for Qwen3") in msg
+    assert msg.endswith("set cpt.plugin.name to one of the plugins that run it: low_level_zero, gemini, torch_ddp"), msg
+    ok = _report(tmp_path / "lz", model_type, {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"})
+    assert ok.ok, ok.text()
+    line = [c for c in ok.checked if c.startswith(f"model family {model_type}")]
+    want = {
+        "olmo2": "derived from Olmo2ForCausalLM (Olmo2Config) built on the meta device",
+        "qwen3": "in the registry, so the unshard and the export can convert it; no shardformer policy",
+    }
+    assert line and want[model_type] in line[0], ok.checked
+
+
+def test_the_engine_refuses_the_same_before_it_builds_a_plugin():
+    from tasks.engine.builders import check_model
+    from tests.test_memory_estimate import stage
+
+    hp = stage({"name": "hybrid_parallel", "tp_size": 2}, nproc=2)
+    for model_type in ("qwen3", "olmo2"):
+        with pytest.raises(ConfigError, match="plugins that run it: low_level_zero, gemini, torch_ddp"):
+            check_model(hp, {"model_type": model_type, **DIMS}, "cpt")
+    check_model(hp, {"model_type": "llama", **DIMS}, "cpt")
+    lz = stage({"name": "low_level_zero"}, nproc=2)
+    assert policy_problem({"model_type": "olmo2", **DIMS}, lz, "cpt") is None
+
+
+def test_a_dummy_row_shows_in_the_family_table_with_what_runs_it(monkeypatch):
+    import dataclasses
+
+    from tasks.core.models import family_table
+
+    monkeypatch.setitem(FAMILIES, "tinyfam", dataclasses.replace(FAMILIES["llama"], shardformer_policy=""))
+    rows = {line.split(" | ")[0]: line for line in family_table.render().splitlines() if line.startswith("| `")}
+    assert "refused: ColossalAI 0.5.0 has no policy for LlamaForCausalLM" in rows["| `tinyfam`"]
+    assert rows["| `tinyfam`"].endswith("| runs | runs | runs |")
+    assert "runs (tp, pp; sequence parallelism: split_gather" in rows["| `llama`"]
