@@ -4,7 +4,7 @@ file and the fix (tasks/core/models/shapes.py, tasks/core/preflight/model_shapes
     .venv/bin/python -m pytest -q tests/test_model_shapes.py -m ""
 
 Unit tier: pre-flight on tiny offline folders of each shape (a GGUF-only folder is a GGUF header
-with no tensors: it is refused, never loaded; the multimodal one is a tiny random LLaVA whose
+with no tensors: it is refused, never loaded; the multimodal ones are a tiny random LLaVA and Gemma 3 whose
 fix, saving its `language_model`, is run and passes). Integration tier: the shapes that run
 (sharded weights with their index, chat_template.jinja, several eos ids) go through
 load_from_hf into base/ and through the export's build into export/, from a local folder and from
@@ -162,12 +162,14 @@ def test_gemma_3_multimodal_is_judged_on_gemma3_text_and_the_fix_saves_that_mode
     from transformers import (
         AutoModelForCausalLM,
         AutoModelForImageTextToText,
+        AutoTokenizer,
         Gemma3Config,
         Gemma3ForConditionalGeneration,
         Gemma3TextConfig,
         SiglipVisionConfig,
     )
 
+    from support.tiny import tiny_tokenizer
     from tasks.core.models.shapes import text_config_refusal
 
     text = Gemma3TextConfig(
@@ -188,12 +190,17 @@ def test_gemma_3_multimodal_is_judged_on_gemma3_text_and_the_fix_saves_that_mode
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         Gemma3ForConditionalGeneration(config).eval().save_pretrained(tmp_path / "gemma3")
+    tiny_tokenizer().save_pretrained(tmp_path / "gemma3")
     raw = json.loads((tmp_path / "gemma3" / "config.json").read_text())
     msg = text_config_refusal(str(tmp_path / "gemma3"), raw)
     assert "(model_type 'gemma3', architectures Gemma3ForConditionalGeneration)" in msg
     assert "whose text model is in text_config (model_type 'gemma3_text')" in msg, msg
+    assert msg in _problems(_report(tmp_path / "r1", tmp_path / "gemma3"))  # pre-flight refuses it so
     m = AutoModelForImageTextToText.from_pretrained(tmp_path / "gemma3", torch_dtype="auto")
     m.language_model.save_pretrained(tmp_path / "out")
+    AutoTokenizer.from_pretrained(tmp_path / "gemma3").save_pretrained(tmp_path / "out")
+    fixed = _report(tmp_path / "r2", tmp_path / "out")  # the text model: its folder's shape and family pass
+    assert not _problems(fixed) and any(c.startswith("model family gemma3_text") for c in fixed.checked), fixed.text()
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "gemma3_text"
     lm = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert type(lm).__name__ == "Gemma3ForCausalLM"
