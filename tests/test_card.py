@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 
+import pytest
 from huggingface_hub import ModelCard
+from pydantic import ValidationError
 
 from tasks.core.hub.card import CARD, base_facts, model_card, train_facts, usage_snippet
 from tasks.core.models.folder import folder_problems
@@ -43,7 +45,7 @@ def test_a_card_is_a_view_listed_by_the_manifest_and_outside_the_content_digest(
     assert content_digest(read_manifest(export)) != content_digest(before)
 
 
-def test_the_card_names_the_base_and_loads_in_the_exports_own_dtype(tmp_path):
+def test_the_card_names_a_real_base_and_loads_in_the_exports_own_dtype(tmp_path):
     run = tmp_path / "run"
     manifest = fake_export(run)
     base = run / "base"
@@ -57,19 +59,22 @@ def test_the_card_names_the_base_and_loads_in_the_exports_own_dtype(tmp_path):
     )
     facts = base_facts(cfg, lambda rel: (run / rel).read_text())
     assert facts == {
-        "name": "HuggingFaceTB/SmolLM2-135M",
+        "name": "smollm2",
         "hub_id": None,
         "revision": None,
         "digest": hashlib.sha256((base / MANIFEST).read_bytes()).hexdigest(),
         "config": {"max_position_embeddings": None, "rope_theta": None, "rope_scaling": None},
+        "claimed": "HuggingFaceTB/SmolLM2-135M",
     }
     text = model_card(cfg, manifest, train_facts(cfg, RESULTS), base=facts)
     card = ModelCard(text)
-    assert (
-        card.data.base_model == "HuggingFaceTB/SmolLM2-135M" and card.data.base_model_manifest_digest == facts["digest"]
-    )
+    # A local folder: its name (or what its config.json claims) is no Hub id a push may publish as the base.
+    assert card.data.base_model is None and card.data.base_model_manifest_digest == facts["digest"]
     assert "torch_dtype=torch.float32" in text and "bfloat16" not in text.split("## Usage")[1].split("```\n")[0]
-    assert f"`HuggingFaceTB/SmolLM2-135M` (base artifact's manifest digest `{facts['digest'][:16]}`)" in text
+    assert (
+        "the model folder `smollm2`, whose config.json names `HuggingFaceTB/SmolLM2-135M` (base artifact's manifest "
+        f"digest `{facts['digest'][:16]}`)" in text
+    )
     # From the Hub: its id and the commit load_from_hf pinned.
     write_manifest(
         base,
@@ -79,6 +84,22 @@ def test_the_card_names_the_base_and_loads_in_the_exports_own_dtype(tmp_path):
     hub = base_facts(config(run), lambda rel: (run / rel).read_text())
     card = ModelCard(model_card(config(run), manifest, train_facts(config(run), RESULTS), base=hub))
     assert card.data.base_model == "org/base-model" and card.data.base_model_revision == "c0ffee" * 6 + "abcd"
+    # A _name_or_path that is a path of the machine that saved it is not said at all.
+    (base / "config.json").write_text(json.dumps({"_name_or_path": "/home/me/models/smollm2", "model_type": "llama"}))
+    assert "claimed" not in base_facts(cfg, lambda rel: (run / rel).read_text())
+    # A local folder whose Hub id the config says (base_model.hub_id): that id, with no commit it cannot know.
+    write_manifest(base, kind="hf-model", meta={"source": "path", "uri": "/models/smollm2"})
+    told = config(run, base="/models/smollm2").model_copy(
+        update={"base_model": cfg.base_model.model_copy(update={"hub_id": "HuggingFaceTB/SmolLM2-135M"})}
+    )
+    facts = base_facts(told, lambda rel: (run / rel).read_text())
+    card = ModelCard(model_card(told, manifest, train_facts(told, RESULTS), base=facts))
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M" and not hasattr(card.data, "base_model_revision")
+    assert "[`HuggingFaceTB/SmolLM2-135M`](https://huggingface.co/HuggingFaceTB/SmolLM2-135M)" in card.text
+    with pytest.raises(ValidationError, match="base_model.hub_id"):  # the setting takes a Hub id, not a folder name
+        config(run, base="/models/smollm2").model_validate(
+            {**told.model_dump(), "base_model": {"uri": "/models/smollm2", "hub_id": "smollm2"}}
+        )
     assert "torch_dtype=torch.bfloat16" in usage_snippet("x", "bf16") and "torch_dtype=torch.float16" in usage_snippet(
         "x", "fp16"
     )

@@ -37,6 +37,7 @@ from tasks.core.models.folder import (
     safetensors_problems,
     strip_auto_map,
 )
+from tasks.core.models.shapes import folder_refusals
 from tasks.core.run.manifest import sha256_file
 from tasks.core.storage.fs import fetch_tree, filesystem, is_local
 from tasks.flowkit.retry import transient
@@ -226,6 +227,8 @@ def load_from_hf(cfg: RunConfig) -> StageResult:
             )
         weights = check_weight_files(out.dir, cfg.base_model.allow_pickle)
         model_cfg = json.loads((out.dir / "config.json").read_text())
+        if shape := folder_refusals(out.dir, model_cfg):  # a Hub model's index and generation config: first read here
+            raise ConfigError([("base_model.uri", m) for m in shape], header="load_from_hf refused the base model")
         if not any(w.endswith(".safetensors") for w in weights):
             meta["converted_from_pickle"] = convert_pickle(out.dir, model_cfg, cfg.base_model.uri)
             logger.info("converted pickle weights %s to safetensors", ", ".join(meta["converted_from_pickle"]["files"]))

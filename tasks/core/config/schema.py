@@ -76,6 +76,12 @@ class BaseModelConfig(Frozen):
         default=False,
         description="Accept .bin/pickle weight files from the base model. Off: only safetensors are read.",
     )
+    hub_id: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$",
+        description="For a local or fsspec uri: the Hub repo id (org/name) the folder holds, which the model card names as "
+        "its base_model. Unset, the card names no Hub base (a folder's name is no Hub id). A Hub uri names itself.",
+    )
 
 
 def _registry_enum(field: str, registry: dict[str, Any], lead: str):

@@ -25,7 +25,7 @@ from tasks.core.config.sequence import sp_factor
 from tasks.core.data.truncation import describe as describe_truncation
 from tasks.core.evaluation.benchmark import card_results as benchmark_card_results
 from tasks.core.evaluation.verdict import eval_results_for_card, metrics_table
-from tasks.core.hub.repo import hub_dataset_id, is_hub_id
+from tasks.core.hub.repo import HUB_ID, hub_dataset_id, is_hub_id
 from tasks.core.run.manifest import MANIFEST
 from tasks.core.run.segments import describe as describe_layout
 from tasks.core.run.stages import BASE, TRAIN_STATE, TRAINING, split_rel, step_medians, step_peak
@@ -38,11 +38,13 @@ TORCH_DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torc
 
 
 def base_facts(cfg: RunConfig, read_text: Callable[[str], str] | None = None) -> dict[str, Any]:
-    """What the card says the base model is, from base/'s manifest and config.json: from the Hub,
-    its repo id and the commit it was pinned to; otherwise the name its config.json gives
-    (`_name_or_path`, else the folder's name); and always base/'s manifest digest."""
+    """What the card says the base model is, from base/'s load record (its manifest) and config.json:
+    from the Hub, its repo id and the commit load_from_hf pinned; from a local or fsspec folder, the
+    Hub id only where `base_model.hub_id` says it (a folder's name, or the `_name_or_path` its
+    config.json claims, is no Hub id a push may publish as the base), else the folder's name alone;
+    and always base/'s manifest digest."""
     uri = cfg.base_model.uri
-    hub_id = uri if is_hub_id(uri) else None
+    hub_id = uri if is_hub_id(uri) else cfg.base_model.hub_id
     name = Path(uri.rstrip("/")).name
     out: dict[str, Any] = {"name": hub_id or name, "hub_id": hub_id, "revision": None, "digest": None}
     if read_text is None:
@@ -54,24 +56,27 @@ def base_facts(cfg: RunConfig, read_text: Callable[[str], str] | None = None) ->
         if meta.get("source") == "hub":
             out.update(name=meta.get("repo_id"), hub_id=meta.get("repo_id"), revision=meta.get("commit_sha"))
         elif meta.get("source") == "path":
-            out.update(name=name, hub_id=None)
+            out.update(name=name, hub_id=cfg.base_model.hub_id)
     except Exception:
         pass
     try:
         config = json.loads(read_text(f"{BASE}/config.json"))
         out["config"] = {k: config.get(k) for k in POSITION_FIELDS}  # what cpt.context changes, as the base had it
-        if out["hub_id"] is None:
-            out["name"] = config.get("_name_or_path") or name
+        claimed = config.get("_name_or_path")
+        if out["hub_id"] is None and isinstance(claimed, str) and HUB_ID.match(claimed) and claimed != name:
+            out["claimed"] = (
+                claimed  # said in the card's text as the folder's claim (a local path never), not as base_model
+            )
     except Exception:
         pass
     return out
 
 
 def _base_metadata(base: dict[str, Any]) -> dict[str, Any]:
-    """The card's `base_model` metadata: the Hub id (and the commit), else the config's name; the
-    base artifact's manifest digest either way."""
-    meta = {"base_model": base.get("hub_id") or base.get("name")}
-    if base.get("revision"):
+    """The card's `base_model` metadata: a Hub id from the load record or `base_model.hub_id` (and
+    the pinned commit), else none; the base artifact's manifest digest either way."""
+    meta = {"base_model": base["hub_id"]} if base.get("hub_id") else {}
+    if base.get("hub_id") and base.get("revision"):
         meta["base_model_revision"] = base["revision"]
     if base.get("digest"):
         meta["base_model_manifest_digest"] = base["digest"]
@@ -254,10 +259,7 @@ def model_card(
     hub = cfg.hub
     eval_results = eval_results_for_card(metrics or {}) + benchmark_card_results((metrics or {}).get("benchmark"))
     datasets = sorted({d for u in (*cfg.cpt.data.uris, *cfg.sft.data.uris) if (d := hub_dataset_id(u))})
-    base = base or {
-        "name": Path(cfg.base_model.uri.rstrip("/")).name,
-        "hub_id": cfg.base_model.uri if is_hub_id(cfg.base_model.uri) else None,
-    }
+    base = base or base_facts(cfg)
     data = ModelCardData(
         **_base_metadata(base),
         datasets=datasets or None,
@@ -445,7 +447,8 @@ def _base_line(base: dict[str, Any]) -> str:
         rev = f" at commit `{base['revision'][:12]}`" if base.get("revision") else ""
         return f"[`{base['hub_id']}`](https://huggingface.co/{base['hub_id']}){rev}"
     digest = f" (base artifact's manifest digest `{base['digest'][:16]}`)" if base.get("digest") else ""
-    return f"`{base.get('name')}`{digest}"
+    claim = f", whose config.json names `{base['claimed']}`" if base.get("claimed") else ""
+    return f"the model folder `{base.get('name')}`{claim}{digest}"
 
 
 def _adapter_where(cfg: RunConfig) -> str:

@@ -61,6 +61,7 @@ from tasks.core.preflight.memory import check_memory
 from tasks.core.preflight.mixture import check_mixture_weights, check_source_epochs
 from tasks.core.preflight.model_files import check_lora_targets, check_model_files
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
+from tasks.core.preflight.model_shapes import check_model_shapes
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tasks.core.preflight.resume import check_resume
 from tasks.core.preflight.storage import (
@@ -283,7 +284,15 @@ def check_base_model(ctx: CheckContext) -> None:
             "Convert them to safetensors, or set base_model.allow_pickle: true if you trust the source",
         )
     elif not safetensors and not pickles:
-        ctx.problem("base_model.uri", f"{ctx.model.where} has no weight files (*.safetensors)")
+        from tasks.core.models.shapes import gguf_files, gguf_refusal  # GGUF-only: the conversion that runs it
+
+        local = Path(ctx.model.where) if ctx.model.source == "local" else None
+        ctx.problem(
+            "base_model.uri",
+            gguf_refusal(ctx.model.where, files, local)
+            if gguf_files(files)
+            else f"{ctx.model.where} has no weight files (*.safetensors)",
+        )
     elif not safetensors and not ({PICKLE_WEIGHTS_NAME, PICKLE_INDEX_NAME} & set(files)):
         ctx.problem(
             "base_model.uri",
@@ -475,6 +484,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_base_model,
     check_base_model_links,
     check_model_files,
+    check_model_shapes,
     check_sequence_length,
     check_chat_template,
     check_data,

@@ -87,7 +87,7 @@ class ModelInfo:
     config: dict[str, Any]
     files: list[str]  # top-level file names
     tokenizer_config: dict[str, Any] | None = None
-    chat_template_file: bool = False  # chat_template.jinja / chat_template.json beside the tokenizer
+    chat_template_file: bool = False  # chat_template.jinja beside the tokenizer (which reads it)
 
 
 def read_model_info(uri: str, revision: str = "main") -> ModelInfo:
@@ -123,6 +123,8 @@ def read_model_info(uri: str, revision: str = "main") -> ModelInfo:
             if not fs.exists(root)
             else "is not an HF model directory (no config.json)"
         )
+        if fs.exists(root) and (refusal := _gguf_only(fs, root, target)):
+            raise ConfigError([("base_model.uri", refusal)])
         raise ConfigError(
             [
                 (
@@ -154,7 +156,7 @@ def read_model_info(uri: str, revision: str = "main") -> ModelInfo:
         config=config,
         files=files,
         tokenizer_config=read_json("tokenizer_config.json"),
-        chat_template_file=any(n in files for n in ("chat_template.jinja", "chat_template.json")),
+        chat_template_file="chat_template.jinja" in files,  # the tokenizer never reads chat_template.json
     )
 
 
@@ -182,7 +184,18 @@ def _read_hub(repo: str, revision: str) -> ModelInfo:
                 ) from None
             return None
 
-    config = fetch("config.json") or {}
+    try:
+        config = fetch("config.json") or {}
+    except ConfigError:
+        try:  # a GGUF-only repo has no config.json: say so, and the conversion that runs it
+            listed = HfApi().list_repo_files(repo, revision=revision)
+        except Exception:  # the config.json refusal below says what to check
+            listed = []
+        from tasks.core.models.shapes import gguf_files, gguf_refusal
+
+        if gguf_files(f for f in listed if "/" not in f):
+            raise ConfigError([("base_model.uri", gguf_refusal(f"{repo}@{revision}", listed))]) from None
+        raise
     try:
         files = sorted(f for f in HfApi().list_repo_files(repo, revision=revision) if "/" not in f)
     except Exception as exc:  # any Hub client error becomes a problem naming base_model.uri
@@ -195,8 +208,21 @@ def _read_hub(repo: str, revision: str) -> ModelInfo:
         config=config,
         files=files,
         tokenizer_config=fetch("tokenizer_config.json") if "tokenizer_config.json" in files else None,
-        chat_template_file=any(n in files for n in ("chat_template.jinja", "chat_template.json")),
+        chat_template_file="chat_template.jinja" in files,  # the tokenizer never reads chat_template.json
     )
+
+
+def _gguf_only(fs, root: str, target: str) -> str | None:
+    """A folder with no config.json whose weights are GGUF: the refusal naming the conversion."""
+    from tasks.core.models.shapes import gguf_files, gguf_refusal
+
+    try:
+        names = [Path(p.rstrip("/")).name for p in fs.ls(root, detail=False)]
+    except Exception:  # a listing the filesystem refuses: the no-config.json refusal stands
+        return None
+    if not gguf_files(names):
+        return None
+    return gguf_refusal(target, names, Path(root) if is_local(target) else None)
 
 
 def estimate_parameters(mc: dict[str, Any]) -> int | None:
