@@ -97,6 +97,11 @@ def _derive(config_json: str, registered: str) -> ModelFamily:
         )
 
     dims = {f: getattr(config, f, None) for f in _DIM_FIELDS}
+    if not isinstance(dims["intermediate_size"], int):
+        # GPT-2, GPT-J, OPT, Bloom, Falcon name it otherwise or leave it to 4 x hidden: the MLP's width
+        # is the widest dim of a layer matrix that is not the hidden size (fused qkv is at most 3 x hidden)
+        widths = [d for _, t in layer if t.dim() == 2 for d in t.shape if d != dims["hidden_size"]]
+        dims["intermediate_size"] = int(max(widths)) if widths else None
     defaults = {**config.to_dict(), **{k: v for k, v in dims.items() if isinstance(v, int)}}
     return ModelFamily(
         rules(head),

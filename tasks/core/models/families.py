@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 from tasks.core.errors import ConversionError
@@ -221,8 +222,21 @@ def family_of(model_config: Mapping[str, Any]) -> ModelFamily:
     if family is not None:
         return family
     from tasks.core.models.derive import derive_family
+    from tasks.core.models.policy_rows import POLICY_ROWS
 
-    return derive_family(model_config, registered=supported())
+    derived = derive_family(model_config, registered=supported())
+    row = POLICY_ROWS.get(model_config.get("model_type"))  # type: ignore[arg-type]
+    if row is None or row.model_class != derived.model_class:
+        return derived
+    # a named row over the derived table: the policy, its tp split and any refusal are the row's
+    return replace(
+        derived,
+        shardformer_policy=row.shardformer_policy,
+        policy_refused=row.policy_refused,
+        tp_column=row.tp_column,
+        tp_row=row.tp_row,
+        sp_note=row.policy_refused or row.note,
+    )
 
 
 def family_config(model_config: Mapping[str, Any]) -> tuple[ModelFamily, dict[str, Any]]:
@@ -357,15 +371,19 @@ def policy_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: str) 
         family = family_of(model_config)
     except ConversionError:
         return None  # no family at all: check_model_family names it
-    if family.shardformer_policy:
+    if family.shardformer_policy and not family.policy_refused:
         return None
+    mt = model_config.get("model_type")
     why = (
         f"{name} shards the model with a shardformer policy (tensor, pipeline and sequence parallelism), and "
         + (
-            f"a family derived from {family.model_class} (model_type {model_config.get('model_type')!r} has no row "
+            f"ColossalAI 0.5.0's {family.shardformer_policy.rsplit('.', 1)[-1]} for {family.model_class} does not "
+            f"run with transformers 4.51.3: {family.policy_refused}"
+            if family.policy_refused
+            else f"a family derived from {family.model_class} (model_type {mt!r} has no row "
             "in tasks/core/models/families.py) names none"
             if family.derived
-            else f"ColossalAI 0.5.0 has none for {family.model_class} (model_type {model_config.get('model_type')!r})"
+            else f"ColossalAI 0.5.0 has none for {family.model_class} (model_type {mt!r})"
         )
         + f"; set {where}.plugin.name to one of the plugins that run it: {', '.join(plugins_without_policy())}"
     )
