@@ -11,6 +11,7 @@ for any family without a policy (qwen3 included) before anything launches.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -291,3 +292,88 @@ def test_a_dummy_row_shows_in_the_family_table_with_what_runs_it(monkeypatch):
     assert "refused: ColossalAI 0.5.0 has no policy for LlamaForCausalLM" in rows["| `tinyfam`"]
     assert rows["| `tinyfam`"].endswith("| runs | runs | runs |")
     assert "runs (tp, pp; sequence parallelism: split_gather" in rows["| `llama`"]
+
+
+# ColossalAI 0.5.0's decoder policies for layouts other than Llama's: a named row over the derived table
+POLICY_TINY = {
+    "gptj": ("GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8)),
+    "bloom": ("BloomConfig", dict(hidden_size=64, n_layer=2, n_head=4)),
+    "falcon": ("FalconConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)),
+    "mixtral": ("MixtralConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)),
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64)),
+    "opt": ("OPTConfig", dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                              max_position_embeddings=64, word_embed_proj_dim=64)),
+    "cohere": ("CohereConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2)),
+}  # fmt: skip
+
+
+def _policy_model(model_type: str):
+    cls, fields = POLICY_TINY[model_type]
+    torch.manual_seed(0)
+    config = getattr(transformers, cls)(vocab_size=512, **fields)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_every_policy_row_names_colossalais_policy_and_modules_it_really_splits():
+    """Each row's policy is auto_policy's entry for its class, and each tp_column/tp_row suffix is one the
+    policy's source replaces with a parallel linear (so the estimate's split cannot drift from the policy)."""
+    import importlib
+    import inspect
+
+    from colossalai.shardformer.policies.auto_policy import _POLICY_LIST
+
+    from tasks.core.models.policy_rows import POLICY_ROWS
+
+    assert set(POLICY_ROWS) == set(POLICY_TINY) and not set(POLICY_ROWS) & set(FAMILIES)
+    for model_type, row in POLICY_ROWS.items():
+        cls = getattr(transformers, row.model_class)
+        loc = _POLICY_LIST[f"{cls.__module__}.{cls.__qualname__}"]
+        assert row.shardformer_policy == f"colossalai.shardformer.policies.{loc.file_name}.{loc.class_name}"
+        module, _, name = row.shardformer_policy.rpartition(".")
+        source = inspect.getsource(importlib.import_module(module))
+        assert hasattr(importlib.import_module(module), name)
+        for suffix in row.tp_column + row.tp_row:
+            assert f'suffix="{suffix}"' in source, (model_type, suffix)
+        assert bool(row.policy_refused) == (model_type in ("gpt2", "opt", "cohere")), model_type
+
+
+@pytest.mark.parametrize("model_type", sorted(POLICY_TINY))
+def test_a_policy_row_lays_its_policy_over_the_derived_table_and_the_estimate_splits_its_modules(model_type):
+    from tasks.core.models.families import count_parameters, family_of
+    from tasks.core.preflight.memory import estimate
+    from tests.test_memory_estimate import stage
+
+    model = _policy_model(model_type)
+    mc = model.config.to_dict()
+    family = family_of(mc)
+    assert family.derived and family.shardformer_policy and family.model_class == type(model).__name__
+    tied = model.config.tie_word_embeddings
+    saved = {k: tuple(v.shape) for k, v in model.state_dict().items() if not (tied and k in family.tied)}
+    assert expected_tensors(mc) == saved  # keys, shapes, save order (GPT-2's Conv1D, OPT's decoder, experts)
+    assert count_parameters(mc) == sum(p.numel() for p in model.parameters())
+    split = [k for k in saved if family.tp_splits(k)]
+    if family.policy_refused:
+        assert policy_problem(mc, stage({"name": "hybrid_parallel", "tp_size": 2}, nproc=2), "cpt")
+        return
+    assert policy_problem(mc, stage({"name": "hybrid_parallel", "tp_size": 2}, nproc=2), "cpt") is None
+    # every split tensor is one a parallel linear or the vocabulary-parallel embedding holds
+    assert split and all(k in family.vocab_dims or k.endswith((".weight", ".bias")) for k in split)
+    one = estimate(mc, stage({"name": "hybrid_parallel", "tp_size": 1, "precision": "fp32"}, nproc=1))
+    two = estimate(mc, stage({"name": "hybrid_parallel", "tp_size": 2, "precision": "fp32"}, nproc=2))
+    n_split = sum(math.prod(saved[k]) for k in split)
+    assert one.rank_parameters - two.rank_parameters == n_split - n_split // 2, (one, two)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "opt", "cohere"])
+def test_hybrid_parallel_is_refused_for_a_policy_that_fails_with_the_installed_transformers(model_type):
+    from tasks.engine.builders import check_model
+    from tests.test_memory_estimate import stage
+
+    mc = _policy_model(model_type).config.to_dict()
+    cause = {"gpt2": "torch.cuda.set_device", "opt": "KeyError 'sdpa'", "cohere": "AssertionError"}[model_type]
+    with pytest.raises(ConfigError, match="does not run with transformers 4.51.3") as err:
+        check_model(stage({"name": "hybrid_parallel", "tp_size": 2}, nproc=2), mc, "cpt")
+    assert cause in str(err.value) and "low_level_zero, gemini, torch_ddp" in str(err.value)
+    assert policy_problem(mc, stage({"name": "low_level_zero"}, nproc=2), "cpt") is None

@@ -222,10 +222,9 @@ def family_of(model_config: Mapping[str, Any]) -> ModelFamily:
     if family is not None:
         return family
     from tasks.core.models.derive import derive_family
-    from tasks.core.models.policy_rows import POLICY_ROWS
 
     derived = derive_family(model_config, registered=supported())
-    row = POLICY_ROWS.get(model_config.get("model_type"))  # type: ignore[arg-type]
+    row = _policy_rows().get(model_config.get("model_type"))  # type: ignore[arg-type]
     if row is None or row.model_class != derived.model_class:
         return derived
     # a named row over the derived table: the policy, its tp split and any refusal are the row's
@@ -235,7 +234,7 @@ def family_of(model_config: Mapping[str, Any]) -> ModelFamily:
         policy_refused=row.policy_refused,
         tp_column=row.tp_column,
         tp_row=row.tp_row,
-        sp_note=row.policy_refused or row.note,
+        sp_note=row.policy_refused or "no sequence-parallel mode of its policy is measured with transformers 4.51.3",
     )
 
 
@@ -338,6 +337,8 @@ def sp_family_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: st
     """(field, message) when the stage's sequence-parallel mode is not one its model family's policy runs."""
     sp = getattr(stage_cfg.plugin, "sequence_parallelism", None)
     family = FAMILIES.get(str(model_config.get("model_type")))
+    if sp is not None and family is None and model_config.get("model_type") in _policy_rows():
+        family = family_of(model_config)  # a named row over a derived table: no mode measured
     if sp is None or family is None or sp.mode in family.sp_modes:
         return None
     from tasks.core.config.sequence import SP_MODES
@@ -350,6 +351,12 @@ def sp_family_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: st
         f"(or set {where}.plugin.sequence_parallelism: null)"
     )
     return f"{where}.plugin.sequence_parallelism.mode", why
+
+
+def _policy_rows() -> Mapping[str, Any]:
+    from tasks.core.models.policy_rows import POLICY_ROWS
+
+    return POLICY_ROWS
 
 
 def plugins_without_policy() -> list[str]:
