@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py            # every family
     torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py gpt2 opt   # some
+    torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py --smoke    # the policy rows
 
 For each causal-LM class that ColossalAI's `auto_policy` maps to a policy (the remote-code ones,
 `transformers_modules.*`, are left out: the project never runs code from a model folder), a tiny
@@ -11,7 +12,8 @@ step, a second forward. It works when every step finishes, the sharded forward's
 unsharded model's (same weights, same batch) within 1e-4, and the loss after the step is finite.
 Otherwise the first failure is reported with where it was raised. One JSON line per family
 (`@@policy {...}`), from rank 0; the results are written down in benchmarks/results/ and the
-family rows' notes (tasks/core/models/families.py).
+rows of tasks/core/models/policy_rows.py. `--smoke` measures the families with a row there and
+exits 1 when one disagrees with its row (a policy refused there that trains, or one claimed that fails).
 
 A failure is deterministic and the same on both ranks (a policy that does not fit the installed
 model's modules fails while sharding, before any collective), so the loop goes on to the next
@@ -134,13 +136,25 @@ def main() -> int:
     if not torch.cuda.is_available():
         cpu_compat.apply()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    names = sys.argv[1:] or [*TINY, *VARIANTS]
+    from tasks.core.models.policy_rows import POLICY_ROWS
+
+    args = sys.argv[1:]
+    # --smoke: the families with a policy row, each measured against what its row claims
+    names = sorted(POLICY_ROWS) if args == ["--smoke"] else args or [*TINY, *VARIANTS]
+    wrong = []
     for name in names:
         result = probe(name)
+        row = POLICY_ROWS.get(name)
+        if row is not None and result["works"] == bool(row.policy_refused):
+            wrong.append(
+                f"{name}: measured works={result['works']}, its row says policy_refused={row.policy_refused!r}"
+            )
         if int(os.environ.get("RANK", "0")) == 0:
             print("@@policy " + json.dumps(result), flush=True)
     dist.destroy_process_group()
-    return 0
+    if wrong and int(os.environ.get("RANK", "0")) == 0:
+        print("rows of tasks/core/models/policy_rows.py that disagree with the measurement:\n" + "\n".join(wrong))
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":
