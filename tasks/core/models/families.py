@@ -17,7 +17,8 @@ transformers classes that build it. Every reader takes it from here (torchtitan 
 Adding a family is one entry in FAMILIES; nothing else branches on a family name. A model_type
 with no entry gets a family derived from the model the installed transformers builds on the meta
 device (`family_of` -> `tasks.core.models.derive`): its keys, shapes, tied and vocabulary keys, no
-shardformer policy, Llama's activation terms. The docs' table of families x plugins is written
+shardformer policy, activation terms read off its layer (`derive.layer_terms`); a named row over a
+derived table (`tasks.core.models.policy_rows`) adds a family's ColossalAI policy and its tp split. The docs' table of families x plugins is written
 from here (`tasks.core.models.family_table`).
 
 Pure: no torch, no transformers import (class names are strings), so pre-flight stays cheap; only a

@@ -56,6 +56,15 @@ def _policy_cell(row: PolicyRow, plugin: str) -> str:
     return "runs (tp measured at 2, pp not measured; no sequence parallelism)"
 
 
+def _row_note(row: PolicyRow) -> str:
+    fp32, bf16 = row.llama_terms_ratio
+    return (
+        f"{row.policy_refused or row.note}; the memory estimate counts Llama's activation terms for its layer, "
+        f"{fp32:.2f} (fp32) and {bf16:.2f} (bf16) of what it keeps"
+        + (", so it undercounts: leave headroom" if min(fp32, bf16) < 0.95 else "")
+    )
+
+
 def render() -> str:
     plugins = list(PLUGINS)
     head = ["`model_type`", "transformers class", "shardformer policy", *[f"`{p}`" for p in plugins]]
@@ -80,7 +89,7 @@ def render() -> str:
     derived = ["any other decoder", "derived: `AutoModelForCausalLM`", "none", *[_cell(None, p) for p in plugins]]
     lines.append("| " + " | ".join(derived) + " |")
     notes = [(t, f.sp_note) for t, f in sorted(FAMILIES.items()) if f.sp_note]
-    notes += [(t, r.policy_refused or r.note) for t, r in sorted(POLICY_ROWS.items()) if r.policy_refused or r.note]
+    notes += [(t, _row_note(r)) for t, r in sorted(POLICY_ROWS.items())]
     if notes:
         lines += ["", "Notes:", ""] + [f"- `{t}`: {note}." for t, note in notes]
     return "\n".join(lines) + "\n"
