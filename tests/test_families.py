@@ -422,3 +422,17 @@ def test_a_policy_rows_stated_activation_ratio_is_what_its_layer_keeps(model_typ
     for dtype, size, stated in zip((torch.float32, torch.bfloat16), (4, 2), POLICY_ROWS[model_type].llama_terms_ratio):
         ratio = layer_activation_bytes(mc, size) / _kept_per_token(model, prefix, dtype)
         assert abs(ratio - stated) <= 0.03, (model_type, dtype, ratio, stated)
+
+
+@pytest.mark.parametrize("model_type", ["falcon", "opt"])
+def test_preflight_names_a_policy_rows_policy_and_refuses_one_that_fails(tmp_path, model_type):
+    report = _report(tmp_path, model_type)  # tiny-cpu: CPT hybrid_parallel tp=2
+    line = [c for c in report.checked if c.startswith(f"model family {model_type}")]
+    if model_type == "falcon":
+        assert report.ok, report.text()
+        assert line and "its named row (tasks/core/models/policy_rows.py) gives hybrid_parallel" in line[0]
+        assert "FalconForCausalLMPolicy" in line[0], line
+        return
+    assert [f for f, _ in report.problems] == ["cpt.plugin.name"], report.text()
+    assert "OPTForCausalLMPolicy for OPTForCausalLM does not run with transformers 4.51.3" in report.problems[0][1]
+    assert "KeyError 'sdpa'" in report.problems[0][1]

@@ -30,7 +30,10 @@ INTRO = (
     "(`tasks/core/models/policy_rows.py`) have a named row over the derived table: it adds the policy, the modules it "
     "splits over the tp ranks, and, where the policy does not run with transformers 4.51.3, its first failure "
     "(measured by `benchmarks/shardformer_policies.py`: a tiny random model of each at tp=2 on 2 CPU ranks, loss "
-    "against the unsharded model, backward and a step). The plugins' own rules (CUDA, precisions, LoRA) are in the "
+    "against the unsharded model, backward and a step). A derived family never takes ColossalAI's policy for its class "
+    "by itself: three of the seven decoder policies outside the registry fail with transformers 4.51.3, so a policy is "
+    "used only from a row whose claim `benchmarks/shardformer_policies.py --smoke` re-measures in the suite. The "
+    "plugins' own rules (CUDA, precisions, LoRA) are in the "
     "[configuration reference](config.md)."
 )
 
