@@ -361,6 +361,8 @@ def test_a_policy_row_lays_its_policy_over_the_derived_table_and_the_estimate_sp
         assert policy_problem(mc, stage({"name": "hybrid_parallel", "tp_size": 2}, nproc=2), "cpt")
         return
     assert policy_problem(mc, stage({"name": "hybrid_parallel", "tp_size": 2}, nproc=2), "cpt") is None
+    pp2 = policy_problem(mc, stage({"name": "hybrid_parallel", "pp_size": 2}, nproc=2), "cpt")
+    assert pp2 and pp2[0] == "cpt.plugin.pp_size" and "not measured" in pp2[1], pp2
     # every split tensor is one a parallel linear or the vocabulary-parallel embedding holds
     assert split and all(k in family.vocab_dims or k.endswith((".weight", ".bias")) for k in split)
     one = estimate(mc, stage({"name": "hybrid_parallel", "tp_size": 1, "precision": "fp32"}, nproc=1))

@@ -56,7 +56,7 @@ def _policy_cell(row: PolicyRow, plugin: str) -> str:
         return "runs (derived table)"
     if row.policy_refused:
         return "refused: ColossalAI 0.5.0's policy fails with transformers 4.51.3 (see notes)"
-    return "runs (tp measured at 2, pp not measured; no sequence parallelism)"
+    return "runs (tp, measured at 2; pp refused: not measured; no sequence parallelism)"
 
 
 def _row_note(row: PolicyRow) -> str:
