@@ -3,6 +3,11 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py            # every family
     torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py gpt2 opt   # some
     torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py --smoke    # the policy rows
+    torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py falcon@pp2 # pp=2, tp=1
+
+`<family>@pp2` runs the same check at pp=2 through the 1F1B schedule (`execute_pipeline`). Run one
+family per launch there: a stage that raises leaves the other waiting on its point-to-point receive,
+which the process-group timeout does not bound.
 
 For each causal-LM class that ColossalAI's `auto_policy` maps to a policy (the remote-code ones,
 `transformers_modules.*`, are left out: the project never runs code from a model folder), a tiny
@@ -82,12 +87,14 @@ def probe(name: str) -> dict:
     from colossalai.booster.plugin import HybridParallelPlugin
     from transformers import AutoModelForCausalLM
 
+    name, _, layout = name.partition("@")  # "falcon@pp2": pipeline parallelism instead of tp
     base, model_kw, plugin_kw = VARIANTS.get(name, (name, {}, {}))
+    pp = layout == "pp2"
     cls, fields = TINY[base]
     config = getattr(transformers, cls)(vocab_size=VOCAB, **fields)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, **model_kw)
-    out: dict = {"family": name, "class": type(model).__name__}
+    out: dict = {"family": name + ("@pp2" if pp else ""), "class": type(model).__name__}
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(4, VOCAB, (BATCH, SEQ), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
@@ -95,24 +102,44 @@ def probe(name: str) -> dict:
         ref = model(**batch).loss.item()
     stage = "boost"
     try:
+        layout_kw = (
+            dict(tp_size=1, pp_size=2, num_microbatches=2, pp_style="1f1b") if pp else dict(tp_size=2, pp_size=1)
+        )
         plugin = HybridParallelPlugin(
-            tp_size=2, pp_size=1, zero_stage=0, precision="fp32", overlap_communication=False,
+            **layout_kw, zero_stage=0, precision="fp32", overlap_communication=False,
             enable_all_optimization=False, make_vocab_size_divisible_by=1, **plugin_kw,
         )  # fmt: skip
         booster = Booster(plugin=plugin)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, optim, *_ = booster.boost(model, optim)
-        stage = "forward"
-        loss = model(**batch).loss
-        out["loss"], out["ref_loss"] = loss.item(), ref
-        stage = "backward"
-        booster.backward(loss, optim)
-        stage = "step"
-        optim.step()
-        optim.zero_grad()
-        stage = "second forward"
-        with torch.no_grad():
-            after = model(**batch).loss.item()
+        if pp:  # forward and backward in one 1F1B schedule; the loss on the last stage, sent to every rank
+            stage = "pipeline forward/backward"
+            res = booster.execute_pipeline(iter([batch]), model, lambda o, _: o.loss, optim, return_loss=True)
+            last = plugin.stage_manager.is_last_stage()
+            loss = torch.tensor([res["loss"].item() if last else 0.0])
+            torch.distributed.all_reduce(loss)
+            out["loss"], out["ref_loss"] = loss.item(), ref
+            stage = "step"
+            optim.step()
+            optim.zero_grad()
+            stage = "second pipeline forward"
+            with torch.no_grad():
+                res = booster.execute_pipeline(iter([batch]), model, lambda o, _: o.loss, None, return_loss=True)
+            after_t = torch.tensor([res["loss"].item() if last else 0.0])
+            torch.distributed.all_reduce(after_t)
+            after = after_t.item()
+        else:
+            stage = "forward"
+            loss = model(**batch).loss
+            out["loss"], out["ref_loss"] = loss.item(), ref
+            stage = "backward"
+            booster.backward(loss, optim)
+            stage = "step"
+            optim.step()
+            optim.zero_grad()
+            stage = "second forward"
+            with torch.no_grad():
+                after = model(**batch).loss.item()
         out["loss_after_step"] = after
         ok = abs(out["loss"] - ref) <= 1e-4 and math.isfinite(after)
         out["works"] = ok
