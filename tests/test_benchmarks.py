@@ -10,6 +10,7 @@ judged, only that the table and its ratio lines come out. Smoke runs that launch
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -96,6 +97,22 @@ def test_reshard_smoke():
     row = next(ln.split() for ln in out.splitlines() if ln.startswith("tiny "))
     assert len(row) == 10 and float(row[3]) > 0 and float(row[4]) > 0, out  # reshard and copy seconds
     assert "command: python benchmarks/reshard.py --smoke" in out, out
+
+
+@pytest.mark.distributed
+def test_shardformer_policies_smoke():
+    """Each policy row's claim (trains at tp=2, or refused with its failure) is measured on 2 gloo ranks."""
+    out = smoke(
+        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "benchmarks/shardformer_policies.py", "--smoke"],
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    results = {
+        r["family"]: r
+        for r in (json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("@@policy "))
+    }
+    assert {f for f, r in results.items() if r["works"]} == {"bloom", "falcon", "gptj", "mixtral"}, out
+    assert "KeyError: 'sdpa'" in results["opt"]["failure"], out
 
 
 @pytest.mark.distributed

@@ -15,7 +15,8 @@ order; the decoder layers, found as the one `<prefix><i>.` that numbers `num_hid
 layers; the input and output embeddings (the keys that index the vocabulary); the output embedding
 that shares the input's parameter (tied: absent from the table when config.json ties them). What it
 cannot know is left to a named row: tensor-parallel split dims (a derived family has no shardformer
-policy, so hybrid_parallel refuses it) and the activation terms, for which it takes Llama's.
+policy, so hybrid_parallel refuses it). The activation terms are read off the layer's tensor names where
+the layer is Llama's shape (`layer_terms`: extra norms, query/key norms); another layout gets Llama's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ from functools import lru_cache
 from typing import Any
 
 from tasks.core.errors import ConversionError
-from tasks.core.models.family_spec import FINAL_NORM_ACTIVATIONS, LLAMA_LAYER_ACTIVATIONS, ModelFamily, TensorRule
+from tasks.core.models.family_spec import (
+    FINAL_NORM_ACTIVATIONS,
+    LLAMA_LAYER_ACTIVATIONS,
+    QK_NORM_ACTIVATIONS,
+    ActivationTerm,
+    ModelFamily,
+    TensorRule,
+)
 
 # config.json fields a derived table never passes to transformers: auto_map names code in the model
 # folder (never run), and the bookkeeping fields are transformers' own to set
@@ -97,6 +105,11 @@ def _derive(config_json: str, registered: str) -> ModelFamily:
         )
 
     dims = {f: getattr(config, f, None) for f in _DIM_FIELDS}
+    if not isinstance(dims["intermediate_size"], int):
+        # GPT-2, GPT-J, OPT, Bloom, Falcon name it otherwise or leave it to 4 x hidden: the MLP's width
+        # is the widest dim of a layer matrix that is not the hidden size (fused qkv is at most 3 x hidden)
+        widths = [d for _, t in layer if t.dim() == 2 for d in t.shape if d != dims["hidden_size"]]
+        dims["intermediate_size"] = int(max(widths)) if widths else None
     defaults = {**config.to_dict(), **{k: v for k, v in dims.items() if isinstance(v, int)}}
     return ModelFamily(
         rules(head),
@@ -107,12 +120,32 @@ def _derive(config_json: str, registered: str) -> ModelFamily:
         model_class=model.__class__.__name__,
         tied=tied,
         vocab_dims=vocab_dims,
-        # Llama's terms: what the derived table cannot read off the module (a row says the family's own)
-        layer_activations=LLAMA_LAYER_ACTIVATIONS,
+        layer_activations=layer_terms([k for k, _ in layer]),
         final_activations=FINAL_NORM_ACTIVATIONS,
         layer_prefix=prefix + "{i}.",
         derived=True,
     )
+
+
+# Llama's decoder layer, as a derived table names its tensors: q/k/v/o projections and a SwiGLU MLP
+_LLAMA_LAYOUT = ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.down_proj.weight")
+_NORM = re.compile(r"^(?!self_attn\.)[^.]*(?:norm|ln)[^.]*\.weight$")
+
+
+def layer_terms(keys: list[str]) -> tuple[ActivationTerm, ...]:
+    """What one decoder layer keeps for its backward, read off its tensor names where the layer is
+    Llama's shape (OLMo 2, Granite, Cohere...): Llama's terms, plus each RMSNorm beyond Llama's two
+    (fp32 input, two compute-dtype tensors) and query/key norms (Qwen3's terms, the same whole-width
+    or per head). Another layout (GPT-2's Conv1D, Bloom's fused qkv, experts) keeps Llama's terms,
+    which the families table says are not its own (tests/test_families.py measures both)."""
+    if not all(k in keys for k in _LLAMA_LAYOUT):
+        return LLAMA_LAYER_ACTIVATIONS
+    norms = sum(1 for k in keys if _NORM.match(k))
+    extra = (
+        (ActivationTerm("hidden", norms - 2, fp32=True), ActivationTerm("hidden", 2 * (norms - 2))) if norms > 2 else ()
+    )
+    qk = QK_NORM_ACTIVATIONS if {"self_attn.q_norm.weight", "self_attn.k_norm.weight"} <= set(keys) else ()
+    return LLAMA_LAYER_ACTIVATIONS + extra + qk
 
 
 def _meta_model(model_type: Any, raw: dict[str, Any], registered: str):

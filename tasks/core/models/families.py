@@ -17,7 +17,8 @@ transformers classes that build it. Every reader takes it from here (torchtitan 
 Adding a family is one entry in FAMILIES; nothing else branches on a family name. A model_type
 with no entry gets a family derived from the model the installed transformers builds on the meta
 device (`family_of` -> `tasks.core.models.derive`): its keys, shapes, tied and vocabulary keys, no
-shardformer policy, Llama's activation terms. The docs' table of families x plugins is written
+shardformer policy, activation terms read off its layer (`derive.layer_terms`); a named row over a
+derived table (`tasks.core.models.policy_rows`) adds a family's ColossalAI policy and its tp split. The docs' table of families x plugins is written
 from here (`tasks.core.models.family_table`).
 
 Pure: no torch, no transformers import (class names are strings), so pre-flight stays cheap; only a
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 from tasks.core.errors import ConversionError
@@ -222,7 +224,19 @@ def family_of(model_config: Mapping[str, Any]) -> ModelFamily:
         return family
     from tasks.core.models.derive import derive_family
 
-    return derive_family(model_config, registered=supported())
+    derived = derive_family(model_config, registered=supported())
+    row = _policy_rows().get(model_config.get("model_type"))  # type: ignore[arg-type]
+    if row is None or row.model_class != derived.model_class:
+        return derived
+    # a named row over the derived table: the policy, its tp split and any refusal are the row's
+    return replace(
+        derived,
+        shardformer_policy=row.shardformer_policy,
+        policy_refused=row.policy_refused,
+        tp_column=row.tp_column,
+        tp_row=row.tp_row,
+        sp_note=row.policy_refused or "no sequence-parallel mode of its policy is measured with transformers 4.51.3",
+    )
 
 
 def family_config(model_config: Mapping[str, Any]) -> tuple[ModelFamily, dict[str, Any]]:
@@ -324,6 +338,8 @@ def sp_family_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: st
     """(field, message) when the stage's sequence-parallel mode is not one its model family's policy runs."""
     sp = getattr(stage_cfg.plugin, "sequence_parallelism", None)
     family = FAMILIES.get(str(model_config.get("model_type")))
+    if sp is not None and family is None and model_config.get("model_type") in _policy_rows():
+        family = family_of(model_config)  # a named row over a derived table: no mode measured
     if sp is None or family is None or sp.mode in family.sp_modes:
         return None
     from tasks.core.config.sequence import SP_MODES
@@ -336,6 +352,12 @@ def sp_family_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: st
         f"(or set {where}.plugin.sequence_parallelism: null)"
     )
     return f"{where}.plugin.sequence_parallelism.mode", why
+
+
+def _policy_rows() -> Mapping[str, Any]:
+    from tasks.core.models.policy_rows import POLICY_ROWS
+
+    return POLICY_ROWS
 
 
 def plugins_without_policy() -> list[str]:
@@ -357,15 +379,26 @@ def policy_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: str) 
         family = family_of(model_config)
     except ConversionError:
         return None  # no family at all: check_model_family names it
-    if family.shardformer_policy:
+    pp = getattr(stage_cfg.plugin, "pp_size", 1) or 1
+    if family.shardformer_policy and not family.policy_refused:
+        if family.derived and pp > 1:  # a row over a derived table: its policy is measured at tp only
+            return f"{where}.plugin.pp_size", (
+                f"pipeline parallelism with ColossalAI 0.5.0's {family.shardformer_policy.rsplit('.', 1)[-1]} is not "
+                f"measured for model_type {model_config.get('model_type')!r} (benchmarks/shardformer_policies.py "
+                f"trains it at tp=2); set {where}.plugin.pp_size: 1 and split it with tp_size"
+            )
         return None
+    mt = model_config.get("model_type")
     why = (
         f"{name} shards the model with a shardformer policy (tensor, pipeline and sequence parallelism), and "
         + (
-            f"a family derived from {family.model_class} (model_type {model_config.get('model_type')!r} has no row "
+            f"ColossalAI 0.5.0's {family.shardformer_policy.rsplit('.', 1)[-1]} for {family.model_class} does not "
+            f"run with transformers 4.51.3: {family.policy_refused}"
+            if family.policy_refused
+            else f"a family derived from {family.model_class} (model_type {mt!r} has no row "
             "in tasks/core/models/families.py) names none"
             if family.derived
-            else f"ColossalAI 0.5.0 has none for {family.model_class} (model_type {model_config.get('model_type')!r})"
+            else f"ColossalAI 0.5.0 has none for {family.model_class} (model_type {mt!r})"
         )
         + f"; set {where}.plugin.name to one of the plugins that run it: {', '.join(plugins_without_policy())}"
     )

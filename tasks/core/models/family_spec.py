@@ -115,3 +115,21 @@ class ModelFamily:
     layer_prefix: str = "model.layers.{i}."
     # read from the model transformers builds (tasks.core.models.derive), not a row of FAMILIES
     derived: bool = False
+    # ColossalAI has a policy for the class, but it does not run with the installed transformers: the
+    # first failure and its cause (benchmarks/shardformer_policies.py); hybrid_parallel is refused
+    policy_refused: str = ""
+    # For a table whose shapes are sizes, not DIMS names (a row over a derived table,
+    # tasks.core.models.policy_rows): the modules tensor parallelism splits, read from the policy:
+    # column-parallel (weight and bias split), row-parallel (weight split, bias replicated); the
+    # vocabulary-indexed keys (`vocab_dims`) are split too
+    tp_column: tuple[str, ...] = ()
+    tp_row: tuple[str, ...] = ()
+
+    def tp_splits(self, key: str) -> bool:
+        """Whether tensor parallelism splits this key of a table with sizes (by `tp_column`/`tp_row`)."""
+        if key in self.vocab_dims and (self.tp_column or self.tp_row):
+            return True
+        module, _, leaf = key.rpartition(".")
+        return any(module.endswith(m) for m in self.tp_column) or (
+            leaf == "weight" and any(module.endswith(m) for m in self.tp_row)
+        )

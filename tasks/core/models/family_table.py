@@ -13,6 +13,7 @@ from __future__ import annotations
 from tasks.core.config.plugins import PLUGINS
 from tasks.core.config.sequence import SP_MODES
 from tasks.core.models.families import FAMILIES, ModelFamily
+from tasks.core.models.policy_rows import POLICY_ROWS, PolicyRow
 
 COMMAND = "python -m tasks.core.models.family_table > docs/reference/families.md"
 INTRO = (
@@ -25,7 +26,14 @@ INTRO = (
     "never `trust_remote_code` or code from the model folder); pre-flight says so in one line and imports torch and "
     "transformers for it. A plugin that shards with a shardformer policy (hybrid_parallel, even at tp=pp=1) runs "
     "only a family whose row names one; pre-flight refuses it for any other family before anything launches, naming "
-    "the plugins that run it. The plugins' own rules (CUDA, precisions, LoRA) are in the "
+    "the plugins that run it. The families ColossalAI 0.5.0 has a policy for but whose layout is not Llama's "
+    "(`tasks/core/models/policy_rows.py`) have a named row over the derived table: it adds the policy, the modules it "
+    "splits over the tp ranks, and, where the policy does not run with transformers 4.51.3, its first failure "
+    "(measured by `benchmarks/shardformer_policies.py`: a tiny random model of each at tp=2 on 2 CPU ranks, loss "
+    "against the unsharded model, backward and a step). A derived family never takes ColossalAI's policy for its class "
+    "by itself: three of the seven decoder policies outside the registry fail with transformers 4.51.3, so a policy is "
+    "used only from a row whose claim `benchmarks/shardformer_policies.py --smoke` re-measures in the suite. The "
+    "plugins' own rules (CUDA, precisions, LoRA) are in the "
     "[configuration reference](config.md)."
 )
 
@@ -41,6 +49,23 @@ def _cell(family: ModelFamily | None, plugin: str) -> str:
     usable = [m for m in family.sp_modes if m in SP_MODES and not SP_MODES[m].refused]
     sp = f"sequence parallelism: {', '.join(usable)}" if usable else "no sequence parallelism"
     return f"runs (tp, pp; {sp})"
+
+
+def _policy_cell(row: PolicyRow, plugin: str) -> str:
+    if not PLUGINS[plugin].shardformer:
+        return "runs (derived table)"
+    if row.policy_refused:
+        return "refused: ColossalAI 0.5.0's policy fails with transformers 4.51.3 (see notes)"
+    return "runs (tp, measured at 2; pp refused: not measured; no sequence parallelism)"
+
+
+def _row_note(row: PolicyRow) -> str:
+    fp32, bf16 = row.llama_terms_ratio
+    return (
+        f"{row.policy_refused or row.note}; the memory estimate counts Llama's activation terms for its layer, "
+        f"{fp32:.2f} (fp32) and {bf16:.2f} (bf16) of what it keeps"
+        + (", so it undercounts: leave headroom" if min(fp32, bf16) < 0.95 else "")
+    )
 
 
 def render() -> str:
@@ -60,9 +85,14 @@ def render() -> str:
         policy = f"`{family.shardformer_policy.rsplit('.', 1)[-1]}`" if family.shardformer_policy else "none"
         cells = [f"`{model_type}`", f"`{family.model_class}`", policy, *[_cell(family, p) for p in plugins]]
         lines.append("| " + " | ".join(cells) + " |")
+    for model_type, row in sorted(POLICY_ROWS.items()):
+        policy = f"`{row.shardformer_policy.rsplit('.', 1)[-1]}`"
+        cells = [f"`{model_type}`", f"`{row.model_class}`", policy, *[_policy_cell(row, p) for p in plugins]]
+        lines.append("| " + " | ".join(cells) + " |")
     derived = ["any other decoder", "derived: `AutoModelForCausalLM`", "none", *[_cell(None, p) for p in plugins]]
     lines.append("| " + " | ".join(derived) + " |")
     notes = [(t, f.sp_note) for t, f in sorted(FAMILIES.items()) if f.sp_note]
+    notes += [(t, _row_note(r)) for t, r in sorted(POLICY_ROWS.items())]
     if notes:
         lines += ["", "Notes:", ""] + [f"- `{t}`: {note}." for t, note in notes]
     return "\n".join(lines) + "\n"

@@ -435,7 +435,14 @@ def check_model_family(ctx: CheckContext) -> None:
     ctx.ok(
         f"model family {model_type}: no row in the registry; its tensor table is derived from {family.model_class} "
         f"({family.config_class}) built on the meta device by the installed transformers (torch imported for it), "
-        "so the unshard and the export can convert it (the memory estimate counts Llama's activation terms for it)"
+        "so the unshard and the export can convert it (the memory estimate reads its activation terms off the layer's tensor names)"
+        + (
+            f"; its named row (tasks/core/models/policy_rows.py) gives hybrid_parallel ColossalAI's "
+            f"{family.shardformer_policy.rsplit('.', 1)[-1]}"
+            + (", which does not run with transformers 4.51.3" if family.policy_refused else "")
+            if family.shardformer_policy
+            else ""
+        )
     )
 
 

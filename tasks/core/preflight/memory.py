@@ -238,7 +238,8 @@ def estimate(
         n = math.prod(shape)
         total += n
         largest = max(largest, n)
-        mine = n // tp if tp > 1 and any(d in TP_SPLIT_DIMS for d in rule.shape) else n
+        split = any(d in TP_SPLIT_DIMS for d in rule.shape) or family.tp_splits(key)
+        mine = n // tp if tp > 1 and split else n
         s_ = (
             (0 if rule in family.head else pp - 1)
             if layer is None

@@ -1,0 +1,77 @@
+"""The named rows through the real engine on 2 gloo ranks: a tiny random model of each family is
+sharded, trained 3 steps, checkpointed, and its checkpoint converted to an HF folder bitwise that
+loads in plain transformers with the logits the checkpoint recorded.
+
+    .venv/bin/python -m pytest -q -m distributed tests/test_named_rows_dist.py -s
+
+- gemma3_text (scaled embedding, four norms a layer, q/k norms, sliding-window layers, tied head) under
+  low_level_zero ZeRO-2, and phi3 (fused qkv_proj and gate_up_proj) under torch_ddp: neither has a
+  shardformer policy, so these are the plugins that run them;
+- falcon under hybrid_parallel tp=2: a row over a derived table whose ColossalAI policy runs with
+  transformers 4.51.3 (tasks/core/models/policy_rows.py; the other policy rows are measured at tp=2
+  by benchmarks/shardformer_policies.py --smoke in tests/test_benchmarks.py).
+Two launches per family (shard, train), ~10-15 s of imports each on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from support.engine import engine, read_model_dir, stage_raw, train_state, write_job
+from tasks.core.models.fingerprint import hf_dir_logits, load_fingerprint, max_abs_diff
+
+pytestmark = pytest.mark.distributed
+
+CASES = {
+    "gemma3_text": ({"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"}, "Gemma3ForCausalLM"),
+    "phi3": ({"name": "torch_ddp", "precision": "fp32"}, "Phi3ForCausalLM"),
+    "falcon": ({"name": "hybrid_parallel", "tp_size": 2, "precision": "fp32"}, "FalconForCausalLM"),
+}
+STEPS = 3
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def trained(request, tmp_path_factory):
+    from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
+
+    family = request.param
+    plugin, _ = CASES[family]
+    work = tmp_path_factory.mktemp(f"named-{family}")
+    model_dir = build_tiny_model(work / "base", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family=family)
+    stage_dir = work / "cpt"
+    section = stage_raw("cpt", plugin, max_steps=STEPS, checkpoint_every=STEPS)
+    common = dict(stage="cpt", stage_cfg=section, model_dir=model_dir, tokenizer_dir=model_dir, stage_dir=stage_dir)
+    shard = engine("shard", write_job(work / "shard.json", verb="shard", **common))
+    train = engine("train", write_job(work / "train.json", verb="train", **common))
+    return family, model_dir, stage_dir, shard, train, work
+
+
+def test_a_named_row_trains_on_2_ranks_and_its_checkpoint_converts_to_a_model_transformers_loads(trained):
+    import transformers
+
+    from tasks.core.models.convert import convert_checkpoint, load_state_dict_from_dir
+    from tasks.core.models.families import expected_tensors
+
+    family, model_dir, stage_dir, shard, train, work = trained
+    assert shard.rc == 0 and train.rc == 0, (shard.output[-3000:], train.output[-3000:])
+    losses = [p["loss"] for p in train.progress]
+    assert [p["step"] for p in train.progress] == list(range(1, STEPS + 1)) and all(map(math.isfinite, losses))
+    step = stage_dir / f"step-{STEPS:06d}"
+    assert train_state(step)["losses"] == losses
+    mc = json.loads((model_dir / "config.json").read_text())
+    saved = read_model_dir(step / "model")
+    assert list(saved) == list(expected_tensors(mc)) or sorted(saved) == sorted(expected_tensors(mc))
+    base = read_model_dir(model_dir)
+    assert not all(torch.equal(saved[k], base[k]) for k in base)  # trained
+    report = convert_checkpoint(step / "model", work / "hf", model_config=mc, fsync=False)
+    assert report is not None
+    got = load_state_dict_from_dir(work / "hf")
+    assert sorted(got) == sorted(saved) and all(torch.equal(got[k], saved[k]) for k in saved)
+    model = transformers.AutoModelForCausalLM.from_pretrained(work / "hf")
+    assert type(model).__name__ == CASES[family][1]
+    # the logits the engine recorded at the save, from the converted folder
+    assert max_abs_diff(load_fingerprint(step), hf_dir_logits(work / "hf", dtype="fp32")) <= 1e-4
