@@ -527,6 +527,8 @@ def run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
 def _run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
     import flows.cpt_to_sft as runbook
     from flows.embedded_api import ApiUnavailable, embedded_api
+    from tasks.core.errors import PREEMPTED_EXIT
+    from tasks.flowkit.stage import PREEMPTED_STATE
     from tasks.stages.gate import gate_message
 
     previous = signal.signal(signal.SIGINT, _on_sigint)
@@ -544,6 +546,10 @@ def _run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
     if state.is_cancelled():
         print(state.message or state.name, file=sys.stderr)
         return EXIT_INTERRUPTED
+    if state.is_failed() and state.name == PREEMPTED_STATE:
+        # Preempted more often than elastic.max_preemptions allows: the checkpoint stands, run again (EX_TEMPFAIL).
+        print(state.message or state.name, file=sys.stderr)
+        return PREEMPTED_EXIT
     if not state.is_completed():
         # Refused at pre-flight (the report), the lease held, or a stage failed (its cause): the
         # state message says which; the last line printed is the reason.
