@@ -186,3 +186,47 @@ def test_sft_under_low_level_zero_on_2_ranks_continues_through_the_flow_on_1(dem
     assert _row(summary, "train_sft")["detail"]["segments"] == got["segments"]
     (row,) = [r for r in table[-1] if r["stage"] == "train_sft"]
     assert row["note"].endswith("from step 4: low_level_zero zero=2 dp=1 on 1 rank (4 x 2 a rank)"), row
+
+
+def test_cpt_preempted_by_sigterm_retries_by_itself_and_ends_bitwise_on_the_uninterrupted_run(
+    demo_run_copy, monkeypatch
+):
+    """A notice (SIGTERM to rank 1 after step 5, 20 s grace) to the 2-rank fp32 tp=2 CPT stage: the
+    stage commits step 5 and ends preempted, the flow retries it by itself (no wait, no failure
+    retry), the retry resumes from step 5, and step 8's weights are the uninterrupted run's, bitwise.
+    run.json, the stage table, the end-of-run table and cpt/preemptions.json record the preemption."""
+    from support.engine import read_model_dir
+
+    copy = demo_run_copy
+    cpt = copy.run_root / "cpt"
+    ref_dir = copy.run_root.parent / "ref-step-000008"
+    (cpt / "step-000008").rename(ref_dir)  # the uninterrupted run's step 8: the reference
+    raw = json.loads(json.dumps(copy.raw))
+    # Not in any digest: train_cpt resumes from step 4 as it would without a notice source.
+    raw["cpt"]["elastic"] = {"notices": [{"source": "sigterm", "grace_s": 20}], "retry_wait_s": 0}
+    config = write_config(copy.config.parent / "spot.yaml", raw)
+    table = _stage_tables(monkeypatch)
+    monkeypatch.setenv("CPT_TO_SFT_FAULT", "term@step=5@stage=cpt@rank=1")
+    rc, summary, console = _run(config, "train_cpt")
+    assert rc == 0, console[-4000:]
+    assert _row(summary, "train_cpt")["status"] == "completed", _row(summary, "train_cpt")
+
+    (rec,) = summary["preemptions"]
+    assert (rec["stage"], rec["source"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"]) == (
+        "cpt",
+        "sigterm",
+        5,
+        5,
+        0,
+    ), rec
+    assert 0 <= rec["notice_to_commit_s"] < 20 and rec["restart_to_first_step_s"] > 0, rec
+    assert rec["at"].endswith("Z") and _row(summary, "train_cpt")["detail"]["preemptions"] == [rec]
+    assert json.loads((cpt / "preemptions.json").read_text()) == [rec]
+    assert "retrying the run in 0 s" in console and "cpt preempted " in console, console[-4000:]
+    (row,) = [r for r in table[-1] if r["stage"] == "train_cpt"]
+    assert "preempted 1x, steps lost 0" in row["note"], row
+    assert any(r["status"] == "preempted" for t in table[:-1] for r in t if r["stage"] == "train_cpt"), table
+
+    got, want = read_model_dir(cpt / "step-000008" / "model"), read_model_dir(ref_dir / "model")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert _state(cpt / "step-000008")["losses"] == _state(ref_dir)["losses"]
