@@ -50,6 +50,7 @@ from tasks.core.storage.fs import RunStore
 from tasks.core.storage.oserrors import note_free
 from tasks.core.storage.publisher import RETRIES, publish_retrying
 from tasks.flowkit import automation
+from tasks.flowkit.notices import critical, stop_on_notice
 
 __all__ = [
     "PREEMPTED_STATE",
@@ -184,11 +185,12 @@ def fresh_dir(path: Path, keep_foreign: bool = True) -> Iterator[Path]:
         note_free(exc, tmp)  # a full disk: its free space now, before the partial output below is removed
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if keep_foreign:
-        set_aside(path)
-    if path.exists():
-        shutil.rmtree(path)
-    tmp.rename(path)
+    with critical():  # a notice now is raised once the new artifact is in place
+        if keep_foreign:
+            set_aside(path)
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
 
 
 class _Output:
@@ -302,8 +304,11 @@ def stage_task(**task_kwargs: Any) -> Callable[[Callable[..., StageResult]], Any
     def wrap(fn: Callable[..., StageResult]):
         @wraps(fn)
         def body(*args: Any, **kwargs: Any) -> StageResult | State:
+            cfg = args[0] if args and isinstance(args[0], RunConfig) else kwargs.get("cfg")
             try:
-                result = fn(*args, **kwargs)
+                # a notice to this process stops the stage at a safe point (tasks/flowkit/notices.py)
+                with stop_on_notice(task_kwargs.get("name") or fn.__name__, cfg):
+                    result = fn(*args, **kwargs)
             except Preempted as exc:
                 return Failed(name=PREEMPTED_STATE, message=exc.cause or str(exc), data=exc)
             if isinstance(result, StageResult) and result.status == Status.SKIPPED:

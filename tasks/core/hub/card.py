@@ -144,7 +144,7 @@ def train_facts(
     return facts
 
 
-def _preemptions(facts: dict[str, dict], stage: str) -> str:
+def preemption_cell(facts: dict[str, dict], stage: str) -> str:
     """How often the stage was preempted; each: when, the step checkpointed, steps lost, notice to
     commit against the grace, restart to first step."""
     records = facts.get(stage, {}).get("preemptions") or []
@@ -323,7 +323,7 @@ def model_card(
         ),
         "fine-tuning": lambda s: _tuning(cfg, facts, s),
         "seed": lambda s: str(cfg.phase(s).seed),
-        "preemptions": lambda s: _preemptions(facts, s),
+        "preemptions": lambda s: preemption_cell(facts, s),
     }
     train += [f"| {name} | {fn('cpt')} | {fn('sft')} |" for name, fn in rows.items()]
 
