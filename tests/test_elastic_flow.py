@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -230,3 +231,44 @@ def test_cpt_preempted_by_sigterm_retries_by_itself_and_ends_bitwise_on_the_unin
     got, want = read_model_dir(cpt / "step-000008" / "model"), read_model_dir(ref_dir / "model")
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert _state(cpt / "step-000008")["losses"] == _state(ref_dir)["losses"]
+
+
+def test_a_notice_during_export_ends_it_preempted_and_the_retry_redoes_only_the_export(demo_run_copy, monkeypatch):
+    """SIGTERM to the flow process while export builds (files written, manifest not yet), with
+    `sft.elastic.notices: [{source: sigterm}]`: the export ends preempted at that point, its build
+    directory removed (nothing torn); the flow retries by itself, every stage before the export
+    skips both times (nothing finished redone) and the export is built whole."""
+    import signal as sig
+
+    import tasks.stages.export as export_mod
+    from tasks.core.run.manifest import verify_artifact
+
+    copy = demo_run_copy
+    shutil.rmtree(copy.run_root / "export")
+    raw = json.loads(json.dumps(copy.raw))
+    raw["sft"]["elastic"] = {"notices": [{"source": "sigterm", "grace_s": 20}], "retry_wait_s": 0}
+    config = write_config(copy.config.parent / "spot-export.yaml", raw)
+    table = _stage_tables(monkeypatch)
+    real, sent = export_mod.framework_versions, []
+
+    def versions_then_notice():
+        if not sent:
+            # the stage listens in this process (else a SIGTERM would end pytest): the notice lands mid-build
+            assert sig.getsignal(sig.SIGTERM) not in (sig.SIG_DFL, None), sig.getsignal(sig.SIGTERM)
+            assert list(copy.run_root.glob("export.tmp-build/*"))
+            sent.append(1)
+            os.kill(os.getpid(), sig.SIGTERM)
+        return real()
+
+    monkeypatch.setattr(export_mod, "framework_versions", versions_then_notice)
+    rc, summary, console = _run(config, "export")
+    assert rc == 0 and sent, console[-4000:]
+    (rec,) = summary["preemptions"]
+    assert (rec["stage"], rec["source"], rec["steps_lost"]) == ("export", "sigterm", 0), rec
+    assert _row(summary, "export")["status"] == "completed"
+    before = [s["stage"] for s in summary["stages"]][: [s["stage"] for s in summary["stages"]].index("export")]
+    assert all(_row(summary, s)["status"] == "skipped" for s in before), summary["stages"]
+    preempted = next(t for t in table if any(r["stage"] == "export" and r["status"] == "preempted" for r in t))
+    assert all(r["status"] == "skipped" for r in preempted if r["stage"] in before), preempted
+    verify_artifact(copy.run_root / "export")
+    assert not list(copy.run_root.glob("*.tmp-build")), "a build directory was left"
