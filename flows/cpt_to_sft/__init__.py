@@ -36,6 +36,7 @@ from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError, Preempted
 from tasks.core.preflight.checks import load_for_check
 from tasks.core.run.preemptions import Policy
+from tasks.core.run.preemptions import record as preemption_record
 from tasks.core.run.stages import DONE, STAGE, STAGE_NAMES, TRAINING, Status
 from tasks.core.run.trainlog import duration, summary_table
 from tasks.core.storage.fs import fetch_to_local
@@ -180,15 +181,18 @@ def cpt_to_sft(
     handle = tracker.handle if tracker is not None else None
 
     def stage(name: str, task_fn, *args) -> StageResult:
+        before = (results.get(name) or StageResult(name, Status.NOT_RUN)).detail.get("preemptions") or []
         try:
             # A skipped stage ends in a state named "Skipped"; outcome() reads its StageResult.
             results[name] = outcome(task_fn(*args, return_state=True))
         except Preempted as exc:
-            results[name] = _preempted(cfg, name, exc)  # not failed: the loop below retries it
+            results[name] = _preempted(cfg, name, exc, before)  # not failed: the loop below retries it
             raise
         except BaseException as exc:
             results[name] = _failed(cfg, name, exc)  # its row in the stage table + a failed event
             raise
+        if before and not results[name].detail.get("preemptions"):  # a stage without a log of its own keeps them
+            results[name].detail["preemptions"] = before
         if name == stop_after:
             raise _StopAfter
         return results[name]
@@ -353,11 +357,12 @@ def _failed(cfg: RunConfig, stage: str, exc: BaseException) -> StageResult:
     return StageResult(stage, Status.FAILED, rel, uri, detail={"error": cause})
 
 
-def _preempted(cfg: RunConfig, stage: str, exc: Preempted) -> StageResult:
-    """The preempted stage's row: its preemption records (tasks/core/run/preemptions.py) and a preempted event."""
+def _preempted(cfg: RunConfig, stage: str, exc: Preempted, before: list) -> StageResult:
+    """The preempted stage's row: its preemption records (a training stage's log, tasks/core/run/preemptions.py;
+    else those of its earlier attempts in this run and this one) and a preempted event."""
     rel = STAGE[stage].artifact
     uri = store_for(cfg).uri(rel) if rel else None
-    records = exc.record.get("preemptions") or []
+    records = exc.record.get("preemptions") or [*before, preemption_record(exc.record, stage, time.time())]
     automation.stage_event(stage, Status.PREEMPTED, cfg.name, uri, cause=failure_cause(exc), record=exc.record)
     return StageResult(stage, Status.PREEMPTED, rel, uri, detail={"error": exc.cause, "preemptions": records})
 
