@@ -368,10 +368,16 @@ def _preempted(cfg: RunConfig, stage: str, exc: Preempted, before: list) -> Stag
 
 
 def preemption_policy(cfg: RunConfig, exc: Preempted) -> Policy:
-    """The retry policy of the preempted stage's phase (the engine's record names it), else the first phase's."""
+    """The retry policy of the preempted stage's phase (the engine's record names it); for a stage that
+    does not train, of the phases that listen for the notice's source (the tighter of their bounds)."""
     phase = exc.record.get("stage")
-    el = cfg.phase(phase if phase in TRAINING else next(iter(TRAINING))).elastic
-    return Policy(el.max_preemptions, el.retry_wait_s)
+    if phase in TRAINING:
+        el = cfg.phase(phase).elastic
+        return Policy(el.max_preemptions, el.retry_wait_s)
+    source = exc.record.get("source")
+    els = [cfg.phase(p).elastic for p in TRAINING if any(n.source == source for n in cfg.phase(p).elastic.notices)]
+    els = els or [cfg.phase(next(iter(TRAINING))).elastic]
+    return Policy(min(e.max_preemptions for e in els), min(e.retry_wait_s for e in els))
 
 
 def failure_cause(exc: BaseException) -> str:
