@@ -192,9 +192,9 @@ def test_sft_under_low_level_zero_on_2_ranks_continues_through_the_flow_on_1(dem
 def test_cpt_preempted_by_sigterm_retries_by_itself_and_ends_bitwise_on_the_uninterrupted_run(
     demo_run_copy, monkeypatch
 ):
-    """A notice (SIGTERM to rank 1 after step 5, 20 s grace) to the 2-rank fp32 tp=2 CPT stage: the
-    stage commits step 5 and ends preempted, the flow retries it by itself (no wait, no failure
-    retry), the retry resumes from step 5, and step 8's weights are the uninterrupted run's, bitwise.
+    """A notice (SIGTERM to rank 1 as step 6 begins, 20 s grace) to the 2-rank fp32 tp=2 CPT stage: the
+    stage finishes step 6, commits it and ends preempted, the flow retries it by itself (no wait, no
+    failure retry), the retry resumes from step 6, and step 8's weights are the uninterrupted run's, bitwise.
     run.json, the stage table, the end-of-run table and cpt/preemptions.json record the preemption."""
     from support.engine import read_model_dir
 
@@ -216,10 +216,10 @@ def test_cpt_preempted_by_sigterm_retries_by_itself_and_ends_bitwise_on_the_unin
     assert (rec["stage"], rec["source"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"]) == (
         "cpt",
         "sigterm",
-        5,
-        5,
+        6,
+        6,
         0,
-    ), rec
+    ), rec  # the notice came as step 6 began (term@step=5): step 6 finished and was committed
     assert 0 <= rec["notice_to_commit_s"] < 20 and rec["restart_to_first_step_s"] > 0, rec
     assert rec["at"].endswith("Z") and _row(summary, "train_cpt")["detail"]["preemptions"] == [rec]
     assert json.loads((cpt / "preemptions.json").read_text()) == [rec]
