@@ -334,7 +334,8 @@ RUN_EXAMPLES = """examples:
   cpt-to-sft run --config s3://bucket/configs/8b.yaml --run-root s3://bucket/runs/8b --stop-after export
 
 exit status: 0 complete, or stopped after --stop-after; 1 a stage failed or the config is refused;
-3 the gate failed (artifacts kept, nothing pushed); 130 interrupted (Ctrl-C)"""
+3 the gate failed (artifacts kept, nothing pushed); 75 preempted more often than <phase>.elastic.max_preemptions
+(the checkpoint stands: run again); 130 interrupted (Ctrl-C)"""
 
 
 def _epilog() -> str:
@@ -398,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 FLOW_EPILOG = (
     "exit status: 0 complete (pushed, or no hub configured), or stopped after --stop-after; 1 a stage "
-    "failed; 3 the gate failed (artifacts kept, nothing pushed); 130 interrupted (Ctrl-C)"
+    "failed; 3 the gate failed (artifacts kept, nothing pushed); 75 preempted more often than "
+    "<phase>.elastic.max_preemptions (run again: it resumes); 130 interrupted (Ctrl-C)"
 )
 
 
