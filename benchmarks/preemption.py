@@ -136,7 +136,8 @@ def bench(args: argparse.Namespace) -> int:
     print(f"\n== preemption benchmark (tiny config, {args.ranks} CPU rank{'s' if args.ranks > 1 else ''}, fp32) ==")
     if args.smoke:
         print("(smoke: one rank, one preemption; figures printed, not judged)")
-    print(f"notices at steps {at}, grace {args.grace:g} s, {args.steps} steps, checkpoint every {args.every}")
+    began = [k + 1 for k in at]  # term@step=K signals as step K+1 begins: that step finishes, then the stage stops
+    print(f"notices as steps {began} began, grace {args.grace:g} s, {args.steps} steps, checkpoint every {args.every}")
     print(
         "| # | noticed after step | checkpoint step | steps lost | notice to commit (s) | grace (s) "
         "| restart to first step (s) |"
