@@ -207,7 +207,8 @@ def test_cpt_preempted_by_sigterm_retries_by_itself_and_ends_bitwise_on_the_unin
     raw["cpt"]["elastic"] = {"notices": [{"source": "sigterm", "grace_s": 20}], "retry_wait_s": 0}
     config = write_config(copy.config.parent / "spot.yaml", raw)
     table = _stage_tables(monkeypatch)
-    monkeypatch.setenv("CPT_TO_SFT_FAULT", "term@step=5@stage=cpt@rank=1")
+    # and a second notice, to rank 0, in the middle of that step's checkpoint save: the save finishes whole
+    monkeypatch.setenv("CPT_TO_SFT_FAULT", "term@step=5@stage=cpt@rank=1;term@save=6:optimizer@stage=cpt@rank=0")
     rc, summary, console = _run(config, "train_cpt")
     assert rc == 0, console[-4000:]
     assert _row(summary, "train_cpt")["status"] == "completed", _row(summary, "train_cpt")
@@ -224,6 +225,9 @@ def test_cpt_preempted_by_sigterm_retries_by_itself_and_ends_bitwise_on_the_unin
     assert rec["at"].endswith("Z") and _row(summary, "train_cpt")["detail"]["preemptions"] == [rec]
     assert json.loads((cpt / "preemptions.json").read_text()) == [rec]
     assert "retrying the run in 0 s" in console and "cpt preempted " in console, console[-4000:]
+    fired = sorted(f.read_text().strip() for f in (cpt / ".faults").iterdir())  # each spec marks itself as it fires
+    assert fired == ["term@save=6:optimizer@stage=cpt@rank=0", "term@step=5@stage=cpt@rank=1"], fired
+    assert not [p.name for p in cpt.iterdir() if p.name.startswith(".step-")], "a torn checkpoint was left"
     (row,) = [r for r in table[-1] if r["stage"] == "train_cpt"]
     assert "preempted 1x, steps lost 0" in row["note"], row
     assert any(r["status"] == "preempted" for t in table[:-1] for r in t if r["stage"] == "train_cpt"), table
