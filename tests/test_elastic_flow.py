@@ -276,3 +276,46 @@ def test_a_notice_during_export_ends_it_preempted_and_the_retry_redoes_only_the_
     assert all(r["status"] == "skipped" for r in preempted if r["stage"] in before), preempted
     verify_artifact(copy.run_root / "export")
     assert not list(copy.run_root.glob("*.tmp-build")), "a build directory was left"
+
+
+def test_a_notice_during_prepare_cpt_ends_it_preempted_and_the_retry_tokenizes_nothing_again(
+    demo_run_copy, monkeypatch
+):
+    """SIGTERM to the flow process while prepare_cpt copies its first tokenized shard into data/cpt,
+    with `cpt.elastic.notices: [{source: sigterm}]`: the stage ends preempted, its build directory
+    removed (no data/cpt, nothing torn); the flow's retry builds data/cpt whole from the shards
+    already in the cache, none tokenized again (their files untouched)."""
+    import signal as sig
+
+    import tasks.core.data.prepare as prep
+    from tasks.core.run.manifest import verify_artifact
+    from tasks.core.run.stages import DATA_CACHE
+
+    copy = demo_run_copy
+    shutil.rmtree(copy.run_root / "data" / "cpt")
+    cache = copy.run_root / DATA_CACHE / "cpt" / "shards"
+    before = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
+    assert before, f"no tokenized shards in {cache}"
+    raw = json.loads(json.dumps(copy.raw))
+    raw["cpt"]["elastic"] = {"notices": [{"source": "sigterm", "grace_s": 20}], "retry_wait_s": 0}
+    config = write_config(copy.config.parent / "spot-prepare.yaml", raw)
+    real, sent = prep.copy_shard, []
+
+    def copy_then_notice(src, dest):
+        real(src, dest)
+        if not sent:
+            assert sig.getsignal(sig.SIGTERM) not in (sig.SIG_DFL, None), sig.getsignal(sig.SIGTERM)
+            sent.append(1)
+            os.kill(os.getpid(), sig.SIGTERM)
+
+    monkeypatch.setattr(prep, "copy_shard", copy_then_notice)
+    rc, summary, console = _run(config, "prepare_cpt")
+    assert rc == 0 and sent, console[-4000:]
+    (rec,) = summary["preemptions"]
+    assert (rec["stage"], rec["source"], rec["steps_lost"]) == ("prepare_cpt", "sigterm", 0), rec
+    assert _row(summary, "load_from_hf")["status"] == "skipped" and _row(summary, "prepare_cpt")["status"] == (
+        "completed"
+    )
+    verify_artifact(copy.run_root / "data" / "cpt")
+    assert not list(copy.run_root.rglob("*.tmp-build")), "a build directory was left"
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()} == before  # nothing tokenized again
