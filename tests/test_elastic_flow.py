@@ -1,7 +1,7 @@
 """A training stage continued through the flow under another layout (docs/resume.md), on copies of the
 session's demo run (tests/conftest.py `demo_run`: CPT under hybrid_parallel tp=2 fp32, SFT under
 low_level_zero ZeRO-2 bf16, both on 2 ranks, 8 steps, checkpoints at 4 and 8), whose uninterrupted
-losses are the reference. Three launches in all.
+losses are the reference. Five launches in all.
 
     .venv/bin/python -m pytest -q -m "" tests/test_elastic_flow.py
 
@@ -12,6 +12,10 @@ losses are the reference. Three launches in all.
   record both segments.
 - SFT: step-000008 removed, the flow re-run with one rank at 4 x 2 (the same global batch of 8): only
   train_sft runs, from the checkpoint's fp32 masters cut for one rank, bitwise.
+- Preemption (docs/spot.md): CPT from step 4 gets a SIGTERM notice as step 6 begins (and another in the
+  middle of that step's save); the stage commits step 6, ends preempted, the flow retries by itself and
+  step 8 is the uninterrupted run's, bitwise (two launches). A notice during export and during
+  prepare_cpt (no launch): preempted, nothing torn, the retry redoes nothing finished.
 """
 
 from __future__ import annotations
