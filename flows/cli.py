@@ -334,7 +334,8 @@ RUN_EXAMPLES = """examples:
   cpt-to-sft run --config s3://bucket/configs/8b.yaml --run-root s3://bucket/runs/8b --stop-after export
 
 exit status: 0 complete, or stopped after --stop-after; 1 a stage failed or the config is refused;
-3 the gate failed (artifacts kept, nothing pushed); 130 interrupted (Ctrl-C)"""
+3 the gate failed (artifacts kept, nothing pushed); 75 preempted more often than <phase>.elastic.max_preemptions
+(the checkpoint stands: run again); 130 interrupted (Ctrl-C)"""
 
 
 def _epilog() -> str:
@@ -398,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 FLOW_EPILOG = (
     "exit status: 0 complete (pushed, or no hub configured), or stopped after --stop-after; 1 a stage "
-    "failed; 3 the gate failed (artifacts kept, nothing pushed); 130 interrupted (Ctrl-C)"
+    "failed; 3 the gate failed (artifacts kept, nothing pushed); 75 preempted more often than "
+    "<phase>.elastic.max_preemptions (run again: it resumes); 130 interrupted (Ctrl-C)"
 )
 
 
@@ -527,6 +529,8 @@ def run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
 def _run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
     import flows.cpt_to_sft as runbook
     from flows.embedded_api import ApiUnavailable, embedded_api
+    from tasks.core.errors import PREEMPTED_EXIT
+    from tasks.flowkit.stage import PREEMPTED_STATE
     from tasks.stages.gate import gate_message
 
     previous = signal.signal(signal.SIGINT, _on_sigint)
@@ -544,6 +548,10 @@ def _run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
     if state.is_cancelled():
         print(state.message or state.name, file=sys.stderr)
         return EXIT_INTERRUPTED
+    if state.is_failed() and state.name == PREEMPTED_STATE:
+        # Preempted more often than elastic.max_preemptions allows: the checkpoint stands, run again (EX_TEMPFAIL).
+        print(state.message or state.name, file=sys.stderr)
+        return PREEMPTED_EXIT
     if not state.is_completed():
         # Refused at pre-flight (the report), the lease held, or a stage failed (its cause): the
         # state message says which; the last line printed is the reason.

@@ -212,6 +212,16 @@ def test_resume_smoke():
     assert "result: " in out, out
 
 
+@pytest.mark.e2e
+def test_preemption_smoke():
+    """The flow up to train_cpt, uninterrupted, then its copy from step 0 preempted once by a SIGTERM
+    notice and retried by the flow itself: the per-preemption table and the wall-time ratio come out."""
+    out = smoke([PY, "benchmarks/preemption.py", "--smoke"], timeout=E2E_TIMEOUT)
+    for row in ("| # | noticed after step |", "stage wall, uninterrupted", "preempted / uninterrupted", "bitwise"):
+        assert row in out, out
+    assert "result: ok" in out, out[-4000:]  # one rank, 6 steps: steps lost 0, bitwise, within the grace
+
+
 @pytest.mark.integration
 @pytest.mark.distributed
 def test_publish_smoke():

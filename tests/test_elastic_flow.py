@@ -1,7 +1,7 @@
 """A training stage continued through the flow under another layout (docs/resume.md), on copies of the
 session's demo run (tests/conftest.py `demo_run`: CPT under hybrid_parallel tp=2 fp32, SFT under
 low_level_zero ZeRO-2 bf16, both on 2 ranks, 8 steps, checkpoints at 4 and 8), whose uninterrupted
-losses are the reference. Three launches in all.
+losses are the reference. Five launches in all.
 
     .venv/bin/python -m pytest -q -m "" tests/test_elastic_flow.py
 
@@ -12,6 +12,10 @@ losses are the reference. Three launches in all.
   record both segments.
 - SFT: step-000008 removed, the flow re-run with one rank at 4 x 2 (the same global batch of 8): only
   train_sft runs, from the checkpoint's fp32 masters cut for one rank, bitwise.
+- Preemption (docs/spot.md): CPT from step 4 gets a SIGTERM notice as step 6 begins (and another in the
+  middle of that step's save); the stage commits step 6, ends preempted, the flow retries by itself and
+  step 8 is the uninterrupted run's, bitwise (two launches). A notice during export and during
+  prepare_cpt (no launch): preempted, nothing torn, the retry redoes nothing finished.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -186,3 +191,135 @@ def test_sft_under_low_level_zero_on_2_ranks_continues_through_the_flow_on_1(dem
     assert _row(summary, "train_sft")["detail"]["segments"] == got["segments"]
     (row,) = [r for r in table[-1] if r["stage"] == "train_sft"]
     assert row["note"].endswith("from step 4: low_level_zero zero=2 dp=1 on 1 rank (4 x 2 a rank)"), row
+
+
+def test_cpt_preempted_by_sigterm_retries_by_itself_and_ends_bitwise_on_the_uninterrupted_run(
+    demo_run_copy, monkeypatch
+):
+    """A notice (SIGTERM to rank 1 as step 6 begins, 20 s grace) to the 2-rank fp32 tp=2 CPT stage: the
+    stage finishes step 6, commits it and ends preempted, the flow retries it by itself (no wait, no
+    failure retry), the retry resumes from step 6, and step 8's weights are the uninterrupted run's, bitwise.
+    run.json, the stage table, the end-of-run table and cpt/preemptions.json record the preemption."""
+    from support.engine import read_model_dir
+
+    copy = demo_run_copy
+    cpt = copy.run_root / "cpt"
+    ref_dir = copy.run_root.parent / "ref-step-000008"
+    (cpt / "step-000008").rename(ref_dir)  # the uninterrupted run's step 8: the reference
+    raw = json.loads(json.dumps(copy.raw))
+    # Not in any digest: train_cpt resumes from step 4 as it would without a notice source.
+    raw["cpt"]["elastic"] = {"notices": [{"source": "sigterm", "grace_s": 20}], "retry_wait_s": 0}
+    config = write_config(copy.config.parent / "spot.yaml", raw)
+    table = _stage_tables(monkeypatch)
+    # and a second notice, to rank 0, in the middle of that step's checkpoint save: the save finishes whole
+    monkeypatch.setenv("CPT_TO_SFT_FAULT", "term@step=5@stage=cpt@rank=1;term@save=6:optimizer@stage=cpt@rank=0")
+    rc, summary, console = _run(config, "train_cpt")
+    assert rc == 0, console[-4000:]
+    assert _row(summary, "train_cpt")["status"] == "completed", _row(summary, "train_cpt")
+
+    (rec,) = summary["preemptions"]
+    assert (rec["stage"], rec["source"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"]) == (
+        "cpt",
+        "sigterm",
+        6,
+        6,
+        0,
+    ), rec  # the notice came as step 6 began (term@step=5): step 6 finished and was committed
+    assert 0 <= rec["notice_to_commit_s"] < 20 and rec["restart_to_first_step_s"] > 0, rec
+    assert rec["at"].endswith("Z") and _row(summary, "train_cpt")["detail"]["preemptions"] == [rec]
+    assert json.loads((cpt / "preemptions.json").read_text()) == [rec]
+    assert "retrying the run in 0 s" in console and "cpt preempted " in console, console[-4000:]
+    fired = sorted(f.read_text().strip() for f in (cpt / ".faults").iterdir())  # each spec marks itself as it fires
+    assert fired == ["term@save=6:optimizer@stage=cpt@rank=0", "term@step=5@stage=cpt@rank=1"], fired
+    assert not [p.name for p in cpt.iterdir() if p.name.startswith(".step-")], "a torn checkpoint was left"
+    (row,) = [r for r in table[-1] if r["stage"] == "train_cpt"]
+    assert "preempted 1x, steps lost 0" in row["note"], row
+    assert any(r["status"] == "preempted" for t in table[:-1] for r in t if r["stage"] == "train_cpt"), table
+
+    got, want = read_model_dir(cpt / "step-000008" / "model"), read_model_dir(ref_dir / "model")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert _state(cpt / "step-000008")["losses"] == _state(ref_dir)["losses"]
+
+
+def test_a_notice_during_export_ends_it_preempted_and_the_retry_redoes_only_the_export(demo_run_copy, monkeypatch):
+    """SIGTERM to the flow process while export builds (files written, manifest not yet), with
+    `sft.elastic.notices: [{source: sigterm}]`: the export ends preempted at that point, its build
+    directory removed (nothing torn); the flow retries by itself, every stage before the export
+    skips both times (nothing finished redone) and the export is built whole."""
+    import signal as sig
+
+    import tasks.stages.export as export_mod
+    from tasks.core.run.manifest import verify_artifact
+
+    copy = demo_run_copy
+    shutil.rmtree(copy.run_root / "export")
+    raw = json.loads(json.dumps(copy.raw))
+    raw["sft"]["elastic"] = {"notices": [{"source": "sigterm", "grace_s": 20}], "retry_wait_s": 0}
+    config = write_config(copy.config.parent / "spot-export.yaml", raw)
+    table = _stage_tables(monkeypatch)
+    real, sent = export_mod.framework_versions, []
+
+    def versions_then_notice():
+        if not sent:
+            # the stage listens in this process (else a SIGTERM would end pytest): the notice lands mid-build
+            assert sig.getsignal(sig.SIGTERM) not in (sig.SIG_DFL, None), sig.getsignal(sig.SIGTERM)
+            assert list(copy.run_root.glob("export.tmp-build/*"))
+            sent.append(1)
+            os.kill(os.getpid(), sig.SIGTERM)
+        return real()
+
+    monkeypatch.setattr(export_mod, "framework_versions", versions_then_notice)
+    rc, summary, console = _run(config, "export")
+    assert rc == 0 and sent, console[-4000:]
+    (rec,) = summary["preemptions"]
+    assert (rec["stage"], rec["source"], rec["steps_lost"]) == ("export", "sigterm", 0), rec
+    assert _row(summary, "export")["status"] == "completed"
+    before = [s["stage"] for s in summary["stages"]][: [s["stage"] for s in summary["stages"]].index("export")]
+    assert all(_row(summary, s)["status"] == "skipped" for s in before), summary["stages"]
+    preempted = next(t for t in table if any(r["stage"] == "export" and r["status"] == "preempted" for r in t))
+    assert all(r["status"] == "skipped" for r in preempted if r["stage"] in before), preempted
+    verify_artifact(copy.run_root / "export")
+    assert not list(copy.run_root.glob("*.tmp-build")), "a build directory was left"
+
+
+def test_a_notice_during_prepare_cpt_ends_it_preempted_and_the_retry_tokenizes_nothing_again(
+    demo_run_copy, monkeypatch
+):
+    """SIGTERM to the flow process while prepare_cpt copies its first tokenized shard into data/cpt,
+    with `cpt.elastic.notices: [{source: sigterm}]`: the stage ends preempted, its build directory
+    removed (no data/cpt, nothing torn); the flow's retry builds data/cpt whole from the shards
+    already in the cache, none tokenized again (their files untouched)."""
+    import signal as sig
+
+    import tasks.core.data.prepare as prep
+    from tasks.core.run.manifest import verify_artifact
+    from tasks.core.run.stages import DATA_CACHE
+
+    copy = demo_run_copy
+    shutil.rmtree(copy.run_root / "data" / "cpt")
+    cache = copy.run_root / DATA_CACHE / "cpt" / "shards"
+    before = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
+    assert before, f"no tokenized shards in {cache}"
+    raw = json.loads(json.dumps(copy.raw))
+    raw["cpt"]["elastic"] = {"notices": [{"source": "sigterm", "grace_s": 20}], "retry_wait_s": 0}
+    config = write_config(copy.config.parent / "spot-prepare.yaml", raw)
+    real, sent = prep.copy_shard, []
+
+    def copy_then_notice(src, dest):
+        real(src, dest)
+        if not sent:
+            assert sig.getsignal(sig.SIGTERM) not in (sig.SIG_DFL, None), sig.getsignal(sig.SIGTERM)
+            sent.append(1)
+            os.kill(os.getpid(), sig.SIGTERM)
+
+    monkeypatch.setattr(prep, "copy_shard", copy_then_notice)
+    rc, summary, console = _run(config, "prepare_cpt")
+    assert rc == 0 and sent, console[-4000:]
+    (rec,) = summary["preemptions"]
+    assert (rec["stage"], rec["source"], rec["steps_lost"]) == ("prepare_cpt", "sigterm", 0), rec
+    assert _row(summary, "load_from_hf")["status"] == "skipped" and _row(summary, "prepare_cpt")["status"] == (
+        "completed"
+    )
+    verify_artifact(copy.run_root / "data" / "cpt")
+    assert not list(copy.run_root.rglob("*.tmp-build")), "a build directory was left"
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()} == before  # nothing tokenized again

@@ -312,3 +312,35 @@ def test_publish_retrying_retries_failures_but_lets_a_cancellation_through(tmp_p
     with pytest.raises(Cancelled):
         publish_retrying(store, "cpt/step-000001", cancelled, retries=4, backoff_s=0.01, log=_Log())
     assert len(calls) == 1  # not retried, not turned into a publish failure
+
+
+@pytest.mark.integration
+def test_s3_a_notice_during_an_async_publish_leaves_no_torn_checkpoint(throttled_s3, weed, s3_root, tmp_path):
+    """What a preempted training stage does with its sink (tasks/stages/train.py `_preempted`): drain
+    the publisher within the grace left. With time enough, the checkpoint committed on the notice is
+    published whole; when the grace runs out mid-upload and the machine goes (uploads stall, the
+    publisher is closed, the connection dies), the run root holds no manifest for it, so no torn
+    checkpoint: the newest with a manifest is the last whole one, which the next attempt resumes from."""
+    store = RunStore(s3_root, staging_dir=str(tmp_path / "staging"), part_size=5 * MB)
+    direct, root = _direct_fs(weed), store.root
+    throttled_s3.set_rate(8 * MB)
+    pub = Publisher(store, "cpt", keep_last=3).start()
+    make_checkpoint(store, "cpt", 4, size=2 * MB)
+    pub.submit(4)  # the periodic checkpoint, in flight when the notice comes
+    make_checkpoint(store, "cpt", 6, size=2 * MB)
+    pub.submit(6)  # the checkpoint of the noticed step
+    assert [p.rel for p in pub.drain(timeout=120)] == ["cpt/step-000004", "cpt/step-000006"]
+    assert store.verify("cpt/step-000006", deep=True)["files"].keys() == {"model/weights.bin", "train_state.json"}
+
+    throttled_s3.set_rate(1 * MB)
+    late = Publisher(store, "cpt", keep_last=3, retries=0).start()
+    d = make_checkpoint(store, "cpt", 9, size=6 * MB)
+    late.submit(9)
+    with pytest.raises(TimeoutError, match="still busy"):
+        late.drain(timeout=1.0)  # the grace left: about 1 of 6 MB sent
+    throttled_s3.pause()  # the machine goes: nothing more leaves it
+    late.close(timeout=1.0)
+    throttled_s3.kill()
+    assert not direct.exists(f"{root}/cpt/step-000009/{MANIFEST}")  # never a checkpoint without its manifest
+    assert direct.exists(f"{root}/cpt/step-000006/{MANIFEST}") and direct.exists(f"{root}/cpt/step-000004/{MANIFEST}")
+    assert d.is_dir() and not is_published(d)  # the local copy stays unmarked: a retry on this node publishes it

@@ -256,3 +256,74 @@ def test_flow_preflight_runs_the_slurm_checks(slurm_cluster, tiny_model_dir, tmp
     assert "sft.launch.slurm.partition" in fields and not any(f.startswith("cpt.") for f in fields), report.problems
     assert any("cpt slurm: the cluster answers" in line for line in report.checked), report.checked
     assert any("must be a shared filesystem" in w for w in report.warnings)
+
+
+def test_scancel_signal_usr1_checkpoints_the_step_and_the_requeued_stage_resumes(
+    slurm_cluster, tiny_model_dir, tmp_path
+):
+    """`scancel --signal=USR1` to the running train job (what `#SBATCH --signal=USR1@90` sends before
+    the time limit) with `cpt.elastic.notices: [{source: slurm}]`: the torchrun agent on each node
+    passes SIGUSR1 on to its rank, every rank finishes the same step, commits it and exits 75, and
+    the launcher raises Preempted with that record; the stage submitted again (the flow's retry)
+    resumes from that checkpoint and finishes, nothing of either job left behind."""
+    from tasks.core.config.load import parse_config
+    from tasks.core.errors import Preempted
+    from tasks.core.launch.slurm_runner import record_path
+    from tasks.core.launch.torchrun import run_engine
+    from tasks.core.run.manifest import verify_artifact
+
+    raw = _stage(tiny_model_dir, tmp_path).model_dump(mode="json")
+    raw["cpt"]["elastic"] = {"notices": [{"source": "slurm", "grace_s": 30}]}
+    cfg = parse_config(raw)
+    logger, _ = _logger("slurm-preempt")
+    env = {"GLOO_SOCKET_IFNAME": "lo"}
+    run_engine(
+        "shard",
+        _job(cfg, tmp_path, tiny_model_dir, "shard"),
+        tmp_path / "jobs" / "cpt-shard.json",
+        cfg.cpt.launch,
+        "t-cpt-shard",
+        logger,
+        env=env,
+    )
+    train = _job(cfg, tmp_path, tiny_model_dir, "train")
+    sent: list[str] = []
+
+    def notice_after_the_first_step(rec: dict) -> None:
+        if not sent:  # the job's id was recorded right after sbatch returned
+            job_id = json.loads(record_path(train, "train").read_text())["job_id"]
+            slurm_cluster.client("scancel", "--signal=USR1", job_id)
+            sent.append(job_id)
+
+    with pytest.raises(Preempted) as preempted:
+        run_engine(
+            "train",
+            train,
+            tmp_path / "jobs" / "cpt-train.json",
+            cfg.cpt.launch,
+            "t-cpt-train",
+            logger,
+            on_progress=notice_after_the_first_step,
+            env=env,
+        )
+    rec = preempted.value.record
+    assert rec["source"] == "slurm" and rec["grace_s"] == 30, rec
+    step = rec["checkpoint_step"]
+    assert step == rec["noticed_step"] and rec["steps_lost"] == 0 and 1 <= step < STEPS, rec
+    stage_dir = tmp_path / "run" / "cpt"
+    verify_artifact(stage_dir / f"step-{step:06d}")  # committed, manifest last
+    assert not list(stage_dir.glob(".step-*.tmp")), "a torn temporary checkpoint was left"
+
+    progress = run_engine(
+        "train",
+        train,
+        tmp_path / "jobs" / "cpt-train.json",
+        cfg.cpt.launch,
+        "t-cpt-train",
+        logger,
+        env=env,
+    )
+    assert [p["step"] for p in progress] == list(range(step + 1, STEPS + 1))  # resumed from the notice's checkpoint
+    assert json.loads(record_path(train, "train").read_text())["job_id"] != sent[0]  # a new job: requeued
+    verify_artifact(stage_dir / f"step-{STEPS:06d}")
+    assert slurm_cluster.leftovers() == []

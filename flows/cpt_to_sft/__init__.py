@@ -33,15 +33,25 @@ from tasks.core.config.load import load_config
 from tasks.core.config.overrides import RunOverrides, on_form, parse_overrides
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
-from tasks.core.errors import ConfigError
+from tasks.core.errors import ConfigError, Preempted
 from tasks.core.preflight.checks import load_for_check
-from tasks.core.run.stages import DONE, STAGE, STAGE_NAMES, Status
+from tasks.core.run.preemptions import Policy
+from tasks.core.run.preemptions import record as preemption_record
+from tasks.core.run.stages import DONE, STAGE, STAGE_NAMES, TRAINING, Status
 from tasks.core.run.trainlog import duration, summary_table
 from tasks.core.storage.fs import fetch_to_local
 from tasks.core.storage.lease import Lease, LeaseHeld
 from tasks.flowkit import automation, tracking, ui
 from tasks.flowkit.preflight import REFUSED, preflight
-from tasks.flowkit.stage import StageResult, disk_cause, outcome, recorded_metrics, store_for, write_record
+from tasks.flowkit.stage import (
+    PREEMPTED_STATE,
+    StageResult,
+    disk_cause,
+    outcome,
+    recorded_metrics,
+    store_for,
+    write_record,
+)
 from tasks.stages.benchmark import benchmark
 from tasks.stages.evaluate import evaluate_cpt, evaluate_sft
 from tasks.stages.export import export_hf, write_card
@@ -171,17 +181,24 @@ def cpt_to_sft(
     handle = tracker.handle if tracker is not None else None
 
     def stage(name: str, task_fn, *args) -> StageResult:
+        before = (results.get(name) or StageResult(name, Status.NOT_RUN)).detail.get("preemptions") or []
         try:
             # A skipped stage ends in a state named "Skipped"; outcome() reads its StageResult.
             results[name] = outcome(task_fn(*args, return_state=True))
+        except Preempted as exc:
+            results[name] = _preempted(cfg, name, exc, before)  # not failed: the loop below retries it
+            raise
         except BaseException as exc:
             results[name] = _failed(cfg, name, exc)  # its row in the stage table + a failed event
             raise
+        if before and not results[name].detail.get("preemptions"):  # a stage without a log of its own keeps them
+            results[name].detail["preemptions"] = before
         if name == stop_after:
             raise _StopAfter
         return results[name]
 
-    try:
+    def stages() -> bool:
+        """Every stage in order (a finished one skips); whether the card was written."""
         base = stage("load_from_hf", load_from_hf, cfg)
         # Both corpora are read in full and tokenized before any training process starts.
         data_cpt = stage("prepare_cpt", prepare_data, cfg, "cpt", base)
@@ -201,11 +218,43 @@ def cpt_to_sft(
             results["push_to_hub"] = held_back(cfg, verdict)
         else:
             stage("push_to_hub", push_to_hub, cfg, results)
+        return carded
+
+    try:
+        # Preempted is not failed: the run retries itself here, by the preempted stage's own policy
+        # (`<phase>.elastic.max_preemptions`, `retry_wait_s`), and none of the flow run's Prefect
+        # retries is used. Each pass skips what is finished; training resumes from the checkpoint
+        # committed on the notice.
+        preempted = 0
+        while True:
+            try:
+                carded = stages()
+                break
+            except Preempted as exc:
+                preempted += 1
+                policy = preemption_policy(cfg, exc)
+                if not policy.retry(preempted):
+                    raise
+                write_summary(cfg, results, time.monotonic() - started, stop_after)  # run.json says preempted now
+                logger.warning(
+                    "preempted (%d of at most %d retries, no failure retry used): retrying the run in %g s, "
+                    "from the checkpoint committed on the notice",
+                    preempted,
+                    policy.max_preemptions,
+                    policy.wait_s,
+                )
+                time.sleep(policy.wait_s)  # capacity to come back
     except Interrupted as exc:  # Ctrl-C: the stage has been torn down; run.json and the lease below
         return_state = Cancelled(message=str(exc))
     except _StopAfter:  # the stages after stop_after are not-run in run.json
         logger.info("stopped after %s, as asked (stop_after)", stop_after)
         return_state = None
+    except Preempted as exc:  # more preemptions than the policy allows: not a crash, the checkpoint stands
+        return_state = Failed(
+            name=PREEMPTED_STATE,
+            message=f"preempted {preempted} times, more than {preemption_policy(cfg, exc).max_preemptions} "
+            f"(<phase>.elastic.max_preemptions); the next run resumes: {failure_cause(exc)}",
+        )
     except Exception as exc:  # any stage failure ends the run Failed with its cause
         # The failed stage's row holds its cause (for a launch: the failing rank's first error
         # line); the run's state message says it, the task run keeps the traceback.
@@ -308,6 +357,29 @@ def _failed(cfg: RunConfig, stage: str, exc: BaseException) -> StageResult:
     return StageResult(stage, Status.FAILED, rel, uri, detail={"error": cause})
 
 
+def _preempted(cfg: RunConfig, stage: str, exc: Preempted, before: list) -> StageResult:
+    """The preempted stage's row: its preemption records (a training stage's log, tasks/core/run/preemptions.py;
+    else those of its earlier attempts in this run and this one) and a preempted event."""
+    rel = STAGE[stage].artifact
+    uri = store_for(cfg).uri(rel) if rel else None
+    records = exc.record.get("preemptions") or [*before, preemption_record(exc.record, stage, time.time())]
+    automation.stage_event(stage, Status.PREEMPTED, cfg.name, uri, cause=failure_cause(exc), record=exc.record)
+    return StageResult(stage, Status.PREEMPTED, rel, uri, detail={"error": exc.cause, "preemptions": records})
+
+
+def preemption_policy(cfg: RunConfig, exc: Preempted) -> Policy:
+    """The retry policy of the preempted stage's phase (the engine's record names it); for a stage that
+    does not train, of the phases that listen for the notice's source (the tighter of their bounds)."""
+    phase = exc.record.get("stage")
+    if phase in TRAINING:
+        el = cfg.phase(phase).elastic
+        return Policy(el.max_preemptions, el.retry_wait_s)
+    source = exc.record.get("source")
+    els = [cfg.phase(p).elastic for p in TRAINING if any(n.source == source for n in cfg.phase(p).elastic.notices)]
+    els = els or [cfg.phase(next(iter(TRAINING))).elastic]
+    return Policy(min(e.max_preemptions for e in els), min(e.retry_wait_s for e in els))
+
+
 def failure_cause(exc: BaseException) -> str:
     """One line: a launch's cause ("rank N: <its first error line>"), else the exception's first line."""
     if isinstance(exc, SystemExit):  # str() is the bare status ("1"): say what it was
@@ -366,6 +438,8 @@ def write_summary(
         "run": cfg.name,
         "run_root": store.uri(),
         "complete": all(s["status"] in DONE for s in stages),
+        # each preemption: when, the step checkpointed, steps lost, notice to commit, restart to first step
+        "preemptions": [p for s in stages for p in (s.get("detail") or {}).get("preemptions") or []],
         "seconds": round(seconds, 2),
         "stages": stages,
         "export": export.uri if export else None,

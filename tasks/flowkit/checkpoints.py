@@ -16,7 +16,8 @@ many nodes run the stage (`checkpoint_sink`).
   remote keep_last, copies the TensorBoard files, and on `finish` stages in the final checkpoint.
 
 The training task calls `start` (a context manager: what it started is stopped on any exit),
-`on_checkpoint(step)` for each checkpoint the engine reports committed, and `finish(rel)`.
+`on_checkpoint(step)` for each checkpoint the engine reports committed, and `finish(rel)`; on a
+preemption `drain()`, so the checkpoint of the noticed step is published before the stage ends.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ class Local:
 
     def finish(self, rel: str) -> None:
         """The launch succeeded: every checkpoint is committed in the run root and `rel` is local."""
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait (at most `timeout` seconds) until every checkpoint the engine committed is in the run root (a preempted launch's
+        last one too, before the stage reports preempted); nothing to wait for here."""
 
     def close(self) -> None:
         """Stop what `start` started (also when the launch failed)."""
@@ -127,8 +132,11 @@ class WorkerPublishes(Local):
         return (lambda: publisher.failure) if publisher is not None else None
 
     def finish(self, rel: str) -> None:
+        self.drain()
+
+    def drain(self, timeout: float | None = None) -> None:
         if self.publisher is not None:
-            self.publisher.drain()  # every checkpoint up, in order; raises PublishFailed naming one
+            self.publisher.drain(timeout)  # every checkpoint up, in order; raises PublishFailed naming one
 
     def close(self) -> None:
         if self.publisher is not None:

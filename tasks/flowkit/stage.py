@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.states import Completed, State
+from prefect.states import Completed, Failed, State
 
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
-from tasks.core.errors import ArtifactMissing, ManifestError
+from tasks.core.errors import ArtifactMissing, ManifestError, Preempted
 from tasks.core.hub.repo import SECRET_BLOCK, hub_token
 from tasks.core.run.digest import config_digest, content_digest
 from tasks.core.run.manifest import MANIFEST, list_files, read_manifest, verify_artifact, write_manifest
@@ -50,8 +50,10 @@ from tasks.core.storage.fs import RunStore
 from tasks.core.storage.oserrors import note_free
 from tasks.core.storage.publisher import RETRIES, publish_retrying
 from tasks.flowkit import automation
+from tasks.flowkit.notices import critical, stop_on_notice
 
 __all__ = [
+    "PREEMPTED_STATE",
     "Stage",
     "StageResult",
     "completed",
@@ -66,6 +68,9 @@ __all__ = [
     "token",
     "write_record",
 ]
+
+
+PREEMPTED_STATE = "Preempted"  # the Prefect state (task run, and a flow run past its preemption bound)
 
 
 @dataclass
@@ -180,11 +185,12 @@ def fresh_dir(path: Path, keep_foreign: bool = True) -> Iterator[Path]:
         note_free(exc, tmp)  # a full disk: its free space now, before the partial output below is removed
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if keep_foreign:
-        set_aside(path)
-    if path.exists():
-        shutil.rmtree(path)
-    tmp.rename(path)
+    with critical():  # a notice now is raised once the new artifact is in place
+        if keep_foreign:
+            set_aside(path)
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
 
 
 class _Output:
@@ -292,12 +298,19 @@ class Stage:
 
 
 def stage_task(**task_kwargs: Any) -> Callable[[Callable[..., StageResult]], Any]:
-    """`@task` for a stage: a skipped StageResult ends the task run in a state named "Skipped"."""
+    """`@task` for a stage: a skipped StageResult ends the task run in a state named "Skipped", a
+    preempted stage in a Failed state named "Preempted" that carries the `Preempted` (`outcome` raises it)."""
 
     def wrap(fn: Callable[..., StageResult]):
         @wraps(fn)
         def body(*args: Any, **kwargs: Any) -> StageResult | State:
-            result = fn(*args, **kwargs)
+            cfg = args[0] if args and isinstance(args[0], RunConfig) else kwargs.get("cfg")
+            try:
+                # a notice to this process stops the stage at a safe point (tasks/flowkit/notices.py)
+                with stop_on_notice(task_kwargs.get("name") or fn.__name__, cfg):
+                    result = fn(*args, **kwargs)
+            except Preempted as exc:
+                return Failed(name=PREEMPTED_STATE, message=exc.cause or str(exc), data=exc)
             if isinstance(result, StageResult) and result.status == Status.SKIPPED:
                 return Completed(
                     name="Skipped", message=f"{result.uri} verifies and its config digest matches", data=result
@@ -310,8 +323,12 @@ def stage_task(**task_kwargs: Any) -> Callable[[Callable[..., StageResult]], Any
 
 
 def outcome(value: StageResult | State) -> StageResult:
-    """The StageResult of a stage task call, whether it returned a state (skipped) or a value."""
+    """The StageResult of a stage task call, whether it returned a state (skipped) or a value; a
+    preempted stage's `Preempted` is raised."""
     if isinstance(value, State):
+        if value.name == PREEMPTED_STATE:
+            exc = value.result(raise_on_failure=False)
+            raise exc if isinstance(exc, Preempted) else Preempted(value.message or PREEMPTED_STATE)
         return value.result()
     return value
 

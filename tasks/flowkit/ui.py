@@ -30,6 +30,7 @@ from prefect.artifacts import (
 
 from tasks.core.config.kernels import describe
 from tasks.core.evaluation import benchmark as bench
+from tasks.core.run import preemptions
 from tasks.core.run.segments import summary as segments_summary
 from tasks.core.run.trainlog import duration
 
@@ -339,11 +340,17 @@ def stage_table(results: Iterable[dict[str, Any]]) -> None:
             "manifest digest": (r.get("digest") or "")[:16],
             "duration": _duration(r.get("seconds") or 0.0),
             # A failed stage's cause (a launch: the failing rank's first error line), else empty.
-            "cause": (r.get("detail") or {}).get("error", "") if r["status"] == "failed" else "",
+            "cause": (r.get("detail") or {}).get("error", "") if r["status"] in ("failed", "preempted") else "",
             # what the stage wants read beside its status (prepare: the records longer than seq_len and what became of
             # them; a training stage continued under another layout: each segment's layout)
             "note": "; ".join(
-                x for x in ((r.get("detail") or {}).get("note", ""), segments_summary(_segments(r))) if x
+                x
+                for x in (
+                    (r.get("detail") or {}).get("note", ""),
+                    segments_summary(_segments(r)),
+                    preemptions.short((r.get("detail") or {}).get("preemptions") or []),
+                )
+                if x
             ),
         }
         for r in results
@@ -352,7 +359,8 @@ def stage_table(results: Iterable[dict[str, Any]]) -> None:
         rows,
         key=STAGES_KEY,
         description="Stages of this run: status, artifact URI, manifest digest, duration, the cause of a failure, a "
-        "note (records longer than seq_len, the layout of each segment of a training stage that changed layout)",
+        "note (records longer than seq_len, the layout of each segment of a training stage that changed layout, its "
+        "preemptions: how many, steps lost, notice to commit, restart to first step)",
     )
 
 

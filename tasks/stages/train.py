@@ -11,6 +11,7 @@ whose manifest verifies, so a retried flow run continues where it broke.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from prefect import get_run_logger
@@ -18,7 +19,9 @@ from prefect import get_run_logger
 from tasks.core.config.phases import Phase
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.stage_data import check_against_model, corpus_of, prepared_dir, record_split, split_info
+from tasks.core.errors import Preempted
 from tasks.core.launch.torchrun import run_engine, stage_fault_env
+from tasks.core.run import preemptions
 from tasks.core.run.events import BACKPRESSURE, CHECKPOINT, KERNELS
 from tasks.core.run.job import Job, Parent
 from tasks.core.run.stages import TRAIN_STATE, TRAINING, is_step_name, job_file, loss_curve_rel, step_medians
@@ -130,7 +133,11 @@ def _train(cfg: RunConfig, stage: Phase, start: StageResult, tracker: tracking.T
         )
     )
 
+    first_step: list[float] = []  # when the first step of this attempt ended (restart to first step)
+
     def to_console(record: dict[str, Any]) -> None:
+        if not first_step:
+            first_step.append(time.monotonic())
         line = console(record)
         if line:
             logger.info(line)
@@ -146,15 +153,19 @@ def _train(cfg: RunConfig, stage: Phase, start: StageResult, tracker: tracking.T
     failed = True
     try:
         with sink.start():  # a remote run root: the newest checkpoint staged in, uploads beside training
-            _launch(
-                store,
-                job,
-                cfg.name,
-                on_progress=tracking.fan_out(progress, mlflow_run, to_console),
-                on_event=on_event,
-                env=stage_fault_env(stage),
-                failure=sink.failure,
-            )
+            try:
+                _launch(
+                    store,
+                    job,
+                    cfg.name,
+                    on_progress=tracking.fan_out(progress, mlflow_run, to_console),
+                    on_event=on_event,
+                    env=stage_fault_env(stage),
+                    failure=sink.failure,
+                )
+            except Preempted as exc:  # inside the sink: its publisher drains before the stage says preempted
+                _preempted(store, stage, sink, exc, first_step[0] - run.started if first_step else None)
+                raise
             sink.finish(run.rel)
         failed = False
     finally:
@@ -169,6 +180,8 @@ def _train(cfg: RunConfig, stage: Phase, start: StageResult, tracker: tracking.T
     medians = step_medians(state)
     logger.info(console.end(run.elapsed, medians))
     peak = {"peak_mem_bytes": console.peak[0], "peak_mem_rank": console.peak[1]} if console.peak else {}
+    # This attempt's start to its first step closes the previous preemption's record.
+    preempted = _log(store, stage, first_step[0] - run.started if first_step else None)
     # "segments": the layout each stretch of steps ran under, when the stage continued under another one (docs/resume.md)
     return run.done(
         {
@@ -180,10 +193,44 @@ def _train(cfg: RunConfig, stage: Phase, start: StageResult, tracker: tracking.T
             "seq_len": st.seq_len,
             "tokens_per_s": medians.get("tokens_per_s"),
             "segments": state.get("segments") or [],
+            **({"preemptions": preempted} if preempted else {}),
             **peak,
         },
         event={"final_loss": final},
     )
+
+
+def _log(store: RunStore, stage: Phase, restart_s: float | None, add: dict | None = None) -> list[dict]:
+    """The stage's preemption records (tasks/core/run/preemptions.py), with this attempt's restart
+    time and a new record `add` written in; a log that cannot be written is a warning, not a failure."""
+    rel = preemptions.log_rel(TRAINING[stage].checkpoints)
+    try:
+        records = preemptions.parse(store.read_text(rel)) if store.exists(rel) else []
+    except OSError:
+        records = []
+    if not records and add is None:
+        return []
+    if restart_s is not None:
+        records = preemptions.restarted(records, restart_s)
+    if add is not None:
+        records.append(add)
+    try:
+        store.write_text(rel, preemptions.dump(records))
+    except OSError as exc:
+        get_run_logger().warning("%s not written: %s", store.uri(rel), exc)
+    return records
+
+
+def _preempted(store: RunStore, stage: Phase, sink: CheckpointSink, exc: Preempted, restart_s: float | None) -> None:
+    """The stage stopped on a notice: publish what it committed (within the grace left), keep the record."""
+    logger = get_run_logger()
+    try:
+        sink.drain(timeout=max(float(exc.record.get("grace_left_s") or 0.0), 1.0))
+    except Exception as err:  # the machine may go first: the newest checkpoint published stands
+        logger.warning("the preempted checkpoint was not published in the grace left: %s", err)
+    rec = preemptions.record(exc.record, stage, time.time())
+    exc.record.update(rec, preemptions=_log(store, stage, restart_s, rec))
+    logger.warning(preemptions.describe(rec))
 
 
 @stage_task(name="train_cpt", task_run_name="train CPT [{cfg.cpt.plugin.name}]")

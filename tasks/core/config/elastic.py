@@ -77,6 +77,17 @@ class ElasticConfig(Frozen):
         description="Continue checkpoints on another number of ranks at their global batch, by setting "
         "grad_accum_steps (refused, naming this field, when no whole number does it).",
     )
+    max_preemptions: int = Field(
+        default=3,
+        ge=0,
+        description="How many times the flow run retries itself after this stage was preempted (its own bound: a "
+        "preemption uses none of the flow run's failure retries); one more ends the run Failed, named Preempted.",
+    )
+    retry_wait_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="Seconds the flow waits for capacity to come back before it retries a preempted stage.",
+    )
 
     @property
     def grace_s(self) -> float | None:

@@ -27,6 +27,8 @@ from tasks.core.evaluation.benchmark import card_results as benchmark_card_resul
 from tasks.core.evaluation.verdict import eval_results_for_card, metrics_table
 from tasks.core.hub.repo import HUB_ID, hub_dataset_id, is_hub_id
 from tasks.core.run.manifest import MANIFEST
+from tasks.core.run.preemptions import log_rel as preemption_log
+from tasks.core.run.preemptions import parse as parse_preemptions
 from tasks.core.run.segments import describe as describe_layout
 from tasks.core.run.stages import BASE, TRAIN_STATE, TRAINING, split_rel, step_medians, step_peak
 
@@ -135,8 +137,34 @@ def train_facts(
                 fact["lora"] = meta.get("lora")  # config and trainable/total parameters of a LoRA stage
             except Exception:
                 pass
+        # each preemption of the stage (tasks/core/run/preemptions.py): this run's row, else the stage's log
+        r_pre = (r.detail.get("preemptions") if r is not None else None) or None
+        if r_pre is None and read_text is not None:
+            try:
+                r_pre = parse_preemptions(read_text(preemption_log(TRAINING[stage].checkpoints)))
+            except Exception:
+                r_pre = None
+        fact["preemptions"] = r_pre or []
         facts[stage] = fact
     return facts
+
+
+def preemption_cell(facts: dict[str, dict], stage: str) -> str:
+    """How often the stage was preempted; each: when, the step checkpointed, steps lost, notice to
+    commit against the grace, restart to first step."""
+    records = facts.get(stage, {}).get("preemptions") or []
+    if not records:
+        return "none"
+    return "<br>".join(
+        f"{p.get('at')}: step {p.get('checkpoint_step')} checkpointed, {p.get('steps_lost')} lost, "
+        f"{_secs(p.get('notice_to_commit_s'))} notice to commit (grace {_secs(p.get('grace_s'))}), "
+        f"{_secs(p.get('restart_to_first_step_s'))} restart to first step"
+        for p in records
+    )
+
+
+def _secs(x: Any) -> str:
+    return f"{float(x):.1f} s" if isinstance(x, (int, float)) else "n/a"
 
 
 def _median(facts: dict[str, dict], stage: str, key: str) -> float | None:
@@ -297,6 +325,7 @@ def model_card(
         ),
         "fine-tuning": lambda s: _tuning(cfg, facts, s),
         "seed": lambda s: str(cfg.phase(s).seed),
+        "preemptions": lambda s: preemption_cell(facts, s),
     }
     train += [f"| {name} | {fn('cpt')} | {fn('sft')} |" for name, fn in rows.items()]
 

@@ -46,6 +46,9 @@ class Status(StrEnum):
     COMPLETED = "completed"  # built now, artifact published
     SKIPPED = "skipped"  # its artifact verified and its config digest matched: nothing ran
     FAILED = "failed"
+    # stopped on a preemption notice with what it could commit; the flow retries it by its own
+    # policy (`<phase>.elastic`), no failure attempt used (tasks/core/run/preemptions.py)
+    PREEMPTED = "preempted"
     FAILED_GATE = "failed-gate"  # the gate held the push back (artifacts kept)
     NOT_CONFIGURED = "not-configured"  # nothing to do by configuration (no hub, no held-out set)
     PASSED = "passed"  # the gate's verdict

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from tasks.core.run.preemptions import describe as describe_preemption
+
 LINES = 25  # step lines per stage at most, when log_every is unset
 _RANK = re.compile(r"rank (\d+)$")
 
@@ -290,6 +292,8 @@ def summary_table(stages: list[dict[str, Any]], run_root: str) -> str:
     widths = [max(len(r[i]) for r in [("stage", "status", "duration", "")] + rows) for i in range(3)]
     lines = [f"{'stage':<{widths[0]}}  {'status':<{widths[1]}}  {'duration':>{widths[2]}}  key figure"]
     lines += [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}  {d}".rstrip() for a, b, c, d in rows]
+    # each preemption on its own line: when, the step checkpointed, steps lost, notice to commit, restart
+    lines += [describe_preemption(p) for s in stages for p in (s.get("detail") or {}).get("preemptions") or []]
     lines.append(f"artifacts: {run_root}  (run.json: every stage's record)")
     return "\n".join(lines)
 
