@@ -22,7 +22,7 @@ on a re-run like every stage (manifest verifies, config digest matches).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefect import get_run_logger
 
@@ -72,6 +72,33 @@ def _not_configured(stage: str, which: str) -> StageResult:
     return StageResult(stage, Status.NOT_CONFIGURED, detail={"reason": f"{which}.eval has no held-out set"})
 
 
+class _Opening(NamedTuple):
+    """What both evaluations start from: the stage, both models staged in, the held-out data and split."""
+
+    stage: Stage
+    reference_dir: Any
+    candidate_dir: Any
+    data: Any
+    split: dict[str, Any]
+    st: StageConfig
+
+
+def _open(
+    cfg: RunConfig, name: str, phase: Phase, reference: StageResult, candidate: StageResult
+) -> StageResult | _Opening:
+    """Both evaluations' start: not configured, skipped (with its recorded metrics), or what to evaluate."""
+    if not cfg.phase(phase).eval.enabled:
+        return _not_configured(name, phase)
+    stage = Stage(name, cfg, reference, candidate)
+    store = stage.store
+    if stage.skipped:
+        return _with_metrics(stage.result, store)
+    reference_dir, candidate_dir = store.stage_in(reference.rel), store.stage_in(candidate.rel)
+    data = prepared_dir(store, phase)
+    split = split_info(data, corpus_of(cfg.phase(phase).data))
+    return _Opening(stage, reference_dir, candidate_dir, data, split, _with_eval_dtype(cfg, cfg.phase(phase)))
+
+
 def _recorded(
     stage: Stage,
     phase: Phase,
@@ -109,16 +136,10 @@ def evaluate_cpt(
 ) -> StageResult:
     """Held-out perplexity of base vs CPT; `tracker`: the flow run's MLflow run, which gets the metrics."""
     logger = get_run_logger()
-    if not cfg.cpt.eval.enabled:
-        return _not_configured("evaluate_cpt", "cpt")
-    stage = Stage("evaluate_cpt", cfg, base, bridge)
-    store = stage.store
-    if stage.skipped:
-        return _with_metrics(stage.result, store)
-    base_dir, cpt_dir = store.stage_in(base.rel), store.stage_in(bridge.rel)
-    data = prepared_dir(store, "cpt")
-    split = split_info(data, corpus_of(cfg.cpt.data))
-    st = _with_eval_dtype(cfg, cfg.cpt)
+    opened = _open(cfg, "evaluate_cpt", "cpt", base, bridge)
+    if isinstance(opened, StageResult):
+        return opened
+    stage, base_dir, cpt_dir, data, split, st = opened
     metrics = ev.evaluate_cpt(
         base_dir,
         cpt_dir,
@@ -162,17 +183,11 @@ def evaluate_sft(
 ) -> StageResult:
     """Held-out loss of pre-SFT vs SFT and the generation check; `tracker`: the flow run's MLflow run, which gets the metrics."""
     logger = get_run_logger()
-    if not cfg.sft.eval.enabled:
-        return _not_configured("evaluate_sft", "sft")
     g = cfg.gate
-    stage = Stage("evaluate_sft", cfg, bridge, export)
-    store = stage.store
-    if stage.skipped:
-        return _with_metrics(stage.result, store)
-    pre_dir, export_dir = store.stage_in(bridge.rel), store.stage_in(export.rel)
-    data = prepared_dir(store, "sft")
-    split = split_info(data, corpus_of(cfg.sft.data))
-    st = _with_eval_dtype(cfg, cfg.sft)
+    opened = _open(cfg, "evaluate_sft", "sft", bridge, export)
+    if isinstance(opened, StageResult):
+        return opened
+    stage, pre_dir, export_dir, data, split, st = opened
     heldout = heldout_records(data)
     trust = cfg.base_model.trust_remote_code
     metrics = ev.evaluate_sft(pre_dir, export_dir, heldout, st.data.messages_field, st.seq_len, st.eval, trust)
