@@ -32,7 +32,7 @@ if [ "${1:-}" = "--smoke" ]; then SMOKE=1; fi
 
 # Binary and pure wheels, exact versions (cp312, manylinux x86_64).
 WHEELS=(
-  transformers==4.51.3 tokenizers==0.21.4 huggingface-hub==0.36.2 peft==0.13.2 galore-torch==1.0
+  transformers==4.51.3 tokenizers==0.21.4 huggingface-hub==0.36.2 peft==0.21.2 galore-torch==1.0
   prefect==3.9.1 pydantic==2.14.4 pydantic-core==2.50.5 pydantic-extra-types==2.11.1 pydantic-settings==2.16.3
   typing-extensions==4.16.0 typing-inspection==0.4.5 annotated-types==0.8.0 certifi==2026.10.19.post1
   aiosqlite==0.22.1 alembic==1.20.1 amplitude-analytics==1.3.0 apprise==2.0.1 asgi-lifespan==2.1.0

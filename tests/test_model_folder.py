@@ -82,7 +82,7 @@ def test_peft_forms_of_lora_targets_pass_and_say_what_they_adapt(tmp_path, targe
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_family_table_resolves_targets_as_peft_does_on_the_real_model(family, tied):
-    """The module table pre-flight derives from config.json, and what peft 0.13.2 adapts on the model
+    """The module table pre-flight derives from config.json, and what peft adapts on the model
     transformers builds from that config: the same modules for every form of target_modules."""
     import torch
     import transformers

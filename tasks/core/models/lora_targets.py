@@ -2,7 +2,7 @@
 
     python -m tasks.core.models.lora_targets build/demo-inputs/tiny-llama q_proj qkv_proj   # or all-linear, or 're:<regex>'
 
-peft 0.13.2 reads `target_modules` three ways (`tuners_utils.check_target_module_exists`,
+peft (0.21.2, as 0.13.2 did) reads `target_modules` three ways (`tuners_utils.check_target_module_exists`,
 `_maybe_include_all_linear_layers`): the string `all-linear` is every `nn.Linear`'s last name part
 except the output embedding; any other string is a regex that must match a module's whole name
 (`re.fullmatch`); a list adapts a module whose name equals an entry or ends in `.<entry>`. peft
