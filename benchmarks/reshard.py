@@ -1,21 +1,34 @@
-"""Re-sharding a checkpoint's optimizer state through the layout-neutral view, against copying the
-checkpoint's files, and the extra disk the fp32 master weights take in each checkpoint.
+"""Re-sharding a checkpoint's optimizer state through the layout-neutral view, beside PyTorch
+Distributed Checkpoint (DCP) doing the same, and against copying the checkpoint's files.
 
-    .venv/bin/python benchmarks/reshard.py --smoke           # a tiny Llama, seconds, the same table
-    .venv/bin/python benchmarks/reshard.py                   # 50M, 190M, 700M (~10 GB of disk at 700M)
+    .venv/bin/python benchmarks/reshard.py --smoke              # a tiny Llama, to tp2dp2, the same table
+    .venv/bin/python benchmarks/reshard.py --sizes 50M --repeat 3   # medians of 3, both layouts
+    .venv/bin/python benchmarks/reshard.py                      # 50M, 190M, 700M (~10 GB of disk at 700M)
 
 For each size it writes one checkpoint in the engine's on-disk format as a low_level_zero ZeRO-2
 bf16 stage on 2 ranks leaves it (model/ bf16 safetensors; optimizer/ ColossalAI's pickled blocks
 of whole AdamW states, at most `save_shard_mib` each, with their index; masters/ each rank's fp32
 flat shards and records, written by tasks/engine/masters.py's own writer), with random values:
-the benchmark measures bytes moved, not training. Then, each in its own process after `sync`:
-  (a) reshard: tasks.core.models.convert.state_view.CheckpointState reads every parameter's whole
-      fp32 master and AdamW state and cuts it (`local_piece`) into the pieces of hybrid_parallel
-      tp=2 x ZeRO-1 dp=2 on 4 ranks, written as one safetensors file per target rank, fsync'd;
-  (b) copy: the checkpoint's masters/ and optimizer/ files read and written in 16 MiB chunks, fsync'd.
-It prints seconds, GB/s of state (masters + moments) and the ratio a/b of their speeds (target
->= 0.5), the peak RSS growth of (a) over its start (VmHWM reset after imports) against the largest
-tensor's state (master + two moments, fp32) + 0.5 GB, and the masters' share of the checkpoint.
+the benchmark measures bytes moved, not training. Then, after `sync`, each measurement in its own
+processes, started together once imported (a line on stdin), to each target layout (tp2dp2:
+hybrid_parallel tp=2 x ZeRO-1 dp=2 on 4 ranks; 1: one rank):
+  serial:  one process, tasks.core.models.convert.state_view.CheckpointState reading every
+           parameter's whole fp32 master and AdamW state once and cutting it (`local_piece`) into
+           every target rank's pieces, one safetensors file per target rank (the benchmark before);
+  writers: the same read, a thread per target file cutting and writing its pieces (torch's copy and
+           the file write release the GIL) while the next parameter is read, at most one largest
+           state ahead;
+  ranks:   a process per target rank, each reading the whole state and writing its own file (what
+           the engine's ranks do on a resume: tasks/engine/masters.py `restore`);
+  DCP:     torch.distributed.checkpoint, gloo ranks: save from the 2 source ranks (each holding its
+           rows of every state as DTensors; FileSystemWriter, sync_files=True), then load into the
+           target ranks' DTensors (the tp slice, its rows over dp: the same bytes a rank as ZeRO's
+           flat cut) and each rank's local tensors written to its own file;
+  copy:    the checkpoint's masters/ and optimizer/ files read and written in 16 MiB chunks.
+Every file is fsync'd. It prints wall seconds (first start to last end), DCP load / ours, the peak
+RSS growth over the start (VmHWM reset after imports and, for DCP, after building its state)
+against the largest tensor's state (master + two moments, fp32) + 0.5 GB, and whether writers and
+ranks wrote serial's bytes (to one rank, DCP's tensors too).
 """
 
 from __future__ import annotations
@@ -438,12 +451,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="+", default=["50M", "190M", "700M"], choices=[s for s in SIZES if s != "tiny"])
-    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--layouts", nargs="+", default=None, choices=list(LAYOUTS), help="default: all (--smoke: tp2dp2)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each measurement, their median printed")
     ap.add_argument("--smoke", action="store_true", help="a tiny Llama (vocabulary 515: padded tp slices), seconds")
     ap.add_argument("--workdir", type=Path, default=None)
     a = ap.parse_args(argv)
     sizes = ["tiny"] if a.smoke else a.sizes
+    a.layouts = a.layouts or (["tp2dp2"] if a.smoke else list(LAYOUTS))
     work = Path(a.workdir or tempfile.mkdtemp(prefix="reshard-"))
     work.mkdir(parents=True, exist_ok=True)
     print(
