@@ -15,11 +15,12 @@ hybrid_parallel tp=2 x ZeRO-1 dp=2 on 4 ranks; 1: one rank):
   serial:  one process, tasks.core.models.convert.state_view.CheckpointState reading every
            parameter's whole fp32 master and AdamW state once and cutting it (`local_piece`) into
            every target rank's pieces, one safetensors file per target rank (the benchmark before);
-  writers: the same read, a thread per target file cutting and writing its pieces (torch's copy and
-           the file write release the GIL) while the next parameter is read, at most one largest
-           state ahead;
-  ranks:   a process per target rank, each reading the whole state and writing its own file (what
-           the engine's ranks do on a resume: tasks/engine/masters.py `restore`);
+  writers: the same read, a thread per target file writing its pieces while the next parameter is
+           read, at most one largest state in flight; a piece contiguous in the whole tensor (no tp
+           cut, or one along dim 0) is written from a view, no copy (the file write and torch's
+           copies release the GIL);
+  ranks:   a process per target rank, each reading the whole state and writing its own file from
+           views (what the engine's ranks do on a resume: tasks/engine/masters.py `restore`);
   DCP:     torch.distributed.checkpoint, gloo ranks: save from the 2 source ranks (each holding its
            rows of every state as DTensors; FileSystemWriter, sync_files=True), then load into the
            target ranks' DTensors (the tp slice, its rows over dp: the same bytes a rank as ZeRO's
@@ -195,21 +196,47 @@ def _header(entries: list[tuple[str, int]]) -> bytes:
 KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
-def _write_pieces(f, whole: dict, p) -> None:
-    """One target rank's piece of one parameter's three states, appended to its file (GIL released in the
-    copy and the write)."""
+def _piece_bytes(full, p) -> list:
+    """`local_piece(full, p)`'s bytes, as views of `full` where the piece is contiguous in it (no tp cut, or
+    a cut along dim 0 inside the tensor) and the zero padding past its end; a copy only otherwise."""
+    import torch
+
+    from tasks.core.models.convert.state_view import local_piece
+
+    t = full
+    if p.tp_dim is not None and p.tp_size > 1:
+        if p.local_shape[p.tp_dim] * p.tp_size > t.shape[p.tp_dim]:  # a padded vocabulary's pad rows
+            return [memoryview(local_piece(full, p).numpy()).cast("B")]
+        t = t.narrow(p.tp_dim, p.tp_rank * p.local_shape[p.tp_dim], p.local_shape[p.tp_dim])
+    if not t.is_contiguous():
+        return [memoryview(local_piece(full, p).numpy()).cast("B")]
+    flat = t.reshape(-1)
+    n = max(0, min(p.start + p.length, flat.numel()) - p.start)
+    parts = [memoryview(flat[p.start : p.start + n].numpy()).cast("B")]
+    if p.length > n:
+        parts.append(memoryview(torch.zeros(p.length - n).numpy()).cast("B"))
+    return parts
+
+
+def _write_pieces(f, whole: dict, p, copy: bool = False) -> None:
+    """One target rank's piece of one parameter's three states, appended to its file (the copy and the
+    write release the GIL); copy: each cut by `local_piece` (the serial writer, as before)."""
     from tasks.core.models.convert.state_view import local_piece
 
     for k in KEYS:
-        f.write(memoryview(local_piece(whole[k], p).numpy()).cast("B"))
+        if copy:
+            f.write(memoryview(local_piece(whole[k], p).numpy()).cast("B"))
+        else:
+            f.writelines(_piece_bytes(whole[k], p))
 
 
 def work_reshard(src: Path, dst: Path, config: dict, layout: str = "tp2dp2", writers: int = 0, only=None) -> None:
     """Every parameter's whole state read once through the view and cut into the target layout's
     pieces, one safetensors file per target rank, fsync'd. writers=0: this thread writes every file
-    in turn; writers=N: N threads, each owning whole files (a file's bytes stay in order), write
-    the pieces of a parameter while the next is read, at most one largest state read ahead;
-    only=i: just target rank i's file (a target rank cutting its own state, as the engine does)."""
+    in turn, each piece copied out by `local_piece` (as before); writers=N: N threads, each owning
+    whole files (a file's bytes stay in order), write the pieces of a parameter (views where they
+    are contiguous) while the next is read, at most one largest state in flight; only=i: just
+    target rank i's file (a target rank cutting its own state, as the engine does)."""
     import concurrent.futures as cf
 
     import torch
@@ -237,7 +264,7 @@ def work_reshard(src: Path, dst: Path, config: dict, layout: str = "tp2dp2", wri
             whole = {k: v.to(torch.float32) for k, v in whole.items()}
             if not pools:
                 for i, f in outs.items():
-                    _write_pieces(f, whole, ps[i])
+                    _write_pieces(f, whole, ps[i], copy=only is None)
                 continue
             futs = [
                 pools[j % len(pools)].submit(_write_pieces, f, whole, ps[i]) for j, (i, f) in enumerate(outs.items())
