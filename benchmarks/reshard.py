@@ -1,31 +1,47 @@
-"""Re-sharding a checkpoint's optimizer state through the layout-neutral view, against copying the
-checkpoint's files, and the extra disk the fp32 master weights take in each checkpoint.
+"""Re-sharding a checkpoint's optimizer state through the layout-neutral view, beside PyTorch
+Distributed Checkpoint (DCP) doing the same, and against copying the checkpoint's files.
 
-    .venv/bin/python benchmarks/reshard.py --smoke           # a tiny Llama, seconds, the same table
-    .venv/bin/python benchmarks/reshard.py                   # 50M, 190M, 700M (~10 GB of disk at 700M)
+    .venv/bin/python benchmarks/reshard.py --smoke              # a tiny Llama, to tp2dp2, the same table
+    .venv/bin/python benchmarks/reshard.py --sizes 50M --repeat 3   # medians of 3, both layouts
+    .venv/bin/python benchmarks/reshard.py                      # 50M, 190M, 700M (~10 GB of disk at 700M)
 
 For each size it writes one checkpoint in the engine's on-disk format as a low_level_zero ZeRO-2
 bf16 stage on 2 ranks leaves it (model/ bf16 safetensors; optimizer/ ColossalAI's pickled blocks
 of whole AdamW states, at most `save_shard_mib` each, with their index; masters/ each rank's fp32
 flat shards and records, written by tasks/engine/masters.py's own writer), with random values:
-the benchmark measures bytes moved, not training. Then, each in its own process after `sync`:
-  (a) reshard: tasks.core.models.convert.state_view.CheckpointState reads every parameter's whole
-      fp32 master and AdamW state and cuts it (`local_piece`) into the pieces of hybrid_parallel
-      tp=2 x ZeRO-1 dp=2 on 4 ranks, written as one safetensors file per target rank, fsync'd;
-  (b) copy: the checkpoint's masters/ and optimizer/ files read and written in 16 MiB chunks, fsync'd.
-It prints seconds, GB/s of state (masters + moments) and the ratio a/b of their speeds (target
->= 0.5), the peak RSS growth of (a) over its start (VmHWM reset after imports) against the largest
-tensor's state (master + two moments, fp32) + 0.5 GB, and the masters' share of the checkpoint.
+the benchmark measures bytes moved, not training. Then, after `sync`, each measurement in its own
+processes, started together once imported (a line on stdin), to each target layout (tp2dp2:
+hybrid_parallel tp=2 x ZeRO-1 dp=2 on 4 ranks; 1: one rank):
+  serial:  one process, tasks.core.models.convert.state_view.CheckpointState reading every
+           parameter's whole fp32 master and AdamW state once and cutting it (`local_piece`) into
+           every target rank's pieces, one safetensors file per target rank (the benchmark before);
+  writers: the same read, a thread per target file writing its pieces while the next parameter is
+           read, at most one largest state in flight; a piece contiguous in the whole tensor (no tp
+           cut, or one along dim 0) is written from a view, no copy (the file write and torch's
+           copies release the GIL);
+  ranks:   a process per target rank, each reading the whole state and writing its own file from
+           views (what the engine's ranks do on a resume: tasks/engine/masters.py `restore`);
+  DCP:     torch.distributed.checkpoint, gloo ranks: save from the 2 source ranks (each holding its
+           rows of every state as DTensors; FileSystemWriter, sync_files=True), then load into the
+           target ranks' DTensors (the tp slice, its rows over dp: the same bytes a rank as ZeRO's
+           flat cut) and each rank's local tensors written to its own file;
+  copy:    the checkpoint's masters/ and optimizer/ files read and written in 16 MiB chunks.
+Every file is fsync'd. It prints wall seconds (first start to last end), DCP load / ours, the peak
+RSS growth over the start (VmHWM reset after imports and, for DCP, after building its state)
+against the largest tensor's state (master + two moments, fp32) + 0.5 GB, and whether writers and
+ranks wrote serial's bytes (to one rank, DCP's tensors too).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -145,52 +161,131 @@ def write_checkpoint(out: Path, config: dict) -> dict:
     }
 
 
-def work_reshard(src: Path, dst: Path, config: dict) -> None:
-    """Every parameter's whole state, cut into the target layout's pieces, one file per target rank."""
-    import torch
+LAYOUTS = {"tp2dp2": (TP, DP), "1": (1, 1)}  # hybrid_parallel tp=2 x ZeRO-1 dp=2 on 4 ranks; one rank
 
-    from tasks.core.models.convert.state_view import CheckpointState, Piece, local_piece
-    from tasks.core.models.convert.write import safetensors_header
+
+def target_layout(view, config: dict, tp: int, dp: int) -> dict:
+    """Every parameter's pieces for tp x ZeRO-1 dp target ranks (rank i = tp_rank * dp + dp_rank)."""
+    from tasks.core.models.convert.state_view import Piece
     from tasks.core.models.families import TP_SPLIT_DIMS, iter_tensors
 
-    view = CheckpointState(src)
     dims = {
         key: next((d for d, sym in enumerate(rule.shape) if sym in TP_SPLIT_DIMS), None)
         for key, rule, _, _ in iter_tensors(config)
     }
-    ranks = [(t, z) for t in range(TP) for z in range(DP)]
     layout = {}
     for name in view.names():
         shape = view.pieces(name)[0].shape
-        d = dims[name]
+        d = dims[name] if tp > 1 else None
         local = list(shape)
         if d is not None:
-            local[d] = -(-shape[d] // TP)
-        length = -(-math.prod(local) // DP)
-        layout[name] = [Piece(name, 0, shape, tuple(local), d, t, TP, z * length, length) for t, z in ranks]
-    dst.mkdir(parents=True)
+            local[d] = -(-shape[d] // tp)
+        length = -(-math.prod(local) // dp)
+        layout[name] = [
+            Piece(name, 0, shape, tuple(local), d, t, tp, z * length, length) for t in range(tp) for z in range(dp)
+        ]
+    return layout
+
+
+def _header(entries: list[tuple[str, int]]) -> bytes:
+    from tasks.core.models.convert.write import safetensors_header
+
+    return safetensors_header([(f"{n}.{k}", "F32", (numel,), numel * 4) for n, numel in entries for k in KEYS])
+
+
+KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _piece_bytes(full, p) -> list:
+    """`local_piece(full, p)`'s bytes, as views of `full` where the piece is contiguous in it (no tp cut, or
+    a cut along dim 0 inside the tensor) and the zero padding past its end; a copy only otherwise."""
+    import torch
+
+    from tasks.core.models.convert.state_view import local_piece
+
+    t = full
+    if p.tp_dim is not None and p.tp_size > 1:
+        if p.local_shape[p.tp_dim] * p.tp_size > t.shape[p.tp_dim]:  # a padded vocabulary's pad rows
+            return [memoryview(local_piece(full, p).numpy()).cast("B")]
+        t = t.narrow(p.tp_dim, p.tp_rank * p.local_shape[p.tp_dim], p.local_shape[p.tp_dim])
+    if not t.is_contiguous():
+        return [memoryview(local_piece(full, p).numpy()).cast("B")]
+    flat = t.reshape(-1)
+    n = max(0, min(p.start + p.length, flat.numel()) - p.start)
+    parts = [memoryview(flat[p.start : p.start + n].numpy()).cast("B")]
+    if p.length > n:
+        parts.append(memoryview(torch.zeros(p.length - n).numpy()).cast("B"))
+    return parts
+
+
+def _write_pieces(f, whole: dict, p, copy: bool = False) -> None:
+    """One target rank's piece of one parameter's three states, appended to its file (the copy and the
+    write release the GIL); copy: each cut by `local_piece` (the serial writer, as before)."""
+    from tasks.core.models.convert.state_view import local_piece
+
+    for k in KEYS:
+        if copy:
+            f.write(memoryview(local_piece(whole[k], p).numpy()).cast("B"))
+        else:
+            f.writelines(_piece_bytes(whole[k], p))
+
+
+def work_reshard(src: Path, dst: Path, config: dict, layout: str = "tp2dp2", writers: int = 0, only=None) -> None:
+    """Every parameter's whole state read once through the view and cut into the target layout's
+    pieces, one safetensors file per target rank, fsync'd. writers=0: this thread writes every file
+    in turn, each piece copied out by `local_piece` (as before); writers=N: N threads, each owning
+    whole files (a file's bytes stay in order), write the pieces of a parameter (views where they
+    are contiguous) while the next is read, at most one largest state in flight; only=i: just
+    target rank i's file (a target rank cutting its own state, as the engine does)."""
+    import concurrent.futures as cf
+
+    import torch
+
+    from tasks.core.models.convert.state_view import CheckpointState
+
+    view = CheckpointState(src)
+    tp, dp = LAYOUTS[layout]
+    pieces = target_layout(view, config, tp, dp)
+    ranks = range(tp * dp) if only is None else [only]
+    dst.mkdir(parents=True, exist_ok=True)
+    budget = max(math.prod(ps[0].shape) for ps in pieces.values()) * 4 * len(KEYS)
     with contextlib.ExitStack() as stack:
-        outs = [stack.enter_context(open(dst / f"rank-{i:05d}.safetensors", "wb")) for i in range(len(ranks))]
-        for i, f in enumerate(outs):  # one output per target rank: its header first, then its pieces streamed
-            f.write(
-                safetensors_header(
-                    [
-                        (f"{n}.{k}", "F32", (ps[i].length,), ps[i].length * 4)
-                        for n, ps in layout.items()
-                        for k in ("master", "exp_avg", "exp_avg_sq")
-                    ]
-                )
-            )
-        for name, pieces in layout.items():
+        outs = {i: stack.enter_context(open(dst / f"rank-{i:05d}.safetensors", "wb")) for i in ranks}
+        for i, f in outs.items():  # one output per target rank: its header first, then its pieces streamed
+            f.write(_header([(n, ps[i].length) for n, ps in pieces.items()]))
+        pools = [stack.enter_context(cf.ThreadPoolExecutor(1)) for _ in range(min(writers, len(outs)))]
+        inflight: list[tuple[list, int]] = []
+        for name, ps in pieces.items():
+            nbytes = math.prod(ps[0].shape) * 4 * len(KEYS)
+            while inflight and sum(b for _, b in inflight) + nbytes > budget:  # the peak: one largest state
+                for fut in inflight.pop(0)[0]:
+                    fut.result()
             whole = {"master": view.master(name), **{k: v for k, v in view.adam(name).items() if k != "step"}}
-            for i, p in enumerate(pieces):
-                for k in ("master", "exp_avg", "exp_avg_sq"):
-                    outs[i].write(memoryview(local_piece(whole[k].to(torch.float32), p).numpy()).cast("B"))
+            whole = {k: v.to(torch.float32) for k, v in whole.items()}
+            if not pools:
+                for i, f in outs.items():
+                    _write_pieces(f, whole, ps[i], copy=only is None)
+                continue
+            futs = [
+                pools[j % len(pools)].submit(_write_pieces, f, whole, ps[i]) for j, (i, f) in enumerate(outs.items())
+            ]
+            inflight.append((futs, nbytes))
             del whole
-        for f in outs:
-            f.flush()
-            os.fsync(f.fileno())
+        for futs, _ in inflight:
+            for fut in futs:
+                fut.result()
+        fsyncs = [pools[j % len(pools)].submit(_fsync, f) for j, f in enumerate(outs.values())] if pools else []
+        for fut in fsyncs:
+            fut.result()
+        if not pools:
+            for f in outs.values():
+                _fsync(f)
     view.close()
+
+
+def _fsync(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def work_copy(src: Path, dst: Path, config: dict) -> None:
@@ -204,51 +299,200 @@ def work_copy(src: Path, dst: Path, config: dict) -> None:
                 os.fsync(fout.fileno())
 
 
-def worker(kind: str, src: Path, dst: Path, config: dict) -> dict:
+def dcp_state(view, config: dict, mesh, tp: int, empty: bool) -> dict:
+    """The whole state as DTensors on `mesh`: the source's (every parameter's three states sharded by rows
+    over the source ranks, as a ZeRO shard holds the same bytes) or the target's (the tp slice, then its
+    rows over dp: DTensor has no flat ZeRO placement, so the same bytes a rank, cut by rows)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from tasks.core.models.families import TP_SPLIT_DIMS, iter_tensors
+
+    dims = {
+        key: next((d for d, sym in enumerate(rule.shape) if sym in TP_SPLIT_DIMS), None)
+        for key, rule, _, _ in iter_tensors(config)
+    }
+    out = {}
+    for name in view.names():
+        shape = view.pieces(name)[0].shape
+        if mesh.ndim == 1:
+            placements = [Shard(0)]
+        else:
+            placements = [Shard(dims[name]) if dims[name] is not None and tp > 1 else Replicate(), Shard(0)]
+        if empty:
+            whole = {k: torch.empty(shape) for k in KEYS}
+        else:
+            whole = {"master": view.master(name), **{k: v for k, v in view.adam(name).items() if k != "step"}}
+        for k in KEYS:  # src_data_rank=None: each rank keeps its own slice of the same values, no messages
+            t = distribute_tensor(whole[k].float(), mesh, placements, src_data_rank=None)
+            # its own storage: not a view that keeps the whole tensor alive
+            out[f"{name}.{k}"] = DTensor.from_local(
+                t.to_local().clone(), mesh, placements, run_check=False, shape=t.shape, stride=t.stride()
+            )
+    return out
+
+
+def work_dcp(phase: str, src: Path, dst: Path, config: dict, layout: str, rank: int, gate) -> dict:
+    """PyTorch Distributed Checkpoint: `save` the source ranks' state (FileSystemWriter, fsync'd files),
+    or `load` it into the target layout's DTensors and write each rank's local tensors to its own file,
+    fsync'd (the same output the reshard writes, one file per target rank)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tasks.core.models.convert.state_view import CheckpointState
+
+    tp, dp = (SRC_RANKS, 1) if phase == "save" else LAYOUTS[layout]
+    view = CheckpointState(src)
+    mesh = init_device_mesh("cpu", (SRC_RANKS,) if phase == "save" else (tp, dp), mesh_dim_names=None)
+    sd = dcp_state(view, config, mesh, tp, empty=phase == "load")
+    view.close()
+    dist.barrier()
+    peak = gate()
+    t0 = time.time()
+    if phase == "save":
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(dst), sync_files=True))
+    else:
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(src / "dcp")))
+        local = [(key, t.to_local().contiguous()) for key, t in sd.items()]
+        from tasks.core.models.convert.write import safetensors_header
+
+        header = safetensors_header([(key, "F32", (t.numel(),), t.numel() * 4) for key, t in local])
+        with open(dst / f"rank-{rank:05d}.safetensors", "wb") as f:
+            f.write(header)
+            f.writelines(memoryview(t.reshape(-1).numpy()).cast("B") for _, t in local)
+            _fsync(f)
+    dist.barrier()
+    return {"start": t0, "end": time.time(), "growth_kb": peak.added()[0] // 1024}
+
+
+def worker(spec: dict) -> dict:
     import torch  # imported before the clock and the RSS baseline
 
-    torch.set_num_threads(
-        1
-    )  # one thread, as a rank has (OMP_NUM_THREADS=1): no intra-op threads spinning on a shared CPU
+    torch.set_num_threads(1)  # one thread, as a rank has (OMP_NUM_THREADS=1): no intra-op threads spinning
 
     import tasks.core.models.convert.state_view  # noqa: F401
 
-    peak = HostPeak()  # VmHWM := the current RSS
-    t0 = time.perf_counter()
-    (work_reshard if kind == "reshard" else work_copy)(src, dst, config)
-    return {"seconds": time.perf_counter() - t0, "growth_kb": peak.added()[0] // 1024}
+    def gate():  # every process of a measurement starts its clock together, after its imports
+        print("ready", flush=True)
+        sys.stdin.readline()
+        return HostPeak()  # VmHWM := the current RSS
+
+    src, dst, config, kind = Path(spec["src"]), Path(spec["dst"]), spec["config"], spec["kind"]
+    if kind.startswith("dcp-"):
+        import torch.distributed as dist
+
+        rank, world = spec["rank"], spec["world"]
+        dist.init_process_group(  # a peer that died fails the others' barrier in minutes, not half an hour
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{spec['port']}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=5),
+        )
+        try:
+            return work_dcp(kind[4:], src, dst, config, spec.get("layout", "tp2dp2"), rank, gate)
+        finally:
+            dist.destroy_process_group()
+    peak = gate()
+    t0 = time.time()
+    if kind == "copy":
+        work_copy(src, dst, config)
+    else:
+        work_reshard(src, dst, config, spec["layout"], spec.get("writers", 0), spec.get("only"))
+    return {"start": t0, "end": time.time(), "growth_kb": peak.added()[0] // 1024}
 
 
-def run(kind: str, src: Path, dst: Path, config: dict) -> dict:
+def run(kind: str, src: Path, dst: Path, config: dict, procs: int = 1, keep: bool = False, **spec) -> dict:
+    """`procs` processes of one measurement, started together after their imports: wall seconds from
+    the first start to the last end, the largest and the summed peak RSS growth."""
+    import socket
+
     shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True, exist_ok=True)
     subprocess.run(["sync"], check=False)
-    code = (
-        "import json; from benchmarks.reshard import worker; from pathlib "
-        "import Path; "
-        f"print(json.dumps(worker({kind!r}, Path({str(src)!r}), Path({str(dst)!r}), "
-        f"json.loads({json.dumps(json.dumps(config))}))))"
-    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(REPO / "benchmarks"), str(REPO)))}  # _checkout, support
-    out = subprocess.run(
-        [sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=str(REPO), env=env
-    )
-    shutil.rmtree(dst, ignore_errors=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    ps = []
+    for r in range(procs):
+        one = {"kind": kind, "src": str(src), "dst": str(dst), "config": config, "rank": r, "world": procs}
+        one.update(port=port, **spec)
+        if kind == "reshard" and procs > 1:
+            one["only"] = r
+        ps.append(
+            subprocess.Popen(
+                [sys.executable, str(REPO / "benchmarks" / "reshard.py"), "--worker", json.dumps(one)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=str(REPO),
+                env=env,
+            )
+        )
+    for p in ps:  # each says ready once imported (and, for DCP, its state built)
+        line = p.stdout.readline()
+        if line.strip() != "ready":
+            for q in ps:
+                q.kill()
+            raise RuntimeError(f"{kind} worker did not start: {line!r}")
+    for p in ps:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    outs = []
+    for p in ps:
+        out, _ = p.communicate()
+        if p.returncode:
+            raise RuntimeError(f"{kind} worker failed ({p.returncode}): {out[-2000:]}")
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    if not keep:
+        shutil.rmtree(dst, ignore_errors=True)
+    return {
+        "seconds": max(o["end"] for o in outs) - min(o["start"] for o in outs),
+        "growth_kb": max(o["growth_kb"] for o in outs),
+        "growth_sum_kb": sum(o["growth_kb"] for o in outs),
+    }
+
+
+def digest(folder: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(folder.glob("rank-*.safetensors")):
+        h.update(f.name.encode())
+        with open(f, "rb") as fin:
+            while chunk := fin.read(CHUNK):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        print(json.dumps(worker(json.loads(argv[1]))))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="+", default=["50M", "190M", "700M"], choices=[s for s in SIZES if s != "tiny"])
+    ap.add_argument("--layouts", nargs="+", default=None, choices=list(LAYOUTS), help="default: all (--smoke: tp2dp2)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each measurement, their median printed")
     ap.add_argument("--smoke", action="store_true", help="a tiny Llama (vocabulary 515: padded tp slices), seconds")
     ap.add_argument("--workdir", type=Path, default=None)
     a = ap.parse_args(argv)
     sizes = ["tiny"] if a.smoke else a.sizes
+    a.layouts = a.layouts or (["tp2dp2"] if a.smoke else list(LAYOUTS))
     work = Path(a.workdir or tempfile.mkdtemp(prefix="reshard-"))
     work.mkdir(parents=True, exist_ok=True)
     print(
-        f"{'size':<6} {'params':>9} {'state GB':>9} {'reshard s':>10} {'copy s':>8} {'speed a/b':>10} {'peak growth GB':>15} "
-        f"{'limit GB':>9} {'masters GB':>11} {'masters share':>14}"
+        f"{'size':<6} {'layout':<7} {'state GB':>9} {'serial s':>9} {'writers s':>10} {'ranks s':>8} {'DCP save s':>11} "
+        f"{'DCP load s':>11} {'DCP/ours':>9} {'peak serial GB':>15} {'peak writers GB':>16} {'DCP peak GB':>12} "
+        f"{'limit GB':>9} {'bitwise':>8}"
     )
+    notes = []
     try:
         for size in sizes:
             config = config_of(size)
@@ -257,31 +501,79 @@ def main(argv: list[str] | None = None) -> int:
             facts = write_checkpoint(src, config)
             b = facts["bytes"]
             state = b["masters"] + b["optimizer"]
-            rs, cp = (
-                run("reshard", src, work / size / "resharded", config),
-                run("copy", src, work / size / "copied", config),
-            )
             limit = facts["largest"] * 12 + 0.5e9
-            total = sum(b.values())
-            print(
-                f"{size:<6} {facts['params'] / 1e6:>8.1f}M {state / 1e9:>9.3f} {rs['seconds']:>10.2f} "
-                f"{cp['seconds']:>8.2f} "
-                f"{cp['seconds'] / rs['seconds']:>10.2f} {rs['growth_kb'] * 1024 / 1e9:>15.3f} {limit / 1e9:>9.3f} "
-                f"{b['masters'] / 1e9:>11.3f} {b['masters'] / total:>13.1%}"
+            gb = lambda kb: kb * 1024 / 1e9
+            cp = [run("copy", src, work / size / "copied", config) for _ in range(a.repeat)]
+            save = [
+                run("dcp-save", src, src / "dcp", config, procs=SRC_RANKS, keep=i == a.repeat - 1)
+                for i in range(a.repeat)
+            ]
+            for layout in a.layouts:
+                n = math.prod(LAYOUTS[layout])
+                out = {m: work / size / f"{layout}-{m}" for m in ("serial", "writers", "ranks", "dcp")}
+                res: dict[str, list[dict]] = {m: [] for m in out}
+                for i in range(a.repeat):  # interleaved, so a burst of load on the shared machine hits each alike
+                    keep = i == a.repeat - 1
+                    res["serial"].append(run("reshard", src, out["serial"], config, keep=keep, layout=layout))
+                    res["writers"].append(
+                        run("reshard", src, out["writers"], config, keep=keep, layout=layout, writers=n)
+                    )
+                    res["ranks"].append(run("reshard", src, out["ranks"], config, procs=n, keep=keep, layout=layout))
+                    res["dcp"].append(run("dcp-load", src, out["dcp"], config, procs=n, keep=keep, layout=layout))
+                same = digest(out["serial"]) == digest(out["writers"]) == digest(out["ranks"])
+                if layout == "1":  # one rank: DCP's output holds the same whole tensors in the same order
+                    same = same and _payload(out["dcp"]) == _payload(out["serial"])
+                ours = min(median(res["writers"], "seconds"), median(res["ranks"], "seconds"))
+                print(
+                    f"{size:<6} {layout:<7} {state / 1e9:>9.3f} {median(res['serial'], 'seconds'):>9.2f} "
+                    f"{median(res['writers'], 'seconds'):>10.2f} {median(res['ranks'], 'seconds'):>8.2f} "
+                    f"{median(save, 'seconds'):>11.2f} {median(res['dcp'], 'seconds'):>11.2f} "
+                    f"{median(res['dcp'], 'seconds') / ours:>9.2f} {gb(median(res['serial'], 'growth_kb')):>15.3f} "
+                    f"{gb(median(res['writers'], 'growth_kb')):>16.3f} {gb(median(res['dcp'], 'growth_kb')):>12.3f} "
+                    f"{limit / 1e9:>9.3f} {'yes' if same else 'NO':>8}"
+                )
+                notes.append(
+                    f"{size} {layout}: ranks' peak growth {gb(median(res['ranks'], 'growth_kb')):.3f} GB a process, "
+                    f"{gb(median(res['ranks'], 'growth_sum_kb')):.3f} GB summed; DCP load's summed "
+                    f"{gb(median(res['dcp'], 'growth_sum_kb')):.3f} GB"
+                )
+                for d in out.values():
+                    shutil.rmtree(d, ignore_errors=True)
+            notes.append(
+                f"{size}: {facts['params'] / 1e6:.1f}M parameters; copy {median(cp, 'seconds'):.2f} s; DCP save's peak "
+                f"growth {gb(median(save, 'growth_kb')):.3f} GB a rank; masters {b['masters'] / 1e9:.3f} GB, "
+                f"{b['masters'] / sum(b.values()):.1%} of the checkpoint"
             )
             shutil.rmtree(work / size, ignore_errors=True)
     finally:
         if a.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
+    print("\n".join(notes))
     print(
-        "reshard: low_level_zero ZeRO-2 on 2 ranks -> hybrid_parallel tp=2 x ZeRO-1 dp=2 on 4 ranks; copy: masters/ + "
-        "optimizer/; "
-        "speed a/b = copy seconds / reshard seconds (target >= 0.5); limit: the largest tensor's fp32 master and "
-        "moments + 0.5 GB; "
-        "masters share: of the whole checkpoint (model/ + optimizer/ + masters/)"
+        "from low_level_zero ZeRO-2 on 2 ranks to tp2dp2 (hybrid_parallel tp=2 x ZeRO-1 dp=2, 4 ranks) or 1 (one rank); "
+        "serial: one process writes every target file (before); writers: one process reads, a thread per target "
+        "file writes; ranks: each target rank its own process and file; DCP: torch.distributed.checkpoint "
+        "save from the 2 source ranks, load into the target ranks' DTensors + each rank's file (every file "
+        "fsync'd on both sides); DCP/ours = DCP load s / the faster of writers and ranks; seconds and peaks: "
+        f"medians of {a.repeat}; limit: the largest tensor's fp32 master and moments + 0.5 GB; bitwise: "
+        "writers and ranks wrote serial's bytes (and DCP the same tensors, to one rank)"
     )
-    print(f"command: python benchmarks/reshard.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip())
+    print(f"command: python benchmarks/reshard.py {' '.join(argv)}".rstrip())
     return 0
+
+
+def _payload(folder: Path) -> bytes:
+    """The tensors' bytes of a one-rank output, without the safetensors header (the key names differ)."""
+    import hashlib
+
+    from tasks.core.models.convert.source import read_safetensors_header
+
+    f, h = folder / "rank-00000.safetensors", hashlib.sha256()
+    with open(f, "rb") as fin:
+        fin.seek(read_safetensors_header(f)[0])
+        while chunk := fin.read(CHUNK):
+            h.update(chunk)
+    return h.digest()
 
 
 if __name__ == "__main__":
