@@ -290,6 +290,8 @@ def test_fault_specs_parse():
         "kill@step=3@stage=dpo",
         "kill@when=3",
         "kill@step=3@color=red",
+        "hold@save=3:model",
+        "hold@stage=cpt",
     ],
 )
 def test_bad_fault_specs_are_errors(bad):
@@ -308,6 +310,29 @@ def test_fault_fires_once_per_stage_dir(tmp_path):
     assert list((tmp_path / ".faults").iterdir())
     retry = faults.Injector("sft", tmp_path, rank=0, world_size=2, value="fail@stage=sft")
     retry.at_start()  # marked by the earlier attempt: the retry runs on
+
+
+def test_hold_waits_for_the_notice_then_runs_on(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setattr(faults, "HOLD_S", 60.0)  # a hold that should not wait would take this long
+    polls = []
+
+    def noticed() -> bool:  # the notice arrives on the third look
+        polls.append(1)
+        return len(polls) >= 3
+
+    inj = faults.Injector("cpt", tmp_path, rank=0, world_size=2, value="hold@step=1")
+    inj.after_step(0, noticed=noticed)
+    assert polls == []  # not its step
+    inj.after_step(1, noticed=noticed)
+    assert len(polls) == 3
+    t0 = time.monotonic()
+    retry = faults.Injector("cpt", tmp_path, rank=0, world_size=2, value="hold@step=1")
+    retry.after_step(1, noticed=lambda: False)  # marked: a requeued attempt does not wait again
+    other = faults.Injector("cpt", tmp_path / "b", rank=1, world_size=2, value="hold@step=1@rank=0")
+    other.after_step(1, noticed=lambda: False)  # rank=0 only: rank 1 runs on
+    assert time.monotonic() - t0 < 30
 
 
 # -- LR schedule --------------------------------------------------------------------------------------

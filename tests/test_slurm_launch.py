@@ -295,6 +295,8 @@ def test_scancel_signal_usr1_checkpoints_the_step_and_the_requeued_stage_resumes
             slurm_cluster.client("scancel", "--signal=USR1", job_id)
             sent.append(job_id)
 
+    # The ranks wait after step 1 until the notice reaches them: a tiny step takes less than the
+    # launcher's log poll, so without the hold training would end before scancel is sent.
     with pytest.raises(Preempted) as preempted:
         run_engine(
             "train",
@@ -304,7 +306,7 @@ def test_scancel_signal_usr1_checkpoints_the_step_and_the_requeued_stage_resumes
             "t-cpt-train",
             logger,
             on_progress=notice_after_the_first_step,
-            env=env,
+            env={**env, "CPT_TO_SFT_FAULT": "hold@step=1"},
         )
     rec = preempted.value.record
     assert rec["source"] == "slurm" and rec["grace_s"] == 30, rec

@@ -10,6 +10,9 @@ Grammar: one or more specs separated by ';', each `ACTION@TRIGGER[@OPTION...]`:
              fail   every rank raises RuntimeError("injected failure ...") (exit status 1)
              term   the chosen rank sends itself SIGTERM, usr1 SIGUSR1: a preemption notice where the
                     stage listens for one (`<phase>.elastic.notices`, tasks/engine/notice.py)
+             hold   every rank (or rank=R) waits, up to HOLD_S, until a notice reaches it: a test that
+                    sends the notice from outside (`scancel --signal=USR1`) gets it mid-training
+                    however fast the steps are (step triggers only)
     TRIGGER  step=K          at the start of step K+1 of `train`, i.e. after step K finished and
                              the checkpoint of step K (if K is a checkpoint step) was committed
              save=K:PHASE    inside the save of the checkpoint of step K, right before PHASE, one of
@@ -35,6 +38,8 @@ import hashlib
 import os
 import signal
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,12 +51,15 @@ ENV = "CPT_TO_SFT_FAULT"
 SAVE_PHASES = ("model", "optimizer", "lr_scheduler", "rng", "fingerprint", "state", "manifest", "rename")
 _RANK0_PHASES = ("manifest", "rename")
 _SIGNALS = {"term": signal.SIGTERM, "usr1": signal.SIGUSR1}  # a notice, sent to the acting rank itself
+_ACTIONS = ("kill", "fail", "hold", *_SIGNALS)
+# A hold whose notice never comes ends and training goes on: the test then fails on what it asserts, not on a hang.
+HOLD_S = 300.0
 
 
 @dataclass(frozen=True)
 class Fault:
     spec: str
-    action: str  # kill | fail | term | usr1
+    action: str  # kill | fail | hold | term | usr1
     trigger: str  # step | save | stage
     step: int | None = None
     phase: str | None = None
@@ -75,9 +83,9 @@ def parse(value: str | None) -> list[Fault]:
             continue
         parts = spec.split("@")
         action = parts[0]
-        if action not in ("kill", "fail", *_SIGNALS) or len(parts) < 2:
+        if action not in _ACTIONS or len(parts) < 2:
             raise ValueError(
-                f"{ENV}={value!r}: spec {spec!r} must start with kill@, fail@, term@ or usr1@ (see "
+                f"{ENV}={value!r}: spec {spec!r} must start with kill@, fail@, hold@, term@ or usr1@ (see "
                 "tasks/engine/faults.py)"
             )
         fields: dict = {"spec": spec, "action": action}
@@ -105,6 +113,8 @@ def parse(value: str | None) -> list[Fault]:
                 fields["rank"] = _int(val, spec)
             else:
                 raise ValueError(f"{ENV}: {spec!r}: unknown option {key!r} (stage=S or rank=R)")
+        if action == "hold" and fields.get("trigger") != "step":
+            raise ValueError(f"{ENV}: {spec!r}: hold takes a step=K trigger (it waits between steps)")
         out.append(Fault(**fields))
     return out
 
@@ -144,8 +154,16 @@ class Injector:
     def at_start(self) -> None:
         self._fire([f for f in self.faults if f.trigger == "stage"], "at the start of training")
 
-    def after_step(self, step: int) -> None:
-        self._fire([f for f in self.faults if f.trigger == "step" and f.step == step], f"after step {step}")
+    def after_step(self, step: int, noticed: Callable[[], bool] = lambda: False) -> None:
+        due = [f for f in self.faults if f.trigger == "step" and f.step == step]
+        for f in due:
+            if f.action == "hold" and f.spec not in self.fired and f.rank in (None, self.rank):
+                self._mark(self._mark_path(f), f)
+                rankio.say(f"injected hold {f.spec!r} ({ENV}): rank {self.rank} waits for a notice after step {step}")
+                deadline = time.monotonic() + HOLD_S
+                while not noticed() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        self._fire([f for f in due if f.action != "hold"], f"after step {step}")
 
     def before_save_phase(self, step: int, phase: str) -> None:
         self._fire(

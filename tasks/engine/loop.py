@@ -339,7 +339,7 @@ def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
         purge_step=rp.step + 1,
     )
     for step in range(rp.step + 1, cfg.max_steps + 1):
-        faults.after_step(step - 1)
+        faults.after_step(step - 1, noticed=lambda: watch.noticed)
         micro, ntok, computed = data.next_batch()
         lr = float(eng.scheduler.get_last_lr()[0])
         meter.start()
