@@ -160,15 +160,21 @@ def _bad_jsonl(tmp_path: Path, raw: dict) -> tuple[dict, str]:
     return raw, f"{corpus / 'b.jsonl'}:{len(lines)}: malformed JSON"
 
 
-def _truncated_weights(tmp_path: Path, raw: dict) -> tuple[dict, str]:
-    """A base model whose safetensors file lost its last bytes (an interrupted copy): its header
-    still parses, so pre-flight passes, and load_from_hf fails reading it."""
+def _mismatched_weights(tmp_path: Path, raw: dict) -> tuple[dict, str]:
+    """A base model whose final norm has one value too many for its config.json: every safetensors
+    header and extent is sound, so pre-flight passes (a truncated file no longer gets that far), and
+    load_from_hf fails when transformers loads the weights into the model config.json describes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
     model = tmp_path / "model"
     shutil.copytree(raw["base_model"]["uri"], model)
     weights = model / "model.safetensors"
-    os.truncate(weights, weights.stat().st_size - 64)
+    state = load_file(weights)
+    state["model.norm.weight"] = torch.ones(state["model.norm.weight"].shape[0] + 1)
+    save_file(state, weights, metadata={"format": "pt"})
     raw["base_model"]["uri"] = str(model)
-    return raw, "stage load_from_hf failed: SafetensorError: "
+    return raw, "stage load_from_hf failed: RuntimeError: Error(s) in loading state_dict"
 
 
 def _refused(tmp_path: Path, raw: dict) -> tuple[dict, str]:
@@ -180,7 +186,7 @@ CASES = {
     # case: (config change, the failure's text, the task run whose log keeps the traceback)
     "refusal": (_refused, None),
     "prepare": (_bad_jsonl, "tokenize "),
-    "stage": (_truncated_weights, "load_from_hf"),
+    "stage": (_mismatched_weights, "load_from_hf"),
 }
 
 
