@@ -139,6 +139,9 @@ def test_wheel_in_a_fresh_venv(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     vsite = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     (vsite / "shared-stack.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # No PYTHONPATH (conftest points it at the checkout for child processes): pip would find the
+    # checkout's cpt_to_sft.egg-info there, call the wheel's version installed and skip it.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CPT_TO_SFT_HOME")}
     subprocess.run(
         [
             sys.executable,
@@ -153,11 +156,11 @@ def test_wheel_in_a_fresh_venv(tmp_path):
         ],
         check=True,
         timeout=300,
+        env=env,
     )
     exe = venv / "bin" / "cpt-to-sft"
     work = tmp_path / "elsewhere"
     work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CPT_TO_SFT_HOME")}
 
     def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
         r = subprocess.run(

@@ -2,7 +2,7 @@
 multimodal `text_config` checkpoint and an index naming a missing shard are refused, several eos
 ids are checked against the vocabulary, and where the chat template comes from is said.
 
-    python -m flows.cpt_to_sft --config deployments/configs/tiny-cpu.yaml --check
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 
 A GGUF-only folder is refused where the weights are looked for (`check_base_model`, and reading a
 folder with no config.json), naming the GGUF file and the conversion. A Hub model is judged by
