@@ -1,19 +1,26 @@
-"""A family with no row, end to end: a tiny random OLMo 2 (model_type olmo2, built offline from
-transformers' Olmo2Config) through the whole flow, CPT under torch_ddp and SFT under low_level_zero
-ZeRO-2, every logits check streamed a layer at a time (e2e tier: one flow run).
+"""Families end to end: a tiny random model of each through the whole flow, every logits check streamed
+a layer at a time (e2e tier: one flow run per family).
 
     .venv/bin/python -m pytest -q -m "" tests/test_derived_flow.py -p no:cacheprovider
 
-Pre-flight derives the family's tensor table from the model transformers builds on the meta device
-(`tasks/core/models/derive.py`); the unshard, the export's bitwise weight proof and fingerprint,
-and the evaluations run from it. The export loads in plain transformers as Olmo2ForCausalLM and
-gives the logits the SFT checkpoint recorded. (hybrid_parallel for the same model is refused before
-launch: tests/test_families.py, unit tier.)
+- olmo2, a family with no row (built offline from transformers' Olmo2Config): CPT under torch_ddp, SFT
+  under low_level_zero ZeRO-2. Pre-flight derives its tensor table from the model transformers builds on
+  the meta device (`tasks/core/models/derive.py`); the unshard, the export's bitwise weight proof and
+  fingerprint, and the evaluations run from it. (hybrid_parallel for the same model is refused before
+  launch: tests/test_families.py, unit tier.)
+- gemma3_text, a named row (scaled embedding, four norms a layer, q/k norms, sliding-window layers, tied
+  head): CPT under low_level_zero ZeRO-2, SFT under torch_ddp.
+- phi3, a named row (fused qkv_proj and gate_up_proj): CPT under torch_ddp, SFT under low_level_zero.
+Neither named row has a shardformer policy, so these are the plugins that run them. Each run's CPT
+checkpoint is the one its CPT bridge (cpt/hf) converts bitwise, with the logits the engine recorded at the
+save; the export loads in plain transformers as the family's class and gives the logits the SFT
+checkpoint recorded. (Falcon's named row at tp=2: tests/test_named_rows_dist.py.)
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -25,51 +32,70 @@ from tests.conftest import tiny_config_raw, write_config
 pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 
 STAGES = ("load_from_hf", "boost_and_shard", "train_cpt", "unshard", "evaluate_cpt", "reboost", "train_sft", "export")
+LLZ2 = {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"}
+DDP = {"name": "torch_ddp", "precision": "fp32"}
+# family -> (CPT plugin, SFT plugin, the class plain transformers loads)
+FLOWS = {
+    "olmo2": (DDP, LLZ2, "Olmo2ForCausalLM"),
+    "gemma3_text": (LLZ2, DDP, "Gemma3ForCausalLM"),
+    "phi3": (DDP, LLZ2, "Phi3ForCausalLM"),
+}
 
 
-@pytest.fixture(scope="module")
-def olmo2_run(prefect_harness, tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(FLOWS))
+def family_run(request, prefect_harness, tmp_path_factory):
     from flows.cli import flow_main as main
     from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
 
-    tmp = tmp_path_factory.mktemp("olmo2-flow")
-    base = build_tiny_model(tmp / "olmo2", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family="olmo2")
+    family = request.param
+    cpt, sft, _ = FLOWS[family]
+    tmp = tmp_path_factory.mktemp(f"{family}-flow")
+    base = build_tiny_model(tmp / family, build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family=family)
     raw = tiny_config_raw(base, tmp / "run")
-    raw["cpt"]["plugin"] = {"name": "torch_ddp", "precision": "fp32"}
-    raw["sft"]["plugin"] = {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"}
+    raw["cpt"]["plugin"], raw["sft"]["plugin"] = dict(cpt), dict(sft)
     raw["verify_memory_gb"] = 1e-6  # every logits check streams the model a layer at a time
     raw["gate"] = {"enabled": False}  # 8 steps of a random model: what is proven here is the plumbing
-    rc = main(["--config", str(write_config(tmp / "olmo2.yaml", raw))])
-    return rc, tmp / "run", base
+    rc = main(["--config", str(write_config(tmp / f"{family}.yaml", raw))])
+    return family, rc, tmp / "run", base
 
 
-def test_a_derived_family_runs_the_whole_flow_and_its_export_loads_in_plain_transformers(olmo2_run):
+def test_a_family_runs_the_whole_flow_and_its_export_loads_in_plain_transformers(family_run):
     from transformers import AutoModelForCausalLM
 
+    from support.engine import read_model_dir, train_state
+    from tasks.core.models.convert import load_state_dict_from_dir
     from tasks.core.models.families import expected_tensors
-    from tasks.core.models.fingerprint import load_fingerprint, model_logits
+    from tasks.core.models.fingerprint import hf_dir_logits, load_fingerprint, max_abs_diff, model_logits
 
-    rc, run_root, base = olmo2_run
+    family, rc, run_root, base = family_run
     summary = json.loads((run_root / "run.json").read_text())
     status = {s["stage"]: s["status"] for s in summary["stages"]}
     assert rc == 0 and summary["complete"], status
     assert all(status[s] == "completed" for s in STAGES), status
     for rel in ("cpt/hf", "export"):
         verify_artifact(run_root / rel)
+    mc = json.loads((base / "config.json").read_text())
+    table = expected_tensors(mc)
+    # the CPT checkpoint: every step trained, every tensor of the table saved, trained (not the base's)
+    step = max((run_root / "cpt").glob("step-*"))
+    losses = train_state(step)["losses"]
+    assert len(losses) == 8 and all(map(math.isfinite, losses)), losses
+    saved, start = read_model_dir(step / "model"), load_state_dict_from_dir(base)
+    assert list(saved) == list(table) or sorted(saved) == sorted(table)
+    assert not all(torch.equal(saved[k], start[k]) for k in start)
+    # the CPT bridge is that checkpoint bitwise, a model transformers loads, with the logits the engine recorded
+    bridge = load_state_dict_from_dir(run_root / "cpt/hf")
+    assert sorted(bridge) == sorted(saved) and all(torch.equal(bridge[k], saved[k]) for k in saved)
+    assert type(AutoModelForCausalLM.from_pretrained(run_root / "cpt/hf")).__name__ == FLOWS[family][2]
+    assert max_abs_diff(load_fingerprint(step), hf_dir_logits(run_root / "cpt/hf", dtype="fp32")) <= 1e-4
+    # the export: proven bitwise against the SFT checkpoint, loaded by plain transformers as the family's class
     export = run_root / "export"
     assert_consumer_rules(export)
     v = json.loads((export / PROVENANCE_DIR / "verification.json").read_text())
-    n = len(expected_tensors(json.loads((base / "config.json").read_text())))
-    assert v["weights_bitwise"]["tensors"] == v["tensors"] == n
+    assert v["weights_bitwise"]["tensors"] == v["tensors"] == len(table)
     assert v["fingerprint_match"] and v["top1_disagreements_beyond_tolerance"] == 0
     model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.bfloat16)
-    assert type(model).__name__ == "Olmo2ForCausalLM"
+    assert type(model).__name__ == FLOWS[family][2]
     last = max((run_root / "sft").glob("step-*"))
     logits, reference = model_logits(model, model.config.vocab_size), load_fingerprint(last)
     assert float((logits - reference).abs().max()) <= v["fingerprint_rtol"] * v["fingerprint_max_abs_logit"]
-    # the CPT bridge holds every tensor of the derived table, trained (not the base's)
-    from tasks.core.models.convert import load_state_dict_from_dir
-
-    bridge, start = load_state_dict_from_dir(run_root / "cpt/hf"), load_state_dict_from_dir(base)
-    assert list(bridge) == list(start) or sorted(bridge) == sorted(start)
-    assert not all(torch.equal(bridge[k], start[k]) for k in start)

@@ -406,8 +406,9 @@ def _kept_per_token(model: transformers.PreTrainedModel, layer_prefix: str, dtyp
 
 @pytest.mark.parametrize("model_type", sorted(POLICY_TINY))
 def test_a_policy_rows_stated_activation_ratio_is_what_its_layer_keeps(model_type):
-    """The families table says how far Llama's terms are from a non-Llama layout's layer: re-measured."""
-    from tasks.core.models.families import family_of
+    """The families table says how far Llama's terms are from a non-Llama layout's layer: re-measured; a row
+    with terms of its own (Mixtral's MoE) is estimated from them, and they are what its layer keeps."""
+    from tasks.core.models.families import LLAMA_LAYER_ACTIVATIONS, family_of
     from tasks.core.models.policy_rows import POLICY_ROWS
     from tasks.core.preflight.memory import layer_activation_bytes
 
@@ -420,10 +421,19 @@ def test_a_policy_rows_stated_activation_ratio_is_what_its_layer_keeps(model_typ
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     mc = model.config.to_dict()
-    prefix = family_of(mc).layer_prefix
-    for dtype, size, stated in zip((torch.float32, torch.bfloat16), (4, 2), POLICY_ROWS[model_type].llama_terms_ratio):
-        ratio = layer_activation_bytes(mc, size) / _kept_per_token(model, prefix, dtype)
+    family, row = family_of(mc), POLICY_ROWS[model_type]
+    assert family.layer_activations == (row.layer_activations or LLAMA_LAYER_ACTIVATIONS)
+    for dtype, size, stated in zip((torch.float32, torch.bfloat16), (4, 2), row.llama_terms_ratio):
+        kept = _kept_per_token(model, family.layer_prefix, dtype)
+        ratio = layer_activation_bytes(mc, size, terms=LLAMA_LAYER_ACTIVATIONS) / kept
         assert abs(ratio - stated) <= 0.03, (model_type, dtype, ratio, stated)
+        if row.layer_activations:  # less only the 1-wide tensors (inverse RMS, the weights' sum) and RoPE's cos/sin
+            own = layer_activation_bytes(mc, size)
+            print(f"{model_type} {dtype}: kept {kept:.0f} B/token, own terms {own / kept:.3f}, Llama's {ratio:.3f}")
+            assert own <= kept <= own * 1.02, (model_type, dtype, own, kept)
+    if model_type == "mixtral":  # tp=2 splits the attention's q-wide terms; every rank runs the experts whole
+        split = layer_activation_bytes(mc, 4, terms=LLAMA_LAYER_ACTIVATIONS[2:4])
+        assert layer_activation_bytes(mc, 4) - layer_activation_bytes(mc, 4, tp=2) == pytest.approx(split / 2)
 
 
 @pytest.mark.parametrize("model_type", ["falcon", "opt"])

@@ -1,16 +1,14 @@
-"""The named rows through the real engine on 2 gloo ranks: a tiny random model of each family is
-sharded, trained 3 steps, checkpointed, and its checkpoint converted to an HF folder bitwise that
-loads in plain transformers with the logits the checkpoint recorded.
+"""A named row over a derived table through the real engine on 2 gloo ranks: a tiny random Falcon is
+sharded under hybrid_parallel tp=2, trained 3 steps, checkpointed, and its checkpoint converted to an
+HF folder bitwise that loads in plain transformers with the logits the checkpoint recorded.
 
     .venv/bin/python -m pytest -q -m distributed tests/test_named_rows_dist.py -s
 
-- gemma3_text (scaled embedding, four norms a layer, q/k norms, sliding-window layers, tied head) under
-  low_level_zero ZeRO-2, and phi3 (fused qkv_proj and gate_up_proj) under torch_ddp: neither has a
-  shardformer policy, so these are the plugins that run them;
-- falcon under hybrid_parallel tp=2: a row over a derived table whose ColossalAI policy runs with
-  transformers 4.51.3 (tasks/core/models/policy_rows.py; the other policy rows are measured at tp=2
-  by benchmarks/shardformer_policies.py --smoke in tests/test_benchmarks.py).
-Two launches per family (shard, train), ~10-15 s of imports each on 2 cores.
+Falcon's row (tasks/core/models/policy_rows.py) gives it ColossalAI 0.5.0's policy, which runs with
+transformers 4.51.3; the other policy rows are measured at tp=2 by benchmarks/shardformer_policies.py
+--smoke in tests/test_benchmarks.py. The named rows without a policy (gemma3_text, phi3) run the whole
+flow under the plugins that run them in tests/test_derived_flow.py, whose checks hold these (the CPT
+checkpoint converted bitwise, with its logits). Two launches (shard, train), ~10-15 s of imports each.
 """
 
 from __future__ import annotations
@@ -27,8 +25,6 @@ from tasks.core.models.fingerprint import hf_dir_logits, load_fingerprint, max_a
 pytestmark = pytest.mark.distributed
 
 CASES = {
-    "gemma3_text": ({"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"}, "Gemma3ForCausalLM"),
-    "phi3": ({"name": "torch_ddp", "precision": "fp32"}, "Phi3ForCausalLM"),
     "falcon": ({"name": "hybrid_parallel", "tp_size": 2, "precision": "fp32"}, "FalconForCausalLM"),
 }
 STEPS = 3

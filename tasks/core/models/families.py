@@ -84,6 +84,9 @@ DIMS: dict[str, Callable[[Mapping[str, Any]], int]] = {
     # fused projections (Phi-3): q, k and v in one weight; gate and up in one
     "qkv": lambda c: (c["num_attention_heads"] + 2 * _kv_heads(c)) * _head_dim(c),
     "inter2": lambda c: 2 * c["intermediate_size"],
+    # a MoE layer (Mixtral): the router's experts and each token's routed ones (0 for a dense model)
+    "experts": lambda c: c.get("num_local_experts") or 0,
+    "routed": lambda c: c.get("num_experts_per_tok") or 0,
 }
 # Dims that tensor parallelism splits over the tp ranks (shardformer's policies for these families:
 # column-parallel q/k/v/gate/up and their biases, row-parallel o/down, vocabulary-parallel embedding
@@ -235,6 +238,7 @@ def family_of(model_config: Mapping[str, Any]) -> ModelFamily:
         policy_refused=row.policy_refused,
         tp_column=row.tp_column,
         tp_row=row.tp_row,
+        layer_activations=row.layer_activations or derived.layer_activations,
         sp_note=row.policy_refused or "no sequence-parallel mode of its policy is measured with transformers 4.51.3",
     )
 

@@ -27,11 +27,16 @@ class TensorRule:
 @dataclass(frozen=True)
 class ActivationTerm:
     """Tensors a decoder layer keeps for its backward, per token: `count` of width `dim` (a DIMS
-    name), in the compute dtype, or in fp32 whatever the compute dtype (`fp32`)."""
+    name), in the compute dtype, or in fp32 whatever the compute dtype (`fp32`), or int64 indices
+    (`index`); `per` (a DIMS name) multiplies the count (a MoE layer's tensors per routed expert);
+    `whole`: every tp rank keeps it whole though its dim is one tp splits elsewhere (the experts)."""
 
     dim: str
     count: int
     fp32: bool = False
+    index: bool = False
+    per: str = ""
+    whole: bool = False
 
 
 # What one Llama-shaped decoder layer (RMSNorm, sdpa attention, SwiGLU MLP) keeps for its backward,
@@ -75,6 +80,22 @@ PHI3_LAYER_ACTIVATIONS: tuple[ActivationTerm, ...] = (
     *LLAMA_LAYER_ACTIVATIONS[:4],
     ActivationTerm("inter2", 1),
     ActivationTerm("inter", 2),
+)
+# Mixtral's sparse MoE block in place of the MLP (counted the same way; tests/test_families.py re-measures
+# it): the router's fp32 softmax over the experts, its top-k indices (int64) and renormalized fp32
+# weights; for each of a token's num_experts_per_tok experts, run on its gathered hidden state: SwiGLU's
+# four inter-wide tensors, the w2 output the routing weight scales, the product index_add_ keeps, the
+# routing weight (compute dtype) and the (token, expert) index pair torch.where returns (int64). Without
+# expert parallelism every tp rank runs every expert whole. (The weights' 1-wide sum is left out.)
+MOE_LAYER_ACTIVATIONS: tuple[ActivationTerm, ...] = (
+    *LLAMA_LAYER_ACTIVATIONS[:4],
+    ActivationTerm("experts", 1, fp32=True),
+    ActivationTerm("routed", 1, index=True),
+    ActivationTerm("routed", 1, fp32=True),
+    ActivationTerm("hidden", 3, per="routed", whole=True),
+    ActivationTerm("inter", 4, per="routed", whole=True),
+    ActivationTerm("routed", 1),
+    ActivationTerm("routed", 2, index=True),
 )
 # The final RMSNorm, once per token (the LM head and the loss are vocabulary-wide: the estimate
 # counts them from vocab_size).

@@ -142,19 +142,25 @@ def _stage_layers(layers: int, pp: int) -> list[int]:
 
 
 def _width(term: ActivationTerm, dims: dict[str, int], tp: int, compute: int, outside: int = 1) -> float:
-    width = dims[term.dim] / (tp if term.dim in TP_SPLIT_DIMS else outside)
-    return term.count * width * (4 if term.fp32 else compute)
+    width = dims[term.dim] / (tp if term.dim in TP_SPLIT_DIMS and not term.whole else outside)
+    count = term.count * (dims[term.per] if term.per else 1)
+    return count * width * (8 if term.index else 4 if term.fp32 else compute)
 
 
 def layer_activation_bytes(
-    model_config: dict[str, Any], compute_bytes: int, tp: int = 1, outside: int = 1, gathered: int = 0
+    model_config: dict[str, Any],
+    compute_bytes: int,
+    tp: int = 1,
+    outside: int = 1,
+    gathered: int = 0,
+    terms: tuple[ActivationTerm, ...] | None = None,
 ) -> float:
-    """Bytes per token one decoder layer keeps for its backward (family's `layer_activations`); `outside`
-    divides the tensors tp leaves whole (split_gather's sequence split between the tp regions), `gathered`
-    linears each keep a whole-sequence copy of their hidden-wide input (split_gather, `SpModeSpec`)."""
+    """Bytes per token one decoder layer keeps for its backward (family's `layer_activations`, or `terms`);
+    `outside` divides the tensors tp leaves whole (split_gather's sequence split between the tp regions),
+    `gathered` linears each keep a whole-sequence copy of their hidden-wide input (split_gather, `SpModeSpec`)."""
     family, _ = family_config(model_config)
     dims = model_dims(model_config)
-    acts = sum(_width(t, dims, tp, compute_bytes, outside) for t in family.layer_activations)
+    acts = sum(_width(t, dims, tp, compute_bytes, outside) for t in terms or family.layer_activations)
     return acts + gathered * dims["hidden"] * compute_bytes
 
 
