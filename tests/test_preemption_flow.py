@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from support.servers.metadata import MetadataServer
 from tasks.core.config.elastic import ElasticConfig
 from tasks.core.errors import Preempted
 from tasks.core.run import preemptions
-from tasks.flowkit.notices import critical, signal_sources, stop_on_notice
+from tasks.flowkit.notices import POLL_SIGNAL, critical, polled_sources, signal_sources, stop_on_notice
 
 
 def _cfg(*notices: dict) -> SimpleNamespace:
@@ -84,6 +87,81 @@ def test_a_notice_during_the_artifact_swap_leaves_the_new_artifact_whole(tmp_pat
         (tmp / "new.txt").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
     assert [p.name for p in art.iterdir()] == ["new.txt"]
+
+
+def _pollers() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("notice-") and t.is_alive()]
+
+
+def _gone(deadline_s: float = 30.0) -> bool:
+    """Whether the stage's poller thread ended (it is not joined: a poll in flight finishes first)."""
+    end = time.monotonic() + deadline_s
+    while _pollers() and time.monotonic() < end:
+        time.sleep(0.02)
+    return not _pollers()
+
+
+def test_polled_sources_are_the_polled_rows_once_per_endpoint():
+    el = ElasticConfig(notices=[{"source": "gcp", "grace_s": 20}, {"source": "sigterm"}, {"source": "aws"}])
+    cfg = SimpleNamespace(
+        phase=lambda p: SimpleNamespace(
+            elastic=el if p == "cpt" else ElasticConfig(notices=[{"source": "gcp", "grace_s": 9}])
+        )
+    )
+    got = sorted((n.source, n.where, n.grace) for n in polled_sources(cfg))
+    assert got == [("aws", "http://169.254.169.254", 120.0), ("gcp", "http://169.254.169.254", 9.0)]
+
+
+@pytest.mark.parametrize("source", ["aws", "gcp", "azure"])
+def test_a_polled_cloud_notice_stops_the_stage_even_in_a_blocking_wait(source):
+    """The stage's poller asks the local metadata double as the ranks do; once the double says
+    preempted, the notice is raised in the stage (here a 60 s sleep, cut short) as a signal's is,
+    and the poller and its handler are gone after."""
+    before = signal.getsignal(POLL_SIGNAL)
+    with MetadataServer() as m:
+        cfg = _cfg({"source": source, "endpoint": m.url, "poll_s": 0.05, "grace_s": 25})
+        with pytest.raises(Preempted) as caught, stop_on_notice("evaluate_cpt", cfg) as listening:
+            assert listening and _pollers() == [f"notice-{source}"]
+            time.sleep(0.3)  # polled, nothing yet
+            m.preempt()
+            t0 = time.monotonic()
+            time.sleep(60)
+        waited = time.monotonic() - t0
+        asked = {r["path"].split("?")[0] for r in m.requests}
+    rec = caught.value.record
+    assert (rec["stage"], rec["source"], rec["grace_s"], rec["steps_lost"]) == ("evaluate_cpt", source, 25.0, 0)
+    assert waited < 30 and 0 <= rec["notice_to_commit_s"] < 25, (waited, rec)
+    assert f"evaluate_cpt preempted ({source}: {source}" in caught.value.cause
+    path = {"aws": "/latest/meta-data/spot/instance-action", "gcp": "/computeMetadata/v1/instance/preempted"}
+    assert path.get(source, "/metadata/scheduledevents") in asked, asked
+    assert signal.getsignal(POLL_SIGNAL) is before and _gone()
+
+
+def test_a_notice_file_inside_a_critical_stretch_is_raised_when_it_ends(tmp_path):
+    notice = tmp_path / "preempt-notice"
+    done = []
+    cfg = _cfg({"source": "file", "endpoint": str(notice), "poll_s": 0.05})
+    with pytest.raises(Preempted) as caught, stop_on_notice("export", cfg):
+        with critical():
+            notice.write_text("node drains at 18:00\n")
+            assert _gone()  # the poller read the file, signalled and ended: the notice waits for the swap
+            time.sleep(0.1)
+            done.append("swapped")
+        done.append("after")  # never reached: raised as the stretch ends
+    assert done == ["swapped"]
+    assert (
+        caught.value.record["source"] == "file" and f"notice file {notice}: node drains at 18:00" in caught.value.cause
+    )
+    assert _gone()
+
+
+def test_a_training_stage_leaves_the_polled_rows_to_its_ranks():
+    with MetadataServer() as m:
+        m.preempt()
+        cfg = _cfg({"source": "gcp", "endpoint": m.url, "poll_s": 0.05})
+        with stop_on_notice("train_cpt", cfg) as listening:
+            time.sleep(0.3)
+        assert listening is False and m.requests == [] and not _pollers()
 
 
 def test_records_restart_and_policy():

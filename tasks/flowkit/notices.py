@@ -3,19 +3,23 @@ evaluation, publishing): the stage stops at a safe point and ends *preempted*, n
 
     python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # with cpt.elastic.notices: [{source: sigterm}]
 
-While a stage task runs, and some phase lists a signal notice source (`<phase>.elastic.notices`:
-`sigterm`, `slurm`), that signal to the flow process raises `Preempted` in the stage instead of
-ending the process. Every place the stage can be stopped is a safe point: its artifact is built in
+While a stage task runs, the notice sources any phase lists (`<phase>.elastic.notices`) raise
+`Preempted` in the stage instead of ending the process: a signal row's signal (`sigterm`, `slurm`)
+to the flow process, and a polled row (`aws`, `gcp`, `azure`, `file`), which a daemon thread of the
+stage asks every `poll_s` seconds with the ranks' own poller (tasks/engine/notice.py `Watch`) and
+hands to the main thread as POLL_SIGNAL, so it lands where a signal would, a blocking wait included.
+Every place the stage can be stopped is a safe point: its artifact is built in
 `<artifact>.tmp-build` and swapped in only whole, the manifest last (`tasks/flowkit/stage.py`
 `fresh_dir`), and prepare_data keeps each finished file's shards in its cache; the one stretch that
 is not, the swap itself, runs inside `critical()`, and a notice that comes then is raised right after
 it. The flow then retries the run by its preemption policy (flows/cpt_to_sft/__init__.py), skipping
 what finished. A training stage's launch forwards the signal to its ranks instead
-(tasks/core/launch/proctree.py `forward_notices`), which take the checkpoint path.
+(tasks/core/launch/proctree.py `forward_notices`), and its ranks poll the polled rows themselves.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -25,8 +29,15 @@ from typing import Any
 
 from tasks.core.config.notices import NOTICES
 from tasks.core.errors import Preempted
+from tasks.core.run.stages import STAGE
+from tasks.engine.notice import Watch
 
 _state = threading.local()
+# How a poller thread's notice reaches the main thread: a real signal, so a blocking call there (a
+# sleep, a wait on a child or a lock) is cut as by a signal notice. SIGURG is ignored by default and
+# nothing else here sends it (Go's runtime preempts goroutines with it for the same reasons), so one
+# that lands after the stage's handler is gone does nothing.
+POLL_SIGNAL = signal.SIGURG
 
 
 def signal_sources(cfg: Any) -> dict[str, tuple[str, float]]:
@@ -43,7 +54,21 @@ def signal_sources(cfg: Any) -> dict[str, tuple[str, float]]:
     return out
 
 
-def _preempted(stage: str, source: str, grace: float, at: float) -> Preempted:
+def polled_sources(cfg: Any) -> list[Any]:
+    """The polled notice entries any phase of `cfg` lists, one per source and endpoint (the one with
+    the shortest grace where two phases list it)."""
+    from tasks.core.config.phases import PHASES
+
+    out: dict[tuple[str, str | None], Any] = {}
+    for phase in PHASES:
+        for n in cfg.phase(phase).elastic.notices:
+            key = (n.source, n.where)
+            if NOTICES[n.source].poll is not None and (key not in out or n.grace < out[key].grace):
+                out[key] = n
+    return list(out.values())
+
+
+def _preempted(stage: str, source: str, grace: float, at: float, text: str | None = None) -> Preempted:
     spent = round(time.monotonic() - at, 3)
     record = {
         "stage": stage,
@@ -56,8 +81,16 @@ def _preempted(stage: str, source: str, grace: float, at: float) -> Preempted:
         "notice_to_commit_s": spent,
         "grace_left_s": round(grace - spent, 3),
     }
-    cause = f"{stage} preempted ({source}): stopped at a safe point, nothing torn"
+    cause = f"{stage} preempted ({source}{f': {text}' if text else ''}): stopped at a safe point, nothing torn"
     return Preempted(cause, cause=cause, record=record)
+
+
+def _deliver(exc: Preempted) -> None:
+    """Raise `exc` in the main thread now, or when the `critical()` stretch it came in ends."""
+    if getattr(_state, "depth", 0):
+        _state.pending = exc  # raised when the swap ends
+        return
+    raise exc
 
 
 @contextmanager
@@ -76,30 +109,79 @@ def critical() -> Iterator[None]:
             raise pending
 
 
+class _StagePoller(Watch):
+    """The ranks' poller, in the flow process for one stage: its first notice is signalled to the main
+    thread (POLL_SIGNAL), whose handler raises it at the stage's next safe point."""
+
+    def __init__(self, notices: list[Any], say: Any) -> None:
+        super().__init__(tuple(notices), poll=True, say=say)
+        self.main = threading.main_thread().ident
+        self.delivered = False
+
+    def notice(self, source: str, grace_s: float, text: str) -> None:
+        super().notice(source, grace_s, text)
+        signal.pthread_kill(self.main, POLL_SIGNAL)
+
+    def close(self) -> None:
+        # Not joined: a poll in flight (up to its 2 s timeout) must not hold up the stage's end; should
+        # it still notice, its signal finds no notice of the next stage's poller and does nothing.
+        self._stop.set()
+
+    def handler(self, stage: str, chained: Any):
+        def on_signal(signum: int, frame: Any) -> None:
+            n = self.first
+            if n is None or self.delivered:  # not this poller's: the handler it replaced takes it
+                if callable(chained):
+                    chained(signum, frame)
+                return
+            self.delivered = True
+            _deliver(_preempted(stage, n.source, n.grace_s, n.at, n.text))
+
+        return on_signal
+
+
+def _say() -> Any:
+    """The stage's run logger (usable from the poller's thread), or this module's outside a run."""
+    try:
+        from prefect import get_run_logger
+
+        return get_run_logger().warning
+    except Exception:  # no run context: a unit test, a stage called as a function
+        return logging.getLogger(__name__).warning
+
+
 @contextmanager
 def stop_on_notice(stage: str, cfg: Any) -> Iterator[bool]:
-    """While the block runs, the signal notices `cfg` listens for raise `Preempted` in it (at once, or
-    at the end of a `critical()` stretch); the previous handlers come back after. Main thread only
-    (Python's rule for handlers): elsewhere nothing is installed and the block yields False."""
+    """While the block runs, the notices `cfg` listens for raise `Preempted` in it (at once, or at the
+    end of a `critical()` stretch): the signal rows' signals, and the polled rows' answers, asked by a
+    daemon thread that ends with the block (not for a training stage, whose ranks poll). The previous
+    handlers come back after. Main thread only (Python's rule for handlers): elsewhere nothing is
+    installed and the block yields False. A polled notice that comes as the block ends is not lost:
+    the endpoint still says it when the next stage asks."""
     sources = signal_sources(cfg) if cfg is not None else {}
-    if not sources or threading.current_thread() is not threading.main_thread():
+    spec = STAGE.get(stage)
+    polled = polled_sources(cfg) if cfg is not None and not (spec and spec.continues) else []
+    if not (sources or polled) or threading.current_thread() is not threading.main_thread():
         yield False
         return
     old: dict[int, Any] = {}
+    poller = _StagePoller(polled, _say()) if polled else None
 
     def handler(signum: int, frame) -> None:
         source, grace = sources[signal.Signals(signum).name]
-        exc = _preempted(stage, source, grace, time.monotonic())
-        if getattr(_state, "depth", 0):
-            _state.pending = exc  # raised when the swap ends
-            return
-        raise exc
+        _deliver(_preempted(stage, source, grace, time.monotonic()))
 
     try:
         for name in sources:
             sig = getattr(signal, name)
             old[sig] = signal.signal(sig, handler)
+        if poller is not None:
+            old[POLL_SIGNAL] = signal.getsignal(POLL_SIGNAL)
+            signal.signal(POLL_SIGNAL, poller.handler(stage, old[POLL_SIGNAL]))
+            poller.start()
         yield True
     finally:
+        if poller is not None:
+            poller.close()  # before the handler goes: a late signal then finds the one it replaced
         for sig, h in old.items():
             signal.signal(sig, h)
