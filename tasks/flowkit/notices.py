@@ -29,6 +29,7 @@ from typing import Any
 
 from tasks.core.config.notices import NOTICES
 from tasks.core.errors import Preempted
+from tasks.core.launch.proctree import signal_handlers
 from tasks.core.run.stages import STAGE
 from tasks.engine.notice import Watch
 
@@ -164,24 +165,20 @@ def stop_on_notice(stage: str, cfg: Any) -> Iterator[bool]:
     if not (sources or polled) or threading.current_thread() is not threading.main_thread():
         yield False
         return
-    old: dict[int, Any] = {}
     poller = _StagePoller(polled, _say()) if polled else None
 
     def handler(signum: int, frame) -> None:
         source, grace = sources[signal.Signals(signum).name]
         _deliver(_preempted(stage, source, grace, time.monotonic()))
 
-    try:
-        for name in sources:
-            sig = getattr(signal, name)
-            old[sig] = signal.signal(sig, handler)
+    handlers = {getattr(signal, name): handler for name in sources}
+    if poller is not None:
+        handlers[POLL_SIGNAL] = poller.handler(stage, signal.getsignal(POLL_SIGNAL))
+    with signal_handlers(handlers) as installed:
         if poller is not None:
-            old[POLL_SIGNAL] = signal.getsignal(POLL_SIGNAL)
-            signal.signal(POLL_SIGNAL, poller.handler(stage, old[POLL_SIGNAL]))
             poller.start()
-        yield True
-    finally:
-        if poller is not None:
-            poller.close()  # before the handler goes: a late signal then finds the one it replaced
-        for sig, h in old.items():
-            signal.signal(sig, h)
+        try:
+            yield installed
+        finally:
+            if poller is not None:
+                poller.close()  # before the handler goes: a late signal then finds the one it replaced
