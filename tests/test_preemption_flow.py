@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -206,3 +207,140 @@ def test_the_end_of_run_table_and_the_card_show_each_preemption():
     line = preemption_cell({"cpt": {"preemptions": rec}}, "cpt")
     assert "step 7 checkpointed, 0 lost, 1.5 s notice to commit (grace 120.0 s), 30.0 s restart to first step" in line
     assert preemption_cell({"cpt": {}}, "cpt") == "none"
+
+
+@pytest.mark.integration
+def test_the_flow_run_shows_awaiting_retry_while_it_waits_for_capacity(
+    prefect_harness, tiny_model_dir, tmp_path, monkeypatch
+):
+    """A polled notice (the metadata double's gcp answer) preempts prepare_cpt in a fresh run; the
+    flow run's state history, read from the Prefect API, shows the wait: AwaitingRetry at the retry's
+    time with a message naming the preemption (seen while the run waits, when the double is switched
+    back), then Running again, Completed at the end; no attempt counted, no worker could take it."""
+    import datetime as dt
+    import json
+    import uuid
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    import flows.cpt_to_sft as flow_mod
+    import tasks.core.data.prepare as prep
+    from support.tiny import tiny_config_raw, write_config
+
+    wait_s = 3.0
+    name = f"spot{uuid.uuid4().hex[:8]}"
+    seen: list = []
+    stop = threading.Event()
+    with MetadataServer() as m:
+        raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
+        raw["name"] = name
+        raw["cpt"]["elastic"] = {
+            "notices": [{"source": "gcp", "endpoint": m.url, "poll_s": 0.05}],
+            "retry_wait_s": wait_s,
+            "max_preemptions": 2,
+        }
+        config = write_config(tmp_path / "spot.yaml", raw)
+
+        real, sent = prep.copy_shard, []
+
+        def copy_then_notice(src, dest):  # the double says preempted while prepare_cpt copies a shard
+            real(src, dest)
+            if not sent:
+                sent.append(time.monotonic())
+                m.preempt()
+                time.sleep(120)  # the stage's poller cuts this short
+
+        monkeypatch.setattr(prep, "copy_shard", copy_then_notice)
+
+        def capacity_comes_back() -> None:  # what the operator sees meanwhile, then the notice withdrawn
+            with get_client(sync_client=True) as client:
+                while not stop.is_set() and not seen:
+                    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"like_": name}))
+                    seen.extend(
+                        (r.state, r.empirical_policy.retry_type) for r in runs if r.state.name == "AwaitingRetry"
+                    )
+                    stop.wait(0.1)
+            m.preempted = False
+
+        watcher = threading.Thread(target=capacity_comes_back, daemon=True)
+        watcher.start()
+        try:
+            state = flow_mod.cpt_to_sft(config=str(config), stop_after="prepare_cpt", return_state=True)
+        finally:
+            stop.set()
+            watcher.join(timeout=30)
+    assert state.is_completed(), (state.name, state.message)
+    (waiting, retry_type), *_ = seen
+    assert retry_type == "in_process"  # what keeps a work pool's worker from starting the run a second time
+    run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        history = sorted(client.read_flow_run_states(run_id), key=lambda s: s.timestamp)
+        run = client.read_flow_run(run_id)
+    names = [s.name for s in history]
+    i = names.index("AwaitingRetry")
+    assert names.count("AwaitingRetry") == 1 and names[i - 1 : i + 2] == ["Running", "AwaitingRetry", "Running"]
+    assert names[-1] == "Completed", names
+    awaiting, resumed = history[i], history[i + 1]
+    assert awaiting.id == waiting.id and awaiting.type.value == "SCHEDULED"
+    sched = awaiting.state_details.scheduled_time
+    assert abs((sched - awaiting.timestamp).total_seconds() - wait_s) < 1.0, (sched, awaiting.timestamp)
+    assert resumed.timestamp >= sched - dt.timedelta(seconds=0.5)
+    assert "preempted (1 of at most 2 retries, no failure retry used): retrying the run in 3 s" in awaiting.message
+    assert "prepare_data preempted (gcp: gcp instance preempted)" in awaiting.message, awaiting.message
+    assert run.run_count == 1 and run.empirical_policy.retry_type is None  # the wait counted no attempt
+    summary = json.loads((tmp_path / "run" / "run.json").read_text())
+    (rec,) = summary["preemptions"]
+    assert (rec["stage"], rec["source"], rec["steps_lost"]) == ("prepare_cpt", "gcp", 0), rec
+    assert rec["at"] >= preemptions.utc(sent[0] - time.monotonic() + time.time() - 1)
+    status = {s["stage"]: s["status"] for s in summary["stages"]}
+    assert (status["load_from_hf"], status["prepare_cpt"]) == ("skipped", "completed"), status  # nothing redone
+
+
+def test_a_preempted_hub_stage_takes_no_task_retry():
+    """load_from_hf and push_to_hub retry what may heal (tasks/flowkit/retry.py); a preemption is the
+    flow's to retry, by its own policy: a task retry would wait 15 s and count a failure."""
+    from prefect.states import Failed
+
+    from tasks.flowkit.retry import transient
+
+    exc = Preempted("load_from_hf preempted (gcp)", cause="load_from_hf preempted (gcp)", record={})
+    assert transient(None, None, Failed(name="Preempted", data=exc)) is False
+    assert transient(None, None, Failed(data=ConnectionResetError("reset by peer"))) is True
+
+
+@pytest.mark.integration
+def test_a_run_cancelled_while_it_waits_for_capacity_is_not_taken_back(prefect_harness):
+    """The server lets Running follow Cancelled: the wait reads the state each second and gives the run
+    up (the runbook then ends it Cancelled) instead of retrying a run the operator cancelled."""
+    from prefect import flow, get_client
+    from prefect.runtime import flow_run
+    from prefect.states import Cancelled
+
+    from tasks.flowkit.notices import await_capacity
+
+    said: list = []
+
+    @flow(name="await-capacity-test")
+    def waits() -> Any:
+        run_id = flow_run.id
+
+        def operator() -> None:
+            time.sleep(1)
+            with get_client(sync_client=True) as client:
+                client.set_flow_run_state(run_id, Cancelled(message="cancelled from the UI"))
+
+        threading.Thread(target=operator, daemon=True).start()
+        t0 = time.monotonic()
+        said.append((await_capacity(120, "preempted (1 of at most 3 retries)"), time.monotonic() - t0))
+        return Cancelled(message="the flow run was cancelled while it waited for capacity")
+
+    state = waits(return_state=True)
+    (kept, waited), *_ = said
+    assert kept is False and waited < 60, said  # given up within a second or so of the cancel, not after 120 s
+    with get_client(sync_client=True) as client:
+        names = [
+            s.name
+            for s in sorted(client.read_flow_run_states(state.state_details.flow_run_id), key=lambda s: s.timestamp)
+        ]
+    assert names[-3:] == ["AwaitingRetry", "Cancelled", "Cancelled"] and "Running" not in names[-2:], names

@@ -13,12 +13,13 @@ Every place the stage can be stopped is a safe point: its artifact is built in
 `fresh_dir`), and prepare_data keeps each finished file's shards in its cache; the one stretch that
 is not, the swap itself, runs inside `critical()`, and a notice that comes then is raised right after
 it. The flow then retries the run by its preemption policy (flows/cpt_to_sft/__init__.py), skipping
-what finished. A training stage's launch forwards the signal to its ranks instead
+what finished; while it waits for capacity, `await_capacity` shows the flow run AwaitingRetry. A training stage's launch forwards the signal to its ranks instead
 (tasks/core/launch/proctree.py `forward_notices`), and its ranks poll the polled rows themselves.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import signal
 import threading
@@ -182,3 +183,47 @@ def stop_on_notice(stage: str, cfg: Any) -> Iterator[bool]:
         finally:
             if poller is not None:
                 poller.close()  # before the handler goes: a late signal then finds the one it replaced
+
+
+AWAITING = "AwaitingRetry"  # Prefect's own state for a retry scheduled in the same process
+
+
+def await_capacity(wait_s: float, message: str) -> bool:
+    """Wait `wait_s` seconds for capacity before the flow retries a preempted run, with the flow run
+    showing it: AwaitingRetry (a Scheduled state at the retry's time, `message` naming the preemption),
+    then Running again. As in Prefect's own in-process flow retry (its RetryFailedFlows rule), the run
+    is marked `retry_type: in_process` meanwhile, so no worker of its pool starts it a second time;
+    and it re-enters Running marked `resuming`, as a resumed pause does, so the wait counts no attempt
+    against the flow run's `retries`. False when the run was cancelled (or otherwise ended) meanwhile:
+    the server would let Running follow Cancelled, so the state is read each second of the wait."""
+    from prefect import get_client
+    from prefect.exceptions import Abort
+    from prefect.runtime import flow_run
+    from prefect.states import AwaitingRetry, Running
+    from prefect.utilities.engine import propose_state_sync
+
+    run_id = flow_run.id
+    if run_id is None:  # not in a flow run: nothing to show
+        time.sleep(wait_s)
+        return True
+    with get_client(sync_client=True) as client:
+
+        def policy(**fields: Any) -> None:
+            current = client.read_flow_run(run_id).empirical_policy
+            client.update_flow_run(run_id, empirical_policy=current.model_copy(update=fields))
+
+        policy(retry_type="in_process")
+        at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=wait_s)
+        waiting = propose_state_sync(client, AwaitingRetry(scheduled_time=at, message=message), flow_run_id=run_id)
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:  # capacity to come back
+            time.sleep(min(left, 1.0))
+            now = client.read_flow_run(run_id).state
+            if now is None or now.id != waiting.id:  # cancelled from the UI or the API
+                return False
+        policy(retry_type=None, resuming=True)
+        try:
+            state = propose_state_sync(client, Running(message=f"retrying after: {message}"), flow_run_id=run_id)
+        except Abort:
+            return False
+    return state.is_running()
