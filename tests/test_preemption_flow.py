@@ -156,6 +156,21 @@ def test_a_notice_file_inside_a_critical_stretch_is_raised_when_it_ends(tmp_path
     assert _gone()
 
 
+def test_an_unreadable_endpoint_is_said_once_a_process_not_once_a_stage(caplog):
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on: connection refused
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    cfg = _cfg({"source": "gcp", "endpoint": url, "poll_s": 0.05})
+    for stage in ("export", "evaluate_sft"):
+        with stop_on_notice(stage, cfg):
+            time.sleep(0.3)
+        assert _gone()
+    said = [r.getMessage() for r in caplog.records if "not readable" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"notice source gcp ({url}) not readable, polling on: "), said
+
+
 def test_a_training_stage_leaves_the_polled_rows_to_its_ranks():
     with MetadataServer() as m:
         m.preempt()

@@ -142,14 +142,28 @@ class _StagePoller(Watch):
         return on_signal
 
 
+_unreadable: set[str] = set()  # the endpoints already said to be unreadable in this process
+
+
 def _say() -> Any:
-    """The stage's run logger (usable from the poller's thread), or this module's outside a run."""
+    """The stage's run logger (usable from the poller's thread), or this module's outside a run; an
+    endpoint that cannot be read is said once a process, not once a stage."""
     try:
         from prefect import get_run_logger
 
-        return get_run_logger().warning
+        warn = get_run_logger().warning
     except Exception:  # no run context: a unit test, a stage called as a function
-        return logging.getLogger(__name__).warning
+        warn = logging.getLogger(__name__).warning
+
+    def say(msg: str) -> None:
+        if " not readable, " in msg:
+            key = msg.split(" not readable, ")[0]
+            if key in _unreadable:
+                return
+            _unreadable.add(key)
+        warn(msg)
+
+    return say
 
 
 @contextmanager
