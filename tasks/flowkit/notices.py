@@ -13,8 +13,9 @@ Every place the stage can be stopped is a safe point: its artifact is built in
 `fresh_dir`), and prepare_data keeps each finished file's shards in its cache; the one stretch that
 is not, the swap itself, runs inside `critical()`, and a notice that comes then is raised right after
 it. The flow then retries the run by its preemption policy (flows/cpt_to_sft/__init__.py), skipping
-what finished; while it waits for capacity, `await_capacity` shows the flow run AwaitingRetry. A training stage's launch forwards the signal to its ranks instead
-(tasks/core/launch/proctree.py `forward_notices`), and its ranks poll the polled rows themselves.
+what finished; while it waits for capacity, `await_capacity` shows the flow run AwaitingRetry. A
+training stage's launch forwards the signal to its ranks instead (tasks/core/launch/proctree.py
+`forward_notices`), and its ranks poll the polled rows themselves.
 """
 
 from __future__ import annotations
@@ -199,9 +200,6 @@ def stop_on_notice(stage: str, cfg: Any) -> Iterator[bool]:
                 poller.close()  # before the handler goes: a late signal then finds the one it replaced
 
 
-AWAITING = "AwaitingRetry"  # Prefect's own state for a retry scheduled in the same process
-
-
 def await_capacity(wait_s: float, message: str) -> bool:
     """Wait `wait_s` seconds for capacity before the flow retries a preempted run, with the flow run
     showing it: AwaitingRetry (a Scheduled state at the retry's time, `message` naming the preemption),
@@ -228,7 +226,12 @@ def await_capacity(wait_s: float, message: str) -> bool:
 
         policy(retry_type="in_process")
         at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=wait_s)
-        waiting = propose_state_sync(client, AwaitingRetry(scheduled_time=at, message=message), flow_run_id=run_id)
+        try:
+            waiting = propose_state_sync(client, AwaitingRetry(scheduled_time=at, message=message), flow_run_id=run_id)
+        except Abort:
+            return False
+        if not waiting.is_scheduled():  # refused: the run is being cancelled
+            return False
         deadline = time.monotonic() + wait_s
         while (left := deadline - time.monotonic()) > 0:  # capacity to come back
             time.sleep(min(left, 1.0))
