@@ -192,6 +192,34 @@ def test_the_launcher_passes_sigterm_on_to_the_ranks_as_a_notice(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+def test_signal_handlers_come_back_however_the_block_ends_and_only_the_main_thread_installs():
+    """The one install/restore that the launcher's forwarding and the stages' notices share."""
+    import threading
+
+    from tasks.core.launch.proctree import signal_handlers
+
+    before = signal.getsignal(signal.SIGUSR2)
+    got: list[int] = []
+    with pytest.raises(RuntimeError), signal_handlers({signal.SIGUSR2: lambda s, f: got.append(s)}) as on:
+        assert on
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.1)
+        raise RuntimeError("the block fails")
+    assert got == [signal.SIGUSR2] and signal.getsignal(signal.SIGUSR2) is before
+    seen: list[bool] = []
+
+    def elsewhere() -> None:
+        with signal_handlers({signal.SIGUSR2: lambda s, f: None}) as on:
+            seen.append(on)
+
+    t = threading.Thread(target=elsewhere)
+    t.start()
+    t.join()
+    with signal_handlers({}) as nothing:
+        assert nothing is False
+    assert seen == [False] and signal.getsignal(signal.SIGUSR2) is before
+
+
 def _keep(raw: dict) -> dict:
     raw["cpt"]["elastic"] = {"keep_global_batch": True, "notices": [{"source": "sigterm"}]}
     return raw

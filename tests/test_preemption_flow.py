@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from support.servers.metadata import MetadataServer
 from tasks.core.config.elastic import ElasticConfig
 from tasks.core.errors import Preempted
 from tasks.core.run import preemptions
-from tasks.flowkit.notices import critical, signal_sources, stop_on_notice
+from tasks.flowkit.notices import POLL_SIGNAL, critical, polled_sources, signal_sources, stop_on_notice
 
 
 def _cfg(*notices: dict) -> SimpleNamespace:
@@ -86,6 +90,96 @@ def test_a_notice_during_the_artifact_swap_leaves_the_new_artifact_whole(tmp_pat
     assert [p.name for p in art.iterdir()] == ["new.txt"]
 
 
+def _pollers() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("notice-") and t.is_alive()]
+
+
+def _gone(deadline_s: float = 30.0) -> bool:
+    """Whether the stage's poller thread ended (it is not joined: a poll in flight finishes first)."""
+    end = time.monotonic() + deadline_s
+    while _pollers() and time.monotonic() < end:
+        time.sleep(0.02)
+    return not _pollers()
+
+
+def test_polled_sources_are_the_polled_rows_once_per_endpoint():
+    el = ElasticConfig(notices=[{"source": "gcp", "grace_s": 20}, {"source": "sigterm"}, {"source": "aws"}])
+    cfg = SimpleNamespace(
+        phase=lambda p: SimpleNamespace(
+            elastic=el if p == "cpt" else ElasticConfig(notices=[{"source": "gcp", "grace_s": 9}])
+        )
+    )
+    got = sorted((n.source, n.where, n.grace) for n in polled_sources(cfg))
+    assert got == [("aws", "http://169.254.169.254", 120.0), ("gcp", "http://169.254.169.254", 9.0)]
+
+
+@pytest.mark.parametrize("source", ["aws", "gcp", "azure"])
+def test_a_polled_cloud_notice_stops_the_stage_even_in_a_blocking_wait(source):
+    """The stage's poller asks the local metadata double as the ranks do; once the double says
+    preempted, the notice is raised in the stage (here a 60 s sleep, cut short) as a signal's is,
+    and the poller and its handler are gone after."""
+    before = signal.getsignal(POLL_SIGNAL)
+    with MetadataServer() as m:
+        cfg = _cfg({"source": source, "endpoint": m.url, "poll_s": 0.05, "grace_s": 25})
+        with pytest.raises(Preempted) as caught, stop_on_notice("evaluate_cpt", cfg) as listening:
+            assert listening and _pollers() == [f"notice-{source}"]
+            time.sleep(0.3)  # polled, nothing yet
+            m.preempt()
+            t0 = time.monotonic()
+            time.sleep(60)
+        waited = time.monotonic() - t0
+        asked = {r["path"].split("?")[0] for r in m.requests}
+    rec = caught.value.record
+    assert (rec["stage"], rec["source"], rec["grace_s"], rec["steps_lost"]) == ("evaluate_cpt", source, 25.0, 0)
+    assert waited < 30 and 0 <= rec["notice_to_commit_s"] < 25, (waited, rec)
+    assert f"evaluate_cpt preempted ({source}: {source}" in caught.value.cause
+    path = {"aws": "/latest/meta-data/spot/instance-action", "gcp": "/computeMetadata/v1/instance/preempted"}
+    assert path.get(source, "/metadata/scheduledevents") in asked, asked
+    assert signal.getsignal(POLL_SIGNAL) is before and _gone()
+
+
+def test_a_notice_file_inside_a_critical_stretch_is_raised_when_it_ends(tmp_path):
+    notice = tmp_path / "preempt-notice"
+    done = []
+    cfg = _cfg({"source": "file", "endpoint": str(notice), "poll_s": 0.05})
+    with pytest.raises(Preempted) as caught, stop_on_notice("export", cfg):
+        with critical():
+            notice.write_text("node drains at 18:00\n")
+            assert _gone()  # the poller read the file, signalled and ended: the notice waits for the swap
+            time.sleep(0.1)
+            done.append("swapped")
+        done.append("after")  # never reached: raised as the stretch ends
+    assert done == ["swapped"]
+    assert (
+        caught.value.record["source"] == "file" and f"notice file {notice}: node drains at 18:00" in caught.value.cause
+    )
+    assert _gone()
+
+
+def test_an_unreadable_endpoint_is_said_once_a_process_not_once_a_stage(caplog):
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on: connection refused
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    cfg = _cfg({"source": "gcp", "endpoint": url, "poll_s": 0.05})
+    for stage in ("export", "evaluate_sft"):
+        with stop_on_notice(stage, cfg):
+            time.sleep(0.3)
+        assert _gone()
+    said = [r.getMessage() for r in caplog.records if "not readable" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"notice source gcp ({url}) not readable, polling on: "), said
+
+
+def test_a_training_stage_leaves_the_polled_rows_to_its_ranks():
+    with MetadataServer() as m:
+        m.preempt()
+        cfg = _cfg({"source": "gcp", "endpoint": m.url, "poll_s": 0.05})
+        with stop_on_notice("train_cpt", cfg) as listening:
+            time.sleep(0.3)
+        assert listening is False and m.requests == [] and not _pollers()
+
+
 def test_records_restart_and_policy():
     eng = {"source": "sigterm", "grace_s": 20.0, "noticed_step": 5, "checkpoint_step": 5, "steps_lost": 0}
     rec = preemptions.record(eng | {"notice_to_commit_s": 0.5, "grace_left_s": 19.5, "checkpoint": "x"}, "cpt", 1e9)
@@ -128,3 +222,140 @@ def test_the_end_of_run_table_and_the_card_show_each_preemption():
     line = preemption_cell({"cpt": {"preemptions": rec}}, "cpt")
     assert "step 7 checkpointed, 0 lost, 1.5 s notice to commit (grace 120.0 s), 30.0 s restart to first step" in line
     assert preemption_cell({"cpt": {}}, "cpt") == "none"
+
+
+@pytest.mark.integration
+def test_the_flow_run_shows_awaiting_retry_while_it_waits_for_capacity(
+    prefect_harness, tiny_model_dir, tmp_path, monkeypatch
+):
+    """A polled notice (the metadata double's gcp answer) preempts prepare_cpt in a fresh run; the
+    flow run's state history, read from the Prefect API, shows the wait: AwaitingRetry at the retry's
+    time with a message naming the preemption (seen while the run waits, when the double is switched
+    back), then Running again, Completed at the end; no attempt counted, no worker could take it."""
+    import datetime as dt
+    import json
+    import uuid
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    import flows.cpt_to_sft as flow_mod
+    import tasks.core.data.prepare as prep
+    from support.tiny import tiny_config_raw, write_config
+
+    wait_s = 3.0
+    name = f"spot{uuid.uuid4().hex[:8]}"
+    seen: list = []
+    stop = threading.Event()
+    with MetadataServer() as m:
+        raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
+        raw["name"] = name
+        raw["cpt"]["elastic"] = {
+            "notices": [{"source": "gcp", "endpoint": m.url, "poll_s": 0.05}],
+            "retry_wait_s": wait_s,
+            "max_preemptions": 2,
+        }
+        config = write_config(tmp_path / "spot.yaml", raw)
+
+        real, sent = prep.copy_shard, []
+
+        def copy_then_notice(src, dest):  # the double says preempted while prepare_cpt copies a shard
+            real(src, dest)
+            if not sent:
+                sent.append(time.monotonic())
+                m.preempt()
+                time.sleep(120)  # the stage's poller cuts this short
+
+        monkeypatch.setattr(prep, "copy_shard", copy_then_notice)
+
+        def capacity_comes_back() -> None:  # what the operator sees meanwhile, then the notice withdrawn
+            with get_client(sync_client=True) as client:
+                while not stop.is_set() and not seen:
+                    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name={"like_": name}))
+                    seen.extend(
+                        (r.state, r.empirical_policy.retry_type) for r in runs if r.state.name == "AwaitingRetry"
+                    )
+                    stop.wait(0.1)
+            m.preempted = False
+
+        watcher = threading.Thread(target=capacity_comes_back, daemon=True)
+        watcher.start()
+        try:
+            state = flow_mod.cpt_to_sft(config=str(config), stop_after="prepare_cpt", return_state=True)
+        finally:
+            stop.set()
+            watcher.join(timeout=30)
+    assert state.is_completed(), (state.name, state.message)
+    (waiting, retry_type), *_ = seen
+    assert retry_type == "in_process"  # what keeps a work pool's worker from starting the run a second time
+    run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        history = sorted(client.read_flow_run_states(run_id), key=lambda s: s.timestamp)
+        run = client.read_flow_run(run_id)
+    names = [s.name for s in history]
+    i = names.index("AwaitingRetry")
+    assert names.count("AwaitingRetry") == 1 and names[i - 1 : i + 2] == ["Running", "AwaitingRetry", "Running"]
+    assert names[-1] == "Completed", names
+    awaiting, resumed = history[i], history[i + 1]
+    assert awaiting.id == waiting.id and awaiting.type.value == "SCHEDULED"
+    sched = awaiting.state_details.scheduled_time
+    assert abs((sched - awaiting.timestamp).total_seconds() - wait_s) < 1.0, (sched, awaiting.timestamp)
+    assert resumed.timestamp >= sched - dt.timedelta(seconds=0.5)
+    assert "preempted (1 of at most 2 retries, no failure retry used): retrying the run in 3 s" in awaiting.message
+    assert "prepare_data preempted (gcp: gcp instance preempted)" in awaiting.message, awaiting.message
+    assert run.run_count == 1 and run.empirical_policy.retry_type is None  # the wait counted no attempt
+    summary = json.loads((tmp_path / "run" / "run.json").read_text())
+    (rec,) = summary["preemptions"]
+    assert (rec["stage"], rec["source"], rec["steps_lost"]) == ("prepare_cpt", "gcp", 0), rec
+    assert rec["at"] >= preemptions.utc(sent[0] - time.monotonic() + time.time() - 1)
+    status = {s["stage"]: s["status"] for s in summary["stages"]}
+    assert (status["load_from_hf"], status["prepare_cpt"]) == ("skipped", "completed"), status  # nothing redone
+
+
+def test_a_preempted_hub_stage_takes_no_task_retry():
+    """load_from_hf and push_to_hub retry what may heal (tasks/flowkit/retry.py); a preemption is the
+    flow's to retry, by its own policy: a task retry would wait 15 s and count a failure."""
+    from prefect.states import Failed
+
+    from tasks.flowkit.retry import transient
+
+    exc = Preempted("load_from_hf preempted (gcp)", cause="load_from_hf preempted (gcp)", record={})
+    assert transient(None, None, Failed(name="Preempted", data=exc)) is False
+    assert transient(None, None, Failed(data=ConnectionResetError("reset by peer"))) is True
+
+
+@pytest.mark.integration
+def test_a_run_cancelled_while_it_waits_for_capacity_is_not_taken_back(prefect_harness):
+    """The server lets Running follow Cancelled: the wait reads the state each second and gives the run
+    up (the runbook then ends it Cancelled) instead of retrying a run the operator cancelled."""
+    from prefect import flow, get_client
+    from prefect.runtime import flow_run
+    from prefect.states import Cancelled
+
+    from tasks.flowkit.notices import await_capacity
+
+    said: list = []
+
+    @flow(name="await-capacity-test")
+    def waits() -> Any:
+        run_id = flow_run.id
+
+        def operator() -> None:
+            time.sleep(1)
+            with get_client(sync_client=True) as client:
+                client.set_flow_run_state(run_id, Cancelled(message="cancelled from the UI"))
+
+        threading.Thread(target=operator, daemon=True).start()
+        t0 = time.monotonic()
+        said.append((await_capacity(120, "preempted (1 of at most 3 retries)"), time.monotonic() - t0))
+        return Cancelled(message="the flow run was cancelled while it waited for capacity")
+
+    state = waits(return_state=True)
+    (kept, waited), *_ = said
+    assert kept is False and waited < 60, said  # given up within a second or so of the cancel, not after 120 s
+    with get_client(sync_client=True) as client:
+        names = [
+            s.name
+            for s in sorted(client.read_flow_run_states(state.state_details.flow_run_id), key=lambda s: s.timestamp)
+        ]
+    assert names[-3:] == ["AwaitingRetry", "Cancelled", "Cancelled"] and "Running" not in names[-2:], names

@@ -42,6 +42,7 @@ from tasks.core.run.trainlog import duration, summary_table
 from tasks.core.storage.fs import fetch_to_local
 from tasks.core.storage.lease import Lease, LeaseHeld
 from tasks.flowkit import automation, tracking, ui
+from tasks.flowkit.notices import await_capacity
 from tasks.flowkit.preflight import REFUSED, preflight
 from tasks.flowkit.stage import (
     PREEMPTED_STATE,
@@ -236,14 +237,14 @@ def cpt_to_sft(
                 if not policy.retry(preempted):
                     raise
                 write_summary(cfg, results, time.monotonic() - started, stop_after)  # run.json says preempted now
-                logger.warning(
-                    "preempted (%d of at most %d retries, no failure retry used): retrying the run in %g s, "
-                    "from the checkpoint committed on the notice",
-                    preempted,
-                    policy.max_preemptions,
-                    policy.wait_s,
+                said = (
+                    f"preempted ({preempted} of at most {policy.max_preemptions} retries, no failure retry used): "
+                    f"retrying the run in {policy.wait_s:g} s, from the checkpoint committed on the notice"
                 )
-                time.sleep(policy.wait_s)  # capacity to come back
+                logger.warning(said)
+                # the flow run shows the wait: AwaitingRetry at the retry's time, then Running again
+                if not await_capacity(policy.wait_s, f"{said}; {failure_cause(exc)}"):
+                    raise Interrupted("the flow run was cancelled while it waited for capacity")
     except Interrupted as exc:  # Ctrl-C: the stage has been torn down; run.json and the lease below
         return_state = Cancelled(message=str(exc))
     except _StopAfter:  # the stages after stop_after are not-run in run.json

@@ -3,19 +3,25 @@ evaluation, publishing): the stage stops at a safe point and ends *preempted*, n
 
     python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # with cpt.elastic.notices: [{source: sigterm}]
 
-While a stage task runs, and some phase lists a signal notice source (`<phase>.elastic.notices`:
-`sigterm`, `slurm`), that signal to the flow process raises `Preempted` in the stage instead of
-ending the process. Every place the stage can be stopped is a safe point: its artifact is built in
+While a stage task runs, the notice sources any phase lists (`<phase>.elastic.notices`) raise
+`Preempted` in the stage instead of ending the process: a signal row's signal (`sigterm`, `slurm`)
+to the flow process, and a polled row (`aws`, `gcp`, `azure`, `file`), which a daemon thread of the
+stage asks every `poll_s` seconds with the ranks' own poller (tasks/engine/notice.py `Watch`) and
+hands to the main thread as POLL_SIGNAL, so it lands where a signal would, a blocking wait included.
+Every place the stage can be stopped is a safe point: its artifact is built in
 `<artifact>.tmp-build` and swapped in only whole, the manifest last (`tasks/flowkit/stage.py`
 `fresh_dir`), and prepare_data keeps each finished file's shards in its cache; the one stretch that
 is not, the swap itself, runs inside `critical()`, and a notice that comes then is raised right after
 it. The flow then retries the run by its preemption policy (flows/cpt_to_sft/__init__.py), skipping
-what finished. A training stage's launch forwards the signal to its ranks instead
-(tasks/core/launch/proctree.py `forward_notices`), which take the checkpoint path.
+what finished; while it waits for capacity, `await_capacity` shows the flow run AwaitingRetry. A
+training stage's launch forwards the signal to its ranks instead (tasks/core/launch/proctree.py
+`forward_notices`), and its ranks poll the polled rows themselves.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import logging
 import signal
 import threading
 import time
@@ -25,8 +31,16 @@ from typing import Any
 
 from tasks.core.config.notices import NOTICES
 from tasks.core.errors import Preempted
+from tasks.core.launch.proctree import signal_handlers
+from tasks.core.run.stages import STAGE
+from tasks.engine.notice import Watch
 
 _state = threading.local()
+# How a poller thread's notice reaches the main thread: a real signal, so a blocking call there (a
+# sleep, a wait on a child or a lock) is cut as by a signal notice. SIGURG is ignored by default and
+# nothing else here sends it (Go's runtime preempts goroutines with it for the same reasons), so one
+# that lands after the stage's handler is gone does nothing.
+POLL_SIGNAL = signal.SIGURG
 
 
 def signal_sources(cfg: Any) -> dict[str, tuple[str, float]]:
@@ -43,7 +57,21 @@ def signal_sources(cfg: Any) -> dict[str, tuple[str, float]]:
     return out
 
 
-def _preempted(stage: str, source: str, grace: float, at: float) -> Preempted:
+def polled_sources(cfg: Any) -> list[Any]:
+    """The polled notice entries any phase of `cfg` lists, one per source and endpoint (the one with
+    the shortest grace where two phases list it)."""
+    from tasks.core.config.phases import PHASES
+
+    out: dict[tuple[str, str | None], Any] = {}
+    for phase in PHASES:
+        for n in cfg.phase(phase).elastic.notices:
+            key = (n.source, n.where)
+            if NOTICES[n.source].poll is not None and (key not in out or n.grace < out[key].grace):
+                out[key] = n
+    return list(out.values())
+
+
+def _preempted(stage: str, source: str, grace: float, at: float, text: str | None = None) -> Preempted:
     spent = round(time.monotonic() - at, 3)
     record = {
         "stage": stage,
@@ -56,8 +84,16 @@ def _preempted(stage: str, source: str, grace: float, at: float) -> Preempted:
         "notice_to_commit_s": spent,
         "grace_left_s": round(grace - spent, 3),
     }
-    cause = f"{stage} preempted ({source}): stopped at a safe point, nothing torn"
+    cause = f"{stage} preempted ({source}{f': {text}' if text else ''}): stopped at a safe point, nothing torn"
     return Preempted(cause, cause=cause, record=record)
+
+
+def _deliver(exc: Preempted) -> None:
+    """Raise `exc` in the main thread now, or when the `critical()` stretch it came in ends."""
+    if getattr(_state, "depth", 0):
+        _state.pending = exc  # raised when the swap ends
+        return
+    raise exc
 
 
 @contextmanager
@@ -76,30 +112,135 @@ def critical() -> Iterator[None]:
             raise pending
 
 
+class _StagePoller(Watch):
+    """The ranks' poller, in the flow process for one stage: its first notice is signalled to the main
+    thread (POLL_SIGNAL), whose handler raises it at the stage's next safe point."""
+
+    def __init__(self, notices: list[Any], say: Any) -> None:
+        super().__init__(tuple(notices), poll=True, say=say)
+        self.main = threading.main_thread().ident
+        self.delivered = False
+
+    def notice(self, source: str, grace_s: float, text: str) -> None:
+        super().notice(source, grace_s, text)
+        signal.pthread_kill(self.main, POLL_SIGNAL)
+
+    def close(self) -> None:
+        # Not joined: a poll in flight (up to its 2 s timeout) must not hold up the stage's end; should
+        # it still notice, its signal finds no notice of the next stage's poller and does nothing.
+        self._stop.set()
+
+    def handler(self, stage: str, chained: Any):
+        def on_signal(signum: int, frame: Any) -> None:
+            n = self.first
+            if n is None or self.delivered:  # not this poller's: the handler it replaced takes it
+                if callable(chained):
+                    chained(signum, frame)
+                return
+            self.delivered = True
+            _deliver(_preempted(stage, n.source, n.grace_s, n.at, n.text))
+
+        return on_signal
+
+
+_unreadable: set[str] = set()  # the endpoints already said to be unreadable in this process
+
+
+def _say() -> Any:
+    """The stage's run logger (usable from the poller's thread), or this module's outside a run; an
+    endpoint that cannot be read is said once a process, not once a stage."""
+    try:
+        from prefect import get_run_logger
+
+        warn = get_run_logger().warning
+    except Exception:  # no run context: a unit test, a stage called as a function
+        warn = logging.getLogger(__name__).warning
+
+    def say(msg: str) -> None:
+        if " not readable, " in msg:
+            key = msg.split(" not readable, ")[0]
+            if key in _unreadable:
+                return
+            _unreadable.add(key)
+        warn(msg)
+
+    return say
+
+
 @contextmanager
 def stop_on_notice(stage: str, cfg: Any) -> Iterator[bool]:
-    """While the block runs, the signal notices `cfg` listens for raise `Preempted` in it (at once, or
-    at the end of a `critical()` stretch); the previous handlers come back after. Main thread only
-    (Python's rule for handlers): elsewhere nothing is installed and the block yields False."""
+    """While the block runs, the notices `cfg` listens for raise `Preempted` in it (at once, or at the
+    end of a `critical()` stretch): the signal rows' signals, and the polled rows' answers, asked by a
+    daemon thread that ends with the block (not for a training stage, whose ranks poll). The previous
+    handlers come back after. Main thread only (Python's rule for handlers): elsewhere nothing is
+    installed and the block yields False. A polled notice that comes as the block ends is not lost:
+    the endpoint still says it when the next stage asks."""
     sources = signal_sources(cfg) if cfg is not None else {}
-    if not sources or threading.current_thread() is not threading.main_thread():
+    spec = STAGE.get(stage)
+    polled = polled_sources(cfg) if cfg is not None and not (spec and spec.continues) else []
+    if not (sources or polled) or threading.current_thread() is not threading.main_thread():
         yield False
         return
-    old: dict[int, Any] = {}
+    poller = _StagePoller(polled, _say()) if polled else None
 
     def handler(signum: int, frame) -> None:
         source, grace = sources[signal.Signals(signum).name]
-        exc = _preempted(stage, source, grace, time.monotonic())
-        if getattr(_state, "depth", 0):
-            _state.pending = exc  # raised when the swap ends
-            return
-        raise exc
+        _deliver(_preempted(stage, source, grace, time.monotonic()))
 
-    try:
-        for name in sources:
-            sig = getattr(signal, name)
-            old[sig] = signal.signal(sig, handler)
-        yield True
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
+    handlers = {getattr(signal, name): handler for name in sources}
+    if poller is not None:
+        handlers[POLL_SIGNAL] = poller.handler(stage, signal.getsignal(POLL_SIGNAL))
+    with signal_handlers(handlers) as installed:
+        if poller is not None:
+            poller.start()
+        try:
+            yield installed
+        finally:
+            if poller is not None:
+                poller.close()  # before the handler goes: a late signal then finds the one it replaced
+
+
+def await_capacity(wait_s: float, message: str) -> bool:
+    """Wait `wait_s` seconds for capacity before the flow retries a preempted run, with the flow run
+    showing it: AwaitingRetry (a Scheduled state at the retry's time, `message` naming the preemption),
+    then Running again. As in Prefect's own in-process flow retry (its RetryFailedFlows rule), the run
+    is marked `retry_type: in_process` meanwhile, so no worker of its pool starts it a second time;
+    and it re-enters Running marked `resuming`, as a resumed pause does, so the wait counts no attempt
+    against the flow run's `retries`. False when the run was cancelled (or otherwise ended) meanwhile:
+    the server would let Running follow Cancelled, so the state is read each second of the wait."""
+    from prefect import get_client
+    from prefect.exceptions import Abort
+    from prefect.runtime import flow_run
+    from prefect.states import AwaitingRetry, Running
+    from prefect.utilities.engine import propose_state_sync
+
+    run_id = flow_run.id
+    if run_id is None:  # not in a flow run: nothing to show
+        time.sleep(wait_s)
+        return True
+    with get_client(sync_client=True) as client:
+
+        def policy(**fields: Any) -> None:
+            current = client.read_flow_run(run_id).empirical_policy
+            client.update_flow_run(run_id, empirical_policy=current.model_copy(update=fields))
+
+        policy(retry_type="in_process")
+        at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=wait_s)
+        try:
+            waiting = propose_state_sync(client, AwaitingRetry(scheduled_time=at, message=message), flow_run_id=run_id)
+        except Abort:
+            return False
+        if not waiting.is_scheduled():  # refused: the run is being cancelled
+            return False
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:  # capacity to come back
+            time.sleep(min(left, 1.0))
+            now = client.read_flow_run(run_id).state
+            if now is None or now.id != waiting.id:  # cancelled from the UI or the API
+                return False
+        policy(retry_type=None, resuming=True)
+        try:
+            state = propose_state_sync(client, Running(message=f"retrying after: {message}"), flow_run_id=run_id)
+        except Abort:
+            return False
+    return state.is_running()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prefect import get_run_logger
 
-from tasks.core.errors import ConfigError
+from tasks.core.errors import ConfigError, Preempted
 from tasks.core.hub.repo import HubRefusal
 from tasks.core.storage.oserrors import DISK_ERRNOS
 from tasks.flowkit.console_log import NOT_ON_CONSOLE
@@ -48,6 +48,8 @@ def transient(task, task_run, state) -> bool:
     try:
         state.result()
     except Exception as exc:  # the failure itself is what is judged
+        if isinstance(exc, Preempted):  # not failed: the flow retries the run by its preemption policy
+            return False
         if not cannot_heal(exc):
             return True
         # Prefect 3.9 logs a failure's traceback only once the retries are spent, never when this

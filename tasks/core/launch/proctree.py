@@ -40,8 +40,9 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import psutil
 
@@ -246,6 +247,24 @@ def ranks_of(stage: StageProcesses) -> list[psutil.Process]:
 
 
 @contextlib.contextmanager
+def signal_handlers(handlers: dict[int, Callable[[int, Any], None]]) -> Iterator[bool]:
+    """While the block runs, `handlers` ({signal number: handler}) are this process's; the previous
+    handlers come back after, whatever ends the block. Python installs handlers from the main thread
+    only: elsewhere, or with nothing to install, nothing is installed and the block yields False."""
+    if not handlers or threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+    old: dict[int, Any] = {}
+    try:
+        for sig, handler in handlers.items():
+            old[sig] = signal.signal(sig, handler)
+        yield True
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+@contextlib.contextmanager
 def forward_notices(stage: StageProcesses, signals: list[str], say=None) -> Iterator[bool]:
     """While the block runs, a signal in `signals` (names: SIGTERM, SIGUSR1) that reaches this process
     is passed on to the stage's ranks as a preemption notice instead of ending this process (each
@@ -253,10 +272,6 @@ def forward_notices(stage: StageProcesses, signals: list[str], say=None) -> Iter
     previous handlers come back after. Python installs handlers from the main thread only: elsewhere
     nothing is installed and the block yields False (a notice then reaches only ranks signalled
     directly, as Slurm and Kubernetes do)."""
-    if not signals or threading.current_thread() is not threading.main_thread():
-        yield False
-        return
-    old: dict[int, object] = {}
 
     def handler(signum: int, frame) -> None:
         ranks = ranks_of(stage)
@@ -264,14 +279,8 @@ def forward_notices(stage: StageProcesses, signals: list[str], say=None) -> Iter
         if say:
             say(f"{signal.Signals(signum).name}: passed on to {len(ranks)} rank(s) as a preemption notice")
 
-    try:
-        for name in signals:
-            sig = getattr(signal, name)
-            old[sig] = signal.signal(sig, handler)
-        yield True
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
+    with signal_handlers({getattr(signal, name): handler for name in signals}) as installed:
+        yield installed
 
 
 _reaper: subprocess.Popen | None = None
