@@ -2,7 +2,7 @@
 one, each retried by the flow itself, against the same stage run uninterrupted:
 
     .venv/bin/python benchmarks/preemption.py [--preemptions 3] [--steps 16] [--grace 20] [--seed 0]
-    .venv/bin/python benchmarks/preemption.py --size 190M   # 2 notices in 8 steps, 60 s grace: ~15 min on 2 cores
+    .venv/bin/python benchmarks/preemption.py --size 190M   # 3 notices in 8 steps, 60 s grace: ~10 min on 2 cores
     .venv/bin/python benchmarks/preemption.py --smoke   # 1 preemption, 6 steps, one CPU rank: checks the script runs
 
 `--size 190M` is benchmarks/scale.py's 190M Llama shape (186.7M parameters, 32,000-token vocabulary; the
@@ -50,7 +50,7 @@ SIZES = {
             vocab_size=32000, hidden_size=1024, num_layers=11, num_heads=16, num_kv_heads=8, intermediate_size=2560
         ),
         "stage": {"micro_batch_size": 1, "seq_len": 64},
-        "defaults": {"preemptions": 2, "steps": 8, "every": 8, "grace": 60.0},
+        "defaults": {"preemptions": 3, "steps": 8, "every": 8, "grace": 60.0},
     },
 }
 
@@ -58,7 +58,7 @@ SIZES = {
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="demo", help="the model (and the defaults below)")
-    ap.add_argument("--preemptions", type=int, help="notices, at distinct random steps (demo 3, 190M 2)")
+    ap.add_argument("--preemptions", type=int, help="notices, at distinct random steps (3)")
     ap.add_argument("--steps", type=int, help="CPT steps (demo 16, 190M 8)")
     ap.add_argument("--every", type=int, help="periodic checkpoint interval (demo 8, 190M 8)")
     ap.add_argument("--grace", type=float, help="the notice's grace budget, seconds (demo 20, 190M 60)")
@@ -71,8 +71,8 @@ def main() -> int:
             setattr(args, k, v)
     if args.smoke:
         args.preemptions, args.steps, args.every, args.ranks = 1, 6, 3, 1
-    if not 0 < args.preemptions < args.steps:
-        ap.error(f"--preemptions must be between 1 and --steps - 1 ({args.steps - 1})")
+    if not 0 < args.preemptions < args.steps - 1:
+        ap.error(f"--preemptions must be between 1 and --steps - 2 ({args.steps - 2})")
 
     from flows.embedded_api import embedded_api
 
@@ -149,7 +149,8 @@ def bench(args: argparse.Namespace) -> int:
         return own | {n for n in names if Path(folder) == ref_root and n in (".lease.json", "run.json")}
 
     shutil.copytree(ref_root, pre_root, ignore=later)
-    at = sorted(random.Random(args.seed).sample(range(1, args.steps), args.preemptions))
+    # term@step=K: the notice comes as step K+1 begins; one as the last step begins ends nothing (the stage ends anyway)
+    at = sorted(random.Random(args.seed).sample(range(1, args.steps - 1), args.preemptions))
     pre_wall, summary = run(pre_root, ";".join(f"term@step={k}@stage=cpt" for k in at))
     tasks.stages.train.run_engine = real
 
