@@ -128,3 +128,27 @@ def test_the_end_of_run_table_and_the_card_show_each_preemption():
     line = preemption_cell({"cpt": {"preemptions": rec}}, "cpt")
     assert "step 7 checkpointed, 0 lost, 1.5 s notice to commit (grace 120.0 s), 30.0 s restart to first step" in line
     assert preemption_cell({"cpt": {}}, "cpt") == "none"
+
+
+def test_the_retry_reads_the_config_again_and_refuses_another_run_root(tmp_path):
+    """After a preemption's wait the runbook reads the config again (the capacity that came back is said
+    there): unchanged, the run's own config comes back and nothing is checked again; a run root that
+    changed is refused, naming the field, before anything launches (tests/test_elastic_flow.py runs the
+    retry on one rank that a changed config asks for)."""
+    import logging
+
+    from flows.cpt_to_sft import reread_config, resolve_config
+    from tasks.core.errors import ConfigError
+    from tests.conftest import tiny_config_raw, write_config
+
+    raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
+    path = str(write_config(tmp_path / "run.yaml", raw))
+    cfg = resolve_config(path, None, rules=False)
+    log = logging.getLogger("test-reread")
+    assert reread_config(path, None, cfg, log) is cfg
+    raw["run_root"] = str(tmp_path / "elsewhere")
+    write_config(tmp_path / "run.yaml", raw)
+    with pytest.raises(ConfigError) as caught:
+        reread_config(path, None, cfg, log)
+    ((field, why),) = caught.value.problems
+    assert field == "run_root" and why.startswith(f"changed from {tmp_path / 'run'} to {tmp_path / 'elsewhere'}"), why
