@@ -1,8 +1,13 @@
-"""Preemption benchmark: N preemption notices at random steps of CPT on the demo-sized model, each
-retried by the flow itself, against the same stage run uninterrupted:
+"""Preemption benchmark: N preemption notices at random steps of CPT on the demo-sized model or a ~190M
+one, each retried by the flow itself, against the same stage run uninterrupted:
 
     .venv/bin/python benchmarks/preemption.py [--preemptions 3] [--steps 16] [--grace 20] [--seed 0]
+    .venv/bin/python benchmarks/preemption.py --size 190M   # 3 notices in 8 steps, 60 s grace: ~10 min on 2 cores
     .venv/bin/python benchmarks/preemption.py --smoke   # 1 preemption, 6 steps, one CPU rank: checks the script runs
+
+`--size 190M` is benchmarks/scale.py's 190M Llama shape (186.7M parameters, 32,000-token vocabulary; the
+demo tokenizer's ids fall below it), random, fp32, tp=2 on 2 CPU ranks, 1 x 64 tokens a step: each
+checkpoint holds 2.2 GB (weights and AdamW's two moments), so the notice's save is a real one.
 
 Per preemption (from run.json's `preemptions`): the step noticed, the step checkpointed, steps lost
 (target 0: the step in flight finishes within the grace), seconds from the notice to the committed
@@ -37,20 +42,37 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
+# The model each size trains, its stage settings and the benchmark's defaults for it.
+SIZES = {
+    "demo": {"model": {}, "stage": {}, "defaults": {"preemptions": 3, "steps": 16, "every": 8, "grace": 20.0}},
+    "190M": {  # benchmarks/scale.py's 190M shape
+        "model": dict(
+            vocab_size=32000, hidden_size=1024, num_layers=11, num_heads=16, num_kv_heads=8, intermediate_size=2560
+        ),
+        "stage": {"micro_batch_size": 1, "seq_len": 64},
+        "defaults": {"preemptions": 3, "steps": 8, "every": 8, "grace": 60.0},
+    },
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preemptions", type=int, default=3, help="notices, at distinct random steps")
-    ap.add_argument("--steps", type=int, default=16, help="CPT steps")
-    ap.add_argument("--every", type=int, default=8, help="periodic checkpoint interval")
-    ap.add_argument("--grace", type=float, default=20.0, help="the notice's grace budget, seconds")
+    ap.add_argument("--size", choices=sorted(SIZES), default="demo", help="the model (and the defaults below)")
+    ap.add_argument("--preemptions", type=int, help="notices, at distinct random steps (3)")
+    ap.add_argument("--steps", type=int, help="CPT steps (demo 16, 190M 8)")
+    ap.add_argument("--every", type=int, help="periodic checkpoint interval (demo 8, 190M 8)")
+    ap.add_argument("--grace", type=float, help="the notice's grace budget, seconds (demo 20, 190M 60)")
     ap.add_argument("--ranks", type=int, default=2, help="CPU ranks (tp=ranks, fp32)")
     ap.add_argument("--seed", type=int, default=0, help="picks the steps")
     ap.add_argument("--smoke", action="store_true", help="1 preemption, 6 steps, one rank; figures printed, not judged")
     args = ap.parse_args()
+    for k, v in SIZES[args.size]["defaults"].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.smoke:
         args.preemptions, args.steps, args.every, args.ranks = 1, 6, 3, 1
-    if not 0 < args.preemptions < args.steps:
-        ap.error(f"--preemptions must be between 1 and --steps - 1 ({args.steps - 1})")
+    if not 0 < args.preemptions < args.steps - 1:
+        ap.error(f"--preemptions must be between 1 and --steps - 2 ({args.steps - 2})")
 
     from flows.embedded_api import embedded_api
 
@@ -73,8 +95,10 @@ def bench(args: argparse.Namespace) -> int:
     warm()  # the Prefect client's first flow run, outside the timed region
 
     tmp = workdir(None, "preemption-bench-")
-    model = tiny_model(tmp / "tiny")
+    size = SIZES[args.size]
+    model = tiny_model(tmp / f"model-{args.size}", **size["model"])
     stage = {
+        **size["stage"],
         "max_steps": args.steps,
         "checkpoint_every": args.every,
         "launch": {"nproc_per_node": args.ranks},
@@ -118,13 +142,15 @@ def bench(args: argparse.Namespace) -> int:
     ref_root = tmp / "uninterrupted"
     ref_wall, _ = run(ref_root, None)
     pre_root = tmp / "preempted"
-    shutil.copytree(ref_root, pre_root, ignore=shutil.ignore_patterns(".lease.json"))
-    for step in (pre_root / "cpt").glob("step-*"):
-        if step.name != "step-000000":
-            shutil.rmtree(step)
-    (pre_root / "run.json").unlink(missing_ok=True)
-    shutil.rmtree(pre_root / "cpt" / "tensorboard", ignore_errors=True)
-    at = sorted(random.Random(args.seed).sample(range(1, args.steps), args.preemptions))
+
+    def later(folder: str, names: list[str]) -> set[str]:  # not the training stage's own outputs
+        cpt = Path(folder) == ref_root / "cpt"
+        own = {n for n in names if cpt and (n == "tensorboard" or (n.startswith("step-") and n != "step-000000"))}
+        return own | {n for n in names if Path(folder) == ref_root and n in (".lease.json", "run.json")}
+
+    shutil.copytree(ref_root, pre_root, ignore=later)
+    # term@step=K: the notice comes as step K+1 begins; one as the last step begins ends nothing (the stage ends anyway)
+    at = sorted(random.Random(args.seed).sample(range(1, args.steps - 1), args.preemptions))
     pre_wall, summary = run(pre_root, ";".join(f"term@step={k}@stage=cpt" for k in at))
     tasks.stages.train.run_engine = real
 
@@ -133,7 +159,11 @@ def bench(args: argparse.Namespace) -> int:
     same = set(got) == set(want) and all(bool((got[k] == want[k]).all()) for k in want)
     records = summary.get("preemptions") or []
 
-    print(f"\n== preemption benchmark (tiny config, {args.ranks} CPU rank{'s' if args.ranks > 1 else ''}, fp32) ==")
+    params = sum(t.numel() for t in want.values()) / 1e6
+    print(
+        f"\n== preemption benchmark ({args.size} model, {params:.1f}M parameters; {args.ranks} CPU rank{'s' if args.ranks > 1 else ''}, "
+        "fp32) =="
+    )
     if args.smoke:
         print("(smoke: one rank, one preemption; figures printed, not judged)")
     began = [k + 1 for k in at]  # term@step=K signals as step K+1 begins: that step finishes, then the stage stops

@@ -1,7 +1,7 @@
 """A training stage continued through the flow under another layout (docs/resume.md), on copies of the
 session's demo run (tests/conftest.py `demo_run`: CPT under hybrid_parallel tp=2 fp32, SFT under
 low_level_zero ZeRO-2 bf16, both on 2 ranks, 8 steps, checkpoints at 4 and 8), whose uninterrupted
-losses are the reference. Five launches in all.
+losses are the reference. Eight launches in all.
 
     .venv/bin/python -m pytest -q -m "" tests/test_elastic_flow.py
 
@@ -16,6 +16,9 @@ losses are the reference. Five launches in all.
   middle of that step's save); the stage commits step 6, ends preempted, the flow retries by itself and
   step 8 is the uninterrupted run's, bitwise (two launches). A notice during export and during
   prepare_cpt (no launch): preempted, nothing torn, the retry redoes nothing finished.
+- The same with `cpt.elastic.keep_global_batch` (so from step 0, three launches): SIGTERM on 2 ranks as step 3
+  begins, the config says one rank came back while the run waits, and the flow's retry reads it and trains
+  steps 4-8 on 1 rank at the checkpoint's global batch: losses within 1e-6 of the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -239,6 +242,78 @@ def test_cpt_preempted_by_sigterm_retries_by_itself_and_ends_bitwise_on_the_unin
     got, want = read_model_dir(cpt / "step-000008" / "model"), read_model_dir(ref_dir / "model")
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert _state(cpt / "step-000008")["losses"] == _state(ref_dir)["losses"]
+
+
+def test_cpt_preempted_on_2_ranks_is_retried_by_the_flow_on_1_at_the_kept_global_batch(demo_run_copy, monkeypatch):
+    """`cpt.elastic.keep_global_batch` on (from the stage's first run: it is in the digest, so the demo's
+    checkpoints are moved aside and CPT trains from step 0 under the demo's layout, tp=2 on 2 ranks, 4 x 1);
+    SIGTERM to rank 1 as step 3 begins (20 s grace): step 3 is committed and the stage ends preempted. While
+    the run waits, the config says what came back: one rank (torch_ddp, micro_batch_size 2). The flow's own
+    retry reads it, pre-flight checks it, and the engine trains steps 4-8 on that rank at 2 x 2, the
+    checkpoint's global batch of 4: the losses continue the uninterrupted run's within 1e-6, steps lost 0."""
+    import flows.cpt_to_sft as runbook
+
+    copy = demo_run_copy
+    cpt = copy.run_root / "cpt"
+    ref = _state(cpt / "step-000008")  # the uninterrupted run's, under the first attempt's layout
+    raw = json.loads(json.dumps(copy.raw))
+    raw["cpt"]["elastic"] = {
+        "notices": [{"source": "sigterm", "grace_s": 20}],
+        "keep_global_batch": True,
+        "retry_wait_s": 0,
+    }
+    config = write_config(copy.config.parent / "spot-kept.yaml", raw)
+    one = json.loads(json.dumps(raw))
+    one["cpt"].update(
+        plugin={"name": "torch_ddp", "precision": "fp32"}, launch={"nproc_per_node": 1}, micro_batch_size=2
+    )
+    real, told = runbook.preemption_policy, []
+
+    def one_rank_comes_back(cfg, exc):
+        write_config(config, one)  # what an operator (or a capacity script) writes while the run waits
+        told.append(exc.record.get("checkpoint_step"))
+        return real(cfg, exc)
+
+    monkeypatch.setattr(runbook, "preemption_policy", one_rank_comes_back)
+    monkeypatch.setenv("CPT_TO_SFT_FAULT", "term@step=2@stage=cpt@rank=1")
+    table = _stage_tables(monkeypatch)
+    rc, summary, console = _run(config, "train_cpt")
+    assert rc == 0, console[-4000:]
+    assert told == [3] and _row(summary, "train_cpt")["status"] == "completed", (told, _row(summary, "train_cpt"))
+    assert "the config changed while the run waited (" in console and "cpt.launch.nproc_per_node: 2 -> 1" in console
+    kept = (
+        "cpt.elastic.keep_global_batch: grad_accum_steps 1 -> 2 on 1 rank(s) (dp 1), the global batch of "
+        "step-000003: 4 sequences"
+    )
+    assert kept in console, console[-4000:]
+
+    (rec,) = summary["preemptions"]
+    assert (rec["stage"], rec["source"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"]) == (
+        "cpt",
+        "sigterm",
+        3,
+        3,
+        0,
+    ), rec
+    assert 0 <= rec["notice_to_commit_s"] < 20 and rec["restart_to_first_step_s"] > 0, rec
+    assert json.loads((cpt / "preemptions.json").read_text()) == [rec]
+    (row,) = [r for r in table[-1] if r["stage"] == "train_cpt"]
+    assert "preempted 1x, steps lost 0" in row["note"] and "from step 3: torch_ddp dp=1 on 1 rank (2 x 2" in row["note"]
+
+    got = _state(cpt / "step-000008")
+    segs = [
+        (s["from_step"], s["plugin"], s["world_size"], s["grad_accum_steps"], s["global_batch"])
+        for s in got["segments"]
+    ]
+    assert segs == [(0, "hybrid_parallel", 2, 1, 4), (3, "torch_ddp", 1, 2, 4)], segs
+    assert got["losses"][:3] == ref["losses"][:3]  # the first attempt: the demo's layout, bitwise
+    assert got["lrs"] == ref["lrs"] and got["sampler"] == ref["sampler"] and got["tokens_seen"] == ref["tokens_seen"]
+    # Another reduction order (one rank, two micro-batches): fp32 noise, measured 2.1e-7 relative (2 ulps of ~6)
+    off = max(abs(a - b) / abs(b) for a, b in zip(got["losses"][3:], ref["losses"][3:], strict=True))
+    assert off < 1e-6, (ref["losses"], got["losses"])
+    print(
+        f"\ncpt preempted at step 3 on 2 ranks, retried by the flow on 1 at 2 x 2: steps 4-8 within {off:.2e} (relative)"
+    )
 
 
 def test_a_notice_during_export_ends_it_preempted_and_the_retry_redoes_only_the_export(demo_run_copy, monkeypatch):

@@ -359,3 +359,27 @@ def test_a_run_cancelled_while_it_waits_for_capacity_is_not_taken_back(prefect_h
             for s in sorted(client.read_flow_run_states(state.state_details.flow_run_id), key=lambda s: s.timestamp)
         ]
     assert names[-3:] == ["AwaitingRetry", "Cancelled", "Cancelled"] and "Running" not in names[-2:], names
+
+
+def test_the_retry_reads_the_config_again_and_refuses_another_run_root(tmp_path):
+    """After a preemption's wait the runbook reads the config again (the capacity that came back is said
+    there): unchanged, the run's own config comes back and nothing is checked again; a run root that
+    changed is refused, naming the field, before anything launches (tests/test_elastic_flow.py runs the
+    retry on one rank that a changed config asks for)."""
+    import logging
+
+    from flows.cpt_to_sft import reread_config, resolve_config
+    from tasks.core.errors import ConfigError
+    from tests.conftest import tiny_config_raw, write_config
+
+    raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
+    path = str(write_config(tmp_path / "run.yaml", raw))
+    cfg = resolve_config(path, None, rules=False)
+    log = logging.getLogger("test-reread")
+    assert reread_config(path, None, cfg, log) is cfg
+    raw["run_root"] = str(tmp_path / "elsewhere")
+    write_config(tmp_path / "run.yaml", raw)
+    with pytest.raises(ConfigError) as caught:
+        reread_config(path, None, cfg, log)
+    ((field, why),) = caught.value.problems
+    assert field == "run_root" and why.startswith(f"changed from {tmp_path / 'run'} to {tmp_path / 'elsewhere'}"), why

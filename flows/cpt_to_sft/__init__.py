@@ -245,6 +245,7 @@ def cpt_to_sft(
                 # the flow run shows the wait: AwaitingRetry at the retry's time, then Running again
                 if not await_capacity(policy.wait_s, f"{said}; {failure_cause(exc)}"):
                     raise Interrupted("the flow run was cancelled while it waited for capacity")
+                cfg = reread_config(config, overrides, cfg, logger)  # as many ranks as came back, if the config says so
     except Interrupted as exc:  # Ctrl-C: the stage has been torn down; run.json and the lease below
         return_state = Cancelled(message=str(exc))
     except _StopAfter:  # the stages after stop_after are not-run in run.json
@@ -379,6 +380,37 @@ def preemption_policy(cfg: RunConfig, exc: Preempted) -> Policy:
     els = [cfg.phase(p).elastic for p in TRAINING if any(n.source == source for n in cfg.phase(p).elastic.notices)]
     els = els or [cfg.phase(next(iter(TRAINING))).elastic]
     return Policy(min(e.max_preemptions for e in els), min(e.retry_wait_s for e in els))
+
+
+def reread_config(config: str, overrides: RunOverrides | dict | None, cfg: RunConfig, logger) -> RunConfig:
+    """The config as its file says it now, for the retry after a preemption: the capacity that came
+    back is said there while the run waits (e.g. `cpt.launch.nproc_per_node: 1` and a plugin for one
+    rank, with `elastic.keep_global_batch`), as a new run would read it. A changed config is checked
+    by pre-flight again (ConfigError with every problem: the run ends, the checkpoint stands)."""
+    new = resolve_config(config, overrides, rules=False)
+    if new == cfg:
+        return cfg
+    if new.run_uri != cfg.run_uri:
+        raise ConfigError(
+            [("run_root", f"changed from {cfg.run_uri} to {new.run_uri} while the run waited: put it back")],
+            header="the config changed during the run",
+        )
+    was, now = _flat(cfg.model_dump(mode="json")), _flat(new.model_dump(mode="json"))
+    changed = [
+        f"{k}: {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(was.keys() | now.keys()) if was.get(k) != now.get(k)
+    ]
+    logger.warning("the config changed while the run waited (%s): pre-flight checks it again", "; ".join(changed))
+    checked = preflight(new, form=parse_overrides(overrides).form_fields(), return_state=True)
+    if checked.is_failed():
+        raise checked.result(raise_on_failure=False)  # the report's one ConfigError
+    return new
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted config path: leaf value}."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree}
+    return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}.{key}" if prefix else key).items()}
 
 
 def failure_cause(exc: BaseException) -> str:
