@@ -45,6 +45,7 @@ from tasks.core.config.plugins import spec_of
 from tasks.core.errors import ManifestError
 from tasks.core.models.convert.state_view import MASTERS
 from tasks.core.models.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
+from tasks.core.models.policy_rows import shard_settings
 from tasks.core.run import segments
 from tasks.core.run.events import CHECKPOINT, DETAIL, INFO, format_event
 from tasks.core.run.manifest import write_manifest
@@ -99,7 +100,13 @@ class Engine:
             self.cfg, job.stage, job.model_dir, torch.cuda.is_available(), self.device, dist.get_rank()
         )
         self.activation_checkpointing = False
-        self.plugin = make_plugin(self.pcfg, self.cfg, stage=job.stage, kernels=self.kernels)
+        # what a policy row's family needs under a plugin that shards with its policy (policy_rows.shard_settings):
+        # the attention implementation the model is built with, the shardformer flags the plugin gets
+        model_type = accel.model_type(job.model_dir)
+        self.policy_model_kwargs, flags = shard_settings(model_type) if self.spec.shardformer else ({}, {})
+        if self.policy_model_kwargs or flags:
+            log(f"{model_type}'s policy row: model {self.policy_model_kwargs}, plugin {flags}", detail=True)
+        self.plugin = make_plugin(self.pcfg, self.cfg, stage=job.stage, kernels=self.kernels, model_type=model_type)
         self.layout = layout_of(self.plugin, self.pcfg)
         self.booster = Booster(plugin=self.plugin, mixed_precision=booster_mixed_precision(self.pcfg))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -142,6 +149,7 @@ class Engine:
                 trust_remote_code=self.job.trust_remote_code,
                 output_loading_info=True,
                 **kernels,
+                **self.policy_model_kwargs,
             )
 
         self.kernels, (model, info) = accel.load_model(self.kernels, build, self.rank)
@@ -161,7 +169,11 @@ class Engine:
             self.kernels, model = accel.load_model(
                 self.kernels,
                 lambda **kernels: AutoModelForCausalLM.from_config(
-                    self.config, torch_dtype=self.build_dtype, trust_remote_code=self.job.trust_remote_code, **kernels
+                    self.config,
+                    torch_dtype=self.build_dtype,
+                    trust_remote_code=self.job.trust_remote_code,
+                    **kernels,
+                    **self.policy_model_kwargs,
                 ),
                 self.rank,
             )
@@ -501,10 +513,11 @@ def _device_type() -> str:
 
 @torch.no_grad()
 def _live_logits(model, vocab_size: int, tp_group) -> torch.Tensor:
+    # as a training batch (mask, labels): shardformer's GPT-2 forward fails without them (probe_forward)
     if tp_group is None:
-        return model_logits(model, vocab_size)
+        return model_logits(model, vocab_size, as_trained=True)
     # Tensor parallel: the LM head keeps its vocab shard (parallel_output); gather along vocab.
-    logits = probe_forward(model, vocab_size)
+    logits = probe_forward(model, vocab_size, as_trained=True)
     if logits.shape[-1] < vocab_size:
         parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp_group))]
         dist.all_gather(parts, logits, group=tp_group)

@@ -39,6 +39,11 @@ What ColossalAI does on CPU without them (measured on colossalai 0.5.0, torch 2.
   same model without sequence parallelism. `ColoAttention.prepare_attn_kwargs` would also build that causal
   mask as a seq_len x seq_len tensor for every forward (below its 10 GB bound), which the causal kernel never
   reads: an unpadded causal batch gets the empty mask ColossalAI itself passes above that bound.
+- Shardformer's GPT-2 forward calls `torch.cuda.set_device(hidden_states.device)` before every block
+  (`shardformer/modeling/gpt2.py:258`), as do its GPT-J and OPT pipeline forwards (`gptj.py:190`,
+  `opt.py:208`), to keep a multi-GPU model's blocks on their own device: with a CPU tensor it raises
+  "Expected a cuda device". Only a CPU device is made a no-op (there is no CUDA device to select);
+  any other argument still reaches torch's own `set_device`.
 """
 
 from __future__ import annotations
@@ -86,6 +91,15 @@ def _stream(self, stream_):
     if stream_ is None:
         return contextlib.nullcontext()
     return torch.cpu.stream(stream_)
+
+
+_CUDA_SET_DEVICE: list = []  # torch's own, kept by apply()
+
+
+def _cuda_set_device(device) -> None:
+    if (isinstance(device, torch.device) and device.type == "cpu") or device == "cpu":
+        return None
+    return _CUDA_SET_DEVICE[0](device)
 
 
 def _is_hccl_available() -> bool:
@@ -157,6 +171,12 @@ def apply() -> list[str]:
         setattr(_is_hccl_available, _MARK, True)
         torch.distributed.is_hccl_available = _is_hccl_available
         done.append("torch.distributed.is_hccl_available")
+
+    if not getattr(torch.cuda.set_device, _MARK, False):
+        setattr(_cuda_set_device, _MARK, True)
+        _CUDA_SET_DEVICE.append(torch.cuda.set_device)
+        torch.cuda.set_device = _cuda_set_device
+        done.append("torch.cuda.set_device")
 
     from colossalai.shardformer.layer.attn import ColoAttention
 

@@ -33,6 +33,12 @@ class PolicyRow:
     tp_column: tuple[str, ...] = ()  # module suffixes split column-parallel (weight and bias)
     tp_row: tuple[str, ...] = ()  # module suffixes split row-parallel (weight only)
     policy_refused: str = ""  # the policy's first failure under transformers 4.51.3 (then hybrid_parallel refused)
+    # What the policy needs of the model and the plugin, which the engine passes under a plugin that shards
+    # with it (`shard_settings`): the attention implementation the model is built with (from_pretrained's
+    # attn_implementation; "" = transformers' default, sdpa) and shardformer flags (HybridParallelPlugin arguments)
+    attn_implementation: str = ""
+    shard_flags: tuple[tuple[str, bool], ...] = ()
+    pp: bool = False  # measured at pp=2 (tp=1) through the 1F1B schedule; False: pre-flight refuses pp_size > 1
     note: str = ""  # a quirk the families table states
     # Llama's activation terms (the estimate's, for a layout other than Llama's) over what one layer
     # really keeps for its backward, fp32 and bf16 (tests/test_families.py re-measures them): < 1 undercounts
@@ -44,52 +50,77 @@ _BLOOM_LIKE = dict(
     tp_column=("self_attention.query_key_value", "mlp.dense_h_to_4h"),
     tp_row=("self_attention.dense", "mlp.dense_4h_to_h"),
 )
-_RUNS = "ColossalAI 0.5.0's policy trains it at tp=2 with transformers 4.51.3 (benchmarks/shardformer_policies.py)"
+_RUNS = (
+    "ColossalAI 0.5.0's policy trains it at tp=2 and at pp=2 with transformers 4.51.3 "
+    "(benchmarks/shardformer_policies.py)"
+)
 POLICY_ROWS: dict[str, PolicyRow] = {
     "gptj": PolicyRow(
         "GPTJForCausalLM", f"{_P}.gptj.GPTJForCausalLMPolicy",
         tp_column=("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in", "lm_head"),
-        tp_row=("attn.out_proj", "mlp.fc_out"), note=_RUNS,
+        tp_row=("attn.out_proj", "mlp.fc_out"), pp=True,
+        note=_RUNS + "; its pipeline forward calls torch.cuda.set_device for every block (colossalai/shardformer/"
+        "modeling/gptj.py:190), a no-op for a CPU tensor there (tasks/engine/cpu_compat.py)",
         llama_terms_ratio=(0.96, 0.84),
     ),
     "bloom": PolicyRow(
-        "BloomForCausalLM", f"{_P}.bloom.BloomForCausalLMPolicy", **_BLOOM_LIKE,
+        "BloomForCausalLM", f"{_P}.bloom.BloomForCausalLMPolicy", **_BLOOM_LIKE, pp=True,
         note=_RUNS + "; ALiBi positions, the fused query_key_value split per head",
         llama_terms_ratio=(1.50, 1.32),
     ),
     "falcon": PolicyRow(
-        "FalconForCausalLM", f"{_P}.falcon.FalconForCausalLMPolicy", **_BLOOM_LIKE,
+        "FalconForCausalLM", f"{_P}.falcon.FalconForCausalLMPolicy", **_BLOOM_LIKE, pp=True,
         note=_RUNS + " in both layouts (multi-query, and new_decoder_architecture with num_kv_heads)",
         llama_terms_ratio=(1.66, 1.37),
     ),
     "mixtral": PolicyRow(
         "MixtralForCausalLM", f"{_P}.mixtral.MixtralForCausalLMPolicy",
         tp_column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "block_sparse_moe.gate"),
-        tp_row=("self_attn.o_proj",),
+        tp_row=("self_attn.o_proj",), pp=True,
         note=_RUNS + "; without expert parallelism (MoeHybridParallelPlugin, which the project does not build) "
         "every tp rank holds every expert whole, and the estimate counts them so",
         llama_terms_ratio=(0.57, 0.59),
     ),
     "gpt2": PolicyRow(
         "GPT2LMHeadModel", f"{_P}.gpt2.GPT2LMHeadModelPolicy",
-        policy_refused="its model forward (colossalai/shardformer/modeling/gpt2.py:258) calls "
-        "torch.cuda.set_device(hidden_states.device) for every block, which raises on CPU (ValueError: Expected a "
-        "cuda device); not measured on CUDA, so not claimed",
+        tp_column=("attn.c_attn", "mlp.c_fc"), tp_row=("attn.c_proj", "mlp.c_proj"),  # Conv1D: [in, out]
+        shard_flags=(("enable_flash_attention", True),), pp=True,
+        note=_RUNS + " with shardformer's flash attention on, which hybrid_parallel always passes for it: without "
+        "it the policy's model forward hands transformers' sdpa attention a padding-only mask "
+        "(colossalai/shardformer/modeling/gpt2.py:97), so no causal mask applies and every token sees the ones "
+        "after it (tp=2 loss 6.2519 against 6.2635 unsharded); its forward calls torch.cuda.set_device for every "
+        "block (gpt2.py:258), a no-op for a CPU tensor (tasks/engine/cpu_compat.py), and reads the mask and the "
+        "labels unconditionally, so the engine's live fingerprint passes both",
         llama_terms_ratio=(0.93, 1.00),
     ),
     "opt": PolicyRow(
-        "OPTForCausalLM", f"{_P}.opt.OPTForCausalLMPolicy",
-        policy_refused="its module_policy maps config._attn_implementation to eager or flash_attention_2 only "
-        "(colossalai/shardformer/policies/opt.py:62), and transformers 4.51.3 builds OPT with sdpa: KeyError 'sdpa' "
-        "while sharding (with attn_implementation eager it trains at tp=2, but the engine loads sdpa)",
+        "OPTForCausalLM", f"{_P}.opt.OPTForCausalLMPolicy", attn_implementation="eager", pp=True,
+        tp_column=("q_proj", "k_proj", "v_proj", "fc1"), tp_row=("out_proj", "fc2"),
+        note=_RUNS + " with eager attention, which hybrid_parallel always builds it with: the policy maps "
+        "config._attn_implementation to eager or flash_attention_2 only (colossalai/shardformer/policies/opt.py:62; "
+        "transformers' default sdpa: KeyError 'sdpa'), and its flash-attention forward fails with transformers 4.51.3 "
+        "(TypeError: unexpected keyword argument 'position_ids'); eager attention keeps each layer's attention "
+        "probabilities (heads x sequence per token), which the estimate does not count: leave headroom at long context",
         llama_terms_ratio=(1.88, 2.07),
     ),
     "cohere": PolicyRow(
         "CohereForCausalLM", f"{_P}.command.CommandForCausalLMPolicy",
-        policy_refused="its attention forward (colossalai/shardformer/modeling/command.py:395) switches "
-        "shard_config.enable_flash_attention on and asserts the dict mask that only a model forward run with the "
-        "flag on prepares: AssertionError on the first forward (with enable_flash_attention it trains at tp=2, "
-        "but the engine turns that on only for sequence parallelism)",
+        tp_column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+        tp_row=("self_attn.o_proj", "mlp.down_proj"),
+        shard_flags=(("enable_flash_attention", True),), pp=True,
+        note=_RUNS + " with shardformer's flash attention on, which hybrid_parallel always passes for it: its "
+        "attention forward (colossalai/shardformer/modeling/command.py:395) asserts the dict mask that only the "
+        "model forward run with that flag prepares (AssertionError on the first forward without it)",
         llama_terms_ratio=(1.10, 1.03),
     ),
 }  # fmt: skip
+
+
+def shard_settings(model_type: str | None) -> tuple[dict[str, str], dict[str, bool]]:
+    """(from_pretrained arguments, HybridParallelPlugin arguments) a policy row's family needs under a plugin
+    that shards with its policy; both empty for any other model_type."""
+    row = POLICY_ROWS.get(model_type or "")
+    if row is None:
+        return {}, {}
+    model = {"attn_implementation": row.attn_implementation} if row.attn_implementation else {}
+    return model, dict(row.shard_flags)
