@@ -42,8 +42,19 @@ from datetime import timedelta
 import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
 
 VOCAB, SEQ, BATCH = 512, 16, 2
-# tiny configs: hidden 64, 4 heads (2 per tp rank), 2 layers, no dropout (the sharded and unsharded
-# losses are compared in training mode); config class name -> fields
+# a pipeline's loss is compared in training mode (execute_pipeline): its dropout off
+DROPOUT_FIELDS = (
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "dropout",
+    "attention_dropout",
+    "hidden_dropout",
+    "activation_dropout",
+)
+# tiny configs: hidden 64, 4 heads (2 per tp rank), 2 layers, each family's own dropout (GPT-2's and OPT's
+# 0.1: the losses are compared in eval mode, and at tp the step is checked to keep the replicated parameters
+# equal on every tp rank); config class name -> fields
 TINY: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2)),
@@ -51,11 +62,10 @@ TINY: dict[str, tuple[str, dict]] = {
                                       num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
     "qwen2": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2)),
-    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                                attn_pdrop=0.0)),
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64)),
     "gptj": ("GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8)),
     "opt": ("OPTConfig", dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                              max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0)),
+                              max_position_embeddings=64, word_embed_proj_dim=64)),
     "bloom": ("BloomConfig", dict(hidden_size=64, n_layer=2, n_head=4)),
     "falcon": ("FalconConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)),
     "falcon_new_arch": ("FalconConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -77,6 +87,7 @@ VARIANTS: dict[str, tuple[str, dict, dict]] = {
     "opt+flash_attention": ("opt", {}, {"enable_flash_attention": True}),
     "cohere-flash_attention": ("cohere", {}, {"enable_flash_attention": False}),
     "gpt2-flash_attention": ("gpt2", {}, {"enable_flash_attention": False}),
+    "gpt2+dropout": ("gpt2", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}, {}),
 }
 
 
@@ -103,6 +114,22 @@ def fingerprint_diff(plugin, model, unsharded) -> float:
     return float((live - model_logits(unsharded, vocab)).abs().max())
 
 
+def replica_diff(plugin, model, unsharded) -> float:
+    """Largest difference between the tp ranks' copies of the parameters tp does not split (those whose shape is
+    the unsharded model's): a step must keep them equal, or a checkpoint (tp rank 0's) is not the model trained."""
+    import torch
+    import torch.distributed as dist
+
+    whole = dict(unsharded.named_parameters())
+    worst = torch.zeros(())
+    for name, p in model.unwrap().named_parameters():
+        if name in whole and p.shape == whole[name].shape:
+            parts = [torch.empty_like(p) for _ in range(dist.get_world_size(plugin.tp_group))]
+            dist.all_gather(parts, p.detach().contiguous(), group=plugin.tp_group)
+            worst = torch.maximum(worst, max((q - parts[0]).abs().max() for q in parts))
+    return float(worst)
+
+
 def probe(name: str) -> dict:
     import torch
     import transformers
@@ -110,7 +137,7 @@ def probe(name: str) -> dict:
     from colossalai.booster.plugin import HybridParallelPlugin
     from transformers import AutoModelForCausalLM
 
-    from tasks.core.models.policy_rows import shard_settings
+    from tasks.core.models.policy_rows import POLICY_ROWS, needs_attention_mask, shard_settings
 
     name, _, layout = name.partition("@")  # "falcon@pp2": pipeline parallelism instead of tp
     base, model_over, plugin_over = VARIANTS.get(name, (name, {}, {}))
@@ -119,16 +146,28 @@ def probe(name: str) -> dict:
     pp = layout == "pp2"
     cls, fields = TINY[base]
     config = getattr(transformers, cls)(vocab_size=VOCAB, **fields)
+    for field in DROPOUT_FIELDS if pp else ():
+        if isinstance(getattr(config, field, None), float):
+            setattr(config, field, 0.0)
+    row = POLICY_ROWS.get(base.removesuffix("_new_arch"))
+    for field, value, _ in row.tp_requires if row and not pp else ():  # what pre-flight admits at tp
+        setattr(config, field, value)
+    settings = {**model_kw, **plugin_kw}
+    for field in [k for k in model_kw if hasattr(config, k)]:  # a variant's config field, not a model argument
+        setattr(config, field, model_kw.pop(field))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, **model_kw)
     out: dict = {"family": name + ("@pp2" if pp else ""), "class": type(model).__name__}
-    if model_kw or plugin_kw:
-        out["settings"] = {**model_kw, **plugin_kw}
+    if settings:
+        out["settings"] = settings
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(4, VOCAB, (BATCH, SEQ), generator=g)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    batch = {"input_ids": ids, "labels": ids.clone()}  # a CPT block, as the engine trains on it
+    if needs_attention_mask(base.removesuffix("_new_arch")):  # the engine adds one where the row says so
+        batch["attention_mask"] = torch.ones_like(ids)
     with torch.no_grad():
-        ref = model(**batch).loss.item()
+        ref = model.eval()(**batch).loss.item()
+    model.train()
     unsharded = copy.deepcopy(model) if not pp else None  # the same weights, for the fingerprint forward
     stage = "boost"
     try:
@@ -165,23 +204,27 @@ def probe(name: str) -> dict:
             stage = "fingerprint forward"
             out["fingerprint_diff"] = fingerprint_diff(plugin, model, unsharded)
             stage = "forward"
-            loss = model(**batch).loss
-            out["loss"], out["ref_loss"] = loss.item(), ref
+            with torch.no_grad():
+                out["loss"], out["ref_loss"] = model.eval()(**batch).loss.item(), ref
+            loss = model.train()(**batch).loss
             stage = "backward"
             booster.backward(loss, optim)
             stage = "step"
             optim.step()
             optim.zero_grad()
+            out["replica_diff"] = replica_diff(plugin, model, unsharded)
             stage = "second forward"
             with torch.no_grad():
-                after = model(**batch).loss.item()
+                after = model.eval()(**batch).loss.item()
         out["loss_after_step"] = after
         ok = abs(out["loss"] - ref) <= 1e-4 and math.isfinite(after) and out.get("fingerprint_diff", 0.0) <= 1e-4
+        ok = ok and out.get("replica_diff", 0.0) <= 1e-6
         out["works"] = ok
         if not ok:
             out["failure"] = (
                 f"{'pp' if pp else 'tp'}=2 loss {out['loss']:.6f} vs unsharded {ref:.6f}, after a step {after}, "
-                f"fingerprint logits off by {out.get('fingerprint_diff', 0.0):.2e}"
+                f"fingerprint logits off by {out.get('fingerprint_diff', 0.0):.2e}, the replicated parameters "
+                f"{out.get('replica_diff', 0.0):.2e} apart on the tp ranks after the step"
             )
     except Exception as exc:
         out["works"] = False

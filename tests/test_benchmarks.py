@@ -119,6 +119,7 @@ def test_shardformer_policies_smoke():
     assert {f for f, r in results.items() if r["works"]} == rows | {f"{r}@pp2" for r in rows}, out
     assert results["opt"]["settings"] == {"attn_implementation": "eager"}, out  # what the engine builds OPT with
     assert results["gpt2"]["settings"] == {"enable_flash_attention": True}, out
+    assert all(results[r]["replica_diff"] == 0.0 and results[r]["fingerprint_diff"] <= 1e-4 for r in rows), out
 
 
 @pytest.mark.distributed

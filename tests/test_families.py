@@ -352,6 +352,7 @@ def test_every_policy_row_names_colossalais_policy_and_modules_it_really_splits(
 @pytest.mark.parametrize("model_type", sorted(POLICY_TINY))
 def test_a_policy_row_lays_its_policy_over_the_derived_table_and_the_estimate_splits_its_modules(model_type):
     from tasks.core.models.families import count_parameters, family_of
+    from tasks.core.models.policy_rows import POLICY_ROWS
     from tasks.core.preflight.memory import estimate
     from tests.test_memory_estimate import stage
 
@@ -364,6 +365,7 @@ def test_a_policy_row_lays_its_policy_over_the_derived_table_and_the_estimate_sp
     assert expected_tensors(mc) == saved  # keys, shapes, save order (GPT-2's Conv1D, OPT's decoder, experts)
     assert count_parameters(mc) == sum(p.numel() for p in model.parameters())
     split = [k for k in saved if family.tp_splits(k)]
+    mc = {**mc, **{k: v for k, v, _ in POLICY_ROWS[model_type].tp_requires}}  # what tp needs (GPT-2: no dropout)
     assert policy_problem(mc, stage({"name": "hybrid_parallel", "tp_size": 2}, nproc=2), "cpt") is None
     assert policy_problem(mc, stage({"name": "hybrid_parallel", "pp_size": 2}, nproc=2), "cpt") is None
     # every split tensor is one a parallel linear or the vocabulary-parallel embedding holds
@@ -394,6 +396,30 @@ def test_a_policy_row_that_fails_or_is_unmeasured_at_pp_is_refused_before_launch
     assert policy_problem(mc, stage({"name": "hybrid_parallel", "tp_size": 2}, nproc=2), "cpt") is None
     pp2 = policy_problem(mc, stage({"name": "hybrid_parallel", "pp_size": 2}, nproc=2), "cpt")
     assert pp2 and pp2[0] == "cpt.plugin.pp_size" and "not measured" in pp2[1], pp2
+
+
+def test_what_a_policy_assumes_at_tp_is_refused_otherwise_naming_tp_size():
+    """OPT's policy makes lm_head the embedding's weight at tp without pp (tp_requires): a tied OPT (the
+    config class's default, every published OPT) runs at tp; an untied one is refused at tp, runs at pp.
+    GPT-2's draws a different dropout mask on each tp rank for replicated activations: its default residual and
+    embedding dropout (0.1) is refused at tp, naming the fields; with them 0 it runs."""
+    from tests.test_memory_estimate import stage
+
+    cls, fields = POLICY_TINY["opt"]
+    untied = getattr(transformers, cls)(vocab_size=512, tie_word_embeddings=False, **fields).to_dict()
+    tied = _policy_model("opt").config.to_dict()
+    hp2 = stage({"name": "hybrid_parallel", "tp_size": 2}, nproc=2)
+    assert policy_problem(tied, hp2, "cpt") is None
+    field, why = policy_problem(untied, hp2, "cpt")
+    assert field == "cpt.plugin.tp_size" and "assumes tie_word_embeddings=True at tp_size > 1" in why, why
+    assert "config.json has tie_word_embeddings=False" in why and "policies/opt.py:433" in why, why
+    assert policy_problem(untied, stage({"name": "hybrid_parallel", "pp_size": 2}, nproc=2), "cpt") is None
+    gpt2 = _policy_model("gpt2").config.to_dict()
+    field, why = policy_problem(gpt2, hp2, "cpt")
+    assert field == "cpt.plugin.tp_size" and "assumes embd_pdrop=0.0 at tp_size > 1" in why, why
+    assert "DropoutForParallelInput" in why and "config.json has embd_pdrop=0.1" in why, why
+    assert policy_problem({**gpt2, "embd_pdrop": 0.0, "resid_pdrop": 0.0}, hp2, "cpt") is None
+    assert policy_problem(gpt2, stage({"name": "hybrid_parallel", "pp_size": 2}, nproc=2), "cpt") is None
 
 
 def test_the_engine_builds_a_policy_rows_family_with_what_its_policy_needs():

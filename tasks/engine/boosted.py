@@ -45,7 +45,7 @@ from tasks.core.config.plugins import spec_of
 from tasks.core.errors import ManifestError
 from tasks.core.models.convert.state_view import MASTERS
 from tasks.core.models.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
-from tasks.core.models.policy_rows import shard_settings
+from tasks.core.models.policy_rows import needs_attention_mask, shard_settings
 from tasks.core.run import segments
 from tasks.core.run.events import CHECKPOINT, DETAIL, INFO, format_event
 from tasks.core.run.manifest import write_manifest
@@ -104,6 +104,7 @@ class Engine:
         # the attention implementation the model is built with, the shardformer flags the plugin gets
         model_type = accel.model_type(job.model_dir)
         self.policy_model_kwargs, flags = shard_settings(model_type) if self.spec.shardformer else ({}, {})
+        self.batch_mask = self.spec.shardformer and needs_attention_mask(model_type)  # GPT-2's forward reads one
         if self.policy_model_kwargs or flags:
             log(f"{model_type}'s policy row: model {self.policy_model_kwargs}, plugin {flags}", detail=True)
         self.plugin = make_plugin(self.pcfg, self.cfg, stage=job.stage, kernels=self.kernels, model_type=model_type)
@@ -313,6 +314,8 @@ class Engine:
         compute = self.autocast or _DTYPES[self.weights_dtype]
         impl = getattr(self.config, "_attn_implementation", "eager")
         micro = [model_inputs({k: v.to(self.device) for k, v in mb.items()}, impl, compute) for mb in micro]
+        if self.batch_mask:  # a CPT block has no mask: all ones is no mask to transformers
+            micro = [{"attention_mask": torch.ones_like(mb["input_ids"]), **mb} for mb in micro]
         if self.pcfg.pp_size > 1:
             out = booster.execute_pipeline(
                 iter(micro),

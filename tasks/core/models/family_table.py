@@ -62,15 +62,23 @@ def _policy_cell(row: PolicyRow, plugin: str) -> str:
     needs = [f"attn_implementation={row.attn_implementation}"] if row.attn_implementation else []
     needs += [f"{flag}={value}" for flag, value in row.shard_flags]
     with_ = f" with {', '.join(needs)}" if needs else ""
+    tp = "tp" + (
+        f" where config.json has {', '.join(f'{k}={v}' for k, v, _ in row.tp_requires)}" if row.tp_requires else ""
+    )
     pp = "pp" if row.pp else "pp refused: not measured"
-    return f"runs (tp, {pp}: measured at 2{with_}; no sequence parallelism)"
+    return f"runs ({tp}; {pp}; measured at 2{with_}; no sequence parallelism)"
 
 
 def _row_note(row: PolicyRow) -> str:
     fp32, bf16 = row.llama_terms_ratio
+    tp = {}
+    for key, value, why in row.tp_requires:  # one sentence per reason (GPT-2's two dropout fields share theirs)
+        tp.setdefault(why, []).append(f"{key}={value}")
     return (
-        f"{row.policy_refused or row.note}; the memory estimate counts Llama's activation terms for its layer, "
-        f"{fp32:.2f} (fp32) and {bf16:.2f} (bf16) of what it keeps"
+        f"{row.policy_refused or row.note}"
+        + "".join(f"; at tp_size > 1 it needs {' and '.join(kv)} in config.json: {why}" for why, kv in tp.items())
+        + "; the memory estimate counts Llama's activation terms for its layer, "
+        + f"{fp32:.2f} (fp32) and {bf16:.2f} (bf16) of what it keeps"
         + (", so it undercounts: leave headroom" if min(fp32, bf16) < 0.95 else "")
     )
 

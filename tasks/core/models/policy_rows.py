@@ -39,6 +39,9 @@ class PolicyRow:
     attn_implementation: str = ""
     shard_flags: tuple[tuple[str, bool], ...] = ()
     pp: bool = False  # measured at pp=2 (tp=1) through the 1F1B schedule; False: pre-flight refuses pp_size > 1
+    attention_mask: bool = False  # its forward reads one in every batch: the engine adds all-ones to a CPT block
+    # (config field, value, why): what the policy assumes of config.json at tp_size > 1; pre-flight refuses tp otherwise
+    tp_requires: tuple[tuple[str, object, str], ...] = ()
     note: str = ""  # a quirk the families table states
     # Llama's activation terms (the estimate's, for a layout other than Llama's) over what one layer
     # really keeps for its backward, fp32 and bf16 (tests/test_families.py re-measures them): < 1 undercounts
@@ -53,6 +56,16 @@ _BLOOM_LIKE = dict(
 _RUNS = (
     "ColossalAI 0.5.0's policy trains it at tp=2 and at pp=2 with transformers 4.51.3 "
     "(benchmarks/shardformer_policies.py)"
+)
+_GPT2_DROPOUT = (
+    "its policy's DropoutForParallelInput (colossalai/shardformer/policies/gpt2.py:73-135) draws a different dropout "
+    "mask on each tp rank for activations every rank holds whole, so the parameters tp does not split drift apart "
+    "from the first step"
+)
+_OPT_TIES = (
+    "at tp without pp its postprocess makes lm_head the embedding's weight whatever config.json says "
+    "(colossalai/shardformer/policies/opt.py:433), so an untied head would be dropped from training and from every "
+    "checkpoint"
 )
 POLICY_ROWS: dict[str, PolicyRow] = {
     "gptj": PolicyRow(
@@ -84,23 +97,29 @@ POLICY_ROWS: dict[str, PolicyRow] = {
     "gpt2": PolicyRow(
         "GPT2LMHeadModel", f"{_P}.gpt2.GPT2LMHeadModelPolicy",
         tp_column=("attn.c_attn", "mlp.c_fc"), tp_row=("attn.c_proj", "mlp.c_proj"),  # Conv1D: [in, out]
-        shard_flags=(("enable_flash_attention", True),), pp=True,
+        shard_flags=(("enable_flash_attention", True),), pp=True, attention_mask=True,
+        tp_requires=tuple((field, 0.0, _GPT2_DROPOUT) for field in ("embd_pdrop", "resid_pdrop")),
         note=_RUNS + " with shardformer's flash attention on, which hybrid_parallel always passes for it: without "
         "it the policy's model forward hands transformers' sdpa attention a padding-only mask "
         "(colossalai/shardformer/modeling/gpt2.py:97), so no causal mask applies and every token sees the ones "
         "after it (tp=2 loss 6.2519 against 6.2635 unsharded); its forward calls torch.cuda.set_device for every "
-        "block (gpt2.py:258), a no-op for a CPU tensor (tasks/engine/cpu_compat.py), and reads the mask and the "
-        "labels unconditionally, so the engine's live fingerprint passes both",
+        "block (gpt2.py:258), a no-op for a CPU tensor (tasks/engine/cpu_compat.py), and reads the attention mask "
+        "and the labels unconditionally, so the engine gives a CPT block an all-ones mask and its live fingerprint "
+        "both; saving a tp checkpoint gathers the fused c_attn through CUDA (qkv_fused_linear.py:124), done in "
+        "place on CPU (cpu_compat)",
         llama_terms_ratio=(0.93, 1.00),
     ),
     "opt": PolicyRow(
-        "OPTForCausalLM", f"{_P}.opt.OPTForCausalLMPolicy", attn_implementation="eager", pp=True,
+        "OPTForCausalLM", f"{_P}.opt.OPTForCausalLMPolicy", attn_implementation="eager", pp=True, attention_mask=True,
+        tp_requires=(("tie_word_embeddings", True, _OPT_TIES),),
         tp_column=("q_proj", "k_proj", "v_proj", "fc1"), tp_row=("out_proj", "fc2"),
         note=_RUNS + " with eager attention, which hybrid_parallel always builds it with: the policy maps "
         "config._attn_implementation to eager or flash_attention_2 only (colossalai/shardformer/policies/opt.py:62; "
         "transformers' default sdpa: KeyError 'sdpa'), and its flash-attention forward fails with transformers 4.51.3 "
         "(TypeError: unexpected keyword argument 'position_ids'); eager attention keeps each layer's attention "
-        "probabilities (heads x sequence per token), which the estimate does not count: leave headroom at long context",
+        "probabilities (heads x sequence per token), which the estimate does not count: leave headroom at long context; "
+        "its pipeline forward builds a missing mask from the embeddings a later stage does not hold "
+        "(colossalai/shardformer/modeling/opt.py:142), so the engine gives a CPT block an all-ones mask",
         llama_terms_ratio=(1.88, 2.07),
     ),
     "cohere": PolicyRow(
@@ -114,6 +133,12 @@ POLICY_ROWS: dict[str, PolicyRow] = {
         llama_terms_ratio=(1.10, 1.03),
     ),
 }  # fmt: skip
+
+
+def needs_attention_mask(model_type: str | None) -> bool:
+    """Whether the family's policy forward reads an attention mask in every batch (under a plugin that shards with it)."""
+    row = POLICY_ROWS.get(model_type or "")
+    return row is not None and row.attention_mask
 
 
 def shard_settings(model_type: str | None) -> tuple[dict[str, str], dict[str, bool]]:
