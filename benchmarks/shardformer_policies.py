@@ -88,6 +88,9 @@ VARIANTS: dict[str, tuple[str, dict, dict]] = {
     "cohere-flash_attention": ("cohere", {}, {"enable_flash_attention": False}),
     "gpt2-flash_attention": ("gpt2", {}, {"enable_flash_attention": False}),
     "gpt2+dropout": ("gpt2", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}, {}),
+    "gptj+dropout": ("gptj", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}, {}),
+    "bloom+dropout": ("bloom", {"hidden_dropout": 0.1}, {}),
+    "falcon+dropout": ("falcon", {"hidden_dropout": 0.1}, {}),
 }
 
 

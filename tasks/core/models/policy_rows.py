@@ -7,14 +7,19 @@ lists), and the tensor table the installed transformers builds on the meta devic
 exactly (`tasks.core.models.derive`, the same path as any unlisted decoder), so a row here holds only
 what a derived table cannot know: the shardformer policy hybrid_parallel shards the family with, the
 modules that policy splits over the tp ranks (for the memory estimate: `ModelFamily.tp_column` and
-`tp_row`, read from the policy's `SubModuleReplacementDescription`s), and, where the policy does not
-run with transformers 4.51.3, the first failure and its cause (`policy_refused`: hybrid_parallel is
-refused before launch, the other plugins run the family as a derived one).
+`tp_row`, read from the policy's `SubModuleReplacementDescription`s), what the policy needs of the
+model and the plugin, which the engine passes under a plugin that shards with it (`shard_settings`:
+the attention implementation, shardformer flags; `attention_mask`: a mask in every batch), what it
+assumes of config.json at tp (`tp_requires`) and whether it runs at pp (`pp`), both refused by
+pre-flight otherwise (`families.policy_problem`), and, where the policy does not run with
+transformers 4.51.3, the first failure and its cause (`policy_refused`: hybrid_parallel is refused
+before launch, the other plugins run the family as a derived one).
 
 Which policies run was measured, not assumed: `benchmarks/shardformer_policies.py` puts a tiny random
-model of each family through HybridParallelPlugin at tp=2 on 2 gloo ranks (boost, forward with labels
-against the unsharded loss, backward, step, a second forward); the results are in
-benchmarks/results/shardformer-policies-2026-12-05.txt. `tasks.core.models.families.family_of` lays a
+model of each family through HybridParallelPlugin at tp=2 and at pp=2 on 2 gloo ranks, fed as the
+engine feeds it (boost, the live logits fingerprint and the loss against the unsharded model's,
+backward, step, the replicated parameters equal on the tp ranks); the results are in
+benchmarks/results/shardformer-policies-2026-12-05-rows.txt. `tasks.core.models.families.family_of` lays a
 row over the derived family; the docs' families table lists them (`tasks.core.models.family_table`).
 Pure data: no torch, no transformers.
 """
@@ -57,11 +62,18 @@ _RUNS = (
     "ColossalAI 0.5.0's policy trains it at tp=2 and at pp=2 with transformers 4.51.3 "
     "(benchmarks/shardformer_policies.py)"
 )
-_GPT2_DROPOUT = (
-    "its policy's DropoutForParallelInput (colossalai/shardformer/policies/gpt2.py:73-135) draws a different dropout "
-    "mask on each tp rank for activations every rank holds whole, so the parameters tp does not split drift apart "
-    "from the first step"
-)
+
+
+def _replicated_dropout(where: str) -> tuple[tuple[str, object, str], ...]:
+    """tp_requires for a policy that gives the embedding and residual dropouts DropoutForParallelInput: no dropout."""
+    why = (
+        f"its policy's DropoutForParallelInput (colossalai/shardformer/policies/{where}) draws a different dropout "
+        "mask on each tp rank for activations every rank holds whole, so the parameters tp does not split drift apart "
+        "from the first step"
+    )
+    return tuple((field, 0.0, why) for field in ("embd_pdrop", "resid_pdrop"))
+
+
 _OPT_TIES = (
     "at tp without pp its postprocess makes lm_head the embedding's weight whatever config.json says "
     "(colossalai/shardformer/policies/opt.py:433), so an untied head would be dropped from training and from every "
@@ -71,7 +83,7 @@ POLICY_ROWS: dict[str, PolicyRow] = {
     "gptj": PolicyRow(
         "GPTJForCausalLM", f"{_P}.gptj.GPTJForCausalLMPolicy",
         tp_column=("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in", "lm_head"),
-        tp_row=("attn.out_proj", "mlp.fc_out"), pp=True,
+        tp_row=("attn.out_proj", "mlp.fc_out"), pp=True, tp_requires=_replicated_dropout("gptj.py:63-134"),
         note=_RUNS + "; its pipeline forward calls torch.cuda.set_device for every block (colossalai/shardformer/"
         "modeling/gptj.py:190), a no-op for a CPU tensor there (tasks/engine/cpu_compat.py)",
         llama_terms_ratio=(0.96, 0.84),
@@ -98,7 +110,7 @@ POLICY_ROWS: dict[str, PolicyRow] = {
         "GPT2LMHeadModel", f"{_P}.gpt2.GPT2LMHeadModelPolicy",
         tp_column=("attn.c_attn", "mlp.c_fc"), tp_row=("attn.c_proj", "mlp.c_proj"),  # Conv1D: [in, out]
         shard_flags=(("enable_flash_attention", True),), pp=True, attention_mask=True,
-        tp_requires=tuple((field, 0.0, _GPT2_DROPOUT) for field in ("embd_pdrop", "resid_pdrop")),
+        tp_requires=_replicated_dropout("gpt2.py:73-135"),
         note=_RUNS + " with shardformer's flash attention on, which hybrid_parallel always passes for it: without "
         "it the policy's model forward hands transformers' sdpa attention a padding-only mask "
         "(colossalai/shardformer/modeling/gpt2.py:97), so no causal mask applies and every token sees the ones "
