@@ -104,16 +104,17 @@ def where(exc: BaseException) -> str:
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
-def fingerprint_diff(plugin, model, unsharded) -> float:
+def fingerprint_diff(plugin, model, unsharded, model_type: str) -> float:
     """Largest |logit| difference on the fingerprint's probe batch (eval mode) between the boosted model, its
     tp shards gathered as the engine's live fingerprint takes them (`boosted._live_logits`), and the unsharded
     model with the same weights."""
 
     from tasks.core.models.fingerprint import model_logits
+    from tasks.core.models.policy_rows import needs_attention_mask
     from tasks.engine.boosted import _live_logits
 
     vocab = unsharded.config.vocab_size
-    live = _live_logits(model, vocab, plugin.tp_group)
+    live = _live_logits(model, vocab, plugin.tp_group, as_trained=needs_attention_mask(model_type))
     return float((live - model_logits(unsharded, vocab)).abs().max())
 
 
@@ -205,7 +206,7 @@ def probe(name: str) -> dict:
         else:
             # the engine's live fingerprint of the model it trains (boosted._live_logits)
             stage = "fingerprint forward"
-            out["fingerprint_diff"] = fingerprint_diff(plugin, model, unsharded)
+            out["fingerprint_diff"] = fingerprint_diff(plugin, model, unsharded, base.removesuffix("_new_arch"))
             stage = "forward"
             with torch.no_grad():
                 out["loss"], out["ref_loss"] = model.eval()(**batch).loss.item(), ref

@@ -379,7 +379,7 @@ class Engine:
                 verify_memory_gb=self.job.verify_memory_gb,
                 say=log,
             )
-        logits = _live_logits(self.model, vocab, self.layout.tp_group)
+        logits = _live_logits(self.model, vocab, self.layout.tp_group, as_trained=self.batch_mask)
         return logits if self.rank == 0 else None
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -515,12 +515,12 @@ def _device_type() -> str:
 
 
 @torch.no_grad()
-def _live_logits(model, vocab_size: int, tp_group) -> torch.Tensor:
-    # as a training batch (mask, labels): shardformer's GPT-2 forward fails without them (probe_forward)
+def _live_logits(model, vocab_size: int, tp_group, as_trained: bool = False) -> torch.Tensor:
+    # as_trained (mask, labels) for a policy that reads both (GPT-2's forward fails without them; probe_forward)
     if tp_group is None:
-        return model_logits(model, vocab_size, as_trained=True)
+        return model_logits(model, vocab_size, as_trained=as_trained)
     # Tensor parallel: the LM head keeps its vocab shard (parallel_output); gather along vocab.
-    logits = probe_forward(model, vocab_size, as_trained=True)
+    logits = probe_forward(model, vocab_size, as_trained=as_trained)
     if logits.shape[-1] < vocab_size:
         parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp_group))]
         dist.all_gather(parts, logits, group=tp_group)

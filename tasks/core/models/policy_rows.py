@@ -44,7 +44,9 @@ class PolicyRow:
     attn_implementation: str = ""
     shard_flags: tuple[tuple[str, bool], ...] = ()
     pp: bool = False  # measured at pp=2 (tp=1) through the 1F1B schedule; False: pre-flight refuses pp_size > 1
-    attention_mask: bool = False  # its forward reads one in every batch: the engine adds all-ones to a CPT block
+    # its forward reads a mask in every batch: the engine adds all-ones to a CPT block, and mask and labels to the
+    # live fingerprint's probe (GPT-2's also reads the labels unconditionally)
+    attention_mask: bool = False
     # (config field, value, why): what the policy assumes of config.json at tp_size > 1; pre-flight refuses tp otherwise
     tp_requires: tuple[tuple[str, object, str], ...] = ()
     note: str = ""  # a quirk the families table states
