@@ -420,6 +420,9 @@ def test_what_a_policy_assumes_at_tp_is_refused_otherwise_naming_tp_size():
     assert "DropoutForParallelInput" in why and "config.json has embd_pdrop=0.1" in why, why
     assert policy_problem({**gpt2, "embd_pdrop": 0.0, "resid_pdrop": 0.0}, hp2, "cpt") is None
     assert policy_problem(gpt2, stage({"name": "hybrid_parallel", "pp_size": 2}, nproc=2), "cpt") is None
+    gptj = _policy_model("gptj").config.to_dict()  # GPT-J's policy the same, but its default dropout is 0
+    assert policy_problem(gptj, hp2, "cpt") is None
+    assert policy_problem({**gptj, "resid_pdrop": 0.1}, hp2, "cpt")[0] == "cpt.plugin.tp_size"
 
 
 def test_the_engine_builds_a_policy_rows_family_with_what_its_policy_needs():
@@ -428,7 +431,7 @@ def test_the_engine_builds_a_policy_rows_family_with_what_its_policy_needs():
     attention implementation (OPT: eager); under a plugin without a policy, neither."""
     from tasks.core.config.kernels import Facts, resolve
     from tasks.core.config.layout import ParallelLayout
-    from tasks.core.models.policy_rows import shard_settings
+    from tasks.core.models.policy_rows import needs_attention_mask, shard_settings
     from tasks.engine.builders import plugin_kwargs
     from tests.test_memory_estimate import stage
 
@@ -444,6 +447,8 @@ def test_the_engine_builds_a_policy_rows_family_with_what_its_policy_needs():
     assert "enable_flash_attention" not in kwargs(hp, "opt") and "enable_flash_attention" not in kwargs(hp, "llama")
     assert shard_settings("opt") == ({"attn_implementation": "eager"}, {})
     assert shard_settings("llama") == shard_settings(None) == ({}, {})
+    # a CPT block gets an all-ones mask where the policy's forward reads one (GPT-2's; OPT's pipeline stages)
+    assert {m for m in (*POLICY_TINY, "llama", None) if needs_attention_mask(m)} == {"gpt2", "opt"}
 
 
 def _kept_per_token(model: transformers.PreTrainedModel, layer_prefix: str, dtype: torch.dtype) -> float:
