@@ -91,6 +91,7 @@ VARIANTS: dict[str, tuple[str, dict, dict]] = {
     "gptj+dropout": ("gptj", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}, {}),
     "bloom+dropout": ("bloom", {"hidden_dropout": 0.1}, {}),
     "falcon+dropout": ("falcon", {"hidden_dropout": 0.1}, {}),
+    "gptj+lazy": ("gptj", {"lazy": True}, {}),
 }
 
 
@@ -134,6 +135,27 @@ def replica_diff(plugin, model, unsharded) -> float:
     return float(worst)
 
 
+def lazy_loss(config, model_kw: dict, plugin_kw: dict, batch: dict) -> float:
+    """The loss of the model built as the engine builds it under hybrid_parallel (ColossalAI's LazyInitContext,
+    materialized shard by shard by the plugin; its random weights are not the eager model's): a module that keeps
+    a plain tensor the context leaves on the meta device fails here."""
+    import torch
+    from colossalai.booster import Booster
+    from colossalai.booster.plugin import HybridParallelPlugin
+    from colossalai.lazy import LazyInitContext
+    from transformers import AutoModelForCausalLM
+
+    with LazyInitContext(default_device=torch.device("cpu")):
+        lazy = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, **model_kw)
+    plugin = HybridParallelPlugin(
+        **plugin_kw, zero_stage=0, precision="fp32", overlap_communication=False, enable_all_optimization=False,
+        make_vocab_size_divisible_by=1,
+    )  # fmt: skip
+    model, *_ = Booster(plugin=plugin).boost(lazy)
+    with torch.no_grad():
+        return model.eval()(**batch).loss.item()
+
+
 def probe(name: str) -> dict:
     import torch
     import transformers
@@ -141,7 +163,7 @@ def probe(name: str) -> dict:
     from colossalai.booster.plugin import HybridParallelPlugin
     from transformers import AutoModelForCausalLM
 
-    from tasks.core.models.policy_rows import POLICY_ROWS, needs_attention_mask, shard_settings
+    from tasks.core.models.policy_rows import POLICY_ROWS, lazy_init_safe, needs_attention_mask, shard_settings
 
     name, _, layout = name.partition("@")  # "falcon@pp2": pipeline parallelism instead of tp
     base, model_over, plugin_over = VARIANTS.get(name, (name, {}, {}))
@@ -156,7 +178,8 @@ def probe(name: str) -> dict:
     row = POLICY_ROWS.get(base.removesuffix("_new_arch"))
     for field, value, _ in row.tp_requires if row and not pp else ():  # what pre-flight admits at tp
         setattr(config, field, value)
-    settings = {**model_kw, **plugin_kw}
+    lazy = model_kw.pop("lazy", lazy_init_safe(base.removesuffix("_new_arch")))  # a variant may force it
+    settings = {**model_kw, **plugin_kw, **({"lazy": True} if lazy and "lazy" in model_over else {})}
     for field in [k for k in model_kw if hasattr(config, k)]:  # a variant's config field, not a model argument
         setattr(config, field, model_kw.pop(field))
     torch.manual_seed(0)
@@ -220,9 +243,12 @@ def probe(name: str) -> dict:
             stage = "second forward"
             with torch.no_grad():
                 after = model.eval()(**batch).loss.item()
+            if lazy:  # as the engine builds it: lazily (LazyInitContext), materialized by the plugin as it shards
+                stage = "lazily built forward"
+                out["lazy_loss"] = lazy_loss(config, model_kw, {**layout_kw, **plugin_kw}, batch)
         out["loss_after_step"] = after
         ok = abs(out["loss"] - ref) <= 1e-4 and math.isfinite(after) and out.get("fingerprint_diff", 0.0) <= 1e-4
-        ok = ok and out.get("replica_diff", 0.0) <= 1e-6
+        ok = ok and out.get("replica_diff", 0.0) <= 1e-6 and math.isfinite(out.get("lazy_loss", 0.0))
         out["works"] = ok
         if not ok:
             out["failure"] = (

@@ -431,7 +431,7 @@ def test_the_engine_builds_a_policy_rows_family_with_what_its_policy_needs():
     attention implementation (OPT: eager); under a plugin without a policy, neither."""
     from tasks.core.config.kernels import Facts, resolve
     from tasks.core.config.layout import ParallelLayout
-    from tasks.core.models.policy_rows import needs_attention_mask, shard_settings
+    from tasks.core.models.policy_rows import lazy_init_safe, needs_attention_mask, shard_settings
     from tasks.engine.builders import plugin_kwargs
     from tests.test_memory_estimate import stage
 
@@ -449,6 +449,8 @@ def test_the_engine_builds_a_policy_rows_family_with_what_its_policy_needs():
     assert shard_settings("llama") == shard_settings(None) == ({}, {})
     # a CPT block gets an all-ones mask where the policy's forward reads one (GPT-2's; OPT's pipeline stages)
     assert {m for m in (*POLICY_TINY, "llama", None) if needs_attention_mask(m)} == {"gpt2", "opt"}
+    # built whole on every rank, not lazily, where LazyInitContext would leave a plain tensor on meta (GPT-J)
+    assert {m for m in (*POLICY_TINY, "llama", None) if not lazy_init_safe(m)} == {"gptj"}
 
 
 def _kept_per_token(model: transformers.PreTrainedModel, layer_prefix: str, dtype: torch.dtype) -> float:

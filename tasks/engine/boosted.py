@@ -45,7 +45,7 @@ from tasks.core.config.plugins import spec_of
 from tasks.core.errors import ManifestError
 from tasks.core.models.convert.state_view import MASTERS
 from tasks.core.models.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
-from tasks.core.models.policy_rows import needs_attention_mask, shard_settings
+from tasks.core.models.policy_rows import lazy_init_safe, needs_attention_mask, shard_settings
 from tasks.core.run import segments
 from tasks.core.run.events import CHECKPOINT, DETAIL, INFO, format_event
 from tasks.core.run.manifest import write_manifest
@@ -122,8 +122,10 @@ class Engine:
         self.notice_agreed = False  # some rank holds a preemption notice (reduce_loss)
         self.save_s: float | None = None  # how long this launch's last save took
         self.pending_weights: Path | None = None  # an HF folder a lazily built model still has to read
-        # LoRA (tasks/engine/lora.py) wraps the whole HF model in peft before boost: never built lazily.
-        self.lazy_init, self.lora_meta = self.spec.lazy_init and self.cfg.lora is None, None
+        # LoRA (tasks/engine/lora.py) wraps the whole HF model in peft before boost: never built lazily; nor a family
+        # whose modules keep plain tensors LazyInitContext leaves on the meta device (PolicyRow.eager_build: GPT-J).
+        self.lazy_init = self.spec.lazy_init and self.cfg.lora is None and lazy_init_safe(model_type)
+        self.lora_meta = None
 
     # -- model ------------------------------------------------------------------------------
 

@@ -47,6 +47,9 @@ class PolicyRow:
     # its forward reads a mask in every batch: the engine adds all-ones to a CPT block, and mask and labels to the
     # live fingerprint's probe (GPT-2's also reads the labels unconditionally)
     attention_mask: bool = False
+    # its modules keep plain tensor attributes (not parameters or buffers) that ColossalAI's LazyInitContext leaves
+    # on the meta device: the engine builds it whole on every rank, then shards it (`lazy_init_safe`)
+    eager_build: bool = False
     # (config field, value, why): what the policy assumes of config.json at tp_size > 1; pre-flight refuses tp otherwise
     tp_requires: tuple[tuple[str, object, str], ...] = ()
     note: str = ""  # a quirk the families table states
@@ -86,8 +89,11 @@ POLICY_ROWS: dict[str, PolicyRow] = {
         "GPTJForCausalLM", f"{_P}.gptj.GPTJForCausalLMPolicy",
         tp_column=("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in", "lm_head"),
         tp_row=("attn.out_proj", "mlp.fc_out"), pp=True, tp_requires=_replicated_dropout("gptj.py:63-134"),
+        eager_build=True,
         note=_RUNS + "; its pipeline forward calls torch.cuda.set_device for every block (colossalai/shardformer/"
-        "modeling/gptj.py:190), a no-op for a CPU tensor there (tasks/engine/cpu_compat.py)",
+        "modeling/gptj.py:190), a no-op for a CPU tensor there (tasks/engine/cpu_compat.py); its attention keeps "
+        "scale_attn and embed_positions as plain tensors, which ColossalAI's LazyInitContext leaves on the meta device "
+        "(RuntimeError in the first forward), so hybrid_parallel builds it whole on every rank before sharding it",
         llama_terms_ratio=(0.96, 0.84),
     ),
     "bloom": PolicyRow(
@@ -147,6 +153,12 @@ POLICY_ROWS: dict[str, PolicyRow] = {
         llama_terms_ratio=(1.10, 1.03),
     ),
 }  # fmt: skip
+
+
+def lazy_init_safe(model_type: str | None) -> bool:
+    """Whether a plugin that materializes a lazily built model shard by shard may build this family so."""
+    row = POLICY_ROWS.get(model_type or "")
+    return row is None or not row.eager_build
 
 
 def needs_attention_mask(model_type: str | None) -> bool:
