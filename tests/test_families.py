@@ -451,6 +451,11 @@ def test_the_engine_builds_a_policy_rows_family_with_what_its_policy_needs():
     assert {m for m in (*POLICY_TINY, "llama", None) if needs_attention_mask(m)} == {"gpt2", "opt"}
     # built whole on every rank, not lazily, where LazyInitContext would leave a plain tensor on meta (GPT-J)
     assert {m for m in (*POLICY_TINY, "llama", None) if not lazy_init_safe(m)} == {"gptj"}
+    from tasks.core.preflight.memory import estimate  # whose host peak counts the whole model GPT-J is built as
+
+    gptj = {**_policy_model("gptj").config.to_dict(), "model_type": "gptj"}
+    est = estimate(gptj, stage({"name": "hybrid_parallel", "tp_size": 2, "precision": "fp32"}, nproc=2))
+    assert est.construction == 4 * sum(p.numel() for p in _policy_model("gptj").parameters()), est
 
 
 def _kept_per_token(model: transformers.PreTrainedModel, layer_prefix: str, dtype: torch.dtype) -> float:
