@@ -8,20 +8,26 @@
 
 For each causal-LM class that ColossalAI's `auto_policy` maps to a policy (the remote-code ones,
 `transformers_modules.*`, are left out: the project never runs code from a model folder), a tiny
-random fp32 model of the family goes through HybridParallelPlugin at tp=2 on 2 gloo ranks (CPU,
-`tasks.engine.cpu_compat`, as the engine runs): boost, the engine's live logits fingerprint
-(`boosted._live_logits`, against the unsharded model's), forward with labels, backward, one optimizer
-step, a second forward. A family with a row in tasks/core/models/policy_rows.py is built and sharded
-with what its row has the engine pass (`shard_settings`: attention implementation, shardformer flags);
-`VARIANTS` measure some without, to show why. It works when every step finishes, the sharded loss and
-logits equal the unsharded model's (same weights, same batch) within 1e-4, and the loss after the step
-is finite. Otherwise the first failure is reported with where it was raised. One JSON line per family
-(`@@policy {...}`), from rank 0; the results are written down in benchmarks/results/ and the rows of
-policy_rows.py. `--smoke` measures every row at tp=2, and at pp=2 where the row claims it, in one launch,
-and exits 1 when one disagrees with its row (a policy refused there that trains, or a claim that fails).
+random fp32 model of the family (its config class's own dropout) goes through HybridParallelPlugin at
+tp=2 on 2 gloo ranks (CPU, `tasks.engine.cpu_compat`, as the engine runs), fed a CPT block as the
+engine feeds it (input_ids and labels; an all-ones mask where the row says, `needs_attention_mask`):
+boost, the engine's live logits fingerprint (`boosted._live_logits`) and the loss in eval mode against
+the unsharded model's, a training forward, backward, one optimizer step, the parameters tp does not
+split compared across the tp ranks, a second forward, and the same model built lazily as the engine
+builds it (LazyInitContext, where the row does not say `eager_build`), one forward. A family with a row
+in tasks/core/models/policy_rows.py is built and sharded with what its row has the engine pass
+(`shard_settings`: attention implementation, shardformer flags) and what pre-flight admits at tp
+(`tp_requires`); `VARIANTS` measure some without, to show why. It works when every step finishes, the
+sharded loss and logits equal the unsharded model's (same weights, same batch) within 1e-4, the
+replicated parameters are equal on the tp ranks, and the losses after the step and of the lazily built
+model are finite. Otherwise the first failure is reported with where it was raised. One JSON line per
+family (`@@policy {...}`), from rank 0; the results are written down in benchmarks/results/ and the
+rows of policy_rows.py. `--smoke` measures every row at tp=2, and at pp=2 where the row claims it, in
+one launch, and exits 1 when one disagrees with its row (a policy refused there that trains, or a claim
+that fails).
 
 `<family>@pp2` runs the check at pp=2 (tp=1) through the 1F1B schedule (`execute_pipeline`, two
-training passes, as the engine runs a pipeline). A stage that raises would leave the other waiting on
+training passes, as the engine runs a pipeline; dropout off, since the loss is compared in training mode). A stage that raises would leave the other waiting on
 its point-to-point receive, which the process-group timeout does not bound, so the rank that raised
 prints its failure and ends the launch (torchrun stops the other): families after it are not measured.
 At tp a failure is deterministic and the same on both ranks (a policy that does not fit the installed
