@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from tasks.core.config.context import changes_text, config_changes
+from tasks.core.config.kernels import KernelState
 from tasks.core.config.kernels import record as kernel_record
 from tasks.core.config.plugins import spec_of
 from tasks.core.errors import ManifestError
@@ -107,6 +108,11 @@ class Engine:
         self.batch_mask = self.spec.shardformer and needs_attention_mask(model_type)  # GPT-2's forward reads one
         if self.policy_model_kwargs or flags:
             log(f"{model_type}'s policy row: model {self.policy_model_kwargs}, plugin {flags}", detail=True)
+        for name, state in self.kernels.items():  # a kernel the row switches on is recorded on (manifests, card)
+            if state.spec.via == "plugin" and not state.on and flags.get(state.spec.arg, None) == state.spec.value:
+                self.kernels[name] = KernelState(
+                    state.spec, True, f"on ({state.spec.label}; {model_type}'s policy needs it)"
+                )
         self.plugin = make_plugin(self.pcfg, self.cfg, stage=job.stage, kernels=self.kernels, model_type=model_type)
         self.layout = layout_of(self.plugin, self.pcfg)
         self.booster = Booster(plugin=self.plugin, mixed_precision=booster_mixed_precision(self.pcfg))
