@@ -4,8 +4,9 @@
     .venv/bin/python -m pytest -q -m "" tests/test_console_failures.py      # + the real CLI
 
 The CLI cases run `python -m flows.cli run` against the session's Prefect server (no torchrun launch):
-a pre-flight refusal, a malformed JSONL line found by a process-pool worker in prepare_cpt, and a
-truncated weights file found by load_from_hf. Each prints its cause once, last, and no traceback;
+a pre-flight refusal, a malformed JSONL line found by a process-pool worker in prepare_cpt, and pickle
+weights whose shapes disagree with config.json, found by load_from_hf's conversion (pre-flight never opens
+a pickle). Each prints its cause once, last, and no traceback;
 the Prefect API holds the failed task run's traceback.
 """
 
@@ -160,21 +161,25 @@ def _bad_jsonl(tmp_path: Path, raw: dict) -> tuple[dict, str]:
     return raw, f"{corpus / 'b.jsonl'}:{len(lines)}: malformed JSON"
 
 
-def _mismatched_weights(tmp_path: Path, raw: dict) -> tuple[dict, str]:
-    """A base model whose final norm has one value too many for its config.json: every safetensors
-    header and extent is sound, so pre-flight passes (a truncated file no longer gets that far), and
-    load_from_hf fails when transformers loads the weights into the model config.json describes."""
+def _mismatched_pickle(tmp_path: Path, raw: dict) -> tuple[dict, str]:
+    """A base model whose only weights are a pickle (allowed by base_model.allow_pickle) with a final norm one
+    value too many for its config.json. Pre-flight never opens a pickle (unpickling is the risk allow_pickle
+    accepts, taken only by load_from_hf's torch.load(weights_only=True)), so it cannot see the shapes that a
+    safetensors header would have shown it; load_from_hf's conversion to safetensors fails on them."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     model = tmp_path / "model"
     shutil.copytree(raw["base_model"]["uri"], model)
     weights = model / "model.safetensors"
     state = load_file(weights)
-    state["model.norm.weight"] = torch.ones(state["model.norm.weight"].shape[0] + 1)
-    save_file(state, weights, metadata={"format": "pt"})
+    n = state["model.norm.weight"].shape[0]
+    state["model.norm.weight"] = torch.ones(n + 1)
+    torch.save(state, model / "pytorch_model.bin")
+    weights.unlink()
     raw["base_model"]["uri"] = str(model)
-    return raw, "stage load_from_hf failed: RuntimeError: Error(s) in loading state_dict"
+    raw["base_model"]["allow_pickle"] = True
+    return raw, f"'model.norm.weight' in pytorch_model.bin has shape [{n + 1}], config.json implies [{n}]"
 
 
 def _refused(tmp_path: Path, raw: dict) -> tuple[dict, str]:
@@ -186,7 +191,7 @@ CASES = {
     # case: (config change, the failure's text, the task run whose log keeps the traceback)
     "refusal": (_refused, None),
     "prepare": (_bad_jsonl, "tokenize "),
-    "stage": (_mismatched_weights, "load_from_hf"),
+    "stage": (_mismatched_pickle, "load_from_hf"),
 }
 
 

@@ -339,12 +339,20 @@ def test_every_policy_row_names_colossalais_policy_and_modules_it_really_splits(
         assert hasattr(importlib.import_module(module), name)
         for suffix in row.tp_column + row.tp_row:
             assert f'suffix="{suffix}"' in source, (model_type, suffix)
-        assert bool(row.policy_refused) == (model_type in ("gpt2", "opt", "cohere")), model_type
+        assert not row.policy_refused and row.pp, (
+            model_type
+        )  # every row trains at tp=2 and pp=2 (the smoke re-measures)
+        # what a row needs of the model and the plugin is something each takes
+        if row.attn_implementation:
+            assert row.attn_implementation in ("eager", *transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS)
+        plugin_args = inspect.signature(importlib.import_module("colossalai.booster.plugin").HybridParallelPlugin)
+        assert all(flag in plugin_args.parameters for flag, _ in row.shard_flags), model_type
 
 
 @pytest.mark.parametrize("model_type", sorted(POLICY_TINY))
 def test_a_policy_row_lays_its_policy_over_the_derived_table_and_the_estimate_splits_its_modules(model_type):
     from tasks.core.models.families import count_parameters, family_of
+    from tasks.core.models.policy_rows import POLICY_ROWS
     from tasks.core.preflight.memory import estimate
     from tests.test_memory_estimate import stage
 
@@ -357,12 +365,9 @@ def test_a_policy_row_lays_its_policy_over_the_derived_table_and_the_estimate_sp
     assert expected_tensors(mc) == saved  # keys, shapes, save order (GPT-2's Conv1D, OPT's decoder, experts)
     assert count_parameters(mc) == sum(p.numel() for p in model.parameters())
     split = [k for k in saved if family.tp_splits(k)]
-    if family.policy_refused:
-        assert policy_problem(mc, stage({"name": "hybrid_parallel", "tp_size": 2}, nproc=2), "cpt")
-        return
+    mc = {**mc, **{k: v for k, v, _ in POLICY_ROWS[model_type].tp_requires}}  # what tp needs (GPT-2: no dropout)
     assert policy_problem(mc, stage({"name": "hybrid_parallel", "tp_size": 2}, nproc=2), "cpt") is None
-    pp2 = policy_problem(mc, stage({"name": "hybrid_parallel", "pp_size": 2}, nproc=2), "cpt")
-    assert pp2 and pp2[0] == "cpt.plugin.pp_size" and "not measured" in pp2[1], pp2
+    assert policy_problem(mc, stage({"name": "hybrid_parallel", "pp_size": 2}, nproc=2), "cpt") is None
     # every split tensor is one a parallel linear or the vocabulary-parallel embedding holds
     assert split and all(k in family.vocab_dims or k.endswith((".weight", ".bias")) for k in split)
     one = estimate(mc, stage({"name": "hybrid_parallel", "tp_size": 1, "precision": "fp32"}, nproc=1))
@@ -371,17 +376,86 @@ def test_a_policy_row_lays_its_policy_over_the_derived_table_and_the_estimate_sp
     assert one.rank_parameters - two.rank_parameters == n_split - n_split // 2, (one, two)
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "opt", "cohere"])
-def test_hybrid_parallel_is_refused_for_a_policy_that_fails_with_the_installed_transformers(model_type):
+def test_a_policy_row_that_fails_or_is_unmeasured_at_pp_is_refused_before_launch(monkeypatch):
+    """A dummy row whose policy fails (`policy_refused`), and one not measured at pp (`pp=False`): hybrid_parallel
+    refused naming the cause and the plugins that run it; pp=2 refused naming pp_size; tp runs."""
+    import dataclasses
+
+    from tasks.core.models.policy_rows import POLICY_ROWS
     from tasks.engine.builders import check_model
     from tests.test_memory_estimate import stage
 
-    mc = _policy_model(model_type).config.to_dict()
-    cause = {"gpt2": "torch.cuda.set_device", "opt": "KeyError 'sdpa'", "cohere": "AssertionError"}[model_type]
+    mc = _policy_model("opt").config.to_dict()
+    refused = dataclasses.replace(POLICY_ROWS["opt"], policy_refused="KeyError 'sdpa' while sharding")
+    monkeypatch.setitem(POLICY_ROWS, "opt", refused)
     with pytest.raises(ConfigError, match="does not run with transformers 4.51.3") as err:
         check_model(stage({"name": "hybrid_parallel", "tp_size": 2}, nproc=2), mc, "cpt")
-    assert cause in str(err.value) and "low_level_zero, gemini, torch_ddp" in str(err.value)
+    assert "KeyError 'sdpa'" in str(err.value) and "low_level_zero, gemini, torch_ddp" in str(err.value)
     assert policy_problem(mc, stage({"name": "low_level_zero"}, nproc=2), "cpt") is None
+    monkeypatch.setitem(POLICY_ROWS, "opt", dataclasses.replace(POLICY_ROWS["opt"], policy_refused="", pp=False))
+    assert policy_problem(mc, stage({"name": "hybrid_parallel", "tp_size": 2}, nproc=2), "cpt") is None
+    pp2 = policy_problem(mc, stage({"name": "hybrid_parallel", "pp_size": 2}, nproc=2), "cpt")
+    assert pp2 and pp2[0] == "cpt.plugin.pp_size" and "not measured" in pp2[1], pp2
+
+
+def test_what_a_policy_assumes_at_tp_is_refused_otherwise_naming_tp_size():
+    """OPT's policy makes lm_head the embedding's weight at tp without pp (tp_requires): a tied OPT (the
+    config class's default, every published OPT) runs at tp; an untied one is refused at tp, runs at pp.
+    GPT-2's draws a different dropout mask on each tp rank for replicated activations: its default residual and
+    embedding dropout (0.1) is refused at tp, naming the fields; with them 0 it runs."""
+    from tests.test_memory_estimate import stage
+
+    cls, fields = POLICY_TINY["opt"]
+    untied = getattr(transformers, cls)(vocab_size=512, tie_word_embeddings=False, **fields).to_dict()
+    tied = _policy_model("opt").config.to_dict()
+    hp2 = stage({"name": "hybrid_parallel", "tp_size": 2}, nproc=2)
+    assert policy_problem(tied, hp2, "cpt") is None
+    field, why = policy_problem(untied, hp2, "cpt")
+    assert field == "cpt.plugin.tp_size" and "assumes tie_word_embeddings=True at tp_size > 1" in why, why
+    assert "config.json has tie_word_embeddings=False" in why and "policies/opt.py:433" in why, why
+    assert policy_problem(untied, stage({"name": "hybrid_parallel", "pp_size": 2}, nproc=2), "cpt") is None
+    gpt2 = _policy_model("gpt2").config.to_dict()
+    field, why = policy_problem(gpt2, hp2, "cpt")
+    assert field == "cpt.plugin.tp_size" and "assumes embd_pdrop=0.0 at tp_size > 1" in why, why
+    assert "DropoutForParallelInput" in why and "config.json has embd_pdrop=0.1" in why, why
+    assert policy_problem({**gpt2, "embd_pdrop": 0.0, "resid_pdrop": 0.0}, hp2, "cpt") is None
+    assert policy_problem(gpt2, stage({"name": "hybrid_parallel", "pp_size": 2}, nproc=2), "cpt") is None
+    gptj = _policy_model("gptj").config.to_dict()  # GPT-J's policy the same, but its default dropout is 0
+    assert policy_problem(gptj, hp2, "cpt") is None
+    assert policy_problem({**gptj, "resid_pdrop": 0.1}, hp2, "cpt")[0] == "cpt.plugin.tp_size"
+
+
+def test_the_engine_builds_a_policy_rows_family_with_what_its_policy_needs():
+    """Under hybrid_parallel the plugin gets the row's shardformer flags whatever the kernels say (Cohere's and
+    GPT-2's forwards need flash attention, which no kernel switches on without CUDA) and the model the row's
+    attention implementation (OPT: eager); under a plugin without a policy, neither."""
+    from tasks.core.config.kernels import Facts, resolve
+    from tasks.core.config.layout import ParallelLayout
+    from tasks.core.models.policy_rows import lazy_init_safe, needs_attention_mask, shard_settings
+    from tasks.engine.builders import plugin_kwargs
+    from tests.test_memory_estimate import stage
+
+    def kwargs(plugin: dict, model_type: str) -> dict:
+        st = stage(plugin, nproc=2)
+        layout = ParallelLayout.of(st, "cpt", cuda=False, tiers=("static",))
+        return plugin_kwargs(st.plugin, st, layout, False, resolve(st, "cpt", Facts(cuda=False)), "cpt", model_type)
+
+    hp = {"name": "hybrid_parallel", "tp_size": 2}
+    for model_type in ("cohere", "gpt2"):
+        assert kwargs(hp, model_type)["enable_flash_attention"] is True
+        assert "enable_flash_attention" not in kwargs({"name": "low_level_zero", "zero_stage": 1}, model_type)
+    assert "enable_flash_attention" not in kwargs(hp, "opt") and "enable_flash_attention" not in kwargs(hp, "llama")
+    assert shard_settings("opt") == ({"attn_implementation": "eager"}, {})
+    assert shard_settings("llama") == shard_settings(None) == ({}, {})
+    # a CPT block gets an all-ones mask where the policy's forward reads one (GPT-2's; OPT's pipeline stages)
+    assert {m for m in (*POLICY_TINY, "llama", None) if needs_attention_mask(m)} == {"gpt2", "opt"}
+    # built whole on every rank, not lazily, where LazyInitContext would leave a plain tensor on meta (GPT-J)
+    assert {m for m in (*POLICY_TINY, "llama", None) if not lazy_init_safe(m)} == {"gptj"}
+    from tasks.core.preflight.memory import estimate  # whose host peak counts the whole model GPT-J is built as
+
+    gptj = {**_policy_model("gptj").config.to_dict(), "model_type": "gptj"}
+    est = estimate(gptj, stage({"name": "hybrid_parallel", "tp_size": 2, "precision": "fp32"}, nproc=2))
+    assert est.construction == 4 * sum(p.numel() for p in _policy_model("gptj").parameters()), est
 
 
 def _kept_per_token(model: transformers.PreTrainedModel, layer_prefix: str, dtype: torch.dtype) -> float:
@@ -437,14 +511,9 @@ def test_a_policy_rows_stated_activation_ratio_is_what_its_layer_keeps(model_typ
 
 
 @pytest.mark.parametrize("model_type", ["falcon", "opt"])
-def test_preflight_names_a_policy_rows_policy_and_refuses_one_that_fails(tmp_path, model_type):
+def test_preflight_names_a_policy_rows_policy(tmp_path, model_type):
     report = _report(tmp_path, model_type)  # tiny-cpu: CPT hybrid_parallel tp=2
     line = [c for c in report.checked if c.startswith(f"model family {model_type}")]
-    if model_type == "falcon":
-        assert report.ok, report.text()
-        assert line and "its named row (tasks/core/models/policy_rows.py) gives hybrid_parallel" in line[0]
-        assert "FalconForCausalLMPolicy" in line[0], line
-        return
-    assert [f for f, _ in report.problems] == ["cpt.plugin.name"], report.text()
-    assert "OPTForCausalLMPolicy for OPTForCausalLM does not run with transformers 4.51.3" in report.problems[0][1]
-    assert "KeyError 'sdpa'" in report.problems[0][1]
+    assert report.ok, report.text()
+    assert line and "its named row (tasks/core/models/policy_rows.py) gives hybrid_parallel" in line[0]
+    assert {"falcon": "FalconForCausalLMPolicy", "opt": "OPTForCausalLMPolicy"}[model_type] in line[0], line

@@ -181,6 +181,8 @@ def test_errors_that_cannot_heal_are_not_retried():
         assert cannot_heal(_http_error(status)), status
     assert cannot_heal(SafetensorError("Error while deserializing header: HeaderTooLarge"))
     assert cannot_heal(ConfigError([("base_model.uri", "x")]))
+    mismatch = "Error(s) in loading state_dict for LlamaForCausalLM:\n\tsize mismatch for model.norm.weight: copying"
+    assert cannot_heal(RuntimeError(mismatch)) and not cannot_heal(RuntimeError("CUDA error: launch failure"))
     assert cannot_heal(HubRefusal("push_to_hub: no Hub token")) and cannot_heal(HubTokenRefused("refused"))
     try:  # a loader that wraps the malformed header still meets it on every try
         try:

@@ -264,6 +264,39 @@ def test_an_index_naming_a_missing_shard_and_an_eos_outside_the_vocabulary_are_r
     ), problems
 
 
+def test_a_weight_whose_shape_disagrees_with_config_json_is_refused_naming_file_tensor_shapes_and_fix(
+    tmp_path, tiny_model_dir
+):
+    """A norm one value too wide and an embedding with padded vocabulary rows: every safetensors header and
+    extent is sound, so only the shapes against config.json's tensor table show it, before launch; load_from_hf
+    refuses the same (a Hub model's weights are first read there) with a ConfigError, which is not retried."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tasks.core.errors import ConfigError
+    from tasks.core.models.shapes import folder_refusals
+    from tasks.flowkit.retry import cannot_heal
+
+    model = _copy(tiny_model_dir, tmp_path / "model")
+    weights = model / "model.safetensors"
+    state = load_file(weights)
+    norm, embed = state["model.norm.weight"], state["model.embed_tokens.weight"]
+    state["model.norm.weight"] = torch.ones(norm.shape[0] + 1)
+    state["model.embed_tokens.weight"] = torch.zeros(embed.shape[0] + 64, embed.shape[1])
+    save_file(state, weights, metadata={"format": "pt"})
+    problems = [m for m in _problems(_report(tmp_path, model)) if str(weights) in m]
+    assert len(problems) == 1, problems  # one sentence for the file, naming both tensors
+    (msg,) = problems
+    assert f"model.norm.weight is [{norm.shape[0] + 1}] where config.json makes it [{norm.shape[0]}]" in msg, msg
+    assert f"model.embed_tokens.weight is [{embed.shape[0] + 64}, {embed.shape[1]}] where config.json makes it " in msg
+    assert "padded vocabulary rows: 64 rows beyond vocab_size" in msg, msg
+    assert msg.endswith("or point base_model.uri at the folder whose config.json (llama) these weights were saved with")
+    config = json.loads((model / "config.json").read_text())
+    assert msg in folder_refusals(model, config)  # load_from_hf's refusal: a ConfigError, never retried
+    assert cannot_heal(ConfigError([("base_model.uri", msg)]))
+    assert not [m for m in _problems(_report(tmp_path / "ok", tiny_model_dir)) if "tensor" in m]
+
+
 def test_a_processors_chat_template_json_is_named_since_no_tokenizer_reads_it(tmp_path, sharded):
     from transformers import AutoTokenizer
 

@@ -249,6 +249,9 @@ def test_cpu_compat_apply_is_idempotent_and_works():
     with acc.stream(acc.Stream()):
         acc.current_stream().wait_stream(acc.Stream())
     assert torch.distributed.is_hccl_available() is False
+    torch.cuda.set_device(torch.device("cpu"))  # shardformer's GPT-2 forward, per block: a no-op for a CPU tensor
+    with pytest.raises(ValueError, match="Expected a cuda device"):  # anything else still reaches torch's own
+        torch.cuda.set_device(torch.device("meta"))
 
 
 def test_zero_sanity_check_keeps_the_dtype_check():

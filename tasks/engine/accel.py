@@ -33,12 +33,13 @@ from tasks.core.run.events import DETAIL, WARNING, format_event
 from tasks.core.run.events import KERNELS as KERNELS_EVENT
 from tasks.engine import rankio
 
-__all__ = ["announce", "checkpoint_activations", "load_kernels", "load_model", "optimizer_kwargs"]
+__all__ = ["announce", "checkpoint_activations", "load_kernels", "load_model", "model_type", "optimizer_kwargs"]
 
 Kernels = dict[str, KernelState]
 
 
-def _model_type(model_dir: Path) -> str | None:
+def model_type(model_dir: Path) -> str | None:
+    """config.json's model_type, None where it cannot be read."""
     try:
         return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
@@ -79,7 +80,7 @@ def load_kernels(
 ) -> Kernels:
     """The registry's decision for this stage on this rank's machine, each kernel that is on tried
     once; one that fails is off ("failed to load: ...") with a warning naming it."""
-    states = resolve(stage_cfg, stage, Facts.detect(cuda=cuda, model_type=_model_type(model_dir)))
+    states = resolve(stage_cfg, stage, Facts.detect(cuda=cuda, model_type=model_type(model_dir)))
     for name, state in list(states.items()):
         if not state.on or state.spec.via == "model":  # transformers checks those when it builds the model
             continue

@@ -40,11 +40,13 @@ import torch
 import torch.distributed as dist
 
 from tasks.core.config.context import changes_text, config_changes
+from tasks.core.config.kernels import KernelState
 from tasks.core.config.kernels import record as kernel_record
 from tasks.core.config.plugins import spec_of
 from tasks.core.errors import ManifestError
 from tasks.core.models.convert.state_view import MASTERS
 from tasks.core.models.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
+from tasks.core.models.policy_rows import lazy_init_safe, needs_attention_mask, shard_settings
 from tasks.core.run import segments
 from tasks.core.run.events import CHECKPOINT, DETAIL, INFO, format_event
 from tasks.core.run.manifest import write_manifest
@@ -99,7 +101,19 @@ class Engine:
             self.cfg, job.stage, job.model_dir, torch.cuda.is_available(), self.device, dist.get_rank()
         )
         self.activation_checkpointing = False
-        self.plugin = make_plugin(self.pcfg, self.cfg, stage=job.stage, kernels=self.kernels)
+        # what a policy row's family needs under a plugin that shards with its policy (policy_rows.shard_settings):
+        # the attention implementation the model is built with, the shardformer flags the plugin gets
+        model_type = accel.model_type(job.model_dir)
+        self.policy_model_kwargs, flags = shard_settings(model_type) if self.spec.shardformer else ({}, {})
+        self.batch_mask = self.spec.shardformer and needs_attention_mask(model_type)  # GPT-2's forward reads one
+        if self.policy_model_kwargs or flags:
+            log(f"{model_type}'s policy row: model {self.policy_model_kwargs}, plugin {flags}", detail=True)
+        for name, state in self.kernels.items():  # a kernel the row switches on is recorded on (manifests, card)
+            if state.spec.via == "plugin" and not state.on and flags.get(state.spec.arg, None) == state.spec.value:
+                self.kernels[name] = KernelState(
+                    state.spec, True, f"on ({state.spec.label}; {model_type}'s policy needs it)"
+                )
+        self.plugin = make_plugin(self.pcfg, self.cfg, stage=job.stage, kernels=self.kernels, model_type=model_type)
         self.layout = layout_of(self.plugin, self.pcfg)
         self.booster = Booster(plugin=self.plugin, mixed_precision=booster_mixed_precision(self.pcfg))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -114,8 +128,10 @@ class Engine:
         self.notice_agreed = False  # some rank holds a preemption notice (reduce_loss)
         self.save_s: float | None = None  # how long this launch's last save took
         self.pending_weights: Path | None = None  # an HF folder a lazily built model still has to read
-        # LoRA (tasks/engine/lora.py) wraps the whole HF model in peft before boost: never built lazily.
-        self.lazy_init, self.lora_meta = self.spec.lazy_init and self.cfg.lora is None, None
+        # LoRA (tasks/engine/lora.py) wraps the whole HF model in peft before boost: never built lazily; nor a family
+        # whose modules keep plain tensors LazyInitContext leaves on the meta device (PolicyRow.eager_build: GPT-J).
+        self.lazy_init = self.spec.lazy_init and self.cfg.lora is None and lazy_init_safe(model_type)
+        self.lora_meta = None
 
     # -- model ------------------------------------------------------------------------------
 
@@ -142,6 +158,7 @@ class Engine:
                 trust_remote_code=self.job.trust_remote_code,
                 output_loading_info=True,
                 **kernels,
+                **self.policy_model_kwargs,
             )
 
         self.kernels, (model, info) = accel.load_model(self.kernels, build, self.rank)
@@ -161,7 +178,11 @@ class Engine:
             self.kernels, model = accel.load_model(
                 self.kernels,
                 lambda **kernels: AutoModelForCausalLM.from_config(
-                    self.config, torch_dtype=self.build_dtype, trust_remote_code=self.job.trust_remote_code, **kernels
+                    self.config,
+                    torch_dtype=self.build_dtype,
+                    trust_remote_code=self.job.trust_remote_code,
+                    **kernels,
+                    **self.policy_model_kwargs,
                 ),
                 self.rank,
             )
@@ -301,6 +322,8 @@ class Engine:
         compute = self.autocast or _DTYPES[self.weights_dtype]
         impl = getattr(self.config, "_attn_implementation", "eager")
         micro = [model_inputs({k: v.to(self.device) for k, v in mb.items()}, impl, compute) for mb in micro]
+        if self.batch_mask:  # a CPT block has no mask: all ones is no mask to transformers
+            micro = [{"attention_mask": torch.ones_like(mb["input_ids"]), **mb} for mb in micro]
         if self.pcfg.pp_size > 1:
             out = booster.execute_pipeline(
                 iter(micro),
@@ -364,7 +387,7 @@ class Engine:
                 verify_memory_gb=self.job.verify_memory_gb,
                 say=log,
             )
-        logits = _live_logits(self.model, vocab, self.layout.tp_group)
+        logits = _live_logits(self.model, vocab, self.layout.tp_group, as_trained=self.batch_mask)
         return logits if self.rank == 0 else None
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -500,11 +523,12 @@ def _device_type() -> str:
 
 
 @torch.no_grad()
-def _live_logits(model, vocab_size: int, tp_group) -> torch.Tensor:
+def _live_logits(model, vocab_size: int, tp_group, as_trained: bool = False) -> torch.Tensor:
+    # as_trained (mask, labels) for a policy that reads both (GPT-2's forward fails without them; probe_forward)
     if tp_group is None:
-        return model_logits(model, vocab_size)
+        return model_logits(model, vocab_size, as_trained=as_trained)
     # Tensor parallel: the LM head keeps its vocab shard (parallel_output); gather along vocab.
-    logits = probe_forward(model, vocab_size)
+    logits = probe_forward(model, vocab_size, as_trained=as_trained)
     if logits.shape[-1] < vocab_size:
         parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(tp_group))]
         dist.all_gather(parts, logits, group=tp_group)

@@ -39,6 +39,7 @@ from tasks.core.config.schema import PluginConfig, StageConfig
 from tasks.core.config.sequence import SP_MODES, sp_size
 from tasks.core.errors import ConfigError
 from tasks.core.models.families import policy_problem, sp_family_problem
+from tasks.core.models.policy_rows import shard_settings
 from tasks.engine import lean_save, solo_ddp
 
 __all__ = [
@@ -217,15 +218,19 @@ def plugin_kwargs(
     cuda: bool,
     kernels: Mapping[str, KernelState],
     stage: str = "stage",
+    model_type: str | None = None,
 ) -> dict[str, Any]:
     """Every argument the plugin is built with: its builder's, its memory savers (`PluginSpec.offload`,
     each a PluginConfig field of the plugin argument's name), plus the flags of the kernels that are
-    on and pass through the plugin (`tasks.core.config.kernels`, via "plugin")."""
+    on and pass through the plugin (`tasks.core.config.kernels`, via "plugin"), plus, for a plugin that
+    shards with a policy, the shardformer flags the model family's policy row needs whatever the kernels
+    say (`policy_rows.shard_settings`: Cohere's and GPT-2's forwards run only with flash attention on)."""
     builder = _builder(plugin_cfg, stage)
     return {
         **builder.kwargs(plugin_cfg, stage_cfg, layout, cuda),
         **offload_kwargs(plugin_cfg),
         **passed(kernels, "plugin"),
+        **(shard_settings(model_type)[1] if spec_of(plugin_cfg.name).shardformer else {}),
     }
 
 
@@ -259,6 +264,7 @@ def build_plugin(
     cuda: bool,
     kernels: Mapping[str, KernelState] | None = None,
     stage: str = "stage",
+    model_type: str | None = None,
 ):
     """The plugin object from `plugin_kwargs`. Needs an initialized process group."""
     builder = _builder(plugin_cfg, stage)
@@ -268,7 +274,7 @@ def build_plugin(
     if isinstance(factory, str):
         module, _, name = factory.partition(":")
         factory = getattr(importlib.import_module(module), name)
-    return factory(**plugin_kwargs(plugin_cfg, stage_cfg, layout, cuda, kernels or {}, stage))
+    return factory(**plugin_kwargs(plugin_cfg, stage_cfg, layout, cuda, kernels or {}, stage, model_type))
 
 
 def make_plugin(
@@ -277,16 +283,18 @@ def make_plugin(
     stage: str = "stage",
     cuda: bool | None = None,
     kernels: Mapping[str, KernelState] | None = None,
+    model_type: str | None = None,
 ):
     """Build the ColossalAI plugin for this stage. Needs an initialized process group. `kernels`:
-    the stage's kernels as the engine loaded them (`tasks.engine.accel`); None resolves them here."""
+    the stage's kernels as the engine loaded them (`tasks.engine.accel`); None resolves them here.
+    `model_type`: config.json's, for the shardformer flags its policy row needs."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     check_supported(plugin_cfg, stage, cuda)
     layout = ParallelLayout.of(stage_cfg, stage, cuda=cuda, tiers=("static", "batch", "device"))
     _builder(plugin_cfg, stage)
     if kernels is None:
         kernels = stage_kernels(stage_cfg, stage, cuda)
-    return build_plugin(plugin_cfg, stage_cfg, layout, cuda, kernels, stage)
+    return build_plugin(plugin_cfg, stage_cfg, layout, cuda, kernels, stage, model_type)
 
 
 @dataclass(frozen=True)

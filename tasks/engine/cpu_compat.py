@@ -39,6 +39,15 @@ What ColossalAI does on CPU without them (measured on colossalai 0.5.0, torch 2.
   same model without sequence parallelism. `ColoAttention.prepare_attn_kwargs` would also build that causal
   mask as a seq_len x seq_len tensor for every forward (below its 10 GB bound), which the causal kernel never
   reads: an unpadded causal batch gets the empty mask ColossalAI itself passes above that bound.
+- Shardformer's GPT-2 forward calls `torch.cuda.set_device(hidden_states.device)` before every block
+  (`shardformer/modeling/gpt2.py:258`), as do its GPT-J and OPT pipeline forwards (`gptj.py:190`,
+  `opt.py:208`), to keep a multi-GPU model's blocks on their own device: with a CPU tensor it raises
+  "Expected a cuda device". Only a CPU device is made a no-op (there is no CUDA device to select);
+  any other argument still reaches torch's own `set_device`.
+- `gather_fused_qkv_in_gpt2_style` (`shardformer/layer/qkv_fused_linear.py`), which gathers GPT-2's
+  fused c_attn over the tp ranks when a checkpoint is saved, moves the shard to CUDA for the
+  all_gather (`qkv.cuda()`) and back: on CPU the same gather and reordering run where the tensor
+  is (gloo gathers CPU tensors), with nothing moved.
 """
 
 from __future__ import annotations
@@ -86,6 +95,26 @@ def _stream(self, stream_):
     if stream_ is None:
         return contextlib.nullcontext()
     return torch.cpu.stream(stream_)
+
+
+_CUDA_SET_DEVICE: list = []  # torch's own, kept by apply()
+
+
+def _cuda_set_device(device) -> None:
+    if (isinstance(device, torch.device) and device.type == "cpu") or device == "cpu":
+        return None
+    return _CUDA_SET_DEVICE[0](device)
+
+
+def _gather_fused_qkv_in_gpt2_style(qkv, split_sizes, process_group, is_transposed=False):
+    # ColossalAI's own, less the round trip through CUDA: [Q1, K1, V1], [Q2, K2, V2] -> [Q1, Q2, K1, K2, V1, V2]
+    world = torch.distributed.get_world_size(group=process_group)
+    assert all(sz % world == 0 for sz in split_sizes), f"sizes {split_sizes} are not divisible by world_size {world}"
+    parts = [torch.zeros_like(qkv) for _ in range(world)]
+    torch.distributed.all_gather(parts, qkv.contiguous(), group=process_group)
+    dim = -1 if is_transposed else 0
+    chunks = torch.split(torch.cat(parts, dim=dim), [sz // world for sz in split_sizes] * world, dim=dim)
+    return torch.cat([c for i in range(len(split_sizes)) for c in chunks[i :: len(split_sizes)]], dim=dim)
 
 
 def _is_hccl_available() -> bool:
@@ -157,6 +186,19 @@ def apply() -> list[str]:
         setattr(_is_hccl_available, _MARK, True)
         torch.distributed.is_hccl_available = _is_hccl_available
         done.append("torch.distributed.is_hccl_available")
+
+    if not getattr(torch.cuda.set_device, _MARK, False):
+        setattr(_cuda_set_device, _MARK, True)
+        _CUDA_SET_DEVICE.append(torch.cuda.set_device)
+        torch.cuda.set_device = _cuda_set_device
+        done.append("torch.cuda.set_device")
+
+    from colossalai.shardformer.layer import qkv_fused_linear
+
+    if not getattr(qkv_fused_linear.gather_fused_qkv_in_gpt2_style, _MARK, False):
+        setattr(_gather_fused_qkv_in_gpt2_style, _MARK, True)
+        qkv_fused_linear.gather_fused_qkv_in_gpt2_style = _gather_fused_qkv_in_gpt2_style
+        done.append("qkv_fused_linear.gather_fused_qkv_in_gpt2_style")
 
     from colossalai.shardformer.layer.attn import ColoAttention
 

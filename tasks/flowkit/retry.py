@@ -20,15 +20,20 @@ UNHEALING_STATUS = (
 )  # a refused token, a missing right, a missing repo/revision/file: the same on every try
 
 
+SIZE_MISMATCH = "size mismatch for "  # torch's load_state_dict: "size mismatch for KEY: copying a param with shape"
+
+
 def cannot_heal(exc: BaseException) -> bool:
     """An error a retry meets again: a refusal (ConfigError, HubRefusal), the Hub answering
     401/403/404, a malformed safetensors file, a config.json transformers trips on (AttributeError,
-    TypeError), a full, read-only or forbidden disk. Its causes count too (a loader may wrap the SafetensorError)."""
+    TypeError), weights whose shapes are another config.json's, a full, read-only or forbidden disk. Its causes count too (a loader may wrap the SafetensorError)."""
     from huggingface_hub.errors import HfHubHTTPError
     from safetensors import SafetensorError
 
     if isinstance(exc, (AttributeError, TypeError)):  # transformers tripping on the model's own config.json; the
         return True  # failure itself only: a library may raise a network error while handling one
+    if isinstance(exc, RuntimeError) and SIZE_MISMATCH in str(exc):  # weights of another config.json (torch's
+        return True  # load_state_dict sentence, which transformers raises again); pre-flight's shape check names most
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

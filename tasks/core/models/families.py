@@ -385,7 +385,17 @@ def policy_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: str) 
         return None  # no family at all: check_model_family names it
     pp = getattr(stage_cfg.plugin, "pp_size", 1) or 1
     if family.shardformer_policy and not family.policy_refused:
-        if family.derived and pp > 1:  # a row over a derived table: its policy is measured at tp only
+        row = _policy_rows().get(model_config.get("model_type"))  # type: ignore[arg-type]
+        tp = getattr(stage_cfg.plugin, "tp_size", 1) or 1
+        config = {**family.config_defaults, **model_config}
+        for key, value, why in row.tp_requires if row and tp > 1 else ():
+            if config.get(key) != value:
+                return f"{where}.plugin.tp_size", (
+                    f"ColossalAI 0.5.0's {family.shardformer_policy.rsplit('.', 1)[-1]} assumes {key}={value} at "
+                    f"tp_size > 1 ({why}), and config.json has {key}={config.get(key)}; set {where}.plugin.tp_size: 1 "
+                    f"(pp_size splits it), or name one of the plugins that run it: {', '.join(plugins_without_policy())}"
+                )
+        if family.derived and pp > 1 and not (row and row.pp):  # a row's policy measured at tp only
             return f"{where}.plugin.pp_size", (
                 f"pipeline parallelism with ColossalAI 0.5.0's {family.shardformer_policy.rsplit('.', 1)[-1]} is not "
                 f"measured for model_type {model_config.get('model_type')!r} (benchmarks/shardformer_policies.py "

@@ -28,11 +28,14 @@ INTRO = (
     "only a family whose row names one; pre-flight refuses it for any other family before anything launches, naming "
     "the plugins that run it. The families ColossalAI 0.5.0 has a policy for but whose layout is not Llama's "
     "(`tasks/core/models/policy_rows.py`) have a named row over the derived table: it adds the policy, the modules it "
-    "splits over the tp ranks, and, where the policy does not run with transformers 4.51.3, its first failure "
-    "(measured by `benchmarks/shardformer_policies.py`: a tiny random model of each at tp=2 on 2 CPU ranks, loss "
-    "against the unsharded model, backward and a step). A derived family never takes ColossalAI's policy for its class "
-    "by itself: three of the seven decoder policies outside the registry fail with transformers 4.51.3, so a policy is "
-    "used only from a row whose claim `benchmarks/shardformer_policies.py --smoke` re-measures in the suite. The "
+    "splits over the tp ranks, what the policy needs of the model and the plugin (the attention implementation the "
+    "engine builds the model with, shardformer flags it always passes), whether it runs at pp, and, where the policy "
+    "does not run with transformers 4.51.3, its first failure (measured by `benchmarks/shardformer_policies.py`: a "
+    "tiny random model of each at tp=2 and at pp=2 on 2 CPU ranks, loss against the unsharded model, backward and a "
+    "step, and the engine's live logits fingerprint). A derived family never takes ColossalAI's policy for its class "
+    "by itself: three of the seven decoder policies outside the registry fail with transformers 4.51.3 as they ship "
+    "(GPT-2's without flash attention even trains with no causal mask), so a policy is used only from a row whose "
+    "claims `benchmarks/shardformer_policies.py --smoke` re-measures in the suite. The "
     "plugins' own rules (CUDA, precisions, LoRA) are in the "
     "[configuration reference](config.md)."
 )
@@ -56,20 +59,32 @@ def _policy_cell(row: PolicyRow, plugin: str) -> str:
         return "runs (derived table)"
     if row.policy_refused:
         return "refused: ColossalAI 0.5.0's policy fails with transformers 4.51.3 (see notes)"
-    return "runs (tp, measured at 2; pp refused: not measured; no sequence parallelism)"
+    needs = [f"attn_implementation={row.attn_implementation}"] if row.attn_implementation else []
+    needs += [f"{flag}={value}" for flag, value in row.shard_flags]
+    with_ = f" with {', '.join(needs)}" if needs else ""
+    tp = "tp" + (
+        f" where config.json has {', '.join(f'{k}={v}' for k, v, _ in row.tp_requires)}" if row.tp_requires else ""
+    )
+    pp = "pp" if row.pp else "pp refused: not measured"
+    return f"runs ({tp}; {pp}; measured at 2{with_}; no sequence parallelism)"
 
 
 def _row_note(row: PolicyRow) -> str:
     fp32, bf16 = row.llama_terms_ratio
     llama = f"{fp32:.2f} (fp32) and {bf16:.2f} (bf16) of what it keeps"
+    tp = {}
+    for key, value, why in row.tp_requires:  # one sentence per reason (GPT-2's two dropout fields share theirs)
+        tp.setdefault(why, []).append(f"{key}={value}")
+    head = f"{row.policy_refused or row.note}" + "".join(
+        f"; at tp_size > 1 it needs {' and '.join(kv)} in config.json: {why}" for why, kv in tp.items()
+    )
     if row.layer_activations:
         return (
-            f"{row.policy_refused or row.note}; the memory estimate counts the row's own activation terms for its "
+            f"{head}; the memory estimate counts the row's own activation terms for its "
             f"layer, within 2 % of what it keeps (Llama's terms would count {llama})"
         )
-    return (
-        f"{row.policy_refused or row.note}; the memory estimate counts Llama's activation terms for its layer, {llama}"
-        + (", so it undercounts: leave headroom" if min(fp32, bf16) < 0.95 else "")
+    return f"{head}; the memory estimate counts Llama's activation terms for its layer, {llama}" + (
+        ", so it undercounts: leave headroom" if min(fp32, bf16) < 0.95 else ""
     )
 
 

@@ -38,25 +38,32 @@ def probe_batch(vocab_size: int, seed: int = PROBE_SEED, shape: tuple[int, int] 
     return torch.randint(0, vocab_size, shape, generator=g, dtype=torch.long)
 
 
-def probe_forward(model: torch.nn.Module, vocab_size: int, device: torch.device | None = None) -> torch.Tensor:
+def probe_forward(
+    model: torch.nn.Module, vocab_size: int, device: torch.device | None = None, as_trained: bool = False
+) -> torch.Tensor:
     """The model's raw output logits on the probe batch, in eval mode, where the model lives
-    (`device`: where the batch goes when the parameters are on the meta device, streamed)."""
+    (`device`: where the batch goes when the parameters are on the meta device, streamed). `as_trained`:
+    with an all-ones attention_mask and the ids as labels, as a training batch (transformers' logits are
+    the same; shardformer's GPT-2 forward reads the mask's size and the loss unconditionally)."""
     import torch
 
     device = device or next(model.parameters()).device
     ids = probe_batch(vocab_size).to(device)
+    batch = {"attention_mask": torch.ones_like(ids), "labels": ids} if as_trained else {}
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        out = model(input_ids=ids, use_cache=False)
+        out = model(input_ids=ids, use_cache=False, **batch)
     if was_training:
         model.train()
     return (out.logits if hasattr(out, "logits") else out[0]).contiguous()
 
 
-def model_logits(model: torch.nn.Module, vocab_size: int, device: torch.device | None = None) -> torch.Tensor:
+def model_logits(
+    model: torch.nn.Module, vocab_size: int, device: torch.device | None = None, as_trained: bool = False
+) -> torch.Tensor:
     """Logits of a plain (unwrapped or HF) causal LM on the probe batch, fp32 on CPU."""
-    return probe_forward(model, vocab_size, device)[..., :vocab_size].float().cpu()
+    return probe_forward(model, vocab_size, device, as_trained)[..., :vocab_size].float().cpu()
 
 
 def save_fingerprint(logits: torch.Tensor, directory: str | Path, dtype: str) -> dict[str, Any]:

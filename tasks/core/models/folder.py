@@ -197,6 +197,16 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """{tensor: shape} from the header of a well-formed safetensors file; {} for one that is not
+    (`safetensors_problem` names it, and bounds what is read before this reads it again)."""
+    if safetensors_problem(path) is not None:
+        return {}
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return {k: tuple(int(d) for d in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
 def safetensors_problems(folder: Path) -> dict[str, str]:
     """{file name: why} for every top-level `*.safetensors` of `folder` that is not well formed."""
     return {

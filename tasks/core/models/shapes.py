@@ -235,17 +235,49 @@ def template_files(names: Iterable[str], tokenizer_config: dict[str, Any] | None
     return notes, warnings
 
 
+def weight_shape_problems(root: Path, config: dict[str, Any], most: int = 3) -> list[str]:
+    """One sentence per top-level safetensors file of `root` holding a tensor whose header shape is not
+    the one config.json gives it (the family's tensor table, `expected_tensors`): transformers'
+    from_pretrained fails on it (size mismatch) once a stage loads the model. A key the table does not
+    list is left alone (from_pretrained maps prefixes and drops extras itself); a file that is not
+    well formed is named by the header check (`safetensors_problems`)."""
+    from tasks.core.errors import ConversionError
+    from tasks.core.models.families import expected_tensors, family_of, shape_cause
+    from tasks.core.models.folder import safetensors_shapes, top_level_names
+
+    try:
+        family, want = family_of(config), expected_tensors(config)
+    except (ConversionError, KeyError, TypeError, ValueError):
+        return []  # no family or no dimensions: the model-family check names it
+    out = []
+    for name in sorted(n for n in top_level_names(root) if n.endswith(".safetensors")):
+        got = safetensors_shapes(root / name)
+        bad = [(k, shape, want[k]) for k, shape in got.items() if k in want and shape != want[k]]
+        if not bad:
+            continue
+        said = "; ".join(
+            f"{k} is {list(shape)} where config.json makes it {list(w)} ({shape_cause(k, shape, w, family)})"
+            for k, shape, w in bad[:most]
+        )
+        more = f" (and {len(bad) - most} more)" if len(bad) > most else ""
+        out.append(
+            f"{root / name}: tensor {said}{more}; transformers would refuse to load it (size mismatch) once a stage "
+            f"loads the model: restore the file from the model's source, or point base_model.uri at the folder whose "
+            f"config.json ({config.get('model_type')}) these weights were saved with"
+        )
+    return out
+
+
 def folder_refusals(root: Path, config: dict[str, Any]) -> list[str]:
-    """What load_from_hf refuses in base/, where a Hub model's index and generation config are first
-    read: pre-flight's refusals of a local folder, the same sentences."""
+    """What load_from_hf refuses in base/, where a Hub model's index, generation config and weights are
+    first read: pre-flight's refusals of a local folder, the same sentences."""
     if text_model_type(config):
         return [text_config_refusal(str(root), config)]
     names = {p.name for p in root.iterdir() if p.is_file()}
     out = [why] if (why := index_problem(root, names)) else []
     gen = read_json(root / "generation_config.json")
-    return out + eos_problems(
-        str(root), {"config.json": config, "generation_config.json": gen}, config.get("vocab_size")
-    )
+    out += eos_problems(str(root), {"config.json": config, "generation_config.json": gen}, config.get("vocab_size"))
+    return out + weight_shape_problems(root, config)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

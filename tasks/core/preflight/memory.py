@@ -61,6 +61,7 @@ from tasks.core.models.families import (
     lora_trainable,
     model_dims,
 )
+from tasks.core.models.policy_rows import lazy_init_safe
 
 GB = 1e9
 # Steady RSS of a CPU rank training a ~0.1M-parameter Llama (benchmarks/scale.py "baseline"): torch,
@@ -259,7 +260,8 @@ def estimate(
     ckpt = bool(getattr(stage_cfg, "activation_checkpointing", False))
     per_layer = layer_activation_bytes(model_config, compute, tp, outside, gathered)
     saved = dims["hidden"] * compute / outside if ckpt else per_layer  # with checkpointing: the layer's input only
-    lazy = bool(getattr(spec, "lazy_init", False))
+    # a policy row built whole on every rank (PolicyRow.eager_build: GPT-J) is not built lazily (Engine.lazy_init)
+    lazy = bool(getattr(spec, "lazy_init", False)) and lazy_init_safe(model_config.get("model_type"))
     best: MemoryEstimate | None = None
     for s in range(pp):
         terms = []

@@ -1,6 +1,7 @@
 """Pre-flight's look at the shape of the base model's folder (`tasks.core.models.shapes`): a
-multimodal `text_config` checkpoint and an index naming a missing shard are refused, several eos
-ids are checked against the vocabulary, and where the chat template comes from is said.
+multimodal `text_config` checkpoint, an index naming a missing shard and a weight whose safetensors
+header shape is not the one config.json gives it are refused, several eos ids are checked against
+the vocabulary, and where the chat template comes from is said.
 
     python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml --check
 
@@ -32,6 +33,15 @@ def check_model_shapes(ctx: CheckContext) -> None:
             ctx.problem("base_model.uri", why)
         elif "model.safetensors.index.json" in m.files:
             said.append("weights sharded as model.safetensors.index.json names them, every shard present")
+        try:
+            mismatched = shapes.weight_shape_problems(root, m.config)
+        except OSError as exc:  # the header check warns about an unreadable file
+            mismatched = []
+            said.append(f"weight shapes not read ({exc})")
+        for why in mismatched:
+            ctx.problem("base_model.uri", why)
+        if not mismatched:
+            said.append("every weight's shape is the one config.json gives it")
         gen = shapes.read_json(root / "generation_config.json") if "generation_config.json" in m.files else None
         eos = {"config.json": m.config, "generation_config.json": gen}
         for msg in shapes.eos_problems(m.where, eos, m.config.get("vocab_size")):
