@@ -1,14 +1,16 @@
-"""A named row over a derived table through the real engine on 2 gloo ranks: a tiny random Falcon is
+"""A named row over a derived table through the real engine on 2 gloo ranks: a tiny random GPT-2 is
 sharded under hybrid_parallel tp=2, trained 3 steps, checkpointed, and its checkpoint converted to an
 HF folder bitwise that loads in plain transformers with the logits the checkpoint recorded.
 
     .venv/bin/python -m pytest -q -m distributed tests/test_named_rows_dist.py -s
 
-Falcon's row (tasks/core/models/policy_rows.py) gives it ColossalAI 0.5.0's policy, which runs with
-transformers 4.51.3; the other policy rows are measured at tp=2 by benchmarks/shardformer_policies.py
---smoke in tests/test_benchmarks.py. The named rows without a policy (gemma3_text, phi3) run the whole
-flow under the plugins that run them in tests/test_derived_flow.py, whose checks hold these (the CPT
-checkpoint converted bitwise, with its logits). Two launches (shard, train), ~10-15 s of imports each.
+GPT-2's row (tasks/core/models/policy_rows.py) gives it ColossalAI 0.5.0's policy and what that policy
+needs from the engine (shardformer's flash attention on, an all-ones mask in a CPT block, no
+embedding/residual dropout at tp), so this case runs the most of the rows' engine path; every policy
+row is measured at tp=2 and pp=2 by benchmarks/shardformer_policies.py --smoke in
+tests/test_benchmarks.py. The named rows without a policy (gemma3_text, phi3) run the whole flow under
+the plugins that run them in tests/test_derived_flow.py, whose checks hold these (the CPT checkpoint
+converted bitwise, with its logits). Two launches (shard, train), ~10-15 s of imports each.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from tasks.core.models.fingerprint import hf_dir_logits, load_fingerprint, max_a
 pytestmark = pytest.mark.distributed
 
 CASES = {
-    "falcon": ({"name": "hybrid_parallel", "tp_size": 2, "precision": "fp32"}, "FalconForCausalLM"),
+    # GPT-2's row has the engine switch shardformer's flash attention on, give a CPT block an all-ones mask
+    # and gather the fused c_attn in place on CPU; at tp its config must have no embedding/residual dropout
+    "gpt2": ({"name": "hybrid_parallel", "tp_size": 2, "precision": "fp32"}, "GPT2LMHeadModel"),
 }
+CONFIG = {"gpt2": {"embd_pdrop": 0.0, "resid_pdrop": 0.0}}
 STEPS = 3
 
 
@@ -38,6 +43,9 @@ def trained(request, tmp_path_factory):
     plugin, _ = CASES[family]
     work = tmp_path_factory.mktemp(f"named-{family}")
     model_dir = build_tiny_model(work / "base", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family=family)
+    if CONFIG.get(family):  # fields the row's tp_requires asks of config.json (no weight depends on them)
+        mc = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps(mc | CONFIG[family], indent=2))
     stage_dir = work / "cpt"
     section = stage_raw("cpt", plugin, max_steps=STEPS, checkpoint_every=STEPS)
     common = dict(stage="cpt", stage_cfg=section, model_dir=model_dir, tokenizer_dir=model_dir, stage_dir=stage_dir)
