@@ -23,11 +23,13 @@ import json
 import sys
 import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Self
+from http.server import BaseHTTPRequestHandler
+from typing import Any
+
+from support.servers import LocalHTTPServer
 
 
-class MetadataServer:
+class MetadataServer(LocalHTTPServer):
     def __init__(self) -> None:
         self.preempted = False
         self.requests: list[dict[str, Any]] = []
@@ -109,29 +111,14 @@ class MetadataServer:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="metadata-double", daemon=True)
+        self._serve(Handler, "metadata-double")
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return f"http://127.0.0.1:{self.port}"
 
     def preempt(self) -> None:
         self.preempted = True
-
-    def start(self) -> Self:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 if __name__ == "__main__":

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Self
+from http.server import BaseHTTPRequestHandler
+from typing import Any
+
+from support.servers import LocalHTTPServer
 
 
-class WebhookReceiver:
+class WebhookReceiver(LocalHTTPServer):
     def __init__(self) -> None:
         self.received: list[dict[str, Any]] = []
         self._cond = threading.Condition()
@@ -35,16 +37,11 @@ class WebhookReceiver:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="webhook-receiver", daemon=True)
+        self._serve(Handler, "webhook-receiver")
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}/hook"
-
-    def start(self) -> Self:
-        self._thread.start()
-        return self
+        return f"http://127.0.0.1:{self.port}/hook"
 
     def wait(self, predicate, timeout: float = 120.0) -> list[dict[str, Any]]:
         """The received requests once one satisfies `predicate`; whatever arrived on timeout."""
@@ -56,16 +53,6 @@ class WebhookReceiver:
                     break
                 self._cond.wait(left)
             return list(self.received)
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 if __name__ == "__main__":
