@@ -353,9 +353,14 @@ class CheckpointState:
                     pid: {
                         k: (t.untyped_storage()._checkpoint_offset + t.storage_offset() * 4, t.numel())
                         for k, t in st.items()
-                        if k in ADAM_KEYS and t.dtype == torch.float32 and t.is_contiguous()
+                        if k in ADAM_KEYS
+                        and isinstance(t, torch.Tensor)
+                        and t.dtype == torch.float32
+                        and t.is_contiguous()
+                        and getattr(t.untyped_storage(), "_checkpoint_offset", None) is not None  # torch >= 2.6
                     }
                     for pid, st in meta.items()
+                    if isinstance(st, dict)
                 }
             off = self._offsets[fname].get(self.ids[name], {}).get(key)
             path = str(self.path / "optimizer" / fname)
