@@ -257,9 +257,9 @@ def work_reshard(src: Path, dst: Path, config: dict, layout: str = "tp2dp2", wri
     dst.mkdir(parents=True, exist_ok=True)
     path = lambda i: dst / f"rank-{i:05d}.safetensors"
     if writers or only is not None:
-        for name, ps in pieces.items():  # every state's extents found (and files opened) before the threads
+        for name in pieces:  # every state's extents found before the threads (the pickles' meta loads)
             for k in KEYS:
-                view.segments(name, k, ps[ranks[0]])
+                view.extents(name, k)
         with cf.ThreadPoolExecutor(max(1, min(writers, len(ranks)))) as pool:
             for fut in [pool.submit(write_rank, view, pieces, i, path(i)) for i in ranks]:
                 fut.result()

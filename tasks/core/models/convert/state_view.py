@@ -32,6 +32,7 @@ import json
 import math
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,7 @@ class CheckpointState:
         self._extents: dict[tuple[str, str], list[tuple[int, int, str, int]] | None] = {}
         self._offsets: dict[str, dict] = {}  # optimizer file -> {id: {key: (byte offset, elements)}}
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def names(self) -> list[str]:
         """Every trained parameter, in optimizer-id order."""
@@ -387,9 +389,10 @@ class CheckpointState:
         return self._optim_map[pid]
 
     def _fd(self, path: str) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
+        with self._lock:  # writer threads share the view: one descriptor a file
+            if path not in self._fds:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            return self._fds[path]
 
     def segments(self, name: str, key: str, piece: Piece) -> list[tuple[int, int, int]] | None:
         """`local_piece`'s bytes of `key` in order, as (bytes, file descriptor, byte offset) reads (fd -1:
@@ -416,8 +419,9 @@ class CheckpointState:
         out = torch.empty(piece.length, dtype=torch.float32) if out is None else out[: piece.length]
         runs = piece_runs(piece)
         if self.extents(name, key) is None:
-            whole = self.master(name) if key == "master" else self.adam(name)[key]
-            return out.copy_(local_piece(whole.float(), piece))
+            with self._lock:  # `adam` keeps one optimizer file mapped: one thread at a time
+                whole = self.master(name) if key == "master" else self.adam(name)[key]
+                return out.copy_(local_piece(whole.float(), piece))
         if len(runs) > GATHER_RUNS:  # many short runs: one read of the range they span, then a strided copy
             lo, hi = runs[0][1], runs[-1][1] + runs[-1][2]
             span = Piece(name, 0, (hi,), (hi,), start=lo, length=hi - lo)
