@@ -16,10 +16,10 @@ hybrid_parallel tp=2 x ZeRO-1 dp=2 on 4 ranks; 1: one rank):
            parameter's whole fp32 master and AdamW state once and cutting it (`local_piece`) into
            every target rank's pieces, one safetensors file per target rank (the benchmark before);
   writers: the default: one process, a thread per target file (`write_rank`), no whole tensor:
-           each piece of each state copied file to file in the kernel (`copy_file_range`) from where
-           the source holds it (`CheckpointState.segments`: the ZeRO shards of the masters, the AdamW
-           states' offsets in the optimizer's pickles), a piece in many short runs (a tp cut along
-           dim 1) read by `read_piece` as one covering range and a strided copy, then written;
+           each piece of each state copied file to file in the kernel (`copy_file_range`, a run at
+           a time: a row of a tp cut along dim 1) from where the source holds it
+           (`CheckpointState.segments`: the ZeRO shards of the masters, the AdamW states' offsets in
+           the optimizer's pickles);
   ranks:   a process per target rank, each writing its own file as `write_rank` does (what the
            engine's ranks do on a resume: tasks/engine/masters.py `restore` reads its pieces with
            `read_piece`);
@@ -212,10 +212,9 @@ def _copy(sfd: int, soff: int, dfd: int, doff: int, n: int) -> None:
 
 def write_rank(view, pieces: dict, i: int, path: Path) -> None:
     """Target rank i's file: its header, then each parameter's three states' pieces (`local_piece`'s
-    bytes): copied file to file from where the source holds them (`segments`: a piece in a few runs),
-    read and written where it is in many short runs (a cut along dim 1) or not stored flat; fsync'd."""
-    from tasks.core.models.convert.state_view import GATHER_RUNS
-
+    bytes), copied file to file from where the source holds them (`segments`; a cut along dim 1: a
+    copy a row, as cheap in CPU as one covering read and a strided copy, and no memory), read whole
+    and cut where the source does not store the state flat; fsync'd."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         header = _header([(n, ps[i].length) for n, ps in pieces.items()])
@@ -224,7 +223,7 @@ def write_rank(view, pieces: dict, i: int, path: Path) -> None:
             p = ps[i]
             for k in KEYS:
                 segs = view.segments(name, k, p)
-                if segs is None or len(segs) > GATHER_RUNS:
+                if segs is None:
                     at += os.pwrite(fd, memoryview(view.read_piece(name, k, p).numpy()).cast("B"), at)
                     continue
                 for n, sfd, off in segs:
