@@ -204,9 +204,11 @@ def _copy(sfd: int, soff: int, dfd: int, doff: int, n: int) -> None:
         try:
             got = os.copy_file_range(sfd, dfd, n, soff, doff)
         except OSError:  # another filesystem on an old kernel, or no copy_file_range
+            got = 0
+        if got <= 0:  # (0: a filesystem that copies nothing this way, or the source's end)
             got = os.pwrite(dfd, os.pread(sfd, min(n, CHUNK), soff), doff)
         if got <= 0:
-            raise OSError(f"copy stopped with {n} bytes left")
+            raise OSError(f"copy stopped with {n} bytes left: the source file is shorter than its record")
         soff, doff, n = soff + got, doff + got, n - got
 
 
