@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from tasks.core.config.plugins import PLUGINS
-from tasks.core.errors import ManifestError
+from tasks.core.errors import ConversionError, ManifestError
 from tasks.core.models.convert.state_view import (
     MASTERS,
     CheckpointState,
@@ -127,6 +127,13 @@ def test_one_target_piece_is_read_from_the_source_files_bitwise_without_the_whol
                         got = b"".join(bytes(n) if fd < 0 else os.pread(fd, n, at) for n, fd, at in segs)
                         assert got == want.numpy().tobytes(), (name, key, p)
     view.close()
+    with pytest.raises(ValueError, match="one of master, exp_avg, exp_avg_sq"):
+        view.read_piece("norm", "step", _pieces("norm", 0, (7,), None, 1, 1)[0][0])
+    f = tmp_path / MASTERS / rank_tensor_name(1)
+    f.write_bytes(f.read_bytes()[:-8])  # rank 1's last master piece cut short: its header check names it
+    (last,) = _pieces("norm", 0, (7,), None, 1, 1)[0]
+    with pytest.raises(ConversionError, match="rank-00001.safetensors: .* \\(truncated\\)"):
+        CheckpointState(tmp_path).read_piece("norm", "master", last)
 
 
 def test_a_missing_piece_is_named(tmp_path):

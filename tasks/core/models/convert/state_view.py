@@ -341,6 +341,8 @@ class CheckpointState:
         """Where the flat whole fp32 `key` (one of STATE_KEYS) of `name` lies: (first element, elements,
         file, byte offset) runs in order covering it; None where it is not stored so (a master cut by
         tensor parallelism, or rebuilt from the weights; a non-fp32 state): read it whole."""
+        if key not in STATE_KEYS:
+            raise ValueError(f"state {key!r}: one of {', '.join(STATE_KEYS)}")
         if (name, key) not in self._extents:
             self._extents[name, key] = self._find_extents(name, key)
         return self._extents[name, key]
@@ -375,8 +377,10 @@ class CheckpointState:
             n = min(p.start + p.length, numel) - p.start
             if p.start != at or n <= 0:
                 return None  # a gap or an overlap: `master` assembles it (and names what is missing)
-            _, entries = self._header(p.rank)
-            out.append((at, n, str(self.path / MASTERS / rank_tensor_name(p.rank)), entries[p.name].offset))
+            e = self._header(p.rank)[1].get(p.name)
+            if e is None or ST_TO_TORCH.get(e.dtype) != torch.float32 or tuple(e.shape) != (p.length,):
+                return None  # `master` names what its file holds instead
+            out.append((at, n, str(self.path / MASTERS / rank_tensor_name(p.rank)), e.offset))
             at += n
         return out if at == numel else None
 
