@@ -15,18 +15,20 @@ hybrid_parallel tp=2 x ZeRO-1 dp=2 on 4 ranks; 1: one rank):
   serial:  one process, tasks.core.models.convert.state_view.CheckpointState reading every
            parameter's whole fp32 master and AdamW state once and cutting it (`local_piece`) into
            every target rank's pieces, one safetensors file per target rank (the benchmark before);
-  writers: the same read, a thread per target file writing its pieces while the next parameter is
-           read, at most one largest state in flight; a piece contiguous in the whole tensor (no tp
-           cut, or one along dim 0) is written from a view, no copy (the file write and torch's
-           copies release the GIL);
-  ranks:   a process per target rank, each reading the whole state and writing its own file from
-           views (what the engine's ranks do on a resume: tasks/engine/masters.py `restore`);
+  writers: the default: one process, a thread per target file (`write_rank`), no whole tensor:
+           each piece of each state copied file to file in the kernel (`copy_file_range`, a run at
+           a time: a row of a tp cut along dim 1) from where the source holds it
+           (`CheckpointState.segments`: the ZeRO shards of the masters, the AdamW states' offsets in
+           the optimizer's pickles);
+  ranks:   a process per target rank, each writing its own file as `write_rank` does (what the
+           engine's ranks do on a resume: tasks/engine/masters.py `restore` reads its pieces with
+           `read_piece`);
   DCP:     torch.distributed.checkpoint, gloo ranks: save from the 2 source ranks (each holding its
            rows of every state as DTensors; FileSystemWriter, sync_files=True), then load into the
            target ranks' DTensors (the tp slice, its rows over dp: the same bytes a rank as ZeRO's
            flat cut) and each rank's local tensors written to its own file;
   copy:    the checkpoint's masters/ and optimizer/ files read and written in 16 MiB chunks.
-Every file is fsync'd. It prints wall seconds (first start to last end), DCP load / ours, the peak
+Every file is fsync'd. It prints wall seconds (first start to last end), DCP load / writers, the peak
 RSS growth over the start (VmHWM reset after imports and, for DCP, after building its state)
 against the largest tensor's state (master + two moments, fp32) + 0.5 GB, and whether writers and
 ranks wrote serial's bytes (to one rank, DCP's tensors too).
@@ -196,90 +198,86 @@ def _header(entries: list[tuple[str, int]]) -> bytes:
 KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
-def _piece_bytes(full, p) -> list:
-    """`local_piece(full, p)`'s bytes, as views of `full` where the piece is contiguous in it (no tp cut, or
-    a cut along dim 0 inside the tensor) and the zero padding past its end; a copy only otherwise."""
-    import torch
-
-    from tasks.core.models.convert.state_view import local_piece
-
-    t = full
-    if p.tp_dim is not None and p.tp_size > 1:
-        if p.local_shape[p.tp_dim] * p.tp_size > t.shape[p.tp_dim]:  # a padded vocabulary's pad rows
-            return [memoryview(local_piece(full, p).numpy()).cast("B")]
-        t = t.narrow(p.tp_dim, p.tp_rank * p.local_shape[p.tp_dim], p.local_shape[p.tp_dim])
-    if not t.is_contiguous():
-        return [memoryview(local_piece(full, p).numpy()).cast("B")]
-    flat = t.reshape(-1)
-    n = max(0, min(p.start + p.length, flat.numel()) - p.start)
-    parts = [memoryview(flat[p.start : p.start + n].numpy()).cast("B")]
-    if p.length > n:
-        parts.append(memoryview(torch.zeros(p.length - n).numpy()).cast("B"))
-    return parts
+def _copy(sfd: int, soff: int, dfd: int, doff: int, n: int) -> None:
+    """n bytes from one file to another in the kernel (no user memory); pread + pwrite where it cannot."""
+    while n:
+        try:
+            got = os.copy_file_range(sfd, dfd, n, soff, doff)
+        except OSError:  # another filesystem on an old kernel, or no copy_file_range
+            got = 0
+        if got <= 0:  # (0: a filesystem that copies nothing this way, or the source's end)
+            got = os.pwrite(dfd, os.pread(sfd, min(n, CHUNK), soff), doff)
+        if got <= 0:
+            raise OSError(f"copy stopped with {n} bytes left: the source file is shorter than its record")
+        soff, doff, n = soff + got, doff + got, n - got
 
 
-def _write_pieces(f, whole: dict, p, copy: bool = False) -> None:
-    """One target rank's piece of one parameter's three states, appended to its file (the copy and the
-    write release the GIL); copy: each cut by `local_piece` (the serial writer, as before)."""
-    from tasks.core.models.convert.state_view import local_piece
-
-    for k in KEYS:
-        if copy:
-            f.write(memoryview(local_piece(whole[k], p).numpy()).cast("B"))
-        else:
-            f.writelines(_piece_bytes(whole[k], p))
+def write_rank(view, pieces: dict, i: int, path: Path) -> None:
+    """Target rank i's file: its header, then each parameter's three states' pieces (`local_piece`'s
+    bytes), copied file to file from where the source holds them (`segments`; a cut along dim 1: a
+    copy a row, as cheap in CPU as one covering read and a strided copy, and no memory), read whole
+    and cut where the source does not store the state flat; fsync'd."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        header = _header([(n, ps[i].length) for n, ps in pieces.items()])
+        at = os.write(fd, header)
+        for name, ps in pieces.items():
+            p = ps[i]
+            for k in KEYS:
+                segs = view.segments(name, k, p)
+                if segs is None:
+                    at += os.pwrite(fd, memoryview(view.read_piece(name, k, p).numpy()).cast("B"), at)
+                    continue
+                for n, sfd, off in segs:
+                    if sfd < 0:
+                        os.pwrite(fd, bytes(n), at)
+                    else:
+                        _copy(sfd, off, fd, at, n)
+                    at += n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def work_reshard(src: Path, dst: Path, config: dict, layout: str = "tp2dp2", writers: int = 0, only=None) -> None:
-    """Every parameter's whole state read once through the view and cut into the target layout's
-    pieces, one safetensors file per target rank, fsync'd. writers=0: this thread writes every file
-    in turn, each piece copied out by `local_piece` (as before); writers=N: N threads, each owning
-    whole files (a file's bytes stay in order), write the pieces of a parameter (views where they
-    are contiguous) while the next is read, at most one largest state in flight; only=i: just
-    target rank i's file (a target rank cutting its own state, as the engine does)."""
+    """One safetensors file per target rank, fsync'd. writers=0, only=None: every parameter's whole state
+    read once through the view and cut by `local_piece` into every target rank's pieces, each file in
+    turn (the serial writer, as before); writers=N: `write_rank` for each target file on N threads (the
+    copies and the reads release the GIL), no whole tensor; only=i: `write_rank` for target rank i alone
+    (a target rank writing its own state)."""
     import concurrent.futures as cf
 
     import torch
 
-    from tasks.core.models.convert.state_view import CheckpointState
+    from tasks.core.models.convert.state_view import CheckpointState, local_piece
 
     view = CheckpointState(src)
     tp, dp = LAYOUTS[layout]
     pieces = target_layout(view, config, tp, dp)
     ranks = range(tp * dp) if only is None else [only]
     dst.mkdir(parents=True, exist_ok=True)
-    budget = max(math.prod(ps[0].shape) for ps in pieces.values()) * 4 * len(KEYS)
+    path = lambda i: dst / f"rank-{i:05d}.safetensors"
+    if writers or only is not None:
+        for name in pieces:  # every state's extents found before the threads (the pickles' meta loads)
+            for k in KEYS:
+                view.extents(name, k)
+        with cf.ThreadPoolExecutor(max(1, min(writers, len(ranks)))) as pool:
+            for fut in [pool.submit(write_rank, view, pieces, i, path(i)) for i in ranks]:
+                fut.result()
+        view.close()
+        return
     with contextlib.ExitStack() as stack:
-        outs = {i: stack.enter_context(open(dst / f"rank-{i:05d}.safetensors", "wb")) for i in ranks}
+        outs = {i: stack.enter_context(open(path(i), "wb")) for i in ranks}
         for i, f in outs.items():  # one output per target rank: its header first, then its pieces streamed
             f.write(_header([(n, ps[i].length) for n, ps in pieces.items()]))
-        pools = [stack.enter_context(cf.ThreadPoolExecutor(1)) for _ in range(min(writers, len(outs)))]
-        inflight: list[tuple[list, int]] = []
         for name, ps in pieces.items():
-            nbytes = math.prod(ps[0].shape) * 4 * len(KEYS)
-            while inflight and sum(b for _, b in inflight) + nbytes > budget:  # the peak: one largest state
-                for fut in inflight.pop(0)[0]:
-                    fut.result()
             whole = {"master": view.master(name), **{k: v for k, v in view.adam(name).items() if k != "step"}}
             whole = {k: v.to(torch.float32) for k, v in whole.items()}
-            if not pools:
-                for i, f in outs.items():
-                    _write_pieces(f, whole, ps[i], copy=only is None)
-                continue
-            futs = [
-                pools[j % len(pools)].submit(_write_pieces, f, whole, ps[i]) for j, (i, f) in enumerate(outs.items())
-            ]
-            inflight.append((futs, nbytes))
-            del whole
-        for futs, _ in inflight:
-            for fut in futs:
-                fut.result()
-        fsyncs = [pools[j % len(pools)].submit(_fsync, f) for j, f in enumerate(outs.values())] if pools else []
-        for fut in fsyncs:
-            fut.result()
-        if not pools:
-            for f in outs.values():
-                _fsync(f)
+            for i, f in outs.items():
+                for k in KEYS:
+                    f.write(memoryview(local_piece(whole[k], ps[i]).numpy()).cast("B"))
+        for f in outs.values():
+            _fsync(f)
     view.close()
 
 
@@ -415,11 +413,11 @@ def run(kind: str, src: Path, dst: Path, config: dict, procs: int = 1, keep: boo
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(REPO / "benchmarks"), str(REPO)))}  # _checkout, support
-    ps = []
+    ps, ranks = [], spec.pop("ranks", False)
     for r in range(procs):
         one = {"kind": kind, "src": str(src), "dst": str(dst), "config": config, "rank": r, "world": procs}
         one.update(port=port, **spec)
-        if kind == "reshard" and procs > 1:
+        if ranks:
             one["only"] = r
         ps.append(
             subprocess.Popen(
@@ -489,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(
         f"{'size':<6} {'layout':<7} {'state GB':>9} {'serial s':>9} {'writers s':>10} {'ranks s':>8} {'DCP save s':>11} "
-        f"{'DCP load s':>11} {'DCP/ours':>9} {'peak serial GB':>15} {'peak writers GB':>16} {'DCP peak GB':>12} "
+        f"{'DCP load s':>11} {'DCP/writers':>11} {'peak serial GB':>15} {'peak writers GB':>16} {'DCP peak GB':>12} "
         f"{'limit GB':>9} {'bitwise':>8}"
     )
     notes = []
@@ -518,22 +516,25 @@ def main(argv: list[str] | None = None) -> int:
                     res["writers"].append(
                         run("reshard", src, out["writers"], config, keep=keep, layout=layout, writers=n)
                     )
-                    res["ranks"].append(run("reshard", src, out["ranks"], config, procs=n, keep=keep, layout=layout))
+                    res["ranks"].append(
+                        run("reshard", src, out["ranks"], config, procs=n, keep=keep, layout=layout, ranks=True)
+                    )
                     res["dcp"].append(run("dcp-load", src, out["dcp"], config, procs=n, keep=keep, layout=layout))
                 same = digest(out["serial"]) == digest(out["writers"]) == digest(out["ranks"])
                 if layout == "1":  # one rank: DCP's output holds the same whole tensors in the same order
                     same = same and _payload(out["dcp"]) == _payload(out["serial"])
-                ours = min(median(res["writers"], "seconds"), median(res["ranks"], "seconds"))
+                ours = median(res["writers"], "seconds")
                 print(
                     f"{size:<6} {layout:<7} {state / 1e9:>9.3f} {median(res['serial'], 'seconds'):>9.2f} "
                     f"{median(res['writers'], 'seconds'):>10.2f} {median(res['ranks'], 'seconds'):>8.2f} "
                     f"{median(save, 'seconds'):>11.2f} {median(res['dcp'], 'seconds'):>11.2f} "
-                    f"{median(res['dcp'], 'seconds') / ours:>9.2f} {gb(median(res['serial'], 'growth_kb')):>15.3f} "
+                    f"{median(res['dcp'], 'seconds') / ours:>11.2f} {gb(median(res['serial'], 'growth_kb')):>15.3f} "
                     f"{gb(median(res['writers'], 'growth_kb')):>16.3f} {gb(median(res['dcp'], 'growth_kb')):>12.3f} "
                     f"{limit / 1e9:>9.3f} {'yes' if same else 'NO':>8}"
                 )
                 notes.append(
-                    f"{size} {layout}: ranks' peak growth {gb(median(res['ranks'], 'growth_kb')):.3f} GB a process, "
+                    f"{size} {layout}: DCP load / ranks {median(res['dcp'], 'seconds') / median(res['ranks'], 'seconds'):.2f}; "
+                    f"ranks' peak growth {gb(median(res['ranks'], 'growth_kb')):.3f} GB a process, "
                     f"{gb(median(res['ranks'], 'growth_sum_kb')):.3f} GB summed; DCP load's summed "
                     f"{gb(median(res['dcp'], 'growth_sum_kb')):.3f} GB"
                 )
@@ -551,10 +552,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(notes))
     print(
         "from low_level_zero ZeRO-2 on 2 ranks to tp2dp2 (hybrid_parallel tp=2 x ZeRO-1 dp=2, 4 ranks) or 1 (one rank); "
-        "serial: one process writes every target file (before); writers: one process reads, a thread per target "
-        "file writes; ranks: each target rank its own process and file; DCP: torch.distributed.checkpoint "
+        "serial: one process cuts whole tensors into every target file (before); writers (the default): one "
+        "process, a thread per target file copying its pieces from the source files; ranks: each target rank "
+        "its own process and file; DCP: torch.distributed.checkpoint "
         "save from the 2 source ranks, load into the target ranks' DTensors + each rank's file (every file "
-        "fsync'd on both sides); DCP/ours = DCP load s / the faster of writers and ranks; seconds and peaks: "
+        "fsync'd on both sides); DCP/writers = DCP load s / writers s; seconds and peaks: "
         f"medians of {a.repeat}; limit: the largest tensor's fp32 master and moments + 0.5 GB; bitwise: "
         "writers and ranks wrote serial's bytes (and DCP the same tensors, to one rank)"
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from tasks.core.config.plugins import PLUGINS
-from tasks.core.errors import ManifestError
+from tasks.core.errors import ConversionError, ManifestError
 from tasks.core.models.convert.state_view import (
     MASTERS,
     CheckpointState,
@@ -94,6 +95,45 @@ def test_whole_masters_and_adam_state_come_back_bitwise_from_any_cut(tmp_path):
         for p in cut[name]:  # the padding past a slice's end is zeros, as the optimizers pad
             piece = local_piece(whole, p)
             assert piece.shape == (p.length,) and not piece[max(0, p.local_numel - p.start) :].any()
+
+
+def test_one_target_piece_is_read_from_the_source_files_bitwise_without_the_whole(tmp_path):
+    """`read_piece` and `segments` give `local_piece`'s bytes of every state for target cuts the source
+    did not make (tp along rows, columns, a padded vocabulary, ZeRO shares mid-row and past the end):
+    from the files where the source keeps the state flat, cut from the whole where its master is tp-cut."""
+    g = torch.Generator().manual_seed(1)
+    params = {
+        "embed": (torch.randn(515, 6, generator=g), None, 1, 2),  # ZeRO-2 source: flat masters
+        "o_proj": (torch.randn(40, 10, generator=g), None, 1, 3),
+        "norm": (torch.randn(7, generator=g), None, 1, 4),
+        "head": (torch.randn(9, 5, generator=g), 0, 2, 3),  # a tp-cut source master: read whole
+    }
+    _write(tmp_path, params)
+    view = CheckpointState(tmp_path)
+    assert view.extents("embed", "master") is not None and view.extents("embed", "exp_avg") is not None
+    assert view.extents("head", "master") is None and view.extents("head", "exp_avg_sq") is not None
+    for name, (whole, *_rest) in params.items():
+        states = {"master": whole, "exp_avg": whole * 0.5, "exp_avg_sq": whole * whole}
+        dims = [None, *range(whole.dim())]
+        for tp_dim, tp, zero in [
+            (d, t, z) for d in dims for t in (1, 2, 3) for z in (1, 2, 3, 5) if (d is None) == (t == 1)
+        ]:
+            for p in [p for row in _pieces(name, 0, whole.shape, tp_dim, tp, zero) for p in row]:
+                for key, full in states.items():
+                    want = local_piece(full, p)
+                    assert torch.equal(view.read_piece(name, key, p), want), (name, key, p)
+                    segs = view.segments(name, key, p)
+                    if segs is not None:  # what a file-to-file writer copies
+                        got = b"".join(bytes(n) if fd < 0 else os.pread(fd, n, at) for n, fd, at in segs)
+                        assert got == want.numpy().tobytes(), (name, key, p)
+    view.close()
+    with pytest.raises(ValueError, match="one of master, exp_avg, exp_avg_sq"):
+        view.read_piece("norm", "step", _pieces("norm", 0, (7,), None, 1, 1)[0][0])
+    f = tmp_path / MASTERS / rank_tensor_name(1)
+    f.write_bytes(f.read_bytes()[:-8])  # rank 1's last master piece cut short: its header check names it
+    (last,) = _pieces("norm", 0, (7,), None, 1, 1)[0]
+    with pytest.raises(ConversionError, match="rank-00001.safetensors: .* \\(truncated\\)"):
+        CheckpointState(tmp_path).read_piece("norm", "master", last)
 
 
 def test_a_missing_piece_is_named(tmp_path):

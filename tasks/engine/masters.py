@@ -17,8 +17,9 @@ The JSON is written under fp32 too (no masters): it names every parameter's opti
 the layout-neutral view (`CheckpointState`) needs to read ColossalAI's optimizer files by name.
 
 Restore, after ColossalAI rebuilt the masters: a piece with the same coordinates in the checkpoint
-is read as it was written; any other is cut from the whole master (`local_piece`), so a new
-layout gets the same fp32 values. fp16's dynamic loss scale (its scale and the two counters
+is read as it was written; any other is cut from the whole master (`local_piece`'s bytes, read by
+`CheckpointState.read_piece` straight from the source's pieces where they are flat, without the
+whole tensor), so a new layout gets the same fp32 values. fp16's dynamic loss scale (its scale and the two counters
 ColossalAI's own state_dict leaves out) is saved and restored beside them.
 """
 
@@ -39,7 +40,6 @@ from tasks.core.models.convert.state_view import (
     MASTERS,
     CheckpointState,
     Piece,
-    local_piece,
     rank_record_name,
     rank_tensor_name,
 )
@@ -261,7 +261,7 @@ def restore(eng, ckpt: Path) -> str:
             view._read_piece(same, buf)
             direct += 1
         else:  # another layout (or fp32 weights of a checkpoint without masters): cut from the whole
-            buf = local_piece(view.master(p.name), p)
+            buf = view.read_piece(p.name, "master", p)
             cut += 1
         dst.view(-1).copy_(buf[: dst.numel()].to(dst.device))
     rec = json.loads((ckpt / MASTERS / rank_record_name(min(eng.rank, len(view.ranks) - 1))).read_text())

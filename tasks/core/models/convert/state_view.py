@@ -20,7 +20,10 @@ What it reads from a `step-NNNNNN/` directory (tasks/engine/masters.py writes th
   `base_model.model.` without its adapter name (`.default`), as peft saves them.
 
 Memory: one whole tensor (the assembled master, or one state memory-mapped) at a time; a master's
-pieces are read with `pread` straight into the whole tensor.
+pieces are read with `pread` straight into the whole tensor. `read_piece` reads just one target
+rank's piece of a state (`local_piece`'s bytes) from where the source stores it flat (masters not
+cut by tensor parallelism, fp32 AdamW states: their offsets from a `map_location="meta"` load), no
+whole tensor; `segments` says where those bytes lie, for a writer that copies file to file.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import json
 import math
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +50,19 @@ ADAPTER_WEIGHTS = "adapter/adapter_model.safetensors"  # a LoRA checkpoint's wei
 PEFT_PREFIX = "base_model.model."  # a PeftModel's names before the model's own
 PEFT_ADAPTER_NAME = "default"  # the adapter name peft puts in parameter names and strips from saved keys
 
-__all__ = ["MASTERS", "CheckpointState", "Piece", "local_piece", "rank_record_name", "rank_tensor_name"]
+STATE_KEYS = ("master", *ADAM_KEYS)  # the fp32 states `read_piece` reads
+GATHER_RUNS = 16  # a piece in more runs than this (a cut along a later dim) is read as one covering range
+
+__all__ = [
+    "MASTERS",
+    "STATE_KEYS",
+    "CheckpointState",
+    "Piece",
+    "local_piece",
+    "piece_runs",
+    "rank_record_name",
+    "rank_tensor_name",
+]
 
 
 def rank_record_name(rank: int) -> str:
@@ -128,6 +144,42 @@ def local_piece(full: torch.Tensor, piece: Piece) -> torch.Tensor:
     return out
 
 
+def piece_runs(piece: Piece) -> list[tuple[int, int, int]]:
+    """`local_piece`'s elements as runs of the whole tensor's flat view: (offset in the piece, first
+    element in the whole, elements); what no run covers is zero (padded vocabulary rows, ZeRO's tail)."""
+    shape, end = piece.shape, piece.start + piece.length
+    if piece.tp_dim is None or piece.tp_size <= 1:
+        n = max(0, min(end, math.prod(shape)) - piece.start)
+        return [(0, piece.start, n)] if n else []
+    d, rows = piece.tp_dim, piece.local_shape[piece.tp_dim]
+    inner = math.prod(shape[d + 1 :])
+    block = rows * inner  # the slice's elements per index of the dims before d
+    valid = max(0, min(rows, shape[d] - piece.tp_rank * rows)) * inner  # the rest of a block is vocabulary padding
+    runs = []
+    for o in range(piece.start // block, min(-(-end // block), math.prod(shape[:d]))):
+        lo, hi = max(piece.start, o * block), min(end, o * block + valid)
+        if hi > lo:
+            runs.append((lo - piece.start, o * shape[d] * inner + piece.tp_rank * block + lo - o * block, hi - lo))
+    return runs
+
+
+def _regular(runs: list[tuple[int, int, int]]):
+    """Consecutive runs of one length at constant strides, grouped: (count, first run, (strides))."""
+    i = 0
+    while i < len(runs):
+        j, step = i + 1, None
+        if j < len(runs) and runs[j][2] == runs[i][2]:
+            step = (runs[j][0] - runs[i][0], runs[j][1] - runs[i][1])
+            while (
+                j < len(runs)
+                and runs[j][2] == runs[i][2]
+                and (runs[j][0] - runs[j - 1][0], runs[j][1] - runs[j - 1][1]) == step
+            ):
+                j += 1
+        yield j - i, runs[i], step or (0, 0)
+        i = j
+
+
 @dataclass
 class _Rank:
     rank: int
@@ -163,6 +215,10 @@ class CheckpointState:
         self._headers: dict[int, tuple[int, dict]] = {}
         self._optim: tuple[str, dict] | None = None  # the one optimizer file kept open
         self._optim_map: dict[str, str] | None = None
+        self._extents: dict[tuple[str, str], list[tuple[int, int, str, int]] | None] = {}
+        self._offsets: dict[str, dict] = {}  # optimizer file -> {id: {key: (byte offset, elements)}}
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def names(self) -> list[str]:
         """Every trained parameter, in optimizer-id order."""
@@ -265,13 +321,7 @@ class CheckpointState:
     def adam(self, name: str) -> dict[str, Any]:
         """AdamW's whole state of `name`: exp_avg and exp_avg_sq (fp32, the parameter's shape) and step."""
         pid = str(self.ids[name])
-        index_path = self.path / "optimizer" / OPTIM_INDEX
-        if self._optim_map is None:
-            self._optim_map = json.loads(index_path.read_text())["weight_map"]
-        weight_map = self._optim_map
-        if pid not in weight_map:
-            raise ManifestError(f"{index_path}: no state for parameter id {pid} ({name})")
-        fname = weight_map[pid]
+        fname = self._optim_file(name)
         if self._optim is None or self._optim[0] != fname:
             self._optim = None  # drop the previous file's map first
             self._optim = (
@@ -285,8 +335,119 @@ class CheckpointState:
         out["step"] = float(step.item()) if isinstance(step, torch.Tensor) else float(step)
         return out
 
+    # -- one target piece, without the whole tensor ---------------------------------------------
+
+    def extents(self, name: str, key: str) -> list[tuple[int, int, str, int]] | None:
+        """Where the flat whole fp32 `key` (one of STATE_KEYS) of `name` lies: (first element, elements,
+        file, byte offset) runs in order covering it; None where it is not stored so (a master cut by
+        tensor parallelism, or rebuilt from the weights; a non-fp32 state): read it whole."""
+        if key not in STATE_KEYS:
+            raise ValueError(f"state {key!r}: one of {', '.join(STATE_KEYS)}")
+        if (name, key) not in self._extents:
+            self._extents[name, key] = self._find_extents(name, key)
+        return self._extents[name, key]
+
+    def _find_extents(self, name: str, key: str) -> list[tuple[int, int, str, int]] | None:
+        numel = math.prod(self.by_name[name][0].shape)
+        if key != "master":
+            fname = self._optim_file(name)
+            if fname not in self._offsets:  # the pickle alone: a meta load reads no tensor data
+                meta = torch.load(self.path / "optimizer" / fname, map_location="meta", weights_only=True)
+                self._offsets[fname] = {
+                    pid: {
+                        k: (t.untyped_storage()._checkpoint_offset + t.storage_offset() * 4, t.numel())
+                        for k, t in st.items()
+                        if k in ADAM_KEYS
+                        and isinstance(t, torch.Tensor)
+                        and t.dtype == torch.float32
+                        and t.is_contiguous()
+                        and getattr(t.untyped_storage(), "_checkpoint_offset", None) is not None  # torch >= 2.6
+                    }
+                    for pid, st in meta.items()
+                    if isinstance(st, dict)
+                }
+            off = self._offsets[fname].get(self.ids[name], {}).get(key)
+            path = str(self.path / "optimizer" / fname)
+            return [(0, numel, path, off[0])] if off is not None and off[1] == numel else None
+        pieces = sorted({p.start: p for p in self.by_name[name] if p.saved}.values(), key=lambda p: p.start)
+        if not pieces or any(p.tp_dim is not None and p.tp_size > 1 for p in pieces):
+            return None
+        out, at = [], 0
+        for p in pieces:
+            n = min(p.start + p.length, numel) - p.start
+            if p.start != at or n <= 0:
+                return None  # a gap or an overlap: `master` assembles it (and names what is missing)
+            e = self._header(p.rank)[1].get(p.name)
+            if e is None or ST_TO_TORCH.get(e.dtype) != torch.float32 or tuple(e.shape) != (p.length,):
+                return None  # `master` names what its file holds instead
+            out.append((at, n, str(self.path / MASTERS / rank_tensor_name(p.rank)), e.offset))
+            at += n
+        return out if at == numel else None
+
+    def _optim_file(self, name: str) -> str:
+        if self._optim_map is None:
+            self._optim_map = json.loads((self.path / "optimizer" / OPTIM_INDEX).read_text())["weight_map"]
+        pid = str(self.ids[name])
+        if pid not in self._optim_map:
+            raise ManifestError(f"{self.path}/optimizer/{OPTIM_INDEX}: no state for parameter id {pid} ({name})")
+        return self._optim_map[pid]
+
+    def _fd(self, path: str) -> int:
+        with self._lock:  # writer threads share the view: one descriptor a file
+            if path not in self._fds:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            return self._fds[path]
+
+    def segments(self, name: str, key: str, piece: Piece) -> list[tuple[int, int, int]] | None:
+        """`local_piece`'s bytes of `key` in order, as (bytes, file descriptor, byte offset) reads (fd -1:
+        zeros), or None where the state is not stored flat (`extents`)."""
+        ext = self.extents(name, key)
+        if ext is None:
+            return None
+        out, at = [], 0
+        for off, first, n in piece_runs(piece):
+            if off > at:
+                out.append(((off - at) * 4, -1, 0))
+            for s, m, path, byte in ext:
+                lo, hi = max(first, s), min(first + n, s + m)
+                if hi > lo:
+                    out.append(((hi - lo) * 4, self._fd(path), byte + (lo - s) * 4))
+            at = off + n
+        if piece.length > at:
+            out.append(((piece.length - at) * 4, -1, 0))
+        return out
+
+    def read_piece(self, name: str, key: str, piece: Piece, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`local_piece(whole key state of name, piece)`, read from the source files without the whole
+        tensor where `extents` knows where it lies (else cut from the whole); into `out` when given."""
+        out = torch.empty(piece.length, dtype=torch.float32) if out is None else out[: piece.length]
+        runs = piece_runs(piece)
+        if self.extents(name, key) is None:
+            with self._lock:  # `adam` keeps one optimizer file mapped: one thread at a time
+                whole = self.master(name) if key == "master" else self.adam(name)[key]
+                return out.copy_(local_piece(whole.float(), piece))
+        if len(runs) > GATHER_RUNS:  # many short runs: one read of the range they span, then a strided copy
+            lo, hi = runs[0][1], runs[-1][1] + runs[-1][2]
+            span = Piece(name, 0, (hi,), (hi,), start=lo, length=hi - lo)
+            buf = self.read_piece(name, key, span)
+            out.zero_()
+            for k, (off, first, n), (doff, dfirst) in _regular(runs):  # k runs a stride apart: one copy each
+                out.as_strided((k, n), (doff, 1), off).copy_(buf.as_strided((k, n), (dfirst, 1), first - lo))
+            return out
+        view, at = memoryview(out.numpy()).cast("B"), 0
+        for nbytes, fd, byte in self.segments(name, key, piece):
+            if fd < 0:
+                out[at // 4 : (at + nbytes) // 4].zero_()
+            elif os.preadv(fd, [view[at : at + nbytes]], byte) != nbytes:
+                raise ManifestError(f"{self.path}: {name}'s {key} is truncated")
+            at += nbytes
+        return out
+
     def close(self) -> None:
         self._optim = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
 
 
 def _main(argv: list[str]) -> int:
