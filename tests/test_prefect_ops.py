@@ -321,7 +321,8 @@ def assert_form_refused(message: str) -> None:
 def test_the_flow_serves_as_prefect_documents_it(prefect_harness, tiny_model_dir, tmp_path):
     """`cpt_to_sft.serve(name=...)` in a process of its own, a run of its deployment through the API:
     Prefect validates the served run's parameters (the RunOverrides model once failed with "not fully
-    defined") and the flow answers the form with every problem at once."""
+    defined") and the flow answers the form with every problem at once. Then a second run of the same
+    served process, preempted, waits for capacity and completes (`preempted_served_run`)."""
     import os
 
     from prefect.deployments import run_deployment
@@ -394,7 +395,7 @@ def preempted_served_run(tmp_path: Path, tiny_model_dir: Path, log: Path, serve_
     seen, deadline = [], time.monotonic() + 600  # the correct run takes well under a minute
     with get_client(sync_client=True) as client:
         while True:
-            started |= children() - before  # a process lives seconds: a 0.2 s sampling sees each one
+            started |= children() - before  # a process lives seconds: a 0.5 s sampling sees each one
             now = client.read_flow_run(run.id)
             if now.state is not None and now.state.is_final():
                 break
@@ -402,10 +403,10 @@ def preempted_served_run(tmp_path: Path, tiny_model_dir: Path, log: Path, serve_
             if now.state is not None and now.state.name == "AwaitingRetry":
                 seen.append(now.empirical_policy.retry_type)
                 notice.unlink(missing_ok=True)  # capacity comes back
-            time.sleep(0.2)
+            time.sleep(0.5)
         while children() - before:  # the run's process ends (stopping the runner before would cancel it)
             assert time.monotonic() < deadline, (children(), before, log.read_text(errors="replace")[-3000:])
-            time.sleep(0.2)
+            time.sleep(0.5)
         now = client.read_flow_run(run.id)
         history = [s.name for s in sorted(client.read_flow_run_states(run.id), key=lambda s: s.timestamp)]
         task_runs = client.read_task_runs(
