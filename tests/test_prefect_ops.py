@@ -379,7 +379,7 @@ def preempted_served_run(tmp_path: Path, tiny_model_dir: Path, log: Path, serve_
     raw["name"] = f"served-spot-{uuid.uuid4().hex[:6]}"
     raw["cpt"]["elastic"] = {
         "notices": [{"source": "file", "endpoint": str(notice), "poll_s": 0.1}],
-        "retry_wait_s": 8.0,
+        "retry_wait_s": 12.0,  # the test sees the wait (it polls every 0.5 s) even on a loaded machine
         "max_preemptions": 2,
     }
     config = write_config(tmp_path / "spot.yaml", raw)
