@@ -321,7 +321,8 @@ def assert_form_refused(message: str) -> None:
 def test_the_flow_serves_as_prefect_documents_it(prefect_harness, tiny_model_dir, tmp_path):
     """`cpt_to_sft.serve(name=...)` in a process of its own, a run of its deployment through the API:
     Prefect validates the served run's parameters (the RunOverrides model once failed with "not fully
-    defined") and the flow answers the form with every problem at once."""
+    defined") and the flow answers the form with every problem at once. Then a second run of the same
+    served process, preempted, waits for capacity and completes (`preempted_served_run`)."""
     import os
 
     from prefect.deployments import run_deployment
@@ -354,8 +355,82 @@ def test_the_flow_serves_as_prefect_documents_it(prefect_harness, tiny_model_dir
         assert run.state.name == "Refused", (run.state, said[-3000:])
         assert_form_refused(run.state.message)
         assert "not fully defined" not in said and "Traceback" not in said, said[-3000:]
+        preempted_served_run(tmp_path, tiny_model_dir, log, proc.pid)
     finally:
         stop_group(proc)
+
+
+def preempted_served_run(tmp_path: Path, tiny_model_dir: Path, log: Path, serve_pid: int) -> None:
+    """Issue 53's retry through the deployment: a served run preempted by a `file` notice (present
+    at the start) waits for capacity AwaitingRetry, in its own process, while the runner keeps
+    polling its deployment for scheduled runs (it would find this one: the runner's query does not
+    read `retry_type`); the test withdraws the notice when it sees the wait, and the same process
+    goes on to Completed: no second Submitting, no second process, no failure retry used."""
+    import uuid
+
+    import psutil
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.deployments import run_deployment
+
+    notice = tmp_path / "spot-notice"
+    notice.write_text("spot capacity reclaimed\n")
+    raw = tiny_config_raw(tiny_model_dir, tmp_path / "spot-run")
+    raw["name"] = f"served-spot-{uuid.uuid4().hex[:6]}"
+    raw["cpt"]["elastic"] = {
+        "notices": [{"source": "file", "endpoint": str(notice), "poll_s": 0.1}],
+        "retry_wait_s": 12.0,  # the test sees the wait (it polls every 0.5 s) even on a loaded machine
+        "max_preemptions": 2,
+    }
+    config = write_config(tmp_path / "spot.yaml", raw)
+    # prepare_cpt is the last stage: no torchrun launch
+    params = {"config": str(config), "stop_after": "prepare_cpt"}
+    served = psutil.Process(serve_pid)
+
+    def children() -> set[int]:  # the runner starts each flow run in a child process of its own
+        return {c.pid for c in served.children()}
+
+    before, started = children(), set()  # before: the first run's multiprocessing resource tracker
+    run = run_deployment("cpt-to-sft/served", parameters=params, timeout=0)
+    seen, deadline = [], time.monotonic() + 600  # the correct run takes well under a minute
+    with get_client(sync_client=True) as client:
+        while True:
+            started |= children() - before  # a process lives seconds: a 0.5 s sampling sees each one
+            now = client.read_flow_run(run.id)
+            if now.state is not None and now.state.is_final():
+                break
+            assert time.monotonic() < deadline, (now.state, log.read_text(errors="replace")[-3000:])
+            if now.state is not None and now.state.name == "AwaitingRetry":
+                seen.append(now.empirical_policy.retry_type)
+                notice.unlink(missing_ok=True)  # capacity comes back
+            time.sleep(0.5)
+        while children() - before:  # the run's process ends (stopping the runner before would cancel it)
+            assert time.monotonic() < deadline, (children(), before, log.read_text(errors="replace")[-3000:])
+            time.sleep(0.5)
+        now = client.read_flow_run(run.id)
+        history = [s.name for s in sorted(client.read_flow_run_states(run.id), key=lambda s: s.timestamp)]
+        task_runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
+        )
+    said = log.read_text(errors="replace")
+    assert now.state.is_completed(), (now.state, history, said[-3000:])
+    # submitted once by the runner, waited in its one process, never Crashed nor Failed
+    want = ["Scheduled", "Pending", "Submitting", "Running", "AwaitingRetry", "Running", "Completed"]
+    assert history == want, history
+    assert len(started) == 1, started
+    assert seen and set(seen) == {"in_process"}, seen
+    assert now.run_count == 1 and now.empirical_policy.retry_type is None, now  # no failure attempt used
+    assert said.count(f"flow-run/{run.id}") == 1, said[-3000:]  # one process began it ("View at ...")
+    assert said.count("Beginning flow run") == 2 and "Traceback" not in said, said[-3000:]  # the refused run + this
+    summary = json.loads((tmp_path / "spot-run" / "run.json").read_text())
+    (rec,) = summary["preemptions"]
+    assert (rec["source"], rec["steps_lost"]) == ("file", 0), rec
+    first = rec["stage"]
+    assert first == "load_from_hf", rec  # the notice is there from the start: the first stage stops
+    states = sorted((t.name, t.state.name) for t in task_runs if t.name.startswith(first))
+    assert [s for _, s in states] == ["Completed", "Preempted"], states  # preempted once, then finished
+    status = {s["stage"]: s["status"] for s in summary["stages"]}
+    assert status[first] == "completed" and status["prepare_cpt"] == "completed", status
 
 
 @pytest.fixture(scope="module")

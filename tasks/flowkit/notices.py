@@ -206,7 +206,7 @@ def await_capacity(wait_s: float, message: str) -> bool:
     then Running again. As in Prefect's own in-process flow retry (its RetryFailedFlows rule), the run
     is marked `retry_type: in_process` meanwhile, so no worker of its pool starts it a second time;
     and it re-enters Running marked `resuming`, as a resumed pause does, so the wait counts no attempt
-    against the flow run's `retries`. False when the run was cancelled (or otherwise ended) meanwhile:
+    against the flow run's `retries` (the mark is cleared once the run is Running). False when the run was cancelled (or otherwise ended) meanwhile:
     the server would let Running follow Cancelled, so the state is read each second of the wait."""
     from prefect import get_client
     from prefect.exceptions import Abort
@@ -238,9 +238,12 @@ def await_capacity(wait_s: float, message: str) -> bool:
             now = client.read_flow_run(run_id).state
             if now is None or now.id != waiting.id:  # cancelled from the UI or the API
                 return False
-        policy(retry_type=None, resuming=True)
+        # in_process until Running is in: cleared before, a worker polling the still-Scheduled run could take it
+        policy(resuming=True)
         try:
             state = propose_state_sync(client, Running(message=f"retrying after: {message}"), flow_run_id=run_id)
         except Abort:
             return False
+        finally:
+            policy(retry_type=None)
     return state.is_running()
