@@ -206,8 +206,9 @@ def await_capacity(wait_s: float, message: str) -> bool:
     then Running again. As in Prefect's own in-process flow retry (its RetryFailedFlows rule), the run
     is marked `retry_type: in_process` meanwhile, so no worker of its pool starts it a second time;
     and it re-enters Running marked `resuming`, as a resumed pause does, so the wait counts no attempt
-    against the flow run's `retries` (the mark is cleared once the run is Running). False when the run was cancelled (or otherwise ended) meanwhile:
-    the server would let Running follow Cancelled, so the state is read each second of the wait."""
+    against the flow run's `retries` (the mark is cleared once the run is Running). False when the run
+    was cancelled (or otherwise ended) meanwhile: the server would let Running follow Cancelled, so the
+    state is read each second of the wait."""
     from prefect import get_client
     from prefect.exceptions import Abort
     from prefect.runtime import flow_run
