@@ -22,6 +22,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from tasks.core.errors import ConfigError, ConversionError
 from tasks.core.models.families import FAMILIES, expected_tensors, family_config, policy_problem, tied_keys
 from tasks.core.run.manifest import PROVENANCE_DIR
+from tests._activations import kept_per_token
 
 DIMS = dict(
     vocab_size=512,
@@ -221,21 +222,7 @@ def test_the_memory_estimate_counts_a_derived_familys_parameters_and_the_activat
         assert by_what(est)["activations"] > 0
     # what torch keeps for the backward of one OLMo 2 layer, against the terms read off its tensor names:
     # Llama's plus its query/key norms (Llama's alone were 11 % under in fp32, 14 % in bf16)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    on, seen = [False], {}
-
-    def pack(t):
-        if on[0] and t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    layer = model.model.layers[1]
-    layer.register_forward_pre_hook(lambda *_: on.__setitem__(0, True))
-    layer.register_forward_hook(lambda *_: on.__setitem__(0, False))
-    ids = torch.randint(3, 512, (2, 32))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.train()(input_ids=ids, labels=ids, use_cache=False)
-    measured, table = sum(seen.values()) / ids.numel(), layer_activation_bytes(mc, 4)
+    measured, table = kept_per_token(model, "model.layers.1", vocab=512), layer_activation_bytes(mc, 4)
     print(f"olmo2 layer activations per token: measured {measured:.0f} B, the derived terms {table:.0f} B")
     # as for a named row: the table leaves out each norm's 1-wide inverse RMS and RoPE's cos/sin
     assert table <= measured <= table * 1.02, (measured, table)
@@ -458,26 +445,6 @@ def test_the_engine_builds_a_policy_rows_family_with_what_its_policy_needs():
     assert est.construction == 4 * sum(p.numel() for p in _policy_model("gptj").parameters()), est
 
 
-def _kept_per_token(model: transformers.PreTrainedModel, layer_prefix: str, dtype: torch.dtype) -> float:
-    """Bytes torch keeps for the backward of decoder layer 1, per token (saved-tensor hooks)."""
-    model = model.to(dtype).train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    on, seen = [False], {}
-
-    def pack(t):
-        if on[0] and t.untyped_storage().data_ptr() not in params:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    layer = model.get_submodule(layer_prefix.format(i=1)[:-1])
-    layer.register_forward_pre_hook(lambda *_: on.__setitem__(0, True))
-    layer.register_forward_hook(lambda *_: on.__setitem__(0, False))
-    ids = torch.randint(3, 300, (2, 32))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids, use_cache=False)
-    return sum(seen.values()) / ids.numel()
-
-
 @pytest.mark.parametrize("model_type", sorted(POLICY_TINY))
 def test_a_policy_rows_stated_activation_ratio_is_what_its_layer_keeps(model_type):
     """The families table says how far Llama's terms are from a non-Llama layout's layer: re-measured; a row
@@ -498,7 +465,7 @@ def test_a_policy_rows_stated_activation_ratio_is_what_its_layer_keeps(model_typ
     family, row = family_of(mc), POLICY_ROWS[model_type]
     assert family.layer_activations == (row.layer_activations or LLAMA_LAYER_ACTIVATIONS)
     for dtype, size, stated in zip((torch.float32, torch.bfloat16), (4, 2), row.llama_terms_ratio):
-        kept = _kept_per_token(model, family.layer_prefix, dtype)
+        kept = kept_per_token(model.to(dtype), family.layer_prefix.format(i=1)[:-1])
         ratio = layer_activation_bytes(mc, size, terms=LLAMA_LAYER_ACTIVATIONS) / kept
         assert abs(ratio - stated) <= 0.03, (model_type, dtype, ratio, stated)
         if row.layer_activations:  # less only the 1-wide tensors (inverse RMS, the weights' sum) and RoPE's cos/sin

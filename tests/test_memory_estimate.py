@@ -28,6 +28,7 @@ from tasks.core.preflight.memory import (
     layer_activation_bytes,
     table,
 )
+from tests._activations import kept_per_token
 from tests.conftest import write_config
 from tests.test_preflight import LLAMA3_8B, Case, _all, _llama3, _set
 
@@ -166,23 +167,7 @@ def _saved_per_token(family: str, dtype: torch.dtype) -> float:
     )
     cfg = getattr(transformers, spec.config_class)(**dims, **spec.demo_config)
     torch.manual_seed(0)
-    model = getattr(transformers, spec.model_class)(cfg).to(dtype).train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    on, seen = [False], {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if on[0] and ptr not in params:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    layer = model.model.layers[1]
-    layer.register_forward_pre_hook(lambda *_: on.__setitem__(0, True))
-    layer.register_forward_hook(lambda *_: on.__setitem__(0, False))
-    ids = torch.randint(3, 300, (2, 32))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids, use_cache=False)
-    return sum(seen.values()) / ids.numel()
+    return kept_per_token(getattr(transformers, spec.model_class)(cfg).to(dtype), "model.layers.1")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
