@@ -166,15 +166,21 @@ def write_checkpoint(out: Path, config: dict) -> dict:
 LAYOUTS = {"tp2dp2": (TP, DP), "1": (1, 1)}  # hybrid_parallel tp=2 x ZeRO-1 dp=2 on 4 ranks; one rank
 
 
-def target_layout(view, config: dict, tp: int, dp: int) -> dict:
-    """Every parameter's pieces for tp x ZeRO-1 dp target ranks (rank i = tp_rank * dp + dp_rank)."""
-    from tasks.core.models.convert.state_view import Piece
+def tp_dims(config: dict) -> dict:
+    """Each tensor's dim that tensor parallelism splits (None: kept whole on every tp rank)."""
     from tasks.core.models.families import TP_SPLIT_DIMS, iter_tensors
 
-    dims = {
+    return {
         key: next((d for d, sym in enumerate(rule.shape) if sym in TP_SPLIT_DIMS), None)
         for key, rule, _, _ in iter_tensors(config)
     }
+
+
+def target_layout(view, config: dict, tp: int, dp: int) -> dict:
+    """Every parameter's pieces for tp x ZeRO-1 dp target ranks (rank i = tp_rank * dp + dp_rank)."""
+    from tasks.core.models.convert.state_view import Piece
+
+    dims = tp_dims(config)
     layout = {}
     for name in view.names():
         shape = view.pieces(name)[0].shape
@@ -304,12 +310,7 @@ def dcp_state(view, config: dict, mesh, tp: int, empty: bool) -> dict:
     import torch
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from tasks.core.models.families import TP_SPLIT_DIMS, iter_tensors
-
-    dims = {
-        key: next((d for d, sym in enumerate(rule.shape) if sym in TP_SPLIT_DIMS), None)
-        for key, rule, _, _ in iter_tensors(config)
-    }
+    dims = tp_dims(config)
     out = {}
     for name in view.names():
         shape = view.pieces(name)[0].shape
