@@ -33,6 +33,7 @@ from tasks.core.config.load import load_config
 from tasks.core.config.overrides import RunOverrides, on_form, parse_overrides
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
+from tasks.core.config.tracking import flatten
 from tasks.core.errors import ConfigError, Preempted
 from tasks.core.preflight.checks import load_for_check
 from tasks.core.run.preemptions import Policy
@@ -395,22 +396,16 @@ def reread_config(config: str, overrides: RunOverrides | dict | None, cfg: RunCo
             [("run_root", f"changed from {cfg.run_uri} to {new.run_uri} while the run waited: put it back")],
             header="the config changed during the run",
         )
-    was, now = _flat(cfg.model_dump(mode="json")), _flat(new.model_dump(mode="json"))
+    # tracking's flatten: dotted paths, secrets left out and URIs' credentials redacted, as the log wants
+    was, now = flatten(cfg.model_dump(mode="json")), flatten(new.model_dump(mode="json"))
     changed = [
-        f"{k}: {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(was.keys() | now.keys()) if was.get(k) != now.get(k)
+        f"{k}: {was.get(k)} -> {now.get(k)}" for k in sorted(was.keys() | now.keys()) if was.get(k) != now.get(k)
     ]
     logger.warning("the config changed while the run waited (%s): pre-flight checks it again", "; ".join(changed))
     checked = preflight(new, form=parse_overrides(overrides).form_fields(), return_state=True)
     if checked.is_failed():
         raise checked.result(raise_on_failure=False)  # the report's one ConfigError
     return new
-
-
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """{dotted config path: leaf value}."""
-    if not isinstance(tree, dict) or not tree:
-        return {prefix: tree}
-    return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}.{key}" if prefix else key).items()}
 
 
 def failure_cause(exc: BaseException) -> str:
