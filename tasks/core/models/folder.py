@@ -147,7 +147,12 @@ SAFETENSORS_DTYPE_BYTES = {
 
 
 def safetensors_problem(path: Path) -> str | None:
-    """Why `path` is not a well-formed safetensors file, or None: its 8-byte header length is read
+    """Why `path` is not a well-formed safetensors file, or None (`checked_safetensors_header`)."""
+    return checked_safetensors_header(path)[1]
+
+
+def checked_safetensors_header(path: Path) -> tuple[dict[str, Any], None] | tuple[None, str]:
+    """(header, None) for a well-formed safetensors file, else (None, why): its 8-byte header length is read
     and bounded before the header is, the header parses as JSON, and every tensor's byte range lies
     in the file, matches its dtype and shape, and the ranges tile the data with no gap or overlap
     (what the safetensors loader checks, said here with the file's name before anything loads it)."""
@@ -155,21 +160,21 @@ def safetensors_problem(path: Path) -> str | None:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            return f"is {size} bytes, too short for a safetensors file (an 8-byte header length comes first)"
+            return None, f"is {size} bytes, too short for a safetensors file (an 8-byte header length comes first)"
         n = int.from_bytes(head, "little")
         if n > SAFETENSORS_MAX_HEADER:
-            return (
+            return None, (
                 f"claims a {n:,}-byte header (header too large: safetensors' limit is {SAFETENSORS_MAX_HEADER:,}): "
                 "corrupt, or not a safetensors file"
             )
         if 8 + n > size:
-            return f"claims a {n:,}-byte header but holds {size:,} bytes: truncated, or not a safetensors file"
+            return None, f"claims a {n:,}-byte header but holds {size:,} bytes: truncated, or not a safetensors file"
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            return f"has a header that is not JSON ({exc}): corrupt, or not a safetensors file"
+            return None, f"has a header that is not JSON ({exc}): corrupt, or not a safetensors file"
     if not isinstance(header, dict):
-        return "has a header that is not a JSON object: corrupt, or not a safetensors file"
+        return None, "has a header that is not a JSON object: corrupt, or not a safetensors file"
     data, ranges = size - 8 - n, []
     for name, entry in header.items():
         if name == "__metadata__":
@@ -181,30 +186,36 @@ def safetensors_problem(path: Path) -> str | None:
                 count *= int(dim)
             width = SAFETENSORS_DTYPE_BYTES[entry["dtype"]]
         except (KeyError, TypeError, ValueError):
-            return f"describes tensor {name!r} without a known dtype, a shape and two data_offsets: corrupt"
+            return None, f"describes tensor {name!r} without a known dtype, a shape and two data_offsets: corrupt"
         if not 0 <= begin <= end <= data:
-            return f"places tensor {name!r} at bytes {begin}-{end} of its {data:,} data bytes: truncated or corrupt"
+            return (
+                None,
+                f"places tensor {name!r} at bytes {begin}-{end} of its {data:,} data bytes: truncated or corrupt",
+            )
         if end - begin != count * width:
-            return f"gives tensor {name!r} {end - begin} bytes where its dtype and shape need {count * width}: corrupt"
+            return (
+                None,
+                f"gives tensor {name!r} {end - begin} bytes where its dtype and shape need {count * width}: corrupt",
+            )
         ranges.append((begin, end))
     at = 0
     for begin, end in sorted(ranges):
         if begin != at:
-            return f"has {'overlapping' if begin < at else 'unlisted'} data at byte {min(begin, at)} of its tensors: corrupt"
+            return (
+                None,
+                f"has {'overlapping' if begin < at else 'unlisted'} data at byte {min(begin, at)} of its tensors: corrupt",
+            )
         at = end
     if at != data:
-        return f"has {data - at:,} bytes after its last tensor: truncated or corrupt"
-    return None
+        return None, f"has {data - at:,} bytes after its last tensor: truncated or corrupt"
+    return header, None
 
 
 def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """{tensor: shape} from the header of a well-formed safetensors file; {} for one that is not
-    (`safetensors_problem` names it, and bounds what is read before this reads it again)."""
-    if safetensors_problem(path) is not None:
-        return {}
-    with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    return {k: tuple(int(d) for d in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    (`safetensors_problem` names it)."""
+    header, _ = checked_safetensors_header(path)
+    return {k: tuple(int(d) for d in v["shape"]) for k, v in (header or {}).items() if k != "__metadata__"}
 
 
 def safetensors_problems(folder: Path) -> dict[str, str]:
