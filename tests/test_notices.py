@@ -307,3 +307,111 @@ def test_a_save_that_would_outlast_the_grace_is_not_started():
 
     assert worth_saving(20.0, None)  # no save in this launch yet: try (a save never commits torn)
     assert worth_saving(20.0, 5.0) and not worth_saving(5.0, 5.0) and not worth_saving(1.0, 30.0)
+
+
+# --- untrusted notices: bounded reads, printable text, endpoints checked before launch ----------------
+
+
+def _in_time(fn, seconds: float = 5.0):
+    """fn()'s value, or a failure naming the hang: a read that blocks must not hang the suite."""
+    import threading
+
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert box, f"{fn} did not return within {seconds} s"
+    return box[0]
+
+
+def test_a_notice_file_is_never_read_blocking_and_only_its_printable_first_line_is_said(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    # a device and a FIFO are notices by being there, and are never read (a FIFO's read would block)
+    assert _in_time(lambda: _poll("file", "/dev/zero")) == "notice file /dev/zero (a character device, not read)"
+    assert _in_time(lambda: _poll("file", str(fifo))) == f"notice file {fifo} (a FIFO, not read)"
+    assert _in_time(lambda: _poll("file", str(tmp_path))) == f"notice file {tmp_path} (a directory, not read)"
+    dirty = tmp_path / "dirty"
+    dirty.write_bytes(b"\x00" * 5000 + b"spot\x1b[2J\x07 reclaimed\x00\tnow\r\nsecond line\n")
+    text = _poll("file", str(dirty))
+    assert text == f"notice file {dirty}", text  # its first NOTICE_BYTES are NULs: nothing printable to say
+    dirty.write_bytes(b"\x00\x01spot\x1b[2J\x07 reclaimed\x00\tnow\r\nsecond line\n")
+    assert _poll("file", str(dirty)) == f"notice file {dirty}: spot[2J reclaimed now"
+    said: list[str] = []
+    watch = Watch((), say=said.append)
+    watch.notice("file", 30, "a\x00b\x1b]0;title\x07c\nd" + "x" * 500)
+    assert watch.first.text == "ab]0;titlec d" + "x" * 187 and said[0].isprintable(), said
+
+
+def test_preflight_refuses_a_notice_file_endpoint_that_is_a_device_fifo_directory_or_existing_file(tmp_path):
+    from types import SimpleNamespace
+
+    from tasks.core.preflight.notices import check_notices
+    from tasks.core.preflight.report import CheckContext, PreflightReport
+
+    fifo, existing, link = tmp_path / "fifo", tmp_path / "notice", tmp_path / "link"
+    os.mkfifo(fifo)
+    existing.write_text("old notice\n")
+    link.symlink_to("/dev/zero")
+    ends = ["/dev/zero", str(fifo), str(tmp_path), str(existing), str(link), str(tmp_path / "fresh"), "/dev/null/x"]
+    el = ElasticConfig(notices=[{"source": "file", "endpoint": e} for e in ends])
+    cfg = SimpleNamespace(phase=lambda p: SimpleNamespace(elastic=el if p == "cpt" else ElasticConfig()))
+    ctx = CheckContext(cfg, None, None, None, PreflightReport())
+    _in_time(lambda: check_notices(ctx))
+    got = dict(ctx.report.problems)
+    field = "cpt.elastic.notices.{}.endpoint".format
+    assert set(got) == {field(i) for i in (0, 1, 2, 3, 4, 6)}, got  # 5: nothing there yet, the one that passes
+    assert "/dev/zero is a character device, not a file path: name a path where a notice file" in got[field(0)]
+    assert "is a FIFO, not a file path" in got[field(1)] and "is a directory, not a file path" in got[field(2)]
+    assert "already exists: it would be read as a notice at once; remove it" in got[field(3)]
+    assert "is a symbolic link, not a file path" in got[field(4)]
+    assert "/dev/null is not a directory" in got[field(6)]
+
+
+def test_a_polled_endpoint_must_be_an_http_url_and_a_file_endpoint_an_absolute_path(tmp_path):
+    from tasks.core.config.load import parse_fields
+    from tests.conftest import tiny_config_raw
+
+    for source, endpoint, says in [
+        ("aws", "file:///etc/passwd", "is not an http(s) URL: give the metadata service's base URL"),
+        ("gcp", "169.254.169.254", "is not an http(s) URL"),
+        ("azure", "http://", "is not an http(s) URL"),
+        ("file", "notice", "is not an absolute file path"),
+        ("file", "http://127.0.0.1/notice", "is not an absolute file path"),
+    ]:
+        raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
+        raw["sft"]["elastic"] = {"notices": [{"source": "slurm"}, {"source": source, "endpoint": endpoint}]}
+        with pytest.raises(ConfigError) as caught:
+            parse_fields(raw)
+        assert [w for w, _ in caught.value.problems] == ["sft.elastic.notices.1.endpoint"], caught.value.problems
+        assert says in caught.value.problems[0][1], caught.value.problems
+    with pytest.raises(OSError, match="not an http"):
+        http_fetch("GET", "ftp://127.0.0.1/x", {})
+
+
+def test_a_trickling_metadata_endpoint_is_cut_at_each_poll_s_deadline_and_said_once():
+    """The double answers a byte every 0.2 s (a whole answer would take over 20 s): each poll ends at
+    its 0.5 s deadline, the poller says so once and goes on polling, and hears the notice once the
+    endpoint answers again."""
+    said: list[str] = []
+    with MetadataServer() as m:
+        m.trickle_s = 0.2
+        cfg = ElasticConfig(notices=[{"source": "gcp", "endpoint": m.url, "poll_s": 0.05}], sigterm=False)
+        watch = Watch(cfg.notices, say=said.append, deadline_s=0.5).start()
+        try:
+            t0 = time.monotonic()
+            while len(m.requests) < 4:  # each request a new poll: none of them hangs
+                assert time.monotonic() - t0 < 10, m.requests
+                time.sleep(0.05)
+            assert not watch.noticed
+            m.trickle_s, _ = 0.0, m.preempt()
+            while not watch.noticed:
+                assert time.monotonic() - t0 < 15, said
+                time.sleep(0.05)
+        finally:
+            watch.close()
+    cut = f"{m.url}/computeMetadata/v1/instance/preempted: no whole answer within the poll's deadline"
+    assert said == [
+        f"notice source gcp ({m.url}) not readable, polling on: {cut}",
+        "preemption notice (gcp, grace 30s): gcp instance preempted",
+    ], said

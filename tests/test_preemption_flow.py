@@ -27,15 +27,18 @@ from tasks.core.run import preemptions
 from tasks.flowkit.notices import POLL_SIGNAL, critical, polled_sources, signal_sources, stop_on_notice
 
 
-def _cfg(*notices: dict) -> SimpleNamespace:
-    el = ElasticConfig(notices=list(notices))
-    return SimpleNamespace(phase=lambda phase: SimpleNamespace(elastic=el if phase == "cpt" else ElasticConfig()))
+def _cfg(*notices: dict, sigterm: bool = True) -> SimpleNamespace:
+    """`notices` in cpt; `sigterm` (on by default, as in a config) in both phases."""
+    el, other = ElasticConfig(notices=list(notices), sigterm=sigterm), ElasticConfig(sigterm=sigterm)
+    return SimpleNamespace(phase=lambda phase: SimpleNamespace(elastic=el if phase == "cpt" else other))
 
 
 def test_signal_sources_are_the_signal_rows_any_phase_lists():
     cfg = _cfg({"source": "sigterm", "grace_s": 20}, {"source": "slurm"}, {"source": "gcp"})
     assert signal_sources(cfg) == {"SIGTERM": ("sigterm", 20.0), "SIGUSR1": ("slurm", 60.0)}
-    assert signal_sources(_cfg()) == {}
+    # SIGTERM is a notice by default (at the source's 30 s); `sigterm: false` and no notices: none
+    assert signal_sources(_cfg()) == {"SIGTERM": ("sigterm", 30.0)}
+    assert signal_sources(_cfg(sigterm=False)) == {}
 
 
 def test_a_notice_stops_the_stage_with_preempted_and_the_handlers_come_back():
@@ -48,7 +51,7 @@ def test_a_notice_stops_the_stage_with_preempted_and_the_handlers_come_back():
     assert (rec["stage"], rec["source"], rec["grace_s"], rec["steps_lost"]) == ("prepare_cpt", "sigterm", 20.0, 0)
     assert 0 <= rec["notice_to_commit_s"] < 20
     assert signal.getsignal(signal.SIGTERM) is before
-    with stop_on_notice("export", _cfg()) as listening:  # no notice listed: nothing installed
+    with stop_on_notice("export", _cfg(sigterm=False)) as listening:  # no notice listed: nothing installed
         assert listening is False and signal.getsignal(signal.SIGTERM) is before
 
 
@@ -174,7 +177,7 @@ def test_an_unreadable_endpoint_is_said_once_a_process_not_once_a_stage(caplog):
 def test_a_training_stage_leaves_the_polled_rows_to_its_ranks():
     with MetadataServer() as m:
         m.preempt()
-        cfg = _cfg({"source": "gcp", "endpoint": m.url, "poll_s": 0.05})
+        cfg = _cfg({"source": "gcp", "endpoint": m.url, "poll_s": 0.05}, sigterm=False)
         with stop_on_notice("train_cpt", cfg) as listening:
             time.sleep(0.3)
         assert listening is False and m.requests == [] and not _pollers()

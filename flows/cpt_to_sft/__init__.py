@@ -43,7 +43,7 @@ from tasks.core.run.trainlog import duration, summary_table
 from tasks.core.storage.fs import fetch_to_local
 from tasks.core.storage.lease import Lease, LeaseHeld
 from tasks.flowkit import automation, tracking, ui
-from tasks.flowkit.notices import await_capacity
+from tasks.flowkit.notices import CancelRequested, await_capacity
 from tasks.flowkit.preflight import REFUSED, preflight
 from tasks.flowkit.stage import (
     PREEMPTED_STATE,
@@ -247,7 +247,7 @@ def cpt_to_sft(
                 if not await_capacity(policy.wait_s, f"{said}; {failure_cause(exc)}"):
                     raise Interrupted("the flow run was cancelled while it waited for capacity")
                 cfg = reread_config(config, overrides, cfg, logger)  # as many ranks as came back, if the config says so
-    except Interrupted as exc:  # Ctrl-C: the stage has been torn down; run.json and the lease below
+    except (Interrupted, CancelRequested) as exc:  # Ctrl-C or Prefect's cancel: the stage has been torn down
         return_state = Cancelled(message=str(exc))
     except _StopAfter:  # the stages after stop_after are not-run in run.json
         logger.info("stopped after %s, as asked (stop_after)", stop_after)

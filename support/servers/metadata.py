@@ -14,6 +14,8 @@ What it serves (the documented requests, headers checked, the documented answers
   n, "Events": []}`, then one `Preempt` event; 400 without the header.
 
 `preempt()` flips all three at once; `requests` records what was asked (method, path, headers in lower case).
+`trickle_s` > 0 makes every answer, status line and headers included, come one byte every `trickle_s`
+seconds (a metadata service that is alive but too slow to be of use).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import datetime as dt
 import json
 import sys
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler
 from typing import Any
@@ -32,6 +35,7 @@ from support.servers import LocalHTTPServer
 class MetadataServer(LocalHTTPServer):
     def __init__(self) -> None:
         self.preempted = False
+        self.trickle_s = 0.0
         self.requests: list[dict[str, Any]] = []
         self._tokens: set[str] = set()
         self._lock = threading.Lock()
@@ -40,11 +44,24 @@ class MetadataServer(LocalHTTPServer):
         class Handler(BaseHTTPRequestHandler):
             def _answer(self, status: int, body: str, ctype: str = "text/plain") -> None:
                 data = body.encode()
+                if server.trickle_s > 0:
+                    return self._trickle(status, data, ctype)
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def _trickle(self, status: int, data: bytes, ctype: str) -> None:
+                head = f"HTTP/1.1 {status} {self.responses.get(status, ('',))[0]}\r\nContent-Type: {ctype}\r\n"
+                raw = (head + f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+                self.close_connection = True
+                for i in range(len(raw)):
+                    try:
+                        self.wfile.write(raw[i : i + 1])
+                    except OSError:  # the client gave up (its deadline): nothing more to send
+                        return
+                    time.sleep(server.trickle_s)
 
             def _record(self) -> None:
                 with server._lock:

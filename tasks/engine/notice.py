@@ -9,36 +9,78 @@ notice is kept (source, when, grace budget, text); the training loop passes `not
 step's loss all-reduce (tasks/engine/boosted.py `Engine.reduce_loss`), so every rank agrees to
 stop after the same step even when the notice reached one rank only. Torch-free: the unit tests
 drive it against the local metadata double (support/servers/metadata.py) without a launch.
+
+Each poll has one deadline for all of it (`POLL_DEADLINE_S`: every request, the answer read whole),
+so an endpoint that answers a byte at a time cannot hold the poller; an endpoint that cannot be read
+is said once, and the poller goes on asking. A notice's text reaches the log as printable
+characters only. A SIGTERM that comes while the launcher tears the stage down (`torn_down`) ends the
+rank at once, as it did before SIGTERM was a notice.
 """
 
 from __future__ import annotations
 
+import functools
+import http.client
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-from tasks.core.config.notices import NOTICES
+from tasks.core.config.notices import NOTICE_BYTES, NOTICES, POLL_DEADLINE_S, printable, torn_down
 
 
-def http_fetch(method: str, url: str, headers: dict[str, str], timeout: float = 2.0) -> tuple[int, str]:
-    """(status, body) of one request; OSError when nothing answers. The clouds' metadata services are
-    link-local and answer in milliseconds, so a short timeout keeps a poll from outliving its period."""
-    req = urllib.request.Request(url, method=method, headers=headers, data=b"" if method == "PUT" else None)
+def http_fetch(
+    method: str, url: str, headers: dict[str, str], timeout: float = 2.0, deadline: float | None = None
+) -> tuple[int, str]:
+    """(status, body) of one request, the body cut at NOTICE_BYTES; OSError when nothing answers in
+    time. `timeout` bounds each socket operation; `deadline` (time.monotonic()) the whole request: the
+    socket is shut when it passes, so an answer that trickles in a byte at a time ends there too."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise OSError(f"{url}: not an http(s) URL")
+    left = (deadline - time.monotonic()) if deadline is not None else math.inf
+    if left <= 0:
+        raise OSError(f"{url}: no time left of the poll's deadline")
+    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = conn_cls(parts.hostname, parts.port, timeout=min(timeout, left))
+    cut = threading.Event()
+
+    def shut() -> None:
+        cut.set()
+        sock = conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(left, shut) if left != math.inf else None
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read(65536).decode(errors="replace")
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read(65536).decode(errors="replace")
-    except urllib.error.URLError as exc:
-        raise OSError(f"{url}: {exc.reason}") from None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        conn.request(method, path, body=b"" if method == "PUT" else None, headers=headers)
+        resp = conn.getresponse()
+        body = resp.read(NOTICE_BYTES)
+        if cut.is_set():  # shut mid-answer: what came is not the whole answer
+            raise OSError("cut at the deadline")
+        return resp.status, body.decode(errors="replace")
+    except (OSError, http.client.HTTPException) as exc:
+        if cut.is_set():
+            raise OSError(f"{url}: no whole answer within the poll's deadline") from None
+        raise OSError(f"{url}: {exc}") from None
+    finally:
+        if timer is not None:
+            timer.cancel()
+        conn.close()
 
 
 @dataclass(frozen=True)
@@ -59,8 +101,10 @@ class Watch:
         poll: bool = True,
         fetch: Callable[..., tuple[int, str]] = http_fetch,
         say: Callable[[str], None] | None = None,
+        deadline_s: float = POLL_DEADLINE_S,
     ):
-        self.notices, self.poll, self.fetch = tuple(notices), poll, fetch
+        # `fetch(method, url, headers, deadline=...)`; each poll ends by `deadline_s` seconds after it began
+        self.notices, self.poll, self.fetch, self.deadline_s = tuple(notices), poll, fetch, deadline_s
         self.say = say or (lambda msg: None)
         self.first: Notice | None = None
         self._lock = threading.Lock()
@@ -78,6 +122,7 @@ class Watch:
         return math.inf if n is None else n.grace_s - (time.monotonic() - n.at)
 
     def notice(self, source: str, grace_s: float, text: str) -> None:
+        text = printable(text)  # a file's bytes, a server's answer: printable characters only reach the log
         with self._lock:
             if self.first is not None:
                 return
@@ -100,6 +145,10 @@ class Watch:
             raise RuntimeError(f"notice source {n.source!r}: signal handlers are installed from the main thread only")
 
         def handler(signum: int, frame: Any) -> None:
+            if signum == signal.SIGTERM and torn_down():  # the launcher's teardown, not a notice: end now
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
             self.notice(n.source, n.grace, f"{signal.Signals(signum).name} received")
 
         if sig not in self._old:
@@ -108,11 +157,12 @@ class Watch:
     def _poll(self, n: Any) -> None:
         row, where, failed = NOTICES[n.source], n.where, False
         while not self._stop.is_set() and self.first is None:
+            fetch = functools.partial(self.fetch, deadline=time.monotonic() + self.deadline_s)
             try:
-                text = row.poll(self.fetch, where)
-            except (OSError, ValueError) as exc:  # unreachable, or an answer we cannot read: say it once
+                text = row.poll(fetch, where)
+            except (OSError, ValueError) as exc:  # unreachable, too slow, or an answer we cannot read: said once
                 if not failed:
-                    self.say(f"notice source {n.source} ({where}) not readable, polling on: {exc}")
+                    self.say(f"notice source {n.source} ({where}) not readable, polling on: {printable(str(exc))}")
                 failed, text = True, None
             if text:
                 self.notice(n.source, n.grace, text)
@@ -138,7 +188,7 @@ def _main(argv: list[str]) -> int:
         polled = [n for n, s in NOTICES.items() if s.poll]
         print(f"usage: python -m tasks.engine.notice {{{','.join(polled)}}} ENDPOINT", file=sys.stderr)
         return 2
-    print(NOTICES[argv[0]].poll(http_fetch, argv[1]))
+    print(NOTICES[argv[0]].poll(functools.partial(http_fetch, deadline=time.monotonic() + POLL_DEADLINE_S), argv[1]))
     return 0
 
 

@@ -16,10 +16,19 @@ it. The flow then retries the run by its preemption policy (flows/cpt_to_sft/__i
 what finished; while it waits for capacity, `await_capacity` shows the flow run AwaitingRetry. A
 training stage's launch forwards the signal to its ranks instead (tasks/core/launch/proctree.py
 `forward_notices`), and its ranks poll the polled rows themselves.
+
+A SIGTERM is a notice by default (`<phase>.elastic.sigterm`), but a cancel from Prefect (the UI,
+`prefect flow-run cancel`) reaches the process as a SIGTERM too. The two are told apart by what
+Prefect says, not by guessing (`cancel_requested`): its runner's cancel intent, else the flow run's
+state read from the API, Cancelling or Cancelled. A cancel goes on as one: to Prefect's own handler
+where its runner drives the cancel, else as `CancelRequested`, which unwinds the flow like Ctrl-C and
+ends the run Cancelled. A SIGTERM outside a flow run, or when the API does not answer within
+`API_READ_S`, is a notice (the log says which).
 """
 
 from __future__ import annotations
 
+import contextvars
 import datetime as dt
 import logging
 import signal
@@ -41,6 +50,77 @@ _state = threading.local()
 # nothing else here sends it (Go's runtime preempts goroutines with it for the same reasons), so one
 # that lands after the stage's handler is gone does nothing.
 POLL_SIGNAL = signal.SIGURG
+# The seconds a SIGTERM's handler waits for the flow run's state from the Prefect API.
+API_READ_S = 5.0
+
+
+class CancelRequested(KeyboardInterrupt):
+    """A SIGTERM that is Prefect's cancel of the flow run, raised in the main thread: it unwinds the
+    stage as Ctrl-C does (the launch's teardown included) and the flow run ends Cancelled."""
+
+
+_cancelled: dict[str, str] = {}  # flow run id -> why: once a run reads cancelled, it stays so
+
+
+def _runner_cancels() -> bool:
+    """Whether Prefect's runner has told this process, over its control channel, that it cancels the run
+    (it does so before its SIGTERM). A private module of Prefect's: absent, the API is asked alone."""
+    try:
+        from prefect._internal import control_listener
+
+        return control_listener.get_intent() == "cancel"
+    except Exception:  # another Prefect: the state read below still tells
+        return False
+
+
+def cancel_requested() -> str | None:
+    """Why a SIGTERM to this process is Prefect cancelling its flow run (its runner's intent, or the flow
+    run's state read from the API: Cancelling or Cancelled), or None: not in a flow run, not being
+    cancelled, or no answer from the API within API_READ_S (the SIGTERM is then a notice, said in the log).
+    Called in a signal handler: the API is read in a thread of its own, so a lock the interrupted main
+    thread holds cannot hang it."""
+    if _runner_cancels():
+        return "Prefect's runner cancels the flow run"
+    from prefect.runtime import flow_run
+
+    run_id = flow_run.id  # read here: the context (run, settings) is the main thread's
+    if run_id is None:
+        return None
+    if str(run_id) in _cancelled:
+        return _cancelled[str(run_id)]
+    box: dict[str, Any] = {}
+
+    def read() -> None:
+        from prefect import get_client
+
+        try:
+            with get_client(sync_client=True) as client:
+                box["state"] = client.read_flow_run(run_id).state
+        except Exception as exc:  # the server is gone too (a machine's shutdown) or refuses
+            box["error"] = exc
+
+    reader = threading.Thread(target=contextvars.copy_context().run, args=(read,), name="cancel-check", daemon=True)
+    reader.start()
+    reader.join(API_READ_S)
+    state = box.get("state")
+    if state is not None and (state.is_cancelling() or state.is_cancelled()):
+        _cancelled[str(run_id)] = f"the flow run is {state.name}"
+        return _cancelled[str(run_id)]
+    if state is None:
+        why = box.get("error") or f"no answer within {API_READ_S:g} s"
+        logging.getLogger(__name__).warning(
+            "SIGTERM: the flow run's state could not be read (%s); taken as a preemption notice", why
+        )
+    return None
+
+
+def cancel(signum: int, frame: Any, previous: Any, why: str) -> None:
+    """Go on with a SIGTERM that is Prefect's cancel: to `previous`, Prefect's own handler, where its
+    runner drives the cancel; else `CancelRequested`, so the flow run ends Cancelled."""
+    if _runner_cancels() and callable(previous):
+        previous(signum, frame)
+        return
+    raise CancelRequested(f"cancelled from Prefect ({why})")
 
 
 def signal_sources(cfg: Any) -> dict[str, tuple[str, float]]:
@@ -126,7 +206,7 @@ class _StagePoller(Watch):
         signal.pthread_kill(self.main, POLL_SIGNAL)
 
     def close(self) -> None:
-        # Not joined: a poll in flight (up to its 2 s timeout) must not hold up the stage's end; should
+        # Not joined: a poll in flight (up to its deadline) must not hold up the stage's end; should
         # it still notice, its signal finds no notice of the next stage's poller and does nothing.
         self._stop.set()
 
@@ -174,7 +254,8 @@ def stop_on_notice(stage: str, cfg: Any) -> Iterator[bool]:
     daemon thread that ends with the block (not for a training stage, whose ranks poll). The previous
     handlers come back after. Main thread only (Python's rule for handlers): elsewhere nothing is
     installed and the block yields False. A polled notice that comes as the block ends is not lost:
-    the endpoint still says it when the next stage asks."""
+    the endpoint still says it when the next stage asks. A SIGTERM that is Prefect's cancel is no
+    notice (`cancel_requested`): it goes on as a cancel."""
     sources = signal_sources(cfg) if cfg is not None else {}
     spec = STAGE.get(stage)
     polled = polled_sources(cfg) if cfg is not None and not (spec and spec.continues) else []
@@ -183,7 +264,12 @@ def stop_on_notice(stage: str, cfg: Any) -> Iterator[bool]:
         return
     poller = _StagePoller(polled, _say()) if polled else None
 
+    previous = {getattr(signal, name): signal.getsignal(getattr(signal, name)) for name in sources}
+
     def handler(signum: int, frame) -> None:
+        if signum == signal.SIGTERM and (why := cancel_requested()):
+            cancel(signum, frame, previous.get(signum), why)
+            return
         source, grace = sources[signal.Signals(signum).name]
         _deliver(_preempted(stage, source, grace, time.monotonic()))
 

@@ -29,6 +29,7 @@ from tasks.core.run.trainlog import TrainLog
 from tasks.core.storage.fs import RunStore
 from tasks.flowkit import tracking, ui
 from tasks.flowkit.checkpoints import CheckpointSink, checkpoint_sink
+from tasks.flowkit.notices import cancel_requested
 from tasks.flowkit.stage import Stage, StageResult, stage_task
 
 
@@ -81,8 +82,16 @@ def _job(cfg: RunConfig, sink: CheckpointSink, verb: str, parent: StageResult, c
 
 def _launch(store: RunStore, job: Job, run_name: str, **kwargs: Any) -> None:
     path = store.staging / job_file(job.stage, job.verb)
+    # a SIGTERM while the ranks train is a notice to them, unless it is Prefect cancelling the run
     run_engine(
-        job.verb, job, path, job.stage_cfg.launch, f"{run_name}-{job.stage}-{job.verb}", get_run_logger(), **kwargs
+        job.verb,
+        job,
+        path,
+        job.stage_cfg.launch,
+        f"{run_name}-{job.stage}-{job.verb}",
+        get_run_logger(),
+        cancelled=cancel_requested,
+        **kwargs,
     )
 
 

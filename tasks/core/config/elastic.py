@@ -4,7 +4,9 @@
 
 `notices` lists the notice sources (tasks/core/config/notices.py) the ranks listen to, each with its
 grace budget; on a notice the engine finishes the step in flight, commits a checkpoint of it and
-exits preempted (docs/spot.md). `keep_global_batch` lets a stage continue its checkpoints on another
+exits preempted (docs/spot.md). `sigterm` (on by default) adds the `sigterm` source at its documented
+grace when `notices` does not list it: a machine's shutdown signals every process with SIGTERM, and
+the step in flight is kept; `sigterm: false` makes a SIGTERM tear the stage down again. `keep_global_batch` lets a stage continue its checkpoints on another
 number of ranks: gradient accumulation is set so that micro_batch_size x grad_accum_steps x dp is the
 checkpoint's global batch again, so the learning-rate schedule (counted in steps) and the data order
 (counted in samples, tasks/engine/sampler.py) continue as if uninterrupted. Neither changes the bytes
@@ -17,10 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tasks.core.config.base import Frozen
-from tasks.core.config.notices import NOTICES
+from tasks.core.config.notices import NOTICES, endpoint_problem
 from tasks.core.errors import ConfigError
 
 FIELD = "elastic.keep_global_batch"
@@ -47,6 +49,16 @@ class NoticeConfig(Frozen):
             raise ValueError(f"unknown notice source {v!r}: one of {', '.join(NOTICES)}")
         return v
 
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint_form(cls, v: str | None, info: ValidationInfo) -> str | None:
+        row = NOTICES.get(info.data.get("source") or "")
+        if v is not None and row is not None and row.poll is not None:
+            problem = endpoint_problem(row.endpoint_kind, v)
+            if problem:
+                raise ValueError(problem)
+        return v
+
     @model_validator(mode="after")
     def _endpoint(self) -> NoticeConfig:
         row = NOTICES[self.source]
@@ -69,8 +81,14 @@ class ElasticConfig(Frozen):
     notices: tuple[NoticeConfig, ...] = Field(
         default=(),
         description="Preemption notices the ranks listen to, e.g. [{source: sigterm, grace_s: 30}, {source: aws}]: "
-        "on one the stage finishes its step, commits a checkpoint of it and exits preempted. Empty: a SIGTERM tears "
-        "the stage down.",
+        "on one the stage finishes its step, commits a checkpoint of it and exits preempted. `sigterm` is added "
+        "when not listed, unless `sigterm: false`.",
+    )
+    sigterm: bool = Field(
+        default=True,
+        description="SIGTERM is a preemption notice (the `sigterm` source at its documented grace, added to `notices` "
+        "when they do not list it): a machine's shutdown keeps the step in flight. A cancel from Prefect still "
+        "cancels. false: a SIGTERM tears the stage down.",
     )
     keep_global_batch: bool = Field(
         default=False,
@@ -88,6 +106,24 @@ class ElasticConfig(Frozen):
         ge=0,
         description="Seconds the flow waits for capacity to come back before it retries a preempted stage.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_sigterm(cls, data: Any) -> Any:
+        """`sigterm: true` (the default) lists the `sigterm` source when `notices` does not."""
+        if not isinstance(data, dict) or data.get("sigterm", True) in (False, 0, "false", "no", "off", "0"):
+            return data
+        notices = data.get("notices") or ()
+        if not isinstance(notices, (list, tuple)):
+            return data  # the field's own validation says what is wrong
+        listed = [n.get("source") if isinstance(n, dict) else getattr(n, "source", None) for n in notices]
+        return data if "sigterm" in listed else {**data, "notices": [*notices, {"source": "sigterm"}]}
+
+    @model_validator(mode="after")
+    def _sigterm_off(self) -> ElasticConfig:
+        if not self.sigterm and any(n.source == "sigterm" for n in self.notices):
+            raise ValueError("`sigterm: false` with the `sigterm` source in `notices`: remove one of the two")
+        return self
 
     @property
     def grace_s(self) -> float | None:

@@ -265,15 +265,27 @@ def signal_handlers(handlers: dict[int, Callable[[int, Any], None]]) -> Iterator
 
 
 @contextlib.contextmanager
-def forward_notices(stage: StageProcesses, signals: list[str], say=None) -> Iterator[bool]:
+def forward_notices(
+    stage: StageProcesses, signals: list[str], say=None, cancelled: Callable[[], Any] | None = None
+) -> Iterator[bool]:
     """While the block runs, a signal in `signals` (names: SIGTERM, SIGUSR1) that reaches this process
     is passed on to the stage's ranks as a preemption notice instead of ending this process (each
     rank finishes its step, commits a checkpoint and exits preempted: tasks/engine/notice.py); the
     previous handlers come back after. Python installs handlers from the main thread only: elsewhere
     nothing is installed and the block yields False (a notice then reaches only ranks signalled
-    directly, as Slurm and Kubernetes do)."""
+    directly, as Slurm and Kubernetes do). A SIGTERM for which `cancelled()` is true (the flow run is
+    being cancelled) is no notice: it goes to the handler it replaced, as before SIGTERM was one."""
+    previous = {name: signal.getsignal(getattr(signal, name)) for name in signals}
 
     def handler(signum: int, frame) -> None:
+        if signum == signal.SIGTERM and cancelled is not None and cancelled():
+            before = previous.get("SIGTERM")
+            if callable(before):
+                before(signum, frame)
+            elif before == signal.SIG_DFL:  # the default: end this process, as a SIGTERM did
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
         ranks = ranks_of(stage)
         _signal(ranks, signum)
         if say:

@@ -16,6 +16,8 @@ Teardown of the local runner (tasks/core/launch/proctree.py): the task process i
 the stage runs, and torchrun carries a stage token in its environment, so a failure, a cancellation
 or a background failure reported by `failure()` (a publish that spent its retries) ends torchrun
 and every rank in every session it created, and `run_engine` raises only once none of them remains.
+Before its first SIGTERM the teardown writes the file the ranks know by TEARDOWN_ENV: a rank that
+takes SIGTERM as a preemption notice (tasks/engine/notice.py) finds it and ends at once instead.
 
 Single node picks a free rendezvous port (`--standalone`); several nodes use c10d rendezvous:
 
@@ -35,7 +37,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tasks.core.config.notices import signal_names, torchrun_env
+from tasks.core.config.notices import TEARDOWN_ENV, signal_names, torchrun_env
 from tasks.core.config.schema import LaunchConfig
 from tasks.core.errors import Preempted, StageFailed
 from tasks.core.launch.proctree import (
@@ -122,6 +124,8 @@ class Router:
         self.warnings = SameWarnings(ranks)
         # Polled beside the reader by the local runner: an exception once the stage must stop.
         self.stop_check: Callable[[], BaseException | None] | None = None
+        # Asked by the local runner on a SIGTERM: true when it is a cancel of the run, not a notice.
+        self.cancelled: Callable[[], Any] | None = None
         self.tails: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=25))
         self.progress: list[dict[str, Any]] = []
         self.first_error: tuple[str, str] | None = None  # (who, line): the cause of a failure
@@ -203,14 +207,17 @@ def run_engine(
     on_event: Callable[[str, dict[str, Any]], None] | None = None,
     env: dict[str, str] | None = None,
     failure: Callable[[], BaseException | None] | None = None,
+    cancelled: Callable[[], Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Write `job` to `job_path`, run its engine verb on the stage's launch backend (`RUNNERS`);
     return the parsed @@progress records. `failure`, polled twice a second beside the reader,
     returns an exception once the stage must stop (the publisher gave up); the stage is then torn
-    down and that exception raised."""
+    down and that exception raised. `cancelled()`, asked when a SIGTERM reaches this process while
+    it forwards notices, says whether that SIGTERM cancels the run (tasks/flowkit/notices.py)."""
     job.write(job_path)
     router = Router(logger, on_progress, on_event, ranks=launch.world_size)
     router.stop_check = failure
+    router.cancelled = cancelled
     # A stage that listens for notices: torchrun passes their signals on to the ranks and waits the grace.
     notices = torchrun_env(job.stage_cfg.elastic.notices) if verb == "train" else {}
     try:
@@ -238,11 +245,13 @@ def _run_local(
     # torchrun has no PR_SET_PDEATHSIG: should this process end without a teardown (a second
     # Ctrl-C, a SIGKILL), its watchdog ends torchrun, and the ranks go with torchrun.
     run_token = reap_on_exit()
+    marker = Path(f"{job_path}.teardown")  # written before a teardown's SIGTERM: not a notice to the ranks
+    marker.unlink(missing_ok=True)
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env={**env, RUN_TOKEN_ENV: run_token, TOKEN_ENV: token},
+        env={**env, RUN_TOKEN_ENV: run_token, TOKEN_ENV: token, TEARDOWN_ENV: str(marker)},
         text=True,
         bufsize=1,
         cwd=str(REPO),
@@ -254,13 +263,17 @@ def _run_local(
     raised: list[BaseException] = []
     check = router.stop_check
 
+    def tear_down():
+        marker.touch()
+        return teardown(stage)
+
     def watch() -> None:
         while not stop.wait(0.5):
             exc = check() if check else None
             if exc is not None:
                 raised.append(exc)
                 router.logger.error("stopping the stage: %s", exc)
-                teardown(stage)  # closes the pipe, so the reader below ends
+                tear_down()  # closes the pipe, so the reader below ends
                 return
 
     watcher = threading.Thread(target=watch, name="stage-watch", daemon=True)
@@ -268,7 +281,7 @@ def _run_local(
     # A stage that listens for notices: SIGTERM/SIGUSR1 to this process become a notice to its ranks.
     notices = signal_names([n.source for n in job.stage_cfg.elastic.notices]) if verb == "train" else []
     try:
-        with forward_notices(stage, notices, say=router.logger.warning) as forwarding:
+        with forward_notices(stage, notices, say=router.logger.warning, cancelled=router.cancelled) as forwarding:
             if notices and not forwarding:
                 router.logger.info(
                     "%s reach the ranks only when sent to them: this launch is not in the main thread", notices
@@ -278,17 +291,18 @@ def _run_local(
             rc = proc.wait()
     except BaseException:
         stop.set()
-        router.logger.warning("torn down the %s stage: %s", verb, teardown(stage))
+        router.logger.warning("torn down the %s stage: %s", verb, tear_down())
         proc.wait()
         raise
     finally:
         stop.set()
         watcher.join()
     if raised:
-        teardown(stage)
+        tear_down()
         raise raised[0]
     # torchrun has exited; a rank it lost track of must not outlive it (no-op when none is left).
-    report = teardown(stage)
+    report = tear_down()
+    marker.unlink(missing_ok=True)
     if report.terminated or report.killed:
         router.logger.warning("after torchrun exited: %s", report)
     if rc != 0:

@@ -62,6 +62,7 @@ from tasks.core.preflight.mixture import check_mixture_weights, check_source_epo
 from tasks.core.preflight.model_files import check_lora_targets, check_model_files
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.model_shapes import check_model_shapes
+from tasks.core.preflight.notices import check_notices
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tasks.core.preflight.resume import check_resume
 from tasks.core.preflight.storage import (
@@ -502,6 +503,7 @@ CHECKS: tuple[Callable[[CheckContext], None], ...] = (
     check_run_root,
     check_paths,
     check_launch_backend,
+    check_notices,
     check_staging_space,
     check_resume,
     check_memory,
