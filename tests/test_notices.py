@@ -415,3 +415,47 @@ def test_a_trickling_metadata_endpoint_is_cut_at_each_poll_s_deadline_and_said_o
         f"notice source gcp ({m.url}) not readable, polling on: {cut}",
         "preemption notice (gcp, grace 30s): gcp instance preempted",
     ], said
+
+
+def test_a_sigterm_that_cancels_goes_to_the_handler_it_replaced_not_to_the_ranks(tmp_path):
+    """The launcher asks `cancelled()` (the flow run's state, tasks/flowkit/notices.py) on a SIGTERM:
+    a cancel goes on as before SIGTERM was a notice, to the handler the forwarding replaced."""
+    from tasks.core.launch.proctree import StageProcesses, forward_notices
+
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    got: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+    try:
+        with forward_notices(StageProcesses(rank.pid), ["SIGTERM"], cancelled=lambda: True) as on:
+            assert on
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+        assert got == [signal.SIGTERM] and rank.poll() is None  # the cancel's handler ran; no rank was signalled
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        rank.kill()
+        rank.wait()
+
+
+RANK = """
+import os, signal, sys, time
+from tasks.core.config.elastic import ElasticConfig
+from tasks.engine.notice import Watch
+watch = Watch(ElasticConfig().notices).start()   # nothing configured: SIGTERM is a notice by default
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)
+print(watch.first.text if watch.first else None)
+"""
+
+
+def test_a_rank_takes_sigterm_as_a_notice_unless_its_launcher_is_tearing_the_stage_down(tmp_path):
+    from tasks.core.config.notices import TEARDOWN_ENV
+    from tests.conftest import REPO
+
+    marker = tmp_path / "job.json.teardown"
+    env = {**os.environ, "PYTHONPATH": str(REPO), TEARDOWN_ENV: str(marker)}
+    noticed = subprocess.run([sys.executable, "-c", RANK], env=env, capture_output=True, text=True, timeout=60)
+    assert (noticed.returncode, noticed.stdout.strip()) == (0, "SIGTERM received"), noticed.stderr[-2000:]
+    marker.touch()  # what the launcher's teardown writes before its SIGTERM
+    torn = subprocess.run([sys.executable, "-c", RANK], env=env, capture_output=True, text=True, timeout=60)
+    assert (torn.returncode, torn.stdout) == (-signal.SIGTERM, ""), torn.stderr[-2000:]

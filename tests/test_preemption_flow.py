@@ -386,3 +386,45 @@ def test_the_retry_reads_the_config_again_and_refuses_another_run_root(tmp_path)
         reread_config(path, None, cfg, log)
     ((field, why),) = caught.value.problems
     assert field == "run_root" and why.startswith(f"changed from {tmp_path / 'run'} to {tmp_path / 'elsewhere'}"), why
+
+
+@pytest.mark.integration
+def test_sigterm_is_a_notice_by_default_and_a_cancel_when_the_flow_run_reads_cancelling(prefect_harness):
+    """A stage of a real flow run with no notice configured: a SIGTERM while the run is Running is a
+    preemption notice (Preempted, the stage's safe point); once the flow run reads Cancelling (what
+    `prefect flow-run cancel` and the UI set before anything signals the process) the same SIGTERM is
+    a cancel (`CancelRequested`), and the run ends Cancelled. Read from the API, not guessed."""
+    from prefect import flow, get_client
+    from prefect.runtime import flow_run
+    from prefect.states import Cancelled, Cancelling
+
+    from tasks.flowkit.notices import CancelRequested
+
+    seen: list[str] = []
+
+    def sigterm(stage: str) -> None:
+        with stop_on_notice(stage, _cfg()) as listening:  # `sigterm` on by default: nothing listed
+            assert listening
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # cut short by the handler's exception
+
+    @flow(name="sigterm-default-test")
+    def run() -> Any:
+        try:
+            sigterm("prepare_cpt")
+        except Preempted as exc:
+            seen.append(f"preempted: {exc.record['source']} {exc.record['grace_s']:g}")
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run.id, Cancelling(message="cancelled from the UI"), force=True)
+        try:
+            sigterm("export")
+        except CancelRequested as exc:  # the runbook catches it as it does Ctrl-C
+            seen.append(str(exc))
+            return Cancelled(message=str(exc))
+        return None
+
+    before = signal.getsignal(signal.SIGTERM)
+    state = run(return_state=True)
+    assert seen == ["preempted: sigterm 30", "cancelled from Prefect (the flow run is Cancelling)"], seen
+    assert state.is_cancelled(), state
+    assert signal.getsignal(signal.SIGTERM) is before
