@@ -1,7 +1,7 @@
 """A training stage continued through the flow under another layout (docs/resume.md), on copies of the
 session's demo run (tests/conftest.py `demo_run`: CPT under hybrid_parallel tp=2 fp32, SFT under
 low_level_zero ZeRO-2 bf16, both on 2 ranks, 8 steps, checkpoints at 4 and 8), whose uninterrupted
-losses are the reference. Eight launches in all.
+losses are the reference. Ten launches in all.
 
     .venv/bin/python -m pytest -q -m "" tests/test_elastic_flow.py
 
@@ -16,6 +16,9 @@ losses are the reference. Eight launches in all.
   middle of that step's save); the stage commits step 6, ends preempted, the flow retries by itself and
   step 8 is the uninterrupted run's, bitwise (two launches). A notice during export and during
   prepare_cpt (no launch): preempted, nothing torn, the retry redoes nothing finished.
+- A machine's shutdown with no notice configured: SIGTERM to every process of the run (this one, torchrun,
+  both ranks) as SFT step 6 begins (2 ranks, ZeRO-2 bf16): step 6 is committed, the flow retries by itself
+  and step 8 is the uninterrupted run's, bitwise (two launches).
 - The same with `cpt.elastic.keep_global_batch` (so from step 0, three launches): SIGTERM on 2 ranks as step 3
   begins, the config says one rank came back while the run waits, and the flow's retry reads it and trains
   steps 4-8 on 1 rank at the checkpoint's global batch: losses within 1e-6 of the uninterrupted run's.
@@ -242,6 +245,39 @@ def test_cpt_preempted_by_sigterm_retries_by_itself_and_ends_bitwise_on_the_unin
     got, want = read_model_dir(cpt / "step-000008" / "model"), read_model_dir(ref_dir / "model")
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert _state(cpt / "step-000008")["losses"] == _state(ref_dir)["losses"]
+
+
+def test_sft_keeps_the_step_in_flight_when_every_process_gets_sigterm_with_no_notice_configured(
+    demo_run_copy, monkeypatch
+):
+    """A machine's shutdown, by default: SIGTERM to every process of the run at once (the flow process,
+    this one, torchrun and both ranks) as step 6 of the 2-rank low_level_zero ZeRO-2 bf16 SFT stage
+    begins, with no notice in the config (`sft.elastic.sigterm` is on by default). The flow process
+    reads its flow run Running from the Prefect API, so the SIGTERM is a notice, not a cancel: step 6
+    is committed, the stage ends preempted, the flow retries it by itself, and step 8 is the
+    uninterrupted run's, bitwise."""
+    from support.engine import read_model_dir
+
+    copy = demo_run_copy
+    sft = copy.run_root / "sft"
+    ref_dir = copy.run_root.parent / "ref-sft-step-000008"
+    (sft / "step-000008").rename(ref_dir)  # the uninterrupted run's step 8: the reference
+    raw = json.loads(json.dumps(copy.raw))
+    assert "elastic" not in raw["sft"], raw["sft"]  # no notice configured
+    raw["sft"]["elastic"] = {"retry_wait_s": 0}  # no digest holds it: train_sft resumes from step 4
+    config = write_config(copy.config.parent / "shutdown.yaml", raw)
+    monkeypatch.setenv("CPT_TO_SFT_FAULT", "shutdown@step=5@stage=sft")
+    rc, summary, console = _run(config, "train_sft")
+    assert rc == 0, console[-4000:]
+    assert _row(summary, "train_sft")["status"] == "completed", _row(summary, "train_sft")
+    (rec,) = summary["preemptions"]
+    got = (rec["stage"], rec["source"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"])
+    assert got == ("sft", "sigterm", 6, 6, 0), rec  # step 6, in flight when the SIGTERM came, was kept
+    assert rec["grace_s"] == 30.0 and "retrying the run in 0 s" in console, console[-4000:]
+    assert not [p.name for p in sft.iterdir() if p.name.startswith(".step-")], "a torn checkpoint was left"
+    got, want = read_model_dir(sft / "step-000008" / "model"), read_model_dir(ref_dir / "model")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert _state(sft / "step-000008")["losses"] == _state(ref_dir)["losses"]
 
 
 def test_cpt_preempted_on_2_ranks_is_retried_by_the_flow_on_1_at_the_kept_global_batch(demo_run_copy, monkeypatch):

@@ -10,6 +10,9 @@ Grammar: one or more specs separated by ';', each `ACTION@TRIGGER[@OPTION...]`:
              fail   every rank raises RuntimeError("injected failure ...") (exit status 1)
              term   the chosen rank sends itself SIGTERM, usr1 SIGUSR1: a preemption notice where the
                     stage listens for one (`<phase>.elastic.notices`, tasks/engine/notice.py)
+             shutdown  the chosen rank (default rank 0) sends SIGTERM to every process of the run at
+                    once, as a machine's shutdown does: the flow process (torchrun's parent, local
+                    launches), torchrun and every rank, itself included
              hold   every rank (or rank=R) waits, up to HOLD_S, until a notice reaches it: a test that
                     sends the notice from outside (`scancel --signal=USR1`) gets it mid-training
                     however fast the steps are (step triggers only)
@@ -51,7 +54,7 @@ ENV = "CPT_TO_SFT_FAULT"
 SAVE_PHASES = ("model", "optimizer", "lr_scheduler", "rng", "fingerprint", "state", "manifest", "rename")
 _RANK0_PHASES = ("manifest", "rename")
 _SIGNALS = {"term": signal.SIGTERM, "usr1": signal.SIGUSR1}  # a notice, sent to the acting rank itself
-_ACTIONS = ("kill", "fail", "hold", *_SIGNALS)
+_ACTIONS = ("kill", "fail", "hold", "shutdown", *_SIGNALS)
 # A hold whose notice never comes ends and training goes on: the test then fails on what it asserts, not on a hang.
 HOLD_S = 300.0
 
@@ -69,7 +72,7 @@ class Fault:
     def acting_rank(self, world_size: int) -> int:
         if self.rank is not None:
             return self.rank
-        if self.trigger == "save" and self.phase in _RANK0_PHASES:
+        if self.action == "shutdown" or (self.trigger == "save" and self.phase in _RANK0_PHASES):
             return 0
         return 1 if world_size > 1 else 0
 
@@ -85,7 +88,7 @@ def parse(value: str | None) -> list[Fault]:
         action = parts[0]
         if action not in _ACTIONS or len(parts) < 2:
             raise ValueError(
-                f"{ENV}={value!r}: spec {spec!r} must start with kill@, fail@, hold@, term@ or usr1@ (see "
+                f"{ENV}={value!r}: spec {spec!r} must start with kill@, fail@, hold@, shutdown@, term@ or usr1@ (see "
                 "tasks/engine/faults.py)"
             )
         fields: dict = {"spec": spec, "action": action}
@@ -179,7 +182,11 @@ class Injector:
             if f.action == "fail":
                 self._mark(mark, f)
                 raise RuntimeError(f"injected failure {f.spec!r} ({ENV}) {where} of stage {self.stage}")
-            if self.rank == f.acting_rank(self.world_size) and f.action in _SIGNALS:
+            if self.rank == f.acting_rank(self.world_size) and f.action == "shutdown":
+                self._mark(mark, f)
+                rankio.say(f"injected shutdown {f.spec!r} ({ENV}): SIGTERM to every process of the run {where}")
+                _shutdown()
+            elif self.rank == f.acting_rank(self.world_size) and f.action in _SIGNALS:
                 self._mark(mark, f)
                 rankio.say(f"injected notice {f.spec!r} ({ENV}): rank {self.rank} signals itself {where}")
                 os.kill(os.getpid(), _SIGNALS[f.action])
@@ -200,3 +207,18 @@ class Injector:
             fh.write(f.spec + "\n")
             fh.flush()
             os.fsync(fh.fileno())
+
+
+def _shutdown() -> None:
+    """SIGTERM, in one loop, to torchrun (this rank's parent), its parent (the flow process of a local
+    launch) and every rank torchrun started, this one last."""
+    import psutil
+
+    agent = psutil.Process(os.getppid())
+    procs = [p for p in (agent.parent(), agent, *agent.children()) if p is not None and p.pid != os.getpid()]
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    os.kill(os.getpid(), signal.SIGTERM)
