@@ -454,9 +454,9 @@ def test_a_rank_takes_sigterm_as_a_notice_unless_its_launcher_is_tearing_the_sta
 
     marker = tmp_path / "job.json.teardown"
     env = {**os.environ, "PYTHONPATH": str(REPO), TEARDOWN_ENV: str(marker)}
-    run = {"env": env, "capture_output": True, "text": True, "timeout": 60, "check": False}
-    noticed = subprocess.run([sys.executable, "-c", RANK], **run)
+    run = {"env": env, "capture_output": True, "text": True, "timeout": 60}
+    noticed = subprocess.run([sys.executable, "-c", RANK], check=False, **run)
     assert (noticed.returncode, noticed.stdout.strip()) == (0, "SIGTERM received"), noticed.stderr[-2000:]
     marker.touch()  # what the launcher's teardown writes before its SIGTERM
-    torn = subprocess.run([sys.executable, "-c", RANK], **run)
+    torn = subprocess.run([sys.executable, "-c", RANK], check=False, **run)
     assert (torn.returncode, torn.stdout) == (-signal.SIGTERM, ""), torn.stderr[-2000:]
