@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pytest
 
+from support.servers.metadata import MetadataServer
 from support.servers.postgres import Postgres
 from support.servers.prefect_ops import PrefectServer, chromium, ensure_chromium, run_id_from, stop_group
 from support.servers.webhook import WebhookReceiver
@@ -361,11 +362,13 @@ def test_the_flow_serves_as_prefect_documents_it(prefect_harness, tiny_model_dir
 
 
 def preempted_served_run(tmp_path: Path, tiny_model_dir: Path, log: Path, serve_pid: int) -> None:
-    """Issue 53's retry through the deployment: a served run preempted by a `file` notice (present
-    at the start) waits for capacity AwaitingRetry, in its own process, while the runner keeps
-    polling its deployment for scheduled runs (it would find this one: the runner's query does not
-    read `retry_type`); the test withdraws the notice when it sees the wait, and the same process
-    goes on to Completed: no second Submitting, no second process, no failure retry used."""
+    """The flow's own retry through the deployment: a served run preempted by a polled notice (the
+    local metadata double's gcp answer, preempted from the start) waits for capacity AwaitingRetry, in
+    its own process, while the runner keeps polling its deployment for scheduled runs (it would find
+    this one: the runner's query does not read `retry_type`); the test withdraws the notice when it
+    sees the wait, and the same process goes on to Completed: no second Submitting, no second
+    process, no failure retry used. (A `file` notice already there at the start is refused by
+    pre-flight: it would be read as a notice at once.)"""
     import uuid
 
     import psutil
@@ -373,12 +376,12 @@ def preempted_served_run(tmp_path: Path, tiny_model_dir: Path, log: Path, serve_
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.deployments import run_deployment
 
-    notice = tmp_path / "spot-notice"
-    notice.write_text("spot capacity reclaimed\n")
+    double = MetadataServer().start()
+    double.preempt()
     raw = tiny_config_raw(tiny_model_dir, tmp_path / "spot-run")
     raw["name"] = f"served-spot-{uuid.uuid4().hex[:6]}"
     raw["cpt"]["elastic"] = {
-        "notices": [{"source": "file", "endpoint": str(notice), "poll_s": 0.1}],
+        "notices": [{"source": "gcp", "endpoint": double.url, "poll_s": 0.1}],
         "retry_wait_s": 12.0,  # the test sees the wait (it polls every 0.5 s) even on a loaded machine
         "max_preemptions": 2,
     }
@@ -402,7 +405,7 @@ def preempted_served_run(tmp_path: Path, tiny_model_dir: Path, log: Path, serve_
             assert time.monotonic() < deadline, (now.state, log.read_text(errors="replace")[-3000:])
             if now.state is not None and now.state.name == "AwaitingRetry":
                 seen.append(now.empirical_policy.retry_type)
-                notice.unlink(missing_ok=True)  # capacity comes back
+                double.preempted = False  # capacity comes back
             time.sleep(0.5)
         while children() - before:  # the run's process ends (stopping the runner before would cancel it)
             assert time.monotonic() < deadline, (children(), before, log.read_text(errors="replace")[-3000:])
@@ -412,6 +415,7 @@ def preempted_served_run(tmp_path: Path, tiny_model_dir: Path, log: Path, serve_
         task_runs = client.read_task_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
         )
+    double.stop()
     said = log.read_text(errors="replace")
     assert now.state.is_completed(), (now.state, history, said[-3000:])
     # submitted once by the runner, waited in its one process, never Crashed nor Failed
@@ -424,7 +428,7 @@ def preempted_served_run(tmp_path: Path, tiny_model_dir: Path, log: Path, serve_
     assert said.count("Beginning flow run") == 2 and "Traceback" not in said, said[-3000:]  # the refused run + this
     summary = json.loads((tmp_path / "spot-run" / "run.json").read_text())
     (rec,) = summary["preemptions"]
-    assert (rec["source"], rec["steps_lost"]) == ("file", 0), rec
+    assert (rec["source"], rec["steps_lost"]) == ("gcp", 0), rec
     first = rec["stage"]
     assert first == "load_from_hf", rec  # the notice is there from the start: the first stage stops
     states = sorted((t.name, t.state.name) for t in task_runs if t.name.startswith(first))

@@ -17,8 +17,9 @@ store's publish, so its flow verifies and skips them and launches only training.
   the upload is retried, the stage fails after the bounded retries naming the checkpoint, no
   process of the stage is left 10 s later and the staging directory stays still;
   a retry of the flow resumes from the newest complete checkpoint;
-- a cancellation (SIGTERM to the process of the real flow's CLI, `--stop-after train_cpt`, as a
-  Prefect runner sends): the same teardown.
+- a cancellation (the flow run set Cancelling through the API, then SIGTERM to the process of the real
+  flow's CLI, `--stop-after train_cpt`, as a Prefect runner does): the same teardown, and the run ends
+  Cancelled (a SIGTERM while the run is not being cancelled is a preemption notice, tests/test_elastic_flow.py).
 
     .venv/bin/python -m pytest -q -s -m "" tests/test_publish_flow.py     # ~5-7 min on 2 busy cores
 """
@@ -421,7 +422,9 @@ def test_store_killed_during_upload_fails_naming_it_then_a_retry_resumes(
 
 
 def test_cancellation_leaves_no_process_and_no_write(prefect_harness, tiny_model_dir, tmp_path):
+    from prefect import get_client
     from prefect.settings import PREFECT_API_URL
+    from prefect.states import Cancelling
 
     run_root = tmp_path / "run"
     raw_cfg = _config(tmp_path, tiny_model_dir, str(run_root))
@@ -451,7 +454,12 @@ def test_cancellation_leaves_no_process_and_no_write(prefect_harness, tiny_model
             assert time.monotonic() < deadline, "training never reached step 2"
             time.sleep(0.2)
         assert _stage_processes(job_path), "the stage's processes should be running now"
-        driver.send_signal(signal.SIGTERM)  # what a Prefect runner sends to cancel a flow run
+        # What a Prefect cancel is: the state first (the UI, `prefect flow-run cancel`), then the runner's
+        # SIGTERM. A SIGTERM alone would be a preemption notice (elastic.sigterm is on by default).
+        run_id = _running_flow_run()
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(run_id, Cancelling(message="cancelled from the UI"), force=True)
+        driver.send_signal(signal.SIGTERM)
         driver.wait(timeout=120)
         reported_at = time.monotonic()
         out = out_path.read_text()
@@ -462,4 +470,19 @@ def test_cancellation_leaves_no_process_and_no_write(prefect_harness, tiny_model
             pass
         driver.wait()
     assert "torn down the train stage" in out, out[-4000:]
+    assert driver.returncode == 130 and "cancelled from Prefect (the flow run is Cancelling)" in out, out[-4000:]
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(run_id).state.is_cancelled(), client.read_flow_run(run_id).state
     _nothing_left(job_path, stage_dir, reported_at)
+
+
+def _running_flow_run():
+    """The id of the one Running flow run (the session's Prefect server runs one test at a time)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+
+    running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])))
+    with get_client(sync_client=True) as client:
+        (run,) = client.read_flow_runs(flow_run_filter=running)
+    return run.id

@@ -37,8 +37,8 @@ class NoticeConfig(Frozen):
     )
     endpoint: str | None = Field(
         default=None,
-        description="A polled source's endpoint: the metadata service's base URL (default http://169.254.169.254) or "
-        "the notice file's path (required for `file`).",
+        description="A polled source's endpoint: the metadata service's http(s) base URL (default "
+        "http://169.254.169.254) or the notice file's absolute path (required for `file`; nothing may be there yet).",
     )
     poll_s: float = Field(default=5.0, gt=0, description="Seconds between two polls of a polled source.")
 
