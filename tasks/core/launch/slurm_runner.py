@@ -21,7 +21,8 @@ Slurm job, one torchrun agent per node (the batch script of `tasks.core.launch.s
 - **Cancel.** Any exception while waiting (Prefect's cancellation of the flow run arrives in the
   task process as one: SIGTERM -> `TerminationSignal`) scancels the job and waits, bounded, for
   Slurm to report it ended; `ProctrackType=proctrack/pgid` or cgroup on the cluster ends every
-  engine process of it (tests/test_slurm_cancel.py).
+  engine process of it. It writes `<verb>.teardown` beside the record first, the file the ranks know
+  by TEARDOWN_ENV: scancel's SIGTERM then ends a rank at once instead of being a preemption notice.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tasks.core.config.notices import TEARDOWN_ENV
 from tasks.core.config.schema import LaunchConfig
 from tasks.core.errors import StageFailed
 from tasks.core.launch import slurm, slurm_batch
@@ -87,6 +89,8 @@ def run_slurm(
     seen = record.with_name(f"{verb}.slurm.seen.json")
     logs_dir = record.parent / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
+    marker = record.with_name(f"{verb}.teardown")  # on the run root, which every node sees
+    env = {**env, TEARDOWN_ENV: str(marker)}
     job_digest = hashlib.sha256(job_path.read_bytes()).hexdigest()
     name = launch.rdzv_id or rdzv_id
     comment = COMMENT_PREFIX + job_digest[:32]
@@ -121,6 +125,7 @@ def run_slurm(
             else "Its output is replayed from the start",
         )
     else:
+        marker.unlink(missing_ok=True)  # a cancelled attempt's: this job is no teardown
         script = record.parent / f"{verb}.sbatch"
         script.write_text(
             slurm_batch.render_batch_script(
@@ -177,6 +182,7 @@ def run_slurm(
     try:
         info = slurm_batch.wait_for_job(cli, job_id, logs, on_line, on_poll=save_positions)
     except BaseException:
+        marker.touch()
         cancel(cli, job_id, logger)
         raise
     if not info.ok and router.preempted is not None:
