@@ -303,6 +303,8 @@ def stage_cfg(plugin: dict, mbs: int, seq_len: int, steps: int) -> dict:
         "checkpoint_every": 10_000,
         "keep_last": 1,
         "seed": 1234,
+        # stopped by SIGTERM once measured (`_stop`): a teardown, not a notice that would save the step
+        "elastic": {"sigterm": False},
     }
 
 

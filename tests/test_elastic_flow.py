@@ -1,7 +1,7 @@
 """A training stage continued through the flow under another layout (docs/resume.md), on copies of the
 session's demo run (tests/conftest.py `demo_run`: CPT under hybrid_parallel tp=2 fp32, SFT under
 low_level_zero ZeRO-2 bf16, both on 2 ranks, 8 steps, checkpoints at 4 and 8), whose uninterrupted
-losses are the reference. Ten launches in all.
+losses are the reference. Eleven launches in all.
 
     .venv/bin/python -m pytest -q -m "" tests/test_elastic_flow.py
 
@@ -16,9 +16,10 @@ losses are the reference. Ten launches in all.
   middle of that step's save); the stage commits step 6, ends preempted, the flow retries by itself and
   step 8 is the uninterrupted run's, bitwise (two launches). A notice during export and during
   prepare_cpt (no launch): preempted, nothing torn, the retry redoes nothing finished.
-- A machine's shutdown with no notice configured: SIGTERM to every process of the run (this one, torchrun,
-  both ranks) as SFT step 6 begins (2 ranks, ZeRO-2 bf16): step 6 is committed, the flow retries by itself
-  and step 8 is the uninterrupted run's, bitwise (two launches).
+- SFT (2 ranks, ZeRO-2 bf16) from step 4 with no notice configured: a Prefect cancel (the run set
+  Cancelling, then SIGTERM to this process) ends it Cancelled with nothing committed; then a machine's
+  shutdown, SIGTERM to every process of the run (this one, torchrun, both ranks) as step 6 begins: step 6
+  is committed, the flow retries by itself and step 8 is the uninterrupted run's, bitwise (three launches).
 - The same with `cpt.elastic.keep_global_batch` (so from step 0, three launches): SIGTERM on 2 ranks as step 3
   begins, the config says one rank came back while the run waits, and the flow's retry reads it and trains
   steps 4-8 on 1 rank at the checkpoint's global batch: losses within 1e-6 of the uninterrupted run's.
@@ -27,6 +28,7 @@ losses are the reference. Ten launches in all.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -247,16 +249,30 @@ def test_cpt_preempted_by_sigterm_retries_by_itself_and_ends_bitwise_on_the_unin
     assert _state(cpt / "step-000008")["losses"] == _state(ref_dir)["losses"]
 
 
-def test_sft_keeps_the_step_in_flight_when_every_process_gets_sigterm_with_no_notice_configured(
-    demo_run_copy, monkeypatch
-):
-    """A machine's shutdown, by default: SIGTERM to every process of the run at once (the flow process,
-    this one, torchrun and both ranks) as step 6 of the 2-rank low_level_zero ZeRO-2 bf16 SFT stage
-    begins, with no notice in the config (`sft.elastic.sigterm` is on by default). The flow process
-    reads its flow run Running from the Prefect API, so the SIGTERM is a notice, not a cancel: step 6
-    is committed, the stage ends preempted, the flow retries it by itself, and step 8 is the
-    uninterrupted run's, bitwise."""
+def test_sft_cancelled_from_prefect_ends_cancelled_and_a_shutdown_keeps_the_step_in_flight(demo_run_copy, monkeypatch):
+    """The 2-rank low_level_zero ZeRO-2 bf16 SFT stage from step 4, with no notice in the config
+    (`sft.elastic.sigterm` is on by default), twice:
+
+    1. a Prefect cancel: while the ranks hold after step 5, the flow run is set Cancelling through the
+       API and this process (the flow's) gets the SIGTERM a runner sends. It reads Cancelling, so the
+       SIGTERM is a cancel: the stage is torn down (the ranks end at once, no checkpoint is started)
+       and the flow run ends Cancelled (exit 130);
+    2. a machine's shutdown: SIGTERM to every process of the run at once (this one, torchrun and both
+       ranks) as step 6 begins. The flow run reads Running, so it is a notice: step 6 is committed,
+       the stage ends preempted, the flow retries it by itself, and step 8 is the uninterrupted run's,
+       bitwise."""
+    import contextvars
+    import signal as sig
+    import threading
+    import time
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelling
+
     from support.engine import read_model_dir
+    from tasks.engine.faults import parse
 
     copy = demo_run_copy
     sft = copy.run_root / "sft"
@@ -266,6 +282,42 @@ def test_sft_keeps_the_step_in_flight_when_every_process_gets_sigterm_with_no_no
     assert "elastic" not in raw["sft"], raw["sft"]  # no notice configured
     raw["sft"]["elastic"] = {"retry_wait_s": 0}  # no digest holds it: train_sft resumes from step 4
     config = write_config(copy.config.parent / "shutdown.yaml", raw)
+
+    # 1. the cancel, once every rank holds after step 5 (its mark is written as the hold begins)
+    hold = "hold@step=5@stage=sft"
+    (held,) = parse(hold)
+    mark = sft / ".faults" / hashlib.sha256(held.spec.encode()).hexdigest()[:16]
+    said: list = []
+    ended = threading.Event()  # the run returned: nothing left to cancel, and no SIGTERM for pytest
+
+    def operator() -> None:
+        while not mark.exists():
+            if ended.wait(0.1):
+                return
+        time.sleep(0.5)  # both ranks in the hold
+        running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])))
+        with get_client(sync_client=True) as client:
+            (run,) = client.read_flow_runs(flow_run_filter=running)
+            client.set_flow_run_state(run.id, Cancelling(message="cancelled from the UI"), force=True)
+        said.append(run.id)
+        os.kill(os.getpid(), sig.SIGTERM)  # what Prefect's runner sends once the run is Cancelling
+
+    monkeypatch.setenv("CPT_TO_SFT_FAULT", hold)
+    t = threading.Thread(target=contextvars.copy_context().run, args=(operator,), daemon=True)
+    t.start()
+    try:
+        rc, summary, console = _run(config, "train_sft")
+    finally:
+        ended.set()
+        t.join(timeout=60)
+    assert rc == 130 and said, console[-4000:]
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(said[0]).state.is_cancelled(), client.read_flow_run(said[0]).state
+    assert "cancelled from Prefect (the flow run is Cancelling)" in console and "torn down the train stage" in console
+    assert "preemptions" not in summary or not summary["preemptions"], summary.get("preemptions")
+    assert sorted(p.name for p in sft.iterdir() if "step-" in p.name) == ["step-000000", "step-000004"]
+
+    # 2. the shutdown, from step 4 again
     monkeypatch.setenv("CPT_TO_SFT_FAULT", "shutdown@step=5@stage=sft")
     rc, summary, console = _run(config, "train_sft")
     assert rc == 0, console[-4000:]
