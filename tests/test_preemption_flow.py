@@ -402,9 +402,14 @@ def test_sigterm_is_a_notice_by_default_and_a_cancel_when_the_flow_run_reads_can
 
     seen: list[str] = []
 
-    def sigterm(stage: str) -> None:
+    def sigterm(stage: str, swap: bool = False) -> None:
         with stop_on_notice(stage, _cfg()) as listening:  # `sigterm` on by default: nothing listed
             assert listening
+            if swap:  # a cancel during an artifact's swap, as a notice, is raised once the swap ended
+                with critical():
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(0.2)
+                    seen.append("swapped")
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(30)  # cut short by the handler's exception
 
@@ -417,7 +422,7 @@ def test_sigterm_is_a_notice_by_default_and_a_cancel_when_the_flow_run_reads_can
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(flow_run.id, Cancelling(message="cancelled from the UI"), force=True)
         try:
-            sigterm("export")
+            sigterm("export", swap=True)
         except CancelRequested as exc:  # the runbook catches it as it does Ctrl-C
             seen.append(str(exc))
             return Cancelled(message=str(exc))
@@ -425,6 +430,6 @@ def test_sigterm_is_a_notice_by_default_and_a_cancel_when_the_flow_run_reads_can
 
     before = signal.getsignal(signal.SIGTERM)
     state = run(return_state=True)
-    assert seen == ["preempted: sigterm 30", "cancelled from Prefect (the flow run is Cancelling)"], seen
+    assert seen == ["preempted: sigterm 30", "swapped", "cancelled from Prefect (the flow run is Cancelling)"], seen
     assert state.is_cancelled(), state
     assert signal.getsignal(signal.SIGTERM) is before

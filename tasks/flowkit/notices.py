@@ -116,11 +116,12 @@ def cancel_requested() -> str | None:
 
 def cancel(signum: int, frame: Any, previous: Any, why: str) -> None:
     """Go on with a SIGTERM that is Prefect's cancel: to `previous`, Prefect's own handler, where its
-    runner drives the cancel; else `CancelRequested`, so the flow run ends Cancelled."""
+    runner drives the cancel; else `CancelRequested` (after a `critical()` stretch, as a notice would
+    be), so the flow run ends Cancelled."""
     if _runner_cancels() and callable(previous):
         previous(signum, frame)
         return
-    raise CancelRequested(f"cancelled from Prefect ({why})")
+    _deliver(CancelRequested(f"cancelled from Prefect ({why})"))
 
 
 def signal_sources(cfg: Any) -> dict[str, tuple[str, float]]:
@@ -168,8 +169,9 @@ def _preempted(stage: str, source: str, grace: float, at: float, text: str | Non
     return Preempted(cause, cause=cause, record=record)
 
 
-def _deliver(exc: Preempted) -> None:
-    """Raise `exc` in the main thread now, or when the `critical()` stretch it came in ends."""
+def _deliver(exc: BaseException) -> None:
+    """Raise `exc` (Preempted, CancelRequested) in the main thread now, or when the `critical()`
+    stretch it came in ends."""
     if getattr(_state, "depth", 0):
         _state.pending = exc  # raised when the swap ends
         return
