@@ -150,8 +150,8 @@ def tp2(work, tiny_model_dir):
         shutil.copytree(stage_dir / "step-000000", work / twin / "cpt" / "step-000000")
     kill_dir = work / "tp2-kill" / "cpt"
     train = _engine("tp2 train (6 steps)", "train", train_job, env=_dump(work, "tp2"))
-    # The twin listens for SIGTERM with a 20 s grace (the uninterrupted run above does not: the
-    # setting changes nothing trained).
+    # The twin listens for SIGTERM with a 20 s grace (the uninterrupted run above at the default 30 s:
+    # the setting changes nothing trained).
     _, kill_job = _jobs(
         work, "tp2-kill", "cpt", TP2, tiny_model_dir, tiny_model_dir, kill_dir, keep_last=1, data=mix, elastic=NOTICE
     )
