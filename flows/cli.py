@@ -451,8 +451,10 @@ def _config_command(args: argparse.Namespace, cfg: Any) -> int:
         return break_lease(cfg)
     from tasks.core.config.overrides import RunOverrides
 
-    overrides = RunOverrides(run_root=args.run_root or "", run_name=args.run_name or "", sets=tuple(args.sets))
-    return run_flow(args.config, overrides, args.stop_after)
+    # --run-root and --run-name as --set items after the others (they win, as in `resolved_config`), each
+    # value a JSON string (YAML reads it back exactly): a refusal names the config's field, as `check` does.
+    named = [f"{k}={json.dumps(v)}" for k, v in (("run_root", args.run_root), ("name", args.run_name)) if v]
+    return run_flow(args.config, RunOverrides(sets=(*args.sets, *named)), args.stop_after)
 
 
 def break_lease(cfg: Any) -> int:

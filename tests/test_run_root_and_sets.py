@@ -44,11 +44,13 @@ def test_run_hands_the_flow_the_users_file_so_the_retry_reads_what_it_says_now(t
         return 0
 
     monkeypatch.setattr(cli, "run_flow", the_flow)
-    assert cli.main(["run", "--config", str(path), "--set", "cpt.max_steps=3", "--stop-after", "train_cpt"]) == 0
+    argv = ["run", "--config", str(path), "--set", "cpt.max_steps=3", "--run-root", str(tmp_path / "2024")]
+    assert cli.main([*argv, "--stop-after", "train_cpt"]) == 0
     first, retry = seen["first"], seen["retry"]
     assert (first.cpt.seq_len, first.cpt.lr, first.cpt.max_steps) == (64, 0.003, 3)
     assert (retry.cpt.seq_len, retry.cpt.lr, retry.cpt.max_steps) == (32, 1e-4, 3)  # the file now; the --set kept
     assert seen["config"] == str(path) and seen["stop_after"] == "train_cpt"
+    assert first.run_uri == retry.run_uri == str(tmp_path / "2024")  # --run-root, read back as given
     assert config_changes(first, retry) == ["cpt.lr: 0.003 -> 0.0001", "cpt.seq_len: 64 -> 32"]
     assert "Traceback" not in capsys.readouterr().err
 
