@@ -65,6 +65,53 @@ def check_model_files(ctx: CheckContext) -> None:
         )
 
 
+def check_model_claims(ctx: CheckContext) -> None:
+    """config.json's sizes against what the weight files' headers hold (`tasks.core.models.claims`),
+    before any other check reads them: a size that is not a whole number >= 1, more layers or a wider
+    dimension than the files hold, a registered family's parameter count far beyond theirs. On a refusal
+    the checks that build from config.json's sizes (the tensor table, the derived model, the estimates)
+    do not run: pre-flight's time stays bounded by the files whatever config.json claims. And every
+    weight is a float the run trains from. A Hub model's config.json is judged alone (its weights are
+    first read by load_from_hf, which judges them the same)."""
+    if ctx.model is None:
+        return
+    from tasks.core.models import claims
+
+    m = ctx.model
+    where = f"{m.where}/config.json"
+    unbounded = False
+    if m.source != "local":
+        refused = claims.size_problems(m.config, where)
+    else:
+        from tasks.core.models.folder import safetensors_problems
+
+        root = Path(m.where)
+        try:
+            held, broken = claims.held_weights(root), safetensors_problems(root)
+        except OSError as exc:
+            ctx.warn(f"base model {root}: its safetensors headers could not be read ({exc})")
+            held, broken = claims.HeldWeights(), {}
+        refused = claims.claim_problems(m.config, held, where)
+        if broken and refused:  # a file check_model_files named holds tensors unread: its sizes only, said alone
+            unbounded, refused = True, claims.size_problems(m.config, where)
+        for msg in claims.weight_dtype_problems(held, root):
+            ctx.problem("base_model.uri", msg)
+        if held.tensors and not refused:
+            prefix, layers = held.layers()
+            ctx.ok(
+                f"base model {root}: config.json's sizes are within its weight files ({layers} layers under "
+                f"{prefix or '(none)'}, {held.parameters:,} parameters in {len(held.tensors)} tensors)"
+            )
+    for _, msg in refused:
+        ctx.problem("base_model.uri", msg)
+    if refused or unbounded:  # nothing below may build from these sizes
+        ctx.model = None
+        ctx.warn(
+            "base model checks that read config.json's sizes (family, shapes, layout, estimates) not run: "
+            "config.json was refused (see problems)"
+        )
+
+
 def check_lora_targets(ctx: CheckContext) -> None:
     """Each `sft.lora.target_modules` entry adapts a linear or embedding module of the base model:
     peft drops an entry that matches nothing (training fewer modules than the config says) and

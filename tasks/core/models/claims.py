@@ -1,0 +1,240 @@
+"""What config.json claims against what the weight files hold, read from their safetensors headers
+alone, before any tensor table is built or any model constructed.
+
+    python -c "from pathlib import Path; from tasks.core.models.claims import held_weights; print(held_weights(Path('build/demo-inputs/tiny-llama')).layers())"
+
+Everything later reads config.json's sizes: the family's tensor table has one row per layer (so
+`num_hidden_layers: 1000000` is twelve million rows), a derived family builds every layer on the
+meta device, the estimates multiply the sizes. So the sizes are judged first, and every reader
+after this one works on sizes the files bound:
+- each size field present is a whole number >= 1 (a zero, a negative, a float or a string is named:
+  transformers would either fail deep inside its config class or build a model of no layers);
+- the decoder layers config.json claims are layers the files hold (a numbered `<prefix><i>.` in the
+  tensor names: the one with the most indices);
+- no width config.json claims (hidden, vocabulary, MLP, heads, head_dim) is wider than the widest
+  dimension of any tensor in the files: every one of them is the size of some weight's dimension;
+- a registered family's parameter count (its table, once the two above bound it) is at most twice
+  what the files hold (`FAR_BEYOND`): within that, a size the shapes disagree on is named tensor by
+  tensor by `shapes.weight_shape_problems`.
+And the files' dtypes: a weight (`*.weight`, a 1-d `*.bias`) must be a float the run trains from
+(F32, BF16, F16, F64; `TRAINABLE_DTYPES`). An integer weight fails inside from_pretrained naming no
+tensor; an 8-bit float checkpoint carries per-block scales (`weight_scale_inv`) that loading it as
+bf16/fp32 would drop. Integer buffers transformers ignores (`position_ids`, an attention mask's
+`attn.bias`) are left alone.
+
+Pure reading of headers (`folder.checked_safetensors_header`, bounded): its cost grows with the
+headers, never with what config.json claims. Pre-flight runs it on a local folder before any other
+check reads config.json, load_from_hf on a Hub model's files before anything else reads them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# config.json's size fields, in the spellings the families use (GPT-2's n_*, OPT's ffn_dim, ...): a
+# value present and not null must be a whole number >= 1
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+WIDTH_FIELDS = (
+    "hidden_size",
+    "n_embd",
+    "d_model",
+    "vocab_size",
+    "intermediate_size",
+    "n_inner",
+    "ffn_dim",
+    "num_attention_heads",
+    "n_head",
+    "num_key_value_heads",
+    "head_dim",
+)
+POSITION_FIELDS = ("max_position_embeddings", "n_positions")  # RoPE positions need no tensor: not bounded by one
+SIZE_FIELDS = LAYER_FIELDS + WIDTH_FIELDS + POSITION_FIELDS
+# safetensors dtypes a weight may have: what from_pretrained loads into the fp32/bf16/fp16 the run trains in
+TRAINABLE_DTYPES = ("F32", "BF16", "F16", "F64")
+# A registered family's count over the files' parameters beyond which config.json describes another model
+FAR_BEYOND = 2
+_LAYER_KEY = re.compile(r"^(.*?\.)(\d+)\.")
+# Buffers some savers keep beside the weights, which from_pretrained drops (integer or bool ones included)
+IGNORED_BUFFERS = ("rotary_emb.inv_freq", "position_ids", "attn.bias", "attn.masked_bias")
+FIX = "correct it in config.json from the model's source, or point base_model.uri at the folder these weights belong to"
+
+
+@dataclass(frozen=True)
+class HeldWeights:
+    """What the top-level safetensors files of a folder hold, from their headers only."""
+
+    tensors: dict[str, tuple[str, tuple[int, ...], str]] = field(default_factory=dict)  # key -> (dtype, shape, file)
+
+    @property
+    def parameters(self) -> int:
+        return sum(math.prod(shape) for _, shape, _ in self.tensors.values())
+
+    @property
+    def bytes(self) -> int:
+        from tasks.core.models.folder import SAFETENSORS_DTYPE_BYTES
+
+        return sum(math.prod(s) * SAFETENSORS_DTYPE_BYTES.get(d, 1) for d, s, _ in self.tensors.values())
+
+    def layers(self) -> tuple[str, int]:
+        """(prefix, count) of the numbered decoder layers: the `<prefix><i>.` with the most indices; ('', 0) if none."""
+        indices: dict[str, set[int]] = {}
+        for key in self.tensors:
+            if m := _LAYER_KEY.match(key):
+                indices.setdefault(m.group(1), set()).add(int(m.group(2)))
+        if not indices:
+            return "", 0
+        prefix = max(indices, key=lambda p: len(indices[p]))
+        return prefix, len(indices[prefix])
+
+    def widest(self) -> tuple[int, str]:
+        """(the widest dimension of any tensor, its key); (0, '') when the files hold none."""
+        return max(((max(s, default=0), k) for k, (_, s, _) in self.tensors.items()), default=(0, ""))
+
+
+def held_weights(root: Path) -> HeldWeights:
+    """The tensors of `root`'s top-level `*.safetensors` files (a file that is not well formed adds
+    none: `folder.safetensors_problems` names it)."""
+    from tasks.core.models.folder import checked_safetensors_header, top_level_names
+
+    tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
+    for name in top_level_names(root):
+        if not name.endswith(".safetensors"):
+            continue
+        header, _ = checked_safetensors_header(root / name)
+        for key, entry in (header or {}).items():
+            if key != "__metadata__":
+                tensors[key] = (str(entry["dtype"]), tuple(int(d) for d in entry["shape"]), name)
+    return HeldWeights(tensors)
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def size_problems(config: Mapping[str, Any], where: str = "config.json") -> list[tuple[str, str]]:
+    """(field, sentence) for each size field of config.json that is not a whole number >= 1: from
+    config.json alone, so a Hub model's too, before transformers' config class ever sees it."""
+    out = []
+    for name in SIZE_FIELDS:
+        value = config.get(name)
+        if value is None or _is_size(value):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            what = f"a {type(value).__name__}, not a number"
+        elif isinstance(value, float) and value.is_integer() and value >= 1:
+            what = f"a float: write it as the integer {int(value)}"
+        elif isinstance(value, float):
+            what = "not a whole number"
+        else:
+            what = "zero: a model has at least one" if value == 0 else "negative"
+        out.append(
+            (
+                name,
+                (
+                    f"{where} {name}={value!r} is {what}; a size is a whole number >= 1 (no model of that shape can be "
+                    f"built): {FIX}"
+                ),
+            )
+        )
+    return out
+
+
+def layer_count(config: Mapping[str, Any]) -> tuple[str, int] | None:
+    """(field, value) of config.json's layer count, in the first spelling present."""
+    for name in LAYER_FIELDS:
+        if _is_size(config.get(name)):
+            return name, config[name]
+    return None
+
+
+def claim_problems(config: Mapping[str, Any], held: HeldWeights, where: str = "config.json") -> list[tuple[str, str]]:
+    """(field, sentence) for each size config.json claims that its weight files cannot hold, naming the
+    field, its value, what the files hold and the fix; [] when every claim is within them. The files
+    are judged only when they hold any tensor (no safetensors weights: the weight-file check names it)."""
+    out = size_problems(config, where)
+    if out or not held.tensors:
+        return out
+    prefix, layers = held.layers()
+    if (claimed := layer_count(config)) and claimed[1] > layers:
+        name, value = claimed
+        if layers:
+            holds = f"{layers} layers ({prefix}0 to {prefix}{layers - 1}) in {len(held.tensors)} tensors"
+            fix = f"set {name}: {layers} if these are the model's weights, else {FIX}"
+        else:
+            holds = f"no numbered decoder layer ({len(held.tensors)} tensors)"
+            fix = FIX
+        out.append(
+            (name, f"{where} {name}={value:,} claims more decoder layers than its weight files hold: {holds}; {fix}")
+        )
+    widest, key = held.widest()
+    for name in WIDTH_FIELDS:
+        value = config.get(name)
+        if _is_size(value) and value > widest:
+            out.append(
+                (
+                    name,
+                    (
+                        f"{where} {name}={value:,} is wider than any tensor its weight files hold (the widest dimension "
+                        f"is {widest:,}, of {key}); every {name} is some weight's dimension, so these files cannot hold "
+                        f"that model: {FIX}"
+                    ),
+                )
+            )
+    if out:
+        return out
+    from tasks.core.errors import ConversionError
+    from tasks.core.models.families import FAMILIES, count_parameters
+
+    if config.get("model_type") in FAMILIES:  # a derived table would build the model: its shapes are compared later
+        try:
+            claimed_params = count_parameters(config)
+        except (ConversionError, KeyError, TypeError, ValueError):
+            return out  # missing dims: the model-family check names them
+        if claimed_params > FAR_BEYOND * held.parameters:
+            out.append(
+                (
+                    "config.json",
+                    (
+                        f"{where} describes a {config.get('model_type')} model of {claimed_params:,} parameters, but its "
+                        f"weight files hold {held.parameters:,} ({held.bytes:,} bytes); one of its sizes is not these "
+                        f"weights' (the tensor shapes name which): {FIX}"
+                    ),
+                )
+            )
+    return out
+
+
+def weight_dtype_problems(held: HeldWeights, root: Path | str, most: int = 3) -> list[str]:
+    """One sentence per file holding a weight whose dtype the run does not train from (`TRAINABLE_DTYPES`),
+    naming the file, a few tensors with their dtypes, how many more, and the fix."""
+    bad: dict[str, list[tuple[str, str]]] = {}
+    for key, (dtype, shape, name) in held.tensors.items():
+        weight = key.endswith(".weight") or (key.endswith(".bias") and len(shape) == 1)
+        if dtype in TRAINABLE_DTYPES or not weight or key.endswith(IGNORED_BUFFERS):
+            continue
+        bad.setdefault(name, []).append((key, dtype))
+    out = []
+    for name, found in sorted(bad.items()):
+        dtypes = sorted({d for _, d in found})
+        said = ", ".join(f"{k} ({d})" for k, d in found[:most])
+        more = f" and {len(found) - most} more" if len(found) > most else ""
+        if all(d.startswith("F8") for d in dtypes):
+            why = (
+                "8-bit floats: a quantized checkpoint, whose per-block scales loading it as the run's fp32/bf16/fp16 "
+                "would drop; use the model's bf16 or fp16 release, or dequantize it with its scales and save it in bf16"
+            )
+        else:
+            why = (
+                "not floats: from_pretrained cannot make a trainable parameter of them (it fails naming no tensor); "
+                "these are not a model's trained weights: restore the file from the model's source"
+            )
+        out.append(
+            f"{Path(root) / name} holds weights in {', '.join(dtypes)}: {said}{more}; the run trains from "
+            f"{', '.join(TRAINABLE_DTYPES)} weights, and these are {why}"
+        )
+    return out
