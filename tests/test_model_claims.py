@@ -23,9 +23,10 @@ from tasks.core.models.claims import claim_problems, held_weights, size_problems
 from tasks.core.models.folder import SAFETENSORS_DTYPE_BYTES
 from tasks.core.models.shapes import folder_refusals
 from tasks.core.preflight.checks import load_for_check, preflight_report
-from tasks.core.preflight.model_info import ModelInfo
 from tests.conftest import tiny_config_raw, write_config
 from tests.test_preflight import CPU2
+
+pytest_plugins = ["tests.conftest_servers"]
 
 # A tiny Llama (and an OLMo 2, which has no row in FAMILIES: its family is derived) the headers describe
 LLAMA = {
@@ -172,27 +173,35 @@ def test_a_smaller_size_than_the_files_is_one_tp_shard_only_for_a_tp_group_s_fac
     assert "ungathered" not in lying and "config.json claims 312,500,000 where the weights hold 16" in lying, lying
 
 
-def test_a_hub_models_config_json_is_judged_alone_before_anything_reads_its_sizes(tmp_path):
-    """A Hub model's weights are first read by load_from_hf: pre-flight refuses its config.json's sizes
-    that no model can have, and load_from_hf (folder_refusals) judges the files it downloaded."""
-    raw = tiny_config_raw(tmp_path / "unused", tmp_path / "run")
-    raw["base_model"]["uri"] = "org/name"
-    cfg = load_for_check(write_config(tmp_path / "c.yaml", raw))
-    for field, value in (("num_hidden_layers", -1), ("hidden_size", 0)):
-        model = ModelInfo(
-            source="hub",
-            where="org/name@main",
-            config={**OLMO2, field: value},
-            files=["config.json", "model.safetensors", "tokenizer_config.json"],
-        )
+@pytest.mark.timeout(120)
+def test_a_hub_models_sizes_are_judged_by_its_headers_before_anything_reads_them(tmp_path, hub_env, monkeypatch):
+    """A Hub model: pre-flight reads each shard's header with a ranged GET from the test Hub server and
+    refuses 10^6 layers in seconds, a zero size from config.json alone; load_from_hf (folder_refusals)
+    judges the files it downloaded the same."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    from tasks.core.preflight.model_info import read_model_info
+
+    monkeypatch.setenv("HF_TOKEN", hub_env.token)
+    api = HfApi(token=hub_env.token)
+    for repo, field, value in (("org/layers", "num_hidden_layers", 10**6), ("org/zero", "hidden_size", 0)):
+        folder = model_folder(tmp_path / repo, {**OLMO2, field: value})
+        api.create_repo(repo, private=True, exist_ok=True)
+        ops = [CommitOperationAdd(p.name, str(p)) for p in sorted(folder.iterdir())]
+        api.create_commit(repo, ops, commit_message="upload")
+        raw = tiny_config_raw(folder, tmp_path / "run")
+        raw["base_model"]["uri"] = repo
+        cfg = load_for_check(write_config(tmp_path / "c.yaml", raw))
         started = time.monotonic()
-        report = preflight_report(cfg, machine=CPU2, token_present=None, model=model)
+        report = preflight_report(cfg, machine=CPU2, token_present=True, model=read_model_info(repo))
         assert time.monotonic() - started < 15
-        assert any(m.startswith(f"org/name@main/config.json {field}={value}") for m in model_problems(report))
-    # load_from_hf, on the files a Hub download put in base/: the same sentences, before any table
-    base = model_folder(tmp_path / "base", {**OLMO2, "num_hidden_layers": 10**6})
-    refusals = folder_refusals(base, json.loads((base / "config.json").read_text()))
-    assert any("num_hidden_layers=1,000,000 claims more decoder layers" in m for m in refusals), refusals
+        assert any(m.startswith(f"{repo}@main/config.json {field}={value:,}") for m in model_problems(report)), (
+            report.problems
+        )
+        assert "Traceback" not in report.text()
+        # load_from_hf, on the files the download put in base/: the same sentence, before any table
+        refusals = folder_refusals(folder, json.loads((folder / "config.json").read_text()))
+        assert any(f"config.json {field}={value:,}" in m for m in refusals), refusals
 
 
 # ---- what the weights are: floats of the model config.json describes -----------------------------

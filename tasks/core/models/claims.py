@@ -112,6 +112,49 @@ def held_weights(root: Path) -> HeldWeights:
     return HeldWeights(tensors)
 
 
+# What is read of a Hub model's weights before load_from_hf downloads them: each top-level shard's header
+# through one ranged GET, its length bounded first (huggingface_hub's own header limit), the whole read
+# under one deadline (a server that trickles bytes cannot hold pre-flight)
+HUB_HEADER_LIMIT = 25_000_000
+HUB_READ_SECONDS = 30.0
+
+
+def hub_held_weights(repo: str, revision: str, files: list[str], timeout: float = HUB_READ_SECONDS) -> HeldWeights:
+    """The tensors of a Hub repo's top-level `*.safetensors` files, from their headers alone (ranged GETs:
+    the Hub serves the first bytes of a file). Raises OSError/ValueError when a header cannot be read."""
+    import json
+    import time
+
+    from huggingface_hub import constants, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    if constants.HF_HUB_OFFLINE:
+        raise OSError("HF_HUB_OFFLINE is set")
+    deadline = time.monotonic() + timeout
+    tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
+    for name in sorted(f for f in files if f.endswith(".safetensors") and "/" not in f):
+        url = hf_hub_url(repo, name, revision=revision)
+        headers = {**build_hf_headers(), "Range": f"bytes=0-{HUB_HEADER_LIMIT + 7}"}
+        data, want = b"", 8
+        with get_session().get(url, headers=headers, stream=True, timeout=min(10.0, timeout)) as response:
+            hf_raise_for_status(response)
+            for chunk in response.iter_content(chunk_size=1 << 16):
+                data += chunk
+                if len(data) >= 8 and want == 8:
+                    want = 8 + int.from_bytes(data[:8], "little")
+                    if want - 8 > HUB_HEADER_LIMIT:
+                        raise ValueError(f"{name} claims a {want - 8:,}-byte header (over {HUB_HEADER_LIMIT:,})")
+                if len(data) >= want or time.monotonic() > deadline:
+                    break
+        if len(data) < want:
+            raise TimeoutError(f"{name}: its header was not read whole within {timeout:g} s")
+        header = json.loads(data[8:want])
+        for key, entry in header.items() if isinstance(header, dict) else ():
+            if key != "__metadata__":
+                tensors[key] = (str(entry["dtype"]), tuple(int(d) for d in entry["shape"]), name)
+    return HeldWeights(tensors)
+
+
 def _is_size(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 

@@ -71,8 +71,8 @@ def check_model_claims(ctx: CheckContext) -> None:
     dimension than the files hold, a registered family's parameter count far beyond theirs. On a refusal
     the checks that build from config.json's sizes (the tensor table, the derived model, the estimates)
     do not run: pre-flight's time stays bounded by the files whatever config.json claims. And every
-    weight is a float the run trains from. A Hub model's config.json is judged alone (its weights are
-    first read by load_from_hf, which judges them the same)."""
+    weight is a float the run trains from. A Hub model's weights are judged by their headers, read with
+    ranged GETs (`claims.hub_held_weights`); load_from_hf judges the downloaded files again."""
     if ctx.model is None:
         return
     from tasks.core.models import claims
@@ -80,7 +80,21 @@ def check_model_claims(ctx: CheckContext) -> None:
     m = ctx.model
     where = f"{m.where}/config.json"
     unbounded = False
-    if m.source != "local":
+    if m.source == "hub":
+        repo, _, revision = m.where.rpartition("@")
+        held = claims.HeldWeights()
+        if not claims.size_problems(m.config, where):
+            try:
+                held = claims.hub_held_weights(repo, revision, m.files)
+            except Exception as exc:  # network, HTTP and header errors all mean: not compared here
+                ctx.warn(
+                    f"base model {m.where}: config.json's sizes not compared with its weights, whose safetensors "
+                    f"headers could not be read ({type(exc).__name__}: {exc}); load_from_hf compares them"
+                )
+        refused = claims.claim_problems(m.config, held, where)
+        for msg in claims.weight_dtype_problems(held, m.where):
+            ctx.problem("base_model.uri", msg)
+    elif m.source != "local":
         refused = claims.size_problems(m.config, where)
     else:
         from tasks.core.models.folder import safetensors_problems
