@@ -204,6 +204,53 @@ def test_a_hub_models_sizes_are_judged_by_its_headers_before_anything_reads_them
         assert any(f"config.json {field}={value:,}" in m for m in refusals), refusals
 
 
+@pytest.mark.parametrize("base", [LLAMA, OLMO2], ids=["registered", "derived"])
+def test_pickle_weights_bound_the_claims_by_their_bytes_never_unpickled(tmp_path, base):
+    """Pickle weights list no shapes without unpickling: their bytes bound the claim (a registered
+    family's exact count, layers x hidden for any family), so 10^6 layers over 4 KB are refused."""
+    root = tmp_path / "model"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({**base, "num_hidden_layers": 10**6}))
+    (root / "pytorch_model.bin").write_bytes(b"never unpickled" + bytes(4096))
+    started = time.monotonic()
+    problems = model_problems(report_of(tmp_path, root, allow_pickle=True))
+    assert time.monotonic() - started < 15
+    want = (
+        "describes a llama model of 2,592,002,064 parameters, more than its weight files' 4,111 bytes"
+        if base is LLAMA
+        else "num_hidden_layers=1,000,000 x hidden size 16 is more values than its weight files' 4,111 bytes"
+    )
+    assert any(m.startswith(f"{root}/config.json ") and want in m for m in problems), problems
+    assert any(want in m for m in folder_refusals(root, {**base, "num_hidden_layers": 10**6}))  # load_from_hf's
+
+
+def test_an_fsspec_folders_sizes_are_judged_by_its_headers(tmp_path):
+    """An fsspec base model (memory:// here, s3:// in use): its headers are read through the filesystem's
+    ranged reads, and 10^5 layers over 2 are refused in seconds."""
+    import fsspec
+
+    from tasks.core.preflight.model_info import read_model_info
+
+    folder = model_folder(tmp_path / "model", {**LLAMA, "num_hidden_layers": 10**5})
+    fs = fsspec.filesystem("memory")
+    for p in folder.iterdir():
+        fs.pipe(f"/claims-model/{p.name}", p.read_bytes())
+    raw = tiny_config_raw(folder, tmp_path / "run")
+    raw["base_model"]["uri"] = "memory://claims-model"
+    cfg = load_for_check(write_config(tmp_path / "c.yaml", raw))
+    info = read_model_info("memory://claims-model")
+    assert info.source == "fsspec"
+    started = time.monotonic()
+    report = preflight_report(cfg, machine=CPU2, token_present=None, model=info)
+    assert time.monotonic() - started < 15
+    problems = model_problems(report)
+    assert any(
+        "config.json num_hidden_layers=100,000 claims more decoder layers than its weight files hold: 2 layers" in m
+        for m in problems
+    ), problems
+    fs.rm("/claims-model", recursive=True)
+
+
 # ---- what the weights are: floats of the model config.json describes -----------------------------
 
 

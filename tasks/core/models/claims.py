@@ -155,6 +155,29 @@ def hub_held_weights(repo: str, revision: str, files: list[str], timeout: float 
     return HeldWeights(tensors)
 
 
+def fs_held_weights(uri: str, files: list[str]) -> HeldWeights:
+    """The tensors of the top-level `*.safetensors` files of an fsspec folder (s3://, gs://, ...), from
+    their headers alone: 8 bytes, then the header, its length bounded first (ranged reads)."""
+    import json
+
+    from fsspec.core import url_to_fs
+
+    from tasks.core.models.folder import SAFETENSORS_MAX_HEADER
+
+    fs, root = url_to_fs(uri)
+    tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
+    for name in sorted(f for f in files if f.endswith(".safetensors") and "/" not in f):
+        with fs.open(f"{root.rstrip('/')}/{name}", "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n > SAFETENSORS_MAX_HEADER:
+                raise ValueError(f"{name} claims a {n:,}-byte header (over {SAFETENSORS_MAX_HEADER:,})")
+            header = json.loads(f.read(n))
+        for key, entry in header.items() if isinstance(header, dict) else ():
+            if key != "__metadata__":
+                tensors[key] = (str(entry["dtype"]), tuple(int(d) for d in entry["shape"]), name)
+    return HeldWeights(tensors)
+
+
 def _is_size(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -195,13 +218,68 @@ def layer_count(config: Mapping[str, Any]) -> tuple[str, int] | None:
     return None
 
 
-def claim_problems(config: Mapping[str, Any], held: HeldWeights, where: str = "config.json") -> list[tuple[str, str]]:
+def weight_file_bytes(root: Path) -> int:
+    """The bytes of a folder's top-level weight files (safetensors or pickle), from the file system."""
+    from tasks.core.models.folder import PICKLE_SUFFIXES, top_level_names
+
+    names = [n for n in top_level_names(root) if n.endswith((".safetensors", *PICKLE_SUFFIXES))]
+    return sum((root / n).stat().st_size for n in names)
+
+
+def byte_problems(config: Mapping[str, Any], weight_bytes: int, where: str) -> list[tuple[str, str]]:
+    """What weights whose tensors are not listed (pickle files, whose shapes only unpickling tells) bound:
+    every decoder layer holds at least one hidden-wide tensor (its norm) and the embedding vocab x hidden
+    values, each at least a byte, so a config.json whose layers x hidden or vocab x hidden exceeds the
+    files' bytes describes a model they cannot hold."""
+    hidden = next((config[f] for f in ("hidden_size", "n_embd", "d_model") if _is_size(config.get(f))), None)
+    if hidden is None or weight_bytes <= 0:
+        return []
+    out = []
+    from tasks.core.errors import ConversionError
+    from tasks.core.models.families import FAMILIES, count_parameters
+
+    if config.get("model_type") in FAMILIES:  # its count is exact, and counted in time independent of the layers
+        try:
+            claimed = count_parameters(config)
+        except (ConversionError, KeyError, TypeError, ValueError):
+            claimed = 0  # missing dims: the model-family check names them
+        if claimed > weight_bytes:
+            out.append(
+                (
+                    "config.json",
+                    (
+                        f"{where} describes a {config['model_type']} model of {claimed:,} parameters, more than its "
+                        f"weight files' {weight_bytes:,} bytes can hold (a byte each at the least): {FIX}"
+                    ),
+                )
+            )
+            return out
+    layers = layer_count(config)
+    for name, value in ([layers] if layers else []) + [("vocab_size", config.get("vocab_size"))]:
+        if _is_size(value) and value * hidden > weight_bytes:
+            out.append(
+                (
+                    name,
+                    (
+                        f"{where} {name}={value:,} x hidden size {hidden:,} is more values than its weight files' "
+                        f"{weight_bytes:,} bytes can hold: {FIX}"
+                    ),
+                )
+            )
+    return out
+
+
+def claim_problems(
+    config: Mapping[str, Any], held: HeldWeights, where: str = "config.json", weight_bytes: int = 0
+) -> list[tuple[str, str]]:
     """(field, sentence) for each size config.json claims that its weight files cannot hold, naming the
-    field, its value, what the files hold and the fix; [] when every claim is within them. The files
-    are judged only when they hold any tensor (no safetensors weights: the weight-file check names it)."""
+    field, its value, what the files hold and the fix; [] when every claim is within them. Files whose
+    headers list no tensor (pickle weights) are judged by their bytes (`weight_bytes`, `byte_problems`)."""
     out = size_problems(config, where)
-    if out or not held.tensors:
+    if out:
         return out
+    if not held.tensors:
+        return byte_problems(config, weight_bytes, where)
     prefix, layers = held.layers()
     if (claimed := layer_count(config)) and claimed[1] > layers:
         name, value = claimed

@@ -296,8 +296,22 @@ def expected_tensors(model_config: Mapping[str, Any]) -> dict[str, tuple[int, ..
 
 
 def count_parameters(model_config: Mapping[str, Any]) -> int:
-    """Parameters of the model `model_config` describes: the sum over its tensor table."""
-    return sum(math.prod(shape) for shape in expected_tensors(model_config).values())
+    """Parameters of the model `model_config` describes: the sum over its tensor table, each layer's
+    rules counted once and multiplied by the layers (the same sum, in time that does not grow with them)."""
+    family, config = family_config(model_config)
+    names = {name: fn(config) for name, fn in DIMS.items()}
+
+    def size(rule: TensorRule) -> int:
+        if (rule.when is not None and not config.get(rule.when)) or (rule.unless and config.get(rule.unless)):
+            return 0
+        return math.prod(names[d] if isinstance(d, str) else d for d in rule.shape)
+
+    layer = sum(size(rule) for rule in family.layer)
+    return (
+        sum(size(r) for r in family.head)
+        + max(config["num_hidden_layers"], 0) * layer
+        + sum(size(r) for r in family.tail)
+    )
 
 
 def largest_tensor(model_config: Mapping[str, Any]) -> int:

@@ -356,10 +356,10 @@ def folder_refusals(root: Path, config: dict[str, Any]) -> list[str]:
     out = [why] if (why := index_problem(root, names)) else []
     gen = read_json(root / "generation_config.json")
     out += eos_problems(str(root), {"config.json": config, "generation_config.json": gen}, config.get("vocab_size"))
-    from tasks.core.models.claims import claim_problems, held_weights, weight_dtype_problems
+    from tasks.core.models.claims import claim_problems, held_weights, weight_dtype_problems, weight_file_bytes
 
     held = held_weights(root)
-    claims = [msg for _, msg in claim_problems(config, held, f"{root}/config.json")]
+    claims = [msg for _, msg in claim_problems(config, held, f"{root}/config.json", weight_file_bytes(root))]
     out += claims + weight_dtype_problems(held, root)
     return out if claims else out + weight_shape_problems(root, config)  # the table only within what the files hold
 

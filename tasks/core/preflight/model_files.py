@@ -71,8 +71,9 @@ def check_model_claims(ctx: CheckContext) -> None:
     dimension than the files hold, a registered family's parameter count far beyond theirs. On a refusal
     the checks that build from config.json's sizes (the tensor table, the derived model, the estimates)
     do not run: pre-flight's time stays bounded by the files whatever config.json claims. And every
-    weight is a float the run trains from. A Hub model's weights are judged by their headers, read with
-    ranged GETs (`claims.hub_held_weights`); load_from_hf judges the downloaded files again."""
+    weight is a float the run trains from. A Hub model's or an fsspec folder's weights are judged by their
+    headers, read with ranged reads (`claims.hub_held_weights`, `claims.fs_held_weights`); load_from_hf
+    judges the files it fetched again."""
     if ctx.model is None:
         return
     from tasks.core.models import claims
@@ -80,13 +81,17 @@ def check_model_claims(ctx: CheckContext) -> None:
     m = ctx.model
     where = f"{m.where}/config.json"
     unbounded = False
-    if m.source == "hub":
-        repo, _, revision = m.where.rpartition("@")
+    if m.source != "local":  # the Hub, or an fsspec folder: headers through ranged reads
         held = claims.HeldWeights()
         if not claims.size_problems(m.config, where):
+            repo, _, revision = m.where.rpartition("@")
             try:
-                held = claims.hub_held_weights(repo, revision, m.files)
-            except Exception as exc:  # network, HTTP and header errors all mean: not compared here
+                held = (
+                    claims.hub_held_weights(repo, revision, m.files)
+                    if m.source == "hub"
+                    else claims.fs_held_weights(m.where, m.files)
+                )
+            except Exception as exc:  # network, HTTP, filesystem and header errors all mean: not compared here
                 ctx.warn(
                     f"base model {m.where}: config.json's sizes not compared with its weights, whose safetensors "
                     f"headers could not be read ({type(exc).__name__}: {exc}); load_from_hf compares them"
@@ -94,8 +99,6 @@ def check_model_claims(ctx: CheckContext) -> None:
         refused = claims.claim_problems(m.config, held, where)
         for msg in claims.weight_dtype_problems(held, m.where):
             ctx.problem("base_model.uri", msg)
-    elif m.source != "local":
-        refused = claims.size_problems(m.config, where)
     else:
         from tasks.core.models.folder import safetensors_problems
 
@@ -105,7 +108,7 @@ def check_model_claims(ctx: CheckContext) -> None:
         except OSError as exc:
             ctx.warn(f"base model {root}: its safetensors headers could not be read ({exc})")
             held, broken = claims.HeldWeights(), {}
-        refused = claims.claim_problems(m.config, held, where)
+        refused = claims.claim_problems(m.config, held, where, claims.weight_file_bytes(root))
         if broken and refused:  # a file check_model_files named holds tensors unread: its sizes only, said alone
             unbounded, refused = True, claims.size_problems(m.config, where)
         for msg in claims.weight_dtype_problems(held, root):
