@@ -219,11 +219,14 @@ def layer_count(config: Mapping[str, Any]) -> tuple[str, int] | None:
 
 
 def weight_file_bytes(root: Path) -> int:
-    """The bytes of a folder's top-level weight files (safetensors or pickle), from the file system."""
+    """The bytes of a folder's top-level pickle weight files, from the file system, when it has no
+    safetensors (whose headers list their tensors); 0 otherwise."""
     from tasks.core.models.folder import PICKLE_SUFFIXES, top_level_names
 
-    names = [n for n in top_level_names(root) if n.endswith((".safetensors", *PICKLE_SUFFIXES))]
-    return sum((root / n).stat().st_size for n in names)
+    names = top_level_names(root)
+    if any(n.endswith(".safetensors") for n in names):
+        return 0
+    return sum((root / n).stat().st_size for n in names if n.endswith(PICKLE_SUFFIXES))
 
 
 def byte_problems(config: Mapping[str, Any], weight_bytes: int, where: str) -> list[tuple[str, str]]:
