@@ -133,6 +133,8 @@ def hub_held_weights(repo: str, revision: str, files: list[str], timeout: float 
     deadline = time.monotonic() + timeout
     tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
     for name in sorted(f for f in files if f.endswith(".safetensors") and "/" not in f):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the shards' headers were not read within {timeout:g} s (at {name})")
         url = hf_hub_url(repo, name, revision=revision)
         headers = {**build_hf_headers(), "Range": f"bytes=0-{HUB_HEADER_LIMIT + 7}"}
         data, want = b"", 8
