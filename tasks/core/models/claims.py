@@ -36,24 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# config.json's size fields, in the spellings the families use (GPT-2's n_*, OPT's ffn_dim, ...): a
-# value present and not null must be a whole number >= 1
-LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-WIDTH_FIELDS = (
-    "hidden_size",
-    "n_embd",
-    "d_model",
-    "vocab_size",
-    "intermediate_size",
-    "n_inner",
-    "ffn_dim",
-    "num_attention_heads",
-    "n_head",
-    "num_key_value_heads",
-    "head_dim",
-)
-POSITION_FIELDS = ("max_position_embeddings", "n_positions")  # RoPE positions need no tensor: not bounded by one
-SIZE_FIELDS = LAYER_FIELDS + WIDTH_FIELDS + POSITION_FIELDS
+from tasks.core.models.sizes import FIX, WIDTH_FIELDS, is_size, layer_count, size_problems
+
 # safetensors dtypes a weight may have: what from_pretrained loads into the fp32/bf16/fp16 the run trains in
 TRAINABLE_DTYPES = ("F32", "BF16", "F16", "F64")
 # A registered family's count over the files' parameters beyond which config.json describes another model
@@ -61,7 +45,6 @@ FAR_BEYOND = 2
 _LAYER_KEY = re.compile(r"^(.*?\.)(\d+)\.")
 # Buffers some savers keep beside the weights, which from_pretrained drops (integer or bool ones included)
 IGNORED_BUFFERS = ("rotary_emb.inv_freq", "position_ids", "attn.bias", "attn.masked_bias")
-FIX = "correct it in config.json from the model's source, or point base_model.uri at the folder these weights belong to"
 
 
 @dataclass(frozen=True)
@@ -180,46 +163,6 @@ def fs_held_weights(uri: str, files: list[str]) -> HeldWeights:
     return HeldWeights(tensors)
 
 
-def _is_size(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def size_problems(config: Mapping[str, Any], where: str = "config.json") -> list[tuple[str, str]]:
-    """(field, sentence) for each size field of config.json that is not a whole number >= 1: from
-    config.json alone, so a Hub model's too, before transformers' config class ever sees it."""
-    out = []
-    for name in SIZE_FIELDS:
-        value = config.get(name)
-        if value is None or _is_size(value):
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            what = f"a {type(value).__name__}, not a number"
-        elif isinstance(value, float) and value.is_integer() and value >= 1:
-            what = f"a float: write it as the integer {int(value)}"
-        elif isinstance(value, float):
-            what = "not a whole number"
-        else:
-            what = "zero: a model has at least one" if value == 0 else "negative"
-        out.append(
-            (
-                name,
-                (
-                    f"{where} {name}={value!r} is {what}; a size is a whole number >= 1 (no model of that shape can be "
-                    f"built): {FIX}"
-                ),
-            )
-        )
-    return out
-
-
-def layer_count(config: Mapping[str, Any]) -> tuple[str, int] | None:
-    """(field, value) of config.json's layer count, in the first spelling present."""
-    for name in LAYER_FIELDS:
-        if _is_size(config.get(name)):
-            return name, config[name]
-    return None
-
-
 def weight_file_bytes(root: Path) -> int:
     """The bytes of a folder's top-level pickle weight files, from the file system, when it has no
     safetensors (whose headers list their tensors); 0 otherwise."""
@@ -236,7 +179,7 @@ def byte_problems(config: Mapping[str, Any], weight_bytes: int, where: str) -> l
     every decoder layer holds at least one hidden-wide tensor (its norm) and the embedding vocab x hidden
     values, each at least a byte, so a config.json whose layers x hidden or vocab x hidden exceeds the
     files' bytes describes a model they cannot hold."""
-    hidden = next((config[f] for f in ("hidden_size", "n_embd", "d_model") if _is_size(config.get(f))), None)
+    hidden = next((config[f] for f in ("hidden_size", "n_embd", "d_model") if is_size(config.get(f))), None)
     if hidden is None or weight_bytes <= 0:
         return []
     out = []
@@ -261,7 +204,7 @@ def byte_problems(config: Mapping[str, Any], weight_bytes: int, where: str) -> l
             return out
     layers = layer_count(config)
     for name, value in ([layers] if layers else []) + [("vocab_size", config.get("vocab_size"))]:
-        if _is_size(value) and value * hidden > weight_bytes:
+        if is_size(value) and value * hidden > weight_bytes:
             out.append(
                 (
                     name,
@@ -300,7 +243,7 @@ def claim_problems(
     widest, key = held.widest()
     for name in WIDTH_FIELDS:
         value = config.get(name)
-        if _is_size(value) and value > widest:
+        if is_size(value) and value > widest:
             out.append(
                 (
                     name,

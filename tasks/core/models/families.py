@@ -246,7 +246,7 @@ def family_of(model_config: Mapping[str, Any]) -> ModelFamily:
 def family_config(model_config: Mapping[str, Any]) -> tuple[ModelFamily, dict[str, Any]]:
     """The family of a config.json and the config with the family's defaults filled in."""
     model_type = model_config.get("model_type")
-    from tasks.core.models.claims import size_problems
+    from tasks.core.models.sizes import size_problems
 
     if sizes := size_problems(model_config):  # a zero, negative or float size: named before any table is built
         raise ConversionError("; ".join(msg for _, msg in sizes))
