@@ -22,9 +22,12 @@ tensor; an 8-bit float checkpoint carries per-block scales (`weight_scale_inv`) 
 bf16/fp32 would drop. Integer buffers transformers ignores (`position_ids`, an attention mask's
 `attn.bias`) are left alone.
 
-Pure reading of headers (`folder.checked_safetensors_header`, bounded): its cost grows with the
-headers, never with what config.json claims. Pre-flight runs it on a local folder before any other
-check reads config.json, load_from_hf on a Hub model's files before anything else reads them.
+Pure reading of headers (`folder.checked_safetensors_header`, bounded; an fsspec folder's and a Hub
+model's through ranged reads, `fs_held_weights`, `hub_held_weights`): its cost grows with the headers,
+never with what config.json claims. Pickle weights list no shapes without unpickling: their bytes
+bound the claim instead (`byte_problems`). Pre-flight runs it before any other check reads config.json's
+sizes (`check_model_claims`), load_from_hf on the files it fetched before anything else reads them
+(`shapes.folder_refusals`).
 """
 
 from __future__ import annotations
