@@ -11,7 +11,10 @@ once, to safetensors (`convert_pickle`), so every later stage reads safetensors;
 meta `converted_from_pickle` records the source files and their sha256. A model folder's code never
 comes along: no `.py` file is copied (meta `left_out` names it) and every `auto_map` of its configs,
 nested sections included, is removed with a logged line (meta `removed_auto_map`), so nothing later
-(cpt/hf/, the export, the Hub) carries it and the model loads as transformers' own class.
+(cpt/hf/, the export, the Hub) carries it and the model loads as transformers' own class. The files
+are judged before anything loads them (`shapes.folder_refusals`: config.json's sizes against the
+safetensors headers, the weights' dtypes and keys); a load that still fails on the model itself is a
+ConfigError, so the retry condition fails it at once, while a download's network error is retried.
 
     python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # runs this first
 """

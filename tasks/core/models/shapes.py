@@ -12,7 +12,9 @@ template's end of turn). What is refused, with the conversion that makes it run:
 HF loader reads them: transformers' GGUF reader, `gguf_file=`, converts them offline), a
 `text_config` checkpoint (the run trains text-only causal LMs from a flat config: its
 `language_model`, a model of `text_config.model_type`, is saved on its own), an index naming a
-shard the folder lacks, an eos id outside the vocabulary. `chat_template.json` (a processor's file)
+shard the folder lacks, an eos id outside the vocabulary, weight files lacking tensors config.json's
+family gives the model or holding tensors it has no place for (`key_problems`, naming the registered
+family the files' layer looks like). `chat_template.json` (a processor's file)
 is named: the tokenizer never reads it. Pure reading, no torch: pre-flight calls it.
 """
 
