@@ -2,6 +2,7 @@
 fingerprints, stop tokens, FLOPs per token, and the demo's tiny model.
 
 - adapter.py       `export-adapter/`: a LoRA run's adapter alone, proven to be the merged export
+- claims.py        config.json's sizes against what the weight files' headers hold, before anything is built
 - convert/         streaming conversion of a sharded checkpoint to HF safetensors, and its proof
 - demo.py          tiny deterministic demo inputs: a BPE tokenizer and a random model
 - derive.py        a family derived from the model transformers builds on the meta device
@@ -17,6 +18,7 @@ fingerprints, stop tokens, FLOPs per token, and the demo's tiny model.
 - merge.py         the merged export of a LoRA checkpoint, proven two ways
 - policy_rows.py   named rows for the families ColossalAI 0.5.0 ships a shardformer policy for
 - shapes.py        the shapes of Hub model folders, each run or refused before launch
+- sizes.py         config.json's size fields: each a whole number >= 1
 - stop_tokens.py   stop tokens of an export: eos plus the chat template's end-of-turn tokens
 - stream.py        probe logits of an HF folder in bounded memory, one unit's weights at a time
 """
