@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from tasks.core.config.sequence import sp_factor
 from tasks.core.data.truncation import describe as describe_truncation
 from tasks.core.evaluation.benchmark import card_results as benchmark_card_results
 from tasks.core.evaluation.verdict import eval_results_for_card, metrics_table
+from tasks.core.hub.metadata import front_matter_problems
 from tasks.core.hub.repo import HUB_ID, hub_dataset_id, is_hub_id
 from tasks.core.run.manifest import MANIFEST
 from tasks.core.run.preemptions import log_rel as preemption_log
@@ -211,9 +212,37 @@ def _peak(facts: dict[str, dict], stage: str) -> str:
     return "n/a" if not peak else f"{peak[0] / 2**30:.2f} GiB" + (f" (rank {peak[1]})" if peak[1] is not None else "")
 
 
-def usage_snippet(model_id: str, dtype: str = "bf16") -> str:
+# What the snippet says of where a reply ends when the generation check's record says nothing.
+UNMEASURED_STOP = "A reply ends at an eos token of generation_config.json, or after max_new_tokens."
+
+
+def stop_claim(metrics: dict[str, Any] | None) -> str:
+    """The snippet's word on whether a reply stops: what the generation check measured (evaluate_sft's
+    greedy replies to held-out prompts), never more; unmeasured, only what generate() does."""
+    gen = ((metrics or {}).get("sft") or {}).get("generation") or {}
+    if not gen.get("prompts"):
+        return f"{UNMEASURED_STOP} Whether replies stop was not measured (the generation check did not run)."
+    stopped, prompts, limit = gen.get("stopped", 0), gen["prompts"], gen.get("max_new_tokens")
+    if stopped >= prompts:
+        return (
+            f"In the generation check all {prompts} greedy replies to held-out prompts stopped at an eos token of "
+            f"generation_config.json within {limit} new tokens."
+        )
+    return (
+        f"In the generation check only {stopped} of {prompts} greedy replies to held-out prompts stopped at an eos "
+        f"token within {limit} new tokens: a reply may run on to max_new_tokens (see the evaluation below)."
+    )
+
+
+def _comment(text: str, width: int = 100) -> str:
+    import textwrap
+
+    return "\n".join(f"# {line}" for line in textwrap.wrap(text, width - 2))
+
+
+def usage_snippet(model_id: str, dtype: str = "bf16", stops: str = UNMEASURED_STOP) -> str:
     """Load in the export's own dtype, apply the chat template, generate: the tests run exactly this
-    against the export."""
+    against the export. `stops`: what the comment says of where a reply ends (`stop_claim`)."""
     return f'''```python
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -223,7 +252,7 @@ tokenizer = AutoTokenizer.from_pretrained(model_id)
 model = AutoModelForCausalLM.from_pretrained(model_id, torch_dtype={TORCH_DTYPES[dtype]})
 messages = [{{"role": "user", "content": "Hello! Who are you?"}}]
 input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-# generation_config.json lists the chat template's end-of-turn token(s) as eos, so this stops.
+{_comment(stops)}
 output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=64, do_sample=False)
 print(tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True))
 ```'''
@@ -272,17 +301,135 @@ def _data_name(uri: str) -> str:
     return hub_dataset_id(uri) or Path(uri.rstrip("/")).name
 
 
+# The stages whose measurements the card reports, and what each measures: one not run is listed as such.
+EVALUATIONS = {
+    "evaluate_cpt": "held-out perplexity, base vs CPT",
+    "evaluate_sft": "held-out loss on assistant tokens, pre-SFT vs SFT, and the generation check",
+    "benchmark": "lm-eval benchmarks, base vs export",
+}
+RAN = ("completed", "skipped")  # a stage that measured now, or whose recorded measurement stands
+
+
+def _row(results: Mapping[str, Any] | None, stage: str) -> tuple[str, dict[str, Any]]:
+    """(status, detail) of a stage in `results` (StageResult-like rows: `.status`, `.detail`; or run.json's dicts)."""
+    r = (results or {}).get(stage)
+    if r is None:
+        return "not-run", {}
+    if isinstance(r, Mapping):
+        return str(r.get("status")), dict(r.get("detail") or {})
+    return str(r.status), dict(r.detail or {})
+
+
+def _why_not(status: str, detail: dict[str, Any]) -> str:
+    if status == "not-configured":
+        return f"not configured ({detail.get('reason') or 'nothing to measure'})"
+    if status in ("failed", "preempted"):
+        return f"{status}: {str(detail.get('error') or 'see run.json')[:300]}"
+    return "not run: the run ended before it"
+
+
+def gate_verdict_text(results: Mapping[str, Any] | None) -> tuple[str, list[str]]:
+    """(the gate's verdict in a few words, one line per check): passed, failed with the failing limits,
+    disabled, or not run, from the gate stage's row (its detail is the verdict, tasks/core/evaluation/verdict.py)."""
+    if results is None:
+        return "not recorded", []
+    status, verdict = _row(results, "gate")
+    checks = verdict.get("checks") or []
+    lines = [f"{'pass' if c.get('ok') else 'FAIL'} `{c.get('check')}`: {c.get('message')}" for c in checks]
+    if status == "passed":
+        return f"**passed**: every one of its {len(checks)} checks held", lines
+    if status == "failed-gate":
+        reasons = verdict.get("reasons") or []
+        return f"**failed** ({len(reasons)} of {len(checks)} checks): the push was held back", lines
+    if status == "disabled":
+        failed = sum(1 for c in checks if not c.get("ok"))
+        said = f"**disabled** (`gate.enabled: false`): nothing was held back; {failed} of {len(checks)} checks failed"
+        return said, lines
+    return f"**not run** ({_why_not(status, verdict)})", lines
+
+
+def not_run_lines(results: Mapping[str, Any] | None) -> list[str]:
+    """One line per evaluation the run did not measure (and why), from its stage rows; [] when every one ran
+    or the rows were not given."""
+    if results is None:
+        return []
+    out = []
+    for stage, what in EVALUATIONS.items():
+        status, detail = _row(results, stage)
+        if status not in RAN:
+            out.append(f"`{stage}` ({what}): {_why_not(status, detail)}")
+    return out
+
+
+def _evaluation_section(metrics: dict[str, Any] | None, results: Mapping[str, Any] | None) -> str:
+    """The held-out table with the gate's word per row, the gate's verdict and each check, and what did not run."""
+    verdict = _row(results, "gate")[1] if results is not None else None
+    table = metrics_table((metrics or {}).get("cpt"), (metrics or {}).get("sft"), verdict or None)
+    parts = []
+    if table:
+        parts.append(
+            "\n".join(
+                ["| metric | before | after | change | gate |", "|---|---|---|---|---|"]
+                + [
+                    f"| {r['metric']} | {r['before']} | {r['after']} | {r['change']} | {r.get('gate') or '-'} |"
+                    for r in table
+                ]
+            )
+        )
+    else:
+        parts.append("No held-out evaluation was recorded.")
+    said, checks = gate_verdict_text(results)
+    parts.append(
+        f"**Gate before the push:** {said}." + ("\n\n" + "\n".join(f"- {c}" for c in checks) if checks else "")
+    )
+    missing = not_run_lines(results)
+    if missing:
+        parts.append("**Evaluations not run:**\n\n" + "\n".join(f"- {m}" for m in missing))
+    elif results is not None:
+        parts.append("Every evaluation ran: " + ", ".join(f"`{s}`" for s in EVALUATIONS) + ".")
+    return "\n\n".join(parts)
+
+
+# The config field behind each metadata field the card writes, for the message when one does not read back.
+METADATA_SOURCE = {
+    "license": "hub.license",
+    "tags": "hub.tags",
+    "base_model": "base_model.hub_id (or the base model's Hub id)",
+    "datasets": "cpt.data / sft.data uris",
+    "model_name": "hub.repo_id",
+}
+
+
+def _with_front_matter(data: Any, body: str) -> str:
+    """The card's text, once its YAML front matter reads back as the metadata meant: a value YAML or the
+    card parser would change (a line separator in a tag, say) is an error naming the config field, never a
+    card whose metadata says something else or whose front matter ends early."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+    bad = front_matter_problems(data.to_dict(), card.data.to_dict())
+    if bad:
+        raise ValueError(
+            "the model card's metadata would not read back as given for "
+            + ", ".join(f"{k} (from {METADATA_SOURCE.get(k, k)})" for k in bad)
+            + ": use plain ASCII values there (pre-flight's hub checks name which)"
+        )
+    return card.content
+
+
 def model_card(
     cfg: RunConfig,
     export_manifest: dict[str, Any],
     facts: dict[str, dict],
     metrics: dict[str, Any] | None = None,
     base: dict[str, Any] | None = None,
+    results: Mapping[str, Any] | None = None,
 ) -> str:
     """README.md: ModelCardData metadata (with a model-index of the held-out metrics, and the base
     model: `base_facts`) plus training hyperparameters, data, evaluation, versions, verification
-    and usage."""
-    from huggingface_hub import ModelCard, ModelCardData
+    and usage. `results`: the stage rows (this run's StageResults, or run.json's), for the gate's
+    verdict and the evaluations that did not run; None says neither."""
+    from huggingface_hub import ModelCardData
 
     hub = cfg.hub
     eval_results = eval_results_for_card(metrics or {}) + benchmark_card_results((metrics or {}).get("benchmark"))
@@ -398,13 +545,7 @@ def model_card(
                     f"| {s['name']} | {names} | {sums} | {_num(s.get('records'))} | {_num(s.get('tokens'))} |"
                 )
 
-    evaluation = "not recorded."
-    table = metrics_table((metrics or {}).get("cpt"), (metrics or {}).get("sft"), None)
-    if table:
-        evaluation = "\n".join(
-            ["| metric | before | after | change |", "|---|---|---|---|"]
-            + [f"| {r['metric']} | {r['before']} | {r['after']} | {r['change']} |" for r in table]
-        )
+    evaluation = _evaluation_section(metrics, results)
 
     versions = meta.get("versions") or {}
     version_line = ", ".join(f"{k} {val}" for k, val in versions.items() if val) or "not recorded"
@@ -437,11 +578,11 @@ def model_card(
 # {title}
 
 Continued pre-training (CPT) then supervised fine-tuning (SFT) of {base_line} with cpt-to-sft on
-ColossalAI, run `{cfg.name}`.
+ColossalAI, run `{cfg.name}`. Gate before the push: {gate_verdict_text(results)[0]}.
 
 ## Usage
 
-{usage_snippet(usage_id, cfg.export.dtype)}
+{usage_snippet(usage_id, cfg.export.dtype, stop_claim(metrics))}
 
 {stop_line}
 
@@ -468,7 +609,7 @@ with its sha256, `verification.json` holds the checks below.
 
 **Verification:** {verification}
 {_adapter_paragraph(cfg, v.get("adapter") or {})}"""
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content
+    return _with_front_matter(data, body)
 
 
 def _base_line(base: dict[str, Any]) -> str:
@@ -506,7 +647,7 @@ the training (a local reference: the CPT model is not on the Hub).
 
 def adapter_card(cfg: RunConfig, adapter_manifest: dict[str, Any]) -> str:
     """README.md of an adapter pushed to a repo of its own: what it is, the base it needs, the merged model."""
-    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub import ModelCardData
 
     meta = adapter_manifest.get("meta") or {}
     v, base = meta.get("verification") or {}, meta.get("base") or {}
@@ -538,4 +679,4 @@ model = PeftModel.from_pretrained(base, "{cfg.hub.adapter_repo_id}")
 **Verification:** peft with this adapter on that base gives the merged model's logits within
 {v.get("fingerprint_rel_diff", float("nan")):.3g} of their magnitude (tolerance {v.get("fingerprint_rtol")}), top-1 agreement {v.get("top1_agreement", float("nan")):.3f}.
 """
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content
+    return _with_front_matter(data, body)
