@@ -368,8 +368,7 @@ BAD = [
         "look-alike-repo-id",  # a Cyrillic o (U+043E): huggingface_hub's own validator takes it
         _all(_set("hub", {"repo_id": "\u043erg/name"}), _token(True)),
         "hub.repo_id",
-        "(U+043E CYRILLIC SMALL LETTER O) at position 0; a Hub repo id takes ASCII characters only; it looks like "
-        "'org/name'",
+        "(U+043E CYRILLIC SMALL LETTER O) at position 0; a Hub repo id takes ASCII characters only",
     ),
     (
         "license-with-a-newline",
