@@ -652,11 +652,11 @@ def test_the_console_reads_like_a_training_log_and_the_artifacts_keep_every_step
     # CPU seconds per stage beside the wall seconds (tasks/core/run/cputime.py): a launch's ranks are in the
     # children's part, the flow process's own work (the evaluations' logits) in the rest; the run's is their sum.
     rows = {s["stage"]: s for s in demo_run.summary["stages"]}
-    for name in ("boost_and_shard", "train_cpt", "unshard", "reboost", "train_sft", "export"):
+    for name in ("boost_and_shard", "train_cpt", "reboost", "train_sft"):  # the stages that launch ranks
         row = rows[name]
         assert row["cpu_children_seconds"] > 1.0 and row["cpu_seconds"] >= row["cpu_children_seconds"], row
-    # two ranks train on two cores: their CPU seconds are above the stage's wall seconds less the launch's start
-    assert rows["train_cpt"]["cpu_children_seconds"] > 0.5 * rows["train_cpt"]["seconds"], rows["train_cpt"]
-    assert rows["evaluate_cpt"]["cpu_seconds"] > rows["evaluate_cpt"]["cpu_children_seconds"]
+    for name in ("unshard", "evaluate_cpt", "export"):  # work of the flow process itself
+        row = rows[name]
+        assert row["cpu_seconds"] - row["cpu_children_seconds"] > 0.05, row
     assert demo_run.summary["cpu_seconds"] == pytest.approx(sum(s["cpu_seconds"] or 0 for s in rows.values()), abs=0.1)
     assert re.search(r"train_cpt\s+completed\s+\S+\s+\d\S*s\s+loss", text)
