@@ -168,6 +168,7 @@ def test_stage_table_rows(monkeypatch):
                 "uri": "s3://b/run/cpt/step-000010",
                 "digest": "ab" * 32,
                 "seconds": 3725.2,
+                "cpu_seconds": 7400.0,
             },
             {"stage": "export", "status": "not-run", "uri": None, "digest": None, "seconds": 0.0},
         ]
@@ -179,6 +180,7 @@ def test_stage_table_rows(monkeypatch):
         "artifact": "s3://b/run/cpt/step-000010",
         "manifest digest": "ab" * 8,
         "duration": "1h 02m 05s",
+        "CPU": "2h 03m 20s",
         "cause": "",
         "note": "",
     }

@@ -5,8 +5,11 @@
 Everything in it is read from the run's records, never recomputed: hyperparameters from the
 config, steps/tokens/losses from each stage's final checkpoint (`train_state.json`), the kernels
 and activation checkpointing that ran from that checkpoint's manifest, data sha256
-and split sizes from the split records, evaluation from run.json's metrics, framework versions
-and the weight proof from the export manifest. A re-push of a finished run renders the same card.
+and split sizes from the split records, evaluation from run.json's metrics, the gate's verdict and
+the evaluations that did not run from the stage rows (this run's results, or run.json's), framework
+versions and the weight proof from the export manifest. The usage snippet claims that a reply stops
+only as far as the generation check measured it (`stop_claim`). A re-push of a finished run renders
+the same card.
 """
 
 from __future__ import annotations
