@@ -27,8 +27,9 @@ from tasks.core.config.schema import RunConfig
 from tasks.core.config.sequence import sp_factor
 from tasks.core.data.truncation import describe as describe_truncation
 from tasks.core.evaluation.benchmark import card_results as benchmark_card_results
-from tasks.core.evaluation.verdict import eval_results_for_card, metrics_table
-from tasks.core.hub.metadata import front_matter_problems
+from tasks.core.evaluation.verdict import eval_results_for_card
+from tasks.core.hub.metadata import with_front_matter
+from tasks.core.hub.outcome import UNMEASURED_STOP, evaluation_section, gate_verdict_text, stop_claim
 from tasks.core.hub.repo import HUB_ID, hub_dataset_id, is_hub_id
 from tasks.core.run.manifest import MANIFEST
 from tasks.core.run.preemptions import log_rel as preemption_log
@@ -215,28 +216,6 @@ def _peak(facts: dict[str, dict], stage: str) -> str:
     return "n/a" if not peak else f"{peak[0] / 2**30:.2f} GiB" + (f" (rank {peak[1]})" if peak[1] is not None else "")
 
 
-# What the snippet says of where a reply ends when the generation check's record says nothing.
-UNMEASURED_STOP = "A reply ends at an eos token of generation_config.json, or after max_new_tokens."
-
-
-def stop_claim(metrics: dict[str, Any] | None) -> str:
-    """The snippet's word on whether a reply stops: what the generation check measured (evaluate_sft's
-    greedy replies to held-out prompts), never more; unmeasured, only what generate() does."""
-    gen = ((metrics or {}).get("sft") or {}).get("generation") or {}
-    if not gen.get("prompts"):
-        return f"{UNMEASURED_STOP} Whether replies stop was not measured (the generation check did not run)."
-    stopped, prompts, limit = gen.get("stopped", 0), gen["prompts"], gen.get("max_new_tokens")
-    if stopped >= prompts:
-        return (
-            f"In the generation check all {prompts} greedy replies to held-out prompts stopped at an eos token of "
-            f"generation_config.json within {limit} new tokens."
-        )
-    return (
-        f"In the generation check only {stopped} of {prompts} greedy replies to held-out prompts stopped at an eos "
-        f"token within {limit} new tokens: a reply may run on to max_new_tokens (see the evaluation below)."
-    )
-
-
 def _comment(text: str, width: int = 100) -> str:
     import textwrap
 
@@ -302,122 +281,6 @@ def _num(x: Any, fmt: str = "{:,}") -> str:
 
 def _data_name(uri: str) -> str:
     return hub_dataset_id(uri) or Path(uri.rstrip("/")).name
-
-
-# The stages whose measurements the card reports, and what each measures: one not run is listed as such.
-EVALUATIONS = {
-    "evaluate_cpt": "held-out perplexity, base vs CPT",
-    "evaluate_sft": "held-out loss on assistant tokens, pre-SFT vs SFT, and the generation check",
-    "benchmark": "lm-eval benchmarks, base vs export",
-}
-RAN = ("completed", "skipped")  # a stage that measured now, or whose recorded measurement stands
-
-
-def _row(results: Mapping[str, Any] | None, stage: str) -> tuple[str, dict[str, Any]]:
-    """(status, detail) of a stage in `results` (StageResult-like rows: `.status`, `.detail`; or run.json's dicts)."""
-    r = (results or {}).get(stage)
-    if r is None:
-        return "not-run", {}
-    if isinstance(r, Mapping):
-        return str(r.get("status")), dict(r.get("detail") or {})
-    return str(r.status), dict(r.detail or {})
-
-
-def _why_not(status: str, detail: dict[str, Any]) -> str:
-    if status == "not-configured":
-        return f"not configured ({detail.get('reason') or 'nothing to measure'})"
-    if status in ("failed", "preempted"):
-        return f"{status}: {str(detail.get('error') or 'see run.json')[:300]}"
-    return "not run: the run ended before it"
-
-
-def gate_verdict_text(results: Mapping[str, Any] | None) -> tuple[str, list[str]]:
-    """(the gate's verdict in a few words, one line per check): passed, failed with the failing limits,
-    disabled, or not run, from the gate stage's row (its detail is the verdict, tasks/core/evaluation/verdict.py)."""
-    if results is None:
-        return "not recorded", []
-    status, verdict = _row(results, "gate")
-    checks = verdict.get("checks") or []
-    lines = [f"{'pass' if c.get('ok') else 'FAIL'} `{c.get('check')}`: {c.get('message')}" for c in checks]
-    if status == "passed":
-        return f"**passed**: every one of its {len(checks)} checks held", lines
-    if status == "failed-gate":
-        reasons = verdict.get("reasons") or []
-        return f"**failed** ({len(reasons)} of {len(checks)} checks): the push was held back", lines
-    if status == "disabled":
-        failed = sum(1 for c in checks if not c.get("ok"))
-        said = f"**disabled** (`gate.enabled: false`): nothing was held back; {failed} of {len(checks)} checks failed"
-        return said, lines
-    return f"**not run** ({_why_not(status, verdict)})", lines
-
-
-def not_run_lines(results: Mapping[str, Any] | None) -> list[str]:
-    """One line per evaluation the run did not measure (and why), from its stage rows; [] when every one ran
-    or the rows were not given."""
-    if results is None:
-        return []
-    out = []
-    for stage, what in EVALUATIONS.items():
-        status, detail = _row(results, stage)
-        if status not in RAN:
-            out.append(f"`{stage}` ({what}): {_why_not(status, detail)}")
-    return out
-
-
-def _evaluation_section(metrics: dict[str, Any] | None, results: Mapping[str, Any] | None) -> str:
-    """The held-out table with the gate's word per row, the gate's verdict and each check, and what did not run."""
-    verdict = _row(results, "gate")[1] if results is not None else None
-    table = metrics_table((metrics or {}).get("cpt"), (metrics or {}).get("sft"), verdict or None)
-    parts = []
-    if table:
-        parts.append(
-            "\n".join(
-                ["| metric | before | after | change | gate |", "|---|---|---|---|---|"]
-                + [
-                    f"| {r['metric']} | {r['before']} | {r['after']} | {r['change']} | {r.get('gate') or '-'} |"
-                    for r in table
-                ]
-            )
-        )
-    else:
-        parts.append("No held-out evaluation was recorded.")
-    said, checks = gate_verdict_text(results)
-    parts.append(
-        f"**Gate before the push:** {said}." + ("\n\n" + "\n".join(f"- {c}" for c in checks) if checks else "")
-    )
-    missing = not_run_lines(results)
-    if missing:
-        parts.append("**Evaluations not run:**\n\n" + "\n".join(f"- {m}" for m in missing))
-    elif results is not None:
-        parts.append("Every evaluation ran: " + ", ".join(f"`{s}`" for s in EVALUATIONS) + ".")
-    return "\n\n".join(parts)
-
-
-# The config field behind each metadata field the card writes, for the message when one does not read back.
-METADATA_SOURCE = {
-    "license": "hub.license",
-    "tags": "hub.tags",
-    "base_model": "base_model.hub_id (or the base model's Hub id)",
-    "datasets": "cpt.data / sft.data uris",
-    "model_name": "hub.repo_id",
-}
-
-
-def _with_front_matter(data: Any, body: str) -> str:
-    """The card's text, once its YAML front matter reads back as the metadata meant: a value YAML or the
-    card parser would change (a line separator in a tag, say) is an error naming the config field, never a
-    card whose metadata says something else or whose front matter ends early."""
-    from huggingface_hub import ModelCard
-
-    card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
-    bad = front_matter_problems(data.to_dict(), card.data.to_dict())
-    if bad:
-        raise ValueError(
-            "the model card's metadata would not read back as given for "
-            + ", ".join(f"{k} (from {METADATA_SOURCE.get(k, k)})" for k in bad)
-            + ": use plain ASCII values there (pre-flight's hub checks name which)"
-        )
-    return card.content
 
 
 def model_card(
@@ -548,7 +411,7 @@ def model_card(
                     f"| {s['name']} | {names} | {sums} | {_num(s.get('records'))} | {_num(s.get('tokens'))} |"
                 )
 
-    evaluation = _evaluation_section(metrics, results)
+    evaluation = evaluation_section(metrics, results)
 
     versions = meta.get("versions") or {}
     version_line = ", ".join(f"{k} {val}" for k, val in versions.items() if val) or "not recorded"
@@ -612,7 +475,7 @@ with its sha256, `verification.json` holds the checks below.
 
 **Verification:** {verification}
 {_adapter_paragraph(cfg, v.get("adapter") or {})}"""
-    return _with_front_matter(data, body)
+    return with_front_matter(data, body)
 
 
 def _base_line(base: dict[str, Any]) -> str:
@@ -682,4 +545,4 @@ model = PeftModel.from_pretrained(base, "{cfg.hub.adapter_repo_id}")
 **Verification:** peft with this adapter on that base gives the merged model's logits within
 {v.get("fingerprint_rel_diff", float("nan")):.3g} of their magnitude (tolerance {v.get("fingerprint_rtol")}), top-1 agreement {v.get("top1_agreement", float("nan")):.3f}.
 """
-    return _with_front_matter(data, body)
+    return with_front_matter(data, body)

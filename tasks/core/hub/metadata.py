@@ -179,3 +179,30 @@ def hub_field_problems(hub: Any, base_hub_id: str | None = None) -> list[tuple[s
 def front_matter_problems(meant: dict[str, Any], read: dict[str, Any]) -> list[str]:
     """The metadata fields whose value, read back from the card's front matter, is not the one meant."""
     return [k for k, v in meant.items() if v is not None and read.get(k) != v]
+
+
+# The config field behind each metadata field the card writes, for the message when one does not read back.
+METADATA_SOURCE = {
+    "license": "hub.license",
+    "tags": "hub.tags",
+    "base_model": "base_model.hub_id (or the base model's Hub id)",
+    "datasets": "cpt.data / sft.data uris",
+    "model_name": "hub.repo_id",
+}
+
+
+def with_front_matter(data: Any, body: str) -> str:
+    """The card's text, once its YAML front matter reads back as the metadata meant: a value YAML or the
+    card parser would change (a line separator in a tag, say) is an error naming the config field, never a
+    card whose metadata says something else or whose front matter ends early."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+    bad = front_matter_problems(data.to_dict(), card.data.to_dict())
+    if bad:
+        raise ValueError(
+            "the model card's metadata would not read back as given for "
+            + ", ".join(f"{k} (from {METADATA_SOURCE.get(k, k)})" for k in bad)
+            + ": use plain ASCII values there (pre-flight's hub checks name which)"
+        )
+    return card.content
