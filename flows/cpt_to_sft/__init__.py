@@ -36,6 +36,7 @@ from tasks.core.config.schema import RunConfig
 from tasks.core.config.tracking import flatten
 from tasks.core.errors import ConfigError, Preempted
 from tasks.core.preflight.checks import load_for_check
+from tasks.core.run.cputime import CpuClock
 from tasks.core.run.preemptions import Policy
 from tasks.core.run.preemptions import record as preemption_record
 from tasks.core.run.stages import DONE, STAGE, STAGE_NAMES, TRAINING, Status
@@ -183,6 +184,15 @@ def cpt_to_sft(
     handle = tracker.handle if tracker is not None else None
 
     def stage(name: str, task_fn, *args) -> StageResult:
+        """`_stage`, with the CPU seconds it used on its row, whatever its end (tasks/core/run/cputime.py)."""
+        used = CpuClock()
+        try:
+            return _stage(name, task_fn, *args)
+        finally:
+            if name in results:
+                results[name] = dataclasses.replace(results[name], **used.read())
+
+    def _stage(name: str, task_fn, *args) -> StageResult:
         before = (results.get(name) or StageResult(name, Status.NOT_RUN)).detail.get("preemptions") or []
         try:
             # A skipped stage ends in a state named "Skipped"; outcome() reads its StageResult.
@@ -273,10 +283,11 @@ def cpt_to_sft(
                 _write_card(cfg, results, logger)
             summary = write_summary(cfg, results, time.monotonic() - started, stop_after)
             logger.info(
-                "run %s %s in %s:\n%s",
+                "run %s %s in %s (CPU %s):\n%s",
                 cfg.name,
                 "complete" if summary["complete"] else "incomplete",
                 duration(summary["seconds"]),
+                duration(summary["cpu_seconds"]),
                 summary_table(summary["stages"], summary["run_root"]),
             )
             _finish_tracking(tracker, summary)
@@ -473,6 +484,8 @@ def write_summary(
         # each preemption: when, the step checkpointed, steps lost, notice to commit, restart to first step
         "preemptions": [p for s in stages for p in (s.get("detail") or {}).get("preemptions") or []],
         "seconds": round(seconds, 2),
+        # the stages' CPU seconds together (each row's cpu_seconds: tasks/core/run/cputime.py says what they cover)
+        "cpu_seconds": round(sum(s.get("cpu_seconds") or 0.0 for s in stages), 2),
         "stages": stages,
         "export": export.uri if export else None,
         "evaluation": recorded_metrics(results),

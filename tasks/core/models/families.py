@@ -197,6 +197,12 @@ FAMILIES: dict[str, ModelFamily] = {
         "four-norm layer and scaled vocabulary-parallel embedding would each need a forward of their own)",
         demo_config={"sliding_window": 32, "sliding_window_pattern": 2},
         layer_activations=GEMMA3_LAYER_ACTIVATIONS,
+        # transformers 4.51 warns whenever a Gemma 3 trains without eager attention (modeling_gemma3.py,
+        # Gemma3ForCausalLM.forward), a warning carried over from Gemma 2, whose attention soft-capping sdpa does
+        # not apply; Gemma 3's configs set none, so eager would compute the same and hold each layer's weights
+        attention_note="transformers' advice to train Gemma 3 with eager attention is not taken: it is for attention "
+        "soft-capping (attn_logit_softcapping), which sdpa does not apply and this config.json does not set, so sdpa "
+        "computes the same attention as eager without holding each layer's seq_len x seq_len attention weights",
     ),
     "phi3": ModelFamily(
         _HEAD, _PHI3_LAYER + _NORMS, _TAIL,
@@ -211,6 +217,20 @@ FAMILIES: dict[str, ModelFamily] = {
         layer_activations=PHI3_LAYER_ACTIVATIONS,
     ),
 }  # fmt: skip
+
+
+def attention_note(model_config: Mapping[str, Any]) -> str:
+    """The family row's line on the attention it trains with (`ModelFamily.attention_note`), where it holds:
+    not for a config.json that sets attention soft-capping, which only eager attention applies."""
+    family = FAMILIES.get(model_config.get("model_type"))  # type: ignore[arg-type]
+    if family is None or not family.attention_note:
+        return ""
+    if model_config.get("attn_logit_softcapping") is not None:
+        return (
+            f"config.json sets attn_logit_softcapping={model_config['attn_logit_softcapping']}: only eager attention "
+            "applies it (sdpa and flash attention leave it out), so transformers' warning below holds for this model"
+        )
+    return f"{model_config.get('model_type')}: {family.attention_note}"
 
 
 def supported() -> str:

@@ -51,6 +51,7 @@ from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.config.sequence import sp_factor, sp_size
 from tasks.core.errors import ConfigError
+from tasks.core.hub.metadata import hub_field_problems
 from tasks.core.hub.repo import HubToken
 from tasks.core.preflight.benchmark import check_benchmark
 from tasks.core.preflight.data import check_data
@@ -207,26 +208,16 @@ def check_hub(ctx: CheckContext) -> None:
     if hub is None:
         ctx.ok("hub: not configured, the export is not pushed")
         return
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     for where, msg in hub_problems(
         ctx.cfg
     ):  # the adapter push: an adapter to push, a place other than beside the merged weights
         ctx.problem(where, msg)
-    repo_ok = True
-    for field, repo_id in (("repo_id", hub.repo_id), ("adapter_repo_id", hub.adapter_repo_id)):
-        try:
-            if repo_id is not None:
-                validate_repo_id(repo_id)
-            if repo_id is not None and repo_id.count("/") != 1:
-                raise HFValidationError("needs exactly one '/': org/name")
-        except HFValidationError as exc:
-            repo_ok = False
-            ctx.problem(
-                f"hub.{field}",
-                f"{repo_id!r} is not a valid Hub repo id ({str(exc).splitlines()[0]}); use 'org/name' with letters, "
-                "digits, '-', '_', '.'",
-            )
+    # what the Hub refuses or shows otherwise: non-ASCII (look-alike) repo ids, a license it does not list,
+    # tags with newlines or markup (tasks/core/hub/metadata.py)
+    fields = hub_field_problems(hub, ctx.cfg.base_model.hub_id)
+    for where, msg in fields:
+        ctx.problem(where, msg)
+    repo_ok = not any(where in ("hub.repo_id", "hub.adapter_repo_id") for where, _ in fields)
     if ctx.token_present is False:
         ctx.problem(
             "hub",
