@@ -1,6 +1,7 @@
 """The run and its artifacts: stage list and run-root layout, manifests, digests, the job file, the
 rank<->task line protocol and what a run keeps of itself.
 
+- cputime.py      CPU seconds of a stage: the flow process's own and the children it waited for
 - digest.py       a stage's config digest, one way for every stage
 - events.py       the line protocol between the ranks and the Prefect task: emitter and parser
 - hostpeak.py     a process's host-memory peak over a span, from /proc
