@@ -169,6 +169,7 @@ def test_stage_table_rows(monkeypatch):
                 "uri": "s3://b/run/cpt/step-000010",
                 "digest": "ab" * 32,
                 "seconds": 3725.2,
+                "cpu_seconds": 7400.0,
             },
             {"stage": "export", "status": "not-run", "uri": None, "digest": None, "seconds": 0.0},
         ]
@@ -180,6 +181,7 @@ def test_stage_table_rows(monkeypatch):
         "artifact": "s3://b/run/cpt/step-000010",
         "manifest digest": "ab" * 8,
         "duration": "1h 02m 05s",
+        "CPU": "2h 03m 20s",
         "cause": "",
         "note": "",
     }
@@ -362,7 +364,7 @@ def test_the_flow_serves_as_prefect_documents_it(prefect_harness, tiny_model_dir
 
 
 def preempted_served_run(tmp_path: Path, tiny_model_dir: Path, log: Path, serve_pid: int) -> None:
-    """The flow's own retry through the deployment: a served run preempted by a polled notice (the
+    """The preemption retry through the deployment: a served run preempted by a polled notice (the
     local metadata double's gcp answer, preempted from the start) waits for capacity AwaitingRetry, in
     its own process, while the runner keeps polling its deployment for scheduled runs (it would find
     this one: the runner's query does not read `retry_type`); the test withdraws the notice when it
