@@ -13,6 +13,7 @@ the report.
 - model_files.py   the base model's own files: JSON parses, headers bounded, files are what they say
 - model_info.py    what is known before anything loads: the machine and the model's metadata
 - model_shapes.py  the shape of the base model's folder, and weights against config.json
+- notices.py       a `file` preemption notice's path: nothing there yet, never opened
 - report.py        the pre-flight report and what each check sees
 - resume.py        what each training stage will do with the checkpoints already there
 - storage.py       the run root reachable and writable, artifacts trustworthy, space, paths apart
