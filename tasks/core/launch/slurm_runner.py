@@ -21,8 +21,9 @@ Slurm job, one torchrun agent per node (the batch script of `tasks.core.launch.s
 - **Cancel.** Any exception while waiting (Prefect's cancellation of the flow run arrives in the
   task process as one: SIGTERM -> `TerminationSignal`) scancels the job and waits, bounded, for
   Slurm to report it ended; `ProctrackType=proctrack/pgid` or cgroup on the cluster ends every
-  engine process of it. It writes `<verb>.teardown` beside the record first, the file the ranks know
-  by TEARDOWN_ENV: scancel's SIGTERM then ends a rank at once instead of being a preemption notice.
+  engine process of it. Unless the exception is a preemption notice to this process, it writes
+  `<verb>.teardown` beside the record first, the file the ranks know by TEARDOWN_ENV: scancel's SIGTERM
+  then ends a rank at once instead of being a preemption notice.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 
 from tasks.core.config.notices import TEARDOWN_ENV
 from tasks.core.config.schema import LaunchConfig
-from tasks.core.errors import StageFailed
+from tasks.core.errors import Preempted, StageFailed
 from tasks.core.launch import slurm, slurm_batch
 from tasks.core.run.job import Job
 
@@ -181,8 +182,11 @@ def run_slurm(
 
     try:
         info = slurm_batch.wait_for_job(cli, job_id, logs, on_line, on_poll=save_positions)
-    except BaseException:
-        marker.touch()
+    except BaseException as exc:
+        # A notice to this process (Preempted) leaves scancel's SIGTERM a notice to the ranks too, so they
+        # may still commit the step in flight; anything else (a cancel, a failure) ends them at once.
+        if not isinstance(exc, Preempted):
+            marker.touch()
         cancel(cli, job_id, logger)
         raise
     if not info.ok and router.preempted is not None:
