@@ -94,7 +94,7 @@ _QK_NORM_FIXES = (
     ("layers.*.self_attn.k_norm", "replicated_with_grad_allreduce", _QK_NORM),
 )
 _REP = (
-    "split weights, whole compute: its plan's *_rep styles split the weights and gather the output, so memory is "
+    "split weights, whole compute: its plan's `*_rep` styles split the weights and gather the output, so memory is "
     "saved but each rank computes the {what} whole"
 )
 _C_PROJ = (
