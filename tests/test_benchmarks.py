@@ -133,7 +133,8 @@ def test_shardformer_policies_smoke():
     assert all(plan[f]["grad_rel"] <= 1e-4 and plan[f]["weight_rel"] <= 1e-4 for f in PLAN_ROWS), out
     assert plan["gemma3_text"]["tied"] and plan["phi3"]["split_params"] > 0, out
     assert plan["qwen3-norm_grad_sum"]["grad_rel"] > 0.1, out  # the q/k norms' gradients, unsummed
-    assert "AssertionError" in plan["starcoder2-plan_fix"]["failure"], out  # its 4.51.3 plan as shipped
+    if plan["starcoder2-plan_fix"]["variant_applies"]:  # its plan as transformers 4.51.3 ships it (4.57 fixed it)
+        assert "AssertionError" in plan["starcoder2-plan_fix"]["failure"], out
 
 
 @pytest.mark.distributed

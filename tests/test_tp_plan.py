@@ -56,11 +56,11 @@ def test_gemma3s_base_model_prefix_names_no_attribute_so_its_row_says_where_the_
 
 def test_the_head_is_read_from_the_class_plan_since_the_instances_loses_it():
     model = meta_model("Qwen3Config", head_dim=16)
-    assert "lm_head" not in (model._tp_plan or {}) and type(model)._tp_plan == {"lm_head": "colwise_rep"}
+    if transformers.__version__ == "4.51.3":  # its post_init: the instance's plan without the head
+        assert "lm_head" not in (model._tp_plan or {}) and type(model)._tp_plan == {"lm_head": "colwise_rep"}
     plan = plan_for(model, PLAN_ROWS["qwen3"])
-    assert plan["lm_head"] == "colwise_rep"
+    assert plan["lm_head"] in ("colwise_rep", "colwise_gather_output")
     assert plan["model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"  # the row's fix (4.x: absent)
-    assert "layers.*.self_attn.q_norm" not in type(model.config).base_model_tp_plan
 
 
 def test_a_linear_narrower_than_tp_is_refused_since_colossalai_would_leave_it_whole():
@@ -77,7 +77,8 @@ def test_a_linear_narrower_than_tp_is_refused_since_colossalai_would_leave_it_wh
 
 def test_starcoder2s_wrong_plan_is_corrected_by_its_row():
     shipped = transformers.Starcoder2Config.base_model_tp_plan
-    assert shipped["layers.*.mlp.c_proj"] == "colwise"  # transformers 4.51.3's plan as it ships
+    if transformers.__version__ == "4.51.3":
+        assert shipped["layers.*.mlp.c_proj"] == "colwise"  # the plan as it ships (4.57 fixed it)
     merged = merged_plan(PLAN_ROWS["starcoder2"], shipped, {}, "model")
     assert merged["model.layers.*.mlp.c_proj"] == "rowwise"
 

@@ -56,6 +56,8 @@ class PlanPolicy(Policy):
             raise ValueError(f"{type(model).__name__}: the derived tensor-parallel policy cannot shard it: "
                              + "; ".join(problems))  # fmt: skip
         scale = getattr(model.get_input_embeddings(), "embed_scale", None)
+        if hasattr(scale, "materialize"):  # built under LazyInitContext: float() of the lazy tensor is not its value
+            scale = scale.materialize()
         self.embed_scale = None if scale is None else float(scale)
         return model
 
@@ -100,6 +102,10 @@ class PlanPolicy(Policy):
             self.model.get_input_embeddings().register_forward_hook(
                 lambda _m, _i, out: out * torch.tensor(scale, dtype=out.dtype)
             )
+        # A KV cache is sized from config.json's head counts (Gemma 2's and 3's HybridCache is preallocated), which a
+        # rank's split attention does not have (sdpa: size mismatch in eval mode): the sharded model runs without one,
+        # as the engine always calls it (use_cache=False); nothing generates from a sharded model
+        self.model.register_forward_pre_hook(_no_cache, with_kwargs=True)
         group = self.shard_config.tensor_parallel_process_group
         modules = dict(self.model.named_modules())
         for name, style in self.plan.items():
@@ -120,3 +126,7 @@ def _summed(grad: torch.Tensor, group: Any) -> torch.Tensor:
     grad = grad.clone()
     dist.all_reduce(grad, group=group)
     return grad
+
+
+def _no_cache(_module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return args, {**kwargs, "use_cache": False}

@@ -219,14 +219,14 @@ def plan_problem(model_config: Mapping[str, Any], tp: int) -> str:
     """Why the derived policy cannot shard this config.json at tp ("" when it can): builds the model on the
     meta device (torch and transformers imported)."""
     from tasks.core.errors import ConversionError
-    from tasks.core.models.derive import _meta_model
+    from tasks.core.models.derive import build_meta_model
 
     row = PLAN_ROWS.get(str(model_config.get("model_type")))
     if row is None:
         return "its family has no row in tasks/core/models/tp_plan.py PLAN_ROWS"
     raw = {k: v for k, v in model_config.items() if k not in ("auto_map", "transformers_version", "_name_or_path")}
     try:
-        _, model = _meta_model(model_config.get("model_type"), raw, "")
+        _, model = build_meta_model(model_config.get("model_type"), raw, "")
     except ConversionError as exc:
         return str(exc)
     _, problems = check_plan(model, row, tp)
