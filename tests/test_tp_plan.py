@@ -150,3 +150,17 @@ def test_preflight_admits_what_the_derived_policy_maps_and_refuses_the_rest(mc, 
     else:
         assert got is not None and got[0] == field and words in got[1], got
         assert "low_level_zero" in got[1] or "set cpt.plugin" in got[1]
+
+
+def test_the_memory_estimate_counts_the_gathered_logits_whole_on_every_rank(monkeypatch):
+    """The derived policy's head gathers the vocabulary (transformers' own loss runs on each rank), where
+    ColossalAI's Llama policy keeps each rank's vocabulary shard: 12 fp32 bytes per logit, vocab/2 more at tp=2."""
+    from tasks.core.preflight.memory import LOSS_BYTES_PER_LOGIT, estimate
+
+    qwen3 = {"model_type": "qwen3", **DENSE, "head_dim": 16}
+    st = _stage({"tp_size": 2, "precision": "fp32"})
+    derived = estimate(qwen3, st).total("activations")
+    monkeypatch.setitem(FAMILIES, "qwen3", replace(FAMILIES["qwen3"], shardformer_policy="vocab.parallel.Policy"))
+    split = estimate(qwen3, st).total("activations")
+    tokens = st.micro_batch_size * st.seq_len
+    assert derived - split == DENSE["vocab_size"] // 2 * LOSS_BYTES_PER_LOGIT * tokens

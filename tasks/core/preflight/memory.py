@@ -15,7 +15,8 @@ What is counted, per rank (pure arithmetic: no torch, nothing loaded):
   pp - stage micro-batches under 1F1B): each decoder layer what its family's `layer_activations`
   say (with `activation_checkpointing` only the layer's input, plus the layer being recomputed),
   one layer's gradients in flight, the final norm, the LM head's logits and the loss (12 fp32 bytes
-  per logit: log-softmax output, its gradient, the gradient of its input), and an SFT batch's
+  per logit: log-softmax output, its gradient, the gradient of its input; over tp, but whole on every
+  rank under the derived tp policy, which gathers the logits for transformers' loss), and an SFT batch's
   attention mask;
 - on CUDA: torch AdamW's foreach temporaries at the step (4 B per stepped parameter) unless the
   fused AdamW kernel is on, and `CUDA_RESERVE_BYTES`;
@@ -62,6 +63,7 @@ from tasks.core.models.families import (
     model_dims,
 )
 from tasks.core.models.policy_rows import lazy_init_safe
+from tasks.core.models.tp_plan import PLAN_POLICY
 
 GB = 1e9
 # Steady RSS of a CPU rank training a ~0.1M-parameter Llama (benchmarks/scale.py "baseline"): torch,
@@ -285,7 +287,9 @@ def estimate(
         )  # + the layer in the backward (recomputed)
         if s == pp - 1:
             acts += sum(_width(t, dims, tp, compute, outside) for t in family.final_activations)
-            acts += dims["vocab"] / tp * (LOSS_BYTES_PER_LOGIT + (compute if compute < 4 else 0))
+            # the derived tp policy gathers the head's logits and runs transformers' own loss: each rank whole
+            vocab_tp = 1 if family.shardformer_policy == PLAN_POLICY else tp
+            acts += dims["vocab"] / vocab_tp * (LOSS_BYTES_PER_LOGIT + (compute if compute < 4 else 0))
         terms.append(Term("activations", int(acts * tokens), "activations"))
         if PHASES[stage].rows:  # padded or packed rows: a 4D attention mask, shared by the layers
             terms.append(Term("attention mask", rows * stage_cfg.seq_len**2 * compute, "activations"))
