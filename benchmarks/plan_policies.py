@@ -20,6 +20,8 @@ import math
 import os
 import traceback
 
+import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
+
 VOCAB, SEQ, BATCH = 512, 16, 2
 # a pipeline's loss is compared in training mode (execute_pipeline): its dropout off
 DROPOUT_FIELDS = (

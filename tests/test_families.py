@@ -264,6 +264,10 @@ def test_hybrid_parallel_is_refused_before_launch_for_a_family_without_a_policy(
 def test_hybrid_parallel_at_tp_is_admitted_for_a_plan_family(tmp_path, model_type):
     report = _report(tmp_path, model_type)  # tiny-cpu: CPT hybrid_parallel tp=2
     assert report.ok, report.text()
+    line = [c for c in report.checked if c.startswith(f"model family {model_type}")]
+    assert line and any(
+        w in line[0] for w in ("the derived tensor-parallel policy", "derived policy from its own plan")
+    )
     pp_plugin = {"name": "hybrid_parallel", "pp_size": 2, "precision": "fp32", "num_microbatches": 2}
     pp = _report(tmp_path / "pp", model_type, pp_plugin)
     assert [f for f, _ in pp.problems] == ["cpt.plugin.pp_size"], pp.text()

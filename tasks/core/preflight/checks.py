@@ -414,6 +414,7 @@ def check_model_family(ctx: CheckContext) -> None:
         return
     from tasks.core.errors import ConversionError
     from tasks.core.models.families import FAMILIES, family_config, supported
+    from tasks.core.models.tp_plan import PLAN_POLICY
 
     model_type = ctx.model.config.get("model_type")
     if isinstance(model_type, str) and model_type in FAMILIES:
@@ -421,6 +422,11 @@ def check_model_family(ctx: CheckContext) -> None:
         ctx.ok(
             f"model family {model_type}: in the registry, so the unshard and the export can convert it"
             + ("" if policy else "; no shardformer policy, so hybrid_parallel does not run it")
+            + (
+                "; hybrid_parallel runs it at tp with the derived policy from its own plan"
+                if policy == PLAN_POLICY
+                else ""
+            )
         )
         return
     try:
@@ -437,7 +443,10 @@ def check_model_family(ctx: CheckContext) -> None:
         f"({family.config_class}) built on the meta device by the installed transformers (torch imported for it), "
         "so the unshard and the export can convert it (the memory estimate reads its activation terms off the layer's tensor names)"
         + (
-            f"; its named row (tasks/core/models/policy_rows.py) gives hybrid_parallel ColossalAI's "
+            "; its plan row (tasks/core/models/tp_plan.py) gives hybrid_parallel the derived tensor-parallel policy, "
+            "read from the model's own plan"
+            if family.shardformer_policy == PLAN_POLICY
+            else f"; its named row (tasks/core/models/policy_rows.py) gives hybrid_parallel ColossalAI's "
             f"{family.shardformer_policy.rsplit('.', 1)[-1]}"
             + (", which does not run with transformers 4.51.3" if family.policy_refused else "")
             if family.shardformer_policy
