@@ -1,8 +1,9 @@
 """A named row over a derived table through the real engine on 2 gloo ranks: a tiny random GPT-2 is
 sharded under hybrid_parallel tp=2, trained 3 steps, checkpointed, and its checkpoint converted to an
 HF folder bitwise that loads in plain transformers with the logits the checkpoint recorded; a tiny random
-Qwen3 the same under the derived tensor-parallel policy (ColossalAI has none for it) at tp=2 with ZeRO-1 in
-bf16, and resumed at tp=2 from its step-2 checkpoint: steps 3 and 4 again, bitwise, the same weights.
+Gemma 3 with a tied head the same under the derived tensor-parallel policy (ColossalAI has none for it) at
+tp=2 with ZeRO-1 in bf16, and resumed at tp=2 from its step-2 checkpoint: steps 3 and 4 again, bitwise,
+the same weights.
 
     .venv/bin/python -m pytest -q -m distributed tests/test_named_rows_dist.py -s
 
@@ -13,7 +14,7 @@ row is measured at tp=2 and pp=2 by benchmarks/shardformer_policies.py --smoke i
 tests/test_benchmarks.py. The named rows gemma3_text and phi3 (the derived policy at tp) run the whole flow under
 the plugins that run them in tests/test_derived_flow.py, whose checks hold these (the CPT checkpoint
 converted bitwise, with its logits). Two launches (shard, train) for GPT-2, ~10-15 s of imports each, three for
-Qwen3 (the resume).
+Gemma 3 (the resume).
 """
 
 from __future__ import annotations
@@ -39,11 +40,16 @@ CASES = {
     # GPT-2's row has the engine switch shardformer's flash attention on, give a CPT block an all-ones mask
     # and gather the fused c_attn in place on CPU; at tp its config must have no embedding/residual dropout
     "gpt2": ({"name": "hybrid_parallel", "tp_size": 2, "precision": "fp32"}, "GPT2LMHeadModel"),
-    # no ColossalAI policy: the derived one from its own plan (tasks/core/models/tp_plan.py), with ZeRO-1 in bf16,
-    # and a resume at tp=2 from the step-2 checkpoint that must redo steps 3 and 4 bitwise
-    "qwen3": ({"name": "hybrid_parallel", "tp_size": 2, "zero_stage": 1, "precision": "bf16"}, "Qwen3ForCausalLM"),
+    # no ColossalAI policy: the derived one from its own plan (tasks/core/models/tp_plan.py; its row's q/k norm
+    # gradient sum and base prefix, the embedding's scale kept), a tied head, ZeRO-1 in bf16, built lazily as the
+    # engine builds it, and a resume at tp=2 from the step-2 checkpoint that must redo steps 3 and 4 bitwise
+    "gemma3_text": (
+        {"name": "hybrid_parallel", "tp_size": 2, "zero_stage": 1, "precision": "bf16"},
+        "Gemma3ForCausalLM",
+    ),
 }
-RESUME = {"qwen3"}
+RESUME = {"gemma3_text"}
+TIED = {"gemma3_text"}
 CONFIG = {"gpt2": {"embd_pdrop": 0.0, "resid_pdrop": 0.0}}
 STEPS = 3
 
@@ -55,7 +61,8 @@ def trained(request, tmp_path_factory):
     family = request.param
     plugin, _ = CASES[family]
     work = tmp_path_factory.mktemp(f"named-{family}")
-    model_dir = build_tiny_model(work / "base", build_tokenizer(DEFAULT_CORPUS, vocab_size=512), family=family)
+    tokenizer = build_tokenizer(DEFAULT_CORPUS, vocab_size=512)
+    model_dir = build_tiny_model(work / "base", tokenizer, family=family, tie_word_embeddings=family in TIED)
     if CONFIG.get(family):  # fields the row's tp_requires asks of config.json (no weight depends on them)
         mc = json.loads((model_dir / "config.json").read_text())
         (model_dir / "config.json").write_text(json.dumps(mc | CONFIG[family], indent=2))
