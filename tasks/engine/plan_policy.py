@@ -50,8 +50,9 @@ class PlanPolicy(Policy):
         model = self.model
         if self.row is None:
             self.row = next((r for r in PLAN_ROWS.values() if r.model_class == type(model).__name__), PlanRow(""))
-        tp = self.shard_config.tensor_parallel_size if self.shard_config.enable_tensor_parallelism else 1
-        self.plan, problems = check_plan(model, self.row, max(tp, 2))
+        if not self.shard_config.enable_tensor_parallelism:  # tp=1: nothing to split, nothing to check
+            return model
+        self.plan, problems = check_plan(model, self.row, self.shard_config.tensor_parallel_size)
         if problems:
             raise ValueError(f"{type(model).__name__}: the derived tensor-parallel policy cannot shard it: "
                              + "; ".join(problems))  # fmt: skip
@@ -71,15 +72,17 @@ class PlanPolicy(Policy):
         tp = self.shard_config.tensor_parallel_size
         vocab = {"make_vocab_size_divisible_by": self.shard_config.make_vocab_size_divisible_by}
         subs = [SubModuleReplacementDescription(suffix=embed, target_module=VocabParallelEmbedding1D, kwargs=vocab)]
+        if head:  # whatever the plan says of it: a tied head shares the embedding's parameter, which is split now
+            subs.append(SubModuleReplacementDescription(
+                suffix=head, target_module=VocabParallelLMHead1D, kwargs={**vocab, "gather_output": True}
+            ))  # fmt: skip
         attrs: dict[str, int] = {}
         modules = dict(self.model.named_modules())
         for name, style in self.plan.items():
             kind = STYLES[style]
-            if name == head:
-                subs.append(SubModuleReplacementDescription(
-                    suffix=name, target_module=VocabParallelLMHead1D, kwargs={**vocab, "gather_output": True}
-                ))  # fmt: skip
-            elif kind in ("col", "col_gather"):
+            if name in (embed, head):  # replaced above (a 5.x plan may name the embedding, embedding_rowwise)
+                continue
+            if kind in ("col", "col_gather"):
                 subs.append(SubModuleReplacementDescription(
                     suffix=name, target_module=Linear1D_Col, kwargs={"gather_output": kind == "col_gather"}
                 ))  # fmt: skip
