@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +50,12 @@ from tasks.core.config.plugins import PLUGINS, Held, PluginSpec
 from tasks.core.config.schema import StageConfig
 from tasks.core.config.sequence import SP_MODES, sp_size
 from tasks.core.errors import ConfigError, ConversionError
-from tasks.core.evaluation.placement import (
+from tasks.core.evaluation.placement import (  # every GPU figure leaves CUDA_RESERVE_BYTES (a real run's: peak_mem_bytes)
     CUDA_RESERVE_BYTES,
-)  # every GPU figure leaves it (a real run's: @@progress peak_mem_bytes)
+    DTYPE_BYTES,
+    eval_dtype,
+    forward_bytes,
+)
 from tasks.core.models.families import (
     TP_SPLIT_DIMS,
     ActivationTerm,
@@ -64,11 +67,18 @@ from tasks.core.models.families import (
 from tasks.core.models.policy_rows import lazy_init_safe
 
 GB = 1e9
+# The flow process's own resident memory while its ranks run: Prefect, the project, torch and transformers
+# imported, the run's state (measured on the demo run: benchmarks/scale.py's docstring, docs/scaling.md)
+FLOW_BASELINE_BYTES = int(0.6e9)
 # Steady RSS of a CPU rank training a ~0.1M-parameter Llama (benchmarks/scale.py "baseline"): torch,
 # transformers and colossalai imported, the gloo group, the data; 0.45 GB under hybrid_parallel tp=2,
 # 0.47 GB under low_level_zero (torch 2.13, transformers 4.51.3, colossalai 0.5.0, 2 ranks).
 RANK_BASELINE_BYTES = int(0.47e9)
 LOSS_BYTES_PER_LOGIT = 12
+# A checkpoint save gathers one tensor's optimizer state whole (AdamW's two fp32 moments) and holds about two
+# such tensors at once (tasks/engine/lean_save.py); the shard verb's step-000000 save is its peak.
+ADAM_STATE_BYTES = 8
+SAVE_STATE_TENSORS = 2
 
 
 def human(n: float) -> str:
@@ -94,6 +104,7 @@ class MemoryEstimate:
     baseline: int
     cuda: bool
     construction: int  # host bytes of the model while the engine builds it (beside the baseline)
+    save_transient: int = 0  # a checkpoint save's gathered state beside the states (the shard verb's peak)
 
     def total(self, *whens: str) -> int:
         """Bytes on the rank's device (its GPU; on CPU everything) alive in these lifetimes."""
@@ -103,6 +114,47 @@ class MemoryEstimate:
     def offloaded(self) -> int:
         """Bytes the plugin's offload keeps in host memory instead (all of them resident: pinned or heap)."""
         return sum(t.bytes for t in self.terms if t.host)
+
+    def _on(self, *whens: str) -> list[Term]:
+        return [t for t in self.terms if t.when in whens and not t.host]
+
+    def _larger_of_backward_and_step(self) -> list[Term]:
+        return self._on("backward") if self.total("backward") >= self.total("step") else self._on("step")
+
+    def parts(self, figure: str = "device") -> list[tuple[str, int]]:
+        """The terms a figure adds up, merged by name, largest first: their bytes sum to the figure exactly.
+        `figure`: "device" (`device`), "host" (`host_steady`), "construction" (`construction_host`), "shard"
+        (`shard_host`)."""
+        if figure == "device":
+            fwd = self._on("forward", "activations")
+            step = self._on("grads") + self._larger_of_backward_and_step()
+            phase = fwd if sum(t.bytes for t in fwd) >= sum(t.bytes for t in step) else step
+            rows = [(t.what, t.bytes) for t in self._on("always") + phase]
+            rows += [("CUDA reserve", CUDA_RESERVE_BYTES)] if self.cuda else []
+        elif figure == "host":
+            rows = [("baseline", self.baseline)]
+            if self.cuda:
+                rows += [(t.what + " (offloaded)", t.bytes) for t in self.terms if t.host]
+            else:
+                live = self._on("always", "forward", "activations", "grads") + self._larger_of_backward_and_step()
+                rows += [(t.what, t.bytes) for t in live]
+        elif figure == "construction":
+            rows = [("baseline", self.baseline), ("the model as it is built", self.construction)]
+        elif figure == "shard":
+            rows = [("baseline", self.baseline)]
+            if self.construction >= self._shard_held:
+                rows.append(("the model as it is built", self.construction))
+            elif self.cuda:
+                rows += [(t.what + " (offloaded)", t.bytes) for t in self.terms if t.host]
+            else:
+                rows += [(t.what, t.bytes) for t in self.terms if t.when == "always"]
+                rows.append(("the step-000000 save's gathered state", self.save_transient))
+        else:
+            raise ValueError(f"figure {figure!r}: device, host, construction or shard")
+        merged: dict[str, int] = {}
+        for what, n in rows:
+            merged[what] = merged.get(what, 0) + n
+        return sorted(((w, n) for w, n in merged.items() if n), key=lambda kv: -kv[1])
 
     @property
     def device(self) -> int:
@@ -123,12 +175,25 @@ class MemoryEstimate:
     def construction_host(self) -> int:
         return self.baseline + self.construction
 
-    def breakdown(self, limit: int = 4) -> str:
-        merged: dict[str, int] = {}
-        for t in self.terms:
-            merged[t.what] = merged.get(t.what, 0) + t.bytes
-        top = sorted(merged.items(), key=lambda kv: -kv[1])[:limit]
-        return ", ".join(f"{what} {human(b)}" for what, b in top)
+    @property
+    def _shard_held(self) -> int:
+        """What the shard verb (boost_and_shard, reboost) holds in host memory once boosted: on CPU the states
+        kept from boost to the end (the optimizer's moments made: `materialize_optimizer_state`) plus its
+        step-000000 save's transient; on CUDA what offload keeps on the host."""
+        if self.cuda:
+            return self.offloaded
+        return sum(t.bytes for t in self.terms if t.when == "always") + self.save_transient
+
+    @property
+    def shard_host(self) -> int:
+        """A shard-verb rank's host peak: the model as it is built, or the states and the save after it."""
+        return self.baseline + max(self.construction, self._shard_held)
+
+    def breakdown(self, figure: str = "device", limit: int = 5) -> str:
+        """`a 1.07 GB + b 0.54 GB + ... = total`: the figure's parts, the smallest summed as `other`."""
+        rows = self.parts(figure)
+        shown = rows[:limit] if len(rows) <= limit + 1 else [*rows[:limit], ("other", sum(n for _, n in rows[limit:]))]
+        return " + ".join(f"{what} {human(n)}" for what, n in shown) + f" = {human(sum(n for _, n in rows))}"
 
 
 def _stage_layers(layers: int, pp: int) -> list[int]:
@@ -240,6 +305,7 @@ def estimate(
     tokens = rows * stage_cfg.seq_len / seq_split
 
     shares, trained, layer_params, largest, total = [0] * pp, [0] * pp, 0, 0, 0
+    largest_trained = [0] * pp  # per pipeline stage: the largest trainable tensor of the rank's share
     bounds = [sum(per_stage[:s]) for s in range(pp + 1)]
     for key, rule, shape, layer in iter_tensors(model_config):
         n = math.prod(shape)
@@ -253,7 +319,9 @@ def estimate(
             else next(s for s in range(pp) if bounds[s] <= layer < bounds[s + 1])
         )
         shares[s_] += mine
-        trained[s_] += mine if stage_cfg.lora is None else lora_trainable(stage_cfg.lora, key, shape, layer)
+        mine_trained = mine if stage_cfg.lora is None else lora_trainable(stage_cfg.lora, key, shape, layer)
+        trained[s_] += mine_trained
+        largest_trained[s_] = max(largest_trained[s_], mine_trained)
         if layer == 0:
             layer_params += mine
 
@@ -268,7 +336,12 @@ def estimate(
         for h in spec.holds:
             if not _applies(h, zero, p.precision, pp, dp, stage_cfg.grad_accum_steps):
                 continue
-            n = layer_params if h.per == "layer" else (shares[s] if not h.trainable else trained[s])
+            if h.per == "layer":
+                n = layer_params
+            elif h.per == "bucket":  # a bucket never holds more than the rank's trainable parameters
+                n = min(trained[s], max(spec.grad_bucket_elements, largest_trained[s]))
+            else:
+                n = shares[s] if not h.trainable else trained[s]
             n = math.ceil(n / dp) if h.sharded else n
             terms += _split(
                 h.what, n * (weights if h.bytes == "weights" else h.bytes), h.when, _offloaded(spec, p, h.offload, cuda)
@@ -292,7 +365,8 @@ def estimate(
         # the engine builds a lazily built model's share in fp32 one tensor at a time (Engine._construction),
         # any other whole, in the dtype its plugin trains in (Engine.build_dtype: fp32 for torch_ddp)
         construction = 4 * (shares[s] + largest) if lazy else weights * total
-        est = MemoryEstimate(total, shares[s], tuple(terms), baseline, cuda, construction)
+        save = SAVE_STATE_TENSORS * ADAM_STATE_BYTES * max(largest_trained)
+        est = MemoryEstimate(total, shares[s], tuple(terms), baseline, cuda, construction, save)
         if best is None or est.device > best.device:
             best = est
     assert best is not None
@@ -366,12 +440,26 @@ def _levers(st: StageConfig, name: str, cuda: bool) -> Iterable[tuple[str, Stage
         mbs, ga = mbs // 2, ga * 2
 
 
+def _rank_levers(st: StageConfig, name: str) -> Iterable[tuple[str, StageConfig]]:
+    """Fewer ranks on the node (host memory: each rank holds its own copy of what is not sharded)."""
+    for n in range(st.launch.nproc_per_node - 1, 0, -1):
+        yield f"{name}.launch.nproc_per_node: {n}", _with(st, launch={**st.launch.model_dump(), "nproc_per_node": n})
+
+
 def fits_with(
-    model_config: dict[str, Any], st: StageConfig, name: str, capacity: int, cuda: bool
+    model_config: dict[str, Any],
+    st: StageConfig,
+    name: str,
+    capacity: int,
+    cuda: bool,
+    figure: Callable[[StageConfig], int] | None = None,
 ) -> list[tuple[str, int]]:
-    """(the settings, the device bytes) of each lever's first setting that fits `capacity`; if no
-    single one does, the levers applied together in turn, up to the first combination that fits."""
+    """(the settings, the bytes `figure` says) of each lever's first setting that fits `capacity`; if no
+    single one does, the levers applied together in turn, up to the first combination that fits.
+    `figure`: a rank's device bytes (the default), or another figure, e.g. a node's host memory
+    (`node_host_need`), when fewer ranks are a lever too."""
     before = set(layout_problems(st, name, model_config=model_config, tiers=("static", "batch", "model")))
+    host = figure is not None
 
     def valid(candidate: StageConfig) -> bool:
         return (
@@ -380,10 +468,17 @@ def fits_with(
         )
 
     def device(candidate: StageConfig) -> int:
+        if figure is not None:
+            return figure(candidate)
         return estimate(model_config, candidate, stage=name, cuda=cuda).device
 
+    def levers(candidate: StageConfig) -> Iterable[tuple[str, StageConfig]]:
+        yield from _levers(candidate, name, cuda)
+        if host:
+            yield from _rank_levers(candidate, name)
+
     found, seen = [], set()
-    for label, candidate in _levers(st, name, cuda):
+    for label, candidate in levers(st):
         lever = label.split(",")[0] if ".plugin.name:" in label else label.split(":")[0]  # each plugin is its own lever
         if lever in seen or not valid(candidate):
             continue
@@ -395,7 +490,7 @@ def fits_with(
         return found
     combined, labels = st, []
     for _ in range(8):  # each round applies the strongest remaining lever to the combination so far
-        options = [(device(c), label, c) for label, c in _levers(combined, name, cuda) if valid(c)]
+        options = [(device(c), label, c) for label, c in levers(combined) if valid(c)]
         if not options:
             return []
         need, label, combined = min(options, key=lambda o: o[0])
@@ -408,9 +503,139 @@ def fits_with(
 # -- pre-flight ------------------------------------------------------------------------------------
 
 
+def rank_host_peak(est: MemoryEstimate) -> int:
+    """A rank's largest host figure over its stage: the shard verb, the model built, or the steps."""
+    return max(est.host_steady, est.construction_host, est.shard_host)
+
+
+def node_host_need(model_config: dict[str, Any], st: StageConfig, name: str, cuda: bool) -> int:
+    """Host bytes one node needs while a stage's ranks run: nproc_per_node ranks at their peak, beside the
+    flow process (which launched them and waits, holding its own memory)."""
+    est = estimate(model_config, st, stage=name, cuda=cuda)
+    return st.launch.nproc_per_node * rank_host_peak(est) + FLOW_BASELINE_BYTES
+
+
+def _units(model_config: dict[str, Any]) -> tuple[int, int]:
+    """(parameters, the largest unit's: a decoder layer, or a tensor outside the layers)."""
+    total, blocks = 0, {}
+    for key, _, shape, layer in iter_tensors(model_config):
+        n = math.prod(shape)
+        total += n
+        block = f"layer {layer}" if layer is not None else key
+        blocks[block] = blocks.get(block, 0) + n
+    return total, max(blocks.values(), default=0)
+
+
+def flow_process(model_config: dict[str, Any], cfg: Any, cuda: bool) -> list[tuple[str, str, list[tuple[str, int]]]]:
+    """What the flow process holds at its peak in each kind of work it does itself, none of them while ranks
+    run: (what, the config field that shrinks it, parts summing to the figure). The logits checks
+    (load_from_hf, unshard, export, `cpt-to-sft verify`) hold the model whole in fp32 (base/ and cpt/hf/
+    are fp32) up to verify_memory_gb, else one unit at a time (tasks/core/models/stream.py), and the probe
+    batch's forward; an evaluation on CPU holds one model at a time in its eval dtype and one batch's forward
+    with its logits in chunks (tasks/core/evaluation/placement.py `forward_bytes`). An evaluation on a GPU
+    is planned by eval_memory.py."""
+    from tasks.core.models.fingerprint import PROBE_SHAPE
+
+    total, unit = _units(model_config)
+    whole = 4 * total
+    streamed = whole > cfg.verify_memory_gb * GB
+    probe = forward_bytes(model_config, "fp32", math.prod(PROBE_SHAPE))
+    out = [
+        (
+            "logits checks (load_from_hf, unshard, export)",
+            "verify_memory_gb",
+            [
+                ("flow process baseline", FLOW_BASELINE_BYTES),
+                ("the largest unit, streamed" if streamed else "the model in fp32", 4 * unit if streamed else whole),
+                ("the probe batch's forward", probe),
+            ],
+        )
+    ]
+    for name in PHASES:
+        st = getattr(cfg, name)
+        if not st.eval.enabled or cuda:
+            continue
+        dtype = eval_dtype(st.eval.dtype, cfg.export.dtype, cuda=False)
+        out.append(
+            (
+                f"evaluate_{name} on CPU ({dtype}, one model at a time)",
+                f"{name}.eval.dtype",
+                [
+                    ("flow process baseline", FLOW_BASELINE_BYTES),
+                    (f"one model in {dtype}", DTYPE_BYTES[dtype] * total),
+                    (
+                        f"a batch's forward ({st.eval.batch_size} x {st.seq_len} tokens, logits in chunks)",
+                        forward_bytes(model_config, dtype, st.eval.batch_size * st.seq_len),
+                    ),
+                ],
+            )
+        )
+    return out
+
+
+def _ranks_here(st: StageConfig, machine: Any, cuda: bool) -> bool:
+    """Whether this stage's ranks (a node's share) run on the machine pre-flight runs on."""
+    from tasks.core.config.backends import BACKENDS
+
+    return not BACKENDS[st.launch.backend].remote_nodes and (not cuda or bool(machine.cuda_devices))
+
+
+def _sum_line(rows: list[tuple[str, int]]) -> str:
+    return " + ".join(f"{what} {human(n)}" for what, n in rows) + f" = {human(sum(n for _, n in rows))}"
+
+
+def _check_host(ctx: Any, mc: dict[str, Any], st: StageConfig, name: str, est: MemoryEstimate, cuda: bool) -> None:
+    """The node's ranks at their peak plus the flow process against this machine's memory: refused over its
+    total (they cannot run here whatever else is running), a warning over what is available now."""
+    total = getattr(ctx.machine, "host_memory_bytes", None)
+    if not total or not _ranks_here(st, ctx.machine, cuda):
+        return
+    n, peak = st.launch.nproc_per_node, rank_host_peak(est)
+    need = n * peak + FLOW_BASELINE_BYTES
+    which = (
+        "the shard verb"
+        if peak == est.shard_host
+        else ("the model's construction" if peak == est.construction_host else "the training steps")
+    )
+    line = (
+        f"{name} host memory on this node: {n} rank(s) x {human(peak)} ({which}) + the flow process "
+        f"{human(FLOW_BASELINE_BYTES)} = {human(need)}"
+    )
+    available = getattr(ctx.machine, "host_available_bytes", None)
+    if need <= total:
+        ctx.ok(f"{line}, of this machine's {human(total)}")
+        if available is not None and need > available:
+            ctx.warn(
+                f"{line}, more than the {human(available)} available now (of {human(total)}): other processes "
+                "hold the rest; the stage may be killed for memory unless they end first"
+            )
+        return
+    fixes = fits_with(mc, st, name, total, cuda, figure=lambda c: node_host_need(mc, c, name, cuda))
+    fix = (
+        ("; it fits with " + ", or ".join(f"{label} ({human(b)})" for label, b in fixes))
+        if fixes
+        else (
+            "; no change of zero_stage, plugin, tp_size, activation_checkpointing, micro_batch_size or "
+            f"{name}.launch.nproc_per_node fits: run it on a machine with more memory, or over more nodes"
+        )
+    )
+    ctx.problem(
+        f"{name}.launch.nproc_per_node",
+        f"{line}, more than this machine's {human(total)} of memory (a rank: {est.breakdown(which_figure(est))}){fix}",
+    )
+
+
+def which_figure(est: MemoryEstimate) -> str:
+    """The parts of a rank's host peak: the shard verb's, the steps', or the construction's."""
+    peak = rank_host_peak(est)
+    return "shard" if peak == est.shard_host else ("host" if peak == est.host_steady else "construction")
+
+
 def check_memory(ctx: Any) -> None:
     """Each stage's per-rank estimate in the report; a refusal when it exceeds the GPU memory the
-    stage declares (`launch.gpu_memory_gb`) or this machine's GPU, with the settings that fit."""
+    stage declares (`launch.gpu_memory_gb`) or this machine's GPU, with the settings that fit; a
+    refusal when a node's ranks and the flow process exceed this machine's memory where they run here,
+    with the levers that fit; the flow process's own figures (logits checks, evaluation on CPU)."""
     if ctx.model is None:
         return
     mc = ctx.model.config
@@ -426,44 +651,84 @@ def check_memory(ctx: Any) -> None:
         except (ConfigError, ConversionError, KeyError) as exc:  # the layout/family checks name the problem
             ctx.warn(f"{name} memory not estimated: {exc.problems[0][1] if isinstance(exc, ConfigError) else exc}")
             continue
-        parts = f"{est.rank_parameters / 1e6:,.1f}M of {est.parameters / 1e6:,.1f}M parameters: {est.breakdown()}"
-        built = f"{human(est.construction_host)} host while the model is built" + (
-            f", {human(est.host_steady)} host steady ({human(est.offloaded)} offloaded)" if est.offloaded else ""
+        params = f"{est.rank_parameters / 1e6:,.1f}M of {est.parameters / 1e6:,.1f}M parameters"
+        built = (
+            f"while the model is built {est.breakdown('construction')}; "
+            f"the shard verb (boost_and_shard / reboost) {est.breakdown('shard')}"
         )
         if not cuda:
             ctx.ok(
-                f"{name} memory per rank (estimate): {human(est.host_steady)} host RAM steady on this CPU rank "
-                f"(baseline {human(est.baseline)}; {parts}), {built}; no GPU: not checked against one"
-            )
-            continue
-        source = f"{name}.launch.gpu_memory_gb = {declared:g}" if declared else "the visible GPU"
-        if capacity is None:
-            ctx.ok(
-                f"{name} memory per rank (estimate): {human(est.device)} GPU ({parts}), {built}; GPU memory unknown: "
-                f"set {name}.launch.gpu_memory_gb to check it"
-            )
-        elif est.device <= capacity:
-            ctx.ok(
-                f"{name} memory per rank (estimate): {human(est.device)} GPU of {human(capacity)} ({source}; "
-                f"{parts}), {built}"
+                f"{name} memory per rank (estimate, {params}): host RAM steady on this CPU rank "
+                f"{est.breakdown('host')}; {built}; no GPU: the host is the limit"
             )
         else:
-            fixes = fits_with(mc, st, name, capacity, cuda)
-            fix = (
-                ("; it fits with " + ", or ".join(f"{label} ({human(need)})" for label, need in fixes))
-                if fixes
-                else (
-                    "; no change of zero_stage, plugin, tp_size, offload, activation_checkpointing or "
-                    f"micro_batch_size fits: add nodes ({name}.launch.nnodes) "
-                    "to shard ZeRO state further, or use GPUs with more memory"
-                )
+            _check_gpu(ctx, mc, st, name, est, cuda, declared, capacity, params, built)
+        _check_host(ctx, mc, st, name, est, cuda)
+    _check_flow(ctx, mc)
+
+
+def _check_gpu(
+    ctx: Any,
+    mc: dict[str, Any],
+    st: StageConfig,
+    name: str,
+    est: MemoryEstimate,
+    cuda: bool,
+    declared: float | None,
+    capacity: int | None,
+    params: str,
+    built: str,
+) -> None:
+    source = f"{name}.launch.gpu_memory_gb = {declared:g}" if declared else "the visible GPU"
+    parts = f"{params}: {est.breakdown('device')}"
+    host = f"host {est.breakdown('host')}; {built}"
+    if capacity is None:
+        ctx.ok(
+            f"{name} memory per rank (estimate): {human(est.device)} GPU ({parts}), {host}; GPU memory unknown: "
+            f"set {name}.launch.gpu_memory_gb to check it"
+        )
+    elif est.device <= capacity:
+        ctx.ok(
+            f"{name} memory per rank (estimate): {human(est.device)} GPU of {human(capacity)} ({source}; {parts}), {host}"
+        )
+    else:
+        fixes = fits_with(mc, st, name, capacity, cuda)
+        fix = (
+            ("; it fits with " + ", or ".join(f"{label} ({human(need)})" for label, need in fixes))
+            if fixes
+            else (
+                "; no change of zero_stage, plugin, tp_size, offload, activation_checkpointing or "
+                f"micro_batch_size fits: add nodes ({name}.launch.nnodes) "
+                "to shard ZeRO state further, or use GPUs with more memory"
             )
-            ctx.problem(
-                f"{name}.launch.gpu_memory_gb" if declared else f"{name}.plugin",
-                f"{name} needs {human(est.device)} of GPU memory per rank ({parts}; CUDA reserve "
-                f"{human(CUDA_RESERVE_BYTES)}), "
-                f"more than the {human(capacity)} of {source}{fix}",
-            )
+        )
+        ctx.problem(
+            f"{name}.launch.gpu_memory_gb" if declared else f"{name}.plugin",
+            f"{name} needs {human(est.device)} of GPU memory per rank ({parts}), "
+            f"more than the {human(capacity)} of {source}{fix}",
+        )
+
+
+def _check_flow(ctx: Any, mc: dict[str, Any]) -> None:
+    """The flow process's figures in the report; refused over this machine's memory (it runs here)."""
+    try:
+        figures = flow_process(mc, ctx.cfg, cuda=bool(ctx.machine.cuda_devices))
+    except (ConversionError, KeyError) as exc:
+        ctx.warn(f"the flow process's memory not estimated: {exc}")
+        return
+    total = getattr(ctx.machine, "host_memory_bytes", None)
+    for what, field, rows in figures:
+        need = sum(n for _, n in rows)
+        line = f"flow process, {what} (estimate): {_sum_line(rows)}"
+        if not total or need <= total:
+            ctx.ok(line + (f", of this machine's {human(total)}" if total else ""))
+            continue
+        fix = (
+            f"set {field} lower (the model is then streamed a unit at a time)"
+            if field == "verify_memory_gb"
+            else f"set {field}: bf16 (half the model), or a smaller {field.rsplit('.', 1)[0]}.batch_size"
+        )
+        ctx.problem(field, f"{line}, more than this machine's {human(total)} of memory; {fix}")
 
 
 # -- the map: what fits where (docs/scaling.md) ----------------------------------------------------
@@ -586,8 +851,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name}: {st.plugin.name} on {st.launch.world_size} rank(s): {'GPU' if cuda else 'live'} "
             f"{human(est.device)}, "
-            f"host {human(est.host_steady)} steady, {human(est.construction_host)} while the model is built "
-            f"({est.breakdown(8)})"
+            f"host {human(est.host_steady)} steady, {human(est.construction_host)} while the model is built, "
+            f"{human(est.shard_host)} in the shard verb ({est.breakdown('host' if not cuda else 'device', 8)})"
         )
     return 0
 
