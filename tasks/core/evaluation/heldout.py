@@ -226,10 +226,14 @@ def token_nll(
     wanted = target.to(hidden.device)[keep]
     vocab = int(head.weight.shape[0]) if hasattr(head, "weight") else int(model.config.vocab_size)
     step = chunk or where.logits_chunk_tokens(vocab)
-    out = []
-    for i in range(0, rows.shape[0], step):
-        logits = _head_logits(model, head, rows[i : i + step])
-        out.append(torch.nn.functional.cross_entropy(logits, wanted[i : i + step].to(logits.device), reduction="none"))
+    out, n = [], rows.shape[0]
+    for i in range(0, n, step):
+        # the last chunk reaches back to a whole chunk's rows: every product has the same shape (BLAS takes
+        # another path for a few rows, whose results can differ in the last bit)
+        lo = max(0, min(i, n - step))
+        logits = _head_logits(model, head, rows[lo : i + step])
+        nll = torch.nn.functional.cross_entropy(logits, wanted[lo : i + step].to(logits.device), reduction="none")
+        out.append(nll[i - lo :])
         del logits
     return torch.cat(out) if out else torch.zeros(0)
 

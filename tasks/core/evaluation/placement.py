@@ -75,8 +75,9 @@ LOGITS_CHUNK_BYTES = 64 * 2**20
 
 
 def logits_chunk_tokens(vocab: int) -> int:
-    """Positions whose fp32 logits fit LOGITS_CHUNK_BYTES."""
-    return max(1, LOGITS_CHUNK_BYTES // max(1, 4 * vocab))
+    """Positions whose fp32 logits fit LOGITS_CHUNK_BYTES, a multiple of 8 (at least 8): products of 8k rows
+    give each row bitwise what the whole batch's product does (measured with torch 2.13's MKL)."""
+    return max(8, LOGITS_CHUNK_BYTES // max(1, 4 * vocab) // 8 * 8)
 
 
 def forward_bytes(config: dict[str, Any], dtype: str, tokens: int) -> int:
