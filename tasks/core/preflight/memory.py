@@ -75,10 +75,9 @@ FLOW_BASELINE_BYTES = int(0.6e9)
 # 0.47 GB under low_level_zero (torch 2.13, transformers 4.51.3, colossalai 0.5.0, 2 ranks).
 RANK_BASELINE_BYTES = int(0.47e9)
 LOSS_BYTES_PER_LOGIT = 12
-# A checkpoint save gathers one tensor's optimizer state whole (AdamW's two fp32 moments) and holds about two
-# such tensors at once (tasks/engine/lean_save.py); the shard verb's step-000000 save is its peak.
+# A checkpoint save gathers a tensor's optimizer state whole (AdamW's two fp32 moments), `save_state_tensors`
+# of them at once (PluginSpec); the shard verb's step-000000 save is its peak.
 ADAM_STATE_BYTES = 8
-SAVE_STATE_TENSORS = 2
 
 
 def human(n: float) -> str:
@@ -365,7 +364,7 @@ def estimate(
         # the engine builds a lazily built model's share in fp32 one tensor at a time (Engine._construction),
         # any other whole, in the dtype its plugin trains in (Engine.build_dtype: fp32 for torch_ddp)
         construction = 4 * (shares[s] + largest) if lazy else weights * total
-        save = SAVE_STATE_TENSORS * ADAM_STATE_BYTES * max(largest_trained)
+        save = round(spec.save_state_tensors * ADAM_STATE_BYTES * max(largest_trained))
         est = MemoryEstimate(total, shares[s], tuple(terms), baseline, cuda, construction, save)
         if best is None or est.device > best.device:
             best = est
