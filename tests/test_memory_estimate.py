@@ -25,12 +25,11 @@ from tasks.core.preflight.memory import (
     LLAMA3,
     RANK_BASELINE_BYTES,
     estimate,
-    flow_process,
     human,
     layer_activation_bytes,
-    node_host_need,
     table,
 )
+from tasks.core.preflight.memory_check import flow_process, node_host_need
 from tests._activations import kept_per_token
 from tests.conftest import write_config
 from tests.test_preflight import LLAMA3_8B, Case, _all, _llama3, _set
