@@ -238,13 +238,11 @@ def _check_host(ctx: Any, mc: dict[str, Any], st: StageConfig, name: str, est: M
     total = getattr(ctx.machine, "host_memory_bytes", None)
     if not total or not _ranks_here(st, ctx.machine, cuda):
         return
-    n, peak = st.launch.nproc_per_node, rank_host_peak(est)
+    n, peak, figure = st.launch.nproc_per_node, rank_host_peak(est), which_figure(est)
     need = n * peak + FLOW_BASELINE_BYTES
-    which = (
-        "the shard verb"
-        if peak == est.shard_host
-        else ("the model's construction" if peak == est.construction_host else "the training steps")
-    )
+    which = {"shard": "the shard verb", "host": "the training steps", "construction": "the model's construction"}[
+        figure
+    ]
     line = (
         f"{name} host memory on this node: {n} rank(s) x {human(peak)} ({which}) + the flow process "
         f"{human(FLOW_BASELINE_BYTES)} = {human(need)}"
@@ -269,7 +267,7 @@ def _check_host(ctx: Any, mc: dict[str, Any], st: StageConfig, name: str, est: M
     )
     ctx.problem(
         f"{name}.launch.nproc_per_node",
-        f"{line}, more than this machine's {human(total)} of memory (a rank: {est.breakdown(which_figure(est))}){fix}",
+        f"{line}, more than this machine's {human(total)} of memory (a rank: {est.breakdown(figure)}){fix}",
     )
 
 
