@@ -384,9 +384,10 @@ def preemption_policy(cfg: RunConfig, exc: Preempted) -> Policy:
 
 
 def reread_config(config: str, overrides: RunOverrides | dict | None, cfg: RunConfig, logger) -> RunConfig:
-    """The config as its file says it now, for the retry after a preemption: the capacity that came
-    back is said there while the run waits (e.g. `cpt.launch.nproc_per_node: 1` and a plugin for one
-    rank, with `elastic.keep_global_batch`), as a new run would read it. A changed config is checked
+    """The config as its file (with the overrides, `cpt-to-sft run`'s --set items among them) says it
+    now, for the retry after a preemption: the capacity that came back is said there while the run
+    waits (e.g. `cpt.launch.nproc_per_node: 1` and a plugin for one rank, with
+    `elastic.keep_global_batch`), as a new run would read it. A changed config is checked
     by pre-flight again (ConfigError with every problem: the run ends, the checkpoint stands)."""
     new = resolve_config(config, overrides, rules=False)
     if new == cfg:
@@ -396,16 +397,19 @@ def reread_config(config: str, overrides: RunOverrides | dict | None, cfg: RunCo
             [("run_root", f"changed from {cfg.run_uri} to {new.run_uri} while the run waited: put it back")],
             header="the config changed during the run",
         )
-    # tracking's flatten: dotted paths, secrets left out and URIs' credentials redacted, as the log wants
-    was, now = flatten(cfg.model_dump(mode="json")), flatten(new.model_dump(mode="json"))
-    changed = [
-        f"{k}: {was.get(k)} -> {now.get(k)}" for k in sorted(was.keys() | now.keys()) if was.get(k) != now.get(k)
-    ]
+    changed = config_changes(cfg, new)
     logger.warning("the config changed while the run waited (%s): pre-flight checks it again", "; ".join(changed))
     checked = preflight(new, form=parse_overrides(overrides).form_fields(), return_state=True)
     if checked.is_failed():
         raise checked.result(raise_on_failure=False)  # the report's one ConfigError
     return new
+
+
+def config_changes(was: RunConfig, now: RunConfig) -> list[str]:
+    """`key: old -> new` for each field that differs, by dotted path; tracking's flatten leaves
+    secrets out and redacts URIs' credentials, as the log wants."""
+    old, new = flatten(was.model_dump(mode="json")), flatten(now.model_dump(mode="json"))
+    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
 
 
 def failure_cause(exc: BaseException) -> str:
