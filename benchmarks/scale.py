@@ -4,6 +4,7 @@ pre-flight estimate (tasks/core/preflight/memory.py).
     .venv/bin/python benchmarks/scale.py              # 50M, 190M, 700M x 2 plugins on 2 CPU ranks: ~8 min
     .venv/bin/python benchmarks/scale.py --smoke      # the demo-sized model, one plugin: seconds, same table
     .venv/bin/python benchmarks/scale.py --sizes 50M --plugins hp-tp2-fp32 --keep --workdir /tmp/scale
+    .venv/bin/python benchmarks/scale.py --sizes 80M-tied --plugins llz1-fp32 llz2-fp32 --no-flow   # ZeRO's buckets
 
 The flow process's figures (the logits check whole vs streamed, the skip decision, a finished run
 re-run) come after the ranks' table, from benchmarks/flow_process.py at the same sizes (--no-flow: not).
