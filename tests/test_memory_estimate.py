@@ -422,6 +422,7 @@ def test_cpu_ranks_over_this_machines_memory_are_refused_naming_the_levers(tmp_p
 
     total, available = host_memory()
     assert total and total > 0 and available is not None
+    assert Machine.detect().host_memory_bytes == total  # what `cpt-to-sft check` compares with
     case = _host_case(tmp_path, {"name": "torch_ddp", "precision": "fp32"}, 4, total, available)
     report = case.report()
     msgs = [m for f, m in report.problems if f == "cpt.launch.nproc_per_node"]
