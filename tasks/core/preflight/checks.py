@@ -58,7 +58,7 @@ from tasks.core.preflight.data import check_data
 from tasks.core.preflight.eval_memory import check_eval_memory
 from tasks.core.preflight.eval_time import check_eval_time
 from tasks.core.preflight.kernels import check_kernels
-from tasks.core.preflight.memory import check_memory
+from tasks.core.preflight.memory_check import check_memory
 from tasks.core.preflight.mixture import check_mixture_weights, check_source_epochs
 from tasks.core.preflight.model_files import check_lora_targets, check_model_claims, check_model_files
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
