@@ -70,15 +70,8 @@ SIZES: dict[str, dict] = {
         hidden_size=1536, num_layers=24, num_heads=16, num_kv_heads=8, intermediate_size=4096, vocab_size=32000
     ),
     # Gemma-3-270M's proportions (a tied embedding of most of the parameters): where ZeRO-2's transients show
-    "80M-tied": dict(
-        hidden_size=512,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=4,
-        intermediate_size=1536,
-        vocab_size=131072,
-        tie_word_embeddings=True,
-    ),
+    "80M-tied": dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1536)
+    | dict(vocab_size=131072, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=512),
 }
 # Tokens per micro-batch per size: long sequences at the small size, where activations are a large
