@@ -85,7 +85,7 @@ def benchmark(
     if not cfg.benchmark.enabled:
         return _not_configured()
     tasks = [bench.read_task(uri) for uri in cfg.benchmark.tasks]
-    bench.require_runnable(tasks)  # pre-flight's rules again: the files may have changed since
+    bench.require_runnable(tasks, cfg.benchmark.max_split_mb)  # pre-flight's rules again: the files may have changed
     inputs = {"tasks": bench.fingerprint(tasks), "lm_eval": bench.lm_eval_version()}
     stage = Stage("benchmark", cfg, base, export, inputs=inputs)
     if stage.skipped:
