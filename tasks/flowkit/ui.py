@@ -30,7 +30,7 @@ from prefect.artifacts import (
 
 from tasks.core.config.kernels import describe
 from tasks.core.evaluation import benchmark as bench
-from tasks.core.run import preemptions
+from tasks.core.run import meter, preemptions
 from tasks.core.run.segments import summary as segments_summary
 from tasks.core.run.trainlog import duration
 
@@ -185,6 +185,34 @@ class DataProgress:
                 update_progress_artifact(self._id, 100.0 * d["bytes"] / self.total_bytes, description=text)
         except Exception as exc:
             warn_view_failure("data progress artifact", exc)
+
+
+class WorkProgress:
+    """The `<stage>-progress` artifact and console lines of a stage that is not training
+    (tasks/core/run/meter.py): each record of its meters is a log line (`export, loglikelihood:
+    1,200 / 4,000 requests (30%), 1m10s elapsed, ETA 2m43s`) and the bar's percent and description.
+    `reporting()` is the block the stage runs its work in."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+        self._id = None
+        try:
+            self._id = create_progress_artifact(0.0, key=_key(f"{stage}-progress"), description=f"{stage}: starting")
+        except Exception as exc:
+            warn_view_failure("progress artifact", exc)
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        text = f"{self.stage}: {meter.line(record)}"
+        try:
+            get_run_logger().info(text)
+            if self._id is not None:
+                pct = 100.0 * record["done"] / record["total"] if record["total"] else 100.0
+                update_progress_artifact(self._id, min(100.0, pct), description=text)
+        except Exception as exc:
+            warn_view_failure("progress update", exc)
+
+    def reporting(self, interval_s: float = meter.INTERVAL_S):
+        return meter.reporting(self, interval_s)
 
 
 def token_table(stage: str, totals: dict[str, Any]) -> None:
