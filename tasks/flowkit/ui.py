@@ -196,6 +196,8 @@ class WorkProgress:
     def __init__(self, stage: str):
         self.stage = stage
         self._id = None
+        # taken here, in the task's thread: a converter's shard threads report through it too
+        self._logger = get_run_logger()
         try:
             self._id = create_progress_artifact(0.0, key=_key(f"{stage}-progress"), description=f"{stage}: starting")
         except Exception as exc:
@@ -204,7 +206,7 @@ class WorkProgress:
     def __call__(self, record: dict[str, Any]) -> None:
         text = f"{self.stage}: {meter.line(record)}"
         try:
-            get_run_logger().info(text)
+            self._logger.info(text)
             if self._id is not None:
                 pct = 100.0 * record["done"] / record["total"] if record["total"] else 100.0
                 update_progress_artifact(self._id, min(100.0, pct), description=text)

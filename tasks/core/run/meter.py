@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 from tasks.core.run.trainlog import duration
 
 INTERVAL_S = 30.0  # a line at most this often: a 10-minute evaluation says where it is ~20 times
 
+T = TypeVar("T")
 Emit = Callable[[dict[str, Any]], None]
 _sink: ContextVar[tuple[Emit, float] | None] = ContextVar("cpt_to_sft_meter_sink", default=None)
 
@@ -47,14 +49,24 @@ class Meter:
         self.done, self.started = 0, time.monotonic()
         self._last = self.started
         self._finished = False
+        self._lock = threading.Lock()
         self._send()
 
     def add(self, n: int = 1) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self._last >= self.interval_s and self.done < self.total:
-            self._last = now
+        with self._lock:  # a converter's shard threads add to one meter
+            self.done += n
+            now = time.monotonic()
+            due = now - self._last >= self.interval_s and self.done < self.total
+            if due:
+                self._last = now
+        if due:
             self._send()
+
+    def counted(self, items: Iterable[T]) -> Iterator[T]:
+        """`items`, each added once the loop over it moves on."""
+        for item in items:
+            yield item
+            self.add()
 
     def finish(self) -> None:
         if not self._finished:
