@@ -17,6 +17,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tasks.core.evaluation import benchmark as bench
+from tasks.core.evaluation import task_data as data
 from tasks.core.evaluation import task_rules as rules
 from tasks.core.preflight.benchmark import check_benchmark
 from tasks.core.preflight.report import CheckContext, PreflightReport
@@ -92,9 +93,9 @@ def test_a_sample_keeps_whole_records_of_each_format(tmp_path):
     (tmp_path / "c.csv").write_text('q,t\n1,"two\nlines"\n' + "".join(f"{i},x\n" for i in range(200)))
     (tmp_path / "l.jsonl").write_bytes(DOC * 3)
     arr, csv_, lines = (
-        bench.head_sample(str(tmp_path / f), b) for f, b in (("a.json", "json"), ("c.csv", "csv"), ("l.jsonl", "json"))
+        data.head_sample(str(tmp_path / f), b) for f, b in (("a.json", "json"), ("c.csv", "csv"), ("l.jsonl", "json"))
     )
-    assert (arr.count, arr.complete, len(arr.docs)) == (100, True, bench.SAMPLE_DOCS)
+    assert (arr.count, arr.complete, len(arr.docs)) == (100, True, data.SAMPLE_DOCS)
     assert json.loads(arr.docs[1]) == {"q": 1, "t": "x" * 50}
     assert (csv_.count, csv_.header, csv_.docs[0]) == (201, b"q,t\n", b'1,"two\nlines"')
     assert (lines.count, lines.complete, lines.docs) == (3, True, [DOC.strip()] * 3)

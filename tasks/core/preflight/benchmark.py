@@ -13,7 +13,7 @@ rendered in the sandbox) as the stage will; `gate.benchmarks` names only tasks t
 a metric its task scores.
 
 Its cost does not grow with the data: sizes come from the file system, and every count and lm-eval's
-load come from a head sample of each data file (`bench.head_sample`: at most SAMPLE_DOCS documents
+load come from a head sample of each data file (`task_data.head_sample`: at most SAMPLE_DOCS documents
 from the first SAMPLE_BYTES). The stage reads the data whole as it runs.
 """
 
@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from tasks.core.evaluation import benchmark as bench
+from tasks.core.evaluation import task_data as data
 from tasks.core.evaluation import task_rules as rules
 from tasks.core.preflight.report import CheckContext
 
@@ -58,7 +59,7 @@ def check_benchmark(ctx: CheckContext) -> None:
             ctx.problem(
                 where, f"task {t.name!r}: data file {f} does not exist (relative data_files are read beside the YAML)"
             )
-        big = [] if problems or absent else bench.size_problems(t, cfg.max_split_mb)
+        big = [] if problems or absent else data.size_problems(t, cfg.max_split_mb)
         for p in big:
             ctx.problem(where, f"task {t.name!r}: {p}")
         unread = [] if problems or absent or big else _sample(ctx, where, t, sampled)
@@ -84,7 +85,7 @@ def check_benchmark(ctx: CheckContext) -> None:
         copies = Path(tmp) / "copies"
         failed = False
         try:
-            fetched = bench.samples(tasks, copies, sampled)
+            fetched = data.samples(tasks, copies, sampled)
             include = bench.runnable(tasks, fetched, copies, Path(tmp) / "run", Path(tmp) / "cache")
         except (OSError, ValueError) as exc:
             ctx.problem("benchmark.tasks", f"cannot sample the tasks' data {names}: {type(exc).__name__}: {exc}")
@@ -95,7 +96,7 @@ def check_benchmark(ctx: CheckContext) -> None:
             except (Exception, SystemExit) as exc:  # lm-eval's own reading of the YAML and its data: the user's to fix
                 ctx.problem(
                     f"benchmark.tasks[{i}] ({t.uri})",
-                    f"lm-eval cannot load task {t.name!r} (from the first {bench.SAMPLE_DOCS} documents of each data "
+                    f"lm-eval cannot load task {t.name!r} (from the first {data.SAMPLE_DOCS} documents of each data "
                     f"file): {type(exc).__name__}: {exc}",
                 )
                 failed = True
@@ -108,7 +109,7 @@ def check_benchmark(ctx: CheckContext) -> None:
 
 
 def _largest(tasks: list[bench.TaskFile]) -> str:
-    size, split, name = max((b, s, t.name) for t in tasks for s, b in bench.split_bytes(t).items())
+    size, split, name = max((b, s, t.name) for t in tasks for s, b in data.split_bytes(t).items())
     return f"{name}:{split}, {size / 1e6:.1f} MB"
 
 
@@ -118,7 +119,7 @@ def _sample(ctx: CheckContext, where: str, task: bench.TaskFile, sampled: dict) 
     builder = task.config.get("dataset_path")
     out: list[str] = []
     try:
-        heads = {uri: bench.head_sample(uri, builder) for files in task.data.values() for uri in files}
+        heads = {uri: data.head_sample(uri, builder) for files in task.data.values() for uri in files}
     except Exception as exc:  # a file pyarrow or the sampler cannot read: name it
         out.append(f"task {task.name!r}: cannot read a sample of its data: {type(exc).__name__}: {exc}")
     else:
@@ -145,10 +146,10 @@ def _fewshot(ctx: CheckContext, task: bench.TaskFile, heads: dict) -> list[str]:
     "Sample larger than population" after training: refused here, from the samples' counts (a count
     the first SAMPLE_BYTES of a file cannot settle is left to lm-eval)."""
     configured = ctx.cfg.benchmark.num_fewshot
-    n = bench.num_fewshot(task, configured)
+    n = data.num_fewshot(task, configured)
     if n <= 0:
         return []
-    split, listed, extra = bench.fewshot_pool(task)
+    split, listed, extra = data.fewshot_pool(task)
     if split is not None:
         files = task.data.get(split, [])
         if not files or not all(heads[f].complete for f in files):
