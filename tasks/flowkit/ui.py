@@ -31,6 +31,7 @@ from prefect.artifacts import (
 from tasks.core.config.kernels import describe
 from tasks.core.evaluation import benchmark as bench
 from tasks.core.run import meter, preemptions
+from tasks.core.run.events import CONSOLE_OFF
 from tasks.core.run.segments import summary as segments_summary
 from tasks.core.run.trainlog import duration
 
@@ -189,15 +190,19 @@ class DataProgress:
 
 class WorkProgress:
     """The `<stage>-progress` artifact and console lines of a stage that is not training
-    (tasks/core/run/meter.py): each record of its meters is a log line (`export, loglikelihood:
-    1,200 / 4,000 requests (30%), 1m10s elapsed, ETA 2m43s`) and the bar's percent and description.
-    `reporting()` is the block the stage runs its work in."""
+    (tasks/core/run/meter.py): each record of its meters is a log line (`benchmark: export
+    loglikelihood: 1,200 / 4,000 requests (30%), 1m10s elapsed, ETA 2m43s`) and the bar's percent and
+    description. `reporting()` is the block the stage runs its work in."""
 
     def __init__(self, stage: str):
         self.stage = stage
         self._id = None
+        self._said: set[str] = set()
         # taken here, in the task's thread: a converter's shard threads report through it too
-        self._logger = get_run_logger()
+        try:
+            self._logger: Any = get_run_logger()
+        except Exception:  # outside a flow/task run there is no run logger
+            self._logger = logging.getLogger(__name__)
         try:
             self._id = create_progress_artifact(0.0, key=_key(f"{stage}-progress"), description=f"{stage}: starting")
         except Exception as exc:
@@ -205,8 +210,14 @@ class WorkProgress:
 
     def __call__(self, record: dict[str, Any]) -> None:
         text = f"{self.stage}: {meter.line(record)}"
+        # The console gets a part's lines once it has run an interval (then its end too), so a short
+        # stage adds none to the run's console; the run's log in the UI gets every record.
+        going = not record["finished"] and record["done"] > 0
+        said = going or (record["finished"] and record["what"] in self._said)
+        if going:
+            self._said.add(record["what"])
         try:
-            self._logger.info(text)
+            self._logger.info(text, **({} if said else {"extra": CONSOLE_OFF}))
             if self._id is not None:
                 pct = 100.0 * record["done"] / record["total"] if record["total"] else 100.0
                 update_progress_artifact(self._id, min(100.0, pct), description=text)
