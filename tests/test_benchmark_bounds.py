@@ -88,6 +88,17 @@ def test_preflight_time_does_not_grow_with_the_data_and_a_split_over_the_limit_i
     assert took < 10
 
 
+def test_a_split_of_many_files_is_sampled_from_its_first_files(tmp_path, monkeypatch):
+    names = [f"part{i}.jsonl" for i in range(40)]
+    for name in names:
+        (tmp_path / name).write_bytes(DOC * 2)
+    read: list[str] = []
+    real = data.head_sample
+    monkeypatch.setattr(data, "head_sample", lambda uri, *a, **k: read.append(uri) or real(uri, *a, **k))
+    text, _ = _check(tmp_path, [_yaml(tmp_path, "parts", {"test": json.dumps(names)})])
+    assert text == "" and read == [str(tmp_path / n) for n in names[: data.SAMPLE_FILES]], (text, read)
+
+
 def test_a_sample_keeps_whole_records_of_each_format(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps([{"q": i, "t": "x" * 50} for i in range(100)]))
     (tmp_path / "c.csv").write_text('q,t\n1,"two\nlines"\n' + "".join(f"{i},x\n" for i in range(200)))

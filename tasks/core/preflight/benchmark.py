@@ -119,7 +119,9 @@ def _sample(ctx: CheckContext, where: str, task: bench.TaskFile, sampled: dict) 
     builder = task.config.get("dataset_path")
     out: list[str] = []
     try:
-        heads = {uri: data.head_sample(uri, builder) for files in task.data.values() for uri in files}
+        heads = {
+            uri: data.head_sample(uri, builder) for files in task.data.values() for uri in files[: data.SAMPLE_FILES]
+        }
     except Exception as exc:  # a file pyarrow or the sampler cannot read: name it
         out.append(f"task {task.name!r}: cannot read a sample of its data: {type(exc).__name__}: {exc}")
     else:
@@ -128,7 +130,7 @@ def _sample(ctx: CheckContext, where: str, task: bench.TaskFile, sampled: dict) 
                 out.append(f"task {task.name!r}: data file {uri}: {h.note}; write one document a line (JSON lines)")
         scored = bench.eval_split(task) or ""
         files = task.data.get(scored, [])
-        if not out and files and all(heads[f].count == 0 and heads[f].complete for f in files):
+        if not out and files and all(f in heads and heads[f].count == 0 and heads[f].complete for f in files):
             out.append(
                 f"task {task.name!r}: its {scored!r} split has no record (data file(s) {', '.join(files)}); put the "
                 "documents to score there"
@@ -152,7 +154,7 @@ def _fewshot(ctx: CheckContext, task: bench.TaskFile, heads: dict) -> list[str]:
     split, listed, extra = data.fewshot_pool(task)
     if split is not None:
         files = task.data.get(split, [])
-        if not files or not all(heads[f].complete for f in files):
+        if not files or not all(f in heads and heads[f].complete for f in files):
             return []  # a split the data do not name: lm-eval's load names it; a long split: enough documents
         have, what = sum(heads[f].count for f in files), f"its few-shot split {split!r} ({', '.join(files)})"
     elif listed is not None:
