@@ -99,6 +99,12 @@ def test_a_split_of_many_files_is_sampled_from_its_first_files(tmp_path, monkeyp
     assert text == "" and read == [str(tmp_path / n) for n in names[: data.SAMPLE_FILES]], (text, read)
 
 
+def test_a_data_file_the_sampler_cannot_read_is_named(tmp_path):
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    text, _ = _check(tmp_path, [_yaml(tmp_path, "bad", {"test": "bad.parquet"}, dataset_path="parquet")])
+    assert "task 'bad': cannot read a sample of its data: ArrowInvalid" in text, text
+
+
 def test_a_sample_keeps_whole_records_of_each_format(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps([{"q": i, "t": "x" * 50} for i in range(100)]))
     (tmp_path / "c.csv").write_text('q,t\n1,"two\nlines"\n' + "".join(f"{i},x\n" for i in range(200)))

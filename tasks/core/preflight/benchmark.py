@@ -114,7 +114,7 @@ def _largest(tasks: list[bench.TaskFile]) -> str:
 
 
 def _sample(ctx: CheckContext, where: str, task: bench.TaskFile, sampled: dict) -> list[str]:
-    """Read a head sample of each data file (bounded: tasks/core/evaluation/benchmark.py) and refuse,
+    """Read a head sample of each data file (bounded: tasks/core/evaluation/task_data.py) and refuse,
     from it, a scored split with no record and a num_fewshot larger than the few-shot split."""
     builder = task.config.get("dataset_path")
     out: list[str] = []
@@ -123,6 +123,7 @@ def _sample(ctx: CheckContext, where: str, task: bench.TaskFile, sampled: dict) 
             uri: data.head_sample(uri, builder) for files in task.data.values() for uri in files[: data.SAMPLE_FILES]
         }
     except Exception as exc:  # a file pyarrow or the sampler cannot read: name it
+        heads = {}
         out.append(f"task {task.name!r}: cannot read a sample of its data: {type(exc).__name__}: {exc}")
     else:
         for uri, h in heads.items():
