@@ -13,7 +13,10 @@
 
 `--set key.path=value` overrides are applied in the order given, each value parsed as YAML (so
 `--set cpt.lr=1e-4` is a float and `--set hub=null` removes the push), and the result is validated
-by the same models as the YAML file: a wrong one is an error naming the field. Without the install,
+by the same models as the YAML file: a wrong one is an error naming the field. A list item is named
+by its index (`--set cpt.elastic.notices.0.grace_s=5`). `run` hands the flow the config file and the
+--set items, never a resolved copy: the retry after a preemption reads the file again (docs/spot.md),
+the same --set items applied. Without the install,
 `python -m flows.cpt_to_sft --config FILE [--check | --break-lease]` is run, check or break-lease
 (`flow_main`). Relative paths resolve as in tasks/core/config/paths.py.
 """
@@ -28,8 +31,6 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 EXIT_FAILED_GATE = 3  # the run finished and kept its artifacts, but the gate held the push back
 EXIT_INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
@@ -56,32 +57,17 @@ def version() -> str:
 
 def parse_sets(items: list[str]) -> dict[str, Any]:
     """['a.b=1', 'c=x'] -> {'a.b': 1, 'c': 'x'}, later ones winning, order kept."""
-    from tasks.core.config.bounded_yaml import load_bounded
-    from tasks.core.errors import ConfigError
+    from tasks.core.config.overrides import parse_sets as parse
 
-    out: dict[str, Any] = {}
-    for item in items:
-        key, eq, raw = item.partition("=")
-        key = key.strip()
-        if not eq or not key or any(not part for part in key.split(".")):
-            raise ConfigError([(f"--set {item}", "expected key.path=value, e.g. --set cpt.max_steps=100")])
-        try:
-            value = load_bounded(raw, f"--set {key}") if raw.strip() else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError([(key, f"--set value {raw!r} is not valid YAML: {exc}")]) from None
-        out.pop(key, None)  # re-insert: the last --set of a key applies last
-        out[key] = value
-    return out
+    return parse(items)
 
 
-def resolved_config_file(
-    config: str, sets: list[str], run_root: str | None = None, run_name: str | None = None, *, dest: Path
-) -> tuple[Path, Any]:
-    """The config (local path or fsspec URI) with the overrides applied and validated, written as
-    a YAML file into `dest` (a directory the caller removes after the command), which the flow
-    reads like any config file; and the parsed config. Its fields only: the rules across fields are
-    pre-flight's (check's report, the flow's first task), with the model and the device at hand, so
-    a layout refused for the model and for seq_len is one answer whose fixes pass both."""
+def resolved_config(config: str, sets: list[str], run_root: str | None = None, run_name: str | None = None) -> Any:
+    """The config (local path or fsspec URI) with the overrides applied, its fields validated; a
+    ConfigError names every wrong one. Its fields only: the rules across fields are pre-flight's
+    (check's report, the flow's first task), with the model and the device at hand, so a layout
+    refused for the model and for seq_len is one answer whose fixes pass both. `run` reads it to
+    refuse before a server starts; the flow then reads the user's file itself, and again on a retry."""
     from tasks.core.config.load import parse_fields as parse_config
     from tasks.core.config.load import read_raw_config
     from tasks.core.config.paths import resolve_local
@@ -92,10 +78,7 @@ def resolved_config_file(
     with tempfile.TemporaryDirectory(prefix="cpt-to-sft-config-") as tmp:  # a remote config's copy, gone once read
         path = fetch_to_local(resolve_local(config), Path(tmp))
         raw = read_raw_config(path, overrides)
-    cfg = parse_config(raw, source=f"{config} with --set overrides" if overrides else config)
-    out = dest / Path(path).name
-    out.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return out, cfg
+    return parse_config(raw, source=f"{config} with --set overrides" if overrides else config)
 
 
 def _config_args(p: argparse.ArgumentParser, sets: bool = True) -> None:
@@ -448,19 +431,18 @@ def main(argv: list[str] | None = None) -> int:
         return card(args.run_root)
     if args.cmd == FLOW_ALIAS:
         return _flow(args)
-    with tempfile.TemporaryDirectory(
-        prefix="cpt-to-sft-resolved-"
-    ) as tmp:  # the resolved YAML lives as long as the command
-        try:
-            path, cfg = resolved_config_file(args.config, args.sets, args.run_root, args.run_name, dest=Path(tmp))
-        except ConfigError as exc:  # a refusal, as pre-flight's: 1, the status `python -m flows.cpt_to_sft` gives it
-            print(str(exc), file=sys.stderr)
-            return 1
-        return _config_command(args, path, cfg)
+    try:
+        cfg = resolved_config(args.config, args.sets, args.run_root, args.run_name)
+    except ConfigError as exc:  # a refusal, as pre-flight's: 1, the status `python -m flows.cpt_to_sft` gives it
+        print(str(exc), file=sys.stderr)
+        return 1
+    return _config_command(args, cfg)
 
 
-def _config_command(args: argparse.Namespace, path: Path, cfg: Any) -> int:
-    """run, check or break-lease on the config read once by `main` (`cfg`, and `path`, its resolved YAML for the flow)."""
+def _config_command(args: argparse.Namespace, cfg: Any) -> int:
+    """run, check or break-lease on the config read by `main` (`cfg`). `run` hands the flow the user's
+    config and overrides as given, not `cfg`: the retry after a preemption reads the file again (what
+    capacity came back is said there while the run waits), with the same --set items applied."""
     if args.cmd == "check":
         from tasks.flowkit.preflight import run_check_cli
 
@@ -469,7 +451,10 @@ def _config_command(args: argparse.Namespace, path: Path, cfg: Any) -> int:
         return break_lease(cfg)
     from tasks.core.config.overrides import RunOverrides
 
-    return run_flow(str(path), RunOverrides(), args.stop_after)
+    # --run-root and --run-name as --set items after the others (they win, as in `resolved_config`), each
+    # value a JSON string (YAML reads it back exactly): a refusal names the config's field, as `check` does.
+    named = [f"{k}={json.dumps(v)}" for k, v in (("run_root", args.run_root), ("name", args.run_name)) if v]
+    return run_flow(args.config, RunOverrides(sets=(*args.sets, *named)), args.stop_after)
 
 
 def break_lease(cfg: Any) -> int:
@@ -485,7 +470,7 @@ def break_lease(cfg: Any) -> int:
 
 def flow_main(argv: list[str] | None = None) -> int:
     """`python -m flows.cpt_to_sft`: the flow reads the config itself, with --run-root and --run-name as
-    its `overrides` parameter (`cpt-to-sft run` hands it the config already resolved)."""
+    its `overrides` parameter (`cpt-to-sft run` adds its --set items to them as `sets`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     return _flow(build_parser().parse_args([FLOW_ALIAS, *argv]))
 

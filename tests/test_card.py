@@ -19,6 +19,7 @@ from tasks.core.hub.card import CARD, base_facts, model_card, train_facts, usage
 from tasks.core.models.folder import folder_problems
 from tasks.core.run.digest import content_digest
 from tasks.core.run.manifest import MANIFEST, amend_views, read_manifest, verify_artifact, write_manifest
+from tasks.flowkit.stage import StageResult
 from tests.test_hub import RESULTS, config, fake_export
 
 
@@ -117,3 +118,165 @@ def test_the_card_gives_the_largest_peak_memory_of_any_rank(tmp_path):
         )
     text = model_card(cfg, manifest, train_facts(cfg, RESULTS, lambda rel: (run / rel).read_text()))
     assert "| peak memory (largest rank) | 5.00 GiB (rank 1) | 1.00 GiB (rank 0) |" in text, text
+
+
+def _metrics(stopped: int, prompts: int = 4) -> dict:
+    """run.json's evaluation: CPT perplexity, SFT loss and a generation check in which `stopped` replies stopped."""
+    stop = [] if stopped == prompts else [f"{prompts - stopped} of {prompts} greedy generations did not stop"]
+    return {
+        "cpt": {
+            "base": {"perplexity": 9.0, "loss": 2.2},
+            "cpt": {"perplexity": 6.0, "loss": 1.8},
+            "perplexity_change_pct": -33.3,
+        },
+        "sft": {
+            "pre_sft": {"loss": 1.5},
+            "sft": {"loss": 1.1},
+            "loss_change": -0.4,
+            "generation": {
+                "stopped": stopped,
+                "prompts": prompts,
+                "max_new_tokens": 64,
+                "passed": not stop,
+                "problems": stop,
+            },
+        },
+    }
+
+
+def _comment(text: str) -> str:
+    """What the usage snippet's comment says, its wrapped lines joined."""
+    snippet = text.split("## Usage")[1].split("```\n")[0]
+    return " ".join(line[2:] for line in snippet.splitlines() if line.startswith("# "))
+
+
+def _gate(metrics: dict, **limits) -> dict:
+    from tasks.core.config.outputs import GateConfig
+    from tasks.core.evaluation.verdict import gate_verdict
+
+    return gate_verdict(GateConfig(**limits), metrics["cpt"], metrics["sft"])
+
+
+def test_the_card_says_the_gates_verdict_and_its_snippet_claims_only_the_measured_stop(tmp_path):
+    from tasks.core.hub.card import UNMEASURED_STOP
+
+    run = tmp_path / "run"
+    manifest = fake_export(run)
+    cfg = config(run)
+    facts = train_facts(cfg, RESULTS)
+    ran = {s: StageResult(s, "completed") for s in ("evaluate_cpt", "evaluate_sft", "benchmark")}
+    # Every reply stopped, the gate passed: the snippet says what was measured, the card the verdict.
+    good = _metrics(4)
+    text = model_card(
+        cfg, manifest, facts, good, results={**ran, "gate": StageResult("gate", "passed", detail=_gate(good))}
+    )
+    said = _comment(text)
+    assert said.startswith("In the generation check all 4 greedy replies to held-out prompts stopped at an eos token")
+    assert "Gate before the push: **passed**: every one of its 3 checks held." in text
+    assert "- pass `generation_stops`: 4 of 4 greedy generations stopped within 64 tokens" in text
+    assert "| generations that stop |  | 4 / 4 |  | pass |" in text and "Every evaluation ran" in text
+    # One reply of four ran on: the snippet no longer promises a stop, the card names the failing limits.
+    bad = _metrics(1)
+    verdict = _gate(bad, cpt_max_ppl_increase_pct=-50.0)
+    text = model_card(
+        cfg, manifest, facts, bad, results={**ran, "gate": StageResult("gate", "failed-gate", detail=verdict)}
+    )
+    said = _comment(text)
+    assert said.startswith("In the generation check only 1 of 4 greedy replies") and "so this stops" not in text
+    assert "a reply may run on to max_new_tokens" in said
+    assert "**Gate before the push:** **failed** (2 of 3 checks): the push was held back." in text
+    assert "- FAIL `cpt_perplexity`: CPT held-out perplexity 6 vs base 9 (-33.30%, allowed at most -50%)" in text
+    assert (
+        "- FAIL `generation_stops`: 3 of 4 greedy generations did not stop at an eos token within max_new_tokens=64"
+        in text
+    )
+    assert "| generations that stop |  | 1 / 4 | 3 of 4 greedy generations did not stop | FAIL |" in text
+    # A disabled gate says it held nothing back, and what failed.
+    off = {**_gate(bad), "enabled": False}
+    text = model_card(cfg, manifest, facts, bad, results={**ran, "gate": StageResult("gate", "disabled", detail=off)})
+    assert "**disabled** (`gate.enabled: false`): nothing was held back; 1 of 3 checks failed" in text
+    # Without the records (a caller that passes none): no claim beyond what generate() does.
+    text = model_card(cfg, manifest, facts)
+    assert _comment(text).startswith(UNMEASURED_STOP) and "Gate before the push: not recorded." in text
+
+
+def test_a_card_of_an_interrupted_run_lists_the_evaluations_that_did_not_run(tmp_path):
+    run = tmp_path / "run"
+    manifest = fake_export(run)
+    cfg = config(run)
+    metrics = _metrics(4)
+    # evaluate_sft failed, the benchmark and the gate never ran (run.json's rows, as `cpt-to-sft card` reads them).
+    rows = {
+        "evaluate_cpt": {"status": "completed", "detail": {}},
+        "evaluate_sft": {"status": "failed", "detail": {"error": "StageFailed: out of memory"}},
+    }
+    text = model_card(cfg, manifest, train_facts(cfg, RESULTS), {"cpt": metrics["cpt"]}, results=rows)
+    assert "Gate before the push: **not run** (not run: the run ended before it)." in text
+    assert (
+        "**Evaluations not run:**\n\n"
+        "- `evaluate_sft` (held-out loss on assistant tokens, pre-SFT vs SFT, and the generation check): failed: "
+        "StageFailed: out of memory\n"
+        "- `benchmark` (lm-eval benchmarks, base vs export): not run: the run ended before it"
+    ) in text
+    assert "Whether replies stop was not measured (the generation check did not run)" in _comment(text)
+    assert "CPT held-out perplexity" in text and "SFT held-out loss" not in text
+    # A benchmark that is not configured is said so, not as a failure.
+    rows.update(
+        evaluate_sft={"status": "skipped", "detail": {}},
+        benchmark={"status": "not-configured", "detail": {"reason": "benchmark.tasks is empty"}},
+        gate={"status": "passed", "detail": _gate(metrics)},
+    )
+    text = model_card(cfg, manifest, train_facts(cfg, RESULTS), metrics, results=rows)
+    assert "- `benchmark` (lm-eval benchmarks, base vs export): not configured (benchmark.tasks is empty)" in text
+    assert "`evaluate_sft`" not in text.split("Evaluations not run")[1]
+
+
+@pytest.mark.parametrize(
+    "hub, field",
+    [
+        ({"license": "mit\x85---"}, "license"),  # NEL: YAML reads it as a line break
+        ({"tags": ["ok", "a\x85b"]}, "tags"),
+    ],
+)
+def test_no_config_value_changes_the_cards_front_matter(tmp_path, hub, field):
+    """Pre-flight refuses these values (tests/test_preflight.py); the card refuses them too where no
+    pre-flight ran (`cpt-to-sft card` on a recorded config), naming the field, never writing other metadata."""
+    run = tmp_path / "run"
+    manifest = fake_export(run)
+    cfg = config(run, repo_id="org/card", **hub)
+    with pytest.raises(ValueError, match=rf"{field} \(from hub\.{field}\)"):
+        model_card(cfg, manifest, train_facts(cfg, RESULTS))
+    # Markup, quotes, a '---' line and YAML syntax stay values: the front matter reads back as given.
+    odd = "<script>x</script>\n---\nlicense: evil\n'\"#"
+    cfg = config(run, repo_id="org/card", license=odd, tags=[odd, "- x"])
+    card = ModelCard(model_card(cfg, manifest, train_facts(cfg, RESULTS)))
+    assert card.data.license == odd and card.data.tags[-2:] == [odd, "- x"] and card.data.library_name == "transformers"
+
+
+def test_hub_fields_the_hub_would_refuse_or_show_otherwise_are_named_with_the_fix():
+    from tasks.core.hub.metadata import hub_field_problems, license_problem, repo_id_problem, tag_problems
+
+    cyrillic, greek = "\u043erg/name", "\u03bfrg/name"  # о (Cyrillic), ο (Greek): each drawn as a Latin o
+    for look_alike in (cyrillic, greek, "org/n\uff41me"):  # and a full-width a
+        msg = repo_id_problem(look_alike)
+        assert "takes ASCII characters only; it looks like 'org/name'" in msg, msg
+    assert "U+043E CYRILLIC SMALL LETTER O" in repo_id_problem(cyrillic)
+    assert repo_id_problem("org/name") is None and repo_id_problem("my-org/tiny_model.v2") is None
+    for bad in ("org/na me", "org", "a/b/c", "org/x--y", "org/x.git", "-org/x"):
+        assert "not a valid Hub repo id" in repo_id_problem(bad), bad
+    assert license_problem("apache-2.0") is None and license_problem("other") is None
+    assert "(did you mean 'apache-2.0'?)" in license_problem("Apache-2.0")
+    assert "'other' for a license the Hub does not list" in license_problem("my licence\n<b>")
+    assert tag_problems(["tiny", "text-generation", "base_model:org/x", "lang:en"]) == []
+    (msg,) = tag_problems(["ok", "x\ny"])
+    assert msg.startswith("tag 1 'x\\ny': a tag is 1 to 64 ASCII letters") and msg.endswith("e.g. 'x-y'")
+    assert tag_problems(["t"] * 51) == ["51 tags; give at most 50"]
+    from tasks.core.config.outputs import HubConfig
+
+    hub = HubConfig(repo_id=cyrillic, adapter_repo_id="org/adapter", license="MIT", tags=("<i>x</i>",))
+    assert [f for f, _ in hub_field_problems(hub, "\u0455mol/x")] == [
+        "hub.repo_id",
+        "base_model.hub_id",
+        "hub.license",
+        "hub.tags",
+    ]

@@ -176,6 +176,7 @@ def test_the_run_ends_with_a_table_of_the_stages():
             "stage": "train_cpt",
             "status": "completed",
             "seconds": 13.4,
+            "cpu_seconds": 25.1,  # two ranks
             "detail": {"first_loss": 6.24, "final_loss": 4.332},
         },
         {
@@ -194,13 +195,14 @@ def test_the_run_ends_with_a_table_of_the_stages():
         {"stage": "push_to_hub", "status": "not-run", "seconds": 0.0, "detail": {}},
     ]
     table = summary_table(stages, "/runs/demo").splitlines()
-    assert re.match(r"stage\s+status\s+duration\s+key figure", table[0])
-    assert re.match(r"train_cpt\s+completed\s+13\.4s\s+loss 6\.240 → 4\.332$", table[1])
+    assert re.match(r"stage\s+status\s+duration\s+CPU\s+key figure", table[0])
+    assert re.match(r"train_cpt\s+completed\s+13\.4s\s+25\.1s\s+loss 6\.240 → 4\.332$", table[1])
+    assert re.match(r"evaluate_cpt\s+completed\s+1\.0s\s+-\s+held-out", table[2])  # a row without the figure
     assert table[2].endswith("held-out perplexity 515.79 → 77.78") and table[3].endswith("427.1 kB bf16")
     assert (
         table[4].endswith("its cause is the run's last line")
         and "boom" not in "\n".join(table)
-        and re.match(r"push_to_hub\s+not-run\s+-$", table[5])
+        and re.match(r"push_to_hub\s+not-run\s+-\s+-$", table[5])
     )
     assert table[-1].startswith("artifacts: /runs/demo")
     assert (
@@ -261,3 +263,25 @@ def test_every_process_silences_only_the_harmless_bitsandbytes_kernels_warning()
     assert harmless_bnb_kernels(record(RuntimeError("kernels 0.9 too old"))) is True  # a real failure still shows
     bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
     assert not bnb.filter(record(missing)) and bnb.filter(record(RuntimeError("kernels 0.9 too old")))
+
+
+def test_the_cpu_clock_counts_the_flow_process_and_the_children_it_waited_for():
+    """A stage's CPU seconds (run.json, the table above): its own threads' and its reaped children's, e.g. the ranks."""
+    import subprocess
+    import sys
+    import time
+
+    from tasks.core.run.cputime import CpuClock
+
+    def burn(seconds: float) -> None:
+        end = time.process_time() + seconds
+        while time.process_time() < end:
+            pass
+
+    clock = CpuClock()
+    burn(0.3)
+    burn_child = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass"
+    subprocess.run([sys.executable, "-S", "-c", burn_child], check=True)
+    used = clock.read()
+    assert used["cpu_children_seconds"] >= 0.4 and used["cpu_seconds"] >= used["cpu_children_seconds"] + 0.3, used
+    assert used["cpu_seconds"] < 5.0, used  # only what ran since the clock started

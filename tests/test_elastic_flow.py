@@ -61,11 +61,15 @@ def _check(config: Path) -> str:
     return out.getvalue()
 
 
-def _run(config: Path, stop_after: str) -> tuple[int, dict, str]:
-    from flows.cli import flow_main as main
+def _run(config: Path, stop_after: str, sets: tuple[str, ...] | None = None) -> tuple[int, dict, str]:
+    """`python -m flows.cpt_to_sft`, or with `sets`, `cpt-to-sft run` with those --set items."""
+    from flows.cli import flow_main, main
 
     with console_capture() as console:
-        rc = main(["--config", str(config), "--stop-after", stop_after])
+        if sets is None:
+            rc = flow_main(["--config", str(config), "--stop-after", stop_after])
+        else:
+            rc = main(["run", "--config", str(config), "--stop-after", stop_after, *(f"--set={s}" for s in sets)])
     return rc, json.loads((config.parent / "run" / "run.json").read_text()), console.getvalue()
 
 
@@ -250,7 +254,9 @@ def test_cpt_preempted_on_2_ranks_is_retried_by_the_flow_on_1_at_the_kept_global
     SIGTERM to rank 1 as step 3 begins (20 s grace): step 3 is committed and the stage ends preempted. While
     the run waits, the config says what came back: one rank (torch_ddp, micro_batch_size 2). The flow's own
     retry reads it, pre-flight checks it, and the engine trains steps 4-8 on that rank at 2 x 2, the
-    checkpoint's global batch of 4: the losses continue the uninterrupted run's within 1e-6, steps lost 0."""
+    checkpoint's global batch of 4: the losses continue the uninterrupted run's within 1e-6, steps lost 0.
+    Run as `cpt-to-sft run --set cpt.elastic.retry_wait_s=0` over a file that says 30: the retry reads the
+    user's file (not a copy resolved at the start) with the --set applied again."""
     import flows.cpt_to_sft as runbook
 
     copy = demo_run_copy
@@ -260,7 +266,7 @@ def test_cpt_preempted_on_2_ranks_is_retried_by_the_flow_on_1_at_the_kept_global
     raw["cpt"]["elastic"] = {
         "notices": [{"source": "sigterm", "grace_s": 20}],
         "keep_global_batch": True,
-        "retry_wait_s": 0,
+        "retry_wait_s": 30,  # the --set below makes it 0, on the first read and the retry's
     }
     config = write_config(copy.config.parent / "spot-kept.yaml", raw)
     one = json.loads(json.dumps(raw))
@@ -277,10 +283,11 @@ def test_cpt_preempted_on_2_ranks_is_retried_by_the_flow_on_1_at_the_kept_global
     monkeypatch.setattr(runbook, "preemption_policy", one_rank_comes_back)
     monkeypatch.setenv("CPT_TO_SFT_FAULT", "term@step=2@stage=cpt@rank=1")
     table = _stage_tables(monkeypatch)
-    rc, summary, console = _run(config, "train_cpt")
+    rc, summary, console = _run(config, "train_cpt", sets=("cpt.elastic.retry_wait_s=0",))
     assert rc == 0, console[-4000:]
     assert told == [3] and _row(summary, "train_cpt")["status"] == "completed", (told, _row(summary, "train_cpt"))
-    assert "the config changed while the run waited (" in console and "cpt.launch.nproc_per_node: 2 -> 1" in console
+    (changed,) = [line for line in console.splitlines() if "the config changed while the run waited (" in line]
+    assert "cpt.launch.nproc_per_node: 2 -> 1" in changed and "retry_wait_s" not in changed, changed
     kept = (
         "cpt.elastic.keep_global_batch: grad_accum_steps 1 -> 2 on 1 rank(s) (dp 1), the global batch of "
         "step-000003: 4 sequences"

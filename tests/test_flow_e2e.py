@@ -643,9 +643,20 @@ def test_the_console_reads_like_a_training_log_and_the_artifacts_keep_every_step
             v for _, v in scalars["perf/peak_mem_rank"]
         } <= {0.0, 1.0}
     table = lines[
-        next(i for i, line in enumerate(lines) if re.match(r"stage\s+status\s+duration\s+key figure", line)) + 1 :
+        next(i for i, line in enumerate(lines) if re.match(r"stage\s+status\s+duration\s+CPU\s+key figure", line)) + 1 :
     ]
     assert [row.split()[0] for row in table[: len(STAGE_NAMES)]] == list(STAGE_NAMES)
-    assert re.search(r"evaluate_cpt\s+completed\s+\S+\s+held-out perplexity \d+\.\d\d → \d+\.\d\d", text)
-    assert re.search(r"export\s+completed\s+\S+\s+\d+\.\d kB bf16", text)
+    assert re.search(r"evaluate_cpt\s+completed\s+\S+\s+\S+\s+held-out perplexity \d+\.\d\d → \d+\.\d\d", text)
+    assert re.search(r"export\s+completed\s+\S+\s+\S+\s+\d+\.\d kB bf16", text)
     assert any(line.startswith(f"artifacts: {demo_run.run_root}") for line in table)
+    # CPU seconds per stage beside the wall seconds (tasks/core/run/cputime.py): a launch's ranks are in the
+    # children's part, the flow process's own work (the evaluations' logits) in the rest; the run's is their sum.
+    rows = {s["stage"]: s for s in demo_run.summary["stages"]}
+    for name in ("boost_and_shard", "train_cpt", "reboost", "train_sft"):  # the stages that launch ranks
+        row = rows[name]
+        assert row["cpu_children_seconds"] > 1.0 and row["cpu_seconds"] >= row["cpu_children_seconds"], row
+    for name in ("unshard", "evaluate_cpt", "export"):  # work of the flow process itself
+        row = rows[name]
+        assert row["cpu_seconds"] - row["cpu_children_seconds"] > 0.05, row
+    assert demo_run.summary["cpu_seconds"] == pytest.approx(sum(s["cpu_seconds"] or 0 for s in rows.values()), abs=0.1)
+    assert re.search(r"train_cpt\s+completed\s+\S+\s+\d\S*s\s+loss", text)

@@ -424,6 +424,21 @@ def test_a_fresh_run_starts_from_the_sharded_base_and_says_so(tmp_path):
     _fake_ckpt(tmp_path, 0)
     rp = ckpt.find_resume(tmp_path, "cpt", "d")
     assert rp.step == 0 and rp.announce("cpt") == "starting cpt from step-000000: the sharded base model"
+    # SFT's step 0 is the CPT model reboost sharded, not the base
+    assert rp.announce("sft") == "starting sft from step-000000: the CPT model (cpt/hf), sharded for sft"
+
+
+def test_gemma3_says_why_it_trains_with_sdpa_beside_transformers_eager_advice():
+    from tasks.core.models.families import attention_note
+
+    note = attention_note({"model_type": "gemma3_text", "attn_logit_softcapping": None})
+    assert note.startswith("gemma3_text: transformers' advice to train Gemma 3 with eager attention is not taken")
+    assert "attn_logit_softcapping" in note and "sdpa computes the same attention as eager" in note
+    # where config.json sets soft-capping the advice holds, and the line says so instead
+    assert "only eager attention applies it" in attention_note(
+        {"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}
+    )
+    assert attention_note({"model_type": "llama"}) == ""  # no warning from transformers, no line
 
 
 def test_retention_keeps_step0_and_last_n(tmp_path):

@@ -168,6 +168,7 @@ def test_stage_table_rows(monkeypatch):
                 "uri": "s3://b/run/cpt/step-000010",
                 "digest": "ab" * 32,
                 "seconds": 3725.2,
+                "cpu_seconds": 7400.0,
             },
             {"stage": "export", "status": "not-run", "uri": None, "digest": None, "seconds": 0.0},
         ]
@@ -179,6 +180,7 @@ def test_stage_table_rows(monkeypatch):
         "artifact": "s3://b/run/cpt/step-000010",
         "manifest digest": "ab" * 8,
         "duration": "1h 02m 05s",
+        "CPU": "2h 03m 20s",
         "cause": "",
         "note": "",
     }
@@ -361,7 +363,7 @@ def test_the_flow_serves_as_prefect_documents_it(prefect_harness, tiny_model_dir
 
 
 def preempted_served_run(tmp_path: Path, tiny_model_dir: Path, log: Path, serve_pid: int) -> None:
-    """Issue 53's retry through the deployment: a served run preempted by a `file` notice (present
+    """The preemption retry through the deployment: a served run preempted by a `file` notice (present
     at the start) waits for capacity AwaitingRetry, in its own process, while the runner keeps
     polling its deployment for scheduled runs (it would find this one: the runner's query does not
     read `retry_type`); the test withdraws the notice when it sees the wait, and the same process

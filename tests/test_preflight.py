@@ -364,6 +364,24 @@ BAD = [
         "not a valid Hub repo id",
     ),
     ("repo-id-without-org", _all(_set("hub", {"repo_id": "a/b/c"}), _token(True)), "hub.repo_id", "org/name"),
+    (
+        "look-alike-repo-id",  # a Cyrillic o (U+043E): huggingface_hub's own validator takes it
+        _all(_set("hub", {"repo_id": "\u043erg/name"}), _token(True)),
+        "hub.repo_id",
+        "(U+043E CYRILLIC SMALL LETTER O) at position 0; a Hub repo id takes ASCII characters only",
+    ),
+    (
+        "license-with-a-newline",
+        _all(_set("hub", {"repo_id": "my-org/tiny", "license": "mit\nextra: injected"}), _token(True)),
+        "hub.license",
+        "is not one of the Hub's license identifiers",
+    ),
+    (
+        "tag-with-markup",
+        _all(_set("hub", {"repo_id": "my-org/tiny", "tags": ["ok", "<img src=x onerror=alert(1)>"]}), _token(True)),
+        "hub.tags",
+        "tag 1 '<img src=x onerror=alert(1)>': a tag is 1 to 64 ASCII letters",
+    ),
     ("pickle-only-base-model", _pickle_only, "base_model.allow_pickle", "pytorch_model.bin"),
     ("no-weights", lambda c: (c.model / "model.safetensors").unlink(), "base_model.uri", "no weight files"),
     (

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -490,6 +491,52 @@ def test_core_top_level_is_subpackages_and_modules_each_package_documented():
     assert not undocumented, f"packages without a docstring saying what they hold: {undocumented}"
 
 
+# A package docstring lists what it holds as lines "- name.py  what it is" (or "- name/" for a subpackage).
+_LISTED = re.compile(r"^\s*- (\S+?\.py|\S+?/):?(?:\s|$)", re.MULTILINE)
+
+
+def _listed_modules(doc: str) -> set[str]:
+    return set(_LISTED.findall(doc))
+
+
+def _package_entries(pkg: Path) -> set[str]:
+    """What a reader looks for in a package: its modules (not __init__/__main__) and its subpackages."""
+    out = set()
+    for p in pkg.iterdir():
+        if p.is_dir() and (p / "__init__.py").is_file():
+            out.add(p.name + "/")
+        elif p.suffix == ".py" and p.name not in ("__init__.py", "__main__.py"):
+            out.add(p.name)
+    return out
+
+
+@pytest.mark.parametrize(
+    "pkg",
+    sorted(
+        str(p.parent.relative_to(ROOT))
+        for room in (TASKS, ROOT / "flows")
+        for p in [room / "__init__.py", *room.rglob("*/__init__.py")]
+        if "__pycache__" not in p.parts
+    ),
+)
+def test_each_package_docstring_lists_exactly_the_modules_it_holds(pkg):
+    folder = ROOT / pkg
+    present = _package_entries(folder)
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    listed = _listed_modules(doc)
+    missing, gone = sorted(present - listed), sorted(listed - present)
+    assert not missing and not gone, (
+        f"{pkg}/__init__.py's docstring is not the package's list of modules: "
+        f"not listed {missing}, listed but not there {gone}; fix: one line '- name.py  what it holds' per module "
+        "(and '- name/' per subpackage) in the docstring"
+    )
+
+
+def test_the_module_list_reader_finds_list_lines_only():
+    doc = "Intro naming tasks/flowkit/stage.py in prose.\n\n- a.py  one\n- sub/  two\n  - b.py: three\n"
+    assert _listed_modules(doc) == {"a.py", "sub/", "b.py"}
+
+
 _PROBE = """
 import importlib, json, pkgutil, sys
 import torch  # what torch itself loads is the baseline, not something the project pulled in
@@ -542,7 +589,8 @@ def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
     from tasks.core.config.load import parse_config
     from tasks.core.config.schema import PluginConfig, RunConfig
     from tasks.core.errors import ConfigError
-    from tasks.core.preflight.memory import estimate, fits_with
+    from tasks.core.preflight.memory import estimate
+    from tasks.core.preflight.memory_check import fits_with
     from tasks.engine import builders as engine_plugins
     from tests.conftest import tiny_config_raw
 

@@ -1,5 +1,5 @@
 """Untrusted input is parsed and rendered under bounds: YAML aliases, chat templates, safetensors
-headers, and a model folder's `auto_map` (issue 50, item 2). Each input here would take hours, or
+headers, and a model folder's `auto_map`. Each input here would take hours, or
 run code, without its bound; the tests' timeouts are seconds.
 
     .venv/bin/python -m pytest -q tests/test_untrusted_bounds.py

@@ -36,6 +36,7 @@ from tasks.core.config.schema import RunConfig
 from tasks.core.config.tracking import flatten
 from tasks.core.errors import ConfigError, Preempted
 from tasks.core.preflight.checks import load_for_check
+from tasks.core.run.cputime import CpuClock
 from tasks.core.run.preemptions import Policy
 from tasks.core.run.preemptions import record as preemption_record
 from tasks.core.run.stages import DONE, STAGE, STAGE_NAMES, TRAINING, Status
@@ -183,6 +184,15 @@ def cpt_to_sft(
     handle = tracker.handle if tracker is not None else None
 
     def stage(name: str, task_fn, *args) -> StageResult:
+        """`_stage`, with the CPU seconds it used on its row, whatever its end (tasks/core/run/cputime.py)."""
+        used = CpuClock()
+        try:
+            return _stage(name, task_fn, *args)
+        finally:
+            if name in results:
+                results[name] = dataclasses.replace(results[name], **used.read())
+
+    def _stage(name: str, task_fn, *args) -> StageResult:
         before = (results.get(name) or StageResult(name, Status.NOT_RUN)).detail.get("preemptions") or []
         try:
             # A skipped stage ends in a state named "Skipped"; outcome() reads its StageResult.
@@ -273,10 +283,11 @@ def cpt_to_sft(
                 _write_card(cfg, results, logger)
             summary = write_summary(cfg, results, time.monotonic() - started, stop_after)
             logger.info(
-                "run %s %s in %s:\n%s",
+                "run %s %s in %s (CPU %s):\n%s",
                 cfg.name,
                 "complete" if summary["complete"] else "incomplete",
                 duration(summary["seconds"]),
+                duration(summary["cpu_seconds"]),
                 summary_table(summary["stages"], summary["run_root"]),
             )
             _finish_tracking(tracker, summary)
@@ -384,9 +395,10 @@ def preemption_policy(cfg: RunConfig, exc: Preempted) -> Policy:
 
 
 def reread_config(config: str, overrides: RunOverrides | dict | None, cfg: RunConfig, logger) -> RunConfig:
-    """The config as its file says it now, for the retry after a preemption: the capacity that came
-    back is said there while the run waits (e.g. `cpt.launch.nproc_per_node: 1` and a plugin for one
-    rank, with `elastic.keep_global_batch`), as a new run would read it. A changed config is checked
+    """The config as its file (with the overrides, `cpt-to-sft run`'s --set items among them) says it
+    now, for the retry after a preemption: the capacity that came back is said there while the run
+    waits (e.g. `cpt.launch.nproc_per_node: 1` and a plugin for one rank, with
+    `elastic.keep_global_batch`), as a new run would read it. A changed config is checked
     by pre-flight again (ConfigError with every problem: the run ends, the checkpoint stands)."""
     new = resolve_config(config, overrides, rules=False)
     if new == cfg:
@@ -396,16 +408,19 @@ def reread_config(config: str, overrides: RunOverrides | dict | None, cfg: RunCo
             [("run_root", f"changed from {cfg.run_uri} to {new.run_uri} while the run waited: put it back")],
             header="the config changed during the run",
         )
-    # tracking's flatten: dotted paths, secrets left out and URIs' credentials redacted, as the log wants
-    was, now = flatten(cfg.model_dump(mode="json")), flatten(new.model_dump(mode="json"))
-    changed = [
-        f"{k}: {was.get(k)} -> {now.get(k)}" for k in sorted(was.keys() | now.keys()) if was.get(k) != now.get(k)
-    ]
+    changed = config_changes(cfg, new)
     logger.warning("the config changed while the run waited (%s): pre-flight checks it again", "; ".join(changed))
     checked = preflight(new, form=parse_overrides(overrides).form_fields(), return_state=True)
     if checked.is_failed():
         raise checked.result(raise_on_failure=False)  # the report's one ConfigError
     return new
+
+
+def config_changes(was: RunConfig, now: RunConfig) -> list[str]:
+    """`key: old -> new` for each field that differs, by dotted path; tracking's flatten leaves
+    secrets out and redacts URIs' credentials, as the log wants."""
+    old, new = flatten(was.model_dump(mode="json")), flatten(now.model_dump(mode="json"))
+    return [f"{k}: {old.get(k)} -> {new.get(k)}" for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
 
 
 def failure_cause(exc: BaseException) -> str:
@@ -469,6 +484,8 @@ def write_summary(
         # each preemption: when, the step checkpointed, steps lost, notice to commit, restart to first step
         "preemptions": [p for s in stages for p in (s.get("detail") or {}).get("preemptions") or []],
         "seconds": round(seconds, 2),
+        # the stages' CPU seconds together (each row's cpu_seconds: tasks/core/run/cputime.py says what they cover)
+        "cpu_seconds": round(sum(s.get("cpu_seconds") or 0.0 for s in stages), 2),
         "stages": stages,
         "export": export.uri if export else None,
         "evaluation": recorded_metrics(results),

@@ -46,10 +46,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from tasks.core.config.phases import PHASES
 from tasks.core.errors import ConversionError, ManifestError
 from tasks.core.models.families import largest_tensor
 from tasks.core.run.manifest import MANIFEST, fsync_dir, verify_artifact
-from tasks.core.run.stages import STEP_PREFIX, STEP_RE, TRAIN_STATE, step_name, tmp_step_name
+from tasks.core.run.stages import BASE, STEP_PREFIX, STEP_RE, TRAIN_STATE, TRAINING, step_name, tmp_step_name
 from tasks.core.storage.handshake import is_published
 
 # step_name and TRAIN_STATE are re-exported: the engine names its checkpoints through this module.
@@ -122,8 +123,18 @@ class ResumePoint:
         assert self.path is not None
         newer = f", skipping {len(self.skipped)} newer unusable one(s) listed above" if self.skipped else ""
         if not self.step:
-            return f"starting {stage} from {self.path.name}: the sharded base model{newer}"
+            return f"starting {stage} from {self.path.name}: {step_zero(stage)}{newer}"
         return f"resuming {stage} from {self.path.name}: the newest checkpoint whose manifest verifies{newer}"
+
+
+def step_zero(stage: str) -> str:
+    """What a training stage's step 0 holds: the base model, or the model an earlier stage made (cpt/hf for SFT),
+    sharded for this stage's plugin."""
+    source = TRAINING[stage].source if stage in TRAINING else BASE
+    if source == BASE:
+        return "the sharded base model"
+    made_by = next((PHASES[p].title for p, t in TRAINING.items() if t.hf == source), None)
+    return f"the {made_by + ' model' if made_by else 'model'} ({source}), sharded for {stage}"
 
 
 def check_checkpoint(path: Path, step: int, stage: str, config_digest: str | None) -> dict[str, Any]:

@@ -16,6 +16,7 @@ The plugin, booster, optimizer, schedule, checkpoint saving and fingerprints of 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from tasks.core.config.phases import PHASES
 from tasks.core.config.sequence import sp_factor
 from tasks.core.data.index import check_fits_model
 from tasks.core.errors import ManifestError, Preempted
+from tasks.core.models.families import attention_note
 from tasks.core.run import segments
 from tasks.core.run.events import PREEMPTED, PROGRESS
 from tasks.core.run.hostpeak import HostPeak
@@ -231,6 +233,12 @@ def find_start(job: Job) -> ckpt.ResumePoint:
             + "; run the shard verb (boost_and_shard / reboost) first"
         )
     log(rp.announce(job.stage))
+    try:  # a family row's word on the attention it trains with, beside transformers' warning at the first step
+        note = attention_note(json.loads((job.model_dir / "config.json").read_text()))
+    except (OSError, ValueError):
+        note = ""  # no config.json to read here: the model's own load names that
+    if note:
+        log(note)
     return rp
 
 

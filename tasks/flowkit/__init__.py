@@ -1,3 +1,12 @@
-"""What every stage is built with, on the Prefect side: the stage protocol (stage.py), pre-flight as a
-task, checkpoint sinks, MLflow tracking, the UI's artifacts, stage events and the one-line console failures.
+"""What every stage is built with, on the Prefect side.
+
+- automation.py   the Prefect event each stage emits when it completes or fails
+- checkpoints.py  where a training stage's checkpoints go: one sink
+- console_log.py  failures on the console, one line each, the traceback kept in the log
+- notices.py      a preemption notice during a stage that does not train, and the wait for capacity
+- preflight.py    stage 0, pre-flight as a task
+- retry.py        Prefect's retry condition for stages that reach the network or copy large files
+- stage.py        the stage protocol: skip -> build -> manifest -> publish -> event
+- tracking.py     MLflow, written from the `@@progress` records the task receives
+- ui.py           what the Prefect UI shows: progress, loss curves, the stage table, links
 """

@@ -82,6 +82,10 @@ class StageResult:
     digest: str | None = None
     seconds: float = 0.0
     detail: dict[str, Any] = field(default_factory=dict)
+    # CPU seconds of the stage: the flow process's own (all its threads) plus its waited-for child processes'
+    # (the launcher and the ranks it reaped), and that second part alone (tasks/core/run/cputime.py); None: not measured
+    cpu_seconds: float | None = None
+    cpu_children_seconds: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

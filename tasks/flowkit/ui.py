@@ -380,6 +380,8 @@ def stage_table(results: Iterable[dict[str, Any]]) -> None:
             "artifact": r.get("uri") or "",
             "manifest digest": (r.get("digest") or "")[:16],
             "duration": _duration(r.get("seconds") or 0.0),
+            # the flow process's and its waited-for child processes' (the ranks') CPU time (tasks/core/run/cputime.py)
+            "CPU": _duration(r["cpu_seconds"]) if r.get("cpu_seconds") is not None else "",
             # A failed stage's cause (a launch: the failing rank's first error line), else empty.
             "cause": (r.get("detail") or {}).get("error", "") if r["status"] in ("failed", "preempted") else "",
             # what the stage wants read beside its status (prepare: the records longer than seq_len and what became of
@@ -399,9 +401,9 @@ def stage_table(results: Iterable[dict[str, Any]]) -> None:
     create_table_artifact(
         rows,
         key=STAGES_KEY,
-        description="Stages of this run: status, artifact URI, manifest digest, duration, the cause of a failure, a "
-        "note (records longer than seq_len, the layout of each segment of a training stage that changed layout, its "
-        "preemptions: how many, steps lost, notice to commit, restart to first step)",
+        description="Stages of this run: status, artifact URI, manifest digest, duration, CPU time, the cause of a "
+        "failure, a note (records longer than seq_len, the layout of each segment of a training stage that changed "
+        "layout, its preemptions: how many, steps lost, notice to commit, restart to first step)",
     )
 
 

@@ -241,6 +241,7 @@ def write_card(cfg: RunConfig, results: dict[str, StageResult], metrics: dict | 
         train_facts(cfg, results, store.read_text),
         metrics,
         base=base_facts(cfg, store.read_text),
+        results=results,  # the gate's verdict and the evaluations that did not run
     )
     changed = amend_views(local, {CARD: card.encode()})
     if changed:

@@ -11,7 +11,10 @@ once, to safetensors (`convert_pickle`), so every later stage reads safetensors;
 meta `converted_from_pickle` records the source files and their sha256. A model folder's code never
 comes along: no `.py` file is copied (meta `left_out` names it) and every `auto_map` of its configs,
 nested sections included, is removed with a logged line (meta `removed_auto_map`), so nothing later
-(cpt/hf/, the export, the Hub) carries it and the model loads as transformers' own class.
+(cpt/hf/, the export, the Hub) carries it and the model loads as transformers' own class. The files
+are judged before anything loads them (`shapes.folder_refusals`: config.json's sizes against the
+safetensors headers, the weights' dtypes and keys); a load that still fails on the model itself is a
+ConfigError, so the retry condition fails it at once, while a download's network error is retried.
 
     python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # runs this first
 """
@@ -176,6 +179,34 @@ def convert_pickle(model_dir: Path, model_cfg: dict, uri: str) -> dict:
     return {"loader": "torch.load(weights_only=True)", "files": sources, **report.summary()}
 
 
+def _verified_logits(cfg: RunConfig, model_dir: Path):
+    """The logits of base/ through plain transformers. base/ is on the local disk by now, so a failure
+    here other than the disk's (an OSError) is the model's own (a dtype, a shape, a config.json
+    transformers cannot build) and the same on every try: a ConfigError, which is not retried."""
+    try:
+        return hf_dir_logits(
+            model_dir, trust_remote_code=cfg.base_model.trust_remote_code, verify_memory_gb=cfg.verify_memory_gb
+        )
+    except OSError:
+        raise  # the disk (a full one is judged by the retry condition), or a file that vanished
+    except Exception as exc:  # the model's own: transformers' and torch's errors have no common type
+        said = " ".join(str(exc).split())  # torch puts the cause on its second line
+        said = said if len(said) <= 600 else said[:600] + "..."
+        raise ConfigError(
+            [
+                (
+                    "base_model.uri",
+                    (
+                        f"{cfg.base_model.uri}: transformers cannot load the model from {model_dir} ({type(exc).__name__}: "
+                        f"{said}); the same on every try, so not retried: restore the weights and config.json from the "
+                        "model's source"
+                    ),
+                )
+            ],
+            header="load_from_hf refused the base model",
+        ) from exc
+
+
 @stage_task(
     name="load_from_hf", retries=2, retry_delay_seconds=15, retry_condition_fn=transient, task_run_name="load_from_hf"
 )
@@ -234,9 +265,7 @@ def load_from_hf(cfg: RunConfig) -> StageResult:
             logger.info("converted pickle weights %s to safetensors", ", ".join(meta["converted_from_pickle"]["files"]))
             weights = check_weight_files(out.dir, allow_pickle=False)
         meta.update(model_type=model_cfg.get("model_type"), vocab_size=model_cfg.get("vocab_size"), weights=weights)
-        logits = hf_dir_logits(
-            out.dir, trust_remote_code=cfg.base_model.trust_remote_code, verify_memory_gb=cfg.verify_memory_gb
-        )
+        logits = _verified_logits(cfg, out.dir)
         fingerprint = save_fingerprint(logits, out.dir, str(model_cfg.get("torch_dtype", "float32")))
         out.manifest(kind="hf-model", meta=meta, fingerprint=fingerprint)
     return stage.done({k: v for k, v in meta.items() if k != "weights"})

@@ -179,6 +179,7 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
             train_facts(cfg, results, store.read_text),
             recorded_metrics(results),
             base=base_facts(cfg, store.read_text),
+            results=results,
         )
     )
     files = files_to_push(export_dir, manifest, cfg.hub.push_provenance)

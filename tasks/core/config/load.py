@@ -55,12 +55,68 @@ def read_raw_config(path: str | Path, overrides: dict[str, Any] | None = None) -
     if not isinstance(raw, dict):
         raise ConfigError([(str(path), "expected a YAML mapping at the top level")])
     for key, value in (overrides or {}).items():
-        node = raw
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+        apply_override(raw, key, value)
     return raw
+
+
+def _kind(node: Any) -> str:
+    return {bool: "true/false", int: "a number", float: "a number", str: "a string"}.get(
+        type(node), type(node).__name__
+    )
+
+
+def apply_override(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set the dotted `key` of `raw` to `value`: a missing or null mapping on the way is created, a
+    list item is named by its index (`cpt.elastic.notices.0.grace_s`); a key that leads into
+    anything else, or past a list's end, is a ConfigError naming the key and the fix."""
+    node: Any = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        here, last = ".".join(parts[:i]), i == len(parts) - 1
+        if isinstance(node, list):
+            if not (part.isascii() and part.isdigit()) or int(part) >= len(node):
+                span = f"index 0 to {len(node) - 1}" if node else "none: it is empty"
+                what = f"no item {part}" if part.isdigit() else f"{part!r} is no index"
+                why = (
+                    f"{what}: {here} is a list of {len(node)} item(s) ({span}); name an item by its index "
+                    f"(--set {here}.0.<field>=...), or give the whole list (--set '{here}=[...]')"
+                )
+                raise ConfigError([(key, why)])
+            part = int(part)
+        elif not isinstance(node, dict):
+            why = f"{here} is {_kind(node)}, not a mapping or a list, so it has no {part!r}; set {here} itself"
+            raise ConfigError([(key, f"{why} (--set {here}=...)")])
+        if last:
+            node[part] = value
+            return
+        if isinstance(node, dict) and node.get(part) is None:
+            where = ".".join(parts[: i + 1])
+            if parts[i + 1].isdigit() and _is_list(parts[: i + 1]):
+                why = f"{where} is not set in the config, so it has no item {parts[i + 1]}; give the whole list"
+                raise ConfigError([(key, f"{why} (--set '{where}=[...]'), or write it into the config file")])
+            node[part] = {}  # absent or null (e.g. `hub: null`): the override gives it its first field
+        node = node[part]
+
+
+def _is_list(parts: list[str]) -> bool:
+    """Whether the config field at the key path `parts` (field names only) holds a list."""
+    models: list[type[BaseModel]] = [RunConfig]
+    for i, part in enumerate(parts):
+        fields = [m.model_fields[part] for m in models if part in m.model_fields]
+        if not fields:
+            return False
+        if i == len(parts) - 1:
+            return any(_sequence(f.annotation) for f in fields)
+        models = [m for f in fields for m in _models_in(f.annotation)]
+    return False
+
+
+def _sequence(annotation: Any) -> bool:
+    if typing.get_origin(annotation) in (list, tuple):
+        return True
+    return (
+        any(_sequence(a) for a in typing.get_args(annotation)) if typing.get_origin(annotation) is not None else False
+    )
 
 
 def plugin_problems(stage: StageConfig, where: str) -> list[Problem]:

@@ -82,12 +82,23 @@ class GateConfig(GateBenchmarkFields):  # benchmarks: the limits on the benchmar
 
 
 class HubConfig(Frozen):
-    repo_id: str = Field(description="Target Hub repo, 'org/name'.")
+    repo_id: str = Field(
+        description="Target Hub repo, 'org/name' in ASCII letters, digits, '-', '_', '.' (pre-flight names a look-alike)."
+    )
     private: bool = Field(default=True, description="Create the repo private.")
     revision: str = Field(default="main", description="Branch to commit to (created if missing).")
     commit_message: str = Field(default="cpt-to-sft export", description="Commit message of the single export commit.")
-    license: str | None = Field(default=None, description="License id for the model card metadata, e.g. 'apache-2.0'.")
-    tags: tuple[str, ...] = Field(default=(), description="Extra model card tags.")
+    license: str | None = Field(
+        default=None,
+        description=(
+            "License id for the model card metadata: one the Hub lists (https://huggingface.co/docs/hub/"
+            "repositories-licenses), e.g. 'apache-2.0', or 'other'; pre-flight refuses any other value."
+        ),
+    )
+    tags: tuple[str, ...] = Field(
+        default=(),
+        description="Extra model card tags: at most 50, each 1 to 64 ASCII letters, digits and '-_.:+/' (pre-flight).",
+    )
     push_provenance: bool = Field(
         default=True,
         description=(

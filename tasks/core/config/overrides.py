@@ -6,14 +6,20 @@ RunConfig once it is applied to the YAML, so a wrong one names the config field.
     python -c "from tasks.core.config.overrides import RunOverrides as R; print(R(run_name='x', cpt={'max_steps': 4}).dotted())"
     prefect deployment run cpt-to-sft/default -p config=examples/tiny-cpu.yaml \
         --params '{"overrides": {"run_name": "smoke", "cpt": {"max_steps": 4, "lr": 1e-4}}}'
+
+`sets` holds `key.path=value` items as `cpt-to-sft run --set` takes them (`parse_sets`): the CLI hands
+the flow the user's config file and these, never a resolved copy, so the retry after a preemption
+reads what the file says then, with the same overrides applied again.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tasks.core.config.bounded_yaml import load_bounded
 from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import BaseModelConfig, DataConfig, RunConfig, StageConfig
 from tasks.core.errors import ConfigError
@@ -52,10 +58,22 @@ class RunOverrides(_Overrides):
     sft: StageOverrides = Field(
         default_factory=StageOverrides, title="SFT", description="Supervised fine-tuning: data, steps, learning rate."
     )
+    sets: tuple[str, ...] = Field(
+        default=(),
+        title="More overrides",
+        description="Any config field as key.path=value (e.g. cpt.seq_len=2048; a list item by its index: "
+        "cpt.elastic.notices.0.grace_s=5), the value read as YAML; applied in order, before the fields above. "
+        "What `cpt-to-sft run --set` passes.",
+    )
 
     def dotted(self) -> dict[str, Any]:
-        """The set fields as dotted config keys, for `read_raw_config` (the same path as --set)."""
-        return {key: value for key, (_, value) in self._set().items()}
+        """The `sets`, then the set fields, as dotted config keys for `read_raw_config` (a field above wins
+        over a `sets` item of the same key, as --run-root wins over --set run_root)."""
+        out = parse_sets(self.sets)
+        for key, (_, value) in self._set().items():
+            out.pop(key, None)
+            out[key] = value
+        return out
 
     def form_fields(self) -> dict[str, str]:
         """The config key each set field changes -> the field as the run form names it
@@ -83,6 +101,24 @@ _TOP = {
     "base_model_revision": "base_model.revision",
 }
 _PER_STAGE = {"data_uri": "data.uri", "max_steps": "max_steps", "lr": "lr"}
+
+
+def parse_sets(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """['a.b=1', 'c=x'] -> {'a.b': 1, 'c': 'x'}, later ones winning, order kept; each value read by the
+    bounded YAML loader, like the config file."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or not key or any(not part for part in key.split(".")):
+            raise ConfigError([(f"--set {item}", "expected key.path=value, e.g. --set cpt.max_steps=100")])
+        try:
+            value = load_bounded(raw, f"--set {key}") if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError([(key, f"--set value {raw!r} is not valid YAML: {exc}")]) from None
+        out.pop(key, None)  # re-insert: the last --set of a key applies last
+        out[key] = value
+    return out
 
 
 def parse_overrides(value: RunOverrides | dict[str, Any] | None) -> RunOverrides:

@@ -2,6 +2,11 @@
 
     python -m tasks.core.config.paths        # prints the project root in effect
 
+`run_root` may start with `~` and name environment variables (`$RUNS/x`, `${RUNS}/x`), expanded as a
+shell would (`expand_user_path`) before it is judged relative or absolute; an unset variable is
+refused, and so is one whose name says it holds a secret (its value would be written into run.json
+and every log line that names the run root).
+
 A path that does not exist is named with its look-alike when one is there (`missing_hint`): a name
 stored NFD on disk while the config says it NFC (macOS, archives), or in another case.
 
@@ -16,6 +21,7 @@ stored NFD on disk while the config says it NFC (macOS, archives), or in another
 from __future__ import annotations
 
 import os
+import re
 import unicodedata
 from pathlib import Path
 from typing import Any
@@ -38,6 +44,42 @@ def resolve_local(path_or_uri: str) -> str:
     if "://" in path_or_uri or Path(path_or_uri).is_absolute():
         return path_or_uri
     return str(project_root() / path_or_uri)
+
+
+_VAR = re.compile(r"\$(?:\{([^}]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def expand_user_path(value: str) -> str:
+    """`value` with `$NAME` and `${NAME}` replaced by the environment's values and a leading `~` or
+    `~user` by that home directory, as a shell expands a path; ValueError naming the variable when
+    one is unset, not a name, or named like a secret. A `$` not followed by a name stays as it is."""
+    from tasks.core.config.tracking import secret_named
+
+    def one(m: re.Match) -> str:
+        name = m.group(2) if m.group(2) is not None else m.group(1)
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"{m.group(0)!r} is no environment variable: write $NAME or ${{NAME}}, or the path itself")
+        if secret_named(name):
+            raise ValueError(
+                f"${name} is named like a secret, and the value would be written into run.json and the logs: "
+                "write the path out, or name a variable that holds only it"
+            )
+        if name not in os.environ:
+            raise ValueError(
+                f"the environment variable ${name} is not set here: export {name} before the run, or write the path out"
+            )
+        return os.environ[name]
+
+    out = value
+    if out.startswith("~"):  # first, as a shell does: a variable's value is not expanded again
+        home = os.path.expanduser(out)
+        if home.startswith("~"):  # expanduser keeps it when the user or HOME is unknown
+            user = out[1:].split("/", 1)[0]
+            said = f"no user {user!r} here" if user else "no home directory (HOME is not set)"
+            raise ValueError(f"{out.split('/', 1)[0]!r}: {said}; write the path out")
+        out = home
+    return _VAR.sub(one, out)
 
 
 LISTING_CAP = 10_000  # entries of one folder compared with a missing name: a huge folder is not scanned

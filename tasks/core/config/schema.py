@@ -28,6 +28,7 @@ from tasks.core.config.kernels import names as kernel_names
 from tasks.core.config.kernels import summaries as kernel_summaries
 from tasks.core.config.kernels import unknown as unknown_kernels
 from tasks.core.config.outputs import ExportConfig, GateConfig, HubConfig
+from tasks.core.config.paths import expand_user_path
 from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.plugins import PLUGINS, Precision
 from tasks.core.config.sequence import SequenceParallelConfig
@@ -552,11 +553,11 @@ class RunConfig(Frozen):
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
         description="Run name, shown in the Prefect run name and the model card.",
     )
-    run_root: str = Field(
+    run_root: Annotated[str, AfterValidator(expand_user_path)] = Field(
         description=(
             "fsspec URI of this run's directory (local path, NFS path or s3://bucket/prefix); every stage artifact "
-            "and run.json live under it. "
-            "Relative paths are relative to the project root."
+            "and run.json live under it. A leading ~ and $VAR or ${VAR} are expanded as a shell would (an unset "
+            "variable is refused). Relative paths are relative to the project root."
         )
     )
     base_model: BaseModelConfig = Field(description="Where the model to continue pre-training comes from.")

@@ -59,6 +59,11 @@ _SECRET = re.compile(
 _USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)[^/@]+@", re.IGNORECASE)
 
 
+def secret_named(name: str) -> bool:
+    """Whether a key or variable name says it holds a secret (`HF_TOKEN`, `aws_secret_access_key`)."""
+    return bool(_SECRET.search(name))
+
+
 def redact(value: str) -> str:
     """`scheme://user:pass@host/...` -> `scheme://***@host/...`."""
     return _USERINFO.sub(r"\1***@", value)

@@ -1,4 +1,10 @@
-"""Evaluation: held-out perplexity (pooled, and per source of a mixture) and SFT loss, the generation
-check (heldout.py, on HF-format artifacts with plain transformers), lm-evaluation-harness scores on
-local tasks (benchmark.py), one model in memory at a time (release.py), and the publish gate (verdict.py).
+"""Evaluation on HF-format artifacts with plain transformers, in the flow process.
+
+- benchmark.py   lm-evaluation-harness scores on local tasks: check, copy, score, compare
+- chunked.py     the held-out loss's logits a chunk of positions at a time, bitwise per position
+- heldout.py     held-out perplexity (pooled and per source) and SFT loss, the generation check
+- placement.py   where evaluation puts a model: the CPU, one GPU, or spread over the node's GPUs
+- release.py     one model in memory at a time, given back before the next loads
+- task_rules.py  a benchmark task file as untrusted input: the accepted YAML and the template sandbox
+- verdict.py     the publish gate's verdict on the held-out metrics, and how they are reported
 """

@@ -31,9 +31,10 @@ from tasks.core.config.kernels import cuda_available
 from tasks.core.config.outputs import ExportConfig
 from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.schema import EvalConfig
-from tasks.core.data.samples import IGNORE_INDEX, encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
+from tasks.core.data.samples import encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
 from tasks.core.evaluation import placement as where
 from tasks.core.evaluation import release
+from tasks.core.evaluation.chunked import token_nll
 from tasks.core.models.fingerprint import torch_dtype
 from tasks.core.run import meter
 
@@ -163,7 +164,8 @@ def sft_batch(
 
 
 def heldout_loss(model, batch: dict[str, torch.Tensor], batch_size: int, device: torch.device) -> dict[str, float]:
-    """Token-weighted next-token cross entropy over every labelled position (float64 sums)."""
+    """Token-weighted next-token cross entropy over every labelled position (float64 sums of the fp32
+    per-position losses, `token_nll`: the logits a chunk of positions at a time)."""
     import torch
 
     with torch.no_grad():
@@ -174,16 +176,9 @@ def heldout_loss(model, batch: dict[str, torch.Tensor], batch_size: int, device:
             labels = batch["labels"][i : i + batch_size].to(device)
             mask = batch.get("attention_mask")
             kwargs = {"attention_mask": mask[i : i + batch_size].to(device)} if mask is not None else {}
-            logits = model(input_ids=ids, use_cache=False, **kwargs).logits.float()
-            target = labels[:, 1:].to(logits.device)  # a spread model's logits are on its last GPU
-            nll = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]),
-                target.reshape(-1),
-                ignore_index=IGNORE_INDEX,
-                reduction="sum",
-            )
-            total += float(nll.double())
-            count += int((target != IGNORE_INDEX).sum())
+            nll = token_nll(model, ids, labels, kwargs)
+            total += float(nll.double().sum())
+            count += int(nll.numel())
         if count == 0:
             raise ValueError("the held-out batch has no labelled token to score")
         loss = total / count

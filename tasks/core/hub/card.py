@@ -5,15 +5,18 @@
 Everything in it is read from the run's records, never recomputed: hyperparameters from the
 config, steps/tokens/losses from each stage's final checkpoint (`train_state.json`), the kernels
 and activation checkpointing that ran from that checkpoint's manifest, data sha256
-and split sizes from the split records, evaluation from run.json's metrics, framework versions
-and the weight proof from the export manifest. A re-push of a finished run renders the same card.
+and split sizes from the split records, evaluation from run.json's metrics, the gate's verdict and
+the evaluations that did not run from the stage rows (this run's results, or run.json's), framework
+versions and the weight proof from the export manifest. The usage snippet claims that a reply stops
+only as far as the generation check measured it (`stop_claim`). A re-push of a finished run renders
+the same card.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,9 @@ from tasks.core.config.schema import RunConfig
 from tasks.core.config.sequence import sp_factor
 from tasks.core.data.truncation import describe as describe_truncation
 from tasks.core.evaluation.benchmark import card_results as benchmark_card_results
-from tasks.core.evaluation.verdict import eval_results_for_card, metrics_table
+from tasks.core.evaluation.verdict import eval_results_for_card
+from tasks.core.hub.metadata import with_front_matter
+from tasks.core.hub.outcome import UNMEASURED_STOP, evaluation_section, gate_verdict_text, stop_claim
 from tasks.core.hub.repo import HUB_ID, hub_dataset_id, is_hub_id
 from tasks.core.run.manifest import MANIFEST
 from tasks.core.run.preemptions import log_rel as preemption_log
@@ -211,9 +216,15 @@ def _peak(facts: dict[str, dict], stage: str) -> str:
     return "n/a" if not peak else f"{peak[0] / 2**30:.2f} GiB" + (f" (rank {peak[1]})" if peak[1] is not None else "")
 
 
-def usage_snippet(model_id: str, dtype: str = "bf16") -> str:
+def _comment(text: str, width: int = 100) -> str:
+    import textwrap
+
+    return "\n".join(f"# {line}" for line in textwrap.wrap(text, width - 2))
+
+
+def usage_snippet(model_id: str, dtype: str = "bf16", stops: str = UNMEASURED_STOP) -> str:
     """Load in the export's own dtype, apply the chat template, generate: the tests run exactly this
-    against the export."""
+    against the export. `stops`: what the comment says of where a reply ends (`stop_claim`)."""
     return f'''```python
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -223,7 +234,7 @@ tokenizer = AutoTokenizer.from_pretrained(model_id)
 model = AutoModelForCausalLM.from_pretrained(model_id, torch_dtype={TORCH_DTYPES[dtype]})
 messages = [{{"role": "user", "content": "Hello! Who are you?"}}]
 input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-# generation_config.json lists the chat template's end-of-turn token(s) as eos, so this stops.
+{_comment(stops)}
 output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=64, do_sample=False)
 print(tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True))
 ```'''
@@ -278,11 +289,13 @@ def model_card(
     facts: dict[str, dict],
     metrics: dict[str, Any] | None = None,
     base: dict[str, Any] | None = None,
+    results: Mapping[str, Any] | None = None,
 ) -> str:
     """README.md: ModelCardData metadata (with a model-index of the held-out metrics, and the base
     model: `base_facts`) plus training hyperparameters, data, evaluation, versions, verification
-    and usage."""
-    from huggingface_hub import ModelCard, ModelCardData
+    and usage. `results`: the stage rows (this run's StageResults, or run.json's), for the gate's
+    verdict and the evaluations that did not run; None says neither."""
+    from huggingface_hub import ModelCardData
 
     hub = cfg.hub
     eval_results = eval_results_for_card(metrics or {}) + benchmark_card_results((metrics or {}).get("benchmark"))
@@ -398,13 +411,7 @@ def model_card(
                     f"| {s['name']} | {names} | {sums} | {_num(s.get('records'))} | {_num(s.get('tokens'))} |"
                 )
 
-    evaluation = "not recorded."
-    table = metrics_table((metrics or {}).get("cpt"), (metrics or {}).get("sft"), None)
-    if table:
-        evaluation = "\n".join(
-            ["| metric | before | after | change |", "|---|---|---|---|"]
-            + [f"| {r['metric']} | {r['before']} | {r['after']} | {r['change']} |" for r in table]
-        )
+    evaluation = evaluation_section(metrics, results)
 
     versions = meta.get("versions") or {}
     version_line = ", ".join(f"{k} {val}" for k, val in versions.items() if val) or "not recorded"
@@ -437,11 +444,11 @@ def model_card(
 # {title}
 
 Continued pre-training (CPT) then supervised fine-tuning (SFT) of {base_line} with cpt-to-sft on
-ColossalAI, run `{cfg.name}`.
+ColossalAI, run `{cfg.name}`. Gate before the push: {gate_verdict_text(results)[0]}.
 
 ## Usage
 
-{usage_snippet(usage_id, cfg.export.dtype)}
+{usage_snippet(usage_id, cfg.export.dtype, stop_claim(metrics))}
 
 {stop_line}
 
@@ -468,7 +475,7 @@ with its sha256, `verification.json` holds the checks below.
 
 **Verification:** {verification}
 {_adapter_paragraph(cfg, v.get("adapter") or {})}"""
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content
+    return with_front_matter(data, body)
 
 
 def _base_line(base: dict[str, Any]) -> str:
@@ -506,7 +513,7 @@ the training (a local reference: the CPT model is not on the Hub).
 
 def adapter_card(cfg: RunConfig, adapter_manifest: dict[str, Any]) -> str:
     """README.md of an adapter pushed to a repo of its own: what it is, the base it needs, the merged model."""
-    from huggingface_hub import ModelCard, ModelCardData
+    from huggingface_hub import ModelCardData
 
     meta = adapter_manifest.get("meta") or {}
     v, base = meta.get("verification") or {}, meta.get("base") or {}
@@ -538,4 +545,4 @@ model = PeftModel.from_pretrained(base, "{cfg.hub.adapter_repo_id}")
 **Verification:** peft with this adapter on that base gives the merged model's logits within
 {v.get("fingerprint_rel_diff", float("nan")):.3g} of their magnitude (tolerance {v.get("fingerprint_rtol")}), top-1 agreement {v.get("top1_agreement", float("nan")):.3f}.
 """
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}").content
+    return with_front_matter(data, body)

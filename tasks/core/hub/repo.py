@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tasks.core.config.paths import resolve_local
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", re.ASCII)  # the Hub's ids are ASCII (hub/metadata.py)
 SECRET_BLOCK = "hf-token"  # the Prefect Secret block the task side reads
 
 

@@ -1,3 +1,9 @@
-"""Launching and process control: the backend registry, torchrun on this node or on Slurm,
-and teardown that reaches every process of a stage.
+"""Launching and process control: the backend registry, torchrun on this node or on Slurm, and
+teardown that reaches every process of a stage.
+
+- proctree.py      teardown of every process of a stage; signal handlers
+- slurm.py         Slurm's CLI client, job states and pre-flight checks
+- slurm_batch.py   the Slurm batch job of one engine verb, and following it
+- slurm_runner.py  the Slurm runner: one engine verb, one job, one torchrun agent per node
+- torchrun.py      the torchrun command for an engine verb, run on the launch backend, output streamed
 """

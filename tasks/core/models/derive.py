@@ -57,6 +57,10 @@ _LAYER_KEY = re.compile(r"^(.*?\.)(\d+)\.(.+)$")
 def derive_family(model_config: Mapping[str, Any], registered: str = "") -> ModelFamily:
     """The ModelFamily of a config.json whose model_type has no row (cached per config).
     Raises ConversionError naming why it cannot be derived."""
+    from tasks.core.models.sizes import size_problems
+
+    if sizes := size_problems(model_config):  # named here, never through transformers' own exception
+        raise ConversionError("; ".join(msg for _, msg in sizes))
     try:
         return _derive(json.dumps(dict(model_config), sort_keys=True, default=str), registered)
     except ConversionError:

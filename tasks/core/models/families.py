@@ -197,6 +197,12 @@ FAMILIES: dict[str, ModelFamily] = {
         "four-norm layer and scaled vocabulary-parallel embedding would each need a forward of their own)",
         demo_config={"sliding_window": 32, "sliding_window_pattern": 2},
         layer_activations=GEMMA3_LAYER_ACTIVATIONS,
+        # transformers 4.51 warns whenever a Gemma 3 trains without eager attention (modeling_gemma3.py,
+        # Gemma3ForCausalLM.forward), a warning carried over from Gemma 2, whose attention soft-capping sdpa does
+        # not apply; Gemma 3's configs set none, so eager would compute the same and hold each layer's weights
+        attention_note="transformers' advice to train Gemma 3 with eager attention is not taken: it is for attention "
+        "soft-capping (attn_logit_softcapping), which sdpa does not apply and this config.json does not set, so sdpa "
+        "computes the same attention as eager without holding each layer's seq_len x seq_len attention weights",
     ),
     "phi3": ModelFamily(
         _HEAD, _PHI3_LAYER + _NORMS, _TAIL,
@@ -211,6 +217,20 @@ FAMILIES: dict[str, ModelFamily] = {
         layer_activations=PHI3_LAYER_ACTIVATIONS,
     ),
 }  # fmt: skip
+
+
+def attention_note(model_config: Mapping[str, Any]) -> str:
+    """The family row's line on the attention it trains with (`ModelFamily.attention_note`), where it holds:
+    not for a config.json that sets attention soft-capping, which only eager attention applies."""
+    family = FAMILIES.get(model_config.get("model_type"))  # type: ignore[arg-type]
+    if family is None or not family.attention_note:
+        return ""
+    if model_config.get("attn_logit_softcapping") is not None:
+        return (
+            f"config.json sets attn_logit_softcapping={model_config['attn_logit_softcapping']}: only eager attention "
+            "applies it (sdpa and flash attention leave it out), so transformers' warning below holds for this model"
+        )
+    return f"{model_config.get('model_type')}: {family.attention_note}"
 
 
 def supported() -> str:
@@ -246,6 +266,10 @@ def family_of(model_config: Mapping[str, Any]) -> ModelFamily:
 def family_config(model_config: Mapping[str, Any]) -> tuple[ModelFamily, dict[str, Any]]:
     """The family of a config.json and the config with the family's defaults filled in."""
     model_type = model_config.get("model_type")
+    from tasks.core.models.sizes import size_problems
+
+    if sizes := size_problems(model_config):  # a zero, negative or float size: named before any table is built
+        raise ConversionError("; ".join(msg for _, msg in sizes))
     family = family_of(model_config)
     config = {**family.config_defaults, **{k: v for k, v in model_config.items() if v is not None}}
     missing = [f for f in REQUIRED_FIELDS if not isinstance(config.get(f), int)]
@@ -292,8 +316,22 @@ def expected_tensors(model_config: Mapping[str, Any]) -> dict[str, tuple[int, ..
 
 
 def count_parameters(model_config: Mapping[str, Any]) -> int:
-    """Parameters of the model `model_config` describes: the sum over its tensor table."""
-    return sum(math.prod(shape) for shape in expected_tensors(model_config).values())
+    """Parameters of the model `model_config` describes: the sum over its tensor table, each layer's
+    rules counted once and multiplied by the layers (the same sum, in time that does not grow with them)."""
+    family, config = family_config(model_config)
+    names = {name: fn(config) for name, fn in DIMS.items()}
+
+    def size(rule: TensorRule) -> int:
+        if (rule.when is not None and not config.get(rule.when)) or (rule.unless and config.get(rule.unless)):
+            return 0
+        return math.prod(names[d] if isinstance(d, str) else d for d in rule.shape)
+
+    layer = sum(size(rule) for rule in family.layer)
+    return (
+        sum(size(r) for r in family.head)
+        + max(config["num_hidden_layers"], 0) * layer
+        + sum(size(r) for r in family.tail)
+    )
 
 
 def largest_tensor(model_config: Mapping[str, Any]) -> int:
@@ -307,6 +345,11 @@ def tied_keys(model_config: Mapping[str, Any]) -> dict[str, str]:
     return dict(family.tied) if config.get("tie_word_embeddings") else {}
 
 
+# A tensor holding 1/n of config.json's size is one tp rank's shard only for an n a tp group has; beyond
+# it config.json's size is simply not these weights' (a config.json that claims a bigger model)
+MAX_TP_SHARDS = 64
+
+
 def shape_cause(key: str, got: tuple[int, ...], want: tuple[int, ...], family: ModelFamily) -> str:
     """Most likely reason a saved shape differs from the config's, for the error message."""
     if len(got) != len(want):
@@ -317,10 +360,15 @@ def shape_cause(key: str, got: tuple[int, ...], want: tuple[int, ...], family: M
             f"padded vocabulary rows: {got[dim] - want[dim]} rows beyond vocab_size={want[dim]} (the saver did not "
             f"strip the padding ColossalAI adds for tensor parallelism, or config.json's vocab_size is stale)"
         )
-    if got[dim] < want[dim] and want[dim] % got[dim] == 0:
+    if got[dim] < want[dim] and want[dim] % got[dim] == 0 and want[dim] // got[dim] <= MAX_TP_SHARDS:
         return (
             f"ungathered tensor-parallel shard: holds 1/{want[dim] // got[dim]} of dim {dim} "
             f"(saved from one tp rank without gathering)"
+        )
+    if got[dim] < want[dim]:
+        return (
+            f"config.json claims {want[dim]:,} where the weights hold {got[dim]:,}: a config.json of a bigger model, or "
+            "one whose size was edited"
         )
     return "the checkpoint belongs to a model with a different config.json (size, heads or vocabulary)"
 

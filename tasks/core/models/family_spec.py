@@ -145,6 +145,9 @@ class ModelFamily:
     # vocabulary-indexed keys (`vocab_dims`) are split too
     tp_column: tuple[str, ...] = ()
     tp_row: tuple[str, ...] = ()
+    # Why the family trains with transformers' default attention (sdpa) where transformers advises another in a
+    # warning of its own at the first training step: the engine logs it beside that warning (`attention_note`)
+    attention_note: str = ""
 
     def tp_splits(self, key: str) -> bool:
         """Whether tensor parallelism splits this key of a table with sizes (by `tp_column`/`tp_row`)."""

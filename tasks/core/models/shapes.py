@@ -12,7 +12,9 @@ template's end of turn). What is refused, with the conversion that makes it run:
 HF loader reads them: transformers' GGUF reader, `gguf_file=`, converts them offline), a
 `text_config` checkpoint (the run trains text-only causal LMs from a flat config: its
 `language_model`, a model of `text_config.model_type`, is saved on its own), an index naming a
-shard the folder lacks, an eos id outside the vocabulary. `chat_template.json` (a processor's file)
+shard the folder lacks, an eos id outside the vocabulary, weight files lacking tensors config.json's
+family gives the model or holding tensors it has no place for (`key_problems`, naming the registered
+family the files' layer looks like). `chat_template.json` (a processor's file)
 is named: the tokenizer never reads it. Pure reading, no torch: pre-flight calls it.
 """
 
@@ -238,10 +240,12 @@ def template_files(names: Iterable[str], tokenizer_config: dict[str, Any] | None
 def weight_shape_problems(root: Path, config: dict[str, Any], most: int = 3) -> list[str]:
     """One sentence per top-level safetensors file of `root` holding a tensor whose header shape is not
     the one config.json gives it (the family's tensor table, `expected_tensors`): transformers'
-    from_pretrained fails on it (size mismatch) once a stage loads the model. A key the table does not
-    list is left alone (from_pretrained maps prefixes and drops extras itself); a file that is not
-    well formed is named by the header check (`safetensors_problems`)."""
+    from_pretrained fails on it (size mismatch) once a stage loads the model. Then one sentence when the
+    files lack tensors the table expects or hold tensors it does not (`key_problems`). A file that is not
+    well formed is named by the header check (`safetensors_problems`). Call it once `claims.claim_problems`
+    passed: the table has a row per layer config.json claims."""
     from tasks.core.errors import ConversionError
+    from tasks.core.models.claims import held_weights
     from tasks.core.models.families import expected_tensors, family_of, shape_cause
     from tasks.core.models.folder import safetensors_shapes, top_level_names
 
@@ -265,7 +269,84 @@ def weight_shape_problems(root: Path, config: dict[str, Any], most: int = 3) -> 
             f"loads the model: restore the file from the model's source, or point base_model.uri at the folder whose "
             f"config.json ({config.get('model_type')}) these weights were saved with"
         )
+    held = held_weights(root)
+    if held.tensors:
+        out += key_problems(root, config, family, want, set(held.tensors), most)
     return out
+
+
+def _layer_keys(family) -> tuple[set[str], set[str]]:
+    """(the keys every layer of a registered family has, those a config flag adds)."""
+    required = {r.key for r in family.layer if r.when is None}
+    return required, {r.key for r in family.layer if r.when is not None}
+
+
+def looks_like(keys: set[str]) -> list[str]:
+    """The registered families whose decoder layer has exactly the files' layer-0 tensor names (llama and
+    mistral share one); [] when none does, or the files hold no `model.layers.0.`."""
+    from tasks.core.models.families import FAMILIES, LAYER_PREFIX
+
+    first = LAYER_PREFIX.format(i=0)
+    layer = {k[len(first) :] for k in keys if k.startswith(first)}
+    if not layer:
+        return []
+    out = []
+    for name, family in sorted(FAMILIES.items()):
+        required, optional = _layer_keys(family)
+        if required <= layer <= required | optional:
+            out.append(name)
+    return out
+
+
+def key_problems(root: Path, config: dict[str, Any], family, want: dict[str, Any], held: set[str], most: int = 3):
+    """The sentence, if any, for weight files that lack tensors config.json's table expects (from_pretrained
+    would initialize them at random and train from there) or hold tensors it does not (weights of another
+    architecture): a few of each named, the rest counted, and the family the files' layer looks like.
+    A file saved from the bare model (no `model.` prefix) matches as from_pretrained maps it; buffers some
+    savers keep (`claims.IGNORED_BUFFERS`) and the duplicate of a tied key are not counted."""
+    from tasks.core.models.claims import IGNORED_BUFFERS
+
+    base = family.layer_prefix.split(".", 1)[0] + "."  # "model." / "transformer."
+
+    def canonical(key: str) -> str:
+        return key if key in want or (base + key) not in want else base + key
+
+    present = {canonical(k) for k in held}
+    missing = [k for k in want if k not in present]
+    tied = set(family.tied) | set(family.tied.values())
+    unexpected = sorted(k for k in present - set(want) if not k.endswith(IGNORED_BUFFERS) and k not in tied)
+    if not missing and not unexpected:
+        return []
+    model_type = config.get("model_type")
+    parts = []
+    if missing:
+        parts.append(
+            f"lack {len(missing)} of the {len(want)} tensors config.json ({model_type}) gives the model "
+            f"({', '.join(missing[:most])}{f' and {len(missing) - most} more' if len(missing) > most else ''})"
+        )
+    if unexpected:
+        parts.append(
+            f"hold {len(unexpected)} tensors a {model_type} model has no place for "
+            f"({', '.join(unexpected[:most])}{f' and {len(unexpected) - most} more' if len(unexpected) > most else ''})"
+        )
+    like = [f for f in looks_like(held) if f != model_type]
+    guess = (
+        f"; their decoder layers are those of a {' or '.join(like)} model (model_type {like[0]!r})"
+        if like and missing
+        else ""
+    )
+    only_head = missing == [k for k in family.tied if k in want] and not unexpected
+    fix = (
+        "set tie_word_embeddings: true in config.json if the model shares its input embedding with the output"
+        if only_head
+        else "point base_model.uri at the folder whose config.json these weights were saved with, or restore the "
+        "weights from the model's source"
+    )
+    return [
+        f"{root}: the weight files {' and '.join(parts)}{guess}; from_pretrained would "
+        + ("initialize the missing ones at random and train from there" if missing else "drop the others unread")
+        + f": {fix}"
+    ]
 
 
 def folder_refusals(root: Path, config: dict[str, Any]) -> list[str]:
@@ -277,7 +358,12 @@ def folder_refusals(root: Path, config: dict[str, Any]) -> list[str]:
     out = [why] if (why := index_problem(root, names)) else []
     gen = read_json(root / "generation_config.json")
     out += eos_problems(str(root), {"config.json": config, "generation_config.json": gen}, config.get("vocab_size"))
-    return out + weight_shape_problems(root, config)
+    from tasks.core.models.claims import claim_problems, held_weights, weight_dtype_problems, weight_file_bytes
+
+    held = held_weights(root)
+    claims = [msg for _, msg in claim_problems(config, held, f"{root}/config.json", weight_file_bytes(root))]
+    out += claims + weight_dtype_problems(held, root)
+    return out if claims else out + weight_shape_problems(root, config)  # the table only within what the files hold
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

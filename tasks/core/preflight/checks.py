@@ -51,15 +51,16 @@ from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import RunConfig, StageConfig
 from tasks.core.config.sequence import sp_factor, sp_size
 from tasks.core.errors import ConfigError
+from tasks.core.hub.metadata import hub_field_problems
 from tasks.core.hub.repo import HubToken
 from tasks.core.preflight.benchmark import check_benchmark
 from tasks.core.preflight.data import check_data
 from tasks.core.preflight.eval_memory import check_eval_memory
 from tasks.core.preflight.eval_time import check_eval_time
 from tasks.core.preflight.kernels import check_kernels
-from tasks.core.preflight.memory import check_memory
+from tasks.core.preflight.memory_check import check_memory
 from tasks.core.preflight.mixture import check_mixture_weights, check_source_epochs
-from tasks.core.preflight.model_files import check_lora_targets, check_model_files
+from tasks.core.preflight.model_files import check_lora_targets, check_model_claims, check_model_files
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
 from tasks.core.preflight.model_shapes import check_model_shapes
 from tasks.core.preflight.report import CheckContext, PreflightReport
@@ -170,7 +171,9 @@ def check_layout(ctx: CheckContext) -> None:
     for name in PHASES:
         _stage_layout(ctx, name, getattr(ctx.cfg, name))
     if ctx.model is None:
-        ctx.warn("layout against the base model not checked: its config.json could not be read (see problems)")
+        ctx.warn(
+            "layout against the base model not checked: its config.json could not be read or was refused (see problems)"
+        )
 
 
 def check_machine(ctx: CheckContext) -> None:
@@ -205,26 +208,16 @@ def check_hub(ctx: CheckContext) -> None:
     if hub is None:
         ctx.ok("hub: not configured, the export is not pushed")
         return
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     for where, msg in hub_problems(
         ctx.cfg
     ):  # the adapter push: an adapter to push, a place other than beside the merged weights
         ctx.problem(where, msg)
-    repo_ok = True
-    for field, repo_id in (("repo_id", hub.repo_id), ("adapter_repo_id", hub.adapter_repo_id)):
-        try:
-            if repo_id is not None:
-                validate_repo_id(repo_id)
-            if repo_id is not None and repo_id.count("/") != 1:
-                raise HFValidationError("needs exactly one '/': org/name")
-        except HFValidationError as exc:
-            repo_ok = False
-            ctx.problem(
-                f"hub.{field}",
-                f"{repo_id!r} is not a valid Hub repo id ({str(exc).splitlines()[0]}); use 'org/name' with letters, "
-                "digits, '-', '_', '.'",
-            )
+    # what the Hub refuses or shows otherwise: non-ASCII (look-alike) repo ids, a license it does not list,
+    # tags with newlines or markup (tasks/core/hub/metadata.py)
+    fields = hub_field_problems(hub, ctx.cfg.base_model.hub_id)
+    for where, msg in fields:
+        ctx.problem(where, msg)
+    repo_ok = not any(where in ("hub.repo_id", "hub.adapter_repo_id") for where, _ in fields)
     if ctx.token_present is False:
         ctx.problem(
             "hub",
@@ -324,11 +317,11 @@ def check_base_model(ctx: CheckContext) -> None:
             "natively",
         )
     elif code:
-        ctx.warn(
-            f"base_model.trust_remote_code: {ctx.model.where} names its own Python code ({'; '.join(code)}); "
-            f"load_from_hf removes every auto_map from base/ and copies no .py file, so no model code runs and none "
-            f"reaches cpt/hf/, the export or the Hub: the model loads as transformers' own {model_type!r} class"
-        )
+        from tasks.core.models.families import FAMILIES
+
+        if isinstance(model_type, str) and model_type in FAMILIES:
+            _warn_code_stripped(ctx, code, model_type)
+        # else whether transformers has a class of its own is check_model_family's to say, once
     elif b.trust_remote_code:
         ctx.warn(
             "base_model.trust_remote_code is true, but the model names no code of its own (no auto_map); no model "
@@ -336,6 +329,14 @@ def check_base_model(ctx: CheckContext) -> None:
         )
     else:
         ctx.ok("base model: no remote code (no auto_map, no .py files)")
+
+
+def _warn_code_stripped(ctx: CheckContext, code: list[str], model_type: str) -> None:
+    ctx.warn(
+        f"base_model.trust_remote_code: {ctx.model.where} names its own Python code ({'; '.join(code)}); "
+        f"load_from_hf removes every auto_map from base/ and copies no .py file, so no model code runs and none "
+        f"reaches cpt/hf/, the export or the Hub: the model loads as transformers' own {model_type!r} class"
+    )
 
 
 def _model_code(ctx: CheckContext) -> list[str]:
@@ -423,15 +424,24 @@ def check_model_family(ctx: CheckContext) -> None:
             + ("" if policy else "; no shardformer policy, so hybrid_parallel does not run it")
         )
         return
+    code = _model_code(ctx) if ctx.cfg.base_model.trust_remote_code else []
     try:
         family, _ = family_config(ctx.model.config)
     except ConversionError as exc:
+        remote = (
+            f"; base_model.trust_remote_code: true does not change that: the code {ctx.model.where} names "
+            f"({'; '.join(code)}) is never run, so the model needs a class of the installed transformers"
+            if code
+            else ""
+        )
         ctx.problem(
             "base_model.uri",
             f"{ctx.model.where}: {exc} (the registered families: {supported()}; or add the family's entry to "
-            "FAMILIES in tasks/core/models/families.py)",
+            f"FAMILIES in tasks/core/models/families.py){remote}",
         )
         return
+    if code:  # transformers builds it: the class it loads as
+        _warn_code_stripped(ctx, code, model_type)
     ctx.ok(
         f"model family {model_type}: no row in the registry; its tensor table is derived from {family.model_class} "
         f"({family.config_class}) built on the meta device by the installed transformers (torch imported for it), "
@@ -483,14 +493,17 @@ def check_launch_backend(ctx: CheckContext) -> None:
             )
 
 
+# The model's own files first: check_model_claims bounds config.json's sizes by them before any check
+# that builds from those sizes (the layout's family, the tables, the estimates) reads them.
 CHECKS: tuple[Callable[[CheckContext], None], ...] = (
+    check_base_model,
+    check_base_model_links,
+    check_model_files,
+    check_model_claims,
     check_static_rules,
     check_layout,
     check_machine,
     check_kernels,
-    check_base_model,
-    check_base_model_links,
-    check_model_files,
     check_model_shapes,
     check_sequence_length,
     check_chat_template,

@@ -65,6 +65,70 @@ def check_model_files(ctx: CheckContext) -> None:
         )
 
 
+def check_model_claims(ctx: CheckContext) -> None:
+    """config.json's sizes against what the weight files' headers hold (`tasks.core.models.claims`),
+    before any other check reads them: a size that is not a whole number >= 1, more layers or a wider
+    dimension than the files hold, a registered family's parameter count far beyond theirs. On a refusal
+    the checks that build from config.json's sizes (the tensor table, the derived model, the estimates)
+    do not run: pre-flight's time stays bounded by the files whatever config.json claims. And every
+    weight is a float the run trains from. A Hub model's or an fsspec folder's weights are judged by their
+    headers, read with ranged reads (`claims.hub_held_weights`, `claims.fs_held_weights`); load_from_hf
+    judges the files it fetched again."""
+    if ctx.model is None:
+        return
+    from tasks.core.models import claims
+
+    m = ctx.model
+    where = f"{m.where}/config.json"
+    unbounded = False
+    if m.source != "local":  # the Hub, or an fsspec folder: headers through ranged reads
+        held = claims.HeldWeights()
+        if not claims.size_problems(m.config, where):
+            repo, _, revision = m.where.rpartition("@")
+            try:
+                held = (
+                    claims.hub_held_weights(repo, revision, m.files)
+                    if m.source == "hub"
+                    else claims.fs_held_weights(m.where, m.files)
+                )
+            except Exception as exc:  # network, HTTP, filesystem and header errors all mean: not compared here
+                ctx.warn(
+                    f"base model {m.where}: config.json's sizes not compared with its weights, whose safetensors "
+                    f"headers could not be read ({type(exc).__name__}: {exc}); load_from_hf compares them"
+                )
+        refused = claims.claim_problems(m.config, held, where)
+        for msg in claims.weight_dtype_problems(held, m.where):
+            ctx.problem("base_model.uri", msg)
+    else:
+        from tasks.core.models.folder import safetensors_problems
+
+        root = Path(m.where)
+        try:
+            held, broken = claims.held_weights(root), safetensors_problems(root)
+        except OSError as exc:
+            ctx.warn(f"base model {root}: its safetensors headers could not be read ({exc})")
+            held, broken = claims.HeldWeights(), {}
+        refused = claims.claim_problems(m.config, held, where, claims.weight_file_bytes(root))
+        if broken and refused:  # a file check_model_files named holds tensors unread: its sizes only, said alone
+            unbounded, refused = True, claims.size_problems(m.config, where)
+        for msg in claims.weight_dtype_problems(held, root):
+            ctx.problem("base_model.uri", msg)
+        if held.tensors and not refused:
+            prefix, layers = held.layers()
+            ctx.ok(
+                f"base model {root}: config.json's sizes are within its weight files ({layers} layers under "
+                f"{prefix or '(none)'}, {held.parameters:,} parameters in {len(held.tensors)} tensors)"
+            )
+    for _, msg in refused:
+        ctx.problem("base_model.uri", msg)
+    if refused or unbounded:  # nothing below may build from these sizes
+        ctx.model = None
+        ctx.warn(
+            "base model checks that read config.json's sizes (family, shapes, layout, estimates) not run: "
+            "config.json was refused (see problems)"
+        )
+
+
 def check_lora_targets(ctx: CheckContext) -> None:
     """Each `sft.lora.target_modules` entry adapts a linear or embedding module of the base model:
     peft drops an entry that matches nothing (training fewer modules than the config says) and

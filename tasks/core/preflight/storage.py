@@ -55,6 +55,8 @@ def check_run_root(ctx: CheckContext) -> None:
             "is installed (s3:// needs s3fs)",
         )
         return
+    if store.local and not _own_root(ctx, Path(store.root)):
+        return
     try:
         if store.local:
             _probe_local(Path(store.root), probe)
@@ -75,20 +77,78 @@ def check_run_root(ctx: CheckContext) -> None:
 
 
 def _probe_local(root: Path, probe: str) -> None:
-    """Write, read back and delete a probe in the run root, or, before the run creates it, in its
-    nearest existing parent: a check writes nothing that outlives it, not even the run root."""
-    where = root
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    if not where.is_dir():
-        raise NotADirectoryError(f"{where} is not a directory")
-    path = where / probe
+    """Write, read back and delete a probe inside the run root. A root that does not exist yet is
+    created for it, with its missing parents, and removed again with them: the probe is never
+    written beside the run root, and a check leaves nothing behind, not even the run root."""
+    made = [p for p in (root, *root.parents) if not p.exists() and not p.is_symlink()]  # deepest first
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / probe
     try:
+        if not root.is_dir():
+            raise NotADirectoryError(f"{root} is not a directory")
         path.write_text("cpt-to-sft pre-flight probe\n")
         if path.read_text() != "cpt-to-sft pre-flight probe\n":
             raise OSError("the probe read back differently")
     finally:
         path.unlink(missing_ok=True)
+        for p in made:  # one that something else filled meanwhile stays, and so do its parents
+            try:
+                p.rmdir()
+            except OSError:
+                break
+
+
+RUN_JSON_MAX_BYTES = 16 << 20  # a run.json is tens of KB; a bigger one is not read to tell whose it is
+
+
+def _link_of(root: Path) -> str | None:
+    """How `root` goes through a symbolic link ("a symbolic link to X", "under the symbolic link L -> X"), or None."""
+    try:
+        if root.is_symlink():
+            return f"a symbolic link to {os.readlink(root)} ({root.resolve()})"
+        for p in root.absolute().parents:
+            if p.is_symlink():
+                return f"under the symbolic link {p} -> {os.readlink(p)} ({root.resolve()})"
+    except (OSError, RuntimeError):  # a link loop: said as such
+        return "a symbolic link that does not resolve (a loop)"
+    return None
+
+
+def _own_root(ctx: CheckContext, root: Path) -> bool:
+    """False (with the problem said) when the local run root is reached through a symbolic link and its
+    run.json is another run's: this run would overwrite that run's records and leave its export's card
+    stale. A dangling link is refused too. A root named directly whose run.json is another run's is a
+    warning: the config names that directory itself."""
+    from tasks.core.run.stages import RUN_JSON
+
+    link = _link_of(root)
+    if root.is_symlink() and not root.exists():
+        ctx.problem(
+            "run_root",
+            f"{root} is {link}, which does not exist; point run_root at a directory, or create the link's target",
+        )
+        return False
+    record = root / RUN_JSON
+    try:
+        if not record.is_file() or record.stat().st_size > RUN_JSON_MAX_BYTES:
+            return True
+        other = json.loads(record.read_bytes())
+    except (OSError, ValueError):  # unreadable: the flow's own record rewrites it; nothing says whose it was
+        return True
+    name = other.get("run") if isinstance(other, dict) else None
+    if not isinstance(name, str) or name == ctx.cfg.name:
+        return True
+    whose = f"its {RUN_JSON} is run {name[:100]!r}'s (run_root {str(other.get('run_root'))[:300]})"
+    if link is None:
+        ctx.warn(f"run root {root}: {whose}; this run ({ctx.cfg.name}) takes that record over")
+        return True
+    ctx.problem(
+        "run_root",
+        f"{root} is {link}, and {whose}: this run ({ctx.cfg.name}) would overwrite that run's records and leave "
+        f"its export's card stale; point run_root at a directory of this run's own, or set name: {name[:100]} to "
+        "continue that run",
+    )
+    return False
 
 
 def _check_existing_manifests(ctx: CheckContext, store: Any) -> None:

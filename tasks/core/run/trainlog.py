@@ -284,14 +284,27 @@ def key_figure(row: dict[str, Any]) -> str:
 
 
 def summary_table(stages: list[dict[str, Any]], run_root: str) -> str:
-    """The run's end: each stage, its status, duration and key figure; where the artifacts are."""
+    """The run's end: each stage, its status, duration, CPU time (the flow process's and the processes it
+    waited for: tasks/core/run/cputime.py) and key figure; where the artifacts are."""
     rows = [
-        (s["stage"], str(s["status"]), duration(s["seconds"]) if s.get("seconds") else "-", key_figure(s))
+        (
+            s["stage"],
+            str(s["status"]),
+            duration(s["seconds"]) if s.get("seconds") else "-",
+            duration(s["cpu_seconds"]) if s.get("cpu_seconds") else "-",
+            key_figure(s),
+        )
         for s in stages
     ]
-    widths = [max(len(r[i]) for r in [("stage", "status", "duration", "")] + rows) for i in range(3)]
-    lines = [f"{'stage':<{widths[0]}}  {'status':<{widths[1]}}  {'duration':>{widths[2]}}  key figure"]
-    lines += [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}  {d}".rstrip() for a, b, c, d in rows]
+    head = ("stage", "status", "duration", "CPU", "")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
+    lines = [
+        f"{'stage':<{widths[0]}}  {'status':<{widths[1]}}  {'duration':>{widths[2]}}  {'CPU':>{widths[3]}}  key figure"
+    ]
+    lines += [
+        f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:>{widths[2]}}  {u:>{widths[3]}}  {d}".rstrip()
+        for a, b, c, u, d in rows
+    ]
     # each preemption on its own line: when, the step checkpointed, steps lost, notice to commit, restart
     lines += [describe_preemption(p) for s in stages for p in (s.get("detail") or {}).get("preemptions") or []]
     lines.append(f"artifacts: {run_root}  (run.json: every stage's record)")

@@ -34,11 +34,17 @@ own hasher. `safetensors.safe_open` validates every input header with the refere
 
     python -m tasks.core.models.convert SRC_DIR DST_DIR [--dtype bf16] [--max-shard-size 5GB] [--config FILE]
 
-Modules, in the order a conversion runs: `dtypes` (tables of dtypes, sizes, file names),
-`source` (reading and validating the input), `plan` (checking it against the model family
-registry `tasks.core.models.families`, laying out shards), `write` (hashed, parallel shard writing),
-`api` (`convert_checkpoint`), `__main__` (the command line); then `proof` (`prove_weights`: every
-written tensor bitwise the source's cast to the output dtype, read back with `safetensors` itself).
+Modules, in the order a conversion runs:
+
+- dtypes.py      tables of dtypes, sizes and file names
+- source.py      reading and validating the input
+- plan.py        every key, shape and dtype checked against the family registry; shards laid out
+- write.py       hashed, parallel shard writing
+- api.py         `convert_checkpoint`, its report, `load_state_dict_from_dir`
+- proof.py       `prove_weights`: every written tensor bitwise the source's cast to the output dtype
+- state_view.py  a layout-neutral view of a training checkpoint's state (masters, AdamW), read piece by piece
+
+`__main__.py` is the command line.
 """
 
 from __future__ import annotations
