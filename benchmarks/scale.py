@@ -4,6 +4,7 @@ pre-flight estimate (tasks/core/preflight/memory.py).
     .venv/bin/python benchmarks/scale.py              # 50M, 190M, 700M x 2 plugins on 2 CPU ranks: ~8 min
     .venv/bin/python benchmarks/scale.py --smoke      # the demo-sized model, one plugin: seconds, same table
     .venv/bin/python benchmarks/scale.py --sizes 50M --plugins hp-tp2-fp32 --keep --workdir /tmp/scale
+    .venv/bin/python benchmarks/scale.py --sizes 80M-tied --plugins llz1-fp32 llz2-fp32 --no-flow   # ZeRO's buckets
 
 The flow process's figures (the logits check whole vs streamed, the skip decision, a finished run
 re-run) come after the ranks' table, from benchmarks/flow_process.py at the same sizes (--no-flow: not).
@@ -68,15 +69,20 @@ SIZES: dict[str, dict] = {
     "700M": dict(
         hidden_size=1536, num_layers=24, num_heads=16, num_kv_heads=8, intermediate_size=4096, vocab_size=32000
     ),
+    # Gemma-3-270M's proportions (a tied embedding of most of the parameters): where ZeRO-2's transients show
+    "80M-tied": dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1536)
+    | dict(vocab_size=131072, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=512),
 }
 # Tokens per micro-batch per size: long sequences at the small size, where activations are a large
 # share of a rank's memory, short ones at the large size, where the states dominate (and steps cost).
-BATCH = {"50M": (1, 1024), "190M": (1, 512), "700M": (1, 128), "tiny": (1, 128)}
+BATCH = {"50M": (1, 1024), "190M": (1, 512), "700M": (1, 128), "80M-tied": (1, 256), "tiny": (1, 128)}
 PLUGINS = {
     "hp-tp2-fp32": {"name": "hybrid_parallel", "tp_size": 2, "precision": "fp32"},
     "llz2-bf16": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
     "llz1-bf16": {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"},
+    "llz1-fp32": {"name": "low_level_zero", "zero_stage": 1, "precision": "fp32"},
+    "llz2-fp32": {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"},
     "ddp-fp32": {"name": "torch_ddp", "precision": "fp32"},
 }
 NPROC = 2
@@ -395,6 +401,7 @@ def room_needed(work: Path, size: str, plugin_key: str, steps: int) -> float:
         "num_hidden_layers": dims["num_layers"],
         "num_attention_heads": dims["num_heads"],
         "num_key_value_heads": dims["num_kv_heads"],
+        "tie_word_embeddings": dims.get("tie_word_embeddings", False),
     }
     est = estimate(
         config, StageConfig.model_validate(stage_cfg(PLUGINS[plugin_key], mbs, seq_len, steps + 1)), cuda=False

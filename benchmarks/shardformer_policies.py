@@ -4,7 +4,10 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py gpt2 opt   # some
     torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py --pp       # every family, pp=2
     torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py falcon@pp2 # one, pp=2 (tp=1)
-    torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py --smoke    # the policy rows' claims
+    torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py --smoke    # the rows' claims, plan ones too
+    torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py --plan     # derived policy, every family
+    torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py --plan qwen3 llama  # some
+    torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py --time llama  # step time, both policies
 
 For each causal-LM class that ColossalAI's `auto_policy` maps to a policy (the remote-code ones,
 `transformers_modules.*`, are left out: the project never runs code from a model folder), a tiny
@@ -26,6 +29,18 @@ rows of policy_rows.py. `--smoke` measures every row at tp=2, and at pp=2 where 
 one launch, and exits 1 when one disagrees with its row (a policy refused there that trains, or a claim
 that fails).
 
+`--plan` proves the derived policy (`tasks.engine.plan_policy.PlanPolicy`, read from transformers' own
+tensor-parallel plan and a row of `tasks.core.models.tp_plan.PLAN_ROWS`) for each family, against the
+unsharded model with the same weights and batch, fp32, SGD (AdamW's eps turns gradient noise of 1e-7 into
+moves of 0.1-0.2 relative on near-zero weights, even in one process): the loss of two training steps,
+every parameter's gradient after the first (each rank's shard gathered along the dim it is split on),
+and the weights after the steps as saved at tp=2 (`booster.save_model`, gathered to HF keys) and
+converted by the project's converter (`convert_checkpoint`), tied keys dropped as the unshard drops them.
+`PLAN_VARIANTS` drop one handling each, to show the check catches it (the q/k norm gradient sum, the
+corrected StarCoder2 plan). One `@@plan {...}` line per family; `--smoke` measures the PLAN_ROWS
+families and the variants in the same launch as the policy rows. `--time` times tp=2 training steps of
+tiny Llama with ColossalAI's policy and with the derived one (`@@time`).
+
 `<family>@pp2` runs the check at pp=2 (tp=1) through the 1F1B schedule (`execute_pipeline`, two
 training passes, as the engine runs a pipeline; dropout off, since the loss is compared in training mode). A stage that raises would leave the other waiting on
 its point-to-point receive, which the process-group timeout does not bound, so the rank that raised
@@ -46,18 +61,19 @@ import traceback
 from datetime import timedelta
 
 import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
-
-VOCAB, SEQ, BATCH = 512, 16, 2
-# a pipeline's loss is compared in training mode (execute_pipeline): its dropout off
-DROPOUT_FIELDS = (
-    "resid_pdrop",
-    "embd_pdrop",
-    "attn_pdrop",
-    "dropout",
-    "attention_dropout",
-    "hidden_dropout",
-    "activation_dropout",
+from plan_policies import (  # the derived policy's probe; the constants and `where` both measurements share
+    BATCH,
+    DROPOUT_FIELDS,
+    PLAN_TINY,
+    PLAN_VARIANTS,
+    SEQ,
+    VOCAB,
+    plan_probe,
+    time_steps,
+    variant_applies,
+    where,
 )
+
 # tiny configs: hidden 64, 4 heads (2 per tp rank), 2 layers, each family's own dropout (GPT-2's and OPT's
 # 0.1: the losses are compared in eval mode, and at tp the step is checked to keep the replicated parameters
 # equal on every tp rank); config class name -> fields
@@ -99,16 +115,6 @@ VARIANTS: dict[str, tuple[str, dict, dict]] = {
     "falcon+dropout": ("falcon", {"hidden_dropout": 0.1}, {}),
     "gptj+lazy": ("gptj", {"lazy": True}, {}),
 }
-
-
-def where(exc: BaseException) -> str:
-    """The innermost frame of the traceback inside ColossalAI or transformers: file (from the package) and line."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    for frame in reversed(frames):
-        for pkg in ("colossalai/", "transformers/", "torch/"):
-            if pkg in frame.filename:
-                return f"{pkg}{frame.filename.split(pkg, 1)[1]}:{frame.lineno} ({frame.name})"
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
 def fingerprint_diff(plugin, model, unsharded, model_type: str) -> float:
@@ -303,10 +309,26 @@ def main() -> int:
     from tasks.core.models.policy_rows import POLICY_ROWS
 
     args = sys.argv[1:]
-    if args == [
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    from tasks.core.models.tp_plan import PLAN_ROWS
+
+    plan_names: list[str] = []
+    if args[:1] == ["--time"]:  # step time at tp=2, ColossalAI's policy and the derived one
+        for family in args[1:] or ["llama"]:
+            for derived in (False, True, False, True):
+                sec = time_steps(family, derived)
+                if rank0:
+                    policy = "derived" if derived else "colossalai"
+                    print("@@time " + json.dumps({"family": family, "policy": policy, "step_s": sec}), flush=True)
+        dist.destroy_process_group()
+        return 0
+    if args[:1] == ["--plan"]:
+        plan_names, names = args[1:] or [*PLAN_TINY, *PLAN_VARIANTS], []
+    elif args == [
         "--smoke"
     ]:  # the families with a policy row, each against its row's claims: tp=2, and pp=2 where claimed
         names = sorted(POLICY_ROWS) + [f"{n}@pp2" for n, row in sorted(POLICY_ROWS.items()) if row.pp]
+        plan_names = [*sorted(PLAN_ROWS), *PLAN_VARIANTS]
     elif args == ["--pp"]:  # every family at pp=2
         names = [f"{n}@pp2" for n in TINY]
     else:
@@ -318,6 +340,13 @@ def main() -> int:
             wrong.append(why)
         if int(os.environ.get("RANK", "0")) == 0:
             print("@@policy " + json.dumps(result), flush=True)
+    for name in plan_names:
+        result = plan_probe(name)
+        result["variant_applies"] = variant_applies(name)
+        if result["works"] == result["variant_applies"]:  # a row that does not train like the unsharded model
+            wrong.append(f"{name}: the derived policy measured works={result['works']}")
+        if rank0:
+            print("@@plan " + json.dumps(result), flush=True)
     dist.destroy_process_group()
     if wrong and int(os.environ.get("RANK", "0")) == 0:
         print("rows of tasks/core/models/policy_rows.py that disagree with the measurement:\n" + "\n".join(wrong))

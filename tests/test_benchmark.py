@@ -16,6 +16,7 @@ from tasks.core.evaluation import benchmark as bench
 from tasks.core.evaluation.verdict import gate_verdict
 from tasks.core.preflight.benchmark import check_benchmark
 from tasks.core.preflight.report import CheckContext, PreflightReport
+from tasks.core.run import meter
 from tests.conftest import REPO, tiny_config_raw
 
 SHIPPED = [REPO / "data" / "sample" / "benchmarks" / f"{t}.yaml" for t in ("veyra_facts", "general_text")]
@@ -83,7 +84,16 @@ def test_stage_scores_equal_a_direct_simple_evaluate_on_the_same_folder(tiny_mod
     fetched = bench.fetch(tasks, tmp_path / "copies")
     assert all(f["sha256"] == bench.sha256_uri(f["uri"]) for rec in fetched for f in rec["files"])
     include = bench.runnable(tasks, fetched, tmp_path / "copies", tmp_path / "run", tmp_path / "cache")
-    ours = bench.score(tiny_model_dir, include, ["veyra_facts", "general_text"], cfg, "fp32")
+    records: list[dict] = []
+    with meter.reporting(records.append, interval_s=0):  # every request a record: the stage's lines, with an ETA
+        ours = bench.score(tiny_model_dir, include, ["veyra_facts", "general_text"], cfg, "fp32", label="export")
+    parts = {r["what"]: r for r in records if r["finished"]}
+    assert set(parts) == {"export loglikelihood", "export loglikelihood_rolling"}, records
+    assert all(r["done"] == r["total"] > 0 for r in parts.values())  # multiple choice: requests; perplexity: windows
+    going = [r for r in records if not r["finished"] and 0 < r["done"] < r["total"]]
+    assert going and all(r["eta_s"] is not None for r in going)
+    assert meter.line(going[0]).startswith(f"{going[0]['what']}: {going[0]['done']:,} / {going[0]['total']:,} ")
+    assert ", ETA " in meter.line(going[0])
 
     monkeypatch.chdir(SHIPPED[0].parent)  # the YAMLs' relative data_files, as lm-eval reads them
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "direct-cache"))

@@ -83,7 +83,8 @@ def test_jinja_in_a_task_is_refused_and_renders_in_the_sandbox_where_the_stage_l
         + "').read() }}{{question}}",
     )
     report = _check(tmp_path, [sneaky])
-    assert "lm-eval cannot load the tasks ['sneaky']: SecurityError" in _problems(report) and not marker.exists()
+    assert "lm-eval cannot load task 'sneaky'" in _problems(report) and not marker.exists()
+    assert f"benchmark.tasks[0] ({sneaky})" in _problems(report) and "SecurityError" in _problems(report)
     with pytest.raises(SecurityError, match="__globals__"):
         _stage_load(tmp_path / "stage2", sneaky)
     assert not marker.exists()

@@ -105,7 +105,8 @@ def test_reshard_smoke():
 @pytest.mark.distributed
 def test_shardformer_policies_smoke():
     """Each policy row's claims (trains at tp=2 and at pp=2, or refused with its failure) are measured on 2 gloo
-    ranks, in one launch, with what its row has the engine pass (attention implementation, shardformer flags)."""
+    ranks, in one launch, with what its row has the engine pass (attention implementation, shardformer flags);
+    in the same launch, each plan row's family under the derived tensor-parallel policy against the unsharded model."""
     out = smoke(
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "benchmarks/shardformer_policies.py", "--smoke"],
@@ -120,6 +121,20 @@ def test_shardformer_policies_smoke():
     assert results["opt"]["settings"] == {"attn_implementation": "eager"}, out  # what the engine builds OPT with
     assert results["gpt2"]["settings"] == {"enable_flash_attention": True}, out
     assert all(results[r]["replica_diff"] == 0.0 and results[r]["fingerprint_diff"] <= 1e-4 for r in rows), out
+    # the derived tensor-parallel policy, same launch: every plan row at tp=2 like the unsharded model (two steps'
+    # losses, every gradient, the converted weights), a tied head and GQA among them; each dropped handling caught
+    plan = {
+        r["family"]: r
+        for r in (json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("@@plan "))
+    }
+    from tasks.core.models.tp_plan import PLAN_ROWS
+
+    assert {f for f, r in plan.items() if r["works"]} == set(PLAN_ROWS), out
+    assert all(plan[f]["grad_rel"] <= 1e-4 and plan[f]["weight_rel"] <= 1e-4 for f in PLAN_ROWS), out
+    assert plan["gemma3_text"]["tied"] and plan["phi3"]["split_params"] > 0, out
+    assert plan["qwen3-norm_grad_sum"]["grad_rel"] > 0.1, out  # the q/k norms' gradients, unsummed
+    if plan["starcoder2-plan_fix"]["variant_applies"]:  # its plan as transformers 4.51.3 ships it (4.57 fixed it)
+        assert "AssertionError" in plan["starcoder2-plan_fix"]["failure"], out
 
 
 @pytest.mark.distributed

@@ -43,6 +43,7 @@ from tasks.core.models.convert import (
     parse_size,
     plan_shards,
 )
+from tasks.core.run import meter
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
@@ -325,9 +326,14 @@ def test_parallel_shard_writers_are_byte_identical_and_fail_cleanly(tmp_path, ll
     )
     # fsync on, with the writeback step shrunk so sync_file_range runs on these small files too
     monkeypatch.setattr(write, "_WRITEBACK_STEP", 4096)
-    parallel = convert_checkpoint(
-        src, tmp_path / "w3", model_config=_cfg(llama), max_shard_size="100KB", fsync=True, workers=3
-    )
+    records: list[dict] = []
+    with meter.reporting(records.append, interval_s=0):  # three threads report each shard written to one meter
+        parallel = convert_checkpoint(
+            src, tmp_path / "w3", model_config=_cfg(llama), max_shard_size="100KB", fsync=True, workers=3
+        )
+    shards = sum(f.endswith(".safetensors") for f in parallel.files)
+    assert records[0]["done"] == 0 and records[-1] == {**records[-1], "done": shards, "total": shards, "finished": True}
+    assert any(0 < r["done"] < shards and r["eta_s"] is not None for r in records)
     assert len(serial.files) > 4 and parallel.files == serial.files
     for rel in serial.files:
         assert (tmp_path / "w1" / rel).read_bytes() == (tmp_path / "w3" / rel).read_bytes(), rel

@@ -113,3 +113,86 @@ def test_each_evaluation_holds_one_model_at_a_time(two_models, tiny_model_dir, t
     print({k: f"{v / 1e9:.3f} GB" for k, v in peaks.items()}, f"model {nbytes / 1e9:.3f} GB")
     over = {k: v for k, v in peaks.items() if v > nbytes + BOUND_EXTRA}
     assert not over, f"peak over {nbytes / 1e9:.2f} + 0.5 GB: {over}"
+
+
+def _whole_batch_nll(model, ids, labels):
+    """The held-out loss as it was computed before the chunks: the whole batch's logits at once."""
+    import torch
+
+    from tasks.core.data.samples import IGNORE_INDEX
+
+    logits = model(input_ids=ids, use_cache=False).logits.float()
+    target = labels[:, 1:].reshape(-1)
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target, reduction="none")
+    return nll[target != IGNORE_INDEX]
+
+
+def test_the_logits_in_chunks_keep_every_number_and_bound_the_peak():
+    """A 262144-token vocabulary (Gemma 3's) on a 2-layer model: the held-out loss's logits a chunk of
+    positions at a time give every position's loss bitwise (the mean differs only by the old fp32 sum's
+    rounding), and the peak no longer grows with rows x seq_len x vocab; a final-logit softcap (Gemma 2)
+    is applied as the model applies it."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+    from tasks.core.data.samples import IGNORE_INDEX
+    from tasks.core.evaluation import heldout as ev
+    from tasks.core.evaluation.placement import logits_chunk_tokens
+    from tasks.core.evaluation.release import rss_bytes
+
+    vocab = 262144
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
+    ).eval()
+    ids = torch.randint(0, vocab, (4, 128))
+    labels = ids.clone()
+    labels[1, :50] = IGNORE_INDEX  # an SFT-style prompt: not scored
+    step = logits_chunk_tokens(vocab)
+    assert step == 64 and ids.numel() > 4 * step
+    with torch.no_grad():
+        ev.token_nll(llama, ids[:1, :8], labels[:1, :8], {})  # first calls outside the measured spans
+        _whole_batch_nll(llama, ids[:1, :8], labels[:1, :8])
+        peaks, nll = {}, {}
+        for name, run in (
+            ("whole", lambda: _whole_batch_nll(llama, ids, labels)),
+            ("chunked", lambda: ev.token_nll(llama, ids, labels, {})),
+        ):
+            before = rss_bytes()
+            _reset_hwm()
+            nll[name] = run()
+            peaks[name] = _hwm() - before
+    logits_bytes = ids.numel() * vocab * 4
+    print({k: f"{v / 1e6:.0f} MB" for k, v in peaks.items()}, f"whole batch's fp32 logits {logits_bytes / 1e6:.0f} MB")
+    assert torch.equal(nll["chunked"], nll["whole"])
+    assert peaks["whole"] > 2 * logits_bytes  # the logits, their slice copied, the log-softmax
+    assert peaks["chunked"] < logits_bytes / 2
+    batch = {"input_ids": ids, "labels": labels}
+    loss = ev.heldout_loss(llama, batch, 2, torch.device("cpu"))
+    old = float(nll["whole"].double().sum()) / nll["whole"].numel()
+    assert loss["tokens"] == nll["whole"].numel() and loss["loss"] == pytest.approx(old, rel=1e-12)
+
+    gemma = Gemma3ForCausalLM(
+        Gemma3TextConfig(
+            vocab_size=4096,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            final_logit_softcapping=30.0,
+            sliding_window=8,
+        )
+    ).eval()
+    with torch.no_grad():
+        small = ids[:, :40] % 4096
+        assert torch.equal(ev.token_nll(gemma, small, small, {}, chunk=16), _whole_batch_nll(gemma, small, small))

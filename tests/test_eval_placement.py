@@ -23,7 +23,7 @@ import torch
 from tasks.core.config.schema import EvalConfig
 from tasks.core.evaluation import heldout as ev
 from tasks.core.evaluation import placement as where
-from tasks.core.evaluation.placement import CUDA_RESERVE_BYTES, Placement, forward_bytes, plan
+from tasks.core.evaluation.placement import CUDA_RESERVE_BYTES, Placement, forward_bytes, logits_chunk_tokens, plan
 
 GB = 10**9
 # Llama-3-8B: 8.03e9 parameters, 16.06 GB in bf16
@@ -83,11 +83,16 @@ def test_a_model_that_fits_nowhere_is_refused_with_the_numbers():
     assert plan(20 * GB, [16 * GB], forward=GB).kind == "refused"
 
 
-def test_forward_bytes_is_one_layers_working_tensors_and_the_logits():
-    # per token: (6 * 64 + 3 * 128) * 2 B in bf16 = 1536, logits 512 * (2 + 8) = 5120
+def test_forward_bytes_is_one_layers_working_tensors_and_a_chunk_of_logits():
+    # per token: (7 * 64 + 3 * 128) * 2 B in bf16 = 1664 (a layer's working tensors, the final hidden states);
+    # logits 512 * (2 + 8) = 5120 per position, for 10 positions: under one chunk (32768 positions of 512)
     assert forward_bytes({"hidden_size": 64, "intermediate_size": 128, "vocab_size": 512}, "bf16", 10) == 10 * (
-        1536 + 5120
+        1664 + 5120
     )
+    # a 262k vocabulary: 64 positions of logits at a time, however many tokens the batch holds
+    big = {"hidden_size": 640, "intermediate_size": 2048, "vocab_size": 262144}
+    assert logits_chunk_tokens(262144) == 64
+    assert forward_bytes(big, "fp32", 4096) == 4096 * (7 * 640 + 3 * 2048) * 4 + 64 * 262144 * 12
 
 
 def test_model_bytes_come_from_the_safetensors_headers(tiny_model_dir):

@@ -21,6 +21,7 @@ from tasks.core.errors import ConfigError
 from tasks.core.evaluation import heldout as ev
 from tasks.core.evaluation import verdict as gv
 from tasks.core.evaluation.heldout import stop_problem
+from tasks.core.run import meter
 from tests.conftest import REPO, tiny_config_raw
 
 SAMPLE = REPO / "data" / "sample"
@@ -188,10 +189,14 @@ def test_identical_models_give_identical_metrics_equal_to_transformers_loss(tiny
         ref = float(model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
     assert m["base"]["loss"] == pytest.approx(ref, rel=1e-5)
     assert m["base"]["perplexity"] == pytest.approx(torch.tensor(ref).exp().item(), rel=1e-5)
-    # Batch size is memory only.
-    assert ev.evaluate_cpt(tiny_model_dir, tiny_model_dir, held, "text", 64, EvalConfig(batch_size=3))["base"][
-        "loss"
-    ] == pytest.approx(m["base"]["loss"], rel=1e-6)
+    # Batch size is memory only; each batch scored is progress, with an ETA (the stage's lines)
+    records: list[dict] = []
+    with meter.reporting(records.append, interval_s=0):
+        small = ev.evaluate_cpt(tiny_model_dir, tiny_model_dir, held, "text", 64, EvalConfig(batch_size=3))
+    assert small["base"]["loss"] == pytest.approx(m["base"]["loss"], rel=1e-6)
+    done = [r for r in records if r["finished"]]
+    assert len(done) == 2 and all(r["done"] == r["total"] == m["sequences"] for r in done), records
+    assert any(0 < r["done"] < r["total"] and r["eta_s"] is not None for r in records)
 
     s = ev.evaluate_sft(
         tiny_model_dir, tiny_model_dir, split_by_fraction(sft_records, 0.1).heldout, "messages", 128, cfg
@@ -226,7 +231,11 @@ def test_generation_check_fails_when_generation_config_lacks_end_of_turn(model_c
     assert gen["eos_token_id"] == [1, 4]  # <|end_of_text|>, <|im_end|>
     gen["eos_token_id"] = 1
     path.write_text(json.dumps(gen))
-    summary, rows = ev.generation_check(model_copy, sft_records[:3], "messages", max_new_tokens=4, num_prompts=2)
+    records: list[dict] = []
+    with meter.reporting(records.append, interval_s=0):
+        summary, rows = ev.generation_check(model_copy, sft_records[:3], "messages", max_new_tokens=4, num_prompts=2)
+    assert [(r["done"], r["total"], r["finished"]) for r in records] == [(0, 2, False), (1, 2, False), (2, 2, True)]
+    assert records[1]["eta_s"] is not None and "greedy generations of" in records[0]["what"]
     assert summary["passed"] is False and summary["end_of_turn"] == {"id": 4, "token": "<|im_end|>"}
     assert (
         "generation_config.json eos_token_id [1] lacks the chat template's end-of-turn token '<|im_end|>' (id 4)"

@@ -21,6 +21,7 @@ import torch
 from tasks.core.config.outputs import ExportConfig
 from tasks.core.errors import ConversionError
 from tasks.core.models.convert.proof import prove_weights
+from tasks.core.run import meter
 from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR
 from tests._consumer_rules import assert_consumer_rules, served_files
 
@@ -214,7 +215,9 @@ def test_one_flipped_mantissa_bit_fails_the_export_naming_the_tensor(qwen2, tmp_
     assert f"'{key}': 1 of {64 * 64} elements differ" in msg and f"flat index {3 * 64 + 5}" in msg, msg
     assert "1 problem)" in msg and "do not publish" in msg
     # The same folder without the flip proves clean: the proof is exact, not tolerant.
-    assert (
-        prove_weights(ckpt / "model", export, "bf16")["tensors"]
-        == json.loads((export / PROVENANCE_DIR / "verification.json").read_text())["tensors"]
-    )
+    records: list[dict] = []
+    with meter.reporting(records.append, interval_s=0):  # each tensor read is progress, with an ETA
+        tensors = prove_weights(ckpt / "model", export, "bf16")["tensors"]
+    assert tensors == json.loads((export / PROVENANCE_DIR / "verification.json").read_text())["tensors"]
+    assert records[-1]["finished"] and records[-1]["done"] == records[-1]["total"] == 2 * tensors, records[-1]
+    assert any(0 < r["done"] < r["total"] and r["eta_s"] is not None for r in records)

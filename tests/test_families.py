@@ -50,15 +50,19 @@ def test_every_rows_shardformer_policy_is_colossalais_auto_policy_entry_for_its_
 
     from colossalai.shardformer.policies.auto_policy import _POLICY_LIST
 
+    from tasks.core.models.tp_plan import PLAN_POLICY, PLAN_ROWS
+
     for model_type, family in FAMILIES.items():
         cls = getattr(transformers, family.model_class)
         loc = _POLICY_LIST.get(f"{cls.__module__}.{cls.__qualname__}")
         want = f"colossalai.shardformer.policies.{loc.file_name}.{loc.class_name}" if loc else ""
-        assert family.shardformer_policy == want, model_type
-        if family.shardformer_policy:
+        # ColossalAI has none for a plan row's family: the derived policy (tasks/core/models/tp_plan.py) shards it
+        assert family.shardformer_policy == (PLAN_POLICY if model_type in PLAN_ROWS else want), model_type
+        assert not (loc and model_type in PLAN_ROWS), model_type
+        if family.shardformer_policy and family.shardformer_policy != PLAN_POLICY:
             module, _, name = family.shardformer_policy.rpartition(".")
             assert hasattr(importlib.import_module(module), name), family.shardformer_policy
-    assert not FAMILIES["qwen3"].shardformer_policy  # the refusal below is about a real gap
+    assert FAMILIES["qwen3"].shardformer_policy == PLAN_POLICY  # ColossalAI 0.5.0 has no Qwen3 policy
 
 
 @pytest.mark.parametrize("model_type", sorted(UNLISTED))
@@ -67,7 +71,8 @@ def test_a_family_with_no_row_is_derived_from_the_model_transformers_builds(mode
     model = _unlisted_model(model_type)
     mc = model.config.to_dict()
     family, _ = family_config(mc)
-    assert family.derived and family.model_class == type(model).__name__ and not family.shardformer_policy
+    assert family.derived and family.model_class == type(model).__name__
+    assert family.shardformer_policy == "tasks.engine.plan_policy.PlanPolicy"  # a plan row over the derived table
     tied = UNLISTED[model_type].get("tie_word_embeddings", False)
     state = model.state_dict()
     saved = {k: tuple(v.shape) for k, v in state.items() if not (tied and k == "lm_head.weight")}
@@ -242,21 +247,31 @@ def _report(tmp_path: Path, model_type: str, cpt_plugin: dict | None = None):
     return case.report()
 
 
-@pytest.mark.parametrize("model_type", ["olmo2", "qwen3"])
-def test_hybrid_parallel_is_refused_before_launch_for_a_family_without_a_policy(tmp_path, model_type):
-    report = _report(tmp_path, model_type)  # tiny-cpu: CPT hybrid_parallel tp=2
+def test_hybrid_parallel_is_refused_before_launch_for_a_family_without_a_policy(tmp_path):
+    # Gemma (1) ships a plan, but no row says the derived policy was measured on it
+    report = _report(tmp_path, "gemma")  # tiny-cpu: CPT hybrid_parallel tp=2
     assert [f for f, _ in report.problems] == ["cpt.plugin.name"], report.text()
     msg = report.problems[0][1]
-    assert ("derived from Olmo2ForCausalLM" if model_type == "olmo2" else "ColossalAI 0.5.0 has none for Qwen3") in msg
+    assert "derived from GemmaForCausalLM" in msg
     assert msg.endswith("set cpt.plugin.name to one of the plugins that run it: low_level_zero, gemini, torch_ddp"), msg
-    ok = _report(tmp_path / "lz", model_type, {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"})
+    ok = _report(tmp_path / "lz", "gemma", {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"})
     assert ok.ok, ok.text()
-    line = [c for c in ok.checked if c.startswith(f"model family {model_type}")]
-    want = {
-        "olmo2": "derived from Olmo2ForCausalLM (Olmo2Config) built on the meta device",
-        "qwen3": "in the registry, so the unshard and the export can convert it; no shardformer policy",
-    }
-    assert line and want[model_type] in line[0], ok.checked
+    line = [c for c in ok.checked if c.startswith("model family gemma")]
+    assert line and "derived from GemmaForCausalLM (GemmaConfig) built on the meta device" in line[0], ok.checked
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "qwen3"])
+def test_hybrid_parallel_at_tp_is_admitted_for_a_plan_family(tmp_path, model_type):
+    report = _report(tmp_path, model_type)  # tiny-cpu: CPT hybrid_parallel tp=2
+    assert report.ok, report.text()
+    line = [c for c in report.checked if c.startswith(f"model family {model_type}")]
+    assert line and any(
+        w in line[0] for w in ("the derived tensor-parallel policy", "derived policy from its own plan")
+    )
+    pp_plugin = {"name": "hybrid_parallel", "pp_size": 2, "precision": "fp32", "num_microbatches": 2}
+    pp = _report(tmp_path / "pp", model_type, pp_plugin)
+    assert [f for f, _ in pp.problems] == ["cpt.plugin.pp_size"], pp.text()
+    assert "pipeline and sequence parallelism are not proven" in pp.problems[0][1]
 
 
 def test_the_engine_refuses_the_same_before_it_builds_a_plugin():
@@ -264,9 +279,11 @@ def test_the_engine_refuses_the_same_before_it_builds_a_plugin():
     from tests.test_memory_estimate import stage
 
     hp = stage({"name": "hybrid_parallel", "tp_size": 2}, nproc=2)
-    for model_type in ("qwen3", "olmo2"):
-        with pytest.raises(ConfigError, match="plugins that run it: low_level_zero, gemini, torch_ddp"):
-            check_model(hp, {"model_type": model_type, **DIMS}, "cpt")
+    with pytest.raises(ConfigError, match="plugins that run it: low_level_zero, gemini, torch_ddp"):
+        check_model(hp, {"model_type": "gemma", **DIMS}, "cpt")
+    with pytest.raises(ConfigError, match="num_key_value_heads=1 is not divisible by tp_size=2"):
+        check_model(hp, {"model_type": "qwen3", **DIMS, "num_key_value_heads": 1}, "cpt")
+    check_model(hp, {"model_type": "qwen3", **DIMS}, "cpt")
     check_model(hp, {"model_type": "llama", **DIMS}, "cpt")
     lz = stage({"name": "low_level_zero"}, nproc=2)
     assert policy_problem({"model_type": "olmo2", **DIMS}, lz, "cpt") is None

@@ -25,9 +25,11 @@ from tasks.core.preflight.memory import (
     LLAMA3,
     RANK_BASELINE_BYTES,
     estimate,
+    human,
     layer_activation_bytes,
     table,
 )
+from tasks.core.preflight.memory_check import flow_process, node_host_need
 from tests._activations import kept_per_token
 from tests.conftest import write_config
 from tests.test_preflight import LLAMA3_8B, Case, _all, _llama3, _set
@@ -324,3 +326,147 @@ def test_the_refusal_offers_the_plugins_offload(tmp_path):
     offloaded = st.model_copy(update={"plugin": st.plugin.model_copy(update={"cpu_offload": True})})
     need = estimate({"model_type": "llama", **LLAMA3_8B}, offloaded, cuda=True).device
     assert need <= 40e9 and f"cpt.plugin.cpu_offload: true ({need / 1e9:,.2f} GB)" in msg, msg
+
+
+# -- the printed parts, ZeRO's buckets, the host's memory ---------------------------------------------
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "cuda"])
+@pytest.mark.parametrize("name", sorted(n for n, s in plugins.PLUGINS.items() if s.holds))
+def test_the_printed_parts_sum_to_each_figure_for_every_plugin(name, cuda):
+    spec = plugins.PLUGINS[name]
+    if spec.needs_cuda and not cuda:
+        pytest.skip(f"{name} needs CUDA")
+    zero = max(spec.zero_stages)
+    fields = {"name": name, "precision": "bf16", "zero_stage": zero}
+    for mc, st in (
+        (TINY, stage(fields, nproc=2)),
+        (LLAMA3["Llama-3-8B"], stage(fields, nproc=8, seq_len=4096, micro_batch_size=1)),
+        (TINY, stage({**fields, "precision": "fp32" if not spec.zero_fp32_refused else "bf16"}, nproc=2)),
+    ):
+        est = estimate(mc, st, cuda=cuda)
+        for figure, total in (
+            ("device", est.device),
+            ("host", est.host_steady),
+            ("construction", est.construction_host),
+            ("shard", est.shard_host),
+        ):
+            parts = est.parts(figure)
+            assert sum(n for _, n in parts) == total, (name, figure, parts, total)
+            assert all(n > 0 for _, n in parts)
+            shown = est.breakdown(figure, limit=3)
+            assert shown.endswith(f"= {human(total)}"), shown
+            assert len(shown.split(" + ")) <= 4  # three parts and `other`
+
+
+GEMMA3_270M = {  # google/gemma-3-270m's config.json, the fields the estimate reads
+    "model_type": "gemma3_text",
+    "vocab_size": 262144,
+    "hidden_size": 640,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "tie_word_embeddings": True,
+}
+
+
+def test_zero_keeps_a_flattened_bucket_and_zero2_the_whole_gradients_waiting_in_it():
+    """ColossalAI 0.5.0's LowLevelZeroOptimizer flattens a bucket of gradients (12 Mi elements, or one tensor
+    larger than that) to reduce it; under ZeRO-2 the gradients wait whole in the bucket beside the
+    activations; the fp32 copy of the gradient shard at the step exists in bf16 only."""
+    bucket = plugins.PLUGINS["low_level_zero"].grad_bucket_elements
+    assert bucket == 12 * 1024 * 1024
+    # the tiny model's 139584 parameters are one bucket
+    z2 = estimate(TINY, stage({"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"}, nproc=2))
+    terms = {(t.what, t.when): t.bytes for t in z2.terms}
+    assert terms[("whole gradients awaiting their bucket", "forward")] == 4 * 139584
+    assert terms[("flattened gradient bucket", "forward")] == 4 * 139584
+    assert not any(t.what == "fp32 gradient shard" for t in z2.terms)  # in fp32 `.to(float32)` is the tensor
+    z1 = estimate(TINY, stage({"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"}, nproc=2))
+    terms = {(t.what, t.when): t.bytes for t in z1.terms}
+    assert terms[("flattened gradient bucket", "backward")] == 2 * 139584
+    assert terms[("fp32 gradient shard", "step")] == 4 * math.ceil(139584 / 2)
+    # Gemma 3 270M: its tied 262144 x 640 embedding (168M) is a bucket of its own, over 12 Mi elements
+    g = estimate(GEMMA3_270M, stage({"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"}, nproc=2))
+    assert by_what(g)["flattened gradient bucket"] == 4 * 262144 * 640
+
+
+def test_the_shard_verb_holds_the_states_and_its_save_or_the_model_as_it_is_built():
+    P, largest = 139584, 512 * 64
+    ddp = estimate(TINY, stage({"name": "torch_ddp", "precision": "fp32"}, nproc=2))
+    # fp32 weights, DDP buckets and Adam moments (16 B); torch DDP saves its whole local state as it is
+    assert ddp.shard_host == RANK_BASELINE_BYTES + 16 * P and ddp.save_transient == 0
+    assert ddp.shard_host > ddp.construction_host
+    zero = estimate(TINY, stage({"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"}, nproc=2))
+    # fp32 working weights, the master and moment shards (4 + 12 / 2 B), and one and a half gathered tensors'
+    # Adam state (measured: benchmarks/scale.py, the 80M tied model)
+    assert zero.save_transient == round(1.5 * 8 * largest)
+    half = math.ceil(P / 2)
+    assert zero.shard_host == RANK_BASELINE_BYTES + 4 * P + 12 * half + zero.save_transient
+
+
+def _host_case(tmp_path, plugin: dict, nproc: int, host: int, available: int | None = None) -> Case:
+    case = Case(tmp_path)
+    _all(_llama3, _set("cpt.plugin", plugin), _set("cpt.launch", {"nproc_per_node": nproc}))(case)
+    case.machine = Machine(
+        cuda_devices=0, cpu_count=2, free_bytes=10**13, host_memory_bytes=host, host_available_bytes=available
+    )
+    return case
+
+
+def test_cpu_ranks_over_this_machines_memory_are_refused_naming_the_levers(tmp_path):
+    """4 torch_ddp ranks of Llama-3-8B in fp32 on this machine: no launch, refused before it."""
+    from tasks.core.preflight.model_info import host_memory
+
+    total, available = host_memory()
+    assert total and total > 0 and available is not None
+    assert Machine.detect().host_memory_bytes == total  # what `cpt-to-sft check` compares with
+    case = _host_case(tmp_path, {"name": "torch_ddp", "precision": "fp32"}, 4, total, available)
+    report = case.report()
+    msgs = [m for f, m in report.problems if f == "cpt.launch.nproc_per_node"]
+    assert msgs, report.text()
+    st = load_for_check(write_config(tmp_path / "c.yaml", case.raw)).cpt
+    need = node_host_need({"model_type": "llama", **LLAMA3_8B}, st, "cpt", False)
+    assert need > total
+    assert "4 rank(s) x " in msgs[0] and f"= {human(need)}" in msgs[0]
+    assert f"more than this machine's {human(total)} of memory" in msgs[0]
+    assert "zero_stage" in msgs[0] and "nproc_per_node" in msgs[0] and "micro_batch_size" in msgs[0]
+    assert "Traceback" not in report.text()
+
+
+def test_a_host_lever_that_fits_is_offered_with_its_figure(tmp_path):
+    mc = {"model_type": "llama", **LLAMA3_8B}
+    base = {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"}
+    st = load_for_check(write_config(tmp_path / "c.yaml", _host_case(tmp_path, base, 4, 1).raw)).cpt
+    z2 = st.model_copy(update={"plugin": st.plugin.model_copy(update={"zero_stage": 2})})
+    need, fixed = node_host_need(mc, st, "cpt", False), node_host_need(mc, z2, "cpt", False)
+    host = (need + fixed) // 2
+    msg = next(m for f, m in _host_case(tmp_path, base, 4, host).report().problems if f == "cpt.launch.nproc_per_node")
+    assert f"cpt.plugin.zero_stage: 2 ({human(fixed)})" in msg, msg
+    three = st.model_copy(update={"launch": st.launch.model_copy(update={"nproc_per_node": 3})})
+    assert f"cpt.launch.nproc_per_node: 3 ({human(node_host_need(mc, three, 'cpt', False))})" in msg, msg
+    # with the memory it needs the same layout passes, and a warning says when others hold it now
+    ok = _host_case(tmp_path, base, 4, need, available=need - 1).report()
+    assert not [p for p in ok.problems if p[0] == "cpt.launch.nproc_per_node"], ok.text()
+    assert any(line.startswith("cpt host memory on this node: 4 rank(s)") for line in ok.checked), ok.text()
+    assert any("available now" in w for w in ok.warnings), ok.text()
+
+
+def test_the_flow_process_is_estimated_and_checked_against_this_machine(tmp_path):
+    case = _host_case(tmp_path, {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}, 2, int(1e15))
+    report = case.report()
+    lines = [c for c in report.checked if c.startswith("flow process, ")]
+    assert any("logits checks" in c and "the largest unit, streamed" in c for c in lines), report.text()
+    assert any(c.startswith("flow process, evaluate_cpt on CPU (fp32") for c in lines), report.text()
+    mc = {"model_type": "llama", **LLAMA3_8B}
+    cfg = load_for_check(write_config(tmp_path / "c.yaml", case.raw))
+    figures = {what: sum(n for _, n in rows) for what, _, rows in flow_process(mc, cfg, cuda=False)}
+    evaluation = next(n for what, n in figures.items() if what.startswith("evaluate_cpt"))
+    assert evaluation > 4 * 8e9  # the fp32 model, whole
+    # a machine that holds the ranks but not the fp32 evaluation: refused naming cpt.eval.dtype
+    small = _host_case(tmp_path, {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}, 1, int(33e9))
+    small.raw["cpt"]["launch"]["nproc_per_node"] = 1
+    msgs = [m for f, m in small.report().problems if f == "cpt.eval.dtype"]
+    assert msgs and "bf16" in msgs[0], small.report().text()

@@ -164,7 +164,7 @@ def test_refusals_name_the_requirement_and_the_modes_that_would_run():
     ("model_type", "mode", "words"),
     [
         ("mistral", "all_to_all", "Mistral policy switches sequence parallelism off with a warning"),
-        ("qwen3", "split_gather", "no Qwen3 shardformer policy"),
+        ("qwen3", "split_gather", "pipeline and sequence parallelism are not proven with it"),
         ("qwen2", "ring_attn", "modes split_gather, all_to_all run"),
     ],
 )

@@ -12,6 +12,7 @@ from tasks.core.errors import ConversionError
 from tasks.core.models.families import FAMILIES
 from tasks.core.models.fingerprint import hf_dir_logits
 from tasks.core.models.stream import meta_model, model_bytes, stream_units, streaming
+from tasks.core.run import meter
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +65,12 @@ def test_streamed_logits_are_bitwise_the_whole_forward(tmp_path, tokenizer, fami
     # the units: each decoder layer, then embedding, final norm and (untied) head; after the forward all is meta again
     names = {type(u).__name__ for u, _ in stream_units(meta)}
     assert sum(recurse for _, recurse in stream_units(meta)) == 3 and any(n.endswith("Embedding") for n in names)
-    with streaming(meta, d):
+    records: list[dict] = []
+    with meter.reporting(records.append, interval_s=0), streaming(meta, d):  # a unit done: a line with an ETA
         meta(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False)
+    units = len(stream_units(meta))
+    assert [r["done"] for r in records] == list(range(units)) + [units] and records[-1]["finished"]
+    assert records[1]["eta_s"] is not None and records[0]["what"].startswith("logits check of")
     assert all(p.device.type == "meta" for p in meta.parameters())
     params = sum(p.numel() for p in meta.parameters())
     assert model_bytes(meta) == 4 * params

@@ -589,7 +589,8 @@ def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
     from tasks.core.config.load import parse_config
     from tasks.core.config.schema import PluginConfig, RunConfig
     from tasks.core.errors import ConfigError
-    from tasks.core.preflight.memory import estimate, fits_with
+    from tasks.core.preflight.memory import estimate
+    from tasks.core.preflight.memory_check import fits_with
     from tasks.engine import builders as engine_plugins
     from tests.conftest import tiny_config_raw
 

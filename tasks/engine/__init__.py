@@ -23,6 +23,7 @@ The Prefect task writes the job file (tasks/core/run/job.py) and reads the ranks
 - notice.py         a rank's ear for preemption notices: signal handlers and pollers
 - optim.py          the stage's optimizer and learning-rate schedule
 - packing.py        packed SFT rows -> model inputs, attention kept inside each conversation
+- plan_policy.py    the derived shardformer policy: tensor parallelism from the model's own tp plan
 - preconditions.py  the files a verb will read, checked before any process group exists
 - rankio.py         every line a rank prints prefixed with `[rank N] `
 - sampler.py        the resumable order of training rows per dp rank and step

@@ -40,6 +40,7 @@ from tasks.core.config.sequence import SP_MODES, sp_size
 from tasks.core.errors import ConfigError
 from tasks.core.models.families import policy_problem, sp_family_problem
 from tasks.core.models.policy_rows import shard_settings
+from tasks.core.models.tp_plan import PLAN_ROWS
 from tasks.engine import lean_save, solo_ddp
 
 __all__ = [
@@ -231,7 +232,19 @@ def plugin_kwargs(
         **offload_kwargs(plugin_cfg),
         **passed(kernels, "plugin"),
         **(shard_settings(model_type)[1] if spec_of(plugin_cfg.name).shardformer else {}),
+        **(plan_policy_kwargs(model_type) if spec_of(plugin_cfg.name).shardformer else {}),
     }
+
+
+def plan_policy_kwargs(model_type: str | None) -> dict[str, Any]:
+    """`custom_policy`: the derived tensor-parallel policy, for a family with a row in
+    `tasks.core.models.tp_plan.PLAN_ROWS` (read from the model's own plan; ColossalAI has no policy for these)."""
+    row = PLAN_ROWS.get(model_type or "")
+    if row is None:
+        return {}
+    from tasks.engine.plan_policy import PlanPolicy
+
+    return {"custom_policy": PlanPolicy(row)}
 
 
 def offload_kwargs(plugin_cfg: PluginConfig) -> dict[str, Any]:

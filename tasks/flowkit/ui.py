@@ -30,7 +30,8 @@ from prefect.artifacts import (
 
 from tasks.core.config.kernels import describe
 from tasks.core.evaluation import benchmark as bench
-from tasks.core.run import preemptions
+from tasks.core.run import meter, preemptions
+from tasks.core.run.events import CONSOLE_OFF
 from tasks.core.run.segments import summary as segments_summary
 from tasks.core.run.trainlog import duration
 
@@ -185,6 +186,46 @@ class DataProgress:
                 update_progress_artifact(self._id, 100.0 * d["bytes"] / self.total_bytes, description=text)
         except Exception as exc:
             warn_view_failure("data progress artifact", exc)
+
+
+class WorkProgress:
+    """The `<stage>-progress` artifact and console lines of a stage that is not training
+    (tasks/core/run/meter.py): each record of its meters is a log line (`benchmark: export
+    loglikelihood: 1,200 / 4,000 requests (30%), 1m10s elapsed, ETA 2m43s`) and the bar's percent and
+    description. `reporting()` is the block the stage runs its work in."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+        self._id = None
+        self._said: set[str] = set()
+        # taken here, in the task's thread: a converter's shard threads report through it too
+        try:
+            self._logger: Any = get_run_logger()
+        except Exception:  # outside a flow/task run there is no run logger
+            self._logger = logging.getLogger(__name__)
+        try:
+            self._id = create_progress_artifact(0.0, key=_key(f"{stage}-progress"), description=f"{stage}: starting")
+        except Exception as exc:
+            warn_view_failure("progress artifact", exc)
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        text = f"{self.stage}: {meter.line(record)}"
+        # The console gets a part's lines once it has run an interval (then its end too), so a short
+        # stage adds none to the run's console; the run's log in the UI gets every record.
+        going = not record["finished"] and record["done"] > 0
+        said = going or (record["finished"] and record["what"] in self._said)
+        if going:
+            self._said.add(record["what"])
+        try:
+            self._logger.info(text, **({} if said else {"extra": CONSOLE_OFF}))
+            if self._id is not None:
+                pct = 100.0 * record["done"] / record["total"] if record["total"] else 100.0
+                update_progress_artifact(self._id, min(100.0, pct), description=text)
+        except Exception as exc:
+            warn_view_failure("progress update", exc)
+
+    def reporting(self, interval_s: float = meter.INTERVAL_S):
+        return meter.reporting(self, interval_s)
 
 
 def token_table(stage: str, totals: dict[str, Any]) -> None:

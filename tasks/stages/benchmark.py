@@ -65,7 +65,7 @@ def _base_scores(
                 "benchmark: base scores reused from %s (same base, tasks and settings)", stage.store.uri(rel)
             )
             return {**kept["scores"], "cached": True, "key": key}
-    scores = bench.score(base_dir, include, names, cfg.benchmark, dtype, cfg.base_model.trust_remote_code)
+    scores = bench.score(base_dir, include, names, cfg.benchmark, dtype, cfg.base_model.trust_remote_code, "base")
     stage.store.write_text(
         rel,
         json.dumps(
@@ -85,7 +85,7 @@ def benchmark(
     if not cfg.benchmark.enabled:
         return _not_configured()
     tasks = [bench.read_task(uri) for uri in cfg.benchmark.tasks]
-    bench.require_runnable(tasks)  # pre-flight's rules again: the files may have changed since
+    bench.require_runnable(tasks, cfg.benchmark.max_split_mb)  # pre-flight's rules again: the files may have changed
     inputs = {"tasks": bench.fingerprint(tasks), "lm_eval": bench.lm_eval_version()}
     stage = Stage("benchmark", cfg, base, export, inputs=inputs)
     if stage.skipped:
@@ -96,10 +96,15 @@ def benchmark(
     dtype = placement.eval_dtype(cfg.benchmark.dtype, cfg.export.dtype, cuda_available())
     names = [t.name for t in tasks]
     base_dir, export_dir = stage.store.stage_in(base.rel), stage.store.stage_in(export.rel)
-    with stage.build() as out, tempfile.TemporaryDirectory(prefix="cpt-to-sft-benchmark-") as tmp:
+    with (
+        stage.build() as out,
+        tempfile.TemporaryDirectory(prefix="cpt-to-sft-benchmark-") as tmp,
+        ui.WorkProgress("benchmark").reporting(),  # a line a while with an ETA, as training's
+    ):
         fetched = bench.fetch(tasks, out.dir / TASKS_DIR)
         include = bench.runnable(tasks, fetched, out.dir / TASKS_DIR, Path(tmp) / "run", Path(tmp) / "datasets-cache")
-        scored = bench.score(export_dir, include, names, cfg.benchmark, dtype, cfg.base_model.trust_remote_code)
+        trust = cfg.base_model.trust_remote_code
+        scored = bench.score(export_dir, include, names, cfg.benchmark, dtype, trust, "export")
         base_scored = _base_scores(stage, base, base_dir, include, names, cfg, dtype, inputs)
         metrics = {
             "tasks": bench.compare(base_scored, scored),

@@ -42,7 +42,7 @@ from tasks.core.evaluation import heldout as ev
 from tasks.core.evaluation import placement
 from tasks.core.run.stages import Status
 from tasks.core.storage.fs import RunStore
-from tasks.flowkit import tracking
+from tasks.flowkit import tracking, ui
 from tasks.flowkit.stage import Stage, StageResult, stage_task
 
 # ------------------------------------------------------------------------------------------------
@@ -140,17 +140,18 @@ def evaluate_cpt(
     if isinstance(opened, StageResult):
         return opened
     stage, base_dir, cpt_dir, data, split, st = opened
-    metrics = ev.evaluate_cpt(
-        base_dir,
-        cpt_dir,
-        heldout_records(data),
-        st.data.text_field,
-        st.seq_len,
-        st.eval,
-        cfg.base_model.trust_remote_code,
-        by_source=heldout_by_source(data),
-        heldout_only=heldout_only_names(data),
-    )
+    with ui.WorkProgress("evaluate_cpt").reporting():  # a line a while with an ETA, as training's
+        metrics = ev.evaluate_cpt(
+            base_dir,
+            cpt_dir,
+            heldout_records(data),
+            st.data.text_field,
+            st.seq_len,
+            st.eval,
+            cfg.base_model.trust_remote_code,
+            by_source=heldout_by_source(data),
+            heldout_only=heldout_only_names(data),
+        )
     metrics["split"] = split
     logger.info(
         "evaluate_cpt: held-out perplexity base %.4f -> CPT %.4f (%+.2f%%) on %d tokens in %.1fs",
@@ -190,10 +191,11 @@ def evaluate_sft(
     stage, pre_dir, export_dir, data, split, st = opened
     heldout = heldout_records(data)
     trust = cfg.base_model.trust_remote_code
-    metrics = ev.evaluate_sft(pre_dir, export_dir, heldout, st.data.messages_field, st.seq_len, st.eval, trust)
-    gen, rows = ev.generation_check(
-        export_dir, heldout, st.data.messages_field, g.max_new_tokens, g.num_prompts, st.eval.dtype, trust
-    )
+    with ui.WorkProgress("evaluate_sft").reporting():  # a line a while with an ETA, as training's
+        metrics = ev.evaluate_sft(pre_dir, export_dir, heldout, st.data.messages_field, st.seq_len, st.eval, trust)
+        gen, rows = ev.generation_check(
+            export_dir, heldout, st.data.messages_field, g.max_new_tokens, g.num_prompts, st.eval.dtype, trust
+        )
     gen["file"] = "generations.jsonl"
     metrics["generation"] = gen
     metrics["split"] = split

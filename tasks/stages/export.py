@@ -127,7 +127,7 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
     from tasks.core.models.merge import build_merged_dir
 
     ckpt, source = stage.store.stage_in(sft.rel), stage.store.stage_in(TRAINING["sft"].source)
-    with stage.build() as out:
+    with stage.build() as out, ui.WorkProgress("export").reporting():  # shards, the proof: lines with an ETA
         if (
             cfg.sft.lora is not None
         ):  # the adapter merged onto cpt/hf in fp32, proven against peft (tasks/core/models/merge.py)

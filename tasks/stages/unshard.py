@@ -11,6 +11,7 @@ from tasks.core.config.context import config_changes
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.stage_data import recorded_split
 from tasks.core.run.stages import BASE, TRAINING
+from tasks.flowkit import ui
 from tasks.flowkit.stage import Stage, StageResult, stage_task
 
 
@@ -24,7 +25,7 @@ def unshard(cfg: RunConfig, cpt: StageResult) -> StageResult:
     )  # here: the converter imports torch, which a skipped stage never needs
 
     ckpt, source = stage.store.stage_in(cpt.rel), stage.store.stage_in(BASE)
-    with stage.build() as out:
+    with stage.build() as out, ui.WorkProgress("unshard").reporting():  # shards, the proof: lines with an ETA
         built = build_hf_dir(
             ckpt,
             out.dir,

@@ -74,6 +74,16 @@ class BenchmarkConfig(Frozen):
         description="Score only the first N documents of each task (a smoke run); null: all of them.",
     )
 
+    max_split_mb: float = Field(
+        default=256.0,
+        gt=0,
+        description=(
+            "The largest split a task's data_files may name, in MB (10^6 bytes) on disk summed over the split's "
+            "files: the stage reads every split whole and lm-eval builds every document, while pre-flight reads "
+            "only a sample of each file. A larger split is refused before launch."
+        ),
+    )
+
     @property
     def enabled(self) -> bool:
         return bool(self.tasks)

@@ -130,7 +130,9 @@ class Held:
     precisions: tuple[str, ...] = PRECISIONS
     # "no_pipeline": pp == 1 only; "data_parallel": pp == 1 and dp > 1 only; "grad_accum": grad_accum_steps > 1 only
     only: Literal["", "no_pipeline", "data_parallel", "grad_accum"] = ""
-    per: Literal["parameter", "layer"] = "parameter"  # "layer": counts one decoder layer's parameters, unsharded
+    # "layer": counts one decoder layer's parameters, unsharded; "bucket": the plugin's gradient bucket
+    # (`PluginSpec.grad_bucket_elements`) or the rank's largest trainable tensor, whichever is larger, unsharded
+    per: Literal["parameter", "layer", "bucket"] = "parameter"
     offload: str = (
         ""  # the PluginConfig field (an `Offload` row) whose value is the share of this tensor put in host memory
     )
@@ -212,6 +214,14 @@ class PluginSpec:
     # the block-diagonal mask or the restarting position ids as they are.
     packing_refused: str = ""
     holds: tuple[Held, ...] = ()  # what it keeps per parameter on a rank (memory estimate); () = not estimated
+    # Elements of the gradient bucket its ZeRO optimizer reduces at once (ColossalAI's reduce_bucket_size,
+    # 12 Mi elements unless the builder passes another); a tensor larger than it is a bucket of its own
+    grad_bucket_elements: int = 0
+    # How many tensors' whole Adam state (two fp32 moments) a checkpoint save holds at once beside the states:
+    # the shard verb's step-000000 save is its peak (benchmarks/scale.py "shard peak"). A plugin whose ranks
+    # hold the state sharded gathers it a tensor at a time (tasks/engine/lean_save.py); torch DDP's is whole
+    # and local, saved as it is.
+    save_state_tensors: float = 2.0
     # The plugin materializes a model built under ColossalAI's LazyInitContext as it shards it, so
     # a rank holds its own share plus one full tensor, never the whole model (hybrid_parallel: each
     # layer's weight is materialized by shardformer's from_native_module, then split; a pipeline
@@ -344,13 +354,23 @@ register(
         dedupes_tied_weights=False,
         offload=(Offload("cpu_offload", moves_step=True),),
         lever=Lever((("zero_stage", 2),)),
+        # ColossalAI 0.5.0's LowLevelZeroOptimizer: a bucket's gradients are flattened into one new tensor
+        # (_flatten_dense_tensors) to be reduced; under ZeRO-2 each gradient waits whole in its bucket until
+        # the bucket fills during the backward, beside the activations (a tensor over the bucket alone: the
+        # LM head's, the embedding's, a tied one's until the backward reaches the input); the fp32 copy of
+        # the gradient shard at the step is a copy in bf16/fp16 only (in fp32 `.to(float32)` is the tensor)
+        grad_bucket_elements=12 * 1024 * 1024,
+        save_state_tensors=1.5,  # measured: 1.45 x at 80M (tied, 131k vocabulary), 2 CPU ranks, fp32
         holds=(
             Held("working weights", "weights", trainable=False),
             Held("fp32 master weight shard", 4, sharded=True, offload="cpu_offload", master=True),
             Held("Adam moment shard", 8, sharded=True, offload="cpu_offload"),
             Held("gradients", "weights", when="grads", zero=(1,)),
             Held("gradient shard", "weights", sharded=True, when="grads", zero=(2,)),
-            Held("fp32 gradient shard", 4, sharded=True, when="step", offload="cpu_offload"),
+            Held("whole gradients awaiting their bucket", "weights", when="forward", zero=(2,), per="bucket"),
+            Held("flattened gradient bucket", "weights", when="forward", zero=(2,), per="bucket"),
+            Held("flattened gradient bucket", "weights", when="backward", zero=(1,), per="bucket"),
+            Held("fp32 gradient shard", 4, sharded=True, when="step", offload="cpu_offload", precisions=MIXED),
         ),
     )
 )
@@ -416,6 +436,7 @@ register(
         clips_grad=False,
         strict_load=False,
         dedupes_tied_weights=False,
+        save_state_tensors=0.0,
         holds=(
             Held("fp32 weights", "weights", trainable=False),
             Held("gradients", "weights", when="grads"),

@@ -28,6 +28,7 @@ import sys
 import time
 import weakref
 from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ from tasks.core.config.benchmark import BenchmarkConfig, BenchmarkLimit
 from tasks.core.evaluation import placement as where
 from tasks.core.evaluation import task_rules as rules
 from tasks.core.evaluation.release import release
+from tasks.core.evaluation.task_data import size_problems
+from tasks.core.run.meter import Meter, metered
 
 LOCAL_BUILDERS = ("json", "parquet", "csv", "text", "arrow")
 REMOTE_SCHEMES = ("http", "https", "hf", "ftp", "github", "git")
@@ -137,9 +140,12 @@ def eval_split(task: TaskFile) -> str | None:
     return task.config.get("test_split") or task.config.get("validation_split")
 
 
-def require_runnable(tasks: Sequence[TaskFile]) -> None:
-    """The stage's own check of the rules pre-flight applies: ValueError naming each task's problems."""
+def require_runnable(tasks: Sequence[TaskFile], max_split_mb: float | None = None) -> None:
+    """The stage's own check of the rules pre-flight applies (and of the splits' sizes, with
+    `max_split_mb`): ValueError naming each task's problems."""
     problems = [f"{t.uri}: {p}" for t in tasks for p in task_problems(t)]
+    if not problems and max_split_mb is not None:
+        problems = [f"{t.uri}: {p}" for t in tasks for p in size_problems(t, max_split_mb)]
     if problems:
         raise ValueError("benchmark tasks refused (pre-flight names the fix):\n  " + "\n  ".join(problems))
 
@@ -295,6 +301,81 @@ def flatten(results: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# --- progress: lm-eval's own bars (tqdm, sent to /dev/null) feed the stage's meter ----------------
+_phase: ContextVar[Meter | None] = ContextVar("cpt_to_sft_lm_eval_phase", default=None)
+
+
+class _Bar:
+    """What HFLM's progress bars are while a model is scored: each request (or rolling window) it
+    finishes is added to the meter of the request type being run, nothing is drawn."""
+
+    def __init__(self, iterable: Any = None, *args: Any, **kwargs: Any):
+        self.iterable = iterable
+
+    def __iter__(self):
+        return iter(self.iterable)
+
+    def update(self, n: int = 1) -> None:
+        if (m := _phase.get()) is not None:
+            m.add(n)
+
+    def close(self) -> None:
+        pass
+
+
+def _metered(hflm: type, label: str) -> type:
+    """HFLM whose three request types each run as a metered part: `<label> loglikelihood: done /
+    total requests` (rolling: windows, counted as lm-eval cuts them), with an ETA."""
+    from lm_eval import utils as lm_utils
+
+    @contextlib.contextmanager
+    def part(kind: str, total: int, unit: str) -> Iterator[None]:
+        with metered(f"{label} {kind}", total, unit) as m:
+            token = _phase.set(m)
+            try:
+                yield
+            finally:
+                _phase.reset(token)
+
+    class Metered(hflm):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            with part("loglikelihood", len(requests), "requests"):
+                return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            with part("generate_until", len(requests), "generations"):
+                return super().generate_until(requests, disable_tqdm=disable_tqdm)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            windows = sum(
+                sum(
+                    1
+                    for _ in lm_utils.get_rolling_token_windows(
+                        token_list=self.tok_encode(req.args[0]),
+                        prefix_token=self.prefix_token_id,
+                        max_seq_len=self.max_length,
+                        context_len=1,
+                    )
+                )
+                for req in requests
+            )
+            with part("loglikelihood_rolling", windows, "windows"):
+                return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+
+    return Metered
+
+
+@contextlib.contextmanager
+def _bars_to_meter() -> Iterator[None]:
+    import lm_eval.models.huggingface as hf
+
+    before, hf.tqdm = hf.tqdm, _Bar
+    try:
+        yield
+    finally:
+        hf.tqdm = before
+
+
 def score(
     model_dir: Path,
     include_dir: Path,
@@ -302,20 +383,22 @@ def score(
     cfg: BenchmarkConfig,
     dtype: str,
     trust_remote_code: bool = False,
+    label: str = "model",
 ) -> dict[str, Any]:
     """lm_eval.simple_evaluate of one HF folder on the tasks under `include_dir`, the model placed as
-    the held-out evaluation places it; the model is released before this returns."""
+    the held-out evaluation places it; the model is released before this returns. Its progress goes
+    to the `reporting` block open around it (tasks/core/run/meter.py), each part named `label`."""
     from tasks.core.evaluation.heldout import eval_device, load_model, load_tokenizer
 
     started = time.monotonic()
-    with offline():
+    with offline(), _bars_to_meter():
         import lm_eval
         from lm_eval.models.huggingface import HFLM
 
         tm, _ = load_tasks(include_dir, names)  # refuses a missing task before a model is loaded
         placed = where.place(model_dir, dtype, cfg.batch_size * 2048)
         model = load_model(model_dir, dtype, eval_device(), trust_remote_code, placed)
-        lm = HFLM(
+        lm = _metered(HFLM, label)(
             pretrained=model,
             tokenizer=load_tokenizer(model_dir, trust_remote_code),
             backend="causal",

@@ -31,10 +31,12 @@ from tasks.core.config.kernels import cuda_available
 from tasks.core.config.outputs import ExportConfig
 from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.schema import EvalConfig
-from tasks.core.data.samples import IGNORE_INDEX, encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
+from tasks.core.data.samples import encode_sft_with_stats, pack_cpt, render_chat, special_token_ids
 from tasks.core.evaluation import placement as where
 from tasks.core.evaluation import release
+from tasks.core.evaluation.chunked import token_nll
 from tasks.core.models.fingerprint import torch_dtype
+from tasks.core.run import meter
 
 if TYPE_CHECKING:
     import torch
@@ -162,7 +164,8 @@ def sft_batch(
 
 
 def heldout_loss(model, batch: dict[str, torch.Tensor], batch_size: int, device: torch.device) -> dict[str, float]:
-    """Token-weighted next-token cross entropy over every labelled position (float64 sums)."""
+    """Token-weighted next-token cross entropy over every labelled position (float64 sums of the fp32
+    per-position losses, `token_nll`: the logits a chunk of positions at a time)."""
     import torch
 
     with torch.no_grad():
@@ -173,16 +176,9 @@ def heldout_loss(model, batch: dict[str, torch.Tensor], batch_size: int, device:
             labels = batch["labels"][i : i + batch_size].to(device)
             mask = batch.get("attention_mask")
             kwargs = {"attention_mask": mask[i : i + batch_size].to(device)} if mask is not None else {}
-            logits = model(input_ids=ids, use_cache=False, **kwargs).logits.float()
-            target = labels[:, 1:].to(logits.device)  # a spread model's logits are on its last GPU
-            nll = torch.nn.functional.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]),
-                target.reshape(-1),
-                ignore_index=IGNORE_INDEX,
-                reduction="sum",
-            )
-            total += float(nll.double())
-            count += int((target != IGNORE_INDEX).sum())
+            nll = token_nll(model, ids, labels, kwargs)
+            total += float(nll.double().sum())
+            count += int(nll.numel())
         if count == 0:
             raise ValueError("the held-out batch has no labelled token to score")
         loss = total / count
@@ -201,14 +197,21 @@ def compare_many(
     cfg = resolved(cfg)
     tokens = cfg.batch_size * max((int(b["input_ids"].shape[-1]) for b in batches.values()), default=0)
     out: dict[str, list[dict]] = {name: [] for name in batches}
+    rows = sum(int(b["input_ids"].shape[0]) for b in batches.values())
     for model_dir in (reference_dir, candidate_dir):
         placed = where.place(model_dir, cfg.dtype, tokens)
         model = load_model(model_dir, cfg.dtype, eval_device(), trust_remote_code, placed)
         device = input_device(model, eval_device())
+        # progress in sequences scored, counted where every forward pass starts (its embedding), so
+        # however the loss is computed from the logits
+        progress = meter.meter(f"held-out loss of {'/'.join(model_dir.parts[-2:])}", rows, "sequences")
+        hook = model.get_input_embeddings().register_forward_hook(lambda _m, a, _o, p=progress: p.add(len(a[0])))
         try:
             for name, batch in batches.items():
                 out[name].append({**heldout_loss(model, batch, cfg.batch_size, device), "device": placed.describe()})
         finally:
+            hook.remove()
+            progress.finish()
             gone = weakref.ref(model)
             del model  # before the next model loads: one in memory at a time
             _release(gone)
@@ -458,6 +461,7 @@ def _generation_check(
     stop_ids = set(_eos_ids(model.generation_config.eos_token_id))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(stop_ids) if stop_ids else 0)
     rows = []
+    progress = meter.meter(f"greedy generations of {'/'.join(Path(model_dir).parts[-2:])}", len(prompts), "prompts")
     try:
         for i, msgs in enumerate(prompts):
             ids = torch.tensor([render_chat(tokenizer, msgs, add_generation_prompt=True)], device=device)
@@ -479,7 +483,9 @@ def _generation_check(
                     "stop_token": tokenizer.convert_ids_to_tokens(new[-1]) if stopped else None,
                 }
             )
+            progress.add()
     finally:
+        progress.finish()
         gone = weakref.ref(model)
         del model
         _release(gone)

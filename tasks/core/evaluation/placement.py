@@ -68,15 +68,29 @@ def largest_block_numel(model_dir: str | Path) -> int:
     return max(blocks.values(), default=0)
 
 
+# The held-out loss computes the LM head's logits over this many bytes of fp32 logits at a time (at least one
+# position): a 262k vocabulary scores 64 positions a chunk, whatever eval.batch_size x seq_len is
+# (tasks/core/evaluation/heldout.py `heldout_loss`).
+LOGITS_CHUNK_BYTES = 64 * 2**20
+
+
+def logits_chunk_tokens(vocab: int) -> int:
+    """Positions whose fp32 logits fit LOGITS_CHUNK_BYTES, a multiple of 8 (at least 8): products of 8k rows
+    give each row bitwise what the whole batch's product does (measured with torch 2.13's MKL)."""
+    return max(8, LOGITS_CHUNK_BYTES // max(1, 4 * vocab) // 8 * 8)
+
+
 def forward_bytes(config: dict[str, Any], dtype: str, tokens: int) -> int:
     """Peak bytes of one no-grad forward over `tokens` tokens besides the weights: a decoder layer's
     working tensors (q, k, v, attention output and the residual stream: ~6 hidden-wide; gate, up and
-    their product: 3 MLP-wide) and the logits with their fp32 copy and log-softmax (8 B per logit)."""
+    their product: 3 MLP-wide), the final hidden states, and one chunk of logits (`logits_chunk_tokens`)
+    with their fp32 copy and log-softmax (8 B per logit)."""
     d = DTYPE_BYTES[dtype]
     hidden = int(config.get("hidden_size") or 0)
     mlp = int(config.get("intermediate_size") or 4 * hidden)
     vocab = int(config.get("vocab_size") or 0)
-    return tokens * ((6 * hidden + 3 * mlp) * d + vocab * (d + 8))
+    chunk = min(tokens, logits_chunk_tokens(vocab))
+    return tokens * (7 * hidden + 3 * mlp) * d + chunk * vocab * (d + 8)
 
 
 @dataclass(frozen=True)

@@ -16,23 +16,22 @@ and filter names come from lm-eval's own registries, and a metric must be one th
 `evaluate.load(name)`, which runs a local `.py` of that name. `sandbox_lm_eval` replaces
 lm-eval's module-wide Jinja environment (`lm_eval.utils.env`, which `apply_template` reads at each
 call) with `BoundedSandbox` for the whole process, and its `get_metric` with one that never reaches
-`evaluate`; pre-flight and the stage both load tasks through it. Task names and split names are
-plain identifiers (`NAME`) before they become a path.
+`evaluate`; pre-flight and the stage both load tasks through it (the sandbox and its bounds:
+tasks/core/evaluation/sandbox.py). Task names and split names are plain identifiers (`NAME`)
+before they become a path.
 """
 
 from __future__ import annotations
 
 import re
 import sys
-import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import yaml
-from jinja2 import BaseLoader, StrictUndefined, nodes
-from jinja2.environment import Template
-from jinja2.exceptions import SecurityError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import nodes
+
+from tasks.core.evaluation.sandbox import MAX_OUTPUT, MAX_STEPS, BoundedSandbox  # noqa: F401 (this module's API)
 
 MAX_BYTES = 1 << 20  # a task YAML is a few hundred bytes; one this size is no task
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")  # a task or split name: one plain path segment
@@ -306,77 +305,6 @@ def template_problem(source: str) -> str | None:
                 "document's fields"
             )
     return None
-
-
-# --- the sandbox every task template renders in -------------------------------------------------
-
-MAX_STEPS = 1_000_000  # loop iterations and calls in one render; a prompt takes tens
-MAX_OUTPUT = 8 << 20  # characters one render may produce or one `*` may build
-_budget = threading.local()
-
-
-def _tick() -> None:
-    _budget.steps = getattr(_budget, "steps", 0) + 1
-    if _budget.steps > MAX_STEPS:
-        raise SecurityError(f"a task template took more than {MAX_STEPS} loop steps and calls in one render")
-
-
-def _each(iterable: Iterable) -> Iterator:
-    for item in iterable:
-        _tick()
-        yield item
-
-
-class BoundedTemplate(Template):
-    def render(self, *args: Any, **kwargs: Any) -> str:
-        _budget.steps = 0
-        ctx = self.new_context(dict(*args, **kwargs))
-        out, size = [], 0
-        try:
-            for chunk in self.root_render_func(ctx):
-                size += len(chunk)
-                if size > MAX_OUTPUT:
-                    raise SecurityError(f"a task template rendered more than {MAX_OUTPUT} characters")
-                out.append(chunk)
-            return "".join(out)
-        except Exception:
-            self.environment.handle_exception()
-
-
-class BoundedSandbox(ImmutableSandboxedEnvironment):
-    """jinja2's immutable sandbox (no private attributes, no mutation of the document) with lm-eval's
-    settings and its `regex_replace` filter, and bounds: loop steps and calls, output size, `*`/`**`."""
-
-    template_class = BoundedTemplate
-    intercepted_binops = frozenset({"*", "**"})
-
-    def __init__(self) -> None:
-        super().__init__(loader=BaseLoader(), undefined=StrictUndefined, keep_trailing_newline=True)
-        self.filters["regex_replace"] = _regex_replace
-        self.globals["_cpt_each"] = _each
-
-    def _parse(self, source, name, filename):
-        tree = super()._parse(source, name, filename)
-        for loop in tree.find_all(nodes.For):  # every loop counts its steps
-            loop.iter = nodes.Call(nodes.Name("_cpt_each", "load"), [loop.iter], [], None, None, lineno=loop.lineno)
-        return tree
-
-    def call(self, context, obj, /, *args, **kwargs):
-        _tick()
-        return super().call(context, obj, *args, **kwargs)
-
-    def call_binop(self, context, operator, left, right):
-        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
-            raise SecurityError(f"a task template raises to the power {right}")
-        if operator == "*":
-            seq, n = (left, right) if isinstance(right, int) else (right, left)
-            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_OUTPUT:
-                raise SecurityError(f"a task template builds a sequence of {len(seq) * n} items with *")
-        return super().call_binop(context, operator, left, right)
-
-
-def _regex_replace(string, pattern, repl, count: int = 0):
-    return re.sub(pattern, repl, string, count=count)
 
 
 def _registered_metric(name, hf_evaluate_metric: bool = False):

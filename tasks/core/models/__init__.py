@@ -21,4 +21,5 @@ fingerprints, stop tokens, FLOPs per token, and the demo's tiny model.
 - sizes.py         config.json's size fields: each a whole number >= 1
 - stop_tokens.py   stop tokens of an export: eos plus the chat template's end-of-turn tokens
 - stream.py        probe logits of an HF folder in bounded memory, one unit's weights at a time
+- tp_plan.py       plan rows: the families sharded at tp by the derived policy, read from their own plan
 """

@@ -77,7 +77,7 @@ def derive_family(model_config: Mapping[str, Any], registered: str = "") -> Mode
 def _derive(config_json: str, registered: str) -> ModelFamily:
     raw = {k: v for k, v in json.loads(config_json).items() if k not in _DROPPED}
     model_type = raw.get("model_type")
-    config, model = _meta_model(model_type, raw, registered)
+    config, model = build_meta_model(model_type, raw, registered)
     params = dict(model.named_parameters(remove_duplicate=False))
     state = model.state_dict()
     first_of: dict[int, str] = {}
@@ -152,7 +152,7 @@ def layer_terms(keys: list[str]) -> tuple[ActivationTerm, ...]:
     return LLAMA_LAYER_ACTIVATIONS + extra + qk
 
 
-def _meta_model(model_type: Any, raw: dict[str, Any], registered: str):
+def build_meta_model(model_type: Any, raw: dict[str, Any], registered: str):
     """transformers' config object and the causal LM built from it on the meta device."""
     import torch
     from transformers import AutoModelForCausalLM

@@ -43,6 +43,7 @@ from tasks.core.models.family_spec import (
     ModelFamily,
     TensorRule,
 )
+from tasks.core.models.tp_plan import PLAN_POLICY, PLAN_ROWS, whole_activations
 
 # the row types live in family_spec (derive.py builds them too); readers take them from here
 __all__ = [
@@ -150,6 +151,11 @@ _TAIL = (
 )
 
 _COLOSSALAI = "colossalai.shardformer.policies"
+_PLAN_SP = (
+    "ColossalAI 0.5.0 has no policy for it: hybrid_parallel shards it with the derived tensor-parallel policy, read "
+    "from transformers' own plan (tasks/core/models/tp_plan.py), at tp with ZeRO-1; pipeline and sequence "
+    "parallelism are not proven with it"
+)
 # model_type -> family; transformers 4.51's module definitions are the source of truth (the tests
 # compare every table with the state dict of a tiny model built from the entry's classes)
 FAMILIES: dict[str, ModelFamily] = {
@@ -182,7 +188,8 @@ FAMILIES: dict[str, ModelFamily] = {
         _HEAD, _attn("attention_bias", "attention_bias", qk_norm=True) + _mlp(None) + _NORMS, _TAIL,
         config_defaults={"tie_word_embeddings": False, "attention_bias": False, "head_dim": 128},
         config_class="Qwen3Config", model_class="Qwen3ForCausalLM",
-        sp_note="ColossalAI 0.5.0 has no Qwen3 shardformer policy",
+        shardformer_policy=PLAN_POLICY,
+        sp_note=_PLAN_SP,
         layer_activations=LLAMA_LAYER_ACTIVATIONS + QK_NORM_ACTIVATIONS,
     ),
     # Gemma 3 text (Gemma3ForCausalLM: the text half, e.g. gemma-3-270m/1b): the embedding scaled by
@@ -193,8 +200,8 @@ FAMILIES: dict[str, ModelFamily] = {
         config_defaults={"tie_word_embeddings": True, "attention_bias": False, "head_dim": 256,
                          "num_key_value_heads": 4},
         config_class="Gemma3TextConfig", model_class="Gemma3ForCausalLM",
-        sp_note="ColossalAI 0.5.0 has no Gemma 3 shardformer policy, and the project carries none (its attention, "
-        "four-norm layer and scaled vocabulary-parallel embedding would each need a forward of their own)",
+        shardformer_policy=PLAN_POLICY,
+        sp_note=_PLAN_SP,
         demo_config={"sliding_window": 32, "sliding_window_pattern": 2},
         layer_activations=GEMMA3_LAYER_ACTIVATIONS,
         # transformers 4.51 warns whenever a Gemma 3 trains without eager attention (modeling_gemma3.py,
@@ -210,11 +217,11 @@ FAMILIES: dict[str, ModelFamily] = {
         config_class="Phi3Config", model_class="Phi3ForCausalLM",
         # Phi3Config's pad_token_id=32000 is out of range for a tiny vocabulary (the demo sets its own)
         demo_config={"pad_token_id": None},
-        sp_note="ColossalAI 0.5.0 has no Phi-3 shardformer policy, and the project carries none: tensor parallelism "
-        "must split qkv_proj per part (q | k | v) and gate_up_proj per part (gate | up); ColossalAI's FusedLinear1D_Col "
-        "(split_sizes) can, but a policy would also need Phi-3's attention with each rank's head counts, and a tp=2 "
-        "flow run to prove it",
-        layer_activations=PHI3_LAYER_ACTIVATIONS,
+        shardformer_policy=PLAN_POLICY,
+        sp_note=_PLAN_SP,
+        # its plan gathers the fused qkv_proj's and gate_up_proj's outputs (colwise_rep): each tp rank computes
+        # the attention and the MLP whole, only the weights are split
+        layer_activations=whole_activations(PHI3_LAYER_ACTIVATIONS, attention=True, mlp=True),
     ),
 }  # fmt: skip
 
@@ -248,6 +255,23 @@ def family_of(model_config: Mapping[str, Any]) -> ModelFamily:
     from tasks.core.models.derive import derive_family
 
     derived = derive_family(model_config, registered=supported())
+    model_type = str(model_config.get("model_type"))
+    plan = PLAN_ROWS.get(model_type)
+    if plan is not None and plan.model_class == derived.model_class:
+        # a plan row over the derived table: the derived tensor-parallel policy, the modules its plan splits,
+        # and the activations its *_rep styles leave whole on every rank
+        from tasks.core.models.tp_plan import gathers_attention, plan_split
+
+        col, row_split = plan_split(model_type) or ((), ())
+        attention, mlp = gathers_attention(model_type)
+        return replace(
+            derived,
+            shardformer_policy=PLAN_POLICY,
+            tp_column=col,
+            tp_row=row_split,
+            layer_activations=whole_activations(derived.layer_activations, attention, mlp),
+            sp_note=_PLAN_SP,
+        )
     row = _policy_rows().get(model_config.get("model_type"))  # type: ignore[arg-type]
     if row is None or row.model_class != derived.model_class:
         return derived
@@ -432,6 +456,8 @@ def policy_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: str) 
     except ConversionError:
         return None  # no family at all: check_model_family names it
     pp = getattr(stage_cfg.plugin, "pp_size", 1) or 1
+    if family.shardformer_policy == PLAN_POLICY:
+        return _plan_problem(model_config, stage_cfg, where)
     if family.shardformer_policy and not family.policy_refused:
         row = _policy_rows().get(model_config.get("model_type"))  # type: ignore[arg-type]
         tp = getattr(stage_cfg.plugin, "tp_size", 1) or 1
@@ -465,3 +491,34 @@ def policy_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: str) 
         + f"; set {where}.plugin.name to one of the plugins that run it: {', '.join(plugins_without_policy())}"
     )
     return f"{where}.plugin.name", why
+
+
+def _plan_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: str) -> tuple[str, str] | None:
+    """(field, message) when hybrid_parallel's layout is not one the derived tensor-parallel policy runs for this
+    family, or the model's plan cannot be mapped at its tp_size (`tp_plan.plan_problem`)."""
+    plugin = stage_cfg.plugin
+    mt = model_config.get("model_type")
+    others = ", ".join(plugins_without_policy())
+    runs = (
+        f"the derived tensor-parallel policy (tasks/core/models/tp_plan.py) runs model_type {mt!r} at tp with ZeRO-1 "
+        "only: pipeline and sequence parallelism are not proven with it"
+    )
+    if (getattr(plugin, "pp_size", 1) or 1) > 1:
+        return f"{where}.plugin.pp_size", f"{runs}; set {where}.plugin.pp_size: 1 and split the model with tp_size"
+    if getattr(plugin, "sequence_parallelism", None) is not None:
+        return f"{where}.plugin.sequence_parallelism", f"{runs}; set {where}.plugin.sequence_parallelism: null"
+    if (getattr(plugin, "zero_stage", 0) or 0) > 1:
+        return f"{where}.plugin.zero_stage", f"{runs}; set {where}.plugin.zero_stage: 0 or 1"
+    tp = getattr(plugin, "tp_size", 1) or 1
+    if tp > 1 and (why := _plan_check(model_config, tp)):
+        return f"{where}.plugin.tp_size", (
+            f"the derived tensor-parallel policy cannot shard model_type {mt!r} at tp_size={tp}: {why}; set "
+            f"{where}.plugin.tp_size to a size it maps, or name one of the plugins that run it: {others}"
+        )
+    return None
+
+
+def _plan_check(model_config: Mapping[str, Any], tp: int) -> str:
+    from tasks.core.models.tp_plan import plan_problem
+
+    return plan_problem(model_config, tp)

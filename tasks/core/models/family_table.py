@@ -14,6 +14,7 @@ from tasks.core.config.plugins import PLUGINS
 from tasks.core.config.sequence import SP_MODES
 from tasks.core.models.families import FAMILIES, ModelFamily
 from tasks.core.models.policy_rows import POLICY_ROWS, PolicyRow
+from tasks.core.models.tp_plan import PLAN_POLICY, PLAN_ROWS, PlanRow
 
 COMMAND = "python -m tasks.core.models.family_table > docs/reference/families.md"
 INTRO = (
@@ -35,7 +36,17 @@ INTRO = (
     "step, and the engine's live logits fingerprint). A derived family never takes ColossalAI's policy for its class "
     "by itself: three of the seven decoder policies outside the registry fail with transformers 4.51.3 as they ship "
     "(GPT-2's without flash attention even trains with no causal mask), so a policy is used only from a row whose "
-    "claims `benchmarks/shardformer_policies.py --smoke` re-measures in the suite. The "
+    "claims `benchmarks/shardformer_policies.py --smoke` re-measures in the suite. A family ColossalAI has no "
+    "policy for runs at tp under hybrid_parallel with the **derived** policy (`PlanPolicy`, "
+    "`tasks/core/models/tp_plan.py`) where a plan row names it: read from the model's own tensor-parallel plan "
+    "(`config.base_model_tp_plan` and the causal-LM class's `_tp_plan`), completed or corrected by its row, it "
+    "only swaps modules for ColossalAI's parallel linears and vocabulary-parallel embedding and head, and "
+    "replaces no forward; pre-flight refuses a plan it cannot map (MoE, MLA and local styles, heads or KV heads "
+    "that tp does not divide, an entry that matches no module, a linear narrower than tp), and pipeline and "
+    "sequence parallelism with it, which are not proven. Each plan row is measured at tp=2 against the "
+    "unsharded model (losses, every gradient, the converted weights) by "
+    "`benchmarks/shardformer_policies.py --smoke`. Llama, Mistral and Qwen2 keep ColossalAI's own policy, "
+    "which gives them pipeline (and, for Llama and Qwen2, sequence) parallelism. The "
     "plugins' own rules (CUDA, precisions, LoRA) are in the "
     "[configuration reference](config.md)."
 )
@@ -49,9 +60,23 @@ def _cell(family: ModelFamily | None, plugin: str) -> str:
         return "refused: a derived family names no shardformer policy"
     if not family.shardformer_policy:
         return f"refused: ColossalAI 0.5.0 has no policy for {family.model_class}"
+    if family.shardformer_policy == PLAN_POLICY:
+        return _PLAN_CELL
     usable = [m for m in family.sp_modes if m in SP_MODES and not SP_MODES[m].refused]
     sp = f"sequence parallelism: {', '.join(usable)}" if usable else "no sequence parallelism"
     return f"runs (tp, pp; {sp})"
+
+
+_PLAN_CELL = "runs (tp with ZeRO-0/1, derived policy, measured at 2; pp and sequence parallelism refused: not proven)"
+
+
+def _plan_note(row: PlanRow) -> str:
+    fixes: dict[str, list[str]] = {}
+    for pattern, style, why in row.fixes:  # one sentence per reason (the q and k norms share theirs)
+        fixes.setdefault(why, []).append(f"{pattern}: {style}")
+    said = [row.note] if row.note else []
+    said += [f"its row adds {' and '.join(entries)} to the plan: {why}" for why, entries in fixes.items()]
+    return "; ".join(said) or "the derived policy reads its plan as transformers ships it"
 
 
 def _policy_cell(row: PolicyRow, plugin: str) -> str:
@@ -103,16 +128,24 @@ def render() -> str:
     ]
     for model_type, family in sorted(FAMILIES.items()):
         policy = f"`{family.shardformer_policy.rsplit('.', 1)[-1]}`" if family.shardformer_policy else "none"
+        policy = "derived `PlanPolicy`" if family.shardformer_policy == PLAN_POLICY else policy
         cells = [f"`{model_type}`", f"`{family.model_class}`", policy, *[_cell(family, p) for p in plugins]]
         lines.append("| " + " | ".join(cells) + " |")
     for model_type, row in sorted(POLICY_ROWS.items()):
         policy = f"`{row.shardformer_policy.rsplit('.', 1)[-1]}`"
         cells = [f"`{model_type}`", f"`{row.model_class}`", policy, *[_policy_cell(row, p) for p in plugins]]
         lines.append("| " + " | ".join(cells) + " |")
+    for model_type, plan in sorted(PLAN_ROWS.items()):
+        if model_type in FAMILIES:
+            continue
+        cells = [f"`{model_type}`", f"`{plan.model_class}`", "derived `PlanPolicy`"]
+        cells += [_PLAN_CELL if PLUGINS[p].shardformer else "runs (derived table)" for p in plugins]
+        lines.append("| " + " | ".join(cells) + " |")
     derived = ["any other decoder", "derived: `AutoModelForCausalLM`", "none", *[_cell(None, p) for p in plugins]]
     lines.append("| " + " | ".join(derived) + " |")
     notes = [(t, f.sp_note) for t, f in sorted(FAMILIES.items()) if f.sp_note]
     notes += [(t, _row_note(r)) for t, r in sorted(POLICY_ROWS.items())]
+    notes += [(t, "derived policy: " + _plan_note(r)) for t, r in sorted(PLAN_ROWS.items())]
     if notes:
         lines += ["", "Notes:", ""] + [f"- `{t}`: {note}." for t, note in notes]
     return "\n".join(lines) + "\n"

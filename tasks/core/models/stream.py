@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from tasks.core.errors import ConversionError
+from tasks.core.run import meter
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -155,6 +156,12 @@ class _Streamer:
             (owner._parameters if is_param else owner._buffers)[name] = meta
 
 
+def _freed(streamer: _Streamer, unit: nn.Module, progress: meter.Meter) -> None:
+    """A unit's forward hook: its weights go, and it counts as done (returns None: the output stays)."""
+    streamer.free(unit)
+    progress.add()
+
+
 @contextmanager
 def streaming(model: nn.Module, model_dir: str | Path, rename: Callable[[str], str] | None = None) -> Iterator[None]:
     """Within it, each unit of the meta-built `model` holds real weights only while it runs.
@@ -162,12 +169,18 @@ def streaming(model: nn.Module, model_dir: str | Path, rename: Callable[[str], s
     folder's model: tasks/core/models/adapter.py `base_key`); real parameters are left as they are."""
     streamer = _Streamer(model, weight_files(model_dir), Path(model_dir), rename)
     handles = []
-    for unit, recurse in stream_units(model):
+    units = stream_units(model)
+    # a layer at a time is the slow path (a model larger than verify_memory_gb): say where it is
+    progress = meter.meter(
+        f"logits check of {'/'.join(Path(model_dir).parts[-2:])}, a layer at a time", len(units), "units"
+    )
+    for unit, recurse in units:
         handles.append(unit.register_forward_pre_hook(lambda m, _a, r=recurse: streamer.load(m, r)))
-        handles.append(unit.register_forward_hook(lambda m, _a, _o: streamer.free(m)))
+        handles.append(unit.register_forward_hook(lambda m, _a, _o: _freed(streamer, m, progress)))
     try:
         yield
     finally:
+        progress.finish()
         for h in handles:
             h.remove()
         for unit, _ in stream_units(model):

@@ -8,7 +8,8 @@ the report.
 - eval_time.py     each evaluation stage's cost beside its training stage's
 - kernels.py       what each stage's fast kernels and activation checkpointing will be
 - long_context.py  which layout fits a long context
-- memory.py        the memory one rank of a stage needs, and the refusal when it does not fit
+- memory.py        the memory one rank of a stage needs, each figure the sum of its parts
+- memory_check.py  the refusals: a rank over its GPU, a node's ranks and the flow process over this host
 - mixture.py       a stage's sources: repeats, weights, files that are not data
 - model_files.py   the base model's own files: JSON parses, headers bounded, files are what they say
 - model_info.py    what is known before anything loads: the machine and the model's metadata

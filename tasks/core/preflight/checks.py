@@ -58,7 +58,7 @@ from tasks.core.preflight.data import check_data
 from tasks.core.preflight.eval_memory import check_eval_memory
 from tasks.core.preflight.eval_time import check_eval_time
 from tasks.core.preflight.kernels import check_kernels
-from tasks.core.preflight.memory import check_memory
+from tasks.core.preflight.memory_check import check_memory
 from tasks.core.preflight.mixture import check_mixture_weights, check_source_epochs
 from tasks.core.preflight.model_files import check_lora_targets, check_model_claims, check_model_files
 from tasks.core.preflight.model_info import Machine, ModelInfo, estimate_parameters, read_model_info
@@ -416,6 +416,7 @@ def check_model_family(ctx: CheckContext) -> None:
         return
     from tasks.core.errors import ConversionError
     from tasks.core.models.families import FAMILIES, family_config, supported
+    from tasks.core.models.tp_plan import PLAN_POLICY
 
     model_type = ctx.model.config.get("model_type")
     if isinstance(model_type, str) and model_type in FAMILIES:
@@ -423,6 +424,11 @@ def check_model_family(ctx: CheckContext) -> None:
         ctx.ok(
             f"model family {model_type}: in the registry, so the unshard and the export can convert it"
             + ("" if policy else "; no shardformer policy, so hybrid_parallel does not run it")
+            + (
+                "; hybrid_parallel runs it at tp with the derived policy from its own plan"
+                if policy == PLAN_POLICY
+                else ""
+            )
         )
         return
     code = _model_code(ctx) if ctx.cfg.base_model.trust_remote_code else []
@@ -448,7 +454,10 @@ def check_model_family(ctx: CheckContext) -> None:
         f"({family.config_class}) built on the meta device by the installed transformers (torch imported for it), "
         "so the unshard and the export can convert it (the memory estimate reads its activation terms off the layer's tensor names)"
         + (
-            f"; its named row (tasks/core/models/policy_rows.py) gives hybrid_parallel ColossalAI's "
+            "; its plan row (tasks/core/models/tp_plan.py) gives hybrid_parallel the derived tensor-parallel policy, "
+            "read from the model's own plan"
+            if family.shardformer_policy == PLAN_POLICY
+            else f"; its named row (tasks/core/models/policy_rows.py) gives hybrid_parallel ColossalAI's "
             f"{family.shardformer_policy.rsplit('.', 1)[-1]}"
             + (", which does not run with transformers 4.51.3" if family.policy_refused else "")
             if family.shardformer_policy

@@ -1,5 +1,7 @@
 """The memory one rank of a stage needs, estimated before launch from config.json, the plugin's
-row and the batch; pre-flight prints it per stage and refuses a layout that does not fit the GPU.
+row and the batch; pre-flight prints it per stage and refuses a layout that does not fit the GPU or,
+with the flow process, the host (tasks/core/preflight/memory_check.py). Each figure is the sum of
+its parts (`MemoryEstimate.parts`), which is what pre-flight prints.
 
     python -m tasks.core.preflight.memory --table                                 # Llama-3-8B / 70B on 8x80 GB nodes
     python -m tasks.core.preflight.memory examples/tiny-cpu.yaml       # each stage of a run config
@@ -10,12 +12,16 @@ What is counted, per rank (pure arithmetic: no torch, nothing loaded):
   `distribute_layers`), the embedding on the first stage, the final norm and LM head on the last;
 - what the plugin keeps per parameter (`PluginSpec.holds`: weights, gradients, DDP buckets, fp32
   masters, Adam moments, each over dp where ZeRO shards it, each with its lifetime);
+- a ZeRO optimizer's gradient bucket (`Held(per="bucket")`: `PluginSpec.grad_bucket_elements` or the rank's
+  largest trainable tensor, whichever is larger): the flattened copy it reduces, and under ZeRO-2 the
+  whole gradients waiting in it beside the activations;
 - the activations of one micro-batch (micro_batch_size x seq_len tokens, split by sequence parallelism
   per its mode, `sequence_split`; a pipeline stage holds
   pp - stage micro-batches under 1F1B): each decoder layer what its family's `layer_activations`
   say (with `activation_checkpointing` only the layer's input, plus the layer being recomputed),
   one layer's gradients in flight, the final norm, the LM head's logits and the loss (12 fp32 bytes
-  per logit: log-softmax output, its gradient, the gradient of its input), and an SFT batch's
+  per logit: log-softmax output, its gradient, the gradient of its input; over tp, but whole on every
+  rank under the derived tp policy, which gathers the logits for transformers' loss), and an SFT batch's
   attention mask;
 - on CUDA: torch AdamW's foreach temporaries at the step (4 B per stepped parameter) unless the
   fused AdamW kernel is on, and `CUDA_RESERVE_BYTES`;
@@ -34,25 +40,26 @@ holds `RANK_BASELINE_BYTES` (imports, process group, data), measured. On CUDA th
 the GPU and the host keeps the baseline plus what is offloaded. While the model is built (`construction_host`), a plugin
 that builds lazily (`PluginSpec.lazy_init`: hybrid_parallel) holds its fp32 share plus one whole
 tensor; the others still build the whole model on every rank's host, in the dtype they train in.
+The shard verb (boost_and_shard, reboost: `shard_host`) holds the states kept from boost to the end, the
+Adam moments made, plus its step-000000 save's gathered state (`PluginSpec.save_state_tensors` tensors'
+two fp32 moments), or the model as it is built, whichever is larger.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.core.config.layout import ParallelLayout, is_zero, layout_problems, num_microbatches
+from tasks.core.config.layout import is_zero, num_microbatches
 from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.plugins import PLUGINS, Held, PluginSpec
 from tasks.core.config.schema import StageConfig
 from tasks.core.config.sequence import SP_MODES, sp_size
-from tasks.core.errors import ConfigError, ConversionError
-from tasks.core.evaluation.placement import (
+from tasks.core.evaluation.placement import (  # every GPU figure leaves CUDA_RESERVE_BYTES (a real run's: peak_mem_bytes)
     CUDA_RESERVE_BYTES,
-)  # every GPU figure leaves it (a real run's: @@progress peak_mem_bytes)
+)
 from tasks.core.models.families import (
     TP_SPLIT_DIMS,
     ActivationTerm,
@@ -62,13 +69,21 @@ from tasks.core.models.families import (
     model_dims,
 )
 from tasks.core.models.policy_rows import lazy_init_safe
+from tasks.core.models.tp_plan import PLAN_POLICY
 
 GB = 1e9
+# The flow process's own resident memory while its ranks run: Prefect, the project, torch and transformers
+# imported, the run's state. Measured on the demo run (examples/tiny-cpu.yaml, `cpt-to-sft run` in one
+# process, its RSS polled): 0.643 GB at most while ranks ran, 0.661 GB over the whole run.
+FLOW_BASELINE_BYTES = int(0.65e9)
 # Steady RSS of a CPU rank training a ~0.1M-parameter Llama (benchmarks/scale.py "baseline"): torch,
 # transformers and colossalai imported, the gloo group, the data; 0.45 GB under hybrid_parallel tp=2,
 # 0.47 GB under low_level_zero (torch 2.13, transformers 4.51.3, colossalai 0.5.0, 2 ranks).
 RANK_BASELINE_BYTES = int(0.47e9)
 LOSS_BYTES_PER_LOGIT = 12
+# A checkpoint save gathers a tensor's optimizer state whole (AdamW's two fp32 moments), `save_state_tensors`
+# of them at once (PluginSpec); the shard verb's step-000000 save is its peak.
+ADAM_STATE_BYTES = 8
 
 
 def human(n: float) -> str:
@@ -94,6 +109,7 @@ class MemoryEstimate:
     baseline: int
     cuda: bool
     construction: int  # host bytes of the model while the engine builds it (beside the baseline)
+    save_transient: int = 0  # a checkpoint save's gathered state beside the states (the shard verb's peak)
 
     def total(self, *whens: str) -> int:
         """Bytes on the rank's device (its GPU; on CPU everything) alive in these lifetimes."""
@@ -103,6 +119,47 @@ class MemoryEstimate:
     def offloaded(self) -> int:
         """Bytes the plugin's offload keeps in host memory instead (all of them resident: pinned or heap)."""
         return sum(t.bytes for t in self.terms if t.host)
+
+    def _on(self, *whens: str) -> list[Term]:
+        return [t for t in self.terms if t.when in whens and not t.host]
+
+    def _larger_of_backward_and_step(self) -> list[Term]:
+        return self._on("backward") if self.total("backward") >= self.total("step") else self._on("step")
+
+    def parts(self, figure: str = "device") -> list[tuple[str, int]]:
+        """The terms a figure adds up, merged by name, largest first: their bytes sum to the figure exactly.
+        `figure`: "device" (`device`), "host" (`host_steady`), "construction" (`construction_host`), "shard"
+        (`shard_host`)."""
+        if figure == "device":
+            fwd = self._on("forward", "activations")
+            step = self._on("grads") + self._larger_of_backward_and_step()
+            phase = fwd if sum(t.bytes for t in fwd) >= sum(t.bytes for t in step) else step
+            rows = [(t.what, t.bytes) for t in self._on("always") + phase]
+            rows += [("CUDA reserve", CUDA_RESERVE_BYTES)] if self.cuda else []
+        elif figure == "host":
+            rows = [("baseline", self.baseline)]
+            if self.cuda:
+                rows += [(t.what + " (offloaded)", t.bytes) for t in self.terms if t.host]
+            else:
+                live = self._on("always", "forward", "activations", "grads") + self._larger_of_backward_and_step()
+                rows += [(t.what, t.bytes) for t in live]
+        elif figure == "construction":
+            rows = [("baseline", self.baseline), ("the model as it is built", self.construction)]
+        elif figure == "shard":
+            rows = [("baseline", self.baseline)]
+            if self.construction >= self._shard_held:
+                rows.append(("the model as it is built", self.construction))
+            elif self.cuda:
+                rows += [(t.what + " (offloaded)", t.bytes) for t in self.terms if t.host]
+            else:
+                rows += [(t.what, t.bytes) for t in self.terms if t.when == "always"]
+                rows.append(("the step-000000 save's gathered state", self.save_transient))
+        else:
+            raise ValueError(f"figure {figure!r}: device, host, construction or shard")
+        merged: dict[str, int] = {}
+        for what, n in rows:
+            merged[what] = merged.get(what, 0) + n
+        return sorted(((w, n) for w, n in merged.items() if n), key=lambda kv: -kv[1])
 
     @property
     def device(self) -> int:
@@ -123,12 +180,25 @@ class MemoryEstimate:
     def construction_host(self) -> int:
         return self.baseline + self.construction
 
-    def breakdown(self, limit: int = 4) -> str:
-        merged: dict[str, int] = {}
-        for t in self.terms:
-            merged[t.what] = merged.get(t.what, 0) + t.bytes
-        top = sorted(merged.items(), key=lambda kv: -kv[1])[:limit]
-        return ", ".join(f"{what} {human(b)}" for what, b in top)
+    @property
+    def _shard_held(self) -> int:
+        """What the shard verb (boost_and_shard, reboost) holds in host memory once boosted: on CPU the states
+        kept from boost to the end (the optimizer's moments made: `materialize_optimizer_state`) plus its
+        step-000000 save's transient; on CUDA what offload keeps on the host."""
+        if self.cuda:
+            return self.offloaded
+        return sum(t.bytes for t in self.terms if t.when == "always") + self.save_transient
+
+    @property
+    def shard_host(self) -> int:
+        """A shard-verb rank's host peak: the model as it is built, or the states and the save after it."""
+        return self.baseline + max(self.construction, self._shard_held)
+
+    def breakdown(self, figure: str = "device", limit: int = 5) -> str:
+        """`a 1.07 GB + b 0.54 GB + ... = total`: the figure's parts, the smallest summed as `other`."""
+        rows = self.parts(figure)
+        shown = rows[:limit] if len(rows) <= limit + 1 else [*rows[:limit], ("other", sum(n for _, n in rows[limit:]))]
+        return " + ".join(f"{what} {human(n)}" for what, n in shown) + f" = {human(sum(n for _, n in rows))}"
 
 
 def _stage_layers(layers: int, pp: int) -> list[int]:
@@ -240,6 +310,7 @@ def estimate(
     tokens = rows * stage_cfg.seq_len / seq_split
 
     shares, trained, layer_params, largest, total = [0] * pp, [0] * pp, 0, 0, 0
+    largest_trained = [0] * pp  # per pipeline stage: the largest trainable tensor of the rank's share
     bounds = [sum(per_stage[:s]) for s in range(pp + 1)]
     for key, rule, shape, layer in iter_tensors(model_config):
         n = math.prod(shape)
@@ -253,7 +324,9 @@ def estimate(
             else next(s for s in range(pp) if bounds[s] <= layer < bounds[s + 1])
         )
         shares[s_] += mine
-        trained[s_] += mine if stage_cfg.lora is None else lora_trainable(stage_cfg.lora, key, shape, layer)
+        mine_trained = mine if stage_cfg.lora is None else lora_trainable(stage_cfg.lora, key, shape, layer)
+        trained[s_] += mine_trained
+        largest_trained[s_] = max(largest_trained[s_], mine_trained)
         if layer == 0:
             layer_params += mine
 
@@ -268,7 +341,12 @@ def estimate(
         for h in spec.holds:
             if not _applies(h, zero, p.precision, pp, dp, stage_cfg.grad_accum_steps):
                 continue
-            n = layer_params if h.per == "layer" else (shares[s] if not h.trainable else trained[s])
+            if h.per == "layer":
+                n = layer_params
+            elif h.per == "bucket":  # a bucket never holds more than the rank's trainable parameters
+                n = min(trained[s], max(spec.grad_bucket_elements, largest_trained[s]))
+            else:
+                n = shares[s] if not h.trainable else trained[s]
             n = math.ceil(n / dp) if h.sharded else n
             terms += _split(
                 h.what, n * (weights if h.bytes == "weights" else h.bytes), h.when, _offloaded(spec, p, h.offload, cuda)
@@ -285,185 +363,21 @@ def estimate(
         )  # + the layer in the backward (recomputed)
         if s == pp - 1:
             acts += sum(_width(t, dims, tp, compute, outside) for t in family.final_activations)
-            acts += dims["vocab"] / tp * (LOSS_BYTES_PER_LOGIT + (compute if compute < 4 else 0))
+            # the derived tp policy gathers the head's logits and runs transformers' own loss: each rank whole
+            vocab_tp = 1 if family.shardformer_policy == PLAN_POLICY else tp
+            acts += dims["vocab"] / vocab_tp * (LOSS_BYTES_PER_LOGIT + (compute if compute < 4 else 0))
         terms.append(Term("activations", int(acts * tokens), "activations"))
         if PHASES[stage].rows:  # padded or packed rows: a 4D attention mask, shared by the layers
             terms.append(Term("attention mask", rows * stage_cfg.seq_len**2 * compute, "activations"))
         # the engine builds a lazily built model's share in fp32 one tensor at a time (Engine._construction),
         # any other whole, in the dtype its plugin trains in (Engine.build_dtype: fp32 for torch_ddp)
         construction = 4 * (shares[s] + largest) if lazy else weights * total
-        est = MemoryEstimate(total, shares[s], tuple(terms), baseline, cuda, construction)
+        save = round(spec.save_state_tensors * ADAM_STATE_BYTES * max(largest_trained))
+        est = MemoryEstimate(total, shares[s], tuple(terms), baseline, cuda, construction, save)
         if best is None or est.device > best.device:
             best = est
     assert best is not None
     return best
-
-
-# -- settings that would make a layout fit -------------------------------------------------------
-
-
-def _with(stage_cfg: StageConfig, plugin: dict[str, Any] | None = None, **fields: Any) -> StageConfig:
-    data = stage_cfg.model_dump()
-    if plugin:
-        data["plugin"] = {**data["plugin"], **plugin}
-    data.update(fields)
-    return StageConfig.model_validate(data)
-
-
-def _plugin_levers(st: StageConfig, name: str, cuda: bool, mixed: dict[str, str]) -> Iterable[tuple[str, StageConfig]]:
-    """Another plugin that holds less, for each registry row with a `lever` the layout fits."""
-    p = st.plugin
-    for other, spec in PLUGINS.items():
-        if spec.lever is None or other == p.name or (spec.needs_cuda and not cuda):
-            continue
-        if not spec.supports_tp_pp and (p.tp_size > 1 or p.pp_size > 1):
-            continue
-        change = dict(spec.lever.fields)
-        shown = "".join(f", {k}: {v}" for k, v in change.items())
-        change.setdefault("zero_stage", p.zero_stage if p.zero_stage in spec.zero_stages else spec.zero_stages[0])
-        yield (
-            f"{name}.plugin.name: {other}{shown}" + (", precision: bf16" if mixed else ""),
-            _with(st, {"name": other, **change, **mixed}),
-        )
-
-
-def _levers(st: StageConfig, name: str, cuda: bool) -> Iterable[tuple[str, StageConfig]]:
-    """Single changes that shrink a rank's memory, each named by its config fields, strongest first
-    within a lever (they are tried in turn until one fits)."""
-    p = st.plugin
-    spec = PLUGINS[p.name]
-    mixed = {} if p.precision != "fp32" else {"precision": "bf16"}
-    for z in sorted(z for z in spec.zero_stages if spec.zero_stage(z) > spec.zero_stage(p.zero_stage)):
-        yield (
-            f"{name}.plugin.zero_stage: {z}" + (", precision: bf16" if mixed else ""),
-            _with(st, {"zero_stage": z, **mixed}),
-        )
-    yield from _plugin_levers(st, name, cuda, mixed)
-    if spec.supports_tp_pp:
-        tp = p.tp_size * 2
-        while tp <= st.launch.nproc_per_node:
-            yield f"{name}.plugin.tp_size: {tp}", _with(st, {"tp_size": tp})
-            tp *= 2
-    if not getattr(st, "activation_checkpointing", True):
-        yield f"{name}.activation_checkpointing: true", _with(st, activation_checkpointing=True)
-    for o in spec.offload if cuda else ():  # the plugin's own savers: all of the state it can move
-        default = type(st.plugin).model_fields[o.field].default
-        if not isinstance(default, (bool, float)) or getattr(p, o.field) != default:
-            continue
-        change = {o.field: True if isinstance(default, bool) else 1.0, **dict(o.requires)}
-        if p.precision == "fp32" and "zero_stage" in change:
-            change.update(mixed)
-        label = ", ".join(
-            f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in change.items() if getattr(p, k) != v
-        )
-        yield f"{name}.plugin.{label}", _with(st, change)
-    mbs, ga = st.micro_batch_size // 2, st.grad_accum_steps * 2
-    while mbs >= 1 and p.pp_size == 1:
-        yield (
-            f"{name}.micro_batch_size: {mbs} (grad_accum_steps: {ga} keeps the global batch)",
-            _with(st, micro_batch_size=mbs, grad_accum_steps=ga),
-        )
-        mbs, ga = mbs // 2, ga * 2
-
-
-def fits_with(
-    model_config: dict[str, Any], st: StageConfig, name: str, capacity: int, cuda: bool
-) -> list[tuple[str, int]]:
-    """(the settings, the device bytes) of each lever's first setting that fits `capacity`; if no
-    single one does, the levers applied together in turn, up to the first combination that fits."""
-    before = set(layout_problems(st, name, model_config=model_config, tiers=("static", "batch", "model")))
-
-    def valid(candidate: StageConfig) -> bool:
-        return (
-            set(layout_problems(candidate, name, model_config=model_config, tiers=("static", "batch", "model")))
-            <= before
-        )
-
-    def device(candidate: StageConfig) -> int:
-        return estimate(model_config, candidate, stage=name, cuda=cuda).device
-
-    found, seen = [], set()
-    for label, candidate in _levers(st, name, cuda):
-        lever = label.split(",")[0] if ".plugin.name:" in label else label.split(":")[0]  # each plugin is its own lever
-        if lever in seen or not valid(candidate):
-            continue
-        need = device(candidate)
-        if need <= capacity:
-            found.append((label, need))
-            seen.add(lever)
-    if found:
-        return found
-    combined, labels = st, []
-    for _ in range(8):  # each round applies the strongest remaining lever to the combination so far
-        options = [(device(c), label, c) for label, c in _levers(combined, name, cuda) if valid(c)]
-        if not options:
-            return []
-        need, label, combined = min(options, key=lambda o: o[0])
-        labels.append(label)
-        if need <= capacity:
-            return [(" + ".join(labels), need)]
-    return []
-
-
-# -- pre-flight ------------------------------------------------------------------------------------
-
-
-def check_memory(ctx: Any) -> None:
-    """Each stage's per-rank estimate in the report; a refusal when it exceeds the GPU memory the
-    stage declares (`launch.gpu_memory_gb`) or this machine's GPU, with the settings that fit."""
-    if ctx.model is None:
-        return
-    mc = ctx.model.config
-    for name in PHASES:
-        st: StageConfig = getattr(ctx.cfg, name)
-        declared = getattr(st.launch, "gpu_memory_gb", None)
-        detected = getattr(ctx.machine, "gpu_memory_bytes", None) if ctx.machine.cuda_devices else None
-        capacity = int(declared * GB) if declared else detected
-        cuda = bool(declared) or bool(ctx.machine.cuda_devices)
-        try:
-            ParallelLayout.of(st, name, model_config=mc, tiers=("static", "batch", "model"))
-            est = estimate(mc, st, stage=name, cuda=cuda)
-        except (ConfigError, ConversionError, KeyError) as exc:  # the layout/family checks name the problem
-            ctx.warn(f"{name} memory not estimated: {exc.problems[0][1] if isinstance(exc, ConfigError) else exc}")
-            continue
-        parts = f"{est.rank_parameters / 1e6:,.1f}M of {est.parameters / 1e6:,.1f}M parameters: {est.breakdown()}"
-        built = f"{human(est.construction_host)} host while the model is built" + (
-            f", {human(est.host_steady)} host steady ({human(est.offloaded)} offloaded)" if est.offloaded else ""
-        )
-        if not cuda:
-            ctx.ok(
-                f"{name} memory per rank (estimate): {human(est.host_steady)} host RAM steady on this CPU rank "
-                f"(baseline {human(est.baseline)}; {parts}), {built}; no GPU: not checked against one"
-            )
-            continue
-        source = f"{name}.launch.gpu_memory_gb = {declared:g}" if declared else "the visible GPU"
-        if capacity is None:
-            ctx.ok(
-                f"{name} memory per rank (estimate): {human(est.device)} GPU ({parts}), {built}; GPU memory unknown: "
-                f"set {name}.launch.gpu_memory_gb to check it"
-            )
-        elif est.device <= capacity:
-            ctx.ok(
-                f"{name} memory per rank (estimate): {human(est.device)} GPU of {human(capacity)} ({source}; "
-                f"{parts}), {built}"
-            )
-        else:
-            fixes = fits_with(mc, st, name, capacity, cuda)
-            fix = (
-                ("; it fits with " + ", or ".join(f"{label} ({human(need)})" for label, need in fixes))
-                if fixes
-                else (
-                    "; no change of zero_stage, plugin, tp_size, offload, activation_checkpointing or "
-                    f"micro_batch_size fits: add nodes ({name}.launch.nnodes) "
-                    "to shard ZeRO state further, or use GPUs with more memory"
-                )
-            )
-            ctx.problem(
-                f"{name}.launch.gpu_memory_gb" if declared else f"{name}.plugin",
-                f"{name} needs {human(est.device)} of GPU memory per rank ({parts}; CUDA reserve "
-                f"{human(CUDA_RESERVE_BYTES)}), "
-                f"more than the {human(capacity)} of {source}{fix}",
-            )
 
 
 # -- the map: what fits where (docs/scaling.md) ----------------------------------------------------
@@ -586,8 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name}: {st.plugin.name} on {st.launch.world_size} rank(s): {'GPU' if cuda else 'live'} "
             f"{human(est.device)}, "
-            f"host {human(est.host_steady)} steady, {human(est.construction_host)} while the model is built "
-            f"({est.breakdown(8)})"
+            f"host {human(est.host_steady)} steady, {human(est.construction_host)} while the model is built, "
+            f"{human(est.shard_host)} in the shard verb ({est.breakdown('host' if not cuda else 'device', 8)})"
         )
     return 0
 

@@ -31,17 +31,63 @@ class Machine:
     cpu_count: int
     free_bytes: int | None = None  # None: shutil.disk_usage of the staging location
     gpu_memory_bytes: int | None = None  # the smallest visible GPU's memory; None: no GPU, or NVML could not tell
+    # host memory (`host_memory`): what this machine's processes can ever hold, and what is free of others' now;
+    # None: not known (and not checked)
+    host_memory_bytes: int | None = None
+    host_available_bytes: int | None = None
 
     @classmethod
     def detect(cls) -> Machine:
         from tasks.core.config.kernels import cuda_available
 
+        host, available = host_memory()
         if not cuda_available():  # decided without torch where there is no GPU device node
-            return cls(cuda_devices=0, cpu_count=os.cpu_count() or 1)
+            return cls(
+                cuda_devices=0, cpu_count=os.cpu_count() or 1, host_memory_bytes=host, host_available_bytes=available
+            )
         import torch  # lazily: config-only callers should not pay for it
 
         n = torch.cuda.device_count()
-        return cls(cuda_devices=n, cpu_count=os.cpu_count() or 1, gpu_memory_bytes=_nvml_memory(n) if n else None)
+        return cls(
+            cuda_devices=n,
+            cpu_count=os.cpu_count() or 1,
+            gpu_memory_bytes=_nvml_memory(n) if n else None,
+            host_memory_bytes=host,
+            host_available_bytes=available,
+        )
+
+
+def _kernel_number(path: str, field: str | None = None) -> int | None:
+    """A number from a small kernel file: `field`'s value in kB (/proc/meminfo), else the file's one number
+    (cgroup's memory.max; "max" means no limit). None where the file or the value is missing."""
+    try:
+        text = Path(path).read_text()[:65536]
+    except OSError:
+        return None
+    if field is None:
+        word = text.strip()
+        return int(word) if word.isdigit() else None
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name == field and rest.split() and rest.split()[0].isdigit():
+            return int(rest.split()[0]) * 1024
+    return None
+
+
+def host_memory() -> tuple[int | None, int | None]:
+    """(total, available) bytes of host memory for this process's tree. Total: MemTotal, or the cgroup's
+    limit where it is lower (a container); available: MemAvailable (free plus reclaimable cache), the cgroup's
+    room where that is lower. Swap is not counted: a rank paging its optimizer state does not finish."""
+    total, available = _kernel_number("/proc/meminfo", "MemTotal"), _kernel_number("/proc/meminfo", "MemAvailable")
+    limit = _kernel_number("/sys/fs/cgroup/memory.max") or _kernel_number("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+    used = _kernel_number("/sys/fs/cgroup/memory.current") or _kernel_number(
+        "/sys/fs/cgroup/memory/memory.usage_in_bytes"
+    )
+    if limit and total and limit < total:
+        total = limit
+        if used is not None:
+            available = min(available or limit, max(0, limit - used))
+    return total, available
 
 
 def _nvml_memory(count: int) -> int | None:

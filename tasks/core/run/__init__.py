@@ -7,6 +7,7 @@ rank<->task line protocol and what a run keeps of itself.
 - hostpeak.py     a process's host-memory peak over a span, from /proc
 - job.py          the job file: what one engine invocation does
 - manifest.py     artifact manifests, the contract between stages
+- meter.py        progress of long work that is not training: done / total and an ETA, a record per interval
 - preemptions.py  a run's preemptions, one record per preempted attempt, and the retry policy
 - segments.py     the layouts a training stage ran under, and the rule a new layout must keep
 - stages.py       the stage list and run layout as data, and checkpoint naming

@@ -222,6 +222,8 @@ NEVER_DIGESTED: tuple[str, ...] = (
     *(f"{key}.data.strict_weights" for key in TRAINING),
     # how much of a model the flow process's logits checks may hold at once: streamed or whole, the same logits
     "verify_memory_gb",
+    # a bound pre-flight and the stage check on the tasks' data; the data themselves enter by sha256
+    "benchmark.max_split_mb",
     "tracking",
     "hub",
 )

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tasks.core.errors import ConversionError
+from tasks.core.run import meter
 
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SHOWN = 10
@@ -87,12 +88,15 @@ def prove_weights(
     problems += [
         f"{k!r} is in the export but not in the checkpoint" for k in sorted(set(export_files) - set(ckpt_files))
     ]
-    expected = {k: _digest(_cast(t, torch_dtype)) for k, t in _tensors(ckpt, ckpt_files, sorted(ckpt_files))}
+    progress = meter.meter(f"bitwise proof of {export.name}", len(ckpt_files) + len(export_files), "tensors read")
+    tensors = progress.counted(_tensors(ckpt, ckpt_files, sorted(ckpt_files)))
+    expected = {k: _digest(_cast(t, torch_dtype)) for k, t in tensors}
     got: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     total = 0
-    for k, t in _tensors(export, export_files, sorted(export_files)):
+    for k, t in progress.counted(_tensors(export, export_files, sorted(export_files))):
         got[k] = _digest(t)
         total += t.numel() * t.element_size()
+    progress.finish()
     owner = {v[0]: k for k, v in expected.items()}
     bad = [k for k in sorted(got) if k in expected and got[k] != expected[k]]
     for k in bad:

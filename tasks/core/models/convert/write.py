@@ -31,6 +31,7 @@ from tasks.core.models.convert import dtypes
 from tasks.core.models.convert.dtypes import ST_TO_TORCH
 from tasks.core.models.convert.plan import Planned
 from tasks.core.models.convert.source import Reader
+from tasks.core.run import meter
 
 _RING = 4  # write buffers in flight while the hasher thread catches up
 MAX_WORKERS = 4  # output shards written at once by default (memory: 64 MiB of ring each)
@@ -175,10 +176,14 @@ def write_shards(
     for ctx in owned:
         contexts.put(ctx)
 
+    progress = meter.meter(f"safetensors shards of {jobs[0][0].parent.name}" if jobs else "shards", len(jobs), "shards")
+
     def one(path: Path, items: list[Planned]) -> dict[str, Any]:
         ctx = contexts.get()  # as many contexts as threads: never waits
         try:
-            return _write_shard(path, items, reader, fsync, cancel, ctx)
+            out = _write_shard(path, items, reader, fsync, cancel, ctx)
+            progress.add()
+            return out
         finally:
             contexts.put(ctx)
 
@@ -197,6 +202,7 @@ def write_shards(
                 raise failed.exception()
         return {path.name: f.result() for (path, _), f in zip(jobs, futures)}
     finally:
+        progress.finish()
         for ctx in owned:
             ctx.close()
 

@@ -1,0 +1,166 @@
+"""The derived tensor-parallel policy's plan reading and pre-flight refusals, on models built on the meta device.
+
+    .venv/bin/python -m pytest -q tests/test_tp_plan.py
+
+Each silent failure of a plan read naively has a case here that fails without its handling: a base-model
+prefix that names no attribute (Gemma 3: nothing would be split), lm_head missing from the instance's plan
+(4.51's post_init), a linear narrower than tp (ColossalAI returns it unsplit), a wrong plan (StarCoder2's
+4.51 c_proj), the q/k norms' gradient sum that 4.x plans do not state. The numbers (loss, every gradient,
+the converted weights at tp=2 against the unsharded model, and the same with each handling dropped) are
+measured in one launch by `benchmarks/shardformer_policies.py --smoke` (tests/test_benchmarks.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import transformers
+
+from tasks.core.models.families import FAMILIES, family_of, policy_problem
+from tasks.core.models.tp_plan import (
+    PLAN_POLICY,
+    PLAN_ROWS,
+    check_plan,
+    merged_plan,
+    plan_for,
+    style_kind,
+)
+
+DENSE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)  # fmt: skip
+
+
+def meta_model(config_class: str, **fields):
+    config = getattr(transformers, config_class)(**{**DENSE, **fields})
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _stage(plugin: dict):
+    from tests.test_memory_estimate import stage
+
+    return stage({"name": "hybrid_parallel", **plugin}, nproc=2)
+
+
+def test_gemma3s_base_model_prefix_names_no_attribute_so_its_row_says_where_the_plan_applies():
+    model = meta_model("Gemma3TextConfig", head_dim=16)
+    assert not hasattr(model, model.base_model_prefix)  # 'language_model': a prefix match would split nothing
+    row = PLAN_ROWS["gemma3_text"]
+    matched, problems = check_plan(model, row, 2)
+    assert not problems and "model.layers.1.self_attn.q_proj" in matched and "lm_head" in matched
+    _, problems = check_plan(model, replace(row, base_prefix=""), 2)
+    assert any("'language_model.layers.*.self_attn.q_proj' matches no module" in p for p in problems), problems
+
+
+def test_the_head_is_read_from_the_class_plan_since_the_instances_loses_it():
+    model = meta_model("Qwen3Config", head_dim=16)
+    if transformers.__version__ == "4.51.3":  # its post_init: the instance's plan without the head
+        assert "lm_head" not in (model._tp_plan or {}) and type(model)._tp_plan == {"lm_head": "colwise_rep"}
+    plan = plan_for(model, PLAN_ROWS["qwen3"])
+    assert plan["lm_head"] in ("colwise_rep", "colwise_gather_output")
+    assert plan["model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"  # the row's fix (4.x: absent)
+
+
+def test_a_linear_narrower_than_tp_is_refused_since_colossalai_would_leave_it_whole():
+    model = meta_model("Qwen3Config", head_dim=16, intermediate_size=1)
+    _, problems = check_plan(model, PLAN_ROWS["qwen3"], 2)
+    assert any("model.layers.0.mlp.gate_proj" in p and "cannot be split 2 ways" in p for p in problems), problems
+    # what ColossalAI would do with it: hand the module back unsplit (read in its source, not imported: ~10 CPU-s)
+    import importlib.util
+    from pathlib import Path
+
+    linear = Path(importlib.util.find_spec("colossalai").origin).parent / "shardformer/layer/linear.py"
+    assert "if out_features < tp_size:\n            return module" in linear.read_text()
+
+
+def test_starcoder2s_wrong_plan_is_corrected_by_its_row():
+    shipped = transformers.Starcoder2Config.base_model_tp_plan
+    if transformers.__version__ == "4.51.3":
+        assert shipped["layers.*.mlp.c_proj"] == "colwise"  # the plan as it ships (4.57 fixed it)
+    merged = merged_plan(PLAN_ROWS["starcoder2"], shipped, {}, "model")
+    assert merged["model.layers.*.mlp.c_proj"] == "rowwise"
+
+
+def test_both_plan_style_generations_map_and_the_others_are_refused_by_name():
+    assert style_kind("colwise_rep") == style_kind("colwise_gather_output") == ("col_gather", "")
+    assert style_kind("rowwise_rep") == style_kind("rowwise_split_input") == ("row_whole", "")
+    assert style_kind("replicated_with_grad_allreduce") == ("grad_allreduce", "")
+    for style, words in (
+        ("local_colwise", "local"),
+        ("moe_tp_experts", "MoE"),
+        ("packed_colwise", "packed"),
+        ("sequence_parallel", "sequence"),
+        ("mla_kv_a_proj", "latent"),
+        ("ep_router", "expert"),
+    ):
+        kind, why = style_kind(style)
+        assert not kind and words in why, (style, why)  # fmt: skip
+    model = meta_model("Qwen3Config", head_dim=16)
+    row = replace(PLAN_ROWS["qwen3"], fixes=(("layers.*.mlp.gate_proj", "local_colwise", "a test"),))
+    _, problems = check_plan(model, row, 2)
+    assert len(problems) == 1 and "style 'local_colwise' is not one the derived policy maps (a local" in problems[0]
+
+
+def test_the_registry_gives_the_plan_families_the_derived_policy_and_the_estimate_what_is_split():
+    for model_type in ("qwen3", "gemma3_text", "phi3"):
+        assert FAMILIES[model_type].shardformer_policy == PLAN_POLICY
+    olmo2 = family_of({"model_type": "olmo2", **DENSE})
+    assert olmo2.derived and olmo2.shardformer_policy == PLAN_POLICY
+    assert olmo2.tp_splits("model.layers.0.self_attn.q_proj.weight")
+    assert not olmo2.tp_splits("model.layers.0.self_attn.q_norm.weight")  # full-width, replicated
+    # *_rep: OLMo 2's attention and Phi-3's attention and MLP are computed whole on every rank
+    whole = {t.dim for t in olmo2.layer_activations if t.whole}
+    assert whole == {"q", "kv", "heads"} and not any(t.whole for t in olmo2.layer_activations if t.dim == "inter")
+    assert {t.dim for t in FAMILIES["phi3"].layer_activations if t.whole} == {"q", "heads", "inter", "inter2"}
+    assert not any(t.whole for t in FAMILIES["qwen3"].layer_activations)
+
+
+def test_the_memory_estimate_keeps_rep_activations_whole_at_tp():
+    from tasks.core.preflight.memory import estimate
+
+    phi3 = {"model_type": "phi3", **DENSE, "pad_token_id": None}
+    qwen3 = {"model_type": "qwen3", **DENSE, "head_dim": 16}
+
+    def ratio(mc):
+        one = estimate(mc, _stage({"tp_size": 1, "precision": "fp32"})).total("activations")
+        return estimate(mc, _stage({"tp_size": 2, "precision": "fp32"})).total("activations") / one
+
+    assert ratio(phi3) > ratio(qwen3) + 0.2, (ratio(phi3), ratio(qwen3))
+
+
+@pytest.mark.parametrize(
+    ("mc", "plugin", "field", "words"),
+    [
+        ({"model_type": "qwen3", **DENSE, "head_dim": 16}, {"tp_size": 2}, None, ""),
+        ({"model_type": "olmo2", **DENSE}, {"tp_size": 2}, None, ""),
+        ({"model_type": "qwen3", **DENSE, "head_dim": 16, "num_key_value_heads": 1}, {"tp_size": 2},
+         "cpt.plugin.tp_size", "num_key_value_heads=1 is not divisible by tp_size=2"),
+        ({"model_type": "qwen3", **DENSE, "head_dim": 16}, {"pp_size": 2},
+         "cpt.plugin.pp_size", "pipeline and sequence parallelism are not proven"),
+        ({"model_type": "phi3", **DENSE}, {"tp_size": 2, "sequence_parallelism": {"mode": "split_gather"}},
+         "cpt.plugin.sequence_parallelism", "set cpt.plugin.sequence_parallelism: null"),
+    ],
+)  # fmt: skip
+def test_preflight_admits_what_the_derived_policy_maps_and_refuses_the_rest(mc, plugin, field, words):
+    got = policy_problem(mc, _stage(plugin), "cpt")
+    if field is None:
+        assert got is None, got
+    else:
+        assert got is not None and got[0] == field and words in got[1], got
+        assert "low_level_zero" in got[1] or "set cpt.plugin" in got[1]
+
+
+def test_the_memory_estimate_counts_the_gathered_logits_whole_on_every_rank(monkeypatch):
+    """The derived policy's head gathers the vocabulary (transformers' own loss runs on each rank), where
+    ColossalAI's Llama policy keeps each rank's vocabulary shard: 12 fp32 bytes per logit, vocab/2 more at tp=2."""
+    from tasks.core.preflight.memory import LOSS_BYTES_PER_LOGIT, estimate
+
+    qwen3 = {"model_type": "qwen3", **DENSE, "head_dim": 16}
+    st = _stage({"tp_size": 2, "precision": "fp32"})
+    derived = estimate(qwen3, st).total("activations")
+    monkeypatch.setitem(FAMILIES, "qwen3", replace(FAMILIES["qwen3"], shardformer_policy="vocab.parallel.Policy"))
+    split = estimate(qwen3, st).total("activations")
+    tokens = st.micro_batch_size * st.seq_len
+    assert derived - split == DENSE["vocab_size"] // 2 * LOSS_BYTES_PER_LOGIT * tokens
