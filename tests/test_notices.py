@@ -20,7 +20,7 @@ from support.servers.metadata import MetadataServer
 from tasks.core.config.elastic import ElasticConfig, NoticeConfig, keep_global_batch, kept_accumulation
 from tasks.core.config.notices import NOTICES, NoticeSource, register, signal_names
 from tasks.core.errors import ConfigError, Preempted, StageFailed
-from tasks.engine.notice import Watch, http_fetch
+from tasks.core.launch.notice_watch import Watch, http_fetch
 
 
 @pytest.fixture(scope="module")
@@ -440,7 +440,7 @@ def test_a_sigterm_that_cancels_goes_to_the_handler_it_replaced_not_to_the_ranks
 RANK = """
 import os, signal, sys, time
 from tasks.core.config.elastic import ElasticConfig
-from tasks.engine.notice import Watch
+from tasks.core.launch.notice_watch import Watch
 watch = Watch(ElasticConfig().notices).start()   # nothing configured: SIGTERM is a notice by default
 os.kill(os.getpid(), signal.SIGTERM)
 time.sleep(0.2)

@@ -283,6 +283,17 @@ def test_the_flowkit_never_imports_a_stage_module():
     )
 
 
+def test_the_flowkit_imports_no_engine_module():
+    """The Prefect side and the ranks are peers: what both use (the notice watch) lives in tasks/core below them."""
+    bad = [
+        f"{path.relative_to(ROOT)} imports {mod}"
+        for path in _modules(TASKS / "flowkit")
+        for mod, _names in _imports(path)
+        if mod == "tasks.engine" or mod.startswith("tasks.engine.")
+    ]
+    assert not bad, "tasks/flowkit/ imports the ranks' engine; move what both need into tasks/core:\n" + "\n".join(bad)
+
+
 def test_the_stage_import_finder_finds_every_form_and_leaves_the_rest_alone(tmp_path):
     folder = tmp_path / "stages"
     folder.mkdir()

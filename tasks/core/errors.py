@@ -52,7 +52,7 @@ PREEMPTED_EXIT = 75
 
 
 class Preempted(StageFailed):
-    """A stage stopped on a preemption notice (tasks/engine/notice.py). `record` is the engine's
+    """A stage stopped on a preemption notice (tasks/core/launch/notice_watch.py). `record` is the engine's
     `@@preempted` event: source, grace_s, noticed_step, checkpoint (step and path of the newest
     committed checkpoint), steps_lost, notice_to_commit_s. A StageFailed, so a caller that knows
     nothing of preemption still stops; one that does catches this first and retries."""

@@ -20,7 +20,6 @@ The Prefect task writes the job file (tasks/core/run/job.py) and reads the ranks
 - masters.py        fp32 master weights in every mixed-precision checkpoint, and their exact restore
 - metrics.py        per-step metrics on rank 0: `@@progress` fields and TensorBoard files
 - node_staging.py   per-node staging for an `s3://` run root on several nodes
-- notice.py         a rank's ear for preemption notices: signal handlers and pollers
 - optim.py          the stage's optimizer and learning-rate schedule
 - packing.py        packed SFT rows -> model inputs, attention kept inside each conversation
 - plan_policy.py    the derived shardformer policy: tensor parallelism from the model's own tp plan

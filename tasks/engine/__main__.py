@@ -11,7 +11,7 @@ ColossalAI for CPU when CUDA is absent (tasks/engine/cpu_compat.py); init the pr
 with `colossalai.launch_from_torch(seed=<stage seed>)`; run the verb (tasks/engine/loop.py).
 
 Exit status 0 on success, PREEMPTED_EXIT (75, tasks/core/errors.py) on every rank after a
-preemption notice stopped the stage (tasks/engine/notice.py), 1 with a message naming the problem on failure, written at level error
+preemption notice stopped the stage (tasks/core/launch/notice_watch.py), 1 with a message naming the problem on failure, written at level error
 (`tasks.engine.rankio.say`): the cause line first, then the traceback for anything that is not a
 configuration, manifest or data error. Never imports prefect.
 """

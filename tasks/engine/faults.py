@@ -9,7 +9,7 @@ Grammar: one or more specs separated by ';', each `ACTION@TRIGGER[@OPTION...]`:
     ACTION   kill   the chosen rank SIGKILLs itself (no cleanup, no flush beyond its own stdout)
              fail   every rank raises RuntimeError("injected failure ...") (exit status 1)
              term   the chosen rank sends itself SIGTERM, usr1 SIGUSR1: a preemption notice where the
-                    stage listens for one (`<phase>.elastic.notices`, tasks/engine/notice.py)
+                    stage listens for one (`<phase>.elastic.notices`, tasks/core/launch/notice_watch.py)
              shutdown  the chosen rank (default rank 0) sends SIGTERM to every process of the run at
                     once, as a machine's shutdown does: the flow process (torchrun's parent, local
                     launches), torchrun and every rank, itself included

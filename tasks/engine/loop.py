@@ -33,6 +33,7 @@ from tasks.core.config.phases import PHASES
 from tasks.core.config.sequence import sp_factor
 from tasks.core.data.index import check_fits_model
 from tasks.core.errors import ManifestError, Preempted
+from tasks.core.launch.notice_watch import Watch, polls_here
 from tasks.core.models.families import attention_note
 from tasks.core.run import segments
 from tasks.core.run.events import PREEMPTED, PROGRESS
@@ -44,7 +45,6 @@ from tasks.engine.boosted import Engine, emit, log
 from tasks.engine.builders import plugin_meta
 from tasks.engine.faults import Injector
 from tasks.engine.metrics import StepMetrics, count_params
-from tasks.engine.notice import Watch, polls_here
 from tasks.engine.preconditions import Job
 
 __all__ = ["StageData", "find_start", "shard", "train"]

@@ -6,7 +6,7 @@ evaluation, publishing): the stage stops at a safe point and ends *preempted*, n
 While a stage task runs, the notice sources any phase lists (`<phase>.elastic.notices`) raise
 `Preempted` in the stage instead of ending the process: a signal row's signal (`sigterm`, `slurm`)
 to the flow process, and a polled row (`aws`, `gcp`, `azure`, `file`), which a daemon thread of the
-stage asks every `poll_s` seconds with the ranks' own poller (tasks/engine/notice.py `Watch`) and
+stage asks every `poll_s` seconds with the ranks' own poller (tasks/core/launch/notice_watch.py `Watch`) and
 hands to the main thread as POLL_SIGNAL, so it lands where a signal would, a blocking wait included.
 Every place the stage can be stopped is a safe point: its artifact is built in
 `<artifact>.tmp-build` and swapped in only whole, the manifest last (`tasks/flowkit/stage.py`
@@ -40,9 +40,9 @@ from typing import Any
 
 from tasks.core.config.notices import NOTICES
 from tasks.core.errors import Preempted
+from tasks.core.launch.notice_watch import Watch
 from tasks.core.launch.proctree import signal_handlers
 from tasks.core.run.stages import STAGE
-from tasks.engine.notice import Watch
 
 _state = threading.local()
 # How a poller thread's notice reaches the main thread: a real signal, so a blocking call there (a

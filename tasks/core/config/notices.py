@@ -8,7 +8,7 @@ each with a grace budget: the seconds between the notice and the machine's end. 
 - a signal row (`signal`): the scheduler signals the ranks (SIGTERM from Kubernetes or a flow
   process that is being stopped; SIGUSR1 from Slurm's `--signal=USR1@<seconds>`). The launcher
   forwards the signal to the ranks instead of tearing them down (tasks/core/launch/proctree.py
-  `forward_notices`); each rank's handler (tasks/engine/notice.py) records the notice.
+  `forward_notices`); each rank's handler (tasks/core/launch/notice_watch.py) records the notice.
 - a polled row (`poll`): a rank asks every `poll_s` seconds; `poll(fetch, endpoint)` is pure
   logic over an injected `fetch(method, url, headers) -> (status, body)`, so the same code runs
   against a cloud's instance-metadata endpoint and the local test double

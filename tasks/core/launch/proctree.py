@@ -270,7 +270,7 @@ def forward_notices(
 ) -> Iterator[bool]:
     """While the block runs, a signal in `signals` (names: SIGTERM, SIGUSR1) that reaches this process
     is passed on to the stage's ranks as a preemption notice instead of ending this process (each
-    rank finishes its step, commits a checkpoint and exits preempted: tasks/engine/notice.py); the
+    rank finishes its step, commits a checkpoint and exits preempted: tasks/core/launch/notice_watch.py); the
     previous handlers come back after. Python installs handlers from the main thread only: elsewhere
     nothing is installed and the block yields False (a notice then reaches only ranks signalled
     directly, as Slurm and Kubernetes do). A SIGTERM for which `cancelled()` is true (the flow run is

@@ -190,7 +190,7 @@ def run_slurm(
         cancel(cli, job_id, logger)
         raise
     if not info.ok and router.preempted is not None:
-        raise router.failure(verb, 1)  # Preempted: the ranks stopped on a notice (tasks/engine/notice.py)
+        raise router.failure(verb, 1)  # Preempted: the ranks stopped on a notice (tasks/core/launch/notice_watch.py)
     if not info.ok:
         # The cause, as on the local backend: the first error line a rank (else torchrun) wrote.
         cause = f"{router.cause[0]}: {router.cause[1]}" if router.cause else None

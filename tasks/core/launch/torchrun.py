@@ -17,7 +17,7 @@ the stage runs, and torchrun carries a stage token in its environment, so a fail
 or a background failure reported by `failure()` (a publish that spent its retries) ends torchrun
 and every rank in every session it created, and `run_engine` raises only once none of them remains.
 Before its first SIGTERM the teardown writes the file the ranks know by TEARDOWN_ENV: a rank that
-takes SIGTERM as a preemption notice (tasks/engine/notice.py) finds it and ends at once instead.
+takes SIGTERM as a preemption notice (tasks/core/launch/notice_watch.py) finds it and ends at once instead.
 
 Single node picks a free rendezvous port (`--standalone`); several nodes use c10d rendezvous:
 

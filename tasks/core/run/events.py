@@ -35,7 +35,7 @@ BACKPRESSURE = "backpressure"
 # what a launch runs with, once after its plugin is built: kernels ({name: reason}), activation_checkpointing
 KERNELS = "kernels"
 # the stage stopped on a preemption notice: source, grace_s, noticed_step, checkpoint_step, checkpoint,
-# steps_lost, notice_to_commit_s (tasks/engine/notice.py); the launcher raises errors.Preempted
+# steps_lost, notice_to_commit_s (tasks/core/launch/notice_watch.py); the launcher raises errors.Preempted
 PREEMPTED = "preempted"
 KINDS = (PROGRESS, CHECKPOINT, BACKPRESSURE, KERNELS, PREEMPTED)
 # The numeric @@progress fields that are per-step metrics (TensorBoard tags, MLflow metrics).

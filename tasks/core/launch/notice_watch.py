@@ -1,6 +1,7 @@
-"""A rank's ear for preemption notices: the signal handlers and pollers of `<phase>.elastic.notices`.
+"""The ear for preemption notices, a rank's and the flow process's: the signal handlers and pollers of
+`<phase>.elastic.notices`.
 
-    python -m tasks.engine.notice aws http://127.0.0.1:8080     # poll once, print the notice or None
+    python -m tasks.core.launch.notice_watch aws http://127.0.0.1:8080     # poll once, print the notice or None
 
 `Watch` installs a handler for every signal row of the stage's notice sources
 (tasks/core/config/notices.py; in the main thread, as Python requires) and, on each node's local
@@ -186,7 +187,7 @@ def polls_here() -> bool:
 def _main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in NOTICES or NOTICES[argv[0]].poll is None:
         polled = [n for n, s in NOTICES.items() if s.poll]
-        print(f"usage: python -m tasks.engine.notice {{{','.join(polled)}}} ENDPOINT", file=sys.stderr)
+        print(f"usage: python -m tasks.core.launch.notice_watch {{{','.join(polled)}}} ENDPOINT", file=sys.stderr)
         return 2
     print(NOTICES[argv[0]].poll(functools.partial(http_fetch, deadline=time.monotonic() + POLL_DEADLINE_S), argv[1]))
     return 0
