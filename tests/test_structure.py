@@ -294,6 +294,51 @@ def test_the_flowkit_imports_no_engine_module():
     assert not bad, "tasks/flowkit/ imports the ranks' engine; move what both need into tasks/core:\n" + "\n".join(bad)
 
 
+_IMPORT_STRING = re.compile(r"^tasks(\.\w+)+:\w+$")
+# The one registry whose rows still name code as "module:attr": a phase's encoder. The config leaf cannot
+# import the data package (data imports config), so the data package resolves the string
+# (tasks/core/data/shard.py `encoder_class`): its edge is the resolver's, checked below.
+_STRING_REGISTRIES = {"tasks.core.config.phases": "tasks.core.data.shard"}
+
+
+def test_import_strings_are_registry_rows_that_resolve_within_the_layering():
+    """A "tasks.x:Name" string is an import the graph cannot see: each must be a row of a known registry,
+    resolve to its attribute, and be one its resolver may import (the same core subpackage, or one below)."""
+    import importlib
+
+    graph = import_graph(_modules(TASKS / "core"))
+    found = []
+    for room in (TASKS, ROOT / "flows"):
+        for path in _modules(room):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and _IMPORT_STRING.match(node.value):
+                    found.append((_module_name(path), node.value))
+    assert found, "the finder found no import string: the encoder rows of tasks/core/config/phases.py name two"
+    stray = [f"{holder}: {text!r}" for holder, text in found if holder not in _STRING_REGISTRIES]
+    assert not stray, (
+        "import strings outside a registry the layering test reads; import the callable where the row is defined "
+        f"(in a package allowed to), or add the registry here: {stray}"
+    )
+    for holder, text in found:
+        module, _, attr = text.partition(":")
+        assert hasattr(importlib.import_module(module), attr), f"{holder}: {text!r} does not resolve"
+        resolver = _STRING_REGISTRIES[holder]
+        below = {m.split(".")[2] for m in graph.get(resolver, set()) if m.startswith("tasks.core.")}
+        concern = module.split(".")[2]
+        assert concern == resolver.split(".")[2] or concern in below, (
+            f"{holder}: {text!r} is resolved by {resolver}, which may not import {module} under the layering"
+        )
+
+
+def test_each_launch_backend_with_a_cluster_check_has_one_in_the_launch_package():
+    from tasks.core.config.backends import BACKENDS
+    from tasks.core.launch.torchrun import PREFLIGHTS
+
+    assert set(PREFLIGHTS) == {n for n, b in BACKENDS.items() if b.cluster_check}, (
+        "a BACKENDS row's cluster_check says what tasks.core.launch.torchrun.PREFLIGHTS runs for it: keep the keys equal"
+    )
+
+
 def test_the_stage_import_finder_finds_every_form_and_leaves_the_rest_alone(tmp_path):
     folder = tmp_path / "stages"
     folder.mkdir()

@@ -4,8 +4,9 @@
 
 `launch.backend` is validated against these keys (`tasks.core.config.schema.LaunchConfig`); the layout
 rules (`tasks.core.config.layout`) read `rendezvous` and run `static_problems`; pre-flight
-(`tasks.core.preflight.checks.check_launch_backend`) calls `preflight`; the Prefect task picks the runner
-of the same name from `tasks.core.launch.torchrun.RUNNERS`. A backend owns its settings model and their
+(`tasks.core.preflight.checks.check_launch_backend`) calls the backend's cluster check, if it has one, from
+`tasks.core.launch.torchrun.PREFLIGHTS`; the Prefect task picks the runner of the same name from
+`tasks.core.launch.torchrun.RUNNERS`. A backend owns its settings model and their
 rules in a module of its own (Slurm: `tasks.core.config.slurm`), which the schema embeds; this
 registry never reads the schema. Adding a backend (Kubernetes, see docs/scaling.md) is one row here,
 its settings module, and one runner there.
@@ -38,9 +39,9 @@ class BackendSpec:
     # Static rules of the backend's settings (config alone): (its settings section or None,
     # that section's path, e.g. "cpt.launch.slurm") -> problems.
     static_problems: Callable[[Any, str], list[Problem]] | None = None
-    # "module:function" of the pre-flight check that asks the cluster:
-    # (launch, "cpt.launch", tp_pp) -> problems. Imported only when a stage uses the backend.
-    preflight: str | None = None
+    # What its pre-flight asks the cluster, said in the reference; the check itself is the launch
+    # package's (`tasks.core.launch.torchrun.PREFLIGHTS`, same key), which this leaf never imports.
+    cluster_check: str = ""
 
 
 BACKENDS: dict[str, BackendSpec] = {
@@ -57,7 +58,7 @@ BACKENDS: dict[str, BackendSpec] = {
         settings="slurm",
         remote_nodes=True,
         static_problems=sbatch_flag_problems,
-        preflight="tasks.core.launch.slurm:preflight",
+        cluster_check="sinfo: the controller answers, the partition is up, nodes x GPUs fit it",
     ),
 }
 

@@ -6,8 +6,9 @@ A phase is a training section of the config (`cpt`, `sft`): its corpus, how a re
 samples, and what its evaluation measures. It is not a stage name (`train_cpt`, `push_to_hub`): the
 stages of a phase are rows of `tasks.core.run.stages`. The row holds what differs between phases:
   - the record kind (`record`) and the data field it is read from (`field`, a `DataConfig` field),
-  - the encoder that turns records into token shards (`encoder`, "module:Class", as a launch backend
-    names its pre-flight: this leaf package never imports the data code; `tasks.core.data.encoders`),
+  - the encoder that turns records into token shards (`encoder`, "module:Class": this leaf package never
+    imports the data code, which resolves it; `tasks.core.data.encoders`; tests/test_structure.py resolves
+    every such string and checks it against the layering),
   - the unit of training (`blocks`: one stream cut into seq_len blocks by the reader, else a record a
     row, batched by `<phase>.batching`) and its name in messages (`unit`),
   - the evaluation (`evaluation`, `generation`) and the config paths the evaluation's digest adds

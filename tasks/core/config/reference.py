@@ -243,10 +243,7 @@ def _registry_tables() -> list[str]:
     ]
     for n, b in BACKENDS.items():
         settings = f"`launch.{b.settings}`" if b.settings else ""
-        out.append(
-            f"| `{n}` | {_cell(b.summary)} | {b.rendezvous} | {settings} | {'`' + b.preflight + '`' if b.preflight else ''} "
-            "|"
-        )
+        out.append(f"| `{n}` | {_cell(b.summary)} | {b.rendezvous} | {settings} | {_cell(b.cluster_check)} |")
     return out
 
 

@@ -339,3 +339,14 @@ RUNNERS: dict[str, Callable[[str, Job, Path, LaunchConfig, str, Router, dict[str
     "local": run_local,
     "slurm": run_slurm,
 }
+
+
+def _slurm_preflight(launch: LaunchConfig, where: str, tp_pp: int) -> list[tuple[str, str]]:
+    from tasks.core.launch.slurm import preflight
+
+    return preflight(launch, where, tp_pp=tp_pp)
+
+
+# A backend's pre-flight that asks its cluster, where it has one: (launch, "cpt.launch", tp_pp) -> problems.
+# Run by tasks.core.preflight.checks.check_launch_backend only when a stage uses the backend.
+PREFLIGHTS: dict[str, Callable[[LaunchConfig, str, int], list[tuple[str, str]]]] = {"slurm": _slurm_preflight}

@@ -31,7 +31,6 @@ Decisions recorded here:
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -467,21 +466,19 @@ def check_model_family(ctx: CheckContext) -> None:
 
 
 def check_launch_backend(ctx: CheckContext) -> None:
-    """Each stage's launch backend asks its cluster (`BackendSpec.preflight`: for Slurm the
+    """Each stage's launch backend asks its cluster (`tasks.core.launch.torchrun.PREFLIGHTS`: for Slurm the
     controller answers, the partition exists, nodes x GPUs fit it), and a backend whose ranks run
     on other nodes needs a run root every node sees."""
     from tasks.core.config.backends import BACKENDS
+    from tasks.core.launch.torchrun import PREFLIGHTS
 
     for name in PHASES:
         stage = getattr(ctx.cfg, name)
         launch = stage.launch
         spec = BACKENDS[launch.backend]
-        if spec.preflight is None:
+        if (cluster_check := PREFLIGHTS.get(launch.backend)) is None:
             continue
-        module, _, fn = spec.preflight.partition(":")
-        problems = getattr(importlib.import_module(module), fn)(
-            launch, f"{name}.launch", tp_pp=stage.plugin.tp_size * stage.plugin.pp_size
-        )
+        problems = cluster_check(launch, f"{name}.launch", stage.plugin.tp_size * stage.plugin.pp_size)
         for where, msg in problems:
             ctx.problem(where, msg)
         if spec.remote_nodes and launch.nnodes > 1 and "://" in ctx.cfg.run_uri:
