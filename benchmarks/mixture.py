@@ -81,9 +81,9 @@ def make_source(d: Path, mb: float, files: int, seed: int) -> str:
 
 
 def stage_cfg(data: dict, steps: int, micro: int, seq_len: int):
-    from tasks.core.config.schema import StageConfig
+    from tasks.core.config.schema import PhaseConfig
 
-    return StageConfig.model_validate(
+    return PhaseConfig.model_validate(
         {
             "data": data,
             "plugin": {"name": "torch_ddp", "precision": "fp32"},

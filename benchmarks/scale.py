@@ -388,7 +388,7 @@ def room_needed(work: Path, size: str, plugin_key: str, steps: int) -> float:
     """What the ranks of one run need at their peak, by the estimate: the larger of the steady RSS and
     the construction figure, x 1.15 (a checkpoint save and the step's transients, measured up to
     1.1x the steady figure at 700M under hybrid_parallel and 1.24x at 190M under low_level_zero)."""
-    from tasks.core.config.schema import StageConfig
+    from tasks.core.config.schema import PhaseConfig
     from tasks.core.preflight.memory import estimate
 
     mbs, seq_len = BATCH[size]
@@ -404,17 +404,17 @@ def room_needed(work: Path, size: str, plugin_key: str, steps: int) -> float:
         "tie_word_embeddings": dims.get("tie_word_embeddings", False),
     }
     est = estimate(
-        config, StageConfig.model_validate(stage_cfg(PLUGINS[plugin_key], mbs, seq_len, steps + 1)), cuda=False
+        config, PhaseConfig.model_validate(stage_cfg(PLUGINS[plugin_key], mbs, seq_len, steps + 1)), cuda=False
     )
     return NPROC * 1.15 * max(est.host_steady, est.construction_host)
 
 
 def estimate_row(row: dict) -> dict:
     """The pre-flight estimate of the same stage config on the same config.json, for a CPU rank."""
-    from tasks.core.config.schema import StageConfig
+    from tasks.core.config.schema import PhaseConfig
     from tasks.core.preflight.memory import estimate
 
-    est = estimate(row["config"], StageConfig.model_validate(row["stage_cfg"]), cuda=False)
+    est = estimate(row["config"], PhaseConfig.model_validate(row["stage_cfg"]), cuda=False)
     # the steady share: parameters, gradients and optimizer state the plugin places on the rank (no activations)
     states = est.total("always", "grads", "backward")
     return {

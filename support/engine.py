@@ -27,7 +27,7 @@ STAGE = {
 
 
 def stage_raw(stage: str, plugin: dict[str, Any], **stage_kw) -> dict[str, Any]:
-    """One stage section (a StageConfig dict) of the sample data under `plugin`: what a job carries."""
+    """One stage section (a PhaseConfig dict) of the sample data under `plugin`: what a job carries."""
     data = {"uri": str(REPO / "data" / "sample" / f"{stage}.jsonl")}
     seq = {"seq_len": 64} if stage == "sft" else {}  # chats are longer than 32 tokens
     return {"data": data, "plugin": plugin, "launch": {"nproc_per_node": 2}, **STAGE, **seq, "seed": 1234, **stage_kw}
@@ -49,10 +49,10 @@ def prepare_spec(stage_cfg: dict[str, Any], stage: str):
     the engine tests train on every record."""
     from dataclasses import replace
 
-    from tasks.core.config.schema import StageConfig
+    from tasks.core.config.schema import PhaseConfig
     from tasks.core.data.spec import prepare_spec
 
-    spec = prepare_spec(StageConfig.model_validate(stage_cfg), stage)
+    spec = prepare_spec(PhaseConfig.model_validate(stage_cfg), stage)
     return replace(spec, heldout_fraction=0.0, heldout_uri=None, heldout_sources=())
 
 

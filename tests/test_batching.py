@@ -30,12 +30,12 @@ def sft_data(tmp_path_factory):
 
 
 def test_registry_rows_reach_the_config_and_the_schema():
-    from tasks.core.config.schema import RunConfig, StageConfig
+    from tasks.core.config.schema import PhaseConfig, RunConfig
 
-    assert StageConfig.model_fields["batching"].default == "grouped"
+    assert PhaseConfig.model_fields["batching"].default == "grouped"
     register(BatchingSpec("dummy", "a test row", False, "seq_len"))
     try:
-        prop = RunConfig.model_json_schema()["$defs"]["StageConfig"]["properties"]["batching"]
+        prop = RunConfig.model_json_schema()["$defs"]["PhaseConfig"]["properties"]["batching"]
         assert "dummy" in prop["enum"] and "a test row" in prop["description"]
     finally:
         BATCHING.pop("dummy")

@@ -75,7 +75,7 @@ def test_config_is_frozen_and_documented():
 
     for model in (
         mod.RunConfig,
-        mod.StageConfig,
+        mod.PhaseConfig,
         mod.PluginConfig,
         mod.LaunchConfig,
         mod.DataConfig,

@@ -11,7 +11,6 @@ the MLflow probe.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -27,6 +26,7 @@ import yaml
 from tasks.core.config import reference
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.layout import RULES
+from tasks.core.launch.torchrun import PREFLIGHTS
 from tasks.core.preflight import tracking as preflight_tracking
 from tasks.core.preflight.checks import CHECKS, Machine, load_for_check, preflight_report
 from tasks.core.run.stages import STAGES
@@ -215,9 +215,7 @@ def test_yaml_example_passes_preflight(where, block, tiny_model_dir, tmp_path, m
         raw["base_model"]["uri"] = str(tiny_model_dir)
     raw["run_root"] = str(tmp_path / "run")
     if "slurm" in want:
-        monkeypatch.setitem(
-            BACKENDS, "slurm", dataclasses.replace(BACKENDS["slurm"], preflight=f"{__name__}:_cluster_answers")
-        )
+        monkeypatch.setitem(PREFLIGHTS, "slurm", _cluster_answers)
     if "mlflow" in want:
         monkeypatch.setattr(preflight_tracking, "check_uri", lambda uri: None)
     path = tmp_path / "example.yaml"

@@ -727,13 +727,13 @@ def test_tp2_construction_peak_is_the_rank_share_not_the_whole_model(wide):
     """A rank's host peak while it builds the model lazily, lets the plugin shard it and reads the
     weights one tensor at a time from the base's single file is what the estimate predicts (its fp32
     share plus one whole tensor), below the whole fp32 model by the margin the estimate predicts."""
-    from tasks.core.config.schema import StageConfig
+    from tasks.core.config.schema import PhaseConfig
     from tasks.core.preflight.memory import estimate
 
     assert [p.name for p in wide["model_dir"].glob("*.safetensors")] == ["model.safetensors"]
     assert "read 57 tensors of" in wide["shard"].output and "(1 file(s), the largest 16.0 MiB)" in wide["shard"].output
     config = json.loads((wide["model_dir"] / "config.json").read_text())
-    est = estimate(config, StageConfig.model_validate(wide["section"]), stage="cpt")
+    est = estimate(config, PhaseConfig.model_validate(wide["section"]), stage="cpt")
     whole = est.parameters * 4
     assert est.construction < 0.6 * whole, "the model is too narrow for the estimate to predict a margin"
     peaks = {int(r): int(b) for r, b in CONSTRUCTION.findall(wide["shard"].output)}

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from tasks.core.config.schema import StageConfig
+from tasks.core.config.schema import PhaseConfig
 from tasks.core.preflight.memory import GB, estimate
 
 # SmolLM2-135M's config.json (30 layers, 9 heads, 3 KV heads, tied embeddings): 134.5M parameters.
@@ -22,8 +22,8 @@ SMOL = {
 }
 
 
-def _sft(lora: dict | None, gpu_gb: float) -> StageConfig:
-    return StageConfig.model_validate(
+def _sft(lora: dict | None, gpu_gb: float) -> PhaseConfig:
+    return PhaseConfig.model_validate(
         {
             "data": {"uri": "x"},
             "plugin": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},

@@ -12,14 +12,13 @@ data URIs read from the sample files of the same kind. The run root is always a 
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tasks.core.config.backends import BACKENDS
+from tasks.core.launch.torchrun import PREFLIGHTS
 from tasks.core.preflight import model_info
 from tasks.core.preflight.checks import load_for_check, preflight_report
 from tasks.core.preflight.model_info import ModelInfo
@@ -147,9 +146,7 @@ def test_example_passes_preflight(path, tiny_model_dir, tmp_path, monkeypatch):
             raw[stage]["data"]["uri"] = str(tmp_path / "train.jsonl")
             raw[stage]["eval"]["heldout_uri"] = str(tmp_path / "heldout.jsonl")
     if "slurm" in want:
-        monkeypatch.setitem(
-            BACKENDS, "slurm", dataclasses.replace(BACKENDS["slurm"], preflight=f"{__name__}:_cluster_answers")
-        )
+        monkeypatch.setitem(PREFLIGHTS, "slurm", _cluster_answers)
     raw["run_root"] = str(tmp_path / "run")
     config = tmp_path / path.name
     config.write_text(yaml.safe_dump(raw, sort_keys=False))

@@ -130,17 +130,17 @@ def test_fp16_needs_cuda_on_every_plugin(tmp_path, plugin, extra):
 def test_fp16_without_dynamic_loss_scaling_is_refused(monkeypatch):
     from tasks.core.config.layout import layout_problems
     from tasks.core.config.plugins import PLUGINS, PluginSpec
-    from tasks.core.config.schema import PluginConfig, StageConfig
+    from tasks.core.config.schema import PhaseConfig, PluginConfig
 
     monkeypatch.setitem(
         PLUGINS, "unscaled", PluginSpec(name="unscaled", summary="fp16 without a loss scaler", loss_scale="none")
     )
-    stage = StageConfig.model_construct(plugin=PluginConfig(name="unscaled", precision="fp16"))
+    stage = PhaseConfig.model_construct(plugin=PluginConfig(name="unscaled", precision="fp16"))
     problems = layout_problems(stage, "cpt", cuda=True)
     assert [f for f, _ in problems] == ["cpt.plugin.precision"] and "dynamic loss scaling" in problems[0][1]
     assert (
         layout_problems(
-            StageConfig.model_construct(plugin=PluginConfig(name="unscaled", precision="bf16")), "cpt", cuda=True
+            PhaseConfig.model_construct(plugin=PluginConfig(name="unscaled", precision="bf16")), "cpt", cuda=True
         )
         == []
     )
@@ -155,7 +155,7 @@ def test_every_fp16_plugin_is_built_with_the_dynamic_loss_scale(tmp_path):
 
     from tasks.core.config.layout import ParallelLayout
     from tasks.core.config.plugins import LOSS_SCALE, PLUGINS
-    from tasks.core.config.schema import PluginConfig, StageConfig
+    from tasks.core.config.schema import PhaseConfig, PluginConfig
     from tasks.engine.builders import booster_mixed_precision, build_plugin, loss_scale_kwargs
 
     assert all(spec.loss_scale == "dynamic" for spec in PLUGINS.values())
@@ -174,7 +174,7 @@ def test_every_fp16_plugin_is_built_with_the_dynamic_loss_scale(tmp_path):
     try:
         for name, attr in where.items():
             p = PluginConfig(name=name, precision="fp16", zero_stage=2 if name == "low_level_zero" else 0)
-            stage = StageConfig.model_construct(plugin=p, grad_accum_steps=1)
+            stage = PhaseConfig.model_construct(plugin=p, grad_accum_steps=1)
             layout = ParallelLayout(name, 1, 1, 1, 1, PLUGINS[name].zero_stage(p.zero_stage), "fp16", 1)
             built = build_plugin(p, stage, layout, True)
             got = getattr(built, attr)

@@ -136,7 +136,7 @@ def test_a_new_kernel_is_one_registry_row(tmp_path):
         cfg = _cfg(
             tmp_path, sft={"plugin": {"name": "torch_ddp", "precision": "fp32"}, "kernels": {"dummy_fast": True}}
         )
-        props = RunConfig.model_json_schema()["$defs"]["StageConfig"]["properties"]["kernels"]
+        props = RunConfig.model_json_schema()["$defs"]["PhaseConfig"]["properties"]["kernels"]
         assert (
             "dummy_fast" in props["propertyNames"]["enum"]
             and "dummy_fast (a test kernel under low_level_zero/gemini/torch_ddp)" in props["description"]

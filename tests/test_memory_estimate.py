@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from tasks.core.config import plugins
-from tasks.core.config.schema import StageConfig
+from tasks.core.config.schema import PhaseConfig
 from tasks.core.errors import ConfigError
 from tasks.core.models.families import FAMILIES, TP_SPLIT_DIMS, iter_tensors
 from tasks.core.preflight.checks import Machine, load_for_check
@@ -46,8 +46,8 @@ TINY = {
 }
 
 
-def stage(plugin: dict, nproc: int = 1, nnodes: int = 1, **kw) -> StageConfig:
-    return StageConfig.model_validate(
+def stage(plugin: dict, nproc: int = 1, nnodes: int = 1, **kw) -> PhaseConfig:
+    return PhaseConfig.model_validate(
         {
             "data": {"uri": "x"},
             "plugin": plugin,

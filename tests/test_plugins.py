@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.core.config.schema import PluginConfig, StageConfig
+from tasks.core.config.schema import PhaseConfig, PluginConfig
 from tasks.core.errors import ConfigError
 from tasks.core.run.manifest import MANIFEST, write_manifest
 from tasks.engine import checkpoint as ckpt
@@ -25,8 +25,8 @@ from tasks.engine.builders import can_no_sync, check_supported, make_plugin
 from tasks.engine.preconditions import parse_job
 
 
-def _stage(plugin: dict, **kw) -> StageConfig:
-    return StageConfig(data={"uri": "x.jsonl"}, plugin=plugin, max_steps=10, seq_len=16, lr=1e-3, **kw)
+def _stage(plugin: dict, **kw) -> PhaseConfig:
+    return PhaseConfig(data={"uri": "x.jsonl"}, plugin=plugin, max_steps=10, seq_len=16, lr=1e-3, **kw)
 
 
 # -- plugins ---------------------------------------------------------------------------------------

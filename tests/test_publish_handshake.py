@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.core.config.schema import StageConfig
+from tasks.core.config.schema import PhaseConfig
 from tasks.core.errors import ConfigError
 from tasks.core.run.manifest import MANIFEST, write_manifest
 from tasks.core.storage.handshake import is_published, manifest_sha256, mark_published
@@ -98,7 +98,7 @@ def test_job_key_remote_run_root():
 
 
 def test_max_pending_publishes_field():
-    field = StageConfig.model_fields["max_pending_publishes"]
+    field = PhaseConfig.model_fields["max_pending_publishes"]
     assert field.default == 2 and "upload" in field.description
     section = _job()["stage_cfg"]
     section["max_pending_publishes"] = 0

@@ -16,7 +16,7 @@ import pytest
 
 from tasks.core.config import sequence
 from tasks.core.config.layout import ParallelLayout, global_batch, layout_problems
-from tasks.core.config.schema import PluginConfig, RunConfig, StageConfig
+from tasks.core.config.schema import PhaseConfig, PluginConfig, RunConfig
 from tasks.core.config.sequence import SP_MODES, SpModeSpec
 from tasks.core.models.families import sp_family_problem
 
@@ -32,8 +32,8 @@ LLAMA = {
 HP = {"name": "hybrid_parallel", "precision": "fp32"}
 
 
-def stage(plugin: dict[str, Any], nproc: int = 2, seq_len: int = 64, **kw: Any) -> StageConfig:
-    return StageConfig.model_validate(
+def stage(plugin: dict[str, Any], nproc: int = 2, seq_len: int = 64, **kw: Any) -> PhaseConfig:
+    return PhaseConfig.model_validate(
         {
             "data": {"uri": "x"},
             "plugin": plugin,
@@ -47,7 +47,7 @@ def stage(plugin: dict[str, Any], nproc: int = 2, seq_len: int = 64, **kw: Any) 
     )
 
 
-def refusals(st: StageConfig, where: str = "cpt", cuda: bool | None = False) -> dict[str, str]:
+def refusals(st: PhaseConfig, where: str = "cpt", cuda: bool | None = False) -> dict[str, str]:
     return dict(layout_problems(st, where, model_config=LLAMA, cuda=cuda))
 
 

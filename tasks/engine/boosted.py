@@ -15,7 +15,7 @@ applies to every parameter. On CUDA AdamW takes `fused=True` where the kernel re
 
 LR schedule: `torch.optim.lr_scheduler.LambdaLR` with a plain function (linear warm-up, then
 cosine/linear decay to min_lr, or constant): one scheduler, one state format (numbers only, so
-`lr_scheduler.pt` loads under `weights_only=True`) for all three StageConfig schedules.
+`lr_scheduler.pt` loads under `weights_only=True`) for all three PhaseConfig schedules.
 ColossalAI's CosineAnnealingWarmupLR covers the cosine case only and its LinearWarmupLR has no
 min_lr floor.
 

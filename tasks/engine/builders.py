@@ -16,8 +16,8 @@ arguments) plus the flags of the kernels that are on (`tasks.core.config.kernels
 `plugin_kwargs` computes them all without constructing the plugin:
 
     python -c "from tasks.engine.builders import plugin_kwargs; from tasks.core.config.kernels import Facts, resolve; \
-from tasks.core.config.layout import ParallelLayout; from tasks.core.config.schema import StageConfig, PluginConfig; \
-st = StageConfig.model_construct(plugin=PluginConfig(name='hybrid_parallel'), kernels={}, activation_checkpointing=False, grad_accum_steps=1); \
+from tasks.core.config.layout import ParallelLayout; from tasks.core.config.schema import PhaseConfig, PluginConfig; \
+st = PhaseConfig.model_construct(plugin=PluginConfig(name='hybrid_parallel'), kernels={}, activation_checkpointing=False, grad_accum_steps=1); \
 print(plugin_kwargs(st.plugin, st, ParallelLayout('hybrid_parallel', 1, 1, 1, 1, 0, 'bf16', 1), True, resolve(st, 'cpt', Facts(cuda=True))))"
 """
 
@@ -35,7 +35,7 @@ from tasks.core.config.kernels import Facts, KernelState, passed, resolve
 from tasks.core.config.layout import ParallelLayout, layout_problems, num_microbatches
 from tasks.core.config.phases import Phase
 from tasks.core.config.plugins import LOSS_SCALE, PRECISION_SPECS, spec_of
-from tasks.core.config.schema import PluginConfig, StageConfig
+from tasks.core.config.schema import PhaseConfig, PluginConfig
 from tasks.core.config.sequence import SP_MODES, sp_size
 from tasks.core.errors import ConfigError
 from tasks.core.models.families import policy_problem, sp_family_problem
@@ -65,9 +65,9 @@ __all__ = [
 ]
 
 
-def _stage_of(plugin_cfg: PluginConfig) -> StageConfig:
-    """A StageConfig around a lone PluginConfig, for the rules that read only the plugin."""
-    return StageConfig.model_construct(plugin=plugin_cfg)
+def _stage_of(plugin_cfg: PluginConfig) -> PhaseConfig:
+    """A PhaseConfig around a lone PluginConfig, for the rules that read only the plugin."""
+    return PhaseConfig.model_construct(plugin=plugin_cfg)
 
 
 def check_supported(plugin_cfg: PluginConfig, phase: Phase, cuda: bool | None = None) -> None:
@@ -78,7 +78,7 @@ def check_supported(plugin_cfg: PluginConfig, phase: Phase, cuda: bool | None = 
         raise ConfigError(problems, header=f"stage {phase} cannot run on this machine")
 
 
-def check_model(stage_cfg: StageConfig, model_config: dict[str, Any], phase: Phase) -> None:
+def check_model(stage_cfg: PhaseConfig, model_config: dict[str, Any], phase: Phase) -> None:
     """The layout rules that need the model (tp divides heads and the vocabulary, pp <= layers),
     against the model actually built: the same rules pre-flight ran on config.json."""
     problems = layout_problems(stage_cfg, phase, model_config=model_config, tiers=("model",))
@@ -101,7 +101,7 @@ def loss_scale_kwargs(p: PluginConfig) -> dict[str, Any]:
     return dataclasses.asdict(LOSS_SCALE)
 
 
-def _hybrid_parallel(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
+def _hybrid_parallel(p: PluginConfig, stage_cfg: PhaseConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         tp_size=p.tp_size,
         pp_size=p.pp_size,
@@ -156,7 +156,7 @@ def sequence_kwargs(p: PluginConfig) -> dict[str, Any]:
     )
 
 
-def _low_level_zero(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
+def _low_level_zero(p: PluginConfig, stage_cfg: PhaseConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
     return dict(
         stage=p.zero_stage,
         precision=p.precision,
@@ -166,11 +166,11 @@ def _low_level_zero(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLay
     )  # record_stream again
 
 
-def _torch_ddp(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
+def _torch_ddp(p: PluginConfig, stage_cfg: PhaseConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
     return {}
 
 
-def _gemini(p: PluginConfig, stage_cfg: StageConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
+def _gemini(p: PluginConfig, stage_cfg: PhaseConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
     return dict(
         precision=p.precision,
         max_norm=p.max_norm,
@@ -185,7 +185,7 @@ class Builder:
     can be computed (and tested) without constructing the plugin or a process group."""
 
     factory: str | Callable[..., Any]  # "module:Class", imported when the plugin is built; or a callable
-    kwargs: Callable[[PluginConfig, StageConfig, ParallelLayout, bool], dict[str, Any]]
+    kwargs: Callable[[PluginConfig, PhaseConfig, ParallelLayout, bool], dict[str, Any]]
     # Run before the plugin is built: a fix to the library's plugin module (idempotent; returns
     # what it patched, for the log), e.g. hybrid_parallel's DDP over one rank (tasks/engine/solo_ddp.py).
     patch: Callable[[], list[str]] | None = None
@@ -206,7 +206,7 @@ BUILDERS: dict[str, Builder] = {
 
 
 def stage_kernels(
-    stage_cfg: StageConfig, stage: str, cuda: bool, model_type: str | None = None
+    stage_cfg: PhaseConfig, stage: str, cuda: bool, model_type: str | None = None
 ) -> dict[str, KernelState]:
     """The registry's decision for this stage on this machine (installed packages looked up, nothing loaded)."""
     return resolve(stage_cfg, stage, Facts.detect(cuda=cuda, model_type=model_type))
@@ -214,7 +214,7 @@ def stage_kernels(
 
 def plugin_kwargs(
     plugin_cfg: PluginConfig,
-    stage_cfg: StageConfig,
+    stage_cfg: PhaseConfig,
     layout: ParallelLayout,
     cuda: bool,
     kernels: Mapping[str, KernelState],
@@ -272,7 +272,7 @@ def _builder(plugin_cfg: PluginConfig, phase: Phase) -> Builder:
 
 def build_plugin(
     plugin_cfg: PluginConfig,
-    stage_cfg: StageConfig,
+    stage_cfg: PhaseConfig,
     layout: ParallelLayout,
     cuda: bool,
     kernels: Mapping[str, KernelState] | None = None,
@@ -292,7 +292,7 @@ def build_plugin(
 
 def make_plugin(
     plugin_cfg: PluginConfig,
-    stage_cfg: StageConfig,
+    stage_cfg: PhaseConfig,
     stage: str = "stage",
     cuda: bool | None = None,
     kernels: Mapping[str, KernelState] | None = None,
@@ -384,7 +384,7 @@ def can_no_sync(plugin_cfg: PluginConfig) -> bool:
     return spec_of(plugin_cfg.name).can_no_sync(plugin_cfg.zero_stage)
 
 
-def plugin_meta(plugin_cfg: PluginConfig, stage_cfg: StageConfig) -> dict[str, Any]:
+def plugin_meta(plugin_cfg: PluginConfig, stage_cfg: PhaseConfig) -> dict[str, Any]:
     p = plugin_cfg
     meta = {
         "name": p.name,

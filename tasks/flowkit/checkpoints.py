@@ -31,7 +31,7 @@ from prefect import get_run_logger
 
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.phases import Phase
-from tasks.core.config.schema import StageConfig
+from tasks.core.config.schema import PhaseConfig
 from tasks.core.run.job import NodeStaging
 from tasks.core.run.stages import PREPARE, STAGE, TRAINING, is_step_name
 from tasks.core.storage.fs import RunStore
@@ -45,8 +45,8 @@ class Local:
     nodes: NodeStaging | None = None  # per-node staging for the job file
     remote_run_root = False  # the engine deletes only checkpoints the publisher marked, and waits when uploads lag
 
-    def __init__(self, store: RunStore, stage: Phase, section: StageConfig):
-        self.store, self.stage, self.section = store, stage, section
+    def __init__(self, store: RunStore, phase: Phase, section: PhaseConfig):
+        self.store, self.phase, self.section = store, phase, section
 
     def stage_in(self, rel: str) -> Path:
         """The local folder of an artifact the stage reads (a local run root's own, not hashed again here)."""
@@ -85,8 +85,8 @@ class WorkerPublishes(Local):
 
     remote_run_root = True
 
-    def __init__(self, store: RunStore, stage: Phase, section: StageConfig):
-        super().__init__(store, stage, section)
+    def __init__(self, store: RunStore, phase: Phase, section: PhaseConfig):
+        super().__init__(store, phase, section)
         self.publisher: Publisher | None = None
 
     def stage_in(self, rel: str) -> Path:
@@ -98,29 +98,29 @@ class WorkerPublishes(Local):
         # retried with its bounded backoff (about a minute), then the stage fails naming the checkpoint.
         self.publisher = Publisher(
             self.store,
-            self.stage,
+            self.phase,
             self.section.keep_last,
             max_queue=self.section.keep_last + self.section.max_pending_publishes + 4,
             log=get_run_logger(),
             on_published=self._published,
         ).start()
-        for step in unpublished_steps(self.store.local_path(self.stage)):  # left by a failed attempt
+        for step in unpublished_steps(self.store.local_path(self.phase)):  # left by a failed attempt
             self.publisher.submit(step)
         return self
 
     def _published(self, _done: object) -> None:
-        publish_tensorboard(self.store, self.stage)  # beside each published checkpoint
+        publish_tensorboard(self.store, self.phase)  # beside each published checkpoint
 
     def _stage_in_latest(self) -> None:
-        names = sorted((n for n in self.store.listdir(self.stage) if is_step_name(n)), reverse=True)
+        names = sorted((n for n in self.store.listdir(self.phase) if is_step_name(n)), reverse=True)
         for name in names:
             try:
-                local = self.store.stage_in(f"{self.stage}/{name}")
+                local = self.store.stage_in(f"{self.phase}/{name}")
                 # Verified against its remote manifest: committed remotely, so the engine may delete it.
                 mark_published(local, manifest_sha256(local))
                 return
             except Exception as exc:  # a checkpoint that fails to stage in is skipped for the next older one
-                get_run_logger().warning("not resuming from %s: %s", self.store.uri(f"{self.stage}/{name}"), exc)
+                get_run_logger().warning("not resuming from %s: %s", self.store.uri(f"{self.phase}/{name}"), exc)
 
     def on_checkpoint(self, step: int) -> None:
         if self.publisher is not None:
@@ -146,16 +146,16 @@ class WorkerPublishes(Local):
 class NodesPublish(Local):
     """A remote run root on nodes that publish their own checkpoints (per-node staging)."""
 
-    def __init__(self, store: RunStore, stage: Phase, section: StageConfig, nodes: NodeStaging):
-        super().__init__(store, stage, section)
+    def __init__(self, store: RunStore, phase: Phase, section: PhaseConfig, nodes: NodeStaging):
+        super().__init__(store, phase, section)
         self.nodes = nodes
 
     def stage_in(self, rel: str) -> Path:
         return self.store.stage_in(rel)
 
     def on_checkpoint(self, step: int) -> None:
-        retain_remote(self.store, self.stage, self.section.keep_last, step)
-        publish_tensorboard(self.store, self.stage)
+        retain_remote(self.store, self.phase, self.section.keep_last, step)
+        publish_tensorboard(self.store, self.phase)
 
     def finish(self, rel: str) -> None:
         self.store.stage_in(rel)  # the nodes published it; run.json and the next stage read it here
@@ -165,21 +165,21 @@ CheckpointSink = Local | WorkerPublishes | NodesPublish
 
 
 def checkpoint_sink(
-    store: RunStore, stage: Phase, section: StageConfig, model_rel: str, staging_dir: str | None
+    store: RunStore, phase: Phase, section: PhaseConfig, model_rel: str, staging_dir: str | None
 ) -> CheckpointSink:
     """The sink of one run of a training stage (`model_rel`: the artifact its ranks load the model from;
     `staging_dir`: the config's, under which each node stages)."""
     launch = section.launch
     if store.local:
-        return Local(store, stage, section)
+        return Local(store, phase, section)
     if launch.nnodes == 1 or not BACKENDS[launch.backend].remote_nodes:
-        return WorkerPublishes(store, stage, section)
+        return WorkerPublishes(store, phase, section)
     # Each node stages the model, the prepared data (published by prepare_data) and the newest checkpoint.
     nodes = NodeStaging(
         run_uri=store.run_uri,
         dir=f"{staging_dir or tempfile.gettempdir()}/cpt-to-sft-nodes/{{node}}",
         model_rel=model_rel,
-        data_rel=STAGE[PREPARE[stage]].artifact,
-        stage_rel=TRAINING[stage].checkpoints,
+        data_rel=STAGE[PREPARE[phase]].artifact,
+        stage_rel=TRAINING[phase].checkpoints,
     )
-    return NodesPublish(store, stage, section, nodes)
+    return NodesPublish(store, phase, section, nodes)

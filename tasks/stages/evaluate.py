@@ -28,7 +28,7 @@ from prefect import get_run_logger
 
 from tasks.core.config.kernels import cuda_available
 from tasks.core.config.phases import Phase
-from tasks.core.config.schema import RunConfig, StageConfig
+from tasks.core.config.schema import PhaseConfig, RunConfig
 from tasks.core.data.stage_data import (
     corpus_of,
     heldout_by_source,
@@ -56,7 +56,7 @@ def _with_metrics(result: StageResult, store: RunStore) -> StageResult:
     return result
 
 
-def _with_eval_dtype(cfg: RunConfig, st: StageConfig) -> StageConfig:
+def _with_eval_dtype(cfg: RunConfig, st: PhaseConfig) -> PhaseConfig:
     """The stage with eval.dtype decided for this worker: as set, else the export's on a GPU, fp32 on CPU."""
     dtype = placement.eval_dtype(st.eval.dtype, cfg.export.dtype, cuda_available())
     return st.model_copy(update={"eval": st.eval.model_copy(update={"dtype": dtype})})
@@ -80,7 +80,7 @@ class _Opening(NamedTuple):
     candidate_dir: Any
     data: Any
     split: dict[str, Any]
-    st: StageConfig
+    st: PhaseConfig
 
 
 def _open(

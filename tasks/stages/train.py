@@ -54,25 +54,25 @@ def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:
 
 
 def _job(cfg: RunConfig, sink: CheckpointSink, verb: str, parent: StageResult, cdigest: str) -> Job:
-    stage, store = sink.stage, sink.store
-    model_rel = parent.rel if verb == "shard" else TRAINING[stage].source
+    phase, store = sink.phase, sink.store
+    model_rel = parent.rel if verb == "shard" else TRAINING[phase].source
     source = sink.stage_in(model_rel)
     # Before any launch: the shards must have been made with this model's tokenizer (prepare_sft
     # ran with the base model's; the CPT model's must be the same) and fit its vocabulary.
-    data = prepared_dir(store, stage)
-    check_against_model(data, source, stage)
+    data = prepared_dir(store, phase)
+    check_against_model(data, source, phase)
     if verb == "train":
-        record_split(store, stage, split_info(data, corpus_of(sink.section.data)))
+        record_split(store, phase, split_info(data, corpus_of(sink.section.data)))
     return Job(
         verb=verb,
-        stage=stage,
+        stage=phase,
         stage_cfg=sink.section,
         trust_remote_code=cfg.base_model.trust_remote_code,
         verify_memory_gb=cfg.verify_memory_gb,
         model_dir=source,
         tokenizer_dir=source,
         data_dir=data,
-        stage_dir=store.local_path(TRAINING[stage].checkpoints),
+        stage_dir=store.local_path(TRAINING[phase].checkpoints),
         parent=Parent(uri=parent.uri, digest=parent.digest),
         config_digest=cdigest,
         nodes=sink.nodes,
@@ -95,15 +95,15 @@ def _launch(store: RunStore, job: Job, run_name: str, **kwargs: Any) -> None:
     )
 
 
-def _shard(cfg: RunConfig, stage: Phase, parent: StageResult, data: StageResult, task_name: str) -> StageResult:
+def _shard(cfg: RunConfig, phase: Phase, parent: StageResult, data: StageResult, task_name: str) -> StageResult:
     # The prepared data's content stands for the corpus itself (a file added to a directory
     # changes it, while the config does not change).
-    st = Stage(task_name, cfg, parent, data, rel=TRAINING[stage].step(0))
+    st = Stage(task_name, cfg, parent, data, rel=TRAINING[phase].step(0))
     if st.skipped:
         return st.result
-    _supersede_foreign(st.store, stage, st.digest)
-    section = cfg.phase(stage)
-    sink = checkpoint_sink(st.store, stage, section, parent.rel, cfg.staging_dir)
+    _supersede_foreign(st.store, phase, st.digest)
+    section = cfg.phase(phase)
+    sink = checkpoint_sink(st.store, phase, section, parent.rel, cfg.staging_dir)
     _launch(st.store, _job(cfg, sink, "shard", parent, st.digest), cfg.name)
     sink.finish(st.rel)  # nodes that published it: staged in here; done() finds it whole remotely
     return st.done({"plugin": section.plugin.name})
@@ -121,24 +121,25 @@ def reboost(cfg: RunConfig, bridge: StageResult, data: StageResult) -> StageResu
     return _shard(cfg, "sft", bridge, data, "reboost")
 
 
-def _train(cfg: RunConfig, stage: Phase, start: StageResult, tracker: tracking.TrackerHandle | None) -> StageResult:
-    st = cfg.phase(stage)
-    run = Stage(f"train_{stage}", cfg, start, rel=TRAINING[stage].step(st.max_steps))  # start's digest, carried on
+def _train(cfg: RunConfig, phase: Phase, start: StageResult, tracker: tracking.TrackerHandle | None) -> StageResult:
+    section = cfg.phase(phase)
+    run = Stage(f"train_{phase}", cfg, start, rel=TRAINING[phase].step(section.max_steps))  # start's digest, carried on
     if run.skipped:
         return run.result
     store = run.store
-    sink = checkpoint_sink(store, stage, st, TRAINING[stage].source, cfg.staging_dir)
+    sink = checkpoint_sink(store, phase, section, TRAINING[phase].source, cfg.staging_dir)
     job = _job(cfg, sink, "train", start, run.digest)
     logger = get_run_logger()
-    mlflow_run = tracking.stage_tracker(tracker, stage, warn=logger.warning)
-    progress = ui.Progress(stage, st.max_steps, links={"MLflow run": mlflow_run.url} if mlflow_run else None)
+    mlflow_run = tracking.stage_tracker(tracker, phase, warn=logger.warning)
+    progress = ui.Progress(phase, section.max_steps, links={"MLflow run": mlflow_run.url} if mlflow_run else None)
     # The console's training log: a line every log_every steps (every step is in TensorBoard, MLflow and the artifact).
-    console = TrainLog(stage, st.max_steps, st.log_every)
-    p = st.plugin
+    console = TrainLog(phase, section.max_steps, section.log_every)
+    p = section.plugin
     logger.info(
         console.start(
-            f"{p.name} tp={p.tp_size} pp={p.pp_size} zero={p.zero_stage} {p.precision} | {st.launch.world_size} ranks"
-            f" | seq_len {st.seq_len}" + (f", {st.attention} attention" if st.attention != "causal" else "")
+            f"{p.name} tp={p.tp_size} pp={p.pp_size} zero={p.zero_stage} {p.precision} | {section.launch.world_size} ranks"
+            f" | seq_len {section.seq_len}"
+            + (f", {section.attention} attention" if section.attention != "causal" else "")
         )
     )
 
@@ -169,11 +170,11 @@ def _train(cfg: RunConfig, stage: Phase, start: StageResult, tracker: tracking.T
                     cfg.name,
                     on_progress=tracking.fan_out(progress, mlflow_run, to_console),
                     on_event=on_event,
-                    env=stage_fault_env(stage),
+                    env=stage_fault_env(phase),
                     failure=sink.failure,
                 )
             except Preempted as exc:  # inside the sink: its publisher drains before the stage says preempted
-                _preempted(store, stage, sink, exc, first_step[0] - run.started if first_step else None)
+                _preempted(store, phase, sink, exc, first_step[0] - run.started if first_step else None)
                 raise
             sink.finish(run.rel)
         failed = False
@@ -184,22 +185,22 @@ def _train(cfg: RunConfig, stage: Phase, start: StageResult, tracker: tracking.T
     state = json.loads((store.local_path(run.rel) / TRAIN_STATE).read_text())
     losses = [float(x) for x in state.get("losses", [])]
     # Beside the stage's checkpoints, in the run root itself (S3 included), not only in staging.
-    ui.loss_curve(stage, losses, store.uri(loss_curve_rel(stage)))
+    ui.loss_curve(phase, losses, store.uri(loss_curve_rel(phase)))
     final = losses[-1] if losses else None
     medians = step_medians(state)
     logger.info(console.end(run.elapsed, medians))
     peak = {"peak_mem_bytes": console.peak[0], "peak_mem_rank": console.peak[1]} if console.peak else {}
     # This attempt's start to its first step closes the previous preemption's record.
-    preempted = _log(store, stage, first_step[0] - run.started if first_step else None)
+    preempted = _log(store, phase, first_step[0] - run.started if first_step else None)
     # "segments": the layout each stretch of steps ran under, when the stage continued under another one (docs/resume.md)
     return run.done(
         {
-            "steps": st.max_steps,
+            "steps": section.max_steps,
             "first_loss": losses[0] if losses else None,
             "final_loss": final,
             "medians": medians,
             # the stage's throughput at its sequence length (long-context stages are compared by both)
-            "seq_len": st.seq_len,
+            "seq_len": section.seq_len,
             "tokens_per_s": medians.get("tokens_per_s"),
             "segments": state.get("segments") or [],
             **({"preemptions": preempted} if preempted else {}),
@@ -209,10 +210,10 @@ def _train(cfg: RunConfig, stage: Phase, start: StageResult, tracker: tracking.T
     )
 
 
-def _log(store: RunStore, stage: Phase, restart_s: float | None, add: dict | None = None) -> list[dict]:
+def _log(store: RunStore, phase: Phase, restart_s: float | None, add: dict | None = None) -> list[dict]:
     """The stage's preemption records (tasks/core/run/preemptions.py), with this attempt's restart
     time and a new record `add` written in; a log that cannot be written is a warning, not a failure."""
-    rel = preemptions.log_rel(TRAINING[stage].checkpoints)
+    rel = preemptions.log_rel(TRAINING[phase].checkpoints)
     try:
         records = preemptions.parse(store.read_text(rel)) if store.exists(rel) else []
     except OSError:
@@ -230,15 +231,15 @@ def _log(store: RunStore, stage: Phase, restart_s: float | None, add: dict | Non
     return records
 
 
-def _preempted(store: RunStore, stage: Phase, sink: CheckpointSink, exc: Preempted, restart_s: float | None) -> None:
+def _preempted(store: RunStore, phase: Phase, sink: CheckpointSink, exc: Preempted, restart_s: float | None) -> None:
     """The stage stopped on a notice: publish what it committed (within the grace left), keep the record."""
     logger = get_run_logger()
     try:
         sink.drain(timeout=max(float(exc.record.get("grace_left_s") or 0.0), 1.0))
     except Exception as err:  # the machine may go first: the newest checkpoint published stands
         logger.warning("the preempted checkpoint was not published in the grace left: %s", err)
-    rec = preemptions.record(exc.record, stage, time.time())
-    exc.record.update(rec, preemptions=_log(store, stage, restart_s, rec))
+    rec = preemptions.record(exc.record, phase, time.time())
+    exc.record.update(rec, preemptions=_log(store, phase, restart_s, rec))
     logger.warning(preemptions.describe(rec))
 
 

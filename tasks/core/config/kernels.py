@@ -7,7 +7,7 @@ it applies to are those whose row lists that route, `PluginSpec.kernel_routes`),
 it needs (CUDA, a precision, an installed package, a model family), how the engine passes it
 (a plugin argument, a `from_pretrained` argument or an optimizer argument) and how the engine
 checks that it loads. Rows that do the same thing under different plugins share a `name`, which is
-what `<stage>.kernels` switches off (`tasks.core.config.schema.StageConfig.kernels`). `resolve` is
+what `<stage>.kernels` switches off (`tasks.core.config.schema.PhaseConfig.kernels`). `resolve` is
 pure: a stage's config and the device's `Facts` in, each applicable kernel on or off with its
 reason out. Pre-flight reports it on the task's machine; the engine resolves it again in the rank
 (`tasks/engine/builders.py` `kernel_kwargs`, `tasks/engine/accel.py`), tries to load what is on,
@@ -193,7 +193,7 @@ def resolve_for(
 
 
 def resolve(stage_cfg: Any, phase: Phase, facts: Facts) -> dict[str, KernelState]:
-    """`resolve_for` of a StageConfig (`phase` names the config section in the reasons)."""
+    """`resolve_for` of a PhaseConfig (`phase` names the config section in the reasons)."""
     return resolve_for(stage_cfg.plugin.name, stage_cfg.plugin.precision, facts, stage_cfg.kernels, f"{phase}.kernels")
 
 

@@ -26,7 +26,7 @@ from tasks.core.config.context import CONTEXT_RULES
 from tasks.core.config.fixes import Refusal, shown, working_fixes
 from tasks.core.config.phases import PHASES
 from tasks.core.config.plugins import OFFLOAD_FIELDS, PLUGINS, PRECISION_SPECS, PluginSpec
-from tasks.core.config.schema import PluginConfig, StageConfig
+from tasks.core.config.schema import PhaseConfig, PluginConfig
 from tasks.core.config.sequence import sp_factor, sp_size
 from tasks.core.config.sequence_rules import SP_RULES, Problem
 from tasks.core.errors import ConfigError
@@ -36,7 +36,7 @@ TIERS = ("static", "batch", "model", "device")
 
 @dataclass(frozen=True)
 class _Facts:
-    stage: StageConfig
+    stage: PhaseConfig
     where: str  # "cpt" or "sft": the config path prefix of every field named
     spec: PluginSpec
     model: dict[str, Any] | None  # the base model's config.json
@@ -51,11 +51,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def num_microbatches(stage: StageConfig) -> int:
+def num_microbatches(stage: PhaseConfig) -> int:
     return stage.plugin.num_microbatches or stage.grad_accum_steps
 
 
-def global_batch(stage: StageConfig) -> int:
+def global_batch(stage: PhaseConfig) -> int:
     """Sequences (SFT packed: rows) per optimizer step over every data-parallel rank, as the engine's
     StageData takes them: micro_batch_size x grad_accum_steps x dp, dp = world / (tp x pp x own sequence group)."""
     dp = stage.launch.world_size // (stage.plugin.tp_size * stage.plugin.pp_size * sp_factor(stage.plugin))
@@ -503,7 +503,7 @@ RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
 
 
 def layout_problems(
-    stage: StageConfig,
+    stage: PhaseConfig,
     where: str,
     *,
     model_config: dict[str, Any] | None = None,
@@ -520,7 +520,7 @@ def layout_problems(
 
     # A fix is checked against every tier these facts decide, not only the tier that refused: a
     # static refusal's fix must also pass the model's rules when the model is known.
-    def broken(changed: StageConfig) -> list[Refusal]:
+    def broken(changed: PhaseConfig) -> list[Refusal]:
         return _broken(changed, where, model_config, cuda, TIERS)
 
     every = broken(stage)
@@ -528,7 +528,7 @@ def layout_problems(
 
 
 def _broken(
-    stage: StageConfig, where: str, model_config: dict[str, Any] | None, cuda: bool | None, tiers: tuple[str, ...]
+    stage: PhaseConfig, where: str, model_config: dict[str, Any] | None, cuda: bool | None, tiers: tuple[str, ...]
 ) -> list[Refusal]:
     spec = PLUGINS.get(stage.plugin.name)
     if spec is None:  # the config's own validator names the unknown plugin
@@ -572,7 +572,7 @@ class ParallelLayout:
     @classmethod
     def of(
         cls,
-        stage: StageConfig,
+        stage: PhaseConfig,
         where: str,
         *,
         model_config: dict[str, Any] | None = None,

@@ -25,7 +25,7 @@ from tasks.core.config.bounded_yaml import check_size, load_bounded
 from tasks.core.config.layout import layout_problems
 from tasks.core.config.paths import missing_hint
 from tasks.core.config.phases import PHASES
-from tasks.core.config.schema import RunConfig, StageConfig
+from tasks.core.config.schema import PhaseConfig, RunConfig
 from tasks.core.errors import ConfigError
 
 Problem = tuple[str, str]
@@ -119,7 +119,7 @@ def _sequence(annotation: Any) -> bool:
     )
 
 
-def plugin_problems(stage: StageConfig, where: str) -> list[Problem]:
+def plugin_problems(stage: PhaseConfig, where: str) -> list[Problem]:
     """The layout rules that hold for any model and machine (`tasks.core.config.layout`, tier static)."""
     return layout_problems(stage, where, tiers=("static",))
 

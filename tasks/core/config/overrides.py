@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tasks.core.config.bounded_yaml import load_bounded
 from tasks.core.config.phases import PHASES
-from tasks.core.config.schema import BaseModelConfig, DataConfig, RunConfig, StageConfig
+from tasks.core.config.schema import BaseModelConfig, DataConfig, PhaseConfig, RunConfig
 from tasks.core.errors import ConfigError
 
 Problem = tuple[str, str]
@@ -39,8 +39,8 @@ class _Overrides(BaseModel):
 
 class StageOverrides(_Overrides):
     data_uri: str = Field(default="", title="Data URI", description=_about(DataConfig, "uri", "Training data: "))
-    max_steps: int | None = Field(default=None, ge=1, title="Max steps", description=_about(StageConfig, "max_steps"))
-    lr: float | None = Field(default=None, gt=0, title="Learning rate", description=_about(StageConfig, "lr"))
+    max_steps: int | None = Field(default=None, ge=1, title="Max steps", description=_about(PhaseConfig, "max_steps"))
+    lr: float | None = Field(default=None, gt=0, title="Learning rate", description=_about(PhaseConfig, "lr"))
 
 
 class RunOverrides(_Overrides):

@@ -32,7 +32,7 @@ INTRO = (
     "One YAML file per run, read into the frozen pydantic model `RunConfig` (`tasks/core/config/schema.py`). "
     "Unknown fields are errors, every problem is reported at once with its field path, and a key written twice is "
     "refused. "
-    "`cpt` and `sft` are both a stage section (`StageConfig`), documented once as `<stage>`. "
+    "`cpt` and `sft` are both a stage section (`PhaseConfig`), documented once as `<stage>`. "
     "Rules across fields (layout, precision, LoRA, offload) are checked when the config is read and by pre-flight: "
     "see [Troubleshooting](../troubleshooting.md). `cpt-to-sft schema` prints the same schema as JSON."
 )
@@ -129,8 +129,8 @@ def _registry_types() -> dict[tuple[str, str], str]:
         ("PluginConfig", "name"): one_of(PLUGINS, "plugins"),
         ("PluginConfig", "precision"): one_of(PRECISION_SPECS, "precisions"),
         ("LaunchConfig", "backend"): one_of(BACKENDS, "launch-backends"),
-        ("StageConfig", "batching"): one_of(BATCHING, "batching-modes"),
-        ("StageConfig", "kernels"): "mapping of " + ", ".join(kernel_names()) + " to bool ([table](#kernels))",
+        ("PhaseConfig", "batching"): one_of(BATCHING, "batching-modes"),
+        ("PhaseConfig", "kernels"): "mapping of " + ", ".join(kernel_names()) + " to bool ([table](#kernels))",
     }
 
 

@@ -399,7 +399,7 @@ class LoraConfig(Frozen):
         return (t if t.lower() == "all-linear" else f"regex {t!r}") if isinstance(t, str) else ", ".join(t)
 
 
-class StageConfig(Frozen):
+class PhaseConfig(Frozen):
     model_config = ConfigDict(
         frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_stage_schema
     )
@@ -561,8 +561,8 @@ class RunConfig(Frozen):
         )
     )
     base_model: BaseModelConfig = Field(description="Where the model to continue pre-training comes from.")
-    cpt: StageConfig = Field(description="Continued pre-training: packed raw text under plugin A.")
-    sft: StageConfig = Field(
+    cpt: PhaseConfig = Field(description="Continued pre-training: packed raw text under plugin A.")
+    sft: PhaseConfig = Field(
         description="Supervised fine-tuning: chat records, loss on assistant tokens, under plugin B."
     )
     export: ExportConfig = Field(default_factory=ExportConfig, description="The HF safetensors export.")
@@ -585,7 +585,7 @@ class RunConfig(Frozen):
     )
     verify_memory_gb: VerifyMemoryGB = VERIFY_MEMORY_GB
 
-    def phase(self, phase: Phase) -> StageConfig:
+    def phase(self, phase: Phase) -> PhaseConfig:
         """The config section of a training phase (a row of PHASES): `cfg.phase("sft").seq_len`."""
         if phase not in PHASES:
             raise KeyError(f"{phase!r} is not a training phase; the phases are {', '.join(PHASES)}")

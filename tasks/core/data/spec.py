@@ -67,7 +67,7 @@ class PrepareSpec:
 
 
 def prepare_spec(section: Any, kind: Phase) -> PrepareSpec:
-    """The PrepareSpec of phase `kind`'s config section (a StageConfig): its sources with local paths
+    """The PrepareSpec of phase `kind`'s config section (a PhaseConfig): its sources with local paths
     resolved, the field its row reads records from, the split, bad-record and truncation settings, and a
     mixture's blend plan. The one mapping from config to prepare()."""
     d, ev = section.data, section.eval

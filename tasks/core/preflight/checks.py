@@ -47,7 +47,7 @@ from tasks.core.config.load import (
 )
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.phases import PHASES
-from tasks.core.config.schema import RunConfig, StageConfig
+from tasks.core.config.schema import PhaseConfig, RunConfig
 from tasks.core.config.sequence import sp_factor, sp_size
 from tasks.core.errors import ConfigError
 from tasks.core.hub.metadata import hub_field_problems
@@ -132,7 +132,7 @@ def check_static_rules(ctx: CheckContext) -> None:
         )
 
 
-def _stage_layout(ctx: CheckContext, name: str, stage: StageConfig) -> None:
+def _stage_layout(ctx: CheckContext, name: str, stage: PhaseConfig) -> None:
     """The model and batch rules of `tasks.core.config.layout` (the static ones ran in check_static_rules)."""
     p, launch = stage.plugin, stage.launch
     mc = ctx.model.config if ctx.model else None

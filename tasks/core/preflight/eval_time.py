@@ -28,7 +28,7 @@ from typing import Any
 
 from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.plugins import PLUGINS
-from tasks.core.config.schema import StageConfig
+from tasks.core.config.schema import PhaseConfig
 from tasks.core.errors import ConversionError
 from tasks.core.evaluation.placement import eval_dtype
 from tasks.core.models.families import count_parameters, family_config
@@ -68,7 +68,7 @@ def threads(cpu_count: int, environ: Mapping[str, str] = os.environ) -> tuple[in
     return min(omp or cpu_count, cpu_count), omp or 1
 
 
-def _devices(st: StageConfig, cuda: bool, eval_threads: int, rank_threads: int, cores: int) -> float:
+def _devices(st: PhaseConfig, cuda: bool, eval_threads: int, rank_threads: int, cores: int) -> float:
     """How many evaluation processes' worth of compute training is spread over: its GPUs (evaluation
     uses one at a time), or on CPU its ranks' threads (at most each node's cores) over evaluation's."""
     if cuda:
@@ -79,7 +79,7 @@ def _devices(st: StageConfig, cuda: bool, eval_threads: int, rank_threads: int, 
 
 def estimate(
     model_config: dict[str, Any],
-    st: StageConfig,
+    st: PhaseConfig,
     phase: Phase,
     *,
     cuda: bool,
@@ -122,7 +122,7 @@ def check_eval_time(ctx: Any) -> None:
     eval_threads, rank_threads = threads(ctx.machine.cpu_count)
     g = ctx.cfg.gate
     for name in PHASES:
-        st: StageConfig = getattr(ctx.cfg, name)
+        st: PhaseConfig = getattr(ctx.cfg, name)
         if not st.eval.enabled:
             continue
         if st.eval.max_batches is None:

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from tasks.core.config.layout import layout_problems
-from tasks.core.config.schema import StageConfig
+from tasks.core.config.schema import PhaseConfig
 from tasks.core.preflight.memory import GB, LLAMA3, estimate
 
 H200_GB = 141.0
@@ -46,8 +46,8 @@ SMALL = {
 }
 
 
-def stage(plugin: dict[str, Any], seq_len: int, ckpt: bool, nproc: int, precision: str = "bf16") -> StageConfig:
-    return StageConfig.model_validate(
+def stage(plugin: dict[str, Any], seq_len: int, ckpt: bool, nproc: int, precision: str = "bf16") -> PhaseConfig:
+    return PhaseConfig.model_validate(
         {
             "data": {"uri": "x"},
             "plugin": {"name": "hybrid_parallel", "precision": precision, **plugin},
@@ -61,7 +61,7 @@ def stage(plugin: dict[str, Any], seq_len: int, ckpt: bool, nproc: int, precisio
     )
 
 
-def describe(st: StageConfig) -> str:
+def describe(st: PhaseConfig) -> str:
     p = st.plugin
     out = p.name + (f" tp={p.tp_size}" if p.tp_size > 1 else "") + (f" zero={p.zero_stage}" if p.zero_stage else "")
     out += " cpu_offload" if p.cpu_offload else ""

@@ -55,7 +55,7 @@ from typing import Any
 from tasks.core.config.layout import is_zero, num_microbatches
 from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.plugins import PLUGINS, Held, PluginSpec
-from tasks.core.config.schema import StageConfig
+from tasks.core.config.schema import PhaseConfig
 from tasks.core.config.sequence import SP_MODES, sp_size
 from tasks.core.evaluation.placement import (  # every GPU figure leaves CUDA_RESERVE_BYTES (a real run's: peak_mem_bytes)
     CUDA_RESERVE_BYTES,
@@ -235,7 +235,7 @@ def layer_activation_bytes(
     return acts + gathered * dims["hidden"] * compute_bytes
 
 
-def sequence_split(stage_cfg: StageConfig) -> tuple[int, int, int]:
+def sequence_split(stage_cfg: PhaseConfig) -> tuple[int, int, int]:
     """(outside, seq, gathered): what a stage's sequence parallelism divides a rank's activations by, per its
     SP_MODES row: the hidden-wide tensors tp leaves whole (split_gather: by tp, its linears' gathered inputs
     added back), or every per-token tensor (all_to_all, ring_attn: each rank holds seq_len / size tokens, the
@@ -272,7 +272,7 @@ def _split(what: str, n: int, when: str, share: float) -> list[Term]:
     return [t for t in (Term(what, n - moved, when), Term(what, moved, when, host=True)) if t.bytes or not t.host]
 
 
-def _fused_adamw(stage_cfg: StageConfig, phase: Phase, cuda: bool) -> bool:
+def _fused_adamw(stage_cfg: PhaseConfig, phase: Phase, cuda: bool) -> bool:
     from tasks.core.config.kernels import Facts, resolve
 
     state = resolve(stage_cfg, phase, Facts(cuda=cuda)).get("fused_optimizer")
@@ -281,7 +281,7 @@ def _fused_adamw(stage_cfg: StageConfig, phase: Phase, cuda: bool) -> bool:
 
 def estimate(
     model_config: dict[str, Any],
-    stage_cfg: StageConfig,
+    stage_cfg: PhaseConfig,
     *,
     stage: str = "cpt",
     cuda: bool = False,
@@ -448,7 +448,7 @@ def table(gpu_gb: float = 80.0, gpus_per_node: int = 8, seq_len: int = 4096, mic
     ]
     for model, nodes, plugin, ckpt in TABLE_LAYOUTS:
         pp = plugin.get("pp_size", 1)
-        st = StageConfig.model_validate(
+        st = PhaseConfig.model_validate(
             {
                 "data": {"uri": "x"},
                 "plugin": {"precision": "bf16", **plugin},

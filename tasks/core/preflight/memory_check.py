@@ -15,7 +15,7 @@ from typing import Any
 from tasks.core.config.layout import ParallelLayout, layout_problems
 from tasks.core.config.phases import PHASES
 from tasks.core.config.plugins import PLUGINS
-from tasks.core.config.schema import StageConfig
+from tasks.core.config.schema import PhaseConfig
 from tasks.core.errors import ConfigError, ConversionError
 from tasks.core.evaluation.placement import DTYPE_BYTES, eval_dtype, forward_bytes
 from tasks.core.models.families import iter_tensors
@@ -24,15 +24,15 @@ from tasks.core.preflight.memory import FLOW_BASELINE_BYTES, GB, MemoryEstimate,
 # -- settings that would make a layout fit -------------------------------------------------------
 
 
-def _with(stage_cfg: StageConfig, plugin: dict[str, Any] | None = None, **fields: Any) -> StageConfig:
+def _with(stage_cfg: PhaseConfig, plugin: dict[str, Any] | None = None, **fields: Any) -> PhaseConfig:
     data = stage_cfg.model_dump()
     if plugin:
         data["plugin"] = {**data["plugin"], **plugin}
     data.update(fields)
-    return StageConfig.model_validate(data)
+    return PhaseConfig.model_validate(data)
 
 
-def _plugin_levers(st: StageConfig, name: str, cuda: bool, mixed: dict[str, str]) -> Iterable[tuple[str, StageConfig]]:
+def _plugin_levers(st: PhaseConfig, name: str, cuda: bool, mixed: dict[str, str]) -> Iterable[tuple[str, PhaseConfig]]:
     """Another plugin that holds less, for each registry row with a `lever` the layout fits."""
     p = st.plugin
     for other, spec in PLUGINS.items():
@@ -49,7 +49,7 @@ def _plugin_levers(st: StageConfig, name: str, cuda: bool, mixed: dict[str, str]
         )
 
 
-def _levers(st: StageConfig, name: str, cuda: bool) -> Iterable[tuple[str, StageConfig]]:
+def _levers(st: PhaseConfig, name: str, cuda: bool) -> Iterable[tuple[str, PhaseConfig]]:
     """Single changes that shrink a rank's memory, each named by its config fields, strongest first
     within a lever (they are tried in turn until one fits)."""
     p = st.plugin
@@ -88,7 +88,7 @@ def _levers(st: StageConfig, name: str, cuda: bool) -> Iterable[tuple[str, Stage
         mbs, ga = mbs // 2, ga * 2
 
 
-def _rank_levers(st: StageConfig, name: str) -> Iterable[tuple[str, StageConfig]]:
+def _rank_levers(st: PhaseConfig, name: str) -> Iterable[tuple[str, PhaseConfig]]:
     """Fewer ranks on the node (host memory: each rank holds its own copy of what is not sharded)."""
     for n in range(st.launch.nproc_per_node - 1, 0, -1):
         yield f"{name}.launch.nproc_per_node: {n}", _with(st, launch={**st.launch.model_dump(), "nproc_per_node": n})
@@ -96,11 +96,11 @@ def _rank_levers(st: StageConfig, name: str) -> Iterable[tuple[str, StageConfig]
 
 def fits_with(
     model_config: dict[str, Any],
-    st: StageConfig,
+    st: PhaseConfig,
     name: str,
     capacity: int,
     cuda: bool,
-    figure: Callable[[StageConfig], int] | None = None,
+    figure: Callable[[PhaseConfig], int] | None = None,
 ) -> list[tuple[str, int]]:
     """(the settings, the bytes `figure` says) of each lever's first setting that fits `capacity`; if no
     single one does, the levers applied together in turn, up to the first combination that fits.
@@ -109,18 +109,18 @@ def fits_with(
     before = set(layout_problems(st, name, model_config=model_config, tiers=("static", "batch", "model")))
     host = figure is not None
 
-    def valid(candidate: StageConfig) -> bool:
+    def valid(candidate: PhaseConfig) -> bool:
         return (
             set(layout_problems(candidate, name, model_config=model_config, tiers=("static", "batch", "model")))
             <= before
         )
 
-    def device(candidate: StageConfig) -> int:
+    def device(candidate: PhaseConfig) -> int:
         if figure is not None:
             return figure(candidate)
         return estimate(model_config, candidate, stage=name, cuda=cuda).device
 
-    def levers(candidate: StageConfig) -> Iterable[tuple[str, StageConfig]]:
+    def levers(candidate: PhaseConfig) -> Iterable[tuple[str, PhaseConfig]]:
         yield from _levers(candidate, name, cuda)
         if host:
             yield from _rank_levers(candidate, name)
@@ -156,7 +156,7 @@ def rank_host_peak(est: MemoryEstimate) -> int:
     return max(est.host_steady, est.construction_host, est.shard_host)
 
 
-def node_host_need(model_config: dict[str, Any], st: StageConfig, name: str, cuda: bool) -> int:
+def node_host_need(model_config: dict[str, Any], st: PhaseConfig, name: str, cuda: bool) -> int:
     """Host bytes one node needs while a stage's ranks run: nproc_per_node ranks at their peak, beside the
     flow process (which launched them and waits, holding its own memory)."""
     est = estimate(model_config, st, stage=name, cuda=cuda)
@@ -221,7 +221,7 @@ def flow_process(model_config: dict[str, Any], cfg: Any, cuda: bool) -> list[tup
     return out
 
 
-def _ranks_here(st: StageConfig, machine: Any, cuda: bool) -> bool:
+def _ranks_here(st: PhaseConfig, machine: Any, cuda: bool) -> bool:
     """Whether this stage's ranks (a node's share) run on the machine pre-flight runs on."""
     from tasks.core.config.backends import BACKENDS
 
@@ -232,7 +232,7 @@ def _sum_line(rows: list[tuple[str, int]]) -> str:
     return " + ".join(f"{what} {human(n)}" for what, n in rows) + f" = {human(sum(n for _, n in rows))}"
 
 
-def _check_host(ctx: Any, mc: dict[str, Any], st: StageConfig, name: str, est: MemoryEstimate, cuda: bool) -> None:
+def _check_host(ctx: Any, mc: dict[str, Any], st: PhaseConfig, name: str, est: MemoryEstimate, cuda: bool) -> None:
     """The node's ranks at their peak plus the flow process against this machine's memory: refused over its
     total (they cannot run here whatever else is running), a warning over what is available now."""
     total = getattr(ctx.machine, "host_memory_bytes", None)
@@ -286,7 +286,7 @@ def check_memory(ctx: Any) -> None:
         return
     mc = ctx.model.config
     for name in PHASES:
-        st: StageConfig = getattr(ctx.cfg, name)
+        st: PhaseConfig = getattr(ctx.cfg, name)
         declared = getattr(st.launch, "gpu_memory_gb", None)
         detected = getattr(ctx.machine, "gpu_memory_bytes", None) if ctx.machine.cuda_devices else None
         capacity = int(declared * GB) if declared else detected
@@ -316,7 +316,7 @@ def check_memory(ctx: Any) -> None:
 def _check_gpu(
     ctx: Any,
     mc: dict[str, Any],
-    st: StageConfig,
+    st: PhaseConfig,
     name: str,
     est: MemoryEstimate,
     cuda: bool,

@@ -26,7 +26,7 @@ from typing import Any
 
 from tasks.core.config.phases import PHASES
 from tasks.core.config.plugins import spec_of
-from tasks.core.config.schema import RunConfig, StageConfig
+from tasks.core.config.schema import PhaseConfig, RunConfig
 from tasks.core.errors import ConversionError, ManifestError
 from tasks.core.models.folder import folder_problems
 from tasks.core.preflight.model_info import DTYPE_BYTES, estimate_parameters
@@ -215,7 +215,7 @@ def estimate_local_bytes(cfg: RunConfig, mc: dict[str, Any], local_run_root: boo
         return None
     base_bytes = DTYPE_BYTES.get(str(mc.get("torch_dtype", "float32")), 4)
 
-    def ckpt(stage: StageConfig) -> int:
+    def ckpt(stage: PhaseConfig) -> int:
         p = stage.plugin
         spec = spec_of(p.name)
         w = DTYPE_BYTES[spec.weights_dtype(p.precision)]

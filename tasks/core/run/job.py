@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from tasks.core.config.load import plugin_problems
-from tasks.core.config.schema import VERIFY_MEMORY_GB, StageConfig, VerifyMemoryGB
+from tasks.core.config.schema import VERIFY_MEMORY_GB, PhaseConfig, VerifyMemoryGB
 from tasks.core.errors import ConfigError
 from tasks.core.run.stages import TRAINING
 
@@ -74,7 +74,7 @@ class Job(BaseModel):
 
     verb: Literal[VERBS] = Field(description="shard: boost the HF model and save step 0; train: resume and train.")
     stage: Literal[tuple(TRAINING)] = Field(description="The training stage (a key of tasks.core.run.stages.TRAINING).")
-    stage_cfg: StageConfig = Field(
+    stage_cfg: PhaseConfig = Field(
         description="The run config's section of this stage (run[stage]), validated by the task."
     )
     trust_remote_code: StrictBool = Field(
@@ -108,7 +108,7 @@ class Job(BaseModel):
 
     @field_validator("stage_cfg")
     @classmethod
-    def _static_layout(cls, stage_cfg: StageConfig) -> StageConfig:
+    def _static_layout(cls, stage_cfg: PhaseConfig) -> PhaseConfig:
         # The static layout rules parse_config applies to each stage, again for the one stage the
         # ranks train: a hand-written or edited job file fails here, before any process group exists.
         problems = plugin_problems(stage_cfg, "stage_cfg")
