@@ -1,0 +1,293 @@
+"""ColossalAI 0.5.0's shardformer forwards on a transformers newer than the 4.51.3 they were written for.
+
+    python -c "from tasks.engine import hf_compat; print(hf_compat.apply()); print(hf_compat.apply())"
+
+Applied once per process, at engine start, on every device (`tasks.engine.__main__`, right after the first
+import of ColossalAI), before any shardformer policy is imported. Idempotent: a second `apply()` returns [].
+
+ColossalAI's Llama, Mistral and Qwen2 policies replace the model's forward with their own
+(`colossalai/shardformer/modeling/{llama,mistral,qwen2}.py`): Llama's whenever it shards (tp too), the
+others' under pipeline or sequence parallelism. Those forwards were written against transformers 4.51's
+modeling code, and later releases break them (docs/versions.md, release by release):
+
+- 4.52 moved `StaticCache` out of `modeling_llama` (ImportError when the Llama policy is imported);
+- 4.53 removed `LlamaModel._update_causal_mask` / `MistralModel._update_causal_mask` (masks now come from
+  `transformers.masking_utils`: `create_causal_mask`, or `create_sliding_window_causal_mask` where the config
+  has a sliding window, as the models themselves choose);
+- 4.54 made a decoder layer return the hidden-state tensor (`layer_outputs[0]` took the first sequence of the
+  batch) and dropped its `output_attentions` parameter, so the positional calls ColossalAI makes (Llama's and
+  Qwen2's checkpointed layers, every Qwen2 layer) land on the wrong parameters;
+- 4.54 also made each decoder layer a `GradientCheckpointingLayer` that checkpoints itself when gradient
+  checkpointing is on: ColossalAI's forwards decide which layers to checkpoint (`gradient_checkpoint_config`),
+  so the layers are called through `torch.nn.Module.__call__`, which runs their hooks and forward without the
+  layer's own, second checkpoint (the layer count ColossalAI chose, as on 4.51.3).
+
+Rather than edit site-packages (a fresh install would not have the edit), each of the three modules is
+rebuilt from its installed source with exact text replacements (`_EDITS`): the file must be ColossalAI 0.5.0's
+(its sha256), every replacement must match exactly as often as written, and the rebuilt module takes the
+original's place in `sys.modules` and in every already imported ColossalAI module that bound its names. On
+transformers 4.51.3 nothing is replaced. On any transformers or ColossalAI the replacements were not measured
+on, `apply()` refuses with `UnsupportedStack` naming what is installed and what runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+_MARK = "_cpt_to_sft_hf_compat"
+
+COLOSSALAI = "0.5.0"
+WRITTEN_FOR = "4.51.3"  # the transformers ColossalAI 0.5.0 pins: nothing to replace
+PATCHED = ("4.57",)  # the transformers release series the replacements were measured on (docs/versions.md)
+
+
+class UnsupportedStack(ValueError):
+    """The installed transformers or ColossalAI is one the replacements were not measured on (a ValueError: the
+    engine reports it as one line, no traceback)."""
+
+
+def causal_mask(model, attention_mask, hidden_states, cache_position, past_key_values, position_ids):
+    """The 4-D mask (or None: sdpa's own causal path) the model's own forward builds on transformers >= 4.53."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    make = create_sliding_window_causal_mask if getattr(model.config, "sliding_window", None) else create_causal_mask
+    return make(
+        config=model.config,
+        input_embeds=hidden_states,
+        attention_mask=attention_mask,
+        cache_position=cache_position,
+        past_key_values=past_key_values,
+        position_ids=position_ids,
+    )
+
+
+_LAYER_OUT = ("hidden_states = layer_outputs[0]", "hidden_states = _cpt_to_sft_hidden(layer_outputs)")
+
+_QWEN2_POSITIONAL = """                    decoder_layer.__call__,
+                    hidden_states,
+                    attention_mask,
+                    position_ids,
+                    past_key_values,
+                    output_attentions,
+                    use_cache,
+                    cache_position,
+                    position_embeddings,
+                )"""
+_QWEN2_KEYWORDS = """                    _cpt_to_sft_call(
+                        decoder_layer,
+                        attention_mask=attention_mask,
+                        position_ids=position_ids,
+                        past_key_values=past_key_values,
+                        use_cache=use_cache,
+                        cache_position=cache_position,
+                        position_embeddings=position_embeddings,
+                    ),
+                    hidden_states,
+                )"""
+_QWEN2_DIRECT = """                layer_outputs = decoder_layer(
+                    hidden_states,
+                    attention_mask,
+                    position_ids,
+                    past_key_values,
+                    output_attentions,
+                    use_cache,
+                    cache_position,
+                    position_embeddings,
+                )"""
+_QWEN2_DIRECT_KEYWORDS = """                layer_outputs = torch.nn.Module.__call__(
+                    decoder_layer,
+                    hidden_states,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    past_key_values=past_key_values,
+                    use_cache=use_cache,
+                    cache_position=cache_position,
+                    position_embeddings=position_embeddings,
+                )"""
+
+# module -> (sha256 of ColossalAI 0.5.0's file, [(old, new, how many times old occurs)])
+_EDITS: dict[str, tuple[str, list[tuple[str, str, int]]]] = {
+    "colossalai.shardformer.modeling.llama": (
+        "1537050ee395fe0e769008862cce771196d96fb9c5680ce0ce3b15caf96818f1",
+        [
+            (
+                "from transformers.cache_utils import Cache, DynamicCache\n",
+                "from transformers.cache_utils import Cache, DynamicCache, StaticCache\n",
+                1,
+            ),
+            ("    LlamaModel,\n    StaticCache,\n", "    LlamaModel,\n", 1),
+            (
+                """attn_kwargs: torch.Tensor = self._update_causal_mask(
+                attention_mask, hidden_states, cache_position, past_key_values
+            )""",
+                """attn_kwargs: torch.Tensor = _cpt_to_sft_causal_mask(
+                self, attention_mask, hidden_states, cache_position, past_key_values, position_ids
+            )""",
+                1,
+            ),
+            (
+                """                    decoder_layer.__call__,
+                    hidden_states,
+                    attn_kwargs,
+                    position_ids,
+                    past_key_values,
+                    output_attentions,
+                    use_cache,
+                    cache_position,
+                    position_embeddings,
+                )""",
+                """                    _cpt_to_sft_call(
+                        decoder_layer,
+                        attention_mask=attn_kwargs,
+                        position_ids=position_ids,
+                        past_key_values=past_key_values,
+                        use_cache=use_cache,
+                        cache_position=cache_position,
+                        position_embeddings=position_embeddings,
+                    ),
+                    hidden_states,
+                )""",
+                1,
+            ),
+            (
+                "                layer_outputs = decoder_layer(\n",
+                "                layer_outputs = _cpt_to_sft_call(decoder_layer)(\n",
+                1,
+            ),
+            (*_LAYER_OUT, 1),
+        ],
+    ),
+    "colossalai.shardformer.modeling.mistral": (
+        "51ee549b06700102cd0d828fed2833552ba3901892ce8e2fc4203377897c7363",
+        [
+            (
+                """attention_mask = self._update_causal_mask(
+                attention_mask, hidden_states, cache_position, past_key_values, output_attentions
+            )""",
+                """attention_mask = _cpt_to_sft_causal_mask(
+                self, attention_mask, hidden_states, cache_position, past_key_values, position_ids
+            )""",
+                1,
+            ),
+            (
+                "                    decoder_layer.__call__,\n",
+                "                    _cpt_to_sft_call(decoder_layer),\n",
+                1,
+            ),
+            (
+                "                layer_outputs = decoder_layer(\n",
+                "                layer_outputs = _cpt_to_sft_call(decoder_layer)(\n",
+                1,
+            ),
+            (
+                "            layer_outputs = decoder_layer(\n",
+                "            layer_outputs = _cpt_to_sft_call(decoder_layer)(\n",
+                1,
+            ),
+            (*_LAYER_OUT, 2),
+        ],
+    ),
+    "colossalai.shardformer.modeling.qwen2": (
+        "e4f022c0c970e86c000cd839b39d111a00d91a3bc3cd194d96c5086a7817e308",
+        [
+            (_QWEN2_POSITIONAL, _QWEN2_KEYWORDS, 2),
+            (_QWEN2_DIRECT, _QWEN2_DIRECT_KEYWORDS, 2),
+            (*_LAYER_OUT, 2),
+        ],
+    ),
+}
+
+
+def _hidden(layer_outputs):
+    import torch
+
+    return layer_outputs if isinstance(layer_outputs, torch.Tensor) else layer_outputs[0]
+
+
+def _call(layer, **kwargs):
+    """The layer's forward (hooks included) without its own checkpoint: ColossalAI's forward chose."""
+    import functools
+
+    import torch
+
+    return functools.partial(torch.nn.Module.__call__, layer, **kwargs)
+
+
+def check() -> bool:
+    """True when the installed transformers needs the replacements, False when it is 4.51.3; raises
+    UnsupportedStack on any other transformers or ColossalAI."""
+    import colossalai
+    import transformers
+
+    tf, cai = transformers.__version__, colossalai.__version__
+    runs = f"the project runs on ColossalAI {COLOSSALAI} with transformers {WRITTEN_FOR} or {', '.join(p + '.x' for p in PATCHED)}"
+    if cai != COLOSSALAI:
+        raise UnsupportedStack(
+            f"colossalai {cai} is installed: {runs} (docs/versions.md); reinstall with `bash scripts/install.sh`"
+        )
+    if tf == WRITTEN_FOR:
+        return False
+    if ".".join(tf.split(".")[:2]) in PATCHED:
+        return True
+    raise UnsupportedStack(
+        f"transformers {tf} is installed: {runs}, whose shardformer forwards are patched for it "
+        "(tasks/engine/hf_compat.py, docs/versions.md); reinstall with `bash scripts/install.sh`"
+    )
+
+
+def _rebuild(name: str, digest: str, edits: list[tuple[str, str, int]]) -> types.ModuleType:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.origin:
+        raise UnsupportedStack(f"{name} is not installed: ColossalAI {COLOSSALAI} ships it")
+    raw = Path(spec.origin).read_bytes()
+    if hashlib.sha256(raw).hexdigest() != digest:
+        raise UnsupportedStack(
+            f"{spec.origin} is not ColossalAI {COLOSSALAI}'s (sha256 differs): the replacements in "
+            "tasks/engine/hf_compat.py were written for that file; reinstall with `bash scripts/install.sh`"
+        )
+    source = raw.decode()
+    for old, new, times in edits:
+        found = source.count(old)
+        if found != times:  # a digest match makes this unreachable; kept so an edit can never half-apply
+            raise UnsupportedStack(f"{spec.origin}: expected {times} of {old.strip()[:60]!r}, found {found}")
+        source = source.replace(old, new)
+    module = importlib.util.module_from_spec(spec)
+    module.__dict__.update(_cpt_to_sft_causal_mask=causal_mask, _cpt_to_sft_hidden=_hidden, _cpt_to_sft_call=_call)
+    setattr(module, _MARK, True)
+    # ColossalAI's own installed file (its sha256 checked above) with the edits above: no input of a run
+    exec(compile(source, spec.origin, "exec"), module.__dict__)  # noqa: S102
+    return module
+
+
+def apply() -> list[str]:
+    """Rebuild ColossalAI's Llama, Mistral and Qwen2 forwards for the installed transformers; returns the
+    modules rebuilt by THIS call (empty when already done, or on transformers 4.51.3)."""
+    if not check():
+        return []
+    done: list[str] = []
+    for name, (digest, edits) in _EDITS.items():
+        old = sys.modules.get(name)
+        if old is not None and getattr(old, _MARK, False):
+            continue
+        new = _rebuild(name, digest, edits)
+        sys.modules[name] = new
+        parent, _, leaf = name.rpartition(".")
+        if parent in sys.modules:
+            setattr(sys.modules[parent], leaf, new)
+        if old is not None:  # a policy imported before apply() bound the broken functions: rebind them
+            for mod in list(sys.modules.values()):
+                if mod is None or mod is new or not getattr(mod, "__name__", "").startswith("colossalai."):
+                    continue
+                for attr, value in list(vars(mod).items()):
+                    if getattr(value, "__module__", None) == name and hasattr(new, getattr(value, "__name__", "")):
+                        setattr(mod, attr, getattr(new, value.__name__))
+        done.append(name)
+    return done
+
+
+def is_applied() -> bool:
+    return not check() or all(getattr(sys.modules.get(n), _MARK, False) for n in _EDITS)
