@@ -239,7 +239,10 @@ def check() -> bool:
     )
 
 
-def _rebuild(name: str, digest: str, edits: list[tuple[str, str, int]]) -> types.ModuleType:
+def edited_source(name: str) -> tuple[str, str]:
+    """(path, source) of ColossalAI's module `name` with its replacements made; reads the file only (no import).
+    Raises UnsupportedStack when the file is not ColossalAI 0.5.0's or a replacement does not match."""
+    digest, edits = _EDITS[name]
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.origin:
         raise UnsupportedStack(f"{name} is not installed: ColossalAI {COLOSSALAI} ships it")
@@ -255,11 +258,17 @@ def _rebuild(name: str, digest: str, edits: list[tuple[str, str, int]]) -> types
         if found != times:  # a digest match makes this unreachable; kept so an edit can never half-apply
             raise UnsupportedStack(f"{spec.origin}: expected {times} of {old.strip()[:60]!r}, found {found}")
         source = source.replace(old, new)
+    return spec.origin, source
+
+
+def _rebuild(name: str) -> types.ModuleType:
+    origin, source = edited_source(name)
+    spec = importlib.util.find_spec(name)
     module = importlib.util.module_from_spec(spec)
     module.__dict__.update(_cpt_to_sft_causal_mask=causal_mask, _cpt_to_sft_hidden=_hidden, _cpt_to_sft_call=_call)
     setattr(module, _MARK, True)
     # ColossalAI's own installed file (its sha256 checked above) with the edits above: no input of a run
-    exec(compile(source, spec.origin, "exec"), module.__dict__)  # noqa: S102
+    exec(compile(source, origin, "exec"), module.__dict__)  # noqa: S102
     return module
 
 
@@ -269,11 +278,11 @@ def apply() -> list[str]:
     if not check():
         return []
     done: list[str] = []
-    for name, (digest, edits) in _EDITS.items():
+    for name in _EDITS:
         old = sys.modules.get(name)
         if old is not None and getattr(old, _MARK, False):
             continue
-        new = _rebuild(name, digest, edits)
+        new = _rebuild(name)
         sys.modules[name] = new
         parent, _, leaf = name.rpartition(".")
         if parent in sys.modules:
@@ -287,6 +296,9 @@ def apply() -> list[str]:
                         setattr(mod, attr, getattr(new, value.__name__))
         done.append(name)
     return done
+
+
+MODULES = tuple(_EDITS)  # the ColossalAI modules apply() rebuilds
 
 
 def is_applied() -> bool:
