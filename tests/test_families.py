@@ -50,6 +50,9 @@ def test_every_rows_shardformer_policy_is_colossalais_auto_policy_entry_for_its_
 
     from colossalai.shardformer.policies.auto_policy import _POLICY_LIST
 
+    from tasks.engine import hf_compat
+
+    hf_compat.apply()  # as a rank does before any policy is imported
     for model_type, family in FAMILIES.items():
         cls = getattr(transformers, family.model_class)
         loc = _POLICY_LIST.get(f"{cls.__module__}.{cls.__qualname__}")
@@ -315,6 +318,9 @@ def test_every_policy_row_names_colossalais_policy_and_modules_it_really_splits(
     from colossalai.shardformer.policies.auto_policy import _POLICY_LIST
 
     from tasks.core.models.policy_rows import POLICY_ROWS
+    from tasks.engine import hf_compat
+
+    hf_compat.apply()  # as a rank does before any policy is imported
 
     assert set(POLICY_ROWS) == set(POLICY_TINY) and not set(POLICY_ROWS) & set(FAMILIES)
     for model_type, row in POLICY_ROWS.items():

@@ -5,9 +5,9 @@
 Applied once per process, at engine start, on every device (`tasks.engine.__main__`, right after the first
 import of ColossalAI), before any shardformer policy is imported. Idempotent: a second `apply()` returns [].
 
-ColossalAI's Llama, Mistral and Qwen2 policies replace the model's forward with their own
-(`colossalai/shardformer/modeling/{llama,mistral,qwen2}.py`): Llama's whenever it shards (tp too), the
-others' under pipeline or sequence parallelism. Those forwards were written against transformers 4.51's
+ColossalAI's Llama, Mistral, Qwen2 and Cohere policies replace the model's forward with their own
+(`colossalai/shardformer/modeling/{llama,mistral,qwen2,command}.py`): Llama's whenever it shards (tp too), the
+others' under pipeline or sequence parallelism (and flash attention); Cohere's module fails at import like Llama's. Those forwards were written against transformers 4.51's
 modeling code, and later releases break them (docs/versions.md, release by release):
 
 - 4.52 moved `StaticCache` out of `modeling_llama` (ImportError when the Llama policy is imported);
@@ -187,6 +187,34 @@ _EDITS: dict[str, tuple[str, list[tuple[str, str, int]]]] = {
                 "            layer_outputs = decoder_layer(\n",
                 "            layer_outputs = _cpt_to_sft_call(decoder_layer)(\n",
                 1,
+            ),
+            (*_LAYER_OUT, 2),
+        ],
+    ),
+    "colossalai.shardformer.modeling.command": (  # Cohere's policy: Llama's forward, its StaticCache import too
+        "760931e85f0103a4259e3dd8fe9d0c7c8120ffb2780ea71db853535130e19e20",
+        [
+            ("    CohereModel,\n    StaticCache,\n", "    CohereModel,\n", 1),
+            (
+                "from transformers.cache_utils import Cache, DynamicCache\n",
+                "from transformers.cache_utils import Cache, DynamicCache, StaticCache\n",
+                1,
+            ),
+            (
+                "self._update_causal_mask(attention_mask, hidden_states, cache_position, past_key_values)",
+                "_cpt_to_sft_causal_mask(self, attention_mask, hidden_states, cache_position, past_key_values, position_ids)",
+                1,
+            ),
+            (
+                "self._update_causal_mask(attention_mask, inputs_embeds, cache_position, past_key_values)",
+                "_cpt_to_sft_causal_mask(self, attention_mask, inputs_embeds, cache_position, past_key_values, position_ids)",
+                1,
+            ),
+            (_QWEN2_POSITIONAL, _QWEN2_KEYWORDS, 2),
+            (
+                "                layer_outputs = decoder_layer(\n",
+                "                layer_outputs = _cpt_to_sft_call(decoder_layer)(\n",
+                2,
             ),
             (*_LAYER_OUT, 2),
         ],
