@@ -7,8 +7,8 @@ import of ColossalAI), before any shardformer policy is imported. Idempotent: a 
 
 ColossalAI's Llama, Mistral, Qwen2 and Cohere policies replace the model's forward with their own
 (`colossalai/shardformer/modeling/{llama,mistral,qwen2,command}.py`): Llama's whenever it shards (tp too), the
-others' under pipeline or sequence parallelism (and flash attention); Cohere's module fails at import like Llama's. Those forwards were written against transformers 4.51's
-modeling code, and later releases break them (docs/versions.md, release by release):
+others' under pipeline or sequence parallelism (and flash attention); Cohere's module fails at import like
+Llama's. Those forwards were written against transformers 4.51's modeling code, and later releases break them (docs/versions.md, release by release):
 
 - 4.52 moved `StaticCache` out of `modeling_llama` (ImportError when the Llama policy is imported);
 - 4.53 removed `LlamaModel._update_causal_mask` / `MistralModel._update_causal_mask` (masks now come from
