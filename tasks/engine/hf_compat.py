@@ -5,8 +5,8 @@
 Applied once per process, at engine start, on every device (`tasks.engine.__main__`, right after the first
 import of ColossalAI), before any shardformer policy is imported. Idempotent: a second `apply()` returns [].
 
-ColossalAI's Llama, Mistral, Qwen2 and Cohere policies replace the model's forward with their own
-(`colossalai/shardformer/modeling/{llama,mistral,qwen2,command}.py`): Llama's whenever it shards (tp too), the
+ColossalAI's Llama, Mistral, Qwen2, Cohere and Mixtral policies replace the model's forward with their own
+(`colossalai/shardformer/modeling/{llama,mistral,qwen2,command,mixtral}.py`): Llama's whenever it shards (tp too), the
 others' under pipeline or sequence parallelism (and flash attention); Cohere's module fails at import like
 Llama's. Those forwards were written against transformers 4.51's modeling code, and later releases break them (docs/versions.md, release by release):
 
@@ -108,6 +108,15 @@ _QWEN2_DIRECT_KEYWORDS = """                layer_outputs = torch.nn.Module.__ca
                     cache_position=cache_position,
                     position_embeddings=position_embeddings,
                 )"""
+
+# A 4.54+ Mixtral layer returns its hidden states only (router logits go to output recorders ColossalAI's forwards
+# do not install): refused rather than the hidden states taken for router logits.
+_ROUTER_LOGITS = """            if output_router_logits:
+                all_router_logits += (layer_outputs[-1],)
+"""
+_ROUTER_LOGITS_REFUSED = """            if output_router_logits:
+                raise NotImplementedError("output_router_logits in ColossalAI's Mixtral forwards needs transformers 4.51.3")
+"""
 
 # module -> (sha256 of ColossalAI 0.5.0's file, [(old, new, how many times old occurs)])
 _EDITS: dict[str, tuple[str, list[tuple[str, str, int]]]] = {
@@ -216,6 +225,81 @@ _EDITS: dict[str, tuple[str, list[tuple[str, str, int]]]] = {
                 "                layer_outputs = _cpt_to_sft_call(decoder_layer)(\n",
                 2,
             ),
+            (*_LAYER_OUT, 2),
+        ],
+    ),
+    "colossalai.shardformer.modeling.mixtral": (  # its pipeline forward: positional layer calls
+        "017e0d52ff5e6e1a43da41006eb1e8a6a4d05baba384cdddc989c4459eb5a83d",
+        [
+            (
+                """                    create_custom_forward(decoder_layer),
+                    hidden_states,
+                    attention_mask,
+                    position_ids,
+                    None,
+                    output_attentions,
+                    output_router_logits,
+                    use_cache,
+                    cache_position,
+                    position_embeddings,
+                )""",
+                """                    _cpt_to_sft_call(
+                        decoder_layer,
+                        attention_mask=attention_mask,
+                        position_ids=position_ids,
+                        use_cache=use_cache,
+                        cache_position=cache_position,
+                        position_embeddings=position_embeddings,
+                    ),
+                    hidden_states,
+                )""",
+                1,
+            ),
+            (
+                """                layer_outputs = decoder_layer(
+                    hidden_states,
+                    attention_mask,
+                    position_ids,
+                    past_key_value,
+                    output_attentions,
+                    output_router_logits,
+                    use_cache,
+                    cache_position,
+                    position_embeddings,
+                )""",
+                """                layer_outputs = torch.nn.Module.__call__(
+                    decoder_layer,
+                    hidden_states,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    past_key_values=past_key_value,
+                    use_cache=use_cache,
+                    cache_position=cache_position,
+                    position_embeddings=position_embeddings,
+                )""",
+                1,
+            ),
+            (  # the flash-attention / sequence-parallel model forward
+                """                    decoder_layer.__call__,
+                    hidden_states,
+                    attention_mask,
+                    position_ids,
+                    past_key_values,
+                    output_attentions,
+                    output_router_logits,
+                    use_cache,
+                    cache_position=cache_position,
+                    position_embeddings=position_embeddings,
+                )""",
+                _QWEN2_KEYWORDS,
+                1,
+            ),
+            (
+                "                layer_outputs = decoder_layer(\n",
+                "                layer_outputs = _cpt_to_sft_call(decoder_layer)(\n",
+                1,
+            ),
+            (_ROUTER_LOGITS, _ROUTER_LOGITS_REFUSED, 2),
             (*_LAYER_OUT, 2),
         ],
     ),
