@@ -5,24 +5,27 @@
 Applied once per process, at engine start, on every device (`tasks.engine.__main__`, right after the first
 import of ColossalAI), before any shardformer policy is imported. Idempotent: a second `apply()` returns [].
 
-ColossalAI's Llama, Mistral, Qwen2, Cohere and Mixtral policies replace the model's forward with their own
-(`colossalai/shardformer/modeling/{llama,mistral,qwen2,command,mixtral}.py`): Llama's whenever it shards (tp too), the
-others' under pipeline or sequence parallelism (and flash attention); Cohere's module fails at import like
-Llama's. Those forwards were written against transformers 4.51's modeling code, and later releases break them (docs/versions.md, release by release):
+ColossalAI's Llama, Mistral, Qwen2, Cohere, Mixtral and GPT-2 policies replace the model's forward (or its
+attention's) with their own (`colossalai/shardformer/modeling/{llama,mistral,qwen2,command,mixtral,gpt2}.py`):
+Llama's whenever it shards (tp too), the others' under pipeline or sequence parallelism or flash attention;
+Llama's and Cohere's modules fail at import, and ColossalAI's OPT policy imports a class 4.52 removed
+(`policies/opt.py`). That code was written against transformers 4.51's modeling code, and later releases break
+it (docs/versions.md, release by release):
 
 - 4.52 moved `StaticCache` out of `modeling_llama` (ImportError when the Llama policy is imported);
 - 4.53 removed `LlamaModel._update_causal_mask` / `MistralModel._update_causal_mask` (masks now come from
   `transformers.masking_utils`: `create_causal_mask`, or `create_sliding_window_causal_mask` where the config
   has a sliding window, as the models themselves choose);
 - 4.54 made a decoder layer return the hidden-state tensor (`layer_outputs[0]` took the first sequence of the
-  batch) and dropped its `output_attentions` parameter, so the positional calls ColossalAI makes (Llama's and
-  Qwen2's checkpointed layers, every Qwen2 layer) land on the wrong parameters;
+  batch) and dropped its `output_attentions` parameter, so the positional calls ColossalAI makes (checkpointed
+  layers, every Qwen2 and Mixtral layer) land on the wrong parameters; GPT-2's block passes the attention it
+  replaces `past_key_values` and unpacks two values from it;
 - 4.54 also made each decoder layer a `GradientCheckpointingLayer` that checkpoints itself when gradient
   checkpointing is on: ColossalAI's forwards decide which layers to checkpoint (`gradient_checkpoint_config`),
   so the layers are called through `torch.nn.Module.__call__`, which runs their hooks and forward without the
   layer's own, second checkpoint (the layer count ColossalAI chose, as on 4.51.3).
 
-Rather than edit site-packages (a fresh install would not have the edit), each of the three modules is
+Rather than edit site-packages (a fresh install would not have the edit), each of those modules is
 rebuilt from its installed source with exact text replacements (`_EDITS`): the file must be ColossalAI 0.5.0's
 (its sha256), every replacement must match exactly as often as written, and the rebuilt module takes the
 original's place in `sys.modules` and in every already imported ColossalAI module that bound its names. On
@@ -301,6 +304,61 @@ _EDITS: dict[str, tuple[str, list[tuple[str, str, int]]]] = {
             ),
             (_ROUTER_LOGITS, _ROUTER_LOGITS_REFUSED, 2),
             (*_LAYER_OUT, 2),
+        ],
+    ),
+    "colossalai.shardformer.modeling.gpt2": (  # its attention forward and its blocks' calls
+        "64a32b39c345293b255ebba0fb73325d52bff08178acc1d4186411abc3f1fc57",
+        [
+            (  # 4.57's GPT2Block passes past_key_values and cache_position to the attention it replaces
+                """        output_attentions: Optional[bool] = False,
+    ) -> Tuple[Union[torch.Tensor, Tuple[torch.Tensor]], ...]:""",
+                """        output_attentions: Optional[bool] = False,
+        **kwargs,
+    ) -> Tuple[Union[torch.Tensor, Tuple[torch.Tensor]], ...]:""",
+                1,
+            ),
+            (
+                """                    block.__call__,
+                    hidden_states,
+                    None,
+                    attn_kwargs,
+                    head_mask[i],
+                    encoder_hidden_states,
+                    encoder_attention_mask,
+                    use_cache,
+                    output_attentions,
+                )""",
+                """                    _cpt_to_sft_call(
+                        block,
+                        attention_mask=attn_kwargs,
+                        head_mask=head_mask[i],
+                        encoder_hidden_states=encoder_hidden_states,
+                        encoder_attention_mask=encoder_attention_mask,
+                        use_cache=use_cache,
+                        output_attentions=output_attentions,
+                    ),
+                    hidden_states,
+                )""",
+                1,
+            ),
+            ("                outputs = block(\n", "                outputs = _cpt_to_sft_call(block)(\n", 1),
+            # 4.54+'s block unpacks (output, weights); the cache is an object it updates (off in training here)
+            ("        outputs = (attn_output, present, None)\n", "        outputs = (attn_output, None)\n", 1),
+        ],
+    ),
+    "colossalai.shardformer.policies.opt": (  # 4.52 folded OptFlashAttention2 into OPTAttention
+        "b68681e326a990a687ce8553f70e25a1114c313db82fe7c851cce876f6c393ef",
+        [
+            (
+                "import OPTAttention, OPTDecoder, OPTDecoderLayer, OptFlashAttention2\n",
+                "import OPTAttention, OPTDecoder, OPTDecoderLayer\n",
+                1,
+            ),
+            (
+                '            "flash_attention_2": OptFlashAttention2,\n',
+                '            "flash_attention_2": OPTAttention,\n',
+                1,
+            ),
         ],
     ),
     "colossalai.shardformer.modeling.qwen2": (
