@@ -25,10 +25,11 @@ it (docs/versions.md, release by release):
   so the layers are called through `torch.nn.Module.__call__`, which runs their hooks and forward without the
   layer's own, second checkpoint (the layer count ColossalAI chose, as on 4.51.3).
 
-Rather than edit site-packages (a fresh install would not have the edit), each of those modules is
-rebuilt from its installed source with exact text replacements (`_EDITS`): the file must be ColossalAI 0.5.0's
-(its sha256), every replacement must match exactly as often as written, and the rebuilt module takes the
-original's place in `sys.modules` and in every already imported ColossalAI module that bound its names. On
+Rather than edit site-packages (a fresh install would not have the edit), each of those modules is built
+from its installed source with exact text replacements (`_EDITS`) when it is first imported (an import hook
+`apply()` installs: a rank imports only the modules its model's policy needs; all seven cost 0.1 CPU-s here): the file must be ColossalAI 0.5.0's (its sha256), every replacement must match exactly as often as
+written; a module imported before `apply()` is rebuilt at once and rebound in every ColossalAI module that
+bound its names. On
 transformers 4.51.3 nothing is replaced. On any transformers or ColossalAI the replacements were not measured
 on, `apply()` refuses with `UnsupportedStack` naming what is installed and what runs.
 """
@@ -36,10 +37,13 @@ on, `apply()` refuses with `UnsupportedStack` naming what is installed and what 
 from __future__ import annotations
 
 import hashlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 _MARK = "_cpt_to_sft_hf_compat"
 
@@ -431,45 +435,65 @@ def edited_source(name: str) -> tuple[str, str]:
     return spec.origin, source
 
 
-def _rebuild(name: str) -> types.ModuleType:
-    origin, source = edited_source(name)
-    spec = importlib.util.find_spec(name)
-    module = importlib.util.module_from_spec(spec)
+def _execute(module: types.ModuleType) -> None:
+    origin, source = edited_source(module.__name__)
     module.__dict__.update(_cpt_to_sft_causal_mask=causal_mask, _cpt_to_sft_hidden=_hidden, _cpt_to_sft_call=_call)
     setattr(module, _MARK, True)
     # ColossalAI's own installed file (its sha256 checked above) with the edits above: no input of a run
     exec(compile(source, origin, "exec"), module.__dict__)  # noqa: S102
-    return module
+
+
+class _OnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Builds each listed module from its edited source when it is first imported (by the policy that needs it),
+    so a rank imports none of them that its model's policy does not."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname not in _EDITS:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None:
+            spec.loader = self
+        return spec
+
+    def create_module(self, spec: Any) -> None:
+        return None  # the default module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        _execute(module)
+
+
+_FINDER = _OnImport()
 
 
 def apply() -> list[str]:
-    """Rebuild ColossalAI's Llama, Mistral and Qwen2 forwards for the installed transformers; returns the
-    modules rebuilt by THIS call (empty when already done, or on transformers 4.51.3)."""
-    if not check():
+    """Fit ColossalAI's shardformer code to the installed transformers: each module in `_EDITS` is built from its
+    edited source when first imported (one imported already is rebuilt now). Returns the modules this call
+    took over (empty when already done, or on transformers 4.51.3)."""
+    if not check() or _FINDER in sys.meta_path:
         return []
-    done: list[str] = []
+    sys.meta_path.insert(0, _FINDER)
     for name in _EDITS:
         old = sys.modules.get(name)
-        if old is not None and getattr(old, _MARK, False):
+        if old is None or getattr(old, _MARK, False):
             continue
-        new = _rebuild(name)
+        spec = importlib.machinery.PathFinder.find_spec(name, sys.modules[name.rpartition(".")[0]].__path__)
+        new = importlib.util.module_from_spec(spec)
+        _execute(new)
         sys.modules[name] = new
         parent, _, leaf = name.rpartition(".")
-        if parent in sys.modules:
-            setattr(sys.modules[parent], leaf, new)
-        if old is not None:  # a policy imported before apply() bound the broken functions: rebind them
-            for mod in list(sys.modules.values()):
-                if mod is None or mod is new or not getattr(mod, "__name__", "").startswith("colossalai."):
-                    continue
-                for attr, value in list(vars(mod).items()):
-                    if getattr(value, "__module__", None) == name and hasattr(new, getattr(value, "__name__", "")):
-                        setattr(mod, attr, getattr(new, value.__name__))
-        done.append(name)
-    return done
+        setattr(sys.modules[parent], leaf, new)
+        # a policy imported before apply() bound the broken functions: rebind them
+        for mod in list(sys.modules.values()):
+            if mod is None or mod is new or not getattr(mod, "__name__", "").startswith("colossalai."):
+                continue
+            for attr, value in list(vars(mod).items()):
+                if getattr(value, "__module__", None) == name and hasattr(new, getattr(value, "__name__", "")):
+                    setattr(mod, attr, getattr(new, value.__name__))
+    return list(_EDITS)
 
 
-MODULES = tuple(_EDITS)  # the ColossalAI modules apply() rebuilds
+MODULES = tuple(_EDITS)  # the ColossalAI modules apply() builds from their edited source
 
 
 def is_applied() -> bool:
-    return not check() or all(getattr(sys.modules.get(n), _MARK, False) for n in _EDITS)
+    return not check() or _FINDER in sys.meta_path
