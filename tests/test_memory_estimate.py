@@ -75,8 +75,10 @@ def test_torch_ddp_fp32_estimate_is_the_hand_computed_figure():
     # (4*4*64 = 1024), 5 q-wide (5*4*64 = 1280), the log-sum-exp of 4 heads (16) and 4 MLP-wide
     # (4*4*128 = 2048): 4880 B. Two layers plus the one in the backward: 3 * 4880 = 14640; the final
     # norm 4*64 + 2*4*64 = 768; the loss 12 B per logit: 12*512 = 6144. Tokens: 2 x 16 = 32.
-    acts = (3 * 4880 + 768 + 6144) * 32
-    assert acts == 689664
+    # (transformers >= 4.52 keeps 4 q-wide: 4880 - 256 = 4624 B a layer; family_spec.LLAMA_LAYER_ACTIVATIONS)
+    layer = 4880 if transformers.__version__.startswith("4.51.") else 4624
+    acts = (3 * layer + 768 + 6144) * 32
+    assert acts == (689664 if layer == 4880 else 665088)
     est = estimate(TINY, stage({"name": "torch_ddp", "precision": "fp32"}), cuda=False)
     assert est.parameters == est.rank_parameters == P
     assert by_what(est) == {
@@ -86,7 +88,7 @@ def test_torch_ddp_fp32_estimate_is_the_hand_computed_figure():
         "Adam moments": 8 * P,
         "activations": acts,
     }
-    assert est.device == always + max(acts, grads) == 2923008
+    assert est.device == always + max(acts, grads) == 2923008 - 689664 + acts
     # A CPU rank's RSS holds both phases (glibc keeps the freed activations), plus the baseline.
     assert est.host_steady == RANK_BASELINE_BYTES + always + acts + grads
     # On CUDA the same states must fit the GPU with the reserve; the host keeps the baseline.

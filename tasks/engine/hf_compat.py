@@ -25,13 +25,13 @@ it (docs/versions.md, release by release):
   so the layers are called through `torch.nn.Module.__call__`, which runs their hooks and forward without the
   layer's own, second checkpoint (the layer count ColossalAI chose, as on 4.51.3).
 
-Rather than edit site-packages (a fresh install would not have the edit), each of those modules is built
-from its installed source with exact text replacements (`_EDITS`) when it is first imported (an import hook
-`apply()` installs: a rank imports only the modules its model's policy needs; all seven cost 0.1 CPU-s here): the file must be ColossalAI 0.5.0's (its sha256), every replacement must match exactly as often as
-written; a module imported before `apply()` is rebuilt at once and rebound in every ColossalAI module that
-bound its names. On
-transformers 4.51.3 nothing is replaced. On any transformers or ColossalAI the replacements were not measured
-on, `apply()` refuses with `UnsupportedStack` naming what is installed and what runs.
+Rather than edit site-packages (a fresh install would not have the edit), each of those modules is built from its
+installed source with exact text replacements (`_EDITS`) when it is first imported (an import hook `apply()`
+installs: a rank imports only the modules its model's policy needs; all seven cost 0.1 CPU-s here): the file must
+be ColossalAI 0.5.0's (its sha256), every replacement must match exactly as often as written; a module imported
+before `apply()` is rebuilt at once and rebound in every ColossalAI module that bound its names. On transformers
+4.51.3 nothing is replaced. On any transformers or ColossalAI the replacements were not measured on, `apply()`
+refuses with `UnsupportedStack` naming what is installed and what runs.
 """
 
 from __future__ import annotations
