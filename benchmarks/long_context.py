@@ -118,6 +118,9 @@ def ranks(argv: list[str]) -> int:
     a = p.parse_args(argv)
     import torch
 
+    from tasks.engine import hf_compat
+
+    hf_compat.apply()  # ColossalAI's forwards on the installed transformers
     if not torch.cuda.is_available():
         from tasks.engine import cpu_compat
 

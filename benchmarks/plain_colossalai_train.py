@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     cuda = torch.cuda.is_available()
+    from tasks.engine import hf_compat
+
+    hf_compat.apply()  # ColossalAI's forwards on the installed transformers
     if not cuda:
         from tasks.engine import cpu_compat
 

@@ -303,6 +303,9 @@ def main() -> int:
     from tasks.engine.lazy_compile import import_colossalai
 
     import_colossalai()
+    from tasks.engine import hf_compat
+
+    hf_compat.apply()  # ColossalAI's forwards on the installed transformers
     if not torch.cuda.is_available():
         cpu_compat.apply()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))

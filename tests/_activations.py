@@ -6,13 +6,17 @@ from __future__ import annotations
 import torch
 
 
-def kept_per_token(model: torch.nn.Module, layer: str, vocab: int = 300) -> float:
+def kept_per_token(model: torch.nn.Module, layer: str, vocab: int = 300, masks: bool = True) -> float:
     """Bytes of the tensors saved for backward inside submodule `layer` (parameters excluded), per token,
-    from one training forward of a 2 x 32 batch of random ids below `vocab`."""
+    from one training forward of a 2 x 32 batch of random ids below `vocab`. `masks=False` leaves out the
+    batch x 1 x 32 x 32 attention masks: built once per forward and kept by every layer (transformers >= 4.52
+    builds one even without padding), they are not a layer's own."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     on, seen = [False], {}
 
     def pack(t):
+        if not masks and t.dim() == 4 and t.shape[1] == 1 and t.shape[-2:] == (32, 32):
+            return t
         if on[0] and t.untyped_storage().data_ptr() not in params:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t

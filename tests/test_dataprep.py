@@ -358,9 +358,12 @@ def test_another_tokenizer_is_refused_by_fingerprint(tok, tokdir, tmp_path):
     check_fits_model(ds.index, tmp_path / "out", tokdir, "cpt", vocab_size=len(tok))
     other = tmp_path / "other"
     shutil.copytree(tokdir, other)
-    cfg = json.loads((other / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = cfg["chat_template"] + " "
-    (other / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if (other / "chat_template.jinja").is_file():  # transformers >= 4.52's layout
+        (other / "chat_template.jinja").write_text((other / "chat_template.jinja").read_text() + " ")
+    else:
+        cfg = json.loads((other / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = cfg["chat_template"] + " "
+        (other / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert tokenizer_fingerprint(other) != tokenizer_fingerprint(tokdir)
     with pytest.raises(
         ValueError, match=rf"sha256 {tokenizer_fingerprint(other)[:16]}.*sha256 {tokenizer_fingerprint(tokdir)[:16]}"

@@ -31,6 +31,7 @@ MODEL_FILES = {
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "chat_template.jinja",  # transformers >= 4.52 saves the tokenizer's template here
 }
 
 

@@ -388,11 +388,13 @@ def _roundtrip_worker(model_dir: Path, out: Path, plugin: dict | None = None) ->
     import torch
     import torch.distributed as dist
 
+    from tasks.engine import hf_compat
     from tasks.engine.boosted import Engine
     from tasks.engine.faults import Injector
     from tasks.engine.loop import StageData
     from tasks.engine.preconditions import parse_job
 
+    hf_compat.apply()  # ColossalAI's forwards on the installed transformers
     if not torch.cuda.is_available():  # only for checking this worker's logic on CPU with a CPU plugin
         from tasks.engine import cpu_compat
 

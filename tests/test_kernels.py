@@ -191,8 +191,10 @@ def test_a_kernel_that_fails_to_load_falls_back_with_a_warning_naming_it(
 
     sft = accel.load_kernels(cfg.sft, "sft", tiny_model_dir, cuda=True, device=torch.device("cpu"), rank=0)
     assert sft["flash_attention"].on  # the package is found; transformers decides when it builds
-    mc = AutoConfig.from_pretrained(tiny_model_dir)
-    sft, model = accel.load_model(sft, lambda **kw: AutoModelForCausalLM.from_config(mc, **kw), rank=0)
+    # a config per build, as the engine builds (transformers >= 4.52 writes the refused implementation into it)
+    sft, model = accel.load_model(
+        sft, lambda **kw: AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_model_dir), **kw), rank=0
+    )
     reason = sft["flash_attention"].reason  # transformers 4.51 looks for the distribution's metadata first
     assert (
         not sft["flash_attention"].on

@@ -77,8 +77,10 @@ def test_torch_ddp_fp32_estimate_is_the_hand_computed_figure():
     # (4*4*64 = 1024), 5 q-wide (5*4*64 = 1280), the log-sum-exp of 4 heads (16) and 4 MLP-wide
     # (4*4*128 = 2048): 4880 B. Two layers plus the one in the backward: 3 * 4880 = 14640; the final
     # norm 4*64 + 2*4*64 = 768; the loss 12 B per logit: 12*512 = 6144. Tokens: 2 x 16 = 32.
-    acts = (3 * 4880 + 768 + 6144) * 32
-    assert acts == 689664
+    # (transformers >= 4.52 keeps 4 q-wide: 4880 - 256 = 4624 B a layer; family_spec.LLAMA_LAYER_ACTIVATIONS)
+    layer = 4880 if transformers.__version__.startswith("4.51.") else 4624
+    acts = (3 * layer + 768 + 6144) * 32
+    assert acts == (689664 if layer == 4880 else 665088)
     est = estimate(TINY, stage({"name": "torch_ddp", "precision": "fp32"}), cuda=False)
     assert est.parameters == est.rank_parameters == P
     assert by_what(est) == {
@@ -88,7 +90,7 @@ def test_torch_ddp_fp32_estimate_is_the_hand_computed_figure():
         "Adam moments": 8 * P,
         "activations": acts,
     }
-    assert est.device == always + max(acts, grads) == 2923008
+    assert est.device == always + max(acts, grads) == 2923008 - 689664 + acts
     # A CPU rank's RSS holds both phases (glibc keeps the freed activations), plus the baseline.
     assert est.host_steady == RANK_BASELINE_BYTES + always + acts + grads
     # On CUDA the same states must fit the GPU with the reserve; the host keeps the baseline.
@@ -169,7 +171,7 @@ def _saved_per_token(family: str, dtype: torch.dtype) -> float:
     )
     cfg = getattr(transformers, spec.config_class)(**dims, **spec.demo_config)
     torch.manual_seed(0)
-    return kept_per_token(getattr(transformers, spec.model_class)(cfg).to(dtype), "model.layers.1")
+    return kept_per_token(getattr(transformers, spec.model_class)(cfg).to(dtype), "model.layers.1", masks=False)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -187,7 +189,8 @@ def test_the_family_activation_table_is_what_torch_keeps(family, dtype):
     }
     table_bytes = layer_activation_bytes(mc, 4 if dtype == torch.float32 else 2)
     measured = _saved_per_token(family, dtype)
-    # the table leaves out the 1-wide inverse RMS of each norm and RoPE's per-position cos/sin
+    # the table leaves out the 1-wide inverse RMS of each norm and RoPE's per-position cos/sin (and the attention
+    # masks, built once per forward, which the measure leaves out too)
     assert table_bytes <= measured <= table_bytes * 1.02, (family, dtype, table_bytes, measured)
 
 

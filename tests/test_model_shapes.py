@@ -132,6 +132,21 @@ def _tiny_llava(tiny_model_dir: Path, out: Path) -> Path:
     return out
 
 
+def _save_text_model(m, out: Path) -> None:
+    """The model lines of `save_text_model_recipe()`, as it says them for the installed transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from tasks.core.models.shapes import save_text_model_recipe
+
+    if "m.language_model.save_pretrained(OUT)" in save_text_model_recipe():
+        m.language_model.save_pretrained(out)
+        return
+    lm = AutoModelForCausalLM.from_config(m.config.text_config, torch_dtype=m.dtype)
+    lm.model.load_state_dict(m.language_model.state_dict())
+    lm.lm_head.load_state_dict(m.lm_head.state_dict())
+    lm.save_pretrained(out)
+
+
 def test_a_multimodal_checkpoint_is_refused_naming_its_text_model_and_the_fix_runs(tmp_path, tiny_model_dir):
     llava = _tiny_llava(tiny_model_dir, tmp_path / "llava")
     report = _report(tmp_path / "r1", llava)
@@ -144,11 +159,13 @@ def test_a_multimodal_checkpoint_is_refused_naming_its_text_model_and_the_fix_ru
     # The fix the message gives, run as written: the text model alone passes pre-flight.
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
+    from tasks.core.models.shapes import save_text_model_recipe
+
     out = tmp_path / "llava-text"
     m = AutoModelForImageTextToText.from_pretrained(llava, torch_dtype="auto")
-    m.language_model.save_pretrained(out)
+    _save_text_model(m, out)
     AutoTokenizer.from_pretrained(llava).save_pretrained(out)
-    assert "m.language_model.save_pretrained(OUT)" in msgs[0]
+    assert save_text_model_recipe() in msgs[0]
     fixed = _report(tmp_path / "r2", out)
     assert not fixed.problems, fixed.text()
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
@@ -170,7 +187,7 @@ def test_gemma_3_multimodal_is_judged_on_gemma3_text_and_the_fix_saves_that_mode
     )
 
     from support.tiny import tiny_tokenizer
-    from tasks.core.models.shapes import text_config_refusal
+    from tasks.core.models.shapes import save_text_model_recipe, text_config_refusal
 
     text = Gemma3TextConfig(
         vocab_size=512,
@@ -196,15 +213,21 @@ def test_gemma_3_multimodal_is_judged_on_gemma3_text_and_the_fix_saves_that_mode
     assert "(model_type 'gemma3', architectures Gemma3ForConditionalGeneration)" in msg
     assert "whose text model is in text_config (model_type 'gemma3_text')" in msg, msg
     assert msg in _problems(_report(tmp_path / "r1", tmp_path / "gemma3"))  # pre-flight refuses it so
+    # the recipe the refusal gives (what it runs differs before and after transformers 4.52), step by step
+    recipe = save_text_model_recipe()
+    assert recipe in msg
     m = AutoModelForImageTextToText.from_pretrained(tmp_path / "gemma3", torch_dtype="auto")
-    m.language_model.save_pretrained(tmp_path / "out")
+    _save_text_model(m, tmp_path / "out")
     AutoTokenizer.from_pretrained(tmp_path / "gemma3").save_pretrained(tmp_path / "out")
     fixed = _report(tmp_path / "r2", tmp_path / "out")  # the text model: its folder's shape and family pass
     assert not _problems(fixed) and any(c.startswith("model family gemma3_text") for c in fixed.checked), fixed.text()
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "gemma3_text"
     lm = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert type(lm).__name__ == "Gemma3ForCausalLM"
-    assert torch.equal(lm.model.embed_tokens.weight, m.language_model.model.embed_tokens.weight)
+    # transformers 4.51's language_model is a Gemma3ForCausalLM, later ones' its Gemma3TextModel
+    text_model = getattr(m.language_model, "model", m.language_model)
+    assert torch.equal(lm.model.embed_tokens.weight, text_model.embed_tokens.weight)
+    assert torch.equal(lm.model.layers[1].mlp.down_proj.weight, text_model.layers[1].mlp.down_proj.weight)
 
 
 # ---- broken shapes of the ones that run -----------------------------------------------------
@@ -222,7 +245,8 @@ def sharded(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(out)
     eos, im_start, im_end = (tok.convert_tokens_to_ids(t) for t in (EOS, IM_START, IM_END))
     config = json.loads((out / "tokenizer_config.json").read_text())
-    assert config.pop("chat_template") == CHAT_TEMPLATE  # the template moves out of the config
+    # the template moves out of the config (transformers >= 4.52 saved it in chat_template.jinja already)
+    assert (config.pop("chat_template", None) or (out / "chat_template.jinja").read_text()) == CHAT_TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     (out / "chat_template.jinja").write_text(JINJA)
     _edit_json(out / "config.json", eos_token_id=[eos, im_end])  # Llama 3.1's shape: several, in both files

@@ -21,6 +21,11 @@ def _model(
     generation: dict | None = None,
 ) -> Path:
     shutil.copytree(tiny_model_dir, out)
+    template = (tokenizer or {}).get("chat_template")
+    if template is not None and (out / "chat_template.jinja").is_file():
+        # transformers >= 4.52 saves the template beside tokenizer_config.json, and the tokenizer reads it there first
+        (out / "chat_template.jinja").write_text(template)
+        tokenizer = {k: v for k, v in tokenizer.items() if k != "chat_template"}
     for name, change in (
         ("tokenizer_config.json", tokenizer),
         ("config.json", config),

@@ -101,7 +101,8 @@ def _model_with_template(tiny_model_dir, out, template: str, jinja_file: bool = 
     shutil.copytree(tiny_model_dir, out)
     if jinja_file:
         (out / "chat_template.jinja").write_text(template)
-    else:
+    else:  # the layout transformers < 4.52 saves: no chat_template.jinja (which the tokenizer would read first)
+        (out / "chat_template.jinja").unlink(missing_ok=True)
         path = out / "tokenizer_config.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": template}))
     return out

@@ -6,8 +6,8 @@
 JOB.json is described in tasks/engine/preconditions.py. Order of work, cheapest checks first: prefix this
 rank's output with `[rank N] `; read and validate the job; refuse plugins this machine cannot run
 (Gemini without CUDA) before any model is loaded; parse CPT_TO_SFT_FAULT (tasks/engine/faults.py);
-import ColossalAI with torch.compile deferred to first use (tasks/engine/lazy_compile.py); patch
-ColossalAI for CPU when CUDA is absent (tasks/engine/cpu_compat.py); init the process group
+import ColossalAI with torch.compile deferred to first use (tasks/engine/lazy_compile.py); fit its shardformer
+forwards to the installed transformers (tasks/engine/hf_compat.py); patch ColossalAI for CPU when CUDA is absent (tasks/engine/cpu_compat.py); init the process group
 with `colossalai.launch_from_torch(seed=<stage seed>)`; run the verb (tasks/engine/loop.py).
 
 Exit status 0 on success, PREEMPTED_EXIT (75, tasks/core/errors.py) on every rank after a
@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         # The first import of ColossalAI, without importing torch's compiler for functions this
         # engine never calls (tasks/engine/lazy_compile.py): half of a rank's start-up CPU.
         import_colossalai()
+        from tasks.engine import hf_compat
+
+        # ColossalAI's Llama/Mistral/Qwen2 forwards on the installed transformers (refused on one not measured)
+        hf_compat.apply()
         patched: list[str] = []
         if not torch.cuda.is_available():
             from tasks.engine import cpu_compat

@@ -30,6 +30,7 @@ What differs between plugins is read from the registry (`tasks.core.config.plugi
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import time
 from collections.abc import Callable
@@ -177,8 +178,10 @@ class Engine:
         with self._construction():
             self.kernels, model = accel.load_model(
                 self.kernels,
+                # a copy per try: transformers >= 4.52 writes the refused attn_implementation into the config it
+                # is given, and the fallback build would ask for it again
                 lambda **kernels: AutoModelForCausalLM.from_config(
-                    self.config,
+                    copy.deepcopy(self.config),
                     torch_dtype=self.build_dtype,
                     trust_remote_code=self.job.trust_remote_code,
                     **kernels,
@@ -186,6 +189,7 @@ class Engine:
                 ),
                 self.rank,
             )
+        self.config = model.config
         return model
 
     def hf_config(self):

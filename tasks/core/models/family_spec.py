@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 
@@ -46,10 +47,21 @@ class ActivationTerm:
 # repeat_kv widens key and value to the query heads), its output and a fp32 log-sum-exp per head;
 # o_proj its input; the MLP the gate and up projections, the activation and their product.
 # (Each RMSNorm's 1-wide inverse RMS and RoPE's per-position cos/sin, under 1 %, are left out.)
+# Later transformers (measured: 4.57.6) hand o_proj a view of sdpa's output, not a copy: one q-wide tensor
+# fewer. They also build the causal mask as a batch x seq x seq bool tensor (`find_packed_sequence_indices`
+# keeps sdpa from its is_causal path), shared by every layer: seq-wide per token, left out like Gemma 3's.
+def _sdpa_q_tensors() -> int:
+    try:  # read without importing transformers (this module is pure data)
+        release = version("transformers")
+    except PackageNotFoundError:
+        return 5
+    return 5 if release.startswith("4.51.") else 4
+
+
 LLAMA_LAYER_ACTIVATIONS: tuple[ActivationTerm, ...] = (
     ActivationTerm("hidden", 2, fp32=True),
     ActivationTerm("hidden", 4),
-    ActivationTerm("q", 5),
+    ActivationTerm("q", _sdpa_q_tensors()),
     ActivationTerm("heads", 1, fp32=True),
     ActivationTerm("inter", 4),
 )
@@ -70,14 +82,17 @@ GEMMA3_LAYER_ACTIVATIONS: tuple[ActivationTerm, ...] = (
     ActivationTerm("hidden", 2),
     ActivationTerm("q", 2, fp32=True),
     ActivationTerm("kv", 2, fp32=True),
-    ActivationTerm("q", 5),
+    ActivationTerm("q", _sdpa_q_tensors()),
     ActivationTerm("heads", 1, fp32=True),
     ActivationTerm("inter", 4),
 )
 # Phi-3: Llama's, with the fused gate_up output kept once (2 x inter wide: silu reads its gate half,
-# the product its up half) beside the activation and the product
+# the product its up half) beside the activation and the product; its o_proj input is a copy of sdpa's
+# output on 4.57.6 too (five q-wide tensors)
 PHI3_LAYER_ACTIVATIONS: tuple[ActivationTerm, ...] = (
-    *LLAMA_LAYER_ACTIVATIONS[:4],
+    *LLAMA_LAYER_ACTIVATIONS[:2],
+    ActivationTerm("q", 5),
+    LLAMA_LAYER_ACTIVATIONS[3],
     ActivationTerm("inter2", 1),
     ActivationTerm("inter", 2),
 )

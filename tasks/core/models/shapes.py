@@ -160,9 +160,29 @@ def text_config_refusal(where: str, config: dict[str, Any]) -> str:
         f"{where}/config.json is a multimodal checkpoint (model_type {config.get('model_type')!r}, architectures "
         f"{arch}) whose text model is in text_config (model_type {text!r}); cpt-to-sft trains a text-only causal LM "
         f"from a flat config.json, so it would train the {text!r} model alone. Save that model on its own and point "
-        "base_model.uri at it: `m = AutoModelForImageTextToText.from_pretrained(DIR, torch_dtype='auto'); "
-        "m.language_model.save_pretrained(OUT); AutoTokenizer.from_pretrained(DIR).save_pretrained(OUT)` "
+        f"base_model.uri at it: `{save_text_model_recipe()}` "
         f"(OUT/config.json then says model_type {text!r}, the family pre-flight judges)"
+    )
+
+
+def save_text_model_recipe() -> str:
+    """How the installed transformers saves a multimodal checkpoint's text model as a causal LM: up to 4.51 its
+    `language_model` is that causal LM; later releases make it the bare text model (no head, and saved without the
+    `model.` prefix its causal-LM class loads under), the head sitting on the multimodal model."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        causal_lm_inside = version("transformers").startswith("4.51.")
+    except PackageNotFoundError:
+        causal_lm_inside = False
+    start = "m = AutoModelForImageTextToText.from_pretrained(DIR, torch_dtype='auto'); "
+    end = "AutoTokenizer.from_pretrained(DIR).save_pretrained(OUT)"
+    if causal_lm_inside:
+        return start + "m.language_model.save_pretrained(OUT); " + end
+    return (
+        start + "lm = AutoModelForCausalLM.from_config(m.config.text_config, torch_dtype=m.dtype); "
+        "lm.model.load_state_dict(m.language_model.state_dict()); lm.lm_head.load_state_dict(m.lm_head.state_dict()); "
+        "lm.save_pretrained(OUT); " + end
     )
 
 
