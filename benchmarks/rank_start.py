@@ -1,7 +1,7 @@
 """What a rank imports, per engine verb, against a bare torchrun rank: seconds and the gap by package.
 
     .venv/bin/python benchmarks/rank_start.py --repeats 3     # 2 ranks, hybrid_parallel tp=2 fp32
-    .venv/bin/python benchmarks/rank_start.py --smoke         # 1 rank, tp=1, one launch each: checks the script runs
+    .venv/bin/python benchmarks/rank_start.py --smoke         # the bare launch alone, 1 rank: checks the script runs
 
 Each launch is `torchrun --standalone --nproc-per-node N` with `PYTHONPROFILEIMPORTTIME=1` and each
 rank's stderr in a file of its own (`--redirects 3`), so rank 0's import tree is read whole:
@@ -100,13 +100,12 @@ def import_seconds(table: dict[str, tuple[int, int, int]]) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3, help="rounds; each figure is the smallest over them")
-    p.add_argument("--smoke", action="store_true", help="one round, one rank at tp=1")
+    p.add_argument("--smoke", action="store_true", help="one round of the bare launch alone, one rank (~5 CPU-s)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--top", type=int, default=12, help="packages listed in each verb's gap")
     args = p.parse_args()
     repeats, nproc = (1, 1) if args.smoke else (args.repeats, 2)
     work = workdir(args.workdir, "rank-start-")
-    model = tiny_model(work / "tiny-llama") if not (work / "tiny-llama").is_dir() else work / "tiny-llama"
     plugin = {"name": "hybrid_parallel", "tp_size": nproc, "precision": "fp32"}
     section = stage_raw("cpt", plugin, max_steps=2, checkpoint_every=2, keep_last=1)
     section["launch"] = {"nproc_per_node": nproc}
@@ -119,22 +118,26 @@ def main() -> None:
 
     best: dict[str, tuple[float, float, float, dict]] = {}
     for _ in range(repeats):
-        stage_dir = work / "cpt"
-        shutil.rmtree(stage_dir, ignore_errors=True)
-        jobs = {
-            verb: write_job(
-                work / "jobs" / f"{verb}.json",
-                verb=verb,
-                stage="cpt",
-                stage_cfg=section,
-                model_dir=model,
-                tokenizer_dir=model,
-                stage_dir=stage_dir,
-            )
-            for verb in ("shard", "train")
-        }
         runs = {name: [str(work / f"{name}_rank.py")] for name in bares}
-        runs.update({verb: ["-m", "tasks.engine", verb, "--config", str(job)] for verb, job in jobs.items()})
+        if args.smoke:  # the script's own path (launch, parse, table) at the cost of one small launch
+            runs = {"bare": runs["bare"]}
+        else:
+            model = work / "tiny-llama"
+            if not model.is_dir():
+                tiny_model(model)
+            stage_dir = work / "cpt"
+            shutil.rmtree(stage_dir, ignore_errors=True)
+            for verb in ("shard", "train"):
+                job = write_job(
+                    work / "jobs" / f"{verb}.json",
+                    verb=verb,
+                    stage="cpt",
+                    stage_cfg=section,
+                    model_dir=model,
+                    tokenizer_dir=model,
+                    stage_dir=stage_dir,
+                )
+                runs[verb] = ["-m", "tasks.engine", verb, "--config", str(job)]
         for name, argv in runs.items():  # shard before train: train resumes from step-000000
             wall, cpu, table = launch(argv, nproc, work / "logs" / name)
             now = (wall, cpu, import_seconds(table))
@@ -142,11 +145,14 @@ def main() -> None:
             best[name] = (*(min(a, b) for a, b in zip(now, old[:3])), table) if old else (*now, table)
 
     print(f"rank start, {nproc} rank(s), hybrid_parallel tp={nproc} fp32, tiny Llama; smallest of {repeats} round(s)")
+    print(f"command: python benchmarks/rank_start.py {' '.join(sys.argv[1:])}")
     rows = []
     for name, (wall, cpu, seconds, table) in best.items():
         rows.append([name, f"{wall:.1f}", f"{cpu:.1f}", f"{seconds:.2f}", str(len(table))])
     print_table(["launch", "wall s", "CPU s (all ranks)", "rank-0 imports s", "modules"], rows)
     for name, base in (("booster", "bare"), ("shard", "booster"), ("train", "booster")):
+        if name not in best:
+            continue
         table, base_mods = best[name][3], set(best[base][3])
         gap = collections.Counter()
         for mod, (self_us, _, _) in table.items():
