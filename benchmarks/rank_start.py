@@ -19,7 +19,10 @@ torchrun agent and every rank: what a loaded machine distorts least), rank 0's i
 little of its own), and how many modules it imported; then what the booster rank imports that the bare
 one does not, and for each verb what it imports beyond the booster rank, by top-level package (self
 time summed): the remaining gap, import by import.
-Wall and import times are load-dependent on a shared machine; the module lists are not.
+Then, in one fresh process without torchrun, the CPU seconds each step of a training rank's imports
+adds (torch, `colossalai`, its booster and plugins, the engine's modules, the model's transformers
+module): the figures a loaded machine distorts least. Wall and import times are load-dependent on a
+shared machine; CPU seconds much less, the module lists not at all.
 """
 
 from __future__ import annotations
@@ -53,6 +56,44 @@ dist.all_reduce(t)
 assert t.item() == dist.get_world_size()
 dist.destroy_process_group()
 """
+
+# One process, no torchrun: the CPU seconds of each step of a training rank's imports, cumulative.
+STEPS = """
+import time
+def mark(label):
+    print(f"{label} {time.process_time():.3f}", flush=True)
+import torch
+mark("torch")
+import colossalai
+mark("colossalai")
+from tasks.engine.lazy_compile import import_colossalai
+import_colossalai()
+mark("booster")
+import tasks.engine.__main__
+from tasks.engine import builders, cpu_compat, faults, loop, preconditions, rankio
+cpu_compat.apply()
+mark("engine")
+import transformers.models.llama.modeling_llama
+mark("llama")
+"""
+
+
+def import_cpu(repeats: int) -> dict[str, float]:
+    """label -> the smallest CPU seconds, over `repeats` fresh interpreters, that step of STEPS added."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    best: dict[str, float] = {}
+    for _ in range(repeats):
+        out = subprocess.run(
+            [sys.executable, "-W", "ignore", "-c", STEPS], cwd=REPO, env=env, capture_output=True, text=True, check=True
+        )
+        prev = 0.0
+        for line in out.stdout.split("\n"):
+            if line.strip():
+                label, t = line.split()
+                best[label] = min(best.get(label, 1e9), float(t) - prev)
+                prev = float(t)
+    return best
+
 
 LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
 
@@ -150,6 +191,14 @@ def main() -> None:
     for name, (wall, cpu, seconds, table) in best.items():
         rows.append([name, f"{wall:.1f}", f"{cpu:.1f}", f"{seconds:.2f}", str(len(table))])
     print_table(["launch", "wall s", "CPU s (all ranks)", "rank-0 imports s", "modules"], rows)
+    if not args.smoke:
+        steps = import_cpu(repeats)
+        print(f"\nCPU seconds of each import step in one fresh process (smallest of {repeats}), cumulative:")
+        total, rows = 0.0, []
+        for label, sec in steps.items():
+            total += sec
+            rows.append([label, f"{sec:.2f}", f"{total:.2f}"])
+        print_table(["step", "CPU s", "cumulative"], rows)
     for name, base in (("booster", "bare"), ("shard", "booster"), ("train", "booster")):
         if name not in best:
             continue
