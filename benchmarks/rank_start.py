@@ -147,6 +147,7 @@ def main() -> None:
     args = p.parse_args()
     repeats, nproc = (1, 1) if args.smoke else (args.repeats, 2)
     work = workdir(args.workdir, "rank-start-")
+    work.mkdir(parents=True, exist_ok=True)
     plugin = {"name": "hybrid_parallel", "tp_size": nproc, "precision": "fp32"}
     section = stage_raw("cpt", plugin, max_steps=2, checkpoint_every=2, keep_last=1)
     section["launch"] = {"nproc_per_node": nproc}
