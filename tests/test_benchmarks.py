@@ -91,6 +91,15 @@ def test_storage_smoke():
     assert "ours / sequential put = " in out and "CPU s per GB" in out, out
 
 
+def test_rank_start_smoke():
+    """The bare torchrun launch alone, one rank (~5 CPU-s: torchrun's agent and a rank importing torch and
+    colossalai): launched with each rank's import tree in a file, rank 0's read back into the table."""
+    out = smoke([PY, "benchmarks/rank_start.py", "--smoke"])
+    row = next(ln.split("|") for ln in out.splitlines() if ln.strip().startswith("bare |"))
+    assert float(row[1]) > 0 and float(row[3]) > 0 and int(row[4]) > 1000, out  # wall, imports, modules
+    assert "command: python benchmarks/rank_start.py --smoke" in out, out
+
+
 def test_reshard_smoke():
     """The tiny checkpoint written, re-sharded through the layout-neutral view (one writer, a thread per
     target file, a process per target rank) and through PyTorch DCP (save, then load into the target

@@ -638,6 +638,53 @@ def test_transitive_imports_in_a_fresh_interpreter(room, forbidden, beyond_trans
     assert not bad, f"importing every tasks.{room} module loads {sorted(bad)[:10]}"
 
 
+# A training rank's module-level import path: `python -m tasks.engine train` runs __main__, whose main()
+# imports these before it calls loop.train. ColossalAI's booster (`import_colossalai()`, ~4 CPU-s) is left
+# out: it imports what every verb needs (peft, transformers' modeling), and nothing below.
+_TRAIN_RANK_PROBE = """
+import json, sys
+import tasks.engine.__main__
+from tasks.core.errors import PREEMPTED_EXIT
+from tasks.core.launch.proctree import die_with_parent
+from tasks.core.run.events import DETAIL
+from tasks.engine import cpu_compat, faults, lazy_compile, loop, preconditions, rankio
+from tasks.engine.builders import check_supported
+print(json.dumps(sorted(sys.modules)))
+"""
+
+# What only another verb needs, each named by the verb: none of it may load in a training rank.
+OTHER_VERBS = {
+    "prefect": "the flow process",
+    "tasks.flowkit": "the flow process",
+    "tasks.stages": "the flow process",
+    "tasks.core.preflight": "pre-flight (the flow process, before any launch)",
+    "tasks.core.launch.torchrun": "the launcher",
+    "tasks.core.launch.slurm": "the launcher",
+    "tasks.core.launch.slurm_batch": "the launcher",
+    "tasks.core.data.prepare": "prepare_data",
+    "tasks.core.data.encoders": "prepare_data",
+    "tasks.core.models.convert.proof": "unshard/export (the converter's proof)",
+    "tasks.core.models.hf_artifact": "unshard/export",
+    "tasks.core.models.merge": "a LoRA run's merge",
+    "tasks.core.evaluation": "evaluate and benchmark",
+    "lm_eval": "benchmark",
+    "tasks.core.hub": "push",
+    "mlflow": "tracking (the flow process)",
+    "tensorboardX": "rank 0's metrics writer, imported at its first write (tasks/engine/metrics.py)",
+}
+
+
+def test_a_training_rank_imports_nothing_only_another_verb_needs():
+    out = subprocess.run(
+        [sys.executable, "-c", _TRAIN_RANK_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "tasks.engine.loop" in loaded and "torch" in loaded  # the probe imported the path it checks
+    bad = {m: verb for m in loaded for f, verb in OTHER_VERBS.items() if m == f or m.startswith(f + ".")}
+    assert not bad, f"a training rank's import path loads what only another verb needs: {bad}"
+
+
 # hidden 64, 2 layers, 4 heads of 16, 2 KV heads, MLP 128, vocabulary 512: 139,584 parameters
 MODEL = {
     "model_type": "llama",
