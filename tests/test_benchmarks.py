@@ -91,6 +91,14 @@ def test_storage_smoke():
     assert "ours / sequential put = " in out and "CPU s per GB" in out, out
 
 
+def test_benchmark_preflight_smoke():
+    """Pre-flight's benchmark check on a task of 1,000 documents (lm-eval imported once, then timed): the
+    script runs and the task passes; the full run adds 10^5, 10^6 and a 1 GB file (docs/benchmarks.md)."""
+    out = smoke([PY, "benchmarks/benchmark_preflight.py", "--docs", "1000", "--smoke"])
+    line = next(ln for ln in out.splitlines() if "documents" in ln)
+    assert line.split()[0] == "1,000" and line.rstrip().endswith("passed"), out
+
+
 def test_rank_start_smoke():
     """The bare torchrun launch alone, one rank (~5 CPU-s: torchrun's agent and a rank importing torch and
     colossalai): launched with each rank's import tree in a file, rank 0's read back into the table."""
@@ -115,7 +123,8 @@ def test_reshard_smoke():
 def test_shardformer_policies_smoke():
     """Each policy row's claims (trains at tp=2 and at pp=2, or refused with its failure) are measured on 2 gloo
     ranks, in one launch, with what its row has the engine pass (attention implementation, shardformer flags);
-    in the same launch, each plan row's family under the derived tensor-parallel policy against the unsharded model."""
+    in the same launch, each plan row's family under the derived tensor-parallel policy against the unsharded model
+    (benchmarks/plan_policies.py, which shardformer_policies.py runs for --plan and within --smoke)."""
     out = smoke(
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "benchmarks/shardformer_policies.py", "--smoke"],
