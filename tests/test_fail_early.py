@@ -536,7 +536,9 @@ def test_a_pickle_that_would_run_code_is_refused(prefect_harness, tiny_model_dir
 
     model, _ = _pickle_model(tiny_model_dir, tmp_path / "model")
     marker = tmp_path / "pwned"
-    torch.save({"model.embed_tokens.weight": _RunsCode(marker)}, model / "pytorch_model.bin")
+    # as many bytes as the model's parameters, so the size bound passes and the unpickler meets the payload
+    pad = torch.zeros(300_000)
+    torch.save({"model.embed_tokens.weight": _RunsCode(marker), "pad": pad}, model / "pytorch_model.bin")
     _, state = _load(tmp_path, model)
     assert state.is_failed()
     with pytest.raises(ConfigError) as info:

@@ -29,7 +29,7 @@ from prefect import get_run_logger
 
 from tasks.core.config.paths import resolve_local
 from tasks.core.config.schema import RunConfig
-from tasks.core.errors import ConfigError, ConversionError, ManifestError
+from tasks.core.errors import ConfigError, ConversionError, ManifestError, StageFailed
 from tasks.core.hub.repo import is_hub_id
 from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
 from tasks.core.models.folder import (
@@ -187,8 +187,10 @@ def _verified_logits(cfg: RunConfig, model_dir: Path):
         return hf_dir_logits(
             model_dir, trust_remote_code=cfg.base_model.trust_remote_code, verify_memory_gb=cfg.verify_memory_gb
         )
-    except OSError:
-        raise  # the disk (a full one is judged by the retry condition), or a file that vanished
+    except (OSError, StageFailed):
+        # the disk (a full one is judged by the retry condition), a file that vanished, or a preemption
+        # notice raised at a safe point inside the check (Preempted): none of them is the model's
+        raise
     except Exception as exc:  # the model's own: transformers' and torch's errors have no common type
         said = " ".join(str(exc).split())  # torch puts the cause on its second line
         said = said if len(said) <= 600 else said[:600] + "..."
