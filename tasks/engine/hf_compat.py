@@ -122,7 +122,10 @@ _ROUTER_LOGITS = """            if output_router_logits:
                 all_router_logits += (layer_outputs[-1],)
 """
 _ROUTER_LOGITS_REFUSED = """            if output_router_logits:
-                raise NotImplementedError("output_router_logits in ColossalAI's Mixtral forwards needs transformers 4.51.3")
+                raise RuntimeError(
+                    "output_router_logits under ColossalAI's Mixtral forwards needs transformers 4.51.3: set "
+                    "output_router_logits: false in config.json, or install transformers==4.51.3"
+                )
 """
 
 # module -> (sha256 of ColossalAI 0.5.0's file, [(old, new, how many times old occurs)])
