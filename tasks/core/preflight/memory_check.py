@@ -257,13 +257,10 @@ def _check_host(ctx: Any, mc: dict[str, Any], st: PhaseConfig, name: str, est: M
             )
         return
     fixes = fits_with(mc, st, name, total, cuda, figure=lambda c: node_host_need(mc, c, name, cuda))
-    fix = (
-        ("; it fits with " + ", or ".join(f"{label} ({human(b)})" for label, b in fixes))
-        if fixes
-        else (
-            "; no change of zero_stage, plugin, tp_size, activation_checkpointing, micro_batch_size or "
-            f"{name}.launch.nproc_per_node fits: run it on a machine with more memory, or over more nodes"
-        )
+    fix = _fix_text(
+        fixes,
+        "; no change of zero_stage, plugin, tp_size, activation_checkpointing, micro_batch_size or "
+        f"{name}.launch.nproc_per_node fits: run it on a machine with more memory, or over more nodes",
     )
     ctx.problem(
         f"{name}.launch.nproc_per_node",
@@ -339,14 +336,11 @@ def _check_gpu(
         )
     else:
         fixes = fits_with(mc, st, name, capacity, cuda)
-        fix = (
-            ("; it fits with " + ", or ".join(f"{label} ({human(need)})" for label, need in fixes))
-            if fixes
-            else (
-                "; no change of zero_stage, plugin, tp_size, offload, activation_checkpointing or "
-                f"micro_batch_size fits: add nodes ({name}.launch.nnodes) "
-                "to shard ZeRO state further, or use GPUs with more memory"
-            )
+        fix = _fix_text(
+            fixes,
+            "; no change of zero_stage, plugin, tp_size, offload, activation_checkpointing or "
+            f"micro_batch_size fits: add nodes ({name}.launch.nnodes) "
+            "to shard ZeRO state further, or use GPUs with more memory",
         )
         ctx.problem(
             f"{name}.launch.gpu_memory_gb" if declared else f"{name}.plugin",
@@ -375,3 +369,8 @@ def _check_flow(ctx: Any, mc: dict[str, Any]) -> None:
             else f"set {field}: bf16 (half the model), or a smaller {field.rsplit('.', 1)[0]}.batch_size"
         )
         ctx.problem(field, f"{line}, more than this machine's {human(total)} of memory; {fix}")
+
+
+def _fix_text(fixes: list[tuple[str, int]], otherwise: str) -> str:
+    """The levers that fit, each with its figure, or what to do when none does."""
+    return ("; it fits with " + ", or ".join(f"{label} ({human(b)})" for label, b in fixes)) if fixes else otherwise
