@@ -21,23 +21,14 @@ from tasks.core.evaluation import task_data as data
 from tasks.core.evaluation import task_rules as rules
 from tasks.core.preflight.benchmark import check_benchmark
 from tasks.core.preflight.report import CheckContext, PreflightReport
+from tests._task_yaml import mc_task_lines
 from tests.conftest import tiny_config_raw
 
 DOC = json.dumps({"question": "q", "choices": ["a", "b"], "answer": 0}).encode() + b"\n"
 
 
 def _yaml(root: Path, name: str, splits: dict[str, str], **top) -> Path:
-    fields = {
-        "task": name,
-        "dataset_path": "json",
-        "test_split": "test",
-        "output_type": "multiple_choice",
-        "doc_to_text": "{{question}}",
-        "doc_to_choice": "{{choices}}",
-        "doc_to_target": "{{answer}}",
-        **top,
-    }
-    lines = [f"{k}: {json.dumps(v)}" for k, v in fields.items()]
+    lines = mc_task_lines(name, **top)
     lines += ["dataset_kwargs:\n  data_files:"] + [f"    {s}: {f}" for s, f in splits.items()]
     path = root / f"{name}.yaml"
     path.write_text("\n".join(lines) + "\n")

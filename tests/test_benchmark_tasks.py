@@ -16,6 +16,7 @@ from jinja2.exceptions import SecurityError
 
 from tasks.core.evaluation import benchmark as bench
 from tasks.core.evaluation import task_rules as rules
+from tests._task_yaml import mc_task_lines
 from tests.test_benchmark import _check
 
 # A payload that writes {marker} when Python runs it (the id > marker of the report, in Python).
@@ -29,17 +30,7 @@ def _task(tmp_path: Path, name: str = "evil", body: str = "", records: int = 2, 
             json.dumps({"question": f"q{i}", "choices": ["a", "b"], "answer": i % 2}) + "\n" for i in range(records)
         )
     (tmp_path / f"{name}.jsonl").write_text(data)
-    fields = {
-        "task": name,
-        "dataset_path": "json",
-        "test_split": "test",
-        "output_type": "multiple_choice",
-        "doc_to_text": "{{question}}",
-        "doc_to_choice": "{{choices}}",
-        "doc_to_target": "{{answer}}",
-        **top,
-    }
-    lines = [f"{k}: {json.dumps(v)}" for k, v in fields.items()]
+    lines = mc_task_lines(name, **top)
     lines += [f"dataset_kwargs:\n  data_files:\n    test: {name}.jsonl"]
     lines += [body or "metric_list:\n  - {metric: acc, aggregation: mean, higher_is_better: true}"]
     path = tmp_path / f"{name}.yaml"
