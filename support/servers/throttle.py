@@ -257,9 +257,11 @@ class ThrottleProxy:
                 view = memoryview(data)
                 while view:
                     k = bucket.take(len(view))
-                    dst.sendall(view[:k])
+                    # Counted before it is sent: once the far side has the bytes (and may answer),
+                    # the count already holds them, so a reader who saw a transfer end sees it all.
                     with self._lock:
                         setattr(self, attr, getattr(self, attr) + k)
+                    dst.sendall(view[:k])
                     view = view[k:]
         except (OSError, Stopped):
             # One direction broke: the other must not wait forever on a half-dead connection.
