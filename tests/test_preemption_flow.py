@@ -433,3 +433,33 @@ def test_sigterm_is_a_notice_by_default_and_a_cancel_when_the_flow_run_reads_can
     assert seen == ["preempted: sigterm 30", "swapped", "cancelled from Prefect (the flow run is Cancelling)"], seen
     assert state.is_cancelled(), state
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_notice_inside_an_import_is_raised_once_the_import_is_over(tmp_path, monkeypatch):
+    """Raised inside an import, a notice would leave the package half-built for every later import
+    in the process (the flow's retry of the stage too): it waits for the import to end."""
+    pkg = tmp_path / "halfbuilt"
+    pkg.mkdir()
+    (pkg / "part.py").write_text("VALUE = 1\n")
+    (pkg / "__init__.py").write_text(
+        "import os, signal, time\n"
+        "from halfbuilt import part\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "deadline = time.monotonic() + 0.3\n"
+        "while time.monotonic() < deadline:  # the handler runs here, inside the import\n"
+        "    pass\n"
+        "COMPLETE = part.VALUE\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    done = []
+    with pytest.raises(Preempted), stop_on_notice("export", _cfg({"source": "slurm", "grace_s": 5})):
+        import halfbuilt
+
+        done.append("imported")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            pass
+    assert done == ["imported"]
+    import halfbuilt
+
+    assert halfbuilt.COMPLETE == 1
