@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from support import REPO
@@ -178,25 +179,39 @@ def _hand_logp(model, ids: list[int], labels: list[int]) -> float:
     return total
 
 
-def test_the_losses_match_a_reference_written_out_by_hand_on_the_tiny_model(tiny_model_dir, tok, tmp_path):
+@pytest.fixture(scope="module")
+def five(tiny_model_dir, tmp_path_factory):
+    """The sample file's first five pairs (each layout at least once), prepared; the tiny model as the policy and,
+    every weight moved a little, as the reference."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tasks.core.models.preference import metrics, pair_logps, preference_loss
-
+    out = tmp_path_factory.mktemp("five")
+    recs = [json.loads(x) for x in SAMPLE.read_text().splitlines()[:5]]
+    (out / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    _prep(tiny_model_dir, out / "pairs.jsonl", out / "prep")
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # another model: every weight moved a little
+    with torch.no_grad():
         for p in reference.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    recs = [json.loads(x) for x in SAMPLE.read_text().splitlines()[:5]]
-    pairs = [read_pair(r) for r in recs]
-    data = tmp_path / "pairs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    _prep(tiny_model_dir, data, tmp_path / "prep")
-    ds = TokenDataset(tmp_path / "prep")
-    batch = {k: torch.from_numpy(v) for k, v in ds.batch(pair_rows(range(len(pairs))), width=None).items()}
+    return [read_pair(r) for r in recs], out / "prep", policy, reference
+
+
+def _full_batch(prep: Path, pairs: int) -> dict:
+    import torch
+
+    return {k: torch.from_numpy(v) for k, v in TokenDataset(prep).batch(pair_rows(range(pairs))).items()}
+
+
+def test_the_losses_match_a_reference_written_out_by_hand_on_the_tiny_model(five, tok):
+    import torch
+
+    from tasks.core.models.preference import metrics, pair_logps, preference_loss
+
+    pairs, prep, policy, reference = five
+    batch = _full_batch(prep, len(pairs))  # padded to seq_len: the hand's sequences are not
     with torch.no_grad():
         pol, ref = pair_logps(policy, batch), pair_logps(reference, batch)
 
@@ -301,3 +316,63 @@ def test_a_bad_dpo_setting_is_refused_naming_it(dpo, said, tmp_path):
     with pytest.raises(ConfigError) as err:
         parse_config(_raw(tmp_path, **dpo))
     assert said in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference pass, once, and a training step against it
+
+
+def test_the_reference_logprobs_are_one_verified_artifact_made_for_its_pairs(five, tiny_model_dir, tmp_path):
+    import torch
+
+    from tasks.core.evaluation.reference import LOGPS, read_reference, write_reference
+    from tasks.core.models.preference import pair_logps
+    from tasks.core.run.manifest import MANIFEST, ManifestError
+
+    pairs, prep, _, reference = five
+    m = write_reference(reference, prep, tmp_path / "ref", batch_pairs=2)  # batches of 2 pairs, each its own width
+    assert (
+        m["kind"] == "reference-logps" and m["meta"]["pairs"] == len(pairs) and (tmp_path / "ref" / MANIFEST).is_file()
+    )
+    logps, tokens = read_reference(tmp_path / "ref", prep)
+    with torch.no_grad():
+        whole = pair_logps(reference, _full_batch(prep, len(pairs)))
+    np.testing.assert_allclose(logps, torch.stack([whole.chosen, whole.rejected], 1).numpy(), rtol=1e-5, atol=1e-4)
+    assert (tokens == torch.stack([whole.chosen_tokens, whole.rejected_tokens], 1).numpy()).all()
+    # made for other pairs: refused
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"prompt": "Hi?", "chosen": GOOD, "rejected": BAD}) + "\n")
+    _prep(tiny_model_dir, other, tmp_path / "other")
+    with pytest.raises(ValueError, match="made for other pairs .* compute the reference again"):
+        read_reference(tmp_path / "ref", tmp_path / "other")
+    # a file changed after the manifest: refused by its sha256
+    (tmp_path / "ref" / LOGPS).write_bytes((tmp_path / "ref" / LOGPS).read_bytes()[:-4] + b"\0\0\0\0")
+    with pytest.raises(ManifestError, match="fails its sha256 check"):
+        read_reference(tmp_path / "ref", prep)
+
+
+def test_dpo_steps_against_the_stored_reference_start_at_log_2_and_widen_the_margin(five, tmp_path):
+    """The policy starts as the reference: every margin 0, the sigmoid loss log 2; three AdamW steps on
+    pair_loss raise the preference accuracy and the margin."""
+    import copy
+
+    import torch
+
+    from tasks.core.evaluation.reference import read_reference, write_reference
+    from tasks.core.models.preference import PairLogps, metrics, pair_loss
+
+    pairs, prep, _, reference = five
+    write_reference(reference, prep, tmp_path / "ref")
+    logps, tokens = (torch.from_numpy(a) for a in read_reference(tmp_path / "ref", prep))
+    ref = PairLogps(logps[:, 0], logps[:, 1], tokens[:, 0], tokens[:, 1])
+    policy = copy.deepcopy(reference).train()
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    batch, seen = _full_batch(prep, len(pairs)), []
+    for _ in range(4):
+        out = pair_loss(policy, batch, ref, beta=0.1)
+        seen.append(metrics(out.sums()))
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    assert abs(seen[0]["loss"] - math.log(2)) < 1e-5 and abs(seen[0]["margin"]) < 1e-5
+    assert seen[-1]["loss"] < seen[0]["loss"] and seen[-1]["margin"] > 0 and seen[-1]["accuracy"] == 1.0

@@ -25,9 +25,18 @@ import torch
 import torch.nn.functional as F
 
 from tasks.core.config.preference import LOSSES
-from tasks.core.data.samples import IGNORE_INDEX
+from tasks.core.data.dataset import IGNORE_INDEX  # the light import: a rank needs no chat rendering
 
-__all__ = ["LOSS", "PairLogps", "PreferenceOutput", "pair_logps", "preference_loss", "sequence_logps"]
+__all__ = [
+    "LOSS",
+    "PairLogps",
+    "PreferenceOutput",
+    "metrics",
+    "pair_logps",
+    "pair_loss",
+    "preference_loss",
+    "sequence_logps",
+]
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +147,19 @@ def preference_loss(
     return PreferenceOutput(
         losses.mean(), losses, chosen_rewards, rejected_rewards, policy.chosen.detach(), policy.chosen_tokens
     )
+
+
+def pair_loss(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    reference: PairLogps,
+    beta: float,
+    loss: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> PreferenceOutput:
+    """A DPO training step's loss: the policy's one forward over a pair batch, against the reference's
+    log-probabilities of the same pairs, computed once (`tasks.core.evaluation.reference`)."""
+    return preference_loss(pair_logps(model, batch), reference, beta, loss, label_smoothing)
 
 
 def main() -> None:
