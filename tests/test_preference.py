@@ -358,7 +358,7 @@ def test_dpo_steps_against_the_stored_reference_start_at_log_2_and_widen_the_mar
 
     import torch
 
-    from tasks.core.evaluation.reference import read_reference, write_reference
+    from tasks.core.evaluation.reference import pair_metrics, read_reference, reference_logps, write_reference
     from tasks.core.models.preference import PairLogps, metrics, pair_loss
 
     pairs, prep, _, reference = five
@@ -376,3 +376,9 @@ def test_dpo_steps_against_the_stored_reference_start_at_log_2_and_widen_the_mar
         opt.step()
     assert abs(seen[0]["loss"] - math.log(2)) < 1e-5 and abs(seen[0]["margin"]) < 1e-5
     assert seen[-1]["loss"] < seen[0]["loss"] and seen[-1]["margin"] > 0 and seen[-1]["accuracy"] == 1.0
+    # the figures the evaluation reports, before (the reference itself) and after, from each model's pass
+    ds = TokenDataset(prep)
+    before = pair_metrics((logps.numpy(), tokens.numpy()), (logps.numpy(), tokens.numpy()), beta=0.1)
+    after = pair_metrics(reference_logps(policy.eval(), ds), (logps.numpy(), tokens.numpy()), beta=0.1)
+    assert before["margin"] == 0 and before["accuracy"] == 0 and before["loss"] == pytest.approx(math.log(2))
+    assert after["margin"] > seen[-1]["margin"] and after["accuracy"] == 1.0 and after["loss"] < seen[-1]["loss"]

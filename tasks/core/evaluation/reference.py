@@ -97,6 +97,27 @@ def read_reference(out_dir: str | Path, data_dir: str | Path, split: str = "trai
     return logps, tokens
 
 
+def pair_metrics(
+    policy: tuple[np.ndarray, np.ndarray],
+    reference: tuple[np.ndarray, np.ndarray],
+    beta: float,
+    loss: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> dict[str, float]:
+    """The held-out figures of a model from its (logps, tokens) and the reference's over the same pairs
+    (`reference_logps` of each): preference accuracy, mean reward margin, the chosen reply's
+    log-likelihood, the loss. The reference scored against itself is the starting point: margin 0."""
+    import torch
+
+    from tasks.core.models.preference import PairLogps, metrics, preference_loss
+
+    def of(arrays: tuple[np.ndarray, np.ndarray]) -> PairLogps:
+        lp, n = (torch.from_numpy(np.asarray(a)) for a in arrays)
+        return PairLogps(lp[:, 0], lp[:, 1], n[:, 0], n[:, 1])
+
+    return metrics(preference_loss(of(policy), of(reference), beta, loss, label_smoothing).sums())
+
+
 def main(argv: list[str] | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
