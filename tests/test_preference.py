@@ -19,6 +19,7 @@ from tasks.core.data.dataset import IGNORE_INDEX, TokenDataset
 from tasks.core.data.pairs import Pair, PairFields, encode_reply, pair_rows, read_pair
 from tasks.core.data.prepare import prepare
 from tasks.core.data.shard import BadRecordError, load_tokenizer
+from tasks.core.data.truncation import describe
 from tasks.core.models.demo import IM_END
 
 SAMPLE = REPO / "data" / "sample" / "dpo.jsonl"
@@ -149,16 +150,18 @@ def test_a_pair_longer_than_seq_len_is_counted_named_and_dropped_as_sft_drops_a_
     n, too_long = 48, len(encode_reply(tok, [USER], [_say(long)])[0])
     assert too_long > n >= len(encode_reply(tok, [USER], [_say(BAD)])[0])
     r = _prep(tiny_model_dir, data, tmp_path / "prep", seq_len=n)
-    assert r.index["totals"]["truncation"] | {"chats": 0} == {
+    assert r.index["totals"]["truncation"] == {
         "over_seq_len": 1,
         "dropped": 1,
         "cut": 0,
         "split": 0,
         "split_rows": 0,
         "exchanges_left_out": 0,
-        "chats": 0,
+        "chats": 2,
     }
     assert r.index["over_seq_len_at"] == [f"{data}:2 ({too_long} tokens)"]  # named by file and line
+    said = describe(r.index["sources"][0]["truncation"], "dpo", "drop", n)  # the log's, the UI's, the card's line
+    assert said == "1 of 2 training pairs longer than seq_len=48: 1 dropped (dpo.truncation: drop)", said
     assert TokenDataset(tmp_path / "prep").num_items == 2  # the pair that fits, two rows
 
 

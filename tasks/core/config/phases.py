@@ -51,6 +51,9 @@ class PhaseSpec:
     # starts from the base; a later phase starts from its cpt/hf, whose config.json carries them)
     context_refused: str | None = None
     optional: bool = False  # its config section may be left out (off unless configured: the run trains without it)
+    # the rows a record becomes in a shard (a pair: its chosen then its rejected sequence), and what messages call one
+    rows_per_record: int = 1
+    record_noun: str = "chats"
 
     @property
     def templated(self) -> bool:
@@ -123,6 +126,8 @@ register(
         unit="pairs",
         blocks=False,
         evaluation="preference",
+        rows_per_record=2,
+        record_noun="pairs",
         context_refused=(
             "context settings are for CPT only: DPO starts from the SFT model, whose config.json carries cpt.context; "
             "move them to cpt.context"
