@@ -30,7 +30,8 @@ from tasks.flowkit.notices import POLL_SIGNAL, critical, polled_sources, signal_
 def _cfg(*notices: dict, sigterm: bool = True) -> SimpleNamespace:
     """`notices` in cpt; `sigterm` (on by default, as in a config) in both phases."""
     el, other = ElasticConfig(notices=list(notices), sigterm=sigterm), ElasticConfig(sigterm=sigterm)
-    return SimpleNamespace(phase=lambda phase: SimpleNamespace(elastic=el if phase == "cpt" else other))
+    phases = {"cpt": SimpleNamespace(elastic=el), "sft": SimpleNamespace(elastic=other)}  # what the run trains
+    return SimpleNamespace(phase=phases.__getitem__, phases=phases)
 
 
 def test_signal_sources_are_the_signal_rows_any_phase_lists():
@@ -107,11 +108,11 @@ def _gone(deadline_s: float = 30.0) -> bool:
 
 def test_polled_sources_are_the_polled_rows_once_per_endpoint():
     el = ElasticConfig(notices=[{"source": "gcp", "grace_s": 20}, {"source": "sigterm"}, {"source": "aws"}])
-    cfg = SimpleNamespace(
-        phase=lambda p: SimpleNamespace(
-            elastic=el if p == "cpt" else ElasticConfig(notices=[{"source": "gcp", "grace_s": 9}])
-        )
-    )
+    phases = {
+        "cpt": SimpleNamespace(elastic=el),
+        "sft": SimpleNamespace(elastic=ElasticConfig(notices=[{"source": "gcp", "grace_s": 9}])),
+    }
+    cfg = SimpleNamespace(phase=phases.__getitem__, phases=phases)
     got = sorted((n.source, n.where, n.grace) for n in polled_sources(cfg))
     assert got == [("aws", "http://169.254.169.254", 120.0), ("gcp", "http://169.254.169.254", 9.0)]
 

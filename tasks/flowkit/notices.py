@@ -128,11 +128,9 @@ def cancel(signum: int, frame: Any, previous: Any, why: str) -> None:
 def signal_sources(cfg: Any) -> dict[str, tuple[str, float]]:
     """{signal name: (source, grace_s)} of the signal notice sources any phase of `cfg` lists (the
     shortest grace where two list one)."""
-    from tasks.core.config.phases import PHASES
-
     out: dict[str, tuple[str, float]] = {}
-    for phase in PHASES:
-        for n in cfg.phase(phase).elastic.notices:
+    for section in cfg.phases.values():  # the phases this run trains (an optional one left out is none)
+        for n in section.elastic.notices:
             sig = NOTICES[n.source].signal
             if sig and (sig not in out or n.grace < out[sig][1]):
                 out[sig] = (n.source, n.grace)
@@ -142,11 +140,9 @@ def signal_sources(cfg: Any) -> dict[str, tuple[str, float]]:
 def polled_sources(cfg: Any) -> list[Any]:
     """The polled notice entries any phase of `cfg` lists, one per source and endpoint (the one with
     the shortest grace where two phases list it)."""
-    from tasks.core.config.phases import PHASES
-
     out: dict[tuple[str, str | None], Any] = {}
-    for phase in PHASES:
-        for n in cfg.phase(phase).elastic.notices:
+    for section in cfg.phases.values():  # the phases this run trains (an optional one left out is none)
+        for n in section.elastic.notices:
             key = (n.source, n.where)
             if NOTICES[n.source].poll is not None and (key not in out or n.grace < out[key].grace):
                 out[key] = n

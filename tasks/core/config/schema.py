@@ -12,10 +12,9 @@ What a single field accepts (types, bounds, registered plugin and backend names)
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, model_serializer, model_validator
 
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.base import Frozen
@@ -27,10 +26,12 @@ from tasks.core.config.elastic import ElasticConfig
 from tasks.core.config.kernels import names as kernel_names
 from tasks.core.config.kernels import summaries as kernel_summaries
 from tasks.core.config.kernels import unknown as unknown_kernels
+from tasks.core.config.lora import LoraConfig
 from tasks.core.config.outputs import ExportConfig, GateConfig, HubConfig
 from tasks.core.config.paths import expand_user_path
 from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.plugins import PLUGINS, Precision
+from tasks.core.config.preference import DPO_DESCRIPTION, PreferenceFields
 from tasks.core.config.sequence import SequenceParallelConfig
 from tasks.core.config.slurm import SlurmConfig
 from tasks.core.config.tracking import TrackingConfig
@@ -329,76 +330,6 @@ def _stage_schema(schema: dict[str, Any]) -> None:
     )
 
 
-# The linear projections of every supported family (tasks/core/models/families.py: llama, mistral,
-# qwen2, qwen3 name them alike); LoRA on all of them is the QLoRA paper's finding for quality.
-LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _target_regex(value: str) -> str:
-    """A string target_modules is 'all-linear' or a regex peft matches with re.fullmatch."""
-    if value.lower() != "all-linear":
-        try:
-            re.compile(value)
-        except re.error as exc:
-            raise ValueError(
-                f"{value!r} is neither 'all-linear' nor a valid regex ({exc}); write a list of module names, e.g. "
-                "[q_proj, v_proj]"
-            ) from None
-    return value
-
-
-class LoraConfig(Frozen):
-    """A LoRA adapter trained on the frozen base (peft's LoraConfig, through booster.enable_lora)."""
-
-    r: int = Field(
-        default=8, ge=1, description="Rank of each adapter's low-rank update (B @ A, A: r x in, B: out x r)."
-    )
-    alpha: float = Field(
-        default=16.0,
-        gt=0,
-        description="Scale of the update: the adapter adds (alpha / r) * B @ A to each targeted weight.",
-    )
-    dropout: float = Field(
-        default=0.0,
-        ge=0.0,
-        lt=1.0,
-        description="Dropout on the adapter's input (peft lora_dropout); 0 keeps a resumed run bitwise.",
-    )
-    target_modules: Annotated[str, AfterValidator(_target_regex)] | Annotated[tuple[str, ...], Field(min_length=1)] = (
-        Field(
-            default=LORA_TARGETS,
-            description=(
-                "The modules that get an adapter, in peft's forms: a list of names, each matching a module whose name "
-                "ends in it "
-                "(default every attention and MLP projection); 'all-linear', every linear module but the LM head; or "
-                "any other "
-                "string, a regex that must match a module's whole name. Pre-flight refuses a target that adapts "
-                "nothing."
-            ),
-        )
-    )
-    modules_to_save: tuple[str, ...] = Field(
-        default=(),
-        description=(
-            "Modules trained in full beside the adapters and saved with them (peft modules_to_save), e.g. ['lm_head'] "
-            "after adding tokens; empty: every base weight stays frozen."
-        ),
-    )
-    quantize: bool = Field(
-        default=False,
-        description=(
-            "QLoRA: load the frozen base in 4-bit NF4 (bitsandbytes, through booster.enable_lora(quantize=True)); "
-            "needs CUDA "
-            "and bitsandbytes."
-        ),
-    )
-
-    def targets_text(self) -> str:
-        """target_modules for a log line or a card: the names, 'all-linear', or the regex quoted."""
-        t = self.target_modules
-        return (t if t.lower() == "all-linear" else f"regex {t!r}") if isinstance(t, str) else ", ".join(t)
-
-
 class PhaseConfig(Frozen):
     model_config = ConfigDict(
         frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_stage_schema
@@ -524,6 +455,10 @@ class PhaseConfig(Frozen):
     )
 
 
+class DpoConfig(PreferenceFields, PhaseConfig):
+    """The `dpo:` section: a phase section with the preference loss's fields (tasks/core/config/preference.py)."""
+
+
 # Above this many GB of weights a logits check streams the model (tasks/core/models/stream.py):
 # models up to ~1B parameters in fp32 load whole; at 8B-70B the flow process would
 # otherwise need 16-140 GB of host RAM beside the node's ranks.
@@ -565,6 +500,7 @@ class RunConfig(Frozen):
     sft: PhaseConfig = Field(
         description="Supervised fine-tuning: chat records, loss on assistant tokens, under plugin B."
     )
+    dpo: DpoConfig | None = Field(default=None, description=DPO_DESCRIPTION)
     export: ExportConfig = Field(default_factory=ExportConfig, description="The HF safetensors export.")
     benchmark: BenchmarkConfig = Field(
         default_factory=BenchmarkConfig,
@@ -589,7 +525,25 @@ class RunConfig(Frozen):
         """The config section of a training phase (a row of PHASES): `cfg.phase("sft").seq_len`."""
         if phase not in PHASES:
             raise KeyError(f"{phase!r} is not a training phase; the phases are {', '.join(PHASES)}")
-        return getattr(self, phase)
+        if (section := getattr(self, phase)) is None:
+            raise KeyError(
+                f"{phase!r}: this run has no {phase}: section; the phases it trains are {', '.join(self.phases)}"
+            )
+        return section
+
+    @model_serializer(mode="wrap")
+    def _absent_phases_unsaid(self, handler: Any) -> Any:
+        """A dump (run.json, the tracker's params) without an optional phase left out: today's config, key for key."""
+        out = handler(self)
+        for p, row in PHASES.items():
+            if row.optional and isinstance(out, dict) and out.get(p, 0) is None:
+                del out[p]
+        return out
+
+    @property
+    def phases(self) -> dict[str, PhaseConfig]:
+        """{name: section} of the phases this run trains, in PHASES order: an optional one left out is not one."""
+        return {p: s for p in PHASES if (s := getattr(self, p)) is not None}
 
     @property
     def run_uri(self) -> str:

@@ -4,6 +4,7 @@
 - chunked.py     the held-out loss's logits a chunk of positions at a time, bitwise per position
 - heldout.py     held-out perplexity (pooled and per source) and SFT loss, the generation check
 - placement.py   where evaluation puts a model: the CPU, one GPU, or spread over the node's GPUs
+- reference.py   the reference model's log-probabilities of every preference pair, once, manifest last
 - release.py     one model in memory at a time, given back before the next loads
 - sandbox.py     the Jinja sandbox a task's templates render in: bounded work and output of every step
 - task_data.py   what pre-flight reads of a task's data, bounded: file sizes and a head sample of each file

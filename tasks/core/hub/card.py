@@ -37,7 +37,6 @@ from tasks.core.run.preemptions import parse as parse_preemptions
 from tasks.core.run.segments import describe as describe_layout
 from tasks.core.run.stages import BASE, TRAIN_STATE, TRAINING, split_rel, step_medians, step_peak
 
-STAGES = tuple(PHASES)
 POSITION_FIELDS = ("max_position_embeddings", "rope_theta", "rope_scaling")
 CARD = "README.md"  # the model card: export/README.md, the file the push uploads
 # The torch dtype a snippet loads an export of each `export.dtype` in (the export's own).
@@ -97,7 +96,7 @@ def train_facts(
     results or the final checkpoint's `train_state.json` and the stage's split record; the kernels
     and activation checkpointing that ran, from that checkpoint's manifest."""
     facts = {}
-    for stage in STAGES:
+    for stage in cfg.phases:
         steps = cfg.phase(stage).max_steps
         fact: dict[str, Any] = {
             "steps": steps,
@@ -346,7 +345,7 @@ def model_card(
         "| stage | dataset | checksum | train records | held-out records | split |",
         "|---|---|---|---|---|---|",
     ]
-    for stage in STAGES:
+    for stage in cfg.phases:
         split = facts.get(stage, {}).get("split") or {}
         held = split.get("heldout_uri")
         how = (
@@ -366,7 +365,7 @@ def model_card(
             f"{_num(split.get('heldout_records'))} | {how} |"
         )
     longer = []  # records longer than seq_len: the rule and what it made of them (tasks/core/data/truncation.py)
-    for stage in STAGES:
+    for stage in cfg.phases:
         tr = (facts.get(stage, {}).get("split") or {}).get("truncation")
         line = tr and describe_truncation(tr, stage, tr.get("rule"), tr.get("seq_len") or cfg.phase(stage).seq_len)
         longer.append(
@@ -375,7 +374,7 @@ def model_card(
             else f"- {stage.upper()}: not recorded."
         )
     data_rows += ["", "Records longer than seq_len:", "", *longer]
-    for stage in STAGES:  # a weighted mixture: what each source was meant to give and what the steps took
+    for stage in cfg.phases:  # a weighted mixture: what each source was meant to give and what the steps took
         sources = (facts.get(stage, {}).get("split") or {}).get("sources") or []
         if len(sources) > 1:
             data_rows += [
