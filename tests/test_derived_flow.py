@@ -6,8 +6,8 @@ a layer at a time (e2e tier: one flow run per family).
 - olmo2, a family with no row (built offline from transformers' Olmo2Config): CPT under torch_ddp, SFT
   under low_level_zero ZeRO-2. Pre-flight derives its tensor table from the model transformers builds on
   the meta device (`tasks/core/models/derive.py`); the unshard, the export's bitwise weight proof and
-  fingerprint, and the evaluations run from it. (hybrid_parallel for the same model is refused before
-  launch: tests/test_families.py, unit tier.)
+  fingerprint, and the evaluations run from it. (Its plan row admits it under hybrid_parallel at tp:
+  tests/test_families.py, and the tp=2 proof of benchmarks/shardformer_policies.py --smoke.)
 - gemma3_text, a named row (scaled embedding, four norms a layer, q/k norms, sliding-window layers, tied
   head): CPT under low_level_zero ZeRO-2, SFT under torch_ddp.
 - phi3, a named row (fused qkv_proj and gate_up_proj): CPT under torch_ddp, SFT under low_level_zero.
@@ -15,10 +15,9 @@ a layer at a time (e2e tier: one flow run per family).
   pre-flight refusal is tests/test_tp_plan.py's): derived tables with a plan row, so CPT runs under
   hybrid_parallel at tp=2 with the derived tensor-parallel policy (`tasks/core/models/tp_plan.py`), SFT under
   low_level_zero ZeRO-2 (SmolLM3, a NoPE layer in four) and torch_ddp (OLMo 3, sliding-window layers).
-Each run's CPT
-checkpoint is the one its CPT bridge (cpt/hf) converts bitwise, with the logits the engine recorded at the
-save; the export loads in plain transformers as the family's class and gives the logits the SFT
-checkpoint recorded. (Falcon's named row at tp=2: tests/test_named_rows_dist.py.)
+Each run's CPT checkpoint (its manifest names the plugin and tp it ran under) is the one its CPT bridge
+(cpt/hf) converts bitwise, with the logits the engine recorded at the save; the export loads in plain
+transformers as the family's class and gives the logits the SFT checkpoint recorded. (Falcon's named row at tp=2: tests/test_named_rows_dist.py.)
 """
 
 from __future__ import annotations
