@@ -144,14 +144,9 @@ PLAN_ROWS: dict[str, PlanRow] = {
 
 
 def _release(text: str) -> tuple[int, ...]:
-    """'4.57.0.dev0' -> (4, 57, 0): the numeric release of a version string."""
-    parts = []
-    for part in text.split(".")[:3]:
-        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
+    """'4.57.0.dev0' -> (4, 57, 0), '4.57.0rc1' -> (4, 57, 0): the numeric release of a version string."""
+    found = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", text)
+    return tuple(int(n) for n in found.groups() if n is not None) if found else ()
 
 
 def installed_transformers() -> str:
