@@ -176,7 +176,8 @@ def _built(model_type: str):
 
 @_built("smollm3")
 def test_smollm3s_nope_layers_keep_llamas_modules_so_its_plan_splits_every_layer_alike():
-    model = meta_model("SmolLM3Config", no_rope_layers=[1, 0])  # layer 1 skips the rotary embedding (NoPE)
+    # layer 1 skips the rotary embedding (NoPE); SmolLM3Config's pad_token_id 128004 is beyond a tiny vocabulary
+    model = meta_model("SmolLM3Config", no_rope_layers=[1, 0], pad_token_id=None)
     assert [layer.self_attn.use_rope for layer in model.model.layers] == [1, 0]
     matched, problems = check_plan(model, PLAN_ROWS["smollm3"], 2)
     assert not problems, problems
@@ -184,7 +185,7 @@ def test_smollm3s_nope_layers_keep_llamas_modules_so_its_plan_splits_every_layer
         assert matched[f"model.layers.{i}.self_attn.q_proj"] == matched[f"model.layers.{i}.mlp.up_proj"] == "colwise"
         assert matched[f"model.layers.{i}.self_attn.o_proj"] == matched[f"model.layers.{i}.mlp.down_proj"] == "rowwise"
     assert "lm_head" in matched and not PLAN_ROWS["smollm3"].fixes
-    family = family_of({"model_type": "smollm3", **DENSE, "no_rope_layers": [1, 0]})
+    family = family_of({"model_type": "smollm3", **DENSE, "no_rope_layers": [1, 0], "pad_token_id": None})
     assert family.derived and family.shardformer_policy == PLAN_POLICY
     assert family.tp_splits("model.layers.1.self_attn.k_proj.weight") and not any(
         t.whole for t in family.layer_activations
