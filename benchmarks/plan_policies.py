@@ -60,6 +60,11 @@ PLAN_TINY: dict[str, tuple[str, dict]] = {
     "olmo": ("OlmoConfig", dict(_DENSE)),
     "helium": ("HeliumConfig", dict(_DENSE, head_dim=16)),
     "starcoder2": ("Starcoder2Config", dict(_DENSE, sliding_window=None)),
+    # families only later transformers build (their rows' min_transformers): SmolLM3 with a NoPE layer (layer 1
+    # skips the rotary embedding; its config's pad_token_id 128004 is beyond the vocabulary), OLMo 3 with a
+    # sliding-window layer whose window (8) is shorter than the batch's
+    "smollm3": ("SmolLM3Config", dict(_DENSE, no_rope_layers=[1, 0], pad_token_id=None)),
+    "olmo3": ("Olmo3Config", dict(_DENSE, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
     "llama": ("LlamaConfig", dict(_DENSE)),
     "mistral": ("MistralConfig", dict(_DENSE, sliding_window=None)),
     "qwen2": ("Qwen2Config", dict(_DENSE)),

@@ -6,15 +6,18 @@ a layer at a time (e2e tier: one flow run per family).
 - olmo2, a family with no row (built offline from transformers' Olmo2Config): CPT under torch_ddp, SFT
   under low_level_zero ZeRO-2. Pre-flight derives its tensor table from the model transformers builds on
   the meta device (`tasks/core/models/derive.py`); the unshard, the export's bitwise weight proof and
-  fingerprint, and the evaluations run from it. (hybrid_parallel for the same model is refused before
-  launch: tests/test_families.py, unit tier.)
+  fingerprint, and the evaluations run from it. (Its plan row admits it under hybrid_parallel at tp:
+  tests/test_families.py, and the tp=2 proof of benchmarks/shardformer_policies.py --smoke.)
 - gemma3_text, a named row (scaled embedding, four norms a layer, q/k norms, sliding-window layers, tied
   head): CPT under low_level_zero ZeRO-2, SFT under torch_ddp.
 - phi3, a named row (fused qkv_proj and gate_up_proj): CPT under torch_ddp, SFT under low_level_zero.
-Neither named row has a shardformer policy, so these are the plugins that run them. Each run's CPT
-checkpoint is the one its CPT bridge (cpt/hf) converts bitwise, with the logits the engine recorded at the
-save; the export loads in plain transformers as the family's class and gives the logits the SFT
-checkpoint recorded. (Falcon's named row at tp=2: tests/test_named_rows_dist.py.)
+- smollm3 and olmo3, families only later transformers build (4.53, 4.57: skipped on an older one, whose
+  pre-flight refusal is tests/test_tp_plan.py's): derived tables with a plan row, so CPT runs under
+  hybrid_parallel at tp=2 with the derived tensor-parallel policy (`tasks/core/models/tp_plan.py`), SFT under
+  low_level_zero ZeRO-2 (SmolLM3, a NoPE layer in four) and torch_ddp (OLMo 3, sliding-window layers).
+Each run's CPT checkpoint (its manifest names the plugin and tp it ran under) is the one its CPT bridge
+(cpt/hf) converts bitwise, with the logits the engine recorded at the save; the export loads in plain
+transformers as the family's class and gives the logits the SFT checkpoint recorded. (Falcon's named row at tp=2: tests/test_named_rows_dist.py.)
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import math
 import pytest
 import torch
 
-from tasks.core.run.manifest import PROVENANCE_DIR, verify_artifact
+from tasks.core.models.tp_plan import too_old
+from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR, verify_artifact
 from tests._consumer_rules import assert_consumer_rules
 from tests.conftest import tiny_config_raw, write_config
 
@@ -34,15 +38,23 @@ pytestmark = [pytest.mark.e2e, pytest.mark.integration]
 STAGES = ("load_from_hf", "boost_and_shard", "train_cpt", "unshard", "evaluate_cpt", "reboost", "train_sft", "export")
 LLZ2 = {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"}
 DDP = {"name": "torch_ddp", "precision": "fp32"}
+TP2 = {"name": "hybrid_parallel", "tp_size": 2, "pp_size": 1, "zero_stage": 0, "precision": "fp32"}
 # family -> (CPT plugin, SFT plugin, the class plain transformers loads)
 FLOWS = {
     "olmo2": (DDP, LLZ2, "Olmo2ForCausalLM"),
     "gemma3_text": (LLZ2, DDP, "Gemma3ForCausalLM"),
     "phi3": (DDP, LLZ2, "Phi3ForCausalLM"),
+    "smollm3": (TP2, LLZ2, "SmolLM3ForCausalLM"),
+    "olmo3": (TP2, DDP, "Olmo3ForCausalLM"),
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FLOWS))
+def _family(name: str):
+    """A flow parameter, skipped where the installed transformers does not build the family yet."""
+    return pytest.param(name, marks=pytest.mark.skipif(bool(too_old(name)), reason=too_old(name) or "built"))
+
+
+@pytest.fixture(scope="module", params=[_family(f) for f in sorted(FLOWS)])
 def family_run(request, prefect_harness, tmp_path_factory):
     from flows.cli import flow_main as main
     from tasks.core.models.demo import DEFAULT_CORPUS, build_tiny_model, build_tokenizer
@@ -78,6 +90,8 @@ def test_a_family_runs_the_whole_flow_and_its_export_loads_in_plain_transformers
     table = expected_tensors(mc)
     # the CPT checkpoint: every step trained, every tensor of the table saved, trained (not the base's)
     step = max((run_root / "cpt").glob("step-*"))
+    plugin = json.loads((step / MANIFEST).read_text())["meta"]["plugin"]
+    assert (plugin["name"], plugin["tp"]) == (FLOWS[family][0]["name"], FLOWS[family][0].get("tp_size", 1)), plugin
     losses = train_state(step)["losses"]
     assert len(losses) == 8 and all(map(math.isfinite, losses)), losses
     saved, start = read_model_dir(step / "model"), load_state_dict_from_dir(base)

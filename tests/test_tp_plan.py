@@ -26,6 +26,7 @@ from tasks.core.models.tp_plan import (
     merged_plan,
     plan_for,
     style_kind,
+    too_old,
 )
 
 DENSE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -164,3 +165,67 @@ def test_the_memory_estimate_counts_the_gathered_logits_whole_on_every_rank(monk
     split = estimate(qwen3, st).total("activations")
     tokens = st.micro_batch_size * st.seq_len
     assert derived - split == DENSE["vocab_size"] // 2 * LOSS_BYTES_PER_LOGIT * tokens
+
+
+# -- families only later transformers build: SmolLM3 (4.53) and OLMo 3 (4.57) ---------------------------------------
+
+
+def _built(model_type: str):
+    return pytest.mark.skipif(bool(too_old(model_type)), reason=too_old(model_type) or "built")
+
+
+@_built("smollm3")
+def test_smollm3s_nope_layers_keep_llamas_modules_so_its_plan_splits_every_layer_alike():
+    # layer 1 skips the rotary embedding (NoPE); SmolLM3Config's pad_token_id 128004 is beyond a tiny vocabulary
+    model = meta_model("SmolLM3Config", no_rope_layers=[1, 0], pad_token_id=None)
+    assert [layer.self_attn.use_rope for layer in model.model.layers] == [1, 0]
+    matched, problems = check_plan(model, PLAN_ROWS["smollm3"], 2)
+    assert not problems, problems
+    for i in (0, 1):  # the NoPE layer is split as the rotary one: column q/k/v, gate, up; row o, down
+        assert matched[f"model.layers.{i}.self_attn.q_proj"] == matched[f"model.layers.{i}.mlp.up_proj"] == "colwise"
+        assert matched[f"model.layers.{i}.self_attn.o_proj"] == matched[f"model.layers.{i}.mlp.down_proj"] == "rowwise"
+    assert "lm_head" in matched and not PLAN_ROWS["smollm3"].fixes
+    family = family_of({"model_type": "smollm3", **DENSE, "no_rope_layers": [1, 0], "pad_token_id": None})
+    assert family.derived and family.shardformer_policy == PLAN_POLICY
+    assert family.tp_splits("model.layers.1.self_attn.k_proj.weight") and not any(
+        t.whole for t in family.layer_activations
+    )  # split heads: each rank computes its own
+
+
+@_built("olmo3")
+def test_olmo3s_full_width_qk_norms_make_its_attention_whole_on_every_rank_and_its_sliding_layers_change_nothing():
+    fields = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    model = meta_model("Olmo3Config", **fields)
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [8, None]
+    assert model.model.layers[0].self_attn.q_norm.weight.shape == (DENSE["hidden_size"],)  # q's whole width
+    matched, problems = check_plan(model, PLAN_ROWS["olmo3"], 2)
+    assert not problems, problems
+    for i in (0, 1):  # colwise_rep: q/k/v split and gathered before the full-width norms; the MLP split as Llama's
+        assert matched[f"model.layers.{i}.self_attn.k_proj"] in ("colwise_rep", "colwise_gather_output")
+        assert matched[f"model.layers.{i}.mlp.gate_proj"] == "colwise"
+        assert f"model.layers.{i}.self_attn.q_norm" not in matched  # it sees the whole q: no gradient sum
+    family = family_of({"model_type": "olmo3", **DENSE, **fields})
+    assert family.derived and family.shardformer_policy == PLAN_POLICY
+    assert family.tp_splits("model.layers.0.self_attn.q_proj.weight")
+    assert not family.tp_splits("model.layers.0.self_attn.q_norm.weight")  # full-width, replicated
+    assert {t.dim for t in family.layer_activations if t.whole} == {"q", "kv", "heads"}
+
+
+@pytest.mark.parametrize(("model_type", "release"), [("smollm3", "4.53.0"), ("olmo3", "4.57.0")])
+def test_on_a_transformers_before_the_family_preflight_names_the_release_it_needs_and_the_installed_one(
+    monkeypatch, tmp_path, model_type, release
+):
+    from tasks.core.errors import ConversionError
+    from tasks.core.models import tp_plan
+    from tests.test_families import _report
+
+    monkeypatch.setattr(tp_plan, "installed_transformers", lambda: "4.51.3")  # the project's pin before 4.57
+    report = _report(tmp_path, model_type)
+    assert [f for f, _ in report.problems] == ["base_model.uri"], report.text()
+    msg = report.problems[0][1]
+    assert f"needs transformers >= {release}" in msg and "the installed transformers is 4.51.3" in msg, msg
+    assert "neither in the family registry" not in msg  # not "unknown": a later release knows it
+    with pytest.raises(ConversionError, match=f"needs transformers >= {release}"):
+        family_of({"model_type": model_type, **DENSE})
+    monkeypatch.setattr(tp_plan, "installed_transformers", lambda: release)
+    assert not tp_plan.too_old(model_type)

@@ -43,7 +43,7 @@ from tasks.core.models.family_spec import (
     ModelFamily,
     TensorRule,
 )
-from tasks.core.models.tp_plan import PLAN_POLICY, PLAN_ROWS, whole_activations
+from tasks.core.models.tp_plan import PLAN_POLICY, PLAN_ROWS, too_old, whole_activations
 
 # the row types live in family_spec (derive.py builds them too); readers take them from here
 __all__ = [
@@ -248,10 +248,12 @@ def supported() -> str:
 def family_of(model_config: Mapping[str, Any]) -> ModelFamily:
     """The row of config.json's model_type, else the family derived from the model the installed
     transformers builds (`tasks.core.models.derive`: imports torch and transformers, only then).
-    Raises ConversionError when neither exists."""
+    Raises ConversionError when neither exists, naming the transformers release a plan row's newer family needs."""
     family = FAMILIES.get(model_config.get("model_type"))  # type: ignore[arg-type]
     if family is not None:
         return family
+    if why := too_old(model_config.get("model_type")):  # unknown to this transformers, known to a later one
+        raise ConversionError(why)
     from tasks.core.models.derive import derive_family
 
     derived = derive_family(model_config, registered=supported())

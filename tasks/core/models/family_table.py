@@ -75,6 +75,9 @@ def _plan_note(row: PlanRow) -> str:
     for pattern, style, why in row.fixes:  # one sentence per reason (the q and k norms share theirs)
         fixes.setdefault(why, []).append(f"{pattern}: {style}")
     said = [row.note] if row.note else []
+    if row.min_transformers:  # a family later than some transformers the project runs on
+        said.insert(0, f"transformers builds it from {row.min_transformers} on; on an older one pre-flight refuses it, "
+                    "naming the release it needs and the installed one")  # fmt: skip
     said += [f"its row adds {' and '.join(entries)} to the plan: {why}" for why, entries in fixes.items()]
     return "; ".join(said) or "the derived policy reads its plan as transformers ships it"
 
@@ -138,7 +141,8 @@ def render() -> str:
     for model_type, plan in sorted(PLAN_ROWS.items()):
         if model_type in FAMILIES:
             continue
-        cells = [f"`{model_type}`", f"`{plan.model_class}`", "derived `PlanPolicy`"]
+        since = f" (transformers >= {plan.min_transformers})" if plan.min_transformers else ""
+        cells = [f"`{model_type}`", f"`{plan.model_class}`{since}", "derived `PlanPolicy`"]
         cells += [_PLAN_CELL if PLUGINS[p].shardformer else "runs (derived table)" for p in plugins]
         lines.append("| " + " | ".join(cells) + " |")
     derived = ["any other decoder", "derived: `AutoModelForCausalLM`", "none", *[_cell(None, p) for p in plugins]]

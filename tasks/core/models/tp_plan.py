@@ -23,7 +23,9 @@ divide, a plan entry that matches no module (a prefix that names nothing would o
 whole and "train at tp" unsplit), and a split module narrower than tp (ColossalAI's Linear1D_Col returns
 such a module unsplit). `*_rep` styles (OLMo 2's q/k/v before its full-width q_norm, Phi-3's fused
 qkv_proj and gate_up_proj) split the weights and gather the output: memory is saved, the attention (and
-Phi-3's MLP) is computed whole on every rank (`whole_activations`).
+Phi-3's MLP) is computed whole on every rank (`whole_activations`). A family newer than some installed
+transformers (SmolLM3, OLMo 3) carries the first release that builds it (`min_transformers`): on an older one
+pre-flight says that release and the installed one (`too_old`), not that the model_type is unknown.
 
 Pure data and pure functions, except `plan_problem`/`read_plan`, which build the model on the meta device
 (torch and transformers imported then, as `tasks.core.models.derive` does).
@@ -34,6 +36,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from tasks.core.models.family_spec import ActivationTerm
@@ -82,6 +85,9 @@ class PlanRow:
     # (pattern under the base model, style, why): entries the plan lacks or gets wrong; style "" drops one
     fixes: tuple[tuple[str, str, str], ...] = ()
     note: str = ""
+    # the first transformers release that builds the family ("" = every release the project runs on): on an older
+    # one its model_type is unknown to transformers, and pre-flight says which release it needs (`too_old`)
+    min_transformers: str = ""
 
 
 _QK_NORM = (
@@ -119,7 +125,53 @@ PLAN_ROWS: dict[str, PlanRow] = {
         "Starcoder2ForCausalLM",
         fixes=(("layers.*.mlp.c_proj", "rowwise", _C_PROJ),),
     ),
+    # SmolLM3's NoPE layers (config.no_rope_layers: 0 = the layer skips the rotary embedding) and its optional
+    # sliding window change the attention's arithmetic, not its modules: the plan splits it as Llama's
+    "smollm3": PlanRow(
+        "SmolLM3ForCausalLM", min_transformers="4.53.0",
+        note="its NoPE layers (no_rope_layers) skip the rotary embedding and keep Llama's modules, so its plan "
+        "(colwise q/k/v, gate and up; rowwise o and down) splits every layer alike",
+    ),
+    # OLMo 3 is OLMo 2's layout (q_norm and k_norm over the whole q and k width, hence the *_rep attention) with
+    # sliding-window layers (config.layer_types) that differ in their mask and rotary embedding only
+    "olmo3": PlanRow(
+        "Olmo3ForCausalLM", min_transformers="4.57.0",
+        note=_REP.format(what="attention (its q_norm and k_norm are full-width, as OLMo 2's)") + "; its "
+        "sliding-window layers (layer_types) differ from the full-attention ones in their mask and rotary embedding "
+        "only",
+    ),
 }  # fmt: skip
+
+
+def _release(text: str) -> tuple[int, ...]:
+    """'4.57.0.dev0' -> (4, 57, 0), '4.57.0rc1' -> (4, 57, 0): the numeric release of a version string."""
+    found = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", text)
+    return tuple(int(n) for n in found.groups() if n is not None) if found else ()
+
+
+def installed_transformers() -> str:
+    """The installed transformers' version, read without importing it (this module is pure data)."""
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def too_old(model_type: str | None) -> str:
+    """Why the installed transformers cannot build this plan row's family ("" when it can, or the family has no
+    minimum): the release that added it and the installed one."""
+    row = PLAN_ROWS.get(model_type or "")
+    if row is None or not row.min_transformers:
+        return ""
+    installed = installed_transformers()
+    if _release(installed) and _release(installed) >= _release(row.min_transformers):
+        return ""
+    return (
+        f"config.json model_type={model_type!r} ({row.model_class}) needs transformers >= {row.min_transformers}, the "
+        f"first release that builds it, and the installed transformers is {installed}; install a transformers >= "
+        f"{row.min_transformers} that the project runs on (docs/versions.md), or use a base model of a family the "
+        "installed one builds"
+    )
 
 
 def style_kind(style: str) -> tuple[str, str]:

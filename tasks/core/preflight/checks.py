@@ -414,7 +414,7 @@ def check_model_family(ctx: CheckContext) -> None:
         return
     from tasks.core.errors import ConversionError
     from tasks.core.models.families import FAMILIES, family_config, supported
-    from tasks.core.models.tp_plan import PLAN_POLICY
+    from tasks.core.models.tp_plan import PLAN_POLICY, too_old
 
     model_type = ctx.model.config.get("model_type")
     if isinstance(model_type, str) and model_type in FAMILIES:
@@ -428,6 +428,9 @@ def check_model_family(ctx: CheckContext) -> None:
                 else ""
             )
         )
+        return
+    if why := too_old(model_type):  # a family a later transformers builds: the release it needs, not "unknown"
+        ctx.problem("base_model.uri", f"{ctx.model.where}: {why}")
         return
     code = _model_code(ctx) if ctx.cfg.base_model.trust_remote_code else []
     try:
