@@ -608,14 +608,14 @@ print(json.dumps(dict(all=sorted(set(sys.modules) - baseline), hf=sorted(hf))))
 """
 
 
-# scikit-learn: transformers would import it (with scipy and pandas) for nothing (tasks/core/models/hf_imports.py).
+# scikit-learn and scipy: transformers would import them (with pandas) for nothing (tasks/core/models/hf_imports.py).
 # torch.distributed: transformers >= 4.52 loads torch.distributed.tensor itself (its tensor-parallel helpers), so
 # what importing transformers alone loads is not the room's doing; the room must add none of it.
 @pytest.mark.parametrize(
     "room, forbidden, beyond_transformers",
     [
-        ("core", ("prefect", "colossalai", "sklearn"), ("torch.distributed",)),
-        ("engine", ("prefect", "sklearn"), ()),
+        ("core", ("prefect", "colossalai", "sklearn", "scipy"), ("torch.distributed",)),
+        ("engine", ("prefect", "sklearn", "scipy"), ()),
     ],
 )
 def test_transitive_imports_in_a_fresh_interpreter(room, forbidden, beyond_transformers):

@@ -1,4 +1,4 @@
-"""transformers without scikit-learn: installed by `tasks/__init__.py` in every process of the project.
+"""transformers without scikit-learn or scipy: installed by `tasks/__init__.py` in every process of the project.
 
     python -m tasks.engine.lazy_compile    # a rank's imports, plain and as the engine makes them: CPU s, sklearn or not
 
@@ -10,6 +10,14 @@ loading a tokenizer in a fresh process took 3.1 CPU-s and a 413 MB peak with it,
 without. `install()` sets transformers' own flag (`transformers.utils.import_utils._sklearn_available`)
 to False right after that module first runs, and imports nothing itself: a process that never touches
 transformers pays nothing. lm-eval imports scikit-learn itself and keeps it.
+
+scipy likewise: `transformers.modeling_utils` imports its losses, and the object-detection ones import
+`scipy.optimize` (for a Hungarian matching) whenever scipy is installed, so every rank, every model load
+paid ~0.5 CPU-s for it (a training rank's imports, `benchmarks/rank_start.py`'s STEPS in a fresh process, three
+alternating pairs: 8.1 -> 7.4 CPU-s, the booster step 4.1 -> 3.7).
+Only vision, audio and FNet models use scipy in transformers, no family of the registry; the same flag
+(`_scipy_available`) is set to False beside scikit-learn's. lm-eval and everything else import scipy as
+they please.
 
 `install()` also keeps bitsandbytes' harmless "Failed to load CPU gemm_4bit_forward" warning off every
 console (`harmless_bnb_kernels`): peft imports bitsandbytes in the flow's own process (a LoRA run's
@@ -43,6 +51,7 @@ class _WithoutSklearn(importlib.abc.MetaPathFinder):
         def exec_module(module: Any) -> None:
             run(module)
             module._sklearn_available = False
+            module._scipy_available = False
 
         spec.loader.exec_module = exec_module  # this spec's own loader object
         return spec
