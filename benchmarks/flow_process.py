@@ -72,7 +72,7 @@ ADAPTER_CHILD = r"""
 import sys, torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
-from tasks.core.config.schema import LORA_TARGETS
+from tasks.core.config.lora import LORA_TARGETS
 
 base, out = sys.argv[1], sys.argv[2]
 model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32), LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS)))

@@ -17,7 +17,7 @@ import pytest
 from tasks.core.config import plugins
 from tasks.core.config.layout import layout_problems
 from tasks.core.config.load import parse_config
-from tasks.core.config.schema import LORA_TARGETS, LoraConfig
+from tasks.core.config.lora import LORA_TARGETS, LoraConfig
 from tests.conftest import tiny_config_raw
 
 
