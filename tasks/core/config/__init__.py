@@ -12,8 +12,9 @@ registries of plugins, phases, kernels, launch backends, notices and layout rule
 - fixes.py           a refusal's fixes as data: dotted overrides that make the rule pass
 - kernels.py         the kernel registry: which fast kernels apply under which plugin and device
 - layout.py          `ParallelLayout`: a stage's parallel layout, every rule stated once
-- lora.py            a phase's `lora:` section: the adapter's rank, scale and targets
 - load.py            loading a run config: bounded YAML, dotted overrides, the schema, the rules
+- lora.py            a phase's `lora:` section: the adapter's rank, scale and targets
+- model_rules.py     the layout rules of the base's shape: tp divides heads and vocabulary, pp the layers
 - notices.py         the preemption-notice registry: one row per way a machine gives notice
 - outputs.py         what a run produces: `export:`, `gate:` and `hub:`
 - overrides.py       the typed per-run overrides of a deployment run
