@@ -3,6 +3,7 @@
 - benchmark.py   lm-evaluation-harness scores on local tasks: check, copy, score, compare
 - chunked.py     the held-out loss's logits a chunk of positions at a time, bitwise per position
 - heldout.py     held-out perplexity (pooled and per source) and SFT loss, the generation check
+- lm_eval_progress.py  lm-eval's progress bars drawn as the stage's meter, one metered part per request type
 - placement.py   where evaluation puts a model: the CPU, one GPU, or spread over the node's GPUs
 - release.py     one model in memory at a time, given back before the next loads
 - sandbox.py     the Jinja sandbox a task's templates render in: bounded work and output of every step
