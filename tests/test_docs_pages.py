@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from tasks.core.data.pairs import read_pair
 from tasks.core.data.records import read_records, text_problem
 from tasks.core.data.samples import validate_messages
 from tasks.core.preflight.checks import load_for_check, preflight_report
@@ -25,7 +26,11 @@ from tests.test_docs import CPU_NODE, DOCS, REPO, blocks, minimal_config
 def test_data_formats_records_are_read_by_the_reader_and_pass_preflight(tiny_model_dir, tmp_path):
     page = DOCS / "data-formats.md"
     jsonl, txt = blocks(page, ("jsonl",)), blocks(page, ("txt",))
-    assert len(jsonl) == 2 and len(txt) == 1, "data-formats.md: a text block, a chat block and a .txt block"
+    assert len(jsonl) == 3 and len(txt) == 1, "data-formats.md: a text block, a chat block, a pair block and a .txt"
+    pairs_file = tmp_path / "pairs.jsonl"
+    pairs_file.write_text(jsonl.pop())
+    pairs = [read_pair(r) for r in read_records(str(pairs_file))]  # every layout, read to one pair
+    assert len(pairs) == 4 and all(p.chosen != p.rejected and p.prompt[-1]["role"] == "user" for p in pairs)
     files = {"text": tmp_path / "text.jsonl", "chat": tmp_path / "chat.jsonl", "txt": tmp_path / "plain.txt"}
     for path, block in zip(files.values(), [*jsonl, *txt], strict=True):
         path.write_text(block)
@@ -46,12 +51,14 @@ def test_data_formats_records_are_read_by_the_reader_and_pass_preflight(tiny_mod
     raw["sft"]["eval"] = {"heldout_fraction": 0.0}  # two chats: none to spare for a held-out set
     raw["cpt"]["eval"] = {"heldout_fraction": 0.0}
     raw["gate"] = {"enabled": False}
+    raw["dpo"] = {**raw["sft"], "data": {"uri": str(pairs_file)}}
     config = tmp_path / "formats.yaml"
     config.write_text(yaml.safe_dump(raw, sort_keys=False))
     report = preflight_report(load_for_check(config), machine=CPU_NODE, token_present=None)
     assert not report.problems, report.text()
     checked = "\n".join(report.checked)
     assert "'messages' have valid roles and an assistant turn" in checked, checked
+    assert f"dpo data {pairs_file}: first 4 record(s) parse, each is a preference pair" in checked, checked
 
 
 def _test_functions(path: Path) -> set[str]:

@@ -355,7 +355,8 @@ def test_preflight_refuses_a_notice_file_endpoint_that_is_a_device_fifo_director
     link.symlink_to("/dev/zero")
     ends = ["/dev/zero", str(fifo), str(tmp_path), str(existing), str(link), str(tmp_path / "fresh"), "/dev/null/x"]
     el = ElasticConfig(notices=[{"source": "file", "endpoint": e} for e in ends])
-    cfg = SimpleNamespace(phase=lambda p: SimpleNamespace(elastic=el if p == "cpt" else ElasticConfig()))
+    phases = {"cpt": SimpleNamespace(elastic=el), "sft": SimpleNamespace(elastic=ElasticConfig())}
+    cfg = SimpleNamespace(phase=phases.__getitem__, phases=phases)
     ctx = CheckContext(cfg, None, None, None, PreflightReport())
     _in_time(lambda: check_notices(ctx))
     got = dict(ctx.report.problems)

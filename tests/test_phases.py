@@ -73,16 +73,18 @@ def shout_phase():
 
 
 def test_cpt_and_sft_are_rows_each_naming_its_record_field_encoder_unit_and_evaluation():
+    from tasks.core.config.preference import PreferenceData
     from tasks.core.config.schema import DataConfig
     from tasks.core.data.shard import encoder_class
 
-    assert list(PHASES) == ["cpt", "sft"]
+    assert list(PHASES) == ["cpt", "sft", "dpo"]
     for row in PHASES.values():
-        assert row.field in DataConfig.model_fields  # the record field is a data.* setting of the phase
-        assert DataConfig.model_fields[row.field].default == row.default_field
+        data = PreferenceData(uri="x") if row.record == "pair" else DataConfig(uri="x")
+        assert getattr(data, row.field) == row.default_field  # the record field is a data.* setting of the phase
         assert encoder_class(row.name).masked == row.rows  # a row phase keeps a label mask, a block phase not
-    assert PHASES["cpt"].blocks and PHASES["sft"].rows
+    assert PHASES["cpt"].blocks and PHASES["sft"].rows and PHASES["dpo"].rows
     assert PHASES["sft"].generation and PHASES["sft"].lora_refused is None and PHASES["cpt"].lora_refused
+    assert [n for n, row in PHASES.items() if row.optional] == ["dpo"]  # off unless its section is configured
 
 
 def test_a_new_phase_row_tokenizes_its_own_field_with_its_own_encoder_through_the_one_tokenize_path(
@@ -108,9 +110,9 @@ def test_a_new_phase_row_tokenizes_its_own_field_with_its_own_encoder_through_th
 def test_a_name_that_is_no_phase_is_refused_naming_the_phases():
     from tasks.core.data.shard import ShardSpec
 
-    with pytest.raises(ValueError, match=r"kind='shout': use one of 'cpt', 'sft'"):
+    with pytest.raises(ValueError, match=r"kind='shout': use one of 'cpt', 'sft', 'dpo'"):
         ShardSpec(kind="shout", field="line", seq_len=8, tokenizer_sha256="0")
-    with pytest.raises(ValueError, match="phase 'train_cpt': use one of cpt, sft"):
+    with pytest.raises(ValueError, match="phase 'train_cpt': use one of cpt, sft, dpo"):
         phases.phase("train_cpt")
 
 
@@ -119,6 +121,6 @@ def test_a_phase_section_is_read_through_the_config_and_a_stage_name_is_refused(
     from tasks.core.config.load import parse_fields
 
     cfg = parse_fields(tiny_config_raw(tmp_path / "model", tmp_path / "run"))
-    assert [cfg.phase(p) for p in PHASES] == [cfg.cpt, cfg.sft]
-    with pytest.raises(KeyError, match="'export' is not a training phase; the phases are cpt, sft"):
+    assert [cfg.phase(p) for p in cfg.phases] == [cfg.cpt, cfg.sft]  # the phases it trains: no dpo section
+    with pytest.raises(KeyError, match="'export' is not a training phase; the phases are cpt, sft, dpo"):
         cfg.phase("export")

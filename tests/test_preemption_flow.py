@@ -30,7 +30,8 @@ from tasks.flowkit.notices import POLL_SIGNAL, critical, polled_sources, signal_
 def _cfg(*notices: dict, sigterm: bool = True) -> SimpleNamespace:
     """`notices` in cpt; `sigterm` (on by default, as in a config) in both phases."""
     el, other = ElasticConfig(notices=list(notices), sigterm=sigterm), ElasticConfig(sigterm=sigterm)
-    return SimpleNamespace(phase=lambda phase: SimpleNamespace(elastic=el if phase == "cpt" else other))
+    phases = {"cpt": SimpleNamespace(elastic=el), "sft": SimpleNamespace(elastic=other)}  # what the run trains
+    return SimpleNamespace(phase=phases.__getitem__, phases=phases)
 
 
 def test_signal_sources_are_the_signal_rows_any_phase_lists():
@@ -107,11 +108,11 @@ def _gone(deadline_s: float = 30.0) -> bool:
 
 def test_polled_sources_are_the_polled_rows_once_per_endpoint():
     el = ElasticConfig(notices=[{"source": "gcp", "grace_s": 20}, {"source": "sigterm"}, {"source": "aws"}])
-    cfg = SimpleNamespace(
-        phase=lambda p: SimpleNamespace(
-            elastic=el if p == "cpt" else ElasticConfig(notices=[{"source": "gcp", "grace_s": 9}])
-        )
-    )
+    phases = {
+        "cpt": SimpleNamespace(elastic=el),
+        "sft": SimpleNamespace(elastic=ElasticConfig(notices=[{"source": "gcp", "grace_s": 9}])),
+    }
+    cfg = SimpleNamespace(phase=phases.__getitem__, phases=phases)
     got = sorted((n.source, n.where, n.grace) for n in polled_sources(cfg))
     assert got == [("aws", "http://169.254.169.254", 120.0), ("gcp", "http://169.254.169.254", 9.0)]
 
@@ -433,3 +434,33 @@ def test_sigterm_is_a_notice_by_default_and_a_cancel_when_the_flow_run_reads_can
     assert seen == ["preempted: sigterm 30", "swapped", "cancelled from Prefect (the flow run is Cancelling)"], seen
     assert state.is_cancelled(), state
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_notice_inside_an_import_is_raised_once_the_import_is_over(tmp_path, monkeypatch):
+    """Raised inside an import, a notice would leave the package half-built for every later import
+    in the process (the flow's retry of the stage too): it waits for the import to end."""
+    pkg = tmp_path / "halfbuilt"
+    pkg.mkdir()
+    (pkg / "part.py").write_text("VALUE = 1\n")
+    (pkg / "__init__.py").write_text(
+        "import os, signal, time\n"
+        "from halfbuilt import part\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "deadline = time.monotonic() + 0.3\n"
+        "while time.monotonic() < deadline:  # the handler runs here, inside the import\n"
+        "    pass\n"
+        "COMPLETE = part.VALUE\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    done = []
+    with pytest.raises(Preempted), stop_on_notice("export", _cfg({"source": "slurm", "grace_s": 5})):
+        import halfbuilt
+
+        done.append("imported")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            pass
+    assert done == ["imported"]
+    import halfbuilt
+
+    assert halfbuilt.COMPLETE == 1

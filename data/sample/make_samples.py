@@ -1,6 +1,6 @@
 """Regenerate the committed sample corpora: a fictional star system, the Veyra system.
 
-    python data/sample/make_samples.py            # rewrites cpt.jsonl, sft.jsonl and general.jsonl beside this file
+    python data/sample/make_samples.py            # rewrites cpt.jsonl, sft.jsonl, general.jsonl and dpo.jsonl here
 
 The facts are invented so no pretrained model knows them, and the prose is templated so a
 tiny model's held-out loss drops within a few dozen steps: the point is to *see* CPT teach the
@@ -165,6 +165,39 @@ def general_record(rng: random.Random) -> dict:
     return {"text": " ".join(t.format(**slots()) for t in rng.sample(GENERAL_TEMPLATES, rng.randint(3, 5)))}
 
 
+# dpo.jsonl: preference pairs for the DPO phase, one layout in four pairs of each kind (docs/data-formats.md):
+# the chosen reply states the planet's fact, the rejected one another planet's. Its own generator, so the
+# other files are the bytes they were before it existed (and the demo tokenizer, trained on cpt and sft, too).
+N_DPO = 120
+DPO_SEED = SEED + 2
+
+
+def dpo_record(rng: random.Random, i: int) -> dict:
+    row = rng.choice(PLANETS)
+    p = facts(row)
+    q, a = rng.choice(QA)
+    chosen = a.format(**p)
+    others = [r for r in PLANETS if a.format(**facts(r)) != chosen]
+    rejected = a.format(**facts(rng.choice(others)))
+    prompt = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] if i % 3 == 0 else []
+    prompt.append({"role": "user", "content": q.format(**p)})
+    form = i % 4
+    if form == 0:  # strings: the prompt is one user turn
+        return {"prompt": prompt[-1]["content"], "chosen": chosen, "rejected": rejected}
+    if form == 1:  # message lists
+        return {
+            "prompt": prompt,
+            "chosen": [{"role": "assistant", "content": chosen}],
+            "rejected": [{"role": "assistant", "content": rejected}],
+        }
+    if form == 2:  # a shared conversation with two endings
+        return {"messages": prompt, "chosen": {"role": "assistant", "content": chosen}, "rejected": rejected}
+    return {  # two whole dialogues, no prompt: what they share is the prompt
+        "chosen": [*prompt, {"role": "assistant", "content": chosen}],
+        "rejected": [*prompt, {"role": "assistant", "content": rejected}],
+    }
+
+
 def write_jsonl(path: Path, records: list[dict]) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
@@ -176,7 +209,9 @@ def main() -> None:
     write_jsonl(HERE / "sft.jsonl", [sft_record(rng, i) for i in range(N_SFT)])
     general = random.Random(GENERAL_SEED)
     write_jsonl(HERE / "general.jsonl", [general_record(general) for _ in range(N_GENERAL)])
-    for name in ("cpt.jsonl", "sft.jsonl", "general.jsonl"):
+    dpo = random.Random(DPO_SEED)
+    write_jsonl(HERE / "dpo.jsonl", [dpo_record(dpo, i) for i in range(N_DPO)])
+    for name in ("cpt.jsonl", "sft.jsonl", "general.jsonl", "dpo.jsonl"):
         print(f"{HERE / name}: {(HERE / name).stat().st_size} bytes")
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextvars
 import datetime as dt
+import functools
 import logging
 import signal
 import threading
@@ -121,17 +122,15 @@ def cancel(signum: int, frame: Any, previous: Any, why: str) -> None:
     if _runner_cancels() and callable(previous):
         previous(signum, frame)
         return
-    _deliver(CancelRequested(f"cancelled from Prefect ({why})"))
+    _deliver(CancelRequested(f"cancelled from Prefect ({why})"), frame)
 
 
 def signal_sources(cfg: Any) -> dict[str, tuple[str, float]]:
     """{signal name: (source, grace_s)} of the signal notice sources any phase of `cfg` lists (the
     shortest grace where two list one)."""
-    from tasks.core.config.phases import PHASES
-
     out: dict[str, tuple[str, float]] = {}
-    for phase in PHASES:
-        for n in cfg.phase(phase).elastic.notices:
+    for section in cfg.phases.values():  # the phases this run trains (an optional one left out is none)
+        for n in section.elastic.notices:
             sig = NOTICES[n.source].signal
             if sig and (sig not in out or n.grace < out[sig][1]):
                 out[sig] = (n.source, n.grace)
@@ -141,11 +140,9 @@ def signal_sources(cfg: Any) -> dict[str, tuple[str, float]]:
 def polled_sources(cfg: Any) -> list[Any]:
     """The polled notice entries any phase of `cfg` lists, one per source and endpoint (the one with
     the shortest grace where two phases list it)."""
-    from tasks.core.config.phases import PHASES
-
     out: dict[tuple[str, str | None], Any] = {}
-    for phase in PHASES:
-        for n in cfg.phase(phase).elastic.notices:
+    for section in cfg.phases.values():  # the phases this run trains (an optional one left out is none)
+        for n in section.elastic.notices:
             key = (n.source, n.where)
             if NOTICES[n.source].poll is not None and (key not in out or n.grace < out[key].grace):
                 out[key] = n
@@ -169,13 +166,53 @@ def _preempted(stage: str, source: str, grace: float, at: float, text: str | Non
     return Preempted(cause, cause=cause, record=record)
 
 
-def _deliver(exc: BaseException) -> None:
+# A notice that lands inside an import, held back until the import is over (the main thread's; a
+# list, not `_state`, because the timer thread that pokes the main thread reads it too).
+_deferred: list[BaseException] = []
+DEFER_S = 0.05
+
+
+def _importing(frame: Any) -> bool:
+    """Whether `frame` (where a signal handler interrupted the main thread) is inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib."):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _poke_later() -> None:
+    t = threading.Timer(DEFER_S, signal.pthread_kill, (threading.main_thread().ident, POLL_SIGNAL))
+    t.daemon = True
+    t.start()
+
+
+def _deliver(exc: BaseException, frame: Any = None) -> None:
     """Raise `exc` (Preempted, CancelRequested) in the main thread now, or when the `critical()`
-    stretch it came in ends."""
+    stretch it came in ends, or when the import it came in is over."""
     if getattr(_state, "depth", 0):
         _state.pending = exc  # raised when the swap ends
         return
+    if _importing(frame):
+        # Raised inside an import, it would leave a half-built package behind: Python drops the
+        # module that failed but keeps the submodules it had loaded, so every later import in this
+        # process (the flow's retry of the stage) fails ("module 'torch' has no attribute '_utils'").
+        # Held back; POLL_SIGNAL, sent from a timer, raises it once the main thread is out of imports.
+        _deferred[:] = [exc]
+        _poke_later()
+        return
     raise exc
+
+
+def _redeliver(signum: int, frame: Any, chained: Any) -> None:
+    """POLL_SIGNAL's handler: a held-back notice first (again held back while an import still runs),
+    else the handler it wraps."""
+    if _deferred:
+        exc = _deferred.pop()
+        _deliver(exc, frame)
+        return
+    if callable(chained):
+        chained(signum, frame)
 
 
 @contextmanager
@@ -220,7 +257,7 @@ class _StagePoller(Watch):
                     chained(signum, frame)
                 return
             self.delivered = True
-            _deliver(_preempted(stage, n.source, n.grace_s, n.at, n.text))
+            _deliver(_preempted(stage, n.source, n.grace_s, n.at, n.text), frame)
 
         return on_signal
 
@@ -273,11 +310,14 @@ def stop_on_notice(stage: str, cfg: Any) -> Iterator[bool]:
             cancel(signum, frame, previous.get(signum), why)
             return
         source, grace = sources[signal.Signals(signum).name]
-        _deliver(_preempted(stage, source, grace, time.monotonic()))
+        _deliver(_preempted(stage, source, grace, time.monotonic()), frame)
 
     handlers = {getattr(signal, name): handler for name in sources}
-    if poller is not None:
-        handlers[POLL_SIGNAL] = poller.handler(stage, signal.getsignal(POLL_SIGNAL))
+    inner = (
+        poller.handler(stage, signal.getsignal(POLL_SIGNAL)) if poller is not None else signal.getsignal(POLL_SIGNAL)
+    )
+    handlers[POLL_SIGNAL] = functools.partial(_redeliver, chained=inner)
+    _deferred.clear()
     with signal_handlers(handlers) as installed:
         if poller is not None:
             poller.start()
@@ -286,6 +326,8 @@ def stop_on_notice(stage: str, cfg: Any) -> Iterator[bool]:
         finally:
             if poller is not None:
                 poller.close()  # before the handler goes: a late signal then finds the one it replaced
+        if _deferred:  # came in the block's last import: the stage's work is done, the notice still stands
+            raise _deferred.pop()
 
 
 def await_capacity(wait_s: float, message: str) -> bool:

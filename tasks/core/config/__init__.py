@@ -13,14 +13,15 @@ registries of plugins, phases, kernels, launch backends, notices and layout rule
 - kernels.py         the kernel registry: which fast kernels apply under which plugin and device
 - layout.py          `ParallelLayout`: a stage's parallel layout, every rule stated once
 - load.py            loading a run config: bounded YAML, dotted overrides, the schema, the rules
-- lora.py            a phase's `lora:` section: the adapter's rank, scale and targets
+- lora.py            a LoRA adapter's settings (`<phase>.lora`)
 - model_rules.py     the layout rules of the base's shape: tp divides heads and vocabulary, pp the layers
 - notices.py         the preemption-notice registry: one row per way a machine gives notice
 - outputs.py         what a run produces: `export:`, `gate:` and `hub:`
 - overrides.py       the typed per-run overrides of a deployment run
 - paths.py           where relative paths in configs point: the project root
-- phases.py          the training-phase registry: CPT and SFT as rows of one table
+- phases.py          the training-phase registry: CPT, SFT and DPO as rows of one table
 - plugins.py         the plugin registry: one row per ColossalAI booster plugin
+- preference.py      the preference phase's settings: the loss registry, a pair's fields
 - reference.py       the configuration reference page, written from the schema and registries
 - schema.py          the lifecycle configuration: frozen pydantic models, one description per field
 - sequence.py        sequence parallelism as data: one row per mode

@@ -24,7 +24,6 @@ from tasks.core.config.batching import peer_key_hint
 from tasks.core.config.bounded_yaml import check_size, load_bounded
 from tasks.core.config.layout import layout_problems
 from tasks.core.config.paths import missing_hint
-from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import PhaseConfig, RunConfig
 from tasks.core.errors import ConfigError
 
@@ -280,7 +279,7 @@ def hub_problems(cfg: RunConfig) -> list[Problem]:
 def static_problems(cfg: RunConfig) -> list[Problem]:
     """Every rule across fields that the config alone decides: each stage's layout, the held-out-only sources, the gate, the Hub push."""
     problems: list[Problem] = []
-    for stage in PHASES:
+    for stage in cfg.phases:
         problems += plugin_problems(cfg.phase(stage), stage)
     return problems + heldout_source_problems(cfg) + gate_problems(cfg) + hub_problems(cfg)
 

@@ -1,11 +1,9 @@
-"""The `lora:` section of a training phase: a LoRA (or QLoRA) adapter trained on the frozen base.
+"""A LoRA adapter's settings (`<phase>.lora`), the targets every supported family names alike.
 
     python -c "from tasks.core.config.lora import LoraConfig; print(LoraConfig().targets_text())"
 
-What a phase's adapter is (rank, scale, dropout, the modules it targets, in peft's forms); the
-phase section that holds it is `PhaseConfig.lora` (`tasks.core.config.schema`). Which plugins and
-phases take an adapter is the plugin and phase registries' (`PluginSpec.lora`,
-`PhaseSpec.lora_refused`), checked as layout rules.
+Which phases accept it is their registry row's (`tasks.core.config.phases.PhaseSpec.lora_refused`), which plugins
+the plugin row's (`PluginSpec.lora`); the engine applies it in `tasks.engine.lora`.
 """
 
 from __future__ import annotations

@@ -87,7 +87,8 @@ class RunOverrides(_Overrides):
             if getattr(self, field) not in (None, ""):
                 out[key] = (field, getattr(self, field))
         for stage in PHASES:
-            st = getattr(self, stage)
+            if (st := getattr(self, stage, None)) is None:  # a phase the run form has no fields for
+                continue
             for field, key in _PER_STAGE.items():
                 if getattr(st, field) not in (None, ""):
                     out[f"{stage}.{key}"] = (f"{stage}.{field}", getattr(st, field))

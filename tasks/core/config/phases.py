@@ -1,8 +1,8 @@
-"""The training-phase registry: CPT and SFT as rows of one table, read wherever the code used to branch on them.
+"""The training-phase registry: CPT, SFT and DPO as rows of one table, read wherever the code used to branch on them.
 
     python -c "from tasks.core.config.phases import PHASES; print({n: (p.record, p.unit) for n, p in PHASES.items()})"
 
-A phase is a training section of the config (`cpt`, `sft`): its corpus, how a record becomes training
+A phase is a training section of the config (`cpt`, `sft`, `dpo`): its corpus, how a record becomes training
 samples, and what its evaluation measures. It is not a stage name (`train_cpt`, `push_to_hub`): the
 stages of a phase are rows of `tasks.core.run.stages`. The row holds what differs between phases:
   - the record kind (`record`) and the data field it is read from (`field`, a `DataConfig` field),
@@ -12,7 +12,9 @@ stages of a phase are rows of `tasks.core.run.stages`. The row holds what differ
   - the unit of training (`blocks`: one stream cut into seq_len blocks by the reader, else a record a
     row, batched by `<phase>.batching`) and its name in messages (`unit`),
   - the evaluation (`evaluation`, `generation`) and the config paths the evaluation's digest adds
-    (`eval_digest`), whether held-out-only sources and LoRA are accepted.
+    (`eval_digest`), whether held-out-only sources and LoRA are accepted,
+  - whether its section may be left out (`optional`: `dpo`; a run without it trains CPT then SFT, and
+    `RunConfig.phases` lists the phases a run trains: iterate that, not PHASES, over a config).
 Adding a phase is one `register(PhaseSpec(...))` plus its config section (tests/test_phases.py adds one).
 """
 
@@ -21,15 +23,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Phase = Literal["cpt", "sft"]  # a training phase (a config section), never a stage name such as "train_cpt"
+Phase = Literal["cpt", "sft", "dpo"]  # a training phase (a config section), never a stage name such as "train_cpt"
 
 
 @dataclass(frozen=True)
 class PhaseSpec:
     name: str
     title: str  # how messages name it: "CPT"
-    record: Literal["text", "chat"]  # what one record holds: a document, or a conversation
-    field: str  # the DataConfig field naming the record's field: "text_field" or "messages_field"
+    record: Literal["text", "chat", "pair"]  # what one record holds: a document, a conversation, or a preference pair
+    # the data-section field naming the record's field: "text_field", "messages_field" (a DataConfig field), or
+    # "pair_fields" (PreferenceData: the pair's four field names in one string)
+    field: str
     default_field: str  # that field's default, for the development command lines
     encoder: str  # "module:Class" of its record encoder (tasks/core/data/encoders.py)
     unit: str  # one training sample in messages and index.json's blend: "blocks" or "conversations"
@@ -37,7 +41,8 @@ class PhaseSpec:
     # on seq_len, a document longer than a block continues in the next); False: a record is a row, cut
     # to seq_len by `<phase>.truncation` and batched by `<phase>.batching` (grouped, padded, packed).
     blocks: bool
-    evaluation: Literal["perplexity", "assistant_loss"]  # held-out metric of its evaluation stage
+    # held-out metric of its evaluation stage ("preference": accuracy, reward margin, chosen log-likelihood)
+    evaluation: Literal["perplexity", "assistant_loss", "preference"]
     generation: bool = False  # its evaluation also generates (the gate's generation check)
     eval_digest: tuple[str, ...] = ()  # config paths its evaluation stage's digest adds
     heldout_sources: bool = False  # eval.heldout_sources accepted: held-out-only sources, by perplexity
@@ -45,6 +50,15 @@ class PhaseSpec:
     # why `<phase>.context` (RoPE, positions) is refused; None: the phase sets the model's context (it
     # starts from the base; a later phase starts from its cpt/hf, whose config.json carries them)
     context_refused: str | None = None
+    optional: bool = False  # its config section may be left out (off unless configured: the run trains without it)
+    # the rows a record becomes in a shard (a pair: its chosen then its rejected sequence), and what messages call one
+    rows_per_record: int = 1
+    record_noun: str = "chats"
+
+    @property
+    def templated(self) -> bool:
+        """Its records are rendered by the model's chat template (conversations, preference pairs)."""
+        return self.record != "text"
 
     @property
     def rows(self) -> bool:
@@ -98,6 +112,27 @@ register(
             "context settings are for CPT only: SFT starts from cpt/hf, whose config.json carries cpt.context; "
             "move them to cpt.context"
         ),
+    )
+)
+
+register(
+    PhaseSpec(
+        name="dpo",
+        title="DPO",
+        record="pair",
+        field="pair_fields",
+        default_field="prompt,chosen,rejected,messages",  # preference.PAIR_FIELDS_DEFAULT
+        encoder="tasks.core.data.pairs:PairEncoder",
+        unit="pairs",
+        blocks=False,
+        evaluation="preference",
+        rows_per_record=2,
+        record_noun="pairs",
+        context_refused=(
+            "context settings are for CPT only: DPO starts from the SFT model, whose config.json carries cpt.context; "
+            "move them to cpt.context"
+        ),
+        optional=True,
     )
 )
 

@@ -25,6 +25,7 @@ from tasks.core.config.backends import BACKENDS
 from tasks.core.config.batching import BATCHING, PAD_MULTIPLE
 from tasks.core.config.kernels import KERNELS
 from tasks.core.config.plugins import PLUGINS, PRECISION_SPECS
+from tasks.core.config.preference import LOSSES
 from tasks.core.config.schema import RunConfig
 
 COMMAND = "python -m tasks.core.config.reference > docs/reference/config.md"
@@ -32,7 +33,8 @@ INTRO = (
     "One YAML file per run, read into the frozen pydantic model `RunConfig` (`tasks/core/config/schema.py`). "
     "Unknown fields are errors, every problem is reported at once with its field path, and a key written twice is "
     "refused. "
-    "`cpt` and `sft` are both a stage section (`PhaseConfig`), documented once as `<stage>`. "
+    "`cpt` and `sft` are both a stage section (`PhaseConfig`), documented once as `<stage>`; `dpo`, left out unless a "
+    "run tunes on preference pairs, is a stage section too, and its own fields are listed under `dpo`. "
     "Rules across fields (layout, precision, LoRA, offload) are checked when the config is read and by pre-flight: "
     "see [Troubleshooting](../troubleshooting.md). `cpt-to-sft schema` prints the same schema as JSON."
 )
@@ -131,13 +133,16 @@ def _registry_types() -> dict[tuple[str, str], str]:
         ("LaunchConfig", "backend"): one_of(BACKENDS, "launch-backends"),
         ("PhaseConfig", "batching"): one_of(BATCHING, "batching-modes"),
         ("PhaseConfig", "kernels"): "mapping of " + ", ".join(kernel_names()) + " to bool ([table](#kernels))",
+        ("DpoConfig", "loss"): "one of: " + ", ".join(LOSSES),
     }
 
 
-def _fields_table(path: str, model: type[BaseModel]) -> list[str]:
+def _fields_table(path: str, model: type[BaseModel], inherited: frozenset[str] = frozenset()) -> list[str]:
     lines = ["| field | type | default | constraints | description |", "|---|---|---|---|---|"]
     registry_types = _registry_types()
     for name, info in model.model_fields.items():
+        if name in inherited:
+            continue
         key = f"{path}.{name}" if path else name
         desc = info.description or ""
         type_ = registry_types.get((model.__name__, name)) or _type_name(info.annotation)
@@ -270,7 +275,14 @@ def render() -> str:
         doc = (model.__doc__ or "").strip().split("\n\n")[0]
         if doc and model is not RunConfig:
             lines += [" ".join(doc.split()), ""]
-        lines += _fields_table(title if path else "", model) + [""]
+        # a section extending one documented above (dpo: a stage section) lists only its own fields
+        bases = [b for b in model.__mro__[1:] if b in seen and b is not model]
+        inherited = frozenset(
+            n for b in bases for n, f in b.model_fields.items() if f.annotation == model.model_fields[n].annotation
+        )
+        if bases:
+            lines += [f"Every field of `{bases[0].__name__}` too; its own:", ""]
+        lines += _fields_table(title if path else "", model, inherited) + [""]
     lines += _registry_tables()
     return "\n".join(lines) + "\n"
 

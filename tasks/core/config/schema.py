@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, model_serializer, model_validator
 
 from tasks.core.config.backends import BACKENDS
 from tasks.core.config.base import Frozen
@@ -31,6 +31,7 @@ from tasks.core.config.outputs import ExportConfig, GateConfig, HubConfig
 from tasks.core.config.paths import expand_user_path
 from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.plugins import PLUGINS, Precision
+from tasks.core.config.preference import DPO_DESCRIPTION, PreferenceFields
 from tasks.core.config.sequence import SequenceParallelConfig
 from tasks.core.config.slurm import SlurmConfig
 from tasks.core.config.tracking import TrackingConfig
@@ -454,6 +455,10 @@ class PhaseConfig(Frozen):
     )
 
 
+class DpoConfig(PreferenceFields, PhaseConfig):
+    """The `dpo:` section: a phase section with the preference loss's fields (tasks/core/config/preference.py)."""
+
+
 # Above this many GB of weights a logits check streams the model (tasks/core/models/stream.py):
 # models up to ~1B parameters in fp32 load whole; at 8B-70B the flow process would
 # otherwise need 16-140 GB of host RAM beside the node's ranks.
@@ -495,6 +500,7 @@ class RunConfig(Frozen):
     sft: PhaseConfig = Field(
         description="Supervised fine-tuning: chat records, loss on assistant tokens, under plugin B."
     )
+    dpo: DpoConfig | None = Field(default=None, description=DPO_DESCRIPTION)
     export: ExportConfig = Field(default_factory=ExportConfig, description="The HF safetensors export.")
     benchmark: BenchmarkConfig = Field(
         default_factory=BenchmarkConfig,
@@ -519,7 +525,25 @@ class RunConfig(Frozen):
         """The config section of a training phase (a row of PHASES): `cfg.phase("sft").seq_len`."""
         if phase not in PHASES:
             raise KeyError(f"{phase!r} is not a training phase; the phases are {', '.join(PHASES)}")
-        return getattr(self, phase)
+        if (section := getattr(self, phase)) is None:
+            raise KeyError(
+                f"{phase!r}: this run has no {phase}: section; the phases it trains are {', '.join(self.phases)}"
+            )
+        return section
+
+    @model_serializer(mode="wrap")
+    def _absent_phases_unsaid(self, handler: Any) -> Any:
+        """A dump (run.json, the tracker's params) without an optional phase left out: today's config, key for key."""
+        out = handler(self)
+        for p, row in PHASES.items():
+            if row.optional and isinstance(out, dict) and out.get(p, 0) is None:
+                del out[p]
+        return out
+
+    @property
+    def phases(self) -> dict[str, PhaseConfig]:
+        """{name: section} of the phases this run trains, in PHASES order: an optional one left out is not one."""
+        return {p: s for p in PHASES if (s := getattr(self, p)) is not None}
 
     @property
     def run_uri(self) -> str:

@@ -8,11 +8,12 @@ Pure logic (numpy, fsspec, tokenizers): no prefect, no colossalai, no torch.dist
 - chat_template.py  chat templates rendered as transformers does, under a budget of steps, output and time
 - chunks.py         a large file cut at record boundaries, chunks tokenized alone, merged back byte for byte
 - dataset.py        the training side of prepared data: blocks (CPT) or rows (SFT) from the shards
-- encoders.py       one encoder per record kind (text, chat), named by the phase's row
+- encoders.py       one encoder per record kind (text, chat; pairs: pairs.py), named by the phase's row
 - heldout_only.py   held-out-only sources, evaluated and never trained on
 - index.py          index.json, the tokenizer fingerprint, and the check that the data fits a model
 - inputs.py         `data.uri` (file, list, glob, directory; any fsspec URI) -> files with size and checksum
 - order.py          the epoch orders a batching row asks for: length groups, packs
+- pairs.py          preference pairs: the layouts users have, read into one form, checked, encoded for DPO
 - prepare.py        plan the shards, tokenize the missing ones, write the index
 - records.py        record formats and the one reader: streamed records with their line numbers
 - samples.py        CPT packing, SFT chat rendering and loss masks, the SFT record rules

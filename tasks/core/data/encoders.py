@@ -4,6 +4,7 @@
 
 A phase's row (`tasks.core.config.phases.PhaseSpec.encoder`) names its encoder class; the shared frame in
 shard.py (cache check, bad records, the record id and held-out split, the summary written last) calls:
+  value(rec)           what of the record it reads: its phase's field (a pair encoder: the record)
   problem(rec, value)  why the record is unusable (rejected as a bad record), or None
   encode(value)        what `add` needs of it; a ValueError rejects the record
   add(side, value, encoded)   append it to side "train" or "heldout"
@@ -44,6 +45,9 @@ class TextEncoder:
         self.sides: dict[str, Side] = {}
         self.pending: dict[str, list[str]] = {"train": [], "heldout": []}
         self.pending_chars = 0
+
+    def value(self, rec: dict) -> Any:
+        return rec.get(self.spec.field)
 
     def problem(self, rec: dict, value: Any) -> str | None:
         field = self.spec.field
@@ -101,6 +105,9 @@ class ChatEncoder:
         self.sides: dict[str, Side] = {}
         # training chats longer than seq_len, by what spec.truncation made of them (`truncation_counts`)
         self.over = dict.fromkeys(SFT_KEYS, 0)
+
+    def value(self, rec: dict) -> Any:
+        return rec.get(self.spec.field)
 
     def problem(self, rec: dict, value: Any) -> str | None:
         if value is None:

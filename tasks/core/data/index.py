@@ -105,6 +105,6 @@ def special_tokens(tok, kind: Phase) -> dict[str, Any]:
         "pad": one(pad),
         "pad_is": "pad_token" if tok.pad_token_id is not None else "eos_token",
     }
-    if PHASES[kind].record == "chat":
+    if PHASES[kind].templated:
         out["end_of_turn"] = [one(i) for i in end_of_turn_tokens(tok)]
     return out

@@ -44,7 +44,15 @@ from tasks.core.data.blend import BLEND_FILE, BlendPlan, Source, blend
 from tasks.core.data.index import INDEX, PrepareError, special_tokens, tokenizer_fingerprint
 from tasks.core.data.inputs import InputError, InputFile, resolve_inputs
 from tasks.core.data.records import FOLDER_FORMATS, BadRecord, iter_file_records
-from tasks.core.data.shard import ShardSpec, freeze_encoder, load_tokenizer, read_summary, shard_dir, verified_summary
+from tasks.core.data.shard import (
+    KEEP_BAD,
+    ShardSpec,
+    freeze_encoder,
+    load_tokenizer,
+    read_summary,
+    shard_dir,
+    verified_summary,
+)
 from tasks.core.data.spec import MAIN_SOURCE, PrepareSpec
 from tasks.core.data.split import record_id
 
@@ -426,6 +434,9 @@ def finalize(p: Plan, summaries: dict[int, dict], workers: int = 1) -> dict[str,
             else None,  # blocks never straddle two sources
         },
     }
+    over_at = [at for s in rows for at in s.get("over_seq_len_at") or ()]  # a pair encoder names its long pairs
+    if over_at:  # only then, as below: a CPT or SFT index keeps the bytes (and digest) it had
+        index["over_seq_len_at"] = over_at[:KEEP_BAD]
     if p.heldout_only:  # only then: an index without them keeps the bytes (and digest) it had before they existed
         index["heldout_sources"] = heldout_only.write(
             p.out_dir, p.heldout_only, p.heldout_only_inputs, tok, spec.field, spec.seq_len, spec.max_record_chars

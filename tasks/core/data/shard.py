@@ -358,13 +358,14 @@ def tokenize_records(
             )
 
     parquet = inp.fmt == ".parquet"
+    locate = hasattr(enc, "where")  # an encoder that names records itself (a pair longer than seq_len)
     try:
         for line, rec in records:
             counts["lines"] = line
             if isinstance(rec, BadRecord):
                 reject(rec)
                 continue
-            value = rec.get(spec.field)
+            value = enc.value(rec)
             why = enc.problem(rec, value)
             if why is not None:
                 reject(BadRecord(inp.uri, line, why, parquet))
@@ -396,6 +397,8 @@ def tokenize_records(
             held = rid in spec.force_heldout or (spec.heldout_fraction > 0 and unit(rid) < spec.heldout_fraction)
             if held:
                 heldout_jsonl.write(json.dumps(rec, ensure_ascii=False, default=str) + "\n")
+            if locate:
+                enc.where = BadRecord(inp.uri, line, "", parquet).where()
             enc.add("heldout" if held else "train", value, encoded)
         enc.finish()
     except BaseException:

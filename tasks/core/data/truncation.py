@@ -42,7 +42,9 @@ def file_counts(summary: dict[str, Any], shard: Path, kind: Phase, seq_len: int)
         return cpt_counts(shard, seq_len)
     got = summary.get("truncation") or {}
     return {k: int(got.get(k, 0)) for k in SFT_KEYS} | {
-        "chats": int(summary["records"]) - int(summary["dropped_in_heldout_set"]) - int(summary["heldout"]["records"])
+        "chats": int(summary["records"])
+        - int(summary["dropped_in_heldout_set"])
+        - int(summary["heldout"]["records"]) // PHASES[kind].rows_per_record
     }
 
 
@@ -75,8 +77,8 @@ def describe(counts: dict[str, int] | None, kind: Phase, rule: str | None, seq_l
         n_out = counts["exchanges_left_out"]
         parts.append(f"{n_out:,} exchange{'s' if n_out != 1 else ''} longer than seq_len by itself left out")
     return (
-        f"{n:,} of {counts.get('chats', n):,} training chats longer than seq_len={seq_len}: {', '.join(parts)} "
-        f"(sft.truncation: {rule})"
+        f"{n:,} of {counts.get('chats', n):,} training {PHASES[kind].record_noun} longer than seq_len={seq_len}: "
+        f"{', '.join(parts)} ({kind}.truncation: {rule})"
     )
 
 

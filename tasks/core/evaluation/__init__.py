@@ -6,6 +6,7 @@
 - heldout.py     held-out perplexity (pooled and per source) and SFT loss
 - lm_eval_progress.py  lm-eval's progress bars drawn as the stage's meter, one metered part per request type
 - placement.py   where evaluation puts a model: the CPU, one GPU, or spread over the node's GPUs
+- reference.py   the reference model's log-probabilities of every preference pair, once, manifest last
 - release.py     one model in memory at a time, given back before the next loads
 - sandbox.py     the Jinja sandbox a task's templates render in: bounded work and output of every step
 - task_data.py   what pre-flight reads of a task's data, bounded: file sizes and a head sample of each file

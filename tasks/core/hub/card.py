@@ -37,7 +37,6 @@ from tasks.core.run.preemptions import parse as parse_preemptions
 from tasks.core.run.segments import describe as describe_layout
 from tasks.core.run.stages import BASE, TRAIN_STATE, TRAINING, split_rel, step_medians, step_peak
 
-STAGES = tuple(PHASES)
 POSITION_FIELDS = ("max_position_embeddings", "rope_theta", "rope_scaling")
 CARD = "README.md"  # the model card: export/README.md, the file the push uploads
 # The torch dtype a snippet loads an export of each `export.dtype` in (the export's own).
@@ -97,7 +96,7 @@ def train_facts(
     results or the final checkpoint's `train_state.json` and the stage's split record; the kernels
     and activation checkpointing that ran, from that checkpoint's manifest."""
     facts = {}
-    for stage in STAGES:
+    for stage in cfg.phases:
         steps = cfg.phase(stage).max_steps
         fact: dict[str, Any] = {
             "steps": steps,

@@ -16,12 +16,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.truncation import describe as describe_truncation
 from tasks.core.hub.repo import hub_dataset_id
-
-STAGES = tuple(PHASES)
 
 
 def _num(x: Any, fmt: str = "{:,}") -> str:
@@ -37,11 +34,11 @@ def _split(facts: dict[str, dict], stage: str) -> dict[str, Any]:
 
 
 def data_section(cfg: RunConfig, facts: dict[str, dict]) -> list[str]:
-    """The Data section's lines: the datasets table, records longer than seq_len, then each phase's
-    mixture and held-out-only sources where it has them."""
+    """The Data section's lines, for each phase the run trains: the datasets table, records longer
+    than seq_len, then each phase's mixture and held-out-only sources where it has them."""
     rows = _datasets_table(cfg, facts)
-    rows += ["", "Records longer than seq_len:", "", *(_longer_line(cfg, facts, s) for s in STAGES)]
-    for stage in STAGES:
+    rows += ["", "Records longer than seq_len:", "", *(_longer_line(cfg, facts, s) for s in cfg.phases)]
+    for stage in cfg.phases:
         rows += _mixture_table(facts, stage) + _heldout_only_table(facts, stage)
     return rows
 
@@ -52,7 +49,7 @@ def _datasets_table(cfg: RunConfig, facts: dict[str, dict]) -> list[str]:
         "| stage | dataset | checksum | train records | held-out records | split |",
         "|---|---|---|---|---|---|",
     ]
-    for stage in STAGES:
+    for stage in cfg.phases:
         split = _split(facts, stage)
         held = split.get("heldout_uri")
         how = (

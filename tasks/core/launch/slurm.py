@@ -32,7 +32,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import LaunchConfig
 from tasks.core.config.slurm import SlurmConfig
 
@@ -360,7 +359,7 @@ def _main(argv: list[str]) -> int:
         return 2
     cfg = load_config(argv[0])
     bad = 0
-    for name in PHASES:
+    for name in cfg.phases:
         stage = cfg.phase(name)
         if stage.launch.backend != "slurm":
             print(f"{name}: backend {stage.launch.backend}, not Slurm")

@@ -17,6 +17,7 @@ fingerprints, stop tokens, FLOPs per token, and the demo's tiny model.
 - lora_targets.py  which modules a LoRA `target_modules` adapts, decided as peft decides
 - merge.py         the merged export of a LoRA checkpoint, proven two ways
 - policy_rows.py   named rows for the families ColossalAI 0.5.0 ships a shardformer policy for
+- preference.py    the preference losses (DPO, IPO) and their metrics, from per-sequence log-probabilities
 - shapes.py        the shapes of Hub model folders, each run or refused before launch
 - sizes.py         config.json's size fields: each a whole number >= 1
 - stop_tokens.py   stop tokens of an export: eos plus the chat template's end-of-turn tokens

@@ -18,7 +18,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks.core.config.context import changes_text, position_limit
-from tasks.core.config.phases import PHASES
 from tasks.core.preflight.report import CheckContext
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl")
@@ -137,7 +136,7 @@ def check_sequence_length(ctx: CheckContext) -> None:
         else "the base model's max_position_embeddings"
     )
     ok = True
-    for name in PHASES:
+    for name in ctx.cfg.phases:
         seq = getattr(ctx.cfg, name).seq_len
         if seq > max_pos:
             ok = False

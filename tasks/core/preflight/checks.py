@@ -45,7 +45,6 @@ from tasks.core.config.load import (
     read_raw_config,
 )
 from tasks.core.config.paths import resolve_local
-from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import PhaseConfig, RunConfig
 from tasks.core.config.sequence import sp_factor, sp_size
 from tasks.core.errors import ConfigError
@@ -120,7 +119,7 @@ def _facts(ctx: CheckContext) -> dict[str, Any]:
 def check_static_rules(ctx: CheckContext) -> None:
     """The config's own rules (hybrid_parallel ZeRO refuses fp32, tp/pp need hybrid_parallel, world size)."""
     before = len(ctx.report.problems)
-    for stage in PHASES:
+    for stage in ctx.cfg.phases:
         for where, msg in layout_problems(getattr(ctx.cfg, stage), stage, tiers=("static",), **_facts(ctx)):
             ctx.problem(where, msg)
     for where, msg in heldout_source_problems(ctx.cfg) + gate_problems(
@@ -171,7 +170,7 @@ def _stage_layout(ctx: CheckContext, name: str, stage: PhaseConfig) -> None:
 
 def check_layout(ctx: CheckContext) -> None:
     """tp divides the attention and KV heads; pp <= layers; tp*pp*dp = world; pipeline batches."""
-    for name in PHASES:
+    for name in ctx.cfg.phases:
         _stage_layout(ctx, name, getattr(ctx.cfg, name))
     if ctx.model is None:
         ctx.warn(
@@ -182,7 +181,7 @@ def check_layout(ctx: CheckContext) -> None:
 def check_machine(ctx: CheckContext) -> None:
     """Processes vs visible GPUs (or CPU cores); plugins that need CUDA."""
     m = ctx.machine
-    for name in PHASES:
+    for name in ctx.cfg.phases:
         stage = getattr(ctx.cfg, name)
         n = stage.launch.nproc_per_node
         for where, msg in layout_problems(stage, name, tiers=("device",), **_facts(ctx)):
@@ -267,7 +266,7 @@ def check_launch_backend(ctx: CheckContext) -> None:
     from tasks.core.config.backends import BACKENDS
     from tasks.core.launch.torchrun import PREFLIGHTS
 
-    for name in PHASES:
+    for name in ctx.cfg.phases:
         stage = getattr(ctx.cfg, name)
         launch = stage.launch
         spec = BACKENDS[launch.backend]

@@ -16,10 +16,11 @@ from tasks.core.preflight.report import CheckContext
 def check_data(ctx: CheckContext) -> None:
     """Each dataset exists and its first records have the fields and roles the stage needs."""
     from tasks.core.data.inputs import InputError, resolve_inputs
+    from tasks.core.data.pairs import PairFields, read_pair  # the preference pair rules, defined once
     from tasks.core.data.samples import validate_messages  # the SFT record rules, defined once
 
     datasets = []
-    for name in PHASES:
+    for name in ctx.cfg.phases:
         st = getattr(ctx.cfg, name)
         for i, src in enumerate(st.data.source_list):  # each source of a mixture on its own, named by its field
             datasets.append(
@@ -97,6 +98,12 @@ def check_data(ctx: CheckContext) -> None:
                 elif why:
                     ctx.problem(f"{name}.data.text_field" if d.text_field not in rec else where, f"{at}: {why}")
                     failed = True
+            elif PHASES[name].record == "pair":  # read as prepare_data reads it: a pair's every refusal, by line
+                try:
+                    read_pair(rec, PairFields.parse(d.pair_fields))
+                except ValueError as exc:
+                    ctx.problem(where, f"{at}: {exc}")
+                    failed = True
             elif d.messages_field not in rec:
                 ctx.problem(
                     f"{name}.data.messages_field",
@@ -116,6 +123,8 @@ def check_data(ctx: CheckContext) -> None:
             what = (
                 f"field {d.text_field!r} is text"
                 if PHASES[name].record == "text"
+                else "each is a preference pair (a prompt, two different replies)"
+                if PHASES[name].record == "pair"
                 else f"{d.messages_field!r} have valid roles and an assistant turn"
             )
             more = (

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tasks.core.config.phases import PHASES
 from tasks.core.errors import ConversionError
 from tasks.core.evaluation.placement import DTYPE_BYTES, Placement, eval_dtype, forward_bytes, plan
 from tasks.core.models.families import iter_tensors
@@ -47,7 +46,7 @@ def check_eval_memory(ctx: Any) -> None:
     n, gpu = ctx.machine.cuda_devices, getattr(ctx.machine, "gpu_memory_bytes", None)
     if ctx.model is None or not n or not gpu:
         return
-    for name in PHASES:
+    for name in ctx.cfg.phases:
         st = getattr(ctx.cfg, name)
         if not st.eval.enabled:
             continue

@@ -121,7 +121,7 @@ def check_eval_time(ctx: Any) -> None:
     cuda = bool(ctx.machine.cuda_devices)
     eval_threads, rank_threads = threads(ctx.machine.cpu_count)
     g = ctx.cfg.gate
-    for name in PHASES:
+    for name in ctx.cfg.phases:
         st: PhaseConfig = getattr(ctx.cfg, name)
         if not st.eval.enabled:
             continue

@@ -11,14 +11,13 @@ lacks) and the checkpoint manifests record what they ran.
 from __future__ import annotations
 
 from tasks.core.config.kernels import KERNELS, Facts, report, resolve
-from tasks.core.config.phases import PHASES
 from tasks.core.preflight.report import CheckContext
 
 
 def check_kernels(ctx: CheckContext) -> None:
     model_type = ctx.model.config.get("model_type") if ctx.model else None
     facts = Facts.detect(cuda=bool(ctx.machine.cuda_devices), model_type=model_type)
-    for name in PHASES:
+    for name in ctx.cfg.phases:
         stage = getattr(ctx.cfg, name)
         states = resolve(stage, name, facts)
         where = (

@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         read_raw_config(args[0]), source=args[0]
     )  # as pre-flight reads it: the static rules are its own checks
     mc = read_model_info(cfg.base_model.uri, cfg.base_model.revision).config
-    for name in PHASES:
+    for name in cfg.phases:
         st = cfg.phase(name)
         cuda = bool(getattr(st.launch, "gpu_memory_gb", None))
         est = estimate(mc, st, stage=name, cuda=cuda)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from tasks.core.config.layout import ParallelLayout, layout_problems
-from tasks.core.config.phases import PHASES
 from tasks.core.config.plugins import PLUGINS
 from tasks.core.config.schema import PhaseConfig
 from tasks.core.errors import ConfigError, ConversionError
@@ -200,7 +199,7 @@ def flow_process(model_config: dict[str, Any], cfg: Any, cuda: bool) -> list[tup
             ],
         )
     ]
-    for name in PHASES:
+    for name in cfg.phases:
         st = getattr(cfg, name)
         if not st.eval.enabled or cuda:
             continue
@@ -306,7 +305,7 @@ def check_memory(ctx: Any) -> None:
     if ctx.model is None:
         return
     mc = ctx.model.config
-    for name in PHASES:
+    for name in ctx.cfg.phases:
         st: PhaseConfig = getattr(ctx.cfg, name)
         declared = getattr(st.launch, "gpu_memory_gb", None)
         detected = getattr(ctx.machine, "gpu_memory_bytes", None) if ctx.machine.cuda_devices else None

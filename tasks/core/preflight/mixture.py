@@ -72,7 +72,7 @@ def _samples(
 def check_source_epochs(ctx: CheckContext) -> None:
     """Warn when the planned steps would repeat a source more than `<stage>.data.max_source_epochs` times."""
     encoder = None
-    for stage in PHASES:
+    for stage in ctx.cfg.phases:
         st = getattr(ctx.cfg, stage)
         d = st.data
         if PHASES[stage].blocks and encoder is None:
@@ -107,7 +107,7 @@ def check_source_epochs(ctx: CheckContext) -> None:
 
 def check_mixture_weights(ctx: CheckContext) -> None:
     """Weights that do not sum to 1 are normalized, and said with the shares used; refused under data.strict_weights."""
-    for stage in PHASES:
+    for stage in ctx.cfg.phases:
         d = getattr(ctx.cfg, stage).data
         if d.sources is None:
             continue

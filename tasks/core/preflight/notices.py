@@ -12,13 +12,12 @@ device such as /dev/zero) would be read as a notice.
 from __future__ import annotations
 
 from tasks.core.config.notices import NOTICES, file_endpoint_problem
-from tasks.core.config.phases import PHASES
 from tasks.core.preflight.report import CheckContext
 
 
 def check_notices(ctx: CheckContext) -> None:
     polled = 0
-    for phase in PHASES:
+    for phase in ctx.cfg.phases:
         for i, n in enumerate(ctx.cfg.phase(phase).elastic.notices):
             row = NOTICES[n.source]
             if row.poll is None:

@@ -24,7 +24,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tasks.core.config.phases import PHASES
 from tasks.core.config.plugins import spec_of
 from tasks.core.config.schema import PhaseConfig, RunConfig
 from tasks.core.errors import ConversionError, ManifestError
@@ -223,13 +222,13 @@ def estimate_local_bytes(cfg: RunConfig, mc: dict[str, Any], local_run_root: boo
 
     hf = n * (base_bytes + DTYPE_BYTES[cfg.cpt.plugin.precision] + DTYPE_BYTES[cfg.export.dtype])
     if local_run_root:
-        kept = sum((cfg.phase(s).keep_last + 1) * ckpt(cfg.phase(s)) for s in PHASES)
+        kept = sum((cfg.phase(s).keep_last + 1) * ckpt(cfg.phase(s)) for s in cfg.phases)
         how = (
             f"{n / 1e6:.1f}M params: (keep_last+1) checkpoints per stage at (weights + 8 B Adam + 4 B fp32 "
             "master where the plugin keeps one) per param, plus 3 HF copies"
         )
     else:
-        staged = {s: cfg.phase(s).keep_last + cfg.phase(s).max_pending_publishes + 1 for s in PHASES}
+        staged = {s: cfg.phase(s).keep_last + cfg.phase(s).max_pending_publishes + 1 for s in cfg.phases}
         kept = max(staged[s] * ckpt(cfg.phase(s)) for s in staged)
         how = (
             f"{n / 1e6:.1f}M params: (keep_last + max_pending_publishes + 1) staged checkpoints of the larger stage "
@@ -316,9 +315,9 @@ def check_paths(ctx: CheckContext) -> None:
     held-out JSONL and generations.jsonl as corpus)."""
     cfg = ctx.cfg
     writes = [("run_root", cfg.run_uri)] + ([("staging_dir", str(cfg.staging_dir))] if cfg.staging_dir else [])
-    sources = [(f"{s}.data.uri", u) for s in PHASES for u in cfg.phase(s).data.uris]
+    sources = [(f"{s}.data.uri", u) for s in cfg.phases for u in cfg.phase(s).data.uris]
     sources += [
-        (f"{s}.eval.heldout_uri", cfg.phase(s).eval.heldout_uri) for s in PHASES if cfg.phase(s).eval.heldout_uri
+        (f"{s}.eval.heldout_uri", cfg.phase(s).eval.heldout_uri) for s in cfg.phases if cfg.phase(s).eval.heldout_uri
     ]
     bad = 0
     for wfield, wuri in writes:
