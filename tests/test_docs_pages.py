@@ -1,6 +1,6 @@
 """What particular pages promise: the data-formats page's records are read by the real reader and
 pass pre-flight, the extending page names tests that exist, the examples page lists every example,
-and the site is in its four sections.
+the site is in its four sections, and the map's and the scaling page's paragraphs fit a screen.
 
     PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/test_docs_pages.py
 
@@ -74,6 +74,7 @@ def test_extending_page_names_a_test_that_exists_for_each_recipe():
         "A plugin",
         "A phase",
         "A kernel",
+        "A notice source",
         "A launch backend",
     ]
     for section in sections:
@@ -96,3 +97,55 @@ def test_the_site_is_in_four_sections():
     pages = [next(iter(item.values())) for section in nav for item in next(iter(section.values()))]
     on_disk = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
     assert sorted(pages) == on_disk, "mkdocs.yml's nav and docs/ hold different pages"
+
+
+# A paragraph a reader takes in on one screen. The map (architecture.md) and the scaling page, whose
+# longest paragraphs ran to 1,024 and 539 words, are held under this; a list item counts on its own.
+PARAGRAPH_MAX_WORDS = 180
+_NOT_PROSE = re.compile(r"^(#|\||\s*([-*]|\d+\.)\s)")
+
+
+def _paragraphs(text: str) -> list[tuple[int, int]]:
+    """(first line, words) of each paragraph or list item of a Markdown page, code blocks left out."""
+    out: list[tuple[int, int]] = []
+    start, words, fenced = 0, 0, False
+
+    def close() -> None:
+        nonlocal words
+        if words:
+            out.append((start, words))
+        words = 0
+
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            close()
+            fenced = not fenced
+        elif fenced:
+            continue
+        elif not line.strip() or _NOT_PROSE.match(line):
+            close()
+            if line.strip() and not line.startswith(("#", "|")):  # a list item opens a paragraph of its own
+                start, words = number, len(line.split()) - 1  # the words after its marker
+        else:
+            start = start if words else number
+            words += len(line.split())
+    close()
+    return out
+
+
+def test_the_paragraph_reader_counts_prose_and_list_items_apart_and_skips_code():
+    page = "# Title\n\none two\nthree\n\n- four five\n  six\n- seven\n\n```\nnot prose at all\n```\n| a | b |\n"
+    assert _paragraphs(page) == [(3, 3), (6, 3), (8, 1)]
+
+
+def test_the_map_and_the_scaling_page_have_no_paragraph_longer_than_a_screen():
+    long = [
+        f"docs/{page}:{line} ({words} words)"
+        for page in ("architecture.md", "scaling.md")
+        for line, words in _paragraphs((DOCS / page).read_text())
+        if words > PARAGRAPH_MAX_WORDS
+    ]
+    assert not long, (
+        f"paragraphs over {PARAGRAPH_MAX_WORDS} words: {long}; split each where its subject turns (a new "
+        "paragraph, or its items as a list)"
+    )

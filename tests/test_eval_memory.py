@@ -77,6 +77,7 @@ def test_each_evaluation_holds_one_model_at_a_time(two_models, tiny_model_dir, t
     from tasks.core.data.records import read_records
     from tasks.core.evaluation import benchmark as bench
     from tasks.core.evaluation import heldout as ev
+    from tasks.core.evaluation.generation import generation_check
     from tasks.core.evaluation.release import rss_bytes
 
     a, b, nbytes = two_models
@@ -101,7 +102,7 @@ def test_each_evaluation_holds_one_model_at_a_time(two_models, tiny_model_dir, t
     evaluations = {
         "evaluate_cpt": lambda: ev.evaluate_cpt(a, b, cpt, "text", 64, cfg),
         "evaluate_sft": lambda: ev.evaluate_sft(a, b, sft, "messages", 128, cfg),
-        "generation_check": lambda: ev.generation_check(b, sft, "messages", 4, 2, "fp32"),
+        "generation_check": lambda: generation_check(b, sft, "messages", 4, 2, "fp32"),
         "benchmark": both_benchmarks,
     }
     peaks = {}

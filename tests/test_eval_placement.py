@@ -23,6 +23,7 @@ import torch
 from tasks.core.config.schema import EvalConfig
 from tasks.core.evaluation import heldout as ev
 from tasks.core.evaluation import placement as where
+from tasks.core.evaluation.generation import generation_check
 from tasks.core.evaluation.placement import CUDA_RESERVE_BYTES, Placement, forward_bytes, logits_chunk_tokens, plan
 
 GB = 10**9
@@ -186,7 +187,7 @@ def test_gpu_evaluation_spread_over_the_visible_gpus_gives_the_one_gpu_numbers(
     cfg = EvalConfig(batch_size=8, dtype="fp32")
     one = ev.evaluate_cpt(tiny_model_dir, tiny_model_dir, held, "text", 64, cfg)
     chats = split_by_fraction(sft_records, 0.1).heldout
-    gen_one, rows_one = ev.generation_check(
+    gen_one, rows_one = generation_check(
         tiny_model_dir, chats, "messages", max_new_tokens=8, num_prompts=3, dtype="fp32"
     )
     squeezed = _squeezed(tiny_model_dir, "fp32")
@@ -198,7 +199,7 @@ def test_gpu_evaluation_spread_over_the_visible_gpus_gives_the_one_gpu_numbers(
     assert one["device"] == "cuda:0" and spread["device"].startswith(f"cuda:0-{n - 1} (device_map auto")
     assert spread["base"]["loss"] == pytest.approx(one["base"]["loss"], rel=1e-6) and spread["tokens"] == one["tokens"]
     # the generation check takes the same path
-    gen, rows = ev.generation_check(tiny_model_dir, chats, "messages", max_new_tokens=8, num_prompts=3, dtype="fp32")
+    gen, rows = generation_check(tiny_model_dir, chats, "messages", max_new_tokens=8, num_prompts=3, dtype="fp32")
     assert gen["device"].startswith(f"cuda:0-{n - 1}") and gen_one["device"] == "cuda:0"
     assert [r["completion"] for r in rows] == [r["completion"] for r in rows_one]
     # what accelerate placed: layers on more than one GPU

@@ -20,7 +20,7 @@ from tasks.core.data.split import overlap, record_id, split_by_fraction, split_b
 from tasks.core.errors import ConfigError
 from tasks.core.evaluation import heldout as ev
 from tasks.core.evaluation import verdict as gv
-from tasks.core.evaluation.heldout import stop_problem
+from tasks.core.evaluation.generation import generation_check, generation_eos_problem, prompt_messages, stop_problem
 from tasks.core.run import meter
 from tests.conftest import REPO, tiny_config_raw
 
@@ -233,7 +233,7 @@ def test_generation_check_fails_when_generation_config_lacks_end_of_turn(model_c
     path.write_text(json.dumps(gen))
     records: list[dict] = []
     with meter.reporting(records.append, interval_s=0):
-        summary, rows = ev.generation_check(model_copy, sft_records[:3], "messages", max_new_tokens=4, num_prompts=2)
+        summary, rows = generation_check(model_copy, sft_records[:3], "messages", max_new_tokens=4, num_prompts=2)
     assert [(r["done"], r["total"], r["finished"]) for r in records] == [(0, 2, False), (1, 2, False), (2, 2, True)]
     assert records[1]["eta_s"] is not None and "greedy generations of" in records[0]["what"]
     assert summary["passed"] is False and summary["end_of_turn"] == {"id": 4, "token": "<|im_end|>"}
@@ -247,16 +247,16 @@ def test_generation_check_fails_when_generation_config_lacks_end_of_turn(model_c
     )
     assert any("lacks the chat template's end-of-turn token" in r for r in verdict["reasons"])
     path.unlink()
-    summary, _ = ev.generation_check(model_copy, sft_records[:1], "messages", max_new_tokens=2, num_prompts=1)
+    summary, _ = generation_check(model_copy, sft_records[:1], "messages", max_new_tokens=2, num_prompts=1)
     assert "generation_config.json is missing" in summary["problems"][0]
 
 
 def test_generation_eos_check_passes_on_the_demo_model(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    eos, eot, problem = ev.generation_eos_problem(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir))
+    eos, eot, problem = generation_eos_problem(tiny_model_dir, AutoTokenizer.from_pretrained(tiny_model_dir))
     assert problem is None and eot == 4 and eos == [1, 4]
-    assert ev.prompt_messages(
+    assert prompt_messages(
         [
             {"role": "system", "content": "s"},
             {"role": "user", "content": "u"},

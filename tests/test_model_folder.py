@@ -149,7 +149,7 @@ def test_the_engine_records_the_modules_peft_adapted_not_the_ones_asked(tiny_mod
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from tasks.core.config.schema import LoraConfig
+    from tasks.core.config.lora import LoraConfig
     from tasks.engine import lora
 
     cfg = LoraConfig(r=2, target_modules=("q_proj", "qkv_proj"))

@@ -329,7 +329,7 @@ def test_fault_specs_parse():
         "kill@step=x",
         "kill@save=3",
         "kill@save=3:nowhere",
-        "kill@step=3@stage=dpo",
+        "kill@step=3@stage=rlhf",
         "kill@when=3",
         "kill@step=3@color=red",
         "hold@save=3:model",

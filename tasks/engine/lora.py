@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tasks.core.config.schema import LoraConfig
+from tasks.core.config.lora import LoraConfig
 from tasks.core.errors import ManifestError
 from tasks.core.run.manifest import manifest_digest
 

@@ -40,6 +40,7 @@ from tasks.core.data.stage_data import (
 )
 from tasks.core.evaluation import heldout as ev
 from tasks.core.evaluation import placement
+from tasks.core.evaluation.generation import generation_check
 from tasks.core.run.stages import Status
 from tasks.core.storage.fs import RunStore
 from tasks.flowkit import tracking, ui
@@ -193,7 +194,7 @@ def evaluate_sft(
     trust = cfg.base_model.trust_remote_code
     with ui.WorkProgress("evaluate_sft").reporting():  # a line a while with an ETA, as training's
         metrics = ev.evaluate_sft(pre_dir, export_dir, heldout, st.data.messages_field, st.seq_len, st.eval, trust)
-        gen, rows = ev.generation_check(
+        gen, rows = generation_check(
             export_dir, heldout, st.data.messages_field, g.max_new_tokens, g.num_prompts, st.eval.dtype, trust
         )
     gen["file"] = "generations.jsonl"

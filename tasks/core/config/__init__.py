@@ -14,6 +14,7 @@ registries of plugins, phases, kernels, launch backends, notices and layout rule
 - layout.py          `ParallelLayout`: a stage's parallel layout, every rule stated once
 - load.py            loading a run config: bounded YAML, dotted overrides, the schema, the rules
 - lora.py            a LoRA adapter's settings (`<phase>.lora`)
+- model_rules.py     the layout rules of the base's shape: tp divides heads and vocabulary, pp the layers
 - notices.py         the preemption-notice registry: one row per way a machine gives notice
 - outputs.py         what a run produces: `export:`, `gate:` and `hub:`
 - overrides.py       the typed per-run overrides of a deployment run

@@ -9,13 +9,13 @@ checks it: `static` (the config alone: the loader and pre-flight), `batch` (the 
 engine: a pipeline step splits its rows evenly), `model` (the base's config.json: heads, KV heads, vocabulary,
 layers), `device` (whether CUDA is present). Plugin capabilities come from the registry
 (`tasks.core.config.plugins`), never from a plugin's name; sequence parallelism's rules are
-`tasks.core.config.sequence_rules`.
+`tasks.core.config.sequence_rules`, the `model` tier's (the base's shape against tp and pp)
+`tasks.core.config.model_rules`.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +24,7 @@ from tasks.core.config.backends import BACKENDS
 from tasks.core.config.batching import BATCHING
 from tasks.core.config.context import CONTEXT_RULES
 from tasks.core.config.fixes import Refusal, shown, working_fixes
+from tasks.core.config.model_rules import MODEL_RULES
 from tasks.core.config.phases import PHASES
 from tasks.core.config.plugins import OFFLOAD_FIELDS, PLUGINS, PRECISION_SPECS, PluginSpec
 from tasks.core.config.schema import PhaseConfig, PluginConfig
@@ -339,70 +340,6 @@ def _rows_divide_microbatches(x: _Facts) -> list[Problem]:
     return []
 
 
-# -- model ----------------------------------------------------------------------------------------
-
-
-def _head_dims(mc: dict[str, Any]) -> dict[str, int]:
-    n_heads = mc.get("num_attention_heads")
-    dims = (
-        ("num_attention_heads", n_heads),
-        ("num_key_value_heads", mc.get("num_key_value_heads") or n_heads),
-        ("intermediate_size", mc.get("intermediate_size")),
-    )
-    return {k: v for k, v in dims if isinstance(v, int)}
-
-
-def _tp_divides_heads(x: _Facts) -> list[Problem]:
-    tp = x.stage.plugin.tp_size
-    if x.model is None or tp <= 1:
-        return []
-    dims = _head_dims(x.model)
-    bad = {k: v for k, v in dims.items() if v % tp}
-    if not bad:
-        return []
-    valid = _divisors(math.gcd(*dims.values()))
-    return [
-        Refusal(
-            f"{x.f}.tp_size",
-            (
-                f"tp_size={tp} does not divide {' and '.join(f'{k}={v}' for k, v in bad.items())} of the base model: "
-                f"every rank needs whole attention/KV heads and MLP columns. Valid tp_size: {valid}"
-            ),
-            [{"plugin.tp_size": v} for v in reversed(valid)],
-        )
-    ]
-
-
-def _tp_divides_vocab(x: _Facts) -> list[Problem]:
-    tp = x.stage.plugin.tp_size
-    vocab = x.model.get("vocab_size") if x.model else None
-    if not isinstance(vocab, int) or tp <= 1 or vocab % tp == 0:
-        return []
-    valid = _divisors(math.gcd(vocab, *_head_dims(x.model).values()))
-    return [
-        Refusal(
-            f"{x.f}.tp_size",
-            (
-                f"tp_size={tp} does not divide the base model's vocab_size={vocab}: "
-                "ColossalAI would pad the embedding and LM head and then fail to checkpoint their optimizer state. "
-                f"Valid tp_size: {valid} "
-                "(or resize the vocabulary to a multiple of tp_size: model.resize_token_embeddings(n, "
-                "pad_to_multiple_of=tp_size))"
-            ),
-            [{"plugin.tp_size": v} for v in reversed(valid)],
-        )
-    ]
-
-
-def _pp_within_layers(x: _Facts) -> list[Problem]:
-    pp = x.stage.plugin.pp_size
-    layers = x.model.get("num_hidden_layers") if x.model else None
-    if pp > 1 and isinstance(layers, int) and pp > layers:
-        why = f"pp_size={pp} exceeds num_hidden_layers={layers} of the base model: a pipeline stage would hold no layer"
-        return [Refusal(f"{x.f}.pp_size", why, [{"plugin.pp_size": layers}, {"plugin.pp_size": 1}])]
-    return []
-
-
 # -- device ---------------------------------------------------------------------------------------
 
 
@@ -492,9 +429,7 @@ RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
     ("static", _offload_where_the_plugin_has_it),
     *CONTEXT_RULES,
     ("batch", _rows_divide_microbatches),
-    ("model", _tp_divides_heads),
-    ("model", _tp_divides_vocab),
-    ("model", _pp_within_layers),
+    *MODEL_RULES,
     ("device", _cuda_only_plugin),
     ("device", _cuda_only_precision),
     ("device", _qlora_needs_cuda_and_bitsandbytes),

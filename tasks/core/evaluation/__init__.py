@@ -2,7 +2,9 @@
 
 - benchmark.py   lm-evaluation-harness scores on local tasks: check, copy, score, compare
 - chunked.py     the held-out loss's logits a chunk of positions at a time, bitwise per position
-- heldout.py     held-out perplexity (pooled and per source) and SFT loss, the generation check
+- generation.py  the generation check: greedy replies to held-out prompts stop at the end-of-turn token
+- heldout.py     held-out perplexity (pooled and per source) and SFT loss
+- lm_eval_progress.py  lm-eval's progress bars drawn as the stage's meter, one metered part per request type
 - placement.py   where evaluation puts a model: the CPU, one GPU, or spread over the node's GPUs
 - reference.py   the reference model's log-probabilities of every preference pair, once, manifest last
 - release.py     one model in memory at a time, given back before the next loads

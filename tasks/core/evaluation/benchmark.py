@@ -28,7 +28,6 @@ import sys
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,9 +37,9 @@ import yaml
 from tasks.core.config.benchmark import BenchmarkConfig, BenchmarkLimit
 from tasks.core.evaluation import placement as where
 from tasks.core.evaluation import task_rules as rules
+from tasks.core.evaluation.lm_eval_progress import bars_to_meter, metered_hflm
 from tasks.core.evaluation.release import release
 from tasks.core.evaluation.task_data import size_problems
-from tasks.core.run.meter import Meter, metered
 
 LOCAL_BUILDERS = ("json", "parquet", "csv", "text", "arrow")
 REMOTE_SCHEMES = ("http", "https", "hf", "ftp", "github", "git")
@@ -301,81 +300,6 @@ def flatten(results: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# --- progress: lm-eval's own bars (tqdm, sent to /dev/null) feed the stage's meter ----------------
-_phase: ContextVar[Meter | None] = ContextVar("cpt_to_sft_lm_eval_phase", default=None)
-
-
-class _Bar:
-    """What HFLM's progress bars are while a model is scored: each request (or rolling window) it
-    finishes is added to the meter of the request type being run, nothing is drawn."""
-
-    def __init__(self, iterable: Any = None, *args: Any, **kwargs: Any):
-        self.iterable = iterable
-
-    def __iter__(self):
-        return iter(self.iterable)
-
-    def update(self, n: int = 1) -> None:
-        if (m := _phase.get()) is not None:
-            m.add(n)
-
-    def close(self) -> None:
-        pass
-
-
-def _metered(hflm: type, label: str) -> type:
-    """HFLM whose three request types each run as a metered part: `<label> loglikelihood: done /
-    total requests` (rolling: windows, counted as lm-eval cuts them), with an ETA."""
-    from lm_eval import utils as lm_utils
-
-    @contextlib.contextmanager
-    def part(kind: str, total: int, unit: str) -> Iterator[None]:
-        with metered(f"{label} {kind}", total, unit) as m:
-            token = _phase.set(m)
-            try:
-                yield
-            finally:
-                _phase.reset(token)
-
-    class Metered(hflm):
-        def loglikelihood(self, requests, disable_tqdm: bool = False):
-            with part("loglikelihood", len(requests), "requests"):
-                return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
-
-        def generate_until(self, requests, disable_tqdm: bool = False):
-            with part("generate_until", len(requests), "generations"):
-                return super().generate_until(requests, disable_tqdm=disable_tqdm)
-
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-            windows = sum(
-                sum(
-                    1
-                    for _ in lm_utils.get_rolling_token_windows(
-                        token_list=self.tok_encode(req.args[0]),
-                        prefix_token=self.prefix_token_id,
-                        max_seq_len=self.max_length,
-                        context_len=1,
-                    )
-                )
-                for req in requests
-            )
-            with part("loglikelihood_rolling", windows, "windows"):
-                return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
-
-    return Metered
-
-
-@contextlib.contextmanager
-def _bars_to_meter() -> Iterator[None]:
-    import lm_eval.models.huggingface as hf
-
-    before, hf.tqdm = hf.tqdm, _Bar
-    try:
-        yield
-    finally:
-        hf.tqdm = before
-
-
 def score(
     model_dir: Path,
     include_dir: Path,
@@ -391,14 +315,14 @@ def score(
     from tasks.core.evaluation.heldout import eval_device, load_model, load_tokenizer
 
     started = time.monotonic()
-    with offline(), _bars_to_meter():
+    with offline(), bars_to_meter():
         import lm_eval
         from lm_eval.models.huggingface import HFLM
 
         tm, _ = load_tasks(include_dir, names)  # refuses a missing task before a model is loaded
         placed = where.place(model_dir, dtype, cfg.batch_size * 2048)
         model = load_model(model_dir, dtype, eval_device(), trust_remote_code, placed)
-        lm = _metered(HFLM, label)(
+        lm = metered_hflm(HFLM, label)(
             pretrained=model,
             tokenizer=load_tokenizer(model_dir, trust_remote_code),
             backend="causal",

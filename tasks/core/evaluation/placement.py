@@ -3,7 +3,7 @@
     python -m tasks.core.evaluation.placement runs/tiny-demo/export          # the plan on this machine
     python -m tasks.core.evaluation.placement runs/tiny-demo/export bf16 4096
 
-Evaluation (held-out loss and the generation check, `tasks.core.evaluation.heldout`) loads each
+Evaluation (held-out loss and the generation check, `tasks.core.evaluation.heldout` and `.generation`) loads each
 compared model with plain `transformers`, as its users will. `plan` is the pure decision: with no
 GPU, the CPU; a model whose weights, one evaluation batch's forward and the CUDA
 reserve fit the first GPU goes there whole; a larger one is spread over every visible GPU by

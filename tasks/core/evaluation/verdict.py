@@ -19,7 +19,7 @@ from typing import Any
 
 from tasks.core.config.outputs import GateConfig
 from tasks.core.evaluation.benchmark import gate_checks as benchmark_checks
-from tasks.core.evaluation.heldout import stop_problem
+from tasks.core.evaluation.generation import stop_problem
 
 
 def _per_source(limits: dict[str, float], cpt: dict[str, Any] | None, check) -> None:

@@ -25,9 +25,9 @@ from tasks.core.config.kernels import describe
 from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import RunConfig
 from tasks.core.config.sequence import sp_factor
-from tasks.core.data.truncation import describe as describe_truncation
 from tasks.core.evaluation.benchmark import card_results as benchmark_card_results
 from tasks.core.evaluation.verdict import eval_results_for_card
+from tasks.core.hub.card_data import data_section
 from tasks.core.hub.metadata import with_front_matter
 from tasks.core.hub.outcome import UNMEASURED_STOP, evaluation_section, gate_verdict_text, stop_claim
 from tasks.core.hub.repo import HUB_ID, hub_dataset_id, is_hub_id
@@ -278,10 +278,6 @@ def _num(x: Any, fmt: str = "{:,}") -> str:
     return "n/a" if x is None else fmt.format(x)
 
 
-def _data_name(uri: str) -> str:
-    return hub_dataset_id(uri) or Path(uri.rstrip("/")).name
-
-
 def model_card(
     cfg: RunConfig,
     export_manifest: dict[str, Any],
@@ -294,13 +290,61 @@ def model_card(
     model: `base_facts`) plus training hyperparameters, data, evaluation, versions, verification
     and usage. `results`: the stage rows (this run's StageResults, or run.json's), for the gate's
     verdict and the evaluations that did not run; None says neither."""
+    hub = cfg.hub
+    base = base or base_facts(cfg)
+    meta = export_manifest.get("meta") or {}
+    v = meta.get("verification") or {}
+    title = hub.repo_id if hub else cfg.name
+    versions = meta.get("versions") or {}
+    version_line = ", ".join(f"{k} {val}" for k, val in versions.items() if val) or "not recorded"
+    usage_id = hub.repo_id if hub else f"path/to/{cfg.name}/export"
+    body = f"""
+# {title}
+
+Continued pre-training (CPT) then supervised fine-tuning (SFT) of {_base_line(base)} with cpt-to-sft on
+ColossalAI, run `{cfg.name}`. Gate before the push: {gate_verdict_text(results)[0]}.
+
+## Usage
+
+{usage_snippet(usage_id, cfg.export.dtype, stop_claim(metrics))}
+
+{_stop_line(v)}
+
+## Training hyperparameters
+
+{chr(10).join(_training_table(cfg, facts, base))}
+
+## Data
+
+{chr(10).join(data_section(cfg, facts))}
+
+## Evaluation (held-out)
+
+{evaluation_section(metrics, results)}
+
+## Framework versions
+
+{version_line}
+
+## Export
+
+`{cfg.export.dtype}` safetensors. Provenance is in `{MANIFEST.split("/")[0]}/`: `{MANIFEST.split("/")[1]}` lists every file
+with its sha256, `verification.json` holds the checks below.
+
+**Verification:** {_verification(v)}
+{_adapter_paragraph(cfg, v.get("adapter") or {})}"""
+    return with_front_matter(_card_data(cfg, base, metrics), body)
+
+
+def _card_data(cfg: RunConfig, base: dict[str, Any], metrics: dict[str, Any] | None):
+    """The card's metadata (huggingface_hub's ModelCardData): the base, the datasets on the Hub,
+    license and tags, and the model-index of the held-out and benchmark results."""
     from huggingface_hub import ModelCardData
 
     hub = cfg.hub
     eval_results = eval_results_for_card(metrics or {}) + benchmark_card_results((metrics or {}).get("benchmark"))
     datasets = sorted({d for u in (*cfg.cpt.data.uris, *cfg.sft.data.uris) if (d := hub_dataset_id(u))})
-    base = base or base_facts(cfg)
-    data = ModelCardData(
+    return ModelCardData(
         **_base_metadata(base),
         datasets=datasets or None,
         library_name="transformers",
@@ -311,11 +355,10 @@ def model_card(
         model_name=(hub.repo_id.split("/")[-1] if hub else cfg.name) if eval_results else None,
         eval_results=eval_results or None,
     )
-    meta = export_manifest.get("meta") or {}
-    v = meta.get("verification") or {}
-    base_line = _base_line(base)
-    title = hub.repo_id if hub else cfg.name
 
+
+def _training_table(cfg: RunConfig, facts: dict[str, dict], base: dict[str, Any]) -> list[str]:
+    """The hyperparameters and what training measured, one row per fact, CPT beside SFT."""
     train = ["| | CPT | SFT |", "|---|---|---|"]
     rows = {
         "plugin and parallel layout": lambda s: _segments(facts, s) or _layout(cfg, s),
@@ -339,142 +382,36 @@ def model_card(
         "seed": lambda s: str(cfg.phase(s).seed),
         "preemptions": lambda s: preemption_cell(facts, s),
     }
-    train += [f"| {name} | {fn('cpt')} | {fn('sft')} |" for name, fn in rows.items()]
+    return train + [f"| {name} | {fn('cpt')} | {fn('sft')} |" for name, fn in rows.items()]
 
-    data_rows = [
-        "| stage | dataset | checksum | train records | held-out records | split |",
-        "|---|---|---|---|---|---|",
-    ]
-    for stage in cfg.phases:
-        split = facts.get(stage, {}).get("split") or {}
-        held = split.get("heldout_uri")
-        how = (
-            f"held-out file `{_data_name(held)}`"
-            if held
-            else (
-                f"{split.get('fraction'):g} hash split"
-                if split.get("method") == "hash-fraction"
-                else split.get("method", "n/a")
-            )
-        )
-        inputs = split.get("inputs") or [{"uri": u, "checksum": "n/a"} for u in cfg.phase(stage).data.uris]
-        names = "<br>".join(f"`{_data_name(i['uri'])}`" for i in inputs)
-        sums = "<br>".join(f"`{i.get('checksum', 'n/a')}`" for i in inputs)
-        data_rows.append(
-            f"| {stage.upper()} | {names} | {sums} | {_num(split.get('train_records'))} | "
-            f"{_num(split.get('heldout_records'))} | {how} |"
-        )
-    longer = []  # records longer than seq_len: the rule and what it made of them (tasks/core/data/truncation.py)
-    for stage in cfg.phases:
-        tr = (facts.get(stage, {}).get("split") or {}).get("truncation")
-        line = tr and describe_truncation(tr, stage, tr.get("rule"), tr.get("seq_len") or cfg.phase(stage).seq_len)
-        longer.append(
-            f"- {stage.upper()}: {line or f'no training record longer than seq_len={cfg.phase(stage).seq_len}'}."
-            if tr
-            else f"- {stage.upper()}: not recorded."
-        )
-    data_rows += ["", "Records longer than seq_len:", "", *longer]
-    for stage in cfg.phases:  # a weighted mixture: what each source was meant to give and what the steps took
-        sources = (facts.get(stage, {}).get("split") or {}).get("sources") or []
-        if len(sources) > 1:
-            data_rows += [
-                "",
-                f"{stage.upper()} mixture (blended once for the planned steps):",
-                "",
-                (
-                    "| source | weight | realized token share | epochs | training tokens available | held-out records | "
-                    "longer than seq_len |"
-                ),
-                "|---|---|---|---|---|---|---|",
-            ]
-            data_rows += [
-                f"| {s['name']} | {s.get('weight', 1):.3f} | {s.get('token_share', 1):.4f} | {_num(s.get('epochs'), '{:.3f}')} "
-                "| "
-                f"{_num(s.get('tokens_available'))} | {_num(s.get('heldout_records'))} | {_num((s.get('truncation') or {}).get('over_seq_len'))} "
-                "|"
-                for s in sources
-            ]
-        only = (facts.get(stage, {}).get("split") or {}).get("heldout_sources") or []
-        if only:  # cpt.eval.heldout_sources: the forgetting check's text, evaluated only
-            data_rows += [
-                "",
-                f"{stage.upper()} held-out-only sources (evaluated base vs {stage.upper()}, never trained on):",
-                "",
-                "| source | dataset | checksum | records | tokens |",
-                "|---|---|---|---|---|",
-            ]
-            for s in only:
-                names = "<br>".join(f"`{_data_name(i['uri'])}`" for i in s["inputs"])
-                sums = "<br>".join(f"`{i['checksum']}`" for i in s["inputs"])
-                data_rows.append(
-                    f"| {s['name']} | {names} | {sums} | {_num(s.get('records'))} | {_num(s.get('tokens'))} |"
-                )
 
-    evaluation = evaluation_section(metrics, results)
-
-    versions = meta.get("versions") or {}
-    version_line = ", ".join(f"{k} {val}" for k, val in versions.items() if val) or "not recorded"
-    if v:
-        proof = v.get("weights_bitwise") or {}
-        verification = (
-            f"{'passed' if v.get('fingerprint_match') else 'FAILED'}: every one of the {proof.get('tensors', v.get('tensors'))} "
-            "exported "
-            f"`{v.get('dtype')}` tensors is bitwise the SFT checkpoint's tensor cast to `{v.get('dtype')}`; loaded "
-            "with `transformers`, "
-            f"the logits on a fixed probe batch are within {v.get('fingerprint_rel_diff', float('nan')):.3g} of their "
-            "magnitude "
-            f"(tolerance {v.get('fingerprint_rtol')}) of the checkpoint's, top-1 agreement {v.get('top1_agreement', float('nan')):.3f}."
-        )
-    else:
-        verification = "not recorded in the export manifest."
-    stop = v.get("stop_tokens") or {}
-    added = ", ".join(f"`{a['token']}` ({a['id']})" for a in stop.get("added", []))
-    stop_line = (
-        (
-            f"`eos_token_id` is {stop.get('eos_token_id')}: the base model's {stop.get('base_eos_token_id')}"
-            + (f" plus the chat template's end-of-turn {added}" if added else "")
-            + "."
-        )
-        if stop
-        else ""
+def _verification(v: dict[str, Any]) -> str:
+    """The export's weight proof: bitwise against the SFT checkpoint, and the logits check."""
+    if not v:
+        return "not recorded in the export manifest."
+    proof = v.get("weights_bitwise") or {}
+    return (
+        f"{'passed' if v.get('fingerprint_match') else 'FAILED'}: every one of the {proof.get('tensors', v.get('tensors'))} "
+        "exported "
+        f"`{v.get('dtype')}` tensors is bitwise the SFT checkpoint's tensor cast to `{v.get('dtype')}`; loaded "
+        "with `transformers`, "
+        f"the logits on a fixed probe batch are within {v.get('fingerprint_rel_diff', float('nan')):.3g} of their "
+        "magnitude "
+        f"(tolerance {v.get('fingerprint_rtol')}) of the checkpoint's, top-1 agreement {v.get('top1_agreement', float('nan')):.3f}."
     )
-    usage_id = hub.repo_id if hub else f"path/to/{cfg.name}/export"
-    body = f"""
-# {title}
 
-Continued pre-training (CPT) then supervised fine-tuning (SFT) of {base_line} with cpt-to-sft on
-ColossalAI, run `{cfg.name}`. Gate before the push: {gate_verdict_text(results)[0]}.
 
-## Usage
-
-{usage_snippet(usage_id, cfg.export.dtype, stop_claim(metrics))}
-
-{stop_line}
-
-## Training hyperparameters
-
-{chr(10).join(train)}
-
-## Data
-
-{chr(10).join(data_rows)}
-
-## Evaluation (held-out)
-
-{evaluation}
-
-## Framework versions
-
-{version_line}
-
-## Export
-
-`{cfg.export.dtype}` safetensors. Provenance is in `{MANIFEST.split("/")[0]}/`: `{MANIFEST.split("/")[1]}` lists every file
-with its sha256, `verification.json` holds the checks below.
-
-**Verification:** {verification}
-{_adapter_paragraph(cfg, v.get("adapter") or {})}"""
-    return with_front_matter(data, body)
+def _stop_line(v: dict[str, Any]) -> str:
+    """Where generation stops: the export's eos_token_id, the base's plus the end-of-turn tokens added."""
+    stop = v.get("stop_tokens") or {}
+    if not stop:
+        return ""
+    added = ", ".join(f"`{a['token']}` ({a['id']})" for a in stop.get("added", []))
+    return (
+        f"`eos_token_id` is {stop.get('eos_token_id')}: the base model's {stop.get('base_eos_token_id')}"
+        + (f" plus the chat template's end-of-turn {added}" if added else "")
+        + "."
+    )
 
 
 def _base_line(base: dict[str, Any]) -> str:

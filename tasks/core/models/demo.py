@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -115,24 +117,42 @@ def build_tokenizer(corpus_paths: Iterable[str | Path] | None = None, vocab_size
     )
 
 
+@dataclass(frozen=True)
+class TinyShape:
+    """A demo model's dimensions: the defaults train in seconds on two CPU ranks and divide by tp=2
+    (4 heads, 2 KV heads); a benchmark's larger model is another shape of the same family."""
+
+    vocab_size: int | None = None  # embedding rows; None: the tokenizer's size (more: rows no token maps to)
+    tie_word_embeddings: bool = False
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 256
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size} and "
+                f"num_kv_heads={self.num_kv_heads} must divide num_heads"
+            )
+
+
 def build_tiny_model(
     out_dir: str | Path,
     tokenizer: PreTrainedTokenizerFast,
     family: str = "llama",
-    vocab_size: int | None = None,
-    tie_word_embeddings: bool = False,
-    hidden_size: int = 64,
-    num_layers: int = 4,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    max_position_embeddings: int = 256,
+    shape: TinyShape | None = None,
+    *,
     seed: int = 0,
     max_shard_size: int | str = "5GB",
+    **dims: Any,
 ) -> Path:
-    """Write a seeded random fp32 model, its tokenizer and generation config to `out_dir`
+    """Write a seeded random fp32 model of `shape`, its tokenizer and generation config to `out_dir`
     (weights in safetensors files of at most `max_shard_size`, with an index when there are several).
 
+    `dims` are `TinyShape` fields over `shape` (`num_layers=2` is `shape=TinyShape(num_layers=2)`).
     `vocab_size` defaults to len(tokenizer); a larger value (e.g. 515, not divisible by tp=2)
     gives embedding rows no token maps to, which is how checkpoints padded for TP look.
     """
@@ -142,16 +162,12 @@ def build_tiny_model(
         raise ValueError(
             f"family={family!r} is neither registered ({sorted(FAMILIES)}) nor a model type transformers knows"
         )
-    vocab_size = len(tokenizer) if vocab_size is None else vocab_size
+    shape = replace(shape or TinyShape(), **dims)
+    vocab_size = len(tokenizer) if shape.vocab_size is None else shape.vocab_size
     if vocab_size < len(tokenizer):
         raise ValueError(
             f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens): token ids would "
             "overflow the embedding"
-        )
-    if hidden_size % num_heads or num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads={num_heads} must divide hidden_size={hidden_size} and num_kv_heads={num_kv_heads} must divide "
-            "num_heads"
         )
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (BOS, EOS, PAD, IM_END)}
@@ -163,13 +179,13 @@ def build_tiny_model(
         **(spec.demo_config if spec else {})  # the family's fields first: the demo's own win
         | dict(
             vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            max_position_embeddings=max_position_embeddings,
-            tie_word_embeddings=tie_word_embeddings,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_hidden_layers=shape.num_layers,
+            num_attention_heads=shape.num_heads,
+            num_key_value_heads=shape.num_kv_heads,
+            max_position_embeddings=shape.max_position_embeddings,
+            tie_word_embeddings=shape.tie_word_embeddings,
             bos_token_id=ids[BOS],
             eos_token_id=ids[EOS],
             pad_token_id=ids[PAD],
@@ -221,14 +237,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     a = p.parse_args(argv)
 
     tokenizer = build_tokenizer(a.corpus or DEFAULT_CORPUS, vocab_size=a.vocab_size)
-    out = build_tiny_model(
-        a.out,
-        tokenizer,
-        family=a.family,
-        vocab_size=a.model_vocab_size,
-        tie_word_embeddings=a.tie_word_embeddings,
-        seed=a.seed,
-    )
+    shape = TinyShape(vocab_size=a.model_vocab_size, tie_word_embeddings=a.tie_word_embeddings)
+    out = build_tiny_model(a.out, tokenizer, a.family, shape, seed=a.seed)
     print(f"wrote {a.family} model (vocab {a.model_vocab_size or len(tokenizer)}, tokenizer {len(tokenizer)}) to {out}")
 
 

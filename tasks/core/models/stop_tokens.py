@@ -8,7 +8,7 @@ end-of-turn tokens are found from the template itself, the way `tasks.core.data.
 labels them: render a conversation, take each assistant turn's tokens between the generation
 prompt and the end of the turn, and keep the special tokens among them (the reply's text has none). No table of
 token names is involved, so any template works. The gate's generation check
-(`tasks.core.evaluation.heldout.generation_check`) stays an independent check of the result.
+(`tasks.core.evaluation.generation.generation_check`) stays an independent check of the result.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Pre-flight: every check a run can fail in seconds, before a model is loaded or a rank started, and
 the report.
 
+- base_model.py    the base model itself: weights' format, its code, positions, chat template, family
 - benchmark.py     the benchmark stage: lm-eval installed, tasks local, their YAML loads
-- checks.py        the checks in order, and the report they make
+- checks.py        the checks in order, the config's and the machine's, and the report they make
 - data.py          each dataset exists and its first records have the fields the stage needs
 - eval_memory.py   where each evaluation stage puts its models on this worker's GPUs
 - eval_time.py     each evaluation stage's cost beside its training stage's

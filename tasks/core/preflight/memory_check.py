@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from tasks.core.config.layout import ParallelLayout, layout_problems
@@ -231,9 +232,32 @@ def _sum_line(rows: list[tuple[str, int]]) -> str:
     return " + ".join(f"{what} {human(n)}" for what, n in rows) + f" = {human(sum(n for _, n in rows))}"
 
 
-def _check_host(ctx: Any, mc: dict[str, Any], st: PhaseConfig, name: str, est: MemoryEstimate, cuda: bool) -> None:
+@dataclass(frozen=True)
+class _StageMemory:
+    """One stage's memory facts, as its GPU and host checks read them."""
+
+    mc: dict[str, Any]  # the base model's config.json
+    st: PhaseConfig
+    name: str
+    est: MemoryEstimate
+    cuda: bool
+
+    @property
+    def params(self) -> str:
+        return f"{self.est.rank_parameters / 1e6:,.1f}M of {self.est.parameters / 1e6:,.1f}M parameters"
+
+    @property
+    def built(self) -> str:
+        return (
+            f"while the model is built {self.est.breakdown('construction')}; "
+            f"the shard verb (boost_and_shard / reboost) {self.est.breakdown('shard')}"
+        )
+
+
+def _check_host(ctx: Any, m: _StageMemory) -> None:
     """The node's ranks at their peak plus the flow process against this machine's memory: refused over its
     total (they cannot run here whatever else is running), a warning over what is available now."""
+    mc, st, name, est, cuda = m.mc, m.st, m.name, m.est, m.cuda
     total = getattr(ctx.machine, "host_memory_bytes", None)
     if not total or not _ranks_here(st, ctx.machine, cuda):
         return
@@ -293,34 +317,21 @@ def check_memory(ctx: Any) -> None:
         except (ConfigError, ConversionError, KeyError) as exc:  # the layout/family checks name the problem
             ctx.warn(f"{name} memory not estimated: {exc.problems[0][1] if isinstance(exc, ConfigError) else exc}")
             continue
-        params = f"{est.rank_parameters / 1e6:,.1f}M of {est.parameters / 1e6:,.1f}M parameters"
-        built = (
-            f"while the model is built {est.breakdown('construction')}; "
-            f"the shard verb (boost_and_shard / reboost) {est.breakdown('shard')}"
-        )
+        m = _StageMemory(mc, st, name, est, cuda)
         if not cuda:
             ctx.ok(
-                f"{name} memory per rank (estimate, {params}): host RAM steady on this CPU rank "
-                f"{est.breakdown('host')}; {built}; no GPU: the host is the limit"
+                f"{name} memory per rank (estimate, {m.params}): host RAM steady on this CPU rank "
+                f"{est.breakdown('host')}; {m.built}; no GPU: the host is the limit"
             )
         else:
-            _check_gpu(ctx, mc, st, name, est, cuda, declared, capacity, params, built)
-        _check_host(ctx, mc, st, name, est, cuda)
+            _check_gpu(ctx, m, declared, capacity)
+        _check_host(ctx, m)
     _check_flow(ctx, mc)
 
 
-def _check_gpu(
-    ctx: Any,
-    mc: dict[str, Any],
-    st: PhaseConfig,
-    name: str,
-    est: MemoryEstimate,
-    cuda: bool,
-    declared: float | None,
-    capacity: int | None,
-    params: str,
-    built: str,
-) -> None:
+def _check_gpu(ctx: Any, m: _StageMemory, declared: float | None, capacity: int | None) -> None:
+    """The rank's estimate against the GPU memory the stage declares or this machine's GPU has."""
+    mc, st, name, est, cuda, params, built = m.mc, m.st, m.name, m.est, m.cuda, m.params, m.built
     source = f"{name}.launch.gpu_memory_gb = {declared:g}" if declared else "the visible GPU"
     parts = f"{params}: {est.breakdown('device')}"
     host = f"host {est.breakdown('host')}; {built}"
