@@ -4,8 +4,9 @@
     python -m flows.cpt_to_sft --config FILE --check          # pre-flight only, launches nothing
     python -m flows.cpt_to_sft --config FILE --stop-after export   # the stages up to the export only
 
-Without PREFECT_API_URL this starts an embedded Prefect server (nothing to run first). Each line
-below is one Prefect task that leaves a verified artifact under the run root; re-running skips
+Without PREFECT_API_URL this starts an embedded Prefect server (nothing to run first). Each row
+of the stage table (tasks/core/run/stages.py) is one Prefect task that leaves a verified artifact
+under the run root; tasks/flowkit/run.py runs them in order around the lease, and re-running skips
 every stage whose artifact verifies and whose config is unchanged. The gate before push_to_hub
 compares the evaluations with `gate:`; a failed gate keeps every artifact, pushes nothing, ends
 the flow run in a Completed state named "FailedGate", and the CLI exits with status 3.
