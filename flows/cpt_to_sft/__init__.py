@@ -26,7 +26,7 @@ from functools import partial
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.states import Completed, Failed
+from prefect.states import Failed
 
 from tasks.core.config.load import load_config
 from tasks.core.config.overrides import RunOverrides, on_form, parse_overrides
@@ -42,7 +42,6 @@ from tasks.flowkit.run import Interrupted, PipelineRun, check_stop_after, failur
 # Each stage module binds its task to its row of the table when imported (tasks/flowkit/pipeline.py).
 from tasks.stages import benchmark, evaluate, gate, load, prepare_data, push, train, unshard  # noqa: F401
 from tasks.stages.export import write_card
-from tasks.stages.gate import gate_message
 
 __all__ = [
     "Interrupted",
@@ -162,11 +161,7 @@ def cpt_to_sft(
     # run.json and the card around them (tasks/flowkit/run.py).
     logger = get_run_logger()  # after the rename: its lines name the run
     reread = partial(reread_config, config, overrides, logger=logger)
-    ended = PipelineRun(cfg, stop_after=stop_after, reread=reread, card=write_card, logger=logger).run()
-    if isinstance(ended, dict) and ended["gate"].get("passed") is False:
-        # Not a crash: the artifacts are fine and kept, they just did not earn a push.
-        return Completed(name="FailedGate", message=gate_message(ended["gate"]), data=ended)
-    return ended
+    return PipelineRun(cfg, stop_after=stop_after, reread=reread, card=write_card, logger=logger).run()
 
 
 def reread_config(config: str, overrides: RunOverrides | dict | None, cfg: RunConfig, logger) -> RunConfig:

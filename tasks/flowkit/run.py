@@ -9,7 +9,8 @@ on a preemption records the stage, waits for capacity by the stage's policy and 
 again (finished stages skip, training resumes from the checkpoint committed on the notice); stops
 after `stop_after`. Whatever the end, it writes the model card into the export, run.json and the
 closing table, finishes tracking and releases the lease. It returns the summary, or a Prefect
-state saying why not (Cancelled, Failed, Failed "Preempted", Failed "Refused" for a held lease).
+state saying why not (Cancelled, Failed, Failed "Preempted", Failed "Refused" for a held lease,
+Completed "FailedGate": the artifacts kept, the push held back).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from prefect import Task, get_run_logger
-from prefect.states import Cancelled, Failed, State
+from prefect.states import Cancelled, Completed, Failed, State
 
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError, Preempted
@@ -99,7 +100,12 @@ class PipelineRun:
                 summary = self._close(store, time.monotonic() - self.started)
             finally:
                 lease.release()
-        return state if state is not None else summary
+        if state is not None:
+            return state
+        if summary["gate"].get("passed") is False:
+            # Not a crash: the artifacts are fine and kept, they just did not earn a push.
+            return Completed(name="FailedGate", message=gate_message(summary["gate"]), data=summary)
+        return summary
 
     def _loop(self) -> State | None:
         try:
@@ -249,6 +255,10 @@ def check_stop_after(stop_after: str | None) -> None:
             [("stop_after", f"{stop_after!r} is no stage; use one of: {', '.join(table.STAGE_NAMES)}")],
             header="invalid flow parameter",
         )
+
+
+def gate_message(verdict: dict[str, Any]) -> str:
+    return "gate failed, nothing pushed, every artifact kept: " + "; ".join(verdict.get("reasons") or [])
 
 
 def start_tracking(cfg: RunConfig, logger: Any) -> tracking.RunTracker | None:

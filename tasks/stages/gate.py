@@ -10,7 +10,6 @@ every run, so changing a threshold re-decides without re-running anything upstre
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from prefect import get_run_logger, task
 
@@ -59,7 +58,3 @@ def gate(
     if scores:
         ui.benchmark_table(scores, verdict)  # the benchmark table again, with the gate's word per task
     return StageResult("gate", status, seconds=time.monotonic() - started, detail=verdict)
-
-
-def gate_message(verdict: dict[str, Any]) -> str:
-    return "gate failed, nothing pushed, every artifact kept: " + "; ".join(verdict.get("reasons") or [])
