@@ -126,9 +126,12 @@ def test_a_failed_gate_holds_the_push_back_and_a_preempted_stage_is_retried_by_i
     def failing_gate(n):
         return StageResult("gate", Status.FAILED_GATE, detail={"passed": False, "reasons": ["cpt perplexity rose"]})
 
-    summary = make_run(
+    state = make_run(
         behave={"train_cpt": preempt_once, "gate": failing_gate}, reread=lambda c: rereads.append(c) or c
     ).run()
+    assert state.is_completed() and state.name == "FailedGate", state  # not a crash: the artifacts are kept
+    assert state.message == "gate failed, nothing pushed, every artifact kept: cpt perplexity rose"
+    summary = state.result()
     names = [c[0] for c in calls]
     assert names.count("train_cpt") == 2 and names.count("load_from_hf") == 2 and len(rereads) == 1
     assert "push_to_hub" not in names  # held back by the gate's verdict, never called
