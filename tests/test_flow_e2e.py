@@ -186,7 +186,7 @@ def _gate_reruns(mp, tmp, model_dir, run_root):
                 }
             )
         mp.setattr(tasks.stages.train, "run_engine", launches.real)
-        mp.setattr(flow_mod, "push_to_hub", real_push)
+        mp.setitem(pipeline.TASKS, "push_to_hub", real_push)
     return out
 
 
