@@ -515,8 +515,8 @@ def _run_flow(config: str, overrides: Any, stop_after: str | None) -> int:
     import flows.cpt_to_sft as runbook
     from flows.embedded_api import ApiUnavailable, embedded_api
     from tasks.core.errors import PREEMPTED_EXIT
+    from tasks.flowkit.run import gate_message
     from tasks.flowkit.stage import PREEMPTED_STATE
-    from tasks.stages.gate import gate_message
 
     previous = signal.signal(signal.SIGINT, _on_sigint)
     try:

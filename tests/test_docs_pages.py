@@ -72,6 +72,7 @@ def test_extending_page_names_a_test_that_exists_for_each_recipe():
     assert [s.splitlines()[0] for s in sections] == [
         "A model family",
         "A plugin",
+        "A stage",
         "A phase",
         "A kernel",
         "A notice source",

@@ -345,7 +345,7 @@ def test_cpt_preempted_on_2_ranks_is_retried_by_the_flow_on_1_at_the_kept_global
     checkpoint's global batch of 4: the losses continue the uninterrupted run's within 1e-6, steps lost 0.
     Run as `cpt-to-sft run --set cpt.elastic.retry_wait_s=0` over a file that says 30: the retry reads the
     user's file (not a copy resolved at the start) with the --set applied again."""
-    import flows.cpt_to_sft as runbook
+    import tasks.flowkit.run as runner
 
     copy = demo_run_copy
     cpt = copy.run_root / "cpt"
@@ -361,14 +361,14 @@ def test_cpt_preempted_on_2_ranks_is_retried_by_the_flow_on_1_at_the_kept_global
     one["cpt"].update(
         plugin={"name": "torch_ddp", "precision": "fp32"}, launch={"nproc_per_node": 1}, micro_batch_size=2
     )
-    real, told = runbook.preemption_policy, []
+    real, told = runner.preemption_policy, []
 
     def one_rank_comes_back(cfg, exc):
         write_config(config, one)  # what an operator (or a capacity script) writes while the run waits
         told.append(exc.record.get("checkpoint_step"))
         return real(cfg, exc)
 
-    monkeypatch.setattr(runbook, "preemption_policy", one_rank_comes_back)
+    monkeypatch.setattr(runner, "preemption_policy", one_rank_comes_back)
     monkeypatch.setenv("CPT_TO_SFT_FAULT", "term@step=2@stage=cpt@rank=1")
     table = _stage_tables(monkeypatch)
     rc, summary, console = _run(config, "train_cpt", sets=("cpt.elastic.retry_wait_s=0",))

@@ -150,6 +150,7 @@ def _gate_reruns(mp, tmp, model_dir, run_root):
     import flows.cpt_to_sft as flow_mod
     import tasks.stages.train
     from flows.cli import flow_main
+    from tasks.flowkit import pipeline
 
     out = []
     for name, gate in (
@@ -160,9 +161,9 @@ def _gate_reruns(mp, tmp, model_dir, run_root):
         raw["gate"].update(gate)
         cfg = write_config(tmp / f"tiny-gate-{name}.yaml", raw)
         launches, pushes = Launches(tasks.stages.train.run_engine), []
-        real_push = flow_mod.push_to_hub
+        real_push = pipeline.TASKS["push_to_hub"]
         mp.setattr(tasks.stages.train, "run_engine", launches)
-        mp.setattr(flow_mod, "push_to_hub", _counting_push(real_push, pushes))
+        mp.setitem(pipeline.TASKS, "push_to_hub", _counting_push(real_push, pushes))
         if name == "failing":
             state = flow_mod.cpt_to_sft(config=str(cfg), return_state=True)
             out.append(
@@ -185,7 +186,7 @@ def _gate_reruns(mp, tmp, model_dir, run_root):
                 }
             )
         mp.setattr(tasks.stages.train, "run_engine", launches.real)
-        mp.setattr(flow_mod, "push_to_hub", real_push)
+        mp.setitem(pipeline.TASKS, "push_to_hub", real_push)
     return out
 
 

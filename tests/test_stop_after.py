@@ -1,5 +1,6 @@
 """`stop_after`: the flow runs the stages up to and including the named one, records the rest as
-not-run in run.json and ends Completed; an unknown name is refused before anything runs.
+not-run in run.json and ends Completed; an unknown name is refused before anything runs. A stage
+added as one row plus its task runs in the flow (and stop_after takes its name).
 
     .venv/bin/python -m pytest -q -m "" tests/test_stop_after.py     # ~1 min (one Prefect test server)
 """
@@ -12,6 +13,7 @@ import pytest
 
 import flows.cpt_to_sft  # noqa: F401 - Prefect sets up its console logging on import: not under a test's capsys
 from tasks.core.run.stages import STAGE_NAMES
+from tests._dummy_stage import DUMMY, add_dummy_stage
 from tests.conftest import tiny_config_raw, write_config
 
 
@@ -41,7 +43,9 @@ def test_check_stop_after_names_the_field_and_the_stages():
 
 
 @pytest.mark.integration
-def test_the_flow_stops_after_the_stage_and_records_the_rest_as_not_run(prefect_harness, tiny_model_dir, tmp_path):
+def test_the_flow_stops_after_the_stage_and_records_the_rest_as_not_run(
+    prefect_harness, tiny_model_dir, tmp_path, monkeypatch
+):
     from flows.cli import flow_main as main
     from flows.cpt_to_sft import cpt_to_sft
 
@@ -66,10 +70,17 @@ def test_the_flow_stops_after_the_stage_and_records_the_rest_as_not_run(prefect_
     assert summary["gate"] == {"status": "not-run"} and summary["export"] is None
     assert (run_root / "data" / "sft").is_dir() and not (run_root / "cpt").exists()
 
-    # The flow itself: Completed, the same stages skipped now, one more run and it stops there too.
-    state = cpt_to_sft(config=str(cfg), stop_after="load_from_hf", return_state=True)
+    # The flow itself, with a stage added as docs/extending.md says (its row after load_from_hf, reading
+    # it, plus its task): Completed, load_from_hf skipped now, the new stage run on its result, stopped there.
+    add_dummy_stage(monkeypatch)
+    state = cpt_to_sft(config=str(cfg), stop_after=DUMMY, return_state=True)
     assert state.is_completed() and state.name == "Completed", state
     summary = state.result()
-    statuses = {s["stage"]: s["status"] for s in summary["stages"]}
-    assert statuses.pop("load_from_hf") == "skipped" and set(statuses.values()) == {"not-run"}, statuses
-    assert summary["stopped_after"] == "load_from_hf"
+    rows = {s["stage"]: s for s in summary["stages"]}
+    assert list(rows)[:2] == ["load_from_hf", DUMMY] and rows[DUMMY]["detail"] == {
+        "read": "load_from_hf",
+        "run": "tiny-demo",
+    }
+    statuses = {name: row["status"] for name, row in rows.items()}
+    assert statuses.pop("load_from_hf") == "skipped" and statuses.pop(DUMMY) == "completed", statuses
+    assert set(statuses.values()) == {"not-run"} and summary["stopped_after"] == DUMMY

@@ -20,6 +20,7 @@
   `tasks/flowkit/` or `tasks/core/`), so they stand on one level of the import graph; `tasks/flowkit/`
   never imports a stage module.
 - The command line is one argument parser (flows/cli.py); `python -m flows.cpt_to_sft` is a command of it.
+- The pipeline is the stage table: each row bound to a task, the runbook spelling no stage name.
 """
 
 from __future__ import annotations
@@ -773,12 +774,34 @@ def test_every_registered_plugin_has_an_engine_builder():
     assert set(PLUGINS) == set(BUILDERS)
 
 
-def test_the_run_layout_names_every_stage_the_flow_runs():
-    from tasks.core.run.stages import STAGE_NAMES
+def test_the_pipeline_is_the_stage_table_each_row_bound_to_a_task_and_the_runbook_names_no_stage():
+    """A stage's name is written once, in its row of tasks/core/run/stages.py: the runbook
+    (flows/cpt_to_sft/) and the pipeline's binding spell none, the runner reads the table. Every row
+    has a task whose parameters take exactly the stages it reads (tasks/flowkit/pipeline.py
+    `arguments`), each read and `held_by` is a row before it, each phase a PHASES row."""
+    import flows.cpt_to_sft  # noqa: F401 - binds every stage module's task
+    from tasks.core.config.phases import PHASES
+    from tasks.core.run.stages import STAGE_NAMES, STAGES
+    from tasks.flowkit import pipeline
 
-    flow = (ROOT / "flows" / "cpt_to_sft" / "__init__.py").read_text()
-    for name in STAGE_NAMES:
-        assert f'"{name}"' in flow, f"the flow does not run {name}"
+    assert set(pipeline.TASKS) == set(STAGE_NAMES), "a row without a task, or a task bound to no row"
+    for i, spec in enumerate(STAGES):
+        earlier = set(STAGE_NAMES[:i])
+        assert set(spec.reads) <= earlier and set(spec.parents) <= earlier, f"{spec.name} reads a later stage"
+        assert spec.held_by is None or spec.held_by in earlier, spec.name
+        assert spec.phase is None or spec.phase in PHASES, f"{spec.name}: phase {spec.phase!r} is no PHASES row"
+        results = {name: f"<{name}>" for name in STAGE_NAMES}
+        args = pipeline.arguments(spec, pipeline.TASKS[spec.name], "cfg", results)
+        assert [results[r] for r in spec.reads] == [a for a in args if isinstance(a, str) and a in results.values()]
+    # The runner names only the stages whose outcome run.json carries as a field of its own (and the card's export).
+    own = {TASKS / "flowkit" / "run.py": {"export", "gate", "push_to_hub"}}
+    spelled = [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}"
+        for path in [*_modules(ROOT / "flows" / "cpt_to_sft"), TASKS / "flowkit" / "pipeline.py", *own]
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in set(STAGE_NAMES) - own.get(path, set())
+    ]
+    assert not spelled, "the runbook spells a stage's name; read it from the table's row:\n" + "\n".join(spelled)
 
 
 def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(tiny_model_dir, tmp_path):

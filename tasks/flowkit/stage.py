@@ -51,6 +51,7 @@ from tasks.core.storage.oserrors import note_free
 from tasks.core.storage.publisher import RETRIES, publish_retrying
 from tasks.flowkit import automation
 from tasks.flowkit.notices import critical, stop_on_notice
+from tasks.flowkit.pipeline import bind
 
 __all__ = [
     "PREEMPTED_STATE",
@@ -301,9 +302,11 @@ class Stage:
         return self.result
 
 
-def stage_task(**task_kwargs: Any) -> Callable[[Callable[..., StageResult]], Any]:
+def stage_task(*, stages: tuple[str, ...] = (), **task_kwargs: Any) -> Callable[[Callable[..., StageResult]], Any]:
     """`@task` for a stage: a skipped StageResult ends the task run in a state named "Skipped", a
-    preempted stage in a Failed state named "Preempted" that carries the `Preempted` (`outcome` raises it)."""
+    preempted stage in a Failed state named "Preempted" that carries the `Preempted` (`outcome` raises it).
+    The task runs the table's rows named `stages` (default: the row of its own name, if there is one:
+    tasks/flowkit/pipeline.py)."""
 
     def wrap(fn: Callable[..., StageResult]):
         @wraps(fn)
@@ -321,7 +324,10 @@ def stage_task(**task_kwargs: Any) -> Callable[[Callable[..., StageResult]], Any
                 )
             return result
 
-        return task(**task_kwargs)(body)
+        made = task(**task_kwargs)(body)
+        if stages or made.name in STAGE:
+            bind(made, stages=stages)
+        return made
 
     return wrap
 

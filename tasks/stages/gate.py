@@ -10,19 +10,20 @@ every run, so changing a threshold re-decides without re-running anything upstre
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from prefect import get_run_logger, task
 
 from tasks.core.config.schema import RunConfig
 from tasks.core.evaluation import verdict as rules
 from tasks.core.run.stages import Status
-from tasks.flowkit import automation, ui
+from tasks.flowkit import ui
+from tasks.flowkit.pipeline import bind
 from tasks.flowkit.stage import StageResult
 
 EVAL_TABLE_KEY = "cpt-to-sft-evaluation"
 
 
+@bind
 @task(name="gate", task_run_name="gate before push")
 def gate(
     cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult, bench_eval: StageResult | None = None
@@ -57,18 +58,3 @@ def gate(
     if scores:
         ui.benchmark_table(scores, verdict)  # the benchmark table again, with the gate's word per task
     return StageResult("gate", status, seconds=time.monotonic() - started, detail=verdict)
-
-
-def held_back(cfg: RunConfig, verdict: StageResult) -> StageResult:
-    """The push_to_hub result when the gate failed: nothing is pushed, the reasons are kept."""
-    reasons = verdict.detail.get("reasons", [])
-    target = f"hf://{cfg.hub.repo_id}" if cfg.hub else None
-    get_run_logger().warning("push_to_hub: not run, the gate failed (%s)", "; ".join(reasons))
-    automation.stage_event("push_to_hub", Status.FAILED_GATE, cfg.name, target, reasons=reasons)
-    return StageResult(
-        "push_to_hub", Status.FAILED_GATE, uri=target, detail={"reason": "the gate failed", "reasons": reasons}
-    )
-
-
-def gate_message(verdict: dict[str, Any]) -> str:
-    return "gate failed, nothing pushed, every artifact kept: " + "; ".join(verdict.get("reasons") or [])

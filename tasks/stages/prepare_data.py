@@ -185,7 +185,7 @@ def tokenize_files(
     return [done[i] for i in todo]
 
 
-@stage_task(name="prepare_data", task_run_name="{phase}: tokenize data")
+@stage_task(name="prepare_data", task_run_name="{phase}: tokenize data", stages=tuple(PREPARE.values()))
 def prepare_data(cfg: RunConfig, phase: Phase, source: StageResult) -> StageResult:
     """Tokenize `phase`'s corpus with `source`'s tokenizer into data/<phase>/ (token shards, index, held-out
     records)."""

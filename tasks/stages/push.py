@@ -55,6 +55,7 @@ from tasks.core.models.folder import folder_problems
 from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR, read_manifest
 from tasks.core.run.stages import EXPORT, EXPORT_ADAPTER, Status
 from tasks.flowkit import automation, ui
+from tasks.flowkit.pipeline import bind
 from tasks.flowkit.retry import transient
 from tasks.flowkit.stage import StageResult, recorded_metrics, secret_token, store_for
 
@@ -151,6 +152,7 @@ def push_export(
     }
 
 
+@bind
 @task(name="push_to_hub", retries=3, retry_delay_seconds=20, retry_condition_fn=transient, task_run_name="push_to_hub")
 def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
     logger = get_run_logger()

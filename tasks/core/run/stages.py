@@ -1,9 +1,11 @@
-"""The run layout and the stage list, as data: what each stage is called, where its artifact
-lives under the run root, what it reads, what its config digest covers, and how checkpoints are named.
+"""The run layout and the pipeline, as data: one row per stage (its name, declared here; where its
+artifact lives under the run root; the stages its task reads; its phase; what its config digest
+covers), and how checkpoints are named.
 
     python -c "from tasks.core.run.stages import STAGES; print([(s.name, s.artifact, s.digest) for s in STAGES])"
 
-Read by the flow (order, stage table, failure URIs), every stage task (its artifact directory, its
+Read by the runner (tasks/flowkit/run.py: the order, what each task is called with, run.json,
+`--stop-after`, failure URIs), every stage task (its artifact directory, its
 source, its digest fields through `tasks.core.run.digest`), the engine (checkpoint names) and the
 push (the final checkpoint of each training stage). No run-directory literal is spelled anywhere else.
 
@@ -247,6 +249,14 @@ class StageSpec:
     parents: tuple[str, ...] = ()  # stages whose artifacts it is made from
     continues: str | None = None  # training: its checkpoints carry the digest of this stage's (step 0)
     global_batch: str | None = None  # a training key: digest the global batch its layout fields make
+    # The pipeline: the stages whose results its task is called with, after the config, in order
+    # (tasks/flowkit/pipeline.py binds them to the task's parameters), and the training phase it
+    # belongs to (a PHASES row; its task gets it as `phase` when it takes one).
+    reads: tuple[str, ...] = ()
+    phase: Phase | None = None
+    # Not run while this stage's verdict is failed-gate: its row records the hold instead.
+    held_by: str | None = None
+    publishes: bool = False  # it uploads the export: the model card is written into it first
 
 
 # The prepare stage of each training stage; both tokenize with the base model's tokenizer.
@@ -283,8 +293,22 @@ def _eval_fields(key: str) -> tuple[str, ...]:
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("load_from_hf", BASE, digest=("base_model",)),
-    StageSpec(PREPARE["cpt"], data_rel("cpt"), source=BASE, digest=_prepare_fields("cpt")),
-    StageSpec(PREPARE["sft"], data_rel("sft"), source=BASE, digest=_prepare_fields("sft")),
+    StageSpec(
+        PREPARE["cpt"],
+        data_rel("cpt"),
+        source=BASE,
+        digest=_prepare_fields("cpt"),
+        reads=("load_from_hf",),
+        phase="cpt",
+    ),
+    StageSpec(
+        PREPARE["sft"],
+        data_rel("sft"),
+        source=BASE,
+        digest=_prepare_fields("sft"),
+        reads=("load_from_hf",),
+        phase="sft",
+    ),
     StageSpec(
         "boost_and_shard",
         TRAINING["cpt"].checkpoints,
@@ -293,14 +317,34 @@ STAGES: tuple[StageSpec, ...] = (
         minus=(*_eval_knobs("cpt"), *layout_fields("cpt")),
         parents=("load_from_hf", PREPARE["cpt"]),
         global_batch="cpt",
+        reads=("load_from_hf", PREPARE["cpt"]),
+        phase="cpt",
     ),
     StageSpec(
-        "train_cpt", TRAINING["cpt"].checkpoints, source=TRAINING["cpt"].checkpoints, continues="boost_and_shard"
+        "train_cpt",
+        TRAINING["cpt"].checkpoints,
+        source=TRAINING["cpt"].checkpoints,
+        continues="boost_and_shard",
+        reads=("boost_and_shard",),
+        phase="cpt",
     ),
     # export.max_shard_size, which unshard also reads, only cuts the same tensors into other files.
-    StageSpec("unshard", "cpt/hf", source=TRAINING["cpt"].checkpoints, parents=("train_cpt",)),
     StageSpec(
-        "evaluate_cpt", "eval/cpt", source="cpt/hf", digest=_eval_fields("cpt"), parents=("load_from_hf", "unshard")
+        "unshard",
+        "cpt/hf",
+        source=TRAINING["cpt"].checkpoints,
+        parents=("train_cpt",),
+        reads=("train_cpt",),
+        phase="cpt",
+    ),
+    StageSpec(
+        "evaluate_cpt",
+        "eval/cpt",
+        source="cpt/hf",
+        digest=_eval_fields("cpt"),
+        parents=("load_from_hf", "unshard"),
+        reads=("load_from_hf", "unshard"),  # base vs CPT, held-out perplexity
+        phase="cpt",
     ),
     StageSpec(
         "reboost",
@@ -310,9 +354,25 @@ STAGES: tuple[StageSpec, ...] = (
         minus=(*_eval_knobs("sft"), *layout_fields("sft")),
         parents=("unshard", PREPARE["sft"]),
         global_batch="sft",
+        reads=("unshard", PREPARE["sft"]),
+        phase="sft",
     ),
-    StageSpec("train_sft", TRAINING["sft"].checkpoints, source=TRAINING["sft"].checkpoints, continues="reboost"),
-    StageSpec("export", EXPORT, source=TRAINING["sft"].checkpoints, digest=("export",), parents=("train_sft",)),
+    StageSpec(
+        "train_sft",
+        TRAINING["sft"].checkpoints,
+        source=TRAINING["sft"].checkpoints,
+        continues="reboost",
+        reads=("reboost",),
+        phase="sft",
+    ),
+    StageSpec(
+        "export",
+        EXPORT,
+        source=TRAINING["sft"].checkpoints,
+        digest=("export",),
+        parents=("train_sft",),
+        reads=("train_sft",),
+    ),
     # The thresholds of `gate:` only decide the verdict; the generation check's size (the phase row's
     # eval_digest) is evaluated.
     StageSpec(
@@ -321,6 +381,8 @@ STAGES: tuple[StageSpec, ...] = (
         source=EXPORT,
         digest=(*_eval_fields("sft"), *PHASES["sft"].eval_digest),
         parents=("unshard", "export"),
+        reads=("unshard", "export"),  # pre-SFT vs SFT, generation check
+        phase="sft",
     ),
     # lm-eval on local tasks: the task files' sha256 and lm-eval's version come in as run-time inputs.
     StageSpec(
@@ -329,9 +391,27 @@ STAGES: tuple[StageSpec, ...] = (
         source=EXPORT,
         digest=("benchmark", "base_model.trust_remote_code"),
         parents=("load_from_hf", "export"),
+        reads=("load_from_hf", "export"),
     ),
-    StageSpec("gate", None),
-    StageSpec("push_to_hub", None, source=EXPORT),
+    StageSpec("gate", None, reads=("evaluate_cpt", "evaluate_sft", "benchmark")),
+    StageSpec("push_to_hub", None, source=EXPORT, held_by="gate", publishes=True),
 )
 STAGE: dict[str, StageSpec] = {s.name: s for s in STAGES}
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
+
+
+def register(spec: StageSpec, after: str | None = None) -> StageSpec:
+    """Add a row to the table, after the row named `after` (default: last). Its task is bound by
+    tasks/flowkit/pipeline.py; the runner, run.json and `--stop-after` read the table when they run."""
+    global STAGES, STAGE_NAMES
+    if spec.name in STAGE:
+        raise ValueError(f"stage {spec.name!r} is a row already")
+    unknown = [r for r in (*spec.reads, *spec.parents) if r not in STAGE]
+    if unknown or (after is not None and after not in STAGE):
+        raise ValueError(f"stage {spec.name!r}: no row named {', '.join(unknown) or after!r} before it")
+    rows = list(STAGES)
+    rows.insert(len(rows) if after is None else STAGE_NAMES.index(after) + 1, spec)
+    STAGES = tuple(rows)
+    STAGE[spec.name] = spec  # in place: the modules that imported STAGE see the row
+    STAGE_NAMES = tuple(s.name for s in STAGES)
+    return spec
