@@ -335,6 +335,26 @@ class CheckpointState:
         out["step"] = float(step.item()) if isinstance(step, torch.Tensor) else float(step)
         return out
 
+    def saved_states(self, names: list[str]) -> dict[str, tuple[list[str], Any]]:
+        """Per name, the keys of its saved optimizer state in the file's order and its `step` as saved
+        (a tensor copied out of the map): one memory-mapped load per optimizer file, no state's bytes read."""
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._optim_file(name), []).append(name)
+        out = {}
+        for fname, those in by_file.items():
+            states = torch.load(self.path / "optimizer" / fname, map_location="cpu", mmap=True, weights_only=True)
+            for name in those:
+                state = states.get(self.ids[name])
+                if not isinstance(state, dict):
+                    raise ManifestError(
+                        f"{self.path}/optimizer/{fname}: no state for parameter id {self.ids[name]} ({name})"
+                    )
+                step = state.get("step")
+                out[name] = (list(state), step.clone() if isinstance(step, torch.Tensor) else step)
+            del states
+        return out
+
     # -- one target piece, without the whole tensor ---------------------------------------------
 
     def extents(self, name: str, key: str) -> list[tuple[int, int, str, int]] | None:
