@@ -53,7 +53,9 @@ class Read:
     fill: Callable[[torch.Tensor], object]
 
     def __call__(self) -> int:
-        dst = self.into.view(-1)
+        # detached: a parameter's storage (a weight that is its own master) written in place; grad mode is
+        # per thread, so a pool thread would otherwise track it
+        dst = self.into.detach().view(-1)
         if dst.device.type == "cpu" and dst.dtype == torch.float32 and dst.numel() == self.length:
             self.fill(dst)
         else:
@@ -69,7 +71,7 @@ def run(reads: list[Read], threads: int | None = None) -> int:
     reads = sorted(reads, key=lambda r: -r.length)  # the long ones first: no thread left with the embedding at the end
     if threads <= 1 or len(reads) <= 1:
         return sum(r() for r in reads)
-    with torch.no_grad(), cf.ThreadPoolExecutor(threads) as pool:
+    with cf.ThreadPoolExecutor(threads) as pool:
         return sum(pool.map(Read.__call__, reads))
 
 
