@@ -1,44 +1,40 @@
-"""Re-sharding a checkpoint's optimizer state through the layout-neutral view, beside PyTorch
-Distributed Checkpoint (DCP) doing the same, and against copying the checkpoint's files.
+"""A resume's optimizer state under a new layout: the engine's restore path beside PyTorch Distributed
+Checkpoint's (DCP) default reader and its safetensors reader, in memory and from cold files.
 
-    .venv/bin/python benchmarks/reshard.py --smoke              # a tiny Llama, to tp2dp2, the same table
-    .venv/bin/python benchmarks/reshard.py --sizes 50M --repeat 3   # medians of 3, both layouts
-    .venv/bin/python benchmarks/reshard.py                      # 50M, 190M, 700M (~10 GB of disk at 700M)
+    .venv/bin/python benchmarks/reshard.py --smoke                    # a tiny Llama, to tp2dp2, one run
+    .venv/bin/python benchmarks/reshard.py --sizes 190M --repeat 3    # medians of 3, every layout
+    .venv/bin/python benchmarks/reshard.py --sizes 50M 190M 700M      # ~10 GB of disk at 700M
 
-For each size it writes one checkpoint in the engine's on-disk format as a low_level_zero ZeRO-2
-bf16 stage on 2 ranks leaves it (model/ bf16 safetensors; optimizer/ ColossalAI's pickled blocks
-of whole AdamW states, at most `save_shard_mib` each, with their index; masters/ each rank's fp32
-flat shards and records, written by tasks/engine/masters.py's own writer), with random values:
-the benchmark measures bytes moved, not training. Then, after `sync`, each measurement in its own
-processes, started together once imported (a line on stdin), to each target layout (tp2dp2:
-hybrid_parallel tp=2 x ZeRO-1 dp=2 on 4 ranks; 1: one rank):
-  serial:  one process, tasks.core.models.convert.state_view.CheckpointState reading every
-           parameter's whole fp32 master and AdamW state once and cutting it (`local_piece`) into
-           every target rank's pieces, one safetensors file per target rank (the benchmark before);
-  writers: the default: one process, a thread per target file (`write_rank`), no whole tensor:
-           each piece of each state copied file to file in the kernel (`copy_file_range`, a run at
-           a time: a row of a tp cut along dim 1) from where the source holds it
-           (`CheckpointState.segments`: the ZeRO shards of the masters, the AdamW states' offsets in
-           the optimizer's pickles);
-  ranks:   a process per target rank, each writing its own file as `write_rank` does (what the
-           engine's ranks do on a resume: tasks/engine/masters.py `restore` reads its pieces with
-           `read_piece`);
-  DCP:     torch.distributed.checkpoint, gloo ranks: save from the 2 source ranks (each holding its
-           rows of every state as DTensors; FileSystemWriter, sync_files=True), then load into the
-           target ranks' DTensors (the tp slice, its rows over dp: the same bytes a rank as ZeRO's
-           flat cut) and each rank's local tensors written to its own file;
-  copy:    the checkpoint's masters/ and optimizer/ files read and written in 16 MiB chunks.
-Every file is fsync'd. It prints wall seconds (first start to last end), DCP load / writers, the peak
-RSS growth over the start (VmHWM reset after imports and, for DCP, after building its state)
-against the largest tensor's state (master + two moments, fp32) + 0.5 GB, and whether writers and
-ranks wrote serial's bytes (to one rank, DCP's tensors too).
+For each size it writes one checkpoint in the engine's format as a low_level_zero ZeRO-2 bf16 stage on
+2 ranks leaves it (model/; optimizer/ ColossalAI's pickled blocks of whole AdamW states, `save_shard_mib`
+each, index and parameter groups; masters/ each rank's fp32 flat shards and records, by masters.py's own
+writer), random values. DCP's user saves the same state (fp32 masters, both moments) from 2 source ranks
+holding its rows as DTensors with DCP's writers: `FileSystemWriter` and
+`HuggingFaceStorageWriter(save_distributed=True)` (safetensors, a file per source rank). Then to each
+target layout (tp2dp2: hybrid_parallel tp=2 x ZeRO-1 dp=2, 4 ranks; 2: the source's own; 1: one rank),
+a process per target rank runs each side in turn, a side's processes starting their clocks together
+after their set-up, in memory (files in the page cache), then cold (every side's files evicted first:
+`sync`, `posix_fadvise(DONTNEED)` a file, what stays resident counted by `fincore`; dropping the whole
+machine's caches would take the other users' too):
+  engine: Engine.load's reads after the weights, the same functions (tasks/engine/state_read.py
+          `load_optimizer`, masters.py `restore`) on a torch AdamW over this rank's fp32 master shares:
+          AdamW's state allocated and read as this rank's pieces on `read_threads()` threads, masters over;
+  before: the engine's path until now: ColossalAI's optimizer loader's reads (every optimizer file
+          `torch.load`ed whole on every rank, each state cut and cloned), masters a piece at a time;
+  dcp:    `dcp.load` into the rank's DTensors (tp slice, then rows over dp: DTensor has no flat ZeRO
+          placement) with `FileSystemReader`; dcp-hf: with `HuggingFaceStorageReader(thread_count=2)`.
+Every side has its masters (zeroed) before the clock and allocates the moments inside it, as a restore
+into a fresh optimizer does; nothing is written. It prints wall seconds (first start to last end), DCP's
+over the engine's, the largest process's peak RSS growth against the largest tensor's three fp32 states
++ 0.5 GB, and bitwise: each engine rank holds `local_piece` of the whole (ColossalAI's loaders' cut), and
+DCP's readers read the same bytes.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
+import hashlib
 import json
 import math
 import os
@@ -55,42 +51,19 @@ import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is no
 from support import REPO
 from tasks.core.run.hostpeak import HostPeak
 
+_L = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
 SIZES = {  # the shapes of benchmarks/scale.py
-    "50M": dict(
-        hidden_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=1376,
-        vocab_size=32000,
-    ),
-    "190M": dict(
-        hidden_size=1024,
-        num_hidden_layers=11,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        intermediate_size=2560,
-        vocab_size=32000,
-    ),
-    "700M": dict(
-        hidden_size=1536,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        intermediate_size=4096,
-        vocab_size=32000,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=515,
-    ),
+    "50M": dict(zip(_L, (512, 8, 8, 4, 1376)), vocab_size=32000),
+    "190M": dict(zip(_L, (1024, 11, 16, 8, 2560)), vocab_size=32000),
+    "700M": dict(zip(_L, (1536, 24, 16, 8, 4096)), vocab_size=32000),
+    "tiny": dict(zip(_L, (64, 2, 4, 2, 128)), vocab_size=515),
 }
-SRC_RANKS, TP, DP = 2, 2, 2
-CHUNK = 16 << 20
+SRC_RANKS = 2
+KEYS = ("master", "exp_avg", "exp_avg_sq")
+LAYOUTS = {"tp2dp2": (2, 2), "2": (1, 2), "1": (1, 1)}  # (tp, ZeRO dp): ranks = tp * dp, rank = tp_rank * dp + dp_rank
+SIDES = ("engine", "before", "dcp", "dcp-hf")
+HF_THREADS = 2
+GROUPS = "pytorch_optim_group.bin"
 
 
 def config_of(size: str) -> dict:
@@ -102,7 +75,7 @@ def write_checkpoint(out: Path, config: dict) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    from tasks.core.models.convert.state_view import MASTERS, Piece, rank_record_name, rank_tensor_name
+    from tasks.core.models.convert.state_view import MASTERS, OPTIM_INDEX, Piece, rank_record_name, rank_tensor_name
     from tasks.core.models.families import expected_tensors
     from tasks.engine.checkpoint import save_shard_mib
     from tasks.engine.masters import _write
@@ -149,8 +122,13 @@ def write_checkpoint(out: Path, config: dict) -> dict:
         block[pid] = state
         block_bytes += numel * 8
     flush()
+    # the parameter groups as ColossalAI saves them: AdamW's, the params by id
+    groups = torch.optim.AdamW([torch.zeros(1)], lr=1e-4, weight_decay=0.1).state_dict()["param_groups"]
+    groups[0]["params"] = list(range(len(tensors)))
+    torch.save(groups, out / "optimizer" / GROUPS)
     (out / "model" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    (out / "optimizer" / "pytorch_optim.bin.index.json").write_text(json.dumps({"weight_map": opt_map}))
+    index = {"metadata": {"param_groups": GROUPS}, "weight_map": opt_map}
+    (out / "optimizer" / OPTIM_INDEX).write_text(json.dumps(index))
     for r, held in enumerate(shards):
         _write(out / MASTERS / rank_tensor_name(r), [(p.name, t) for p, t in held])
         rec = {"rank": r, "world_size": SRC_RANKS, "plugin": "low_level_zero", "params": [p.record() for p, _ in held]}
@@ -163,9 +141,6 @@ def write_checkpoint(out: Path, config: dict) -> dict:
     }
 
 
-LAYOUTS = {"tp2dp2": (TP, DP), "1": (1, 1)}  # hybrid_parallel tp=2 x ZeRO-1 dp=2 on 4 ranks; one rank
-
-
 def tp_dims(config: dict) -> dict:
     """Each tensor's dim that tensor parallelism splits (None: kept whole on every tp rank)."""
     from tasks.core.models.families import TP_SPLIT_DIMS, iter_tensors
@@ -176,12 +151,13 @@ def tp_dims(config: dict) -> dict:
     }
 
 
-def target_layout(view, config: dict, tp: int, dp: int) -> dict:
-    """Every parameter's pieces for tp x ZeRO-1 dp target ranks (rank i = tp_rank * dp + dp_rank)."""
+def target_pieces(view, config: dict, tp: int, dp: int, rank: int) -> list:
+    """Target rank `rank`'s piece of every parameter for tp x ZeRO dp (what masters.collect records there)."""
     from tasks.core.models.convert.state_view import Piece
 
     dims = tp_dims(config)
-    layout = {}
+    t, z = divmod(rank, dp)
+    out = []
     for name in view.names():
         shape = view.pieces(name)[0].shape
         d = dims[name] if tp > 1 else None
@@ -189,237 +165,261 @@ def target_layout(view, config: dict, tp: int, dp: int) -> dict:
         if d is not None:
             local[d] = -(-shape[d] // tp)
         length = -(-math.prod(local) // dp)
-        layout[name] = [
-            Piece(name, 0, shape, tuple(local), d, t, tp, z * length, length) for t in range(tp) for z in range(dp)
-        ]
-    return layout
-
-
-def _header(entries: list[tuple[str, int]]) -> bytes:
-    from tasks.core.models.convert.write import safetensors_header
-
-    return safetensors_header([(f"{n}.{k}", "F32", (numel,), numel * 4) for n, numel in entries for k in KEYS])
-
-
-KEYS = ("master", "exp_avg", "exp_avg_sq")
-
-
-def _copy(sfd: int, soff: int, dfd: int, doff: int, n: int) -> None:
-    """n bytes from one file to another in the kernel (no user memory); pread + pwrite where it cannot."""
-    while n:
-        try:
-            got = os.copy_file_range(sfd, dfd, n, soff, doff)
-        except OSError:  # another filesystem on an old kernel, or no copy_file_range
-            got = 0
-        if got <= 0:  # (0: a filesystem that copies nothing this way, or the source's end)
-            got = os.pwrite(dfd, os.pread(sfd, min(n, CHUNK), soff), doff)
-        if got <= 0:
-            raise OSError(f"copy stopped with {n} bytes left: the source file is shorter than its record")
-        soff, doff, n = soff + got, doff + got, n - got
-
-
-def write_rank(view, pieces: dict, i: int, path: Path) -> None:
-    """Target rank i's file: its header, then each parameter's three states' pieces (`local_piece`'s
-    bytes), copied file to file from where the source holds them (`segments`; a cut along dim 1: a
-    copy a row, as cheap in CPU as one covering read and a strided copy, and no memory), read whole
-    and cut where the source does not store the state flat; fsync'd."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        header = _header([(n, ps[i].length) for n, ps in pieces.items()])
-        at = os.write(fd, header)
-        for name, ps in pieces.items():
-            p = ps[i]
-            for k in KEYS:
-                segs = view.segments(name, k, p)
-                if segs is None:
-                    at += os.pwrite(fd, memoryview(view.read_piece(name, k, p).numpy()).cast("B"), at)
-                    continue
-                for n, sfd, off in segs:
-                    if sfd < 0:
-                        os.pwrite(fd, bytes(n), at)
-                    else:
-                        _copy(sfd, off, fd, at, n)
-                    at += n
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def work_reshard(src: Path, dst: Path, config: dict, layout: str = "tp2dp2", writers: int = 0, only=None) -> None:
-    """One safetensors file per target rank, fsync'd. writers=0, only=None: every parameter's whole state
-    read once through the view and cut by `local_piece` into every target rank's pieces, each file in
-    turn (the serial writer, as before); writers=N: `write_rank` for each target file on N threads (the
-    copies and the reads release the GIL), no whole tensor; only=i: `write_rank` for target rank i alone
-    (a target rank writing its own state)."""
-    import concurrent.futures as cf
-
-    import torch
-
-    from tasks.core.models.convert.state_view import CheckpointState, local_piece
-
-    view = CheckpointState(src)
-    tp, dp = LAYOUTS[layout]
-    pieces = target_layout(view, config, tp, dp)
-    ranks = range(tp * dp) if only is None else [only]
-    dst.mkdir(parents=True, exist_ok=True)
-    path = lambda i: dst / f"rank-{i:05d}.safetensors"
-    if writers or only is not None:
-        for name in pieces:  # every state's extents found before the threads (the pickles' meta loads)
-            for k in KEYS:
-                view.extents(name, k)
-        with cf.ThreadPoolExecutor(max(1, min(writers, len(ranks)))) as pool:
-            for fut in [pool.submit(write_rank, view, pieces, i, path(i)) for i in ranks]:
-                fut.result()
-        view.close()
-        return
-    with contextlib.ExitStack() as stack:
-        outs = {i: stack.enter_context(open(path(i), "wb")) for i in ranks}
-        for i, f in outs.items():  # one output per target rank: its header first, then its pieces streamed
-            f.write(_header([(n, ps[i].length) for n, ps in pieces.items()]))
-        for name, ps in pieces.items():
-            whole = {"master": view.master(name), **{k: v for k, v in view.adam(name).items() if k != "step"}}
-            whole = {k: v.to(torch.float32) for k, v in whole.items()}
-            for i, f in outs.items():
-                for k in KEYS:
-                    f.write(memoryview(local_piece(whole[k], ps[i]).numpy()).cast("B"))
-        for f in outs.values():
-            _fsync(f)
-    view.close()
-
-
-def _fsync(f) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def work_copy(src: Path, dst: Path, config: dict) -> None:
-    buf = bytearray(CHUNK)
-    for part in ("masters", "optimizer"):
-        (dst / part).mkdir(parents=True)
-        for f in sorted((src / part).iterdir()):
-            with open(f, "rb", buffering=0) as fin, open(dst / part / f.name, "wb", buffering=0) as fout:
-                while n := fin.readinto(buf):
-                    fout.write(memoryview(buf)[:n])
-                os.fsync(fout.fileno())
-
-
-def dcp_state(view, config: dict, mesh, tp: int, empty: bool) -> dict:
-    """The whole state as DTensors on `mesh`: the source's (every parameter's three states sharded by rows
-    over the source ranks, as a ZeRO shard holds the same bytes) or the target's (the tp slice, then its
-    rows over dp: DTensor has no flat ZeRO placement, so the same bytes a rank, cut by rows)."""
-    import torch
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-
-    dims = tp_dims(config)
-    out = {}
-    for name in view.names():
-        shape = view.pieces(name)[0].shape
-        if mesh.ndim == 1:
-            placements = [Shard(0)]
-        else:
-            placements = [Shard(dims[name]) if dims[name] is not None and tp > 1 else Replicate(), Shard(0)]
-        if empty:
-            whole = {k: torch.empty(shape) for k in KEYS}
-        else:
-            whole = {"master": view.master(name), **{k: v for k, v in view.adam(name).items() if k != "step"}}
-        for k in KEYS:  # src_data_rank=None: each rank keeps its own slice of the same values, no messages
-            t = distribute_tensor(whole[k].float(), mesh, placements, src_data_rank=None)
-            # its own storage: not a view that keeps the whole tensor alive
-            out[f"{name}.{k}"] = DTensor.from_local(
-                t.to_local().clone(), mesh, placements, run_check=False, shape=t.shape, stride=t.stride()
-            )
+        tp_rank = t if d is not None else 0
+        out.append(
+            Piece(name, view.ids[name], shape, tuple(local), d, tp_rank, tp if d is not None else 1, z * length, length)
+        )
     return out
 
 
-def work_dcp(phase: str, src: Path, dst: Path, config: dict, layout: str, rank: int, gate) -> dict:
-    """PyTorch Distributed Checkpoint: `save` the source ranks' state (FileSystemWriter, fsync'd files),
-    or `load` it into the target layout's DTensors and write each rank's local tensors to its own file,
-    fsync'd (the same output the reshard writes, one file per target rank)."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+def placements_of(config: dict, name: str, tp: int) -> list:
+    from torch.distributed.tensor import Replicate, Shard
+
+    d = tp_dims(config)[name]
+    return [Shard(d) if d is not None and tp > 1 else Replicate(), Shard(0)]
+
+
+def digest_of(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().view(-1).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# -- the sides: each a set-up (before the clock) and a run (timed); a run returns what it read ----------
+
+
+def setup_engine(spec: dict) -> dict:
+    """A torch AdamW over this rank's fp32 master shares, zeroed (what a boosted optimizer holds before
+    its load), and masters.collect's records of them."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tasks.core.models.convert.state_view import CheckpointState
+    from tasks.engine.masters import Local
+
+    view = CheckpointState(spec["src"])
+    pieces = target_pieces(view, spec["config"], *LAYOUTS[spec["layout"]], spec["rank"])
+    view.close()
+    held = []
+    for p in pieces:
+        q = torch.zeros(p.length)
+        held.append(Local(p, q, q, None, q, p))
+    opt = torch.optim.AdamW([loc.param for loc in held], lr=1e-4, weight_decay=0.1)
+    eng = SimpleNamespace(optimizer=opt, cfg=SimpleNamespace(lora=None), weights_dtype="bf16", rank=spec["rank"])
+    return {"eng": eng, "held": held}
+
+
+def run_engine(spec: dict, eng, held) -> list:
+    """Engine.load's reads after the weights: state_read.load_optimizer, then masters.restore, on one view."""
+    from tasks.core.models.convert.state_view import CheckpointState
+    from tasks.engine import masters, state_read
+
+    src = Path(spec["src"])
+    view = CheckpointState(src)
+    try:
+        if not state_read.load_optimizer(eng, src, view, held):
+            raise RuntimeError("state_read.load_optimizer did not apply to this checkpoint")
+        masters.restore(eng, src, held=held, view=view)
+    finally:
+        view.close()
+    state = eng.optimizer.state
+    return [t for loc in held for t in (loc.master, state[loc.param]["exp_avg"], state[loc.param]["exp_avg_sq"])]
+
+
+def run_before(spec: dict, eng, held) -> list:
+    """The engine's path until now: ColossalAI's loader's reads (every optimizer file loaded whole, each
+    state cut to this rank's share and cloned), then each master read by read_piece, one at a time."""
+    import torch
+
+    from tasks.core.models.convert.state_view import OPTIM_INDEX, CheckpointState, local_piece
+
+    src = Path(spec["src"])
+    view = CheckpointState(src)
+    by_id = {loc.piece.id: loc for loc in held}
+    moments = {}
+    files = sorted(set(json.loads((src / "optimizer" / OPTIM_INDEX).read_text())["weight_map"].values()))
+    for f in files:
+        block = torch.load(src / "optimizer" / f, map_location="cpu", weights_only=True)
+        for pid, st in block.items():
+            p = by_id[pid].piece
+            moments[pid] = [local_piece(st[k].reshape(p.shape), p) for k in ("exp_avg", "exp_avg_sq")]
+        del block
+    for loc in held:
+        loc.master.copy_(view.read_piece(loc.piece.name, "master", loc.piece))
+    view.close()
+    return [t for loc in held for t in (loc.master, *moments[loc.piece.id])]
+
+
+def setup_dcp(spec: dict) -> dict:
+    """The target layout's device mesh and this rank's master DTensors' local tensors, zeroed."""
+    import torch
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from tasks.core.models.convert.state_view import CheckpointState
 
-    tp, dp = (SRC_RANKS, 1) if phase == "save" else LAYOUTS[layout]
-    view = CheckpointState(src)
-    mesh = init_device_mesh("cpu", (SRC_RANKS,) if phase == "save" else (tp, dp), mesh_dim_names=None)
-    sd = dcp_state(view, config, mesh, tp, empty=phase == "load")
+    tp, dp = LAYOUTS[spec["layout"]]
+    mesh = init_device_mesh("cpu", (tp, dp))
+    view = CheckpointState(spec["src"])
+    metas = []
+    for name in view.names():
+        shape = view.pieces(name)[0].shape
+        placements = placements_of(spec["config"], name, tp)
+        local, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+        metas.append((name, shape, placements, local, torch.zeros(local)))
     view.close()
-    dist.barrier()
-    peak = gate()
-    t0 = time.time()
-    if phase == "save":
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(dst), sync_files=True))
-    else:
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(src / "dcp")))
-        local = [(key, t.to_local().contiguous()) for key, t in sd.items()]
-        from tasks.core.models.convert.write import safetensors_header
-
-        header = safetensors_header([(key, "F32", (t.numel(),), t.numel() * 4) for key, t in local])
-        with open(dst / f"rank-{rank:05d}.safetensors", "wb") as f:
-            f.write(header)
-            f.writelines(memoryview(t.reshape(-1).numpy()).cast("B") for _, t in local)
-            _fsync(f)
-    dist.barrier()
-    return {"start": t0, "end": time.time(), "growth_kb": peak.added()[0] // 1024}
+    return {"mesh": mesh, "metas": metas}
 
 
-def worker(spec: dict) -> dict:
-    import torch  # imported before the clock and the RSS baseline
+def run_dcp(spec: dict, mesh, metas, hf: bool) -> list:
+    """dcp.load into this rank's DTensors: the masters', and the moments' allocated here."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+    from torch.distributed.tensor import DTensor
 
-    torch.set_num_threads(1)  # one thread, as a rank has (OMP_NUM_THREADS=1): no intra-op threads spinning
+    sd, out = {}, []
+    for name, shape, placements, local, master in metas:
+        stride = torch.empty(shape, device="meta").stride()
+        for k in KEYS:
+            t = master if k == "master" else torch.empty(local)
+            sd[f"{name}.{k}"] = DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
+            out.append(t)
+    src = Path(spec["src"])
+    reader = (
+        HuggingFaceStorageReader(str(src / "hf"), thread_count=HF_THREADS)
+        if hf
+        else dcp.FileSystemReader(str(src / "dcp"))
+    )
+    dcp.load(sd, storage_reader=reader)
+    return out
 
-    import tasks.core.models.convert.state_view  # noqa: F401
 
-    def gate():  # every process of a measurement starts its clock together, after its imports
-        print("ready", flush=True)
-        sys.stdin.readline()
-        return HostPeak()  # VmHWM := the current RSS
+def setup_save(spec: dict) -> dict:
+    """The source ranks' rows of every state as DTensors (a ZeRO-2 rank holds as many bytes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    src, dst, config, kind = Path(spec["src"]), Path(spec["dst"]), spec["config"], spec["kind"]
-    if kind.startswith("dcp-"):
-        import torch.distributed as dist
+    from tasks.core.models.convert.state_view import CheckpointState
 
-        rank, world = spec["rank"], spec["world"]
-        dist.init_process_group(  # a peer that died fails the others' barrier in minutes, not half an hour
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{spec['port']}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(minutes=5),
-        )
+    mesh = init_device_mesh("cpu", (SRC_RANKS,))
+    view = CheckpointState(spec["src"])
+    sd = {}
+    for name in view.names():
+        whole = {"master": view.master(name), **{k: v for k, v in view.adam(name).items() if k != "step"}}
+        for k in KEYS:  # src_data_rank=None: each rank keeps its own slice of the same values, no messages
+            t = distribute_tensor(whole[k].float(), mesh, [Shard(0)], src_data_rank=None)
+            sd[f"{name}.{k}"] = DTensor.from_local(
+                t.to_local().clone(), mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride()
+            )
+    view.close()
+    del whole
+    return {"sd": sd}
+
+
+def run_save(spec: dict, sd, hf: bool) -> None:
+    """DCP's save as its user calls it: its default writer, or its safetensors writer a file per rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+    src = Path(spec["src"])
+    writer = (
+        HuggingFaceStorageWriter(str(src / "hf"), save_distributed=True)
+        if hf
+        else dcp.FileSystemWriter(str(src / "dcp"))
+    )
+    dcp.save(sd, storage_writer=writer)
+
+
+SETUP = {"engine": setup_engine, "before": setup_engine, "dcp": setup_dcp, "dcp-hf": setup_dcp}
+SETUP.update({"save-dcp": setup_save, "save-hf": setup_save})
+RUN = {
+    "engine": run_engine,
+    "before": run_before,
+    "dcp": lambda spec, **s: run_dcp(spec, **s, hf=False),
+    "dcp-hf": lambda spec, **s: run_dcp(spec, **s, hf=True),
+    "save-dcp": lambda spec, **s: run_save(spec, **s, hf=False),
+    "save-hf": lambda spec, **s: run_save(spec, **s, hf=True),
+}
+
+
+def say(obj) -> None:
+    print("@@ " + json.dumps(obj), flush=True)  # the only stdout lines the parent reads
+
+
+def worker(spec: dict) -> None:
+    import gc
+
+    import torch  # imported before the clocks and the RSS baselines
+
+    torch.set_num_threads(1)  # one intra-op thread, as a rank has (OMP_NUM_THREADS=1)
+    import torch.distributed as dist
+    import torch.distributed.checkpoint
+    import torch.distributed.checkpoint.hf_storage
+
+    import tasks.engine.masters
+    import tasks.engine.state_read  # noqa: F401 - every import before the first clock
+
+    dist.init_process_group(  # a peer that died fails the others' collectives in minutes, not half an hour
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{spec['port']}",
+        rank=spec["rank"],
+        world_size=spec["world"],
+        timeout=datetime.timedelta(minutes=5),
+    )
+    try:
+        for side in spec["sides"]:
+            state = SETUP[side](spec)
+            say("ready")
+            sys.stdin.readline()
+            peak = HostPeak()  # VmHWM := the current RSS
+            t0 = time.time()
+            got = RUN[side](spec, **state)
+            t1 = time.time()
+            grew = peak.added()[0] // 1024
+            say({"start": t0, "end": t1, "growth_kb": grew, "digest": None if got is None else digest_of(got)})
+            del state, got
+            gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def evict(dirs: list[Path]) -> int:
+    """Every file under `dirs` out of the page cache (written back first); the bytes still resident."""
+    subprocess.run(["sync"], check=False)
+    files = [str(f) for d in dirs if d.is_dir() for f in sorted(d.rglob("*")) if f.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
         try:
-            return work_dcp(kind[4:], src, dst, config, spec.get("layout", "tp2dp2"), rank, gate)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
-            dist.destroy_process_group()
-    peak = gate()
-    t0 = time.time()
-    if kind == "copy":
-        work_copy(src, dst, config)
-    else:
-        work_reshard(src, dst, config, spec["layout"], spec.get("writers", 0), spec.get("only"))
-    return {"start": t0, "end": time.time(), "growth_kb": peak.added()[0] // 1024}
+            os.close(fd)
+    res = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", *files], check=False, capture_output=True, text=True
+    )
+    return sum(int(x) for x in res.stdout.split()) if res.returncode == 0 else -1
 
 
-def run(kind: str, src: Path, dst: Path, config: dict, procs: int = 1, keep: bool = False, **spec) -> dict:
-    """`procs` processes of one measurement, started together after their imports: wall seconds from
-    the first start to the last end, the largest and the summed peak RSS growth."""
+def launch(spec: dict, procs: int, steps: list[tuple[str, bool]], evict_dirs: list[Path]) -> list[dict]:
+    """`procs` worker processes running `steps` ((side, cold) pairs) in turn, each side's processes
+    released together after their set-up (a cold side's files evicted first); per step the wall seconds
+    (first start to last end), the largest and summed RSS growth, each rank's digest, bytes left resident."""
     import socket
 
-    shutil.rmtree(dst, ignore_errors=True)
-    dst.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["sync"], check=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(REPO / "benchmarks"), str(REPO)))}  # _checkout, support
-    ps, ranks = [], spec.pop("ranks", False)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join((str(REPO / "benchmarks"), str(REPO))),  # _checkout, support
+        "LOCAL_WORLD_SIZE": str(procs),  # what torchrun tells a rank: state_read.read_threads() shares the cores
+        "OMP_NUM_THREADS": "1",
+    }
+    ps = []
     for r in range(procs):
-        one = {"kind": kind, "src": str(src), "dst": str(dst), "config": config, "rank": r, "world": procs}
-        one.update(port=port, **spec)
-        if ranks:
-            one["only"] = r
+        one = {**spec, "rank": r, "world": procs, "port": port, "sides": [side for side, _ in steps]}
         ps.append(
             subprocess.Popen(
                 [sys.executable, str(REPO / "benchmarks" / "reshard.py"), "--worker", json.dumps(one)],
@@ -430,50 +430,112 @@ def run(kind: str, src: Path, dst: Path, config: dict, procs: int = 1, keep: boo
                 env=env,
             )
         )
-    for p in ps:  # each says ready once imported (and, for DCP, its state built)
-        line = p.stdout.readline()
-        if line.strip() != "ready":
-            for q in ps:
-                q.kill()
-            raise RuntimeError(f"{kind} worker did not start: {line!r}")
-    for p in ps:
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    outs = []
-    for p in ps:
-        out, _ = p.communicate()
-        if p.returncode:
-            raise RuntimeError(f"{kind} worker failed ({p.returncode}): {out[-2000:]}")
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    if not keep:
-        shutil.rmtree(dst, ignore_errors=True)
-    return {
-        "seconds": max(o["end"] for o in outs) - min(o["start"] for o in outs),
-        "growth_kb": max(o["growth_kb"] for o in outs),
-        "growth_sum_kb": sum(o["growth_kb"] for o in outs),
-    }
+
+    def read(p) -> object:
+        while line := p.stdout.readline():
+            if line.startswith("@@ "):
+                return json.loads(line[3:])
+        for q in ps:
+            q.kill()
+        raise RuntimeError(f"a {spec['layout']} worker ended early (exit {p.wait()}); its stderr is above")
+
+    results = []
+    try:
+        for side, cold in steps:
+            for p in ps:
+                if read(p) != "ready":
+                    raise RuntimeError(f"{side}: a worker did not say ready")
+            resident = evict(evict_dirs) if cold else None
+            for p in ps:
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            outs = [read(p) for p in ps]
+            results.append(
+                {
+                    "side": side,
+                    "cold": cold,
+                    "seconds": max(o["end"] for o in outs) - min(o["start"] for o in outs),
+                    "growth_kb": max(o["growth_kb"] for o in outs),
+                    "growth_sum_kb": sum(o["growth_kb"] for o in outs),
+                    "digests": [o["digest"] for o in outs],
+                    "resident": resident,
+                }
+            )
+    finally:
+        for p in ps:
+            p.stdin.close()
+            if p.wait(timeout=600):
+                raise RuntimeError(f"a {spec['layout']} worker failed ({p.returncode}); its stderr is above")
+    return results
 
 
-def digest(folder: Path) -> str:
-    import hashlib
+def expected(src: Path, config: dict, layout: str) -> list[str]:
+    """Each target rank's digest of `local_piece` of the whole states: the cut ColossalAI's loaders make."""
+    from tasks.core.models.convert.state_view import CheckpointState, local_piece
 
-    h = hashlib.sha256()
-    for f in sorted(folder.glob("rank-*.safetensors")):
-        h.update(f.name.encode())
-        with open(f, "rb") as fin:
-            while chunk := fin.read(CHUNK):
-                h.update(chunk)
-    return h.hexdigest()[:16]
+    view = CheckpointState(src)
+    tp, dp = LAYOUTS[layout]
+    ranks = [target_pieces(view, config, tp, dp, r) for r in range(tp * dp)]
+    hs = [hashlib.sha256() for _ in ranks]
+    for i, name in enumerate(view.names()):
+        whole = {"master": view.master(name), **{k: v for k, v in view.adam(name).items() if k != "step"}}
+        for r, pieces in enumerate(ranks):
+            for k in KEYS:
+                hs[r].update(local_piece(whole[k].float(), pieces[i]).numpy().tobytes())
+    view.close()
+    return [h.hexdigest()[:16] for h in hs]
 
 
 def median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+HEAD = (
+    f"{'size':<6} {'layout':<7} {'state GB':>9} {'engine s':>9} {'before s':>9} {'DCP s':>7} {'DCP-HF s':>9} "
+    f"{'cold: engine s':>15} {'before s':>9} {'DCP s':>7} {'DCP-HF s':>9} {'DCP/engine':>11} {'DCP-HF/engine':>14} "
+    f"{'cold DCP-HF/engine':>19} {'peak engine GB':>15} {'peak DCP GB':>12} {'peak DCP-HF GB':>15} {'limit GB':>9} "
+    f"{'bitwise':>8}"
+)
+
+
+def measure_layout(size: str, layout: str, src: Path, config: dict, repeat: int) -> tuple[str, str]:
+    """Every side to one target layout, alternated, `repeat` times: its table row and its note."""
+    n = math.prod(LAYOUTS[layout])
+    runs: dict[tuple[str, bool], list[dict]] = {}
+    dirs = [src / "masters", src / "optimizer", src / "dcp", src / "hf"]
+    for i in range(repeat):  # each repeat a fresh set of processes, the sides in a rotated order
+        order = SIDES[i % len(SIDES) :] + SIDES[: i % len(SIDES)]
+        steps = [(side, cold) for cold in (False, True) for side in order]
+        for res in launch({"src": str(src), "config": config, "layout": layout}, n, steps, dirs):
+            runs.setdefault((res["side"], res["cold"]), []).append(res)
+    want = expected(src, config, layout)
+    last = {key: rs[-1]["digests"] for key, rs in runs.items()}
+    same = all(last[side, cold] == want for side in ("engine", "before") for cold in (False, True))
+    same = same and last["dcp", False] == last["dcp-hf", False] == last["dcp", True] == last["dcp-hf", True]
+    if layout == "1":  # one rank: DCP's whole tensors are the engine's, byte for byte
+        same = same and last["dcp", False] == want
+    s = lambda side, cold=False: median(runs[side, cold], "seconds")
+    gb = lambda side: median(runs[side, False], "growth_kb") * 1024 / 1e9
+    row = (
+        f"{s('engine'):>9.2f} {s('before'):>9.2f} {s('dcp'):>7.2f} {s('dcp-hf'):>9.2f} {s('engine', True):>15.2f} "
+        f"{s('before', True):>9.2f} {s('dcp', True):>7.2f} {s('dcp-hf', True):>9.2f} {s('dcp') / s('engine'):>11.2f} "
+        f"{s('dcp-hf') / s('engine'):>14.2f} {s('dcp-hf', True) / s('engine', True):>19.2f} {gb('engine'):>15.3f} "
+        f"{gb('dcp'):>12.3f} {gb('dcp-hf'):>15.3f}"
+    )
+    resident = max(r["resident"] for (_, cold), rs in runs.items() if cold for r in rs)
+    note = (
+        f"{size} {layout}: {n} rank(s); summed peak growth engine {median(runs['engine', False], 'growth_sum_kb') / 1e6 * 1.024:.3f} GB, "
+        f"DCP {median(runs['dcp', False], 'growth_sum_kb') / 1e6 * 1.024:.3f} GB, DCP-HF "
+        f"{median(runs['dcp-hf', False], 'growth_sum_kb') / 1e6 * 1.024:.3f} GB; cold: at most {resident / 1e6:.1f} MB "
+        f"of the files still resident after the eviction"
+    )
+    return row + f" {{limit}} {'yes' if same else 'NO':>8}", note
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        print(json.dumps(worker(json.loads(argv[1]))))
+        worker(json.loads(argv[1]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="+", default=["50M", "190M", "700M"], choices=[s for s in SIZES if s != "tiny"])
@@ -486,11 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     a.layouts = a.layouts or (["tp2dp2"] if a.smoke else list(LAYOUTS))
     work = Path(a.workdir or tempfile.mkdtemp(prefix="reshard-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(
-        f"{'size':<6} {'layout':<7} {'state GB':>9} {'serial s':>9} {'writers s':>10} {'ranks s':>8} {'DCP save s':>11} "
-        f"{'DCP load s':>11} {'DCP/writers':>11} {'peak serial GB':>15} {'peak writers GB':>16} {'DCP peak GB':>12} "
-        f"{'limit GB':>9} {'bitwise':>8}"
-    )
+    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the start")
+    print(HEAD)
     notes = []
     try:
         for size in sizes:
@@ -499,52 +558,22 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work / size, ignore_errors=True)
             facts = write_checkpoint(src, config)
             b = facts["bytes"]
-            state = b["masters"] + b["optimizer"]
-            limit = facts["largest"] * 12 + 0.5e9
-            gb = lambda kb: kb * 1024 / 1e9
-            cp = [run("copy", src, work / size / "copied", config) for _ in range(a.repeat)]
-            save = [
-                run("dcp-save", src, src / "dcp", config, procs=SRC_RANKS, keep=i == a.repeat - 1)
-                for i in range(a.repeat)
-            ]
+            limit = (facts["largest"] * 12 + 0.5e9) / 1e9
+            saves = launch(
+                {"src": str(src), "config": config, "layout": "src"},
+                SRC_RANKS,
+                [("save-dcp", False), ("save-hf", False)],
+                [],
+            )
             for layout in a.layouts:
-                n = math.prod(LAYOUTS[layout])
-                out = {m: work / size / f"{layout}-{m}" for m in ("serial", "writers", "ranks", "dcp")}
-                res: dict[str, list[dict]] = {m: [] for m in out}
-                for i in range(a.repeat):  # interleaved, so a burst of load on the shared machine hits each alike
-                    keep = i == a.repeat - 1
-                    res["serial"].append(run("reshard", src, out["serial"], config, keep=keep, layout=layout))
-                    res["writers"].append(
-                        run("reshard", src, out["writers"], config, keep=keep, layout=layout, writers=n)
-                    )
-                    res["ranks"].append(
-                        run("reshard", src, out["ranks"], config, procs=n, keep=keep, layout=layout, ranks=True)
-                    )
-                    res["dcp"].append(run("dcp-load", src, out["dcp"], config, procs=n, keep=keep, layout=layout))
-                same = digest(out["serial"]) == digest(out["writers"]) == digest(out["ranks"])
-                if layout == "1":  # one rank: DCP's output holds the same whole tensors in the same order
-                    same = same and _payload(out["dcp"]) == _payload(out["serial"])
-                ours = median(res["writers"], "seconds")
-                print(
-                    f"{size:<6} {layout:<7} {state / 1e9:>9.3f} {median(res['serial'], 'seconds'):>9.2f} "
-                    f"{median(res['writers'], 'seconds'):>10.2f} {median(res['ranks'], 'seconds'):>8.2f} "
-                    f"{median(save, 'seconds'):>11.2f} {median(res['dcp'], 'seconds'):>11.2f} "
-                    f"{median(res['dcp'], 'seconds') / ours:>11.2f} {gb(median(res['serial'], 'growth_kb')):>15.3f} "
-                    f"{gb(median(res['writers'], 'growth_kb')):>16.3f} {gb(median(res['dcp'], 'growth_kb')):>12.3f} "
-                    f"{limit / 1e9:>9.3f} {'yes' if same else 'NO':>8}"
-                )
-                notes.append(
-                    f"{size} {layout}: DCP load / ranks {median(res['dcp'], 'seconds') / median(res['ranks'], 'seconds'):.2f}; "
-                    f"ranks' peak growth {gb(median(res['ranks'], 'growth_kb')):.3f} GB a process, "
-                    f"{gb(median(res['ranks'], 'growth_sum_kb')):.3f} GB summed; DCP load's summed "
-                    f"{gb(median(res['dcp'], 'growth_sum_kb')):.3f} GB"
-                )
-                for d in out.values():
-                    shutil.rmtree(d, ignore_errors=True)
+                row, note = measure_layout(size, layout, src, config, a.repeat)
+                state = (b["masters"] + b["optimizer"]) / 1e9
+                print(f"{size:<6} {layout:<7} {state:>9.3f} " + row.replace("{limit}", f"{limit:>9.3f}"), flush=True)
+                notes.append(note)
             notes.append(
-                f"{size}: {facts['params'] / 1e6:.1f}M parameters; copy {median(cp, 'seconds'):.2f} s; DCP save's peak "
-                f"growth {gb(median(save, 'growth_kb')):.3f} GB a rank; masters {b['masters'] / 1e9:.3f} GB, "
-                f"{b['masters'] / sum(b.values()):.1%} of the checkpoint"
+                f"{size}: {facts['params'] / 1e6:.1f}M parameters; DCP's saves from the 2 source ranks (once, not "
+                f"compared): default {saves[0]['seconds']:.2f} s, safetensors {saves[1]['seconds']:.2f} s; masters "
+                f"{b['masters'] / 1e9:.3f} GB, {b['masters'] / sum(b.values()):.1%} of the checkpoint"
             )
             shutil.rmtree(work / size, ignore_errors=True)
     finally:
@@ -552,31 +581,18 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print("\n".join(notes))
     print(
-        "from low_level_zero ZeRO-2 on 2 ranks to tp2dp2 (hybrid_parallel tp=2 x ZeRO-1 dp=2, 4 ranks) or 1 (one rank); "
-        "serial: one process cuts whole tensors into every target file (before); writers (the default): one "
-        "process, a thread per target file copying its pieces from the source files; ranks: each target rank "
-        "its own process and file; DCP: torch.distributed.checkpoint "
-        "save from the 2 source ranks, load into the target ranks' DTensors + each rank's file (every file "
-        "fsync'd on both sides); DCP/writers = DCP load s / writers s; seconds and peaks: "
-        f"medians of {a.repeat}; limit: the largest tensor's fp32 master and moments + 0.5 GB; bitwise: "
-        "writers and ranks wrote serial's bytes (and DCP the same tensors, to one rank)"
+        "from low_level_zero ZeRO-2 on 2 ranks to tp2dp2 (hybrid_parallel tp=2 x ZeRO-1 dp=2, 4 ranks), 2 (the same "
+        "layout) or 1 (one rank), a process per target rank; engine: tasks/engine/state_read.py load_optimizer + "
+        "masters.restore (Engine.load's reads after the weights); before: ColossalAI's optimizer loader's reads + "
+        f"masters read one at a time; DCP: torch.distributed.checkpoint FileSystemReader; DCP-HF: its "
+        f"HuggingFaceStorageReader(thread_count={HF_THREADS}); in memory, then cold (files evicted from the page "
+        f"cache); seconds and peaks: medians of {a.repeat}; peak: the largest process's RSS growth; limit: the largest "
+        "tensor's fp32 master and moments + 0.5 GB; bitwise: engine and before hold local_piece of the whole states, "
+        "DCP's readers the same bytes as each other (and, to one rank, as the engine)"
     )
+    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end")
     print(f"command: python benchmarks/reshard.py {' '.join(argv)}".rstrip())
     return 0
-
-
-def _payload(folder: Path) -> bytes:
-    """The tensors' bytes of a one-rank output, without the safetensors header (the key names differ)."""
-    import hashlib
-
-    from tasks.core.models.convert.source import read_safetensors_header
-
-    f, h = folder / "rank-00000.safetensors", hashlib.sha256()
-    with open(f, "rb") as fin:
-        fin.seek(read_safetensors_header(f)[0])
-        while chunk := fin.read(CHUNK):
-            h.update(chunk)
-    return h.digest()
 
 
 if __name__ == "__main__":

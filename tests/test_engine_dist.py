@@ -858,6 +858,7 @@ def test_sft_low_level_zero_on_2_ranks_resumes_on_1_from_the_resharded_state(llz
         "low_level_zero zero=2 dp=1 on 1 rank (2 x 4 a rank): model and optimizer re-sharded"
     ) in out, out[-3000:]
     assert "restored the fp32 master weights of step-000003 (39 cut from the whole tensors for this layout)" in out
+    assert "read this rank's AdamW state of step-000003 as its pieces: 78 tensors" in out  # not ColossalAI's loader
     view, weights = CheckpointState(src), read_model_dir(src / "model")
     (live,) = [
         torch.load(f, weights_only=True)
@@ -910,6 +911,7 @@ def test_cpt_under_pp2_resumes_under_tp2_from_the_resharded_state(pp2, tiny_mode
         "cpt: resuming step-000003, written under hybrid_parallel pp=2 dp=1 on 2 ranks (2 x 2 a rank), under "
         "hybrid_parallel tp=2 dp=1 on 2 ranks (2 x 2 a rank): model and optimizer re-sharded"
     ) in run.output, run.output[-3000:]
+    assert "read this rank's AdamW state of step-000003 as its pieces" in run.output  # its tp slices, by offset
     loaded = work / "live-state" / "pp2-to-tp2" / "loaded-step-000003"
     assert _assert_view_is_live_state(src, loaded, masters=False) > 0
     ranks = [torch.load(f, weights_only=True) for f in sorted(loaded.glob("rank-*.pt"))]

@@ -136,6 +136,57 @@ def test_one_target_piece_is_read_from_the_source_files_bitwise_without_the_whol
         CheckpointState(tmp_path).read_piece("norm", "master", last)
 
 
+def test_a_rank_reads_its_adamw_state_and_masters_as_its_pieces(tmp_path):
+    """tasks/engine/state_read.py's `load_optimizer` then masters.restore, the reads Engine.load runs, on a
+    torch AdamW over each target rank's fp32 master shares of cuts the source did not make (tp along rows
+    and columns, a padded vocabulary, ZeRO 3 mid-row and past the end): each rank's masters and moments
+    are `local_piece` of the whole states (the cut ColossalAI's loaders make), bitwise; step and the
+    parameter groups are the files'. An optimizer state it does not know (amsgrad's) is left to ColossalAI."""
+    from types import SimpleNamespace
+
+    from tasks.engine import masters, state_read
+
+    g = torch.Generator().manual_seed(2)
+    params = {
+        "embed": (torch.randn(515, 6, generator=g), None, 1, 2),
+        "o_proj": (torch.randn(40, 10, generator=g), None, 1, 2),
+        "norm": (torch.randn(7, generator=g), None, 1, 2),
+        "head": (torch.randn(9, 5, generator=g), 0, 2, 1),  # a tp-cut source master: cut from the whole
+    }
+    _write(tmp_path, params)
+    groups = torch.optim.AdamW([torch.zeros(1)], lr=3e-4, weight_decay=0.05).state_dict()["param_groups"]
+    groups[0]["params"] = list(range(len(params)))
+    torch.save(groups, tmp_path / "optimizer" / "groups.bin")
+    index = tmp_path / "optimizer" / "pytorch_optim.bin.index.json"
+    index.write_text(json.dumps({"metadata": {"param_groups": "groups.bin"}, **json.loads(index.read_text())}))
+    target = {"embed": (0, 2, 3), "o_proj": (1, 2, 3), "norm": (None, 1, 3), "head": (1, 2, 3)}  # tp_dim, tp, ZeRO
+    for t in range(2):
+        for z in range(3):
+            held = []
+            for pid, (name, (whole, *_)) in enumerate(params.items()):
+                tp_dim, tp, zero = target[name]
+                p = _pieces(name, pid, whole.shape, tp_dim, tp, zero)[t if tp > 1 else 0][z]
+                q = torch.zeros(p.length)
+                held.append(masters.Local(p, q, q, None, q, p))
+            opt = torch.optim.AdamW([loc.param for loc in held], lr=1.0)
+            eng = SimpleNamespace(optimizer=opt, cfg=SimpleNamespace(lora=None), weights_dtype="bf16", rank=t * 3 + z)
+            view = CheckpointState(tmp_path)
+            said = state_read.load_optimizer(eng, tmp_path, view, held)
+            assert said.startswith(f"read this rank's AdamW state of {tmp_path.name} as its pieces: 8 tensors"), said
+            restored = masters.restore(eng, tmp_path, held=held, view=view)
+            assert "(4 cut from the whole tensors for this layout)" in restored, restored
+            view.close()
+            assert opt.param_groups[0]["lr"] == 3e-4 and opt.param_groups[0]["weight_decay"] == 0.05
+            for loc, (whole, *_) in zip(held, params.values()):
+                st, p = opt.state[loc.param], loc.piece
+                assert list(st) == ["step", "exp_avg", "exp_avg_sq"] and float(st["step"]) == 7.0
+                for got, full in ((loc.master, whole), (st["exp_avg"], whole * 0.5), (st["exp_avg_sq"], whole * whole)):
+                    assert torch.equal(got, local_piece(full, p)), (p, t, z)
+    opt = torch.optim.AdamW([loc.param for loc in held], amsgrad=True)
+    eng = SimpleNamespace(optimizer=opt, cfg=SimpleNamespace(lora=None))
+    assert state_read.load_optimizer(eng, tmp_path, CheckpointState(tmp_path), held) == ""
+
+
 def test_a_missing_piece_is_named(tmp_path):
     _write(tmp_path, {"w": (torch.arange(12.0).reshape(4, 3), None, 1, 2)})
     rec = json.loads((tmp_path / MASTERS / rank_record_name(1)).read_text())

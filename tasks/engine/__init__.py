@@ -28,5 +28,6 @@ The Prefect task writes the job file (tasks/core/run/job.py) and reads the ranks
 - rankio.py         every line a rank prints prefixed with `[rank N] `
 - sampler.py        the resumable order of training rows per dp rank and step
 - solo_ddp.py       HybridParallelPlugin without torch DDP where its dp group is one rank
+- state_read.py     a resume's AdamW state and fp32 masters read as this rank's pieces, on threads
 - weights.py        an HF folder's weights read into a sharded model one tensor at a time
 """

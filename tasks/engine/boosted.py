@@ -45,13 +45,13 @@ from tasks.core.config.kernels import KernelState
 from tasks.core.config.kernels import record as kernel_record
 from tasks.core.config.plugins import spec_of
 from tasks.core.errors import ManifestError
-from tasks.core.models.convert.state_view import MASTERS
+from tasks.core.models.convert.state_view import MASTERS, CheckpointState
 from tasks.core.models.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
 from tasks.core.models.policy_rows import lazy_init_safe, needs_attention_mask, shard_settings
 from tasks.core.run import segments
 from tasks.core.run.events import CHECKPOINT, DETAIL, INFO, format_event
 from tasks.core.run.manifest import write_manifest
-from tasks.engine import accel, hostmem, lora, masters, node_staging, rankio, weights
+from tasks.engine import accel, hostmem, lora, masters, node_staging, rankio, state_read, weights
 from tasks.engine import checkpoint as ckpt
 from tasks.engine.backpressure import wait_for_publishes
 from tasks.engine.builders import (
@@ -514,11 +514,21 @@ class Engine:
                     f"unexpected {sorted(have - want)[:5]}"
                 )
             self.booster.load_model(self.model, str(model_dir), strict=False)
-        self.booster.load_optimizer(self.optimizer, str(path / "optimizer"))
+        # AdamW's state read as this rank's pieces (else ColossalAI's loader), then the fp32 masters over
+        # the ones ColossalAI rebuilt from the working weights, through one view of the checkpoint
+        held = masters.collect(self)
+        view = CheckpointState(path) if any((path / MASTERS).glob("rank-*.json")) else None
+        try:
+            said = state_read.load_optimizer(self, path, view, held) if view is not None else ""
+            if not said:
+                self.booster.load_optimizer(self.optimizer, str(path / "optimizer"))
+            for line in (said, masters.restore(self, path, held=held, view=view)):
+                if line:
+                    log(line)
+        finally:
+            if view is not None:
+                view.close()
         self.booster.load_lr_scheduler(self.scheduler, str(path / "lr_scheduler.pt"))
-        said = masters.restore(self, path)  # after ColossalAI rebuilt them from the working weights
-        if said:
-            log(said)
         masters.dump_loaded(self, path)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from tasks.core.models.convert.state_view import (
     rank_tensor_name,
 )
 from tasks.core.models.convert.write import safetensors_header
+from tasks.engine import state_read
 
 __all__ = ["DUMP_ENV", "Local", "collect", "dump_loaded", "restore", "save"]
 
@@ -62,6 +63,8 @@ class Local:
     master: torch.Tensor | None
     state_key: torch.Tensor
     working: torch.Tensor | None = None
+    param: torch.Tensor | None = None  # the optimizer's tensor for it (AdamW's state is keyed by it after a load)
+    state_piece: Piece | None = None  # the part of the whole parameter `param` (and its AdamW state) covers
 
 
 def _maps(opt) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
@@ -80,7 +83,8 @@ def collect(eng) -> list[Local]:
     names = {id(p): n for n, p in params.items()}
     w2m, m2w = _maps(opt)
     info = getattr(opt, "param_info", None)
-    order = [id(m2w.get(id(q), q)) for g in inner.param_groups for q in g["params"]]
+    held = [q for g in inner.param_groups for q in g["params"]]
+    order = [id(m2w.get(id(q), q)) for q in held]
     tp_size = getattr(eng.plugin, "tp_size", 1) if eng.spec.supports_tp_pp else 1
     tp_rank = dist.get_rank(eng.plugin.tp_group) if tp_size > 1 else 0
     replica = eng.layout.dp_rank + eng.layout.sp_rank  # 0: the first copy of a replicated piece
@@ -120,8 +124,29 @@ def collect(eng) -> list[Local]:
             saved=master is not None and (sharded or replica == 0) and (split or tp_rank == 0),
             rank=eng.rank,
         )
-        out.append(Local(piece, master, master if master is not None and master in inner.state else working, working))
+        out.append(
+            Local(
+                piece,
+                master,
+                master if master is not None and master in inner.state else working,
+                working,
+                held[pos],
+                _state_piece(opt, piece, held[pos], working),
+            )
+        )
     return out
+
+
+def _state_piece(opt, piece: Piece, param: torch.Tensor, working: torch.Tensor) -> Piece:
+    """What the optimizer's tensor for a parameter covers: the working slice itself, a ZeRO flat share
+    of it (padded; also under fp32, where the weight is its own master), or a whole fp32 master slice."""
+    if param is working:
+        return replace(piece, start=0, length=piece.local_numel)
+    if hasattr(opt, "param_to_pg") and working in opt.param_to_pg:
+        from colossalai.zero.low_level._utils import get_nd_rank
+
+        return replace(piece, start=get_nd_rank(opt.param_to_pg[working]) * param.numel(), length=param.numel())
+    return replace(piece, start=0, length=param.numel())
 
 
 def _gemini(eng, opt, model) -> list[Local]:
@@ -221,13 +246,15 @@ def _write(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
 
 
 @torch.no_grad()
-def restore(eng, ckpt: Path) -> str:
+def restore(eng, ckpt: Path, held: list[Local] | None = None, view: CheckpointState | None = None) -> str:
     """Overwrite the masters ColossalAI rebuilt from the working weights with the checkpoint's (and,
     where this plugin trains fp32 weights but the checkpoint's weights were bf16/fp16 beside fp32
-    masters, those weights with the masters); a sentence for the log, or "" when there was nothing to do."""
-    held = collect(eng)
+    masters, those weights with the masters); a sentence for the log, or "" when there was nothing to do.
+    `held` and `view`: `collect(eng)` and the checkpoint's view where the caller has them (it closes it)."""
+    held = collect(eng) if held is None else held
+    own = view is None
     records = (ckpt / MASTERS).is_dir() and any((ckpt / MASTERS).glob("rank-*.json"))
-    view = CheckpointState(ckpt) if records else None
+    view = (CheckpointState(ckpt) if records else None) if own else view
     with_masters = view is not None and view.has_masters
     targets = [(loc, loc.master) for loc in held if loc.master is not None]
     if with_masters:  # e.g. torch_ddp bf16 (fp32 weights under autocast) continuing a low_level_zero bf16 stage
@@ -244,6 +271,7 @@ def restore(eng, ckpt: Path) -> str:
             f"{eng.weights_dtype} working weights, so this resume is not exact"
         )
     direct = cut = 0
+    reads = []
     for loc, dst in targets:
         p = loc.piece
         same = next(
@@ -257,20 +285,21 @@ def restore(eng, ckpt: Path) -> str:
             None,
         )
         if same is not None:  # written by a rank in this rank's place: its bytes, padding included
-            buf = torch.empty(p.length, dtype=torch.float32)
-            view._read_piece(same, buf)
+            reads.append(state_read.Read(dst, p.length, lambda buf, q=same: view._read_piece(q, buf)))
             direct += 1
         else:  # another layout (or fp32 weights of a checkpoint without masters): cut from the whole
-            buf = view.read_piece(p.name, "master", p)
+            reads.append(state_read.Read(dst, p.length, lambda buf, p=p: view.read_piece(p.name, "master", p, buf)))
+            view.extents(p.name, "master")  # found here, before the threads share the view
             cut += 1
-        dst.view(-1).copy_(buf[: dst.numel()].to(dst.device))
+    state_read.run(reads)
     rec = json.loads((ckpt / MASTERS / rank_record_name(min(eng.rank, len(view.ranks) - 1))).read_text())
     scaler = _scaler(eng.optimizer)
     if scaler is not None and "loss_scale" in rec:
         ls = rec["loss_scale"]
         scaler._scale = torch.tensor([ls["scale"]], dtype=torch.float32, device=scaler.scale.device)
         scaler._growth_step, scaler._hysteresis_step = ls["growth_step"], ls["hysteresis_step"]
-    view.close()
+    if own:
+        view.close()
     how = ", ".join(
         x
         for x in (

@@ -180,6 +180,14 @@ def _regular(runs: list[tuple[int, int, int]]):
         i = j
 
 
+def _where(t: torch.Tensor) -> tuple[int, int, torch.dtype, tuple[int, ...]] | None:
+    """A meta-loaded tensor's bytes in its file: (byte offset, elements, dtype, shape), None where unknown."""
+    off = getattr(t.untyped_storage(), "_checkpoint_offset", None)
+    if off is None or not t.is_contiguous():
+        return None
+    return (off + t.storage_offset() * t.element_size(), t.numel(), t.dtype, tuple(t.shape))
+
+
 @dataclass
 class _Rank:
     rank: int
@@ -216,7 +224,7 @@ class CheckpointState:
         self._optim: tuple[str, dict] | None = None  # the one optimizer file kept open
         self._optim_map: dict[str, str] | None = None
         self._extents: dict[tuple[str, str], list[tuple[int, int, str, int]] | None] = {}
-        self._offsets: dict[str, dict] = {}  # optimizer file -> {id: {key: (byte offset, elements)}}
+        self._offsets: dict[str, dict] = {}  # optimizer file -> {id: {key: (byte offset, elements, dtype, shape)}}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -335,6 +343,44 @@ class CheckpointState:
         out["step"] = float(step.item()) if isinstance(step, torch.Tensor) else float(step)
         return out
 
+    def saved_states(self, names: list[str]) -> dict[str, tuple[list[str], Any]]:
+        """Per name, the keys of its saved optimizer state in the file's order and its `step` as saved (a
+        tensor read from its bytes): from the same pickle-only load `extents` makes, no state's bytes read."""
+        out = {}
+        for name in names:
+            fname = self._optim_file(name)
+            state = self._optim_meta(fname).get(self.ids[name])
+            if not isinstance(state, dict):
+                raise ManifestError(
+                    f"{self.path}/optimizer/{fname}: no state for parameter id {self.ids[name]} ({name})"
+                )
+            step = state.get("step")
+            if isinstance(step, tuple):  # a tensor: its bytes where the file holds them
+                at, numel, dtype, shape = step
+                nbytes = numel * torch.empty((), dtype=dtype).element_size()
+                raw = bytearray(os.pread(self._fd(str(self.path / "optimizer" / fname)), nbytes, at))
+                if len(raw) != nbytes:
+                    raise ManifestError(f"{self.path}/optimizer/{fname}: {name}'s step is truncated")
+                step = torch.frombuffer(raw, dtype=dtype).reshape(shape).clone()
+            elif step is None and "step" in state:  # a tensor not stored flat: the state loaded as torch saved it
+                step = self.adam(name)["step"]
+                step = torch.tensor(step)
+            out[name] = (list(state), step)
+        return out
+
+    def _optim_meta(self, fname: str) -> dict:
+        """One optimizer file's states without their bytes (a `map_location="meta"` load reads the pickle
+        alone, once a file): {id: {key: (byte offset, elements, dtype, shape) of a contiguous tensor with
+        a known offset (torch >= 2.6), None for another tensor, else the value}}."""
+        if fname not in self._offsets:
+            meta = torch.load(self.path / "optimizer" / fname, map_location="meta", weights_only=True)
+            self._offsets[fname] = {
+                pid: {k: _where(t) if isinstance(t, torch.Tensor) else t for k, t in st.items()}
+                for pid, st in meta.items()
+                if isinstance(st, dict)
+            }
+        return self._offsets[fname]
+
     # -- one target piece, without the whole tensor ---------------------------------------------
 
     def extents(self, name: str, key: str) -> list[tuple[int, int, str, int]] | None:
@@ -351,22 +397,9 @@ class CheckpointState:
         numel = math.prod(self.by_name[name][0].shape)
         if key != "master":
             fname = self._optim_file(name)
-            if fname not in self._offsets:  # the pickle alone: a meta load reads no tensor data
-                meta = torch.load(self.path / "optimizer" / fname, map_location="meta", weights_only=True)
-                self._offsets[fname] = {
-                    pid: {
-                        k: (t.untyped_storage()._checkpoint_offset + t.storage_offset() * 4, t.numel())
-                        for k, t in st.items()
-                        if k in ADAM_KEYS
-                        and isinstance(t, torch.Tensor)
-                        and t.dtype == torch.float32
-                        and t.is_contiguous()
-                        and getattr(t.untyped_storage(), "_checkpoint_offset", None) is not None  # torch >= 2.6
-                    }
-                    for pid, st in meta.items()
-                    if isinstance(st, dict)
-                }
-            off = self._offsets[fname].get(self.ids[name], {}).get(key)
+            off = self._optim_meta(fname).get(self.ids[name], {}).get(key)
+            if not isinstance(off, tuple) or off[2] != torch.float32:
+                return None
             path = str(self.path / "optimizer" / fname)
             return [(0, numel, path, off[0])] if off is not None and off[1] == numel else None
         pieces = sorted({p.start: p for p in self.by_name[name] if p.saved}.values(), key=lambda p: p.start)
