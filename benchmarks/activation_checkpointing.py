@@ -82,7 +82,7 @@ def _case(spec: str, a: argparse.Namespace, work: Path) -> dict:
     from tasks.engine.faults import Injector
 
     plugin_key, _, mode = spec.partition(":")
-    stage_cfg = {
+    phase_cfg = {
         "data": {"uri": str(REPO / "data" / "sample" / "cpt.jsonl")},
         "plugin": PLUGINS[plugin_key],
         "launch": {"nproc_per_node": dist.get_world_size()},
@@ -99,7 +99,7 @@ def _case(spec: str, a: argparse.Namespace, work: Path) -> dict:
         {
             "verb": "train",
             "stage": "cpt",
-            "stage_cfg": stage_cfg,
+            "phase_cfg": phase_cfg,
             "trust_remote_code": False,
             "model_dir": str(a.model),
             "tokenizer_dir": str(a.model),
@@ -126,7 +126,7 @@ def _case(spec: str, a: argparse.Namespace, work: Path) -> dict:
     _trim_heap()
     peak = HostPeak()  # VmHWM := the current resident set
     losses, t0 = [], time.monotonic()
-    rows = a.mbs * stage_cfg["grad_accum_steps"]
+    rows = a.mbs * phase_cfg["grad_accum_steps"]
     for step in range(a.steps):
         g = torch.Generator().manual_seed(1000 * step + eng.layout.dp_rank)
         ids = torch.randint(FIRST_ID, vocab, (rows, a.seq_len), generator=g)

@@ -296,7 +296,7 @@ def train_probe(work: Path, tokdir: Path, prepared: Path, steps: int, nproc: int
         raw = {
             "verb": verb,
             "stage": "cpt",
-            "stage_cfg": run["cpt"],
+            "phase_cfg": run["cpt"],
             "trust_remote_code": False,
             "model_dir": str(model),
             "tokenizer_dir": str(tokdir),

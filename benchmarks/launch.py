@@ -68,7 +68,7 @@ def _job(cfg, model: Path, data: Path, stage_dir: Path, verb: str) -> Job:
     return Job(
         verb=verb,
         stage="cpt",
-        stage_cfg=cfg.cpt,
+        phase_cfg=cfg.cpt,
         trust_remote_code=cfg.base_model.trust_remote_code,
         model_dir=model,
         tokenizer_dir=model,

@@ -67,7 +67,7 @@ def _engine(layout: str, seq_len: int, model: Path, work: Path):
     from tasks.engine.boosted import Engine
     from tasks.engine.faults import Injector
 
-    stage_cfg = {
+    phase_cfg = {
         "data": {"uri": str(REPO / "data" / "sample" / "cpt.jsonl")},
         "plugin": LAYOUTS[layout],
         "launch": {"nproc_per_node": dist.get_world_size()},
@@ -82,7 +82,7 @@ def _engine(layout: str, seq_len: int, model: Path, work: Path):
         {
             "verb": "train",
             "stage": "cpt",
-            "stage_cfg": stage_cfg,
+            "phase_cfg": phase_cfg,
             "trust_remote_code": False,
             "model_dir": str(model),
             "tokenizer_dir": str(model),

@@ -80,7 +80,7 @@ def make_source(d: Path, mb: float, files: int, seed: int) -> str:
     return str(d)
 
 
-def stage_cfg(data: dict, steps: int, micro: int, seq_len: int):
+def phase_cfg(data: dict, steps: int, micro: int, seq_len: int):
     from tasks.core.config.schema import PhaseConfig
 
     return PhaseConfig.model_validate(
@@ -127,7 +127,7 @@ def data_times(cfg, tokdir: Path, data_dir: Path, probe_steps: int) -> tuple[flo
     job = Job(
         verb="train",
         stage="cpt",
-        stage_cfg=cfg,
+        phase_cfg=cfg,
         trust_remote_code=False,
         model_dir=str(tokdir),
         tokenizer_dir=str(tokdir),
@@ -185,10 +185,10 @@ def main(argv: list[str] | None = None) -> None:
     tiny_tokenizer().save_pretrained(tokdir)
     dirs = {n: make_source(work / "corpus" / n, mb, files, seed) for seed, (n, (mb, files)) in enumerate(sizes.items())}
     files = [str(p) for n in dirs for p in sorted(Path(dirs[n]).iterdir())]
-    mix = stage_cfg(
+    mix = phase_cfg(
         {"sources": [{"name": n, "uri": dirs[n], "weight": WEIGHTS[n]} for n in dirs]}, steps, micro, seq_len
     )
-    one = stage_cfg({"uri": files}, steps, micro, seq_len)
+    one = phase_cfg({"uri": files}, steps, micro, seq_len)
 
     prep = {"mixture": [], "single": []}
     start = {"mixture": [], "single": []}

@@ -174,7 +174,7 @@ def main() -> None:
                     work / "jobs" / f"{verb}.json",
                     verb=verb,
                     stage="cpt",
-                    stage_cfg=section,
+                    phase_cfg=section,
                     model_dir=model,
                     tokenizer_dir=model,
                     stage_dir=stage_dir,

@@ -296,7 +296,7 @@ def prepared(work: Path, tokdir: Path, seq_len: int) -> Path:
     return out
 
 
-def stage_cfg(plugin: dict, mbs: int, seq_len: int, steps: int) -> dict:
+def phase_cfg(plugin: dict, mbs: int, seq_len: int, steps: int) -> dict:
     return {
         "data": {"uri": str(REPO / "data" / "sample" / "cpt.jsonl")},
         "plugin": plugin,
@@ -320,7 +320,7 @@ def measure(work: Path, size: str, plugin_key: str, steps: int) -> dict:
     model = model_dir(work, size, tokdir)
     mbs, seq_len = BATCH[size]
     data = prepared(work, tokdir, seq_len)
-    cfg = stage_cfg(PLUGINS[plugin_key], mbs, seq_len, steps + 1)
+    cfg = phase_cfg(PLUGINS[plugin_key], mbs, seq_len, steps + 1)
     stage_dir = work / f"stage-{size}-{plugin_key}"
     shutil.rmtree(stage_dir, ignore_errors=True)
     jobs = {}
@@ -328,7 +328,7 @@ def measure(work: Path, size: str, plugin_key: str, steps: int) -> dict:
         job = {
             "verb": verb,
             "stage": "cpt",
-            "stage_cfg": cfg,
+            "phase_cfg": cfg,
             "trust_remote_code": False,
             "model_dir": str(model),
             "tokenizer_dir": str(tokdir),
@@ -350,7 +350,7 @@ def measure(work: Path, size: str, plugin_key: str, steps: int) -> dict:
         "size": size,
         "plugin": plugin_key,
         "config": config,
-        "stage_cfg": cfg,
+        "phase_cfg": cfg,
         "mbs": mbs,
         "seq_len": seq_len,
         "shard_peak": max(shard["peak"].values()),
@@ -404,7 +404,7 @@ def room_needed(work: Path, size: str, plugin_key: str, steps: int) -> float:
         "tie_word_embeddings": dims.get("tie_word_embeddings", False),
     }
     est = estimate(
-        config, PhaseConfig.model_validate(stage_cfg(PLUGINS[plugin_key], mbs, seq_len, steps + 1)), cuda=False
+        config, PhaseConfig.model_validate(phase_cfg(PLUGINS[plugin_key], mbs, seq_len, steps + 1)), cuda=False
     )
     return NPROC * 1.15 * max(est.host_steady, est.construction_host)
 
@@ -414,7 +414,7 @@ def estimate_row(row: dict) -> dict:
     from tasks.core.config.schema import PhaseConfig
     from tasks.core.preflight.memory import estimate
 
-    est = estimate(row["config"], PhaseConfig.model_validate(row["stage_cfg"]), cuda=False)
+    est = estimate(row["config"], PhaseConfig.model_validate(row["phase_cfg"]), cuda=False)
     # the steady share: parameters, gradients and optimizer state the plugin places on the rank (no activations)
     states = est.total("always", "grads", "backward")
     return {

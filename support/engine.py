@@ -27,7 +27,7 @@ STAGE = {
 
 
 def stage_raw(stage: str, plugin: dict[str, Any], **stage_kw) -> dict[str, Any]:
-    """One stage section (a PhaseConfig dict) of the sample data under `plugin`: what a job carries."""
+    """One phase section (a PhaseConfig dict) of the sample data under `plugin`: what a job carries."""
     data = {"uri": str(REPO / "data" / "sample" / f"{stage}.jsonl")}
     seq = {"seq_len": 64} if stage == "sft" else {}  # chats are longer than 32 tokens
     return {"data": data, "plugin": plugin, "launch": {"nproc_per_node": 2}, **STAGE, **seq, "seed": 1234, **stage_kw}
@@ -44,7 +44,7 @@ def run_raw(model_dir: Path, run_root: Path, stage: str, plugin: dict[str, Any],
     }
 
 
-def prepare_spec(stage_cfg: dict[str, Any], stage: str):
+def prepare_spec(phase_cfg: dict[str, Any], stage: str):
     """The stage's PrepareSpec as prepare_data builds it (`prepare.prepare_spec`), with no held-out part:
     the engine tests train on every record."""
     from dataclasses import replace
@@ -52,17 +52,17 @@ def prepare_spec(stage_cfg: dict[str, Any], stage: str):
     from tasks.core.config.schema import PhaseConfig
     from tasks.core.data.spec import prepare_spec
 
-    spec = prepare_spec(PhaseConfig.model_validate(stage_cfg), stage)
+    spec = prepare_spec(PhaseConfig.model_validate(phase_cfg), stage)
     return replace(spec, heldout_fraction=0.0, heldout_uri=None, heldout_sources=())
 
 
-def prepared_data(stage_cfg: dict[str, Any], stage: str, tokenizer_dir: Path, out: Path) -> Path:
+def prepared_data(phase_cfg: dict[str, Any], stage: str, tokenizer_dir: Path, out: Path) -> Path:
     """The stage's corpus tokenized as prepare_data does (`prepare_spec`); a mixture blended for the
     stage's steps, as prepare_data blends it."""
     from tasks.core.data.prepare import prepare_spec_into
 
     if not (out / "index.json").is_file():
-        prepare_spec_into(prepare_spec(stage_cfg, stage), tokenizer_dir, out)
+        prepare_spec_into(prepare_spec(phase_cfg, stage), tokenizer_dir, out)
     return out
 
 
@@ -71,7 +71,7 @@ def write_job(
     *,
     verb: str,
     stage: str,
-    stage_cfg: dict[str, Any],
+    phase_cfg: dict[str, Any],
     model_dir: Path,
     stage_dir: Path,
     tokenizer_dir: Path | None = None,
@@ -82,13 +82,13 @@ def write_job(
     # keyed by the product's digest of that spec.
     from tasks.core.run.digest import digest
 
-    spec = prepare_spec(stage_cfg, stage)
-    tag = f"{stage}-{stage_cfg['seq_len']}-{Path(tokenizer_dir or model_dir).name}-{digest(spec.to_json())[:12]}"
-    data_dir = prepared_data(stage_cfg, stage, tokenizer_dir or model_dir, path.parent / f"data-{tag}")
+    spec = prepare_spec(phase_cfg, stage)
+    tag = f"{stage}-{phase_cfg['seq_len']}-{Path(tokenizer_dir or model_dir).name}-{digest(spec.to_json())[:12]}"
+    data_dir = prepared_data(phase_cfg, stage, tokenizer_dir or model_dir, path.parent / f"data-{tag}")
     job = {
         "verb": verb,
         "stage": stage,
-        "stage_cfg": stage_cfg,
+        "phase_cfg": phase_cfg,
         "trust_remote_code": False,
         "model_dir": str(model_dir),
         "tokenizer_dir": str(tokenizer_dir or model_dir),

@@ -90,9 +90,9 @@ def test_config_reference_lists_every_field_and_registry_row():
     for path, model in reference.sections():
         for name in model.model_fields:
             key = f"{path}.{name}" if path else name
-            key = re.sub(r"^(cpt|sft)(?=\.|$)", "<stage>", key)
-            # dpo's section lists its own fields; those of a stage section are <stage>'s
-            stage_key = re.sub(r"^dpo(?=\.|$)", "<stage>", key)
+            key = re.sub(r"^(cpt|sft)(?=\.|$)", "<phase>", key)
+            # dpo's section lists its own fields; those of a phase section are <phase>'s
+            stage_key = re.sub(r"^dpo(?=\.|$)", "<phase>", key)
             assert f"`{key}`" in text or f"`{stage_key}`" in text, key
     for rows in (PLUGINS, BATCHING, BACKENDS, {k.name: k for k in KERNELS}):
         for name in rows:

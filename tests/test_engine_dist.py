@@ -105,7 +105,7 @@ def _jobs(
     section = stage_raw(stage, plugin, **stage_kw)
     common = dict(
         stage=stage,
-        stage_cfg=section,
+        phase_cfg=section,
         model_dir=model_dir,
         tokenizer_dir=tokenizer_dir,
         stage_dir=stage_dir,
@@ -338,7 +338,7 @@ def wide(work, tiny_model_dir):
         dir=stage_dir,
         model_dir=model_dir,
         shard=_engine("wide tp2 shard", "shard", shard_job),
-        section=json.loads(shard_job.read_text())["stage_cfg"],
+        section=json.loads(shard_job.read_text())["phase_cfg"],
     )
 
 

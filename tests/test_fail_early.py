@@ -315,7 +315,7 @@ def test_a_failing_rank_gives_the_stage_its_cause(tmp_path, tiny_model_dir, monk
         tmp_path / "job.json",
         verb="train",
         stage="cpt",
-        stage_cfg=section,
+        phase_cfg=section,
         model_dir=empty,
         stage_dir=tmp_path / "cpt",
         tokenizer_dir=tiny_model_dir,
@@ -521,7 +521,7 @@ def test_pickle_weights_are_converted_once_in_the_load_stage(
                 tmp_path / "job.json",
                 verb="shard",
                 stage="cpt",
-                stage_cfg=run["cpt"],
+                phase_cfg=run["cpt"],
                 model_dir=base,
                 stage_dir=tmp_path / "cpt",
             ).read_text()

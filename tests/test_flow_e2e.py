@@ -531,7 +531,7 @@ def test_evaluation_is_recorded_in_manifests_and_run_json(scenario):
     for stage, artifact, metrics in (("cpt", "cpt/hf", cpt), ("sft", "export", sft)):
         split = json.loads((run_root / artifact / MANIFEST).read_text())["meta"]["data_split"]
         assert split == metrics["split"] and split["method"] == "hash-fraction" and split["heldout_records"] >= 1
-        # prepare_data decided the split in its one pass; the held-out records live in data/<stage>/.
+        # prepare_data decided the split in its one pass; the held-out records live in data/<phase>/.
         held = heldout_records(run_root / "data" / stage)
         held_ids = {record_id(r) for r in held}
         train = [r for r in read_records(resolve_local(split["data_uri"])) if record_id(r) not in held_ids]

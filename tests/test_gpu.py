@@ -145,7 +145,7 @@ def gemini_runs(work, dropout_model_dir):
     """A: shard + 6 steps; B: the same from a copy of step 0, killed after step 4 and resumed."""
     env = _det_env(work)
     section = stage_raw("sft", GEMINI, **ONE_RANK)
-    common = dict(stage="sft", stage_cfg=section, model_dir=dropout_model_dir)
+    common = dict(stage="sft", phase_cfg=section, model_dir=dropout_model_dir)
     a_dir, b_dir = work / "a" / "sft", work / "b" / "sft"
     shard_a = write_job(work / "jobs" / "a-shard.json", verb="shard", stage_dir=a_dir, **common)
     train_a = write_job(work / "jobs" / "a-train.json", verb="train", stage_dir=a_dir, **common)
@@ -318,7 +318,7 @@ def test_a_stage_runs_with_the_kernels_on_and_its_manifests_record_them(work, dr
         activation_checkpointing=True,
     )
     d = work / "kernels" / "cpt"
-    common = dict(stage="cpt", stage_cfg=section, model_dir=dropout_model_dir, stage_dir=d)
+    common = dict(stage="cpt", phase_cfg=section, model_dir=dropout_model_dir, stage_dir=d)
     shard = engine(
         "shard",
         write_job(work / "jobs" / "kernels-shard.json", verb="shard", **common),
@@ -408,7 +408,7 @@ def _roundtrip_worker(model_dir: Path, out: Path, plugin: dict | None = None) ->
             {
                 "verb": "shard",
                 "stage": "sft",
-                "stage_cfg": section,
+                "phase_cfg": section,
                 "trust_remote_code": False,
                 "model_dir": str(model_dir),
                 "tokenizer_dir": str(model_dir),

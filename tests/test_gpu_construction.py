@@ -58,7 +58,7 @@ def test_sharded_construction_on_cuda_keeps_host_memory_under_1gb_plus_the_large
         tmp_path / "shard.json",
         verb="shard",
         stage="cpt",
-        stage_cfg=section,
+        phase_cfg=section,
         model_dir=large_model_dir,
         stage_dir=tmp_path / "cpt",
     )

@@ -35,7 +35,7 @@ def test_ring_attn_trains_as_tp2_without_it(tiny_model_dir, tmp_path):
     runs = {}
     for name, plugin in (("tp2", TP2), ("ring", RING)):
         section = stage_raw("cpt", plugin, max_steps=4, checkpoint_every=4, seq_len=64)
-        common = dict(stage="cpt", stage_cfg=section, model_dir=tiny_model_dir, stage_dir=tmp_path / name / "cpt")
+        common = dict(stage="cpt", phase_cfg=section, model_dir=tiny_model_dir, stage_dir=tmp_path / name / "cpt")
         runs[name] = (
             write_job(tmp_path / f"{name}-shard.json", verb="shard", **common),
             write_job(tmp_path / f"{name}-train.json", verb="train", **common),

@@ -36,8 +36,8 @@ def _cfg(tmp_path, **stages) -> RunConfig:
     return parse_config(raw)
 
 
-def _layout(stage_cfg, stage: str) -> ParallelLayout:
-    return ParallelLayout.of(stage_cfg, stage, cuda=True, tiers=("static",))
+def _layout(phase_cfg, stage: str) -> ParallelLayout:
+    return ParallelLayout.of(phase_cfg, stage, cuda=True, tiers=("static",))
 
 
 def test_on_cpu_every_kernel_is_off_with_its_reason_and_nothing_is_passed(tmp_path):

@@ -54,7 +54,7 @@ def sharded(tmp_path_factory, tiny_model_dir):
             work / "shard.json",
             verb="shard",
             stage="cpt",
-            stage_cfg=section,
+            phase_cfg=section,
             model_dir=tiny_model_dir,
             stage_dir=stage_dir,
         ),
@@ -77,7 +77,7 @@ def test_background_failure_stops_the_stage(sharded, tmp_path):
     job = parse_job(
         json.loads(
             write_job(
-                tmp_path / "j.json", verb="train", stage="cpt", stage_cfg=section, model_dir=model, stage_dir=stage_dir
+                tmp_path / "j.json", verb="train", stage="cpt", phase_cfg=section, model_dir=model, stage_dir=stage_dir
             ).read_text()
         )
     )
@@ -109,7 +109,7 @@ def test_dead_rank_fails_the_stage_and_leaves_nothing(sharded, tmp_path):
     job = parse_job(
         json.loads(
             write_job(
-                tmp_path / "j.json", verb="train", stage="cpt", stage_cfg=section, model_dir=model, stage_dir=stage_dir
+                tmp_path / "j.json", verb="train", stage="cpt", phase_cfg=section, model_dir=model, stage_dir=stage_dir
             ).read_text()
         )
     )

@@ -315,7 +315,7 @@ def test_the_engine_trains_document_blocks_with_the_context_settings(tmp_path, t
             tmp_path / f"{verb}.json",
             verb=verb,
             stage="cpt",
-            stage_cfg=cfg,
+            phase_cfg=cfg,
             model_dir=tiny_model_dir,
             stage_dir=stage_dir,
         )

@@ -37,7 +37,7 @@ def lora_run(tmp_path_factory, tiny_model_dir):
     write_manifest(base, kind="hf-model")  # the base an adapter references by this manifest's digest
     stage_dir = work / "sft"
     section = stage_raw("sft", DDP, lora=LORA, max_steps=6, checkpoint_every=3, keep_last=3)
-    common = dict(stage="sft", stage_cfg=section, model_dir=base, tokenizer_dir=base, stage_dir=stage_dir)
+    common = dict(stage="sft", phase_cfg=section, model_dir=base, tokenizer_dir=base, stage_dir=stage_dir)
     shard_job = write_job(work / "jobs" / "shard.json", verb="shard", **common)
     train_job = write_job(work / "jobs" / "train.json", verb="train", **common)
     shard = engine("shard", shard_job)
@@ -206,7 +206,7 @@ def test_a_lora_stage_continues_under_another_plugin_with_its_optimizer_state(lo
         tmp_path / "jobs" / "train.json",
         verb="train",
         stage="sft",
-        stage_cfg=section,
+        phase_cfg=section,
         model_dir=lora_run["base"],
         tokenizer_dir=lora_run["base"],
         stage_dir=stage_dir,

@@ -116,7 +116,7 @@ def test_ddp_train_emits_metrics_and_one_event_point_per_step(tmp_path, tiny_mod
     plugin = {"name": "torch_ddp", "precision": "fp32"}
     section = stage_raw("cpt", plugin, max_steps=4, checkpoint_every=4)
     stage_dir = tmp_path / "cpt"
-    common = dict(stage="cpt", stage_cfg=section, model_dir=tiny_model_dir, stage_dir=stage_dir)
+    common = dict(stage="cpt", phase_cfg=section, model_dir=tiny_model_dir, stage_dir=stage_dir)
     engine("shard", write_job(tmp_path / "shard.json", verb="shard", **common))
     out = engine("train", write_job(tmp_path / "train.json", verb="train", **common))
     progress = out.progress

@@ -34,7 +34,7 @@ def _job(tmp: Path, model_dir: Path, verb: str, run: dict, digest: str) -> Path:
             {
                 "verb": verb,
                 "stage": "cpt",
-                "stage_cfg": run["cpt"],
+                "phase_cfg": run["cpt"],
                 "trust_remote_code": run["base_model"]["trust_remote_code"],
                 "model_dir": str(model_dir),
                 "tokenizer_dir": str(model_dir),

@@ -69,7 +69,7 @@ def trained(request, tmp_path_factory):
     stage_dir = work / "cpt"
     steps, every = (STEPS + 1, 2) if family in RESUME else (STEPS, STEPS)
     section = stage_raw("cpt", plugin, max_steps=steps, checkpoint_every=every)
-    common = dict(stage="cpt", stage_cfg=section, model_dir=model_dir, tokenizer_dir=model_dir, stage_dir=stage_dir)
+    common = dict(stage="cpt", phase_cfg=section, model_dir=model_dir, tokenizer_dir=model_dir, stage_dir=stage_dir)
     shard = engine("shard", write_job(work / "shard.json", verb="shard", **common))
     train = engine("train", write_job(work / "train.json", verb="train", **common))
     if family in RESUME and train.rc == 0:  # the last checkpoint set aside: the next launch resumes from step 2

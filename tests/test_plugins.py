@@ -416,7 +416,7 @@ def test_job_errors_name_every_key(tmp_path):
         "stage",
         "model_dir",
         "extra",
-        "stage_cfg",
+        "phase_cfg",
         "trust_remote_code",
         "tokenizer_dir",
         "stage_dir",

@@ -78,7 +78,7 @@ def _job(**extra) -> dict:
     return {
         "verb": "train",
         "stage": "cpt",
-        "stage_cfg": section,
+        "phase_cfg": section,
         "trust_remote_code": False,
         "model_dir": "/m",
         "tokenizer_dir": "/m",
@@ -100,18 +100,18 @@ def test_job_key_remote_run_root():
 def test_max_pending_publishes_field():
     field = PhaseConfig.model_fields["max_pending_publishes"]
     assert field.default == 2 and "upload" in field.description
-    section = _job()["stage_cfg"]
+    section = _job()["phase_cfg"]
     section["max_pending_publishes"] = 0
     with pytest.raises(ConfigError) as exc:
-        parse_job(_job(stage_cfg=section))
-    assert any(f == "stage_cfg.max_pending_publishes" for f, _ in exc.value.problems), exc.value.problems
+        parse_job(_job(phase_cfg=section))
+    assert any(f == "phase_cfg.max_pending_publishes" for f, _ in exc.value.problems), exc.value.problems
 
 
 # ---- distributed tier: real torchrun, real Publisher, real S3 through the throttled proxy ----------
 def _train_job(path: Path, section: dict, model_dir: Path, stage_dir: Path, remote: bool) -> Path:
     from support.engine import write_job
 
-    write_job(path, verb="train", stage="cpt", stage_cfg=section, model_dir=model_dir, stage_dir=stage_dir)
+    write_job(path, verb="train", stage="cpt", phase_cfg=section, model_dir=model_dir, stage_dir=stage_dir)
     job = json.loads(path.read_text())
     job["remote_run_root"] = remote
     path.write_text(json.dumps(job, indent=2))
@@ -142,7 +142,7 @@ def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(
             tmp_path / "shard.json",
             verb="shard",
             stage="cpt",
-            stage_cfg=section,
+            phase_cfg=section,
             model_dir=tiny_model_dir,
             stage_dir=stage_dir,
         ),

@@ -79,7 +79,7 @@ def _job(cfg, tmp_path: Path, model_dir: Path, verb: str):
     return Job(
         verb=verb,
         stage="cpt",
-        stage_cfg=cfg.cpt,
+        phase_cfg=cfg.cpt,
         trust_remote_code=cfg.base_model.trust_remote_code,
         model_dir=model_dir,
         tokenizer_dir=model_dir,

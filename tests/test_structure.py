@@ -832,7 +832,7 @@ def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(
         job = Job(
             verb="train",
             stage="cpt",
-            stage_cfg=cfg.cpt,
+            phase_cfg=cfg.cpt,
             trust_remote_code=False,
             model_dir=tiny_model_dir,
             tokenizer_dir=tiny_model_dir,

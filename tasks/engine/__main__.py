@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         from tasks.engine.preconditions import check_inputs, load_job
 
         job = load_job(args.config, verb=args.verb)
-        check_supported(job.stage_cfg.plugin, job.stage)
+        check_supported(job.phase_cfg.plugin, job.stage)
         if job.nodes is None:  # per-node staging checks what it stages, once the group is up
             check_inputs(job)
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
         from colossalai.logging import get_dist_logger
 
-        colossalai.launch_from_torch(seed=job.stage_cfg.seed, verbose=False)
+        colossalai.launch_from_torch(seed=job.phase_cfg.seed, verbose=False)
         # Its INFO lines (e.g. where optimizer shards went) are noise next to our own log.
         get_dist_logger().set_level("WARNING")
         if job.nodes is not None:

@@ -70,7 +70,7 @@ def _probe(state: KernelState, device: torch.device) -> None:
 
 
 def load_kernels(
-    stage_cfg: Any,
+    phase_cfg: Any,
     stage: str,
     model_dir: Path,
     cuda: bool,
@@ -80,7 +80,7 @@ def load_kernels(
 ) -> Kernels:
     """The registry's decision for this stage on this rank's machine, each kernel that is on tried
     once; one that fails is off ("failed to load: ...") with a warning naming it."""
-    states = resolve(stage_cfg, stage, Facts.detect(cuda=cuda, model_type=model_type(model_dir)))
+    states = resolve(phase_cfg, stage, Facts.detect(cuda=cuda, model_type=model_type(model_dir)))
     for name, state in list(states.items()):
         if not state.on or state.spec.via == "model":  # transformers checks those when it builds the model
             continue
@@ -113,9 +113,9 @@ def optimizer_kwargs(states: Mapping[str, KernelState]) -> dict[str, Any]:
     return passed(states, "optimizer")
 
 
-def checkpoint_activations(model: torch.nn.Module, stage_cfg: Any, phase: Phase) -> bool:
+def checkpoint_activations(model: torch.nn.Module, phase_cfg: Any, phase: Phase) -> bool:
     """Switch the HF model's gradient checkpointing on when the phase asks; whether it is on."""
-    if not stage_cfg.activation_checkpointing:
+    if not phase_cfg.activation_checkpointing:
         return False
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(

@@ -91,7 +91,7 @@ class Engine:
         from colossalai.booster import Booster
 
         self.job, self.faults = job, faults
-        self.cfg = job.stage_cfg
+        self.cfg = job.phase_cfg
         self.pcfg = self.cfg.plugin
         self.spec = spec_of(self.pcfg.name)
         from colossalai.accelerator import get_accelerator

@@ -78,13 +78,13 @@ def check_supported(plugin_cfg: PluginConfig, phase: Phase, cuda: bool | None = 
         raise ConfigError(problems, header=f"stage {phase} cannot run on this machine")
 
 
-def check_model(stage_cfg: PhaseConfig, model_config: dict[str, Any], phase: Phase) -> None:
+def check_model(phase_cfg: PhaseConfig, model_config: dict[str, Any], phase: Phase) -> None:
     """The layout rules that need the model (tp divides heads and the vocabulary, pp <= layers),
     against the model actually built: the same rules pre-flight ran on config.json."""
-    problems = layout_problems(stage_cfg, phase, model_config=model_config, tiers=("model",))
+    problems = layout_problems(phase_cfg, phase, model_config=model_config, tiers=("model",))
     problems += [
         p
-        for p in (policy_problem(model_config, stage_cfg, phase), sp_family_problem(model_config, stage_cfg, phase))
+        for p in (policy_problem(model_config, phase_cfg, phase), sp_family_problem(model_config, phase_cfg, phase))
         if p
     ]
     if problems:
@@ -101,7 +101,7 @@ def loss_scale_kwargs(p: PluginConfig) -> dict[str, Any]:
     return dataclasses.asdict(LOSS_SCALE)
 
 
-def _hybrid_parallel(p: PluginConfig, stage_cfg: PhaseConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
+def _hybrid_parallel(p: PluginConfig, phase_cfg: PhaseConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         tp_size=p.tp_size,
         pp_size=p.pp_size,
@@ -124,7 +124,7 @@ def _hybrid_parallel(p: PluginConfig, stage_cfg: PhaseConfig, layout: ParallelLa
     )
     if p.pp_size > 1:
         kwargs.update(num_microbatches=layout.num_microbatches, pp_style="1f1b")
-        if stage_cfg.activation_checkpointing:
+        if phase_cfg.activation_checkpointing:
             # Shardformer's Llama/Qwen2 forwards checkpoint the decoder layers when the HF model's
             # gradient_checkpointing flag is set (accel.checkpoint_activations); with a pipeline this
             # config says how many of each stage's layers: all. Without a pipeline the forward reads
@@ -156,7 +156,7 @@ def sequence_kwargs(p: PluginConfig) -> dict[str, Any]:
     )
 
 
-def _low_level_zero(p: PluginConfig, stage_cfg: PhaseConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
+def _low_level_zero(p: PluginConfig, phase_cfg: PhaseConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
     return dict(
         stage=p.zero_stage,
         precision=p.precision,
@@ -166,15 +166,15 @@ def _low_level_zero(p: PluginConfig, stage_cfg: PhaseConfig, layout: ParallelLay
     )  # record_stream again
 
 
-def _torch_ddp(p: PluginConfig, stage_cfg: PhaseConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
+def _torch_ddp(p: PluginConfig, phase_cfg: PhaseConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
     return {}
 
 
-def _gemini(p: PluginConfig, stage_cfg: PhaseConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
+def _gemini(p: PluginConfig, phase_cfg: PhaseConfig, layout: ParallelLayout, cuda: bool) -> dict[str, Any]:
     return dict(
         precision=p.precision,
         max_norm=p.max_norm,
-        enable_gradient_accumulation=stage_cfg.grad_accum_steps > 1,
+        enable_gradient_accumulation=phase_cfg.grad_accum_steps > 1,
         **loss_scale_kwargs(p),
     )
 
@@ -206,15 +206,15 @@ BUILDERS: dict[str, Builder] = {
 
 
 def stage_kernels(
-    stage_cfg: PhaseConfig, stage: str, cuda: bool, model_type: str | None = None
+    phase_cfg: PhaseConfig, stage: str, cuda: bool, model_type: str | None = None
 ) -> dict[str, KernelState]:
     """The registry's decision for this stage on this machine (installed packages looked up, nothing loaded)."""
-    return resolve(stage_cfg, stage, Facts.detect(cuda=cuda, model_type=model_type))
+    return resolve(phase_cfg, stage, Facts.detect(cuda=cuda, model_type=model_type))
 
 
 def plugin_kwargs(
     plugin_cfg: PluginConfig,
-    stage_cfg: PhaseConfig,
+    phase_cfg: PhaseConfig,
     layout: ParallelLayout,
     cuda: bool,
     kernels: Mapping[str, KernelState],
@@ -228,7 +228,7 @@ def plugin_kwargs(
     say (`policy_rows.shard_settings`: Cohere's and GPT-2's forwards run only with flash attention on)."""
     builder = _builder(plugin_cfg, stage)
     return {
-        **builder.kwargs(plugin_cfg, stage_cfg, layout, cuda),
+        **builder.kwargs(plugin_cfg, phase_cfg, layout, cuda),
         **offload_kwargs(plugin_cfg),
         **passed(kernels, "plugin"),
         **(shard_settings(model_type)[1] if spec_of(plugin_cfg.name).shardformer else {}),
@@ -272,7 +272,7 @@ def _builder(plugin_cfg: PluginConfig, phase: Phase) -> Builder:
 
 def build_plugin(
     plugin_cfg: PluginConfig,
-    stage_cfg: PhaseConfig,
+    phase_cfg: PhaseConfig,
     layout: ParallelLayout,
     cuda: bool,
     kernels: Mapping[str, KernelState] | None = None,
@@ -287,12 +287,12 @@ def build_plugin(
     if isinstance(factory, str):
         module, _, name = factory.partition(":")
         factory = getattr(importlib.import_module(module), name)
-    return factory(**plugin_kwargs(plugin_cfg, stage_cfg, layout, cuda, kernels or {}, stage, model_type))
+    return factory(**plugin_kwargs(plugin_cfg, phase_cfg, layout, cuda, kernels or {}, stage, model_type))
 
 
 def make_plugin(
     plugin_cfg: PluginConfig,
-    stage_cfg: PhaseConfig,
+    phase_cfg: PhaseConfig,
     stage: str = "stage",
     cuda: bool | None = None,
     kernels: Mapping[str, KernelState] | None = None,
@@ -303,11 +303,11 @@ def make_plugin(
     `model_type`: config.json's, for the shardformer flags its policy row needs."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     check_supported(plugin_cfg, stage, cuda)
-    layout = ParallelLayout.of(stage_cfg, stage, cuda=cuda, tiers=("static", "batch", "device"))
+    layout = ParallelLayout.of(phase_cfg, stage, cuda=cuda, tiers=("static", "batch", "device"))
     _builder(plugin_cfg, stage)
     if kernels is None:
-        kernels = stage_kernels(stage_cfg, stage, cuda)
-    return build_plugin(plugin_cfg, stage_cfg, layout, cuda, kernels, stage, model_type)
+        kernels = stage_kernels(phase_cfg, stage, cuda)
+    return build_plugin(plugin_cfg, phase_cfg, layout, cuda, kernels, stage, model_type)
 
 
 @dataclass(frozen=True)
@@ -384,7 +384,7 @@ def can_no_sync(plugin_cfg: PluginConfig) -> bool:
     return spec_of(plugin_cfg.name).can_no_sync(plugin_cfg.zero_stage)
 
 
-def plugin_meta(plugin_cfg: PluginConfig, stage_cfg: PhaseConfig) -> dict[str, Any]:
+def plugin_meta(plugin_cfg: PluginConfig, phase_cfg: PhaseConfig) -> dict[str, Any]:
     p = plugin_cfg
     meta = {
         "name": p.name,
@@ -395,7 +395,7 @@ def plugin_meta(plugin_cfg: PluginConfig, stage_cfg: PhaseConfig) -> dict[str, A
         "max_norm": p.max_norm,
     }
     if p.pp_size > 1:
-        meta["num_microbatches"] = num_microbatches(stage_cfg)
+        meta["num_microbatches"] = num_microbatches(phase_cfg)
     if p.sequence_parallelism is not None:
         meta["sp"] = {"mode": p.sequence_parallelism.mode, "size": sp_size(p)}
     spec = spec_of(p.name)

@@ -71,7 +71,7 @@ class StageData:
         from tasks.core.data.stage_data import blend_plan
         from tasks.engine.sampler import LengthGroups, Packs, ResumableSampler
 
-        cfg = job.stage_cfg
+        cfg = job.phase_cfg
         self.dataset = TokenDataset(job.data_dir, seq_len=cfg.seq_len)
         if self.dataset.kind != job.stage:
             raise ValueError(
@@ -140,15 +140,15 @@ class StageData:
 def _with_adapter(eng: Engine, job: Job, model: torch.nn.Module, adapter_dir: Path | None) -> torch.nn.Module:
     """`model` wrapped in peft by booster.enable_lora (before boost) when the stage trains LoRA; the
     trainable and total parameters go to the log, every progress record and the checkpoint meta."""
-    if job.stage_cfg.lora is None:
+    if job.phase_cfg.lora is None:
         return model
-    lora.check_targets(model, job.stage_cfg.lora)
-    model = lora.enable(eng.booster, model, job.stage_cfg.lora, adapter_dir)
+    lora.check_targets(model, job.phase_cfg.lora)
+    model = lora.enable(eng.booster, model, job.phase_cfg.lora, adapter_dir)
     adapted = lora.record_adapted(model)
     counts = lora.param_counts(model)
-    eng.lora_meta = {**lora.meta(job.stage_cfg.lora, job.model_dir, counts), "adapted_modules": adapted}
+    eng.lora_meta = {**lora.meta(job.phase_cfg.lora, job.model_dir, counts), "adapted_modules": adapted}
     log(
-        f"LoRA r={job.stage_cfg.lora.r} alpha={job.stage_cfg.lora.alpha:g} on {', '.join(adapted)}: "
+        f"LoRA r={job.phase_cfg.lora.r} alpha={job.phase_cfg.lora.alpha:g} on {', '.join(adapted)}: "
         f"{counts['trainable_params']:,} trainable of {counts['total_params']:,} parameters "
         f"({counts['trainable_pct']:.3g} %)"
     )
@@ -171,7 +171,7 @@ def _initial_state(job: Job, sampler_state: dict[str, int], lr: float) -> dict[s
     return {
         "stage": job.stage,
         "step": 0,
-        "max_steps": job.stage_cfg.max_steps,
+        "max_steps": job.phase_cfg.max_steps,
         "tokens_seen": 0,
         "sampler": sampler_state,
         "epoch": sampler_state["epoch"],
@@ -244,7 +244,7 @@ def find_start(job: Job) -> ckpt.ResumePoint:
 
 def train(job: Job, faults: Injector) -> Path | None:
     # Listening from the start: a notice during the load is acted on after the first step.
-    watch = Watch(job.stage_cfg.elastic.notices, poll=polls_here(), say=lambda m: log(m, all_ranks=True)).start()
+    watch = Watch(job.phase_cfg.elastic.notices, poll=polls_here(), say=lambda m: log(m, all_ranks=True)).start()
     try:
         return _train(job, faults, watch)
     finally:
@@ -254,7 +254,7 @@ def train(job: Job, faults: Injector) -> Path | None:
 def _kept(job: Job, rp: ckpt.ResumePoint) -> Job:
     """The job at the checkpoint's global batch when `elastic.keep_global_batch` asks for it and the
     number of ranks changed it (ConfigError naming the field when no whole accumulation does)."""
-    cfg = job.stage_cfg
+    cfg = job.phase_cfg
     was = (rp.manifest.get("meta", {}).get("layout") or {}).get("global_batch")
     if not cfg.elastic.keep_global_batch or was is None:
         return job
@@ -267,11 +267,11 @@ def _kept(job: Job, rp: ckpt.ResumePoint) -> Job:
         f"{job.stage}.elastic.keep_global_batch: grad_accum_steps {cfg.grad_accum_steps} -> {kept.grad_accum_steps} "
         f"on {world} rank(s) (dp {dp}), the global batch of {rp.path.name}: {was} sequences"
     )
-    return job.model_copy(update={"stage_cfg": kept})
+    return job.model_copy(update={"phase_cfg": kept})
 
 
 def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
-    cfg = job.stage_cfg
+    cfg = job.phase_cfg
     faults.at_start()
     rp = find_start(job)
     if rp.step >= cfg.max_steps:
@@ -282,7 +282,7 @@ def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
         return rp.path
 
     job = _kept(job, rp)
-    cfg = job.stage_cfg
+    cfg = job.phase_cfg
     eng = Engine(job, faults)
     data = StageData(job, eng.layout.dp_rank, eng.layout.dp_size)
     t0, peak = time.monotonic(), HostPeak()

@@ -1,6 +1,6 @@
 """LoRA inside a rank: the adapter enabled before boost, saved as a checkpoint's part, its base checked.
 
-    torchrun --nproc_per_node=2 -m tasks.engine train --config JOB.json   # a job whose stage_cfg.lora is set
+    torchrun --nproc_per_node=2 -m tasks.engine train --config JOB.json   # a job whose phase_cfg.lora is set
 
 Both verbs build the base from the job's model_dir (the stage's immutable `cpt/hf` artifact) and
 call `booster.enable_lora` before `boost` (ColossalAI asserts it): the shard verb with a fresh

@@ -29,12 +29,12 @@ def lr_factor(step: int, *, warmup: int, max_steps: int, schedule: str, min_rati
     return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
 
 
-def make_scheduler(optimizer, stage_cfg):
+def make_scheduler(optimizer, phase_cfg):
     kw = dict(
-        warmup=stage_cfg.warmup_steps,
-        max_steps=stage_cfg.max_steps,
-        schedule=stage_cfg.lr_schedule,
-        min_ratio=stage_cfg.min_lr / stage_cfg.lr,
+        warmup=phase_cfg.warmup_steps,
+        max_steps=phase_cfg.max_steps,
+        schedule=phase_cfg.lr_schedule,
+        min_ratio=phase_cfg.min_lr / phase_cfg.lr,
     )
 
     def factor(step: int) -> float:  # a plain function: LambdaLR stores nothing of it
@@ -43,9 +43,9 @@ def make_scheduler(optimizer, stage_cfg):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def make_optimizer(model: torch.nn.Module, stage_cfg, plugin_name: str, **kernels: Any) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, phase_cfg, plugin_name: str, **kernels: Any) -> torch.optim.Optimizer:
     """`kernels`: AdamW arguments of the kernels that are on (accel.optimizer_kwargs: fused=True)."""
-    kw = dict(lr=stage_cfg.lr, betas=tuple(stage_cfg.betas), weight_decay=stage_cfg.weight_decay)
+    kw = dict(lr=phase_cfg.lr, betas=tuple(phase_cfg.betas), weight_decay=phase_cfg.weight_decay)
     # Frozen weights (a LoRA base) get no Adam state; under full fine-tuning this is every parameter.
     params = [p for p in model.parameters() if p.requires_grad]
     if spec_of(plugin_name).optimizer == "hybrid_adam":

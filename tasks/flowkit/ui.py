@@ -148,7 +148,7 @@ class Progress:
 
 
 class DataProgress:
-    """The `data-<stage>-progress` artifact of prepare_data: files, records, tokens and MB/s so far.
+    """The `data-<phase>-progress` artifact of prepare_data: files, records, tokens and MB/s so far.
 
     Called with each tokenized file's or chunk's summary as it finishes (the units of work of the
     task runner); a chunk's counts its bytes, and its file once it completed it (`file_done`).
@@ -229,7 +229,7 @@ class WorkProgress:
 
 
 def token_table(stage: str, totals: dict[str, Any]) -> None:
-    """The `data-<stage>-tokens` table: records and tokens per split, and the bad records skipped."""
+    """The `data-<phase>-tokens` table: records and tokens per split, and the bad records skipped."""
     rows = [
         {"split": "train", "records": totals["train_records"], "tokens": totals["train_tokens"]},
         {"split": "held-out", "records": totals["heldout_records"], "tokens": totals["heldout_tokens"]},
@@ -284,7 +284,7 @@ def mixture_rows(
 def mixture_table(
     stage: str, sources: list[dict[str, Any]], blend: dict[str, Any] | None, heldout_only: list[dict[str, Any]] = ()
 ) -> None:
-    """The `data-<stage>-mixture` table: each source's weight, size, realized token share and epochs,
+    """The `data-<phase>-mixture` table: each source's weight, size, realized token share and epochs,
     and the held-out-only sources beside them."""
     if blend:
         plan = blend["plan"]

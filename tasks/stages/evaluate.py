@@ -12,7 +12,7 @@ load it. `eval.dtype` unset follows export.dtype on a GPU, fp32 on CPU (`_with_e
   -> eval/sft/ (metrics.json, generations.jsonl + manifest)
 
 The held-out records were decided by prepare_data in its one pass over the corpus and are read
-here from data/<stage>/ (`tasks.core.data.stage_data.heldout_records`), never re-split. The evaluation artifacts are leaves nobody trains
+here from data/<phase>/ (`tasks.core.data.stage_data.heldout_records`), never re-split. The evaluation artifacts are leaves nobody trains
 from, so changing an evaluation setting re-runs evaluation only, never training; and they skip
 on a re-run like every stage (manifest verifies, config digest matches).
 

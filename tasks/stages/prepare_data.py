@@ -1,4 +1,4 @@
-"""Stages prepare_cpt / prepare_sft: a training stage's corpus -> data/<stage>/ memory-mapped token shards.
+"""Stages prepare_cpt / prepare_sft: a training stage's corpus -> data/<phase>/ memory-mapped token shards.
 
     python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # both run right after load_from_hf
 
@@ -6,7 +6,7 @@ Both run before any training process starts (before boost_and_shard), with the b
 tokenizer, so a bad record anywhere in either corpus stops the run naming the user's file and line.
 reboost checks that the CPT model's tokenizer is the one the SFT shards were made with.
 
-- The skip rule is the stage protocol's: data/<stage>/manifest.json verifies and records this
+- The skip rule is the stage protocol's: data/<phase>/manifest.json verifies and records this
   digest, which covers the data config (not the task runner), the split, seq_len, the tokenizer
   fingerprint and every input file's size and checksum/etag. Adding one file re-runs the stage,
   and inside it only that file is tokenized.
@@ -16,7 +16,7 @@ reboost checks that the CPT model's tokenizer is the one the SFT shards were mad
   `data.tokenize.chunk_mb` is split at record boundaries into chunks, each a task, merged back into
   the file's shard byte for byte (tasks/core/data/chunks.py, tasks/core/data/schedule.py `drive`),
   so one large file keeps every worker busy.
-- Shards are written into `<staging>/data-cache/<stage>/shards/<key>/` (key: input checksum,
+- Shards are written into `<staging>/data-cache/<phase>/shards/<key>/` (key: input checksum,
   tokenizer, spec), summary last. A failed run keeps every file already tokenized there, and the
   retry reuses them, each only after its files match the sha256 recorded when it was made (a
   damaged one is dropped, with a warning naming it, and tokenized again). The artifact copies the

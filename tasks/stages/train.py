@@ -66,7 +66,7 @@ def _job(cfg: RunConfig, sink: CheckpointSink, verb: str, parent: StageResult, c
     return Job(
         verb=verb,
         stage=phase,
-        stage_cfg=sink.section,
+        phase_cfg=sink.section,
         trust_remote_code=cfg.base_model.trust_remote_code,
         verify_memory_gb=cfg.verify_memory_gb,
         model_dir=source,
@@ -87,7 +87,7 @@ def _launch(store: RunStore, job: Job, run_name: str, **kwargs: Any) -> None:
         job.verb,
         job,
         path,
-        job.stage_cfg.launch,
+        job.phase_cfg.launch,
         f"{run_name}-{job.stage}-{job.verb}",
         get_run_logger(),
         cancelled=cancel_requested,

@@ -4,7 +4,7 @@
 
 A row is pure data: the sampler (`tasks/engine/sampler.py`) reads `groups_by_length` and `packs`,
 the stage's data (`tasks/engine/loop.py` `StageData`) reads `pads_to`, the layout rules refuse
-`packs` under a plugin whose attention cannot keep conversations apart (its `packing_refused`). The config field is `<stage>.batching`
+`packs` under a plugin whose attention cannot keep conversations apart (its `packing_refused`). The config field is `<phase>.batching`
 (`tasks.core.config.schema.PhaseConfig`), its enum these keys. CPT blocks are all `seq_len` tokens
 long, so every row trains CPT the same way: the field only changes SFT.
 

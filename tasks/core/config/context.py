@@ -216,8 +216,8 @@ def scaling_problems(scaling: dict[str, Any], model_config: dict[str, Any] | Non
 
 def _context_in_cpt_only(x: Any) -> list[Refusal]:
     # SFT starts from cpt/hf, whose config.json carries the CPT's settings; packed SFT rows are
-    # kept apart by sft.batching: packed. (A job file's section is `stage_cfg`: checked as the flow's was.)
-    row = PHASES.get(x.where)  # `where` may be any label of a stage section: not a phase, no refusal
+    # kept apart by sft.batching: packed. (A job file's section is `phase_cfg`: checked as the flow's was.)
+    row = PHASES.get(x.where)  # `where` may be any label of a phase section: not a phase, no refusal
     if row is None or row.context_refused is None:
         return []
     out = []

@@ -1,6 +1,6 @@
 """The data sections of a stage's configuration: its corpus or weighted mixture (`data`), how the files are
 tokenized (`data.tokenize`), and the held-out-only sources (`eval.heldout_sources`). Re-exported by
-`tasks.core.config.schema`, where the stage section is assembled.
+`tasks.core.config.schema`, where the phase section is assembled.
 
     python -c "from tasks.core.config.data import DataConfig; print(sorted(DataConfig.model_fields))"
 """
@@ -173,7 +173,7 @@ class DataConfig(Frozen):
 
     @model_validator(mode="after")
     def _one_corpus(self) -> DataConfig:
-        # One field, the fix in the message: the loader names the path (<stage>.data).
+        # One field, the fix in the message: the loader names the path (<phase>.data).
         if (self.uri is None) == (self.sources is None):
             raise ValueError(
                 "give data.uri (one corpus) or data.sources (a weighted mixture), not both and not neither"

@@ -137,22 +137,22 @@ def kept_accumulation(global_batch: int, micro_batch_size: int, dp: int) -> int 
     return global_batch // per if global_batch % per == 0 and global_batch >= per else None
 
 
-def keep_global_batch(stage_cfg: Any, where: str, was: int, dp: int, world: int) -> Any:
-    """`stage_cfg` with grad_accum_steps (and the launch's world size) set so that it trains at the
+def keep_global_batch(phase_cfg: Any, where: str, was: int, dp: int, world: int) -> Any:
+    """`phase_cfg` with grad_accum_steps (and the launch's world size) set so that it trains at the
     checkpoint's global batch `was` on `world` ranks of data-parallel size `dp`; ConfigError naming
     `<where>.elastic.keep_global_batch` when no whole number of accumulation steps does."""
-    ga = kept_accumulation(was, stage_cfg.micro_batch_size, dp)
+    ga = kept_accumulation(was, phase_cfg.micro_batch_size, dp)
     if ga is None:
         why = (
-            f"the checkpoints' global batch of {was} is not micro_batch_size {stage_cfg.micro_batch_size} x a whole "
+            f"the checkpoints' global batch of {was} is not micro_batch_size {phase_cfg.micro_batch_size} x a whole "
             f"number of grad_accum_steps x dp {dp} on {world} rank(s): set {where}.micro_batch_size to a divisor of "
             f"{was // dp if was % dp == 0 else was} or run on a number of ranks whose dp divides {was}"
         )
         raise ConfigError([(f"{where}.{FIELD}", why)], header="cannot keep the global batch")
-    launch = stage_cfg.launch
+    launch = phase_cfg.launch
     per_node = world // launch.nnodes if world % launch.nnodes == 0 else world
     nnodes = launch.nnodes if world % launch.nnodes == 0 else 1
-    return stage_cfg.model_copy(
+    return phase_cfg.model_copy(
         update={
             "grad_accum_steps": ga,
             "launch": launch.model_copy(update={"nproc_per_node": per_node, "nnodes": nnodes}),

@@ -57,7 +57,7 @@ def dotted(where: str, fix: Fix) -> Fix:
 
 
 def apply(section: dict[str, Any], fix: Fix) -> dict[str, Any]:
-    """A copy of a stage section (plain data) with the fix's dotted keys set."""
+    """A copy of a phase section (plain data) with the fix's dotted keys set."""
     import copy
 
     out = copy.deepcopy(section)

@@ -7,7 +7,7 @@ it applies to are those whose row lists that route, `PluginSpec.kernel_routes`),
 it needs (CUDA, a precision, an installed package, a model family), how the engine passes it
 (a plugin argument, a `from_pretrained` argument or an optimizer argument) and how the engine
 checks that it loads. Rows that do the same thing under different plugins share a `name`, which is
-what `<stage>.kernels` switches off (`tasks.core.config.schema.PhaseConfig.kernels`). `resolve` is
+what `<phase>.kernels` switches off (`tasks.core.config.schema.PhaseConfig.kernels`). `resolve` is
 pure: a stage's config and the device's `Facts` in, each applicable kernel on or off with its
 reason out. Pre-flight reports it on the task's machine; the engine resolves it again in the rank
 (`tasks/engine/builders.py` `kernel_kwargs`, `tasks/engine/accel.py`), tries to load what is on,
@@ -52,7 +52,7 @@ Via = Literal["plugin", "model", "optimizer"]
 class KernelSpec:
     """One way to switch one acceleration on, under the plugins named."""
 
-    name: str  # the key under <stage>.kernels; shared by rows doing the same under other plugins
+    name: str  # the key under <phase>.kernels; shared by rows doing the same under other plugins
     label: str  # what runs when it is on, for reports: "shardformer", "transformers flash_attention_2"
     summary: str  # one line for the config field's description
     route: KernelRoute  # the plugins whose row lists this route get it (one route per row of a name)
@@ -146,7 +146,7 @@ def register(spec: KernelSpec) -> KernelSpec:
 
 
 def names() -> tuple[str, ...]:
-    """The kernel names <stage>.kernels accepts, in registry order."""
+    """The kernel names <phase>.kernels accepts, in registry order."""
     return tuple(dict.fromkeys(row.name for row in KERNELS))
 
 
@@ -192,9 +192,9 @@ def resolve_for(
     return out
 
 
-def resolve(stage_cfg: Any, phase: Phase, facts: Facts) -> dict[str, KernelState]:
+def resolve(phase_cfg: Any, phase: Phase, facts: Facts) -> dict[str, KernelState]:
     """`resolve_for` of a PhaseConfig (`phase` names the config section in the reasons)."""
-    return resolve_for(stage_cfg.plugin.name, stage_cfg.plugin.precision, facts, stage_cfg.kernels, f"{phase}.kernels")
+    return resolve_for(phase_cfg.plugin.name, phase_cfg.plugin.precision, facts, phase_cfg.kernels, f"{phase}.kernels")
 
 
 def passed(states: Mapping[str, KernelState], via: Via) -> dict[str, Any]:

@@ -218,7 +218,7 @@ def _pipeline_microbatches(x: _Facts) -> list[Problem]:
 def _packing_keeps_conversations_apart(x: _Facts) -> list[Problem]:
     # A block phase (CPT) trains on whole seq_len windows of one stream: `batching` changes row phases only.
     spec = BATCHING.get(x.stage.batching)
-    row = PHASES.get(x.where)  # `where` may be any label of a stage section: not a phase, its rules all apply
+    row = PHASES.get(x.where)  # `where` may be any label of a phase section: not a phase, its rules all apply
     if (row is not None and row.blocks) or spec is None or not spec.packs or not x.spec.packing_refused:
         return []
     fixes = [{"plugin.name": n} for n, s in PLUGINS.items() if not s.packing_refused] + [
@@ -447,7 +447,7 @@ def layout_problems(
 ) -> list[Problem]:
     """Every broken rule of the chosen tiers, as (config field, message with the fixes that work). `model` rules need
     `model_config`, `device` rules `cuda` (else skipped); each `Refusal` keeps the fixes (`.fixes`, overrides of the
-    stage section) that pass every rule these facts decide (whichever tier refused), so the message offers only what
+    phase section) that pass every rule these facts decide (whichever tier refused), so the message offers only what
     runs."""
     found = _broken(stage, where, model_config, cuda, tiers)
     if not found:

@@ -33,8 +33,8 @@ INTRO = (
     "One YAML file per run, read into the frozen pydantic model `RunConfig` (`tasks/core/config/schema.py`). "
     "Unknown fields are errors, every problem is reported at once with its field path, and a key written twice is "
     "refused. "
-    "`cpt` and `sft` are both a stage section (`PhaseConfig`), documented once as `<stage>`; `dpo`, left out unless a "
-    "run tunes on preference pairs, is a stage section too, and its own fields are listed under `dpo`. "
+    "`cpt` and `sft` are both a phase section (`PhaseConfig`), documented once as `<phase>`; `dpo`, left out unless a "
+    "run tunes on preference pairs, is a phase section too, and its own fields are listed under `dpo`. "
     "Rules across fields (layout, precision, LoRA, offload) are checked when the config is read and by pre-flight: "
     "see [Troubleshooting](../troubleshooting.md). `cpt-to-sft schema` prints the same schema as JSON."
 )
@@ -156,7 +156,7 @@ def _registry_tables() -> list[str]:
     out = [
         "## Plugins",
         "",
-        "`<stage>.plugin.name`: rows of `tasks/core/config/plugins.py` `PLUGINS`.",
+        "`<phase>.plugin.name`: rows of `tasks/core/config/plugins.py` `PLUGINS`.",
         "",
         "| plugin | what | tp/pp | zero_stage | precisions | needs CUDA | LoRA | SFT packing | offload fields |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -177,7 +177,7 @@ def _registry_tables() -> list[str]:
         "## Offload fields",
         "",
         (
-            "Each is a `<stage>.plugin` field, accepted only under a plugin that has it (`PluginSpec.offload`); "
+            "Each is a `<phase>.plugin` field, accepted only under a plugin that has it (`PluginSpec.offload`); "
             "set elsewhere it is refused, naming the plugins that have it."
         ),
         "",
@@ -192,7 +192,7 @@ def _registry_tables() -> list[str]:
         "",
         "## Precisions",
         "",
-        "`<stage>.plugin.precision`: rows of `PRECISION_SPECS`.",
+        "`<phase>.plugin.precision`: rows of `PRECISION_SPECS`.",
         "",
         "| precision | needs CUDA | loss scaling |",
         "|---|---|---|",
@@ -206,7 +206,7 @@ def _registry_tables() -> list[str]:
         "",
         "## Batching modes",
         "",
-        "`<stage>.batching` (SFT): rows of `tasks/core/config/batching.py` `BATCHING`.",
+        "`<phase>.batching` (SFT): rows of `tasks/core/config/batching.py` `BATCHING`.",
         "",
         "| mode | what | groups by length | micro-batch width | packs chats | keys of other trainers it answers |",
         "|---|---|---|---|---|---|",
@@ -223,7 +223,7 @@ def _registry_tables() -> list[str]:
         "## Kernels",
         "",
         (
-            "`<stage>.kernels: {NAME: false}` switches one off; each is on by default where its requirements hold "
+            "`<phase>.kernels: {NAME: false}` switches one off; each is on by default where its requirements hold "
             "(rows of `tasks/core/config/kernels.py` `KERNELS`; rows of one name cover other plugins)."
         ),
         "",
@@ -241,7 +241,7 @@ def _registry_tables() -> list[str]:
         "",
         "## Launch backends",
         "",
-        "`<stage>.launch.backend`: rows of `tasks/core/config/backends.py` `BACKENDS`.",
+        "`<phase>.launch.backend`: rows of `tasks/core/config/backends.py` `BACKENDS`.",
         "",
         "| backend | what | rendezvous placed by | settings section | cluster pre-flight |",
         "|---|---|---|---|---|",
@@ -267,7 +267,7 @@ def render() -> str:
             continue
         seen.add(model)
         title = (
-            path.replace("cpt.", "<stage>.").replace("cpt", "<stage>")
+            path.replace("cpt.", "<phase>.").replace("cpt", "<phase>")
             if path.startswith("cpt")
             else (path or "top level")
         )
@@ -275,7 +275,7 @@ def render() -> str:
         doc = (model.__doc__ or "").strip().split("\n\n")[0]
         if doc and model is not RunConfig:
             lines += [" ".join(doc.split()), ""]
-        # a section extending one documented above (dpo: a stage section) lists only its own fields
+        # a section extending one documented above (dpo: a phase section) lists only its own fields
         bases = [b for b in model.__mro__[1:] if b in seen and b is not model]
         inherited = frozenset(
             n for b in bases for n, f in b.model_fields.items() if f.annotation == model.model_fields[n].annotation

@@ -1,4 +1,4 @@
-"""Sequence parallelism as data: `<stage>.plugin.sequence_parallelism` and one `SpModeSpec` per mode.
+"""Sequence parallelism as data: `<phase>.plugin.sequence_parallelism` and one `SpModeSpec` per mode.
 
     python -c "from tasks.core.config.sequence import SP_MODES; [print(m, '-', s.summary) for m, s in SP_MODES.items()]"
 

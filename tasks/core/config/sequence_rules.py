@@ -1,4 +1,4 @@
-"""The layout rules of `<stage>.plugin.sequence_parallelism`, registered in `tasks.core.config.layout.RULES`.
+"""The layout rules of `<phase>.plugin.sequence_parallelism`, registered in `tasks.core.config.layout.RULES`.
 
     python -c "from tasks.core.config.sequence_rules import SP_RULES; print([(t, r.__name__) for t, r in SP_RULES])"
 

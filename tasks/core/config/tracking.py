@@ -5,7 +5,7 @@
         uri: http://mlflow.internal:5000     # unset: no MLflow; TensorBoard files are always written
         experiment: cpt-to-sft
 
-TensorBoard needs no setting: the training ranks always write `<run_root>/<stage>/tensorboard/`.
+TensorBoard needs no setting: the training ranks always write `<run_root>/<phase>/tensorboard/`.
 Also the pure helpers of the MLflow writer (tasks/flowkit/tracking.py): the secret filter of params, URI
 redaction, and the reachability probe pre-flight runs (`check_tracking` in tasks/core/preflight/checks.py):
 

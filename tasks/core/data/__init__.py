@@ -21,6 +21,6 @@ Pure logic (numpy, fsspec, tokenizers): no prefect, no colossalai, no torch.dist
 - shard.py          one input file -> self-contained token shards (training and held-out sides)
 - spec.py           the PrepareSpec, built once from a phase's config section
 - split.py          a record's id and the held-out split it decides
-- stage_data.py     what a training or evaluation stage reads from data/<stage>/
+- stage_data.py     what a training or evaluation stage reads from data/<phase>/
 - truncation.py     records longer than seq_len, counted per file, per source and in all
 """

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-BLEND_FILE = "blend.items"  # at the root of data/<stage>/ beside index.json
+BLEND_FILE = "blend.items"  # at the root of data/<phase>/ beside index.json
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from tasks.core.data.index import PrepareError
 from tasks.core.data.inputs import InputError, InputFile, resolve_inputs
 from tasks.core.data.records import FOLDER_FORMATS, BadRecord, iter_file_records
 
-HELDOUT_ONLY_DIR = "heldout-sources"  # data/<stage>/heldout-sources/<name>.jsonl
+HELDOUT_ONLY_DIR = "heldout-sources"  # data/<phase>/heldout-sources/<name>.jsonl
 
 
 def label(i: int, name: str) -> str:

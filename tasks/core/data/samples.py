@@ -186,7 +186,7 @@ def encode_chat(tokenizer, messages: list[dict], seq_len: int | None) -> tuple[l
     return (full, labels) if seq_len is None else (full[:seq_len], labels[:seq_len])
 
 
-# What a training conversation longer than seq_len becomes (`<stage>.truncation`); the default is the first.
+# What a training conversation longer than seq_len becomes (`<phase>.truncation`); the default is the first.
 TRUNCATION = ("drop", "cut", "split_turns")
 
 

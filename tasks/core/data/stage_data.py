@@ -1,4 +1,4 @@
-"""What a training or evaluation stage reads from its prepared data (data/<stage>/, made by prepare_data).
+"""What a training or evaluation stage reads from its prepared data (data/<phase>/, made by prepare_data).
 
     python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # train and evaluate call this
 
@@ -11,7 +11,7 @@
   one streaming pass (no second read of the corpus, no second split); `heldout_by_source`: the
   same, per source of a mixture, and the held-out-only sources' records (eval.heldout_sources).
 - `split_info` / `record_split` / `recorded_split`: the split record kept beside the stage's
-  checkpoints (`<run_root>/<stage>/data-split.json`) and copied into the manifests made from it.
+  checkpoints (`<run_root>/<phase>/data-split.json`) and copied into the manifests made from it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from tasks.core.data.index import INDEX, check_fits_model
 from tasks.core.run.stages import PREPARE, STAGE, split_rel
 from tasks.core.storage.fs import RunStore
 
-HELDOUT_SET = "heldout.jsonl"  # eval.heldout_uri's records, at the root of data/<stage>/
+HELDOUT_SET = "heldout.jsonl"  # eval.heldout_uri's records, at the root of data/<phase>/
 
 
 def write_jsonl(path: Path, records: list[Any]) -> None:
@@ -49,14 +49,14 @@ def read_index(data_dir: Path) -> dict[str, Any]:
         ) from None
 
 
-def blend_plan(stage_cfg: Any, phase: Phase) -> BlendPlan | None:
+def blend_plan(phase_cfg: Any, phase: Phase) -> BlendPlan | None:
     """The steps a stage's mixture is blended for (None: one source, no blend): its max_steps of
     global batches, its seed, and under SFT packing the rows' seq_len."""
-    if not stage_cfg.data.mixture:
+    if not phase_cfg.data.mixture:
         return None
-    packed = PHASES[phase].rows and BATCHING[stage_cfg.batching].packs
+    packed = PHASES[phase].rows and BATCHING[phase_cfg.batching].packs
     return BlendPlan(
-        stage_cfg.max_steps, global_batch(stage_cfg), stage_cfg.seed, stage_cfg.seq_len if packed else None
+        phase_cfg.max_steps, global_batch(phase_cfg), phase_cfg.seed, phase_cfg.seq_len if packed else None
     )
 
 

@@ -9,7 +9,7 @@ Slurm job, one torchrun agent per node (the batch script of `tasks.core.launch.s
   or a re-run after the flow-run process died) finds the recorded job and, while Slurm still runs
   it, follows its output and waits instead of submitting a second job. A process killed between
   `sbatch` returning and the record being written leaves no record: the job is submitted under a
-  deterministic name (`<run>-<stage>-<verb>`) with the job file's digest as its comment, so the
+  deterministic name (`<run>-<phase>-<verb>`) with the job file's digest as its comment, so the
   next call finds it with `squeue` (`SlurmCli.find`) before it submits anything. A job that has
   ended is not re-attached: a new one is submitted, and the engine resumes from the newest
   verified checkpoint as for any retry.

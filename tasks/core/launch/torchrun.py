@@ -219,7 +219,7 @@ def run_engine(
     router.stop_check = failure
     router.cancelled = cancelled
     # A stage that listens for notices: torchrun passes their signals on to the ranks and waits the grace.
-    notices = torchrun_env(job.stage_cfg.elastic.notices) if verb == "train" else {}
+    notices = torchrun_env(job.phase_cfg.elastic.notices) if verb == "train" else {}
     try:
         RUNNERS[launch.backend](verb, job, job_path, launch, rdzv_id, router, engine_env({**notices, **(env or {})}))
     finally:
@@ -279,7 +279,7 @@ def _run_local(
     watcher = threading.Thread(target=watch, name="stage-watch", daemon=True)
     watcher.start()
     # A stage that listens for notices: SIGTERM/SIGUSR1 to this process become a notice to its ranks.
-    notices = signal_names([n.source for n in job.stage_cfg.elastic.notices]) if verb == "train" else []
+    notices = signal_names([n.source for n in job.phase_cfg.elastic.notices]) if verb == "train" else []
     try:
         with forward_notices(stage, notices, say=router.logger.warning, cancelled=router.cancelled) as forwarding:
             if notices and not forwarding:

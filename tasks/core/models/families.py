@@ -412,9 +412,9 @@ def lora_trainable(lora: Any, key: str, shape: tuple[int, ...], layer: int | Non
     return lora.r * (shape[0] + shape[1]) if targeted and len(shape) == 2 else 0
 
 
-def sp_family_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: str) -> tuple[str, str] | None:
+def sp_family_problem(model_config: Mapping[str, Any], phase_cfg: Any, where: str) -> tuple[str, str] | None:
     """(field, message) when the stage's sequence-parallel mode is not one its model family's policy runs."""
-    sp = getattr(stage_cfg.plugin, "sequence_parallelism", None)
+    sp = getattr(phase_cfg.plugin, "sequence_parallelism", None)
     family = FAMILIES.get(str(model_config.get("model_type")))
     if sp is not None and family is None and model_config.get("model_type") in _policy_rows():
         family = family_of(model_config)  # a named row over a derived table: no mode measured
@@ -445,24 +445,24 @@ def plugins_without_policy() -> list[str]:
     return [name for name, spec in PLUGINS.items() if not spec.shardformer]
 
 
-def policy_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: str) -> tuple[str, str] | None:
+def policy_problem(model_config: Mapping[str, Any], phase_cfg: Any, where: str) -> tuple[str, str] | None:
     """(field, message) when the stage's plugin shards with a shardformer policy its family lacks
     (ColossalAI raises NotImplementedError on a rank in boost_and_shard otherwise)."""
     from tasks.core.config.plugins import PLUGINS
 
-    name = getattr(stage_cfg.plugin, "name", None)
+    name = getattr(phase_cfg.plugin, "name", None)
     if name not in PLUGINS or not PLUGINS[name].shardformer:
         return None
     try:
         family = family_of(model_config)
     except ConversionError:
         return None  # no family at all: check_model_family names it
-    pp = getattr(stage_cfg.plugin, "pp_size", 1) or 1
+    pp = getattr(phase_cfg.plugin, "pp_size", 1) or 1
     if family.shardformer_policy == PLAN_POLICY:
-        return _plan_problem(model_config, stage_cfg, where)
+        return _plan_problem(model_config, phase_cfg, where)
     if family.shardformer_policy and not family.policy_refused:
         row = _policy_rows().get(model_config.get("model_type"))  # type: ignore[arg-type]
-        tp = getattr(stage_cfg.plugin, "tp_size", 1) or 1
+        tp = getattr(phase_cfg.plugin, "tp_size", 1) or 1
         config = {**family.config_defaults, **model_config}
         for key, value, why in row.tp_requires if row and tp > 1 else ():
             if config.get(key) != value:
@@ -495,10 +495,10 @@ def policy_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: str) 
     return f"{where}.plugin.name", why
 
 
-def _plan_problem(model_config: Mapping[str, Any], stage_cfg: Any, where: str) -> tuple[str, str] | None:
+def _plan_problem(model_config: Mapping[str, Any], phase_cfg: Any, where: str) -> tuple[str, str] | None:
     """(field, message) when hybrid_parallel's layout is not one the derived tensor-parallel policy runs for this
     family, or the model's plan cannot be mapped at its tp_size (`tp_plan.plan_problem`)."""
-    plugin = stage_cfg.plugin
+    plugin = phase_cfg.plugin
     mt = model_config.get("model_type")
     others = ", ".join(plugins_without_policy())
     runs = (

@@ -41,7 +41,7 @@ def eval_plan(model_config: dict[str, Any], dtype: str, tokens: int, *, gpus: in
 
 
 def check_eval_memory(ctx: Any) -> None:
-    """Each evaluated stage's placement on the visible GPUs; a refusal naming `<stage>.eval.dtype`
+    """Each evaluated stage's placement on the visible GPUs; a refusal naming `<phase>.eval.dtype`
     (and the batch) when its models fit none of them."""
     n, gpu = ctx.machine.cuda_devices, getattr(ctx.machine, "gpu_memory_bytes", None)
     if ctx.model is None or not n or not gpu:

@@ -115,7 +115,7 @@ def estimate(
 
 def check_eval_time(ctx: Any) -> None:
     """Warn when an evaluation stage's estimate exceeds SHARE of its training stage's, naming the
-    `<stage>.eval.max_batches` that brings it under."""
+    `<phase>.eval.max_batches` that brings it under."""
     if ctx.model is None:
         return
     cuda = bool(ctx.machine.cuda_devices)

@@ -3,7 +3,7 @@
     python -m tasks.core.preflight.long_context                 # Llama-3-8B / 70B at 8k, 32k, 128k on 8 x H200
     python -m tasks.core.preflight.long_context --cpu 24        # the CPU machine: 2 ranks sharing 24 GB
 
-Each row is one stage section run through the layout rules (a layout they refuse is left out) and the
+Each row is one phase section run through the layout rules (a layout they refuse is left out) and the
 estimate: the largest rank's GPU memory (the CUDA reserve included) and whether it fits. Sequence parallelism
 divides a rank's activations per its `SP_MODES` row (`memory.sequence_split`); parameters, gradients and
 optimizer state do not change with the context, so at 128k the activations decide.

@@ -235,12 +235,12 @@ def layer_activation_bytes(
     return acts + gathered * dims["hidden"] * compute_bytes
 
 
-def sequence_split(stage_cfg: PhaseConfig) -> tuple[int, int, int]:
+def sequence_split(phase_cfg: PhaseConfig) -> tuple[int, int, int]:
     """(outside, seq, gathered): what a stage's sequence parallelism divides a rank's activations by, per its
     SP_MODES row: the hidden-wide tensors tp leaves whole (split_gather: by tp, its linears' gathered inputs
     added back), or every per-token tensor (all_to_all, ring_attn: each rank holds seq_len / size tokens, the
     logits and the loss included)."""
-    p = stage_cfg.plugin
+    p = phase_cfg.plugin
     sp = getattr(p, "sequence_parallelism", None)
     if sp is None or not PLUGINS[p.name].sequence_parallel:
         return 1, 1, 0
@@ -272,42 +272,42 @@ def _split(what: str, n: int, when: str, share: float) -> list[Term]:
     return [t for t in (Term(what, n - moved, when), Term(what, moved, when, host=True)) if t.bytes or not t.host]
 
 
-def _fused_adamw(stage_cfg: PhaseConfig, phase: Phase, cuda: bool) -> bool:
+def _fused_adamw(phase_cfg: PhaseConfig, phase: Phase, cuda: bool) -> bool:
     from tasks.core.config.kernels import Facts, resolve
 
-    state = resolve(stage_cfg, phase, Facts(cuda=cuda)).get("fused_optimizer")
+    state = resolve(phase_cfg, phase, Facts(cuda=cuda)).get("fused_optimizer")
     return bool(state and state.on)
 
 
 def estimate(
     model_config: dict[str, Any],
-    stage_cfg: PhaseConfig,
+    phase_cfg: PhaseConfig,
     *,
     stage: str = "cpt",
     cuda: bool = False,
     baseline: int = RANK_BASELINE_BYTES,
 ) -> MemoryEstimate:
-    """The largest rank's memory for `stage_cfg` on the model `model_config` (config.json) describes.
+    """The largest rank's memory for `phase_cfg` on the model `model_config` (config.json) describes.
     Raises ConversionError for an unknown family, KeyError for a plugin without `holds`."""
-    spec: PluginSpec = PLUGINS[stage_cfg.plugin.name]
+    spec: PluginSpec = PLUGINS[phase_cfg.plugin.name]
     if not spec.holds:
         raise KeyError(
             f"plugin {spec.name} has no `holds` rows (tasks/core/config/plugins.py): its memory is not estimated"
         )
     family, config = family_config(model_config)
     dims = model_dims(model_config)
-    p = stage_cfg.plugin
+    p = phase_cfg.plugin
     tp, pp = (p.tp_size, p.pp_size) if spec.supports_tp_pp else (1, 1)
-    dp = max(1, stage_cfg.launch.world_size // (tp * pp))
+    dp = max(1, phase_cfg.launch.world_size // (tp * pp))
     zero = spec.zero_stage(p.zero_stage)
     weights = 4 if spec.weights_dtype(p.precision) == "fp32" else 2
     compute = 2 if p.precision in ("bf16", "fp16") else 4
     layers = config["num_hidden_layers"]
     per_stage = _stage_layers(layers, pp)
-    nmb = num_microbatches(stage_cfg) if pp > 1 else 1
-    rows = stage_cfg.micro_batch_size * (stage_cfg.grad_accum_steps // nmb if pp > 1 else 1)
-    outside, seq_split, gathered = sequence_split(stage_cfg)
-    tokens = rows * stage_cfg.seq_len / seq_split
+    nmb = num_microbatches(phase_cfg) if pp > 1 else 1
+    rows = phase_cfg.micro_batch_size * (phase_cfg.grad_accum_steps // nmb if pp > 1 else 1)
+    outside, seq_split, gathered = sequence_split(phase_cfg)
+    tokens = rows * phase_cfg.seq_len / seq_split
 
     shares, trained, layer_params, largest, total = [0] * pp, [0] * pp, 0, 0, 0
     largest_trained = [0] * pp  # per pipeline stage: the largest trainable tensor of the rank's share
@@ -324,13 +324,13 @@ def estimate(
             else next(s for s in range(pp) if bounds[s] <= layer < bounds[s + 1])
         )
         shares[s_] += mine
-        mine_trained = mine if stage_cfg.lora is None else lora_trainable(stage_cfg.lora, key, shape, layer)
+        mine_trained = mine if phase_cfg.lora is None else lora_trainable(phase_cfg.lora, key, shape, layer)
         trained[s_] += mine_trained
         largest_trained[s_] = max(largest_trained[s_], mine_trained)
         if layer == 0:
             layer_params += mine
 
-    ckpt = bool(getattr(stage_cfg, "activation_checkpointing", False))
+    ckpt = bool(getattr(phase_cfg, "activation_checkpointing", False))
     per_layer = layer_activation_bytes(model_config, compute, tp, outside, gathered)
     saved = dims["hidden"] * compute / outside if ckpt else per_layer  # with checkpointing: the layer's input only
     # a policy row built whole on every rank (PolicyRow.eager_build: GPT-J) is not built lazily (Engine.lazy_init)
@@ -339,7 +339,7 @@ def estimate(
     for s in range(pp):
         terms = []
         for h in spec.holds:
-            if not _applies(h, zero, p.precision, pp, dp, stage_cfg.grad_accum_steps):
+            if not _applies(h, zero, p.precision, pp, dp, phase_cfg.grad_accum_steps):
                 continue
             if h.per == "layer":
                 n = layer_params
@@ -351,7 +351,7 @@ def estimate(
             terms += _split(
                 h.what, n * (weights if h.bytes == "weights" else h.bytes), h.when, _offloaded(spec, p, h.offload, cuda)
             )
-        if cuda and spec.optimizer == "adamw" and not _fused_adamw(stage_cfg, stage, cuda):
+        if cuda and spec.optimizer == "adamw" and not _fused_adamw(phase_cfg, stage, cuda):
             n = (
                 math.ceil(trained[s] / dp) if is_zero(spec, p.zero_stage) else trained[s]
             )  # ZeRO steps this rank's shard
@@ -368,7 +368,7 @@ def estimate(
             acts += dims["vocab"] / vocab_tp * (LOSS_BYTES_PER_LOGIT + (compute if compute < 4 else 0))
         terms.append(Term("activations", int(acts * tokens), "activations"))
         if PHASES[stage].rows:  # padded or packed rows: a 4D attention mask, shared by the layers
-            terms.append(Term("attention mask", rows * stage_cfg.seq_len**2 * compute, "activations"))
+            terms.append(Term("attention mask", rows * phase_cfg.seq_len**2 * compute, "activations"))
         # the engine builds a lazily built model's share in fp32 one tensor at a time (Engine._construction),
         # any other whole, in the dtype its plugin trains in (Engine.build_dtype: fp32 for torch_ddp)
         construction = 4 * (shares[s] + largest) if lazy else weights * total

@@ -24,8 +24,8 @@ from tasks.core.preflight.memory import FLOW_BASELINE_BYTES, GB, MemoryEstimate,
 # -- settings that would make a layout fit -------------------------------------------------------
 
 
-def _with(stage_cfg: PhaseConfig, plugin: dict[str, Any] | None = None, **fields: Any) -> PhaseConfig:
-    data = stage_cfg.model_dump()
+def _with(phase_cfg: PhaseConfig, plugin: dict[str, Any] | None = None, **fields: Any) -> PhaseConfig:
+    data = phase_cfg.model_dump()
     if plugin:
         data["plugin"] = {**data["plugin"], **plugin}
     data.update(fields)

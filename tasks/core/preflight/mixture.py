@@ -13,7 +13,7 @@ them its normalized weight. What a source holds is estimated from its bytes and 
 the base model's `tokenizer.json` (local base models only: nothing is downloaded for this), SFT
 conversations from their mean size. Compressed and parquet files have no byte count to scale, so
 such a source is not estimated. prepare_data reports the exact figure (index.json `sources`, the
-`data-<stage>-mixture` table) and warns again.
+`data-<phase>-mixture` table) and warns again.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _samples(
 
 
 def check_source_epochs(ctx: CheckContext) -> None:
-    """Warn when the planned steps would repeat a source more than `<stage>.data.max_source_epochs` times."""
+    """Warn when the planned steps would repeat a source more than `<phase>.data.max_source_epochs` times."""
     encoder = None
     for stage in ctx.cfg.phases:
         st = getattr(ctx.cfg, stage)

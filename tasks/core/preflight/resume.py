@@ -26,16 +26,16 @@ from tasks.core.run.stages import GLOBAL_BATCH, STAGE, STAGES, STEP_RE, TRAINING
 __all__ = ["check_resume"]
 
 
-def _layout_now(stage_cfg) -> dict[str, Any]:
-    p = stage_cfg.plugin
-    world = stage_cfg.launch.world_size
+def _layout_now(phase_cfg) -> dict[str, Any]:
+    p = phase_cfg.plugin
+    world = phase_cfg.launch.world_size
     sp = {"sp": {"mode": p.sequence_parallelism.mode, "size": sp_size(p)}} if p.sequence_parallelism else {}
     return record(
         {"name": p.name, "tp": p.tp_size, "pp": p.pp_size, "zero": p.zero_stage, **sp},
         world,
         max(1, world // (p.tp_size * p.pp_size * sp_factor(p))),
-        stage_cfg.micro_batch_size,
-        stage_cfg.grad_accum_steps,
+        phase_cfg.micro_batch_size,
+        phase_cfg.grad_accum_steps,
     )
 
 
@@ -66,11 +66,11 @@ def check_resume(ctx: CheckContext) -> None:
         except Exception:  # noqa: S112 - a parent not built (or not whole): it is rebuilt and the stage with it
             continue
         name, manifest = newest
-        stage_cfg = getattr(ctx.cfg, key)
-        was, now = (manifest.get("meta") or {}).get("layout"), _layout_now(stage_cfg)
+        phase_cfg = getattr(ctx.cfg, key)
+        was, now = (manifest.get("meta") or {}).get("layout"), _layout_now(phase_cfg)
         digest = manifest.get("config_digest")
         if digest == config_digest(ctx.cfg, shard.name, parents):
-            if was and stage_cfg.elastic.keep_global_batch and now["global_batch"] != was["global_batch"]:
+            if was and phase_cfg.elastic.keep_global_batch and now["global_batch"] != was["global_batch"]:
                 ga = kept_accumulation(was["global_batch"], now["micro_batch_size"], now["dp"])
                 if ga is None:
                     ctx.problem(
@@ -90,7 +90,7 @@ def check_resume(ctx: CheckContext) -> None:
                 ctx.ok(f"{key}: resuming {name} under the layout that wrote it")
         elif (
             was
-            and global_batch(stage_cfg) != was["global_batch"]
+            and global_batch(phase_cfg) != was["global_batch"]
             and digest
             == config_digest(ctx.cfg, shard.name, parents, fields={f"{key}.{GLOBAL_BATCH}": was["global_batch"]})
         ):

@@ -3,7 +3,7 @@ Prefect task (tasks/stages/train.py) and read by the engine (tasks/engine/__main
 
     torchrun --nproc_per_node=2 -m tasks.engine train --config JOB.json
 
-It carries only what the ranks read: the stage's own config section (`stage_cfg`), whether the
+It carries only what the ranks read: the stage's own config section (`phase_cfg`), whether the
 model may run remote code, and where the model, tokenizer, data and checkpoints are. The rest of
 the run config (the other stage, export, gate, hub, tracking) stays with the task, which validated
 all of it. `shard` reads weights from model_dir; `train` reads only its config.json (the weights
@@ -62,7 +62,7 @@ class NodeStaging(BaseModel):
     dir: str = Field(description="Node-local staging directory; '{node}' is replaced by the node's name.")
     model_rel: str = Field(description="Artifact in the run root holding the model and tokenizer (model_dir).")
     data_rel: str = Field(
-        description="The stage's prepared data artifact in the run root (data/<stage>/, read as data_dir)."
+        description="The stage's prepared data artifact in the run root (data/<phase>/, read as data_dir)."
     )
     stage_rel: str = Field(description="The stage's checkpoint directory in the run root (stage_dir).")
 
@@ -74,7 +74,7 @@ class Job(BaseModel):
 
     verb: Literal[VERBS] = Field(description="shard: boost the HF model and save step 0; train: resume and train.")
     stage: Literal[tuple(TRAINING)] = Field(description="The training stage (a key of tasks.core.run.stages.TRAINING).")
-    stage_cfg: PhaseConfig = Field(
+    phase_cfg: PhaseConfig = Field(
         description="The run config's section of this stage (run[stage]), validated by the task."
     )
     trust_remote_code: StrictBool = Field(
@@ -86,7 +86,7 @@ class Job(BaseModel):
     data_dir: AbsPath | None = Field(
         default=None,
         description=(
-            "The stage's prepared data (data/<stage>/: token shards and index.json, made by prepare_data); the train "
+            "The stage's prepared data (data/<phase>/: token shards and index.json, made by prepare_data); the train "
             "verb reads it memory-mapped."
         ),
     )
@@ -106,15 +106,15 @@ class Job(BaseModel):
     )
     _source: str = PrivateAttr(default="job")
 
-    @field_validator("stage_cfg")
+    @field_validator("phase_cfg")
     @classmethod
-    def _static_layout(cls, stage_cfg: PhaseConfig) -> PhaseConfig:
+    def _static_layout(cls, phase_cfg: PhaseConfig) -> PhaseConfig:
         # The static layout rules parse_config applies to each stage, again for the one stage the
         # ranks train: a hand-written or edited job file fails here, before any process group exists.
-        problems = plugin_problems(stage_cfg, "stage_cfg")
+        problems = plugin_problems(phase_cfg, "phase_cfg")
         if problems:
             raise ConfigError(problems)
-        return stage_cfg
+        return phase_cfg
 
     @property
     def source(self) -> str:
@@ -140,7 +140,7 @@ def parse_job(raw: Any, source: str = "job", verb: str | None = None) -> Job:
         for err in exc.errors():
             loc = ".".join(str(x) for x in err["loc"]) or source
             nested = (err.get("ctx") or {}).get("error")
-            if isinstance(nested, ConfigError):  # the stage section's layout rules
+            if isinstance(nested, ConfigError):  # the phase section's layout rules
                 problems += [(f"{loc}.{f}" if not f.startswith(loc) else f, m) for f, m in nested.problems]
             else:
                 problems.append((loc, err["msg"].removeprefix("Value error, ")))

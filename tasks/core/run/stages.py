@@ -28,8 +28,8 @@ push (the final checkpoint of each training stage). No run-directory literal is 
     <run_root>/eval/benchmark-base/     the base's scores per base manifest, tasks and settings (run once per base)
     <artifact>.tmp-build/               an artifact being built, swapped into place when whole
     <dir>.superseded-<UTC time>/        checkpoints of another config, or what sat in an artifact's place that the flow did not write: moved aside (never deleted)
-    <staging>/jobs/<stage>-<verb>.json  the job file of each engine launch
-    <staging>/data-cache/<stage>/       prepare_data's shards, kept across failures and re-runs
+    <staging>/jobs/<phase>-<verb>.json  the job file of each engine launch
+    <staging>/data-cache/<phase>/       prepare_data's shards, kept across failures and re-runs
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ BENCHMARK_BASE = (
 # own that the export stage writes beside export/, never inside it, so no loader of the merged
 # weights meets an adapter (tasks/core/models/folder.py).
 EXPORT_ADAPTER = "export-adapter"
-TENSORBOARD = "tensorboard"  # <stage>/tensorboard/: rank 0's event files (tasks/engine/metrics.py)
+TENSORBOARD = "tensorboard"  # <phase>/tensorboard/: rank 0's event files (tasks/engine/metrics.py)
 TRAIN_STATE = "train_state.json"  # in every checkpoint: step, tokens seen, sampler position, losses
 # train_state.json's per-step figures beside the losses (null where a step had none, e.g. mfu on
 # CPU): the stage's result and the model card give their medians (`step_medians`).
@@ -81,12 +81,12 @@ SUMMARY_FIELDS = ("tokens_per_s", "padding_frac", "mfu")
 # Also kept per step: the largest peak memory of any rank and that rank; the card gives the maximum (`step_peak`).
 PEAK_FIELDS = ("peak_mem_bytes", "peak_mem_rank")
 
-SPLIT_FILE = "data-split.json"  # <stage>/data-split.json: the prepared data's split, beside the checkpoints
+SPLIT_FILE = "data-split.json"  # <phase>/data-split.json: the prepared data's split, beside the checkpoints
 LOSS_CURVE = "loss-curve.png"
 BUILD_SUFFIX = ".tmp-build"  # <artifact>.tmp-build: built here, renamed into place when whole
 SUPERSEDED = ".superseded-"  # <dir>.superseded-<UTC time>: work of another config, kept aside, not deleted
 JOBS = "jobs"  # <staging>/jobs/: the job files of the engine launches
-DATA_CACHE = "data-cache"  # <staging>/data-cache/<stage>/: shards kept across failures and re-runs
+DATA_CACHE = "data-cache"  # <staging>/data-cache/<phase>/: shards kept across failures and re-runs
 STEP_PREFIX = "step-"
 STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{6,}})$")
 

@@ -150,7 +150,7 @@ def retain_remote(store: RunStore, stage: str, keep_last: int, newest_committed:
 
 
 def publish_tensorboard(store: RunStore, stage: str) -> int:
-    """Copy `<stage>/tensorboard/` from staging to a remote run root (a local run root already
+    """Copy `<phase>/tensorboard/` from staging to a remote run root (a local run root already
     holds it: the engine writes there). Whole files each time: they are small and append-only."""
     if store.local:
         return 0
