@@ -261,9 +261,7 @@ def _pieces(batch: dict[str, np.ndarray]) -> tuple[list[list[int]], list[int], l
 def test_per_token_loss_of_a_document_block_equals_each_document_alone(cpt_docs, tiny_model_dir, attn):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir, torch_dtype=torch.float32, attn_implementation=attn
-    ).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=attn).eval()
     blocks = [i for i in range(cpt_docs.num_items) if len(np.unique(cpt_docs.batch_documents([i])["segment_ids"])) >= 3]
     batch = cpt_docs.batch_documents(blocks[:3])
     assert len(blocks) >= 3
@@ -329,7 +327,7 @@ def test_the_engine_trains_document_blocks_with_the_context_settings(tmp_path, t
     data = TokenDataset(json.loads(job.read_text())["data_dir"], seq_len=SEQ)
     config = AutoConfig.from_pretrained(tiny_model_dir)
     config = type(config).from_dict({**config.to_dict(), **context})
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, config=config, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, config=config, dtype=torch.float32).eval()
     impl = model.config._attn_implementation
     per_rank = cfg["micro_batch_size"] * cfg["grad_accum_steps"]
     glob = ResumableSampler(data.num_items, 0, 2, seed=cfg["seed"]).next_global(per_rank * 2)
