@@ -7,8 +7,10 @@ from the engine to the export, and document attention in packed CPT blocks.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +42,7 @@ VALUES = {
     "mscale_all_dim": 1.0,
     "short_factor": [1.0] * 8,
     "long_factor": [2.0] * 8,
+    "truncate": False,
 }
 
 
@@ -70,6 +73,15 @@ def test_rope_types_and_their_keys_are_those_transformers_builds():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, ROPE_VALIDATION_FUNCTIONS
 
     assert set(ROPE_TYPES) == set(ROPE_VALIDATION_FUNCTIONS) == set(ROPE_INIT_FUNCTIONS)
+    for kind, validate in ROPE_VALIDATION_FUNCTIONS.items():  # the keys each validator reads, as its source spells them
+        source = inspect.getsource(validate)
+        keys = {
+            name: set(re.findall(r'"(\w+)"', m.group(1)))
+            for name in ("required_keys", "optional_keys")
+            if (m := re.search(rf"{name} = \{{([^}}]*)\}}", source))
+        }
+        assert set(ROPE_TYPES[kind].required) == keys["required_keys"] - {"rope_type"}, kind
+        assert set(ROPE_TYPES[kind].optional) == keys.get("optional_keys", set()), kind
     model = {"hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 512}
     for kind, spec in ROPE_TYPES.items():
         full = {"rope_type": kind, **{k: VALUES[k] for k in spec.required + spec.optional}}
