@@ -33,6 +33,8 @@ before `apply()` is rebuilt at once and rebound in every ColossalAI module that 
 transformers or ColossalAI the replacements were not measured on, `apply()` refuses with `UnsupportedStack` naming
 what is installed and what runs: the project runs transformers 4.57.x (pyproject.toml pins 4.57.6), and 4.51.3 is
 refused too (the project passes 4.56's `dtype` keyword, which 4.51.3 hands to the model's constructor).
+`apply()` also keeps off the console the deprecation warning 4.56+ logs on every rank when ColossalAI's
+`save_config_file` sets `config.torch_dtype` (the one caller left that uses the old name).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import hashlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import logging
 import sys
 import types
 from pathlib import Path
@@ -468,6 +471,23 @@ class _OnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 _FINDER = _OnImport()
 
+_DTYPE_NOTICE = "`torch_dtype` is deprecated"
+
+
+class _ColossalAIDtypeNotice(logging.Filter):
+    """ColossalAI 0.5.0's `save_config_file` (every sharded save, every plugin) sets `model.config.torch_dtype`, which
+    4.56+ answers with a deprecation warning on every rank; the value lands in `config.dtype` all the same. The
+    project itself passes `dtype`, so that warning can only come from ColossalAI here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _DTYPE_NOTICE not in record.getMessage()
+
+
+def _quiet_colossalai_dtype_notice() -> None:
+    log = logging.getLogger("transformers.configuration_utils")
+    if not any(isinstance(f, _ColossalAIDtypeNotice) for f in log.filters):
+        log.addFilter(_ColossalAIDtypeNotice())
+
 
 def apply() -> list[str]:
     """Fit ColossalAI's shardformer code to the installed transformers: each module in `_EDITS` is built from its
@@ -475,6 +495,7 @@ def apply() -> list[str]:
     took over (empty when already done)."""
     if not check() or _FINDER in sys.meta_path:
         return []
+    _quiet_colossalai_dtype_notice()
     sys.meta_path.insert(0, _FINDER)
     for name in _EDITS:
         old = sys.modules.get(name)
