@@ -77,6 +77,8 @@ def causal_mask(model, attention_mask, hidden_states, cache_position, past_key_v
 
 
 _LAYER_OUT = ("hidden_states = layer_outputs[0]", "hidden_states = _cpt_to_sft_hidden(layer_outputs)")
+# 4.56 renamed a decoder layer's `past_key_value` to `past_key_values` (the old name warns on every forward)
+_CACHE_KW = ("past_key_value=past_key_values,", "past_key_values=past_key_values,")
 
 _QWEN2_POSITIONAL = """                    decoder_layer.__call__,
                     hidden_states,
@@ -181,6 +183,7 @@ _EDITS: dict[str, tuple[str, list[tuple[str, str, int]]]] = {
                 "                layer_outputs = _cpt_to_sft_call(decoder_layer)(\n",
                 1,
             ),
+            (*_CACHE_KW, 1),
             (*_LAYER_OUT, 1),
         ],
     ),
@@ -211,6 +214,7 @@ _EDITS: dict[str, tuple[str, list[tuple[str, str, int]]]] = {
                 "            layer_outputs = _cpt_to_sft_call(decoder_layer)(\n",
                 1,
             ),
+            (*_CACHE_KW, 3),
             (*_LAYER_OUT, 2),
         ],
     ),
@@ -239,6 +243,7 @@ _EDITS: dict[str, tuple[str, list[tuple[str, str, int]]]] = {
                 "                layer_outputs = _cpt_to_sft_call(decoder_layer)(\n",
                 2,
             ),
+            (*_CACHE_KW, 2),
             (*_LAYER_OUT, 2),
         ],
     ),
@@ -314,6 +319,7 @@ _EDITS: dict[str, tuple[str, list[tuple[str, str, int]]]] = {
                 1,
             ),
             (_ROUTER_LOGITS, _ROUTER_LOGITS_REFUSED, 2),
+            (*_CACHE_KW, 1),
             (*_LAYER_OUT, 2),
         ],
     ),
