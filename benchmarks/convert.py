@@ -62,7 +62,7 @@ def llama_config(size_gb: float, dims: dict = DIMS) -> dict:
     kv = h // dims["num_attention_heads"] * dims["num_key_value_heads"]
     per_layer = 4 * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h)
     layers = max(1, round((size_gb * 1e9 - 4 * (2 * v * h + h)) / per_layer))
-    return LlamaConfig(**dims, num_hidden_layers=layers, torch_dtype="float32").to_dict()
+    return LlamaConfig(**dims, num_hidden_layers=layers, dtype="float32").to_dict()
 
 
 def write_checkpoint(ckpt: Path, config: dict, shard_mb: float = COLOSSAL_SHARD_MB) -> tuple[int, int]:
@@ -139,7 +139,7 @@ def work_naive(src: Path, dst: Path, config: dict, fsync: bool, shard: str) -> d
 
     from tasks.core.run.manifest import sha256_file
 
-    model = AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     model.save_pretrained(dst, safe_serialization=True, max_shard_size=shard)
     if fsync:  # save_pretrained does not fsync; the others do, so this one must too
         _fsync_tree(dst)

@@ -75,7 +75,7 @@ from transformers import AutoModelForCausalLM
 from tasks.core.config.lora import LORA_TARGETS
 
 base, out = sys.argv[1], sys.argv[2]
-model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32), LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS)))
+model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS)))
 g = torch.Generator().manual_seed(0)
 with torch.no_grad():
     for name, t in model.named_parameters():

@@ -8,7 +8,7 @@
 What it runs, each step a time-boxed subprocess (its output goes to $OUT/gpu_check.log, or
 <work>/gpu_check.log without $OUT), then one `CHECK <name>: ok|failed (<reason>)` line per check:
 
-  env                 versions (torch/CUDA, transformers 4.51.3, colossalai 0.5.0, prefect 3.9), the GPU
+  env                 versions (torch/CUDA, transformers 4.57.6, colossalai 0.5.0, prefect 3.9), the GPU
   kernels             ColossalAI's CPU-Adam and fused-Adam JIT kernels (HybridAdam, Gemini's optimizer),
                       built while the model is written
   model               a Llama-shaped random model (~300M parameters, vocab 32000) + the demo tokenizer,

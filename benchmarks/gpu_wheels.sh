@@ -7,8 +7,8 @@
 # The GPU machine (nvidia-h200, /work/.library/device/KINDS.md) has Python 3.12 at
 # /opt/torch/.venv/bin/python3 with torch 2.11.0+cu130, nvcc 13.0, ninja, numpy, safetensors 0.8.0,
 # accelerate, rich, pyyaml, fsspec, httpx, jinja2, pyarrow, matplotlib, pytest, ... but transformers
-# 5.17, huggingface_hub 1.33 and tokenizers 0.23 (this project pins 4.51.3 / <1.0 / 0.21, as does
-# colossalai 0.5.0), and no prefect, pydantic, colossalai, peft or galore. It reaches no registry.
+# 5.17, huggingface_hub 1.33 and tokenizers 0.23 (this project pins 4.57.6 / <1.0 / 0.22 and
+# runs colossalai 0.5.0 with them), and no prefect, pydantic, colossalai, peft or galore. It reaches no registry.
 # The list is this project's .venv (pyproject.toml + colossalai's runtime needs, prefect 3.9.1's
 # closure) minus what that image already holds, at the exact versions the CPU tests run with, plus
 # the pins the image gets wrong. tensorboardX (pure Python, 88 KB): the engine's per-step TensorBoard
@@ -32,7 +32,7 @@ if [ "${1:-}" = "--smoke" ]; then SMOKE=1; fi
 
 # Binary and pure wheels, exact versions (cp312, manylinux x86_64).
 WHEELS=(
-  transformers==4.51.3 tokenizers==0.21.4 huggingface-hub==0.36.2 peft==0.21.2 galore-torch==1.0
+  transformers==4.57.6 tokenizers==0.22.2 huggingface-hub==0.36.2 peft==0.21.2 galore-torch==1.0
   prefect==3.9.1 pydantic==2.14.4 pydantic-core==2.50.5 pydantic-extra-types==2.11.1 pydantic-settings==2.16.3
   typing-extensions==4.16.0 typing-inspection==0.4.5 annotated-types==0.8.0 certifi==2026.10.19.post1
   aiosqlite==0.22.1 alembic==1.20.1 amplitude-analytics==1.3.0 apprise==2.0.1 asgi-lifespan==2.1.0

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     model_type = json.loads((Path(args.model) / "config.json").read_text()).get("model_type")
     states = kernels(args, cuda, model_type)
     model, info = AutoModelForCausalLM.from_pretrained(
-        args.model, torch_dtype=torch.float32, use_safetensors=True, output_loading_info=True, **passed(states, "model")
+        args.model, dtype=torch.float32, use_safetensors=True, output_loading_info=True, **passed(states, "model")
     )
     if any(info.values()):
         raise SystemExit(f"{args.model}: weights do not match the model's config: {info}")

@@ -100,7 +100,7 @@ def _plan_model(name: str):
         if isinstance(getattr(config, field, None), float):
             setattr(config, field, 0.0)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def plan_probe(name: str, steps: int = 2, lr: float = 0.5) -> dict:
@@ -243,7 +243,7 @@ def plan_lazy(config, row, batch: dict) -> tuple[float, float | None]:
     from tasks.engine.plan_policy import PlanPolicy
 
     with LazyInitContext(default_device=torch.device("cpu")):
-        lazy = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        lazy = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     policy = PlanPolicy(row)
     plugin = HybridParallelPlugin(
         tp_size=2, pp_size=1, zero_stage=0, precision="fp32", overlap_communication=False,

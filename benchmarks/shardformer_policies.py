@@ -160,7 +160,7 @@ def lazy_loss(config, model_kw: dict, plugin_kw: dict, batch: dict) -> float:
     from transformers import AutoModelForCausalLM
 
     with LazyInitContext(default_device=torch.device("cpu")):
-        lazy = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, **model_kw)
+        lazy = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **model_kw)
     plugin = HybridParallelPlugin(
         **plugin_kw, zero_stage=0, precision="fp32", overlap_communication=False, enable_all_optimization=False,
         make_vocab_size_divisible_by=1,
@@ -197,7 +197,7 @@ def probe(name: str) -> dict:
     for field in [k for k in model_kw if hasattr(config, k)]:  # a variant's config field, not a model argument
         setattr(config, field, model_kw.pop(field))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, **model_kw)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **model_kw)
     out: dict = {"family": name + ("@pp2" if pp else ""), "class": type(model).__name__}
     if settings:
         out["settings"] = settings

@@ -3,11 +3,12 @@
 #   bash scripts/install.sh            # creates ./.venv and installs everything, idempotent
 # Order matters:
 #   1. torch first, so a build already present in the venv (CPU here, CUDA on a GPU node) is kept;
-#   2. the project with its pinned stack (prefect 3.9, transformers 4.51.3, peft 0.21.2, huggingface-hub<1.0, ...);
+#   2. the project with its pinned stack (prefect 3.9, transformers 4.57.6, tokenizers 0.22.2, peft 0.21.2,
+#      huggingface-hub<1.0, ...); a venv installed from older pins reinstalls (the stamp is their hash);
 #   3. colossalai 0.5.0 with --no-deps: its own pins clash with Prefect 3.9 (uvicorn), torch and peft
 #      (docs/versions.md: which transformers and peft it runs with);
 #   4. lm-eval, datasets and evaluate with --no-deps (the benchmark stage): every datasets release
-#      caps fsspec below the pinned one, or needs a huggingface-hub transformers 4.51.3 refuses
+#      caps fsspec below the pinned one, or needs a huggingface-hub transformers 4.57.6 refuses
 #      (pyproject.toml's [benchmark] extra lists the rest of what they need).
 # Never run `pip check` here: it reports exactly those deliberate clashes.
 set -euo pipefail

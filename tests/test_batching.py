@@ -99,7 +99,7 @@ def _per_token_losses(model, batch: dict[str, np.ndarray]) -> list[torch.Tensor]
 def test_per_token_loss_of_a_grouped_micro_batch_equals_the_padded_one(sft_data, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     lengths = sft_data.lengths()
     assert (
         lengths == sft_data.batch(range(sft_data.num_items))["attention_mask"].sum(1)
@@ -183,9 +183,7 @@ def test_a_packed_row_restarts_positions_and_never_labels_across_conversations(s
 def test_per_token_loss_of_a_packed_row_equals_the_padded_rows(sft_data, tiny_model_dir, attn):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir, torch_dtype=torch.float32, attn_implementation=attn
-    ).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=attn).eval()
     assert model.config._attn_implementation == attn
     lengths = sft_data.lengths()
     rows = Packs(lengths, sft_data.seq_len).order(

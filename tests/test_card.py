@@ -71,7 +71,7 @@ def test_the_card_names_a_real_base_and_loads_in_the_exports_own_dtype(tmp_path)
     card = ModelCard(text)
     # A local folder: its name (or what its config.json claims) is no Hub id a push may publish as the base.
     assert card.data.base_model is None and card.data.base_model_manifest_digest == facts["digest"]
-    assert "torch_dtype=torch.float32" in text and "bfloat16" not in text.split("## Usage")[1].split("```\n")[0]
+    assert ", dtype=torch.float32)" in text and "bfloat16" not in text.split("## Usage")[1].split("```\n")[0]
     assert (
         "the model folder `smollm2`, whose config.json names `HuggingFaceTB/SmolLM2-135M` (base artifact's manifest "
         f"digest `{facts['digest'][:16]}`)" in text
@@ -101,7 +101,7 @@ def test_the_card_names_a_real_base_and_loads_in_the_exports_own_dtype(tmp_path)
         config(run, base="/models/smollm2").model_validate(
             {**told.model_dump(), "base_model": {"uri": "/models/smollm2", "hub_id": "smollm2"}}
         )
-    assert "torch_dtype=torch.bfloat16" in usage_snippet("x", "bf16") and "torch_dtype=torch.float16" in usage_snippet(
+    assert ", dtype=torch.bfloat16)" in usage_snippet("x", "bf16") and ", dtype=torch.float16)" in usage_snippet(
         "x", "fp16"
     )
 

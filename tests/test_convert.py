@@ -366,8 +366,9 @@ def test_bf16_cast(tmp_path, llama):
     assert report.dtype == "bf16"
     got = load_state_dict_from_dir(tmp_path / "hf")
     _assert_same_state(got, {k: v.to(torch.bfloat16) for k, v in _params(llama).items()})
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype="auto")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["dtype"] == written["torch_dtype"] == "bfloat16"  # 4.56+ reads `dtype` first, older `torch_dtype`
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
     assert loaded.dtype == torch.bfloat16
 
 

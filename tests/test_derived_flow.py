@@ -108,7 +108,7 @@ def test_a_family_runs_the_whole_flow_and_its_export_loads_in_plain_transformers
     v = json.loads((export / PROVENANCE_DIR / "verification.json").read_text())
     assert v["weights_bitwise"]["tensors"] == v["tensors"] == len(table)
     assert v["fingerprint_match"] and v["top1_disagreements_beyond_tolerance"] == 0
-    model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
     assert type(model).__name__ == FLOWS[family][2]
     last = max((run_root / "sft").glob("step-*"))
     logits, reference = model_logits(model, model.config.vocab_size), load_fingerprint(last)

@@ -99,7 +99,7 @@ def test_forward_bytes_is_one_layers_working_tensors_and_a_chunk_of_logits():
 def test_model_bytes_come_from_the_safetensors_headers(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     # HF saves a tied head once; the demo model is untied, so every parameter is a stored tensor
     assert where.safetensors_numel(tiny_model_dir) == sum(p.numel() for p in model.parameters())
     assert where.largest_block_numel(tiny_model_dir) == sum(
@@ -118,7 +118,7 @@ def test_accelerate_spreads_the_model_over_exactly_the_gpus_of_the_plan(tiny_mod
 
     config = AutoConfig.from_pretrained(tiny_model_dir)
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     size, largest = 2 * where.safetensors_numel(tiny_model_dir), 2 * where.largest_block_numel(tiny_model_dir)
     fwd = forward_bytes(json.loads((tiny_model_dir / "config.json").read_text()), "bf16", 64)
     free = [CUDA_RESERVE_BYTES + fwd + math.ceil(size / 2) + largest] * 2  # the least room the plan spreads over

@@ -184,7 +184,7 @@ def test_identical_models_give_identical_metrics_equal_to_transformers_loss(tiny
     # Reference: transformers' own mean loss over the same packed blocks (one batch).
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     batch = ev.cpt_batch(tok, held, "text", 64, cfg)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = float(model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
     assert m["base"]["loss"] == pytest.approx(ref, rel=1e-5)

@@ -191,7 +191,7 @@ def test_a_derived_family_exports_with_proof_and_fingerprint_and_loads_in_plain_
     )
     assert v["fingerprint_match"] and v["top1_disagreements_beyond_tolerance"] == 0
     assert_consumer_rules(export)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     assert type(loaded).__name__ == "Olmo2ForCausalLM"
     cmp = compare_logits(hf_dir_logits(export, dtype="fp32"), hf_dir_logits(olmo2, dtype="fp32"), rtol=2e-2)
     assert cmp["top1_disagreements_beyond_tolerance"] == 0, cmp  # bf16 export of the fp32 base

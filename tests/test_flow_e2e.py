@@ -357,7 +357,7 @@ def test_export_is_a_clean_model_folder_with_matching_logits(finished_run):
         "verified-stamp.json",
     }
     assert_consumer_rules(export)
-    model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(export)
     assert tok.chat_template and "assistant" in tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
@@ -428,7 +428,7 @@ def test_card_has_the_hyperparameters_versions_and_a_usage_snippet_that_runs(fin
         and "the model folder `tiny-llama-eos`" in card
         and data.base_model_manifest_digest == hashlib.sha256((run_root / "base" / MANIFEST).read_bytes()).hexdigest()
     )
-    assert "| peak memory (largest rank) |" in card and "torch_dtype=torch.bfloat16" in card  # the demo exports bf16
+    assert "| peak memory (largest rank) |" in card and ", dtype=torch.bfloat16)" in card  # the demo exports bf16
     copy = run_root.parent / "card-copy"  # `card` writes: into a copy of the export and run.json, not the session's run
     if not copy.exists():
         shutil.copytree(run_root, copy, ignore=shutil.ignore_patterns(".lease.json"))

@@ -374,7 +374,7 @@ def test_gemini_checkpoint_exports_with_matching_fingerprint(gemini_runs, dropou
     # 0.5.0's get_temp_total_chunk_on_cuda then returns the fp32 chunk uncast, so model/ holds the
     # fp32 masters.
     assert [k for k in trained if not _same(exported[k], trained[k].to(exported[k].dtype))] == []
-    model = AutoModelForCausalLM.from_pretrained(dst, torch_dtype=torch.bfloat16, use_safetensors=True).cuda()
+    model = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.bfloat16, use_safetensors=True).cuda()
     diff = max_abs_diff(model_logits(model, model.config.vocab_size), load_fingerprint(ckpt))
     assert diff <= 1e-2, f"export logits on the GPU differ from the Gemini fingerprint by {diff}"
 

@@ -97,7 +97,7 @@ def _qlora_model(base_dir: Path):
 
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
     q = AutoModelForCausalLM.from_pretrained(
-        base_dir, quantization_config=quant, torch_dtype=torch.float32, device_map={"": 0}
+        base_dir, quantization_config=quant, dtype=torch.float32, device_map={"": 0}
     )
     torch.manual_seed(0)
     return get_peft_model(q, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)).eval()
@@ -134,7 +134,7 @@ def test_qlora_stays_refused_because_the_merge_onto_the_unquantized_base_is_anot
     assert not exported["fingerprint_match"] and exported["fingerprint_rel_diff"] > 100 * default_rtol("fp32"), exported
 
     # Merged onto the dequantized NF4 weights instead, the adapter gives the QLoRA model back.
-    deq = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    deq = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     state = deq.state_dict()
     for name, module in qlora.get_base_model().named_modules():
         if isinstance(module, bnb.nn.Linear4bit):  # peft wraps each one: <projection>.base_layer

@@ -7,8 +7,10 @@ from the engine to the export, and document attention in packed CPT blocks.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +42,7 @@ VALUES = {
     "mscale_all_dim": 1.0,
     "short_factor": [1.0] * 8,
     "long_factor": [2.0] * 8,
+    "truncate": False,
 }
 
 
@@ -70,6 +73,15 @@ def test_rope_types_and_their_keys_are_those_transformers_builds():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, ROPE_VALIDATION_FUNCTIONS
 
     assert set(ROPE_TYPES) == set(ROPE_VALIDATION_FUNCTIONS) == set(ROPE_INIT_FUNCTIONS)
+    for kind, validate in ROPE_VALIDATION_FUNCTIONS.items():  # the keys each validator reads, as its source spells them
+        source = inspect.getsource(validate)
+        keys = {
+            name: set(re.findall(r'"(\w+)"', m.group(1)))
+            for name in ("required_keys", "optional_keys")
+            if (m := re.search(rf"{name} = \{{([^}}]*)\}}", source))
+        }
+        assert set(ROPE_TYPES[kind].required) == keys["required_keys"] - {"rope_type"}, kind
+        assert set(ROPE_TYPES[kind].optional) == keys.get("optional_keys", set()), kind
     model = {"hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 512}
     for kind, spec in ROPE_TYPES.items():
         full = {"rope_type": kind, **{k: VALUES[k] for k in spec.required + spec.optional}}
@@ -261,9 +273,7 @@ def _pieces(batch: dict[str, np.ndarray]) -> tuple[list[list[int]], list[int], l
 def test_per_token_loss_of_a_document_block_equals_each_document_alone(cpt_docs, tiny_model_dir, attn):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir, torch_dtype=torch.float32, attn_implementation=attn
-    ).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation=attn).eval()
     blocks = [i for i in range(cpt_docs.num_items) if len(np.unique(cpt_docs.batch_documents([i])["segment_ids"])) >= 3]
     batch = cpt_docs.batch_documents(blocks[:3])
     assert len(blocks) >= 3
@@ -329,7 +339,7 @@ def test_the_engine_trains_document_blocks_with_the_context_settings(tmp_path, t
     data = TokenDataset(json.loads(job.read_text())["data_dir"], seq_len=SEQ)
     config = AutoConfig.from_pretrained(tiny_model_dir)
     config = type(config).from_dict({**config.to_dict(), **context})
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, config=config, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, config=config, dtype=torch.float32).eval()
     impl = model.config._attn_implementation
     per_rank = cfg["micro_batch_size"] * cfg["grad_accum_steps"]
     glob = ResumableSampler(data.num_items, 0, 2, seed=cfg["seed"]).next_global(per_rank * 2)

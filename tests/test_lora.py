@@ -92,7 +92,7 @@ def test_a_tied_model_merges_without_losing_its_trained_head(tmp_path, train_hea
     )
     torch.manual_seed(0)
     model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32),
+        AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
         PeftLoraConfig(
             r=4,
             lora_alpha=8,

@@ -110,7 +110,7 @@ def test_the_adapter_loads_through_peft_onto_the_base(lora_run):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(lora_run["base"], torch_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(lora_run["base"], dtype=torch.float32)
     model = PeftModel.from_pretrained(base, lora_run["dir"] / "step-000006" / "adapter")
     b = (
         next(m for n, m in model.named_modules() if n.endswith("q_proj") and hasattr(m, "lora_B"))
@@ -139,7 +139,7 @@ def test_the_merged_export_matches_peft_and_keeps_every_untouched_tensor(lora_ru
         v["lora"]["touched"] == 3 * layers and v["lora"]["untouched_bitwise"] > 0 and not v["lora"]["untied_head"]
     )  # q, v, down per layer
     assert folder_problems(out) == [] and not list(out.glob("adapter*"))
-    base = AutoModelForCausalLM.from_pretrained(lora_run["base"], torch_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(lora_run["base"], dtype=torch.float32)
     peft_logits = model_logits(
         PeftModel.from_pretrained(base, lora_run["dir"] / "step-000006" / "adapter").eval(), base.config.vocab_size
     )
@@ -172,7 +172,7 @@ def test_the_merged_export_matches_peft_and_keeps_every_untouched_tensor(lora_ru
         sorted(p.name for p in adapter.iterdir()) == sorted(ADAPTER_FILES) and folder_problems(adapter) == []
     )  # no weights a loader would take
     auto = AutoPeftModelForCausalLM.from_pretrained(
-        adapter, torch_dtype=torch.float32
+        adapter, dtype=torch.float32
     )  # finds the base by the reference alone
     assert compare_logits(model_logits(auto.eval(), base.config.vocab_size), peft_logits, 1e-5)["fingerprint_match"]
     other = tmp_path / "other-adapter"

@@ -109,7 +109,7 @@ def test_lora_sft_after_hybrid_parallel_cpt_exports_merged_and_adapter_and_pushe
         Path(api.snapshot_download("org/lora-tiny", allow_patterns=["adapter/*"], local_dir=tmp_path / "pulled"))
         / "adapter"
     )
-    base = AutoModelForCausalLM.from_pretrained(root / "cpt" / "hf", torch_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(root / "cpt" / "hf", dtype=torch.float32)
     pulled = PeftModel.from_pretrained(base, pulled_dir)
     assert compare_logits(
         hf_dir_logits(root / "export"), model_logits(pulled.eval(), base.config.vocab_size), proof["fingerprint_rtol"]

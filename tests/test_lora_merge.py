@@ -49,7 +49,7 @@ def _checkpoint(base_dir: Path, out: Path, lora: dict) -> Path:
 
     torch.manual_seed(0)
     model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32),
+        AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
         LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **lora),
     )  # B random too: every adapter changes its weight
     with torch.no_grad():

@@ -153,7 +153,7 @@ def test_the_engine_records_the_modules_peft_adapted_not_the_ones_asked(tiny_mod
     from tasks.engine import lora
 
     cfg = LoraConfig(r=2, target_modules=("q_proj", "qkv_proj"))
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with pytest.raises(Exception, match="'qkv_proj' matches no module of"):
         lora.check_targets(model, cfg)
     peft_model = get_peft_model(model, lora.peft_config(cfg))

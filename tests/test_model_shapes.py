@@ -141,7 +141,7 @@ def _save_text_model(m, out: Path) -> None:
     if "m.language_model.save_pretrained(OUT)" in save_text_model_recipe():
         m.language_model.save_pretrained(out)
         return
-    lm = AutoModelForCausalLM.from_config(m.config.text_config, torch_dtype=m.dtype)
+    lm = AutoModelForCausalLM.from_config(m.config.text_config, dtype=m.dtype)
     lm.model.load_state_dict(m.language_model.state_dict())
     lm.lm_head.load_state_dict(m.lm_head.state_dict())
     lm.save_pretrained(out)
@@ -162,7 +162,7 @@ def test_a_multimodal_checkpoint_is_refused_naming_its_text_model_and_the_fix_ru
     from tasks.core.models.shapes import save_text_model_recipe
 
     out = tmp_path / "llava-text"
-    m = AutoModelForImageTextToText.from_pretrained(llava, torch_dtype="auto")
+    m = AutoModelForImageTextToText.from_pretrained(llava, dtype="auto")
     _save_text_model(m, out)
     AutoTokenizer.from_pretrained(llava).save_pretrained(out)
     assert save_text_model_recipe() in msgs[0]
@@ -216,7 +216,7 @@ def test_gemma_3_multimodal_is_judged_on_gemma3_text_and_the_fix_saves_that_mode
     # the recipe the refusal gives (what it runs differs before and after transformers 4.52), step by step
     recipe = save_text_model_recipe()
     assert recipe in msg
-    m = AutoModelForImageTextToText.from_pretrained(tmp_path / "gemma3", torch_dtype="auto")
+    m = AutoModelForImageTextToText.from_pretrained(tmp_path / "gemma3", dtype="auto")
     _save_text_model(m, tmp_path / "out")
     AutoTokenizer.from_pretrained(tmp_path / "gemma3").save_pretrained(tmp_path / "out")
     fixed = _report(tmp_path / "r2", tmp_path / "out")  # the text model: its folder's shape and family pass

@@ -26,7 +26,7 @@ def _shard(model_dir, max_shard_size="40KB"):
     """Re-save the folder in several shards with an index, as a large model is stored."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     (model_dir / "model.safetensors").unlink()
     model.save_pretrained(model_dir, safe_serialization=True, max_shard_size=max_shard_size)
     return sorted(p.name for p in model_dir.glob("*.safetensors"))

@@ -102,7 +102,7 @@ def check_env(ctx: Ctx) -> None:
     p = run(ctx, "env", [PY, ME, "_env"], ctx.timeouts["env"])
     env_rec = (records(p.output, "env") or [{}])[0]
     ctx.figures["env"] = env_rec
-    want = {"transformers": "4.51.3", "colossalai": "0.5.0"}
+    want = {"transformers": "4.57.6", "colossalai": "0.5.0"}
     bad = [f"{k} {env_rec.get(k)} (want {v})" for k, v in want.items() if env_rec.get(k) != v]
     if not str(env_rec.get("prefect") or "").startswith("3.9"):
         bad.append(f"prefect {env_rec.get('prefect')} (want 3.9.x)")

@@ -194,9 +194,7 @@ def cmd_logits(export_dir: str, checkpoint_dir: str) -> int:
     from tasks.core.models.fingerprint import load_fingerprint, max_abs_diff, model_logits
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(export_dir, torch_dtype=torch.bfloat16, use_safetensors=True).to(
-        device
-    )
+    model = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.bfloat16, use_safetensors=True).to(device)
     logits = model_logits(model, model.config.vocab_size)
     ref = load_fingerprint(checkpoint_dir)
     info = {

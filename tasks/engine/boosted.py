@@ -154,7 +154,7 @@ class Engine:
             return AutoModelForCausalLM.from_pretrained(
                 str(self.job.model_dir),
                 config=self.hf_config(),
-                torch_dtype=self.build_dtype,
+                dtype=self.build_dtype,
                 use_safetensors=True,
                 trust_remote_code=self.job.trust_remote_code,
                 output_loading_info=True,
@@ -182,7 +182,7 @@ class Engine:
                 # is given, and the fallback build would ask for it again
                 lambda **kernels: AutoModelForCausalLM.from_config(
                     copy.deepcopy(self.config),
-                    torch_dtype=self.build_dtype,
+                    dtype=self.build_dtype,
                     trust_remote_code=self.job.trust_remote_code,
                     **kernels,
                     **self.policy_model_kwargs,

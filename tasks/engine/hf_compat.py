@@ -29,9 +29,12 @@ Rather than edit site-packages (a fresh install would not have the edit), each o
 installed source with exact text replacements (`_EDITS`) when it is first imported (an import hook `apply()`
 installs: a rank imports only the modules its model's policy needs; all seven cost 0.1 CPU-s here): the file must
 be ColossalAI 0.5.0's (its sha256), every replacement must match exactly as often as written; a module imported
-before `apply()` is rebuilt at once and rebound in every ColossalAI module that bound its names. On transformers
-4.51.3 nothing is replaced. On any transformers or ColossalAI the replacements were not measured on, `apply()`
-refuses with `UnsupportedStack` naming what is installed and what runs.
+before `apply()` is rebuilt at once and rebound in every ColossalAI module that bound its names. On any
+transformers or ColossalAI the replacements were not measured on, `apply()` refuses with `UnsupportedStack` naming
+what is installed and what runs: the project runs transformers 4.57.x (pyproject.toml pins 4.57.6), and 4.51.3 is
+refused too (the project passes 4.56's `dtype` keyword, which 4.51.3 hands to the model's constructor).
+`apply()` also keeps off the console the deprecation warning 4.56+ logs on every rank when ColossalAI's
+`save_config_file` sets `config.torch_dtype` (the one caller left that uses the old name).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import hashlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import logging
 import sys
 import types
 from pathlib import Path
@@ -48,8 +52,8 @@ from typing import Any
 _MARK = "_cpt_to_sft_hf_compat"
 
 COLOSSALAI = "0.5.0"
-WRITTEN_FOR = "4.51.3"  # the transformers ColossalAI 0.5.0 pins: nothing to replace
-PATCHED = ("4.57",)  # the transformers release series the replacements were measured on (docs/versions.md)
+WRITTEN_FOR = "4.51.3"  # the transformers ColossalAI 0.5.0 pins and its forwards were written for
+PATCHED = ("4.57",)  # the transformers series the project runs, the replacements measured on it (docs/versions.md)
 
 
 class UnsupportedStack(ValueError):
@@ -73,6 +77,8 @@ def causal_mask(model, attention_mask, hidden_states, cache_position, past_key_v
 
 
 _LAYER_OUT = ("hidden_states = layer_outputs[0]", "hidden_states = _cpt_to_sft_hidden(layer_outputs)")
+# 4.56 renamed a decoder layer's `past_key_value` to `past_key_values` (the old name warns on every forward)
+_CACHE_KW = ("past_key_value=past_key_values,", "past_key_values=past_key_values,")
 
 _QWEN2_POSITIONAL = """                    decoder_layer.__call__,
                     hidden_states,
@@ -177,6 +183,7 @@ _EDITS: dict[str, tuple[str, list[tuple[str, str, int]]]] = {
                 "                layer_outputs = _cpt_to_sft_call(decoder_layer)(\n",
                 1,
             ),
+            (*_CACHE_KW, 1),
             (*_LAYER_OUT, 1),
         ],
     ),
@@ -207,6 +214,7 @@ _EDITS: dict[str, tuple[str, list[tuple[str, str, int]]]] = {
                 "            layer_outputs = _cpt_to_sft_call(decoder_layer)(\n",
                 1,
             ),
+            (*_CACHE_KW, 3),
             (*_LAYER_OUT, 2),
         ],
     ),
@@ -235,6 +243,7 @@ _EDITS: dict[str, tuple[str, list[tuple[str, str, int]]]] = {
                 "                layer_outputs = _cpt_to_sft_call(decoder_layer)(\n",
                 2,
             ),
+            (*_CACHE_KW, 2),
             (*_LAYER_OUT, 2),
         ],
     ),
@@ -310,6 +319,7 @@ _EDITS: dict[str, tuple[str, list[tuple[str, str, int]]]] = {
                 1,
             ),
             (_ROUTER_LOGITS, _ROUTER_LOGITS_REFUSED, 2),
+            (*_CACHE_KW, 1),
             (*_LAYER_OUT, 2),
         ],
     ),
@@ -395,24 +405,24 @@ def _call(layer, **kwargs):
 
 
 def check() -> bool:
-    """True when the installed transformers needs the replacements, False when it is 4.51.3; raises
-    UnsupportedStack on any other transformers or ColossalAI."""
+    """True on the stack the project runs (ColossalAI 0.5.0, transformers 4.57.x), whose forwards need the
+    replacements; raises UnsupportedStack on any other transformers or ColossalAI. transformers 4.51.3, which
+    ColossalAI 0.5.0 was written for, is refused too: the project calls transformers with the `dtype` keyword
+    4.56 introduced, which 4.51.3 hands on to the model's constructor (a TypeError at the first build)."""
     import colossalai
     import transformers
 
     tf, cai = transformers.__version__, colossalai.__version__
-    runs = f"the project runs on ColossalAI {COLOSSALAI} with transformers {WRITTEN_FOR} or {', '.join(p + '.x' for p in PATCHED)}"
+    runs = f"the project runs on ColossalAI {COLOSSALAI} with transformers {', '.join(p + '.x' for p in PATCHED)}"
     if cai != COLOSSALAI:
         raise UnsupportedStack(
             f"colossalai {cai} is installed: {runs} (docs/versions.md); reinstall with `bash scripts/install.sh`"
         )
-    if tf == WRITTEN_FOR:
-        return False
     if ".".join(tf.split(".")[:2]) in PATCHED:
         return True
     raise UnsupportedStack(
-        f"transformers {tf} is installed: {runs}, whose shardformer forwards are patched for it "
-        "(tasks/engine/hf_compat.py, docs/versions.md); reinstall with `bash scripts/install.sh`"
+        f"transformers {tf} is installed: {runs} (pyproject.toml pins it), whose shardformer forwards are patched "
+        "for it (tasks/engine/hf_compat.py, docs/versions.md); reinstall with `bash scripts/install.sh`"
     )
 
 
@@ -467,13 +477,31 @@ class _OnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 _FINDER = _OnImport()
 
+_DTYPE_NOTICE = "`torch_dtype` is deprecated"
+
+
+class _ColossalAIDtypeNotice(logging.Filter):
+    """ColossalAI 0.5.0's `save_config_file` (every sharded save, every plugin) sets `model.config.torch_dtype`, which
+    4.56+ answers with a deprecation warning on every rank; the value lands in `config.dtype` all the same. The
+    project itself passes `dtype`, so that warning can only come from ColossalAI here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _DTYPE_NOTICE not in record.getMessage()
+
+
+def _quiet_colossalai_dtype_notice() -> None:
+    log = logging.getLogger("transformers.configuration_utils")
+    if not any(isinstance(f, _ColossalAIDtypeNotice) for f in log.filters):
+        log.addFilter(_ColossalAIDtypeNotice())
+
 
 def apply() -> list[str]:
     """Fit ColossalAI's shardformer code to the installed transformers: each module in `_EDITS` is built from its
     edited source when first imported (one imported already is rebuilt now). Returns the modules this call
-    took over (empty when already done, or on transformers 4.51.3)."""
+    took over (empty when already done)."""
     if not check() or _FINDER in sys.meta_path:
         return []
+    _quiet_colossalai_dtype_notice()
     sys.meta_path.insert(0, _FINDER)
     for name in _EDITS:
         old = sys.modules.get(name)
@@ -499,4 +527,4 @@ MODULES = tuple(_EDITS)  # the ColossalAI modules apply() builds from their edit
 
 
 def is_applied() -> bool:
-    return not check() or _FINDER in sys.meta_path
+    return check() and _FINDER in sys.meta_path

@@ -34,6 +34,7 @@ from tasks.core.hub.repo import is_hub_id
 from tasks.core.models.fingerprint import hf_dir_logits, save_fingerprint
 from tasks.core.models.folder import (
     JSON_FILES,
+    config_dtype,
     is_code,
     json_file_problem,
     misnamed,
@@ -268,6 +269,6 @@ def load_from_hf(cfg: RunConfig) -> StageResult:
             weights = check_weight_files(out.dir, allow_pickle=False)
         meta.update(model_type=model_cfg.get("model_type"), vocab_size=model_cfg.get("vocab_size"), weights=weights)
         logits = _verified_logits(cfg, out.dir)
-        fingerprint = save_fingerprint(logits, out.dir, str(model_cfg.get("torch_dtype", "float32")))
+        fingerprint = save_fingerprint(logits, out.dir, config_dtype(model_cfg))
         out.manifest(kind="hf-model", meta=meta, fingerprint=fingerprint)
     return stage.done({k: v for k, v in meta.items() if k != "weights"})

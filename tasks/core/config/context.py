@@ -42,7 +42,7 @@ class RopeType:
     summary: str = ""
 
 
-# transformers 4.51.3 modeling_rope_utils: each _validate_*_parameters' required and optional keys.
+# transformers 4.57.6 modeling_rope_utils: each _validate_*_parameters' required and optional keys.
 ROPE_TYPES: dict[str, RopeType] = {
     "default": RopeType((), summary="plain RoPE (rope_theta only)"),
     "linear": RopeType(("factor",), summary="position interpolation: positions divided by factor"),
@@ -51,7 +51,15 @@ ROPE_TYPES: dict[str, RopeType] = {
     ),
     "yarn": RopeType(
         ("factor",),
-        ("attention_factor", "beta_fast", "beta_slow", "original_max_position_embeddings", "mscale", "mscale_all_dim"),
+        (
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "original_max_position_embeddings",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        ),
         summary="YaRN",
     ),
     "longrope": RopeType(
@@ -78,6 +86,7 @@ _FLOATS = {
 }
 _INTS = ("original_max_position_embeddings",)
 _LISTS = ("short_factor", "long_factor")
+_BOOLS = ("truncate",)  # YaRN's: whether the correction range is rounded to whole dimensions (default true)
 
 
 class ContextConfig(Frozen):
@@ -91,7 +100,7 @@ class ContextConfig(Frozen):
     )
     rope_scaling: dict[str, Any] | None = Field(
         default=None,
-        description="RoPE scaling as transformers 4.51.3 reads it from config.json: {rope_type: ..., ...}; rope_type "
+        description="RoPE scaling as transformers 4.57.6 reads it from config.json: {rope_type: ..., ...}; rope_type "
         + "; ".join(
             f"{k} ({v.summary}; keys: {', '.join(v.required + v.optional) or 'none'})" for k, v in ROPE_TYPES.items()
         )
@@ -161,13 +170,13 @@ def _is_float(v: Any) -> bool:
 
 
 def scaling_problems(scaling: dict[str, Any], model_config: dict[str, Any] | None = None) -> list[str]:
-    """What transformers 4.51.3 would refuse, warn about or silently ignore in `scaling`; with the
+    """What transformers 4.57.6 would refuse, warn about or silently ignore in `scaling`; with the
     (already overridden) model config, also what depends on the model's dimensions."""
     if "type" in scaling:
         return ["'type' is the old name of 'rope_type' (transformers renames it); write rope_type"]
     kind = scaling.get("rope_type")
     if kind not in ROPE_TYPES:
-        return [f"rope_type {kind!r} is not one transformers 4.51.3 builds; use one of {', '.join(ROPE_TYPES)}"]
+        return [f"rope_type {kind!r} is not one transformers 4.57.6 builds; use one of {', '.join(ROPE_TYPES)}"]
     spec, out = ROPE_TYPES[kind], []
     keys = set(scaling) - {"rope_type"}
     missing = [k for k in spec.required if k not in keys]
@@ -186,6 +195,8 @@ def scaling_problems(scaling: dict[str, Any], model_config: dict[str, Any] | Non
             out.append(f"{k} must be an integer >= 1, got {v!r}")
         if k in _LISTS and (not isinstance(v, list) or not v or not all(map(_is_float, v))):
             out.append(f"{k} must be a list of numbers, got {v!r}")
+        if k in _BOOLS and not isinstance(v, bool):
+            out.append(f"{k} must be true or false, got {v!r}")
     if out:
         return out
     if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:

@@ -82,7 +82,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     kwargs = dict(
-        torch_dtype=torch_dtype(dtype),
+        dtype=torch_dtype(dtype),
         use_safetensors=True,
         trust_remote_code=trust_remote_code,
         low_cpu_mem_usage=True,
@@ -94,7 +94,7 @@ def load_model(
             model_dir, device_map=placement.device_map, max_memory=placement.max_memory or None, **kwargs
         ).eval()
     if device.type == "cpu" and any(Path(model_dir).glob("*.safetensors")):  # one copy of the weights, never two
-        model = release.load_on_cpu(model_dir, kwargs["torch_dtype"], trust_remote_code)
+        model = release.load_on_cpu(model_dir, kwargs["dtype"], trust_remote_code)
         if (Path(model_dir) / "generation_config.json").is_file():
             model.generation_config = GenerationConfig.from_pretrained(model_dir)
         return model.eval()

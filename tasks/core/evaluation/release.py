@@ -103,7 +103,7 @@ def load_on_cpu(model_dir: str | Path, dtype, trust_remote_code: bool = False):
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.load_state_dict(read_state_dict(model_dir, dtype), strict=False, assign=True)
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]

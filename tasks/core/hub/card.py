@@ -230,7 +230,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 model_id = "{model_id}"
 tokenizer = AutoTokenizer.from_pretrained(model_id)
-model = AutoModelForCausalLM.from_pretrained(model_id, torch_dtype={TORCH_DTYPES[dtype]})
+model = AutoModelForCausalLM.from_pretrained(model_id, dtype={TORCH_DTYPES[dtype]})
 messages = [{{"role": "user", "content": "Hello! Who are you?"}}]
 input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
 {_comment(stops)}

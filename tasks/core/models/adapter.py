@@ -105,7 +105,7 @@ def adapter_logits(adapter_dir: Path, base_dir: Path, verify_memory_gb: float | 
             with streaming(model, base_dir, rename=base_key):
                 return model_logits(model, model.config.vocab_size, device=torch.device("cpu"))
         del model
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32, use_safetensors=True)
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, use_safetensors=True)
     return model_logits(PeftModel.from_pretrained(base, str(adapter_dir)).eval(), base.config.vocab_size)
 
 

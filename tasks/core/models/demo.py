@@ -189,7 +189,7 @@ def build_tiny_model(
             bos_token_id=ids[BOS],
             eos_token_id=ids[EOS],
             pad_token_id=ids[PAD],
-            torch_dtype="float32",
+            dtype="float32",
         ),
     )
     # fork_rng: a fixed seed for the init without disturbing the caller's global RNG stream.

@@ -176,7 +176,7 @@ def build_meta_model(model_type: Any, raw: dict[str, Any], registered: str):
     try:
         config = CONFIG_MAPPING[model_type].from_dict(raw)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, torch_dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=torch.float32)
     except Exception as exc:  # a config transformers cannot build: say so with its words
         raise ConversionError(
             f"config.json model_type={model_type!r}: transformers could not build its model on the meta device "

@@ -98,7 +98,7 @@ def _policy_cell(row: PolicyRow, plugin: str) -> str:
 
 
 def _row_note(row: PolicyRow) -> str:
-    fp32, bf16 = row.llama_terms_ratio
+    fp32, bf16 = row.llama_terms_ratio_4_57 or row.llama_terms_ratio  # the adopted transformers 4.57.6's
     llama = f"{fp32:.2f} (fp32) and {bf16:.2f} (bf16) of what it keeps"
     tp = {}
     for key, value, why in row.tp_requires:  # one sentence per reason (GPT-2's two dropout fields share theirs)

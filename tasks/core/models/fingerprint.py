@@ -161,7 +161,7 @@ def hf_dir_logits(
     from tasks.core.models.stream import meta_model, model_bytes, streaming
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    weights_dtype = torch_dtype(dtype) if dtype else (getattr(config, "torch_dtype", None) or torch.float32)
+    weights_dtype = torch_dtype(dtype) if dtype else (getattr(config, "dtype", None) or torch.float32)
     if verify_memory_gb is not None:
         meta = meta_model(model_dir, weights_dtype, trust_remote_code)
         if model_bytes(meta) > verify_memory_gb * 1e9:
@@ -176,7 +176,7 @@ def hf_dir_logits(
         del meta
     model = AutoModelForCausalLM.from_pretrained(
         model_dir,
-        torch_dtype=weights_dtype,
+        dtype=weights_dtype,
         use_safetensors=True,
         trust_remote_code=trust_remote_code,
         low_cpu_mem_usage=True,

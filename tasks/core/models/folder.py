@@ -37,6 +37,23 @@ JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 FOREIGN_WEIGHT_SUFFIXES = (".gguf", ".ggml")  # quantized weights of other runtimes: no HF loader reads them
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+# config.json's weight dtype: transformers 4.56+ writes it as `dtype`, earlier releases (and most Hub folders)
+# as `torch_dtype`; 4.56+ reads either and keeps `dtype` when both are there.
+CONFIG_DTYPE_KEYS = ("dtype", "torch_dtype")
+
+
+def config_dtype(config: dict[str, Any], default: str = "float32") -> str:
+    """The weight dtype a config.json names (`float32`, `bfloat16`, ...), under either key."""
+    return str(next((config[k] for k in CONFIG_DTYPE_KEYS if config.get(k)), default))
+
+
+def set_config_dtype(config: dict[str, Any], name: str) -> None:
+    """Name the weight dtype under both keys: a stale `dtype` would win over a new `torch_dtype` on 4.56+, and
+    loaders built on older transformers read `torch_dtype` only."""
+    for key in CONFIG_DTYPE_KEYS:
+        config[key] = name
+
+
 # First bytes of formats a misnamed file turns out to be, for the message.
 MAGICS = (
     (b"GGUF", "a GGUF file"),

@@ -25,7 +25,7 @@ from tasks.core.models.fingerprint import (
     load_fingerprint,
     save_fingerprint,
 )
-from tasks.core.models.folder import is_code, misnamed, strip_auto_map
+from tasks.core.models.folder import is_code, misnamed, set_config_dtype, strip_auto_map
 from tasks.core.models.stop_tokens import align_generation_config
 from tasks.core.run.manifest import VERIFICATION  # noqa: F401 (where the proof goes: callers import it from here too)
 
@@ -98,7 +98,7 @@ def build_hf_dir(
     proof = prove_weights(checkpoint_dir / "model", dst, dtype, dropped=report.dropped)
     # Private keys like `_attn_implementation_autoset` would change the attention kernel on load.
     model_config = {k: v for k, v in model_config.items() if not k.startswith("_")}
-    model_config["torch_dtype"] = TORCH_DTYPE_NAMES.get(out_dtype, out_dtype)
+    set_config_dtype(model_config, TORCH_DTYPE_NAMES.get(out_dtype, out_dtype))
     (dst / "config.json").write_text(json.dumps(model_config, indent=2, sort_keys=True) + "\n")
     tokenizer_files = copy_tokenizer(source_model_dir, dst)
     # A base/ made before load_from_hf removed them still holds the model's auto_map: it never goes on.

@@ -149,7 +149,7 @@ def _merge_streamed(
         # in module order, as merge_and_unload's in-place merges do.
         group = [k for k in layers if k in (head_key, embed_key)] if key in (head_key, embed_key) else [key]
         t = _read(files, next(k for k in (key, head_key, embed_key) if k in files))
-        t = t.to(torch.float32) if t.is_floating_point() else t  # as from_pretrained(torch_dtype=float32) reads it
+        t = t.to(torch.float32) if t.is_floating_point() else t  # as from_pretrained(dtype=float32) reads it
         for k in group:
             if k in layers:
                 t = _merge_into(layers[k], t)
@@ -235,7 +235,7 @@ def _merge_whole(checkpoint_dir: Path, base_dir: Path, staged: Path) -> tuple[to
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32, use_safetensors=True)
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, use_safetensors=True)
     tied = bool(getattr(base.config, "tie_word_embeddings", False))
     peft_model = PeftModel.from_pretrained(base, str(checkpoint_dir / ADAPTER)).eval()
     reference = model_logits(peft_model, base.config.vocab_size)  # base + adapter, through peft, fp32

@@ -71,7 +71,7 @@ _BLOOM_LIKE = dict(
     tp_row=("self_attention.dense", "mlp.dense_4h_to_h"),
 )
 _RUNS = (
-    "ColossalAI 0.5.0's policy trains it at tp=2 and at pp=2 with transformers 4.51.3 "
+    "ColossalAI 0.5.0's policy trains it at tp=2 and at pp=2 with transformers 4.57.6, as with 4.51.3 "
     "(benchmarks/shardformer_policies.py)"
 )
 

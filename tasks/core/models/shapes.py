@@ -136,7 +136,7 @@ def gguf_refusal(where: str, names: Iterable[str], root: Path | None = None) -> 
         f"{where} holds GGUF weights only ({', '.join(ggufs[:3])}{', ...' if len(ggufs) > 3 else ''}): no HF loader "
         "trains from GGUF, and a quantized GGUF is dequantized when converted (fine-tune from the model's original "
         "safetensors where they exist). Convert it offline with transformers' GGUF reader (pip install gguf): "
-        f"`AutoModelForCausalLM.from_pretrained(DIR, gguf_file={first!r}, torch_dtype=torch.float32)"
+        f"`AutoModelForCausalLM.from_pretrained(DIR, gguf_file={first!r}, dtype=torch.float32)"
         f".save_pretrained(OUT)` and `AutoTokenizer.from_pretrained(DIR, gguf_file={first!r}).save_pretrained(OUT)`, "
         f"then set base_model.uri to OUT.{reader}"
     )
@@ -175,12 +175,12 @@ def save_text_model_recipe() -> str:
         causal_lm_inside = version("transformers").startswith("4.51.")
     except PackageNotFoundError:
         causal_lm_inside = False
-    start = "m = AutoModelForImageTextToText.from_pretrained(DIR, torch_dtype='auto'); "
+    start = "m = AutoModelForImageTextToText.from_pretrained(DIR, dtype='auto'); "
     end = "AutoTokenizer.from_pretrained(DIR).save_pretrained(OUT)"
     if causal_lm_inside:
         return start + "m.language_model.save_pretrained(OUT); " + end
     return (
-        start + "lm = AutoModelForCausalLM.from_config(m.config.text_config, torch_dtype=m.dtype); "
+        start + "lm = AutoModelForCausalLM.from_config(m.config.text_config, dtype=m.dtype); "
         "lm.model.load_state_dict(m.language_model.state_dict()); lm.lm_head.load_state_dict(m.lm_head.state_dict()); "
         "lm.save_pretrained(OUT); " + end
     )

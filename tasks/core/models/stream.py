@@ -58,7 +58,7 @@ def meta_model(model_dir: str | Path, torch_dtype: torch.dtype, trust_remote_cod
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     # Tied again outside the context, as from_pretrained does after loading: inside it, accelerate's
     # register_parameter wraps the assigned head in a new meta Parameter, so the tie is lost.
     model.tie_weights()

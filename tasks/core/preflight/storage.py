@@ -27,7 +27,7 @@ from typing import Any
 from tasks.core.config.plugins import spec_of
 from tasks.core.config.schema import PhaseConfig, RunConfig
 from tasks.core.errors import ConversionError, ManifestError
-from tasks.core.models.folder import folder_problems
+from tasks.core.models.folder import config_dtype, folder_problems
 from tasks.core.preflight.model_info import DTYPE_BYTES, estimate_parameters
 from tasks.core.preflight.report import CheckContext
 from tasks.core.run.manifest import MANIFEST, artifact_of, inside_artifact, safe_relpath
@@ -212,7 +212,7 @@ def estimate_local_bytes(cfg: RunConfig, mc: dict[str, Any], local_run_root: boo
     n = estimate_parameters(mc)
     if n is None:
         return None
-    base_bytes = DTYPE_BYTES.get(str(mc.get("torch_dtype", "float32")), 4)
+    base_bytes = DTYPE_BYTES.get(config_dtype(mc), 4)
 
     def ckpt(stage: PhaseConfig) -> int:
         p = stage.plugin

@@ -34,6 +34,7 @@ from tasks.core.models.convert.dtypes import (
 from tasks.core.models.convert.plan import plan_shards, shard_name, validate_and_order
 from tasks.core.models.convert.source import Reader, scan_source
 from tasks.core.models.convert.write import MAX_WORKERS, shard_workers, write_shards, write_small
+from tasks.core.models.folder import set_config_dtype
 
 
 @dataclass
@@ -96,7 +97,7 @@ def convert_checkpoint(
 
     `model_config` is the parsed config.json; it decides which keys and shapes must be present.
     `dtype` ("fp32", "bf16", "fp16") casts floating tensors. With `write_config`, config.json
-    (torch_dtype updated) and the source's generation_config.json are written too. `workers`
+    (its dtype, under both keys, updated) and the source's generation_config.json are written too. `workers`
     output shards are written at once (default: one per CPU, at most 4); the files are the same
     byte for byte whatever the number.
     """
@@ -141,7 +142,7 @@ def convert_checkpoint(
         # back, `_attn_implementation_autoset` would pin the loader to eager attention
         config = {k: v for k, v in model_config.items() if not k.startswith("_")}
         if len(out_codes) == 1 and out_codes[0] in ST_CONFIG_DTYPE:
-            config["torch_dtype"] = ST_CONFIG_DTYPE[out_codes[0]]
+            set_config_dtype(config, ST_CONFIG_DTYPE[out_codes[0]])
         files[CONFIG_NAME] = write_small(
             dst / CONFIG_NAME, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(), fsync
         )
