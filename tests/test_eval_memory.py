@@ -63,9 +63,12 @@ def two_models(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path, int]:
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     model.to(torch.bfloat16).save_pretrained(b, safe_serialization=True)
     del model
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+    # transformers 4.57 writes the chat template beside tokenizer_config.json, as chat_template.jinja
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+    for name in (*names, "chat_template.jinja"):
         for d in (a, b):
-            shutil.copy(tiny_model_dir / name, d / name)
+            if (tiny_model_dir / name).is_file():
+                shutil.copy(tiny_model_dir / name, d / name)
     return a, b, nbytes
 
 
