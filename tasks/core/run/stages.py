@@ -251,12 +251,18 @@ class StageSpec:
     global_batch: str | None = None  # a training key: digest the global batch its layout fields make
     # The pipeline: the stages whose results its task is called with, after the config, in order
     # (tasks/flowkit/pipeline.py binds them to the task's parameters), and the training phase it
-    # belongs to (a PHASES row; its task gets it as `phase` when it takes one).
-    reads: tuple[str, ...] = ()
+    # belongs to (a PHASES row; its task gets it as `phase` when it takes one). Left out, a stage
+    # reads what its artifact is made from: its parents, or the stage it continues.
+    reads: tuple[str, ...] = None  # type: ignore[assignment]  (set by __post_init__)
     phase: Phase | None = None
     # Not run while this stage's verdict is failed-gate: its row records the hold instead.
     held_by: str | None = None
     publishes: bool = False  # it uploads the export: the model card is written into it first
+
+    def __post_init__(self) -> None:
+        if self.reads is None:
+            made_from = self.parents or ((self.continues,) if self.continues else ())
+            object.__setattr__(self, "reads", tuple(made_from))
 
 
 # The prepare stage of each training stage; both tokenize with the base model's tokenizer.
@@ -317,7 +323,6 @@ STAGES: tuple[StageSpec, ...] = (
         minus=(*_eval_knobs("cpt"), *layout_fields("cpt")),
         parents=("load_from_hf", PREPARE["cpt"]),
         global_batch="cpt",
-        reads=("load_from_hf", PREPARE["cpt"]),
         phase="cpt",
     ),
     StageSpec(
@@ -325,7 +330,6 @@ STAGES: tuple[StageSpec, ...] = (
         TRAINING["cpt"].checkpoints,
         source=TRAINING["cpt"].checkpoints,
         continues="boost_and_shard",
-        reads=("boost_and_shard",),
         phase="cpt",
     ),
     # export.max_shard_size, which unshard also reads, only cuts the same tensors into other files.
@@ -334,7 +338,6 @@ STAGES: tuple[StageSpec, ...] = (
         "cpt/hf",
         source=TRAINING["cpt"].checkpoints,
         parents=("train_cpt",),
-        reads=("train_cpt",),
         phase="cpt",
     ),
     StageSpec(
@@ -342,8 +345,7 @@ STAGES: tuple[StageSpec, ...] = (
         "eval/cpt",
         source="cpt/hf",
         digest=_eval_fields("cpt"),
-        parents=("load_from_hf", "unshard"),
-        reads=("load_from_hf", "unshard"),  # base vs CPT, held-out perplexity
+        parents=("load_from_hf", "unshard"),  # base vs CPT, held-out perplexity
         phase="cpt",
     ),
     StageSpec(
@@ -354,7 +356,6 @@ STAGES: tuple[StageSpec, ...] = (
         minus=(*_eval_knobs("sft"), *layout_fields("sft")),
         parents=("unshard", PREPARE["sft"]),
         global_batch="sft",
-        reads=("unshard", PREPARE["sft"]),
         phase="sft",
     ),
     StageSpec(
@@ -362,7 +363,6 @@ STAGES: tuple[StageSpec, ...] = (
         TRAINING["sft"].checkpoints,
         source=TRAINING["sft"].checkpoints,
         continues="reboost",
-        reads=("reboost",),
         phase="sft",
     ),
     StageSpec(
@@ -371,7 +371,6 @@ STAGES: tuple[StageSpec, ...] = (
         source=TRAINING["sft"].checkpoints,
         digest=("export",),
         parents=("train_sft",),
-        reads=("train_sft",),
     ),
     # The thresholds of `gate:` only decide the verdict; the generation check's size (the phase row's
     # eval_digest) is evaluated.
@@ -380,8 +379,7 @@ STAGES: tuple[StageSpec, ...] = (
         "eval/sft",
         source=EXPORT,
         digest=(*_eval_fields("sft"), *PHASES["sft"].eval_digest),
-        parents=("unshard", "export"),
-        reads=("unshard", "export"),  # pre-SFT vs SFT, generation check
+        parents=("unshard", "export"),  # pre-SFT vs SFT, generation check
         phase="sft",
     ),
     # lm-eval on local tasks: the task files' sha256 and lm-eval's version come in as run-time inputs.
@@ -391,7 +389,6 @@ STAGES: tuple[StageSpec, ...] = (
         source=EXPORT,
         digest=("benchmark", "base_model.trust_remote_code"),
         parents=("load_from_hf", "export"),
-        reads=("load_from_hf", "export"),
     ),
     StageSpec("gate", None, reads=("evaluate_cpt", "evaluate_sft", "benchmark")),
     StageSpec("push_to_hub", None, source=EXPORT, held_by="gate", publishes=True),
