@@ -94,6 +94,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_configure(config):
+    # CPT_CPU_REPORT=<folder>: each test's CPU seconds, its own and its children's (support/cpu_report.py).
+    from support import cpu_report
+
+    cpu_report.register(config)
+
+
 def pytest_collection_finish(session):
     """Freeze what collection imported (torch, transformers, Prefect, every test module: about a
     million objects, alive until the worker exits), so the collector's full passes over a long
