@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
 import traceback
 
 import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
@@ -69,6 +70,10 @@ PLAN_TINY: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", dict(_DENSE, sliding_window=None)),
     "qwen2": ("Qwen2Config", dict(_DENSE)),
 }
+# the families whose save and resume at tp=2 (`plan_resume`, about 2 CPU-s each) the suite's smoke measures: the two
+# only the newer transformers build, SmolLM3 with its tied head (Gemma 3's tied head resumes through the engine in
+# tests/test_named_rows_dist.py); `--plan` resumes every family
+SMOKE_RESUME = ("smollm3", "olmo3")
 # one handling dropped each: the check must catch it (works False)
 PLAN_VARIANTS: dict[str, tuple[str, str]] = {
     "qwen3-norm_grad_sum": ("qwen3", "the q/k norms' gradients not summed over the tp group"),
@@ -103,8 +108,9 @@ def _plan_model(name: str):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def plan_probe(name: str, steps: int = 2, lr: float = 0.5) -> dict:
-    """The derived policy at tp=2 against the unsharded model: losses, gradients, converted weights."""
+def plan_probe(name: str, steps: int = 2, lr: float = 0.5, resume: bool = True) -> dict:
+    """The derived policy at tp=2 against the unsharded model: losses, gradients, converted weights; and a
+    resume from a checkpoint saved at tp=2, bitwise (`plan_resume`)."""
     import shutil
     import tempfile
     from dataclasses import replace
@@ -204,6 +210,12 @@ def plan_probe(name: str, steps: int = 2, lr: float = 0.5) -> dict:
         out["lazy_scale_ok"] = lazy_scale == (None if ref_scale is None else float(ref_scale))
         ok = out["loss_rel"] <= 1e-5 and out["grad_rel"] <= 1e-4 and out["weight_rel"] <= 1e-4 and split > 0
         ok = ok and math.isfinite(out["lazy_loss"]) and out["lazy_scale_ok"]
+        if resume and not why:  # a variant's dropped handling is caught above; its resume proves nothing more
+            stage = "save and resume"
+            cpu = time.process_time()
+            out.update(plan_resume(ref.config, row, batches))
+            out["resume_cpu_s"] = round(time.process_time() - cpu, 2)  # rank 0's, the launch's imports aside
+            ok = ok and out["resume_bitwise"]
         out["works"] = ok and not out.get("weights_missing")
     except Exception as exc:
         out["works"] = False
@@ -212,6 +224,79 @@ def plan_probe(name: str, steps: int = 2, lr: float = 0.5) -> dict:
         if os.environ.get("POLICY_TRACEBACK"):
             traceback.print_exc()
     return out
+
+
+def plan_resume(config, row, batches: list[dict]) -> dict:
+    """Save and resume at tp=2 under the derived policy, as the engine does it: AdamW (the engine's optimizer, whose
+    state must come back too), fp32 and ZeRO-0 (the layout the derived flows train SmolLM3 and OLMo 3 at tp=2 in;
+    ZeRO-1 in bf16, the fp32 masters saved beside, is the engine resume of tests/test_named_rows_dist.py), one step, the model and the optimizer saved as `Engine.save` saves them
+    (`booster.save_model` sharded safetensors, `booster.save_optimizer` sharded), a second step; then a fresh model
+    built lazily and boosted as a resumed launch builds it (`Engine.from_config`, `Engine.boost`), the checkpoint read
+    into its shards as `Engine.load` reads it (`weights.read_into`, a tied head from the tensor it is tied to,
+    `update_master_params`, `booster.load_optimizer`), and the second step again: its loss and every rank's
+    parameters after it must be bitwise the first run's (same layout, same batch, no dropout)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from colossalai.booster import Booster
+    from colossalai.booster.plugin import HybridParallelPlugin
+    from colossalai.lazy import LazyInitContext
+    from transformers import AutoModelForCausalLM
+
+    from tasks.engine import weights
+    from tasks.engine.plan_policy import PlanPolicy
+
+    def boosted(lazy: bool):
+        torch.manual_seed(0)
+        if lazy:
+            with LazyInitContext(default_device=torch.device("cpu")):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plugin = HybridParallelPlugin(
+            tp_size=2, pp_size=1, zero_stage=0, precision="fp32", overlap_communication=False,
+            enable_all_optimization=False, make_vocab_size_divisible_by=1, custom_policy=PlanPolicy(row),
+        )  # fmt: skip
+        booster = Booster(plugin=plugin)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optim, *_ = booster.boost(model, optim)
+        return booster, model, optim
+
+    def step(booster, model, optim, batch) -> float:
+        loss = model.train()(**batch).loss
+        booster.backward(loss, optim)
+        optim.step()
+        optim.zero_grad()
+        return loss.item()
+
+    obj = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(obj, src=0)
+    ckpt = Path(obj[0])
+    try:
+        booster, model, optim = boosted(lazy=False)
+        step(booster, model, optim, batches[0])
+        booster.save_model(model, str(ckpt / "model"), shard=True, use_safetensors=True)
+        booster.save_optimizer(optim, str(ckpt / "optimizer"), shard=True)
+        dist.barrier()
+        first = step(booster, model, optim, batches[1])
+        want = {n: p.detach().clone() for n, p in model.unwrap().named_parameters()}
+        booster, model, optim = boosted(lazy=True)
+        weights.read_into(model.unwrap(), ckpt / "model", config.to_dict())
+        model.update_master_params()
+        booster.load_optimizer(optim, str(ckpt / "optimizer"))
+        again = step(booster, model, optim, batches[1])
+        got = dict(model.unwrap().named_parameters())
+        same = sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+        flags = torch.tensor([float(same and again == first)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # every rank's shards, not rank 0's alone
+        return {"resume_bitwise": bool(flags.item()), "resume_loss": [first, again]}
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(ckpt, ignore_errors=True)
 
 
 def variant_applies(name: str) -> bool:
@@ -285,3 +370,84 @@ def time_steps(family: str, derived: bool, steps: int = 10) -> float:
         optim.zero_grad()
     torch.distributed.barrier()
     return (time.perf_counter() - start) / steps
+
+
+# SmolLM2-135M's architecture (its config.json on the Hub: LlamaConfig), with fewer layers: 9 heads and 3 KV
+# heads take tp=3 (and 1, 9), not tp=2; vocabulary 49152 = 3 x 16384
+SMOLLM2 = dict(
+    hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+    tie_word_embeddings=True, rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
+    hidden_act="silu", initializer_range=0.041666666666666664,
+)  # fmt: skip
+
+
+def smollm2_blocks(seq: int, train: int, held_out: int) -> tuple[list, list]:
+    """CPT blocks of `seq` tokens from data/sample/cpt.jsonl, one token a UTF-8 byte (no SmolLM2 tokenizer offline):
+    the first `train` blocks to train on, the next `held_out` never trained on, for the held-out perplexity."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    corpus = Path(__file__).resolve().parent.parent / "data/sample/cpt.jsonl"
+    text = " ".join(json.loads(line)["text"] for line in corpus.read_text().splitlines() if line.strip())
+    ids = torch.tensor(list(text.encode()), dtype=torch.long)
+    blocks = ids[: (train + held_out) * seq].view(train + held_out, seq)
+    return list(blocks[:train]), list(blocks[train:])
+
+
+def smollm2_cpt(layers: int, steps: int, tp: int = 3, seq: int = 128, batch: int = 2) -> list[dict]:
+    """CPT of a random model of SmolLM2-135M's shape at tp (fp32, AdamW, ZeRO-0, as the engine trains at tp) under
+    ColossalAI's Llama policy (its forward, with tasks/engine/hf_compat.py's edits) and under the derived policy (the
+    model's own forward), from the same random weights (seed 0) on the same blocks, a step of one then a step of the
+    other so both see the same load: each step's loss, the held-out perplexity before and after, and the median
+    step time."""
+    import time as _time
+
+    import torch
+    from colossalai.booster import Booster
+    from colossalai.booster.plugin import HybridParallelPlugin
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tasks.engine.plan_policy import PlanPolicy
+
+    config = LlamaConfig(num_hidden_layers=layers, **SMOLLM2)
+    train, held = smollm2_blocks(seq, steps * batch, 4)
+    runs = []
+    for derived in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plugin = HybridParallelPlugin(
+            tp_size=tp, pp_size=1, zero_stage=0, precision="fp32", overlap_communication=False,
+            enable_all_optimization=False, make_vocab_size_divisible_by=1,
+            custom_policy=PlanPolicy() if derived else None,
+        )  # fmt: skip
+        booster = Booster(plugin=plugin)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+        model, optim, *_ = booster.boost(model, optim)
+        out = {"policy": "derived" if derived else "colossalai", "tp": tp, "layers": layers, "seq": seq}
+        runs.append((out, booster, model, optim, []))
+
+    def held_out_ppl(model) -> float:
+        with torch.no_grad():
+            model.eval()
+            mean = sum(model(input_ids=b[None], labels=b[None]).loss.item() for b in held) / len(held)
+        return math.exp(mean)
+
+    for out, _, model, _, _ in runs:
+        out["ppl_before"], out["losses"] = held_out_ppl(model), []
+    for i in range(steps):
+        ids = torch.stack(train[i * batch : (i + 1) * batch])
+        for out, booster, model, optim, times in runs:
+            t0 = _time.perf_counter()
+            loss = model.train()(input_ids=ids, labels=ids).loss
+            booster.backward(loss, optim)
+            optim.step()
+            optim.zero_grad()
+            times.append(_time.perf_counter() - t0)
+            out["losses"].append(loss.item())
+    for out, _, model, _, times in runs:
+        out["ppl_after"] = held_out_ppl(model)
+        warm = sorted(times[1:] or times)
+        out["step_s"] = warm[len(warm) // 2]
+    return [r[0] for r in runs]

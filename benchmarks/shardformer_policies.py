@@ -8,6 +8,7 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py --plan     # derived policy, every family
     torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py --plan qwen3 llama  # some
     torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py --time llama  # step time, both policies
+    torchrun --standalone --nproc-per-node 3 benchmarks/shardformer_policies.py --smollm2 4 8  # SmolLM2's shape, tp=3
 
 For each causal-LM class that ColossalAI's `auto_policy` maps to a policy (the remote-code ones,
 `transformers_modules.*`, are left out: the project never runs code from a model folder), a tiny
@@ -69,6 +70,7 @@ from plan_policies import (  # the derived policy's probe; the constants and `wh
     PLAN_TINY,
     PLAN_VARIANTS,
     SEQ,
+    SMOKE_RESUME,
     VOCAB,
     plan_probe,
     time_steps,
@@ -327,13 +329,29 @@ def main() -> int:
                     print("@@time " + json.dumps({"family": family, "policy": policy, "step_s": sec}), flush=True)
         dist.destroy_process_group()
         return 0
+    if args[:1] == ["--smollm2"]:  # SmolLM2-135M's shape at tp=3 (3 ranks), both policies, same weights and blocks
+        from plan_policies import smollm2_cpt
+
+        layers, steps = (int(a) for a in (args[1:] + ["4", "8"][len(args[1:]) :])[:2])
+        runs = smollm2_cpt(layers, steps, tp=dist.get_world_size())
+        if rank0:
+            for run in runs:
+                print("@@smollm2 " + json.dumps(run), flush=True)
+            colossal, derived = runs
+            loss_rel = max(abs(a - b) / b for a, b in zip(derived["losses"], colossal["losses"]))
+            ppl_rel = abs(derived["ppl_after"] - colossal["ppl_after"]) / colossal["ppl_after"]
+            print("@@smollm2 " + json.dumps({"loss_rel": loss_rel, "ppl_rel": ppl_rel}), flush=True)
+        dist.destroy_process_group()
+        return 0
     if args[:1] == ["--plan"]:
         plan_names, names = args[1:] or [*PLAN_TINY, *PLAN_VARIANTS], []
     elif args == [
         "--smoke"
     ]:  # the families with a policy row, each against its row's claims: tp=2, and pp=2 where claimed
         names = sorted(POLICY_ROWS) + [f"{n}@pp2" for n, row in sorted(POLICY_ROWS.items()) if row.pp]
-        plan_names = [*sorted(PLAN_ROWS), *PLAN_VARIANTS]
+        # Llama too: ColossalAI's policy runs it, and the derived one matching the unsharded model here is what makes
+        # the two equal at tp=2 (--smollm2 compares them directly at SmolLM2's shape, tp=3)
+        plan_names = [*sorted(PLAN_ROWS), "llama", *PLAN_VARIANTS]
     elif args == ["--pp"]:  # every family at pp=2
         names = [f"{n}@pp2" for n in TINY]
     else:
@@ -352,7 +370,7 @@ def main() -> int:
             if rank0:
                 print("@@plan " + json.dumps({"family": name, "works": False, "skipped": why}), flush=True)
             continue
-        result = plan_probe(name)
+        result = plan_probe(name, resume=args != ["--smoke"] or name in SMOKE_RESUME)
         result["variant_applies"] = variant_applies(name)
         if result["works"] == result["variant_applies"]:  # a row that does not train like the unsharded model
             wrong.append(f"{name}: the derived policy measured works={result['works']}")

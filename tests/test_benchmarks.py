@@ -148,11 +148,17 @@ def test_shardformer_policies_smoke():
     }
     from tasks.core.models.tp_plan import PLAN_ROWS, too_old
 
-    built = {f for f in PLAN_ROWS if not too_old(f)}  # SmolLM3 and OLMo 3: transformers >= 4.53 and 4.57
+    # Llama beside them: the derived policy like the unsharded model where ColossalAI's policy runs it
+    built = {f for f in PLAN_ROWS if not too_old(f)} | {"llama"}  # SmolLM3, OLMo 3: transformers >= 4.53, 4.57
     variants = {f for f, r in plan.items() if "variant" in r}  # one works where its transformers ships the fix
     assert {f for f, r in plan.items() if r["works"]} - variants == built, out
     assert all(plan[v]["works"] != plan[v]["variant_applies"] for v in variants), out
     assert all(plan[f]["grad_rel"] <= 1e-4 and plan[f]["weight_rel"] <= 1e-4 for f in built), out
+    # saved at tp=2 and resumed (a lazily built model, the checkpoint read as the engine reads it, AdamW's state): the
+    # step after the save again, bitwise, for SmolLM3 (tied head, GQA) and OLMo 3 (split weights, whole attention)
+    resumed = {f for f in built if "resume_bitwise" in plan[f]}
+    assert resumed == {"smollm3", "olmo3"} & built, out
+    assert all(plan[f]["resume_bitwise"] and len(set(plan[f]["resume_loss"])) == 1 for f in resumed), out
     assert all("needs transformers >=" in plan[f]["skipped"] for f in set(PLAN_ROWS) - built), out
     assert plan["gemma3_text"]["tied"] and plan["phi3"]["split_params"] > 0, out
     assert plan["qwen3-norm_grad_sum"]["grad_rel"] > 0.1, out  # the q/k norms' gradients, unsummed

@@ -4,8 +4,8 @@
 
 Each silent failure of a plan read naively has a case here that fails without its handling: a base-model
 prefix that names no attribute (Gemma 3: nothing would be split), lm_head missing from the instance's plan
-(4.51's post_init), a linear narrower than tp (ColossalAI returns it unsplit), a wrong plan (StarCoder2's
-4.51 c_proj), the q/k norms' gradient sum that 4.x plans do not state. The numbers (loss, every gradient,
+(4.51's and 4.57's post_init), a linear narrower than tp (ColossalAI returns it unsplit), a wrong plan
+(StarCoder2's 4.51 c_proj), the q/k norms' gradient sum that 4.x plans do not state. The numbers (loss, every gradient,
 the converted weights at tp=2 against the unsharded model, and the same with each handling dropped) are
 measured in one launch by `benchmarks/shardformer_policies.py --smoke` (tests/test_benchmarks.py).
 """
@@ -57,7 +57,7 @@ def test_gemma3s_base_model_prefix_names_no_attribute_so_its_row_says_where_the_
 
 def test_the_head_is_read_from_the_class_plan_since_the_instances_loses_it():
     model = meta_model("Qwen3Config", head_dim=16)
-    if transformers.__version__ == "4.51.3":  # its post_init: the instance's plan without the head
+    if transformers.__version__ in ("4.51.3", "4.57.6"):  # their post_init: the instance's plan without the head
         assert "lm_head" not in (model._tp_plan or {}) and type(model)._tp_plan == {"lm_head": "colwise_rep"}
     plan = plan_for(model, PLAN_ROWS["qwen3"])
     assert plan["lm_head"] in ("colwise_rep", "colwise_gather_output")
@@ -82,6 +82,11 @@ def test_starcoder2s_wrong_plan_is_corrected_by_its_row():
         assert shipped["layers.*.mlp.c_proj"] == "colwise"  # the plan as it ships (4.57 fixed it)
     merged = merged_plan(PLAN_ROWS["starcoder2"], shipped, {}, "model")
     assert merged["model.layers.*.mlp.c_proj"] == "rowwise"
+    # 4.51.3's plan as it shipped, whatever transformers is installed: the row corrects it (4.57.6 ships it right,
+    # so the lines above alone would pass without the row's fix there)
+    wrong = {**shipped, "layers.*.mlp.c_proj": "colwise"}
+    assert merged_plan(PLAN_ROWS["starcoder2"], wrong, {}, "model")["model.layers.*.mlp.c_proj"] == "rowwise"
+    assert merged_plan(replace(PLAN_ROWS["starcoder2"], fixes=()), wrong, {}, "")["layers.*.mlp.c_proj"] == "colwise"
 
 
 def test_both_plan_style_generations_map_and_the_others_are_refused_by_name():

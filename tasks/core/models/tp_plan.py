@@ -219,8 +219,8 @@ def resolve(plan: Mapping[str, str], module_names: list[str]) -> tuple[dict[str,
 
 def plan_for(model: Any, row: PlanRow) -> dict[str, str]:
     """The merged plan of a built causal LM: the config's base plan (the class attribute where the instance's
-    is empty) and the causal-LM class's `_tp_plan` (the class attribute: 4.51's post_init leaves the instance's
-    without `lm_head`)."""
+    is empty) and the causal-LM class's `_tp_plan` (the class attribute: 4.51's and 4.57's post_init leave the
+    instance's without `lm_head`)."""
     config = model.config
     base_plan = getattr(config, "base_model_tp_plan", None) or getattr(type(config), "base_model_tp_plan", None) or {}
     head_plan = getattr(type(model), "_tp_plan", None) or {}
