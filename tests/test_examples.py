@@ -173,3 +173,26 @@ def test_no_file_points_at_the_old_config_folder():
     joined = '"deployments" / ' + '"configs"'  # the same path built with pathlib's /
     stale += [str(p.relative_to(REPO)) for p in files if joined in p.read_text(errors="replace")]
     assert not stale, f"these name {old}/, whose configs are now in examples/: {sorted(set(stale))}"
+
+
+@pytest.mark.parametrize(("tp", "nproc", "refused"), [(2, 2, "num_attention_heads"), (3, 3, "")], ids=["tp2", "tp3"])
+def test_smollm2s_nine_heads_take_tp3_not_tp2(tp, nproc, refused, tmp_path, monkeypatch):
+    """What smollm2-cpu-2ranks.yaml and docs/examples.md say of tp: SmolLM2-135M's 9 heads and 3 KV heads refuse
+    tp=2 before launch, naming the field; hybrid_parallel tp=3 on 3 ranks passes pre-flight (ColossalAI's Llama
+    policy; the derived one trains its shape at tp=3 to the same losses: shardformer_policies.py --smollm2)."""
+    raw = yaml.safe_load((REPO / "examples/smollm2-cpu-2ranks.yaml").read_text())
+    monkeypatch.setattr(model_info, "_read_hub", _hub)
+    raw["cpt"]["plugin"] = {"name": "hybrid_parallel", "tp_size": tp, "precision": "fp32"}
+    raw["cpt"]["launch"] = {"nproc_per_node": nproc}
+    raw["cpt"]["data"]["uri"] = str(REPO / SAMPLES["text_field"])
+    raw["sft"]["data"]["uri"] = str(REPO / SAMPLES["messages_field"])
+    raw["run_root"] = str(tmp_path / "run")
+    config = tmp_path / "smollm2-tp.yaml"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    report = preflight_report(load_for_check(config), machine=CPU_NODE, token_present=True)
+    if refused:
+        assert [f for f, _ in report.problems] == ["cpt.plugin.tp_size"], report.text()
+        assert refused in report.problems[0][1] and "9" in report.problems[0][1], report.text()
+    else:
+        assert report.ok, report.text()
+        assert "cpt layout: hybrid_parallel tp=3, divides 9 heads / 3 KV heads" in report.text(), report.text()
