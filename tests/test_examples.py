@@ -196,3 +196,5 @@ def test_smollm2s_nine_heads_take_tp3_not_tp2(tp, nproc, refused, tmp_path, monk
     else:
         assert report.ok, report.text()
         assert "cpt layout: hybrid_parallel tp=3, divides 9 heads / 3 KV heads" in report.text(), report.text()
+        # the estimate counts what tp=3 splits: the vocabulary-parallel (tied) embedding and every projection
+        assert "cpt memory per rank (estimate, 44.9M of 134.5M parameters)" in report.text(), report.text()
