@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py --plan     # every family
     torchrun --standalone --nproc-per-node 2 benchmarks/shardformer_policies.py --time llama  # step time, both policies
+    torchrun --standalone --nproc-per-node 3 benchmarks/shardformer_policies.py --smollm2 4 8  # SmolLM2's shape, tp=3
 
 `plan_probe` puts a tiny random fp32 model of a family through HybridParallelPlugin at tp=2 with
 `tasks.engine.plan_policy.PlanPolicy` (its row of `tasks.core.models.tp_plan.PLAN_ROWS`) and the same model
@@ -9,8 +10,10 @@ unsharded through plain SGD (AdamW's eps turns gradient noise of 1e-7 into moves
 near-zero weights, even in one process), and compares two steps' losses, every parameter's gradient after
 the first (each rank's shard gathered along its split dim), the weights after the steps as saved at tp=2
 and converted by the project's converter, and a lazily built model's forward (LazyInitContext, as the
-engine builds it). `shardformer_policies.py --smoke` runs it for every plan row and `PLAN_VARIANTS` in
-its one launch, so the suite pays the imports once.
+engine builds it), then a save and resume at tp=2 that must redo the step after the save bitwise
+(`plan_resume`). `shardformer_policies.py --smoke` runs it for every plan row, Llama and `PLAN_VARIANTS` in
+its one launch, so the suite pays the imports once. `smollm2_cpt` trains SmolLM2-135M's shape at tp=3 under
+both policies (`--smollm2`).
 """
 
 from __future__ import annotations

@@ -38,8 +38,12 @@ every parameter's gradient after the first (each rank's shard gathered along the
 and the weights after the steps as saved at tp=2 (`booster.save_model`, gathered to HF keys) and
 converted by the project's converter (`convert_checkpoint`), tied keys dropped as the unshard drops them.
 `PLAN_VARIANTS` drop one handling each, to show the check catches it (the q/k norm gradient sum, the
-corrected StarCoder2 plan). One `@@plan {...}` line per family; `--smoke` measures the PLAN_ROWS
-families and the variants in the same launch as the policy rows. A row whose family the installed
+corrected StarCoder2 plan). Each family is then saved and resumed at tp=2 (`plan_resume`: AdamW, the
+checkpoint read back as the engine reads it, the step after the save redone bitwise). One `@@plan {...}`
+line per family; `--smoke` measures the PLAN_ROWS families, Llama and the variants in the same launch as
+the policy rows, resuming SmolLM3 and OLMo 3 only (`SMOKE_RESUME`). `--smollm2 [layers] [steps]` (3
+ranks) trains a random model of SmolLM2-135M's shape at tp=3 under ColossalAI's Llama policy and the
+derived one, the same weights and blocks, and compares their losses and held-out perplexity (`@@smollm2`). A row whose family the installed
 transformers does not build yet (its `min_transformers`: SmolLM3, OLMo 3 on 4.51.3) is not measured: its
 line says `skipped` and why. `--time` times tp=2 training steps of
 tiny Llama with ColossalAI's policy and with the derived one (`@@time`).

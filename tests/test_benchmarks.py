@@ -124,8 +124,9 @@ def test_reshard_smoke():
 def test_shardformer_policies_smoke():
     """Each policy row's claims (trains at tp=2 and at pp=2, or refused with its failure) are measured on 2 gloo
     ranks, in one launch, with what its row has the engine pass (attention implementation, shardformer flags);
-    in the same launch, each plan row's family under the derived tensor-parallel policy against the unsharded model
-    (benchmarks/plan_policies.py, which shardformer_policies.py runs for --plan and within --smoke)."""
+    in the same launch, each plan row's family and Llama under the derived tensor-parallel policy against the
+    unsharded model, and SmolLM3 and OLMo 3 saved and resumed at tp=2 bitwise (benchmarks/plan_policies.py, which
+    shardformer_policies.py runs for --plan and within --smoke)."""
     out = smoke(
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "benchmarks/shardformer_policies.py", "--smoke"],
