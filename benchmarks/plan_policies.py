@@ -232,8 +232,9 @@ def plan_probe(name: str, steps: int = 2, lr: float = 0.5, resume: bool = True) 
 def plan_resume(config, row, batches: list[dict]) -> dict:
     """Save and resume at tp=2 under the derived policy, as the engine does it: AdamW (the engine's optimizer, whose
     state must come back too), fp32 and ZeRO-0 (the layout the derived flows train SmolLM3 and OLMo 3 at tp=2 in;
-    ZeRO-1 in bf16, the fp32 masters saved beside, is the engine resume of tests/test_named_rows_dist.py), one step, the model and the optimizer saved as `Engine.save` saves them
-    (`booster.save_model` sharded safetensors, `booster.save_optimizer` sharded), a second step; then a fresh model
+    ZeRO-1 in bf16, the fp32 masters saved beside, is the engine resume of tests/test_named_rows_dist.py), one
+    step, the model and the optimizer saved as `Engine.save` saves them (`booster.save_model` sharded
+    safetensors, `booster.save_optimizer` sharded), a second step; then a fresh model
     built lazily and boosted as a resumed launch builds it (`Engine.from_config`, `Engine.boost`), the checkpoint read
     into its shards as `Engine.load` reads it (`weights.read_into`, a tied head from the tensor it is tied to,
     `update_master_params`, `booster.load_optimizer`), and the second step again: its loss and every rank's

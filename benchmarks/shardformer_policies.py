@@ -43,8 +43,8 @@ checkpoint read back as the engine reads it, the step after the save redone bitw
 line per family; `--smoke` measures the PLAN_ROWS families, Llama and the variants in the same launch as
 the policy rows, resuming SmolLM3 and OLMo 3 only (`SMOKE_RESUME`). `--smollm2 [layers] [steps]` (3
 ranks) trains a random model of SmolLM2-135M's shape at tp=3 under ColossalAI's Llama policy and the
-derived one, the same weights and blocks, and compares their losses and held-out perplexity (`@@smollm2`). A row whose family the installed
-transformers does not build yet (its `min_transformers`: SmolLM3, OLMo 3 on 4.51.3) is not measured: its
+derived one, the same weights and blocks, and compares their losses and held-out perplexity (`@@smollm2`).
+A row whose family the installed transformers does not build yet (its `min_transformers`: SmolLM3, OLMo 3 on 4.51.3) is not measured: its
 line says `skipped` and why. `--time` times tp=2 training steps of
 tiny Llama with ColossalAI's policy and with the derived one (`@@time`).
 
