@@ -4,7 +4,7 @@ a layer at a time (e2e tier: one flow run per family).
     .venv/bin/python -m pytest -q -m "" tests/test_derived_flow.py -p no:cacheprovider
 
 - OLMo 2 has no run of its own: OLMo 3 below is its layout (transformers builds Olmo3 on Olmo2's modules)
-  plus sliding-window layers, and a whole flow costs ~100 CPU-s (99 measured). OLMo 2's own proofs: its
+  plus sliding-window layers, and a whole flow costs ~95 CPU-s (measured). OLMo 2's own proofs: its
   derived table's export with proof and fingerprint (tests/test_families.py), its plan row at tp=2 against
   the unsharded model (benchmarks/shardformer_policies.py --smoke, in tests/test_benchmarks.py).
 - gemma3_text, a named row (scaled embedding, four norms a layer, q/k norms, sliding-window layers, tied
