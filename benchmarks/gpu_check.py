@@ -43,7 +43,9 @@ fewer; kernels are skipped and the throughput ratio is parsed and printed but no
 --smoke is the dry run with SMOKE_OVERRIDES on top (4 steps a stage, shorter CPT blocks) and the
 flows' Prefect home seeded with an already migrated database (support/servers/prefect_home.py): every
 check but gpu_tests still runs (tests/test_gpu.py only collects and skips on CPU, as the test suite
-itself shows, and a pytest beside the retry would slow it on two cores).
+itself shows, and a pytest beside the retry would slow it on two cores). With GPU_CHECK_PREFECT_API_URL
+set (tests/test_benchmarks.py sets it to the session's server) the flows use that Prefect API instead of
+starting an embedded server each.
 """
 
 from __future__ import annotations

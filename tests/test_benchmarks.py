@@ -60,6 +60,15 @@ def smoke(argv: list[str], timeout: float = SMOKE_TIMEOUT, env: dict[str, str] |
     return out
 
 
+def session_api() -> dict[str, str]:
+    """PREFECT_API_URL of the session's Prefect server (the `prefect_harness` fixture), for a benchmark whose
+    flows would otherwise start an embedded server of their own: ~13 CPU-s a start and life on 2 busy cores,
+    which the smoke does not judge (tests/test_embedded_api.py and test_signals.py test that server)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {"PREFECT_API_URL": PREFECT_API_URL.value()}
+
+
 def test_convert_smoke():
     out = smoke([PY, "benchmarks/convert.py", "--smoke"])
     for label in ("c copy", "a ours", "b naive", "b naive+sha256"):
@@ -217,9 +226,10 @@ def test_data_smoke():
 
 
 @pytest.mark.e2e
-def test_gpu_check_smoke(tmp_path):
+def test_gpu_check_smoke(tmp_path, prefect_harness):
     """gpu_check.sh's set-up on this CPU machine, then gpu_check.py --smoke: the dry run (the flow killed
-    once and resumed, beside the plain baseline) at 4 steps a stage, every check but gpu_tests reported."""
+    once and resumed, beside the plain baseline) at 4 steps a stage, every check but gpu_tests reported.
+    Its two flow runs use the session's Prefect server (GPU_CHECK_PREFECT_API_URL), not an embedded one each."""
     out = smoke(
         ["bash", "benchmarks/gpu_check.sh", "--smoke", "--work", str(tmp_path / "work")],
         timeout=E2E_TIMEOUT,
@@ -228,6 +238,7 @@ def test_gpu_check_smoke(tmp_path):
             "GPU_CHECK_SITE": str(tmp_path / "site"),
             "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels"),
             "OUT": str(tmp_path / "out"),
+            "GPU_CHECK_PREFECT_API_URL": session_api()["PREFECT_API_URL"],
         },
     )
     for check in (
@@ -248,10 +259,11 @@ def test_gpu_check_smoke(tmp_path):
 
 
 @pytest.mark.e2e
-def test_resume_smoke():
-    """The flow on one embedded Prefect server, up to train_cpt: a run killed inside a CPT checkpoint
-    interval, its retry, then its re-run once complete."""
-    out = smoke([PY, "benchmarks/resume.py", "--smoke"], timeout=E2E_TIMEOUT)
+def test_resume_smoke(prefect_harness):
+    """The flow up to train_cpt on the session's Prefect server (the script starts its embedded one only
+    without PREFECT_API_URL: ~13 CPU-s saved): a run killed inside a CPT checkpoint interval, its retry,
+    then its re-run once complete."""
+    out = smoke([PY, "benchmarks/resume.py", "--smoke"], timeout=E2E_TIMEOUT, env=session_api())
     for row in (
         "first run wall",
         "re-run of complete run",
@@ -265,10 +277,11 @@ def test_resume_smoke():
 
 
 @pytest.mark.e2e
-def test_preemption_smoke():
+def test_preemption_smoke(prefect_harness):
     """The flow up to train_cpt, uninterrupted, then its copy from step 0 preempted once by a SIGTERM
-    notice and retried by the flow itself: the per-preemption table and the wall-time ratio come out."""
-    out = smoke([PY, "benchmarks/preemption.py", "--smoke"], timeout=E2E_TIMEOUT)
+    notice and retried by the flow itself: the per-preemption table and the wall-time ratio come out.
+    On the session's Prefect server, as test_resume_smoke."""
+    out = smoke([PY, "benchmarks/preemption.py", "--smoke"], timeout=E2E_TIMEOUT, env=session_api())
     for row in ("| # | noticed after step |", "stage wall, uninterrupted", "preempted / uninterrupted", "bitwise"):
         assert row in out, out
     assert "result: ok" in out, out[-4000:]  # one rank, 6 steps: steps lost 0, bitwise, within the grace

@@ -3,11 +3,10 @@ a layer at a time (e2e tier: one flow run per family).
 
     .venv/bin/python -m pytest -q -m "" tests/test_derived_flow.py -p no:cacheprovider
 
-- olmo2, a family with no row (built offline from transformers' Olmo2Config): CPT under torch_ddp, SFT
-  under low_level_zero ZeRO-2. Pre-flight derives its tensor table from the model transformers builds on
-  the meta device (`tasks/core/models/derive.py`); the unshard, the export's bitwise weight proof and
-  fingerprint, and the evaluations run from it. (Its plan row admits it under hybrid_parallel at tp:
-  tests/test_families.py, and the tp=2 proof of benchmarks/shardformer_policies.py --smoke.)
+- OLMo 2 has no run of its own: OLMo 3 below is its layout (transformers builds Olmo3 on Olmo2's modules)
+  plus sliding-window layers, and a whole flow costs ~95 CPU-s (measured). OLMo 2's own proofs: its
+  derived table's export with proof and fingerprint (tests/test_families.py), its plan row at tp=2 against
+  the unsharded model (benchmarks/shardformer_policies.py --smoke, in tests/test_benchmarks.py).
 - gemma3_text, a named row (scaled embedding, four norms a layer, q/k norms, sliding-window layers, tied
   head): CPT under low_level_zero ZeRO-2, SFT under torch_ddp.
 - phi3, a named row (fused qkv_proj and gate_up_proj): CPT under torch_ddp, SFT under low_level_zero.
@@ -41,7 +40,6 @@ DDP = {"name": "torch_ddp", "precision": "fp32"}
 TP2 = {"name": "hybrid_parallel", "tp_size": 2, "pp_size": 1, "zero_stage": 0, "precision": "fp32"}
 # family -> (CPT plugin, SFT plugin, the class plain transformers loads)
 FLOWS = {
-    "olmo2": (DDP, LLZ2, "Olmo2ForCausalLM"),
     "gemma3_text": (LLZ2, DDP, "Gemma3ForCausalLM"),
     "phi3": (DDP, LLZ2, "Phi3ForCausalLM"),
     "smollm3": (TP2, LLZ2, "SmolLM3ForCausalLM"),

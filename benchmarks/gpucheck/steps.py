@@ -136,6 +136,9 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
+API_URL_ENV = "GPU_CHECK_PREFECT_API_URL"
+
+
 def base_env(work: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
@@ -151,6 +154,11 @@ def base_env(work: Path) -> dict[str, str]:
     )
     for k in ("CPT_TO_SFT_FAULT", "PREFECT_API_URL"):
         env.pop(k, None)
+    # The CPU smoke in the test suite hands its flows the suite's API server: each flow's own embedded
+    # server costs ~13 CPU-s there (start and life), twice a smoke. Unset (the GPU machine, a dry run by
+    # hand), each flow starts its embedded server as a user's `python -m flows.cpt_to_sft` does.
+    if os.environ.get(API_URL_ENV):
+        env["PREFECT_API_URL"] = os.environ[API_URL_ENV]
     return env
 
 
