@@ -41,7 +41,7 @@ from tasks.core.data.stage_data import (
 from tasks.core.evaluation import heldout as ev
 from tasks.core.evaluation import placement
 from tasks.core.evaluation.generation import generation_check
-from tasks.core.run.stages import Status
+from tasks.core.run.stages import ROWS, Status
 from tasks.core.storage.fs import RunStore
 from tasks.flowkit import tracking, ui
 from tasks.flowkit.stage import Stage, StageResult, stage_task
@@ -131,17 +131,17 @@ def _recorded(
     return stage.done({"metrics": metrics}, event=event)
 
 
-@stage_task(name="evaluate_cpt", task_run_name="evaluate CPT: base vs CPT held-out perplexity")
+@stage_task(ROWS.evaluate_cpt, task_run_name="evaluate CPT: base vs CPT held-out perplexity")
 def evaluate_cpt(
     cfg: RunConfig, base: StageResult, bridge: StageResult, tracker: tracking.TrackerHandle | None = None
 ) -> StageResult:
     """Held-out perplexity of base vs CPT; `tracker`: the flow run's MLflow run, which gets the metrics."""
     logger = get_run_logger()
-    opened = _open(cfg, "evaluate_cpt", "cpt", base, bridge)
+    opened = _open(cfg, ROWS.evaluate_cpt.name, "cpt", base, bridge)
     if isinstance(opened, StageResult):
         return opened
     stage, base_dir, cpt_dir, data, split, st = opened
-    with ui.WorkProgress("evaluate_cpt").reporting():  # a line a while with an ETA, as training's
+    with ui.WorkProgress(ROWS.evaluate_cpt.name).reporting():  # a line a while with an ETA, as training's
         metrics = ev.evaluate_cpt(
             base_dir,
             cpt_dir,
@@ -179,20 +179,20 @@ def evaluate_cpt(
     return _recorded(stage, "cpt", metrics, base, bridge, st.max_steps, tracker, event)
 
 
-@stage_task(name="evaluate_sft", task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
+@stage_task(ROWS.evaluate_sft, task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
 def evaluate_sft(
     cfg: RunConfig, bridge: StageResult, export: StageResult, tracker: tracking.TrackerHandle | None = None
 ) -> StageResult:
     """Held-out loss of pre-SFT vs SFT and the generation check; `tracker`: the flow run's MLflow run, which gets the metrics."""
     logger = get_run_logger()
     g = cfg.gate
-    opened = _open(cfg, "evaluate_sft", "sft", bridge, export)
+    opened = _open(cfg, ROWS.evaluate_sft.name, "sft", bridge, export)
     if isinstance(opened, StageResult):
         return opened
     stage, pre_dir, export_dir, data, split, st = opened
     heldout = heldout_records(data)
     trust = cfg.base_model.trust_remote_code
-    with ui.WorkProgress("evaluate_sft").reporting():  # a line a while with an ETA, as training's
+    with ui.WorkProgress(ROWS.evaluate_sft.name).reporting():  # a line a while with an ETA, as training's
         metrics = ev.evaluate_sft(pre_dir, export_dir, heldout, st.data.messages_field, st.seq_len, st.eval, trust)
         gen, rows = generation_check(
             export_dir, heldout, st.data.messages_field, g.max_new_tokens, g.num_prompts, st.eval.dtype, trust

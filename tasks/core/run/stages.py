@@ -3,6 +3,7 @@ artifact lives under the run root; the stages its task reads; its phase; what it
 covers), and how checkpoints are named.
 
     python -c "from tasks.core.run.stages import STAGES; print([(s.name, s.artifact, s.digest) for s in STAGES])"
+    python -m tasks.core.run.stages_doc      # the stage list of docs/reference/stages.md, from this table
 
 Read by the runner (tasks/flowkit/run.py: the order, what each task is called with, run.json,
 `--stop-after`, failure URIs), every stage task (its artifact directory, its
@@ -395,6 +396,24 @@ STAGES: tuple[StageSpec, ...] = (
 )
 STAGE: dict[str, StageSpec] = {s.name: s for s in STAGES}
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
+
+
+class _Rows:
+    """The table's rows by attribute: `ROWS.unshard` is `STAGE["unshard"]`. Code outside this module
+    names a stage this way, never in a string, so a row's name is written once and a renamed row
+    fails every use by name (tests/test_structure.py checks each `ROWS.<name>` is a row)."""
+
+    def __getattr__(self, name: str) -> StageSpec:
+        try:
+            return STAGE[name]
+        except KeyError:
+            raise AttributeError(f"no stage row named {name!r} in tasks/core/run/stages.py STAGES") from None
+
+    def __dir__(self) -> list[str]:
+        return list(STAGE)
+
+
+ROWS = _Rows()
 
 
 def register(spec: StageSpec, after: str | None = None) -> StageSpec:
