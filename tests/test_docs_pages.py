@@ -150,3 +150,20 @@ def test_the_map_and_the_scaling_page_have_no_paragraph_longer_than_a_screen():
         f"paragraphs over {PARAGRAPH_MAX_WORDS} words: {long}; split each where its subject turns (a new "
         "paragraph, or its items as a list)"
     )
+
+
+def test_the_maps_stage_list_is_the_tables_rows_in_order_each_at_its_tasks_module():
+    """docs/architecture.md's run, as data, lists every row of the stage table in order, each beside
+    the module that binds its task (the list itself, with what each row leaves, is generated:
+    tests/test_docs.py::test_stage_reference_and_every_stage_list_are_generated_from_the_table)."""
+    import flows.cpt_to_sft  # noqa: F401 - binds every stage module's task
+    from tasks.core.run.stages import STAGE_NAMES
+    from tasks.flowkit.pipeline import TASKS
+
+    text = (DOCS / "architecture.md").read_text()
+    block = re.search(r"^```\n(.*?)^```", text[text.index("## 1. One run, as data") :], re.MULTILINE | re.DOTALL)
+    rows = re.findall(r"^  (\w+)\s+(tasks/stages/\w+\.py)", block.group(1) if block else "", re.MULTILINE)
+    assert [name for name, _ in rows] == list(STAGE_NAMES), "architecture.md section 1 lists other stages than STAGES"
+    for name, module in rows:
+        bound = getattr(TASKS[name], "fn", TASKS[name]).__module__
+        assert module == bound.replace(".", "/") + ".py", f"architecture.md: {name} is bound in {bound}, not {module}"

@@ -864,8 +864,7 @@ def test_a_stage_name_is_a_string_in_the_table_only():
                 if n.value not in sections or id(n) in naming:
                     spelled.append(f"{path.relative_to(ROOT)}:{n.lineno}: {n.value!r}")
             elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "ROWS":
-                if n.attr not in STAGE_NAMES:
-                    unknown.append(f"{path.relative_to(ROOT)}:{n.lineno}: ROWS.{n.attr}")
+                unknown += [f"{path.relative_to(ROOT)}:{n.lineno}: ROWS.{n.attr}"] if n.attr not in STAGE_NAMES else []
     assert not spelled, (
         "a stage's name spelled outside its row; name it by the row, ROWS.<name>.name "
         "(tasks/core/run/stages.py), and a task by @stage_task(ROWS.<name>):\n" + "\n".join(spelled)

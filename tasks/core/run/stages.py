@@ -259,6 +259,9 @@ class StageSpec:
     # Not run while this stage's verdict is failed-gate: its row records the hold instead.
     held_by: str | None = None
     publishes: bool = False  # it uploads the export: the model card is written into it first
+    # What it leaves, in a line: the stage list of README.md, docs/index.md, docs/concepts.md and
+    # docs/reference/stages.md is generated from the rows (tasks/core/run/reference.py).
+    summary: str = ""
 
     def __post_init__(self) -> None:
         if self.reads is None:
@@ -299,7 +302,7 @@ def _eval_fields(key: str) -> tuple[str, ...]:
 
 
 STAGES: tuple[StageSpec, ...] = (
-    StageSpec("load_from_hf", BASE, digest=("base_model",)),
+    StageSpec("load_from_hf", BASE, digest=("base_model",), summary="the base model as HF safetensors, fingerprinted"),
     StageSpec(
         PREPARE["cpt"],
         data_rel("cpt"),
@@ -307,6 +310,7 @@ STAGES: tuple[StageSpec, ...] = (
         digest=_prepare_fields("cpt"),
         reads=("load_from_hf",),
         phase="cpt",
+        summary="token shards and the held-out split of the CPT corpus",
     ),
     StageSpec(
         PREPARE["sft"],
@@ -315,6 +319,7 @@ STAGES: tuple[StageSpec, ...] = (
         digest=_prepare_fields("sft"),
         reads=("load_from_hf",),
         phase="sft",
+        summary="the same for the chat records",
     ),
     StageSpec(
         "boost_and_shard",
@@ -325,6 +330,7 @@ STAGES: tuple[StageSpec, ...] = (
         parents=("load_from_hf", PREPARE["cpt"]),
         global_batch="cpt",
         phase="cpt",
+        summary="plugin A's sharded checkpoint of the base",
     ),
     StageSpec(
         "train_cpt",
@@ -332,6 +338,7 @@ STAGES: tuple[StageSpec, ...] = (
         source=TRAINING["cpt"].checkpoints,
         continues="boost_and_shard",
         phase="cpt",
+        summary="continued pre-training under plugin A",
     ),
     # export.max_shard_size, which unshard also reads, only cuts the same tensors into other files.
     StageSpec(
@@ -340,6 +347,7 @@ STAGES: tuple[StageSpec, ...] = (
         source=TRAINING["cpt"].checkpoints,
         parents=("train_cpt",),
         phase="cpt",
+        summary="HF safetensors: the bridge between the two plugins",
     ),
     StageSpec(
         "evaluate_cpt",
@@ -348,6 +356,7 @@ STAGES: tuple[StageSpec, ...] = (
         digest=_eval_fields("cpt"),
         parents=("load_from_hf", "unshard"),  # base vs CPT, held-out perplexity
         phase="cpt",
+        summary="held-out perplexity, base vs CPT",
     ),
     StageSpec(
         "reboost",
@@ -358,6 +367,7 @@ STAGES: tuple[StageSpec, ...] = (
         parents=("unshard", PREPARE["sft"]),
         global_batch="sft",
         phase="sft",
+        summary="plugin B's sharded checkpoint of cpt/hf",
     ),
     StageSpec(
         "train_sft",
@@ -365,6 +375,7 @@ STAGES: tuple[StageSpec, ...] = (
         source=TRAINING["sft"].checkpoints,
         continues="reboost",
         phase="sft",
+        summary="supervised fine-tuning under plugin B (or LoRA)",
     ),
     StageSpec(
         "export",
@@ -372,6 +383,7 @@ STAGES: tuple[StageSpec, ...] = (
         source=TRAINING["sft"].checkpoints,
         digest=("export",),
         parents=("train_sft",),
+        summary="a clean HF model folder, proven bitwise against the checkpoint",
     ),
     # The thresholds of `gate:` only decide the verdict; the generation check's size (the phase row's
     # eval_digest) is evaluated.
@@ -382,6 +394,7 @@ STAGES: tuple[StageSpec, ...] = (
         digest=(*_eval_fields("sft"), *PHASES["sft"].eval_digest),
         parents=("unshard", "export"),  # pre-SFT vs SFT, generation check
         phase="sft",
+        summary="held-out loss pre-SFT vs SFT, a generation check",
     ),
     # lm-eval on local tasks: the task files' sha256 and lm-eval's version come in as run-time inputs.
     StageSpec(
@@ -390,9 +403,22 @@ STAGES: tuple[StageSpec, ...] = (
         source=EXPORT,
         digest=("benchmark", "base_model.trust_remote_code"),
         parents=("load_from_hf", "export"),
+        summary="lm-eval scores of base vs export on local tasks (optional)",
     ),
-    StageSpec("gate", None, reads=("evaluate_cpt", "evaluate_sft", "benchmark")),
-    StageSpec("push_to_hub", None, source=EXPORT, held_by="gate", publishes=True),
+    StageSpec(
+        "gate",
+        None,
+        reads=("evaluate_cpt", "evaluate_sft", "benchmark"),
+        summary="the publish decision: a failed gate pushes nothing",
+    ),
+    StageSpec(
+        "push_to_hub",
+        None,
+        source=EXPORT,
+        held_by="gate",
+        publishes=True,
+        summary="one commit: the model, its card and its provenance",
+    ),
 )
 STAGE: dict[str, StageSpec] = {s.name: s for s in STAGES}
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
