@@ -147,6 +147,36 @@ def test_no_function_is_over_200_lines():
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps): {long}"
 
 
+# Eight or more parameters is a list to read at every call: the small dataclass it is in spirit
+# (eval_time's Cpu and GenerationCheck, proof's _Folder) reads better. The count only goes down;
+# the list: python -c "from tests.test_structure import long_parameter_lists as f; print(*f(), sep='\n')"
+MANY_PARAMETERS = 8
+MAX_LONG_PARAMETER_LISTS = 18
+
+
+def long_parameter_lists() -> list[str]:
+    """`file:line name (n)` of each function of RULED with MANY_PARAMETERS or more (self and cls not counted)."""
+    out = []
+    for path in (p for folder in RULED for p in _modules(ROOT / folder)):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+                n = len(names) - (names[:1] in (["self"], ["cls"]))
+                if n >= MANY_PARAMETERS:
+                    out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n})")
+    return out
+
+
+def test_long_parameter_lists_do_not_grow():
+    long = long_parameter_lists()
+    assert len(long) <= MAX_LONG_PARAMETER_LISTS, (
+        f"{len(long)} functions take {MANY_PARAMETERS} or more parameters, over {MAX_LONG_PARAMETER_LISTS}: group "
+        "the ones that travel together into a small dataclass (a new function), or lower one of these:\n"
+        + "\n".join(long)
+    )
+
+
 PHASE_NAMES = {"cpt", "sft"}
 PHASE_REGISTRY = ROOT / "tasks" / "core" / "config" / "phases.py"
 
