@@ -74,7 +74,10 @@ def test_stage_reference_and_every_stage_list_are_generated_from_the_table():
     """docs/reference/stages.md is the table's page, and the numbered list on the pages a newcomer
     reads first (README.md, docs/index.md, docs/concepts.md) is the table's list, one line a row."""
     from tasks.core.run import reference as stages_ref
-    from tasks.core.run.stages import STAGE_NAMES
+    from tasks.core.run.stages import STAGE_NAMES, STAGES
+
+    bare = [s.name for s in STAGES if not s.summary]
+    assert not bare, f"rows without a summary (what the stage leaves, in a line): {bare}; add summary= to each row"
 
     page = DOCS / "reference" / "stages.md"
     assert page.read_text() == stages_ref.render(), (

@@ -148,10 +148,10 @@ def test_no_function_is_over_200_lines():
 
 
 # Eight or more parameters is a list to read at every call: the small dataclass it is in spirit
-# (eval_time's Cpu and GenerationCheck, proof's _Folder) reads better. The count only goes down;
+# (eval_time's Cpu and GenerationCheck, proof's _Folder, the evaluations' _Measured) reads better. The count only goes down;
 # the list: python -c "from tests.test_structure import long_parameter_lists as f; print(*f(), sep='\n')"
 MANY_PARAMETERS = 8
-MAX_LONG_PARAMETER_LISTS = 18
+MAX_LONG_PARAMETER_LISTS = 17
 
 
 def long_parameter_lists() -> list[str]:

@@ -22,6 +22,7 @@ on a re-run like every stage (manifest verifies, config digest matches).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from prefect import get_run_logger
@@ -100,19 +101,27 @@ def _open(
     return _Opening(stage, reference_dir, candidate_dir, data, split, _with_eval_dtype(cfg, cfg.phase(phase)))
 
 
+@dataclass(frozen=True)
+class _Measured:
+    """What an evaluation measured: its metrics, the completed event's figures and (SFT) the generations."""
+
+    metrics: dict[str, Any]
+    event: dict[str, Any]
+    generations: list[dict] | None = None
+
+
 def _recorded(
     stage: Stage,
     phase: Phase,
-    metrics: dict[str, Any],
+    measured: _Measured,
     reference: StageResult,
     candidate: StageResult,
     steps: int,
     tracker: tracking.TrackerHandle | None,
-    event: dict[str, Any],
-    generations: list[dict] | None = None,
 ) -> StageResult:
     """Both evaluations' end: metrics.json (and the generations), the scalars to TensorBoard and
     MLflow, the manifest last (its parent the candidate), then publish and the completed event."""
+    metrics, generations = measured.metrics, measured.generations
     with stage.build() as out:
         (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         if generations is not None:
@@ -128,7 +137,7 @@ def _recorded(
                 "candidate": {"uri": candidate.uri, "digest": candidate.digest},
             },
         )
-    return stage.done({"metrics": metrics}, event=event)
+    return stage.done({"metrics": metrics}, event=measured.event)
 
 
 @stage_task(ROWS.evaluate_cpt, task_run_name="evaluate CPT: base vs CPT held-out perplexity")
@@ -176,7 +185,7 @@ def evaluate_cpt(
                 m["perplexity_change_pct"],
             )
     event = {"base_perplexity": metrics["base"]["perplexity"], "cpt_perplexity": metrics["cpt"]["perplexity"]}
-    return _recorded(stage, "cpt", metrics, base, bridge, st.max_steps, tracker, event)
+    return _recorded(stage, "cpt", _Measured(metrics, event), base, bridge, st.max_steps, tracker)
 
 
 @stage_task(ROWS.evaluate_sft, task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
@@ -218,4 +227,4 @@ def evaluate_sft(
         "sft_loss": metrics["sft"]["loss"],
         "generation_passed": gen["passed"],
     }
-    return _recorded(stage, "sft", metrics, bridge, export, st.max_steps, tracker, event, generations=rows)
+    return _recorded(stage, "sft", _Measured(metrics, event, rows), bridge, export, st.max_steps, tracker)
