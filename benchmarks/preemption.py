@@ -35,6 +35,7 @@ import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is no
 
 from support.bench import workdir
 from support.tiny import tiny_model
+from tasks.core.run.stages import ROWS
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -132,7 +133,7 @@ def bench(args: argparse.Namespace) -> int:
         if fault:
             os.environ["CPT_TO_SFT_FAULT"] = fault
         try:
-            assert run_flow(["--config", str(cfg), "--stop-after", "train_cpt"]) == 0
+            assert run_flow(["--config", str(cfg), "--stop-after", ROWS.train_cpt.name]) == 0
         finally:
             os.environ.pop("CPT_TO_SFT_FAULT", None)
         return launches[-1][1] - launches[0][0], json.loads((run_root / "run.json").read_text())

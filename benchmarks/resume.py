@@ -24,6 +24,7 @@ import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is no
 
 from support.bench import workdir
 from support.tiny import tiny_model
+from tasks.core.run.stages import ROWS
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -70,7 +71,7 @@ def bench(args: argparse.Namespace) -> int:
     # The smoke run stops every flow run after train_cpt (the kill is in CPT; the later stages'
     # launches, a torchrun start each, would cover nothing more of this script) and takes its three
     # runs from one run root: killed, retried (together the first run), then re-run complete.
-    stop = ["--stop-after", "train_cpt"] if args.smoke else []
+    stop = ["--stop-after", ROWS.train_cpt.name] if args.smoke else []
     tmp = workdir(None, "resume-bench-")
     model = tiny_model(tmp / "tiny")
     stage = {"max_steps": args.steps, "checkpoint_every": args.every}

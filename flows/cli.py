@@ -247,7 +247,7 @@ def verify(path: str, fingerprints: bool = True) -> int:
 def card(run_root: str) -> int:
     """`cpt-to-sft card RUN_ROOT`: export/README.md rendered again from the run's records."""
     from tasks.core.config.schema import RunConfig
-    from tasks.core.run.stages import RUN_JSON, Status
+    from tasks.core.run.stages import ROWS, RUN_JSON, Status
     from tasks.core.storage.fs import RunStore
     from tasks.flowkit.stage import StageResult
     from tasks.stages.export import write_card
@@ -273,9 +273,10 @@ def card(run_root: str) -> int:
         s["stage"]: StageResult(s["stage"], Status(s["status"]), detail=s.get("detail") or {})
         for s in summary["stages"]
     }
-    if results.get("export") is None or results["export"].status not in (Status.COMPLETED, Status.SKIPPED):
+    export = results.get(ROWS.export.name)
+    if export is None or export.status not in (Status.COMPLETED, Status.SKIPPED):
         print(
-            f"FAILED: {run_root}: the run has no export to write a card into (export: {results['export'].status if 'export' in results else 'not-run'})",
+            f"FAILED: {run_root}: the run has no export to write a card into (export: {export.status if export else 'not-run'})",
             file=sys.stderr,
         )
         return 1

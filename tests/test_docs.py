@@ -29,7 +29,6 @@ from tasks.core.config.layout import RULES
 from tasks.core.launch.torchrun import PREFLIGHTS
 from tasks.core.preflight import tracking as preflight_tracking
 from tasks.core.preflight.checks import CHECKS, Machine, load_for_check, preflight_report
-from tasks.core.run.stages import STAGES
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -71,6 +70,28 @@ def test_config_reference_is_generated_from_the_schema():
     assert page.read_text() == reference.render(), f"docs/reference/config.md is out of date: run `{reference.COMMAND}`"
 
 
+def test_stage_reference_and_every_stage_list_are_generated_from_the_table():
+    """docs/reference/stages.md is the table's page, and the numbered list on the pages a newcomer
+    reads first (README.md, docs/index.md, docs/concepts.md) is the table's list, one line a row."""
+    from tasks.core.run import reference as stages_ref
+    from tasks.core.run.stages import STAGE_NAMES, STAGES
+
+    bare = [s.name for s in STAGES if not s.summary]
+    assert not bare, f"rows without a summary (what the stage leaves, in a line): {bare}; add summary= to each row"
+
+    page = DOCS / "reference" / "stages.md"
+    assert page.read_text() == stages_ref.render(), (
+        f"docs/reference/stages.md is out of date: run `{stages_ref.COMMAND}`"
+    )
+    listed = stages_ref.stage_list()
+    assert [line.split()[1] for line in listed.splitlines()] == list(STAGE_NAMES)
+    for rel in stages_ref.LIST_PAGES:
+        found = re.search(r"^ 1  .*?(?=^```)", (REPO / rel).read_text(), re.MULTILINE | re.DOTALL)
+        assert found and found.group(0) == listed, (
+            f"{rel}: its stage list is not the table's; paste the output of `{stages_ref.LIST_COMMAND}` over it"
+        )
+
+
 def test_family_table_is_generated_from_the_registries():
     from tasks.core.models import family_table
     from tasks.core.models.families import FAMILIES
@@ -108,25 +129,6 @@ def test_readme_is_a_front_page():
 
 # ------------------------------------------------------------------------------------------------
 # Diagrams and trees against the code
-
-STAGE_LINE = re.compile(r"^\s*(\d+)\s+([a-z_]+)\b(?:\s+→\s+(\S+))?")
-
-
-@pytest.mark.parametrize("page", ["README.md", "docs/index.md", "docs/concepts.md"])
-def test_stage_diagram_matches_stages_py(page):
-    diagrams = [b for b in blocks(REPO / page, ("",)) if re.search(r"^\s*1\s+load_from_hf", b, re.MULTILINE)]
-    assert len(diagrams) == 1, f"{page}: expected one numbered stage diagram"
-    rows = [m.groups() for line in diagrams[0].splitlines() if (m := STAGE_LINE.match(line))]
-    assert [name for _, name, _ in rows] == [s.name for s in STAGES], (
-        f"{page}: the diagram's stages differ from tasks/core/run/stages.py"
-    )
-    assert [int(n) for n, _, _ in rows] == list(range(1, len(STAGES) + 1))
-    for (_, name, target), spec in zip(rows, STAGES, strict=True):
-        if spec.artifact is not None:
-            assert target and target.rstrip("/").startswith(spec.artifact), (
-                f"{page}: {name} writes {spec.artifact}/, the diagram says {target}"
-            )
-
 
 TREE_ENTRY = re.compile(r"^[\w.*-]+(?:\.py|/)$")
 

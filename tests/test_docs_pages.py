@@ -1,6 +1,6 @@
 """What particular pages promise: the data-formats page's records are read by the real reader and
 pass pre-flight, the extending page names tests that exist, the examples page lists every example,
-the site is in its four sections, and the map's and the scaling page's paragraphs fit a screen.
+the site is in its four sections, and every page's paragraphs fit a screen.
 
     PYTHONPATH=$PWD .venv/bin/python -m pytest -q tests/test_docs_pages.py
 
@@ -100,8 +100,8 @@ def test_the_site_is_in_four_sections():
     assert sorted(pages) == on_disk, "mkdocs.yml's nav and docs/ hold different pages"
 
 
-# A paragraph a reader takes in on one screen. The map (architecture.md) and the scaling page, whose
-# longest paragraphs ran to 1,024 and 539 words, are held under this; a list item counts on its own.
+# A paragraph a reader takes in on one screen, on every page of the site and the README (the longest
+# ran to 1,024 words); a list item counts on its own, and a generated page is held through its generator.
 PARAGRAPH_MAX_WORDS = 180
 _NOT_PROSE = re.compile(r"^(#|\||\s*([-*]|\d+\.)\s)")
 
@@ -139,14 +139,32 @@ def test_the_paragraph_reader_counts_prose_and_list_items_apart_and_skips_code()
     assert _paragraphs(page) == [(3, 3), (6, 3), (8, 1)]
 
 
-def test_the_map_and_the_scaling_page_have_no_paragraph_longer_than_a_screen():
+def test_no_page_has_a_paragraph_longer_than_a_screen():
+    pages = [*sorted(DOCS.rglob("*.md")), REPO / "README.md"]
     long = [
-        f"docs/{page}:{line} ({words} words)"
-        for page in ("architecture.md", "scaling.md")
-        for line, words in _paragraphs((DOCS / page).read_text())
+        f"{page.relative_to(REPO)}:{line} ({words} words)"
+        for page in pages
+        for line, words in _paragraphs(page.read_text())
         if words > PARAGRAPH_MAX_WORDS
     ]
     assert not long, (
         f"paragraphs over {PARAGRAPH_MAX_WORDS} words: {long}; split each where its subject turns (a new "
-        "paragraph, or its items as a list)"
+        "paragraph, or its items as a list; a page of docs/reference/ in the module that writes it)"
     )
+
+
+def test_the_maps_stage_list_is_the_tables_rows_in_order_each_at_its_tasks_module():
+    """docs/architecture.md's run, as data, lists every row of the stage table in order, each beside
+    the module that binds its task (the list itself, with what each row leaves, is generated:
+    tests/test_docs.py::test_stage_reference_and_every_stage_list_are_generated_from_the_table)."""
+    import flows.cpt_to_sft  # noqa: F401 - binds every stage module's task
+    from tasks.core.run.stages import STAGE_NAMES
+    from tasks.flowkit.pipeline import TASKS
+
+    text = (DOCS / "architecture.md").read_text()
+    block = re.search(r"^```\n(.*?)^```", text[text.index("## 1. One run, as data") :], re.MULTILINE | re.DOTALL)
+    rows = re.findall(r"^  (\w+)\s+(tasks/stages/\w+\.py)", block.group(1) if block else "", re.MULTILINE)
+    assert [name for name, _ in rows] == list(STAGE_NAMES), "architecture.md section 1 lists other stages than STAGES"
+    for name, module in rows:
+        bound = getattr(TASKS[name], "fn", TASKS[name]).__module__
+        assert module == bound.replace(".", "/") + ".py", f"architecture.md: {name} is bound in {bound}, not {module}"

@@ -14,7 +14,7 @@ import yaml
 from tasks.core.config.schema import RunConfig
 from tasks.core.models.families import count_parameters
 from tasks.core.preflight.checks import CHECKS
-from tasks.core.preflight.eval_time import FLOOR, SHARE, check_eval_time, estimate, threads
+from tasks.core.preflight.eval_time import FLOOR, SHARE, Cpu, GenerationCheck, check_eval_time, estimate, threads
 from tasks.core.preflight.model_info import Machine, ModelInfo
 from tasks.core.preflight.report import CheckContext, PreflightReport
 from tests.conftest import REPO
@@ -105,9 +105,7 @@ def test_estimate_scales_with_batches_and_models():
     # on GPUs training spreads over the stage's 2 ranks, evaluation still runs on one device
     assert estimate(SMALL, st, "cpt", cuda=True).train_flops == pytest.approx(a.train_flops / 2)
     # on CPU: 2 ranks of 1 thread against evaluation's 8 threads: training takes 4x longer per FLOP
-    assert estimate(SMALL, st, "cpt", cuda=False, eval_threads=8, rank_threads=1, cores=8).train_flops == pytest.approx(
-        a.train_flops * 4
-    )
+    assert estimate(SMALL, st, "cpt", cuda=False, cpu=Cpu(8, 1, 8)).train_flops == pytest.approx(a.train_flops * 4)
 
 
 def test_threads_follow_omp_num_threads():
@@ -125,10 +123,10 @@ def test_more_evaluation_threads_than_training_threads_lower_the_share():
 def test_sft_counts_the_generation_check_and_lora():
     raw = _raw()
     cfg = RunConfig.model_validate(raw)
-    plain = estimate(SMALL, cfg.sft, "sft", cuda=False, num_prompts=4, max_new_tokens=64)
+    plain = estimate(SMALL, cfg.sft, "sft", cuda=False, generation=GenerationCheck(4, 64))
     assert plain.fixed_flops > 0 and plain.eval_flops > plain.per_batch_flops * cfg.sft.eval.max_batches
     raw["sft"]["lora"] = {"r": 8}
-    lora = estimate(SMALL, RunConfig.model_validate(raw).sft, "sft", cuda=False, num_prompts=4, max_new_tokens=64)
+    lora = estimate(SMALL, RunConfig.model_validate(raw).sft, "sft", cuda=False, generation=GenerationCheck(4, 64))
     assert lora.train_flops < plain.train_flops and lora.ratio > plain.ratio
 
 

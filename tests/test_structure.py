@@ -147,6 +147,36 @@ def test_no_function_is_over_200_lines():
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named steps): {long}"
 
 
+# Eight or more parameters is a list to read at every call: the small dataclass it is in spirit
+# (eval_time's Cpu and GenerationCheck, proof's _Folder, the evaluations' _Measured) reads better. The count only goes down;
+# the list: python -c "from tests.test_structure import long_parameter_lists as f; print(*f(), sep='\n')"
+MANY_PARAMETERS = 8
+MAX_LONG_PARAMETER_LISTS = 17
+
+
+def long_parameter_lists() -> list[str]:
+    """`file:line name (n)` of each function of RULED with MANY_PARAMETERS or more (self and cls not counted)."""
+    out = []
+    for path in (p for folder in RULED for p in _modules(ROOT / folder)):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+                n = len(names) - (names[:1] in (["self"], ["cls"]))
+                if n >= MANY_PARAMETERS:
+                    out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n})")
+    return out
+
+
+def test_long_parameter_lists_do_not_grow():
+    long = long_parameter_lists()
+    assert len(long) <= MAX_LONG_PARAMETER_LISTS, (
+        f"{len(long)} functions take {MANY_PARAMETERS} or more parameters, over {MAX_LONG_PARAMETER_LISTS}: group "
+        "the ones that travel together into a small dataclass (a new function), or lower one of these:\n"
+        + "\n".join(long)
+    )
+
+
 PHASE_NAMES = {"cpt", "sft"}
 PHASE_REGISTRY = ROOT / "tasks" / "core" / "config" / "phases.py"
 
@@ -802,6 +832,87 @@ def test_the_pipeline_is_the_stage_table_each_row_bound_to_a_task_and_the_runboo
         if isinstance(node, ast.Constant) and node.value in set(STAGE_NAMES) - own.get(path, set())
     ]
     assert not spelled, "the runbook spells a stage's name; read it from the table's row:\n" + "\n".join(spelled)
+
+
+# Where a string names a stage: the first argument of these calls or their `name=`/`stages=`, and
+# a key of a `results` mapping (run.json's rows by stage).
+_NAMING_CALLS = {"Stage", "StageResult", "WorkProgress", "task", "stage_task", "bind", "stage_event", "log_evaluation"}
+# The training stages' module, whose per-phase rows are being made: it names its rows as strings until then.
+_NAMES_STAGES_YET = {TASKS / "stages" / "train.py"}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    bodies = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, bodies)
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
+
+
+def _stage_naming_strings(tree: ast.AST) -> set[int]:
+    """The string constants of `tree` in a position that names a stage (_NAMING_CALLS, `results` keys)."""
+    out: set[int] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call):
+            f = n.func
+            called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if called in _NAMING_CALLS:
+                out |= {id(a) for a in n.args[:1]}
+                out |= {id(c) for k in n.keywords if k.arg in ("name", "stages") for c in ast.walk(k.value)}
+            if called in ("get", "pop") and isinstance(f, ast.Attribute) and "results" in ast.unparse(f.value):
+                out |= {id(a) for a in n.args[:1]}
+        elif isinstance(n, ast.Subscript) and "results" in ast.unparse(n.value):
+            out.add(id(n.slice))
+    return out
+
+
+def test_a_stage_name_is_a_string_in_the_table_only():
+    """A stage's name is written once, in its row (tasks/core/run/stages.py); code names a stage by
+    its row, `ROWS.<name>` (a task by `stage_task(ROWS.<name>)`), so a renamed row breaks every
+    use, and each `ROWS.<name>` in the code is a row. A name that is also a config section
+    (`export`, `benchmark`, `gate`) is a word of its own elsewhere (the benchmark's "export" model,
+    run.json's "gate" field): those are held where a string names a stage (_NAMING_CALLS, a
+    `results` key)."""
+    from tasks.core.config.schema import RunConfig
+    from tasks.core.run.stages import STAGE_NAMES
+
+    sections = set(RunConfig.model_fields)
+    table = TASKS / "core" / "run" / "stages.py"
+    files = [p for d in ("tasks", "flows", "support", "benchmarks", "scripts") for p in _modules(ROOT / d)]
+    spelled, unknown = [], []
+    for path in files:
+        if path == table or path in _NAMES_STAGES_YET:
+            continue
+        tree = ast.parse(path.read_text())
+        skip, naming = _docstrings(tree), _stage_naming_strings(tree)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and n.value in STAGE_NAMES and id(n) not in skip:
+                if n.value not in sections or id(n) in naming:
+                    spelled.append(f"{path.relative_to(ROOT)}:{n.lineno}: {n.value!r}")
+            elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "ROWS":
+                unknown += [f"{path.relative_to(ROOT)}:{n.lineno}: ROWS.{n.attr}"] if n.attr not in STAGE_NAMES else []
+    assert not spelled, (
+        "a stage's name spelled outside its row; name it by the row, ROWS.<name>.name "
+        "(tasks/core/run/stages.py), and a task by @stage_task(ROWS.<name>):\n" + "\n".join(spelled)
+    )
+    assert not unknown, "ROWS.<name> of no row of tasks/core/run/stages.py STAGES:\n" + "\n".join(unknown)
+
+
+def test_the_stage_name_check_sees_a_literal_a_naming_position_and_a_row_that_is_not():
+    src = 'Stage("unshard", cfg)\nStageResult("export", s)\nresults.get("gate")\nx = {"export": 1}\n'
+    tree = ast.parse(src)
+    naming = _stage_naming_strings(tree)
+    named = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and id(n) in naming]
+    assert named == ["unshard", "export", "gate"]  # the dict key is run.json's field, not a stage
+    from tasks.core.run.stages import ROWS
+
+    assert ROWS.unshard.name == "unshard"
+    with pytest.raises(AttributeError, match="no stage row named 'unshrd'"):
+        ROWS.unshrd  # noqa: B018 - the lookup is what is tested
 
 
 def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(tiny_model_dir, tmp_path):

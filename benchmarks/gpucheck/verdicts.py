@@ -22,6 +22,7 @@ from benchmarks.gpucheck.steps import (
     why,
 )
 from tasks.core.models import flops
+from tasks.core.run.stages import ROWS
 
 
 def check_flow_kill(ctx: Ctx, p: Proc, r1, run1, kill_step: int, cpt, sft) -> None:
@@ -39,8 +40,8 @@ def check_flow_kill(ctx: Ctx, p: Proc, r1, run1, kill_step: int, cpt, sft) -> No
         problems.append(f"CPT steps {cpt_steps[:3]}..{cpt_steps[-3:]} of {cpt['max_steps']}")
     if not sft_steps or sft_steps[-1] != kill_step:
         problems.append(f"SFT's last step {sft_steps[-1] if sft_steps else None}, expected {kill_step}")
-    if stages.get("train_sft") != "failed":
-        problems.append(f"run.json says train_sft {stages.get('train_sft')!r}, expected 'failed'")
+    if stages.get(ROWS.train_sft.name) != "failed":
+        problems.append(f"run.json says train_sft {stages.get(ROWS.train_sft.name)!r}, expected 'failed'")
     if p.timed_out or p.skipped:
         problems.insert(0, why(p))
     ctx.check(

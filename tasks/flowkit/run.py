@@ -216,7 +216,7 @@ class PipelineRun:
     def _write_card(self) -> bool:
         """The model card into the export, when the run has one; a failure to write it is a warning
         (the push then renders the card itself)."""
-        export = self.results.get("export")
+        export = self.results.get(table.ROWS.export.name)
         if self.card is None or export is None or export.status not in DONE:
             return False
         try:
@@ -225,8 +225,8 @@ class PipelineRun:
             self.logger.warning("model card not written into the export: %s: %s", type(exc).__name__, exc)
             return False
         if changed:  # the export's manifest lists the card: run.json records the manifest as it now is
-            digest = store_for(self.cfg).manifest_digest(table.STAGE["export"].artifact)
-            self.results["export"] = dataclasses.replace(export, digest=digest)
+            digest = store_for(self.cfg).manifest_digest(table.ROWS.export.artifact)
+            self.results[table.ROWS.export.name] = dataclasses.replace(export, digest=digest)
         self.logger.info("model card: %s%s", uri, "" if changed else " (unchanged)")
         return True
 
@@ -375,9 +375,9 @@ def write_summary(
                 "detail": {},
             }
         )
-    export = results.get("export")
-    push = results.get("push_to_hub")
-    verdict = results.get("gate")
+    export = results.get(table.ROWS.export.name)
+    push = results.get(table.ROWS.push_to_hub.name)
+    verdict = results.get(table.ROWS.gate.name)
     summary = {
         "run": cfg.name,
         "run_root": store.uri(),

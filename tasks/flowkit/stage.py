@@ -10,9 +10,9 @@ changing a stage's config re-runs that stage and, through the chain of parents, 
 
 A stage task body is its real work:
 
-    @stage_task(name="unshard")
+    @stage_task(ROWS.unshard)                     # the row: the task's name, what it reads
     def unshard(cfg, cpt):
-        st = Stage("unshard", cfg, cpt)           # the declared parents' results
+        st = Stage(ROWS.unshard.name, cfg, cpt)   # the declared parents' results
         if st.skipped:
             return st.result
         with st.build() as out:                   # <artifact>.tmp-build, swapped in on success
@@ -45,7 +45,7 @@ from tasks.core.errors import ArtifactMissing, ManifestError, Preempted
 from tasks.core.hub.repo import SECRET_BLOCK, hub_token
 from tasks.core.run.digest import config_digest, content_digest
 from tasks.core.run.manifest import MANIFEST, list_files, read_manifest, verify_artifact, write_manifest
-from tasks.core.run.stages import BUILD_SUFFIX, STAGE, SUPERSEDED, Status
+from tasks.core.run.stages import BUILD_SUFFIX, ROWS, STAGE, SUPERSEDED, StageSpec, Status
 from tasks.core.storage.fs import RunStore
 from tasks.core.storage.oserrors import note_free
 from tasks.core.storage.publisher import RETRIES, publish_retrying
@@ -99,8 +99,8 @@ def recorded_metrics(results: dict[str, StageResult]) -> dict[str, dict[str, Any
     stage results (skipped evaluations carry the metrics recorded in their manifests): run.json's
     "evaluation" and the input of the card's model-index (`tasks.core.evaluation.verdict.eval_results_for_card`)."""
     out: dict[str, dict[str, Any] | None] = {}
-    for key, stage in (("cpt", "evaluate_cpt"), ("sft", "evaluate_sft"), ("benchmark", "benchmark")):
-        r = results.get(stage)
+    for key, row in (("cpt", ROWS.evaluate_cpt), ("sft", ROWS.evaluate_sft), ("benchmark", ROWS.benchmark)):
+        r = results.get(row.name)
         out[key] = r.detail.get("metrics") if r is not None else None
     return out
 
@@ -302,11 +302,21 @@ class Stage:
         return self.result
 
 
-def stage_task(*, stages: tuple[str, ...] = (), **task_kwargs: Any) -> Callable[[Callable[..., StageResult]], Any]:
+def stage_task(
+    *rows: StageSpec, stages: tuple[str, ...] = (), **task_kwargs: Any
+) -> Callable[[Callable[..., StageResult]], Any]:
     """`@task` for a stage: a skipped StageResult ends the task run in a state named "Skipped", a
     preempted stage in a Failed state named "Preempted" that carries the `Preempted` (`outcome` raises it).
-    The task runs the table's rows named `stages` (default: the row of its own name, if there is one:
-    tasks/flowkit/pipeline.py)."""
+    The task runs the table's `rows` (`@stage_task(ROWS.unshard)`), and is named after its row, so
+    a stage's name is written in the table only; a task that runs several rows (one per phase, as
+    prepare_data) takes a `name=` of its own. `stages=` names rows as strings (left for modules that
+    have not moved to rows); with neither, the task runs the row of its own name, if there is one
+    (tasks/flowkit/pipeline.py)."""
+    if len(rows) == 1:
+        task_kwargs.setdefault("name", rows[0].name)
+    elif rows and "name" not in task_kwargs:
+        raise TypeError("stage_task: a task that runs several rows needs a name= of its own")
+    stages = (*(r.name for r in rows), *stages)
 
     def wrap(fn: Callable[..., StageResult]):
         @wraps(fn)

@@ -28,7 +28,7 @@ from tasks.core.config.kernels import cuda_available
 from tasks.core.config.schema import RunConfig
 from tasks.core.evaluation import benchmark as bench
 from tasks.core.evaluation import placement
-from tasks.core.run.stages import BENCHMARK_BASE, Status
+from tasks.core.run.stages import BENCHMARK_BASE, ROWS, Status
 from tasks.flowkit import tracking, ui
 from tasks.flowkit.stage import Stage, StageResult, stage_task
 
@@ -37,7 +37,7 @@ TASKS_DIR = "tasks"  # eval/benchmark/tasks/<task>/: each YAML and its data as s
 
 def _not_configured() -> StageResult:
     get_run_logger().info("benchmark: benchmark.tasks is empty: no lm-eval benchmark")
-    return StageResult("benchmark", Status.NOT_CONFIGURED, detail={"reason": "benchmark.tasks is empty"})
+    return StageResult(ROWS.benchmark.name, Status.NOT_CONFIGURED, detail={"reason": "benchmark.tasks is empty"})
 
 
 def _base_scores(
@@ -76,7 +76,7 @@ def _base_scores(
     return {**scores, "cached": False, "key": key}
 
 
-@stage_task(name="benchmark", task_run_name="benchmark: lm-eval scores of base vs export")
+@stage_task(ROWS.benchmark, task_run_name="benchmark: lm-eval scores of base vs export")
 def benchmark(
     cfg: RunConfig, base: StageResult, export: StageResult, tracker: tracking.TrackerHandle | None = None
 ) -> StageResult:
@@ -87,7 +87,7 @@ def benchmark(
     tasks = [bench.read_task(uri) for uri in cfg.benchmark.tasks]
     bench.require_runnable(tasks, cfg.benchmark.max_split_mb)  # pre-flight's rules again: the files may have changed
     inputs = {"tasks": bench.fingerprint(tasks), "lm_eval": bench.lm_eval_version()}
-    stage = Stage("benchmark", cfg, base, export, inputs=inputs)
+    stage = Stage(ROWS.benchmark.name, cfg, base, export, inputs=inputs)
     if stage.skipped:
         stage.result.detail["metrics"] = (stage.store.read_manifest(stage.rel).get("meta") or {}).get("metrics")
         ui.benchmark_table(stage.result.detail["metrics"])
@@ -99,7 +99,7 @@ def benchmark(
     with (
         stage.build() as out,
         tempfile.TemporaryDirectory(prefix="cpt-to-sft-benchmark-") as tmp,
-        ui.WorkProgress("benchmark").reporting(),  # a line a while with an ETA, as training's
+        ui.WorkProgress(ROWS.benchmark.name).reporting(),  # a line a while with an ETA, as training's
     ):
         fetched = bench.fetch(tasks, out.dir / TASKS_DIR)
         include = bench.runnable(tasks, fetched, out.dir / TASKS_DIR, Path(tmp) / "run", Path(tmp) / "datasets-cache")
@@ -128,12 +128,12 @@ def benchmark(
             )
             logger.info("benchmark: %s (base -> export) %s", task, said)
         (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-        tracking.log_evaluation("benchmark", {"tasks": metrics["tasks"]}, out.dir, cfg.sft.max_steps, tracker)
+        tracking.log_evaluation(ROWS.benchmark.name, {"tasks": metrics["tasks"]}, out.dir, cfg.sft.max_steps, tracker)
         out.manifest(
             kind="evaluation",
             parent=export,
             meta={
-                "stage": "benchmark",
+                "stage": ROWS.benchmark.name,
                 "metrics": metrics,
                 "reference": {"uri": base.uri, "digest": base.digest},
                 "candidate": {"uri": export.uri, "digest": export.digest},

@@ -22,6 +22,7 @@ on a re-run like every stage (manifest verifies, config digest matches).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from prefect import get_run_logger
@@ -41,7 +42,7 @@ from tasks.core.data.stage_data import (
 from tasks.core.evaluation import heldout as ev
 from tasks.core.evaluation import placement
 from tasks.core.evaluation.generation import generation_check
-from tasks.core.run.stages import Status
+from tasks.core.run.stages import ROWS, Status
 from tasks.core.storage.fs import RunStore
 from tasks.flowkit import tracking, ui
 from tasks.flowkit.stage import Stage, StageResult, stage_task
@@ -100,19 +101,27 @@ def _open(
     return _Opening(stage, reference_dir, candidate_dir, data, split, _with_eval_dtype(cfg, cfg.phase(phase)))
 
 
+@dataclass(frozen=True)
+class _Measured:
+    """What an evaluation measured: its metrics, the completed event's figures and (SFT) the generations."""
+
+    metrics: dict[str, Any]
+    event: dict[str, Any]
+    generations: list[dict] | None = None
+
+
 def _recorded(
     stage: Stage,
     phase: Phase,
-    metrics: dict[str, Any],
+    measured: _Measured,
     reference: StageResult,
     candidate: StageResult,
     steps: int,
     tracker: tracking.TrackerHandle | None,
-    event: dict[str, Any],
-    generations: list[dict] | None = None,
 ) -> StageResult:
     """Both evaluations' end: metrics.json (and the generations), the scalars to TensorBoard and
     MLflow, the manifest last (its parent the candidate), then publish and the completed event."""
+    metrics, generations = measured.metrics, measured.generations
     with stage.build() as out:
         (out.dir / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
         if generations is not None:
@@ -128,20 +137,20 @@ def _recorded(
                 "candidate": {"uri": candidate.uri, "digest": candidate.digest},
             },
         )
-    return stage.done({"metrics": metrics}, event=event)
+    return stage.done({"metrics": metrics}, event=measured.event)
 
 
-@stage_task(name="evaluate_cpt", task_run_name="evaluate CPT: base vs CPT held-out perplexity")
+@stage_task(ROWS.evaluate_cpt, task_run_name="evaluate CPT: base vs CPT held-out perplexity")
 def evaluate_cpt(
     cfg: RunConfig, base: StageResult, bridge: StageResult, tracker: tracking.TrackerHandle | None = None
 ) -> StageResult:
     """Held-out perplexity of base vs CPT; `tracker`: the flow run's MLflow run, which gets the metrics."""
     logger = get_run_logger()
-    opened = _open(cfg, "evaluate_cpt", "cpt", base, bridge)
+    opened = _open(cfg, ROWS.evaluate_cpt.name, "cpt", base, bridge)
     if isinstance(opened, StageResult):
         return opened
     stage, base_dir, cpt_dir, data, split, st = opened
-    with ui.WorkProgress("evaluate_cpt").reporting():  # a line a while with an ETA, as training's
+    with ui.WorkProgress(ROWS.evaluate_cpt.name).reporting():  # a line a while with an ETA, as training's
         metrics = ev.evaluate_cpt(
             base_dir,
             cpt_dir,
@@ -176,23 +185,23 @@ def evaluate_cpt(
                 m["perplexity_change_pct"],
             )
     event = {"base_perplexity": metrics["base"]["perplexity"], "cpt_perplexity": metrics["cpt"]["perplexity"]}
-    return _recorded(stage, "cpt", metrics, base, bridge, st.max_steps, tracker, event)
+    return _recorded(stage, "cpt", _Measured(metrics, event), base, bridge, st.max_steps, tracker)
 
 
-@stage_task(name="evaluate_sft", task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
+@stage_task(ROWS.evaluate_sft, task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
 def evaluate_sft(
     cfg: RunConfig, bridge: StageResult, export: StageResult, tracker: tracking.TrackerHandle | None = None
 ) -> StageResult:
     """Held-out loss of pre-SFT vs SFT and the generation check; `tracker`: the flow run's MLflow run, which gets the metrics."""
     logger = get_run_logger()
     g = cfg.gate
-    opened = _open(cfg, "evaluate_sft", "sft", bridge, export)
+    opened = _open(cfg, ROWS.evaluate_sft.name, "sft", bridge, export)
     if isinstance(opened, StageResult):
         return opened
     stage, pre_dir, export_dir, data, split, st = opened
     heldout = heldout_records(data)
     trust = cfg.base_model.trust_remote_code
-    with ui.WorkProgress("evaluate_sft").reporting():  # a line a while with an ETA, as training's
+    with ui.WorkProgress(ROWS.evaluate_sft.name).reporting():  # a line a while with an ETA, as training's
         metrics = ev.evaluate_sft(pre_dir, export_dir, heldout, st.data.messages_field, st.seq_len, st.eval, trust)
         gen, rows = generation_check(
             export_dir, heldout, st.data.messages_field, g.max_new_tokens, g.num_prompts, st.eval.dtype, trust
@@ -218,4 +227,4 @@ def evaluate_sft(
         "sft_loss": metrics["sft"]["loss"],
         "generation_passed": gen["passed"],
     }
-    return _recorded(stage, "sft", metrics, bridge, export, st.max_steps, tracker, event, generations=rows)
+    return _recorded(stage, "sft", _Measured(metrics, event, rows), bridge, export, st.max_steps, tracker)

@@ -34,7 +34,7 @@ from tasks.core.data.stage_data import recorded_split
 from tasks.core.errors import ConversionError
 from tasks.core.models.stop_tokens import describe
 from tasks.core.run.manifest import VERIFICATION, amend_views, read_manifest, write_manifest
-from tasks.core.run.stages import EXPORT, EXPORT_ADAPTER, TRAINING
+from tasks.core.run.stages import EXPORT, EXPORT_ADAPTER, ROWS, TRAINING
 from tasks.core.storage.publisher import RETRIES, publish_retrying
 from tasks.flowkit import ui
 from tasks.flowkit.stage import Stage, StageResult, completed, fresh_dir, recorded_metrics, stage_task, store_for
@@ -106,9 +106,9 @@ def _verification_markdown(v: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-@stage_task(name="export", task_run_name="export HF safetensors [{cfg.export.dtype}]")
+@stage_task(ROWS.export, task_run_name="export HF safetensors [{cfg.export.dtype}]")
 def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
-    stage = Stage("export", cfg, sft)
+    stage = Stage(ROWS.export.name, cfg, sft)
     lora = cfg.sft.lora is not None
     if stage.skipped and (not lora or completed(stage.store, EXPORT_ADAPTER, stage.digest)):
         return stage.result
@@ -127,7 +127,7 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
     from tasks.core.models.merge import build_merged_dir
 
     ckpt, source = stage.store.stage_in(sft.rel), stage.store.stage_in(TRAINING["sft"].source)
-    with stage.build() as out, ui.WorkProgress("export").reporting():  # shards, the proof: lines with an ETA
+    with stage.build() as out, ui.WorkProgress(ROWS.export.name).reporting():  # shards, the proof: lines with an ETA
         if (
             cfg.sft.lora is not None
         ):  # the adapter merged onto cpt/hf in fp32, proven against peft (tasks/core/models/merge.py)

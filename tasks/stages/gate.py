@@ -15,7 +15,7 @@ from prefect import get_run_logger, task
 
 from tasks.core.config.schema import RunConfig
 from tasks.core.evaluation import verdict as rules
-from tasks.core.run.stages import Status
+from tasks.core.run.stages import ROWS, Status
 from tasks.flowkit import ui
 from tasks.flowkit.pipeline import bind
 from tasks.flowkit.stage import StageResult
@@ -24,7 +24,7 @@ EVAL_TABLE_KEY = "cpt-to-sft-evaluation"
 
 
 @bind
-@task(name="gate", task_run_name="gate before push")
+@task(name=ROWS.gate.name, task_run_name="gate before push")
 def gate(
     cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult, bench_eval: StageResult | None = None
 ) -> StageResult:
@@ -57,4 +57,4 @@ def gate(
         logger.warning("evaluation table artifact unavailable: %s", exc)
     if scores:
         ui.benchmark_table(scores, verdict)  # the benchmark table again, with the gate's word per task
-    return StageResult("gate", status, seconds=time.monotonic() - started, detail=verdict)
+    return StageResult(ROWS.gate.name, status, seconds=time.monotonic() - started, detail=verdict)

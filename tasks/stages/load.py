@@ -43,6 +43,7 @@ from tasks.core.models.folder import (
 )
 from tasks.core.models.shapes import folder_refusals
 from tasks.core.run.manifest import sha256_file
+from tasks.core.run.stages import ROWS
 from tasks.core.storage.fs import fetch_tree, filesystem, is_local
 from tasks.flowkit.retry import transient
 from tasks.flowkit.stage import Stage, StageResult, stage_task, token
@@ -211,11 +212,15 @@ def _verified_logits(cfg: RunConfig, model_dir: Path):
 
 
 @stage_task(
-    name="load_from_hf", retries=2, retry_delay_seconds=15, retry_condition_fn=transient, task_run_name="load_from_hf"
+    ROWS.load_from_hf,
+    retries=2,
+    retry_delay_seconds=15,
+    retry_condition_fn=transient,
+    task_run_name=ROWS.load_from_hf.name,
 )
 def load_from_hf(cfg: RunConfig) -> StageResult:
     logger = get_run_logger()
-    stage = Stage("load_from_hf", cfg)
+    stage = Stage(ROWS.load_from_hf.name, cfg)
     if stage.skipped:
         return stage.result
     with stage.build() as out:

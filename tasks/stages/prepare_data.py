@@ -185,7 +185,7 @@ def tokenize_files(
     return [done[i] for i in todo]
 
 
-@stage_task(name="prepare_data", task_run_name="{phase}: tokenize data", stages=tuple(PREPARE.values()))
+@stage_task(*(STAGE[n] for n in PREPARE.values()), name="prepare_data", task_run_name="{phase}: tokenize data")
 def prepare_data(cfg: RunConfig, phase: Phase, source: StageResult) -> StageResult:
     """Tokenize `phase`'s corpus with `source`'s tokenizer into data/<phase>/ (token shards, index, held-out
     records)."""

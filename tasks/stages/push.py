@@ -53,7 +53,7 @@ from tasks.core.hub.repo import (
 )
 from tasks.core.models.folder import folder_problems
 from tasks.core.run.manifest import MANIFEST, PROVENANCE_DIR, read_manifest
-from tasks.core.run.stages import EXPORT, EXPORT_ADAPTER, Status
+from tasks.core.run.stages import EXPORT, EXPORT_ADAPTER, ROWS, Status
 from tasks.flowkit import automation, ui
 from tasks.flowkit.pipeline import bind
 from tasks.flowkit.retry import transient
@@ -153,13 +153,19 @@ def push_export(
 
 
 @bind
-@task(name="push_to_hub", retries=3, retry_delay_seconds=20, retry_condition_fn=transient, task_run_name="push_to_hub")
+@task(
+    name=ROWS.push_to_hub.name,
+    retries=3,
+    retry_delay_seconds=20,
+    retry_condition_fn=transient,
+    task_run_name=ROWS.push_to_hub.name,
+)
 def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
     logger = get_run_logger()
     started = time.monotonic()
     if cfg.hub is None:
         logger.info("push_to_hub: skipped, no `hub:` section in the config (nothing is published)")
-        return StageResult("push_to_hub", Status.NOT_CONFIGURED, detail={"reason": "no hub configured"})
+        return StageResult(ROWS.push_to_hub.name, Status.NOT_CONFIGURED, detail={"reason": "no hub configured"})
     found = find_hub_token(secret_token)
     if found is None:
         raise HubRefusal(
@@ -225,7 +231,13 @@ def push_to_hub(cfg: RunConfig, results: dict[str, StageResult]) -> StageResult:
 
         raise HubTokenRefused(f"push_to_hub: {refused_token_message(found, constants.ENDPOINT, status)}") from None
     ui.link("hub-commit", outcome["commit_url"], f"{cfg.hub.repo_id}@{cfg.hub.revision}")
-    automation.stage_event("push_to_hub", "completed", cfg.name, outcome["commit_url"], changed=outcome.get("changed"))
+    automation.stage_event(
+        ROWS.push_to_hub.name, "completed", cfg.name, outcome["commit_url"], changed=outcome.get("changed")
+    )
     return StageResult(
-        "push_to_hub", Status.COMPLETED, uri=outcome["repo_url"], seconds=time.monotonic() - started, detail=outcome
+        ROWS.push_to_hub.name,
+        Status.COMPLETED,
+        uri=outcome["repo_url"],
+        seconds=time.monotonic() - started,
+        detail=outcome,
     )

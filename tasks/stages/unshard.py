@@ -10,14 +10,14 @@ from __future__ import annotations
 from tasks.core.config.context import config_changes
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.stage_data import recorded_split
-from tasks.core.run.stages import BASE, TRAINING
+from tasks.core.run.stages import BASE, ROWS, TRAINING
 from tasks.flowkit import ui
 from tasks.flowkit.stage import Stage, StageResult, stage_task
 
 
-@stage_task(name="unshard", task_run_name="unshard CPT -> HF")
+@stage_task(ROWS.unshard, task_run_name="unshard CPT -> HF")
 def unshard(cfg: RunConfig, cpt: StageResult) -> StageResult:
-    stage = Stage("unshard", cfg, cpt, rel=TRAINING["cpt"].hf)
+    stage = Stage(ROWS.unshard.name, cfg, cpt, rel=TRAINING["cpt"].hf)
     if stage.skipped:
         return stage.result
     from tasks.core.models.hf_artifact import (
@@ -25,7 +25,7 @@ def unshard(cfg: RunConfig, cpt: StageResult) -> StageResult:
     )  # here: the converter imports torch, which a skipped stage never needs
 
     ckpt, source = stage.store.stage_in(cpt.rel), stage.store.stage_in(BASE)
-    with stage.build() as out, ui.WorkProgress("unshard").reporting():  # shards, the proof: lines with an ETA
+    with stage.build() as out, ui.WorkProgress(ROWS.unshard.name).reporting():  # shards, the proof: lines with an ETA
         built = build_hf_dir(
             ckpt,
             out.dir,

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tasks.core.evaluation.verdict import metrics_table
+from tasks.core.run.stages import ROWS
 
 # What the snippet says of where a reply ends when the generation check's record says nothing.
 UNMEASURED_STOP = "A reply ends at an eos token of generation_config.json, or after max_new_tokens."
@@ -41,9 +42,9 @@ def stop_claim(metrics: dict[str, Any] | None) -> str:
 
 # The stages whose measurements the card reports, and what each measures: one not run is listed as such.
 EVALUATIONS = {
-    "evaluate_cpt": "held-out perplexity, base vs CPT",
-    "evaluate_sft": "held-out loss on assistant tokens, pre-SFT vs SFT, and the generation check",
-    "benchmark": "lm-eval benchmarks, base vs export",
+    ROWS.evaluate_cpt.name: "held-out perplexity, base vs CPT",
+    ROWS.evaluate_sft.name: "held-out loss on assistant tokens, pre-SFT vs SFT, and the generation check",
+    ROWS.benchmark.name: "lm-eval benchmarks, base vs export",
 }
 RAN = ("completed", "skipped")  # a stage that measured now, or whose recorded measurement stands
 
@@ -71,7 +72,7 @@ def gate_verdict_text(results: Mapping[str, Any] | None) -> tuple[str, list[str]
     disabled, or not run, from the gate stage's row (its detail is the verdict, tasks/core/evaluation/verdict.py)."""
     if results is None:
         return "not recorded", []
-    status, verdict = _row(results, "gate")
+    status, verdict = _row(results, ROWS.gate.name)
     checks = verdict.get("checks") or []
     lines = [f"{'pass' if c.get('ok') else 'FAIL'} `{c.get('check')}`: {c.get('message')}" for c in checks]
     if status == "passed":
@@ -101,7 +102,7 @@ def not_run_lines(results: Mapping[str, Any] | None) -> list[str]:
 
 def evaluation_section(metrics: dict[str, Any] | None, results: Mapping[str, Any] | None) -> str:
     """The held-out table with the gate's word per row, the gate's verdict and each check, and what did not run."""
-    verdict = _row(results, "gate")[1] if results is not None else None
+    verdict = _row(results, ROWS.gate.name)[1] if results is not None else None
     table = metrics_table((metrics or {}).get("cpt"), (metrics or {}).get("sft"), verdict or None)
     parts = []
     if table:

@@ -22,12 +22,12 @@ INTRO = (
     "(`tasks/core/models/families.py`) and the plugin registry (`tasks/core/config/plugins.py`). "
     "A family's row holds its tensor table (keys, symbolic shapes, tied and vocabulary-indexed keys, save order), "
     "which the converter, the weight proof, the logits fingerprint, the export, LoRA target resolution and the "
-    "memory estimate read. A `model_type` with no row is **derived**: its table is read from the model the installed "
+    "memory estimate read.\n\nA `model_type` with no row is **derived**: its table is read from the model the installed "
     "transformers builds on the meta device from config.json (its own config class and `AutoModelForCausalLM`, "
     "never `trust_remote_code` or code from the model folder); pre-flight says so in one line and imports torch and "
     "transformers for it. A plugin that shards with a shardformer policy (hybrid_parallel, even at tp=pp=1) runs "
     "only a family whose row names one; pre-flight refuses it for any other family before anything launches, naming "
-    "the plugins that run it. The families ColossalAI 0.5.0 has a policy for but whose layout is not Llama's "
+    "the plugins that run it.\n\nThe families ColossalAI 0.5.0 has a policy for but whose layout is not Llama's "
     "(`tasks/core/models/policy_rows.py`) have a named row over the derived table: it adds the policy, the modules it "
     "splits over the tp ranks, what the policy needs of the model and the plugin (the attention implementation the "
     "engine builds the model with, shardformer flags it always passes), whether it runs at pp, and, where the policy "
@@ -36,7 +36,7 @@ INTRO = (
     "step, and the engine's live logits fingerprint). A derived family never takes ColossalAI's policy for its class "
     "by itself: three of the seven decoder policies outside the registry fail with transformers 4.51.3 as they ship "
     "(GPT-2's without flash attention even trains with no causal mask), so a policy is used only from a row whose "
-    "claims `benchmarks/shardformer_policies.py --smoke` re-measures in the suite. A family ColossalAI has no "
+    "claims `benchmarks/shardformer_policies.py --smoke` re-measures in the suite.\n\nA family ColossalAI has no "
     "policy for runs at tp under hybrid_parallel with the **derived** policy (`PlanPolicy`, "
     "`tasks/core/models/tp_plan.py`) where a plan row names it: read from the model's own tensor-parallel plan "
     "(`config.base_model_tp_plan` and the causal-LM class's `_tp_plan`), completed or corrected by its row, it "
@@ -107,9 +107,9 @@ def _row_note(row: PolicyRow) -> str:
     tp = {}
     for key, value, why in row.tp_requires:  # one sentence per reason (GPT-2's two dropout fields share theirs)
         tp.setdefault(why, []).append(f"{key}={value}")
-    head = f"{row.policy_refused or row.note}" + "".join(
-        f"; at tp_size > 1 it needs {' and '.join(kv)} in config.json: {why}" for why, kv in tp.items()
-    )
+    needs = "; ".join(f"at tp_size > 1 it needs {' and '.join(kv)} in config.json: {why}" for why, kv in tp.items())
+    # what tp needs of config.json is a paragraph of its own in the note's list item: a note stays a screen
+    head = f"{row.policy_refused or row.note}" + (f".\n\n    {needs[0].upper()}{needs[1:]}" if needs else "")
     if row.layer_activations:
         return (
             f"{head}; the memory estimate counts the row's own activation terms for its "
@@ -155,7 +155,8 @@ def render() -> str:
     notes += [(t, _row_note(r)) for t, r in sorted(POLICY_ROWS.items())]
     notes += [(t, "derived policy: " + _plan_note(r)) for t, r in sorted(PLAN_ROWS.items())]
     if notes:
-        lines += ["", "Notes:", ""] + [f"- `{t}`: {note}." for t, note in notes]
+        # a note of two paragraphs ends with a blank line, so the next item is not read as its continuation
+        lines += ["", "Notes:", ""] + [f"- `{t}`: {note}." + ("\n" if "\n\n" in note else "") for t, note in notes]
     return "\n".join(lines) + "\n"
 
 

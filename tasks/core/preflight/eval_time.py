@@ -68,13 +68,33 @@ def threads(cpu_count: int, environ: Mapping[str, str] = os.environ) -> tuple[in
     return min(omp or cpu_count, cpu_count), omp or 1
 
 
-def _devices(st: PhaseConfig, cuda: bool, eval_threads: int, rank_threads: int, cores: int) -> float:
+@dataclass(frozen=True)
+class Cpu:
+    """The worker's CPU as the estimate sees it: evaluation's threads, each rank's, and the node's cores
+    (`threads`); counted on CPU only."""
+
+    eval_threads: int = 1
+    rank_threads: int = 1
+    cores: int = 1
+
+
+@dataclass(frozen=True)
+class GenerationCheck:
+    """The SFT generation check's size (`gate.num_prompts`, `gate.max_new_tokens`); none by default."""
+
+    num_prompts: int = 0
+    max_new_tokens: int = 0
+
+
+def _devices(st: PhaseConfig, cuda: bool, cpu: Cpu) -> float:
     """How many evaluation processes' worth of compute training is spread over: its GPUs (evaluation
     uses one at a time), or on CPU its ranks' threads (at most each node's cores) over evaluation's."""
     if cuda:
         return st.launch.world_size
-    per_node = min(st.launch.nproc_per_node * rank_threads, max(cores, eval_threads))  # nodes like this worker
-    return per_node * st.launch.nnodes / eval_threads
+    per_node = min(
+        st.launch.nproc_per_node * cpu.rank_threads, max(cpu.cores, cpu.eval_threads)
+    )  # nodes like this worker
+    return per_node * st.launch.nnodes / cpu.eval_threads
 
 
 def estimate(
@@ -83,15 +103,12 @@ def estimate(
     phase: Phase,
     *,
     cuda: bool,
-    num_prompts: int = 0,
-    max_new_tokens: int = 0,
+    generation: GenerationCheck = GenerationCheck(),
     max_batches: int | None = None,
-    eval_threads: int = 1,
-    rank_threads: int = 1,
-    cores: int = 1,
+    cpu: Cpu = Cpu(),
 ) -> EvalTime:
     """The estimate for `phase` ("cpt" or "sft"); `max_batches` overrides `st.eval.max_batches`;
-    the threads count on CPU only (`threads`).
+    `cpu` counts on CPU only (`threads`).
     Raises ConversionError or KeyError for a family config.json does not describe."""
     n, layers, hidden = _dims(model_config)
     p = st.plugin
@@ -103,12 +120,16 @@ def estimate(
         (4.0 if st.lora is not None else 6.0) * n + (2.0 * n if st.activation_checkpointing else 0.0) + attention
     )
     train_tokens = st.max_steps * st.micro_batch_size * st.grad_accum_steps * dp * st.seq_len
-    train = per_train_token * train_tokens / _devices(st, cuda, eval_threads, rank_threads, cores)
+    train = per_train_token * train_tokens / _devices(st, cuda, cpu)
     sets = 1
     if PHASES[phase].evaluation == "perplexity":  # per source, and per held-out-only source
         sets += len(st.data.sources or ()) + len(st.eval.heldout_sources or ())
     per_batch = 2 * sets * (2.0 * n + attention / 3) * st.eval.batch_size * st.seq_len  # 2 models
-    fixed = (2.0 * n + attention / 3) * num_prompts * max_new_tokens if PHASES[phase].generation else 0.0
+    fixed = (
+        (2.0 * n + attention / 3) * generation.num_prompts * generation.max_new_tokens
+        if PHASES[phase].generation
+        else 0.0
+    )
     batches = max_batches if max_batches is not None else st.eval.max_batches
     return EvalTime(phase, train, fixed + per_batch * (batches or 0), fixed, per_batch)
 
@@ -137,11 +158,8 @@ def check_eval_time(ctx: Any) -> None:
                 st,
                 name,
                 cuda=cuda,
-                num_prompts=g.num_prompts,
-                max_new_tokens=g.max_new_tokens,
-                eval_threads=eval_threads,
-                rank_threads=rank_threads,
-                cores=ctx.machine.cpu_count,
+                generation=GenerationCheck(g.num_prompts, g.max_new_tokens),
+                cpu=Cpu(eval_threads, rank_threads, ctx.machine.cpu_count),
             )
         except (ConversionError, KeyError, TypeError, ValueError):
             continue  # an unknown family: check_model_family names it

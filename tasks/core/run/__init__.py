@@ -9,6 +9,7 @@ rank<->task line protocol and what a run keeps of itself.
 - manifest.py     artifact manifests, the contract between stages
 - meter.py        progress of long work that is not training: done / total and an ETA, a record per interval
 - preemptions.py  a run's preemptions, one record per preempted attempt, and the retry policy
+- reference.py    the stage reference page and the stage list of the docs, written from the stage table
 - segments.py     the layouts a training stage ran under, and the rule a new layout must keep
 - stages.py       the stage list and run layout as data, and checkpoint naming
 - stamp.py        verification stamps: a deep verification remembered by file identity

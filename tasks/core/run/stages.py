@@ -3,6 +3,7 @@ artifact lives under the run root; the stages its task reads; its phase; what it
 covers), and how checkpoints are named.
 
     python -c "from tasks.core.run.stages import STAGES; print([(s.name, s.artifact, s.digest) for s in STAGES])"
+    python -m tasks.core.run.stages_doc      # the stage list of docs/reference/stages.md, from this table
 
 Read by the runner (tasks/flowkit/run.py: the order, what each task is called with, run.json,
 `--stop-after`, failure URIs), every stage task (its artifact directory, its
@@ -258,6 +259,9 @@ class StageSpec:
     # Not run while this stage's verdict is failed-gate: its row records the hold instead.
     held_by: str | None = None
     publishes: bool = False  # it uploads the export: the model card is written into it first
+    # What it leaves, in a line: the stage list of README.md, docs/index.md, docs/concepts.md and
+    # docs/reference/stages.md is generated from the rows (tasks/core/run/reference.py).
+    summary: str = ""
 
     def __post_init__(self) -> None:
         if self.reads is None:
@@ -298,7 +302,7 @@ def _eval_fields(key: str) -> tuple[str, ...]:
 
 
 STAGES: tuple[StageSpec, ...] = (
-    StageSpec("load_from_hf", BASE, digest=("base_model",)),
+    StageSpec("load_from_hf", BASE, digest=("base_model",), summary="the base model as HF safetensors, fingerprinted"),
     StageSpec(
         PREPARE["cpt"],
         data_rel("cpt"),
@@ -306,6 +310,7 @@ STAGES: tuple[StageSpec, ...] = (
         digest=_prepare_fields("cpt"),
         reads=("load_from_hf",),
         phase="cpt",
+        summary="token shards and the held-out split of the CPT corpus",
     ),
     StageSpec(
         PREPARE["sft"],
@@ -314,6 +319,7 @@ STAGES: tuple[StageSpec, ...] = (
         digest=_prepare_fields("sft"),
         reads=("load_from_hf",),
         phase="sft",
+        summary="the same for the chat records",
     ),
     StageSpec(
         "boost_and_shard",
@@ -324,6 +330,7 @@ STAGES: tuple[StageSpec, ...] = (
         parents=("load_from_hf", PREPARE["cpt"]),
         global_batch="cpt",
         phase="cpt",
+        summary="plugin A's sharded checkpoint of the base",
     ),
     StageSpec(
         "train_cpt",
@@ -331,6 +338,7 @@ STAGES: tuple[StageSpec, ...] = (
         source=TRAINING["cpt"].checkpoints,
         continues="boost_and_shard",
         phase="cpt",
+        summary="continued pre-training under plugin A",
     ),
     # export.max_shard_size, which unshard also reads, only cuts the same tensors into other files.
     StageSpec(
@@ -339,6 +347,7 @@ STAGES: tuple[StageSpec, ...] = (
         source=TRAINING["cpt"].checkpoints,
         parents=("train_cpt",),
         phase="cpt",
+        summary="HF safetensors: the bridge between the two plugins",
     ),
     StageSpec(
         "evaluate_cpt",
@@ -347,6 +356,7 @@ STAGES: tuple[StageSpec, ...] = (
         digest=_eval_fields("cpt"),
         parents=("load_from_hf", "unshard"),  # base vs CPT, held-out perplexity
         phase="cpt",
+        summary="held-out perplexity, base vs CPT",
     ),
     StageSpec(
         "reboost",
@@ -357,6 +367,7 @@ STAGES: tuple[StageSpec, ...] = (
         parents=("unshard", PREPARE["sft"]),
         global_batch="sft",
         phase="sft",
+        summary="plugin B's sharded checkpoint of cpt/hf",
     ),
     StageSpec(
         "train_sft",
@@ -364,6 +375,7 @@ STAGES: tuple[StageSpec, ...] = (
         source=TRAINING["sft"].checkpoints,
         continues="reboost",
         phase="sft",
+        summary="supervised fine-tuning under plugin B (or LoRA)",
     ),
     StageSpec(
         "export",
@@ -371,6 +383,7 @@ STAGES: tuple[StageSpec, ...] = (
         source=TRAINING["sft"].checkpoints,
         digest=("export",),
         parents=("train_sft",),
+        summary="a clean HF model folder, proven bitwise against the checkpoint",
     ),
     # The thresholds of `gate:` only decide the verdict; the generation check's size (the phase row's
     # eval_digest) is evaluated.
@@ -381,6 +394,7 @@ STAGES: tuple[StageSpec, ...] = (
         digest=(*_eval_fields("sft"), *PHASES["sft"].eval_digest),
         parents=("unshard", "export"),  # pre-SFT vs SFT, generation check
         phase="sft",
+        summary="held-out loss pre-SFT vs SFT, a generation check",
     ),
     # lm-eval on local tasks: the task files' sha256 and lm-eval's version come in as run-time inputs.
     StageSpec(
@@ -389,12 +403,43 @@ STAGES: tuple[StageSpec, ...] = (
         source=EXPORT,
         digest=("benchmark", "base_model.trust_remote_code"),
         parents=("load_from_hf", "export"),
+        summary="lm-eval scores of base vs export on local tasks (optional)",
     ),
-    StageSpec("gate", None, reads=("evaluate_cpt", "evaluate_sft", "benchmark")),
-    StageSpec("push_to_hub", None, source=EXPORT, held_by="gate", publishes=True),
+    StageSpec(
+        "gate",
+        None,
+        reads=("evaluate_cpt", "evaluate_sft", "benchmark"),
+        summary="the publish decision: a failed gate pushes nothing",
+    ),
+    StageSpec(
+        "push_to_hub",
+        None,
+        source=EXPORT,
+        held_by="gate",
+        publishes=True,
+        summary="one commit: the model, its card and its provenance",
+    ),
 )
 STAGE: dict[str, StageSpec] = {s.name: s for s in STAGES}
 STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
+
+
+class _Rows:
+    """The table's rows by attribute: `ROWS.unshard` is `STAGE["unshard"]`. Code outside this module
+    names a stage this way, never in a string, so a row's name is written once and a renamed row
+    fails every use by name (tests/test_structure.py checks each `ROWS.<name>` is a row)."""
+
+    def __getattr__(self, name: str) -> StageSpec:
+        try:
+            return STAGE[name]
+        except KeyError:
+            raise AttributeError(f"no stage row named {name!r} in tasks/core/run/stages.py STAGES") from None
+
+    def __dir__(self) -> list[str]:
+        return list(STAGE)
+
+
+ROWS = _Rows()
 
 
 def register(spec: StageSpec, after: str | None = None) -> StageSpec:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from tasks.core.run.preemptions import describe as describe_preemption
+from tasks.core.run.stages import ROWS
 
 LINES = 25  # step lines per stage at most, when log_every is unset
 _RANK = re.compile(r"rank (\d+)$")
@@ -253,32 +254,32 @@ def key_figure(row: dict[str, Any]) -> str:
     if str(row.get("status")) == "failed":
         return "its cause is the run's last line"  # a failure is one line on the console (tasks/flowkit/console_log.py)
     m = d.get("metrics") or {}
-    if name == "load_from_hf" and d.get("model_type"):
+    if name == ROWS.load_from_hf.name and d.get("model_type"):
         return f"{d['model_type']}, vocab {d.get('vocab_size')}"
     if name.startswith("prepare_") and "train_tokens" in d:
         return (
             f"{count(d['train_tokens'])} train tokens, {count(d.get('heldout_tokens', 0))} held out"
             f"{_over_seq_len(d.get('truncation') or {})}"
         )
-    if name in ("boost_and_shard", "reboost") and d.get("plugin"):
+    if name in (ROWS.boost_and_shard.name, ROWS.reboost.name) and d.get("plugin"):
         return str(d["plugin"])
     if name.startswith("train_") and d.get("final_loss") is not None:
         return f"loss {_change(d.get('first_loss'), d['final_loss'], '.3f') or format(d['final_loss'], '.3f')}"
-    if name == "unshard" and d.get("fingerprint_max_abs_diff") is not None:
+    if name == ROWS.unshard.name and d.get("fingerprint_max_abs_diff") is not None:
         return f"logits within {d['fingerprint_max_abs_diff']:.2g} of the checkpoint's"
-    if name == "evaluate_cpt" and m:
+    if name == ROWS.evaluate_cpt.name and m:
         return f"held-out perplexity {_change((m.get('base') or {}).get('perplexity'), (m.get('cpt') or {}).get('perplexity'), '.2f')}"
-    if name == "evaluate_sft" and m:
+    if name == ROWS.evaluate_sft.name and m:
         gen = m.get("generation") or {}
         stops = f"; {gen.get('stopped')}/{gen.get('prompts')} generations stop" if gen else ""
         return f"held-out loss {_change((m.get('pre_sft') or {}).get('loss'), (m.get('sft') or {}).get('loss'), '.3f')}{stops}"
-    if name == "benchmark" and m.get("tasks"):
+    if name == ROWS.benchmark.name and m.get("tasks"):
         return _scores(m["tasks"])
-    if name == "export" and d.get("bytes") is not None:
+    if name == ROWS.export.name and d.get("bytes") is not None:
         return f"{size(d['bytes'])} {d.get('dtype', '')}".strip()
-    if name == "gate" and "passed" in d:
+    if name == ROWS.gate.name and "passed" in d:
         return "passed" if d["passed"] else "; ".join(d.get("reasons") or [])[:160]
-    if name == "push_to_hub":
+    if name == ROWS.push_to_hub.name:
         return str(d.get("commit_url") or d.get("reason") or "")
     return ""
 

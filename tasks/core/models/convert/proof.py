@@ -17,6 +17,7 @@ import hashlib
 import json
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,11 @@ def prove_weights(
     owner = {v[0]: k for k, v in expected.items()}
     bad = [k for k in sorted(got) if k in expected and got[k] != expected[k]]
     for k in bad:
-        problems.append(_explain(k, got[k], expected[k], owner, ckpt, ckpt_files, export, export_files, torch_dtype))
+        problems.append(
+            _explain(
+                k, got[k], expected[k], owner, _Folder(ckpt, ckpt_files), _Folder(export, export_files), torch_dtype
+            )
+        )
     if problems:
         shown = problems[:_SHOWN] + ([f"... and {len(problems) - _SHOWN} more"] if len(problems) > _SHOWN else [])
         raise ConversionError(
@@ -119,14 +124,24 @@ def prove_weights(
     }
 
 
-def _explain(key, got, want, owner, ckpt, ckpt_files, export, export_files, torch_dtype) -> str:
+@dataclass(frozen=True)
+class _Folder:
+    """A weights folder and its tensor files (key -> file), as `tensor_files` lists them."""
+
+    directory: Path
+    files: dict[str, str]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        ((_, t),) = _tensors(self.directory, self.files, [key])
+        return t
+
+
+def _explain(key, got, want, owner, ckpt: _Folder, export: _Folder, torch_dtype) -> str:
     if got[1:] != want[1:]:
         return f"{key!r}: exported as {got[1]} {list(got[2])}, the checkpoint cast gives {want[1]} {list(want[2])}"
     if got[0] in owner:
         return f"{key!r} holds the checkpoint's {owner[got[0]]!r} (mis-mapped or swapped tensors)"
-    ((_, a),) = _tensors(export, export_files, [key])
-    ((_, b),) = _tensors(ckpt, ckpt_files, [key])
-    b = _cast(b, torch_dtype)
+    a, b = export.tensor(key), _cast(ckpt.tensor(key), torch_dtype)
     differ = (
         a.reshape(-1).view(torch.uint8).reshape(a.numel(), -1) != b.reshape(-1).view(torch.uint8).reshape(b.numel(), -1)
     ).any(-1)
