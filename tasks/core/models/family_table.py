@@ -46,7 +46,7 @@ INTRO = (
     "sequence parallelism with it, which are not proven. Each plan row is measured at tp=2 against the "
     "unsharded model (losses, every gradient, the converted weights, and a save and resume at tp=2, bitwise) by "
     "`benchmarks/shardformer_policies.py --plan` (the suite's `--smoke`: every row, the resume for SmolLM3 and "
-    "OLMo 3). Llama, Mistral and Qwen2 keep ColossalAI's own policy, which gives them pipeline (and, for Llama "
+    "OLMo 3).\n\nLlama, Mistral and Qwen2 keep ColossalAI's own policy, which gives them pipeline (and, for Llama "
     "and Qwen2, sequence) parallelism and a loss computed on each rank's vocabulary shard: at SmolLM2-135M's "
     "shape at tp=3 (`--smollm2`) both policies train to the same losses (within 1.7e-7) and held-out perplexity "
     "(within 2.4e-7), and ColossalAI's step took 7.4 s against the derived one's 11.2 s, which gathers the "
