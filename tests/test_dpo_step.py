@@ -101,6 +101,12 @@ def test_the_pair_step_is_pair_loss_and_the_dpo_formula(pairs):
     assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
     sums = add_sums([0.0] * len(SUMS), out)
     assert sums[0] == p and sums[2] == float(((lp[:p] - lp[p:]) > (mb[REF_LOGPS][:p] - mb[REF_LOGPS][p:])).sum())
+    # IPO, the per-token row: each reply's mean log-probability over its scored tokens, the reference's likewise.
+    ipo = PairLoss(cfg.model_copy(update={"loss": "ipo", "label_smoothing": 0.0}), model.config.vocab_size)
+    n, rn = (mb["labels"][:, 1:] != -100).sum(-1), mb[REF_TOKENS]
+    h = (lp[:p] / n[:p] - mb[REF_LOGPS][:p] / rn[:p]) - (lp[p:] / n[p:] - mb[REF_LOGPS][p:] / rn[p:])
+    got = ipo.step(logits.detach(), mb).loss
+    assert abs(float(got) - float(((h.detach() - 1 / (2 * b)) ** 2).mean())) < 1e-6
 
 
 def test_a_pair_job_needs_its_reference_and_keeps_its_section_whole(pairs, tmp_path):
