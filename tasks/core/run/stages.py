@@ -146,7 +146,7 @@ def step_rel(stage: str, step: int) -> str:
 
 @dataclass(frozen=True)
 class TrainingStage:
-    """One training stage (cpt or sft): the config section, the model it starts from, its bridge."""
+    """One training stage (cpt, sft, dpo): the config section, the model it starts from, its bridge."""
 
     key: Phase  # the config section and the checkpoint directory
     source: str  # the HF artifact whose weights the shard verb boosts
@@ -163,6 +163,9 @@ class TrainingStage:
 TRAINING: dict[str, TrainingStage] = {
     "cpt": TrainingStage("cpt", source=BASE, hf="cpt/hf"),
     "sft": TrainingStage("sft", source="cpt/hf", hf=None),
+    # preference tuning starts from the SFT model unsharded; its train verb also reads the reference
+    # log-probabilities of its pairs (Job.reference_dir)
+    "dpo": TrainingStage("dpo", source="sft/hf", hf=None),
 }
 
 
