@@ -20,8 +20,9 @@ little of its own), and how many modules it imported; then what the booster rank
 one does not, and for each verb what it imports beyond the booster rank, by top-level package (self
 time summed): the remaining gap, import by import.
 Then, in one fresh process without torchrun, the CPU seconds each step of a training rank's imports
-adds (torch, `colossalai`, its booster and plugins, the engine's modules, the model's transformers
-module): the figures a loaded machine distorts least. Wall and import times are load-dependent on a
+adds (torch, `colossalai`, what transformers' `modeling_utils` brings (sympy, DTensor, TorchDynamo,
+accelerate and the hub clients), `modeling_utils` and the model's module, bitsandbytes, peft, ColossalAI's
+booster and plugins, the engine's modules): the figures a loaded machine distorts least. Wall and import times are load-dependent on a
 shared machine; CPU seconds much less, the module lists not at all.
 """
 
@@ -57,7 +58,9 @@ assert t.item() == dist.get_world_size()
 dist.destroy_process_group()
 """
 
-# One process, no torchrun: the CPU seconds of each step of a training rank's imports, cumulative.
+# One process, no torchrun: the CPU seconds of each step of a training rank's imports, cumulative. The booster's
+# share is broken out by what transformers' modeling_utils, peft and ColossalAI's plugins import, in the order a
+# rank needs them: what is left after "llama" is ColossalAI's own (docs/spot.md).
 STEPS = """
 import time
 def mark(label):
@@ -66,6 +69,25 @@ import torch
 mark("torch")
 import colossalai
 mark("colossalai")
+import tasks  # transformers without scikit-learn and scipy, as every process of the project
+import sympy
+mark("sympy")
+import torch.distributed.tensor
+mark("torch.distributed.tensor")
+import torch._dynamo
+mark("torch._dynamo")
+import accelerate, requests, huggingface_hub
+mark("accelerate,requests,hf_hub")
+import transformers.modeling_utils
+mark("transformers.modeling_utils")
+import transformers.models.llama.modeling_llama
+mark("llama")
+from tasks.engine.lazy_compile import deferred_compile
+with deferred_compile():
+    import bitsandbytes
+mark("bitsandbytes")
+import peft
+mark("peft")
 from tasks.engine.lazy_compile import import_colossalai
 import_colossalai()
 mark("booster")
@@ -73,8 +95,6 @@ import tasks.engine.__main__
 from tasks.engine import builders, cpu_compat, faults, loop, preconditions, rankio
 cpu_compat.apply()
 mark("engine")
-import transformers.models.llama.modeling_llama
-mark("llama")
 """
 
 

@@ -669,17 +669,33 @@ def test_transitive_imports_in_a_fresh_interpreter(room, forbidden, beyond_trans
     assert not bad, f"importing every tasks.{room} module loads {sorted(bad)[:10]}"
 
 
-# A training rank's module-level import path: `python -m tasks.engine train` runs __main__, whose main()
-# imports these before it calls loop.train. ColossalAI's booster (`import_colossalai()`, ~4 CPU-s) is left
-# out: it imports what every verb needs (peft, transformers' modeling), and nothing below.
-_TRAIN_RANK_PROBE = """
-import json, sys
+# A rank's whole import path, as `python -m tasks.engine shard|train` runs it before the verb's work
+# (tasks/engine/__main__.py): the job's modules, ColossalAI's booster under deferred torch.compile
+# (`import_colossalai()`), the hf_compat and cpu_compat patches, the verb's module, every plugin class the
+# BUILDERS rows name with the patches they apply, and the model family's transformers module. The two verbs
+# share it up to the verb (`loop` holds both): one probe covers both.
+_RANK_PROBE = """
+import importlib, json, sys
 import tasks.engine.__main__
 from tasks.core.errors import PREEMPTED_EXIT
 from tasks.core.launch.proctree import die_with_parent
 from tasks.core.run.events import DETAIL
-from tasks.engine import cpu_compat, faults, lazy_compile, loop, preconditions, rankio
-from tasks.engine.builders import check_supported
+from tasks.engine import faults, preconditions, rankio
+from tasks.engine.builders import BUILDERS, check_supported
+from tasks.engine.lazy_compile import import_colossalai
+import_colossalai()
+from tasks.engine import cpu_compat, hf_compat
+hf_compat.apply()
+cpu_compat.apply()
+import colossalai
+from colossalai.logging import get_dist_logger
+from tasks.engine import loop
+for row in BUILDERS.values():
+    module, _, name = row.factory.partition(":")
+    assert getattr(importlib.import_module(module), name)
+    if row.patch is not None:
+        row.patch()
+import transformers.models.llama.modeling_llama
 print(json.dumps(sorted(sys.modules)))
 """
 
@@ -704,16 +720,40 @@ OTHER_VERBS = {
     "tensorboardX": "rank 0's metrics writer, imported at its first write (tasks/engine/metrics.py)",
 }
 
+# What no rank needs at start, whatever its verb and plugin, and what keeps it out. Not listed, because a
+# rank needs them where they are imported (docs/spot.md, "What a restart's launch costs"): peft
+# (`colossalai.interface` imports it), bitsandbytes (ColossalAI's GaLore optimizers, imported by the hybrid
+# and ZeRO plugins, subclass its optimizer), torch._dynamo and with it the `torch._inductor` package's
+# `__init__` (`colossalai.launch` sets its config; transformers' modeling_utils imports it), sympy
+# (`torch.distributed.tensor`, which transformers' modeling_utils imports).
+NO_RANK = {
+    "torch._inductor.compile_fx": "torch's compiler: torch.compile deferred to first use (tasks/engine/lazy_compile.py)",
+    "torch._inductor.codecache": "torch's compiler: torch.compile deferred to first use (tasks/engine/lazy_compile.py)",
+    "sklearn": "transformers' scikit-learn flag off (tasks/core/models/hf_imports.py)",
+    "scipy": "transformers' scipy flag off (tasks/core/models/hf_imports.py)",
+    "transformers.models.gpt2": "another family's modeling: AutoModelForCausalLM imports the model's own at build",
+    "transformers.models.qwen2": "another family's modeling: AutoModelForCausalLM imports the model's own at build",
+    "transformers.models.mistral": "another family's modeling: AutoModelForCausalLM imports the model's own at build",
+}
+
 
 def test_a_training_rank_imports_nothing_only_another_verb_needs():
     out = subprocess.run(
-        [sys.executable, "-c", _TRAIN_RANK_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-W", "ignore", "-c", _RANK_PROBE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "tasks.engine.loop" in loaded and "torch" in loaded  # the probe imported the path it checks
-    bad = {m: verb for m in loaded for f, verb in OTHER_VERBS.items() if m == f or m.startswith(f + ".")}
-    assert not bad, f"a training rank's import path loads what only another verb needs: {bad}"
+    # the probe imported the path it checks: the verbs' module, the booster, every plugin, the model's family
+    assert {"tasks.engine.loop", "colossalai.booster.plugin.hybrid_parallel_plugin"} <= set(loaded)
+    assert {"colossalai.booster.plugin.gemini_plugin", "transformers.models.llama.modeling_llama"} <= set(loaded)
+    rules = {**OTHER_VERBS, **NO_RANK}
+    bad = {m: why for m in loaded for f, why in rules.items() if m == f or m.startswith(f + ".")}
+    assert not bad, f"a rank's import path loads what it does not need: {bad}"
 
 
 # hidden 64, 2 layers, 4 heads of 16, 2 KV heads, MLP 128, vocabulary 512: 139,584 parameters
