@@ -118,7 +118,7 @@ def test_stop_after_a_dpo_stage_is_refused_for_a_run_without_dpo():
 
 
 def _dpo_metrics(accuracy=0.75, margin=0.4, sft_tok=-1.0, dpo_tok=-1.6):
-    side = lambda acc, m, tok: {  # noqa: E731
+    side = lambda acc, m, tok: {
         "accuracy": acc,
         "margin": m,
         "chosen_logp": tok * 10,
