@@ -100,6 +100,24 @@ def test_the_digests_follow_the_rows_a_run_has(tmp_path):
     assert "dpo" in digest_fields(dpo, "reboost_dpo") and "dpo.plugin" not in str(digest_fields(dpo, "reboost_dpo"))
 
 
+def test_every_row_of_a_dpo_run_has_real_digest_fields_and_a_task_taking_what_it_reads(tmp_path):
+    import flows.cpt_to_sft  # noqa: F401 - binds every stage module's task
+    from tasks.core.run.digest import digest_fields
+    from tasks.core.run.stages import run_stages
+    from tasks.flowkit import pipeline
+
+    cfg = _cfg(tmp_path, True)
+    rows = run_stages(cfg.phases)
+    for i, spec in enumerate(rows):
+        earlier = {s.name for s in rows[:i]}
+        assert set(spec.reads) <= earlier and set(spec.parents) <= earlier, f"{spec.name} reads a later stage"
+        if spec.artifact is not None and not spec.continues:
+            digest_fields(cfg, spec.name)  # every declared path resolves on a dpo config, or this raises naming it
+        results = {s.name: f"<{s.name}>" for s in rows}
+        args = pipeline.arguments(spec, pipeline.TASKS[spec.name], cfg, results)
+        assert [results[r] for r in spec.reads] == [a for a in args if isinstance(a, str)], spec.name
+
+
 def test_stop_after_a_dpo_stage_is_refused_for_a_run_without_dpo():
     from tasks.core.errors import ConfigError
     from tasks.flowkit.run import check_stop_after

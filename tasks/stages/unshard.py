@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from tasks.core.config.context import config_changes
-from tasks.core.config.phases import Phase
+from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.stage_data import recorded_split
 from tasks.core.run.stages import BASE, SFT_HF, TRAINING
@@ -35,8 +35,9 @@ def _unshard(
     )  # here: the converter imports torch, which a skipped stage never needs
 
     ckpt, source = stage.store.stage_in(ckpt_result.rel), stage.store.stage_in(source_rel)
-    # the RoPE and position settings CPT trained with; a later phase's source (cpt/hf) carries them already
-    context: dict[str, Any] = config_changes(cfg.cpt.context) if phase == "cpt" else {}
+    # the RoPE and position settings of the phase that sets the model's context (CPT); a later phase's
+    # source (cpt/hf) carries them already
+    context: dict[str, Any] = config_changes(cfg.phase(phase).context) if PHASES[phase].context_refused is None else {}
     with stage.build() as out, ui.WorkProgress(name).reporting():  # shards, the proof: lines with an ETA
         built = build_hf_dir(
             ckpt,

@@ -338,7 +338,7 @@ with its sha256, `verification.json` holds the checks below.
 
 def _then(cfg: RunConfig) -> str:
     """The phases after SFT the run trained (a run without them reads as before)."""
-    later = [p for p in cfg.phases if p not in ("cpt", "sft")]
+    later = [p for p in cfg.phases if PHASES[p].optional]
     return "".join(
         f" then {PHASES[p].title} on preference pairs" if PHASES[p].record == "pair" else f" then {PHASES[p].title}"
         for p in later
