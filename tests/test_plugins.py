@@ -411,7 +411,7 @@ def test_scheduler_state_loads_weights_only(tmp_path):
 
 def test_job_errors_name_every_key(tmp_path):
     with pytest.raises(ConfigError) as exc:
-        parse_job({"verb": "fly", "stage": "dpo", "model_dir": "rel/path", "extra": 1}, verb="train")
+        parse_job({"verb": "fly", "stage": "ppo", "model_dir": "rel/path", "extra": 1}, verb="train")
     fields = {f for f, _ in exc.value.problems}
     assert {
         "verb",

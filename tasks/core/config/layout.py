@@ -27,6 +27,7 @@ from tasks.core.config.fixes import Refusal, shown, working_fixes
 from tasks.core.config.model_rules import MODEL_RULES
 from tasks.core.config.phases import PHASES
 from tasks.core.config.plugins import OFFLOAD_FIELDS, PLUGINS, PRECISION_SPECS, PluginSpec
+from tasks.core.config.preference import PreferenceFields
 from tasks.core.config.schema import PhaseConfig, PluginConfig
 from tasks.core.config.sequence import sp_factor, sp_size
 from tasks.core.config.sequence_rules import SP_RULES, Problem
@@ -233,6 +234,32 @@ def _packing_keeps_conversations_apart(x: _Facts) -> list[Problem]:
     ]
 
 
+def _pairs_whole_in_one_forward(x: _Facts) -> list[Problem]:
+    """A preference pair's loss needs both its sequences' log-probabilities from one forward (the engine's
+    `tasks.engine.pairs`): a pipeline schedule's per-micro-batch loss from the model's labels, a sequence
+    split over ranks, and packed rows do not give them, so those layouts are refused for a pair phase."""
+    row = PHASES.get(x.where)  # a job's section is labelled phase_cfg: its class says it holds pairs
+    if not ((row is not None and row.record == "pair") or isinstance(x.stage, PreferenceFields)):
+        return []
+    p, out = x.stage.plugin, []
+    runs = "it trains under tensor parallelism (hybrid_parallel tp_size), ZeRO (low_level_zero, gemini) or torch_ddp"
+    if p.pp_size > 1:
+        why = (
+            "pipeline parallelism is refused for preference pairs: the pipeline schedule computes a loss per "
+            f"micro-batch from the model's labels, not the pair loss of both sequences; {runs}"
+        )
+        out.append(Refusal(f"{x.f}.pp_size", why, [{"plugin.pp_size": 1}]))
+    if sp_size(p) > 1 or sp_factor(p) > 1:
+        why = f"sequence parallelism is refused for preference pairs (a pair is scored whole on each rank); {runs}"
+        out.append(Refusal(f"{x.f}.sequence_parallelism", why, [{"plugin.sequence_parallelism": None}]))
+    spec = BATCHING.get(x.stage.batching)
+    if spec is not None and spec.packs:
+        fixes = [{"batching": n} for n, s in BATCHING.items() if not s.packs]
+        why = f"batching {spec.name} is refused for preference pairs: a pair's two rows are batched whole, never packed"
+        out.append(Refusal(f"{x.where}.batching", why, fixes))
+    return out
+
+
 def _lora_in_sft_only(x: _Facts) -> list[Problem]:
     why = PHASES[x.where].lora_refused if x.where in PHASES else None
     if why is not None and x.stage.lora is not None:
@@ -423,6 +450,7 @@ RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
     ("static", _pipeline_microbatches),
     ("static", _fp16_needs_dynamic_loss_scale),
     ("static", _packing_keeps_conversations_apart),
+    ("static", _pairs_whole_in_one_forward),
     ("static", _lora_in_sft_only),
     ("static", _lora_supported_by_plugin),
     ("static", _qlora_export_not_built),

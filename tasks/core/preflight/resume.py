@@ -47,9 +47,10 @@ def check_resume(ctx: CheckContext) -> None:
     except (ValueError, ImportError):
         return  # check_run_root says why
     for key in TRAINING:
-        if key not in ctx.cfg.phases:  # an optional phase this run does not train: its checkpoints are no concern
+        # an optional phase this run leaves out (dpo) has no checkpoints to resume, nor a row where it has no stages
+        shard = next((s for s in STAGES if s.global_batch == key), None)
+        if shard is None or getattr(ctx.cfg, key) is None:
             continue
-        shard = next(s for s in STAGES if s.global_batch == key)
         try:
             steps = sorted(((int(m.group(1)), n) for n in store.listdir(key) if (m := STEP_RE.match(n))), reverse=True)
         except OSError:  # an unreadable run root: check_run_root says why

@@ -23,13 +23,17 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    SerializeAsAny,
     StrictBool,
     ValidationError,
+    ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from tasks.core.config.load import plugin_problems
-from tasks.core.config.schema import VERIFY_MEMORY_GB, PhaseConfig, VerifyMemoryGB
+from tasks.core.config.phases import PHASES
+from tasks.core.config.schema import VERIFY_MEMORY_GB, DpoConfig, PhaseConfig, VerifyMemoryGB
 from tasks.core.errors import ConfigError
 from tasks.core.run.stages import TRAINING
 
@@ -74,7 +78,9 @@ class Job(BaseModel):
 
     verb: Literal[VERBS] = Field(description="shard: boost the HF model and save step 0; train: resume and train.")
     stage: Literal[tuple(TRAINING)] = Field(description="The training stage (a key of tasks.core.run.stages.TRAINING).")
-    phase_cfg: PhaseConfig = Field(
+    # SerializeAsAny: a preference stage's section is a DpoConfig (beta, loss, the pair fields), which the
+    # job file must carry whole; `_section_of_its_phase` reads it back as one.
+    phase_cfg: SerializeAsAny[PhaseConfig] = Field(
         description="The run config's section of this stage (run[stage]), validated by the task."
     )
     trust_remote_code: StrictBool = Field(
@@ -91,6 +97,13 @@ class Job(BaseModel):
         ),
     )
     stage_dir: AbsPath = Field(description="Directory holding the stage's step-NNNNNN checkpoints.")
+    reference_dir: AbsPath | None = Field(
+        default=None,
+        description=(
+            "A preference stage's reference log-probabilities of its pairs (tasks/core/evaluation/reference.py, "
+            "verified against data_dir); the train verb of a phase whose record is a pair requires it."
+        ),
+    )
     parent: Parent | None = Field(description="The artifact this stage starts from, recorded in manifests.")
     config_digest: str | None = Field(description="The stage's config digest, recorded in manifests.")
     nodes: NodeStaging | None = Field(
@@ -106,6 +119,20 @@ class Job(BaseModel):
     )
     _source: str = PrivateAttr(default="job")
 
+    @field_validator("phase_cfg", mode="before")
+    @classmethod
+    def _section_of_its_phase(cls, value: Any, info: ValidationInfo) -> Any:
+        # A pair phase's section is read as its own class (DpoConfig), whose problems are named under phase_cfg.
+        stage = info.data.get("stage")
+        if stage is None or PHASES[stage].record != "pair" or isinstance(value, DpoConfig):
+            return value
+        try:
+            return DpoConfig.model_validate(value.model_dump() if isinstance(value, PhaseConfig) else value)
+        except ValidationError as exc:
+            raise ConfigError(
+                [(".".join(str(x) for x in e["loc"]), e["msg"].removeprefix("Value error, ")) for e in exc.errors()]
+            ) from None
+
     @field_validator("phase_cfg")
     @classmethod
     def _static_layout(cls, phase_cfg: PhaseConfig) -> PhaseConfig:
@@ -115,6 +142,17 @@ class Job(BaseModel):
         if problems:
             raise ConfigError(problems)
         return phase_cfg
+
+    @model_validator(mode="after")
+    def _reference_for_pairs(self) -> Job:
+        if self.verb == "train" and PHASES[self.stage].record == "pair" and self.reference_dir is None:
+            why = (
+                f"the {self.stage} stage trains on preference pairs against the reference model's log-probabilities "
+                "of them: set reference_dir to the reference artifact (the reference stage's output, "
+                "tasks/core/evaluation/reference.py)"
+            )
+            raise ConfigError([("reference_dir", why)])
+        return self
 
     @property
     def source(self) -> str:
@@ -138,10 +176,11 @@ def parse_job(raw: Any, source: str = "job", verb: str | None = None) -> Job:
         job = Job.model_validate(raw)
     except ValidationError as exc:
         for err in exc.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or source
+            at = ".".join(str(x) for x in err["loc"])
+            loc = at or source
             nested = (err.get("ctx") or {}).get("error")
-            if isinstance(nested, ConfigError):  # the phase section's layout rules
-                problems += [(f"{loc}.{f}" if not f.startswith(loc) else f, m) for f, m in nested.problems]
+            if isinstance(nested, ConfigError):  # the phase section's rules, or the job's own (at: empty)
+                problems += [(f"{at}.{f}" if at and not f.startswith(at) else f, m) for f, m in nested.problems]
             else:
                 problems.append((loc, err["msg"].removeprefix("Value error, ")))
     if problems:

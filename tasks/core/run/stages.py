@@ -147,7 +147,7 @@ def step_rel(stage: str, step: int) -> str:
 
 @dataclass(frozen=True)
 class TrainingStage:
-    """One training stage (cpt or sft): the config section, the model it starts from, its bridge."""
+    """One training stage (cpt, sft, dpo): the config section, the model it starts from, its bridge."""
 
     key: Phase  # the config section and the checkpoint directory
     source: str  # the HF artifact whose weights the shard verb boosts
@@ -164,6 +164,9 @@ class TrainingStage:
 TRAINING: dict[str, TrainingStage] = {
     "cpt": TrainingStage("cpt", source=BASE, hf="cpt/hf"),
     "sft": TrainingStage("sft", source="cpt/hf", hf=None),
+    # preference tuning starts from the SFT model unsharded; its train verb also reads the reference
+    # log-probabilities of its pairs (Job.reference_dir)
+    "dpo": TrainingStage("dpo", source="sft/hf", hf=None),
 }
 
 
@@ -274,7 +277,7 @@ class StageSpec:
 # The prepare stage of each training phase; all tokenize with the base model's tokenizer.
 PREPARE: dict[Phase, str] = {"cpt": "prepare_cpt", "sft": "prepare_sft", "dpo": "prepare_dpo"}
 # The SFT model unsharded: the model DPO boosts from and its reference (a run without dpo exports SFT instead).
-SFT_HF = "sft/hf"
+SFT_HF = TRAINING["dpo"].source
 REFERENCE = (
     "reference"  # the reference model's log-probabilities of the dpo train pairs (tasks/core/evaluation/reference.py)
 )
@@ -405,7 +408,7 @@ STAGES: tuple[StageSpec, ...] = (
     ),
     StageSpec(
         "reboost_dpo",
-        "dpo",
+        TRAINING["dpo"].checkpoints,
         source=SFT_HF,
         digest=("dpo",),
         minus=(*_eval_knobs("dpo"), *layout_fields("dpo")),
@@ -415,8 +418,8 @@ STAGES: tuple[StageSpec, ...] = (
     ),
     StageSpec(
         "train_dpo",
-        "dpo",
-        source="dpo",
+        TRAINING["dpo"].checkpoints,
+        source=TRAINING["dpo"].checkpoints,
         continues="reboost_dpo",
         reads=("reboost_dpo", "reference"),
         phase="dpo",
@@ -428,7 +431,7 @@ STAGES: tuple[StageSpec, ...] = (
         source=TRAINING["sft"].checkpoints,
         digest=("export",),
         parents=("train_sft",),
-        with_phase={"dpo": {"source": "dpo", "parents": ("train_dpo",), "reads": ("train_dpo",)}},
+        with_phase={"dpo": {"source": TRAINING["dpo"].checkpoints, "parents": ("train_dpo",), "reads": ("train_dpo",)}},
     ),
     # The thresholds of `gate:` only decide the verdict; the generation check's size (the phase row's
     # eval_digest) is evaluated.
