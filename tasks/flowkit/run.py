@@ -346,7 +346,7 @@ def preemption_policy(cfg: RunConfig, exc: Preempted) -> Policy:
         el = cfg.phase(phase).elastic
         return Policy(el.max_preemptions, el.retry_wait_s)
     source = exc.record.get("source")
-    els = [cfg.phase(p).elastic for p in TRAINING if any(n.source == source for n in cfg.phase(p).elastic.notices)]
+    els = [cfg.phase(p).elastic for p in cfg.phases if any(n.source == source for n in cfg.phase(p).elastic.notices)]
     els = els or [cfg.phase(next(iter(TRAINING))).elastic]
     return Policy(min(e.max_preemptions for e in els), min(e.retry_wait_s for e in els))
 
