@@ -77,8 +77,8 @@ def test_with_dpo_the_phases_rows_run_in_order_and_the_export_follows_the_last_p
     export = run_stage(phases, "export")
     assert (export.source, export.parents, export.reads) == ("dpo", ("train_dpo",), ("train_dpo",))
     assert exported_phase(phases) == "dpo" and exported_phase(("cpt", "sft")) == "sft"
-    ev = run_stage(phases, "evaluate_sft")  # the SFT model is sft/hf now, not the export
-    assert ev.parents == ("unshard", "unshard_sft") and ev.source == "sft/hf"
+    ev = run_stage(phases, "evaluate_sft")  # the SFT model is sft/hf now; the generation check stays the export's
+    assert ev.parents == ("unshard", "unshard_sft", "export") and ev.source == "sft/hf"
     assert run_stage(phases, "gate").reads == (*STAGE["gate"].reads, "evaluate_dpo")
     assert run_stage(phases, "train_dpo").reads == ("reboost_dpo", "reference")
     assert run_stage(phases, "reboost_dpo").parents == ("unshard_sft", "prepare_dpo", "reference")

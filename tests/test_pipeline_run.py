@@ -173,7 +173,7 @@ def test_with_a_dpo_section_the_phases_rows_run_and_the_export_the_benchmark_and
     assert [c[0] for c in calls] == [s.name for s in table.run_stages(("cpt", "sft", "dpo"))]
     assert ran["reference"] == ("dpo", ["unshard_sft", "prepare_dpo"])
     assert ran["train_dpo"] == ("dpo", ["reboost_dpo", "reference"]) and ran["export"] == (None, ["train_dpo"])
-    assert ran["evaluate_sft"] == ("sft", ["unshard", "unshard_sft"])  # the SFT model, no longer the export
+    assert ran["evaluate_sft"] == ("sft", ["unshard", "unshard_sft", "export"])  # SFT's model; the export's generations
     assert ran["evaluate_dpo"] == ("dpo", ["unshard_sft", "export"]) and ran["benchmark"][1] == [
         "load_from_hf",
         "export",

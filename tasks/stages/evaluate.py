@@ -87,12 +87,13 @@ class _Opening(NamedTuple):
 
 
 def _open(
-    cfg: RunConfig, name: str, phase: Phase, reference: StageResult, candidate: StageResult
+    cfg: RunConfig, name: str, phase: Phase, reference: StageResult, candidate: StageResult, *more: StageResult
 ) -> StageResult | _Opening:
-    """Both evaluations' start: not configured, skipped (with its recorded metrics), or what to evaluate."""
+    """Both evaluations' start: not configured, skipped (with its recorded metrics), or what to evaluate.
+    `more`: the row's other parents (evaluate_sft in a run with dpo: the export its generation check runs on)."""
     if not cfg.phase(phase).eval.enabled:
         return _not_configured(name, phase)
-    stage = Stage(name, cfg, reference, candidate)
+    stage = Stage(name, cfg, reference, candidate, *more)
     store = stage.store
     if stage.skipped:
         return _with_metrics(stage.result, store)
@@ -183,21 +184,28 @@ def evaluate_cpt(
 
 @stage_task(name="evaluate_sft", task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
 def evaluate_sft(
-    cfg: RunConfig, bridge: StageResult, export: StageResult, tracker: tracking.TrackerHandle | None = None
+    cfg: RunConfig,
+    bridge: StageResult,
+    export: StageResult,
+    tracker: tracking.TrackerHandle | None = None,
+    shipped: StageResult | None = None,
 ) -> StageResult:
-    """Held-out loss of pre-SFT vs SFT and the generation check; `tracker`: the flow run's MLflow run, which gets the metrics."""
+    """Held-out loss of pre-SFT vs SFT and the generation check; `tracker`: the flow run's MLflow run, which gets
+    the metrics. `export`: the SFT model (sft/hf in a run with dpo, whose export, `shipped`, the generation
+    check runs on)."""
     logger = get_run_logger()
     g = cfg.gate
-    opened = _open(cfg, "evaluate_sft", "sft", bridge, export)
+    opened = _open(cfg, "evaluate_sft", "sft", bridge, export, *((shipped,) if shipped is not None else ()))
     if isinstance(opened, StageResult):
         return opened
     stage, pre_dir, export_dir, data, split, st = opened
+    gen_dir = stage.store.stage_in(shipped.rel) if shipped is not None else export_dir
     heldout = heldout_records(data)
     trust = cfg.base_model.trust_remote_code
     with ui.WorkProgress("evaluate_sft").reporting():  # a line a while with an ETA, as training's
         metrics = ev.evaluate_sft(pre_dir, export_dir, heldout, st.data.messages_field, st.seq_len, st.eval, trust)
         gen, rows = generation_check(
-            export_dir, heldout, st.data.messages_field, g.max_new_tokens, g.num_prompts, st.eval.dtype, trust
+            gen_dir, heldout, st.data.messages_field, g.max_new_tokens, g.num_prompts, st.eval.dtype, trust
         )
     gen["file"] = "generations.jsonl"
     metrics["generation"] = gen

@@ -442,9 +442,14 @@ STAGES: tuple[StageSpec, ...] = (
         digest=(*_eval_fields("sft"), *PHASES["sft"].eval_digest),
         parents=("unshard", "export"),  # pre-SFT vs SFT, generation check
         phase="sft",
-        # with DPO the export is the DPO model: SFT's own model is sft/hf
+        # with DPO the export is the DPO model: SFT's own model is sft/hf; the generation check stays the
+        # export's (what ships, its stop tokens aligned), so the export is its third parent
         with_phase={
-            "dpo": {"source": SFT_HF, "parents": ("unshard", "unshard_sft"), "reads": ("unshard", "unshard_sft")}
+            "dpo": {
+                "source": SFT_HF,
+                "parents": ("unshard", "unshard_sft", "export"),
+                "reads": ("unshard", "unshard_sft", "export"),
+            }
         },
     ),
     # The SFT model vs the DPO model on the held-out pairs: preference accuracy, reward margin, chosen log-likelihood.
