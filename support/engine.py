@@ -29,7 +29,7 @@ STAGE = {
 def stage_raw(stage: str, plugin: dict[str, Any], **stage_kw) -> dict[str, Any]:
     """One phase section (a PhaseConfig dict) of the sample data under `plugin`: what a job carries."""
     data = {"uri": str(REPO / "data" / "sample" / f"{stage}.jsonl")}
-    seq = {"seq_len": 64} if stage == "sft" else {}  # chats are longer than 32 tokens
+    seq = {"seq_len": 64} if stage in ("sft", "dpo") else {}  # chats and pairs are longer than 32 tokens
     return {"data": data, "plugin": plugin, "launch": {"nproc_per_node": 2}, **STAGE, **seq, "seed": 1234, **stage_kw}
 
 
@@ -49,10 +49,12 @@ def prepare_spec(phase_cfg: dict[str, Any], stage: str):
     the engine tests train on every record."""
     from dataclasses import replace
 
-    from tasks.core.config.schema import PhaseConfig
+    from tasks.core.config.phases import PHASES
+    from tasks.core.config.schema import DpoConfig, PhaseConfig
     from tasks.core.data.spec import prepare_spec
 
-    spec = prepare_spec(PhaseConfig.model_validate(phase_cfg), stage)
+    section = DpoConfig if PHASES[stage].record == "pair" else PhaseConfig  # a pair phase reads its own fields
+    spec = prepare_spec(section.model_validate(phase_cfg), stage)
     return replace(spec, heldout_fraction=0.0, heldout_uri=None, heldout_sources=())
 
 
@@ -77,6 +79,7 @@ def write_job(
     tokenizer_dir: Path | None = None,
     config_digest: str = "0" * 64,
     verify_memory_gb: float | None = None,
+    reference_dir: Path | None = None,
 ) -> Path:
     # One prepared directory per prepare spec (corpus, seq_len, split, a mixture's blend plan) and tokenizer,
     # keyed by the product's digest of that spec.
@@ -99,6 +102,8 @@ def write_job(
     }
     if verify_memory_gb is not None:
         job["verify_memory_gb"] = verify_memory_gb
+    if reference_dir is not None:
+        job["reference_dir"] = str(reference_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(job, indent=2))
     return path
@@ -146,6 +151,22 @@ def engine(
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"engine {verb} exited {proc.returncode}:\n{proc.stdout[-6000:]}")
     return run
+
+
+def reference_for(job: Path, out: Path) -> Path:
+    """The reference log-probabilities of a pair job's data, by the real code (`write_reference`) on the
+    job's model_dir (the model the phase starts from), as the flow's reference stage computes them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tasks.core.evaluation.reference import write_reference
+    from tasks.core.run.manifest import MANIFEST
+
+    raw = json.loads(job.read_text())
+    if not (out / MANIFEST).is_file():
+        model = AutoModelForCausalLM.from_pretrained(raw["model_dir"], torch_dtype=torch.float32).eval()
+        write_reference(model, raw["data_dir"], out)
+    return out
 
 
 def train_state(step_dir: Path) -> dict[str, Any]:

@@ -43,11 +43,13 @@ import torch.distributed as dist
 from tasks.core.config.context import changes_text, config_changes
 from tasks.core.config.kernels import KernelState
 from tasks.core.config.kernels import record as kernel_record
+from tasks.core.config.phases import PHASES
 from tasks.core.config.plugins import spec_of
 from tasks.core.errors import ManifestError
 from tasks.core.models.convert.state_view import MASTERS, CheckpointState
 from tasks.core.models.fingerprint import hf_dir_logits, model_logits, probe_forward, save_fingerprint
 from tasks.core.models.policy_rows import lazy_init_safe, needs_attention_mask, shard_settings
+from tasks.core.models.preference import metrics as preference_metrics
 from tasks.core.run import segments
 from tasks.core.run.events import CHECKPOINT, DETAIL, INFO, format_event
 from tasks.core.run.manifest import write_manifest
@@ -66,6 +68,9 @@ from tasks.engine.builders import (
 from tasks.engine.faults import Injector
 from tasks.engine.optim import make_optimizer, make_scheduler
 from tasks.engine.packing import model_inputs
+from tasks.engine.pairs import SUMS as PAIR_SUMS
+from tasks.engine.pairs import PairLoss
+from tasks.engine.pairs import add_sums as add_pair_sums
 from tasks.engine.preconditions import Job
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -133,6 +138,10 @@ class Engine:
         # whose modules keep plain tensors LazyInitContext leaves on the meta device (PolicyRow.eager_build: GPT-J).
         self.lazy_init = self.spec.lazy_init and self.cfg.lora is None and lazy_init_safe(model_type)
         self.lora_meta = None
+        # A pair phase (DPO): each micro-batch's loss is the pair loss of one forward (tasks/engine/pairs.py),
+        # and each step's preference figures (accuracy, margin) ride the loss all-reduce (`pair_metrics`).
+        self.pair_loss = None
+        self.pair_metrics: dict[str, float] | None = None
 
     # -- model ------------------------------------------------------------------------------
 
@@ -328,6 +337,8 @@ class Engine:
         micro = [model_inputs({k: v.to(self.device) for k, v in mb.items()}, impl, compute) for mb in micro]
         if self.batch_mask:  # a CPT block has no mask: all ones is no mask to transformers
             micro = [{"attention_mask": torch.ones_like(mb["input_ids"]), **mb} for mb in micro]
+        pairs = self._pair_loss()
+        sums = [0.0] * len(PAIR_SUMS) if pairs else None
         if self.pcfg.pp_size > 1:
             out = booster.execute_pipeline(
                 iter(micro),
@@ -350,8 +361,14 @@ class Engine:
                         if self.autocast
                         else contextlib.nullcontext()
                     )
-                    with cast:
-                        loss = model(**mb, use_cache=False).loss
+                    if pairs:  # the forward under the cast, the log-softmax and the pair loss in fp32
+                        with cast:
+                            logits = pairs.forward(model, mb)
+                        out = pairs.step(logits, mb)
+                        loss, sums = out.loss, add_pair_sums(sums, out)
+                    else:
+                        with cast:
+                            loss = model(**mb, use_cache=False).loss
                     booster.backward(loss / ga, optimizer)
                 local += loss.detach().double()
             local = local / ga
@@ -362,17 +379,28 @@ class Engine:
         optimizer.step()
         optimizer.zero_grad()
         self.scheduler.step()
-        return self.reduce_loss(local if self.layout.holds_loss else None, bool(noticed and noticed()))
+        return self.reduce_loss(local if self.layout.holds_loss else None, bool(noticed and noticed()), sums)
 
-    def reduce_loss(self, local: torch.Tensor | None, noticed: bool = False) -> float:
+    def _pair_loss(self):
+        if self.pair_loss is None and PHASES[self.job.stage].record == "pair":
+            self.pair_loss = PairLoss(self.cfg, self.config.vocab_size, self.layout.tp_group)
+        return self.pair_loss
+
+    def reduce_loss(self, local: torch.Tensor | None, noticed: bool = False, sums: list[float] | None = None) -> float:
         """The step's loss averaged over data-parallel replicas; the second element counts the ranks
-        that hold a preemption notice (the one collective every step has: no extra round trip)."""
-        t = torch.zeros(2, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
+        that hold a preemption notice (the one collective every step has: no extra round trip). A pair
+        phase's additive preference sums ride along: `pair_metrics` is their `metrics` over every replica."""
+        n = len(sums) if sums is not None else 0
+        t = torch.zeros(2 + n, dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
         if local is not None:
             t[0] += local
+            if n:
+                t[2:] += torch.tensor(sums, dtype=torch.float64, device=self.device)
         t[1] = float(noticed)
         dist.all_reduce(t)
         self.notice_agreed = bool(t[1].item() > 0)
+        if n:
+            self.pair_metrics = preference_metrics(dict(zip(PAIR_SUMS, t[2:].tolist())))
         return float(t[0].item() / self.layout.dp_size)
 
     # -- fingerprint --------------------------------------------------------------------------

@@ -49,6 +49,9 @@ from tasks.engine.preconditions import Job
 
 __all__ = ["StageData", "find_start", "shard", "train"]
 
+PREFERENCE = "preference"  # train_state.json's per-step figures of a pair phase: {figure: [one a step]}
+PREFERENCE_FIGURES = ("accuracy", "margin", "chosen_logp")
+
 
 class StageData:
     """The stage's prepared token shards (memory-mapped) and the resumable global order.
@@ -90,9 +93,25 @@ class StageData:
         self.pipeline = cfg.plugin.pp_size > 1
         self.batching = BATCHING[cfg.batching]
         self.lengths = self.dataset.lengths()  # one offsets array per file: no token is read
+        self.tokens = self.lengths  # real tokens of each unit the sampler walks
+        self.rows_per_unit = 1
+        # A pair phase: the sampler walks pairs (two rows each, batched whole with their reference
+        # log-probabilities, tasks/engine/pairs.py); `lengths` are the pairs' widths, their longer row.
+        self.pairs = None
+        if PHASES[self.dataset.kind].record == "pair":
+            from tasks.engine.pairs import PairData
+
+            if self.dataset.blend() is not None:
+                raise ValueError(
+                    f"{job.data_dir} is a mixture of preference sources: a pair phase trains on one source; give "
+                    f"{job.stage}.data.uri instead of {job.stage}.data.sources"
+                )
+            self.pairs = PairData(self.dataset, job.reference_dir, job.data_dir)
+            self.num_items, self.lengths = self.pairs.pairs, self.pairs.lengths
+            self.tokens, self.rows_per_unit = self.pairs.tokens, 2
         group = None
         rows = PHASES[self.dataset.kind].rows  # a record a row: `batching` orders or packs the rows
-        self.packs = rows and self.batching.packs
+        self.packs = rows and self.batching.packs and self.pairs is None  # pairs are never packed (pre-flight)
         # CPT blocks whose documents are kept apart (cpt.attention: document): the packed rows' inputs
         self.documents = not rows and cfg.attention == "document"
         if self.packs:
@@ -116,6 +135,7 @@ class StageData:
         width, padding included), the same on every rank without a collective."""
         glob = self.sampler.next_global(self.per_rank * self.dp_size)  # packed: rows, each a tuple of conversations
         lens = np.array([int(self.lengths[list(u)].sum()) for u in glob]) if self.packs else self.lengths[glob]
+        real = lens if self.packs else self.tokens[glob]
         step = self.per_rank if self.pipeline else self.micro
         widths = [
             micro_width(int(lens[i : i + step].max()), self.seq_len, self.batching, self.pipeline)
@@ -130,11 +150,19 @@ class StageData:
             if self.documents
             else self.dataset.batch
         )
-        micro = [
-            {k: torch.from_numpy(v) for k, v in build(mine[j * step : (j + 1) * step], width=widths[first + j]).items()}
-            for j in range(len(mine) // step)
-        ]
-        return micro, int(lens.sum()), sum(w * step for w in widths)
+        if self.pairs is not None:
+            micro = [
+                self.pairs.batch(mine[j * step : (j + 1) * step], widths[first + j]) for j in range(len(mine) // step)
+            ]
+        else:
+            micro = [
+                {
+                    k: torch.from_numpy(v)
+                    for k, v in build(mine[j * step : (j + 1) * step], width=widths[first + j]).items()
+                }
+                for j in range(len(mine) // step)
+            ]
+        return micro, int(real.sum()), sum(w * step * self.rows_per_unit for w in widths)
 
 
 def _with_adapter(eng: Engine, job: Job, model: torch.nn.Module, adapter_dir: Path | None) -> torch.nn.Module:
@@ -331,6 +359,8 @@ def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
     losses, lrs = list(state["losses"]), list(state.get("lrs", []))
     # Per-step figures the stage's summary and the model card report as medians (STEP_SUMMARY).
     summary = {k: list(v) for k, v in (state.get(STEP_SUMMARY) or {}).items()}
+    # A pair phase's per-step preference figures (tasks.core.models.preference.metrics), beside the losses.
+    preference = {k: list(v) for k, v in (state.get(PREFERENCE) or {}).items()}
     tokens = int(state["tokens_seen"])
     last = rp.path
     started = time.monotonic()
@@ -361,6 +391,9 @@ def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
             )
         losses.append(loss)
         lrs.append(lr)
+        figures = {k: eng.pair_metrics[k] for k in PREFERENCE_FIGURES} if eng.pair_metrics else {}
+        for key, value in figures.items():
+            preference.setdefault(key, []).append(value)
         for key in (*SUMMARY_FIELDS, *PEAK_FIELDS):
             summary.setdefault(key, []).append(metrics.get(key))
         tokens += ntok
@@ -376,6 +409,7 @@ def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
                 "elapsed_s": round(elapsed := time.monotonic() - started, 3),
                 "eta_s": round(elapsed / (step - rp.step) * (cfg.max_steps - step), 1),
                 **metrics,
+                **figures,
                 **(
                     {k: eng.lora_meta[k] for k in ("trainable_params", "total_params", "trainable_pct")}
                     if eng.lora_meta
@@ -398,6 +432,7 @@ def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
                 "lr": float(eng.scheduler.get_last_lr()[0]),
                 STEP_SUMMARY: summary,
                 "segments": runs,  # the layout of each stretch of steps (tasks/core/run/segments.py)
+                **({PREFERENCE: preference} if preference else {}),
             }
         if periodic:
             last = eng.save(step, state)
