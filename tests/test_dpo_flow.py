@@ -108,4 +108,4 @@ def test_cpt_sft_dpo_the_gate_fails_on_a_dpo_limit_and_nothing_is_pushed(
     assert "| DPO held-out reward margin | SFT 0.0000 | DPO " in card and "| FAIL |" in card
     assert "gate.dpo_min_margin" in card
     train = next(r for r in summary["stages"] if r["stage"] == "train_dpo")
-    assert train["detail"]["steps"] == 4 and Path(train["uri"]).name == "dpo"
+    assert train["detail"]["steps"] == 4 and Path(train["uri"]).parent.name == "dpo"
