@@ -224,3 +224,27 @@ def test_the_held_out_pairs_score_the_sft_model_against_itself_at_margin_zero(ti
     assert m["pairs"] > 0 and m["sft"] == m["dpo"] and m["chosen_logp_change"] == 0.0
     assert m["dpo"]["margin"] == 0.0 and m["dpo"]["loss"] == pytest.approx(math.log(2))
     assert m["dpo"]["chosen_logp"] < 0 and 0.0 <= m["dpo"]["prefers_chosen"] <= 1.0
+
+
+def test_a_dpo_run_is_refused_with_an_sft_adapter_and_its_limits_need_held_out_pairs(tmp_path):
+    from support.tiny import tiny_config_raw
+    from tasks.core.config.load import parse_config
+    from tasks.core.errors import ConfigError
+
+    raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
+    raw["sft"]["lora"] = {"r": 4, "alpha": 8}
+    raw["dpo"] = {
+        "data": {"uri": str(SAMPLE)},
+        "plugin": {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"},
+        "max_steps": 4,
+        "seq_len": 128,
+        "lr": 1.0e-5,
+        "eval": {"heldout_fraction": 0.0},
+    }
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw)
+    said = dict(err.value.problems)
+    assert "starts DPO from sft/hf" in said["sft.lora"] and "remove sft.lora" in said["sft.lora"]
+    assert "needs a DPO held-out set" in said["gate.dpo_min_margin"]
+    del raw["dpo"]  # without the phase: neither applies
+    parse_config(raw)
