@@ -30,6 +30,16 @@ def _vocab(n: int) -> Callable[[Case], None]:
     return lambda c: fake_model(c.model, vocab_size=n)
 
 
+def _dpo(**section) -> Callable[[Case], None]:
+    """A dpo section: the sft one's settings on the shipped sample pairs, then `section`."""
+    from support.engine import REPO
+
+    def apply(c: Case) -> None:
+        c.raw["dpo"] = {**copy.deepcopy(c.raw["sft"]), "data": {"uri": str(REPO / "data/sample/dpo.jsonl")}, **section}
+
+    return apply
+
+
 # rule: (stage, mutation)
 CASES: dict[str, tuple[str, Callable[[Case], None]]] = {
     "_tp_pp_need_support": ("sft", _all(_set("sft.plugin", {"name": "torch_ddp", "tp_size": 2, "precision": "fp32"}))),
@@ -40,6 +50,7 @@ CASES: dict[str, tuple[str, Callable[[Case], None]]] = {
     "_pipeline_microbatches": ("cpt", _set("cpt.plugin", {**HP, "pp_size": 2})),
     "_packing_keeps_conversations_apart": ("sft", _all(_set("sft.plugin", HP2), _set("sft.batching", "packed"))),
     "_lora_in_sft_only": ("cpt", _set("cpt.lora", {"r": 8})),
+    "_pairs_whole_in_one_forward": ("dpo", _dpo(plugin={**HP, "pp_size": 2}, grad_accum_steps=2)),
     "_lora_supported_by_plugin": ("sft", _all(_set("sft.plugin", HP2), _set("sft.lora", {"r": 8}))),
     "_qlora_export_not_built": ("sft", _set("sft.lora", {"r": 8, "quantize": True})),
     # the known wrong advice: "set zero_stage: 1", which fp32 then refused

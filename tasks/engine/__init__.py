@@ -23,6 +23,7 @@ The Prefect task writes the job file (tasks/core/run/job.py) and reads the ranks
 - node_staging.py   per-node staging for an `s3://` run root on several nodes
 - optim.py          the stage's optimizer and learning-rate schedule
 - packing.py        packed SFT rows -> model inputs, attention kept inside each conversation
+- pairs.py          a preference phase's step: pairs batched whole, the pair loss of one forward
 - plan_policy.py    the derived shardformer policy: tensor parallelism from the model's own tp plan
 - preconditions.py  the files a verb will read, checked before any process group exists
 - rankio.py         every line a rank prints prefixed with `[rank N] `

@@ -99,7 +99,9 @@ class PairData:
 
         out = {k: torch.from_numpy(v) for k, v in self.dataset.batch(pair_rows(pairs), width=width).items()}
         idx = np.asarray(pairs, np.int64)
-        out[REF_LOGPS] = torch.from_numpy(np.concatenate([self.ref_logps[idx, 0], self.ref_logps[idx, 1]]).astype(np.float32))
+        out[REF_LOGPS] = torch.from_numpy(
+            np.concatenate([self.ref_logps[idx, 0], self.ref_logps[idx, 1]]).astype(np.float32)
+        )
         out[REF_TOKENS] = torch.from_numpy(np.concatenate([self.ref_tokens[idx, 0], self.ref_tokens[idx, 1]]))
         return out
 

@@ -1,0 +1,137 @@
+"""The DPO training step in one process (no torchrun): pairs batched whole, the pair loss of one forward.
+
+    pytest -q tests/test_dpo_step.py
+
+The tiny pair set is the shipped sample's first pairs, prepared by the real PairEncoder path, and its
+reference the real `write_reference` on the tiny model; the engine's `StageData` walks it as a 2-rank
+data-parallel job would, and `PairLoss`'s step is held against `pair_loss` and the DPO formula by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from support.engine import REPO, reference_for, stage_raw, write_job
+from tasks.core.errors import ConfigError
+from tasks.core.run.job import load_job, parse_job
+
+DDP = {"name": "torch_ddp", "precision": "fp32"}
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, tiny_model_dir):
+    work = tmp_path_factory.mktemp("dpo-step")
+    src = work / "pairs.jsonl"  # the sample's first 12 records: every layout the reader takes
+    src.write_text("".join((REPO / "data" / "sample" / "dpo.jsonl").read_text().splitlines(keepends=True)[:12]))
+    section = stage_raw("dpo", DDP, data={"uri": str(src)}, micro_batch_size=2, beta=0.5, label_smoothing=0.1)
+    common = dict(stage="dpo", phase_cfg=section, model_dir=tiny_model_dir, stage_dir=work / "dpo")
+    shard = write_job(work / "jobs" / "shard.json", verb="shard", **common)
+    ref = reference_for(shard, work / "reference")
+    train = write_job(work / "jobs" / "train.json", verb="train", reference_dir=ref, **common)
+    return load_job(train)
+
+
+def test_a_pair_stage_walks_pairs_whole_with_their_reference(pairs):
+    from tasks.core.data.dataset import TokenDataset
+    from tasks.core.evaluation.reference import read_reference
+    from tasks.engine.loop import StageData
+    from tasks.engine.pairs import REF_LOGPS, REF_TOKENS
+
+    logps, tokens = read_reference(pairs.reference_dir, pairs.data_dir)
+    rows = TokenDataset(pairs.data_dir)
+    seen: list[int] = []
+    for dp_rank in (0, 1):
+        data = StageData(pairs, dp_rank, 2)
+        assert data.num_items == len(rows) // 2 == logps.shape[0] >= 8  # the sampler's units are pairs
+        for _ in range(2):
+            (mb,), ntok, computed = data.next_batch()  # micro_batch_size 2 pairs, grad_accum 1: one micro-batch
+            ids, labels = mb["input_ids"], mb["labels"]
+            assert ids.shape[0] == 4  # 2 pairs, 2 rows each
+            # the global batch's real tokens (both rows of every pair of both ranks) and its computed ones
+            assert int(mb["attention_mask"].sum()) < ntok <= computed and ids.numel() < computed
+            # Which pairs: each row is one of the dataset's rows, chosen rows first, then their rejected rows.
+            every, w = torch.from_numpy(rows.batch(range(len(rows)))["input_ids"]), ids.shape[1]  # each at seq_len
+            same = [(every[:, :w] == ids[r]).all(-1) & (every[:, w:] == rows.pad).all(-1) for r in range(4)]
+            got = [int(s.nonzero()[0]) for s in same]
+            p = [got[0] // 2, got[1] // 2]
+            assert got == [2 * p[0], 2 * p[1], 2 * p[0] + 1, 2 * p[1] + 1], got
+            seen += p
+            assert mb[REF_LOGPS].tolist() == [*logps[p, 0].tolist(), *logps[p, 1].tolist()]
+            assert mb[REF_TOKENS].tolist() == [*tokens[p, 0].tolist(), *tokens[p, 1].tolist()]
+            assert (labels[:, 1:] != -100).sum(-1).tolist() == mb[REF_TOKENS].tolist()  # the same replies scored
+    assert len(set(seen)) == len(seen) == 8  # the two ranks' pairs: disjoint, never a split pair
+
+
+def test_the_pair_step_is_pair_loss_and_the_dpo_formula(pairs):
+    from transformers import AutoModelForCausalLM
+
+    from tasks.core.models.preference import PairLogps, pair_loss, sequence_logps
+    from tasks.engine.loop import StageData
+    from tasks.engine.pairs import REF_LOGPS, REF_TOKENS, SUMS, PairLoss, add_sums
+
+    cfg = pairs.phase_cfg
+    model = AutoModelForCausalLM.from_pretrained(pairs.model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():  # a policy that moved away from the reference: one weight nudged
+        model.lm_head.weight[:8] += 0.05
+    (mb,), _, _ = StageData(pairs, 0, 1).next_batch()
+    step = PairLoss(cfg, model.config.vocab_size)
+    logits = step.forward(model, mb)
+    out = step.step(logits, mb)
+    ref = PairLogps.of_batch(mb[REF_LOGPS], mb[REF_TOKENS])
+    batch = {k: mb[k] for k in ("input_ids", "labels", "attention_mask")}
+    want = pair_loss(model, batch, ref, cfg.beta, cfg.loss, cfg.label_smoothing)
+    assert torch.equal(out.losses, want.losses) and torch.equal(out.loss, want.loss)
+    # By hand: h the policy's log-ratio of chosen over rejected less the reference's, e = label_smoothing.
+    lp, _ = sequence_logps(logits, mb["labels"])
+    p = lp.shape[0] // 2
+    h = (lp[:p] - mb[REF_LOGPS][:p]) - (lp[p:] - mb[REF_LOGPS][p:])
+    e, b = cfg.label_smoothing, cfg.beta
+    hand = (-(1 - e) * F.logsigmoid(b * h) - e * F.logsigmoid(-b * h)).mean()
+    assert abs(float(out.loss.detach()) - float(hand.detach())) < 1e-6 and float(out.loss.detach()) != pytest.approx(
+        math.log(2), abs=1e-4
+    )
+    # Its backward reaches the policy; the step's sums add up exactly to the metrics.
+    out.loss.backward()
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+    sums = add_sums([0.0] * len(SUMS), out)
+    assert sums[0] == p and sums[2] == float(((lp[:p] - lp[p:]) > (mb[REF_LOGPS][:p] - mb[REF_LOGPS][p:])).sum())
+    # IPO, the per-token row: each reply's mean log-probability over its scored tokens, the reference's likewise.
+    ipo = PairLoss(cfg.model_copy(update={"loss": "ipo", "label_smoothing": 0.0}), model.config.vocab_size)
+    n, rn = (mb["labels"][:, 1:] != -100).sum(-1), mb[REF_TOKENS]
+    h = (lp[:p] / n[:p] - mb[REF_LOGPS][:p] / rn[:p]) - (lp[p:] / n[p:] - mb[REF_LOGPS][p:] / rn[p:])
+    got = ipo.step(logits.detach(), mb).loss
+    assert abs(float(got) - float(((h.detach() - 1 / (2 * b)) ** 2).mean())) < 1e-6
+
+
+def test_a_pair_job_needs_its_reference_and_keeps_its_section_whole(pairs, tmp_path):
+    raw = json.loads(Path(pairs.source).read_text())
+    raw.pop("reference_dir")
+    with pytest.raises(ConfigError) as exc:
+        parse_job(raw)
+    assert [f for f, _ in exc.value.problems] == ["reference_dir"]
+    assert "set reference_dir to the reference artifact" in str(exc.value)
+    parse_job({**raw, "verb": "shard"})  # the shard verb boosts the model: it reads no reference
+    # The dpo section round-trips through the job file whole (beta, loss, label_smoothing, the pair fields).
+    again = parse_job(json.loads(json.dumps(pairs.model_dump(mode="json"))))
+    assert again.phase_cfg == pairs.phase_cfg and (again.phase_cfg.beta, again.phase_cfg.label_smoothing) == (0.5, 0.1)
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"plugin": {"name": "hybrid_parallel", "pp_size": 2, "num_microbatches": 2, "precision": "fp32"}}, "pp_size"),
+        ({"plugin": {**DDP}, "batching": "packed"}, "batching"),
+    ],
+)
+def test_pipeline_and_packed_rows_are_refused_for_pairs(pairs, change, field):
+    raw = json.loads(Path(pairs.source).read_text())
+    with pytest.raises(ConfigError) as exc:
+        parse_job({**raw, "phase_cfg": {**raw["phase_cfg"], **change}})
+    (f, why), *_ = exc.value.problems
+    assert f.endswith(field) and "refused for preference pairs" in why
