@@ -78,9 +78,9 @@ def write_job(
     stage_dir: Path,
     tokenizer_dir: Path | None = None,
     config_digest: str = "0" * 64,
-    verify_memory_gb: float | None = None,
-    reference_dir: Path | None = None,
+    **optional: Any,
 ) -> Path:
+    """`optional`: the job's optional fields (verify_memory_gb, reference_dir), written where not None."""
     # One prepared directory per prepare spec (corpus, seq_len, split, a mixture's blend plan) and tokenizer,
     # keyed by the product's digest of that spec.
     from tasks.core.run.digest import digest
@@ -100,10 +100,7 @@ def write_job(
         "parent": {"uri": str(model_dir), "digest": "parent-digest"},
         "config_digest": config_digest,
     }
-    if verify_memory_gb is not None:
-        job["verify_memory_gb"] = verify_memory_gb
-    if reference_dir is not None:
-        job["reference_dir"] = str(reference_dir)
+    job.update({k: str(v) if isinstance(v, Path) else v for k, v in optional.items() if v is not None})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(job, indent=2))
     return path

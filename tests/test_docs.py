@@ -29,6 +29,9 @@ from tasks.core.config.layout import RULES
 from tasks.core.launch.torchrun import PREFLIGHTS
 from tasks.core.preflight import tracking as preflight_tracking
 from tasks.core.preflight.checks import CHECKS, Machine, load_for_check, preflight_report
+from tasks.core.run.stages import run_stages
+
+STAGES = run_stages(("cpt", "sft"))  # the diagrams draw a run without the optional dpo phase (docs/dpo.md has its rows)
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"

@@ -32,6 +32,8 @@ KINDS = {
     "a real small model on CPU, one rank": "smollm2-cpu.yaml",
     "a real small model on CPU, two ranks": "smollm2-cpu-2ranks.yaml",
     "LoRA": "lora.yaml",
+    "DPO after SFT": "tiny-cpu-dpo.yaml",
+    "DPO after SFT on a real small model": "smollm2-cpu-dpo.yaml",
     "long context": "long-context.yaml",
     "a mixture with replay": "tiny-cpu-mixture.yaml",
     "an 8B multi-GPU layout": "llama3-8b-8gpu.yaml",

@@ -69,8 +69,9 @@ def _run_json(tmp_path) -> dict:
 
 
 def test_the_runner_runs_the_table_in_order_each_task_with_what_its_row_reads(run, tmp_path):
-    from tasks.core.run.stages import STAGES
+    from tasks.core.run.stages import run_stages
 
+    STAGES = run_stages(("cpt", "sft"))  # a run without dpo: the optional phase's rows are not in it
     calls, events, make_run = run
     carded: list[list[str]] = []
     summary = make_run(card=lambda cfg, results: (carded.append(list(results)), ("export/README.md", False))[1]).run()
@@ -141,3 +142,41 @@ def test_a_failed_gate_holds_the_push_back_and_a_preempted_stage_is_retried_by_i
     assert len(summary["preemptions"]) == 1 and rows["train_cpt"]["status"] == "completed"
     assert events == [("train_cpt", "preempted"), ("push_to_hub", "failed-gate")]
     assert summary["gate"]["passed"] is False and summary["complete"] is False
+
+
+def test_with_a_dpo_section_the_phases_rows_run_and_the_export_the_benchmark_and_the_gate_take_dpo(
+    tmp_path, monkeypatch
+):
+    from support import REPO
+    from tasks.core.config.load import parse_config
+    from tasks.core.run import stages as table
+    from tasks.flowkit import automation, ui
+    from tasks.flowkit.run import PipelineRun
+
+    raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
+    raw["dpo"] = {
+        "data": {"uri": str(REPO / "data" / "sample" / "dpo.jsonl")},
+        "plugin": {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"},
+        "max_steps": 2,
+        "seq_len": 128,
+        "lr": 1.0e-5,
+    }
+    cfg = parse_config(raw)
+    monkeypatch.setattr(automation, "stage_event", lambda *a, **kw: None)
+    monkeypatch.setattr(ui, "stage_table", lambda rows: None)
+    calls: list = []
+    tasks = {
+        spec.name: _task(spec, calls, None) for spec in table.run_stages(cfg.phases)
+    }  # the rows as the run has them
+    summary = PipelineRun(cfg, tasks=tasks, logger=logging.getLogger("test_pipeline_run")).run()
+    ran = {name: (phase, reads) for name, phase, reads in calls}
+    assert [c[0] for c in calls] == [s.name for s in table.run_stages(("cpt", "sft", "dpo"))]
+    assert ran["reference"] == ("dpo", ["unshard_sft", "prepare_dpo"])
+    assert ran["train_dpo"] == ("dpo", ["reboost_dpo", "reference"]) and ran["export"] == (None, ["train_dpo"])
+    assert ran["evaluate_sft"] == ("sft", ["unshard", "unshard_sft", "export"])  # SFT's model; the export's generations
+    assert ran["evaluate_dpo"] == ("dpo", ["unshard_sft", "export"]) and ran["benchmark"][1] == [
+        "load_from_hf",
+        "export",
+    ]
+    assert ran["gate"][1] == ["evaluate_cpt", "evaluate_sft", "benchmark", "evaluate_dpo"]
+    assert [s["stage"] for s in summary["stages"]] == [c[0] for c in calls] and summary["complete"] is True

@@ -914,13 +914,15 @@ def test_a_stage_name_is_a_string_in_the_table_only():
     """A stage's name is written once, in its row (tasks/core/run/stages.py); code names a stage by
     its row, `ROWS.<name>` (a task by `stage_task(ROWS.<name>)`), so a renamed row breaks every
     use, and each `ROWS.<name>` in the code is a row. A name that is also a config section
-    (`export`, `benchmark`, `gate`) is a word of its own elsewhere (the benchmark's "export" model,
-    run.json's "gate" field): those are held where a string names a stage (_NAMING_CALLS, a
+    (`export`, `benchmark`, `gate`), or the word an evaluation's record names its baseline by
+    (`reference`), is a word of its own elsewhere (the benchmark's "export" model, run.json's "gate" field): those are held where a string names a stage (_NAMING_CALLS, a
     `results` key)."""
     from tasks.core.config.schema import RunConfig
     from tasks.core.run.stages import STAGE_NAMES
 
-    sections = set(RunConfig.model_fields)
+    # words a stage's name shares: the config sections, and "reference", which an evaluation's record
+    # also names its baseline model by (the `reference` stage's log-probabilities are DPO's baseline)
+    sections = set(RunConfig.model_fields) | {"reference"}
     table = TASKS / "core" / "run" / "stages.py"
     files = [p for d in ("tasks", "flows", "support", "benchmarks", "scripts") for p in _modules(ROOT / d)]
     spelled, unknown = [], []

@@ -40,7 +40,7 @@ from tasks.flowkit.preflight import REFUSED, preflight
 from tasks.flowkit.run import Interrupted, PipelineRun, check_stop_after, failure_cause
 
 # Each stage module binds its task to its row of the table when imported (tasks/flowkit/pipeline.py).
-from tasks.stages import benchmark, evaluate, gate, load, prepare_data, push, train, unshard  # noqa: F401
+from tasks.stages import benchmark, evaluate, gate, load, prepare_data, push, reference, train, unshard  # noqa: F401
 from tasks.stages.export import write_card
 
 __all__ = [

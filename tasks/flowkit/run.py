@@ -85,6 +85,10 @@ class PipelineRun:
         self.started = time.monotonic()
 
     def run(self) -> dict[str, Any] | State:
+        try:  # a stage of a phase this config does not train
+            check_stop_after(self.stop_after, self.cfg.phases)
+        except ConfigError as exc:
+            return Failed(name="Refused", message=str(exc))
         store = store_for(self.cfg)
         self.logger.info("run %s: artifacts under %s", self.cfg.name, store.uri())
         self.started = time.monotonic()
@@ -92,6 +96,7 @@ class PipelineRun:
             lease = Lease(store, holder=_holder()).acquire(log=self.logger.warning)
         except LeaseHeld as exc:
             return Failed(name="Refused", message=str(exc))
+
         self.tracker = start_tracking(self.cfg, self.logger)
         try:
             state = self._loop()
@@ -141,7 +146,7 @@ class PipelineRun:
     def _pass(self) -> bool:
         """Every row in order (a finished stage skips); whether the card was written."""
         carded = False
-        for spec in table.STAGES:
+        for spec in table.run_stages(self.cfg.phases):  # an unconfigured optional phase's rows are not in the run
             if spec.publishes:  # export/README.md, with the evaluation: the file the push uploads
                 carded = self._write_card()
             verdict = self.results.get(spec.held_by) if spec.held_by else None
@@ -249,10 +254,17 @@ class PipelineRun:
         return summary
 
 
-def check_stop_after(stop_after: str | None) -> None:
-    if stop_after and stop_after not in table.STAGE_NAMES:
+def check_stop_after(stop_after: str | None, phases: Any = None) -> None:
+    """`stop_after` names a row of the table (and, given the run's phases, a row of this run)."""
+    names = table.STAGE_NAMES if phases is None else tuple(s.name for s in table.run_stages(phases))
+    if stop_after and stop_after not in names:
+        said = (
+            "is no stage"
+            if stop_after not in table.STAGE_NAMES
+            else "is no stage of this run (its phase is not configured)"
+        )
         raise ConfigError(
-            [("stop_after", f"{stop_after!r} is no stage; use one of: {', '.join(table.STAGE_NAMES)}")],
+            [("stop_after", f"{stop_after!r} {said}; use one of: {', '.join(names)}")],
             header="invalid flow parameter",
         )
 
@@ -334,7 +346,7 @@ def preemption_policy(cfg: RunConfig, exc: Preempted) -> Policy:
         el = cfg.phase(phase).elastic
         return Policy(el.max_preemptions, el.retry_wait_s)
     source = exc.record.get("source")
-    els = [cfg.phase(p).elastic for p in TRAINING if any(n.source == source for n in cfg.phase(p).elastic.notices)]
+    els = [cfg.phase(p).elastic for p in cfg.phases if any(n.source == source for n in cfg.phase(p).elastic.notices)]
     els = els or [cfg.phase(next(iter(TRAINING))).elastic]
     return Policy(min(e.max_preemptions for e in els), min(e.retry_wait_s for e in els))
 
@@ -361,7 +373,7 @@ def write_summary(
     """run.json: every row of the table in order (a stage not reached: not-run), and the stage table artifact."""
     store = store_for(cfg)
     stages = []
-    for name in table.STAGE_NAMES:
+    for name in (s.name for s in table.run_stages(cfg.phases)):
         r = results.get(name)
         stages.append(
             r.as_dict()

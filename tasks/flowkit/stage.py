@@ -45,7 +45,7 @@ from tasks.core.errors import ArtifactMissing, ManifestError, Preempted
 from tasks.core.hub.repo import SECRET_BLOCK, hub_token
 from tasks.core.run.digest import config_digest, content_digest
 from tasks.core.run.manifest import MANIFEST, list_files, read_manifest, verify_artifact, write_manifest
-from tasks.core.run.stages import BUILD_SUFFIX, ROWS, STAGE, SUPERSEDED, StageSpec, Status
+from tasks.core.run.stages import BUILD_SUFFIX, ROWS, STAGE, SUPERSEDED, StageSpec, Status, run_stage
 from tasks.core.storage.fs import RunStore
 from tasks.core.storage.oserrors import note_free
 from tasks.core.storage.publisher import RETRIES, publish_retrying
@@ -102,6 +102,10 @@ def recorded_metrics(results: dict[str, StageResult]) -> dict[str, dict[str, Any
     for key, row in (("cpt", ROWS.evaluate_cpt), ("sft", ROWS.evaluate_sft), ("benchmark", ROWS.benchmark)):
         r = results.get(row.name)
         out[key] = r.detail.get("metrics") if r is not None else None
+    if (
+        r := results.get(ROWS.evaluate_dpo.name)
+    ) is not None:  # a row of the dpo phase: a run without it records what it did
+        out["dpo"] = r.detail.get("metrics")
     return out
 
 
@@ -219,7 +223,7 @@ class Stage:
     """
 
     def __init__(self, name: str, cfg: RunConfig, *parents: StageResult, inputs: Any = None, rel: str | None = None):
-        spec = STAGE[name]
+        spec = run_stage(cfg.phases, name)
         self.name, self.cfg = name, cfg
         self.rel = rel or spec.artifact
         self.store = store_for(cfg)
@@ -229,7 +233,7 @@ class Stage:
         self._skip_checked = False
 
     def _config_digest(self, parents: tuple[StageResult, ...], inputs: Any) -> str:
-        spec = STAGE[self.name]
+        spec = run_stage(self.cfg.phases, self.name)
         for p in parents:
             if p.rel is None:
                 raise ValueError(

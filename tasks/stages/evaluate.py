@@ -7,9 +7,11 @@ plugin: every model compared here already exists as an HF directory, which is al
 load it. `eval.dtype` unset follows export.dtype on a GPU, fp32 on CPU (`_with_eval_dtype`).
 - evaluate_cpt: base/ vs cpt/hf/ on the CPT held-out set, and on each source's own (a mixture's,
   and cpt.eval.heldout_sources, never trained on) -> eval/cpt/ (metrics.json + manifest)
-- evaluate_sft: cpt/hf/ (what reboost loaded: the pre-SFT model) vs export/ on the SFT held-out
-  set, loss on assistant tokens; then greedy generations of held-out prompts with the export
-  -> eval/sft/ (metrics.json, generations.jsonl + manifest)
+- evaluate_sft: cpt/hf/ (what reboost loaded: the pre-SFT model) vs export/ (sft/hf/ in a run with
+  dpo) on the SFT held-out set, loss on assistant tokens; then greedy generations of held-out prompts
+  with that model -> eval/sft/ (metrics.json, generations.jsonl + manifest)
+- evaluate_dpo (a row of the dpo phase): sft/hf/ vs export/ (the DPO model) on the held-out pairs:
+  preference accuracy, mean reward margin, the chosen reply's log-likelihood -> eval/dpo/
 
 The held-out records were decided by prepare_data in its one pass over the corpus and are read
 here from data/<phase>/ (`tasks.core.data.stage_data.heldout_records`), never re-split. The evaluation artifacts are leaves nobody trains
@@ -86,12 +88,13 @@ class _Opening(NamedTuple):
 
 
 def _open(
-    cfg: RunConfig, name: str, phase: Phase, reference: StageResult, candidate: StageResult
+    cfg: RunConfig, name: str, phase: Phase, reference: StageResult, candidate: StageResult, *more: StageResult
 ) -> StageResult | _Opening:
-    """Both evaluations' start: not configured, skipped (with its recorded metrics), or what to evaluate."""
+    """Both evaluations' start: not configured, skipped (with its recorded metrics), or what to evaluate.
+    `more`: the row's other parents (evaluate_sft in a run with dpo: the export its generation check runs on)."""
     if not cfg.phase(phase).eval.enabled:
         return _not_configured(name, phase)
-    stage = Stage(name, cfg, reference, candidate)
+    stage = Stage(name, cfg, reference, candidate, *more)
     store = stage.store
     if stage.skipped:
         return _with_metrics(stage.result, store)
@@ -190,21 +193,28 @@ def evaluate_cpt(
 
 @stage_task(ROWS.evaluate_sft, task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
 def evaluate_sft(
-    cfg: RunConfig, bridge: StageResult, export: StageResult, tracker: tracking.TrackerHandle | None = None
+    cfg: RunConfig,
+    bridge: StageResult,
+    export: StageResult,
+    tracker: tracking.TrackerHandle | None = None,
+    shipped: StageResult | None = None,
 ) -> StageResult:
-    """Held-out loss of pre-SFT vs SFT and the generation check; `tracker`: the flow run's MLflow run, which gets the metrics."""
+    """Held-out loss of pre-SFT vs SFT and the generation check; `tracker`: the flow run's MLflow run, which gets
+    the metrics. `export`: the SFT model (sft/hf in a run with dpo, whose export, `shipped`, the generation
+    check runs on)."""
     logger = get_run_logger()
     g = cfg.gate
-    opened = _open(cfg, ROWS.evaluate_sft.name, "sft", bridge, export)
+    opened = _open(cfg, ROWS.evaluate_sft.name, "sft", bridge, export, *((shipped,) if shipped is not None else ()))
     if isinstance(opened, StageResult):
         return opened
     stage, pre_dir, export_dir, data, split, st = opened
+    gen_dir = stage.store.stage_in(shipped.rel) if shipped is not None else export_dir
     heldout = heldout_records(data)
     trust = cfg.base_model.trust_remote_code
     with ui.WorkProgress(ROWS.evaluate_sft.name).reporting():  # a line a while with an ETA, as training's
         metrics = ev.evaluate_sft(pre_dir, export_dir, heldout, st.data.messages_field, st.seq_len, st.eval, trust)
         gen, rows = generation_check(
-            export_dir, heldout, st.data.messages_field, g.max_new_tokens, g.num_prompts, st.eval.dtype, trust
+            gen_dir, heldout, st.data.messages_field, g.max_new_tokens, g.num_prompts, st.eval.dtype, trust
         )
     gen["file"] = "generations.jsonl"
     metrics["generation"] = gen
@@ -228,3 +238,48 @@ def evaluate_sft(
         "generation_passed": gen["passed"],
     }
     return _recorded(stage, "sft", _Measured(metrics, event, rows), bridge, export, st.max_steps, tracker)
+
+
+@stage_task(ROWS.evaluate_dpo, task_run_name="evaluate DPO: SFT vs DPO on held-out pairs")
+def evaluate_dpo(
+    cfg: RunConfig, sft_model: StageResult, export: StageResult, tracker: tracking.TrackerHandle | None = None
+) -> StageResult:
+    """Held-out preference accuracy, reward margin and chosen log-likelihood of the SFT model (sft/hf) and the
+    DPO model (the export); `tracker`: the flow run's MLflow run, which gets the metrics."""
+    from tasks.core.evaluation.reference import evaluate_pairs
+
+    opened = _open(cfg, ROWS.evaluate_dpo.name, "dpo", sft_model, export)
+    if isinstance(opened, StageResult):
+        return opened
+    stage, sft_dir, dpo_dir, data, split, st = opened
+    dpo = cfg.phase("dpo")
+    with ui.WorkProgress(ROWS.evaluate_dpo.name).reporting():
+        metrics = evaluate_pairs(
+            sft_dir,
+            dpo_dir,
+            data,
+            dpo,
+            dtype=st.eval.dtype,
+            batch_pairs=max(1, st.eval.batch_size // 2),
+            trust_remote_code=cfg.base_model.trust_remote_code,
+        )
+    metrics["split"] = split
+    s, d = metrics["sft"], metrics["dpo"]
+    get_run_logger().info(
+        "evaluate_dpo: %d held-out pairs: preference accuracy %.3f, margin %+.4f, chosen log-likelihood %.4f -> %.4f "
+        "(SFT -> DPO; SFT prefers the chosen reply in %.3f, DPO in %.3f) in %.1fs",
+        metrics["pairs"],
+        d["accuracy"],
+        d["margin"],
+        s["chosen_logp"],
+        d["chosen_logp"],
+        s["prefers_chosen"],
+        d["prefers_chosen"],
+        metrics["seconds"],
+    )
+    event = {
+        "dpo_accuracy": d["accuracy"],
+        "dpo_margin": d["margin"],
+        "chosen_logp_change": metrics["chosen_logp_change"],
+    }
+    return _recorded(stage, "dpo", _Measured(metrics, event), sft_model, export, st.max_steps, tracker)

@@ -1,4 +1,4 @@
-"""Stage export: the final SFT checkpoint (plugin B) -> `export/`, a clean HF model folder.
+"""Stage export: the final SFT checkpoint (plugin B; DPO's in a run with `dpo:`) -> `export/`, a clean HF model folder.
 
     python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml   # export runs as one stage of it
 
@@ -34,7 +34,7 @@ from tasks.core.data.stage_data import recorded_split
 from tasks.core.errors import ConversionError
 from tasks.core.models.stop_tokens import describe
 from tasks.core.run.manifest import VERIFICATION, amend_views, read_manifest, write_manifest
-from tasks.core.run.stages import EXPORT, EXPORT_ADAPTER, ROWS, TRAINING
+from tasks.core.run.stages import EXPORT, EXPORT_ADAPTER, ROWS, TRAINING, exported_phase
 from tasks.core.storage.publisher import RETRIES, publish_retrying
 from tasks.flowkit import ui
 from tasks.flowkit.stage import Stage, StageResult, completed, fresh_dir, recorded_metrics, stage_task, store_for
@@ -108,16 +108,20 @@ def _verification_markdown(v: dict) -> str:
 
 @stage_task(ROWS.export, task_run_name="export HF safetensors [{cfg.export.dtype}]")
 def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
+    """`sft`: the final training stage's result (train_sft, or train_dpo in a run with dpo: the export row's read)."""
     stage = Stage(ROWS.export.name, cfg, sft)
-    lora = cfg.sft.lora is not None
+    phase = exported_phase(cfg.phases)
+    section, source_rel = cfg.phase(phase), TRAINING[phase].source
+    lora = section.lora is not None
     if stage.skipped and (not lora or completed(stage.store, EXPORT_ADAPTER, stage.digest)):
         return stage.result
     if not lora and stage.store.exists(
         EXPORT_ADAPTER
     ):  # an earlier LoRA run's adapter: it does not describe this export
         get_run_logger().info(
-            "export: removing %s, the adapter of an earlier LoRA export (sft.lora is not set now)",
+            "export: removing %s, the adapter of an earlier LoRA export (%s.lora is not set now)",
             stage.store.uri(EXPORT_ADAPTER),
+            phase,
         )
         stage.store.remove(EXPORT_ADAPTER)
     # Imported when the stage runs: the converter, the merge and the folder rules import torch (~2.5 s
@@ -126,11 +130,9 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
     from tasks.core.models.hf_artifact import build_hf_dir
     from tasks.core.models.merge import build_merged_dir
 
-    ckpt, source = stage.store.stage_in(sft.rel), stage.store.stage_in(TRAINING["sft"].source)
+    ckpt, source = stage.store.stage_in(sft.rel), stage.store.stage_in(source_rel)
     with stage.build() as out, ui.WorkProgress(ROWS.export.name).reporting():  # shards, the proof: lines with an ETA
-        if (
-            cfg.sft.lora is not None
-        ):  # the adapter merged onto cpt/hf in fp32, proven against peft (tasks/core/models/merge.py)
+        if lora:  # the adapter merged onto the phase's source (cpt/hf; sft/hf for dpo) in fp32, proven against peft (tasks/core/models/merge.py)
             built = build_merged_dir(
                 ckpt, out.dir, source, cfg.export, work_dir=cfg.staging_dir, verify_memory_gb=cfg.verify_memory_gb
             )
@@ -140,7 +142,7 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
                 out.dir,
                 source,
                 cfg.export,
-                weights_dtype=cfg.sft.plugin.precision,
+                weights_dtype=section.plugin.precision,
                 verify_memory_gb=cfg.verify_memory_gb,
             )
         v = built["verification"]
@@ -149,9 +151,7 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
             raise ConversionError("export: " + "; ".join(problems))
         get_run_logger().info("export: %s", describe(v["stop_tokens"]))
         if lora:
-            v["adapter"] = _export_adapter(
-                stage, sft, ckpt, source, out.dir, v["fingerprint_rtol"], cfg.verify_memory_gb
-            )
+            v["adapter"] = _export_adapter(stage, sft, ckpt, source, out.dir, v["fingerprint_rtol"], source_rel)
         (out.dir / VERIFICATION).write_text(json.dumps(v, indent=2, sort_keys=True) + "\n")
         out.manifest(
             kind="hf-export",
@@ -162,7 +162,7 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
                 "from_checkpoint": sft.uri,
                 "dtype": cfg.export.dtype,
                 "verification": {k: x for k, x in v.items() if k != "shapes"},
-                "data_split": recorded_split(stage.store, "sft"),  # what SFT trained on and what it held out
+                "data_split": recorded_split(stage.store, phase),  # what the phase trained on and what it held out
                 "versions": framework_versions(),  # of the process that built the export, for the model card
             },
         )
@@ -183,7 +183,13 @@ def export_hf(cfg: RunConfig, sft: StageResult) -> StageResult:
 
 
 def _export_adapter(
-    stage: Stage, sft: StageResult, ckpt, base, export_dir, rtol: float, verify_memory_gb: float
+    stage: Stage,
+    sft: StageResult,
+    ckpt,
+    base,
+    export_dir,
+    rtol: float,
+    base_rel: str = TRAINING["sft"].source,
 ) -> dict:
     """export-adapter/: the checkpoint's adapter in peft's layout, proven against `export_dir`
     (before its manifest); returns the verification the export's record also carries."""
@@ -191,12 +197,18 @@ def _export_adapter(
     from tasks.core.models.merge import ADAPTER
 
     base_ref = {
-        "name_or_path": stage.store.uri(TRAINING["sft"].source),
-        "digest": stage.store.manifest_digest(TRAINING["sft"].source),
+        "name_or_path": stage.store.uri(base_rel),
+        "digest": stage.store.manifest_digest(base_rel),
     }
     with fresh_dir(stage.store.local_path(EXPORT_ADAPTER), keep_foreign=stage.store.local) as tmp:
         a = build_adapter_dir(
-            ckpt / ADAPTER, tmp, base, export_dir, base_ref=base_ref, rtol=rtol, verify_memory_gb=verify_memory_gb
+            ckpt / ADAPTER,
+            tmp,
+            base,
+            export_dir,
+            base_ref=base_ref,
+            rtol=rtol,
+            verify_memory_gb=stage.cfg.verify_memory_gb,
         )
         (tmp / VERIFICATION).parent.mkdir(parents=True, exist_ok=True)
         (tmp / VERIFICATION).write_text(json.dumps(a, indent=2, sort_keys=True) + "\n")

@@ -26,7 +26,11 @@ EVAL_TABLE_KEY = "cpt-to-sft-evaluation"
 @bind
 @task(name=ROWS.gate.name, task_run_name="gate before push")
 def gate(
-    cfg: RunConfig, cpt_eval: StageResult, sft_eval: StageResult, bench_eval: StageResult | None = None
+    cfg: RunConfig,
+    cpt_eval: StageResult,
+    sft_eval: StageResult,
+    bench_eval: StageResult | None = None,
+    dpo_eval: StageResult | None = None,
 ) -> StageResult:
     """Status `passed`, `failed-gate` or `disabled`; detail is the verdict (checks and reasons).
 
@@ -37,7 +41,8 @@ def gate(
     started = time.monotonic()
     cpt, sft = cpt_eval.detail.get("metrics"), sft_eval.detail.get("metrics")
     scores = bench_eval.detail.get("metrics") if bench_eval is not None else None
-    verdict = rules.gate_verdict(cfg.gate, cpt, sft, scores)
+    dpo = dpo_eval.detail.get("metrics") if dpo_eval is not None else None  # a row only in a run with dpo
+    verdict = rules.gate_verdict(cfg.gate, cpt, sft, scores, dpo, trains_dpo="dpo" in cfg.phases)
     for c in verdict["checks"]:
         logger.info("gate: %s %s: %s", "pass" if c["ok"] else "FAIL", c["check"], c["message"])
     status = Status.DISABLED if not cfg.gate.enabled else (Status.PASSED if verdict["passed"] else Status.FAILED_GATE)
@@ -49,7 +54,7 @@ def gate(
         from prefect.artifacts import create_table_artifact
 
         create_table_artifact(
-            rules.metrics_table(cpt, sft, verdict),
+            rules.metrics_table(cpt, sft, verdict, dpo),
             key=EVAL_TABLE_KEY,
             description=f"Held-out evaluation and the publish gate: {status}",
         )

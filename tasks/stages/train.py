@@ -1,4 +1,4 @@
-"""Stages boost_and_shard / reboost (engine verb `shard`) and train CPT / SFT (engine verb `train`).
+"""Stages boost_and_shard / reboost / reboost_dpo (engine verb `shard`) and train CPT / SFT / DPO (engine verb `train`).
 
 Both launch `python -m tasks.engine <verb> --config JOB.json` under torchrun with the stage's
 layout; where the checkpoints go (stay local, published by this worker, published by each node) is
@@ -53,7 +53,14 @@ def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:
             return
 
 
-def _job(cfg: RunConfig, sink: CheckpointSink, verb: str, parent: StageResult, cdigest: str) -> Job:
+def _job(
+    cfg: RunConfig,
+    sink: CheckpointSink,
+    verb: str,
+    parent: StageResult,
+    cdigest: str,
+    reference: StageResult | None = None,
+) -> Job:
     phase, store = sink.phase, sink.store
     model_rel = parent.rel if verb == "shard" else TRAINING[phase].source
     source = sink.stage_in(model_rel)
@@ -77,6 +84,8 @@ def _job(cfg: RunConfig, sink: CheckpointSink, verb: str, parent: StageResult, c
         config_digest=cdigest,
         nodes=sink.nodes,
         remote_run_root=sink.remote_run_root,
+        # a pair phase trains against the reference model's log-probabilities (the reference stage's artifact)
+        **({"reference_dir": sink.stage_in(reference.rel)} if reference is not None and verb == "train" else {}),
     )
 
 
@@ -95,10 +104,12 @@ def _launch(store: RunStore, job: Job, run_name: str, **kwargs: Any) -> None:
     )
 
 
-def _shard(cfg: RunConfig, phase: Phase, parent: StageResult, data: StageResult, task_name: str) -> StageResult:
+def _shard(
+    cfg: RunConfig, phase: Phase, parent: StageResult, data: StageResult, task_name: str, *more: StageResult
+) -> StageResult:
     # The prepared data's content stands for the corpus itself (a file added to a directory
-    # changes it, while the config does not change).
-    st = Stage(task_name, cfg, parent, data, rel=TRAINING[phase].step(0))
+    # changes it, while the config does not change). `more`: the row's other parents (dpo: the reference).
+    st = Stage(task_name, cfg, parent, data, *more, rel=TRAINING[phase].step(0))
     if st.skipped:
         return st.result
     _supersede_foreign(st.store, phase, st.digest)
@@ -121,14 +132,20 @@ def reboost(cfg: RunConfig, bridge: StageResult, data: StageResult) -> StageResu
     return _shard(cfg, "sft", bridge, data, "reboost")
 
 
-def _train(cfg: RunConfig, phase: Phase, start: StageResult, tracker: tracking.TrackerHandle | None) -> StageResult:
+def _train(
+    cfg: RunConfig,
+    phase: Phase,
+    start: StageResult,
+    tracker: tracking.TrackerHandle | None,
+    reference: StageResult | None = None,
+) -> StageResult:
     section = cfg.phase(phase)
     run = Stage(f"train_{phase}", cfg, start, rel=TRAINING[phase].step(section.max_steps))  # start's digest, carried on
     if run.skipped:
         return run.result
     store = run.store
     sink = checkpoint_sink(store, phase, section, TRAINING[phase].source, cfg.staging_dir)
-    job = _job(cfg, sink, "train", start, run.digest)
+    job = _job(cfg, sink, "train", start, run.digest, reference)
     logger = get_run_logger()
     mlflow_run = tracking.stage_tracker(tracker, phase, warn=logger.warning)
     progress = ui.Progress(phase, section.max_steps, links={"MLflow run": mlflow_run.url} if mlflow_run else None)
@@ -253,3 +270,17 @@ def train_cpt(cfg: RunConfig, start: StageResult, tracker: tracking.TrackerHandl
 def train_sft(cfg: RunConfig, start: StageResult, tracker: tracking.TrackerHandle | None = None) -> StageResult:
     """Train SFT from `start`; `tracker`: the flow run's MLflow run, which gets a nested run of the steps."""
     return _train(cfg, "sft", start, tracker)
+
+
+@stage_task(name="reboost_dpo", task_run_name="reboost DPO [{cfg.dpo.plugin.name}]")
+def reboost_dpo(cfg: RunConfig, bridge: StageResult, data: StageResult, reference: StageResult) -> StageResult:
+    """Boost the unsharded SFT model (sft/hf) under the dpo plugin and save dpo/step-000000, made from the reference too."""
+    return _shard(cfg, "dpo", bridge, data, "reboost_dpo", reference)
+
+
+@stage_task(name="train_dpo", task_run_name="train DPO [{cfg.dpo.plugin.name}]")
+def train_dpo(
+    cfg: RunConfig, start: StageResult, reference: StageResult, tracker: tracking.TrackerHandle | None = None
+) -> StageResult:
+    """Train DPO from `start` against `reference`'s log-probabilities; `tracker`: as train_sft's."""
+    return _train(cfg, "dpo", start, tracker, reference)

@@ -1,53 +1,76 @@
-"""Stage unshard: the final CPT checkpoint (plugin A) -> `cpt/hf/`, the HF-format bridge.
+"""Stages unshard and unshard_sft: a phase's final checkpoint -> its HF-format bridge (`cpt/hf/`, `sft/hf/`).
+
+    python -m flows.cpt_to_sft --config examples/tiny-cpu.yaml       # unshard: CPT -> cpt/hf
+    python -m flows.cpt_to_sft --config examples/tiny-cpu-dpo.yaml   # and unshard_sft: SFT -> sft/hf, what DPO starts from
 
 Every plugin can boost from an HF directory, so this is the one handoff between plugins. It is a
-streaming conversion on the worker's CPU; the fingerprint proves the logits survived. config.json is
-base/'s with `cpt.context`'s RoPE and position settings in place, as CPT trained (tasks/core/config/context.py).
+streaming conversion on the worker's CPU; the fingerprint proves the logits survived. cpt/hf's
+config.json is base/'s with `cpt.context`'s RoPE and position settings in place, as CPT trained
+(tasks/core/config/context.py); sft/hf's is cpt/hf's, which already carries them. unshard_sft is a
+row of the dpo phase: a run without `dpo:` exports SFT's checkpoint directly.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from tasks.core.config.context import config_changes
+from tasks.core.config.phases import PHASES, Phase
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.stage_data import recorded_split
-from tasks.core.run.stages import BASE, ROWS, TRAINING
+from tasks.core.run.stages import BASE, ROWS, SFT_HF, TRAINING
 from tasks.flowkit import ui
 from tasks.flowkit.stage import Stage, StageResult, stage_task
 
 
-@stage_task(ROWS.unshard, task_run_name="unshard CPT -> HF")
-def unshard(cfg: RunConfig, cpt: StageResult) -> StageResult:
-    stage = Stage(ROWS.unshard.name, cfg, cpt, rel=TRAINING["cpt"].hf)
+def _unshard(
+    cfg: RunConfig, name: str, phase: Phase, ckpt_result: StageResult, rel: str, source_rel: str
+) -> StageResult:
+    """`phase`'s final checkpoint (`ckpt_result`) as an HF folder at `rel`, its config and tokenizer from `source_rel`."""
+    stage = Stage(name, cfg, ckpt_result, rel=rel)
     if stage.skipped:
         return stage.result
     from tasks.core.models.hf_artifact import (
         build_hf_dir,
     )  # here: the converter imports torch, which a skipped stage never needs
 
-    ckpt, source = stage.store.stage_in(cpt.rel), stage.store.stage_in(BASE)
-    with stage.build() as out, ui.WorkProgress(ROWS.unshard.name).reporting():  # shards, the proof: lines with an ETA
+    ckpt, source = stage.store.stage_in(ckpt_result.rel), stage.store.stage_in(source_rel)
+    # the RoPE and position settings of the phase that sets the model's context (CPT); a later phase's
+    # source (cpt/hf) carries them already
+    context: dict[str, Any] = config_changes(cfg.phase(phase).context) if PHASES[phase].context_refused is None else {}
+    with stage.build() as out, ui.WorkProgress(name).reporting():  # shards, the proof: lines with an ETA
         built = build_hf_dir(
             ckpt,
             out.dir,
             source,
             cfg.export,  # its shard size: otherwise the checkpoint as it is (bridge)
-            weights_dtype=cfg.cpt.plugin.precision,
+            weights_dtype=cfg.phase(phase).plugin.precision,
             bridge=True,
             verify_memory_gb=cfg.verify_memory_gb,
-            # the RoPE and position settings CPT trained with, which its checkpoints' config.json holds
-            config_updates=config_changes(cfg.cpt.context),
+            config_updates=context,
         )
         out.manifest(
             kind="hf-model",
-            parent=cpt,
+            parent=ckpt_result,
             fingerprint=built["fingerprint"],
             known_hashes=built["known_hashes"],
             meta={
-                "from_checkpoint": cpt.uri,
-                "plugin": cfg.cpt.plugin.model_dump(mode="json"),
+                "from_checkpoint": ckpt_result.uri,
+                "plugin": cfg.phase(phase).plugin.model_dump(mode="json"),
                 "verification": built["verification"],
-                "data_split": recorded_split(stage.store, "cpt"),  # what CPT trained on and what it held out
-                "context": config_changes(cfg.cpt.context),  # config.json fields CPT changed from base/'s
+                "data_split": recorded_split(stage.store, phase),  # what the phase trained on and what it held out
+                "context": context,  # config.json fields CPT changed from base/'s
             },
         )
     return stage.done({"fingerprint_max_abs_diff": built["verification"]["fingerprint_max_abs_diff"]})
+
+
+@stage_task(ROWS.unshard, task_run_name="unshard CPT -> HF")
+def unshard(cfg: RunConfig, cpt: StageResult) -> StageResult:
+    return _unshard(cfg, ROWS.unshard.name, "cpt", cpt, TRAINING["cpt"].hf, BASE)
+
+
+@stage_task(ROWS.unshard_sft, task_run_name="unshard SFT -> HF (the model DPO starts from)")
+def unshard_sft(cfg: RunConfig, sft: StageResult) -> StageResult:
+    """SFT's final checkpoint -> sft/hf: the model reboost_dpo boosts, the reference scores and evaluate_dpo compares."""
+    return _unshard(cfg, ROWS.unshard_sft.name, "sft", sft, SFT_HF, TRAINING["sft"].source)

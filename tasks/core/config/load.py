@@ -123,6 +123,17 @@ def plugin_problems(stage: PhaseConfig, where: str) -> list[Problem]:
     return layout_problems(stage, where, tiers=("static",))
 
 
+def dpo_start_problems(cfg: RunConfig) -> list[Problem]:
+    """DPO starts from sft/hf, SFT's final checkpoint unsharded whole (tasks/stages/unshard.py unshard_sft)."""
+    if cfg.dpo is None or cfg.sft.lora is None:
+        return []
+    why = (
+        "a run with a dpo: section starts DPO from sft/hf, SFT's final checkpoint unsharded, which does not merge an "
+        "SFT adapter yet: remove sft.lora (full SFT), or leave the dpo section out"
+    )
+    return [("sft.lora", why)]
+
+
 def gate_problems(cfg: RunConfig) -> list[Problem]:
     """An enabled gate threshold needs the held-out set it is measured on."""
     g = cfg.gate
@@ -133,6 +144,12 @@ def gate_problems(cfg: RunConfig) -> list[Problem]:
         ("cpt_max_ppl_increase_pct", "cpt", g.cpt_max_ppl_increase_pct is not None),
         ("sft_loss_must_improve", "sft", g.sft_loss_must_improve),
         ("generation_must_stop", "sft", g.generation_must_stop),
+        # the dpo phase's limits, measured on its held-out pairs: only in a run that trains it
+        *(
+            (name, "dpo", getattr(g, name) is not None)
+            for name in ("dpo_min_accuracy", "dpo_min_margin", "dpo_max_chosen_logp_drop")
+            if cfg.dpo is not None
+        ),
     ]
     for name, stage, active in needs:
         if active and not cfg.phase(stage).eval.enabled:
@@ -281,7 +298,7 @@ def static_problems(cfg: RunConfig) -> list[Problem]:
     problems: list[Problem] = []
     for stage in cfg.phases:
         problems += plugin_problems(cfg.phase(stage), stage)
-    return problems + heldout_source_problems(cfg) + gate_problems(cfg) + hub_problems(cfg)
+    return problems + heldout_source_problems(cfg) + gate_problems(cfg) + dpo_start_problems(cfg) + hub_problems(cfg)
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:

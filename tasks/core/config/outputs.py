@@ -70,6 +70,33 @@ class GateConfig(GateBenchmarkFields):  # benchmarks: the limits on the benchmar
             "and every greedy generation of a held-out prompt ends at an eos token within max_new_tokens."
         ),
     )
+    # The dpo phase's limits (checked only in a run with a `dpo:` section; evaluate_dpo's figures on held-out pairs).
+    dpo_min_accuracy: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description=(
+            "DPO: fail unless the DPO model's held-out preference accuracy (the share of pairs whose chosen reply "
+            "gets the higher implicit reward) is at least this; null: not checked."
+        ),
+    )
+    dpo_min_margin: float | None = Field(
+        default=0.0,
+        description=(
+            "DPO: fail unless the DPO model's mean held-out reward margin (beta times the log-ratio gap between the "
+            "chosen and the rejected reply, against the SFT model) is above this; 0: DPO must prefer the chosen "
+            "replies more than SFT did; null: not checked."
+        ),
+    )
+    dpo_max_chosen_logp_drop: float | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "DPO: fail when the DPO model's mean log-likelihood of the held-out chosen replies, per token, is more "
+            "than this many nats below the SFT model's (a run can widen the margin by making good answers less "
+            "likely too); null: not checked."
+        ),
+    )
     max_new_tokens: int = Field(
         default=256, ge=1, description="Generation check: the most tokens a reply may take before it must have stopped."
     )

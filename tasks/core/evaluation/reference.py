@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +48,15 @@ def reference_logps(model: Any, ds: TokenDataset, batch_pairs: int = 8) -> tuple
         raise ValueError(f"{ds.root} holds {ds.kind} data, not preference pairs: prepare the dpo phase's data")
     pairs, lengths = ds.num_items // 2, ds.lengths()
     logps, tokens = np.zeros((pairs, 2), np.float32), np.zeros((pairs, 2), np.int64)
+    device = next(model.parameters()).device  # the batches go where the model's first weights are
     with torch.no_grad():
         for a in range(0, pairs, batch_pairs):
             rows = pair_rows(range(a, min(a + batch_pairs, pairs)))
-            batch = {k: torch.from_numpy(v) for k, v in ds.batch(rows, width=int(lengths[rows].max())).items()}
-            out = pair_logps(model, batch)
+            batch = ds.batch(rows, width=int(lengths[rows].max()))
+            out = pair_logps(model, {k: torch.from_numpy(v).to(device) for k, v in batch.items()})
             b = a + out.chosen.shape[0]
-            logps[a:b] = torch.stack([out.chosen, out.rejected], 1).float().numpy()
-            tokens[a:b] = torch.stack([out.chosen_tokens, out.rejected_tokens], 1).numpy()
+            logps[a:b] = torch.stack([out.chosen, out.rejected], 1).float().cpu().numpy()
+            tokens[a:b] = torch.stack([out.chosen_tokens, out.rejected_tokens], 1).cpu().numpy()
     return logps, tokens
 
 
@@ -116,6 +118,52 @@ def pair_metrics(
         return PairLogps(lp[:, 0], lp[:, 1], n[:, 0], n[:, 1])
 
     return metrics(preference_loss(of(policy), of(reference), beta, loss, label_smoothing).sums())
+
+
+@dataclass(frozen=True)
+class PairScoring:
+    """How pairs are scored: the loss row and its settings (a `dpo:` section carries the same three)."""
+
+    beta: float
+    loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+
+
+def evaluate_pairs(
+    reference_dir: str | Path,
+    candidate_dir: str | Path,
+    data_dir: str | Path,
+    scoring: PairScoring,
+    *,
+    dtype: str = "fp32",
+    batch_pairs: int = 8,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """The held-out pairs of `data_dir` scored by the reference (the SFT model) and the candidate (the DPO
+    model): `pair_metrics` of each against the reference (the reference's own: margin 0, its starting
+    point), `prefers_chosen` (the share of pairs whose chosen reply the model gives the higher log-probability,
+    a figure of each model alone) and the change of the chosen reply's mean log-likelihood. `scoring`: a
+    `PairScoring`, or the run's `dpo:` section."""
+    beta, loss, label_smoothing = scoring.beta, scoring.loss, scoring.label_smoothing
+    import time
+
+    from tasks.core.evaluation.heldout import eval_device, load_model
+
+    started = time.monotonic()
+    ds = TokenDataset(data_dir, split="heldout")
+    scored = {}
+    for name, folder in (("reference", reference_dir), ("candidate", candidate_dir)):
+        model = load_model(folder, dtype, eval_device(), trust_remote_code)
+        scored[name] = reference_logps(model, ds, batch_pairs)
+        del model
+    ref, cand = scored["reference"], scored["candidate"]
+    out: dict[str, Any] = {"pairs": int(ref[0].shape[0]), "beta": beta, "loss": loss}
+    for key, logps in (("sft", ref), ("dpo", cand)):
+        out[key] = pair_metrics(logps, ref, beta, loss, label_smoothing)
+        out[key]["prefers_chosen"] = float((logps[0][:, 0] > logps[0][:, 1]).mean()) if out["pairs"] else 0.0
+    out["chosen_logp_change"] = out["dpo"]["chosen_logp"] - out["sft"]["chosen_logp"]
+    out["seconds"] = round(time.monotonic() - started, 2)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

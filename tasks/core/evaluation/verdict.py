@@ -70,12 +70,65 @@ def _per_source(limits: dict[str, float], cpt: dict[str, Any] | None, check) -> 
         )
 
 
+def _dpo_checks(gate: GateConfig, dpo: dict[str, Any] | None, check) -> None:
+    """The dpo phase's limits over evaluate_dpo's figures: accuracy, margin, the chosen replies' likelihood."""
+    limits = [
+        (name, limit)
+        for name, limit in (
+            ("dpo_min_accuracy", gate.dpo_min_accuracy),
+            ("dpo_min_margin", gate.dpo_min_margin),
+            ("dpo_max_chosen_logp_drop", gate.dpo_max_chosen_logp_drop),
+        )
+        if limit is not None
+    ]
+    if limits and not dpo:
+        check(
+            "dpo", False, f"no DPO evaluation was recorded (dpo.eval has no held-out pairs); gate.{limits[0][0]} is set"
+        )
+        return
+    for name, limit in limits:
+        d, s = dpo["dpo"], dpo["sft"]
+        if name == "dpo_min_accuracy":
+            check(
+                "dpo_accuracy",
+                d["accuracy"] >= limit,
+                f"DPO held-out preference accuracy {d['accuracy']:.3f} (at least {limit:g} by gate.{name})",
+                after=d["accuracy"],
+                limit=limit,
+            )
+        elif name == "dpo_min_margin":
+            check(
+                "dpo_margin",
+                math.isfinite(d["margin"]) and d["margin"] > limit,
+                f"DPO held-out reward margin {d['margin']:+.4f} (must be above {limit:g} by gate.{name})",
+                after=d["margin"],
+                limit=limit,
+            )
+        else:
+            drop = s["chosen_logp_per_token"] - d["chosen_logp_per_token"]
+            check(
+                "dpo_chosen_logp",
+                math.isfinite(drop) and drop <= limit,
+                f"chosen replies' held-out log-likelihood per token {d['chosen_logp_per_token']:.4f} vs SFT "
+                f"{s['chosen_logp_per_token']:.4f} (a drop of {drop:.4f} nats, at most {limit:g} by gate.{name})",
+                before=s["chosen_logp_per_token"],
+                after=d["chosen_logp_per_token"],
+                limit=limit,
+            )
+
+
 def gate_verdict(
-    gate: GateConfig, cpt: dict[str, Any] | None, sft: dict[str, Any] | None, bench: dict[str, Any] | None = None
+    gate: GateConfig,
+    cpt: dict[str, Any] | None,
+    sft: dict[str, Any] | None,
+    bench: dict[str, Any] | None = None,
+    dpo: dict[str, Any] | None = None,
+    trains_dpo: bool = False,
 ) -> dict[str, Any]:
     """{"enabled", "passed", "reasons", "checks"}: every configured check, each with its numbers.
 
-    A disabled gate passes but still lists what each check found.
+    A disabled gate passes but still lists what each check found. `dpo`: evaluate_dpo's metrics, checked
+    when the run trains the dpo phase (`trains_dpo`); a run without it has today's checks only.
     """
     checks: list[dict[str, Any]] = []
 
@@ -138,6 +191,8 @@ def gate_verdict(
                 prompts=gen["prompts"],
             )
     benchmark_checks(gate.benchmarks, bench, check)
+    if trains_dpo:
+        _dpo_checks(gate, dpo, check)
     failed = [c["message"] for c in checks if not c["ok"]]
     return {
         "enabled": gate.enabled,
@@ -155,7 +210,9 @@ def _fmt(x: Any) -> str:
     return f"{x:.4f}" if isinstance(x, float) else ("" if x is None else str(x))
 
 
-def metrics_table(cpt: dict | None, sft: dict | None, verdict: dict | None) -> list[dict[str, str]]:
+def metrics_table(
+    cpt: dict | None, sft: dict | None, verdict: dict | None, dpo: dict | None = None
+) -> list[dict[str, str]]:
     """Rows for the Prefect table artifact: one per metric, before/after and the gate's word."""
     by_check = {c["check"]: c for c in (verdict or {}).get("checks", [])}
 
@@ -228,6 +285,22 @@ def metrics_table(cpt: dict | None, sft: dict | None, verdict: dict | None) -> l
                     "gate": verdict_of("generation_stops"),
                 }
             )
+    if dpo:
+        for metric, key, check in (
+            ("DPO held-out preference accuracy", "accuracy", "dpo_accuracy"),
+            ("DPO held-out reward margin", "margin", "dpo_margin"),
+            ("chosen replies' log-likelihood per token", "chosen_logp_per_token", "dpo_chosen_logp"),
+        ):
+            before, after = dpo["sft"][key], dpo["dpo"][key]
+            rows.append(
+                {
+                    "metric": metric,
+                    "before": f"SFT {_fmt(before)}",
+                    "after": f"DPO {_fmt(after)}",
+                    "change": f"{after - before:+.4f}",
+                    "gate": verdict_of(check),
+                }
+            )
     return rows
 
 
@@ -256,7 +329,23 @@ def eval_results_for_card(metrics: dict[str, Any], model_name: str | None = None
             )
         )
 
-    sft, cpt = metrics.get("sft"), metrics.get("cpt")
+    sft, cpt, dpo = metrics.get("sft"), metrics.get("cpt"), metrics.get("dpo")
+    if dpo:
+        ds = _split_dataset(dpo, "DPO")
+        add(ds, "accuracy", round(dpo["dpo"]["accuracy"], 4), "held-out preference accuracy (DPO vs the SFT model)")
+        add(ds, "reward_margin", round(dpo["dpo"]["margin"], 6), "held-out mean reward margin")
+        add(
+            ds,
+            "loss",
+            round(dpo["dpo"]["chosen_logp_per_token"], 6),
+            "held-out chosen replies' log-likelihood per token",
+        )
+        add(
+            ds,
+            "loss",
+            round(dpo["sft"]["chosen_logp_per_token"], 6),
+            "held-out chosen replies' log-likelihood per token, before DPO",
+        )
     if sft:
         ds = _split_dataset(sft, "SFT")
         add(ds, "loss", round(sft["sft"]["loss"], 6), "held-out loss on assistant tokens")

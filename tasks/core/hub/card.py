@@ -301,7 +301,7 @@ def model_card(
     body = f"""
 # {title}
 
-Continued pre-training (CPT) then supervised fine-tuning (SFT) of {_base_line(base)} with cpt-to-sft on
+Continued pre-training (CPT) then supervised fine-tuning (SFT){_then(cfg)} of {_base_line(base)} with cpt-to-sft on
 ColossalAI, run `{cfg.name}`. Gate before the push: {gate_verdict_text(results)[0]}.
 
 ## Usage
@@ -334,6 +334,15 @@ with its sha256, `verification.json` holds the checks below.
 **Verification:** {_verification(v)}
 {_adapter_paragraph(cfg, v.get("adapter") or {})}"""
     return with_front_matter(_card_data(cfg, base, metrics), body)
+
+
+def _then(cfg: RunConfig) -> str:
+    """The phases after SFT the run trained (a run without them reads as before)."""
+    later = [p for p in cfg.phases if PHASES[p].optional]
+    return "".join(
+        f" then {PHASES[p].title} on preference pairs" if PHASES[p].record == "pair" else f" then {PHASES[p].title}"
+        for p in later
+    )
 
 
 def _card_data(cfg: RunConfig, base: dict[str, Any], metrics: dict[str, Any] | None):

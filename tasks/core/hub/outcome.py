@@ -46,6 +46,10 @@ EVALUATIONS = {
     ROWS.evaluate_sft.name: "held-out loss on assistant tokens, pre-SFT vs SFT, and the generation check",
     ROWS.benchmark.name: "lm-eval benchmarks, base vs export",
 }
+# A row of the dpo phase: listed only for a run whose records have it (a run without dpo never had it to run).
+DPO_EVALUATION = {
+    ROWS.evaluate_dpo.name: "held-out preference accuracy, reward margin and chosen log-likelihood, SFT vs DPO"
+}
 RAN = ("completed", "skipped")  # a stage that measured now, or whose recorded measurement stands
 
 
@@ -93,17 +97,22 @@ def not_run_lines(results: Mapping[str, Any] | None) -> list[str]:
     if results is None:
         return []
     out = []
-    for stage, what in EVALUATIONS.items():
+    for stage, what in _evaluations(results).items():
         status, detail = _row(results, stage)
         if status not in RAN:
             out.append(f"`{stage}` ({what}): {_why_not(status, detail)}")
     return out
 
 
+def _evaluations(results: Mapping[str, Any] | None) -> dict[str, str]:
+    return {**EVALUATIONS, **(DPO_EVALUATION if ROWS.evaluate_dpo.name in (results or {}) else {})}
+
+
 def evaluation_section(metrics: dict[str, Any] | None, results: Mapping[str, Any] | None) -> str:
     """The held-out table with the gate's word per row, the gate's verdict and each check, and what did not run."""
     verdict = _row(results, ROWS.gate.name)[1] if results is not None else None
-    table = metrics_table((metrics or {}).get("cpt"), (metrics or {}).get("sft"), verdict or None)
+    m = metrics or {}
+    table = metrics_table(m.get("cpt"), m.get("sft"), verdict or None, m.get("dpo"))
     parts = []
     if table:
         parts.append(
@@ -125,5 +134,5 @@ def evaluation_section(metrics: dict[str, Any] | None, results: Mapping[str, Any
     if missing:
         parts.append("**Evaluations not run:**\n\n" + "\n".join(f"- {m}" for m in missing))
     elif results is not None:
-        parts.append("Every evaluation ran: " + ", ".join(f"`{s}`" for s in EVALUATIONS) + ".")
+        parts.append("Every evaluation ran: " + ", ".join(f"`{s}`" for s in _evaluations(results)) + ".")
     return "\n\n".join(parts)

@@ -38,6 +38,7 @@ from typing import Any
 
 from tasks.core.config.layout import layout_problems
 from tasks.core.config.load import (
+    dpo_start_problems,
     gate_problems,
     heldout_source_problems,
     hub_problems,
@@ -122,8 +123,8 @@ def check_static_rules(ctx: CheckContext) -> None:
     for stage in ctx.cfg.phases:
         for where, msg in layout_problems(getattr(ctx.cfg, stage), stage, tiers=("static",), **_facts(ctx)):
             ctx.problem(where, msg)
-    for where, msg in heldout_source_problems(ctx.cfg) + gate_problems(
-        ctx.cfg
+    for where, msg in (
+        heldout_source_problems(ctx.cfg) + gate_problems(ctx.cfg) + dpo_start_problems(ctx.cfg)
     ):  # what load_config refuses, in the one report
         ctx.problem(where, msg)
     if len(ctx.report.problems) == before:

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from tasks.core.config.layout import global_batch
 from tasks.core.config.schema import RunConfig
-from tasks.core.run.stages import GLOBAL_BATCH, NEVER_DIGESTED, STAGE, STAGES, StageSpec
+from tasks.core.run.stages import GLOBAL_BATCH, NEVER_DIGESTED, STAGES, StageSpec, run_stage
 
 __all__ = ["config_digest", "content_digest", "declared", "digest", "digest_fields"]
 
@@ -75,7 +75,7 @@ def _excluded(spec: StageSpec) -> tuple[str, ...]:
 
 def digest_fields(cfg: RunConfig, stage: str) -> dict[str, Any]:
     """{config path: value} of every field `stage`'s artifact is made from."""
-    spec = STAGE[stage]
+    spec = run_stage(cfg.phases, stage)
     dump = cfg.model_dump(mode="json")
     out: dict[str, Any] = {}
     for path in spec.digest:
@@ -102,7 +102,7 @@ def config_digest(
     """The digest of `stage` from its declared config fields, its parents' content digests
     ({parent stage: content_digest}) and its run-time inputs. `fields`: values put in place of the
     config's (pre-flight asks what the digest would be at a checkpoint's global batch)."""
-    spec = STAGE[stage]
+    spec = run_stage(cfg.phases, stage)  # the row as this run has it (the export follows the last phase)
     if spec.continues:
         raise ValueError(
             f"{stage} carries the digest of its {spec.continues} artifact; read it from that manifest instead"

@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import re
 import statistics
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Any
 
 from tasks.core.config.phases import PHASES, Phase
 
@@ -265,6 +267,10 @@ class StageSpec:
     # What it leaves, in a line: the stage list of README.md, docs/index.md, docs/concepts.md and
     # docs/reference/stages.md is generated from the rows (tasks/core/run/reference.py).
     summary: str = ""
+    # What the row becomes when a run trains an optional phase: {phase: {field: value}}, e.g. the export made
+    # from that phase's checkpoints instead of SFT's. A run without the phase has the row as written above,
+    # so its digest is unchanged (`run_stages`).
+    with_phase: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.reads is None:
@@ -272,8 +278,13 @@ class StageSpec:
             object.__setattr__(self, "reads", tuple(made_from))
 
 
-# The prepare stage of each training stage; both tokenize with the base model's tokenizer.
-PREPARE: dict[Phase, str] = {"cpt": "prepare_cpt", "sft": "prepare_sft"}
+# The prepare stage of each training phase; all tokenize with the base model's tokenizer.
+PREPARE: dict[Phase, str] = {"cpt": "prepare_cpt", "sft": "prepare_sft", "dpo": "prepare_dpo"}
+# The SFT model unsharded: the model DPO boosts from and its reference (a run without dpo exports SFT instead).
+SFT_HF = TRAINING["dpo"].source
+REFERENCE = (
+    "reference"  # the reference model's log-probabilities of the dpo train pairs (tasks/core/evaluation/reference.py)
+)
 
 
 def data_rel(phase: Phase) -> str:
@@ -323,6 +334,15 @@ STAGES: tuple[StageSpec, ...] = (
         reads=("load_from_hf",),
         phase="sft",
         summary="the same for the chat records",
+    ),
+    StageSpec(
+        PREPARE["dpo"],
+        data_rel("dpo"),
+        source=BASE,
+        digest=_prepare_fields("dpo"),
+        reads=("load_from_hf",),
+        phase="dpo",
+        summary="the same for the preference pairs (dpo only)",
     ),
     StageSpec(
         "boost_and_shard",
@@ -380,6 +400,48 @@ STAGES: tuple[StageSpec, ...] = (
         phase="sft",
         summary="supervised fine-tuning under plugin B (or LoRA)",
     ),
+    # The dpo phase's rows (only in a run with a `dpo:` section): SFT's final checkpoint unsharded to
+    # sft/hf, the reference log-probabilities of the train pairs by that model, boosted under the dpo
+    # plugin (its step 0 made from both), trained against the reference.
+    StageSpec(
+        "unshard_sft",
+        SFT_HF,
+        source=TRAINING["sft"].checkpoints,
+        parents=("train_sft",),
+        phase="dpo",
+        summary="SFT's final checkpoint as HF safetensors: the model DPO starts from (dpo only)",
+    ),
+    # The log-probabilities are sums with their token counts, so the loss (sigmoid or per-token ipo) reads the same artifact.
+    StageSpec(
+        "reference",
+        REFERENCE,
+        source=SFT_HF,
+        digest=("base_model.trust_remote_code",),
+        parents=("unshard_sft", PREPARE["dpo"]),
+        phase="dpo",
+        summary="the SFT model's log-probabilities of every train pair (dpo only)",
+    ),
+    StageSpec(
+        "reboost_dpo",
+        TRAINING["dpo"].checkpoints,
+        source=SFT_HF,
+        digest=("dpo",),
+        minus=(*_eval_knobs("dpo"), *layout_fields("dpo")),
+        parents=("unshard_sft", PREPARE["dpo"], "reference"),
+        global_batch="dpo",
+        phase="dpo",
+        summary="the dpo plugin's sharded checkpoint of sft/hf (dpo only)",
+    ),
+    StageSpec(
+        "train_dpo",
+        TRAINING["dpo"].checkpoints,
+        source=TRAINING["dpo"].checkpoints,
+        continues="reboost_dpo",
+        reads=("reboost_dpo", "reference"),
+        phase="dpo",
+        summary="preference tuning against the reference (dpo only)",
+    ),
+    # The last phase's final checkpoint: SFT's, or DPO's in a run that trains it.
     StageSpec(
         "export",
         EXPORT,
@@ -387,6 +449,7 @@ STAGES: tuple[StageSpec, ...] = (
         digest=("export",),
         parents=("train_sft",),
         summary="a clean HF model folder, proven bitwise against the checkpoint",
+        with_phase={"dpo": {"source": TRAINING["dpo"].checkpoints, "parents": ("train_dpo",), "reads": ("train_dpo",)}},
     ),
     # The thresholds of `gate:` only decide the verdict; the generation check's size (the phase row's
     # eval_digest) is evaluated.
@@ -398,6 +461,25 @@ STAGES: tuple[StageSpec, ...] = (
         parents=("unshard", "export"),  # pre-SFT vs SFT, generation check
         phase="sft",
         summary="held-out loss pre-SFT vs SFT, a generation check",
+        # with DPO the export is the DPO model: SFT's own model is sft/hf; the generation check stays the
+        # export's (what ships, its stop tokens aligned), so the export is its third parent
+        with_phase={
+            "dpo": {
+                "source": SFT_HF,
+                "parents": ("unshard", "unshard_sft", "export"),
+                "reads": ("unshard", "unshard_sft", "export"),
+            }
+        },
+    ),
+    # The SFT model vs the DPO model on the held-out pairs: preference accuracy, reward margin, chosen log-likelihood.
+    StageSpec(
+        "evaluate_dpo",
+        "eval/dpo",
+        source=EXPORT,
+        digest=(*_eval_fields("dpo"), "dpo.beta", "dpo.loss", "dpo.label_smoothing"),
+        parents=("unshard_sft", "export"),
+        phase="dpo",
+        summary="held-out preference accuracy, margin and chosen log-likelihood, SFT vs DPO",
     ),
     # lm-eval on local tasks: the task files' sha256 and lm-eval's version come in as run-time inputs.
     StageSpec(
@@ -412,6 +494,7 @@ STAGES: tuple[StageSpec, ...] = (
         "gate",
         None,
         reads=("evaluate_cpt", "evaluate_sft", "benchmark"),
+        with_phase={"dpo": {"reads": ("evaluate_cpt", "evaluate_sft", "benchmark", "evaluate_dpo")}},
         summary="the publish decision: a failed gate pushes nothing",
     ),
     StageSpec(
@@ -443,6 +526,38 @@ class _Rows:
 
 
 ROWS = _Rows()
+
+
+def run_stages(phases: Iterable[str]) -> tuple[StageSpec, ...]:
+    """The rows of a run that trains `phases` (`RunConfig.phases`), in table order: a row of an optional
+    phase the run does not train is not in it, and a row's `with_phase` changes for the phases it does
+    train are made. A run of the phases every run trains gets the table's rows as they are."""
+    trained = set(phases)
+    out = []
+    for spec in (STAGE[n] for n in STAGE_NAMES):  # by name: a row put in STAGE's place is the row
+        if spec.phase is not None and spec.phase not in trained:
+            continue
+        for p, changes in spec.with_phase.items():
+            if p in trained:
+                spec = replace(spec, **changes)
+        out.append(spec)
+    return tuple(out)
+
+
+def exported_phase(phases: Iterable[str]) -> Phase:
+    """The training phase whose final checkpoint the export converts: its row's source, as the run has it
+    (a training phase's checkpoint directory is its key): sft, or dpo in a run that trains it."""
+    return run_stage(phases, "export").source  # type: ignore[return-value]
+
+
+def run_stage(phases: Iterable[str], name: str) -> StageSpec:
+    """The row `name` as a run that trains `phases` has it; a KeyError naming the phase it needs if it is not in the run."""
+    rows = {s.name: s for s in run_stages(phases)}
+    if name not in rows:
+        if name in STAGE:
+            raise KeyError(f"stage {name!r} is a row of the {STAGE[name].phase} phase, which this run does not train")
+        raise KeyError(f"{name!r} is no stage; the stages are {', '.join(STAGE_NAMES)}")
+    return rows[name]
 
 
 def register(spec: StageSpec, after: str | None = None) -> StageSpec:

@@ -261,11 +261,11 @@ def key_figure(row: dict[str, Any]) -> str:
             f"{count(d['train_tokens'])} train tokens, {count(d.get('heldout_tokens', 0))} held out"
             f"{_over_seq_len(d.get('truncation') or {})}"
         )
-    if name in (ROWS.boost_and_shard.name, ROWS.reboost.name) and d.get("plugin"):
+    if name in (ROWS.boost_and_shard.name, ROWS.reboost.name, ROWS.reboost_dpo.name) and d.get("plugin"):
         return str(d["plugin"])
     if name.startswith("train_") and d.get("final_loss") is not None:
         return f"loss {_change(d.get('first_loss'), d['final_loss'], '.3f') or format(d['final_loss'], '.3f')}"
-    if name == ROWS.unshard.name and d.get("fingerprint_max_abs_diff") is not None:
+    if name in (ROWS.unshard.name, ROWS.unshard_sft.name) and d.get("fingerprint_max_abs_diff") is not None:
         return f"logits within {d['fingerprint_max_abs_diff']:.2g} of the checkpoint's"
     if name == ROWS.evaluate_cpt.name and m:
         return f"held-out perplexity {_change((m.get('base') or {}).get('perplexity'), (m.get('cpt') or {}).get('perplexity'), '.2f')}"
@@ -273,6 +273,14 @@ def key_figure(row: dict[str, Any]) -> str:
         gen = m.get("generation") or {}
         stops = f"; {gen.get('stopped')}/{gen.get('prompts')} generations stop" if gen else ""
         return f"held-out loss {_change((m.get('pre_sft') or {}).get('loss'), (m.get('sft') or {}).get('loss'), '.3f')}{stops}"
+    if name == ROWS.evaluate_dpo.name and m.get("dpo"):
+        s, p = m.get("sft") or {}, m["dpo"]
+        return (
+            f"preference accuracy {_g(p.get('accuracy'))}, margin {_g(p.get('margin'))}; chosen log-likelihood/token "
+            f"{_change(s.get('chosen_logp_per_token'), p.get('chosen_logp_per_token'), '.3f')}"
+        )
+    if name == ROWS.reference.name and d.get("pairs") is not None:
+        return f"{d['pairs']} pairs scored by the SFT model"
     if name == ROWS.benchmark.name and m.get("tasks"):
         return _scores(m["tasks"])
     if name == ROWS.export.name and d.get("bytes") is not None:

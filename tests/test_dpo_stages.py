@@ -1,0 +1,250 @@
+"""Unit tier: the dpo phase's rows of the stage table, the gate's DPO limits and the record of the DPO figures.
+
+    .venv/bin/python -m pytest -q -m "" tests/test_dpo_stages.py
+
+A run without a `dpo:` section has today's rows, each the table's row itself (so every digest is
+today's); with it, the phase's rows run in table order and the export, evaluate_sft and the gate
+follow by their rows' `with_phase`. The whole flow with DPO: tests/test_dpo_flow.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from support import REPO
+
+SAMPLE = REPO / "data" / "sample" / "dpo.jsonl"
+TODAY = (
+    "load_from_hf",
+    "prepare_cpt",
+    "prepare_sft",
+    "boost_and_shard",
+    "train_cpt",
+    "unshard",
+    "evaluate_cpt",
+    "reboost",
+    "train_sft",
+    "export",
+    "evaluate_sft",
+    "benchmark",
+    "gate",
+    "push_to_hub",
+)
+DPO_ROWS = ("prepare_dpo", "unshard_sft", "reference", "reboost_dpo", "train_dpo", "evaluate_dpo")
+
+
+def _cfg(tmp_path, dpo: bool, **gate):
+    from support.tiny import tiny_config_raw
+    from tasks.core.config.load import parse_config
+
+    raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
+    if dpo:
+        raw["dpo"] = {
+            "data": {"uri": str(SAMPLE)},
+            "plugin": {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"},
+            "max_steps": 4,
+            "seq_len": 128,
+            "lr": 1.0e-5,
+        }
+    raw["gate"] = {**(raw.get("gate") or {}), **gate}
+    return parse_config(raw)
+
+
+def test_without_dpo_the_run_has_todays_rows_each_the_tables_own():
+    from tasks.core.run.stages import STAGE, run_stages
+
+    rows = run_stages(("cpt", "sft"))
+    assert tuple(s.name for s in rows) == TODAY
+    assert all(s is STAGE[s.name] for s in rows)  # not a copy: every digest and read is today's
+
+
+def test_with_dpo_the_phases_rows_run_in_order_and_the_export_follows_the_last_phase():
+    from tasks.core.run.stages import STAGE, exported_phase, run_stage, run_stages
+
+    phases = ("cpt", "sft", "dpo")
+    names = [s.name for s in run_stages(phases)]
+    assert [n for n in names if n not in DPO_ROWS] == list(TODAY)
+    assert names[names.index("train_sft") + 1 : names.index("export")] == [
+        "unshard_sft",
+        "reference",
+        "reboost_dpo",
+        "train_dpo",
+    ]
+    assert names.index("prepare_dpo") < names.index("boost_and_shard")  # every prepare before the first launch
+    assert names.index("evaluate_sft") < names.index("evaluate_dpo") < names.index("gate")
+    export = run_stage(phases, "export")
+    assert (export.source, export.parents, export.reads) == ("dpo", ("train_dpo",), ("train_dpo",))
+    assert exported_phase(phases) == "dpo" and exported_phase(("cpt", "sft")) == "sft"
+    ev = run_stage(phases, "evaluate_sft")  # the SFT model is sft/hf now; the generation check stays the export's
+    assert ev.parents == ("unshard", "unshard_sft", "export") and ev.source == "sft/hf"
+    assert run_stage(phases, "gate").reads == (*STAGE["gate"].reads, "evaluate_dpo")
+    assert run_stage(phases, "train_dpo").reads == ("reboost_dpo", "reference")
+    assert run_stage(phases, "reboost_dpo").parents == ("unshard_sft", "prepare_dpo", "reference")
+    with pytest.raises(KeyError, match="'train_dpo' is a row of the dpo phase, which this run does not train"):
+        run_stage(("cpt", "sft"), "train_dpo")
+
+
+def test_the_digests_follow_the_rows_a_run_has(tmp_path):
+    from tasks.core.run.digest import config_digest, digest_fields
+
+    plain, dpo = _cfg(tmp_path, False), _cfg(tmp_path, True)
+    # every stage of a run without dpo: the same fields as with it (the phase adds rows, changes no other field)
+    assert all(digest_fields(plain, n) == digest_fields(dpo, n) for n in TODAY)
+    assert config_digest(plain, "export", {"train_sft": "a"}) != config_digest(dpo, "export", {"train_dpo": "a"})
+    with pytest.raises(ValueError, match=r"its StageSpec declares \['train_dpo'\]"):
+        config_digest(dpo, "export", {"train_sft": "a"})
+    with pytest.raises(KeyError, match="dpo phase, which this run does not train"):
+        digest_fields(plain, "reference")
+    assert "dpo" in digest_fields(dpo, "reboost_dpo") and "dpo.plugin" not in str(digest_fields(dpo, "reboost_dpo"))
+
+
+def test_every_row_of_a_dpo_run_has_real_digest_fields_and_a_task_taking_what_it_reads(tmp_path):
+    import flows.cpt_to_sft  # noqa: F401 - binds every stage module's task
+    from tasks.core.run.digest import digest_fields
+    from tasks.core.run.stages import run_stages
+    from tasks.flowkit import pipeline
+
+    cfg = _cfg(tmp_path, True)
+    rows = run_stages(cfg.phases)
+    for i, spec in enumerate(rows):
+        earlier = {s.name for s in rows[:i]}
+        assert set(spec.reads) <= earlier and set(spec.parents) <= earlier, f"{spec.name} reads a later stage"
+        if spec.artifact is not None and not spec.continues:
+            digest_fields(cfg, spec.name)  # every declared path resolves on a dpo config, or this raises naming it
+        results = {s.name: f"<{s.name}>" for s in rows}
+        args = pipeline.arguments(spec, pipeline.TASKS[spec.name], cfg, results)
+        assert [results[r] for r in spec.reads] == [a for a in args if a in results.values()], spec.name
+
+
+def test_stop_after_a_dpo_stage_is_refused_for_a_run_without_dpo():
+    from tasks.core.errors import ConfigError
+    from tasks.flowkit.run import check_stop_after
+
+    check_stop_after("train_dpo")  # a row of the table: the command line takes it
+    check_stop_after("train_dpo", ("cpt", "sft", "dpo"))
+    with pytest.raises(ConfigError) as err:
+        check_stop_after("train_dpo", ("cpt", "sft"))
+    ((field, message),) = err.value.problems
+    assert field == "stop_after" and "is no stage of this run (its phase is not configured)" in message
+    assert "train_dpo" not in message.split("use one of: ")[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the gate's limits
+
+
+def _dpo_metrics(accuracy=0.75, margin=0.4, sft_tok=-1.0, dpo_tok=-1.6):
+    side = lambda acc, m, tok: {
+        "accuracy": acc,
+        "margin": m,
+        "chosen_logp": tok * 10,
+        "chosen_logp_per_token": tok,
+        "loss": math.log(2),
+        "prefers_chosen": 0.5,
+    }
+    return {"pairs": 4, "sft": side(0.0, 0.0, sft_tok), "dpo": side(accuracy, margin, dpo_tok)}
+
+
+def _verdict(gate_fields, dpo, trains=True):
+    from tasks.core.config.outputs import GateConfig
+    from tasks.core.evaluation.verdict import gate_verdict
+
+    gate = GateConfig(
+        sft_loss_must_improve=False, generation_must_stop=False, cpt_max_ppl_increase_pct=None, **gate_fields
+    )
+    return gate_verdict(gate, None, None, None, dpo, trains_dpo=trains)
+
+
+def test_the_gate_sees_a_wider_margin_bought_with_less_likely_good_answers():
+    m = _dpo_metrics()  # margin up, accuracy 0.75, chosen replies 0.6 nats/token less likely
+    ok = _verdict({"dpo_min_accuracy": 0.7}, m)
+    assert ok["passed"] and {c["check"] for c in ok["checks"]} == {"dpo_accuracy", "dpo_margin"}
+    held = _verdict({"dpo_max_chosen_logp_drop": 0.5}, m)
+    assert not held["passed"]
+    (reason,) = held["reasons"]
+    assert "a drop of 0.6000 nats, at most 0.5 by gate.dpo_max_chosen_logp_drop" in reason
+    assert not _verdict({"dpo_min_accuracy": 0.8}, m)["passed"]
+    low = _verdict({}, _dpo_metrics(margin=-0.1))  # the default: the margin must be above 0
+    assert low["reasons"] == ["DPO held-out reward margin -0.1000 (must be above 0 by gate.dpo_min_margin)"]
+
+
+def test_the_dpo_limits_apply_only_to_a_run_that_trains_dpo():
+    assert _verdict({"dpo_min_accuracy": 0.9}, None, trains=False) == {
+        "enabled": True,
+        "passed": True,
+        "reasons": [],
+        "checks": [],
+    }
+    missing = _verdict({}, None)  # trained, but no held-out pairs evaluated: the limit cannot be checked
+    assert missing["reasons"] == [
+        "no DPO evaluation was recorded (dpo.eval has no held-out pairs); gate.dpo_min_margin is set"
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# the record: the card, the console's table
+
+
+def test_the_dpo_figures_stand_beside_the_sft_models_in_the_card_and_the_console():
+    from tasks.core.hub.outcome import evaluation_section
+    from tasks.core.run.trainlog import key_figure
+
+    m = _dpo_metrics()
+    verdict = _verdict({"dpo_min_accuracy": 0.7, "dpo_max_chosen_logp_drop": 0.5}, m)
+    ran = {s: {"status": "completed"} for s in ("evaluate_cpt", "evaluate_sft", "benchmark", "evaluate_dpo")}
+    text = evaluation_section({"dpo": m}, {"gate": {"status": "failed-gate", "detail": verdict}, **ran})
+    assert "| DPO held-out preference accuracy | SFT 0.0000 | DPO 0.7500 | +0.7500 | pass |" in text
+    assert "| chosen replies' log-likelihood per token | SFT -1.0000 | DPO -1.6000 | -0.6000 | FAIL |" in text
+    assert "Every evaluation ran: `evaluate_cpt`, `evaluate_sft`, `benchmark`, `evaluate_dpo`." in text
+    assert "evaluate_dpo" not in evaluation_section({}, {"gate": {"status": "passed", "detail": {}}})
+    row = {"stage": "evaluate_dpo", "status": "completed", "detail": {"metrics": m}}
+    assert key_figure(row) == "preference accuracy 0.75, margin 0.4; chosen log-likelihood/token -1.000 → -1.600"
+
+
+def test_the_held_out_pairs_score_the_sft_model_against_itself_at_margin_zero(tiny_model_dir, tmp_path):
+    """evaluate_dpo's computation on real prepared pairs: a model against itself is the starting point."""
+    from tasks.core.config.preference import PAIR_FIELDS_DEFAULT
+    from tasks.core.data.prepare import prepare
+    from tasks.core.evaluation.reference import PairScoring, evaluate_pairs
+
+    lines = SAMPLE.read_text().splitlines()[:8]
+    (tmp_path / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    prepare(
+        str(tmp_path / "pairs.jsonl"),
+        tiny_model_dir,
+        tmp_path / "prep",
+        kind="dpo",
+        field=PAIR_FIELDS_DEFAULT,
+        seq_len=128,
+        heldout_fraction=0.5,
+    )
+    m = evaluate_pairs(tiny_model_dir, tiny_model_dir, tmp_path / "prep", PairScoring(beta=0.1))
+    assert m["pairs"] > 0 and m["sft"] == m["dpo"] and m["chosen_logp_change"] == 0.0
+    assert m["dpo"]["margin"] == 0.0 and m["dpo"]["loss"] == pytest.approx(math.log(2))
+    assert m["dpo"]["chosen_logp"] < 0 and 0.0 <= m["dpo"]["prefers_chosen"] <= 1.0
+
+
+def test_a_dpo_run_is_refused_with_an_sft_adapter_and_its_limits_need_held_out_pairs(tmp_path):
+    from support.tiny import tiny_config_raw
+    from tasks.core.config.load import parse_config
+    from tasks.core.errors import ConfigError
+
+    raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
+    raw["sft"]["lora"] = {"r": 4, "alpha": 8}
+    raw["dpo"] = {
+        "data": {"uri": str(SAMPLE)},
+        "plugin": {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"},
+        "max_steps": 4,
+        "seq_len": 128,
+        "lr": 1.0e-5,
+        "eval": {"heldout_fraction": 0.0},
+    }
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw)
+    said = dict(err.value.problems)
+    assert "starts DPO from sft/hf" in said["sft.lora"] and "remove sft.lora" in said["sft.lora"]
+    assert "needs a DPO held-out set" in said["gate.dpo_min_margin"]
+    del raw["dpo"]  # without the phase: neither applies
+    parse_config(raw)
