@@ -51,6 +51,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _running(verb: str) -> str:
+    """The verb a failure or the end is reported under: a shared launch's part then running (shard, then train)."""
+    if verb != "shard-train":
+        return verb
+    from tasks.engine import handoff
+
+    return handoff.running[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -136,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             result = loop.shard(job, faults) if args.verb == "shard" else loop.train(job, faults)
         dist.barrier()
         if rank == 0:
-            rankio.say(f"engine {args.verb} {job.stage}: done in {time.monotonic() - started:.1f}s -> {result}", DETAIL)
+            rankio.say(
+                f"engine {_running(args.verb)} {job.stage}: done in {time.monotonic() - started:.1f}s -> {result}",
+                DETAIL,
+            )
         dist.destroy_process_group()
         return 0
     except Preempted as exc:
@@ -151,13 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ManifestError, ValueError, FileNotFoundError) as exc:
         # One self-contained first line: the launcher quotes it as the stage's cause.
         first, *rest = str(exc).splitlines() or [type(exc).__name__]
-        rankio.say(f"engine {args.verb} failed: {exc.one_line() if isinstance(exc, ConfigError) else first}", ERROR)
+        rankio.say(
+            f"engine {_running(args.verb)} failed: {exc.one_line() if isinstance(exc, ConfigError) else first}", ERROR
+        )
         if rest and not isinstance(exc, ConfigError):
             rankio.say("\n".join(rest), ERROR)
         return 1
     except Exception as exc:  # report anything, then exit non-zero
         # The cause first: the launcher quotes a rank's first error line as the stage's cause.
-        rankio.say(f"engine {args.verb} failed: {type(exc).__name__}: {exc}", ERROR)
+        rankio.say(f"engine {_running(args.verb)} failed: {type(exc).__name__}: {exc}", ERROR)
         rankio.say(traceback.format_exc(), ERROR)
         return 1
 

@@ -26,6 +26,8 @@ from tasks.engine.faults import Injector
 from tasks.engine.preconditions import Job, check_inputs, load_job
 
 POLL_S = 0.05
+# The part of the shared launch running now: a failure is reported as the verb's own (`engine train failed: ...`).
+running = ["shard"]
 
 
 def _await(job_path: str | Path) -> dict:
@@ -72,5 +74,6 @@ def shard_then_train(job: Job, faults: Injector, job_path: str | Path) -> Path |
     rank, world = dist.get_rank(), dist.get_world_size()
     train_faults = Injector(train_job.stage, train_job.stage_dir, rank, world, value=rec.get("fault") or "")
     dist.barrier()  # every rank read which faults already fired before any of them fires one
+    running[0] = "train"
     log(f"shared launch of {job.stage}: training adopted {time.monotonic() - t0:.2f}s after step 0", detail=True)
     return loop.train(train_job, train_faults)

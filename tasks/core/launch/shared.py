@@ -32,10 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from tasks.core.config.schema import LaunchConfig
 from tasks.core.launch.proctree import subreaper
 from tasks.core.launch.torchrun import LocalLaunch, Router, engine_env, notice_signals, torchrun_env
-from tasks.core.run import handoff
+from tasks.core.run import cputime, handoff
 from tasks.core.run.events import SHARDED
 from tasks.core.run.job import Job
 
@@ -53,6 +55,7 @@ class SharedLaunch:
     job_path: Path
     local: LocalLaunch
     scope: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    advanced: float = 0.0  # CPU seconds its processes used for the shard stage (tasks/core/run/cputime.py)
 
     def why_not(self, job: Job) -> str | None:
         """Why the train `job` cannot run in these ranks, or None (the engine checks the same)."""
@@ -83,7 +86,25 @@ class SharedLaunch:
             logger.warning("the shared %s launch ended badly after %s: %s", self.phase, why, exc)
             self.local.tear_down()
         finally:
-            self.scope.close()
+            self.end()
+
+    def end(self) -> None:
+        """The launch is over (reaped): its subreaper scope closes and its shard part is no longer counted twice."""
+        self.scope.close()
+        cputime.settle(self.advanced)
+        self.advanced = 0.0
+
+
+def _cpu_seconds(local: LocalLaunch) -> float:
+    """User + system seconds torchrun and every rank have used so far (what each reaped too)."""
+    total = 0.0
+    for proc in local.stage.snapshot():
+        try:
+            t = proc.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
 
 
 @contextlib.contextmanager
@@ -152,7 +173,10 @@ def start(job: Job, job_path: Path, rdzv_id: str, logger: logging.Logger | loggi
     except BaseException:
         scope.close()
         raise
-    live = HELD[job.stage] = SharedLaunch(job.stage, job, job_path, local, scope)
+    # The ranks' time so far is the shard stage's, though torchrun is reaped in the train stage.
+    advanced = _cpu_seconds(local)
+    cputime.advance(advanced)
+    live = HELD[job.stage] = SharedLaunch(job.stage, job, job_path, local, scope, advanced)
     return live
 
 
@@ -195,4 +219,4 @@ def follow_train(
             router.close()
         return router.progress
     finally:
-        live.scope.close()
+        live.end()
