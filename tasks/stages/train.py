@@ -197,6 +197,8 @@ def _train(cfg: RunConfig, phase: Phase, start: StageResult, tracker: tracking.T
             sink.finish(run.rel)
         failed = False
     finally:
+        if live is not None:  # adopted but never followed (sink.start failed, say): its ranks must not wait on
+            live.discard()
         progress.flush()  # a failed stage shows the step it reached
         if mlflow_run is not None:
             mlflow_run.close(status="FAILED" if failed else "FINISHED")

@@ -88,6 +88,12 @@ class SharedLaunch:
         finally:
             self.end()
 
+    def discard(self) -> None:
+        """After the train stage: a launch still running (it was never followed) is torn down; then `end`."""
+        if self.local.alive():
+            self.local.tear_down()
+        self.end()
+
     def end(self) -> None:
         """The launch is over (reaped): its subreaper scope closes and its shard part is no longer counted twice."""
         self.scope.close()
