@@ -109,3 +109,16 @@ def test_the_train_stage_adopts_only_a_live_launch_of_its_layout_and_one_it_cann
     # the run ended with a launch nobody adopted (--stop-after boost_and_shard, say): stopped with the run
     assert not shared.HELD and not held.local.alive()
     assert handoff.read(tmp_path / "d.json")["stop"].startswith("the run ended before its train stage adopted")
+
+
+def test_a_shared_launchs_shard_part_counts_for_the_shard_stage_and_not_again_when_reaped():
+    from tasks.core.run import cputime
+
+    shard = cputime.CpuClock()
+    cputime.advance(12.5)  # the ranks' time at the hand-off: the shard stage's, though they run on
+    first = shard.read()
+    train = cputime.CpuClock()
+    cputime.settle(12.5)  # torchrun reaped in the train stage: RUSAGE_CHILDREN holds those 12.5 s too now
+    second = train.read()
+    assert first["cpu_children_seconds"] >= 12.5 and first["cpu_seconds"] >= 12.5
+    assert second["cpu_children_seconds"] == 0.0  # nothing was reaped here: the advance only comes off again
