@@ -259,6 +259,11 @@ def test_failed_sft_run_is_recorded_with_its_cause(scenario):
         and "last lines per process" in event["error"]
     )
     assert first["last_line"] == f"stage train_sft failed: StageFailed: {cause}"
+    # The kill hit the shared launch (tasks/core/launch/shared.py): reboost started it, train_sft adopted it,
+    # so no stage of this run called run_engine; the retry resumes in a launch of its own (next test).
+    assert first["launches"] == [], first["launches"]
+    rows = {s["stage"]: s for s in first["summary"]["stages"]}
+    assert rows["reboost"]["detail"]["launch"] == "shared" and rows["train_cpt"]["detail"]["launch"] == "adopted"
 
 
 def test_retry_skips_done_stages_and_resumes_sft(scenario):
@@ -294,6 +299,66 @@ def test_rerun_of_complete_run_launches_nothing(scenario):
     # Each skip decision trusted its artifact's verification stamp: no byte of any artifact was
     # read again (the runs before it hashed every artifact they built or read).
     assert rerun["hashed"] == [] and runs[0]["hashed"] and runs[1]["hashed"], rerun["hashed"][:5]
+
+
+def test_each_train_stage_adopted_the_launch_its_shard_stage_started(finished_run):
+    """Two launches for four engine verbs: boost_and_shard and reboost each started one (verb shard-train),
+    committed and verified step 0 as stages of their own, and the train stage after each trained in it."""
+    run_root, _ = finished_run
+    rows = {s["stage"]: s for s in json.loads((run_root / "run.json").read_text())["stages"]}
+    for shard, train, phase in (("boost_and_shard", "train_cpt", "cpt"), ("reboost", "train_sft", "sft")):
+        assert rows[shard]["status"] == rows[train]["status"] == "completed", (rows[shard], rows[train])
+        assert rows[shard]["detail"]["launch"] == "shared" and rows[train]["detail"]["launch"] == "adopted"
+        # the hand-off the train stage wrote names its own job file, which the ranks read
+        go = json.loads((run_root / "jobs" / f"{phase}-shard.json.go").read_text())
+        assert go == {"job": str(run_root / "jobs" / f"{phase}-train.json"), "fault": ""}, go
+        # each row keeps its own CPU: the ranks' shard part is the shard stage's, though reaped in training
+        assert rows[shard]["cpu_children_seconds"] > 1.0 and rows[train]["cpu_children_seconds"] > 1.0
+
+
+def test_stop_after_boost_and_shard_stops_the_shared_launch_and_a_launch_of_its_own_trains_bitwise(demo_run_copy):
+    """On a copy of the demo run with CPT's checkpoints moved aside: `--stop-after boost_and_shard` ends
+    after the shard stage of a shared launch (the ranks told to stop, nothing trained), and step 0 is the
+    demo's, bitwise; then train_cpt, its shard stage skipped, launches on its own from step 0 and its
+    eight losses and step-8 weights are the demo's (trained in the shared launch), bitwise. Two launches."""
+    from flows.cli import flow_main
+    from support.engine import read_model_dir
+
+    copy = demo_run_copy
+    cpt, ref = copy.run_root / "cpt", copy.run_root.parent / "ref"
+    ref.mkdir()
+    for name in ("step-000000", "step-000004", "step-000008"):
+        (cpt / name).rename(ref / name)
+
+    def run(stop_after):
+        with console_capture_quiet():
+            rc = flow_main(["--config", str(copy.config), "--stop-after", stop_after])
+        summary = json.loads((copy.run_root / "run.json").read_text())
+        return rc, summary, {s["stage"]: s for s in summary["stages"]}
+
+    rc, summary, rows = run("boost_and_shard")
+    assert rc == 0 and summary["stopped_after"] == "boost_and_shard", rows["boost_and_shard"]
+    assert rows["boost_and_shard"]["status"] == "completed" and rows["boost_and_shard"]["detail"]["launch"] == "shared"
+    assert rows["train_cpt"]["status"] == "not-run" and not (cpt / "step-000001").exists()
+    go = json.loads((copy.run_root / "jobs" / "cpt-shard.json.go").read_text())
+    assert go["stop"].startswith("the run ended before its train stage adopted the launch"), go
+    got, want = read_model_dir(cpt / "step-000000" / "model"), read_model_dir(ref / "step-000000" / "model")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+    rc, summary, rows = run("train_cpt")
+    assert rc == 0 and rows["boost_and_shard"]["status"] == "skipped", rows["boost_and_shard"]
+    assert rows["train_cpt"]["status"] == "completed" and rows["train_cpt"]["detail"]["launch"] == "own"
+    state = json.loads((cpt / "step-000008" / "train_state.json").read_text())
+    assert state["losses"] == json.loads((ref / "step-000008" / "train_state.json").read_text())["losses"]
+    got, want = read_model_dir(cpt / "step-000008" / "model"), read_model_dir(ref / "step-000008" / "model")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@contextlib.contextmanager
+def console_capture_quiet():
+    """The flow's console output kept out of the test's (its log is in the Prefect server's)."""
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        yield
 
 
 def test_every_stage_has_a_verified_artifact(finished_run):

@@ -445,7 +445,8 @@ def test_cancellation_leaves_no_process_and_no_write(prefect_harness, tiny_model
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    stage_dir, job_path = run_root / "cpt", run_root / "jobs" / "cpt-train.json"
+    # the ranks of the shared launch (cpt-shard.json) train_cpt adopted, or of its own (cpt-train.json)
+    stage_dir, job_path = run_root / "cpt", run_root / "jobs" / "cpt-"
     try:
         deadline = time.monotonic() + 480
         # keep_last 1 deletes step 2 within a step: wait for any checkpoint from step 2 on.

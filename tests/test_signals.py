@@ -109,7 +109,7 @@ def _cleanup(proc: subprocess.Popen, extra: list[psutil.Process]) -> None:
 
 def test_first_ctrl_c_tears_the_run_down_and_ends_it_cancelled(tiny_model_dir, tmp_path):
     proc, run_root, log = _start(tmp_path, tiny_model_dir)
-    job = str(run_root / "jobs" / "cpt-train.json")
+    job = str(run_root / "jobs" / "cpt-")  # cpt-shard.json: train_cpt adopted the shared launch
     servers: list[psutil.Process] = []
     try:
         _wait_for(proc, log, FIRST_STEP)  # the training stage's first step
@@ -139,7 +139,7 @@ def test_first_ctrl_c_tears_the_run_down_and_ends_it_cancelled(tiny_model_dir, t
 
 def test_second_ctrl_c_exits_at_once_and_the_run_still_goes(tiny_model_dir, tmp_path):
     proc, run_root, log = _start(tmp_path, tiny_model_dir)
-    job = str(run_root / "jobs" / "cpt-train.json")
+    job = str(run_root / "jobs" / "cpt-")  # cpt-shard.json: train_cpt adopted the shared launch
     servers: list[psutil.Process] = []
     try:
         _wait_for(proc, log, FIRST_STEP)
@@ -159,7 +159,7 @@ def test_second_ctrl_c_exits_at_once_and_the_run_still_goes(tiny_model_dir, tmp_
 
 def test_sigkill_of_the_flow_process_takes_its_embedded_server(tiny_model_dir, tmp_path):
     proc, run_root, log = _start(tmp_path, tiny_model_dir)
-    job = str(run_root / "jobs" / "cpt-train.json")
+    job = str(run_root / "jobs" / "cpt-")  # cpt-shard.json: train_cpt adopted the shared launch
     servers: list[psutil.Process] = []
     try:
         _wait_for(proc, log, FIRST_STEP)

@@ -12,6 +12,7 @@ The Prefect task writes the job file (tasks/core/run/job.py) and reads the ranks
 - checkpoint.py     training checkpoints: atomic directories, newest-complete-first resume
 - cpu_compat.py     ColossalAI 0.5.0 on CPU: the patches that let its plugins run with gloo
 - faults.py         fault injection for the resume tests
+- handoff.py        the verb `shard-train`: shard, wait for the train stage, train in the same ranks
 - hf_compat.py      ColossalAI's modeling rebuilt from its source for a newer transformers, or refused
 - hostmem.py        large freed blocks handed back to the OS while a rank builds its model
 - lazy_compile.py   ColossalAI imported without paying for torch's compiler

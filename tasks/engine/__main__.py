@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 -m tasks.engine shard --config JOB.json
     torchrun --nproc_per_node=2 -m tasks.engine train --config JOB.json
+    torchrun --nproc_per_node=2 -m tasks.engine shard-train --config JOB.json   # a shared launch: tasks/engine/handoff.py
 
 JOB.json is described in tasks/engine/preconditions.py. Order of work, cheapest checks first: prefix this
 rank's output with `[rank N] `; read and validate the job; refuse plugins this machine cannot run
@@ -45,9 +46,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m tasks.engine", description="cpt-to-sft engine: run one verb in this torchrun rank"
     )
-    p.add_argument("verb", choices=["shard", "train"])
+    p.add_argument("verb", choices=["shard", "train", "shard-train"])
     p.add_argument("--config", required=True, help="job file (JSON) written by the Prefect task")
     return p.parse_args(argv)
+
+
+def _running(verb: str) -> str:
+    """The verb a failure or the end is reported under: a shared launch's part then running (shard, then train)."""
+    if verb != "shard-train":
+        return verb
+    from tasks.engine import handoff
+
+    return handoff.running[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         from tasks.engine.builders import check_supported
         from tasks.engine.preconditions import check_inputs, load_job
 
-        job = load_job(args.config, verb=args.verb)
+        # shard-train: a shard job, then the train stage's job when it adopts the launch (tasks/engine/handoff.py)
+        job = load_job(args.config, verb="shard" if args.verb == "shard-train" else args.verb)
         check_supported(job.phase_cfg.plugin, job.stage)
         if job.nodes is None:  # per-node staging checks what it stages, once the group is up
             check_inputs(job)
@@ -126,10 +137,18 @@ def main(argv: list[str] | None = None) -> int:
         # frozen, it is out of the collector's sight, so the full collections that come later
         # (ColossalAI's plugin destructor, transformers between weight shards) scan only what the verb allocates.
         gc.freeze()
-        result = loop.shard(job, faults) if args.verb == "shard" else loop.train(job, faults)
+        if args.verb == "shard-train":
+            from tasks.engine.handoff import shard_then_train
+
+            result = shard_then_train(job, faults, args.config)
+        else:
+            result = loop.shard(job, faults) if args.verb == "shard" else loop.train(job, faults)
         dist.barrier()
         if rank == 0:
-            rankio.say(f"engine {args.verb} {job.stage}: done in {time.monotonic() - started:.1f}s -> {result}", DETAIL)
+            rankio.say(
+                f"engine {_running(args.verb)} {job.stage}: done in {time.monotonic() - started:.1f}s -> {result}",
+                DETAIL,
+            )
         dist.destroy_process_group()
         return 0
     except Preempted as exc:
@@ -144,13 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ManifestError, ValueError, FileNotFoundError) as exc:
         # One self-contained first line: the launcher quotes it as the stage's cause.
         first, *rest = str(exc).splitlines() or [type(exc).__name__]
-        rankio.say(f"engine {args.verb} failed: {exc.one_line() if isinstance(exc, ConfigError) else first}", ERROR)
+        rankio.say(
+            f"engine {_running(args.verb)} failed: {exc.one_line() if isinstance(exc, ConfigError) else first}", ERROR
+        )
         if rest and not isinstance(exc, ConfigError):
             rankio.say("\n".join(rest), ERROR)
         return 1
     except Exception as exc:  # report anything, then exit non-zero
         # The cause first: the launcher quotes a rank's first error line as the stage's cause.
-        rankio.say(f"engine {args.verb} failed: {type(exc).__name__}: {exc}", ERROR)
+        rankio.say(f"engine {_running(args.verb)} failed: {type(exc).__name__}: {exc}", ERROR)
         rankio.say(traceback.format_exc(), ERROR)
         return 1
 

@@ -26,6 +26,7 @@ from prefect.states import Cancelled, Completed, Failed, State
 
 from tasks.core.config.schema import RunConfig
 from tasks.core.errors import ConfigError, Preempted
+from tasks.core.launch import shared
 from tasks.core.run import stages as table
 from tasks.core.run.cputime import CpuClock
 from tasks.core.run.preemptions import Policy
@@ -99,7 +100,10 @@ class PipelineRun:
 
         self.tracker = start_tracking(self.cfg, self.logger)
         try:
-            state = self._loop()
+            with shared.session(
+                self.logger
+            ):  # a shard stage's launch may be adopted by its train stage; none outlives the run
+                state = self._loop()
         finally:
             try:
                 summary = self._close(store, time.monotonic() - self.started)

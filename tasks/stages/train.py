@@ -1,7 +1,8 @@
 """Stages boost_and_shard / reboost / reboost_dpo (engine verb `shard`) and train CPT / SFT / DPO (engine verb `train`).
 
 Both launch `python -m tasks.engine <verb> --config JOB.json` under torchrun with the stage's
-layout; where the checkpoints go (stay local, published by this worker, published by each node) is
+layout, or share one launch (verb `shard-train`: the train stage adopts the ranks that committed
+step 0, tasks/core/launch/shared.py); where the checkpoints go (stay local, published by this worker, published by each node) is
 the stage's checkpoint sink, chosen once (tasks/flowkit/checkpoints.py). Training is never retried by Prefect: the engine resumes from the newest checkpoint
 whose manifest verifies, so a retried flow run continues where it broke.
 
@@ -20,6 +21,7 @@ from tasks.core.config.phases import Phase
 from tasks.core.config.schema import RunConfig
 from tasks.core.data.stage_data import check_against_model, corpus_of, prepared_dir, record_split, split_info
 from tasks.core.errors import Preempted
+from tasks.core.launch import shared
 from tasks.core.launch.torchrun import run_engine, stage_fault_env
 from tasks.core.run import preemptions
 from tasks.core.run.events import BACKPRESSURE, CHECKPOINT, KERNELS
@@ -115,9 +117,20 @@ def _shard(
     _supersede_foreign(st.store, phase, st.digest)
     section = cfg.phase(phase)
     sink = checkpoint_sink(st.store, phase, section, parent.rel, cfg.staging_dir)
-    _launch(st.store, _job(cfg, sink, "shard", parent, st.digest), cfg.name)
-    sink.finish(st.rel)  # nodes that published it: staged in here; done() finds it whole remotely
-    return st.done({"plugin": section.plugin.name})
+    job = _job(cfg, sink, "shard", parent, st.digest)
+    if not shared.can_share(section.launch, st.store.local):
+        _launch(st.store, job, cfg.name)
+        sink.finish(st.rel)  # nodes that published it: staged in here; done() finds it whole remotely
+        return st.done({"plugin": section.plugin.name})
+    # One launch for this stage and the training after it: the ranks wait once step 0 is committed.
+    path = st.store.staging / job_file(phase, job.verb)
+    shared.start(job, path, f"{cfg.name}-{phase}-{shared.VERB}", get_run_logger())
+    try:
+        sink.finish(st.rel)
+        return st.done({"plugin": section.plugin.name, "launch": "shared"})
+    except BaseException:  # not verified: no training may go on from it
+        shared.release(phase, get_run_logger(), f"{task_name} failed", graceful=False)
+        raise
 
 
 @stage_task(name="boost_and_shard", task_run_name="boost_and_shard [{cfg.cpt.plugin.name}]")
@@ -177,25 +190,32 @@ def _train(
         elif kind == KERNELS:
             progress.kernels(record)
 
+    # The ranks that sharded step 0, when they wait for this stage (tasks/core/launch/shared.py); else a launch.
+    live = shared.adopt(job, logger)
     failed = True
     try:
         with sink.start():  # a remote run root: the newest checkpoint staged in, uploads beside training
             try:
-                _launch(
-                    store,
-                    job,
-                    cfg.name,
+                follow = dict(
                     on_progress=tracking.fan_out(progress, mlflow_run, to_console),
                     on_event=on_event,
                     env=stage_fault_env(phase),
                     failure=sink.failure,
                 )
+                if live is None:
+                    _launch(store, job, cfg.name, **follow)
+                else:
+                    logger.info("%s: adopted the %s launch, whose ranks committed step 0", run.name, live.phase)
+                    path = store.staging / job_file(job.stage, job.verb)
+                    shared.follow_train(live, job, path, logger, cancelled=cancel_requested, **follow)
             except Preempted as exc:  # inside the sink: its publisher drains before the stage says preempted
                 _preempted(store, phase, sink, exc, first_step[0] - run.started if first_step else None)
                 raise
             sink.finish(run.rel)
         failed = False
     finally:
+        if live is not None:  # adopted but never followed (sink.start failed, say): its ranks must not wait on
+            live.discard()
         progress.flush()  # a failed stage shows the step it reached
         if mlflow_run is not None:
             mlflow_run.close(status="FAILED" if failed else "FINISHED")
@@ -220,6 +240,8 @@ def _train(
             "seq_len": section.seq_len,
             "tokens_per_s": medians.get("tokens_per_s"),
             "segments": state.get("segments") or [],
+            # "adopted": trained in the ranks the shard stage started (no launch of its own); "own": launched
+            "launch": "own" if live is None else "adopted",
             **({"preemptions": preempted} if preempted else {}),
             **peak,
         },

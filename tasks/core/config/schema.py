@@ -214,6 +214,15 @@ class LaunchConfig(Frozen):
             "the GPU the worker sees, if any. Read by pre-flight only; not part of any digest."
         ),
     )
+    share: bool = Field(
+        default=True,
+        description=(
+            "The shard stage (boost_and_shard, reboost) and this phase's training share one torchrun launch: the "
+            "ranks that committed step 0 go on training when the train stage adopts them, saving a launch "
+            "(tasks/core/launch/shared.py). Local backend on one node with a local run root only; false: a launch "
+            "each. Not part of any digest."
+        ),
+    )
 
     @property
     def world_size(self) -> int:

@@ -219,7 +219,7 @@ def run_engine(
     router.stop_check = failure
     router.cancelled = cancelled
     # A stage that listens for notices: torchrun passes their signals on to the ranks and waits the grace.
-    notices = torchrun_env(job.phase_cfg.elastic.notices) if verb == "train" else {}
+    notices = torchrun_env(job.phase_cfg.elastic.notices) if verb in TRAIN_VERBS else {}
     try:
         RUNNERS[launch.backend](verb, job, job_path, launch, rdzv_id, router, engine_env({**notices, **(env or {})}))
     finally:
@@ -233,80 +233,106 @@ def run_local(
     """torchrun on this node, its output on a pipe; any exception kills its whole process group.
     While it runs, orphaned ranks re-parent to this process, not to PID 1 (`subreaper`)."""
     with subreaper():
-        _run_local(verb, job, job_path, launch, rdzv_id, router, env)
+        local = LocalLaunch(verb, job_path, launch, rdzv_id, env, router.logger)
+        local.follow(router, verb, notice_signals(verb, job))
 
 
-def _run_local(
-    verb: str, job: Job, job_path: Path, launch: LaunchConfig, rdzv_id: str, router: Router, env: dict[str, str]
-) -> None:
-    argv = torchrun_argv(verb, job_path, launch, rdzv_id)
-    router.logger.info("launch: %s", " ".join(argv), extra=CONSOLE_OFF)
-    token = new_token()
-    # torchrun has no PR_SET_PDEATHSIG: should this process end without a teardown (a second
-    # Ctrl-C, a SIGKILL), its watchdog ends torchrun, and the ranks go with torchrun.
-    run_token = reap_on_exit()
-    marker = Path(f"{job_path}.teardown")  # written before a teardown's SIGTERM: not a notice to the ranks
-    marker.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**env, RUN_TOKEN_ENV: run_token, TOKEN_ENV: token, TEARDOWN_ENV: str(marker)},
-        text=True,
-        bufsize=1,
-        cwd=str(REPO),
-        start_new_session=True,
-    )
-    assert proc.stdout is not None
-    stage = StageProcesses(proc.pid, token)
-    stop = threading.Event()
-    raised: list[BaseException] = []
-    check = router.stop_check
+def notice_signals(verb: str, job: Job) -> list[str]:
+    """The signals this process passes on to a training launch's ranks as a notice (none for shard)."""
+    return signal_names([n.source for n in job.phase_cfg.elastic.notices]) if verb in TRAIN_VERBS else []
 
-    def tear_down():
-        marker.touch()
-        return teardown(stage)
 
-    def watch() -> None:
-        while not stop.wait(0.5):
-            exc = check() if check else None
-            if exc is not None:
-                raised.append(exc)
-                router.logger.error("stopping the stage: %s", exc)
-                tear_down()  # closes the pipe, so the reader below ends
-                return
+# The verbs whose ranks train, and so listen for preemption notices (shard-train: a shared launch, tasks/core/launch/shared.py).
+TRAIN_VERBS = ("train", "shard-train")
 
-    watcher = threading.Thread(target=watch, name="stage-watch", daemon=True)
-    watcher.start()
-    # A stage that listens for notices: SIGTERM/SIGUSR1 to this process become a notice to its ranks.
-    notices = signal_names([n.source for n in job.phase_cfg.elastic.notices]) if verb == "train" else []
-    try:
-        with forward_notices(stage, notices, say=router.logger.warning, cancelled=router.cancelled) as forwarding:
-            if notices and not forwarding:
-                router.logger.info(
-                    "%s reach the ranks only when sent to them: this launch is not in the main thread", notices
-                )
-            for raw in proc.stdout:
-                router.line(raw.rstrip("\n"))
-            rc = proc.wait()
-    except BaseException:
-        stop.set()
-        router.logger.warning("torn down the %s stage: %s", verb, tear_down())
-        proc.wait()
-        raise
-    finally:
-        stop.set()
-        watcher.join()
-    if raised:
-        tear_down()
-        raise raised[0]
-    # torchrun has exited; a rank it lost track of must not outlive it (no-op when none is left).
-    report = tear_down()
-    marker.unlink(missing_ok=True)
-    if report.terminated or report.killed:
-        router.logger.warning("after torchrun exited: %s", report)
-    if rc != 0:
-        raise router.failure(verb, rc)
+
+class LocalLaunch:
+    """One torchrun on this node, started at construction; `follow` reads its output into a router
+    until it exits (or, for a shared launch, until `until()` says the shard part is done, when the
+    process is left running for the next `follow`). Teardown reaches every process it started."""
+
+    def __init__(
+        self, verb: str, job_path: Path, launch: LaunchConfig, rdzv_id: str, env: dict[str, str], logger
+    ) -> None:
+        argv = torchrun_argv(verb, job_path, launch, rdzv_id)
+        logger.info("launch: %s", " ".join(argv), extra=CONSOLE_OFF)
+        token = new_token()
+        # torchrun has no PR_SET_PDEATHSIG: should this process end without a teardown (a second
+        # Ctrl-C, a SIGKILL), its watchdog ends torchrun, and the ranks go with torchrun.
+        run_token = reap_on_exit()
+        self.marker = Path(f"{job_path}.teardown")  # written before a teardown's SIGTERM: not a notice to the ranks
+        self.marker.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**env, RUN_TOKEN_ENV: run_token, TOKEN_ENV: token, TEARDOWN_ENV: str(self.marker)},
+            text=True,
+            bufsize=1,
+            cwd=str(REPO),
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        self.stage = StageProcesses(self.proc.pid, token)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tear_down(self):
+        self.marker.touch()
+        return teardown(self.stage)
+
+    def follow(self, router: Router, verb: str, notices: list[str], until: Callable[[], bool] | None = None) -> bool:
+        """Route every output line until torchrun exits (then tear down what is left and raise the
+        failure on a non-zero status) and return True; or until `until()` after a line, and return
+        False with the launch still running. An exception here tears the launch down."""
+        proc = self.proc
+        stop = threading.Event()
+        raised: list[BaseException] = []
+        check = router.stop_check
+
+        def watch() -> None:
+            while not stop.wait(0.5):
+                exc = check() if check else None
+                if exc is not None:
+                    raised.append(exc)
+                    router.logger.error("stopping the stage: %s", exc)
+                    self.tear_down()  # closes the pipe, so the reader below ends
+                    return
+
+        watcher = threading.Thread(target=watch, name="stage-watch", daemon=True)
+        watcher.start()
+        # A stage that listens for notices: SIGTERM/SIGUSR1 to this process become a notice to its ranks.
+        try:
+            with forward_notices(self.stage, notices, say=router.logger.warning, cancelled=router.cancelled) as fwd:
+                if notices and not fwd:
+                    router.logger.info(
+                        "%s reach the ranks only when sent to them: this launch is not in the main thread", notices
+                    )
+                for raw in proc.stdout:
+                    router.line(raw.rstrip("\n"))
+                    if until is not None and until():
+                        return False
+                rc = proc.wait()
+        except BaseException:
+            stop.set()
+            router.logger.warning("torn down the %s stage: %s", verb, self.tear_down())
+            proc.wait()
+            raise
+        finally:
+            stop.set()
+            watcher.join()
+        if raised:
+            self.tear_down()
+            raise raised[0]
+        # torchrun has exited; a rank it lost track of must not outlive it (no-op when none is left).
+        report = self.tear_down()
+        self.marker.unlink(missing_ok=True)
+        if report.terminated or report.killed:
+            router.logger.warning("after torchrun exited: %s", report)
+        if rc != 0:
+            raise router.failure(verb, rc)
+        return True
 
 
 def _failure_message(verb: str, rc: int, tails: dict[str, collections.deque], cause: tuple[str, str] | None) -> str:

@@ -4,6 +4,7 @@ rank<->task line protocol and what a run keeps of itself.
 - cputime.py      CPU seconds of a stage: the flow process's own and the children it waited for
 - digest.py       a stage's config digest, one way for every stage
 - events.py       the line protocol between the ranks and the Prefect task: emitter and parser
+- handoff.py      a shared launch's hand-off file: the train job its waiting ranks run, or stop
 - hostpeak.py     a process's host-memory peak over a span, from /proc
 - job.py          the job file: what one engine invocation does
 - manifest.py     artifact manifests, the contract between stages

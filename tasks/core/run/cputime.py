@@ -15,6 +15,10 @@ What the figure covers (`CpuClock`, read around one stage by the flow's stage he
   torchrun) counts on its own machine, not here; a process killed and reaped by another parent (a
   torchrun SIGKILLed before it reaped its ranks) is not counted: then the figure is a lower bound.
   The embedded Prefect server is a child that lives as long as the run, so no stage counts it.
+- a child that works for two stages and is waited for in the second (a shared launch,
+  tasks/core/launch/shared.py: the ranks shard, then train): what it had used when the first
+  stage ended is moved to that stage (`advance`, read from /proc by the launcher) and taken off the
+  second when the child is reaped (`settle`), so each row keeps its own part.
 Pure: the standard library's `resource` (POSIX) only.
 """
 
@@ -22,12 +26,27 @@ from __future__ import annotations
 
 import resource
 
+# CPU seconds of children still running, counted for the stage that was running when they were
+# advanced, and of those children once reaped (their time is then in RUSAGE_CHILDREN as well).
+_advanced = [0.0]
+_settled = [0.0]
+
+
+def advance(seconds: float) -> None:
+    """A running child has used `seconds` for the stage now running: count them for it now."""
+    _advanced[0] += max(seconds, 0.0)
+
+
+def settle(seconds: float) -> None:
+    """The child advanced by `seconds` has been reaped: its whole time is in RUSAGE_CHILDREN now."""
+    _settled[0] += max(seconds, 0.0)
+
 
 def _cpu() -> tuple[float, float]:
     """(the process's own, its waited-for children's) user + system seconds so far."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime + _advanced[0] - _settled[0]
 
 
 class CpuClock:

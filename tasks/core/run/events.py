@@ -37,7 +37,9 @@ KERNELS = "kernels"
 # the stage stopped on a preemption notice: source, grace_s, noticed_step, checkpoint_step, checkpoint,
 # steps_lost, notice_to_commit_s (tasks/core/launch/notice_watch.py); the launcher raises errors.Preempted
 PREEMPTED = "preempted"
-KINDS = (PROGRESS, CHECKPOINT, BACKPRESSURE, KERNELS, PREEMPTED)
+# a shared launch (verb shard-train) committed step-000000 and waits for the train stage: stage, checkpoint
+SHARDED = "sharded"
+KINDS = (PROGRESS, CHECKPOINT, BACKPRESSURE, KERNELS, PREEMPTED, SHARDED)
 # The numeric @@progress fields that are per-step metrics (TensorBoard tags, MLflow metrics).
 METRICS = (
     "loss",
