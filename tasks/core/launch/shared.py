@@ -204,20 +204,21 @@ def follow_train(
     job: Job,
     job_path: Path,
     logger: Any,
-    on_progress=None,
-    on_event=None,
     env: dict[str, str] | None = None,
-    failure=None,
-    cancelled=None,
+    **hooks: Any,
 ) -> list[dict[str, Any]]:
     """The train part: write `job` and the hand-off file, then follow the launch as `run_engine` follows
-    one (the same router, failure, notices and teardown); the parsed @@progress records."""
+    one (the same router, failure, notices and teardown); the parsed @@progress records. `hooks`:
+    run_engine's callbacks of the same names (on_progress, on_event, failure, cancelled)."""
     from tasks.core.launch.torchrun import FAULT_ENV
 
+    unknown = set(hooks) - {"on_progress", "on_event", "failure", "cancelled"}
+    if unknown:
+        raise TypeError(f"follow_train: no hook named {', '.join(sorted(unknown))}")
     try:
         job.write(job_path)
-        router = Router(logger, on_progress, on_event, ranks=job.phase_cfg.launch.world_size)
-        router.stop_check, router.cancelled = failure, cancelled
+        router = Router(logger, hooks.get("on_progress"), hooks.get("on_event"), ranks=job.phase_cfg.launch.world_size)
+        router.stop_check, router.cancelled = hooks.get("failure"), hooks.get("cancelled")
         handoff.write_go(live.job_path, job_path, fault=(env or {}).get(FAULT_ENV, ""))
         try:
             live.local.follow(router, "train", notice_signals("train", job))
