@@ -26,7 +26,7 @@ from tasks.core.launch.torchrun import run_engine, stage_fault_env
 from tasks.core.run import preemptions
 from tasks.core.run.events import BACKPRESSURE, CHECKPOINT, KERNELS
 from tasks.core.run.job import Job, Parent
-from tasks.core.run.stages import TRAIN_STATE, TRAINING, is_step_name, job_file, loss_curve_rel, step_medians
+from tasks.core.run.stages import ROWS, TRAIN_STATE, TRAINING, is_step_name, job_file, loss_curve_rel, step_medians
 from tasks.core.run.trainlog import TrainLog
 from tasks.core.storage.fs import RunStore
 from tasks.flowkit import tracking, ui
@@ -133,16 +133,16 @@ def _shard(
         raise
 
 
-@stage_task(name="boost_and_shard", task_run_name="boost_and_shard [{cfg.cpt.plugin.name}]")
+@stage_task(ROWS.boost_and_shard, task_run_name="boost_and_shard [{cfg.cpt.plugin.name}]")
 def boost_and_shard(cfg: RunConfig, base: StageResult, data: StageResult) -> StageResult:
     """Boost the base model under plugin A and save the starting checkpoint cpt/step-000000."""
-    return _shard(cfg, "cpt", base, data, "boost_and_shard")
+    return _shard(cfg, "cpt", base, data, ROWS.boost_and_shard.name)
 
 
-@stage_task(name="reboost", task_run_name="reboost [{cfg.sft.plugin.name}]")
+@stage_task(ROWS.reboost, task_run_name="reboost [{cfg.sft.plugin.name}]")
 def reboost(cfg: RunConfig, bridge: StageResult, data: StageResult) -> StageResult:
     """Boost the unsharded CPT model under plugin B and save sft/step-000000."""
-    return _shard(cfg, "sft", bridge, data, "reboost")
+    return _shard(cfg, "sft", bridge, data, ROWS.reboost.name)
 
 
 def _train(
@@ -282,25 +282,25 @@ def _preempted(store: RunStore, phase: Phase, sink: CheckpointSink, exc: Preempt
     logger.warning(preemptions.describe(rec))
 
 
-@stage_task(name="train_cpt", task_run_name="train CPT [{cfg.cpt.plugin.name}]")
+@stage_task(ROWS.train_cpt, task_run_name="train CPT [{cfg.cpt.plugin.name}]")
 def train_cpt(cfg: RunConfig, start: StageResult, tracker: tracking.TrackerHandle | None = None) -> StageResult:
     """Train CPT from `start`; `tracker`: the flow run's MLflow run, which gets a nested run of the steps."""
     return _train(cfg, "cpt", start, tracker)
 
 
-@stage_task(name="train_sft", task_run_name="train SFT [{cfg.sft.plugin.name}]")
+@stage_task(ROWS.train_sft, task_run_name="train SFT [{cfg.sft.plugin.name}]")
 def train_sft(cfg: RunConfig, start: StageResult, tracker: tracking.TrackerHandle | None = None) -> StageResult:
     """Train SFT from `start`; `tracker`: the flow run's MLflow run, which gets a nested run of the steps."""
     return _train(cfg, "sft", start, tracker)
 
 
-@stage_task(name="reboost_dpo", task_run_name="reboost DPO [{cfg.dpo.plugin.name}]")
+@stage_task(ROWS.reboost_dpo, task_run_name="reboost DPO [{cfg.dpo.plugin.name}]")
 def reboost_dpo(cfg: RunConfig, bridge: StageResult, data: StageResult, reference: StageResult) -> StageResult:
     """Boost the unsharded SFT model (sft/hf) under the dpo plugin and save dpo/step-000000, made from the reference too."""
-    return _shard(cfg, "dpo", bridge, data, "reboost_dpo", reference)
+    return _shard(cfg, "dpo", bridge, data, ROWS.reboost_dpo.name, reference)
 
 
-@stage_task(name="train_dpo", task_run_name="train DPO [{cfg.dpo.plugin.name}]")
+@stage_task(ROWS.train_dpo, task_run_name="train DPO [{cfg.dpo.plugin.name}]")
 def train_dpo(
     cfg: RunConfig, start: StageResult, reference: StageResult, tracker: tracking.TrackerHandle | None = None
 ) -> StageResult:
