@@ -326,6 +326,23 @@ def test_sft_efficiency_smoke():
     assert "equal per-token losses: met" in out, out[-3000:]  # exactness holds at any size
 
 
+def test_dpo_step_smoke():
+    """One process, 4 pairs, 3 rounds (~9 CPU-s, most of it imports and the tiny model's tokenizer): the
+    table, finite positive ratios, and a first DPO loss of log 2, the policy starting as the reference."""
+    import math
+
+    out = smoke([PY, "benchmarks/dpo_step.py", "--smoke"])
+    assert "side | real tokens | step ms | tokens/s | x sft | first loss" in out, out[-3000:]
+    assert "command: python benchmarks/dpo_step.py --smoke" in out, out[-3000:]
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("@@dpo_step ")]
+    r = json.loads(line.split(" ", 1)[1])
+    for ratio in (r["dpo_over_sft"], r["dpo_ref_over_sft"]):
+        assert math.isfinite(ratio) and ratio > 0, r
+    assert r["first_loss"]["dpo"] == pytest.approx(math.log(2), abs=1e-5), r
+    assert r["first_loss"]["dpo+ref"] == pytest.approx(math.log(2), abs=1e-5), r
+    assert r["reference_gap"] < 1e-4, r  # the reference pass on the batch gives the artifact's figures
+
+
 def test_mixture_smoke():
     out = smoke([PY, "benchmarks/mixture.py", "--smoke"])
     rows = {
