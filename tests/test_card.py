@@ -280,3 +280,41 @@ def test_hub_fields_the_hub_would_refuse_or_show_otherwise_are_named_with_the_fi
         "hub.license",
         "hub.tags",
     ]
+
+
+def test_a_run_that_trains_dpo_has_a_dpo_column_and_one_without_has_none(tmp_path):
+    from tests.test_hub import REPO
+
+    run = tmp_path / "run"
+    manifest = fake_export(run)
+    plain = config(run)
+    dpo = plain.model_validate(
+        {
+            **plain.model_dump(),
+            "dpo": {
+                "data": {"uri": str(REPO / "data" / "sample" / "dpo.jsonl")},
+                "plugin": {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"},
+                "launch": {"nproc_per_node": 2},
+                "max_steps": 4,
+                "micro_batch_size": 2,
+                "seq_len": 96,
+                "lr": 1.0e-5,
+                "beta": 0.25,
+                "loss": "sigmoid",
+                "label_smoothing": 0.1,
+            },
+        }
+    )
+    text = model_card(dpo, manifest, train_facts(dpo, RESULTS))
+    assert "| | CPT | SFT | DPO |\n|---|---|---|---|\n" in text, text
+    assert "| steps | 30 | 30 | 4 |" in text, text
+    assert "| seq_len | 64 | 128 | 96 |" in text, text
+    assert "| beta | n/a | n/a | 0.25 |" in text, text
+    assert "| preference loss | n/a | n/a | `sigmoid` |" in text, text
+    assert "| label_smoothing | n/a | n/a | 0.1 |" in text, text
+    assert "AdamW lr 1e-05 " in text and "`low_level_zero` tp=1 pp=1 zero=2 fp32, 1×2 ranks |\n" in text, text
+    assert "= 4 pairs (8 sequences) |\n" in text, text  # a micro-batch of 2 pairs on 2 dp ranks
+
+    without = model_card(plain, manifest, train_facts(plain, RESULTS))
+    assert "| | CPT | SFT |\n|---|---|---|\n" in without, without
+    assert "DPO" not in without and "| beta |" not in without and "preference loss" not in without, without

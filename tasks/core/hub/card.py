@@ -23,6 +23,7 @@ from typing import Any
 from tasks.core.config.context import changes_text
 from tasks.core.config.kernels import describe
 from tasks.core.config.phases import PHASES
+from tasks.core.config.preference import PreferenceFields
 from tasks.core.config.schema import RunConfig
 from tasks.core.config.sequence import sp_factor
 from tasks.core.evaluation.benchmark import card_results as benchmark_card_results
@@ -260,10 +261,11 @@ def _batch(cfg: RunConfig, stage: str) -> str:
     st = cfg.phase(stage)
     p = st.plugin
     dp = max(st.launch.world_size // (p.tp_size * p.pp_size * sp_factor(p)), 1)  # a sequence group reads one row
-    return (
-        f"{st.micro_batch_size} × {st.grad_accum_steps} accum × {dp} dp = {st.micro_batch_size * st.grad_accum_steps * dp} "
-        "sequences"
-    )
+    n = st.micro_batch_size * st.grad_accum_steps * dp
+    per = PHASES[stage].rows_per_record
+    # a pair phase's micro_batch_size counts records (pairs), each its chosen and its rejected sequence
+    unit = "sequences" if per == 1 else f"{PHASES[stage].record_noun} ({n * per} sequences)"
+    return f"{st.micro_batch_size} × {st.grad_accum_steps} accum × {dp} dp = {n} {unit}"
 
 
 def _schedule(cfg: RunConfig, stage: str) -> str:
@@ -367,8 +369,10 @@ def _card_data(cfg: RunConfig, base: dict[str, Any], metrics: dict[str, Any] | N
 
 
 def _training_table(cfg: RunConfig, facts: dict[str, dict], base: dict[str, Any]) -> list[str]:
-    """The hyperparameters and what training measured, one row per fact, CPT beside SFT."""
-    train = ["| | CPT | SFT |", "|---|---|---|"]
+    """The hyperparameters and what training measured, one row per fact, a column per phase the run
+    trains (CPT, SFT, and DPO where configured)."""
+    phases = list(cfg.phases)
+    train = ["| | " + " | ".join(PHASES[p].title for p in phases) + " |", "|" + "---|" * (len(phases) + 1)]
     rows = {
         "plugin and parallel layout": lambda s: _segments(facts, s) or _layout(cfg, s),
         "steps": lambda s: str(facts.get(s, {}).get("steps")),
@@ -388,10 +392,28 @@ def _training_table(cfg: RunConfig, facts: dict[str, dict], base: dict[str, Any]
             facts.get(s, {}).get("activation_checkpointing"), "n/a"
         ),
         "fine-tuning": lambda s: _tuning(cfg, facts, s),
+        **_preference_rows(cfg),
         "seed": lambda s: str(cfg.phase(s).seed),
         "preemptions": lambda s: preemption_cell(facts, s),
     }
-    return train + [f"| {name} | {fn('cpt')} | {fn('sft')} |" for name, fn in rows.items()]
+    return train + [f"| {name} | " + " | ".join(fn(p) for p in phases) + " |" for name, fn in rows.items()]
+
+
+def _preference_rows(cfg: RunConfig) -> dict[str, Callable[[str], str]]:
+    """The preference loss's settings (beta, loss, label_smoothing), rows only where the run trains a
+    phase that has them, so that a run without one keeps the table it always had; n/a in the columns
+    of the phases without them."""
+    if not any(isinstance(section, PreferenceFields) for section in cfg.phases.values()):
+        return {}
+
+    def cell(fmt: Callable[[PreferenceFields], str]) -> Callable[[str], str]:
+        return lambda s: fmt(section) if isinstance(section := cfg.phase(s), PreferenceFields) else "n/a"
+
+    return {
+        "beta": cell(lambda p: f"{p.beta:g}"),
+        "preference loss": cell(lambda p: f"`{p.loss}`"),
+        "label_smoothing": cell(lambda p: f"{p.label_smoothing:g}"),
+    }
 
 
 def _verification(v: dict[str, Any]) -> str:
