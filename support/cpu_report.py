@@ -41,11 +41,13 @@ class Recorder:
     def _wrap(self, item, phase: str):
         own0, kids0 = _cpu()
         t0 = time.monotonic()
-        yield
+        result = yield
         own1, kids1 = _cpu()
         row = {
             "test": item.nodeid,
             "phase": phase,
+            # a phase that raised: a failure, an error or a skip (read the run's log for which)
+            "raised": getattr(result, "exception", None) is not None,
             "own": round(own1 - own0, 3),
             "children": round(kids1 - kids0, 3),
             "wall": round(time.monotonic() - t0, 3),
@@ -79,6 +81,7 @@ def table(folder: Path, top: int = 40) -> str:
     per_file: dict[str, float] = defaultdict(float)
     wall: dict[str, float] = defaultdict(float)
     phases: dict[tuple[str, str], float] = {}
+    raised: set[str] = set()
     for path in sorted(folder.glob("*.jsonl")):
         for line in path.read_text().splitlines():
             row = json.loads(line)
@@ -87,6 +90,8 @@ def table(folder: Path, top: int = 40) -> str:
             wall[row["test"]] += row["wall"]
             per_file[row["test"].split("::")[0]] += cpu
             phases[(row["test"], row["phase"])] = phases.get((row["test"], row["phase"]), 0.0) + cpu
+            if row.get("raised"):
+                raised.add(f"{row['test']} ({row['phase']})")
     total = sum(per_test.values())
     lines = [f"{len(per_test)} tests, {total:,.0f} CPU-s inside tests", "", "## by file", ""]
     lines += ["| CPU-s | share | file |", "|---:|---:|---|"]
@@ -97,6 +102,8 @@ def table(folder: Path, top: int = 40) -> str:
     for name, cpu in sorted(per_test.items(), key=lambda kv: -kv[1])[:top]:
         parts = [phases.get((name, p), 0.0) for p in ("setup", "call", "teardown")]
         lines.append(f"| {cpu:,.1f} | {parts[0]:.1f} | {parts[1]:.1f} | {parts[2]:.1f} | {wall[name]:.0f} | {name} |")
+    if raised:
+        lines += ["", "## phases that raised (failed, errored or skipped)", "", *sorted(raised)]
     return "\n".join(lines)
 
 
