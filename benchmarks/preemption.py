@@ -128,6 +128,8 @@ def bench(args: argparse.Namespace) -> int:
     def run(run_root: Path, fault: str | None) -> tuple[float, dict]:
         raw = tiny_config_raw(model, run_root, cpt=stage)
         raw["gate"]["enabled"] = False
+        for phase in ("cpt", "sft"):  # each stage's own launch, which the recording of run_engine times
+            raw[phase].setdefault("launch", {})["share"] = False
         cfg = write_config(run_root.parent / f"{run_root.name}.yaml", raw)
         launches.clear()
         if fault:

@@ -88,6 +88,8 @@ def bench(args: argparse.Namespace) -> int:
     def config(name: str, run: str, **stages) -> Path:
         raw = tiny_config_raw(model, tmp / run, **stages)
         raw["gate"]["enabled"] = False  # this measures resume, not model quality
+        for phase in ("cpt", "sft"):  # each stage's own launch, which the recording of run_engine times
+            raw[phase].setdefault("launch", {})["share"] = False
         return write_config(tmp / name, raw)
 
     def timed(cfg: Path) -> float:

@@ -409,7 +409,7 @@ STAGES: tuple[StageSpec, ...] = (
         source=TRAINING["sft"].checkpoints,
         parents=("train_sft",),
         phase="dpo",
-        summary="SFT's final checkpoint as HF safetensors: the model DPO starts from (dpo only)",
+        summary="SFT's model as HF safetensors: DPO's start (dpo only)",
     ),
     # The log-probabilities are sums with their token counts, so the loss (sigmoid or per-token ipo) reads the same artifact.
     StageSpec(
@@ -419,7 +419,7 @@ STAGES: tuple[StageSpec, ...] = (
         digest=("base_model.trust_remote_code",),
         parents=("unshard_sft", PREPARE["dpo"]),
         phase="dpo",
-        summary="the SFT model's log-probabilities of every train pair (dpo only)",
+        summary="the SFT model's log-probs of each train pair (dpo only)",
     ),
     StageSpec(
         "reboost_dpo",
@@ -430,7 +430,7 @@ STAGES: tuple[StageSpec, ...] = (
         parents=("unshard_sft", PREPARE["dpo"], "reference"),
         global_batch="dpo",
         phase="dpo",
-        summary="the dpo plugin's sharded checkpoint of sft/hf (dpo only)",
+        summary="the dpo plugin's checkpoint of sft/hf (dpo only)",
     ),
     StageSpec(
         "train_dpo",
@@ -479,7 +479,7 @@ STAGES: tuple[StageSpec, ...] = (
         digest=(*_eval_fields("dpo"), "dpo.beta", "dpo.loss", "dpo.label_smoothing"),
         parents=("unshard_sft", "export"),
         phase="dpo",
-        summary="held-out preference accuracy, margin and chosen log-likelihood, SFT vs DPO",
+        summary="SFT vs DPO on held-out pairs: accuracy, margin (dpo only)",
     ),
     # lm-eval on local tasks: the task files' sha256 and lm-eval's version come in as run-time inputs.
     StageSpec(
