@@ -42,17 +42,6 @@ def _await(job_path: str | Path) -> dict:
     return box[0]
 
 
-def _same_launch(shard: Job, train: Job) -> str | None:
-    """Why `train` cannot run in the ranks `shard` started (the task checked it too), or None."""
-    for field in ("stage", "stage_dir", "model_dir", "nodes"):
-        if getattr(shard, field) != getattr(train, field):
-            return f"{field} differs ({getattr(shard, field)} vs {getattr(train, field)})"
-    a, b = shard.phase_cfg, train.phase_cfg
-    if a.launch != b.launch or a.plugin != b.plugin:
-        return "its launch or plugin differs from the shard's"
-    return None
-
-
 def shard_then_train(job: Job, faults: Injector, job_path: str | Path) -> Path | None:
     """The shard verb, then the train verb on the job the hand-off file names; the last checkpoint written."""
     from tasks.engine import loop
@@ -67,7 +56,7 @@ def shard_then_train(job: Job, faults: Injector, job_path: str | Path) -> Path |
         log(f"shared launch of {job.stage}: not training ({rec['stop']})", detail=True)
         return result
     train_job = load_job(rec["job"], verb="train")
-    why = _same_launch(job, train_job)
+    why = handoff.mismatch(job, train_job)
     if why:
         raise ValueError(f"{rec['job']}: the train job cannot run in this shared launch: {why}")
     check_inputs(train_job)

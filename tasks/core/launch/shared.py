@@ -58,16 +58,10 @@ class SharedLaunch:
     advanced: float = 0.0  # CPU seconds its processes used for the shard stage (tasks/core/run/cputime.py)
 
     def why_not(self, job: Job) -> str | None:
-        """Why the train `job` cannot run in these ranks, or None (the engine checks the same)."""
+        """Why the train `job` cannot run in these ranks, or None (`handoff.mismatch`, which the engine checks too)."""
         if not self.local.alive():
             return f"it exited (status {self.local.proc.returncode}) after the shard"
-        for name in ("stage", "stage_dir", "model_dir", "nodes"):
-            if getattr(self.job, name) != getattr(job, name):
-                return f"the train job's {name} differs from the shard's"
-        a, b = self.job.phase_cfg, job.phase_cfg
-        if a.launch != b.launch or a.plugin != b.plugin:
-            return "the train stage's launch or plugin differs from the shard stage's"
-        return None
+        return handoff.mismatch(self.job, job)
 
     def close(self, logger: Any, why: str, graceful: bool = True) -> None:
         """Tell the ranks to stop (or tear them down) and wait for them; a view of the run, never an error."""

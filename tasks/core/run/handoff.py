@@ -20,7 +20,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tasks.core.run.job import Job
 
 GO_SUFFIX = ".go"
 # How long the ranks of a shared launch wait for the train stage after step 0 is committed; the gap
@@ -62,3 +65,15 @@ def read(job_path: str | Path) -> dict[str, Any] | None:
     if not isinstance(raw, dict) or not (isinstance(raw.get("job"), str) or isinstance(raw.get("stop"), str)):
         raise ValueError(f"{path}: a shared launch's hand-off file holds a job or a stop, not {raw!r}")
     return raw
+
+
+def mismatch(shard: Job, train: Job) -> str | None:
+    """Why the train job cannot run in the ranks the shard job started, or None: the flow checks it
+    before it adopts a launch (tasks/core/launch/shared.py), the ranks again before they train."""
+    for name in ("stage", "stage_dir", "model_dir", "nodes"):
+        if getattr(shard, name) != getattr(train, name):
+            return f"the train job's {name} differs from the shard's ({getattr(train, name)} vs {getattr(shard, name)})"
+    a, b = shard.phase_cfg, train.phase_cfg
+    if a.launch != b.launch or a.plugin != b.plugin:
+        return "the train stage's launch or plugin differs from the shard stage's"
+    return None
