@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from support import REPO
 
@@ -226,25 +227,82 @@ def test_the_held_out_pairs_score_the_sft_model_against_itself_at_margin_zero(ti
     assert m["dpo"]["chosen_logp"] < 0 and 0.0 <= m["dpo"]["prefers_chosen"] <= 1.0
 
 
-def test_a_dpo_run_is_refused_with_an_sft_adapter_and_its_limits_need_held_out_pairs(tmp_path):
+def test_a_dpo_run_takes_an_sft_adapter_refuses_a_pair_mixture_and_its_limits_need_held_out_pairs(tmp_path):
     from support.tiny import tiny_config_raw
     from tasks.core.config.load import parse_config
     from tasks.core.errors import ConfigError
 
     raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
-    raw["sft"]["lora"] = {"r": 4, "alpha": 8}
+    raw["sft"]["lora"] = {"r": 4, "alpha": 8}  # unshard_sft merges it into sft/hf, DPO's start
     raw["dpo"] = {
-        "data": {"uri": str(SAMPLE)},
+        "data": {"sources": [{"name": n, "uri": str(SAMPLE), "weight": 0.5} for n in ("a", "b")]},
         "plugin": {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"},
         "max_steps": 4,
         "seq_len": 128,
         "lr": 1.0e-5,
         "eval": {"heldout_fraction": 0.0},
     }
+    raw["hub"] = {"repo_id": "org/m", "push_adapter": True}
     with pytest.raises(ConfigError) as err:
         parse_config(raw)
     said = dict(err.value.problems)
-    assert "starts DPO from sft/hf" in said["sft.lora"] and "remove sft.lora" in said["sft.lora"]
+    assert set(said) == {"dpo.data.sources", "gate.dpo_min_margin", "hub.push_adapter"}, said
+    assert "preference sources (a, b) is not blended" in said["dpo.data.sources"]
+    assert "give dpo.data.uri the list of their files" in said["dpo.data.sources"]
     assert "needs a DPO held-out set" in said["gate.dpo_min_margin"]
-    del raw["dpo"]  # without the phase: neither applies
+    # the export takes DPO's model: SFT's adapter is merged into it, so there is no adapter to push
+    assert "(dpo.lora is not set); set dpo.lora, or push_adapter: false" in said["hub.push_adapter"]
+    raw["dpo"]["data"] = {"uri": [str(SAMPLE), str(SAMPLE)]}  # the files as one source
+    raw["dpo"]["lora"] = {"r": 4, "alpha": 8}  # DPO's own adapter on sft/hf: the one pushed
+    raw["dpo"]["eval"] = {"heldout_fraction": 0.1}
+    cfg = parse_config(raw)
+    assert cfg.sft.lora is not None and cfg.dpo.lora is not None
+    del raw["dpo"]  # without the phase: none applies, and SFT's adapter is the one pushed
     parse_config(raw)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_unshard_sft_merges_an_sft_adapter_into_a_plain_fp32_model(tiny_model_dir, tmp_path, streamed):
+    """sft.lora before DPO: unshard_sft's conversion of a LoRA checkpoint is the adapter merged onto cpt/hf
+    (the whole-model merge and the streamed one), a plain fp32 HF folder whose logits are peft's and whose
+    untouched tensors are the base's bitwise: the model DPO boosts, scores and compares."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from support.tiny import tiny_config_raw
+    from tasks.core.config.load import parse_config
+    from tasks.core.models.folder import folder_problems
+    from tasks.stages.unshard import hf_of_checkpoint
+
+    raw = tiny_config_raw(tiny_model_dir, tmp_path / "run")
+    raw["sft"]["lora"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    raw["dpo"] = {"data": {"uri": str(SAMPLE)}, "plugin": {"name": "torch_ddp", "precision": "fp32"}}
+    raw["dpo"].update(max_steps=2, seq_len=128, lr=1e-5)
+    if streamed:  # a budget under the model's bytes: the merge and its proof a layer at a time
+        raw["verify_memory_gb"] = 1e-6
+    cfg = parse_config(raw)
+    torch.manual_seed(0)  # an adapter as SFT leaves it: B trained away from zero, so the merge changes q and v
+    peft = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    peft.save_pretrained(tmp_path / "ckpt" / "adapter", safe_serialization=True)
+    built = hf_of_checkpoint(cfg, "sft", tmp_path / "ckpt", tmp_path / "sft-hf", tiny_model_dir)
+    v = built["verification"]
+    layers = peft.config.num_hidden_layers
+    assert v["lora"]["touched"] == 2 * layers and v["lora"]["merge"] == ("streamed" if streamed else "whole")
+    assert built["context"] == {} and not folder_problems(tmp_path / "sft-hf")  # no adapter file beside the weights
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "sft-hf")  # plain transformers: no peft needed
+    assert merged.dtype == torch.float32 and not any("lora" in k for k in merged.state_dict())
+    ids = torch.arange(3, 40).unsqueeze(0)
+    with torch.no_grad():
+        want = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), tmp_path / "ckpt" / "adapter"
+        )(ids).logits
+        got = merged(ids).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    base = {k: x for f in sorted(tiny_model_dir.glob("*.safetensors")) for k, x in load_file(f).items()}
+    out = {k: x for f in sorted((tmp_path / "sft-hf").glob("*.safetensors")) for k, x in load_file(f).items()}
+    changed = {k for k in out if not torch.equal(out[k], base[k].float())}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), changed

@@ -170,7 +170,7 @@ def _with_adapter(eng: Engine, job: Job, model: torch.nn.Module, adapter_dir: Pa
     trainable and total parameters go to the log, every progress record and the checkpoint meta."""
     if job.phase_cfg.lora is None:
         return model
-    lora.check_targets(model, job.phase_cfg.lora)
+    lora.check_targets(model, job.phase_cfg.lora, job.stage)
     model = lora.enable(eng.booster, model, job.phase_cfg.lora, adapter_dir)
     adapted = lora.record_adapted(model)
     counts = lora.param_counts(model)

@@ -4,7 +4,7 @@
 
 Both verbs build the base from the job's model_dir (the stage's immutable `cpt/hf` artifact) and
 call `booster.enable_lora` before `boost` (ColossalAI asserts it): the shard verb with a fresh
-adapter from `sft.lora`, the train verb with the checkpoint's `adapter/` (peft's
+adapter from the phase's `lora` (sft.lora, dpo.lora), the train verb with the checkpoint's `adapter/` (peft's
 PeftModel.from_pretrained, trainable). A LoRA checkpoint holds `adapter/` (peft layout, safetensors:
 `booster.save_lora_as_pretrained` writes `.bin` unless told otherwise), the optimizer (the adapter's
 parameters only: the frozen base gets no Adam state), the scheduler, the RNG and the data position;
@@ -51,7 +51,7 @@ def _kind(module: torch.nn.Module) -> str:
     return "container" if any(True for _ in module.children()) else "other"
 
 
-def check_targets(model: torch.nn.Module, lora: LoraConfig) -> None:
+def check_targets(model: torch.nn.Module, lora: LoraConfig, phase: str = "sft") -> None:
     """Refuse target_modules that adapt nothing or a module LoRA cannot wrap, on the real model
     (pre-flight decided the same from the family table): peft would drop the first silently."""
     from tasks.core.errors import ConfigError
@@ -62,7 +62,7 @@ def check_targets(model: torch.nn.Module, lora: LoraConfig) -> None:
     modules = {n: _kind(m) for n, m in model.named_modules()}
     problems = lora_targets.problems(lora.target_modules, modules, "the base model", head_name)
     if problems:
-        raise ConfigError([(lora_targets.FIELD, p) for p in problems], header="LoRA targets refused")
+        raise ConfigError([(lora_targets.field(phase), p) for p in problems], header="LoRA targets refused")
 
 
 def record_adapted(model: torch.nn.Module) -> list[str]:

@@ -9,10 +9,10 @@ checkpoint's cast to that dtype, aligns the stop tokens with the chat template
 holds only model files (config, generation config, weights, tokenizer); the provenance
 (manifest, `verification.json`, fingerprint) is under `.cpt-to-sft/`, shown in the UI too.
 
-With `sft.lora`, `export/` is cpt/hf with the adapter merged (tasks/core/models/merge.py), and the
-stage also writes `export-adapter/` (stages.EXPORT_ADAPTER), the adapter alone in peft's layout, an
-artifact of its own with its manifest last, proven to give the merged export's logits
-(tasks/core/models/adapter.py). The stage is skipped only when both verify with its digest.
+With `sft.lora` (`dpo.lora` in a run with `dpo:`), `export/` is cpt/hf (sft/hf) with the adapter
+merged (tasks/core/models/merge.py), and the stage also writes `export-adapter/` (stages.EXPORT_ADAPTER),
+the adapter alone in peft's layout, an artifact of its own with its manifest last, proven to give the
+merged export's logits (tasks/core/models/adapter.py). The stage is skipped only when both verify with its digest.
 
 The model card, `export/README.md`, is written by every run that has an export (`write_card`,
 called by the flow after the gate, and at the end of a run stopped or failed after the export),
@@ -220,10 +220,11 @@ def _export_adapter(
             config_digest=stage.digest,
         )
     get_run_logger().info(
-        "export: %s holds the adapter alone (base %s, a local reference); peft on cpt/hf matches the merged export "
+        "export: %s holds the adapter alone (base %s, a local reference); peft on %s matches the merged export "
         "(logits relative diff %.3g <= %g, top-1 %.3f)",
         stage.store.uri(EXPORT_ADAPTER),
         base_ref["name_or_path"],
+        base_rel,
         a["fingerprint_rel_diff"],
         rtol,
         a["top1_agreement"],

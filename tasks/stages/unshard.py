@@ -12,6 +12,7 @@ row of the dpo phase: a run without `dpo:` exports SFT's checkpoint directly.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from tasks.core.config.context import config_changes
@@ -30,25 +31,9 @@ def _unshard(
     stage = Stage(name, cfg, ckpt_result, rel=rel)
     if stage.skipped:
         return stage.result
-    from tasks.core.models.hf_artifact import (
-        build_hf_dir,
-    )  # here: the converter imports torch, which a skipped stage never needs
-
     ckpt, source = stage.store.stage_in(ckpt_result.rel), stage.store.stage_in(source_rel)
-    # the RoPE and position settings of the phase that sets the model's context (CPT); a later phase's
-    # source (cpt/hf) carries them already
-    context: dict[str, Any] = config_changes(cfg.phase(phase).context) if PHASES[phase].context_refused is None else {}
     with stage.build() as out, ui.WorkProgress(name).reporting():  # shards, the proof: lines with an ETA
-        built = build_hf_dir(
-            ckpt,
-            out.dir,
-            source,
-            cfg.export,  # its shard size: otherwise the checkpoint as it is (bridge)
-            weights_dtype=cfg.phase(phase).plugin.precision,
-            bridge=True,
-            verify_memory_gb=cfg.verify_memory_gb,
-            config_updates=context,
-        )
+        built = hf_of_checkpoint(cfg, phase, ckpt, out.dir, source)
         out.manifest(
             kind="hf-model",
             parent=ckpt_result,
@@ -59,10 +44,42 @@ def _unshard(
                 "plugin": cfg.phase(phase).plugin.model_dump(mode="json"),
                 "verification": built["verification"],
                 "data_split": recorded_split(stage.store, phase),  # what the phase trained on and what it held out
-                "context": context,  # config.json fields CPT changed from base/'s
+                "context": built["context"],  # config.json fields CPT changed from base/'s
             },
         )
     return stage.done({"fingerprint_max_abs_diff": built["verification"]["fingerprint_max_abs_diff"]})
+
+
+def hf_of_checkpoint(cfg: RunConfig, phase: Phase, ckpt: Path, dst: Path, source: Path) -> dict[str, Any]:
+    """`phase`'s checkpoint `ckpt` as a plain HF folder `dst` (config and tokenizer from `source`); build_hf_dir's
+    record, with the config.json fields it changed as `context`. A LoRA checkpoint (`sft.lora` before DPO) holds
+    an adapter, not the model: it is merged onto `source` in fp32 (tasks/core/models/merge.py, proven against
+    peft, every untouched tensor bitwise), so sft/hf is a whole model the dpo phase boosts, scores and compares,
+    with its own new adapter or none."""
+    # Imported here: the converter and the merge import torch, which a skipped stage never needs.
+    from tasks.core.models.hf_artifact import build_hf_dir
+    from tasks.core.models.merge import build_merged_dir
+
+    section = cfg.phase(phase)
+    if section.lora is not None:  # LoRA is refused where the phase sets the context (CPT): no context to apply
+        built = build_merged_dir(
+            ckpt, dst, source, cfg.export, work_dir=cfg.staging_dir, verify_memory_gb=cfg.verify_memory_gb, bridge=True
+        )
+        return {**built, "context": {}}
+    # the RoPE and position settings of the phase that sets the model's context (CPT); a later phase's
+    # source (cpt/hf) carries them already
+    context: dict[str, Any] = config_changes(section.context) if PHASES[phase].context_refused is None else {}
+    built = build_hf_dir(
+        ckpt,
+        dst,
+        source,
+        cfg.export,  # its shard size: otherwise the checkpoint as it is (bridge)
+        weights_dtype=section.plugin.precision,
+        bridge=True,
+        verify_memory_gb=cfg.verify_memory_gb,
+        config_updates=context,
+    )
+    return {**built, "context": context}
 
 
 @stage_task(ROWS.unshard, task_run_name="unshard CPT -> HF")

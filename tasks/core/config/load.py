@@ -123,15 +123,17 @@ def plugin_problems(stage: PhaseConfig, where: str) -> list[Problem]:
     return layout_problems(stage, where, tiers=("static",))
 
 
-def dpo_start_problems(cfg: RunConfig) -> list[Problem]:
-    """DPO starts from sft/hf, SFT's final checkpoint unsharded whole (tasks/stages/unshard.py unshard_sft)."""
-    if cfg.dpo is None or cfg.sft.lora is None:
+def dpo_problems(cfg: RunConfig) -> list[Problem]:
+    """A pair phase trains on one source: prepare_data's blend counts rows, and a pair is two of them."""
+    if cfg.dpo is None or not cfg.dpo.data.mixture:
         return []
+    names = ", ".join(s.name for s in cfg.dpo.data.source_list)
     why = (
-        "a run with a dpo: section starts DPO from sft/hf, SFT's final checkpoint unsharded, which does not merge an "
-        "SFT adapter yet: remove sft.lora (full SFT), or leave the dpo section out"
+        f"a mixture of preference sources ({names}) is not blended yet: DPO trains on one source of pairs; give "
+        "dpo.data.uri the list of their files instead (concatenated: one source, each file read and its bad pairs "
+        "named by file and line as before), or keep one source"
     )
-    return [("sft.lora", why)]
+    return [("dpo.data.sources", why)]
 
 
 def gate_problems(cfg: RunConfig) -> list[Problem]:
@@ -259,13 +261,14 @@ def hub_problems(cfg: RunConfig) -> list[Problem]:
     if hub is None:
         return []
     out: list[Problem] = []
-    if hub.push_adapter and cfg.sft.lora is None:
+    last = list(cfg.phases)[-1]  # the phase the export converts (sft, or dpo in a run that trains it)
+    if hub.push_adapter and cfg.phase(last).lora is None:
         out.append(
             (
                 "hub.push_adapter",
                 (
-                    "there is no adapter to push: SFT trains the whole model (sft.lora is not set); set sft.lora, or "
-                    "push_adapter: false"
+                    f"there is no adapter to push: {last.upper()}, the phase the export takes, trains the whole model "
+                    f"({last}.lora is not set); set {last}.lora, or push_adapter: false"
                 ),
             )
         )
@@ -298,7 +301,7 @@ def static_problems(cfg: RunConfig) -> list[Problem]:
     problems: list[Problem] = []
     for stage in cfg.phases:
         problems += plugin_problems(cfg.phase(stage), stage)
-    return problems + heldout_source_problems(cfg) + gate_problems(cfg) + dpo_start_problems(cfg) + hub_problems(cfg)
+    return problems + heldout_source_problems(cfg) + gate_problems(cfg) + dpo_problems(cfg) + hub_problems(cfg)
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:

@@ -36,7 +36,7 @@ from tasks.core.run.manifest import MANIFEST
 from tasks.core.run.preemptions import log_rel as preemption_log
 from tasks.core.run.preemptions import parse as parse_preemptions
 from tasks.core.run.segments import describe as describe_layout
-from tasks.core.run.stages import BASE, TRAIN_STATE, TRAINING, split_rel, step_medians, step_peak
+from tasks.core.run.stages import BASE, TRAIN_STATE, TRAINING, exported_phase, split_rel, step_medians, step_peak
 
 POSITION_FIELDS = ("max_position_embeddings", "rope_theta", "rope_scaling")
 CARD = "README.md"  # the model card: export/README.md, the file the push uploads
@@ -484,7 +484,8 @@ def adapter_card(cfg: RunConfig, adapter_manifest: dict[str, Any]) -> str:
 
     meta = adapter_manifest.get("meta") or {}
     v, base = meta.get("verification") or {}, meta.get("base") or {}
-    lora = cfg.sft.lora
+    phase = exported_phase(cfg.phases)  # its adapter: sft's on cpt/hf, or dpo's on sft/hf
+    lora, base_rel = cfg.phase(phase).lora, TRAINING[phase].source
     adapted = v.get("target_modules")  # what adapter_config.json says peft adapted: names, or the regex
     targets = adapted if isinstance(adapted, str) else ", ".join(adapted or []) or lora.targets_text()
     data = ModelCardData(
@@ -498,14 +499,14 @@ def adapter_card(cfg: RunConfig, adapter_manifest: dict[str, Any]) -> str:
 The LoRA adapter (r={lora.r}, alpha={lora.alpha:g} on {targets}) of run `{cfg.name}`; the model with it merged
 in is [`{cfg.hub.repo_id}`](https://huggingface.co/{cfg.hub.repo_id}).
 
-Its base is the run's CPT model (`cpt/hf`, manifest digest `{str(base.get("digest"))[:16]}`), which is not on the Hub:
+Its base is the run's {"CPT" if phase == "sft" else "SFT"} model (`{base_rel}`, manifest digest `{str(base.get("digest"))[:16]}`), which is not on the Hub:
 `base_model_name_or_path` is `{base.get("name_or_path")}`, a local reference on the machine that trained it.
 
 ```python
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-base = AutoModelForCausalLM.from_pretrained("path/to/cpt/hf")
+base = AutoModelForCausalLM.from_pretrained("path/to/{base_rel}")
 model = PeftModel.from_pretrained(base, "{cfg.hub.adapter_repo_id}")
 ```
 

@@ -22,7 +22,12 @@ from dataclasses import dataclass
 
 from tasks.core.models.families import family_config, iter_tensors
 
-FIELD = "sft.lora.target_modules"
+
+def field(phase: str = "sft") -> str:
+    """The config field a phase's targets are read from, as errors name it: `dpo.lora.target_modules`."""
+    return f"{phase}.lora.target_modules"
+
+
 ALL_LINEAR = "all-linear"  # peft's shorthand (INCLUDE_LINEAR_LAYERS_SHORTHAND), matched case-insensitively
 # What peft's LoRA wraps among a decoder's modules (nn.Linear, transformers' Conv1D, nn.Embedding);
 # every other kind it matches is refused inside the rank ("Target module ... is not supported").

@@ -198,9 +198,12 @@ def build_merged_dir(
     *,
     work_dir: str | None = None,
     verify_memory_gb: float | None = None,
+    bridge: bool = False,
 ) -> dict[str, Any]:
     """`dst` = the merged model of `checkpoint_dir`'s adapter on `base_dir`, written as `export` says;
-    returns build_hf_dir's record with `verification.lora` added (the untouched-tensor proof, the tie decision)."""
+    returns build_hf_dir's record with `verification.lora` added (the untouched-tensor proof, the tie decision).
+    `bridge` (unshard_sft's sft/hf, the model DPO starts from): fp32 as merged, the source's generation config
+    as is (build_hf_dir's bridge), so the next phase trains from the merged weights without a rounding."""
     from tasks.core.models.stream import meta_model, model_bytes
 
     plain = meta_model(base_dir, torch.float32)  # no memory: the base's size, names and tie
@@ -220,9 +223,10 @@ def build_merged_dir(
             weights_dtype="fp32",
             config_updates={"tie_word_embeddings": False} if untie else {},
             verify_memory_gb=verify_memory_gb,
+            bridge=bridge,
         )
     built["verification"]["lora"] = {
-        **prove_untouched(base_dir, dst, touched, export.dtype),
+        **prove_untouched(base_dir, dst, touched, "fp32" if bridge else export.dtype),
         "merged_in": "fp32",
         "untied_head": untie,
         "merge": "streamed" if streamed else "whole",

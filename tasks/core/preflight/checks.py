@@ -38,7 +38,7 @@ from typing import Any
 
 from tasks.core.config.layout import layout_problems
 from tasks.core.config.load import (
-    dpo_start_problems,
+    dpo_problems,
     gate_problems,
     heldout_source_problems,
     hub_problems,
@@ -124,7 +124,7 @@ def check_static_rules(ctx: CheckContext) -> None:
         for where, msg in layout_problems(getattr(ctx.cfg, stage), stage, tiers=("static",), **_facts(ctx)):
             ctx.problem(where, msg)
     for where, msg in (
-        heldout_source_problems(ctx.cfg) + gate_problems(ctx.cfg) + dpo_start_problems(ctx.cfg)
+        heldout_source_problems(ctx.cfg) + gate_problems(ctx.cfg) + dpo_problems(ctx.cfg)
     ):  # what load_config refuses, in the one report
         ctx.problem(where, msg)
     if len(ctx.report.problems) == before:

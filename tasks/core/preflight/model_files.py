@@ -130,11 +130,11 @@ def check_model_claims(ctx: CheckContext) -> None:
 
 
 def check_lora_targets(ctx: CheckContext) -> None:
-    """Each `sft.lora.target_modules` entry adapts a linear or embedding module of the base model:
-    peft drops an entry that matches nothing (training fewer modules than the config says) and
-    fails inside a rank on one that matches a module it cannot wrap."""
-    lora = ctx.cfg.sft.lora
-    if lora is None or ctx.model is None:
+    """Each `<phase>.lora.target_modules` entry (sft, dpo) adapts a linear or embedding module of the base
+    model (DPO's base, sft/hf, has the base's modules): peft drops an entry that matches nothing (training
+    fewer modules than the config says) and fails inside a rank on one that matches a module it cannot wrap."""
+    loras = {p: s.lora for p, s in ctx.cfg.phases.items() if s.lora is not None}
+    if not loras or ctx.model is None:
         return
     from tasks.core.errors import ConversionError
     from tasks.core.models import lora_targets as lt
@@ -144,11 +144,13 @@ def check_lora_targets(ctx: CheckContext) -> None:
     except (ConversionError, KeyError, TypeError, ValueError):
         return  # an unknown family or missing dims: check_model_family names it
     head = lt.output_embedding(ctx.model.config)
-    problems = lt.problems(lora.target_modules, modules, ctx.model.where, head)
-    for msg in problems:
-        ctx.problem(lt.FIELD, msg)
-    if not problems:
-        r = lt.resolve(lora.target_modules, modules, head)
-        ctx.ok(
-            f"LoRA targets {lora.targets_text()}: adapt {len(r.adapted)} modules of the base model ({', '.join(r.names)})"
-        )
+    for phase, lora in loras.items():
+        problems = lt.problems(lora.target_modules, modules, ctx.model.where, head)
+        for msg in problems:
+            ctx.problem(lt.field(phase), msg)
+        if not problems:
+            r = lt.resolve(lora.target_modules, modules, head)
+            ctx.ok(
+                f"LoRA targets {lora.targets_text()} ({phase}.lora): adapt {len(r.adapted)} modules of the base "
+                f"model ({', '.join(r.names)})"
+            )
