@@ -79,6 +79,23 @@ def test_peft_forms_of_lora_targets_pass_and_say_what_they_adapt(tmp_path, targe
     )
 
 
+def test_dpo_lora_targets_are_resolved_and_named_by_their_own_field(tmp_path):
+    """dpo.lora adapts sft/hf, whose modules are the base's: the same check, its problems under dpo's field."""
+    from support import REPO
+
+    case = Case(tmp_path)
+    _set("sft.lora", {"r": 8, "target_modules": ["q_proj", "v_proj"]})(case)
+    dpo = {"data": {"uri": str(REPO / "data" / "sample" / "dpo.jsonl")}, "plugin": {"name": "torch_ddp"}}
+    _set("dpo", {**dpo, "max_steps": 2, "seq_len": 128, "lr": 1e-5, "lora": {"r": 4, "target_modules": ["qkv_proj"]}})(
+        case
+    )
+    report = case.report()
+    assert not _problems(report, "sft.lora.target_modules"), report.text()
+    (msg,) = _problems(report, "dpo.lora.target_modules")
+    assert "'qkv_proj' matches no module of" in msg, report.text()
+    assert any(line.startswith("LoRA targets q_proj, v_proj (sft.lora): adapt 8 modules") for line in report.checked)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_family_table_resolves_targets_as_peft_does_on_the_real_model(family, tied):
