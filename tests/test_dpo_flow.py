@@ -1,19 +1,26 @@
-"""CPT → SFT → DPO in one flow run on the tiny model: the gate fails on a DPO limit and nothing is pushed.
+"""CPT → SFT → LoRA DPO in one flow run on the tiny model: the gate fails on a DPO limit and nothing is pushed.
 
     .venv/bin/python -m pytest -q -m "" tests/test_dpo_flow.py -p no:cacheprovider
 
 No CPT or SFT is trained here: the flow runs over a copy of the session's demo run (tests/conftest.py
 `demo_run`) with a `dpo:` section added, and every stage of the demo is skipped, its artifact verified
 and its digest unchanged by the new section. The phase's rows then run: prepare_dpo, unshard_sft,
-reference, reboost_dpo and train_dpo (two 2-rank launches), the export of dpo/'s checkpoint,
-evaluate_sft (SFT's loss on sft/hf, the generation check on the export) and evaluate_dpo. The gate
-fails on `gate.dpo_min_margin`; the push is held back (the test Hub never sees the repo); run.json
-holds the DPO figures beside the SFT model's, and so does the model card.
+reference, reboost_dpo and train_dpo, the export of dpo/'s checkpoint, evaluate_sft (SFT's loss on
+sft/hf, the generation check on the export) and evaluate_dpo. The gate fails on `gate.dpo_min_margin`;
+the push is held back (the test Hub never sees the repo); run.json holds the DPO figures beside the SFT
+model's, and so does the model card.
+
+DPO trains a LoRA adapter (`dpo.lora`) on sft/hf, the way SFT trains one on cpt/hf: its checkpoints hold
+the adapter alone, its first loss is log 2 (a fresh adapter adds exactly zero: the policy is the reference
+model), a preemption notice at step 2 commits that step and the flow resumes the adapter from it in the
+same run (one more launch), and the export merges it onto sft/hf, every other tensor sft/hf's, beside
+`export-adapter/` (peft's layout, based on sft/hf). Full DPO's training, kill and resume: tests/test_dpo_dist.py.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -55,6 +62,8 @@ DPO = {
     "lr": 1.0e-3,
     "checkpoint_every": 4,
     "eval": {"heldout_fraction": 0.1},
+    "lora": {"r": 8, "alpha": 16},  # every projection (the default targets) of sft/hf
+    "elastic": {"retry_wait_s": 0},  # the preemption below: the run retries at once
 }
 
 
@@ -67,6 +76,7 @@ def test_cpt_sft_dpo_the_gate_fails_on_a_dpo_limit_and_nothing_is_pushed(
     from tasks.core.run.manifest import read_manifest
 
     monkeypatch.setenv("HF_TOKEN", hub_env.token)
+    monkeypatch.setenv("CPT_TO_SFT_FAULT", "term@step=2@stage=dpo@rank=1")  # a notice to one rank at step 2
     copy = demo_run.copy_to(tmp_path / "dpo")
     root, raw = copy.run_root, {**copy.raw, "dpo": DPO}
     raw["benchmark"] = {"tasks": []}  # the benchmark's own flow test scores the export; here it is not configured
@@ -109,3 +119,26 @@ def test_cpt_sft_dpo_the_gate_fails_on_a_dpo_limit_and_nothing_is_pushed(
     assert "gate.dpo_min_margin" in card
     train = next(r for r in summary["stages"] if r["stage"] == "train_dpo")
     assert train["detail"]["steps"] == 4 and Path(train["uri"]).parent.name == "dpo"
+
+    # LoRA: the checkpoints hold the adapter (never the base), its manifest references sft/hf.
+    dpo = root / "dpo"
+    final = read_manifest(dpo / "step-000004")
+    assert "adapter/adapter_model.safetensors" in final["files"], sorted(final["files"])
+    assert not any(f.startswith("model/") for f in final["files"])
+    lora = final["meta"]["lora"]
+    assert lora["base"]["uri"].endswith("/sft/hf") and 0 < lora["trainable_params"] < lora["total_params"]
+    state = json.loads((dpo / "step-000004" / "train_state.json").read_text())
+    # The policy at step 1 is sft/hf plus an adapter whose B is zero: the reference model, so the loss is log 2.
+    assert abs(state["losses"][0] - math.log(2)) < 1e-6 and abs(state["preference"]["margin"][0]) < 1e-6, state
+    assert len(state["losses"]) == 4
+    # The notice at step 2 committed that step; the flow resumed the adapter from it, losing no step.
+    (rec,) = summary["preemptions"]
+    assert (rec["stage"], rec["checkpoint_step"], rec["steps_lost"]) == ("dpo", 2, 0), rec
+    assert sorted(p.name for p in dpo.glob("step-*"))[-2:] == ["step-000002", "step-000004"]
+    # The export merges the adapter onto sft/hf: only the adapted weights differ from sft/hf's (bitwise, checked
+    # by the export itself), and export-adapter/ is the adapter alone on that base.
+    merged = read_manifest(root / "export")["meta"]["verification"]["lora"]
+    assert merged["touched"] > 0 and merged["untouched_bitwise"] > 0, merged
+    adapter = read_manifest(root / "export-adapter")
+    assert adapter["meta"]["base"]["name_or_path"].endswith("/sft/hf")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(adapter["files"])

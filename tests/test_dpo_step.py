@@ -237,3 +237,57 @@ def test_the_vocab_parallel_logps_match_the_whole_log_softmax_and_its_gradient(p
         assert float(loss) == pytest.approx(float(want.detach()), abs=1e-5)
     grad = torch.cat([shards[0].grad, shards[1].grad], dim=-1)
     assert whole.grad.abs().sum() > 0 and torch.allclose(grad, whole.grad, atol=1e-7, rtol=1e-4)
+
+
+def test_a_mixture_of_pair_sources_is_blended_in_pairs_walked_whole_and_names_a_bad_pair(tmp_path, tiny_model_dir):
+    """`dpo.data.sources`: prepare blends pairs (a pair is one sample, its two rows never apart), the sampler
+    walks the blend's pair ids with their reference, and a bad pair in one source is named by file and line."""
+    import numpy as np
+
+    from support.engine import prepared_data
+    from tasks.core.data.dataset import TokenDataset
+    from tasks.core.evaluation.reference import read_reference
+    from tasks.engine.loop import StageData
+    from tasks.engine.pairs import REF_LOGPS
+
+    lines = (REPO / "data" / "sample" / "dpo.jsonl").read_text().splitlines(keepends=True)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(lines[:12]))
+    b.write_text("".join(lines[12:16]))  # the smaller source, repeated to meet its weight
+    mix = [{"name": "a", "uri": str(a), "weight": 0.5}, {"name": "b", "uri": str(b), "weight": 0.5}]
+    section = stage_raw("dpo", DDP, data={"sources": mix}, seq_len=128, max_steps=4)  # 4 steps x 2 pairs x dp 2
+    common = dict(stage="dpo", phase_cfg=section, model_dir=tiny_model_dir, stage_dir=tmp_path / "dpo")
+    shard = write_job(tmp_path / "jobs" / "shard.json", verb="shard", **common)
+    ref = reference_for(shard, tmp_path / "reference")
+    job = load_job(write_job(tmp_path / "jobs" / "train.json", verb="train", reference_dir=ref, **common))
+    rows = TokenDataset(job.data_dir)
+    sources = rows.index["sources"]
+    n_a, n_b = (s["samples_available"] for s in sources)
+    assert n_a + n_b == len(rows) // 2 and n_b > 0  # samples are pairs, not rows
+    stream = np.asarray(rows.blend())
+    assert len(stream) == 16 and (stream >= n_a).sum() == 8  # half the planned pairs from each source
+    logps, _ = read_reference(job.reference_dir, job.data_dir)
+    every = torch.from_numpy(rows.batch(range(len(rows)))["input_ids"])
+    walked = []
+    for dp_rank in (0, 1):
+        data = StageData(job, dp_rank, 2)
+        assert data.num_items == len(rows) // 2
+        for _ in range(4):
+            (mb,), _, _ = data.next_batch()
+            ids, w = mb["input_ids"], mb["input_ids"].shape[1]
+            got = [
+                int(((every[:, :w] == ids[r]).all(-1) & (every[:, w:] == rows.pad).all(-1)).nonzero()[0])
+                for r in range(4)
+            ]
+            p = [got[0] // 2, got[1] // 2]
+            assert got == [2 * p[0], 2 * p[1], 2 * p[0] + 1, 2 * p[1] + 1], got  # each pair whole: chosen, rejected
+            assert mb[REF_LOGPS].tolist() == [*logps[p, 0].tolist(), *logps[p, 1].tolist()]
+            walked += p
+    assert sorted(walked) == sorted(stream.tolist())  # the planned steps take exactly the blend's pairs
+    # A bad pair in one source: named by its file and line, before any launch.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(lines[0] + json.dumps({"prompt": "Hi", "chosen": "Same.", "rejected": "Same."}) + "\n")
+    mix[1]["uri"] = str(bad)
+    with pytest.raises(ValueError) as exc:  # BadRecordError: prepare_data's refusal of a bad record
+        prepared_data(stage_raw("dpo", DDP, data={"sources": mix}, seq_len=128), "dpo", tiny_model_dir, tmp_path / "p")
+    assert f"{bad}:2" in str(exc.value) and "hold the same reply" in str(exc.value), str(exc.value)

@@ -96,16 +96,12 @@ class StageData:
         self.tokens = self.lengths  # real tokens of each unit the sampler walks
         self.rows_per_unit = 1
         # A pair phase: the sampler walks pairs (two rows each, batched whole with their reference
-        # log-probabilities, tasks/engine/pairs.py); `lengths` are the pairs' widths, their longer row.
+        # log-probabilities, tasks/engine/pairs.py); `lengths` are the pairs' widths, their longer row. A
+        # mixture's blend counts pairs too (prepare's `_mixture`): its stream's item ids are pair ids.
         self.pairs = None
         if PHASES[self.dataset.kind].record == "pair":
             from tasks.engine.pairs import PairData
 
-            if self.dataset.blend() is not None:
-                raise ValueError(
-                    f"{job.data_dir} is a mixture of preference sources: a pair phase trains on one source; give "
-                    f"{job.stage}.data.uri instead of {job.stage}.data.sources"
-                )
             self.pairs = PairData(self.dataset, job.reference_dir, job.data_dir)
             self.num_items, self.lengths = self.pairs.pairs, self.pairs.lengths
             self.tokens, self.rows_per_unit = self.pairs.tokens, 2

@@ -123,19 +123,6 @@ def plugin_problems(stage: PhaseConfig, where: str) -> list[Problem]:
     return layout_problems(stage, where, tiers=("static",))
 
 
-def dpo_problems(cfg: RunConfig) -> list[Problem]:
-    """A pair phase trains on one source: prepare_data's blend counts rows, and a pair is two of them."""
-    if cfg.dpo is None or not cfg.dpo.data.mixture:
-        return []
-    names = ", ".join(s.name for s in cfg.dpo.data.source_list)
-    why = (
-        f"a mixture of preference sources ({names}) is not blended yet: DPO trains on one source of pairs; give "
-        "dpo.data.uri the list of their files instead (concatenated: one source, each file read and its bad pairs "
-        "named by file and line as before), or keep one source"
-    )
-    return [("dpo.data.sources", why)]
-
-
 def gate_problems(cfg: RunConfig) -> list[Problem]:
     """An enabled gate threshold needs the held-out set it is measured on."""
     g = cfg.gate
@@ -301,7 +288,7 @@ def static_problems(cfg: RunConfig) -> list[Problem]:
     problems: list[Problem] = []
     for stage in cfg.phases:
         problems += plugin_problems(cfg.phase(stage), stage)
-    return problems + heldout_source_problems(cfg) + gate_problems(cfg) + dpo_problems(cfg) + hub_problems(cfg)
+    return problems + heldout_source_problems(cfg) + gate_problems(cfg) + hub_problems(cfg)
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:

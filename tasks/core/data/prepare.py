@@ -255,7 +255,10 @@ def _mixture(p: Plan, rows: list[dict], spec: ShardSpec) -> tuple[list[dict[str,
     for src, (a, b) in zip(p.sources, p.ranges):
         part = rows[a:b]
         tokens = sum(s["train"]["tokens"] for s in part)
-        samples = tokens // spec.seq_len if row.blocks else sum(s["train"]["records"] for s in part)
+        # a row phase's sample is a record: a pair is two rows of a shard (chosen, rejected), one sample
+        samples = (
+            tokens // spec.seq_len if row.blocks else sum(s["train"]["records"] for s in part) // row.rows_per_record
+        )
         if len(p.sources) > 1 and samples == 0:
             what = (
                 f"{tokens} training tokens, fewer than seq_len={spec.seq_len}"
@@ -281,10 +284,11 @@ def _mixture(p: Plan, rows: list[dict], spec: ShardSpec) -> tuple[list[dict[str,
         table[0]["weight"] = 1.0
         return table, None
     lengths = None
-    if row.rows:  # every row's tokens, from the offsets alone
+    if row.rows:  # every row's tokens, from the offsets alone; a pair's are its two rows'
         lengths = np.concatenate(
             [np.diff(np.fromfile(shard_dir(p.out_dir, s["key"]) / "train.offsets", np.int64)) for s in rows]
         )
+        lengths = lengths.reshape(-1, row.rows_per_record).sum(1)
     stream, report = blend(
         [s.name for s in p.sources],
         [s.weight for s in p.sources],

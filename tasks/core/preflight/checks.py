@@ -38,7 +38,6 @@ from typing import Any
 
 from tasks.core.config.layout import layout_problems
 from tasks.core.config.load import (
-    dpo_problems,
     gate_problems,
     heldout_source_problems,
     hub_problems,
@@ -123,9 +122,7 @@ def check_static_rules(ctx: CheckContext) -> None:
     for stage in ctx.cfg.phases:
         for where, msg in layout_problems(getattr(ctx.cfg, stage), stage, tiers=("static",), **_facts(ctx)):
             ctx.problem(where, msg)
-    for where, msg in (
-        heldout_source_problems(ctx.cfg) + gate_problems(ctx.cfg) + dpo_problems(ctx.cfg)
-    ):  # what load_config refuses, in the one report
+    for where, msg in heldout_source_problems(ctx.cfg) + gate_problems(ctx.cfg):  # what load_config refuses, here too
         ctx.problem(where, msg)
     if len(ctx.report.problems) == before:
         ctx.ok(
