@@ -136,11 +136,11 @@ class HubConfig(Frozen):
     push_adapter: bool = Field(
         default=False,
         description=(
-            "With sft.lora: also push export-adapter/ (the adapter alone, peft's layout) to hub.adapter_repo_id, or, "
-            "when that is unset, to the "
+            "With sft.lora (dpo.lora in a run with dpo): also push export-adapter/ (the adapter alone, peft's layout) "
+            "to hub.adapter_repo_id, or, when that is unset, to the "
             "subfolder adapter/ of hub.repo_id in the same commit; never beside the merged weights. Its "
             "base_model_name_or_path is the run's "
-            "cpt/hf (a local reference: the CPT model is not pushed)."
+            "cpt/hf (sft/hf for dpo; a local reference: that model is not pushed)."
         ),
     )
     adapter_repo_id: str | None = Field(

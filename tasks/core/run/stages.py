@@ -23,7 +23,7 @@ push (the final checkpoint of each training stage). No run-directory literal is 
     <run_root>/eval/cpt/                evaluate_cpt
     <run_root>/sft/...                  reboost (step 0), train_sft: as cpt/
     <run_root>/export/                  export
-    <run_root>/export-adapter/          export, with sft.lora: the adapter alone in peft's layout
+    <run_root>/export-adapter/          export, with sft.lora (dpo.lora): the adapter alone in peft's layout
     <run_root>/eval/sft/                evaluate_sft
     <run_root>/eval/benchmark/          benchmark: lm-eval scores of base and export, the tasks' YAMLs and data
     <run_root>/eval/benchmark-base/     the base's scores per base manifest, tasks and settings (run once per base)
