@@ -249,7 +249,10 @@ def test_a_dpo_run_takes_an_sft_adapter_and_a_pair_mixture_and_its_limits_need_h
     assert set(said) == {"gate.dpo_min_margin", "hub.push_adapter"}, said  # the pair mixture is no problem
     assert "needs a DPO held-out set" in said["gate.dpo_min_margin"]
     # the export takes DPO's model: SFT's adapter is merged into it, so there is no adapter to push
-    assert "(dpo.lora is not set); set dpo.lora, or push_adapter: false" in said["hub.push_adapter"]
+    assert (
+        "DPO trains the whole model (dpo.lora is not set), and the export is its model; set dpo.lora"
+        in said["hub.push_adapter"]
+    )
     raw["dpo"]["lora"] = {"r": 4, "alpha": 8}  # DPO's own adapter on sft/hf: the one pushed
     raw["dpo"]["eval"] = {"heldout_fraction": 0.1}
     cfg = parse_config(raw)

@@ -250,12 +250,13 @@ def hub_problems(cfg: RunConfig) -> list[Problem]:
     out: list[Problem] = []
     last = list(cfg.phases)[-1]  # the phase the export converts (sft, or dpo in a run that trains it)
     if hub.push_adapter and cfg.phase(last).lora is None:
+        exported = ", and the export is its model" if last != "sft" else ""
         out.append(
             (
                 "hub.push_adapter",
                 (
-                    f"there is no adapter to push: {last.upper()}, the phase the export takes, trains the whole model "
-                    f"({last}.lora is not set); set {last}.lora, or push_adapter: false"
+                    f"there is no adapter to push: {last.upper()} trains the whole model ({last}.lora is not set)"
+                    f"{exported}; set {last}.lora, or push_adapter: false"
                 ),
             )
         )
