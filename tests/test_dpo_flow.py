@@ -74,7 +74,7 @@ def test_cpt_sft_dpo_the_gate_fails_on_a_dpo_limit_and_nothing_is_pushed(
     from safetensors.torch import load_file
 
     from flows.cli import flow_main as main
-    from tasks.core.run.manifest import read_manifest
+    from tasks.core.run.manifest import read_manifest, verify_artifact
 
     monkeypatch.setenv("HF_TOKEN", hub_env.token)
     monkeypatch.setenv("CPT_TO_SFT_FAULT", "term@step=2@stage=dpo@rank=1")  # a notice to one rank after step 2
@@ -100,8 +100,10 @@ def test_cpt_sft_dpo_the_gate_fails_on_a_dpo_limit_and_nothing_is_pushed(
         "push_to_hub",
     ], list(st)
     assert all(st[s] == "skipped" for s in DEMO_STAGES), st  # the dpo section changes none of their digests
-    # reboost_dpo made step-000000 in the first pass; the pass after the preemption skips it (it verifies)
-    assert st["reboost_dpo"] == "skipped" and all(st[s] == "completed" for s in DPO_STAGES if s != "reboost_dpo"), st
+    # The stages before train_dpo ran in the first pass; the pass after the preemption found their artifacts
+    # verified and skipped them (no earlier run made them: the demo run has no dpo rows).
+    assert all(st[s] == "skipped" for s in DPO_STAGES[:4]) and all(st[s] == "completed" for s in DPO_STAGES[4:]), st
+    assert all(verify_artifact(root / rel) for rel in ("data/dpo", "sft/hf", "reference", "dpo/step-000000"))
     assert st["gate"] == "failed-gate" and st["push_to_hub"] == "failed-gate", st
     assert any("gate.dpo_min_margin" in r for r in summary["gate"]["reasons"]), summary["gate"]
     assert not HfApi(token=hub_env.token).repo_exists("org/dpo-tiny")  # held back: nothing pushed
