@@ -24,6 +24,7 @@ from tasks.core.config.batching import peer_key_hint
 from tasks.core.config.bounded_yaml import check_size, load_bounded
 from tasks.core.config.layout import layout_problems
 from tasks.core.config.paths import missing_hint
+from tasks.core.config.phases import PHASES
 from tasks.core.config.schema import PhaseConfig, RunConfig
 from tasks.core.errors import ConfigError
 
@@ -250,13 +251,12 @@ def hub_problems(cfg: RunConfig) -> list[Problem]:
     out: list[Problem] = []
     last = list(cfg.phases)[-1]  # the phase the export converts (sft, or dpo in a run that trains it)
     if hub.push_adapter and cfg.phase(last).lora is None:
-        exported = ", and the export is its model" if last != "sft" else ""
         out.append(
             (
                 "hub.push_adapter",
                 (
-                    f"there is no adapter to push: {last.upper()} trains the whole model ({last}.lora is not set)"
-                    f"{exported}; set {last}.lora, or push_adapter: false"
+                    f"there is no adapter to push: {PHASES[last].title} trains the whole model ({last}.lora is not "
+                    f"set), and the export is its model; set {last}.lora, or push_adapter: false"
                 ),
             )
         )

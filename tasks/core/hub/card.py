@@ -499,7 +499,7 @@ def adapter_card(cfg: RunConfig, adapter_manifest: dict[str, Any]) -> str:
 The LoRA adapter (r={lora.r}, alpha={lora.alpha:g} on {targets}) of run `{cfg.name}`; the model with it merged
 in is [`{cfg.hub.repo_id}`](https://huggingface.co/{cfg.hub.repo_id}).
 
-Its base is the run's {"CPT" if phase == "sft" else "SFT"} model (`{base_rel}`, manifest digest `{str(base.get("digest"))[:16]}`), which is not on the Hub:
+Its base is the model the run's {PHASES[phase].title} started from (`{base_rel}`, manifest digest `{str(base.get("digest"))[:16]}`), which is not on the Hub:
 `base_model_name_or_path` is `{base.get("name_or_path")}`, a local reference on the machine that trained it.
 
 ```python
