@@ -9,6 +9,7 @@ follow by their rows' `with_phase`. The whole flow with DPO: tests/test_dpo_flow
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -306,3 +307,20 @@ def test_unshard_sft_merges_an_sft_adapter_into_a_plain_fp32_model(tiny_model_di
     out = {k: x for f in sorted((tmp_path / "sft-hf").glob("*.safetensors")) for k, x in load_file(f).items()}
     changed = {k for k in out if not torch.equal(out[k], base[k].float())}
     assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), changed
+
+
+def test_preflight_names_a_bad_pair_of_a_mixture_source_by_its_field_file_and_line(tmp_path):
+    """Before any launch: each source of a pair mixture read by the pair reader, a bad pair named by the source's
+    field, its file and its line."""
+    from tests.test_preflight import Case, write_jsonl
+
+    case = Case(tmp_path)
+    good = json.loads(SAMPLE.read_text().splitlines()[0])
+    bad = write_jsonl(tmp_path / "b.jsonl", [good, {"prompt": "Hi", "chosen": "Same.", "rejected": "Same."}])
+    mix = [{"name": "a", "uri": str(SAMPLE), "weight": 0.7}, {"name": "b", "uri": bad, "weight": 0.3}]
+    dpo = {"data": {"sources": mix}, "plugin": {"name": "torch_ddp"}, "max_steps": 2, "seq_len": 128, "lr": 1e-5}
+    case.raw["dpo"] = dpo
+    report = case.report()
+    said = [msg for field, msg in report.problems if field == "dpo.data.sources[1] (b).uri"]
+    assert len(said) == 1 and f"{bad}:2" in said[0] and "hold the same reply" in said[0], report.text()
+    assert not [f for f, _ in report.problems if f.startswith("dpo.data.sources[0]")], report.text()
