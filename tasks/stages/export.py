@@ -10,9 +10,10 @@ holds only model files (config, generation config, weights, tokenizer); the prov
 (manifest, `verification.json`, fingerprint) is under `.cpt-to-sft/`, shown in the UI too.
 
 With `sft.lora` (`dpo.lora` in a run with `dpo:`), `export/` is cpt/hf (sft/hf) with the adapter
-merged (tasks/core/models/merge.py), and the stage also writes `export-adapter/` (stages.EXPORT_ADAPTER),
-the adapter alone in peft's layout, an artifact of its own with its manifest last, proven to give the
-merged export's logits (tasks/core/models/adapter.py). The stage is skipped only when both verify with its digest.
+merged (tasks/core/models/merge.py), and the stage also writes `export-adapter/`
+(stages.EXPORT_ADAPTER), the adapter alone in peft's layout, an artifact of its own with its
+manifest last, proven to give the merged export's logits (tasks/core/models/adapter.py). The stage
+is skipped only when both verify with its digest.
 
 The model card, `export/README.md`, is written by every run that has an export (`write_card`,
 called by the flow after the gate, and at the end of a run stopped or failed after the export),

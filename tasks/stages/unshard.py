@@ -8,6 +8,8 @@ streaming conversion on the worker's CPU; the fingerprint proves the logits surv
 config.json is base/'s with `cpt.context`'s RoPE and position settings in place, as CPT trained
 (tasks/core/config/context.py); sft/hf's is cpt/hf's, which already carries them. unshard_sft is a
 row of the dpo phase: a run without `dpo:` exports SFT's checkpoint directly.
+With `sft.lora` the checkpoint holds an adapter: unshard_sft merges it onto cpt/hf in fp32 (the
+export's merge, proven against peft), so sft/hf is a plain model for DPO, full or with its own adapter.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ position, memory-mapped by the ranks) and the report into index.json's `sources`
   blend is the same bytes whatever numpy or torch version computes it.
 - Units are what one optimizer step counts: CPT `seq_len` blocks (so weights are token shares
   exactly), SFT conversations (weights are shares of conversations; the report gives the token
-  shares beside them), DPO pairs (two rows each, one item: a pair is never split). Under SFT `packed` the global batch counts rows: the stream is the fewest
-  conversations whose rows, packed by the ranks' own `Packs`, cover the planned rows.
+  shares beside them), DPO pairs (two rows each, one item: a pair is never split). Under SFT
+  `packed` the global batch counts rows: the stream is the fewest conversations whose rows, packed
+  by the ranks' own `Packs`, cover the planned rows.
 - Cost, measured: the source choice is a Python loop, about 1.2 s per million positions (3
   sources, 2-core machine); the rest is numpy. The stream takes 4 bytes a position (8 beyond 2**32 items).
 """
