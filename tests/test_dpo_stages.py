@@ -232,6 +232,7 @@ def test_a_dpo_run_takes_an_sft_adapter_and_a_pair_mixture_and_its_limits_need_h
     from support.tiny import tiny_config_raw
     from tasks.core.config.load import parse_config
     from tasks.core.errors import ConfigError
+    from tasks.core.hub.card import adapter_card
 
     raw = tiny_config_raw(tmp_path / "model", tmp_path / "run")
     raw["sft"]["lora"] = {"r": 4, "alpha": 8}  # unshard_sft merges it into sft/hf, DPO's start
@@ -256,8 +257,12 @@ def test_a_dpo_run_takes_an_sft_adapter_and_a_pair_mixture_and_its_limits_need_h
     )
     raw["dpo"]["lora"] = {"r": 4, "alpha": 8}  # DPO's own adapter on sft/hf: the one pushed
     raw["dpo"]["eval"] = {"heldout_fraction": 0.1}
+    raw["hub"]["adapter_repo_id"] = "org/m-adapter"
     cfg = parse_config(raw)
     assert cfg.sft.lora is not None and cfg.dpo.lora is not None and cfg.dpo.data.mixture
+    # the adapter pushed alone is DPO's, based on sft/hf, and its card says so
+    card = adapter_card(cfg, {"meta": {"base": {"digest": "d" * 64, "name_or_path": "/runs/x/sft/hf"}}})
+    assert "the model the run's DPO started from (`sft/hf`" in card and 'from_pretrained("path/to/sft/hf")' in card
     del raw["dpo"]  # without the phase: none applies, and SFT's adapter is the one pushed
     parse_config(raw)
 
