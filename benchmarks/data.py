@@ -23,9 +23,8 @@ distinct) and the demo tokenizer, then runs, each in its own process (peak RSS =
               from launch to the first step's @@progress record, and the peak RSS of each rank
               (psutil, sampled every 0.1 s, over the whole run); the faster of two launches and the
               larger RSS. --no-train skips it. --smoke launches (shard and train) one rank: a rank
-              process is ~6 s of CPU in imports, and the smoke's figures are not judged. --smoke also
-              forks each child above from the script, which imported transformers once
-              (~50 CPU-s less: 84 -> 33), so its RSS and seconds are not a fresh process's.
+              process is ~6 s of CPU in imports, and the smoke's figures are not judged; it also
+              forks the children above from the script, which imported theirs once (84 -> 33 CPU-s).
 and a single-file row (--single-mb, default 200; 0 skips it): one JSONL file of that size prepared
 with 1 and 2 workers (tokenized in chunks of data.tokenize.chunk_mb, --chunk-mb, cut at newlines and
 merged back): the 2w/1w ratio (target >= 1.7); the whole prepare's MB/s (1w, and 2w/2) against the
@@ -39,6 +38,7 @@ the absolute figures move with the neighbours' load; the ratios are measured sid
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -51,6 +51,7 @@ from pathlib import Path
 import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
 
 from support import REPO
+from support.bench import child as bench_child
 from support.bench import print_table, workdir
 from support.tiny import tiny_tokenizer
 
@@ -85,77 +86,13 @@ def make_corpus(dest: Path, mb: float, files: int, seed: int = 0) -> int:
     return total
 
 
-# Peak RSS of the child's own program: VmHWM of its address space, which starts anew at exec.
-# (wait4's ru_maxrss is not usable: it also counts the pages of this parent process that the
-# child shared between fork and exec, so every child reported at least the parent's RSS.)
-PRELUDE = """
-import atexit, json as _json
-from tasks.core.run.hostpeak import status_bytes as _status_bytes
-atexit.register(lambda: print(_json.dumps({"hwm_kb": _status_bytes("VmHWM") // 1024})))
-"""
-
-
-# --smoke: children forked from this process, which has imported what they import (transformers' and
-# the data package's ~5 s of CPU a fresh interpreter pays again); the same code runs, but its RSS is
-# this process's pages too and its seconds miss the imports. The smoke's figures are not judged.
+# --smoke: each child forked from this process (support.bench.child), which imported theirs once
 FORK = False
 
 
 def child(code: str, *args: str) -> dict:
-    """Run `code` in a fresh interpreter (a fork under --smoke); it prints one JSON line. Adds its peak RSS (MB)."""
-    t0 = time.monotonic()
-    if FORK:
-        rec, hwm = _forked(code, args)
-        rec["peak_rss_mb"] = hwm / 1024
-        rec["process_s"] = time.monotonic() - t0
-        return rec
-    p = subprocess.run(
-        [sys.executable, "-c", PRELUDE + code, *args], env=ENV, capture_output=True, text=True, check=False
-    )
-    if p.returncode != 0:
-        raise RuntimeError(f"child failed:\n{p.stderr[-3000:]}")
-    *rest, hwm = p.stdout.strip().splitlines()
-    rec = json.loads(rest[-1])
-    rec["peak_rss_mb"] = json.loads(hwm)["hwm_kb"] / 1024  # the pool's worker processes are not included
-    rec["process_s"] = time.monotonic() - t0
-    return rec
-
-
-def _forked(code: str, args: tuple[str, ...]) -> tuple[dict, int]:
-    """`code` in a forked child as `python -c code args` would run it: its own __main__ (a spawn pool
-    it starts does not re-import this script), ENV, stdout to a pipe; its last line, and its VmHWM in kB."""
-    import traceback
-    import types
-
-    from tasks.core.run.hostpeak import status_bytes
-
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        rc = 0
-        try:
-            os.close(r)
-            os.environ.clear()
-            os.environ.update(ENV)
-            sys.stdout = open(w, "w", buffering=1)  # noqa: SIM115 (the child's life)
-            sys.argv = ["-c", *args]
-            main = types.ModuleType("__main__")
-            sys.modules["__main__"] = main
-            exec(compile(code, "<child>", "exec"), main.__dict__)  # noqa: S102 - this script's own constants
-            print(json.dumps({"hwm_kb": status_bytes("VmHWM") // 1024}), flush=True)
-        except BaseException:
-            traceback.print_exc()
-            rc = 1
-        finally:
-            os._exit(rc)
-    os.close(w)
-    with open(r) as f:
-        out = f.read()
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"forked child failed (its traceback is above):\n{out[-3000:]}")
-    *rest, hwm = out.strip().splitlines()
-    return json.loads(rest[-1]), json.loads(hwm)["hwm_kb"]
+    """support.bench.child under this script's ENV: one JSON line, its peak RSS (MB) and seconds."""
+    return bench_child(code, args, ENV, fork=FORK)
 
 
 PREPARE = """
@@ -445,21 +382,14 @@ def main() -> None:
     if a.smoke:
         a.sizes, a.files, a.train_steps, a.single_mb, a.chunk_mb, a.raw_mb, a.reps = [0.3], 2, 1, 0.3, 0.05, 0.3, 1
     train_launches, nproc = (1, 1) if a.smoke else (2, 2)
-    if a.smoke:
+    if a.smoke:  # what the children import, once (load_tokenizer imports transformers' AutoTokenizer)
         global FORK
         FORK = True
-        # what the children import, once (load_tokenizer imports transformers' AutoTokenizer)
         from transformers import AutoTokenizer  # noqa: F401
 
-        import tasks.core.data.chunks
-        import tasks.core.data.dataset
-        import tasks.core.data.index
-        import tasks.core.data.inputs
-        import tasks.core.data.prepare
-        import tasks.core.data.records
-        import tasks.core.data.samples
-        import tasks.core.data.shard
-        import tasks.engine.sampler  # noqa: F401
+        importlib.import_module("tasks.engine.sampler")
+        for m in ("chunks", "dataset", "index", "inputs", "prepare", "records", "samples", "shard"):
+            importlib.import_module(f"tasks.core.data.{m}")
     work = workdir(a.workdir, "bench-data-")
     work.mkdir(parents=True, exist_ok=True)
     tokdir = work / "tokenizer"
