@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/data.py                      # 100 MB and 400 MB: the README benchmark table's sizes
     .venv/bin/python benchmarks/data.py --sizes 10 40        # quicker, same table
-    .venv/bin/python benchmarks/data.py --smoke              # 0.3 MB, one 1-step train launch of 1 rank: checks the script runs
+    .venv/bin/python benchmarks/data.py --smoke              # 0.3 MB, one 1-step train launch of 1 rank, children forked: checks the script runs
     .venv/bin/python benchmarks/data.py --sizes --single-mb 200   # the single-file row alone
 
 For each size it generates a JSONL CPT corpus of --files files (demo-style text, every record
@@ -23,7 +23,8 @@ distinct) and the demo tokenizer, then runs, each in its own process (peak RSS =
               from launch to the first step's @@progress record, and the peak RSS of each rank
               (psutil, sampled every 0.1 s, over the whole run); the faster of two launches and the
               larger RSS. --no-train skips it. --smoke launches (shard and train) one rank: a rank
-              process is ~6 s of CPU in imports, and the smoke's figures are not judged.
+              process is ~6 s of CPU in imports, and the smoke's figures are not judged; it also
+              forks the children above from the script, which imported theirs once (84 -> 33 CPU-s).
 and a single-file row (--single-mb, default 200; 0 skips it): one JSONL file of that size prepared
 with 1 and 2 workers (tokenized in chunks of data.tokenize.chunk_mb, --chunk-mb, cut at newlines and
 merged back): the 2w/1w ratio (target >= 1.7); the whole prepare's MB/s (1w, and 2w/2) against the
@@ -37,6 +38,7 @@ the absolute figures move with the neighbours' load; the ratios are measured sid
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -49,6 +51,7 @@ from pathlib import Path
 import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
 
 from support import REPO
+from support.bench import child as bench_child
 from support.bench import print_table, workdir
 from support.tiny import tiny_tokenizer
 
@@ -83,29 +86,13 @@ def make_corpus(dest: Path, mb: float, files: int, seed: int = 0) -> int:
     return total
 
 
-# Peak RSS of the child's own program: VmHWM of its address space, which starts anew at exec.
-# (wait4's ru_maxrss is not usable: it also counts the pages of this parent process that the
-# child shared between fork and exec, so every child reported at least the parent's RSS.)
-PRELUDE = """
-import atexit, json as _json
-from tasks.core.run.hostpeak import status_bytes as _status_bytes
-atexit.register(lambda: print(_json.dumps({"hwm_kb": _status_bytes("VmHWM") // 1024})))
-"""
+# --smoke: each child forked from this process (support.bench.child), which imported theirs once
+FORK = False
 
 
 def child(code: str, *args: str) -> dict:
-    """Run `code` in a fresh interpreter; it prints one JSON line. Adds its peak RSS (MB)."""
-    t0 = time.monotonic()
-    p = subprocess.run(
-        [sys.executable, "-c", PRELUDE + code, *args], env=ENV, capture_output=True, text=True, check=False
-    )
-    if p.returncode != 0:
-        raise RuntimeError(f"child failed:\n{p.stderr[-3000:]}")
-    *rest, hwm = p.stdout.strip().splitlines()
-    rec = json.loads(rest[-1])
-    rec["peak_rss_mb"] = json.loads(hwm)["hwm_kb"] / 1024  # the pool's worker processes are not included
-    rec["process_s"] = time.monotonic() - t0
-    return rec
+    """support.bench.child under this script's ENV: one JSON line, its peak RSS (MB) and seconds."""
+    return bench_child(code, args, ENV, fork=FORK)
 
 
 PREPARE = """
@@ -395,6 +382,14 @@ def main() -> None:
     if a.smoke:
         a.sizes, a.files, a.train_steps, a.single_mb, a.chunk_mb, a.raw_mb, a.reps = [0.3], 2, 1, 0.3, 0.05, 0.3, 1
     train_launches, nproc = (1, 1) if a.smoke else (2, 2)
+    if a.smoke:  # what the children import, once (load_tokenizer imports transformers' AutoTokenizer)
+        global FORK
+        FORK = True
+        from transformers import AutoTokenizer  # noqa: F401
+
+        importlib.import_module("tasks.engine.sampler")
+        for m in ("chunks", "dataset", "index", "inputs", "prepare", "records", "samples", "shard"):
+            importlib.import_module(f"tasks.core.data.{m}")
     work = workdir(a.workdir, "bench-data-")
     work.mkdir(parents=True, exist_ok=True)
     tokdir = work / "tokenizer"

@@ -150,6 +150,21 @@ def engine(
     return run
 
 
+def shard_train(shard_job: Path, train_job: Path, fault: str = "", **kw) -> EngineRun:
+    """The shard job, then the train job in the same ranks: the verb shard-train with its hand-off file
+    written first, as the flow's shared launch runs a phase's shard and train stages
+    (tasks/core/launch/shared.py). One launch's imports (~13 CPU-s on 2 ranks) where two launches pay
+    them twice; `fault` is the train part's CPT_TO_SFT_FAULT, as the hand-off file carries it. The run's
+    output and records are the shard's, then the train's."""
+    from tasks.core.run import handoff
+
+    handoff.write_go(shard_job, train_job, fault)
+    try:
+        return engine("shard-train", shard_job, **kw)
+    finally:
+        handoff.clear(shard_job)
+
+
 def reference_for(job: Path, out: Path) -> Path:
     """The reference log-probabilities of a pair job's data, by the real code (`write_reference`) on the
     job's model_dir (the model the phase starts from), as the flow's reference stage computes them."""

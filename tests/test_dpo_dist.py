@@ -5,10 +5,11 @@
 The tiny pair set is the shipped sample's first 8 records (every layout the reader takes), prepared by
 the real PairEncoder path; its reference is the real `write_reference` on the starting model (the tiny
 model stands for sft/hf). Two plugins, each with one uninterrupted run that is the reference of the
-checks below (launches shared through module fixtures, 8 in all):
+checks below (launches shared through module fixtures, 7 in all):
 
-- hybrid_parallel tp=2 fp32 (vocab-split LM head: the log-probabilities computed vocab-parallel): shard;
-  train 6 steps; its twin from a copy of the same step-000000 killed (SIGKILL of rank 1) after step 4
+- hybrid_parallel tp=2 fp32 (vocab-split LM head: the log-probabilities computed vocab-parallel): shard
+  and train 6 steps in one launch (shard-train, as the flow shares reboost_dpo's ranks with train_dpo);
+  its twin from a copy of the same step-000000 killed (SIGKILL of rank 1) after step 4
   (step 3 committed, step 4 lost), resumed and given a notice (SIGTERM to rank 1 after step 4, 20 s
   grace: step-000005 committed, not a periodic step, exit preempted), resumed again to step 6.
 - low_level_zero ZeRO-2 fp32 on 2 data-parallel ranks, from the tp=2 run's step-000000 re-sharded (no
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.engine import REPO, engine, read_model_dir, reference_for, stage_raw, train_state, write_job
+from support.engine import REPO, engine, read_model_dir, reference_for, shard_train, stage_raw, train_state, write_job
 
 pytestmark = pytest.mark.distributed
 
@@ -66,9 +67,9 @@ def _fresh(src: Path, *dirs: Path) -> None:
 def tp2(work, tiny_model_dir):
     d, twin = work / "tp2" / "dpo", work / "tp2-kill" / "dpo"
     shard_job, train_job = _jobs(work, "tp2", TP2, tiny_model_dir, d)
-    shard = engine("shard", shard_job)
+    # shard and the uninterrupted run in one launch, as the flow shares them; step-000000 stays for the copies
+    shard = train = shard_train(shard_job, train_job)
     _fresh(d / "step-000000", twin, work / "llz" / "dpo", work / "llz-notice" / "dpo")
-    train = engine("train", train_job)
     _, twin_job = _jobs(work, "tp2-kill", TP2, tiny_model_dir, twin, elastic=NOTICE)
     killed = engine("train", twin_job, env={"CPT_TO_SFT_FAULT": "kill@step=4"}, expect_ok=False)
     preempted = engine("train", twin_job, env={"CPT_TO_SFT_FAULT": "term@step=4@rank=1"}, expect_ok=False)

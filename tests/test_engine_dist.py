@@ -3,7 +3,9 @@
     pytest -m distributed tests/test_engine_dist.py -s
 
 Every launch costs ~8-13 s of imports on 2 cores, so launches are shared through module-scoped
-fixtures (25 in all; the kill-in-every-save-phase test and the four re-layout tests launch their own):
+fixtures (19 in all; the kill-in-every-save-phase test and the four re-layout tests launch their own),
+and a stage's shard and its first training run share one launch (the verb shard-train, as the flow
+runs them: `_shard_train`) wherever nothing has to happen between the two:
 
 - hybrid_parallel tp=2 fp32, CPT on a 70/30 mixture of two sources (the blended stream of the 6
   steps): shard, train 6 steps uninterrupted, then the same 6 steps killed (SIGKILL of rank 1)
@@ -46,7 +48,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.engine import engine, read_model_dir, stage_raw, train_state, write_job
+from support.engine import engine, read_model_dir, shard_train, stage_raw, train_state, write_job
 from tasks.core.models.fingerprint import FINGERPRINT_FILE, hf_dir_logits, load_fingerprint, max_abs_diff
 from tasks.core.run.manifest import MANIFEST, verify_artifact
 
@@ -71,6 +73,13 @@ def _dump(work: Path, name: str) -> dict[str, str]:
 
 def _engine(label: str, verb: str, job: Path, **kw):
     run = engine(verb, job, **kw)
+    LAUNCHES.append((label, run.seconds))
+    return run
+
+
+def _shard_train(label: str, shard_job: Path, train_job: Path, fault: str = "", **kw):
+    """support.engine.shard_train: a stage's shard and train in one launch, as the flow shares them."""
+    run = shard_train(shard_job, train_job, fault, **kw)
     LAUNCHES.append((label, run.seconds))
     return run
 
@@ -143,13 +152,14 @@ def tp2(work, tiny_model_dir):
     shard_job, train_job = _jobs(
         work, "tp2", "cpt", TP2, tiny_model_dir, tiny_model_dir, stage_dir, keep_last=1, data=mix
     )
-    shard = _engine("tp2 shard", "shard", shard_job)
-    # The interrupted twin and the sequence-parallel runs start from copies of the same step-000000.
+    # shard and the uninterrupted 6 steps in one launch; the killed twin's launches are its own
+    shard = train = _shard_train("tp2 shard + train (6 steps)", shard_job, train_job, env=_dump(work, "tp2"))
+    # The interrupted twin and the sequence-parallel runs start from copies of the same step-000000
+    # (the stage keeps it whatever keep_last says).
     for twin in ("tp2-kill", "sp-split-gather", "sp-all-to-all"):
         (work / twin / "cpt").mkdir(parents=True)
         shutil.copytree(stage_dir / "step-000000", work / twin / "cpt" / "step-000000")
     kill_dir = work / "tp2-kill" / "cpt"
-    train = _engine("tp2 train (6 steps)", "train", train_job, env=_dump(work, "tp2"))
     # The twin listens for SIGTERM with a 20 s grace (the uninterrupted run above at the default 30 s:
     # the setting changes nothing trained).
     _, kill_job = _jobs(
@@ -217,9 +227,8 @@ def pp2(work, tiny_model_dir):
         grad_accum_steps=2,
         keep_last=2,
     )
-    shard = _engine("pp2 shard", "shard", shard_job)
-    torn = _engine(
-        "pp2 train kill@save=6", "train", train_job, env={"CPT_TO_SFT_FAULT": "kill@save=6:optimizer"}, expect_ok=False
+    shard = torn = _shard_train(
+        "pp2 shard + train kill@save=6", shard_job, train_job, fault="kill@save=6:optimizer", expect_ok=False
     )
     leftovers = sorted(p.name for p in stage_dir.iterdir())
     resumed = _engine("pp2 train resume", "train", train_job, env=_dump(work, "pp2"))
@@ -231,11 +240,10 @@ def llz(work, tiny_model_dir, tp2):
     hf_in = tp2["dir"] / "step-000006" / "model"
     stage_dir = work / "llz" / "sft"
     shard_job, train_job = _jobs(work, "llz", "sft", LLZ2, hf_in, tiny_model_dir, stage_dir, grad_accum_steps=2)
-    shard = _engine("llz2 reboost", "shard", shard_job)
+    shard = train = _shard_train("llz2 reboost + train", shard_job, train_job, env=_dump(work, "llz"))
     kill_dir = work / "llz-kill" / "sft"  # the interrupted twin, from a copy of the same step-000000
     kill_dir.mkdir(parents=True)
     shutil.copytree(stage_dir / "step-000000", kill_dir / "step-000000")
-    train = _engine("llz2 train", "train", train_job, env=_dump(work, "llz"))
     _, kill_job = _jobs(work, "llz-kill", "sft", LLZ2, hf_in, tiny_model_dir, kill_dir, grad_accum_steps=2)
     fault = {"CPT_TO_SFT_FAULT": "kill@step=4"}  # step 4 trained, not saved: the resume redoes it from step 3
     killed = _engine("llz2 train kill@step=4", "train", kill_job, env=fault, expect_ok=False)
@@ -273,8 +281,7 @@ def ddp(work, tiny_model_dir, pp2):
         seq_len=256,
         data=mix,
     )
-    shard = _engine("ddp reboost", "shard", shard_job)
-    train = _engine("ddp train", "train", train_job, env=_dump(work, "ddp"))
+    shard = train = _shard_train("ddp reboost + train", shard_job, train_job, env=_dump(work, "ddp"))
     first_losses = train_state(stage_dir / "step-000006")["losses"]
     # Flip one byte of the newest checkpoint's weights: the next attempt must refuse it.
     victim = min((stage_dir / "step-000006" / "model").glob("*.safetensors"))
@@ -310,8 +317,7 @@ def tied(work):
     shard_job, train_job = _jobs(
         work, "tied", "cpt", LLZ2_OFFLOAD, model_dir, model_dir, stage_dir, max_steps=2, checkpoint_every=2
     )
-    shard = _engine("tied llz2 shard", "shard", shard_job)
-    train = _engine("tied llz2 train", "train", train_job, env=_dump(work, "tied"))
+    shard = train = _shard_train("tied llz2 shard + train", shard_job, train_job, env=_dump(work, "tied"))
     return dict(dir=stage_dir, model_dir=model_dir, shard=shard, train=train)
 
 
@@ -386,9 +392,10 @@ def _assert_checkpoint(path: Path, stage: str, step: int, plugin: str, vocab: in
 
 def test_tp2_fp32_shard_train_checkpoints(tp2):
     d = tp2["dir"]
-    assert tp2["shard"].checkpoints == [{"step": 0, "path": str(d / "step-000000")}]
+    # one launch sharded (step 0) and trained (3, 6), as the flow's shared launch does
+    assert tp2["shard"].checkpoints[0] == {"step": 0, "path": str(d / "step-000000")}
     losses = _assert_trains(d, tp2["train"], "cpt")
-    assert [c["step"] for c in tp2["train"].checkpoints] == [3, 6]
+    assert [c["step"] for c in tp2["train"].checkpoints] == [0, 3, 6]
     # keep_last=1: step-000003 went once step-000006 committed; step-000000 (the shard artifact) stays.
     # (the stage directory also holds tensorboard/, the rank-0 event files)
     assert sorted(p.name for p in d.iterdir() if p.name.startswith("step-")) == ["step-000000", "step-000006"]
@@ -631,11 +638,10 @@ ZERO1 = {"name": "hybrid_parallel", "tp_size": 2, "zero_stage": 1, "precision": 
 def zero1(work, tiny_model_dir):
     stage_dir = work / "zero1" / "cpt"
     shard_job, train_job = _jobs(work, "zero1", "cpt", ZERO1, tiny_model_dir, tiny_model_dir, stage_dir)
-    shard = _engine("tp2 zero1 bf16 shard", "shard", shard_job)
+    shard = train = _shard_train("tp2 zero1 bf16 shard + train", shard_job, train_job, env=_dump(work, "zero1"))
     kill_dir = work / "zero1-kill" / "cpt"
     kill_dir.mkdir(parents=True)
     shutil.copytree(stage_dir / "step-000000", kill_dir / "step-000000")
-    train = _engine("tp2 zero1 bf16 train", "train", train_job, env=_dump(work, "zero1"))
     _, kill_job = _jobs(work, "zero1-kill", "cpt", ZERO1, tiny_model_dir, tiny_model_dir, kill_dir)
     fault = {"CPT_TO_SFT_FAULT": "kill@step=4"}
     killed = _engine("tp2 zero1 bf16 kill@step=4", "train", kill_job, env=fault, expect_ok=False)
@@ -699,10 +705,12 @@ def test_a_kill_in_every_save_phase_never_loads_a_torn_checkpoint(tmp_path, tiny
         checkpoint_every=1,
         keep_last=2,
     )
-    _engine("kills ddp shard", "shard", shard_job)
     for killed_step, phase in enumerate(phases, start=1):
         spec = f"kill@save={killed_step}:{phase}"
-        run = _engine(f"kills {spec}", "train", train_job, nproc=2, env={"CPT_TO_SFT_FAULT": spec}, expect_ok=False)
+        if killed_step == 1:  # the shard and the first trial in one launch, as the flow shares it
+            run = _shard_train(f"kills shard + {spec}", shard_job, train_job, fault=spec, expect_ok=False)
+        else:
+            run = _engine(f"kills {spec}", "train", train_job, env={"CPT_TO_SFT_FAULT": spec}, expect_ok=False)
         assert run.rc != 0, f"seed {seed}: {spec} did not kill the run"
         assert (
             not (stage_dir / f"step-{killed_step:06d}").exists()

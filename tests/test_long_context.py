@@ -307,12 +307,12 @@ def test_per_token_loss_of_a_document_block_equals_each_document_alone(cpt_docs,
 
 @pytest.mark.distributed
 def test_the_engine_trains_document_blocks_with_the_context_settings(tmp_path, tiny_model_dir):
-    """2 launches (shard, train) of a CPT stage under torch_ddp with document attention and a RoPE
+    """1 launch (shard and train, as the flow shares them) of a CPT stage under torch_ddp with document attention and a RoPE
     change: its first loss is the one plain transformers computes on the same blocks with the same
     config and the block-diagonal mask, and its checkpoints' config.json holds the settings."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from support.engine import engine, stage_raw, write_job
+    from support.engine import shard_train, stage_raw, write_job
     from tasks.engine.sampler import ResumableSampler
 
     context = {"rope_theta": 40000.0, "max_position_embeddings": 512}
@@ -320,8 +320,8 @@ def test_the_engine_trains_document_blocks_with_the_context_settings(tmp_path, t
         "cpt", {"name": "torch_ddp", "precision": "fp32"}, attention="document", max_steps=2, context=context
     )
     stage_dir = tmp_path / "cpt"
-    for verb in ("shard", "train"):
-        job = write_job(
+    shard_job, job = (
+        write_job(
             tmp_path / f"{verb}.json",
             verb=verb,
             stage="cpt",
@@ -329,7 +329,9 @@ def test_the_engine_trains_document_blocks_with_the_context_settings(tmp_path, t
             model_dir=tiny_model_dir,
             stage_dir=stage_dir,
         )
-        run = engine(verb, job)
+        for verb in ("shard", "train")
+    )
+    run = shard_train(shard_job, job)
     first = run.progress[0]
     assert first["step"] == 1 and first["seq_len"] == SEQ
     saved = json.loads((stage_dir / "step-000002" / "model" / "config.json").read_text())

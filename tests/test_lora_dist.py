@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 
-from support.engine import engine, stage_raw, write_job
+from support.engine import engine, shard_train, stage_raw, write_job
 from tasks.core.errors import ManifestError
 from tasks.core.run.manifest import MANIFEST, manifest_digest, verify_artifact, write_manifest
 
@@ -40,8 +40,8 @@ def lora_run(tmp_path_factory, tiny_model_dir):
     common = dict(stage="sft", phase_cfg=section, model_dir=base, tokenizer_dir=base, stage_dir=stage_dir)
     shard_job = write_job(work / "jobs" / "shard.json", verb="shard", **common)
     train_job = write_job(work / "jobs" / "train.json", verb="train", **common)
-    shard = engine("shard", shard_job)
-    killed = engine("train", train_job, env={"CPT_TO_SFT_FAULT": "kill@step=5"}, expect_ok=False)
+    # the shard and the killed training in one launch, as the flow shares them (the fault the train part's)
+    shard = killed = shard_train(shard_job, train_job, fault="kill@step=5", expect_ok=False)
     resumed = engine("train", train_job, env={"CPT_TO_SFT_FAULT": "kill@step=5"})  # the fault fired once: it resumes
     return dict(base=base, dir=stage_dir, shard=shard, killed=killed, resumed=resumed)
 

@@ -13,8 +13,8 @@ embedding/residual dropout at tp), so this case runs the most of the rows' engin
 row is measured at tp=2 and pp=2 by benchmarks/shardformer_policies.py --smoke in
 tests/test_benchmarks.py. The named rows gemma3_text and phi3 (the derived policy at tp) run the whole flow under
 the plugins that run them in tests/test_derived_flow.py, whose checks hold these (the CPT checkpoint
-converted bitwise, with its logits). Two launches (shard, train) for GPT-2, ~10-15 s of imports each, three for
-Gemma 3 (the resume).
+converted bitwise, with its logits). One launch (shard and train, as the flow shares them) for GPT-2, ~10-15 s of
+imports, two for Gemma 3 (the resume).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import math
 import pytest
 import torch
 
-from support.engine import engine, read_model_dir, stage_raw, train_state, write_job
+from support.engine import engine, read_model_dir, shard_train, stage_raw, train_state, write_job
 from tasks.core.models.fingerprint import (
     DEFAULT_RTOL,
     compare_logits,
@@ -70,8 +70,11 @@ def trained(request, tmp_path_factory):
     steps, every = (STEPS + 1, 2) if family in RESUME else (STEPS, STEPS)
     section = stage_raw("cpt", plugin, max_steps=steps, checkpoint_every=every)
     common = dict(stage="cpt", phase_cfg=section, model_dir=model_dir, tokenizer_dir=model_dir, stage_dir=stage_dir)
-    shard = engine("shard", write_job(work / "shard.json", verb="shard", **common))
-    train = engine("train", write_job(work / "train.json", verb="train", **common))
+    # shard and train in one launch, as the flow shares them
+    shard = train = shard_train(
+        write_job(work / "shard.json", verb="shard", **common),
+        write_job(work / "train.json", verb="train", **common),
+    )
     if family in RESUME and train.rc == 0:  # the last checkpoint set aside: the next launch resumes from step 2
         last = stage_dir / f"step-{steps:06d}"
         last.rename(work / last.name)
