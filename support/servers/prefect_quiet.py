@@ -17,16 +17,17 @@ creates no runs), cancellation cleanup, the event persister and the task-run rec
 Set only for the tests' servers; a user's server is untouched.
 
 The session harness (tests/conftest.py `prefect_harness`, one per pytest-xdist worker, serving every
-flow that worker runs in-process) is an ephemeral server: of the services above it runs none, but it
-runs the event services, and `HARNESS_ONLY` turns off two of them there alone. Every event a flow
-sends (each task run's state changes, each stage event) was written to the events table by the event
-persister and matched against automations by the triggers service; no test on the harness reads
-events back from the database (a test that does, tests/test_prefect_ops.py's, runs on a server of its
-own that keeps both) or defines an automation. What the harness tests do read keeps running: the
-task-run recorder (task runs, read by the console and log tests), the log distributor, and the live
-event stream (the distributor), which the flow engine's cancellation observer subscribes to.
-Measured on a harness (the conftest's `prepare_cpt` flow, two tasks, three times): the server's CPU
-per flow 0.71-0.75 s with both on, 0.34-0.43 s with both off.
+flow that worker runs in-process and the benchmark smokes' flows pointed at it) is an ephemeral
+server: of the services above it runs none, but it runs the event services, and `HARNESS_ONLY` turns
+off two of them there alone. Every event a flow sends (each task run's state changes, each stage
+event) was written to the events table by the event persister and matched against automations by
+the triggers service (its setting also turns off the actions service). No test on the harness reads
+events back from the database or defines an automation (tests/test_prefect_ops.py does both, on a
+server of its own that keeps them). What the harness tests do read keeps running: the task-run
+recorder (task runs, read by the console and log tests), the log distributor, and the live event
+stream (the distributor), which the flow engine's cancellation observer subscribes to. Measured on a
+harness (the conftest's `prepare_cpt` flow, two tasks, three times): the server's CPU per flow
+0.71-0.75 s with both on, 0.34-0.43 s with both off.
 """
 
 from __future__ import annotations
