@@ -117,10 +117,16 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def prefect_harness():
-    """One ephemeral Prefect server (SQLite) for the whole session; ~20 s to start."""
-    from prefect.testing.utilities import prefect_test_harness
+    """One ephemeral Prefect server (SQLite) for the whole session: Prefect's `prefect_test_harness`
+    on an already migrated database (8 CPU-s to start instead of 14), without the two event services
+    no test on it needs (support/servers/prefect_quiet.py `HARNESS_ONLY`), set in the environment
+    only while it starts so that no other server a test starts inherits them."""
+    from support.servers import patched_env
+    from support.servers.prefect_home import seeded_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    with contextlib.ExitStack() as stack:
+        with patched_env(prefect_quiet.HARNESS_ONLY):
+            stack.enter_context(seeded_harness(server_startup_timeout=120))
         yield
 
 

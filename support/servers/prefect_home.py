@@ -10,12 +10,16 @@ database that Prefect's own `create_db` migrated once into the home; the server 
 migration check at start (a no-op at head), and everything after is the real server on its own
 database. A test about a fresh database's start keeps an empty home.
 
+`seeded_harness` is Prefect's own `prefect_test_harness` (the tests' session server) started on a
+copy of the same database instead of an empty one.
+
 The template is built once per machine and Prefect version under the temp dir, written to a
 temporary name and renamed, so two xdist workers that race both end with a whole file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import shutil
@@ -58,6 +62,25 @@ def seeded_home(home: Path) -> Path:
     home.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(template_db(), home / DB_NAME)
     return home
+
+
+@contextlib.contextmanager
+def seeded_harness(server_startup_timeout: int = 120):
+    """`prefect.testing.utilities.prefect_test_harness` on an already migrated database.
+
+    The harness makes its own temporary folder (`mkdtemp()`, removed at exit) and points the server
+    at `<folder>/prefect-test.db`; that folder is made here with the template copied in under that
+    name, so everything else is Prefect's harness unchanged."""
+    from unittest import mock
+
+    import prefect.testing.utilities as harness
+
+    folder = tempfile.mkdtemp(prefix="prefect-harness-")
+    shutil.copyfile(template_db(), Path(folder) / "prefect-test.db")
+    with contextlib.ExitStack() as stack:
+        with mock.patch.object(harness, "mkdtemp", lambda: folder):  # called before the harness's first yield
+            stack.enter_context(harness.prefect_test_harness(server_startup_timeout=server_startup_timeout))
+        yield
 
 
 if __name__ == "__main__":
