@@ -284,6 +284,9 @@ def test_preemption_smoke(prefect_harness):
     out = smoke([PY, "benchmarks/preemption.py", "--smoke"], timeout=E2E_TIMEOUT, env=session_api())
     for row in ("| # | noticed after step |", "stage wall, uninterrupted", "preempted / uninterrupted", "bitwise"):
         assert row in out, out
+    # run.json's record carries every mark of the recovery: the engine's, the stage's, the flow's, the new ranks'
+    (row,) = [line for line in out.splitlines() if line.startswith("| 1 | 1 rank |")]
+    assert "n/a" not in row and row.count("%)") == 9, row
     assert "result: ok" in out, out[-4000:]  # one rank, 6 steps: steps lost 0, bitwise, within the grace
 
 

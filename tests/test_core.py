@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 from pathlib import Path
 
 import pydantic
@@ -152,9 +153,27 @@ def test_local_store_publish_verifies(tmp_path):
     assert not store.exists("stage")
 
 
+def test_the_torchrun_agent_reports_a_rank_s_status_as_torchrun_does(tmp_path):
+    """tasks/engine/agent.py: torch.distributed.run's main without the interpreter's teardown after it. A
+    rank that exits 75 (a preempted one's status) ends the launch 1 with torchrun's report naming it. The
+    rank is plain Python: one torch import, the agent's. (Every launch of the suite runs through it.)"""
+    import subprocess
+    import sys
+
+    rank = tmp_path / "rank.py"
+    rank.write_text("import sys\nprint('rank ran', flush=True)\nsys.exit(75)\n")
+    argv = torchrun_argv("train", "/j.json", LaunchConfig(nproc_per_node=1), "r", python=sys.executable)
+    cmd = argv[: argv.index("-m", 3)] + [str(rank)]
+    out = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert out.returncode == 1 and "rank ran" in out.stdout, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])
+    assert "exitcode  : 75" in out.stderr and "ChildFailedError" in out.stderr, out.stderr[-2000:]
+
+
 def test_torchrun_argv_single_and_multi_node():
     single = torchrun_argv("train", "/j.json", LaunchConfig(nproc_per_node=2), "r", python="py")
-    assert single[:3] == ["py", "-m", "torch.distributed.run"] and "--standalone" in single
+    assert single[:3] == ["py", "-m", "tasks.engine.agent"] and "--standalone" in single
     assert single[-5:] == ["-m", "tasks.engine", "train", "--config", "/j.json"]
     multi = torchrun_argv(
         "train",

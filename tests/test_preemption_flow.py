@@ -204,6 +204,44 @@ def test_records_restart_and_policy():
     assert [policy.retry(n) for n in (1, 2, 3)] == [True, True, False]
 
 
+def test_a_record_carries_its_recovery_part_by_part_from_the_notice_to_the_next_first_step():
+    """The engine's notice and commit, the stage's exit, then the next attempt's marks (the flow's rerun and
+    launch, the ranks' start-up): each part of RECOVERY in seconds and as a share of notice -> first step.
+    A mark older than the record's exit is an earlier attempt's and stays out."""
+    t = 1e9
+    eng = {"source": "sigterm", "grace_s": 20.0, "noticed_step": 5, "checkpoint_step": 5, "steps_lost": 0}
+    eng |= {"notice_to_commit_s": 0.5, "grace_left_s": 19.5, "timeline": {"notice": t, "commit": t + 0.5}}
+    rec = preemptions.record(eng, "cpt", t + 0.5)
+    rec["timeline"]["exit"] = t + 1.5
+    rec["recovery"] = preemptions.recovery(rec["timeline"])
+    assert rec["recovery"] == {"notice_to_commit_s": 0.5, "exit_s": 1.0}  # no first step yet: no total, no shares
+    marks = {"rerun": t + 2.0, "launch": t + 3.0, "rank_start": t + 3.5, "ready": t + 9.0, "found": t + 9.5}
+    marks |= {"restore_begin": t + 10.0, "restore_end": t + 11.0, "first_step": t + 11.5, "stale": t, "pid": 7}
+    (got,) = preemptions.restarted([rec], 8.5, marks | {"rerun": t - 60.0})
+    assert "rerun" not in got["timeline"] and "stale" not in got["timeline"] and "pid" not in got["timeline"]
+    (got,) = preemptions.restarted([rec], 8.5, marks)
+    r = got["recovery"]
+    parts = {p: r[f"{p}_s"] for p, _, _ in preemptions.RECOVERY}
+    assert parts == {
+        "notice_to_commit": 0.5,
+        "exit": 1.0,
+        "retry": 0.5,
+        "stage_skip": 1.0,
+        "launch": 6.0,
+        "find": 0.5,
+        "build": 0.5,
+        "restore": 1.0,
+        "first_step": 0.5,
+    }
+    assert r["total_s"] == 11.5 == sum(parts.values()) and r["rank_imports_s"] == 5.5
+    assert r["launch_share"] == round(6.0 / 11.5, 4) and abs(sum(r[f"{p}_share"] for p in parts) - 1) < 1e-3
+    assert preemptions.parse(preemptions.dump([got])) == [got]  # run.json and preemptions.json keep it as is
+    assert preemptions.describe(got).endswith(
+        "recovery 11.5 s = notice to commit 0.5 s (4%) + exit 1.0 s (9%) + retry 0.5 s (4%) + stage skip 1.0 s (9%)"
+        " + launch 6.0 s (52%) + find 0.5 s (4%) + build 0.5 s (4%) + restore 1.0 s (9%) + first step 0.5 s (4%)"
+    )
+
+
 def test_the_end_of_run_table_and_the_card_show_each_preemption():
     from tasks.core.run.trainlog import summary_table
 

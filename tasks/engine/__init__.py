@@ -6,6 +6,7 @@ The Prefect task writes the job file (tasks/core/run/job.py) and reads the ranks
 (tasks/core/run/events.py); nothing here imports Prefect.
 
 - accel.py          the stage's fast kernels loaded (or fallen back from) and activation checkpointing
+- agent.py          torchrun's agent as the launcher starts it: torch.distributed.run without the teardown after it
 - backpressure.py   backpressure of checkpoint uploads, as every rank sees it
 - boosted.py        one stage's plugin, booster, boosted model and optimizer, checkpoint save/load
 - builders.py       the plugin factory: a validated PluginConfig -> a ColossalAI plugin

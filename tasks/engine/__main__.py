@@ -27,6 +27,8 @@ import time
 import traceback
 import warnings
 
+STARTED_AT = time.time()  # before torch's and ColossalAI's imports: a preemption record's `rank_start`
+
 # Import-time notices about CUDA-only extras this engine does not use (apex fused RMSNorm,
 # TensorNVMe async save) and torch deprecations of calls made inside ColossalAI 0.5.0 (its DDP
 # wrapper, ZeRO's collectives): lines per rank per launch that would bury real warnings.
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from tasks.engine import loop
 
+        loop.RANK_STARTED = STARTED_AT
         # What the imports built (torch, transformers, ColossalAI) lives until the process exits;
         # frozen, it is out of the collector's sight, so the full collections that come later
         # (ColossalAI's plugin destructor, transformers between weight shards) scan only what the verb allocates.

@@ -36,7 +36,7 @@ from tasks.core.errors import ManifestError, Preempted
 from tasks.core.launch.notice_watch import Watch, polls_here
 from tasks.core.models.families import attention_note
 from tasks.core.run import segments
-from tasks.core.run.events import PREEMPTED, PROGRESS
+from tasks.core.run.events import PREEMPTED, PROGRESS, STARTUP
 from tasks.core.run.hostpeak import HostPeak
 from tasks.core.run.stages import PEAK_FIELDS, STEP_RE, STEP_SUMMARY, SUMMARY_FIELDS
 from tasks.engine import checkpoint as ckpt
@@ -46,6 +46,9 @@ from tasks.engine.builders import plugin_meta
 from tasks.engine.faults import Injector
 from tasks.engine.metrics import StepMetrics, count_params
 from tasks.engine.preconditions import Job
+
+# When this rank's process started (epoch s): set by tasks/engine/__main__.py, before its imports.
+RANK_STARTED: float | None = None
 
 __all__ = ["StageData", "find_start", "shard", "train"]
 
@@ -296,8 +299,11 @@ def _kept(job: Job, rp: ckpt.ResumePoint) -> Job:
 
 def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
     cfg = job.phase_cfg
+    # This launch's start-up, rank 0's clock (epoch s): the preemption record's timeline (events.STARTUP)
+    marks = {"rank_start": RANK_STARTED, "ready": time.time()}
     faults.at_start()
     rp = find_start(job)
+    marks["found"] = time.time()
     if rp.step >= cfg.max_steps:
         log(
             f"{rp.path.name} is at step {rp.step} >= max_steps={cfg.max_steps}: {job.stage} training is complete, "
@@ -319,6 +325,7 @@ def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
         n_params = count_params(model)  # before the plugin shards it
         data.check_vocab(model.config.vocab_size, job)
         eng.boost(model)
+        marks["restore_begin"] = time.time()
         eng.load(rp.path)
     _log_construction(peak, f"built and loaded {rp.path.name}")
     state = ckpt.read_train_state(rp.path)
@@ -346,6 +353,7 @@ def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
             "seed",
             all_ranks=True,
         )
+    marks["restore_end"] = time.time()
     log(
         f"loaded {rp.path.name} in {time.monotonic() - t0:.1f}s; {data.num_items} sequences of {cfg.seq_len} tokens, "
         f"global batch {data.per_rank * data.dp_size} = micro_batch_size {cfg.micro_batch_size} x grad_accum_steps "
@@ -413,6 +421,8 @@ def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
                 ),
             },
         )
+        if step == rp.step + 1:
+            emit(STARTUP, {k: round(v, 3) for k, v in (marks | {"first_step": time.time()}).items() if v is not None})
         periodic = step % cfg.checkpoint_every == 0 or step == cfg.max_steps
         if periodic or eng.notice_agreed:
             sampler_state = data.sampler.state_dict()
@@ -449,6 +459,7 @@ def _stop_on_notice(eng: Engine, watch: Watch, step: int, state: dict[str, Any],
     dist.all_gather_object(heard, mine)
     source, age, grace = min((h for h in heard if h is not None), key=lambda h: h[2] - h[1])  # the nearest end
     t0, left = time.monotonic(), grace - age
+    noticed_at = time.time() - age  # epoch s, for the record's timeline
     if not saved and worth_saving(left, eng.save_s):
         last, saved = eng.save(step, state), True
     # From the name: under per-node staging another node's copy holds its own parts only.
@@ -464,6 +475,8 @@ def _stop_on_notice(eng: Engine, watch: Watch, step: int, state: dict[str, Any],
         "steps_lost": step - committed if committed is not None else step,
         "notice_to_commit_s": round(age + time.monotonic() - t0, 3) if saved else None,
         "grace_left_s": round(left - (time.monotonic() - t0), 3),
+        # epoch s (tasks/core/run/preemptions.py): the commit only when this notice saved one
+        "timeline": {"notice": round(noticed_at, 3), **({"commit": round(time.time(), 3)} if saved else {})},
     }
     if not saved:
         log(

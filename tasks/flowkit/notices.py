@@ -330,6 +330,12 @@ def stop_on_notice(stage: str, cfg: Any) -> Iterator[bool]:
             raise _deferred.pop()
 
 
+# When this process's flow began its latest retry after a preemption (epoch s; tasks/flowkit/run.py sets
+# "at" once the wait and the config re-read are over): the preempted stage's next attempt writes it into
+# the preemption record's timeline as `rerun` (tasks/core/run/preemptions.py).
+RERUN: dict[str, float] = {}
+
+
 def await_capacity(wait_s: float, message: str) -> bool:
     """Wait `wait_s` seconds for capacity before the flow retries a preempted run, with the flow run
     showing it: AwaitingRetry (a Scheduled state at the retry's time, `message` naming the preemption),

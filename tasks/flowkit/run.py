@@ -34,7 +34,7 @@ from tasks.core.run.preemptions import record as preemption_record
 from tasks.core.run.stages import DONE, TRAINING, StageSpec, Status
 from tasks.core.run.trainlog import duration, summary_table
 from tasks.core.storage.lease import Lease, LeaseHeld
-from tasks.flowkit import automation, tracking, ui
+from tasks.flowkit import automation, notices, tracking, ui
 from tasks.flowkit.notices import CancelRequested, await_capacity
 from tasks.flowkit.pipeline import arguments, task_for
 from tasks.flowkit.stage import (
@@ -208,6 +208,7 @@ class PipelineRun:
         if not await_capacity(policy.wait_s, f"{said}; {failure_cause(exc)}"):
             raise Interrupted("the flow run was cancelled while it waited for capacity")
         self.cfg = self.reread(self.cfg)  # as many ranks as came back, if the config says so
+        notices.RERUN["at"] = time.time()  # the stage skip starts: the preemption record's `rerun` mark
 
     def _held_back(self, spec: StageSpec, verdict: StageResult) -> StageResult:
         """The row of a stage its `held_by` stage's failed verdict keeps from running: nothing is done, the reasons are kept."""

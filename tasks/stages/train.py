@@ -24,14 +24,14 @@ from tasks.core.errors import Preempted
 from tasks.core.launch import shared
 from tasks.core.launch.torchrun import run_engine, stage_fault_env
 from tasks.core.run import preemptions
-from tasks.core.run.events import BACKPRESSURE, CHECKPOINT, KERNELS
+from tasks.core.run.events import BACKPRESSURE, CHECKPOINT, KERNELS, STARTUP
 from tasks.core.run.job import Job, Parent
 from tasks.core.run.stages import ROWS, TRAIN_STATE, TRAINING, is_step_name, job_file, loss_curve_rel, step_medians
 from tasks.core.run.trainlog import TrainLog
 from tasks.core.storage.fs import RunStore
 from tasks.flowkit import tracking, ui
 from tasks.flowkit.checkpoints import CheckpointSink, checkpoint_sink
-from tasks.flowkit.notices import cancel_requested
+from tasks.flowkit.notices import RERUN, cancel_requested
 from tasks.flowkit.stage import Stage, StageResult, stage_task
 
 
@@ -174,6 +174,8 @@ def _train(
     )
 
     first_step: list[float] = []  # when the first step of this attempt ended (restart to first step)
+    # This attempt's marks of a preemption's recovery (epoch s): the flow's rerun, the launch, the ranks' start-up
+    marks: dict[str, float] = {k: v for k, v in (("rerun", RERUN.get("at")),) if v is not None}
 
     def to_console(record: dict[str, Any]) -> None:
         if not first_step:
@@ -189,8 +191,11 @@ def _train(
             progress.backpressure(record)
         elif kind == KERNELS:
             progress.kernels(record)
+        elif kind == STARTUP:
+            marks.update(record)
 
     # The ranks that sharded step 0, when they wait for this stage (tasks/core/launch/shared.py); else a launch.
+    marks["launch"] = time.time()
     live = shared.adopt(job, logger)
     failed = True
     try:
@@ -209,7 +214,7 @@ def _train(
                     path = store.staging / job_file(job.stage, job.verb)
                     shared.follow_train(live, job, path, logger, cancelled=cancel_requested, **follow)
             except Preempted as exc:  # inside the sink: its publisher drains before the stage says preempted
-                _preempted(store, phase, sink, exc, first_step[0] - run.started if first_step else None)
+                _preempted(store, phase, sink, exc, first_step[0] - run.started if first_step else None, marks)
                 raise
             sink.finish(run.rel)
         failed = False
@@ -228,7 +233,7 @@ def _train(
     logger.info(console.end(run.elapsed, medians))
     peak = {"peak_mem_bytes": console.peak[0], "peak_mem_rank": console.peak[1]} if console.peak else {}
     # This attempt's start to its first step closes the previous preemption's record.
-    preempted = _log(store, phase, first_step[0] - run.started if first_step else None)
+    preempted = _log(store, phase, first_step[0] - run.started if first_step else None, marks=marks)
     # "segments": the layout each stretch of steps ran under, when the stage continued under another one (docs/resume.md)
     return run.done(
         {
@@ -249,9 +254,11 @@ def _train(
     )
 
 
-def _log(store: RunStore, phase: Phase, restart_s: float | None, add: dict | None = None) -> list[dict]:
+def _log(
+    store: RunStore, phase: Phase, restart_s: float | None, add: dict | None = None, marks: dict | None = None
+) -> list[dict]:
     """The stage's preemption records (tasks/core/run/preemptions.py), with this attempt's restart
-    time and a new record `add` written in; a log that cannot be written is a warning, not a failure."""
+    time and marks and a new record `add` written in; a log that cannot be written is a warning, not a failure."""
     rel = preemptions.log_rel(TRAINING[phase].checkpoints)
     try:
         records = preemptions.parse(store.read_text(rel)) if store.exists(rel) else []
@@ -260,7 +267,7 @@ def _log(store: RunStore, phase: Phase, restart_s: float | None, add: dict | Non
     if not records and add is None:
         return []
     if restart_s is not None:
-        records = preemptions.restarted(records, restart_s)
+        records = preemptions.restarted(records, restart_s, marks)
     if add is not None:
         records.append(add)
     try:
@@ -270,15 +277,20 @@ def _log(store: RunStore, phase: Phase, restart_s: float | None, add: dict | Non
     return records
 
 
-def _preempted(store: RunStore, phase: Phase, sink: CheckpointSink, exc: Preempted, restart_s: float | None) -> None:
+def _preempted(
+    store: RunStore, phase: Phase, sink: CheckpointSink, exc: Preempted, restart_s: float | None, marks: dict
+) -> None:
     """The stage stopped on a notice: publish what it committed (within the grace left), keep the record."""
+    exited = time.time()  # the launcher raised: ranks and torchrun are gone
     logger = get_run_logger()
     try:
         sink.drain(timeout=max(float(exc.record.get("grace_left_s") or 0.0), 1.0))
     except Exception as err:  # the machine may go first: the newest checkpoint published stands
         logger.warning("the preempted checkpoint was not published in the grace left: %s", err)
     rec = preemptions.record(exc.record, phase, time.time())
-    exc.record.update(rec, preemptions=_log(store, phase, restart_s, rec))
+    rec["timeline"]["exit"] = round(exited, 3)
+    rec["recovery"] = preemptions.recovery(rec["timeline"])
+    exc.record.update(rec, preemptions=_log(store, phase, restart_s, rec, marks))
     logger.warning(preemptions.describe(rec))
 
 

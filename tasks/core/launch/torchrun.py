@@ -61,7 +61,8 @@ _LOG_LEVELS = {INFO: logging.INFO, WARNING: logging.WARNING, ERROR: logging.ERRO
 def torchrun_argv(
     verb: str, job_path: str | Path, launch: LaunchConfig, rdzv_id: str, python: str = sys.executable
 ) -> list[str]:
-    argv = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(launch.nproc_per_node)]
+    # torch.distributed.run's own main, without the teardown of torch after it (tasks/engine/agent.py)
+    argv = [python, "-m", "tasks.engine.agent", "--nproc-per-node", str(launch.nproc_per_node)]
     if launch.nnodes == 1 and not launch.rdzv_endpoint:
         argv += ["--standalone"]
     else:

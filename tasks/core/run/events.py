@@ -39,7 +39,10 @@ KERNELS = "kernels"
 PREEMPTED = "preempted"
 # a shared launch (verb shard-train) committed step-000000 and waits for the train stage: stage, checkpoint
 SHARDED = "sharded"
-KINDS = (PROGRESS, CHECKPOINT, BACKPRESSURE, KERNELS, PREEMPTED, SHARDED)
+# a training launch's start-up, once after its first step: rank_start, ready, found, restore_begin,
+# restore_end, first_step (rank 0's epoch seconds; the marks of tasks/core/run/preemptions.py's timeline)
+STARTUP = "startup"
+KINDS = (PROGRESS, CHECKPOINT, BACKPRESSURE, KERNELS, PREEMPTED, SHARDED, STARTUP)
 # The numeric @@progress fields that are per-step metrics (TensorBoard tags, MLflow metrics).
 METRICS = (
     "loss",

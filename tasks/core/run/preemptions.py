@@ -6,7 +6,10 @@
 The engine's `@@preempted` event (tasks/engine/loop.py) says what one attempt committed; the
 training stage adds when the notice came (`at`, UTC) and appends it to the stage's log; the next
 attempt fills `restart_to_first_step_s` (from its start to its first step) into the newest record
-that lacks it. run.json's stage rows, the Prefect stage table, the console's end-of-run table and
+that lacks it. Each record's `timeline` holds the moments of the recovery (epoch seconds, `MARKS`:
+the engine's notice and commit, the stage's exit, the flow's retry and launch, the next launch's
+rank start, ready, checkpoint found, restore and first step) and its `recovery` the seconds between
+them (`RECOVERY`), each with its share of the whole, from the notice to the next first step. run.json's stage rows, the Prefect stage table, the console's end-of-run table and
 the model card read these records, so a re-run whose stage is skipped still shows them.
 """
 
@@ -31,6 +34,42 @@ FIELDS = (
     "notice_to_commit_s",
     "grace_left_s",
     "restart_to_first_step_s",
+    "timeline",
+    "recovery",
+)
+# The recovery from a notice to the next attempt's first step, in the order it happens: (part, from, to),
+# each a mark of a record's `timeline` (epoch seconds; who sets it in the comment).
+RECOVERY = (
+    ("notice_to_commit", "notice", "commit"),  # engine: the step in flight finishes, its checkpoint is committed
+    ("exit", "commit", "exit"),  # the training stage: the ranks and torchrun are gone, the launcher raised Preempted
+    (
+        "retry",
+        "exit",
+        "rerun",
+    ),  # the flow: the record kept, run.json, Prefect's AwaitingRetry, retry_wait_s, the config re-read
+    (
+        "stage_skip",
+        "rerun",
+        "launch",
+    ),  # the flow: the stages already done verify and skip, the training stage's job written
+    ("launch", "launch", "ready"),  # torchrun starts the ranks; they import and join the process group
+    ("find", "ready", "found"),  # rank 0 verifies the newest checkpoint's manifest (every file's sha256)
+    ("build", "found", "restore_begin"),  # the model built and boosted under the plugin
+    ("restore", "restore_begin", "restore_end"),  # the checkpoint loaded (re-sharded under a new layout)
+    ("first_step", "restore_end", "first_step"),  # the first optimizer step of the new attempt
+)
+MARKS = (
+    "notice",
+    "commit",
+    "exit",
+    "rerun",
+    "launch",
+    "rank_start",
+    "ready",
+    "found",
+    "restore_begin",
+    "restore_end",
+    "first_step",
 )
 
 
@@ -51,6 +90,26 @@ def record(engine: dict[str, Any], stage: str, now: float) -> dict[str, Any]:
         spent = float(engine["grace_s"]) - float(engine["grace_left_s"])
     out = {k: engine.get(k) for k in FIELDS}
     out.update(stage=stage, at=utc(now - float(spent or 0.0)), restart_to_first_step_s=None)
+    out["timeline"] = dict(engine.get("timeline") or {})
+    out["recovery"] = recovery(out["timeline"])
+    return out
+
+
+def recovery(timeline: dict[str, Any]) -> dict[str, Any]:
+    """Seconds of each part of `RECOVERY` whose two marks `timeline` holds, `total_s` from the notice
+    to the first step, `<part>_share` of it, and `rank_imports_s` (rank start to ready, inside `launch`)."""
+    t = {k: float(v) for k, v in timeline.items() if isinstance(v, (int, float))}
+    out: dict[str, Any] = {}
+    for part, a, b in RECOVERY:
+        if a in t and b in t:
+            out[f"{part}_s"] = round(t[b] - t[a], 3)
+    if "rank_start" in t and "ready" in t:
+        out["rank_imports_s"] = round(t["ready"] - t["rank_start"], 3)
+    if "notice" in t and "first_step" in t:
+        total = out["total_s"] = round(t["first_step"] - t["notice"], 3)
+        for part, _, _ in RECOVERY:
+            if f"{part}_s" in out and total > 0:
+                out[f"{part}_share"] = round(out[f"{part}_s"] / total, 4)
     return out
 
 
@@ -69,13 +128,23 @@ def dump(records: list[dict[str, Any]]) -> str:
     return json.dumps(records, indent=2, sort_keys=True) + "\n"
 
 
-def restarted(records: list[dict[str, Any]], seconds: float) -> list[dict[str, Any]]:
+def restarted(
+    records: list[dict[str, Any]], seconds: float, marks: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """`records` with the newest one that has no restart time given `seconds` (from the attempt's
-    start to its first step); unchanged when every record has one."""
+    start to its first step) and this attempt's `marks` (the flow's rerun and launch, the ranks'
+    start-up) in its timeline; unchanged when every record has one. A mark from before the record's
+    exit belongs to an earlier attempt and is left out."""
     out = [dict(r) for r in records]
     for r in reversed(out):
         if r.get("restart_to_first_step_s") is None:
             r["restart_to_first_step_s"] = round(seconds, 3)
+            timeline = dict(r.get("timeline") or {})
+            after = float(timeline.get("exit") or timeline.get("notice") or 0.0)
+            timeline.update(
+                {k: v for k, v in (marks or {}).items() if k in MARKS and isinstance(v, (int, float)) and v >= after}
+            )
+            r["timeline"], r["recovery"] = timeline, recovery(timeline)
             break
     return out
 
@@ -95,7 +164,18 @@ def describe(r: dict[str, Any]) -> str:
         f"{r.get('stage')} preempted {r.get('at')} ({r.get('source')}) after step {r.get('noticed_step')}: "
         f"checkpoint step {r.get('checkpoint_step')}, steps lost {r.get('steps_lost')}, {commit}, "
         f"restart to first step {_s(r.get('restart_to_first_step_s'))}"
-    )
+    ) + (f"; {breakdown(r)}" if (r.get("recovery") or {}).get("total_s") is not None else "")
+
+
+def breakdown(r: dict[str, Any]) -> str:
+    """The record's recovery, notice to first step, part by part: `recovery 9.1 s = notice to commit 0.2 s (2%) + ...`."""
+    rec = r.get("recovery") or {}
+    parts = [
+        f"{part.replace('_', ' ')} {rec[f'{part}_s']:.1f} s ({rec.get(f'{part}_share', 0):.0%})"
+        for part, _, _ in RECOVERY
+        if f"{part}_s" in rec
+    ]
+    return f"recovery {_s(rec.get('total_s'))} = " + " + ".join(parts)
 
 
 def short(records: list[dict[str, Any]]) -> str:
@@ -126,10 +206,14 @@ class Policy:
 
 
 if __name__ == "__main__":
+    t = time.time()
     r = record(
         {"source": "sigterm", "grace_s": 20.0, "noticed_step": 5, "checkpoint_step": 5, "steps_lost": 0}
-        | {"notice_to_commit_s": 0.3, "grace_left_s": 19.7, "checkpoint": "cpt/step-000005"},
+        | {"notice_to_commit_s": 0.3, "grace_left_s": 19.7, "checkpoint": "cpt/step-000005"}
+        | {"timeline": {"notice": t, "commit": t + 0.3, "exit": t + 1.0}},
         "cpt",
-        time.time(),
+        t + 0.3,
     )
-    print(dump(restarted([r], 12.5)), describe(restarted([r], 12.5)[0]), sep="")
+    marks = {"rerun": t + 1.5, "launch": t + 2.0, "rank_start": t + 2.5, "ready": t + 8.0, "found": t + 8.2}
+    marks |= {"restore_begin": t + 9.5, "restore_end": t + 10.5, "first_step": t + 11.0}
+    print(dump(restarted([r], 9.0, marks)), describe(restarted([r], 9.0, marks)[0]), sep="")
