@@ -154,7 +154,7 @@ def bench(args: argparse.Namespace) -> int:
     shutil.copytree(ref_root, pre_root, ignore=later)
     # term@step=K: the notice comes as step K+1 begins; one as the last step begins ends nothing (the stage ends anyway)
     at = sorted(random.Random(args.seed).sample(range(1, args.steps - 1), args.preemptions))
-    pre_wall, summary = run(pre_root, ";".join(f"term@step={k}@stage=cpt" for k in at))
+    pre_wall, summary = run(pre_root, ";".join(f"term@step={k}@phase=cpt" for k in at))
     tasks.stages.train.run_engine = real
 
     final = f"cpt/step-{args.steps:06d}/model"

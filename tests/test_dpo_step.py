@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from support.engine import REPO, reference_for, stage_raw, write_job
+from support.engine import REPO, phase_raw, reference_for, write_job
 from tasks.core.errors import ConfigError
 from tasks.core.run.job import load_job, parse_job
 
@@ -32,8 +32,8 @@ def pairs(tmp_path_factory, tiny_model_dir):
     work = tmp_path_factory.mktemp("dpo-step")
     src = work / "pairs.jsonl"  # the sample's first 12 records: every layout the reader takes
     src.write_text("".join((REPO / "data" / "sample" / "dpo.jsonl").read_text().splitlines(keepends=True)[:12]))
-    section = stage_raw("dpo", DDP, data={"uri": str(src)}, micro_batch_size=2, beta=0.5, label_smoothing=0.1)
-    common = dict(stage="dpo", phase_cfg=section, model_dir=tiny_model_dir, stage_dir=work / "dpo")
+    section = phase_raw("dpo", DDP, data={"uri": str(src)}, micro_batch_size=2, beta=0.5, label_smoothing=0.1)
+    common = dict(phase="dpo", phase_cfg=section, model_dir=tiny_model_dir, stage_dir=work / "dpo")
     shard = write_job(work / "jobs" / "shard.json", verb="shard", **common)
     ref = reference_for(shard, work / "reference")
     train = write_job(work / "jobs" / "train.json", verb="train", reference_dir=ref, **common)

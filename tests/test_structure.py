@@ -817,7 +817,7 @@ def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
         with pytest.raises(ConfigError, match="tensor parallelism needs plugin hybrid_parallel"):
             raw["sft"]["plugin"] = {"name": "dummy_zero", "zero_stage": 1, "precision": "bf16", "tp_size": 2}
             parse_config(raw)
-        assert engine_plugins.make_plugin(cfg.sft.plugin, cfg.sft, stage="sft", cuda=False) == "plugin-object"
+        assert engine_plugins.make_plugin(cfg.sft.plugin, cfg.sft, phase="sft", cuda=False) == "plugin-object"
         assert built == [{"stage": 1, "dp": 2}]  # no kernel is a plugin argument under it: only its own ones
         # its row's kernel routes give it the model's own attention kernel and torch's fused AdamW
         facts = Facts(cuda=True, packages=frozenset({"flash_attn"}))
@@ -825,7 +825,7 @@ def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
             "flash attention: on (transformers flash_attention_2); fused optimizer: on (torch AdamW fused)"
         )
         # its `holds` give it an estimate, and its `lever` offers it to a layout that does not fit
-        shard = estimate(MODEL, cfg.sft, stage="sft").terms
+        shard = estimate(MODEL, cfg.sft, phase="sft").terms
         assert [(t.what, t.bytes) for t in shard[:2]] == [("weights", 4 * 139584), ("Adam moment shard", 8 * 69792)]
         ddp = cfg.sft.model_copy(update={"plugin": PluginConfig(name="torch_ddp", precision="bf16")})
         offered = fits_with(MODEL, ddp, "sft", capacity=10**12, cuda=False)
@@ -982,7 +982,7 @@ def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(
             parse_config(raw)
         job = Job(
             verb="train",
-            stage="cpt",
+            phase="cpt",
             phase_cfg=cfg.cpt,
             trust_remote_code=False,
             model_dir=tiny_model_dir,

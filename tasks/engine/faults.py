@@ -27,8 +27,8 @@ Grammar: one or more specs separated by ';', each `ACTION@TRIGGER[@OPTION...]`:
              rank=R          the rank that acts for `kill` (default: rank 1, or 0 with one rank;
                              rank 0 for the manifest and rename phases, which only rank 0 runs)
 
-Examples: `kill@step=3@stage=cpt`, `kill@save=6:optimizer`, `kill@save=6:manifest`,
-`fail@stage=sft`, `fail@step=4@stage=sft`.
+Examples: `kill@step=3@phase=cpt`, `kill@save=6:optimizer`, `kill@save=6:manifest`,
+`fail@phase=sft`, `fail@step=4@phase=sft`.
 
 Each spec fires ONCE per stage directory: before acting, the acting rank records it in
 `<stage_dir>/.faults/<digest of the spec>`, so a retry of the same stage (same environment)

@@ -325,7 +325,7 @@ def _registered_kernels(switches: dict[str, bool]) -> dict[str, bool]:
 KernelSwitches = Annotated[dict[str, bool], AfterValidator(_registered_kernels)]
 
 
-def _stage_schema(schema: dict[str, Any]) -> None:
+def _phase_schema(schema: dict[str, Any]) -> None:
     """The batching enum, and the kernel names the `kernels` mapping takes (read from the registry
     when the schema is rendered, like the registry enums)."""
     _batching_schema(schema)
@@ -341,7 +341,7 @@ def _stage_schema(schema: dict[str, Any]) -> None:
 
 class PhaseConfig(Frozen):
     model_config = ConfigDict(
-        frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_stage_schema
+        frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_phase_schema
     )
 
     data: DataConfig = Field(description="Training data of this stage.")

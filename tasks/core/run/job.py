@@ -77,7 +77,7 @@ class Job(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     verb: Literal[VERBS] = Field(description="shard: boost the HF model and save step 0; train: resume and train.")
-    stage: Literal[tuple(TRAINING)] = Field(description="The training stage (a key of tasks.core.run.stages.TRAINING).")
+    phase: Literal[tuple(TRAINING)] = Field(description="The training stage (a key of tasks.core.run.stages.TRAINING).")
     # SerializeAsAny: a preference stage's section is a DpoConfig (beta, loss, the pair fields), which the
     # job file must carry whole; `_section_of_its_phase` reads it back as one.
     phase_cfg: SerializeAsAny[PhaseConfig] = Field(
@@ -145,9 +145,9 @@ class Job(BaseModel):
 
     @model_validator(mode="after")
     def _reference_for_pairs(self) -> Job:
-        if self.verb == "train" and PHASES[self.stage].record == "pair" and self.reference_dir is None:
+        if self.verb == "train" and PHASES[self.phase].record == "pair" and self.reference_dir is None:
             why = (
-                f"the {self.stage} stage trains on preference pairs against the reference model's log-probabilities "
+                f"the {self.phase} stage trains on preference pairs against the reference model's log-probabilities "
                 "of them: set reference_dir to the reference artifact (the reference stage's output, "
                 "tasks/core/evaluation/reference.py)"
             )
