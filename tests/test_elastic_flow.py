@@ -230,13 +230,16 @@ def test_cpt_preempted_by_sigterm_retries_by_itself_and_ends_bitwise_on_the_unin
     assert _row(summary, "train_cpt")["status"] == "completed", _row(summary, "train_cpt")
 
     (rec,) = summary["preemptions"]
-    assert (rec["stage"], rec["source"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"]) == (
+    assert (rec["stage"], rec["phase"], rec["source"], rec["noticed_step"], rec["checkpoint_step"]) == (
+        "train_cpt",
         "cpt",
         "sigterm",
         6,
         6,
-        0,
-    ), rec  # the notice came as step 6 began (term@step=5): step 6 finished and was committed
+    ), rec
+    assert rec["steps_lost"] == 0, (
+        rec
+    )  # the notice came as step 6 began (term@step=5): step 6 finished and was committed
     assert 0 <= rec["notice_to_commit_s"] < 20 and rec["restart_to_first_step_s"] > 0, rec
     assert rec["at"].endswith("Z") and _row(summary, "train_cpt")["detail"]["preemptions"] == [rec]
     assert json.loads((cpt / "preemptions.json").read_text()) == [rec]
@@ -327,8 +330,8 @@ def test_sft_cancelled_from_prefect_ends_cancelled_and_a_shutdown_keeps_the_step
     assert rc == 0, console[-4000:]
     assert _row(summary, "train_sft")["status"] == "completed", _row(summary, "train_sft")
     (rec,) = summary["preemptions"]
-    got = (rec["stage"], rec["source"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"])
-    assert got == ("sft", "sigterm", 6, 6, 0), rec  # step 6, in flight when the SIGTERM came, was kept
+    got = (rec["stage"], rec["phase"], rec["source"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"])
+    assert got == ("train_sft", "sft", "sigterm", 6, 6, 0), rec  # step 6, in flight when the SIGTERM came, was kept
     assert rec["grace_s"] == 30.0 and "retrying the run in 0 s" in console, console[-4000:]
     assert not [p.name for p in sft.iterdir() if p.name.startswith(".step-")], "a torn checkpoint was left"
     got, want = read_model_dir(sft / "step-000008" / "model"), read_model_dir(ref_dir / "model")
@@ -383,13 +386,14 @@ def test_cpt_preempted_on_2_ranks_is_retried_by_the_flow_on_1_at_the_kept_global
     assert kept in console, console[-4000:]
 
     (rec,) = summary["preemptions"]
-    assert (rec["stage"], rec["source"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"]) == (
+    assert (rec["stage"], rec["phase"], rec["source"], rec["noticed_step"], rec["checkpoint_step"]) == (
+        "train_cpt",
         "cpt",
         "sigterm",
         3,
         3,
-        0,
     ), rec
+    assert rec["steps_lost"] == 0, rec
     assert 0 <= rec["notice_to_commit_s"] < 20 and rec["restart_to_first_step_s"] > 0, rec
     assert json.loads((cpt / "preemptions.json").read_text()) == [rec]
     (row,) = [r for r in table[-1] if r["stage"] == "train_cpt"]

@@ -678,10 +678,10 @@ def test_a_kill_in_every_save_phase_never_loads_a_torn_checkpoint(tmp_path, tiny
     loss is finite. (Every phase once, where ten random draws from the eight could miss some.)"""
     import random
 
-    from tasks.engine.faults import SAVE_PHASES
+    from tasks.engine.faults import SAVE_PARTS
 
     seed = 20261129
-    phases = list(SAVE_PHASES)
+    phases = list(SAVE_PARTS)
     random.Random(seed).shuffle(phases)
     last = len(phases) + 1
     # Its own tmp_path, no module fixture: pytest-xdist may run it on another worker than the

@@ -321,10 +321,10 @@ def test_zero_sanity_check_keeps_the_dtype_check():
 
 def test_fault_specs_parse():
     got = faults.parse("kill@step=3@phase=cpt; kill@save=6:manifest ;fail@phase=sft;fail@step=4@rank=0")
-    assert [(f.action, f.trigger, f.step, f.phase, f.stage, f.rank) for f in got] == [
+    assert [(f.action, f.trigger, f.step, f.part, f.phase, f.rank) for f in got] == [
         ("kill", "step", 3, None, "cpt", None),
         ("kill", "save", 6, "manifest", None, None),
-        ("fail", "stage", None, None, "sft", None),
+        ("fail", "phase", None, None, "sft", None),
         ("fail", "step", 4, None, None, 0),
     ]
     assert got[0].acting_rank(2) == 1 and got[1].acting_rank(2) == 0 and got[0].acting_rank(1) == 0
@@ -423,7 +423,7 @@ def test_job_errors_name_every_key(tmp_path):
     fields = {f for f, _ in exc.value.problems}
     assert {
         "verb",
-        "stage",
+        "phase",
         "model_dir",
         "extra",
         "phase_cfg",
@@ -437,14 +437,51 @@ def test_job_errors_name_every_key(tmp_path):
 # -- checkpoints -------------------------------------------------------------------------------------
 
 
-def _fake_ckpt(stage_dir: Path, step: int, phase: str = "cpt", digest: str = "d") -> Path:
+def _fake_ckpt(stage_dir: Path, step: int, phase: str = "cpt", digest: str = "d", key: str = "phase") -> Path:
     d = stage_dir / ckpt.step_name(step)
     (d / "model").mkdir(parents=True)
     (d / "model" / "model.safetensors.index.json").write_text("{}")
     (d / "lr_scheduler.pt").write_bytes(b"x")
     (d / "train_state.json").write_text(json.dumps({"step": step}))
-    write_manifest(d, kind=ckpt.KIND, meta={"phase": phase, "step": step}, config_digest=digest)
+    write_manifest(d, kind=ckpt.KIND, meta={key: phase, "step": step}, config_digest=digest)
     return d
+
+
+def test_a_run_root_written_when_the_phase_was_called_stage_still_resumes(tmp_path):
+    """Job files, checkpoint manifests and engine records written before the rename name the phase
+    "stage": each is read as its phase (writers write "phase"); a job file giving both is refused."""
+    from tasks.core.config.load import parse_config
+    from tasks.core.config.phases import phase_of
+    from tasks.core.run.job import Job
+    from tests.conftest import tiny_config_raw
+
+    assert (phase_of({"stage": "sft"}), phase_of({"phase": "dpo", "stage": "train_dpo"}), phase_of({})) == (
+        "sft",
+        "dpo",
+        None,
+    )
+    _fake_ckpt(tmp_path / "cpt", 3, key="stage")  # an interrupted run's checkpoint
+    assert ckpt.find_resume(tmp_path / "cpt", "cpt", "d").step == 3
+    assert ckpt.find_resume(tmp_path / "cpt", "sft", "d").step is None  # still another phase's
+    cfg = parse_config(tiny_config_raw(tmp_path / "model", tmp_path / "run"))
+    new = Job(
+        verb="train",
+        phase="cpt",
+        phase_cfg=cfg.cpt,
+        trust_remote_code=False,
+        model_dir=tmp_path / "model",
+        tokenizer_dir=tmp_path / "model",
+        stage_dir=tmp_path / "cpt",
+        parent=None,
+        config_digest="d",
+    )
+    raw = new.model_dump(mode="json")
+    assert "phase" in raw and "stage" not in raw  # written with the new key only
+    old = {("stage" if k == "phase" else k): v for k, v in raw.items()}
+    assert parse_job(old, verb="train") == new
+    with pytest.raises(ConfigError) as exc:
+        parse_job({**raw, "stage": "cpt"})
+    assert [f for f, _ in exc.value.problems] == ["stage"]
 
 
 def test_find_resume_skips_torn_corrupt_and_foreign(tmp_path):

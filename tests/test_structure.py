@@ -19,6 +19,8 @@
 - The stages are peers: no module of `tasks/stages/` imports another (what two stages share lives in
   `tasks/flowkit/` or `tasks/core/`), so they stand on one level of the import graph; `tasks/flowkit/`
   never imports a stage module.
+- A phase is a phase: no `Phase` or `PhaseConfig` is named `stage`/`st`, and the job file names its phase
+  `phase` (a stage is a row of the stage table).
 - The command line is one argument parser (flows/cli.py); `python -m flows.cpt_to_sft` is a command of it.
 - The pipeline is the stage table: each row bound to a task, the runbook spelling no stage name.
 """
@@ -953,6 +955,53 @@ def test_the_stage_name_check_sees_a_literal_a_naming_position_and_a_row_that_is
     assert ROWS.unshard.name == "unshard"
     with pytest.raises(AttributeError, match="no stage row named 'unshrd'"):
         ROWS.unshrd  # noqa: B018 - the lookup is what is tested
+
+
+# A phase (cpt, sft, dpo: a `Phase` name, a `PhaseConfig` section) is never called a stage, the name of a
+# row of the stage table: no parameter, annotated local or field holding one is named `stage` or `st`.
+_PHASE_TYPES = re.compile(r"^(PhaseConfig|DpoConfig|Phase)( \| None)?$")
+
+
+def phase_called_stage(path: Path) -> list[str]:
+    out = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = n.args
+            named = [(x.arg, x.annotation, x.lineno) for x in a.posonlyargs + a.args + a.kwonlyargs]
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            named = [(n.target.id, n.annotation, n.lineno)]
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Attribute):
+            named = [(n.target.attr, n.annotation, n.lineno)]
+        else:
+            continue
+        for name, ann, line in named:
+            if name in ("stage", "st") and ann is not None and _PHASE_TYPES.match(ast.unparse(ann).strip("'\"")):
+                out.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{line} {name}")
+    return out
+
+
+def test_a_phase_is_called_a_phase_never_a_stage():
+    from dataclasses import fields
+
+    from tasks.core.run.job import Job
+    from tasks.engine.faults import Fault
+
+    found = [
+        hit for room in (*RULED, "tests") for p in sorted((ROOT / room).rglob("*.py")) for hit in phase_called_stage(p)
+    ]
+    assert not found, "a Phase or PhaseConfig named stage/st (call it phase, phase_cfg):\n" + "\n".join(found)
+    assert "phase" in Job.model_fields and "stage" not in Job.model_fields, "the job file names its phase `phase`"
+    assert {"phase", "part"} <= {f.name for f in fields(Fault)} and "stage" not in {f.name for f in fields(Fault)}
+
+
+def test_the_phase_name_check_sees_a_parameter_a_local_and_a_field(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        "def f(stage: Phase, st: 'PhaseConfig', phase_cfg: PhaseConfig, spec: Stage):\n"
+        "    st: PhaseConfig | None = None\n"
+        "class C:\n    stage: DpoConfig\n    st: str\n    stage_dir: PhaseConfig\n"
+    )
+    assert [h.split(":")[1] for h in phase_called_stage(src)] == ["1 stage", "1 st", "2 st", "4 stage"]
 
 
 def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(tiny_model_dir, tmp_path):

@@ -438,8 +438,8 @@ class Engine:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        phase = lambda name: self.faults.before_save_phase(step, name)
-        phase("model")
+        part = lambda name: self.faults.before_save_part(step, name)
+        part("model")
         mib = ckpt.save_shard_mib(
             self.config.to_dict(), _DTYPES[self.weights_dtype].itemsize
         )  # bounds the save's gathered tensors
@@ -452,23 +452,23 @@ class Engine:
                 self.booster.save_model(
                     self.model, str(tmp / "model"), shard=True, use_safetensors=True, size_per_shard=mib
                 )
-            phase("optimizer")
+            part("optimizer")
             self.booster.save_optimizer(self.optimizer, str(tmp / "optimizer"), shard=True, size_per_shard=mib)
             kept = masters.save(self, tmp / MASTERS)  # fp32 masters of a mixed-precision stage; every piece's place
-        phase("lr_scheduler")
+        part("lr_scheduler")
         self.booster.save_lr_scheduler(self.scheduler, str(tmp / "lr_scheduler.pt"))
-        phase("rng")
+        part("rng")
         # Each rank writes its own generator state: its part of the checkpoint, on its own node.
         ckpt.write_rng(tmp / "rng", rank, ckpt.capture_rng())
-        phase("fingerprint")
+        part("fingerprint")
         logits = self.fingerprint(tmp / "model")
-        phase("state")
+        part("state")
         if rank == 0:
             fp = save_fingerprint(logits, tmp, dtype=self.weights_dtype)
             ckpt.write_json(tmp / ckpt.TRAIN_STATE, state)
         dist.barrier()  # every rank's files are on disk before the manifest covers them
         elsewhere = node_staging.publish_parts(job, tmp, final.name) if job.nodes is not None else {}
-        phase("manifest")
+        part("manifest")
         if rank == 0:
             losses = state["losses"]
             meta = {
@@ -506,7 +506,7 @@ class Engine:
                 fingerprint=fp,
                 other_files=elsewhere,
             )
-            phase("rename")
+            part("rename")
             ckpt.commit(tmp, final)
             if job.nodes is not None:
                 node_staging.publish_manifest(job, final)

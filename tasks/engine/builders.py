@@ -75,7 +75,7 @@ def check_supported(plugin_cfg: PluginConfig, phase: Phase, cuda: bool | None = 
     cuda = torch.cuda.is_available() if cuda is None else cuda
     problems = layout_problems(_phase_cfg_of(plugin_cfg), phase, cuda=cuda, tiers=("device",))
     if problems:
-        raise ConfigError(problems, header=f"stage {phase} cannot run on this machine")
+        raise ConfigError(problems, header=f"phase {phase} cannot run on this machine")
 
 
 def check_model(phase_cfg: PhaseConfig, model_config: dict[str, Any], phase: Phase) -> None:
@@ -88,7 +88,7 @@ def check_model(phase_cfg: PhaseConfig, model_config: dict[str, Any], phase: Pha
         if p
     ]
     if problems:
-        raise ConfigError(problems, header=f"stage {phase} cannot shard this model")
+        raise ConfigError(problems, header=f"phase {phase} cannot shard this model")
 
 
 # -- builders: one per registry row (tasks/core/config/plugins.py) ---------------------------------------
@@ -218,7 +218,7 @@ def plugin_kwargs(
     layout: ParallelLayout,
     cuda: bool,
     kernels: Mapping[str, KernelState],
-    phase: str = "stage",
+    phase: str = "phase",
     model_type: str | None = None,
 ) -> dict[str, Any]:
     """Every argument the plugin is built with: its builder's, its memory savers (`PluginSpec.offload`,
@@ -276,7 +276,7 @@ def build_plugin(
     layout: ParallelLayout,
     cuda: bool,
     kernels: Mapping[str, KernelState] | None = None,
-    phase: str = "stage",
+    phase: str = "phase",
     model_type: str | None = None,
 ):
     """The plugin object from `plugin_kwargs`. Needs an initialized process group."""
@@ -293,7 +293,7 @@ def build_plugin(
 def make_plugin(
     plugin_cfg: PluginConfig,
     phase_cfg: PhaseConfig,
-    phase: str = "stage",
+    phase: str = "phase",
     cuda: bool | None = None,
     kernels: Mapping[str, KernelState] | None = None,
     model_type: str | None = None,

@@ -15,7 +15,7 @@ rank 0 wrote the manifest LAST):
     rng/rank-NNNNN.json       python `random` and numpy states of every rank, as JSON
     rng/rank-NNNNN.safetensors  torch CPU generator state (and CUDA's where present) of every rank
     train_state.json          step, tokens_seen, sampler position (epoch, offset, seed), per-step
-                              losses and learning rates so far (full precision), stage
+                              losses and learning rates so far (full precision), phase
     .cpt-to-sft/fingerprint.npy  logits on the fixed probe batch (tasks.core.models.fingerprint)
     .cpt-to-sft/manifest.json    tasks.core.run.manifest.write_manifest: every file with size + sha256
 
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from tasks.core.config.phases import PHASES
+from tasks.core.config.phases import PHASES, phase_of
 from tasks.core.errors import ConversionError, ManifestError
 from tasks.core.models.families import largest_tensor
 from tasks.core.run.manifest import MANIFEST, fsync_dir, verify_artifact
@@ -145,8 +145,8 @@ def check_checkpoint(path: Path, step: int, phase: str, config_digest: str | Non
         raise ManifestError(f"{path}: manifest kind is {manifest.get('kind')!r}, not {KIND!r}")
     if meta.get("step") != step:
         raise ManifestError(f"{path}: manifest says step {meta.get('step')!r} but the directory is {path.name}")
-    if meta.get("stage") != phase:
-        raise ManifestError(f"{path}: checkpoint of stage {meta.get('stage')!r}, this job trains {phase!r}")
+    if phase_of(meta) != phase:
+        raise ManifestError(f"{path}: checkpoint of phase {phase_of(meta)!r}, this job trains {phase!r}")
     if config_digest is not None and manifest.get("config_digest") != config_digest:
         raise ManifestError(
             f"{path}: made from config digest {str(manifest.get('config_digest'))[:12]}, this job has "
@@ -310,7 +310,7 @@ def _main(argv: list[str]) -> int:
             st = read_train_state(path)
             loss = st["losses"][-1] if st.get("losses") else None
             print(
-                f"{path.name}: complete ({len(m['files'])} files), stage={m['meta'].get('stage')} "
+                f"{path.name}: complete ({len(m['files'])} files), phase={phase_of(m['meta'])} "
                 f"tokens={st.get('tokens_seen')} loss={loss}"
             )
         except (ManifestError, OSError, KeyError, json.JSONDecodeError) as exc:

@@ -78,7 +78,7 @@ class StageData:
         self.dataset = TokenDataset(job.data_dir, seq_len=cfg.seq_len)
         if self.dataset.kind != job.phase:
             raise ValueError(
-                f"{job.data_dir} holds {self.dataset.kind} data, but this is the {job.phase} stage: point data_dir at "
+                f"{job.data_dir} holds {self.dataset.kind} data, but this is the {job.phase} phase: point data_dir at "
                 f"data/{job.phase}"
             )
         self.num_items = len(self.dataset)

@@ -209,7 +209,7 @@ def _train(
                     path = store.staging / job_file(job.phase, job.verb)
                     shared.follow_train(live, job, path, logger, cancelled=cancel_requested, **follow)
             except Preempted as exc:  # inside the sink: its publisher drains before the stage says preempted
-                _preempted(store, phase, sink, exc, first_step[0] - run.started if first_step else None)
+                _preempted(store, run.name, phase, sink, exc, first_step[0] - run.started if first_step else None)
                 raise
             sink.finish(run.rel)
         failed = False
@@ -270,14 +270,17 @@ def _log(store: RunStore, phase: Phase, restart_s: float | None, add: dict | Non
     return records
 
 
-def _preempted(store: RunStore, phase: Phase, sink: CheckpointSink, exc: Preempted, restart_s: float | None) -> None:
-    """The stage stopped on a notice: publish what it committed (within the grace left), keep the record."""
+def _preempted(
+    store: RunStore, stage: str, phase: Phase, sink: CheckpointSink, exc: Preempted, restart_s: float | None
+) -> None:
+    """The stage (`stage`, training `phase`) stopped on a notice: publish what it committed (within the
+    grace left), keep the record."""
     logger = get_run_logger()
     try:
         sink.drain(timeout=max(float(exc.record.get("grace_left_s") or 0.0), 1.0))
     except Exception as err:  # the machine may go first: the newest checkpoint published stands
         logger.warning("the preempted checkpoint was not published in the grace left: %s", err)
-    rec = preemptions.record(exc.record, phase, time.time())
+    rec = preemptions.record(exc.record, stage, time.time())
     exc.record.update(rec, preemptions=_log(store, phase, restart_s, rec))
     logger.warning(preemptions.describe(rec))
 

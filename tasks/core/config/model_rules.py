@@ -7,7 +7,7 @@ The rules that read the base's shape: tp divides the attention heads, the KV hea
 and the vocabulary (ColossalAI would pad a vocabulary it does not divide and then fail to checkpoint
 its optimizer state); pp is at most the layer count. They run where config.json is known (pre-flight
 and the engine), never in the loader, and each offers the tp or pp values that divide. `x` is the
-layout's facts (`tasks.core.config.layout`): `x.stage`, `x.model` (config.json), `x.f` (the
+layout's facts (`tasks.core.config.layout`): `x.phase_cfg`, `x.model` (config.json), `x.f` (the
 stage's plugin field prefix).
 """
 

@@ -88,12 +88,12 @@ FAULT_ENV = "CPT_TO_SFT_FAULT"
 
 
 def phase_fault_env(phase: str, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The fault specs of `environ[FAULT_ENV]` that may fire in `stage`'s training launch: each one
-    naming no stage, or this one (`...@phase=S`), as the `extra` of `engine_env`; {} when none."""
+    """The fault specs of `environ[FAULT_ENV]` that may fire in `phase`'s training launch: each one
+    naming no phase, or this one (`...@phase=P`), as the `extra` of `engine_env`; {} when none."""
     keep = [
         spec
         for spec in (s.strip() for s in environ.get(FAULT_ENV, "").split(";"))
-        if spec and all(part.partition("=")[2] == phase for part in spec.split("@")[1:] if part.startswith("stage="))
+        if spec and all(part.partition("=")[2] == phase for part in spec.split("@")[1:] if part.startswith("phase="))
     ]
     return {FAULT_ENV: ";".join(keep)} if keep else {}
 

@@ -148,7 +148,7 @@ def step_rel(phase: str, step: int) -> str:
 
 @dataclass(frozen=True)
 class TrainingPhase:
-    """One training stage (cpt, sft, dpo): the config section, the model it starts from, its bridge."""
+    """One training phase (cpt, sft, dpo): the config section, the model it starts from, its bridge."""
 
     key: Phase  # the config section and the checkpoint directory
     source: str  # the HF artifact whose weights the shard verb boosts
