@@ -98,7 +98,7 @@ def _case(spec: str, a: argparse.Namespace, work: Path) -> dict:
     job = Job.model_validate(
         {
             "verb": "train",
-            "stage": "cpt",
+            "phase": "cpt",
             "phase_cfg": phase_cfg,
             "trust_remote_code": False,
             "model_dir": str(a.model),

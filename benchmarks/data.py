@@ -282,7 +282,7 @@ def train_probe(work: Path, tokdir: Path, prepared: Path, steps: int, nproc: int
     def job(verb: str, stage_dir: Path, path: Path):
         raw = {
             "verb": verb,
-            "stage": "cpt",
+            "phase": "cpt",
             "phase_cfg": run["cpt"],
             "trust_remote_code": False,
             "model_dir": str(model),

@@ -40,7 +40,7 @@ import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is no
 import torch
 
 from support.bench import print_table, workdir
-from support.engine import REPO, reference_for, stage_raw, write_job
+from support.engine import REPO, phase_raw, reference_for, write_job
 from support.tiny import tiny_model
 
 DDP = {"name": "torch_ddp", "precision": "fp32"}
@@ -59,8 +59,8 @@ def build(work: Path, pairs: int, seq_len: int, beta: float):
     # more records than pairs: a pair longer than seq_len is dropped by prepare
     lines = (REPO / "data" / "sample" / "dpo.jsonl").read_text().splitlines(keepends=True)
     src.write_text("".join(lines[: min(len(lines), 2 * pairs)]))
-    section = stage_raw("dpo", DDP, data={"uri": str(src)}, micro_batch_size=pairs, seq_len=seq_len, beta=beta)
-    common = dict(stage="dpo", phase_cfg=section, model_dir=model_dir, stage_dir=work / "dpo")
+    section = phase_raw("dpo", DDP, data={"uri": str(src)}, micro_batch_size=pairs, seq_len=seq_len, beta=beta)
+    common = dict(phase="dpo", phase_cfg=section, model_dir=model_dir, stage_dir=work / "dpo")
     job = write_job(work / "jobs" / "shard.json", verb="shard", **common)
     ref = reference_for(job, work / "reference")
     data_dir = json.loads(job.read_text())["data_dir"]

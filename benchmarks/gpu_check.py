@@ -21,7 +21,7 @@ What it runs, each step a time-boxed subprocess (its output goes to $OUT/gpu_che
                       loss finite
   same_kernels        the flow's CPT training ran the same kernels as the plain script (both decided by
                       tasks/core/config/kernels.py on this machine; the flow's from its @@kernels record)
-  flow_kill           the flow with CPT_TO_SFT_FAULT=kill@step=K@stage=sft (K = 1.5 checkpoint
+  flow_kill           the flow with CPT_TO_SFT_FAULT=kill@step=K@phase=sft (K = 1.5 checkpoint
                       intervals): CPT, unshard, evaluate_cpt and reboost complete, SFT dies after step K
   flow_resume         the retry over the same run root: nothing before SFT is relaunched, SFT resumes
                       from its last checkpoint, the run completes; redone steps' losses vs the first try

@@ -67,7 +67,7 @@ def _job(cfg, model: Path, data: Path, stage_dir: Path, verb: str) -> Job:
     """The job tasks/stages/train.py writes for the cpt stage; `data` is the prepared data/cpt of `cfg`."""
     return Job(
         verb=verb,
-        stage="cpt",
+        phase="cpt",
         phase_cfg=cfg.cpt,
         trust_remote_code=cfg.base_model.trust_remote_code,
         model_dir=model,

@@ -81,7 +81,7 @@ def _engine(layout: str, seq_len: int, model: Path, work: Path):
     job = Job.model_validate(
         {
             "verb": "train",
-            "stage": "cpt",
+            "phase": "cpt",
             "phase_cfg": phase_cfg,
             "trust_remote_code": False,
             "model_dir": str(model),

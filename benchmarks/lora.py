@@ -37,13 +37,13 @@ def _bytes(root: Path, prefix: str = "") -> int:
 
 
 def run_mode(work: Path, base: Path, lora: dict | None, steps: int, nproc: int) -> dict:
-    from support.engine import engine, stage_raw, write_job
+    from support.engine import engine, phase_raw, write_job
 
     name = "lora" if lora else "full"
     extra = {"lora": lora} if lora else {}
-    section = stage_raw("sft", LLZ2, max_steps=steps, checkpoint_every=steps, keep_last=1, micro_batch_size=2, **extra)
+    section = phase_raw("sft", LLZ2, max_steps=steps, checkpoint_every=steps, keep_last=1, micro_batch_size=2, **extra)
     section["launch"] = {"nproc_per_node": nproc}
-    common = dict(stage="sft", phase_cfg=section, model_dir=base, tokenizer_dir=base, stage_dir=work / name / "sft")
+    common = dict(phase="sft", phase_cfg=section, model_dir=base, tokenizer_dir=base, stage_dir=work / name / "sft")
     engine("shard", write_job(work / name / "shard.json", verb="shard", **common), nproc=nproc)
     run = engine("train", write_job(work / name / "train.json", verb="train", **common), nproc=nproc)
     last = run.progress[-1]

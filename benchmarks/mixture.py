@@ -126,7 +126,7 @@ def data_times(cfg, tokdir: Path, data_dir: Path, probe_steps: int) -> tuple[flo
 
     job = Job(
         verb="train",
-        stage="cpt",
+        phase="cpt",
         phase_cfg=cfg,
         trust_remote_code=False,
         model_dir=str(tokdir),

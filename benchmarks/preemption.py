@@ -195,7 +195,7 @@ def bench(args: argparse.Namespace) -> int:
 
     # term@step=K: the notice comes as step K+1 begins; one as the last step begins ends nothing (the stage ends anyway)
     at = sorted(random.Random(args.seed).sample(range(1, args.steps - 1), args.preemptions))
-    fault = ";".join(f"term@step={k}@stage=cpt" for k in at)
+    fault = ";".join(f"term@step={k}@phase=cpt" for k in at)
     final = f"cpt/step-{args.steps:06d}/model"
     want = read_model_dir(ref_root / final)
     results = []

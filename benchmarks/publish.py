@@ -55,7 +55,7 @@ log = logging.getLogger("bench")
 
 
 def _job(path: Path, run: dict, model: Path, stage_dir: Path, verb: str, remote: bool = False) -> Job:
-    write_job(path, verb=verb, stage="cpt", phase_cfg=run["cpt"], model_dir=model, stage_dir=stage_dir)
+    write_job(path, verb=verb, phase="cpt", phase_cfg=run["cpt"], model_dir=model, stage_dir=stage_dir)
     job = json.loads(path.read_text())
     job["remote_run_root"] = remote
     return parse_job(job, source=str(path))

@@ -42,7 +42,7 @@ from pathlib import Path
 import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is not installed)
 
 from support.bench import print_table, workdir
-from support.engine import REPO, stage_raw, write_job
+from support.engine import REPO, phase_raw, write_job
 from support.tiny import tiny_model
 
 # {booster}: nothing, or ColossalAI's booster and plugins imported as the engine imports them.
@@ -169,7 +169,7 @@ def main() -> None:
     work = workdir(args.workdir, "rank-start-")
     work.mkdir(parents=True, exist_ok=True)
     plugin = {"name": "hybrid_parallel", "tp_size": nproc, "precision": "fp32"}
-    section = stage_raw("cpt", plugin, max_steps=2, checkpoint_every=2, keep_last=1)
+    section = phase_raw("cpt", plugin, max_steps=2, checkpoint_every=2, keep_last=1)
     section["launch"] = {"nproc_per_node": nproc}
     bares = {
         "bare": "",
@@ -193,7 +193,7 @@ def main() -> None:
                 job = write_job(
                     work / "jobs" / f"{verb}.json",
                     verb=verb,
-                    stage="cpt",
+                    phase="cpt",
                     phase_cfg=section,
                     model_dir=model,
                     tokenizer_dir=model,

@@ -112,7 +112,7 @@ def bench(args: argparse.Namespace) -> int:
         inner = kw.get("on_progress")
 
         def on_progress(rec):
-            if job.stage == "cpt":
+            if job.phase == "cpt":
                 seen.append(int(rec["step"]))
             if inner:
                 inner(rec)
@@ -122,7 +122,7 @@ def bench(args: argparse.Namespace) -> int:
 
     tasks.stages.train.run_engine = recording
     cfg_b = config("b.yaml", "run-b", cpt=stage, sft={"max_steps": 2, "checkpoint_every": 2})
-    os.environ["CPT_TO_SFT_FAULT"] = f"kill@step={kill_at}@stage=cpt"
+    os.environ["CPT_TO_SFT_FAULT"] = f"kill@step={kill_at}@phase=cpt"
     t0 = time.perf_counter()
     try:
         run_flow(["--config", str(cfg_b), *stop])

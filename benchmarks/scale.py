@@ -327,7 +327,7 @@ def measure(work: Path, size: str, plugin_key: str, steps: int) -> dict:
     for verb in ("shard", "train"):
         job = {
             "verb": verb,
-            "stage": "cpt",
+            "phase": "cpt",
             "phase_cfg": cfg,
             "trust_remote_code": False,
             "model_dir": str(model),

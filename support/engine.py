@@ -26,25 +26,25 @@ STAGE = {
 }
 
 
-def stage_raw(stage: str, plugin: dict[str, Any], **stage_kw) -> dict[str, Any]:
+def phase_raw(phase: str, plugin: dict[str, Any], **phase_kw) -> dict[str, Any]:
     """One phase section (a PhaseConfig dict) of the sample data under `plugin`: what a job carries."""
-    data = {"uri": str(REPO / "data" / "sample" / f"{stage}.jsonl")}
-    seq = {"seq_len": 64} if stage in ("sft", "dpo") else {}  # chats and pairs are longer than 32 tokens
-    return {"data": data, "plugin": plugin, "launch": {"nproc_per_node": 2}, **STAGE, **seq, "seed": 1234, **stage_kw}
+    data = {"uri": str(REPO / "data" / "sample" / f"{phase}.jsonl")}
+    seq = {"seq_len": 64} if phase in ("sft", "dpo") else {}  # chats and pairs are longer than 32 tokens
+    return {"data": data, "plugin": plugin, "launch": {"nproc_per_node": 2}, **STAGE, **seq, "seed": 1234, **phase_kw}
 
 
-def run_raw(model_dir: Path, run_root: Path, stage: str, plugin: dict[str, Any], **stage_kw) -> dict[str, Any]:
+def run_raw(model_dir: Path, run_root: Path, phase: str, plugin: dict[str, Any], **phase_kw) -> dict[str, Any]:
     """A RunConfig dict whose `stage` section uses `plugin`; the other stage is a valid filler."""
     filler = {"name": "torch_ddp", "precision": "fp32"}
     return {
         "name": "engine-test",
         "run_root": str(run_root),
         "base_model": {"uri": str(model_dir)},
-        **{s: stage_raw(s, plugin, **stage_kw) if s == stage else stage_raw(s, filler) for s in ("cpt", "sft")},
+        **{s: phase_raw(s, plugin, **phase_kw) if s == phase else phase_raw(s, filler) for s in ("cpt", "sft")},
     }
 
 
-def prepare_spec(phase_cfg: dict[str, Any], stage: str):
+def prepare_spec(phase_cfg: dict[str, Any], phase: str):
     """The stage's PrepareSpec as prepare_data builds it (`prepare.prepare_spec`), with no held-out part:
     the engine tests train on every record."""
     from dataclasses import replace
@@ -53,18 +53,18 @@ def prepare_spec(phase_cfg: dict[str, Any], stage: str):
     from tasks.core.config.schema import DpoConfig, PhaseConfig
     from tasks.core.data.spec import prepare_spec
 
-    section = DpoConfig if PHASES[stage].record == "pair" else PhaseConfig  # a pair phase reads its own fields
-    spec = prepare_spec(section.model_validate(phase_cfg), stage)
+    section = DpoConfig if PHASES[phase].record == "pair" else PhaseConfig  # a pair phase reads its own fields
+    spec = prepare_spec(section.model_validate(phase_cfg), phase)
     return replace(spec, heldout_fraction=0.0, heldout_uri=None, heldout_sources=())
 
 
-def prepared_data(phase_cfg: dict[str, Any], stage: str, tokenizer_dir: Path, out: Path) -> Path:
+def prepared_data(phase_cfg: dict[str, Any], phase: str, tokenizer_dir: Path, out: Path) -> Path:
     """The stage's corpus tokenized as prepare_data does (`prepare_spec`); a mixture blended for the
     stage's steps, as prepare_data blends it."""
     from tasks.core.data.prepare import prepare_spec_into
 
     if not (out / "index.json").is_file():
-        prepare_spec_into(prepare_spec(phase_cfg, stage), tokenizer_dir, out)
+        prepare_spec_into(prepare_spec(phase_cfg, phase), tokenizer_dir, out)
     return out
 
 
@@ -72,7 +72,7 @@ def write_job(
     path: Path,
     *,
     verb: str,
-    stage: str,
+    phase: str,
     phase_cfg: dict[str, Any],
     model_dir: Path,
     stage_dir: Path,
@@ -85,12 +85,12 @@ def write_job(
     # keyed by the product's digest of that spec.
     from tasks.core.run.digest import digest
 
-    spec = prepare_spec(phase_cfg, stage)
-    tag = f"{stage}-{phase_cfg['seq_len']}-{Path(tokenizer_dir or model_dir).name}-{digest(spec.to_json())[:12]}"
-    data_dir = prepared_data(phase_cfg, stage, tokenizer_dir or model_dir, path.parent / f"data-{tag}")
+    spec = prepare_spec(phase_cfg, phase)
+    tag = f"{phase}-{phase_cfg['seq_len']}-{Path(tokenizer_dir or model_dir).name}-{digest(spec.to_json())[:12]}"
+    data_dir = prepared_data(phase_cfg, phase, tokenizer_dir or model_dir, path.parent / f"data-{tag}")
     job = {
         "verb": verb,
-        "stage": stage,
+        "phase": phase,
         "phase_cfg": phase_cfg,
         "trust_remote_code": False,
         "model_dir": str(model_dir),

@@ -25,16 +25,16 @@ def tiny_model(out: str | Path, tokenizer=None, **kw) -> Path:
     return build_tiny_model(out, tokenizer if tokenizer is not None else tiny_tokenizer(), **kw)
 
 
-def tiny_config_raw(model_dir: Path, run_root: Path, **stage_overrides) -> dict:
+def tiny_config_raw(model_dir: Path, run_root: Path, **phase_overrides) -> dict:
     """tiny-cpu.yaml pointed at a test model and run root, with fewer steps for speed."""
     import yaml
 
     raw = yaml.safe_load((REPO / "examples" / "tiny-cpu.yaml").read_text())
     raw["base_model"]["uri"] = str(model_dir)
     raw["run_root"] = str(run_root)
-    for stage in ("cpt", "sft"):
-        raw[stage].update(max_steps=8, checkpoint_every=4)
-        raw[stage].update(stage_overrides.get(stage, {}))
+    for phase in ("cpt", "sft"):
+        raw[phase].update(max_steps=8, checkpoint_every=4)
+        raw[phase].update(phase_overrides.get(phase, {}))
     # 8 SFT steps of the random demo model learn to end a reply with <|im_end|> (the gate's
     # generation check) in padded's random order of the chats, not always in grouped's; the
     # engine tests and `make demo` (30 steps) train grouped, the default.

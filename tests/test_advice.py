@@ -123,10 +123,10 @@ def test_every_layout_rule_has_a_case():
     assert {rule.__name__ for _, rule in RULES} == set(CASES) | set(IN_WORDS)
 
 
-def _refusals(case: Case, stage: str, rule: str) -> list[Refusal]:
+def _refusals(case: Case, phase: str, rule: str) -> list[Refusal]:
     cfg = load_for_check(write_config(case.tmp / "config.yaml", case.raw))
     model = json.loads((case.model / "config.json").read_text())
-    return [p for p in layout_problems(cfg.phase(stage), stage, model_config=model, cuda=False) if p.rule == rule]
+    return [p for p in layout_problems(cfg.phase(phase), phase, model_config=model, cuda=False) if p.rule == rule]
 
 
 @pytest.mark.parametrize("rule", list(CASES))

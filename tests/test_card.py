@@ -110,8 +110,8 @@ def test_the_card_gives_the_largest_peak_memory_of_any_rank(tmp_path):
     run = tmp_path / "run"
     manifest = fake_export(run)
     cfg = config(run)
-    for stage, peaks, ranks in (("cpt", [3 * 2**30, 5 * 2**30, 4 * 2**30], [0, 1, 1]), ("sft", [2**30], [0])):
-        ckpt = run / stage / f"step-{cfg.phase(stage).max_steps:06d}"
+    for phase, peaks, ranks in (("cpt", [3 * 2**30, 5 * 2**30, 4 * 2**30], [0, 1, 1]), ("sft", [2**30], [0])):
+        ckpt = run / phase / f"step-{cfg.phase(phase).max_steps:06d}"
         ckpt.mkdir(parents=True)
         (ckpt / "train_state.json").write_text(
             json.dumps({"losses": [2.0], "step_metrics": {"peak_mem_bytes": peaks, "peak_mem_rank": ranks}})

@@ -194,18 +194,18 @@ def test_torchrun_argv_single_and_multi_node():
 
 
 def test_a_fault_spec_reaches_only_the_launch_of_its_stage():
-    from tasks.core.launch.torchrun import FAULT_ENV, engine_env, stage_fault_env
+    from tasks.core.launch.torchrun import FAULT_ENV, engine_env, phase_fault_env
 
-    task_env = {"PATH": "/bin", FAULT_ENV: "kill@step=5@stage=sft; fail@save=2:model"}
+    task_env = {"PATH": "/bin", FAULT_ENV: "kill@step=5@phase=sft; fail@save=2:model"}
     # Inherited by no launch: boost_and_shard, reboost and train CPT build theirs from the task's environment.
     assert FAULT_ENV not in engine_env(environ=task_env) and engine_env(environ=task_env)["PATH"] == "/bin"
-    assert engine_env(stage_fault_env("cpt", task_env), environ=task_env)[FAULT_ENV] == "fail@save=2:model"
+    assert engine_env(phase_fault_env("cpt", task_env), environ=task_env)[FAULT_ENV] == "fail@save=2:model"
     # Train SFT's launch gets both: the spec naming it and the one naming no stage.
     assert (
-        engine_env(stage_fault_env("sft", task_env), environ=task_env)[FAULT_ENV]
-        == "kill@step=5@stage=sft;fail@save=2:model"
+        engine_env(phase_fault_env("sft", task_env), environ=task_env)[FAULT_ENV]
+        == "kill@step=5@phase=sft;fail@save=2:model"
     )
-    assert stage_fault_env("cpt", {FAULT_ENV: "kill@stage=sft"}) == {} and stage_fault_env("sft", {}) == {}
+    assert phase_fault_env("cpt", {FAULT_ENV: "kill@phase=sft"}) == {} and phase_fault_env("sft", {}) == {}
 
 
 def _imports(path: Path) -> set[str]:

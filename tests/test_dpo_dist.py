@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.engine import REPO, engine, read_model_dir, reference_for, shard_train, stage_raw, train_state, write_job
+from support.engine import REPO, engine, phase_raw, read_model_dir, reference_for, shard_train, train_state, write_job
 
 pytestmark = pytest.mark.distributed
 
@@ -47,11 +47,11 @@ def _jobs(work: Path, name: str, plugin: dict, model: Path, stage_dir: Path, **k
     if not src.is_file():
         src.write_text("".join((REPO / "data" / "sample" / "dpo.jsonl").read_text().splitlines(keepends=True)[:8]))
     # 8 pairs, 2 a step (tp=2: 2 on its one replica; ZeRO-2: 1 on each of 2): every pair seen at steps 1-4
-    section = stage_raw(
+    section = phase_raw(
         "dpo", plugin, data={"uri": str(src)}, seq_len=96, lr=1e-2, beta=0.5, checkpoint_every=3, keep_last=3, **kw
     )
     section["micro_batch_size"] = 2 if plugin["name"] == "hybrid_parallel" else 1
-    common = dict(stage="dpo", phase_cfg=section, model_dir=model, stage_dir=stage_dir)
+    common = dict(phase="dpo", phase_cfg=section, model_dir=model, stage_dir=stage_dir)
     shard = write_job(work / "jobs" / f"{name}-shard.json", verb="shard", **common)
     ref = reference_for(shard, work / "reference")
     return shard, write_job(work / "jobs" / f"{name}-train.json", verb="train", reference_dir=ref, **common)
@@ -93,7 +93,7 @@ def _trained(run, stage_dir: Path) -> list[float]:
     assert [p["step"] for p in prog] == list(range(1, STEPS + 1)), run.output[-3000:]
     losses = [p["loss"] for p in prog]
     state = train_state(stage_dir / f"step-{STEPS:06d}")
-    assert state["losses"] == losses and state["stage"] == "dpo"
+    assert state["losses"] == losses and state["phase"] == "dpo"
     # the per-step preference figures beside the losses, as the progress records carried them
     assert {k: [p[k] for p in prog] for k in ("accuracy", "margin", "chosen_logp")} == state["preference"]
     return losses
@@ -159,6 +159,6 @@ def test_a_notice_commits_the_step_in_flight_and_the_resume_is_bitwise(name, ste
     it, commit it and exit preempted, losing no step; the resume from it ends on the uninterrupted run."""
     run = {"tp2": tp2, "llz": llz}[name]
     rec = _preempted(run["preempted"], step)
-    assert (rec["stage"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"]) == ("dpo", step, step, 0)
+    assert (rec["phase"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"]) == ("dpo", step, step, 0)
     assert f"resuming dpo from step-{step:06d}" in run["resumed"].output
     _same_end(run["dir"], run["twin"])

@@ -77,7 +77,7 @@ def test_cpt_sft_dpo_the_gate_fails_on_a_dpo_limit_and_nothing_is_pushed(
     from tasks.core.run.manifest import read_manifest, verify_artifact
 
     monkeypatch.setenv("HF_TOKEN", hub_env.token)
-    monkeypatch.setenv("CPT_TO_SFT_FAULT", "term@step=2@stage=dpo@rank=1")  # a notice to one rank after step 2
+    monkeypatch.setenv("CPT_TO_SFT_FAULT", "term@step=2@phase=dpo@rank=1")  # a notice to one rank after step 2
     copy = demo_run.copy_to(tmp_path / "dpo")
     root, raw = copy.run_root, {**copy.raw, "dpo": DPO}
     raw["benchmark"] = {"tasks": []}  # the benchmark's own flow test scores the export; here it is not configured

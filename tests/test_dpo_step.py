@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from support.engine import REPO, reference_for, stage_raw, write_job
+from support.engine import REPO, phase_raw, reference_for, write_job
 from tasks.core.errors import ConfigError
 from tasks.core.run.job import load_job, parse_job
 
@@ -32,8 +32,8 @@ def pairs(tmp_path_factory, tiny_model_dir):
     work = tmp_path_factory.mktemp("dpo-step")
     src = work / "pairs.jsonl"  # the sample's first 12 records: every layout the reader takes
     src.write_text("".join((REPO / "data" / "sample" / "dpo.jsonl").read_text().splitlines(keepends=True)[:12]))
-    section = stage_raw("dpo", DDP, data={"uri": str(src)}, micro_batch_size=2, beta=0.5, label_smoothing=0.1)
-    common = dict(stage="dpo", phase_cfg=section, model_dir=tiny_model_dir, stage_dir=work / "dpo")
+    section = phase_raw("dpo", DDP, data={"uri": str(src)}, micro_batch_size=2, beta=0.5, label_smoothing=0.1)
+    common = dict(phase="dpo", phase_cfg=section, model_dir=tiny_model_dir, stage_dir=work / "dpo")
     shard = write_job(work / "jobs" / "shard.json", verb="shard", **common)
     ref = reference_for(shard, work / "reference")
     train = write_job(work / "jobs" / "train.json", verb="train", reference_dir=ref, **common)
@@ -255,8 +255,8 @@ def test_a_mixture_of_pair_sources_is_blended_in_pairs_walked_whole_and_names_a_
     a.write_text("".join(lines[:12]))
     b.write_text("".join(lines[12:16]))  # the smaller source, repeated to meet its weight
     mix = [{"name": "a", "uri": str(a), "weight": 0.5}, {"name": "b", "uri": str(b), "weight": 0.5}]
-    section = stage_raw("dpo", DDP, data={"sources": mix}, seq_len=128, max_steps=4)  # 4 steps x 2 pairs x dp 2
-    common = dict(stage="dpo", phase_cfg=section, model_dir=tiny_model_dir, stage_dir=tmp_path / "dpo")
+    section = phase_raw("dpo", DDP, data={"sources": mix}, seq_len=128, max_steps=4)  # 4 steps x 2 pairs x dp 2
+    common = dict(phase="dpo", phase_cfg=section, model_dir=tiny_model_dir, stage_dir=tmp_path / "dpo")
     shard = write_job(tmp_path / "jobs" / "shard.json", verb="shard", **common)
     ref = reference_for(shard, tmp_path / "reference")
     job = load_job(write_job(tmp_path / "jobs" / "train.json", verb="train", reference_dir=ref, **common))
@@ -289,5 +289,5 @@ def test_a_mixture_of_pair_sources_is_blended_in_pairs_walked_whole_and_names_a_
     bad.write_text(lines[0] + json.dumps({"prompt": "Hi", "chosen": "Same.", "rejected": "Same."}) + "\n")
     mix[1]["uri"] = str(bad)
     with pytest.raises(ValueError) as exc:  # BadRecordError: prepare_data's refusal of a bad record
-        prepared_data(stage_raw("dpo", DDP, data={"sources": mix}, seq_len=128), "dpo", tiny_model_dir, tmp_path / "p")
+        prepared_data(phase_raw("dpo", DDP, data={"sources": mix}, seq_len=128), "dpo", tiny_model_dir, tmp_path / "p")
     assert f"{bad}:2" in str(exc.value) and "hold the same reply" in str(exc.value), str(exc.value)

@@ -135,7 +135,7 @@ def test_cpt_killed_under_tp2_on_2_ranks_continues_through_the_flow_under_ddp_on
     table = _stage_tables(monkeypatch)
 
     # Under the layout that wrote it: killed after step 6 (rank 1 SIGKILLed), step 4 still the newest.
-    monkeypatch.setenv("CPT_TO_SFT_FAULT", "kill@step=6@stage=cpt")
+    monkeypatch.setenv("CPT_TO_SFT_FAULT", "kill@step=6@phase=cpt")
     rc, summary, _ = _run(copy.config, "train_cpt")
     assert rc == 1 and _row(summary, "train_cpt")["status"] == "failed", _row(summary, "train_cpt")
     assert sorted(p.name for p in cpt.glob("step-*")) == ["step-000000", "step-000004"]
@@ -224,25 +224,28 @@ def test_cpt_preempted_by_sigterm_retries_by_itself_and_ends_bitwise_on_the_unin
     config = write_config(copy.config.parent / "spot.yaml", raw)
     table = _stage_tables(monkeypatch)
     # and a second notice, to rank 0, in the middle of that step's checkpoint save: the save finishes whole
-    monkeypatch.setenv("CPT_TO_SFT_FAULT", "term@step=5@stage=cpt@rank=1;term@save=6:optimizer@stage=cpt@rank=0")
+    monkeypatch.setenv("CPT_TO_SFT_FAULT", "term@step=5@phase=cpt@rank=1;term@save=6:optimizer@phase=cpt@rank=0")
     rc, summary, console = _run(config, "train_cpt")
     assert rc == 0, console[-4000:]
     assert _row(summary, "train_cpt")["status"] == "completed", _row(summary, "train_cpt")
 
     (rec,) = summary["preemptions"]
-    assert (rec["stage"], rec["source"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"]) == (
+    assert (rec["stage"], rec["phase"], rec["source"], rec["noticed_step"], rec["checkpoint_step"]) == (
+        "train_cpt",
         "cpt",
         "sigterm",
         6,
         6,
-        0,
-    ), rec  # the notice came as step 6 began (term@step=5): step 6 finished and was committed
+    ), rec
+    assert rec["steps_lost"] == 0, (
+        rec
+    )  # the notice came as step 6 began (term@step=5): step 6 finished and was committed
     assert 0 <= rec["notice_to_commit_s"] < 20 and rec["restart_to_first_step_s"] > 0, rec
     assert rec["at"].endswith("Z") and _row(summary, "train_cpt")["detail"]["preemptions"] == [rec]
     assert json.loads((cpt / "preemptions.json").read_text()) == [rec]
     assert "retrying the run in 0 s" in console and "cpt preempted " in console, console[-4000:]
     fired = sorted(f.read_text().strip() for f in (cpt / ".faults").iterdir())  # each spec marks itself as it fires
-    assert fired == ["term@save=6:optimizer@stage=cpt@rank=0", "term@step=5@stage=cpt@rank=1"], fired
+    assert fired == ["term@save=6:optimizer@phase=cpt@rank=0", "term@step=5@phase=cpt@rank=1"], fired
     assert not [p.name for p in cpt.iterdir() if p.name.startswith(".step-")], "a torn checkpoint was left"
     (row,) = [r for r in table[-1] if r["stage"] == "train_cpt"]
     assert "preempted 1x, steps lost 0" in row["note"], row
@@ -288,7 +291,7 @@ def test_sft_cancelled_from_prefect_ends_cancelled_and_a_shutdown_keeps_the_step
     config = write_config(copy.config.parent / "shutdown.yaml", raw)
 
     # 1. the cancel, once every rank holds after step 5 (its mark is written as the hold begins)
-    hold = "hold@step=5@stage=sft"
+    hold = "hold@step=5@phase=sft"
     (held,) = parse(hold)
     mark = sft / ".faults" / hashlib.sha256(held.spec.encode()).hexdigest()[:16]
     said: list = []
@@ -322,13 +325,13 @@ def test_sft_cancelled_from_prefect_ends_cancelled_and_a_shutdown_keeps_the_step
     assert sorted(p.name for p in sft.iterdir() if "step-" in p.name) == ["step-000000", "step-000004"]
 
     # 2. the shutdown, from step 4 again
-    monkeypatch.setenv("CPT_TO_SFT_FAULT", "shutdown@step=5@stage=sft")
+    monkeypatch.setenv("CPT_TO_SFT_FAULT", "shutdown@step=5@phase=sft")
     rc, summary, console = _run(config, "train_sft")
     assert rc == 0, console[-4000:]
     assert _row(summary, "train_sft")["status"] == "completed", _row(summary, "train_sft")
     (rec,) = summary["preemptions"]
-    got = (rec["stage"], rec["source"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"])
-    assert got == ("sft", "sigterm", 6, 6, 0), rec  # step 6, in flight when the SIGTERM came, was kept
+    got = (rec["stage"], rec["phase"], rec["source"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"])
+    assert got == ("train_sft", "sft", "sigterm", 6, 6, 0), rec  # step 6, in flight when the SIGTERM came, was kept
     assert rec["grace_s"] == 30.0 and "retrying the run in 0 s" in console, console[-4000:]
     assert not [p.name for p in sft.iterdir() if p.name.startswith(".step-")], "a torn checkpoint was left"
     got, want = read_model_dir(sft / "step-000008" / "model"), read_model_dir(ref_dir / "model")
@@ -369,7 +372,7 @@ def test_cpt_preempted_on_2_ranks_is_retried_by_the_flow_on_1_at_the_kept_global
         return real(cfg, exc)
 
     monkeypatch.setattr(runner, "preemption_policy", one_rank_comes_back)
-    monkeypatch.setenv("CPT_TO_SFT_FAULT", "term@step=2@stage=cpt@rank=1")
+    monkeypatch.setenv("CPT_TO_SFT_FAULT", "term@step=2@phase=cpt@rank=1")
     table = _stage_tables(monkeypatch)
     rc, summary, console = _run(config, "train_cpt", sets=("cpt.elastic.retry_wait_s=0",))
     assert rc == 0, console[-4000:]
@@ -383,13 +386,14 @@ def test_cpt_preempted_on_2_ranks_is_retried_by_the_flow_on_1_at_the_kept_global
     assert kept in console, console[-4000:]
 
     (rec,) = summary["preemptions"]
-    assert (rec["stage"], rec["source"], rec["noticed_step"], rec["checkpoint_step"], rec["steps_lost"]) == (
+    assert (rec["stage"], rec["phase"], rec["source"], rec["noticed_step"], rec["checkpoint_step"]) == (
+        "train_cpt",
         "cpt",
         "sigterm",
         3,
         3,
-        0,
     ), rec
+    assert rec["steps_lost"] == 0, rec
     assert 0 <= rec["notice_to_commit_s"] < 20 and rec["restart_to_first_step_s"] > 0, rec
     assert json.loads((cpt / "preemptions.json").read_text()) == [rec]
     (row,) = [r for r in table[-1] if r["stage"] == "train_cpt"]

@@ -48,7 +48,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.engine import engine, read_model_dir, shard_train, stage_raw, train_state, write_job
+from support.engine import engine, phase_raw, read_model_dir, shard_train, train_state, write_job
 from tasks.core.models.fingerprint import FINGERPRINT_FILE, hf_dir_logits, load_fingerprint, max_abs_diff
 from tasks.core.run.manifest import MANIFEST, verify_artifact
 
@@ -103,17 +103,17 @@ def work(tmp_path_factory) -> Path:
 def _jobs(
     work: Path,
     name: str,
-    stage: str,
+    phase: str,
     plugin: dict,
     model_dir: Path,
     tokenizer_dir: Path,
     stage_dir: Path,
     verify_memory_gb: float | None = None,
-    **stage_kw,
+    **phase_kw,
 ):
-    section = stage_raw(stage, plugin, **stage_kw)
+    section = phase_raw(phase, plugin, **phase_kw)
     common = dict(
-        stage=stage,
+        phase=phase,
         phase_cfg=section,
         model_dir=model_dir,
         tokenizer_dir=tokenizer_dir,
@@ -351,26 +351,26 @@ def wide(work, tiny_model_dir):
 # ------------------------------------------------------------------------------------------------
 
 
-def _assert_trains(stage_dir: Path, run, stage: str, max_steps: int = 6):
+def _assert_trains(stage_dir: Path, run, phase: str, max_steps: int = 6):
     prog = run.progress
     assert [p["step"] for p in prog] == list(range(1, max_steps + 1)), run.output[-3000:]
-    assert all(p["stage"] == stage and p["total"] == max_steps for p in prog)
+    assert all(p["phase"] == phase and p["total"] == max_steps for p in prog)
     losses = [p["loss"] for p in prog]
     assert all(math.isfinite(x) for x in losses)
     tail = losses[-2:] if len(losses) > 2 else losses[-1:]
     assert sum(tail) / len(tail) < losses[0], f"loss did not go down: {losses}"
     assert prog[-1]["tokens"] > prog[0]["tokens"] > 0
     state = train_state(stage_dir / f"step-{max_steps:06d}")
-    assert state["losses"] == losses and state["step"] == max_steps and state["stage"] == stage
+    assert state["losses"] == losses and state["step"] == max_steps and state["phase"] == phase
     assert state["tokens_seen"] == prog[-1]["tokens"]
     return losses
 
 
-def _assert_checkpoint(path: Path, stage: str, step: int, plugin: str, vocab: int = 512):
+def _assert_checkpoint(path: Path, phase: str, step: int, plugin: str, vocab: int = 512):
     m = verify_artifact(path)
     assert m["kind"] == "colossalai-checkpoint"
     meta = m["meta"]
-    assert (meta["stage"], meta["step"], meta["plugin"]["name"], meta["world_size"]) == (stage, step, plugin, 2)
+    assert (meta["phase"], meta["step"], meta["plugin"]["name"], meta["world_size"]) == (phase, step, plugin, 2)
     assert m["parent"] == {"uri": m["parent"]["uri"], "digest": "parent-digest"} and m["config_digest"] == "0" * 64
     files = set(m["files"])
     for rel in (
@@ -684,10 +684,10 @@ def test_a_kill_in_every_save_phase_never_loads_a_torn_checkpoint(tmp_path, tiny
     loss is finite. (Every phase once, where ten random draws from the eight could miss some.)"""
     import random
 
-    from tasks.engine.faults import SAVE_PHASES
+    from tasks.engine.faults import SAVE_PARTS
 
     seed = 20261129
-    phases = list(SAVE_PHASES)
+    phases = list(SAVE_PARTS)
     random.Random(seed).shuffle(phases)
     last = len(phases) + 1
     # Its own tmp_path, no module fixture: pytest-xdist may run it on another worker than the
@@ -741,7 +741,7 @@ def test_tp2_construction_peak_is_the_rank_share_not_the_whole_model(wide):
     assert [p.name for p in wide["model_dir"].glob("*.safetensors")] == ["model.safetensors"]
     assert "read 57 tensors of" in wide["shard"].output and "(1 file(s), the largest 16.0 MiB)" in wide["shard"].output
     config = json.loads((wide["model_dir"] / "config.json").read_text())
-    est = estimate(config, PhaseConfig.model_validate(wide["section"]), stage="cpt")
+    est = estimate(config, PhaseConfig.model_validate(wide["section"]), phase="cpt")
     whole = est.parameters * 4
     assert est.construction < 0.6 * whole, "the model is too narrow for the estimate to predict a margin"
     peaks = {int(r): int(b) for r, b in CONSTRUCTION.findall(wide["shard"].output)}

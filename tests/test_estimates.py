@@ -38,8 +38,8 @@ def _sft(lora: dict | None, gpu_gb: float) -> PhaseConfig:
 
 
 def test_lora_counts_gradients_and_optimizer_state_of_the_adapter_only():
-    full = estimate(SMOL, _sft(None, 4.0), stage="sft", cuda=True)
-    lora = estimate(SMOL, _sft({"r": 8}, 4.0), stage="sft", cuda=True)
+    full = estimate(SMOL, _sft(None, 4.0), phase="sft", cuda=True)
+    lora = estimate(SMOL, _sft({"r": 8}, 4.0), phase="sft", cuda=True)
     assert 134e6 < full.parameters < 135e6 and lora.parameters == full.parameters
     # A 4 GB GPU: full fine-tuning (fp32 master, gradient shard and moments of every parameter:
     # 4.69 GB with the CUDA reserve) is refused; LoRA's adapter (r 8 on every attention and MLP

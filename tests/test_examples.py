@@ -137,16 +137,16 @@ def test_example_passes_preflight(path, tiny_model_dir, tmp_path, monkeypatch):
         monkeypatch.setattr(model_info, "_read_hub", _hub)
     mentions_s3 = bool(re.search(r"\bs3://", yaml.safe_dump({k: raw[k] for k in ("cpt", "sft")})))
     assert mentions_s3 == ("s3" in want), f"{path.name}: `# needs: s3` exactly when its data is on S3"
-    for stage in ("cpt", "sft"):
-        raw[stage]["data"] = _local_data(raw[stage]["data"])
-        heldout = (raw[stage].get("eval") or {}).get("heldout_uri", "")
+    for phase in ("cpt", "sft"):
+        raw[phase]["data"] = _local_data(raw[phase]["data"])
+        heldout = (raw[phase].get("eval") or {}).get("heldout_uri", "")
         if heldout.startswith("s3://"):  # a held-out file of its own: records the training data lacks
-            kind = "text_field" if stage == "cpt" else "messages_field"
+            kind = "text_field" if phase == "cpt" else "messages_field"
             lines = (REPO / SAMPLES[kind]).read_text().splitlines()
             (tmp_path / "heldout.jsonl").write_text("\n".join(lines[-20:]) + "\n")
             (tmp_path / "train.jsonl").write_text("\n".join(lines[:-20]) + "\n")
-            raw[stage]["data"]["uri"] = str(tmp_path / "train.jsonl")
-            raw[stage]["eval"]["heldout_uri"] = str(tmp_path / "heldout.jsonl")
+            raw[phase]["data"]["uri"] = str(tmp_path / "train.jsonl")
+            raw[phase]["eval"]["heldout_uri"] = str(tmp_path / "heldout.jsonl")
     if "slurm" in want:
         monkeypatch.setitem(PREFLIGHTS, "slurm", _cluster_answers)
     raw["run_root"] = str(tmp_path / "run")

@@ -90,7 +90,7 @@ def test_duplicated_key_in_a_job_file_is_refused(tmp_path):
     from tasks.core.run.job import load_job
 
     path = tmp_path / "job.json"
-    path.write_text('{"verb": "train", "stage": "cpt", "verb": "shard"}')
+    path.write_text('{"verb": "train", "phase": "cpt", "verb": "shard"}')
     with pytest.raises(ConfigError) as info:
         load_job(path)
     assert [f for f, _ in info.value.problems] == ["verb"] and str(path) in str(info.value)
@@ -135,8 +135,8 @@ def test_fp16_without_dynamic_loss_scaling_is_refused(monkeypatch):
     monkeypatch.setitem(
         PLUGINS, "unscaled", PluginSpec(name="unscaled", summary="fp16 without a loss scaler", loss_scale="none")
     )
-    stage = PhaseConfig.model_construct(plugin=PluginConfig(name="unscaled", precision="fp16"))
-    problems = layout_problems(stage, "cpt", cuda=True)
+    phase_cfg = PhaseConfig.model_construct(plugin=PluginConfig(name="unscaled", precision="fp16"))
+    problems = layout_problems(phase_cfg, "cpt", cuda=True)
     assert [f for f, _ in problems] == ["cpt.plugin.precision"] and "dynamic loss scaling" in problems[0][1]
     assert (
         layout_problems(
@@ -174,9 +174,9 @@ def test_every_fp16_plugin_is_built_with_the_dynamic_loss_scale(tmp_path):
     try:
         for name, attr in where.items():
             p = PluginConfig(name=name, precision="fp16", zero_stage=2 if name == "low_level_zero" else 0)
-            stage = PhaseConfig.model_construct(plugin=p, grad_accum_steps=1)
+            phase_cfg = PhaseConfig.model_construct(plugin=p, grad_accum_steps=1)
             layout = ParallelLayout(name, 1, 1, 1, 1, PLUGINS[name].zero_stage(p.zero_stage), "fp16", 1)
-            built = build_plugin(p, stage, layout, True)
+            built = build_plugin(p, phase_cfg, layout, True)
             got = getattr(built, attr)
             assert {k: got[k] for k in want} == want, (name, got)
     finally:
@@ -303,18 +303,18 @@ class _Records(logging.Handler):
 def test_a_failing_rank_gives_the_stage_its_cause(tmp_path, tiny_model_dir, monkeypatch):
     """Real torchrun, 2 ranks: the job names a model directory without config.json, so every rank
     refuses before any process group exists; StageFailed's first line is the first error line."""
-    from support.engine import stage_raw, write_job
+    from support.engine import phase_raw, write_job
     from tasks.core.config.schema import LaunchConfig
     from tasks.core.run.job import parse_job
 
     monkeypatch.setattr(subprocess, "Popen", _REAL_POPEN)  # this test launches
     empty = tmp_path / "no-model"
     empty.mkdir()
-    section = stage_raw("cpt", {"name": "torch_ddp", "precision": "fp32"})
+    section = phase_raw("cpt", {"name": "torch_ddp", "precision": "fp32"})
     job_path = write_job(
         tmp_path / "job.json",
         verb="train",
-        stage="cpt",
+        phase="cpt",
         phase_cfg=section,
         model_dir=empty,
         stage_dir=tmp_path / "cpt",
@@ -520,7 +520,7 @@ def test_pickle_weights_are_converted_once_in_the_load_stage(
             write_job(
                 tmp_path / "job.json",
                 verb="shard",
-                stage="cpt",
+                phase="cpt",
                 phase_cfg=run["cpt"],
                 model_dir=base,
                 stage_dir=tmp_path / "cpt",

@@ -445,9 +445,11 @@ def test_the_engine_builds_a_policy_rows_family_with_what_its_policy_needs():
     from tests.test_memory_estimate import stage
 
     def kwargs(plugin: dict, model_type: str) -> dict:
-        st = stage(plugin, nproc=2)
-        layout = ParallelLayout.of(st, "cpt", cuda=False, tiers=("static",))
-        return plugin_kwargs(st.plugin, st, layout, False, resolve(st, "cpt", Facts(cuda=False)), "cpt", model_type)
+        phase_cfg = stage(plugin, nproc=2)
+        layout = ParallelLayout.of(phase_cfg, "cpt", cuda=False, tiers=("static",))
+        return plugin_kwargs(
+            phase_cfg.plugin, phase_cfg, layout, False, resolve(phase_cfg, "cpt", Facts(cuda=False)), "cpt", model_type
+        )
 
     hp = {"name": "hybrid_parallel", "tp_size": 2}
     for model_type in ("cohere", "gpt2"):

@@ -62,7 +62,7 @@ class Launches:
 
     def __call__(self, verb, job, *args, **kwargs):
         progress = self.real(verb, job, *args, **kwargs)
-        self.calls.append({"verb": verb, "stage": job.stage, "steps": [int(p["step"]) for p in progress]})
+        self.calls.append({"verb": verb, "phase": job.phase, "steps": [int(p["step"]) for p in progress]})
         return progress
 
 
@@ -91,7 +91,7 @@ def scenario(prefect_harness, eos_doc_end_model, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     runs = []
     try:
-        for fault in ("kill@step=5@stage=sft", "", ""):
+        for fault in ("kill@step=5@phase=sft", "", ""):
             launches = Launches(
                 tasks.stages.train.run_engine.__wrapped__
                 if hasattr(tasks.stages.train.run_engine, "__wrapped__")
@@ -247,7 +247,7 @@ def test_failed_sft_run_is_recorded_with_its_cause(scenario):
     # The cause is rank 1's own last words (at error level), not "exited with status 1":
     # in run.json's stage row, the failed-stage event and the CLI's last line.
     cause = (
-        "rank 1: injected fault 'kill@step=5@stage=sft' (CPT_TO_SFT_FAULT): rank 1 SIGKILLs itself after step "
+        "rank 1: injected fault 'kill@step=5@phase=sft' (CPT_TO_SFT_FAULT): rank 1 SIGKILLs itself after step "
         "5 of stage sft"
     )
     row = next(s for s in first["summary"]["stages"] if s["stage"] == "train_sft")
@@ -285,7 +285,7 @@ def test_retry_skips_done_stages_and_resumes_sft(scenario):
     assert st["train_sft"] == "completed" and st["export"] == "completed" and st["evaluate_sft"] == "completed"
     assert st["gate"] == "passed" and retry["summary"]["gate"]["passed"] is True
     # Only SFT training was launched, and it continued after the step-4 checkpoint.
-    assert [(c["verb"], c["stage"]) for c in retry["launches"]] == [("train", "sft")]
+    assert [(c["verb"], c["phase"]) for c in retry["launches"]] == [("train", "sft")]
     assert retry["launches"][0]["steps"] == [5, 6, 7, 8]
 
 
@@ -690,23 +690,23 @@ def test_the_console_reads_like_a_training_log_and_the_artifacts_keep_every_step
     assert demo_run.rc == 0 and 20 < len(lines) <= 80, "\n".join(lines)
     text = demo_run.console
     assert "progress {" not in text and "gemm_4bit_forward" not in text and "[rank 1]" not in text, text
-    for stage in ("cpt", "sft"):
+    for phase in ("cpt", "sft"):
         steps = [
             int(m.group(1))
             for m in re.finditer(
-                rf"{stage}  step (\d+)/8 \| loss \d+\.\d{{3}} \| lr \S+ \| \S+ tok/s \| pad \d+% \| mem \d+\.\d GiB",
+                rf"{phase}  step (\d+)/8 \| loss \d+\.\d{{3}} \| lr \S+ \| \S+ tok/s \| pad \d+% \| mem \d+\.\d GiB",
                 text,
             )
         ]
-        assert steps == [5, 8], (stage, text)
-        assert re.search(rf"{stage}  start \| 8 steps \| .* \| a line every 5 steps", text)
+        assert steps == [5, 8], (phase, text)
+        assert re.search(rf"{phase}  start \| 8 steps \| .* \| a line every 5 steps", text)
         assert re.search(
-            rf"{stage}  done  \| step 8/8 in \S+ \| loss \d+\.\d{{3}} → \d+\.\d{{3}} \| median \S+ tok/s at seq_len \d+ \| pad \d+% "
+            rf"{phase}  done  \| step 8/8 in \S+ \| loss \d+\.\d{{3}} → \d+\.\d{{3}} \| median \S+ tok/s at seq_len \d+ \| pad \d+% "
             r"\| peak mem \d+\.\d GiB \(rank [01]\)",
             text,
         )
-        state = json.loads((demo_run.run_root / f"{stage}/step-000008/train_state.json").read_text())
-        scalars = read_scalars(demo_run.run_root / stage / "tensorboard")
+        state = json.loads((demo_run.run_root / f"{phase}/step-000008/train_state.json").read_text())
+        scalars = read_scalars(demo_run.run_root / phase / "tensorboard")
         assert len(state["losses"]) == 8 and [s for s, _ in scalars["train/loss"]] == list(range(1, 9))
         assert [s for s, _ in scalars["perf/peak_mem_rank"]] == list(range(1, 9)) and {
             v for _, v in scalars["perf/peak_mem_rank"]

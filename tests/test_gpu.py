@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from support.engine import engine, prepared_data, read_model_dir, stage_raw, train_state, write_job
+from support.engine import engine, phase_raw, prepared_data, read_model_dir, train_state, write_job
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(3600)]  # the first launch may JIT-build kernels
 
@@ -144,8 +144,8 @@ def dropout_model_dir(work) -> Path:
 def gemini_runs(work, dropout_model_dir):
     """A: shard + 6 steps; B: the same from a copy of step 0, killed after step 4 and resumed."""
     env = _det_env(work)
-    section = stage_raw("sft", GEMINI, **ONE_RANK)
-    common = dict(stage="sft", phase_cfg=section, model_dir=dropout_model_dir)
+    section = phase_raw("sft", GEMINI, **ONE_RANK)
+    common = dict(phase="sft", phase_cfg=section, model_dir=dropout_model_dir)
     a_dir, b_dir = work / "a" / "sft", work / "b" / "sft"
     shard_a = write_job(work / "jobs" / "a-shard.json", verb="shard", stage_dir=a_dir, **common)
     train_a = write_job(work / "jobs" / "a-train.json", verb="train", stage_dir=a_dir, **common)
@@ -155,7 +155,7 @@ def gemini_runs(work, dropout_model_dir):
     shutil.copytree(a_dir / "step-000000", b_dir / "step-000000")
     a = engine("train", train_a, nproc=1, env=env)
     killed = engine(
-        "train", train_b, nproc=1, env={**env, "CPT_TO_SFT_FAULT": "kill@step=4@stage=sft"}, expect_ok=False
+        "train", train_b, nproc=1, env={**env, "CPT_TO_SFT_FAULT": "kill@step=4@phase=sft"}, expect_ok=False
     )
     resumed = engine("train", train_b, nproc=1, env=env)
     return {"a": a_dir, "b": b_dir, "shard": shard, "train_a": a, "killed": killed, "resumed": resumed}
@@ -309,7 +309,7 @@ def test_a_stage_runs_with_the_kernels_on_and_its_manifests_record_them(work, dr
     from tasks.core.config.kernels import Facts, resolve_for
     from tasks.engine.checkpoint import check_checkpoint
 
-    section = stage_raw(
+    section = phase_raw(
         "cpt",
         {"name": "hybrid_parallel", "precision": "bf16"},
         launch={"nproc_per_node": 1},
@@ -318,7 +318,7 @@ def test_a_stage_runs_with_the_kernels_on_and_its_manifests_record_them(work, dr
         activation_checkpointing=True,
     )
     d = work / "kernels" / "cpt"
-    common = dict(stage="cpt", phase_cfg=section, model_dir=dropout_model_dir, stage_dir=d)
+    common = dict(phase="cpt", phase_cfg=section, model_dir=dropout_model_dir, stage_dir=d)
     shard = engine(
         "shard",
         write_job(work / "jobs" / "kernels-shard.json", verb="shard", **common),
@@ -400,14 +400,14 @@ def _roundtrip_worker(model_dir: Path, out: Path, plugin: dict | None = None) ->
 
         cpu_compat.apply()
     colossalai.launch_from_torch(seed=1234, verbose=False)
-    section = stage_raw("sft", plugin or GEMINI, **ONE_RANK)
+    section = phase_raw("sft", plugin or GEMINI, **ONE_RANK)
     data_dir = prepared_data(section, "sft", model_dir, out / "data-sft")  # StageData reads prepared token shards
 
     def job(name: str):
         return parse_job(
             {
                 "verb": "shard",
-                "stage": "sft",
+                "phase": "sft",
                 "phase_cfg": section,
                 "trust_remote_code": False,
                 "model_dir": str(model_dir),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from support.engine import engine, stage_raw, write_job
+from support.engine import engine, phase_raw, write_job
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1800)]
 
@@ -53,11 +53,11 @@ def test_sharded_construction_on_cuda_keeps_host_memory_under_1gb_plus_the_large
     whole, largest = 4 * count_parameters(config), 4 * largest_tensor(config)
     assert whole > 2 * (GB + largest), "the model is too small for the bound to say anything"
     plugin = {"name": "hybrid_parallel", "tp_size": tp, "precision": "fp32"}
-    section = stage_raw("cpt", plugin, launch={"nproc_per_node": tp}, kernels={"flash_attention": False})
+    section = phase_raw("cpt", plugin, launch={"nproc_per_node": tp}, kernels={"flash_attention": False})
     job = write_job(
         tmp_path / "shard.json",
         verb="shard",
-        stage="cpt",
+        phase="cpt",
         phase_cfg=section,
         model_dir=large_model_dir,
         stage_dir=tmp_path / "cpt",

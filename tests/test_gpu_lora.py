@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from support.engine import engine, stage_raw, train_state, write_job
+from support.engine import engine, phase_raw, train_state, write_job
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(3600)]  # the first launch may JIT-build kernels
 
@@ -53,11 +53,11 @@ def test_lora_sft_runs_with_the_fast_kernels_on_and_exports(base, tmp_path):
     from tasks.core.run.manifest import manifest_digest
     from tasks.engine.checkpoint import check_checkpoint
 
-    section = stage_raw(
+    section = phase_raw(
         "sft", LLZ, lora=LORA, launch={"nproc_per_node": 1}, max_steps=4, checkpoint_every=2, keep_last=3
     )
     d = tmp_path / "sft"
-    common = dict(stage="sft", phase_cfg=section, model_dir=base, tokenizer_dir=base, stage_dir=d)
+    common = dict(phase="sft", phase_cfg=section, model_dir=base, tokenizer_dir=base, stage_dir=d)
     shard = engine("shard", write_job(tmp_path / "jobs" / "shard.json", verb="shard", **common), nproc=1, timeout=900)
     train = engine("train", write_job(tmp_path / "jobs" / "train.json", verb="train", **common), nproc=1)
     want = resolve_for("low_level_zero", "bf16", Facts.detect(cuda=True, model_type="llama"))

@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 
-from support.engine import engine, stage_raw, train_state, write_job
+from support.engine import engine, phase_raw, train_state, write_job
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1800)]
 
@@ -34,8 +34,8 @@ def test_ring_attn_trains_as_tp2_without_it(tiny_model_dir, tmp_path):
         pytest.skip("ring_attn runs flash_attn's kernels, which are not installed")
     runs = {}
     for name, plugin in (("tp2", TP2), ("ring", RING)):
-        section = stage_raw("cpt", plugin, max_steps=4, checkpoint_every=4, seq_len=64)
-        common = dict(stage="cpt", phase_cfg=section, model_dir=tiny_model_dir, stage_dir=tmp_path / name / "cpt")
+        section = phase_raw("cpt", plugin, max_steps=4, checkpoint_every=4, seq_len=64)
+        common = dict(phase="cpt", phase_cfg=section, model_dir=tiny_model_dir, stage_dir=tmp_path / name / "cpt")
         runs[name] = (
             write_job(tmp_path / f"{name}-shard.json", verb="shard", **common),
             write_job(tmp_path / f"{name}-train.json", verb="train", **common),

@@ -36,8 +36,8 @@ def _cfg(tmp_path, **stages) -> RunConfig:
     return parse_config(raw)
 
 
-def _layout(phase_cfg, stage: str) -> ParallelLayout:
-    return ParallelLayout.of(phase_cfg, stage, cuda=True, tiers=("static",))
+def _layout(phase_cfg, phase: str) -> ParallelLayout:
+    return ParallelLayout.of(phase_cfg, phase, cuda=True, tiers=("static",))
 
 
 def test_on_cpu_every_kernel_is_off_with_its_reason_and_nothing_is_passed(tmp_path):
@@ -241,12 +241,12 @@ def test_the_card_and_the_checkpoint_manifest_carry_what_ran(tmp_path):
         "cpt": {"flash_attention": "on (shardformer)", "fused_optimizer": "off: failed to load: RuntimeError: x"},
         "sft": {"flash_attention": "off: no CUDA"},
     }
-    for stage in ("cpt", "sft"):
-        step = tmp_path / stage / f"step-{cfg.phase(stage).max_steps:06d}"
+    for phase in ("cpt", "sft"):
+        step = tmp_path / phase / f"step-{cfg.phase(phase).max_steps:06d}"
         (step / MANIFEST).parent.mkdir(parents=True)
         (step / "train_state.json").write_text(json.dumps({"losses": [2.0]}))
         (step / MANIFEST).write_text(
-            json.dumps({"meta": {"kernels": ran[stage], "activation_checkpointing": stage == "sft"}})
+            json.dumps({"meta": {"kernels": ran[phase], "activation_checkpointing": phase == "sft"}})
         )
     facts = train_facts(cfg, {}, lambda rel: (tmp_path / rel).read_text())
     card = model_card(cfg, {"meta": {}}, facts)

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from support.engine import engine, stage_raw, write_job
+from support.engine import engine, phase_raw, write_job
 from tasks.core.config.schema import LaunchConfig
 from tasks.core.errors import StageFailed
 from tasks.core.launch.torchrun import run_engine
@@ -46,14 +46,14 @@ def _tree(d: Path) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory, tiny_model_dir):
     work = tmp_path_factory.mktemp("teardown")
-    section = stage_raw("cpt", DDP, max_steps=400, checkpoint_every=2, keep_last=2)
+    section = phase_raw("cpt", DDP, max_steps=400, checkpoint_every=2, keep_last=2)
     stage_dir = work / "cpt"
     engine(
         "shard",
         write_job(
             work / "shard.json",
             verb="shard",
-            stage="cpt",
+            phase="cpt",
             phase_cfg=section,
             model_dir=tiny_model_dir,
             stage_dir=stage_dir,
@@ -77,7 +77,7 @@ def test_background_failure_stops_the_stage(sharded, tmp_path):
     job = parse_job(
         json.loads(
             write_job(
-                tmp_path / "j.json", verb="train", stage="cpt", phase_cfg=section, model_dir=model, stage_dir=stage_dir
+                tmp_path / "j.json", verb="train", phase="cpt", phase_cfg=section, model_dir=model, stage_dir=stage_dir
             ).read_text()
         )
     )
@@ -109,7 +109,7 @@ def test_dead_rank_fails_the_stage_and_leaves_nothing(sharded, tmp_path):
     job = parse_job(
         json.loads(
             write_job(
-                tmp_path / "j.json", verb="train", stage="cpt", phase_cfg=section, model_dir=model, stage_dir=stage_dir
+                tmp_path / "j.json", verb="train", phase="cpt", phase_cfg=section, model_dir=model, stage_dir=stage_dir
             ).read_text()
         )
     )

@@ -312,11 +312,11 @@ def test_the_engine_trains_document_blocks_with_the_context_settings(tmp_path, t
     config and the block-diagonal mask, and its checkpoints' config.json holds the settings."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from support.engine import shard_train, stage_raw, write_job
+    from support.engine import phase_raw, shard_train, write_job
     from tasks.engine.sampler import ResumableSampler
 
     context = {"rope_theta": 40000.0, "max_position_embeddings": 512}
-    cfg = stage_raw(
+    cfg = phase_raw(
         "cpt", {"name": "torch_ddp", "precision": "fp32"}, attention="document", max_steps=2, context=context
     )
     stage_dir = tmp_path / "cpt"
@@ -324,7 +324,7 @@ def test_the_engine_trains_document_blocks_with_the_context_settings(tmp_path, t
         write_job(
             tmp_path / f"{verb}.json",
             verb=verb,
-            stage="cpt",
+            phase="cpt",
             phase_cfg=cfg,
             model_dir=tiny_model_dir,
             stage_dir=stage_dir,

@@ -125,12 +125,12 @@ def test_the_card_says_lora_r_alpha_targets_and_the_trainable_share(tmp_path):
     raw = tiny_config_raw(tmp_path / "m", tmp_path)
     raw["sft"]["lora"] = {"r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]}
     cfg = parse_config(raw)
-    for stage in ("cpt", "sft"):
-        step = tmp_path / stage / f"step-{cfg.phase(stage).max_steps:06d}"
+    for phase in ("cpt", "sft"):
+        step = tmp_path / phase / f"step-{cfg.phase(phase).max_steps:06d}"
         (step / MANIFEST).parent.mkdir(parents=True)
         (step / "train_state.json").write_text(json.dumps({"losses": [2.0]}))
         meta = (
-            {"lora": {"trainable_params": 133, "total_params": 1000, "trainable_pct": 13.3}} if stage == "sft" else {}
+            {"lora": {"trainable_params": 133, "total_params": 1000, "trainable_pct": 13.3}} if phase == "sft" else {}
         )
         (step / MANIFEST).write_text(json.dumps({"meta": meta}))
     card = model_card(cfg, {"meta": {}}, train_facts(cfg, {}, lambda rel: (tmp_path / rel).read_text()))

@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 
-from support.engine import engine, shard_train, stage_raw, write_job
+from support.engine import engine, phase_raw, shard_train, write_job
 from tasks.core.errors import ManifestError
 from tasks.core.run.manifest import MANIFEST, manifest_digest, verify_artifact, write_manifest
 
@@ -36,8 +36,8 @@ def lora_run(tmp_path_factory, tiny_model_dir):
     shutil.copytree(tiny_model_dir, base)
     write_manifest(base, kind="hf-model")  # the base an adapter references by this manifest's digest
     stage_dir = work / "sft"
-    section = stage_raw("sft", DDP, lora=LORA, max_steps=6, checkpoint_every=3, keep_last=3)
-    common = dict(stage="sft", phase_cfg=section, model_dir=base, tokenizer_dir=base, stage_dir=stage_dir)
+    section = phase_raw("sft", DDP, lora=LORA, max_steps=6, checkpoint_every=3, keep_last=3)
+    common = dict(phase="sft", phase_cfg=section, model_dir=base, tokenizer_dir=base, stage_dir=stage_dir)
     shard_job = write_job(work / "jobs" / "shard.json", verb="shard", **common)
     train_job = write_job(work / "jobs" / "train.json", verb="train", **common)
     # the shard and the killed training in one launch, as the flow shares them (the fault the train part's)
@@ -201,11 +201,11 @@ def test_a_lora_stage_continues_under_another_plugin_with_its_optimizer_state(lo
     stage_dir = tmp_path / "sft"
     src = lora_run["dir"] / "step-000003"
     shutil.copytree(src, stage_dir / "step-000003")
-    section = stage_raw("sft", HP, lora=LORA, max_steps=6, checkpoint_every=3, keep_last=3)
+    section = phase_raw("sft", HP, lora=LORA, max_steps=6, checkpoint_every=3, keep_last=3)
     job = write_job(
         tmp_path / "jobs" / "train.json",
         verb="train",
-        stage="sft",
+        phase="sft",
         phase_cfg=section,
         model_dir=lora_run["base"],
         tokenizer_dir=lora_run["base"],

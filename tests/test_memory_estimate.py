@@ -210,15 +210,15 @@ def test_a_registered_plugin_is_estimated_from_its_holds_row():
     )
     plugins.register(spec)
     try:
-        st = stage({"name": "dummy_sharded", "zero_stage": 3, "precision": "bf16"}, nproc=4)
+        phase_cfg = stage({"name": "dummy_sharded", "zero_stage": 3, "precision": "bf16"}, nproc=4)
         shard = math.ceil(139584 / 4)
-        assert {k: v for k, v in by_what(estimate(TINY, st)).items() if k != "activations"} == {
+        assert {k: v for k, v in by_what(estimate(TINY, phase_cfg)).items() if k != "activations"} == {
             "weights": 2 * shard,
             "grads": 2 * shard,
             "moments": 8 * shard,
         }
         # on CUDA an AdamW plugin without a fused-AdamW kernel row steps with torch's foreach temporaries
-        assert by_what(estimate(TINY, st, cuda=True))["AdamW foreach temporaries"] == 4 * shard
+        assert by_what(estimate(TINY, phase_cfg, cuda=True))["AdamW foreach temporaries"] == 4 * shard
         plugins.register(plugins.PluginSpec(name="dummy_sharded", summary="no memory rows"))
         with pytest.raises(KeyError, match="no `holds` rows"):
             estimate(TINY, stage({"name": "dummy_sharded"}))
@@ -240,12 +240,12 @@ def test_preflight_refuses_a_layout_over_the_declared_gpu_memory_naming_numbers_
     msgs = [m for f, m in report.problems if f == "cpt.launch.gpu_memory_gb"]
     assert msgs, report.text()
     mc = {"model_type": "llama", **LLAMA3_8B}
-    st = load_for_check(write_config(tmp_path / "c.yaml", case.raw)).cpt
-    need = estimate(mc, st, cuda=True).device
+    phase_cfg = load_for_check(write_config(tmp_path / "c.yaml", case.raw)).cpt
+    need = estimate(mc, phase_cfg, cuda=True).device
     assert f"cpt needs {need / 1e9:,.2f} GB of GPU memory per rank" in msgs[0]
     assert "more than the 40.00 GB of cpt.launch.gpu_memory_gb = 40" in msgs[0]
     fixed = estimate(
-        mc, st.model_copy(update={"plugin": st.plugin.model_copy(update={"zero_stage": 2})}), cuda=True
+        mc, phase_cfg.model_copy(update={"plugin": phase_cfg.plugin.model_copy(update={"zero_stage": 2})}), cuda=True
     ).device
     assert fixed <= 40e9 < need
     assert f"it fits with cpt.plugin.zero_stage: 2 ({fixed / 1e9:,.2f} GB)" in msgs[0]
@@ -314,9 +314,9 @@ def test_cpu_offload_moves_the_optimizer_state_and_step_to_the_host_on_cuda_only
 
 
 def test_gemini_offload_fractions_move_their_share():
-    st = stage({"name": "gemini", "precision": "bf16", "offload_optim_frac": 0.5}, nproc=2)
+    phase_cfg = stage({"name": "gemini", "precision": "bf16", "offload_optim_frac": 0.5}, nproc=2)
     shard = math.ceil(139584 / 2)
-    est = estimate(TINY, st, cuda=True)
+    est = estimate(TINY, phase_cfg, cuda=True)
     host = {t.what: t.bytes for t in est.terms if t.host}
     assert host == {"fp32 master shard": 2 * shard, "Adam moment shard": 4 * shard}  # half of 4 B and of 8 B
 
@@ -325,8 +325,8 @@ def test_the_refusal_offers_the_plugins_offload(tmp_path):
     case = Case(tmp_path)
     _fat_sft(case)
     msg = next(m for f, m in case.report().problems if f == "cpt.launch.gpu_memory_gb")
-    st = load_for_check(write_config(tmp_path / "c.yaml", case.raw)).cpt
-    offloaded = st.model_copy(update={"plugin": st.plugin.model_copy(update={"cpu_offload": True})})
+    phase_cfg = load_for_check(write_config(tmp_path / "c.yaml", case.raw)).cpt
+    offloaded = phase_cfg.model_copy(update={"plugin": phase_cfg.plugin.model_copy(update={"cpu_offload": True})})
     need = estimate({"model_type": "llama", **LLAMA3_8B}, offloaded, cuda=True).device
     assert need <= 40e9 and f"cpt.plugin.cpu_offload: true ({need / 1e9:,.2f} GB)" in msg, msg
 
@@ -430,8 +430,8 @@ def test_cpu_ranks_over_this_machines_memory_are_refused_naming_the_levers(tmp_p
     report = case.report()
     msgs = [m for f, m in report.problems if f == "cpt.launch.nproc_per_node"]
     assert msgs, report.text()
-    st = load_for_check(write_config(tmp_path / "c.yaml", case.raw)).cpt
-    need = node_host_need({"model_type": "llama", **LLAMA3_8B}, st, "cpt", False)
+    phase_cfg = load_for_check(write_config(tmp_path / "c.yaml", case.raw)).cpt
+    need = node_host_need({"model_type": "llama", **LLAMA3_8B}, phase_cfg, "cpt", False)
     assert need > total
     assert "4 rank(s) x " in msgs[0] and f"= {human(need)}" in msgs[0]
     assert f"more than this machine's {human(total)} of memory" in msgs[0]
@@ -442,13 +442,13 @@ def test_cpu_ranks_over_this_machines_memory_are_refused_naming_the_levers(tmp_p
 def test_a_host_lever_that_fits_is_offered_with_its_figure(tmp_path):
     mc = {"model_type": "llama", **LLAMA3_8B}
     base = {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"}
-    st = load_for_check(write_config(tmp_path / "c.yaml", _host_case(tmp_path, base, 4, 1).raw)).cpt
-    z2 = st.model_copy(update={"plugin": st.plugin.model_copy(update={"zero_stage": 2})})
-    need, fixed = node_host_need(mc, st, "cpt", False), node_host_need(mc, z2, "cpt", False)
+    phase_cfg = load_for_check(write_config(tmp_path / "c.yaml", _host_case(tmp_path, base, 4, 1).raw)).cpt
+    z2 = phase_cfg.model_copy(update={"plugin": phase_cfg.plugin.model_copy(update={"zero_stage": 2})})
+    need, fixed = node_host_need(mc, phase_cfg, "cpt", False), node_host_need(mc, z2, "cpt", False)
     host = (need + fixed) // 2
     msg = next(m for f, m in _host_case(tmp_path, base, 4, host).report().problems if f == "cpt.launch.nproc_per_node")
     assert f"cpt.plugin.zero_stage: 2 ({human(fixed)})" in msg, msg
-    three = st.model_copy(update={"launch": st.launch.model_copy(update={"nproc_per_node": 3})})
+    three = phase_cfg.model_copy(update={"launch": phase_cfg.launch.model_copy(update={"nproc_per_node": 3})})
     assert f"cpt.launch.nproc_per_node: 3 ({human(node_host_need(mc, three, 'cpt', False))})" in msg, msg
     # with the memory it needs the same layout passes, and a warning says when others hold it now
     ok = _host_case(tmp_path, base, 4, need, available=need - 1).report()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from support.engine import shard_train, stage_raw, write_job
+from support.engine import phase_raw, shard_train, write_job
 from tasks.core.errors import ManifestError
 from tasks.core.models.flops import flops_per_token, mfu, peak_flops
 from tasks.core.run.tbevents import read_scalars
@@ -114,9 +114,9 @@ def test_grad_norm_from_colossalai_wrappers():
 @pytest.mark.distributed
 def test_ddp_train_emits_metrics_and_one_event_point_per_step(tmp_path, tiny_model_dir):
     plugin = {"name": "torch_ddp", "precision": "fp32"}
-    section = stage_raw("cpt", plugin, max_steps=4, checkpoint_every=4)
+    section = phase_raw("cpt", plugin, max_steps=4, checkpoint_every=4)
     stage_dir = tmp_path / "cpt"
-    common = dict(stage="cpt", phase_cfg=section, model_dir=tiny_model_dir, stage_dir=stage_dir)
+    common = dict(phase="cpt", phase_cfg=section, model_dir=tiny_model_dir, stage_dir=stage_dir)
     # shard and train in one launch, as the flow shares them
     out = shard_train(
         write_job(tmp_path / "shard.json", verb="shard", **common),

@@ -33,7 +33,7 @@ def _job(tmp: Path, model_dir: Path, verb: str, run: dict, digest: str) -> Path:
         json.dumps(
             {
                 "verb": verb,
-                "stage": "cpt",
+                "phase": "cpt",
                 "phase_cfg": run["cpt"],
                 "trust_remote_code": run["base_model"]["trust_remote_code"],
                 "model_dir": str(model_dir),

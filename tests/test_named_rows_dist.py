@@ -25,7 +25,7 @@ import math
 import pytest
 import torch
 
-from support.engine import engine, read_model_dir, shard_train, stage_raw, train_state, write_job
+from support.engine import engine, phase_raw, read_model_dir, shard_train, train_state, write_job
 from tasks.core.models.fingerprint import (
     DEFAULT_RTOL,
     compare_logits,
@@ -68,8 +68,8 @@ def trained(request, tmp_path_factory):
         (model_dir / "config.json").write_text(json.dumps(mc | CONFIG[family], indent=2))
     stage_dir = work / "cpt"
     steps, every = (STEPS + 1, 2) if family in RESUME else (STEPS, STEPS)
-    section = stage_raw("cpt", plugin, max_steps=steps, checkpoint_every=every)
-    common = dict(stage="cpt", phase_cfg=section, model_dir=model_dir, tokenizer_dir=model_dir, stage_dir=stage_dir)
+    section = phase_raw("cpt", plugin, max_steps=steps, checkpoint_every=every)
+    common = dict(phase="cpt", phase_cfg=section, model_dir=model_dir, tokenizer_dir=model_dir, stage_dir=stage_dir)
     # shard and train in one launch, as the flow shares them
     shard = train = shard_train(
         write_job(work / "shard.json", verb="shard", **common),

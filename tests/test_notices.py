@@ -124,11 +124,11 @@ def test_notice_settings_are_checked():
 
 
 def test_keep_global_batch_sets_the_accumulation_or_names_the_setting():
-    from support.engine import stage_raw
+    from support.engine import phase_raw
     from tasks.core.config.schema import PhaseConfig
 
     assert (kept_accumulation(8, 2, 1), kept_accumulation(8, 2, 2), kept_accumulation(8, 4, 4)) == (4, 2, None)
-    cfg = PhaseConfig.model_validate(stage_raw("cpt", {"name": "torch_ddp", "precision": "fp32"}))
+    cfg = PhaseConfig.model_validate(phase_raw("cpt", {"name": "torch_ddp", "precision": "fp32"}))
     kept = keep_global_batch(cfg, "cpt", 4, dp=1, world=1)
     assert (kept.grad_accum_steps, kept.launch.world_size, kept.micro_batch_size) == (2, 1, 2)
     from tasks.core.config.layout import global_batch

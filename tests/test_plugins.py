@@ -26,7 +26,7 @@ from tasks.engine.builders import can_no_sync, check_supported, make_plugin
 from tasks.engine.preconditions import parse_job
 
 
-def _stage(plugin: dict, **kw) -> PhaseConfig:
+def _phase_cfg(plugin: dict, **kw) -> PhaseConfig:
     return PhaseConfig(data={"uri": "x.jsonl"}, plugin=plugin, max_steps=10, seq_len=16, lr=1e-3, **kw)
 
 
@@ -43,9 +43,9 @@ def test_gemini_refused_on_cpu_naming_the_field():
 
 def test_make_plugin_refuses_gemini_before_any_process_group():
     # No torch.distributed init here: the refusal must come first.
-    stage = _stage({"name": "gemini", "precision": "bf16"})
+    phase_cfg = _phase_cfg({"name": "gemini", "precision": "bf16"})
     with pytest.raises(ConfigError, match=r"cpt\.plugin\.name"):
-        make_plugin(stage.plugin, stage, stage="cpt", cuda=False)
+        make_plugin(phase_cfg.plugin, phase_cfg, phase="cpt", cuda=False)
 
 
 def test_gemini_accepted_with_cuda_and_ddp_fp16_refused_on_cpu():
@@ -94,13 +94,19 @@ def test_offload_fields_are_accepted_and_passed_where_the_plugin_has_them(plugin
     from tasks.core.config.layout import ParallelLayout, layout_problems
     from tasks.engine.builders import plugin_kwargs, plugin_meta
 
-    st = _stage({"precision": "bf16", **plugin}, launch={"nproc_per_node": 2})
-    assert layout_problems(st, "sft", cuda=True) == []
+    phase_cfg = _phase_cfg({"precision": "bf16", **plugin}, launch={"nproc_per_node": 2})
+    assert layout_problems(phase_cfg, "sft", cuda=True) == []
     kwargs = plugin_kwargs(
-        st.plugin, st, ParallelLayout.of(st, "sft", cuda=True), True, resolve(st, "sft", Facts(cuda=True))
+        phase_cfg.plugin,
+        phase_cfg,
+        ParallelLayout.of(phase_cfg, "sft", cuda=True),
+        True,
+        resolve(phase_cfg, "sft", Facts(cuda=True)),
     )
     assert {k: kwargs[k] for k in passed} == passed
-    assert {k: plugin_meta(st.plugin, st)[k] for k in passed} == passed  # recorded in every checkpoint manifest
+    assert {
+        k: plugin_meta(phase_cfg.plugin, phase_cfg)[k] for k in passed
+    } == passed  # recorded in every checkpoint manifest
 
 
 OFFLOAD_REFUSED = [
@@ -196,32 +202,34 @@ def test_an_offload_row_on_a_new_plugin_is_accepted_passed_and_estimated():
         )
     )
     builders.BUILDERS["dummy_offload"] = builders.Builder(
-        factory=lambda **kw: kw, kwargs=lambda p, st, layout, cuda: {"stage": p.zero_stage}
+        factory=lambda **kw: kw, kwargs=lambda p, phase_cfg, layout, cuda: {"stage": p.zero_stage}
     )
     try:
-        st = _stage({"name": "dummy_offload", "zero_stage": 1, "cpu_offload": True}, launch={"nproc_per_node": 2})
-        assert layout_problems(st, "sft", cuda=True) == []
-        assert builders.make_plugin(st.plugin, st, stage="sft", cuda=False, kernels={}) == {
+        phase_cfg = _phase_cfg(
+            {"name": "dummy_offload", "zero_stage": 1, "cpu_offload": True}, launch={"nproc_per_node": 2}
+        )
+        assert layout_problems(phase_cfg, "sft", cuda=True) == []
+        assert builders.make_plugin(phase_cfg.plugin, phase_cfg, phase="sft", cuda=False, kernels={}) == {
             "stage": 1,
             "cpu_offload": True,
         }
         on, off = (
-            estimate(LLAMA3["Llama-3-8B"], s, stage="sft", cuda=True)
-            for s in (st, _stage({"name": "dummy_offload", "zero_stage": 1}, launch={"nproc_per_node": 2}))
+            estimate(LLAMA3["Llama-3-8B"], s, phase="sft", cuda=True)
+            for s in (phase_cfg, _phase_cfg({"name": "dummy_offload", "zero_stage": 1}, launch={"nproc_per_node": 2}))
         )
         moments = 8 * math.ceil(on.rank_parameters / 2)
         assert off.device - on.device >= moments and on.offloaded >= moments and off.offloaded == 0
         assert (
             "cpu_offload"
-            in layout_problems(_stage({"name": "torch_ddp", "precision": "fp32", "cpu_offload": True}), "sft")[0][0]
+            in layout_problems(_phase_cfg({"name": "torch_ddp", "precision": "fp32", "cpu_offload": True}), "sft")[0][0]
         )
-        assert ParallelLayout.of(st, "sft").plugin == "dummy_offload"
+        assert ParallelLayout.of(phase_cfg, "sft").plugin == "dummy_offload"
     finally:
         plugins.PLUGINS.pop("dummy_offload", None)
         builders.BUILDERS.pop("dummy_offload", None)
     assert (
         "dummy_offload"
-        not in layout_problems(_stage({"name": "torch_ddp", "precision": "fp32", "cpu_offload": True}), "sft")[0][1]
+        not in layout_problems(_phase_cfg({"name": "torch_ddp", "precision": "fp32", "cpu_offload": True}), "sft")[0][1]
     )
 
 
@@ -312,11 +320,11 @@ def test_zero_sanity_check_keeps_the_dtype_check():
 
 
 def test_fault_specs_parse():
-    got = faults.parse("kill@step=3@stage=cpt; kill@save=6:manifest ;fail@stage=sft;fail@step=4@rank=0")
-    assert [(f.action, f.trigger, f.step, f.phase, f.stage, f.rank) for f in got] == [
+    got = faults.parse("kill@step=3@phase=cpt; kill@save=6:manifest ;fail@phase=sft;fail@step=4@rank=0")
+    assert [(f.action, f.trigger, f.step, f.part, f.phase, f.rank) for f in got] == [
         ("kill", "step", 3, None, "cpt", None),
         ("kill", "save", 6, "manifest", None, None),
-        ("fail", "stage", None, None, "sft", None),
+        ("fail", "phase", None, None, "sft", None),
         ("fail", "step", 4, None, None, 0),
     ]
     assert got[0].acting_rank(2) == 1 and got[1].acting_rank(2) == 0 and got[0].acting_rank(1) == 0
@@ -331,11 +339,11 @@ def test_fault_specs_parse():
         "kill@step=x",
         "kill@save=3",
         "kill@save=3:nowhere",
-        "kill@step=3@stage=rlhf",
+        "kill@step=3@phase=rlhf",
         "kill@when=3",
         "kill@step=3@color=red",
         "hold@save=3:model",
-        "hold@stage=cpt",
+        "hold@phase=cpt",
     ],
 )
 def test_bad_fault_specs_are_errors(bad):
@@ -344,15 +352,15 @@ def test_bad_fault_specs_are_errors(bad):
 
 
 def test_fault_fires_once_per_stage_dir(tmp_path):
-    inj = faults.Injector("sft", tmp_path, rank=0, world_size=2, value="fail@stage=sft;fail@step=2@stage=cpt")
+    inj = faults.Injector("sft", tmp_path, rank=0, world_size=2, value="fail@phase=sft;fail@step=2@phase=cpt")
     assert len(inj.faults) == 1  # the cpt-only spec is dropped in sft
-    other_rank = faults.Injector("sft", tmp_path, rank=1, world_size=2, value="fail@stage=sft")
+    other_rank = faults.Injector("sft", tmp_path, rank=1, world_size=2, value="fail@phase=sft")
     with pytest.raises(RuntimeError, match="injected failure"):
         inj.at_start()
     with pytest.raises(RuntimeError, match="injected failure"):
         other_rank.at_start()  # same attempt: fires on every rank even though rank 0 marked it first
     assert list((tmp_path / ".faults").iterdir())
-    retry = faults.Injector("sft", tmp_path, rank=0, world_size=2, value="fail@stage=sft")
+    retry = faults.Injector("sft", tmp_path, rank=0, world_size=2, value="fail@phase=sft")
     retry.at_start()  # marked by the earlier attempt: the retry runs on
 
 
@@ -397,7 +405,7 @@ def test_scheduler_state_loads_weights_only(tmp_path):
     from tasks.engine.optim import make_scheduler
 
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
-    sched = make_scheduler(opt, _stage({"name": "torch_ddp", "precision": "fp32"}, warmup_steps=2))
+    sched = make_scheduler(opt, _phase_cfg({"name": "torch_ddp", "precision": "fp32"}, warmup_steps=2))
     for _ in range(3):
         opt.step()
         sched.step()
@@ -411,11 +419,11 @@ def test_scheduler_state_loads_weights_only(tmp_path):
 
 def test_job_errors_name_every_key(tmp_path):
     with pytest.raises(ConfigError) as exc:
-        parse_job({"verb": "fly", "stage": "ppo", "model_dir": "rel/path", "extra": 1}, verb="train")
+        parse_job({"verb": "fly", "phase": "ppo", "model_dir": "rel/path", "extra": 1}, verb="train")
     fields = {f for f, _ in exc.value.problems}
     assert {
         "verb",
-        "stage",
+        "phase",
         "model_dir",
         "extra",
         "phase_cfg",
@@ -429,14 +437,51 @@ def test_job_errors_name_every_key(tmp_path):
 # -- checkpoints -------------------------------------------------------------------------------------
 
 
-def _fake_ckpt(stage_dir: Path, step: int, stage: str = "cpt", digest: str = "d") -> Path:
+def _fake_ckpt(stage_dir: Path, step: int, phase: str = "cpt", digest: str = "d", key: str = "phase") -> Path:
     d = stage_dir / ckpt.step_name(step)
     (d / "model").mkdir(parents=True)
     (d / "model" / "model.safetensors.index.json").write_text("{}")
     (d / "lr_scheduler.pt").write_bytes(b"x")
     (d / "train_state.json").write_text(json.dumps({"step": step}))
-    write_manifest(d, kind=ckpt.KIND, meta={"stage": stage, "step": step}, config_digest=digest)
+    write_manifest(d, kind=ckpt.KIND, meta={key: phase, "step": step}, config_digest=digest)
     return d
+
+
+def test_a_run_root_written_when_the_phase_was_called_stage_still_resumes(tmp_path):
+    """Job files, checkpoint manifests and engine records written before the rename name the phase
+    "stage": each is read as its phase (writers write "phase"); a job file giving both is refused."""
+    from tasks.core.config.load import parse_config
+    from tasks.core.config.phases import phase_of
+    from tasks.core.run.job import Job
+    from tests.conftest import tiny_config_raw
+
+    assert (phase_of({"stage": "sft"}), phase_of({"phase": "dpo", "stage": "train_dpo"}), phase_of({})) == (
+        "sft",
+        "dpo",
+        None,
+    )
+    _fake_ckpt(tmp_path / "cpt", 3, key="stage")  # an interrupted run's checkpoint
+    assert ckpt.find_resume(tmp_path / "cpt", "cpt", "d").step == 3
+    assert ckpt.find_resume(tmp_path / "cpt", "sft", "d").step is None  # still another phase's
+    cfg = parse_config(tiny_config_raw(tmp_path / "model", tmp_path / "run"))
+    new = Job(
+        verb="train",
+        phase="cpt",
+        phase_cfg=cfg.cpt,
+        trust_remote_code=False,
+        model_dir=tmp_path / "model",
+        tokenizer_dir=tmp_path / "model",
+        stage_dir=tmp_path / "cpt",
+        parent=None,
+        config_digest="d",
+    )
+    raw = new.model_dump(mode="json")
+    assert "phase" in raw and "stage" not in raw  # written with the new key only
+    old = {("stage" if k == "phase" else k): v for k, v in raw.items()}
+    assert parse_job(old, verb="train") == new
+    with pytest.raises(ConfigError) as exc:
+        parse_job({**raw, "stage": "cpt"})
+    assert [f for f, _ in exc.value.problems] == ["stage"]
 
 
 def test_find_resume_skips_torn_corrupt_and_foreign(tmp_path):

@@ -44,7 +44,7 @@ from tests.conftest import REPO, tiny_config_raw, write_config
 
 TOKEN = "hf_prefect_ops_test_token"
 REPO_ID = "ops-org/tiny-ops"
-FAULT = "fail@step=3@stage=cpt"
+FAULT = "fail@step=3@phase=cpt"
 STEPS, EVERY = 4, 2
 SCREENSHOTS = REPO / "build" / "test-artifacts" / "prefect-ui"
 # The run form's typed overrides: the config file says 8 steps and another name, so every check
@@ -446,8 +446,8 @@ def ops(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("prefect-ops")
     run_root = tmp / "run"
     raw = tiny_config_raw(tiny_model_dir, run_root)
-    for stage in ("cpt", "sft"):
-        raw[stage].update(max_steps=2 * STEPS, checkpoint_every=EVERY)  # OVERRIDES sets STEPS
+    for phase in ("cpt", "sft"):
+        raw[phase].update(max_steps=2 * STEPS, checkpoint_every=EVERY)  # OVERRIDES sets STEPS
     raw["name"] = "ops-config"
     raw["hub"] = {"repo_id": REPO_ID, "private": True}
     # 4 steps of a random model do not earn a push; the gate has its own tests (test_evaluate.py).
@@ -654,13 +654,13 @@ def test_retry_resumes_and_shows_every_artifact(ops, failed_run, retried_run):
     rows = {r["stage"]: r for r in json.loads(latest["cpt-to-sft-stages"]["data"])}
     assert rows["train_cpt"]["artifact"] == f"{ops.run_root}/cpt/step-{STEPS:06d}"
     assert rows["export"]["manifest digest"] and rows["export"]["duration"].endswith("s")
-    for stage in ("cpt", "sft"):
-        progress = latest[f"{stage}-progress"]
+    for phase in ("cpt", "sft"):
+        progress = latest[f"{phase}-progress"]
         assert progress["type"] == "progress" and float(progress["data"]) == 100.0
-        assert progress["description"].startswith(f"{stage.upper()}: step {STEPS} / {STEPS}, loss ")
-        curve = latest[f"{stage}-loss-curve"]
+        assert progress["description"].startswith(f"{phase.upper()}: step {STEPS} / {STEPS}, loss ")
+        curve = latest[f"{phase}-loss-curve"]
         assert curve["type"] == "markdown" and "data:image/png;base64," in curve["data"]
-        png = ops.run_root / stage / "loss-curve.png"
+        png = ops.run_root / phase / "loss-curve.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in curve["data"]
     verification = latest["export-verification"]["data"]
     assert (

@@ -137,9 +137,9 @@ def _llama3(c: Case) -> None:
     fake_model(c.model, **LLAMA3_8B)
 
 
-def _data(stage: str, lines: list[Any], name: str = "data.jsonl") -> Callable[[Case], None]:
+def _data(phase: str, lines: list[Any], name: str = "data.jsonl") -> Callable[[Case], None]:
     def apply(c: Case) -> None:
-        c.raw[stage]["data"]["uri"] = write_jsonl(c.tmp / f"{stage}-{name}", lines)
+        c.raw[phase]["data"]["uri"] = write_jsonl(c.tmp / f"{phase}-{name}", lines)
 
     return apply
 

@@ -67,8 +67,8 @@ def _report(raw: dict[str, Any], model_config: dict[str, Any], cuda: int = 0, cp
     return report
 
 
-def _cost_warnings(report: PreflightReport, stage: str) -> list[str]:
-    return [w for w in report.warnings if w.startswith(f"evaluate_{stage}:")]
+def _cost_warnings(report: PreflightReport, phase: str) -> list[str]:
+    return [w for w in report.warnings if w.startswith(f"evaluate_{phase}:")]
 
 
 def test_registered_as_a_check():

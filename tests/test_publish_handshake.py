@@ -34,7 +34,7 @@ def _ckpt(stage_dir: Path, step: int, published: bool = False) -> Path:
     d = stage_dir / ckpt.step_name(step)
     d.mkdir(parents=True)
     (d / "train_state.json").write_text(json.dumps({"step": step}))
-    write_manifest(d, kind=ckpt.KIND, meta={"stage": "cpt", "step": step})
+    write_manifest(d, kind=ckpt.KIND, meta={"phase": "cpt", "step": step})
     if published:
         mark_published(d, manifest_sha256(d))
     return d
@@ -72,12 +72,12 @@ def test_marker_of_another_manifest_does_not_count(tmp_path):
 
 
 def _job(**extra) -> dict:
-    from support.engine import stage_raw
+    from support.engine import phase_raw
 
-    section = stage_raw("cpt", {"name": "torch_ddp", "precision": "fp32"})
+    section = phase_raw("cpt", {"name": "torch_ddp", "precision": "fp32"})
     return {
         "verb": "train",
-        "stage": "cpt",
+        "phase": "cpt",
         "phase_cfg": section,
         "trust_remote_code": False,
         "model_dir": "/m",
@@ -111,7 +111,7 @@ def test_max_pending_publishes_field():
 def _train_job(path: Path, section: dict, model_dir: Path, stage_dir: Path, remote: bool) -> Path:
     from support.engine import write_job
 
-    write_job(path, verb="train", stage="cpt", phase_cfg=section, model_dir=model_dir, stage_dir=stage_dir)
+    write_job(path, verb="train", phase="cpt", phase_cfg=section, model_dir=model_dir, stage_dir=stage_dir)
     job = json.loads(path.read_text())
     job["remote_run_root"] = remote
     path.write_text(json.dumps(job, indent=2))
@@ -122,13 +122,13 @@ def _train_job(path: Path, section: dict, model_dir: Path, stage_dir: Path, remo
 def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(
     throttled_s3, s3_root, tmp_path, tiny_model_dir
 ):
-    from support.engine import REPO, engine, stage_raw, train_state, write_job
+    from support.engine import REPO, engine, phase_raw, train_state, write_job
     from tasks.core.storage.fs import RunStore
     from tasks.core.storage.publisher import Publisher
 
     store = RunStore(s3_root, staging_dir=str(tmp_path / "staging"))
     stage_dir = store.local_path("cpt")
-    section = stage_raw(
+    section = phase_raw(
         "cpt",
         {"name": "torch_ddp", "precision": "fp32"},
         max_steps=4,
@@ -141,7 +141,7 @@ def test_backpressure_waits_for_slow_uploads_and_deletes_nothing_unpublished(
         write_job(
             tmp_path / "shard.json",
             verb="shard",
-            stage="cpt",
+            phase="cpt",
             phase_cfg=section,
             model_dir=tiny_model_dir,
             stage_dir=stage_dir,

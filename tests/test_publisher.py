@@ -25,12 +25,12 @@ pytest_plugins = ["tests.conftest_servers"]
 MB = 1 << 20
 
 
-def make_checkpoint(store: RunStore, stage: str, step: int, size: int = 64 << 10) -> Path:
-    root = store.local_path(f"{stage}/step-{step:06d}")
+def make_checkpoint(store: RunStore, phase: str, step: int, size: int = 64 << 10) -> Path:
+    root = store.local_path(f"{phase}/step-{step:06d}")
     (root / "model").mkdir(parents=True, exist_ok=True)
     (root / "model" / "weights.bin").write_bytes(os.urandom(size))
     (root / "train_state.json").write_text(f'{{"step": {step}}}')
-    write_manifest(root, kind="test-checkpoint", meta={"step": step, "stage": stage})
+    write_manifest(root, kind="test-checkpoint", meta={"step": step, "stage": phase})
     return root
 
 

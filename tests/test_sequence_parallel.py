@@ -32,7 +32,7 @@ LLAMA = {
 HP = {"name": "hybrid_parallel", "precision": "fp32"}
 
 
-def stage(plugin: dict[str, Any], nproc: int = 2, seq_len: int = 64, **kw: Any) -> PhaseConfig:
+def phase_cfg_for(plugin: dict[str, Any], nproc: int = 2, seq_len: int = 64, **kw: Any) -> PhaseConfig:
     return PhaseConfig.model_validate(
         {
             "data": {"uri": "x"},
@@ -47,8 +47,8 @@ def stage(plugin: dict[str, Any], nproc: int = 2, seq_len: int = 64, **kw: Any) 
     )
 
 
-def refusals(st: PhaseConfig, where: str = "cpt", cuda: bool | None = False) -> dict[str, str]:
-    return dict(layout_problems(st, where, model_config=LLAMA, cuda=cuda))
+def refusals(phase_cfg: PhaseConfig, where: str = "cpt", cuda: bool | None = False) -> dict[str, str]:
+    return dict(layout_problems(phase_cfg, where, model_config=LLAMA, cuda=cuda))
 
 
 # -- the registry ------------------------------------------------------------------------------------
@@ -70,9 +70,9 @@ def test_a_registered_dummy_mode_is_accepted_everywhere():
         cfg = PluginConfig.model_validate({**HP, "sequence_parallelism": {"mode": "dummy_sp", "size": 2}})
         schema = RunConfig.model_json_schema()["$defs"]["SequenceParallelConfig"]["properties"]["mode"]
         assert "dummy_sp" in schema["enum"] and "a test row" in schema["description"]
-        st = stage(cfg.model_dump(), nproc=4)
-        assert not refusals(st)
-        layout = ParallelLayout.of(st, "cpt", model_config=LLAMA, cuda=False)
+        phase_cfg = phase_cfg_for(cfg.model_dump(), nproc=4)
+        assert not refusals(phase_cfg)
+        layout = ParallelLayout.of(phase_cfg, "cpt", model_config=LLAMA, cuda=False)
         assert (layout.dp, layout.sp, layout.sp_mode) == (2, 2, "dummy_sp")
         assert sequence_kwargs(cfg) == {
             "enable_sequence_parallelism": True,
@@ -99,19 +99,19 @@ def test_a_registered_dummy_mode_is_accepted_everywhere():
     ids=["split_gather", "all_to_all", "none"],
 )
 def test_data_parallel_size_and_global_batch(plugin, nproc, dp, sp):
-    st = stage(plugin, nproc=nproc)
-    layout = ParallelLayout.of(st, "cpt", model_config=LLAMA, cuda=False)
+    phase_cfg = phase_cfg_for(plugin, nproc=nproc)
+    layout = ParallelLayout.of(phase_cfg, "cpt", model_config=LLAMA, cuda=False)
     assert (layout.dp, layout.sp) == (dp, sp)
-    assert global_batch(st) == 2 * dp  # micro_batch_size x grad_accum_steps x dp
+    assert global_batch(phase_cfg) == 2 * dp  # micro_batch_size x grad_accum_steps x dp
 
 
 def test_plugin_arguments_as_colossalai_expects():
     from tasks.core.config.kernels import Facts, resolve
     from tasks.engine.builders import plugin_kwargs, plugin_meta
 
-    st = stage({**HP, "tp_size": 2, "sequence_parallelism": {"mode": "split_gather"}})
-    layout = ParallelLayout.of(st, "cpt", cuda=False)
-    kw = plugin_kwargs(st.plugin, st, layout, False, resolve(st, "cpt", Facts(cuda=False)))
+    phase_cfg = phase_cfg_for({**HP, "tp_size": 2, "sequence_parallelism": {"mode": "split_gather"}})
+    layout = ParallelLayout.of(phase_cfg, "cpt", cuda=False)
+    kw = plugin_kwargs(phase_cfg.plugin, phase_cfg, layout, False, resolve(phase_cfg, "cpt", Facts(cuda=False)))
     # sp_size 1: the plugin takes tp_size for a mode inside tp (and warns when given another)
     assert (kw["enable_sequence_parallelism"], kw["sequence_parallelism_mode"], kw["sp_size"]) == (
         True,
@@ -119,8 +119,8 @@ def test_plugin_arguments_as_colossalai_expects():
         1,
     )
     assert kw["enable_flash_attention"] is True  # the causal ColoAttention path, not the maskless eager one
-    assert plugin_meta(st.plugin, st)["sp"] == {"mode": "split_gather", "size": 2}
-    plain = stage({**HP, "tp_size": 2})
+    assert plugin_meta(phase_cfg.plugin, phase_cfg)["sp"] == {"mode": "split_gather", "size": 2}
+    plain = phase_cfg_for({**HP, "tp_size": 2})
     assert "enable_sequence_parallelism" not in plugin_kwargs(
         plain.plugin, plain, ParallelLayout.of(plain, "cpt", cuda=False), False, {}
     )
@@ -130,33 +130,35 @@ def test_plugin_arguments_as_colossalai_expects():
 
 
 def test_refusals_name_the_requirement_and_the_modes_that_would_run():
-    ring_attn = refusals(stage({**HP, "sequence_parallelism": {"mode": "ring_attn", "size": 2}}))
+    ring_attn = refusals(phase_cfg_for({**HP, "sequence_parallelism": {"mode": "ring_attn", "size": 2}}))
     msg = ring_attn["cpt.plugin.sequence_parallelism.mode"]
     assert "ring_attn needs CUDA" in msg and "flash attention" in msg
     assert "set cpt.plugin.sequence_parallelism.mode: all_to_all" in msg
-    assert not refusals(stage({**HP, "sequence_parallelism": {"mode": "ring_attn", "size": 2}}), cuda=True)
+    assert not refusals(phase_cfg_for({**HP, "sequence_parallelism": {"mode": "ring_attn", "size": 2}}), cuda=True)
 
-    ring = refusals(stage({**HP, "tp_size": 2, "sequence_parallelism": {"mode": "ring"}}), cuda=True)
+    ring = refusals(phase_cfg_for({**HP, "tp_size": 2, "sequence_parallelism": {"mode": "ring"}}), cuda=True)
     assert "_ring_as_gather" in ring["cpt.plugin.sequence_parallelism.mode"]
 
-    no_tp = refusals(stage({**HP, "sequence_parallelism": {"mode": "split_gather"}}))
+    no_tp = refusals(phase_cfg_for({**HP, "sequence_parallelism": {"mode": "split_gather"}}))
     assert "runs inside tensor parallelism" in no_tp["cpt.plugin.sequence_parallelism.mode"]
     assert "set cpt.plugin.tp_size: 2" in no_tp["cpt.plugin.sequence_parallelism.mode"]
 
-    size = refusals(stage({**HP, "tp_size": 2, "sequence_parallelism": {"mode": "split_gather", "size": 4}}))
+    size = refusals(phase_cfg_for({**HP, "tp_size": 2, "sequence_parallelism": {"mode": "split_gather", "size": 4}}))
     assert "size must equal tp_size=2 or be unset" in size["cpt.plugin.sequence_parallelism.size"]
 
-    heads = refusals(stage({**HP, "sequence_parallelism": {"mode": "all_to_all", "size": 4}}, nproc=4))
+    heads = refusals(phase_cfg_for({**HP, "sequence_parallelism": {"mode": "all_to_all", "size": 4}}, nproc=4))
     assert "num_key_value_heads=2" in heads["cpt.plugin.sequence_parallelism.size"]
     assert "set cpt.plugin.sequence_parallelism.size: 2" in heads["cpt.plugin.sequence_parallelism.size"]
 
-    seq = refusals(stage({**HP, "sequence_parallelism": {"mode": "all_to_all", "size": 2}}, seq_len=63))
+    seq = refusals(phase_cfg_for({**HP, "sequence_parallelism": {"mode": "all_to_all", "size": 2}}, seq_len=63))
     assert "seq_len=63 must be a multiple" in seq["cpt.seq_len"]
 
-    ddp = refusals(stage({"name": "torch_ddp", "precision": "fp32", "sequence_parallelism": {"mode": "all_to_all"}}))
+    ddp = refusals(
+        phase_cfg_for({"name": "torch_ddp", "precision": "fp32", "sequence_parallelism": {"mode": "all_to_all"}})
+    )
     assert "needs plugin hybrid_parallel" in ddp["cpt.plugin.sequence_parallelism"]
 
-    sft = refusals(stage({**HP, "tp_size": 2, "sequence_parallelism": {"mode": "split_gather"}}), where="sft")
+    sft = refusals(phase_cfg_for({**HP, "tp_size": 2, "sequence_parallelism": {"mode": "split_gather"}}), where="sft")
     assert "in SFT a record is a row" in sft["sft.plugin.sequence_parallelism"]
 
 
@@ -169,13 +171,13 @@ def test_refusals_name_the_requirement_and_the_modes_that_would_run():
     ],
 )
 def test_families_refuse_what_their_policy_does_not_run(model_type, mode, words):
-    st = stage(
+    phase_cfg = phase_cfg_for(
         {**HP, "tp_size": 2, "sequence_parallelism": {"mode": mode, **({"size": 2} if mode != "split_gather" else {})}},
         nproc=4,
     )
-    field, msg = sp_family_problem({**LLAMA, "model_type": model_type}, st, "cpt")
+    field, msg = sp_family_problem({**LLAMA, "model_type": model_type}, phase_cfg, "cpt")
     assert field == "cpt.plugin.sequence_parallelism.mode" and words in msg, msg
-    assert sp_family_problem(LLAMA, st, "cpt") is None  # llama's policy runs every mode
+    assert sp_family_problem(LLAMA, phase_cfg, "cpt") is None  # llama's policy runs every mode
 
 
 def test_preflight_refuses_sequence_parallelism_on_mistral(tmp_path):
@@ -201,8 +203,10 @@ def test_estimate_divides_activations_by_the_sequence_group(ckpt):
     model = LLAMA3["Llama-3-8B"]
 
     def acts(plugin: dict[str, Any], seq_len: int = 32768) -> int:
-        st = stage({**plugin, "precision": "bf16"}, nproc=8, seq_len=seq_len, activation_checkpointing=ckpt)
-        return next(t.bytes for t in estimate(model, st, cuda=True).terms if t.what == "activations")
+        phase_cfg = phase_cfg_for(
+            {**plugin, "precision": "bf16"}, nproc=8, seq_len=seq_len, activation_checkpointing=ckpt
+        )
+        return next(t.bytes for t in estimate(model, phase_cfg, cuda=True).terms if t.what == "activations")
 
     hp = {"name": "hybrid_parallel"}
     whole = acts(hp)

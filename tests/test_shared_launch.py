@@ -23,8 +23,8 @@ from tests.conftest import tiny_config_raw
 def test_the_hand_off_file_is_a_go_or_a_stop_written_whole_and_cleared_before_a_launch(tmp_path):
     job = tmp_path / "cpt-shard.json"
     assert handoff.read(job) is None
-    handoff.write_go(job, tmp_path / "cpt-train.json", fault="kill@step=5@stage=cpt")
-    assert handoff.read(job) == {"job": str(tmp_path / "cpt-train.json"), "fault": "kill@step=5@stage=cpt"}
+    handoff.write_go(job, tmp_path / "cpt-train.json", fault="kill@step=5@phase=cpt")
+    assert handoff.read(job) == {"job": str(tmp_path / "cpt-train.json"), "fault": "kill@step=5@phase=cpt"}
     assert [p.name for p in tmp_path.iterdir()] == ["cpt-shard.json.go"]  # no temporary file left beside it
     handoff.write_stop(job, "stopped after boost_and_shard")
     assert handoff.read(job) == {"stop": "stopped after boost_and_shard"}
@@ -67,7 +67,7 @@ class _Local:
 
 
 def _live(job, job_path: Path, argv: list[str]) -> shared.SharedLaunch:
-    live = shared.HELD[job.stage] = shared.SharedLaunch(job.stage, job, job_path, _Local(subprocess.Popen(argv)))
+    live = shared.HELD[job.phase] = shared.SharedLaunch(job.phase, job, job_path, _Local(subprocess.Popen(argv)))
     return live
 
 
@@ -77,7 +77,7 @@ def test_the_train_stage_adopts_only_a_live_launch_of_its_layout_and_one_it_cann
     cfg = parse_config(tiny_config_raw(tmp_path / "model", tmp_path / "run"))
     job = Job(
         verb="shard",
-        stage="cpt",
+        phase="cpt",
         phase_cfg=cfg.cpt,
         trust_remote_code=False,
         model_dir=tmp_path / "model",

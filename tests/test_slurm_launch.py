@@ -78,7 +78,7 @@ def _job(cfg, tmp_path: Path, model_dir: Path, verb: str):
     data_dir = prepared_data(cfg.cpt.model_dump(mode="json"), "cpt", model_dir, tmp_path / "data-cpt")
     return Job(
         verb=verb,
-        stage="cpt",
+        phase="cpt",
         phase_cfg=cfg.cpt,
         trust_remote_code=cfg.base_model.trust_remote_code,
         model_dir=model_dir,

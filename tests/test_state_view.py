@@ -406,10 +406,10 @@ def test_the_card_lists_each_segment_of_a_stage_that_changed_layout(tmp_path):
     cfg = parse_config(tiny_config_raw(tmp_path / "m", tmp_path))
     two = record({"name": "low_level_zero", "zero": 2}, 2, 2, 4, 1)
     one = record({"name": "low_level_zero", "zero": 2}, 1, 1, 4, 2)
-    for stage in ("cpt", "sft"):
-        step = tmp_path / stage / f"step-{cfg.phase(stage).max_steps:06d}"
+    for phase in ("cpt", "sft"):
+        step = tmp_path / phase / f"step-{cfg.phase(phase).max_steps:06d}"
         (step / MANIFEST).parent.mkdir(parents=True)
-        segs = [{"from_step": 0, **two}, {"from_step": 4, **one}] if stage == "sft" else [{"from_step": 0, **two}]
+        segs = [{"from_step": 0, **two}, {"from_step": 4, **one}] if phase == "sft" else [{"from_step": 0, **two}]
         (step / "train_state.json").write_text(json.dumps({"losses": [2.0], "segments": segs}))
         (step / MANIFEST).write_text(json.dumps({"meta": {}}))
     card = model_card(cfg, {"meta": {}}, train_facts(cfg, {}, lambda rel: (tmp_path / rel).read_text()))

@@ -19,6 +19,8 @@
 - The stages are peers: no module of `tasks/stages/` imports another (what two stages share lives in
   `tasks/flowkit/` or `tasks/core/`), so they stand on one level of the import graph; `tasks/flowkit/`
   never imports a stage module.
+- A phase is a phase: no `Phase` or `PhaseConfig` is named `stage`/`st`, and the job file names its phase
+  `phase` (a stage is a row of the stage table).
 - The command line is one argument parser (flows/cli.py); `python -m flows.cpt_to_sft` is a command of it.
 - The pipeline is the stage table: each row bound to a task, the runbook spelling no stage name.
 """
@@ -817,7 +819,7 @@ def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
         with pytest.raises(ConfigError, match="tensor parallelism needs plugin hybrid_parallel"):
             raw["sft"]["plugin"] = {"name": "dummy_zero", "zero_stage": 1, "precision": "bf16", "tp_size": 2}
             parse_config(raw)
-        assert engine_plugins.make_plugin(cfg.sft.plugin, cfg.sft, stage="sft", cuda=False) == "plugin-object"
+        assert engine_plugins.make_plugin(cfg.sft.plugin, cfg.sft, phase="sft", cuda=False) == "plugin-object"
         assert built == [{"stage": 1, "dp": 2}]  # no kernel is a plugin argument under it: only its own ones
         # its row's kernel routes give it the model's own attention kernel and torch's fused AdamW
         facts = Facts(cuda=True, packages=frozenset({"flash_attn"}))
@@ -825,7 +827,7 @@ def test_a_fifth_plugin_is_one_registry_row_plus_one_builder():
             "flash attention: on (transformers flash_attention_2); fused optimizer: on (torch AdamW fused)"
         )
         # its `holds` give it an estimate, and its `lever` offers it to a layout that does not fit
-        shard = estimate(MODEL, cfg.sft, stage="sft").terms
+        shard = estimate(MODEL, cfg.sft, phase="sft").terms
         assert [(t.what, t.bytes) for t in shard[:2]] == [("weights", 4 * 139584), ("Adam moment shard", 8 * 69792)]
         ddp = cfg.sft.model_copy(update={"plugin": PluginConfig(name="torch_ddp", precision="bf16")})
         offered = fits_with(MODEL, ddp, "sft", capacity=10**12, cuda=False)
@@ -955,6 +957,53 @@ def test_the_stage_name_check_sees_a_literal_a_naming_position_and_a_row_that_is
         ROWS.unshrd  # noqa: B018 - the lookup is what is tested
 
 
+# A phase (cpt, sft, dpo: a `Phase` name, a `PhaseConfig` section) is never called a stage, the name of a
+# row of the stage table: no parameter, annotated local or field holding one is named `stage` or `st`.
+_PHASE_TYPES = re.compile(r"^(PhaseConfig|DpoConfig|Phase)( \| None)?$")
+
+
+def phase_called_stage(path: Path) -> list[str]:
+    out = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = n.args
+            named = [(x.arg, x.annotation, x.lineno) for x in a.posonlyargs + a.args + a.kwonlyargs]
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            named = [(n.target.id, n.annotation, n.lineno)]
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Attribute):
+            named = [(n.target.attr, n.annotation, n.lineno)]
+        else:
+            continue
+        for name, ann, line in named:
+            if name in ("stage", "st") and ann is not None and _PHASE_TYPES.match(ast.unparse(ann).strip("'\"")):
+                out.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{line} {name}")
+    return out
+
+
+def test_a_phase_is_called_a_phase_never_a_stage():
+    from dataclasses import fields
+
+    from tasks.core.run.job import Job
+    from tasks.engine.faults import Fault
+
+    found = [
+        hit for room in (*RULED, "tests") for p in sorted((ROOT / room).rglob("*.py")) for hit in phase_called_stage(p)
+    ]
+    assert not found, "a Phase or PhaseConfig named stage/st (call it phase, phase_cfg):\n" + "\n".join(found)
+    assert "phase" in Job.model_fields and "stage" not in Job.model_fields, "the job file names its phase `phase`"
+    assert {"phase", "part"} <= {f.name for f in fields(Fault)} and "stage" not in {f.name for f in fields(Fault)}
+
+
+def test_the_phase_name_check_sees_a_parameter_a_local_and_a_field(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        "def f(stage: Phase, st: 'PhaseConfig', phase_cfg: PhaseConfig, spec: Stage):\n"
+        "    st: PhaseConfig | None = None\n"
+        "class C:\n    stage: DpoConfig\n    st: str\n    stage_dir: PhaseConfig\n"
+    )
+    assert [h.split(":")[1] for h in phase_called_stage(src)] == ["1 stage", "1 st", "2 st", "4 stage"]
+
+
 def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(tiny_model_dir, tmp_path):
     """BACKENDS (tasks/core/config/backends.py) and RUNNERS (tasks/core/launch/torchrun.py) have the same keys; a
     registered backend is accepted by the config, its rendezvous rule comes from its row, and
@@ -982,7 +1031,7 @@ def test_every_launch_backend_has_a_runner_and_a_new_one_is_a_row_plus_a_runner(
             parse_config(raw)
         job = Job(
             verb="train",
-            stage="cpt",
+            phase="cpt",
             phase_cfg=cfg.cpt,
             trust_remote_code=False,
             model_dir=tiny_model_dir,

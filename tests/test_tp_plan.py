@@ -39,7 +39,7 @@ def meta_model(config_class: str, **fields):
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
-def _stage(plugin: dict):
+def _phase_cfg(plugin: dict):
     from tests.test_memory_estimate import stage
 
     return stage({"name": "hybrid_parallel", **plugin}, nproc=2)
@@ -130,8 +130,8 @@ def test_the_memory_estimate_keeps_rep_activations_whole_at_tp():
     qwen3 = {"model_type": "qwen3", **DENSE, "head_dim": 16}
 
     def ratio(mc):
-        one = estimate(mc, _stage({"tp_size": 1, "precision": "fp32"})).total("activations")
-        return estimate(mc, _stage({"tp_size": 2, "precision": "fp32"})).total("activations") / one
+        one = estimate(mc, _phase_cfg({"tp_size": 1, "precision": "fp32"})).total("activations")
+        return estimate(mc, _phase_cfg({"tp_size": 2, "precision": "fp32"})).total("activations") / one
 
     assert ratio(phi3) > ratio(qwen3) + 0.2, (ratio(phi3), ratio(qwen3))
 
@@ -150,7 +150,7 @@ def test_the_memory_estimate_keeps_rep_activations_whole_at_tp():
     ],
 )  # fmt: skip
 def test_preflight_admits_what_the_derived_policy_maps_and_refuses_the_rest(mc, plugin, field, words):
-    got = policy_problem(mc, _stage(plugin), "cpt")
+    got = policy_problem(mc, _phase_cfg(plugin), "cpt")
     if field is None:
         assert got is None, got
     else:
@@ -164,11 +164,11 @@ def test_the_memory_estimate_counts_the_gathered_logits_whole_on_every_rank(monk
     from tasks.core.preflight.memory import LOSS_BYTES_PER_LOGIT, estimate
 
     qwen3 = {"model_type": "qwen3", **DENSE, "head_dim": 16}
-    st = _stage({"tp_size": 2, "precision": "fp32"})
-    derived = estimate(qwen3, st).total("activations")
+    phase_cfg = _phase_cfg({"tp_size": 2, "precision": "fp32"})
+    derived = estimate(qwen3, phase_cfg).total("activations")
     monkeypatch.setitem(FAMILIES, "qwen3", replace(FAMILIES["qwen3"], shardformer_policy="vocab.parallel.Policy"))
-    split = estimate(qwen3, st).total("activations")
-    tokens = st.micro_batch_size * st.seq_len
+    split = estimate(qwen3, phase_cfg).total("activations")
+    tokens = phase_cfg.micro_batch_size * phase_cfg.seq_len
     assert derived - split == DENSE["vocab_size"] // 2 * LOSS_BYTES_PER_LOGIT * tokens
 
 

@@ -55,11 +55,11 @@ def test_flow_writes_tensorboard_and_one_mlflow_run_with_two_stage_runs(demo_run
     # params: the whole config, flattened, nothing that looks like a secret
     assert parent.data.params == flatten(load_config(config).model_dump(mode="json"))
     assert not [k for k in parent.data.params if re.search(r"(^|[._])(token|secret|password)($|[._])", k)]
-    for stage, child in children.items():
+    for phase, child in children.items():
         loss = sorted(client.get_metric_history(child.info.run_id, "loss"), key=lambda m: m.step)
-        assert [m.step for m in loss] == list(range(1, STEPS + 1)), stage
+        assert [m.step for m in loss] == list(range(1, STEPS + 1)), phase
         for key in ("lr", "grad_norm", "tokens_per_s", "step_s", "peak_mem_bytes"):
-            assert len(client.get_metric_history(child.info.run_id, key)) == STEPS, (stage, key)
+            assert len(client.get_metric_history(child.info.run_id, key)) == STEPS, (phase, key)
         assert child.info.status == "FINISHED"
     # the evaluation stages' metrics: the parent run and the evaluation artifacts' event files
     assert parent.data.metrics["eval.cpt.cpt.perplexity"] > 1 and parent.data.metrics["eval.sft.sft.loss"] > 0
@@ -72,8 +72,8 @@ def test_flow_writes_tensorboard_and_one_mlflow_run_with_two_stage_runs(demo_run
     assert "eval/sft.loss" in read_scalars(run_root / "eval" / "sft" / "tensorboard")
 
     # TensorBoard: one point per step per metric in both stages
-    for stage in ("cpt", "sft"):
-        scalars = read_scalars(run_root / stage / "tensorboard")
+    for phase in ("cpt", "sft"):
+        scalars = read_scalars(run_root / phase / "tensorboard")
         for tag in (
             "train/loss",
             "train/lr",
@@ -82,12 +82,12 @@ def test_flow_writes_tensorboard_and_one_mlflow_run_with_two_stage_runs(demo_run
             "perf/step_s",
             "perf/peak_mem_bytes",
         ):
-            assert [s for s, _ in scalars[tag]] == list(range(1, STEPS + 1)), (stage, tag)
+            assert [s for s, _ in scalars[tag]] == list(range(1, STEPS + 1)), (phase, tag)
 
     # the Prefect link: each progress artifact links to its stage's MLflow run
     progress = _progress_descriptions(flow_run_id)
-    for stage, child in children.items():
+    for phase, child in children.items():
         assert (
             f"[MLflow run]({mlflow_server.uri}/#/experiments/{child.info.experiment_id}/runs/{child.info.run_id})"
-            in progress[f"{stage}-progress"]
+            in progress[f"{phase}-progress"]
         )

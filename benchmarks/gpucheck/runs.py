@@ -245,7 +245,7 @@ def run_flow_kill(ctx: Ctx) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The flow with SFT killed after step K (1.5 checkpoint intervals); its launches' records and run.json."""
     rec1 = ctx.work / "records-run1.jsonl"
     env1 = base_env(ctx.work)
-    env1["CPT_TO_SFT_FAULT"] = f"kill@step={ctx.kill_step}@stage=sft"
+    env1["CPT_TO_SFT_FAULT"] = f"kill@step={ctx.kill_step}@phase=sft"
     p1 = run(ctx, "flow1-kill", flow_argv(ctx, rec1), ctx.timeouts["flow1"], env1)
     if p1.timed_out:
         argv = [PY, "-m", "flows.cpt_to_sft", "--config", str(ctx.config), "--run-root", str(ctx.run_root)]

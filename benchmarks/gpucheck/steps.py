@@ -278,8 +278,8 @@ def stage_table(run: dict[str, Any]) -> list[str]:
 
 
 def launches_of(recs: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    return [(r["verb"], r["stage"]) for r in recs if r["event"] == "launch"]
+    return [(r["verb"], r["phase"]) for r in recs if r["event"] == "launch"]
 
 
-def train_progress(recs: list[dict[str, Any]], stage: str) -> list[dict[str, Any]]:
-    return [r for r in recs if r["event"] == "progress" and r["stage"] == stage and r["verb"] == "train"]
+def train_progress(recs: list[dict[str, Any]], phase: str) -> list[dict[str, Any]]:
+    return [r for r in recs if r["event"] == "progress" and r["phase"] == phase and r["verb"] == "train"]

@@ -144,17 +144,17 @@ def cmd_flow(config: str, run_root: str, records_path: str) -> int:
             sink.flush()
 
         def recording(verb, job, *args, **kwargs):
-            stage, t0 = job.stage, time.monotonic()
-            write({"event": "launch", "verb": verb, "stage": stage})
+            phase, t0 = job.phase, time.monotonic()
+            write({"event": "launch", "verb": verb, "phase": phase})
             inner_progress, inner_event = kwargs.get("on_progress"), kwargs.get("on_event")
 
             def on_progress(rec):
-                write({**rec, "event": "progress", "verb": verb, "stage": stage})
+                write({**rec, "event": "progress", "verb": verb, "phase": phase})
                 if inner_progress:
                     inner_progress(rec)
 
             def on_event(kind, rec):
-                write({**rec, "event": kind, "verb": verb, "stage": stage})
+                write({**rec, "event": kind, "verb": verb, "phase": phase})
                 if inner_event:
                     inner_event(kind, rec)
 
@@ -166,7 +166,7 @@ def cmd_flow(config: str, run_root: str, records_path: str) -> int:
                     {
                         "event": "end",
                         "verb": verb,
-                        "stage": stage,
+                        "phase": phase,
                         "ok": False,
                         "seconds": round(time.monotonic() - t0, 2),
                         "error": str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__,
@@ -174,7 +174,7 @@ def cmd_flow(config: str, run_root: str, records_path: str) -> int:
                 )
                 raise
             write(
-                {"event": "end", "verb": verb, "stage": stage, "ok": True, "seconds": round(time.monotonic() - t0, 2)}
+                {"event": "end", "verb": verb, "phase": phase, "ok": True, "seconds": round(time.monotonic() - t0, 2)}
             )
             return result
 

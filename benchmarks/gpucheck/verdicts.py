@@ -129,7 +129,7 @@ def check_sft_checkpoint(ctx: Ctx, final_sft: Path, sft) -> None:
 
 def check_throughput(ctx: Ctx, r1, plain_progress, mc, cpt, skip: int) -> None:
     flow_progress = train_progress(r1, "cpt")
-    saves = {int(r["step"]) for r in r1 if r["event"] == "checkpoint" and r["stage"] == "cpt" and r["verb"] == "train"}
+    saves = {int(r["step"]) for r in r1 if r["event"] == "checkpoint" and r["phase"] == "cpt" and r["verb"] == "train"}
     if not flow_progress or not plain_progress:
         ctx.check("throughput", False, f"records missing: flow {len(flow_progress)}, plain {len(plain_progress)}")
         return
@@ -204,7 +204,7 @@ def check_same_kernels(ctx: Ctx, r1, plain: dict[str, Any]) -> None:
     """The flow's CPT training and the plain script ran the same kernels and activation checkpointing."""
     from tasks.core.config.kernels import describe
 
-    flow = next((r for r in r1 if r["event"] == "kernels" and r["stage"] == "cpt" and r["verb"] == "train"), {})
+    flow = next((r for r in r1 if r["event"] == "kernels" and r["phase"] == "cpt" and r["verb"] == "train"), {})
     ctx.figures["kernels_used"] = {
         "flow": flow.get("kernels"),
         "plain": plain.get("kernels"),

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # shard-train: a shard job, then the train stage's job when it adopts the launch (tasks/engine/handoff.py)
         job = load_job(args.config, verb="shard" if args.verb == "shard-train" else args.verb)
-        check_supported(job.phase_cfg.plugin, job.stage)
+        check_supported(job.phase_cfg.plugin, job.phase)
         if job.nodes is None:  # per-node staging checks what it stages, once the group is up
             check_inputs(job)
 
@@ -125,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
 
             job = node_staging.prepare(job)
             check_inputs(job)
-        faults = Injector(job.stage, job.stage_dir, rank, world)
+        faults = Injector(job.phase, job.stage_dir, rank, world)
         if rank == 0:
             rankio.say(
-                f"engine {args.verb} {job.stage}: world size {dist.get_world_size()}, "
+                f"engine {args.verb} {job.phase}: world size {dist.get_world_size()}, "
                 f"{'CUDA' if torch.cuda.is_available() else 'CPU (gloo), cpu_compat patched: ' + (', '.join(patched) or 'none')}",
                 DETAIL,
             )
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         if rank == 0:
             rankio.say(
-                f"engine {_running(args.verb)} {job.stage}: done in {time.monotonic() - started:.1f}s -> {result}",
+                f"engine {_running(args.verb)} {job.phase}: done in {time.monotonic() - started:.1f}s -> {result}",
                 DETAIL,
             )
         dist.destroy_process_group()

@@ -71,7 +71,7 @@ def _probe(state: KernelState, device: torch.device) -> None:
 
 def load_kernels(
     phase_cfg: Any,
-    stage: str,
+    phase: str,
     model_dir: Path,
     cuda: bool,
     device: torch.device,
@@ -80,7 +80,7 @@ def load_kernels(
 ) -> Kernels:
     """The registry's decision for this stage on this rank's machine, each kernel that is on tried
     once; one that fails is off ("failed to load: ...") with a warning naming it."""
-    states = resolve(phase_cfg, stage, Facts.detect(cuda=cuda, model_type=model_type(model_dir)))
+    states = resolve(phase_cfg, phase, Facts.detect(cuda=cuda, model_type=model_type(model_dir)))
     for name, state in list(states.items()):
         if not state.on or state.spec.via == "model":  # transformers checks those when it builds the model
             continue

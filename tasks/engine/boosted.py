@@ -104,7 +104,7 @@ class Engine:
         self.device = get_accelerator().get_current_device()
         # Each kernel the registry has on is tried on this device first; the plugin gets those that load.
         self.kernels = accel.load_kernels(
-            self.cfg, job.stage, job.model_dir, torch.cuda.is_available(), self.device, dist.get_rank()
+            self.cfg, job.phase, job.model_dir, torch.cuda.is_available(), self.device, dist.get_rank()
         )
         self.activation_checkpointing = False
         # what a policy row's family needs under a plugin that shards with its policy (policy_rows.shard_settings):
@@ -119,7 +119,7 @@ class Engine:
                 self.kernels[name] = KernelState(
                     state.spec, True, f"on ({state.spec.label}; {model_type}'s policy needs it)"
                 )
-        self.plugin = make_plugin(self.pcfg, self.cfg, stage=job.stage, kernels=self.kernels, model_type=model_type)
+        self.plugin = make_plugin(self.pcfg, self.cfg, phase=job.phase, kernels=self.kernels, model_type=model_type)
         self.layout = layout_of(self.plugin, self.pcfg)
         self.booster = Booster(plugin=self.plugin, mixed_precision=booster_mixed_precision(self.pcfg))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -251,12 +251,12 @@ class Engine:
 
     def boost(self, model: torch.nn.Module) -> None:
         cfg = self.cfg
-        check_model(self.cfg, model.config.to_dict(), self.job.stage)
+        check_model(self.cfg, model.config.to_dict(), self.job.phase)
         model.train()
         if not self.spec.dedupes_tied_weights and getattr(model.config, "tie_word_embeddings", False):
             weights.save_tied_once(model)
         self.activation_checkpointing = accel.checkpoint_activations(
-            model, cfg, self.job.stage
+            model, cfg, self.job.phase
         )  # before the plugin wraps it
         optimizer = make_optimizer(model, cfg, self.pcfg.name, **accel.optimizer_kwargs(self.kernels))
         scheduler = make_scheduler(optimizer, cfg)
@@ -382,7 +382,7 @@ class Engine:
         return self.reduce_loss(local if self.layout.holds_loss else None, bool(noticed and noticed()), sums)
 
     def _pair_loss(self):
-        if self.pair_loss is None and PHASES[self.job.stage].record == "pair":
+        if self.pair_loss is None and PHASES[self.job.phase].record == "pair":
             self.pair_loss = PairLoss(self.cfg, self.config.vocab_size, self.layout.tp_group)
         return self.pair_loss
 
@@ -438,8 +438,8 @@ class Engine:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        phase = lambda name: self.faults.before_save_phase(step, name)
-        phase("model")
+        part = lambda name: self.faults.before_save_part(step, name)
+        part("model")
         mib = ckpt.save_shard_mib(
             self.config.to_dict(), _DTYPES[self.weights_dtype].itemsize
         )  # bounds the save's gathered tensors
@@ -452,27 +452,27 @@ class Engine:
                 self.booster.save_model(
                     self.model, str(tmp / "model"), shard=True, use_safetensors=True, size_per_shard=mib
                 )
-            phase("optimizer")
+            part("optimizer")
             self.booster.save_optimizer(self.optimizer, str(tmp / "optimizer"), shard=True, size_per_shard=mib)
             kept = masters.save(self, tmp / MASTERS)  # fp32 masters of a mixed-precision stage; every piece's place
-        phase("lr_scheduler")
+        part("lr_scheduler")
         self.booster.save_lr_scheduler(self.scheduler, str(tmp / "lr_scheduler.pt"))
-        phase("rng")
+        part("rng")
         # Each rank writes its own generator state: its part of the checkpoint, on its own node.
         ckpt.write_rng(tmp / "rng", rank, ckpt.capture_rng())
-        phase("fingerprint")
+        part("fingerprint")
         logits = self.fingerprint(tmp / "model")
-        phase("state")
+        part("state")
         if rank == 0:
             fp = save_fingerprint(logits, tmp, dtype=self.weights_dtype)
             ckpt.write_json(tmp / ckpt.TRAIN_STATE, state)
         dist.barrier()  # every rank's files are on disk before the manifest covers them
         elsewhere = node_staging.publish_parts(job, tmp, final.name) if job.nodes is not None else {}
-        phase("manifest")
+        part("manifest")
         if rank == 0:
             losses = state["losses"]
             meta = {
-                "stage": job.stage,
+                "phase": job.phase,
                 "step": step,
                 "max_steps": self.cfg.max_steps,
                 "plugin": plugin_meta(self.pcfg, self.cfg),
@@ -506,7 +506,7 @@ class Engine:
                 fingerprint=fp,
                 other_files=elsewhere,
             )
-            phase("rename")
+            part("rename")
             ckpt.commit(tmp, final)
             if job.nodes is not None:
                 node_staging.publish_manifest(job, final)

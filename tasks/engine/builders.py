@@ -17,8 +17,8 @@ arguments) plus the flags of the kernels that are on (`tasks.core.config.kernels
 
     python -c "from tasks.engine.builders import plugin_kwargs; from tasks.core.config.kernels import Facts, resolve; \
 from tasks.core.config.layout import ParallelLayout; from tasks.core.config.schema import PhaseConfig, PluginConfig; \
-st = PhaseConfig.model_construct(plugin=PluginConfig(name='hybrid_parallel'), kernels={}, activation_checkpointing=False, grad_accum_steps=1); \
-print(plugin_kwargs(st.plugin, st, ParallelLayout('hybrid_parallel', 1, 1, 1, 1, 0, 'bf16', 1), True, resolve(st, 'cpt', Facts(cuda=True))))"
+phase_cfg = PhaseConfig.model_construct(plugin=PluginConfig(name='hybrid_parallel'), kernels={}, activation_checkpointing=False, grad_accum_steps=1); \
+print(plugin_kwargs(phase_cfg.plugin, phase_cfg, ParallelLayout('hybrid_parallel', 1, 1, 1, 1, 0, 'bf16', 1), True, resolve(phase_cfg, 'cpt', Facts(cuda=True))))"
 """
 
 from __future__ import annotations
@@ -57,15 +57,15 @@ __all__ = [
     "make_plugin",
     "num_microbatches",
     "offload_kwargs",
+    "phase_kernels",
     "plugin_kwargs",
     "plugin_meta",
     "sequence_kwargs",
-    "stage_kernels",
     "uses_autocast",
 ]
 
 
-def _stage_of(plugin_cfg: PluginConfig) -> PhaseConfig:
+def _phase_cfg_of(plugin_cfg: PluginConfig) -> PhaseConfig:
     """A PhaseConfig around a lone PluginConfig, for the rules that read only the plugin."""
     return PhaseConfig.model_construct(plugin=plugin_cfg)
 
@@ -73,9 +73,9 @@ def _stage_of(plugin_cfg: PluginConfig) -> PhaseConfig:
 def check_supported(plugin_cfg: PluginConfig, phase: Phase, cuda: bool | None = None) -> None:
     """Refuse layouts that cannot run on this machine, naming the config field and the fix."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    problems = layout_problems(_stage_of(plugin_cfg), phase, cuda=cuda, tiers=("device",))
+    problems = layout_problems(_phase_cfg_of(plugin_cfg), phase, cuda=cuda, tiers=("device",))
     if problems:
-        raise ConfigError(problems, header=f"stage {phase} cannot run on this machine")
+        raise ConfigError(problems, header=f"phase {phase} cannot run on this machine")
 
 
 def check_model(phase_cfg: PhaseConfig, model_config: dict[str, Any], phase: Phase) -> None:
@@ -88,7 +88,7 @@ def check_model(phase_cfg: PhaseConfig, model_config: dict[str, Any], phase: Pha
         if p
     ]
     if problems:
-        raise ConfigError(problems, header=f"stage {phase} cannot shard this model")
+        raise ConfigError(problems, header=f"phase {phase} cannot shard this model")
 
 
 # -- builders: one per registry row (tasks/core/config/plugins.py) ---------------------------------------
@@ -205,11 +205,11 @@ BUILDERS: dict[str, Builder] = {
 }
 
 
-def stage_kernels(
-    phase_cfg: PhaseConfig, stage: str, cuda: bool, model_type: str | None = None
+def phase_kernels(
+    phase_cfg: PhaseConfig, phase: str, cuda: bool, model_type: str | None = None
 ) -> dict[str, KernelState]:
     """The registry's decision for this stage on this machine (installed packages looked up, nothing loaded)."""
-    return resolve(phase_cfg, stage, Facts.detect(cuda=cuda, model_type=model_type))
+    return resolve(phase_cfg, phase, Facts.detect(cuda=cuda, model_type=model_type))
 
 
 def plugin_kwargs(
@@ -218,7 +218,7 @@ def plugin_kwargs(
     layout: ParallelLayout,
     cuda: bool,
     kernels: Mapping[str, KernelState],
-    stage: str = "stage",
+    phase: str = "phase",
     model_type: str | None = None,
 ) -> dict[str, Any]:
     """Every argument the plugin is built with: its builder's, its memory savers (`PluginSpec.offload`,
@@ -226,7 +226,7 @@ def plugin_kwargs(
     on and pass through the plugin (`tasks.core.config.kernels`, via "plugin"), plus, for a plugin that
     shards with a policy, the shardformer flags the model family's policy row needs whatever the kernels
     say (`policy_rows.shard_settings`: Cohere's and GPT-2's forwards run only with flash attention on)."""
-    builder = _builder(plugin_cfg, stage)
+    builder = _builder(plugin_cfg, phase)
     return {
         **builder.kwargs(plugin_cfg, phase_cfg, layout, cuda),
         **offload_kwargs(plugin_cfg),
@@ -276,24 +276,24 @@ def build_plugin(
     layout: ParallelLayout,
     cuda: bool,
     kernels: Mapping[str, KernelState] | None = None,
-    stage: str = "stage",
+    phase: str = "phase",
     model_type: str | None = None,
 ):
     """The plugin object from `plugin_kwargs`. Needs an initialized process group."""
-    builder = _builder(plugin_cfg, stage)
+    builder = _builder(plugin_cfg, phase)
     if builder.patch is not None:
         builder.patch()
     factory = builder.factory
     if isinstance(factory, str):
         module, _, name = factory.partition(":")
         factory = getattr(importlib.import_module(module), name)
-    return factory(**plugin_kwargs(plugin_cfg, phase_cfg, layout, cuda, kernels or {}, stage, model_type))
+    return factory(**plugin_kwargs(plugin_cfg, phase_cfg, layout, cuda, kernels or {}, phase, model_type))
 
 
 def make_plugin(
     plugin_cfg: PluginConfig,
     phase_cfg: PhaseConfig,
-    stage: str = "stage",
+    phase: str = "phase",
     cuda: bool | None = None,
     kernels: Mapping[str, KernelState] | None = None,
     model_type: str | None = None,
@@ -302,12 +302,12 @@ def make_plugin(
     the stage's kernels as the engine loaded them (`tasks.engine.accel`); None resolves them here.
     `model_type`: config.json's, for the shardformer flags its policy row needs."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    check_supported(plugin_cfg, stage, cuda)
-    layout = ParallelLayout.of(phase_cfg, stage, cuda=cuda, tiers=("static", "batch", "device"))
-    _builder(plugin_cfg, stage)
+    check_supported(plugin_cfg, phase, cuda)
+    layout = ParallelLayout.of(phase_cfg, phase, cuda=cuda, tiers=("static", "batch", "device"))
+    _builder(plugin_cfg, phase)
     if kernels is None:
-        kernels = stage_kernels(phase_cfg, stage, cuda)
-    return build_plugin(plugin_cfg, phase_cfg, layout, cuda, kernels, stage, model_type)
+        kernels = phase_kernels(phase_cfg, phase, cuda)
+    return build_plugin(plugin_cfg, phase_cfg, layout, cuda, kernels, phase, model_type)
 
 
 @dataclass(frozen=True)

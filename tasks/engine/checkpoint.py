@@ -15,7 +15,7 @@ rank 0 wrote the manifest LAST):
     rng/rank-NNNNN.json       python `random` and numpy states of every rank, as JSON
     rng/rank-NNNNN.safetensors  torch CPU generator state (and CUDA's where present) of every rank
     train_state.json          step, tokens_seen, sampler position (epoch, offset, seed), per-step
-                              losses and learning rates so far (full precision), stage
+                              losses and learning rates so far (full precision), phase
     .cpt-to-sft/fingerprint.npy  logits on the fixed probe batch (tasks.core.models.fingerprint)
     .cpt-to-sft/manifest.json    tasks.core.run.manifest.write_manifest: every file with size + sha256
 
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from tasks.core.config.phases import PHASES
+from tasks.core.config.phases import PHASES, phase_of
 from tasks.core.errors import ConversionError, ManifestError
 from tasks.core.models.families import largest_tensor
 from tasks.core.run.manifest import MANIFEST, fsync_dir, verify_artifact
@@ -117,27 +117,27 @@ class ResumePoint:
     manifest: dict[str, Any] = field(default_factory=dict)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (newer directory, why not used)
 
-    def announce(self, stage: str) -> str:
+    def announce(self, phase: str) -> str:
         """The log line of where training begins: step 0 is the sharded base (a fresh start), any other
         step a resume."""
         assert self.path is not None
         newer = f", skipping {len(self.skipped)} newer unusable one(s) listed above" if self.skipped else ""
         if not self.step:
-            return f"starting {stage} from {self.path.name}: {step_zero(stage)}{newer}"
-        return f"resuming {stage} from {self.path.name}: the newest checkpoint whose manifest verifies{newer}"
+            return f"starting {phase} from {self.path.name}: {step_zero(phase)}{newer}"
+        return f"resuming {phase} from {self.path.name}: the newest checkpoint whose manifest verifies{newer}"
 
 
-def step_zero(stage: str) -> str:
+def step_zero(phase: str) -> str:
     """What a training stage's step 0 holds: the base model, or the model an earlier stage made (cpt/hf for SFT),
     sharded for this stage's plugin."""
-    source = TRAINING[stage].source if stage in TRAINING else BASE
+    source = TRAINING[phase].source if phase in TRAINING else BASE
     if source == BASE:
         return "the sharded base model"
     made_by = next((PHASES[p].title for p, t in TRAINING.items() if t.hf == source), None)
-    return f"the {made_by + ' model' if made_by else 'model'} ({source}), sharded for {stage}"
+    return f"the {made_by + ' model' if made_by else 'model'} ({source}), sharded for {phase}"
 
 
-def check_checkpoint(path: Path, step: int, stage: str, config_digest: str | None) -> dict[str, Any]:
+def check_checkpoint(path: Path, step: int, phase: str, config_digest: str | None) -> dict[str, Any]:
     """The manifest of a usable checkpoint, or ManifestError saying why it is not usable."""
     manifest = verify_artifact(path, deep=True)
     meta = manifest.get("meta") or {}
@@ -145,8 +145,8 @@ def check_checkpoint(path: Path, step: int, stage: str, config_digest: str | Non
         raise ManifestError(f"{path}: manifest kind is {manifest.get('kind')!r}, not {KIND!r}")
     if meta.get("step") != step:
         raise ManifestError(f"{path}: manifest says step {meta.get('step')!r} but the directory is {path.name}")
-    if meta.get("stage") != stage:
-        raise ManifestError(f"{path}: checkpoint of stage {meta.get('stage')!r}, this job trains {stage!r}")
+    if phase_of(meta) != phase:
+        raise ManifestError(f"{path}: checkpoint of phase {phase_of(meta)!r}, this job trains {phase!r}")
     if config_digest is not None and manifest.get("config_digest") != config_digest:
         raise ManifestError(
             f"{path}: made from config digest {str(manifest.get('config_digest'))[:12]}, this job has "
@@ -161,13 +161,13 @@ def check_checkpoint(path: Path, step: int, stage: str, config_digest: str | Non
     return manifest
 
 
-def find_resume(stage_dir: Path, stage: str, config_digest: str | None) -> ResumePoint:
+def find_resume(stage_dir: Path, phase: str, config_digest: str | None) -> ResumePoint:
     """The newest checkpoint whose manifest verifies (sha256 of every file), and why newer ones
     were skipped. Older checkpoints are not verified once a usable one is found."""
     skipped: list[tuple[str, str]] = []
     for step, path in list_steps(stage_dir):
         try:
-            manifest = check_checkpoint(path, step, stage, config_digest)
+            manifest = check_checkpoint(path, step, phase, config_digest)
         except ManifestError as exc:
             skipped.append((path.name, str(exc)))
             continue
@@ -310,7 +310,7 @@ def _main(argv: list[str]) -> int:
             st = read_train_state(path)
             loss = st["losses"][-1] if st.get("losses") else None
             print(
-                f"{path.name}: complete ({len(m['files'])} files), stage={m['meta'].get('stage')} "
+                f"{path.name}: complete ({len(m['files'])} files), phase={phase_of(m['meta'])} "
                 f"tokens={st.get('tokens_seen')} loss={loss}"
             )
         except (ManifestError, OSError, KeyError, json.JSONDecodeError) as exc:

@@ -1,4 +1,4 @@
-"""Fault injection for the resume tests: make a rank die or a stage fail at an exact point.
+"""Fault injection for the resume tests: make a rank die or a training launch fail at an exact point.
 
 Set `CPT_TO_SFT_FAULT` in the environment of the engine (the Prefect train task passes it on):
 
@@ -18,20 +18,20 @@ Grammar: one or more specs separated by ';', each `ACTION@TRIGGER[@OPTION...]`:
                     however fast the steps are (step triggers only)
     TRIGGER  step=K          at the start of step K+1 of `train`, i.e. after step K finished and
                              the checkpoint of step K (if K is a checkpoint step) was committed
-             save=K:PHASE    inside the save of the checkpoint of step K, right before PHASE, one of
+             save=K:PART     inside the save of the checkpoint of step K, right before PART, one of
                              model, optimizer, lr_scheduler, rng, fingerprint, state, manifest, rename
-                             (everything before PHASE is on disk in `.step-K.tmp`; the manifest is
+                             (everything before PART is on disk in `.step-K.tmp`; the manifest is
                              written at `manifest`, the directory renamed at `rename`)
-             stage=S         at the start of the `train` verb of stage S (cpt or sft)
-    OPTION   stage=S         only in stage S (for step/save triggers)
+             phase=P         at the start of the `train` verb of phase P (cpt, sft or dpo)
+    OPTION   phase=P         only in phase P (for step/save triggers)
              rank=R          the rank that acts for `kill` (default: rank 1, or 0 with one rank;
-                             rank 0 for the manifest and rename phases, which only rank 0 runs)
+                             rank 0 for the manifest and rename parts, which only rank 0 runs)
 
-Examples: `kill@step=3@stage=cpt`, `kill@save=6:optimizer`, `kill@save=6:manifest`,
-`fail@stage=sft`, `fail@step=4@stage=sft`.
+Examples: `kill@step=3@phase=cpt`, `kill@save=6:optimizer`, `kill@save=6:manifest`,
+`fail@phase=sft`, `fail@step=4@phase=sft`.
 
-Each spec fires ONCE per stage directory: before acting, the acting rank records it in
-`<stage_dir>/.faults/<digest of the spec>`, so a retry of the same stage (same environment)
+Each spec fires ONCE per checkpoint directory: before acting, the acting rank records it in
+`<stage_dir>/.faults/<digest of the spec>`, so a retry of the same phase (same environment)
 resumes instead of failing again. Delete that directory to re-arm.
 """
 
@@ -51,8 +51,8 @@ from tasks.core.run.events import ERROR
 from tasks.engine import rankio
 
 ENV = "CPT_TO_SFT_FAULT"
-SAVE_PHASES = ("model", "optimizer", "lr_scheduler", "rng", "fingerprint", "state", "manifest", "rename")
-_RANK0_PHASES = ("manifest", "rename")
+SAVE_PARTS = ("model", "optimizer", "lr_scheduler", "rng", "fingerprint", "state", "manifest", "rename")
+_RANK0_PARTS = ("manifest", "rename")
 _SIGNALS = {"term": signal.SIGTERM, "usr1": signal.SIGUSR1}  # a notice, sent to the acting rank itself
 _ACTIONS = ("kill", "fail", "hold", "shutdown", *_SIGNALS)
 # A hold whose notice never comes ends and training goes on: the test then fails on what it asserts, not on a hang.
@@ -63,16 +63,16 @@ HOLD_S = 300.0
 class Fault:
     spec: str
     action: str  # kill | fail | hold | term | usr1
-    trigger: str  # step | save | stage
+    trigger: str  # step | save | phase
     step: int | None = None
-    phase: str | None = None
-    stage: str | None = None
+    part: str | None = None  # of a save (SAVE_PARTS)
+    phase: str | None = None  # cpt, sft or dpo: the training phase it fires in (None: any)
     rank: int | None = None
 
     def acting_rank(self, world_size: int) -> int:
         if self.rank is not None:
             return self.rank
-        if self.action == "shutdown" or (self.trigger == "save" and self.phase in _RANK0_PHASES):
+        if self.action == "shutdown" or (self.trigger == "save" and self.part in _RANK0_PARTS):
             return 0
         return 1 if world_size > 1 else 0
 
@@ -100,22 +100,22 @@ def parse(value: str | None) -> list[Fault]:
                 if key == "step":
                     fields.update(trigger="step", step=_int(val, spec))
                 elif key == "save":
-                    k, colon, phase = val.partition(":")
-                    if not colon or phase not in SAVE_PHASES:
+                    k, colon, part = val.partition(":")
+                    if not colon or part not in SAVE_PARTS:
                         raise ValueError(
-                            f"{ENV}: {spec!r}: save trigger is save=K:PHASE with PHASE one of {', '.join(SAVE_PHASES)}"
+                            f"{ENV}: {spec!r}: save trigger is save=K:PART with PART one of {', '.join(SAVE_PARTS)}"
                         )
-                    fields.update(trigger="save", step=_int(k, spec), phase=phase)
-                elif key == "stage":
-                    fields.update(trigger="stage", stage=_stage(val, spec))
+                    fields.update(trigger="save", step=_int(k, spec), part=part)
+                elif key == "phase":
+                    fields.update(trigger="phase", phase=_phase(val, spec))
                 else:
-                    raise ValueError(f"{ENV}: {spec!r}: trigger must be step=K, save=K:PHASE or stage=S, got {key!r}")
-            elif key == "stage":
-                fields["stage"] = _stage(val, spec)
+                    raise ValueError(f"{ENV}: {spec!r}: trigger must be step=K, save=K:PART or phase=P, got {key!r}")
+            elif key == "phase":
+                fields["phase"] = _phase(val, spec)
             elif key == "rank":
                 fields["rank"] = _int(val, spec)
             else:
-                raise ValueError(f"{ENV}: {spec!r}: unknown option {key!r} (stage=S or rank=R)")
+                raise ValueError(f"{ENV}: {spec!r}: unknown option {key!r} (phase=P or rank=R)")
         if action == "hold" and fields.get("trigger") != "step":
             raise ValueError(f"{ENV}: {spec!r}: hold takes a step=K trigger (it waits between steps)")
         out.append(Fault(**fields))
@@ -132,20 +132,20 @@ def _int(val: str, spec: str) -> int:
     return n
 
 
-def _stage(val: str, spec: str) -> str:
+def _phase(val: str, spec: str) -> str:
     if val not in PHASES:
-        raise ValueError(f"{ENV}: {spec!r}: stage must be {' or '.join(PHASES)}, got {val!r}")
+        raise ValueError(f"{ENV}: {spec!r}: phase must be {' or '.join(PHASES)}, got {val!r}")
     return val
 
 
 class Injector:
     """Holds the parsed faults of this process; the engine calls the three hooks below."""
 
-    def __init__(self, stage: str, stage_dir: str | Path, rank: int, world_size: int, value: str | None = None):
-        self.stage, self.rank, self.world_size = stage, rank, world_size
+    def __init__(self, phase: str, stage_dir: str | Path, rank: int, world_size: int, value: str | None = None):
+        self.phase, self.rank, self.world_size = phase, rank, world_size
         self.marks = Path(stage_dir) / ".faults"
         raw = os.environ.get(ENV) if value is None else value
-        self.faults = [f for f in parse(raw) if f.stage in (None, stage)]
+        self.faults = [f for f in parse(raw) if f.phase in (None, phase)]
         # Which faults already fired in an earlier attempt, read once now: the engine builds the
         # Injector before the process-group rendezvous, so every rank sees the same answer even
         # when another rank of this attempt records a fault first.
@@ -155,7 +155,7 @@ class Injector:
         return self.marks / hashlib.sha256(f.spec.encode()).hexdigest()[:16]
 
     def at_start(self) -> None:
-        self._fire([f for f in self.faults if f.trigger == "stage"], "at the start of training")
+        self._fire([f for f in self.faults if f.trigger == "phase"], "at the start of training")
 
     def after_step(self, step: int, noticed: Callable[[], bool] = lambda: False) -> None:
         due = [f for f in self.faults if f.trigger == "step" and f.step == step]
@@ -168,10 +168,10 @@ class Injector:
                     time.sleep(0.05)
         self._fire([f for f in due if f.action != "hold"], f"after step {step}")
 
-    def before_save_phase(self, step: int, phase: str) -> None:
+    def before_save_part(self, step: int, part: str) -> None:
         self._fire(
-            [f for f in self.faults if f.trigger == "save" and f.step == step and f.phase == phase],
-            f"in the save of step {step}, before {phase}",
+            [f for f in self.faults if f.trigger == "save" and f.step == step and f.part == part],
+            f"in the save of step {step}, before {part}",
         )
 
     def _fire(self, faults: list[Fault], where: str) -> None:
@@ -181,7 +181,7 @@ class Injector:
             mark = self._mark_path(f)
             if f.action == "fail":
                 self._mark(mark, f)
-                raise RuntimeError(f"injected failure {f.spec!r} ({ENV}) {where} of stage {self.stage}")
+                raise RuntimeError(f"injected failure {f.spec!r} ({ENV}) {where} of phase {self.phase}")
             if self.rank == f.acting_rank(self.world_size) and f.action == "shutdown":
                 self._mark(mark, f)
                 rankio.say(f"injected shutdown {f.spec!r} ({ENV}): SIGTERM to every process of the run {where}")
@@ -194,7 +194,7 @@ class Injector:
                 self._mark(mark, f)
                 # At error level: a SIGKILLed rank says nothing else, and this line is the cause.
                 rankio.say(
-                    f"injected fault {f.spec!r} ({ENV}): rank {self.rank} SIGKILLs itself {where} of stage {self.stage}",
+                    f"injected fault {f.spec!r} ({ENV}): rank {self.rank} SIGKILLs itself {where} of phase {self.phase}",
                     ERROR,
                 )
                 sys.stdout.flush()

@@ -49,11 +49,11 @@ def shard_then_train(job: Job, faults: Injector, job_path: str | Path) -> Path |
     result = loop.shard(job, faults)
     gc.collect()  # the shard's model and optimizer: gone before the training's are built
     dist.barrier()  # every rank's part of step-000000 written and its manifest committed by rank 0
-    emit(SHARDED, {"stage": job.stage, "checkpoint": str(result)})
+    emit(SHARDED, {"phase": job.phase, "checkpoint": str(result)})
     t0 = time.monotonic()
     rec = _await(job_path)
     if "stop" in rec:
-        log(f"shared launch of {job.stage}: not training ({rec['stop']})", detail=True)
+        log(f"shared launch of {job.phase}: not training ({rec['stop']})", detail=True)
         return result
     train_job = load_job(rec["job"], verb="train")
     why = handoff.mismatch(job, train_job)
@@ -61,8 +61,8 @@ def shard_then_train(job: Job, faults: Injector, job_path: str | Path) -> Path |
         raise ValueError(f"{rec['job']}: the train job cannot run in this shared launch: {why}")
     check_inputs(train_job)
     rank, world = dist.get_rank(), dist.get_world_size()
-    train_faults = Injector(train_job.stage, train_job.stage_dir, rank, world, value=rec.get("fault") or "")
+    train_faults = Injector(train_job.phase, train_job.stage_dir, rank, world, value=rec.get("fault") or "")
     dist.barrier()  # every rank read which faults already fired before any of them fires one
     running[0] = "train"
-    log(f"shared launch of {job.stage}: training adopted {time.monotonic() - t0:.2f}s after step 0", detail=True)
+    log(f"shared launch of {job.phase}: training adopted {time.monotonic() - t0:.2f}s after step 0", detail=True)
     return loop.train(train_job, train_faults)

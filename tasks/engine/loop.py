@@ -79,10 +79,10 @@ class StageData:
 
         cfg = job.phase_cfg
         self.dataset = TokenDataset(job.data_dir, seq_len=cfg.seq_len)
-        if self.dataset.kind != job.stage:
+        if self.dataset.kind != job.phase:
             raise ValueError(
-                f"{job.data_dir} holds {self.dataset.kind} data, but this is the {job.stage} stage: point data_dir at "
-                f"data/{job.stage}"
+                f"{job.data_dir} holds {self.dataset.kind} data, but this is the {job.phase} phase: point data_dir at "
+                f"data/{job.phase}"
             )
         self.num_items = len(self.dataset)
         if self.num_items == 0:
@@ -117,7 +117,7 @@ class StageData:
             group = Packs(self.lengths, self.seq_len)
         elif rows and self.batching.groups_by_length:
             group = LengthGroups(self.lengths, self.per_rank * dp_size)
-        check_plan(self.dataset.index, blend_plan(cfg, job.stage), job.data_dir, job.stage)
+        check_plan(self.dataset.index, blend_plan(cfg, job.phase), job.data_dir, job.phase)
         self.sampler = ResumableSampler(
             self.num_items, dp_rank, dp_size, seed=cfg.seed, group=group, stream=self.dataset.blend()
         )
@@ -125,7 +125,7 @@ class StageData:
     def check_vocab(self, vocab_size: int, job: Job) -> None:
         # The task compared the tokenizer fingerprints before launching; here the model as built.
         check_fits_model(
-            self.dataset.index, job.data_dir, job.model_dir, job.stage, vocab_size=vocab_size, fingerprint=False
+            self.dataset.index, job.data_dir, job.model_dir, job.phase, vocab_size=vocab_size, fingerprint=False
         )
 
     def next_batch(self) -> tuple[list[dict[str, torch.Tensor]], int, int]:
@@ -169,7 +169,7 @@ def _with_adapter(eng: Engine, job: Job, model: torch.nn.Module, adapter_dir: Pa
     trainable and total parameters go to the log, every progress record and the checkpoint meta."""
     if job.phase_cfg.lora is None:
         return model
-    lora.check_targets(model, job.phase_cfg.lora, job.stage)
+    lora.check_targets(model, job.phase_cfg.lora, job.phase)
     model = lora.enable(eng.booster, model, job.phase_cfg.lora, adapter_dir)
     adapted = lora.record_adapted(model)
     counts = lora.param_counts(model)
@@ -196,7 +196,7 @@ def _log_construction(peak: HostPeak, what: str) -> None:
 
 def _initial_state(job: Job, sampler_state: dict[str, int], lr: float) -> dict[str, Any]:
     return {
-        "stage": job.stage,
+        "phase": job.phase,
         "step": 0,
         "max_steps": job.phase_cfg.max_steps,
         "tokens_seen": 0,
@@ -244,14 +244,14 @@ def find_start(job: Job) -> ckpt.ResumePoint:
         removed = ckpt.remove_leftovers(job.stage_dir)
         if removed:
             log(f"removed unfinished saves: {', '.join(removed)}")
-        box[0] = ckpt.find_resume(job.stage_dir, job.stage, job.config_digest)
+        box[0] = ckpt.find_resume(job.stage_dir, job.phase, job.config_digest)
     dist.broadcast_object_list(box, src=0)
     rp: ckpt.ResumePoint = box[0]
     for name, why in rp.skipped:
         log(f"not resuming from {name}: {why}")
     if rp.step is None:
         raise ManifestError(
-            f"{job.stage_dir}: no complete checkpoint to start {job.stage} training from"
+            f"{job.stage_dir}: no complete checkpoint to start {job.phase} training from"
             + (
                 f" ({len(rp.skipped)} incomplete or corrupt: {', '.join(n for n, _ in rp.skipped)})"
                 if rp.skipped
@@ -259,7 +259,7 @@ def find_start(job: Job) -> ckpt.ResumePoint:
             )
             + "; run the shard verb (boost_and_shard / reboost) first"
         )
-    log(rp.announce(job.stage))
+    log(rp.announce(job.phase))
     try:  # a family row's word on the attention it trains with, beside transformers' warning at the first step
         note = attention_note(json.loads((job.model_dir / "config.json").read_text()))
     except (OSError, ValueError):
@@ -289,9 +289,9 @@ def _kept(job: Job, rp: ckpt.ResumePoint) -> Job:
     dp = max(1, world // (p.tp_size * p.pp_size * sp_factor(p)))
     if cfg.micro_batch_size * cfg.grad_accum_steps * dp == was:
         return job
-    kept = keep_global_batch(cfg, job.stage, was, dp, world)
+    kept = keep_global_batch(cfg, job.phase, was, dp, world)
     log(
-        f"{job.stage}.elastic.keep_global_batch: grad_accum_steps {cfg.grad_accum_steps} -> {kept.grad_accum_steps} "
+        f"{job.phase}.elastic.keep_global_batch: grad_accum_steps {cfg.grad_accum_steps} -> {kept.grad_accum_steps} "
         f"on {world} rank(s) (dp {dp}), the global batch of {rp.path.name}: {was} sequences"
     )
     return job.model_copy(update={"phase_cfg": kept})
@@ -306,7 +306,7 @@ def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
     marks["found"] = time.time()
     if rp.step >= cfg.max_steps:
         log(
-            f"{rp.path.name} is at step {rp.step} >= max_steps={cfg.max_steps}: {job.stage} training is complete, "
+            f"{rp.path.name} is at step {rp.step} >= max_steps={cfg.max_steps}: {job.phase} training is complete, "
             "nothing to do"
         )
         return rp.path
@@ -341,7 +341,7 @@ def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
     runs = list(state.get("segments") or [{"from_step": 0, **was}])
     if not segments.same_layout(runs[-1], now):
         log(
-            f"{job.stage}: resuming {rp.path.name}, written under {segments.describe(was)}, under "
+            f"{job.phase}: resuming {rp.path.name}, written under {segments.describe(was)}, under "
             f"{segments.describe(now)}: "
             "model and optimizer re-sharded from the checkpoint's whole tensors"
         )
@@ -391,7 +391,7 @@ def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
         )
         if not math.isfinite(loss):
             raise FloatingPointError(
-                f"{job.stage} loss is {loss} at step {step} (lr {lr}); lower {job.stage}.lr or check the data"
+                f"{job.phase} loss is {loss} at step {step} (lr {lr}); lower {job.phase}.lr or check the data"
             )
         losses.append(loss)
         lrs.append(lr)
@@ -404,7 +404,7 @@ def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
         emit(
             PROGRESS,
             {
-                "stage": job.stage,
+                "phase": job.phase,
                 "step": step,
                 "total": cfg.max_steps,
                 "loss": loss,
@@ -427,7 +427,7 @@ def _train(job: Job, faults: Injector, watch: Watch) -> Path | None:
         if periodic or eng.notice_agreed:
             sampler_state = data.sampler.state_dict()
             state = {
-                "stage": job.stage,
+                "phase": job.phase,
                 "step": step,
                 "max_steps": cfg.max_steps,
                 "tokens_seen": tokens,
@@ -466,7 +466,7 @@ def _stop_on_notice(eng: Engine, watch: Watch, step: int, state: dict[str, Any],
     m = STEP_RE.match(Path(str(last)).name)
     committed = int(m.group(1)) if m else None
     record = {
-        "stage": eng.job.stage,
+        "phase": eng.job.phase,
         "source": source,
         "grace_s": grace,
         "noticed_step": step,
@@ -485,7 +485,7 @@ def _stop_on_notice(eng: Engine, watch: Watch, step: int, state: dict[str, Any],
         )
     emit(PREEMPTED, record)
     raise Preempted(
-        f"{eng.job.stage} preempted ({source}) after step {step}: {Path(str(last)).name} committed "
+        f"{eng.job.phase} preempted ({source}) after step {step}: {Path(str(last)).name} committed "
         + (f"{record['notice_to_commit_s']:.1f}s after the notice, " if saved else "before the notice, ")
         + f"grace {grace:g}s; steps lost {record['steps_lost']}",
         record=record,

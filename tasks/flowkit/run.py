@@ -346,7 +346,7 @@ def _preempted(cfg: RunConfig, spec: StageSpec, exc: Preempted, before: list) ->
 def preemption_policy(cfg: RunConfig, exc: Preempted) -> Policy:
     """The retry policy of the preempted stage's phase (the engine's record names it); for a stage that
     does not train, of the phases that listen for the notice's source (the tighter of their bounds)."""
-    phase = exc.record.get("stage")
+    phase = exc.record.get("phase")
     if phase in TRAINING:
         el = cfg.phase(phase).elastic
         return Policy(el.max_preemptions, el.retry_wait_s)

@@ -71,8 +71,8 @@ class Progress:
     `kernels: flash attention: off: no CUDA; …; activation checkpointing: on`.
     """
 
-    def __init__(self, stage: str, total: int, min_interval: float = 2.0, links: dict[str, str] | None = None):
-        self.stage, self.total, self.min_interval = stage, max(total, 1), min_interval
+    def __init__(self, phase: str, total: int, min_interval: float = 2.0, links: dict[str, str] | None = None):
+        self.phase, self.total, self.min_interval = phase, max(total, 1), min_interval
         self.links = "".join(f" · [{text}]({url})" for text, url in (links or {}).items())
         self._last = float("-inf")  # the first record always goes out
         self._id = None
@@ -82,7 +82,7 @@ class Progress:
         self._kernels = ""
         try:
             self._id = create_progress_artifact(
-                0.0, key=_key(f"{stage}-progress"), description=f"{stage.upper()}: step 0 / {self.total}"
+                0.0, key=_key(f"{phase}-progress"), description=f"{phase.upper()}: step 0 / {self.total}"
             )
         except Exception as exc:
             warn_view_failure("progress artifact", exc)
@@ -102,7 +102,7 @@ class Progress:
             )
             _log_warning(
                 "%s training waits before saving step %s: %d checkpoint(s) still uploading (max_pending_publishes=%s)",
-                self.stage.upper(),
+                self.phase.upper(),
                 step,
                 n,
                 cap,
@@ -111,7 +111,7 @@ class Progress:
             self._waiting = ""
             _log_warning(
                 "%s training resumed after waiting %.1fs for checkpoint uploads before step %s",
-                self.stage.upper(),
+                self.phase.upper(),
                 float(record.get("waited_s", 0)),
                 step,
             )
@@ -131,7 +131,7 @@ class Progress:
         self._last, self._pending = time.monotonic(), None
         step = int(record.get("step", 0))
         loss = record.get("loss")
-        text = f"{self.stage.upper()}: step {step} / {self.total}"
+        text = f"{self.phase.upper()}: step {step} / {self.total}"
         if isinstance(loss, (int, float)) and math.isfinite(loss):
             text += f", loss {loss:.4f}"
         pad = record.get("padding_frac")
@@ -154,14 +154,14 @@ class DataProgress:
     task runner); a chunk's counts its bytes, and its file once it completed it (`file_done`).
     """
 
-    def __init__(self, stage: str, files: int, total_bytes: int):
-        self.stage, self.files, self.total_bytes = stage, files, max(total_bytes, 1)
+    def __init__(self, phase: str, files: int, total_bytes: int):
+        self.phase, self.files, self.total_bytes = phase, files, max(total_bytes, 1)
         self.done = {"files": 0, "bytes": 0, "records": 0, "tokens": 0, "skipped": 0}
         self.t0 = time.monotonic()
         self._id = None
         try:
             self._id = create_progress_artifact(
-                0.0, key=_key(f"data-{stage}-progress"), description=f"{stage.upper()} data: 0 / {files} files"
+                0.0, key=_key(f"data-{phase}-progress"), description=f"{phase.upper()} data: 0 / {files} files"
             )
         except Exception as exc:
             warn_view_failure("data progress artifact", exc)
@@ -176,7 +176,7 @@ class DataProgress:
         d["skipped"] += summary["skipped"]
         mbs = d["bytes"] / 1e6 / max(time.monotonic() - self.t0, 1e-9)
         text = (
-            f"{self.stage.upper()} data: {d['files']} / {self.files} files, {d['records']:,} records, {d['tokens']:,} "
+            f"{self.phase.upper()} data: {d['files']} / {self.files} files, {d['records']:,} records, {d['tokens']:,} "
             "tokens, "
             f"{mbs:.1f} MB/s" + (f", {d['skipped']} bad records skipped" if d["skipped"] else "")
         )
@@ -194,8 +194,8 @@ class WorkProgress:
     loglikelihood: 1,200 / 4,000 requests (30%), 1m10s elapsed, ETA 2m43s`) and the bar's percent and
     description. `reporting()` is the block the stage runs its work in."""
 
-    def __init__(self, stage: str):
-        self.stage = stage
+    def __init__(self, phase: str):
+        self.phase = phase
         self._id = None
         self._said: set[str] = set()
         # taken here, in the task's thread: a converter's shard threads report through it too
@@ -204,12 +204,12 @@ class WorkProgress:
         except Exception:  # outside a flow/task run there is no run logger
             self._logger = logging.getLogger(__name__)
         try:
-            self._id = create_progress_artifact(0.0, key=_key(f"{stage}-progress"), description=f"{stage}: starting")
+            self._id = create_progress_artifact(0.0, key=_key(f"{phase}-progress"), description=f"{phase}: starting")
         except Exception as exc:
             warn_view_failure("progress artifact", exc)
 
     def __call__(self, record: dict[str, Any]) -> None:
-        text = f"{self.stage}: {meter.line(record)}"
+        text = f"{self.phase}: {meter.line(record)}"
         # The console gets a part's lines once it has run an interval (then its end too), so a short
         # stage adds none to the run's console; the run's log in the UI gets every record.
         going = not record["finished"] and record["done"] > 0
@@ -228,7 +228,7 @@ class WorkProgress:
         return meter.reporting(self, interval_s)
 
 
-def token_table(stage: str, totals: dict[str, Any]) -> None:
+def token_table(phase: str, totals: dict[str, Any]) -> None:
     """The `data-<phase>-tokens` table: records and tokens per split, and the bad records skipped."""
     rows = [
         {"split": "train", "records": totals["train_records"], "tokens": totals["train_tokens"]},
@@ -242,8 +242,8 @@ def token_table(stage: str, totals: dict[str, Any]) -> None:
     try:
         create_table_artifact(
             rows,
-            key=_key(f"data-{stage}-tokens"),
-            description=f"{stage.upper()} data: {totals['files']} files, {totals['bytes'] / 1e6:.1f} MB",
+            key=_key(f"data-{phase}-tokens"),
+            description=f"{phase.upper()} data: {totals['files']} files, {totals['bytes'] / 1e6:.1f} MB",
         )
     except Exception as exc:
         warn_view_failure("token table artifact", exc)
@@ -282,21 +282,21 @@ def mixture_rows(
 
 
 def mixture_table(
-    stage: str, sources: list[dict[str, Any]], blend: dict[str, Any] | None, heldout_only: list[dict[str, Any]] = ()
+    phase: str, sources: list[dict[str, Any]], blend: dict[str, Any] | None, heldout_only: list[dict[str, Any]] = ()
 ) -> None:
     """The `data-<phase>-mixture` table: each source's weight, size, realized token share and epochs,
     and the held-out-only sources beside them."""
     if blend:
         plan = blend["plan"]
         what = (
-            f"{stage.upper()} mixture over {plan['max_steps']} steps of {plan['global_batch']} "
+            f"{phase.upper()} mixture over {plan['max_steps']} steps of {plan['global_batch']} "
             f"({blend['positions']:,} {blend['unit']})"
         )
     else:
-        what = f"{stage.upper()} data: one source"
+        what = f"{phase.upper()} data: one source"
     try:
         create_table_artifact(
-            mixture_rows(sources, blend, heldout_only), key=_key(f"data-{stage}-mixture"), description=what
+            mixture_rows(sources, blend, heldout_only), key=_key(f"data-{phase}-mixture"), description=what
         )
     except Exception as exc:
         warn_view_failure("mixture table artifact", exc)
@@ -321,7 +321,7 @@ def benchmark_table(metrics: dict[str, Any] | None, verdict: dict[str, Any] | No
         get_run_logger().warning("benchmark table artifact unavailable: %s", exc)
 
 
-def render_loss_png(stage: str, losses: list[float], first_step: int = 1) -> bytes:
+def render_loss_png(phase: str, losses: list[float], first_step: int = 1) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -335,7 +335,7 @@ def render_loss_png(stage: str, losses: list[float], first_step: int = 1) -> byt
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title(f"{stage.upper()} loss")
+    ax.set_title(f"{phase.upper()} loss")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     buf = io.BytesIO()
@@ -344,12 +344,12 @@ def render_loss_png(stage: str, losses: list[float], first_step: int = 1) -> byt
     return buf.getvalue()
 
 
-def loss_curve(stage: str, losses: list[float], png: str | Path) -> bytes:
+def loss_curve(phase: str, losses: list[float], png: str | Path) -> bytes:
     """Render the PNG, save it at `png` (a local path or fsspec URI beside the stage's artifact,
     e.g. `<run_root>/cpt/loss-curve.png`) and show it inline in the `<stage>-loss-curve` artifact."""
     from tasks.core.storage.fs import open_uri
 
-    data = render_loss_png(stage, losses)
+    data = render_loss_png(phase, losses)
     try:
         if isinstance(png, Path) or "://" not in str(png):
             Path(png).parent.mkdir(parents=True, exist_ok=True)
@@ -360,12 +360,12 @@ def loss_curve(stage: str, losses: list[float], png: str | Path) -> bytes:
     b64 = base64.b64encode(data).decode()
     first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
     md = (
-        f"### {stage.upper()} loss\n\nsteps: {len(losses)}, first {first:.4f} → last {last:.4f}\n\n"
-        f"![{stage} loss](data:image/png;base64,{b64})\n\nPNG: `{png}`\n"
+        f"### {phase.upper()} loss\n\nsteps: {len(losses)}, first {first:.4f} → last {last:.4f}\n\n"
+        f"![{phase} loss](data:image/png;base64,{b64})\n\nPNG: `{png}`\n"
     )
     try:
         create_markdown_artifact(
-            md, key=_key(f"{stage}-loss-curve"), description=f"{stage.upper()} training loss per step"
+            md, key=_key(f"{phase}-loss-curve"), description=f"{phase.upper()} training loss per step"
         )
     except Exception as exc:
         warn_view_failure("loss-curve artifact", exc)

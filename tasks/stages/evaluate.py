@@ -60,10 +60,10 @@ def _with_metrics(result: StageResult, store: RunStore) -> StageResult:
     return result
 
 
-def _with_eval_dtype(cfg: RunConfig, st: PhaseConfig) -> PhaseConfig:
+def _with_eval_dtype(cfg: RunConfig, phase_cfg: PhaseConfig) -> PhaseConfig:
     """The stage with eval.dtype decided for this worker: as set, else the export's on a GPU, fp32 on CPU."""
-    dtype = placement.eval_dtype(st.eval.dtype, cfg.export.dtype, cuda_available())
-    return st.model_copy(update={"eval": st.eval.model_copy(update={"dtype": dtype})})
+    dtype = placement.eval_dtype(phase_cfg.eval.dtype, cfg.export.dtype, cuda_available())
+    return phase_cfg.model_copy(update={"eval": phase_cfg.eval.model_copy(update={"dtype": dtype})})
 
 
 def _not_configured(stage: str, which: str) -> StageResult:
@@ -84,7 +84,7 @@ class _Opening(NamedTuple):
     candidate_dir: Any
     data: Any
     split: dict[str, Any]
-    st: PhaseConfig
+    phase_cfg: PhaseConfig
 
 
 def _open(
@@ -134,7 +134,7 @@ def _recorded(
             kind="evaluation",
             parent=candidate,
             meta={
-                "stage": phase,
+                "phase": phase,
                 "metrics": metrics,
                 "reference": {"uri": reference.uri, "digest": reference.digest},
                 "candidate": {"uri": candidate.uri, "digest": candidate.digest},
@@ -152,15 +152,15 @@ def evaluate_cpt(
     opened = _open(cfg, ROWS.evaluate_cpt.name, "cpt", base, bridge)
     if isinstance(opened, StageResult):
         return opened
-    stage, base_dir, cpt_dir, data, split, st = opened
+    stage, base_dir, cpt_dir, data, split, phase_cfg = opened
     with ui.WorkProgress(ROWS.evaluate_cpt.name).reporting():  # a line a while with an ETA, as training's
         metrics = ev.evaluate_cpt(
             base_dir,
             cpt_dir,
             heldout_records(data),
-            st.data.text_field,
-            st.seq_len,
-            st.eval,
+            phase_cfg.data.text_field,
+            phase_cfg.seq_len,
+            phase_cfg.eval,
             cfg.base_model.trust_remote_code,
             by_source=heldout_by_source(data),
             heldout_only=heldout_only_names(data),
@@ -188,7 +188,7 @@ def evaluate_cpt(
                 m["perplexity_change_pct"],
             )
     event = {"base_perplexity": metrics["base"]["perplexity"], "cpt_perplexity": metrics["cpt"]["perplexity"]}
-    return _recorded(stage, "cpt", _Measured(metrics, event), base, bridge, st.max_steps, tracker)
+    return _recorded(stage, "cpt", _Measured(metrics, event), base, bridge, phase_cfg.max_steps, tracker)
 
 
 @stage_task(ROWS.evaluate_sft, task_run_name="evaluate SFT: pre-SFT vs SFT held-out loss, generation check")
@@ -207,14 +207,22 @@ def evaluate_sft(
     opened = _open(cfg, ROWS.evaluate_sft.name, "sft", bridge, export, *((shipped,) if shipped is not None else ()))
     if isinstance(opened, StageResult):
         return opened
-    stage, pre_dir, export_dir, data, split, st = opened
+    stage, pre_dir, export_dir, data, split, phase_cfg = opened
     gen_dir = stage.store.stage_in(shipped.rel) if shipped is not None else export_dir
     heldout = heldout_records(data)
     trust = cfg.base_model.trust_remote_code
     with ui.WorkProgress(ROWS.evaluate_sft.name).reporting():  # a line a while with an ETA, as training's
-        metrics = ev.evaluate_sft(pre_dir, export_dir, heldout, st.data.messages_field, st.seq_len, st.eval, trust)
+        metrics = ev.evaluate_sft(
+            pre_dir, export_dir, heldout, phase_cfg.data.messages_field, phase_cfg.seq_len, phase_cfg.eval, trust
+        )
         gen, rows = generation_check(
-            gen_dir, heldout, st.data.messages_field, g.max_new_tokens, g.num_prompts, st.eval.dtype, trust
+            gen_dir,
+            heldout,
+            phase_cfg.data.messages_field,
+            g.max_new_tokens,
+            g.num_prompts,
+            phase_cfg.eval.dtype,
+            trust,
         )
     gen["file"] = "generations.jsonl"
     metrics["generation"] = gen
@@ -237,7 +245,7 @@ def evaluate_sft(
         "sft_loss": metrics["sft"]["loss"],
         "generation_passed": gen["passed"],
     }
-    return _recorded(stage, "sft", _Measured(metrics, event, rows), bridge, export, st.max_steps, tracker)
+    return _recorded(stage, "sft", _Measured(metrics, event, rows), bridge, export, phase_cfg.max_steps, tracker)
 
 
 @stage_task(ROWS.evaluate_dpo, task_run_name="evaluate DPO: SFT vs DPO on held-out pairs")
@@ -251,7 +259,7 @@ def evaluate_dpo(
     opened = _open(cfg, ROWS.evaluate_dpo.name, "dpo", sft_model, export)
     if isinstance(opened, StageResult):
         return opened
-    stage, sft_dir, dpo_dir, data, split, st = opened
+    stage, sft_dir, dpo_dir, data, split, phase_cfg = opened
     dpo = cfg.phase("dpo")
     with ui.WorkProgress(ROWS.evaluate_dpo.name).reporting():
         metrics = evaluate_pairs(
@@ -259,8 +267,8 @@ def evaluate_dpo(
             dpo_dir,
             data,
             dpo,
-            dtype=st.eval.dtype,
-            batch_pairs=max(1, st.eval.batch_size // 2),
+            dtype=phase_cfg.eval.dtype,
+            batch_pairs=max(1, phase_cfg.eval.batch_size // 2),
             trust_remote_code=cfg.base_model.trust_remote_code,
         )
     metrics["split"] = split
@@ -282,4 +290,4 @@ def evaluate_dpo(
         "dpo_margin": d["margin"],
         "chosen_logp_change": metrics["chosen_logp_change"],
     }
-    return _recorded(stage, "dpo", _Measured(metrics, event), sft_model, export, st.max_steps, tracker)
+    return _recorded(stage, "dpo", _Measured(metrics, event), sft_model, export, phase_cfg.max_steps, tracker)

@@ -190,13 +190,13 @@ def prepare_data(cfg: RunConfig, phase: Phase, source: StageResult) -> StageResu
     """Tokenize `phase`'s corpus with `source`'s tokenizer into data/<phase>/ (token shards, index, held-out
     records)."""
     logger = get_run_logger()
-    st_cfg = cfg.phase(phase)
+    phase_cfg = cfg.phase(phase)
     name = PREPARE[phase]
     store = store_for(cfg)
     tok_dir = store.local_path(source.rel) if store.local else store.stage_in(source.rel)
     cache = store.staging / DATA_CACHE / phase
-    d = st_cfg.data
-    spec = prepare_spec(st_cfg, phase)
+    d = phase_cfg.data
+    spec = prepare_spec(phase_cfg, phase)
     sources, only, plan_steps = spec.sources, spec.heldout_sources, spec.blend_plan
     p = prep.plan(spec, tok_dir, cache)
     # A mixture's blend is made for the planned steps: they are inputs of this digest, and only then.
@@ -212,7 +212,7 @@ def prepare_data(cfg: RunConfig, phase: Phase, source: StageResult) -> StageResu
         ]
     st = Stage(name, cfg, inputs=inputs)
     if st.skipped:  # the counts run.json and the stage table show, as the artifact's index recorded them
-        st.result.detail.update(_recorded_truncation(store, STAGE[name].artifact, phase, st_cfg.seq_len))
+        st.result.detail.update(_recorded_truncation(store, STAGE[name].artifact, phase, phase_cfg.seq_len))
         return st.result
     (cache / "shards").mkdir(parents=True, exist_ok=True)
     chunks.clean_stale(cache)  # a worker killed mid-file or mid-chunk; its summary never landed
@@ -269,7 +269,7 @@ def prepare_data(cfg: RunConfig, phase: Phase, source: StageResult) -> StageResu
             kind="token-shards",
             parent=source,
             meta={
-                "stage": phase,
+                "phase": phase,
                 "tokenizer_sha256": index["tokenizer_sha256"],
                 "dtype": index["dtype"],
                 "split": index["split"],
@@ -292,14 +292,14 @@ def prepare_data(cfg: RunConfig, phase: Phase, source: StageResult) -> StageResu
                 name,
                 src["name"],
                 src["epochs"],
-                st_cfg.max_steps,
+                phase_cfg.max_steps,
                 phase,
                 d.max_source_epochs,
             )
     # Records longer than seq_len, said once per source: what the rule made of them.
     notes = []
     for src in index["sources"]:
-        line = truncation.describe(src.get("truncation"), phase, index["truncation"]["rule"], st_cfg.seq_len)
+        line = truncation.describe(src.get("truncation"), phase, index["truncation"]["rule"], phase_cfg.seq_len)
         if line:
             notes.append(line if len(index["sources"]) == 1 else f"source {src['name']!r}: {line}")
     for line in notes:

@@ -22,7 +22,7 @@ from tasks.core.config.schema import RunConfig
 from tasks.core.data.stage_data import check_against_model, corpus_of, prepared_dir, record_split, split_info
 from tasks.core.errors import Preempted
 from tasks.core.launch import shared
-from tasks.core.launch.torchrun import run_engine, stage_fault_env
+from tasks.core.launch.torchrun import phase_fault_env, run_engine
 from tasks.core.run import preemptions
 from tasks.core.run.events import BACKPRESSURE, CHECKPOINT, KERNELS, STARTUP
 from tasks.core.run.job import Job, Parent
@@ -35,21 +35,21 @@ from tasks.flowkit.notices import RERUN, cancel_requested
 from tasks.flowkit.stage import Stage, StageResult, stage_task
 
 
-def _supersede_foreign(store: RunStore, stage: str, cdigest: str) -> None:
+def _supersede_foreign(store: RunStore, phase: str, cdigest: str) -> None:
     """Checkpoints made from another config/parent must not be resumed: move the stage dir aside."""
     logger = get_run_logger()
-    for name in store.listdir(stage):
+    for name in store.listdir(phase):
         if not is_step_name(name):
             continue
         try:
-            foreign = store.read_manifest(f"{stage}/{name}").get("config_digest") != cdigest
+            foreign = store.read_manifest(f"{phase}/{name}").get("config_digest") != cdigest
         except Exception:  # noqa: S112 - no readable manifest: not a committed checkpoint (manifests come last), so nothing to resume
             continue
         if foreign:
-            dest = store.move_aside(stage, "config changed")
+            dest = store.move_aside(phase, "config changed")
             logger.warning(
                 "%s holds checkpoints of another config or parent; kept as %s and starting this stage afresh",
-                store.uri(stage),
+                store.uri(phase),
                 dest,
             )
             return
@@ -74,7 +74,7 @@ def _job(
         record_split(store, phase, split_info(data, corpus_of(sink.section.data)))
     return Job(
         verb=verb,
-        stage=phase,
+        phase=phase,
         phase_cfg=sink.section,
         trust_remote_code=cfg.base_model.trust_remote_code,
         verify_memory_gb=cfg.verify_memory_gb,
@@ -92,14 +92,14 @@ def _job(
 
 
 def _launch(store: RunStore, job: Job, run_name: str, **kwargs: Any) -> None:
-    path = store.staging / job_file(job.stage, job.verb)
+    path = store.staging / job_file(job.phase, job.verb)
     # a SIGTERM while the ranks train is a notice to them, unless it is Prefect cancelling the run
     run_engine(
         job.verb,
         job,
         path,
         job.phase_cfg.launch,
-        f"{run_name}-{job.stage}-{job.verb}",
+        f"{run_name}-{job.phase}-{job.verb}",
         get_run_logger(),
         cancelled=cancel_requested,
         **kwargs,
@@ -204,17 +204,19 @@ def _train(
                 follow = dict(
                     on_progress=tracking.fan_out(progress, mlflow_run, to_console),
                     on_event=on_event,
-                    env=stage_fault_env(phase),
+                    env=phase_fault_env(phase),
                     failure=sink.failure,
                 )
                 if live is None:
                     _launch(store, job, cfg.name, **follow)
                 else:
                     logger.info("%s: adopted the %s launch, whose ranks committed step 0", run.name, live.phase)
-                    path = store.staging / job_file(job.stage, job.verb)
+                    path = store.staging / job_file(job.phase, job.verb)
                     shared.follow_train(live, job, path, logger, cancelled=cancel_requested, **follow)
             except Preempted as exc:  # inside the sink: its publisher drains before the stage says preempted
-                _preempted(store, phase, sink, exc, first_step[0] - run.started if first_step else None, marks)
+                _preempted(
+                    store, run.name, phase, sink, exc, first_step[0] - run.started if first_step else None, marks
+                )
                 raise
             sink.finish(run.rel)
         failed = False
@@ -278,16 +280,23 @@ def _log(
 
 
 def _preempted(
-    store: RunStore, phase: Phase, sink: CheckpointSink, exc: Preempted, restart_s: float | None, marks: dict
+    store: RunStore,
+    stage: str,
+    phase: Phase,
+    sink: CheckpointSink,
+    exc: Preempted,
+    restart_s: float | None,
+    marks: dict,
 ) -> None:
-    """The stage stopped on a notice: publish what it committed (within the grace left), keep the record."""
+    """The stage (`stage`, training `phase`) stopped on a notice: publish what it committed (within the
+    grace left), keep the record."""
     exited = time.time()  # the launcher raised: ranks and torchrun are gone
     logger = get_run_logger()
     try:
         sink.drain(timeout=max(float(exc.record.get("grace_left_s") or 0.0), 1.0))
     except Exception as err:  # the machine may go first: the newest checkpoint published stands
         logger.warning("the preempted checkpoint was not published in the grace left: %s", err)
-    rec = preemptions.record(exc.record, phase, time.time())
+    rec = preemptions.record(exc.record, stage, time.time())
     rec["timeline"]["exit"] = round(exited, 3)
     rec["recovery"] = preemptions.recovery(rec["timeline"])
     exc.record.update(rec, preemptions=_log(store, phase, restart_s, rec, marks))

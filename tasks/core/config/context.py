@@ -232,9 +232,9 @@ def _context_in_cpt_only(x: Any) -> list[Refusal]:
     if row is None or row.context_refused is None:
         return []
     out = []
-    if x.stage.context is not None:
+    if x.phase_cfg.context is not None:
         out.append(Refusal(f"{x.where}.context", row.context_refused, [{"context": None}]))
-    if x.stage.attention != "causal":
+    if x.phase_cfg.attention != "causal":
         out.append(
             Refusal(
                 f"{x.where}.attention",
@@ -247,7 +247,7 @@ def _context_in_cpt_only(x: Any) -> list[Refusal]:
 
 def _document_attention_isolates(x: Any) -> list[Refusal]:
     row = PHASES.get(x.where)
-    if (row is not None and row.rows) or x.stage.attention != "document" or not x.spec.packing_refused:
+    if (row is not None and row.rows) or x.phase_cfg.attention != "document" or not x.spec.packing_refused:
         return []
     fixes = [{"plugin.name": n} for n, s in PLUGINS.items() if not s.packing_refused] + [{"attention": "causal"}]
     return [
@@ -260,7 +260,7 @@ def _document_attention_isolates(x: Any) -> list[Refusal]:
 
 
 def _rope_scaling_valid(x: Any) -> list[Refusal]:
-    ctx = x.stage.context
+    ctx = x.phase_cfg.context
     if ctx is None or ctx.rope_scaling is None:
         return []
     model = applied(x.model, ctx) if x.model is not None else None

@@ -38,7 +38,7 @@ TIERS = ("static", "batch", "model", "device")
 
 @dataclass(frozen=True)
 class _Facts:
-    stage: PhaseConfig
+    phase_cfg: PhaseConfig
     where: str  # "cpt" or "sft": the config path prefix of every field named
     spec: PluginSpec
     model: dict[str, Any] | None  # the base model's config.json
@@ -53,15 +53,17 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def num_microbatches(stage: PhaseConfig) -> int:
-    return stage.plugin.num_microbatches or stage.grad_accum_steps
+def num_microbatches(phase_cfg: PhaseConfig) -> int:
+    return phase_cfg.plugin.num_microbatches or phase_cfg.grad_accum_steps
 
 
-def global_batch(stage: PhaseConfig) -> int:
+def global_batch(phase_cfg: PhaseConfig) -> int:
     """Sequences (SFT packed: rows) per optimizer step over every data-parallel rank, as the engine's
     StageData takes them: micro_batch_size x grad_accum_steps x dp, dp = world / (tp x pp x own sequence group)."""
-    dp = stage.launch.world_size // (stage.plugin.tp_size * stage.plugin.pp_size * sp_factor(stage.plugin))
-    return stage.micro_batch_size * stage.grad_accum_steps * max(1, dp)
+    dp = phase_cfg.launch.world_size // (
+        phase_cfg.plugin.tp_size * phase_cfg.plugin.pp_size * sp_factor(phase_cfg.plugin)
+    )
+    return phase_cfg.micro_batch_size * phase_cfg.grad_accum_steps * max(1, dp)
 
 
 def is_zero(spec: PluginSpec, zero_stage: int) -> bool:
@@ -73,7 +75,7 @@ def is_zero(spec: PluginSpec, zero_stage: int) -> bool:
 
 
 def _tp_pp_need_support(x: _Facts) -> list[Problem]:
-    p, out = x.stage.plugin, []
+    p, out = x.phase_cfg.plugin, []
     if not x.spec.supports_tp_pp:
         capable = ", ".join(n for n, s in PLUGINS.items() if s.supports_tp_pp)
         names = [n for n, s in PLUGINS.items() if s.supports_tp_pp]
@@ -90,7 +92,7 @@ def _tp_pp_need_support(x: _Facts) -> list[Problem]:
 
 
 def _zero_stage_allowed(x: _Facts) -> list[Problem]:
-    z = x.stage.plugin.zero_stage
+    z = x.phase_cfg.plugin.zero_stage
     if z in x.spec.zero_stages:
         return []
     fixes = [{"plugin.zero_stage": v} for v in x.spec.zero_stages] + [
@@ -100,7 +102,7 @@ def _zero_stage_allowed(x: _Facts) -> list[Problem]:
 
 
 def _precision_allowed(x: _Facts) -> list[Problem]:
-    p = x.stage.plugin
+    p = x.phase_cfg.plugin
     if p.precision in x.spec.precisions:
         return []
     fixes = [{"plugin.precision": v} for v in x.spec.precisions] + [
@@ -111,7 +113,7 @@ def _precision_allowed(x: _Facts) -> list[Problem]:
 
 
 def _zero_fp32_where_refused(x: _Facts) -> list[Problem]:
-    p = x.stage.plugin
+    p = x.phase_cfg.plugin
     if p.precision != "fp32" or not x.spec.zero_fp32_refused or not is_zero(x.spec, p.zero_stage):
         return []
     # Every layout that trains in fp32 is offered first: bf16 is 30-60x slower on a CPU without native bf16.
@@ -126,7 +128,7 @@ def _zero_fp32_where_refused(x: _Facts) -> list[Problem]:
 
 def _rendezvous_by_backend(x: _Facts) -> list[Problem]:
     """Who places a multi-node rendezvous is the backend's `rendezvous` (tasks.core.config.backends)."""
-    launch = x.stage.launch
+    launch = x.phase_cfg.launch
     spec = BACKENDS.get(launch.backend)
     if spec is None:  # the config's own validator names the unknown backend
         return []
@@ -158,7 +160,7 @@ def _rendezvous_by_backend(x: _Facts) -> list[Problem]:
 
 def _backend_settings(x: _Facts) -> list[Problem]:
     """Only the chosen backend's settings section may be set; then the backend's own static rules."""
-    launch = x.stage.launch
+    launch = x.phase_cfg.launch
     spec = BACKENDS.get(launch.backend)
     if spec is None:
         return []
@@ -181,11 +183,11 @@ def _backend_settings(x: _Facts) -> list[Problem]:
 
 
 def _world_divisible(x: _Facts) -> list[Problem]:
-    p, world = x.stage.plugin, x.stage.launch.world_size
+    p, world = x.phase_cfg.plugin, x.phase_cfg.launch.world_size
     if world % (p.tp_size * p.pp_size):
         fixes = (
-            [{"launch.nproc_per_node": p.tp_size * p.pp_size * x.stage.launch.nnodes}]
-            if x.stage.launch.nnodes == 1
+            [{"launch.nproc_per_node": p.tp_size * p.pp_size * x.phase_cfg.launch.nnodes}]
+            if x.phase_cfg.launch.nnodes == 1
             else []
         )
         fixes += [{"plugin.tp_size": d} for d in _divisors(world) if d > 1 and world % (d * p.pp_size) == 0] + [
@@ -202,8 +204,8 @@ def _world_divisible(x: _Facts) -> list[Problem]:
 
 
 def _pipeline_microbatches(x: _Facts) -> list[Problem]:
-    p = x.stage.plugin
-    nmb = num_microbatches(x.stage)
+    p = x.phase_cfg.plugin
+    nmb = num_microbatches(x.phase_cfg)
     if p.pp_size > 1 and nmb < p.pp_size:
         fixes = [{"plugin.num_microbatches": p.pp_size}, {"grad_accum_steps": p.pp_size}]
         return [
@@ -218,7 +220,7 @@ def _pipeline_microbatches(x: _Facts) -> list[Problem]:
 
 def _packing_keeps_conversations_apart(x: _Facts) -> list[Problem]:
     # A block phase (CPT) trains on whole seq_len windows of one stream: `batching` changes row phases only.
-    spec = BATCHING.get(x.stage.batching)
+    spec = BATCHING.get(x.phase_cfg.batching)
     row = PHASES.get(x.where)  # `where` may be any label of a phase section: not a phase, its rules all apply
     if (row is not None and row.blocks) or spec is None or not spec.packs or not x.spec.packing_refused:
         return []
@@ -239,9 +241,9 @@ def _pairs_whole_in_one_forward(x: _Facts) -> list[Problem]:
     `tasks.engine.pairs`): a pipeline schedule's per-micro-batch loss from the model's labels, a sequence
     split over ranks, and packed rows do not give them, so those layouts are refused for a pair phase."""
     row = PHASES.get(x.where)  # a job's section is labelled phase_cfg: its class says it holds pairs
-    if not ((row is not None and row.record == "pair") or isinstance(x.stage, PreferenceFields)):
+    if not ((row is not None and row.record == "pair") or isinstance(x.phase_cfg, PreferenceFields)):
         return []
-    p, out = x.stage.plugin, []
+    p, out = x.phase_cfg.plugin, []
     runs = "it trains under tensor parallelism (hybrid_parallel tp_size), ZeRO (low_level_zero, gemini) or torch_ddp"
     if p.pp_size > 1:
         why = (
@@ -252,7 +254,7 @@ def _pairs_whole_in_one_forward(x: _Facts) -> list[Problem]:
     if sp_size(p) > 1 or sp_factor(p) > 1:
         why = f"sequence parallelism is refused for preference pairs (a pair is scored whole on each rank); {runs}"
         out.append(Refusal(f"{x.f}.sequence_parallelism", why, [{"plugin.sequence_parallelism": None}]))
-    spec = BATCHING.get(x.stage.batching)
+    spec = BATCHING.get(x.phase_cfg.batching)
     if spec is not None and spec.packs:
         fixes = [{"batching": n} for n, s in BATCHING.items() if not s.packs]
         why = f"batching {spec.name} is refused for preference pairs: a pair's two rows are batched whole, never packed"
@@ -262,7 +264,7 @@ def _pairs_whole_in_one_forward(x: _Facts) -> list[Problem]:
 
 def _lora_in_sft_only(x: _Facts) -> list[Problem]:
     why = PHASES[x.where].lora_refused if x.where in PHASES else None
-    if why is not None and x.stage.lora is not None:
+    if why is not None and x.phase_cfg.lora is not None:
         return [
             Refusal(
                 f"{x.where}.lora",
@@ -274,7 +276,7 @@ def _lora_in_sft_only(x: _Facts) -> list[Problem]:
 
 
 def _lora_supported_by_plugin(x: _Facts) -> list[Problem]:
-    if x.stage.lora is None:
+    if x.phase_cfg.lora is None:
         return []
     others = [{"plugin.name": n} for n, s in PLUGINS.items() if not s.lora.refused and n != x.spec.name]
     full = {"lora": None}  # full fine-tuning
@@ -285,11 +287,11 @@ def _lora_supported_by_plugin(x: _Facts) -> list[Problem]:
             )
         ]
     for f, reason in (("tp_size", x.spec.lora.tp1_reason), ("pp_size", x.spec.lora.pp1_reason)):
-        if reason and getattr(x.stage.plugin, f) > 1:
+        if reason and getattr(x.phase_cfg.plugin, f) > 1:
             return [
                 Refusal(
                     f"{x.f}.{f}",
-                    f"LoRA under {x.spec.name} needs {f} 1 ({reason}), got {getattr(x.stage.plugin, f)}",
+                    f"LoRA under {x.spec.name} needs {f} 1 ({reason}), got {getattr(x.phase_cfg.plugin, f)}",
                     [{f"plugin.{f}": 1}, *others, full],
                 )
             ]
@@ -299,7 +301,7 @@ def _lora_supported_by_plugin(x: _Facts) -> list[Problem]:
 def _qlora_export_not_built(x: _Facts) -> list[Problem]:
     # peft#2105: an adapter trained on the 4-bit base and merged onto the unquantized one is another
     # model; the export here merges onto cpt/hf as it is, so a QLoRA run would export the wrong model.
-    if x.stage.lora is not None and x.stage.lora.quantize:
+    if x.phase_cfg.lora is not None and x.phase_cfg.lora.quantize:
         return [
             Refusal(
                 f"{x.where}.lora.quantize",
@@ -316,7 +318,7 @@ def _qlora_export_not_built(x: _Facts) -> list[Problem]:
 def _offload_where_the_plugin_has_it(x: _Facts) -> list[Problem]:
     """A memory saver the plugin lacks would be ignored silently (a run that then runs out of GPU
     memory, or trains slower for nothing); one it has acts only under its `requires`."""
-    p, out = x.stage.plugin, []
+    p, out = x.phase_cfg.plugin, []
     for name in OFFLOAD_FIELDS:
         value, default = getattr(p, name), PluginConfig.model_fields[name].default
         row = x.spec.offload_field(name)
@@ -348,10 +350,10 @@ def _offload_where_the_plugin_has_it(x: _Facts) -> list[Problem]:
 
 
 def _rows_divide_microbatches(x: _Facts) -> list[Problem]:
-    st = x.stage
-    if st.plugin.pp_size <= 1:
+    phase_cfg = x.phase_cfg
+    if phase_cfg.plugin.pp_size <= 1:
         return []
-    nmb, rows = num_microbatches(st), st.micro_batch_size * st.grad_accum_steps
+    nmb, rows = num_microbatches(phase_cfg), phase_cfg.micro_batch_size * phase_cfg.grad_accum_steps
     if rows % nmb:
         why = (
             f"a pipeline step splits micro_batch_size*grad_accum_steps = {rows} sequences per data-parallel "
@@ -361,7 +363,7 @@ def _rows_divide_microbatches(x: _Facts) -> list[Problem]:
             Refusal(
                 f"{x.f}.num_microbatches",
                 why,
-                [{"plugin.num_microbatches": d} for d in _divisors(rows) if d >= st.plugin.pp_size][:3],
+                [{"plugin.num_microbatches": d} for d in _divisors(rows) if d >= phase_cfg.plugin.pp_size][:3],
             )
         ]
     return []
@@ -384,7 +386,7 @@ def _cuda_only_plugin(x: _Facts) -> list[Problem]:
 
 
 def _cuda_only_precision(x: _Facts) -> list[Problem]:
-    p = x.stage.plugin
+    p = x.phase_cfg.plugin
     why = PRECISION_SPECS[p.precision].cuda_reason
     if x.cuda is False and why:
         cpu_ok = [n for n, s in PRECISION_SPECS.items() if not s.cuda_reason]
@@ -400,7 +402,7 @@ def _cuda_only_precision(x: _Facts) -> list[Problem]:
 
 
 def _fp16_needs_dynamic_loss_scale(x: _Facts) -> list[Problem]:
-    p = x.stage.plugin
+    p = x.phase_cfg.plugin
     if PRECISION_SPECS[p.precision].loss_scaling and x.spec.loss_scale != "dynamic":
         return [
             Refusal(
@@ -414,7 +416,7 @@ def _fp16_needs_dynamic_loss_scale(x: _Facts) -> list[Problem]:
 
 
 def _qlora_needs_cuda_and_bitsandbytes(x: _Facts) -> list[Problem]:
-    lora = x.stage.lora
+    lora = x.phase_cfg.lora
     if lora is None or not lora.quantize or x.cuda is None:
         return []
     missing = [
@@ -466,7 +468,7 @@ RULES: tuple[tuple[str, Callable[[_Facts], list[Problem]]], ...] = (
 
 
 def layout_problems(
-    stage: PhaseConfig,
+    phase_cfg: PhaseConfig,
     where: str,
     *,
     model_config: dict[str, Any] | None = None,
@@ -477,7 +479,7 @@ def layout_problems(
     `model_config`, `device` rules `cuda` (else skipped); each `Refusal` keeps the fixes (`.fixes`, overrides of the
     phase section) that pass every rule these facts decide (whichever tier refused), so the message offers only what
     runs."""
-    found = _broken(stage, where, model_config, cuda, tiers)
+    found = _broken(phase_cfg, where, model_config, cuda, tiers)
     if not found:
         return found
 
@@ -486,22 +488,22 @@ def layout_problems(
     def broken(changed: PhaseConfig) -> list[Refusal]:
         return _broken(changed, where, model_config, cuda, TIERS)
 
-    every = broken(stage)
-    return [p.with_fixes(working_fixes(stage, p, every, broken), where) if p.fixes else p for p in found]
+    every = broken(phase_cfg)
+    return [p.with_fixes(working_fixes(phase_cfg, p, every, broken), where) if p.fixes else p for p in found]
 
 
 def _broken(
-    stage: PhaseConfig, where: str, model_config: dict[str, Any] | None, cuda: bool | None, tiers: tuple[str, ...]
+    phase_cfg: PhaseConfig, where: str, model_config: dict[str, Any] | None, cuda: bool | None, tiers: tuple[str, ...]
 ) -> list[Refusal]:
-    spec = PLUGINS.get(stage.plugin.name)
+    spec = PLUGINS.get(phase_cfg.plugin.name)
     if spec is None:  # the config's own validator names the unknown plugin
         return [
             Refusal(
                 f"{where}.plugin.name",
-                f"unknown plugin {stage.plugin.name!r}; registered plugins: {', '.join(PLUGINS)}",
+                f"unknown plugin {phase_cfg.plugin.name!r}; registered plugins: {', '.join(PLUGINS)}",
             )
         ]
-    facts = _Facts(stage, where, spec, model_config, cuda)
+    facts = _Facts(phase_cfg, where, spec, model_config, cuda)
     out: list[Refusal] = []
     for tier, rule in RULES:
         if tier in tiers:
@@ -535,7 +537,7 @@ class ParallelLayout:
     @classmethod
     def of(
         cls,
-        stage: PhaseConfig,
+        phase_cfg: PhaseConfig,
         where: str,
         *,
         model_config: dict[str, Any] | None = None,
@@ -544,10 +546,10 @@ class ParallelLayout:
         header: str | None = None,
     ) -> ParallelLayout:
         """The layout of `stage`, or one ConfigError naming every broken rule of `tiers`."""
-        problems = layout_problems(stage, where, model_config=model_config, cuda=cuda, tiers=tiers)
+        problems = layout_problems(phase_cfg, where, model_config=model_config, cuda=cuda, tiers=tiers)
         if problems:
             raise ConfigError(problems, header=header or f"stage {where} cannot run with this layout")
-        p, world = stage.plugin, stage.launch.world_size
+        p, world = phase_cfg.plugin, phase_cfg.launch.world_size
         spec = PLUGINS[p.name]
         return cls(
             plugin=p.name,
@@ -557,7 +559,7 @@ class ParallelLayout:
             world_size=world,
             zero_stage=spec.zero_stage(p.zero_stage),
             precision=p.precision,
-            num_microbatches=num_microbatches(stage),
+            num_microbatches=num_microbatches(phase_cfg),
             sp=sp_size(p),
             sp_mode=getattr(p.sequence_parallelism, "mode", None),
         )

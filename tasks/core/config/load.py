@@ -119,9 +119,9 @@ def _sequence(annotation: Any) -> bool:
     )
 
 
-def plugin_problems(stage: PhaseConfig, where: str) -> list[Problem]:
+def plugin_problems(phase_cfg: PhaseConfig, where: str) -> list[Problem]:
     """The layout rules that hold for any model and machine (`tasks.core.config.layout`, tier static)."""
-    return layout_problems(stage, where, tiers=("static",))
+    return layout_problems(phase_cfg, where, tiers=("static",))
 
 
 def gate_problems(cfg: RunConfig) -> list[Problem]:
@@ -141,13 +141,13 @@ def gate_problems(cfg: RunConfig) -> list[Problem]:
             if cfg.dpo is not None
         ),
     ]
-    for name, stage, active in needs:
-        if active and not cfg.phase(stage).eval.enabled:
+    for name, phase, active in needs:
+        if active and not cfg.phase(phase).eval.enabled:
             out.append(
                 (
                     f"gate.{name}",
                     (
-                        f"needs a {stage.upper()} held-out set, but {stage}.eval.heldout_fraction is 0 and no "
+                        f"needs a {phase.upper()} held-out set, but {phase}.eval.heldout_fraction is 0 and no "
                         "heldout_uri is set; "
                         "give one, or turn this check off (gate.enabled: false disables the whole gate)"
                     ),
@@ -287,8 +287,8 @@ def hub_problems(cfg: RunConfig) -> list[Problem]:
 def static_problems(cfg: RunConfig) -> list[Problem]:
     """Every rule across fields that the config alone decides: each stage's layout, the held-out-only sources, the gate, the Hub push."""
     problems: list[Problem] = []
-    for stage in cfg.phases:
-        problems += plugin_problems(cfg.phase(stage), stage)
+    for phase in cfg.phases:
+        problems += plugin_problems(cfg.phase(phase), phase)
     return problems + heldout_source_problems(cfg) + gate_problems(cfg) + hub_problems(cfg)
 
 

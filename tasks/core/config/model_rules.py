@@ -7,7 +7,7 @@ The rules that read the base's shape: tp divides the attention heads, the KV hea
 and the vocabulary (ColossalAI would pad a vocabulary it does not divide and then fail to checkpoint
 its optimizer state); pp is at most the layer count. They run where config.json is known (pre-flight
 and the engine), never in the loader, and each offers the tp or pp values that divide. `x` is the
-layout's facts (`tasks.core.config.layout`): `x.stage`, `x.model` (config.json), `x.f` (the
+layout's facts (`tasks.core.config.layout`): `x.phase_cfg`, `x.model` (config.json), `x.f` (the
 stage's plugin field prefix).
 """
 
@@ -36,7 +36,7 @@ def _head_dims(mc: dict[str, Any]) -> dict[str, int]:
 
 
 def _tp_divides_heads(x: Any) -> list[Problem]:
-    tp = x.stage.plugin.tp_size
+    tp = x.phase_cfg.plugin.tp_size
     if x.model is None or tp <= 1:
         return []
     dims = _head_dims(x.model)
@@ -57,7 +57,7 @@ def _tp_divides_heads(x: Any) -> list[Problem]:
 
 
 def _tp_divides_vocab(x: Any) -> list[Problem]:
-    tp = x.stage.plugin.tp_size
+    tp = x.phase_cfg.plugin.tp_size
     vocab = x.model.get("vocab_size") if x.model else None
     if not isinstance(vocab, int) or tp <= 1 or vocab % tp == 0:
         return []
@@ -78,7 +78,7 @@ def _tp_divides_vocab(x: Any) -> list[Problem]:
 
 
 def _pp_within_layers(x: Any) -> list[Problem]:
-    pp = x.stage.plugin.pp_size
+    pp = x.phase_cfg.plugin.pp_size
     layers = x.model.get("num_hidden_layers") if x.model else None
     if pp > 1 and isinstance(layers, int) and pp > layers:
         why = f"pp_size={pp} exceeds num_hidden_layers={layers} of the base model: a pipeline stage would hold no layer"

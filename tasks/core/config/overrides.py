@@ -86,12 +86,12 @@ class RunOverrides(_Overrides):
         for field, key in _TOP.items():
             if getattr(self, field) not in (None, ""):
                 out[key] = (field, getattr(self, field))
-        for stage in PHASES:
-            if (st := getattr(self, stage, None)) is None:  # a phase the run form has no fields for
+        for phase in PHASES:
+            if (st := getattr(self, phase, None)) is None:  # a phase the run form has no fields for
                 continue
             for field, key in _PER_STAGE.items():
                 if getattr(st, field) not in (None, ""):
-                    out[f"{stage}.{key}"] = (f"{stage}.{field}", getattr(st, field))
+                    out[f"{phase}.{key}"] = (f"{phase}.{field}", getattr(st, field))
         return out
 
 

@@ -20,10 +20,20 @@ Adding a phase is one `register(PhaseSpec(...))` plus its config section (tests/
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Phase = Literal["cpt", "sft", "dpo"]  # a training phase (a config section), never a stage name such as "train_cpt"
+# A run root written before the phase was called a phase names it "stage" in its job files, its
+# checkpoints' manifest meta and its engine records; `phase_of` reads either, writers write "phase".
+OLD_PHASE_KEY = "stage"
+
+
+def phase_of(record: Mapping[str, Any]) -> Any:
+    """The training phase a job file, a checkpoint's manifest meta, train_state.json or an engine
+    record names: its "phase", or the "stage" such a record written before the rename holds."""
+    return record["phase"] if "phase" in record else record.get(OLD_PHASE_KEY)
 
 
 @dataclass(frozen=True)

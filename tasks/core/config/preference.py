@@ -103,7 +103,7 @@ PAIR_FIELDS_DEFAULT = "prompt,chosen,rejected,messages"
 class PreferenceFields(Frozen):
     """The preference loss's settings, beside a phase section's (schema.DpoConfig)."""
 
-    data: PreferenceData = Field(description="Training data of this stage: preference pairs (docs/data-formats.md).")
+    data: PreferenceData = Field(description="Training data of this phase: preference pairs (docs/data-formats.md).")
     beta: float = Field(
         default=0.1,
         gt=0,

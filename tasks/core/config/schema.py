@@ -233,7 +233,7 @@ class EvalConfig(Frozen):
     heldout_uri: str | None = Field(
         default=None,
         description=(
-            "fsspec URI or path of this stage's held-out set (same format and fields as the training data). "
+            "fsspec URI or path of this phase's held-out set (same format and fields as the training data). "
             "Training records identical to a held-out record are dropped from training. None: split heldout_fraction "
             "off the training data."
         ),
@@ -246,7 +246,7 @@ class EvalConfig(Frozen):
             "Without heldout_uri: the share of training records held out, chosen by a hash of each record's canonical "
             "JSON "
             "(deterministic and order-independent; identical records land on the same side; at least one record). "
-            "0 with no heldout_uri: this stage is not evaluated."
+            "0 with no heldout_uri: this phase is not evaluated."
         ),
     )
     batch_size: int = Field(
@@ -325,14 +325,14 @@ def _registered_kernels(switches: dict[str, bool]) -> dict[str, bool]:
 KernelSwitches = Annotated[dict[str, bool], AfterValidator(_registered_kernels)]
 
 
-def _stage_schema(schema: dict[str, Any]) -> None:
+def _phase_schema(schema: dict[str, Any]) -> None:
     """The batching enum, and the kernel names the `kernels` mapping takes (read from the registry
     when the schema is rendered, like the registry enums)."""
     _batching_schema(schema)
     prop = schema["properties"]["kernels"]
     prop["propertyNames"] = {"enum": list(kernel_names())}
     prop["description"] = (
-        "Fast kernels this stage may use: each is on where the device and the installed packages support it "
+        "Fast kernels this phase may use: each is on where the device and the installed packages support it "
         "(never without CUDA) unless switched off here, e.g. {flash_attention: false}; "
         + "; ".join(f"{n} ({s})" for n, s in kernel_summaries().items())
         + "."
@@ -341,20 +341,21 @@ def _stage_schema(schema: dict[str, Any]) -> None:
 
 class PhaseConfig(Frozen):
     model_config = ConfigDict(
-        frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_stage_schema
+        frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=_phase_schema
     )
 
-    data: DataConfig = Field(description="Training data of this stage.")
+    data: DataConfig = Field(description="Training data of this phase.")
     eval: EvalConfig = Field(
         default_factory=EvalConfig,
         description=(
-            "Held-out data of this stage and how its evaluation runs (CPT: base vs CPT perplexity; SFT: pre-SFT vs "
+            "Held-out data of this phase and how its evaluation runs (CPT: base vs CPT perplexity; SFT: pre-SFT vs "
             "SFT loss on assistant tokens)."
         ),
     )
-    plugin: PluginConfig = Field(description="The ColossalAI plugin and its parallel layout for this stage.")
+    plugin: PluginConfig = Field(description="The ColossalAI plugin and its parallel layout for this phase.")
     launch: LaunchConfig = Field(
-        default_factory=LaunchConfig, description="How many processes and nodes torchrun starts for this stage."
+        default_factory=LaunchConfig,
+        description="How many processes and nodes torchrun starts for each launch of this phase.",
     )
     max_steps: int = Field(ge=1, description="Optimizer steps to train.")
     micro_batch_size: int = Field(default=1, ge=1, description="Sequences per data-parallel rank per micro-batch.")
@@ -396,7 +397,7 @@ class PhaseConfig(Frozen):
     kernels: KernelSwitches = Field(
         default_factory=dict,
         description=(
-            "Switch fast kernels off for this stage ({name: false}); every registered kernel is on where the device "
+            "Switch fast kernels off for this phase ({name: false}); every registered kernel is on where the device "
             "and installed "
             "packages support it, off without CUDA (see tasks/core/config/kernels.py). true is the default, not a "
             "demand."

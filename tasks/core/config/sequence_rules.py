@@ -24,7 +24,7 @@ _OFF: dict[str, Any] = {"plugin.sequence_parallelism": None}
 
 
 def _sp(x: Any) -> tuple[SequenceParallelConfig, SpModeSpec] | None:
-    sp = x.stage.plugin.sequence_parallelism
+    sp = x.phase_cfg.plugin.sequence_parallelism
     if isinstance(sp, dict):  # a fix's value, applied unvalidated
         sp = SequenceParallelConfig.model_validate(sp)
     if sp is None or sp.mode not in SP_MODES:
@@ -48,7 +48,7 @@ def _own_group_fixes(x: Any, sizes: list[int], *, cuda: bool | None = None) -> l
 
 def _sizes(x: Any) -> list[int]:
     """Group sizes > 1 the world leaves room for beside tp x pp."""
-    p, world = x.stage.plugin, x.stage.launch.world_size
+    p, world = x.phase_cfg.plugin, x.phase_cfg.launch.world_size
     rest = world // (p.tp_size * p.pp_size) if world % (p.tp_size * p.pp_size) == 0 else 1
     return [d for d in range(2, rest + 1) if rest % d == 0]
 
@@ -57,7 +57,7 @@ def _sizes(x: Any) -> list[int]:
 
 
 def _sp_needs_plugin(x: Any) -> list[Problem]:
-    if x.stage.plugin.sequence_parallelism is None or x.spec.sequence_parallel:
+    if x.phase_cfg.plugin.sequence_parallelism is None or x.spec.sequence_parallel:
         return []
     names = [n for n, s in PLUGINS.items() if s.sequence_parallel]
     why = f"sequence parallelism needs plugin {', '.join(names)} (its shardformer policies split the sequence)"
@@ -92,7 +92,7 @@ def _sp_inside_tp(x: Any) -> list[Problem]:
     got = _sp(x)
     if got is None or not got[1].shares_tp:
         return []
-    sp, p = got[0], x.stage.plugin
+    sp, p = got[0], x.phase_cfg.plugin
     if p.tp_size < 2:
         why = (
             f"sequence-parallel mode {sp.mode} runs inside tensor parallelism (its group is the tp group) and "
@@ -119,7 +119,7 @@ def _sp_own_group_size(x: Any) -> list[Problem]:
     got = _sp(x)
     if got is None or got[1].shares_tp:
         return []
-    sp, p, world = got[0], x.stage.plugin, x.stage.launch.world_size
+    sp, p, world = got[0], x.phase_cfg.plugin, x.phase_cfg.launch.world_size
     size = sp.size or 1
     if size >= 2 and world % (p.tp_size * p.pp_size * size) == 0:
         return []
@@ -128,7 +128,7 @@ def _sp_own_group_size(x: Any) -> list[Problem]:
         f">= 2 dividing world / (tp_size x pp_size) = {world / (p.tp_size * p.pp_size):g}, got size {sp.size}"
     )
     fixes = [{"plugin.sequence_parallelism.size": s} for s in _sizes(x)]
-    if x.stage.launch.nnodes == 1:
+    if x.phase_cfg.launch.nnodes == 1:
         fixes.append({"launch.nproc_per_node": p.tp_size * p.pp_size * max(2, size)})
     return [Refusal(_field(x, "size"), why, [*fixes, _OFF])]
 
@@ -138,14 +138,14 @@ def _sp_divides_seq_len(x: Any) -> list[Problem]:
     if got is None:
         return []
     sp, spec = got
-    n = spec.size(sp.size, x.stage.plugin.tp_size)
-    if n < 2 or x.stage.seq_len % n == 0:
+    n = spec.size(sp.size, x.phase_cfg.plugin.tp_size)
+    if n < 2 or x.phase_cfg.seq_len % n == 0:
         return []
     why = (
-        f"seq_len={x.stage.seq_len} must be a multiple of the sequence-parallel size {n}: each rank holds "
+        f"seq_len={x.phase_cfg.seq_len} must be a multiple of the sequence-parallel size {n}: each rank holds "
         f"seq_len/{n} tokens"
     )
-    down, up = x.stage.seq_len // n * n, -(-x.stage.seq_len // n) * n
+    down, up = x.phase_cfg.seq_len // n * n, -(-x.phase_cfg.seq_len // n) * n
     return [Refusal(f"{x.where}.seq_len", why, [{"seq_len": v} for v in (up, down) if v > 0])]
 
 
@@ -157,7 +157,7 @@ def _sp_divides_heads(x: Any) -> list[Problem]:
     if got is None or not got[1].divides_heads or x.model is None:
         return []
     sp, spec = got
-    tp = x.stage.plugin.tp_size
+    tp = x.phase_cfg.plugin.tp_size
     n = spec.size(sp.size, tp)
     heads = x.model.get("num_attention_heads")
     kv = x.model.get("num_key_value_heads") or heads

@@ -213,7 +213,7 @@ def blend(
     return stream.astype(dtype), report
 
 
-def check_plan(index: dict[str, Any], plan: BlendPlan | None, data_dir: Any, stage: str) -> None:
+def check_plan(index: dict[str, Any], plan: BlendPlan | None, data_dir: Any, phase: str) -> None:
     """Refuse training a mixture for other steps than its blend was made for (the flow cannot: the
     plan is part of prepare_data's digest; a job written by hand can)."""
     meta = index.get("blend")
@@ -221,8 +221,8 @@ def check_plan(index: dict[str, Any], plan: BlendPlan | None, data_dir: Any, sta
     if have != plan:
         fields = "max_steps, micro_batch_size, grad_accum_steps, the data-parallel size, seed, batching"
         raise BlendError(
-            f"{data_dir} was blended for {have} but {stage} trains {plan}; prepare the data again for this stage "
-            f"(prepare_{stage} re-runs when {stage}.{{{fields}}} change)"
+            f"{data_dir} was blended for {have} but {phase} trains {plan}; prepare the data again for this stage "
+            f"(prepare_{phase} re-runs when {phase}.{{{fields}}} change)"
         )
 
 

@@ -170,14 +170,14 @@ def heldout_only_names(data_dir: Path) -> list[str]:
     return [s["name"] for s in read_index(Path(data_dir)).get("heldout_sources") or []]
 
 
-def record_split(store: RunStore, stage: str, info: dict[str, Any]) -> None:
+def record_split(store: RunStore, phase: str, info: dict[str, Any]) -> None:
     """Keep the split record in the run root beside the stage's checkpoints (S3 included)."""
-    store.write_text(split_rel(stage), json.dumps(info, indent=2, sort_keys=True) + "\n")
+    store.write_text(split_rel(phase), json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 
-def recorded_split(store: RunStore, stage: str) -> dict[str, Any] | None:
+def recorded_split(store: RunStore, phase: str) -> dict[str, Any] | None:
     """The split the stage trained with, for the manifests of the artifacts made from it."""
     try:
-        return json.loads(store.read_text(split_rel(stage)))
+        return json.loads(store.read_text(split_rel(phase)))
     except Exception:  # no readable split record: the artifact's manifest says data_split null rather than failing
         return None

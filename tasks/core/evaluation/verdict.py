@@ -383,9 +383,9 @@ def eval_results_for_card(metrics: dict[str, Any], model_name: str | None = None
     return out
 
 
-def _split_dataset(m: dict, stage: str) -> tuple[str, str]:
+def _split_dataset(m: dict, phase: str) -> tuple[str, str]:
     split = m.get("split") or {}
     source = split.get("heldout_uri") or split.get("data_uri")
-    source = source if isinstance(source, str) else stage.lower()  # a list of uris or a mixture: named after the stage
+    source = source if isinstance(source, str) else phase.lower()  # a list of uris or a mixture: named after the stage
     how = f"{split['fraction']:g} hash split of " if split.get("method") == "hash-fraction" else ""
-    return _dataset_name(source), f"{stage} held-out ({how}{_dataset_name(source)})"
+    return _dataset_name(source), f"{phase} held-out ({how}{_dataset_name(source)})"

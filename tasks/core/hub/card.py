@@ -97,8 +97,8 @@ def train_facts(
     results or the final checkpoint's `train_state.json` and the stage's split record; the kernels
     and activation checkpointing that ran, from that checkpoint's manifest."""
     facts = {}
-    for stage in cfg.phases:
-        steps = cfg.phase(stage).max_steps
+    for phase in cfg.phases:
+        steps = cfg.phase(phase).max_steps
         fact: dict[str, Any] = {
             "steps": steps,
             "final_loss": None,
@@ -110,14 +110,14 @@ def train_facts(
             "lora": None,
             "peak_mem": None,
         }
-        r = results.get(f"train_{stage}")
+        r = results.get(f"train_{phase}")
         if r is not None and r.detail.get("final_loss") is not None:
             fact["final_loss"] = float(r.detail["final_loss"])
         if r is not None and r.detail.get("peak_mem_bytes") is not None:  # the largest of every rank's, and whose
             fact["peak_mem"] = (int(r.detail["peak_mem_bytes"]), r.detail.get("peak_mem_rank"))
         if read_text is not None:
             try:
-                state = json.loads(read_text(f"{TRAINING[stage].step(steps)}/{TRAIN_STATE}"))
+                state = json.loads(read_text(f"{TRAINING[phase].step(steps)}/{TRAIN_STATE}"))
                 losses = state.get("losses") or []
                 if fact["final_loss"] is None and losses:
                     fact["final_loss"] = float(losses[-1])
@@ -130,11 +130,11 @@ def train_facts(
             except Exception:
                 pass
             try:
-                fact["split"] = json.loads(read_text(split_rel(stage)))
+                fact["split"] = json.loads(read_text(split_rel(phase)))
             except Exception:
                 pass
             try:
-                meta = json.loads(read_text(f"{TRAINING[stage].step(steps)}/{MANIFEST}")).get("meta") or {}
+                meta = json.loads(read_text(f"{TRAINING[phase].step(steps)}/{MANIFEST}")).get("meta") or {}
                 fact["kernels"], fact["activation_checkpointing"] = (
                     meta.get("kernels"),
                     meta.get("activation_checkpointing"),
@@ -146,18 +146,18 @@ def train_facts(
         r_pre = (r.detail.get("preemptions") if r is not None else None) or None
         if r_pre is None and read_text is not None:
             try:
-                r_pre = parse_preemptions(read_text(preemption_log(TRAINING[stage].checkpoints)))
+                r_pre = parse_preemptions(read_text(preemption_log(TRAINING[phase].checkpoints)))
             except Exception:
                 r_pre = None
         fact["preemptions"] = r_pre or []
-        facts[stage] = fact
+        facts[phase] = fact
     return facts
 
 
-def preemption_cell(facts: dict[str, dict], stage: str) -> str:
+def preemption_cell(facts: dict[str, dict], phase: str) -> str:
     """How often the stage was preempted; each: when, the step checkpointed, steps lost, notice to
     commit against the grace, restart to first step."""
-    records = facts.get(stage, {}).get("preemptions") or []
+    records = facts.get(phase, {}).get("preemptions") or []
     if not records:
         return "none"
     return "<br>".join(
@@ -172,32 +172,32 @@ def _secs(x: Any) -> str:
     return f"{float(x):.1f} s" if isinstance(x, (int, float)) else "n/a"
 
 
-def _median(facts: dict[str, dict], stage: str, key: str) -> float | None:
-    return (facts.get(stage, {}).get("medians") or {}).get(key)
+def _median(facts: dict[str, dict], phase: str, key: str) -> float | None:
+    return (facts.get(phase, {}).get("medians") or {}).get(key)
 
 
-def _kernels(facts: dict[str, dict], stage: str) -> str:
-    recorded = facts.get(stage, {}).get("kernels")
+def _kernels(facts: dict[str, dict], phase: str) -> str:
+    recorded = facts.get(phase, {}).get("kernels")
     return "n/a" if recorded is None else describe(recorded).replace("|", "/")
 
 
-def _tuning(cfg: RunConfig, facts: dict[str, dict], stage: str) -> str:
+def _tuning(cfg: RunConfig, facts: dict[str, dict], phase: str) -> str:
     """Full, or LoRA with its rank, alpha, target modules and the share of parameters it trained."""
-    lora = cfg.phase(stage).lora
+    lora = cfg.phase(phase).lora
     if lora is None:
         return "full"
-    share = (facts.get(stage, {}).get("lora") or {}).get("trainable_pct")
+    share = (facts.get(phase, {}).get("lora") or {}).get("trainable_pct")
     trained = f"; {share:.3g} % of parameters trained" if share is not None else ""
-    adapted = (facts.get(stage, {}).get("lora") or {}).get(
+    adapted = (facts.get(phase, {}).get("lora") or {}).get(
         "adapted_modules"
     )  # what peft adapted, recorded by the engine
     return f"LoRA r={lora.r}, alpha={lora.alpha:g} on {', '.join(adapted) if adapted else lora.targets_text()}{trained}"
 
 
-def _context(cfg: RunConfig, base: dict[str, Any], stage: str) -> str:
+def _context(cfg: RunConfig, base: dict[str, Any], phase: str) -> str:
     """The tokens a sequence held, and for CPT the RoPE and position settings it changed from the base's."""
-    trained = f"{cfg.phase(stage).seq_len:,} tokens"
-    if PHASES[stage].context_refused:  # it starts from cpt/hf
+    trained = f"{cfg.phase(phase).seq_len:,} tokens"
+    if PHASES[phase].context_refused:  # it starts from cpt/hf
         return f"{trained}; RoPE and positions as CPT left them (cpt/hf)"
     before = base.get("config") or {}
     changed = changes_text(before, cfg.cpt.context)
@@ -211,8 +211,8 @@ def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f} %"
 
 
-def _peak(facts: dict[str, dict], stage: str) -> str:
-    peak = facts.get(stage, {}).get("peak_mem")
+def _peak(facts: dict[str, dict], phase: str) -> str:
+    peak = facts.get(phase, {}).get("peak_mem")
     return "n/a" if not peak else f"{peak[0] / 2**30:.2f} GiB" + (f" (rank {peak[1]})" if peak[1] is not None else "")
 
 
@@ -240,39 +240,39 @@ print(tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
 ```'''
 
 
-def _layout(cfg: RunConfig, stage: str) -> str:
-    st = cfg.phase(stage)
-    p = st.plugin
+def _layout(cfg: RunConfig, phase: str) -> str:
+    phase_cfg = cfg.phase(phase)
+    p = phase_cfg.plugin
     return (
         f"`{p.name}` tp={p.tp_size} pp={p.pp_size} zero={p.zero_stage} {p.precision}, "
-        f"{st.launch.nnodes}×{st.launch.nproc_per_node} ranks"
+        f"{phase_cfg.launch.nnodes}×{phase_cfg.launch.nproc_per_node} ranks"
     )
 
 
-def _segments(facts: dict[str, dict], stage: str) -> str | None:
+def _segments(facts: dict[str, dict], phase: str) -> str | None:
     """A stage that continued under another layout: each segment's layout and first step."""
-    segs = facts.get(stage, {}).get("segments") or []
+    segs = facts.get(phase, {}).get("segments") or []
     if len(segs) < 2:
         return None
     return "<br>".join(f"from step {seg['from_step']}: `{describe_layout(seg)}`" for seg in segs)
 
 
-def _batch(cfg: RunConfig, stage: str) -> str:
-    st = cfg.phase(stage)
-    p = st.plugin
-    dp = max(st.launch.world_size // (p.tp_size * p.pp_size * sp_factor(p)), 1)  # a sequence group reads one row
-    n = st.micro_batch_size * st.grad_accum_steps * dp
-    per = PHASES[stage].rows_per_record
+def _batch(cfg: RunConfig, phase: str) -> str:
+    phase_cfg = cfg.phase(phase)
+    p = phase_cfg.plugin
+    dp = max(phase_cfg.launch.world_size // (p.tp_size * p.pp_size * sp_factor(p)), 1)  # a sequence group reads one row
+    n = phase_cfg.micro_batch_size * phase_cfg.grad_accum_steps * dp
+    per = PHASES[phase].rows_per_record
     # a pair phase's micro_batch_size counts records (pairs), each its chosen and its rejected sequence
-    unit = "sequences" if per == 1 else f"{PHASES[stage].record_noun} ({n * per} sequences)"
-    return f"{st.micro_batch_size} × {st.grad_accum_steps} accum × {dp} dp = {n} {unit}"
+    unit = "sequences" if per == 1 else f"{PHASES[phase].record_noun} ({n * per} sequences)"
+    return f"{phase_cfg.micro_batch_size} × {phase_cfg.grad_accum_steps} accum × {dp} dp = {n} {unit}"
 
 
-def _schedule(cfg: RunConfig, stage: str) -> str:
-    st = cfg.phase(stage)
+def _schedule(cfg: RunConfig, phase: str) -> str:
+    phase_cfg = cfg.phase(phase)
     return (
-        f"AdamW lr {st.lr:g} → {st.min_lr:g} {st.lr_schedule}, warm-up {st.warmup_steps}, "
-        f"weight decay {st.weight_decay:g}, betas {tuple(st.betas)}, clip {st.plugin.max_norm:g}"
+        f"AdamW lr {phase_cfg.lr:g} → {phase_cfg.min_lr:g} {phase_cfg.lr_schedule}, warm-up {phase_cfg.warmup_steps}, "
+        f"weight decay {phase_cfg.weight_decay:g}, betas {tuple(phase_cfg.betas)}, clip {phase_cfg.plugin.max_norm:g}"
     )
 
 

@@ -29,8 +29,8 @@ def _data_name(uri: str) -> str:
     return hub_dataset_id(uri) or Path(uri.rstrip("/")).name
 
 
-def _split(facts: dict[str, dict], stage: str) -> dict[str, Any]:
-    return facts.get(stage, {}).get("split") or {}
+def _split(facts: dict[str, dict], phase: str) -> dict[str, Any]:
+    return facts.get(phase, {}).get("split") or {}
 
 
 def data_section(cfg: RunConfig, facts: dict[str, dict]) -> list[str]:
@@ -38,8 +38,8 @@ def data_section(cfg: RunConfig, facts: dict[str, dict]) -> list[str]:
     than seq_len, then each phase's mixture and held-out-only sources where it has them."""
     rows = _datasets_table(cfg, facts)
     rows += ["", "Records longer than seq_len:", "", *(_longer_line(cfg, facts, s) for s in cfg.phases)]
-    for stage in cfg.phases:
-        rows += _mixture_table(facts, stage) + _heldout_only_table(facts, stage)
+    for phase in cfg.phases:
+        rows += _mixture_table(facts, phase) + _heldout_only_table(facts, phase)
     return rows
 
 
@@ -49,8 +49,8 @@ def _datasets_table(cfg: RunConfig, facts: dict[str, dict]) -> list[str]:
         "| stage | dataset | checksum | train records | held-out records | split |",
         "|---|---|---|---|---|---|",
     ]
-    for stage in cfg.phases:
-        split = _split(facts, stage)
+    for phase in cfg.phases:
+        split = _split(facts, phase)
         held = split.get("heldout_uri")
         how = (
             f"held-out file `{_data_name(held)}`"
@@ -61,35 +61,35 @@ def _datasets_table(cfg: RunConfig, facts: dict[str, dict]) -> list[str]:
                 else split.get("method", "n/a")
             )
         )
-        inputs = split.get("inputs") or [{"uri": u, "checksum": "n/a"} for u in cfg.phase(stage).data.uris]
+        inputs = split.get("inputs") or [{"uri": u, "checksum": "n/a"} for u in cfg.phase(phase).data.uris]
         names = "<br>".join(f"`{_data_name(i['uri'])}`" for i in inputs)
         sums = "<br>".join(f"`{i.get('checksum', 'n/a')}`" for i in inputs)
         data_rows.append(
-            f"| {stage.upper()} | {names} | {sums} | {_num(split.get('train_records'))} | "
+            f"| {phase.upper()} | {names} | {sums} | {_num(split.get('train_records'))} | "
             f"{_num(split.get('heldout_records'))} | {how} |"
         )
     return data_rows
 
 
-def _longer_line(cfg: RunConfig, facts: dict[str, dict], stage: str) -> str:
+def _longer_line(cfg: RunConfig, facts: dict[str, dict], phase: str) -> str:
     """Records longer than seq_len: the rule and what it made of them (tasks/core/data/truncation.py)."""
-    tr = _split(facts, stage).get("truncation")
-    line = tr and describe_truncation(tr, stage, tr.get("rule"), tr.get("seq_len") or cfg.phase(stage).seq_len)
+    tr = _split(facts, phase).get("truncation")
+    line = tr and describe_truncation(tr, phase, tr.get("rule"), tr.get("seq_len") or cfg.phase(phase).seq_len)
     return (
-        f"- {stage.upper()}: {line or f'no training record longer than seq_len={cfg.phase(stage).seq_len}'}."
+        f"- {phase.upper()}: {line or f'no training record longer than seq_len={cfg.phase(phase).seq_len}'}."
         if tr
-        else f"- {stage.upper()}: not recorded."
+        else f"- {phase.upper()}: not recorded."
     )
 
 
-def _mixture_table(facts: dict[str, dict], stage: str) -> list[str]:
+def _mixture_table(facts: dict[str, dict], phase: str) -> list[str]:
     """A weighted mixture: what each source was meant to give and what the steps took."""
-    sources = _split(facts, stage).get("sources") or []
+    sources = _split(facts, phase).get("sources") or []
     if len(sources) <= 1:
         return []
     return [
         "",
-        f"{stage.upper()} mixture (blended once for the planned steps):",
+        f"{phase.upper()} mixture (blended once for the planned steps):",
         "",
         (
             "| source | weight | realized token share | epochs | training tokens available | held-out records | "
@@ -105,14 +105,14 @@ def _mixture_table(facts: dict[str, dict], stage: str) -> list[str]:
     ]
 
 
-def _heldout_only_table(facts: dict[str, dict], stage: str) -> list[str]:
+def _heldout_only_table(facts: dict[str, dict], phase: str) -> list[str]:
     """cpt.eval.heldout_sources: the forgetting check's text, evaluated only."""
-    only = _split(facts, stage).get("heldout_sources") or []
+    only = _split(facts, phase).get("heldout_sources") or []
     if not only:
         return []
     rows = [
         "",
-        f"{stage.upper()} held-out-only sources (evaluated base vs {stage.upper()}, never trained on):",
+        f"{phase.upper()} held-out-only sources (evaluated base vs {phase.upper()}, never trained on):",
         "",
         "| source | dataset | checksum | records | tokens |",
         "|---|---|---|---|---|",

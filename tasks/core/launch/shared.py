@@ -153,7 +153,7 @@ def start(job: Job, job_path: Path, rdzv_id: str, logger: logging.Logger | loggi
     """The shard part of a shared launch: write `job`, start `shard-train`, follow it until step-000000
     is committed (`@@sharded`), keep it in HELD for the train stage. A failure before that raises as
     a shard launch's does, and nothing is kept."""
-    release(job.stage, logger, "a new shard stage started")
+    release(job.phase, logger, "a new shard stage started")
     job.write(job_path)
     handoff.clear(job_path)
     router = Router(logger, ranks=job.phase_cfg.launch.world_size)
@@ -169,27 +169,27 @@ def start(job: Job, job_path: Path, rdzv_id: str, logger: logging.Logger | loggi
         finally:
             router.close()
         if ended:  # exited 0 without the event: a shard that did not say it committed
-            raise RuntimeError(f"the shared {job.stage} launch exited before it reported step 0 committed (@@sharded)")
+            raise RuntimeError(f"the shared {job.phase} launch exited before it reported step 0 committed (@@sharded)")
     except BaseException:
         scope.close()
         raise
     # The ranks' time so far is the shard stage's, though torchrun is reaped in the train stage.
     advanced = _cpu_seconds(local)
     cputime.advance(advanced)
-    live = HELD[job.stage] = SharedLaunch(job.stage, job, job_path, local, scope, advanced)
+    live = HELD[job.phase] = SharedLaunch(job.phase, job, job_path, local, scope, advanced)
     return live
 
 
 def adopt(job: Job, logger: Any) -> SharedLaunch | None:
     """The live launch of `job`'s phase when the train `job` can run in it (else it is stopped, and None)."""
-    live = HELD.get(job.stage)
+    live = HELD.get(job.phase)
     if live is None:
         return None
     why = live.why_not(job)
     if why:
-        release(job.stage, logger, f"not adopted: {why}; the train stage launches its own")
+        release(job.phase, logger, f"not adopted: {why}; the train stage launches its own")
         return None
-    del HELD[job.stage]
+    del HELD[job.phase]
     return live
 
 

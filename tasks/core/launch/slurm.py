@@ -360,11 +360,13 @@ def _main(argv: list[str]) -> int:
     cfg = load_config(argv[0])
     bad = 0
     for name in cfg.phases:
-        stage = cfg.phase(name)
-        if stage.launch.backend != "slurm":
-            print(f"{name}: backend {stage.launch.backend}, not Slurm")
+        phase_cfg = cfg.phase(name)
+        if phase_cfg.launch.backend != "slurm":
+            print(f"{name}: backend {phase_cfg.launch.backend}, not Slurm")
             continue
-        problems = preflight(stage.launch, f"{name}.launch", tp_pp=stage.plugin.tp_size * stage.plugin.pp_size)
+        problems = preflight(
+            phase_cfg.launch, f"{name}.launch", tp_pp=phase_cfg.plugin.tp_size * phase_cfg.plugin.pp_size
+        )
         bad += len(problems)
         print(f"{name}: " + ("ok" if not problems else "\n  ".join(f"{f}: {m}" for f, m in problems)))
     return 1 if bad else 0

@@ -388,12 +388,12 @@ def _main(argv: list[str]) -> int:
         print("usage: python -m tasks.core.launch.slurm CONFIG.yaml cpt|sft VERB", file=sys.stderr)
         return 2
     cfg = load_config(argv[0])
-    stage = cfg.phase(argv[1])
+    phase_cfg = cfg.phase(argv[1])
     job_path = f"{cfg.run_uri}/{argv[1]}/.launch/{argv[2]}.json"
     print(
         render_batch_script(
             engine_program(argv[2], job_path),
-            stage.launch,
+            phase_cfg.launch,
             f"{cfg.name}-{argv[1]}-{argv[2]}",
             f"{cfg.run_uri}/{argv[1]}/.launch",
             Path(__file__).resolve().parents[3],

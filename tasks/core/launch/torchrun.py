@@ -84,17 +84,17 @@ def torchrun_argv(
 
 
 # Read by the engine (tasks/engine/faults.py). The task process may hold it for one stage only: a
-# launch gets it when its stage passes it (`stage_fault_env`), never by inheritance.
+# launch gets it when its stage passes it (`phase_fault_env`), never by inheritance.
 FAULT_ENV = "CPT_TO_SFT_FAULT"
 
 
-def stage_fault_env(stage: str, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The fault specs of `environ[FAULT_ENV]` that may fire in `stage`'s training launch: each one
-    naming no stage, or this one (`...@stage=S`), as the `extra` of `engine_env`; {} when none."""
+def phase_fault_env(phase: str, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The fault specs of `environ[FAULT_ENV]` that may fire in `phase`'s training launch: each one
+    naming no phase, or this one (`...@phase=P`), as the `extra` of `engine_env`; {} when none."""
     keep = [
         spec
         for spec in (s.strip() for s in environ.get(FAULT_ENV, "").split(";"))
-        if spec and all(part.partition("=")[2] == stage for part in spec.split("@")[1:] if part.startswith("stage="))
+        if spec and all(part.partition("=")[2] == phase for part in spec.split("@")[1:] if part.startswith("phase="))
     ]
     return {FAULT_ENV: ";".join(keep)} if keep else {}
 

@@ -119,8 +119,8 @@ def _facts(ctx: CheckContext) -> dict[str, Any]:
 def check_static_rules(ctx: CheckContext) -> None:
     """The config's own rules (hybrid_parallel ZeRO refuses fp32, tp/pp need hybrid_parallel, world size)."""
     before = len(ctx.report.problems)
-    for stage in ctx.cfg.phases:
-        for where, msg in layout_problems(getattr(ctx.cfg, stage), stage, tiers=("static",), **_facts(ctx)):
+    for phase in ctx.cfg.phases:
+        for where, msg in layout_problems(getattr(ctx.cfg, phase), phase, tiers=("static",), **_facts(ctx)):
             ctx.problem(where, msg)
     for where, msg in heldout_source_problems(ctx.cfg) + gate_problems(ctx.cfg):  # what load_config refuses, here too
         ctx.problem(where, msg)
@@ -132,19 +132,19 @@ def check_static_rules(ctx: CheckContext) -> None:
         )
 
 
-def _stage_layout(ctx: CheckContext, name: str, stage: PhaseConfig) -> None:
+def _phase_layout(ctx: CheckContext, name: str, phase_cfg: PhaseConfig) -> None:
     """The model and batch rules of `tasks.core.config.layout` (the static ones ran in check_static_rules)."""
-    p, launch = stage.plugin, stage.launch
+    p, launch = phase_cfg.plugin, phase_cfg.launch
     mc = ctx.model.config if ctx.model else None
     if mc is not None and p.tp_size > 1 and not isinstance(mc.get("num_attention_heads"), int):
         ctx.warn(
             f"{name}.plugin.tp_size: config.json has no num_attention_heads; tensor-parallel divisibility not checked"
         )
-    for where, msg in layout_problems(stage, name, tiers=("batch", "model"), **_facts(ctx)):
+    for where, msg in layout_problems(phase_cfg, name, tiers=("batch", "model"), **_facts(ctx)):
         ctx.problem(where, msg)
     from tasks.core.models.families import policy_problem, sp_family_problem
 
-    if mc is not None and (sp := policy_problem(mc, stage, name) or sp_family_problem(mc, stage, name)):
+    if mc is not None and (sp := policy_problem(mc, phase_cfg, name) or sp_family_problem(mc, phase_cfg, name)):
         ctx.problem(*sp)
     world = launch.world_size
     if world % (p.tp_size * p.pp_size) == 0 and not any(
@@ -169,7 +169,7 @@ def _stage_layout(ctx: CheckContext, name: str, stage: PhaseConfig) -> None:
 def check_layout(ctx: CheckContext) -> None:
     """tp divides the attention and KV heads; pp <= layers; tp*pp*dp = world; pipeline batches."""
     for name in ctx.cfg.phases:
-        _stage_layout(ctx, name, getattr(ctx.cfg, name))
+        _phase_layout(ctx, name, getattr(ctx.cfg, name))
     if ctx.model is None:
         ctx.warn(
             "layout against the base model not checked: its config.json could not be read or was refused (see problems)"
@@ -180,9 +180,9 @@ def check_machine(ctx: CheckContext) -> None:
     """Processes vs visible GPUs (or CPU cores); plugins that need CUDA."""
     m = ctx.machine
     for name in ctx.cfg.phases:
-        stage = getattr(ctx.cfg, name)
-        n = stage.launch.nproc_per_node
-        for where, msg in layout_problems(stage, name, tiers=("device",), **_facts(ctx)):
+        phase_cfg = getattr(ctx.cfg, name)
+        n = phase_cfg.launch.nproc_per_node
+        for where, msg in layout_problems(phase_cfg, name, tiers=("device",), **_facts(ctx)):
             ctx.problem(where, msg)
         if m.cuda_devices:
             if n > m.cuda_devices:
@@ -265,12 +265,12 @@ def check_launch_backend(ctx: CheckContext) -> None:
     from tasks.core.launch.torchrun import PREFLIGHTS
 
     for name in ctx.cfg.phases:
-        stage = getattr(ctx.cfg, name)
-        launch = stage.launch
+        phase_cfg = getattr(ctx.cfg, name)
+        launch = phase_cfg.launch
         spec = BACKENDS[launch.backend]
         if (cluster_check := PREFLIGHTS.get(launch.backend)) is None:
             continue
-        problems = cluster_check(launch, f"{name}.launch", stage.plugin.tp_size * stage.plugin.pp_size)
+        problems = cluster_check(launch, f"{name}.launch", phase_cfg.plugin.tp_size * phase_cfg.plugin.pp_size)
         for where, msg in problems:
             ctx.problem(where, msg)
         if spec.remote_nodes and launch.nnodes > 1 and "://" in ctx.cfg.run_uri:

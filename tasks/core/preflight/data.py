@@ -21,18 +21,20 @@ def check_data(ctx: CheckContext) -> None:
 
     datasets = []
     for name in ctx.cfg.phases:
-        st = getattr(ctx.cfg, name)
-        for i, src in enumerate(st.data.source_list):  # each source of a mixture on its own, named by its field
+        phase_cfg = getattr(ctx.cfg, name)
+        for i, src in enumerate(phase_cfg.data.source_list):  # each source of a mixture on its own, named by its field
             datasets.append(
                 (
                     name,
-                    f"{name}.data.uri" if st.data.sources is None else f"{name}.data.sources[{i}] ({src.name}).uri",
+                    f"{name}.data.uri"
+                    if phase_cfg.data.sources is None
+                    else f"{name}.data.sources[{i}] ({src.name}).uri",
                     src.uris,
                 )
             )
-        if st.eval.heldout_uri:
-            datasets.append((name, f"{name}.eval.heldout_uri", [st.eval.heldout_uri]))
-        for i, src in enumerate(st.eval.heldout_sources or ()):  # held out only: evaluated, never trained on
+        if phase_cfg.eval.heldout_uri:
+            datasets.append((name, f"{name}.eval.heldout_uri", [phase_cfg.eval.heldout_uri]))
+        for i, src in enumerate(phase_cfg.eval.heldout_sources or ()):  # held out only: evaluated, never trained on
             datasets.append((name, f"{name}.eval.heldout_sources[{i}] ({src.name}).uri", src.uris))
     for name, where, raw_uris in datasets:
         d = getattr(ctx.cfg, name).data

@@ -47,12 +47,12 @@ def check_eval_memory(ctx: Any) -> None:
     if ctx.model is None or not n or not gpu:
         return
     for name in ctx.cfg.phases:
-        st = getattr(ctx.cfg, name)
-        if not st.eval.enabled:
+        phase_cfg = getattr(ctx.cfg, name)
+        if not phase_cfg.eval.enabled:
             continue
-        dtype = eval_dtype(st.eval.dtype, ctx.cfg.export.dtype, cuda=True)
+        dtype = eval_dtype(phase_cfg.eval.dtype, ctx.cfg.export.dtype, cuda=True)
         try:
-            p = eval_plan(ctx.model.config, dtype, st.eval.batch_size * st.seq_len, gpus=n, gpu_bytes=gpu)
+            p = eval_plan(ctx.model.config, dtype, phase_cfg.eval.batch_size * phase_cfg.seq_len, gpus=n, gpu_bytes=gpu)
         except (ConversionError, KeyError) as exc:  # an unknown family: check_model_family names it
             ctx.warn(f"{name} evaluation memory not estimated: {exc}")
             continue
@@ -63,8 +63,8 @@ def check_eval_memory(ctx: Any) -> None:
             )
             continue
         fixes = ([f"{name}.eval.dtype: bf16 (half of {dtype})"] if dtype == "fp32" else []) + (
-            [f"a smaller {name}.eval.batch_size (each row is {st.seq_len} tokens of forward on every GPU)"]
-            if st.eval.batch_size > 1
+            [f"a smaller {name}.eval.batch_size (each row is {phase_cfg.seq_len} tokens of forward on every GPU)"]
+            if phase_cfg.eval.batch_size > 1
             else []
         )
         ctx.problem(

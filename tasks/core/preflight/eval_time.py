@@ -39,7 +39,7 @@ FLOOR = 1e13  # below this many FLOPs (about a minute on a CPU, seconds on a GPU
 
 @dataclass(frozen=True)
 class EvalTime:
-    stage: str
+    phase: str
     train_flops: float  # per training device (the stage's work over its parallel devices)
     eval_flops: float  # in the one evaluation process
     fixed_flops: float  # the part max_batches does not change (the generation check)
@@ -86,20 +86,20 @@ class GenerationCheck:
     max_new_tokens: int = 0
 
 
-def _devices(st: PhaseConfig, cuda: bool, cpu: Cpu) -> float:
+def _devices(phase_cfg: PhaseConfig, cuda: bool, cpu: Cpu) -> float:
     """How many evaluation processes' worth of compute training is spread over: its GPUs (evaluation
     uses one at a time), or on CPU its ranks' threads (at most each node's cores) over evaluation's."""
     if cuda:
-        return st.launch.world_size
+        return phase_cfg.launch.world_size
     per_node = min(
-        st.launch.nproc_per_node * cpu.rank_threads, max(cpu.cores, cpu.eval_threads)
+        phase_cfg.launch.nproc_per_node * cpu.rank_threads, max(cpu.cores, cpu.eval_threads)
     )  # nodes like this worker
-    return per_node * st.launch.nnodes / cpu.eval_threads
+    return per_node * phase_cfg.launch.nnodes / cpu.eval_threads
 
 
 def estimate(
     model_config: dict[str, Any],
-    st: PhaseConfig,
+    phase_cfg: PhaseConfig,
     phase: Phase,
     *,
     cuda: bool,
@@ -107,30 +107,34 @@ def estimate(
     max_batches: int | None = None,
     cpu: Cpu = Cpu(),
 ) -> EvalTime:
-    """The estimate for `phase` ("cpt" or "sft"); `max_batches` overrides `st.eval.max_batches`;
+    """The estimate for `phase` ("cpt" or "sft"); `max_batches` overrides `phase_cfg.eval.max_batches`;
     `cpu` counts on CPU only (`threads`).
     Raises ConversionError or KeyError for a family config.json does not describe."""
     n, layers, hidden = _dims(model_config)
-    p = st.plugin
+    p = phase_cfg.plugin
     spec = PLUGINS[p.name]
     tp, pp = (p.tp_size, p.pp_size) if spec.supports_tp_pp else (1, 1)
-    dp = max(1, st.launch.world_size // (tp * pp))
-    attention = 12.0 * layers * hidden * st.seq_len
+    dp = max(1, phase_cfg.launch.world_size // (tp * pp))
+    attention = 12.0 * layers * hidden * phase_cfg.seq_len
     per_train_token = (
-        (4.0 if st.lora is not None else 6.0) * n + (2.0 * n if st.activation_checkpointing else 0.0) + attention
+        (4.0 if phase_cfg.lora is not None else 6.0) * n
+        + (2.0 * n if phase_cfg.activation_checkpointing else 0.0)
+        + attention
     )
-    train_tokens = st.max_steps * st.micro_batch_size * st.grad_accum_steps * dp * st.seq_len
-    train = per_train_token * train_tokens / _devices(st, cuda, cpu)
+    train_tokens = (
+        phase_cfg.max_steps * phase_cfg.micro_batch_size * phase_cfg.grad_accum_steps * dp * phase_cfg.seq_len
+    )
+    train = per_train_token * train_tokens / _devices(phase_cfg, cuda, cpu)
     sets = 1
     if PHASES[phase].evaluation == "perplexity":  # per source, and per held-out-only source
-        sets += len(st.data.sources or ()) + len(st.eval.heldout_sources or ())
-    per_batch = 2 * sets * (2.0 * n + attention / 3) * st.eval.batch_size * st.seq_len  # 2 models
+        sets += len(phase_cfg.data.sources or ()) + len(phase_cfg.eval.heldout_sources or ())
+    per_batch = 2 * sets * (2.0 * n + attention / 3) * phase_cfg.eval.batch_size * phase_cfg.seq_len  # 2 models
     fixed = (
         (2.0 * n + attention / 3) * generation.num_prompts * generation.max_new_tokens
         if PHASES[phase].generation
         else 0.0
     )
-    batches = max_batches if max_batches is not None else st.eval.max_batches
+    batches = max_batches if max_batches is not None else phase_cfg.eval.max_batches
     return EvalTime(phase, train, fixed + per_batch * (batches or 0), fixed, per_batch)
 
 
@@ -143,10 +147,10 @@ def check_eval_time(ctx: Any) -> None:
     eval_threads, rank_threads = threads(ctx.machine.cpu_count)
     g = ctx.cfg.gate
     for name in ctx.cfg.phases:
-        st: PhaseConfig = getattr(ctx.cfg, name)
-        if not st.eval.enabled:
+        phase_cfg: PhaseConfig = getattr(ctx.cfg, name)
+        if not phase_cfg.eval.enabled:
             continue
-        if st.eval.max_batches is None:
+        if phase_cfg.eval.max_batches is None:
             ctx.ok(
                 f"evaluate_{name}: time not estimated ({name}.eval.max_batches is null: the whole held-out set is "
                 "evaluated)"
@@ -155,7 +159,7 @@ def check_eval_time(ctx: Any) -> None:
         try:
             e = estimate(
                 ctx.model.config,
-                st,
+                phase_cfg,
                 name,
                 cuda=cuda,
                 generation=GenerationCheck(g.num_prompts, g.max_new_tokens),
@@ -163,11 +167,11 @@ def check_eval_time(ctx: Any) -> None:
             )
         except (ConversionError, KeyError, TypeError, ValueError):
             continue  # an unknown family: check_model_family names it
-        dtype = eval_dtype(st.eval.dtype, ctx.cfg.export.dtype, cuda=cuda)
+        dtype = eval_dtype(phase_cfg.eval.dtype, ctx.cfg.export.dtype, cuda=cuda)
         where = (
             f"one GPU in {dtype}"
             if cuda
-            else f"{eval_threads} CPU thread(s) in {dtype} (training: {st.launch.world_size} rank(s) x {rank_threads})"
+            else f"{eval_threads} CPU thread(s) in {dtype} (training: {phase_cfg.launch.world_size} rank(s) x {rank_threads})"
         )
         line = (
             f"evaluate_{name}: ~{e.eval_flops:.2g} FLOPs in one process on {where}, {e.ratio:.0%} of {name} training's "
@@ -186,10 +190,10 @@ def check_eval_time(ctx: Any) -> None:
         ctx.warn(
             f"{line}, over the {SHARE:.0%} share: evaluation would take about {e.ratio:.1f}x the training stage's "
             "time; "
-            f"lower {name}.eval.max_batches from {st.eval.max_batches} to {fix}{extra}. Estimate: 2N FLOPs per "
+            f"lower {name}.eval.max_batches from {phase_cfg.eval.max_batches} to {fix}{extra}. Estimate: 2N FLOPs per "
             "evaluated token for each of "
-            f"the 2 compared models at {st.eval.batch_size} x {st.seq_len} tokens a batch, held-out sets assumed to "
+            f"the 2 compared models at {phase_cfg.eval.batch_size} x {phase_cfg.seq_len} tokens a batch, held-out sets assumed to "
             "fill max_batches, "
-            f"vs {'4N (LoRA)' if st.lora else '6N'} per trained token spread over the stage's GPUs or CPU threads, at "
+            f"vs {'4N (LoRA)' if phase_cfg.lora else '6N'} per trained token spread over the stage's GPUs or CPU threads, at "
             "one rate per FLOP (and thread)"
         )

@@ -18,19 +18,19 @@ def check_kernels(ctx: CheckContext) -> None:
     model_type = ctx.model.config.get("model_type") if ctx.model else None
     facts = Facts.detect(cuda=bool(ctx.machine.cuda_devices), model_type=model_type)
     for name in ctx.cfg.phases:
-        stage = getattr(ctx.cfg, name)
-        states = resolve(stage, name, facts)
+        phase_cfg = getattr(ctx.cfg, name)
+        states = resolve(phase_cfg, name, facts)
         where = (
             ""
-            if stage.launch.backend == "local"
-            else f" (on this machine; the {stage.launch.backend} nodes decide again)"
+            if phase_cfg.launch.backend == "local"
+            else f" (on this machine; the {phase_cfg.launch.backend} nodes decide again)"
         )
-        ac = "on" if stage.activation_checkpointing else "off"
+        ac = "on" if phase_cfg.activation_checkpointing else "off"
         ctx.ok(f"{name} kernels{where}: {report(states)}; activation checkpointing: {ac}")
-        for kernel in stage.kernels:
+        for kernel in phase_cfg.kernels:
             if kernel not in states:
                 plugins = sorted({p for row in KERNELS if row.name == kernel for p in row.plugins})
                 ctx.warn(
                     f"{name}.kernels.{kernel}: applies under {', '.join(plugins)} only; ignored under plugin "
-                    f"{stage.plugin.name}"
+                    f"{phase_cfg.plugin.name}"
                 )

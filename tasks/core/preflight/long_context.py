@@ -46,7 +46,7 @@ SMALL = {
 }
 
 
-def stage(plugin: dict[str, Any], seq_len: int, ckpt: bool, nproc: int, precision: str = "bf16") -> PhaseConfig:
+def phase_cfg_for(plugin: dict[str, Any], seq_len: int, ckpt: bool, nproc: int, precision: str = "bf16") -> PhaseConfig:
     return PhaseConfig.model_validate(
         {
             "data": {"uri": "x"},
@@ -61,8 +61,8 @@ def stage(plugin: dict[str, Any], seq_len: int, ckpt: bool, nproc: int, precisio
     )
 
 
-def describe(st: PhaseConfig) -> str:
-    p = st.plugin
+def describe(phase_cfg: PhaseConfig) -> str:
+    p = phase_cfg.plugin
     out = p.name + (f" tp={p.tp_size}" if p.tp_size > 1 else "") + (f" zero={p.zero_stage}" if p.zero_stage else "")
     out += " cpu_offload" if p.cpu_offload else ""
     sp = p.sequence_parallelism
@@ -80,13 +80,13 @@ def table(gpu_gb: float = H200_GB, gpus: int = 8) -> str:
         for ckpt in (False, True):
             cells = []
             for seq in SEQ_LENS:
-                st = stage(plugin, seq, ckpt, gpus)
-                if layout_problems(st, "cpt", model_config=LLAMA3[model], cuda=True):
+                phase_cfg = phase_cfg_for(plugin, seq, ckpt, gpus)
+                if layout_problems(phase_cfg, "cpt", model_config=LLAMA3[model], cuda=True):
                     cells.append("refused")
                     continue
-                gb = estimate(LLAMA3[model], st, cuda=True).device / GB
+                gb = estimate(LLAMA3[model], phase_cfg, cuda=True).device / GB
                 cells.append(f"{gb:,.0f} GB {'fits' if gb <= gpu_gb else 'no'}")
-            out.append(f"| {model} | {describe(st)} | {'on' if ckpt else 'off'} | " + " | ".join(cells) + " |")
+            out.append(f"| {model} | {describe(phase_cfg)} | {'on' if ckpt else 'off'} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -94,8 +94,8 @@ def longest(plugin: dict[str, Any], budget_gb: float, nproc: int = 2, ckpt: bool
     """The longest seq_len, doubling from `start`, whose CPU rank's host memory (fp32) stays within budget."""
     best, seq = 0, start
     while seq <= 1 << 22:
-        st = stage(plugin, seq, ckpt, nproc, precision="fp32")
-        if estimate(SMALL, st, cuda=False).host_steady / GB > budget_gb:
+        phase_cfg = phase_cfg_for(plugin, seq, ckpt, nproc, precision="fp32")
+        if estimate(SMALL, phase_cfg, cuda=False).host_steady / GB > budget_gb:
             break
         best, seq = seq, seq * 2
     return best
@@ -120,11 +120,12 @@ def cpu_table(host_gb: float = 24.0, nproc: int = 2) -> str:
         {"sequence_parallelism": {**_A2A, "size": 2}},
     ):
         at = [
-            estimate(SMALL, stage(plugin, n, False, nproc, "fp32"), cuda=False).host_steady / GB for n in (16384, 65536)
+            estimate(SMALL, phase_cfg_for(plugin, n, False, nproc, "fp32"), cuda=False).host_steady / GB
+            for n in (16384, 65536)
         ]
         cells = [f"{at[0]:.1f} GB", f"{at[1]:.1f} GB"]
         cells += [f"{longest(plugin, per_rank, nproc, ckpt):,}" for ckpt in (False, True)]
-        name = describe(stage(plugin, 1024, False, nproc)) + (" (dp=2)" if not plugin else "")
+        name = describe(phase_cfg_for(plugin, 1024, False, nproc)) + (" (dp=2)" if not plugin else "")
         out.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 

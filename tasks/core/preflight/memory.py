@@ -283,7 +283,7 @@ def estimate(
     model_config: dict[str, Any],
     phase_cfg: PhaseConfig,
     *,
-    stage: str = "cpt",
+    phase: str = "cpt",
     cuda: bool = False,
     baseline: int = RANK_BASELINE_BYTES,
 ) -> MemoryEstimate:
@@ -351,7 +351,7 @@ def estimate(
             terms += _split(
                 h.what, n * (weights if h.bytes == "weights" else h.bytes), h.when, _offloaded(spec, p, h.offload, cuda)
             )
-        if cuda and spec.optimizer == "adamw" and not _fused_adamw(phase_cfg, stage, cuda):
+        if cuda and spec.optimizer == "adamw" and not _fused_adamw(phase_cfg, phase, cuda):
             n = (
                 math.ceil(trained[s] / dp) if is_zero(spec, p.zero_stage) else trained[s]
             )  # ZeRO steps this rank's shard
@@ -367,7 +367,7 @@ def estimate(
             vocab_tp = 1 if family.shardformer_policy == PLAN_POLICY else tp
             acts += dims["vocab"] / vocab_tp * (LOSS_BYTES_PER_LOGIT + (compute if compute < 4 else 0))
         terms.append(Term("activations", int(acts * tokens), "activations"))
-        if PHASES[stage].rows:  # padded or packed rows: a 4D attention mask, shared by the layers
+        if PHASES[phase].rows:  # padded or packed rows: a 4D attention mask, shared by the layers
             terms.append(Term("attention mask", rows * phase_cfg.seq_len**2 * compute, "activations"))
         # the engine builds a lazily built model's share in fp32 one tensor at a time (Engine._construction),
         # any other whole, in the dtype its plugin trains in (Engine.build_dtype: fp32 for torch_ddp)
@@ -448,7 +448,7 @@ def table(gpu_gb: float = 80.0, gpus_per_node: int = 8, seq_len: int = 4096, mic
     ]
     for model, nodes, plugin, ckpt in TABLE_LAYOUTS:
         pp = plugin.get("pp_size", 1)
-        st = PhaseConfig.model_validate(
+        phase_cfg = PhaseConfig.model_validate(
             {
                 "data": {"uri": "x"},
                 "plugin": {"precision": "bf16", **plugin},
@@ -461,12 +461,10 @@ def table(gpu_gb: float = 80.0, gpus_per_node: int = 8, seq_len: int = 4096, mic
                 "launch": {"nproc_per_node": gpus_per_node, "nnodes": nodes},
             }
         )
-        est = estimate(LLAMA3[model], st, cuda=True)
-        p = st.plugin
+        est = estimate(LLAMA3[model], phase_cfg, cuda=True)
+        p = phase_cfg.plugin
         layout = p.name + "".join(f" {k}={getattr(p, k)}" for k in ("tp_size", "pp_size") if getattr(p, k) > 1)
-        layout += (
-            f" zero={PLUGINS[p.name].zero_stage(p.zero_stage)} dp={st.launch.world_size // (p.tp_size * p.pp_size)}"
-        )
+        layout += f" zero={PLUGINS[p.name].zero_stage(p.zero_stage)} dp={phase_cfg.launch.world_size // (p.tp_size * p.pp_size)}"
         layout += "".join(
             f" {k}={v}" for k, v in plugin.items() if k in ("cpu_offload", "offload_optim_frac", "offload_param_frac")
         )
@@ -494,11 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # as pre-flight reads it: the static rules are its own checks
     mc = read_model_info(cfg.base_model.uri, cfg.base_model.revision).config
     for name in cfg.phases:
-        st = cfg.phase(name)
-        cuda = bool(getattr(st.launch, "gpu_memory_gb", None))
-        est = estimate(mc, st, stage=name, cuda=cuda)
+        phase_cfg = cfg.phase(name)
+        cuda = bool(getattr(phase_cfg.launch, "gpu_memory_gb", None))
+        est = estimate(mc, phase_cfg, phase=name, cuda=cuda)
         print(
-            f"{name}: {st.plugin.name} on {st.launch.world_size} rank(s): {'GPU' if cuda else 'live'} "
+            f"{name}: {phase_cfg.plugin.name} on {phase_cfg.launch.world_size} rank(s): {'GPU' if cuda else 'live'} "
             f"{human(est.device)}, "
             f"host {human(est.host_steady)} steady, {human(est.construction_host)} while the model is built, "
             f"{human(est.shard_host)} in the shard verb ({est.breakdown('host' if not cuda else 'device', 8)})"

@@ -32,9 +32,11 @@ def _with(phase_cfg: PhaseConfig, plugin: dict[str, Any] | None = None, **fields
     return PhaseConfig.model_validate(data)
 
 
-def _plugin_levers(st: PhaseConfig, name: str, cuda: bool, mixed: dict[str, str]) -> Iterable[tuple[str, PhaseConfig]]:
+def _plugin_levers(
+    phase_cfg: PhaseConfig, name: str, cuda: bool, mixed: dict[str, str]
+) -> Iterable[tuple[str, PhaseConfig]]:
     """Another plugin that holds less, for each registry row with a `lever` the layout fits."""
-    p = st.plugin
+    p = phase_cfg.plugin
     for other, spec in PLUGINS.items():
         if spec.lever is None or other == p.name or (spec.needs_cuda and not cuda):
             continue
@@ -45,31 +47,31 @@ def _plugin_levers(st: PhaseConfig, name: str, cuda: bool, mixed: dict[str, str]
         change.setdefault("zero_stage", p.zero_stage if p.zero_stage in spec.zero_stages else spec.zero_stages[0])
         yield (
             f"{name}.plugin.name: {other}{shown}" + (", precision: bf16" if mixed else ""),
-            _with(st, {"name": other, **change, **mixed}),
+            _with(phase_cfg, {"name": other, **change, **mixed}),
         )
 
 
-def _levers(st: PhaseConfig, name: str, cuda: bool) -> Iterable[tuple[str, PhaseConfig]]:
+def _levers(phase_cfg: PhaseConfig, name: str, cuda: bool) -> Iterable[tuple[str, PhaseConfig]]:
     """Single changes that shrink a rank's memory, each named by its config fields, strongest first
     within a lever (they are tried in turn until one fits)."""
-    p = st.plugin
+    p = phase_cfg.plugin
     spec = PLUGINS[p.name]
     mixed = {} if p.precision != "fp32" else {"precision": "bf16"}
     for z in sorted(z for z in spec.zero_stages if spec.zero_stage(z) > spec.zero_stage(p.zero_stage)):
         yield (
             f"{name}.plugin.zero_stage: {z}" + (", precision: bf16" if mixed else ""),
-            _with(st, {"zero_stage": z, **mixed}),
+            _with(phase_cfg, {"zero_stage": z, **mixed}),
         )
-    yield from _plugin_levers(st, name, cuda, mixed)
+    yield from _plugin_levers(phase_cfg, name, cuda, mixed)
     if spec.supports_tp_pp:
         tp = p.tp_size * 2
-        while tp <= st.launch.nproc_per_node:
-            yield f"{name}.plugin.tp_size: {tp}", _with(st, {"tp_size": tp})
+        while tp <= phase_cfg.launch.nproc_per_node:
+            yield f"{name}.plugin.tp_size: {tp}", _with(phase_cfg, {"tp_size": tp})
             tp *= 2
-    if not getattr(st, "activation_checkpointing", True):
-        yield f"{name}.activation_checkpointing: true", _with(st, activation_checkpointing=True)
+    if not getattr(phase_cfg, "activation_checkpointing", True):
+        yield f"{name}.activation_checkpointing: true", _with(phase_cfg, activation_checkpointing=True)
     for o in spec.offload if cuda else ():  # the plugin's own savers: all of the state it can move
-        default = type(st.plugin).model_fields[o.field].default
+        default = type(phase_cfg.plugin).model_fields[o.field].default
         if not isinstance(default, (bool, float)) or getattr(p, o.field) != default:
             continue
         change = {o.field: True if isinstance(default, bool) else 1.0, **dict(o.requires)}
@@ -78,25 +80,28 @@ def _levers(st: PhaseConfig, name: str, cuda: bool) -> Iterable[tuple[str, Phase
         label = ", ".join(
             f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in change.items() if getattr(p, k) != v
         )
-        yield f"{name}.plugin.{label}", _with(st, change)
-    mbs, ga = st.micro_batch_size // 2, st.grad_accum_steps * 2
+        yield f"{name}.plugin.{label}", _with(phase_cfg, change)
+    mbs, ga = phase_cfg.micro_batch_size // 2, phase_cfg.grad_accum_steps * 2
     while mbs >= 1 and p.pp_size == 1:
         yield (
             f"{name}.micro_batch_size: {mbs} (grad_accum_steps: {ga} keeps the global batch)",
-            _with(st, micro_batch_size=mbs, grad_accum_steps=ga),
+            _with(phase_cfg, micro_batch_size=mbs, grad_accum_steps=ga),
         )
         mbs, ga = mbs // 2, ga * 2
 
 
-def _rank_levers(st: PhaseConfig, name: str) -> Iterable[tuple[str, PhaseConfig]]:
+def _rank_levers(phase_cfg: PhaseConfig, name: str) -> Iterable[tuple[str, PhaseConfig]]:
     """Fewer ranks on the node (host memory: each rank holds its own copy of what is not sharded)."""
-    for n in range(st.launch.nproc_per_node - 1, 0, -1):
-        yield f"{name}.launch.nproc_per_node: {n}", _with(st, launch={**st.launch.model_dump(), "nproc_per_node": n})
+    for n in range(phase_cfg.launch.nproc_per_node - 1, 0, -1):
+        yield (
+            f"{name}.launch.nproc_per_node: {n}",
+            _with(phase_cfg, launch={**phase_cfg.launch.model_dump(), "nproc_per_node": n}),
+        )
 
 
 def fits_with(
     model_config: dict[str, Any],
-    st: PhaseConfig,
+    phase_cfg: PhaseConfig,
     name: str,
     capacity: int,
     cuda: bool,
@@ -106,7 +111,7 @@ def fits_with(
     single one does, the levers applied together in turn, up to the first combination that fits.
     `figure`: a rank's device bytes (the default), or another figure, e.g. a node's host memory
     (`node_host_need`), when fewer ranks are a lever too."""
-    before = set(layout_problems(st, name, model_config=model_config, tiers=("static", "batch", "model")))
+    before = set(layout_problems(phase_cfg, name, model_config=model_config, tiers=("static", "batch", "model")))
     host = figure is not None
 
     def valid(candidate: PhaseConfig) -> bool:
@@ -118,7 +123,7 @@ def fits_with(
     def device(candidate: PhaseConfig) -> int:
         if figure is not None:
             return figure(candidate)
-        return estimate(model_config, candidate, stage=name, cuda=cuda).device
+        return estimate(model_config, candidate, phase=name, cuda=cuda).device
 
     def levers(candidate: PhaseConfig) -> Iterable[tuple[str, PhaseConfig]]:
         yield from _levers(candidate, name, cuda)
@@ -126,7 +131,7 @@ def fits_with(
             yield from _rank_levers(candidate, name)
 
     found, seen = [], set()
-    for label, candidate in levers(st):
+    for label, candidate in levers(phase_cfg):
         lever = label.split(",")[0] if ".plugin.name:" in label else label.split(":")[0]  # each plugin is its own lever
         if lever in seen or not valid(candidate):
             continue
@@ -136,7 +141,7 @@ def fits_with(
             seen.add(lever)
     if found:
         return found
-    combined, labels = st, []
+    combined, labels = phase_cfg, []
     for _ in range(8):  # each round applies the strongest remaining lever to the combination so far
         options = [(device(c), label, c) for label, c in levers(combined) if valid(c)]
         if not options:
@@ -156,11 +161,11 @@ def rank_host_peak(est: MemoryEstimate) -> int:
     return max(est.host_steady, est.construction_host, est.shard_host)
 
 
-def node_host_need(model_config: dict[str, Any], st: PhaseConfig, name: str, cuda: bool) -> int:
+def node_host_need(model_config: dict[str, Any], phase_cfg: PhaseConfig, name: str, cuda: bool) -> int:
     """Host bytes one node needs while a stage's ranks run: nproc_per_node ranks at their peak, beside the
     flow process (which launched them and waits, holding its own memory)."""
-    est = estimate(model_config, st, stage=name, cuda=cuda)
-    return st.launch.nproc_per_node * rank_host_peak(est) + FLOW_BASELINE_BYTES
+    est = estimate(model_config, phase_cfg, phase=name, cuda=cuda)
+    return phase_cfg.launch.nproc_per_node * rank_host_peak(est) + FLOW_BASELINE_BYTES
 
 
 def _units(model_config: dict[str, Any]) -> tuple[int, int]:
@@ -200,10 +205,10 @@ def flow_process(model_config: dict[str, Any], cfg: Any, cuda: bool) -> list[tup
         )
     ]
     for name in cfg.phases:
-        st = getattr(cfg, name)
-        if not st.eval.enabled or cuda:
+        phase_cfg = getattr(cfg, name)
+        if not phase_cfg.eval.enabled or cuda:
             continue
-        dtype = eval_dtype(st.eval.dtype, cfg.export.dtype, cuda=False)
+        dtype = eval_dtype(phase_cfg.eval.dtype, cfg.export.dtype, cuda=False)
         out.append(
             (
                 f"evaluate_{name} on CPU ({dtype}, one model at a time)",
@@ -212,8 +217,8 @@ def flow_process(model_config: dict[str, Any], cfg: Any, cuda: bool) -> list[tup
                     ("flow process baseline", FLOW_BASELINE_BYTES),
                     (f"one model in {dtype}", DTYPE_BYTES[dtype] * total),
                     (
-                        f"a batch's forward ({st.eval.batch_size} x {st.seq_len} tokens, logits in chunks)",
-                        forward_bytes(model_config, dtype, st.eval.batch_size * st.seq_len),
+                        f"a batch's forward ({phase_cfg.eval.batch_size} x {phase_cfg.seq_len} tokens, logits in chunks)",
+                        forward_bytes(model_config, dtype, phase_cfg.eval.batch_size * phase_cfg.seq_len),
                     ),
                 ],
             )
@@ -221,11 +226,11 @@ def flow_process(model_config: dict[str, Any], cfg: Any, cuda: bool) -> list[tup
     return out
 
 
-def _ranks_here(st: PhaseConfig, machine: Any, cuda: bool) -> bool:
+def _ranks_here(phase_cfg: PhaseConfig, machine: Any, cuda: bool) -> bool:
     """Whether this stage's ranks (a node's share) run on the machine pre-flight runs on."""
     from tasks.core.config.backends import BACKENDS
 
-    return not BACKENDS[st.launch.backend].remote_nodes and (not cuda or bool(machine.cuda_devices))
+    return not BACKENDS[phase_cfg.launch.backend].remote_nodes and (not cuda or bool(machine.cuda_devices))
 
 
 def _sum_line(rows: list[tuple[str, int]]) -> str:
@@ -237,7 +242,7 @@ class _StageMemory:
     """One stage's memory facts, as its GPU and host checks read them."""
 
     mc: dict[str, Any]  # the base model's config.json
-    st: PhaseConfig
+    phase_cfg: PhaseConfig
     name: str
     est: MemoryEstimate
     cuda: bool
@@ -257,11 +262,11 @@ class _StageMemory:
 def _check_host(ctx: Any, m: _StageMemory) -> None:
     """The node's ranks at their peak plus the flow process against this machine's memory: refused over its
     total (they cannot run here whatever else is running), a warning over what is available now."""
-    mc, st, name, est, cuda = m.mc, m.st, m.name, m.est, m.cuda
+    mc, phase_cfg, name, est, cuda = m.mc, m.phase_cfg, m.name, m.est, m.cuda
     total = getattr(ctx.machine, "host_memory_bytes", None)
-    if not total or not _ranks_here(st, ctx.machine, cuda):
+    if not total or not _ranks_here(phase_cfg, ctx.machine, cuda):
         return
-    n, peak, figure = st.launch.nproc_per_node, rank_host_peak(est), which_figure(est)
+    n, peak, figure = phase_cfg.launch.nproc_per_node, rank_host_peak(est), which_figure(est)
     need = n * peak + FLOW_BASELINE_BYTES
     which = {"shard": "the shard verb", "host": "the training steps", "construction": "the model's construction"}[
         figure
@@ -279,7 +284,7 @@ def _check_host(ctx: Any, m: _StageMemory) -> None:
                 "hold the rest; the stage may be killed for memory unless they end first"
             )
         return
-    fixes = fits_with(mc, st, name, total, cuda, figure=lambda c: node_host_need(mc, c, name, cuda))
+    fixes = fits_with(mc, phase_cfg, name, total, cuda, figure=lambda c: node_host_need(mc, c, name, cuda))
     fix = _fix_text(
         fixes,
         "; no change of zero_stage, plugin, tp_size, activation_checkpointing, micro_batch_size or "
@@ -306,18 +311,18 @@ def check_memory(ctx: Any) -> None:
         return
     mc = ctx.model.config
     for name in ctx.cfg.phases:
-        st: PhaseConfig = getattr(ctx.cfg, name)
-        declared = getattr(st.launch, "gpu_memory_gb", None)
+        phase_cfg: PhaseConfig = getattr(ctx.cfg, name)
+        declared = getattr(phase_cfg.launch, "gpu_memory_gb", None)
         detected = getattr(ctx.machine, "gpu_memory_bytes", None) if ctx.machine.cuda_devices else None
         capacity = int(declared * GB) if declared else detected
         cuda = bool(declared) or bool(ctx.machine.cuda_devices)
         try:
-            ParallelLayout.of(st, name, model_config=mc, tiers=("static", "batch", "model"))
-            est = estimate(mc, st, stage=name, cuda=cuda)
+            ParallelLayout.of(phase_cfg, name, model_config=mc, tiers=("static", "batch", "model"))
+            est = estimate(mc, phase_cfg, phase=name, cuda=cuda)
         except (ConfigError, ConversionError, KeyError) as exc:  # the layout/family checks name the problem
             ctx.warn(f"{name} memory not estimated: {exc.problems[0][1] if isinstance(exc, ConfigError) else exc}")
             continue
-        m = _StageMemory(mc, st, name, est, cuda)
+        m = _StageMemory(mc, phase_cfg, name, est, cuda)
         if not cuda:
             ctx.ok(
                 f"{name} memory per rank (estimate, {m.params}): host RAM steady on this CPU rank "
@@ -331,7 +336,7 @@ def check_memory(ctx: Any) -> None:
 
 def _check_gpu(ctx: Any, m: _StageMemory, declared: float | None, capacity: int | None) -> None:
     """The rank's estimate against the GPU memory the stage declares or this machine's GPU has."""
-    mc, st, name, est, cuda, params, built = m.mc, m.st, m.name, m.est, m.cuda, m.params, m.built
+    mc, phase_cfg, name, est, cuda, params, built = m.mc, m.phase_cfg, m.name, m.est, m.cuda, m.params, m.built
     source = f"{name}.launch.gpu_memory_gb = {declared:g}" if declared else "the visible GPU"
     parts = f"{params}: {est.breakdown('device')}"
     host = f"host {est.breakdown('host')}; {built}"
@@ -345,7 +350,7 @@ def _check_gpu(ctx: Any, m: _StageMemory, declared: float | None, capacity: int 
             f"{name} memory per rank (estimate): {human(est.device)} GPU of {human(capacity)} ({source}; {parts}), {host}"
         )
     else:
-        fixes = fits_with(mc, st, name, capacity, cuda)
+        fixes = fits_with(mc, phase_cfg, name, capacity, cuda)
         fix = _fix_text(
             fixes,
             "; no change of zero_stage, plugin, tp_size, offload, activation_checkpointing or "

@@ -40,7 +40,7 @@ def _encoder(ctx: CheckContext):
 
 
 def _samples(
-    uris: list[str], stage: str, text_field: str, seq_len: int, encoder, formats: tuple[str, ...]
+    uris: list[str], phase: str, text_field: str, seq_len: int, encoder, formats: tuple[str, ...]
 ) -> tuple[float, int] | None:
     """(estimated samples, bytes) of one source, or None when it cannot be estimated."""
     from tasks.core.data.inputs import resolve_inputs
@@ -60,7 +60,7 @@ def _samples(
     if not head:
         return None
     head_bytes = sum(len(json.dumps(r, ensure_ascii=False).encode()) + 1 for r in head)
-    if PHASES[stage].rows:  # a record a sample
+    if PHASES[phase].rows:  # a record a sample
         return total * len(head) / head_bytes, total
     texts = [r.get(text_field) for r in head if isinstance(r.get(text_field), str)]
     if encoder is None or not texts:
@@ -72,21 +72,26 @@ def _samples(
 def check_source_epochs(ctx: CheckContext) -> None:
     """Warn when the planned steps would repeat a source more than `<phase>.data.max_source_epochs` times."""
     encoder = None
-    for stage in ctx.cfg.phases:
-        st = getattr(ctx.cfg, stage)
-        d = st.data
-        if PHASES[stage].blocks and encoder is None:
+    for phase in ctx.cfg.phases:
+        phase_cfg = getattr(ctx.cfg, phase)
+        d = phase_cfg.data
+        if PHASES[phase].blocks and encoder is None:
             try:
                 encoder = _encoder(ctx)
             except Exception as exc:  # an unreadable tokenizer.json: other checks name the model's problems
-                ctx.warn(f"{stage} source epochs not estimated: {ctx.model.where}/tokenizer.json does not load ({exc})")
-        planned = st.max_steps * global_batch(st)
-        unit = PHASES[stage].unit
+                ctx.warn(f"{phase} source epochs not estimated: {ctx.model.where}/tokenizer.json does not load ({exc})")
+        planned = phase_cfg.max_steps * global_batch(phase_cfg)
+        unit = PHASES[phase].unit
         shown = []
         for i, (src, w) in enumerate(zip(d.source_list, normalized([s.weight for s in d.source_list]))):
-            where = f"{stage}.data.uri" if d.sources is None else f"{stage}.data.sources[{i}] ({src.name})"
+            where = f"{phase}.data.uri" if d.sources is None else f"{phase}.data.sources[{i}] ({src.name})"
             est = _samples(
-                src.uris, stage, d.text_field, st.seq_len, encoder if PHASES[stage].blocks else None, d.folder_formats
+                src.uris,
+                phase,
+                d.text_field,
+                phase_cfg.seq_len,
+                encoder if PHASES[phase].blocks else None,
+                d.folder_formats,
             )
             if est is None or est[0] <= 0:
                 continue
@@ -94,27 +99,27 @@ def check_source_epochs(ctx: CheckContext) -> None:
             shown.append(f"{src.name} ~{epochs:.2g}")
             if epochs > d.max_source_epochs:
                 ctx.warn(
-                    f"{where}: the planned {st.max_steps} steps take about {planned * float(w):,.0f} {unit} from it, "
+                    f"{where}: the planned {phase_cfg.max_steps} steps take about {planned * float(w):,.0f} {unit} from it, "
                     f"about {epochs:.1f} passes over "
-                    f"its ~{est[0]:,.0f} ({est[1] / 1e6:.1f} MB; estimated from its first records, prepare_{stage} "
+                    f"its ~{est[0]:,.0f} ({est[1] / 1e6:.1f} MB; estimated from its first records, prepare_{phase} "
                     "reports the exact figure), "
-                    f"more than {stage}.data.max_source_epochs={d.max_source_epochs:g}: give it more data, a lower "
+                    f"more than {phase}.data.max_source_epochs={d.max_source_epochs:g}: give it more data, a lower "
                     "weight, or fewer steps"
                 )
         if shown:
-            ctx.ok(f"{stage} epochs per source over {st.max_steps} steps (estimated): {', '.join(shown)}")
+            ctx.ok(f"{phase} epochs per source over {phase_cfg.max_steps} steps (estimated): {', '.join(shown)}")
 
 
 def check_mixture_weights(ctx: CheckContext) -> None:
     """Weights that do not sum to 1 are normalized, and said with the shares used; refused under data.strict_weights."""
-    for stage in ctx.cfg.phases:
-        d = getattr(ctx.cfg, stage).data
+    for phase in ctx.cfg.phases:
+        d = getattr(ctx.cfg, phase).data
         if d.sources is None:
             continue
         weights = [s.weight for s in d.sources]
         total = sum(weights)
         if abs(total - 1.0) <= 1e-9:
-            ctx.ok(f"{stage} mixture weights {', '.join(f'{w:g}' for w in weights)} sum to 1")
+            ctx.ok(f"{phase} mixture weights {', '.join(f'{w:g}' for w in weights)} sum to 1")
             continue
         shares = ", ".join(f"{float(w):.3f}" for w in normalized(weights))
         said = (
@@ -122,14 +127,14 @@ def check_mixture_weights(ctx: CheckContext) -> None:
         )
         if d.strict_weights:
             ctx.problem(
-                f"{stage}.data.sources",
-                f"{said}, and {stage}.data.strict_weights is true: make them sum to 1 (normalized they would be "
+                f"{phase}.data.sources",
+                f"{said}, and {phase}.data.strict_weights is true: make them sum to 1 (normalized they would be "
                 f"{shares}), "
-                f"or set {stage}.data.strict_weights: false to have them normalized",
+                f"or set {phase}.data.strict_weights: false to have them normalized",
             )
         else:
             ctx.warn(
-                f"{stage}.data.sources: {said}: normalized to {shares} (set {stage}.data.strict_weights: true to "
+                f"{phase}.data.sources: {said}: normalized to {shares} (set {phase}.data.strict_weights: true to "
                 "refuse weights that do not sum to 1)"
             )
 

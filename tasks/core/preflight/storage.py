@@ -214,8 +214,8 @@ def estimate_local_bytes(cfg: RunConfig, mc: dict[str, Any], local_run_root: boo
         return None
     base_bytes = DTYPE_BYTES.get(config_dtype(mc), 4)
 
-    def ckpt(stage: PhaseConfig) -> int:
-        p = stage.plugin
+    def ckpt(phase_cfg: PhaseConfig) -> int:
+        p = phase_cfg.plugin
         spec = spec_of(p.name)
         w = DTYPE_BYTES[spec.weights_dtype(p.precision)]
         return n * (w + ADAM_BYTES + (MASTER_BYTES if spec.saves_masters(p.precision, p.zero_stage) else 0))

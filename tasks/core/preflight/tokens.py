@@ -279,7 +279,7 @@ def check_sft_lengths(ctx: CheckContext) -> None:
         tf = read_tokenizer(ctx)
     except Exception:  # check_special_tokens said why
         return
-    st = ctx.cfg.sft
+    phase_cfg = ctx.cfg.sft
     if tf is None or not tf.template:
         return
     from tasks.core.data.inputs import resolve_inputs
@@ -290,19 +290,22 @@ def check_sft_lengths(ctx: CheckContext) -> None:
         "cut": "cut to their first tokens, the reply the cut goes through unlabelled",
         "split_turns": "split into rows of whole exchanges (an exchange longer than seq_len left out)",
     }
-    fate, others = fates[st.truncation], " or ".join(r for r in fates if r != st.truncation)
-    for i, src in enumerate(st.data.source_list):
-        where = "sft.data.uri" if st.data.sources is None else f"sft.data.sources[{i}] ({src.name}).uri"
+    fate, others = fates[phase_cfg.truncation], " or ".join(r for r in fates if r != phase_cfg.truncation)
+    for i, src in enumerate(phase_cfg.data.source_list):
+        where = "sft.data.uri" if phase_cfg.data.sources is None else f"sft.data.sources[{i}] ({src.name}).uri"
         try:
             files = [
                 f
                 for f in resolve_inputs(
-                    [resolve_local(u) for u in src.uris], checksums=False, label=where, formats=st.data.folder_formats
+                    [resolve_local(u) for u in src.uris],
+                    checksums=False,
+                    label=where,
+                    formats=phase_cfg.data.folder_formats,
                 )
                 if f.size
             ]
             first = files[0]
-            chats = [rec.get(st.data.messages_field) for _, rec in head_records(first.uri, SAMPLE)]
+            chats = [rec.get(phase_cfg.data.messages_field) for _, rec in head_records(first.uri, SAMPLE)]
             lengths = []
             for m in chats:
                 validate_messages(m)
@@ -314,12 +317,12 @@ def check_sft_lengths(ctx: CheckContext) -> None:
         except Exception:  # noqa: S112
             # check_data names a source it cannot read; a template that does not render is check_special_tokens's
             continue
-        over = sum(n > st.seq_len for n in lengths)
-        shortest = _shortest_if_none_fits(tf, files, st) if lengths and over == len(lengths) else None
+        over = sum(n > phase_cfg.seq_len for n in lengths)
+        shortest = _shortest_if_none_fits(tf, files, phase_cfg) if lengths and over == len(lengths) else None
         if shortest is not None:
             ctx.problem(
                 where,
-                f"every chat of this source ({shortest[1]:,}, read to the end) is longer than sft.seq_len={st.seq_len} "
+                f"every chat of this source ({shortest[1]:,}, read to the end) is longer than sft.seq_len={phase_cfg.seq_len} "
                 f"tokens (the shortest {shortest[0]}), and sft.truncation: drop leaves each one out, so nothing "
                 f"would train: raise sft.seq_len to at least {shortest[0]}, or set sft.truncation: cut or split_turns",
             )
@@ -327,13 +330,13 @@ def check_sft_lengths(ctx: CheckContext) -> None:
             ctx.warn(
                 f"{where}: {over} of the first {len(lengths)} chats of {first.uri} ({100 * over / len(lengths):.0f} "
                 "%) are longer than "
-                f"sft.seq_len={st.seq_len} tokens (the longest {max(lengths)}); with sft.truncation: {st.truncation} "
+                f"sft.seq_len={phase_cfg.seq_len} tokens (the longest {max(lengths)}); with sft.truncation: {phase_cfg.truncation} "
                 f"they are {fate}. "
                 f"Raise sft.seq_len, or choose sft.truncation: {others}; prepare_sft counts them exactly"
             )
         elif lengths:
             ctx.ok(
-                f"sft chats: the first {len(lengths)} of {first.uri} fit sft.seq_len={st.seq_len} (the longest "
+                f"sft chats: the first {len(lengths)} of {first.uri} fit sft.seq_len={phase_cfg.seq_len} (the longest "
                 f"{max(lengths)} tokens)"
             )
 
@@ -341,11 +344,11 @@ def check_sft_lengths(ctx: CheckContext) -> None:
 SCAN = 20_000  # chats read past the sample before "every one is too long" is left a warning
 
 
-def _shortest_if_none_fits(tf: Any, files: list[Any], st: Any) -> tuple[int, int] | None:
+def _shortest_if_none_fits(tf: Any, files: list[Any], phase_cfg: Any) -> tuple[int, int] | None:
     """(the shortest length, the chats read) when sft.truncation is drop and no chat of the source's
     `files` fits sft.seq_len, read to the end (at most SCAN chats); None when one fits, the rule
     keeps them in some form, or the source is longer than SCAN (the warning then stands)."""
-    if st.truncation != "drop":
+    if phase_cfg.truncation != "drop":
         return None
     from tasks.core.data.records import iter_records
 
@@ -356,8 +359,8 @@ def _shortest_if_none_fits(tf: Any, files: list[Any], st: Any) -> tuple[int, int
                 seen += 1
                 if seen > SCAN:
                     return None
-                n = len(tf.render(rec.get(st.data.messages_field), False))
-                if n <= st.seq_len:
+                n = len(tf.render(rec.get(phase_cfg.data.messages_field), False))
+                if n <= phase_cfg.seq_len:
                     return None
                 shortest = n if shortest is None else min(shortest, n)
     except Exception:  # a bad record or chat further on: check_data and prepare_sft name it

@@ -90,9 +90,11 @@ def digest_fields(cfg: RunConfig, stage: str) -> dict[str, Any]:
                 _drop(value, ex[len(path) + 1 :])
         out[path] = value
     if spec.global_batch:
-        st = cfg.phase(spec.global_batch)
+        phase_cfg = cfg.phase(spec.global_batch)
         # keep_global_batch: the checkpoints' global batch wins on any layout (tasks/core/config/elastic.py)
-        out[f"{spec.global_batch}.{GLOBAL_BATCH}"] = "kept" if st.elastic.keep_global_batch else global_batch(st)
+        out[f"{spec.global_batch}.{GLOBAL_BATCH}"] = (
+            "kept" if phase_cfg.elastic.keep_global_batch else global_batch(phase_cfg)
+        )
     return out
 
 

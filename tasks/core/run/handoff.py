@@ -70,7 +70,7 @@ def read(job_path: str | Path) -> dict[str, Any] | None:
 def mismatch(shard: Job, train: Job) -> str | None:
     """Why the train job cannot run in the ranks the shard job started, or None: the flow checks it
     before it adopts a launch (tasks/core/launch/shared.py), the ranks again before they train."""
-    for name in ("stage", "stage_dir", "model_dir", "nodes"):
+    for name in ("phase", "stage_dir", "model_dir", "nodes"):
         if getattr(shard, name) != getattr(train, name):
             return f"the train job's {name} differs from the shard's ({getattr(train, name)} vs {getattr(shard, name)})"
     a, b = shard.phase_cfg, train.phase_cfg

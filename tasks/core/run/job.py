@@ -3,9 +3,9 @@ Prefect task (tasks/stages/train.py) and read by the engine (tasks/engine/__main
 
     torchrun --nproc_per_node=2 -m tasks.engine train --config JOB.json
 
-It carries only what the ranks read: the stage's own config section (`phase_cfg`), whether the
+It carries only what the ranks read: its phase's own config section (`phase_cfg`), whether the
 model may run remote code, and where the model, tokenizer, data and checkpoints are. The rest of
-the run config (the other stage, export, gate, hub, tracking) stays with the task, which validated
+the run config (the other phases, export, gate, hub, tracking) stays with the task, which validated
 all of it. `shard` reads weights from model_dir; `train` reads only its config.json (the weights
 come from the newest complete checkpoint in stage_dir). Every local path is absolute: the ranks
 may run with another working directory.
@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from tasks.core.config.load import plugin_problems
-from tasks.core.config.phases import PHASES
+from tasks.core.config.phases import OLD_PHASE_KEY, PHASES
 from tasks.core.config.schema import VERIFY_MEMORY_GB, DpoConfig, PhaseConfig, VerifyMemoryGB
 from tasks.core.errors import ConfigError
 from tasks.core.run.stages import TRAINING
@@ -66,22 +66,22 @@ class NodeStaging(BaseModel):
     dir: str = Field(description="Node-local staging directory; '{node}' is replaced by the node's name.")
     model_rel: str = Field(description="Artifact in the run root holding the model and tokenizer (model_dir).")
     data_rel: str = Field(
-        description="The stage's prepared data artifact in the run root (data/<phase>/, read as data_dir)."
+        description="The phase's prepared data artifact in the run root (data/<phase>/, read as data_dir)."
     )
     stage_rel: str = Field(description="The stage's checkpoint directory in the run root (stage_dir).")
 
 
 class Job(BaseModel):
-    """One engine verb of one stage; recorded as-is (parent, config_digest) in its manifests."""
+    """One engine verb of one training phase's stage; recorded as-is (parent, config_digest) in its manifests."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     verb: Literal[VERBS] = Field(description="shard: boost the HF model and save step 0; train: resume and train.")
-    stage: Literal[tuple(TRAINING)] = Field(description="The training stage (a key of tasks.core.run.stages.TRAINING).")
-    # SerializeAsAny: a preference stage's section is a DpoConfig (beta, loss, the pair fields), which the
+    phase: Literal[tuple(TRAINING)] = Field(description="The training phase (a key of tasks.core.run.stages.TRAINING).")
+    # SerializeAsAny: a preference phase's section is a DpoConfig (beta, loss, the pair fields), which the
     # job file must carry whole; `_section_of_its_phase` reads it back as one.
     phase_cfg: SerializeAsAny[PhaseConfig] = Field(
-        description="The run config's section of this stage (run[stage]), validated by the task."
+        description="The run config's section of this phase (run[phase]), validated by the task."
     )
     trust_remote_code: StrictBool = Field(
         description="base_model.trust_remote_code: whether loading the model may run code it ships."
@@ -92,15 +92,17 @@ class Job(BaseModel):
     data_dir: AbsPath | None = Field(
         default=None,
         description=(
-            "The stage's prepared data (data/<phase>/: token shards and index.json, made by prepare_data); the train "
+            "The phase's prepared data (data/<phase>/: token shards and index.json, made by prepare_data); the train "
             "verb reads it memory-mapped."
         ),
     )
-    stage_dir: AbsPath = Field(description="Directory holding the stage's step-NNNNNN checkpoints.")
+    stage_dir: AbsPath = Field(
+        description="Directory holding the phase's step-NNNNNN checkpoints (<phase>/ of the run root)."
+    )
     reference_dir: AbsPath | None = Field(
         default=None,
         description=(
-            "A preference stage's reference log-probabilities of its pairs (tasks/core/evaluation/reference.py, "
+            "A preference phase's reference log-probabilities of its pairs (tasks/core/evaluation/reference.py, "
             "verified against data_dir); the train verb of a phase whose record is a pair requires it."
         ),
     )
@@ -123,8 +125,8 @@ class Job(BaseModel):
     @classmethod
     def _section_of_its_phase(cls, value: Any, info: ValidationInfo) -> Any:
         # A pair phase's section is read as its own class (DpoConfig), whose problems are named under phase_cfg.
-        stage = info.data.get("stage")
-        if stage is None or PHASES[stage].record != "pair" or isinstance(value, DpoConfig):
+        phase = info.data.get("phase")
+        if phase is None or PHASES[phase].record != "pair" or isinstance(value, DpoConfig):
             return value
         try:
             return DpoConfig.model_validate(value.model_dump() if isinstance(value, PhaseConfig) else value)
@@ -136,7 +138,7 @@ class Job(BaseModel):
     @field_validator("phase_cfg")
     @classmethod
     def _static_layout(cls, phase_cfg: PhaseConfig) -> PhaseConfig:
-        # The static layout rules parse_config applies to each stage, again for the one stage the
+        # The static layout rules parse_config applies to each phase, again for the one phase the
         # ranks train: a hand-written or edited job file fails here, before any process group exists.
         problems = plugin_problems(phase_cfg, "phase_cfg")
         if problems:
@@ -145,9 +147,9 @@ class Job(BaseModel):
 
     @model_validator(mode="after")
     def _reference_for_pairs(self) -> Job:
-        if self.verb == "train" and PHASES[self.stage].record == "pair" and self.reference_dir is None:
+        if self.verb == "train" and PHASES[self.phase].record == "pair" and self.reference_dir is None:
             why = (
-                f"the {self.stage} stage trains on preference pairs against the reference model's log-probabilities "
+                f"the {self.phase} phase trains on preference pairs against the reference model's log-probabilities "
                 "of them: set reference_dir to the reference artifact (the reference stage's output, "
                 "tasks/core/evaluation/reference.py)"
             )
@@ -169,6 +171,12 @@ def parse_job(raw: Any, source: str = "job", verb: str | None = None) -> Job:
     if not isinstance(raw, dict):
         raise ConfigError([(source, "the job file must hold a JSON object")])
     problems: list[tuple[str, str]] = []
+    if OLD_PHASE_KEY in raw:  # a job file of a run interrupted before the rename: its phase, under the old name
+        old, raw = raw[OLD_PHASE_KEY], {k: v for k, v in raw.items() if k != OLD_PHASE_KEY}
+        if "phase" in raw:
+            problems.append((OLD_PHASE_KEY, "the old name of `phase`, given beside it: delete it"))
+        else:
+            raw["phase"] = old
     if verb is not None and "verb" in raw and raw["verb"] != verb:
         problems.append(("verb", f"the job says {raw['verb']!r} but the command line asked for {verb!r}"))
     job = None

@@ -1,4 +1,5 @@
-"""A run's preemptions as it keeps them: one record per preempted attempt of a stage, in
+"""A run's preemptions as it keeps them: one record per preempted attempt of a stage (`stage`: its
+row of the stage table; `phase`: the training phase it trains, None for a stage that does not), in
 `<stage dir>/preemptions.json` beside the stage's checkpoints, and the flow's retry policy.
 
     python -m tasks.core.run.preemptions     # a sample record and its line in the end-of-run table
@@ -24,6 +25,7 @@ LOG = "preemptions.json"
 # What each record holds, in this order (the engine's fields, then the flow's).
 FIELDS = (
     "stage",
+    "phase",
     "at",
     "source",
     "grace_s",
@@ -83,8 +85,9 @@ def utc(epoch: float) -> str:
 
 
 def record(engine: dict[str, Any], stage: str, now: float) -> dict[str, Any]:
-    """The engine's record as the run keeps it; `at` is the notice's time: `now` (the stage's end, epoch
-    seconds) less the seconds from the notice to the commit (the grace spent when nothing was saved)."""
+    """The engine's record (its `phase`, for a training stage) as the run keeps it under `stage`, the
+    stage-table row; `at` is the notice's time: `now` (the stage's end, epoch seconds) less the
+    seconds from the notice to the commit (the grace spent when nothing was saved)."""
     spent = engine.get("notice_to_commit_s")
     if spent is None and engine.get("grace_s") is not None and engine.get("grace_left_s") is not None:
         spent = float(engine["grace_s"]) - float(engine["grace_left_s"])

@@ -124,17 +124,17 @@ def is_step_name(name: str) -> bool:
     return name.startswith(STEP_PREFIX)
 
 
-def split_rel(stage: str) -> str:
-    return f"{stage}/{SPLIT_FILE}"
+def split_rel(phase: str) -> str:
+    return f"{phase}/{SPLIT_FILE}"
 
 
-def loss_curve_rel(stage: str) -> str:
-    return f"{stage}/{LOSS_CURVE}"
+def loss_curve_rel(phase: str) -> str:
+    return f"{phase}/{LOSS_CURVE}"
 
 
-def job_file(stage: str, verb: str) -> str:
+def job_file(phase: str, verb: str) -> str:
     """Staging-relative path of the job file of one engine launch."""
-    return f"{JOBS}/{stage}-{verb}.json"
+    return f"{JOBS}/{phase}-{verb}.json"
 
 
 def tmp_step_name(step: int) -> str:
@@ -142,13 +142,13 @@ def tmp_step_name(step: int) -> str:
     return f".{step_name(step)}.tmp"
 
 
-def step_rel(stage: str, step: int) -> str:
-    return f"{stage}/{step_name(step)}"
+def step_rel(phase: str, step: int) -> str:
+    return f"{phase}/{step_name(step)}"
 
 
 @dataclass(frozen=True)
-class TrainingStage:
-    """One training stage (cpt, sft, dpo): the config section, the model it starts from, its bridge."""
+class TrainingPhase:
+    """One training phase (cpt, sft, dpo): the config section, the model it starts from, its bridge."""
 
     key: Phase  # the config section and the checkpoint directory
     source: str  # the HF artifact whose weights the shard verb boosts
@@ -162,12 +162,12 @@ class TrainingStage:
         return step_rel(self.key, step)
 
 
-TRAINING: dict[str, TrainingStage] = {
-    "cpt": TrainingStage("cpt", source=BASE, hf="cpt/hf"),
-    "sft": TrainingStage("sft", source="cpt/hf", hf=None),
+TRAINING: dict[str, TrainingPhase] = {
+    "cpt": TrainingPhase("cpt", source=BASE, hf="cpt/hf"),
+    "sft": TrainingPhase("sft", source="cpt/hf", hf=None),
     # preference tuning starts from the SFT model unsharded; its train verb also reads the reference
     # log-probabilities of its pairs (Job.reference_dir)
-    "dpo": TrainingStage("dpo", source="sft/hf", hf=None),
+    "dpo": TrainingPhase("dpo", source="sft/hf", hf=None),
 }
 
 

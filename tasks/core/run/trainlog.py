@@ -71,8 +71,8 @@ class TrainLog:
     `every` steps and at the last step, else None. Keeps what the end line says: the first and last
     loss and the largest peak memory of any rank (`peak`: bytes, rank)."""
 
-    def __init__(self, stage: str, total: int, every: int | None = None):
-        self.stage, self.total = stage, max(int(total), 1)
+    def __init__(self, phase: str, total: int, every: int | None = None):
+        self.phase, self.total = phase, max(int(total), 1)
         self.every = max(int(every or default_log_every(self.total)), 1)
         self.first_step: int | None = None
         self.first_loss: float | None = None
@@ -82,7 +82,7 @@ class TrainLog:
 
     @property
     def tag(self) -> str:
-        return f"{self.stage:<4}"
+        return f"{self.phase:<4}"
 
     def start(self, what: str) -> str:
         return f"{self.tag} start | {self.total} steps | {what} | a line every {self.every} step{'s' if self.every > 1 else ''}"

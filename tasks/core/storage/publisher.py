@@ -129,36 +129,36 @@ def unpublished_steps(stage_dir: Path) -> list[int]:
     return sorted(out)
 
 
-def retain_remote(store: RunStore, stage: str, keep_last: int, newest_committed: int) -> list[str]:
+def retain_remote(store: RunStore, phase: str, keep_last: int, newest_committed: int) -> list[str]:
     """keep_last retention of the remote copies, in the engine's order: only checkpoints older than
     `newest_committed` (whose remote manifest this process has just verified) are candidates, the
     newest `keep_last` committed ones stay, and step-000000 is never removed. Returns rel names."""
     committed = []
-    for name in store.listdir(stage):
+    for name in store.listdir(phase):
         m = STEP_RE.match(name)
         if not m or name == step_name(0):
             continue
         step = int(m.group(1))
-        if step <= newest_committed and store.exists(f"{stage}/{name}/{MANIFEST}"):
+        if step <= newest_committed and store.exists(f"{phase}/{name}/{MANIFEST}"):
             committed.append(step)
     removed = []
     for step in sorted(committed, reverse=True)[keep_last:]:
-        rel = step_rel(stage, step)
+        rel = step_rel(phase, step)
         store.remove(rel)
         removed.append(rel)
     return removed
 
 
-def publish_tensorboard(store: RunStore, stage: str) -> int:
+def publish_tensorboard(store: RunStore, phase: str) -> int:
     """Copy `<phase>/tensorboard/` from staging to a remote run root (a local run root already
     holds it: the engine writes there). Whole files each time: they are small and append-only."""
     if store.local:
         return 0
-    local = store.local_path(f"{stage}/{TENSORBOARD}")
+    local = store.local_path(f"{phase}/{TENSORBOARD}")
     n = 0
     for path in sorted(local.rglob("*")) if local.is_dir() else []:
         if path.is_file():
-            with open_uri(store.uri(f"{stage}/{TENSORBOARD}/{path.relative_to(local).as_posix()}"), "wb") as f:
+            with open_uri(store.uri(f"{phase}/{TENSORBOARD}/{path.relative_to(local).as_posix()}"), "wb") as f:
                 f.write(path.read_bytes())
             n += 1
     return n
@@ -187,7 +187,7 @@ class Publisher:
     def __init__(
         self,
         store: RunStore,
-        stage: str,
+        phase: str,
         keep_last: int,
         *,
         max_queue: int = 8,
@@ -199,7 +199,7 @@ class Publisher:
     ):
         if retries < 0 or max_queue < 1:
             raise ValueError(f"retries must be >= 0 and max_queue >= 1, got retries={retries}, max_queue={max_queue}")
-        self.store, self.stage, self.keep_last = store, stage, keep_last
+        self.store, self.phase, self.keep_last = store, phase, keep_last
         self.retries, self.backoff_s, self.backoff_max_s = retries, backoff_s, backoff_max_s
         self.log = log or logging.getLogger(__name__)
         self.on_published = on_published
@@ -209,7 +209,7 @@ class Publisher:
         self._lock = threading.Lock()
         self._abort = threading.Event()
         self._submitted: set[int] = set()
-        self._thread = threading.Thread(target=self._run, name=f"publisher-{stage}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"publisher-{phase}", daemon=True)
         self._started = False
 
     # ---- the reader's side: never blocks, never does I/O -------------------------------------
@@ -228,7 +228,7 @@ class Publisher:
                 self._queue.put_nowait(step)
             except queue.Full:
                 self._failure = RuntimeError(
-                    f"{self.store.uri(step_rel(self.stage, step))}: {self._queue.maxsize} checkpoints already wait for "
+                    f"{self.store.uri(step_rel(self.phase, step))}: {self._queue.maxsize} checkpoints already wait for "
                     "upload; the engine's backpressure (max_pending_publishes) should have held it back"
                 )
                 return
@@ -251,7 +251,7 @@ class Publisher:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(
-                f"publisher of {self.store.uri(self.stage)} still busy after {timeout:.0f}s ({self.pending - 1} "
+                f"publisher of {self.store.uri(self.phase)} still busy after {timeout:.0f}s ({self.pending - 1} "
                 "checkpoint(s) left)"
             )
         if self._failure is not None:
@@ -282,7 +282,7 @@ class Publisher:
                 # The worker must never end silently: the engine would wait at its next save for a
                 # marker nobody writes, and drain() would report nothing. Record it as the failure,
                 # so the stage stops naming the checkpoint.
-                rel = step_rel(self.stage, int(item))
+                rel = step_rel(self.phase, int(item))
                 self._failure = RuntimeError(
                     f"publisher stopped while handling checkpoint {self.store.uri(rel)}: {type(exc).__name__}: {exc}. "
                     "Its local copy is kept; a retried flow run resumes from the newest checkpoint complete remotely "
@@ -293,7 +293,7 @@ class Publisher:
                 self._queue.task_done()
 
     def _publish_one(self, step: int) -> None:
-        rel = step_rel(self.stage, step)
+        rel = step_rel(self.phase, step)
         started = time.monotonic()
         try:
             digest, attempt = publish_retrying(
@@ -315,7 +315,7 @@ class Publisher:
         removed: list[str] = []
         if not self.store.local:
             try:
-                removed = retain_remote(self.store, self.stage, self.keep_last, step)
+                removed = retain_remote(self.store, self.phase, self.keep_last, step)
             except Exception as exc:
                 self.log.warning(
                     "remote retention after %s failed (%s: %s); older copies stay until the next one",
