@@ -138,7 +138,7 @@ def test_cpt_sft_dpo_the_gate_fails_on_a_dpo_limit_and_nothing_is_pushed(
     # The notice after step 2 committed step 3, the step in flight; the flow resumed the adapter from it in the
     # same run, losing no step, and the adapter trained (its B matrices left zero).
     (rec,) = summary["preemptions"]
-    assert (rec["stage"], rec["checkpoint_step"], rec["steps_lost"]) == ("dpo", 3, 0), rec
+    assert (rec["stage"], rec["phase"], rec["checkpoint_step"], rec["steps_lost"]) == ("train_dpo", "dpo", 3, 0), rec
     assert {"step-000003", "step-000004"} <= {p.name for p in dpo.glob("step-*")}
     b = load_file(dpo / "step-000004" / "adapter" / "adapter_model.safetensors")
     assert any("lora_B" in k and t.abs().sum() > 0 for k, t in b.items()) and state["preference"]["margin"][-1] != 0
