@@ -99,6 +99,9 @@ def _forked(argv: list[str], args: list[str]) -> None:
 
     import torch.distributed.run as torchrun
 
+    # Read by OpenMP when torch loads, so before the imports: torchrun gives each rank of a
+    # multi-rank launch 1 when it is unset (the launcher always sets it: engine_env).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     preload()
     # Out of the collector's sight: forks share these pages instead of copying each one a collection touches.
     gc.freeze()
