@@ -13,7 +13,7 @@ retry too (docs/spot.md, the recovery's `exit`). Here the exit hooks run, the st
 and the process ends. The exit status is torchrun's: 0; 1 after its error report (a rank failed or
 was preempted, a notice's signal); argparse's for bad arguments; 130 on Ctrl-C.
 
-Rank start (RANK_START_ENV): `exec` starts each rank as `python -m tasks.engine VERB --config JOB`,
+Rank start (RANK_START_ENV, `fork` unless set): `exec` starts each rank as `python -m tasks.engine VERB --config JOB`,
 torchrun's own way, and each rank imports torch, ColossalAI's booster, transformers and peft again
 (about 5 CPU-s a rank). `fork` imports them once here (`preload`: third-party modules and the
 project's engine modules, none of which reads a rank's environment or starts a thread at import,
@@ -21,7 +21,8 @@ and none of which touches CUDA: a forked child cannot use a CUDA context its par
 torchrun's elastic launch start the ranks as forks of this process running `rank` (torch's
 `MultiprocessContext`, start method fork): each gets its rank's environment, the agent's stdout and
 stderr, and reports its exit status as a subprocess rank does. A launch whose command is not
-`-m tasks.engine ...` is torchrun's as given.
+`-m tasks.engine ...` is torchrun's as given. Figures: docs/spot.md, "Ranks forked from the agent's
+imports".
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import traceback
 
 RANK_START_ENV = "CPT_TO_SFT_RANK_START"
 RANK_STARTS = ("fork", "exec")
-DEFAULT_RANK_START = "exec"
+DEFAULT_RANK_START = "fork"
 
 
 def engine_args(argv: list[str]) -> list[str] | None:
