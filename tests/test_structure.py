@@ -684,6 +684,7 @@ def watch(self, key):
     read.add(key)
     return getitem(self, key)
 os._Environ.__getitem__ = watch
+os.environ["OMP_NUM_THREADS"] = "1"  # as the agent sets it when unset (above 1 it starts no fork: OpenMP's pool)
 from tasks.engine import agent
 agent.preload()
 os._Environ.__getitem__ = getitem

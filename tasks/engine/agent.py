@@ -95,6 +95,15 @@ def rank(*args: str) -> int:
     return code
 
 
+def _native_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # no procfs: threading's count, which sees Python's own threads only
+        import threading
+
+        return threading.active_count()
+
+
 def _forked(argv: list[str], args: list[str]) -> None:
     import gc
 
@@ -104,6 +113,17 @@ def _forked(argv: list[str], args: list[str]) -> None:
     # multi-rank launch 1 when it is unset (the launcher always sets it: engine_env).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     preload()
+    if _native_threads() > 1:
+        # OMP_NUM_THREADS above 1 has torch start OpenMP's pool at import: a fork would hold its state
+        # without its threads, so the ranks start fresh as torchrun's own do.
+        print(
+            f"{_native_threads()} threads after the agent's imports (OMP_NUM_THREADS="
+            f"{os.environ.get('OMP_NUM_THREADS')}): ranks start as fresh interpreters, not forks",
+            file=sys.stderr,
+            flush=True,
+        )
+        torchrun.main(argv)
+        return
     # Out of the collector's sight: forks share these pages instead of copying each one a collection touches.
     gc.freeze()
     config_from_args = torchrun.config_from_args
