@@ -3,17 +3,23 @@
     .venv/bin/python benchmarks/rank_start.py --repeats 3     # 2 ranks, hybrid_parallel tp=2 fp32
     .venv/bin/python benchmarks/rank_start.py --smoke         # the bare launch alone, 1 rank: checks the script runs
 
-Each launch is `torchrun --standalone --nproc-per-node N` with `PYTHONPROFILEIMPORTTIME=1` and each
-rank's stderr in a file of its own (`--redirects 3`), so rank 0's import tree is read whole:
+Each launch is the launcher's agent, `python -m tasks.engine.agent --standalone --nproc-per-node N`
+(torchrun's main), with `PYTHONPROFILEIMPORTTIME=1` and each rank's stderr in a file of its own
+(`--redirects 2`), so rank 0's import tree is read whole, and the ranks' stdout read as it comes (the
+first step's time):
 
 - bare:  a rank that imports torch and `colossalai`, does one all-reduce and exits;
 - booster: the same, importing ColossalAI's booster and plugins as the engine does
          (`tasks.engine.lazy_compile.import_colossalai`): the floor of any rank that boosts a model,
          since `colossalai.booster` imports peft, and peft transformers' modeling, at module level;
 - shard: `python -m tasks.engine shard` of the tiny Llama (the demo's), the step-000000 checkpoint;
-- train: `python -m tasks.engine train` from that checkpoint, 2 steps, one checkpoint.
+- train: `python -m tasks.engine train` from that checkpoint, 2 steps, one checkpoint;
+- shard (fork), train (fork): the same verbs with the ranks forked from the agent's imports
+         (`CPT_TO_SFT_RANK_START=fork`, tasks/engine/agent.py): their import table is what a rank
+         imports after the fork.
 
-Printed per launch, the smallest over the rounds: the launch's wall seconds and CPU seconds (the
+Printed per launch, the smallest over the rounds: the launch's wall seconds, the wall seconds to its
+first optimizer step's `@@progress` line (train), and CPU seconds (the
 torchrun agent and every rank: what a loaded machine distorts least), rank 0's import seconds
 (the sum of its top-level imports' cumulative times, as `-X importtime` reports them, which adds a
 little of its own), and how many modules it imported; then what the booster rank imports that the bare
@@ -36,6 +42,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,6 +51,7 @@ import _checkout  # noqa: F401 - first: the checkout on sys.path (support/ is no
 from support.bench import print_table, workdir
 from support.engine import REPO, phase_raw, write_job
 from support.tiny import tiny_model
+from tasks.engine.agent import RANK_START_ENV
 
 # {booster}: nothing, or ColossalAI's booster and plugins imported as the engine imports them.
 BARE = """
@@ -134,24 +142,38 @@ def package(module: str) -> str:
     return ".".join(parts[:2]) if parts[0] in ("colossalai", "transformers", "torch", "tasks") else parts[0]
 
 
-def launch(argv: list[str], nproc: int, logs: Path) -> tuple[float, float, dict[str, tuple[int, int, int]]]:
-    """Wall and CPU seconds (the agent and every rank) of one torchrun launch, and rank 0's import table."""
+def launch(
+    argv: list[str], nproc: int, logs: Path, start: str = "exec"
+) -> tuple[float, float, float | None, dict[str, tuple[int, int, int]]]:
+    """Wall and CPU seconds (the agent and every rank) of one launch through the launcher's agent
+    (tasks/engine/agent.py) with ranks started `start` (exec: fresh interpreters; fork: forks of the
+    agent's imports), the wall seconds to the first `@@progress` line (None without one), and rank
+    0's import table (a forked rank's: what it imports after the fork)."""
     shutil.rmtree(logs, ignore_errors=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
-    env.update({"PYTHONPROFILEIMPORTTIME": "1", "GLOO_SOCKET_IFNAME": "lo"})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    cmd += ["--log-dir", str(logs), "--redirects", "3", *argv]
+    env.update({"PYTHONPROFILEIMPORTTIME": "1", "GLOO_SOCKET_IFNAME": "lo", RANK_START_ENV: start})
+    cmd = [sys.executable, "-m", "tasks.engine.agent", "--standalone", "--nproc-per-node", str(nproc)]
+    # stderr (the import profile) to a file per rank, stdout to this pipe, read as it comes: the first step's time
+    cmd += ["--log-dir", str(logs), "--redirects", "2", *argv]
     t0, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    first: float | None = None
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        err = threading.Thread(target=lambda: setattr(proc, "err_text", proc.stderr.read()), daemon=True)
+        err.start()
+        for line in proc.stdout:
+            if first is None and "@@progress" in line:
+                first = time.perf_counter() - t0
+        proc.wait()
+        err.join()
     wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     errs = sorted(logs.glob("**/0/stderr.log"))
     if proc.returncode != 0 or not errs:
         tail = "\n".join(e.read_text()[-3000:] for e in sorted(logs.glob("**/stderr.log")))
-        raise SystemExit(f"launch {argv} exited {proc.returncode}:\n{proc.stderr[-2000:]}\n{tail}")
-    return wall, cpu, parse_importtime(errs[0].read_text())
+        raise SystemExit(f"launch {argv} exited {proc.returncode}:\n{proc.err_text[-2000:]}\n{tail}")
+    return wall, cpu, first, parse_importtime(errs[0].read_text())
 
 
 def import_seconds(table: dict[str, tuple[int, int, int]]) -> float:
@@ -178,40 +200,46 @@ def main() -> None:
     for name, booster in bares.items():
         (work / f"{name}_rank.py").write_text(BARE.format(booster=booster))
 
-    best: dict[str, tuple[float, float, float, dict]] = {}
+    best: dict[str, tuple[float, float, float | None, float, dict]] = {}
     for _ in range(repeats):
-        runs = {name: [str(work / f"{name}_rank.py")] for name in bares}
+        runs = {name: ([str(work / f"{name}_rank.py")], "exec") for name in bares}
         if args.smoke:  # the script's own path (launch, parse, table) at the cost of one small launch
             runs = {"bare": runs["bare"]}
         else:
             model = work / "tiny-llama"
             if not model.is_dir():
                 tiny_model(model)
-            stage_dir = work / "cpt"
-            shutil.rmtree(stage_dir, ignore_errors=True)
-            for verb in ("shard", "train"):
-                job = write_job(
-                    work / "jobs" / f"{verb}.json",
-                    verb=verb,
-                    phase="cpt",
-                    phase_cfg=section,
-                    model_dir=model,
-                    tokenizer_dir=model,
-                    stage_dir=stage_dir,
-                )
-                runs[verb] = ["-m", "tasks.engine", verb, "--config", str(job)]
-        for name, argv in runs.items():  # shard before train: train resumes from step-000000
-            wall, cpu, table = launch(argv, nproc, work / "logs" / name)
-            now = (wall, cpu, import_seconds(table))
+            for start in ("exec", "fork"):
+                stage_dir = work / f"cpt-{start}"
+                shutil.rmtree(stage_dir, ignore_errors=True)
+                for verb in ("shard", "train"):
+                    job = write_job(
+                        work / "jobs" / f"{verb}-{start}.json",
+                        verb=verb,
+                        phase="cpt",
+                        phase_cfg=section,
+                        model_dir=model,
+                        tokenizer_dir=model,
+                        stage_dir=stage_dir,
+                    )
+                    name = verb if start == "exec" else f"{verb} (fork)"
+                    runs[name] = (["-m", "tasks.engine", verb, "--config", str(job)], start)
+        for name, (argv, start) in runs.items():  # shard before train: train resumes from step-000000
+            wall, cpu, first, table = launch(argv, nproc, work / "logs" / name.split()[0] / start, start)
+            now = (wall, cpu, first if first is not None else float("inf"), import_seconds(table))
             old = best.get(name)
-            best[name] = (*(min(a, b) for a, b in zip(now, old[:3])), table) if old else (*now, table)
+            best[name] = (*(min(a, b) for a, b in zip(now, old[:4])), table) if old else (*now, table)
 
     print(f"rank start, {nproc} rank(s), hybrid_parallel tp={nproc} fp32, tiny Llama; smallest of {repeats} round(s)")
     print(f"command: python benchmarks/rank_start.py {' '.join(sys.argv[1:])}")
+    print(
+        "each launch through the launcher's agent; (fork): ranks forked from its imports (CPT_TO_SFT_RANK_START=fork)"
+    )
     rows = []
-    for name, (wall, cpu, seconds, table) in best.items():
-        rows.append([name, f"{wall:.1f}", f"{cpu:.1f}", f"{seconds:.2f}", str(len(table))])
-    print_table(["launch", "wall s", "CPU s (all ranks)", "rank-0 imports s", "modules"], rows)
+    for name, (wall, cpu, first, seconds, table) in best.items():
+        step = f"{first:.1f}" if first != float("inf") else "-"
+        rows.append([name, f"{wall:.1f}", step, f"{cpu:.1f}", f"{seconds:.2f}", str(len(table))])
+    print_table(["launch", "wall s", "first step s", "CPU s (all ranks)", "rank-0 imports s", "modules"], rows)
     if not args.smoke:
         steps = import_cpu(repeats)
         print(f"\nCPU seconds of each import step in one fresh process (smallest of {repeats}), cumulative:")
@@ -223,7 +251,7 @@ def main() -> None:
     for name, base in (("booster", "bare"), ("shard", "booster"), ("train", "booster")):
         if name not in best:
             continue
-        table, base_mods = best[name][3], set(best[base][3])
+        table, base_mods = best[name][4], set(best[base][4])
         gap = collections.Counter()
         for mod, (self_us, _, _) in table.items():
             if mod not in base_mods:

@@ -125,7 +125,7 @@ def engine(
     argv = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "tasks.engine.agent",  # the launcher's torchrun (tasks/core/launch/torchrun.py): ranks forked or fresh
         "--standalone",
         "--nproc-per-node",
         str(nproc),

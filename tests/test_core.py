@@ -171,6 +171,17 @@ def test_the_torchrun_agent_reports_a_rank_s_status_as_torchrun_does(tmp_path):
     assert "exitcode  : 75" in out.stderr and "ChildFailedError" in out.stderr, out.stderr[-2000:]
 
 
+def test_the_agent_forks_only_an_engine_launch_and_names_a_bad_rank_start():
+    from tasks.engine.agent import RANK_START_ENV, engine_args, rank_start
+
+    argv = torchrun_argv("train", "/j.json", LaunchConfig(nproc_per_node=2), "r", python="py")[3:]
+    assert engine_args(argv) == ["train", "--config", "/j.json"]
+    assert engine_args(["--standalone", "--nproc-per-node", "1", "script.py"]) is None
+    assert rank_start({RANK_START_ENV: "exec"}) == "exec" and rank_start({RANK_START_ENV: "fork"}) == "fork"
+    with pytest.raises(SystemExit, match=f"{RANK_START_ENV}='spawn'.*fork, exec"):
+        rank_start({RANK_START_ENV: "spawn"})
+
+
 def test_torchrun_argv_single_and_multi_node():
     single = torchrun_argv("train", "/j.json", LaunchConfig(nproc_per_node=2), "r", python="py")
     assert single[:3] == ["py", "-m", "tasks.engine.agent"] and "--standalone" in single

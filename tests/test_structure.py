@@ -675,9 +675,29 @@ def test_transitive_imports_in_a_fresh_interpreter(room, forbidden, beyond_trans
 # (tasks/engine/__main__.py): the job's modules, ColossalAI's booster under deferred torch.compile
 # (`import_colossalai()`), the hf_compat and cpu_compat patches, the verb's module, every plugin class the
 # BUILDERS rows name with the patches they apply, and the model family's transformers module. The two verbs
-# share it up to the verb (`loop` holds both): one probe covers both.
+# share it up to the verb (`loop` holds both): one probe covers both. A forked rank (tasks/engine/agent.py)
+# holds the agent's imports too: its `preload` comes first, watched for what a fork must not inherit (a read
+# of a rank's environment, a thread, CUDA), then torchrun's own modules.
 _RANK_PROBE = """
-import importlib, json, sys
+import importlib, json, os, sys, threading
+read = set()
+getitem = os._Environ.__getitem__
+def watch(self, key):
+    read.add(key)
+    return getitem(self, key)
+os._Environ.__getitem__ = watch
+os.environ["OMP_NUM_THREADS"] = "1"  # as the agent sets it when unset (above 1 it starts no fork: OpenMP's pool)
+from tasks.engine import agent
+agent.preload()
+os._Environ.__getitem__ = getitem
+import torch
+rank_env = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID", "CPT_TO_SFT_FAULT", "CPT_TO_SFT_STAGE_TOKEN"}
+assert not read & rank_env, f"the agent's preload read a rank's environment: {sorted(read & rank_env)}"
+assert threading.active_count() == 1, f"the agent's preload started threads: {threading.enumerate()}"
+assert len(os.listdir("/proc/self/task")) == 1, "the agent's preload started a native thread"
+assert not torch.cuda.is_initialized()
+import torch.distributed.run, torch.distributed.launcher.api
 import tasks.engine.__main__
 from tasks.core.errors import PREEMPTED_EXIT
 from tasks.core.launch.proctree import die_with_parent
