@@ -45,7 +45,7 @@ LAUNCH = [
     '[rank 0] @@kernels {"activation_checkpointing": false, "kernels": {"flash_attention": "off: no CUDA"}}',
     (
         '[rank 0] @@progress {"elapsed_s": 0.1, "loss": 6.2, "lr": 0.001, "peak_mem_bytes": 409100288, "peak_mem_rank": '
-        '1, "stage": "cpt", "step": 1, "tokens": 256, "total": 2}'
+        '1, "phase": "cpt", "step": 1, "tokens": 256, "total": 2}'
     ),
     "[rank 1|warning] only rank 1 says this",
     '[rank 0] @@checkpoint {"path": "/run/cpt/step-000002", "step": 2}',

@@ -248,7 +248,7 @@ def test_failed_sft_run_is_recorded_with_its_cause(scenario):
     # in run.json's stage row, the failed-stage event and the CLI's last line.
     cause = (
         "rank 1: injected fault 'kill@step=5@phase=sft' (CPT_TO_SFT_FAULT): rank 1 SIGKILLs itself after step "
-        "5 of stage sft"
+        "5 of phase sft"
     )
     row = next(s for s in first["summary"]["stages"] if s["stage"] == "train_sft")
     assert row["detail"]["error"] == f"StageFailed: {cause}", row

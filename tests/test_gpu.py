@@ -427,7 +427,7 @@ def _roundtrip_worker(model_dir: Path, out: Path, plugin: dict | None = None) ->
     losses = [a.train_step(data.next_batch()[0]) for _ in range(2)]
     sampler = data.sampler.state_dict()
     state = {
-        "stage": "sft",
+        "phase": "sft",
         "step": 2,
         "max_steps": section["max_steps"],
         "tokens_seen": 0,

@@ -122,7 +122,7 @@ def test_a_failed_gate_holds_the_push_back_and_a_preempted_stage_is_retried_by_i
 
     def preempt_once(n):
         if n == 1:
-            raise Preempted("notice", cause="gcp: preempted", record={"stage": "cpt", "source": "gcp"})
+            raise Preempted("notice", cause="gcp: preempted", record={"phase": "cpt", "source": "gcp"})
 
     def failing_gate(n):
         return StageResult("gate", Status.FAILED_GATE, detail={"passed": False, "reasons": ["cpt perplexity rose"]})

@@ -623,7 +623,7 @@ def test_failed_run_shows_failing_rank_event_and_stage_table(ops, failed_run):
     assert {e["message"][:8] for e in ranked} == {"[rank 0]", "[rank 1]"}
     progress = [e for e in ranked if e["message"].startswith("[rank 0] progress ")]
     assert progress and all(e["level"] == 20 for e in progress)
-    steps = [json.loads(e["message"].split(" ", 3)[3])["step"] for e in progress if '"stage": "cpt"' in e["message"]]
+    steps = [json.loads(e["message"].split(" ", 3)[3])["step"] for e in progress if '"phase": "cpt"' in e["message"]]
     assert steps == sorted(steps) and steps[:3] == [1, 2, 3], steps  # in order
     # Levels as the ranks marked them: the failure is error, nothing is guessed from words.
     errors = [e for e in ranked if e["level"] == 40]

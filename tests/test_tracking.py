@@ -57,7 +57,7 @@ def test_check_refuses_an_unreachable_tracking_server_naming_field_and_uri(tmp_p
 
 def _record(step: int) -> dict:
     return {
-        "stage": "cpt",
+        "phase": "cpt",
         "step": step,
         "total": STEPS,
         "loss": 5.0 - step / 10,
