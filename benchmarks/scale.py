@@ -129,6 +129,7 @@ class Ranks:
             children = self.root.children(recursive=True)
         except psutil.Error:
             return
+        forked = []
         for p in children:
             try:
                 cmd = " ".join(p.cmdline())
@@ -136,8 +137,14 @@ class Ranks:
                     rank = int(p.environ().get("RANK", "-1"))
                     if rank >= 0 and rank not in self.pids:
                         self.pids[rank] = p.pid
+                    elif rank < 0 and p.ppid() == self.root.pid:
+                        forked.append((p.create_time(), p.pid))
             except (psutil.Error, ValueError):
                 pass
+        # A rank forked from the agent (tasks/engine/agent.py, the default) keeps the agent's
+        # /proc/<pid>/environ, which has no RANK: the agent forks local ranks 0..N-1 in order.
+        if not self.pids and len(forked) == NPROC:
+            self.pids = {rank: pid for rank, (_, pid) in enumerate(sorted(forked))}
 
     def _poll(self) -> None:
         while not self.stop.wait(0.2):
