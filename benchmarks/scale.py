@@ -41,6 +41,7 @@ estimate within +-25 % of the steady figure at every size.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -101,10 +102,8 @@ def _kib(pid: int, field: str) -> int | None:
 
 
 def _reset_hwm(pid: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         Path(f"/proc/{pid}/clear_refs").write_text("5")  # Linux: VmHWM := the current resident set
-    except OSError:
-        pass
 
 
 class Ranks:
@@ -141,9 +140,7 @@ class Ranks:
                         forked.append((p.create_time(), p.pid))
             except (psutil.Error, ValueError):
                 pass
-        # A rank forked from the agent (tasks/engine/agent.py, the default) keeps the agent's
-        # /proc/<pid>/environ, which has no RANK: the agent forks local ranks 0..N-1 in order.
-        if not self.pids and len(forked) == NPROC:
+        if not self.pids and len(forked) == NPROC:  # forked ranks keep the agent's environ: forked 0..N-1 in order
             self.pids = {rank: pid for rank, (_, pid) in enumerate(sorted(forked))}
 
     def _poll(self) -> None:
