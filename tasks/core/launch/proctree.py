@@ -1,7 +1,8 @@
 """Teardown that reaches every process of a stage, not only torchrun's process group.
 
-torch's elastic agent starts every rank with `start_new_session=True`, so `os.killpg(torchrun)`
-misses the ranks; once torchrun is gone they are orphans (parent PID 1) that keep training and
+torch's elastic agent starts every rank it execs with `start_new_session=True` (ranks forked from
+the agent, `tasks/engine/agent.py`'s default, stay in its session), so `os.killpg(torchrun)` can
+miss the ranks; once torchrun is gone they are orphans (parent PID 1) that keep training and
 committing checkpoints. Three mechanisms, none of which looks at a process name:
 
 - `subreaper()`: while a stage runs, the task process is a child subreaper (PR_SET_CHILD_SUBREAPER),
